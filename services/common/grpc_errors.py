@@ -1,0 +1,76 @@
+"""The one place where domain errors become gRPC statuses (a server interceptor)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from services.common.errors import Overloaded, ServingError
+
+log = logging.getLogger(__name__)
+
+#: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+
+
+def _trailers_for(error: ServingError) -> tuple[tuple[str, str], ...]:
+    if isinstance(error, Overloaded) and error.retry_after_s > 0:
+        return ((RETRY_AFTER_MS_KEY, str(max(1, round(error.retry_after_s * 1000)))),)
+    return ()
+
+
+def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behaviour(request, context)
+        except ServingError as error:
+            await context.abort(error.code, str(error), trailing_metadata=_trailers_for(error))
+        except Exception:
+            # Anything else is our bug: log it with the stack, answer INTERNAL, keep serving.
+            log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    return wrapped
+
+
+def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
+    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            async for message in behaviour(request, context):
+                yield message
+        except ServingError as error:
+            await context.abort(error.code, str(error), trailing_metadata=_trailers_for(error))
+        except Exception:
+            log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+
+    return wrapped
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Maps `ServingError` subclasses raised by handlers to their gRPC status codes."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler

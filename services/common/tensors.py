@@ -1,0 +1,67 @@
+"""Tensor payloads between protobuf and numpy, in one place for every tier."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from services.common.errors import InvalidInput
+from services.pb.inference.v1 import worker_pb2 as pb
+
+#: Config / Open Inference Protocol dtype names to numpy dtypes (little-endian).
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "FP32": np.dtype("<f4"),
+    "FP16": np.dtype("<f2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+}
+_PB_TO_NAME = {
+    pb.DATA_TYPE_FP32: "FP32",
+    pb.DATA_TYPE_FP16: "FP16",
+    pb.DATA_TYPE_INT32: "INT32",
+    pb.DATA_TYPE_INT64: "INT64",
+    pb.DATA_TYPE_BYTES: "BYTES",
+}
+_NAME_TO_PB = {name: value for value, name in _PB_TO_NAME.items()}
+
+#: Largest tensor dimension product accepted from the wire (guards against shape bombs).
+MAX_ELEMENTS = 1 << 26
+
+
+def dtype_name(value: int) -> str:
+    """Proto enum value to dtype name; INVALID_ARGUMENT if unspecified or unknown."""
+    name = _PB_TO_NAME.get(value)
+    if name is None:
+        raise InvalidInput("tensor dtype is unspecified or unknown")
+    return name
+
+
+def dtype_pb(name: str) -> int:
+    return _NAME_TO_PB[name]
+
+
+def tensor_from_pb(tensor: pb.Tensor) -> np.ndarray:
+    """Decodes a `Tensor`; INVALID_ARGUMENT if dtype, shape and byte length disagree."""
+    name = dtype_name(tensor.dtype)
+    if name == "BYTES":
+        raise InvalidInput("BYTES tensors carry no raw_data; send text inputs instead")
+    shape = tuple(tensor.shape)
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"tensor shape {list(shape)} has a negative dimension")
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count > MAX_ELEMENTS:
+        raise InvalidInput(f"tensor of {count} elements exceeds the limit of {MAX_ELEMENTS}")
+    dtype = NUMPY_DTYPES[name]
+    if len(tensor.raw_data) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"tensor raw_data has {len(tensor.raw_data)} bytes; shape {list(shape)} of {name} "
+            f"needs {count * dtype.itemsize}"
+        )
+    return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+
+
+def tensor_to_pb(array: np.ndarray) -> pb.Tensor:
+    name = next((n for n, d in NUMPY_DTYPES.items() if d == array.dtype.newbyteorder("<")), None)
+    if name is None:
+        raise TypeError(f"no wire dtype for numpy {array.dtype}")
+    data = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[name]).tobytes()
+    return pb.Tensor(dtype=_NAME_TO_PB[name], shape=list(array.shape), raw_data=data)

@@ -1,0 +1,127 @@
+"""`python -m services.gpu_worker`: read configuration, build the worker, serve until SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import torch
+from prometheus_client import start_http_server
+
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.scheduler import SchedulerConfig
+from services.gpu_worker.server import create_worker
+
+log = logging.getLogger("services.gpu_worker")
+
+
+def parse_config(argv: list[str] | None = None) -> WorkerConfig:
+    env = os.environ
+    parser = argparse.ArgumentParser(
+        prog="python -m services.gpu_worker",
+        description="GPU worker: serves the models of a model repository with dynamic batching.",
+    )
+    parser.add_argument(
+        "--model-repository",
+        type=Path,
+        default=Path(env.get("WORKER_MODEL_REPOSITORY", "models")),
+        help="model repository directory (env WORKER_MODEL_REPOSITORY)",
+    )
+    parser.add_argument("--host", default=env.get("WORKER_HOST", "127.0.0.1"))
+    parser.add_argument("--grpc-port", type=int, default=int(env.get("WORKER_GRPC_PORT", 8201)))
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(env.get("WORKER_METRICS_PORT", 8202)),
+        help="Prometheus /metrics port; 0 picks a free one",
+    )
+    parser.add_argument(
+        "--drain-grace-s", type=float, default=float(env.get("WORKER_DRAIN_GRACE_S", 30.0))
+    )
+    parser.add_argument(
+        "--torch-threads", type=int, default=int(env.get("WORKER_TORCH_THREADS", 0))
+    )
+    parser.add_argument(
+        "--upstream-budget-ms",
+        type=float,
+        default=float(env.get("WORKER_UPSTREAM_BUDGET_MS", 20.0)),
+        help="part of each SLO reserved for gateway, router and hops",
+    )
+    parser.add_argument(
+        "--max-wait-cap-ms",
+        type=float,
+        default=float(env.get("WORKER_MAX_WAIT_CAP_MS", 50.0)),
+        help="upper bound on the derived linger",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        default=None,
+        help="write {grpc_port, metrics_port} as JSON here once ready",
+    )
+    args = parser.parse_args(argv)
+    return WorkerConfig(
+        model_repository=args.model_repository,
+        host=args.host,
+        grpc_port=args.grpc_port,
+        metrics_port=args.metrics_port,
+        drain_grace_s=args.drain_grace_s,
+        torch_threads=args.torch_threads,
+        ready_file=args.ready_file,
+        scheduler=SchedulerConfig(
+            upstream_budget_s=args.upstream_budget_ms / 1000.0,
+            max_wait_cap_s=args.max_wait_cap_ms / 1000.0,
+        ),
+    )
+
+
+async def serve(config: WorkerConfig) -> int:
+    worker = await create_worker(config)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stopping.set)
+    http_server, _ = start_http_server(config.metrics_port, config.host, worker.metrics.registry)
+    metrics_port = http_server.server_port
+    log.info(
+        "worker listening on %s:%d, metrics on %d; loading models from %s",
+        config.host,
+        worker.port,
+        metrics_port,
+        config.model_repository,
+    )
+    loading = asyncio.create_task(worker.load())
+    stop_wait = asyncio.create_task(stopping.wait())
+    await asyncio.wait({loading, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if loading.done() and loading.exception() is not None:
+        log.error("model loading failed: %s", loading.exception())
+        await worker.server.stop(grace=None)
+        return 1
+    if not stopping.is_set():
+        if config.ready_file is not None:
+            config.ready_file.write_text(
+                json.dumps({"grpc_port": worker.port, "metrics_port": metrics_port})
+            )
+        await stopping.wait()
+    log.info("SIGTERM: draining")
+    loading.cancel()
+    await worker.stop()
+    log.info("worker stopped")
+    return 0
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    config = parse_config()
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    raise SystemExit(asyncio.run(serve(config)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,22 @@
+"""Model backends, chosen by a model's `kind`."""
+
+from __future__ import annotations
+
+import torch
+
+from services.gpu_worker.backends.base import Backend
+from services.gpu_worker.model_repository import ModelConfigError, ModelKind, ModelVersion
+
+
+def load_backend(version: ModelVersion, device: torch.device) -> Backend:
+    """Loads one version's weights onto `device`. Raises ModelConfigError on a bad version."""
+    kind = version.config.kind
+    if kind is ModelKind.EMBEDDING:
+        from services.gpu_worker.backends.embedding import EmbeddingBackend
+
+        return EmbeddingBackend(version, device)
+    if kind is ModelKind.TORCHSCRIPT:
+        from services.gpu_worker.backends.torchscript import TorchScriptBackend
+
+        return TorchScriptBackend(version, device)
+    raise ModelConfigError(f"{version.config.name}: kind {kind.value!r} is not served yet")

@@ -1,0 +1,103 @@
+"""What every fixed-cost backend provides to the worker: prepare rows, run a batch of them."""
+
+from __future__ import annotations
+
+import abc
+import bisect
+import hashlib
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from services.gpu_worker.model_repository import ModelConfig, ModelVersion
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """Pre-tokenized input (special tokens included), as sent by gateways."""
+
+    ids: np.ndarray
+
+
+#: One input row as a client sent it, after decoding from protobuf.
+RawInput = str | TokenIds | np.ndarray
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    """A validated row, ready to be batched with rows of the same bucket."""
+
+    #: Padded length class (tokens) for text; 1 for fixed-shape tensor models.
+    bucket: int
+    #: Real length in tokens (padding-waste accounting); 1 for tensor models.
+    num_tokens: int
+    data: np.ndarray
+
+
+def select_device() -> torch.device:
+    """`cuda` when a GPU is visible, else `cpu`; the same code path runs on both."""
+    return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+
+
+def fingerprint_of(config: ModelConfig, files: Iterable[Path], *extra: str) -> str:
+    """A short digest of weights, tokenizer and preprocessing: inputs prepared for one
+    fingerprint must never run against another."""
+    digest = hashlib.sha256()
+    digest.update(config.kind.value.encode())
+    digest.update(json.dumps(dict(config.preprocessing), sort_keys=True).encode())
+    for part in extra:
+        digest.update(part.encode())
+    for path in sorted(files):
+        digest.update(path.name.encode())
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+class Backend(abc.ABC):
+    """A loaded model version. `prepare*` run on the event loop (cheap, CPU); `run` runs on
+    the device's executor thread."""
+
+    def __init__(self, version: ModelVersion, device: torch.device) -> None:
+        self.version = version
+        self.config = version.config
+        self.device = device
+
+    @property
+    @abc.abstractmethod
+    def fingerprint(self) -> str: ...
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """Bucket values this backend produces (warm-up runs each)."""
+        return (1,)
+
+    @property
+    def max_input_tokens(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def prepare(self, value: RawInput) -> PreparedRow:
+        """Validates and prepares one row; raises InvalidInput."""
+
+    def prepare_many(self, values: Sequence[RawInput]) -> list[PreparedRow]:
+        """Prepares the rows of one request (backends may batch the work)."""
+        return [self.prepare(value) for value in values]
+
+    @abc.abstractmethod
+    def run(self, rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        """Runs one batch (all rows share a bucket); one output array per row, in order."""
+
+    @abc.abstractmethod
+    def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
+        """Synthetic rows that cost what real rows of `bucket` cost."""
+
+    def bucket_for(self, num_tokens: int) -> int:
+        """Smallest bucket holding `num_tokens` (callers validate the length first)."""
+        buckets = self.buckets
+        return buckets[bisect.bisect_left(buckets, num_tokens)]

@@ -1,0 +1,120 @@
+"""Value types shared by the fixed-cost batching policy and its async driver.
+
+Everything here is plain data: no clocks, no I/O. Times are seconds on the caller's monotonic
+clock (the driver passes `time.monotonic()`, tests pass a fake clock).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class BatchKey:
+    """Everything two requests must agree on to share one kernel call.
+
+    model/version/fingerprint are correctness (mixing them gives wrong answers); bucket is
+    efficiency (the padded length class, in tokens, or a shape class for tensor models).
+    """
+
+    model: str
+    version: str
+    fingerprint: str
+    bucket: int
+
+
+@dataclass(frozen=True)
+class QueuedItem:
+    """One input waiting to be batched. One client request may contribute several items."""
+
+    item_id: int
+    key: BatchKey
+    tenant: str
+    #: Real (unpadded) length in tokens; used for padding-waste accounting.
+    num_tokens: int
+    arrival_s: float
+    #: Absolute deadline on the driver's monotonic clock.
+    deadline_s: float
+
+
+class CloseReason(enum.Enum):
+    """Why a batch was closed and dispatched. Values are Prometheus label values."""
+
+    FULL = "full"
+    LINGER = "linger"
+    DEADLINE = "deadline"
+    IDLE = "idle"
+    DRAIN = "drain"
+
+
+class RejectReason(enum.Enum):
+    """Why an item was not admitted. Values are Prometheus label values."""
+
+    QUEUE_FULL = "queue_full"
+    DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The item is queued; the driver will see it in a later `Dispatch` or `expired`."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    reason: RejectReason
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run these items now, as one batch, on the executor."""
+
+    key: BatchKey
+    #: Items of one key, in the order rows should be laid out (earliest deadline first within
+    #: a tenant, tenants interleaved by deficit round robin).
+    items: tuple[QueuedItem, ...]
+    reason: CloseReason
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to dispatch now. Ask again at `until_s`, or sooner if an item arrives, is
+    cancelled, or the executor becomes idle. `None` means nothing is queued at all."""
+
+    until_s: float | None
+
+
+@dataclass(frozen=True)
+class Poll:
+    """The batcher's answer to "what now?"."""
+
+    #: Items removed because their deadline can no longer be met (answer DEADLINE_EXCEEDED,
+    #: never run them).
+    expired: tuple[QueuedItem, ...]
+    action: Dispatch | Wait
+
+
+@dataclass(frozen=True)
+class BatcherConfig:
+    """The slice of a model's configuration that the batching policy needs."""
+
+    #: Hard cap on items per batch.
+    max_batch_size: int
+    #: Items queued (all keys of this batcher together) before new ones are rejected.
+    max_queue_size: int
+    #: The model's latency SLO (p99, end to end), seconds.
+    slo_s: float
+    #: Part of the SLO reserved for the stages before the worker (gateway, router, hops).
+    upstream_budget_s: float
+    #: Safety margin kept between predicted completion and a deadline.
+    safety_margin_s: float
+    #: Upper bound on the derived linger (max_wait), seconds.
+    max_wait_cap_s: float
+    #: Optional cap on padded tokens per batch (bucket * batch size); 0 means no cap.
+    max_batch_tokens: int = 0
+    #: When the executor is idle, wait for more items only if at least this many are expected
+    #: to arrive before the linger expires (work-conserving trigger).
+    min_expected_arrivals: float = 1.0
+    #: Deficit-round-robin weights per tenant; tenants not listed get weight 1.0.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)

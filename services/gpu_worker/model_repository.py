@@ -1,0 +1,192 @@
+"""The model repository: `<root>/<model>/config.toml` plus one directory per version.
+
+Layout::
+
+    <root>/<model>/config.toml          kind, batching, SLO, buckets, inputs/outputs, labels
+    <root>/<model>/<version>/           weights (files here, or version.toml pointing elsewhere)
+    <root>/<model>/<version>/version.toml   optional: weights = "package:<module>" | "<path>"
+
+Parsed once into frozen types; a bad file fails loading with its path in the message.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_DTYPES = frozenset({"FP32", "FP16", "INT32", "INT64", "BYTES"})
+
+
+class ModelConfigError(ValueError):
+    """A model directory or config file is invalid. The message names the file."""
+
+
+class ModelKind(enum.Enum):
+    EMBEDDING = "embedding"
+    TORCHSCRIPT = "torchscript"
+    GENERATION = "generation"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A declared input or output: Open Inference Protocol name, dtype, per-row dims."""
+
+    name: str
+    dtype: str
+    dims: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One model's `config.toml`."""
+
+    name: str
+    kind: ModelKind
+    #: End-to-end latency objective (p99), ms; also the default (and maximum) deadline.
+    slo_p99_ms: int
+    max_batch_size: int
+    #: Cap on bucket * rows per batch; 0 = no cap.
+    max_batch_tokens: int
+    max_queue_size: int
+    #: Text models: padded length classes in tokens, ascending; the last is the longest input.
+    length_buckets: tuple[int, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    #: Backend-specific preprocessing settings; part of the fingerprint.
+    preprocessing: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: Version labels ("stable", "canary") to version numbers.
+    labels: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def slo_s(self) -> float:
+        return self.slo_p99_ms / 1000.0
+
+
+@dataclass(frozen=True)
+class ModelVersion:
+    """One version directory, resolved to where its weights are."""
+
+    config: ModelConfig
+    version: str
+    weights_dir: Path
+
+
+def _require(raw: Mapping[str, Any], key: str, kind: type, path: Path) -> Any:
+    if key not in raw:
+        raise ModelConfigError(f"{path}: missing required field {key!r}")
+    value = raw[key]
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise ModelConfigError(f"{path}: {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _positive(value: int, key: str, path: Path) -> int:
+    if value <= 0:
+        raise ModelConfigError(f"{path}: {key!r} must be > 0, got {value}")
+    return value
+
+
+def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
+    if not isinstance(raw, Mapping) or not raw:
+        raise ModelConfigError(f"{path}: [{key}.<name>] tables are required")
+    specs = []
+    for name, spec in raw.items():
+        dtype = spec.get("dtype")
+        dims = spec.get("dims")
+        if dtype not in _DTYPES:
+            raise ModelConfigError(f"{path}: {key}.{name}.dtype must be one of {sorted(_DTYPES)}")
+        if not isinstance(dims, list) or not all(isinstance(d, int) and d > 0 for d in dims):
+            raise ModelConfigError(f"{path}: {key}.{name}.dims must be a list of positive ints")
+        specs.append(TensorSpec(name=name, dtype=dtype, dims=tuple(dims)))
+    return tuple(specs)
+
+
+def parse_model_config(name: str, path: Path) -> ModelConfig:
+    """Parses and validates one `config.toml`."""
+    try:
+        raw = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as error:
+        raise ModelConfigError(f"{path}: {error}") from error
+    try:
+        kind = ModelKind(_require(raw, "kind", str, path))
+    except ValueError as error:
+        kinds = [k.value for k in ModelKind]
+        raise ModelConfigError(f"{path}: kind must be one of {kinds}") from error
+    buckets = tuple(raw.get("length_buckets", ()))
+    if kind is ModelKind.EMBEDDING and (
+        not buckets
+        or not all(isinstance(b, int) and b > 0 for b in buckets)
+        or list(buckets) != sorted(set(buckets))
+    ):
+        raise ModelConfigError(f"{path}: length_buckets must be ascending positive ints")
+    labels = raw.get("labels", {})
+    if not all(isinstance(v, int) and v > 0 for v in labels.values()):
+        raise ModelConfigError(f"{path}: [labels] values must be version numbers")
+    return ModelConfig(
+        name=name,
+        kind=kind,
+        slo_p99_ms=_positive(_require(raw, "slo_p99_ms", int, path), "slo_p99_ms", path),
+        max_batch_size=_positive(
+            _require(raw, "max_batch_size", int, path), "max_batch_size", path
+        ),
+        max_batch_tokens=int(raw.get("max_batch_tokens", 0)),
+        max_queue_size=_positive(int(raw.get("max_queue_size", 1024)), "max_queue_size", path),
+        length_buckets=buckets,
+        inputs=_tensor_specs(raw.get("inputs"), "inputs", path),
+        outputs=_tensor_specs(raw.get("outputs"), "outputs", path),
+        preprocessing=MappingProxyType(dict(raw.get("preprocessing", {}))),
+        labels=MappingProxyType(dict(labels)),
+    )
+
+
+def _weights_dir(version_dir: Path) -> Path:
+    spec_path = version_dir / "version.toml"
+    if not spec_path.exists():
+        return version_dir
+    try:
+        weights = tomllib.loads(spec_path.read_text()).get("weights", "")
+    except tomllib.TOMLDecodeError as error:
+        raise ModelConfigError(f"{spec_path}: {error}") from error
+    if not isinstance(weights, str) or not weights:
+        raise ModelConfigError(f"{spec_path}: 'weights' must be a non-empty string")
+    if weights.startswith("package:"):
+        module_name = weights.removeprefix("package:")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ModelConfigError(
+                f"{spec_path}: weights package {module_name!r} is not installed"
+            ) from error
+        return Path(module.get_model_path())
+    path = Path(weights)
+    return path if path.is_absolute() else (version_dir / path).resolve()
+
+
+def load_repository(root: Path) -> list[ModelVersion]:
+    """Every version of every model under `root`, ordered by model then version number."""
+    if not root.is_dir():
+        raise ModelConfigError(f"{root}: model repository directory does not exist")
+    versions: list[ModelVersion] = []
+    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if not _NAME_RE.match(model_dir.name):
+            raise ModelConfigError(f"{model_dir}: model names are [a-z0-9][a-z0-9_.-]*")
+        config = parse_model_config(model_dir.name, model_dir / "config.toml")
+        numbered = sorted(
+            (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+            key=lambda p: int(p.name),
+        )
+        if not numbered:
+            raise ModelConfigError(f"{model_dir}: no version directories (1/, 2/, ...)")
+        versions.extend(
+            ModelVersion(config=config, version=str(int(p.name)), weights_dir=_weights_dir(p))
+            for p in numbered
+        )
+    return versions

@@ -1,0 +1,375 @@
+"""The async driver around the pure batching policy.
+
+One `BatchScheduler` per device. It owns one executor thread (the event loop never blocks on
+compute), one `Batcher` + `LatencyModel` per loaded model version (a "lane"), and the futures
+of queued rows. Its loop is: ask each lane's batcher what to do, fail what expired, hand at most
+one batch to the executor, then sleep until the batcher's wake-up time or the next event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from services.common.errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    Overloaded,
+    Unavailable,
+)
+from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.batcher import Batcher
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.types import (
+    BatcherConfig,
+    BatchKey,
+    Dispatch,
+    QueuedItem,
+    Rejected,
+    RejectReason,
+)
+from services.gpu_worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Worker-wide batching settings; per-model ones come from the model repository."""
+
+    #: Part of each model's SLO reserved for gateway, router and network hops.
+    upstream_budget_s: float = 0.02
+    #: Margin kept between predicted completion and a row's deadline.
+    safety_margin_s: float = 0.005
+    #: Upper bound on the derived linger.
+    max_wait_cap_s: float = 0.05
+
+
+@dataclass
+class _Pending:
+    """Driver-side state of one queued row."""
+
+    row: PreparedRow
+    future: asyncio.Future[np.ndarray]
+    #: Cumulative executor-busy seconds when the row was queued; the difference at dispatch is
+    #: the row's backlog, the rest of its wait is linger.
+    busy_s_at_arrival: float
+
+
+@dataclass
+class _Lane:
+    backend: Backend
+    batcher: Batcher
+    latency: LatencyModel
+    pending: dict[int, _Pending] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> tuple[str, str]:
+        return (self.backend.config.name, self.backend.version.version)
+
+
+def run_isolated(
+    run: Callable[[Sequence[PreparedRow]], list[np.ndarray]], rows: Sequence[PreparedRow]
+) -> list[np.ndarray | Exception]:
+    """Runs a batch; if it raises, bisects so that only the failing rows fail."""
+    try:
+        outputs = run(rows)
+        if len(outputs) != len(rows):
+            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(rows)} rows")
+        return list(outputs)
+    except Exception as error:
+        if len(rows) == 1:
+            return [error]
+        middle = len(rows) // 2
+        return run_isolated(run, rows[:middle]) + run_isolated(run, rows[middle:])
+
+
+def _describe(error: Exception) -> str:
+    """One line for the client; TorchScript errors carry a multi-line traceback."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return f"model failed on this input: {lines[-1] if lines else type(error).__name__}"
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        backends: Sequence[Backend],
+        config: SchedulerConfig,
+        metrics: WorkerMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._clock = clock
+        self._lanes = {id(backend): self._lane_for(backend) for backend in backends}
+        self._order = list(self._lanes.values())
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+        self._item_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._running: asyncio.Task[None] | None = None
+        self._busy_s_total = 0.0
+        self._busy_since: float | None = None
+        self._draining = False
+        self._loop_task: asyncio.Task[None] | None = None
+
+    def _lane_for(self, backend: Backend) -> _Lane:
+        model = backend.config
+        batcher_config = BatcherConfig(
+            max_batch_size=model.max_batch_size,
+            max_queue_size=model.max_queue_size,
+            slo_s=model.slo_s,
+            upstream_budget_s=self._config.upstream_budget_s,
+            safety_margin_s=self._config.safety_margin_s,
+            max_wait_cap_s=self._config.max_wait_cap_s,
+            max_batch_tokens=model.max_batch_tokens,
+        )
+        latency = LatencyModel()
+        return _Lane(backend=backend, batcher=Batcher(batcher_config, latency), latency=latency)
+
+    def key_for(self, backend: Backend, bucket: int) -> BatchKey:
+        return BatchKey(
+            model=backend.config.name,
+            version=backend.version.version,
+            fingerprint=backend.fingerprint,
+            bucket=bucket,
+        )
+
+    # -- warm-up ---------------------------------------------------------------------------
+
+    def warm_up(self) -> None:
+        """Runs every (bucket, power-of-two batch size) once per lane, seeding the latency
+        models. Blocking: call it from a thread before serving."""
+        for lane in self._order:
+            backend = lane.backend
+            backend.run(backend.warmup_rows(backend.buckets[0], 1))  # allocator, lazy init
+            for bucket in backend.buckets:
+                key = self.key_for(backend, bucket)
+                limit = lane.batcher.max_batch_size_for(key)
+                sizes = sorted({*(1 << i for i in range(limit.bit_length())), limit})
+                for size in sizes:
+                    start = time.perf_counter()
+                    backend.run(backend.warmup_rows(bucket, size))
+                    lane.latency.observe(key, size, time.perf_counter() - start)
+                self._export_gauges(lane, key)
+            log.info("warmed up %s/%s", *lane.labels)
+
+    def _export_gauges(self, lane: _Lane, key: BatchKey) -> None:
+        labels = (*lane.labels, str(key.bucket))
+        self._metrics.max_wait_seconds.labels(*labels).set(lane.batcher.max_wait_s(key))
+        self._metrics.max_batch_size.labels(*labels).set(lane.batcher.max_batch_size_for(key))
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+
+    def begin_drain(self) -> None:
+        """Stop admitting; queued rows are dispatched at once (close reason: drain)."""
+        self._draining = True
+        for lane in self._order:
+            lane.batcher.begin_drain()
+        self._wake.set()
+
+    async def drain(self) -> None:
+        """Begins draining and returns once every admitted row has been answered."""
+        self.begin_drain()
+        if self._loop_task is not None:
+            await self._loop_task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Admitted rows not yet answered."""
+        return sum(not p.future.done() for lane in self._order for p in lane.pending.values())
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        backend: Backend,
+        rows: Sequence[PreparedRow],
+        *,
+        timeout_s: float | None,
+        tenant: str,
+    ) -> list[np.ndarray]:
+        """Queues the rows of one request and waits for their outputs, in order.
+
+        The deadline is the caller's remaining time capped by the model's SLO. If the caller
+        goes away (cancellation) or any row fails, rows still queued are withdrawn."""
+        lane = self._lanes[id(backend)]
+        if self._draining:
+            raise Unavailable("worker is draining")
+        now = self._clock()
+        budget_s = (
+            backend.config.slo_s if timeout_s is None else min(timeout_s, backend.config.slo_s)
+        )
+        deadline_s = now + budget_s
+        busy_s = self._busy_s(now)
+        loop = asyncio.get_running_loop()
+        item_ids: list[int] = []
+        try:
+            for row in rows:
+                item = QueuedItem(
+                    item_id=next(self._item_ids),
+                    key=self.key_for(backend, row.bucket),
+                    tenant=tenant,
+                    num_tokens=row.num_tokens,
+                    arrival_s=now,
+                    deadline_s=deadline_s,
+                )
+                decision = lane.batcher.add(item, now)
+                if isinstance(decision, Rejected):
+                    self._metrics.rejected_total.labels(*lane.labels, decision.reason.value).inc()
+                    raise self._rejection(lane, item.key, decision.reason)
+                lane.pending[item.item_id] = _Pending(row, loop.create_future(), busy_s)
+                item_ids.append(item.item_id)
+            self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
+            self._wake.set()
+            return list(await asyncio.gather(*(lane.pending[i].future for i in item_ids)))
+        finally:
+            self._withdraw(lane, item_ids)
+
+    def _rejection(self, lane: _Lane, key: BatchKey, reason: RejectReason) -> Exception:
+        if reason is RejectReason.DRAINING:
+            return Unavailable("worker is draining")
+        limit = lane.batcher.max_batch_size_for(key)
+        retry_after_s = lane.latency.per_item_s(key, limit) * lane.batcher.num_queued
+        return Overloaded(
+            f"{key.model}/{key.version} queue is full ({lane.batcher.num_queued} rows)",
+            retry_after_s=retry_after_s,
+        )
+
+    def _withdraw(self, lane: _Lane, item_ids: list[int]) -> None:
+        """Forgets the rows of a finished, failed or cancelled request; still-queued rows are
+        removed from the batcher so they never run."""
+        for item_id in item_ids:
+            pending = lane.pending.pop(item_id, None)
+            if pending is None:
+                continue
+            if lane.batcher.cancel(item_id):
+                self._metrics.dropped_total.labels(*lane.labels, "cancelled").inc()
+            pending.future.cancel()
+        self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _busy_s(self, now: float) -> float:
+        running = 0.0 if self._busy_since is None else now - self._busy_since
+        return self._busy_s_total + running
+
+    async def _loop(self) -> None:
+        rotation = itertools.cycle(range(max(1, len(self._order))))
+        while True:
+            self._wake.clear()
+            now = self._clock()
+            is_idle = self._running is None
+            wake_at: float | None = None
+            start = next(rotation)
+            # Rotate which lane is asked first so one busy model cannot starve another.
+            for lane in self._order[start:] + self._order[:start]:
+                poll = lane.batcher.poll(now, executor_idle=is_idle)
+                self._expire(lane, poll.expired)
+                if isinstance(poll.action, Dispatch):
+                    self._dispatch(lane, poll.action, now)
+                    is_idle = False
+                elif poll.action.until_s is not None:
+                    wake_at = (
+                        poll.action.until_s
+                        if wake_at is None
+                        else min(wake_at, poll.action.until_s)
+                    )
+            if self._draining and self._running is None and self.num_in_flight == 0:
+                return
+            timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout_s)
+
+    def _expire(self, lane: _Lane, expired: Sequence[QueuedItem]) -> None:
+        for item in expired:
+            pending = lane.pending.get(item.item_id)
+            if pending is not None and not pending.future.done():
+                pending.future.set_exception(
+                    DeadlineExceeded("deadline cannot be met; the request was not run")
+                )
+            self._metrics.dropped_total.labels(*lane.labels, "expired").inc()
+
+    def _dispatch(self, lane: _Lane, dispatch: Dispatch, now: float) -> None:
+        busy_s = self._busy_s(now)
+        rows = []
+        for item in dispatch.items:
+            pending = lane.pending[item.item_id]
+            backlog_s = busy_s - pending.busy_s_at_arrival
+            wait_s = now - item.arrival_s
+            self._metrics.backlog_seconds.labels(*lane.labels).observe(backlog_s)
+            self._metrics.linger_seconds.labels(*lane.labels).observe(max(0.0, wait_s - backlog_s))
+            self._metrics.queue_wait_seconds.labels(*lane.labels).observe(wait_s)
+            rows.append(pending.row)
+        self._busy_since = now
+        self._running = asyncio.get_running_loop().create_task(self._execute(lane, dispatch, rows))
+
+    async def _execute(self, lane: _Lane, dispatch: Dispatch, rows: list[PreparedRow]) -> None:
+        loop = asyncio.get_running_loop()
+        started = self._clock()
+        try:
+            results = await loop.run_in_executor(
+                self._executor, run_isolated, lane.backend.run, rows
+            )
+        except Exception as error:  # executor gone (shutdown); every row fails alone
+            results = [error] * len(rows)
+        finished = self._clock()
+        compute_s = finished - started
+        self._busy_s_total += compute_s
+        self._busy_since = None
+        self._running = None
+        self._record_batch(lane, dispatch, rows, results, compute_s)
+        for item, result in zip(dispatch.items, results, strict=True):
+            pending = lane.pending.get(item.item_id)
+            if pending is None or pending.future.done():
+                continue  # the caller went away while the batch ran
+            if isinstance(result, Exception):
+                pending.future.set_exception(ExecutionFailed(_describe(result)))
+            else:
+                pending.future.set_result(result)
+        self._wake.set()
+
+    def _record_batch(
+        self,
+        lane: _Lane,
+        dispatch: Dispatch,
+        rows: list[PreparedRow],
+        results: list[np.ndarray | Exception],
+        compute_s: float,
+    ) -> None:
+        labels = lane.labels
+        bucket = str(dispatch.key.bucket)
+        failures = sum(isinstance(r, Exception) for r in results)
+        if failures == 0:
+            # A bisected batch's time says nothing about the model's normal cost.
+            lane.latency.observe(dispatch.key, len(rows), compute_s)
+        else:
+            self._metrics.row_failures_total.labels(*labels).inc(failures)
+        backend = lane.backend
+        if len({backend.bucket_for(row.num_tokens) for row in rows}) > 1:
+            self._metrics.mixed_bucket_batches_total.labels(*labels).inc()
+        real_tokens = sum(row.num_tokens for row in rows)
+        padded_tokens = max(row.num_tokens for row in rows) * len(rows)
+        limit = lane.batcher.max_batch_size_for(dispatch.key)
+        self._metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
+        self._metrics.batch_size.labels(*labels, bucket).observe(len(rows))
+        self._metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)
+        self._metrics.padding_waste_ratio.labels(*labels, bucket).observe(
+            1.0 - real_tokens / padded_tokens
+        )
+        self._metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
+        self._metrics.rows_total.labels(*labels).inc(len(rows))
+        self._metrics.queue_depth.labels(*labels).set(lane.batcher.num_queued)
+        self._export_gauges(lane, dispatch.key)

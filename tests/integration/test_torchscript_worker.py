@@ -1,0 +1,202 @@
+"""A user's TorchScript model behind a real in-process grpc.aio worker on port 0."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from prometheus_client import generate_latest
+
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.server import Worker, create_worker
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.metrics import total
+from tests.support.models import POISON, affine_reference, write_affine_model
+from tests.support.processes import health_status
+
+pytestmark = pytest.mark.integration
+
+
+def row_request(
+    *rows: np.ndarray, dtype: int = pb.DATA_TYPE_FP32, shape: tuple[int, ...] = (4,)
+) -> pb.InferRequest:
+    return pb.InferRequest(
+        model_name="affine",
+        inputs=[
+            pb.ModelInput(tensor=pb.Tensor(dtype=dtype, shape=list(shape), raw_data=r.tobytes()))
+            for r in rows
+        ],
+    )
+
+
+def row(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+async def start(tmp_path: Path, **model: int) -> Worker:
+    write_affine_model(tmp_path / "repo", **model)
+    worker = await create_worker(
+        WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
+    )
+    await worker.load()
+    return worker
+
+
+@pytest.fixture
+async def worker(tmp_path: Path) -> AsyncIterator[Worker]:
+    worker = await start(tmp_path)
+    yield worker
+    await worker.stop()
+
+
+def metric(worker: Worker, name: str, **labels: str) -> float:
+    return total(generate_latest(worker.metrics.registry).decode(), name, **labels)
+
+
+async def test_outputs_equal_the_module_row_by_row(worker: Worker) -> None:
+    rows = [row(i, -i, 0.5 * i, 1.0) for i in range(5)]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        response = await stub.Infer(row_request(*rows), timeout=10)
+    expected = affine_reference(torch.from_numpy(np.stack(rows))).numpy()
+    got = np.stack([np.frombuffer(t.raw_data, dtype="<f4") for t in response.outputs])
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+    assert [list(t.shape) for t in response.outputs] == [[2]] * 5
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (row_request(np.zeros(4, dtype=np.int32), dtype=pb.DATA_TYPE_INT32), "must be FP32"),
+        (row_request(np.zeros(3, dtype=np.float32), shape=(3,)), "shape [4]"),
+        (row_request(row(1, 2, float("nan"), 4)), "NaN or Inf"),
+        (row_request(row(1, 2, float("inf"), 4)), "NaN or Inf"),
+        (row_request(np.zeros(4, dtype=np.float32), shape=(5,)), "needs 20"),
+        (row_request(np.zeros(4, dtype=np.float32), dtype=pb.DATA_TYPE_UNSPECIFIED), "unspecified"),
+        (pb.InferRequest(model_name="affine", inputs=[pb.ModelInput(text="hi")]), "tensor inputs"),
+    ],
+)
+async def test_malformed_tensors_are_invalid_argument(
+    worker: Worker, request_, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Infer(request_, timeout=10)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in raised.value.details()
+    assert metric(worker, "inference_worker_rows_total") == 0
+
+
+async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
+    # A slow model keeps the executor busy so the next requests share one batch.
+    worker = await start(tmp_path, work_iters=300, max_batch_size=8)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            first = asyncio.ensure_future(stub.Infer(row_request(row(0, 0, 0, 0)), timeout=30))
+            await asyncio.sleep(0)  # let it be dispatched alone
+            batch = [row(POISON, 1, 1, 1) if i == 3 else row(i, 1, 1, 1) for i in range(6)]
+            results = await asyncio.gather(
+                first,
+                *(stub.Infer(row_request(r), timeout=30) for r in batch),
+                return_exceptions=True,
+            )
+    finally:
+        await worker.stop()
+    failed = [i for i, r in enumerate(results[1:]) if isinstance(r, Exception)]
+    assert failed == [3]
+    assert results[4].code() == grpc.StatusCode.INTERNAL
+    assert "poisoned row" in results[4].details()
+    assert metric(worker, "inference_worker_row_failures_total") == 1
+    assert metric(worker, "inference_worker_batch_size_count") < 7, "the good rows shared a batch"
+
+
+async def test_deadline_passing_while_queued_is_answered_promptly_and_never_runs(
+    tmp_path: Path,
+) -> None:
+    worker = await start(tmp_path, work_iters=1500, max_batch_size=1)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            blocker = asyncio.ensure_future(stub.Infer(row_request(row(1, 1, 1, 1)), timeout=30))
+            await asyncio.sleep(0.05)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.Infer(row_request(row(2, 2, 2, 2)), timeout=0.1)
+            waited_s = loop.time() - started
+            await blocker
+    finally:
+        await worker.stop()
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert waited_s < 0.5, "the error must not wait for the blocking batch"
+    assert metric(worker, "inference_worker_rows_total") == 1, "the expired row must never run"
+
+
+async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:
+    worker = await start(tmp_path, work_iters=1500, max_batch_size=1)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            blocker = asyncio.ensure_future(stub.Infer(row_request(row(1, 1, 1, 1)), timeout=30))
+            await asyncio.sleep(0.05)
+            doomed = stub.Infer(row_request(row(2, 2, 2, 2)), timeout=30)
+            survivor = asyncio.ensure_future(stub.Infer(row_request(row(3, 3, 3, 3)), timeout=30))
+            await asyncio.sleep(0.05)
+            doomed.cancel()
+            await asyncio.gather(blocker, survivor)
+    finally:
+        await worker.stop()
+    assert metric(worker, "inference_worker_rows_total") == 2
+    assert metric(worker, "inference_worker_dropped_total", reason="cancelled") == 1
+
+
+async def test_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) -> None:
+    worker = await start(tmp_path, work_iters=1500, max_batch_size=1, max_queue_size=2)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            calls = [
+                asyncio.ensure_future(stub.Infer(row_request(row(i, 0, 0, 0)), timeout=30))
+                for i in range(1, 6)
+            ]
+            results = await asyncio.gather(*calls, return_exceptions=True)
+    finally:
+        await worker.stop()
+    rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    # One runs, two queue, the other two are refused at once.
+    assert len(rejected) == 2
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
+    hints = [dict(r.trailing_metadata()).get("retry-after-ms") for r in rejected]
+    assert all(h is not None and int(h) > 0 for h in hints), hints
+    assert metric(worker, "inference_worker_rejected_total", reason="queue_full") == 2
+
+
+async def test_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Path) -> None:
+    write_affine_model(tmp_path / "repo")
+    worker = await create_worker(
+        WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
+    )
+    address = f"127.0.0.1:{worker.port}"
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        assert await health_status(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        await worker.load()
+        assert await health_status(address) == health_pb2.HealthCheckResponse.SERVING
+        await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=5)
+        worker.scheduler.begin_drain()
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+    await worker.stop()

@@ -1,0 +1,544 @@
+"""Batcher: triggers, waits, expiry, admission, key isolation, EDF and deficit round robin.
+
+Unless a test says otherwise: every key is unknown to the latency model, so predicted compute
+is `DEFAULT_COMPUTE_S` for any batch size, and the derived linger is the 0.05 s cap
+(SLO 0.1 - upstream 0.02 - compute 0.01 - margin 0.005 = 0.065, clamped).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from services.gpu_worker.batching.batcher import Batcher
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.types import (
+    Admitted,
+    BatcherConfig,
+    BatchKey,
+    CloseReason,
+    Dispatch,
+    Poll,
+    QueuedItem,
+    Rejected,
+    RejectReason,
+    Wait,
+)
+
+DEFAULT_COMPUTE_S = 0.01
+LINGER_S = 0.05
+
+
+def make_key(
+    *, model: str = "m", version: str = "1", fingerprint: str = "f", bucket: int = 32
+) -> BatchKey:
+    return BatchKey(model=model, version=version, fingerprint=fingerprint, bucket=bucket)
+
+
+def make_item(
+    *,
+    item_id: int,
+    tenant: str = "a",
+    arrival_s: float = 0.0,
+    deadline_s: float = 10.0,
+    bucket: int = 32,
+    key: BatchKey | None = None,
+    num_tokens: int = 8,
+) -> QueuedItem:
+    return QueuedItem(
+        item_id=item_id,
+        key=key or make_key(bucket=bucket),
+        tenant=tenant,
+        num_tokens=num_tokens,
+        arrival_s=arrival_s,
+        deadline_s=deadline_s,
+    )
+
+
+def make_batcher(*, latency: LatencyModel | None = None, **overrides: Any) -> Batcher:
+    settings: dict[str, Any] = {
+        "max_batch_size": 8,
+        "max_queue_size": 1000,
+        "slo_s": 0.1,
+        "upstream_budget_s": 0.02,
+        "safety_margin_s": 0.005,
+        "max_wait_cap_s": LINGER_S,
+        **overrides,
+    }
+    return Batcher(BatcherConfig(**settings), latency or LatencyModel(default_s=DEFAULT_COMPUTE_S))
+
+
+def add_all(batcher: Batcher, items: list[QueuedItem]) -> None:
+    """Admit items, each arriving at its own arrival_s."""
+    for item in items:
+        assert batcher.add(item, item.arrival_s) == Admitted()
+
+
+def add_burst(batcher: Batcher, *, count: int, first_id: int = 0, **item_fields: Any) -> None:
+    """Admit `count` items 1 ms apart from t=0 (a rate high enough to keep the batch open)."""
+    add_all(
+        batcher,
+        [make_item(item_id=first_id + i, arrival_s=i / 1000, **item_fields) for i in range(count)],
+    )
+
+
+def dispatch_of(poll: Poll) -> Dispatch:
+    assert isinstance(poll.action, Dispatch), poll.action
+    return poll.action
+
+
+def ids(dispatch: Dispatch) -> list[int]:
+    return [item.item_id for item in dispatch.items]
+
+
+def next_tenants(batcher: Batcher) -> list[str]:
+    """Tenants of the next batch, in row order."""
+    return [item.tenant for item in dispatch_of(batcher.poll(0.1, executor_idle=True)).items]
+
+
+# Triggers ---------------------------------------------------------------------------------------
+
+
+def test_full_batch_dispatches_at_limit() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_burst(batcher, count=3)
+
+    assert isinstance(batcher.poll(0.002, executor_idle=True).action, Wait)
+
+    add_all(batcher, [make_item(item_id=3, arrival_s=0.003), make_item(item_id=4, arrival_s=0.003)])
+    batcher.cancel(4)
+    dispatch = dispatch_of(batcher.poll(0.003, executor_idle=True))
+
+    assert dispatch.reason is CloseReason.FULL
+    assert ids(dispatch) == [0, 1, 2, 3]
+
+
+def test_full_batch_leaves_the_overflow_queued() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_burst(batcher, count=6)
+
+    dispatch = dispatch_of(batcher.poll(0.005, executor_idle=True))
+
+    assert dispatch.reason is CloseReason.FULL
+    assert ids(dispatch) == [0, 1, 2, 3]
+    assert batcher.queue_length(make_key()) == 2
+
+
+def test_linger_waits_until_max_wait_then_dispatches() -> None:
+    # min_expected_arrivals=0 switches the work-conserving trigger off.
+    batcher = make_batcher(min_expected_arrivals=0.0)
+    add_burst(batcher, count=2)
+
+    assert batcher.poll(0.001, executor_idle=True).action == Wait(until_s=LINGER_S)
+    assert isinstance(batcher.poll(0.0499, executor_idle=True).action, Wait)
+
+    dispatch = dispatch_of(batcher.poll(LINGER_S, executor_idle=True))
+    assert dispatch.reason is CloseReason.LINGER
+    assert ids(dispatch) == [0, 1]
+
+
+def test_linger_closes_a_batch_under_steady_traffic() -> None:
+    # One arrival per ms keeps more than one arrival expected before the linger ends.
+    batcher = make_batcher(max_batch_size=64)
+    add_burst(batcher, count=2)
+    for ms in range(2, 46):
+        assert batcher.add(make_item(item_id=ms, arrival_s=ms / 1000), ms / 1000) == Admitted()
+        assert isinstance(batcher.poll(ms / 1000, executor_idle=True).action, Wait)
+    for ms in range(46, 51):
+        assert batcher.add(make_item(item_id=ms, arrival_s=ms / 1000), ms / 1000) == Admitted()
+
+    dispatch = dispatch_of(batcher.poll(0.05, executor_idle=True))
+    assert dispatch.reason is CloseReason.LINGER
+    assert len(dispatch.items) == 51
+
+
+def test_deadline_slack_closes_batch_before_linger() -> None:
+    batcher = make_batcher()
+    add_burst(batcher, count=2, deadline_s=0.03)
+
+    # Slack runs out at deadline - compute - margin = 0.03 - 0.01 - 0.005.
+    wait = batcher.poll(0.001, executor_idle=True).action
+    assert wait == Wait(until_s=pytest.approx(0.015))
+
+    dispatch = dispatch_of(batcher.poll(0.0151, executor_idle=True))
+    assert dispatch.reason is CloseReason.DEADLINE
+    assert ids(dispatch) == [0, 1]
+
+
+def test_deadline_slack_uses_predicted_compute_of_the_current_batch() -> None:
+    key = make_key()
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(key, 1, 0.002)
+    latency.observe(key, 4, 0.012)
+    small = make_batcher(latency=latency, min_expected_arrivals=0.0)
+    big = make_batcher(latency=latency, min_expected_arrivals=0.0)
+    add_burst(small, count=1, deadline_s=0.05)
+    add_burst(big, count=4, deadline_s=0.05)
+
+    # Same deadline; four items need 0.012 s where one needs 0.002 s (margin 0.005).
+    assert small.poll(0.003, executor_idle=True).action == Wait(until_s=pytest.approx(0.043))
+    assert big.poll(0.003, executor_idle=True).action == Wait(until_s=pytest.approx(0.033))
+
+    assert dispatch_of(big.poll(0.034, executor_idle=True)).reason is CloseReason.DEADLINE
+    assert isinstance(small.poll(0.034, executor_idle=True).action, Wait)
+
+
+def test_idle_executor_dispatches_a_lone_request_at_once() -> None:
+    batcher = make_batcher()
+    batcher.add(make_item(item_id=7), 0.0)
+
+    dispatch = dispatch_of(batcher.poll(0.0, executor_idle=True))
+
+    assert dispatch.reason is CloseReason.IDLE
+    assert ids(dispatch) == [7]
+
+
+def test_idle_trigger_waits_while_more_arrivals_are_expected() -> None:
+    batcher = make_batcher()
+    add_burst(batcher, count=2)
+
+    # Gap 1 ms: expected arrivals (0.05 - t) / max(0.001, t - 0.001) drop below one at
+    # t = (0.05 + 0.001) / 2, well before the linger ends.
+    assert batcher.poll(0.001, executor_idle=True).action == Wait(until_s=pytest.approx(0.0255))
+    assert isinstance(batcher.poll(0.02, executor_idle=True).action, Wait)
+
+    dispatch = dispatch_of(batcher.poll(0.0256, executor_idle=True))
+    assert dispatch.reason is CloseReason.IDLE
+    assert ids(dispatch) == [0, 1]
+
+
+def test_arrival_rate_is_per_key() -> None:
+    batcher = make_batcher()
+    batcher.add(make_item(item_id=1, bucket=32), 0.0)
+    batcher.add(make_item(item_id=2, bucket=64, arrival_s=0.001), 0.001)
+
+    first = dispatch_of(batcher.poll(0.001, executor_idle=True))
+    second = dispatch_of(batcher.poll(0.001, executor_idle=True))
+
+    assert {first.reason, second.reason} == {CloseReason.IDLE}
+    assert {first.key.bucket, second.key.bucket} == {32, 64}
+
+
+def test_drain_dispatches_everything_without_linger() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_burst(batcher, count=10)
+    batcher.begin_drain()
+
+    sizes = []
+    for _ in range(3):
+        dispatch = dispatch_of(batcher.poll(0.01, executor_idle=True))
+        assert dispatch.reason is CloseReason.DRAIN
+        sizes.append(len(dispatch.items))
+
+    assert sizes == [4, 4, 2]
+    assert batcher.poll(0.01, executor_idle=True) == Poll(expired=(), action=Wait(until_s=None))
+
+
+def test_draining_rejects_new_items() -> None:
+    batcher = make_batcher()
+    batcher.begin_drain()
+
+    assert batcher.is_draining
+    assert batcher.add(make_item(item_id=1), 0.0) == Rejected(RejectReason.DRAINING)
+    assert batcher.num_queued == 0
+
+
+def test_wait_until_is_earliest_across_keys() -> None:
+    batcher = make_batcher(min_expected_arrivals=0.0)
+    add_burst(batcher, count=2, bucket=32)
+    add_all(batcher, [make_item(item_id=10, bucket=64, arrival_s=0.01, deadline_s=0.04)])
+
+    # Bucket 32 lingers until 0.05; bucket 64's slack ends at 0.04 - 0.01 - 0.005.
+    assert batcher.poll(0.01, executor_idle=True).action == Wait(until_s=pytest.approx(0.025))
+
+
+def test_empty_batcher_waits_for_nothing() -> None:
+    batcher = make_batcher()
+
+    assert batcher.poll(0.0, executor_idle=True) == Poll(expired=(), action=Wait(until_s=None))
+    assert batcher.poll(0.0, executor_idle=False) == Poll(expired=(), action=Wait(until_s=None))
+
+
+# Busy executor and expiry -----------------------------------------------------------------------
+
+
+def test_busy_executor_never_dispatches_but_expires_items() -> None:
+    batcher = make_batcher(max_batch_size=2)
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, deadline_s=0.03),
+            make_item(item_id=2, deadline_s=0.5),
+            make_item(item_id=3, deadline_s=0.5),
+        ],
+    )
+
+    # Full, but the executor is busy: wait until item 1 can no longer finish (0.03 - 0.01).
+    assert batcher.poll(0.0, executor_idle=False) == Poll(
+        expired=(), action=Wait(until_s=pytest.approx(0.02))
+    )
+
+    poll = batcher.poll(0.021, executor_idle=False)
+    assert [item.item_id for item in poll.expired] == [1]
+    assert poll.action == Wait(until_s=pytest.approx(0.49))
+    assert batcher.num_queued == 2
+
+
+def test_expired_items_are_returned_once_and_never_dispatched() -> None:
+    batcher = make_batcher(max_batch_size=1)
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, deadline_s=0.005),  # 0 + 0.01 compute > 0.005
+            make_item(item_id=2, deadline_s=1.0),
+        ],
+    )
+
+    poll = batcher.poll(0.0, executor_idle=True)
+    assert [item.item_id for item in poll.expired] == [1]
+    assert ids(dispatch_of(poll)) == [2]
+
+    batcher.begin_drain()
+    assert batcher.poll(0.0, executor_idle=True) == Poll(expired=(), action=Wait(until_s=None))
+    assert batcher.cancel(1) is False
+
+
+# Admission and cancellation ---------------------------------------------------------------------
+
+
+def test_queue_full_rejects_exactly_at_the_cap_across_keys() -> None:
+    batcher = make_batcher(max_queue_size=3)
+    add_all(batcher, [make_item(item_id=1), make_item(item_id=2, bucket=64)])
+
+    assert batcher.add(make_item(item_id=3, bucket=128), 0.0) == Admitted()
+    assert batcher.add(make_item(item_id=4), 0.0) == Rejected(RejectReason.QUEUE_FULL)
+    assert batcher.num_queued == 3
+
+    assert batcher.cancel(2)
+    assert batcher.add(make_item(item_id=4), 0.0) == Admitted()
+
+
+def test_cancel_removes_a_queued_item() -> None:
+    batcher = make_batcher()
+    add_burst(batcher, count=3)
+
+    assert batcher.cancel(1) is True
+    assert batcher.cancel(1) is False
+    assert batcher.cancel(999) is False
+    assert batcher.num_queued == 2
+    assert batcher.queue_length(make_key()) == 2
+
+    batcher.begin_drain()
+    assert ids(dispatch_of(batcher.poll(0.002, executor_idle=True))) == [0, 2]
+
+
+def test_cancelled_earliest_deadline_no_longer_drives_waits() -> None:
+    batcher = make_batcher(min_expected_arrivals=0.0)
+    add_all(
+        batcher,
+        [make_item(item_id=1, deadline_s=0.03), make_item(item_id=2, arrival_s=0.001)],
+    )
+    batcher.cancel(1)
+
+    assert batcher.poll(0.001, executor_idle=True).action == Wait(until_s=pytest.approx(0.051))
+
+
+def test_many_cancels_keep_order_and_oldest_arrival() -> None:
+    batcher = make_batcher(max_batch_size=1000, min_expected_arrivals=0.0)
+    add_all(
+        batcher,
+        [make_item(item_id=i, arrival_s=i / 10000, deadline_s=10.0 - i / 1000) for i in range(200)],
+    )
+    for item_id in range(150):
+        assert batcher.cancel(item_id)
+    add_all(batcher, [make_item(item_id=200, arrival_s=0.02, deadline_s=20.0)])
+
+    # The oldest live item arrived at 0.015, so the linger ends at 0.065.
+    assert batcher.poll(0.02, executor_idle=True).action == Wait(until_s=pytest.approx(0.065))
+    batcher.begin_drain()
+    dispatch = dispatch_of(batcher.poll(0.02, executor_idle=True))
+    assert ids(dispatch) == [*range(199, 149, -1), 200]
+    assert batcher.num_queued == 0
+
+
+def test_duplicate_item_id_is_a_caller_bug() -> None:
+    batcher = make_batcher()
+    batcher.add(make_item(item_id=1), 0.0)
+
+    with pytest.raises(ValueError):
+        batcher.add(make_item(item_id=1, bucket=64), 0.0)
+
+
+# Keys and ordering ------------------------------------------------------------------------------
+
+
+def test_different_keys_never_share_a_batch() -> None:
+    keys = [
+        make_key(),
+        make_key(bucket=64),
+        make_key(version="2"),
+        make_key(fingerprint="g"),
+    ]
+    batcher = make_batcher()
+    add_all(batcher, [make_item(item_id=i, key=keys[i % 4]) for i in range(12)])
+    assert batcher.queued_keys() == tuple(sorted(keys))
+    batcher.begin_drain()
+
+    seen: set[BatchKey] = set()
+    for _ in keys:
+        dispatch = dispatch_of(batcher.poll(0.0, executor_idle=True))
+        assert {item.key for item in dispatch.items} == {dispatch.key}
+        assert len(dispatch.items) == 3
+        seen.add(dispatch.key)
+
+    assert seen == set(keys)
+    assert batcher.num_queued == 0
+
+
+def test_most_urgent_key_dispatches_first_then_key_order() -> None:
+    batcher = make_batcher()
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, bucket=32, deadline_s=9.0),
+            make_item(item_id=2, bucket=128, deadline_s=5.0),
+            make_item(item_id=3, bucket=64, deadline_s=9.0),
+        ],
+    )
+    batcher.begin_drain()
+
+    order = [dispatch_of(batcher.poll(0.0, executor_idle=True)).key.bucket for _ in range(3)]
+
+    assert order == [128, 32, 64]
+
+
+def test_earliest_deadline_first_within_a_tenant() -> None:
+    batcher = make_batcher(max_batch_size=5)
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, deadline_s=5.0, arrival_s=0.0),
+            make_item(item_id=2, deadline_s=3.0, arrival_s=0.001),
+            make_item(item_id=3, deadline_s=4.0, arrival_s=0.002),
+            make_item(item_id=5, deadline_s=3.0, arrival_s=0.003),
+            make_item(item_id=4, deadline_s=3.0, arrival_s=0.003),
+        ],
+    )
+
+    dispatch = dispatch_of(batcher.poll(0.003, executor_idle=True))
+
+    assert dispatch.reason is CloseReason.FULL
+    assert ids(dispatch) == [2, 4, 5, 3, 1]
+
+
+def test_flooding_tenant_cannot_crowd_out_another() -> None:
+    batcher = make_batcher()
+    add_burst(batcher, count=100, tenant="a")
+    add_all(batcher, [make_item(item_id=1000 + i, tenant="b", arrival_s=0.1) for i in range(4)])
+
+    dispatch = dispatch_of(batcher.poll(0.1, executor_idle=True))
+
+    assert [item.tenant for item in dispatch.items] == ["a", "b"] * 4
+    assert ids(dispatch) == [0, 1000, 1, 1001, 2, 1002, 3, 1003]
+
+
+def test_tenant_weights_set_shares() -> None:
+    batcher = make_batcher(tenant_weights={"a": 3.0})
+    add_burst(batcher, count=100, tenant="a")
+    add_burst(batcher, count=100, tenant="b", first_id=1000)
+
+    totals = Counter(next_tenants(batcher))
+    assert totals == {"a": 6, "b": 2}
+
+    for _ in range(3):
+        totals.update(next_tenants(batcher))
+    assert totals == {"a": 24, "b": 8}
+
+
+def test_deficits_persist_across_batches() -> None:
+    # Turn of "a" is worth 3 items; a batch of 2 closes mid-turn, and the next batch resumes it.
+    batcher = make_batcher(max_batch_size=2, tenant_weights={"a": 3.0})
+    add_burst(batcher, count=10, tenant="a")
+    add_burst(batcher, count=10, tenant="b", first_id=100)
+
+    batches = [next_tenants(batcher) for _ in range(4)]
+
+    assert batches == [["a", "a"], ["a", "b"], ["a", "a"], ["a", "b"]]
+
+
+def test_fractional_weights_keep_their_ratio() -> None:
+    batcher = make_batcher(tenant_weights={"a": 0.5, "b": 0.25})
+    add_burst(batcher, count=50, tenant="a")
+    add_burst(batcher, count=50, tenant="b", first_id=100)
+    add_burst(batcher, count=50, tenant="c", first_id=200)
+
+    totals: Counter[str] = Counter()
+    for _ in range(7):
+        totals.update(next_tenants(batcher))
+
+    assert totals == {"c": 32, "a": 16, "b": 8}
+
+
+# Limits and derived linger ----------------------------------------------------------------------
+
+
+def test_max_batch_tokens_limits_items_per_batch() -> None:
+    batcher = make_batcher(max_batch_tokens=100)
+    add_burst(batcher, count=5, bucket=32)
+
+    assert batcher.max_batch_size_for(make_key(bucket=32)) == 3
+    assert batcher.max_batch_size_for(make_key(bucket=8)) == 8
+    assert batcher.max_batch_size_for(make_key(bucket=512)) == 1
+
+    dispatch = dispatch_of(batcher.poll(0.004, executor_idle=True))
+    assert dispatch.reason is CloseReason.FULL
+    assert ids(dispatch) == [0, 1, 2]
+
+
+def test_max_wait_is_derived_from_the_slo() -> None:
+    batcher = make_batcher(max_wait_cap_s=1.0)
+
+    assert batcher.max_wait_s(make_key()) == pytest.approx(0.1 - 0.02 - 0.01 - 0.005)
+
+
+def test_max_wait_shrinks_as_predicted_compute_grows() -> None:
+    key = make_key()
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(key, 1, 0.010)
+    latency.observe(key, 8, 0.050)
+    batcher = make_batcher(latency=latency, max_wait_cap_s=1.0)
+
+    batcher.add(make_item(item_id=0), 0.0)
+    one_queued = batcher.max_wait_s(key)
+    add_burst(batcher, count=10, first_id=1)
+
+    assert one_queued == pytest.approx(0.065)
+    # The next batch is capped at 8 items: 0.1 - 0.02 - 0.05 - 0.005.
+    assert batcher.max_wait_s(key) == pytest.approx(0.025)
+
+
+def test_max_wait_clamps_at_zero_and_at_the_cap() -> None:
+    key = make_key()
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(key, 1, 0.2)
+    batcher = make_batcher(latency=latency)
+
+    assert batcher.max_wait_s(key) == 0.0
+    assert batcher.max_wait_s(make_key(model="other")) == LINGER_S
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_batch_size": 0},
+        {"max_queue_size": 0},
+        {"max_batch_tokens": -1},
+        {"safety_margin_s": -0.1},
+        {"tenant_weights": {"a": 0.0}},
+    ],
+)
+def test_rejects_invalid_config(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        make_batcher(**overrides)

@@ -1,0 +1,183 @@
+"""LatencyModel: EWMA per (key, size), interpolation, extrapolation, fallbacks, monotonicity."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.batching.latency_model import MIN_PREDICTION_S, LatencyModel
+from services.gpu_worker.batching.types import BatchKey
+
+
+def make_key(
+    *, model: str = "m", version: str = "1", fingerprint: str = "f", bucket: int = 32
+) -> BatchKey:
+    return BatchKey(model=model, version=version, fingerprint=fingerprint, bucket=bucket)
+
+
+def make_model(
+    seconds_by_size: dict[int, float] | None = None,
+    *,
+    key: BatchKey | None = None,
+    ewma_alpha: float = 0.2,
+    default_s: float = 0.01,
+) -> LatencyModel:
+    model = LatencyModel(ewma_alpha=ewma_alpha, default_s=default_s)
+    for size, seconds in (seconds_by_size or {}).items():
+        model.observe(key or make_key(), size, seconds)
+    return model
+
+
+def test_unknown_family_predicts_default() -> None:
+    model = make_model({8: 0.5}, key=make_key(model="other"), default_s=0.007)
+
+    assert model.predict(make_key(), 1) == 0.007
+    assert model.predict(make_key(), 64) == 0.007
+
+
+def test_first_observation_sets_value_then_ewma() -> None:
+    model = make_model(ewma_alpha=0.5)
+    key = make_key()
+
+    model.observe(key, 4, 0.010)
+    assert model.predict(key, 4) == pytest.approx(0.010)
+
+    model.observe(key, 4, 0.020)
+    assert model.predict(key, 4) == pytest.approx(0.015)
+
+    model.observe(key, 4, 0.015)
+    assert model.predict(key, 4) == pytest.approx(0.015)
+
+
+def test_observations_are_per_key_and_size() -> None:
+    model = make_model({4: 0.010})
+    model.observe(make_key(bucket=64), 4, 0.100)
+    model.observe(make_key(), 8, 0.020)
+
+    assert model.predict(make_key(), 4) == pytest.approx(0.010)
+    assert model.predict(make_key(bucket=64), 4) == pytest.approx(0.100)
+
+
+def test_interpolates_linearly_between_known_sizes() -> None:
+    model = make_model({4: 0.010, 8: 0.018})
+
+    assert model.predict(make_key(), 6) == pytest.approx(0.014)
+    assert model.predict(make_key(), 7) == pytest.approx(0.016)
+
+
+def test_extrapolates_above_largest_from_two_largest_points() -> None:
+    model = make_model({1: 0.001, 4: 0.010, 8: 0.018})
+
+    assert model.predict(make_key(), 16) == pytest.approx(0.018 + 0.002 * 8)
+
+
+def test_extrapolates_proportionally_from_a_single_point() -> None:
+    model = make_model({8: 0.016})
+
+    assert model.predict(make_key(), 16) == pytest.approx(0.032)
+    assert model.predict(make_key(), 12) == pytest.approx(0.024)
+
+
+def test_below_single_point_assumes_fixed_cost() -> None:
+    model = make_model({8: 0.016})
+
+    assert model.predict(make_key(), 1) == pytest.approx(0.016)
+
+
+def test_below_smallest_interpolates_from_the_intercept() -> None:
+    # Line through (4, 0.010) and (8, 0.014) meets size 0 at 0.006.
+    model = make_model({4: 0.010, 8: 0.014})
+
+    assert model.predict(make_key(), 2) == pytest.approx(0.008)
+    assert model.predict(make_key(), 1) == pytest.approx(0.007)
+
+
+def test_negative_intercept_is_clamped_and_prediction_stays_positive() -> None:
+    # Line through (2, 0.001) and (4, 0.010) would cross zero at a positive size.
+    model = make_model({2: 0.001, 4: 0.010})
+
+    assert model.predict(make_key(), 1) == pytest.approx(0.0005)
+
+    zero = make_model({4: 0.0, 8: 0.0})
+    assert zero.predict(make_key(), 1) >= MIN_PREDICTION_S > 0
+    assert zero.per_item_s(make_key(), 8) > 0
+
+
+def test_monotone_in_batch_size_with_sensible_data() -> None:
+    model = make_model({1: 0.004, 2: 0.005, 8: 0.009, 32: 0.030})
+    predictions = [model.predict(make_key(), n) for n in range(1, 129)]
+
+    assert predictions == sorted(predictions)
+    assert predictions[-1] > predictions[0]
+
+
+def test_monotone_even_when_noise_makes_a_bigger_batch_look_cheaper() -> None:
+    model = make_model({4: 0.020, 8: 0.015, 16: 0.030})
+    predictions = [model.predict(make_key(), n) for n in range(1, 65)]
+
+    assert predictions == sorted(predictions)
+    assert model.predict(make_key(), 8) >= model.predict(make_key(), 4)
+
+
+def test_unknown_bucket_uses_nearest_bucket_scaled_by_ratio() -> None:
+    model = make_model({1: 0.004, 8: 0.010}, key=make_key(bucket=32))
+    model.observe(make_key(bucket=256), 8, 1.0)
+
+    assert model.predict(make_key(bucket=64), 8) == pytest.approx(0.020)
+    assert model.predict(make_key(bucket=16), 8) == pytest.approx(0.005)
+    assert model.predict(make_key(bucket=16), 4) == pytest.approx(
+        model.predict(make_key(bucket=32), 4) / 2
+    )
+
+
+def test_unknown_bucket_tie_takes_the_larger_bucket() -> None:
+    model = make_model({8: 0.010}, key=make_key(bucket=32))
+    model.observe(make_key(bucket=96), 8, 0.060)
+
+    # 64 is 32 away from both; the 96 curve scaled by 64/96 gives 0.040, the 32 curve 0.020.
+    assert model.predict(make_key(bucket=64), 8) == pytest.approx(0.040)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [make_key(version="2"), make_key(fingerprint="g"), make_key(model="n")],
+    ids=["version", "fingerprint", "model"],
+)
+def test_bucket_fallback_never_crosses_model_version_or_fingerprint(other: BatchKey) -> None:
+    model = make_model({8: 0.5}, key=make_key(bucket=64), default_s=0.003)
+
+    assert model.predict(BatchKey(other.model, other.version, other.fingerprint, 32), 8) == 0.003
+
+
+def test_per_item_s_divides_by_batch_size() -> None:
+    model = make_model({1: 0.004, 8: 0.016})
+
+    assert model.per_item_s(make_key(), 8) == pytest.approx(0.002)
+    assert model.per_item_s(make_key(), 1) == pytest.approx(0.004)
+
+
+def test_known_keys_and_sizes() -> None:
+    model = make_model({8: 0.01, 2: 0.005}, key=make_key(bucket=64))
+    model.observe(make_key(bucket=16), 1, 0.001)
+
+    assert model.known_keys() == (make_key(bucket=16), make_key(bucket=64))
+    assert model.known_sizes(make_key(bucket=64)) == (2, 8)
+    assert model.known_sizes(make_key(bucket=128)) == ()
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "seconds"), [(0, 0.01), (4, -0.01), (4, float("nan")), (4, float("inf"))]
+)
+def test_observe_rejects_invalid_input(batch_size: int, seconds: float) -> None:
+    with pytest.raises(ValueError):
+        make_model().observe(make_key(), batch_size, seconds)
+
+
+@pytest.mark.parametrize("kwargs", [{"ewma_alpha": 0.0}, {"ewma_alpha": 1.5}, {"default_s": 0.0}])
+def test_constructor_rejects_invalid_settings(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        LatencyModel(**kwargs)
+
+
+def test_predict_rejects_non_positive_batch_size() -> None:
+    with pytest.raises(ValueError):
+        make_model({4: 0.01}).predict(make_key(), 0)
