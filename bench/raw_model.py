@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from services.common.model_repository import load_repository
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import select_device
-from services.gpu_worker.model_repository import load_repository
 
 
 def measure(backend, num_tokens: int, batch_size: int, seconds: float) -> float:  # type: ignore[no-untyped-def]

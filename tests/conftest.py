@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.support.redis import RedisServer, start_redis
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +31,11 @@ def reference_embedder(minilm_dir: Path):  # type: ignore[no-untyped-def]
 
 def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b) / (np.linalg.norm(a) * np.linalg.norm(b)))
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server of its own for each test (persistence off), stopped after it."""
+    server = start_redis(tmp_path)
+    yield server
+    server.stop()

@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import grpc
 
+#: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
+RETRY_AFTER_MS_KEY = "retry-after-ms"
+
 
 class ServingError(Exception):
     """Base class. `code` is the gRPC status the caller sees."""
 
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata sent with the status (retry hints)."""
+        return ()
 
 
 class InvalidInput(ServingError):
@@ -43,6 +50,11 @@ class Overloaded(ServingError):
         super().__init__(message)
         self.retry_after_s = retry_after_s
 
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        if self.retry_after_s <= 0:
+            return ()
+        return ((RETRY_AFTER_MS_KEY, str(max(1, round(self.retry_after_s * 1000)))),)
+
 
 class DeadlineExceeded(ServingError):
     """The deadline passed before the work ran; it was not run."""
@@ -66,3 +78,37 @@ class ExecutionFailed(ServingError):
     """The model raised on this input. Only this request fails; the batch it ran in does not."""
 
     code = grpc.StatusCode.INTERNAL
+
+
+class UpstreamError(ServingError):
+    """A downstream tier's status, passed through to our caller unchanged (retry hint kept)."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        trailers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self._trailers = tuple((k, v) for k, v in trailers if k == RETRY_AFTER_MS_KEY)
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return self._trailers
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> UpstreamError:
+        trailers = tuple((k, str(v)) for k, v in (error.trailing_metadata() or ()))
+        return cls(error.code(), error.details() or "", trailers)
+
+
+class Unauthenticated(ServingError):
+    """No API key, or one we do not know."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(ServingError):
+    """A valid key that may not use this model."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED

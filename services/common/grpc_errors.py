@@ -8,18 +8,9 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import Overloaded, ServingError
+from services.common.errors import ServingError
 
 log = logging.getLogger(__name__)
-
-#: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
-RETRY_AFTER_MS_KEY = "retry-after-ms"
-
-
-def _trailers_for(error: ServingError) -> tuple[tuple[str, str], ...]:
-    if isinstance(error, Overloaded) and error.retry_after_s > 0:
-        return ((RETRY_AFTER_MS_KEY, str(max(1, round(error.retry_after_s * 1000)))),)
-    return ()
 
 
 def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
@@ -27,7 +18,7 @@ def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Await
         try:
             return await behaviour(request, context)
         except ServingError as error:
-            await context.abort(error.code, str(error), trailing_metadata=_trailers_for(error))
+            await context.abort(error.code, str(error), trailing_metadata=error.trailers())
         except Exception:
             # Anything else is our bug: log it with the stack, answer INTERNAL, keep serving.
             log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
@@ -42,7 +33,7 @@ def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
             async for message in behaviour(request, context):
                 yield message
         except ServingError as error:
-            await context.abort(error.code, str(error), trailing_metadata=_trailers_for(error))
+            await context.abort(error.code, str(error), trailing_metadata=error.trailers())
         except Exception:
             log.exception("unhandled error in %s", getattr(behaviour, "__qualname__", behaviour))
             await context.abort(grpc.StatusCode.INTERNAL, "internal error")

@@ -65,3 +65,15 @@ def tensor_to_pb(array: np.ndarray) -> pb.Tensor:
         raise TypeError(f"no wire dtype for numpy {array.dtype}")
     data = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[name]).tobytes()
     return pb.Tensor(dtype=_NAME_TO_PB[name], shape=list(array.shape), raw_data=data)
+
+
+def check_row(name: str, dtype: str, dims: tuple[int, ...], row: np.ndarray) -> np.ndarray:
+    """Validates one row of a tensor input against its declared dtype and dims (and rejects
+    NaN/Inf in float rows); INVALID_ARGUMENT otherwise."""
+    if row.dtype != NUMPY_DTYPES.get(dtype):
+        raise InvalidInput(f"input {name} must be {dtype}, got {row.dtype}")
+    if row.shape != dims:
+        raise InvalidInput(f"input {name} must have shape {list(dims)}, got {list(row.shape)}")
+    if row.dtype.kind == "f" and not np.isfinite(row).all():
+        raise InvalidInput(f"input {name} contains NaN or Inf")
+    return row

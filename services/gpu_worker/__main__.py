@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
+# Until serve() installs its own handlers (importing torch and the model code takes seconds),
+# SIGTERM means "exit now, cleanly": nothing has been admitted yet.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
 import argparse
 import asyncio
-import json
 import logging
 import os
-import signal
+import socket
 from pathlib import Path
 
 import torch
-from prometheus_client import start_http_server
 
+from services.common.lifecycle import start_metrics, stop_event, write_ready_file
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.scheduler import SchedulerConfig
 from services.gpu_worker.server import create_worker
@@ -59,6 +65,20 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
         help="upper bound on the derived linger",
     )
     parser.add_argument(
+        "--redis-url",
+        default=env.get("WORKER_REDIS_URL"),
+        help="Redis of the router registry; without it the worker runs standalone",
+    )
+    parser.add_argument(
+        "--worker-id", default=env.get("WORKER_ID", ""), help="registry id (default: hostname-pid)"
+    )
+    parser.add_argument(
+        "--advertise-address",
+        default=env.get("WORKER_ADVERTISE_ADDRESS", ""),
+        help="host:port routers dial (default: --host and the bound port)",
+    )
+    parser.add_argument("--registry-prefix", default=env.get("FABRIC_REGISTRY_PREFIX", "fabric"))
+    parser.add_argument(
         "--ready-file",
         type=Path,
         default=None,
@@ -73,6 +93,10 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
         drain_grace_s=args.drain_grace_s,
         torch_threads=args.torch_threads,
         ready_file=args.ready_file,
+        redis_url=args.redis_url,
+        worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
+        advertise_address=args.advertise_address,
+        registry_prefix=args.registry_prefix,
         scheduler=SchedulerConfig(
             upstream_budget_s=args.upstream_budget_ms / 1000.0,
             max_wait_cap_s=args.max_wait_cap_ms / 1000.0,
@@ -82,12 +106,8 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
 
 async def serve(config: WorkerConfig) -> int:
     worker = await create_worker(config)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stopping.set)
-    http_server, _ = start_http_server(config.metrics_port, config.host, worker.metrics.registry)
-    metrics_port = http_server.server_port
+    stopping = stop_event()
+    metrics_port = start_metrics(config.metrics_port, config.host, worker.metrics.registry)
     log.info(
         "worker listening on %s:%d, metrics on %d; loading models from %s",
         config.host,
@@ -102,11 +122,16 @@ async def serve(config: WorkerConfig) -> int:
         log.error("model loading failed: %s", loading.exception())
         await worker.server.stop(grace=None)
         return 1
+    if not loading.done():
+        # Stopped while loading: nothing was admitted, so there is nothing to drain. Exit now
+        # rather than wait for the loader thread, which may be inside torch for a while (and
+        # tearing the interpreter down under it aborts the process).
+        log.info("SIGTERM while loading models: exiting")
+        await worker.server.stop(grace=None)
+        logging.shutdown()
+        os._exit(0)
     if not stopping.is_set():
-        if config.ready_file is not None:
-            config.ready_file.write_text(
-                json.dumps({"grpc_port": worker.port, "metrics_port": metrics_port})
-            )
+        write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")
     loading.cancel()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.heartbeat import HeartbeatConfig
 from services.gpu_worker.scheduler import SchedulerConfig
 
 
@@ -25,3 +26,12 @@ class WorkerConfig:
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    #: Redis holding the worker registry; None runs the worker standalone (direct calls only).
+    redis_url: str | None = None
+    #: Registry key prefix (one prefix per fabric sharing a Redis).
+    registry_prefix: str = "fabric"
+    #: This worker's id in the registry; unique per process.
+    worker_id: str = ""
+    #: host:port routers dial; defaults to host and the bound gRPC port.
+    advertise_address: str = ""
+    heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)

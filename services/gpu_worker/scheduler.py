@@ -64,12 +64,25 @@ class _Pending:
     busy_s_at_arrival: float
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What routers need to predict a version's wait on this worker (sent in heartbeats)."""
+
+    queued_rows: int
+    #: Predicted compute per row at the largest batch: the marginal cost of queued work.
+    per_row_s: float
+    #: Predicted compute of a batch of one: the floor of any request's latency.
+    min_batch_s: float
+
+
 @dataclass
 class _Lane:
     backend: Backend
     batcher: Batcher
     latency: LatencyModel
     pending: dict[int, _Pending] = field(default_factory=dict)
+    #: Key of the most recent batch: the traffic's typical bucket, for load reports.
+    recent_key: BatchKey | None = None
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -185,6 +198,17 @@ class BatchScheduler:
         if self._loop_task is not None:
             await self._loop_task
         self._executor.shutdown(wait=True)
+
+    def load_report(self, backend: Backend) -> LoadReport:
+        lane = self._lanes[id(backend)]
+        buckets = backend.buckets
+        key = lane.recent_key or self.key_for(backend, buckets[len(buckets) // 2])
+        limit = lane.batcher.max_batch_size_for(key)
+        return LoadReport(
+            queued_rows=lane.batcher.num_queued,
+            per_row_s=lane.latency.per_item_s(key, limit),
+            min_batch_s=lane.latency.predict(key, 1),
+        )
 
     @property
     def num_in_flight(self) -> int:
@@ -350,6 +374,7 @@ class BatchScheduler:
         compute_s: float,
     ) -> None:
         labels = lane.labels
+        lane.recent_key = dispatch.key
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
         if failures == 0:

@@ -11,18 +11,18 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
 from services.common.errors import FingerprintMismatch, InvalidInput, NotFound, Unavailable
-from services.common.grpc_errors import ErrorMappingInterceptor
+from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
+from services.common.model_repository import ModelKind, load_repository
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.metrics import WorkerMetrics
-from services.gpu_worker.model_repository import ModelKind, load_repository
+from services.gpu_worker.registration import Registration
 from services.gpu_worker.scheduler import BatchScheduler
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -91,6 +91,7 @@ def _version_info(backend: Backend, *, is_ready: bool) -> pb.ModelVersionInfo:
         inputs=specs(config.inputs),
         outputs=specs(config.outputs),
         is_ready=is_ready,
+        tokenizer_fingerprint=backend.tokenizer_fingerprint,
     )
 
 
@@ -155,11 +156,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             self._metrics.requests_total.labels(*labels, code.name).inc()
 
     async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListModelsResponse:
+        self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkerModelsResponse:
         backends = self._models.backends if self._models else ()
         ready = self._scheduler is not None
-        return pb.ListModelsResponse(
+        return pb.ListWorkerModelsResponse(
             versions=[_version_info(b, is_ready=ready) for b in backends], device=self._device
         )
 
@@ -176,6 +177,7 @@ class Worker:
     servicer: WorkerServicer
     metrics: WorkerMetrics
     scheduler: BatchScheduler | None = None
+    registration: Registration | None = None
 
     async def load(self) -> None:
         """Loads every version in the repository and warms it up, off the event loop."""
@@ -192,8 +194,11 @@ class Worker:
         self.scheduler = scheduler
         scheduler.start()
         self.servicer.attach(LoadedModels(backends), scheduler, self.metrics)
-        for name in ("", SERVICE_NAME):
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await set_serving(self.health, (SERVICE_NAME,), SERVING)
+        if self.config.redis_url:
+            address = self.config.advertise_address or f"{self.config.host}:{self.port}"
+            self.registration = Registration(self.config, address, backends, scheduler)
+            self.registration.start()
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
@@ -204,11 +209,15 @@ class Worker:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""
         await self.health.enter_graceful_shutdown()
+        if self.registration is not None:
+            self.registration.mark_draining()
         if self.scheduler is not None:
             try:
                 await asyncio.wait_for(self.scheduler.drain(), self.config.drain_grace_s)
             except TimeoutError:
                 log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
+        if self.registration is not None:
+            await self.registration.close()
         await self.server.stop(grace=1.0)
 
 
@@ -240,25 +249,10 @@ async def _in_daemon_thread(fn):  # type: ignore[no-untyped-def]
 
 async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
-    server = grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor()],
-        options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)],
-    )
-    device = select_device()
-    servicer = WorkerServicer(device=str(device))
+    server = new_server()
+    servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        ),
-        server,
-    )
+    health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await server.start()
     metrics = WorkerMetrics(CollectorRegistry())

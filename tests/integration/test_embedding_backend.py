@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from services.common.errors import InvalidInput
+from services.common.model_repository import load_repository
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import TokenIds
-from services.gpu_worker.model_repository import load_repository
 from tests.conftest import cosine
 from tests.support.processes import REPO_ROOT
 from tests.support.texts import sentences

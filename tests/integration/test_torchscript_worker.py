@@ -41,7 +41,9 @@ def row(*values: float) -> np.ndarray:
 
 
 async def start(tmp_path: Path, **model: int) -> Worker:
-    write_affine_model(tmp_path / "repo", **model)
+    # A generous SLO: these tests pin down ordering and statuses, not speed, and CI machines
+    # are shared. Tests about deadlines set their own with the client's timeout.
+    write_affine_model(tmp_path / "repo", **{"slo_p99_ms": 30_000, **model})
     worker = await create_worker(
         WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
     )

@@ -142,7 +142,7 @@ async def test_bad_input_is_refused_and_never_runs(worker, request_, code, messa
 async def test_fingerprint_from_list_models_is_accepted(worker) -> None:  # type: ignore[no-untyped-def]
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
-        listing = await stub.ListModels(pb.ListModelsRequest(), timeout=10)
+        listing = await stub.ListModels(pb.ListWorkerModelsRequest(), timeout=10)
         (info,) = listing.versions
         assert info.is_ready and info.kind == pb.MODEL_KIND_EMBEDDING
         assert list(info.length_buckets) == [16, 32, 64, 128, 256]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from services.common.model_repository import ModelConfigError, ModelKind, ModelVersion
 from services.gpu_worker.backends.base import Backend
-from services.gpu_worker.model_repository import ModelConfigError, ModelKind, ModelVersion
 
 
 def load_backend(version: ModelVersion, device: torch.device) -> Backend:

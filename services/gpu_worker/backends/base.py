@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.gpu_worker.model_repository import ModelConfig, ModelVersion
+from services.common.model_repository import ModelConfig, ModelVersion
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ class Backend(abc.ABC):
     @property
     @abc.abstractmethod
     def fingerprint(self) -> str: ...
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        """Fingerprint of the input preparation alone (tokenizer + preprocessing); equal to
+        `fingerprint` for models that take tensors."""
+        return self.fingerprint
 
     @property
     def buckets(self) -> tuple[int, ...]:

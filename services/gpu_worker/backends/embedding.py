@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from services.common.errors import InvalidInput
+from services.common.model_repository import ModelConfigError, ModelVersion
+from services.common.text import TextEncoder
 from services.gpu_worker.backends.base import (
     Backend,
     PreparedRow,
@@ -17,10 +18,7 @@ from services.gpu_worker.backends.base import (
     fingerprint_of,
 )
 from services.gpu_worker.backends.bert import BertEncoder, mean_pool_normalize
-from services.gpu_worker.model_repository import ModelConfigError, ModelVersion
 
-#: Characters per token above which a text cannot fit even before tokenizing it (cheap check).
-_MAX_CHARS_PER_TOKEN = 64
 _PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -28,8 +26,8 @@ class EmbeddingBackend(Backend):
     def __init__(self, version: ModelVersion, device: torch.device) -> None:
         super().__init__(version, device)
         weights = version.weights_dir
-        files = [weights / "config.json", weights / "model.safetensors", weights / "tokenizer.json"]
-        missing = [str(p) for p in files if not p.exists()]
+        model_files = [weights / "config.json", weights / "model.safetensors"]
+        missing = [str(p) for p in model_files if not p.exists()]
         if missing:
             raise ModelConfigError(f"{version.config.name}/{version.version}: missing {missing}")
         preprocessing = version.config.preprocessing
@@ -39,65 +37,43 @@ class EmbeddingBackend(Backend):
         precision = str(preprocessing.get("precision", "fp32"))
         if precision not in _PRECISIONS:
             raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
-        self._tokenizer = Tokenizer.from_file(str(weights / "tokenizer.json"))
-        # The shipped tokenizer.json truncates and pads to 128; we reject over-long inputs
-        # instead of silently truncating them, and pad per batch ourselves.
-        self._tokenizer.no_truncation()
-        self._tokenizer.no_padding()
+        self.text = TextEncoder(weights, version.config)
         self._model = BertEncoder.from_pretrained(weights).to(device, _PRECISIONS[precision])
-        self._vocab_size = self._model.config.vocab_size
-        self._max_tokens = min(
-            version.config.length_buckets[-1], self._model.config.max_position_embeddings
+        self._fingerprint = fingerprint_of(
+            version.config, model_files, self.text.fingerprint, precision
         )
-        self._fingerprint = fingerprint_of(version.config, files, precision, str(self._max_tokens))
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
 
     @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.text.fingerprint
+
+    @property
     def buckets(self) -> tuple[int, ...]:
-        return tuple(b for b in self.config.length_buckets if b <= self._max_tokens)
+        return tuple(b for b in self.config.length_buckets if b <= self.text.max_tokens)
 
     @property
     def max_input_tokens(self) -> int:
-        return self._max_tokens
+        return self.text.max_tokens
 
     def _row(self, ids: np.ndarray) -> PreparedRow:
-        if len(ids) > self._max_tokens:
-            raise InvalidInput(
-                f"input is {len(ids)} tokens; {self.config.name} accepts at most {self._max_tokens}"
-            )
         return PreparedRow(bucket=self.bucket_for(len(ids)), num_tokens=len(ids), data=ids)
-
-    def _check_text(self, text: str) -> None:
-        if not text.strip():
-            raise InvalidInput("text input is empty")
-        if len(text) > self._max_tokens * _MAX_CHARS_PER_TOKEN:
-            raise InvalidInput(
-                f"text of {len(text)} characters cannot fit in {self._max_tokens} tokens"
-            )
 
     def prepare(self, value: RawInput) -> PreparedRow:
         return self.prepare_many([value])[0]
 
     def prepare_many(self, values: Sequence[RawInput]) -> list[PreparedRow]:
         texts = [v for v in values if isinstance(v, str)]
-        for text in texts:
-            self._check_text(text)
-        # One call for all texts of a request: the Rust tokenizer batches internally.
-        encoded = iter(self._tokenizer.encode_batch(texts)) if texts else iter(())
+        encoded = iter(self.text.encode_many(texts))
         rows = []
         for value in values:
             if isinstance(value, str):
-                rows.append(self._row(np.asarray(next(encoded).ids, dtype=np.int64)))
+                rows.append(self._row(next(encoded)))
             elif isinstance(value, TokenIds):
-                ids = value.ids
-                if len(ids) < 2:
-                    raise InvalidInput("token_ids must hold at least [CLS] and [SEP]")
-                if ids.min() < 0 or ids.max() >= self._vocab_size:
-                    raise InvalidInput(f"token ids must be in [0, {self._vocab_size})")
-                rows.append(self._row(ids.astype(np.int64)))
+                rows.append(self._row(self.text.check_ids(value.ids)))
             else:
                 raise InvalidInput(f"{self.config.name} takes text inputs, not tensors")
         return rows

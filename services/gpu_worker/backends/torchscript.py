@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from services.common.errors import InvalidInput
-from services.common.tensors import NUMPY_DTYPES
+from services.common.model_repository import ModelConfigError, ModelVersion
+from services.common.tensors import NUMPY_DTYPES, check_row
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput, fingerprint_of
-from services.gpu_worker.model_repository import ModelConfigError, ModelVersion
 
 
 class TorchScriptBackend(Backend):
@@ -47,18 +47,10 @@ class TorchScriptBackend(Backend):
     def prepare(self, value: RawInput) -> PreparedRow:
         if not isinstance(value, np.ndarray):
             raise InvalidInput(f"{self.config.name} takes tensor inputs")
-        if value.dtype != self._in_dtype:
-            raise InvalidInput(
-                f"input {self._input.name} must be {self._input.dtype}, got {value.dtype}"
-            )
-        if value.shape != self._input.dims:
-            raise InvalidInput(
-                f"input {self._input.name} must have shape {list(self._input.dims)}, "
-                f"got {list(value.shape)}"
-            )
-        if value.dtype.kind == "f" and not np.isfinite(value).all():
-            raise InvalidInput(f"input {self._input.name} contains NaN or Inf")
-        return PreparedRow(bucket=1, num_tokens=1, data=value)
+        spec = self._input
+        return PreparedRow(
+            bucket=1, num_tokens=1, data=check_row(spec.name, spec.dtype, spec.dims, value)
+        )
 
     def run(self, rows: Sequence[PreparedRow]) -> list[np.ndarray]:
         batch = torch.from_numpy(np.stack([row.data for row in rows])).to(self.device)

@@ -64,6 +64,9 @@ class ModelConfig:
     preprocessing: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     #: Version labels ("stable", "canary") to version numbers.
     labels: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: Share of requests without a version that each label receives (e.g. canary 0.05,
+    #: stable 0.95). Empty: such requests go to "stable", else the newest served version.
+    traffic: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def slo_s(self) -> float:
@@ -130,6 +133,11 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
     labels = raw.get("labels", {})
     if not all(isinstance(v, int) and v > 0 for v in labels.values()):
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")
+    traffic = raw.get("traffic", {})
+    if not all(
+        label in labels and isinstance(w, int | float) and w >= 0 for label, w in traffic.items()
+    ):
+        raise ModelConfigError(f"{path}: [traffic] maps existing labels to weights >= 0")
     return ModelConfig(
         name=name,
         kind=kind,
@@ -144,6 +152,7 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         outputs=_tensor_specs(raw.get("outputs"), "outputs", path),
         preprocessing=MappingProxyType(dict(raw.get("preprocessing", {}))),
         labels=MappingProxyType(dict(labels)),
+        traffic=MappingProxyType({k: float(v) for k, v in traffic.items()}),
     )
 
 

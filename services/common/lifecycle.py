@@ -1,0 +1,80 @@
+"""Process plumbing every tier shares: health + reflection, stop signals, metrics listener,
+ready file."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry, start_http_server
+
+from services.common.grpc_errors import ErrorMappingInterceptor
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+#: Larger than any valid request; an oversized message gets RESOURCE_EXHAUSTED from grpc.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+
+def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """A grpc.aio server. Error mapping is the outermost interceptor, so errors raised by the
+    others (authentication) are mapped too."""
+    return grpc.aio.server(
+        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            # Bounded connection age so clients re-resolve and new replicas get traffic.
+            ("grpc.max_connection_age_ms", 300_000),
+            ("grpc.max_connection_age_grace_ms", 30_000),
+        ],
+    )
+
+
+async def add_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str], *, status: int = NOT_SERVING
+) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1 (overall "" and each service set to `status`) and reflection."""
+    names = tuple(service_names)
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    for name in ("", *names):
+        await servicer.set(name, status)
+    health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+    reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
+    return servicer
+
+
+async def set_serving(
+    servicer: health.aio.HealthServicer, names: Iterable[str], status: int
+) -> None:
+    for name in ("", *names):
+        await servicer.set(name, status)
+
+
+def stop_event() -> asyncio.Event:
+    """An event set on SIGTERM or SIGINT."""
+    event = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, event.set)
+    return event
+
+
+def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
+    """Serves `/metrics` from a background thread; returns the bound port (0 picks one)."""
+    http_server, _ = start_http_server(port, host, registry)
+    return int(http_server.server_port)
+
+
+def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int) -> None:
+    if path is not None:
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port}))
+        tmp.replace(path)  # atomic: readers never see a half-written file

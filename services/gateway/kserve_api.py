@@ -1,0 +1,220 @@
+"""The Open Inference Protocol v2 (KServe v2) gRPC service, so stock Triton and KServe clients
+work unmodified. Same behaviour as the project's own API: both call the one Predictor.
+
+Wire conventions (as tritonclient sends and reads them): BYTES inputs arrive in
+`raw_input_contents` as 4-byte little-endian lengths each followed by the bytes (or typed in
+`contents.bytes_contents`); outputs go back in `raw_output_contents`, one entry per output, in
+the order of `outputs`.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import grpc
+import numpy as np
+
+from services.common.errors import InvalidInput, NotFound, ServingError
+from services.common.model_repository import ModelConfig, ModelKind
+from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
+from services.gateway.auth import current_principal
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+
+SERVER_NAME = "inference-fabric"
+SERVER_VERSION = "0.1.0"
+_PLATFORMS = {ModelKind.EMBEDDING: "pytorch", ModelKind.TORCHSCRIPT: "pytorch_libtorch"}
+_TYPED_FIELDS = {
+    "FP32": "fp32_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+}
+
+
+def _decode_bytes(raw: bytes, count: int) -> list[str]:
+    """Length-prefixed BYTES elements; INVALID_ARGUMENT if the framing or UTF-8 is wrong."""
+    texts, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise InvalidInput("BYTES tensor: truncated length prefix")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput("BYTES tensor: element runs past the end of the data")
+        try:
+            texts.append(raw[offset : offset + length].decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
+        offset += length
+    if len(texts) != count:
+        raise InvalidInput(f"BYTES tensor holds {len(texts)} elements; its shape says {count}")
+    return texts
+
+
+def _num_rows(shape: list[int], row_dims: tuple[int, ...], name: str, *, is_bytes: bool) -> int:
+    """Rows in a [batch, *row_dims] input (BYTES: [batch] or [batch, 1])."""
+    if is_bytes:
+        is_valid = len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
+        expected = "[batch] or [batch, 1]"
+    else:
+        is_valid = len(shape) == len(row_dims) + 1 and tuple(shape[1:]) == row_dims
+        expected = f"[batch, {', '.join(map(str, row_dims))}]"
+    if not is_valid or shape[0] < 0:
+        raise InvalidInput(f"input {name} has shape {shape}; expected {expected}")
+    if shape[0] == 0:
+        raise InvalidInput(f"input {name} is empty")
+    return shape[0]
+
+
+def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[PredictValue]:
+    spec = config.inputs[0]
+    tensors = {t.name: i for i, t in enumerate(request.inputs)}
+    if set(tensors) != {spec.name}:
+        raise InvalidInput(
+            f"{config.name} takes exactly one input named {spec.name!r}, got {sorted(tensors)}"
+        )
+    index = tensors[spec.name]
+    tensor = request.inputs[index]
+    if tensor.datatype != spec.dtype:
+        raise InvalidInput(
+            f"input {spec.name} must be {spec.dtype}, got {tensor.datatype or 'none'}"
+        )
+    shape = list(tensor.shape)
+    count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
+    if spec.dtype == "BYTES":
+        if request.raw_input_contents:
+            if len(request.raw_input_contents) != len(request.inputs):
+                raise InvalidInput("raw_input_contents must hold one entry per input")
+            return list(_decode_bytes(request.raw_input_contents[index], count))
+        elements = list(tensor.contents.bytes_contents)
+        if len(elements) != count:
+            raise InvalidInput(
+                f"input {spec.name} holds {len(elements)} elements; shape says {count}"
+            )
+        try:
+            return [e.decode("utf-8") for e in elements]
+        except UnicodeDecodeError as error:
+            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
+    dtype = NUMPY_DTYPES[spec.dtype]
+    num_elements = int(np.prod(shape, dtype=np.int64))
+    if num_elements > MAX_ELEMENTS:
+        raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != len(request.inputs):
+            raise InvalidInput("raw_input_contents must hold one entry per input")
+        raw = request.raw_input_contents[index]
+        if len(raw) != num_elements * dtype.itemsize:
+            raise InvalidInput(f"input {spec.name}: {len(raw)} bytes do not match shape {shape}")
+        array = np.frombuffer(raw, dtype=dtype)
+    else:
+        field = _TYPED_FIELDS.get(spec.dtype)
+        values = getattr(tensor.contents, field) if field else []
+        if len(values) != num_elements:
+            raise InvalidInput(
+                f"input {spec.name}: {len(values)} values do not match shape {shape}"
+            )
+        array = np.asarray(values, dtype=dtype)
+    return list(array.reshape((count, *spec.dims)))
+
+
+class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics) -> None:
+        self._predictor = predictor
+        self._metrics = metrics
+
+    async def ServerLive(self, request, context):  # type: ignore[no-untyped-def]
+        return kserve.ServerLiveResponse(live=True)
+
+    async def ServerReady(self, request, context):  # type: ignore[no-untyped-def]
+        catalog = self._predictor.catalog
+        ready = any(catalog.served_versions(n) for n in catalog.model_names())
+        return kserve.ServerReadyResponse(ready=ready)
+
+    async def ServerMetadata(self, request, context):  # type: ignore[no-untyped-def]
+        return kserve.ServerMetadataResponse(
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=[]
+        )
+
+    async def ModelReady(self, request, context):  # type: ignore[no-untyped-def]
+        try:
+            current_principal().check_model(request.name)
+            self._predictor.catalog.resolve(request.name, request.version)
+        except ServingError:
+            return kserve.ModelReadyResponse(ready=False)
+        return kserve.ModelReadyResponse(ready=True)
+
+    async def ModelMetadata(self, request, context):  # type: ignore[no-untyped-def]
+        catalog = self._predictor.catalog
+        config = catalog.config(request.name)
+        current_principal().check_model(config.name)
+        versions = [v.model_version for v in catalog.served_versions(config.name)]
+        if request.version and request.version not in versions:
+            raise NotFound(f"model {config.name!r} version {request.version!r} is not served")
+
+        def metadata(specs):  # type: ignore[no-untyped-def]
+            return [
+                kserve.ModelMetadataResponse.TensorMetadata(
+                    name=s.name,
+                    datatype=s.dtype,
+                    shape=[-1] if s.dtype == "BYTES" else [-1, *s.dims],
+                )
+                for s in specs
+            ]
+
+        return kserve.ModelMetadataResponse(
+            name=config.name,
+            versions=versions,
+            platform=_PLATFORMS.get(config.kind, "pytorch"),
+            inputs=metadata(config.inputs),
+            outputs=metadata(config.outputs),
+        )
+
+    async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            config = self._predictor.catalog.config(request.model_name)
+            output = config.outputs[0]
+            requested = [o.name for o in request.outputs]
+            if requested and requested != [output.name]:
+                raise InvalidInput(
+                    f"{config.name} has one output, {output.name!r}; asked {requested}"
+                )
+            result = await self._predictor.predict(
+                PredictCall(
+                    model_name=request.model_name,
+                    version_spec=request.model_version,
+                    inputs=_values(config, request),
+                    principal=current_principal(),
+                    request_id=request.id,
+                    timeout_s=context.time_remaining(),
+                )
+            )
+            batch = np.stack(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
+            return kserve.ModelInferResponse(
+                model_name=result.model_name,
+                model_version=result.model_version,
+                id=request.id,
+                outputs=[
+                    kserve.ModelInferResponse.InferOutputTensor(
+                        name=output.name, datatype=output.dtype, shape=list(batch.shape)
+                    )
+                ],
+                raw_output_contents=[batch.tobytes()],
+            )
+        except Exception as error:
+            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
+            raise
+        finally:
+            model = (
+                request.model_name
+                if request.model_name in self._predictor.catalog.model_names()
+                else "other"
+            )
+            self._metrics.requests_total.labels("kserve_v2", model, code).inc()
+            self._metrics.request_seconds.labels("kserve_v2", model).observe(
+                time.perf_counter() - started
+            )

@@ -1,0 +1,123 @@
+"""The fixed-cost request path both public APIs share: check, resolve, tokenize, forward."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from services.common.errors import InvalidInput, UpstreamError
+from services.common.registry import route_metadata
+from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
+from services.gateway.auth import Principal
+from services.gateway.catalog import ModelCatalog, ResolvedModel
+from services.gateway.metrics import GatewayMetrics
+from services.pb.inference.v1 import worker_pb2 as pb
+
+INFER_METHOD = "/inference.v1.WorkerService/Infer"
+
+#: One input row as a client sent it: text for text models, a tensor row otherwise.
+PredictValue = str | np.ndarray
+
+
+@dataclass(frozen=True)
+class PredictCall:
+    model_name: str
+    version_spec: str
+    inputs: Sequence[PredictValue]
+    principal: Principal
+    request_id: str
+    #: The client's remaining time, or None without a deadline.
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class PredictResult:
+    model_name: str
+    model_version: str
+    outputs: list[np.ndarray]
+    request_id: str
+
+
+class Predictor:
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        router: grpc.aio.Channel,
+        metrics: GatewayMetrics,
+        *,
+        max_inputs: int,
+    ) -> None:
+        self.catalog = catalog
+        self._metrics = metrics
+        self._max_inputs = max_inputs
+        self._infer = router.unary_unary(
+            INFER_METHOD,
+            request_serializer=pb.InferRequest.SerializeToString,
+            response_deserializer=pb.InferResponse.FromString,
+        )
+
+    def _model_inputs(
+        self, model: ResolvedModel, values: Sequence[PredictValue]
+    ) -> list[pb.ModelInput]:
+        config = model.config
+        if model.encoder is not None:
+            if not all(isinstance(v, str) for v in values):
+                raise InvalidInput(f"{config.name} takes text inputs")
+            started = time.perf_counter()
+            ids = model.encoder.encode_many([str(v) for v in values])
+            self._metrics.tokenize_seconds.labels(config.name).observe(
+                time.perf_counter() - started
+            )
+            return [pb.ModelInput(token_ids=i.astype("<i4").tobytes()) for i in ids]
+        spec = config.inputs[0]
+        rows = []
+        for value in values:
+            if not isinstance(value, np.ndarray):
+                raise InvalidInput(f"{config.name} takes tensor inputs")
+            rows.append(
+                pb.ModelInput(
+                    tensor=tensor_to_pb(check_row(spec.name, spec.dtype, spec.dims, value))
+                )
+            )
+        return rows
+
+    async def predict(self, call: PredictCall) -> PredictResult:
+        started = time.perf_counter()
+        if not call.inputs:
+            raise InvalidInput("request has no inputs")
+        if len(call.inputs) > self._max_inputs:
+            raise InvalidInput(f"{len(call.inputs)} inputs exceed the limit of {self._max_inputs}")
+        config = self.catalog.config(call.model_name)
+        call.principal.check_model(config.name)
+        model = self.catalog.resolve(call.model_name, call.version_spec)
+        self._metrics.validate_seconds.observe(time.perf_counter() - started)
+        inputs = self._model_inputs(model, call.inputs)
+        request_id = call.request_id or uuid.uuid4().hex
+        request = pb.InferRequest(
+            model_name=config.name,
+            model_version=model.version,
+            fingerprint=model.fingerprint,
+            inputs=inputs,
+            tenant=call.principal.tenant,
+            request_id=request_id,
+        )
+        # Deadline: the client's, capped by the model's SLO; the router and worker see what is
+        # left of it as their own gRPC deadline.
+        timeout_s = config.slo_s if call.timeout_s is None else min(call.timeout_s, config.slo_s)
+        timeout_s -= time.perf_counter() - started
+        try:
+            response = await self._infer(
+                request,
+                timeout=max(0.0, timeout_s),
+                metadata=route_metadata(config.name, model.version, len(inputs)),
+            )
+        except grpc.aio.AioRpcError as error:
+            raise UpstreamError.from_rpc_error(error) from None
+        self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
+        outputs = [tensor_from_pb(t) for t in response.outputs]
+        return PredictResult(config.name, model.version, outputs, request_id)

@@ -1,0 +1,94 @@
+"""`inference.v1.InferenceService`: the project's own API, protobuf <-> domain in one place."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from services.common.errors import InvalidInput, NotFound, PermissionDenied
+from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.gateway.auth import current_principal
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+
+
+def _value(predict_input: api.PredictInput) -> PredictValue:
+    which = predict_input.WhichOneof("payload")
+    if which == "text":
+        return predict_input.text
+    if which == "tensor":
+        return tensor_from_pb(predict_input.tensor)
+    raise InvalidInput("an input has no payload (text or tensor)")
+
+
+class InferenceServicer(api_grpc.InferenceServiceServicer):
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics) -> None:
+        self._predictor = predictor
+        self._metrics = metrics
+
+    async def Predict(
+        self, request: api.PredictRequest, context: grpc.aio.ServicerContext
+    ) -> api.PredictResponse:
+        started = time.perf_counter()
+        code = "OK"
+        try:
+            result = await self._predictor.predict(
+                PredictCall(
+                    model_name=request.model_name,
+                    version_spec=request.model_version,
+                    inputs=[_value(i) for i in request.inputs],
+                    principal=current_principal(),
+                    request_id=request.request_id,
+                    timeout_s=context.time_remaining(),
+                )
+            )
+            return api.PredictResponse(
+                model_name=result.model_name,
+                model_version=result.model_version,
+                outputs=[tensor_to_pb(o) for o in result.outputs],
+                request_id=result.request_id,
+            )
+        except Exception as error:
+            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
+            raise
+        finally:
+            model = (
+                request.model_name
+                if request.model_name in self._predictor.catalog.model_names()
+                else "other"
+            )
+            self._metrics.requests_total.labels("v1", model, code).inc()
+            self._metrics.request_seconds.labels("v1", model).observe(time.perf_counter() - started)
+
+    def _model_info(self, name: str) -> api.ModelInfo:
+        catalog = self._predictor.catalog
+        config = catalog.config(name)
+        return api.ModelInfo(
+            name=config.name,
+            versions=catalog.served_versions(config.name),
+            labels={label: str(v) for label, v in config.labels.items()},
+        )
+
+    async def ListModels(
+        self, request: api.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> api.ListModelsResponse:
+        principal = current_principal()
+        names = [
+            n
+            for n in self._predictor.catalog.model_names()
+            if principal.models is None or n in principal.models
+        ]
+        return api.ListModelsResponse(models=[self._model_info(n) for n in names])
+
+    async def GetModel(
+        self, request: api.GetModelRequest, context: grpc.aio.ServicerContext
+    ) -> api.ModelInfo:
+        try:
+            current_principal().check_model(request.model_name)
+        except PermissionDenied:
+            # Do not reveal which models exist to callers who may not use them.
+            raise NotFound(f"model {request.model_name!r} not found") from None
+        return self._model_info(request.model_name)

@@ -1,0 +1,386 @@
+"""`python -m services.local_stack`: the whole fabric on loopback — redis, router, workers, gateway.
+
+Each tier runs as its own child process, as in production. The launcher owns them: it starts them
+in dependency order (redis → router → workers → gateway), waits until each is ready, and stops
+them front to back (gateway first, so no new request enters while the tiers behind it drain).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.common.redis_server import find_free_port, ping, redis_command
+
+HOST = "127.0.0.1"
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+# SIGINT/SIGTERM ask the launcher to stop; SIGCHLD says a child exited. All three stay blocked and
+# are taken with sigtimedwait, so none can arrive between a check and the wait that follows it.
+WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
+# Children announce readiness by writing a file, which cannot be awaited: check it this often.
+READY_POLL_S = 0.1
+# Shutdown order: a tier stops only after every tier that sends it requests has stopped.
+STOP_ORDER = ("gateway", "worker", "router", "redis")
+# For the banner's grpcurl example: the gateway's own Predict on the default model.
+EXAMPLE_PREDICT = '{"model_name": "minilm", "inputs": [{"text": "hello world"}]}'
+PREDICT_RPC = "inference.v1.InferenceService/Predict"
+#: The router's gauge of workers in its registry snapshot (see services/router/metrics.py).
+LIVE_WORKERS_METRIC = "inference_router_live_workers"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    #: Directory for every tier's log, ready file and Redis's files.
+    state_dir: Path
+    #: Number of GPU worker processes, with ids worker-0, worker-1, ...
+    num_workers: int
+    #: Model repository served by the workers and read by the gateway (absolute).
+    model_repository: Path
+    #: True: every tier on port 0 (a free port, reported in its ready file). For tests.
+    is_ephemeral: bool
+    #: Redis's port (Redis cannot report a port it picked, so a free one is chosen up front).
+    redis_port: int
+    #: When set, JSON describing every tier is written here once all of them are ready.
+    ready_file: Path | None
+    #: Appended to every worker's command line.
+    extra_worker_args: tuple[str, ...]
+    #: Seconds one tier may take to become ready (workers load and warm up their models).
+    ready_timeout_s: float
+    #: Seconds one tier may take to exit after SIGTERM before it gets SIGKILL.
+    stop_timeout_s: float
+    #: Keep running when a tier exits after startup (tests that kill tiers on purpose).
+    tolerate_exits: bool
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://{HOST}:{self.redis_port}/0"
+
+    def ports(self, grpc_port: int) -> tuple[str, str]:
+        """(gRPC, metrics) ports as arguments: the default pair, or (0, 0) when ephemeral."""
+        return ("0", "0") if self.is_ephemeral else (str(grpc_port), str(grpc_port + 1))
+
+
+@dataclass
+class Child:
+    name: str
+    tier: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    #: Where the tier writes {grpc_port, metrics_port}; None for Redis, which is ready on PONG.
+    ready_file: Path | None
+    #: Ports as reported once ready ({"port"} for Redis).
+    ports: dict[str, int]
+
+
+class StackError(Exception):
+    """A tier failed to start or exited on its own; the message names it and quotes its log."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived: stop every tier and exit 0."""
+
+
+def parse_config(argv: list[str] | None = None) -> StackConfig:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.local_stack",
+        description="Run redis, router, GPU workers and gateway on loopback until Ctrl-C.",
+    )
+    parser.add_argument("--num-workers", type=int, default=1, help="ids worker-0, worker-1, ...")
+    parser.add_argument("--model-repository", type=Path, default=Path("models"))
+    parser.add_argument(
+        "--state-dir", type=Path, default=None, help="logs and ready files (default: a new tmp dir)"
+    )
+    parser.add_argument("--ready-file", type=Path, default=None, help="JSON of every tier's ports")
+    parser.add_argument(
+        "--ephemeral-ports", action="store_true", help="free ports everywhere instead of 8001..."
+    )
+    parser.add_argument(
+        "--redis-port", type=int, default=6379, help="ignored with --ephemeral-ports"
+    )
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra worker argument, repeatable; write --worker-arg=--flag=value",
+    )
+    parser.add_argument(
+        "--ready-timeout-s", type=float, default=180.0, help="per tier; workers load models"
+    )
+    parser.add_argument(
+        "--stop-timeout-s", type=float, default=60.0, help="per tier, after SIGTERM, then SIGKILL"
+    )
+    parser.add_argument(
+        "--tolerate-exits", action="store_true", help="keep running if a tier exits once up"
+    )
+    args = parser.parse_args(argv)
+    if args.num_workers < 1:
+        parser.error("--num-workers must be at least 1")
+    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="inference-fabric-"))
+    return StackConfig(
+        state_dir=state_dir.resolve(),
+        num_workers=args.num_workers,
+        model_repository=args.model_repository.resolve(),
+        is_ephemeral=args.ephemeral_ports,
+        redis_port=find_free_port() if args.ephemeral_ports else args.redis_port,
+        ready_file=args.ready_file,
+        extra_worker_args=tuple(args.worker_arg),
+        ready_timeout_s=args.ready_timeout_s,
+        stop_timeout_s=args.stop_timeout_s,
+        tolerate_exits=args.tolerate_exits,
+    )
+
+
+def spawn(config: StackConfig, name: str, tier: str, argv: list[str], *, has_ready: bool) -> Child:
+    """Starts one tier with its output in `<state_dir>/<name>.log`."""
+    ready_file = config.state_dir / f"{name}.ready.json" if has_ready else None
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)  # a file left by an earlier run would read as ready
+        argv = [*argv, "--ready-file", str(ready_file)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    launcher_pid = os.getpid()
+
+    def before_exec() -> None:
+        # The blocked signal mask survives exec; a tier must see its own SIGTERM.
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        # SIGTERM this child when the launcher dies, even by SIGKILL. The kernel ties it to the
+        # forking *thread*: the launcher forks only from its main thread, which lives as long as it.
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+            os._exit(1)
+
+    log_path = config.state_dir / f"{name}.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # Own session: Ctrl-C in the terminal reaches only the launcher, which then stops the
+            # tiers in order; otherwise every tier would get SIGINT at once.
+            start_new_session=True,
+            preexec_fn=before_exec,
+        )
+    ports = {} if has_ready else {"port": config.redis_port}
+    return Child(name, tier, process, log_path, ready_file, ports)
+
+
+def log_tail(child: Child, num_lines: int = 30) -> str:
+    lines = child.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+    return "\n".join(f"  | {line}" for line in lines)
+
+
+def wait_event(children: list[Child], timeout_s: float | None) -> None:
+    """Waits for a signal (up to `timeout_s`; None: forever); raises on SIGINT/SIGTERM or exit."""
+    if timeout_s is None:
+        info = signal.sigwaitinfo(WAKE_SIGNALS)
+    else:
+        info = signal.sigtimedwait(WAKE_SIGNALS, timeout_s)
+    if info is not None and info.si_signo != signal.SIGCHLD:
+        raise Interrupted(signal.Signals(info.si_signo).name)
+    # SIGCHLDs coalesce, so every child is checked, not only the one that signalled.
+    for child in children:
+        code = child.process.poll()
+        if code is not None:
+            raise StackError(f"{child.name} exited with code {code}; {child.log_path}:\n"
+                             f"{log_tail(child)}")  # fmt: skip
+
+
+def is_ready(child: Child) -> bool:
+    if child.ready_file is None:
+        return ping(child.ports["port"])
+    try:
+        ready = json.loads(child.ready_file.read_text())
+        child.ports = {key: int(ready[key]) for key in ("grpc_port", "metrics_port")}
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):  # not written yet, or half-written
+        return False
+    return True
+
+
+def sees_workers(router: Child, num_workers: int) -> bool:
+    """True once the router's registry snapshot holds `num_workers` live workers. The router
+    re-reads Redis periodically; before that, a first request would find no worker."""
+    url = f"http://{HOST}:{router.ports['metrics_port']}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            lines = response.read().decode().splitlines()
+    except OSError:
+        return False
+    live = [float(line.split()[1]) for line in lines if line.startswith(LIVE_WORKERS_METRIC + " ")]
+    return bool(live) and live[0] >= num_workers
+
+
+def wait_ready(
+    config: StackConfig,
+    waiting: list[Child],
+    children: list[Child],
+    is_done: Callable[[Child], bool] = is_ready,
+    what: str = "ready",
+) -> None:
+    deadline = time.monotonic() + config.ready_timeout_s
+    for child in waiting:
+        while not is_done(child):
+            if time.monotonic() > deadline:
+                raise StackError(f"{child.name} not {what} within {config.ready_timeout_s:.0f} s; "
+                                 f"{child.log_path}:\n{log_tail(child)}")  # fmt: skip
+            wait_event(children, READY_POLL_S)
+
+
+def start(config: StackConfig, children: list[Child]) -> None:
+    """Starts every tier in dependency order, appending each to `children` as soon as it exists
+    (so that the caller can stop whatever was started if a later tier fails)."""
+    redis_dir = config.state_dir / "redis"
+    redis_dir.mkdir(exist_ok=True)
+    try:
+        redis_argv = redis_command(config.redis_port, appendonly=False, dir=redis_dir)
+    except FileNotFoundError as error:
+        raise StackError(str(error)) from None
+    children.append(spawn(config, "redis", "redis", redis_argv, has_ready=False))
+    wait_ready(config, children[-1:], children)
+
+    python = [sys.executable, "-m"]
+    grpc_port, metrics_port = config.ports(8101)
+    router_argv = [*python, "services.router", "--host", HOST,
+                   "--grpc-port", grpc_port, "--metrics-port", metrics_port,
+                   "--redis-url", config.redis_url]  # fmt: skip
+    router = spawn(config, "router", "router", router_argv, has_ready=True)
+    children.append(router)
+    wait_ready(config, [router], children)
+
+    # Workers load models in parallel; each is waited for after all have started.
+    workers: list[Child] = []
+    for i in range(config.num_workers):
+        grpc_port, metrics_port = config.ports(8201 + 10 * i)
+        worker_argv = [*python, "services.gpu_worker", "--host", HOST,
+                       "--grpc-port", grpc_port, "--metrics-port", metrics_port,
+                       "--model-repository", str(config.model_repository),
+                       "--redis-url", config.redis_url, "--worker-id", f"worker-{i}",
+                       *config.extra_worker_args]  # fmt: skip
+        workers.append(spawn(config, f"worker-{i}", "worker", worker_argv, has_ready=True))
+        children.append(workers[-1])
+    wait_ready(config, workers, children)
+    wait_ready(config, [router], children, lambda r: sees_workers(r, config.num_workers),
+               what=f"showing {config.num_workers} {LIVE_WORKERS_METRIC}")  # fmt: skip
+
+    grpc_port, metrics_port = config.ports(8001)
+    gateway_argv = [*python, "services.gateway", "--host", HOST,
+                    "--grpc-port", grpc_port, "--metrics-port", metrics_port,
+                    "--router-address", f"{HOST}:{router.ports['grpc_port']}",
+                    "--model-repository", str(config.model_repository)]  # fmt: skip
+    children.append(spawn(config, "gateway", "gateway", gateway_argv, has_ready=True))
+    wait_ready(config, children[-1:], children)
+
+
+def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
+    """The launcher's ready-file contents: every tier's ports and pid."""
+    by_tier = {c.tier: {**c.ports, "pid": c.process.pid} for c in children}
+    return {
+        "gateway": by_tier["gateway"],
+        "router": by_tier["router"],
+        "workers": [
+            {"worker_id": c.name, **c.ports, "pid": c.process.pid}
+            for c in children
+            if c.tier == "worker"
+        ],
+        "redis": by_tier["redis"],
+        "state_dir": str(config.state_dir),
+    }
+
+
+def announce(config: StackConfig, children: list[Child]) -> None:
+    if config.ready_file is not None:
+        # Written whole and renamed, so a reader never sees half a file.
+        partial = config.ready_file.with_name(config.ready_file.name + ".partial")
+        partial.write_text(json.dumps(describe(config, children), indent=2))
+        os.replace(partial, config.ready_file)
+    lines = ["", "inference-fabric is up on loopback:"]
+    for c in children:
+        if c.tier == "redis":
+            lines.append(f"  {c.name:<10} {config.redis_url:<28} pid {c.process.pid}")
+        else:
+            address = f"{HOST}:{c.ports['grpc_port']}"
+            metrics = f"http://{HOST}:{c.ports['metrics_port']}/metrics"
+            lines.append(f"  {c.name:<10} {address:<28} pid {c.process.pid:<8} {metrics}")
+    gateway = f"{HOST}:{next(c for c in children if c.tier == 'gateway').ports['grpc_port']}"
+    lines += [
+        f"logs: {config.state_dir}/<name>.log",
+        "try:",
+        f'  python -m services.client --address {gateway} embed "hello world"',
+        f"  grpcurl -plaintext -d '{EXAMPLE_PREDICT}' {gateway} {PREDICT_RPC}",
+        f"  grpcurl -plaintext {gateway} list",
+        "Ctrl-C stops every tier, gateway first.",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def run_until_stopped(config: StackConfig, children: list[Child]) -> None:
+    """Never returns: raises Interrupted, or StackError once a tier exits (unless tolerated)."""
+    watched = list(children)
+    while True:
+        try:
+            wait_event(watched, timeout_s=None)
+        except StackError as error:
+            if not config.tolerate_exits:
+                raise
+            print(f"warning: {error}\ngoing on without it (--tolerate-exits)", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            watched = [c for c in watched if c.process.poll() is None]
+
+
+def stop_all(config: StackConfig, children: list[Child]) -> list[str]:
+    """SIGTERMs the tiers front to back, each tier's processes together; SIGKILLs any that outlast
+    `stop_timeout_s`. Returns a line for each process that did not exit cleanly."""
+    problems = []
+    for tier in STOP_ORDER:
+        running = [c for c in children if c.tier == tier and c.process.poll() is None]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        for child in running:
+            try:
+                code = child.process.wait(config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+                problems.append(f"{child.name} killed after {config.stop_timeout_s:.0f} s")
+                continue
+            if code != 0:
+                problems.append(f"{child.name} exited with code {code} after SIGTERM")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = parse_config(argv)
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    print(f"state (logs, ready files, redis files): {config.state_dir}", flush=True)
+    signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
+    children: list[Child] = []
+    exit_code = 1
+    try:
+        start(config, children)
+        announce(config, children)
+        run_until_stopped(config, children)
+    except Interrupted as interrupt:
+        print(f"{interrupt}: stopping gateway, workers, router, redis", flush=True)
+        exit_code = 0
+    except StackError as error:
+        print(f"error: {error}\nstopping every tier", file=sys.stderr, flush=True)
+    finally:
+        problems = stop_all(config, children)
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+    raise SystemExit(1 if problems else exit_code)
+
+
+if __name__ == "__main__":
+    main()

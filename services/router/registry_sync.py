@@ -1,0 +1,81 @@
+"""Keeps the route table's registry snapshot fresh: one pipelined Redis read per period.
+
+When Redis is unreachable the last good snapshot stays in force (the route table bounds how
+long), health reports the registry degraded, and reads retry with capped backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.common.heartbeat import read_registry
+from services.common.registry import RegistryKeys
+from services.router.metrics import RouterMetrics
+from services.router.routing import RouteTable
+
+log = logging.getLogger(__name__)
+
+#: Longest pause between reads while Redis is unreachable.
+_MAX_BACKOFF_S = 5.0
+
+
+class RegistrySync:
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RegistryKeys,
+        table: RouteTable,
+        metrics: RouterMetrics,
+        *,
+        period_s: float,
+        on_degraded_change: Callable[[bool], Awaitable[None]],
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._table = table
+        self._metrics = metrics
+        self._period_s = period_s
+        self._on_degraded_change = on_degraded_change
+        self.is_degraded = True  # until the first good read
+
+    async def refresh_once(self) -> None:
+        """Reads the registry and replaces the snapshot. Raises on Redis errors."""
+        records, redis_now_s = await read_registry(self._client, self._keys)
+        # Heartbeats carry Redis's clock; the table works on ours. Convert via the age each
+        # heartbeat had at the read, so clocks never have to agree.
+        now_s = time.monotonic()
+        self._table.update([(r, now_s - (redis_now_s - hb_s)) for r, hb_s in records], now_s)
+        self._metrics.live_workers.set(len(self._table.live_workers(now_s)))
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self.refresh_once()
+                failures = 0
+                await self._set_degraded(False)
+            except (RedisError, OSError) as error:
+                if failures == 0:
+                    log.warning(
+                        "registry: Redis unreachable (%s); routing from last snapshot", error
+                    )
+                failures += 1
+                await self._set_degraded(True)
+            age_s = self._table.snapshot_age_s(time.monotonic())
+            self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)
+            delay_s = min(_MAX_BACKOFF_S, self._period_s * 2 ** max(0, failures - 1))
+            await asyncio.sleep(delay_s)
+
+    async def _set_degraded(self, is_degraded: bool) -> None:
+        if is_degraded != self.is_degraded:
+            self.is_degraded = is_degraded
+            self._metrics.registry_degraded.set(1 if is_degraded else 0)
+            if not is_degraded:
+                log.info("registry: Redis reachable again")
+            await self._on_degraded_change(is_degraded)

@@ -1,0 +1,309 @@
+"""The routing policy: which worker gets a request, or why none does.
+
+`RouteTable` holds the last registry snapshot plus what this router knows that the registry does
+not yet: rows it has reserved on each worker and workers whose calls just failed. `route()`
+picks the ready worker with the least predicted wait and admits the request only if it can
+finish inside its remaining deadline. `RetryBudget` bounds retries to a fraction of traffic.
+
+Synchronous and pure: time comes in as `now_s` (the driver's monotonic clock, the same clock
+as the heartbeat times it passes to `update`), randomness from an injected `random.Random`.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.registry import ModelRecord, WorkerRecord
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """The router's routing and admission settings."""
+
+    #: A worker whose heartbeat was older than this at the last refresh is dead (seconds).
+    stale_after_s: float = 3.0
+    #: If the snapshot has not been refreshed for this long (Redis unreachable), every route is
+    #: rejected with NO_WORKER: past this, the last good snapshot is too old to trust (seconds).
+    max_snapshot_age_s: float = 120.0
+    #: How long a worker whose call failed with UNAVAILABLE is skipped (seconds).
+    eject_s: float = 5.0
+    #: Safety margin kept between predicted completion and the deadline (seconds).
+    deadline_margin_s: float = 0.005
+    #: Use power-of-two-choices when there are more candidates than this; else exact minimum.
+    power_of_two_threshold: int = 4
+
+    def __post_init__(self) -> None:
+        durations = (self.stale_after_s, self.max_snapshot_age_s, self.eject_s)
+        if min(*durations, self.deadline_margin_s) < 0:
+            raise ValueError("routing durations and margin must be >= 0 seconds")
+        if self.power_of_two_threshold < 1:
+            raise ValueError("power_of_two_threshold must be >= 1")
+
+
+class RejectReason(enum.Enum):
+    """Why a request was not routed. Values are Prometheus label values."""
+
+    #: No ready worker serves it now (UNAVAILABLE): retrying later may succeed.
+    NO_WORKER = "no_worker"
+    #: Predicted completion misses the remaining deadline (RESOURCE_EXHAUSTED + retry hint).
+    DEADLINE = "deadline"
+    #: No worker in the snapshot advertises this name@version at all (NOT_FOUND).
+    UNKNOWN_MODEL = "unknown_model"
+
+
+@dataclass(frozen=True)
+class Route:
+    """Send the request to this worker; call `release(reservation_id)` when the call ends."""
+
+    worker_id: str
+    #: host:port to dial.
+    address: str
+    #: Identifies the rows reserved for this request on the worker.
+    reservation_id: int
+    #: Predicted queue wait plus compute on that worker when routed (seconds).
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Do not send the request anywhere."""
+
+    reason: RejectReason
+    #: When a retry could plausibly succeed (seconds from now); 0 when retrying cannot help.
+    retry_after_s: float
+    message: str
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    worker: WorkerRecord
+    model: ModelRecord
+    predicted_s: float
+
+
+class RouteTable:
+    """The last registry snapshot, this router's reservations and ejections, and the choice."""
+
+    def __init__(self, config: RoutingConfig, rng: random.Random) -> None:
+        self._config = config
+        self._rng = rng
+        # Sorted by worker_id, so exact-minimum ties and seeded sampling are reproducible.
+        self._workers: tuple[tuple[WorkerRecord, float], ...] = ()
+        self._refreshed_at_s: float | None = None
+        # worker_id -> monotonic time until which it is skipped. Survives `update`: a fresh
+        # heartbeat does not prove the worker answers calls.
+        self._ejected_until_s: dict[str, float] = {}
+        # (worker_id, "name@version") -> rows reserved by this router and not yet released.
+        self._inflight_rows: dict[tuple[str, str], int] = {}
+        # reservation_id -> (worker_id, "name@version", rows).
+        self._reservations: dict[int, tuple[str, str, int]] = {}
+        self._next_reservation_id = itertools.count(1)
+
+    def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> None:
+        """Replace the snapshot with `records`, each paired with its heartbeat time (seconds)."""
+        self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
+        self._refreshed_at_s = now_s
+        self._ejected_until_s = {w: t for w, t in self._ejected_until_s.items() if t > now_s}
+
+    def route(
+        self,
+        name: str,
+        version: str,
+        num_rows: int,
+        remaining_s: float,
+        now_s: float,
+        exclude: frozenset[str] = frozenset(),
+    ) -> Route | Reject:
+        """Choose a worker for `num_rows` rows of name@version and reserve them, or reject.
+
+        `remaining_s` is what is left of the request's deadline (math.inf for none); `exclude`
+        names workers already tried for this request.
+        """
+        cfg = self._config
+        refreshed_at_s = self._refreshed_at_s
+        if refreshed_at_s is None:
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, "registry not loaded yet")
+        age_s = now_s - refreshed_at_s
+        if age_s > cfg.max_snapshot_age_s:
+            message = f"registry stale: last refresh {age_s:.1f}s ago"
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+
+        key = f"{name}@{version}"
+        candidates: list[_Candidate] = []
+        is_known = False
+        for worker, heartbeat_s in self._workers:
+            model = worker.model(name, version)
+            if model is None:
+                continue
+            is_known = True
+            if (
+                not self._is_alive(heartbeat_s, refreshed_at_s)
+                or worker.is_draining
+                or not model.is_ready
+                or worker.worker_id in exclude
+                or now_s < self._ejected_until_s.get(worker.worker_id, -math.inf)
+            ):
+                continue
+            # The heartbeat is up to a period stale but counts every router's traffic; the
+            # local count is fresh but only ours. The max is a conservative blend of the two.
+            local_rows = self._inflight_rows.get((worker.worker_id, key), 0)
+            queued_rows = max(model.queued_rows, local_rows)
+            predicted_s = max(model.min_batch_s, (queued_rows + num_rows) * model.per_row_s)
+            candidates.append(_Candidate(worker, model, predicted_s))
+
+        if not candidates:
+            if not is_known:
+                return Reject(RejectReason.UNKNOWN_MODEL, 0.0, f"no worker serves {key}")
+            message = f"no ready worker for {key}"
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+
+        budget_s = remaining_s - cfg.deadline_margin_s
+        best = self._choose(candidates)
+        if best.predicted_s > budget_s:
+            # Power-of-two may have sampled two busy workers: before rejecting, fall back to the
+            # exact best, so a request is refused only when no candidate can meet its deadline.
+            best = min(candidates, key=_rank)
+        if best.predicted_s > budget_s:
+            # The backlog beyond the budget must drain first; at least one batch's time.
+            excess_s = best.predicted_s - budget_s
+            message = (
+                f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id} "
+                f"exceeds remaining deadline {remaining_s:.3f}s"
+            )
+            retry_after_s = max(excess_s, best.model.min_batch_s)
+            return Reject(RejectReason.DEADLINE, retry_after_s, message)
+
+        # Check and reserve happen in this one synchronous call, with no await between them:
+        # that is the atomicity guarantee. Two routes in the same tick see each other's rows.
+        worker_id = best.worker.worker_id
+        reservation_id = next(self._next_reservation_id)
+        self._reservations[reservation_id] = (worker_id, key, num_rows)
+        slot = (worker_id, key)
+        self._inflight_rows[slot] = self._inflight_rows.get(slot, 0) + num_rows
+        return Route(worker_id, best.worker.address, reservation_id, best.predicted_s)
+
+    def release(self, reservation_id: int) -> None:
+        """Return a reservation's rows. Idempotent: unknown or released ids are ignored."""
+        reservation = self._reservations.pop(reservation_id, None)
+        if reservation is None:
+            return
+        worker_id, key, num_rows = reservation
+        slot = (worker_id, key)
+        remaining_rows = self._inflight_rows[slot] - num_rows
+        if remaining_rows > 0:
+            self._inflight_rows[slot] = remaining_rows
+        else:
+            del self._inflight_rows[slot]
+
+    def eject(self, worker_id: str, now_s: float) -> None:
+        """Skip `worker_id` until now_s + eject_s: a call to it failed with UNAVAILABLE."""
+        self._ejected_until_s[worker_id] = now_s + self._config.eject_s
+
+    def inflight_rows(self, worker_id: str) -> int:
+        """Rows this router has reserved on `worker_id` and not released, all models."""
+        return sum(rows for (w, _), rows in self._inflight_rows.items() if w == worker_id)
+
+    def live_workers(self, now_s: float) -> tuple[WorkerRecord, ...]:
+        """Workers whose heartbeat is fresh, draining or not, in worker_id order."""
+        del now_s  # Liveness is judged at the last refresh; see `_is_alive`.
+        refreshed_at_s = self._refreshed_at_s
+        if refreshed_at_s is None:
+            return ()
+        return tuple(w for w, hb_s in self._workers if self._is_alive(hb_s, refreshed_at_s))
+
+    def served_models(self, now_s: float) -> dict[str, list[tuple[WorkerRecord, ModelRecord]]]:
+        """Every live worker's models, ready or not, keyed by "name@version" (for a catalog)."""
+        served: dict[str, list[tuple[WorkerRecord, ModelRecord]]] = {}
+        for worker in self.live_workers(now_s):
+            for model in worker.models:
+                served.setdefault(model.key, []).append((worker, model))
+        return served
+
+    def snapshot_age_s(self, now_s: float) -> float | None:
+        """Seconds since the last `update`, or None before the first one."""
+        if self._refreshed_at_s is None:
+            return None
+        return now_s - self._refreshed_at_s
+
+    def _is_alive(self, heartbeat_s: float, refreshed_at_s: float) -> bool:
+        # Judged at the last refresh, not at now_s: while Redis is unreachable the snapshot is
+        # frozen, and the router keeps routing to the workers alive at the last good read (for
+        # up to max_snapshot_age_s; failed calls eject). While refreshes arrive every period,
+        # this lags the now_s comparison by at most one refresh period.
+        return refreshed_at_s - heartbeat_s <= self._config.stale_after_s
+
+    def _choose(self, candidates: list[_Candidate]) -> _Candidate:
+        if len(candidates) > self._config.power_of_two_threshold:
+            # Power-of-two-choices: many routers with similar views would all pick the same
+            # exact minimum; two random samples spread load and still avoid the worst.
+            first, second = self._rng.sample(candidates, 2)
+            return min(first, second, key=_rank)
+        return min(candidates, key=_rank)
+
+
+def _rank(candidate: _Candidate) -> tuple[float, str]:
+    return candidate.predicted_s, candidate.worker.worker_id
+
+
+#: Slices of the retry budget's window: deposits and withdrawals expire one slice at a time.
+_NUM_SLICES = 10
+
+
+class RetryBudget:
+    """Finagle-style retry budget: retries <= ratio x requests + a floor, over a sliding window.
+
+    Each request deposits `ratio` tokens and each retry withdraws one. Both expire after
+    `window_s`, and a constant reserve of `min_per_s * window_s` tokens sits on top, so:
+    - under traffic, retries stay near `ratio` of requests;
+    - at zero traffic, about `min_per_s` retries per second still get through;
+    - after a quiet period the balance is back to the reserve (deposits expired), so an idle
+      router cannot bank unlimited retries: the cap is ratio x requests in the last window +
+      the reserve.
+    """
+
+    def __init__(self, ratio: float = 0.2, min_per_s: float = 5.0, window_s: float = 10.0) -> None:
+        """Raises ValueError on a negative ratio or floor, or a non-positive window."""
+        if ratio < 0 or min_per_s < 0 or window_s <= 0:
+            raise ValueError("ratio and min_per_s must be >= 0, window_s > 0")
+        self._ratio = ratio
+        self._reserve = min_per_s * window_s
+        self._slice_s = window_s / _NUM_SLICES
+        # Ring of slices: net tokens (deposits - withdrawals) and the absolute slice number
+        # each entry currently holds, so an entry from an old window reads as empty.
+        self._net = [0.0] * _NUM_SLICES
+        self._slice_number = [-1] * _NUM_SLICES
+
+    def record_request(self, now_s: float) -> None:
+        """Count one request (first attempts only, not retries)."""
+        self._net[self._slot(now_s)] += self._ratio
+
+    def try_spend(self, now_s: float) -> bool:
+        """Withdraw one token for a retry; False (and nothing withdrawn) if none is left."""
+        # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
+        if self.balance(now_s) < 1.0 - 1e-9:
+            return False
+        self._net[self._slot(now_s)] -= 1.0
+        return True
+
+    def balance(self, now_s: float) -> float:
+        """Tokens available for retries now."""
+        current = math.floor(now_s / self._slice_s)
+        in_window = (
+            net
+            for net, number in zip(self._net, self._slice_number, strict=True)
+            if current - _NUM_SLICES < number <= current
+        )
+        return self._reserve + sum(in_window)
+
+    def _slot(self, now_s: float) -> int:
+        number = math.floor(now_s / self._slice_s)
+        index = number % _NUM_SLICES
+        if self._slice_number[index] != number:
+            self._slice_number[index] = number
+            self._net[index] = 0.0
+        return index

@@ -1,0 +1,134 @@
+"""gRPC wiring of the router: forwarding, the fleet catalog, health, reflection."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health
+from prometheus_client import CollectorRegistry
+
+from services.common.heartbeat import connect
+from services.common.lifecycle import (
+    NOT_SERVING,
+    SERVING,
+    add_health_and_reflection,
+    new_server,
+    set_serving,
+)
+from services.common.registry import RegistryKeys
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.router.config import RouterConfig
+from services.router.forwarder import Forwarder
+from services.router.metrics import RouterMetrics
+from services.router.registry_sync import RegistrySync
+from services.router.routing import RetryBudget, RouteTable
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
+#: Health service name that reports NOT_SERVING while Redis is unreachable. The overall ("")
+#: status stays SERVING then: routing continues from the last snapshot, and a liveness probe
+#: must not restart routers because Redis is down.
+REGISTRY_HEALTH_NAME = "fabric.registry"
+_KINDS = {
+    "embedding": pb.MODEL_KIND_EMBEDDING,
+    "torchscript": pb.MODEL_KIND_TORCHSCRIPT,
+    "generation": pb.MODEL_KIND_GENERATION,
+}
+
+
+class Catalog:
+    """Answers ListModels with every version some live worker serves."""
+
+    def __init__(self, table: RouteTable) -> None:
+        self._table = table
+
+    async def list_models(
+        self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkerModelsResponse:
+        versions = []
+        for served in self._table.served_models(time.monotonic()).values():
+            _, model = served[0]
+            is_ready = any(m.is_ready and not w.is_draining for w, m in served)
+            versions.append(
+                pb.ModelVersionInfo(
+                    model_name=model.name,
+                    model_version=model.version,
+                    fingerprint=model.fingerprint,
+                    tokenizer_fingerprint=model.tokenizer_fingerprint,
+                    kind=_KINDS.get(model.kind, pb.MODEL_KIND_UNSPECIFIED),
+                    max_batch_size=model.max_batch_size,
+                    slo_p99_ms=model.slo_p99_ms,
+                    is_ready=is_ready,
+                )
+            )
+        return pb.ListWorkerModelsResponse(versions=versions, device="router")
+
+
+@dataclass
+class Router:
+    config: RouterConfig
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+    metrics: RouterMetrics
+    sync: RegistrySync
+    forwarder: Forwarder
+
+    async def stop(self) -> None:
+        await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
+        await self.server.stop(grace=10.0)
+        await self.forwarder.close()
+
+
+async def create_router(config: RouterConfig) -> Router:
+    """Builds and starts the router; the registry sync task is the caller's to run."""
+    metrics = RouterMetrics(CollectorRegistry())
+    table = RouteTable(config.routing, random.Random())
+    forwarder = Forwarder(
+        table,
+        RetryBudget(),
+        metrics,
+        default_timeout_s=config.default_timeout_s,
+        max_retries=config.max_retries,
+    )
+    catalog = Catalog(table)
+    server = new_server()
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE_NAME,
+                {
+                    # No (de)serializers: the body is forwarded as the bytes it arrived as.
+                    "Infer": grpc.unary_unary_rpc_method_handler(forwarder.infer),
+                    "ListModels": grpc.unary_unary_rpc_method_handler(
+                        catalog.list_models,
+                        request_deserializer=pb.ListWorkerModelsRequest.FromString,
+                        response_serializer=pb.ListWorkerModelsResponse.SerializeToString,
+                    ),
+                },
+            ),
+        )
+    )
+    health_servicer = await add_health_and_reflection(
+        server, (SERVICE_NAME, REGISTRY_HEALTH_NAME), status=SERVING
+    )
+
+    async def on_degraded_change(is_degraded: bool) -> None:
+        await health_servicer.set(REGISTRY_HEALTH_NAME, NOT_SERVING if is_degraded else SERVING)
+
+    sync = RegistrySync(
+        connect(config.redis_url),
+        RegistryKeys(config.registry_prefix),
+        table,
+        metrics,
+        period_s=config.refresh_period_s,
+        on_degraded_change=on_degraded_change,
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    await server.start()
+    return Router(config, server, port, health_servicer, metrics, sync, forwarder)

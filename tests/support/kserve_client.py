@@ -1,0 +1,128 @@
+"""Drives a server with the stock Triton gRPC client, to prove KServe v2 wire compatibility.
+
+Runs under the separate `.venv-triton` interpreter (tritonclient brings its own generated
+`inference` protos, which must not share a process with ours), so it imports nothing from this
+repository. Prints exactly one JSON object on stdout:
+
+    python tests/support/kserve_client.py --url 127.0.0.1:PORT --model minilm [--api-key K] TEXT...
+
+prints liveness, readiness, server and model metadata, and the `embedding` output for the texts.
+With `--expect-error` it only sends the infer request and prints the error it got back
+({"error_status": "StatusCode.INVALID_ARGUMENT", "message": ...}); exits 1 if the call succeeded.
+"""
+
+import argparse
+import json
+import sys
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException, triton_to_np_dtype
+
+INPUT_NAME = "text"
+OUTPUT_NAME = "embedding"
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True, help="host:port of the gRPC endpoint")
+    parser.add_argument("--model", required=True, help="model name, for example minilm")
+    parser.add_argument("--model-version", default="", help="empty lets the server choose")
+    parser.add_argument("--api-key", help="sent as the `authorization: Bearer KEY` header")
+    parser.add_argument(
+        "--expect-error", action="store_true", help="only infer, and report the error status"
+    )
+    parser.add_argument(
+        "--datatype",
+        default="BYTES",
+        help="datatype of the `text` input; anything but BYTES sends zeros of that type",
+    )
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="per-call client timeout")
+    parser.add_argument("texts", nargs="*", help="input texts, one row each")
+    return parser.parse_args(argv)
+
+
+def make_input(texts: list[str], datatype: str) -> grpcclient.InferInput:
+    """One `text` tensor of shape [N]; BYTES holds the UTF-8 texts, other types hold zeros."""
+    infer_input = grpcclient.InferInput(INPUT_NAME, [len(texts)], datatype)
+    if datatype == "BYTES":
+        data = np.array([text.encode("utf-8") for text in texts], dtype=np.object_)
+    else:
+        data = np.zeros([len(texts)], dtype=triton_to_np_dtype(datatype))
+    infer_input.set_data_from_numpy(data)
+    return infer_input
+
+
+def tensor_metadata(tensors) -> list[dict]:
+    return [
+        {"name": t.name, "datatype": t.datatype, "shape": [int(d) for d in t.shape]}
+        for t in tensors
+    ]
+
+
+def infer(client, args: argparse.Namespace, headers: dict | None):
+    return client.infer(
+        args.model,
+        inputs=[make_input(args.texts, args.datatype)],
+        model_version=args.model_version,
+        outputs=[grpcclient.InferRequestedOutput(OUTPUT_NAME)],
+        headers=headers,
+        client_timeout=args.timeout_s,
+    )
+
+
+def run_expect_error(client, args: argparse.Namespace, headers: dict | None) -> int:
+    try:
+        infer(client, args, headers)
+    except InferenceServerException as error:
+        print(json.dumps({"error_status": error.status(), "message": error.message()}))
+        return 0
+    print(json.dumps({"error_status": None, "message": "the call succeeded"}))
+    return 1
+
+
+def run_happy_path(client, args: argparse.Namespace, headers: dict | None) -> int:
+    call = {"headers": headers, "client_timeout": args.timeout_s}
+    live = client.is_server_live(**call)
+    ready = client.is_server_ready(**call)
+    model_ready = client.is_model_ready(args.model, args.model_version, **call)
+    server = client.get_server_metadata(**call)
+    model = client.get_model_metadata(args.model, args.model_version, **call)
+    embeddings = infer(client, args, headers).as_numpy(OUTPUT_NAME)
+    report = {
+        "live": live,
+        "ready": ready,
+        "model_ready": model_ready,
+        "server_metadata": {
+            "name": server.name,
+            "version": server.version,
+            "extensions": list(server.extensions),
+        },
+        "model_metadata": {
+            "name": model.name,
+            "versions": list(model.versions),
+            "platform": model.platform,
+            "inputs": tensor_metadata(model.inputs),
+            "outputs": tensor_metadata(model.outputs),
+        },
+        "embedding_shape": None if embeddings is None else list(embeddings.shape),
+        "embeddings": None if embeddings is None else embeddings.tolist(),
+    }
+    print(json.dumps(report))
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    client = grpcclient.InferenceServerClient(url=args.url)
+    try:
+        if args.expect_error:
+            return run_expect_error(client, args, headers)
+        return run_happy_path(client, args, headers)
+    finally:
+        client.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,136 @@
+"""The whole fabric as `python -m services.local_stack` runs it, on free ports, for e2e tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.support.processes import REPO_ROOT
+
+
+@dataclass(frozen=True)
+class Tier:
+    """One gRPC tier's process as the launcher reported it."""
+
+    grpc_port: int
+    metrics_port: int
+    pid: int
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+
+@dataclass(frozen=True)
+class WorkerTier(Tier):
+    worker_id: str = ""
+
+
+@dataclass
+class Stack:
+    process: subprocess.Popen[bytes]
+    #: The launcher's --state-dir: every child's `<name>.log` is here.
+    state_dir: Path
+    #: The launcher's own stdout and stderr.
+    launcher_log_path: Path
+    gateway: Tier
+    router: Tier
+    workers: list[WorkerTier]
+    redis_port: int
+    redis_pid: int
+
+    @property
+    def redis_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def pids(self) -> dict[str, int]:
+        """Every child's pid by name (gateway, router, worker-0..., redis)."""
+        return {
+            "gateway": self.gateway.pid,
+            "router": self.router.pid,
+            **{w.worker_id: w.pid for w in self.workers},
+            "redis": self.redis_pid,
+        }
+
+    def log(self, name: str) -> str:
+        """A child's log (`gateway`, `router`, `worker-0`, `redis`), or `launcher`'s own."""
+        path = self.launcher_log_path if name == "launcher" else self.state_dir / f"{name}.log"
+        return path.read_text(errors="replace")
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM the launcher (it stops every tier in order), wait, return its exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def kill(self) -> None:
+        """SIGKILL the launcher: its children are left to notice on their own."""
+        self.process.kill()
+        self.process.wait()
+
+
+def start_stack(
+    tmp_path: Path,
+    *,
+    num_workers: int = 1,
+    model_repository: Path | None = None,
+    extra_worker_args: tuple[str, ...] = (),
+    tolerate_exits: bool = False,
+    ready_timeout_s: float = 300.0,
+) -> Stack:
+    """Runs `python -m services.local_stack --ephemeral-ports` and waits until every tier is up.
+
+    `tolerate_exits`: the launcher keeps the other tiers running when one exits after startup
+    (for tests that kill a worker or Redis on purpose); `stop()` then still returns 0.
+    """
+    state_dir = tmp_path / "stack"
+    ready_file = tmp_path / "stack-ready.json"
+    launcher_log_path = tmp_path / "launcher.log"
+    args = [
+        sys.executable, "-m", "services.local_stack", "--ephemeral-ports",
+        "--num-workers", str(num_workers),
+        "--model-repository", str(model_repository or REPO_ROOT / "models"),
+        "--state-dir", str(state_dir), "--ready-file", str(ready_file),
+        *(f"--worker-arg={arg}" for arg in extra_worker_args),
+        *(["--tolerate-exits"] if tolerate_exits else []),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with launcher_log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            args, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env
+        )
+    deadline = time.monotonic() + ready_timeout_s
+    # The launcher renames its ready file into place whole; it cannot be awaited, only looked for.
+    while not ready_file.exists():
+        if process.poll() is not None:
+            raise RuntimeError(
+                f"local_stack exited with {process.returncode}:\n"
+                f"{launcher_log_path.read_text(errors='replace')}"
+            )
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise TimeoutError(f"local_stack not ready in {ready_timeout_s} s")
+        time.sleep(0.1)
+    ready = json.loads(ready_file.read_text())
+    return Stack(
+        process=process,
+        state_dir=state_dir,
+        launcher_log_path=launcher_log_path,
+        gateway=Tier(**ready["gateway"]),
+        router=Tier(**ready["router"]),
+        workers=[WorkerTier(**worker) for worker in ready["workers"]],
+        redis_port=ready["redis"]["port"],
+        redis_pid=ready["redis"]["pid"],
+    )

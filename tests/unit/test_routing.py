@@ -1,0 +1,465 @@
+"""RouteTable and RetryBudget: choice, liveness, reservations, admission, ejection, budgets.
+
+Unless a test says otherwise: every worker serves minilm@1, ready, with per_row_s = min_batch_s
+= 0.01, and heartbeats at the time of the update, so predicted_s = max(0.01, rows * 0.01).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from services.common.registry import ModelRecord, WorkerRecord
+from services.router.routing import (
+    Reject,
+    RejectReason,
+    RetryBudget,
+    Route,
+    RouteTable,
+    RoutingConfig,
+)
+
+MODEL = ("minilm", "1")
+
+
+def make_model(
+    *,
+    name: str = "minilm",
+    version: str = "1",
+    queued_rows: int = 0,
+    per_row_s: float = 0.01,
+    min_batch_s: float = 0.01,
+    is_ready: bool = True,
+) -> ModelRecord:
+    return ModelRecord(
+        name=name,
+        version=version,
+        fingerprint="fp",
+        tokenizer_fingerprint="tfp",
+        kind="embedding",
+        max_batch_size=32,
+        slo_p99_ms=100,
+        per_row_s=per_row_s,
+        min_batch_s=min_batch_s,
+        queued_rows=queued_rows,
+        is_ready=is_ready,
+    )
+
+
+def make_worker(
+    *,
+    worker_id: str = "w1",
+    queued_rows: int = 0,
+    per_row_s: float = 0.01,
+    min_batch_s: float = 0.01,
+    draining: bool = False,
+    is_ready: bool = True,
+    models: Sequence[tuple[str, str]] = (MODEL,),
+) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        address=f"{worker_id}:50051",
+        is_draining=draining,
+        sent_at_ms=0,
+        models=tuple(
+            make_model(
+                name=name,
+                version=version,
+                queued_rows=queued_rows,
+                per_row_s=per_row_s,
+                min_batch_s=min_batch_s,
+                is_ready=is_ready,
+            )
+            for name, version in models
+        ),
+    )
+
+
+def make_table(*, seed: int = 0, rng: random.Random | None = None, **config: Any) -> RouteTable:
+    return RouteTable(RoutingConfig(**config), rng or random.Random(seed))
+
+
+def loaded(
+    table: RouteTable, *workers: WorkerRecord, now_s: float = 0.0, heartbeat_s: float | None = None
+) -> RouteTable:
+    """Update `table` with `workers`, all heartbeating at `heartbeat_s` (default: now_s)."""
+    beat_s = now_s if heartbeat_s is None else heartbeat_s
+    table.update([(w, beat_s) for w in workers], now_s)
+    return table
+
+
+def route(
+    table: RouteTable,
+    *,
+    name: str = "minilm",
+    version: str = "1",
+    num_rows: int = 1,
+    remaining_s: float = 10.0,
+    now_s: float = 0.0,
+    exclude: frozenset[str] = frozenset(),
+) -> Route | Reject:
+    return table.route(name, version, num_rows, remaining_s, now_s, exclude)
+
+
+def routed_to(decision: Route | Reject) -> str:
+    assert isinstance(decision, Route), decision
+    return decision.worker_id
+
+
+def rejected(decision: Route | Reject) -> RejectReason:
+    assert isinstance(decision, Reject), decision
+    return decision.reason
+
+
+class RecordingRandom(random.Random):
+    """A seeded Random that remembers every pair it sampled."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self.samples: list[list[Any]] = []
+
+    def sample(self, population: Any, k: int, **kwargs: Any) -> list[Any]:
+        chosen = super().sample(population, k, **kwargs)
+        self.samples.append(chosen)
+        return chosen
+
+
+# Choice
+
+
+def test_least_predicted_wait_wins() -> None:
+    table = loaded(
+        make_table(),
+        make_worker(worker_id="w1", queued_rows=10),
+        make_worker(worker_id="w2", queued_rows=2),
+        make_worker(worker_id="w3", queued_rows=5),
+    )
+    decision = route(table, num_rows=4)
+    assert routed_to(decision) == "w2"
+    assert isinstance(decision, Route)
+    assert decision.address == "w2:50051"
+    assert decision.predicted_s == pytest.approx((2 + 4) * 0.01)
+
+
+def test_predicted_wait_weighs_per_row_cost_not_just_queue_depth() -> None:
+    table = loaded(
+        make_table(),
+        make_worker(worker_id="slow", queued_rows=0, per_row_s=0.1, min_batch_s=0.1),
+        make_worker(worker_id="fast", queued_rows=5, per_row_s=0.01),
+    )
+    assert routed_to(route(table)) == "fast"  # 0.06 s beats 0.1 s
+
+
+def test_predicted_wait_is_at_least_one_batch() -> None:
+    table = loaded(make_table(), make_worker(min_batch_s=0.05))
+    decision = route(table, num_rows=1)
+    assert isinstance(decision, Route)
+    assert decision.predicted_s == pytest.approx(0.05)
+
+
+def test_ties_go_to_the_lowest_worker_id() -> None:
+    table = loaded(make_table(), make_worker(worker_id="b"), make_worker(worker_id="a"))
+    assert routed_to(route(table)) == "a"
+
+
+# Reservations
+
+
+def test_local_reservations_steer_the_next_route_and_release_restores() -> None:
+    table = loaded(make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2"))
+    first = route(table, num_rows=10)
+    assert routed_to(first) == "w1"
+    assert table.inflight_rows("w1") == 10
+    assert routed_to(route(table, num_rows=10)) == "w2"  # w1 now looks 10 rows busier
+
+    assert isinstance(first, Route)
+    table.release(first.reservation_id)
+    assert table.inflight_rows("w1") == 0
+    assert routed_to(route(table, num_rows=1)) == "w1"
+
+
+def test_release_is_idempotent_and_ignores_unknown_ids() -> None:
+    table = loaded(make_table(), make_worker())
+    first, second = route(table, num_rows=3), route(table, num_rows=2)
+    assert isinstance(first, Route) and isinstance(second, Route)
+    assert first.reservation_id != second.reservation_id
+    table.release(first.reservation_id)
+    table.release(first.reservation_id)
+    table.release(12345)
+    assert table.inflight_rows("w1") == 2
+
+
+def test_heartbeat_queue_counts_when_above_local_reservations() -> None:
+    # The heartbeat counts other routers' rows too; our own 5 must not hide its 20.
+    table = loaded(make_table(), make_worker(worker_id="w1", queued_rows=20))
+    assert isinstance(route(table, num_rows=5), Route)
+    decision = route(table, num_rows=1)
+    assert isinstance(decision, Route)
+    assert decision.predicted_s == pytest.approx((20 + 1) * 0.01)
+
+
+def test_routes_in_one_tick_admit_exactly_what_fits() -> None:
+    # Each 1-row route on an idle worker is predicted at (reserved + 1) * 0.01 s; with a 0.1 s
+    # deadline and 0.005 s margin, 9 fit per worker.
+    table = loaded(make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2"))
+    decisions = [route(table, remaining_s=0.1) for _ in range(30)]
+    routes = [d for d in decisions if isinstance(d, Route)]
+    assert len(routes) == 18
+    assert Counter(r.worker_id for r in routes) == {"w1": 9, "w2": 9}
+    assert all(rejected(d) is RejectReason.DEADLINE for d in decisions[18:])
+
+    table.release(routes[0].reservation_id)
+    assert isinstance(route(table, remaining_s=0.1), Route)
+    assert rejected(route(table, remaining_s=0.1)) is RejectReason.DEADLINE
+
+
+# Admission
+
+
+def test_deadline_rejection_gives_a_retry_hint_and_reserves_nothing() -> None:
+    table = loaded(make_table(), make_worker(queued_rows=100))  # predicted 1.01 s
+    decision = route(table, remaining_s=0.5)
+    assert rejected(decision) is RejectReason.DEADLINE
+    assert isinstance(decision, Reject)
+    assert decision.retry_after_s == pytest.approx(1.01 + 0.005 - 0.5)
+    assert "1.010" in decision.message and "0.500" in decision.message
+    assert table.inflight_rows("w1") == 0
+    assert isinstance(route(table, remaining_s=2.0), Route)
+
+
+def test_deadline_already_passed_still_gives_a_positive_retry_hint() -> None:
+    table = loaded(make_table(), make_worker())
+    decision = route(table, remaining_s=0.0)
+    assert isinstance(decision, Reject)
+    assert decision.reason is RejectReason.DEADLINE
+    assert decision.retry_after_s > 0
+
+
+# Candidates
+
+
+def test_stale_heartbeat_is_excluded() -> None:
+    table = make_table(stale_after_s=3.0)
+    table.update(
+        [
+            (make_worker(worker_id="dead", queued_rows=0), 6.9),  # 3.1 s old at refresh
+            (make_worker(worker_id="edge", queued_rows=5), 7.0),  # exactly 3.0 s: alive
+            (make_worker(worker_id="busy", queued_rows=50), 9.5),
+        ],
+        now_s=10.0,
+    )
+    assert routed_to(route(table, now_s=10.0)) == "edge"
+    assert [w.worker_id for w in table.live_workers(10.0)] == ["busy", "edge"]
+
+
+def test_draining_worker_is_excluded() -> None:
+    table = loaded(
+        make_table(),
+        make_worker(worker_id="w1", draining=True),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    assert routed_to(route(table)) == "w2"
+
+
+def test_not_ready_model_is_excluded() -> None:
+    table = loaded(
+        make_table(),
+        make_worker(worker_id="w1", is_ready=False),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    assert routed_to(route(table)) == "w2"
+
+
+def test_exclude_set_sends_a_retry_elsewhere() -> None:
+    table = loaded(
+        make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2", queued_rows=50)
+    )
+    assert routed_to(route(table, exclude=frozenset({"w1"}))) == "w2"
+    everyone = frozenset({"w1", "w2"})
+    assert rejected(route(table, exclude=everyone)) is RejectReason.NO_WORKER
+
+
+def test_ejected_worker_is_skipped_until_eject_s_passes() -> None:
+    table = loaded(
+        make_table(eject_s=5.0),
+        make_worker(worker_id="w1"),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    table.eject("w1", now_s=1.0)
+    assert routed_to(route(table, now_s=1.0)) == "w2"
+    loaded(table, make_worker(worker_id="w1"), make_worker(worker_id="w2"), now_s=5.9)
+    assert routed_to(route(table, now_s=5.9)) == "w2"  # a fresh heartbeat does not un-eject
+    assert routed_to(route(table, now_s=6.0)) == "w1"
+
+
+def test_only_ejected_workers_means_no_worker() -> None:
+    table = loaded(make_table(), make_worker())
+    table.eject("w1", now_s=0.0)
+    assert rejected(route(table)) is RejectReason.NO_WORKER
+
+
+def test_unknown_model_differs_from_no_ready_worker() -> None:
+    table = make_table()
+    table.update(
+        [
+            (make_worker(worker_id="dead", models=(("old", "1"),)), 0.0),
+            (make_worker(worker_id="busy", draining=True, models=(("minilm", "1"),)), 10.0),
+        ],
+        now_s=10.0,
+    )
+    assert rejected(route(table, name="nope", now_s=10.0)) is RejectReason.UNKNOWN_MODEL
+    assert rejected(route(table, version="2", now_s=10.0)) is RejectReason.UNKNOWN_MODEL
+    unknown = route(table, name="nope", now_s=10.0)
+    assert isinstance(unknown, Reject) and "nope@1" in unknown.message
+    # Advertised, but only by a dead worker or a draining one: the model exists.
+    assert rejected(route(table, name="old", now_s=10.0)) is RejectReason.NO_WORKER
+    assert rejected(route(table, now_s=10.0)) is RejectReason.NO_WORKER
+
+
+# Snapshot staleness
+
+
+def test_no_snapshot_yet_is_no_worker_not_unknown_model() -> None:
+    table = make_table()
+    assert table.snapshot_age_s(5.0) is None
+    assert rejected(route(table)) is RejectReason.NO_WORKER
+
+
+def test_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> None:
+    table = loaded(make_table(stale_after_s=3.0, max_snapshot_age_s=120.0), make_worker())
+    # Redis unreachable: no updates. Workers alive at the last good read keep serving.
+    assert routed_to(route(table, now_s=100.0)) == "w1"
+    assert table.snapshot_age_s(100.0) == pytest.approx(100.0)
+    stale = route(table, now_s=120.5)
+    assert rejected(stale) is RejectReason.NO_WORKER
+    assert isinstance(stale, Reject) and "stale" in stale.message
+
+    loaded(table, make_worker(), now_s=121.0)
+    assert routed_to(route(table, now_s=121.0)) == "w1"
+
+
+# Power-of-two-choices
+
+
+def test_few_candidates_use_the_exact_minimum() -> None:
+    rng = RecordingRandom(0)
+    workers = [make_worker(worker_id=f"w{i}", queued_rows=10 * i) for i in range(4)]
+    table = loaded(make_table(rng=rng, power_of_two_threshold=4), *workers)
+    for _ in range(50):
+        decision = route(table)
+        assert routed_to(decision) == "w0"
+        assert isinstance(decision, Route)
+        table.release(decision.reservation_id)
+    assert rng.samples == []
+
+
+def test_power_of_two_never_picks_the_worse_of_its_pair_and_spreads_load() -> None:
+    rng = RecordingRandom(7)
+    workers = [make_worker(worker_id=f"w{i}", queued_rows=10 * i) for i in range(10)]
+    table = loaded(make_table(rng=rng, power_of_two_threshold=4), *workers)
+    chosen: Counter[str] = Counter()
+    for _ in range(2000):
+        decision = route(table)
+        assert isinstance(decision, Route)
+        table.release(decision.reservation_id)
+        pair = rng.samples[-1]
+        better = min(pair, key=lambda c: c.predicted_s)
+        assert decision.worker_id == better.worker.worker_id
+        chosen[decision.worker_id] += 1
+
+    assert chosen["w9"] == 0  # the most loaded is the worse of any pair
+    assert len(chosen) == 9
+    # The least loaded wins whenever sampled: 2 of 10 draws.
+    assert 0.16 < chosen["w0"] / 2000 < 0.24
+    assert chosen["w0"] > chosen["w4"] > chosen["w8"]
+
+
+def test_power_of_two_balances_reservations_across_equal_workers() -> None:
+    workers = [make_worker(worker_id=f"w{i}") for i in range(10)]
+    table = loaded(make_table(seed=3), *workers)
+    for _ in range(1000):
+        assert isinstance(route(table, remaining_s=math.inf), Route)
+    loads = [table.inflight_rows(f"w{i}") for i in range(10)]
+    assert sum(loads) == 1000
+    assert max(loads) - min(loads) <= 4
+
+
+def test_power_of_two_falls_back_to_the_best_before_rejecting() -> None:
+    busy = [make_worker(worker_id=f"busy{i}", queued_rows=100) for i in range(6)]
+    table = loaded(make_table(seed=1), *busy, make_worker(worker_id="idle"))
+    for _ in range(200):
+        decision = route(table, remaining_s=0.1)
+        assert routed_to(decision) == "idle"
+        assert isinstance(decision, Route)
+        table.release(decision.reservation_id)
+
+
+# Read-only views
+
+
+def test_served_models_groups_live_workers_by_model_version() -> None:
+    table = make_table()
+    table.update(
+        [
+            (make_worker(worker_id="w1", models=(("minilm", "1"), ("minilm", "2"))), 10.0),
+            (make_worker(worker_id="w2", models=(("minilm", "1"),), is_ready=False), 10.0),
+            (make_worker(worker_id="dead", models=(("gone", "1"),)), 0.0),
+        ],
+        now_s=10.0,
+    )
+    served = table.served_models(10.0)
+    assert set(served) == {"minilm@1", "minilm@2"}
+    assert [(w.worker_id, m.is_ready) for w, m in served["minilm@1"]] == [
+        ("w1", True),
+        ("w2", False),
+    ]
+
+
+def test_config_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        RoutingConfig(eject_s=-1.0)
+    with pytest.raises(ValueError):
+        RoutingConfig(power_of_two_threshold=0)
+
+
+# Retry budget
+
+
+def test_retry_budget_holds_retries_to_the_ratio_under_traffic() -> None:
+    budget = RetryBudget(ratio=0.2, min_per_s=0.0, window_s=10.0)
+    allowed = 0
+    for i in range(5000):  # 100 requests/s for 50 s, every one wanting a retry
+        now_s = i * 0.01
+        budget.record_request(now_s)
+        allowed += budget.try_spend(now_s)
+    assert 0.19 * 5000 <= allowed <= 0.2 * 5000
+
+
+def test_retry_budget_floor_lets_a_few_retries_through_at_zero_traffic() -> None:
+    budget = RetryBudget(ratio=0.2, min_per_s=1.0, window_s=10.0)
+    assert sum(budget.try_spend(0.0) for _ in range(100)) == 10
+    assert not budget.try_spend(5.0)
+    # The floor's withdrawals age out with the window, so the reserve comes back.
+    assert sum(budget.try_spend(10.0) for _ in range(100)) == 10
+
+
+def test_retry_budget_cap_holds_after_idle() -> None:
+    budget = RetryBudget(ratio=0.2, min_per_s=1.0, window_s=10.0)
+    for i in range(1000):
+        budget.record_request(i * 0.001)
+    assert budget.balance(1.0) == pytest.approx(0.2 * 1000 + 10)
+    # An hour of quiet banks nothing beyond the reserve.
+    assert budget.balance(3600.0) == pytest.approx(10)
+    assert sum(budget.try_spend(3600.0) for _ in range(500)) == 10
+
+
+def test_retry_budget_rejects_nonsense() -> None:
+    with pytest.raises(ValueError):
+        RetryBudget(ratio=-0.1)
+    with pytest.raises(ValueError):
+        RetryBudget(window_s=0.0)
