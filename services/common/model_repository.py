@@ -45,6 +45,22 @@ class TensorSpec:
 
 
 @dataclass(frozen=True)
+class GenerationSettings:
+    """The `[generation]` table of a generation model: the KV cache and continuous batching."""
+
+    #: Longest prompt + generated tokens, in tokens.
+    max_model_len: int
+    #: Tokens per KV-cache block.
+    block_size: int = 16
+    #: KV-cache blocks the worker allocates (the cache holds block_size * this many tokens).
+    num_kv_blocks: int = 256
+    #: Sequences running at once.
+    max_num_seqs: int = 32
+    #: Tokens computed per step (decodes plus prefill chunks).
+    max_num_batched_tokens: int = 512
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model's `config.toml`."""
 
@@ -67,6 +83,8 @@ class ModelConfig:
     #: Share of requests without a version that each label receives (e.g. canary 0.05,
     #: stable 0.95). Empty: such requests go to "stable", else the newest served version.
     traffic: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
+    #: Generation models only.
+    generation: GenerationSettings | None = None
 
     @property
     def slo_s(self) -> float:
@@ -130,6 +148,16 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         or list(buckets) != sorted(set(buckets))
     ):
         raise ModelConfigError(f"{path}: length_buckets must be ascending positive ints")
+    generation = None
+    if kind is ModelKind.GENERATION:
+        table = raw.get("generation", {})
+        try:
+            generation = GenerationSettings(**table)
+        except TypeError as error:
+            raise ModelConfigError(f"{path}: [generation]: {error}") from error
+        fields = vars(generation).values()
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields):
+            raise ModelConfigError(f"{path}: [generation] values must be positive integers")
     labels = raw.get("labels", {})
     if not all(isinstance(v, int) and v > 0 for v in labels.values()):
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")
@@ -153,6 +181,7 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         preprocessing=MappingProxyType(dict(raw.get("preprocessing", {}))),
         labels=MappingProxyType(dict(labels)),
         traffic=MappingProxyType({k: float(v) for k, v in traffic.items()}),
+        generation=generation,
     )
 
 

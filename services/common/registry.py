@@ -37,6 +37,10 @@ class ModelRecord:
     #: Rows queued in the worker's batcher for this version when the heartbeat was sent.
     queued_rows: int
     is_ready: bool
+    #: Generation models: free KV-cache blocks, tokens per block, context length (0 otherwise).
+    kv_blocks_free: int = 0
+    kv_block_size: int = 0
+    max_model_len: int = 0
 
     @property
     def key(self) -> str:

@@ -15,7 +15,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from services.common.errors import InvalidInput
-from services.common.model_repository import ModelConfig, ModelConfigError
+from services.common.model_repository import ModelConfig, ModelConfigError, ModelKind
 
 #: Characters per token above which a text cannot fit even before tokenizing it (cheap check).
 _MAX_CHARS_PER_TOKEN = 64
@@ -28,14 +28,25 @@ class TextEncoder:
         for path in (tokenizer_path, model_config_path):
             if not path.exists():
                 raise ModelConfigError(f"{config.name}: missing {path}")
-        self._tokenizer = Tokenizer.from_file(str(tokenizer_path))
+        self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         # Shipped tokenizer.json files often truncate and pad (MiniLM's to 128). Over-long
         # inputs are refused instead of silently truncated, and batches are padded by the model.
-        self._tokenizer.no_truncation()
-        self._tokenizer.no_padding()
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+        # Text is untrusted: a literal "[CLS]" or "</s>" typed by a user stays text and never
+        # becomes the special token (not saved in tokenizer.json, so set on every load).
+        self.tokenizer.encode_special_tokens = True
         model_config = json.loads(model_config_path.read_text())
-        self.max_tokens = min(config.length_buckets[-1], model_config["max_position_embeddings"])
-        self.vocab_size = int(model_config["vocab_size"])
+        context = int(model_config["max_position_embeddings"])
+        if config.generation is not None:
+            # A prompt may use the context except for at least one generated token.
+            self.max_tokens = min(config.generation.max_model_len, context) - 1
+        else:
+            self.max_tokens = min(config.length_buckets[-1], context)
+        # Encoders take [CLS] ... [SEP]; a decoder prompt can be a single token.
+        self._min_tokens = 2 if config.kind is ModelKind.EMBEDDING else 1
+        # An id must be one the tokenizer can decode and the model can embed.
+        self.vocab_size = min(self.tokenizer.get_vocab_size(), int(model_config["vocab_size"]))
         self._name = config.name
         digest = hashlib.sha256(tokenizer_path.read_bytes())
         digest.update(json.dumps(dict(config.preprocessing), sort_keys=True).encode())
@@ -52,8 +63,8 @@ class TextEncoder:
 
     def check_ids(self, ids: np.ndarray) -> np.ndarray:
         """Validates pre-tokenized ids (special tokens included); returns them as int64."""
-        if len(ids) < 2:
-            raise InvalidInput("token_ids must hold at least [CLS] and [SEP]")
+        if len(ids) < self._min_tokens:
+            raise InvalidInput(f"token_ids must hold at least {self._min_tokens} token(s)")
         if len(ids) > self.max_tokens:
             raise InvalidInput(
                 f"input is {len(ids)} tokens; {self._name} accepts at most {self.max_tokens}"
@@ -67,5 +78,5 @@ class TextEncoder:
         for text in texts:
             self._check_text(text)
         # One call for all texts of a request: the Rust tokenizer batches internally.
-        encoded = self._tokenizer.encode_batch(list(texts))
+        encoded = self.tokenizer.encode_batch(list(texts))
         return [self.check_ids(np.asarray(e.ids, dtype=np.int64)) for e in encoded]

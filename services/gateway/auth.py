@@ -137,7 +137,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return grpc.unary_stream_rpc_method_handler(
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
-        return handler
+        if handler.stream_stream is not None:
+            bidi_behaviour = handler.stream_stream
+
+            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                _principal.set(self._principal(metadata))
+                async for message in bidi_behaviour(requests, context):
+                    yield message
+
+            return grpc.stream_stream_rpc_method_handler(
+                stream_stream, handler.request_deserializer, handler.response_serializer
+            )
+        # Fail closed: a handler shape this interceptor does not wrap gets no access.
+        raise Unauthenticated(f"{details.method}: no authentication for this call shape")
 
 
 if __name__ == "__main__":

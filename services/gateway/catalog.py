@@ -41,7 +41,7 @@ class ModelCatalog:
         for version in versions:
             self._configs[version.config.name] = version.config
             encoder = None
-            if version.config.kind is ModelKind.EMBEDDING:
+            if version.config.kind in (ModelKind.EMBEDDING, ModelKind.GENERATION):
                 encoder = TextEncoder(version.weights_dir, version.config)
             self._encoders[(version.config.name, version.version)] = encoder
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}

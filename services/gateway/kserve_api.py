@@ -19,6 +19,7 @@ from services.common.errors import InvalidInput, NotFound, ServingError
 from services.common.model_repository import ModelConfig, ModelKind
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.auth import current_principal
+from services.gateway.kserve_generate import stream_infer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -171,6 +172,10 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             inputs=metadata(config.inputs),
             outputs=metadata(config.outputs),
         )
+
+    async def ModelStreamInfer(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        async for response in stream_infer(self._predictor, request_iterator, current_principal()):
+            yield response
 
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
         started = time.perf_counter()

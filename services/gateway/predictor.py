@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -12,6 +12,7 @@ import numpy as np
 
 from services.common.errors import InvalidInput, UpstreamError
 from services.common.registry import route_metadata
+from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
@@ -19,6 +20,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 INFER_METHOD = "/inference.v1.WorkerService/Infer"
+GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 
 #: One input row as a client sent it: text for text models, a tensor row otherwise.
 PredictValue = str | np.ndarray
@@ -32,6 +34,18 @@ class PredictCall:
     principal: Principal
     request_id: str
     #: The client's remaining time, or None without a deadline.
+    timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class GenerateCall:
+    model_name: str
+    version_spec: str
+    prompt: str
+    sampling: pb.SamplingParameters
+    principal: Principal
+    request_id: str
+    #: The client's remaining time, or None: a stream may outlast the model's TTFT objective.
     timeout_s: float | None
 
 
@@ -59,6 +73,11 @@ class Predictor:
             INFER_METHOD,
             request_serializer=pb.InferRequest.SerializeToString,
             response_deserializer=pb.InferResponse.FromString,
+        )
+        self._generate = router.unary_stream(
+            GENERATE_METHOD,
+            request_serializer=pb.WorkerGenerateRequest.SerializeToString,
+            response_deserializer=pb.GenerateResponse.FromString,
         )
 
     def _model_inputs(
@@ -94,6 +113,8 @@ class Predictor:
             raise InvalidInput(f"{len(call.inputs)} inputs exceed the limit of {self._max_inputs}")
         config = self.catalog.config(call.model_name)
         call.principal.check_model(config.name)
+        if config.generation is not None:
+            raise InvalidInput(f"{config.name} is a generation model: call Generate")
         model = self.catalog.resolve(call.model_name, call.version_spec)
         self._metrics.validate_seconds.observe(time.perf_counter() - started)
         inputs = self._model_inputs(model, call.inputs)
@@ -121,3 +142,38 @@ class Predictor:
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
         return PredictResult(config.name, model.version, outputs, request_id)
+
+    async def generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
+        """Checks, tokenizes and forwards a generation; yields the worker's stream messages."""
+        config = self.catalog.config(call.model_name)
+        call.principal.check_model(config.name)
+        if config.generation is None:
+            raise InvalidInput(f"{config.name} is not a generation model: call Predict")
+        model = self.catalog.resolve(call.model_name, call.version_spec)
+        if model.encoder is None:
+            raise InvalidInput(f"{config.name} has no tokenizer")
+        (ids,) = model.encoder.encode_many([call.prompt])
+        checked_sampling(
+            call.sampling, max_model_len=config.generation.max_model_len, prompt_len=len(ids)
+        )
+        request = pb.WorkerGenerateRequest(
+            model_name=config.name,
+            model_version=model.version,
+            fingerprint=model.fingerprint,
+            token_ids=ids.astype("<i4").tobytes(),
+            sampling=call.sampling,
+            tenant=call.principal.tenant,
+            request_id=call.request_id or uuid.uuid4().hex,
+        )
+        stream = self._generate(
+            request,
+            timeout=call.timeout_s,
+            metadata=route_metadata(config.name, model.version, len(ids)),
+        )
+        try:
+            async for message in stream:
+                yield message
+        except grpc.aio.AioRpcError as error:
+            raise UpstreamError.from_rpc_error(error) from None
+        finally:
+            stream.cancel()  # our caller left mid-stream: stop the worker's generation too

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -10,9 +11,10 @@ from services.common.errors import InvalidInput, NotFound, PermissionDenied
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway.auth import current_principal
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.predictor import GenerateCall, PredictCall, Predictor, PredictValue
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import worker_pb2 as pb
 
 
 def _value(predict_input: api.PredictInput) -> PredictValue:
@@ -62,6 +64,33 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
             )
             self._metrics.requests_total.labels("v1", model, code).inc()
             self._metrics.request_seconds.labels("v1", model).observe(time.perf_counter() - started)
+
+    async def Generate(
+        self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        code = "OK"
+        model = self._model_label(request.model_name)
+        try:
+            call = GenerateCall(
+                model_name=request.model_name,
+                version_spec=request.model_version,
+                prompt=request.prompt,
+                sampling=request.sampling,
+                principal=current_principal(),
+                request_id=request.request_id,
+                timeout_s=context.time_remaining(),
+            )
+            async for message in self._predictor.generate(call):
+                yield message
+        except Exception as error:
+            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
+            raise
+        finally:
+            self._metrics.requests_total.labels("v1_generate", model, code).inc()
+
+    def _model_label(self, name: str) -> str:
+        """Bounded label values: names outside the repository count as "other"."""
+        return name if name in self._predictor.catalog.model_names() else "other"
 
     def _model_info(self, name: str) -> api.ModelInfo:
         catalog = self._predictor.catalog

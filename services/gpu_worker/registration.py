@@ -6,12 +6,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 
 from services.common.heartbeat import HeartbeatPublisher, connect
 from services.common.registry import ModelRecord, RegistryKeys, WorkerRecord
-from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.loaded_models import LoadedModels
 from services.gpu_worker.scheduler import BatchScheduler
 
 log = logging.getLogger(__name__)
@@ -22,13 +22,13 @@ class Registration:
         self,
         config: WorkerConfig,
         address: str,
-        backends: Sequence[Backend],
+        models: LoadedModels,
         scheduler: BatchScheduler,
     ) -> None:
         assert config.redis_url is not None
         self._worker_id = config.worker_id
         self._address = address
-        self._backends = tuple(backends)
+        self._models = models
         self._scheduler = scheduler
         self._is_draining = False
         self._client = connect(config.redis_url)
@@ -37,9 +37,31 @@ class Registration:
         )
         self._task: asyncio.Task[None] | None = None
 
+    def _generation_record(self, backend: GenerationBackend) -> ModelRecord:
+        engine = backend.engine
+        settings = backend.settings
+        step_s = engine.mean_step_s
+        return ModelRecord(
+            name=backend.config.name,
+            version=backend.version.version,
+            fingerprint=backend.fingerprint,
+            tokenizer_fingerprint=backend.tokenizer_fingerprint,
+            kind=backend.config.kind.value,
+            max_batch_size=settings.max_num_seqs,
+            slo_p99_ms=backend.config.slo_p99_ms,
+            # Prefill cost per prompt token, and one step as the floor of time to first token.
+            per_row_s=step_s / settings.max_num_batched_tokens,
+            min_batch_s=step_s,
+            queued_rows=engine.num_waiting_tokens,
+            is_ready=not self._is_draining,
+            kv_blocks_free=engine.num_free_blocks,
+            kv_block_size=settings.block_size,
+            max_model_len=backend.max_model_len,
+        )
+
     def record(self) -> WorkerRecord:
-        models = []
-        for backend in self._backends:
+        models = [self._generation_record(b) for b in self._models.generation]
+        for backend in self._models.fixed_cost:
             load = self._scheduler.load_report(backend)
             models.append(
                 ModelRecord(

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import threading
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -14,13 +13,16 @@ import numpy as np
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
-from services.common.errors import FingerprintMismatch, InvalidInput, NotFound, Unavailable
+from services.common.errors import FingerprintMismatch, InvalidInput, Unavailable
 from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
 from services.common.model_repository import ModelKind, load_repository
+from services.common.sampling import sampling_from_pb
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
-from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.loaded_models import AnyBackend, LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.registration import Registration
 from services.gpu_worker.scheduler import BatchScheduler
@@ -30,34 +32,11 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _KIND_PB = {
     ModelKind.EMBEDDING: pb.MODEL_KIND_EMBEDDING,
     ModelKind.TORCHSCRIPT: pb.MODEL_KIND_TORCHSCRIPT,
     ModelKind.GENERATION: pb.MODEL_KIND_GENERATION,
 }
-
-
-class LoadedModels:
-    """Loaded backends by (model name, version)."""
-
-    def __init__(self, backends: Sequence[Backend]) -> None:
-        self._by_key = {(b.config.name, b.version.version): b for b in backends}
-        self.backends = tuple(backends)
-
-    def resolve(self, model_name: str, model_version: str) -> Backend:
-        if not _NAME_RE.match(model_name):
-            raise InvalidInput(f"model name {model_name!r} is not a valid model name")
-        if model_version and not model_version.isdigit():
-            raise InvalidInput(f"model version {model_version!r} must be a version number")
-        if model_version:
-            backend = self._by_key.get((model_name, str(int(model_version))))
-        else:
-            versions = [b for (name, _), b in self._by_key.items() if name == model_name]
-            backend = max(versions, key=lambda b: int(b.version.version), default=None)
-        if backend is None:
-            raise NotFound(f"model {model_name!r} version {model_version or 'latest'!r} not found")
-        return backend
 
 
 def _raw_input(model_input: pb.ModelInput) -> RawInput:
@@ -73,8 +52,20 @@ def _raw_input(model_input: pb.ModelInput) -> RawInput:
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
 
 
-def _version_info(backend: Backend, *, is_ready: bool) -> pb.ModelVersionInfo:
+_FINISH_REASONS = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
+
+
+def _check_fingerprint(request_fingerprint: str, backend: AnyBackend) -> None:
+    if request_fingerprint and request_fingerprint != backend.fingerprint:
+        raise FingerprintMismatch(
+            f"inputs were prepared for fingerprint {request_fingerprint}; "
+            f"{backend.config.name}/{backend.version.version} is {backend.fingerprint}"
+        )
+
+
+def _version_info(backend: AnyBackend, *, is_ready: bool) -> pb.ModelVersionInfo:
     config = backend.config
+    is_text = config.kind is ModelKind.EMBEDDING
 
     def specs(tensors: Sequence) -> list[pb.TensorSpec]:
         return [pb.TensorSpec(name=t.name, dtype=dtype_pb(t.dtype), dims=t.dims) for t in tensors]
@@ -86,8 +77,11 @@ def _version_info(backend: Backend, *, is_ready: bool) -> pb.ModelVersionInfo:
         kind=_KIND_PB[config.kind],
         max_batch_size=config.max_batch_size,
         slo_p99_ms=config.slo_p99_ms,
-        length_buckets=list(backend.buckets) if config.kind is ModelKind.EMBEDDING else [],
-        max_input_tokens=backend.max_input_tokens,
+        length_buckets=list(backend.buckets) if isinstance(backend, Backend) and is_text else [],
+        max_input_tokens=backend.text.max_tokens
+        if isinstance(backend, GenerationBackend)
+        else backend.max_input_tokens,
+        max_model_len=backend.max_model_len if isinstance(backend, GenerationBackend) else 0,
         inputs=specs(config.inputs),
         outputs=specs(config.outputs),
         is_ready=is_ready,
@@ -114,15 +108,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     ) -> pb.InferResponse:
         if self._models is None or self._scheduler is None or self._metrics is None:
             raise Unavailable("worker is still loading models")
-        backend = self._models.resolve(request.model_name, request.model_version)
+        backend = self._models.fixed_cost_backend(request.model_name, request.model_version)
         labels = (backend.config.name, backend.version.version)
         code = grpc.StatusCode.OK
         try:
-            if request.fingerprint and request.fingerprint != backend.fingerprint:
-                raise FingerprintMismatch(
-                    f"inputs were prepared for fingerprint {request.fingerprint}; "
-                    f"{labels[0]}/{labels[1]} is {backend.fingerprint}"
-                )
+            _check_fingerprint(request.fingerprint, backend)
             if not request.inputs:
                 raise InvalidInput("request has no inputs")
             if len(request.inputs) > backend.config.max_queue_size:
@@ -155,6 +145,35 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         finally:
             self._metrics.requests_total.labels(*labels, code.name).inc()
 
+    async def Generate(
+        self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self._models is None:
+            raise Unavailable("worker is still loading models")
+        backend = self._models.generation_backend(request.model_name, request.model_version)
+        _check_fingerprint(request.fingerprint, backend)
+        which = request.WhichOneof("prompt")
+        if which == "text":
+            prompt = backend.encode(request.text)
+        elif which == "token_ids":
+            if not request.fingerprint:
+                raise InvalidInput("token_ids prompts require the tokenizer's fingerprint")
+            if len(request.token_ids) % 4:
+                raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
+            ids = backend.text.check_ids(np.frombuffer(request.token_ids, dtype="<i4"))
+            prompt = [int(i) for i in ids]
+        else:
+            raise InvalidInput("request has no prompt (text or token_ids)")
+        params = sampling_from_pb(request.sampling)
+        async for delta in backend.engine.generate(prompt, params, priority=request.priority):
+            yield pb.GenerateResponse(
+                token_ids=delta.token_ids,
+                text=delta.text,
+                finish_reason=_FINISH_REASONS.get(delta.finish_reason or "", 0),
+                prompt_tokens=delta.prompt_tokens,
+                completion_tokens=delta.completion_tokens,
+            )
+
     async def ListModels(
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkerModelsResponse:
@@ -176,34 +195,43 @@ class Worker:
     health: health.aio.HealthServicer
     servicer: WorkerServicer
     metrics: WorkerMetrics
+    generation_metrics: GenerationMetrics
     scheduler: BatchScheduler | None = None
+    models: LoadedModels | None = None
     registration: Registration | None = None
 
     async def load(self) -> None:
         """Loads every version in the repository and warms it up, off the event loop."""
         device = select_device()
 
-        def load_and_warm() -> tuple[list[Backend], BatchScheduler]:
+        def load_and_warm() -> tuple[LoadedModels, BatchScheduler]:
             versions = load_repository(self.config.model_repository)
-            backends = [load_backend(v, device) for v in versions]
-            scheduler = BatchScheduler(backends, self.config.scheduler, self.metrics)
+            models = LoadedModels(load_versions(versions, device, self.generation_metrics))
+            scheduler = BatchScheduler(models.fixed_cost, self.config.scheduler, self.metrics)
             scheduler.warm_up()
-            return backends, scheduler
+            for backend in models.generation:
+                backend.warm_up()
+            return models, scheduler
 
-        backends, scheduler = await _in_daemon_thread(load_and_warm)
+        models, scheduler = await _in_daemon_thread(load_and_warm)
         self.scheduler = scheduler
+        self.models = models
         scheduler.start()
-        self.servicer.attach(LoadedModels(backends), scheduler, self.metrics)
+        for backend in models.generation:
+            backend.engine.start()
+        self.servicer.attach(models, scheduler, self.metrics)
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
-            self.registration = Registration(self.config, address, backends, scheduler)
+            self.registration = Registration(self.config, address, models, scheduler)
             self.registration.start()
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
             device,
-            ", ".join(f"{b.config.name}/{b.version.version}@{b.fingerprint}" for b in backends),
+            ", ".join(
+                f"{b.config.name}/{b.version.version}@{b.fingerprint}" for b in models.backends
+            ),
         )
 
     async def stop(self) -> None:
@@ -211,11 +239,13 @@ class Worker:
         await self.health.enter_graceful_shutdown()
         if self.registration is not None:
             self.registration.mark_draining()
+        drains = [b.engine.drain() for b in self.models.generation] if self.models else []
         if self.scheduler is not None:
-            try:
-                await asyncio.wait_for(self.scheduler.drain(), self.config.drain_grace_s)
-            except TimeoutError:
-                log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
+            drains.append(self.scheduler.drain())
+        try:
+            await asyncio.wait_for(asyncio.gather(*drains), self.config.drain_grace_s)
+        except TimeoutError:
+            log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
         if self.registration is not None:
             await self.registration.close()
         await self.server.stop(grace=1.0)
@@ -255,8 +285,10 @@ async def create_worker(config: WorkerConfig) -> Worker:
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await server.start()
-    metrics = WorkerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
     return Worker(
+        generation_metrics=GenerationMetrics(registry),
         config=config,
         server=server,
         port=port,

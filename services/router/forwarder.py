@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.registry import parse_route_metadata
 from services.router.metrics import RouterMetrics
-from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable
+from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 
 log = logging.getLogger(__name__)
 
 INFER_METHOD = "/inference.v1.WorkerService/Infer"
+GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 
 
 def _passthrough(payload: bytes) -> bytes:
@@ -43,32 +45,38 @@ class Forwarder:
         # One long-lived channel per worker address: HTTP/2 multiplexes every call over it.
         self._channels: dict[str, grpc.aio.Channel] = {}
 
-    def _infer_callable(self, address: str) -> grpc.aio.UnaryUnaryMultiCallable:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-            )
-        return channel.unary_unary(
-            INFER_METHOD, request_serializer=_passthrough, response_deserializer=_passthrough
-        )
-
     async def close(self) -> None:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
 
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+            )
+        return channel
+
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        route_info = parse_route_metadata(dict(context.invocation_metadata() or ()))
-        if route_info is None:
-            raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
-        name, version, num_rows = route_info
+        name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
         started_s = time.monotonic()
-        remaining_s = context.time_remaining()
-        deadline_s = started_s + (self._default_timeout_s if remaining_s is None else remaining_s)
         code = "OK"
         try:
-            return await self._forward(body, name, version, num_rows, deadline_s)
+            self._budget.record_request(started_s)
+            tried: set[str] = set()
+            for attempt in range(self._max_retries + 1):
+                route = self._route(name, version, num_rows, deadline_s, tried)
+                try:
+                    call = self._channel(route.address).unary_unary(
+                        INFER_METHOD, _passthrough, _passthrough
+                    )
+                    return await call(body, timeout=max(0.0, deadline_s - time.monotonic()))
+                except grpc.aio.AioRpcError as error:
+                    self._after_failure(error, route, name, version, attempt, deadline_s)
+                finally:
+                    self._table.release(route.reservation_id)
+            raise Unavailable("no worker answered")  # unreachable: the loop returns or raises
         except Exception as error:
             code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
             raise
@@ -78,49 +86,97 @@ class Forwarder:
                 time.monotonic() - started_s
             )
 
-    async def _forward(
-        self, body: bytes, name: str, version: str, num_rows: int, deadline_s: float
-    ) -> bytes:
-        self._budget.record_request(time.monotonic())
-        tried: set[str] = set()
-        for attempt in range(self._max_retries + 1):
-            now_s = time.monotonic()
-            decision = self._table.route(
-                name, version, num_rows, deadline_s - now_s, now_s, frozenset(tried)
-            )
-            if isinstance(decision, Reject):
-                self._metrics.rejected_total.labels(name, version, decision.reason.value).inc()
-                raise _rejection(decision, retried=bool(tried))
-            tried.add(decision.worker_id)
-            self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
-            self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
-            try:
-                call = self._infer_callable(decision.address)
-                return await call(body, timeout=max(0.0, deadline_s - time.monotonic()))
-            except grpc.aio.AioRpcError as error:
-                # UNAVAILABLE: the worker is gone, draining or not ready; the request never
-                # produced a result there and inference has no side effects, so another worker
-                # may run it. Anything else is the request's own answer.
-                if error.code() != grpc.StatusCode.UNAVAILABLE:
-                    raise UpstreamError.from_rpc_error(error) from None
-                self._table.eject(decision.worker_id, time.monotonic())
-                can_retry = (
-                    attempt < self._max_retries
-                    and deadline_s > time.monotonic()
-                    and self._budget.try_spend(time.monotonic())
-                )
-                log.warning(
-                    "worker %s unavailable (%s)%s",
-                    decision.worker_id,
-                    error.details(),
-                    "; retrying elsewhere" if can_retry else "",
-                )
-                if not can_retry:
-                    raise UpstreamError.from_rpc_error(error) from None
-                self._metrics.retries_total.labels(name, version).inc()
-            finally:
-                self._table.release(decision.reservation_id)
-        raise Unavailable("no worker answered")  # unreachable: the loop returns or raises
+    async def generate(
+        self, body: bytes, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Forwards a generation stream. Retries elsewhere only before the first message:
+        a stream that already delivered tokens is never silently replayed."""
+        name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
+        code = "OK"
+        try:
+            self._budget.record_request(time.monotonic())
+            tried: set[str] = set()
+            for attempt in range(self._max_retries + 1):
+                route = self._route(name, version, num_rows, deadline_s, tried)
+                call = self._channel(route.address).unary_stream(
+                    GENERATE_METHOD, _passthrough, _passthrough
+                )(body, timeout=max(0.0, deadline_s - time.monotonic()))
+                has_sent = False
+                try:
+                    async for message in call:
+                        has_sent = True
+                        yield message
+                    return
+                except grpc.aio.AioRpcError as error:
+                    if has_sent:
+                        raise UpstreamError.from_rpc_error(error) from None
+                    self._after_failure(error, route, name, version, attempt, deadline_s)
+                finally:
+                    call.cancel()  # no-op once finished; stops the worker if our caller left
+                    self._table.release(route.reservation_id)
+        except Exception as error:
+            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
+            raise
+        finally:
+            self._metrics.responses_total.labels(name, version, code).inc()
+
+    def _route(
+        self, name: str, version: str, num_rows: int, deadline_s: float, tried: set[str]
+    ) -> Route:
+        now_s = time.monotonic()
+        decision = self._table.route(
+            name, version, num_rows, deadline_s - now_s, now_s, frozenset(tried)
+        )
+        if isinstance(decision, Reject):
+            self._metrics.rejected_total.labels(name, version, decision.reason.value).inc()
+            raise _rejection(decision, retried=bool(tried))
+        tried.add(decision.worker_id)
+        self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
+        self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
+        return decision
+
+    def _after_failure(
+        self,
+        error: grpc.aio.AioRpcError,
+        route: Route,
+        name: str,
+        version: str,
+        attempt: int,
+        deadline_s: float,
+    ) -> None:
+        """Returns to retry on another worker, or raises the error for our caller.
+
+        UNAVAILABLE: the worker is gone, draining or not ready; the request produced no result
+        there and inference has no side effects, so another worker may run it. Any other
+        status is the request's own answer."""
+        if error.code() != grpc.StatusCode.UNAVAILABLE:
+            raise UpstreamError.from_rpc_error(error) from None
+        now_s = time.monotonic()
+        self._table.eject(route.worker_id, now_s)
+        can_retry = (
+            attempt < self._max_retries and deadline_s > now_s and self._budget.try_spend(now_s)
+        )
+        log.warning(
+            "worker %s unavailable (%s)%s",
+            route.worker_id,
+            error.details(),
+            "; retrying elsewhere" if can_retry else "",
+        )
+        if not can_retry:
+            raise UpstreamError.from_rpc_error(error) from None
+        self._metrics.retries_total.labels(name, version).inc()
+
+
+def _call_facts(
+    context: grpc.aio.ServicerContext, default_timeout_s: float
+) -> tuple[str, str, int, float]:
+    """(model, version, rows, absolute deadline) of a call, from its metadata and deadline."""
+    route_info = parse_route_metadata(dict(context.invocation_metadata() or ()))
+    if route_info is None:
+        raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
+    remaining_s = context.time_remaining()
+    timeout_s = default_timeout_s if remaining_s is None else remaining_s
+    return (*route_info, time.monotonic() + timeout_s)
 
 
 def _rejection(decision: Reject, *, retried: bool) -> Exception:

@@ -84,6 +84,9 @@ class _Candidate:
     worker: WorkerRecord
     model: ModelRecord
     predicted_s: float
+    #: Generation models: the worker's free KV blocks hold the prompt now (always True for
+    #: fixed-cost models). Workers with room are preferred whatever their predicted wait.
+    has_room: bool = True
 
 
 class RouteTable:
@@ -154,7 +157,11 @@ class RouteTable:
             local_rows = self._inflight_rows.get((worker.worker_id, key), 0)
             queued_rows = max(model.queued_rows, local_rows)
             predicted_s = max(model.min_batch_s, (queued_rows + num_rows) * model.per_row_s)
-            candidates.append(_Candidate(worker, model, predicted_s))
+            # For generation, num_rows is the prompt's token count.
+            has_room = model.kv_block_size == 0 or (
+                model.kv_blocks_free * model.kv_block_size >= num_rows
+            )
+            candidates.append(_Candidate(worker, model, predicted_s, has_room))
 
         if not candidates:
             if not is_known:
@@ -246,8 +253,8 @@ class RouteTable:
         return min(candidates, key=_rank)
 
 
-def _rank(candidate: _Candidate) -> tuple[float, str]:
-    return candidate.predicted_s, candidate.worker.worker_id
+def _rank(candidate: _Candidate) -> tuple[bool, float, str]:
+    return not candidate.has_room, candidate.predicted_s, candidate.worker.worker_id
 
 
 #: Slices of the retry budget's window: deposits and withdrawals expire one slice at a time.

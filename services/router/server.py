@@ -105,6 +105,7 @@ async def create_router(config: RouterConfig) -> Router:
                 {
                     # No (de)serializers: the body is forwarded as the bytes it arrived as.
                     "Infer": grpc.unary_unary_rpc_method_handler(forwarder.infer),
+                    "Generate": grpc.unary_stream_rpc_method_handler(forwarder.generate),
                     "ListModels": grpc.unary_unary_rpc_method_handler(
                         catalog.list_models,
                         request_deserializer=pb.ListWorkerModelsRequest.FromString,

@@ -19,7 +19,7 @@ from tests.support.texts import sentences
 
 @pytest.fixture(scope="module")
 def backend():  # type: ignore[no-untyped-def]
-    (version,) = load_repository(REPO_ROOT / "models")
+    (version,) = [v for v in load_repository(REPO_ROOT / "models") if v.config.name == "minilm"]
     return load_backend(version, torch.device("cpu"))
 
 

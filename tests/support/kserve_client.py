@@ -13,6 +13,7 @@ With `--expect-error` it only sends the infer request and prints the error it go
 
 import argparse
 import json
+import queue
 import sys
 
 import numpy as np
@@ -38,6 +39,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="datatype of the `text` input; anything but BYTES sends zeros of that type",
     )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-call client timeout")
+    parser.add_argument(
+        "--generate",
+        metavar="SAMPLING_JSON",
+        help="stream a generation (decoupled model) of the first text with these sampling "
+        "parameters, as Triton's LLM backends are called; prints the chunks and the final flags",
+    )
+    parser.add_argument("--no-stream", action="store_true", help="with --generate: stream=false")
     parser.add_argument("texts", nargs="*", help="input texts, one row each")
     return parser.parse_args(argv)
 
@@ -112,11 +120,55 @@ def run_happy_path(client, args: argparse.Namespace, headers: dict | None) -> in
     return 0
 
 
+def scalar(name: str, value, datatype: str) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput(name, [1], datatype)
+    tensor.set_data_from_numpy(np.array([value], dtype=triton_to_np_dtype(datatype)))
+    return tensor
+
+
+def run_generate(client, args: argparse.Namespace, headers: dict | None) -> int:
+    """ModelStreamInfer with text_input / stream / sampling_parameters; collects responses
+    until the one flagged triton_final_response."""
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(
+        callback=lambda result, error: responses.put((result, error)), headers=headers
+    )
+    inputs = [
+        scalar("text_input", args.texts[0].encode(), "BYTES"),
+        scalar("stream", not args.no_stream, "BOOL"),
+        scalar("sampling_parameters", args.generate.encode(), "BYTES"),
+    ]
+    client.async_stream_infer(model_name=args.model, inputs=inputs, request_id="gen-1")
+    chunks, final = [], {}
+    while True:
+        result, error = responses.get(timeout=args.timeout_s)
+        if error is not None:
+            client.stop_stream()
+            print(json.dumps({"error": str(error)}))
+            return 0
+        response = result.get_response()
+        chunks.append(result.as_numpy("text_output")[0].decode("utf-8", errors="replace"))
+        params = response.parameters
+        if params["triton_final_response"].bool_param:
+            final = {
+                "id": response.id,
+                "finish_reason": params["finish_reason"].string_param,
+                "prompt_tokens": params["prompt_tokens"].int64_param,
+                "completion_tokens": params["completion_tokens"].int64_param,
+            }
+            break
+    client.stop_stream()
+    print(json.dumps({"chunks": chunks, "final": final}))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
     client = grpcclient.InferenceServerClient(url=args.url)
     try:
+        if args.generate is not None:
+            return run_generate(client, args, headers)
         if args.expect_error:
             return run_expect_error(client, args, headers)
         return run_happy_path(client, args, headers)

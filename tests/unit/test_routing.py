@@ -6,6 +6,7 @@ Unless a test says otherwise: every worker serves minilm@1, ready, with per_row_
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections import Counter
@@ -463,3 +464,25 @@ def test_retry_budget_rejects_nonsense() -> None:
         RetryBudget(ratio=-0.1)
     with pytest.raises(ValueError):
         RetryBudget(window_s=0.0)
+
+
+def test_generation_prefers_a_worker_whose_free_kv_blocks_hold_the_prompt() -> None:
+    def generation_worker(worker_id: str, *, queued_rows: int, kv_blocks_free: int) -> WorkerRecord:
+        base = make_worker(worker_id=worker_id, queued_rows=queued_rows)
+        model = dataclasses.replace(base.models[0], kv_blocks_free=kv_blocks_free, kv_block_size=16)
+        return dataclasses.replace(base, models=(model,))
+
+    table = make_table()
+    # w1 is idle but its cache is full; w2 has a queue but room for a 40-token prompt.
+    table.update(
+        [
+            (generation_worker("w1", queued_rows=0, kv_blocks_free=1), 0.0),
+            (generation_worker("w2", queued_rows=5, kv_blocks_free=3), 0.0),
+        ],
+        0.0,
+    )
+    route = table.route(*MODEL, num_rows=40, remaining_s=10.0, now_s=0.0)
+    assert isinstance(route, Route) and route.worker_id == "w2"
+    # A prompt both can hold goes to the idle one.
+    route = table.route(*MODEL, num_rows=10, remaining_s=10.0, now_s=0.0)
+    assert isinstance(route, Route) and route.worker_id == "w1"

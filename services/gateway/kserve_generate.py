@@ -1,0 +1,198 @@
+"""Generation over the Open Inference Protocol's `ModelStreamInfer`, called the way Triton's LLM
+backends are: a decoupled model with inputs `text_input` (BYTES), `stream` (BOOL),
+`sampling_parameters` (BYTES, JSON such as {"max_tokens": 16, "temperature": 0}) and
+`exclude_input_in_output` (BOOL); output `text_output` (BYTES). Every response carries the
+`triton_final_response` parameter; the final one also carries finish_reason and token counts.
+Requests on one stream run concurrently; each response echoes its request's id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import struct
+from collections.abc import AsyncIterator
+
+from services.common.errors import InvalidInput, ServingError
+from services.gateway.auth import Principal
+from services.gateway.predictor import GenerateCall, Predictor
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference.v1 import worker_pb2 as pb
+
+_FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
+_SAMPLING_KEYS = {
+    "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+}  # fmt: skip
+
+
+def _input(
+    request: kserve.ModelInferRequest, name: str
+) -> tuple[int, kserve.ModelInferRequest.InferInputTensor] | None:
+    for index, tensor in enumerate(request.inputs):
+        if tensor.name == name:
+            return index, tensor
+    return None
+
+
+def _scalar_bytes(request: kserve.ModelInferRequest, name: str) -> bytes | None:
+    found = _input(request, name)
+    if found is None:
+        return None
+    index, tensor = found
+    if tensor.datatype != "BYTES" or math.prod(tensor.shape) != 1:
+        raise InvalidInput(f"input {name} must be BYTES with one element")
+    if request.raw_input_contents:
+        raw = request.raw_input_contents[index]
+        if len(raw) < 4 or struct.unpack_from("<I", raw)[0] != len(raw) - 4:
+            raise InvalidInput(f"input {name}: malformed BYTES element")
+        return raw[4:]
+    if len(tensor.contents.bytes_contents) != 1:
+        raise InvalidInput(f"input {name} must hold one element")
+    return tensor.contents.bytes_contents[0]
+
+
+def _scalar_bool(request: kserve.ModelInferRequest, name: str) -> bool:
+    found = _input(request, name)
+    if found is None:
+        return False
+    index, tensor = found
+    if tensor.datatype != "BOOL" or math.prod(tensor.shape) != 1:
+        raise InvalidInput(f"input {name} must be BOOL with one element")
+    if request.raw_input_contents:
+        return request.raw_input_contents[index] not in (b"", b"\x00")
+    return bool(tensor.contents.bool_contents and tensor.contents.bool_contents[0])
+
+
+def _sampling(raw: bytes | None) -> pb.SamplingParameters:
+    if not raw:
+        return pb.SamplingParameters()
+    try:
+        options = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise InvalidInput(f"sampling_parameters is not JSON: {error}") from error
+    if not isinstance(options, dict):
+        raise InvalidInput("sampling_parameters must be a JSON object")
+    unknown = sorted(set(options) - _SAMPLING_KEYS)
+    if unknown:
+        raise InvalidInput(
+            f"unknown sampling_parameters {unknown}; known: {sorted(_SAMPLING_KEYS)}"
+        )
+    stop = options.get("stop", [])
+    try:
+        return pb.SamplingParameters(
+            max_tokens=int(options.get("max_tokens", 0)),
+            temperature=float(options.get("temperature", 0.0)),
+            top_k=int(options.get("top_k", 0)),
+            top_p=float(options.get("top_p", 0.0)),
+            seed=int(options["seed"]) if "seed" in options else None,
+            stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
+            stop_token_ids=[int(t) for t in options.get("stop_token_ids", [])],
+            ignore_eos=bool(options.get("ignore_eos", False)),
+        )
+    except (TypeError, ValueError) as error:  # negative into unsigned, wrong types
+        raise InvalidInput(f"sampling_parameters: {error}") from error
+
+
+def _response(
+    request: kserve.ModelInferRequest, text: str, *, is_final: bool, **extra: str | int
+) -> kserve.ModelStreamInferResponse:
+    encoded = text.encode()
+    parameters = {"triton_final_response": kserve.InferParameter(bool_param=is_final)}
+    for key, value in extra.items():
+        parameters[key] = (
+            kserve.InferParameter(string_param=value)
+            if isinstance(value, str)
+            else kserve.InferParameter(int64_param=value)
+        )
+    return kserve.ModelStreamInferResponse(
+        infer_response=kserve.ModelInferResponse(
+            model_name=request.model_name,
+            model_version=request.model_version,
+            id=request.id,
+            parameters=parameters,
+            outputs=[
+                kserve.ModelInferResponse.InferOutputTensor(
+                    name="text_output", datatype="BYTES", shape=[1]
+                )
+            ],
+            raw_output_contents=[struct.pack("<I", len(encoded)) + encoded],
+        )
+    )
+
+
+async def _generate_one(
+    predictor: Predictor, request: kserve.ModelInferRequest, principal: Principal
+) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    prompt_bytes = _scalar_bytes(request, "text_input")
+    if prompt_bytes is None:
+        raise InvalidInput("input text_input (BYTES) is required")
+    try:
+        prompt = prompt_bytes.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise InvalidInput("text_input must be UTF-8") from error
+    is_streaming = _scalar_bool(request, "stream")
+    include_prompt = not is_streaming and not _scalar_bool(request, "exclude_input_in_output")
+    call = GenerateCall(
+        model_name=request.model_name,
+        version_spec=request.model_version,
+        prompt=prompt,
+        sampling=_sampling(_scalar_bytes(request, "sampling_parameters")),
+        principal=principal,
+        request_id=request.id,
+        timeout_s=None,
+    )
+    collected = [prompt] if include_prompt else []
+    async for message in predictor.generate(call):
+        if message.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+            if is_streaming:
+                yield _response(request, message.text, is_final=False)
+            else:
+                collected.append(message.text)
+            continue
+        text = message.text if is_streaming else "".join([*collected, message.text])
+        yield _response(
+            request,
+            text,
+            is_final=True,
+            finish_reason=_FINISH_REASONS.get(message.finish_reason, "stop"),
+            prompt_tokens=message.prompt_tokens,
+            completion_tokens=message.completion_tokens,
+        )
+
+
+async def stream_infer(
+    predictor: Predictor,
+    requests: AsyncIterator[kserve.ModelInferRequest],
+    principal: Principal,
+) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    """Runs every request of the stream concurrently and yields their responses as they come.
+    A request's error is reported in-band (`error_message`), as Triton does; the stream and the
+    other requests go on."""
+    responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
+
+    async def run(request: kserve.ModelInferRequest) -> None:
+        try:
+            async for response in _generate_one(predictor, request, principal):
+                await responses.put(response)
+        except ServingError as error:
+            await responses.put(
+                kserve.ModelStreamInferResponse(
+                    error_message=f"{error.code.name}: {error}",
+                    infer_response=kserve.ModelInferResponse(id=request.id),
+                )
+            )
+
+    async def read_all() -> None:
+        tasks = []
+        async for request in requests:
+            tasks.append(asyncio.create_task(run(request)))
+        await asyncio.gather(*tasks)
+        await responses.put(None)
+
+    reader = asyncio.create_task(read_all())
+    try:
+        while (response := await responses.get()) is not None:
+            yield response
+    finally:
+        reader.cancel()

@@ -1,0 +1,82 @@
+"""A loaded generation model version: model runner, tokenizer, scheduler and engine."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from services.common.model_repository import ModelConfigError, ModelVersion
+from services.common.text import TextEncoder
+from services.gpu_worker.backends.base import fingerprint_of
+from services.gpu_worker.generation.engine import GenerationEngine
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.scheduler import (
+    GenerationScheduler,
+    GenerationSchedulerConfig,
+)
+
+
+class GenerationBackend:
+    def __init__(
+        self, version: ModelVersion, device: torch.device, metrics: GenerationMetrics
+    ) -> None:
+        config = version.config
+        settings = config.generation
+        if settings is None:
+            raise ModelConfigError(f"{config.name}: generation models need a [generation] table")
+        weights = version.weights_dir
+        files = [weights / "config.json", weights / "model.safetensors", weights / "tokenizer.json"]
+        missing = [str(p) for p in files if not p.exists()]
+        if missing:
+            raise ModelConfigError(f"{config.name}/{version.version}: missing {missing}")
+        self.version = version
+        self.config = config
+        self.settings = settings
+        self.text = TextEncoder(weights, config)
+        # bf16 on a GPU (memory bandwidth is the decode bottleneck); fp32 on the CPU, where
+        # bf16 matmuls are slow and the reference comparison is exact.
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.runner = ModelRunner(
+            weights,
+            device=device,
+            dtype=dtype,
+            num_blocks=settings.num_kv_blocks,
+            block_size=settings.block_size,
+        )
+        model_json = json.loads((weights / "config.json").read_text())
+        eos = model_json.get("eos_token_id")
+        eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.max_model_len = min(settings.max_model_len, int(model_json["max_position_embeddings"]))
+        self.scheduler = GenerationScheduler(
+            GenerationSchedulerConfig(
+                max_num_seqs=settings.max_num_seqs,
+                max_num_batched_tokens=settings.max_num_batched_tokens,
+                num_blocks=settings.num_kv_blocks,
+                block_size=settings.block_size,
+                max_model_len=self.max_model_len,
+            )
+        )
+        self.engine = GenerationEngine(
+            self.runner,
+            self.text.tokenizer,
+            self.scheduler,
+            metrics,
+            labels=(config.name, version.version),
+            eos_token_ids=eos_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.fingerprint = fingerprint_of(config, files, str(dtype))
+        self.tokenizer_fingerprint = self.text.fingerprint
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.text.encode_many([text])[0]]
+
+    def warm_up(self) -> None:
+        """One prefill and one decode through the runner (lazy init, allocator)."""
+        block_size = self.runner.block_size
+        prompt = tuple(range(1, block_size + 2))
+        blocks = (0, 1)
+        self.runner.execute([SequenceBatchItem(prompt, 0, blocks)])
+        self.runner.execute([SequenceBatchItem((1,), len(prompt), blocks)])

@@ -1,0 +1,302 @@
+"""The generation engine: the async driver around the pure iteration scheduler.
+
+Each step reads `schedule -> execute -> update_from_output`: the scheduler picks this step's
+sequences (decodes, prefill chunks, admissions by free KV blocks, preemptions), the model runner
+computes them in one forward on the executor thread, the sampler picks a token for each
+sequence that reached the end of its known tokens, and the engine streams new text to each
+request's queue and finishes sequences that stopped. Consumers never block the loop: each
+request has its own unbounded queue (bounded in practice by max_tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
+from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.sampling import Sampler, SamplingParams, make_generator
+from services.gpu_worker.generation.scheduler import (
+    GenerationScheduler,
+    Rejected,
+    ScheduledSequence,
+)
+from services.gpu_worker.generation.scheduler import (
+    Sequence as SchedSequence,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens produced for one request since its previous delta."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    #: "length" or "stop" on the last delta, else None.
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class _Request:
+    seq_id: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    arrival_s: float
+    queue: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_emitted: int = 0
+
+
+class GenerationEngine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        scheduler: GenerationScheduler,
+        metrics: GenerationMetrics,
+        *,
+        labels: tuple[str, str],
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.max_model_len = max_model_len
+        self._metrics = metrics
+        self._labels = labels
+        self._eos_token_ids = eos_token_ids
+        self._clock = clock
+        self._sampler = Sampler()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        self._requests: dict[int, _Request] = {}
+        self._seq_ids = itertools.count(1)
+        self._wake = asyncio.Event()
+        self._cancelled: set[int] = set()
+        self._is_stepping = False
+        self._is_draining = False
+        self._loop_task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+        self._mean_step_s = 0.01
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="generation")
+
+    async def drain(self) -> None:
+        """Stop admitting; running streams keep receiving tokens until they finish."""
+        self._is_draining = True
+        self._wake.set()
+        if self._loop_task is not None:
+            await self._loop_task
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.num_free_blocks
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of requests not yet admitted (the prefill backlog routers see)."""
+        return sum(r.num_prompt_tokens for r in self._requests.values() if r.first_token_s is None)
+
+    @property
+    def mean_step_s(self) -> float:
+        """Moving average of one step's duration (seconds)."""
+        return self._mean_step_s
+
+    # -- requests --------------------------------------------------------------------------
+
+    async def generate(
+        self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
+    ) -> AsyncIterator[Delta]:
+        """Streams deltas until the sequence finishes. Closing the iterator (client cancel)
+        frees the sequence's KV blocks before the next step."""
+        if self._is_draining:
+            raise Unavailable("worker is draining")
+        try:
+            params.validate(self.max_model_len, len(prompt_ids))
+        except ValueError as error:
+            raise InvalidInput(str(error)) from error
+        seq_id = next(self._seq_ids)
+        now = self._clock()
+        sequence = SchedSequence(
+            seq_id=seq_id,
+            prompt_token_ids=tuple(prompt_ids),
+            max_tokens=params.max_tokens,
+            priority=priority,
+            arrival_s=now,
+        )
+        decision = self.scheduler.add(sequence)
+        if isinstance(decision, Rejected):
+            self._metrics.rejected_total.labels(*self._labels).inc()
+            raise Overloaded(f"generation request refused: {decision.reason}")
+        request = _Request(
+            seq_id=seq_id,
+            params=params,
+            generator=make_generator(params),
+            detokenizer=IncrementalDetokenizer(self.tokenizer),
+            num_prompt_tokens=len(prompt_ids),
+            arrival_s=now,
+        )
+        self._requests[seq_id] = request
+        self._wake.set()
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if seq_id in self._requests:
+                # The consumer went away mid-stream: free the blocks before the next step.
+                self._cancel(seq_id)
+
+    def _cancel(self, seq_id: int) -> None:
+        self._requests.pop(seq_id, None)
+        self._metrics.cancelled_total.labels(*self._labels).inc()
+        if self._is_stepping:
+            self._cancelled.add(seq_id)  # applied once the step in flight is accounted
+        else:
+            self.scheduler.finish(seq_id)
+        self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            output = self.scheduler.schedule()
+            self._export_gauges()
+            if not output.scheduled:
+                if self._is_draining and not self.scheduler.has_unfinished():
+                    return
+                await self._wake.wait()
+                continue
+            if output.preempted:
+                self._metrics.preemptions_total.labels(*self._labels).inc(len(output.preempted))
+            items = [
+                SequenceBatchItem(s.token_ids, s.start_position, s.block_table)
+                for s in output.scheduled
+            ]
+            self._is_stepping = True
+            started = self._clock()
+            try:
+                logits = await loop.run_in_executor(self._executor, self.runner.execute, items)
+            except Exception as error:
+                log.exception("generation step failed")
+                self._fail(output.scheduled, error)
+                continue
+            finally:
+                self._is_stepping = False
+            self.num_steps += 1
+            step_s = self._clock() - started
+            self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
+            self._metrics.step_seconds.labels(*self._labels).observe(step_s)
+            self._metrics.step_tokens.labels(*self._labels).observe(output.num_batched_tokens)
+            self._finish_step(output.scheduled, logits)
+
+    def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
+        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
+        params, generators = [], []
+        for i in sampling_rows:
+            request = self._requests.get(scheduled[i].seq_id)
+            params.append(request.params if request else SamplingParams())
+            generators.append(request.generator if request else None)
+        tokens = (
+            self._sampler.sample(logits[sampling_rows], params, generators) if sampling_rows else []
+        )
+        sampled = {scheduled[i].seq_id: t for i, t in zip(sampling_rows, tokens, strict=True)}
+        self.scheduler.update_from_output(sampled)
+        for seq_id in self._cancelled:
+            self.scheduler.finish(seq_id)
+        self._cancelled.clear()
+        now = self._clock()
+        for seq_id, token in sampled.items():
+            request = self._requests.get(seq_id)
+            if request is not None:
+                self._emit(request, token, now)
+
+    def _emit(self, request: _Request, token: int, now: float) -> None:
+        params = request.params
+        num_generated = len(self.scheduler.get(request.seq_id).output_token_ids)
+        is_stop_token = token in params.stop_token_ids or (
+            token in self._eos_token_ids and not params.ignore_eos
+        )
+        finish_reason = "stop" if is_stop_token else None
+        text = ""
+        token_ids: tuple[int, ...] = ()
+        if not is_stop_token:
+            token_ids = (token,)
+            text, hit_stop = request.detokenizer.push(token, params.stop)
+            if hit_stop:
+                finish_reason = "stop"
+        if finish_reason is None and num_generated >= params.max_tokens:
+            finish_reason = "length"
+        if finish_reason is not None:
+            text += request.detokenizer.flush() if finish_reason == "length" else ""
+        if request.first_token_s is None:
+            request.first_token_s = now
+            self._metrics.ttft_seconds.labels(*self._labels).observe(now - request.arrival_s)
+        elif request.last_token_s is not None:
+            self._metrics.tpot_seconds.labels(*self._labels).observe(now - request.last_token_s)
+        request.last_token_s = now
+        request.num_emitted += len(token_ids)
+        self._metrics.tokens_total.labels(*self._labels).inc(len(token_ids))
+        if finish_reason is None:
+            if token_ids:
+                request.queue.put_nowait(Delta(token_ids, text))
+            return
+        self._requests.pop(request.seq_id, None)
+        self.scheduler.finish(request.seq_id)
+        self._metrics.finished_total.labels(*self._labels, finish_reason).inc()
+        request.queue.put_nowait(
+            Delta(
+                token_ids,
+                text,
+                finish_reason=finish_reason,
+                prompt_tokens=request.num_prompt_tokens,
+                completion_tokens=request.num_emitted,
+            )
+        )
+
+    def _fail(self, scheduled: Sequence[ScheduledSequence], error: Exception) -> None:
+        """A failed step fails the sequences in it (their streams end with an error status);
+        sequences not in the step keep going."""
+        for item in scheduled:
+            self.scheduler.finish(item.seq_id)
+            request = self._requests.pop(item.seq_id, None)
+            if request is not None:
+                request.queue.put_nowait(ExecutionFailed(f"generation failed: {error}"))
+        for seq_id in self._cancelled:
+            self.scheduler.finish(seq_id)
+        self._cancelled.clear()
+
+    def _export_gauges(self) -> None:
+        free = self.scheduler.num_free_blocks
+        self._metrics.kv_blocks_free.labels(*self._labels).set(free)
+        self._metrics.kv_blocks_used.labels(*self._labels).set(self.runner.num_blocks - free)
+        self._metrics.running_sequences.labels(*self._labels).set(self.scheduler.num_running)
+        self._metrics.waiting_sequences.labels(*self._labels).set(self.scheduler.num_waiting)

@@ -1,0 +1,68 @@
+"""Turning logits into tokens: greedy, or temperature / top-k / top-p sampling, seeded per request.
+
+Each row is sampled on its own, with its own request's generator, so a seeded request yields the
+same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from services.common.sampling import SamplingParams
+
+__all__ = ["Sampler", "SamplingParams", "make_generator"]
+
+
+def make_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own RNG, created once and advanced by each sample; None when the request is
+    greedy or unseeded (then torch's global RNG is used)."""
+    if params.is_greedy or params.seed is None:
+        return None
+    return torch.Generator().manual_seed(params.seed)
+
+
+class Sampler:
+    """Picks one token per row of logits."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int]:
+        """logits: float [n, vocab] on CPU (the generators are CPU generators); one params and
+        one generator per row. Returns the chosen token ids."""
+        if not len(params) == len(generators) == logits.shape[0]:
+            raise ValueError(
+                f"{logits.shape[0]} rows of logits, {len(params)} params, "
+                f"{len(generators)} generators"
+            )
+        return [
+            self._sample_row(row, p, g)
+            for row, p, g in zip(logits, params, generators, strict=True)
+        ]
+
+    @staticmethod
+    def _sample_row(
+        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    ) -> int:
+        if params.is_greedy:
+            return int(torch.argmax(logits))
+        # Work in descending order: top-k and top-p then cut a prefix. A stable sort keeps tied
+        # tokens in id order, so top_k=1 picks the same token as argmax.
+        sorted_logits, order = torch.sort(
+            logits.float() / params.temperature, descending=True, stable=True
+        )
+        if params.top_k > 0:
+            sorted_logits[params.top_k :] = -math.inf
+        if params.top_p < 1.0:
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token when the ones before it already reach top_p; the first always stays.
+            mass_before = torch.cumsum(probs, dim=-1) - probs
+            sorted_logits[mass_before >= params.top_p] = -math.inf
+        probs = torch.softmax(sorted_logits, dim=-1)
+        choice = torch.multinomial(probs, num_samples=1, generator=generator)
+        return int(order[choice])

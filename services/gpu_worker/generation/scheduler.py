@@ -1,0 +1,365 @@
+"""Iteration-level scheduling of generation: which tokens of which sequences run this step.
+
+Follows vLLM v1's scheduler. Every sequence tracks `num_computed_tokens` (the leading tokens
+whose KV is in the cache), and each step hands every sequence some of its uncomputed tokens under
+one token budget, so single-token decodes and prefill chunks share a forward pass. Finished
+sequences leave and waiting ones join between any two steps (continuous batching).
+
+The binding resource is KV-cache memory, in paged blocks (`BlockAllocator`). Admission is by
+free blocks; when a running sequence cannot grow, the lowest-priority running sequence is
+preempted: its blocks are freed and, later, it is recomputed from its prompt plus the tokens it
+already produced, so its output continues where it left off.
+
+Synchronous and pure. The engine loop reads schedule() -> run the model -> update_from_output(),
+and calls finish() whenever it decides a sequence stops (length, eos, stop string, cancel, error).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.gpu_worker.generation.block_manager import BlockAllocator
+
+
+@dataclass(frozen=True)
+class GenerationSchedulerConfig:
+    """The slice of a generation model's configuration that the scheduler needs."""
+
+    #: Most sequences running (holding KV blocks) at once.
+    max_num_seqs: int
+    #: Token budget of one step: decode tokens plus prefill-chunk tokens.
+    max_num_batched_tokens: int
+    #: KV-cache blocks in the whole cache.
+    num_blocks: int
+    #: Token slots per KV block.
+    block_size: int
+    #: Longest sequence (prompt + generated tokens) the model accepts.
+    max_model_len: int
+    #: Free blocks kept back when admitting while others run, so running sequences can grow a
+    #: few steps before anyone is preempted.
+    watermark_blocks: int = 0
+    #: Benchmark baseline: admit a batch only when nothing runs, prefill all of it, then decode
+    #: it to completion.
+    is_static: bool = False
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One generation request. Owned and mutated by the scheduler once added; compared by
+    identity."""
+
+    seq_id: int
+    prompt_token_ids: tuple[int, ...]
+    #: Most tokens to generate. The engine, not the scheduler, finishes the sequence there.
+    max_tokens: int
+    #: Lower runs first; ties go to the earlier arrival_s, then the lower seq_id.
+    priority: int = 0
+    #: Seconds on the engine's monotonic clock.
+    arrival_s: float = 0.0
+    output_token_ids: list[int] = field(default_factory=list)
+    #: Leading tokens of all_token_ids whose KV is in the cache.
+    num_computed_tokens: int = 0
+    #: Physical KV blocks in position order: position p lives in block_table[p // block_size].
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_preemptions: int = 0
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        """Prompt followed by the tokens generated so far."""
+        return (*self.prompt_token_ids, *self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_token_ids), without building it."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+
+@dataclass(frozen=True)
+class ScheduledSequence:
+    """The work of one sequence in one step."""
+
+    seq_id: int
+    #: Tokens to compute: a prefill chunk, or for a decode the single last known token.
+    token_ids: tuple[int, ...]
+    #: Position of token_ids[0] in the sequence (its num_computed_tokens).
+    start_position: int
+    #: Blocks covering positions [0, start_position + len(token_ids)).
+    block_table: tuple[int, ...]
+    #: True when this step reaches the end of the known tokens: sample one new token from the
+    #: logits of the last position.
+    samples: bool
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. No scheduled sequences means idle."""
+
+    #: Running sequences (priority order) first, then sequences admitted this step.
+    scheduled: tuple[ScheduledSequence, ...]
+    #: Sequences preempted this step (blocks freed, back to waiting for recompute).
+    preempted: tuple[int, ...]
+    #: sum(len(s.token_ids)); never above max_num_batched_tokens.
+    num_batched_tokens: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The sequence is waiting; it will appear in a later SchedulerOutput."""
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The sequence can never run with this configuration; nothing was queued."""
+
+    reason: str
+
+
+def _order(seq: Sequence) -> tuple[int, float, int]:
+    return (seq.priority, seq.arrival_s, seq.seq_id)
+
+
+def _num_uncomputed(seq: Sequence) -> int:
+    return seq.num_tokens - seq.num_computed_tokens
+
+
+def _token_slice(seq: Sequence, start: int, stop: int) -> tuple[int, ...]:
+    num_prompt = len(seq.prompt_token_ids)
+    if start >= num_prompt:  # decode: avoid copying the whole sequence every step
+        return tuple(seq.output_token_ids[start - num_prompt : stop - num_prompt])
+    return seq.all_token_ids[start:stop]
+
+
+def _check_config(config: GenerationSchedulerConfig) -> None:
+    positive = (
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        config.num_blocks,
+        config.block_size,
+        config.max_model_len,
+    )
+    if min(positive) < 1:
+        raise ValueError(
+            "max_num_seqs, max_num_batched_tokens, num_blocks, block_size and max_model_len"
+            " must be >= 1"
+        )
+    if config.watermark_blocks < 0:
+        raise ValueError("watermark_blocks must be >= 0")
+
+
+class GenerationScheduler:
+    """Waiting and running sequences of one model, their KV blocks, and each step's plan."""
+
+    def __init__(self, config: GenerationSchedulerConfig) -> None:
+        """Raises ValueError if `config` is inconsistent."""
+        _check_config(config)
+        self._config = config
+        self._allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self._seqs: dict[int, Sequence] = {}
+        # Both sorted by _order. The last running sequence is the first to be preempted; a
+        # preempted one re-enters waiting by its original key, ahead of later arrivals.
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        # The last schedule()'s work, until update_from_output() accounts for it.
+        self._in_flight: dict[int, ScheduledSequence] = {}
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences waiting for admission (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences holding KV blocks."""
+        return len(self._running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """KV blocks owned by no sequence."""
+        return self._allocator.num_free
+
+    def get(self, seq_id: int) -> Sequence | None:
+        """The unfinished sequence `seq_id`, or None."""
+        return self._seqs.get(seq_id)
+
+    def has_unfinished(self) -> bool:
+        """True while any sequence is waiting or running."""
+        return bool(self._seqs)
+
+    def add(self, seq: Sequence) -> Admitted | Rejected:
+        """Queue a new sequence, or say why it can never run. Raises ValueError on a duplicate
+        seq_id or a sequence that is not new (caller bugs)."""
+        if seq.seq_id in self._seqs:
+            raise ValueError(f"sequence {seq.seq_id} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} is not new")
+        num_prompt = len(seq.prompt_token_ids)
+        num_total = num_prompt + seq.max_tokens
+        if num_prompt == 0:
+            return Rejected("empty prompt")
+        if seq.max_tokens < 1:
+            return Rejected(f"max_tokens must be >= 1, got {seq.max_tokens}")
+        if num_total > self._config.max_model_len:
+            return Rejected(
+                f"prompt ({num_prompt} tokens) + max_tokens ({seq.max_tokens}) exceeds"
+                f" max_model_len ({self._config.max_model_len})"
+            )
+        # Checked at the edge so that a lone sequence can always grow to the end: a sequence
+        # that fits the whole cache never has to preempt itself forever.
+        num_needed = self._allocator.blocks_for(num_total)
+        if num_needed > self._config.num_blocks:
+            return Rejected(
+                f"needs {num_needed} KV blocks, the cache has {self._config.num_blocks}"
+            )
+        self._seqs[seq.seq_id] = seq
+        bisect.insort(self._waiting, seq, key=_order)
+        return Admitted()
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running sequences first (priority order), preempting when blocks run
+        out, then admissions (static mode: a new batch only when nothing runs). Raises
+        RuntimeError if the previous step was not accounted for with update_from_output() (or
+        its sequences finished)."""
+        if self._in_flight:
+            raise RuntimeError("schedule() called before update_from_output() of the last step")
+        cfg = self._config
+        if cfg.is_static and not self._running:
+            self._admit_static_batch()
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[int] = []
+        # Static batches decode only once every admitted prefill is done. (A prefill with one
+        # token left looks like a decode; running it with the decodes costs the same.)
+        is_prefill_only = cfg.is_static and any(_num_uncomputed(s) > 1 for s in self._running)
+        i = 0
+        # Preemption pops from the end of _running, so index i stays valid: victims are always
+        # at or after it.
+        while i < len(self._running) and budget > 0:
+            seq = self._running[i]
+            i += 1
+            if is_prefill_only and _num_uncomputed(seq) <= 1:
+                continue
+            num_new = min(_num_uncomputed(seq), budget)
+            if not self._grow(seq, num_new, preempted):
+                break  # seq preempted itself: it was the last running sequence
+            scheduled.append(self._plan(seq, num_new))
+            budget -= num_new
+        # Blocks freed by a preemption are for the running sequences' next steps; admitting
+        # into them now would only cause the next preemption (vLLM v1 does the same).
+        if not cfg.is_static and not preempted:
+            self._admit_waiting(budget, scheduled)
+        return SchedulerOutput(
+            scheduled=tuple(scheduled),
+            preempted=tuple(preempted),
+            num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
+        )
+
+    def update_from_output(self, sampled: Mapping[int, int]) -> None:
+        """Account for the last schedule(): its tokens are now computed, and each sequence that
+        sampled gets its new token from `sampled` (seq_id -> token id; entries for sequences
+        that did not sample are ignored). Sequences finished since schedule() are skipped.
+        Raises KeyError, changing nothing, if a sampling sequence has no entry."""
+        missing = [i for i, s in self._in_flight.items() if s.samples and i not in sampled]
+        if missing:
+            raise KeyError(f"no sampled token for sequences {missing}")
+        in_flight, self._in_flight = self._in_flight, {}
+        for seq_id, step in in_flight.items():
+            seq = self._seqs[seq_id]
+            seq.num_computed_tokens += len(step.token_ids)
+            if step.samples:
+                seq.output_token_ids.append(sampled[seq_id])
+
+    def finish(self, seq_id: int) -> bool:
+        """Stop a waiting or running sequence now and free its blocks. True if it was known."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return False
+        # Finished mid-step (cancel, error): its in-flight work is dropped, not accounted.
+        self._in_flight.pop(seq_id, None)
+        (self._running if seq.status is SequenceStatus.RUNNING else self._waiting).remove(seq)
+        self._allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        return True
+
+    def _grow(self, seq: Sequence, num_new: int, preempted: list[int]) -> bool:
+        """Give `seq` blocks for `num_new` more tokens, preempting from the back of the running
+        order until they fit. False if `seq` itself had to be preempted."""
+        num_needed = self._allocator.blocks_for(seq.num_computed_tokens + num_new) - len(
+            seq.block_table
+        )
+        while not self._allocator.can_allocate(num_needed):
+            victim = self._running[-1]
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
+            if victim is seq:
+                return False
+        seq.block_table.extend(self._allocator.allocate(num_needed))
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free all of `seq`'s blocks; it is recomputed from all_token_ids once readmitted."""
+        self._running.remove(seq)
+        self._allocator.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        bisect.insort(self._waiting, seq, key=_order)
+
+    def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
+        """Admit waiting sequences in order with a first chunk each, while seats, budget and
+        blocks last. The first that does not fit stops admission: no overtaking."""
+        cfg = self._config
+        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
+            seq = self._waiting[0]
+            num_new = min(seq.num_tokens, budget)
+            num_needed = self._allocator.blocks_for(num_new)
+            # With nothing running the headroom protects nobody, and keeping it could leave a
+            # sequence that fits the cache waiting forever.
+            headroom = cfg.watermark_blocks if self._running else 0
+            if not self._allocator.can_allocate(num_needed + headroom):
+                break
+            del self._waiting[0]
+            seq.status = SequenceStatus.RUNNING
+            seq.block_table = self._allocator.allocate(num_needed)
+            bisect.insort(self._running, seq, key=_order)
+            scheduled.append(self._plan(seq, num_new))
+            budget -= num_new
+
+    def _admit_static_batch(self) -> None:
+        """Form the next static batch: waiting sequences in order while seats last and the
+        blocks of all their prefills fit. Blocks are taken chunk by chunk as prefill runs."""
+        cfg = self._config
+        num_reserved = 0
+        while self._waiting and len(self._running) < cfg.max_num_seqs:
+            seq = self._waiting[0]
+            headroom = cfg.watermark_blocks if self._running else 0
+            num_needed = self._allocator.blocks_for(seq.num_tokens)
+            if num_reserved + num_needed + headroom > self._allocator.num_free:
+                break
+            del self._waiting[0]
+            seq.status = SequenceStatus.RUNNING
+            self._running.append(seq)  # taken in order, so _running stays sorted
+            num_reserved += num_needed
+
+    def _plan(self, seq: Sequence, num_new: int) -> ScheduledSequence:
+        start = seq.num_computed_tokens
+        step = ScheduledSequence(
+            seq_id=seq.seq_id,
+            token_ids=_token_slice(seq, start, start + num_new),
+            start_position=start,
+            block_table=tuple(seq.block_table),
+            samples=start + num_new == seq.num_tokens,
+        )
+        self._in_flight[seq.seq_id] = step
+        return step

@@ -1,0 +1,155 @@
+"""Generation end to end through `make run`'s stack (default repository: tiny-llama)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.kserve import run_kserve_client
+from tests.support.metrics import scrape, total
+from tests.support.stack import Stack, start_stack
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("generation"))
+    yield stack
+    assert stack.stop() == 0, stack.log("launcher")
+
+
+def generate_request(prompt: str, **sampling: object) -> api.GenerateRequest:
+    return api.GenerateRequest(
+        model_name="tiny-llama", prompt=prompt, sampling=pb.SamplingParameters(**sampling)
+    )
+
+
+async def stream(
+    stub: api_grpc.InferenceServiceStub, request: api.GenerateRequest
+) -> list[pb.GenerateResponse]:
+    return [m async for m in stub.Generate(request, timeout=60)]
+
+
+async def test_generate_streams_tokens_with_a_final_summary(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        first, second = await asyncio.gather(
+            *(
+                stream(stub, generate_request("Once upon a time", max_tokens=12, ignore_eos=True))
+                for _ in range(2)
+            )
+        )
+    tokens = [t for m in first for t in m.token_ids]
+    assert len(tokens) == 12 and len(first) >= 2, "tokens must arrive over several messages"
+    assert [m.finish_reason for m in first[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (
+        len(first) - 1
+    )
+    final = first[-1]
+    assert final.finish_reason == pb.FINISH_REASON_LENGTH
+    assert final.completion_tokens == 12 and final.prompt_tokens == len("Once upon a time") + 1
+    assert tokens == [t for m in second for t in m.token_ids], "greedy is deterministic"
+
+
+async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None:
+    sampling = json.dumps({"max_tokens": 10, "temperature": 0, "ignore_eos": True})
+    result = await asyncio.to_thread(
+        run_kserve_client,
+        stack.gateway.address,
+        "--model",
+        "tiny-llama",
+        "--generate",
+        sampling,
+        "Hello",
+    )
+    assert "error" not in result, result
+    assert len(result["chunks"]) >= 2, result
+    assert result["final"]["finish_reason"] == "length"
+    assert result["final"]["completion_tokens"] == 10
+    assert result["final"]["id"] == "gen-1"
+    # stream=false: one final response with the whole text, prompt included.
+    whole = await asyncio.to_thread(
+        run_kserve_client,
+        stack.gateway.address,
+        "--model",
+        "tiny-llama",
+        "--generate",
+        sampling,
+        "--no-stream",
+        "Hello",
+    )
+    assert len(whole["chunks"]) == 1 and whole["chunks"][0].startswith("Hello")
+
+
+async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
+    worker = stack.workers[0]
+    before = total(scrape(worker.metrics_port), "inference_generation_cancelled_total")
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        call = stub.Generate(
+            generate_request("cancel me", max_tokens=400, ignore_eos=True), timeout=60
+        )
+        async for _ in call:
+            break
+        call.cancel()
+    def settled() -> bool:
+        text = scrape(worker.metrics_port)
+        return (
+            total(text, "inference_generation_cancelled_total") > before
+            and total(text, "inference_generation_kv_blocks_used") == 0
+        )
+
+    # The cancel travels gateway -> router -> worker asynchronously; poll, bounded (5 s).
+    for _ in range(100):
+        if settled():
+            break
+        await asyncio.sleep(0.05)
+    assert total(scrape(worker.metrics_port), "inference_generation_cancelled_total") == before + 1
+    free = total(scrape(worker.metrics_port), "inference_generation_kv_blocks_free")
+    used = total(scrape(worker.metrics_port), "inference_generation_kv_blocks_used")
+    assert used == 0 and free > 0
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (generate_request("hi", max_tokens=100_000), "maximum length"),
+        (generate_request("hi", temperature=-1.0), "temperature"),
+        (generate_request("hi", top_p=1.5), "top_p"),
+        (generate_request(""), "empty"),
+        (api.GenerateRequest(model_name="minilm", prompt="hi"), "not a generation model"),
+    ],
+)
+async def test_bad_generation_input_is_invalid_argument(
+    stack: Stack, request_, message: str
+) -> None:  # type: ignore[no-untyped-def]
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stream(stub, request_)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in raised.value.details()
+
+
+async def test_predict_on_a_generation_model_is_refused_at_the_gateway(stack: Stack) -> None:
+    rows_before = total(scrape(stack.workers[0].metrics_port), "inference_worker_requests_total")
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Predict(
+                api.PredictRequest(model_name="tiny-llama", inputs=[api.PredictInput(text="x")]),
+                timeout=10,
+            )
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "call Generate" in raised.value.details()
+    assert (
+        total(scrape(stack.workers[0].metrics_port), "inference_worker_requests_total")
+        == rows_before
+    )

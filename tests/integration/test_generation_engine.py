@@ -1,0 +1,257 @@
+"""The generation engine on a real (tiny, random) Llama checkpoint made with `transformers`,
+checked token for token against `transformers`' own greedy generate."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.common.errors import ExecutionFailed, Overloaded
+from services.common.model_repository import load_repository
+from services.common.sampling import SamplingParams
+from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from tests.support.metrics import total
+from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+PROMPTS = ("Hello, world", "a", "The quick brown fox jumps over the lazy dog and keeps running")
+
+
+def write_repository(
+    root: Path,
+    *,
+    num_kv_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    weights_from: Path | None = None,
+) -> Path:
+    """A model repository holding a random transformers Llama and tiny-llama's byte tokenizer
+    (copied from `weights_from`, another such repository, when given)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    version_dir = root / "ref-llama" / "1"
+    if weights_from is not None:
+        shutil.copytree(weights_from / "ref-llama" / "1", version_dir)
+    else:
+        torch.manual_seed(1234)
+        config = LlamaConfig(
+            vocab_size=258,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            bos_token_id=256,
+            eos_token_id=257,
+        )
+        LlamaForCausalLM(config).save_pretrained(version_dir, safe_serialization=True)
+        shutil.copy(REPO_ROOT / "models" / "tiny-llama" / "1" / "tokenizer.json", version_dir)
+    (root / "ref-llama" / "config.toml").write_text(
+        f"""
+kind = "generation"
+slo_p99_ms = 5000
+max_batch_size = {max_num_seqs}
+
+[generation]
+max_model_len = 256
+block_size = {block_size}
+num_kv_blocks = {num_kv_blocks}
+max_num_seqs = {max_num_seqs}
+max_num_batched_tokens = 64
+
+[inputs.text_input]
+dtype = "BYTES"
+dims = [1]
+
+[outputs.text_output]
+dtype = "BYTES"
+dims = [1]
+"""
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_repository(tmp_path_factory.mktemp("ref"))
+
+
+def make_backend(repository: Path) -> tuple[GenerationBackend, CollectorRegistry]:
+    registry = CollectorRegistry()
+    (version,) = load_repository(repository)
+    return GenerationBackend(version, torch.device("cpu"), GenerationMetrics(registry)), registry
+
+
+@pytest.fixture
+async def engine_backend(checkpoint: Path) -> Iterator[GenerationBackend]:
+    backend, _ = make_backend(checkpoint)
+    backend.engine.start()
+    yield backend
+    await backend.engine.drain()
+
+
+def reference_greedy(checkpoint: Path, prompt_ids: list[int], num_tokens: int) -> list[int]:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(checkpoint / "ref-llama" / "1").eval()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=num_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
+
+
+async def collect(
+    backend: GenerationBackend,
+    prompt: str,
+    params: SamplingParams,
+    started: asyncio.Event | None = None,
+) -> list[int]:
+    tokens: list[int] = []
+    async for delta in backend.engine.generate(backend.encode(prompt), params):
+        tokens.extend(delta.token_ids)
+        if started is not None and len(tokens) >= 2:
+            started.set()
+    return tokens
+
+
+async def test_greedy_matches_transformers_with_staggered_arrivals(
+    checkpoint: Path, engine_backend: GenerationBackend
+) -> None:
+    backend = engine_backend
+    lengths = (24, 30, 18)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    # Each request joins while the previous ones are decoding: one continuous batch.
+    first_started, second_started = asyncio.Event(), asyncio.Event()
+    a = asyncio.ensure_future(collect(backend, PROMPTS[0], params[0], first_started))
+    await first_started.wait()
+    b = asyncio.ensure_future(collect(backend, PROMPTS[1], params[1], second_started))
+    await second_started.wait()
+    c = asyncio.ensure_future(collect(backend, PROMPTS[2], params[2]))
+    results = await asyncio.gather(a, b, c)
+    for prompt, n, got in zip(PROMPTS, lengths, results, strict=True):
+        assert got == reference_greedy(checkpoint, backend.encode(prompt), n), prompt
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_preemption_then_resume_gives_the_uninterrupted_tokens(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # 28 blocks of 4 tokens: each sequence fits alone (the longest needs 24 blocks), all three
+    # (43 blocks) do not, so running them together must preempt.
+    backend, registry = make_backend(
+        write_repository(tmp_path, num_kv_blocks=28, weights_from=checkpoint)
+    )
+    backend.engine.start()
+    try:
+        params = SamplingParams(max_tokens=30, ignore_eos=True)
+        results = await asyncio.gather(*(collect(backend, p, params) for p in PROMPTS))
+    finally:
+        await backend.engine.drain()
+    preemptions = total(
+        generate_latest(registry).decode(), "inference_generation_preemptions_total"
+    )
+    assert preemptions > 0, "the test must actually preempt"
+    for prompt, got in zip(PROMPTS, results, strict=True):
+        assert got == reference_greedy(checkpoint, backend.encode(prompt), 30), prompt
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    # One sequence at a time: the second waits until the first is cancelled.
+    backend, registry = make_backend(
+        write_repository(tmp_path, max_num_seqs=1, weights_from=checkpoint)
+    )
+    backend.engine.start()
+    try:
+        long_params = SamplingParams(max_tokens=60, ignore_eos=True)
+        stream = backend.engine.generate(backend.encode(PROMPTS[2]), long_params)
+        first = await anext(stream)
+        assert first.token_ids
+        waiting = asyncio.ensure_future(collect(backend, PROMPTS[2], long_params))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and backend.scheduler.num_waiting == 1
+        await stream.aclose()  # the client goes away
+        tokens = await asyncio.wait_for(waiting, 60)
+        assert len(tokens) == 60
+    finally:
+        await backend.engine.drain()
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert total(generate_latest(registry).decode(), "inference_generation_cancelled_total") == 1
+
+
+async def test_a_request_that_can_never_fit_is_refused(checkpoint: Path, tmp_path: Path) -> None:
+    backend, _ = make_backend(write_repository(tmp_path, num_kv_blocks=4, weights_from=checkpoint))
+    backend.engine.start()
+    try:
+        with pytest.raises(Overloaded):
+            await anext(
+                backend.engine.generate(backend.encode(PROMPTS[2]), SamplingParams(max_tokens=40))
+            )
+    finally:
+        await backend.engine.drain()
+
+
+async def test_same_seed_same_tokens_and_stop_conditions(engine_backend: GenerationBackend) -> None:
+    backend = engine_backend
+    sampled = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=7, ignore_eos=True)
+    first, second = await asyncio.gather(*(collect(backend, "seeded", sampled) for _ in range(2)))
+    assert first == second and len(first) == 12
+    other = await collect(
+        backend, "seeded", SamplingParams(max_tokens=12, temperature=1.0, seed=8, ignore_eos=True)
+    )
+    assert other != first
+    # A stop token ends the stream without returning it.
+    greedy = await collect(backend, "stops", SamplingParams(max_tokens=12, ignore_eos=True))
+    stopped = await collect(
+        backend,
+        "stops",
+        SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(greedy[4],)),
+    )
+    assert stopped == greedy[: greedy.index(greedy[4])]
+
+
+async def test_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:
+    backend, _ = make_backend(checkpoint)
+    execute = backend.runner.execute
+    calls = {"n": 0}
+
+    def failing_execute(items):  # type: ignore[no-untyped-def]
+        # Fault injection into the real runner: the fourth step fails.
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise RuntimeError("device lost")
+        return execute(items)
+
+    backend.runner.execute = failing_execute  # type: ignore[method-assign]
+    backend.engine.start()
+    received: list[int] = []
+    try:
+        with pytest.raises(ExecutionFailed, match="device lost"):
+            async for delta in backend.engine.generate(
+                backend.encode("x"), SamplingParams(max_tokens=20, ignore_eos=True)
+            ):
+                received.extend(delta.token_ids)
+        # The engine keeps serving after a failed step.
+        tokens = await collect(backend, "after", SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        await backend.engine.drain()
+    assert 0 < len(received) < 20
+    assert len(tokens) == 3
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks

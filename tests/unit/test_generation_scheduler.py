@@ -1,0 +1,670 @@
+"""GenerationScheduler: continuous batching, KV admission, chunked prefill, preemption, static mode.
+
+Tests drive the scheduler as the engine does (schedule -> model -> update_from_output -> finish)
+with a fake model over a fake paged KV cache: computing a token writes it into its slot of a
+physical block, and sampling reads the whole context back through the block table. The next
+token depends only on that context, so any wrong block table, skipped or repeated position, or
+block shared by two live sequences changes the outputs, and a preempted sequence recomputed
+from scratch must produce exactly what an uninterrupted run does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import pytest
+
+from services.gpu_worker.generation.scheduler import (
+    Admitted,
+    GenerationScheduler,
+    GenerationSchedulerConfig,
+    Rejected,
+    ScheduledSequence,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+)
+
+VOCAB_SIZE = 50
+
+
+def next_token(context: Seq[int]) -> int:
+    """The fake model: a function of every token so far, and of nothing else."""
+    return (sum((i + 1) * t for i, t in enumerate(context)) + 7 * len(context)) % VOCAB_SIZE
+
+
+def reference_output(prompt: Seq[int], max_tokens: int) -> list[int]:
+    """What an uninterrupted, unbatched run of the fake model produces."""
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+def make_config(**overrides: Any) -> GenerationSchedulerConfig:
+    fields: dict[str, Any] = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "num_blocks": 64,
+        "block_size": 4,
+        "max_model_len": 256,
+    }
+    fields.update(overrides)
+    return GenerationSchedulerConfig(**fields)
+
+
+def make_seq(
+    *,
+    seq_id: int,
+    num_prompt_tokens: int = 4,
+    max_tokens: int = 4,
+    priority: int = 0,
+    arrival_s: float | None = None,
+) -> Sequence:
+    return Sequence(
+        seq_id=seq_id,
+        prompt_token_ids=tuple((seq_id * 7 + i) % VOCAB_SIZE for i in range(num_prompt_tokens)),
+        max_tokens=max_tokens,
+        priority=priority,
+        arrival_s=float(seq_id) if arrival_s is None else arrival_s,
+    )
+
+
+class FakeEngine:
+    """The engine loop with a fake model; checks the scheduler's invariants after every step."""
+
+    def __init__(self, config: GenerationSchedulerConfig) -> None:
+        self.config = config
+        self.scheduler = GenerationScheduler(config)
+        self.live: dict[int, Sequence] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.steps: list[SchedulerOutput] = []
+        # Physical KV cache: block id -> slot -> token id.
+        self._kv: dict[int, dict[int, int]] = {}
+        self._tables: dict[int, tuple[int, ...]] = {}
+
+    def add(self, seq: Sequence) -> Admitted | Rejected:
+        decision = self.scheduler.add(seq)
+        if isinstance(decision, Admitted):
+            self.live[seq.seq_id] = seq
+        return decision
+
+    def cancel(self, seq_id: int) -> bool:
+        self.live.pop(seq_id, None)
+        return self.scheduler.finish(seq_id)
+
+    def step(self) -> SchedulerOutput:
+        output = self.scheduler.schedule()
+        block_size = self.config.block_size
+        self._forget_unowned_blocks(output.scheduled)
+        sampled: dict[int, int] = {}
+        for item in output.scheduled:
+            for offset, token in enumerate(item.token_ids):
+                position = item.start_position + offset
+                self._kv[item.block_table[position // block_size]][position % block_size] = token
+            if item.samples:
+                end = item.start_position + len(item.token_ids)
+                context = [
+                    self._kv[item.block_table[p // block_size]][p % block_size] for p in range(end)
+                ]
+                sampled[item.seq_id] = next_token(context)
+        self.scheduler.update_from_output(sampled)
+        for item in output.scheduled:
+            seq = self.live[item.seq_id]
+            if len(seq.output_token_ids) >= seq.max_tokens:
+                self.outputs[item.seq_id] = list(seq.output_token_ids)
+                del self.live[item.seq_id]
+                assert self.scheduler.finish(item.seq_id)
+        self.steps.append(output)
+        self._check_invariants(output)
+        return output
+
+    def run(self, *, max_steps: int = 2000) -> int:
+        """Step until nothing is left; returns the number of steps."""
+        num_steps = 0
+        while self.scheduler.has_unfinished():
+            self.step()
+            num_steps += 1
+            assert num_steps <= max_steps, "scheduler made no progress"
+        return num_steps
+
+    def _forget_unowned_blocks(self, scheduled: Seq[ScheduledSequence]) -> None:
+        """Wipe blocks that changed owner, so a read of a slot not computed by its current owner
+        fails instead of seeing a stale token."""
+        owned = {b for seq in self.live.values() for b in seq.block_table}
+        for block in [b for b in self._kv if b not in owned]:
+            del self._kv[block]
+        for item in scheduled:
+            previous = self._tables.get(item.seq_id, ())
+            if item.start_position == 0:
+                previous = ()  # new, or recomputed after a preemption
+            # A running sequence's table only grows; earlier blocks keep their contents.
+            assert item.block_table[: len(previous)] == previous
+            for block in item.block_table[len(previous) :]:
+                self._kv[block] = {}
+            self._tables[item.seq_id] = item.block_table
+
+    def _check_invariants(self, output: SchedulerOutput) -> None:
+        config, scheduler = self.config, self.scheduler
+        lengths = [len(s.token_ids) for s in output.scheduled]
+        assert output.num_batched_tokens == sum(lengths) <= config.max_num_batched_tokens
+        assert all(n >= 1 for n in lengths)
+        assert len({s.seq_id for s in output.scheduled}) == len(output.scheduled)
+        tables = [seq.block_table for seq in self.live.values()]
+        owned = [b for table in tables for b in table]
+        assert len(owned) == len(set(owned)), "a KV block is shared by two sequences"
+        assert scheduler.num_free_blocks + len(owned) == config.num_blocks
+        assert scheduler.num_running + scheduler.num_waiting == len(self.live)
+        assert scheduler.num_running <= config.max_num_seqs
+        for seq in self.live.values():
+            # Exactly the blocks its computed tokens need: no leak, no over-allocation.
+            assert len(seq.block_table) == -(-seq.num_computed_tokens // config.block_size)
+            if seq.status is SequenceStatus.WAITING:
+                assert seq.num_computed_tokens == 0
+
+
+def scheduled_ids(output: SchedulerOutput) -> list[int]:
+    return [s.seq_id for s in output.scheduled]
+
+
+def item_of(output: SchedulerOutput, seq_id: int) -> ScheduledSequence:
+    (item,) = [s for s in output.scheduled if s.seq_id == seq_id]
+    return item
+
+
+def assert_outputs_match_reference(engine: FakeEngine, seqs: Seq[Sequence]) -> None:
+    for seq in seqs:
+        expected = reference_output(seq.prompt_token_ids, seq.max_tokens)
+        assert engine.outputs[seq.seq_id] == expected, f"sequence {seq.seq_id}"
+
+
+# -- continuous batching -----------------------------------------------------------------------
+
+
+def test_new_request_joins_running_decode_batch_at_the_next_step() -> None:
+    engine = FakeEngine(make_config())
+    engine.add(make_seq(seq_id=1, max_tokens=10))
+    engine.add(make_seq(seq_id=2, max_tokens=10))
+    engine.step()  # both prefill
+    decode = engine.step()
+    assert [(s.start_position, len(s.token_ids)) for s in decode.scheduled] == [(4, 1), (4, 1)]
+    engine.add(make_seq(seq_id=3, max_tokens=10))
+    joined = engine.step()
+    assert scheduled_ids(joined) == [1, 2, 3]
+    assert [(s.start_position, len(s.token_ids)) for s in joined.scheduled[:2]] == [(5, 1)] * 2
+    new = item_of(joined, 3)
+    assert (new.start_position, new.token_ids, new.samples) == (
+        0,
+        make_seq(seq_id=3).prompt_token_ids,
+        True,
+    )
+
+
+def test_finished_sequence_leaves_at_once_and_its_blocks_return() -> None:
+    engine = FakeEngine(make_config(num_blocks=16))
+    short = make_seq(seq_id=1, num_prompt_tokens=8, max_tokens=2)
+    engine.add(short)
+    engine.add(make_seq(seq_id=2, max_tokens=8))
+    engine.step()
+    engine.step()  # short's second token: the engine finishes it in this step
+    assert engine.scheduler.get(1) is None
+    assert short.status is SequenceStatus.FINISHED and short.block_table == []
+    running = engine.scheduler.get(2)
+    assert running is not None
+    assert engine.scheduler.num_free_blocks == 16 - len(running.block_table)
+    assert scheduled_ids(engine.step()) == [2]
+    assert not engine.scheduler.finish(1)
+
+
+def test_outputs_of_a_busy_batch_equal_unbatched_runs() -> None:
+    engine = FakeEngine(make_config(max_num_seqs=3, max_num_batched_tokens=16, num_blocks=20))
+    seqs = [make_seq(seq_id=i, num_prompt_tokens=3 + 2 * i, max_tokens=2 + i) for i in range(1, 7)]
+    for seq in seqs:
+        engine.add(seq)
+    engine.run()
+    assert_outputs_match_reference(engine, seqs)
+
+
+# -- admission by free KV blocks ---------------------------------------------------------------
+
+
+def start_one_running(engine: FakeEngine) -> None:
+    """Sequence 1: 15 prompt tokens in 4 of the 8 blocks; its one decode needs no new block."""
+    engine.add(make_seq(seq_id=1, num_prompt_tokens=15, max_tokens=2))
+    engine.step()
+    assert engine.scheduler.num_free_blocks == 4
+
+
+def test_admits_a_sequence_needing_exactly_the_free_blocks() -> None:
+    engine = FakeEngine(make_config(num_blocks=8))
+    start_one_running(engine)
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=16))
+    output = engine.step()
+    assert scheduled_ids(output) == [1, 2]
+    assert len(item_of(output, 2).token_ids) == 16
+    assert engine.scheduler.num_free_blocks == 4  # sequence 1 finished in this step
+
+
+def test_one_token_more_than_fits_waits_until_blocks_free() -> None:
+    engine = FakeEngine(make_config(num_blocks=8))
+    start_one_running(engine)
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=17))
+    assert scheduled_ids(engine.step()) == [1]  # 17 tokens need 5 blocks; 4 are free
+    assert engine.scheduler.num_waiting == 1
+    assert engine.scheduler.num_free_blocks == 8  # sequence 1 finished
+    output = engine.step()
+    assert scheduled_ids(output) == [2]
+    assert len(item_of(output, 2).token_ids) == 17
+
+
+def test_watermark_keeps_headroom_while_others_run() -> None:
+    engine = FakeEngine(make_config(num_blocks=8, watermark_blocks=1))
+    start_one_running(engine)
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=16))
+    assert scheduled_ids(engine.step()) == [1]  # 4 free, 4 needed + 1 headroom
+    assert scheduled_ids(engine.step()) == [2]  # nothing runs: headroom is not needed
+
+
+def test_max_num_seqs_caps_running_and_the_next_joins_when_one_finishes() -> None:
+    engine = FakeEngine(make_config(max_num_seqs=2))
+    seqs = [make_seq(seq_id=i, max_tokens=m) for i, m in [(1, 2), (2, 5), (3, 3), (4, 1)]]
+    for seq in seqs:
+        engine.add(seq)
+    assert scheduled_ids(engine.step()) == [1, 2]
+    assert scheduled_ids(engine.step()) == [1, 2]  # 1 finishes here
+    assert scheduled_ids(engine.step()) == [2, 3]
+    engine.run()
+    assert max(len(s.scheduled) for s in engine.steps) == 2
+    assert_outputs_match_reference(engine, seqs)
+
+
+def test_waiting_sequences_start_in_priority_then_arrival_order() -> None:
+    engine = FakeEngine(make_config(max_num_seqs=1))
+    for seq_id, priority in [(1, 2), (2, 0), (3, 1), (4, 0)]:
+        engine.add(make_seq(seq_id=seq_id, priority=priority, max_tokens=1))
+    engine.run()
+    assert [scheduled_ids(s) for s in engine.steps] == [[2], [4], [3], [1]]
+
+
+def test_a_waiting_sequence_that_does_not_fit_blocks_later_ones() -> None:
+    engine = FakeEngine(make_config(num_blocks=8))
+    start_one_running(engine)
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=20, max_tokens=4))  # 5 blocks: no room
+    engine.add(make_seq(seq_id=3, num_prompt_tokens=2))  # 1 block would fit, but no overtaking
+    assert scheduled_ids(engine.step()) == [1]
+    assert scheduled_ids(engine.step()) == [2, 3]
+
+
+# -- chunked prefill ---------------------------------------------------------------------------
+
+
+def test_long_prompt_is_prefilled_in_chunks_within_the_token_budget() -> None:
+    engine = FakeEngine(make_config(max_num_batched_tokens=8))
+    seq = make_seq(seq_id=1, num_prompt_tokens=21, max_tokens=3)
+    engine.add(seq)
+    engine.run()
+    plan = [
+        (s.start_position, len(s.token_ids), s.samples) for o in engine.steps for s in o.scheduled
+    ]
+    assert plan == [(0, 8, False), (8, 8, False), (16, 5, True), (21, 1, True), (22, 1, True)]
+    assert engine.steps[0].scheduled[0].token_ids == seq.prompt_token_ids[:8]
+    assert_outputs_match_reference(engine, [seq])
+
+
+def test_chunks_share_the_budget_with_running_decodes() -> None:
+    engine = FakeEngine(make_config(max_num_batched_tokens=8))
+    decoder = make_seq(seq_id=1, num_prompt_tokens=2, max_tokens=12)
+    engine.add(decoder)
+    engine.step()
+    long = make_seq(seq_id=2, num_prompt_tokens=21, max_tokens=2)
+    engine.add(long)
+    engine.run()
+    chunks = [item_of(s, 2) for s in engine.steps if 2 in scheduled_ids(s)]
+    assert [len(c.token_ids) for c in chunks[:3]] == [7, 7, 7]  # 8 minus one decode token
+    assert [c.samples for c in chunks[:3]] == [False, False, True]
+    for previous, current in itertools.pairwise(chunks):
+        assert current.start_position == previous.start_position + len(previous.token_ids)
+    assert all(s.num_batched_tokens <= 8 for s in engine.steps)
+    assert [len(item_of(s, 1).token_ids) for s in engine.steps[1:4]] == [1, 1, 1]
+    assert_outputs_match_reference(engine, [decoder, long])
+
+
+# -- preemption --------------------------------------------------------------------------------
+
+
+def preemption_engine() -> tuple[FakeEngine, Sequence, Sequence]:
+    """Two sequences in 6 blocks of 2 tokens: both grow to 3 blocks, then the fourth block of
+    the first (at position 6, step 4) forces a preemption."""
+    engine = FakeEngine(make_config(block_size=2, num_blocks=6))
+    first = make_seq(seq_id=1, max_tokens=6)
+    second = make_seq(seq_id=2, max_tokens=6)
+    engine.add(first)
+    engine.add(second)
+    for _ in range(3):
+        assert engine.step().preempted == ()
+    return engine, first, second
+
+
+def test_preemption_frees_the_latest_sequence_which_resumes_with_identical_outputs() -> None:
+    engine, first, second = preemption_engine()
+    output = engine.step()
+    assert output.preempted == (2,)
+    assert scheduled_ids(output) == [1]
+    assert second.status is SequenceStatus.WAITING
+    assert (second.block_table, second.num_computed_tokens) == ([], 0)
+    assert len(second.output_token_ids) == 3  # kept: recompute continues from here
+    assert second.num_preemptions == 1
+    engine.run()
+    resumed = next(item_of(s, 2) for s in engine.steps[4:] if 2 in scheduled_ids(s))
+    assert resumed.start_position == 0
+    assert resumed.token_ids == second.prompt_token_ids + tuple(engine.outputs[2][:3])
+    assert first.num_preemptions == 0
+    assert_outputs_match_reference(engine, [first, second])
+
+
+def test_preempted_sequence_keeps_its_place_ahead_of_later_arrivals() -> None:
+    engine, _, second = preemption_engine()
+    queued_before = make_seq(seq_id=3, num_prompt_tokens=2, max_tokens=1, arrival_s=10.0)
+    engine.add(queued_before)  # waits behind the running ones before the preemption
+    assert engine.step().preempted == (2,)
+    queued_after = make_seq(seq_id=4, num_prompt_tokens=2, max_tokens=1, arrival_s=11.0)
+    engine.add(queued_after)
+    # 2 blocks are free: enough for either newcomer, not for the preempted sequence ahead.
+    while 2 not in scheduled_ids(step := engine.step()):
+        assert not {3, 4} & set(scheduled_ids(step))
+    assert scheduled_ids(step) == [2, 3, 4]
+    engine.run()
+    assert_outputs_match_reference(engine, [second, queued_before, queued_after])
+
+
+def test_a_later_higher_priority_arrival_runs_first_and_is_not_the_victim() -> None:
+    engine = FakeEngine(make_config(block_size=2, num_blocks=6))
+    low = make_seq(seq_id=1, max_tokens=6, priority=1)
+    engine.add(low)
+    engine.step()
+    high = make_seq(seq_id=2, max_tokens=6, priority=0)
+    engine.add(high)
+    engine.run()
+    assert scheduled_ids(engine.steps[2]) == [2, 1]  # running order is priority order
+    preempted = [i for s in engine.steps for i in s.preempted]
+    assert preempted[0] == 1
+    assert high.num_preemptions == 0
+    assert_outputs_match_reference(engine, [low, high])
+
+
+def test_victim_is_the_lowest_priority_even_if_it_arrived_earlier() -> None:
+    engine = FakeEngine(make_config(block_size=2, num_blocks=9))
+    seqs = [
+        make_seq(seq_id=1, max_tokens=6, priority=0, arrival_s=0.0),
+        make_seq(seq_id=2, max_tokens=6, priority=1, arrival_s=0.0),
+        make_seq(seq_id=3, max_tokens=6, priority=0, arrival_s=2.0),
+    ]
+    for seq in seqs:
+        engine.add(seq)
+    engine.run()
+    preempted = [i for s in engine.steps for i in s.preempted]
+    assert preempted[0] == 2
+    assert seqs[0].num_preemptions == 0
+    assert_outputs_match_reference(engine, seqs)
+
+
+def test_the_lowest_running_sequence_preempts_itself() -> None:
+    engine = FakeEngine(make_config(block_size=2, num_blocks=4))
+    first = make_seq(seq_id=1, num_prompt_tokens=3, max_tokens=3)
+    second = make_seq(seq_id=2, num_prompt_tokens=4, max_tokens=3)
+    engine.add(first)
+    engine.add(second)
+    engine.step()
+    assert engine.scheduler.num_free_blocks == 0
+    output = engine.step()  # 1 fits its block; 2 needs a new one and is last in order
+    assert output.preempted == (2,)
+    assert scheduled_ids(output) == [1]
+    engine.run()
+    assert second.num_preemptions == 1
+    assert_outputs_match_reference(engine, [first, second])
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    engine, _, _ = preemption_engine()
+    engine.add(make_seq(seq_id=3, num_prompt_tokens=1, max_tokens=1, priority=-1))
+    output = engine.step()
+    assert output.preempted == (2,)
+    assert 3 not in scheduled_ids(output)  # 3 free blocks after the preemption, but not now
+    assert 3 in scheduled_ids(engine.step())
+
+
+# -- finish ------------------------------------------------------------------------------------
+
+
+def test_finish_of_a_running_sequence_frees_its_blocks_and_a_waiting_one_starts() -> None:
+    engine = FakeEngine(make_config(num_blocks=4))
+    engine.add(make_seq(seq_id=1, num_prompt_tokens=12, max_tokens=4))
+    engine.step()
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=8))
+    assert scheduled_ids(engine.step()) == [1]  # 2 needs 2 blocks, 0 free after 1 grew
+    assert engine.cancel(1)
+    assert engine.scheduler.num_free_blocks == 4
+    assert engine.scheduler.get(1) is None
+    assert not engine.cancel(1)
+    assert scheduled_ids(engine.step()) == [2]
+
+
+def test_finish_of_the_waiting_head_lets_the_next_one_start() -> None:
+    engine = FakeEngine(make_config(num_blocks=8))
+    start_one_running(engine)
+    engine.add(make_seq(seq_id=2, num_prompt_tokens=20))
+    engine.add(make_seq(seq_id=3, num_prompt_tokens=2))
+    assert engine.cancel(2)
+    assert engine.scheduler.num_free_blocks == 4
+    assert scheduled_ids(engine.step()) == [1, 3]
+
+
+def test_finish_between_schedule_and_update_drops_that_work() -> None:
+    scheduler = GenerationScheduler(make_config())
+    for seq_id in (1, 2):
+        scheduler.add(make_seq(seq_id=seq_id))
+    scheduler.schedule()
+    assert scheduler.finish(1)
+    scheduler.update_from_output({2: 5})  # no entry needed for the finished sequence
+    second = scheduler.get(2)
+    assert second is not None and second.output_token_ids == [5]
+    assert scheduler.num_free_blocks == 64 - 1
+    assert scheduled_ids(scheduler.schedule()) == [2]
+
+
+def test_finish_of_an_unknown_sequence_returns_false() -> None:
+    assert not GenerationScheduler(make_config()).finish(7)
+
+
+# -- static baseline ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("is_static", "joins_at_step"), [(False, 2), (True, 5)])
+def test_static_admits_nothing_while_a_sequence_runs(is_static: bool, joins_at_step: int) -> None:
+    engine = FakeEngine(make_config(is_static=is_static))
+    engine.add(make_seq(seq_id=1, max_tokens=4))
+    engine.step()
+    engine.add(make_seq(seq_id=2, max_tokens=1))
+    engine.run()
+    first_step = next(i for i, s in enumerate(engine.steps, 1) if 2 in scheduled_ids(s))
+    assert first_step == joins_at_step
+
+
+def test_static_prefills_the_whole_batch_before_any_decode() -> None:
+    def plans(is_static: bool) -> list[list[tuple[int, int, int]]]:
+        engine = FakeEngine(make_config(is_static=is_static, max_num_batched_tokens=8))
+        for seq_id in (1, 2, 3):
+            engine.add(make_seq(seq_id=seq_id, num_prompt_tokens=6, max_tokens=3))
+        engine.run()
+        return [
+            [(s.seq_id, s.start_position, len(s.token_ids)) for s in o.scheduled]
+            for o in engine.steps
+        ]
+
+    static = plans(is_static=True)
+    assert static[:4] == [
+        [(1, 0, 6), (2, 0, 2)],
+        [(2, 2, 4), (3, 0, 4)],
+        [(3, 4, 2)],  # 1 and 2 could decode, but the batch's prefill comes first
+        [(1, 6, 1), (2, 6, 1), (3, 6, 1)],
+    ]
+    # Continuous: 1 decodes while 2 and 3 still prefill.
+    assert plans(is_static=False)[1] == [(1, 6, 1), (2, 2, 4), (3, 0, 3)]
+
+
+def test_continuous_needs_fewer_steps_than_static_on_mixed_lengths() -> None:
+    def run(is_static: bool) -> int:
+        engine = FakeEngine(make_config(is_static=is_static, max_num_seqs=4))
+        seqs = [make_seq(seq_id=i, max_tokens=2 if i % 2 else 24) for i in range(1, 9)]
+        for seq in seqs:
+            engine.add(seq)
+        num_steps = engine.run()
+        assert_outputs_match_reference(engine, seqs)
+        return num_steps
+
+    assert run(is_static=False) <= 0.75 * run(is_static=True)
+
+
+# -- add(), contract errors, configuration -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "max_tokens", "reason"),
+    [
+        (0, 4, "empty prompt"),
+        (4, 0, "max_tokens"),
+        (30, 3, "max_model_len"),  # 33 > 32
+        (20, 8, "KV blocks"),  # 28 tokens need 7 blocks of 4; the cache has 6
+    ],
+)
+def test_add_rejects_sequences_that_can_never_run(
+    num_prompt_tokens: int, max_tokens: int, reason: str
+) -> None:
+    scheduler = GenerationScheduler(make_config(max_model_len=32, num_blocks=6))
+    decision = scheduler.add(
+        make_seq(seq_id=1, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
+    )
+    assert isinstance(decision, Rejected)
+    assert reason in decision.reason
+    assert not scheduler.has_unfinished()
+    assert scheduler.schedule().scheduled == ()
+
+
+@pytest.mark.parametrize(
+    ("num_prompt_tokens", "max_tokens", "num_blocks"),
+    [
+        (29, 3, 8),  # exactly max_model_len
+        (20, 4, 6),  # exactly the whole cache
+    ],
+)
+def test_add_accepts_sequences_exactly_at_the_limits(
+    num_prompt_tokens: int, max_tokens: int, num_blocks: int
+) -> None:
+    scheduler = GenerationScheduler(make_config(max_model_len=32, num_blocks=num_blocks))
+    seq = make_seq(seq_id=1, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
+    assert scheduler.add(seq) == Admitted()
+    assert scheduler.num_waiting == 1
+    assert scheduler.get(1) is seq
+
+
+def test_add_of_a_duplicate_or_used_sequence_raises() -> None:
+    scheduler = GenerationScheduler(make_config())
+    scheduler.add(make_seq(seq_id=1))
+    with pytest.raises(ValueError, match="already"):
+        scheduler.add(make_seq(seq_id=1))
+    used = make_seq(seq_id=2)
+    used.num_computed_tokens = 2
+    with pytest.raises(ValueError, match="not new"):
+        scheduler.add(used)
+
+
+def test_update_without_a_sampled_token_raises_and_changes_nothing() -> None:
+    scheduler = GenerationScheduler(make_config())
+    scheduler.add(make_seq(seq_id=1))
+    scheduler.schedule()
+    with pytest.raises(KeyError):
+        scheduler.update_from_output({})
+    seq = scheduler.get(1)
+    assert seq is not None and seq.num_computed_tokens == 0
+    scheduler.update_from_output({1: 9})
+    assert (seq.num_computed_tokens, seq.output_token_ids) == (4, [9])
+
+
+def test_schedule_before_update_of_the_last_step_raises() -> None:
+    scheduler = GenerationScheduler(make_config())
+    scheduler.add(make_seq(seq_id=1))
+    scheduler.schedule()
+    with pytest.raises(RuntimeError, match="update_from_output"):
+        scheduler.schedule()
+
+
+def test_idle_scheduler_returns_an_empty_output() -> None:
+    scheduler = GenerationScheduler(make_config())
+    assert scheduler.schedule() == SchedulerOutput(scheduled=(), preempted=(), num_batched_tokens=0)
+    scheduler.update_from_output({})
+    assert scheduler.schedule().scheduled == ()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"max_num_seqs": 0},
+        {"max_num_batched_tokens": 0},
+        {"num_blocks": 0},
+        {"block_size": 0},
+        {"max_model_len": 0},
+        {"watermark_blocks": -1},
+    ],
+)
+def test_inconsistent_config_raises(overrides: dict[str, int]) -> None:
+    with pytest.raises(ValueError):
+        GenerationScheduler(make_config(**overrides))
+
+
+# -- randomized soak ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_static", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_randomized_soak_keeps_block_accounting_and_outputs_exact(
+    seed: int, is_static: bool
+) -> None:
+    rng = random.Random(seed)
+    config = make_config(
+        max_num_seqs=6,
+        max_num_batched_tokens=32,
+        num_blocks=24,
+        block_size=4,
+        max_model_len=64,
+        watermark_blocks=1,
+        is_static=is_static,
+    )
+    engine = FakeEngine(config)
+    added: list[Sequence] = []
+    cancelled: set[int] = set()
+    for step in range(300):
+        if rng.random() < 0.4:
+            seq = make_seq(
+                seq_id=len(added) + 1,
+                num_prompt_tokens=rng.randint(1, 30),
+                max_tokens=rng.randint(1, 16),
+                priority=rng.randint(0, 2),
+                arrival_s=float(step),
+            )
+            assert engine.add(seq) == Admitted()
+            added.append(seq)
+        if engine.live and rng.random() < 0.05:
+            seq_id = rng.choice(sorted(engine.live))
+            assert engine.cancel(seq_id)
+            cancelled.add(seq_id)
+        engine.step()  # checks the invariants, block accounting included
+    engine.run()
+    assert engine.scheduler.num_free_blocks == config.num_blocks
+    completed = [seq for seq in added if seq.seq_id not in cancelled]
+    assert set(engine.outputs) == {seq.seq_id for seq in completed}
+    assert_outputs_match_reference(engine, completed)
+    assert cancelled
+    assert any(s.preempted for s in engine.steps), "the soak should exercise preemption"

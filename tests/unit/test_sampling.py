@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from services.gpu_worker.generation.sampling import Sampler, SamplingParams, make_generator
+
+VOCAB = 50
+
+
+def make_logits(*, num_rows: int = 4, seed: int = 0, scale: float = 3.0) -> torch.Tensor:
+    return torch.randn((num_rows, VOCAB), generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def sample_many(params: SamplingParams, logits_row: torch.Tensor, num_steps: int) -> list[int]:
+    """Sample one request for several steps with its own generator, as the engine does."""
+    generator = make_generator(params)
+    return [Sampler().sample(logits_row[None], [params], [generator])[0] for _ in range(num_steps)]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = make_logits()
+    params = [SamplingParams()] * logits.shape[0]
+
+    tokens = Sampler().sample(logits, params, [None] * logits.shape[0])
+
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_same_seed_same_tokens_different_seeds_differ() -> None:
+    # Nearly flat: many tokens are plausible, so two seeds agreeing on 20 draws is ~impossible.
+    row = make_logits(num_rows=1, scale=0.1)[0]
+
+    first = sample_many(SamplingParams(temperature=1.0, seed=7), row, num_steps=20)
+    again = sample_many(SamplingParams(temperature=1.0, seed=7), row, num_steps=20)
+    other = sample_many(SamplingParams(temperature=1.0, seed=8), row, num_steps=20)
+
+    assert first == again
+    assert first != other
+    assert len(set(first)) > 1  # the generator advances between steps
+
+
+def test_seeded_row_ignores_its_batch_neighbours() -> None:
+    logits = make_logits(num_rows=3, scale=0.1)
+    seeded = SamplingParams(temperature=1.0, seed=3)
+    alone = Sampler().sample(logits[1:2], [seeded], [make_generator(seeded)])
+    neighbour = SamplingParams(temperature=1.0, seed=99)
+
+    batched = Sampler().sample(
+        logits,
+        [neighbour, seeded, neighbour],
+        [make_generator(neighbour), make_generator(seeded), make_generator(neighbour)],
+    )
+
+    assert batched[1] == alone[0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=5.0, top_k=1, seed=0),
+        SamplingParams(temperature=5.0, top_p=1e-6, seed=0),
+    ],
+    ids=["top_k=1", "tiny top_p"],
+)
+def test_narrowest_filter_is_greedy(params: SamplingParams) -> None:
+    logits = make_logits(num_rows=8, scale=0.5)
+
+    tokens = Sampler().sample(logits, [params] * 8, [make_generator(params) for _ in range(8)])
+
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_keeps_only_the_k_most_likely() -> None:
+    row = make_logits(num_rows=1, scale=0.1)[0]
+    allowed = set(row.topk(3).indices.tolist())
+
+    tokens = sample_many(SamplingParams(temperature=1.0, top_k=3, seed=1), row, num_steps=50)
+
+    assert set(tokens) <= allowed
+    assert len(set(tokens)) > 1
+
+
+def test_top_p_keeps_the_nucleus() -> None:
+    # Weights 96 and 64 against 48 tokens of weight 1: probabilities 0.46, 0.31, then a tail of
+    # 0.23 that unfiltered sampling would hit often. top_p=0.7 needs exactly the first two.
+    row = torch.zeros(VOCAB)
+    row[4], row[9] = math.log(96), math.log(64)
+
+    tokens = sample_many(SamplingParams(temperature=1.0, top_p=0.7, seed=2), row, num_steps=60)
+
+    assert set(tokens) == {4, 9}
+
+
+def test_make_generator_only_for_seeded_sampling() -> None:
+    assert make_generator(SamplingParams(seed=5)) is None  # greedy needs no randomness
+    assert make_generator(SamplingParams(temperature=1.0)) is None
+    assert isinstance(make_generator(SamplingParams(temperature=1.0, seed=5)), torch.Generator)
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt_len", "message"),
+    [
+        (SamplingParams(max_tokens=0), 4, "max_tokens"),
+        (SamplingParams(max_tokens=10), 60, "maximum length"),
+        (SamplingParams(temperature=-0.5), 4, "temperature"),
+        (SamplingParams(temperature=math.nan), 4, "temperature"),
+        (SamplingParams(temperature=math.inf), 4, "temperature"),
+        (SamplingParams(top_k=-1), 4, "top_k"),
+        (SamplingParams(top_p=0.0), 4, "top_p"),
+        (SamplingParams(top_p=1.5), 4, "top_p"),
+        (SamplingParams(seed=-1), 4, "seed"),
+        (SamplingParams(seed=2**63), 4, "seed"),
+        (SamplingParams(stop_token_ids=(-3,)), 4, "stop_token_ids"),
+        (SamplingParams(stop=("",)), 4, "stop"),
+    ],
+)
+def test_validate_rejects(params: SamplingParams, prompt_len: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        params.validate(max_model_len=64, prompt_len=prompt_len)
+
+
+def test_validate_accepts_the_boundaries() -> None:
+    SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=1.0, seed=2**63 - 1).validate(
+        max_model_len=64, prompt_len=60
+    )
