@@ -11,7 +11,7 @@ PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
 TINY_LLAMA := models/tiny-llama/1/model.safetensors
 
-.PHONY: all install proto models lint format test test-unit test-integration run bench-model clean
+.PHONY: all install proto models lint format test test-unit test-integration run bench bench-model bench-generation clean
 
 all: test
 
@@ -77,6 +77,12 @@ run: install
 
 bench-model: install
 	$(PY) -m bench.raw_model
+
+bench-generation: install
+	$(PY) -m bench.generation
+
+# Every benchmark; results in bench/results/ (ignored by git).
+bench: bench-model bench-generation
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache

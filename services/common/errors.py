@@ -6,6 +6,8 @@ gRPC statuses, so no handler calls `context.abort` itself.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 #: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
@@ -112,3 +114,15 @@ class PermissionDenied(ServingError):
     """A valid key that may not use this model."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def status_name(error: BaseException) -> str:
+    """The gRPC status name an error will be answered with (for metric labels)."""
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED.name
+    code = getattr(error, "code", None)
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    if callable(code):  # grpc.aio.AioRpcError.code()
+        return code().name
+    return grpc.StatusCode.INTERNAL.name

@@ -8,7 +8,13 @@ import logging
 import os
 from pathlib import Path
 
-from services.common.lifecycle import start_metrics, stop_event, write_ready_file
+from services.common.lifecycle import (
+    add_listener_arguments,
+    configure_logging,
+    start_metrics,
+    stop_event,
+    write_ready_file,
+)
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_gateway
 
@@ -27,11 +33,6 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument(
         "--router-address", default=env.get("GATEWAY_ROUTER_ADDRESS", "127.0.0.1:8101")
     )
-    parser.add_argument("--host", default=env.get("GATEWAY_HOST", "127.0.0.1"))
-    parser.add_argument("--grpc-port", type=int, default=int(env.get("GATEWAY_GRPC_PORT", 8001)))
-    parser.add_argument(
-        "--metrics-port", type=int, default=int(env.get("GATEWAY_METRICS_PORT", 8002))
-    )
     parser.add_argument(
         "--api-keys-file",
         type=Path,
@@ -39,12 +40,7 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         help="TOML of hashed API keys; without it the gateway runs in local mode",
     )
     parser.add_argument("--max-inputs-per-request", type=int, default=256)
-    parser.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write {grpc_port, metrics_port} as JSON here once ready",
-    )
+    add_listener_arguments(parser, env, env_prefix="GATEWAY", grpc_port=8001, metrics_port=8002)
     args = parser.parse_args(argv)
     return GatewayConfig(
         model_repository=args.model_repository,
@@ -79,7 +75,7 @@ async def serve(config: GatewayConfig) -> int:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     raise SystemExit(asyncio.run(serve(parse_config())))
 
 

@@ -56,6 +56,10 @@ class ModelCatalog:
     def model_names(self) -> list[str]:
         return sorted(self._configs)
 
+    def label_for(self, name: str) -> str:
+        """A bounded metric label: names outside the repository count as "other"."""
+        return name if name in self._configs else "other"
+
     def config(self, name: str) -> ModelConfig:
         if not _NAME_RE.match(name):
             raise InvalidInput(f"model name {name!r} is not a valid model name")

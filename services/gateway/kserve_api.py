@@ -10,9 +10,7 @@ the order of `outputs`.
 from __future__ import annotations
 
 import struct
-import time
 
-import grpc
 import numpy as np
 
 from services.common.errors import InvalidInput, NotFound, ServingError
@@ -178,10 +176,11 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             yield response
 
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
-        started = time.perf_counter()
-        code = "OK"
-        try:
+        label = self._predictor.catalog.label_for(request.model_name)
+        with self._metrics.observe_request("kserve_v2", label):
             config = self._predictor.catalog.config(request.model_name)
+            if config.generation is not None:
+                raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
             output = config.outputs[0]
             requested = [o.name for o in request.outputs]
             if requested and requested != [output.name]:
@@ -209,17 +208,4 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
                     )
                 ],
                 raw_output_contents=[batch.tobytes()],
-            )
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
-            raise
-        finally:
-            model = (
-                request.model_name
-                if request.model_name in self._predictor.catalog.model_names()
-                else "other"
-            )
-            self._metrics.requests_total.labels("kserve_v2", model, code).inc()
-            self._metrics.request_seconds.labels("kserve_v2", model).observe(
-                time.perf_counter() - started
             )

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from services.common.telemetry import count_outcome
 
 _FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 _SLOW = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -43,3 +49,14 @@ class GatewayMetrics:
             buckets=_SLOW,
             registry=registry,
         )
+
+    @contextlib.contextmanager
+    def observe_request(self, api: str, model: str) -> Iterator[None]:
+        """Counts the request by its final status and times it (the whole stream, for
+        streaming calls). `model` must be a bounded label value."""
+        started = time.perf_counter()
+        try:
+            with count_outcome(self.requests_total, api, model):
+                yield
+        finally:
+            self.request_seconds.labels(api, model).observe(time.perf_counter() - started)

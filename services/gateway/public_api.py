@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -34,9 +33,8 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
     async def Predict(
         self, request: api.PredictRequest, context: grpc.aio.ServicerContext
     ) -> api.PredictResponse:
-        started = time.perf_counter()
-        code = "OK"
-        try:
+        label = self._predictor.catalog.label_for(request.model_name)
+        with self._metrics.observe_request("v1", label):
             result = await self._predictor.predict(
                 PredictCall(
                     model_name=request.model_name,
@@ -53,24 +51,12 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
                 outputs=[tensor_to_pb(o) for o in result.outputs],
                 request_id=result.request_id,
             )
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
-            raise
-        finally:
-            model = (
-                request.model_name
-                if request.model_name in self._predictor.catalog.model_names()
-                else "other"
-            )
-            self._metrics.requests_total.labels("v1", model, code).inc()
-            self._metrics.request_seconds.labels("v1", model).observe(time.perf_counter() - started)
 
     async def Generate(
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
-        code = "OK"
-        model = self._model_label(request.model_name)
-        try:
+        label = self._predictor.catalog.label_for(request.model_name)
+        with self._metrics.observe_request("v1_generate", label):
             call = GenerateCall(
                 model_name=request.model_name,
                 version_spec=request.model_version,
@@ -82,15 +68,6 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
             )
             async for message in self._predictor.generate(call):
                 yield message
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
-            raise
-        finally:
-            self._metrics.requests_total.labels("v1_generate", model, code).inc()
-
-    def _model_label(self, name: str) -> str:
-        """Bounded label values: names outside the repository count as "other"."""
-        return name if name in self._predictor.catalog.model_names() else "other"
 
     def _model_info(self, name: str) -> api.ModelInfo:
         catalog = self._predictor.catalog

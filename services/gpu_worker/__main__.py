@@ -18,7 +18,13 @@ from pathlib import Path
 
 import torch
 
-from services.common.lifecycle import start_metrics, stop_event, write_ready_file
+from services.common.lifecycle import (
+    add_listener_arguments,
+    configure_logging,
+    start_metrics,
+    stop_event,
+    write_ready_file,
+)
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.scheduler import SchedulerConfig
 from services.gpu_worker.server import create_worker
@@ -37,14 +43,6 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
         type=Path,
         default=Path(env.get("WORKER_MODEL_REPOSITORY", "models")),
         help="model repository directory (env WORKER_MODEL_REPOSITORY)",
-    )
-    parser.add_argument("--host", default=env.get("WORKER_HOST", "127.0.0.1"))
-    parser.add_argument("--grpc-port", type=int, default=int(env.get("WORKER_GRPC_PORT", 8201)))
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(env.get("WORKER_METRICS_PORT", 8202)),
-        help="Prometheus /metrics port; 0 picks a free one",
     )
     parser.add_argument(
         "--drain-grace-s", type=float, default=float(env.get("WORKER_DRAIN_GRACE_S", 30.0))
@@ -78,12 +76,7 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
         help="host:port routers dial (default: --host and the bound port)",
     )
     parser.add_argument("--registry-prefix", default=env.get("FABRIC_REGISTRY_PREFIX", "fabric"))
-    parser.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write {grpc_port, metrics_port} as JSON here once ready",
-    )
+    add_listener_arguments(parser, env, env_prefix="WORKER", grpc_port=8201, metrics_port=8202)
     args = parser.parse_args(argv)
     return WorkerConfig(
         model_repository=args.model_repository,
@@ -141,7 +134,7 @@ async def serve(config: WorkerConfig) -> int:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     config = parse_config()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -17,6 +17,7 @@ from services.common.errors import FingerprintMismatch, InvalidInput, Unavailabl
 from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
 from services.common.model_repository import ModelKind, load_repository
 from services.common.sampling import sampling_from_pb
+from services.common.telemetry import count_outcome
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
 from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
 from services.gpu_worker.config import WorkerConfig
@@ -110,8 +111,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise Unavailable("worker is still loading models")
         backend = self._models.fixed_cost_backend(request.model_name, request.model_version)
         labels = (backend.config.name, backend.version.version)
-        code = grpc.StatusCode.OK
-        try:
+        with count_outcome(self._metrics.requests_total, *labels):
             _check_fingerprint(request.fingerprint, backend)
             if not request.inputs:
                 raise InvalidInput("request has no inputs")
@@ -136,14 +136,6 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 fingerprint=backend.fingerprint,
                 outputs=[tensor_to_pb(o) for o in outputs],
             )
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED
-            raise
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL)
-            raise
-        finally:
-            self._metrics.requests_total.labels(*labels, code.name).inc()
 
     async def Generate(
         self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext

@@ -6,9 +6,14 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
 
-from services.common.lifecycle import start_metrics, stop_event, write_ready_file
+from services.common.lifecycle import (
+    add_listener_arguments,
+    configure_logging,
+    start_metrics,
+    stop_event,
+    write_ready_file,
+)
 from services.router.config import RouterConfig
 from services.router.server import create_router
 
@@ -24,11 +29,6 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
     parser.add_argument(
         "--redis-url", default=env.get("ROUTER_REDIS_URL", "redis://127.0.0.1:6379/0")
     )
-    parser.add_argument("--host", default=env.get("ROUTER_HOST", "127.0.0.1"))
-    parser.add_argument("--grpc-port", type=int, default=int(env.get("ROUTER_GRPC_PORT", 8101)))
-    parser.add_argument(
-        "--metrics-port", type=int, default=int(env.get("ROUTER_METRICS_PORT", 8102))
-    )
     parser.add_argument("--registry-prefix", default=env.get("FABRIC_REGISTRY_PREFIX", "fabric"))
     parser.add_argument(
         "--refresh-period-s",
@@ -42,12 +42,7 @@ def parse_config(argv: list[str] | None = None) -> RouterConfig:
         default=2,
         help="attempts on other workers after one fails or vanishes",
     )
-    parser.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write {grpc_port, metrics_port} as JSON here once ready",
-    )
+    add_listener_arguments(parser, env, env_prefix="ROUTER", grpc_port=8101, metrics_port=8102)
     args = parser.parse_args(argv)
     return RouterConfig(
         redis_url=args.redis_url,
@@ -82,7 +77,7 @@ async def serve(config: RouterConfig) -> int:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging()
     raise SystemExit(asyncio.run(serve(parse_config())))
 
 

@@ -14,6 +14,7 @@ import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.registry import parse_route_metadata
+from services.common.telemetry import count_outcome
 from services.router.metrics import RouterMetrics
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 
@@ -61,30 +62,31 @@ class Forwarder:
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
         name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
         started_s = time.monotonic()
-        code = "OK"
         try:
-            self._budget.record_request(started_s)
-            tried: set[str] = set()
-            for attempt in range(self._max_retries + 1):
-                route = self._route(name, version, num_rows, deadline_s, tried)
-                try:
-                    call = self._channel(route.address).unary_unary(
-                        INFER_METHOD, _passthrough, _passthrough
-                    )
-                    return await call(body, timeout=max(0.0, deadline_s - time.monotonic()))
-                except grpc.aio.AioRpcError as error:
-                    self._after_failure(error, route, name, version, attempt, deadline_s)
-                finally:
-                    self._table.release(route.reservation_id)
-            raise Unavailable("no worker answered")  # unreachable: the loop returns or raises
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
-            raise
+            with count_outcome(self._metrics.responses_total, name, version):
+                return await self._infer(body, name, version, num_rows, deadline_s)
         finally:
-            self._metrics.responses_total.labels(name, version, code).inc()
             self._metrics.request_seconds.labels(name, version).observe(
                 time.monotonic() - started_s
             )
+
+    async def _infer(
+        self, body: bytes, name: str, version: str, num_rows: int, deadline_s: float
+    ) -> bytes:
+        self._budget.record_request(time.monotonic())
+        tried: set[str] = set()
+        for attempt in range(self._max_retries + 1):
+            route = self._route(name, version, num_rows, deadline_s, tried)
+            try:
+                call = self._channel(route.address).unary_unary(
+                    INFER_METHOD, _passthrough, _passthrough
+                )
+                return await call(body, timeout=max(0.0, deadline_s - time.monotonic()))
+            except grpc.aio.AioRpcError as error:
+                self._after_failure(error, route, name, version, attempt, deadline_s)
+            finally:
+                self._table.release(route.reservation_id)
+        raise Unavailable("no worker answered")  # unreachable: the last failure raises
 
     async def generate(
         self, body: bytes, context: grpc.aio.ServicerContext
@@ -92,8 +94,7 @@ class Forwarder:
         """Forwards a generation stream. Retries elsewhere only before the first message:
         a stream that already delivered tokens is never silently replayed."""
         name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
-        code = "OK"
-        try:
+        with count_outcome(self._metrics.responses_total, name, version):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
             for attempt in range(self._max_retries + 1):
@@ -114,11 +115,6 @@ class Forwarder:
                 finally:
                     call.cancel()  # no-op once finished; stops the worker if our caller left
                     self._table.release(route.reservation_id)
-        except Exception as error:
-            code = getattr(error, "code", grpc.StatusCode.INTERNAL).name
-            raise
-        finally:
-            self._metrics.responses_total.labels(name, version, code).inc()
 
     def _route(
         self, name: str, version: str, num_rows: int, deadline_s: float, tried: set[str]

@@ -20,8 +20,15 @@ from services.gpu_worker.generation.scheduler import (
 
 class GenerationBackend:
     def __init__(
-        self, version: ModelVersion, device: torch.device, metrics: GenerationMetrics
+        self,
+        version: ModelVersion,
+        device: torch.device,
+        metrics: GenerationMetrics,
+        *,
+        is_static: bool = False,
     ) -> None:
+        """`is_static` selects run-to-completion batching: the baseline benchmarks compare
+        continuous batching against; never used for serving."""
         config = version.config
         settings = config.generation
         if settings is None:
@@ -56,6 +63,7 @@ class GenerationBackend:
                 num_blocks=settings.num_kv_blocks,
                 block_size=settings.block_size,
                 max_model_len=self.max_model_len,
+                is_static=is_static,
             )
         )
         self.engine = GenerationEngine(
