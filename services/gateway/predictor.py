@@ -14,6 +14,7 @@ from services.common.errors import InvalidInput, UpstreamError
 from services.common.registry import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
+from services.common.tracing import outgoing_metadata
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.metrics import GatewayMetrics
@@ -135,7 +136,7 @@ class Predictor:
             response = await self._infer(
                 request,
                 timeout=max(0.0, timeout_s),
-                metadata=route_metadata(config.name, model.version, len(inputs)),
+                metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
             )
         except grpc.aio.AioRpcError as error:
             raise UpstreamError.from_rpc_error(error) from None
@@ -168,7 +169,7 @@ class Predictor:
         stream = self._generate(
             request,
             timeout=call.timeout_s,
-            metadata=route_metadata(config.name, model.version, len(ids)),
+            metadata=outgoing_metadata(route_metadata(config.name, model.version, len(ids))),
         )
         try:
             async for message in stream:

@@ -18,6 +18,7 @@ from services.common.lifecycle import (
     set_serving,
 )
 from services.common.model_repository import load_repository
+from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
@@ -85,7 +86,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         config.router_address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
     )
     predictor = Predictor(catalog, router, metrics, max_inputs=config.max_inputs_per_request)
-    server = new_server([AuthInterceptor(keys)])
+    # Tracing outside auth: a refused call still gets its span.
+    server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
     api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(predictor, metrics), server

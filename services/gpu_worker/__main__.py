@@ -25,6 +25,7 @@ from services.common.lifecycle import (
     stop_event,
     write_ready_file,
 )
+from services.common.tracing import configure_tracing
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.scheduler import SchedulerConfig
 from services.gpu_worker.server import create_worker
@@ -135,6 +136,7 @@ async def serve(config: WorkerConfig) -> int:
 
 def main() -> None:
     configure_logging()
+    configure_tracing("gpu_worker")
     config = parse_config()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

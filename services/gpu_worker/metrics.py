@@ -85,6 +85,21 @@ class WorkerMetrics:
             buckets=_LATENCY_BUCKETS_S,
             registry=registry,
         )
+        self.row_compute_seconds = Histogram(
+            "inference_worker_row_compute_seconds",
+            "Executor time of the batch a row ran in, per row (the compute stage a request "
+            "sees; linger + backlog + this = row latency).",
+            model,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
+        self.row_latency_seconds = Histogram(
+            "inference_worker_row_latency_seconds",
+            "From a row's admission to its result, per row.",
+            model,
+            buckets=_LATENCY_BUCKETS_S,
+            registry=registry,
+        )
         self.compute_seconds = Histogram(
             "inference_worker_compute_seconds",
             "Executor time of one batch.",
@@ -128,3 +143,18 @@ class WorkerMetrics:
             model,
             registry=registry,
         )
+
+    def declare_model(self, model: str, version: str) -> None:
+        """Creates a model's per-row series at load, so they exist (at zero) before its first
+        request: a rate over a window, and the autoscaling signal built on it, is then defined
+        at zero load instead of missing."""
+        for histogram in (
+            self.queue_wait_seconds,
+            self.linger_seconds,
+            self.backlog_seconds,
+            self.row_compute_seconds,
+            self.row_latency_seconds,
+        ):
+            histogram.labels(model, version)
+        self.rows_total.labels(model, version)
+        self.queue_depth.labels(model, version).set(0)

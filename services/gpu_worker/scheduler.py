@@ -25,6 +25,7 @@ from services.common.errors import (
     Overloaded,
     Unavailable,
 )
+from services.common.tracing import TraceContext, batch_span, current_span_context
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.batcher import Batcher
 from services.gpu_worker.batching.latency_model import LatencyModel
@@ -36,6 +37,7 @@ from services.gpu_worker.batching.types import (
     Rejected,
     RejectReason,
 )
+from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,8 @@ class _Pending:
     #: Cumulative executor-busy seconds when the row was queued; the difference at dispatch is
     #: the row's backlog, the rest of its wait is linger.
     busy_s_at_arrival: float
+    #: The submitting request's span, which the batch span running this row links to.
+    trace_context: TraceContext
 
 
 @dataclass(frozen=True)
@@ -87,28 +91,6 @@ class _Lane:
     @property
     def labels(self) -> tuple[str, str]:
         return (self.backend.config.name, self.backend.version.version)
-
-
-def run_isolated(
-    run: Callable[[Sequence[PreparedRow]], list[np.ndarray]], rows: Sequence[PreparedRow]
-) -> list[np.ndarray | Exception]:
-    """Runs a batch; if it raises, bisects so that only the failing rows fail."""
-    try:
-        outputs = run(rows)
-        if len(outputs) != len(rows):
-            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(rows)} rows")
-        return list(outputs)
-    except Exception as error:
-        if len(rows) == 1:
-            return [error]
-        middle = len(rows) // 2
-        return run_isolated(run, rows[:middle]) + run_isolated(run, rows[middle:])
-
-
-def _describe(error: Exception) -> str:
-    """One line for the client; TorchScript errors carry a multi-line traceback."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return f"model failed on this input: {lines[-1] if lines else type(error).__name__}"
 
 
 class BatchScheduler:
@@ -146,6 +128,7 @@ class BatchScheduler:
             max_batch_tokens=model.max_batch_tokens,
         )
         latency = LatencyModel()
+        self._metrics.declare_model(model.name, backend.version.version)
         return _Lane(backend=backend, batcher=Batcher(batcher_config, latency), latency=latency)
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
@@ -211,6 +194,11 @@ class BatchScheduler:
         )
 
     @property
+    def is_executing(self) -> bool:
+        """A batch is on the executor now."""
+        return self._running is not None
+
+    @property
     def num_in_flight(self) -> int:
         """Admitted rows not yet answered."""
         return sum(not p.future.done() for lane in self._order for p in lane.pending.values())
@@ -254,7 +242,9 @@ class BatchScheduler:
                 if isinstance(decision, Rejected):
                     self._metrics.rejected_total.labels(*lane.labels, decision.reason.value).inc()
                     raise self._rejection(lane, item.key, decision.reason)
-                lane.pending[item.item_id] = _Pending(row, loop.create_future(), busy_s)
+                lane.pending[item.item_id] = _Pending(
+                    row, loop.create_future(), busy_s, trace_context=current_span_context()
+                )
                 item_ids.append(item.item_id)
             self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
             self._wake.set()
@@ -338,32 +328,50 @@ class BatchScheduler:
             self._metrics.queue_wait_seconds.labels(*lane.labels).observe(wait_s)
             rows.append(pending.row)
         self._busy_since = now
-        self._running = asyncio.get_running_loop().create_task(self._execute(lane, dispatch, rows))
+        self._running = asyncio.get_running_loop().create_task(
+            self._execute(lane, dispatch, rows, started=now)
+        )
 
-    async def _execute(self, lane: _Lane, dispatch: Dispatch, rows: list[PreparedRow]) -> None:
+    async def _execute(
+        self, lane: _Lane, dispatch: Dispatch, rows: list[PreparedRow], *, started: float
+    ) -> None:
+        """Runs one batch. `started` is the dispatch instant: compute is timed from it, so a
+        row's linger + backlog + compute equals its latency exactly."""
         loop = asyncio.get_running_loop()
-        started = self._clock()
+        contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         try:
-            results = await loop.run_in_executor(
-                self._executor, run_isolated, lane.backend.run, rows
-            )
-        except Exception as error:  # executor gone (shutdown); every row fails alone
+            with batch_span(
+                key=dispatch.key,
+                close_reason=dispatch.reason.value,
+                num_rows=len(rows),
+                requests=contexts,
+            ):
+                results = await loop.run_in_executor(
+                    self._executor, run_isolated, lane.backend.run, rows
+                )
+        except Exception as error:
+            # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
+            # bookkeeping below still frees the executor, so the scheduler keeps going.
+            log.exception("batch of %d rows could not run", len(rows))
             results = [error] * len(rows)
         finished = self._clock()
         compute_s = finished - started
         self._busy_s_total += compute_s
         self._busy_since = None
         self._running = None
-        self._record_batch(lane, dispatch, rows, results, compute_s)
-        for item, result in zip(dispatch.items, results, strict=True):
-            pending = lane.pending.get(item.item_id)
-            if pending is None or pending.future.done():
-                continue  # the caller went away while the batch ran
-            if isinstance(result, Exception):
-                pending.future.set_exception(ExecutionFailed(_describe(result)))
-            else:
-                pending.future.set_result(result)
-        self._wake.set()
+        try:
+            # Answers first: nothing after this point may leave a caller waiting.
+            for item, result in zip(dispatch.items, results, strict=True):
+                pending = lane.pending.get(item.item_id)
+                if pending is None or pending.future.done():
+                    continue  # the caller went away while the batch ran
+                if isinstance(result, Exception):
+                    pending.future.set_exception(ExecutionFailed(describe_failure(result)))
+                else:
+                    pending.future.set_result(result)
+            self._record_batch(lane, dispatch, rows, results, finished, compute_s)
+        finally:
+            self._wake.set()
 
     def _record_batch(
         self,
@@ -371,9 +379,13 @@ class BatchScheduler:
         dispatch: Dispatch,
         rows: list[PreparedRow],
         results: list[np.ndarray | Exception],
+        finished: float,
         compute_s: float,
     ) -> None:
         labels = lane.labels
+        for item in dispatch.items:
+            self._metrics.row_compute_seconds.labels(*labels).observe(compute_s)
+            self._metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
         lane.recent_key = dispatch.key
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)

@@ -19,6 +19,7 @@ from services.common.model_repository import ModelKind, load_repository
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
+from services.common.tracing import TracingInterceptor
 from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.backend import GenerationBackend
@@ -271,7 +272,7 @@ async def _in_daemon_thread(fn):  # type: ignore[no-untyped-def]
 
 async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
-    server = new_server()
+    server = new_server([TracingInterceptor()])
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))

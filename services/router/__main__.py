@@ -14,6 +14,7 @@ from services.common.lifecycle import (
     stop_event,
     write_ready_file,
 )
+from services.common.tracing import configure_tracing
 from services.router.config import RouterConfig
 from services.router.server import create_router
 
@@ -78,6 +79,7 @@ async def serve(config: RouterConfig) -> int:
 
 def main() -> None:
     configure_logging()
+    configure_tracing("router")
     raise SystemExit(asyncio.run(serve(parse_config())))
 
 

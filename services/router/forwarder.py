@@ -15,6 +15,7 @@ import grpc
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.registry import parse_route_metadata
 from services.common.telemetry import count_outcome
+from services.common.tracing import outgoing_metadata
 from services.router.metrics import RouterMetrics
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 
@@ -81,7 +82,11 @@ class Forwarder:
                 call = self._channel(route.address).unary_unary(
                     INFER_METHOD, _passthrough, _passthrough
                 )
-                return await call(body, timeout=max(0.0, deadline_s - time.monotonic()))
+                return await call(
+                    body,
+                    timeout=max(0.0, deadline_s - time.monotonic()),
+                    metadata=outgoing_metadata(),
+                )
             except grpc.aio.AioRpcError as error:
                 self._after_failure(error, route, name, version, attempt, deadline_s)
             finally:
@@ -101,7 +106,11 @@ class Forwarder:
                 route = self._route(name, version, num_rows, deadline_s, tried)
                 call = self._channel(route.address).unary_stream(
                     GENERATE_METHOD, _passthrough, _passthrough
-                )(body, timeout=max(0.0, deadline_s - time.monotonic()))
+                )(
+                    body,
+                    timeout=max(0.0, deadline_s - time.monotonic()),
+                    metadata=outgoing_metadata(),
+                )
                 has_sent = False
                 try:
                     async for message in call:

@@ -20,6 +20,7 @@ from services.common.lifecycle import (
     set_serving,
 )
 from services.common.registry import RegistryKeys
+from services.common.tracing import TracingInterceptor
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.config import RouterConfig
 from services.router.forwarder import Forwarder
@@ -97,7 +98,8 @@ async def create_router(config: RouterConfig) -> Router:
         max_retries=config.max_retries,
     )
     catalog = Catalog(table)
-    server = new_server()
+    # ListModels is the gateways' catalog poll, not a request: left out of traces.
+    server = new_server([TracingInterceptor(untraced_methods=(f"/{SERVICE_NAME}/ListModels",))])
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(

@@ -120,6 +120,52 @@ async def test_200_concurrent_predicts_are_correct_and_batched(
         assert routed_to(stack, worker.worker_id) > 0, "traffic must reach both workers"
 
 
+async def test_every_tier_counts_the_load_and_worker_time_adds_up(stack: Stack) -> None:
+    tiers = [stack.gateway, stack.router, *stack.workers]
+    before = {tier.metrics_port: scrape(tier.metrics_port) for tier in tiers}
+
+    def delta(tier, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+        return total(scrape(tier.metrics_port), name, **labels) - total(
+            before[tier.metrics_port], name, **labels
+        )
+
+    def worker_delta(name: str, **labels: str) -> float:
+        return sum(delta(w, name, **labels) for w in stack.workers)
+
+    num_requests = 60
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        await asyncio.gather(
+            *(
+                stub.Predict(predict_request(f"counted request {i}"), timeout=TIMEOUT_S)
+                for i in range(num_requests)
+            )
+        )
+    assert (
+        delta(stack.gateway, "inference_gateway_requests_total", api="v1", code="OK")
+        == num_requests
+    )
+    assert delta(stack.gateway, "inference_gateway_inputs_total") == num_requests
+    assert delta(stack.router, "inference_router_responses_total", code="OK") == num_requests
+    assert delta(stack.router, "inference_router_routed_total") == num_requests
+    assert worker_delta("inference_worker_requests_total", code="OK") == num_requests
+    assert worker_delta("inference_worker_rows_total") == num_requests
+    assert worker_delta("inference_worker_row_latency_seconds_count") == num_requests
+    # The worker's stage split accounts for its latency: linger + backlog + compute = latency.
+    latency = worker_delta("inference_worker_row_latency_seconds_sum")
+    stages = sum(
+        worker_delta(f"inference_worker_{stage}_seconds_sum")
+        for stage in ("linger", "backlog", "row_compute")
+    )
+    assert latency > 0
+    assert stages == pytest.approx(latency, rel=0.02)
+    assert worker_delta("inference_worker_queue_wait_seconds_sum") == pytest.approx(
+        worker_delta("inference_worker_linger_seconds_sum")
+        + worker_delta("inference_worker_backlog_seconds_sum"),
+        rel=0.02,
+    )
+
+
 async def test_multi_input_predict_keeps_order(stack: Stack, reference_embedder) -> None:  # type: ignore[no-untyped-def]
     texts = sentences(12, min_words=1, max_words=120, seed=5)
     reference = reference_embedder(texts)

@@ -99,6 +99,7 @@ async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
         async for _ in call:
             break
         call.cancel()
+
     def settled() -> bool:
         text = scrape(worker.metrics_port)
         return (

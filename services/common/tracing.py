@@ -1,0 +1,268 @@
+"""OpenTelemetry tracing for every tier: setup, the server interceptor, outgoing context, the
+worker's batch span.
+
+One request is one trace: each tier's server span is the child of its caller's (W3C
+`traceparent` in gRPC metadata), and a worker batch span, a root of its own, links the requests
+whose rows it ran. Nothing is exported unless the standard `OTEL_*` variables ask for it; until
+`configure_tracing` installs a provider, the API's no-op tracer only passes the caller's
+context through.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
+
+from services.common.errors import status_name
+
+log = logging.getLogger(__name__)
+
+#: What the worker keeps of a request's span to link its batch to it.
+TraceContext = SpanContext
+
+#: Probes and tooling, not requests: tracing them would bury the requests.
+_UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+_tracer = trace.get_tracer(__name__)
+
+
+# -- setup -------------------------------------------------------------------------------------
+
+
+def configure_tracing(service_name: str, env: Mapping[str, str] | None = None) -> None:
+    """Installs the process's tracer provider. Called once, from `__main__`.
+
+    Exports only when asked: `OTEL_TRACES_EXPORTER` (otlp, console, none; comma-separated), or
+    else an `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`. The exporter
+    reads its own settings (endpoint, headers, timeout) and the provider its sampler
+    (`OTEL_TRACES_SAMPLER`) from the same variables; `OTEL_SERVICE_NAME` overrides the tier's
+    name, `OTEL_SDK_DISABLED=true` turns everything off. Without an exporter no provider is
+    installed, so spans cost nothing."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        log.info("tracing disabled (OTEL_SDK_DISABLED)")
+        return
+    exporters = _span_exporters(env)
+    if not exporters:
+        log.info("tracing off: set OTEL_EXPORTER_OTLP_ENDPOINT to export spans")
+        return
+    name = env.get("OTEL_SERVICE_NAME") or service_name
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: name}))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    trace.set_tracer_provider(provider)
+    log.info("tracing on as %s: %s", name, ", ".join(type(e).__name__ for e in exporters))
+
+
+def _span_exporters(env: Mapping[str, str]) -> list[SpanExporter]:
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    names = [n for n in names if n]
+    if not names and (
+        env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
+        names = ["otlp"]
+    exporters: list[SpanExporter] = []
+    for name in names:
+        if name == "otlp":
+            protocol = env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get(
+                "OTEL_EXPORTER_OTLP_PROTOCOL", "grpc"
+            )
+            if protocol != "grpc":
+                log.warning("OTLP protocol %r is not installed here; exporting over grpc", protocol)
+            # Imported only when used: the exporter pulls in the OTLP protobuf modules.
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter())
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+        elif name != "none":
+            log.warning("OTEL_TRACES_EXPORTER %r is not supported (otlp, console, none)", name)
+    return exporters
+
+
+# -- context across calls ----------------------------------------------------------------------
+
+
+def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[str, str], ...]:
+    """`extra` plus the current trace context (`traceparent`, `tracestate`), for a client call
+    made while serving a request: the callee's span becomes a child of ours."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return (*extra, *carrier.items())
+
+
+def current_span_context() -> TraceContext:
+    """The current request's span, for linking work done later on its behalf (a batch)."""
+    return trace.get_current_span().get_span_context()
+
+
+class BatchKeyLike(Protocol):
+    model: str
+    version: str
+    #: Padded length class (tokens) or shape class of the batch.
+    bucket: int
+
+
+@contextlib.contextmanager
+def batch_span(
+    *, key: BatchKeyLike, close_reason: str, num_rows: int, requests: Iterable[TraceContext]
+) -> Iterator[trace.Span]:
+    """A span around one batch's execution, linked to each request that has rows in it. It is
+    a root: a batch serves many traces, so it belongs to none of them."""
+    # A request with several rows in the batch is linked once.
+    unique = {(c.trace_id, c.span_id): c for c in requests if c.is_valid}
+    links = [Link(c) for c in unique.values()]
+    with _tracer.start_as_current_span(
+        "batch",
+        context=otel_context.Context(),
+        links=links,
+        attributes={
+            "inference.model": key.model,
+            "inference.model_version": key.version,
+            "inference.batch.bucket": key.bucket,
+            "inference.batch.size": num_rows,
+            "inference.batch.close_reason": close_reason,
+        },
+    ) as span:
+        yield span
+
+
+# -- the server interceptor --------------------------------------------------------------------
+
+
+class TracingInterceptor(grpc.aio.ServerInterceptor):
+    """Runs each call in a SERVER span named after its method ("package.Service/Method"), the
+    child of the caller's span when the call's metadata carries one, ending with the call's
+    gRPC status. Sits inside the error-mapping interceptor, so it sees the domain errors."""
+
+    def __init__(self, untraced_methods: Iterable[str] = ()) -> None:
+        #: Full method paths ("/package.Service/Method") polled by other tiers, not requests.
+        self._untraced = frozenset(untraced_methods)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
+            return handler
+        metadata = details.invocation_metadata or ()
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                _traced_unary(handler.unary_unary, method, metadata),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                _traced_stream(handler.unary_stream, method, metadata),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                _traced_stream(handler.stream_stream, method, metadata),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+def _start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trace.Span:
+    parent = propagate.extract({k: v for k, v in metadata if isinstance(v, str)})
+    service, _, name = method.lstrip("/").rpartition("/")
+    return _tracer.start_span(
+        method.lstrip("/"),
+        context=parent,
+        kind=SpanKind.SERVER,
+        attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+    )
+
+
+@contextlib.contextmanager
+def _ending(span: trace.Span, context: grpc.aio.ServicerContext) -> Iterator[None]:
+    """Ends `span` with the status the call is answered with."""
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, grpc.aio.AbortError):  # the handler aborted: its code is set
+            code = context.code() or grpc.StatusCode.UNKNOWN
+        else:
+            code = grpc.StatusCode[status_name(error)]
+        if code is grpc.StatusCode.INTERNAL:  # a bug or a model failure: keep the stack
+            span.record_exception(error)
+        _set_status(span, code, str(error))
+        raise
+    else:
+        _set_status(span, context.code() or grpc.StatusCode.OK, "")
+    finally:
+        span.end()
+
+
+def _set_status(span: trace.Span, code: grpc.StatusCode, message: str) -> None:
+    span.set_attribute("rpc.grpc.status_code", code.value[0])
+    if code is not grpc.StatusCode.OK:
+        span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}" if message else None))
+
+
+def _traced_unary(
+    behaviour: Callable[..., Awaitable[Any]], method: str, metadata: Iterable[tuple[str, Any]]
+) -> Callable[..., Awaitable[Any]]:
+    async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        span = _start_server_span(method, metadata)
+        with (
+            _ending(span, context),
+            trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ),
+        ):
+            return await behaviour(request, context)
+
+    return traced
+
+
+def _traced_stream(
+    behaviour: Callable[..., AsyncGenerator[Any, None]],
+    method: str,
+    metadata: Iterable[tuple[str, Any]],
+) -> Callable[..., AsyncGenerator[Any, None]]:
+    """Wraps a handler that returns a response stream (unary-stream or stream-stream).
+
+    The span is made current only while the handler runs, never across a `yield`: a stream
+    abandoned mid-way is closed later, from another context, where a context token held over a
+    yield could not be detached."""
+
+    async def traced(
+        request_or_iterator: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[Any, None]:
+        span = _start_server_span(method, metadata)
+        active = trace.set_span_in_context(span)
+        responses = behaviour(request_or_iterator, context)
+        with _ending(span, context):
+            try:
+                while True:
+                    token = otel_context.attach(active)
+                    try:
+                        message = await anext(responses)
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        otel_context.detach(token)
+                    yield message
+            finally:
+                await responses.aclose()
+
+    return traced

@@ -1,0 +1,52 @@
+"""Incremental detokenization: only final text is emitted (no half characters, no prefix of a
+stop string that is later cut)."""
+
+from __future__ import annotations
+
+from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.generation.tiny_llama import build_tokenizer
+
+TOKENIZER = build_tokenizer()
+
+
+def ids(text: str) -> list[int]:
+    return TOKENIZER.encode(text, add_special_tokens=False).ids
+
+
+def feed(text: str, stops: tuple[str, ...] = ()) -> tuple[list[str], bool]:
+    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    pieces = []
+    for token in ids(text):
+        piece, stopped = detokenizer.push(token, stops)
+        pieces.append(piece)
+        if stopped:
+            return pieces, True
+    pieces.append(detokenizer.flush())
+    return pieces, False
+
+
+def test_text_round_trips_piece_by_piece() -> None:
+    pieces, stopped = feed("hello world")
+    assert "".join(pieces) == "hello world" and not stopped
+    assert pieces[0] == "h"
+
+
+def test_a_multibyte_character_is_emitted_only_when_complete() -> None:
+    pieces, _ = feed("é!")  # "é" is two bytes, so two tokens
+    assert pieces[0] == "" and pieces[1] == "é"
+    assert "".join(pieces) == "é!"
+
+
+def test_stop_string_is_cut_and_never_partly_shown() -> None:
+    pieces, stopped = feed("say STOP now", stops=("STOP",))
+    assert stopped
+    assert "".join(pieces) == "say "
+    # While "S", "ST", "STO" could still become the stop string, nothing of it was emitted.
+    assert all("S" not in piece for piece in pieces)
+
+
+def test_held_back_prefix_is_released_when_it_does_not_become_a_stop() -> None:
+    pieces, stopped = feed("STAR", stops=("STOP",))
+    assert not stopped
+    assert "".join(pieces) == "STAR"
+    assert pieces[:2] == ["", ""], "'S' and 'ST' were held while they could start 'STOP'"
