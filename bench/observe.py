@@ -1,0 +1,195 @@
+"""What the server side says about a measured window: the tiers' own metrics and every
+process's CPU seconds, as deltas between two snapshots.
+
+The per-stage breakdown comes from the tiers' Prometheus histograms (sum and count deltas give
+the mean per request or per row), so it is what production dashboards would show. CPU seconds
+come from /proc: on two shared cores, who burnt the CPU is half of any explanation, and the
+machine-wide figure shows when something outside the benchmark was competing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+#: A sample: (metric name, sorted label pairs) -> value.
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    found: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`."""
+    return sum(
+        value
+        for (sample_name, pairs), value in samples.items()
+        if sample_name == name and all(dict(pairs).get(k) == v for k, v in labels.items())
+    )
+
+
+def by_label(samples: Samples, name: str, label: str, **labels: str) -> dict[str, float]:
+    """Sums of `name` per value of `label` (e.g. rejections per reason), zeros left out."""
+    found: dict[str, float] = {}
+    for (sample_name, pairs), value in samples.items():
+        pair_map = dict(pairs)
+        if sample_name == name and all(pair_map.get(k) == v for k, v in labels.items()):
+            key = pair_map.get(label, "")
+            found[key] = found.get(key, 0.0) + value
+    return {key: value for key, value in found.items() if value}
+
+
+def delta(before: Samples, after: Samples) -> Samples:
+    """Counter and histogram deltas (gauges come out as differences too; none is used)."""
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process (all its threads), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            # The command name may hold spaces and parentheses: fields start after the last ')'.
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (every core), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+def descendants(root: int) -> set[int]:
+    """Every live process under `root` (children, grandchildren...), from /proc."""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+    found: set[int] = set()
+    frontier = [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent]
+        found.update(children)
+        frontier.extend(children)
+    return found
+
+
+@dataclass
+class Snapshot:
+    at_s: float
+    metrics: dict[str, Samples]
+    cpu_s: dict[str, float]
+    machine_busy_s: float
+
+
+@dataclass
+class Observer:
+    """Takes snapshots of named processes and metrics ports. Processes started under this one
+    that have no name (a peer's many processes) are summed under `children_label`."""
+
+    pids: Mapping[str, int]
+    metrics_ports: Mapping[str, int] = field(default_factory=dict)
+    children_label: str = "other_children"
+
+    def snapshot(self) -> Snapshot:
+        own = os.getpid()
+        named = {**self.pids, "bench": own}
+        cpu = {name: cpu_seconds(pid) for name, pid in named.items()}
+        others = descendants(own) - set(named.values())
+        cpu_by_pid = {f"pid:{pid}:{self.children_label}": cpu_seconds(pid) for pid in others}
+        metrics = {name: scrape(port) for name, port in self.metrics_ports.items()}
+        return Snapshot(
+            at_s=time.monotonic(),
+            metrics=metrics,
+            cpu_s={k: v for k, v in {**cpu, **cpu_by_pid}.items() if v is not None},
+            machine_busy_s=machine_busy_seconds(),
+        )
+
+
+def cpu_delta(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """CPU seconds per process between two snapshots; unnamed children summed, and what
+    the rest of the machine used (`outside_bench`: other users' work competing for cores)."""
+    named: dict[str, float] = {}
+    for name, value in after.cpu_s.items():
+        if name not in before.cpu_s:
+            continue  # started in between: its CPU cannot be split, and is small
+        # Unnamed children are keyed "pid:<pid>:<label>"; they are summed per label.
+        label = name.rsplit(":", 1)[1] if name.startswith("pid:") else name
+        named[label] = named.get(label, 0.0) + value - before.cpu_s[name]
+    busy = after.machine_busy_s - before.machine_busy_s
+    named["outside_bench"] = max(0.0, busy - sum(named.values()))
+    return {name: round(value, 3) for name, value in named.items()}
+
+
+def _mean_ms(samples: Samples, name: str, **labels: str) -> float | None:
+    count = total(samples, f"{name}_count", **labels)
+    return 1000.0 * total(samples, f"{name}_sum", **labels) / count if count else None
+
+
+def breakdown(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any]:
+    """Per-stage means (ms) and counts for `model` between two snapshots. Gateway and router
+    times are per request, worker times per row; linger + backlog + compute = row latency."""
+    d = {tier: delta(before.metrics[tier], after.metrics[tier]) for tier in after.metrics}
+    result: dict[str, Any] = {}
+    if "gateway" in d:
+        gateway = d["gateway"]
+        result["gateway"] = {
+            "request_ms": _mean_ms(gateway, "inference_gateway_request_seconds", model=model),
+            "validate_ms": _mean_ms(gateway, "inference_gateway_validate_seconds"),
+            "tokenize_ms": _mean_ms(gateway, "inference_gateway_tokenize_seconds", model=model),
+            "by_code": by_label(gateway, "inference_gateway_requests_total", "code", model=model),
+        }
+    if "router" in d:
+        router = d["router"]
+        result["router"] = {
+            "request_ms": _mean_ms(router, "inference_router_request_seconds", model=model),
+            "predicted_wait_ms": _mean_ms(
+                router, "inference_router_predicted_wait_seconds", model=model
+            ),
+            "rejected": by_label(router, "inference_router_rejected_total", "reason", model=model),
+            "by_code": by_label(router, "inference_router_responses_total", "code", model=model),
+        }
+    for tier, worker in d.items():
+        if not tier.startswith("worker"):
+            continue
+        rows = total(worker, "inference_worker_rows_total", model=model)
+        batches = total(worker, "inference_worker_batches_total", model=model)
+        stage = "inference_worker_{}_seconds"
+        result[tier] = {
+            **{
+                f"{part}_ms": _mean_ms(worker, stage.format(part), model=model)
+                for part in ("linger", "backlog", "row_compute", "row_latency")
+            },
+            "rows": rows,
+            "batches": batches,
+            "mean_batch_size": rows / batches if batches else None,
+            "close_reasons": by_label(
+                worker, "inference_worker_batches_total", "reason", model=model
+            ),
+            "rejected": by_label(worker, "inference_worker_rejected_total", "reason", model=model),
+            "dropped": by_label(worker, "inference_worker_dropped_total", "reason", model=model),
+        }
+    return result

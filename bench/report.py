@@ -1,0 +1,218 @@
+"""The fabric benchmark's outputs: summary ratios, goals, the printed table and the plot.
+
+Everything here reads the report dictionary `bench.fabric` builds (the same one written to
+JSON), so a saved result can be re-rendered without measuring again.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: The issue's goals for the 2-core CPU machine class: (summary key, minimum).
+GOALS = {
+    "efficiency": 0.85,
+    "batching_gain": 1.8,
+    "peer_ratio": 1.5,
+    "overhead_ratio": 0.5,
+    "overload_2x_goodput_fraction": 0.9,
+}
+#: Stacks and peer in the order they are shown.
+CONFIG_ORDER = ("batching_off", "batching_on", "peer")
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def summarize(report: dict[str, Any]) -> dict[str, Any]:
+    """The headline ratios, each beside the numbers it is made of."""
+    configs = report.get("configs", {})
+    on = configs.get("batching_on", {}).get("goodput_per_s")
+    off = configs.get("batching_off", {}).get("goodput_per_s")
+    peer = configs.get("peer", {})
+    raw_best = report.get("raw_model", {}).get("best", {})
+    overhead = report.get("overhead", {})
+    stack_rps = overhead.get("identity_stack", {}).get("ok_per_s")
+    echo_rps = overhead.get("echo", {}).get("ok_per_s")
+    summary: dict[str, Any] = {
+        "efficiency": _ratio(on, raw_best.get("sequences_per_s")),
+        "batching_gain": _ratio(on, off),
+        "peer_ratio": _ratio(on, peer.get("goodput_per_s")),
+        "overhead_ratio": _ratio(stack_rps, echo_rps),
+        "goodput_batching_on_per_s": on,
+        "goodput_batching_off_per_s": off,
+        "goodput_peer_per_s": peer.get("goodput_per_s"),
+        "raw_best_sequences_per_s": raw_best.get("sequences_per_s"),
+        "raw_best_batch_size": raw_best.get("batch_size"),
+        "identity_stack_per_s": stack_rps,
+        "echo_per_s": echo_rps,
+    }
+    if summary["peer_ratio"] is None:
+        summary["peer_ratio_reason"] = peer.get("skipped") or "peer goodput not found"
+    slo_s = report.get("model", {}).get("slo_p99_ms", 0) / 1000.0
+    for point in report.get("overload", []):
+        factor = point["factor"]
+        summary[f"overload_{factor:g}x_goodput_fraction"] = _ratio(
+            point["goodput_per_s"]["median"], on
+        )
+        p99 = point["p99_s"]["median"]
+        summary[f"overload_{factor:g}x_accepted_p99_s"] = p99
+        summary[f"overload_{factor:g}x_p99_within_slo"] = p99 is not None and p99 <= slo_s
+    return summary
+
+
+def goals(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each goal with its value and whether it is met (None: not measured)."""
+    result = {}
+    for key, minimum in GOALS.items():
+        value = summary.get(key)
+        met = None if value is None else value >= minimum
+        if key == "overload_2x_goodput_fraction" and met is not None:
+            met = met and bool(summary.get("overload_2x_p99_within_slo"))
+        result[key] = {"target": f">= {minimum:g}", "value": value, "met": met}
+    return result
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.0f}"
+
+
+def _num(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _cpu_per_1k(rate: dict[str, Any]) -> str:
+    cpu, sent = rate.get("cpu_s", {}), rate.get("sent_in_windows", 0)
+    if not cpu or not sent:
+        return "-"
+    shown = {k: v for k, v in cpu.items() if v >= 0.005 and k not in ("redis", "launcher")}
+    return " ".join(f"{k}={1000 * v / sent:.2f}" for k, v in shown.items())
+
+
+def _batch(rate: dict[str, Any]) -> str:
+    worker = rate.get("breakdown", {}).get("worker-0", {})
+    return _num(worker.get("mean_batch_size"), ".1f")
+
+
+def max_outside_share(report: dict[str, Any]) -> float:
+    """The largest share of the CPU other processes took during any measurement."""
+    shares = [
+        p.get("outside_cpu_share", 0.0) for p in report.get("raw_model", {}).get("points", [])
+    ]
+    for config in report.get("configs", {}).values():
+        shares += [r.get("outside_cpu_share", 0.0) for r in config.get("rates", [])]
+    shares += [p.get("outside_cpu_share", 0.0) for p in report.get("overload", [])]
+    return max(shares, default=0.0)
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The final table: raw model, each configuration at its goodput, overload, overhead,
+    then ratios against goals."""
+    lines = []
+    raw = report.get("raw_model", {})
+    if raw:
+        lines.append(f"raw in-process model ({raw['num_tokens']} tokens), sequences/s:")
+        points = raw["points"]
+        lines.append(
+            "  " + "  ".join(f"b{p['batch_size']}={p['sequences_per_s']:.0f}" for p in points)
+        )
+        cpu = [f"b{p['batch_size']}={p.get('cpu_ms_per_sequence', 0):.1f}" for p in points]
+        lines.append("  CPU ms per sequence: " + "  ".join(cpu))
+    slo = report.get("model", {}).get("slo_p99_ms")
+    lines.append(f"\nopen loop, SLO p99 {slo} ms, goodput = highest rate with >=99% OK within SLO")
+    header = f"{'configuration':<14} {'goodput/s':>9} {'p50':>5} {'p90':>5} {'p99':>5} "
+    header += f"{'batch':>5} {'late%':>5}  {'not OK (all windows)':<28} CPU s / 1k requests"
+    lines.append(header)
+    for name in CONFIG_ORDER:
+        config = report.get("configs", {}).get(name)
+        if config is None:
+            continue
+        if "skipped" in config:
+            lines.append(f"{name:<14} skipped: {config['skipped']}")
+            continue
+        at = config.get("at_goodput") or {}
+        not_ok = {k: v for k, v in at.get("statuses", {}).items() if k != "OK"}
+        late = at.get("late_fraction", {}).get("median")
+        lines.append(
+            f"{name:<14} {_num(config.get('goodput_per_s'), '.0f'):>9} "
+            f"{_ms(at.get('p50_s', {}).get('median')):>5} "
+            f"{_ms(at.get('p90_s', {}).get('median')):>5} "
+            f"{_ms(at.get('p99_s', {}).get('median')):>5} {_batch(at):>5} "
+            f"{_num(None if late is None else late * 100, '.1f'):>5}  "
+            f"{not_ok or '-'!s:<28} {_cpu_per_1k(at)}"
+        )
+    for point in report.get("overload", []):
+        not_ok = {k: v for k, v in point.get("statuses", {}).items() if k != "OK"}
+        lines.append(
+            f"{'overload ' + format(point['factor'], 'g') + 'x':<14} "
+            f"{_num(point['goodput_per_s']['median'], '.0f'):>9} "
+            f"{_ms(point['p50_s']['median']):>5} {_ms(point['p90_s']['median']):>5} "
+            f"{_ms(point['p99_s']['median']):>5} {_batch(point):>5} "
+            f"{_num(point['late_fraction']['median'] * 100, '.1f'):>5}  "
+            f"{not_ok or '-'!s:<28} offered {point['offered_rate_per_s']:.0f}/s"
+            + ("" if point.get("valid") else "  (INVALID: late sends)")
+        )
+    overhead = report.get("overhead", {})
+    if overhead:
+        lines.append(
+            f"\noverhead (closed loop, concurrency {overhead.get('concurrency')}, "
+            f"{overhead.get('payload_bytes')} B payload): identity through 3 tiers "
+            f"{_num(overhead.get('identity_stack', {}).get('ok_per_s'), '.0f')}/s, "
+            f"bare grpc.aio echo {_num(overhead.get('echo', {}).get('ok_per_s'), '.0f')}/s"
+        )
+        for name in ("identity_stack", "echo"):
+            lines.append(f"  {name} CPU s / 1k requests: {_cpu_per_1k(overhead.get(name, {}))}")
+    outside = max_outside_share(report)
+    if outside > 0.05:
+        lines.append(
+            f"\nWARNING: processes outside the benchmark took up to {outside:.0%} of the CPU "
+            "during a measurement; the figures understate this machine."
+        )
+    lines.append("\nratio                          value   goal")
+    for key, goal in report.get("goals", {}).items():
+        met = {True: "met", False: "NOT met", None: "not measured"}[goal["met"]]
+        lines.append(f"{key:<30} {_num(goal['value']):>6}   {goal['target']:<7} {met}")
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: Path) -> str | None:
+    """Latency p50/p99 vs offered rate per configuration. Returns why it was skipped, if it
+    was (matplotlib is an optional extra: `pip install -e '.[bench]'`)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib not installed (pip install -e '.[bench]')"
+    figure, axes = plt.subplots(figsize=(8, 5))
+    colors = {"batching_off": "tab:blue", "batching_on": "tab:green", "peer": "tab:orange"}
+    for name in CONFIG_ORDER:
+        rates = sorted(report.get("configs", {}).get(name, {}).get("rates", []),
+                       key=lambda r: r["offered_rate_per_s"])  # fmt: skip
+        if not rates:
+            continue
+        x = [r["offered_rate_per_s"] for r in rates]
+        for q, style in (("p50_s", "--"), ("p99_s", "-")):
+            y = [(r[q]["median"] or float("nan")) * 1000 for r in rates]
+            axes.plot(x, y, style, marker="o", color=colors[name], label=f"{name} {q[:3]}")
+    overload = report.get("overload", [])
+    if overload:
+        axes.scatter([p["offered_rate_per_s"] for p in overload],
+                     [(p["p99_s"]["median"] or float("nan")) * 1000 for p in overload],
+                     marker="x", color="tab:red", label="batching_on overload p99")  # fmt: skip
+    slo_ms = report.get("model", {}).get("slo_p99_ms")
+    if slo_ms:
+        axes.axhline(slo_ms, color="gray", linestyle=":", label=f"SLO {slo_ms} ms")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("offered rate (requests/s, Poisson)")
+    axes.set_ylabel("latency of accepted requests (ms)")
+    axes.set_title("minilm: latency vs offered load (median of windows)")
+    axes.legend(fontsize=8)
+    axes.grid(True, which="both", alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(figure)
+    return None

@@ -1,0 +1,186 @@
+"""The processes a fabric benchmark measures: the stack (via `services.local_stack`) and the
+bare echo server, plus the throw-away model repositories they serve.
+
+The stack is started exactly as `make run` and the e2e tests start it (`python -m
+services.local_stack --ephemeral-ports`), so the benchmark measures the product, not a harness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+
+
+@dataclass
+class Processes:
+    """A launcher process and what its ready file said (ports and pids of its children)."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    ready: dict
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM the launcher (the stack's launcher stops its tiers in order) and wait."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+@dataclass
+class BenchStack(Processes):
+    @property
+    def gateway_address(self) -> str:
+        return f"{HOST}:{self.ready['gateway']['grpc_port']}"
+
+    def pids(self) -> dict[str, int]:
+        """Every process of the stack by name, the launcher included."""
+        return {
+            "gateway": self.ready["gateway"]["pid"],
+            "router": self.ready["router"]["pid"],
+            **{w["worker_id"]: w["pid"] for w in self.ready["workers"]},
+            "redis": self.ready["redis"]["pid"],
+            "launcher": self.process.pid,
+        }
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Prometheus ports by tier name (workers by id)."""
+        return {
+            "gateway": self.ready["gateway"]["metrics_port"],
+            "router": self.ready["router"]["metrics_port"],
+            **{w["worker_id"]: w["metrics_port"] for w in self.ready["workers"]},
+        }
+
+
+def _launch(argv: list[str], state_dir: Path, ready_file: Path, timeout_s: float) -> Processes:
+    """Starts `argv` with its output in `<state_dir>/launcher.log` and waits for `ready_file`."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    ready_file.unlink(missing_ok=True)
+    log_path = state_dir / "launcher.log"
+    with log_path.open("wb") as log_file:
+        process = subprocess.Popen(
+            argv,
+            cwd=REPO_ROOT,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    deadline = time.monotonic() + timeout_s
+    # Ready files are renamed into place whole; they cannot be awaited, only looked for.
+    while not ready_file.exists():
+        if process.poll() is not None:
+            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+            raise RuntimeError(f"{argv[2]} exited with {process.returncode}:\n{tail}")
+        if time.monotonic() > deadline:
+            process.kill()
+            process.wait()
+            raise TimeoutError(f"{argv[2]} not ready within {timeout_s:.0f} s; see {log_path}")
+        time.sleep(0.1)
+    return Processes(process, log_path, json.loads(ready_file.read_text()))
+
+
+def start_stack(
+    repository: Path,
+    state_dir: Path,
+    *,
+    extra_worker_args: tuple[str, ...] = (),
+    ready_timeout_s: float = 600.0,
+) -> BenchStack:
+    """Redis, router, one worker and a gateway on free ports, serving `repository`."""
+    ready_file = state_dir / "stack-ready.json"
+    argv = [
+        sys.executable, "-m", "services.local_stack", "--ephemeral-ports",
+        "--model-repository", str(repository),
+        "--state-dir", str(state_dir / "tiers"), "--ready-file", str(ready_file),
+        *(f"--worker-arg={arg}" for arg in extra_worker_args),
+    ]  # fmt: skip
+    launched = _launch(argv, state_dir, ready_file, ready_timeout_s)
+    return BenchStack(launched.process, launched.log_path, launched.ready)
+
+
+def start_echo(state_dir: Path) -> Processes:
+    """The bare grpc.aio echo server (bench/echo.py) in its own process, like a tier."""
+    ready_file = state_dir / "echo-ready.json"
+    argv = [sys.executable, "-m", "bench.echo", "--ready-file", str(ready_file)]
+    return _launch(argv, state_dir, ready_file, timeout_s=60.0)
+
+
+# -- model repositories -----------------------------------------------------------------------
+
+
+def write_minilm_repository(
+    root: Path,
+    *,
+    max_batch_size: int | None = None,
+    length_buckets: tuple[int, ...] | None = None,
+    source: Path = REPO_ROOT / "models" / "minilm",
+) -> Path:
+    """`<root>/minilm/`: the default repository's minilm (same SLO, same weights package) with
+    another batch limit and, optionally, fewer length buckets. Returns the config path."""
+    model_dir = root / "minilm"
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    text = (source / "config.toml").read_text()
+    if max_batch_size is not None:
+        text = re.sub(r"(?m)^max_batch_size = .*$", f"max_batch_size = {max_batch_size}", text)
+    if length_buckets is not None:
+        buckets = ", ".join(map(str, length_buckets))
+        text = re.sub(r"(?m)^length_buckets = .*$", f"length_buckets = [{buckets}]", text)
+    (model_dir / "config.toml").write_text(text)
+    (model_dir / "1" / "version.toml").write_text((source / "1" / "version.toml").read_text())
+    return model_dir / "config.toml"
+
+
+class _Identity(torch.nn.Module):
+    """y = x: the model costs nothing, so what is measured is the serving path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+#: The identity model's row: FP32 [IDENTITY_DIMS], the smallest payload a tensor call carries.
+IDENTITY_DIMS = 4
+
+
+def write_identity_model(
+    root: Path, *, name: str = "identity", slo_p99_ms: int = 250, max_batch_size: int = 64
+) -> Path:
+    """`<root>/<name>/`: a TorchScript identity model, FP32 [4] -> FP32 [4]."""
+    model_dir = root / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.toml").write_text(
+        f"""kind = "torchscript"
+slo_p99_ms = {slo_p99_ms}
+max_batch_size = {max_batch_size}
+max_queue_size = 2048
+
+[inputs.x]
+dtype = "FP32"
+dims = [{IDENTITY_DIMS}]
+
+[outputs.y]
+dtype = "FP32"
+dims = [{IDENTITY_DIMS}]
+"""
+    )
+    with warnings.catch_warnings():
+        # torch 2.13 marks TorchScript deprecated; it is still what the torchscript backend loads.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        torch.jit.script(_Identity()).save(str(model_dir / "1" / "model.pt"))
+    return model_dir

@@ -1,0 +1,209 @@
+"""Load generator and sweep statistics: Poisson schedule, late-send accounting, windows,
+percentiles and the goodput search, on made-up numbers (no servers, no sleeps)."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+import grpc
+import numpy as np
+import pytest
+
+from bench.loadgen import (
+    CLIENT_TIMEOUT,
+    LATE_THRESHOLD_S,
+    OK,
+    Outcome,
+    poisson_schedule,
+    split_windows,
+    status_of,
+)
+from bench.sweep import GoodputSearch, percentile, summarize_rate, window_stats
+
+SLO_S = 0.25
+
+
+def outcome(
+    at_s: float = 0.0, latency_s: float = 0.01, status: str = OK, late_s: float = 0.0
+) -> Outcome:
+    return Outcome(scheduled_s=at_s, lateness_s=late_s, latency_s=latency_s, status=status)
+
+
+# -- schedule -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rate", [5.0, 200.0, 3000.0])
+def test_schedule_has_the_requested_mean_rate(rate: float) -> None:
+    duration = 20_000 / rate  # ~20k arrivals: the mean is within ~0.7% at 1 sigma
+    times = poisson_schedule(rate, duration, seed=1)
+    assert len(times) / duration == pytest.approx(rate, rel=0.03)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < duration
+
+
+def test_schedule_gaps_are_exponential() -> None:
+    times = poisson_schedule(100.0, 200.0, seed=2)
+    gaps = np.diff([0.0, *times])
+    # Exponential: standard deviation equals the mean (coefficient of variation 1), and the
+    # share of gaps shorter than the mean is 1 - 1/e.
+    assert statistics.stdev(gaps) / statistics.fmean(gaps) == pytest.approx(1.0, abs=0.05)
+    assert np.mean(gaps < 0.01) == pytest.approx(1 - math.exp(-1), abs=0.02)
+
+
+def test_schedule_is_deterministic_for_a_seed() -> None:
+    assert poisson_schedule(50.0, 10.0, seed=7) == poisson_schedule(50.0, 10.0, seed=7)
+    assert poisson_schedule(50.0, 10.0, seed=7) != poisson_schedule(50.0, 10.0, seed=8)
+
+
+def test_schedule_is_bounded_by_count_and_time() -> None:
+    assert len(poisson_schedule(1000.0, 10.0, seed=0, max_count=25)) == 25
+    assert all(t < 0.5 for t in poisson_schedule(1000.0, 0.5, seed=0))
+    with pytest.raises(ValueError):
+        poisson_schedule(0.0, 1.0, seed=0)
+
+
+# -- outcomes, windows, late sends ----------------------------------------------------------
+
+
+def test_a_send_is_late_past_the_threshold() -> None:
+    assert not outcome(late_s=LATE_THRESHOLD_S).late
+    assert outcome(late_s=LATE_THRESHOLD_S + 1e-4).late
+
+
+def test_window_with_more_than_one_percent_late_sends_is_invalid() -> None:
+    on_time = [outcome(i * 0.01) for i in range(198)]
+    two_late = [*on_time, outcome(late_s=0.02), outcome(late_s=0.02)]
+    three_late = [*two_late[:-3], outcome(late_s=0.02), outcome(late_s=0.02), outcome(late_s=0.1)]
+    assert window_stats(two_late, SLO_S, 2.0).late == 2
+    assert window_stats(two_late, SLO_S, 2.0).is_valid  # exactly 1%
+    assert window_stats(three_late, SLO_S, 2.0).late_fraction == pytest.approx(0.015)
+    assert not window_stats(three_late, SLO_S, 2.0).is_valid
+    assert not window_stats([], SLO_S, 2.0).is_valid
+
+
+def test_window_counts_good_ok_and_statuses() -> None:
+    window = [
+        *(outcome(latency_s=0.1) for _ in range(6)),
+        outcome(latency_s=0.3),  # OK but over the SLO: accepted, not good
+        outcome(latency_s=0.001, status="RESOURCE_EXHAUSTED"),
+        outcome(latency_s=0.25, status="DEADLINE_EXCEEDED"),
+        outcome(latency_s=1.0, status=CLIENT_TIMEOUT),
+    ]
+    stats = window_stats(window, SLO_S, 1.0)
+    assert (stats.sent, stats.ok, stats.good) == (10, 7, 6)
+    assert stats.statuses == {
+        OK: 7,
+        "RESOURCE_EXHAUSTED": 1,
+        "DEADLINE_EXCEEDED": 1,
+        CLIENT_TIMEOUT: 1,
+    }
+    assert stats.goodput_per_s == 6.0
+    assert stats.p50_s == pytest.approx(0.1)  # percentiles of accepted requests only
+
+
+def test_split_windows_drops_warm_up_and_tail() -> None:
+    outcomes = [outcome(at_s=t) for t in (0.1, 0.9, 1.0, 1.5, 2.2, 3.9, 4.0, 4.5)]
+    windows = split_windows(outcomes, warmup_s=1.0, window_s=1.0, num_windows=3)
+    assert [[o.scheduled_s for o in w] for w in windows] == [[1.0, 1.5], [2.2], [3.9]]
+
+
+def test_rate_passes_on_pooled_valid_windows() -> None:
+    good = [outcome() for _ in range(300)]
+    one_bad = [*good[:-1], outcome(status="UNAVAILABLE")]
+    late = [outcome(late_s=0.05) for _ in range(300)]
+    assert summarize_rate(100.0, [good, one_bad, good], SLO_S, 3.0).passed
+    # 2% failures in one window, none elsewhere: pooled 0.67% -> still served.
+    two_percent = [*good[:-6], *(outcome(status="UNAVAILABLE") for _ in range(6))]
+    assert summarize_rate(100.0, [good, two_percent, good], SLO_S, 3.0).passed
+    failing = [*good[:-12], *(outcome(latency_s=0.5) for _ in range(12))]
+    assert not summarize_rate(100.0, [failing, failing, good], SLO_S, 3.0).passed
+    # Most windows late: the generator set the pace; the rate is neither served nor failed.
+    invalid = summarize_rate(100.0, [late, late, good], SLO_S, 3.0)
+    assert not invalid.is_valid and not invalid.passed
+    figure = summarize_rate(100.0, [good, one_bad, good], SLO_S, 3.0).figure("goodput_per_s")
+    assert figure == {"median": 100.0, "min": 299 / 3, "max": 100.0}
+
+
+def test_status_of_records_grpc_codes_timeouts_and_peer_errors() -> None:
+    rpc_error = grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata()
+    )
+    assert status_of(rpc_error) == "RESOURCE_EXHAUSTED"
+    assert status_of(TimeoutError()) == CLIENT_TIMEOUT
+
+    class PeerError(Exception):
+        def code(self) -> object:
+            return type("Code", (), {"name": "HTTP_503"})()
+
+    assert status_of(PeerError()) == "HTTP_503"
+    assert status_of(ConnectionResetError()) == "ConnectionResetError"
+
+
+# -- percentile -------------------------------------------------------------------------------
+
+
+def test_percentile_matches_numpy_linear_interpolation() -> None:
+    rng = random.Random(3)
+    for size in (1, 2, 7, 100, 1001):
+        values = [rng.expovariate(10.0) for _ in range(size)]
+        for q in (0, 1, 50, 90, 99, 99.9, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+
+
+def test_percentile_edges() -> None:
+    assert percentile([], 99) is None
+    assert percentile([3.0], 50) == 3.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # unsorted input
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+# -- goodput search ---------------------------------------------------------------------------
+
+
+def fake_server(capacity: float, base_s: float = 0.02):
+    """Latencies of an M/M/1-like server: they grow as 1 / (1 - load) and explode past
+    capacity. Returns measure(rate) -> passed, built from synthetic windows, so the search
+    is driven through the same statistics the benchmark uses."""
+
+    def measure(rate: float) -> bool:
+        load = rate / capacity
+        latency = base_s / (1 - load) if load < 1 else 10.0
+        # One request in 200 takes 3x the typical latency (a p99.5 tail).
+        window = [outcome(latency_s=latency * (3 if i % 200 == 0 else 1)) for i in range(400)]
+        return summarize_rate(rate, [window] * 3, SLO_S, 4.0).passed
+
+    return measure
+
+
+def run_search(search: GoodputSearch, measure) -> GoodputSearch:
+    while (rate := search.next_rate()) is not None:
+        search.record(rate, measure(rate))
+    return search
+
+
+@pytest.mark.parametrize("start", [20.0, 250.0, 280.0, 2000.0])
+def test_search_finds_goodput_from_below_and_above(start: float) -> None:
+    # Good while 0.02 / (1 - r/300) <= 0.25 s, i.e. r <= 276.
+    true_goodput = 300 * (1 - 0.02 / SLO_S)
+    search = run_search(GoodputSearch(start, max_probes=30), fake_server(300.0))
+    assert search.best is not None
+    assert search.best <= true_goodput  # never reports a rate that fails
+    assert search.best >= true_goodput / 1.05  # within the tolerance
+    assert search.lowest_failure is not None and search.lowest_failure > true_goodput
+
+
+def test_search_is_bounded_by_probes_and_min_rate() -> None:
+    search = run_search(GoodputSearch(100.0, max_probes=3), fake_server(1000.0))
+    assert len(search.probes) == 3 and search.best == pytest.approx(100 * 1.25**2)
+    nothing = run_search(GoodputSearch(10.0, min_rate=1.0, max_probes=30), lambda rate: False)
+    assert nothing.best is None and nothing.probes[-1][0] == 1.0
+
+
+def test_search_ignores_a_noisy_pass_above_a_failure() -> None:
+    search = GoodputSearch(100.0)
+    for rate, passed in ((100.0, True), (125.0, False), (140.0, True)):
+        search.record(rate, passed)
+    assert search.best == 100.0
+    assert search.next_rate() == pytest.approx(math.sqrt(100.0 * 125.0))
