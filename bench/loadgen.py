@@ -31,8 +31,10 @@ START_LEAD_S = 0.05
 #: Status of a call the generator gave up on (its own timeout, or still pending at the end).
 CLIENT_TIMEOUT = "CLIENT_TIMEOUT"
 OK = "OK"
-#: Closed loop: a caller whose call failed waits this long before its next one.
+#: Closed loop: a caller whose call failed waits this long before its next one, unless the
+#: server said how long (a `retry-after-ms` hint, honoured up to MAX_RETRY_AFTER_S).
 FAILURE_PAUSE_S = 0.02
+MAX_RETRY_AFTER_S = 1.0
 
 Send = Callable[[], Awaitable[None]]
 
@@ -90,9 +92,22 @@ def status_of(error: BaseException) -> str:
     return type(error).__name__
 
 
-async def _timed(send: Send, timeout_s: float | None) -> tuple[float, str]:
-    """Runs one send; returns (latency, status). Never raises except on cancellation."""
+def retry_after_of(error: BaseException | None) -> float | None:
+    """The server's `retry-after-ms` hint on a failed gRPC call, in seconds, if it sent one."""
+    if not isinstance(error, grpc.aio.AioRpcError):
+        return None
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after-ms":
+            with contextlib.suppress(ValueError):
+                return int(value) / 1000.0
+    return None
+
+
+async def _timed(send: Send, timeout_s: float | None) -> tuple[float, str, BaseException | None]:
+    """Runs one send; returns (latency, status, the error if it failed). Never raises except
+    on cancellation."""
     start = time.monotonic()
+    failure: BaseException | None = None
     try:
         if timeout_s is None:
             await send()
@@ -105,7 +120,8 @@ async def _timed(send: Send, timeout_s: float | None) -> tuple[float, str]:
         raise
     except Exception as error:  # every failure is an outcome, not a crash
         status = status_of(error)
-    return time.monotonic() - start, status
+        failure = error
+    return time.monotonic() - start, status, failure
 
 
 async def run_open_loop(
@@ -127,7 +143,7 @@ async def run_open_loop(
 
     async def one(index: int, offset: float, due: float) -> None:
         lateness = loop.time() - due  # measured when the task runs: loop congestion counts
-        latency, status = await _timed(send, timeout_s)
+        latency, status, _ = await _timed(send, timeout_s)
         outcomes[index] = Outcome(offset, lateness, latency, status)
 
     async def hook(offset_s: float, fn: Callable[[], Awaitable[None]]) -> None:
@@ -189,17 +205,20 @@ async def run_closed_loop(
 
     async def caller() -> None:
         while loop.time() < stop_at:
-            latency, status = await _timed(send, timeout_s)
+            latency, status, failure = await _timed(send, timeout_s)
+            if status != OK:
+                # A refusing target answers at once; without a pause (as a client backing off
+                # would take) the callers spin and starve the server they share the cores
+                # with. A well-behaved client waits as long as the server asked it to.
+                hint_s = retry_after_of(failure)
+                pause_s = FAILURE_PAUSE_S if hint_s is None else min(hint_s, MAX_RETRY_AFTER_S)
+                await asyncio.sleep(pause_s)
             if loop.time() < measure_from:
                 continue
             result.statuses[status] = result.statuses.get(status, 0) + 1
             if status == OK:
                 result.ok += 1
                 result.latencies_s.append(latency)
-            else:
-                # A refusing target answers at once; without a pause (as a client backing off
-                # would take) the callers spin and starve the server they share the cores with.
-                await asyncio.sleep(FAILURE_PAUSE_S)
 
     await asyncio.gather(*(caller() for _ in range(concurrency)))
     # Calls that were in flight at stop_at finish a little later; the window is stretched to

@@ -113,6 +113,8 @@ class BatchScheduler:
         self._running: asyncio.Task[None] | None = None
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
+        # When the running batch is predicted to end (None: the executor is idle).
+        self._running_until_s: float | None = None
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
 
@@ -238,7 +240,7 @@ class BatchScheduler:
                     arrival_s=now,
                     deadline_s=deadline_s,
                 )
-                decision = lane.batcher.add(item, now)
+                decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
                 if isinstance(decision, Rejected):
                     self._metrics.rejected_total.labels(*lane.labels, decision.reason.value).inc()
                     raise self._rejection(lane, item.key, decision.reason)
@@ -255,6 +257,14 @@ class BatchScheduler:
     def _rejection(self, lane: _Lane, key: BatchKey, reason: RejectReason) -> Exception:
         if reason is RejectReason.DRAINING:
             return Unavailable("worker is draining")
+        if reason is RejectReason.DEADLINE:
+            now = self._clock()
+            finish_s = lane.batcher.predicted_finish_s(key, max(now, self._running_until_s or now))
+            return Overloaded(
+                f"{key.model}/{key.version}: predicted to finish {finish_s - now:.3f}s from now, "
+                "past the request's deadline",
+                retry_after_s=finish_s - now,
+            )
         limit = lane.batcher.max_batch_size_for(key)
         retry_after_s = lane.latency.per_item_s(key, limit) * lane.batcher.num_queued
         return Overloaded(
@@ -328,6 +338,7 @@ class BatchScheduler:
             self._metrics.queue_wait_seconds.labels(*lane.labels).observe(wait_s)
             rows.append(pending.row)
         self._busy_since = now
+        self._running_until_s = now + lane.latency.predict(dispatch.key, len(rows))
         self._running = asyncio.get_running_loop().create_task(
             self._execute(lane, dispatch, rows, started=now)
         )
@@ -358,6 +369,7 @@ class BatchScheduler:
         compute_s = finished - started
         self._busy_s_total += compute_s
         self._busy_since = None
+        self._running_until_s = None
         self._running = None
         try:
             # Answers first: nothing after this point may leave a caller waiting.

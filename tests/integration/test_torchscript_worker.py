@@ -131,10 +131,11 @@ async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
     assert metric(worker, "inference_worker_batch_size_count") < 7, "the good rows shared a batch"
 
 
-async def test_deadline_passing_while_queued_is_answered_promptly_and_never_runs(
+async def test_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(
     tmp_path: Path,
 ) -> None:
-    # A long batch (thousands of matmuls) holds the executor well past the queued row's deadline.
+    # A long batch (thousands of matmuls) holds the executor well past the next row's deadline:
+    # the worker predicts that and refuses the row on arrival instead of letting it time out.
     worker = await start(tmp_path, work_iters=6000, max_batch_size=1)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
@@ -148,9 +149,12 @@ async def test_deadline_passing_while_queued_is_answered_promptly_and_never_runs
             await blocker
     finally:
         await worker.stop()
-    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert metric(worker, "inference_worker_rows_total") == 1, "the expired row must never run"
-    assert metric(worker, "inference_worker_dropped_total") == 1, "the worker dropped it unrun"
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "past the request's deadline" in (raised.value.details() or "")
+    hint = dict(raised.value.trailing_metadata() or ()).get("retry-after-ms")
+    assert hint is not None and int(hint) > 0
+    assert metric(worker, "inference_worker_rows_total") == 1, "the refused row must never run"
+    assert metric(worker, "inference_worker_rejected_total", reason="deadline") == 1
 
 
 async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:

@@ -291,12 +291,12 @@ def test_expired_items_are_returned_once_and_never_dispatched() -> None:
     add_all(
         batcher,
         [
-            make_item(item_id=1, deadline_s=0.005),  # 0 + 0.01 compute > 0.005
+            make_item(item_id=1, deadline_s=0.015),  # fits when admitted at 0: 0.01 + 0.005
             make_item(item_id=2, deadline_s=1.0),
         ],
     )
 
-    poll = batcher.poll(0.0, executor_idle=True)
+    poll = batcher.poll(0.006, executor_idle=True)  # 0.006 + 0.01 compute > 0.015
     assert [item.item_id for item in poll.expired] == [1]
     assert ids(dispatch_of(poll)) == [2]
 
@@ -305,7 +305,57 @@ def test_expired_items_are_returned_once_and_never_dispatched() -> None:
     assert batcher.cancel(1) is False
 
 
+def test_batch_is_cut_to_end_before_the_earliest_deadline() -> None:
+    key = make_key()
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    for size, seconds in ((1, 0.002), (4, 0.008), (8, 0.016)):
+        latency.observe(key, size, seconds)
+    batcher = make_batcher(latency=latency)
+    add_all(batcher, [make_item(item_id=0, deadline_s=0.02)])
+    add_all(batcher, [make_item(item_id=i, deadline_s=1.0) for i in range(1, 8)])
+
+    # Full at 8, but 8 rows take 0.016 s and item 0 has 0.02 - 0.005 - 0.003 = 0.012 s left:
+    # six rows (0.008 + 2 * 0.002) are the most that end in time.
+    dispatch = dispatch_of(batcher.poll(0.003, executor_idle=True))
+    assert dispatch.reason is CloseReason.FULL
+    assert ids(dispatch) == [0, 1, 2, 3, 4, 5]
+    assert batcher.queue_length(key) == 2
+
+
+def test_batch_is_not_cut_when_even_one_row_ends_late() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_burst(batcher, count=4, deadline_s=0.03)
+
+    # Past the slack (0.03 - 0.01 - 0.005): no smaller batch saves anyone, the limit stands.
+    assert ids(dispatch_of(batcher.poll(0.0151, executor_idle=True))) == [0, 1, 2, 3]
+
+
 # Admission and cancellation ---------------------------------------------------------------------
+
+
+def test_rejects_an_item_predicted_to_finish_past_its_deadline() -> None:
+    batcher = make_batcher(max_batch_size=2)
+    add_burst(batcher, count=4, deadline_s=10.0)
+
+    # Four queued rows run as two batches of 0.01 s, the new row as a third: done at 0.03,
+    # plus the 0.005 margin.
+    late = make_item(item_id=10, deadline_s=0.034)
+    assert batcher.add(late, 0.0) == Rejected(RejectReason.DEADLINE)
+    assert batcher.add(make_item(item_id=11, deadline_s=0.035), 0.0) == Admitted()
+    # A running batch delays everything queued behind it.
+    busy = make_item(item_id=12, deadline_s=0.045)
+    assert batcher.add(busy, 0.0, executor_free_s=0.02) == Rejected(RejectReason.DEADLINE)
+    assert batcher.num_queued == 5
+
+
+def test_deadline_admission_counts_rows_of_other_keys_as_ahead() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_burst(batcher, count=4, bucket=64, deadline_s=10.0)
+
+    # One batch of the other key (0.01) then this one's (0.01), plus margin: 0.025.
+    item = make_item(item_id=9, bucket=32, deadline_s=0.024)
+    assert batcher.add(item, 0.0) == Rejected(RejectReason.DEADLINE)
+    assert batcher.predicted_finish_s(make_key(bucket=32), 0.0) == pytest.approx(0.02)
 
 
 def test_queue_full_rejects_exactly_at_the_cap_across_keys() -> None:

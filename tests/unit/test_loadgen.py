@@ -3,6 +3,7 @@ percentiles and the goodput search, on made-up numbers (no servers, no sleeps)."
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import statistics
@@ -17,6 +18,8 @@ from bench.loadgen import (
     OK,
     Outcome,
     poisson_schedule,
+    retry_after_of,
+    run_closed_loop,
     split_windows,
     status_of,
 )
@@ -207,3 +210,36 @@ def test_search_ignores_a_noisy_pass_above_a_failure() -> None:
         search.record(rate, passed)
     assert search.best == 100.0
     assert search.next_rate() == pytest.approx(math.sqrt(100.0 * 125.0))
+
+
+def refusal(retry_after_ms: str | None) -> grpc.aio.AioRpcError:
+    trailing = grpc.aio.Metadata()
+    if retry_after_ms is not None:
+        trailing.add("retry-after-ms", retry_after_ms)
+    return grpc.aio.AioRpcError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), trailing, "busy"
+    )
+
+
+def test_retry_after_hint_is_read_from_trailing_metadata() -> None:
+    assert retry_after_of(refusal("250")) == pytest.approx(0.25)
+    assert retry_after_of(refusal(None)) is None
+    assert retry_after_of(refusal("soon")) is None
+    assert retry_after_of(ValueError("not grpc")) is None
+
+
+def test_closed_loop_callers_wait_as_long_as_the_server_asks() -> None:
+    calls = 0
+
+    async def refused() -> None:
+        nonlocal calls
+        calls += 1
+        raise refusal("400")
+
+    result = asyncio.run(run_closed_loop(refused, concurrency=2, duration_s=0.3))
+
+    # Each caller sends, is told to come back in 0.4 s, and the run is over by then: a caller
+    # pausing only the default 20 ms would have sent about 15 times.
+    assert calls == 2
+    assert result.statuses == {"RESOURCE_EXHAUSTED": 2}
+    assert result.ok == 0

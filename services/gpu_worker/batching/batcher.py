@@ -115,15 +115,22 @@ class Batcher:
         budget_s = cfg.slo_s - cfg.upstream_budget_s - compute_s - cfg.safety_margin_s
         return min(max(budget_s, 0.0), cfg.max_wait_cap_s)
 
-    def add(self, item: QueuedItem, now_s: float) -> Admitted | Rejected:
-        """Queue `item` (arriving at `now_s`) or say why not. Raises ValueError on a duplicate
-        item_id, a caller bug."""
+    def add(
+        self, item: QueuedItem, now_s: float, *, executor_free_s: float | None = None
+    ) -> Admitted | Rejected:
+        """Queue `item` (arriving at `now_s`) or say why not. `executor_free_s` is when the
+        batch running now is predicted to end (None: nothing runs). Raises ValueError on a
+        duplicate item_id, a caller bug."""
         if self._is_draining:
             return Rejected(RejectReason.DRAINING)
         if self.num_queued >= self._config.max_queue_size:
             return Rejected(RejectReason.QUEUE_FULL)
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
+        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+        finish_s = self.predicted_finish_s(item.key, start_s)
+        if finish_s + self._config.safety_margin_s > item.deadline_s:
+            return Rejected(RejectReason.DEADLINE)
         queue = self._queues.get(item.key)
         if queue is None:
             queue = self._queues[item.key] = _KeyQueue(
@@ -138,6 +145,30 @@ class Batcher:
         self._key_of[item.item_id] = item.key
         self._record_arrival(queue, now_s)
         return Admitted()
+
+    def predicted_finish_s(self, key: BatchKey, start_s: float) -> float:
+        """When one more item of `key` would finish if the executor, free at `start_s`, ran
+        everything queued now first, every key in batches as full as its limit allows.
+
+        Conservative on purpose: queued items of other keys count as ahead even when their
+        deadlines are later (the batcher serves the most urgent key first). Admitting only
+        items that fit keeps the queue short enough to serve within deadlines; without it,
+        overload fills the queue until every item waits about the whole SLO and most miss it.
+        """
+        finish_s = start_s
+        for queued_key, queue in self._queues.items():
+            rows = len(queue.items) + (queued_key == key)
+            if rows == 0:
+                continue
+            limit = self.max_batch_size_for(queued_key)
+            full, rest = divmod(rows, limit)
+            if full:
+                finish_s += full * self._latency.predict(queued_key, limit)
+            if rest:
+                finish_s += self._latency.predict(queued_key, rest)
+        if key not in self._queues:
+            finish_s += self._latency.predict(key, 1)
+        return finish_s
 
     def cancel(self, item_id: int) -> bool:
         """Remove a queued item; True if it was queued (False if dispatched, expired or unknown)."""
@@ -177,10 +208,30 @@ class Batcher:
         if chosen is None:
             return Poll(expired, Wait(wake_s))
         _, key, reason = chosen
-        items = self._queues[key].items.take(self.max_batch_size_for(key))
+        items = self._queues[key].items.take(self._fitting_size(key, self._queues[key], now_s))
         for item in items:
             del self._key_of[item.item_id]
         return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
+
+    def _fitting_size(self, key: BatchKey, queue: _KeyQueue, now_s: float) -> int:
+        """The most items of `key` one batch may take: the limit, cut down so that the batch
+        is predicted to end before the queue's earliest deadline (a batch that ends past it
+        makes that item miss, and under contention, when compute runs slower than at warm-up,
+        usually the whole batch with it). When even one item would end past it (the slack
+        trigger fires at that boundary), shrinking saves nobody and the limit stands. Draining
+        ignores deadlines: everything left goes out at once."""
+        limit = min(len(queue.items), self.max_batch_size_for(key))
+        budget_s = queue.earliest_deadline_s() - self._config.safety_margin_s - now_s
+        if self._is_draining or self._latency.predict(key, 1) > budget_s:
+            return limit
+        low, high = 1, limit  # predictions are monotone in batch size: bisect the largest fit
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._latency.predict(key, middle) <= budget_s:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
         """Remove items that would miss their deadline even if run alone right now."""

@@ -54,6 +54,9 @@ class RejectReason(enum.Enum):
 
     QUEUE_FULL = "queue_full"
     DRAINING = "draining"
+    #: Run after everything queued ahead of it, it is predicted to finish past its deadline:
+    #: refused now (RESOURCE_EXHAUSTED) instead of timing out in the queue later.
+    DEADLINE = "deadline"
 
 
 @dataclass(frozen=True)
