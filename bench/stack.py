@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from services.common.lifecycle import terminate_process
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 HOST = "127.0.0.1"
@@ -34,13 +35,8 @@ class Processes:
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM the launcher (the stack's launcher stops its tiers in order) and wait."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+        code = terminate_process(self.process, timeout_s)
+        return self.process.returncode if code is None else code
 
 
 @dataclass

@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import signal
+import subprocess
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
@@ -115,3 +116,16 @@ def add_listener_arguments(
 
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def terminate_process(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """SIGTERM `process` (if still running) and wait up to `timeout_s` for its exit code;
+    SIGKILL it past that and return None (it did not stop on its own)."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None

@@ -181,7 +181,9 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trace.Span:
+def start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trace.Span:
+    """A SERVER span for one call of `method` ("/package.Service/Method"), the child of the
+    caller's span when `metadata` carries its W3C context. End it with `end_server_span`."""
     parent = propagate.extract({k: v for k, v in metadata if isinstance(v, str)})
     service, _, name = method.lstrip("/").rpartition("/")
     return _tracer.start_span(
@@ -190,6 +192,20 @@ def _start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trac
         kind=SpanKind.SERVER,
         attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
     )
+
+
+def end_server_span(
+    span: trace.Span,
+    code: grpc.StatusCode,
+    message: str = "",
+    error: BaseException | None = None,
+) -> None:
+    """Ends a call's span with the status it was answered with (and, for INTERNAL, the stack
+    of `error`: a bug or a model failure)."""
+    if error is not None and code is grpc.StatusCode.INTERNAL:
+        span.record_exception(error)
+    _set_status(span, code, message)
+    span.end()
 
 
 @contextlib.contextmanager
@@ -202,14 +218,10 @@ def _ending(span: trace.Span, context: grpc.aio.ServicerContext) -> Iterator[Non
             code = context.code() or grpc.StatusCode.UNKNOWN
         else:
             code = grpc.StatusCode[status_name(error)]
-        if code is grpc.StatusCode.INTERNAL:  # a bug or a model failure: keep the stack
-            span.record_exception(error)
-        _set_status(span, code, str(error))
+        end_server_span(span, code, str(error), error)
         raise
     else:
-        _set_status(span, context.code() or grpc.StatusCode.OK, "")
-    finally:
-        span.end()
+        end_server_span(span, context.code() or grpc.StatusCode.OK)
 
 
 def _set_status(span: trace.Span, code: grpc.StatusCode, message: str) -> None:
@@ -222,7 +234,7 @@ def _traced_unary(
     behaviour: Callable[..., Awaitable[Any]], method: str, metadata: Iterable[tuple[str, Any]]
 ) -> Callable[..., Awaitable[Any]]:
     async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        span = _start_server_span(method, metadata)
+        span = start_server_span(method, metadata)
         with (
             _ending(span, context),
             trace.use_span(
@@ -248,7 +260,7 @@ def _traced_stream(
     async def traced(
         request_or_iterator: Any, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[Any, None]:
-        span = _start_server_span(method, metadata)
+        span = start_server_span(method, metadata)
         active = trace.set_span_in_context(span)
         responses = behaviour(request_or_iterator, context)
         with _ending(span, context):

@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 
 from services.common.errors import InvalidInput, UpstreamError
+from services.common.multiplex import MultiplexClient
 from services.common.registry import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
@@ -20,7 +21,6 @@ from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
-INFER_METHOD = "/inference.v1.WorkerService/Infer"
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 
 #: One input row as a client sent it: text for text models, a tensor row otherwise.
@@ -70,11 +70,8 @@ class Predictor:
         self.catalog = catalog
         self._metrics = metrics
         self._max_inputs = max_inputs
-        self._infer = router.unary_unary(
-            INFER_METHOD,
-            request_serializer=pb.InferRequest.SerializeToString,
-            response_deserializer=pb.InferResponse.FromString,
-        )
+        # Every fixed-cost request to the router travels on one multiplexed stream.
+        self._router = MultiplexClient(router, "router")
         self._generate = router.unary_stream(
             GENERATE_METHOD,
             request_serializer=pb.WorkerGenerateRequest.SerializeToString,
@@ -132,17 +129,18 @@ class Predictor:
         # left of it as their own gRPC deadline.
         timeout_s = config.slo_s if call.timeout_s is None else min(call.timeout_s, config.slo_s)
         timeout_s -= time.perf_counter() - started
-        try:
-            response = await self._infer(
-                request,
-                timeout=max(0.0, timeout_s),
-                metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
-            )
-        except grpc.aio.AioRpcError as error:
-            raise UpstreamError.from_rpc_error(error) from None
+        payload = await self._router.call(
+            request.SerializeToString(),
+            metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
+            timeout_s=max(0.0, timeout_s),
+        )
+        response = pb.InferResponse.FromString(payload)
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
         return PredictResult(config.name, model.version, outputs, request_id)
+
+    async def close(self) -> None:
+        await self._router.close()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
         """Checks, tokenizes and forwards a generation; yields the worker's stream messages."""

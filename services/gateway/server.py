@@ -18,6 +18,7 @@ from services.common.lifecycle import (
     set_serving,
 )
 from services.common.model_repository import load_repository
+from services.common.multiplex import CHANNEL_OPTIONS
 from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
@@ -49,6 +50,7 @@ class Gateway:
     metrics: GatewayMetrics
     catalog: ModelCatalog
     router: grpc.aio.Channel
+    predictor: Predictor
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -73,6 +75,7 @@ class Gateway:
     async def stop(self) -> None:
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
         await self.server.stop(grace=10.0)
+        await self.predictor.close()
         await self.router.close()
 
 
@@ -82,9 +85,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         log.warning("no API keys configured: local mode, every caller is tenant 'local'")
     catalog = ModelCatalog(load_repository(config.model_repository))
     metrics = GatewayMetrics(CollectorRegistry())
-    router = grpc.aio.insecure_channel(
-        config.router_address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    )
+    router = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS)
     predictor = Predictor(catalog, router, metrics, max_inputs=config.max_inputs_per_request)
     # Tracing outside auth: a refused call still gets its span.
     server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
@@ -95,4 +96,4 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await server.start()
-    return Gateway(config, server, port, health_servicer, metrics, catalog, router)
+    return Gateway(config, server, port, health_servicer, metrics, catalog, router, predictor)

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from services.common.errors import FingerprintMismatch, InvalidInput, Unavailable
 from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
 from services.common.model_repository import ModelKind, load_repository
+from services.common.multiplex import STREAM_METHOD, MultiplexServer
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
@@ -99,6 +100,11 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._models: LoadedModels | None = None
         self._scheduler: BatchScheduler | None = None
         self._metrics: WorkerMetrics | None = None
+        self.streams = MultiplexServer(
+            self.Infer,
+            deserialize=pb.InferRequest.FromString,
+            serialize=pb.InferResponse.SerializeToString,
+        )
 
     def attach(
         self, models: LoadedModels, scheduler: BatchScheduler, metrics: WorkerMetrics
@@ -137,6 +143,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 fingerprint=backend.fingerprint,
                 outputs=[tensor_to_pb(o) for o in outputs],
             )
+
+    async def InferStream(
+        self,
+        requests: AsyncIterator[pb.InferStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        async for message in self.streams.serve(requests, context):
+            yield message
 
     async def Generate(
         self, request: pb.WorkerGenerateRequest, context: grpc.aio.ServicerContext
@@ -241,6 +255,7 @@ class Worker:
             log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
         if self.registration is not None:
             await self.registration.close()
+        self.servicer.streams.close()  # answered everything admitted: end the streams too
         await self.server.stop(grace=1.0)
 
 
@@ -272,7 +287,8 @@ async def _in_daemon_thread(fn):  # type: ignore[no-untyped-def]
 
 async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
-    server = new_server([TracingInterceptor()])
+    # A stream is a channel for many requests, each traced on its own: not a span itself.
+    server = new_server([TracingInterceptor(untraced_methods=(STREAM_METHOD,))])
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))

@@ -1,7 +1,9 @@
 """Forwards worker calls: choose a worker, reserve, call, retry elsewhere if it vanished.
 
 Bodies travel as opaque bytes: routing needs only the model, version and row count, which the
-gateway sends as metadata, so the router never parses or re-encodes a payload.
+gateway sends as metadata, so the router never parses or re-encodes a payload. Fixed-cost
+calls reach each worker over one multiplexed stream (services.common.multiplex), whether
+they arrived as unary calls or on a gateway's stream.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
+from services.common.multiplex import CHANNEL_OPTIONS, CallContext, MultiplexClient
 from services.common.registry import parse_route_metadata
 from services.common.telemetry import count_outcome
 from services.common.tracing import outgoing_metadata
@@ -21,7 +24,6 @@ from services.router.routing import Reject, RejectReason, RetryBudget, Route, Ro
 
 log = logging.getLogger(__name__)
 
-INFER_METHOD = "/inference.v1.WorkerService/Infer"
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 
 
@@ -44,10 +46,15 @@ class Forwarder:
         self._metrics = metrics
         self._default_timeout_s = default_timeout_s
         self._max_retries = max_retries
-        # One long-lived channel per worker address: HTTP/2 multiplexes every call over it.
+        # One long-lived channel per worker address: HTTP/2 multiplexes every call over it,
+        # and one InferStream on it carries every fixed-cost call.
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._streams: dict[str, MultiplexClient] = {}
 
     async def close(self) -> None:
+        for stream in self._streams.values():
+            await stream.close()
+        self._streams.clear()
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
@@ -56,11 +63,17 @@ class Forwarder:
         channel = self._channels.get(address)
         if channel is None:
             channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+                address, options=CHANNEL_OPTIONS
             )
         return channel
 
-    async def infer(self, body: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    def _stream(self, address: str) -> MultiplexClient:
+        stream = self._streams.get(address)
+        if stream is None:
+            stream = self._streams[address] = MultiplexClient(self._channel(address), address)
+        return stream
+
+    async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
         name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
         started_s = time.monotonic()
         try:
@@ -79,15 +92,12 @@ class Forwarder:
         for attempt in range(self._max_retries + 1):
             route = self._route(name, version, num_rows, deadline_s, tried)
             try:
-                call = self._channel(route.address).unary_unary(
-                    INFER_METHOD, _passthrough, _passthrough
-                )
-                return await call(
+                return await self._stream(route.address).call(
                     body,
-                    timeout=max(0.0, deadline_s - time.monotonic()),
                     metadata=outgoing_metadata(),
+                    timeout_s=max(0.0, deadline_s - time.monotonic()),
                 )
-            except grpc.aio.AioRpcError as error:
+            except UpstreamError as error:
                 self._after_failure(error, route, name, version, attempt, deadline_s)
             finally:
                 self._table.release(route.reservation_id)
@@ -120,7 +130,8 @@ class Forwarder:
                 except grpc.aio.AioRpcError as error:
                     if has_sent:
                         raise UpstreamError.from_rpc_error(error) from None
-                    self._after_failure(error, route, name, version, attempt, deadline_s)
+                    failure = UpstreamError.from_rpc_error(error)
+                    self._after_failure(failure, route, name, version, attempt, deadline_s)
                 finally:
                     call.cancel()  # no-op once finished; stops the worker if our caller left
                     self._table.release(route.reservation_id)
@@ -142,7 +153,7 @@ class Forwarder:
 
     def _after_failure(
         self,
-        error: grpc.aio.AioRpcError,
+        error: UpstreamError,
         route: Route,
         name: str,
         version: str,
@@ -154,8 +165,8 @@ class Forwarder:
         UNAVAILABLE: the worker is gone, draining or not ready; the request produced no result
         there and inference has no side effects, so another worker may run it. Any other
         status is the request's own answer."""
-        if error.code() != grpc.StatusCode.UNAVAILABLE:
-            raise UpstreamError.from_rpc_error(error) from None
+        if error.code != grpc.StatusCode.UNAVAILABLE:
+            raise error
         now_s = time.monotonic()
         self._table.eject(route.worker_id, now_s)
         can_retry = (
@@ -164,16 +175,16 @@ class Forwarder:
         log.warning(
             "worker %s unavailable (%s)%s",
             route.worker_id,
-            error.details(),
+            error,
             "; retrying elsewhere" if can_retry else "",
         )
         if not can_retry:
-            raise UpstreamError.from_rpc_error(error) from None
+            raise error
         self._metrics.retries_total.labels(name, version).inc()
 
 
 def _call_facts(
-    context: grpc.aio.ServicerContext, default_timeout_s: float
+    context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float
 ) -> tuple[str, str, int, float]:
     """(model, version, rows, absolute deadline) of a call, from its metadata and deadline."""
     route_info = parse_route_metadata(dict(context.invocation_metadata() or ()))

@@ -19,6 +19,7 @@ from services.common.lifecycle import (
     new_server,
     set_serving,
 )
+from services.common.multiplex import STREAM_METHOD, MultiplexServer
 from services.common.registry import RegistryKeys
 from services.common.tracing import TracingInterceptor
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -79,9 +80,11 @@ class Router:
     metrics: RouterMetrics
     sync: RegistrySync
     forwarder: Forwarder
+    streams: MultiplexServer
 
     async def stop(self) -> None:
         await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
+        self.streams.close()  # gateways' streams end once their calls are answered
         await self.server.stop(grace=10.0)
         await self.forwarder.close()
 
@@ -98,8 +101,12 @@ async def create_router(config: RouterConfig) -> Router:
         max_retries=config.max_retries,
     )
     catalog = Catalog(table)
-    # ListModels is the gateways' catalog poll, not a request: left out of traces.
-    server = new_server([TracingInterceptor(untraced_methods=(f"/{SERVICE_NAME}/ListModels",))])
+    # ListModels is the gateways' catalog poll, not a request, and a stream is a channel for
+    # many requests, each traced on its own: both left out of traces.
+    untraced = (f"/{SERVICE_NAME}/ListModels", STREAM_METHOD)
+    server = new_server([TracingInterceptor(untraced_methods=untraced)])
+    # Bodies stay bytes here too: each call is forwarded as it arrived.
+    streams = MultiplexServer(forwarder.infer, deserialize=bytes, serialize=bytes)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
@@ -107,6 +114,11 @@ async def create_router(config: RouterConfig) -> Router:
                 {
                     # No (de)serializers: the body is forwarded as the bytes it arrived as.
                     "Infer": grpc.unary_unary_rpc_method_handler(forwarder.infer),
+                    "InferStream": grpc.stream_stream_rpc_method_handler(
+                        streams.serve,
+                        request_deserializer=pb.InferStreamRequest.FromString,
+                        response_serializer=pb.InferStreamResponse.SerializeToString,
+                    ),
                     "Generate": grpc.unary_stream_rpc_method_handler(forwarder.generate),
                     "ListModels": grpc.unary_unary_rpc_method_handler(
                         catalog.list_models,
@@ -134,4 +146,4 @@ async def create_router(config: RouterConfig) -> Router:
     )
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await server.start()
-    return Router(config, server, port, health_servicer, metrics, sync, forwarder)
+    return Router(config, server, port, health_servicer, metrics, sync, forwarder, streams)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.lifecycle import terminate_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,15 +33,12 @@ class ServiceProcess:
         return self.log_path.read_text(errors="replace")
 
     def terminate(self, timeout_s: float = 30.0) -> int:
-        """SIGTERM, wait, and return the exit code (SIGKILL if it does not exit in time)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
+        """SIGTERM, wait, and return the exit code (SIGKILL and raise if it does not exit in
+        time)."""
+        code = terminate_process(self.process, timeout_s)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.process.args, timeout_s)
+        return code
 
 
 def start_worker(

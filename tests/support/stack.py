@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.lifecycle import terminate_process
 from tests.support.processes import REPO_ROOT
 
 
@@ -65,14 +65,10 @@ class Stack:
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM the launcher (it stops every tier in order), wait, return its exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
+        code = terminate_process(self.process, timeout_s)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.process.args, timeout_s)
+        return code
 
     def kill(self) -> None:
         """SIGKILL the launcher: its children are left to notice on their own."""

@@ -1,0 +1,186 @@
+"""InferStream multiplexing on real grpc.aio servers over loopback: many unary calls over one
+stream, each with its own answer, status, retry hint, deadline and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+
+from services.common.errors import InvalidInput, Overloaded, UpstreamError
+from services.common.multiplex import CHANNEL_OPTIONS, CallContext, MultiplexClient, MultiplexServer
+from services.pb.inference.v1 import worker_pb2 as pb
+
+Handler = Callable[[bytes, CallContext], Awaitable[bytes]]
+
+
+class Peer:
+    """A grpc.aio server whose only method is InferStream over `handler`."""
+
+    def __init__(self, handler: Handler) -> None:
+        self.streams = MultiplexServer(handler, deserialize=bytes, serialize=bytes)
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        method = grpc.stream_stream_rpc_method_handler(
+            self.streams.serve,
+            request_deserializer=pb.InferStreamRequest.FromString,
+            response_serializer=pb.InferStreamResponse.SerializeToString,
+        )
+        self.server.add_generic_rpc_handlers(
+            (
+                grpc.method_handlers_generic_handler(
+                    "inference.v1.WorkerService", {"InferStream": method}
+                ),
+            )
+        )
+
+    async def start(self, port: int = 0) -> int:
+        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
+        await self.server.start()
+        return self.port
+
+
+@contextlib.asynccontextmanager
+async def connected(handler: Handler) -> AsyncIterator[tuple[Peer, MultiplexClient]]:
+    """A peer serving `handler` and a client of it; both closed on the way out."""
+    peer = Peer(handler)
+    port = await peer.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = MultiplexClient(channel, "peer")
+            try:
+                yield peer, client
+            finally:
+                await client.close()
+    finally:
+        await peer.server.stop(None)
+
+
+async def echo(request: bytes, context: CallContext) -> bytes:
+    await asyncio.sleep(0)  # answer later than asked, as a real handler would
+    return b"echo:" + request
+
+
+async def test_concurrent_calls_share_messages_and_each_gets_its_own_answer() -> None:
+    async with connected(echo) as (_peer, client):
+        answers = await asyncio.gather(*(client.call(str(i).encode()) for i in range(300)))
+
+    assert answers == [b"echo:" + str(i).encode() for i in range(300)]
+    assert client.calls_sent == 300
+    # Calls made while a message was being written left together.
+    assert client.messages_sent < 300
+
+
+async def test_status_message_and_retry_hint_cross_the_stream() -> None:
+    async def refuse(request: bytes, context: CallContext) -> bytes:
+        if request == b"busy":
+            raise Overloaded("queue is long", retry_after_s=0.25)
+        if request == b"bad":
+            raise InvalidInput("no such field")
+        raise RuntimeError("a bug")
+
+    async with connected(refuse) as (_peer, client):
+        errors = await asyncio.gather(
+            *(client.call(r) for r in (b"busy", b"bad", b"bug")), return_exceptions=True
+        )
+
+    busy, bad, bug = errors
+    assert isinstance(busy, UpstreamError) and busy.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert str(busy) == "queue is long"
+    assert busy.trailers() == (("retry-after-ms", "250"),)
+    assert isinstance(bad, UpstreamError) and bad.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(bug, UpstreamError) and bug.code is grpc.StatusCode.INTERNAL
+    assert str(bug) == "internal error"  # the server's internals stay on the server
+
+
+async def test_metadata_and_time_left_reach_the_handler() -> None:
+    seen: list[tuple[tuple[tuple[str, str], ...], float | None]] = []
+
+    async def record(request: bytes, context: CallContext) -> bytes:
+        seen.append((context.invocation_metadata(), context.time_remaining()))
+        return b""
+
+    async with connected(record) as (_peer, client):
+        await client.call(b"", metadata=(("x-route-model", "m"),), timeout_s=30.0)
+        await client.call(b"")
+
+    (metadata, time_left), (no_metadata, no_deadline) = seen
+    assert metadata == (("x-route-model", "m"),)
+    assert time_left is not None and 0 < time_left <= 30.0
+    assert no_metadata == () and no_deadline is None
+
+
+async def test_deadline_and_cancellation_stop_the_call_on_the_server() -> None:
+    started: asyncio.Queue[bytes] = asyncio.Queue()
+    cancelled: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def hang(request: bytes, context: CallContext) -> bytes:
+        await started.put(request)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            await cancelled.put(request)
+            raise
+        return b""
+
+    async with connected(hang) as (_peer, client):
+        with pytest.raises(UpstreamError) as raised:
+            await client.call(b"late", timeout_s=0.2)
+        assert raised.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
+        assert await cancelled.get() == b"late"  # its work on the server was stopped
+
+        waiting = asyncio.ensure_future(client.call(b"abandoned"))
+        assert await started.get() == b"late"
+        assert await started.get() == b"abandoned"
+        waiting.cancel()
+        assert await cancelled.get() == b"abandoned"
+
+
+async def test_broken_stream_fails_calls_unavailable_and_the_next_call_reconnects() -> None:
+    entered = asyncio.Event()
+
+    async def slow(request: bytes, context: CallContext) -> bytes:
+        if request == b"stuck":
+            entered.set()
+            await asyncio.Event().wait()
+        return b"ok"
+
+    first = Peer(slow)
+    port = await first.start()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        client = MultiplexClient(channel, "peer")
+        stuck = asyncio.ensure_future(client.call(b"stuck"))
+        await entered.wait()
+        await first.server.stop(None)  # the peer vanishes mid-call
+        with pytest.raises(UpstreamError) as raised:
+            await stuck
+        assert raised.value.code is grpc.StatusCode.UNAVAILABLE
+
+        second = Peer(slow)
+        await second.start(port)
+        assert await client.call(b"again", timeout_s=30.0) == b"ok"
+        await client.close()
+    await second.server.stop(None)
+
+
+async def test_close_answers_running_calls_then_ends_the_stream() -> None:
+    release = asyncio.Event()
+    entered = asyncio.Event()
+
+    async def held(request: bytes, context: CallContext) -> bytes:
+        entered.set()
+        await release.wait()
+        return b"done:" + request
+
+    async with connected(held) as (peer, client):
+        running = asyncio.ensure_future(client.call(b"first"))
+        await entered.wait()
+        peer.streams.close()  # shutdown begins while a call runs
+        late = asyncio.ensure_future(client.call(b"late"))
+        release.set()
+        assert await running == b"done:first"
+        with pytest.raises(UpstreamError) as raised:
+            await late
+        assert raised.value.code is grpc.StatusCode.UNAVAILABLE
