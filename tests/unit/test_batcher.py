@@ -305,31 +305,6 @@ def test_expired_items_are_returned_once_and_never_dispatched() -> None:
     assert batcher.cancel(1) is False
 
 
-def test_batch_is_cut_to_end_before_the_earliest_deadline() -> None:
-    key = make_key()
-    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
-    for size, seconds in ((1, 0.002), (4, 0.008), (8, 0.016)):
-        latency.observe(key, size, seconds)
-    batcher = make_batcher(latency=latency)
-    add_all(batcher, [make_item(item_id=0, deadline_s=0.02)])
-    add_all(batcher, [make_item(item_id=i, deadline_s=1.0) for i in range(1, 8)])
-
-    # Full at 8, but 8 rows take 0.016 s and item 0 has 0.02 - 0.005 - 0.003 = 0.012 s left:
-    # six rows (0.008 + 2 * 0.002) are the most that end in time.
-    dispatch = dispatch_of(batcher.poll(0.003, executor_idle=True))
-    assert dispatch.reason is CloseReason.FULL
-    assert ids(dispatch) == [0, 1, 2, 3, 4, 5]
-    assert batcher.queue_length(key) == 2
-
-
-def test_batch_is_not_cut_when_even_one_row_ends_late() -> None:
-    batcher = make_batcher(max_batch_size=4)
-    add_burst(batcher, count=4, deadline_s=0.03)
-
-    # Past the slack (0.03 - 0.01 - 0.005): no smaller batch saves anyone, the limit stands.
-    assert ids(dispatch_of(batcher.poll(0.0151, executor_idle=True))) == [0, 1, 2, 3]
-
-
 # Admission and cancellation ---------------------------------------------------------------------
 
 

@@ -208,30 +208,10 @@ class Batcher:
         if chosen is None:
             return Poll(expired, Wait(wake_s))
         _, key, reason = chosen
-        items = self._queues[key].items.take(self._fitting_size(key, self._queues[key], now_s))
+        items = self._queues[key].items.take(self.max_batch_size_for(key))
         for item in items:
             del self._key_of[item.item_id]
         return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
-
-    def _fitting_size(self, key: BatchKey, queue: _KeyQueue, now_s: float) -> int:
-        """The most items of `key` one batch may take: the limit, cut down so that the batch
-        is predicted to end before the queue's earliest deadline (a batch that ends past it
-        makes that item miss, and under contention, when compute runs slower than at warm-up,
-        usually the whole batch with it). When even one item would end past it (the slack
-        trigger fires at that boundary), shrinking saves nobody and the limit stands. Draining
-        ignores deadlines: everything left goes out at once."""
-        limit = min(len(queue.items), self.max_batch_size_for(key))
-        budget_s = queue.earliest_deadline_s() - self._config.safety_margin_s - now_s
-        if self._is_draining or self._latency.predict(key, 1) > budget_s:
-            return limit
-        low, high = 1, limit  # predictions are monotone in batch size: bisect the largest fit
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self._latency.predict(key, middle) <= budget_s:
-                low = middle
-            else:
-                high = middle - 1
-        return low
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
         """Remove items that would miss their deadline even if run alone right now."""
