@@ -41,6 +41,12 @@ log = logging.getLogger(__name__)
 STREAM_METHOD = "/inference.v1.WorkerService/InferStream"
 #: The unary method each multiplexed call stands for (its server span is named after it).
 UNARY_METHOD = "/inference.v1.WorkerService/Infer"
+#: A stream takes new calls for this long, then the next call opens a new one and the old
+#: stream closes once its calls are answered. Servers end connections after a maximum age
+#: (services.common.lifecycle.new_server: GOAWAY at 300 s, streams cut 30 s later) so that
+#: clients spread over new replicas; a stream retired well within that grace never has a
+#: call cut, and its successor lands on the new connection.
+STREAM_MAX_AGE_S = 20.0
 #: Most calls (or results) one stream message carries; the rest go in the next message.
 MAX_CALLS_PER_MESSAGE = 256
 #: Large enough for a full message of embedding results.
@@ -61,9 +67,12 @@ def _timeout_us(timeout_s: float | None) -> int:
 class _Stream:
     """One open InferStream: its writer and reader tasks and the calls waiting on it."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, name: str) -> None:
+    def __init__(self, call: grpc.aio.StreamStreamCall, name: str, opened_s: float) -> None:
         self.call = call
         self.name = name
+        self.opened_s = opened_s
+        #: Takes no new calls; half-closes once every call it carries is answered.
+        self.is_retiring = False
         self.pending: dict[int, asyncio.Future[pb.MuxResult]] = {}
         self.outbox: list[pb.MuxCall] = []
         self.cancelled: list[int] = []
@@ -86,15 +95,20 @@ class MultiplexClient:
     """The calling side: `await call(request_bytes, metadata, timeout_s)` -> response bytes,
     or UpstreamError carrying the call's status, message and retry hint."""
 
-    def __init__(self, channel: grpc.aio.Channel, name: str) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, name: str, *, max_age_s: float = STREAM_MAX_AGE_S
+    ) -> None:
         self._open_stream = channel.stream_stream(
             STREAM_METHOD,
             request_serializer=pb.InferStreamRequest.SerializeToString,
             response_deserializer=pb.InferStreamResponse.FromString,
         )
         self._name = name
+        self._max_age_s = max_age_s
         self._ids = itertools.count(1)
         self._stream: _Stream | None = None
+        #: Every stream not yet finished: the current one and those retiring.
+        self._streams: list[_Stream] = []
         #: Stream messages written, for tests and metrics: calls / messages is the fan-in.
         self.messages_sent = 0
         self.calls_sent = 0
@@ -136,13 +150,13 @@ class MultiplexClient:
         raise UpstreamError(code, result.message, tuple(result.trailers.items()))
 
     async def close(self) -> None:
-        stream, self._stream = self._stream, None
-        if stream is not None:
+        streams, self._streams, self._stream = self._streams, [], None
+        for stream in streams:
             stream.fail_all("client closed")
             stream.call.cancel()
             for task in stream.tasks:
                 task.cancel()
-            await asyncio.gather(*stream.tasks, return_exceptions=True)
+        await asyncio.gather(*(t for s in streams for t in s.tasks), return_exceptions=True)
 
     def _cancel(self, stream: _Stream, call_id: int) -> None:
         if stream.pending.pop(call_id, None) is not None and stream.broken is None:
@@ -150,11 +164,16 @@ class MultiplexClient:
             stream.wake.set()
 
     def _current_stream(self) -> _Stream:
+        loop = asyncio.get_running_loop()
         stream = self._stream
         if stream is not None and stream.broken is None:
-            return stream
-        stream = self._stream = _Stream(self._open_stream(), self._name)
-        loop = asyncio.get_running_loop()
+            if loop.time() - stream.opened_s < self._max_age_s:
+                return stream
+            stream.is_retiring = True
+            stream.wake.set()
+        stream = self._stream = _Stream(self._open_stream(), self._name, loop.time())
+        self._streams = [s for s in self._streams if not all(t.done() for t in s.tasks)]
+        self._streams.append(stream)
         stream.tasks = [
             loop.create_task(self._write(stream), name=f"mux-write-{self._name}"),
             loop.create_task(self._read(stream), name=f"mux-read-{self._name}"),
@@ -182,6 +201,9 @@ class MultiplexClient:
                     )
                     self.messages_sent += 1
                     self.calls_sent += len(calls)
+                if stream.is_retiring and not stream.pending:
+                    await stream.call.done_writing()  # the server ends the stream in turn
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the stream broke under us
@@ -199,6 +221,8 @@ class MultiplexClient:
                     future = stream.pending.pop(result.call_id, None)
                     if future is not None and not future.done():
                         future.set_result(result)
+                if stream.is_retiring and not stream.pending:
+                    stream.wake.set()  # the writer half-closes it
         except asyncio.CancelledError:  # closed, or the channel closed under us
             stream.fail_all("stream cancelled")
             raise

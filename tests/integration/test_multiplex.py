@@ -20,9 +20,9 @@ Handler = Callable[[bytes, CallContext], Awaitable[bytes]]
 class Peer:
     """A grpc.aio server whose only method is InferStream over `handler`."""
 
-    def __init__(self, handler: Handler) -> None:
+    def __init__(self, handler: Handler, options: tuple[tuple[str, int], ...] = ()) -> None:
         self.streams = MultiplexServer(handler, deserialize=bytes, serialize=bytes)
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+        self.server = grpc.aio.server(options=(*CHANNEL_OPTIONS, *options))
         method = grpc.stream_stream_rpc_method_handler(
             self.streams.serve,
             request_deserializer=pb.InferStreamRequest.FromString,
@@ -184,3 +184,41 @@ async def test_close_answers_running_calls_then_ends_the_stream() -> None:
         with pytest.raises(UpstreamError) as raised:
             await late
         assert raised.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:
+    # As in production (lifecycle.new_server), the server sends GOAWAY once a connection is
+    # old and cuts it a grace period later, here after 0.4 s and 0.8 s. A client that kept one
+    # stream would lose the calls in flight at each cut; one that moves new calls to a fresh
+    # stream well within the grace loses none.
+    async def slow(request: bytes, context: CallContext) -> bytes:
+        await asyncio.sleep(0.02)
+        return request
+
+    ageing = (("grpc.max_connection_age_ms", 400), ("grpc.max_connection_age_grace_ms", 800))
+    peer = Peer(slow, ageing)
+    port = await peer.start()
+    loop = asyncio.get_running_loop()
+    answered = 0
+    failures: list[grpc.StatusCode] = []
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            client = MultiplexClient(channel, "peer", max_age_s=0.2)
+            until = loop.time() + 3.0  # several connection lifetimes
+
+            async def caller() -> None:
+                nonlocal answered
+                while loop.time() < until:
+                    try:
+                        assert await client.call(b"x", timeout_s=10.0) == b"x"
+                        answered += 1
+                    except UpstreamError as error:
+                        failures.append(error.code)
+
+            await asyncio.gather(*(caller() for _ in range(8)))
+            await client.close()
+    finally:
+        await peer.server.stop(None)
+
+    assert failures == []
+    assert answered > 100
