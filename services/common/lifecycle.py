@@ -23,6 +23,13 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 #: Larger than any valid request; an oversized message gets RESOURCE_EXHAUSTED from grpc.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+#: Let clients' keepalive pings through however quiet a stream is (gRPC's defaults treat a ping
+#: more often than every 5 min without data as abuse and close the connection). Tiers keep
+#: long-lived streams to each other and ping them to notice a peer that vanished silently.
+PING_TOLERANCE = (
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 
 def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
@@ -36,6 +43,7 @@ def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.
             # Bounded connection age so clients re-resolve and new replicas get traffic.
             ("grpc.max_connection_age_ms", 300_000),
             ("grpc.max_connection_age_grace_ms", 30_000),
+            *PING_TOLERANCE,
         ],
     )
 

@@ -33,6 +33,7 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from services.common.errors import ServingError, UpstreamError
+from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.tracing import end_server_span, start_server_span
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -49,12 +50,30 @@ UNARY_METHOD = "/inference.v1.WorkerService/Infer"
 STREAM_MAX_AGE_S = 20.0
 #: Most calls (or results) one stream message carries; the rest go in the next message.
 MAX_CALLS_PER_MESSAGE = 256
-#: Large enough for a full message of embedding results.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-CHANNEL_OPTIONS = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-)
+#: How often a client pings a connection that has been quiet: a stream lives long, and a peer
+#: that vanished without closing it (a lost node, a dropped route) would otherwise hold its
+#: calls until their deadlines. With pings, the connection closes after a missed answer and the
+#: calls fail UNAVAILABLE, which the router retries on another worker.
+KEEPALIVE_S = 10.0
+
+
+def channel_options(keepalive_s: float = KEEPALIVE_S) -> tuple[tuple[str, int], ...]:
+    """Options of the channels that carry InferStreams (servers allow the pings: see
+    lifecycle.PING_TOLERANCE). The ping waits half the interval for its answer."""
+    return (
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", round(keepalive_s * 1000)),
+        ("grpc.keepalive_timeout_ms", round(keepalive_s * 500)),
+        # gRPC 1.6x+ times a ping out by this, not by keepalive_timeout (60 s by default).
+        ("grpc.http2.ping_timeout_ms", round(keepalive_s * 500)),
+        # Keep pinging a connection that sends nothing back: that silence is what we look for.
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.http2.min_time_between_pings_ms", round(keepalive_s * 1000)),
+    )
+
+
+CHANNEL_OPTIONS = channel_options()
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 

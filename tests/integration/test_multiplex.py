@@ -11,7 +11,14 @@ import grpc
 import pytest
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
-from services.common.multiplex import CHANNEL_OPTIONS, CallContext, MultiplexClient, MultiplexServer
+from services.common.lifecycle import PING_TOLERANCE
+from services.common.multiplex import (
+    CHANNEL_OPTIONS,
+    CallContext,
+    MultiplexClient,
+    MultiplexServer,
+    channel_options,
+)
 from services.pb.inference.v1 import worker_pb2 as pb
 
 Handler = Callable[[bytes, CallContext], Awaitable[bytes]]
@@ -22,7 +29,7 @@ class Peer:
 
     def __init__(self, handler: Handler, options: tuple[tuple[str, int], ...] = ()) -> None:
         self.streams = MultiplexServer(handler, deserialize=bytes, serialize=bytes)
-        self.server = grpc.aio.server(options=(*CHANNEL_OPTIONS, *options))
+        self.server = grpc.aio.server(options=(*CHANNEL_OPTIONS, *PING_TOLERANCE, *options))
         method = grpc.stream_stream_rpc_method_handler(
             self.streams.serve,
             request_deserializer=pb.InferStreamRequest.FromString,
@@ -222,3 +229,74 @@ async def test_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:
 
     assert failures == []
     assert answered > 100
+
+
+class SilentRelay:
+    """A TCP relay to a peer that can go silent: it stops passing bytes both ways but keeps
+    every connection open, as a lost node or a dropped route looks from the caller's side."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target_port = target_port
+        self._silent = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return int(self._server.sockets[0].getsockname()[1])
+
+    def go_silent(self) -> None:
+        self._silent.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(
+            "127.0.0.1", self._target_port
+        )
+        self._tasks += [
+            asyncio.ensure_future(self._pump(reader, upstream_writer)),
+            asyncio.ensure_future(self._pump(upstream_reader, writer)),
+        ]
+
+    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+        while not self._silent.is_set():
+            data = await source.read(65536)
+            if not data or self._silent.is_set():
+                break
+            sink.write(data)
+            await sink.drain()
+        await self._silent.wait()  # silent: nothing more passes, nothing is closed
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._server.close()
+
+
+async def test_a_peer_gone_silent_fails_calls_over_long_before_their_deadline() -> None:
+    entered = asyncio.Event()
+
+    async def hang(request: bytes, context: CallContext) -> bytes:
+        entered.set()
+        await asyncio.Event().wait()
+        return b""
+
+    peer = Peer(hang)
+    relay = SilentRelay(await peer.start())
+    relay_port = await relay.start()
+    try:
+        # Production pings a quiet connection every 10 s; 0.2 s here, same mechanism.
+        options = channel_options(keepalive_s=0.2)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{relay_port}", options=options) as channel:
+            client = MultiplexClient(channel, "peer")
+            call = asyncio.ensure_future(client.call(b"x", timeout_s=60.0))
+            await entered.wait()
+            relay.go_silent()
+            with pytest.raises(UpstreamError) as raised:
+                await call
+            await client.close()
+    finally:
+        await relay.stop()
+        await peer.server.stop(None)
+
+    # UNAVAILABLE (the router retries elsewhere), not DEADLINE_EXCEEDED a minute later.
+    assert raised.value.code is grpc.StatusCode.UNAVAILABLE
