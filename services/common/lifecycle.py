@@ -26,15 +26,19 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Let clients' keepalive pings through however quiet a stream is (gRPC's defaults treat a ping
 #: more often than every 5 min without data as abuse and close the connection). Tiers keep
 #: long-lived streams to each other and ping them to notice a peer that vanished silently.
+#: Internal servers only: the public gateway keeps gRPC's defaults against ping floods.
 PING_TOLERANCE = (
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
 )
 
 
-def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+def new_server(
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, is_internal: bool = False
+) -> grpc.aio.Server:
     """A grpc.aio server. Error mapping is the outermost interceptor, so errors raised by the
-    others (authentication) are mapped too."""
+    others (authentication) are mapped too. Internal servers (router, worker) also allow the
+    keepalive pings of their callers' streams."""
     return grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
         options=[
@@ -43,7 +47,7 @@ def new_server(interceptors: Iterable[grpc.aio.ServerInterceptor] = ()) -> grpc.
             # Bounded connection age so clients re-resolve and new replicas get traffic.
             ("grpc.max_connection_age_ms", 300_000),
             ("grpc.max_connection_age_grace_ms", 30_000),
-            *PING_TOLERANCE,
+            *(PING_TOLERANCE if is_internal else ()),
         ],
     )
 

@@ -288,7 +288,7 @@ async def _in_daemon_thread(fn):  # type: ignore[no-untyped-def]
 async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
     # A stream is a channel for many requests, each traced on its own: not a span itself.
-    server = new_server([TracingInterceptor(untraced_methods=(STREAM_METHOD,))])
+    server = new_server([TracingInterceptor(untraced_methods=(STREAM_METHOD,))], is_internal=True)
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))

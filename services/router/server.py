@@ -104,7 +104,7 @@ async def create_router(config: RouterConfig) -> Router:
     # ListModels is the gateways' catalog poll, not a request, and a stream is a channel for
     # many requests, each traced on its own: both left out of traces.
     untraced = (f"/{SERVICE_NAME}/ListModels", STREAM_METHOD)
-    server = new_server([TracingInterceptor(untraced_methods=untraced)])
+    server = new_server([TracingInterceptor(untraced_methods=untraced)], is_internal=True)
     # Bodies stay bytes here too: each call is forwarded as it arrived.
     streams = MultiplexServer(forwarder.infer, deserialize=bytes, serialize=bytes)
     server.add_generic_rpc_handlers(
