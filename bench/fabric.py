@@ -37,6 +37,7 @@ from bench.measure import (
     closed_loop,
     measure_rate_clean,
     measure_raw,
+    measure_raw_texts,
     sweep,
     wait_quiet,
 )
@@ -52,9 +53,13 @@ from bench.stack import (
 from bench.targets import (
     MAX_TOKENS,
     MIN_TOKENS,
+    PASSAGE_WORDS,
+    SHORT_SHARE,
+    SHORT_WORDS,
     echo_sender,
     identity_request,
     identity_sender,
+    make_mixed_texts,
     make_texts,
     predict_sender,
     text_sender,
@@ -70,11 +75,11 @@ FULL = Settings(
     growth=1.25, rel_tol=0.05, raw_seconds=2.0, overhead_s=6.0, overhead_concurrency=32,
     overload_factors=(2.0, 10.0), length_buckets=None, seed=0,
 )  # fmt: skip
-# Seconds-long windows and two length buckets (the workload fits the first; fewer buckets cut
-# the worker's warm-up, which dominates a smoke run). Same code path as the full run.
+# Seconds-long windows. Same code path as the full run, the model's own length buckets (the
+# mixed-length workload needs the long ones).
 SMOKE = dataclasses.replace(
     FULL, warmup_s=0.5, window_s=1.0, probe_s=1.5, max_probes=3, growth=1.5, rel_tol=0.25,
-    raw_seconds=0.3, overhead_s=1.5, length_buckets=(16, 32),
+    raw_seconds=0.3, overhead_s=1.5,
 )  # fmt: skip
 
 
@@ -194,12 +199,17 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
     state_dir.mkdir(parents=True, exist_ok=True)
     log(f"state (repositories, stack logs): {state_dir}")
     off_repo, on_repo = state_dir / "repo-batching-off", state_dir / "repo-batching-on"
-    write_minilm_repository(off_repo, max_batch_size=1, length_buckets=settings.length_buckets)
-    write_minilm_repository(on_repo, length_buckets=settings.length_buckets)
+    # The model opts in to shedding past its SLO: the fleet is provisioned for the SLO, and
+    # goodput counts answers within it (callers' deadlines stay timeout_s, well past it).
+    write_minilm_repository(
+        off_repo, max_batch_size=1, length_buckets=settings.length_buckets, shed_past_slo=True
+    )
+    write_minilm_repository(on_repo, length_buckets=settings.length_buckets, shed_past_slo=True)
     version = next(v for v in load_repository(on_repo) if v.config.name == MODEL)
     slo_s = version.config.slo_p99_ms / 1000.0
     write_identity_model(on_repo, slo_p99_ms=version.config.slo_p99_ms)
     texts = make_texts(256, settings.seed, version.weights_dir / "tokenizer.json")
+    mixed_texts = make_mixed_texts(512, settings.seed)
     bucket = min(b for b in version.config.length_buckets if b >= MAX_TOKENS)
     # The client's own bound: well past the SLO, so late answers are seen, not cut off.
     timeout_s = max(1.0, 4 * slo_s)
@@ -214,6 +224,13 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
             "length_buckets": list(version.config.length_buckets),
             "bucket_tokens": bucket,
             "texts": {"count": len(texts), "tokens": [MIN_TOKENS, MAX_TOKENS]},
+            "mixed_texts": {
+                "count": len(mixed_texts),
+                "short_share": SHORT_SHARE,
+                "short_words": list(SHORT_WORDS),
+                "passage_words": list(PASSAGE_WORDS),
+            },
+            "shed_past_slo": True,
         },
         "configs": {},
     }
@@ -224,6 +241,8 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
     log(f"[raw] in-process {MODEL}, {bucket} tokens, no stack running")
     quiet["raw"] = await wait_quiet(log, settings.wait_quiet_s)
     report["raw_model"] = await measure_raw(on_repo, MODEL, bucket, settings, log)
+    log(f"[raw mixed] in-process {MODEL} on the mixed-length texts, by bucket")
+    report["raw_model_mixed"] = await measure_raw_texts(on_repo, MODEL, mixed_texts, settings, log)
 
     payload = identity_request().SerializeToString()
     raw_points = {p["batch_size"]: p["sequences_per_s"] for p in report["raw_model"]["points"]}
@@ -272,6 +291,14 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
             target.name = f"overload_{factor:g}x"
             result = await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
             report["overload"].append({"factor": factor, **result.to_dict()})
+        mixed = Target(
+            "batching_on_mixed", predict_sender(channel, MODEL, mixed_texts, timeout_s), observer,
+            MODEL,
+        )  # fmt: skip
+        mixed_best = report["raw_model_mixed"]["best"]["sequences_per_s"]
+        report["configs"]["batching_on_mixed"] = await sweep(
+            mixed, settings, slo_s, log, fallback_rate=0.3 * mixed_best
+        )
         log("[overhead] identity model through gateway, router and worker")
         stack_result = await closed_loop(
             identity_sender(channel, timeout_s),
@@ -317,7 +344,7 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
 def _smoke_view(report: dict[str, Any]) -> dict[str, Any]:
     """smoke.json: the four ratios first, the numbers behind them, then everything."""
     summary = report["summary"]
-    keys = ("efficiency", "batching_gain", "peer_ratio", "overhead_ratio")
+    keys = ("efficiency", "mixed_efficiency", "batching_gain", "peer_ratio", "overhead_ratio")
     view = {key: summary[key] for key in keys}
     if summary["peer_ratio"] is None:
         view["peer_ratio_reason"] = summary.get("peer_ratio_reason")

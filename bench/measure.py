@@ -318,3 +318,56 @@ async def measure_raw(
         "points": points,
         "best": best,
     }
+
+
+def _run_in_buckets(backend, rows, batch_size: int) -> float:  # type: ignore[no-untyped-def]
+    """Seconds to run `rows` once, each bucket in batches of up to `batch_size` (rows of one
+    bucket in their arrival order): what a batcher that never waits could do with them."""
+    by_bucket: dict[int, list[Any]] = {}
+    for row in rows:
+        by_bucket.setdefault(row.bucket, []).append(row)
+    started = time.perf_counter()
+    for bucket_rows in by_bucket.values():
+        for i in range(0, len(bucket_rows), batch_size):
+            backend.run(bucket_rows[i : i + batch_size])
+    return time.perf_counter() - started
+
+
+async def measure_raw_texts(
+    repository: Path, model: str, texts: list[str], settings: Settings, log: Progress
+) -> dict[str, Any]:
+    """The raw model on a workload's own texts (the mixed-length one): the texts tokenized by
+    the worker's own code, grouped by length bucket, run in batches of each power-of-two size
+    up to the model's limit, in this process with no stack running. Sequences/s per batch size
+    and the best: the physical limit for that workload."""
+    from services.common.model_repository import load_repository
+    from services.gpu_worker.backends import load_backend
+    from services.gpu_worker.backends.base import select_device
+
+    version = next(v for v in load_repository(repository) if v.config.name == model)
+    backend = await asyncio.to_thread(load_backend, version, select_device())
+    rows = backend.prepare_many(texts)
+    limit = version.config.max_batch_size
+    sizes = sorted({*(1 << i for i in range(limit.bit_length())), limit})
+    points = []
+    for size in sizes:
+        await asyncio.to_thread(_run_in_buckets, backend, rows, size)  # warm the shapes
+        seconds = 0.0
+        passes = 0
+        while seconds < settings.raw_seconds or passes == 0:
+            seconds += await asyncio.to_thread(_run_in_buckets, backend, rows, size)
+            passes += 1
+        rate = passes * len(rows) / seconds
+        log(f"[raw mixed] batch {size:>3}: {rate:7.1f} sequences/s")
+        points.append({"batch_size": size, "sequences_per_s": rate})
+    buckets: dict[int, int] = {}
+    for row in rows:
+        buckets[row.bucket] = buckets.get(row.bucket, 0) + 1
+    del backend
+    gc.collect()
+    return {
+        "texts": len(texts),
+        "rows_per_bucket": dict(sorted(buckets.items())),
+        "points": points,
+        "best": max(points, key=lambda p: p["sequences_per_s"]),
+    }

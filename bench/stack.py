@@ -126,10 +126,12 @@ def write_minilm_repository(
     *,
     max_batch_size: int | None = None,
     length_buckets: tuple[int, ...] | None = None,
+    shed_past_slo: bool | None = None,
     source: Path = REPO_ROOT / "models" / "minilm",
 ) -> Path:
     """`<root>/minilm/`: the default repository's minilm (same SLO, same weights package) with
-    another batch limit and, optionally, fewer length buckets. Returns the config path."""
+    another batch limit and, optionally, other length buckets or shedding. Returns the config
+    path."""
     model_dir = root / "minilm"
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     text = (source / "config.toml").read_text()
@@ -138,6 +140,11 @@ def write_minilm_repository(
     if length_buckets is not None:
         buckets = ", ".join(map(str, length_buckets))
         text = re.sub(r"(?m)^length_buckets = .*$", f"length_buckets = [{buckets}]", text)
+    if shed_past_slo is not None:
+        flag = "true" if shed_past_slo else "false"
+        text, count = re.subn(r"(?m)^shed_past_slo = .*$", f"shed_past_slo = {flag}", text)
+        if count == 0:
+            text = f"shed_past_slo = {flag}\n{text}"
     (model_dir / "config.toml").write_text(text)
     (model_dir / "1" / "version.toml").write_text((source / "1" / "version.toml").read_text())
     return model_dir / "config.toml"

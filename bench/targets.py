@@ -55,6 +55,24 @@ def make_texts(count: int, seed: int, tokenizer_json: Path | None = None) -> lis
     return texts
 
 
+#: The mixed-length workload (BENCHMARKS.md): this share of short queries of SHORT_WORDS words,
+#: the rest passages of PASSAGE_WORDS words.
+SHORT_SHARE = 0.85
+SHORT_WORDS = (3, 14)
+PASSAGE_WORDS = (60, 120)
+
+
+def make_mixed_texts(count: int, seed: int) -> list[str]:
+    """`count` seeded texts of the mixed-length workload: about 85% short queries of 3-14
+    words, 15% passages of 60-120 words, in a shuffled order (the order traffic arrives)."""
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        low, high = SHORT_WORDS if rng.random() < SHORT_SHARE else PASSAGE_WORDS
+        texts.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(low, high))))
+    return texts
+
+
 def predict_sender(
     channel: grpc.aio.Channel, model: str, texts: Sequence[str], timeout_s: float
 ) -> Send:

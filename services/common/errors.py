@@ -98,6 +98,21 @@ class UpstreamError(ServingError):
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return self._trailers
 
+    @property
+    def retry_after_s(self) -> float | None:
+        """The downstream retry hint, seconds, or None without one."""
+        for key, value in self._trailers:
+            if key == RETRY_AFTER_MS_KEY and value.isdigit():
+                return int(value) / 1000.0
+        return None
+
+    @property
+    def is_overload(self) -> bool:
+        """Downstream refused for load. DEADLINE_EXCEEDED is not counted: a request that
+        waited too long in this tier's own queue runs out of time too, and taking that for a
+        downstream refusal would throttle harder exactly when this tier is the bottleneck."""
+        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
     @classmethod
     def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> UpstreamError:
         trailers = tuple((k, str(v)) for k, v in (error.trailing_metadata() or ()))

@@ -23,6 +23,8 @@ from typing import Any
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _DTYPES = frozenset({"FP32", "FP16", "INT32", "INT64", "BYTES"})
+#: A request's deadline when neither its caller nor its model's config sets one, ms.
+DEFAULT_TIMEOUT_MS = 30_000
 
 
 class ModelConfigError(ValueError):
@@ -66,7 +68,8 @@ class ModelConfig:
 
     name: str
     kind: ModelKind
-    #: End-to-end latency objective (p99), ms; also the default (and maximum) deadline.
+    #: End-to-end latency objective (p99), ms: what the fleet is batched and provisioned for
+    #: (it sets linger, batch size and the autoscaling signal). Not a cap on a caller's deadline.
     slo_p99_ms: int
     max_batch_size: int
     #: Cap on bucket * rows per batch; 0 = no cap.
@@ -85,10 +88,27 @@ class ModelConfig:
     traffic: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     #: Generation models only.
     generation: GenerationSettings | None = None
+    #: The deadline of a request whose caller sent none, ms (for generation: the whole stream).
+    default_timeout_ms: int = DEFAULT_TIMEOUT_MS
+    #: Opt-in shedding: refuse (RESOURCE_EXHAUSTED) a request predicted to finish past the SLO
+    #: even when its caller would wait longer (Triton's queue policy with REJECT). Off: only the
+    #: caller's deadline bounds admission.
+    shed_past_slo: bool = False
 
     @property
     def slo_s(self) -> float:
         return self.slo_p99_ms / 1000.0
+
+    def timeout_s_for(self, caller_timeout_s: float | None) -> float:
+        """A request's deadline, seconds from now: the caller's, else `default_timeout_ms`.
+        Never capped by the SLO: the SLO is what the fleet is provisioned for, not a limit on
+        a caller who is willing to wait."""
+        return self.default_timeout_ms / 1000.0 if caller_timeout_s is None else caller_timeout_s
+
+    def shed_budget_s(self, upstream_s: float) -> float | None:
+        """With `shed_past_slo`: seconds a request that has already spent `upstream_s` may
+        still take, so that it finishes within the SLO; None when the model does not shed."""
+        return self.slo_s - upstream_s if self.shed_past_slo else None
 
 
 @dataclass(frozen=True)
@@ -107,6 +127,10 @@ def _require(raw: Mapping[str, Any], key: str, kind: type, path: Path) -> Any:
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
         raise ModelConfigError(f"{path}: {key!r} must be {kind.__name__}, got {value!r}")
     return value
+
+
+def _optional(raw: Mapping[str, Any], key: str, kind: type, default: Any, path: Path) -> Any:
+    return _require(raw, key, kind, path) if key in raw else default
 
 
 def _positive(value: int, key: str, path: Path) -> int:
@@ -182,6 +206,12 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         labels=MappingProxyType(dict(labels)),
         traffic=MappingProxyType({k: float(v) for k, v in traffic.items()}),
         generation=generation,
+        default_timeout_ms=_positive(
+            _optional(raw, "default_timeout_ms", int, DEFAULT_TIMEOUT_MS, path),
+            "default_timeout_ms",
+            path,
+        ),
+        shed_past_slo=_optional(raw, "shed_past_slo", bool, False, path),
     )
 
 

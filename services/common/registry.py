@@ -41,6 +41,8 @@ class ModelRecord:
     kv_blocks_free: int = 0
     kv_block_size: int = 0
     max_model_len: int = 0
+    #: The model refuses what is predicted to finish past its SLO, not only past the deadline.
+    shed_past_slo: bool = False
 
     @property
     def key(self) -> str:

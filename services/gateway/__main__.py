@@ -18,6 +18,7 @@ from services.common.lifecycle import (
 from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_gateway
+from services.gateway.throttle import ThrottleConfig
 
 log = logging.getLogger("services.gateway")
 
@@ -41,6 +42,21 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         help="TOML of hashed API keys; without it the gateway runs in local mode",
     )
     parser.add_argument("--max-inputs-per-request", type=int, default=256)
+    parser.add_argument(
+        "--throttle-accepts-multiplier",
+        type=float,
+        default=float(env.get("GATEWAY_THROTTLE_ACCEPTS_MULTIPLIER", 1.5)),
+        help="adaptive throttling: requests sent per request downstream accepted before the "
+        "gateway refuses locally (SRE book's K; 0 disables) (env "
+        "GATEWAY_THROTTLE_ACCEPTS_MULTIPLIER, default %(default)s)",
+    )
+    parser.add_argument(
+        "--throttle-memory-s",
+        type=float,
+        default=float(env.get("GATEWAY_THROTTLE_MEMORY_S", 0.25)),
+        help="adaptive throttling: time constant of its decaying counts, seconds (env "
+        "GATEWAY_THROTTLE_MEMORY_S, default %(default)s)",
+    )
     add_listener_arguments(parser, env, env_prefix="GATEWAY", grpc_port=8001, metrics_port=8002)
     args = parser.parse_args(argv)
     return GatewayConfig(
@@ -51,6 +67,10 @@ def parse_config(argv: list[str] | None = None) -> GatewayConfig:
         metrics_port=args.metrics_port,
         api_keys_file=Path(args.api_keys_file) if args.api_keys_file else None,
         max_inputs_per_request=args.max_inputs_per_request,
+        throttle=ThrottleConfig(
+            accepts_multiplier=args.throttle_accepts_multiplier,
+            memory_s=args.throttle_memory_s,
+        ),
         ready_file=args.ready_file,
     )
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from services.gateway.throttle import ThrottleConfig
 
 
 @dataclass(frozen=True)
@@ -23,4 +25,6 @@ class GatewayConfig:
     max_inputs_per_request: int = 256
     #: How often the fleet's served versions are re-read from the router.
     catalog_refresh_s: float = 1.0
+    #: Adaptive throttling of what downstream refuses (services.gateway.throttle).
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     ready_file: Path | None = None

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from services.common.telemetry import count_outcome
 
@@ -47,6 +47,19 @@ class GatewayMetrics:
             "Time from receiving a request to answering it.",
             ["api", "model"],
             buckets=_SLOW,
+            registry=registry,
+        )
+
+        self.throttled_total = Counter(
+            "inference_gateway_throttled_total",
+            "Requests refused here by adaptive throttling (downstream was refusing work).",
+            ["model"],
+            registry=registry,
+        )
+        self.throttle_probability = Gauge(
+            "inference_gateway_throttle_probability",
+            "Share of a model's requests adaptive throttling refuses now.",
+            ["model"],
             registry=registry,
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from services.common.errors import InvalidInput, UpstreamError
+from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.registry import route_metadata
 from services.common.sampling import checked_sampling
@@ -19,6 +20,7 @@ from services.common.tracing import outgoing_metadata
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.pb.inference.v1 import worker_pb2 as pb
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
@@ -46,7 +48,7 @@ class GenerateCall:
     sampling: pb.SamplingParameters
     principal: Principal
     request_id: str
-    #: The client's remaining time, or None: a stream may outlast the model's TTFT objective.
+    #: The client's remaining time for the whole stream, or None without a deadline.
     timeout_s: float | None
 
 
@@ -66,10 +68,14 @@ class Predictor:
         metrics: GatewayMetrics,
         *,
         max_inputs: int,
+        throttle: ThrottleConfig,
+        rng: random.Random | None = None,
     ) -> None:
         self.catalog = catalog
         self._metrics = metrics
         self._max_inputs = max_inputs
+        self._throttle = AdaptiveThrottle(throttle)
+        self._rng = rng or random.Random()
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router")
         self._generate = router.unary_stream(
@@ -115,6 +121,7 @@ class Predictor:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
         model = self.catalog.resolve(call.model_name, call.version_spec)
         self._metrics.validate_seconds.observe(time.perf_counter() - started)
+        self._throttle_check(config.name)
         inputs = self._model_inputs(model, call.inputs)
         request_id = call.request_id or uuid.uuid4().hex
         request = pb.InferRequest(
@@ -125,19 +132,42 @@ class Predictor:
             tenant=call.principal.tenant,
             request_id=request_id,
         )
-        # Deadline: the client's, capped by the model's SLO; the router and worker see what is
-        # left of it as their own gRPC deadline.
-        timeout_s = config.slo_s if call.timeout_s is None else min(call.timeout_s, config.slo_s)
-        timeout_s -= time.perf_counter() - started
-        payload = await self._router.call(
-            request.SerializeToString(),
-            metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
-            timeout_s=max(0.0, timeout_s),
-        )
+        # The router and worker see what is left of the deadline as their own gRPC deadline.
+        timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
+        try:
+            payload = await self._router.call(
+                request.SerializeToString(),
+                metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
+                timeout_s=max(0.0, timeout_s),
+            )
+        except UpstreamError as error:
+            self._throttle.record(
+                config.name,
+                time.monotonic(),
+                is_accepted=not error.is_overload,
+                retry_after_s=error.retry_after_s,
+            )
+            raise
+        self._throttle.record(config.name, time.monotonic(), is_accepted=True)
         response = pb.InferResponse.FromString(payload)
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
         return PredictResult(config.name, model.version, outputs, request_id)
+
+    def _throttle_check(self, model: str) -> None:
+        """Refuses here (RESOURCE_EXHAUSTED) the share of requests downstream is refusing
+        anyway, before any tokenizing or forwarding is spent on them."""
+        shed = self._throttle.admit(model, time.monotonic(), self._rng.random())
+        self._metrics.throttle_probability.labels(model).set(
+            0.0 if shed is None else shed.probability
+        )
+        if shed is not None:
+            self._metrics.throttled_total.labels(model).inc()
+            raise Overloaded(
+                f"{model}: overloaded, refused at the gateway (downstream is refusing work; "
+                f"{shed.probability:.0%} of requests are refused here now)",
+                retry_after_s=shed.retry_after_s,
+            )
 
     async def close(self) -> None:
         await self._router.close()
@@ -166,7 +196,7 @@ class Predictor:
         )
         stream = self._generate(
             request,
-            timeout=call.timeout_s,
+            timeout=config.timeout_s_for(call.timeout_s),
             metadata=outgoing_metadata(route_metadata(config.name, model.version, len(ids))),
         )
         try:

@@ -86,7 +86,13 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     catalog = ModelCatalog(load_repository(config.model_repository))
     metrics = GatewayMetrics(CollectorRegistry())
     router = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS)
-    predictor = Predictor(catalog, router, metrics, max_inputs=config.max_inputs_per_request)
+    predictor = Predictor(
+        catalog,
+        router,
+        metrics,
+        max_inputs=config.max_inputs_per_request,
+        throttle=config.throttle,
+    )
     # Tracing outside auth: a refused call still gets its span.
     server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
     api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)

@@ -137,6 +137,14 @@ class WorkerMetrics:
             [*model, "bucket"],
             registry=registry,
         )
+        self.latency_slowdown = Gauge(
+            "inference_worker_latency_slowdown",
+            "Observed / predicted batch compute, smoothed over recent batches: above 1 the "
+            "machine runs slower than the latency curve says (contention), and admission "
+            "predicts with it.",
+            model,
+            registry=registry,
+        )
         self.queue_depth = Gauge(
             "inference_worker_queue_depth",
             "Rows queued and not yet dispatched.",

@@ -57,6 +57,7 @@ class Registration:
             kv_blocks_free=engine.num_free_blocks,
             kv_block_size=settings.block_size,
             max_model_len=backend.max_model_len,
+            shed_past_slo=backend.config.shed_past_slo,
         )
 
     def record(self) -> WorkerRecord:
@@ -76,6 +77,7 @@ class Registration:
                     min_batch_s=load.min_batch_s,
                     queued_rows=load.queued_rows,
                     is_ready=not self._is_draining,
+                    shed_past_slo=backend.config.shed_past_slo,
                 )
             )
         return WorkerRecord(

@@ -42,6 +42,11 @@ from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
+#: Weight of one row in the lane's per-row cost EWMA (a batch of n rows weighs about n rows).
+ROW_COST_ALPHA = 0.02
+#: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
+WARMUP_RUNS_PER_SHAPE = 2
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -73,9 +78,11 @@ class LoadReport:
     """What routers need to predict a version's wait on this worker (sent in heartbeats)."""
 
     queued_rows: int
-    #: Predicted compute per row at the largest batch: the marginal cost of queued work.
+    #: Predicted compute per row at full batches, averaged over recent traffic's buckets: the
+    #: marginal cost of queued work.
     per_row_s: float
-    #: Predicted compute of a batch of one: the floor of any request's latency.
+    #: Predicted compute of one row of the smallest bucket alone: the floor of any request's
+    #: latency.
     min_batch_s: float
 
 
@@ -85,8 +92,10 @@ class _Lane:
     batcher: Batcher
     latency: LatencyModel
     pending: dict[int, _Pending] = field(default_factory=dict)
-    #: Key of the most recent batch: the traffic's typical bucket, for load reports.
-    recent_key: BatchKey | None = None
+    #: EWMA over dispatched rows of the predicted per-row cost of their key at full batches:
+    #: the marginal cost of a row of this lane's traffic mix, for load reports. None until the
+    #: first batch.
+    row_cost_s: float | None = None
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -144,19 +153,32 @@ class BatchScheduler:
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Runs every (bucket, power-of-two batch size) once per lane, seeding the latency
-        models. Blocking: call it from a thread before serving."""
+        """Runs every (bucket, power-of-two batch size) of every lane, seeding the latency
+        models with the faster of two runs per shape: the first run of a shape pays one-off
+        costs (allocations, kernel selection) that serving never sees again, and an estimate
+        seeded with them would refuse work the model can do. Runs on the executor thread that
+        will run the batches (per-thread caches of the math libraries warm up too). Blocking:
+        call it from a thread before serving."""
+        self._executor.submit(self._warm_up).result()
+
+    def _warm_up(self) -> None:
         for lane in self._order:
             backend = lane.backend
             backend.run(backend.warmup_rows(backend.buckets[0], 1))  # allocator, lazy init
             for bucket in backend.buckets:
                 key = self.key_for(backend, bucket)
-                limit = lane.batcher.max_batch_size_for(key)
+                limit = lane.batcher.shape_limit(key)
                 sizes = sorted({*(1 << i for i in range(limit.bit_length())), limit})
                 for size in sizes:
-                    start = time.perf_counter()
-                    backend.run(backend.warmup_rows(bucket, size))
-                    lane.latency.observe(key, size, time.perf_counter() - start)
+                    rows = backend.warmup_rows(bucket, size)
+                    runs_s = []
+                    for _ in range(WARMUP_RUNS_PER_SHAPE):
+                        start = time.perf_counter()
+                        backend.run(rows)
+                        runs_s.append(time.perf_counter() - start)
+                    lane.latency.observe(key, size, min(runs_s))
+                    if min(runs_s) > lane.batcher.batch_compute_budget_s:
+                        break  # bigger batches of this bucket would never be formed here
                 self._export_gauges(lane, key)
             log.info("warmed up %s/%s", *lane.labels)
 
@@ -186,13 +208,14 @@ class BatchScheduler:
 
     def load_report(self, backend: Backend) -> LoadReport:
         lane = self._lanes[id(backend)]
-        buckets = backend.buckets
-        key = lane.recent_key or self.key_for(backend, buckets[len(buckets) // 2])
-        limit = lane.batcher.max_batch_size_for(key)
+        smallest = self.key_for(backend, backend.buckets[0])
+        per_row_s = lane.row_cost_s
+        if per_row_s is None:
+            per_row_s = lane.latency.per_item_s(smallest, lane.batcher.max_batch_size_for(smallest))
         return LoadReport(
             queued_rows=lane.batcher.num_queued,
-            per_row_s=lane.latency.per_item_s(key, limit),
-            min_batch_s=lane.latency.predict(key, 1),
+            per_row_s=per_row_s,
+            min_batch_s=lane.latency.predict(smallest, 1),
         )
 
     @property
@@ -217,16 +240,18 @@ class BatchScheduler:
     ) -> list[np.ndarray]:
         """Queues the rows of one request and waits for their outputs, in order.
 
-        The deadline is the caller's remaining time capped by the model's SLO. If the caller
-        goes away (cancellation) or any row fails, rows still queued are withdrawn."""
+        The deadline is the caller's remaining time (the model's default_timeout_ms without
+        one). A model with `shed_past_slo` also refuses rows predicted to finish past its SLO.
+        If the caller goes away (cancellation) or any row fails, rows still queued are
+        withdrawn."""
         lane = self._lanes[id(backend)]
         if self._draining:
             raise Unavailable("worker is draining")
         now = self._clock()
-        budget_s = (
-            backend.config.slo_s if timeout_s is None else min(timeout_s, backend.config.slo_s)
-        )
-        deadline_s = now + budget_s
+        model = backend.config
+        deadline_s = now + model.timeout_s_for(timeout_s)
+        shed_budget_s = model.shed_budget_s(self._config.upstream_budget_s)
+        finish_by_s = None if shed_budget_s is None else now + shed_budget_s
         busy_s = self._busy_s(now)
         loop = asyncio.get_running_loop()
         item_ids: list[int] = []
@@ -239,6 +264,7 @@ class BatchScheduler:
                     num_tokens=row.num_tokens,
                     arrival_s=now,
                     deadline_s=deadline_s,
+                    finish_by_s=finish_by_s,
                 )
                 decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
                 if isinstance(decision, Rejected):
@@ -260,9 +286,10 @@ class BatchScheduler:
         if reason is RejectReason.DEADLINE:
             now = self._clock()
             finish_s = lane.batcher.predicted_finish_s(key, max(now, self._running_until_s or now))
+            limit = "its SLO" if lane.backend.config.shed_past_slo else "the request's deadline"
             return Overloaded(
                 f"{key.model}/{key.version}: predicted to finish {finish_s - now:.3f}s from now, "
-                "past the request's deadline",
+                f"past {limit}",
                 retry_after_s=finish_s - now,
             )
         limit = lane.batcher.max_batch_size_for(key)
@@ -398,12 +425,19 @@ class BatchScheduler:
         for item in dispatch.items:
             self._metrics.row_compute_seconds.labels(*labels).observe(compute_s)
             self._metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
-        lane.recent_key = dispatch.key
+        limit = lane.batcher.max_batch_size_for(dispatch.key)
+        row_cost_s = lane.latency.per_item_s(dispatch.key, limit)
+        if lane.row_cost_s is None:
+            lane.row_cost_s = row_cost_s
+        else:
+            weight = 1.0 - (1.0 - ROW_COST_ALPHA) ** len(rows)
+            lane.row_cost_s += weight * (row_cost_s - lane.row_cost_s)
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
         if failures == 0:
             # A bisected batch's time says nothing about the model's normal cost.
             lane.latency.observe(dispatch.key, len(rows), compute_s)
+            self._metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
         else:
             self._metrics.row_failures_total.labels(*labels).inc(failures)
         backend = lane.backend
@@ -411,7 +445,6 @@ class BatchScheduler:
             self._metrics.mixed_bucket_batches_total.labels(*labels).inc()
         real_tokens = sum(row.num_tokens for row in rows)
         padded_tokens = max(row.num_tokens for row in rows) * len(rows)
-        limit = lane.batcher.max_batch_size_for(dispatch.key)
         self._metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
         self._metrics.batch_size.labels(*labels, bucket).observe(len(rows))
         self._metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)

@@ -9,6 +9,7 @@ they arrived as unary calls or on a gateway's stream.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 
@@ -95,7 +96,7 @@ class Forwarder:
                 return await self._stream(route.address).call(
                     body,
                     metadata=outgoing_metadata(),
-                    timeout_s=max(0.0, deadline_s - time.monotonic()),
+                    timeout_s=_timeout_s(deadline_s),
                 )
             except UpstreamError as error:
                 self._after_failure(error, route, name, version, attempt, deadline_s)
@@ -108,7 +109,9 @@ class Forwarder:
     ) -> AsyncIterator[bytes]:
         """Forwards a generation stream. Retries elsewhere only before the first message:
         a stream that already delivered tokens is never silently replayed."""
-        name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
+        # No deadline from the caller: none here either (a stream may run long; the gateway
+        # always sends one, the model's default_timeout_ms when its caller set none).
+        name, version, num_rows, deadline_s = _call_facts(context, None)
         with count_outcome(self._metrics.responses_total, name, version):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
@@ -116,11 +119,7 @@ class Forwarder:
                 route = self._route(name, version, num_rows, deadline_s, tried)
                 call = self._channel(route.address).unary_stream(
                     GENERATE_METHOD, _passthrough, _passthrough
-                )(
-                    body,
-                    timeout=max(0.0, deadline_s - time.monotonic()),
-                    metadata=outgoing_metadata(),
-                )
+                )(body, timeout=_timeout_s(deadline_s), metadata=outgoing_metadata())
                 has_sent = False
                 try:
                     async for message in call:
@@ -184,15 +183,21 @@ class Forwarder:
 
 
 def _call_facts(
-    context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float
+    context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float | None
 ) -> tuple[str, str, int, float]:
-    """(model, version, rows, absolute deadline) of a call, from its metadata and deadline."""
+    """(model, version, rows, absolute deadline) of a call, from its metadata and deadline.
+    Without a caller's deadline: `default_timeout_s` from now, or math.inf when that is None."""
     route_info = parse_route_metadata(dict(context.invocation_metadata() or ()))
     if route_info is None:
         raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
     remaining_s = context.time_remaining()
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
-    return (*route_info, time.monotonic() + timeout_s)
+    return (*route_info, math.inf if timeout_s is None else time.monotonic() + timeout_s)
+
+
+def _timeout_s(deadline_s: float) -> float | None:
+    """A downstream call's gRPC timeout for an absolute deadline (None for none)."""
+    return None if math.isinf(deadline_s) else max(0.0, deadline_s - time.monotonic())
 
 
 def _rejection(decision: Reject, *, retried: bool) -> Exception:

@@ -87,6 +87,8 @@ class _Candidate:
     #: Generation models: the worker's free KV blocks hold the prompt now (always True for
     #: fixed-cost models). Workers with room are preferred whatever their predicted wait.
     has_room: bool = True
+    #: Nothing queued there, by its last heartbeat and by this router's reservations.
+    is_idle: bool = False
 
 
 class RouteTable:
@@ -161,7 +163,8 @@ class RouteTable:
             has_room = model.kv_block_size == 0 or (
                 model.kv_blocks_free * model.kv_block_size >= num_rows
             )
-            candidates.append(_Candidate(worker, model, predicted_s, has_room))
+            is_idle = queued_rows == 0
+            candidates.append(_Candidate(worker, model, predicted_s, has_room, is_idle))
 
         if not candidates:
             if not is_known:
@@ -169,18 +172,19 @@ class RouteTable:
             message = f"no ready worker for {key}"
             return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
 
-        budget_s = remaining_s - cfg.deadline_margin_s
         best = self._choose(candidates)
-        if best.predicted_s > budget_s:
+        if not self._admits(best, remaining_s):
             # Power-of-two may have sampled two busy workers: before rejecting, fall back to the
-            # exact best, so a request is refused only when no candidate can meet its deadline.
-            best = min(candidates, key=_rank)
-        if best.predicted_s > budget_s:
+            # best that admits, so a request is refused only when no candidate can take it.
+            admitting = [c for c in candidates if self._admits(c, remaining_s)]
+            best = min(admitting or candidates, key=_rank)
+        if not self._admits(best, remaining_s):
             # The backlog beyond the budget must drain first; at least one batch's time.
-            excess_s = best.predicted_s - budget_s
+            excess_s = best.predicted_s - self._budget_s(best.model, remaining_s)
+            limit = "the model's SLO" if best.model.shed_past_slo else "the remaining deadline"
             message = (
-                f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id} "
-                f"exceeds remaining deadline {remaining_s:.3f}s"
+                f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id}, "
+                f"past {limit} ({remaining_s:.3f}s left)"
             )
             retry_after_s = max(excess_s, best.model.min_batch_s)
             return Reject(RejectReason.DEADLINE, retry_after_s, message)
@@ -193,6 +197,23 @@ class RouteTable:
         slot = (worker_id, key)
         self._inflight_rows[slot] = self._inflight_rows.get(slot, 0) + num_rows
         return Route(worker_id, best.worker.address, reservation_id, best.predicted_s)
+
+    def _budget_s(self, model: ModelRecord, remaining_s: float) -> float:
+        """Seconds a request may be predicted to take there: its remaining deadline, and the
+        model's SLO too when the model sheds past it; less the margin."""
+        budget_s = remaining_s
+        if model.shed_past_slo:
+            budget_s = min(budget_s, model.slo_p99_ms / 1000.0)
+        return budget_s - self._config.deadline_margin_s
+
+    def _admits(self, candidate: _Candidate, remaining_s: float) -> bool:
+        """An idle worker (nothing queued by its last heartbeat or by us) takes any request its
+        one batch can finish in time: estimates learn only from work that runs, so refusing
+        idle workers on a prediction could lock a model out for good. A busy one takes what
+        its predicted wait lets finish within the budget."""
+        if candidate.is_idle:
+            return candidate.model.min_batch_s <= remaining_s
+        return candidate.predicted_s <= self._budget_s(candidate.model, remaining_s)
 
     def release(self, reservation_id: int) -> None:
         """Return a reservation's rows. Idempotent: unknown or released ids are ignored."""

@@ -46,6 +46,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "parameters, as Triton's LLM backends are called; prints the chunks and the final flags",
     )
     parser.add_argument("--no-stream", action="store_true", help="with --generate: stream=false")
+    parser.add_argument(
+        "--burst",
+        type=int,
+        metavar="N",
+        help="send N single-text infers at once (texts cycled), then --sequential ones one by "
+        "one; prints the status of every call",
+    )
+    parser.add_argument("--sequential", type=int, default=0, help="with --burst: calls after it")
     parser.add_argument("texts", nargs="*", help="input texts, one row each")
     return parser.parse_args(argv)
 
@@ -120,6 +128,43 @@ def run_happy_path(client, args: argparse.Namespace, headers: dict | None) -> in
     return 0
 
 
+def run_burst(client, args: argparse.Namespace, headers: dict | None) -> int:
+    """N concurrent single-text infers (as many callers hitting a fresh server at once), then
+    sequential ones; reports each call's status ("OK" or the gRPC status name) and message."""
+    done: queue.Queue = queue.Queue()
+    for i in range(args.burst):
+        text = args.texts[i % len(args.texts)]
+        client.async_infer(
+            args.model,
+            inputs=[make_input([text], args.datatype)],
+            callback=lambda result, error, i=i: done.put((i, error)),
+            model_version=args.model_version,
+            outputs=[grpcclient.InferRequestedOutput(OUTPUT_NAME)],
+            headers=headers,
+            client_timeout=args.timeout_s,
+        )
+    burst = [None] * args.burst
+    for _ in range(args.burst):
+        i, error = done.get(timeout=args.timeout_s + 30)
+        burst[i] = "OK" if error is None else f"{error.status()}: {error.message()}"
+    sequential = []
+    for i in range(args.sequential):
+        text = args.texts[i % len(args.texts)]
+        try:
+            client.infer(
+                args.model,
+                inputs=[make_input([text], args.datatype)],
+                model_version=args.model_version,
+                headers=headers,
+                client_timeout=args.timeout_s,
+            )
+            sequential.append("OK")
+        except InferenceServerException as error:
+            sequential.append(f"{error.status()}: {error.message()}")
+    print(json.dumps({"burst": burst, "sequential": sequential}))
+    return 0
+
+
 def scalar(name: str, value, datatype: str) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, [1], datatype)
     tensor.set_data_from_numpy(np.array([value], dtype=triton_to_np_dtype(datatype)))
@@ -169,6 +214,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.generate is not None:
             return run_generate(client, args, headers)
+        if args.burst is not None:
+            return run_burst(client, args, headers)
         if args.expect_error:
             return run_expect_error(client, args, headers)
         return run_happy_path(client, args, headers)

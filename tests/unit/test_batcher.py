@@ -46,6 +46,7 @@ def make_item(
     bucket: int = 32,
     key: BatchKey | None = None,
     num_tokens: int = 8,
+    finish_by_s: float | None = None,
 ) -> QueuedItem:
     return QueuedItem(
         item_id=item_id,
@@ -54,6 +55,7 @@ def make_item(
         num_tokens=num_tokens,
         arrival_s=arrival_s,
         deadline_s=deadline_s,
+        finish_by_s=finish_by_s,
     )
 
 
@@ -333,6 +335,101 @@ def test_deadline_admission_counts_rows_of_other_keys_as_ahead() -> None:
     assert batcher.predicted_finish_s(make_key(bucket=32), 0.0) == pytest.approx(0.02)
 
 
+def test_idle_lane_admits_a_row_whose_own_compute_fits_without_margin() -> None:
+    # A single row is predicted at 0.998 s (a slow first observation); its deadline is 1 s.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.998)
+    batcher = make_batcher(latency=latency)
+
+    # Nothing queued, nothing running: admitted on its own compute, margin or not.
+    assert batcher.add(make_item(item_id=1, deadline_s=1.0), 0.0) == Admitted()
+    # Now the lane is busy: the prediction decides, with its margin.
+    assert batcher.add(make_item(item_id=2, deadline_s=1.0), 0.0) == Rejected(RejectReason.DEADLINE)
+
+
+def test_idle_lane_refuses_a_row_whose_own_compute_misses_its_deadline() -> None:
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.5)
+    batcher = make_batcher(latency=latency)
+
+    assert batcher.add(make_item(item_id=1, deadline_s=0.4), 0.0) == Rejected(RejectReason.DEADLINE)
+    assert batcher.add(make_item(item_id=2, deadline_s=0.6), 0.0) == Admitted()
+
+
+def test_idle_lane_ignores_the_shedding_limit() -> None:
+    # finish_by (shed past the SLO) is for a busy lane: an idle one runs what its deadline allows.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.3)
+    batcher = make_batcher(latency=latency)
+
+    assert batcher.add(make_item(item_id=1, deadline_s=30.0, finish_by_s=0.25), 0.0) == Admitted()
+
+
+def test_finish_by_refuses_what_the_deadline_would_allow() -> None:
+    batcher = make_batcher(max_batch_size=2)
+    add_burst(batcher, count=4, deadline_s=10.0)
+
+    # Predicted to finish at 0.03 (+ margin): inside a 30 s deadline, past a 0.03 finish-by.
+    shed = make_item(item_id=10, deadline_s=30.0, finish_by_s=0.03)
+    assert batcher.add(shed, 0.0) == Rejected(RejectReason.DEADLINE)
+    assert batcher.add(make_item(item_id=11, deadline_s=30.0, finish_by_s=0.04), 0.0) == Admitted()
+
+
+def test_a_row_may_not_make_the_rows_of_its_batch_late() -> None:
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.01)
+    latency.observe(make_key(), 2, 0.02)
+    latency.observe(make_key(), 3, 0.03)
+    batcher = make_batcher(latency=latency, max_batch_size=4)
+    add_all(batcher, [make_item(item_id=1, deadline_s=0.03)])
+
+    # Joining item 1's batch makes it two rows (0.02) + margin: 0.025, inside item 1's 0.03.
+    assert batcher.add(make_item(item_id=2, deadline_s=10.0), 0.0) == Admitted()
+    # A third row makes that batch 0.03 + margin, past item 1's deadline, though not its own.
+    assert batcher.add(make_item(item_id=3, deadline_s=10.0), 0.0) == Rejected(
+        RejectReason.DEADLINE
+    )
+    # Item 1 gone (cancelled), the same row fits.
+    assert batcher.cancel(1)
+    assert batcher.add(make_item(item_id=4, deadline_s=10.0), 0.0) == Admitted()
+
+
+def test_a_row_that_starts_a_new_batch_does_not_delay_the_full_one() -> None:
+    batcher = make_batcher(max_batch_size=2)
+    add_all(batcher, [make_item(item_id=1, deadline_s=0.015), make_item(item_id=2)])
+
+    # Items 1 and 2 fill a batch (0.01); item 3 runs after it and cannot delay item 1.
+    assert batcher.add(make_item(item_id=3, deadline_s=10.0), 0.0) == Admitted()
+
+
+def test_admission_recovers_once_a_slow_estimate_is_corrected_by_running_work() -> None:
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    key = make_key()
+    latency.observe(key, 1, 0.01)
+    batcher = make_batcher(latency=latency, max_batch_size=1)
+
+    def round_trip(first_id: int, now_s: float) -> bool:
+        """Two rows at once: the first finds the lane idle, the second is judged on the
+        model (two batches of 0.01 s + margin fit 0.04 s). Runs what was admitted, each batch
+        taking its normal 0.01 s; returns whether the second row was admitted."""
+        assert (
+            batcher.add(make_item(item_id=first_id, deadline_s=now_s + 0.04), now_s) == Admitted()
+        )
+        second = make_item(item_id=first_id + 1, deadline_s=now_s + 0.04)
+        is_admitted = batcher.add(second, now_s) == Admitted()
+        while isinstance(action := batcher.poll(now_s, executor_idle=True).action, Dispatch):
+            latency.observe(action.key, len(action.items), 0.01)
+        return is_admitted
+
+    assert round_trip(0, 0.0)
+    latency.observe(key, 1, 1.0)  # one stalled batch: a core taken away for a second
+    assert not round_trip(10, 1.0)
+    # Nothing but an idle lane's rows ran since; each ran in its normal time, and the
+    # estimate heals within a few batches.
+    healed = [round_trip(20 + 10 * i, 2.0 + i) for i in range(5)]
+    assert healed[-1] and healed.count(False) <= 2
+
+
 def test_queue_full_rejects_exactly_at_the_cap_across_keys() -> None:
     batcher = make_batcher(max_queue_size=3)
     add_all(batcher, [make_item(item_id=1), make_item(item_id=2, bucket=64)])
@@ -533,15 +630,35 @@ def test_max_wait_shrinks_as_predicted_compute_grows() -> None:
     latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
     latency.observe(key, 1, 0.010)
     latency.observe(key, 8, 0.050)
-    batcher = make_batcher(latency=latency, max_wait_cap_s=1.0)
+    batcher = make_batcher(latency=latency, max_wait_cap_s=1.0, slo_s=0.2)
 
     batcher.add(make_item(item_id=0), 0.0)
     one_queued = batcher.max_wait_s(key)
     add_burst(batcher, count=10, first_id=1)
 
-    assert one_queued == pytest.approx(0.065)
-    # The next batch is capped at 8 items: 0.1 - 0.02 - 0.05 - 0.005.
-    assert batcher.max_wait_s(key) == pytest.approx(0.025)
+    assert one_queued == pytest.approx(0.165)
+    # The next batch is capped at 8 items: 0.2 - 0.02 - 0.05 - 0.005.
+    assert batcher.max_wait_s(key) == pytest.approx(0.125)
+
+
+def test_a_batch_is_capped_at_half_the_slo_left_to_the_worker() -> None:
+    # Budget: (0.1 - 0.02 upstream - 0.005 margin) / 2 = 0.0375 s per batch.
+    key = make_key()
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S, slowdown_alpha=1.0)
+    for size, seconds in ((1, 0.005), (2, 0.010), (4, 0.020), (8, 0.040)):
+        latency.observe(key, size, seconds)
+    batcher = make_batcher(latency=latency, max_batch_size=8)
+
+    assert batcher.shape_limit(key) == 8
+    assert batcher.max_batch_size_for(key) == 7  # 0.035 s
+    add_burst(batcher, count=8)
+    assert len(dispatch_of(batcher.poll(0.008, executor_idle=True)).items) == 7
+
+    # The machine slows down 2x: the cap follows the prediction down, and back up.
+    latency.observe(key, 4, 0.040)
+    assert batcher.max_batch_size_for(key) == 3
+    latency.observe(key, 4, 0.020 * 0.5)
+    assert batcher.max_batch_size_for(key) >= 7
 
 
 def test_max_wait_clamps_at_zero_and_at_the_cap() -> None:

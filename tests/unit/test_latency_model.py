@@ -19,9 +19,12 @@ def make_model(
     *,
     key: BatchKey | None = None,
     ewma_alpha: float = 0.2,
+    slowdown_alpha: float = 0.0,
     default_s: float = 0.01,
 ) -> LatencyModel:
-    model = LatencyModel(ewma_alpha=ewma_alpha, default_s=default_s)
+    """A model seeded with `seconds_by_size`; the slowdown factor is off unless asked for, so
+    curve tests see the curve alone."""
+    model = LatencyModel(ewma_alpha=ewma_alpha, slowdown_alpha=slowdown_alpha, default_s=default_s)
     for size, seconds in (seconds_by_size or {}).items():
         model.observe(key or make_key(), size, seconds)
     return model
@@ -172,7 +175,17 @@ def test_observe_rejects_invalid_input(batch_size: int, seconds: float) -> None:
         make_model().observe(make_key(), batch_size, seconds)
 
 
-@pytest.mark.parametrize("kwargs", [{"ewma_alpha": 0.0}, {"ewma_alpha": 1.5}, {"default_s": 0.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"ewma_alpha": 0.0},
+        {"ewma_alpha": 1.5},
+        {"default_s": 0.0},
+        {"slowdown_alpha": -0.1},
+        {"max_jump": 0.5},
+        {"max_ratio": float("inf")},
+    ],
+)
 def test_constructor_rejects_invalid_settings(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         LatencyModel(**kwargs)
@@ -181,3 +194,67 @@ def test_constructor_rejects_invalid_settings(kwargs: dict[str, float]) -> None:
 def test_predict_rejects_non_positive_batch_size() -> None:
     with pytest.raises(ValueError):
         make_model({4: 0.01}).predict(make_key(), 0)
+
+
+# Recovery from outliers and slowdowns -----------------------------------------------------------
+
+
+def test_one_outlier_moves_a_point_by_a_bounded_step_and_fades() -> None:
+    model = make_model({4: 0.010}, ewma_alpha=0.2)
+    key = make_key()
+
+    model.observe(key, 4, 5.0)  # a 500x stall
+    # Capped at 2x the estimate: 0.010 + 0.2 * (0.020 - 0.010).
+    assert model.predict(key, 4) == pytest.approx(0.012)
+    for _ in range(10):
+        model.observe(key, 4, 0.010)
+    assert model.predict(key, 4) == pytest.approx(0.010, rel=0.05)
+
+
+def test_fast_observations_are_learned_unclipped() -> None:
+    model = make_model({4: 1.0}, ewma_alpha=0.5)
+
+    model.observe(make_key(), 4, 0.010)
+    assert model.predict(make_key(), 4) == pytest.approx(0.505)
+
+
+def test_slowdown_reaches_shapes_that_did_not_run() -> None:
+    model = make_model({1: 0.010, 8: 0.040, 16: 0.080}, slowdown_alpha=0.3)
+    key = make_key()
+
+    for _ in range(6):
+        model.observe(key, 8, 0.120)  # everything runs 3x slower now (contention)
+    # Size 16 never ran slow, but it is predicted slower too.
+    assert model.slowdown(key) > 1.5
+    assert model.predict(key, 16) > 1.5 * 0.080
+    # Another bucket of the same family shares the factor (its curve: bucket 32's, doubled).
+    assert model.predict(make_key(bucket=64), 1) > 1.5 * 0.010 * 2
+
+
+def test_slowdown_returns_to_one_as_the_points_catch_up_or_the_machine_recovers() -> None:
+    model = make_model({1: 0.010, 8: 0.040}, slowdown_alpha=0.3)
+    key = make_key()
+    for _ in range(6):
+        model.observe(key, 8, 0.120)
+    for _ in range(30):
+        model.observe(key, 8, 0.040)
+
+    assert model.slowdown(key) == pytest.approx(1.0, abs=0.1)
+    assert model.predict(key, 8) == pytest.approx(0.040, rel=0.15)
+
+
+def test_seeding_new_sizes_is_not_a_slowdown() -> None:
+    model = make_model(slowdown_alpha=0.3)
+    key = make_key()
+    # Warm-up order: each size beyond the measured ones is a guess, not a re-observation.
+    for size, seconds in ((1, 0.010), (2, 0.030), (4, 0.090), (8, 0.300)):
+        model.observe(key, size, seconds)
+
+    assert model.slowdown(key) == 1.0
+
+
+def test_one_outlier_moves_the_factor_by_a_bounded_step() -> None:
+    model = make_model({1: 0.010, 8: 0.040}, slowdown_alpha=0.3)
+
+    model.observe(make_key(), 8, 40.0)  # 1000x
+    assert model.slowdown(make_key()) == pytest.approx(1.0 + 0.3 * (4.0 - 1.0))

@@ -36,6 +36,7 @@ def make_model(
     per_row_s: float = 0.01,
     min_batch_s: float = 0.01,
     is_ready: bool = True,
+    shed_past_slo: bool = False,
 ) -> ModelRecord:
     return ModelRecord(
         name=name,
@@ -49,6 +50,7 @@ def make_model(
         min_batch_s=min_batch_s,
         queued_rows=queued_rows,
         is_ready=is_ready,
+        shed_past_slo=shed_past_slo,
     )
 
 
@@ -60,6 +62,7 @@ def make_worker(
     min_batch_s: float = 0.01,
     draining: bool = False,
     is_ready: bool = True,
+    shed_past_slo: bool = False,
     models: Sequence[tuple[str, str]] = (MODEL,),
 ) -> WorkerRecord:
     return WorkerRecord(
@@ -75,6 +78,7 @@ def make_worker(
                 per_row_s=per_row_s,
                 min_batch_s=min_batch_s,
                 is_ready=is_ready,
+                shed_past_slo=shed_past_slo,
             )
             for name, version in models
         ),
@@ -239,6 +243,37 @@ def test_deadline_already_passed_still_gives_a_positive_retry_hint() -> None:
     assert isinstance(decision, Reject)
     assert decision.reason is RejectReason.DEADLINE
     assert decision.retry_after_s > 0
+
+
+def test_an_idle_worker_is_never_refused_on_its_queue_estimate() -> None:
+    # An inflated per-row cost (one slow batch) predicts 5 s for 5 rows; the worker is idle.
+    table = loaded(make_table(), make_worker(per_row_s=1.0, min_batch_s=0.01))
+
+    first = route(table, num_rows=5, remaining_s=0.5)
+    assert isinstance(first, Route)
+    # Now it has rows reserved: the estimate decides.
+    assert rejected(route(table, num_rows=5, remaining_s=0.5)) is RejectReason.DEADLINE
+    table.release(first.reservation_id)
+    assert isinstance(route(table, num_rows=5, remaining_s=0.5), Route)
+
+
+def test_an_idle_worker_refuses_a_row_whose_own_batch_cannot_fit() -> None:
+    table = loaded(make_table(), make_worker(min_batch_s=0.3))
+
+    assert rejected(route(table, remaining_s=0.2)) is RejectReason.DEADLINE
+    assert isinstance(route(table, remaining_s=0.4), Route)
+
+
+def test_shedding_models_refuse_what_would_finish_past_the_slo() -> None:
+    # 30 queued rows: 0.31 s predicted, past the 0.1 s SLO, well inside a 10 s deadline.
+    shedding = loaded(make_table(), make_worker(queued_rows=30, shed_past_slo=True))
+    decision = route(shedding, remaining_s=10.0)
+    assert rejected(decision) is RejectReason.DEADLINE
+    assert isinstance(decision, Reject) and "SLO" in decision.message
+    assert decision.retry_after_s == pytest.approx(0.31 - (0.1 - 0.005))
+
+    patient = loaded(make_table(), make_worker(queued_rows=30))
+    assert isinstance(route(patient, remaining_s=10.0), Route)
 
 
 # Candidates

@@ -44,6 +44,8 @@ class _KeyQueue:
     items: DeficitRoundRobin
     #: (arrival_s, item_id) min-heap for the oldest item; entries of items gone are stale.
     arrivals: list[tuple[float, int]] = field(default_factory=list)
+    #: (admission limit, item_id) min-heap for the tightest queued item; stale likewise.
+    limits: list[tuple[float, int]] = field(default_factory=list)
     last_add_s: float | None = None
     #: EWMA of gaps between admissions; None until the second admission.
     mean_gap_s: float | None = None
@@ -52,6 +54,11 @@ class _KeyQueue:
         while self.arrivals[0][1] not in self.items:
             heapq.heappop(self.arrivals)
         return self.arrivals[0][0]
+
+    def earliest_limit_s(self) -> float:
+        while self.limits[0][1] not in self.items:
+            heapq.heappop(self.limits)
+        return self.limits[0][0]
 
     def earliest_deadline_s(self) -> float:
         deadline_s = self.items.earliest_deadline_s()
@@ -78,6 +85,8 @@ class Batcher:
         self._queues: dict[BatchKey, _KeyQueue] = {}
         # item_id -> key of every queued item: num_queued and cancel() without a scan.
         self._key_of: dict[int, BatchKey] = {}
+        # key -> (latency model revision, max_batch_size_for): recomputed after observations.
+        self._limits: dict[BatchKey, tuple[int, int]] = {}
         self._is_draining = False
 
     @property
@@ -99,12 +108,41 @@ class Batcher:
         queue = self._queues.get(key)
         return len(queue.items) if queue is not None else 0
 
-    def max_batch_size_for(self, key: BatchKey) -> int:
-        """Most items one batch of `key` may hold: max_batch_size, and the padded-token cap."""
+    def shape_limit(self, key: BatchKey) -> int:
+        """Most items one batch of `key` may ever hold: max_batch_size, and the padded-token
+        cap. The shapes warm-up measures."""
         limit = self._config.max_batch_size
         if self._config.max_batch_tokens > 0 and key.bucket > 0:
             limit = min(limit, max(1, self._config.max_batch_tokens // key.bucket))
         return limit
+
+    @property
+    def batch_compute_budget_s(self) -> float:
+        """The longest one batch may be predicted to run: half of what the SLO leaves the
+        worker. A row that arrives as a batch starts waits for it, then runs in the next: two
+        batches must fit the SLO, whatever else is queued (a long bucket's batch must not hold
+        short rows past it)."""
+        cfg = self._config
+        return (cfg.slo_s - cfg.upstream_budget_s - cfg.safety_margin_s) / 2
+
+    def max_batch_size_for(self, key: BatchKey) -> int:
+        """Most items one batch of `key` holds now: the shape limit, and the largest batch
+        predicted to run within `batch_compute_budget_s` (at least 1). It shrinks when the
+        machine slows down and grows back with it."""
+        cached = self._limits.get(key)
+        if cached is not None and cached[0] == self._latency.revision:
+            return cached[1]
+        budget_s = self.batch_compute_budget_s
+        low, high = 1, self.shape_limit(key)
+        # Largest n with predict(n) <= budget: predictions are monotone in n.
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self._latency.predict(key, middle) <= budget_s:
+                low = middle
+            else:
+                high = middle - 1
+        self._limits[key] = (self._latency.revision, low)
+        return low
 
     def max_wait_s(self, key: BatchKey) -> float:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
@@ -118,8 +156,16 @@ class Batcher:
     def add(
         self, item: QueuedItem, now_s: float, *, executor_free_s: float | None = None
     ) -> Admitted | Rejected:
-        """Queue `item` (arriving at `now_s`) or say why not. `executor_free_s` is when the
-        batch running now is predicted to end (None: nothing runs). Raises ValueError on a
+        """Queue `item` (arriving at `now_s`) or say why not.
+
+        `executor_free_s` is when the batch running now is predicted to end (None: nothing
+        runs). The item is admitted if everything queued, it included, is predicted to finish
+        by the earliest admission limit among them (see QueuedItem.finish_by_s): a new item
+        may join the batch of items already admitted, and must not make them late.
+
+        An idle lane (nothing queued, nothing running) refuses an item only if its own compute
+        alone cannot meet its deadline: a prediction that refused every item would never be
+        corrected, since refused items teach the latency model nothing. Raises ValueError on a
         duplicate item_id, a caller bug."""
         if self._is_draining:
             return Rejected(RejectReason.DRAINING)
@@ -127,10 +173,14 @@ class Batcher:
             return Rejected(RejectReason.QUEUE_FULL)
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
-        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
-        finish_s = self.predicted_finish_s(item.key, start_s)
-        if finish_s + self._config.safety_margin_s > item.deadline_s:
-            return Rejected(RejectReason.DEADLINE)
+        if executor_free_s is None and self.num_queued == 0:
+            if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
+                return Rejected(RejectReason.DEADLINE)
+        else:
+            start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+            finish_s = self.predicted_finish_s(item.key, start_s)
+            if finish_s + self._config.safety_margin_s > self._admission_limit_s(item):
+                return Rejected(RejectReason.DEADLINE)
         queue = self._queues.get(item.key)
         if queue is None:
             queue = self._queues[item.key] = _KeyQueue(
@@ -138,13 +188,27 @@ class Batcher:
             )
         queue.items.push(item)
         heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
-        # Entries of dispatched and expired items leave the arrival heap only from its top.
+        heapq.heappush(queue.limits, (item.admission_limit_s, item.item_id))
+        # Entries of dispatched and expired items leave the heaps only from their tops.
         if len(queue.arrivals) > 2 * len(queue.items) + 64:
             queue.arrivals = [(i.arrival_s, i.item_id) for i in queue.items]
             heapq.heapify(queue.arrivals)
+            queue.limits = [(i.admission_limit_s, i.item_id) for i in queue.items]
+            heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
         self._record_arrival(queue, now_s)
         return Admitted()
+
+    def _admission_limit_s(self, item: QueuedItem) -> float:
+        """When `item` must be predicted to finish to be admitted: its own limit, and, when it
+        would join a partly filled batch of its key, the earliest limit of that key's queued
+        items (joining makes their batch bigger and later). Conservative when several batches
+        of the key are queued: the earliest limit may belong to an earlier, full batch."""
+        limit_s = item.admission_limit_s
+        queue = self._queues.get(item.key)
+        if queue is not None and len(queue.items) % self.max_batch_size_for(item.key):
+            limit_s = min(limit_s, queue.earliest_limit_s())
+        return limit_s
 
     def predicted_finish_s(self, key: BatchKey, start_s: float) -> float:
         """When one more item of `key` would finish if the executor, free at `start_s`, ran

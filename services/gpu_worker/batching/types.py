@@ -35,8 +35,19 @@ class QueuedItem:
     #: Real (unpadded) length in tokens; used for padding-waste accounting.
     num_tokens: int
     arrival_s: float
-    #: Absolute deadline on the driver's monotonic clock.
+    #: Absolute deadline on the driver's monotonic clock: past it, the item is dropped unrun.
     deadline_s: float
+    #: Admission only: the item is admitted only if predicted to finish by then, and no later
+    #: item is admitted that would push it past it. None: the deadline. Earlier than the
+    #: deadline for a model that sheds what would finish past its SLO.
+    finish_by_s: float | None = None
+
+    @property
+    def admission_limit_s(self) -> float:
+        """When the item must be predicted to finish for admission to let it in or keep it."""
+        return (
+            self.deadline_s if self.finish_by_s is None else min(self.finish_by_s, self.deadline_s)
+        )
 
 
 class CloseReason(enum.Enum):
@@ -54,8 +65,9 @@ class RejectReason(enum.Enum):
 
     QUEUE_FULL = "queue_full"
     DRAINING = "draining"
-    #: Run after everything queued ahead of it, it is predicted to finish past its deadline:
-    #: refused now (RESOURCE_EXHAUSTED) instead of timing out in the queue later.
+    #: Run after everything queued ahead of it, it (or an item already queued, which it would
+    #: delay) is predicted to finish past its admission limit: refused now (RESOURCE_EXHAUSTED)
+    #: instead of timing out in the queue later.
     DEADLINE = "deadline"
 
 

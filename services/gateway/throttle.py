@@ -1,0 +1,139 @@
+"""Adaptive throttling at the gateway: shed locally what downstream is refusing anyway.
+
+Past capacity, a request the router or worker refuses has already cost the gateway its
+tokenization and a hop, and the router and worker their share of the two cores they run on:
+refusals themselves starve the model. This is the client-side throttling of Google's SRE book
+("Handling Overload"): per model, over the recent past,
+
+    p(reject locally) = max(0, (requests - k * accepts) / (requests + 1))
+
+where `requests` counts the requests the gateway finished with for the model (refused here, or
+answered downstream) and `accepts` those downstream did not refuse for overload. Requests still
+in flight count in neither: a burst on a fresh gateway has no answers yet, which says nothing
+about overload. While downstream accepts
+everything, p is 0. Under overload, about k x what downstream accepts is still sent, so the
+workers keep full batches of requests they can finish in time, and the rest is refused here
+for a fraction of the CPU.
+
+"The recent past" is an exponential decay with time constant `memory_s` rather than a fixed
+window: a flood's counts fade within a few time constants once it ends, so normal traffic
+right after a flood is not throttled for long.
+
+Pure: time comes in as `now_s`, randomness as a number in [0, 1) from the caller.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ThrottleConfig:
+    """Settings of the adaptive throttle."""
+
+    #: Requests sent per request accepted downstream before local refusals begin (the book's
+    #: K). Lower sheds earlier; 1.0 sends only what downstream recently accepted. 0 disables
+    #: the throttle.
+    accepts_multiplier: float = 1.5
+    #: Cap on the local refusal probability: some requests always go through, so that
+    #: accepts can be seen again. Without it, once accepts fall to zero (downstream refused
+    #: everything for a moment), nearly everything is refused here and downstream never gets
+    #: the chance to accept anything again. 0.95 still sheds 20x overload to about 1x.
+    max_reject_probability: float = 0.95
+    #: Time constant of the decaying counts, seconds.
+    memory_s: float = 0.25
+    #: Retry hint of a local refusal when downstream has sent none yet, seconds.
+    default_retry_after_s: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.accepts_multiplier < 0:
+            raise ValueError("accepts_multiplier must be >= 0 (0 disables the throttle)")
+        if not 0 <= self.max_reject_probability < 1:
+            raise ValueError("max_reject_probability must be in [0, 1)")
+        if not (self.memory_s > 0 and self.default_retry_after_s >= 0):
+            raise ValueError("memory_s must be > 0 and default_retry_after_s >= 0")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.accepts_multiplier > 0
+
+
+@dataclass
+class _Counts:
+    requests: float = 0.0
+    accepts: float = 0.0
+    #: EWMA of downstream retry-after hints, seconds (None until the first one).
+    retry_after_s: float | None = None
+    at_s: float = 0.0
+
+    def decay_to(self, now_s: float, memory_s: float) -> None:
+        elapsed_s = now_s - self.at_s
+        if elapsed_s > 0:
+            factor = math.exp(-elapsed_s / memory_s)
+            self.requests *= factor
+            self.accepts *= factor
+            self.at_s = now_s
+
+
+@dataclass(frozen=True)
+class Shed:
+    """Refuse this request here (RESOURCE_EXHAUSTED) and hint a retry after `retry_after_s`."""
+
+    retry_after_s: float
+    #: The local refusal probability that applied, for the message.
+    probability: float
+
+
+class AdaptiveThrottle:
+    """Per-model decaying counts of requests and downstream accepts, and the local decision."""
+
+    #: Weight of a new downstream retry hint in its EWMA.
+    _HINT_ALPHA = 0.2
+
+    def __init__(self, config: ThrottleConfig) -> None:
+        self._config = config
+        self._counts: dict[str, _Counts] = {}
+
+    def reject_probability(self, model: str, now_s: float) -> float:
+        """The probability a request for `model` arriving now is refused locally."""
+        counts = self._counts.get(model)
+        if counts is None or not self._config.is_enabled:
+            return 0.0
+        counts.decay_to(now_s, self._config.memory_s)
+        excess = counts.requests - self._config.accepts_multiplier * counts.accepts
+        probability = max(0.0, excess / (counts.requests + 1.0))
+        return min(probability, self._config.max_reject_probability)
+
+    def admit(self, model: str, now_s: float, draw: float) -> Shed | None:
+        """Returns Shed to refuse a request for `model` here (when `draw`, uniform in [0, 1),
+        falls under the refusal probability; it is counted), or None to send it on (`record`
+        counts it once downstream answers)."""
+        probability = self.reject_probability(model, now_s)
+        if draw >= probability:
+            return None
+        counts = self._counts[model]  # a positive probability means counts exist
+        counts.requests += 1.0
+        hint_s = counts.retry_after_s
+        return Shed(
+            retry_after_s=self._config.default_retry_after_s if hint_s is None else hint_s,
+            probability=probability,
+        )
+
+    def record(
+        self, model: str, now_s: float, *, is_accepted: bool, retry_after_s: float | None = None
+    ) -> None:
+        """Counts downstream's answer to a request that was sent on: accepted (any outcome but
+        an overload refusal) or refused, with the retry hint it carried if any."""
+        counts = self._counts.setdefault(model, _Counts(at_s=now_s))
+        counts.decay_to(now_s, self._config.memory_s)
+        counts.requests += 1.0
+        if is_accepted:
+            counts.accepts += 1.0
+        if retry_after_s is not None:
+            previous_s = counts.retry_after_s
+            counts.retry_after_s = (
+                retry_after_s
+                if previous_s is None
+                else previous_s + self._HINT_ALPHA * (retry_after_s - previous_s)
+            )

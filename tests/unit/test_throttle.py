@@ -1,0 +1,142 @@
+"""AdaptiveThrottle: no refusals while downstream accepts, ~k x accepts sent under overload,
+recovery after a flood, retry hints, per-model isolation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.gateway.throttle import AdaptiveThrottle, Shed, ThrottleConfig
+
+
+def make_throttle(**overrides: float) -> AdaptiveThrottle:
+    return AdaptiveThrottle(ThrottleConfig(**overrides))
+
+
+def offer(
+    throttle: AdaptiveThrottle,
+    *,
+    rate_per_s: float,
+    capacity_per_s: float,
+    seconds: float,
+    start_s: float = 0.0,
+    model: str = "m",
+    seed: int = 0,
+) -> tuple[int, int, int]:
+    """`rate_per_s` requests for `seconds`; downstream is a server of `capacity_per_s` that
+    accepts while its backlog stays under 0.25 s and refuses the rest with a 50 ms hint.
+    Returns (offered, shed locally, refused downstream)."""
+    rng = random.Random(seed)
+    backlog_s, last_s = 0.0, start_s
+    offered = shed = refused = 0
+    for i in range(int(rate_per_s * seconds)):
+        now_s = start_s + i / rate_per_s
+        offered += 1
+        if throttle.admit(model, now_s, rng.random()) is not None:
+            shed += 1
+            continue
+        backlog_s = max(0.0, backlog_s - (now_s - last_s))
+        last_s = now_s
+        if backlog_s + 1.0 / capacity_per_s <= 0.25:
+            backlog_s += 1.0 / capacity_per_s
+            throttle.record(model, now_s, is_accepted=True)
+        else:
+            refused += 1
+            throttle.record(model, now_s, is_accepted=False, retry_after_s=0.05)
+    return offered, shed, refused
+
+
+def test_nothing_is_shed_while_downstream_accepts_everything() -> None:
+    throttle = make_throttle()
+    _, shed, refused = offer(throttle, rate_per_s=100, capacity_per_s=200, seconds=5)
+
+    assert (shed, refused) == (0, 0)
+    assert throttle.reject_probability("m", 5.0) == 0.0
+
+
+@pytest.mark.parametrize("factor", [2.0, 10.0])
+def test_overload_sends_about_k_times_what_downstream_accepts(factor: float) -> None:
+    throttle = make_throttle(accepts_multiplier=1.5)
+    offered, shed, refused = offer(
+        throttle, rate_per_s=100 * factor, capacity_per_s=100, seconds=10
+    )
+
+    sent = offered - shed
+    # Downstream still sees more than it can take (it must stay full), but not much more.
+    assert 1.2 * 1000 < sent < 1.8 * 1000
+    assert refused < 0.5 * sent
+
+
+def test_normal_traffic_after_a_flood_is_no_longer_shed_within_a_few_memories() -> None:
+    throttle = make_throttle(accepts_multiplier=1.5, memory_s=0.25)
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=10)
+
+    # Normal traffic resumes at once: its accepts wash the flood out of the counts (with no
+    # traffic at all the counts decay but their ratio, and so the throttle, would stay).
+    _, shed_early, _ = offer(throttle, rate_per_s=50, capacity_per_s=100, seconds=2, start_s=10)
+    _, shed_late, _ = offer(throttle, rate_per_s=50, capacity_per_s=100, seconds=5, start_s=12)
+    assert shed_early > 0
+    assert shed_late <= 0.01 * 250
+    assert throttle.reject_probability("m", 17.0) == 0.0
+
+
+def test_a_local_refusal_carries_downstreams_recent_retry_hint() -> None:
+    throttle = make_throttle(accepts_multiplier=1.0, default_retry_after_s=0.5)
+    for i in range(50):
+        throttle.admit("m", i * 0.001, 0.99)
+        throttle.record("m", i * 0.001, is_accepted=False, retry_after_s=0.2)
+
+    decision = throttle.admit("m", 0.05, 0.0)
+    assert isinstance(decision, Shed)
+    assert decision.retry_after_s == pytest.approx(0.2)
+    assert decision.probability == pytest.approx(0.95)  # the cap
+
+
+def test_models_are_throttled_apart() -> None:
+    throttle = make_throttle()
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=5, model="flooded")
+
+    assert throttle.reject_probability("flooded", 5.0) > 0.5
+    assert throttle.reject_probability("quiet", 5.0) == 0.0
+    assert throttle.admit("quiet", 5.0, 0.0) is None
+
+
+def test_multiplier_zero_disables_the_throttle() -> None:
+    throttle = make_throttle(accepts_multiplier=0.0)
+    _, shed, _ = offer(throttle, rate_per_s=1000, capacity_per_s=10, seconds=2)
+
+    assert shed == 0
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"accepts_multiplier": -1.0},
+        {"memory_s": 0.0},
+        {"default_retry_after_s": -1.0},
+        {"max_reject_probability": 1.0},
+    ],
+)
+def test_config_rejects_nonsense(overrides: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        ThrottleConfig(**overrides)
+
+
+def test_a_burst_with_no_answers_yet_is_not_throttled() -> None:
+    throttle = make_throttle(accepts_multiplier=1.5)
+
+    assert all(throttle.admit("m", i * 1e-4, 0.0) is None for i in range(64))
+
+
+def test_when_downstream_accepted_nothing_some_requests_still_go_through() -> None:
+    throttle = make_throttle(accepts_multiplier=1.5, max_reject_probability=0.95)
+    for i in range(500):  # downstream refused everything for a moment
+        throttle.record("m", i * 0.001, is_accepted=False)
+
+    rng = random.Random(0)
+    sent = sum(throttle.admit("m", 0.5, rng.random()) is None for _ in range(1000))
+    assert 20 < sent < 100
+    # It accepts again: the throttle opens within a few memories of steady accepts.
+    offer(throttle, rate_per_s=50, capacity_per_s=100, seconds=3, start_s=0.5)
+    assert throttle.reject_probability("m", 3.5) == 0.0
