@@ -59,6 +59,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if summary["peer_ratio"] is None:
         summary["peer_ratio_reason"] = peer.get("skipped") or "peer goodput not found"
     slo_s = report.get("model", {}).get("slo_p99_ms", 0) / 1000.0
+    after = report.get("after_overload")
+    if after is not None:
+        summary["after_overload_good_fraction"] = after["good_fraction"]
     for point in report.get("overload", []):
         factor = point["factor"]
         summary[f"overload_{factor:g}x_goodput_fraction"] = _ratio(
@@ -173,6 +176,15 @@ def format_table(report: dict[str, Any]) -> str:
             f"{_num(point['late_fraction']['median'] * 100, '.1f'):>5}  "
             f"{not_ok or '-'!s:<28} offered {point['offered_rate_per_s']:.0f}/s"
             + ("" if point.get("valid") else "  (INVALID: late sends)")
+        )
+    after = report.get("after_overload")
+    if after is not None:
+        lines.append(
+            f"{'after overload':<18} {_num(after['goodput_per_s']['median'], '.0f'):>9} "
+            f"{_ms(after['p50_s']['median']):>5} {_ms(after['p90_s']['median']):>5} "
+            f"{_ms(after['p99_s']['median']):>5} {_batch(after):>5} "
+            f"{_num(after['late_fraction']['median'] * 100, '.1f'):>5}  "
+            f"good {after['good_fraction']:.1%} at half the goodput, right after the floods"
         )
     overhead = report.get("overhead", {})
     if overhead:

@@ -10,14 +10,16 @@ refusals themselves starve the model. This is the client-side throttling of Goog
 where `requests` counts the requests the gateway finished with for the model (refused here, or
 answered downstream) and `accepts` those downstream did not refuse for overload. Requests still
 in flight count in neither: a burst on a fresh gateway has no answers yet, which says nothing
-about overload. While downstream accepts
-everything, p is 0. Under overload, about k x what downstream accepts is still sent, so the
-workers keep full batches of requests they can finish in time, and the rest is refused here
-for a fraction of the CPU.
+about overload. While downstream accepts everything, p is 0. Under overload, about k x what
+downstream accepts is still sent, so the workers keep full batches of requests they can finish
+in time, and the rest is refused here for a fraction of the CPU.
 
-"The recent past" is an exponential decay with time constant `memory_s` rather than a fixed
-window: a flood's counts fade within a few time constants once it ends, so normal traffic
-right after a flood is not throttled for long.
+"The recent past" is exponential decay rather than a fixed window, and the two counts are
+rates with different memories: requests per second over `memory_s`, accepts per second over
+twice that. In steady traffic that is the book's formula; in a silence the request rate fades
+first, so a flood is forgotten within a couple of seconds even when callers back off (honouring
+retry-after) and send nothing that could be accepted. With equal memories a silence would keep
+the ratio, and the throttle, where the flood left them.
 
 Pure: time comes in as `now_s`, randomness as a number in [0, 1) from the caller.
 """
@@ -59,8 +61,13 @@ class ThrottleConfig:
         return self.accepts_multiplier > 0
 
 
+#: Memory of the accepts rate, in units of the requests rate's memory.
+_ACCEPTS_MEMORY_FACTOR = 2.0
+
+
 @dataclass
 class _Counts:
+    #: Decaying sums; divided by their memories they are rates per second.
     requests: float = 0.0
     accepts: float = 0.0
     #: EWMA of downstream retry-after hints, seconds (None until the first one).
@@ -70,9 +77,8 @@ class _Counts:
     def decay_to(self, now_s: float, memory_s: float) -> None:
         elapsed_s = now_s - self.at_s
         if elapsed_s > 0:
-            factor = math.exp(-elapsed_s / memory_s)
-            self.requests *= factor
-            self.accepts *= factor
+            self.requests *= math.exp(-elapsed_s / memory_s)
+            self.accepts *= math.exp(-elapsed_s / (memory_s * _ACCEPTS_MEMORY_FACTOR))
             self.at_s = now_s
 
 
@@ -101,7 +107,9 @@ class AdaptiveThrottle:
         if counts is None or not self._config.is_enabled:
             return 0.0
         counts.decay_to(now_s, self._config.memory_s)
-        excess = counts.requests - self._config.accepts_multiplier * counts.accepts
+        # Both over `memory_s`: the accepts rate times the requests' memory.
+        accepts = counts.accepts / _ACCEPTS_MEMORY_FACTOR
+        excess = counts.requests - self._config.accepts_multiplier * accepts
         probability = max(0.0, excess / (counts.requests + 1.0))
         return min(probability, self._config.max_reject_probability)
 

@@ -54,7 +54,7 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
     parser.add_argument(
         "--upstream-budget-ms",
         type=float,
-        default=float(env.get("WORKER_UPSTREAM_BUDGET_MS", 20.0)),
+        default=float(env.get("WORKER_UPSTREAM_BUDGET_MS", 40.0)),
         help="part of each SLO reserved for gateway, router and hops",
     )
     parser.add_argument(

@@ -140,3 +140,13 @@ def test_when_downstream_accepted_nothing_some_requests_still_go_through() -> No
     # It accepts again: the throttle opens within a few memories of steady accepts.
     offer(throttle, rate_per_s=50, capacity_per_s=100, seconds=3, start_s=0.5)
     assert throttle.reject_probability("m", 3.5) == 0.0
+
+
+def test_a_silence_after_a_flood_forgets_it() -> None:
+    # Callers honouring retry-after go quiet: nothing is sent that could be accepted, yet the
+    # throttle must not keep the flood's ratio.
+    throttle = make_throttle(accepts_multiplier=1.5, memory_s=0.25)
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=10)
+
+    assert throttle.reject_probability("m", 10.0) > 0.8
+    assert throttle.reject_probability("m", 11.5) == 0.0
