@@ -394,6 +394,20 @@ def test_a_row_may_not_make_the_rows_of_its_batch_late() -> None:
     assert batcher.add(make_item(item_id=4, deadline_s=10.0), 0.0) == Admitted()
 
 
+def test_a_batch_already_late_is_not_made_late_by_one_more_row() -> None:
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    for size in (1, 2, 3):
+        latency.observe(make_key(), size, 0.01 * size)
+    batcher = make_batcher(latency=latency, max_batch_size=4)
+    # Item 1's batch is predicted to end at 0.01 + margin, past its 0.012: refusing others
+    # would not save it.
+    add_all(batcher, [make_item(item_id=1, deadline_s=0.012)])
+
+    assert batcher.add(make_item(item_id=2, deadline_s=10.0), 0.0, executor_free_s=0.0) == (
+        Admitted()
+    )
+
+
 def test_a_row_that_starts_a_new_batch_does_not_delay_the_full_one() -> None:
     batcher = make_batcher(max_batch_size=2)
     add_all(batcher, [make_item(item_id=1, deadline_s=0.015), make_item(item_id=2)])
@@ -410,12 +424,12 @@ def test_admission_recovers_once_a_slow_estimate_is_corrected_by_running_work() 
 
     def round_trip(first_id: int, now_s: float) -> bool:
         """Two rows at once: the first finds the lane idle, the second is judged on the
-        model (two batches of 0.01 s + margin fit 0.04 s). Runs what was admitted, each batch
+        model (two batches of 0.01 s + margin fit 0.03 s). Runs what was admitted, each batch
         taking its normal 0.01 s; returns whether the second row was admitted."""
         assert (
-            batcher.add(make_item(item_id=first_id, deadline_s=now_s + 0.04), now_s) == Admitted()
+            batcher.add(make_item(item_id=first_id, deadline_s=now_s + 0.03), now_s) == Admitted()
         )
-        second = make_item(item_id=first_id + 1, deadline_s=now_s + 0.04)
+        second = make_item(item_id=first_id + 1, deadline_s=now_s + 0.03)
         is_admitted = batcher.add(second, now_s) == Admitted()
         while isinstance(action := batcher.poll(now_s, executor_idle=True).action, Dispatch):
             latency.observe(action.key, len(action.items), 0.01)
@@ -427,7 +441,7 @@ def test_admission_recovers_once_a_slow_estimate_is_corrected_by_running_work() 
     # Nothing but an idle lane's rows ran since; each ran in its normal time, and the
     # estimate heals within a few batches.
     healed = [round_trip(20 + 10 * i, 2.0 + i) for i in range(5)]
-    assert healed[-1] and healed.count(False) <= 2
+    assert healed[-1] and healed.count(False) <= 3
 
 
 def test_queue_full_rejects_exactly_at_the_cap_across_keys() -> None:

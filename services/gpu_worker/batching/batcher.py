@@ -179,7 +179,9 @@ class Batcher:
         else:
             start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
             finish_s = self.predicted_finish_s(item.key, start_s)
-            if finish_s + self._config.safety_margin_s > self._admission_limit_s(item):
+            if finish_s + self._config.safety_margin_s > item.admission_limit_s:
+                return Rejected(RejectReason.DEADLINE)
+            if self._makes_batch_mates_late(item, start_s, finish_s):
                 return Rejected(RejectReason.DEADLINE)
         queue = self._queues.get(item.key)
         if queue is None:
@@ -199,16 +201,21 @@ class Batcher:
         self._record_arrival(queue, now_s)
         return Admitted()
 
-    def _admission_limit_s(self, item: QueuedItem) -> float:
-        """When `item` must be predicted to finish to be admitted: its own limit, and, when it
-        would join a partly filled batch of its key, the earliest limit of that key's queued
-        items (joining makes their batch bigger and later). Conservative when several batches
-        of the key are queued: the earliest limit may belong to an earlier, full batch."""
-        limit_s = item.admission_limit_s
+    def _makes_batch_mates_late(self, item: QueuedItem, start_s: float, finish_s: float) -> bool:
+        """Whether `item`, joining a partly filled batch of its key, is what would push that
+        batch past the earliest admission limit of the items already in it. A batch already
+        predicted late without the item is not made late by it (one more row costs its
+        marginal compute), and refusing the item would not save it. Conservative when several
+        batches of the key are queued: the earliest limit may belong to an earlier, full
+        batch."""
         queue = self._queues.get(item.key)
-        if queue is not None and len(queue.items) % self.max_batch_size_for(item.key):
-            limit_s = min(limit_s, queue.earliest_limit_s())
-        return limit_s
+        if queue is None or not len(queue.items) % self.max_batch_size_for(item.key):
+            return False
+        margin_s = self._config.safety_margin_s
+        mates_limit_s = queue.earliest_limit_s()
+        if finish_s + margin_s <= mates_limit_s:
+            return False
+        return self._drain_s(item.key, start_s, extra_rows=0) + margin_s <= mates_limit_s
 
     def predicted_finish_s(self, key: BatchKey, start_s: float) -> float:
         """When one more item of `key` would finish if the executor, free at `start_s`, ran
@@ -219,9 +226,13 @@ class Batcher:
         items that fit keeps the queue short enough to serve within deadlines; without it,
         overload fills the queue until every item waits about the whole SLO and most miss it.
         """
+        return self._drain_s(key, start_s, extra_rows=1)
+
+    def _drain_s(self, key: BatchKey, start_s: float, *, extra_rows: int) -> float:
+        """When everything queued, plus `extra_rows` more of `key`, would be done."""
         finish_s = start_s
         for queued_key, queue in self._queues.items():
-            rows = len(queue.items) + (queued_key == key)
+            rows = len(queue.items) + (extra_rows if queued_key == key else 0)
             if rows == 0:
                 continue
             limit = self.max_batch_size_for(queued_key)
@@ -230,8 +241,8 @@ class Batcher:
                 finish_s += full * self._latency.predict(queued_key, limit)
             if rest:
                 finish_s += self._latency.predict(queued_key, rest)
-        if key not in self._queues:
-            finish_s += self._latency.predict(key, 1)
+        if key not in self._queues and extra_rows:
+            finish_s += self._latency.predict(key, extra_rows)
         return finish_s
 
     def cancel(self, item_id: int) -> bool:

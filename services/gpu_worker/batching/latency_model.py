@@ -82,10 +82,10 @@ class LatencyModel:
         self,
         *,
         ewma_alpha: float = 0.2,
-        slowdown_alpha: float = 0.3,
+        slowdown_alpha: float = 0.2,
         default_s: float = 0.01,
         max_jump: float = 2.0,
-        max_ratio: float = 4.0,
+        max_ratio: float = 2.0,
     ) -> None:
         """`ewma_alpha` is the weight of each new observation in its point, `slowdown_alpha`
         its weight in the family's slowdown factor (0: no factor); `default_s` is the
