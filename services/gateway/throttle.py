@@ -14,12 +14,12 @@ about overload. While downstream accepts everything, p is 0. Under overload, abo
 downstream accepts is still sent, so the workers keep full batches of requests they can finish
 in time, and the rest is refused here for a fraction of the CPU.
 
-"The recent past" is exponential decay rather than a fixed window, and the two counts are
-rates with different memories: requests per second over `memory_s`, accepts per second over
-twice that. In steady traffic that is the book's formula; in a silence the request rate fades
-first, so a flood is forgotten within a couple of seconds even when callers back off (honouring
-retry-after) and send nothing that could be accepted. With equal memories a silence would keep
-the ratio, and the throttle, where the flood left them.
+"The recent past" is exponential decay with time constant `memory_s` rather than a fixed
+window. One addition to the book: the probability itself fades during a silence (no request and
+no answer for the model), with the same time constant. Callers that back off after a refusal
+(honouring retry-after) send nothing that could be accepted, and the counts' ratio, which a
+silence does not change, would otherwise keep refusing them when they come back, long after
+the flood that set it.
 
 Pure: time comes in as `now_s`, randomness as a number in [0, 1) from the caller.
 """
@@ -61,24 +61,23 @@ class ThrottleConfig:
         return self.accepts_multiplier > 0
 
 
-#: Memory of the accepts rate, in units of the requests rate's memory.
-_ACCEPTS_MEMORY_FACTOR = 2.0
-
-
 @dataclass
 class _Counts:
-    #: Decaying sums; divided by their memories they are rates per second.
+    #: Decaying counts (time constant memory_s), as of `at_s`.
     requests: float = 0.0
     accepts: float = 0.0
     #: EWMA of downstream retry-after hints, seconds (None until the first one).
     retry_after_s: float | None = None
     at_s: float = 0.0
+    #: When a request was last counted (refused here, or answered downstream).
+    counted_at_s: float = 0.0
 
     def decay_to(self, now_s: float, memory_s: float) -> None:
         elapsed_s = now_s - self.at_s
         if elapsed_s > 0:
-            self.requests *= math.exp(-elapsed_s / memory_s)
-            self.accepts *= math.exp(-elapsed_s / (memory_s * _ACCEPTS_MEMORY_FACTOR))
+            factor = math.exp(-elapsed_s / memory_s)
+            self.requests *= factor
+            self.accepts *= factor
             self.at_s = now_s
 
 
@@ -106,11 +105,12 @@ class AdaptiveThrottle:
         counts = self._counts.get(model)
         if counts is None or not self._config.is_enabled:
             return 0.0
-        counts.decay_to(now_s, self._config.memory_s)
-        # Both over `memory_s`: the accepts rate times the requests' memory.
-        accepts = counts.accepts / _ACCEPTS_MEMORY_FACTOR
-        excess = counts.requests - self._config.accepts_multiplier * accepts
+        memory_s = self._config.memory_s
+        silence_s = max(0.0, now_s - counts.counted_at_s)
+        counts.decay_to(now_s, memory_s)
+        excess = counts.requests - self._config.accepts_multiplier * counts.accepts
         probability = max(0.0, excess / (counts.requests + 1.0))
+        probability *= math.exp(-silence_s / memory_s)
         return min(probability, self._config.max_reject_probability)
 
     def admit(self, model: str, now_s: float, draw: float) -> Shed | None:
@@ -122,6 +122,7 @@ class AdaptiveThrottle:
             return None
         counts = self._counts[model]  # a positive probability means counts exist
         counts.requests += 1.0
+        counts.counted_at_s = now_s
         hint_s = counts.retry_after_s
         return Shed(
             retry_after_s=self._config.default_retry_after_s if hint_s is None else hint_s,
@@ -136,6 +137,7 @@ class AdaptiveThrottle:
         counts = self._counts.setdefault(model, _Counts(at_s=now_s))
         counts.decay_to(now_s, self._config.memory_s)
         counts.requests += 1.0
+        counts.counted_at_s = now_s
         if is_accepted:
             counts.accepts += 1.0
         if retry_after_s is not None:

@@ -424,12 +424,12 @@ def test_admission_recovers_once_a_slow_estimate_is_corrected_by_running_work() 
 
     def round_trip(first_id: int, now_s: float) -> bool:
         """Two rows at once: the first finds the lane idle, the second is judged on the
-        model (two batches of 0.01 s + margin fit 0.03 s). Runs what was admitted, each batch
+        model (two batches of 0.01 s + margin fit 0.028 s). Runs what was admitted, each batch
         taking its normal 0.01 s; returns whether the second row was admitted."""
         assert (
-            batcher.add(make_item(item_id=first_id, deadline_s=now_s + 0.03), now_s) == Admitted()
+            batcher.add(make_item(item_id=first_id, deadline_s=now_s + 0.028), now_s) == Admitted()
         )
-        second = make_item(item_id=first_id + 1, deadline_s=now_s + 0.03)
+        second = make_item(item_id=first_id + 1, deadline_s=now_s + 0.028)
         is_admitted = batcher.add(second, now_s) == Admitted()
         while isinstance(action := batcher.poll(now_s, executor_idle=True).action, Dispatch):
             latency.observe(action.key, len(action.items), 0.01)

@@ -149,4 +149,4 @@ def test_a_silence_after_a_flood_forgets_it() -> None:
     offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=10)
 
     assert throttle.reject_probability("m", 10.0) > 0.8
-    assert throttle.reject_probability("m", 11.5) == 0.0
+    assert throttle.reject_probability("m", 11.5) < 0.01

@@ -62,51 +62,49 @@ class _Curve:
 
 
 class LatencyModel:
-    """EWMA of measured compute seconds per (key, batch size), with interpolation between sizes,
-    times a per-family slowdown factor.
+    """Compute seconds per (key, batch size): a measured curve times a learned scale.
 
-    Predictions are monotone non-decreasing in batch size for every key.
+    The curve is the shape: each batch size's first measurement (warm-up measures every shape
+    the worker may run), interpolated between sizes and extrapolated beyond them, made
+    monotone. It is never rewritten by serving traffic: a shape seen once under a stall, or
+    only under overload, must not stay inflated for good. Serving batches teach the *scale*
+    instead: the EWMA (`slowdown_alpha`) of observed / curve over every batch, per key, with
+    each batch's ratio bounded to [1/max_ratio, max_ratio]. Any batch of a key moves its scale,
+    whatever its size, so the estimate cannot get stuck on a shape that no longer runs:
 
-    Two speeds of learning. Each point moves slowly (`ewma_alpha`), and one slow observation
-    (a busy core, a page fault) moves it by at most `ewma_alpha x (max_jump - 1)` of itself, so
-    a stray outlier fades within a few batches. The slowdown factor is the EWMA
-    (`slowdown_alpha`) of observed / predicted over every batch of the family, whatever its
-    shape: when the machine gets slower for everyone (other processes taking the cores under
-    overload), batches of every size are predicted slower within a few batches, not only the
-    shapes that happened to run. As the points catch up, observed / predicted returns to 1 and
-    so does the factor. Fast observations are never clipped: an over-estimate refuses work,
-    and recovering from it must not wait.
+    - one outlier moves the scale by at most `slowdown_alpha x (max_ratio - 1)`, and the next
+      normal batches take it back;
+    - when the machine slows down for everyone (other processes taking the cores under
+      overload), every size of the key is predicted slower within a few batches;
+    - keys without batches of their own yet use their family's scale (same model, version and
+      fingerprint), learned from all its keys.
+
+    A batch size beyond the measured ones (bigger than warm-up ran) becomes a new point of the
+    curve, divided by the key's scale so that it records shape, not the moment's contention.
     """
 
     def __init__(
         self,
         *,
-        ewma_alpha: float = 0.2,
         slowdown_alpha: float = 0.2,
         default_s: float = 0.01,
-        max_jump: float = 2.0,
         max_ratio: float = 2.0,
     ) -> None:
-        """`ewma_alpha` is the weight of each new observation in its point, `slowdown_alpha`
-        its weight in the family's slowdown factor (0: no factor); `default_s` is the
-        prediction for a key whose family (model, version, fingerprint) has never been
-        measured; `max_jump` caps an observation at that multiple of its point's estimate,
-        and `max_ratio` one batch's observed / predicted in the slowdown factor (both ways)."""
-        if not 0.0 < ewma_alpha <= 1.0:
-            raise ValueError(f"ewma_alpha must be in (0, 1], got {ewma_alpha}")
+        """`slowdown_alpha` is the weight of each batch in its key's and family's scale (0:
+        no learning, the curve alone); `default_s` is the prediction for a key whose family
+        (model, version, fingerprint) has never been measured; `max_ratio` bounds one batch's
+        observed / curve ratio both ways."""
         if not 0.0 <= slowdown_alpha <= 1.0:
             raise ValueError(f"slowdown_alpha must be in [0, 1], got {slowdown_alpha}")
         if not (math.isfinite(default_s) and default_s > 0.0):
             raise ValueError(f"default_s must be positive and finite, got {default_s}")
-        for name, bound in (("max_jump", max_jump), ("max_ratio", max_ratio)):
-            if not (math.isfinite(bound) and bound >= 1.0):
-                raise ValueError(f"{name} must be >= 1 and finite, got {bound}")
-        self._alpha = ewma_alpha
+        if not (math.isfinite(max_ratio) and max_ratio >= 1.0):
+            raise ValueError(f"max_ratio must be >= 1 and finite, got {max_ratio}")
         self._slowdown_alpha = slowdown_alpha
         self._default_s = default_s
-        self._max_jump = max_jump
         self._max_ratio = max_ratio
-        self._slowdown: dict[_Family, float] = {}
+        self._key_scale: dict[BatchKey, float] = {}
+        self._family_scale: dict[_Family, float] = {}
         #: Incremented by every observation: callers cache what they derive from predictions.
         self.revision = 0
         self._points: dict[BatchKey, dict[int, float]] = {}
@@ -121,29 +119,32 @@ class LatencyModel:
         if not (math.isfinite(seconds) and seconds >= 0.0):
             raise ValueError(f"seconds must be non-negative and finite, got {seconds}")
         family = _family(key)
-        known = self._points.get(key)
-        if known and min(known) <= batch_size <= max(known):
-            # How far off the curve was before this observation corrects it. Only within the
-            # measured sizes: beyond them the curve is a guess, and seeding a new size (as
-            # warm-up does) is not evidence that the machine got slower.
+        points = self._points.setdefault(key, {})
+        self._families.setdefault(family, set()).add(key)
+        self.revision += 1
+        if points and min(points) <= batch_size <= max(points):
             ratio = seconds / max(self._curve(key).at(batch_size), MIN_PREDICTION_S)
             ratio = min(max(ratio, 1.0 / self._max_ratio), self._max_ratio)
-            factor = self._slowdown.get(family, 1.0)
-            self._slowdown[family] = factor + self._slowdown_alpha * (ratio - factor)
-        points = self._points.setdefault(key, {})
-        previous = points.get(batch_size)
-        if previous is None:
-            points[batch_size] = seconds
-        else:
-            seconds = min(seconds, previous * self._max_jump)
-            points[batch_size] = previous + self._alpha * (seconds - previous)
-        self._families.setdefault(family, set()).add(key)
+            alpha = self._slowdown_alpha
+            scale = self.slowdown(key)
+            self._key_scale[key] = scale + alpha * (ratio - scale)
+            family_scale = self._family_scale.get(family, 1.0)
+            self._family_scale[family] = family_scale + alpha * (ratio - family_scale)
+            return
+        points[batch_size] = seconds / self.slowdown(key)
         self._curves.pop(key, None)
-        self.revision += 1
 
     def slowdown(self, key: BatchKey) -> float:
-        """The family's current observed / predicted factor (1.0 before any re-observation)."""
-        return self._slowdown.get(_family(key), 1.0)
+        """The scale predictions of `key` carry now: observed / curve, smoothed (its family's
+        while it has no batches of its own; 1.0 before any)."""
+        scale = self._key_scale.get(key)
+        if scale is None:
+            scale = self._family_scale.get(_family(key), 1.0)
+        return scale
+
+    def family_slowdown(self, key: BatchKey) -> float:
+        """The scale of `key`'s family: observed / curve over all its keys' batches."""
+        return self._family_scale.get(_family(key), 1.0)
 
     def predict(self, key: BatchKey, batch_size: int) -> float:
         """Predicted compute seconds for one batch of `batch_size` items of `key`.
@@ -154,9 +155,9 @@ class LatencyModel:
         """
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if key in self._points:
+        if self._points.get(key):
             return max(self._curve(key).at(batch_size) * self.slowdown(key), MIN_PREDICTION_S)
-        siblings = self._families.get(_family(key))
+        siblings = [k for k in self._families.get(_family(key), ()) if self._points.get(k)]
         if not siblings:
             return self._default_s
         # Nearest bucket; on a tie the larger one, whose scaled curve is the pessimistic one.
