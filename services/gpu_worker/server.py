@@ -173,7 +173,15 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         else:
             raise InvalidInput("request has no prompt (text or token_ids)")
         params = sampling_from_pb(request.sampling)
-        async for delta in backend.engine.generate(prompt, params, priority=request.priority):
+        remaining_s = context.time_remaining()
+        limits = (remaining_s, backend.config.shed_budget_s(0.0))
+        stream = backend.engine.generate(
+            prompt,
+            params,
+            priority=request.priority,
+            first_token_limit_s=min((x for x in limits if x is not None), default=None),
+        )
+        async for delta in stream:
             yield pb.GenerateResponse(
                 token_ids=delta.token_ids,
                 text=delta.text,

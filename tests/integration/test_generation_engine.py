@@ -196,6 +196,46 @@ async def test_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
     assert total(generate_latest(registry).decode(), "inference_generation_cancelled_total") == 1
 
 
+async def test_first_token_deadline_refuses_only_a_busy_engine(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    backend, registry = make_backend(
+        write_repository(tmp_path, max_num_seqs=1, weights_from=checkpoint)
+    )
+    backend.engine.start()
+    try:
+        # Idle: admitted however small the limit, the prediction alone never refuses.
+        tokens = []
+        async for delta in backend.engine.generate(
+            backend.encode(PROMPTS[0]), SamplingParams(max_tokens=3), first_token_limit_s=1e-9
+        ):
+            tokens.extend(delta.token_ids)
+        assert len(tokens) == 3
+        # Busy (one long stream holds the only slot): a prompt that cannot see its first token
+        # within its limit is refused at once, with a retry hint; a patient one is admitted.
+        busy = backend.engine.generate(
+            backend.encode(PROMPTS[2]), SamplingParams(max_tokens=60, ignore_eos=True)
+        )
+        await anext(busy)
+        with pytest.raises(Overloaded, match="first token predicted") as refused:
+            await anext(
+                backend.engine.generate(
+                    backend.encode(PROMPTS[2]),
+                    SamplingParams(max_tokens=3),
+                    first_token_limit_s=1e-6,
+                )
+            )
+        assert refused.value.retry_after_s > 0
+        patient = asyncio.ensure_future(
+            collect(backend, PROMPTS[1], SamplingParams(max_tokens=3, ignore_eos=True))
+        )
+        await busy.aclose()
+        assert len(await asyncio.wait_for(patient, 60)) == 3
+    finally:
+        await backend.engine.drain()
+    assert total(generate_latest(registry).decode(), "inference_generation_rejected_total") == 1
+
+
 async def test_a_request_that_can_never_fit_is_refused(checkpoint: Path, tmp_path: Path) -> None:
     backend, _ = make_backend(write_repository(tmp_path, num_kv_blocks=4, weights_from=checkpoint))
     backend.engine.start()

@@ -12,6 +12,7 @@ from services.common.model_repository import (
     ModelConfigError,
     parse_model_config,
 )
+from services.gpu_worker.generation.engine import predicted_first_token_s
 
 _BASE = """kind = "torchscript"
 slo_p99_ms = 250
@@ -58,3 +59,36 @@ def test_shedding_past_the_slo_is_opt_in(tmp_path: Path) -> None:
 def test_bad_deadline_settings_are_refused_with_the_file_named(tmp_path: Path, extra: str) -> None:
     with pytest.raises(ModelConfigError, match=r"config\.toml"):
         make_config(tmp_path, extra)
+
+
+def test_first_token_prediction_idle_engine_is_never_refused() -> None:
+    assert (
+        predicted_first_token_s(
+            num_waiting_tokens=0,
+            num_running=0,
+            num_prompt_tokens=10_000,
+            max_num_batched_tokens=512,
+            step_s=1.0,
+        )
+        == 0.0
+    )
+
+
+def test_first_token_prediction_counts_the_prefill_backlog_ahead() -> None:
+    # 2 running sequences leave 510 tokens a step for prefill: 1000 waiting + 100 own -> 3 steps.
+    predicted = predicted_first_token_s(
+        num_waiting_tokens=1000,
+        num_running=2,
+        num_prompt_tokens=100,
+        max_num_batched_tokens=512,
+        step_s=0.02,
+    )
+    assert predicted == pytest.approx(0.06)
+    # Only decodes ahead (no backlog): the next step carries its prefill.
+    assert predicted_first_token_s(
+        num_waiting_tokens=0,
+        num_running=4,
+        num_prompt_tokens=8,
+        max_num_batched_tokens=512,
+        step_s=0.02,
+    ) == pytest.approx(0.02)

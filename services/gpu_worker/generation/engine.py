@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +63,25 @@ class _Request:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_emitted: int = 0
+
+
+def predicted_first_token_s(
+    *,
+    num_waiting_tokens: int,
+    num_running: int,
+    num_prompt_tokens: int,
+    max_num_batched_tokens: int,
+    step_s: float,
+) -> float:
+    """Seconds until a new prompt's first token on a busy engine: the prefill backlog ahead of
+    it plus its own prompt, at the token budget left per step once every running sequence has
+    decoded its one token, at `step_s` a step. An idle engine answers 0: an idle lane is never
+    refused on a prediction."""
+    if num_waiting_tokens == 0 and num_running == 0:
+        return 0.0
+    prefill_per_step = max(1, max_num_batched_tokens - num_running)
+    steps = math.ceil((num_waiting_tokens + num_prompt_tokens) / prefill_per_step)
+    return steps * step_s
 
 
 class GenerationEngine:
@@ -127,16 +147,25 @@ class GenerationEngine:
     # -- requests --------------------------------------------------------------------------
 
     async def generate(
-        self, prompt_ids: Sequence[int], params: SamplingParams, *, priority: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        first_token_limit_s: float | None = None,
     ) -> AsyncIterator[Delta]:
         """Streams deltas until the sequence finishes. Closing the iterator (client cancel)
-        frees the sequence's KV blocks before the next step."""
+        frees the sequence's KV blocks before the next step. `first_token_limit_s`: seconds the
+        first token may take (the caller's remaining deadline, or the SLO for a model that sheds
+        past it); a busy engine predicted to miss it refuses at once (Overloaded with a retry
+        hint) instead of letting the caller time out."""
         if self._is_draining:
             raise Unavailable("worker is draining")
         try:
             params.validate(self.max_model_len, len(prompt_ids))
         except ValueError as error:
             raise InvalidInput(str(error)) from error
+        self._check_first_token(len(prompt_ids), first_token_limit_s)
         seq_id = next(self._seq_ids)
         now = self._clock()
         sequence = SchedSequence(
@@ -172,6 +201,24 @@ class GenerationEngine:
             if seq_id in self._requests:
                 # The consumer went away mid-stream: free the blocks before the next step.
                 self._cancel(seq_id)
+
+    def _check_first_token(self, num_prompt_tokens: int, limit_s: float | None) -> None:
+        if limit_s is None:
+            return
+        predicted_s = predicted_first_token_s(
+            num_waiting_tokens=self.num_waiting_tokens,
+            num_running=self.scheduler.num_running,
+            num_prompt_tokens=num_prompt_tokens,
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+            step_s=self._mean_step_s,
+        )
+        if predicted_s > limit_s:
+            self._metrics.rejected_total.labels(*self._labels).inc()
+            raise Overloaded(
+                f"generation request refused: first token predicted in {predicted_s:.3f}s,"
+                f" past the {limit_s:.3f}s it may take",
+                retry_after_s=predicted_s - limit_s,
+            )
 
     def _cancel(self, seq_id: int) -> None:
         self._requests.pop(seq_id, None)

@@ -183,6 +183,11 @@ class GenerationScheduler:
         return len(self._running)
 
     @property
+    def max_num_batched_tokens(self) -> int:
+        """Tokens one step may compute (decodes and prefill chunks together)."""
+        return self._config.max_num_batched_tokens
+
+    @property
     def num_free_blocks(self) -> int:
         """KV blocks owned by no sequence."""
         return self._allocator.num_free
