@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.installed
 # The stock Triton client (tests/support/kserve_client.py) runs in its own venv: its generated
 # `inference` protos clash with ours in one process. It declares no protobuf, so we name one.
 TRITON_VENV := .venv-triton
-# The Ray Serve peer (bench/peer_ray.py) runs in its own venv, built only by benchmark targets.
+# The Ray Serve peer (bench/fabric/peer_ray_server.py) runs in its own venv, built only by benchmark targets.
 RAY_VENV := .venv-ray
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated

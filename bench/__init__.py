@@ -1,0 +1,8 @@
+"""Benchmarks. Entry points (each a `make` target) are the modules at this level:
+
+- `python -m bench.raw_model` (`make bench-model`): the embedding model alone, in process.
+- `python -m bench.generation` (`make bench-generation`): continuous against static batching.
+- `python -m bench.fabric` (`make bench-fabric`, `make bench-smoke`): the whole fabric under load,
+  against batching off, a bare echo server and the Ray Serve peer. Its helpers live in the
+  `bench.fabric` package (stack, load generator, measurements, report, peer client and server).
+"""

@@ -172,7 +172,10 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         )
 
     async def ModelStreamInfer(self, request_iterator, context):  # type: ignore[no-untyped-def]
-        async for response in stream_infer(self._predictor, request_iterator, current_principal()):
+        responses = stream_infer(
+            self._predictor, request_iterator, current_principal(), context.time_remaining
+        )
+        async for response in responses:
             yield response
 
     async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]

@@ -12,15 +12,15 @@ import asyncio
 import json
 import math
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import InvalidInput, ServingError
+from services.common.pb_conversions import finish_reason_from_pb
 from services.gateway.auth import Principal
 from services.gateway.predictor import GenerateCall, Predictor
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import worker_pb2 as pb
 
-_FINISH_REASONS = {pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_STOP: "stop"}
 _SAMPLING_KEYS = {
     "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
 }  # fmt: skip
@@ -122,7 +122,10 @@ def _response(
 
 
 async def _generate_one(
-    predictor: Predictor, request: kserve.ModelInferRequest, principal: Principal
+    predictor: Predictor,
+    request: kserve.ModelInferRequest,
+    principal: Principal,
+    timeout_s: float | None,
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
@@ -140,11 +143,12 @@ async def _generate_one(
         sampling=_sampling(_scalar_bytes(request, "sampling_parameters")),
         principal=principal,
         request_id=request.id,
-        timeout_s=None,
+        timeout_s=timeout_s,
     )
     collected = [prompt] if include_prompt else []
     async for message in predictor.generate(call):
-        if message.finish_reason == pb.FINISH_REASON_UNSPECIFIED:
+        finish_reason = finish_reason_from_pb(message.finish_reason)
+        if finish_reason is None:
             if is_streaming:
                 yield _response(request, message.text, is_final=False)
             else:
@@ -155,7 +159,7 @@ async def _generate_one(
             request,
             text,
             is_final=True,
-            finish_reason=_FINISH_REASONS.get(message.finish_reason, "stop"),
+            finish_reason=finish_reason,
             prompt_tokens=message.prompt_tokens,
             completion_tokens=message.completion_tokens,
         )
@@ -165,15 +169,18 @@ async def stream_infer(
     predictor: Predictor,
     requests: AsyncIterator[kserve.ModelInferRequest],
     principal: Principal,
+    time_remaining: Callable[[], float | None],
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
     """Runs every request of the stream concurrently and yields their responses as they come.
     A request's error is reported in-band (`error_message`), as Triton does; the stream and the
-    other requests go on."""
+    other requests go on. Each request's deadline is what is left of the stream's when it
+    arrives (`time_remaining`: None without one, then the model's default applies)."""
     responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
 
     async def run(request: kserve.ModelInferRequest) -> None:
         try:
-            async for response in _generate_one(predictor, request, principal):
+            stream = _generate_one(predictor, request, principal, time_remaining())
+            async for response in stream:
                 await responses.put(response)
         except ServingError as error:
             await responses.put(

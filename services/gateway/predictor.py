@@ -13,7 +13,7 @@ import numpy as np
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.multiplex import MultiplexClient
-from services.common.registry import route_metadata
+from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata

@@ -26,8 +26,8 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.tracing import configure_tracing
+from services.gpu_worker.batching.driver import DriverConfig
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.scheduler import SchedulerConfig
 from services.gpu_worker.server import create_worker
 
 log = logging.getLogger("services.gpu_worker")
@@ -91,7 +91,7 @@ def parse_config(argv: list[str] | None = None) -> WorkerConfig:
         worker_id=args.worker_id or f"{socket.gethostname()}-{os.getpid()}",
         advertise_address=args.advertise_address,
         registry_prefix=args.registry_prefix,
-        scheduler=SchedulerConfig(
+        batching=DriverConfig(
             upstream_budget_s=args.upstream_budget_ms / 1000.0,
             max_wait_cap_s=args.max_wait_cap_ms / 1000.0,
         ),

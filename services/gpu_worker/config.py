@@ -5,8 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.heartbeat import HeartbeatConfig
-from services.gpu_worker.scheduler import SchedulerConfig
+from services.gpu_worker.batching.driver import DriverConfig
+
+
+@dataclass(frozen=True)
+class HeartbeatConfig:
+    period_s: float = 1.0
+    #: TTL of the record key (a safety net; routers judge liveness by the zset score).
+    ttl_s: float = 3.0
+    #: Longest pause between attempts while Redis is unreachable.
+    max_backoff_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -25,7 +33,7 @@ class WorkerConfig:
     torch_threads: int = 0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    batching: DriverConfig = field(default_factory=DriverConfig)
     #: Redis holding the worker registry; None runs the worker standalone (direct calls only).
     redis_url: str | None = None
     #: Registry key prefix (one prefix per fabric sharing a Redis).

@@ -18,29 +18,25 @@ from services.common.errors import FingerprintMismatch, InvalidInput, Unavailabl
 from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
 from services.common.model_repository import ModelKind, load_repository
 from services.common.multiplex import STREAM_METHOD, MultiplexServer
+from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
 from services.common.tracing import TracingInterceptor
 from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
+from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.loaded_models import AnyBackend, LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
-from services.gpu_worker.registration import Registration
-from services.gpu_worker.scheduler import BatchScheduler
+from services.gpu_worker.registry_publisher import RegistryPublisher
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-_KIND_PB = {
-    ModelKind.EMBEDDING: pb.MODEL_KIND_EMBEDDING,
-    ModelKind.TORCHSCRIPT: pb.MODEL_KIND_TORCHSCRIPT,
-    ModelKind.GENERATION: pb.MODEL_KIND_GENERATION,
-}
 
 
 def _raw_input(model_input: pb.ModelInput) -> RawInput:
@@ -54,9 +50,6 @@ def _raw_input(model_input: pb.ModelInput) -> RawInput:
     if which == "tensor":
         return tensor_from_pb(model_input.tensor)
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
-
-
-_FINISH_REASONS = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STOP}
 
 
 def _check_fingerprint(request_fingerprint: str, backend: AnyBackend) -> None:
@@ -78,7 +71,7 @@ def _version_info(backend: AnyBackend, *, is_ready: bool) -> pb.ModelVersionInfo
         model_name=config.name,
         model_version=backend.version.version,
         fingerprint=backend.fingerprint,
-        kind=_KIND_PB[config.kind],
+        kind=model_kind_to_pb(config.kind),
         max_batch_size=config.max_batch_size,
         slo_p99_ms=config.slo_p99_ms,
         length_buckets=list(backend.buckets) if isinstance(backend, Backend) and is_text else [],
@@ -99,7 +92,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     def __init__(self, device: str) -> None:
         self._device = device
         self._models: LoadedModels | None = None
-        self._scheduler: BatchScheduler | None = None
+        self._batching: BatchingDriver | None = None
         self._metrics: WorkerMetrics | None = None
         self.streams = MultiplexServer(
             self.Infer,
@@ -108,14 +101,14 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         )
 
     def attach(
-        self, models: LoadedModels, scheduler: BatchScheduler, metrics: WorkerMetrics
+        self, models: LoadedModels, batching: BatchingDriver, metrics: WorkerMetrics
     ) -> None:
-        self._models, self._scheduler, self._metrics = models, scheduler, metrics
+        self._models, self._batching, self._metrics = models, batching, metrics
 
     async def Infer(
         self, request: pb.InferRequest, context: grpc.aio.ServicerContext
     ) -> pb.InferResponse:
-        if self._models is None or self._scheduler is None or self._metrics is None:
+        if self._models is None or self._batching is None or self._metrics is None:
             raise Unavailable("worker is still loading models")
         backend = self._models.fixed_cost_backend(request.model_name, request.model_version)
         labels = (backend.config.name, backend.version.version)
@@ -132,7 +125,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if not request.fingerprint and any(isinstance(r, TokenIds) for r in raw):
                 raise InvalidInput("token_ids inputs require the tokenizer's fingerprint")
             rows = backend.prepare_many(raw)
-            outputs = await self._scheduler.submit(
+            outputs = await self._batching.submit(
                 backend,
                 rows,
                 timeout_s=context.time_remaining(),
@@ -185,7 +178,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             yield pb.GenerateResponse(
                 token_ids=delta.token_ids,
                 text=delta.text,
-                finish_reason=_FINISH_REASONS.get(delta.finish_reason or "", 0),
+                finish_reason=finish_reason_to_pb(delta.finish_reason),
                 prompt_tokens=delta.prompt_tokens,
                 completion_tokens=delta.completion_tokens,
             )
@@ -194,7 +187,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkerModelsResponse:
         backends = self._models.backends if self._models else ()
-        ready = self._scheduler is not None
+        ready = self._batching is not None
         return pb.ListWorkerModelsResponse(
             versions=[_version_info(b, is_ready=ready) for b in backends], device=self._device
         )
@@ -212,40 +205,40 @@ class Worker:
     servicer: WorkerServicer
     metrics: WorkerMetrics
     generation_metrics: GenerationMetrics
-    scheduler: BatchScheduler | None = None
+    batching: BatchingDriver | None = None
     models: LoadedModels | None = None
-    registration: Registration | None = None
+    registry_publisher: RegistryPublisher | None = None
 
     async def load(self) -> None:
         """Loads every version in the repository and warms it up, off the event loop."""
         device = select_device()
 
-        def load_and_warm() -> tuple[LoadedModels, BatchScheduler]:
+        def load_and_warm() -> tuple[LoadedModels, BatchingDriver]:
             versions = load_repository(self.config.model_repository)
             models = LoadedModels(load_versions(versions, device, self.generation_metrics))
-            scheduler = BatchScheduler(models.fixed_cost, self.config.scheduler, self.metrics)
-            scheduler.warm_up()
+            batching = BatchingDriver(models.fixed_cost, self.config.batching, self.metrics)
+            batching.warm_up()
             for backend in models.generation:
                 backend.warm_up()
-            return models, scheduler
+            return models, batching
 
-        models, scheduler = await _in_daemon_thread(load_and_warm)
+        models, batching = await _in_daemon_thread(load_and_warm)
         # Everything loaded so far (weights, tokenizers, the torch runtime) lives as long as
         # the process: out of the collector's view, a full collection no longer walks it
         # while requests wait (tens of ms per collection otherwise, as latency spikes).
         gc.collect()
         gc.freeze()
-        self.scheduler = scheduler
+        self.batching = batching
         self.models = models
-        scheduler.start()
+        batching.start()
         for backend in models.generation:
             backend.engine.start()
-        self.servicer.attach(models, scheduler, self.metrics)
+        self.servicer.attach(models, batching, self.metrics)
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
-            self.registration = Registration(self.config, address, models, scheduler)
-            self.registration.start()
+            self.registry_publisher = RegistryPublisher(self.config, address, models, batching)
+            self.registry_publisher.start()
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
@@ -258,17 +251,17 @@ class Worker:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""
         await self.health.enter_graceful_shutdown()
-        if self.registration is not None:
-            self.registration.mark_draining()
+        if self.registry_publisher is not None:
+            self.registry_publisher.mark_draining()
         drains = [b.engine.drain() for b in self.models.generation] if self.models else []
-        if self.scheduler is not None:
-            drains.append(self.scheduler.drain())
+        if self.batching is not None:
+            drains.append(self.batching.drain())
         try:
             await asyncio.wait_for(asyncio.gather(*drains), self.config.drain_grace_s)
         except TimeoutError:
             log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
-        if self.registration is not None:
-            await self.registration.close()
+        if self.registry_publisher is not None:
+            await self.registry_publisher.close()
         self.servicer.streams.close()  # answered everything admitted: end the streams too
         await self.server.stop(grace=1.0)
 

@@ -17,7 +17,7 @@ import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.multiplex import CHANNEL_OPTIONS, CallContext, MultiplexClient
-from services.common.registry import parse_route_metadata
+from services.common.registry_schema import parse_route_metadata
 from services.common.telemetry import count_outcome
 from services.common.tracing import outgoing_metadata
 from services.router.metrics import RouterMetrics

@@ -18,7 +18,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.registry import ModelRecord, WorkerRecord
+from services.common.registry_schema import ModelRecord, WorkerRecord
 
 
 @dataclass(frozen=True)

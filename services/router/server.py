@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import logging
 import random
-import time
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
 from prometheus_client import CollectorRegistry
 
-from services.common.heartbeat import connect
 from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
@@ -20,13 +18,14 @@ from services.common.lifecycle import (
     set_serving,
 )
 from services.common.multiplex import STREAM_METHOD, MultiplexServer
-from services.common.registry import RegistryKeys
+from services.common.registry_schema import RegistryKeys, connect
 from services.common.tracing import TracingInterceptor
 from services.pb.inference.v1 import worker_pb2 as pb
+from services.router.catalog import Catalog
 from services.router.config import RouterConfig
 from services.router.forwarder import Forwarder
 from services.router.metrics import RouterMetrics
-from services.router.registry_sync import RegistrySync
+from services.router.registry_reader import RegistrySync
 from services.router.routing import RetryBudget, RouteTable
 
 log = logging.getLogger(__name__)
@@ -36,39 +35,6 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 #: status stays SERVING then: routing continues from the last snapshot, and a liveness probe
 #: must not restart routers because Redis is down.
 REGISTRY_HEALTH_NAME = "fabric.registry"
-_KINDS = {
-    "embedding": pb.MODEL_KIND_EMBEDDING,
-    "torchscript": pb.MODEL_KIND_TORCHSCRIPT,
-    "generation": pb.MODEL_KIND_GENERATION,
-}
-
-
-class Catalog:
-    """Answers ListModels with every version some live worker serves."""
-
-    def __init__(self, table: RouteTable) -> None:
-        self._table = table
-
-    async def list_models(
-        self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
-    ) -> pb.ListWorkerModelsResponse:
-        versions = []
-        for served in self._table.served_models(time.monotonic()).values():
-            _, model = served[0]
-            is_ready = any(m.is_ready and not w.is_draining for w, m in served)
-            versions.append(
-                pb.ModelVersionInfo(
-                    model_name=model.name,
-                    model_version=model.version,
-                    fingerprint=model.fingerprint,
-                    tokenizer_fingerprint=model.tokenizer_fingerprint,
-                    kind=_KINDS.get(model.kind, pb.MODEL_KIND_UNSPECIFIED),
-                    max_batch_size=model.max_batch_size,
-                    slo_p99_ms=model.slo_p99_ms,
-                    is_ready=is_ready,
-                )
-            )
-        return pb.ListWorkerModelsResponse(versions=versions, device="router")
 
 
 @dataclass

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from bench.loadgen import OK, Outcome, poisson_schedule, run_closed_loop, run_open_loop
-from bench.targets import make_mixed_texts
+from bench.fabric.loadgen import OK, Outcome, poisson_schedule, run_closed_loop, run_open_loop
+from bench.fabric.targets import make_mixed_texts
 from services.common.model_repository import load_repository
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc

@@ -62,7 +62,7 @@ async def until_executing(worker: Worker) -> None:
     """Returns once a batch is on the executor: requests sent after this are queued behind it.
     Dispatch happens inside the worker and cannot be awaited from a client, so poll (<= 10 s)."""
     for _ in range(1000):
-        if worker.scheduler.is_executing:
+        if worker.batching.is_executing:
             return
         await asyncio.sleep(0.01)
     raise AssertionError("no batch started executing within 10 s")
@@ -214,7 +214,7 @@ async def test_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Pa
         await worker.load()
         assert await health_status(address) == health_pb2.HealthCheckResponse.SERVING
         await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=5)
-        worker.scheduler.begin_drain()
+        worker.batching.begin_drain()
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=5)
         assert raised.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -20,10 +20,9 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.common.heartbeat import HeartbeatConfig
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway, create_gateway
-from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 import pytest
 
-from bench.loadgen import (
+from bench.fabric.loadgen import (
     CLIENT_TIMEOUT,
     LATE_THRESHOLD_S,
     OK,
@@ -23,7 +23,7 @@ from bench.loadgen import (
     split_windows,
     status_of,
 )
-from bench.sweep import GoodputSearch, percentile, summarize_rate, window_stats
+from bench.fabric.sweep import GoodputSearch, percentile, summarize_rate, window_stats
 
 SLO_S = 0.25
 

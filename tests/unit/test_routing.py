@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services.common.registry import ModelRecord, WorkerRecord
+from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.router.routing import (
     Reject,
     RejectReason,

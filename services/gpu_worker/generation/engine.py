@@ -23,10 +23,11 @@ import torch
 from tokenizers import Tokenizer
 
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
+from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.generation.sampling import Sampler, SamplingParams, make_generator
+from services.gpu_worker.generation.sampler import Sampler, make_generator
 from services.gpu_worker.generation.scheduler import (
     GenerationScheduler,
     Rejected,

@@ -21,7 +21,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.gpu_worker.generation.block_manager import BlockAllocator
+from services.gpu_worker.generation.block_allocator import BlockAllocator
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from services.gpu_worker.batching.batcher import Batcher
 from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import (
     Admitted,
     BatcherConfig,

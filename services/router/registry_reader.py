@@ -1,4 +1,5 @@
-"""Keeps the route table's registry snapshot fresh: one pipelined Redis read per period.
+"""The router's side of the registry: keeps the route table's registry snapshot fresh, one
+pipelined Redis read per period.
 
 When Redis is unreachable the last good snapshot stays in force (the route table bounds how
 long), health reports the registry degraded, and reads retry with capped backoff.
@@ -14,8 +15,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.heartbeat import read_registry
-from services.common.registry import RegistryKeys
+from services.common.registry_schema import RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
 
@@ -79,3 +79,30 @@ class RegistrySync:
             if not is_degraded:
                 log.info("registry: Redis reachable again")
             await self._on_degraded_change(is_degraded)
+
+
+async def read_registry(
+    client: aioredis.Redis, keys: RegistryKeys
+) -> tuple[list[tuple[WorkerRecord, float]], float]:
+    """Every registered worker with its heartbeat time, and Redis's `now`, both in seconds.
+
+    Two round trips (ids+scores+time, then records), once per refresh period: never per request.
+    """
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.zrange(keys.workers, 0, -1, withscores=True)
+        pipe.time()
+        members, (seconds, micros) = await pipe.execute()
+    now_s = seconds + micros / 1e6
+    if not members:
+        return [], now_s
+    ids = [m.decode() if isinstance(m, bytes) else m for m, _ in members]
+    raw_records = await client.mget([keys.worker(i) for i in ids])
+    records = []
+    for (_, score_ms), raw in zip(members, raw_records, strict=True):
+        if raw is None:
+            continue  # record key expired: the worker stopped long ago
+        try:
+            records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("skipping malformed registry record: %s", error)
+    return records, now_s

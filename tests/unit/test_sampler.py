@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from services.gpu_worker.generation.sampling import Sampler, SamplingParams, make_generator
+from services.common.sampling import SamplingParams
+from services.gpu_worker.generation.sampler import Sampler, make_generator
 
 VOCAB = 50
 

@@ -1,35 +1,106 @@
-"""The worker's entry in the router registry: what it serves, how loaded it is, whether it
-drains. Published by a heartbeat task; never on the request path."""
+"""The worker's side of the registry: its entry (what it serves, how loaded it is, whether it
+drains), published by a heartbeat task in Redis (services.common.registry_schema), never on the
+request path. Scored by Redis's own clock (`TIME`), so worker and router clocks never need to
+agree."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import Callable
 
-from services.common.heartbeat import HeartbeatPublisher, connect
-from services.common.registry import ModelRecord, RegistryKeys, WorkerRecord
-from services.gpu_worker.config import WorkerConfig
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.common.registry_schema import ModelRecord, RegistryKeys, WorkerRecord, connect
+from services.gpu_worker.batching.driver import BatchingDriver
+from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.loaded_models import LoadedModels
-from services.gpu_worker.scheduler import BatchScheduler
 
 log = logging.getLogger(__name__)
 
+# Score = Redis server time in ms, taken inside the script so the write is one atomic step.
+_PUBLISH = """
+local now = redis.call('TIME')
+local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
+redis.call('ZADD', KEYS[1], ms, ARGV[1])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+return ms
+"""
 
-class Registration:
+
+class HeartbeatPublisher:
+    """Writes `record()` every period until stopped; never raises on Redis errors."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        keys: RegistryKeys,
+        config: HeartbeatConfig,
+        record: Callable[[], WorkerRecord],
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._config = config
+        self._record = record
+        self._script = client.register_script(_PUBLISH)
+        self._wake = asyncio.Event()
+        self.is_connected = False
+
+    async def publish_once(self) -> None:
+        record = self._record()
+        await self._script(
+            keys=[self._keys.workers, self._keys.worker(record.worker_id)],
+            args=[record.worker_id, record.to_json(), int(self._config.ttl_s * 1000)],
+        )
+
+    def publish_soon(self) -> None:
+        """Publish now rather than at the next period (e.g. when draining starts)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                await self.publish_once()
+                if not self.is_connected:
+                    log.info("heartbeat: registered in Redis")
+                self.is_connected, failures = True, 0
+            except (RedisError, OSError) as error:
+                if self.is_connected or failures == 0:
+                    log.warning("heartbeat: Redis unreachable (%s); retrying with backoff", error)
+                self.is_connected = False
+                failures += 1
+            period_s = self._config.period_s
+            delay_s = period_s * 2 ** max(0, failures - 1) if failures else period_s
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), min(self._config.max_backoff_s, delay_s))
+
+    async def deregister(self, worker_id: str) -> None:
+        try:
+            await self._client.zrem(self._keys.workers, worker_id)
+            await self._client.delete(self._keys.worker(worker_id))
+        except (RedisError, OSError) as error:
+            log.warning("could not deregister %s (%s); its entry will go stale", worker_id, error)
+
+
+class RegistryPublisher:
     def __init__(
         self,
         config: WorkerConfig,
         address: str,
         models: LoadedModels,
-        scheduler: BatchScheduler,
+        batching: BatchingDriver,
     ) -> None:
         assert config.redis_url is not None
         self._worker_id = config.worker_id
         self._address = address
         self._models = models
-        self._scheduler = scheduler
+        self._batching = batching
         self._is_draining = False
         self._client = connect(config.redis_url)
         self._publisher = HeartbeatPublisher(
@@ -63,7 +134,7 @@ class Registration:
     def record(self) -> WorkerRecord:
         models = [self._generation_record(b) for b in self._models.generation]
         for backend in self._models.fixed_cost:
-            load = self._scheduler.load_report(backend)
+            load = self._batching.load_report(backend)
             models.append(
                 ModelRecord(
                     name=backend.config.name,

@@ -7,7 +7,7 @@ In one run, on one machine: (1) the raw in-process model throughput at batch siz
 worker, closed loop, same client, same payload size (the serving overhead); (4) the stack with
 batching off (max_batch_size 1) and (5) on (the model's own config), each swept for goodput
 with Poisson arrivals; (6) overload at multiples of the batching-on goodput; (7) optionally
-the same model served by Ray Serve (bench/peer.py). Every stack serves minilm with its
+the same model served by Ray Serve (bench/fabric/peer_client.py). Every stack serves minilm with its
 default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16 tokens).
 
 Prints progress and a final table; writes bench/results/fabric.json and fabric.png (with
@@ -30,7 +30,7 @@ from typing import Any
 
 import grpc
 
-from bench.measure import (
+from bench.fabric.measure import (
     Progress,
     Settings,
     Target,
@@ -41,16 +41,16 @@ from bench.measure import (
     sweep,
     wait_quiet,
 )
-from bench.observe import Observer
-from bench.report import format_table, goals, max_outside_share, summarize, write_plot
-from bench.stack import (
+from bench.fabric.observe import Observer
+from bench.fabric.report import format_table, goals, max_outside_share, summarize, write_plot
+from bench.fabric.stack import (
     REPO_ROOT,
     start_echo,
     start_stack,
     write_identity_model,
     write_minilm_repository,
 )
-from bench.targets import (
+from bench.fabric.targets import (
     MAX_TOKENS,
     MIN_TOKENS,
     PASSAGE_WORDS,
@@ -90,10 +90,11 @@ class PeerUnavailable(RuntimeError):
 def load_peer() -> type:
     """The Ray Serve peer class, or a clear reason it cannot run (checked before measuring)."""
     try:
-        from bench.peer import RayServePeer  # type: ignore[import-not-found]
+        from bench.fabric.peer_client import RayServePeer  # type: ignore[import-not-found]
     except ImportError as error:
         raise PeerUnavailable(
-            f"--peer needs bench/peer.py with RayServePeer ({error}); pass --no-peer to skip it"
+            f"--peer needs bench/fabric/peer_client.py with RayServePeer ({error});"
+            " pass --no-peer to skip it"
         ) from None
     if not RAY_STAMP.exists():
         raise PeerUnavailable(
@@ -114,7 +115,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         "--peer",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="also measure the Ray Serve peer (needs bench/peer.py and .venv-ray)",
+        help="also measure the Ray Serve peer (needs bench/fabric/peer_client.py and .venv-ray)",
     )
     parser.add_argument("--warmup-s", type=float, help="warm-up per rate (s)")
     parser.add_argument("--window-s", type=float, help="length of one measured window (s)")
@@ -335,7 +336,7 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
     if peer_class is None:
         report["configs"]["peer"] = {"skipped": "not run (--no-peer)"}
     else:
-        log("[peer] starting Ray Serve (bench/peer.py)")
+        log("[peer] starting Ray Serve (bench/fabric/peer_client.py)")
         async with peer_class() as peer:
             log(f"[peer] ready in {peer.startup_s:.0f} s: {peer.settings}")
             quiet["peer"] = await wait_quiet(log, settings.wait_quiet_s)

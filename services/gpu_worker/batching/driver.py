@@ -1,6 +1,6 @@
 """The async driver around the pure batching policy.
 
-One `BatchScheduler` per device. It owns one executor thread (the event loop never blocks on
+One `BatchingDriver` per device. It owns one executor thread (the event loop never blocks on
 compute), one `Batcher` + `LatencyModel` per loaded model version (a "lane"), and the futures
 of queued rows. Its loop is: ask each lane's batcher what to do, fail what expired, hand at most
 one batch to the executor, then sleep until the batcher's wake-up time or the next event.
@@ -15,41 +15,35 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from services.common.errors import (
     DeadlineExceeded,
     ExecutionFailed,
-    Overloaded,
     Unavailable,
 )
-from services.common.tracing import TraceContext, batch_span, current_span_context
+from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.backends.base import Backend, PreparedRow
-from services.gpu_worker.batching.batcher import Batcher
+from services.gpu_worker.batching.lane import Lane, LoadReport, Pending, warm_up_lane
 from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import (
     BatcherConfig,
     BatchKey,
     Dispatch,
     QueuedItem,
     Rejected,
-    RejectReason,
 )
 from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-#: Weight of one row in the lane's per-row cost EWMA (a batch of n rows weighs about n rows).
-ROW_COST_ALPHA = 0.02
-#: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
-WARMUP_RUNS_PER_SHAPE = 2
-
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class DriverConfig:
     """Worker-wide batching settings; per-model ones come from the model repository."""
 
     #: Part of each model's SLO reserved for gateway, router and the hops both ways. Measured
@@ -62,53 +56,11 @@ class SchedulerConfig:
     max_wait_cap_s: float = 0.05
 
 
-@dataclass
-class _Pending:
-    """Driver-side state of one queued row."""
-
-    row: PreparedRow
-    future: asyncio.Future[np.ndarray]
-    #: Cumulative executor-busy seconds when the row was queued; the difference at dispatch is
-    #: the row's backlog, the rest of its wait is linger.
-    busy_s_at_arrival: float
-    #: The submitting request's span, which the batch span running this row links to.
-    trace_context: TraceContext
-
-
-@dataclass(frozen=True)
-class LoadReport:
-    """What routers need to predict a version's wait on this worker (sent in heartbeats)."""
-
-    queued_rows: int
-    #: Predicted compute per row at full batches, averaged over recent traffic's buckets: the
-    #: marginal cost of queued work.
-    per_row_s: float
-    #: Predicted compute of one row of the smallest bucket alone: the floor of any request's
-    #: latency.
-    min_batch_s: float
-
-
-@dataclass
-class _Lane:
-    backend: Backend
-    batcher: Batcher
-    latency: LatencyModel
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    #: EWMA over dispatched rows of the predicted per-row cost of their key at full batches:
-    #: the marginal cost of a row of this lane's traffic mix, for load reports. None until the
-    #: first batch.
-    row_cost_s: float | None = None
-
-    @property
-    def labels(self) -> tuple[str, str]:
-        return (self.backend.config.name, self.backend.version.version)
-
-
-class BatchScheduler:
+class BatchingDriver:
     def __init__(
         self,
         backends: Sequence[Backend],
-        config: SchedulerConfig,
+        config: DriverConfig,
         metrics: WorkerMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -129,7 +81,7 @@ class BatchScheduler:
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
 
-    def _lane_for(self, backend: Backend) -> _Lane:
+    def _lane_for(self, backend: Backend) -> Lane:
         model = backend.config
         batcher_config = BatcherConfig(
             max_batch_size=model.max_batch_size,
@@ -142,7 +94,7 @@ class BatchScheduler:
         )
         latency = LatencyModel()
         self._metrics.declare_model(model.name, backend.version.version)
-        return _Lane(backend=backend, batcher=Batcher(batcher_config, latency), latency=latency)
+        return Lane(backend=backend, batcher=Batcher(batcher_config, latency), latency=latency)
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
         return BatchKey(
@@ -165,26 +117,12 @@ class BatchScheduler:
 
     def _warm_up(self) -> None:
         for lane in self._order:
-            backend = lane.backend
-            backend.run(backend.warmup_rows(backend.buckets[0], 1))  # allocator, lazy init
-            for bucket in backend.buckets:
-                key = self.key_for(backend, bucket)
-                limit = lane.batcher.shape_limit(key)
-                sizes = sorted({*(1 << i for i in range(limit.bit_length())), limit})
-                for size in sizes:
-                    rows = backend.warmup_rows(bucket, size)
-                    runs_s = []
-                    for _ in range(WARMUP_RUNS_PER_SHAPE):
-                        start = time.perf_counter()
-                        backend.run(rows)
-                        runs_s.append(time.perf_counter() - start)
-                    lane.latency.observe(key, size, min(runs_s))
-                    if min(runs_s) > lane.batcher.batch_compute_budget_s:
-                        break  # bigger batches of this bucket would never be formed here
-                self._export_gauges(lane, key)
+            warm_up_lane(lane, self.key_for)
+            for bucket in lane.backend.buckets:
+                self._export_gauges(lane, self.key_for(lane.backend, bucket))
             log.info("warmed up %s/%s", *lane.labels)
 
-    def _export_gauges(self, lane: _Lane, key: BatchKey) -> None:
+    def _export_gauges(self, lane: Lane, key: BatchKey) -> None:
         labels = (*lane.labels, str(key.bucket))
         self._metrics.max_wait_seconds.labels(*labels).set(lane.batcher.max_wait_s(key))
         self._metrics.max_batch_size.labels(*labels).set(lane.batcher.max_batch_size_for(key))
@@ -271,8 +209,10 @@ class BatchScheduler:
                 decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
                 if isinstance(decision, Rejected):
                     self._metrics.rejected_total.labels(*lane.labels, decision.reason.value).inc()
-                    raise self._rejection(lane, item.key, decision.reason)
-                lane.pending[item.item_id] = _Pending(
+                    raise lane.rejection(
+                        item.key, decision.reason, now, self._running_until_s or now
+                    )
+                lane.pending[item.item_id] = Pending(
                     row, loop.create_future(), busy_s, trace_context=current_span_context()
                 )
                 item_ids.append(item.item_id)
@@ -282,26 +222,7 @@ class BatchScheduler:
         finally:
             self._withdraw(lane, item_ids)
 
-    def _rejection(self, lane: _Lane, key: BatchKey, reason: RejectReason) -> Exception:
-        if reason is RejectReason.DRAINING:
-            return Unavailable("worker is draining")
-        if reason is RejectReason.DEADLINE:
-            now = self._clock()
-            finish_s = lane.batcher.predicted_finish_s(key, max(now, self._running_until_s or now))
-            limit = "its SLO" if lane.backend.config.shed_past_slo else "the request's deadline"
-            return Overloaded(
-                f"{key.model}/{key.version}: predicted to finish {finish_s - now:.3f}s from now, "
-                f"past {limit}",
-                retry_after_s=finish_s - now,
-            )
-        limit = lane.batcher.max_batch_size_for(key)
-        retry_after_s = lane.latency.per_item_s(key, limit) * lane.batcher.num_queued
-        return Overloaded(
-            f"{key.model}/{key.version} queue is full ({lane.batcher.num_queued} rows)",
-            retry_after_s=retry_after_s,
-        )
-
-    def _withdraw(self, lane: _Lane, item_ids: list[int]) -> None:
+    def _withdraw(self, lane: Lane, item_ids: list[int]) -> None:
         """Forgets the rows of a finished, failed or cancelled request; still-queued rows are
         removed from the batcher so they never run."""
         for item_id in item_ids:
@@ -346,7 +267,7 @@ class BatchScheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout_s)
 
-    def _expire(self, lane: _Lane, expired: Sequence[QueuedItem]) -> None:
+    def _expire(self, lane: Lane, expired: Sequence[QueuedItem]) -> None:
         for item in expired:
             pending = lane.pending.get(item.item_id)
             if pending is not None and not pending.future.done():
@@ -355,7 +276,7 @@ class BatchScheduler:
                 )
             self._metrics.dropped_total.labels(*lane.labels, "expired").inc()
 
-    def _dispatch(self, lane: _Lane, dispatch: Dispatch, now: float) -> None:
+    def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:
         busy_s = self._busy_s(now)
         rows = []
         for item in dispatch.items:
@@ -373,7 +294,7 @@ class BatchScheduler:
         )
 
     async def _execute(
-        self, lane: _Lane, dispatch: Dispatch, rows: list[PreparedRow], *, started: float
+        self, lane: Lane, dispatch: Dispatch, rows: list[PreparedRow], *, started: float
     ) -> None:
         """Runs one batch. `started` is the dispatch instant: compute is timed from it, so a
         row's linger + backlog + compute equals its latency exactly."""
@@ -416,7 +337,7 @@ class BatchScheduler:
 
     def _record_batch(
         self,
-        lane: _Lane,
+        lane: Lane,
         dispatch: Dispatch,
         rows: list[PreparedRow],
         results: list[np.ndarray | Exception],
@@ -428,12 +349,7 @@ class BatchScheduler:
             self._metrics.row_compute_seconds.labels(*labels).observe(compute_s)
             self._metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
-        row_cost_s = lane.latency.per_item_s(dispatch.key, limit)
-        if lane.row_cost_s is None:
-            lane.row_cost_s = row_cost_s
-        else:
-            weight = 1.0 - (1.0 - ROW_COST_ALPHA) ** len(rows)
-            lane.row_cost_s += weight * (row_cost_s - lane.row_cost_s)
+        lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
         if failures == 0:

@@ -16,9 +16,9 @@ import grpc
 import numpy as np
 from tokenizers import Tokenizer
 
-from bench.echo import echo_stub
-from bench.loadgen import Send
-from bench.stack import IDENTITY_DIMS
+from bench.fabric.echo_server import echo_stub
+from bench.fabric.loadgen import Send
+from bench.fabric.stack import IDENTITY_DIMS
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as wpb

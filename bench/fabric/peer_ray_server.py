@@ -1,6 +1,6 @@
 """The peer: MiniLM served by Ray Serve with `@serve.batch`, for side-by-side benchmarks.
 
-    .venv-ray/bin/python bench/peer_ray.py --port P [--max-batch-size 32]
+    .venv-ray/bin/python bench/fabric/peer_ray_server.py --port P [--max-batch-size 32]
         [--batch-wait-timeout-s 0.01] [--num-cpus 2] [--max-ongoing-requests N]
         [--max-queued-requests N]
 

@@ -13,8 +13,6 @@ import torch
 
 from services.common.sampling import SamplingParams
 
-__all__ = ["Sampler", "SamplingParams", "make_generator"]
-
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     """The request's own RNG, created once and advanced by each sample; None when the request is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.generation.block_manager import BlockAllocator
+from services.gpu_worker.generation.block_allocator import BlockAllocator
 
 
 def test_allocate_and_free_move_blocks_between_free_and_allocated() -> None:

@@ -1,6 +1,6 @@
 """A bare grpc.aio echo server: the ceiling the fabric's serving overhead is measured against.
 
-    python -m bench.echo [--port 0] [--ready-file PATH]
+    python -m bench.fabric.echo_server [--port 0] [--ready-file PATH]
 
 One process, one generic unary handler (`/bench.Echo/Echo`), bytes in and the same bytes out:
 no protobuf parsing, no auth, no metrics, no hops. The fabric's identity-model run sends a
@@ -54,7 +54,7 @@ async def serve(port: int, ready_file: Path | None) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.echo",
+        prog="python -m bench.fabric.echo_server",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

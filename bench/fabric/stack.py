@@ -21,7 +21,7 @@ import torch
 
 from services.common.lifecycle import terminate_process
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 
 
@@ -112,9 +112,9 @@ def start_stack(
 
 
 def start_echo(state_dir: Path) -> Processes:
-    """The bare grpc.aio echo server (bench/echo.py) in its own process, like a tier."""
+    """The bare grpc.aio echo server (bench.fabric.echo_server) in its own process, like a tier."""
     ready_file = state_dir / "echo-ready.json"
-    argv = [sys.executable, "-m", "bench.echo", "--ready-file", str(ready_file)]
+    argv = [sys.executable, "-m", "bench.fabric.echo_server", "--ready-file", str(ready_file)]
     return _launch(argv, state_dir, ready_file, timeout_s=60.0)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import (
+from bench.fabric.loadgen import (
     Send,
     generator_priority,
     paused_gc,
@@ -22,8 +22,8 @@ from bench.loadgen import (
     run_open_loop,
     split_windows,
 )
-from bench.observe import Observer, Snapshot, breakdown, cpu_delta
-from bench.sweep import GoodputSearch, RateResult, percentile, summarize_rate
+from bench.fabric.observe import Observer, Snapshot, breakdown, cpu_delta
+from bench.fabric.sweep import GoodputSearch, RateResult, percentile, summarize_rate
 
 #: The first guess for the sweep, as a share of closed-loop throughput: an open-loop server
 #: holds its SLO a little below the rate at which it is saturated.
@@ -58,7 +58,7 @@ class Settings:
     length_buckets: tuple[int, ...] | None
     seed: int
     #: How the generator runs ahead of the stack in open-loop runs: "rr", "nice" or "none"
-    #: (see bench.loadgen.generator_priority).
+    #: (see bench.fabric.loadgen.generator_priority).
     loadgen_priority: str = "rr"
     #: Before each phase (and before re-measuring), wait up to this long for other processes
     #: to leave the CPU.

@@ -15,6 +15,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+import redis.asyncio as aioredis
+
 
 @dataclass(frozen=True)
 class ModelRecord:
@@ -110,3 +112,10 @@ def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | 
     if not name or not version or not rows.isdigit() or int(rows) < 1:
         return None
     return name, version, int(rows)
+
+
+def connect(url: str, *, timeout_s: float = 0.5) -> aioredis.Redis:
+    """A client whose calls fail fast: a slow or dead Redis must never stall the event loop."""
+    return aioredis.Redis.from_url(
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+    )

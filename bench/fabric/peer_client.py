@@ -4,12 +4,13 @@
         await peer.send("hello world")            # one POST /embed; raises unless 200
         vector = await peer.embed("hello world")  # the same, returning the 384 floats
 
-The server is bench/peer_ray.py, run by the Ray venv's python (`make .venv-ray/.installed`),
-never imported here: Ray Serve and its pins stay out of this venv. The client is asyncio HTTP/1.1
-over a pool of persistent keep-alive connections (no new dependency): a few are opened before
-the first send, more on demand up to `max_connections`, each carrying one request at a time.
-Like a gRPC channel, it neither reconnects per request nor queues requests behind a fixed
-handful of connections, so the client adds about what a gRPC channel adds.
+The server is bench/fabric/peer_ray_server.py, run by the Ray venv's python
+(`make .venv-ray/.installed`), never imported here: Ray Serve and its pins stay out of this
+venv. The client is asyncio HTTP/1.1 over a pool of persistent keep-alive connections (no new
+dependency): a few are opened before the first send, more on demand up to `max_connections`,
+each carrying one request at a time. Like a gRPC channel, it neither reconnects per request
+nor queues requests behind a fixed handful of connections, so the client adds about what a
+gRPC channel adds.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_VENV = REPO_ROOT / ".venv-ray"
-SERVER_SCRIPT = Path(__file__).resolve().parent / "peer_ray.py"
+SERVER_SCRIPT = Path(__file__).resolve().parent / "peer_ray_server.py"
 ROUTE = "/embed"
 
 
@@ -43,7 +44,7 @@ class _Code:
 
 class PeerHTTPError(Exception):
     """A non-200 answer. `code().name` is "HTTP_<status>", which is how the load generator
-    (bench.loadgen.status_of) records rejections by status code."""
+    (bench.fabric.loadgen.status_of) records rejections by status code."""
 
     def __init__(self, status: int, body: bytes) -> None:
         super().__init__(f"HTTP {status}: {body[:200]!r}")
@@ -230,7 +231,7 @@ def _cpu_seconds(pid: int) -> tuple[str, float] | None:
 
 
 class RayServePeer:
-    """Starts bench/peer_ray.py in the Ray venv and sends it requests.
+    """Starts bench/fabric/peer_ray_server.py in the Ray venv and sends it requests.
 
     All settings are stated in `settings` (for the results file). `send(text)` raises
     PeerHTTPError on a non-200 answer and ConnectionError when the peer is unreachable.

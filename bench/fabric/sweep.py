@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.loadgen import MAX_LATE_FRACTION, Outcome
+from bench.fabric.loadgen import MAX_LATE_FRACTION, Outcome
 
 #: Share of requests that must succeed within the SLO for a rate to count as served.
 GOOD_FRACTION = 0.99

@@ -1,0 +1,39 @@
+"""The router's fleet catalog: ListModels answered from the registry snapshot."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from services.common.pb_conversions import model_kind_to_pb
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.router.routing import RouteTable
+
+
+class Catalog:
+    """Answers ListModels with every version some live worker serves."""
+
+    def __init__(self, table: RouteTable) -> None:
+        self._table = table
+
+    async def list_models(
+        self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListWorkerModelsResponse:
+        versions = []
+        for served in self._table.served_models(time.monotonic()).values():
+            _, model = served[0]
+            is_ready = any(m.is_ready and not w.is_draining for w, m in served)
+            versions.append(
+                pb.ModelVersionInfo(
+                    model_name=model.name,
+                    model_version=model.version,
+                    fingerprint=model.fingerprint,
+                    tokenizer_fingerprint=model.tokenizer_fingerprint,
+                    kind=model_kind_to_pb(model.kind),
+                    max_batch_size=model.max_batch_size,
+                    slo_p99_ms=model.slo_p99_ms,
+                    is_ready=is_ready,
+                )
+            )
+        return pb.ListWorkerModelsResponse(versions=versions, device="router")
