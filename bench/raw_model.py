@@ -21,7 +21,7 @@ from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import select_device
 
 
-def measure(backend, num_tokens: int, batch_size: int, seconds: float) -> float:  # type: ignore[no-untyped-def]
+def measure(backend, num_tokens: int, batch_size: int, seconds: float) -> float:
     rows = backend.warmup_rows(num_tokens, batch_size)
     backend.run(rows)  # warm
     done, start = 0, time.perf_counter()

@@ -22,7 +22,7 @@ def _metadata(api_key: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m services.client",
         description=__doc__,
@@ -46,34 +46,25 @@ def main(argv: list[str] | None = None) -> int:
     embed.add_argument("--version", default="", help="number or label (default: stable)")
     embed.add_argument("--full", action="store_true", help="print whole vectors, not 8 values")
     commands.add_parser("models", help="list the models this key may use")
-    args = parser.parse_args(argv)
+    return parser
 
-    with grpc.insecure_channel(args.address) as channel:
-        stub = api_grpc.InferenceServiceStub(channel)
-        try:
-            if args.command == "models":
-                reply = stub.ListModels(
-                    api.ListModelsRequest(),
-                    timeout=args.timeout_s,
-                    metadata=_metadata(args.api_key),
-                )
-                for model in reply.models:
-                    versions = [f"{v.model_version}@{v.fingerprint}" for v in model.versions]
-                    print(
-                        json.dumps(
-                            {"name": model.name, "versions": versions, "labels": dict(model.labels)}
-                        )
-                    )
-                return 0
-            request = api.PredictRequest(
-                model_name=args.model,
-                model_version=args.version,
-                inputs=[api.PredictInput(text=t) for t in args.texts],
-            )
-            reply = stub.Predict(request, timeout=args.timeout_s, metadata=_metadata(args.api_key))
-        except grpc.RpcError as error:
-            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
-            return 1
+
+def _print_models(stub: api_grpc.InferenceServiceStub, args: argparse.Namespace) -> None:
+    reply = stub.ListModels(
+        api.ListModelsRequest(), timeout=args.timeout_s, metadata=_metadata(args.api_key)
+    )
+    for model in reply.models:
+        versions = [f"{v.model_version}@{v.fingerprint}" for v in model.versions]
+        print(json.dumps({"name": model.name, "versions": versions, "labels": dict(model.labels)}))
+
+
+def _print_embeddings(stub: api_grpc.InferenceServiceStub, args: argparse.Namespace) -> None:
+    request = api.PredictRequest(
+        model_name=args.model,
+        model_version=args.version,
+        inputs=[api.PredictInput(text=t) for t in args.texts],
+    )
+    reply = stub.Predict(request, timeout=args.timeout_s, metadata=_metadata(args.api_key))
     for text, tensor in zip(args.texts, reply.outputs, strict=True):
         vector = np.frombuffer(tensor.raw_data, dtype="<f4")
         shown = vector if args.full else vector[:8]
@@ -87,6 +78,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
         )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    with grpc.insecure_channel(args.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        try:
+            if args.command == "models":
+                _print_models(stub, args)
+            else:
+                _print_embeddings(stub, args)
+        except grpc.RpcError as error:
+            print(f"error: {error.code().name}: {error.details()}", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -8,35 +8,36 @@ them front to back (gateway first, so no new request enters while the tiers behi
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.metric_names import ROUTER_LIVE_WORKERS
+from services.common.processes import (
+    ChildProcess,
+    ProcessError,
+    launch,
+    request_stop,
+    wait_or_kill,
+    wait_ready,
+)
 from services.common.redis_server import find_free_port, ping, redis_command
 
 HOST = "127.0.0.1"
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 # SIGINT/SIGTERM ask the launcher to stop; SIGCHLD says a child exited. All three stay blocked and
 # are taken with sigtimedwait, so none can arrive between a check and the wait that follows it.
 WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
-# Children announce readiness by writing a file, which cannot be awaited: check it this often.
-READY_POLL_S = 0.1
 # Shutdown order: a tier stops only after every tier that sends it requests has stopped.
 STOP_ORDER = ("gateway", "worker", "router", "redis")
 # For the banner's grpcurl example: the gateway's own Predict on the default model.
 EXAMPLE_PREDICT = '{"model_name": "minilm", "inputs": [{"text": "hello world"}]}'
 PREDICT_RPC = "inference.v1.InferenceService/Predict"
-#: The router's gauge of workers in its registry snapshot (see services/router/metrics.py).
-LIVE_WORKERS_METRIC = "inference_router_live_workers"
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,17 @@ class StackConfig:
 
 
 @dataclass
-class Child:
-    name: str
-    tier: str
-    process: subprocess.Popen[bytes]
-    log_path: Path
-    #: Where the tier writes {grpc_port, metrics_port}; None for Redis, which is ready on PONG.
-    ready_file: Path | None
+class Child(ChildProcess):
+    """One tier's process. Its ready file holds {grpc_port, metrics_port}; Redis has none (it is
+    ready on PONG)."""
+
+    tier: str = ""
     #: Ports as reported once ready ({"port"} for Redis).
-    ports: dict[str, int]
+    ports: dict[str, int] = field(default_factory=dict)
 
 
-class StackError(Exception):
-    """A tier failed to start or exited on its own; the message names it and quotes its log."""
+#: A tier failed to start or exited on its own; the message names it and quotes its log.
+StackError = ProcessError
 
 
 class Interrupted(Exception):
@@ -143,68 +142,44 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
 
 def spawn(config: StackConfig, name: str, tier: str, argv: list[str], *, has_ready: bool) -> Child:
     """Starts one tier with its output in `<state_dir>/<name>.log`."""
-    ready_file = config.state_dir / f"{name}.ready.json" if has_ready else None
-    if ready_file is not None:
-        ready_file.unlink(missing_ok=True)  # a file left by an earlier run would read as ready
-        argv = [*argv, "--ready-file", str(ready_file)]
-    libc = ctypes.CDLL(None, use_errno=True)
-    launcher_pid = os.getpid()
-
-    def before_exec() -> None:
-        # The blocked signal mask survives exec; a tier must see its own SIGTERM.
-        signal.pthread_sigmask(signal.SIG_SETMASK, set())
-        # SIGTERM this child when the launcher dies, even by SIGKILL. The kernel ties it to the
-        # forking *thread*: the launcher forks only from its main thread, which lives as long as it.
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
-            os._exit(1)
-
-    log_path = config.state_dir / f"{name}.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            # Own session: Ctrl-C in the terminal reaches only the launcher, which then stops the
-            # tiers in order; otherwise every tier would get SIGINT at once.
-            start_new_session=True,
-            preexec_fn=before_exec,
-        )
+    launched = launch(
+        name,
+        argv,
+        log_path=config.state_dir / f"{name}.log",
+        ready_file=config.state_dir / f"{name}.ready.json" if has_ready else None,
+        # Own session: Ctrl-C in the terminal reaches only the launcher, which then stops the
+        # tiers in order; otherwise every tier would get SIGINT at once.
+        own_session=True,
+        # SIGTERM every tier when the launcher dies, even by SIGKILL. The launcher forks only
+        # from its main thread, which lives as long as it.
+        dies_with_parent=True,
+    )
     ports = {} if has_ready else {"port": config.redis_port}
-    return Child(name, tier, process, log_path, ready_file, ports)
-
-
-def log_tail(child: Child, num_lines: int = 30) -> str:
-    lines = child.log_path.read_text(errors="replace").splitlines()[-num_lines:]
-    return "\n".join(f"  | {line}" for line in lines)
+    return Child(**vars(launched), tier=tier, ports=ports)
 
 
 def wait_event(children: list[Child], timeout_s: float | None) -> None:
     """Waits for a signal (up to `timeout_s`; None: forever); raises on SIGINT/SIGTERM or exit."""
     if timeout_s is None:
-        info = signal.sigwaitinfo(WAKE_SIGNALS)
+        info: signal.struct_siginfo | None = signal.sigwaitinfo(WAKE_SIGNALS)
     else:
         info = signal.sigtimedwait(WAKE_SIGNALS, timeout_s)
     if info is not None and info.si_signo != signal.SIGCHLD:
         raise Interrupted(signal.Signals(info.si_signo).name)
     # SIGCHLDs coalesce, so every child is checked, not only the one that signalled.
     for child in children:
-        code = child.process.poll()
-        if code is not None:
-            raise StackError(f"{child.name} exited with code {code}; {child.log_path}:\n"
-                             f"{log_tail(child)}")  # fmt: skip
+        error = child.exit_error()
+        if error is not None:
+            raise error
 
 
 def is_ready(child: Child) -> bool:
     if child.ready_file is None:
         return ping(child.ports["port"])
-    try:
-        ready = json.loads(child.ready_file.read_text())
-        child.ports = {key: int(ready[key]) for key in ("grpc_port", "metrics_port")}
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):  # not written yet, or half-written
+    ready = child.read_ready()
+    if ready is None:
         return False
+    child.ports = {key: int(ready[key]) for key in ("grpc_port", "metrics_port")}
     return True
 
 
@@ -217,24 +192,27 @@ def sees_workers(router: Child, num_workers: int) -> bool:
             lines = response.read().decode().splitlines()
     except OSError:
         return False
-    live = [float(line.split()[1]) for line in lines if line.startswith(LIVE_WORKERS_METRIC + " ")]
+    live = [float(line.split()[1]) for line in lines if line.startswith(ROUTER_LIVE_WORKERS + " ")]
     return bool(live) and live[0] >= num_workers
 
 
-def wait_ready(
+def wait_tiers(
     config: StackConfig,
     waiting: list[Child],
     children: list[Child],
     is_done: Callable[[Child], bool] = is_ready,
     what: str = "ready",
 ) -> None:
-    deadline = time.monotonic() + config.ready_timeout_s
-    for child in waiting:
-        while not is_done(child):
-            if time.monotonic() > deadline:
-                raise StackError(f"{child.name} not {what} within {config.ready_timeout_s:.0f} s; "
-                                 f"{child.log_path}:\n{log_tail(child)}")  # fmt: skip
-            wait_event(children, READY_POLL_S)
+    """Waits until `is_done` holds for every tier in `waiting`; between checks, wakes on signals
+    (SIGINT/SIGTERM raise Interrupted) and on any child's exit (StackError)."""
+    wait_ready(
+        waiting,
+        timeout_s=config.ready_timeout_s,
+        is_ready=is_done,
+        what=what,
+        watched=children,
+        pause=lambda timeout_s: wait_event(children, timeout_s),
+    )
 
 
 def start(config: StackConfig, children: list[Child]) -> None:
@@ -247,7 +225,7 @@ def start(config: StackConfig, children: list[Child]) -> None:
     except FileNotFoundError as error:
         raise StackError(str(error)) from None
     children.append(spawn(config, "redis", "redis", redis_argv, has_ready=False))
-    wait_ready(config, children[-1:], children)
+    wait_tiers(config, children[-1:], children)
 
     python = [sys.executable, "-m"]
     grpc_port, metrics_port = config.ports(8101)
@@ -256,7 +234,7 @@ def start(config: StackConfig, children: list[Child]) -> None:
                    "--redis-url", config.redis_url]  # fmt: skip
     router = spawn(config, "router", "router", router_argv, has_ready=True)
     children.append(router)
-    wait_ready(config, [router], children)
+    wait_tiers(config, [router], children)
 
     # Workers load models in parallel; each is waited for after all have started.
     workers: list[Child] = []
@@ -269,9 +247,9 @@ def start(config: StackConfig, children: list[Child]) -> None:
                        *config.extra_worker_args]  # fmt: skip
         workers.append(spawn(config, f"worker-{i}", "worker", worker_argv, has_ready=True))
         children.append(workers[-1])
-    wait_ready(config, workers, children)
-    wait_ready(config, [router], children, lambda r: sees_workers(r, config.num_workers),
-               what=f"showing {config.num_workers} {LIVE_WORKERS_METRIC}")  # fmt: skip
+    wait_tiers(config, workers, children)
+    wait_tiers(config, [router], children, lambda r: sees_workers(r, config.num_workers),
+               what=f"showing {config.num_workers} {ROUTER_LIVE_WORKERS}")  # fmt: skip
 
     grpc_port, metrics_port = config.ports(8001)
     gateway_argv = [*python, "services.gateway", "--host", HOST,
@@ -279,7 +257,7 @@ def start(config: StackConfig, children: list[Child]) -> None:
                     "--router-address", f"{HOST}:{router.ports['grpc_port']}",
                     "--model-repository", str(config.model_repository)]  # fmt: skip
     children.append(spawn(config, "gateway", "gateway", gateway_argv, has_ready=True))
-    wait_ready(config, children[-1:], children)
+    wait_tiers(config, children[-1:], children)
 
 
 def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
@@ -345,16 +323,12 @@ def stop_all(config: StackConfig, children: list[Child]) -> list[str]:
     for tier in STOP_ORDER:
         running = [c for c in children if c.tier == tier and c.process.poll() is None]
         for child in running:
-            child.process.send_signal(signal.SIGTERM)
+            request_stop(child.process)
         for child in running:
-            try:
-                code = child.process.wait(config.stop_timeout_s)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+            code = wait_or_kill(child.process, config.stop_timeout_s)
+            if code is None:
                 problems.append(f"{child.name} killed after {config.stop_timeout_s:.0f} s")
-                continue
-            if code != 0:
+            elif code != 0:
                 problems.append(f"{child.name} exited with code {code} after SIGTERM")
     return problems
 

@@ -8,6 +8,17 @@ import pytest
 
 from tests.support.redis import RedisServer, start_redis
 
+#: Test tiers (pyproject.toml's markers; `make test-unit`, `test-integration`, `test-e2e`).
+TIERS = ("unit", "integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test belongs to exactly one tier, so that selecting by marker misses none."""
+    for item in items:
+        tiers = sorted({mark.name for mark in item.iter_markers() if mark.name in TIERS})
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"{item.nodeid}: needs exactly one of {TIERS}, has {tiers}")
+
 
 @pytest.fixture(scope="session")
 def minilm_dir() -> Path:
@@ -17,7 +28,7 @@ def minilm_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference_embedder(minilm_dir: Path):  # type: ignore[no-untyped-def]
+def reference_embedder(minilm_dir: Path):
     """sentence-transformers on the same package's files: the correctness reference."""
     from sentence_transformers import SentenceTransformer
 

@@ -12,7 +12,7 @@ default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (
 
 Prints progress and a final table; writes bench/results/fabric.json and fabric.png (with
 --smoke: smoke.json and smoke.png, seconds-long windows, no speed assertions).
-Method: /work/shared/BENCHMARKS.md.
+Method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ from bench.fabric.targets import (
     text_sender,
 )
 from services.common.model_repository import load_repository
+from services.common.procfs import load_average
 
 MODEL = "minilm"
 RAY_STAMP = REPO_ROOT / ".venv-ray" / ".installed"
@@ -90,7 +91,7 @@ class PeerUnavailable(RuntimeError):
 def load_peer() -> type:
     """The Ray Serve peer class, or a clear reason it cannot run (checked before measuring)."""
     try:
-        from bench.fabric.peer_client import RayServePeer  # type: ignore[import-not-found]
+        from bench.fabric.peer_client import RayServePeer
     except ImportError as error:
         raise PeerUnavailable(
             f"--peer needs bench/fabric/peer_client.py with RayServePeer ({error});"
@@ -164,9 +165,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
 
 
 def _machine() -> dict[str, Any]:
-    with open("/proc/loadavg") as loadavg:
-        load = loadavg.read().split()[:3]
-    return {"cpus": os.cpu_count(), "loadavg_at_start": [float(v) for v in load]}
+    return {"cpus": os.cpu_count(), "loadavg_at_start": load_average()}
 
 
 async def _stack_phase(
@@ -194,120 +193,100 @@ async def _stack_phase(
         log(f"[{name}] stack stopped (launcher exit {code}); logs in {state_dir / name}")
 
 
-async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> dict[str, Any]:
-    peer_class = load_peer() if args.peer else None  # fail before minutes of measuring
-    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fabric-bench-"))
-    state_dir.mkdir(parents=True, exist_ok=True)
-    log(f"state (repositories, stack logs): {state_dir}")
-    off_repo, on_repo = state_dir / "repo-batching-off", state_dir / "repo-batching-on"
-    # The model opts in to shedding past its SLO: the fleet is provisioned for the SLO, and
-    # goodput counts answers within it (callers' deadlines stay timeout_s, well past it).
-    write_minilm_repository(
-        off_repo, max_batch_size=1, length_buckets=settings.length_buckets, shed_past_slo=True
-    )
-    write_minilm_repository(on_repo, length_buckets=settings.length_buckets, shed_past_slo=True)
-    version = next(v for v in load_repository(on_repo) if v.config.name == MODEL)
-    slo_s = version.config.slo_p99_ms / 1000.0
-    write_identity_model(on_repo, slo_p99_ms=version.config.slo_p99_ms)
-    texts = make_texts(256, settings.seed, version.weights_dir / "tokenizer.json")
-    mixed_texts = make_mixed_texts(512, settings.seed)
-    bucket = min(b for b in version.config.length_buckets if b >= MAX_TOKENS)
-    # The client's own bound: well past the SLO, so late answers are seen, not cut off.
-    timeout_s = max(1.0, 4 * slo_s)
-    report: dict[str, Any] = {
-        "settings": dataclasses.asdict(settings),
-        "worker_args": list(args.worker_arg),
-        "machine": _machine(),
-        "model": {
-            "name": MODEL,
-            "slo_p99_ms": version.config.slo_p99_ms,
-            "max_batch_size_on": version.config.max_batch_size,
-            "length_buckets": list(version.config.length_buckets),
-            "bucket_tokens": bucket,
-            "texts": {"count": len(texts), "tokens": [MIN_TOKENS, MAX_TOKENS]},
-            "mixed_texts": {
-                "count": len(mixed_texts),
-                "short_share": SHORT_SHARE,
-                "short_words": list(SHORT_WORDS),
-                "passage_words": list(PASSAGE_WORDS),
-            },
-            "shed_past_slo": True,
-        },
-        "configs": {},
-    }
+@dataclasses.dataclass
+class _Run:
+    """One benchmark run's inputs and the report its phases fill in, in order."""
 
-    quiet: dict[str, float] = {}
-    report["outside_cpu_share_before_phase"] = quiet
+    args: argparse.Namespace
+    settings: Settings
+    log: Progress
+    state_dir: Path
+    on_repo: Path
+    off_repo: Path
+    slo_s: float
+    max_batch_size: int
+    texts: list[str]
+    mixed_texts: list[str]
+    #: The client's own bound: well past the SLO, so late answers are seen, not cut off.
+    timeout_s: float
+    report: dict[str, Any]
+    quiet: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    log(f"[raw] in-process {MODEL}, {bucket} tokens, no stack running")
-    quiet["raw"] = await wait_quiet(log, settings.wait_quiet_s)
-    report["raw_model"] = await measure_raw(on_repo, MODEL, bucket, settings, log)
-    log(f"[raw mixed] in-process {MODEL} on the mixed-length texts, by bucket")
-    report["raw_model_mixed"] = await measure_raw_texts(on_repo, MODEL, mixed_texts, settings, log)
+    @property
+    def raw_best(self) -> float:
+        return float(self.report["raw_model"]["best"]["sequences_per_s"])
 
-    payload = identity_request().SerializeToString()
-    raw_points = {p["batch_size"]: p["sequences_per_s"] for p in report["raw_model"]["points"]}
-    raw_best = report["raw_model"]["best"]["sequences_per_s"]
-    quiet["echo"] = await wait_quiet(log, settings.wait_quiet_s)
-    echo = await asyncio.to_thread(start_echo, state_dir / "echo")
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{echo.ready['grpc_port']}") as channel:
-            echo_result = await closed_loop(
-                echo_sender(channel, payload, timeout_s),
-                settings.overhead_concurrency,
-                settings.overhead_s,
-                observer=Observer({"echo": echo.ready["pid"]}),
-            )
-    finally:
-        await asyncio.to_thread(echo.stop)
-    log(f"[overhead] bare grpc.aio echo: {echo_result['ok_per_s']:.0f}/s")
+    async def raw_model(self, bucket: int) -> None:
+        settings, log = self.settings, self.log
+        log(f"[raw] in-process {MODEL}, {bucket} tokens, no stack running")
+        self.quiet["raw"] = await wait_quiet(log, settings.wait_quiet_s)
+        self.report["raw_model"] = await measure_raw(self.on_repo, MODEL, bucket, settings, log)
+        log(f"[raw mixed] in-process {MODEL} on the mixed-length texts, by bucket")
+        self.report["raw_model_mixed"] = await measure_raw_texts(
+            self.on_repo, MODEL, self.mixed_texts, settings, log
+        )
 
-    async def batching_off(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+    async def echo(self, payload: bytes) -> dict[str, Any]:
+        """The bare grpc.aio echo server, closed loop: the overhead baseline."""
+        self.quiet["echo"] = await wait_quiet(self.log, self.settings.wait_quiet_s)
+        echo = await asyncio.to_thread(start_echo, self.state_dir / "echo")
+        try:
+            address = f"127.0.0.1:{echo.ready['grpc_port']}"
+            async with grpc.aio.insecure_channel(address) as channel:
+                result: dict[str, Any] = await closed_loop(
+                    echo_sender(channel, payload, self.timeout_s),
+                    self.settings.overhead_concurrency,
+                    self.settings.overhead_s,
+                    observer=Observer({"echo": echo.ready["pid"]}),
+                )
+        finally:
+            await asyncio.to_thread(echo.stop)
+        self.log(f"[overhead] bare grpc.aio echo: {result['ok_per_s']:.0f}/s")
+        return result
+
+    async def stack_phase(self, name: str, repository: Path, measure: Any) -> Any:
+        return await _stack_phase(
+            name,
+            repository,
+            self.state_dir,
+            self.log,
+            measure,
+            self.quiet,
+            self.settings.wait_quiet_s,
+            tuple(self.args.worker_arg),
+        )
+
+    async def batching_off(self, stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
         observer = Observer(stack.pids(), stack.metrics_ports())
-        target = Target("batching_off", predict_sender(channel, MODEL, texts, timeout_s),
-                        observer, MODEL)  # fmt: skip
-        config = await sweep(target, settings, slo_s, log, fallback_rate=0.5 * raw_points[1])
+        send = predict_sender(channel, MODEL, self.texts, self.timeout_s)
+        target = Target("batching_off", send, observer, MODEL)
+        raw_points = {
+            p["batch_size"]: p["sequences_per_s"] for p in self.report["raw_model"]["points"]
+        }
+        fallback = 0.5 * raw_points[1]
+        config = await sweep(target, self.settings, self.slo_s, self.log, fallback_rate=fallback)
         return {"max_batch_size": 1, **config}
 
-    report["configs"]["batching_off"] = await _stack_phase(
-        "batching_off",
-        off_repo,
-        state_dir,
-        log,
-        batching_off,
-        quiet,
-        settings.wait_quiet_s,
-        tuple(args.worker_arg),
-    )
-
-    async def batching_on(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+    async def batching_on(
+        self, stack: Any, channel: grpc.aio.Channel, echo_result: dict[str, Any], payload: bytes
+    ) -> dict[str, Any]:
+        """Uniform sweep, mixed-length sweep, overload and after it, then the overhead probe."""
+        settings, slo_s, log, report = self.settings, self.slo_s, self.log, self.report
         observer = Observer(stack.pids(), stack.metrics_ports())
-        send = predict_sender(channel, MODEL, texts, timeout_s)
+        send = predict_sender(channel, MODEL, self.texts, self.timeout_s)
         target = Target("batching_on", send, observer, MODEL)
-        swept = await sweep(target, settings, slo_s, log, fallback_rate=0.5 * raw_best)
-        config = {"max_batch_size": version.config.max_batch_size, **swept}
-        goodput = config["goodput_per_s"]
-        mixed = Target(
-            "batching_on_mixed", predict_sender(channel, MODEL, mixed_texts, timeout_s), observer,
-            MODEL,
-        )  # fmt: skip
+        swept = await sweep(target, settings, slo_s, log, fallback_rate=0.5 * self.raw_best)
+        config = {"max_batch_size": self.max_batch_size, **swept}
+        mixed_send = predict_sender(channel, MODEL, self.mixed_texts, self.timeout_s)
+        mixed = Target("batching_on_mixed", mixed_send, observer, MODEL)
         mixed_best = report["raw_model_mixed"]["best"]["sequences_per_s"]
         report["configs"]["batching_on_mixed"] = await sweep(
             mixed, settings, slo_s, log, fallback_rate=0.3 * mixed_best
         )
-        report["overload"] = []
-        for factor in settings.overload_factors if goodput else ():
-            target.name = f"overload_{factor:g}x"
-            result = await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
-            report["overload"].append({"factor": factor, **result.to_dict()})
-        if goodput:
-            # Normal traffic right after the floods is served normally (BENCHMARKS.md).
-            target.name = "after_overload"
-            result = await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)
-            report["after_overload"] = result.to_dict()
+        await self.overload(target, config["goodput_per_s"])
         log("[overhead] identity model through gateway, router and worker")
         stack_result = await closed_loop(
-            identity_sender(channel, timeout_s),
+            identity_sender(channel, self.timeout_s),
             settings.overhead_concurrency,
             settings.overhead_s,
             observer=observer,
@@ -322,29 +301,114 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
         }
         return config
 
-    report["configs"]["batching_on"] = await _stack_phase(
-        "batching_on",
-        on_repo,
-        state_dir,
-        log,
-        batching_on,
-        quiet,
-        settings.wait_quiet_s,
-        tuple(args.worker_arg),
+    async def overload(self, target: Target, goodput: float) -> None:
+        """Floods at multiples of the batching-on goodput, then normal traffic right after
+        them (docs/benchmarks.md: it must be served normally)."""
+        settings, slo_s, log = self.settings, self.slo_s, self.log
+        self.report["overload"] = []
+        if not goodput:
+            return
+        for factor in settings.overload_factors:
+            target.name = f"overload_{factor:g}x"
+            result = await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
+            self.report["overload"].append({"factor": factor, **result.to_dict()})
+        target.name = "after_overload"
+        result = await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)
+        self.report["after_overload"] = result.to_dict()
+
+    async def peer(self, peer_class: type | None) -> None:
+        configs = self.report["configs"]
+        if peer_class is None:
+            configs["peer"] = {"skipped": "not run (--no-peer)"}
+            return
+        self.log("[peer] starting Ray Serve (bench/fabric/peer_client.py)")
+        async with peer_class() as peer:
+            self.log(f"[peer] ready in {peer.startup_s:.0f} s: {peer.settings}")
+            self.quiet["peer"] = await wait_quiet(self.log, self.settings.wait_quiet_s)
+            observer = Observer({}, children_label="peer")
+            send = text_sender(peer, self.texts)
+            target = Target("peer", send, observer, None, self.timeout_s)
+            config = await sweep(
+                target, self.settings, self.slo_s, self.log, fallback_rate=0.3 * self.raw_best
+            )
+            configs["peer"] = {"settings": peer.settings, **config}
+
+
+def _prepare(args: argparse.Namespace, settings: Settings, log: Progress) -> tuple[_Run, int]:
+    """Writes the model repositories and texts and starts the report; returns the run and the
+    uniform texts' length bucket."""
+    state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="fabric-bench-"))
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log(f"state (repositories, stack logs): {state_dir}")
+    off_repo, on_repo = state_dir / "repo-batching-off", state_dir / "repo-batching-on"
+    # The model opts in to shedding past its SLO: the fleet is provisioned for the SLO, and
+    # goodput counts answers within it (callers' deadlines stay timeout_s, well past it).
+    write_minilm_repository(
+        off_repo, max_batch_size=1, length_buckets=settings.length_buckets, shed_past_slo=True
+    )
+    write_minilm_repository(on_repo, length_buckets=settings.length_buckets, shed_past_slo=True)
+    version = next(v for v in load_repository(on_repo) if v.config.name == MODEL)
+    config = version.config
+    write_identity_model(on_repo, slo_p99_ms=config.slo_p99_ms)
+    texts = make_texts(256, settings.seed, version.weights_dir / "tokenizer.json")
+    mixed_texts = make_mixed_texts(512, settings.seed)
+    bucket = min(b for b in config.length_buckets if b >= MAX_TOKENS)
+    report: dict[str, Any] = {
+        "settings": dataclasses.asdict(settings),
+        "worker_args": list(args.worker_arg),
+        "machine": _machine(),
+        "model": {
+            "name": MODEL,
+            "slo_p99_ms": config.slo_p99_ms,
+            "max_batch_size_on": config.max_batch_size,
+            "length_buckets": list(config.length_buckets),
+            "bucket_tokens": bucket,
+            "texts": {"count": len(texts), "tokens": [MIN_TOKENS, MAX_TOKENS]},
+            "mixed_texts": {
+                "count": len(mixed_texts),
+                "short_share": SHORT_SHARE,
+                "short_words": list(SHORT_WORDS),
+                "passage_words": list(PASSAGE_WORDS),
+            },
+            "shed_past_slo": True,
+        },
+        "configs": {},
+    }
+    run = _Run(
+        args=args,
+        settings=settings,
+        log=log,
+        state_dir=state_dir,
+        on_repo=on_repo,
+        off_repo=off_repo,
+        slo_s=config.slo_s,
+        max_batch_size=config.max_batch_size,
+        texts=texts,
+        mixed_texts=mixed_texts,
+        timeout_s=max(1.0, 4 * config.slo_s),
+        report=report,
+    )
+    report["outside_cpu_share_before_phase"] = run.quiet
+    return run, bucket
+
+
+async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> dict[str, Any]:
+    peer_class = load_peer() if args.peer else None  # fail before minutes of measuring
+    bench, bucket = _prepare(args, settings, log)
+    await bench.raw_model(bucket)
+    payload = identity_request().SerializeToString()
+    echo_result = await bench.echo(payload)
+    configs = bench.report["configs"]
+    configs["batching_off"] = await bench.stack_phase(
+        "batching_off", bench.off_repo, bench.batching_off
     )
 
-    if peer_class is None:
-        report["configs"]["peer"] = {"skipped": "not run (--no-peer)"}
-    else:
-        log("[peer] starting Ray Serve (bench/fabric/peer_client.py)")
-        async with peer_class() as peer:
-            log(f"[peer] ready in {peer.startup_s:.0f} s: {peer.settings}")
-            quiet["peer"] = await wait_quiet(log, settings.wait_quiet_s)
-            observer = Observer({}, children_label="peer")
-            target = Target("peer", text_sender(peer, texts), observer, None, timeout_s)
-            config = await sweep(target, settings, slo_s, log, fallback_rate=0.3 * raw_best)
-            report["configs"]["peer"] = {"settings": peer.settings, **config}
-    return report
+    async def batching_on(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+        return await bench.batching_on(stack, channel, echo_result, payload)
+
+    configs["batching_on"] = await bench.stack_phase("batching_on", bench.on_repo, batching_on)
+    await bench.peer(peer_class)
+    return bench.report
 
 
 def _smoke_view(report: dict[str, Any]) -> dict[str, Any]:
@@ -370,8 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     report["wall_s"] = round(time.time() - started, 1)
-    with open("/proc/loadavg") as loadavg:
-        report["machine"]["loadavg_at_end"] = [float(v) for v in loadavg.read().split()[:3]]
+    report["machine"]["loadavg_at_end"] = load_average()
     report["max_outside_cpu_share"] = max_outside_share(report)
     report["summary"] = summarize(report)
     report["goals"] = goals(report["summary"])

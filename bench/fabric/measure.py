@@ -320,7 +320,7 @@ async def measure_raw(
     }
 
 
-def _run_in_buckets(backend, rows, batch_size: int) -> float:  # type: ignore[no-untyped-def]
+def _run_in_buckets(backend, rows, batch_size: int) -> float:
     """Seconds to run `rows` once, each bucket in batches of up to `batch_size` (rows of one
     bucket in their arrival order): what a batcher that never waits could do with them."""
     by_bucket: dict[int, list[Any]] = {}

@@ -18,7 +18,16 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
+from services.common import metric_names as names
+from services.common.procfs import descendants, machine_busy_seconds, read_stat
+
+#: The worker's per-row stage histograms, by the name the breakdown reports them under.
+_WORKER_STAGES = {
+    "linger": names.WORKER_LINGER_SECONDS,
+    "backlog": names.WORKER_BACKLOG_SECONDS,
+    "row_compute": names.WORKER_ROW_COMPUTE_SECONDS,
+    "row_latency": names.WORKER_ROW_LATENCY_SECONDS,
+}
 #: A sample: (metric name, sorted label pairs) -> value.
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -58,45 +67,6 @@ def delta(before: Samples, after: Samples) -> Samples:
     return {key: value - before.get(key, 0.0) for key, value in after.items()}
 
 
-def cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process (all its threads), or None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            # The command name may hold spaces and parentheses: fields start after the last ')'.
-            fields = stat.read().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime (fields 14, 15)
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine spent busy (every core), from /proc/stat."""
-    with open("/proc/stat") as stat:
-        values = [int(v) for v in stat.readline().split()[1:]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
-    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
-
-
-def descendants(root: int) -> set[int]:
-    """Every live process under `root` (children, grandchildren...), from /proc."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    parents[int(entry)] = int(stat.read().rsplit(")", 1)[1].split()[1])
-            except (FileNotFoundError, ProcessLookupError, IndexError):
-                continue
-    found: set[int] = set()
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found.update(children)
-        frontier.extend(children)
-    return found
-
-
 @dataclass
 class Snapshot:
     at_s: float
@@ -117,9 +87,9 @@ class Observer:
     def snapshot(self) -> Snapshot:
         own = os.getpid()
         named = {**self.pids, "bench": own}
-        cpu = {name: cpu_seconds(pid) for name, pid in named.items()}
-        others = descendants(own) - set(named.values())
-        cpu_by_pid = {f"pid:{pid}:{self.children_label}": cpu_seconds(pid) for pid in others}
+        cpu = {name: _cpu_seconds(pid) for name, pid in named.items()}
+        others = set(descendants(own)) - set(named.values())
+        cpu_by_pid = {f"pid:{pid}:{self.children_label}": _cpu_seconds(pid) for pid in others}
         metrics = {name: scrape(port) for name, port in self.metrics_ports.items()}
         return Snapshot(
             at_s=time.monotonic(),
@@ -127,6 +97,11 @@ class Observer:
             cpu_s={k: v for k, v in {**cpu, **cpu_by_pid}.items() if v is not None},
             machine_busy_s=machine_busy_seconds(),
         )
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    stat = read_stat(pid)
+    return None if stat is None else stat.cpu_s
 
 
 def cpu_delta(before: Snapshot, after: Snapshot) -> dict[str, float]:
@@ -157,39 +132,34 @@ def breakdown(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any]:
     if "gateway" in d:
         gateway = d["gateway"]
         result["gateway"] = {
-            "request_ms": _mean_ms(gateway, "inference_gateway_request_seconds", model=model),
-            "validate_ms": _mean_ms(gateway, "inference_gateway_validate_seconds"),
-            "tokenize_ms": _mean_ms(gateway, "inference_gateway_tokenize_seconds", model=model),
-            "by_code": by_label(gateway, "inference_gateway_requests_total", "code", model=model),
+            "request_ms": _mean_ms(gateway, names.GATEWAY_REQUEST_SECONDS, model=model),
+            "validate_ms": _mean_ms(gateway, names.GATEWAY_VALIDATE_SECONDS),
+            "tokenize_ms": _mean_ms(gateway, names.GATEWAY_TOKENIZE_SECONDS, model=model),
+            "by_code": by_label(gateway, names.GATEWAY_REQUESTS_TOTAL, "code", model=model),
         }
     if "router" in d:
         router = d["router"]
         result["router"] = {
-            "request_ms": _mean_ms(router, "inference_router_request_seconds", model=model),
-            "predicted_wait_ms": _mean_ms(
-                router, "inference_router_predicted_wait_seconds", model=model
-            ),
-            "rejected": by_label(router, "inference_router_rejected_total", "reason", model=model),
-            "by_code": by_label(router, "inference_router_responses_total", "code", model=model),
+            "request_ms": _mean_ms(router, names.ROUTER_REQUEST_SECONDS, model=model),
+            "predicted_wait_ms": _mean_ms(router, names.ROUTER_PREDICTED_WAIT_SECONDS, model=model),
+            "rejected": by_label(router, names.ROUTER_REJECTED_TOTAL, "reason", model=model),
+            "by_code": by_label(router, names.ROUTER_RESPONSES_TOTAL, "code", model=model),
         }
     for tier, worker in d.items():
         if not tier.startswith("worker"):
             continue
-        rows = total(worker, "inference_worker_rows_total", model=model)
-        batches = total(worker, "inference_worker_batches_total", model=model)
-        stage = "inference_worker_{}_seconds"
+        rows = total(worker, names.WORKER_ROWS_TOTAL, model=model)
+        batches = total(worker, names.WORKER_BATCHES_TOTAL, model=model)
         result[tier] = {
             **{
-                f"{part}_ms": _mean_ms(worker, stage.format(part), model=model)
-                for part in ("linger", "backlog", "row_compute", "row_latency")
+                f"{part}_ms": _mean_ms(worker, name, model=model)
+                for part, name in _WORKER_STAGES.items()
             },
             "rows": rows,
             "batches": batches,
             "mean_batch_size": rows / batches if batches else None,
-            "close_reasons": by_label(
-                worker, "inference_worker_batches_total", "reason", model=model
-            ),
-            "rejected": by_label(worker, "inference_worker_rejected_total", "reason", model=model),
-            "dropped": by_label(worker, "inference_worker_dropped_total", "reason", model=model),
+            "close_reasons": by_label(worker, names.WORKER_BATCHES_TOTAL, "reason", model=model),
+            "rejected": by_label(worker, names.WORKER_REJECTED_TOTAL, "reason", model=model),
+            "dropped": by_label(worker, names.WORKER_DROPPED_TOTAL, "reason", model=model),
         }
     return result

@@ -31,6 +31,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
+from services.common.procfs import descendants, read_stat
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RAY_VENV = REPO_ROOT / ".venv-ray"
 SERVER_SCRIPT = Path(__file__).resolve().parent / "peer_ray_server.py"
@@ -195,39 +197,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _descendants(root: int) -> list[int]:
-    """Pids of every live process below `root` (Linux /proc), children before grandchildren."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(ppid, []).append(int(entry))
-    found, frontier = [], [root]
-    while frontier:
-        pid = frontier.pop(0)
-        for child in children.get(pid, []):
-            found.append(child)
-            frontier.append(child)
-    return found
-
-
-def _cpu_seconds(pid: int) -> tuple[str, float] | None:
-    """(short name, user + system CPU seconds) of one process, None once it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    name = stat[stat.index("(") + 1 : stat.rindex(")")]
-    fields = stat.rsplit(")", 1)[1].split()
-    ticks = int(fields[11]) + int(fields[12])  # utime, stime
-    return name, ticks / os.sysconf("SC_CLK_TCK")
 
 
 class RayServePeer:
@@ -409,11 +378,10 @@ class RayServePeer:
         if self._process is None:
             return {}
         totals: dict[str, float] = {}
-        for pid in [self._process.pid, *_descendants(self._process.pid)]:
-            reading = _cpu_seconds(pid)
-            if reading is not None:
-                name, seconds = reading
-                totals[name] = totals.get(name, 0.0) + seconds
+        for pid in [self._process.pid, *descendants(self._process.pid)]:
+            stat = read_stat(pid)
+            if stat is not None:
+                totals[stat.name] = totals.get(stat.name, 0.0) + stat.cpu_s
         totals["total"] = sum(totals.values())
         return totals
 
@@ -430,7 +398,7 @@ class RayServePeer:
             try:
                 await asyncio.wait_for(process.wait(), self.stop_timeout_s)
             except TimeoutError:
-                tree = _descendants(process.pid)
+                tree = descendants(process.pid)
                 for pid in [process.pid, *tree]:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)

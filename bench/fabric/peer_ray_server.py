@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
 # Before Ray is imported: no usage reporting, and nothing phones home.
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -129,7 +130,7 @@ def warm_request(port: int, timeout_s: float) -> None:
             time.sleep(0.2)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -165,21 +166,13 @@ def main() -> None:
     parser.add_argument(
         "--keep-ray-logs", action="store_true", help="keep Ray's temp dir (its logs) on exit"
     )
-    args = parser.parse_args()
-    max_ongoing = max(args.max_ongoing_requests, args.max_batch_size)
+    return parser.parse_args()
 
-    stop = threading.Event()
 
-    def on_signal(*_: object) -> None:
-        stop.set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
-    if args.exit_on_stdin_eof:
-        threading.Thread(target=lambda: (sys.stdin.buffer.read(), stop.set()), daemon=True).start()
-
+def start_ray(args: argparse.Namespace, on_signal: Callable[..., None]) -> str:
+    """A private local Ray instance; returns its session directory."""
     # A session directory of our own (short: it holds Unix sockets), not the shared /tmp/ray.
-    temp_dir = args.temp_dir or tempfile.mkdtemp(prefix="ray-peer-", dir="/tmp")
+    temp_dir: str = args.temp_dir or tempfile.mkdtemp(prefix="ray-peer-", dir="/tmp")
     ray.init(
         address="local",
         _temp_dir=temp_dir,
@@ -195,20 +188,42 @@ def main() -> None:
     # processes behind): ours goes back on top, so SIGTERM means a clean shutdown.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
+    return temp_dir
+
+
+def serve_embedder(args: argparse.Namespace, max_ongoing: int) -> None:
+    """Deploys the replica behind Serve's HTTP proxy and waits until a request gets through."""
+    serve.start(
+        # Idle pooled client connections survive pauses between measuring windows.
+        http_options={"host": "127.0.0.1", "port": args.port, "keep_alive_timeout_s": 300},
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},
+    )
+    app = MiniLMEmbedder.options(
+        max_ongoing_requests=max_ongoing,
+        max_queued_requests=args.max_queued_requests,
+        ray_actor_options={"num_cpus": args.num_cpus},
+        logging_config={"enable_access_log": False, "log_level": "WARNING"},
+    ).bind(args.max_batch_size, args.batch_wait_timeout_s, args.num_cpus)
+    serve.run(app, name=APP_NAME, route_prefix=ROUTE)
+    warm_request(args.port, args.startup_timeout_s)
+
+
+def main() -> None:
+    args = parse_args()
+    max_ongoing = max(args.max_ongoing_requests, args.max_batch_size)
+    stop = threading.Event()
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    if args.exit_on_stdin_eof:
+        threading.Thread(target=lambda: (sys.stdin.buffer.read(), stop.set()), daemon=True).start()
+
+    temp_dir = start_ray(args, on_signal)
     try:
-        serve.start(
-            # Idle pooled client connections survive pauses between measuring windows.
-            http_options={"host": "127.0.0.1", "port": args.port, "keep_alive_timeout_s": 300},
-            logging_config={"enable_access_log": False, "log_level": "WARNING"},
-        )
-        app = MiniLMEmbedder.options(
-            max_ongoing_requests=max_ongoing,
-            max_queued_requests=args.max_queued_requests,
-            ray_actor_options={"num_cpus": args.num_cpus},
-            logging_config={"enable_access_log": False, "log_level": "WARNING"},
-        ).bind(args.max_batch_size, args.batch_wait_timeout_s, args.num_cpus)
-        serve.run(app, name=APP_NAME, route_prefix=ROUTE)
-        warm_request(args.port, args.startup_timeout_s)
+        serve_embedder(args, max_ongoing)
         if not stop.is_set():
             print(f"READY {args.port}", flush=True)
             print(

@@ -118,17 +118,13 @@ def max_outside_share(report: dict[str, Any]) -> float:
     return max(shares, default=0.0)
 
 
-def format_table(report: dict[str, Any]) -> str:
-    """The final table: raw model, each configuration at its goodput, overload, overhead,
-    then ratios against goals."""
+def _raw_lines(report: dict[str, Any]) -> list[str]:
     lines = []
     raw = report.get("raw_model", {})
     if raw:
         lines.append(f"raw in-process model ({raw['num_tokens']} tokens), sequences/s:")
         points = raw["points"]
-        lines.append(
-            "  " + "  ".join(f"b{p['batch_size']}={p['sequences_per_s']:.0f}" for p in points)
-        )
+        lines.append("  " + _per_batch(points, "sequences_per_s", ".0f"))
         cpu = [f"b{p['batch_size']}={p.get('cpu_ms_per_sequence', 0):.1f}" for p in points]
         lines.append("  CPU ms per sequence: " + "  ".join(cpu))
     raw_mixed = report.get("raw_model_mixed", {})
@@ -137,17 +133,26 @@ def format_table(report: dict[str, Any]) -> str:
             f"raw model on the mixed-length texts (rows per bucket "
             f"{raw_mixed['rows_per_bucket']}), sequences/s:"
         )
-        lines.append(
-            "  "
-            + "  ".join(
-                f"b{p['batch_size']}={p['sequences_per_s']:.0f}" for p in raw_mixed["points"]
-            )
-        )
-    slo = report.get("model", {}).get("slo_p99_ms")
-    lines.append(f"\nopen loop, SLO p99 {slo} ms, goodput = highest rate with >=99% OK within SLO")
-    header = f"{'configuration':<18} {'goodput/s':>9} {'p50':>5} {'p90':>5} {'p99':>5} "
-    header += f"{'batch':>5} {'late%':>5}  {'not OK (all windows)':<28} CPU s / 1k requests"
-    lines.append(header)
+        lines.append("  " + _per_batch(raw_mixed["points"], "sequences_per_s", ".0f"))
+    return lines
+
+
+def _per_batch(points: list[dict[str, Any]], key: str, spec: str) -> str:
+    return "  ".join(f"b{p['batch_size']}={format(p[key], spec)}" for p in points)
+
+
+def _rate_columns(point: dict[str, Any]) -> str:
+    """goodput, p50, p90, p99, batch and late% of a measured rate (medians over windows)."""
+    return (
+        f"{_num(point['goodput_per_s']['median'], '.0f'):>9} "
+        f"{_ms(point['p50_s']['median']):>5} {_ms(point['p90_s']['median']):>5} "
+        f"{_ms(point['p99_s']['median']):>5} {_batch(point):>5} "
+        f"{_num(point['late_fraction']['median'] * 100, '.1f'):>5}  "
+    )
+
+
+def _config_lines(report: dict[str, Any]) -> list[str]:
+    lines = []
     for name in CONFIG_ORDER:
         config = report.get("configs", {}).get(name)
         if config is None:
@@ -169,33 +174,45 @@ def format_table(report: dict[str, Any]) -> str:
     for point in report.get("overload", []):
         not_ok = {k: v for k, v in point.get("statuses", {}).items() if k != "OK"}
         lines.append(
-            f"{'overload ' + format(point['factor'], 'g') + 'x':<18} "
-            f"{_num(point['goodput_per_s']['median'], '.0f'):>9} "
-            f"{_ms(point['p50_s']['median']):>5} {_ms(point['p90_s']['median']):>5} "
-            f"{_ms(point['p99_s']['median']):>5} {_batch(point):>5} "
-            f"{_num(point['late_fraction']['median'] * 100, '.1f'):>5}  "
+            f"{'overload ' + format(point['factor'], 'g') + 'x':<18} {_rate_columns(point)}"
             f"{not_ok or '-'!s:<28} offered {point['offered_rate_per_s']:.0f}/s"
             + ("" if point.get("valid") else "  (INVALID: late sends)")
         )
     after = report.get("after_overload")
     if after is not None:
         lines.append(
-            f"{'after overload':<18} {_num(after['goodput_per_s']['median'], '.0f'):>9} "
-            f"{_ms(after['p50_s']['median']):>5} {_ms(after['p90_s']['median']):>5} "
-            f"{_ms(after['p99_s']['median']):>5} {_batch(after):>5} "
-            f"{_num(after['late_fraction']['median'] * 100, '.1f'):>5}  "
+            f"{'after overload':<18} {_rate_columns(after)}"
             f"good {after['good_fraction']:.1%} at half the goodput, right after the floods"
         )
+    return lines
+
+
+def _overhead_lines(report: dict[str, Any]) -> list[str]:
     overhead = report.get("overhead", {})
-    if overhead:
-        lines.append(
-            f"\noverhead (closed loop, concurrency {overhead.get('concurrency')}, "
-            f"{overhead.get('payload_bytes')} B payload): identity through 3 tiers "
-            f"{_num(overhead.get('identity_stack', {}).get('ok_per_s'), '.0f')}/s, "
-            f"bare grpc.aio echo {_num(overhead.get('echo', {}).get('ok_per_s'), '.0f')}/s"
-        )
-        for name in ("identity_stack", "echo"):
-            lines.append(f"  {name} CPU s / 1k requests: {_cpu_per_1k(overhead.get(name, {}))}")
+    if not overhead:
+        return []
+    lines = [
+        f"\noverhead (closed loop, concurrency {overhead.get('concurrency')}, "
+        f"{overhead.get('payload_bytes')} B payload): identity through 3 tiers "
+        f"{_num(overhead.get('identity_stack', {}).get('ok_per_s'), '.0f')}/s, "
+        f"bare grpc.aio echo {_num(overhead.get('echo', {}).get('ok_per_s'), '.0f')}/s"
+    ]
+    for name in ("identity_stack", "echo"):
+        lines.append(f"  {name} CPU s / 1k requests: {_cpu_per_1k(overhead.get(name, {}))}")
+    return lines
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The final table: raw model, each configuration at its goodput, overload, overhead,
+    then ratios against goals."""
+    lines = _raw_lines(report)
+    slo = report.get("model", {}).get("slo_p99_ms")
+    lines.append(f"\nopen loop, SLO p99 {slo} ms, goodput = highest rate with >=99% OK within SLO")
+    header = f"{'configuration':<18} {'goodput/s':>9} {'p50':>5} {'p90':>5} {'p99':>5} "
+    header += f"{'batch':>5} {'late%':>5}  {'not OK (all windows)':<28} CPU s / 1k requests"
+    lines.append(header)
+    lines += _config_lines(report)
+    lines += _overhead_lines(report)
     outside = max_outside_share(report)
     if outside > 0.05:
         lines.append(

@@ -7,19 +7,16 @@ services.local_stack --ephemeral-ports`), so the benchmark measures the product,
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import subprocess
 import sys
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from services.common.lifecycle import terminate_process
+from services.common.processes import ChildProcess, start_and_wait
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -29,13 +26,16 @@ HOST = "127.0.0.1"
 class Processes:
     """A launcher process and what its ready file said (ports and pids of its children)."""
 
-    process: subprocess.Popen[bytes]
-    log_path: Path
+    child: ChildProcess
     ready: dict
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.child.process
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM the launcher (the stack's launcher stops its tiers in order) and wait."""
-        code = terminate_process(self.process, timeout_s)
+        code = self.child.terminate(timeout_s)
         return self.process.returncode if code is None else code
 
 
@@ -67,29 +67,15 @@ class BenchStack(Processes):
 def _launch(argv: list[str], state_dir: Path, ready_file: Path, timeout_s: float) -> Processes:
     """Starts `argv` with its output in `<state_dir>/launcher.log` and waits for `ready_file`."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    ready_file.unlink(missing_ok=True)
-    log_path = state_dir / "launcher.log"
-    with log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            argv,
-            cwd=REPO_ROOT,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    deadline = time.monotonic() + timeout_s
-    # Ready files are renamed into place whole; they cannot be awaited, only looked for.
-    while not ready_file.exists():
-        if process.poll() is not None:
-            tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
-            raise RuntimeError(f"{argv[2]} exited with {process.returncode}:\n{tail}")
-        if time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise TimeoutError(f"{argv[2]} not ready within {timeout_s:.0f} s; see {log_path}")
-        time.sleep(0.1)
-    return Processes(process, log_path, json.loads(ready_file.read_text()))
+    child, ready = start_and_wait(
+        argv[2],
+        argv,
+        log_path=state_dir / "launcher.log",
+        ready_file=ready_file,
+        timeout_s=timeout_s,
+        cwd=REPO_ROOT,
+    )
+    return Processes(child, ready)
 
 
 def start_stack(
@@ -104,17 +90,17 @@ def start_stack(
     argv = [
         sys.executable, "-m", "services.local_stack", "--ephemeral-ports",
         "--model-repository", str(repository),
-        "--state-dir", str(state_dir / "tiers"), "--ready-file", str(ready_file),
+        "--state-dir", str(state_dir / "tiers"),
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
     ]  # fmt: skip
     launched = _launch(argv, state_dir, ready_file, ready_timeout_s)
-    return BenchStack(launched.process, launched.log_path, launched.ready)
+    return BenchStack(launched.child, launched.ready)
 
 
 def start_echo(state_dir: Path) -> Processes:
     """The bare grpc.aio echo server (bench.fabric.echo_server) in its own process, like a tier."""
     ready_file = state_dir / "echo-ready.json"
-    argv = [sys.executable, "-m", "bench.fabric.echo_server", "--ready-file", str(ready_file)]
+    argv = [sys.executable, "-m", "bench.fabric.echo_server"]
     return _launch(argv, state_dir, ready_file, timeout_s=60.0)
 
 

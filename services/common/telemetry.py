@@ -1,12 +1,81 @@
-"""Recording helpers shared by every tier's metrics (business code only records values)."""
+"""Telemetry shared by every tier: how a metric is defined, the histogram buckets, the registry a
+tier exports, and recording helpers (business code only records values)."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import importlib.metadata
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
-from services.common.errors import status_name
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+from services.common.grpc_errors import status_of
+from services.common.metric_names import BUILD_INFO
+
+#: Durations from a millisecond to ten seconds: requests, model steps, predicted waits. The
+#: dashboard's `$slo` choices are bounds of these too (request latency, time to first token).
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+#: Sub-millisecond work on the request path (validation, tokenization).
+FAST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
+#: The worker's row stages (linger, backlog, compute, latency) and batch compute. The
+#: dashboard's `$slo` choices are bounds of these: change both together.
+WORKER_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+_PACKAGE = "inference-fabric"
+
+
+class MetricFactory:
+    """The one way a tier defines a metric: name (from `metric_names`), help text, label names
+    and, for histograms, buckets; every metric lands in the tier's own registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def counter(self, name: str, doc: str, labels: Sequence[str] = ()) -> Counter:
+        return Counter(name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> Gauge:
+        return Gauge(name, doc, labels, registry=self.registry)
+
+    def histogram(
+        self, name: str, doc: str, labels: Sequence[str] = (), *, buckets: Sequence[float]
+    ) -> Histogram:
+        return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
+
+
+def tier_registry(tier: str) -> CollectorRegistry:
+    """A new registry for one tier's `/metrics`: the standard process metrics (resident memory,
+    CPU seconds, open file descriptors), the Python runtime's, and `inference_build_info`.
+
+    Each tier instance owns its registry, so several tiers in one process (tests) each register
+    these collectors once, on their own registry."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    build = MetricFactory(registry).gauge(
+        BUILD_INFO, "Always 1: the version of the fabric this tier runs.", ("tier", "version")
+    )
+    build.labels(tier, package_version()).set(1)
+    return registry
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version(_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that is not installed
+        return "unknown"
 
 
 class _LabelledCounter(Protocol):
@@ -25,7 +94,7 @@ def count_outcome(counter: _LabelledCounter, *labels: str) -> Iterator[None]:
     try:
         yield
     except BaseException as error:
-        code = status_name(error)
+        code = status_of(error).code.name
         raise
     finally:
         counter.labels(*labels, code).inc()

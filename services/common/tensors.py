@@ -14,7 +14,7 @@ NUMPY_DTYPES: dict[str, np.dtype] = {
     "INT32": np.dtype("<i4"),
     "INT64": np.dtype("<i8"),
 }
-_PB_TO_NAME = {
+_PB_TO_NAME: dict[pb.DataType, str] = {
     pb.DATA_TYPE_FP32: "FP32",
     pb.DATA_TYPE_FP16: "FP16",
     pb.DATA_TYPE_INT32: "INT32",
@@ -27,7 +27,7 @@ _NAME_TO_PB = {name: value for value, name in _PB_TO_NAME.items()}
 MAX_ELEMENTS = 1 << 26
 
 
-def dtype_name(value: int) -> str:
+def dtype_name(value: pb.DataType) -> str:
     """Proto enum value to dtype name; INVALID_ARGUMENT if unspecified or unknown."""
     name = _PB_TO_NAME.get(value)
     if name is None:
@@ -35,7 +35,7 @@ def dtype_name(value: int) -> str:
     return name
 
 
-def dtype_pb(name: str) -> int:
+def dtype_pb(name: str) -> pb.DataType:
     return _NAME_TO_PB[name]
 
 

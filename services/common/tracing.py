@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -24,7 +24,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
-from services.common.errors import status_name
+from services.common.grpc_errors import status_of
+from services.common.interceptors import Step, wrap_handler
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,14 @@ def current_span_context() -> TraceContext:
 
 
 class BatchKeyLike(Protocol):
-    model: str
-    version: str
-    #: Padded length class (tokens) or shape class of the batch.
-    bucket: int
+    # Read-only properties, so that a frozen dataclass (BatchKey) satisfies the protocol.
+    @property
+    def model(self) -> str: ...
+    @property
+    def version(self) -> str: ...
+    @property
+    def bucket(self) -> int:
+        """Padded length class (tokens) or shape class of the batch."""
 
 
 @contextlib.contextmanager
@@ -152,33 +157,17 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         method: str = details.method
         if handler is None or method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
             return handler
         metadata = details.invocation_metadata or ()
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _traced_unary(handler.unary_unary, method, metadata),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _traced_stream(handler.unary_stream, method, metadata),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                _traced_stream(handler.stream_stream, method, metadata),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return wrap_handler(handler, lambda context: _traced(method, metadata, context))
 
 
 def start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trace.Span:
@@ -208,73 +197,37 @@ def end_server_span(
     span.end()
 
 
-@contextlib.contextmanager
-def _ending(span: trace.Span, context: grpc.aio.ServicerContext) -> Iterator[None]:
-    """Ends `span` with the status the call is answered with."""
+@contextlib.asynccontextmanager
+async def _traced(
+    method: str, metadata: Iterable[tuple[str, Any]], context: grpc.aio.ServicerContext[Any, Any]
+) -> AsyncIterator[Step]:
+    """One call's server span, current only within the handler's own steps (see
+    services.common.interceptors), ended with the status the call is answered with."""
+    span = start_server_span(method, metadata)
+    active = trace.set_span_in_context(span)
     try:
-        yield
+        yield lambda: _attached(active)
     except BaseException as error:
         if isinstance(error, grpc.aio.AbortError):  # the handler aborted: its code is set
             code = context.code() or grpc.StatusCode.UNKNOWN
         else:
-            code = grpc.StatusCode[status_name(error)]
+            code = status_of(error).code
         end_server_span(span, code, str(error), error)
         raise
     else:
         end_server_span(span, context.code() or grpc.StatusCode.OK)
 
 
+@contextlib.contextmanager
+def _attached(active: otel_context.Context) -> Iterator[None]:
+    token = otel_context.attach(active)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def _set_status(span: trace.Span, code: grpc.StatusCode, message: str) -> None:
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     if code is not grpc.StatusCode.OK:
         span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}" if message else None))
-
-
-def _traced_unary(
-    behaviour: Callable[..., Awaitable[Any]], method: str, metadata: Iterable[tuple[str, Any]]
-) -> Callable[..., Awaitable[Any]]:
-    async def traced(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        span = start_server_span(method, metadata)
-        with (
-            _ending(span, context),
-            trace.use_span(
-                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-            ),
-        ):
-            return await behaviour(request, context)
-
-    return traced
-
-
-def _traced_stream(
-    behaviour: Callable[..., AsyncGenerator[Any, None]],
-    method: str,
-    metadata: Iterable[tuple[str, Any]],
-) -> Callable[..., AsyncGenerator[Any, None]]:
-    """Wraps a handler that returns a response stream (unary-stream or stream-stream).
-
-    The span is made current only while the handler runs, never across a `yield`: a stream
-    abandoned mid-way is closed later, from another context, where a context token held over a
-    yield could not be detached."""
-
-    async def traced(
-        request_or_iterator: Any, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[Any, None]:
-        span = start_server_span(method, metadata)
-        active = trace.set_span_in_context(span)
-        responses = behaviour(request_or_iterator, context)
-        with _ending(span, context):
-            try:
-                while True:
-                    token = otel_context.attach(active)
-                    try:
-                        message = await anext(responses)
-                    except StopAsyncIteration:
-                        return
-                    finally:
-                        otel_context.detach(token)
-                    yield message
-            finally:
-                await responses.aclose()
-
-    return traced

@@ -11,12 +11,13 @@ Keys file (TOML)::
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import hmac
 import sys
 import tomllib
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import grpc
 
 from services.common.errors import PermissionDenied, Unauthenticated
+from services.common.interceptors import Step, no_step, wrap_handler
 
 #: Tenant of local mode (no keys configured).
 LOCAL_TENANT = "local"
@@ -109,47 +111,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(details)
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        if handler.unary_unary is not None:
-            behaviour = handler.unary_unary
+        return wrap_handler(handler, lambda context: self._authenticated(metadata))
 
-            async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                _principal.set(self._principal(metadata))
-                return await behaviour(request, context)
-
-            return grpc.unary_unary_rpc_method_handler(
-                unary, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.unary_stream is not None:
-            stream_behaviour = handler.unary_stream
-
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
-                _principal.set(self._principal(metadata))
-                async for message in stream_behaviour(request, context):
-                    yield message
-
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
-        if handler.stream_stream is not None:
-            bidi_behaviour = handler.stream_stream
-
-            async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-                _principal.set(self._principal(metadata))
-                async for message in bidi_behaviour(requests, context):
-                    yield message
-
-            return grpc.stream_stream_rpc_method_handler(
-                stream_stream, handler.request_deserializer, handler.response_serializer
-            )
-        # Fail closed: a handler shape this interceptor does not wrap gets no access.
-        raise Unauthenticated(f"{details.method}: no authentication for this call shape")
+    @contextlib.asynccontextmanager
+    async def _authenticated(self, metadata: Mapping[str, str]) -> AsyncIterator[Step]:
+        # Inside the call, not in intercept_service: a refusal is then answered by the
+        # error-mapping interceptor and traced like any other failed call.
+        _principal.set(self._principal(metadata))
+        yield no_step
 
 
 if __name__ == "__main__":

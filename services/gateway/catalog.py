@@ -46,12 +46,10 @@ class ModelCatalog:
             self._encoders[(version.config.name, version.version)] = encoder
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
         self._rng = rng or random.Random()
-        self.has_fleet_view = False
 
     def update_served(self, versions: Sequence[pb.ModelVersionInfo]) -> None:
         """Replaces the fleet view (what the router says live workers serve)."""
         self._served = {(v.model_name, v.model_version): v for v in versions}
-        self.has_fleet_view = True
 
     def model_names(self) -> list[str]:
         return sorted(self._configs)

@@ -10,11 +10,13 @@ the order of `outputs`.
 from __future__ import annotations
 
 import struct
+from collections.abc import AsyncIterator, Iterable
 
+import grpc
 import numpy as np
 
 from services.common.errors import InvalidInput, NotFound, ServingError
-from services.common.model_repository import ModelConfig, ModelKind
+from services.common.model_repository import ModelConfig, ModelKind, TensorSpec
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.auth import current_principal
 from services.gateway.kserve_generate import stream_infer
@@ -124,20 +126,28 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self._predictor = predictor
         self._metrics = metrics
 
-    async def ServerLive(self, request, context):  # type: ignore[no-untyped-def]
+    async def ServerLive(
+        self, request: kserve.ServerLiveRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ServerLiveResponse:
         return kserve.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request, context):  # type: ignore[no-untyped-def]
+    async def ServerReady(
+        self, request: kserve.ServerReadyRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ServerReadyResponse:
         catalog = self._predictor.catalog
         ready = any(catalog.served_versions(n) for n in catalog.model_names())
         return kserve.ServerReadyResponse(ready=ready)
 
-    async def ServerMetadata(self, request, context):  # type: ignore[no-untyped-def]
+    async def ServerMetadata(
+        self, request: kserve.ServerMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ServerMetadataResponse:
         return kserve.ServerMetadataResponse(
             name=SERVER_NAME, version=SERVER_VERSION, extensions=[]
         )
 
-    async def ModelReady(self, request, context):  # type: ignore[no-untyped-def]
+    async def ModelReady(
+        self, request: kserve.ModelReadyRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ModelReadyResponse:
         try:
             current_principal().check_model(request.name)
             self._predictor.catalog.resolve(request.name, request.version)
@@ -145,7 +155,9 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             return kserve.ModelReadyResponse(ready=False)
         return kserve.ModelReadyResponse(ready=True)
 
-    async def ModelMetadata(self, request, context):  # type: ignore[no-untyped-def]
+    async def ModelMetadata(
+        self, request: kserve.ModelMetadataRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ModelMetadataResponse:
         catalog = self._predictor.catalog
         config = catalog.config(request.name)
         current_principal().check_model(config.name)
@@ -153,7 +165,9 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         if request.version and request.version not in versions:
             raise NotFound(f"model {config.name!r} version {request.version!r} is not served")
 
-        def metadata(specs):  # type: ignore[no-untyped-def]
+        def metadata(
+            specs: Iterable[TensorSpec],
+        ) -> list[kserve.ModelMetadataResponse.TensorMetadata]:
             return [
                 kserve.ModelMetadataResponse.TensorMetadata(
                     name=s.name,
@@ -171,14 +185,20 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             outputs=metadata(config.outputs),
         )
 
-    async def ModelStreamInfer(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    async def ModelStreamInfer(
+        self,
+        request_iterator: AsyncIterator[kserve.ModelInferRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
         responses = stream_infer(
             self._predictor, request_iterator, current_principal(), context.time_remaining
         )
         async for response in responses:
             yield response
 
-    async def ModelInfer(self, request, context):  # type: ignore[no-untyped-def]
+    async def ModelInfer(
+        self, request: kserve.ModelInferRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ModelInferResponse:
         label = self._predictor.catalog.label_for(request.model_name)
         with self._metrics.observe_request("kserve_v2", label):
             config = self._predictor.catalog.config(request.model_name)

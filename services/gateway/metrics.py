@@ -6,61 +6,55 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-from services.common.telemetry import count_outcome
-
-_FAST = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
-_SLOW = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from services.common import metric_names as names
+from services.common.telemetry import (
+    FAST_SECONDS_BUCKETS,
+    SECONDS_BUCKETS,
+    MetricFactory,
+    count_outcome,
+)
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests_total = Counter(
-            "inference_gateway_requests_total",
+        new = MetricFactory(registry)
+        self.requests_total = new.counter(
+            names.GATEWAY_REQUESTS_TOTAL,
             "Requests answered, by API (v1 or kserve_v2) and gRPC status code.",
-            ["api", "model", "code"],
-            registry=registry,
+            ("api", "model", "code"),
         )
-        self.inputs_total = Counter(
-            "inference_gateway_inputs_total",
-            "Input rows forwarded to the router.",
-            ["model", "version"],
-            registry=registry,
+        self.inputs_total = new.counter(
+            names.GATEWAY_INPUTS_TOTAL, "Input rows forwarded to the router.", ("model", "version")
         )
-        self.validate_seconds = Histogram(
-            "inference_gateway_validate_seconds",
+        self.validate_seconds = new.histogram(
+            names.GATEWAY_VALIDATE_SECONDS,
             "Cheap checks and model resolution, per request.",
-            buckets=_FAST,
-            registry=registry,
+            buckets=FAST_SECONDS_BUCKETS,
         )
-        self.tokenize_seconds = Histogram(
-            "inference_gateway_tokenize_seconds",
+        self.tokenize_seconds = new.histogram(
+            names.GATEWAY_TOKENIZE_SECONDS,
             "Tokenization of a request's texts.",
-            ["model"],
-            buckets=_FAST,
-            registry=registry,
+            ("model",),
+            buckets=FAST_SECONDS_BUCKETS,
         )
-        self.request_seconds = Histogram(
-            "inference_gateway_request_seconds",
+        self.request_seconds = new.histogram(
+            names.GATEWAY_REQUEST_SECONDS,
             "Time from receiving a request to answering it.",
-            ["api", "model"],
-            buckets=_SLOW,
-            registry=registry,
+            ("api", "model"),
+            buckets=SECONDS_BUCKETS,
         )
-
-        self.throttled_total = Counter(
-            "inference_gateway_throttled_total",
+        self.throttled_total = new.counter(
+            names.GATEWAY_THROTTLED_TOTAL,
             "Requests refused here by adaptive throttling (downstream was refusing work).",
-            ["model"],
-            registry=registry,
+            ("model",),
         )
-        self.throttle_probability = Gauge(
-            "inference_gateway_throttle_probability",
+        self.throttle_probability = new.gauge(
+            names.GATEWAY_THROTTLE_PROBABILITY,
             "Share of a model's requests adaptive throttling refuses now.",
-            ["model"],
-            registry=registry,
+            ("model",),
         )
 
     @contextlib.contextmanager

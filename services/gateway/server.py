@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry
 
 from services.common.lifecycle import (
     NOT_SERVING,
@@ -19,6 +18,7 @@ from services.common.lifecycle import (
 )
 from services.common.model_repository import load_repository
 from services.common.multiplex import CHANNEL_OPTIONS
+from services.common.telemetry import tier_registry
 from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
@@ -84,7 +84,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     if keys is None:
         log.warning("no API keys configured: local mode, every caller is tenant 'local'")
     catalog = ModelCatalog(load_repository(config.model_repository))
-    metrics = GatewayMetrics(CollectorRegistry())
+    metrics = GatewayMetrics(tier_registry("gateway"))
     router = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS)
     predictor = Predictor(
         catalog,

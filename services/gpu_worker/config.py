@@ -1,20 +1,41 @@
-"""The worker's configuration, read once in `__main__` from the command line (env fallbacks)."""
+"""The worker's configuration: its settings table and the frozen config `__main__` builds from
+it once."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from services.common.settings import (
+    Setting,
+    SettingsTable,
+    config_builder,
+    listener_settings,
+    parse_weights,
+    read_config,
+)
 from services.gpu_worker.batching.driver import DriverConfig
 
 
 @dataclass(frozen=True)
 class HeartbeatConfig:
+    """How the worker publishes itself in the registry."""
+
+    #: Seconds between heartbeats; keep well under the routers' --stale-after-s.
     period_s: float = 1.0
-    #: TTL of the record key (a safety net; routers judge liveness by the zset score).
+    #: TTL of the record key (a safety net; routers judge liveness by the zset score), seconds.
     ttl_s: float = 3.0
-    #: Longest pause between attempts while Redis is unreachable.
+    #: Longest pause between attempts while Redis is unreachable, seconds.
     max_backoff_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if min(self.period_s, self.ttl_s, self.max_backoff_s) <= 0:
+            raise ValueError("heartbeat period, TTL and max backoff must be > 0 seconds")
 
 
 @dataclass(frozen=True)
@@ -33,6 +54,7 @@ class WorkerConfig:
     torch_threads: int = 0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
+    #: Worker-wide batching settings (per-model ones come from the model repository).
     batching: DriverConfig = field(default_factory=DriverConfig)
     #: Redis holding the worker registry; None runs the worker standalone (direct calls only).
     redis_url: str | None = None
@@ -42,4 +64,148 @@ class WorkerConfig:
     worker_id: str = ""
     #: host:port routers dial; defaults to host and the bound gRPC port.
     advertise_address: str = ""
+    #: Registry heartbeats (used only with `redis_url`).
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+
+
+def _ms(seconds: float) -> float:
+    return seconds * 1000.0
+
+
+_BATCHING = (
+    Setting(
+        "upstream_budget_ms",
+        float,
+        _ms(DriverConfig.upstream_budget_s),
+        "part of each model's SLO reserved for gateway, router and the hops",
+        "ms",
+        field="batching.upstream_budget_s",
+        scale=0.001,
+    ),
+    Setting(
+        "safety_margin_ms",
+        float,
+        _ms(DriverConfig.safety_margin_s),
+        "margin kept between a batch's predicted completion and its rows' deadlines",
+        "ms",
+        field="batching.safety_margin_s",
+        scale=0.001,
+    ),
+    Setting(
+        "max_wait_cap_ms",
+        float,
+        _ms(DriverConfig.max_wait_cap_s),
+        "upper bound on the linger derived from each model's SLO",
+        "ms",
+        field="batching.max_wait_cap_s",
+        scale=0.001,
+    ),
+    Setting(
+        "min_expected_arrivals",
+        float,
+        DriverConfig.min_expected_arrivals,
+        "with the executor idle, linger only if this many more rows are expected in time; "
+        "0 always lingers",
+        "rows",
+        field="batching.min_expected_arrivals",
+    ),
+    Setting(
+        "tenant_weights",
+        parse_weights,
+        {},
+        "fair-share weights per tenant as name=weight,... (unlisted tenants weigh 1)",
+        field="batching.tenant_weights",
+    ),
+)
+
+_REGISTRY = (
+    Setting(
+        "redis_url", str, None, "Redis of the router registry; unset runs the worker standalone"
+    ),
+    Setting(
+        "registry_prefix",
+        str,
+        WorkerConfig.registry_prefix,
+        "registry key prefix; must match the routers' --registry-prefix",
+    ),
+    # WORKER_ID, not WORKER_WORKER_ID: deployments set it from the pod name.
+    Setting("worker_id", str, "", "registry id; unset means hostname-pid", env="WORKER_ID"),
+    Setting(
+        "advertise_address",
+        str,
+        WorkerConfig.advertise_address,
+        "host:port routers dial; unset means --host and the bound gRPC port",
+    ),
+    Setting(
+        "heartbeat_period_s",
+        float,
+        HeartbeatConfig.period_s,
+        "time between registry heartbeats; keep well under the routers' --stale-after-s",
+        "s",
+        field="heartbeat.period_s",
+    ),
+    Setting(
+        "heartbeat_ttl_s",
+        float,
+        HeartbeatConfig.ttl_s,
+        "expiry of the registry record, a safety net for a worker that dies silently",
+        "s",
+        field="heartbeat.ttl_s",
+    ),
+    Setting(
+        "heartbeat_max_backoff_s",
+        float,
+        HeartbeatConfig.max_backoff_s,
+        "longest pause between heartbeat attempts while Redis is unreachable",
+        "s",
+        field="heartbeat.max_backoff_s",
+    ),
+)
+
+SETTINGS = SettingsTable(
+    prog="python -m services.gpu_worker",
+    description="GPU worker: serves the models of a model repository with dynamic batching.",
+    env_prefix="WORKER",
+    settings=(
+        Setting("model_repository", Path, Path("models"), "model repository directory"),
+        Setting(
+            "drain_grace_s",
+            float,
+            WorkerConfig.drain_grace_s,
+            "time in-flight work may take to finish after SIGTERM",
+            "s",
+        ),
+        Setting(
+            "torch_threads",
+            int,
+            WorkerConfig.torch_threads,
+            "torch intra-op threads on the CPU; 0 keeps torch's default",
+            "threads",
+        ),
+        *_BATCHING,
+        *_REGISTRY,
+        *listener_settings(
+            grpc_port=WorkerConfig.grpc_port, metrics_port=WorkerConfig.metrics_port
+        ),
+    ),
+)
+
+
+_build = config_builder(WorkerConfig, SETTINGS)
+
+
+def config_from_settings(values: Mapping[str, Any]) -> WorkerConfig:
+    """The config from the values `SETTINGS` parsed (by setting name); an unset worker id
+    becomes hostname-pid."""
+    config = _build(values)
+    if config.worker_id:
+        return config
+    return dataclasses.replace(config, worker_id=f"{socket.gethostname()}-{os.getpid()}")
+
+
+def parse_config(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> WorkerConfig:
+    """The worker's config from `argv` (None: sys.argv) and `environ` (None: os.environ); a
+    bad setting exits with status 2."""
+    return read_config(SETTINGS, config_from_settings, argv, environ)

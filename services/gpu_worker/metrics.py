@@ -5,151 +5,139 @@ Each worker instance owns a registry, so several workers can live in one test pr
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-_LATENCY_BUCKETS_S = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-)  # fmt: skip
+from services.common import metric_names as names
+from services.common.telemetry import WORKER_SECONDS_BUCKETS, MetricFactory
+
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+_MODEL = ("model", "version")
+_BUCKET = (*_MODEL, "bucket")
 
 
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        model = ["model", "version"]
-        self.requests_total = Counter(
-            "inference_worker_requests_total",
+        new = MetricFactory(registry)
+        self.requests_total = new.counter(
+            names.WORKER_REQUESTS_TOTAL,
             "Infer requests answered, by gRPC status code.",
-            [*model, "code"],
-            registry=registry,
+            (*_MODEL, "code"),
         )
-        self.rows_total = Counter(
-            "inference_worker_rows_total",
+        self.rows_total = new.counter(
+            names.WORKER_ROWS_TOTAL,
             "Input rows executed (each request has one or more rows).",
-            model,
-            registry=registry,
+            _MODEL,
         )
-        self.batches_total = Counter(
-            "inference_worker_batches_total",
+        self._define_batches(new)
+        self._define_row_stages(new)
+        self.rejected_total = new.counter(
+            names.WORKER_REJECTED_TOTAL, "Rows refused admission, by reason.", (*_MODEL, "reason")
+        )
+        self.dropped_total = new.counter(
+            names.WORKER_DROPPED_TOTAL,
+            "Queued rows removed before compute: expired (deadline) or cancelled.",
+            (*_MODEL, "reason"),
+        )
+        self.row_failures_total = new.counter(
+            names.WORKER_ROW_FAILURES_TOTAL,
+            "Rows whose model execution raised (isolated by bisecting the batch).",
+            _MODEL,
+        )
+        self._define_batcher_state(new)
+
+    def _define_batches(self, new: MetricFactory) -> None:
+        """Per-batch metrics: how batches close, how full and padded they are, their compute."""
+        self.batches_total = new.counter(
+            names.WORKER_BATCHES_TOTAL,
             "Batches executed, by bucket and close reason (full, linger, deadline, idle, drain).",
-            [*model, "bucket", "reason"],
-            registry=registry,
+            (*_BUCKET, "reason"),
         )
-        self.batch_size = Histogram(
-            "inference_worker_batch_size",
+        self.batch_size = new.histogram(
+            names.WORKER_BATCH_SIZE,
             "Rows per executed batch.",
-            [*model, "bucket"],
+            _BUCKET,
             buckets=_BATCH_SIZE_BUCKETS,
-            registry=registry,
         )
-        self.batch_fill_ratio = Histogram(
-            "inference_worker_batch_fill_ratio",
+        self.batch_fill_ratio = new.histogram(
+            names.WORKER_BATCH_FILL_RATIO,
             "Rows per batch divided by the batch limit for its bucket.",
-            model,
+            _MODEL,
             buckets=_RATIO_BUCKETS,
-            registry=registry,
         )
-        self.mixed_bucket_batches_total = Counter(
-            "inference_worker_mixed_bucket_batches_total",
+        self.mixed_bucket_batches_total = new.counter(
+            names.WORKER_MIXED_BUCKET_BATCHES_TOTAL,
             "Batches whose rows, re-bucketed from their own lengths at execution, disagree. "
             "Must stay 0: a non-zero value is a batching bug.",
-            model,
-            registry=registry,
+            _MODEL,
         )
-        self.padding_waste_ratio = Histogram(
-            "inference_worker_padding_waste_ratio",
+        self.padding_waste_ratio = new.histogram(
+            names.WORKER_PADDING_WASTE_RATIO,
             "Share of padded tokens in an executed batch (0 = no padding).",
-            [*model, "bucket"],
+            _BUCKET,
             buckets=_RATIO_BUCKETS,
-            registry=registry,
         )
-        self.linger_seconds = Histogram(
-            "inference_worker_linger_seconds",
+        self.compute_seconds = new.histogram(
+            names.WORKER_COMPUTE_SECONDS,
+            "Executor time of one batch.",
+            _BUCKET,
+            buckets=WORKER_SECONDS_BUCKETS,
+        )
+
+    def _define_row_stages(self, new: MetricFactory) -> None:
+        """Per-row stage histograms: linger + backlog + row compute = row latency."""
+        self.linger_seconds = new.histogram(
+            names.WORKER_LINGER_SECONDS,
             "Deliberate wait to fill a batch while the executor was idle, per row.",
-            model,
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _MODEL,
+            buckets=WORKER_SECONDS_BUCKETS,
         )
-        self.backlog_seconds = Histogram(
-            "inference_worker_backlog_seconds",
+        self.backlog_seconds = new.histogram(
+            names.WORKER_BACKLOG_SECONDS,
             "Wait while the executor was busy with other batches, per row.",
-            model,
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _MODEL,
+            buckets=WORKER_SECONDS_BUCKETS,
         )
-        self.queue_wait_seconds = Histogram(
-            "inference_worker_queue_wait_seconds",
+        self.queue_wait_seconds = new.histogram(
+            names.WORKER_QUEUE_WAIT_SECONDS,
             "Linger plus backlog, per row: the autoscaling signal.",
-            model,
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _MODEL,
+            buckets=WORKER_SECONDS_BUCKETS,
         )
-        self.row_compute_seconds = Histogram(
-            "inference_worker_row_compute_seconds",
+        self.row_compute_seconds = new.histogram(
+            names.WORKER_ROW_COMPUTE_SECONDS,
             "Executor time of the batch a row ran in, per row (the compute stage a request "
             "sees; linger + backlog + this = row latency).",
-            model,
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _MODEL,
+            buckets=WORKER_SECONDS_BUCKETS,
         )
-        self.row_latency_seconds = Histogram(
-            "inference_worker_row_latency_seconds",
+        self.row_latency_seconds = new.histogram(
+            names.WORKER_ROW_LATENCY_SECONDS,
             "From a row's admission to its result, per row.",
-            model,
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
+            _MODEL,
+            buckets=WORKER_SECONDS_BUCKETS,
         )
-        self.compute_seconds = Histogram(
-            "inference_worker_compute_seconds",
-            "Executor time of one batch.",
-            [*model, "bucket"],
-            buckets=_LATENCY_BUCKETS_S,
-            registry=registry,
-        )
-        self.rejected_total = Counter(
-            "inference_worker_rejected_total",
-            "Rows refused admission, by reason.",
-            [*model, "reason"],
-            registry=registry,
-        )
-        self.dropped_total = Counter(
-            "inference_worker_dropped_total",
-            "Queued rows removed before compute: expired (deadline) or cancelled.",
-            [*model, "reason"],
-            registry=registry,
-        )
-        self.row_failures_total = Counter(
-            "inference_worker_row_failures_total",
-            "Rows whose model execution raised (isolated by bisecting the batch).",
-            model,
-            registry=registry,
-        )
-        self.max_wait_seconds = Gauge(
-            "inference_worker_max_wait_seconds",
+
+    def _define_batcher_state(self, new: MetricFactory) -> None:
+        """Gauges of what the batcher and admission use now."""
+        self.max_wait_seconds = new.gauge(
+            names.WORKER_MAX_WAIT_SECONDS,
             "Derived linger (max_wait) the batcher uses now, per bucket.",
-            [*model, "bucket"],
-            registry=registry,
+            _BUCKET,
         )
-        self.max_batch_size = Gauge(
-            "inference_worker_max_batch_size",
-            "Largest batch the batcher forms for a bucket.",
-            [*model, "bucket"],
-            registry=registry,
+        self.max_batch_size = new.gauge(
+            names.WORKER_MAX_BATCH_SIZE, "Largest batch the batcher forms for a bucket.", _BUCKET
         )
-        self.latency_slowdown = Gauge(
-            "inference_worker_latency_slowdown",
+        self.latency_slowdown = new.gauge(
+            names.WORKER_LATENCY_SLOWDOWN,
             "Observed / predicted batch compute, smoothed over recent batches: above 1 the "
             "machine runs slower than the latency curve says (contention), and admission "
             "predicts with it.",
-            model,
-            registry=registry,
+            _MODEL,
         )
-        self.queue_depth = Gauge(
-            "inference_worker_queue_depth",
-            "Rows queued and not yet dispatched.",
-            model,
-            registry=registry,
+        self.queue_depth = new.gauge(
+            names.WORKER_QUEUE_DEPTH, "Rows queued and not yet dispatched.", _MODEL
         )
 
     def declare_model(self, model: str, version: str) -> None:

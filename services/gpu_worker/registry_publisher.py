@@ -14,10 +14,9 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.registry_schema import ModelRecord, RegistryKeys, WorkerRecord, connect
+from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
-from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.loaded_models import LoadedModels
 
 log = logging.getLogger(__name__)
@@ -108,55 +107,17 @@ class RegistryPublisher:
         )
         self._task: asyncio.Task[None] | None = None
 
-    def _generation_record(self, backend: GenerationBackend) -> ModelRecord:
-        engine = backend.engine
-        settings = backend.settings
-        step_s = engine.mean_step_s
-        return ModelRecord(
-            name=backend.config.name,
-            version=backend.version.version,
-            fingerprint=backend.fingerprint,
-            tokenizer_fingerprint=backend.tokenizer_fingerprint,
-            kind=backend.config.kind.value,
-            max_batch_size=settings.max_num_seqs,
-            slo_p99_ms=backend.config.slo_p99_ms,
-            # Prefill cost per prompt token, and one step as the floor of time to first token.
-            per_row_s=step_s / settings.max_num_batched_tokens,
-            min_batch_s=step_s,
-            queued_rows=engine.num_waiting_tokens,
-            is_ready=not self._is_draining,
-            kv_blocks_free=engine.num_free_blocks,
-            kv_block_size=settings.block_size,
-            max_model_len=backend.max_model_len,
-            shed_past_slo=backend.config.shed_past_slo,
-        )
-
     def record(self) -> WorkerRecord:
-        models = [self._generation_record(b) for b in self._models.generation]
-        for backend in self._models.fixed_cost:
-            load = self._batching.load_report(backend)
-            models.append(
-                ModelRecord(
-                    name=backend.config.name,
-                    version=backend.version.version,
-                    fingerprint=backend.fingerprint,
-                    tokenizer_fingerprint=backend.tokenizer_fingerprint,
-                    kind=backend.config.kind.value,
-                    max_batch_size=backend.config.max_batch_size,
-                    slo_p99_ms=backend.config.slo_p99_ms,
-                    per_row_s=load.per_row_s,
-                    min_batch_s=load.min_batch_s,
-                    queued_rows=load.queued_rows,
-                    is_ready=not self._is_draining,
-                    shed_past_slo=backend.config.shed_past_slo,
-                )
-            )
+        is_ready = not self._is_draining
+        models = tuple(
+            m.model_record(is_ready=is_ready, batching=self._batching) for m in self._models.all
+        )
         return WorkerRecord(
             worker_id=self._worker_id,
             address=self._address,
             is_draining=self._is_draining,
             sent_at_ms=int(time.time() * 1000),
-            models=tuple(models),
+            models=models,
         )
 
     def start(self) -> None:

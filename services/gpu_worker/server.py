@@ -6,35 +6,37 @@ import asyncio
 import gc
 import logging
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
 import numpy as np
 from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry
 
-from services.common.errors import FingerprintMismatch, InvalidInput, Unavailable
+from services.common.errors import InvalidInput, Unavailable
 from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
-from services.common.model_repository import ModelKind, load_repository
-from services.common.multiplex import STREAM_METHOD, MultiplexServer
+from services.common.model_repository import load_repository
+from services.common.multiplex import STREAM_METHOD
+from services.common.multiplex_server import MultiplexServer
 from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
 from services.common.sampling import sampling_from_pb
-from services.common.telemetry import count_outcome
+from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
 from services.common.tracing import TracingInterceptor
-from services.gpu_worker.backends.base import Backend, RawInput, TokenIds, select_device
+from services.gpu_worker.backends.base import RawInput, TokenIds, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
-from services.gpu_worker.loaded_models import AnyBackend, LoadedModels, load_versions
+from services.gpu_worker.loaded_models import LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.registry_publisher import RegistryPublisher
+from services.gpu_worker.served_model import ServedModel
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -52,37 +54,26 @@ def _raw_input(model_input: pb.ModelInput) -> RawInput:
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
 
 
-def _check_fingerprint(request_fingerprint: str, backend: AnyBackend) -> None:
-    if request_fingerprint and request_fingerprint != backend.fingerprint:
-        raise FingerprintMismatch(
-            f"inputs were prepared for fingerprint {request_fingerprint}; "
-            f"{backend.config.name}/{backend.version.version} is {backend.fingerprint}"
-        )
-
-
-def _version_info(backend: AnyBackend, *, is_ready: bool) -> pb.ModelVersionInfo:
-    config = backend.config
-    is_text = config.kind is ModelKind.EMBEDDING
+def _version_info(model: ServedModel, *, is_ready: bool) -> pb.ModelVersionInfo:
+    config = model.config
 
     def specs(tensors: Sequence) -> list[pb.TensorSpec]:
         return [pb.TensorSpec(name=t.name, dtype=dtype_pb(t.dtype), dims=t.dims) for t in tensors]
 
     return pb.ModelVersionInfo(
         model_name=config.name,
-        model_version=backend.version.version,
-        fingerprint=backend.fingerprint,
-        kind=model_kind_to_pb(config.kind),
+        model_version=model.version.version,
+        fingerprint=model.fingerprint,
+        kind=model_kind_to_pb(model.kind),
         max_batch_size=config.max_batch_size,
         slo_p99_ms=config.slo_p99_ms,
-        length_buckets=list(backend.buckets) if isinstance(backend, Backend) and is_text else [],
-        max_input_tokens=backend.text.max_tokens
-        if isinstance(backend, GenerationBackend)
-        else backend.max_input_tokens,
-        max_model_len=backend.max_model_len if isinstance(backend, GenerationBackend) else 0,
+        length_buckets=list(model.length_buckets),
+        max_input_tokens=model.max_input_tokens,
+        max_model_len=model.max_model_len,
         inputs=specs(config.inputs),
         outputs=specs(config.outputs),
         is_ready=is_ready,
-        tokenizer_fingerprint=backend.tokenizer_fingerprint,
+        tokenizer_fingerprint=model.tokenizer_fingerprint,
     )
 
 
@@ -113,7 +104,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         backend = self._models.fixed_cost_backend(request.model_name, request.model_version)
         labels = (backend.config.name, backend.version.version)
         with count_outcome(self._metrics.requests_total, *labels):
-            _check_fingerprint(request.fingerprint, backend)
+            backend.check_fingerprint(request.fingerprint)
             if not request.inputs:
                 raise InvalidInput("request has no inputs")
             if len(request.inputs) > backend.config.max_queue_size:
@@ -152,7 +143,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if self._models is None:
             raise Unavailable("worker is still loading models")
         backend = self._models.generation_backend(request.model_name, request.model_version)
-        _check_fingerprint(request.fingerprint, backend)
+        backend.check_fingerprint(request.fingerprint)
         which = request.WhichOneof("prompt")
         if which == "text":
             prompt = backend.encode(request.text)
@@ -186,10 +177,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
     async def ListModels(
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkerModelsResponse:
-        backends = self._models.backends if self._models else ()
+        models = self._models.all if self._models else ()
         ready = self._batching is not None
         return pb.ListWorkerModelsResponse(
-            versions=[_version_info(b, is_ready=ready) for b in backends], device=self._device
+            versions=[_version_info(m, is_ready=ready) for m in models], device=self._device
         )
 
 
@@ -215,7 +206,7 @@ class Worker:
 
         def load_and_warm() -> tuple[LoadedModels, BatchingDriver]:
             versions = load_repository(self.config.model_repository)
-            models = LoadedModels(load_versions(versions, device, self.generation_metrics))
+            models = load_versions(versions, device, self.generation_metrics)
             batching = BatchingDriver(models.fixed_cost, self.config.batching, self.metrics)
             batching.warm_up()
             for backend in models.generation:
@@ -243,9 +234,7 @@ class Worker:
             "worker ready on port %d (%s): %s",
             self.port,
             device,
-            ", ".join(
-                f"{b.config.name}/{b.version.version}@{b.fingerprint}" for b in models.backends
-            ),
+            ", ".join(f"{m.config.name}/{m.version.version}@{m.fingerprint}" for m in models.all),
         )
 
     async def stop(self) -> None:
@@ -266,27 +255,27 @@ class Worker:
         await self.server.stop(grace=1.0)
 
 
-async def _in_daemon_thread(fn):  # type: ignore[no-untyped-def]
+async def _in_daemon_thread(fn: Callable[[], T]) -> T:
     """Runs blocking `fn` in a daemon thread: a SIGTERM during model loading must not wait for
     the load to finish before the process can exit."""
     loop = asyncio.get_running_loop()
-    future = loop.create_future()
+    future: asyncio.Future[T] = loop.create_future()
 
-    def settle(result: object, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is None:
+    def settle_result(result: T) -> None:
+        if not future.done():
             future.set_result(result)
-        else:
+
+    def settle_error(error: BaseException) -> None:
+        if not future.done():
             future.set_exception(error)
 
     def target() -> None:
         try:
             result = fn()
         except BaseException as error:  # delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, error)
+            loop.call_soon_threadsafe(settle_error, error)
         else:
-            loop.call_soon_threadsafe(settle, result, None)
+            loop.call_soon_threadsafe(settle_result, result)
 
     threading.Thread(target=target, name="model-loader", daemon=True).start()
     return await future
@@ -301,7 +290,7 @@ async def create_worker(config: WorkerConfig) -> Worker:
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))
     port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
     await server.start()
-    registry = CollectorRegistry()
+    registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(
         generation_metrics=GenerationMetrics(registry),

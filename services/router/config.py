@@ -1,10 +1,19 @@
-"""The router's configuration, read once in `__main__`."""
+"""The router's configuration: its settings table and the frozen config `__main__` builds from
+it once."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.settings import (
+    Setting,
+    SettingsTable,
+    config_builder,
+    listener_settings,
+    read_config,
+)
 from services.router.routing import RoutingConfig
 
 
@@ -12,11 +21,13 @@ from services.router.routing import RoutingConfig
 class RouterConfig:
     #: Redis holding the worker registry.
     redis_url: str
+    #: Interface for the gRPC and metrics listeners.
     host: str = "127.0.0.1"
     #: gRPC port; 0 picks a free one.
     grpc_port: int = 8101
     #: Prometheus `/metrics` port; 0 picks a free one.
     metrics_port: int = 8102
+    #: Registry key prefix (one prefix per fabric sharing a Redis; the workers' must match).
     registry_prefix: str = "fabric"
     #: How often the registry snapshot is re-read from Redis (one pipelined read, not per call).
     refresh_period_s: float = 0.5
@@ -24,5 +35,100 @@ class RouterConfig:
     default_timeout_s: float = 30.0
     #: Attempts per request beyond the first, when a worker fails or vanishes mid-call.
     max_retries: int = 2
+    #: When set, a JSON line {grpc_port, metrics_port} is written here once the router is ready.
     ready_file: Path | None = None
+    #: Routing and admission (services.router.routing).
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+SETTINGS = SettingsTable(
+    prog="python -m services.router",
+    description="Router: picks the worker that will serve each request soonest.",
+    env_prefix="ROUTER",
+    settings=(
+        Setting("redis_url", str, "redis://127.0.0.1:6379/0", "Redis holding the worker registry"),
+        Setting(
+            "registry_prefix",
+            str,
+            RouterConfig.registry_prefix,
+            "registry key prefix; must match the workers' --registry-prefix",
+        ),
+        Setting(
+            "refresh_period_s",
+            float,
+            RouterConfig.refresh_period_s,
+            "how often the worker registry is re-read from Redis",
+            "s",
+        ),
+        Setting(
+            "default_timeout_s",
+            float,
+            RouterConfig.default_timeout_s,
+            "deadline of calls that arrive without one",
+            "s",
+        ),
+        Setting(
+            "max_retries",
+            int,
+            RouterConfig.max_retries,
+            "attempts on other workers after one fails or vanishes",
+            "attempts",
+        ),
+        Setting(
+            "stale_after_s",
+            float,
+            RoutingConfig.stale_after_s,
+            "a worker whose heartbeat is older than this is dead; keep it above the workers' "
+            "--heartbeat-period-s",
+            "s",
+            field="routing.stale_after_s",
+        ),
+        Setting(
+            "max_snapshot_age_s",
+            float,
+            RoutingConfig.max_snapshot_age_s,
+            "past this without a registry refresh (Redis unreachable), every request is refused",
+            "s",
+            field="routing.max_snapshot_age_s",
+        ),
+        Setting(
+            "eject_s",
+            float,
+            RoutingConfig.eject_s,
+            "how long a worker whose call failed with UNAVAILABLE is skipped",
+            "s",
+            field="routing.eject_s",
+        ),
+        Setting(
+            "deadline_margin_s",
+            float,
+            RoutingConfig.deadline_margin_s,
+            "margin kept between a worker's predicted completion and the deadline",
+            "s",
+            field="routing.deadline_margin_s",
+        ),
+        Setting(
+            "power_of_two_threshold",
+            int,
+            RoutingConfig.power_of_two_threshold,
+            "past this many candidate workers, sample two instead of scanning all",
+            "workers",
+            field="routing.power_of_two_threshold",
+        ),
+        *listener_settings(
+            grpc_port=RouterConfig.grpc_port, metrics_port=RouterConfig.metrics_port
+        ),
+    ),
+)
+
+
+#: The config from the values `SETTINGS` parsed (by setting name).
+config_from_settings = config_builder(RouterConfig, SETTINGS)
+
+
+def parse_config(
+    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+) -> RouterConfig:
+    """The router's config from `argv` (None: sys.argv) and `environ` (None: os.environ); a
+    bad setting exits with status 2."""
+    return read_config(SETTINGS, config_from_settings, argv, environ)

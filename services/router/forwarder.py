@@ -16,11 +16,13 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
-from services.common.multiplex import CHANNEL_OPTIONS, CallContext, MultiplexClient
+from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.multiplex_server import CallContext
 from services.common.registry_schema import parse_route_metadata
 from services.common.telemetry import count_outcome
 from services.common.tracing import outgoing_metadata
 from services.router.metrics import RouterMetrics
+from services.router.retry import GiveUp, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 
 log = logging.getLogger(__name__)
@@ -159,26 +161,30 @@ class Forwarder:
         attempt: int,
         deadline_s: float,
     ) -> None:
-        """Returns to retry on another worker, or raises the error for our caller.
-
-        UNAVAILABLE: the worker is gone, draining or not ready; the request produced no result
-        there and inference has no side effects, so another worker may run it. Any other
-        status is the request's own answer."""
-        if error.code != grpc.StatusCode.UNAVAILABLE:
-            raise error
+        """Returns to retry on another worker, or raises the error for our caller
+        (services.router.retry says which). An UNAVAILABLE worker is ejected either way."""
+        is_unavailable = error.code == grpc.StatusCode.UNAVAILABLE
         now_s = time.monotonic()
-        self._table.eject(route.worker_id, now_s)
-        can_retry = (
-            attempt < self._max_retries and deadline_s > now_s and self._budget.try_spend(now_s)
+        decision = decide_retry(
+            is_worker_unavailable=is_unavailable,
+            attempt=attempt,
+            max_retries=self._max_retries,
+            deadline_s=deadline_s,
+            now_s=now_s,
+            budget=self._budget,
         )
-        log.warning(
-            "worker %s unavailable (%s)%s",
-            route.worker_id,
-            error,
-            "; retrying elsewhere" if can_retry else "",
-        )
-        if not can_retry:
+        if is_unavailable:
+            self._table.eject(route.worker_id, now_s)
+        if isinstance(decision, GiveUp):
+            if is_unavailable:
+                log.warning(
+                    "worker %s unavailable (%s); not retried: %s",
+                    route.worker_id,
+                    error,
+                    decision.reason.value,
+                )
             raise error
+        log.warning("worker %s unavailable (%s); retrying elsewhere", route.worker_id, error)
         self._metrics.retries_total.labels(name, version).inc()
 
 
@@ -187,7 +193,8 @@ def _call_facts(
 ) -> tuple[str, str, int, float]:
     """(model, version, rows, absolute deadline) of a call, from its metadata and deadline.
     Without a caller's deadline: `default_timeout_s` from now, or math.inf when that is None."""
-    route_info = parse_route_metadata(dict(context.invocation_metadata() or ()))
+    metadata = context.invocation_metadata() or ()
+    route_info = parse_route_metadata({k: v for k, v in metadata if isinstance(v, str)})
     if route_info is None:
         raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
     remaining_s = context.time_remaining()

@@ -2,64 +2,55 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from services.common import metric_names as names
+from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
+
+_MODEL = ("model", "version")
 
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.routed_total = Counter(
-            "inference_router_routed_total",
+        new = MetricFactory(registry)
+        self.routed_total = new.counter(
+            names.ROUTER_ROUTED_TOTAL,
             "Calls sent to a worker (retries included), by worker.",
-            ["model", "version", "worker"],
-            registry=registry,
+            (*_MODEL, "worker"),
         )
-        self.rejected_total = Counter(
-            "inference_router_rejected_total",
+        self.rejected_total = new.counter(
+            names.ROUTER_REJECTED_TOTAL,
             "Requests refused before reaching a worker, by reason.",
-            ["model", "version", "reason"],
-            registry=registry,
+            (*_MODEL, "reason"),
         )
-        self.retries_total = Counter(
-            "inference_router_retries_total",
-            "Calls retried on another worker after UNAVAILABLE.",
-            ["model", "version"],
-            registry=registry,
+        self.retries_total = new.counter(
+            names.ROUTER_RETRIES_TOTAL, "Calls retried on another worker after UNAVAILABLE.", _MODEL
         )
-        self.responses_total = Counter(
-            "inference_router_responses_total",
+        self.responses_total = new.counter(
+            names.ROUTER_RESPONSES_TOTAL,
             "Requests answered, by gRPC status code.",
-            ["model", "version", "code"],
-            registry=registry,
+            (*_MODEL, "code"),
         )
-        self.predicted_wait_seconds = Histogram(
-            "inference_router_predicted_wait_seconds",
+        self.predicted_wait_seconds = new.histogram(
+            names.ROUTER_PREDICTED_WAIT_SECONDS,
             "Predicted queue wait plus compute on the chosen worker at routing time.",
-            ["model", "version"],
-            buckets=_SECONDS,
-            registry=registry,
+            _MODEL,
+            buckets=SECONDS_BUCKETS,
         )
-        self.request_seconds = Histogram(
-            "inference_router_request_seconds",
+        self.request_seconds = new.histogram(
+            names.ROUTER_REQUEST_SECONDS,
             "Time from receiving a request to answering it (worker time included).",
-            ["model", "version"],
-            buckets=_SECONDS,
-            registry=registry,
+            _MODEL,
+            buckets=SECONDS_BUCKETS,
         )
-        self.registry_degraded = Gauge(
-            "inference_router_registry_degraded",
+        self.registry_degraded = new.gauge(
+            names.ROUTER_REGISTRY_DEGRADED,
             "1 while Redis is unreachable and routing uses the last good snapshot.",
-            registry=registry,
         )
-        self.registry_snapshot_age_seconds = Gauge(
-            "inference_router_registry_snapshot_age_seconds",
-            "Age of the registry snapshot routing uses.",
-            registry=registry,
+        self.registry_snapshot_age_seconds = new.gauge(
+            names.ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS, "Age of the registry snapshot routing uses."
         )
-        self.live_workers = Gauge(
-            "inference_router_live_workers",
-            "Workers with a fresh heartbeat in the snapshot.",
-            registry=registry,
+        self.live_workers = new.gauge(
+            names.ROUTER_LIVE_WORKERS, "Workers with a fresh heartbeat in the snapshot."
         )

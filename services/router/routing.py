@@ -139,6 +139,37 @@ class RouteTable:
             return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
 
         key = f"{name}@{version}"
+        candidates, is_known = self._candidates(
+            name, version, num_rows, now_s, refreshed_at_s, exclude
+        )
+        if not candidates:
+            if not is_known:
+                return Reject(RejectReason.UNKNOWN_MODEL, 0.0, f"no worker serves {key}")
+            message = f"no ready worker for {key}"
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+
+        best = self._choose(candidates)
+        if not self._admits(best, remaining_s):
+            # Power-of-two may have sampled two busy workers: before rejecting, fall back to the
+            # best that admits, so a request is refused only when no candidate can take it.
+            admitting = [c for c in candidates if self._admits(c, remaining_s)]
+            best = min(admitting or candidates, key=_rank)
+        if not self._admits(best, remaining_s):
+            return self._too_late(best, key, remaining_s)
+        return self._reserve(best, key, num_rows)
+
+    def _candidates(
+        self,
+        name: str,
+        version: str,
+        num_rows: int,
+        now_s: float,
+        refreshed_at_s: float,
+        exclude: frozenset[str],
+    ) -> tuple[list[_Candidate], bool]:
+        """Workers that may take name@version now, with their predicted wait; and whether any
+        worker of the snapshot (refreshed at `refreshed_at_s`) serves it at all."""
+        key = f"{name}@{version}"
         candidates: list[_Candidate] = []
         is_known = False
         for worker, heartbeat_s in self._workers:
@@ -165,32 +196,24 @@ class RouteTable:
             )
             is_idle = queued_rows == 0
             candidates.append(_Candidate(worker, model, predicted_s, has_room, is_idle))
+        return candidates, is_known
 
-        if not candidates:
-            if not is_known:
-                return Reject(RejectReason.UNKNOWN_MODEL, 0.0, f"no worker serves {key}")
-            message = f"no ready worker for {key}"
-            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+    def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:
+        """The refusal when even the best candidate cannot finish in time: the backlog beyond
+        the budget must drain first, at least one batch's time."""
+        excess_s = best.predicted_s - self._budget_s(best.model, remaining_s)
+        limit = "the model's SLO" if best.model.shed_past_slo else "the remaining deadline"
+        message = (
+            f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id}, "
+            f"past {limit} ({remaining_s:.3f}s left)"
+        )
+        retry_after_s = max(excess_s, best.model.min_batch_s)
+        return Reject(RejectReason.DEADLINE, retry_after_s, message)
 
-        best = self._choose(candidates)
-        if not self._admits(best, remaining_s):
-            # Power-of-two may have sampled two busy workers: before rejecting, fall back to the
-            # best that admits, so a request is refused only when no candidate can take it.
-            admitting = [c for c in candidates if self._admits(c, remaining_s)]
-            best = min(admitting or candidates, key=_rank)
-        if not self._admits(best, remaining_s):
-            # The backlog beyond the budget must drain first; at least one batch's time.
-            excess_s = best.predicted_s - self._budget_s(best.model, remaining_s)
-            limit = "the model's SLO" if best.model.shed_past_slo else "the remaining deadline"
-            message = (
-                f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id}, "
-                f"past {limit} ({remaining_s:.3f}s left)"
-            )
-            retry_after_s = max(excess_s, best.model.min_batch_s)
-            return Reject(RejectReason.DEADLINE, retry_after_s, message)
-
-        # Check and reserve happen in this one synchronous call, with no await between them:
-        # that is the atomicity guarantee. Two routes in the same tick see each other's rows.
+    def _reserve(self, best: _Candidate, key: str, num_rows: int) -> Route:
+        # Check and reserve happen in one synchronous route() call, with no await between
+        # them: that is the atomicity guarantee. Two routes in the same tick see each other's
+        # rows.
         worker_id = best.worker.worker_id
         reservation_id = next(self._next_reservation_id)
         self._reservations[reservation_id] = (worker_id, key, num_rows)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health
-from prometheus_client import CollectorRegistry
 
 from services.common.lifecycle import (
     NOT_SERVING,
@@ -17,8 +16,10 @@ from services.common.lifecycle import (
     new_server,
     set_serving,
 )
-from services.common.multiplex import STREAM_METHOD, MultiplexServer
+from services.common.multiplex import STREAM_METHOD
+from services.common.multiplex_server import MultiplexServer
 from services.common.registry_schema import RegistryKeys, connect
+from services.common.telemetry import tier_registry
 from services.common.tracing import TracingInterceptor
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.catalog import Catalog
@@ -57,7 +58,7 @@ class Router:
 
 async def create_router(config: RouterConfig) -> Router:
     """Builds and starts the router; the registry sync task is the caller's to run."""
-    metrics = RouterMetrics(CollectorRegistry())
+    metrics = RouterMetrics(tier_registry("router"))
     table = RouteTable(config.routing, random.Random())
     forwarder = Forwarder(
         table,

@@ -31,18 +31,24 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from services.common import metric_names as names
+from services.gateway import config as gateway_config
 from services.gateway import server as gateway_server
 from services.gateway.metrics import GatewayMetrics
+from services.gpu_worker import config as worker_config
 from services.gpu_worker import server as worker_server
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from services.router import config as router_config
 from services.router import server as router_server
 from services.router.metrics import RouterMetrics
 from tests.support.metrics import scrape
 from tests.support.models import write_affine_model
 from tests.support.processes import ServiceProcess, start_worker
+
+pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
@@ -58,9 +64,12 @@ KUBE_VERSION = "1.32.0"
 RELEASE = "fabric"
 COMPONENT = "app.kubernetes.io/component"
 TIERS = ("gateway", "router", "gpu-worker")
-#: Env prefix and package of each tier (services/<package>/__main__.py reads the env).
-TIER_PREFIX = {"gateway": "GATEWAY", "router": "ROUTER", "gpu-worker": "WORKER"}
-TIER_PACKAGE = {"gateway": "gateway", "router": "router", "gpu-worker": "gpu_worker"}
+#: Each tier's settings table (services/<tier>/config.py): the env variables it reads.
+TIER_SETTINGS = {
+    "gateway": gateway_config.SETTINGS,
+    "router": router_config.SETTINGS,
+    "gpu-worker": worker_config.SETTINGS,
+}
 #: grpc.health.v1 service names each tier registers (besides the overall "").
 HEALTH_NAMES = {
     "gateway": set(gateway_server.SERVICE_NAMES),
@@ -431,9 +440,9 @@ def test_worker_grace_period_covers_prestop_and_drain(renders: dict[str, Objects
 
 _PARSE_CONFIGS = """
 import dataclasses, json, os, signal, sys
-from services.gateway.__main__ import parse_config as gateway
-from services.router.__main__ import parse_config as router
-from services.gpu_worker.__main__ import parse_config as worker
+from services.gateway.config import parse_config as gateway
+from services.router.config import parse_config as router
+from services.gpu_worker.config import parse_config as worker
 parsers = {"gateway": gateway, "router": router, "gpu-worker": worker}
 out = {}
 for key, (tier, env) in json.loads(sys.stdin.read()).items():
@@ -478,25 +487,14 @@ def parsed_configs(renders: dict[str, Objects]) -> dict[str, dict[str, Any]]:
 
 def test_env_names_are_ones_the_tiers_read(renders: dict[str, Objects]) -> None:
     """A misspelt variable would silently fall back to a default."""
-    listener = (REPO_ROOT / "services" / "common" / "lifecycle.py").read_text()
     for name, objects in renders.items():
         for tier in TIERS:
-            source = (REPO_ROOT / "services" / TIER_PACKAGE[tier] / "__main__.py").read_text()
-            prefix = TIER_PREFIX[tier]
+            read = set(TIER_SETTINGS[tier].env_vars())
             container = main_container(deployments(objects)[tier])
             expanded = " ".join(str(e.get("value", "")) for e in container["env"])
             for variable in env_entries(container):
-                suffix = variable.removeprefix(f"{prefix}_")
-                read = (
-                    f'"{variable}"' in source
-                    or (
-                        suffix in {"HOST", "GRPC_PORT", "METRICS_PORT"}
-                        and f'env_prefix="{prefix}"' in source
-                        and f'_{suffix}"' in listener
-                    )
-                    or f"$({variable})" in expanded
-                )
-                assert read, f"{name}/{tier}: {variable} is read by nothing"
+                is_read = variable in read or f"$({variable})" in expanded
+                assert is_read, f"{name}/{tier}: {variable} is read by nothing"
 
 
 def service_address(objects: Objects, tier: str, port_name: str) -> str:
@@ -776,7 +774,6 @@ def test_every_hpa_metric_is_served_by_the_adapter(prod_like: dict[str, Objects]
                 assert overrides["namespace"] == {"resource": "namespace"}, metric
 
 
-@pytest.mark.integration
 def test_adapter_queries_read_series_a_live_worker_exports(
     worker_scrape: str, exported: set[str]
 ) -> None:
@@ -799,7 +796,6 @@ def test_adapter_queries_read_series_a_live_worker_exports(
                 )
 
 
-@pytest.mark.integration
 def test_worker_probe_services_are_serving_on_a_live_worker(
     live_worker: ServiceProcess, renders: dict[str, Objects]
 ) -> None:
@@ -915,7 +911,6 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[str]:
     return queries
 
 
-@pytest.mark.integration
 def test_dashboard_shows_the_stages_batching_and_slo_from_real_metrics(
     exported: set[str],
 ) -> None:
@@ -935,9 +930,10 @@ def test_dashboard_shows_the_stages_batching_and_slo_from_real_metrics(
     assert not missing, f"the dashboard reads metrics no tier exports: {sorted(missing)}"
     stage_query = " ".join(t["expr"] for p in panels if "stage" in p["title"].lower()
                            for t in p["targets"])  # fmt: skip
-    for stage in ("gateway_validate", "gateway_tokenize", "router_request", "worker_linger",
-                  "worker_backlog", "worker_row_compute"):  # fmt: skip
-        assert f"inference_{stage}_seconds" in stage_query, f"stage {stage} missing"
+    for stage in (names.GATEWAY_VALIDATE_SECONDS, names.GATEWAY_TOKENIZE_SECONDS,
+                  names.ROUTER_REQUEST_SECONDS, names.WORKER_LINGER_SECONDS,
+                  names.WORKER_BACKLOG_SECONDS, names.WORKER_ROW_COMPUTE_SECONDS):  # fmt: skip
+        assert stage in stage_query, f"stage {stage} missing"
 
     # $slo is used as an `le` bound: each choice must be a bucket bound of every histogram
     # read with le="$slo", spelled the way the client library writes `le`.

@@ -27,7 +27,7 @@ from tests.support.kserve import run_kserve_client
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.stack import start_stack
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 MODEL = "minilm"
 SLO_S = next(
@@ -42,7 +42,7 @@ TEXTS = make_mixed_texts(512, seed=11)
 CALIBRATION_CALLERS = 8
 
 
-def sender(channel: grpc.aio.Channel, texts: Sequence[str], timeout_s: float):  # type: ignore[no-untyped-def]
+def sender(channel: grpc.aio.Channel, texts: Sequence[str], timeout_s: float):
     stub = api_grpc.InferenceServiceStub(channel)
     requests = [
         api.PredictRequest(model_name=MODEL, inputs=[api.PredictInput(text=t)]) for t in texts

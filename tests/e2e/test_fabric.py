@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -24,8 +25,9 @@ from tests.support.models import write_minilm_repository
 from tests.support.processes import health_status
 from tests.support.stack import Stack, start_stack
 from tests.support.texts import sentences
+from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 #: Client deadline of these tests: long enough that a retry on another worker always fits.
 TIMEOUT_S = 20.0
@@ -54,13 +56,11 @@ def vector(tensor: pb.Tensor) -> np.ndarray:
 
 
 def worker_rows(stack: Stack) -> float:
-    return sum(total(scrape(w.metrics_port), "inference_worker_rows_total") for w in stack.workers)
+    return sum(total(scrape(w.metrics_port), names.WORKER_ROWS_TOTAL) for w in stack.workers)
 
 
 def routed_to(stack: Stack, worker_id: str) -> float:
-    return total(
-        scrape(stack.router.metrics_port), "inference_router_routed_total", worker=worker_id
-    )
+    return total(scrape(stack.router.metrics_port), names.ROUTER_ROUTED_TOTAL, worker=worker_id)
 
 
 async def run_load(
@@ -96,11 +96,11 @@ async def test_every_tier_is_serving(stack: Stack) -> None:
 
 async def test_200_concurrent_predicts_are_correct_and_batched(
     stack: Stack, reference_embedder
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     texts = sentences(200, min_words=1, max_words=60, seed=3)
     reference = reference_embedder(texts)
     batches_before = sum(
-        total(scrape(w.metrics_port), "inference_worker_batch_size_count") for w in stack.workers
+        total(scrape(w.metrics_port), f"{names.WORKER_BATCH_SIZE}_count") for w in stack.workers
     )
     rows_before = worker_rows(stack)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -112,7 +112,7 @@ async def test_200_concurrent_predicts_are_correct_and_batched(
         assert (reply.model_name, reply.model_version) == ("minilm", "1")
         assert cosine(vector(reply.outputs[0]), reference[i]) >= 0.999
     batches = sum(
-        total(scrape(w.metrics_port), "inference_worker_batch_size_count") for w in stack.workers
+        total(scrape(w.metrics_port), f"{names.WORKER_BATCH_SIZE}_count") for w in stack.workers
     )
     assert worker_rows(stack) - rows_before == 200
     assert batches - batches_before < 200, "batches larger than one row must have formed"
@@ -124,7 +124,7 @@ async def test_every_tier_counts_the_load_and_worker_time_adds_up(stack: Stack) 
     tiers = [stack.gateway, stack.router, *stack.workers]
     before = {tier.metrics_port: scrape(tier.metrics_port) for tier in tiers}
 
-    def delta(tier, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+    def delta(tier, name: str, **labels: str) -> float:
         return total(scrape(tier.metrics_port), name, **labels) - total(
             before[tier.metrics_port], name, **labels
         )
@@ -141,32 +141,33 @@ async def test_every_tier_counts_the_load_and_worker_time_adds_up(stack: Stack) 
                 for i in range(num_requests)
             )
         )
-    assert (
-        delta(stack.gateway, "inference_gateway_requests_total", api="v1", code="OK")
-        == num_requests
-    )
-    assert delta(stack.gateway, "inference_gateway_inputs_total") == num_requests
-    assert delta(stack.router, "inference_router_responses_total", code="OK") == num_requests
-    assert delta(stack.router, "inference_router_routed_total") == num_requests
-    assert worker_delta("inference_worker_requests_total", code="OK") == num_requests
-    assert worker_delta("inference_worker_rows_total") == num_requests
-    assert worker_delta("inference_worker_row_latency_seconds_count") == num_requests
+    assert delta(stack.gateway, names.GATEWAY_REQUESTS_TOTAL, api="v1", code="OK") == num_requests
+    assert delta(stack.gateway, names.GATEWAY_INPUTS_TOTAL) == num_requests
+    assert delta(stack.router, names.ROUTER_RESPONSES_TOTAL, code="OK") == num_requests
+    assert delta(stack.router, names.ROUTER_ROUTED_TOTAL) == num_requests
+    assert worker_delta(names.WORKER_REQUESTS_TOTAL, code="OK") == num_requests
+    assert worker_delta(names.WORKER_ROWS_TOTAL) == num_requests
+    assert worker_delta(f"{names.WORKER_ROW_LATENCY_SECONDS}_count") == num_requests
     # The worker's stage split accounts for its latency: linger + backlog + compute = latency.
-    latency = worker_delta("inference_worker_row_latency_seconds_sum")
+    latency = worker_delta(f"{names.WORKER_ROW_LATENCY_SECONDS}_sum")
     stages = sum(
-        worker_delta(f"inference_worker_{stage}_seconds_sum")
-        for stage in ("linger", "backlog", "row_compute")
+        worker_delta(f"{stage}_sum")
+        for stage in (
+            names.WORKER_LINGER_SECONDS,
+            names.WORKER_BACKLOG_SECONDS,
+            names.WORKER_ROW_COMPUTE_SECONDS,
+        )
     )
     assert latency > 0
     assert stages == pytest.approx(latency, rel=0.02)
-    assert worker_delta("inference_worker_queue_wait_seconds_sum") == pytest.approx(
-        worker_delta("inference_worker_linger_seconds_sum")
-        + worker_delta("inference_worker_backlog_seconds_sum"),
+    assert worker_delta(f"{names.WORKER_QUEUE_WAIT_SECONDS}_sum") == pytest.approx(
+        worker_delta(f"{names.WORKER_LINGER_SECONDS}_sum")
+        + worker_delta(f"{names.WORKER_BACKLOG_SECONDS}_sum"),
         rel=0.02,
     )
 
 
-async def test_multi_input_predict_keeps_order(stack: Stack, reference_embedder) -> None:  # type: ignore[no-untyped-def]
+async def test_multi_input_predict_keeps_order(stack: Stack, reference_embedder) -> None:
     texts = sentences(12, min_words=1, max_words=120, seed=5)
     reference = reference_embedder(texts)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -178,7 +179,7 @@ async def test_multi_input_predict_keeps_order(stack: Stack, reference_embedder)
     ] == [True] * 12
 
 
-def test_stock_kserve_v2_client(stack: Stack, reference_embedder) -> None:  # type: ignore[no-untyped-def]
+def test_stock_kserve_v2_client(stack: Stack, reference_embedder) -> None:
     texts = ["hello world", "Batching compatible requests on GPUs", "naïve café"]
     result = run_kserve_client(stack.gateway.address, "--model", "minilm", *texts)
     assert result["live"] and result["ready"] and result["model_ready"]
@@ -243,7 +244,7 @@ def test_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack) ->
         (predict_request("hi", model="../x"), grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
-async def test_bad_input_never_reaches_a_worker(stack: Stack, request_, code) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_input_never_reaches_a_worker(stack: Stack, request_, code) -> None:
     rows_before = worker_rows(stack)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
@@ -258,26 +259,31 @@ async def test_worker_killed_under_load_loses_no_request(stack: Stack) -> None:
     victim = stack.workers[1]
     survivor = stack.workers[0]
     load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=8.0))
-    await asyncio.sleep(2.0)
+    await asyncio.sleep(2.0)  # the scenario: the kill lands mid-load
     os.kill(victim.pid, signal.SIGKILL)
     results = await load
     failures = [r for r in results if r is not None]
     assert len(results) > 50
     assert not failures, failures[:3]
+
     # The router stops choosing it within the heartbeat TTL (3 s) plus one refresh.
-    await asyncio.sleep(4.0)
+    def router_sees_one_worker() -> bool:
+        live = samples(scrape(stack.router.metrics_port), names.ROUTER_LIVE_WORKERS)
+        return bool(live) and live[0][1] == 1
+
+    await eventually(router_sees_one_worker, timeout_s=10.0)
     routed_before = routed_to(stack, victim.worker_id)
     survivor_before = routed_to(stack, survivor.worker_id)
     assert not [r for r in await run_load(stack.gateway.address, seconds=2.0) if r is not None]
     assert routed_to(stack, victim.worker_id) == routed_before
     assert routed_to(stack, survivor.worker_id) > survivor_before
-    live = samples(scrape(stack.router.metrics_port), "inference_router_live_workers")
+    live = samples(scrape(stack.router.metrics_port), names.ROUTER_LIVE_WORKERS)
     assert live and live[0][1] == 1
 
 
 async def test_redis_stopped_under_load_requests_keep_succeeding(stack: Stack) -> None:
     load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=6.0))
-    await asyncio.sleep(1.0)
+    await asyncio.sleep(1.0)  # the scenario: the kill lands mid-load
     os.kill(stack.redis_pid, signal.SIGKILL)
     results = await load
     assert len(results) > 30
@@ -288,4 +294,4 @@ async def test_redis_stopped_under_load_requests_keep_succeeding(stack: Stack) -
         await health_status(stack.router.address, "fabric.registry")
         == health_pb2.HealthCheckResponse.NOT_SERVING
     )
-    assert total(scrape(stack.router.metrics_port), "inference_router_registry_degraded") == 1
+    assert total(scrape(stack.router.metrics_port), names.ROUTER_REGISTRY_DEGRADED) == 1

@@ -9,14 +9,16 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.kserve import run_kserve_client
 from tests.support.metrics import scrape, total
 from tests.support.stack import Stack, start_stack
+from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +92,7 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
 
 async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
     worker = stack.workers[0]
-    before = total(scrape(worker.metrics_port), "inference_generation_cancelled_total")
+    before = total(scrape(worker.metrics_port), names.GENERATION_CANCELLED_TOTAL)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         call = stub.Generate(
@@ -103,18 +105,15 @@ async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
     def settled() -> bool:
         text = scrape(worker.metrics_port)
         return (
-            total(text, "inference_generation_cancelled_total") > before
-            and total(text, "inference_generation_kv_blocks_used") == 0
+            total(text, names.GENERATION_CANCELLED_TOTAL) > before
+            and total(text, names.GENERATION_KV_BLOCKS_USED) == 0
         )
 
     # The cancel travels gateway -> router -> worker asynchronously; poll, bounded (5 s).
-    for _ in range(100):
-        if settled():
-            break
-        await asyncio.sleep(0.05)
-    assert total(scrape(worker.metrics_port), "inference_generation_cancelled_total") == before + 1
-    free = total(scrape(worker.metrics_port), "inference_generation_kv_blocks_free")
-    used = total(scrape(worker.metrics_port), "inference_generation_kv_blocks_used")
+    await eventually(settled, timeout_s=5.0)
+    assert total(scrape(worker.metrics_port), names.GENERATION_CANCELLED_TOTAL) == before + 1
+    free = total(scrape(worker.metrics_port), names.GENERATION_KV_BLOCKS_FREE)
+    used = total(scrape(worker.metrics_port), names.GENERATION_KV_BLOCKS_USED)
     assert used == 0 and free > 0
 
 
@@ -130,7 +129,7 @@ async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
 )
 async def test_bad_generation_input_is_invalid_argument(
     stack: Stack, request_, message: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -140,7 +139,7 @@ async def test_bad_generation_input_is_invalid_argument(
 
 
 async def test_predict_on_a_generation_model_is_refused_at_the_gateway(stack: Stack) -> None:
-    rows_before = total(scrape(stack.workers[0].metrics_port), "inference_worker_requests_total")
+    rows_before = total(scrape(stack.workers[0].metrics_port), names.WORKER_REQUESTS_TOTAL)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -150,7 +149,4 @@ async def test_predict_on_a_generation_model_is_refused_at_the_gateway(stack: St
             )
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "call Generate" in raised.value.details()
-    assert (
-        total(scrape(stack.workers[0].metrics_port), "inference_worker_requests_total")
-        == rows_before
-    )
+    assert total(scrape(stack.workers[0].metrics_port), names.WORKER_REQUESTS_TOTAL) == rows_before

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Collection
 from pathlib import Path
 
@@ -12,9 +11,13 @@ import pytest
 import redis
 from grpc_health.v1 import health_pb2
 
+from services.common.procfs import read_stat
 from tests.support.processes import health_status
 from tests.support.redis import RedisServer, start_redis
 from tests.support.stack import start_stack
+from tests.support.waiting import eventually, eventually_sync
+
+pytestmark = pytest.mark.e2e
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 
@@ -26,27 +29,12 @@ def client(server: RedisServer, *, socket_timeout_s: float = 5.0) -> redis.Redis
 def is_gone(pid: int) -> bool:
     """True once `pid` has exited. A zombie has exited too, unless it is our own child: that one
     we must reap ourselves, so it must not count as gone before we have."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
-    return state == "Z" and int(ppid) != os.getpid()
+    stat = read_stat(pid)
+    return stat is None or (stat.state == "Z" and stat.parent_pid != os.getpid())
 
 
-def wait_gone(pids: Collection[int], timeout_s: float) -> list[int]:
-    """Waits until every pid is gone; returns those still alive after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    # Processes that are not our children cannot be waited for: look until they are gone.
-    while True:
-        alive = [pid for pid in pids if not is_gone(pid)]
-        if not alive or time.monotonic() >= deadline:
-            return alive
-        time.sleep(0.1)
+def alive(pids: Collection[int]) -> list[int]:
+    return [pid for pid in pids if not is_gone(pid)]
 
 
 def test_redis_helper_start_and_stop(tmp_path: Path) -> None:
@@ -111,7 +99,7 @@ async def test_stack_starts_and_stops_leaving_no_process(tmp_path: Path) -> None
         exit_code = stack.stop()
     assert exit_code == 0, stack.log("launcher")
     # The launcher waited for every child, so all are gone the moment it exits.
-    assert wait_gone(stack.pids().values(), timeout_s=0) == [], stack.pids()
+    assert alive(stack.pids().values()) == [], stack.pids()
     launcher_log = stack.log("launcher")
     assert "SIGTERM: stopping" in launcher_log
 
@@ -121,8 +109,10 @@ def test_launcher_killed_with_sigkill_leaves_no_children(tmp_path: Path) -> None
     pids = stack.pids()
     stack.kill()
     # PR_SET_PDEATHSIG sends each child SIGTERM; each then drains (nothing in flight) and exits.
-    alive = wait_gone(pids.values(), timeout_s=60)
-    assert alive == [], {name: pid for name, pid in pids.items() if pid in alive}
+    # They are not our children: they cannot be waited for, only looked for.
+    eventually_sync(
+        lambda: alive(pids.values()) == [], timeout_s=60, interval_s=0.1, message=str(pids)
+    )
 
 
 def test_tier_exiting_on_its_own_stops_the_stack(tmp_path: Path) -> None:
@@ -131,20 +121,18 @@ def test_tier_exiting_on_its_own_stops_the_stack(tmp_path: Path) -> None:
     os.kill(stack.workers[0].pid, signal.SIGKILL)
     assert stack.process.wait(120) == 1
     assert "worker-0 exited with code -9" in stack.log("launcher")
-    assert wait_gone(pids.values(), timeout_s=0) == []
+    assert alive(pids.values()) == []
 
 
 async def test_tolerate_exits_keeps_the_other_tiers_running(tmp_path: Path) -> None:
     stack = start_stack(tmp_path, tolerate_exits=True)
     pids = stack.pids()
     os.kill(stack.workers[0].pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
     # The launcher's reaction shows only in its log.
-    while "going on without it" not in stack.log("launcher") and time.monotonic() < deadline:
-        time.sleep(0.1)
+    await eventually(lambda: "going on without it" in stack.log("launcher"), timeout_s=30)
     assert "worker-0 exited with code -9" in stack.log("launcher")
     assert stack.process.poll() is None
     for tier in (stack.gateway, stack.router):
         assert await health_status(tier.address) == SERVING
     assert stack.stop() == 0, stack.log("launcher")
-    assert wait_gone(pids.values(), timeout_s=0) == []
+    assert alive(pids.values()) == []

@@ -16,14 +16,16 @@ from tests.conftest import cosine
 from tests.support.processes import REPO_ROOT
 from tests.support.texts import sentences
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
-def backend():  # type: ignore[no-untyped-def]
+def backend():
     (version,) = [v for v in load_repository(REPO_ROOT / "models") if v.config.name == "minilm"]
     return load_backend(version, torch.device("cpu"))
 
 
-def test_hello_world_matches_published_values(backend) -> None:  # type: ignore[no-untyped-def]
+def test_hello_world_matches_published_values(backend) -> None:
     (row,) = backend.prepare_many(["hello world"])
     (embedding,) = backend.run([row])
     assert embedding.shape == (384,)
@@ -31,7 +33,7 @@ def test_hello_world_matches_published_values(backend) -> None:  # type: ignore[
     assert np.linalg.norm(embedding) == pytest.approx(1.0, abs=1e-5)
 
 
-def test_matches_sentence_transformers_alone_and_in_any_batch(backend, reference_embedder) -> None:  # type: ignore[no-untyped-def]
+def test_matches_sentence_transformers_alone_and_in_any_batch(backend, reference_embedder) -> None:
     texts = sentences(40, min_words=1, max_words=200)
     reference = reference_embedder(texts)
     rows = backend.prepare_many(texts)
@@ -57,7 +59,7 @@ def test_matches_sentence_transformers_alone_and_in_any_batch(backend, reference
             )
 
 
-def test_token_ids_input_equals_text_input(backend) -> None:  # type: ignore[no-untyped-def]
+def test_token_ids_input_equals_text_input(backend) -> None:
     (from_text,) = backend.prepare_many(["batching compatible requests"])
     (from_ids,) = backend.prepare_many([TokenIds(from_text.data.astype(np.int32))])
     assert from_ids.bucket == from_text.bucket
@@ -76,7 +78,7 @@ def test_token_ids_input_equals_text_input(backend) -> None:  # type: ignore[no-
         (np.zeros(3, dtype=np.float32), "text inputs"),
     ],
 )
-def test_bad_inputs_are_refused_before_compute(backend, value, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_bad_inputs_are_refused_before_compute(backend, value, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         backend.prepare_many([value])
 

@@ -80,7 +80,7 @@ async def call(
         (("authorization", SEARCH_KEY),),
     ],
 )
-async def test_missing_or_wrong_key_is_unauthenticated(gateway: Gateway, metadata) -> None:  # type: ignore[no-untyped-def]
+async def test_missing_or_wrong_key_is_unauthenticated(gateway: Gateway, metadata) -> None:
     assert await call(gateway, metadata) == grpc.StatusCode.UNAUTHENTICATED
 
 

@@ -17,6 +17,8 @@ from services.gpu_worker.generation.llama import LlamaConfig
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.tiny_llama import create_tiny_llama
 
+pytestmark = pytest.mark.integration
+
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 4
@@ -47,7 +49,7 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference_model(reference_dir: Path):  # type: ignore[no-untyped-def]
+def reference_model(reference_dir: Path):
     return transformers.LlamaForCausalLM.from_pretrained(reference_dir).eval()
 
 
@@ -68,7 +70,7 @@ def shuffled_blocks(seed: int) -> list[int]:
     return blocks
 
 
-def reference_greedy(model, prompt: list[int], num_new: int) -> list[int]:  # type: ignore[no-untyped-def]
+def reference_greedy(model, prompt: list[int], num_new: int) -> list[int]:
     input_ids = torch.tensor([prompt])
     output = model.generate(
         input_ids,
@@ -116,7 +118,7 @@ def greedy_alone(runner: ModelRunner, prompt: list[int], free: list[int]) -> lis
     return seq.output
 
 
-def test_prefill_logits_match_transformers(reference_dir: Path, reference_model) -> None:  # type: ignore[no-untyped-def]
+def test_prefill_logits_match_transformers(reference_dir: Path, reference_model) -> None:
     runner = make_runner(reference_dir)
     prompts = PROMPTS
     items = []
@@ -135,7 +137,7 @@ def test_prefill_logits_match_transformers(reference_dir: Path, reference_model)
 
 def test_greedy_decode_one_sequence_at_a_time_matches_generate(
     reference_dir: Path,
-    reference_model,  # type: ignore[no-untyped-def]
+    reference_model,
 ) -> None:
     runner = make_runner(reference_dir)
     free = shuffled_blocks(seed=2)
@@ -147,7 +149,7 @@ def test_greedy_decode_one_sequence_at_a_time_matches_generate(
 
 def test_batched_chunked_prefill_and_decodes_match_generate(
     reference_dir: Path,
-    reference_model,  # type: ignore[no-untyped-def]
+    reference_model,
 ) -> None:
     runner = make_runner(reference_dir)
     free = shuffled_blocks(seed=3)

@@ -12,14 +12,11 @@ import pytest
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.lifecycle import PING_TOLERANCE
-from services.common.multiplex import (
-    CHANNEL_OPTIONS,
-    CallContext,
-    MultiplexClient,
-    MultiplexServer,
-    channel_options,
-)
+from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient, channel_options
+from services.common.multiplex_server import CallContext, MultiplexServer
 from services.pb.inference.v1 import worker_pb2 as pb
+
+pytestmark = pytest.mark.integration
 
 Handler = Callable[[bytes, CallContext], Awaitable[bytes]]
 

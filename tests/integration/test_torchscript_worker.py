@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
+from services.common import metric_names as names
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -20,6 +21,7 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, total
 from tests.support.models import POISON, affine_reference, write_affine_model
 from tests.support.processes import health_status
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -61,11 +63,9 @@ async def worker(tmp_path: Path) -> AsyncIterator[Worker]:
 async def until_executing(worker: Worker) -> None:
     """Returns once a batch is on the executor: requests sent after this are queued behind it.
     Dispatch happens inside the worker and cannot be awaited from a client, so poll (<= 10 s)."""
-    for _ in range(1000):
-        if worker.batching.is_executing:
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("no batch started executing within 10 s")
+    await eventually(
+        lambda: worker.batching.is_executing, interval_s=0.01, message="a batch executing"
+    )
 
 
 def metric(worker: Worker, name: str, **labels: str) -> float:
@@ -97,14 +97,14 @@ async def test_outputs_equal_the_module_row_by_row(worker: Worker) -> None:
 )
 async def test_malformed_tensors_are_invalid_argument(
     worker: Worker, request_, message: str
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.Infer(request_, timeout=10)
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert message in raised.value.details()
-    assert metric(worker, "inference_worker_rows_total") == 0
+    assert metric(worker, names.WORKER_ROWS_TOTAL) == 0
 
 
 async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
@@ -127,8 +127,8 @@ async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
     assert failed == [3]
     assert results[4].code() == grpc.StatusCode.INTERNAL
     assert "poisoned row" in results[4].details()
-    assert metric(worker, "inference_worker_row_failures_total") == 1
-    assert metric(worker, "inference_worker_batch_size_count") < 7, "the good rows shared a batch"
+    assert metric(worker, names.WORKER_ROW_FAILURES_TOTAL) == 1
+    assert metric(worker, f"{names.WORKER_BATCH_SIZE}_count") < 7, "the good rows shared a batch"
 
 
 async def test_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(
@@ -153,8 +153,8 @@ async def test_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_ru
     assert "past the request's deadline" in (raised.value.details() or "")
     hint = dict(raised.value.trailing_metadata() or ()).get("retry-after-ms")
     assert hint is not None and int(hint) > 0
-    assert metric(worker, "inference_worker_rows_total") == 1, "the refused row must never run"
-    assert metric(worker, "inference_worker_rejected_total", reason="deadline") == 1
+    assert metric(worker, names.WORKER_ROWS_TOTAL) == 1, "the refused row must never run"
+    assert metric(worker, names.WORKER_REJECTED_TOTAL, reason="deadline") == 1
 
 
 async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:
@@ -166,13 +166,14 @@ async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> Non
             await until_executing(worker)
             doomed = stub.Infer(row_request(row(2, 2, 2, 2)), timeout=30)
             survivor = asyncio.ensure_future(stub.Infer(row_request(row(3, 3, 3, 3)), timeout=30))
-            await asyncio.sleep(0.05)
+            # Both queued behind the blocker before one is cancelled.
+            await eventually(lambda: worker.batching.num_in_flight == 3, interval_s=0.01)
             doomed.cancel()
             await asyncio.gather(blocker, survivor)
     finally:
         await worker.stop()
-    assert metric(worker, "inference_worker_rows_total") == 2
-    assert metric(worker, "inference_worker_dropped_total", reason="cancelled") == 1
+    assert metric(worker, names.WORKER_ROWS_TOTAL) == 2
+    assert metric(worker, names.WORKER_DROPPED_TOTAL, reason="cancelled") == 1
 
 
 async def test_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) -> None:
@@ -196,7 +197,7 @@ async def test_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) 
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
     hints = [dict(r.trailing_metadata()).get("retry-after-ms") for r in rejected]
     assert all(h is not None and int(h) > 0 for h in hints), hints
-    assert metric(worker, "inference_worker_rejected_total", reason="queue_full") == 2
+    assert metric(worker, names.WORKER_REJECTED_TOTAL, reason="queue_full") == 2
 
 
 async def test_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Path) -> None:
@@ -225,11 +226,11 @@ async def test_queue_wait_is_exported_at_zero_load_and_rises_with_load(worker: W
     # Before any request the series exists at zero, so a rate over it is defined (0, not absent).
     idle = generate_latest(worker.metrics.registry).decode()
     assert samples(
-        idle, "inference_worker_queue_wait_seconds_count", model="affine", version="1"
+        idle, f"{names.WORKER_QUEUE_WAIT_SECONDS}_count", model="affine", version="1"
     ) == [({"model": "affine", "version": "1"}, 0.0)]
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         await asyncio.gather(
             *(stub.Infer(row_request(row(i, 1, 1, 1)), timeout=10) for i in range(5))
         )
-    assert metric(worker, "inference_worker_queue_wait_seconds_count", model="affine") == 5
+    assert metric(worker, f"{names.WORKER_QUEUE_WAIT_SECONDS}_count", model="affine") == 5

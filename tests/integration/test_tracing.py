@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +31,7 @@ from services.router.server import Router, create_router
 from tests.support.models import write_affine_model
 from tests.support.processes import health_status
 from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -63,14 +63,6 @@ class Fabric:
     worker: Worker
     router: Router
     gateway: Gateway
-
-
-async def eventually(condition: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
-    # Other components' readiness (a heartbeat read, a catalog refresh) cannot be awaited.
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        assert time.monotonic() < deadline, "the fabric did not become ready"
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -110,7 +102,8 @@ async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fab
                 gateway.catalog.served_versions("affine")
             )
 
-        await eventually(is_ready)
+        # Other components' readiness (a heartbeat read, a catalog refresh) cannot be awaited.
+        await eventually(is_ready, timeout_s=20.0, message="the fabric did not become ready")
         yield Fabric(worker, router, gateway)
     finally:
         refresh.cancel()

@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 
+from services.common import metric_names as names
+from services.common.processes import ProcessError
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import cosine
@@ -50,7 +52,7 @@ def embedding(response: pb.InferResponse, index: int = 0) -> np.ndarray:
     return np.frombuffer(tensor.raw_data, dtype="<f4")
 
 
-async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedder) -> None:  # type: ignore[no-untyped-def]
+async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedder) -> None:
     texts = sentences(64, min_words=1, max_words=180, seed=11)
     reference = reference_embedder(texts)
     before = scrape(worker.metrics_port)
@@ -62,25 +64,21 @@ async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedd
         assert cosine(embedding(response), reference[i]) >= 0.999
 
     after = scrape(worker.metrics_port)
-    rows = total(after, "inference_worker_rows_total") - total(
-        before, "inference_worker_rows_total"
-    )
-    batches = total(after, "inference_worker_batch_size_count") - total(
-        before, "inference_worker_batch_size_count"
+    rows = total(after, names.WORKER_ROWS_TOTAL) - total(before, names.WORKER_ROWS_TOTAL)
+    batches = total(after, f"{names.WORKER_BATCH_SIZE}_count") - total(
+        before, f"{names.WORKER_BATCH_SIZE}_count"
     )
     assert rows == 64
     assert batches < 64, "some batches must hold more than one row"
-    singles = total(after, "inference_worker_batch_size_bucket", le="1.0") - total(
-        before, "inference_worker_batch_size_bucket", le="1.0"
+    singles = total(after, f"{names.WORKER_BATCH_SIZE}_bucket", le="1.0") - total(
+        before, f"{names.WORKER_BATCH_SIZE}_bucket", le="1.0"
     )
     assert singles < batches
     buckets_used = {
-        labels["bucket"]
-        for labels, value in samples(after, "inference_worker_batches_total")
-        if value
+        labels["bucket"] for labels, value in samples(after, names.WORKER_BATCHES_TOTAL) if value
     }
     assert len(buckets_used) >= 3, buckets_used
-    assert total(after, "inference_worker_mixed_bucket_batches_total") == 0
+    assert total(after, names.WORKER_MIXED_BUCKET_BATCHES_TOTAL) == 0
 
 
 @pytest.mark.parametrize(
@@ -124,8 +122,8 @@ async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedd
         ),
     ],
 )
-async def test_bad_input_is_refused_and_never_runs(worker, request_, code, message: str) -> None:  # type: ignore[no-untyped-def]
-    rows_before = total(scrape(worker.metrics_port), "inference_worker_rows_total")
+async def test_bad_input_is_refused_and_never_runs(worker, request_, code, message: str) -> None:
+    rows_before = total(scrape(worker.metrics_port), names.WORKER_ROWS_TOTAL)
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
@@ -135,11 +133,11 @@ async def test_bad_input_is_refused_and_never_runs(worker, request_, code, messa
         # The worker keeps serving.
         ok = await stub.Infer(text_request("still serving"), timeout=10)
     assert len(ok.outputs) == 1
-    rows_after = total(scrape(worker.metrics_port), "inference_worker_rows_total")
+    rows_after = total(scrape(worker.metrics_port), names.WORKER_ROWS_TOTAL)
     assert rows_after == rows_before + 1, "only the good request may reach the model"
 
 
-async def test_fingerprint_from_list_models_is_accepted(worker) -> None:  # type: ignore[no-untyped-def]
+async def test_fingerprint_from_list_models_is_accepted(worker) -> None:
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         listing = await stub.ListModels(pb.ListWorkerModelsRequest(), timeout=10)
@@ -194,5 +192,5 @@ async def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> N
 def test_model_that_fails_to_load_keeps_worker_from_becoming_ready(tmp_path: Path) -> None:
     model_dir = write_affine_model(tmp_path / "repo")
     (model_dir / "1" / "model.pt").write_bytes(b"not a torchscript archive")
-    with pytest.raises(RuntimeError, match="exited with 1"):
+    with pytest.raises(ProcessError, match="exited with code 1"):
         start_worker(tmp_path, model_repository=tmp_path / "repo", ready_timeout_s=60)

@@ -9,6 +9,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.processes import (
+    ChildProcess,
+    ProcessError,
+    launch,
+    request_stop,
+    wait_or_kill,
+    wait_ready,
+)
 from services.common.redis_server import find_free_port, ping, redis_command
 
 
@@ -18,8 +26,11 @@ class RedisServer:
     #: Redis's working directory (the AOF lives here when `appendonly`).
     data_dir: Path
     appendonly: bool
-    log_path: Path
-    process: subprocess.Popen[bytes]
+    child: ChildProcess
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.child.process
 
     @property
     def url(self) -> str:
@@ -32,14 +43,13 @@ class RedisServer:
     def stop(self, timeout_s: float = 10.0) -> int:
         """SIGTERM (a clean shutdown), wait, return the exit code; a no-op if already gone."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            request_stop(self.process)
             # A paused server would keep SIGTERM pending forever.
             self.process.send_signal(signal.SIGCONT)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise
+        code = wait_or_kill(self.process, timeout_s)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.process.args, timeout_s)
+        return code
 
     def kill(self) -> None:
         """SIGKILL: a crash, nothing flushed."""
@@ -53,8 +63,7 @@ class RedisServer:
         if not self.appendonly:
             shutil.rmtree(self.data_dir)
             self.data_dir.mkdir()
-        self.process = _spawn(self.port, self.data_dir, self.appendonly, self.log_path)
-        _wait_for_ping(self)
+        self.child = _start(self.port, self.data_dir, self.appendonly, self.child.log_path)
 
     def pause(self) -> None:
         """SIGSTOP: connections stay open but nothing answers (a hung server)."""
@@ -72,32 +81,25 @@ def start_redis(tmp_path: Path, *, appendonly: bool = False) -> RedisServer:
     # The free port may be taken by someone else before redis binds it: try a few.
     for _ in range(3):
         port = find_free_port()
-        process = _spawn(port, data_dir, appendonly, log_path)
-        server = RedisServer(port, data_dir, appendonly, log_path, process)
         try:
-            _wait_for_ping(server)
-        except RuntimeError:
+            child = _start(port, data_dir, appendonly, log_path)
+        except ProcessError:
             continue
-        return server
-    raise RuntimeError(f"redis-server did not start:\n{log_path.read_text(errors='replace')}")
+        return RedisServer(port, data_dir, appendonly, child)
+    raise ProcessError(f"redis-server did not start:\n{log_path.read_text(errors='replace')}")
 
 
-def _spawn(port: int, data_dir: Path, appendonly: bool, log_path: Path) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log_file:
-        return subprocess.Popen(
-            redis_command(port, appendonly=appendonly, dir=data_dir),
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
+def _start(port: int, data_dir: Path, appendonly: bool, log_path: Path) -> ChildProcess:
+    """Starts redis-server and waits until it answers PING (a server's readiness cannot be
+    awaited); kills it and raises ProcessError if it exits first or is not up in 10 s."""
+    argv = redis_command(port, appendonly=appendonly, dir=data_dir)
+    child = launch("redis-server", argv, log_path=log_path, append_log=True)
+    try:
+        wait_ready(
+            [child], timeout_s=10.0, is_ready=lambda _: ping(port, timeout_s=0.5), poll_s=0.01
         )
-
-
-def _wait_for_ping(server: RedisServer, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    # Another process's readiness cannot be awaited: ask until it answers.
-    while not ping(server.port, timeout_s=0.5):
-        if server.process.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {server.process.returncode}")
-        if time.monotonic() > deadline:
-            server.kill()
-            raise TimeoutError(f"redis-server not answering PING after {timeout_s} s")
-        time.sleep(0.01)
+    except ProcessError:
+        child.process.kill()
+        child.process.wait()
+        raise
+    return child

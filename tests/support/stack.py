@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.lifecycle import terminate_process
+from services.common.processes import ChildProcess, start_and_wait
 from tests.support.processes import REPO_ROOT
 
 
@@ -34,16 +31,19 @@ class WorkerTier(Tier):
 
 @dataclass
 class Stack:
-    process: subprocess.Popen[bytes]
+    #: The launcher, `python -m services.local_stack`; its log is its stdout and stderr.
+    launcher: ChildProcess
     #: The launcher's --state-dir: every child's `<name>.log` is here.
     state_dir: Path
-    #: The launcher's own stdout and stderr.
-    launcher_log_path: Path
     gateway: Tier
     router: Tier
     workers: list[WorkerTier]
     redis_port: int
     redis_pid: int
+
+    @property
+    def process(self) -> subprocess.Popen[bytes]:
+        return self.launcher.process
 
     @property
     def redis_url(self) -> str:
@@ -60,12 +60,13 @@ class Stack:
 
     def log(self, name: str) -> str:
         """A child's log (`gateway`, `router`, `worker-0`, `redis`), or `launcher`'s own."""
-        path = self.launcher_log_path if name == "launcher" else self.state_dir / f"{name}.log"
-        return path.read_text(errors="replace")
+        if name == "launcher":
+            return self.launcher.log()
+        return (self.state_dir / f"{name}.log").read_text(errors="replace")
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM the launcher (it stops every tier in order), wait, return its exit code."""
-        code = terminate_process(self.process, timeout_s)
+        code = self.launcher.terminate(timeout_s)
         if code is None:
             raise subprocess.TimeoutExpired(self.process.args, timeout_s)
         return code
@@ -91,39 +92,26 @@ def start_stack(
     (for tests that kill a worker or Redis on purpose); `stop()` then still returns 0.
     """
     state_dir = tmp_path / "stack"
-    ready_file = tmp_path / "stack-ready.json"
-    launcher_log_path = tmp_path / "launcher.log"
     args = [
         sys.executable, "-m", "services.local_stack", "--ephemeral-ports",
         "--num-workers", str(num_workers),
         "--model-repository", str(model_repository or REPO_ROOT / "models"),
-        "--state-dir", str(state_dir), "--ready-file", str(ready_file),
+        "--state-dir", str(state_dir),
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
         *(["--tolerate-exits"] if tolerate_exits else []),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with launcher_log_path.open("wb") as log_file:
-        process = subprocess.Popen(
-            args, cwd=REPO_ROOT, stdout=log_file, stderr=subprocess.STDOUT, env=env
-        )
-    deadline = time.monotonic() + ready_timeout_s
-    # The launcher renames its ready file into place whole; it cannot be awaited, only looked for.
-    while not ready_file.exists():
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"local_stack exited with {process.returncode}:\n"
-                f"{launcher_log_path.read_text(errors='replace')}"
-            )
-        if time.monotonic() > deadline:
-            process.kill()
-            process.wait()
-            raise TimeoutError(f"local_stack not ready in {ready_timeout_s} s")
-        time.sleep(0.1)
-    ready = json.loads(ready_file.read_text())
+    # The launcher renames its ready file into place whole once every tier is up.
+    launcher, ready = start_and_wait(
+        "local_stack",
+        args,
+        log_path=tmp_path / "launcher.log",
+        ready_file=tmp_path / "stack-ready.json",
+        timeout_s=ready_timeout_s,
+        cwd=REPO_ROOT,
+    )
     return Stack(
-        process=process,
+        launcher=launcher,
         state_dir=state_dir,
-        launcher_log_path=launcher_log_path,
         gateway=Tier(**ready["gateway"]),
         router=Tier(**ready["router"]),
         workers=[WorkerTier(**worker) for worker in ready["workers"]],

@@ -12,20 +12,20 @@ from typing import Any
 
 import pytest
 
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import (
-    Admitted,
     BatcherConfig,
     BatchKey,
     CloseReason,
     Dispatch,
     Poll,
     QueuedItem,
-    Rejected,
-    RejectReason,
     Wait,
 )
+
+pytestmark = pytest.mark.unit
 
 DEFAULT_COMPUTE_S = 0.01
 LINGER_S = 0.05

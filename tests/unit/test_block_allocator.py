@@ -6,6 +6,8 @@ import pytest
 
 from services.gpu_worker.generation.block_allocator import BlockAllocator
 
+pytestmark = pytest.mark.unit
+
 
 def test_allocate_and_free_move_blocks_between_free_and_allocated() -> None:
     allocator = BlockAllocator(num_blocks=8, block_size=4)

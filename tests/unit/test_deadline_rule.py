@@ -14,6 +14,8 @@ from services.common.model_repository import (
 )
 from services.gpu_worker.generation.engine import predicted_first_token_s
 
+pytestmark = pytest.mark.unit
+
 _BASE = """kind = "torchscript"
 slo_p99_ms = 250
 max_batch_size = 8

@@ -3,8 +3,12 @@ stop string that is later cut)."""
 
 from __future__ import annotations
 
+import pytest
+
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.generation.tiny_llama import build_tokenizer
+
+pytestmark = pytest.mark.unit
 
 TOKENIZER = build_tokenizer()
 

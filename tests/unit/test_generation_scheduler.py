@@ -17,16 +17,17 @@ from typing import Any
 
 import pytest
 
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.generation.scheduler import (
-    Admitted,
     GenerationScheduler,
     GenerationSchedulerConfig,
-    Rejected,
     ScheduledSequence,
     SchedulerOutput,
     Sequence,
     SequenceStatus,
 )
+
+pytestmark = pytest.mark.unit
 
 VOCAB_SIZE = 50
 
@@ -532,23 +533,25 @@ def test_continuous_needs_fewer_steps_than_static_on_mixed_lengths() -> None:
 
 
 @pytest.mark.parametrize(
-    ("num_prompt_tokens", "max_tokens", "reason"),
+    ("num_prompt_tokens", "max_tokens", "reason", "detail"),
     [
-        (0, 4, "empty prompt"),
-        (4, 0, "max_tokens"),
-        (30, 3, "max_model_len"),  # 33 > 32
-        (20, 8, "KV blocks"),  # 28 tokens need 7 blocks of 4; the cache has 6
+        (0, 4, RejectReason.EMPTY_PROMPT, "empty prompt"),
+        (4, 0, RejectReason.INVALID_MAX_TOKENS, "max_tokens"),
+        (30, 3, RejectReason.TOO_LONG, "max_model_len (32)"),  # 33 > 32
+        # 28 tokens need 7 blocks of 4; the cache has 6.
+        (20, 8, RejectReason.EXCEEDS_KV_CACHE, "needs 7 KV blocks, the cache has 6"),
     ],
 )
 def test_add_rejects_sequences_that_can_never_run(
-    num_prompt_tokens: int, max_tokens: int, reason: str
+    num_prompt_tokens: int, max_tokens: int, reason: RejectReason, detail: str
 ) -> None:
     scheduler = GenerationScheduler(make_config(max_model_len=32, num_blocks=6))
     decision = scheduler.add(
         make_seq(seq_id=1, num_prompt_tokens=num_prompt_tokens, max_tokens=max_tokens)
     )
     assert isinstance(decision, Rejected)
-    assert reason in decision.reason
+    assert decision.reason is reason
+    assert detail in decision.detail
     assert not scheduler.has_unfinished()
     assert scheduler.schedule().scheduled == ()
 

@@ -8,6 +8,8 @@ import pytest
 from services.gpu_worker.batching.latency_model import MIN_PREDICTION_S, LatencyModel
 from services.gpu_worker.batching.types import BatchKey
 
+pytestmark = pytest.mark.unit
+
 
 def make_key(
     *, model: str = "m", version: str = "1", fingerprint: str = "f", bucket: int = 32

@@ -25,6 +25,8 @@ from bench.fabric.loadgen import (
 )
 from bench.fabric.sweep import GoodputSearch, percentile, summarize_rate, window_stats
 
+pytestmark = pytest.mark.unit
+
 SLO_S = 0.25
 
 

@@ -25,6 +25,8 @@ from services.router.routing import (
     RoutingConfig,
 )
 
+pytestmark = pytest.mark.unit
+
 MODEL = ("minilm", "1")
 
 

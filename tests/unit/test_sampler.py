@@ -8,6 +8,8 @@ import torch
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.sampler import Sampler, make_generator
 
+pytestmark = pytest.mark.unit
+
 VOCAB = 50
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from services.gateway.throttle import AdaptiveThrottle, Shed, ThrottleConfig
 
+pytestmark = pytest.mark.unit
+
 
 def make_throttle(**overrides: float) -> AdaptiveThrottle:
     return AdaptiveThrottle(ThrottleConfig(**overrides))

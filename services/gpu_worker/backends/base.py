@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from services.common.model_repository import ModelConfig, ModelVersion
+from services.common.registry_schema import ModelRecord
+from services.gpu_worker.served_model import BatchLoads, ServedModel
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,9 @@ def fingerprint_of(config: ModelConfig, files: Iterable[Path], *extra: str) -> s
     return digest.hexdigest()[:16]
 
 
-class Backend(abc.ABC):
-    """A loaded model version. `prepare*` run on the event loop (cheap, CPU); `run` runs on
-    the device's executor thread."""
+class Backend(ServedModel):
+    """A loaded fixed-cost model version. `prepare*` run on the event loop (cheap, CPU); `run`
+    runs on the batching driver's executor thread."""
 
     def __init__(self, version: ModelVersion, device: torch.device) -> None:
         self.version = version
@@ -69,23 +71,30 @@ class Backend(abc.ABC):
         self.device = device
 
     @property
-    @abc.abstractmethod
-    def fingerprint(self) -> str: ...
-
-    @property
-    def tokenizer_fingerprint(self) -> str:
-        """Fingerprint of the input preparation alone (tokenizer + preprocessing); equal to
-        `fingerprint` for models that take tensors."""
-        return self.fingerprint
-
-    @property
     def buckets(self) -> tuple[int, ...]:
         """Bucket values this backend produces (warm-up runs each)."""
         return (1,)
 
-    @property
-    def max_input_tokens(self) -> int:
-        return 0
+    def warm_up(self) -> None:
+        """One batch of one row of the smallest bucket (allocator, lazy init)."""
+        self.run(self.warmup_rows(self.buckets[0], 1))
+
+    def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
+        load = batching.load_report(self)
+        return ModelRecord(
+            name=self.config.name,
+            version=self.version.version,
+            fingerprint=self.fingerprint,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            kind=self.kind.value,
+            max_batch_size=self.config.max_batch_size,
+            slo_p99_ms=self.config.slo_p99_ms,
+            per_row_s=load.per_row_s,
+            min_batch_s=load.min_batch_s,
+            queued_rows=load.queued_rows,
+            is_ready=is_ready,
+            shed_past_slo=self.config.shed_past_slo,
+        )
 
     @abc.abstractmethod
     def prepare(self, value: RawInput) -> PreparedRow:

@@ -56,6 +56,10 @@ class EmbeddingBackend(Backend):
         return tuple(b for b in self.config.length_buckets if b <= self.text.max_tokens)
 
     @property
+    def length_buckets(self) -> tuple[int, ...]:
+        return self.buckets
+
+    @property
     def max_input_tokens(self) -> int:
         return self.text.max_tokens
 

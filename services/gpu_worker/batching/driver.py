@@ -13,9 +13,9 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from services.common.errors import (
     Unavailable,
 )
 from services.common.tracing import batch_span, current_span_context
+from services.gpu_worker.admission import Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.lane import Lane, LoadReport, Pending, warm_up_lane
 from services.gpu_worker.batching.latency_model import LatencyModel
@@ -34,7 +35,6 @@ from services.gpu_worker.batching.types import (
     BatchKey,
     Dispatch,
     QueuedItem,
-    Rejected,
 )
 from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
@@ -54,6 +54,17 @@ class DriverConfig:
     safety_margin_s: float = 0.005
     #: Upper bound on the derived linger.
     max_wait_cap_s: float = 0.05
+    #: When the executor is idle, linger only if at least this many more rows are expected
+    #: before the linger expires (the batcher's work-conserving trigger); 0 always lingers.
+    min_expected_arrivals: float = 1.0
+    #: Deficit-round-robin shares per tenant; tenants not listed get weight 1.0.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
+            raise ValueError("upstream budget, safety margin and max_wait cap must be >= 0")
+        if self.min_expected_arrivals < 0:
+            raise ValueError("min_expected_arrivals must be >= 0")
 
 
 class BatchingDriver:
@@ -91,6 +102,8 @@ class BatchingDriver:
             safety_margin_s=self._config.safety_margin_s,
             max_wait_cap_s=self._config.max_wait_cap_s,
             max_batch_tokens=model.max_batch_tokens,
+            min_expected_arrivals=self._config.min_expected_arrivals,
+            tenant_weights=self._config.tenant_weights,
         )
         latency = LatencyModel()
         self._metrics.declare_model(model.name, backend.version.version)

@@ -12,10 +12,11 @@ import numpy as np
 
 from services.common.errors import Overloaded, Unavailable
 from services.common.tracing import TraceContext
+from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import BatchKey, RejectReason
+from services.gpu_worker.batching.types import BatchKey
 
 #: Weight of one row in the lane's per-row cost EWMA (a batch of n rows weighs about n rows).
 ROW_COST_ALPHA = 0.02
@@ -86,8 +87,8 @@ class Lane:
                 f" now, past {limit}",
                 retry_after_s=finish_s - now_s,
             )
-        limit = self.batcher.max_batch_size_for(key)
-        retry_after_s = self.latency.per_item_s(key, limit) * self.batcher.num_queued
+        max_batch_size = self.batcher.max_batch_size_for(key)
+        retry_after_s = self.latency.per_item_s(key, max_batch_size) * self.batcher.num_queued
         return Overloaded(
             f"{key.model}/{key.version} queue is full ({self.batcher.num_queued} rows)",
             retry_after_s=retry_after_s,
@@ -99,7 +100,7 @@ def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> Non
     with the faster of `WARMUP_RUNS_PER_SHAPE` runs per shape. Stops a bucket at the first size
     past the batch compute budget: bigger batches of it are never formed. Blocking."""
     backend = lane.backend
-    backend.run(backend.warmup_rows(backend.buckets[0], 1))  # allocator, lazy init
+    backend.warm_up()
     for bucket in backend.buckets:
         key = key_for(backend, bucket)
         limit = lane.batcher.shape_limit(key)

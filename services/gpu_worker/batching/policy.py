@@ -11,18 +11,16 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fairness import DeficitRoundRobin, check_tenant_weights
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
-    Admitted,
     BatcherConfig,
     BatchKey,
     CloseReason,
     Dispatch,
     Poll,
     QueuedItem,
-    Rejected,
-    RejectReason,
     Wait,
 )
 
@@ -272,10 +270,12 @@ class Batcher:
         for key, queue in self._queues.items():
             if not queue.items:
                 continue
-            reason, key_wake_s = self._assess(key, queue, now_s)
-            if reason is None:
+            assessment = self._assess(key, queue, now_s)
+            if assessment[0] is None:  # not closing yet: [1] is when that could next change
+                key_wake_s = assessment[1]
                 wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)
                 continue
+            reason = assessment[0]
             candidate = (queue.earliest_deadline_s(), key, reason)
             # The most urgent key goes first; BatchKey order breaks ties deterministically.
             if chosen is None or candidate[:2] < chosen[:2]:

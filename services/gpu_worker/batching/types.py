@@ -60,27 +60,6 @@ class CloseReason(enum.Enum):
     DRAIN = "drain"
 
 
-class RejectReason(enum.Enum):
-    """Why an item was not admitted. Values are Prometheus label values."""
-
-    QUEUE_FULL = "queue_full"
-    DRAINING = "draining"
-    #: Run after everything queued ahead of it, it (or an item already queued, which it would
-    #: delay) is predicted to finish past its admission limit: refused now (RESOURCE_EXHAUSTED)
-    #: instead of timing out in the queue later.
-    DEADLINE = "deadline"
-
-
-@dataclass(frozen=True)
-class Admitted:
-    """The item is queued; the driver will see it in a later `Dispatch` or `expired`."""
-
-
-@dataclass(frozen=True)
-class Rejected:
-    reason: RejectReason
-
-
 @dataclass(frozen=True)
 class Dispatch:
     """Run these items now, as one batch, on the executor."""

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 import torch
 
 from services.common.model_repository import ModelConfigError, ModelVersion
+from services.common.registry_schema import ModelRecord
 from services.common.text import TextEncoder
 from services.gpu_worker.backends.base import fingerprint_of
 from services.gpu_worker.generation.engine import GenerationEngine
@@ -16,9 +15,12 @@ from services.gpu_worker.generation.scheduler import (
     GenerationScheduler,
     GenerationSchedulerConfig,
 )
+from services.gpu_worker.served_model import BatchLoads, ServedModel
 
 
-class GenerationBackend:
+class GenerationBackend(ServedModel):
+    """A loaded generation model version, stepped by its own engine."""
+
     def __init__(
         self,
         version: ModelVersion,
@@ -52,17 +54,14 @@ class GenerationBackend:
             num_blocks=settings.num_kv_blocks,
             block_size=settings.block_size,
         )
-        model_json = json.loads((weights / "config.json").read_text())
-        eos = model_json.get("eos_token_id")
-        eos_ids = frozenset(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.max_model_len = min(settings.max_model_len, int(model_json["max_position_embeddings"]))
+        self._max_model_len = min(settings.max_model_len, self.runner.max_model_len)
         self.scheduler = GenerationScheduler(
             GenerationSchedulerConfig(
                 max_num_seqs=settings.max_num_seqs,
                 max_num_batched_tokens=settings.max_num_batched_tokens,
                 num_blocks=settings.num_kv_blocks,
                 block_size=settings.block_size,
-                max_model_len=self.max_model_len,
+                max_model_len=self._max_model_len,
                 is_static=is_static,
             )
         )
@@ -72,11 +71,26 @@ class GenerationBackend:
             self.scheduler,
             metrics,
             labels=(config.name, version.version),
-            eos_token_ids=eos_ids,
-            max_model_len=self.max_model_len,
+            eos_token_ids=frozenset(self.runner.config.eos_token_ids),
+            max_model_len=self._max_model_len,
         )
-        self.fingerprint = fingerprint_of(config, files, str(dtype))
-        self.tokenizer_fingerprint = self.text.fingerprint
+        self._fingerprint = fingerprint_of(config, files, str(dtype))
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    @property
+    def tokenizer_fingerprint(self) -> str:
+        return self.text.fingerprint
+
+    @property
+    def max_input_tokens(self) -> int:
+        return self.text.max_tokens
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
 
     def encode(self, text: str) -> list[int]:
         return [int(i) for i in self.text.encode_many([text])[0]]
@@ -88,3 +102,24 @@ class GenerationBackend:
         blocks = (0, 1)
         self.runner.execute([SequenceBatchItem(prompt, 0, blocks)])
         self.runner.execute([SequenceBatchItem((1,), len(prompt), blocks)])
+
+    def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
+        step_s = self.engine.mean_step_s
+        return ModelRecord(
+            name=self.config.name,
+            version=self.version.version,
+            fingerprint=self.fingerprint,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            kind=self.kind.value,
+            max_batch_size=self.settings.max_num_seqs,
+            slo_p99_ms=self.config.slo_p99_ms,
+            # Prefill cost per prompt token, and one step as the floor of time to first token.
+            per_row_s=step_s / self.settings.max_num_batched_tokens,
+            min_batch_s=step_s,
+            queued_rows=self.engine.num_waiting_tokens,
+            is_ready=is_ready,
+            kv_blocks_free=self.engine.num_free_blocks,
+            kv_block_size=self.settings.block_size,
+            max_model_len=self.max_model_len,
+            shed_past_slo=self.config.shed_past_slo,
+        )

@@ -11,6 +11,13 @@ from collections import deque
 from collections.abc import Iterable
 
 
+def num_blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks of `block_size` slots needed to hold `num_tokens` token slots (ceil division)."""
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    return -(-num_tokens // block_size)
+
+
 class BlockAllocator:
     """A free list of KV-cache block ids in [0, num_blocks)."""
 
@@ -47,9 +54,7 @@ class BlockAllocator:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` token slots (ceil division)."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self._block_size)
+        return num_blocks_for(num_tokens, self._block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
         """True if `num_blocks` blocks are free right now."""

@@ -24,18 +24,13 @@ from tokenizers import Tokenizer
 
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.sampling import SamplingParams
+from services.gpu_worker.admission import Rejected
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.sampler import Sampler, make_generator
-from services.gpu_worker.generation.scheduler import (
-    GenerationScheduler,
-    Rejected,
-    ScheduledSequence,
-)
-from services.gpu_worker.generation.scheduler import (
-    Sequence as SchedSequence,
-)
+from services.gpu_worker.generation.scheduler import GenerationScheduler, ScheduledSequence
+from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
 
 log = logging.getLogger(__name__)
 
@@ -178,8 +173,11 @@ class GenerationEngine:
         )
         decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
+            # The scheduler refuses only what can never run with this configuration (empty
+            # prompt, longer than max_model_len, more KV blocks than the cache has): retrying
+            # it unchanged cannot succeed, so it is not an overload.
             self._metrics.rejected_total.labels(*self._labels).inc()
-            raise Overloaded(f"generation request refused: {decision.reason}")
+            raise InvalidInput(f"generation request refused: {decision.detail}")
         request = _Request(
             seq_id=seq_id,
             params=params,
@@ -289,7 +287,10 @@ class GenerationEngine:
 
     def _emit(self, request: _Request, token: int, now: float) -> None:
         params = request.params
-        num_generated = len(self.scheduler.get(request.seq_id).output_token_ids)
+        sequence = self.scheduler.get(request.seq_id)
+        # Cancelling drops the request before it finishes the sequence: a live request has one.
+        assert sequence is not None
+        num_generated = len(sequence.output_token_ids)
         is_stop_token = token in params.stop_token_ids or (
             token in self._eos_token_ids and not params.ignore_eos
         )

@@ -39,11 +39,6 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
-    @property
-    def num_bytes(self) -> int:
-        """Device memory held by all layers' K and V."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def write(
         self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ) -> None:

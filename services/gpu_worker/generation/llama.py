@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -203,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: int64 [N]; returns final-norm hidden states [N, hidden]."""
         hidden = self.model.embed_tokens(input_ids)
         cos, sin = self._rotary(positions, hidden.dtype)
-        for index, layer in enumerate(self.model.layers):
+        for index, module in enumerate(self.model.layers):
+            layer = cast(_DecoderLayer, module)  # nn.ModuleList is not generic
             attended = layer.self_attn(index, layer.input_layernorm(hidden), cos, sin, attention)
             hidden = hidden + attended
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))

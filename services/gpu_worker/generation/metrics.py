@@ -2,60 +2,63 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
-_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+from services.common import metric_names as names
+from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
+
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+_MODEL = ("model", "version")
 
 
 class GenerationMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        model = ["model", "version"]
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, model, buckets=buckets, registry=registry)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, model, registry=registry)
-
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, [*model, *extra], registry=registry)
-
-        self.ttft_seconds = histogram(
-            "inference_generation_time_to_first_token_seconds",
+        new = MetricFactory(registry)
+        self.ttft_seconds = new.histogram(
+            names.GENERATION_TTFT_SECONDS,
             "From admission to the first generated token.",
-            _SECONDS,
+            _MODEL,
+            buckets=SECONDS_BUCKETS,
         )
-        self.tpot_seconds = histogram(
-            "inference_generation_time_per_output_token_seconds",
+        self.tpot_seconds = new.histogram(
+            names.GENERATION_TPOT_SECONDS,
             "Between consecutive tokens of one sequence.",
-            _SECONDS,
+            _MODEL,
+            buckets=SECONDS_BUCKETS,
         )
-        self.step_seconds = histogram(
-            "inference_generation_step_seconds", "One engine step (one forward).", _SECONDS
+        self.step_seconds = new.histogram(
+            names.GENERATION_STEP_SECONDS,
+            "One engine step (one forward).",
+            _MODEL,
+            buckets=SECONDS_BUCKETS,
         )
-        self.step_tokens = histogram(
-            "inference_generation_step_tokens", "Tokens computed in one step.", _TOKENS
+        self.step_tokens = new.histogram(
+            names.GENERATION_STEP_TOKENS, "Tokens computed in one step.", _MODEL, buckets=_TOKENS
         )
-        self.kv_blocks_free = gauge("inference_generation_kv_blocks_free", "Free KV-cache blocks.")
-        self.kv_blocks_used = gauge("inference_generation_kv_blocks_used", "Used KV-cache blocks.")
-        self.running_sequences = gauge(
-            "inference_generation_running_sequences", "Sequences holding KV blocks."
+        self.kv_blocks_free = new.gauge(
+            names.GENERATION_KV_BLOCKS_FREE, "Free KV-cache blocks.", _MODEL
         )
-        self.waiting_sequences = gauge(
-            "inference_generation_waiting_sequences", "Sequences waiting for admission."
+        self.kv_blocks_used = new.gauge(
+            names.GENERATION_KV_BLOCKS_USED, "Used KV-cache blocks.", _MODEL
         )
-        self.preemptions_total = counter(
-            "inference_generation_preemptions_total",
+        self.running_sequences = new.gauge(
+            names.GENERATION_RUNNING_SEQUENCES, "Sequences holding KV blocks.", _MODEL
+        )
+        self.waiting_sequences = new.gauge(
+            names.GENERATION_WAITING_SEQUENCES, "Sequences waiting for admission.", _MODEL
+        )
+        self.preemptions_total = new.counter(
+            names.GENERATION_PREEMPTIONS_TOTAL,
             "Sequences preempted (blocks freed, recomputed later) because KV blocks ran out.",
+            _MODEL,
         )
-        self.tokens_total = counter("inference_generation_tokens_total", "Tokens streamed.")
-        self.finished_total = counter(
-            "inference_generation_finished_total", "Sequences finished, by reason.", ("reason",)
+        self.tokens_total = new.counter(names.GENERATION_TOKENS_TOTAL, "Tokens streamed.", _MODEL)
+        self.finished_total = new.counter(
+            names.GENERATION_FINISHED_TOTAL, "Sequences finished, by reason.", (*_MODEL, "reason")
         )
-        self.cancelled_total = counter(
-            "inference_generation_cancelled_total", "Streams cancelled by the caller."
+        self.cancelled_total = new.counter(
+            names.GENERATION_CANCELLED_TOTAL, "Streams cancelled by the caller.", _MODEL
         )
-        self.rejected_total = counter(
-            "inference_generation_rejected_total", "Requests refused at admission."
+        self.rejected_total = new.counter(
+            names.GENERATION_REJECTED_TOTAL, "Requests refused at admission.", _MODEL
         )

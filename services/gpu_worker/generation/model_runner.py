@@ -7,7 +7,6 @@ values, gathered from the paged KV cache through its block table.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.kv_cache import PagedKVCache, slots_for
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
 
@@ -82,10 +82,6 @@ class ModelRunner:
         """Longest sequence (prompt + generated tokens) the model has positions for."""
         return self.config.max_position_embeddings
 
-    def num_blocks_for(self, num_tokens: int) -> int:
-        """KV blocks needed to hold `num_tokens` positions."""
-        return math.ceil(num_tokens / self.block_size)
-
     @torch.inference_mode()
     def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
         """Process every item's new tokens in one forward, writing their keys and values to the
@@ -111,8 +107,10 @@ class ModelRunner:
             )
             plans.append(self._plan(item, lo, len(input_ids)))
 
-        to_device = dict(dtype=torch.int64, device=self.device)
-        new_slots_t = torch.tensor(new_slots, **to_device)
+        def on_device(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        new_slots_t = on_device(new_slots)
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -137,10 +135,8 @@ class ModelRunner:
                 out[plan.lo : plan.hi] = attended[0].transpose(0, 1)
             return out
 
-        hidden = self.model(
-            torch.tensor(input_ids, **to_device), torch.tensor(positions, **to_device), attention
-        )
-        last = torch.tensor([plan.hi - 1 for plan in plans], **to_device)
+        hidden = self.model(on_device(input_ids), on_device(positions), attention)
+        last = on_device([plan.hi - 1 for plan in plans])
         return self.model.compute_logits(hidden[last]).float().cpu()
 
     def _plan(self, item: SequenceBatchItem, lo: int, hi: int) -> _ItemPlan:
@@ -173,7 +169,7 @@ class ModelRunner:
             raise ValueError(
                 f"positions up to {item.end_position} exceed max_model_len {self.max_model_len}"
             )
-        needed = self.num_blocks_for(item.end_position)
+        needed = num_blocks_for(item.end_position, self.block_size)
         if len(item.block_table) < needed:
             raise ValueError(
                 f"block table has {len(item.block_table)} blocks, "

@@ -21,6 +21,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.generation.block_allocator import BlockAllocator
 
 
@@ -112,18 +113,6 @@ class SchedulerOutput:
     num_batched_tokens: int
 
 
-@dataclass(frozen=True)
-class Admitted:
-    """The sequence is waiting; it will appear in a later SchedulerOutput."""
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """The sequence can never run with this configuration; nothing was queued."""
-
-    reason: str
-
-
 def _order(seq: Sequence) -> tuple[int, float, int]:
     return (seq.priority, seq.arrival_s, seq.seq_id)
 
@@ -201,8 +190,9 @@ class GenerationScheduler:
         return bool(self._seqs)
 
     def add(self, seq: Sequence) -> Admitted | Rejected:
-        """Queue a new sequence, or say why it can never run. Raises ValueError on a duplicate
-        seq_id or a sequence that is not new (caller bugs)."""
+        """Queue a new sequence (Admitted: it appears in a later SchedulerOutput), or say why it
+        can never run with this configuration (Rejected: nothing was queued). Raises ValueError
+        on a duplicate seq_id or a sequence that is not new (caller bugs)."""
         if seq.seq_id in self._seqs:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
@@ -210,20 +200,24 @@ class GenerationScheduler:
         num_prompt = len(seq.prompt_token_ids)
         num_total = num_prompt + seq.max_tokens
         if num_prompt == 0:
-            return Rejected("empty prompt")
+            return Rejected(RejectReason.EMPTY_PROMPT, "empty prompt")
         if seq.max_tokens < 1:
-            return Rejected(f"max_tokens must be >= 1, got {seq.max_tokens}")
+            return Rejected(
+                RejectReason.INVALID_MAX_TOKENS, f"max_tokens must be >= 1, got {seq.max_tokens}"
+            )
         if num_total > self._config.max_model_len:
             return Rejected(
+                RejectReason.TOO_LONG,
                 f"prompt ({num_prompt} tokens) + max_tokens ({seq.max_tokens}) exceeds"
-                f" max_model_len ({self._config.max_model_len})"
+                f" max_model_len ({self._config.max_model_len})",
             )
         # Checked at the edge so that a lone sequence can always grow to the end: a sequence
         # that fits the whole cache never has to preempt itself forever.
         num_needed = self._allocator.blocks_for(num_total)
         if num_needed > self._config.num_blocks:
             return Rejected(
-                f"needs {num_needed} KV blocks, the cache has {self._config.num_blocks}"
+                RejectReason.EXCEEDS_KV_CACHE,
+                f"needs {num_needed} KV blocks, the cache has {self._config.num_blocks}",
             )
         self._seqs[seq.seq_id] = seq
         bisect.insort(self._waiting, seq, key=_order)

@@ -1,0 +1,71 @@
+"""Every metric name the tiers export: the contract dashboards, HPA rules, the benchmark and the
+tests read. Renaming one breaks deploy/ (grafana, prometheus-adapter), so names only ever grow.
+
+Histograms export `<name>_bucket`, `<name>_sum` and `<name>_count`; counters are named with
+their `_total` suffix, as scraped.
+"""
+
+from __future__ import annotations
+
+# Every tier.
+BUILD_INFO = "inference_build_info"
+PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"
+PROCESS_CPU_SECONDS_TOTAL = "process_cpu_seconds_total"
+PROCESS_OPEN_FDS = "process_open_fds"
+
+# Gateway.
+GATEWAY_REQUESTS_TOTAL = "inference_gateway_requests_total"
+GATEWAY_INPUTS_TOTAL = "inference_gateway_inputs_total"
+GATEWAY_VALIDATE_SECONDS = "inference_gateway_validate_seconds"
+GATEWAY_TOKENIZE_SECONDS = "inference_gateway_tokenize_seconds"
+GATEWAY_REQUEST_SECONDS = "inference_gateway_request_seconds"
+GATEWAY_THROTTLED_TOTAL = "inference_gateway_throttled_total"
+GATEWAY_THROTTLE_PROBABILITY = "inference_gateway_throttle_probability"
+
+# Router.
+ROUTER_ROUTED_TOTAL = "inference_router_routed_total"
+ROUTER_REJECTED_TOTAL = "inference_router_rejected_total"
+ROUTER_RETRIES_TOTAL = "inference_router_retries_total"
+ROUTER_RESPONSES_TOTAL = "inference_router_responses_total"
+ROUTER_PREDICTED_WAIT_SECONDS = "inference_router_predicted_wait_seconds"
+ROUTER_REQUEST_SECONDS = "inference_router_request_seconds"
+ROUTER_REGISTRY_DEGRADED = "inference_router_registry_degraded"
+ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS = "inference_router_registry_snapshot_age_seconds"
+ROUTER_LIVE_WORKERS = "inference_router_live_workers"
+
+# GPU worker: requests, batching and per-row stages.
+WORKER_REQUESTS_TOTAL = "inference_worker_requests_total"
+WORKER_ROWS_TOTAL = "inference_worker_rows_total"
+WORKER_BATCHES_TOTAL = "inference_worker_batches_total"
+WORKER_BATCH_SIZE = "inference_worker_batch_size"
+WORKER_BATCH_FILL_RATIO = "inference_worker_batch_fill_ratio"
+WORKER_MIXED_BUCKET_BATCHES_TOTAL = "inference_worker_mixed_bucket_batches_total"
+WORKER_PADDING_WASTE_RATIO = "inference_worker_padding_waste_ratio"
+WORKER_LINGER_SECONDS = "inference_worker_linger_seconds"
+WORKER_BACKLOG_SECONDS = "inference_worker_backlog_seconds"
+WORKER_QUEUE_WAIT_SECONDS = "inference_worker_queue_wait_seconds"
+WORKER_ROW_COMPUTE_SECONDS = "inference_worker_row_compute_seconds"
+WORKER_ROW_LATENCY_SECONDS = "inference_worker_row_latency_seconds"
+WORKER_COMPUTE_SECONDS = "inference_worker_compute_seconds"
+WORKER_REJECTED_TOTAL = "inference_worker_rejected_total"
+WORKER_DROPPED_TOTAL = "inference_worker_dropped_total"
+WORKER_ROW_FAILURES_TOTAL = "inference_worker_row_failures_total"
+WORKER_MAX_WAIT_SECONDS = "inference_worker_max_wait_seconds"
+WORKER_MAX_BATCH_SIZE = "inference_worker_max_batch_size"
+WORKER_LATENCY_SLOWDOWN = "inference_worker_latency_slowdown"
+WORKER_QUEUE_DEPTH = "inference_worker_queue_depth"
+
+# GPU worker: generation (continuous batching).
+GENERATION_TTFT_SECONDS = "inference_generation_time_to_first_token_seconds"
+GENERATION_TPOT_SECONDS = "inference_generation_time_per_output_token_seconds"
+GENERATION_STEP_SECONDS = "inference_generation_step_seconds"
+GENERATION_STEP_TOKENS = "inference_generation_step_tokens"
+GENERATION_KV_BLOCKS_FREE = "inference_generation_kv_blocks_free"
+GENERATION_KV_BLOCKS_USED = "inference_generation_kv_blocks_used"
+GENERATION_RUNNING_SEQUENCES = "inference_generation_running_sequences"
+GENERATION_WAITING_SEQUENCES = "inference_generation_waiting_sequences"
+GENERATION_PREEMPTIONS_TOTAL = "inference_generation_preemptions_total"
+GENERATION_TOKENS_TOTAL = "inference_generation_tokens_total"
+GENERATION_FINISHED_TOTAL = "inference_generation_finished_total"
+GENERATION_CANCELLED_TOTAL = "inference_generation_cancelled_total"
+GENERATION_REJECTED_TOTAL = "inference_generation_rejected_total"

@@ -1,0 +1,197 @@
+"""The server side of InferStream (see services.common.multiplex): each call of a stream runs
+as the unary method it stands for, with its own deadline, metadata, server span and status.
+
+`MultiplexServer.serve` is the stream method's handler; the unary handler it runs gets a
+`CallContext` offering what handlers use of a `grpc.aio.ServicerContext` (`time_remaining`,
+`invocation_metadata`). Errors become statuses through `status_of`, as on a unary call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from opentelemetry import trace
+
+from services.common.errors import DeadlineExceeded, InvalidInput
+from services.common.grpc_errors import is_bug, status_of
+from services.common.multiplex import MAX_CALLS_PER_MESSAGE, UNARY_METHOD
+from services.common.tracing import end_server_span, start_server_span
+from services.pb.inference.v1 import worker_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+class CallContext:
+    """What a unary handler uses of its ServicerContext, for one multiplexed call."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...], deadline_s: float | None) -> None:
+        self._metadata = metadata
+        self._deadline_s = deadline_s
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def time_remaining(self) -> float | None:
+        if self._deadline_s is None:
+            return None
+        return max(0.0, self._deadline_s - time.monotonic())
+
+
+Handler = Callable[[Any, Any], Awaitable[Any]]
+
+
+class MultiplexServer:
+    """The server side of InferStream for one unary handler.
+
+    `serve` runs `handler(request, CallContext)` for every call of a stream concurrently,
+    exactly as the unary method would run, and streams the results back, batching those that
+    finish while a message is being written. `close` (server shutdown) ends every stream once
+    the calls already received are answered, and answers later ones UNAVAILABLE, so that a
+    long-lived stream never holds a stopping server for its whole grace period.
+    """
+
+    def __init__(
+        self,
+        handler: Handler,
+        *,
+        deserialize: Callable[[bytes], Any],
+        serialize: Callable[[Any], bytes],
+    ) -> None:
+        self._handler = handler
+        self._deserialize = deserialize
+        self._serialize = serialize
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        self._closing.set()
+
+    async def serve(
+        self, requests: AsyncIterator[pb.InferStreamRequest], context: object = None
+    ) -> AsyncIterator[pb.InferStreamResponse]:
+        del context  # each call carries its own deadline and metadata
+        stream = _ServedStream(requests, self._answer, self._closing)
+        async for message in stream.responses():
+            yield message
+
+    async def _answer(
+        self, request_bytes: bytes, context: CallContext, timeout_s: float | None
+    ) -> bytes:
+        """One call's response, or the domain error it is answered with."""
+        try:
+            request = self._deserialize(request_bytes)
+        except DecodeError:
+            raise InvalidInput("request does not parse") from None
+        try:
+            async with asyncio.timeout(timeout_s):
+                response = await self._handler(request, context)
+        except TimeoutError:
+            raise DeadlineExceeded("deadline exceeded") from None
+        return self._serialize(response)
+
+
+class _ServedStream:
+    """One InferStream being served: the calls running and the results waiting to go out."""
+
+    def __init__(
+        self,
+        requests: AsyncIterator[pb.InferStreamRequest],
+        answer: Callable[[bytes, CallContext, float | None], Awaitable[bytes]],
+        closing: asyncio.Event,
+    ) -> None:
+        self._requests = requests
+        self._answer = answer
+        self._closing = closing
+        self._running: dict[int, asyncio.Task[None]] = {}
+        self._outbox: list[pb.MuxResult] = []
+        self._wake = asyncio.Event()
+        self._is_reading_done = False
+
+    async def responses(self) -> AsyncIterator[pb.InferStreamResponse]:
+        """Results as they finish, until the caller half-closes (or the server closes) and
+        every call received is answered."""
+        loop = asyncio.get_running_loop()
+        helpers = [loop.create_task(self._read()), loop.create_task(self._wake_on_close())]
+        try:
+            while True:
+                await self._wake.wait()
+                await asyncio.sleep(0)  # results finished in this turn of the loop go together
+                self._wake.clear()
+                while self._outbox:
+                    results = self._outbox[:MAX_CALLS_PER_MESSAGE]
+                    del self._outbox[:MAX_CALLS_PER_MESSAGE]
+                    yield pb.InferStreamResponse(results=results)
+                if (self._is_reading_done or self._closing.is_set()) and not self._running:
+                    break
+        finally:
+            running = list(self._running.values())
+            for task in [*helpers, *running]:
+                task.cancel()
+            await asyncio.gather(*helpers, *running, return_exceptions=True)
+
+    async def _read(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            async for message in self._requests:
+                for call_id in message.cancelled_call_ids:
+                    task = self._running.pop(call_id, None)
+                    if task is not None:
+                        task.cancel()
+                for call in message.calls:
+                    if self._closing.is_set():
+                        self._send(_shutting_down(call.call_id))
+                    else:
+                        self._running[call.call_id] = loop.create_task(self._run(call))
+        finally:
+            self._is_reading_done = True
+            self._wake.set()
+
+    async def _wake_on_close(self) -> None:
+        await self._closing.wait()
+        self._wake.set()
+
+    async def _run(self, call: pb.MuxCall) -> None:
+        metadata = tuple(call.metadata.items())
+        timeout_s = call.timeout_us / 1e6 if call.timeout_us else None
+        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+        result = pb.MuxResult(call_id=call.call_id)
+        span = start_server_span(UNARY_METHOD, metadata)
+        code, failure = grpc.StatusCode.OK, None
+        try:
+            with trace.use_span(
+                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+            ):
+                context = CallContext(metadata, deadline_s)
+                result.response = await self._answer(call.request, context, timeout_s)
+        except BaseException as error:
+            if is_bug(error):  # our bug: log it, answer INTERNAL, keep serving
+                log.exception("unhandled error in a multiplexed call")
+            status = status_of(error)
+            code, result.message, failure = status.code, status.message, error
+            result.trailers.update(status.trailers)
+            if not isinstance(error, Exception):
+                # Cancelled: the caller cancelled the call, or the stream went away. Nobody
+                # waits for an answer; the span still ends CANCELLED.
+                raise
+        finally:
+            self._running.pop(call.call_id, None)
+            end_server_span(span, code, result.message, failure)
+        result.code = code.value[0]
+        self._send(result)
+
+    def _send(self, result: pb.MuxResult) -> None:
+        self._outbox.append(result)
+        self._wake.set()
+
+
+def _shutting_down(call_id: int) -> pb.MuxResult:
+    return pb.MuxResult(
+        call_id=call_id,
+        code=grpc.StatusCode.UNAVAILABLE.value[0],
+        message="server is shutting down",
+    )

@@ -1,0 +1,203 @@
+"""Child processes for whoever starts the tiers: `services.local_stack`, the tests, the benchmark.
+
+A tier is launched with its output in a log file and announces readiness by writing a ready file
+(services.common.lifecycle.write_ready_file), which cannot be awaited, only looked for. Waiting
+notices a child that exits instead and quotes the tail of its log. Stopping is SIGTERM, a bounded
+wait, then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+#: How often a ready check is repeated while waiting.
+READY_POLL_S = 0.1
+#: Lines of a child's log quoted when it fails.
+NUM_TAIL_LINES = 30
+
+
+class ProcessError(Exception):
+    """A child failed to start: it exited, or was not ready in time. The message names it and
+    quotes its log."""
+
+
+@dataclass
+class ChildProcess:
+    """A launched process, where its output goes, and where it announces readiness."""
+
+    name: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    #: Where the child writes its ready JSON; None for one ready by another sign (Redis: PONG).
+    ready_file: Path | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, num_lines: int = NUM_TAIL_LINES) -> str:
+        lines = self.log().splitlines()[-num_lines:]
+        return "\n".join(f"  | {line}" for line in lines)
+
+    def exit_error(self) -> ProcessError | None:
+        """The error to raise if the child has exited; None while it runs."""
+        code = self.process.poll()
+        if code is None:
+            return None
+        return ProcessError(
+            f"{self.name} exited with code {code}; {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def read_ready(self) -> dict[str, Any] | None:
+        """The ready file's JSON; None until it is written (or while it is half-written)."""
+        if self.ready_file is None:
+            raise ValueError(f"{self.name} has no ready file")
+        try:
+            return dict(json.loads(self.ready_file.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def terminate(self, timeout_s: float) -> int | None:
+        """SIGTERM, wait up to `timeout_s`; SIGKILL past that. The exit code, or None when the
+        child had to be killed."""
+        request_stop(self.process)
+        return wait_or_kill(self.process, timeout_s)
+
+
+def launch(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path,
+    ready_file: Path | None = None,
+    cwd: Path | None = None,
+    append_log: bool = False,
+    own_session: bool = False,
+    dies_with_parent: bool = False,
+) -> ChildProcess:
+    """Starts `argv` with stdout and stderr in `log_path`; with `ready_file`, appends
+    `--ready-file <path>` to it (an old file there is removed first: it would read as ready).
+
+    `own_session`: Ctrl-C in the terminal reaches only the caller, not the child.
+    `dies_with_parent`: the child gets SIGTERM when the caller dies, even by SIGKILL; the caller
+    must launch from its main thread (the kernel ties this to the forking thread).
+    """
+    args = list(argv)
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)
+        args += ["--ready-file", str(ready_file)]
+    with log_path.open("ab" if append_log else "wb") as log_file:
+        process = subprocess.Popen(
+            args,
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=own_session,
+            preexec_fn=_die_with(os.getpid()) if dies_with_parent else None,
+        )
+    return ChildProcess(name, process, log_path, ready_file)
+
+
+def _die_with(parent_pid: int) -> Callable[[], None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def before_exec() -> None:
+        # A blocked signal mask survives exec; the child must see its own SIGTERM.
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return before_exec
+
+
+def has_written_ready_file(child: ChildProcess) -> bool:
+    return child.read_ready() is not None
+
+
+Child = TypeVar("Child", bound=ChildProcess)
+
+
+def wait_ready(
+    waiting: Sequence[Child],
+    *,
+    timeout_s: float,
+    is_ready: Callable[[Child], bool] = has_written_ready_file,
+    what: str = "ready",
+    watched: Sequence[ChildProcess] = (),
+    pause: Callable[[float], None] = time.sleep,
+    poll_s: float = READY_POLL_S,
+) -> None:
+    """Returns once `is_ready` holds for every child in `waiting`, all within `timeout_s`.
+
+    Raises ProcessError when one of `waiting` or `watched` exits, or time runs out. Checks are
+    `poll_s` apart; `pause(s)` waits between them (a launcher passes one that also wakes on its
+    signals).
+    """
+    deadline = time.monotonic() + timeout_s
+    checked: list[ChildProcess] = [*waiting, *watched]
+    for child in waiting:
+        while not is_ready(child):
+            for other in checked:
+                error = other.exit_error()
+                if error is not None:
+                    raise error
+            if time.monotonic() > deadline:
+                raise ProcessError(f"{child.name} not {what} within {timeout_s:.0f} s; "
+                                   f"{child.log_path}:\n{child.log_tail()}")  # fmt: skip
+            pause(poll_s)
+
+
+def start_and_wait(
+    name: str,
+    argv: Sequence[str],
+    *,
+    log_path: Path,
+    ready_file: Path,
+    timeout_s: float,
+    cwd: Path | None = None,
+) -> tuple[ChildProcess, dict[str, Any]]:
+    """Launches a child that writes `ready_file`, waits for it, returns the child and the file's
+    JSON. On failure the child is killed and ProcessError raised."""
+    child = launch(name, argv, log_path=log_path, ready_file=ready_file, cwd=cwd)
+    try:
+        wait_ready([child], timeout_s=timeout_s)
+    except BaseException:
+        child.process.kill()
+        child.process.wait()
+        raise
+    ready = child.read_ready()
+    if ready is None:  # cannot happen: wait_ready saw the file, and it is only ever replaced whole
+        raise ProcessError(f"{name}: {ready_file} vanished")
+    return child, ready
+
+
+def request_stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, unless the process has already exited."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+
+
+def wait_or_kill(process: subprocess.Popen[bytes], timeout_s: float) -> int | None:
+    """Waits up to `timeout_s` for the exit code; SIGKILLs past that and returns None."""
+    try:
+        return process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        return None

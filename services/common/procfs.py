@@ -1,0 +1,70 @@
+"""What Linux's /proc says about processes and the machine: CPU seconds, parents, states.
+
+For whoever watches the tiers from outside (the benchmark's CPU accounting, tests checking that
+no process outlives the stack); no tier reads /proc itself.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class ProcStat:
+    """One process's line of /proc/<pid>/stat, the fields we use."""
+
+    #: The command name, truncated by the kernel to 15 characters.
+    name: str
+    #: R running, S sleeping, D disk wait, Z zombie, T stopped, ...
+    state: str
+    parent_pid: int
+    #: User + system CPU seconds of every thread of the process.
+    cpu_s: float
+
+
+def read_stat(pid: int) -> ProcStat | None:
+    """The process's stat; None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            text = stat.read()
+        # The command name may hold spaces and parentheses: the fields start after the last ')'.
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+    except (OSError, ValueError, IndexError):  # gone, or gone while being read
+        return None
+    return ProcStat(name, fields[0], int(fields[1]), ticks / _CLK_TCK)
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process under `root` (children, grandchildren...), children first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = read_stat(int(entry))
+            if stat is not None:
+                children.setdefault(stat.parent_pid, []).append(int(entry))
+    found: list[int] = []
+    frontier = [root]
+    while frontier:
+        pid = frontier.pop(0)
+        found += children.get(pid, [])
+        frontier += children.get(pid, [])
+    return found
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine spent busy (every core), from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
+    return (user + nice + system + irq + softirq + steal) / _CLK_TCK
+
+
+def load_average() -> list[float]:
+    """The 1, 5 and 15 minute load averages."""
+    with open("/proc/loadavg") as loadavg:
+        return [float(v) for v in loadavg.read().split()[:3]]

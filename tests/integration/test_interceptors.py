@@ -1,0 +1,212 @@
+"""The interceptor chain (error mapping, tracing, auth) over every handler shape, on a real
+grpc.aio server on port 0: statuses, retry hints, spans and cleanup of abandoned streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.common.errors import Overloaded
+from services.common.lifecycle import new_server
+from services.common.tracing import TracingInterceptor
+from services.gateway.auth import AuthInterceptor, KeyStore, Principal, current_principal, hash_key
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+SERVICE = "test.Shapes"
+KEY = (("authorization", "Bearer sesame"),)
+
+
+def _is_traced() -> bytes:
+    return b"traced" if trace.get_current_span().get_span_context().is_valid else b"untraced"
+
+
+class Shapes:
+    """One handler per call shape; each answers who called and whether its span is current."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.Event()
+        self.started = asyncio.Event()
+
+    async def unary(self, request: bytes, context: Any) -> bytes:
+        if request == b"bug":
+            raise RuntimeError("the database password is hunter2")
+        return current_principal().tenant.encode() + b" " + _is_traced()
+
+    async def stream_unary(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
+        return b"+".join([r async for r in requests]) + b" " + _is_traced()
+
+    async def unary_stream(self, request: bytes, context: Any) -> AsyncIterator[bytes]:
+        try:
+            yield current_principal().tenant.encode()
+            yield _is_traced()
+            if request == b"busy":
+                raise Overloaded("queue is long", retry_after_s=0.25)
+            if request == b"hang":
+                self.started.set()
+                await asyncio.Event().wait()
+        finally:
+            self.closed.set()
+
+    async def stream_stream(
+        self, requests: AsyncIterator[bytes], context: Any
+    ) -> AsyncIterator[bytes]:
+        async for request in requests:
+            yield request + b" " + _is_traced()
+
+
+@pytest.fixture(scope="module")
+def span_exporter() -> InMemorySpanExporter:
+    """The process's tracer provider can be set only once: add an exporter to the one there."""
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    exporter = InMemorySpanExporter()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    return exporter
+
+
+@pytest.fixture
+def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
+    span_exporter.clear()
+    yield span_exporter
+    span_exporter.clear()
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[Shapes, grpc.aio.Channel]]:
+    shapes = Shapes()
+    keys = KeyStore({hash_key("sesame"): Principal("search", None)})
+    server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
+    handlers = {
+        "Unary": grpc.unary_unary_rpc_method_handler(shapes.unary),
+        "StreamUnary": grpc.stream_unary_rpc_method_handler(shapes.stream_unary),
+        "UnaryStream": grpc.unary_stream_rpc_method_handler(shapes.unary_stream),
+        "StreamStream": grpc.stream_stream_rpc_method_handler(shapes.stream_stream),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield shapes, channel
+    finally:
+        await server.stop(None)
+
+
+async def _requests(*messages: bytes) -> AsyncIterator[bytes]:
+    for message in messages:
+        yield message
+
+
+def span_codes(exporter: InMemorySpanExporter, method: str) -> list[int]:
+    return [
+        s.attributes["rpc.grpc.status_code"]
+        for s in exporter.get_finished_spans()
+        if s.name == f"{SERVICE}/{method}" and s.attributes is not None
+    ]
+
+
+async def test_every_shape_is_authenticated_and_traced(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
+) -> None:
+    _, channel = served
+
+    unary = await channel.unary_unary(f"/{SERVICE}/Unary")(b"", metadata=KEY)
+    upload = await channel.stream_unary(f"/{SERVICE}/StreamUnary")(
+        _requests(b"a", b"b"), metadata=KEY
+    )
+    download = [m async for m in channel.unary_stream(f"/{SERVICE}/UnaryStream")(b"", metadata=KEY)]
+    both = [
+        m
+        async for m in channel.stream_stream(f"/{SERVICE}/StreamStream")(
+            _requests(b"a", b"b"), metadata=KEY
+        )
+    ]
+
+    assert unary == b"search traced"
+    assert upload == b"a+b traced"
+    assert download == [b"search", b"traced"]
+    assert both == [b"a traced", b"b traced"]
+    for method in ("Unary", "StreamUnary", "UnaryStream", "StreamStream"):
+        assert span_codes(spans, method) == [grpc.StatusCode.OK.value[0]], method
+
+
+@pytest.mark.parametrize("method", ["Unary", "StreamUnary", "UnaryStream", "StreamStream"])
+async def test_every_shape_refuses_a_caller_without_a_key(
+    served: tuple[Shapes, grpc.aio.Channel], method: str
+) -> None:
+    _, channel = served
+    calls = {
+        "Unary": lambda: channel.unary_unary(f"/{SERVICE}/Unary")(b""),
+        "StreamUnary": lambda: channel.stream_unary(f"/{SERVICE}/StreamUnary")(_requests(b"a")),
+        "UnaryStream": lambda: channel.unary_stream(f"/{SERVICE}/UnaryStream")(b""),
+        "StreamStream": lambda: channel.stream_stream(f"/{SERVICE}/StreamStream")(_requests()),
+    }
+
+    call = calls[method]()
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        if hasattr(call, "__aiter__"):
+            _ = [m async for m in call]
+        else:
+            await call
+
+    assert raised.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_a_stream_that_fails_midway_keeps_its_messages_status_and_retry_hint(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
+) -> None:
+    _, channel = served
+    call = channel.unary_stream(f"/{SERVICE}/UnaryStream")(b"busy", metadata=KEY)
+    received = []
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for message in call:
+            received.append(message)
+
+    assert received == [b"search", b"traced"]
+    assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert raised.value.details() == "queue is long"
+    assert ("retry-after-ms", "250") in tuple(raised.value.trailing_metadata() or ())
+    assert span_codes(spans, "UnaryStream") == [grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+
+
+async def test_a_bug_is_internal_and_its_details_stay_on_the_server(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
+) -> None:
+    _, channel = served
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await channel.unary_unary(f"/{SERVICE}/Unary")(b"bug", metadata=KEY)
+
+    assert raised.value.code() is grpc.StatusCode.INTERNAL
+    assert raised.value.details() == "internal error"
+    assert span_codes(spans, "Unary") == [grpc.StatusCode.INTERNAL.value[0]]
+
+
+async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelled(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
+) -> None:
+    shapes, channel = served
+    call = channel.unary_stream(f"/{SERVICE}/UnaryStream")(b"hang", metadata=KEY)
+    await shapes.started.wait()
+
+    call.cancel()
+
+    await asyncio.wait_for(shapes.closed.wait(), timeout=10)
+    # The span ends on the server's side of the cancel, which the test cannot await.
+    codes = await eventually(
+        lambda: span_codes(spans, "UnaryStream"), message="the span did not end"
+    )
+    assert codes == [grpc.StatusCode.CANCELLED.value[0]]

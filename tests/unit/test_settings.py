@@ -1,0 +1,169 @@
+"""Settings tables: environment fallbacks, flag precedence, errors, --help, and every tier's
+table parsing an empty command line into its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.settings import (
+    Setting,
+    SettingsTable,
+    build_parser,
+    parse_weights,
+    read_config,
+)
+from services.gateway import config as gateway_config
+from services.gpu_worker import config as worker_config
+from services.router import config as router_config
+
+pytestmark = pytest.mark.unit
+
+TIER_TABLES = (gateway_config, router_config, worker_config)
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    port: int
+    ratio: float
+    is_on: bool
+    output: Path | None
+
+    def __post_init__(self) -> None:
+        if self.ratio < 0:
+            raise ValueError("ratio must be >= 0")
+
+
+DEMO = SettingsTable(
+    prog="demo",
+    description="A demo tier.",
+    env_prefix="DEMO",
+    settings=(
+        Setting("port", int, 8000, "port to listen on", "port"),
+        Setting("ratio", float, 0.5, "a 100% made-up ratio"),
+        Setting("is_on", bool, True, "whether it is on", flag="--on"),
+        Setting("output", Path, None, "where to write", env="DEMO_OUT"),
+    ),
+)
+
+
+def read_demo(argv: list[str], environ: dict[str, str] | None = None) -> DemoConfig:
+    return read_config(DEMO, lambda values: DemoConfig(**values), argv, environ or {})
+
+
+def test_table_defaults_without_flags_or_environment() -> None:
+    assert read_demo([]) == DemoConfig(port=8000, ratio=0.5, is_on=True, output=None)
+
+
+def test_environment_fills_in_for_missing_flags() -> None:
+    environ = {"DEMO_PORT": "9000", "DEMO_IS_ON": "off", "DEMO_OUT": "/tmp/x"}
+    assert read_demo([], environ) == DemoConfig(
+        port=9000, ratio=0.5, is_on=False, output=Path("/tmp/x")
+    )
+
+
+def test_flag_overrides_environment() -> None:
+    environ = {"DEMO_PORT": "9000", "DEMO_IS_ON": "0"}
+    config = read_demo(["--port", "9100", "--on"], environ)
+    assert (config.port, config.is_on) == (9100, True)
+    assert read_demo(["--no-on"], {"DEMO_IS_ON": "yes"}).is_on is False
+
+
+def test_empty_variable_unsets_an_optional_setting() -> None:
+    assert read_demo([], {"DEMO_OUT": ""}).output is None
+
+
+@pytest.mark.parametrize(
+    ("environ", "named"),
+    [({"DEMO_PORT": "eighty"}, "DEMO_PORT"), ({"DEMO_IS_ON": "maybe"}, "DEMO_IS_ON")],
+)
+def test_bad_environment_value_exits_2_naming_it(
+    environ: dict[str, str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        read_demo([], environ)
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+def test_value_the_config_rejects_exits_2_with_its_message(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        read_demo(["--ratio", "-1"])
+    assert exit_info.value.code == 2
+    assert "ratio must be >= 0" in capsys.readouterr().err
+
+
+def test_help_lists_defaults_units_and_environment_names() -> None:
+    # The environment changes the value, not what --help says the default is.
+    text = " ".join(build_parser(DEMO, {"DEMO_PORT": "9000"}).format_help().split())
+    assert "port to listen on (port; env DEMO_PORT; default 8000)" in text
+    assert "a 100% made-up ratio (env DEMO_RATIO; default 0.5)" in text
+    assert "--on, --no-on whether it is on (env DEMO_IS_ON; default on)" in text
+    assert "(env DEMO_OUT; default unset)" in text
+
+
+def test_weights_parse_and_reject_malformed_items() -> None:
+    assert parse_weights("") == {}
+    assert parse_weights("search=3, batch=0.5") == {"search": 3.0, "batch": 0.5}
+    for text in ("search", "=2", "search=0", "search=x", "search=inf"):
+        with pytest.raises(ValueError):
+            parse_weights(text)
+
+
+@pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
+def test_every_tier_table_parses_an_empty_command_line(module: Any) -> None:
+    table: SettingsTable = module.SETTINGS
+    config = read_config(table, module.config_from_settings, [], {})
+    assert config.host == "127.0.0.1"
+    help_text = build_parser(table, {}).format_help()
+    for setting in table.settings:
+        assert table.flag(setting) in help_text
+        assert table.env_var(setting) in " ".join(help_text.split())
+
+
+@pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
+def test_every_tier_follows_the_naming_convention(module: Any) -> None:
+    table: SettingsTable = module.SETTINGS
+    names = [s.name for s in table.settings]
+    assert len(set(names)) == len(names)
+    unconventional = {table.env_var(s) for s in table.settings} - {
+        f"{table.env_prefix}_{name.upper()}" for name in names
+    }
+    assert unconventional <= {"WORKER_ID"}, "only WORKER_ID keeps a deployed name"
+
+
+def test_tier_tables_reach_nested_configs() -> None:
+    environ = {
+        "GATEWAY_THROTTLE_MEMORY_S": "0.5",
+        "ROUTER_STALE_AFTER_S": "4",
+        "WORKER_HEARTBEAT_PERIOD_S": "0.25",
+        "WORKER_TENANT_WEIGHTS": "search=3",
+        "WORKER_UPSTREAM_BUDGET_MS": "20",
+    }
+    gateway = read_config(gateway_config.SETTINGS, gateway_config.config_from_settings, [], environ)
+    router = read_config(router_config.SETTINGS, router_config.config_from_settings, [], environ)
+    worker = read_config(worker_config.SETTINGS, worker_config.config_from_settings, [], environ)
+    assert gateway.throttle.memory_s == 0.5
+    assert router.routing.stale_after_s == 4.0
+    assert worker.heartbeat.period_s == 0.25
+    assert worker.batching.tenant_weights == {"search": 3.0}
+    assert worker.batching.upstream_budget_s == pytest.approx(0.02)
+    assert worker.worker_id, "defaults to hostname-pid"
+
+
+def test_tier_defaults_match_the_config_dataclasses() -> None:
+    """The table's defaults are the dataclasses' defaults: no second source of truth."""
+    router = read_config(router_config.SETTINGS, router_config.config_from_settings, [], {})
+    assert router == router_config.RouterConfig(redis_url="redis://127.0.0.1:6379/0")
+    worker = read_config(worker_config.SETTINGS, worker_config.config_from_settings, [], {})
+    expected = worker_config.WorkerConfig(
+        model_repository=Path("models"), worker_id=worker.worker_id
+    )
+    assert worker == expected
+    gateway = read_config(gateway_config.SETTINGS, gateway_config.config_from_settings, [], {})
+    assert gateway == gateway_config.GatewayConfig(model_repository=Path("models"))

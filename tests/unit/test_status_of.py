@@ -1,0 +1,88 @@
+"""status_of: the one mapping from an error to the status a call is answered with."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from services.common.errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    FingerprintMismatch,
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+    UpstreamError,
+)
+from services.common.grpc_errors import Status, is_bug, status_of
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("error", "code"),
+    [
+        (InvalidInput("refused"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotFound("refused"), grpc.StatusCode.NOT_FOUND),
+        (FingerprintMismatch("refused"), grpc.StatusCode.FAILED_PRECONDITION),
+        (Overloaded("refused"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (DeadlineExceeded("refused"), grpc.StatusCode.DEADLINE_EXCEEDED),
+        (Unavailable("refused"), grpc.StatusCode.UNAVAILABLE),
+        (ExecutionFailed("refused"), grpc.StatusCode.INTERNAL),
+        (Unauthenticated("refused"), grpc.StatusCode.UNAUTHENTICATED),
+        (PermissionDenied("refused"), grpc.StatusCode.PERMISSION_DENIED),
+        (UpstreamError(grpc.StatusCode.ABORTED, "refused"), grpc.StatusCode.ABORTED),
+    ],
+    ids=lambda value: type(value).__name__ if isinstance(value, ServingError) else None,
+)
+def test_each_domain_error_keeps_its_code_and_its_words(
+    error: ServingError, code: grpc.StatusCode
+) -> None:
+    assert status_of(error) == Status(code, "refused")
+    assert not is_bug(error)
+
+
+def test_an_overload_carries_its_retry_hint_in_milliseconds() -> None:
+    status = status_of(Overloaded("queue is long", retry_after_s=0.25))
+
+    assert status == Status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "queue is long", (("retry-after-ms", "250"),)
+    )
+    # Without a hint, no trailer: the caller picks its own backoff.
+    assert status_of(Overloaded("queue is long")).trailers == ()
+
+
+def test_a_downstream_status_passes_through_with_only_its_retry_hint() -> None:
+    trailers = (("retry-after-ms", "40"), ("x-internal-host", "worker-3"))
+    error = UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", trailers)
+
+    assert status_of(error) == Status(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-ms", "40"),)
+    )
+
+
+@pytest.mark.parametrize("error", [RuntimeError("db password is hunter2"), KeyError("secret")])
+def test_an_unknown_error_is_internal_and_leaks_nothing(error: Exception) -> None:
+    status = status_of(error)
+
+    assert status == Status(grpc.StatusCode.INTERNAL, "internal error")
+    assert is_bug(error)
+
+
+@pytest.mark.parametrize("error", [asyncio.CancelledError(), GeneratorExit()])
+def test_a_caller_going_away_is_cancelled(error: BaseException) -> None:
+    assert status_of(error).code is grpc.StatusCode.CANCELLED
+    assert status_of(error).trailers == ()
+    assert not is_bug(error)
+
+
+def test_a_timeout_that_is_no_domain_error_is_a_bug_not_a_deadline() -> None:
+    # Only the code that owns a deadline knows a timeout was the caller's: it raises
+    # DeadlineExceeded. A bare TimeoutError (a redis call, a lock) is ours.
+    assert status_of(TimeoutError()).code is grpc.StatusCode.INTERNAL
