@@ -60,6 +60,9 @@ class GenerationSettings:
     max_num_seqs: int = 32
     #: Tokens computed per step (decodes plus prefill chunks).
     max_num_batched_tokens: int = 512
+    #: KV blocks kept free when admitting a new sequence while others run: headroom for the
+    #: running ones to grow before one must be preempted (0: admit while any block is free).
+    watermark_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -179,9 +182,13 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
             generation = GenerationSettings(**table)
         except TypeError as error:
             raise ModelConfigError(f"{path}: [generation]: {error}") from error
-        fields = vars(generation).values()
-        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in fields):
-            raise ModelConfigError(f"{path}: [generation] values must be positive integers")
+        fields = vars(generation)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields.values()):
+            raise ModelConfigError(f"{path}: [generation] values must be integers")
+        if min(v for k, v in fields.items() if k != "watermark_blocks") <= 0:
+            raise ModelConfigError(f"{path}: [generation] sizes must be positive")
+        if generation.watermark_blocks < 0:
+            raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
     labels = raw.get("labels", {})
     if not all(isinstance(v, int) and v > 0 for v in labels.values()):
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")

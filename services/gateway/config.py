@@ -35,6 +35,8 @@ class GatewayConfig:
     max_inputs_per_request: int = 256
     #: How often the fleet's served versions are re-read from the router, seconds.
     catalog_refresh_s: float = 1.0
+    #: Seconds in-flight calls may take to finish after SIGTERM before they are cancelled.
+    drain_grace_s: float = 10.0
     #: Adaptive throttling of what downstream refuses (services.gateway.throttle).
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the gateway is ready.
@@ -98,6 +100,13 @@ SETTINGS = SettingsTable(
             "adaptive throttling: retry hint of a local refusal before downstream sent any",
             "s",
             field="throttle.default_retry_after_s",
+        ),
+        Setting(
+            "drain_grace_s",
+            float,
+            GatewayConfig.drain_grace_s,
+            "time in-flight calls may take to finish after SIGTERM",
+            "s",
         ),
         *listener_settings(
             grpc_port=GatewayConfig.grpc_port, metrics_port=GatewayConfig.metrics_port

@@ -74,7 +74,7 @@ class Gateway:
 
     async def stop(self) -> None:
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
-        await self.server.stop(grace=10.0)
+        await self.server.stop(grace=self.config.drain_grace_s)
         await self.predictor.close()
         await self.router.close()
 

@@ -35,6 +35,8 @@ class RouterConfig:
     default_timeout_s: float = 30.0
     #: Attempts per request beyond the first, when a worker fails or vanishes mid-call.
     max_retries: int = 2
+    #: Seconds in-flight calls may take to finish after SIGTERM before they are cancelled.
+    drain_grace_s: float = 10.0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the router is ready.
     ready_file: Path | None = None
     #: Routing and admission (services.router.routing).
@@ -114,6 +116,13 @@ SETTINGS = SettingsTable(
             "past this many candidate workers, sample two instead of scanning all",
             "workers",
             field="routing.power_of_two_threshold",
+        ),
+        Setting(
+            "drain_grace_s",
+            float,
+            RouterConfig.drain_grace_s,
+            "time in-flight calls may take to finish after SIGTERM",
+            "s",
         ),
         *listener_settings(
             grpc_port=RouterConfig.grpc_port, metrics_port=RouterConfig.metrics_port

@@ -52,7 +52,7 @@ class Router:
     async def stop(self) -> None:
         await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
         self.streams.close()  # gateways' streams end once their calls are answered
-        await self.server.stop(grace=10.0)
+        await self.server.stop(grace=self.config.drain_grace_s)
         await self.forwarder.close()
 
 

@@ -4,9 +4,6 @@ separate processes the way `make run` starts them, called with real clients."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 from collections.abc import Iterator
 
 import grpc
@@ -19,18 +16,15 @@ from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.conftest import cosine
+from tests.support.fabric_load import TIMEOUT_S, predict_request, routed_to
 from tests.support.kserve import run_kserve_client
-from tests.support.metrics import samples, scrape, total
+from tests.support.metrics import scrape, total
 from tests.support.models import write_minilm_repository
 from tests.support.processes import health_status
 from tests.support.stack import Stack, start_stack
 from tests.support.texts import sentences
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
-
-#: Client deadline of these tests: long enough that a retry on another worker always fits.
-TIMEOUT_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -44,12 +38,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert stack.stop() == 0, stack.log("launcher")
 
 
-def predict_request(*texts: str, model: str = "minilm", version: str = "") -> api.PredictRequest:
-    return api.PredictRequest(
-        model_name=model, model_version=version, inputs=[api.PredictInput(text=t) for t in texts]
-    )
-
-
 def vector(tensor: pb.Tensor) -> np.ndarray:
     assert tensor.dtype == pb.DATA_TYPE_FP32 and list(tensor.shape) == [384]
     return np.frombuffer(tensor.raw_data, dtype="<f4")
@@ -57,36 +45,6 @@ def vector(tensor: pb.Tensor) -> np.ndarray:
 
 def worker_rows(stack: Stack) -> float:
     return sum(total(scrape(w.metrics_port), names.WORKER_ROWS_TOTAL) for w in stack.workers)
-
-
-def routed_to(stack: Stack, worker_id: str) -> float:
-    return total(scrape(stack.router.metrics_port), names.ROUTER_ROUTED_TOTAL, worker=worker_id)
-
-
-async def run_load(
-    address: str, *, seconds: float, concurrency: int = 6
-) -> list[BaseException | None]:
-    """Closed-loop load: `concurrency` callers, each sending one request after another."""
-    results: list[BaseException | None] = []
-    stop_at = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = api_grpc.InferenceServiceStub(channel)
-
-        async def caller(n: int) -> None:
-            i = 0
-            while time.monotonic() < stop_at:
-                try:
-                    reply = await stub.Predict(
-                        predict_request(f"caller {n} request {i}"), timeout=TIMEOUT_S
-                    )
-                    assert len(reply.outputs) == 1
-                    results.append(None)
-                except grpc.aio.AioRpcError as error:
-                    results.append(error)
-                i += 1
-
-        await asyncio.gather(*(caller(n) for n in range(concurrency)))
-    return results
 
 
 async def test_every_tier_is_serving(stack: Stack) -> None:
@@ -253,45 +211,3 @@ async def test_bad_input_never_reaches_a_worker(stack: Stack, request_, code) ->
         assert raised.value.code() == code, raised.value.details()
         await stub.Predict(predict_request("the next good request still works"), timeout=TIMEOUT_S)
     assert worker_rows(stack) == rows_before + 1
-
-
-async def test_worker_killed_under_load_loses_no_request(stack: Stack) -> None:
-    victim = stack.workers[1]
-    survivor = stack.workers[0]
-    load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=8.0))
-    await asyncio.sleep(2.0)  # the scenario: the kill lands mid-load
-    os.kill(victim.pid, signal.SIGKILL)
-    results = await load
-    failures = [r for r in results if r is not None]
-    assert len(results) > 50
-    assert not failures, failures[:3]
-
-    # The router stops choosing it within the heartbeat TTL (3 s) plus one refresh.
-    def router_sees_one_worker() -> bool:
-        live = samples(scrape(stack.router.metrics_port), names.ROUTER_LIVE_WORKERS)
-        return bool(live) and live[0][1] == 1
-
-    await eventually(router_sees_one_worker, timeout_s=10.0)
-    routed_before = routed_to(stack, victim.worker_id)
-    survivor_before = routed_to(stack, survivor.worker_id)
-    assert not [r for r in await run_load(stack.gateway.address, seconds=2.0) if r is not None]
-    assert routed_to(stack, victim.worker_id) == routed_before
-    assert routed_to(stack, survivor.worker_id) > survivor_before
-    live = samples(scrape(stack.router.metrics_port), names.ROUTER_LIVE_WORKERS)
-    assert live and live[0][1] == 1
-
-
-async def test_redis_stopped_under_load_requests_keep_succeeding(stack: Stack) -> None:
-    load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=6.0))
-    await asyncio.sleep(1.0)  # the scenario: the kill lands mid-load
-    os.kill(stack.redis_pid, signal.SIGKILL)
-    results = await load
-    assert len(results) > 30
-    assert not [r for r in results if r is not None]
-    # Degraded, not dead: liveness stays SERVING, the registry check says NOT_SERVING.
-    assert await health_status(stack.router.address) == health_pb2.HealthCheckResponse.SERVING
-    assert (
-        await health_status(stack.router.address, "fabric.registry")
-        == health_pb2.HealthCheckResponse.NOT_SERVING
-    )
-    assert total(scrape(stack.router.metrics_port), names.ROUTER_REGISTRY_DEGRADED) == 1

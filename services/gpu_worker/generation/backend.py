@@ -63,6 +63,7 @@ class GenerationBackend(ServedModel):
                 block_size=settings.block_size,
                 max_model_len=self._max_model_len,
                 is_static=is_static,
+                watermark_blocks=settings.watermark_blocks,
             )
         )
         self.engine = GenerationEngine(

@@ -1,0 +1,121 @@
+"""The batching driver on a fake clock, over a real TorchScript backend: what it measures and
+decides follows its clock, not the wall's, so stage times can be checked exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.common import metric_names as names
+from services.common.errors import Unavailable
+from services.common.model_repository import load_repository
+from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
+from services.gpu_worker.metrics import WorkerMetrics
+from tests.support.metrics import total
+from tests.support.models import write_affine_model
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+#: Fake seconds one batch takes, whatever its size.
+BATCH_S = 0.040
+
+
+@dataclass
+class FakeClock:
+    now_s: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+@dataclass
+class Harness:
+    driver: BatchingDriver
+    backend: Backend
+    clock: FakeClock
+    registry: CollectorRegistry
+
+    def metric(self, name: str) -> float:
+        return total(generate_latest(self.registry).decode(), name)
+
+    def rows(self, count: int) -> Sequence[PreparedRow]:
+        return self.backend.prepare_many([np.full(4, i, dtype=np.float32) for i in range(count)])
+
+    async def submit(self, count: int, timeout_s: float | None = None) -> list[np.ndarray]:
+        return await self.settle(
+            self.driver.submit(self.backend, self.rows(count), timeout_s=timeout_s, tenant="t")
+        )
+
+    async def settle(self, call: Awaitable[list[np.ndarray]]) -> list[np.ndarray]:
+        """Awaits `call` while time passes on the fake clock, 1 ms per real ms: the driver
+        lingers on its clock, so without time passing a lingering batch would never close."""
+        task = asyncio.ensure_future(call)
+        while not task.done():
+            self.clock.now_s += 0.001
+            await asyncio.sleep(0.001)
+        return task.result()
+
+
+@pytest.fixture
+async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    clock = FakeClock()
+    run = backend.run
+
+    def run_for_batch_s(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        clock.now_s += BATCH_S  # the batch "takes" BATCH_S on the driver's clock
+        return run(rows)
+
+    backend.run = run_for_batch_s  # type: ignore[method-assign]
+    registry = CollectorRegistry()
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(registry), clock=clock)
+    driver.warm_up()
+    driver.start()
+    yield Harness(driver, backend, clock, registry)
+    await driver.drain()
+
+
+async def test_a_rows_stages_add_up_to_its_latency_exactly(harness: Harness) -> None:
+    outputs = await harness.submit(3)
+
+    assert len(outputs) == 3
+    # One batch of the 3 rows after a linger: on the driver's clock each row computed exactly
+    # BATCH_S, and its latency is its queue wait plus that, to the last bit of the clock.
+    assert harness.metric(names.WORKER_BATCHES_TOTAL) == 1
+    compute_s = harness.metric(f"{names.WORKER_ROW_COMPUTE_SECONDS}_sum")
+    wait_s = harness.metric(f"{names.WORKER_QUEUE_WAIT_SECONDS}_sum")
+    assert compute_s == pytest.approx(3 * BATCH_S)
+    assert wait_s > 0
+    latency_s = harness.metric(f"{names.WORKER_ROW_LATENCY_SECONDS}_sum")
+    assert latency_s == pytest.approx(wait_s + compute_s, abs=1e-9)
+
+
+async def test_the_latency_model_learns_from_the_drivers_clock(harness: Harness) -> None:
+    # Warm-up timed real runs (microseconds for this model); serving batches on the fake clock
+    # take BATCH_S each, and the learned scale follows them up, bounded per batch.
+    slowdowns = []
+    for _ in range(4):
+        await harness.submit(1)
+        slowdowns.append(harness.metric(names.WORKER_LATENCY_SLOWDOWN))
+    assert slowdowns == sorted(slowdowns) and slowdowns[0] > 1.0
+
+
+async def test_draining_refuses_new_rows_and_finishes_queued_ones(harness: Harness) -> None:
+    queued = asyncio.ensure_future(harness.submit(2, timeout_s=5))
+    await eventually(lambda: harness.driver.num_in_flight == 2, interval_s=0.001)
+    harness.driver.begin_drain()
+    with pytest.raises(Unavailable, match="draining"):
+        await harness.submit(1, timeout_s=5)
+    assert len(await queued) == 2
