@@ -175,20 +175,7 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         or list(buckets) != sorted(set(buckets))
     ):
         raise ModelConfigError(f"{path}: length_buckets must be ascending positive ints")
-    generation = None
-    if kind is ModelKind.GENERATION:
-        table = raw.get("generation", {})
-        try:
-            generation = GenerationSettings(**table)
-        except TypeError as error:
-            raise ModelConfigError(f"{path}: [generation]: {error}") from error
-        fields = vars(generation)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields.values()):
-            raise ModelConfigError(f"{path}: [generation] values must be integers")
-        if min(v for k, v in fields.items() if k != "watermark_blocks") <= 0:
-            raise ModelConfigError(f"{path}: [generation] sizes must be positive")
-        if generation.watermark_blocks < 0:
-            raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
+    generation = _generation_settings(raw, path) if kind is ModelKind.GENERATION else None
     labels = raw.get("labels", {})
     if not all(isinstance(v, int) and v > 0 for v in labels.values()):
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")
@@ -220,6 +207,21 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         ),
         shed_past_slo=_optional(raw, "shed_past_slo", bool, False, path),
     )
+
+
+def _generation_settings(raw: dict[str, Any], path: Path) -> GenerationSettings:
+    try:
+        generation = GenerationSettings(**raw.get("generation", {}))
+    except TypeError as error:
+        raise ModelConfigError(f"{path}: [generation]: {error}") from error
+    fields = vars(generation)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields.values()):
+        raise ModelConfigError(f"{path}: [generation] values must be integers")
+    if min(v for k, v in fields.items() if k != "watermark_blocks") <= 0:
+        raise ModelConfigError(f"{path}: [generation] sizes must be positive")
+    if generation.watermark_blocks < 0:
+        raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
+    return generation
 
 
 def _weights_dir(version_dir: Path) -> Path:

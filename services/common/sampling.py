@@ -3,13 +3,20 @@ and workers (the sampler), so both apply one set of rules. Plain data, no torch.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from services.common.errors import InvalidInput
 from services.pb.inference.v1 import worker_pb2 as pb
 
 _MAX_SEED = 2**63
+#: Below this a positive temperature divides logits into inf/NaN territory: it is refused
+#: (0 is greedy, which is what such a temperature would mean anyway).
+MIN_TEMPERATURE = 0.01
+MAX_TEMPERATURE = 100.0
+#: Stop strings are scanned on every token: their count and length are bounded.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
 
 
 @dataclass(frozen=True)
@@ -47,18 +54,25 @@ class SamplingParams:
                 f"prompt of {prompt_len} tokens + max_tokens {self.max_tokens} exceeds the "
                 f"model's maximum length of {max_model_len} tokens"
             )
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            raise ValueError(
+                f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}],"
+                f" got {self.temperature}"
+            )
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         if any(token < 0 for token in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
-        if any(not text for text in self.stop):
-            raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        if any(not text or len(text) > MAX_STOP_STRING_CHARS for text in self.stop):
+            raise ValueError(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
 
 
 def sampling_from_pb(sampling: pb.SamplingParameters) -> SamplingParams:

@@ -19,7 +19,7 @@ from services.common.errors import InvalidInput, NotFound, ServingError
 from services.common.model_repository import ModelConfig, ModelKind, TensorSpec
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.auth import current_principal
-from services.gateway.kserve_generate import stream_infer
+from services.gateway.kserve_generate import check_inputs, stream_infer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -71,6 +71,7 @@ def _num_rows(shape: list[int], row_dims: tuple[int, ...], name: str, *, is_byte
 
 
 def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[PredictValue]:
+    check_inputs(request)
     spec = config.inputs[0]
     tensors = {t.name: i for i, t in enumerate(request.inputs)}
     if set(tensors) != {spec.name}:
@@ -87,8 +88,6 @@ def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[Pred
     count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
     if spec.dtype == "BYTES":
         if request.raw_input_contents:
-            if len(request.raw_input_contents) != len(request.inputs):
-                raise InvalidInput("raw_input_contents must hold one entry per input")
             return list(_decode_bytes(request.raw_input_contents[index], count))
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
@@ -104,8 +103,6 @@ def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[Pred
     if num_elements > MAX_ELEMENTS:
         raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
     if request.raw_input_contents:
-        if len(request.raw_input_contents) != len(request.inputs):
-            raise InvalidInput("raw_input_contents must hold one entry per input")
         raw = request.raw_input_contents[index]
         if len(raw) != num_elements * dtype.itemsize:
             raise InvalidInput(f"input {spec.name}: {len(raw)} bytes do not match shape {shape}")

@@ -10,20 +10,46 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import struct
 from collections.abc import AsyncIterator, Callable
 
 from services.common.errors import InvalidInput, ServingError
+from services.common.grpc_errors import status_of
 from services.common.pb_conversions import finish_reason_from_pb
 from services.gateway.auth import Principal
 from services.gateway.predictor import GenerateCall, Predictor
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import worker_pb2 as pb
 
+log = logging.getLogger(__name__)
+
 _SAMPLING_KEYS = {
     "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",
 }  # fmt: skip
+
+
+#: Largest `sampling_parameters` JSON accepted (a handful of numbers and stop strings).
+MAX_SAMPLING_JSON_BYTES = 16 * 1024
+
+
+def check_inputs(request: kserve.ModelInferRequest) -> None:
+    """One tensor per name, and its data in exactly one place: `raw_input_contents` (one entry
+    per input) or each tensor's `contents`, never both."""
+    names = [tensor.name for tensor in request.inputs]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise InvalidInput(f"input(s) {duplicates} given more than once")
+    if not request.raw_input_contents:
+        return
+    if len(request.raw_input_contents) != len(request.inputs):
+        raise InvalidInput(
+            f"{len(request.raw_input_contents)} raw_input_contents for {len(request.inputs)}"
+            " inputs; give one per input"
+        )
+    if any(tensor.HasField("contents") for tensor in request.inputs):
+        raise InvalidInput("raw_input_contents and contents are exclusive; use one")
 
 
 def _input(
@@ -67,9 +93,13 @@ def _scalar_bool(request: kserve.ModelInferRequest, name: str) -> bool:
 def _sampling(raw: bytes | None) -> pb.SamplingParameters:
     if not raw:
         return pb.SamplingParameters()
+    if len(raw) > MAX_SAMPLING_JSON_BYTES:
+        raise InvalidInput(
+            f"sampling_parameters is {len(raw)} bytes; at most {MAX_SAMPLING_JSON_BYTES}"
+        )
     try:
         options = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as error:
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
         raise InvalidInput(f"sampling_parameters is not JSON: {error}") from error
     if not isinstance(options, dict):
         raise InvalidInput("sampling_parameters must be a JSON object")
@@ -90,7 +120,8 @@ def _sampling(raw: bytes | None) -> pb.SamplingParameters:
             stop_token_ids=[int(t) for t in options.get("stop_token_ids", [])],
             ignore_eos=bool(options.get("ignore_eos", False)),
         )
-    except (TypeError, ValueError) as error:  # negative into unsigned, wrong types
+    # Negative into unsigned, wrong types, inf or 1e999 into an int.
+    except (TypeError, ValueError, OverflowError) as error:
         raise InvalidInput(f"sampling_parameters: {error}") from error
 
 
@@ -127,6 +158,7 @@ async def _generate_one(
     principal: Principal,
     timeout_s: float | None,
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    check_inputs(request)
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
         raise InvalidInput("input text_input (BYTES) is required")
@@ -182,18 +214,24 @@ async def stream_infer(
             stream = _generate_one(predictor, request, principal, time_remaining())
             async for response in stream:
                 await responses.put(response)
-        except ServingError as error:
+        except Exception as error:  # every request gets an answer, whatever failed
+            if not isinstance(error, ServingError):
+                log.exception("generate request %r failed", request.id)
+            status = status_of(error)
             await responses.put(
                 kserve.ModelStreamInferResponse(
-                    error_message=f"{error.code.name}: {error}",
+                    error_message=f"{status.code.name}: {status.message}",
                     infer_response=kserve.ModelInferResponse(id=request.id),
                 )
             )
 
+    tasks: set[asyncio.Task[None]] = set()
+
     async def read_all() -> None:
-        tasks = []
         async for request in requests:
-            tasks.append(asyncio.create_task(run(request)))
+            task = asyncio.create_task(run(request))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
         await asyncio.gather(*tasks)
         await responses.put(None)
 
@@ -202,4 +240,8 @@ async def stream_infer(
         while (response := await responses.get()) is not None:
             yield response
     finally:
+        # The client went away (or the stream failed): its generations stop too, freeing
+        # their KV blocks, instead of running on for nobody.
         reader.cancel()
+        for task in list(tasks):
+            task.cancel()

@@ -7,7 +7,7 @@ import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -15,7 +15,13 @@ import numpy as np
 from grpc_health.v1 import health
 
 from services.common.errors import InvalidInput, Unavailable
-from services.common.lifecycle import SERVING, add_health_and_reflection, new_server, set_serving
+from services.common.lifecycle import (
+    NOT_SERVING,
+    SERVING,
+    add_health_and_reflection,
+    new_server,
+    set_serving,
+)
 from services.common.model_repository import load_repository
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
@@ -199,6 +205,9 @@ class Worker:
     batching: BatchingDriver | None = None
     models: LoadedModels | None = None
     registry_publisher: RegistryPublisher | None = None
+    #: Set once a serving loop died: the worker no longer serves (see `_on_fatal`).
+    fatal_error: Exception | None = None
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def load(self) -> None:
         """Loads every version in the repository and warms it up, off the event loop."""
@@ -221,9 +230,9 @@ class Worker:
         gc.freeze()
         self.batching = batching
         self.models = models
-        batching.start()
+        batching.start(on_fatal=self._on_fatal)
         for backend in models.generation:
-            backend.engine.start()
+            backend.engine.start(on_fatal=self._on_fatal)
         self.servicer.attach(models, batching, self.metrics)
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
@@ -236,6 +245,20 @@ class Worker:
             device,
             ", ".join(f"{m.config.name}/{m.version.version}@{m.fingerprint}" for m in models.all),
         )
+
+    def _on_fatal(self, error: Exception) -> None:
+        """A serving loop died (its requests already failed UNAVAILABLE): stop taking traffic.
+        Health turns NOT_SERVING, overall too, so readiness fails at once and the liveness probe
+        has the process replaced (a loop that died on a bug is not restarted in place: its
+        state is suspect); the registry entry says draining, so routers stop choosing it."""
+        self.fatal_error = error
+        if self.registry_publisher is not None:
+            self.registry_publisher.mark_draining()
+        task = asyncio.get_running_loop().create_task(
+            set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
+        )
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""

@@ -63,25 +63,34 @@ def good_share(outcomes: Sequence[Outcome]) -> float:
 
 def describe(outcomes: Sequence[Outcome]) -> str:
     statuses = Counter(o.status for o in outcomes)
-    late = sum(o.status == OK and o.latency_s > SLO_S for o in outcomes)
-    return f"{len(outcomes)} requests: {dict(statuses)}, {late} OK but past the SLO"
+    late = [o for o in outcomes if o.status == OK and o.latency_s > SLO_S]
+    by_second = Counter(int(o.scheduled_s) for o in late)
+    worst_ms = round(max((o.latency_s for o in late), default=0.0) * 1000)
+    return (
+        f"{len(outcomes)} requests: {dict(statuses)}, {len(late)} OK but past the SLO"
+        f" (by second sent: {dict(sorted(by_second.items()))}, worst {worst_ms} ms)"
+    )
 
 
 @pytest.fixture(scope="module")
 def capacity_per_s(tmp_path_factory: pytest.TempPathFactory) -> float:
-    """Capacity at the SLO, estimated as the closed-loop throughput of a warm stack on the
-    mixed texts with 8 callers (latency stays near the SLO's knee; with many patient callers,
-    throughput keeps rising with latencies far past the SLO, which is not capacity an SLO
-    service can offer). That stack is stopped before the tests run: each test's stack has the
-    machine to itself."""
+    """Capacity at the SLO, estimated from a warm stack on the mixed texts with 8 closed-loop
+    callers (latency stays near the SLO's knee; with many patient callers, throughput keeps
+    rising with latencies far past the SLO, which is not capacity an SLO service can offer):
+    answers within the SLO per second, the lower of two windows, so that one lucky window on
+    a shared 2-core machine does not set a rate the stack cannot hold. That stack is stopped
+    before the tests run: each test's stack has the machine to itself."""
     stack = start_stack(tmp_path_factory.mktemp("calibration"))
 
     async def measure() -> float:
         async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
             send = sender(channel, TEXTS, PATIENT_TIMEOUT_S)
             await run_closed_loop(send, concurrency=CALIBRATION_CALLERS, duration_s=2.0)
-            result = await run_closed_loop(send, concurrency=CALIBRATION_CALLERS, duration_s=5.0)
-        return result.ok_per_s
+            windows = [
+                await run_closed_loop(send, concurrency=CALIBRATION_CALLERS, duration_s=4.0)
+                for _ in range(2)
+            ]
+        return min(sum(s <= SLO_S for s in w.latencies_s) / w.elapsed_s for w in windows)
 
     try:
         capacity = asyncio.run(measure())

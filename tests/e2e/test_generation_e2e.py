@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+import struct
+from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
 
 from services.common import metric_names as names
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -122,6 +125,8 @@ async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
     [
         (generate_request("hi", max_tokens=100_000), "maximum length"),
         (generate_request("hi", temperature=-1.0), "temperature"),
+        (generate_request("hi", temperature=1e-45), "temperature"),
+        (generate_request("hi", stop=["x" * 100_000]), "stop strings"),
         (generate_request("hi", top_p=1.5), "top_p"),
         (generate_request(""), "empty"),
         (api.GenerateRequest(model_name="minilm", prompt="hi"), "not a generation model"),
@@ -150,3 +155,53 @@ async def test_predict_on_a_generation_model_is_refused_at_the_gateway(stack: St
     assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "call Generate" in raised.value.details()
     assert total(scrape(stack.workers[0].metrics_port), names.WORKER_REQUESTS_TOTAL) == rows_before
+
+
+def _kserve_generate(
+    *tensors: tuple[str, bytes], raw: bool = True, drop_raw: int = 0
+) -> kserve.ModelInferRequest:
+    """A ModelStreamInfer request for tiny-llama with BYTES scalars (raw_input_contents, or
+    `contents` when `raw` is false); `drop_raw` leaves out that many trailing raw entries."""
+    request = kserve.ModelInferRequest(model_name="tiny-llama", id=f"r{len(tensors)}{drop_raw}")
+    for name, value in tensors:
+        tensor = request.inputs.add(name=name, datatype="BYTES", shape=[1])
+        if raw:
+            request.raw_input_contents.append(struct.pack("<I", len(value)) + value)
+        else:
+            tensor.contents.bytes_contents.append(value)
+    del request.raw_input_contents[len(request.raw_input_contents) - drop_raw :]
+    return request
+
+
+async def test_malformed_stream_requests_each_get_an_error_and_the_stream_ends(
+    stack: Stack,
+) -> None:
+    # Issue 16: errors other than the fabric's own killed the request's task without an answer,
+    # and ModelStreamInfer never ended.
+    prompt = ("text_input", b"hello")
+    cases = {
+        "short raw": _kserve_generate(prompt, ("sampling_parameters", b"{}"), drop_raw=1),
+        "1e999": _kserve_generate(prompt, ("sampling_parameters", b'{"max_tokens": 1e999}')),
+        "nested": _kserve_generate(prompt, ("sampling_parameters", b"[" * 5000 + b"]" * 5000)),
+        "duplicate": _kserve_generate(prompt, prompt),
+    }
+    for name, request in cases.items():
+        request.id = name
+    both = _kserve_generate(prompt)
+    both.inputs[0].contents.bytes_contents.append(b"hello")
+    both.id = "raw and contents"
+    requests = [*cases.values(), both]
+
+    async def send() -> AsyncIterator[kserve.ModelInferRequest]:
+        for request in requests:
+            yield request
+
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        responses = [r async for r in stub.ModelStreamInfer(send(), timeout=30)]
+    errors = {r.infer_response.id: r.error_message for r in responses}
+    assert set(errors) == {r.id for r in requests}
+    assert all(message.startswith("INVALID_ARGUMENT") for message in errors.values()), errors
+    assert "raw_input_contents" in errors["short raw"]
+    assert "given more than once" in errors["duplicate"]
+    assert "exclusive" in errors["raw and contents"]

@@ -1,5 +1,6 @@
-"""The batching driver on a fake clock, over a real TorchScript backend: what it measures and
-decides follows its clock, not the wall's, so stage times can be checked exactly."""
+"""The batching driver over a real TorchScript backend: on a fake clock (what it measures and
+decides follows its clock, not the wall's, so stage times can be checked exactly), and when its
+loop dies."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from services.common.model_repository import load_repository
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
+from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.metrics import total
 from tests.support.models import write_affine_model
@@ -119,3 +121,28 @@ async def test_draining_refuses_new_rows_and_finishes_queued_ones(harness: Harne
     with pytest.raises(Unavailable, match="draining"):
         await harness.submit(1, timeout_s=5)
     assert len(await queued) == 2
+
+
+async def test_a_dead_loop_fails_queued_rows_refuses_new_ones_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: a batching loop that died left the worker SERVING with every request hanging.
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    driver.warm_up()
+
+    def broken_poll(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("batcher invariant broken")
+
+    monkeypatch.setattr(Batcher, "poll", broken_poll)
+    fatal: list[Exception] = []
+    driver.start(on_fatal=fatal.append)
+    rows = backend.prepare_many([np.ones(4, dtype=np.float32)])
+    with pytest.raises(Unavailable, match="batching stopped here"):
+        await asyncio.wait_for(driver.submit(backend, rows, timeout_s=5, tenant="t"), 10)
+    assert [str(e) for e in fatal] == ["batcher invariant broken"]
+    with pytest.raises(Unavailable):
+        await driver.submit(backend, rows, timeout_s=5, tenant="t")
+    await driver.drain()

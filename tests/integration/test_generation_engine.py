@@ -13,11 +13,12 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import ExecutionFailed, InvalidInput, Overloaded
+from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.model_repository import load_repository
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.sampler import Sampler
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT
 from tests.support.waiting import eventually
@@ -296,3 +297,53 @@ async def test_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:
     assert 0 < len(received) < 20
     assert len(tokens) == 3
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_a_step_that_fails_to_sample_fails_its_streams_and_the_loop_goes_on(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: sampling raised outside the engine's error handling, the loop died and every
+    # stream of the model hung. The fault is injected into the real sampler, once.
+    backend, _ = make_backend(checkpoint)
+    backend.engine.start()
+    real_sample = Sampler.sample
+    calls = 0
+
+    def sample_failing_once(self: Sampler, *args: object, **kwargs: object) -> list[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise FloatingPointError("probabilities contain NaN")
+        return real_sample(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Sampler, "sample", sample_failing_once)
+    try:
+        with pytest.raises(ExecutionFailed, match="NaN"):
+            await collect(backend, PROMPTS[0], SamplingParams(max_tokens=4))
+        assert len(await collect(backend, PROMPTS[1], SamplingParams(max_tokens=4))) == 4
+    finally:
+        await backend.engine.drain()
+
+
+async def test_a_dead_loop_fails_its_streams_refuses_new_ones_and_says_so(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend, _ = make_backend(checkpoint)
+    fatal: list[Exception] = []
+    backend.engine.start(on_fatal=fatal.append)
+    stream = backend.engine.generate(
+        backend.encode(PROMPTS[2]), SamplingParams(max_tokens=60, ignore_eos=True)
+    )
+    await anext(stream)
+
+    def broken_schedule() -> None:
+        raise RuntimeError("scheduler invariant broken")
+
+    monkeypatch.setattr(backend.scheduler, "schedule", broken_schedule)
+    with pytest.raises(Unavailable, match="stopped"):
+        async for _ in stream:
+            pass
+    assert [str(e) for e in fatal] == ["scheduler invariant broken"]
+    with pytest.raises(Unavailable, match="retry on another worker"):
+        await collect(backend, PROMPTS[0], SamplingParams(max_tokens=2))
+    await backend.engine.drain()

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
 from services.common import metric_names as names
+from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -234,3 +235,26 @@ async def test_queue_wait_is_exported_at_zero_load_and_rises_with_load(worker: W
             *(stub.Infer(row_request(row(i, 1, 1, 1)), timeout=10) for i in range(5))
         )
     assert metric(worker, f"{names.WORKER_QUEUE_WAIT_SECONDS}_count", model="affine") == 5
+
+
+async def test_a_dead_batching_loop_turns_the_worker_not_serving(
+    worker: Worker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Issue 16: a worker whose loop died stayed SERVING, a black hole for its traffic.
+    def broken_poll(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("batcher invariant broken")
+
+    monkeypatch.setattr(Batcher, "poll", broken_poll)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+        address = f"127.0.0.1:{worker.port}"
+        for service in ("", "inference.v1.WorkerService"):
+            await eventually(lambda s=service: _not_serving(address, s), message=f"{service!r}")
+    assert str(worker.fatal_error) == "batcher invariant broken"
+
+
+async def _not_serving(address: str, service: str) -> bool:
+    return await health_status(address, service) == health_pb2.HealthCheckResponse.NOT_SERVING

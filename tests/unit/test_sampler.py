@@ -118,6 +118,13 @@ def test_make_generator_only_for_seeded_sampling() -> None:
         (SamplingParams(seed=2**63), 4, "seed"),
         (SamplingParams(stop_token_ids=(-3,)), 4, "stop_token_ids"),
         (SamplingParams(stop=("",)), 4, "stop"),
+        # Issue 16: a tiny positive temperature turned logits into inf/NaN and killed the
+        # engine loop; huge stop lists were scanned on every token.
+        (SamplingParams(temperature=1e-45), 4, "temperature"),
+        (SamplingParams(temperature=1e6), 4, "temperature"),
+        (SamplingParams(stop=("x" * 1_000_000,)), 4, "stop strings must be"),
+        (SamplingParams(stop=tuple(str(i) for i in range(17))), 4, "at most 16 stop"),
+        (SamplingParams(stop_token_ids=tuple(range(65))), 4, "stop_token_ids"),
     ],
 )
 def test_validate_rejects(params: SamplingParams, prompt_len: int, message: str) -> None:
@@ -126,6 +133,9 @@ def test_validate_rejects(params: SamplingParams, prompt_len: int, message: str)
 
 
 def test_validate_accepts_the_boundaries() -> None:
+    SamplingParams(temperature=0.01, stop=("s" * 256,) * 16, stop_token_ids=(1,) * 64).validate(
+        max_model_len=64, prompt_len=4
+    )
     SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=1.0, seed=2**63 - 1).validate(
         max_model_len=64, prompt_len=60
     )

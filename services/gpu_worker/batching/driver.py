@@ -2,9 +2,8 @@
 
 One `BatchingDriver` per device. It owns one executor thread (the event loop never blocks on
 compute), one `Batcher` + `LatencyModel` per loaded model version (a "lane"), and the futures
-of queued rows. Its loop is: ask each lane's batcher what to do, fail what expired, hand at most
-one batch to the executor, then sleep until the batcher's wake-up time or the next event.
-"""
+of queued rows. Its loop: ask each lane's batcher what to do, fail what expired, hand at most one
+batch to the executor, sleep until the batcher's wake-up time or the next event."""
 
 from __future__ import annotations
 
@@ -19,11 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.errors import (
-    DeadlineExceeded,
-    ExecutionFailed,
-    Unavailable,
-)
+from services.common.errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.admission import Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -91,6 +86,7 @@ class BatchingDriver:
         self._running_until_s: float | None = None
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
+        self._refusal = Unavailable("worker is draining")  # what a row gets once draining
 
     def _lane_for(self, backend: Backend) -> Lane:
         model = backend.config
@@ -142,8 +138,24 @@ class BatchingDriver:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="batcher")
+    def start(self, on_fatal: Callable[[Exception], None] | None = None) -> None:
+        """Runs the batching loop. Should it die (a bug; a failed batch fails its rows only),
+        queued rows fail UNAVAILABLE, new ones are refused, and `on_fatal` is told."""
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._supervised(on_fatal), name="batcher"
+        )
+
+    async def _supervised(self, on_fatal: Callable[[Exception], None] | None) -> None:
+        try:
+            await self._loop()
+        except Exception as error:
+            log.critical("batching loop died", exc_info=True)
+            self._refusal = Unavailable(f"batching stopped here ({error}); retry elsewhere")
+            self.begin_drain()
+            for lane in self._order:
+                lane.fail_pending(self._refusal)
+            if on_fatal is not None:
+                on_fatal(error)
 
     def begin_drain(self) -> None:
         """Stop admitting; queued rows are dispatched at once (close reason: drain)."""
@@ -199,7 +211,7 @@ class BatchingDriver:
         withdrawn."""
         lane = self._lanes[id(backend)]
         if self._draining:
-            raise Unavailable("worker is draining")
+            raise Unavailable(str(self._refusal))
         now = self._clock()
         model = backend.config
         deadline_s = now + model.timeout_s_for(timeout_s)

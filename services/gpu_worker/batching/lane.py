@@ -65,6 +65,12 @@ class Lane:
     def labels(self) -> tuple[str, str]:
         return (self.backend.config.name, self.backend.version.version)
 
+    def fail_pending(self, error: Exception) -> None:
+        """Fails every row still waiting for its output with `error`."""
+        for pending in self.pending.values():
+            if not pending.future.done():
+                pending.future.set_exception(error)
+
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""
         if self.row_cost_s is None:

@@ -110,13 +110,38 @@ class GenerationEngine:
         self._is_stepping = False
         self._is_draining = False
         self._loop_task: asyncio.Task[None] | None = None
+        #: Why the loop died, once it has: every later request is refused with it.
+        self._fatal: Exception | None = None
         self.num_steps = 0
         self._mean_step_s = 0.01
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> None:
-        self._loop_task = asyncio.get_running_loop().create_task(self._loop(), name="generation")
+    def start(self, on_fatal: Callable[[Exception], None] | None = None) -> None:
+        """Runs the step loop. Should the loop itself die (a bug, not a failed step), every
+        request fails with UNAVAILABLE, later ones are refused, and `on_fatal` is told (the
+        worker turns NOT_SERVING)."""
+        self._loop_task = asyncio.get_running_loop().create_task(
+            self._supervised(on_fatal), name="generation"
+        )
+
+    async def _supervised(self, on_fatal: Callable[[Exception], None] | None) -> None:
+        try:
+            await self._loop()
+        except Exception as error:
+            log.critical("generation loop of %s/%s died", *self._labels, exc_info=True)
+            self._fatal = error
+            for request in self._requests.values():
+                request.queue.put_nowait(self._stopped_error())
+            self._requests.clear()
+            if on_fatal is not None:
+                on_fatal(error)
+
+    def _stopped_error(self) -> Unavailable:
+        return Unavailable(
+            f"generation engine of {'/'.join(self._labels)} stopped: {self._fatal}; retry on"
+            " another worker"
+        )
 
     async def drain(self) -> None:
         """Stop admitting; running streams keep receiving tokens until they finish."""
@@ -157,6 +182,8 @@ class GenerationEngine:
         hint) instead of letting the caller time out."""
         if self._is_draining:
             raise Unavailable("worker is draining")
+        if self._fatal is not None:
+            raise self._stopped_error()
         try:
             params.validate(self.max_model_len, len(prompt_ids))
         except ValueError as error:
@@ -262,7 +289,13 @@ class GenerationEngine:
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
             self._metrics.step_seconds.labels(*self._labels).observe(step_s)
             self._metrics.step_tokens.labels(*self._labels).observe(output.num_batched_tokens)
-            self._finish_step(output.scheduled, logits)
+            try:
+                self._finish_step(output.scheduled, logits)
+            except Exception as error:
+                # Sampling or streaming failed for this step: its sequences end with an error
+                # status, the loop and every other sequence go on.
+                log.exception("generation step could not be finished")
+                self._fail(output.scheduled, error)
 
     def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
