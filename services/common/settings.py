@@ -83,9 +83,18 @@ class SettingsTable:
         return tuple(self.env_var(s) for s in self.settings)
 
 
-def listener_settings(*, grpc_port: int, metrics_port: int) -> tuple[Setting, ...]:
-    """The settings every tier has: listen address, ports, ready file."""
+def listener_settings(
+    *, grpc_port: int, metrics_port: int, drain_grace_s: float
+) -> tuple[Setting, ...]:
+    """The settings every tier has: listen address, ports, ready file, drain grace."""
     return (
+        Setting(
+            "drain_grace_s",
+            float,
+            drain_grace_s,
+            "time in-flight work may take to finish after SIGTERM",
+            "s",
+        ),
         Setting("host", str, "127.0.0.1", "interface the gRPC and metrics listeners bind"),
         Setting("grpc_port", int, grpc_port, "gRPC port; 0 picks a free one", "port"),
         Setting(

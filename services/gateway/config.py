@@ -101,15 +101,10 @@ SETTINGS = SettingsTable(
             "s",
             field="throttle.default_retry_after_s",
         ),
-        Setting(
-            "drain_grace_s",
-            float,
-            GatewayConfig.drain_grace_s,
-            "time in-flight calls may take to finish after SIGTERM",
-            "s",
-        ),
         *listener_settings(
-            grpc_port=GatewayConfig.grpc_port, metrics_port=GatewayConfig.metrics_port
+            grpc_port=GatewayConfig.grpc_port,
+            metrics_port=GatewayConfig.metrics_port,
+            drain_grace_s=GatewayConfig.drain_grace_s,
         ),
     ),
 )

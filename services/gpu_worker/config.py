@@ -169,13 +169,6 @@ SETTINGS = SettingsTable(
     settings=(
         Setting("model_repository", Path, Path("models"), "model repository directory"),
         Setting(
-            "drain_grace_s",
-            float,
-            WorkerConfig.drain_grace_s,
-            "time in-flight work may take to finish after SIGTERM",
-            "s",
-        ),
-        Setting(
             "torch_threads",
             int,
             WorkerConfig.torch_threads,
@@ -185,7 +178,9 @@ SETTINGS = SettingsTable(
         *_BATCHING,
         *_REGISTRY,
         *listener_settings(
-            grpc_port=WorkerConfig.grpc_port, metrics_port=WorkerConfig.metrics_port
+            grpc_port=WorkerConfig.grpc_port,
+            metrics_port=WorkerConfig.metrics_port,
+            drain_grace_s=WorkerConfig.drain_grace_s,
         ),
     ),
 )

@@ -9,7 +9,7 @@ sequences stepped by the backend's own engine).
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from services.common.errors import FingerprintMismatch
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
@@ -83,3 +83,18 @@ class ServedModel(abc.ABC):
         """This version's entry in the worker's registry heartbeat: what it serves and how
         loaded it is now. `batching` reports fixed-cost versions' load; generation versions
         report their engine's."""
+
+    def _record(self, *, is_ready: bool, max_batch_size: int, **load: Any) -> ModelRecord:
+        """The fields every kind's record shares, plus its own load fields."""
+        return ModelRecord(
+            name=self.config.name,
+            version=self.version.version,
+            fingerprint=self.fingerprint,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            kind=self.kind.value,
+            max_batch_size=max_batch_size,
+            slo_p99_ms=self.config.slo_p99_ms,
+            is_ready=is_ready,
+            shed_past_slo=self.config.shed_past_slo,
+            **load,
+        )

@@ -117,15 +117,10 @@ SETTINGS = SettingsTable(
             "workers",
             field="routing.power_of_two_threshold",
         ),
-        Setting(
-            "drain_grace_s",
-            float,
-            RouterConfig.drain_grace_s,
-            "time in-flight calls may take to finish after SIGTERM",
-            "s",
-        ),
         *listener_settings(
-            grpc_port=RouterConfig.grpc_port, metrics_port=RouterConfig.metrics_port
+            grpc_port=RouterConfig.grpc_port,
+            metrics_port=RouterConfig.metrics_port,
+            drain_grace_s=RouterConfig.drain_grace_s,
         ),
     ),
 )

@@ -4,14 +4,12 @@ grpc.aio server on port 0: statuses, retry hints, spans and cleanup of abandoned
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.errors import Overloaded
@@ -62,25 +60,6 @@ class Shapes:
     ) -> AsyncIterator[bytes]:
         async for request in requests:
             yield request + b" " + _is_traced()
-
-
-@pytest.fixture(scope="module")
-def span_exporter() -> InMemorySpanExporter:
-    """The process's tracer provider can be set only once: add an exporter to the one there."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
-@pytest.fixture
-def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    span_exporter.clear()
-    yield span_exporter
-    span_exporter.clear()
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
-from opentelemetry import trace
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
@@ -37,25 +35,6 @@ pytestmark = pytest.mark.integration
 
 PREDICT = "inference.v1.InferenceService/Predict"
 WORKER_INFER = "inference.v1.WorkerService/Infer"
-
-
-@pytest.fixture(scope="session")
-def span_exporter() -> InMemorySpanExporter:
-    """The process's tracer provider can be set only once: share one exporter per session."""
-    provider = trace.get_tracer_provider()
-    if not isinstance(provider, TracerProvider):
-        provider = TracerProvider()
-        trace.set_tracer_provider(provider)
-    exporter = InMemorySpanExporter()
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter
-
-
-@pytest.fixture
-def spans(span_exporter: InMemorySpanExporter) -> Iterator[InMemorySpanExporter]:
-    span_exporter.clear()
-    yield span_exporter
-    span_exporter.clear()
 
 
 @dataclass

@@ -81,19 +81,12 @@ class Backend(ServedModel):
 
     def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
         load = batching.load_report(self)
-        return ModelRecord(
-            name=self.config.name,
-            version=self.version.version,
-            fingerprint=self.fingerprint,
-            tokenizer_fingerprint=self.tokenizer_fingerprint,
-            kind=self.kind.value,
+        return self._record(
+            is_ready=is_ready,
             max_batch_size=self.config.max_batch_size,
-            slo_p99_ms=self.config.slo_p99_ms,
             per_row_s=load.per_row_s,
             min_batch_s=load.min_batch_s,
             queued_rows=load.queued_rows,
-            is_ready=is_ready,
-            shed_past_slo=self.config.shed_past_slo,
         )
 
     @abc.abstractmethod

@@ -106,21 +106,14 @@ class GenerationBackend(ServedModel):
 
     def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
         step_s = self.engine.mean_step_s
-        return ModelRecord(
-            name=self.config.name,
-            version=self.version.version,
-            fingerprint=self.fingerprint,
-            tokenizer_fingerprint=self.tokenizer_fingerprint,
-            kind=self.kind.value,
+        return self._record(
+            is_ready=is_ready,
             max_batch_size=self.settings.max_num_seqs,
-            slo_p99_ms=self.config.slo_p99_ms,
             # Prefill cost per prompt token, and one step as the floor of time to first token.
             per_row_s=step_s / self.settings.max_num_batched_tokens,
             min_batch_s=step_s,
             queued_rows=self.engine.num_waiting_tokens,
-            is_ready=is_ready,
             kv_blocks_free=self.engine.num_free_blocks,
             kv_block_size=self.settings.block_size,
             max_model_len=self.max_model_len,
-            shed_past_slo=self.config.shed_past_slo,
         )
