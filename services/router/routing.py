@@ -52,7 +52,7 @@ class RejectReason(enum.Enum):
     NO_WORKER = "no_worker"
     #: Predicted completion misses the remaining deadline (RESOURCE_EXHAUSTED + retry hint).
     DEADLINE = "deadline"
-    #: No worker in the snapshot advertises this name@version at all (NOT_FOUND).
+    #: No worker has advertised this name@version since the router started (NOT_FOUND).
     UNKNOWN_MODEL = "unknown_model"
 
 
@@ -108,10 +108,19 @@ class RouteTable:
         # reservation_id -> (worker_id, "name@version", rows).
         self._reservations: dict[int, tuple[str, str, int]] = {}
         self._next_reservation_id = itertools.count(1)
+        # Every "name@version" some worker has served since start: one no worker serves now
+        # is UNAVAILABLE (it may come back), never NOT_FOUND (permanent to clients).
+        self._ever_served: set[str] = set()
 
     def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> None:
-        """Replace the snapshot with `records`, each paired with its heartbeat time (seconds)."""
-        self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
+        """Replace the snapshot with `records`, each paired with its heartbeat time (seconds).
+
+        An empty read never replaces a non-empty snapshot: a restarted, empty Redis refills
+        within one heartbeat period, and until then the last workers stay routable for as long
+        as their heartbeats would have stayed fresh (`stale_after_s`), then time out as dead."""
+        if records or not self._workers:
+            self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
+        self._ever_served.update(m.key for worker, _ in records for m in worker.models)
         self._refreshed_at_s = now_s
         self._ejected_until_s = {w: t for w, t in self._ejected_until_s.items() if t > now_s}
 
@@ -143,7 +152,7 @@ class RouteTable:
             name, version, num_rows, now_s, refreshed_at_s, exclude
         )
         if not candidates:
-            if not is_known:
+            if not is_known and key not in self._ever_served:
                 return Reject(RejectReason.UNKNOWN_MODEL, 0.0, f"no worker serves {key}")
             message = f"no ready worker for {key}"
             return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)

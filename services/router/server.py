@@ -100,8 +100,18 @@ async def create_router(config: RouterConfig) -> Router:
         server, (SERVICE_NAME, REGISTRY_HEALTH_NAME), status=SERVING
     )
 
+    # Not ready before the first registry read: an empty route table would refuse every call.
+    # Overall ("", liveness) stays SERVING; after the first read, Redis outages flip only the
+    # registry name, as routing goes on from the last snapshot.
+    await health_servicer.set(SERVICE_NAME, NOT_SERVING)
+    has_read = False
+
     async def on_degraded_change(is_degraded: bool) -> None:
+        nonlocal has_read
         await health_servicer.set(REGISTRY_HEALTH_NAME, NOT_SERVING if is_degraded else SERVING)
+        if not is_degraded and not has_read:
+            has_read = True
+            await health_servicer.set(SERVICE_NAME, SERVING)
 
     sync = RegistrySync(
         connect(config.redis_url),

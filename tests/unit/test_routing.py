@@ -523,3 +523,23 @@ def test_generation_prefers_a_worker_whose_free_kv_blocks_hold_the_prompt() -> N
     # A prompt both can hold goes to the idle one.
     route = table.route(*MODEL, num_rows=10, remaining_s=10.0, now_s=0.0)
     assert isinstance(route, Route) and route.worker_id == "w1"
+
+
+def test_an_empty_read_keeps_the_last_workers_until_their_heartbeats_would_be_stale() -> None:
+    # Issue 16: a restarted, empty Redis wiped routing at once and clients got NOT_FOUND.
+    table = loaded(make_table(stale_after_s=3.0), make_worker(), now_s=10.0)
+    table.update([], now_s=11.0)  # Redis restarted empty; the worker re-registers within 1 s
+    assert isinstance(route(table, now_s=11.0), Route)
+    table.update([], now_s=14.0)  # still empty past stale_after_s: the worker is taken as dead
+    assert rejected(route(table, now_s=14.0)) is RejectReason.NO_WORKER
+    loaded(table, make_worker(worker_id="w2"), now_s=15.0)  # a non-empty read replaces it
+    chosen = route(table, now_s=15.0)
+    assert isinstance(chosen, Route) and chosen.worker_id == "w2"
+
+
+def test_a_model_once_served_is_never_unknown_again() -> None:
+    table = loaded(make_table(), make_worker(models=(MODEL, ("other", "1"))), now_s=0.0)
+    loaded(table, make_worker(worker_id="w2"), now_s=1.0)  # "other" is served nowhere now
+    # It may come back (a worker restarting): UNAVAILABLE, not a permanent NOT_FOUND.
+    assert rejected(route(table, name="other", now_s=1.0)) is RejectReason.NO_WORKER
+    assert rejected(route(table, name="never", now_s=1.0)) is RejectReason.UNKNOWN_MODEL
