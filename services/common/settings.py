@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 C = TypeVar("C")
 
@@ -83,10 +83,11 @@ class SettingsTable:
         return tuple(self.env_var(s) for s in self.settings)
 
 
-def listener_settings(
-    *, grpc_port: int, metrics_port: int, drain_grace_s: float
-) -> tuple[Setting, ...]:
-    """The settings every tier has: listen address, ports, ready file, drain grace."""
+def listener_settings(defaults: Any) -> tuple[Setting, ...]:
+    """The settings every tier has: listen address, ports, ready file, drain grace; defaults
+    read from the tier's config class (its `grpc_port`, `metrics_port`, `drain_grace_s`)."""
+    grpc_port, metrics_port = defaults.grpc_port, defaults.metrics_port
+    drain_grace_s = defaults.drain_grace_s
     return (
         Setting(
             "drain_grace_s",
@@ -231,3 +232,18 @@ def read_config(
         return build(values)
     except ValueError as error:
         parser.error(str(error))
+
+
+@dataclass(frozen=True)
+class ConfigParser(Generic[C]):
+    """A tier's `parse_config`: its table and how its config is built from the values."""
+
+    table: SettingsTable
+    build: Callable[[Mapping[str, Any]], C]
+
+    def __call__(
+        self, argv: list[str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> C:
+        """The config from `argv` (None: sys.argv) and `environ` (None: os.environ); a bad
+        setting exits with status 2."""
+        return read_config(self.table, self.build, argv, environ)

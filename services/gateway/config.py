@@ -3,16 +3,15 @@ it once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.settings import (
+    ConfigParser,
     Setting,
     SettingsTable,
     config_builder,
     listener_settings,
-    read_config,
 )
 from services.gateway.throttle import ThrottleConfig
 
@@ -101,11 +100,7 @@ SETTINGS = SettingsTable(
             "s",
             field="throttle.default_retry_after_s",
         ),
-        *listener_settings(
-            grpc_port=GatewayConfig.grpc_port,
-            metrics_port=GatewayConfig.metrics_port,
-            drain_grace_s=GatewayConfig.drain_grace_s,
-        ),
+        *listener_settings(GatewayConfig),
     ),
 )
 
@@ -113,10 +108,5 @@ SETTINGS = SettingsTable(
 #: The config from the values `SETTINGS` parsed (by setting name).
 config_from_settings = config_builder(GatewayConfig, SETTINGS)
 
-
-def parse_config(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
-) -> GatewayConfig:
-    """The gateway's config from `argv` (None: sys.argv) and `environ` (None: os.environ); a
-    bad setting exits with status 2."""
-    return read_config(SETTINGS, config_from_settings, argv, environ)
+#: The gateway's config from argv and the environment (see ConfigParser).
+parse_config = ConfigParser(SETTINGS, config_from_settings)

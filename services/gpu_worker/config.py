@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from services.common.settings import (
+    ConfigParser,
     Setting,
     SettingsTable,
     config_builder,
     listener_settings,
     parse_weights,
-    read_config,
 )
 from services.gpu_worker.batching.driver import DriverConfig
 
@@ -177,11 +177,7 @@ SETTINGS = SettingsTable(
         ),
         *_BATCHING,
         *_REGISTRY,
-        *listener_settings(
-            grpc_port=WorkerConfig.grpc_port,
-            metrics_port=WorkerConfig.metrics_port,
-            drain_grace_s=WorkerConfig.drain_grace_s,
-        ),
+        *listener_settings(WorkerConfig),
     ),
 )
 
@@ -198,9 +194,5 @@ def config_from_settings(values: Mapping[str, Any]) -> WorkerConfig:
     return dataclasses.replace(config, worker_id=f"{socket.gethostname()}-{os.getpid()}")
 
 
-def parse_config(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
-) -> WorkerConfig:
-    """The worker's config from `argv` (None: sys.argv) and `environ` (None: os.environ); a
-    bad setting exits with status 2."""
-    return read_config(SETTINGS, config_from_settings, argv, environ)
+#: The worker's config from argv and the environment (see ConfigParser).
+parse_config = ConfigParser(SETTINGS, config_from_settings)

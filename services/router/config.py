@@ -3,16 +3,15 @@ it once."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.settings import (
+    ConfigParser,
     Setting,
     SettingsTable,
     config_builder,
     listener_settings,
-    read_config,
 )
 from services.router.routing import RoutingConfig
 
@@ -117,11 +116,7 @@ SETTINGS = SettingsTable(
             "workers",
             field="routing.power_of_two_threshold",
         ),
-        *listener_settings(
-            grpc_port=RouterConfig.grpc_port,
-            metrics_port=RouterConfig.metrics_port,
-            drain_grace_s=RouterConfig.drain_grace_s,
-        ),
+        *listener_settings(RouterConfig),
     ),
 )
 
@@ -129,10 +124,5 @@ SETTINGS = SettingsTable(
 #: The config from the values `SETTINGS` parsed (by setting name).
 config_from_settings = config_builder(RouterConfig, SETTINGS)
 
-
-def parse_config(
-    argv: list[str] | None = None, environ: Mapping[str, str] | None = None
-) -> RouterConfig:
-    """The router's config from `argv` (None: sys.argv) and `environ` (None: os.environ); a
-    bad setting exits with status 2."""
-    return read_config(SETTINGS, config_from_settings, argv, environ)
+#: The router's config from argv and the environment (see ConfigParser).
+parse_config = ConfigParser(SETTINGS, config_from_settings)
