@@ -4,6 +4,7 @@ ready file."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import logging
 import signal
@@ -95,3 +96,11 @@ def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int) -> No
 
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+
+
+def freeze_startup_heap() -> None:
+    """Moves everything built at start-up (models, tokenizers, protobuf and grpc modules) out of
+    the collector's view: it lives as long as the process, and a full collection would
+    otherwise walk it while requests wait (tens of ms per collection, as latency spikes)."""
+    gc.collect()
+    gc.freeze()

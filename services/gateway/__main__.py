@@ -7,6 +7,7 @@ import logging
 
 from services.common.lifecycle import (
     configure_logging,
+    freeze_startup_heap,
     start_metrics,
     stop_event,
     write_ready_file,
@@ -20,6 +21,7 @@ log = logging.getLogger("services.gateway")
 
 async def serve(config: GatewayConfig) -> int:
     gateway = await create_gateway(config)
+    freeze_startup_heap()
     stopping = stop_event()
     metrics_port = start_metrics(config.metrics_port, config.host, gateway.metrics.registry)
     refresh = asyncio.create_task(gateway.refresh_catalog(), name="catalog")

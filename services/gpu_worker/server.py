@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -19,6 +18,7 @@ from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
     add_health_and_reflection,
+    freeze_startup_heap,
     new_server,
     set_serving,
 )
@@ -223,11 +223,7 @@ class Worker:
             return models, batching
 
         models, batching = await _in_daemon_thread(load_and_warm)
-        # Everything loaded so far (weights, tokenizers, the torch runtime) lives as long as
-        # the process: out of the collector's view, a full collection no longer walks it
-        # while requests wait (tens of ms per collection otherwise, as latency spikes).
-        gc.collect()
-        gc.freeze()
+        freeze_startup_heap()
         self.batching = batching
         self.models = models
         batching.start(on_fatal=self._on_fatal)

@@ -7,6 +7,7 @@ import logging
 
 from services.common.lifecycle import (
     configure_logging,
+    freeze_startup_heap,
     start_metrics,
     stop_event,
     write_ready_file,
@@ -20,6 +21,7 @@ log = logging.getLogger("services.router")
 
 async def serve(config: RouterConfig) -> int:
     router = await create_router(config)
+    freeze_startup_heap()
     stopping = stop_event()
     metrics_port = start_metrics(config.metrics_port, config.host, router.metrics.registry)
     sync_task = asyncio.create_task(router.sync.run(), name="registry-sync")
