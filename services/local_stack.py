@@ -3,6 +3,11 @@
 Each tier runs as its own child process, as in production. The launcher owns them: it starts them
 in dependency order (redis → router → workers → gateway), waits until each is ready, and stops
 them front to back (gateway first, so no new request enters while the tiers behind it drain).
+
+Redis runs with the fabric's ACL (services.common.redis_acl) and new random passwords on every
+start, kept in `<state-dir>/redis-acl/`: the router and the workers get their role's password
+file (`--redis-password-file`, never the password itself on a command line); `admin-password`
+there is for you (`redis-cli --user admin --pass "$(cat .../admin-password)"`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,14 @@ from services.common.processes import (
     request_stop,
     wait_or_kill,
     wait_ready,
+)
+from services.common.redis_acl import (
+    ADMIN,
+    ROUTER,
+    WORKER,
+    new_passwords,
+    password_file_name,
+    write_acl_files,
 )
 from services.common.redis_server import find_free_port, ping, redis_command
 
@@ -66,6 +79,14 @@ class StackConfig:
     @property
     def redis_url(self) -> str:
         return f"redis://{HOST}:{self.redis_port}/0"
+
+    @property
+    def redis_acl_dir(self) -> Path:
+        """The ACL file and each role's password file (services.common.redis_acl)."""
+        return self.state_dir / "redis-acl"
+
+    def redis_password_file(self, role: str) -> str:
+        return str(self.redis_acl_dir / password_file_name(role))
 
     def ports(self, grpc_port: int) -> tuple[str, str]:
         """(gRPC, metrics) ports as arguments: the default pair, or (0, 0) when ephemeral."""
@@ -220,18 +241,24 @@ def start(config: StackConfig, children: list[Child]) -> None:
     (so that the caller can stop whatever was started if a later tier fails)."""
     redis_dir = config.state_dir / "redis"
     redis_dir.mkdir(exist_ok=True)
+    passwords = new_passwords()
+    acl_file = write_acl_files(config.redis_acl_dir, passwords)
     try:
-        redis_argv = redis_command(config.redis_port, appendonly=False, dir=redis_dir)
+        redis_argv = redis_command(
+            config.redis_port, appendonly=False, dir=redis_dir, acl_file=acl_file
+        )
     except FileNotFoundError as error:
         raise StackError(str(error)) from None
     children.append(spawn(config, "redis", "redis", redis_argv, has_ready=False))
-    wait_tiers(config, children[-1:], children)
+    admin = (ADMIN, passwords[ADMIN])
+    wait_tiers(config, children[-1:], children, lambda c: ping(c.ports["port"], auth=admin))
 
     python = [sys.executable, "-m"]
     grpc_port, metrics_port = config.ports(8101)
     router_argv = [*python, "services.router", "--host", HOST,
                    "--grpc-port", grpc_port, "--metrics-port", metrics_port,
-                   "--redis-url", config.redis_url]  # fmt: skip
+                   "--redis-url", config.redis_url,
+                   "--redis-password-file", config.redis_password_file(ROUTER)]  # fmt: skip
     router = spawn(config, "router", "router", router_argv, has_ready=True)
     children.append(router)
     wait_tiers(config, [router], children)
@@ -244,6 +271,7 @@ def start(config: StackConfig, children: list[Child]) -> None:
                        "--grpc-port", grpc_port, "--metrics-port", metrics_port,
                        "--model-repository", str(config.model_repository),
                        "--redis-url", config.redis_url, "--worker-id", f"worker-{i}",
+                       "--redis-password-file", config.redis_password_file(WORKER),
                        *config.extra_worker_args]  # fmt: skip
         workers.append(spawn(config, f"worker-{i}", "worker", worker_argv, has_ready=True))
         children.append(workers[-1])
@@ -255,7 +283,10 @@ def start(config: StackConfig, children: list[Child]) -> None:
     gateway_argv = [*python, "services.gateway", "--host", HOST,
                     "--grpc-port", grpc_port, "--metrics-port", metrics_port,
                     "--router-address", f"{HOST}:{router.ports['grpc_port']}",
-                    "--model-repository", str(config.model_repository)]  # fmt: skip
+                    "--model-repository", str(config.model_repository),
+                    # A local development stack: no API keys, said out loud (fail-closed
+                    # otherwise; see services/gateway/config.py).
+                    "--allow-unauthenticated"]  # fmt: skip
     children.append(spawn(config, "gateway", "gateway", gateway_argv, has_ready=True))
     wait_tiers(config, children[-1:], children)
 
@@ -271,7 +302,7 @@ def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
             for c in children
             if c.tier == "worker"
         ],
-        "redis": by_tier["redis"],
+        "redis": {**by_tier["redis"], "acl_dir": str(config.redis_acl_dir)},
         "state_dir": str(config.state_dir),
     }
 
@@ -285,7 +316,8 @@ def announce(config: StackConfig, children: list[Child]) -> None:
     lines = ["", "inference-fabric is up on loopback:"]
     for c in children:
         if c.tier == "redis":
-            lines.append(f"  {c.name:<10} {config.redis_url:<28} pid {c.process.pid}")
+            admin = f"user admin, password in {config.redis_password_file(ADMIN)}"
+            lines.append(f"  {c.name:<10} {config.redis_url:<28} pid {c.process.pid:<8} {admin}")
         else:
             address = f"{HOST}:{c.ports['grpc_port']}"
             metrics = f"http://{HOST}:{c.ports['metrics_port']}/metrics"

@@ -11,6 +11,10 @@ import grpc
 
 #: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
 RETRY_AFTER_MS_KEY = "retry-after-ms"
+#: Trailing-metadata entry marking a call refused before it started (a draining server, a
+#: closing stream): nothing ran, so the caller may send it to another server. One hop only:
+#: a tier never passes its peer's mark on to its own caller.
+NOT_STARTED_TRAILER = ("x-fabric-retry", "not-started")
 
 
 class ServingError(Exception):
@@ -64,9 +68,17 @@ class DeadlineExceeded(ServingError):
 
 
 class Unavailable(ServingError):
-    """Not ready, draining or no healthy backend; safe to retry elsewhere."""
+    """Not ready, draining or no healthy backend; safe to retry elsewhere.
+    `is_not_started`: the call was refused before any work (sends NOT_STARTED_TRAILER)."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, *, is_not_started: bool = False) -> None:
+        super().__init__(message)
+        self.is_not_started = is_not_started
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return (NOT_STARTED_TRAILER,) if self.is_not_started else ()
 
 
 class ExecutionFailed(ServingError):
@@ -76,17 +88,26 @@ class ExecutionFailed(ServingError):
 
 
 class UpstreamError(ServingError):
-    """A downstream tier's status, passed through to our caller unchanged (retry hint kept)."""
+    """A downstream tier's status, passed through to our caller unchanged (retry hint kept).
+
+    `is_not_started`: the downstream call provably ran nothing (refused with
+    NOT_STARTED_TRAILER, or never sent), so sending it elsewhere cannot run it twice. The mark
+    is not passed on: our own caller cannot know what else this tier tried."""
 
     def __init__(
         self,
         code: grpc.StatusCode,
         message: str,
         trailers: tuple[tuple[str, str], ...] = (),
+        *,
+        is_not_started: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
         self._trailers = tuple((k, v) for k, v in trailers if k == RETRY_AFTER_MS_KEY)
+        self.is_not_started = code == grpc.StatusCode.UNAVAILABLE and (
+            is_not_started or NOT_STARTED_TRAILER in trailers
+        )
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return self._trailers

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
-from services.common.errors import ServingError
+from services.common.errors import InvalidInput, ServingError
 from services.common.interceptors import Step, no_step, wrap_handler
 
 log = logging.getLogger(__name__)
@@ -67,7 +69,75 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method
-        return wrap_handler(handler, lambda context: _answering_errors(method, context))
+        return wrap_handler(
+            _parsing_in_handler(handler), lambda context: _answering_errors(method, context)
+        )
+
+
+class _Undecodable:
+    """A request body that did not parse. grpc parses bodies before any interceptor runs and
+    answers a parse error UNKNOWN; parsed leniently, the failure reaches the handler instead,
+    which raises InvalidInput on meeting it (INVALID_ARGUMENT, like every other bad input)."""
+
+
+_UNDECODABLE = _Undecodable()
+
+_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
+
+
+def _parsing_in_handler(
+    handler: grpc.RpcMethodHandler[Any, Any],
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """`handler` whose requests are parsed leniently and checked inside its behaviour."""
+    parse = handler.request_deserializer
+    if parse is None:
+        return handler
+
+    def lenient(raw: bytes) -> Any:
+        try:
+            return parse(raw)
+        except DecodeError:
+            return _UNDECODABLE
+
+    behaviour: Callable[..., Any] | None = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    if behaviour is None:
+        return handler  # wrap_handler refuses it
+    check: Callable[[Any], Any] = _parsed_each if handler.request_streaming else _parsed
+
+    def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        # Raises (at call time) inside the error-mapping wrapper that wrap_handler adds.
+        return behaviour(check(request), context)
+
+    if inspect.iscoroutinefunction(behaviour):
+        # Keeps a coroutine handler one (wrap_handler tells a streaming handler that writes
+        # with context.write from an async generator by that).
+        async def checked_coroutine(
+            request: Any, context: grpc.aio.ServicerContext[Any, Any]
+        ) -> Any:
+            return await behaviour(check(request), context)
+
+        checked = checked_coroutine
+
+    factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    return factory(checked, lenient, handler.response_serializer)
+
+
+def _parsed(request: Any) -> Any:
+    if request is _UNDECODABLE:
+        raise InvalidInput("request body does not parse as the method's request message")
+    return request
+
+
+async def _parsed_each(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _parsed(request)
 
 
 @contextlib.asynccontextmanager

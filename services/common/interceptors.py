@@ -11,6 +11,7 @@ another context, where a context token held over a yield could not be detached.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import Any
@@ -60,9 +61,13 @@ def _unary_response(behaviour: Callable[..., Any], around: Around) -> Callable[.
     return wrapped
 
 
-def _streaming_response(
-    behaviour: Callable[..., Any], around: Around
-) -> Callable[..., AsyncIterator[Any]]:
+def _streaming_response(behaviour: Callable[..., Any], around: Around) -> Callable[..., Any]:
+    """A streaming handler is an async generator, or a coroutine that sends its messages with
+    `context.write` (grpcio's own health Watch): the latter is wrapped as a whole, like a
+    unary-response handler, in the style grpc expects of it."""
+    if inspect.iscoroutinefunction(behaviour):
+        return _unary_response(behaviour, around)
+
     async def wrapped(
         request_or_iterator: Any, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Any]:

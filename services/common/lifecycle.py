@@ -10,6 +10,7 @@ import logging
 import signal
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,10 +18,14 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.grpc_errors import ErrorMappingInterceptor
+from services.common.settings import Setting
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-#: Larger than any valid request; an oversized message gets RESOURCE_EXHAUSTED from grpc.
+#: Largest message between tiers (the internal tiers' default receive cap, and what internal
+#: clients accept): routers and workers carry whole batches and multiplexed streams. The public
+#: gateway receives far less (its own `max_message_bytes`). An oversized message gets
+#: RESOURCE_EXHAUSTED from grpc before any handler runs.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 #: Let clients' keepalive pings through however quiet a stream is (gRPC's defaults treat a ping
 #: more often than every 5 min without data as abuse and close the connection). Tiers keep
@@ -32,16 +37,59 @@ PING_TOLERANCE = (
 )
 
 
+def limit_settings(defaults: Any) -> tuple[Setting, ...]:
+    """The server limits every tier has, defaults read from the tier's config class (its
+    `max_message_bytes` and `max_concurrent_rpcs`)."""
+    return (
+        Setting(
+            "max_message_bytes",
+            int,
+            defaults.max_message_bytes,
+            "largest request message the gRPC server receives; larger ones get "
+            "RESOURCE_EXHAUSTED before any parsing",
+            "bytes",
+        ),
+        Setting(
+            "max_concurrent_rpcs",
+            int,
+            defaults.max_concurrent_rpcs,
+            "most calls (streams included) served at once; past it a call gets "
+            "RESOURCE_EXHAUSTED; 0 means no limit",
+            "calls",
+        ),
+    )
+
+
+def check_limits(max_message_bytes: int, max_concurrent_rpcs: int) -> None:
+    """ValueError unless the limits are usable (a config's validation calls this)."""
+    if max_message_bytes < 1024:
+        raise ValueError(f"max_message_bytes must be at least 1024, got {max_message_bytes}")
+    if max_concurrent_rpcs < 0:
+        raise ValueError(
+            f"max_concurrent_rpcs must be >= 0 (0: no limit), got {max_concurrent_rpcs}"
+        )
+
+
 def new_server(
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (), *, is_internal: bool = False
+    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    *,
+    is_internal: bool = False,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int = 0,
 ) -> grpc.aio.Server:
     """A grpc.aio server. Error mapping is the outermost interceptor, so errors raised by the
     others (authentication) are mapped too. Internal servers (router, worker) also allow the
-    keepalive pings of their callers' streams."""
+    keepalive pings of their callers' streams.
+
+    Limits apply before any handler, interceptor or parser sees the call: a message over
+    `max_message_bytes` and a call past `max_concurrent_rpcs` at once (0: no limit; a stream
+    counts as one call for its whole life) are answered RESOURCE_EXHAUSTED by grpc itself."""
+    check_limits(max_message_bytes, max_concurrent_rpcs)
     return grpc.aio.server(
         interceptors=[ErrorMappingInterceptor(), *interceptors],
+        maximum_concurrent_rpcs=max_concurrent_rpcs or None,
         options=[
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             # Bounded connection age so clients re-resolve and new replicas get traffic.
             ("grpc.max_connection_age_ms", 300_000),

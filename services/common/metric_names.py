@@ -21,6 +21,7 @@ GATEWAY_TOKENIZE_SECONDS = "inference_gateway_tokenize_seconds"
 GATEWAY_REQUEST_SECONDS = "inference_gateway_request_seconds"
 GATEWAY_THROTTLED_TOTAL = "inference_gateway_throttled_total"
 GATEWAY_THROTTLE_PROBABILITY = "inference_gateway_throttle_probability"
+GATEWAY_ROUTER_RETRIES_TOTAL = "inference_gateway_router_retries_total"
 
 # Router.
 ROUTER_ROUTED_TOTAL = "inference_router_routed_total"
@@ -32,6 +33,8 @@ ROUTER_REQUEST_SECONDS = "inference_router_request_seconds"
 ROUTER_REGISTRY_DEGRADED = "inference_router_registry_degraded"
 ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS = "inference_router_registry_snapshot_age_seconds"
 ROUTER_LIVE_WORKERS = "inference_router_live_workers"
+ROUTER_REJECTED_WORKER_RECORDS_TOTAL = "inference_router_rejected_worker_records_total"
+ROUTER_EJECTIONS_TOTAL = "inference_router_ejections_total"
 
 # GPU worker: requests, batching and per-row stages.
 WORKER_REQUESTS_TOTAL = "inference_worker_requests_total"
@@ -54,6 +57,8 @@ WORKER_MAX_WAIT_SECONDS = "inference_worker_max_wait_seconds"
 WORKER_MAX_BATCH_SIZE = "inference_worker_max_batch_size"
 WORKER_LATENCY_SLOWDOWN = "inference_worker_latency_slowdown"
 WORKER_QUEUE_DEPTH = "inference_worker_queue_depth"
+WORKER_WATCHDOG_EXPIRED_TOTAL = "inference_worker_watchdog_expired_total"
+WORKER_MODEL_LOAD_FAILURES_TOTAL = "inference_worker_model_load_failures_total"
 
 # GPU worker: generation (continuous batching).
 GENERATION_TTFT_SECONDS = "inference_generation_time_to_first_token_seconds"

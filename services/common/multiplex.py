@@ -96,12 +96,17 @@ class _Stream:
         self.broken: str | None = None
         self.tasks: list[asyncio.Task[None]] = []
 
-    def fail_all(self, reason: str) -> None:
+    def fail_all(self, reason: str, *, is_not_started: bool = False) -> None:
+        """Fails every call waiting; `is_not_started`: the peer provably ran none of them."""
         self.broken = reason
         for future in self.pending.values():
             if not future.done():
                 future.set_exception(
-                    UpstreamError(grpc.StatusCode.UNAVAILABLE, f"{self.name}: {reason}")
+                    UpstreamError(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"{self.name}: {reason}",
+                        is_not_started=is_not_started,
+                    )
                 )
         self.pending.clear()
         self.wake.set()
@@ -165,7 +170,10 @@ class MultiplexClient:
         if result.code == 0:
             return result.response
         code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-        raise UpstreamError(code, result.message, tuple(result.trailers.items()))
+        error = UpstreamError(code, result.message, tuple(result.trailers.items()))
+        if error.is_not_started:
+            self._retire(stream)  # the peer is closing it: the next call opens a new one
+        raise error
 
     async def close(self) -> None:
         streams, self._streams, self._stream = self._streams, [], None
@@ -180,6 +188,12 @@ class MultiplexClient:
         if stream.pending.pop(call_id, None) is not None and stream.broken is None:
             stream.cancelled.append(call_id)
             stream.wake.set()
+
+    def _retire(self, stream: _Stream) -> None:
+        if self._stream is stream:
+            self._stream = None
+        stream.is_retiring = True
+        stream.wake.set()
 
     def _current_stream(self) -> _Stream:
         loop = asyncio.get_running_loop()
@@ -224,12 +238,18 @@ class MultiplexClient:
                     return
         except asyncio.CancelledError:
             raise
-        except Exception as error:  # the stream broke under us
-            stream.fail_all(f"stream write failed: {_describe(error)}")
+        except Exception as error:  # the stream broke under us, or ended (see _read)
+            is_not_started = _never_sent(error) or await _ended_cleanly(stream.call)
+            stream.fail_all(
+                f"stream write failed: {_describe(error)}", is_not_started=is_not_started
+            )
             stream.call.cancel()
 
     async def _read(self, stream: _Stream) -> None:
-        reason = "stream ended"
+        # A stream that ends cleanly has answered every call the peer read (MultiplexServer's
+        # contract), so the calls still waiting were never read there; nor were those of a
+        # stream that never found a connection.
+        reason, is_not_started = "stream ended", True
         try:
             while True:
                 message = await stream.call.read()
@@ -245,9 +265,38 @@ class MultiplexClient:
             stream.fail_all("stream cancelled")
             raise
         except Exception as error:
-            reason = f"stream failed: {_describe(error)}"
-        stream.fail_all(reason)
+            reason, is_not_started = f"stream failed: {_describe(error)}", _never_sent(error)
+        stream.fail_all(reason, is_not_started=is_not_started)
         stream.call.cancel()  # no-op once finished; frees a stream that only half-failed
+
+
+#: How grpc fails a call that found no connection to send it on (pick_first, round_robin).
+_NO_CONNECTION = ("failed to connect to all addresses", "connections to all backends failing")
+
+
+#: How long a failed write waits for the stream's status (see _ended_cleanly).
+_STATUS_WAIT_S = 1.0
+
+
+def _never_sent(error: BaseException) -> bool:
+    """True when the stream failed before reaching any peer: nothing on it ran anywhere."""
+    return (
+        isinstance(error, grpc.aio.AioRpcError)
+        and error.code() == grpc.StatusCode.UNAVAILABLE
+        and (error.details() or "").startswith(_NO_CONNECTION)
+    )
+
+
+async def _ended_cleanly(
+    call: grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse],
+) -> bool:
+    """Whether the peer ended the stream OK (so it answered every call it read). A write fails
+    when the peer has just ended the stream, a moment before its status reaches us: wait for
+    the status briefly rather than take a stream still closing for a broken one."""
+    try:
+        return await asyncio.wait_for(call.code(), timeout=_STATUS_WAIT_S) == grpc.StatusCode.OK
+    except TimeoutError:
+        return False
 
 
 def _describe(error: BaseException) -> str:

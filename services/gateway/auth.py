@@ -7,14 +7,19 @@ Keys file (TOML)::
     tenant = "search"
     sha256 = "<hex digest of the key>"    # python -m services.gateway.auth hash <key>
     models = ["minilm"]                   # optional: the models this key may use (default all)
+
+The file is re-read when it changes (checked every KEYS_POLL_PERIOD_S); a version that does not
+parse keeps the keys in force.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import hashlib
 import hmac
+import logging
 import sys
 import tomllib
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -24,11 +29,15 @@ from typing import Any
 
 import grpc
 
-from services.common.errors import PermissionDenied, Unauthenticated
+from services.common.errors import PermissionDenied, ServingError, Unauthenticated
 from services.common.interceptors import Step, no_step, wrap_handler
 
-#: Tenant of local mode (no keys configured).
+log = logging.getLogger(__name__)
+
+#: Tenant of local mode (no keys file, started with --allow-unauthenticated).
 LOCAL_TENANT = "local"
+#: How often the keys file is checked for changes, seconds.
+KEYS_POLL_PERIOD_S = 1.0
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
@@ -57,23 +66,43 @@ def hash_key(key: str) -> str:
 
 
 class KeyStore:
-    def __init__(self, entries: Mapping[str, Principal]) -> None:
-        #: sha256 hex -> principal
+    """The known keys: fixed, or read from a keys file and re-read when it changes
+    (`reload_if_changed`, polled by `watch`)."""
+
+    def __init__(self, entries: Mapping[str, Principal], path: Path | None = None) -> None:
+        #: sha256 hex -> principal; replaced whole on reload, never mutated.
         self._entries = dict(entries)
+        self._path = path
+        self._stamp = _stamp(path) if path is not None else None
 
     @classmethod
     def from_file(cls, path: Path) -> KeyStore:
-        raw = tomllib.loads(path.read_text())
-        entries = {}
-        for entry in raw.get("keys", []):
-            digest, tenant = entry.get("sha256", ""), entry.get("tenant", "")
-            if len(digest) != 64 or not tenant:
-                raise ValueError(f"{path}: every [[keys]] needs tenant and a sha256 hex digest")
-            models = entry.get("models")
-            entries[digest.lower()] = Principal(tenant, frozenset(models) if models else None)
-        if not entries:
-            raise ValueError(f"{path}: no [[keys]] entries")
-        return cls(entries)
+        return cls(_read_keys(path), path)
+
+    def reload_if_changed(self) -> bool:
+        """Re-reads the keys file if its mtime, size or inode changed; True when new keys took
+        effect. A file that is missing or does not parse keeps the old keys (logged): a bad
+        edit must not lock every tenant out, nor let anyone in."""
+        if self._path is None:
+            return False
+        try:
+            stamp = _stamp(self._path)
+            if stamp == self._stamp:
+                return False
+            entries = _read_keys(self._path)
+        except (OSError, ValueError) as error:
+            log.error("API keys file not reloaded, old keys stay in force: %s", error)
+            return False
+        # Only after a good read: a half-written file changes again when the writer finishes.
+        self._stamp, self._entries = stamp, entries
+        log.info("API keys reloaded from %s: %d keys", self._path, len(entries))
+        return True
+
+    async def watch(self, period_s: float = KEYS_POLL_PERIOD_S) -> None:
+        """Polls the keys file every `period_s` until cancelled (a task the gateway owns)."""
+        while True:
+            await asyncio.sleep(period_s)
+            self.reload_if_changed()
 
     def authenticate(self, key: str | None) -> Principal:
         if not key:
@@ -89,6 +118,39 @@ class KeyStore:
         return found
 
 
+def _stamp(path: Path) -> tuple[int, int, int]:
+    stat = path.stat()
+    return stat.st_mtime_ns, stat.st_size, stat.st_ino
+
+
+def _read_keys(path: Path) -> dict[str, Principal]:
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as error:
+        raise ValueError(f"{path}: not valid TOML: {error}") from error
+    entries = {}
+    keys = raw.get("keys", [])
+    if not isinstance(keys, list) or not all(isinstance(entry, dict) for entry in keys):
+        raise ValueError(f"{path}: keys must be [[keys]] tables")
+    for entry in keys:
+        digest, tenant = entry.get("sha256", ""), entry.get("tenant", "")
+        is_valid = isinstance(digest, str) and len(digest) == 64
+        if not (is_valid and isinstance(tenant, str) and tenant):
+            raise ValueError(f"{path}: every [[keys]] needs tenant and a sha256 hex digest")
+        models = entry.get("models")
+        if models is not None and not (
+            isinstance(models, list) and all(isinstance(m, str) for m in models)
+        ):
+            raise ValueError(f"{path}: models of tenant {tenant!r} must be a list of names")
+        # `models = []` is no model at all, not every model.
+        entries[digest.lower()] = Principal(
+            tenant, frozenset(models) if models is not None else None
+        )
+    if not entries:
+        raise ValueError(f"{path}: no [[keys]] entries")
+    return entries
+
+
 def _presented_key(metadata: Mapping[str, str]) -> str | None:
     authorization = metadata.get("authorization", "")
     if authorization.lower().startswith("bearer "):
@@ -97,7 +159,8 @@ def _presented_key(metadata: Mapping[str, str]) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller's principal (or refuses the call) before any handler runs."""
+    """Resolves the caller's principal from the call's metadata, before the request body is
+    read or parsed; a refused call never has its body deserialised."""
 
     def __init__(self, keys: KeyStore | None) -> None:
         self._keys = keys
@@ -120,14 +183,47 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or details.method.startswith(_OPEN_METHODS):
             return handler
         metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        return wrap_handler(handler, lambda context: self._authenticated(metadata))
+        try:
+            principal = self._principal(metadata)
+        except ServingError as error:
+            return _refusing(handler, error)
+        return wrap_handler(handler, lambda context: _as(principal))
 
-    @contextlib.asynccontextmanager
-    async def _authenticated(self, metadata: Mapping[str, str]) -> AsyncIterator[Step]:
-        # Inside the call, not in intercept_service: a refusal is then answered by the
-        # error-mapping interceptor and traced like any other failed call.
-        _principal.set(self._principal(metadata))
-        yield no_step
+
+@contextlib.asynccontextmanager
+async def _as(principal: Principal) -> AsyncIterator[Step]:
+    # Set inside the call (not in intercept_service) so the handler's own context holds it.
+    _principal.set(principal)
+    yield no_step
+
+
+def _unparsed(_body: bytes) -> None:
+    """The request deserializer of a refused call: its body is never parsed."""
+    return None
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler[Any, Any], error: ServingError
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of `handler`'s shape that raises `error` without parsing the body. Raised
+    inside the call, not here: the error-mapping interceptor answers it and tracing spans it
+    like any other failed call."""
+
+    async def refuse_unary(request: Any, context: Any) -> Any:
+        raise error
+
+    async def refuse_streaming(request: Any, context: Any) -> AsyncIterator[Any]:
+        raise error
+        yield  # an async generator, as a streaming handler must be
+
+    serialize = handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(refuse_unary, _unparsed, serialize)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(refuse_unary, _unparsed, serialize)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(refuse_streaming, _unparsed, serialize)
+    return grpc.stream_stream_rpc_method_handler(refuse_streaming, _unparsed, serialize)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.lifecycle import check_limits, limit_settings
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -13,6 +14,7 @@ from services.common.settings import (
     config_builder,
     listener_settings,
 )
+from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
 from services.gateway.throttle import ThrottleConfig
 
 
@@ -20,7 +22,8 @@ from services.gateway.throttle import ThrottleConfig
 class GatewayConfig:
     #: Model repository (configs and tokenizers; weights are not loaded here).
     model_repository: Path
-    #: host:port of a router.
+    #: host:port of the routers (a DNS name: every address it resolves to), or comma-separated
+    #: IPv4 ip:port entries; calls are spread over all of them (round robin).
     router_address: str = "127.0.0.1:8101"
     #: Interface for the gRPC and metrics listeners.
     host: str = "127.0.0.1"
@@ -28,8 +31,17 @@ class GatewayConfig:
     grpc_port: int = 8001
     #: Prometheus `/metrics` port (Triton's convention: 8002); 0 picks a free one.
     metrics_port: int = 8002
-    #: TOML file of hashed API keys; None runs in local mode without authentication.
+    #: TOML file of hashed API keys (re-read when it changes). Without one the gateway refuses
+    #: to start unless `allow_unauthenticated` is set.
     api_keys_file: Path | None = None
+    #: Local development only: without a keys file, serve every caller as tenant "local".
+    allow_unauthenticated: bool = False
+    #: Largest request message received, bytes. Public requests are a few rows of text or
+    #: tensors; anything larger is refused by grpc before the gateway parses or authenticates.
+    max_message_bytes: int = 4 * 1024 * 1024
+    #: Most calls served at once (streams included) before grpc answers RESOURCE_EXHAUSTED;
+    #: 0 means no limit.
+    max_concurrent_rpcs: int = 4096
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
     #: How often the fleet's served versions are re-read from the router, seconds.
@@ -38,8 +50,22 @@ class GatewayConfig:
     drain_grace_s: float = 10.0
     #: Adaptive throttling of what downstream refuses (services.gateway.throttle).
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    #: TLS of the public port (services.common.tls); optional client certificates (mTLS).
+    tls: ServerTls = field(default_factory=ServerTls)
+    #: How the router is dialled: TLS with the CA that signed its certificate, and the
+    #: gateway's own client certificate where routers require one.
+    router_tls: ClientTls = field(default_factory=ClientTls)
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the gateway is ready.
     ready_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        # Fail closed: serving everyone as one tenant must be asked for, never a default.
+        if self.api_keys_file is None and not self.allow_unauthenticated:
+            raise ValueError(
+                "no API keys file: give --api-keys-file (GATEWAY_API_KEYS_FILE), or, for local "
+                "development only, --allow-unauthenticated (GATEWAY_ALLOW_UNAUTHENTICATED=true)"
+            )
+        check_limits(self.max_message_bytes, self.max_concurrent_rpcs)
 
 
 SETTINGS = SettingsTable(
@@ -48,12 +74,25 @@ SETTINGS = SettingsTable(
     env_prefix="GATEWAY",
     settings=(
         Setting("model_repository", Path, Path("models"), "model repository directory"),
-        Setting("router_address", str, GatewayConfig.router_address, "host:port of a router"),
+        Setting(
+            "router_address",
+            str,
+            GatewayConfig.router_address,
+            "host:port of the routers (a DNS name balances over all its addresses), or "
+            "comma-separated IPv4 ip:port entries",
+        ),
         Setting(
             "api_keys_file",
             Path,
             None,
-            "TOML of hashed API keys; unset runs in local mode without authentication",
+            "TOML of hashed API keys, re-read when it changes; required unless "
+            "--allow-unauthenticated",
+        ),
+        Setting(
+            "allow_unauthenticated",
+            bool,
+            False,
+            "local development only: without a keys file, serve every caller as tenant 'local'",
         ),
         Setting(
             "max_inputs_per_request",
@@ -100,6 +139,9 @@ SETTINGS = SettingsTable(
             "s",
             field="throttle.default_retry_after_s",
         ),
+        *limit_settings(GatewayConfig),
+        *server_tls_settings(),
+        *client_tls_settings("router", "router_tls"),
         *listener_settings(GatewayConfig),
     ),
 )

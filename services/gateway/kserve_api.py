@@ -9,6 +9,7 @@ the order of `outputs`.
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import AsyncIterator, Iterable
 
@@ -70,7 +71,11 @@ def _num_rows(shape: list[int], row_dims: tuple[int, ...], name: str, *, is_byte
     return shape[0]
 
 
-def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[PredictValue]:
+def _values(
+    config: ModelConfig, request: kserve.ModelInferRequest, max_rows: int
+) -> list[PredictValue]:
+    """The request's rows, decoded only after every check on the tensor's metadata (name,
+    dtype, shape, row cap) has passed."""
     check_inputs(request)
     spec = config.inputs[0]
     tensors = {t.name: i for i, t in enumerate(request.inputs)}
@@ -86,6 +91,8 @@ def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[Pred
         )
     shape = list(tensor.shape)
     count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
+    if count > max_rows:
+        raise InvalidInput(f"{count} inputs exceed the limit of {max_rows}")
     if spec.dtype == "BYTES":
         if request.raw_input_contents:
             return list(_decode_bytes(request.raw_input_contents[index], count))
@@ -99,7 +106,7 @@ def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[Pred
         except UnicodeDecodeError as error:
             raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
     dtype = NUMPY_DTYPES[spec.dtype]
-    num_elements = int(np.prod(shape, dtype=np.int64))
+    num_elements = math.prod(shape)  # Python ints: a numpy product would wrap around
     if num_elements > MAX_ELEMENTS:
         raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
     if request.raw_input_contents:
@@ -119,9 +126,11 @@ def _values(config: ModelConfig, request: kserve.ModelInferRequest) -> list[Pred
 
 
 class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, predictor: Predictor, metrics: GatewayMetrics) -> None:
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics, *, max_inputs: int) -> None:
         self._predictor = predictor
         self._metrics = metrics
+        #: Most rows one ModelInfer may carry, checked before any element is decoded.
+        self._max_inputs = max_inputs
 
     async def ServerLive(
         self, request: kserve.ServerLiveRequest, context: grpc.aio.ServicerContext
@@ -199,6 +208,10 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         label = self._predictor.catalog.label_for(request.model_name)
         with self._metrics.observe_request("kserve_v2", label):
             config = self._predictor.catalog.config(request.model_name)
+            principal = current_principal()
+            # Before any input is decoded: a caller may not spend our CPU on a model it may
+            # not use, nor on more rows than the cap.
+            principal.check_model(config.name)
             if config.generation is not None:
                 raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
             output = config.outputs[0]
@@ -211,8 +224,8 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
                 PredictCall(
                     model_name=request.model_name,
                     version_spec=request.model_version,
-                    inputs=_values(config, request),
-                    principal=current_principal(),
+                    inputs=_values(config, request, self._max_inputs),
+                    principal=principal,
                     request_id=request.id,
                     timeout_s=context.time_remaining(),
                 )

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import struct
 from collections.abc import AsyncIterator, Callable
 
@@ -66,7 +65,8 @@ def _scalar_bytes(request: kserve.ModelInferRequest, name: str) -> bytes | None:
     if found is None:
         return None
     index, tensor = found
-    if tensor.datatype != "BYTES" or math.prod(tensor.shape) != 1:
+    # Each dimension 1, not a product of 1: a product of a huge shape is slow to compute.
+    if tensor.datatype != "BYTES" or any(d != 1 for d in tensor.shape):
         raise InvalidInput(f"input {name} must be BYTES with one element")
     if request.raw_input_contents:
         raw = request.raw_input_contents[index]
@@ -83,7 +83,7 @@ def _scalar_bool(request: kserve.ModelInferRequest, name: str) -> bool:
     if found is None:
         return False
     index, tensor = found
-    if tensor.datatype != "BOOL" or math.prod(tensor.shape) != 1:
+    if tensor.datatype != "BOOL" or any(d != 1 for d in tensor.shape):
         raise InvalidInput(f"input {name} must be BOOL with one element")
     if request.raw_input_contents:
         return request.raw_input_contents[index] not in (b"", b"\x00")
@@ -228,17 +228,20 @@ async def stream_infer(
     tasks: set[asyncio.Task[None]] = set()
 
     async def read_all() -> None:
-        async for request in requests:
-            task = asyncio.create_task(run(request))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-        await responses.put(None)
+        try:
+            async for request in requests:
+                task = asyncio.create_task(run(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        finally:
+            await responses.put(None)  # also when reading failed: the stream must not hang
 
     reader = asyncio.create_task(read_all())
     try:
         while (response := await responses.get()) is not None:
             yield response
+        await reader  # raises what ended the reading (a message that does not parse)
     finally:
         # The client went away (or the stream failed): its generations stop too, freeing
         # their KV blocks, instead of running on for nobody.

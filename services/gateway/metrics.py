@@ -56,6 +56,12 @@ class GatewayMetrics:
             "Share of a model's requests adaptive throttling refuses now.",
             ("model",),
         )
+        self.router_retries_total = new.counter(
+            names.GATEWAY_ROUTER_RETRIES_TOTAL,
+            "Calls resent to another router after one refused them unstarted (draining) or "
+            "none could be reached, by RPC (predict or generate).",
+            ("rpc",),
+        )
 
     @contextlib.contextmanager
     def observe_request(self, api: str, model: str) -> Iterator[None]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import json
 import random
 import time
 import uuid
@@ -12,7 +15,7 @@ import grpc
 import numpy as np
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
-from services.common.multiplex import MultiplexClient
+from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
@@ -20,10 +23,32 @@ from services.common.tracing import outgoing_metadata
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.pb.inference.v1 import worker_pb2 as pb
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
+#: Spread streams and calls over every router of `router_address` (a list of addresses, or
+#: every address a DNS name resolves to) rather than pinning the first one.
+ROUTER_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+ROUTER_CHANNEL_OPTIONS = (
+    *CHANNEL_OPTIONS,
+    ("grpc.service_config", ROUTER_SERVICE_CONFIG),
+    # A router back from a restart is in rotation again within about 2 s (gRPC's defaults
+    # back off up to 120 s), so a rolling restart need not wait long between routers.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def router_target(router_address: str) -> str:
+    """The gRPC target for `router_address`: one "host:port" (a DNS name balances over all its
+    addresses), or comma-separated IPv4 "ip:port" entries, one per router."""
+    addresses = [a.strip() for a in router_address.split(",") if a.strip()]
+    if len(addresses) <= 1:
+        return router_address.strip()
+    return "ipv4:" + ",".join(addresses)
+
 
 #: One input row as a client sent it: text for text models, a tensor row otherwise.
 PredictValue = str | np.ndarray
@@ -70,12 +95,14 @@ class Predictor:
         max_inputs: int,
         throttle: ThrottleConfig,
         rng: random.Random | None = None,
+        retry: RouterRetryConfig | None = None,
     ) -> None:
         self.catalog = catalog
         self._metrics = metrics
         self._max_inputs = max_inputs
         self._throttle = AdaptiveThrottle(throttle)
         self._rng = rng or random.Random()
+        self._retry = retry or RouterRetryConfig()
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router")
         self._generate = router.unary_stream(
@@ -135,10 +162,10 @@ class Predictor:
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
         try:
-            payload = await self._router.call(
+            payload = await self._call_router(
                 request.SerializeToString(),
-                metadata=outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
-                timeout_s=max(0.0, timeout_s),
+                outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
+                deadline_s=time.monotonic() + timeout_s,
             )
         except UpstreamError as error:
             self._throttle.record(
@@ -153,6 +180,39 @@ class Predictor:
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
         return PredictResult(config.name, model.version, outputs, request_id)
+
+    async def _call_router(
+        self, request: bytes, metadata: Sequence[tuple[str, str]], *, deadline_s: float
+    ) -> bytes:
+        """One fixed-cost call, resent to another router while refused as never started."""
+        attempt = 0
+        while True:
+            try:
+                return await self._router.call(
+                    request, metadata=metadata, timeout_s=max(0.0, deadline_s - time.monotonic())
+                )
+            except UpstreamError as error:
+                if not await self._may_resend(error, attempt, deadline_s, "predict"):
+                    raise
+            attempt += 1
+
+    async def _may_resend(
+        self, error: UpstreamError, attempt: int, deadline_s: float, rpc: str
+    ) -> bool:
+        """False when the call must fail with `error`; otherwise counts the resend, backs off
+        and returns True."""
+        decision = decide_resend(
+            is_not_started=error.is_not_started,
+            attempt=attempt,
+            time_left_s=deadline_s - time.monotonic(),
+            random_value=self._rng.random(),
+            config=self._retry,
+        )
+        if isinstance(decision, GiveUp):
+            return False
+        self._metrics.router_retries_total.labels(rpc).inc()
+        await asyncio.sleep(decision.delay_s)
+        return True
 
     def _throttle_check(self, model: str) -> None:
         """Refuses here (RESOURCE_EXHAUSTED) the share of requests downstream is refusing
@@ -194,15 +254,27 @@ class Predictor:
             tenant=call.principal.tenant,
             request_id=call.request_id or uuid.uuid4().hex,
         )
-        stream = self._generate(
-            request,
-            timeout=config.timeout_s_for(call.timeout_s),
-            metadata=outgoing_metadata(route_metadata(config.name, model.version, len(ids))),
-        )
-        try:
-            async for message in stream:
-                yield message
-        except grpc.aio.AioRpcError as error:
-            raise UpstreamError.from_rpc_error(error) from None
-        finally:
-            stream.cancel()  # our caller left mid-stream: stop the worker's generation too
+        metadata = outgoing_metadata(route_metadata(config.name, model.version, len(ids)))
+        deadline_s = time.monotonic() + config.timeout_s_for(call.timeout_s)
+        for attempt in itertools.count():
+            # wait_for_ready: while no router can be reached the call waits (within its
+            # deadline) for one, instead of failing; it was sent nowhere meanwhile.
+            stream = self._generate(
+                request,
+                timeout=max(0.0, deadline_s - time.monotonic()),
+                metadata=metadata,
+                wait_for_ready=True,
+            )
+            has_sent = False
+            try:
+                while isinstance(message := await stream.read(), pb.GenerateResponse):  # not EOF
+                    has_sent = True
+                    yield message
+                return
+            except grpc.aio.AioRpcError as error:
+                failure = UpstreamError.from_rpc_error(error)
+                # Resent only before the first message: a stream is never replayed.
+                if has_sent or not await self._may_resend(failure, attempt, deadline_s, "generate"):
+                    raise failure from None
+            finally:
+                stream.cancel()  # our caller left mid-stream: stop the worker's generation too

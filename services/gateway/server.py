@@ -17,15 +17,15 @@ from services.common.lifecycle import (
     set_serving,
 )
 from services.common.model_repository import load_repository
-from services.common.multiplex import CHANNEL_OPTIONS
 from services.common.telemetry import tier_registry
+from services.common.tls import add_port, open_channel, start_health_listener
 from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.predictor import Predictor
+from services.gateway.predictor import ROUTER_CHANNEL_OPTIONS, Predictor, router_target
 from services.gateway.public_api import InferenceServicer
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
@@ -51,6 +51,10 @@ class Gateway:
     catalog: ModelCatalog
     router: grpc.aio.Channel
     predictor: Predictor
+    #: Re-reads the API keys file when it changes (None without one).
+    keys_watch: asyncio.Task[None] | None = None
+    #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
+    health_listener: grpc.aio.Server | None = None
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -73,19 +77,28 @@ class Gateway:
             await asyncio.sleep(self.config.catalog_refresh_s)
 
     async def stop(self) -> None:
+        if self.keys_watch is not None:
+            self.keys_watch.cancel()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
         await self.server.stop(grace=self.config.drain_grace_s)
+        if self.health_listener is not None:
+            await self.health_listener.stop(grace=None)
         await self.predictor.close()
         await self.router.close()
 
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = KeyStore.from_file(config.api_keys_file) if config.api_keys_file else None
-    if keys is None:
-        log.warning("no API keys configured: local mode, every caller is tenant 'local'")
+    if keys is None:  # GatewayConfig refuses this unless allow_unauthenticated is set
+        log.warning(
+            "AUTHENTICATION IS OFF (--allow-unauthenticated): every caller is tenant 'local' "
+            "and may use every model; for local development only"
+        )
     catalog = ModelCatalog(load_repository(config.model_repository))
     metrics = GatewayMetrics(tier_registry("gateway"))
-    router = grpc.aio.insecure_channel(config.router_address, options=CHANNEL_OPTIONS)
+    router = open_channel(
+        router_target(config.router_address), config.router_tls, ROUTER_CHANNEL_OPTIONS
+    )
     predictor = Predictor(
         catalog,
         router,
@@ -94,12 +107,29 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         throttle=config.throttle,
     )
     # Tracing outside auth: a refused call still gets its span.
-    server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
+    server = new_server(
+        [TracingInterceptor(), AuthInterceptor(keys)],
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
     api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(predictor, metrics), server
+        KServeServicer(predictor, metrics, max_inputs=config.max_inputs_per_request), server
     )
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
-    return Gateway(config, server, port, health_servicer, metrics, catalog, router, predictor)
+    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+    keys_watch = asyncio.create_task(keys.watch(), name="api-keys") if keys is not None else None
+    return Gateway(
+        config,
+        server,
+        port,
+        health_servicer,
+        metrics,
+        catalog,
+        router,
+        predictor,
+        keys_watch,
+        health_listener,
+    )

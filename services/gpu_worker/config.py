@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -19,7 +20,8 @@ from services.common.settings import (
     listener_settings,
     parse_weights,
 )
-from services.gpu_worker.batching.driver import DriverConfig
+from services.common.tls import ServerTls, server_tls_settings
+from services.gpu_worker.batching.driver_config import DriverConfig
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,19 @@ class WorkerConfig:
     torch_threads: int = 0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
+    #: Largest request message received, bytes: internal calls carry whole batches and
+    #: multiplexed streams, so the cap is far above the gateway's.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    #: Most calls served at once (streams included); 0 means no limit: callers are our own
+    #: tiers, already capped at the gateway, and admission control bounds the work itself.
+    max_concurrent_rpcs: int = 0
     #: Worker-wide batching settings (per-model ones come from the model repository).
     batching: DriverConfig = field(default_factory=DriverConfig)
     #: Redis holding the worker registry; None runs the worker standalone (direct calls only).
     redis_url: str | None = None
+    #: File holding the password of Redis user `worker` (or the URL's user); None: the URL's
+    #: credentials, if any. Re-read on every new connection.
+    redis_password_file: Path | None = None
     #: Registry key prefix (one prefix per fabric sharing a Redis).
     registry_prefix: str = "fabric"
     #: This worker's id in the registry; unique per process.
@@ -66,6 +77,9 @@ class WorkerConfig:
     advertise_address: str = ""
     #: Registry heartbeats (used only with `redis_url`).
     heartbeat: HeartbeatConfig = field(default_factory=HeartbeatConfig)
+    #: TLS of the gRPC port (services.common.tls); a client CA makes routers' certificates
+    #: required (mTLS).
+    tls: ServerTls = field(default_factory=ServerTls)
 
 
 def _ms(seconds: float) -> float:
@@ -116,11 +130,26 @@ _BATCHING = (
         "fair-share weights per tenant as name=weight,... (unlisted tenants weigh 1)",
         field="batching.tenant_weights",
     ),
+    Setting(
+        "watchdog_s",
+        float,
+        DriverConfig.watchdog_s,
+        "longest a model call may run before the worker declares itself wedged and stops "
+        "serving (raised to 10x the costliest warm-up batch when that is larger)",
+        "s",
+        field="batching.watchdog_s",
+    ),
 )
 
 _REGISTRY = (
     Setting(
         "redis_url", str, None, "Redis of the router registry; unset runs the worker standalone"
+    ),
+    Setting(
+        "redis_password_file",
+        Path,
+        None,
+        "file with the Redis password of user `worker` (or the URL's user); unset: the URL's",
     ),
     Setting(
         "registry_prefix",
@@ -177,6 +206,8 @@ SETTINGS = SettingsTable(
         ),
         *_BATCHING,
         *_REGISTRY,
+        *limit_settings(WorkerConfig),
+        *server_tls_settings(),
         *listener_settings(WorkerConfig),
     ),
 )

@@ -2,34 +2,72 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from services.common.errors import InvalidInput, NotFound
-from services.common.model_repository import ModelKind, ModelVersion
+from services.common.model_repository import ModelConfigError, ModelKind, ModelVersion
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.served_model import ServedModel
 
+log = logging.getLogger(__name__)
+
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+
+
+@dataclass(frozen=True)
+class LoadFailure:
+    """A version left out because its weights or backend failed to load."""
+
+    model: str
+    version: str
+    #: The error, one line, as logged.
+    error: str
 
 
 def load_versions(
     versions: Sequence[ModelVersion], device: torch.device, metrics: GenerationMetrics
 ) -> LoadedModels:
-    """Loads every version's weights onto `device` (blocking). Raises ModelConfigError."""
+    """Loads every version's weights onto `device` (blocking).
+
+    A version that fails to load (corrupt weights, a bad backend setting) is logged and left
+    out (`LoadedModels.failed`) as long as another version of its model loads: a bad new
+    version must not take down the old one (scenario 24). A model none of whose versions
+    loads raises ModelConfigError: the worker never becomes ready, so no traffic reaches a
+    worker missing a model it is deployed to serve (scenario 23)."""
     fixed_cost: list[Backend] = []
     generation: list[GenerationBackend] = []
+    failed: list[LoadFailure] = []
     for version in versions:
-        if version.config.kind is ModelKind.GENERATION:
-            generation.append(GenerationBackend(version, device, metrics))
-        else:
-            fixed_cost.append(load_backend(version, device))
-    return LoadedModels(fixed_cost=fixed_cost, generation=generation)
+        try:
+            if version.config.kind is ModelKind.GENERATION:
+                generation.append(GenerationBackend(version, device, metrics))
+            else:
+                fixed_cost.append(load_backend(version, device))
+        except Exception as error:  # any loader error: torch, tokenizers, our own checks
+            label = f"{version.config.name}/{version.version}"
+            log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
+            failed.append(LoadFailure(version.config.name, version.version, _one_line(error)))
+    models = LoadedModels(fixed_cost=fixed_cost, generation=generation, failed=failed)
+    served = {m.config.name for m in models.all}
+    missing = sorted({f.model for f in failed} - served)
+    if missing:
+        errors = "; ".join(f"{f.model}/{f.version}: {f.error}" for f in failed)
+        raise ModelConfigError(f"no version of {', '.join(missing)} loaded ({errors})")
+    return models
+
+
+def _one_line(error: Exception) -> str:
+    """The last non-empty line of an error (TorchScript errors carry a traceback)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def _key(model: ServedModel) -> tuple[str, str]:
@@ -45,9 +83,12 @@ class LoadedModels:
         *,
         fixed_cost: Sequence[Backend] = (),
         generation: Sequence[GenerationBackend] = (),
+        failed: Sequence[LoadFailure] = (),
     ) -> None:
         self.fixed_cost = tuple(fixed_cost)
         self.generation = tuple(generation)
+        #: Versions in the repository that failed to load (not served, not advertised).
+        self.failed = tuple(failed)
         #: All versions, by name then version number (the repository's order).
         self.all: tuple[ServedModel, ...] = tuple(
             sorted(

@@ -45,6 +45,16 @@ class WorkerMetrics:
             "Rows whose model execution raised (isolated by bisecting the batch).",
             _MODEL,
         )
+        self.watchdog_expired_total = new.counter(
+            names.WORKER_WATCHDOG_EXPIRED_TOTAL,
+            "Model calls that ran past the executor watchdog (the worker then stops serving).",
+            _MODEL,
+        )
+        self.model_load_failures_total = new.counter(
+            names.WORKER_MODEL_LOAD_FAILURES_TOTAL,
+            "Model versions that failed to load at start-up (left out; the rest are served).",
+            _MODEL,
+        )
         self._define_batcher_state(new)
 
     def _define_batches(self, new: MetricFactory) -> None:

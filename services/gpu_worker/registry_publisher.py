@@ -14,6 +14,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
@@ -73,9 +74,14 @@ class HeartbeatPublisher:
                     log.warning("heartbeat: Redis unreachable (%s); retrying with backoff", error)
                 self.is_connected = False
                 failures += 1
-            period_s = self._config.period_s
-            delay_s = period_s * 2 ** max(0, failures - 1) if failures else period_s
             self._wake.clear()
+            if failures == 1:
+                # Once at once: a restarted Redis closed every pooled connection, and only the
+                # first command on each fails; waiting a period would leave the registry empty
+                # for two.
+                continue
+            period_s = self._config.period_s
+            delay_s = period_s * 2 ** max(0, failures - 2) if failures else period_s
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), min(self._config.max_backoff_s, delay_s))
 
@@ -101,7 +107,8 @@ class RegistryPublisher:
         self._models = models
         self._batching = batching
         self._is_draining = False
-        self._client = connect(config.redis_url)
+        credentials = role_credentials(WORKER, config.redis_url, config.redis_password_file)
+        self._client = connect(config.redis_url, credentials=credentials)
         self._publisher = HeartbeatPublisher(
             self._client, RegistryKeys(config.registry_prefix), config.heartbeat, self.record
         )

@@ -29,6 +29,7 @@ from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
+from services.common.tls import add_port, start_health_listener
 from services.common.tracing import TracingInterceptor
 from services.gpu_worker.backends.base import RawInput, TokenIds, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
@@ -205,6 +206,8 @@ class Worker:
     batching: BatchingDriver | None = None
     models: LoadedModels | None = None
     registry_publisher: RegistryPublisher | None = None
+    #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
+    health_listener: grpc.aio.Server | None = None
     #: Set once a serving loop died: the worker no longer serves (see `_on_fatal`).
     fatal_error: Exception | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
@@ -223,12 +226,17 @@ class Worker:
             return models, batching
 
         models, batching = await _in_daemon_thread(load_and_warm)
+        for failure in models.failed:  # logged by load_versions; served without them
+            self.metrics.model_load_failures_total.labels(failure.model, failure.version).inc()
         freeze_startup_heap()
         self.batching = batching
         self.models = models
         batching.start(on_fatal=self._on_fatal)
         for backend in models.generation:
-            backend.engine.start(on_fatal=self._on_fatal)
+            # The same watchdog as the batching driver's model calls bounds each step.
+            backend.engine.start(
+                on_fatal=self._on_fatal, watchdog_s=self.config.batching.watchdog_s
+            )
         self.servicer.attach(models, batching, self.metrics)
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
@@ -243,7 +251,8 @@ class Worker:
         )
 
     def _on_fatal(self, error: Exception) -> None:
-        """A serving loop died (its requests already failed UNAVAILABLE): stop taking traffic.
+        """A serving loop died, or a model call ran past the executor watchdog (its requests
+        already failed UNAVAILABLE): stop taking traffic.
         Health turns NOT_SERVING, overall too, so readiness fails at once and the liveness probe
         has the process replaced (a loop that died on a bug is not restarted in place: its
         state is suspect); the registry entry says draining, so routers stop choosing it."""
@@ -268,10 +277,21 @@ class Worker:
             await asyncio.wait_for(asyncio.gather(*drains), self.config.drain_grace_s)
         except TimeoutError:
             log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
+        except Exception:
+            log.exception("drain failed; closing anyway")
+            raise
+        finally:
+            # Whatever the drain did, leave the registry and close: a stale entry would draw
+            # routers' calls to a process that is going away.
+            await self._close()
+
+    async def _close(self) -> None:
         if self.registry_publisher is not None:
             await self.registry_publisher.close()
         self.servicer.streams.close()  # answered everything admitted: end the streams too
         await self.server.stop(grace=1.0)
+        if self.health_listener is not None:
+            await self.health_listener.stop(grace=None)
 
 
 async def _in_daemon_thread(fn: Callable[[], T]) -> T:
@@ -303,20 +323,29 @@ async def _in_daemon_thread(fn: Callable[[], T]) -> T:
 async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
     # A stream is a channel for many requests, each traced on its own: not a span itself.
-    server = new_server([TracingInterceptor(untraced_methods=(STREAM_METHOD,))], is_internal=True)
+    server = new_server(
+        [TracingInterceptor(untraced_methods=(STREAM_METHOD,))],
+        is_internal=True,
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
+    port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
+    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
     registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(
-        generation_metrics=GenerationMetrics(registry),
+        generation_metrics=GenerationMetrics(
+            registry, watchdog_expired_total=metrics.watchdog_expired_total
+        ),
         config=config,
         server=server,
         port=port,
         health=health_servicer,
         servicer=servicer,
         metrics=metrics,
+        health_listener=health_listener,
     )

@@ -12,6 +12,7 @@ from services.common.lifecycle import (
     stop_event,
     write_ready_file,
 )
+from services.common.redis_acl import redacted_url
 from services.common.tracing import configure_tracing
 from services.router.config import RouterConfig, parse_config
 from services.router.server import create_router
@@ -30,12 +31,15 @@ async def serve(config: RouterConfig) -> int:
         config.host,
         router.port,
         metrics_port,
-        config.redis_url,
+        redacted_url(config.redis_url),
     )
     write_ready_file(config.ready_file, router.port, metrics_port)
     await stopping.wait()
-    log.info("SIGTERM: stopping")
+    log.info(
+        "SIGTERM: draining (new calls refused as not started; grace %.1f s)", config.drain_grace_s
+    )
     await router.stop()
+    log.info("drained")
     sync_task.cancel()
     return 0
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -13,13 +14,22 @@ from services.common.settings import (
     config_builder,
     listener_settings,
 )
+from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
 from services.router.routing import RoutingConfig
+from services.router.worker_networks import DEFAULT_WORKER_NETWORKS, WorkerNetworks
 
 
 @dataclass(frozen=True)
 class RouterConfig:
     #: Redis holding the worker registry.
     redis_url: str
+    #: File holding the password of Redis user `router` (or the URL's user); None: the URL's
+    #: credentials, if any. Re-read on every new connection.
+    redis_password_file: Path | None = None
+    #: Where worker addresses must be: records advertising any other address are ignored.
+    worker_networks: WorkerNetworks = field(
+        default_factory=lambda: WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS)
+    )
     #: Interface for the gRPC and metrics listeners.
     host: str = "127.0.0.1"
     #: gRPC port; 0 picks a free one.
@@ -38,8 +48,20 @@ class RouterConfig:
     drain_grace_s: float = 10.0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the router is ready.
     ready_file: Path | None = None
+    #: Largest request message received, bytes: internal calls carry whole batches and
+    #: multiplexed streams, so the cap is far above the gateway's.
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    #: Most calls served at once (streams included); 0 means no limit: callers are our own
+    #: tiers, already capped at the gateway, and admission control bounds the work itself.
+    max_concurrent_rpcs: int = 0
     #: Routing and admission (services.router.routing).
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    #: TLS of the gRPC port (services.common.tls); a client CA makes gateways' certificates
+    #: required (mTLS).
+    tls: ServerTls = field(default_factory=ServerTls)
+    #: How workers are dialled: the CA of their certificates, the router's client certificate,
+    #: and the name their certificate carries (they are dialled by pod IP).
+    worker_tls: ClientTls = field(default_factory=ClientTls)
 
 
 SETTINGS = SettingsTable(
@@ -48,6 +70,19 @@ SETTINGS = SettingsTable(
     env_prefix="ROUTER",
     settings=(
         Setting("redis_url", str, "redis://127.0.0.1:6379/0", "Redis holding the worker registry"),
+        Setting(
+            "redis_password_file",
+            Path,
+            None,
+            "file with the Redis password of user `router` (or the URL's user); unset: the URL's",
+        ),
+        Setting(
+            "worker_networks",
+            WorkerNetworks.parse,
+            WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
+            "comma-separated CIDRs (and .hostname.suffixes) worker addresses must be in; "
+            "registry records advertising any other address are ignored",
+        ),
         Setting(
             "registry_prefix",
             str,
@@ -101,6 +136,30 @@ SETTINGS = SettingsTable(
             field="routing.eject_s",
         ),
         Setting(
+            "timeouts_to_eject",
+            int,
+            RoutingConfig.timeouts_to_eject,
+            "consecutive timeouts, with no success between, that eject a worker; 0 never does",
+            "calls",
+            field="routing.timeouts_to_eject",
+        ),
+        Setting(
+            "timeout_eject_s",
+            float,
+            RoutingConfig.timeout_eject_s,
+            "first ejection period of a worker whose calls only time out; each repeat doubles it",
+            "s",
+            field="routing.timeout_eject_s",
+        ),
+        Setting(
+            "max_timeout_eject_s",
+            float,
+            RoutingConfig.max_timeout_eject_s,
+            "longest ejection period of a worker whose calls only time out",
+            "s",
+            field="routing.max_timeout_eject_s",
+        ),
+        Setting(
             "deadline_margin_s",
             float,
             RoutingConfig.deadline_margin_s,
@@ -116,6 +175,9 @@ SETTINGS = SettingsTable(
             "workers",
             field="routing.power_of_two_threshold",
         ),
+        *limit_settings(RouterConfig),
+        *server_tls_settings(),
+        *client_tls_settings("worker", "worker_tls"),
         *listener_settings(RouterConfig),
     ),
 )

@@ -8,6 +8,7 @@ they arrived as unary calls or on a gateway's stream.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -16,10 +17,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
-from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
 from services.common.registry_schema import parse_route_metadata
 from services.common.telemetry import count_outcome
+from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
 from services.router.metrics import RouterMetrics
 from services.router.retry import GiveUp, decide_retry
@@ -28,6 +30,11 @@ from services.router.routing import Reject, RejectReason, RetryBudget, Route, Ro
 log = logging.getLogger(__name__)
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
+#: Statuses that do not show a worker answering calls (see `Forwarder._note_outcome`).
+_NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
+#: A call cancelled this close to its deadline (seconds) was cancelled by it (clock skew
+#: between gRPC's deadline timer and ours).
+_DEADLINE_SLACK_S = 0.005
 
 
 def _passthrough(payload: bytes) -> bytes:
@@ -43,12 +50,15 @@ class Forwarder:
         *,
         default_timeout_s: float,
         max_retries: int,
+        tls: ClientTls | None = None,
     ) -> None:
         self._table = table
         self._budget = budget
         self._metrics = metrics
         self._default_timeout_s = default_timeout_s
         self._max_retries = max_retries
+        #: How workers are dialled (None: plaintext).
+        self._tls = tls or ClientTls()
         # One long-lived channel per worker address: HTTP/2 multiplexes every call over it,
         # and one InferStream on it carries every fixed-cost call.
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -65,9 +75,7 @@ class Forwarder:
     def _channel(self, address: str) -> grpc.aio.Channel:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=CHANNEL_OPTIONS
-            )
+            channel = self._channels[address] = open_channel(address, self._tls)
         return channel
 
     def _stream(self, address: str) -> MultiplexClient:
@@ -94,14 +102,22 @@ class Forwarder:
         tried: set[str] = set()
         for attempt in range(self._max_retries + 1):
             route = self._route(name, version, num_rows, deadline_s, tried)
+            sent_s = time.monotonic()
             try:
-                return await self._stream(route.address).call(
+                response = await self._stream(route.address).call(
                     body,
                     metadata=outgoing_metadata(),
                     timeout_s=_timeout_s(deadline_s),
                 )
             except UpstreamError as error:
+                self._note_outcome(route, sent_s, error)
                 self._after_failure(error, route, name, version, attempt, deadline_s)
+            except asyncio.CancelledError:
+                self._note_cancelled(route, sent_s, deadline_s)
+                raise
+            else:
+                self._note_outcome(route, sent_s, None)
+                return response
             finally:
                 self._table.release(route.reservation_id)
         raise Unavailable("no worker answered")  # unreachable: the last failure raises
@@ -119,12 +135,15 @@ class Forwarder:
             tried: set[str] = set()
             for attempt in range(self._max_retries + 1):
                 route = self._route(name, version, num_rows, deadline_s, tried)
+                sent_s = time.monotonic()
                 call = self._channel(route.address).unary_stream(
                     GENERATE_METHOD, _passthrough, _passthrough
                 )(body, timeout=_timeout_s(deadline_s), metadata=outgoing_metadata())
                 has_sent = False
                 try:
                     async for message in call:
+                        if not has_sent:
+                            self._note_outcome(route, sent_s, None)
                         has_sent = True
                         yield message
                     return
@@ -132,7 +151,12 @@ class Forwarder:
                     if has_sent:
                         raise UpstreamError.from_rpc_error(error) from None
                     failure = UpstreamError.from_rpc_error(error)
+                    self._note_outcome(route, sent_s, failure)
                     self._after_failure(failure, route, name, version, attempt, deadline_s)
+                except asyncio.CancelledError:
+                    if not has_sent:
+                        self._note_cancelled(route, sent_s, deadline_s)
+                    raise
                 finally:
                     call.cancel()  # no-op once finished; stops the worker if our caller left
                     self._table.release(route.reservation_id)
@@ -151,6 +175,33 @@ class Forwarder:
         self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
         self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
         return decision
+
+    def _note_outcome(self, route: Route, sent_s: float, error: UpstreamError | None) -> None:
+        """Tells the timeout ejector (services.router.ejection) how a worker answered: any
+        status but DEADLINE_EXCEEDED and UNAVAILABLE (ejected on its own) shows it answers."""
+        now_s = time.monotonic()
+        timeouts = self._table.timeouts
+        if error is None or error.code not in _NO_ANSWER:
+            timeouts.record_success(route.worker_id, now_s)
+        elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            waited_s = now_s - sent_s
+            period_s = timeouts.record_timeout(
+                route.worker_id, now_s, waited_s=waited_s, predicted_s=route.predicted_s
+            )
+            if period_s is not None:
+                log.warning(
+                    "worker %s ejected for %.0fs: its calls only time out",
+                    route.worker_id,
+                    period_s,
+                )
+                self._metrics.ejections_total.labels(route.worker_id).inc()
+
+    def _note_cancelled(self, route: Route, sent_s: float, deadline_s: float) -> None:
+        """Our caller's deadline is the call's, and gRPC may cancel us on it before the call's
+        own timer fires: a call cancelled at its deadline timed out there too."""
+        if time.monotonic() >= deadline_s - _DEADLINE_SLACK_S:
+            timed_out = UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+            self._note_outcome(route, sent_s, timed_out)
 
     def _after_failure(
         self,

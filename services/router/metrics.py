@@ -54,3 +54,13 @@ class RouterMetrics:
         self.live_workers = new.gauge(
             names.ROUTER_LIVE_WORKERS, "Workers with a fresh heartbeat in the snapshot."
         )
+        self.rejected_worker_records_total = new.counter(
+            names.ROUTER_REJECTED_WORKER_RECORDS_TOTAL,
+            "Registry records ignored at a read because their address is outside "
+            "--worker-networks (each read counts them again).",
+        )
+        self.ejections_total = new.counter(
+            names.ROUTER_EJECTIONS_TOTAL,
+            "Workers taken out of routing because their calls only timed out, by worker.",
+            ("worker",),
+        )

@@ -2,7 +2,11 @@
 pipelined Redis read per period.
 
 When Redis is unreachable the last good snapshot stays in force (the route table bounds how
-long), health reports the registry degraded, and reads retry with capped backoff.
+long), health reports the registry degraded, and reads retry with capped backoff. Should it come
+back empty (restarted), that snapshot stays frozen until the first worker has re-registered.
+
+Records whose address is outside the allowed worker networks (services.router.worker_networks)
+never reach the route table: each such read counts them, and each is logged once while it stays.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from redis.exceptions import RedisError
 from services.common.registry_schema import RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
+from services.router.worker_networks import WorkerNetworks, admit_records
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +40,7 @@ class RegistrySync:
         *,
         period_s: float,
         on_degraded_change: Callable[[bool], Awaitable[None]],
+        worker_networks: WorkerNetworks,
     ) -> None:
         self._client = client
         self._keys = keys
@@ -42,16 +48,43 @@ class RegistrySync:
         self._metrics = metrics
         self._period_s = period_s
         self._on_degraded_change = on_degraded_change
+        self._worker_networks = worker_networks
+        #: (worker_id, address) of the records the last read rejected: logged once each.
+        self._rejected: set[tuple[str, str]] = set()
+        #: A read failed and no read has found a worker since (see `refresh_once`).
+        self._awaits_refill = False
         self.is_degraded = True  # until the first good read
 
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""
         records, redis_now_s = await read_registry(self._client, self._keys)
+        if not records and self._awaits_refill:
+            # Redis is back, empty (restarted): workers re-register at their next heartbeat,
+            # which their retry backoff may hold back for seconds. An update now would judge
+            # every heartbeat of the outage's snapshot stale and refuse every call; so that
+            # snapshot stays frozen, as during the outage, until a worker is back.
+            return
+        self._awaits_refill = False
+        split = admit_records(records, self._worker_networks)
+        self._note_rejected(split.rejected)
         # Heartbeats carry Redis's clock; the table works on ours. Convert via the age each
         # heartbeat had at the read, so clocks never have to agree.
         now_s = time.monotonic()
-        self._table.update([(r, now_s - (redis_now_s - hb_s)) for r, hb_s in records], now_s)
+        admitted = [(r, now_s - (redis_now_s - hb_s)) for r, hb_s in split.admitted]
+        self._table.update(admitted, now_s)
         self._metrics.live_workers.set(len(self._table.live_workers(now_s)))
+
+    def _note_rejected(self, rejected: list[WorkerRecord]) -> None:
+        self._metrics.rejected_worker_records_total.inc(len(rejected))
+        now_rejected = {(r.worker_id, r.address) for r in rejected}
+        for worker_id, address in sorted(now_rejected - self._rejected):
+            log.warning(
+                "registry: ignoring worker %r at %r: address outside --worker-networks (%s)",
+                worker_id,
+                address,
+                self._worker_networks,
+            )
+        self._rejected = now_rejected
 
     async def run(self) -> None:
         failures = 0
@@ -66,6 +99,7 @@ class RegistrySync:
                         "registry: Redis unreachable (%s); routing from last snapshot", error
                     )
                 failures += 1
+                self._awaits_refill = True
                 await self._set_degraded(True)
             age_s = self._table.snapshot_age_s(time.monotonic())
             self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.registry_schema import ModelRecord, WorkerRecord
+from services.router.ejection import TimeoutEjectionConfig, TimeoutEjector
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,41 @@ class RoutingConfig:
     max_snapshot_age_s: float = 120.0
     #: How long a worker whose call failed with UNAVAILABLE is skipped (seconds).
     eject_s: float = 5.0
+    #: A worker's reported queue counts while the snapshot is younger than this; past it (Redis
+    #: slow or down) only this router's own reservations count (seconds). Queues drain in
+    #: batches of milliseconds: a frozen report would steer traffic away for the whole outage.
+    queue_report_ttl_s: float = 1.0
     #: Safety margin kept between predicted completion and the deadline (seconds).
     deadline_margin_s: float = 0.005
     #: Use power-of-two-choices when there are more candidates than this; else exact minimum.
     power_of_two_threshold: int = 4
+    #: Consecutive timeouts (no success between) that eject a worker; 0: never (see
+    #: services.router.ejection).
+    timeouts_to_eject: int = TimeoutEjectionConfig.timeouts_to_eject
+    #: First ejection period of a worker whose calls only time out; repeats double it (s).
+    timeout_eject_s: float = TimeoutEjectionConfig.eject_s
+    #: Longest ejection period of a worker whose calls only time out (seconds).
+    max_timeout_eject_s: float = TimeoutEjectionConfig.max_eject_s
+
+    @property
+    def timeout_ejection(self) -> TimeoutEjectionConfig:
+        """The timeout-ejection settings as the ejector takes them (raises ValueError)."""
+        return TimeoutEjectionConfig(
+            self.timeouts_to_eject, self.timeout_eject_s, self.max_timeout_eject_s
+        )
 
     def __post_init__(self) -> None:
-        durations = (self.stale_after_s, self.max_snapshot_age_s, self.eject_s)
+        durations = (
+            self.stale_after_s,
+            self.max_snapshot_age_s,
+            self.eject_s,
+            self.queue_report_ttl_s,
+        )
         if min(*durations, self.deadline_margin_s) < 0:
             raise ValueError("routing durations and margin must be >= 0 seconds")
         if self.power_of_two_threshold < 1:
             raise ValueError("power_of_two_threshold must be >= 1")
+        _ = self.timeout_ejection  # bad ejection settings fail here, at start-up
 
 
 class RejectReason(enum.Enum):
@@ -103,6 +128,8 @@ class RouteTable:
         # worker_id -> monotonic time until which it is skipped. Survives `update`: a fresh
         # heartbeat does not prove the worker answers calls.
         self._ejected_until_s: dict[str, float] = {}
+        #: Ejects workers whose calls only time out; the forwarder reports call outcomes here.
+        self.timeouts = TimeoutEjector(config.timeout_ejection)
         # (worker_id, "name@version") -> rows reserved by this router and not yet released.
         self._inflight_rows: dict[tuple[str, str], int] = {}
         # reservation_id -> (worker_id, "name@version", rows).
@@ -165,6 +192,7 @@ class RouteTable:
             best = min(admitting or candidates, key=_rank)
         if not self._admits(best, remaining_s):
             return self._too_late(best, key, remaining_s)
+        self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows)
 
     def _candidates(
@@ -192,12 +220,15 @@ class RouteTable:
                 or not model.is_ready
                 or worker.worker_id in exclude
                 or now_s < self._ejected_until_s.get(worker.worker_id, -math.inf)
+                or not self.timeouts.may_route(worker.worker_id, now_s)
             ):
                 continue
             # The heartbeat is up to a period stale but counts every router's traffic; the
-            # local count is fresh but only ours. The max is a conservative blend of the two.
+            # local count is fresh but only ours. The max is a conservative blend of the two,
+            # while reads keep coming (see RoutingConfig.queue_report_ttl_s).
             local_rows = self._inflight_rows.get((worker.worker_id, key), 0)
-            queued_rows = max(model.queued_rows, local_rows)
+            is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
+            queued_rows = local_rows if is_frozen else max(model.queued_rows, local_rows)
             predicted_s = max(model.min_batch_s, (queued_rows + num_rows) * model.per_row_s)
             # For generation, num_rows is the prompt's token count.
             has_room = model.kv_block_size == 0 or (

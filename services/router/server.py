@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health
@@ -18,12 +19,15 @@ from services.common.lifecycle import (
 )
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
+from services.common.redis_acl import ROUTER, role_credentials
 from services.common.registry_schema import RegistryKeys, connect
 from services.common.telemetry import tier_registry
+from services.common.tls import add_port, start_health_listener
 from services.common.tracing import TracingInterceptor
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.catalog import Catalog
 from services.router.config import RouterConfig
+from services.router.drain import DrainGate
 from services.router.forwarder import Forwarder
 from services.router.metrics import RouterMetrics
 from services.router.registry_reader import RegistrySync
@@ -48,11 +52,21 @@ class Router:
     sync: RegistrySync
     forwarder: Forwarder
     streams: MultiplexServer
+    #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
+    health_listener: grpc.aio.Server | None = None
+    #: Refuses new calls once draining (replaced by create_router with the handlers' gate).
+    drain: DrainGate = field(default_factory=DrainGate)
 
     async def stop(self) -> None:
-        await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
+        """Drains: calls already running finish (within `drain_grace_s`); every later one is
+        refused UNAVAILABLE marked not started, which gateways resend to another router."""
+        self.drain.start()
         self.streams.close()  # gateways' streams end once their calls are answered
+        await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
+        # Also sends GOAWAY: gateways open their next streams on other routers.
         await self.server.stop(grace=self.config.drain_grace_s)
+        if self.health_listener is not None:
+            await self.health_listener.stop(grace=None)
         await self.forwarder.close()
 
 
@@ -66,27 +80,74 @@ async def create_router(config: RouterConfig) -> Router:
         metrics,
         default_timeout_s=config.default_timeout_s,
         max_retries=config.max_retries,
+        tls=config.worker_tls,
     )
     catalog = Catalog(table)
     # ListModels is the gateways' catalog poll, not a request, and a stream is a channel for
     # many requests, each traced on its own: both left out of traces.
     untraced = (f"/{SERVICE_NAME}/ListModels", STREAM_METHOD)
-    server = new_server([TracingInterceptor(untraced_methods=untraced)], is_internal=True)
+    server = new_server(
+        [TracingInterceptor(untraced_methods=untraced)],
+        is_internal=True,
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    drain = DrainGate()
+    streams = add_worker_service(server, forwarder, catalog, drain)
+    health_servicer = await add_health_and_reflection(
+        server, (SERVICE_NAME, REGISTRY_HEALTH_NAME), status=SERVING
+    )
+    on_degraded_change = await ready_after_first_read(health_servicer)
+    credentials = role_credentials(ROUTER, config.redis_url, config.redis_password_file)
+    sync = RegistrySync(
+        connect(config.redis_url, credentials=credentials),
+        RegistryKeys(config.registry_prefix),
+        table,
+        metrics,
+        period_s=config.refresh_period_s,
+        worker_networks=config.worker_networks,
+        on_degraded_change=on_degraded_change,
+    )
+    port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
+    await server.start()
+    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+    return Router(
+        config,
+        server,
+        port,
+        health_servicer,
+        metrics,
+        sync,
+        forwarder,
+        streams,
+        health_listener,
+        drain=drain,
+    )
+
+
+def add_worker_service(
+    server: grpc.aio.Server, forwarder: Forwarder, catalog: Catalog, drain: DrainGate
+) -> MultiplexServer:
+    """Registers WorkerService (calls forwarded, refused once `drain` starts); returns the
+    InferStream server, which Router.stop closes."""
+    infer = drain.guard_unary(forwarder.infer)
     # Bodies stay bytes here too: each call is forwarded as it arrived.
-    streams = MultiplexServer(forwarder.infer, deserialize=bytes, serialize=bytes)
+    streams = MultiplexServer(infer, deserialize=bytes, serialize=bytes)
     server.add_generic_rpc_handlers(
         (
             grpc.method_handlers_generic_handler(
                 SERVICE_NAME,
                 {
                     # No (de)serializers: the body is forwarded as the bytes it arrived as.
-                    "Infer": grpc.unary_unary_rpc_method_handler(forwarder.infer),
+                    "Infer": grpc.unary_unary_rpc_method_handler(infer),
                     "InferStream": grpc.stream_stream_rpc_method_handler(
                         streams.serve,
                         request_deserializer=pb.InferStreamRequest.FromString,
                         response_serializer=pb.InferStreamResponse.SerializeToString,
                     ),
-                    "Generate": grpc.unary_stream_rpc_method_handler(forwarder.generate),
+                    "Generate": grpc.unary_stream_rpc_method_handler(
+                        drain.guard_stream(forwarder.generate)
+                    ),
                     "ListModels": grpc.unary_unary_rpc_method_handler(
                         catalog.list_models,
                         request_deserializer=pb.ListWorkerModelsRequest.FromString,
@@ -96,13 +157,18 @@ async def create_router(config: RouterConfig) -> Router:
             ),
         )
     )
-    health_servicer = await add_health_and_reflection(
-        server, (SERVICE_NAME, REGISTRY_HEALTH_NAME), status=SERVING
-    )
+    return streams
 
-    # Not ready before the first registry read: an empty route table would refuse every call.
-    # Overall ("", liveness) stays SERVING; after the first read, Redis outages flip only the
-    # registry name, as routing goes on from the last snapshot.
+
+async def ready_after_first_read(
+    health_servicer: health.aio.HealthServicer,
+) -> Callable[[bool], Awaitable[None]]:
+    """Turns the router NOT_SERVING until its first registry read; returns the registry
+    sync's `on_degraded_change`.
+
+    Not ready before the first read: an empty route table would refuse every call. Overall
+    ("", liveness) stays SERVING; after the first read, Redis outages flip only the registry
+    name, as routing goes on from the last snapshot."""
     await health_servicer.set(SERVICE_NAME, NOT_SERVING)
     has_read = False
 
@@ -113,14 +179,4 @@ async def create_router(config: RouterConfig) -> Router:
             has_read = True
             await health_servicer.set(SERVICE_NAME, SERVING)
 
-    sync = RegistrySync(
-        connect(config.redis_url),
-        RegistryKeys(config.registry_prefix),
-        table,
-        metrics,
-        period_s=config.refresh_period_s,
-        on_degraded_change=on_degraded_change,
-    )
-    port = server.add_insecure_port(f"{config.host}:{config.grpc_port}")
-    await server.start()
-    return Router(config, server, port, health_servicer, metrics, sync, forwarder, streams)
+    return on_degraded_change

@@ -13,6 +13,7 @@ Grafana dashboard whose every metric exists.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import shutil
@@ -32,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
+from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway import config as gateway_config
 from services.gateway import server as gateway_server
 from services.gateway.metrics import GatewayMetrics
@@ -44,6 +46,7 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router import config as router_config
 from services.router import server as router_server
 from services.router.metrics import RouterMetrics
+from services.router.worker_networks import WorkerNetworks
 from tests.support.metrics import scrape
 from tests.support.models import write_affine_model
 from tests.support.processes import ServiceProcess, start_worker
@@ -92,6 +95,8 @@ EXPECTED_INGRESS = {
     ("redis", "redis"): {"router", "gpu-worker"},
 }
 TLS_MOUNT = "/etc/fabric/tls"
+#: The Redis ACL role of each tier that talks to Redis, and its settings' env prefix.
+REDIS_ROLES = {"router": ("router", "ROUTER"), "gpu-worker": ("worker", "WORKER")}
 
 Objects = list[dict[str, Any]]
 
@@ -366,6 +371,15 @@ def test_helm_external_redis() -> None:
             kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
 
 
+def test_helm_without_keys_says_auth_is_off() -> None:
+    """The gateway fails closed: a chart rendered without API keys must switch auth off
+    explicitly, or the gateway would not start."""
+    objects = load_all(run(helm_command("--set", "auth.enabled=false"), "helm template (no keys)"))
+    env = env_entries(main_container(deployments(objects)["gateway"]))
+    assert "GATEWAY_API_KEYS_FILE" not in env
+    assert env["GATEWAY_ALLOW_UNAUTHENTICATED"]["value"] == "true"
+
+
 # -- pods: probes, resources, security, shutdown -----------------------------------------------
 
 
@@ -393,16 +407,20 @@ def test_every_container_has_probes_resources_and_a_locked_down_context(
                 assert security.get("capabilities", {}).get("drop") == ["ALL"], where
 
 
-def test_grpc_probes_ask_the_tiers_own_health_services(renders: dict[str, Objects]) -> None:
+def test_s33_grpc_probes_ask_the_tiers_own_health_services(renders: dict[str, Objects]) -> None:
     for name, objects in renders.items():
         for tier in TIERS:
             container = main_container(deployments(objects)[tier])
-            grpc_port = container_port(container, "grpc")
+            # With TLS on the gRPC port, kubelet (no TLS) probes the plaintext health port.
+            health = env_entries(container).get(f"{TIER_SETTINGS[tier].env_prefix}_HEALTH_PORT")
+            probe_port = container_port(container, "health" if health else "grpc")
+            if health:
+                assert int(health["value"]) == probe_port, f"{name}/{tier}: health port"
             for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
                 probe = container[probe_name]
                 where = f"{name}/{tier}.{probe_name}"
                 assert "grpc" in probe, f"{where}: not a native gRPC probe"
-                assert probe["grpc"]["port"] == grpc_port, where
+                assert probe["grpc"]["port"] == probe_port, where
                 service = probe["grpc"].get("service", "")
                 assert service in {"", *HEALTH_NAMES[tier]}, f"{where}: unknown {service!r}"
             # Liveness on the overall status: the router's "fabric.registry" is NOT_SERVING
@@ -456,17 +474,41 @@ POD_IP = "10.1.2.3"
 
 
 @pytest.fixture(scope="module")
-def parsed_configs(renders: dict[str, Objects]) -> dict[str, dict[str, Any]]:
+def tls_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Stands in for `/` under TLS_MOUNT: the tiers check their PEM files when configured."""
+    return tmp_path_factory.mktemp("tls-root")
+
+
+def staged_tls_files(env: dict[str, str], root: Path) -> dict[str, str]:
+    """`env` with every path under the TLS mounts moved under `root`, where a placeholder PEM
+    file now stands (a tier refuses to start on a missing one)."""
+    staged = {}
+    for variable, value in env.items():
+        if value.startswith(TLS_MOUNT):
+            path = root / value.lstrip("/")
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("-----BEGIN CERTIFICATE-----\nplaceholder\n-----END CERTIFICATE-----\n")
+            value = str(path)
+        staged[variable] = value
+    return staged
+
+
+@pytest.fixture(scope="module")
+def parsed_configs(renders: dict[str, Objects], tls_root: Path) -> dict[str, dict[str, Any]]:
     """Each tier's config as its own parse_config reads it from the rendered env (one child
-    process: the worker's entry point installs a SIGTERM handler and imports torch)."""
+    process: the worker's entry point installs a SIGTERM handler and imports torch). TLS file
+    paths are staged under `tls_root`."""
     requests = {
         f"{name}/{tier}": (
             tier,
-            resolve_env(
-                main_container(deployments(objects)[tier]),
-                objects,
-                pod_name=f"{tier}-7d9f-abcde",
-                pod_ip=POD_IP,
+            staged_tls_files(
+                resolve_env(
+                    main_container(deployments(objects)[tier]),
+                    objects,
+                    pod_name=f"{tier}-7d9f-abcde",
+                    pod_ip=POD_IP,
+                ),
+                tls_root,
             ),
         )
         for name, objects in renders.items()
@@ -522,6 +564,8 @@ def test_tiers_parse_the_rendered_env_into_the_intended_config(
         gateway = parsed_configs[f"{name}/gateway"]
         assert gateway["router_address"] == service_address(objects, "router", "grpc")
         assert (gateway["api_keys_file"] is None) == (name == "dev")
+        # Fail-closed auth: only dev, which has no keys, says so explicitly.
+        assert gateway["allow_unauthenticated"] == (name == "dev")
 
         redis_url = f"redis://{service_address(objects, 'redis', 'redis')}/0"
         router = parsed_configs[f"{name}/router"]
@@ -531,8 +575,58 @@ def test_tiers_parse_the_rendered_env_into_the_intended_config(
         assert worker["worker_id"] == "gpu-worker-7d9f-abcde", "WORKER_ID from metadata.name"
         grpc_port = container_port(main_container(found["gpu-worker"]), "grpc")
         assert worker["advertise_address"] == f"{POD_IP}:{grpc_port}", "routers dial the pod IP"
+        allowed = router["worker_networks"]
+        networks = WorkerNetworks.parse(",".join([*allowed["networks"], *allowed["host_suffixes"]]))
+        assert networks.admits(worker["advertise_address"]), f"{name}: router ignores workers"
+        assert not networks.admits(f"8.8.8.8:{grpc_port}"), f"{name}: public addresses allowed"
+        for config in (router, worker):
+            assert config["redis_password_file"] == "/etc/fabric/redis/password", name
         drain = env_entries(main_container(found["gpu-worker"]))["WORKER_DRAIN_GRACE_S"]["value"]
         assert worker["drain_grace_s"] == float(drain)
+
+
+def in_secret_mount(staged: str | None, root: Path, mounts: dict[str, str]) -> bool:
+    """Whether a config's (staged) file path lies in one of the Secret-mounted directories."""
+    if staged is None:
+        return False
+    path = "/" + str(Path(staged).relative_to(root))
+    return any(path.startswith(mount.rstrip("/") + "/") for mount in mounts)
+
+
+def test_prod_serves_tls_everywhere_and_mtls_between_tiers(
+    renders: dict[str, Objects], parsed_configs: dict[str, dict[str, Any]], tls_root: Path
+) -> None:
+    """Prod: every gRPC port serves TLS from its Secret, routers and workers require client
+    certificates, each caller dials with the CA and a client certificate, and the probes have a
+    plaintext health port. Dev stays plaintext."""
+    for name, objects in renders.items():
+        found = deployments(objects)
+        configs = {tier: parsed_configs[f"{name}/{tier}"] for tier in TIERS}
+        if name == "dev":
+            for tier, config in configs.items():
+                assert config["tls"] == {k: None for k in config["tls"]}, f"dev/{tier}"
+            assert configs["gateway"]["router_tls"]["ca_file"] is None
+            assert configs["router"]["worker_tls"]["ca_file"] is None
+            continue
+        for tier, config in configs.items():
+            prefix = TIER_SETTINGS[tier].env_prefix
+            env = env_entries(main_container(found[tier]))
+            assert {f"{prefix}_TLS_CERT_FILE", f"{prefix}_TLS_KEY_FILE"} <= set(env), name
+            mounts = secret_mounts(found[tier])
+            for key in ("cert_file", "key_file"):
+                assert in_secret_mount(config["tls"][key], tls_root, mounts), f"{name}/{tier}"
+            health_port = container_port(main_container(found[tier]), "health")
+            assert config["tls"]["health_port"] == health_port, f"{name}/{tier}"
+            if tier != "gateway":  # the public port authenticates callers by API key instead
+                ca = config["tls"]["client_ca_file"]
+                assert in_secret_mount(ca, tls_root, mounts), f"{name}/{tier}: mTLS is off"
+        for caller, field in (("gateway", "router_tls"), ("router", "worker_tls")):
+            mounts = secret_mounts(found[caller])
+            for key in ("ca_file", "cert_file", "key_file"):
+                path = configs[caller][field][key]
+                assert in_secret_mount(path, tls_root, mounts), f"{name}/{caller}.{field}.{key}"
+        # Workers are dialled by pod IP: their certificate's name must be named instead.
+        assert configs["router"]["worker_tls"]["server_name"], name
 
 
 def test_services_select_one_deployment_on_named_ports(renders: dict[str, Objects]) -> None:
@@ -576,12 +670,13 @@ def test_dev_is_one_of_each_without_auth(overlays: dict[str, Objects]) -> None:
     objects = overlays["dev"]
     for deployment in deployments(objects).values():
         assert deployment["spec"]["replicas"] == 1
-        assert not secret_mounts(deployment), "dev mounts no Secrets"
+        mounted = set(secret_mounts(deployment).values())
+        assert mounted <= {redis_acl_secret(objects)}, "dev mounts no Secrets but Redis's"
     for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"):
         assert not of_kind(objects, kind), f"dev has no {kind}"
-    assert "GATEWAY_API_KEYS_FILE" not in env_entries(
-        main_container(deployments(objects)["gateway"])
-    )
+    gateway_env = env_entries(main_container(deployments(objects)["gateway"]))
+    assert "GATEWAY_API_KEYS_FILE" not in gateway_env
+    assert gateway_env["GATEWAY_ALLOW_UNAUTHENTICATED"]["value"] == "true"
 
 
 def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) -> None:
@@ -592,6 +687,7 @@ def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) 
             assert TLS_MOUNT in secret_mounts(found[tier]), f"{name}/{tier}: no TLS Secret"
         gateway = main_container(found["gateway"])
         keys_file = env_entries(gateway)["GATEWAY_API_KEYS_FILE"]["value"]
+        assert "GATEWAY_ALLOW_UNAUTHENTICATED" not in env_entries(gateway), f"{name}: auth off"
         mounts = secret_mounts(found["gateway"])
         assert any(keys_file.startswith(path.rstrip("/") + "/") for path in mounts), (
             f"{name}: {keys_file} is not in a Secret-mounted directory"
@@ -599,6 +695,72 @@ def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) 
         for mount in gateway["volumeMounts"]:
             if mount["mountPath"] in mounts:
                 assert mount.get("readOnly") is True
+
+
+# -- Redis access control ----------------------------------------------------------------------
+
+
+def redis_acl_secret(objects: Objects) -> str:
+    """Name of the Secret the Redis pod reads its ACL file from."""
+    redis = deployments(objects)["redis"]
+    (name,) = {
+        v["secret"]["secretName"]
+        for v in volume_sources(redis).values()
+        if "secret" in v and {i["key"] for i in v["secret"].get("items", [])} == {ACL_FILE_NAME}
+    }
+    return name
+
+
+def mounted_secret_file(deployment: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the Secret file the main container sees at `path`."""
+    volumes = volume_sources(deployment)
+    for mount in main_container(deployment).get("volumeMounts", []):
+        source = volumes[mount["name"]].get("secret")
+        directory = mount["mountPath"].rstrip("/") + "/"
+        if source is None or not path.startswith(directory):
+            continue
+        assert mount.get("readOnly") is True, f"{mount['name']} is writable"
+        for item in source.get("items", []):
+            if directory + item["path"] == path:
+                return source["secretName"], item["key"]
+    raise AssertionError(f"{path} is not a file from a Secret")
+
+
+def test_redis_runs_its_acl_and_each_tier_gets_only_its_own_password(
+    renders: dict[str, Objects],
+) -> None:
+    for name, objects in renders.items():
+        found = deployments(objects)
+        secret = redis_acl_secret(objects)
+        args = main_container(found["redis"])["args"]
+        assert "--protected-mode" not in args, f"{name}: Redis must keep protected mode"
+        acl_path = args[args.index("--aclfile") + 1]
+        assert mounted_secret_file(found["redis"], acl_path) == (secret, ACL_FILE_NAME), name
+        for tier, (role, prefix) in REDIS_ROLES.items():
+            env = env_entries(main_container(found[tier]))
+            path = env[f"{prefix}_REDIS_PASSWORD_FILE"]["value"]
+            where = f"{name}/{tier}"
+            assert mounted_secret_file(found[tier], path) == (secret, f"{role}-password"), where
+            other_keys = {
+                item["key"]
+                for v in volume_sources(found[tier]).values()
+                if v.get("secret", {}).get("secretName") == secret
+                for item in v["secret"]["items"]
+            }
+            assert other_keys == {f"{role}-password"}, f"{where} sees {other_keys}"
+            # A password travels as a file, never as an env value.
+            assert all(e.endswith("_FILE") for e in env if "PASSWORD" in e), where
+
+
+def test_dev_redis_secret_is_marked_and_consistent(overlays: dict[str, Objects]) -> None:
+    objects = overlays["dev"]
+    secret_name = redis_acl_secret(objects)
+    (secret,) = [s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == secret_name]
+    data = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    passwords = {role: data[password_file_name(role)].strip() for role in ROLES}
+    for password in passwords.values():
+        assert password.startswith("dev-only-"), "the committed passwords say they are dev-only"
+    assert data[ACL_FILE_NAME].splitlines() == acl_lines(passwords)
 
 
 # -- autoscaling and disruption ----------------------------------------------------------------
@@ -774,7 +936,7 @@ def test_every_hpa_metric_is_served_by_the_adapter(prod_like: dict[str, Objects]
                 assert overrides["namespace"] == {"resource": "namespace"}, metric
 
 
-def test_adapter_queries_read_series_a_live_worker_exports(
+def test_s34_adapter_queries_read_series_a_live_worker_exports(
     worker_scrape: str, exported: set[str]
 ) -> None:
     live_labels: dict[str, set[str]] = {}
@@ -960,3 +1122,22 @@ def slo_histogram_bounds() -> dict[str, set[str]]:
         for family in registry.collect()
         if family.type == "histogram" and family.samples
     }
+
+
+def test_s32_router_service_is_headless_so_gateways_balance_over_every_router(
+    renders: dict[str, Objects],
+) -> None:
+    """A ClusterIP would give the gateway's round_robin channel one address: every call would
+    go through one router at a time, and a call a draining router refused could not be resent
+    to another."""
+    for name, objects in renders.items():
+        router = by_component(objects, "Service")["router"]
+        assert router["spec"].get("clusterIP") == "None", name
+        gateway = main_container(deployments(objects)["gateway"])
+        ref = env_entries(gateway)["GATEWAY_ROUTER_ADDRESS"]["valueFrom"]["configMapKeyRef"]
+        config_map = next(
+            o for o in of_kind(objects, "ConfigMap") if o["metadata"]["name"] == ref["name"]
+        )
+        host = config_map["data"][ref["key"]].rsplit(":", 1)[0]
+        # The gateway dials that Service by name (a DNS name: every pod address), not an IP.
+        assert host == router["metadata"]["name"], name

@@ -139,7 +139,7 @@ def test_open_loop_traffic_from_the_moment_of_ready_meets_the_slo(
     assert good_share(outcomes) >= 0.99, f"at {rate_per_s:.1f}/s: {describe(outcomes)}"
 
 
-def test_after_a_flood_at_10x_capacity_normal_traffic_is_served_normally(
+def test_s03_after_a_flood_at_10x_capacity_normal_traffic_is_served_normally(
     tmp_path: Path, capacity_per_s: float
 ) -> None:
     """10 s at 10x capacity, then 10 s at half: no lockout, no collapse. The second phase is
@@ -171,3 +171,53 @@ def test_after_a_flood_at_10x_capacity_normal_traffic_is_served_normally(
     assert "RESOURCE_EXHAUSTED" in {o.status for o in in_flood}, summary
     assert good_share(recovered) >= 0.99, summary
     assert health == health_pb2.HealthCheckResponse.SERVING
+
+
+#: Client-side latency includes the load generator's own scheduling on the same 2 shared cores:
+#: an accepted call carries the SLO as its deadline, so a server-side overrun shows as a few ms.
+CLIENT_SLACK = 1.1
+
+
+@pytest.mark.parametrize("factor", [2, 10])
+@pytest.mark.xfail(
+    reason="known gap (issues 10 and 18), measured on 2 shared cores: at 2x goodput is 0.88-1.04 "
+    "of capacity with p99 of accepted calls 250-414 ms; at 10x refusing the flood takes the CPU "
+    "that serving needs, goodput 0.42-0.47",
+    strict=False,
+)
+def test_s03_open_loop_past_capacity_keeps_goodput_and_accepted_latency(
+    tmp_path: Path, capacity_per_s: float, factor: int
+) -> None:
+    """Scenario 3: 12 s of open-loop traffic at `factor` x capacity, from callers whose deadline
+    is the SLO (DESIGN.md: the deadline is the caller's; a caller with a longer one is served
+    late rather than refused). Judged from 2 s in (the first seconds fill the queues): answers
+    within the SLO per second stay at 90% of capacity or more, accepted requests answer within
+    the SLO at p99, every refusal is RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, and every tier
+    is still up afterwards."""
+    duration_s, settle_s = 12.0, 2.0
+    schedule = poisson_schedule(factor * capacity_per_s, duration_s, seed=factor)
+    stack = start_stack(tmp_path)
+
+    async def run() -> tuple[list[Outcome], int]:
+        async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+            outcomes = await run_open_loop(sender(channel, TEXTS, SLO_S), schedule)
+        return outcomes, await health_status(stack.gateway.address)
+
+    try:
+        outcomes, health = asyncio.run(run())
+        # Nothing crashed or restarted: every child is the process the stack started.
+        dead = [name for name, pid in stack.pids().items() if not Path(f"/proc/{pid}").exists()]
+    finally:
+        assert stack.stop() == 0, stack.log("launcher")
+    judged = [o for o in outcomes if o.scheduled_s >= settle_s]
+    accepted = sorted(o.latency_s for o in judged if o.status == OK)
+    goodput_per_s = sum(s <= SLO_S for s in accepted) / (duration_s - settle_s)
+    summary = (
+        f"{factor}x of {capacity_per_s:.1f}/s: goodput {goodput_per_s:.1f}/s "
+        f"({goodput_per_s / capacity_per_s:.2f} of capacity); {describe(judged)}"
+    )
+    assert goodput_per_s >= 0.9 * capacity_per_s, summary
+    assert accepted and accepted[int(0.99 * (len(accepted) - 1))] <= SLO_S * CLIENT_SLACK, summary
+    assert {o.status for o in judged} <= {OK, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}, summary
+    assert health == health_pb2.HealthCheckResponse.SERVING
+    assert dead == [], dead

@@ -151,7 +151,7 @@ def test_stock_kserve_v2_client(stack: Stack, reference_embedder) -> None:
         assert cosine(got, want) >= 0.999
 
 
-def test_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack) -> None:
+def test_s38_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack) -> None:
     rows_before = worker_rows(stack)
     result = run_kserve_client(
         stack.gateway.address, "--model", "minilm", "--expect-error", "--datatype", "FP32", "a", "b"
@@ -202,7 +202,7 @@ def test_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack) ->
         (predict_request("hi", model="../x"), grpc.StatusCode.INVALID_ARGUMENT),
     ],
 )
-async def test_bad_input_never_reaches_a_worker(stack: Stack, request_, code) -> None:
+async def test_s38_bad_input_never_reaches_a_worker(stack: Stack, request_, code) -> None:
     rows_before = worker_rows(stack)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)

@@ -33,7 +33,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     assert stack.stop() == 0, stack.log("launcher")
 
 
-async def test_worker_killed_under_load_loses_no_request(stack: Stack) -> None:
+async def test_s21_worker_killed_under_load_loses_no_request(stack: Stack) -> None:
     victim = stack.workers[1]
     survivor = stack.workers[0]
     load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=8.0))
@@ -59,7 +59,7 @@ async def test_worker_killed_under_load_loses_no_request(stack: Stack) -> None:
     assert live and live[0][1] == 1
 
 
-async def test_redis_stopped_under_load_requests_keep_succeeding(stack: Stack) -> None:
+async def test_s25_redis_stopped_under_load_requests_keep_succeeding(stack: Stack) -> None:
     load = asyncio.ensure_future(run_load(stack.gateway.address, seconds=6.0))
     await asyncio.sleep(1.0)  # the scenario: the kill lands mid-load
     os.kill(stack.redis_pid, signal.SIGKILL)

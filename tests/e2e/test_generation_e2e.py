@@ -43,7 +43,7 @@ async def stream(
     return [m async for m in stub.Generate(request, timeout=60)]
 
 
-async def test_generate_streams_tokens_with_a_final_summary(stack: Stack) -> None:
+async def test_s19_generate_streams_tokens_with_a_final_summary(stack: Stack) -> None:
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         first, second = await asyncio.gather(
@@ -93,7 +93,7 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
     assert len(whole["chunks"]) == 1 and whole["chunks"][0].startswith("Hello")
 
 
-async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
+async def test_s10_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
     worker = stack.workers[0]
     before = total(scrape(worker.metrics_port), names.GENERATION_CANCELLED_TOTAL)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -132,7 +132,7 @@ async def test_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
         (api.GenerateRequest(model_name="minilm", prompt="hi"), "not a generation model"),
     ],
 )
-async def test_bad_generation_input_is_invalid_argument(
+async def test_s38_bad_generation_input_is_invalid_argument(
     stack: Stack, request_, message: str
 ) -> None:
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -143,7 +143,7 @@ async def test_bad_generation_input_is_invalid_argument(
     assert message in raised.value.details()
 
 
-async def test_predict_on_a_generation_model_is_refused_at_the_gateway(stack: Stack) -> None:
+async def test_s38_predict_on_a_generation_model_is_refused_at_the_gateway(stack: Stack) -> None:
     rows_before = total(scrape(stack.workers[0].metrics_port), names.WORKER_REQUESTS_TOTAL)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
@@ -173,7 +173,7 @@ def _kserve_generate(
     return request
 
 
-async def test_malformed_stream_requests_each_get_an_error_and_the_stream_ends(
+async def test_s39_malformed_stream_requests_each_get_an_error_and_the_stream_ends(
     stack: Stack,
 ) -> None:
     # Issue 16: errors other than the fabric's own killed the request's task without an answer,

@@ -94,7 +94,7 @@ async def test_stack_starts_and_stops_leaving_no_process(tmp_path: Path) -> None
         assert [w.worker_id for w in stack.workers] == ["worker-0", "worker-1"]
         for tier in (stack.gateway, stack.router, *stack.workers):
             assert await health_status(tier.address) == SERVING, tier
-        assert redis.Redis(port=stack.redis_port, socket_timeout=5).ping()
+        assert redis.Redis.from_url(stack.redis_url, socket_timeout=5).ping()
     finally:
         exit_code = stack.stop()
     assert exit_code == 0, stack.log("launcher")

@@ -1,4 +1,6 @@
-"""API keys at a real in-process gateway: UNAUTHENTICATED, PERMISSION_DENIED, hashed storage.
+"""API keys at a real in-process gateway (RELIABILITY.md scenario 36): UNAUTHENTICATED,
+PERMISSION_DENIED, hashed storage, keys re-read when their file changes, refusal before the
+request body is parsed, and no start without keys unless asked for.
 
 No router is running: authentication and authorization are decided before any routing, so a
 request that passes them ends UNAVAILABLE (no fleet yet), which is how these tests see it passed.
@@ -6,12 +8,17 @@ request that passes them ends UNAVAILABLE (no fleet yet), which is how these tes
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
@@ -19,7 +26,8 @@ from services.gateway.server import Gateway, create_gateway
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.models import write_affine_model, write_minilm_repository
-from tests.support.processes import health_status
+from tests.support.processes import REPO_ROOT, health_status
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -27,31 +35,38 @@ SEARCH_KEY = "search-team-secret"
 ADS_KEY = "ads-team-secret"
 
 
+def keys_toml(*entries: tuple[str, str, list[str] | None]) -> str:
+    """A keys file of (tenant, key, models) entries."""
+    tables = []
+    for tenant, key, models in entries:
+        limit = "" if models is None else f"models = {models!r}\n"
+        tables.append(f'[[keys]]\ntenant = "{tenant}"\nsha256 = "{hash_key(key)}"\n{limit}')
+    return "\n".join(tables)
+
+
+SEARCH = ("search", SEARCH_KEY, None)
+ADS = ("ads", ADS_KEY, ["affine"])
+
+
 @pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+def keys_file(tmp_path: Path) -> Path:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(keys_toml(SEARCH, ADS))
+    assert SEARCH_KEY not in keys.read_text()
+    return keys
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path, keys_file: Path) -> AsyncIterator[Gateway]:
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     write_affine_model(repository)
-    keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f"""
-[[keys]]
-tenant = "search"
-sha256 = "{hash_key(SEARCH_KEY)}"
-
-[[keys]]
-tenant = "ads"
-sha256 = "{hash_key(ADS_KEY)}"
-models = ["affine"]
-"""
-    )
-    assert SEARCH_KEY not in keys.read_text()
     gateway = await create_gateway(
         GatewayConfig(
             model_repository=repository,
             router_address="127.0.0.1:1",
             grpc_port=0,
             metrics_port=0,
-            api_keys_file=keys,
+            api_keys_file=keys_file,
         )
     )
     yield gateway
@@ -80,7 +95,7 @@ async def call(
         (("authorization", SEARCH_KEY),),
     ],
 )
-async def test_missing_or_wrong_key_is_unauthenticated(gateway: Gateway, metadata) -> None:
+async def test_s36_missing_or_wrong_key_is_unauthenticated(gateway: Gateway, metadata) -> None:
     assert await call(gateway, metadata) == grpc.StatusCode.UNAUTHENTICATED
 
 
@@ -90,7 +105,7 @@ async def test_valid_key_passes_authentication(gateway: Gateway) -> None:
         assert await call(gateway, metadata) == grpc.StatusCode.UNAVAILABLE
 
 
-async def test_key_limited_to_other_models_is_permission_denied(gateway: Gateway) -> None:
+async def test_s36_key_limited_to_other_models_is_permission_denied(gateway: Gateway) -> None:
     ads = (("authorization", f"Bearer {ADS_KEY}"),)
     assert await call(gateway, ads, model="minilm") == grpc.StatusCode.PERMISSION_DENIED
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
@@ -106,3 +121,133 @@ async def test_health_needs_no_key(gateway: Gateway) -> None:
     # NOT_SERVING (no router has answered yet), but answered without a key.
     status = await health_status(f"127.0.0.1:{gateway.port}")
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def bearer(key: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+def replace_file(path: Path, text: str) -> None:
+    """Writes `text` as a new file renamed over `path`, as a Secret update does."""
+    tmp = path.with_suffix(".new")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+async def test_s36_added_key_works_and_removed_key_is_refused_within_3_s(
+    gateway: Gateway, keys_file: Path
+) -> None:
+    new_key = "new-team-secret"
+    assert await call(gateway, bearer(new_key)) == grpc.StatusCode.UNAUTHENTICATED
+
+    keys_file.write_text(keys_toml(SEARCH, ADS, ("new", new_key, None)))  # edited in place
+
+    async def new_key_passes() -> bool:
+        return await call(gateway, bearer(new_key)) == grpc.StatusCode.UNAVAILABLE
+
+    await eventually(new_key_passes, timeout_s=3.0, message="the added key was not accepted")
+
+    replace_file(keys_file, keys_toml(ADS, ("new", new_key, None)))
+
+    async def search_refused() -> bool:
+        return await call(gateway, bearer(SEARCH_KEY)) == grpc.StatusCode.UNAUTHENTICATED
+
+    await eventually(search_refused, timeout_s=3.0, message="the removed key still works")
+    assert await call(gateway, bearer(new_key)) == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_s36_a_keys_file_that_does_not_parse_keeps_the_old_keys(
+    gateway: Gateway, keys_file: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.ERROR, logger="services.gateway.auth")
+    for garbage in ("[[keys]\ntenant = ", "", '[[keys]]\ntenant = "x"\nsha256 = "short"\n'):
+        caplog.clear()
+        replace_file(keys_file, garbage)
+
+        def reload_refused() -> bool:
+            return "not reloaded" in caplog.text
+
+        await eventually(reload_refused, timeout_s=3.0, message=f"{garbage!r} was not read")
+        assert await call(gateway, bearer(SEARCH_KEY)) == grpc.StatusCode.UNAVAILABLE
+        assert await call(gateway, bearer(ADS_KEY)) == grpc.StatusCode.PERMISSION_DENIED
+        assert await call(gateway, bearer("x")) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def raw_call(
+    gateway: Gateway, method: str, body: bytes, metadata: tuple[tuple[str, str], ...] = ()
+) -> grpc.StatusCode:
+    """`body` sent as it is (no serializer) to `method`, unary or a one-message stream."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        try:
+            if method.endswith("StreamInfer"):
+                stream = channel.stream_stream(method)(iter([body]), metadata=metadata, timeout=5)
+                _ = [m async for m in stream]
+            else:
+                await channel.unary_unary(method)(body, metadata=metadata, timeout=5)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
+
+
+NOT_PROTOBUF = b"\xff\xff\xff\xff"  # a truncated varint tag: no message parses from it
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/inference.v1.InferenceService/Predict",
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+    ],
+)
+async def test_s36_refused_before_the_body_is_parsed(
+    gateway: Gateway, method: str, spans: InMemorySpanExporter
+) -> None:
+    # With a key the body is parsed, and fails: it is not a protobuf message.
+    parsed = await raw_call(gateway, method, NOT_PROTOBUF, bearer(SEARCH_KEY))
+    assert parsed not in (grpc.StatusCode.OK, grpc.StatusCode.UNAUTHENTICATED)
+    # Without one it never is: the caller learns only that it is not authenticated.
+    assert await raw_call(gateway, method, NOT_PROTOBUF) == grpc.StatusCode.UNAUTHENTICATED
+    assert await raw_call(gateway, method, NOT_PROTOBUF, bearer("wrong")) == (
+        grpc.StatusCode.UNAUTHENTICATED
+    )
+    codes = [
+        s.attributes.get("rpc.grpc.status_code")
+        for s in spans.get_finished_spans()
+        if s.name == method.lstrip("/") and s.attributes is not None
+    ]
+    assert codes.count(grpc.StatusCode.UNAUTHENTICATED.value[0]) == 2, "refusals are traced"
+
+
+async def test_s36_gateway_without_keys_refuses_to_start(tmp_path: Path) -> None:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
+    started = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.gateway", "--grpc-port", "0", "--metrics-port", "0",
+        cwd=REPO_ROOT, env=environ, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, stderr = await asyncio.wait_for(started.communicate(), timeout=60)
+    assert started.returncode == 2
+    assert b"--allow-unauthenticated" in stderr and b"--api-keys-file" in stderr
+    with pytest.raises(ValueError, match="API keys"):
+        GatewayConfig(model_repository=tmp_path)
+
+
+async def test_s36_allow_unauthenticated_serves_everyone_as_local_loudly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    caplog.set_level(logging.WARNING, logger="services.gateway.server")
+    gateway = await create_gateway(
+        GatewayConfig(
+            model_repository=repository,
+            router_address="127.0.0.1:1",
+            grpc_port=0,
+            metrics_port=0,
+            allow_unauthenticated=True,
+        )
+    )
+    try:
+        assert "AUTHENTICATION IS OFF" in caplog.text
+        assert await call(gateway, ()) == grpc.StatusCode.UNAVAILABLE, "past auth, no fleet"
+    finally:
+        await gateway.stop()

@@ -132,7 +132,7 @@ async def collect(
     return tokens
 
 
-async def test_greedy_matches_transformers_with_staggered_arrivals(
+async def test_s18_greedy_matches_transformers_with_staggered_arrivals(
     checkpoint: Path, engine_backend: GenerationBackend
 ) -> None:
     backend = engine_backend
@@ -172,7 +172,7 @@ async def test_preemption_then_resume_gives_the_uninterrupted_tokens(
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
 
 
-async def test_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
+async def test_s10_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
     checkpoint: Path, tmp_path: Path
 ) -> None:
     # One sequence at a time: the second waits until the first is cancelled.
@@ -269,7 +269,7 @@ async def test_same_seed_same_tokens_and_stop_conditions(engine_backend: Generat
     assert stopped == greedy[: greedy.index(greedy[4])]
 
 
-async def test_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:
+async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:
     backend, _ = make_backend(checkpoint)
     execute = backend.runner.execute
     calls = {"n": 0}

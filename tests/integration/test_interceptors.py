@@ -9,11 +9,17 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry import trace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.errors import Overloaded
-from services.common.lifecycle import new_server
+from services.common.lifecycle import (
+    NOT_SERVING,
+    SERVING,
+    add_health_and_reflection,
+    new_server,
+)
 from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore, Principal, current_principal, hash_key
 from tests.support.waiting import eventually
@@ -122,7 +128,7 @@ async def test_every_shape_is_authenticated_and_traced(
 
 
 @pytest.mark.parametrize("method", ["Unary", "StreamUnary", "UnaryStream", "StreamStream"])
-async def test_every_shape_refuses_a_caller_without_a_key(
+async def test_s36_every_shape_refuses_a_caller_without_a_key(
     served: tuple[Shapes, grpc.aio.Channel], method: str
 ) -> None:
     _, channel = served
@@ -143,7 +149,7 @@ async def test_every_shape_refuses_a_caller_without_a_key(
     assert raised.value.code() is grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_a_stream_that_fails_midway_keeps_its_messages_status_and_retry_hint(
+async def test_s19_a_stream_that_fails_midway_keeps_its_messages_status_and_retry_hint(
     served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
 ) -> None:
     _, channel = served
@@ -189,3 +195,24 @@ async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelle
         lambda: span_codes(spans, "UnaryStream"), message="the span did not end"
     )
     assert codes == [grpc.StatusCode.CANCELLED.value[0]]
+
+
+async def test_s33_health_watch_streams_through_the_interceptors() -> None:
+    # grpcio's Watch is a coroutine writing with context.write, not an async generator; wrapped
+    # as a generator it answered INTERNAL on every tier.
+    server = new_server([TracingInterceptor(), AuthInterceptor(None)])
+    servicer = await add_health_and_reflection(server, ["test.Shapes"], status=SERVING)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watch = stub.Watch(health_pb2.HealthCheckRequest(service="test.Shapes"), timeout=10)
+            first = await watch.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING
+            await servicer.set("test.Shapes", NOT_SERVING)
+            second = await watch.read()
+            assert second.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            watch.cancel()
+    finally:
+        await server.stop(grace=None)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
-from services.common.lifecycle import PING_TOLERANCE
+from services.common.lifecycle import PING_TOLERANCE, new_server
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient, channel_options
 from services.common.multiplex_server import CallContext, MultiplexServer
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -99,7 +99,7 @@ async def test_status_message_and_retry_hint_cross_the_stream() -> None:
     assert str(bug) == "internal error"  # the server's internals stay on the server
 
 
-async def test_metadata_and_time_left_reach_the_handler() -> None:
+async def test_s11_metadata_and_time_left_reach_the_handler() -> None:
     seen: list[tuple[tuple[tuple[str, str], ...], float | None]] = []
 
     async def record(request: bytes, context: CallContext) -> bytes:
@@ -116,7 +116,7 @@ async def test_metadata_and_time_left_reach_the_handler() -> None:
     assert no_metadata == () and no_deadline is None
 
 
-async def test_deadline_and_cancellation_stop_the_call_on_the_server() -> None:
+async def test_s11_deadline_and_cancellation_stop_the_call_on_the_server() -> None:
     started: asyncio.Queue[bytes] = asyncio.Queue()
     cancelled: asyncio.Queue[bytes] = asyncio.Queue()
 
@@ -142,7 +142,7 @@ async def test_deadline_and_cancellation_stop_the_call_on_the_server() -> None:
         assert await cancelled.get() == b"abandoned"
 
 
-async def test_broken_stream_fails_calls_unavailable_and_the_next_call_reconnects() -> None:
+async def test_s21_broken_stream_fails_calls_unavailable_and_the_next_call_reconnects() -> None:
     entered = asyncio.Event()
 
     async def slow(request: bytes, context: CallContext) -> bytes:
@@ -190,7 +190,7 @@ async def test_close_answers_running_calls_then_ends_the_stream() -> None:
         assert raised.value.code is grpc.StatusCode.UNAVAILABLE
 
 
-async def test_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:
+async def test_s35_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:
     # As in production (lifecycle.new_server), the server sends GOAWAY once a connection is
     # old and cuts it a grace period later, here after 0.4 s and 0.8 s. A client that kept one
     # stream would lose the calls in flight at each cut; one that moves new calls to a fresh
@@ -297,3 +297,42 @@ async def test_a_peer_gone_silent_fails_calls_over_long_before_their_deadline() 
 
     # UNAVAILABLE (the router retries elsewhere), not DEADLINE_EXCEEDED a minute later.
     assert raised.value.code is grpc.StatusCode.UNAVAILABLE
+
+
+async def test_s39_a_stream_message_that_does_not_parse_ends_the_stream_invalid_argument() -> None:
+    # Behind the tiers' own interceptors: the calls read before the bad message are answered,
+    # then the stream ends INVALID_ARGUMENT (it used to end OK, as if the caller had finished).
+    streams = MultiplexServer(echo, deserialize=bytes, serialize=bytes)
+    server = new_server(is_internal=True)
+    method = grpc.stream_stream_rpc_method_handler(
+        streams.serve,
+        request_deserializer=pb.InferStreamRequest.FromString,
+        response_serializer=pb.InferStreamResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "inference.v1.WorkerService", {"InferStream": method}
+            ),
+        )
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    good = pb.InferStreamRequest(calls=[pb.MuxCall(call_id=7, request=b"hi")])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/inference.v1.WorkerService/InferStream")(
+                iter([good.SerializeToString(), b"\x0a\x02\xc3\x28"]), timeout=10
+            )
+            answers = [pb.InferStreamResponse.FromString(m) async for m in _until_error(call)]
+            assert [r.response for a in answers for r in a.results] == [b"echo:hi"]
+            assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "does not parse" in await call.details()
+    finally:
+        await server.stop(None)
+
+
+async def _until_error(call: grpc.aio.StreamStreamCall) -> AsyncIterator[bytes]:
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        async for message in call:
+            yield message

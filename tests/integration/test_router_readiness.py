@@ -20,9 +20,11 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def test_ready_only_after_the_first_registry_read(redis_server: RedisServer) -> None:
+async def test_s33_ready_only_after_the_first_registry_read(redis_server: RedisServer) -> None:
     router = await create_router(
-        RouterConfig(redis_url=redis_server.url, grpc_port=0, metrics_port=0, refresh_period_s=0.05)
+        RouterConfig(
+            redis_url=redis_server.router_url, grpc_port=0, metrics_port=0, refresh_period_s=0.05
+        )
     )
     address = f"127.0.0.1:{router.port}"
     try:

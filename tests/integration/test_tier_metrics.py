@@ -34,7 +34,7 @@ async def tier_scrapes(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
         WorkerConfig(model_repository=repository, grpc_port=0, metrics_port=0)
     )
     router = await create_router(
-        RouterConfig(redis_url=redis_server.url, grpc_port=0, metrics_port=0)
+        RouterConfig(redis_url=redis_server.router_url, grpc_port=0, metrics_port=0)
     )
     gateway = await create_gateway(
         GatewayConfig(
@@ -42,6 +42,7 @@ async def tier_scrapes(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
             router_address=f"127.0.0.1:{router.port}",
             grpc_port=0,
             metrics_port=0,
+            allow_unauthenticated=True,
         )
     )
     try:

@@ -96,7 +96,7 @@ async def test_outputs_equal_the_module_row_by_row(worker: Worker) -> None:
         (pb.InferRequest(model_name="affine", inputs=[pb.ModelInput(text="hi")]), "tensor inputs"),
     ],
 )
-async def test_malformed_tensors_are_invalid_argument(
+async def test_s38_malformed_tensors_are_invalid_argument(
     worker: Worker, request_, message: str
 ) -> None:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
@@ -108,7 +108,7 @@ async def test_malformed_tensors_are_invalid_argument(
     assert metric(worker, names.WORKER_ROWS_TOTAL) == 0
 
 
-async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
+async def test_s17_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
     # A slow model keeps the executor busy so the next requests share one batch.
     worker = await start(tmp_path, work_iters=300, max_batch_size=8)
     try:
@@ -132,7 +132,7 @@ async def test_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
     assert metric(worker, f"{names.WORKER_BATCH_SIZE}_count") < 7, "the good rows shared a batch"
 
 
-async def test_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(
+async def test_s07_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(
     tmp_path: Path,
 ) -> None:
     # A long batch (thousands of matmuls) holds the executor well past the next row's deadline:
@@ -158,7 +158,7 @@ async def test_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_ru
     assert metric(worker, names.WORKER_REJECTED_TOTAL, reason="deadline") == 1
 
 
-async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:
+async def test_s09_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:
     worker = await start(tmp_path, work_iters=1500, max_batch_size=1)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
@@ -177,7 +177,7 @@ async def test_cancelled_queued_request_is_never_executed(tmp_path: Path) -> Non
     assert metric(worker, names.WORKER_DROPPED_TOTAL, reason="cancelled") == 1
 
 
-async def test_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) -> None:
+async def test_s01_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) -> None:
     worker = await start(tmp_path, work_iters=1500, max_batch_size=1, max_queue_size=2)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
@@ -201,7 +201,7 @@ async def test_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) 
     assert metric(worker, names.WORKER_REJECTED_TOTAL, reason="queue_full") == 2
 
 
-async def test_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Path) -> None:
+async def test_s33_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Path) -> None:
     write_affine_model(tmp_path / "repo")
     worker = await create_worker(
         WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
@@ -223,7 +223,7 @@ async def test_not_serving_until_loaded_then_drain_refuses_new_work(tmp_path: Pa
     await worker.stop()
 
 
-async def test_queue_wait_is_exported_at_zero_load_and_rises_with_load(worker: Worker) -> None:
+async def test_s34_queue_wait_is_exported_at_zero_load_and_rises_with_load(worker: Worker) -> None:
     # Before any request the series exists at zero, so a rate over it is defined (0, not absent).
     idle = generate_latest(worker.metrics.registry).decode()
     assert samples(

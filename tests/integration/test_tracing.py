@@ -3,33 +3,22 @@ redis-server, a real TorchScript model, spans caught by the SDK's in-memory expo
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
-from services.gateway.config import GatewayConfig
-from services.gateway.server import Gateway, create_gateway
-from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
-from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
-from services.router.config import RouterConfig
-from services.router.server import Router, create_router
+from tests.support.in_process import Fabric, running_fabric
 from tests.support.models import write_affine_model
-from tests.support.processes import health_status
 from tests.support.redis import RedisServer
-from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -37,62 +26,12 @@ PREDICT = "inference.v1.InferenceService/Predict"
 WORKER_INFER = "inference.v1.WorkerService/Infer"
 
 
-@dataclass
-class Fabric:
-    worker: Worker
-    router: Router
-    gateway: Gateway
-
-
 @pytest.fixture
 async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
     repository = tmp_path / "repo"
     write_affine_model(repository, slo_p99_ms=30_000)
-    worker = await create_worker(
-        WorkerConfig(
-            model_repository=repository,
-            grpc_port=0,
-            metrics_port=0,
-            redis_url=redis_server.url,
-            worker_id="w0",
-            heartbeat=HeartbeatConfig(period_s=0.05),
-        )
-    )
-    await worker.load()
-    router = await create_router(
-        RouterConfig(redis_url=redis_server.url, grpc_port=0, metrics_port=0, refresh_period_s=0.05)
-    )
-    sync = asyncio.create_task(router.sync.run())
-    gateway = await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address=f"127.0.0.1:{router.port}",
-            grpc_port=0,
-            metrics_port=0,
-            catalog_refresh_s=0.05,
-        )
-    )
-    refresh = asyncio.create_task(gateway.refresh_catalog())
-    try:
-
-        async def is_ready() -> bool:
-            status = await health_status(f"127.0.0.1:{gateway.port}")
-            return status == health_pb2.HealthCheckResponse.SERVING and bool(
-                gateway.catalog.served_versions("affine")
-            )
-
-        # Other components' readiness (a heartbeat read, a catalog refresh) cannot be awaited.
-        await eventually(is_ready, timeout_s=20.0, message="the fabric did not become ready")
-        yield Fabric(worker, router, gateway)
-    finally:
-        refresh.cancel()
-        await gateway.stop()
-        await router.stop()
-        sync.cancel()
-        for task in (refresh, sync):
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        await worker.stop()
+    async with running_fabric(repository, redis_server) as fabric:
+        yield fabric
 
 
 def predict_request(*shape: int) -> api.PredictRequest:
@@ -102,7 +41,7 @@ def predict_request(*shape: int) -> api.PredictRequest:
 
 
 async def predict(fabric: Fabric, request: api.PredictRequest) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.gateway.port}") as channel:
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
         try:
             await api_grpc.InferenceServiceStub(channel).Predict(request, timeout=10)
         except grpc.aio.AioRpcError as error:

@@ -52,7 +52,7 @@ def embedding(response: pb.InferResponse, index: int = 0) -> np.ndarray:
     return np.frombuffer(tensor.raw_data, dtype="<f4")
 
 
-async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedder) -> None:
+async def test_s16_concurrent_mixed_lengths_batch_correctly(worker, reference_embedder) -> None:
     texts = sentences(64, min_words=1, max_words=180, seed=11)
     reference = reference_embedder(texts)
     before = scrape(worker.metrics_port)
@@ -122,7 +122,9 @@ async def test_concurrent_mixed_lengths_batch_correctly(worker, reference_embedd
         ),
     ],
 )
-async def test_bad_input_is_refused_and_never_runs(worker, request_, code, message: str) -> None:
+async def test_s38_bad_input_is_refused_and_never_runs(
+    worker, request_, code, message: str
+) -> None:
     rows_before = total(scrape(worker.metrics_port), names.WORKER_ROWS_TOTAL)
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
@@ -152,7 +154,7 @@ async def test_fingerprint_from_list_models_is_accepted(worker) -> None:
     assert await health_status(worker.address) == health_pb2.HealthCheckResponse.SERVING
 
 
-async def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
+async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
     repository = tmp_path / "repo"
     write_affine_model(repository, work_iters=400, max_batch_size=4)
     service = start_worker(tmp_path, model_repository=repository)
@@ -189,7 +191,7 @@ async def test_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> N
     assert "draining" in service.log()
 
 
-def test_model_that_fails_to_load_keeps_worker_from_becoming_ready(tmp_path: Path) -> None:
+def test_s23_model_that_fails_to_load_keeps_worker_from_becoming_ready(tmp_path: Path) -> None:
     model_dir = write_affine_model(tmp_path / "repo")
     (model_dir / "1" / "model.pt").write_bytes(b"not a torchscript archive")
     with pytest.raises(ProcessError, match="exited with code 1"):

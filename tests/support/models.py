@@ -87,3 +87,100 @@ def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
     )
     (model_dir / "1" / "version.toml").write_text((source / "1" / "version.toml").read_text())
     return repository
+
+
+#: A row whose first value is this makes the stalling test model block (see `_Stall`).
+STALL = 77.0
+
+
+class _Stall(torch.nn.Module):
+    """y = x @ W + b, like `_Affine`; but a call with a row starting with `STALL` blocks until
+    the first byte of the gate file `gate_path` is non-zero: a model call that really holds
+    the executor thread, for as long as the test wants (`release_stall` ends it). TorchScript
+    has no sleep, so it polls the file (about one core while blocked)."""
+
+    def __init__(self, gate_path: str) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.weight = torch.nn.Parameter(torch.randn(4, 2, generator=generator))
+        self.bias = torch.nn.Parameter(torch.randn(2, generator=generator))
+        self.gate_path = gate_path
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        num_polls = 0
+        if bool((x[:, 0] == 77.0).any()):
+            is_open = False
+            while not is_open:
+                # The size depends on the loop counter so that TorchScript cannot hoist the read.
+                gate = torch.from_file(
+                    self.gate_path, shared=False, size=1 + 0 * num_polls, dtype=torch.uint8
+                )
+                is_open = int(gate[0]) != 0
+                num_polls += 1
+        return x @ self.weight + self.bias + 0.0 * num_polls
+
+
+def write_stalling_model(repository: Path, gate: Path, name: str = "stall") -> Path:
+    """Writes `<repository>/<name>/1/` with the `_Stall` TorchScript model (FP32 [4] -> FP32
+    [2], batches of one row) and a closed gate file at `gate`."""
+    gate.write_bytes(b"\x00")
+    model_dir = repository / name
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.toml").write_text(
+        """
+kind = "torchscript"
+slo_p99_ms = 30000
+max_batch_size = 1
+max_queue_size = 64
+
+[inputs.x]
+dtype = "FP32"
+dims = [4]
+
+[outputs.y]
+dtype = "FP32"
+dims = [2]
+"""
+    )
+    torch.jit.script(_Stall(str(gate))).save(str(model_dir / "1" / "model.pt"))
+    return model_dir
+
+
+def release_stall(gate: Path) -> None:
+    """Opens the gate: a stalled call of the `_Stall` model returns. Written in place: the
+    model must never see the file empty."""
+    with gate.open("r+b") as file:
+        file.write(b"\x01")
+
+
+class _SeededAffine(torch.nn.Module):
+    """y = x @ W + b with weights drawn from `seed`: versions written with different seeds
+    compute different answers, so a row run by another version's batch shows in its output."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.weight = torch.nn.Parameter(torch.randn(4, 2, generator=generator))
+        self.bias = torch.nn.Parameter(torch.randn(2, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight + self.bias
+
+
+def versioned_affine_reference(x: torch.Tensor, version: int) -> torch.Tensor:
+    """What version `version` of `write_versioned_affine_model` computes."""
+    model = _SeededAffine(version)
+    with torch.no_grad():
+        return x @ model.weight + model.bias
+
+
+def write_versioned_affine_model(
+    repository: Path, name: str = "affine", *, versions: tuple[int, ...] = (1, 2), **config: int
+) -> Path:
+    """Like `write_affine_model` (same config keywords), but each version has its own weights
+    (seeded with the version number), hence its own fingerprint and answers."""
+    model_dir = write_affine_model(repository, name, versions=versions, **config)
+    for version in versions:
+        scripted = torch.jit.script(_SeededAffine(version))
+        scripted.save(str(model_dir / str(version) / "model.pt"))
+    return model_dir

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.processes import ChildProcess, start_and_wait
+from services.common.redis_acl import read_password
 from tests.support.processes import REPO_ROOT
 
 
@@ -40,6 +41,8 @@ class Stack:
     workers: list[WorkerTier]
     redis_port: int
     redis_pid: int
+    #: The Redis admin's password (services.common.redis_acl), from the launcher's state dir.
+    redis_admin_password: str
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
@@ -47,7 +50,8 @@ class Stack:
 
     @property
     def redis_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        """The Redis admin's URL."""
+        return f"redis://admin:{self.redis_admin_password}@127.0.0.1:{self.redis_port}/0"
 
     def pids(self) -> dict[str, int]:
         """Every child's pid by name (gateway, router, worker-0..., redis)."""
@@ -117,4 +121,5 @@ def start_stack(
         workers=[WorkerTier(**worker) for worker in ready["workers"]],
         redis_port=ready["redis"]["port"],
         redis_pid=ready["redis"]["pid"],
+        redis_admin_password=read_password(Path(ready["redis"]["acl_dir"]) / "admin-password"),
     )

@@ -456,6 +456,28 @@ def test_queue_full_rejects_exactly_at_the_cap_across_keys() -> None:
     assert batcher.add(make_item(item_id=4), 0.0) == Admitted()
 
 
+def test_can_admit_answers_for_all_rows_of_a_request_and_queues_none() -> None:
+    # A request's rows are checked together before any is queued: one too many refuses the
+    # whole request and leaves the queue as it was.
+    batcher = make_batcher(max_queue_size=5, max_batch_size=2)
+    add_burst(batcher, count=3)
+
+    assert batcher.can_admit(2) == Admitted()
+    refused = batcher.can_admit(3)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.QUEUE_FULL
+    assert "3 rows, room for 2" in refused.detail
+    assert batcher.num_queued == 3
+
+    # A full batch leaves at now_s: its rows' room is free again.
+    dispatched = dispatch_of(batcher.poll(0.003, executor_idle=True))
+    assert len(dispatched.items) == 2
+    assert batcher.can_admit(3) == Admitted()
+    assert batcher.can_admit(5) == Rejected(RejectReason.QUEUE_FULL, "5 rows, room for 4")
+
+    batcher.begin_drain()
+    assert batcher.can_admit(1) == Rejected(RejectReason.DRAINING)
+
+
 def test_cancel_removes_a_queued_item() -> None:
     batcher = make_batcher()
     add_burst(batcher, count=3)

@@ -34,7 +34,7 @@ def make_config(tmp_path: Path, extra: str = "") -> ModelConfig:
     return parse_model_config("m", path)
 
 
-def test_the_callers_deadline_is_kept_even_far_past_the_slo(tmp_path: Path) -> None:
+def test_s08_the_callers_deadline_is_kept_even_far_past_the_slo(tmp_path: Path) -> None:
     config = make_config(tmp_path)
 
     assert config.timeout_s_for(30.0) == 30.0

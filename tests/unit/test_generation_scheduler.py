@@ -185,7 +185,7 @@ def assert_outputs_match_reference(engine: FakeEngine, seqs: Seq[Sequence]) -> N
 # -- continuous batching -----------------------------------------------------------------------
 
 
-def test_new_request_joins_running_decode_batch_at_the_next_step() -> None:
+def test_s18_new_request_joins_running_decode_batch_at_the_next_step() -> None:
     engine = FakeEngine(make_config())
     engine.add(make_seq(seq_id=1, max_tokens=10))
     engine.add(make_seq(seq_id=2, max_tokens=10))
@@ -204,7 +204,7 @@ def test_new_request_joins_running_decode_batch_at_the_next_step() -> None:
     )
 
 
-def test_finished_sequence_leaves_at_once_and_its_blocks_return() -> None:
+def test_s18_finished_sequence_leaves_at_once_and_its_blocks_return() -> None:
     engine = FakeEngine(make_config(num_blocks=16))
     short = make_seq(seq_id=1, num_prompt_tokens=8, max_tokens=2)
     engine.add(short)
@@ -632,7 +632,7 @@ def test_inconsistent_config_raises(overrides: dict[str, int]) -> None:
 
 @pytest.mark.parametrize("is_static", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_randomized_soak_keeps_block_accounting_and_outputs_exact(
+def test_s12_randomized_soak_keeps_block_accounting_and_outputs_exact(
     seed: int, is_static: bool
 ) -> None:
     rng = random.Random(seed)

@@ -59,7 +59,7 @@ def test_gives_up_at_or_past_the_deadline(deadline_s: float) -> None:
     assert decide(deadline_s=deadline_s) == GiveUp(GiveUpReason.DEADLINE_PASSED)
 
 
-def test_gives_up_when_the_budget_is_spent() -> None:
+def test_s05_gives_up_when_the_budget_is_spent() -> None:
     budget = RetryBudget(ratio=0.0, min_per_s=0.1, window_s=10.0)  # one token in reserve
     assert decide(budget=budget) == RetryElsewhere()
     assert decide(budget=budget) == GiveUp(GiveUpReason.BUDGET_SPENT)

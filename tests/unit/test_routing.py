@@ -190,7 +190,7 @@ def test_local_reservations_steer_the_next_route_and_release_restores() -> None:
     assert routed_to(route(table, num_rows=1)) == "w1"
 
 
-def test_release_is_idempotent_and_ignores_unknown_ids() -> None:
+def test_s12_release_is_idempotent_and_ignores_unknown_ids() -> None:
     table = loaded(make_table(), make_worker())
     first, second = route(table, num_rows=3), route(table, num_rows=2)
     assert isinstance(first, Route) and isinstance(second, Route)
@@ -210,7 +210,7 @@ def test_heartbeat_queue_counts_when_above_local_reservations() -> None:
     assert decision.predicted_s == pytest.approx((20 + 1) * 0.01)
 
 
-def test_routes_in_one_tick_admit_exactly_what_fits() -> None:
+def test_s02_routes_in_one_tick_admit_exactly_what_fits() -> None:
     # Each 1-row route on an idle worker is predicted at (reserved + 1) * 0.01 s; with a 0.1 s
     # deadline and 0.005 s margin, 9 fit per worker.
     table = loaded(make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2"))
@@ -281,7 +281,7 @@ def test_shedding_models_refuse_what_would_finish_past_the_slo() -> None:
 # Candidates
 
 
-def test_stale_heartbeat_is_excluded() -> None:
+def test_s26_stale_heartbeat_is_excluded() -> None:
     table = make_table(stale_after_s=3.0)
     table.update(
         [
@@ -368,7 +368,7 @@ def test_no_snapshot_yet_is_no_worker_not_unknown_model() -> None:
     assert rejected(route(table)) is RejectReason.NO_WORKER
 
 
-def test_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> None:
+def test_s25_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> None:
     table = loaded(make_table(stale_after_s=3.0, max_snapshot_age_s=120.0), make_worker())
     # Redis unreachable: no updates. Workers alive at the last good read keep serving.
     assert routed_to(route(table, now_s=100.0)) == "w1"
@@ -379,6 +379,20 @@ def test_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> 
 
     loaded(table, make_worker(), now_s=121.0)
     assert routed_to(route(table, now_s=121.0)) == "w1"
+
+
+def test_s25_a_frozen_snapshot_forgets_heartbeat_queues_once_stale() -> None:
+    # The last read showed w1 with a deep queue. While reads arrive that keeps w2 preferred; once
+    # the snapshot is older than the queue report TTL (Redis slow or down) the frozen queue says
+    # nothing about now: only the router's own reservations count, so w1 is not starved.
+    table = loaded(
+        make_table(queue_report_ttl_s=1.0, max_snapshot_age_s=120.0),
+        make_worker(worker_id="w1", queued_rows=50),
+        make_worker(worker_id="w2"),
+    )
+    assert routed_to(route(table, now_s=0.5)) == "w2"
+    chosen = {routed_to(route(table, now_s=1.5)) for _ in range(4)}
+    assert chosen == {"w1", "w2"}
 
 
 # Power-of-two-choices
@@ -468,7 +482,7 @@ def test_config_rejects_nonsense() -> None:
 # Retry budget
 
 
-def test_retry_budget_holds_retries_to_the_ratio_under_traffic() -> None:
+def test_s05_retry_budget_holds_retries_to_the_ratio_under_traffic() -> None:
     budget = RetryBudget(ratio=0.2, min_per_s=0.0, window_s=10.0)
     allowed = 0
     for i in range(5000):  # 100 requests/s for 50 s, every one wanting a retry
@@ -525,7 +539,7 @@ def test_generation_prefers_a_worker_whose_free_kv_blocks_hold_the_prompt() -> N
     assert isinstance(route, Route) and route.worker_id == "w1"
 
 
-def test_an_empty_read_keeps_the_last_workers_until_their_heartbeats_would_be_stale() -> None:
+def test_s27_an_empty_read_keeps_the_last_workers_until_their_heartbeats_would_be_stale() -> None:
     # Issue 16: a restarted, empty Redis wiped routing at once and clients got NOT_FOUND.
     table = loaded(make_table(stale_after_s=3.0), make_worker(), now_s=10.0)
     table.update([], now_s=11.0)  # Redis restarted empty; the worker re-registers within 1 s
@@ -543,3 +557,26 @@ def test_a_model_once_served_is_never_unknown_again() -> None:
     # It may come back (a worker restarting): UNAVAILABLE, not a permanent NOT_FOUND.
     assert rejected(route(table, name="other", now_s=1.0)) is RejectReason.NO_WORKER
     assert rejected(route(table, name="never", now_s=1.0)) is RejectReason.UNKNOWN_MODEL
+
+
+def test_a_worker_whose_calls_only_time_out_is_skipped_then_probed_by_one_request() -> None:
+    table = loaded(
+        make_table(timeouts_to_eject=2, timeout_eject_s=10.0),
+        make_worker(worker_id="w1"),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    for _ in range(2):
+        assert routed_to(route(table, now_s=1.0)) == "w1"
+        table.timeouts.record_timeout("w1", 1.0, waited_s=1.0, predicted_s=0.01)
+    assert routed_to(route(table, now_s=1.0)) == "w2"
+    loaded(table, make_worker(worker_id="w1"), make_worker(worker_id="w2"), now_s=10.9)
+    assert routed_to(route(table, now_s=10.9)) == "w2"  # a fresh heartbeat does not un-eject
+    assert routed_to(route(table, now_s=11.0)) == "w1"  # the probe
+    assert routed_to(route(table, now_s=11.0)) == "w2"  # only one while it is out
+    table.timeouts.record_success("w1", 11.1)
+    assert routed_to(route(table, now_s=11.1)) == "w1"
+
+
+def test_bad_timeout_ejection_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        RoutingConfig(timeout_eject_s=60.0, max_timeout_eject_s=30.0)

@@ -118,7 +118,9 @@ def test_weights_parse_and_reject_malformed_items() -> None:
 @pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
 def test_every_tier_table_parses_an_empty_command_line(module: Any) -> None:
     table: SettingsTable = module.SETTINGS
-    config = read_config(table, module.config_from_settings, [], {})
+    # The gateway fails closed: without a keys file it starts only when told to.
+    argv = ["--allow-unauthenticated"] if table.env_prefix == "GATEWAY" else []
+    config = read_config(table, module.config_from_settings, argv, {})
     assert config.host == "127.0.0.1"
     help_text = build_parser(table, {}).format_help()
     for setting in table.settings:
@@ -139,6 +141,7 @@ def test_every_tier_follows_the_naming_convention(module: Any) -> None:
 
 def test_tier_tables_reach_nested_configs() -> None:
     environ = {
+        "GATEWAY_ALLOW_UNAUTHENTICATED": "true",
         "GATEWAY_THROTTLE_MEMORY_S": "0.5",
         "ROUTER_STALE_AFTER_S": "4",
         "WORKER_HEARTBEAT_PERIOD_S": "0.25",
@@ -165,5 +168,12 @@ def test_tier_defaults_match_the_config_dataclasses() -> None:
         model_repository=Path("models"), worker_id=worker.worker_id
     )
     assert worker == expected
-    gateway = read_config(gateway_config.SETTINGS, gateway_config.config_from_settings, [], {})
-    assert gateway == gateway_config.GatewayConfig(model_repository=Path("models"))
+    gateway = read_config(
+        gateway_config.SETTINGS,
+        gateway_config.config_from_settings,
+        ["--allow-unauthenticated"],
+        {},
+    )
+    assert gateway == gateway_config.GatewayConfig(
+        model_repository=Path("models"), allow_unauthenticated=True
+    )

@@ -58,7 +58,7 @@ def test_nothing_is_shed_while_downstream_accepts_everything() -> None:
 
 
 @pytest.mark.parametrize("factor", [2.0, 10.0])
-def test_overload_sends_about_k_times_what_downstream_accepts(factor: float) -> None:
+def test_s03_overload_sends_about_k_times_what_downstream_accepts(factor: float) -> None:
     k, capacity_per_s, seconds = 1.5, 100, 10
     throttle = make_throttle(accepts_multiplier=k)
     offered, shed, refused = offer(

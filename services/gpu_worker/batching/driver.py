@@ -3,7 +3,8 @@
 One `BatchingDriver` per device. It owns one executor thread (the event loop never blocks on
 compute), one `Batcher` + `LatencyModel` per loaded model version (a "lane"), and the futures
 of queued rows. Its loop: ask each lane's batcher what to do, fail what expired, hand at most one
-batch to the executor, sleep until the batcher's wake-up time or the next event."""
+batch to the executor, sleep until the batcher's wake-up time or the next event. A batch that
+holds the executor past the watchdog bound (batching.watchdog) stops the driver for good."""
 
 from __future__ import annotations
 
@@ -12,16 +13,15 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from services.common.errors import DeadlineExceeded, ExecutionFailed, Unavailable
 from services.common.tracing import batch_span, current_span_context
-from services.gpu_worker.admission import Rejected
+from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.lane import Lane, LoadReport, Pending, warm_up_lane
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
@@ -31,35 +31,13 @@ from services.gpu_worker.batching.types import (
     Dispatch,
     QueuedItem,
 )
+from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
 from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class DriverConfig:
-    """Worker-wide batching settings; per-model ones come from the model repository."""
-
-    #: Part of each model's SLO reserved for gateway, router and the hops both ways. Measured
-    #: on the 2-core benchmark machine under load: 30-60 ms between the gateway's answer time
-    #: and the worker's.
-    upstream_budget_s: float = 0.04
-    #: Margin kept between predicted completion and a row's deadline.
-    safety_margin_s: float = 0.005
-    #: Upper bound on the derived linger.
-    max_wait_cap_s: float = 0.05
-    #: When the executor is idle, linger only if at least this many more rows are expected
-    #: before the linger expires (the batcher's work-conserving trigger); 0 always lingers.
-    min_expected_arrivals: float = 1.0
-    #: Deficit-round-robin shares per tenant; tenants not listed get weight 1.0.
-    tenant_weights: Mapping[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
-            raise ValueError("upstream budget, safety margin and max_wait cap must be >= 0")
-        if self.min_expected_arrivals < 0:
-            raise ValueError("min_expected_arrivals must be >= 0")
+__all__ = ["BatchingDriver", "DriverConfig"]
 
 
 class BatchingDriver:
@@ -76,7 +54,11 @@ class BatchingDriver:
         self._clock = clock
         self._lanes = {id(backend): self._lane_for(backend) for backend in backends}
         self._order = list(self._lanes.values())
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="executor")
+        self._executor = DaemonExecutor("executor")
+        #: The bound on one model call in force (seconds); raised after warm-up for slow models.
+        self.watchdog_s = config.watchdog_s
+        # Set once a call ran past the watchdog: the loop stops with it (see `_supervised`).
+        self._wedged: Unavailable | None = None
         self._item_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
@@ -130,6 +112,11 @@ class BatchingDriver:
             for bucket in lane.backend.buckets:
                 self._export_gauges(lane, self.key_for(lane.backend, bucket))
             log.info("warmed up %s/%s", *lane.labels)
+        slowest_s = max((lane.slowest_warmup_s for lane in self._order), default=0.0)
+        self.watchdog_s = watchdog_bound_s(self._config.watchdog_s, slowest_s)
+        log.info(
+            "executor watchdog: %.1fs (costliest warm-up batch %.3fs)", self.watchdog_s, slowest_s
+        )
 
     def _export_gauges(self, lane: Lane, key: BatchKey) -> None:
         labels = (*lane.labels, str(key.bucket))
@@ -139,8 +126,9 @@ class BatchingDriver:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self, on_fatal: Callable[[Exception], None] | None = None) -> None:
-        """Runs the batching loop. Should it die (a bug; a failed batch fails its rows only),
-        queued rows fail UNAVAILABLE, new ones are refused, and `on_fatal` is told."""
+        """Runs the batching loop. Should it die (a bug, or a model call past the watchdog; a
+        failed batch fails its rows only), queued rows fail UNAVAILABLE, new ones are refused,
+        and `on_fatal` is told."""
         self._loop_task = asyncio.get_running_loop().create_task(
             self._supervised(on_fatal), name="batcher"
         )
@@ -149,7 +137,7 @@ class BatchingDriver:
         try:
             await self._loop()
         except Exception as error:
-            log.critical("batching loop died", exc_info=True)
+            log.critical("batching stopped: %s", error, exc_info=self._wedged is None)
             self._refusal = Unavailable(f"batching stopped here ({error}); retry elsewhere")
             self.begin_drain()
             for lane in self._order:
@@ -169,7 +157,8 @@ class BatchingDriver:
         self.begin_drain()
         if self._loop_task is not None:
             await self._loop_task
-        self._executor.shutdown(wait=True)
+        # A wedged call never returns: leave its (daemon) thread behind rather than hang.
+        self._executor.shutdown(wait=self._wedged is None)
 
     def load_report(self, backend: Backend) -> LoadReport:
         lane = self._lanes[id(backend)]
@@ -203,59 +192,61 @@ class BatchingDriver:
         timeout_s: float | None,
         tenant: str,
     ) -> list[np.ndarray]:
-        """Queues the rows of one request and waits for their outputs, in order.
-
-        The deadline is the caller's remaining time (the model's default_timeout_ms without
-        one). A model with `shed_past_slo` also refuses rows predicted to finish past its SLO.
-        If the caller goes away (cancellation) or any row fails, rows still queued are
-        withdrawn."""
+        """Queues the rows of one request, all or none, and waits for their outputs, in order.
+        The deadline is the caller's remaining time (else the model's default_timeout_ms); a
+        `shed_past_slo` model also refuses rows predicted to finish past its SLO. Rows still
+        queued are withdrawn if the caller goes away (cancellation) or any row fails."""
         lane = self._lanes[id(backend)]
         if self._draining:
             raise Unavailable(str(self._refusal))
-        now = self._clock()
-        model = backend.config
-        deadline_s = now + model.timeout_s_for(timeout_s)
-        shed_budget_s = model.shed_budget_s(self._config.upstream_budget_s)
-        finish_by_s = None if shed_budget_s is None else now + shed_budget_s
-        busy_s = self._busy_s(now)
-        loop = asyncio.get_running_loop()
-        item_ids: list[int] = []
+        item_ids = self._admit(lane, rows, timeout_s=timeout_s, tenant=tenant)
         try:
-            for row in rows:
-                item = QueuedItem(
-                    item_id=next(self._item_ids),
-                    key=self.key_for(backend, row.bucket),
-                    tenant=tenant,
-                    num_tokens=row.num_tokens,
-                    arrival_s=now,
-                    deadline_s=deadline_s,
-                    finish_by_s=finish_by_s,
-                )
-                decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
-                if isinstance(decision, Rejected):
-                    self._metrics.rejected_total.labels(*lane.labels, decision.reason.value).inc()
-                    raise lane.rejection(
-                        item.key, decision.reason, now, self._running_until_s or now
-                    )
-                lane.pending[item.item_id] = Pending(
-                    row, loop.create_future(), busy_s, trace_context=current_span_context()
-                )
-                item_ids.append(item.item_id)
             self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
             self._wake.set()
             return list(await asyncio.gather(*(lane.pending[i].future for i in item_ids)))
         finally:
             self._withdraw(lane, item_ids)
 
-    def _withdraw(self, lane: Lane, item_ids: list[int]) -> None:
-        """Forgets the rows of a finished, failed or cancelled request; still-queued rows are
-        removed from the batcher so they never run."""
+    def _admit(
+        self, lane: Lane, rows: Sequence[PreparedRow], *, timeout_s: float | None, tenant: str
+    ) -> list[int]:
+        """Queues every row of one request or none (synchronous: nothing else is queued between
+        the check for room and the rows). A refused row refuses the request, all rows rejected."""
+        now, model = self._clock(), lane.backend.config
+        shed_budget_s = model.shed_budget_s(self._config.upstream_budget_s)
+        busy_s = self._busy_s(now)
+        decision = lane.batcher.can_admit(len(rows))
+        item_ids: list[int] = []
+        for row in rows:
+            item = QueuedItem(
+                item_id=next(self._item_ids),
+                key=self.key_for(lane.backend, row.bucket),
+                tenant=tenant,
+                num_tokens=row.num_tokens,
+                arrival_s=now,
+                deadline_s=now + model.timeout_s_for(timeout_s),
+                finish_by_s=None if shed_budget_s is None else now + shed_budget_s,
+            )
+            if isinstance(decision, Admitted):
+                decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
+            if isinstance(decision, Rejected):
+                reason = decision.reason
+                self._metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(rows))
+                error = lane.rejection(item.key, reason, now, self._running_until_s or now)
+                self._withdraw(lane, item_ids, drop=None)  # refused, not cancelled: no drop
+                raise error
+            future = asyncio.get_running_loop().create_future()
+            lane.pending[item.item_id] = Pending(row, future, busy_s, current_span_context())
+            item_ids.append(item.item_id)
+        return item_ids
+
+    def _withdraw(self, lane: Lane, item_ids: list[int], *, drop: str | None = "cancelled") -> None:
+        """Forgets a request's rows; still-queued ones leave the batcher (never run) as `drop`."""
         for item_id in item_ids:
-            pending = lane.pending.pop(item_id, None)
-            if pending is None:
+            if (pending := lane.pending.pop(item_id, None)) is None:
                 continue
-            if lane.batcher.cancel(item_id):
-                self._metrics.dropped_total.labels(*lane.labels, "cancelled").inc()
+            if lane.batcher.cancel(item_id) and drop is not None:
+                self._metrics.dropped_total.labels(*lane.labels, drop).inc()
             pending.future.cancel()
         self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
 
@@ -268,6 +259,8 @@ class BatchingDriver:
     async def _loop(self) -> None:
         rotation = itertools.cycle(range(max(1, len(self._order))))
         while True:
+            if self._wedged is not None:
+                raise self._wedged
             self._wake.clear()
             now = self._clock()
             is_idle = self._running is None
@@ -332,9 +325,14 @@ class BatchingDriver:
                 num_rows=len(rows),
                 requests=contexts,
             ):
-                results = await loop.run_in_executor(
-                    self._executor, run_isolated, lane.backend.run, rows
-                )
+                async with asyncio.timeout(self.watchdog_s):
+                    results = await loop.run_in_executor(
+                        self._executor, run_isolated, lane.backend.run, rows
+                    )
+        except TimeoutError:
+            self._wedged = Unavailable(wedged_message(lane.labels, self.watchdog_s))
+            self._metrics.watchdog_expired_total.labels(*lane.labels).inc()
+            results = [self._wedged] * len(rows)
         except Exception as error:
             # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
             # bookkeeping below still frees the executor, so the scheduler keeps going.
@@ -352,7 +350,9 @@ class BatchingDriver:
                 pending = lane.pending.get(item.item_id)
                 if pending is None or pending.future.done():
                     continue  # the caller went away while the batch ran
-                if isinstance(result, Exception):
+                if isinstance(result, Unavailable):
+                    pending.future.set_exception(result)
+                elif isinstance(result, Exception):
                     pending.future.set_exception(ExecutionFailed(describe_failure(result)))
                 else:
                     pending.future.set_result(result)

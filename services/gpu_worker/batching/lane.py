@@ -60,6 +60,9 @@ class Lane:
     #: the marginal cost of a row of this lane's traffic mix, for load reports. None until the
     #: first batch.
     row_cost_s: float | None = None
+    #: Compute of the lane's costliest warm-up shape, seconds (the faster of its runs, as the
+    #: latency model is seeded): the scale of the executor watchdog's bound.
+    slowest_warmup_s: float = 0.0
 
     @property
     def labels(self) -> tuple[str, str]:
@@ -118,5 +121,6 @@ def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> Non
                 backend.run(rows)
                 runs_s.append(time.perf_counter() - start)
             lane.latency.observe(key, size, min(runs_s))
+            lane.slowest_warmup_s = max(lane.slowest_warmup_s, min(runs_s))
             if min(runs_s) > lane.batcher.batch_compute_budget_s:
                 break

@@ -151,6 +151,20 @@ class Batcher:
         budget_s = cfg.slo_s - cfg.upstream_budget_s - compute_s - cfg.safety_margin_s
         return min(max(budget_s, 0.0), cfg.max_wait_cap_s)
 
+    def can_admit(self, num_items: int) -> Admitted | Rejected:
+        """Whether the queue has room for `num_items` more items now. A request's rows are
+        queued all or none: the driver asks for all of them before it adds the first, so a
+        request too big for the room left is refused whole, nothing queued. Room only: `add`
+        still checks each item's deadline."""
+        if self._is_draining:
+            return Rejected(RejectReason.DRAINING)
+        if self.num_queued + num_items > self._config.max_queue_size:
+            return Rejected(
+                RejectReason.QUEUE_FULL,
+                f"{num_items} rows, room for {self._config.max_queue_size - self.num_queued}",
+            )
+        return Admitted()
+
     def add(
         self, item: QueuedItem, now_s: float, *, executor_free_s: float | None = None
     ) -> Admitted | Rejected:

@@ -97,12 +97,17 @@ class GenerationBackend(ServedModel):
         return [int(i) for i in self.text.encode_many([text])[0]]
 
     def warm_up(self) -> None:
-        """One prefill and one decode through the runner (lazy init, allocator)."""
+        """One prefill and one decode through the runner (lazy init, allocator), on the thread
+        that runs the engine's steps; the slower sets the floor of the step watchdog."""
         block_size = self.runner.block_size
         prompt = tuple(range(1, block_size + 2))
         blocks = (0, 1)
-        self.runner.execute([SequenceBatchItem(prompt, 0, blocks)])
-        self.runner.execute([SequenceBatchItem((1,), len(prompt), blocks)])
+        self.engine.steps.warm_up(
+            [
+                [SequenceBatchItem(prompt, 0, blocks)],
+                [SequenceBatchItem((1,), len(prompt), blocks)],
+            ]
+        )
 
     def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
         step_s = self.engine.mean_step_s

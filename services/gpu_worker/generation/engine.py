@@ -16,7 +16,6 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,7 @@ from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBat
 from services.gpu_worker.generation.sampler import Sampler, make_generator
 from services.gpu_worker.generation.scheduler import GenerationScheduler, ScheduledSequence
 from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
+from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class GenerationEngine:
         self._eos_token_ids = eos_token_ids
         self._clock = clock
         self._sampler = Sampler()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generation")
+        self.steps = StepExecutor(runner, metrics, labels)
         self._requests: dict[int, _Request] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
@@ -117,10 +117,15 @@ class GenerationEngine:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def start(self, on_fatal: Callable[[Exception], None] | None = None) -> None:
-        """Runs the step loop. Should the loop itself die (a bug, not a failed step), every
-        request fails with UNAVAILABLE, later ones are refused, and `on_fatal` is told (the
-        worker turns NOT_SERVING)."""
+    def start(
+        self,
+        on_fatal: Callable[[Exception], None] | None = None,
+        *,
+        watchdog_s: float = DEFAULT_WATCHDOG_S,
+    ) -> None:
+        """Runs the step loop, each forward bounded by `watchdog_s`. If the loop dies (a bug, a
+        step past the watchdog), streams end UNAVAILABLE, new ones are refused, `on_fatal` told."""
+        self.steps.set_watchdog(watchdog_s)
         self._loop_task = asyncio.get_running_loop().create_task(
             self._supervised(on_fatal), name="generation"
         )
@@ -128,14 +133,23 @@ class GenerationEngine:
     async def _supervised(self, on_fatal: Callable[[Exception], None] | None) -> None:
         try:
             await self._loop()
+        except asyncio.CancelledError:
+            # Stopped from outside: the drain's grace ran out. The streams still running end
+            # now, with a status their callers can act on, not when the server closes them.
+            self._fatal = Unavailable("the worker is shutting down (drain grace over)")
+            self._fail_all()
+            raise
         except Exception as error:
             log.critical("generation loop of %s/%s died", *self._labels, exc_info=True)
             self._fatal = error
-            for request in self._requests.values():
-                request.queue.put_nowait(self._stopped_error())
-            self._requests.clear()
+            self._fail_all()
             if on_fatal is not None:
                 on_fatal(error)
+
+    def _fail_all(self) -> None:
+        for request in self._requests.values():
+            request.queue.put_nowait(self._stopped_error())
+        self._requests.clear()
 
     def _stopped_error(self) -> Unavailable:
         return Unavailable(
@@ -144,12 +158,13 @@ class GenerationEngine:
         )
 
     async def drain(self) -> None:
-        """Stop admitting; running streams keep receiving tokens until they finish."""
+        """Stop admitting; running streams keep receiving tokens until they finish. Cancelled
+        (the drain's grace is over), the loop stops and the streams left end UNAVAILABLE."""
         self._is_draining = True
         self._wake.set()
         if self._loop_task is not None:
             await self._loop_task
-        self._executor.shutdown(wait=True)
+        self.steps.shutdown()
 
     @property
     def num_free_blocks(self) -> int:
@@ -258,7 +273,6 @@ class GenerationEngine:
     # -- the loop --------------------------------------------------------------------------
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             self._wake.clear()
             output = self.scheduler.schedule()
@@ -277,8 +291,10 @@ class GenerationEngine:
             self._is_stepping = True
             started = self._clock()
             try:
-                logits = await loop.run_in_executor(self._executor, self.runner.execute, items)
+                logits = await self.steps.execute(items)
             except Exception as error:
+                if self.steps.is_wedged:
+                    raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
                 self._fail(output.scheduled, error)
                 continue

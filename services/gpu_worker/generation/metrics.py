@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
 from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
@@ -12,8 +12,14 @@ _MODEL = ("model", "version")
 
 
 class GenerationMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, *, watchdog_expired_total: Counter | None = None
+    ) -> None:
+        """`watchdog_expired_total`: the worker's count of model calls past the executor
+        watchdog (`WorkerMetrics`, whose registry this shares), which wedged generation steps
+        add to; None (an engine on its own) leaves them uncounted."""
         new = MetricFactory(registry)
+        self.watchdog_expired_total = watchdog_expired_total
         self.ttft_seconds = new.histogram(
             names.GENERATION_TTFT_SECONDS,
             "From admission to the first generated token.",

@@ -55,3 +55,14 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
     secretName: {{ .root.Values.tls.secretPrefix }}-{{ .component }}
     defaultMode: 0440
 {{- end -}}
+
+{{/* A tier's Redis password (only its own role's key) as /etc/fabric/redis/password; call with
+(dict "root" $ "role" "router"). */}}
+{{- define "fabric.redisCredentialsVolume" -}}
+- name: redis-credentials
+  secret:
+    secretName: {{ .root.Values.redisAuth.secretName }}
+    items:
+      - key: {{ .role }}-password
+        path: password
+{{- end -}}

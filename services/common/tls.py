@@ -1,0 +1,251 @@
+"""TLS on the tiers' gRPC: server credentials, client credentials and channels from PEM files.
+
+Every tier's gRPC port serves TLS once it has a certificate and key (`--tls-cert-file`,
+`--tls-key-file`); with `--tls-client-ca-file` as well, a caller must present a certificate that
+CA signed (mTLS), and one without is refused during the handshake. The tiers that call another
+(gateway -> router, router -> worker) dial over TLS once they have the CA that signed the
+callee's certificate (`--<peer>-tls-ca-file`), presenting their own certificate with
+`--<peer>-tls-cert-file` and `--<peer>-tls-key-file`. Nothing set: plaintext, as before.
+
+Names in certificates: a client checks the callee's certificate against the host it dials. The
+gateway dials the router's Service by DNS name, which the router's certificate carries. Routers
+dial workers at the pod IPs workers advertise, which change with every pod; rather than a
+certificate per IP, `--worker-tls-server-name` names what routers expect instead (gRPC's
+`grpc.ssl_target_name_override`), and the workers' certificate carries that DNS name. Without a
+server name the dialled host itself (an IP: an IP SAN) must be in the certificate.
+
+Kubelet's gRPC probes cannot speak TLS, let alone present a client certificate: `--health-port`
+opens a second, plaintext listener that serves only grpc.health.v1 (status, no data) for them.
+Certificates are read at start-up; rotating them means restarting the pods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2_grpc
+
+from services.common.multiplex import CHANNEL_OPTIONS
+from services.common.settings import Setting
+
+_PEM_MARKER = b"-----BEGIN "
+
+
+def read_pem(path: Path, what: str) -> bytes:
+    """The file's bytes; ValueError naming `what` and the path if it is unreadable or not PEM."""
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise ValueError(f"{what} {path} cannot be read: {error.strerror or error}") from None
+    if _PEM_MARKER not in data:
+        raise ValueError(f"{what} {path} is not PEM (no '-----BEGIN' line)")
+    return data
+
+
+def _check_pair(cert_file: Path | None, key_file: Path | None, whose: str) -> None:
+    if key_file is not None and cert_file is None:
+        raise ValueError(f"{whose} TLS key {key_file} is given without its certificate file")
+    if cert_file is not None and key_file is None:
+        raise ValueError(f"{whose} TLS certificate {cert_file} is given without its key file")
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """How a tier's gRPC port is secured. All None: plaintext. Files are checked when the
+    config is built (a bad one exits with status 2) and read again by `credentials`."""
+
+    #: PEM certificate chain the port presents; with `key_file`, the port serves TLS only.
+    cert_file: Path | None = None
+    #: PEM private key of `cert_file`.
+    key_file: Path | None = None
+    #: PEM CA bundle; when set, callers must present a certificate it signed (mTLS).
+    client_ca_file: Path | None = None
+    #: Port of a plaintext listener serving only grpc.health.v1, for kubelet probes; None: none.
+    health_port: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_pair(self.cert_file, self.key_file, "server")
+        if self.client_ca_file is not None and self.cert_file is None:
+            raise ValueError(
+                f"client CA {self.client_ca_file} needs the server's own TLS certificate and key"
+            )
+        if self.health_port is not None and not 0 <= self.health_port <= 65535:
+            raise ValueError(f"health port {self.health_port} is not a port number")
+        if self.cert_file is not None and self.key_file is not None:
+            self._read()
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.cert_file is not None
+
+    @property
+    def requires_client_cert(self) -> bool:
+        return self.client_ca_file is not None
+
+    def _read(self) -> tuple[bytes, bytes, bytes | None]:
+        if self.cert_file is None or self.key_file is None:
+            raise ValueError("no TLS certificate and key configured")
+        cert = read_pem(self.cert_file, "TLS certificate")
+        key = read_pem(self.key_file, "TLS key")
+        ca = None
+        if self.client_ca_file is not None:
+            ca = read_pem(self.client_ca_file, "TLS client CA")
+        return cert, key, ca
+
+    def credentials(self) -> grpc.ServerCredentials:
+        cert, key, ca = self._read()
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+
+@dataclass(frozen=True)
+class ClientTls:
+    """How a tier dials its peer. All unset: plaintext."""
+
+    #: PEM CA bundle that verifies the peer's certificate; setting it dials over TLS.
+    ca_file: Path | None = None
+    #: PEM certificate presented to the peer (mTLS), with `key_file`.
+    cert_file: Path | None = None
+    #: PEM private key of `cert_file`.
+    key_file: Path | None = None
+    #: Name expected in the peer's certificate instead of the dialled host; "" checks the host.
+    server_name: str = ""
+
+    def __post_init__(self) -> None:
+        _check_pair(self.cert_file, self.key_file, "client")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ValueError(
+                f"client certificate {self.cert_file} is given without the CA file that "
+                "verifies the server"
+            )
+        if self.server_name and self.ca_file is None:
+            raise ValueError(f"TLS server name {self.server_name!r} is given without a CA file")
+        if self.ca_file is not None:
+            self._read()
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.ca_file is not None
+
+    def _read(self) -> tuple[bytes, bytes | None, bytes | None]:
+        if self.ca_file is None:
+            raise ValueError("no TLS CA configured")
+        ca = read_pem(self.ca_file, "TLS CA")
+        if self.cert_file is None or self.key_file is None:
+            return ca, None, None
+        cert = read_pem(self.cert_file, "TLS client certificate")
+        return ca, read_pem(self.key_file, "TLS client key"), cert
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        ca, key, cert = self._read()
+        return grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+
+
+def add_port(server: grpc.aio.Server, address: str, tls: ServerTls) -> int:
+    """Binds `address` (host:port) with TLS when configured, plaintext otherwise; the bound
+    port."""
+    if not tls.is_enabled:
+        return server.add_insecure_port(address)
+    return server.add_secure_port(address, tls.credentials())
+
+
+def open_channel(
+    address: str, tls: ClientTls, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
+) -> grpc.aio.Channel:
+    """A channel to `address`: secure when `tls` is configured, else plaintext; `options` as
+    for any of the tiers' channels (multiplex.CHANNEL_OPTIONS)."""
+    if not tls.is_enabled:
+        return grpc.aio.insecure_channel(address, options=options)
+    if tls.server_name:
+        options = (*options, ("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.aio.secure_channel(address, tls.credentials(), options=options)
+
+
+async def start_health_listener(
+    servicer: health.aio.HealthServicer, host: str, tls: ServerTls
+) -> grpc.aio.Server | None:
+    """With `tls.health_port` set, a started plaintext server on it that serves only
+    `servicer` (the tier's own health statuses); None otherwise."""
+    if tls.health_port is None:
+        return None
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"{host}:{tls.health_port}")
+    await server.start()
+    return server
+
+
+def server_tls_settings(field: str = "tls") -> tuple[Setting, ...]:
+    """The settings of a tier's gRPC port security, into its config's ServerTls `field`."""
+    return (
+        Setting(
+            "tls_cert_file",
+            Path,
+            None,
+            "PEM certificate chain the gRPC port presents; with --tls-key-file the port serves "
+            "TLS only (unset: plaintext)",
+            field=f"{field}.cert_file",
+        ),
+        Setting(
+            "tls_key_file", Path, None, "PEM key of --tls-cert-file", field=f"{field}.key_file"
+        ),
+        Setting(
+            "tls_client_ca_file",
+            Path,
+            None,
+            "PEM CA bundle: callers must present a certificate it signed (mTLS)",
+            field=f"{field}.client_ca_file",
+        ),
+        Setting(
+            "health_port",
+            int,
+            None,
+            "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
+            "(unset: none)",
+            "port",
+            field=f"{field}.health_port",
+        ),
+    )
+
+
+def client_tls_settings(peer: str, field: str) -> tuple[Setting, ...]:
+    """The settings of how a tier dials `peer` (router, worker), into its ClientTls `field`."""
+    return (
+        Setting(
+            f"{peer}_tls_ca_file",
+            Path,
+            None,
+            f"PEM CA bundle that verifies the {peer}s' certificates; setting it dials {peer}s "
+            "over TLS (unset: plaintext)",
+            field=f"{field}.ca_file",
+        ),
+        Setting(
+            f"{peer}_tls_cert_file",
+            Path,
+            None,
+            f"PEM client certificate presented to {peer}s (mTLS)",
+            field=f"{field}.cert_file",
+        ),
+        Setting(
+            f"{peer}_tls_key_file",
+            Path,
+            None,
+            f"PEM key of --{peer}-tls-cert-file",
+            field=f"{field}.key_file",
+        ),
+        Setting(
+            f"{peer}_tls_server_name",
+            str,
+            "",
+            f"name the {peer}s' certificates carry, checked instead of the dialled host "
+            "(unset: the host)",
+            field=f"{field}.server_name",
+        ),
+    )

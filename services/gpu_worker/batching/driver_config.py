@@ -1,0 +1,37 @@
+"""The batching driver's worker-wide settings (per-model ones come from the model repository)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """Worker-wide batching settings; per-model ones come from the model repository."""
+
+    #: Part of each model's SLO reserved for gateway, router and the hops both ways. Measured
+    #: on the 2-core benchmark machine under load: 30-60 ms between the gateway's answer time
+    #: and the worker's.
+    upstream_budget_s: float = 0.04
+    #: Margin kept between predicted completion and a row's deadline.
+    safety_margin_s: float = 0.005
+    #: Upper bound on the derived linger.
+    max_wait_cap_s: float = 0.05
+    #: When the executor is idle, linger only if at least this many more rows are expected
+    #: before the linger expires (the batcher's work-conserving trigger); 0 always lingers.
+    min_expected_arrivals: float = 1.0
+    #: Deficit-round-robin shares per tenant; tenants not listed get weight 1.0.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+    #: Longest a model call may run before the worker declares itself wedged (seconds). The
+    #: bound in force is the larger of this and `WARMUP_MULTIPLE` times the costliest warm-up
+    #: batch (see batching.watchdog), so a slow model never trips it on a healthy batch.
+    watchdog_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
+            raise ValueError("upstream budget, safety margin and max_wait cap must be >= 0")
+        if self.min_expected_arrivals < 0:
+            raise ValueError("min_expected_arrivals must be >= 0")
+        if self.watchdog_s <= 0:
+            raise ValueError("watchdog_s must be > 0")

@@ -1,0 +1,99 @@
+"""The executor watchdog: a bound on how long one model call may hold the executor thread.
+
+A model call that never returns (a deadlocked kernel, a hung device, an infinite loop in user
+code) leaves the worker alive but useless: its heartbeat goes on while every row queues behind
+the call. The driver awaits each call for at most the watchdog bound; past it, the call's rows
+fail UNAVAILABLE and the worker stops serving (NOT_SERVING, draining in the registry, overall
+health too, so the liveness probe has the process replaced).
+
+A Python thread cannot be killed, so the wedged call keeps its thread: the executor runs on a
+daemon thread (`DaemonExecutor`), which neither drain nor interpreter exit waits for.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+#: The bound in force is at least this many times the costliest warm-up batch: a model whose
+#: largest batch takes 5 s is never declared wedged at 30 s under ordinary contention.
+WARMUP_MULTIPLE = 10.0
+
+
+def watchdog_bound_s(watchdog_s: float, slowest_warmup_s: float) -> float:
+    """The bound on one model call, seconds: the configured `watchdog_s`, raised to
+    `WARMUP_MULTIPLE` x the costliest warm-up batch when that is larger."""
+    return max(watchdog_s, WARMUP_MULTIPLE * slowest_warmup_s)
+
+
+def wedged_message(labels: tuple[str, str], bound_s: float) -> str:
+    """What the rows of a call that ran past the bound are told (UNAVAILABLE: retry elsewhere)."""
+    return (
+        f"the model call of {'/'.join(labels)} exceeded the watchdog ({bound_s:.1f}s); "
+        "this worker stopped serving, retry elsewhere"
+    )
+
+
+class DaemonExecutor(Executor):
+    """Runs submitted calls one at a time, in order, on one daemon thread.
+
+    Unlike `ThreadPoolExecutor`, whose threads the interpreter joins at exit, a call that never
+    returns does not keep the process from exiting: `shutdown(wait=False)` and process exit
+    leave the thread behind."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._calls: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._is_shut_down = False
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._work, name=thread_name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        """Queues `fn(*args, **kwargs)`; raises RuntimeError after `shutdown`."""
+        with self._lock:
+            if self._is_shut_down:
+                raise RuntimeError("cannot schedule new calls after shutdown")
+            future: Future[T] = Future()
+            self._calls.put((future, lambda: fn(*args, **kwargs)))
+            return future
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Refuses new calls; queued ones still run (or are cancelled with `cancel_futures`).
+        With `wait`, returns once the thread has finished them: never pass it while a call
+        may be wedged."""
+        with self._lock:
+            if not self._is_shut_down:
+                self._is_shut_down = True
+                if cancel_futures:
+                    self._cancel_queued()
+                self._calls.put(None)
+        if wait:
+            self._thread.join()
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                item = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[0].cancel()
+
+    def _work(self) -> None:
+        while (item := self._calls.get()) is not None:
+            future, call = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = call()
+            except BaseException as error:  # delivered to the awaiting caller
+                future.set_exception(error)
+            else:
+                future.set_result(result)

@@ -1,0 +1,94 @@
+"""The thread the generation engine's model steps run on, and the watchdog bounding each step.
+
+A step's forward runs off the event loop, one at a time, on one daemon thread
+(`batching.watchdog.DaemonExecutor`). A forward that never returns (a deadlocked kernel, a hung
+device) would leave every stream of the model waiting for tokens while the worker still looks
+alive; the engine awaits each step for at most the watchdog bound, the same one the batching
+driver applies to fixed-cost model calls (`watchdog_s`, raised for a model whose warm-up steps
+are slow). Past it, the step raises and `is_wedged` is set: the engine stops for good (the
+thread cannot be killed), and drain leaves the thread behind instead of waiting for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import torch
+
+from services.common.errors import Unavailable
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+
+log = logging.getLogger(__name__)
+
+#: The bound on one step where the worker's `watchdog_s` is not given (an engine on its own).
+DEFAULT_WATCHDOG_S = DriverConfig.watchdog_s
+
+
+class StepExecutor:
+    """Runs one model version's steps on its own daemon thread, each bounded by the watchdog."""
+
+    def __init__(
+        self, runner: ModelRunner, metrics: GenerationMetrics, labels: tuple[str, str]
+    ) -> None:
+        self._runner = runner
+        self._metrics = metrics
+        self._labels = labels
+        self._executor = DaemonExecutor(f"generation-{'/'.join(labels)}")
+        #: The costliest warm-up step (seconds): the bound in force is at least a multiple of it.
+        self.slowest_warmup_s = 0.0
+        #: The bound on one step in force (seconds); see `set_watchdog`.
+        self.watchdog_s = DEFAULT_WATCHDOG_S
+        #: Set once a step ran past the bound: its thread may never be free again.
+        self.is_wedged = False
+
+    def set_watchdog(self, watchdog_s: float) -> None:
+        """Bounds each step by `watchdog_s`, raised to the warm-up multiple of the costliest
+        warm-up step (as the batching driver does for fixed-cost calls)."""
+        if watchdog_s <= 0:
+            raise ValueError("watchdog_s must be > 0")
+        self.watchdog_s = watchdog_bound_s(watchdog_s, self.slowest_warmup_s)
+        log.info(
+            "generation watchdog of %s: %.1fs (costliest warm-up step %.3fs)",
+            "/".join(self._labels),
+            self.watchdog_s,
+            self.slowest_warmup_s,
+        )
+
+    def warm_up(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> None:
+        """Runs `steps` in order on the executor thread (the thread that will run serving
+        steps), timing each. Blocking: call it from a thread before serving."""
+        self._executor.submit(self._run_timed, steps).result()
+
+    def _run_timed(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> None:
+        for items in steps:
+            started = time.monotonic()
+            self._runner.execute(items)
+            self.slowest_warmup_s = max(self.slowest_warmup_s, time.monotonic() - started)
+
+    async def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+        """The step's logits (`ModelRunner.execute`); raises what the forward raised, or
+        Unavailable, with `is_wedged` set, once the step has held the thread past the bound."""
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.watchdog_s) as timeout:
+                return await loop.run_in_executor(self._executor, self._runner.execute, items)
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # raised by the forward itself: a failed step like any other
+            self.is_wedged = True
+            if (expired_total := self._metrics.watchdog_expired_total) is not None:
+                expired_total.labels(*self._labels).inc()
+            raise Unavailable(
+                f"a model step ran past the executor watchdog ({self.watchdog_s:.1f}s)"
+            ) from None
+
+    def shutdown(self) -> None:
+        """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
+        thread is left behind: it may never return)."""
+        self._executor.shutdown(wait=not self.is_wedged)

@@ -1,0 +1,137 @@
+"""Outlier ejection of workers whose calls only time out.
+
+A worker can be alive by its heartbeat yet answer nothing: its event loop stuck, a network path
+that drops packets, a model wedged before the worker's own watchdog fires. Every call routed
+there waits out its whole deadline. `TimeoutEjector` ejects such a worker from routing after
+`timeouts_to_eject` consecutive timeouts with no success in between, counted only once the worker
+has answered nothing for `min_silence_s`: an overloaded worker times out many calls in a row yet
+keeps answering others, and ejecting it would turn overload into an outage. After the period
+one request at a time probes it again. A probe that times out ejects it again for twice as
+long (bounded by `max_eject_s`); a success restores it.
+
+Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TimeoutEjectionConfig:
+    """When a worker whose calls time out is taken out of routing, and for how long."""
+
+    #: Consecutive timeouts, with no success in between, that eject a worker (0: never).
+    timeouts_to_eject: int = 5
+    #: First ejection period, seconds; each repeat doubles it.
+    eject_s: float = 10.0
+    #: Longest ejection period, seconds. A worker that answers for this long after its last
+    #: ejection starts again from `eject_s`.
+    max_eject_s: float = 300.0
+    #: A timeout counts only if the call waited at least this many times its predicted time: a
+    #: call cut short by its caller's own tight deadline says nothing about the worker.
+    min_wait_factor: float = 4.0
+    #: A timeout counts only if the worker has answered nothing (success or error) for this
+    #: long, seconds: a worker that answers is overloaded or slow, not wedged.
+    min_silence_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.timeouts_to_eject < 0:
+            raise ValueError("timeouts_to_eject must be >= 0")
+        if not 0 < self.eject_s <= self.max_eject_s:
+            raise ValueError("timeout ejection periods must satisfy 0 < eject_s <= max_eject_s")
+        if self.min_wait_factor < 0 or self.min_silence_s < 0:
+            raise ValueError("min_wait_factor and min_silence_s must be >= 0")
+
+
+@dataclass
+class _Health:
+    """What the ejector knows of one worker that timed out lately."""
+
+    num_timeouts: int = 0
+    #: Ejections in the current run of repeats (sets the next period).
+    num_ejections: int = 0
+    #: While ejected: when the period ends; after it, the worker is on probation.
+    ejected_until_s: float | None = None
+    #: On probation, a probe is out until this time (then another may go).
+    probe_until_s: float | None = None
+    #: When the last ejection period ended (repeats within `max_eject_s` of it double).
+    last_ejection_end_s: float = 0.0
+
+
+class TimeoutEjector:
+    def __init__(self, config: TimeoutEjectionConfig) -> None:
+        self._config = config
+        self._workers: dict[str, _Health] = {}
+        #: When each worker last answered a call (any answer but a timeout).
+        self._last_answer_s: dict[str, float] = {}
+
+    def may_route(self, worker_id: str, now_s: float) -> bool:
+        """False while `worker_id` is ejected, or on probation with its probe out."""
+        health = self._workers.get(worker_id)
+        if health is None or health.ejected_until_s is None:
+            return True
+        if now_s < health.ejected_until_s:
+            return False
+        return health.probe_until_s is None or now_s >= health.probe_until_s
+
+    def on_routed(self, worker_id: str, now_s: float) -> None:
+        """A request was routed to `worker_id`: on probation, it is the probe, and no other
+        request goes there until it answers (or for `eject_s`, should it never)."""
+        health = self._workers.get(worker_id)
+        until_s = None if health is None else health.ejected_until_s
+        if health is not None and until_s is not None and now_s >= until_s:
+            health.probe_until_s = now_s + self._config.eject_s
+
+    def record_success(self, worker_id: str, now_s: float) -> None:
+        """A call to `worker_id` was answered: the timeout streak ends, a probation too. The
+        worker is forgotten once it has answered for `max_eject_s` since its last ejection."""
+        self._last_answer_s[worker_id] = now_s
+        health = self._workers.get(worker_id)
+        if health is None:
+            return
+        health.num_timeouts = 0
+        if health.ejected_until_s is not None:
+            if now_s >= health.ejected_until_s:  # else a late answer to a call sent before
+                health.last_ejection_end_s = health.ejected_until_s
+                health.ejected_until_s = health.probe_until_s = None
+            return
+        if health.num_ejections == 0 or (
+            now_s - health.last_ejection_end_s >= self._config.max_eject_s
+        ):
+            del self._workers[worker_id]
+
+    def record_timeout(
+        self, worker_id: str, now_s: float, *, waited_s: float, predicted_s: float
+    ) -> float | None:
+        """A call to `worker_id` timed out after `waited_s` (routing predicted `predicted_s`).
+        Returns the ejection period when this timeout ejects the worker, else None."""
+        config = self._config
+        if config.timeouts_to_eject == 0 or waited_s < config.min_wait_factor * predicted_s:
+            return None
+        last_answer_s = self._last_answer_s.get(worker_id)
+        if last_answer_s is not None and now_s - last_answer_s < config.min_silence_s:
+            return None  # it answers others: overloaded or slow, not wedged
+        health = self._workers.setdefault(worker_id, _Health())
+        if health.ejected_until_s is not None:
+            if now_s < health.ejected_until_s:
+                return None  # sent before the ejection: already counted
+            return self._eject(health, now_s)  # the probe timed out
+        health.num_timeouts += 1
+        if health.num_timeouts >= config.timeouts_to_eject:
+            return self._eject(health, now_s)
+        return None
+
+    def _eject(self, health: _Health, now_s: float) -> float:
+        period_s = min(self._config.max_eject_s, self._config.eject_s * 2**health.num_ejections)
+        health.num_ejections += 1
+        health.num_timeouts = 0
+        health.ejected_until_s = now_s + period_s
+        health.probe_until_s = None
+        return period_s
+
+    def is_ejected(self, worker_id: str, now_s: float) -> bool:
+        """Inside an ejection period now (probation not included)."""
+        health = self._workers.get(worker_id)
+        until_s = None if health is None else health.ejected_until_s
+        return until_s is not None and now_s < until_s

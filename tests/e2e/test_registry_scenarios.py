@@ -1,0 +1,574 @@
+"""RELIABILITY.md's registry and health scenarios (25, 26, 27, 28, 33, 35), end to end.
+
+One two-worker stack (`python -m services.local_stack`) serves the whole module: each test
+restores what it breaks (a stopped worker continues, a stopped Redis comes back on the same port
+with the same ACL), except the last, s33, which drains a worker and kills the router. Tests run
+in file order, so it goes last.
+
+Durations and bounds come from the tiers' own defaults (heartbeat period, staleness, refresh
+period), so a changed default changes the bound with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import pytest
+import redis
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common import metric_names as names
+from services.common.processes import ChildProcess, launch, wait_ready
+from services.common.redis_acl import ACL_FILE_NAME, ADMIN, WORKER, password_file_name
+from services.common.redis_server import ping, redis_command
+from services.common.registry_schema import RegistryKeys
+from services.gateway.config import GatewayConfig
+from services.gpu_worker.config import HeartbeatConfig
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.router.config import RouterConfig
+from services.router.routing import RoutingConfig
+from services.router.server import REGISTRY_HEALTH_NAME
+from tests.support.fabric_load import predict_request, routed_to
+from tests.support.metrics import scrape, total
+from tests.support.models import write_minilm_repository
+from tests.support.processes import REPO_ROOT, ServiceProcess, start_worker
+from tests.support.stack import Stack, Tier, start_stack
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+HEARTBEAT_PERIOD_S = HeartbeatConfig.period_s
+HEARTBEAT_MAX_BACKOFF_S = HeartbeatConfig.max_backoff_s
+STALE_AFTER_S = RoutingConfig.stale_after_s
+REFRESH_PERIOD_S = RouterConfig.refresh_period_s
+#: Router's longest pause between registry reads while Redis is unreachable
+#: (services/router/registry_reader.py).
+ROUTER_MAX_BACKOFF_S = 5.0
+#: Scheduling slack on two shared CPU cores, added to every timing bound below.
+SLACK_S = 1.0
+#: Scenario 25's outage.
+OUTAGE_S = 30.0
+#: Client deadline: far above any latency here, so a stall shows as latency, not as an error.
+TIMEOUT_S = 20.0
+
+
+# -- Redis under the test's control -----------------------------------------------------------
+
+
+@dataclass
+class FabricRedis:
+    """The stack's Redis: the launcher's process at first; after `start`, ours, on the same port
+    with the same ACL file (so every tier's password file still works), and empty."""
+
+    port: int
+    acl_file: Path
+    admin_password: str
+    state_dir: Path
+    pid: int
+    #: Set once this test module started the current server (None: the launcher's).
+    child: ChildProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{ADMIN}:{self.admin_password}@127.0.0.1:{self.port}/0"
+
+    def answers(self) -> bool:
+        return ping(self.port, timeout_s=0.2, auth=(ADMIN, self.admin_password))
+
+    def kill(self) -> None:
+        """SIGKILL: a crash or a lost node."""
+        self._signal_and_wait(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM: a clean shutdown."""
+        self._signal_and_wait(signal.SIGTERM)
+
+    def _signal_and_wait(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+        os.kill(self.pid, signal.SIGCONT)  # a paused server would hold SIGTERM pending
+        if self.child is not None:
+            self.child.process.wait(10)
+        # The launcher reaps its own child; the port is free once nothing answers on it.
+        deadline = time.monotonic() + 10
+        while self.answers() or is_running(self.pid):
+            assert time.monotonic() < deadline, f"redis {self.pid} still running"
+            time.sleep(0.01)
+
+    def start(self) -> None:
+        """A new, empty redis-server on the same port and ACL; returns once it answers."""
+        data_dir = self.state_dir / f"redis-{time.monotonic_ns()}"
+        data_dir.mkdir()
+        argv = redis_command(self.port, appendonly=False, dir=data_dir, acl_file=self.acl_file)
+        self.child = launch("redis-server", argv, log_path=data_dir.with_suffix(".log"))
+        self.pid = self.child.pid
+        wait_ready([self.child], timeout_s=10, is_ready=lambda _: self.answers(), poll_s=0.01)
+
+    def pause(self) -> None:
+        """SIGSTOP: connections stay open, nothing answers (slower than any socket timeout)."""
+        os.kill(self.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.child is not None and self.child.process.poll() is None:
+            self.resume()
+            self.child.terminate(10)
+
+    def registered_workers(self) -> set[str]:
+        """Worker ids in the registry's sorted set, read as an admin."""
+        with redis.Redis.from_url(self.url, socket_timeout=1) as client:
+            members = client.zrange(RegistryKeys("fabric").workers, 0, -1)
+        return {m.decode() for m in members}
+
+
+def is_running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (the launcher's exited children are reaped
+    by the launcher, not by us)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+@dataclass
+class Fabric:
+    stack: Stack
+    redis: FabricRedis
+    model_repository: Path
+
+
+def write_small_minilm_repository(repository: Path) -> Path:
+    """minilm with an SLO of 30 s (two shared CPU cores cannot serve steady load within the
+    default 250 ms, and these tests are about faults, not shedding), batches of at most 8 and
+    two length buckets: the test's inputs are short, and warming up every shape of the default
+    config takes minutes on a busy machine (the s35 replica warms up during the test)."""
+    write_minilm_repository(repository, slo_p99_ms=30_000)
+    config = repository / "minilm" / "config.toml"
+    lines = config.read_text().splitlines()
+    replaced = {
+        "max_batch_size": "max_batch_size = 8",
+        "length_buckets": "length_buckets = [16, 32]",
+    }
+    config.write_text(
+        "\n".join(
+            next((v for k, v in replaced.items() if line.startswith(k)), line) for line in lines
+        )
+    )
+    return repository
+
+
+@pytest.fixture(scope="module")
+def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
+    """The two-worker stack every test here shares."""
+    tmp_path = tmp_path_factory.mktemp("registry")
+    repository = write_small_minilm_repository(tmp_path / "repo")
+    stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
+    fabric_redis = FabricRedis(
+        port=stack.redis_port,
+        acl_file=stack.state_dir / "redis-acl" / ACL_FILE_NAME,
+        admin_password=stack.redis_admin_password,
+        state_dir=stack.state_dir,
+        pid=stack.redis_pid,
+    )
+    try:
+        yield Fabric(stack, fabric_redis, repository)
+    finally:
+        if is_running(fabric_redis.pid):
+            fabric_redis.resume()
+        code = stack.stop()
+        fabric_redis.close()
+    assert code == 0, stack.log("launcher")
+
+
+# -- load and probes ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    #: time.monotonic() when the call was sent, and its latency.
+    sent_s: float
+    latency_s: float
+    error: grpc.aio.AioRpcError | None
+
+
+@dataclass
+class Load:
+    """Closed-loop Predict callers sharing one channel to the gateway, opened before any fault,
+    until `stop`."""
+
+    address: str
+    concurrency: int = 4
+    outcomes: list[Outcome] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _channel: grpc.aio.Channel | None = None
+    _is_stopping: bool = False
+
+    def start(self) -> Load:
+        self._channel = grpc.aio.insecure_channel(self.address)
+        stub = api_grpc.InferenceServiceStub(self._channel)
+
+        async def caller(n: int) -> None:
+            i = 0
+            while not self._is_stopping:
+                sent_s = time.monotonic()
+                error = None
+                try:
+                    reply = await stub.Predict(
+                        predict_request(f"caller {n} row {i}"), timeout=TIMEOUT_S
+                    )
+                    assert len(reply.outputs) == 1
+                except grpc.aio.AioRpcError as rpc_error:
+                    error = rpc_error
+                self.outcomes.append(Outcome(sent_s, time.monotonic() - sent_s, error))
+                i += 1
+
+        self._tasks = [asyncio.create_task(caller(n)) for n in range(self.concurrency)]
+        return self
+
+    def failures(self) -> list[Outcome]:
+        return [o for o in self.outcomes if o.error is not None]
+
+    async def served_more_than(self, count: int) -> None:
+        await eventually(lambda: len(self.outcomes) > count, timeout_s=TIMEOUT_S)
+
+    async def stop(self) -> list[Outcome]:
+        self._is_stopping = True
+        await asyncio.gather(*self._tasks)
+        if self._channel is not None:
+            await self._channel.close()
+        return self.outcomes
+
+    def errors(self) -> list[grpc.aio.AioRpcError]:
+        return [o.error for o in self.outcomes if o.error is not None]
+
+
+async def health(address: str, service: str = "", timeout_s: float = 1.0) -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+        return reply.status
+
+
+async def registry_is(stack: Stack, status: int) -> bool:
+    """The router's registry health (NOT_SERVING while Redis is unreachable) is `status`."""
+    return await health(stack.router.address, REGISTRY_HEALTH_NAME) == status
+
+
+async def hold(until_s: float) -> None:
+    """Keeps a fault in place until time.monotonic() reaches `until_s`: a scenario's duration,
+    not a wait for a condition."""
+    await asyncio.sleep(max(0.0, until_s - time.monotonic()))
+
+
+def router_metric(stack: Stack, name: str) -> float:
+    return total(scrape(stack.router.metrics_port), name)
+
+
+def live_workers(stack: Stack) -> float:
+    return router_metric(stack, names.ROUTER_LIVE_WORKERS)
+
+
+def rows_executed(stack: Stack) -> float:
+    return sum(total(scrape(w.metrics_port), names.WORKER_ROWS_TOTAL) for w in stack.workers)
+
+
+def start_time(tier: Tier) -> float:
+    """The process's start time, from its own metrics: changes if the tier restarted."""
+    return total(scrape(tier.metrics_port), "process_start_time_seconds")
+
+
+def probe_services(manifest: str) -> dict[str, str]:
+    """The health service each probe of a base manifest's Deployment asks for."""
+    documents = yaml.safe_load_all((REPO_ROOT / "deploy/k8s/base" / manifest).read_text())
+    deployment = next(d for d in documents if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return {
+        probe: container[probe]["grpc"].get("service", "")
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+    }
+
+
+# -- the scenarios, in an order where each leaves the stack whole for the next -----------------
+
+
+async def test_s28_a_hung_redis_never_stalls_a_tier(fabric: Fabric) -> None:
+    stack = fabric.stack
+    tiers = [stack.gateway, stack.router, *stack.workers]
+    checks: list[tuple[bool, float]] = []  # (during the pause, latency; inf: not SERVING)
+    is_paused = False
+
+    async def probe() -> None:
+        while True:
+            for tier in tiers:
+                sent_s = time.monotonic()
+                try:
+                    is_serving = await health(tier.address, timeout_s=1.0) == SERVING
+                except grpc.aio.AioRpcError:
+                    is_serving = False
+                latency_s = time.monotonic() - sent_s if is_serving else float("inf")
+                checks.append((is_paused, latency_s))
+            await asyncio.sleep(0.05)
+
+    prober = asyncio.create_task(probe())
+    # One caller: while Redis is unreachable the router may send everything to one worker
+    # (test_s25_the_load_stays_spread_while_redis_is_down), which carries one caller as fast
+    # as two workers do. What is measured here is whether anything waits on Redis.
+    load = Load(stack.gateway.address, concurrency=1).start()
+    await load.served_more_than(40)
+    paused_at = time.monotonic()
+    is_paused = True
+    fabric.redis.pause()
+    try:
+        await eventually(
+            lambda: registry_is(stack, NOT_SERVING),
+            timeout_s=0.5 + REFRESH_PERIOD_S + SLACK_S,  # one Redis socket timeout, one refresh
+        )
+        # Several heartbeats and refreshes time out against the hung server meanwhile.
+        await hold(paused_at + STALE_AFTER_S + 1)
+    finally:
+        is_paused = False
+        resumed_at = time.monotonic()
+        fabric.redis.resume()
+    await eventually(
+        lambda: registry_is(stack, SERVING),
+        timeout_s=ROUTER_MAX_BACKOFF_S + SLACK_S,
+    )
+    outcomes = await load.stop()
+    prober.cancel()
+
+    assert not load.errors()[:3]
+    before = [o.latency_s for o in outcomes if o.sent_s + o.latency_s < paused_at]
+    during = [o.latency_s for o in outcomes if paused_at <= o.sent_s < resumed_at]
+    paused_checks = [latency for is_during, latency in checks if is_during]
+    assert len(before) >= 20 and len(during) >= 10, (len(before), len(during))
+    # Requests never touch Redis: none waits on the hung server (it would hang to its deadline,
+    # or add socket timeouts). Two shared CPU cores make latency noisy, hence loose factors.
+    assert statistics.median(during) <= 1.5 * statistics.median(before) + 0.1, (before, during)
+    assert max(during) <= max(before) + 1.0, (before, during)
+    # No event loop stalls on a Redis call: health answers in milliseconds, as it does anyway,
+    # never near one socket timeout (0.5 s).
+    assert len(paused_checks) > 20, paused_checks
+    assert max(paused_checks) < 0.5 and statistics.median(paused_checks) < 0.05, paused_checks
+    assert live_workers(stack) == 2
+
+
+async def test_s26_a_worker_that_stops_heartbeating_leaves_routing_within_the_ttl_and_returns(
+    fabric: Fabric,
+) -> None:
+    stack = fabric.stack
+    victim, survivor = stack.workers[1], stack.workers[0]
+    load = Load(stack.gateway.address).start()
+    victim_before = routed_to(stack, victim.worker_id)
+    await eventually(lambda: routed_to(stack, victim.worker_id) > victim_before)
+
+    os.kill(victim.pid, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        await eventually(lambda: live_workers(stack) == 1, timeout_s=STALE_AFTER_S + 5)
+        removed_after_s = time.monotonic() - stopped_at
+        victim_routed = routed_to(stack, victim.worker_id)
+        survivor_routed = routed_to(stack, survivor.worker_id)
+        # The first load's callers may all be waiting on calls the stopped worker holds (until
+        # it continues, or keepalive gives up on it): new callers are served by the survivor.
+        meanwhile = Load(stack.gateway.address, concurrency=2).start()
+        await meanwhile.served_more_than(10)
+        await meanwhile.stop()
+        assert not meanwhile.errors()[:3]
+        assert routed_to(stack, survivor.worker_id) >= survivor_routed + 10
+        assert routed_to(stack, victim.worker_id) == victim_routed
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    continued_at = time.monotonic()
+    await eventually(lambda: live_workers(stack) == 2, timeout_s=HEARTBEAT_PERIOD_S + 5)
+    back_after_s = time.monotonic() - continued_at
+    await eventually(lambda: routed_to(stack, victim.worker_id) > victim_routed, timeout_s=5)
+    await load.stop()
+
+    # Heartbeats stop at most one period before the signal; the router judges staleness at
+    # each refresh.
+    assert removed_after_s <= STALE_AFTER_S + REFRESH_PERIOD_S + SLACK_S, removed_after_s
+    assert back_after_s <= HEARTBEAT_PERIOD_S + REFRESH_PERIOD_S + SLACK_S, back_after_s
+    # Calls caught on the stopped worker finish once it continues, within their deadline.
+    assert not load.errors()[:3]
+
+
+async def test_s35_a_new_worker_replica_gets_requests_within_seconds(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    stack = fabric.stack
+    load = Load(stack.gateway.address).start()
+    await load.served_more_than(20)
+    password_file = stack.state_dir / "redis-acl" / password_file_name(WORKER)
+    args = ("--redis-url", f"redis://127.0.0.1:{stack.redis_port}/0", "--host", "127.0.0.1",
+            "--redis-password-file", str(password_file), "--worker-id", "worker-new")  # fmt: skip
+    extra: ServiceProcess = await asyncio.to_thread(
+        start_worker, tmp_path, model_repository=fabric.model_repository, extra_args=args
+    )
+    try:
+        ready_at = time.monotonic()
+        await eventually(lambda: routed_to(stack, "worker-new") > 0, timeout_s=10)
+        first_routed_after_s = time.monotonic() - ready_at
+        # It ran them itself, over the connections the router already had to the gateway and
+        # the client to the gateway.
+        await eventually(lambda: total(scrape(extra.metrics_port), names.WORKER_ROWS_TOTAL) > 5)
+        await load.stop()
+    finally:
+        code = extra.terminate()
+    assert code == 0, extra.log()
+    assert first_routed_after_s <= HEARTBEAT_PERIOD_S + REFRESH_PERIOD_S + SLACK_S
+    assert not load.errors()[:3]
+    await eventually(lambda: live_workers(stack) == 2, timeout_s=STALE_AFTER_S + 5)
+
+
+async def test_s27_redis_restarted_empty_heals_within_a_heartbeat_and_runs_nothing_twice(
+    fabric: Fabric,
+) -> None:
+    stack = fabric.stack
+    worker_ids = {w.worker_id for w in stack.workers}
+    rows_before = rows_executed(stack)
+    load = Load(stack.gateway.address).start()
+    await load.served_more_than(20)
+
+    fabric.redis.stop()
+    fabric.redis.start()
+    restarted_at = time.monotonic()
+    await eventually(lambda: fabric.redis.registered_workers() == worker_ids, timeout_s=10)
+    healed_after_s = time.monotonic() - restarted_at
+    await eventually(lambda: router_metric(stack, names.ROUTER_REGISTRY_DEGRADED) == 0)
+    # Past the staleness limit: the router's workers are the refilled ones, not the old
+    # snapshot's (whose heartbeats are stale by now).
+    await hold(restarted_at + STALE_AFTER_S + 1)
+    assert live_workers(stack) == 2
+    outcomes = await load.stop()
+
+    # Less slack than a period: a worker that waited a whole period after its first failed
+    # heartbeat (on a connection the old server closed) would show.
+    assert healed_after_s <= HEARTBEAT_PERIOD_S + 0.5, healed_after_s
+    assert not load.errors()[:3]
+    assert rows_executed(stack) - rows_before == len(outcomes)
+
+
+async def test_s25_redis_stopped_for_30_s_routes_from_the_snapshot_and_refills_on_return(
+    fabric: Fabric,
+) -> None:
+    stack = fabric.stack
+    tiers = [stack.gateway, stack.router, *stack.workers]
+    started = {t.pid: start_time(t) for t in tiers}
+    load = Load(stack.gateway.address).start()
+    await load.served_more_than(20)
+
+    fabric.redis.kill()
+    killed_at = time.monotonic()
+    await eventually(lambda: router_metric(stack, names.ROUTER_REGISTRY_DEGRADED) == 1)
+    assert await health(stack.router.address, REGISTRY_HEALTH_NAME) == NOT_SERVING
+    routed = {w.worker_id: routed_to(stack, w.worker_id) for w in stack.workers}
+    await hold(killed_at + OUTAGE_S)
+    # Half a minute later: still routing from the snapshot, still degraded.
+    assert not load.failures()
+    assert sum(routed_to(stack, w) for w in routed) > sum(routed.values()) + 20, routed
+    assert router_metric(stack, names.ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS) >= OUTAGE_S - 5
+    assert await health(stack.router.address) == SERVING
+    assert await health(stack.router.address, probe_services("router.yaml")["readinessProbe"]) == (
+        SERVING
+    )
+
+    fabric.redis.start()
+    # Workers retry with backoff up to its cap; the router reads again within its own cap.
+    refill_s = max(HEARTBEAT_MAX_BACKOFF_S, ROUTER_MAX_BACKOFF_S) + REFRESH_PERIOD_S + SLACK_S
+    worker_ids = {w.worker_id for w in stack.workers}
+    await eventually(lambda: fabric.redis.registered_workers() == worker_ids, timeout_s=refill_s)
+    await eventually(
+        lambda: router_metric(stack, names.ROUTER_REGISTRY_DEGRADED) == 0, timeout_s=refill_s
+    )
+    assert await health(stack.router.address, REGISTRY_HEALTH_NAME) == SERVING
+    # The router's snapshot is the refilled registry, not the outage's.
+    await eventually(
+        lambda: router_metric(stack, names.ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS) < 2,
+        timeout_s=refill_s,
+    )
+    await load.served_more_than(len(load.outcomes) + 20)
+    await load.stop()
+
+    assert not load.errors()[:3]
+    # Each worker is back once its own heartbeat is (a first read may find only one).
+    await eventually(lambda: live_workers(stack) == 2, timeout_s=refill_s)
+    # No tier restarted: the same processes, started when they were before.
+    assert {t.pid: start_time(t) for t in tiers} == started
+    assert all(is_running(pid) for pid in started)
+
+
+async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_drops_in_drain(
+    fabric: Fabric,
+) -> None:
+    """Damages the stack (drains a worker, kills the router): last in the module."""
+    stack = fabric.stack
+    probes = {
+        stack.gateway.address: probe_services("gateway.yaml"),
+        stack.router.address: probe_services("router.yaml"),
+        **{w.address: probe_services("gpu-worker.yaml") for w in stack.workers},
+    }
+
+    async def statuses(probe: str, addresses: list[str]) -> set[int]:
+        return {await health(a, probes[a][probe]) for a in addresses}
+
+    everyone = list(probes)
+    # Redis down, past the staleness limit: every tier alive and ready.
+    fabric.redis.kill()
+    killed_at = time.monotonic()
+    while time.monotonic() < killed_at + STALE_AFTER_S + 1:
+        assert await statuses("livenessProbe", everyone) == {SERVING}
+        assert await statuses("readinessProbe", everyone) == {SERVING}
+        await asyncio.sleep(0.2)
+    assert router_metric(stack, names.ROUTER_REGISTRY_DEGRADED) == 1
+    fabric.redis.start()
+    await eventually(lambda: live_workers(stack) == 2, timeout_s=ROUTER_MAX_BACKOFF_S + 5)
+
+    # A worker drains: its readiness turns NOT_SERVING while it still runs (rows queued there
+    # keep it draining for a while); its peers stay up and serve everything.
+    drained = stack.workers[1]
+    load = Load(stack.gateway.address, concurrency=24).start()
+    await eventually(lambda: total(scrape(drained.metrics_port), names.WORKER_QUEUE_DEPTH) >= 2)
+    readiness = health_pb2.HealthCheckRequest(service=probes[drained.address]["readinessProbe"])
+    async with grpc.aio.insecure_channel(drained.address) as channel:
+        check = health_pb2_grpc.HealthStub(channel).Check
+
+        # Polled: the standard Watch fails INTERNAL on every tier (the error-mapping interceptor
+        # cannot wrap grpcio's coroutine-style Watch handler).
+        async def readiness_left_serving() -> int | None:
+            status = (await check(readiness, timeout=1)).status
+            return None if status == SERVING else status
+
+        assert (await check(readiness, timeout=1)).status == SERVING
+        os.kill(drained.pid, signal.SIGTERM)
+        assert await eventually(readiness_left_serving, timeout_s=5, interval_s=0.005) == (
+            NOT_SERVING
+        )
+        assert is_running(drained.pid)
+    await eventually(lambda: not is_running(drained.pid), timeout_s=30)
+    others = [a for a in everyone if a != drained.address]
+    assert await statuses("livenessProbe", others) == {SERVING}
+    await eventually(lambda: live_workers(stack) == 1, timeout_s=STALE_AFTER_S + 5)
+    await load.served_more_than(len(load.outcomes) + 10)
+    await load.stop()
+    assert not load.errors()[:3]
+
+    # The router dies: the gateway and the worker behind it stay alive.
+    os.kill(stack.router.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    alive = [stack.gateway.address, stack.workers[0].address]
+    while time.monotonic() < killed_at + 3 * GatewayConfig.catalog_refresh_s + 1:
+        assert await statuses("livenessProbe", alive) == {SERVING}
+        await asyncio.sleep(0.2)

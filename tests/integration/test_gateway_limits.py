@@ -1,0 +1,202 @@
+"""Limits at a real in-process gateway, checked before work is spent on a request: message size
+(RELIABILITY.md scenario 37, with a real router and worker behind it), concurrent calls and
+streams, and KServe ModelInfer's row cap and permission check ahead of decoding any element.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.gateway.auth import hash_key
+from services.gateway.config import GatewayConfig
+from services.gateway.server import Gateway, create_gateway
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from tests.support.in_process import Fabric, running_fabric
+from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    """Gateway (default limits, no keys), router and worker serving `affine`, all on port 0."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository, slo_p99_ms=30_000)
+    async with running_fabric(repository, redis_server) as fabric:
+        yield fabric
+
+
+def affine_request(rows: np.ndarray) -> kserve.ModelInferRequest:
+    tensor = kserve.ModelInferRequest.InferInputTensor(
+        name="x", datatype="FP32", shape=list(rows.shape)
+    )
+    return kserve.ModelInferRequest(
+        model_name="affine", inputs=[tensor], raw_input_contents=[rows.tobytes()]
+    )
+
+
+async def test_s37_oversized_message_is_resource_exhausted_and_next_request_succeeds(
+    fabric: Fabric,
+) -> None:
+    assert fabric.gateway.config.max_message_bytes == 4 * MIB, "the documented default"
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        oversized = affine_request(np.ones((5 * MIB // 16, 4), dtype=np.float32))
+        assert oversized.ByteSize() > 5 * MIB
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ModelInfer(oversized, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        # Same channel, same connection: the next normal request is answered in full.
+        rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+        response = await stub.ModelInfer(affine_request(rows), timeout=10)
+        outputs = np.frombuffer(response.raw_output_contents[0], dtype=np.float32)
+        expected = affine_reference(torch.from_numpy(rows)).numpy()
+        np.testing.assert_allclose(outputs.reshape(2, 2), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture
+async def capped_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    """A gateway serving at most two calls at once (no router: none of these calls needs it)."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    gateway = await create_gateway(
+        GatewayConfig(
+            model_repository=repository,
+            router_address="127.0.0.1:1",
+            grpc_port=0,
+            metrics_port=0,
+            allow_unauthenticated=True,
+            max_concurrent_rpcs=2,
+        )
+    )
+    yield gateway
+    await gateway.stop()
+
+
+async def test_concurrent_calls_past_the_cap_are_resource_exhausted_streams_included(
+    capped_gateway: Gateway,
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{capped_gateway.port}") as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+
+        async def open_stream() -> grpc.aio.StreamStreamCall:
+            """A stream the gateway is serving: it has answered one request (in-band)."""
+            stream = stub.ModelStreamInfer(timeout=30)
+            await stream.write(kserve.ModelInferRequest(model_name="nope", id="probe"))
+            response = await stream.read()
+            assert response.infer_response.id == "probe" and response.error_message
+            return stream
+
+        async def live() -> grpc.StatusCode:
+            try:
+                await stub.ServerLive(kserve.ServerLiveRequest(), timeout=5)
+            except grpc.aio.AioRpcError as error:
+                return error.code()
+            return grpc.StatusCode.OK
+
+        streams = [await open_stream(), await open_stream()]
+        assert await live() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await open_stream()
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+        for stream in streams:
+            await stream.done_writing()
+            assert await stream.read() is grpc.aio.EOF
+            assert await stream.code() == grpc.StatusCode.OK
+
+        async def is_served() -> bool:
+            return await live() == grpc.StatusCode.OK
+
+        # The server frees a slot just after the call ends; that cannot be awaited from here.
+        await eventually(is_served, timeout_s=5.0, message="closed streams still hold the cap")
+
+
+# -- KServe ModelInfer: permission and row cap before decoding ---------------------------------
+
+SEARCH_KEY = "search-team-secret"
+ADS_KEY = "ads-team-secret"
+
+
+@pytest.fixture
+async def keyed_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    """`search` may use every model, `ads` only `affine`; at most 4 rows per request."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    write_affine_model(repository)
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(SEARCH_KEY)}"\n\n'
+        f'[[keys]]\ntenant = "ads"\nsha256 = "{hash_key(ADS_KEY)}"\nmodels = ["affine"]\n'
+    )
+    gateway = await create_gateway(
+        GatewayConfig(
+            model_repository=repository,
+            router_address="127.0.0.1:1",
+            grpc_port=0,
+            metrics_port=0,
+            api_keys_file=keys,
+            max_inputs_per_request=4,
+        )
+    )
+    yield gateway
+    await gateway.stop()
+
+
+def undecodable_text(num_rows: int, num_bytes: int) -> kserve.ModelInferRequest:
+    """A minilm request of `num_rows` texts whose BYTES framing is broken: the first length
+    prefix claims more bytes than follow."""
+    tensor = kserve.ModelInferRequest.InferInputTensor(
+        name="text", datatype="BYTES", shape=[num_rows]
+    )
+    raw = b"\xff\xff\xff\x7f" + b"x" * (num_bytes - 4)
+    return kserve.ModelInferRequest(model_name="minilm", inputs=[tensor], raw_input_contents=[raw])
+
+
+async def model_infer(
+    gateway: Gateway, request: kserve.ModelInferRequest, key: str
+) -> grpc.aio.AioRpcError:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        metadata = (("authorization", f"Bearer {key}"),)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ModelInfer(request, timeout=10, metadata=metadata)
+    return raised.value
+
+
+async def test_s36_model_infer_checks_permission_and_rows_before_decoding(
+    keyed_gateway: Gateway,
+) -> None:
+    # The contents alone would fail to decode...
+    decoded = await model_infer(keyed_gateway, undecodable_text(2, 1024), SEARCH_KEY)
+    assert decoded.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "BYTES tensor" in (decoded.details() or "")
+
+    # ...but a caller without the model never gets that far, however large the tensor,
+    denied = await model_infer(keyed_gateway, undecodable_text(2, 3 * MIB), ADS_KEY)
+    assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+
+    # nor does a request over the row cap.
+    too_many = await model_infer(keyed_gateway, undecodable_text(5, 1024), SEARCH_KEY)
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "5 inputs exceed the limit of 4" in (too_many.details() or "")
+
+
+async def test_s38_model_infer_row_cap_comes_before_tensor_decoding(keyed_gateway: Gateway) -> None:
+    tensor = kserve.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[5, 4])
+    short = kserve.ModelInferRequest(
+        model_name="affine", inputs=[tensor], raw_input_contents=[b"\x00" * 7]
+    )
+    too_many = await model_infer(keyed_gateway, short, ADS_KEY)
+    assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceed the limit of 4" in (too_many.details() or "")

@@ -1,0 +1,134 @@
+"""Scenario 22 for generation: a wedged model step stops the worker within the watchdog.
+
+A real in-process worker on port 0 serves tiny-llama. Once the test's streams are decoding, the
+next step's forward really blocks on the executor thread (on a `threading.Event` the test sets
+at the end), the way a hung kernel or device would."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2
+from prometheus_client import generate_latest
+
+from services.common import metric_names as names
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.watchdog import watchdog_bound_s
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.server import SERVICE_NAME, create_worker
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.metrics import total
+from tests.support.processes import REPO_ROOT, health_status
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+WATCHDOG_S = 0.5
+#: Time allowed past the watchdog for the answer and the health flip (a loaded CI machine).
+MARGIN_S = 2.0
+
+
+class WedgingRunner:
+    """Wraps the live runner's `execute`: once `arm` is called, the next step's forward blocks
+    on the executor thread until `release`; every other step runs the real forward."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self._execute = runner.execute
+        self._is_armed = threading.Event()
+        self._released = threading.Event()
+        self.wedged = threading.Event()
+
+    def arm(self) -> None:
+        self._is_armed.set()
+
+    def release(self) -> None:
+        self._released.set()
+
+    def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+        if self._is_armed.is_set() and not self.wedged.is_set():
+            self.wedged.set()
+            self._released.wait()
+        return self._execute(items)
+
+
+def generate_request(prompt: str) -> pb.WorkerGenerateRequest:
+    return pb.WorkerGenerateRequest(
+        model_name="tiny-llama",
+        text=prompt,
+        sampling=pb.SamplingParameters(max_tokens=200, ignore_eos=True),
+    )
+
+
+async def drain_stream(call: grpc.aio.UnaryStreamCall) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as ended:
+        while await call.read() != grpc.aio.EOF:
+            pass
+    return ended.value
+
+
+async def not_serving(address: str) -> bool:
+    statuses = [await health_status(address, service) for service in ("", SERVICE_NAME)]
+    return statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
+
+
+async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_stops_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    config = WorkerConfig(
+        model_repository=tmp_path / "repo",
+        grpc_port=0,
+        metrics_port=0,
+        batching=DriverConfig(watchdog_s=WATCHDOG_S),
+    )
+    worker = await create_worker(config)
+    await worker.load()
+    assert worker.models is not None
+    (backend,) = worker.models.generation
+    steps = backend.engine.steps
+    # The worker's setting reached the engine, raised only for a slow warm-up as for batches.
+    bound_s = steps.watchdog_s
+    assert bound_s == watchdog_bound_s(WATCHDOG_S, steps.slowest_warmup_s) >= WATCHDOG_S
+    wedging = WedgingRunner(backend.runner)
+    monkeypatch.setattr(backend.runner, "execute", wedging.execute)
+    address = f"127.0.0.1:{worker.port}"
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            calls = [stub.Generate(generate_request(p), timeout=60) for p in ("one", "two")]
+            for call in calls:
+                assert (await call.read()).token_ids  # both decoding normally
+            armed_at = time.monotonic()
+            wedging.arm()
+            errors = await asyncio.gather(*(drain_stream(call) for call in calls))
+            answered_s = time.monotonic() - armed_at
+            await eventually(lambda: not_serving(address), timeout_s=MARGIN_S, interval_s=0.02)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anext(aiter(stub.Generate(generate_request("three"), timeout=10)))
+        stop_started = time.monotonic()
+        await worker.stop()
+        stop_s = time.monotonic() - stop_started
+        assert wedging.wedged.is_set(), "the thread is still held: the step never returned"
+    finally:
+        wedging.release()  # the wedged forward returns and its daemon thread ends
+    for error in errors:
+        assert error.code() == grpc.StatusCode.UNAVAILABLE
+        assert "executor watchdog" in (error.details() or "")
+    assert bound_s <= answered_s < bound_s + MARGIN_S
+    assert "executor watchdog" in str(worker.fatal_error)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "executor watchdog" in (refused.value.details() or "")
+    assert stop_s < 5.0  # drain leaves the wedged thread behind instead of waiting for it
+    exported = generate_latest(worker.metrics.registry).decode()
+    count = total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="tiny-llama", version="1")
+    assert count == 1

@@ -1,0 +1,152 @@
+"""The registry Redis's ACL on a real redis-server (tests/support/redis.py starts it with the
+fabric's ACL file): no access without a password, and each role only what its tier does, run
+through the tiers' own registry code."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.retry import Retry
+
+from services.common.redis_acl import WORKER, role_credentials
+from services.common.redis_server import ping
+from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.gpu_worker.config import HeartbeatConfig
+from services.gpu_worker.registry_publisher import HeartbeatPublisher
+from services.router.registry_reader import read_registry
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.integration
+
+KEYS = RegistryKeys()
+RECORD = WorkerRecord(
+    worker_id="w0", address="127.0.0.1:8201", is_draining=False, sent_at_ms=0, models=()
+)
+
+
+@pytest.fixture
+async def clients(redis_server: RedisServer) -> AsyncIterator[dict[str, aioredis.Redis]]:
+    """A connected client per role, as the tiers connect (services.common.registry_schema)."""
+    made = {
+        "admin": connect(redis_server.url),
+        "router": connect(redis_server.router_url),
+        "worker": connect(redis_server.worker_url),
+    }
+    yield made
+    for client in made.values():
+        await client.aclose()
+
+
+def publisher(client: aioredis.Redis, record: WorkerRecord = RECORD) -> HeartbeatPublisher:
+    return HeartbeatPublisher(client, KEYS, HeartbeatConfig(), lambda: record)
+
+
+def test_no_password_no_access(redis_server: RedisServer) -> None:
+    anonymous = redis.Redis.from_url(redis_server.anonymous_url, protocol=2, socket_timeout=5)
+    # NOAUTH, which redis-py raises as "Authentication required."
+    with pytest.raises(AuthenticationError, match="required"):
+        anonymous.get(KEYS.workers)
+    with pytest.raises(AuthenticationError, match="required"):
+        anonymous.flushall()
+    assert not ping(redis_server.port)
+    # WRONGPASS: a wrong password, or the disabled default user.
+    for username, password in (("router", "guess"), ("default", "")):
+        client = redis.Redis(
+            port=redis_server.port,
+            username=username,
+            password=password,
+            protocol=2,
+            retry=Retry(NoBackoff(), 0),  # redis-py would retry an auth failure with backoff
+        )
+        with pytest.raises(AuthenticationError, match="invalid username-password"):
+            client.zrange(KEYS.workers, 0, -1)
+
+
+async def test_router_reads_the_registry_but_cannot_change_it(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    await publisher(clients["worker"]).publish_once()
+    records, _ = await read_registry(clients["router"], KEYS)
+    assert [r.worker_id for r, _ in records] == ["w0"]
+
+    router = clients["router"]
+    forged = RECORD.to_json().replace("127.0.0.1", "10.255.0.1")
+    for call in (
+        lambda: router.set(KEYS.worker("w0"), forged),
+        lambda: router.zadd(KEYS.workers, {"forged": 1}),
+        lambda: router.delete(KEYS.worker("w0")),
+        lambda: router.zrem(KEYS.workers, "w0"),
+        lambda: router.flushall(),
+        lambda: router.config_get("*"),
+        lambda: router.keys("*"),
+        lambda: router.eval("return 1", 0),
+    ):
+        with pytest.raises(NoPermissionError):
+            await call()
+    # Nothing the router tried took effect.
+    assert await clients["admin"].get(KEYS.worker("w0")) == RECORD.to_json().encode()
+    assert await clients["admin"].zrange(KEYS.workers, 0, -1) == [b"w0"]
+
+
+async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    admin, worker = clients["admin"], clients["worker"]
+    await admin.set("tenant:secret", "input")
+    heartbeat = publisher(worker)
+    await heartbeat.publish_once()
+    assert await admin.get(KEYS.worker("w0")) == RECORD.to_json().encode()
+
+    steal = worker.register_script("return redis.call('GET', KEYS[1])")
+    for call in (
+        lambda: worker.get(KEYS.worker("w0")),
+        lambda: worker.zrange(KEYS.workers, 0, -1),
+        lambda: worker.get("tenant:secret"),
+        lambda: worker.set("tenant:secret", "overwritten"),
+        lambda: worker.keys("*"),
+        lambda: worker.flushall(),
+        lambda: worker.config_get("*"),
+        lambda: worker.config_set("protected-mode", "no"),
+        lambda: worker.acl_list(),
+        lambda: worker.eval("return 1", 0),
+        lambda: steal(keys=["tenant:secret"]),
+    ):
+        with pytest.raises(NoPermissionError):
+            await call()
+    # A script runs with the caller's rights: loading one gains nothing (Redis 6 words the
+    # refusal inside a script differently from NOPERM).
+    with pytest.raises(ResponseError, match=r"can't run this command|no permissions"):
+        await steal(keys=[KEYS.worker("w0")])
+    assert await admin.get("tenant:secret") == b"input"
+
+    await heartbeat.deregister("w0")
+    assert await admin.exists(KEYS.worker("w0")) == 0
+    assert await admin.zrange(KEYS.workers, 0, -1) == []
+
+
+async def test_a_tier_authenticates_from_its_password_file(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    password_file = tmp_path / "worker-password"
+    password_file.write_text(redis_server.passwords[WORKER] + "\n")
+    url = redis_server.anonymous_url
+    client = connect(url, credentials=role_credentials(WORKER, url, password_file))
+    try:
+        await publisher(client).publish_once()
+        # Re-read on the next connection: a wrong (rotated-away) password is refused.
+        password_file.write_text("stale")
+        await client.connection_pool.disconnect()
+        with pytest.raises(AuthenticationError):
+            await publisher(client).publish_once()
+    finally:
+        await client.aclose()
+    router = connect(redis_server.router_url)
+    records, _ = await read_registry(router, KEYS)
+    await router.aclose()
+    assert [r.worker_id for r, _ in records] == ["w0"]

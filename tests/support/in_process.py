@@ -1,0 +1,164 @@
+"""The fabric inside the test process: real workers, a router and (optionally) a gateway, each a
+grpc.aio server on port 0 over a real redis-server, so that a test can call them over the network
+and read their state and metrics directly."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from grpc_health.v1 import health_pb2
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.common import metric_names as names
+from services.gateway.config import GatewayConfig
+from services.gateway.server import Gateway, create_gateway
+from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.server import Worker, create_worker
+from services.router.config import RouterConfig
+from services.router.server import Router, create_router
+from tests.support.metrics import total
+from tests.support.processes import health_status
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+#: Heartbeat, registry refresh and catalog refresh period: short, so that the fabric is ready fast.
+PERIOD_S = 0.05
+#: How long the fabric may take to become ready (generous: the machine is shared).
+READY_TIMEOUT_S = 30.0
+
+
+def metric(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """Sum of the samples called `name` whose labels include `labels`, as Prometheus reads them."""
+    return total(generate_latest(registry).decode(), name, **labels)
+
+
+@dataclass
+class Fabric:
+    """A router, its in-process workers and the gateway in front of it (if the test asked for one);
+    workers the test runs as processes on the same Redis are not listed here."""
+
+    router: Router
+    workers: list[Worker]
+    _gateway: Gateway | None = None
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def gateway(self) -> Gateway:
+        if self._gateway is None:
+            raise RuntimeError("this fabric was started with_gateway=False")
+        return self._gateway
+
+    @property
+    def worker(self) -> Worker:
+        """The only in-process worker."""
+        (worker,) = self.workers
+        return worker
+
+    @property
+    def gateway_address(self) -> str:
+        return f"127.0.0.1:{self.gateway.port}"
+
+    @property
+    def router_address(self) -> str:
+        return f"127.0.0.1:{self.router.port}"
+
+    def router_metric(self, name: str, **labels: str) -> float:
+        return metric(self.router.metrics.registry, name, **labels)
+
+    def worker_metric(self, name: str, **labels: str) -> float:
+        """Summed over the in-process workers."""
+        return sum(metric(w.metrics.registry, name, **labels) for w in self.workers)
+
+
+async def start_in_process_worker(
+    repository: Path, redis_server: RedisServer, worker_id: str
+) -> Worker:
+    """A loaded worker serving `repository`, heartbeating into `redis_server` every `PERIOD_S`."""
+    worker = await create_worker(
+        WorkerConfig(
+            model_repository=repository,
+            grpc_port=0,
+            metrics_port=0,
+            redis_url=redis_server.worker_url,
+            worker_id=worker_id,
+            heartbeat=HeartbeatConfig(period_s=PERIOD_S),
+        )
+    )
+    await worker.load()
+    return worker
+
+
+@contextlib.asynccontextmanager
+async def running_fabric(
+    repository: Path,
+    redis_server: RedisServer,
+    *,
+    num_workers: int = 1,
+    num_live_workers: int | None = None,
+    with_gateway: bool = True,
+    **router_settings: Any,
+) -> AsyncIterator[Fabric]:
+    """`num_workers` in-process workers (`w0`, `w1`, ...) over `repository`, a router and, unless
+    `with_gateway` is False, a gateway (no API keys), all ready: the router sees
+    `num_live_workers` (default `num_workers`; count any the test runs as processes on the same
+    Redis), the gateway serves every model in `repository` and reports SERVING.
+
+    `router_settings` are `RouterConfig` fields (`routing`, `worker_networks`, ...); the registry
+    refresh period defaults to `PERIOD_S`."""
+    workers = [
+        await start_in_process_worker(repository, redis_server, f"w{i}") for i in range(num_workers)
+    ]
+    router_settings.setdefault("refresh_period_s", PERIOD_S)
+    router = await create_router(
+        RouterConfig(
+            redis_url=redis_server.router_url, grpc_port=0, metrics_port=0, **router_settings
+        )
+    )
+    fabric = Fabric(router, workers)
+    fabric._tasks.append(asyncio.create_task(router.sync.run()))
+    expected_live = num_workers if num_live_workers is None else num_live_workers
+    try:
+        if with_gateway:
+            fabric._gateway = await create_gateway(
+                GatewayConfig(
+                    model_repository=repository,
+                    router_address=fabric.router_address,
+                    grpc_port=0,
+                    metrics_port=0,
+                    catalog_refresh_s=PERIOD_S,
+                    allow_unauthenticated=True,
+                )
+            )
+            fabric._tasks.append(asyncio.create_task(fabric.gateway.refresh_catalog()))
+        # Heartbeat reads and catalog refreshes happen in background loops: poll.
+        await eventually(
+            lambda: _is_ready(fabric, repository, expected_live),
+            timeout_s=READY_TIMEOUT_S,
+            message="the fabric did not become ready",
+        )
+        yield fabric
+    finally:
+        if fabric._gateway is not None:
+            await fabric._gateway.stop()
+        await router.stop()
+        for task in fabric._tasks:
+            task.cancel()
+        await asyncio.gather(*fabric._tasks, return_exceptions=True)
+        for worker in workers:
+            await worker.stop()
+
+
+async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> bool:
+    if fabric.router_metric(names.ROUTER_LIVE_WORKERS) != num_live_workers:
+        return False
+    if fabric._gateway is None:
+        return True
+    models = [path.name for path in repository.iterdir() if (path / "config.toml").exists()]
+    return all(fabric.gateway.catalog.served_versions(model) for model in models) and (
+        await health_status(fabric.gateway_address) == health_pb2.HealthCheckResponse.SERVING
+    )
