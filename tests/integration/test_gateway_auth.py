@@ -22,9 +22,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
-from services.gateway.server import Gateway, create_gateway
+from services.gateway.server import Gateway
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from tests.support.in_process import start_lone_gateway
 from tests.support.models import write_affine_model, write_minilm_repository
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.waiting import eventually
@@ -60,15 +61,7 @@ def keys_file(tmp_path: Path) -> Path:
 async def gateway(tmp_path: Path, keys_file: Path) -> AsyncIterator[Gateway]:
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     write_affine_model(repository)
-    gateway = await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address="127.0.0.1:1",
-            grpc_port=0,
-            metrics_port=0,
-            api_keys_file=keys_file,
-        )
-    )
+    gateway = await start_lone_gateway(repository, api_keys_file=keys_file)
     yield gateway
     await gateway.stop()
 
@@ -237,15 +230,7 @@ async def test_s36_allow_unauthenticated_serves_everyone_as_local_loudly(
 ) -> None:
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     caplog.set_level(logging.WARNING, logger="services.gateway.server")
-    gateway = await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address="127.0.0.1:1",
-            grpc_port=0,
-            metrics_port=0,
-            allow_unauthenticated=True,
-        )
-    )
+    gateway = await start_lone_gateway(repository, allow_unauthenticated=True)
     try:
         assert "AUTHENTICATION IS OFF" in caplog.text
         assert await call(gateway, ()) == grpc.StatusCode.UNAVAILABLE, "past auth, no fleet"

@@ -14,11 +14,10 @@ import pytest
 import torch
 
 from services.gateway.auth import hash_key
-from services.gateway.config import GatewayConfig
-from services.gateway.server import Gateway, create_gateway
+from services.gateway.server import Gateway
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
-from tests.support.in_process import Fabric, running_fabric
+from tests.support.in_process import Fabric, running_fabric, start_lone_gateway
 from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -70,15 +69,8 @@ async def test_s37_oversized_message_is_resource_exhausted_and_next_request_succ
 async def capped_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     """A gateway serving at most two calls at once (no router: none of these calls needs it)."""
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
-    gateway = await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address="127.0.0.1:1",
-            grpc_port=0,
-            metrics_port=0,
-            allow_unauthenticated=True,
-            max_concurrent_rpcs=2,
-        )
+    gateway = await start_lone_gateway(
+        repository, allow_unauthenticated=True, max_concurrent_rpcs=2
     )
     yield gateway
     await gateway.stop()
@@ -139,16 +131,7 @@ async def keyed_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
         f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(SEARCH_KEY)}"\n\n'
         f'[[keys]]\ntenant = "ads"\nsha256 = "{hash_key(ADS_KEY)}"\nmodels = ["affine"]\n'
     )
-    gateway = await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address="127.0.0.1:1",
-            grpc_port=0,
-            metrics_port=0,
-            api_keys_file=keys,
-            max_inputs_per_request=4,
-        )
-    )
+    gateway = await start_lone_gateway(repository, api_keys_file=keys, max_inputs_per_request=4)
     yield gateway
     await gateway.stop()
 

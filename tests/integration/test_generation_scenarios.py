@@ -37,6 +37,7 @@ from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.models import write_stalling_model
 from tests.support.processes import REPO_ROOT, ServiceProcess, health_status, start_worker
 from tests.support.waiting import eventually, eventually_sync
 
@@ -449,52 +450,9 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
     assert "draining" in service.log()
 
 
-class _GatedLoad(torch.nn.Module):
-    """y = x @ W; every call blocks until the first byte of `gate_path` is non-zero: loading
-    (whose warm-up calls the model) lasts until the test opens the gate, or forever."""
-
-    def __init__(self, gate_path: str) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(4, 2))
-        self.gate_path = gate_path
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        num_polls = 0
-        is_open = False
-        while not is_open:
-            gate = torch.from_file(
-                self.gate_path, shared=False, size=1 + 0 * num_polls, dtype=torch.uint8
-            )
-            is_open = int(gate[0]) != 0
-            num_polls += 1
-        return x @ self.weight
-
-
-def write_gated_model(repository: Path, gate: Path) -> Path:
-    gate.write_bytes(b"\x00")
-    model_dir = repository / "gated"
-    (model_dir / "1").mkdir(parents=True)
-    (model_dir / "config.toml").write_text(
-        """
-kind = "torchscript"
-slo_p99_ms = 30000
-max_batch_size = 1
-
-[inputs.x]
-dtype = "FP32"
-dims = [4]
-
-[outputs.y]
-dtype = "FP32"
-dims = [2]
-"""
-    )
-    torch.jit.script(_GatedLoad(str(gate))).save(str(model_dir / "1" / "model.pt"))
-    return repository
-
-
 def test_s31_sigterm_while_the_model_loads_exits_promptly_and_cleanly(tmp_path: Path) -> None:
-    repository = write_gated_model(tmp_path / "repo", tmp_path / "gate")
+    repository = tmp_path / "repo"
+    write_stalling_model(repository, tmp_path / "gate", stall_every_call=True)
     ready_file = tmp_path / "ready.json"
     argv = [sys.executable, "-m", "services.gpu_worker", "--model-repository", str(repository)]
     argv += ["--grpc-port", "0", "--metrics-port", "0", "--torch-threads", "1"]

@@ -32,14 +32,14 @@ from services.common.metric_names import ROUTER_LIVE_WORKERS
 from services.common.processes import start_and_wait
 from services.common.redis_server import find_free_port
 from services.common.tls import ClientTls, ServerTls, open_channel
-from services.gateway.config import GatewayConfig
 from services.gateway.config import parse_config as parse_gateway_config
-from services.gateway.server import Gateway, create_gateway
+from services.gateway.server import Gateway
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.config import parse_config as parse_router_config
 from services.router.server import SERVICE_NAME as WORKER_SERVICE
+from tests.support.in_process import start_lone_gateway
 from tests.support.metrics import samples, scrape
 from tests.support.models import affine_reference, write_affine_model
 from tests.support.processes import REPO_ROOT, ServiceProcess
@@ -153,16 +153,7 @@ async def health_code(address: str, tls: ClientTls, service: str = "") -> grpc.S
 async def start_gateway(tmp_path: Path, tls: ServerTls) -> Gateway:
     repository = tmp_path / "repo"
     write_affine_model(repository)
-    return await create_gateway(
-        GatewayConfig(
-            model_repository=repository,
-            router_address="127.0.0.1:1",
-            grpc_port=0,
-            metrics_port=0,
-            allow_unauthenticated=True,
-            tls=tls,
-        )
-    )
+    return await start_lone_gateway(repository, allow_unauthenticated=True, tls=tls)
 
 
 @pytest.fixture

@@ -271,11 +271,13 @@ async def test_s13_a_held_scheduler_forms_exactly_the_configured_batches(
     assert metric(worker, names.WORKER_BATCHES_TOTAL, model="affine", reason="full") == 2
 
 
-async def _executions_of_twelve_singles(tmp_path: Path, max_wait_cap_s: float) -> float:
+async def _executions_of_twelve_singles(
+    tmp_path: Path, max_wait_cap_s: float, max_batch_size: int = 16
+) -> tuple[float, float]:
     """Sends 12 single-row calls that are all in flight together, each started once the worker
     has admitted the one before and its executor is idle (so arrivals never overlap a batch by
-    chance), and returns how many batches ran them."""
-    write_affine_model(tmp_path / "repo", max_batch_size=16, slo_p99_ms=SLO_MS)
+    chance). Returns how many batches ran them, and how many of those closed full."""
+    write_affine_model(tmp_path / "repo", max_batch_size=max_batch_size, slo_p99_ms=SLO_MS)
     # min_expected_arrivals=0: the batcher lingers the whole max_wait instead of closing early
     # when it expects no more arrivals; the linger is the only knob that differs.
     config = DriverConfig(max_wait_cap_s=max_wait_cap_s, min_expected_arrivals=0)
@@ -305,7 +307,10 @@ async def _executions_of_twelve_singles(tmp_path: Path, max_wait_cap_s: float) -
     got = np.concatenate([outputs(a) for a in answers])
     np.testing.assert_allclose(got, expected(*rows), rtol=1e-5, atol=1e-6)
     assert metric(worker, names.WORKER_ROWS_TOTAL, model="affine") == 12
-    return metric(worker, names.WORKER_BATCHES_TOTAL, model="affine")
+    batches = names.WORKER_BATCHES_TOTAL
+    return metric(worker, batches, model="affine"), metric(
+        worker, batches, model="affine", reason="full"
+    )
 
 
 async def test_s14_zero_linger_runs_twelve_singles_alone_and_positive_linger_batches_them(
@@ -313,8 +318,11 @@ async def test_s14_zero_linger_runs_twelve_singles_alone_and_positive_linger_bat
 ) -> None:
     (tmp_path / "zero").mkdir()
     (tmp_path / "positive").mkdir()
-    assert await _executions_of_twelve_singles(tmp_path / "zero", 0.0) == 12
-    assert 1 <= await _executions_of_twelve_singles(tmp_path / "positive", 3.0) <= 2
+    assert (await _executions_of_twelve_singles(tmp_path / "zero", 0.0))[0] == 12
+    # A linger far longer than the 12 arrivals take, and a batch of exactly 12: one execution,
+    # closed because it was full (a batch closed by its linger running out would say "timeout").
+    lingered = await _executions_of_twelve_singles(tmp_path / "positive", 30.0, max_batch_size=12)
+    assert lingered == (1, 1)
 
 
 async def test_s15_a_request_larger_than_a_batch_is_split_and_one_larger_than_the_queue_refused(

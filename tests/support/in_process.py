@@ -93,6 +93,24 @@ async def start_in_process_worker(
     return worker
 
 
+#: A router address nothing listens on, for gateways whose tests end at the gateway.
+NO_ROUTER = "127.0.0.1:1"
+
+
+async def start_lone_gateway(repository: Path, **settings: Any) -> Gateway:
+    """A gateway on port 0 with no router behind it, for what the gateway decides before any
+    downstream call (auth, limits, TLS). `settings` are further GatewayConfig fields."""
+    return await create_gateway(
+        GatewayConfig(
+            model_repository=repository,
+            router_address=NO_ROUTER,
+            grpc_port=0,
+            metrics_port=0,
+            **settings,
+        )
+    )
+
+
 @contextlib.asynccontextmanager
 async def running_fabric(
     repository: Path,

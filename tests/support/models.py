@@ -97,18 +97,20 @@ class _Stall(torch.nn.Module):
     """y = x @ W + b, like `_Affine`; but a call with a row starting with `STALL` blocks until
     the first byte of the gate file `gate_path` is non-zero: a model call that really holds
     the executor thread, for as long as the test wants (`release_stall` ends it). TorchScript
-    has no sleep, so it polls the file (about one core while blocked)."""
+    has no sleep, so it polls the file (about one core while blocked). With `stall_every_call`,
+    every call blocks, warm-up's included: loading lasts until the gate opens."""
 
-    def __init__(self, gate_path: str) -> None:
+    def __init__(self, gate_path: str, stall_every_call: bool = False) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.weight = torch.nn.Parameter(torch.randn(4, 2, generator=generator))
         self.bias = torch.nn.Parameter(torch.randn(2, generator=generator))
         self.gate_path = gate_path
+        self.stall_every_call = stall_every_call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         num_polls = 0
-        if bool((x[:, 0] == 77.0).any()):
+        if self.stall_every_call or bool((x[:, 0] == 77.0).any()):
             is_open = False
             while not is_open:
                 # The size depends on the loop counter so that TorchScript cannot hoist the read.
@@ -120,7 +122,9 @@ class _Stall(torch.nn.Module):
         return x @ self.weight + self.bias + 0.0 * num_polls
 
 
-def write_stalling_model(repository: Path, gate: Path, name: str = "stall") -> Path:
+def write_stalling_model(
+    repository: Path, gate: Path, name: str = "stall", *, stall_every_call: bool = False
+) -> Path:
     """Writes `<repository>/<name>/1/` with the `_Stall` TorchScript model (FP32 [4] -> FP32
     [2], batches of one row) and a closed gate file at `gate`."""
     gate.write_bytes(b"\x00")
@@ -142,7 +146,7 @@ dtype = "FP32"
 dims = [2]
 """
     )
-    torch.jit.script(_Stall(str(gate))).save(str(model_dir / "1" / "model.pt"))
+    torch.jit.script(_Stall(str(gate), stall_every_call)).save(str(model_dir / "1" / "model.pt"))
     return model_dir
 
 

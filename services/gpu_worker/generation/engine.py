@@ -134,8 +134,7 @@ class GenerationEngine:
         try:
             await self._loop()
         except asyncio.CancelledError:
-            # Stopped from outside: the drain's grace ran out. The streams still running end
-            # now, with a status their callers can act on, not when the server closes them.
+            # The drain's grace ran out: the streams still running end now, with a status.
             self._fatal = Unavailable("the worker is shutting down (drain grace over)")
             self._fail_all()
             raise
@@ -158,13 +157,14 @@ class GenerationEngine:
         )
 
     async def drain(self) -> None:
-        """Stop admitting; running streams keep receiving tokens until they finish. Cancelled
-        (the drain's grace is over), the loop stops and the streams left end UNAVAILABLE."""
+        """Stop admitting; running streams get tokens until they finish (cancelled: see above)."""
         self._is_draining = True
         self._wake.set()
-        if self._loop_task is not None:
-            await self._loop_task
-        self.steps.shutdown()
+        try:
+            if self._loop_task is not None:
+                await self._loop_task
+        finally:  # also when cancelled: a step left on the daemon thread aborts the exit
+            self.steps.shutdown()
 
     @property
     def num_free_blocks(self) -> int:
