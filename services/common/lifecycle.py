@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
-import logging
 import signal
 from collections.abc import Iterable
 from pathlib import Path
@@ -140,10 +139,6 @@ def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int) -> No
         tmp = path.with_suffix(path.suffix + ".tmp")
         tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port}))
         tmp.replace(path)  # atomic: readers never see a half-written file
-
-
-def configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
 
 
 def freeze_startup_heap() -> None:

@@ -22,6 +22,11 @@ GATEWAY_REQUEST_SECONDS = "inference_gateway_request_seconds"
 GATEWAY_THROTTLED_TOTAL = "inference_gateway_throttled_total"
 GATEWAY_THROTTLE_PROBABILITY = "inference_gateway_throttle_probability"
 GATEWAY_ROUTER_RETRIES_TOTAL = "inference_gateway_router_retries_total"
+GATEWAY_TENANT_REQUESTS_TOTAL = "inference_gateway_tenant_requests_total"
+GATEWAY_TENANT_ROWS_TOTAL = "inference_gateway_tenant_rows_total"
+GATEWAY_TENANT_REFUSED_TOTAL = "inference_gateway_tenant_refused_total"
+GATEWAY_TENANT_REQUEST_SECONDS = "inference_gateway_tenant_request_seconds"
+GATEWAY_TENANT_QUOTA_SHARE = "inference_gateway_tenant_quota_share"
 
 # Router.
 ROUTER_ROUTED_TOTAL = "inference_router_routed_total"

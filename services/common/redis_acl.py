@@ -5,6 +5,8 @@ services.common.registry_schema):
 - `worker`: publishes its heartbeat (EVALSHA of the publish script, which runs TIME, ZADD and
   SET) and deregisters (ZREM, DEL), on the registry keys only. It reads nothing back.
 - `router`: reads the registry (ZRANGE, MGET, TIME) and writes nothing.
+- `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys only
+  (services.gateway.quota_sync); it cannot read or touch the registry.
 - `admin`: everything, for operators and tests.
 - `default` (unauthenticated connections): disabled, so a client without a password gets
   NOAUTH and nothing else.
@@ -31,13 +33,14 @@ from urllib.parse import unquote, urlsplit
 
 from redis.credentials import CredentialProvider
 
-ADMIN, ROUTER, WORKER = "admin", "router", "worker"
-ROLES = (ADMIN, ROUTER, WORKER)
+ADMIN, ROUTER, WORKER, GATEWAY = "admin", "router", "worker", "gateway"
+ROLES = (ADMIN, ROUTER, WORKER, GATEWAY)
 #: Commands each role needs beyond `ping`, and nothing else. The worker's publish script runs
 #: inside EVALSHA under the worker's own rights, hence TIME, ZADD and SET.
 ROLE_COMMANDS: Mapping[str, tuple[str, ...]] = {
     ROUTER: ("zrange", "mget", "time"),
     WORKER: ("evalsha", "script|load", "time", "zadd", "set", "zrem", "del"),
+    GATEWAY: ("hset", "hgetall", "hdel"),
 }
 #: File names `write_acl_files` uses: the ACL for redis-server, one password file per role.
 ACL_FILE_NAME = "users.acl"
@@ -63,7 +66,12 @@ def acl_lines(passwords: Mapping[str, str], *, registry_prefix: str = "fabric") 
         raise ValueError(f"no password for Redis role(s) {', '.join(missing)}")
     if not registry_prefix or not all(c.isalnum() or c in "-_." for c in registry_prefix):
         raise ValueError(f"registry prefix {registry_prefix!r}: letters, digits, - _ . only")
-    keys = f"~{registry_prefix}:workers ~{registry_prefix}:worker:*"
+    registry_keys = f"~{registry_prefix}:workers ~{registry_prefix}:worker:*"
+    role_keys = {
+        ROUTER: registry_keys,
+        WORKER: registry_keys,
+        GATEWAY: f"~{registry_prefix}:quota:*",
+    }
     lines = [
         "user default off resetpass resetkeys resetchannels -@all",
         f"user {ADMIN} on {password_hash(passwords[ADMIN])} ~* &* +@all",
@@ -71,7 +79,7 @@ def acl_lines(passwords: Mapping[str, str], *, registry_prefix: str = "fabric") 
     for role, commands in ROLE_COMMANDS.items():
         allowed = " ".join(f"+{command}" for command in ("ping", *commands))
         lines.append(
-            f"user {role} on {password_hash(passwords[role])} resetkeys {keys} "
+            f"user {role} on {password_hash(passwords[role])} resetkeys {role_keys[role]} "
             f"resetchannels -@all {allowed}"
         )
     return lines

@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
-import redis.asyncio as aioredis
-from redis.credentials import CredentialProvider
+if TYPE_CHECKING:
+    # Imported where used (`connect`): the records are pure data, and the simulator
+    # (services.sim) reads them without pulling redis, and with it asyncio, in.
+    import redis.asyncio as aioredis
+    from redis.credentials import CredentialProvider
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,8 @@ class ModelRecord:
     per_row_s: float
     #: Predicted compute of a batch of one (seconds): the floor of any request's latency.
     min_batch_s: float
-    #: Rows queued in the worker's batcher for this version when the heartbeat was sent.
+    #: Rows queued in the worker's batcher for this version when the heartbeat was sent, of
+    #: priority classes above `batch` (what an interactive or critical arrival waits behind).
     queued_rows: int
     is_ready: bool
     #: Generation models: free KV-cache blocks, tokens per block, context length (0 otherwise).
@@ -46,6 +51,15 @@ class ModelRecord:
     max_model_len: int = 0
     #: The model refuses what is predicted to finish past its SLO, not only past the deadline.
     shed_past_slo: bool = False
+    #: Rows of priority class `batch` queued for this version (they run after every other
+    #: class, so only `batch` arrivals wait behind them).
+    queued_batch_rows: int = 0
+    #: Cumulative since the worker started: batches run, rows run, rows' total queueing time
+    #: and batches' total compute time, seconds (Triton-style statistics).
+    executions: int = 0
+    executed_rows: int = 0
+    queue_s_total: float = 0.0
+    compute_s_total: float = 0.0
 
     @property
     def key(self) -> str:
@@ -99,10 +113,16 @@ class RegistryKeys:
 ROUTE_MODEL_KEY = "x-route-model"
 ROUTE_VERSION_KEY = "x-route-version"
 ROUTE_ROWS_KEY = "x-route-rows"
+#: Priority class name (`services.common.priority.PriorityClass` value); absent means the
+#: default class.
+ROUTE_PRIORITY_KEY = "x-route-priority"
 
 
-def route_metadata(name: str, version: str, num_rows: int) -> tuple[tuple[str, str], ...]:
-    return ((ROUTE_MODEL_KEY, name), (ROUTE_VERSION_KEY, version), (ROUTE_ROWS_KEY, str(num_rows)))
+def route_metadata(
+    name: str, version: str, num_rows: int, priority: str = ""
+) -> tuple[tuple[str, str], ...]:
+    pairs = ((ROUTE_MODEL_KEY, name), (ROUTE_VERSION_KEY, version), (ROUTE_ROWS_KEY, str(num_rows)))
+    return (*pairs, (ROUTE_PRIORITY_KEY, priority)) if priority else pairs
 
 
 def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | None:
@@ -120,6 +140,8 @@ def connect(
 ) -> aioredis.Redis:
     """A client whose calls fail fast: a slow or dead Redis must never stall the event loop.
     `credentials` (services.common.redis_acl.role_credentials) when the URL carries none."""
+    import redis.asyncio as aioredis
+
     return aioredis.Redis.from_url(
         url,
         socket_timeout=timeout_s,

@@ -84,8 +84,9 @@ class SettingsTable:
 
 
 def listener_settings(defaults: Any) -> tuple[Setting, ...]:
-    """The settings every tier has: listen address, ports, ready file, drain grace; defaults
-    read from the tier's config class (its `grpc_port`, `metrics_port`, `drain_grace_s`)."""
+    """The settings every tier has: listen address, ports, ready file, drain grace, logging
+    (into the config's `logging: LogConfig` field); defaults read from the tier's config class
+    (its `grpc_port`, `metrics_port`, `drain_grace_s`)."""
     grpc_port, metrics_port = defaults.grpc_port, defaults.metrics_port
     drain_grace_s = defaults.drain_grace_s
     return (
@@ -111,7 +112,17 @@ def listener_settings(defaults: Any) -> tuple[Setting, ...]:
             None,
             "once ready, write the bound ports here as JSON {grpc_port, metrics_port}",
         ),
-    )
+        # Checked by services.common.logs.LogConfig, the tier config's `logging` field.
+        Setting(
+            "log_level", str, "info", "lowest level logged: debug, info, warning or error",
+            field="logging.level",
+        ),
+        Setting(
+            "log_format", str, "json",
+            "log lines as json (one object per line, with trace and request ids) or text",
+            field="logging.format",
+        ),
+    )  # fmt: skip
 
 
 def parse_bool(text: str) -> bool:

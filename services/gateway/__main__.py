@@ -6,12 +6,12 @@ import asyncio
 import logging
 
 from services.common.lifecycle import (
-    configure_logging,
     freeze_startup_heap,
     start_metrics,
     stop_event,
     write_ready_file,
 )
+from services.common.logs import configure_logging
 from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig, parse_config
 from services.gateway.server import create_gateway
@@ -42,7 +42,7 @@ async def serve(config: GatewayConfig) -> int:
 
 def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
-    configure_logging()
+    configure_logging("gateway", config.logging)
     configure_tracing("gateway")
     raise SystemExit(asyncio.run(serve(config)))
 

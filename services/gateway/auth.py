@@ -8,8 +8,9 @@ Keys file (TOML)::
     sha256 = "<hex digest of the key>"    # python -m services.gateway.auth hash <key>
     models = ["minilm"]                   # optional: the models this key may use (default all)
 
-The file is re-read when it changes (checked every KEYS_POLL_PERIOD_S); a version that does not
-parse keeps the keys in force.
+and, optionally, `[tenants.NAME]` tables: each tenant's weight, quotas, models and priority
+classes (services.gateway.tenants). The file is re-read when it changes (checked every
+KEYS_POLL_PERIOD_S); a version that does not parse keeps the keys and tenants in force.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import grpc
 
 from services.common.errors import PermissionDenied, ServingError, Unauthenticated
 from services.common.interceptors import Step, no_step, wrap_handler
+from services.gateway.admission import INFERENCE_METHODS, TenantAdmission
+from services.gateway.tenants import TenantPolicy, parse_tenants
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +47,17 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 @dataclass(frozen=True)
 class Principal:
     tenant: str
-    #: Models this caller may use; None means every model.
+    #: Models this caller may use (its key's and its tenant's lists together); None: every model.
     models: frozenset[str] | None
+    #: The tenant's weight, quotas and priority classes.
+    policy: TenantPolicy
 
     def check_model(self, model_name: str) -> None:
         if self.models is not None and model_name not in self.models:
             raise PermissionDenied(f"tenant {self.tenant!r} may not use model {model_name!r}")
 
 
-LOCAL_PRINCIPAL = Principal(LOCAL_TENANT, None)
+LOCAL_PRINCIPAL = Principal(LOCAL_TENANT, None, TenantPolicy(LOCAL_TENANT))
 _principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("principal")
 
 
@@ -79,6 +84,11 @@ class KeyStore:
     def from_file(cls, path: Path) -> KeyStore:
         return cls(_read_keys(path), path)
 
+    @property
+    def tenants(self) -> dict[str, TenantPolicy]:
+        """The policy of every tenant that has a key."""
+        return {p.tenant: p.policy for p in self._entries.values()}
+
     def reload_if_changed(self) -> bool:
         """Re-reads the keys file if its mtime, size or inode changed; True when new keys took
         effect. A file that is missing or does not parse keeps the old keys (logged): a bad
@@ -98,11 +108,17 @@ class KeyStore:
         log.info("API keys reloaded from %s: %d keys", self._path, len(entries))
         return True
 
-    async def watch(self, period_s: float = KEYS_POLL_PERIOD_S) -> None:
-        """Polls the keys file every `period_s` until cancelled (a task the gateway owns)."""
+    async def watch(
+        self,
+        period_s: float = KEYS_POLL_PERIOD_S,
+        on_reload: Callable[[KeyStore], None] | None = None,
+    ) -> None:
+        """Polls the keys file every `period_s` until cancelled (a task the gateway owns);
+        `on_reload` runs after new keys and tenants took effect."""
         while True:
             await asyncio.sleep(period_s)
-            self.reload_if_changed()
+            if self.reload_if_changed() and on_reload is not None:
+                on_reload(self)
 
     def authenticate(self, key: str | None) -> Principal:
         if not key:
@@ -129,6 +145,7 @@ def _read_keys(path: Path) -> dict[str, Principal]:
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path}: not valid TOML: {error}") from error
     entries = {}
+    tenants = parse_tenants(raw.get("tenants"), str(path))
     keys = raw.get("keys", [])
     if not isinstance(keys, list) or not all(isinstance(entry, dict) for entry in keys):
         raise ValueError(f"{path}: keys must be [[keys]] tables")
@@ -142,9 +159,11 @@ def _read_keys(path: Path) -> dict[str, Principal]:
             isinstance(models, list) and all(isinstance(m, str) for m in models)
         ):
             raise ValueError(f"{path}: models of tenant {tenant!r} must be a list of names")
+        policy = tenants.get(tenant) or TenantPolicy(tenant)
         # `models = []` is no model at all, not every model.
+        allowed = [set(m) for m in (models, policy.models) if m is not None]
         entries[digest.lower()] = Principal(
-            tenant, frozenset(models) if models is not None else None
+            tenant, frozenset(set.intersection(*allowed)) if allowed else None, policy
         )
     if not entries:
         raise ValueError(f"{path}: no [[keys]] entries")
@@ -159,11 +178,13 @@ def _presented_key(metadata: Mapping[str, str]) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller's principal from the call's metadata, before the request body is
-    read or parsed; a refused call never has its body deserialised."""
+    """Resolves the caller's principal from the call's metadata and admits inference calls
+    against its tenant's quotas, before the request body is read or parsed; a refused call
+    never has its body deserialised."""
 
-    def __init__(self, keys: KeyStore | None) -> None:
+    def __init__(self, keys: KeyStore | None, admission: TenantAdmission | None = None) -> None:
         self._keys = keys
+        self._admission = admission
 
     def _principal(self, metadata: Mapping[str, str]) -> Principal:
         return (
@@ -187,14 +208,29 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             principal = self._principal(metadata)
         except ServingError as error:
             return _refusing(handler, error)
-        return wrap_handler(handler, lambda context: _as(principal))
+        admission = self._admission
+        if admission is None or details.method not in INFERENCE_METHODS:
+            return wrap_handler(handler, lambda context: _as(principal))
+        refusal = admission.acquire(principal.policy)
+        if refusal is not None:
+            return _refusing(handler, refusal)
+        return wrap_handler(handler, lambda context: _as(principal, admission))
 
 
 @contextlib.asynccontextmanager
-async def _as(principal: Principal) -> AsyncIterator[Step]:
+async def _as(
+    principal: Principal, admission: TenantAdmission | None = None
+) -> AsyncIterator[Step]:
     # Set inside the call (not in intercept_service) so the handler's own context holds it.
     _principal.set(principal)
-    yield no_step
+    if admission is None:
+        yield no_step
+        return
+    admission.enter(principal.policy)  # counted in flight while it runs
+    try:
+        yield no_step
+    finally:
+        admission.release(principal.policy)
 
 
 def _unparsed(_body: bytes) -> None:

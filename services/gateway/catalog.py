@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
 from services.common.text import TextEncoder
+from services.gateway.triton_info import WorkerTimes
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,19 @@ class ModelCatalog:
     def update_served(self, versions: Sequence[pb.ModelVersionInfo]) -> None:
         """Replaces the fleet view (what the router says live workers serve)."""
         self._served = {(v.model_name, v.model_version): v for v in versions}
+
+    def worker_times(self, name: str, version: str) -> WorkerTimes:
+        """The live workers' cumulative batcher figures for one version (zeros if unserved)."""
+        served = self._served.get((name, version))
+        if served is None:
+            return WorkerTimes()
+        totals = served.totals
+        return WorkerTimes(
+            executions=totals.executions,
+            queue_s=totals.queue_ns / 1e9,
+            rows=totals.rows,
+            compute_s=totals.compute_ns / 1e9,
+        )
 
     def model_names(self) -> list[str]:
         return sorted(self._configs)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.lifecycle import check_limits, limit_settings
+from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -15,6 +16,7 @@ from services.common.settings import (
     listener_settings,
 )
 from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
+from services.gateway.quota_sync import QuotaSyncConfig
 from services.gateway.throttle import ThrottleConfig
 
 
@@ -57,6 +59,9 @@ class GatewayConfig:
     router_tls: ClientTls = field(default_factory=ClientTls)
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the gateway is ready.
     ready_file: Path | None = None
+    logging: LogConfig = field(default_factory=LogConfig)
+    #: Where tenants' fleet-wide quotas are shared with the other gateways.
+    quota_sync: QuotaSyncConfig = field(default_factory=QuotaSyncConfig)
 
     def __post_init__(self) -> None:
         # Fail closed: serving everyone as one tenant must be asked for, never a default.
@@ -138,6 +143,36 @@ SETTINGS = SettingsTable(
             "adaptive throttling: retry hint of a local refusal before downstream sent any",
             "s",
             field="throttle.default_retry_after_s",
+        ),
+        Setting(
+            "redis_url",
+            str,
+            QuotaSyncConfig.redis_url,
+            "Redis where gateways share tenants' quota demand, so limits hold fleet-wide; "
+            "empty: each gateway enforces whole limits on its own",
+            field="quota_sync.redis_url",
+        ),
+        Setting(
+            "redis_password_file",
+            Path,
+            None,
+            "file with the Redis password of user `gateway` (or the URL's user)",
+            field="quota_sync.redis_password_file",
+        ),
+        Setting(
+            "registry_prefix",
+            str,
+            QuotaSyncConfig.key_prefix,
+            "Redis key prefix (the fabric's registry prefix); quota keys are <prefix>:quota:*",
+            field="quota_sync.key_prefix",
+        ),
+        Setting(
+            "quota_sync_period_s",
+            float,
+            QuotaSyncConfig.period_s,
+            "how often quota demand is shared and each gateway's share recomputed",
+            "s",
+            field="quota_sync.period_s",
         ),
         *limit_settings(GatewayConfig),
         *server_tls_settings(),

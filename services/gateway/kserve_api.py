@@ -9,26 +9,37 @@ the order of `outputs`.
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 import struct
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import grpc
 import numpy as np
 
-from services.common.errors import InvalidInput, NotFound, ServingError
-from services.common.model_repository import ModelConfig, ModelKind, TensorSpec
+from services.common.errors import InvalidInput, NotFound, PermissionDenied, ServingError
+from services.common.model_repository import ModelConfig, TensorSpec
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
-from services.gateway.auth import current_principal
+from services.gateway.auth import Principal, current_principal
 from services.gateway.kserve_generate import check_inputs, stream_infer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.triton_info import (
+    PLATFORMS,
+    UNIMPLEMENTED_RPCS,
+    model_config_message,
+    request_parameters,
+    unimplemented,
+)
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 
 SERVER_NAME = "inference-fabric"
-SERVER_VERSION = "0.1.0"
-_PLATFORMS = {ModelKind.EMBEDDING: "pytorch", ModelKind.TORCHSCRIPT: "pytorch_libtorch"}
+#: The installed distribution's version (pyproject.toml), as ServerMetadata reports it.
+SERVER_VERSION = importlib.metadata.version("inference-fabric")
+#: Triton protocol extensions this server serves (ServerMetadata).
+EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters")
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",
     "INT32": "int_contents",
@@ -148,7 +159,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self, request: kserve.ServerMetadataRequest, context: grpc.aio.ServicerContext
     ) -> kserve.ServerMetadataResponse:
         return kserve.ServerMetadataResponse(
-            name=SERVER_NAME, version=SERVER_VERSION, extensions=[]
+            name=SERVER_NAME, version=SERVER_VERSION, extensions=EXTENSIONS
         )
 
     async def ModelReady(
@@ -186,10 +197,43 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         return kserve.ModelMetadataResponse(
             name=config.name,
             versions=versions,
-            platform=_PLATFORMS.get(config.kind, "pytorch"),
+            platform=PLATFORMS[config.kind],
             inputs=metadata(config.inputs),
             outputs=metadata(config.outputs),
         )
+
+    async def ModelConfig(
+        self, request: kserve.ModelConfigRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ModelConfigResponse:
+        catalog = self._predictor.catalog
+        config = catalog.config(request.name)
+        current_principal().check_model(config.name)
+        if request.version:
+            catalog.resolve(config.name, request.version)
+        return kserve.ModelConfigResponse(config=model_config_message(config))
+
+    async def ModelStatistics(
+        self, request: kserve.ModelStatisticsRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.ModelStatisticsResponse:
+        catalog, principal = self._predictor.catalog, current_principal()
+        if request.name:
+            principal.check_model(catalog.config(request.name).name)
+            names = [request.name]
+        else:
+            names = [n for n in catalog.model_names() if _may_use(principal, n)]
+        stats: list[kserve.ModelStatistics] = []
+        for name in names:
+            served = [v.model_version for v in catalog.served_versions(name)]
+            statistics = self._predictor.statistics
+            versions = sorted({*served, *statistics.versions(name)}, key=_numeric)
+            if request.version:
+                if request.version not in versions:
+                    raise NotFound(f"model {name!r} version {request.version!r} is not served")
+                versions = [request.version]
+            stats.extend(
+                statistics.message(name, v, catalog.worker_times(name, v)) for v in versions
+            )
+        return kserve.ModelStatisticsResponse(model_stats=stats)
 
     async def ModelStreamInfer(
         self,
@@ -214,6 +258,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             principal.check_model(config.name)
             if config.generation is not None:
                 raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
+            options = request_parameters(request.parameters)
             output = config.outputs[0]
             requested = [o.name for o in request.outputs]
             if requested and requested != [output.name]:
@@ -227,7 +272,8 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
                     inputs=_values(config, request, self._max_inputs),
                     principal=principal,
                     request_id=request.id,
-                    timeout_s=context.time_remaining(),
+                    timeout_s=options.deadline_s(context.time_remaining()),
+                    priority=options.priority,
                 )
             )
             batch = np.stack(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
@@ -242,3 +288,27 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
                 ],
                 raw_output_contents=[batch.tobytes()],
             )
+
+
+def _may_use(principal: Principal, model_name: str) -> bool:
+    try:
+        principal.check_model(model_name)
+    except PermissionDenied:
+        return False
+    return True
+
+
+def _numeric(version: str) -> tuple[int, str]:
+    return (len(version), version)
+
+
+def _unimplemented_method(rpc: str) -> Any:
+    async def method(self: KServeServicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        raise unimplemented(rpc)
+
+    method.__name__ = method.__qualname__ = rpc
+    return method
+
+
+for _rpc in UNIMPLEMENTED_RPCS:
+    setattr(KServeServicer, _rpc, _unimplemented_method(_rpc))

@@ -19,6 +19,7 @@ from services.common.grpc_errors import status_of
 from services.common.pb_conversions import finish_reason_from_pb
 from services.gateway.auth import Principal
 from services.gateway.predictor import GenerateCall, Predictor
+from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -168,6 +169,7 @@ async def _generate_one(
         raise InvalidInput("text_input must be UTF-8") from error
     is_streaming = _scalar_bool(request, "stream")
     include_prompt = not is_streaming and not _scalar_bool(request, "exclude_input_in_output")
+    options = request_parameters(request.parameters)
     call = GenerateCall(
         model_name=request.model_name,
         version_spec=request.model_version,
@@ -175,7 +177,8 @@ async def _generate_one(
         sampling=_sampling(_scalar_bytes(request, "sampling_parameters")),
         principal=principal,
         request_id=request.id,
-        timeout_s=timeout_s,
+        timeout_s=options.deadline_s(timeout_s),
+        priority=options.priority,
     )
     collected = [prompt] if include_prompt else []
     async for message in predictor.generate(call):

@@ -63,6 +63,35 @@ class GatewayMetrics:
             ("rpc",),
         )
 
+        # Per tenant: configured tenants by name, everyone else as `other` (bounded labels).
+        self.tenant_requests_total = new.counter(
+            names.GATEWAY_TENANT_REQUESTS_TOTAL,
+            "Inference calls per tenant and priority class, by gRPC status code.",
+            ("tenant", "priority", "code"),
+        )
+        self.tenant_rows_total = new.counter(
+            names.GATEWAY_TENANT_ROWS_TOTAL,
+            "Input rows forwarded per tenant (texts, tensors or prompts).",
+            ("tenant",),
+        )
+        self.tenant_refused_total = new.counter(
+            names.GATEWAY_TENANT_REFUSED_TOTAL,
+            "Calls refused at the gateway per tenant, by reason (requests_per_s, rows_per_s, "
+            "max_concurrency, throttled, priority).",
+            ("tenant", "reason"),
+        )
+        self.tenant_request_seconds = new.histogram(
+            names.GATEWAY_TENANT_REQUEST_SECONDS,
+            "Time from receiving an inference call to answering it, per tenant.",
+            ("tenant",),
+            buckets=SECONDS_BUCKETS,
+        )
+        self.tenant_quota_share = new.gauge(
+            names.GATEWAY_TENANT_QUOTA_SHARE,
+            "Fraction of the tenant's fleet-wide quotas this gateway enforces.",
+            ("tenant",),
+        )
+
     @contextlib.contextmanager
     def observe_request(self, api: str, model: str) -> Iterator[None]:
         """Counts the request by its final status and times it (the whole stream, for

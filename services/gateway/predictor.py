@@ -16,15 +16,18 @@ import numpy as np
 
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata
+from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
+from services.gateway.triton_info import InferenceStatistics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
@@ -63,6 +66,8 @@ class PredictCall:
     request_id: str
     #: The client's remaining time, or None without a deadline.
     timeout_s: float | None
+    #: The class the caller asked for; None: its tenant's default.
+    priority: PriorityClass | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,8 @@ class GenerateCall:
     request_id: str
     #: The client's remaining time for the whole stream, or None without a deadline.
     timeout_s: float | None
+    #: The class the caller asked for; None: its tenant's default.
+    priority: PriorityClass | None = None
 
 
 @dataclass(frozen=True)
@@ -94,15 +101,19 @@ class Predictor:
         *,
         max_inputs: int,
         throttle: ThrottleConfig,
+        admission: TenantAdmission,
         rng: random.Random | None = None,
         retry: RouterRetryConfig | None = None,
     ) -> None:
         self.catalog = catalog
+        self.admission = admission
         self._metrics = metrics
         self._max_inputs = max_inputs
         self._throttle = AdaptiveThrottle(throttle)
         self._rng = rng or random.Random()
         self._retry = retry or RouterRetryConfig()
+        #: Triton-style per-version tally of the Predict calls this gateway answered.
+        self.statistics = InferenceStatistics()
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router")
         self._generate = router.unary_stream(
@@ -137,6 +148,12 @@ class Predictor:
         return rows
 
     async def predict(self, call: PredictCall) -> PredictResult:
+        policy = call.principal.policy
+        priority = self.admission.priority_for(policy, call.priority)
+        with self.admission.observe(policy.name, priority):
+            return await self._predict(call, priority)
+
+    async def _predict(self, call: PredictCall, priority: PriorityClass) -> PredictResult:
         started = time.perf_counter()
         if not call.inputs:
             raise InvalidInput("request has no inputs")
@@ -148,7 +165,27 @@ class Predictor:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
         model = self.catalog.resolve(call.model_name, call.version_spec)
         self._metrics.validate_seconds.observe(time.perf_counter() - started)
-        self._throttle_check(config.name)
+        is_ok = False
+        try:
+            result = await self._predict_resolved(call, model, priority, started)
+            is_ok = True
+            return result
+        finally:
+            self.statistics.record(
+                config.name,
+                model.version,
+                rows=len(call.inputs),
+                is_ok=is_ok,
+                duration_s=time.perf_counter() - started,
+                finished_unix_s=time.time(),
+            )
+
+    async def _predict_resolved(
+        self, call: PredictCall, model: ResolvedModel, priority: PriorityClass, started: float
+    ) -> PredictResult:
+        config, policy = model.config, call.principal.policy
+        self.admission.charge_rows(policy, len(call.inputs))
+        throttle_key = self._throttle_check(config.name, priority, policy.name)
         inputs = self._model_inputs(model, call.inputs)
         request_id = call.request_id or uuid.uuid4().hex
         request = pb.InferRequest(
@@ -158,24 +195,27 @@ class Predictor:
             inputs=inputs,
             tenant=call.principal.tenant,
             request_id=request_id,
+            priority=priority.proto,
+            tenant_weight=policy.weight,
         )
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
+        route = route_metadata(config.name, model.version, len(inputs), priority.value)
         try:
             payload = await self._call_router(
                 request.SerializeToString(),
-                outgoing_metadata(route_metadata(config.name, model.version, len(inputs))),
+                outgoing_metadata(route),
                 deadline_s=time.monotonic() + timeout_s,
             )
         except UpstreamError as error:
             self._throttle.record(
-                config.name,
+                throttle_key,
                 time.monotonic(),
                 is_accepted=not error.is_overload,
                 retry_after_s=error.retry_after_s,
             )
             raise
-        self._throttle.record(config.name, time.monotonic(), is_accepted=True)
+        self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         response = pb.InferResponse.FromString(payload)
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
@@ -214,26 +254,41 @@ class Predictor:
         await asyncio.sleep(decision.delay_s)
         return True
 
-    def _throttle_check(self, model: str) -> None:
+    def _throttle_check(self, model: str, priority: PriorityClass, tenant: str) -> str:
         """Refuses here (RESOURCE_EXHAUSTED) the share of requests downstream is refusing
-        anyway, before any tokenizing or forwarding is spent on them."""
-        shed = self._throttle.admit(model, time.monotonic(), self._rng.random())
-        self._metrics.throttle_probability.labels(model).set(
-            0.0 if shed is None else shed.probability
-        )
+        anyway, before any tokenizing or forwarding is spent on them. Kept per model, class
+        and tenant: a flood of `batch` work, or one tenant's, is refused downstream, and it
+        must not teach the gateway to refuse everyone else's. Returns the throttle's key."""
+        key = f"{model}/{priority.value}/{tenant}"
+        shed = self._throttle.admit(key, time.monotonic(), self._rng.random())
+        if priority is not PriorityClass.BATCH:
+            self._metrics.throttle_probability.labels(model).set(
+                0.0 if shed is None else shed.probability
+            )
         if shed is not None:
             self._metrics.throttled_total.labels(model).inc()
+            self.admission.refused(tenant, "throttled")
             raise Overloaded(
                 f"{model}: overloaded, refused at the gateway (downstream is refusing work; "
                 f"{shed.probability:.0%} of requests are refused here now)",
                 retry_after_s=shed.retry_after_s,
             )
+        return key
 
     async def close(self) -> None:
         await self._router.close()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
         """Checks, tokenizes and forwards a generation; yields the worker's stream messages."""
+        policy = call.principal.policy
+        priority = self.admission.priority_for(policy, call.priority)
+        with self.admission.observe(policy.name, priority):
+            async for message in self._generate_stream(call, priority):
+                yield message
+
+    async def _generate_stream(
+        self, call: GenerateCall, priority: PriorityClass
+    ) -> AsyncIterator[pb.GenerateResponse]:
         config = self.catalog.config(call.model_name)
         call.principal.check_model(config.name)
         if config.generation is None:
@@ -241,6 +296,7 @@ class Predictor:
         model = self.catalog.resolve(call.model_name, call.version_spec)
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
+        self.admission.charge_rows(call.principal.policy, 1)
         (ids,) = model.encoder.encode_many([call.prompt])
         checked_sampling(
             call.sampling, max_model_len=config.generation.max_model_len, prompt_len=len(ids)
@@ -253,8 +309,11 @@ class Predictor:
             sampling=call.sampling,
             tenant=call.principal.tenant,
             request_id=call.request_id or uuid.uuid4().hex,
+            priority=priority.proto,
+            tenant_weight=call.principal.policy.weight,
         )
-        metadata = outgoing_metadata(route_metadata(config.name, model.version, len(ids)))
+        route = route_metadata(config.name, model.version, len(ids), priority.value)
+        metadata = outgoing_metadata(route)
         deadline_s = time.monotonic() + config.timeout_s_for(call.timeout_s)
         for attempt in itertools.count():
             # wait_for_ready: while no router can be reached the call waits (within its

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, PermissionDenied
+from services.common.priority import PriorityClass
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway.auth import current_principal
 from services.gateway.metrics import GatewayMetrics
@@ -23,6 +24,13 @@ def _value(predict_input: api.PredictInput) -> PredictValue:
     if which == "tensor":
         return tensor_from_pb(predict_input.tensor)
     raise InvalidInput("an input has no payload (text or tensor)")
+
+
+def _priority(value: int) -> PriorityClass | None:
+    try:
+        return PriorityClass.from_proto(value)
+    except ValueError as error:
+        raise InvalidInput(str(error)) from None
 
 
 class InferenceServicer(api_grpc.InferenceServiceServicer):
@@ -43,6 +51,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
                     principal=current_principal(),
                     request_id=request.request_id,
                     timeout_s=context.time_remaining(),
+                    priority=_priority(request.priority),
                 )
             )
             return api.PredictResponse(
@@ -65,6 +74,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
                 principal=current_principal(),
                 request_id=request.request_id,
                 timeout_s=context.time_remaining(),
+                priority=_priority(request.priority),
             )
             async for message in self._predictor.generate(call):
                 yield message

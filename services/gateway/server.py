@@ -20,13 +20,16 @@ from services.common.model_repository import load_repository
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, open_channel, start_health_listener
 from services.common.tracing import TracingInterceptor
-from services.gateway.auth import AuthInterceptor, KeyStore
+from services.gateway.admission import TenantAdmission
+from services.gateway.auth import LOCAL_PRINCIPAL, AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import ROUTER_CHANNEL_OPTIONS, Predictor, router_target
 from services.gateway.public_api import InferenceServicer
+from services.gateway.quota_sync import QuotaSync
+from services.gateway.tenants import TenantLabels
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
@@ -55,6 +58,8 @@ class Gateway:
     keys_watch: asyncio.Task[None] | None = None
     #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
     health_listener: grpc.aio.Server | None = None
+    #: Shares tenants' fleet-wide quotas with the other gateways (None without Redis).
+    quota_sync: QuotaSync | None = None
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -79,6 +84,8 @@ class Gateway:
     async def stop(self) -> None:
         if self.keys_watch is not None:
             self.keys_watch.cancel()
+        if self.quota_sync is not None:
+            await self.quota_sync.stop()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
         await self.server.stop(grace=self.config.drain_grace_s)
         if self.health_listener is not None:
@@ -99,16 +106,19 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     router = open_channel(
         router_target(config.router_address), config.router_tls, ROUTER_CHANNEL_OPTIONS
     )
+    tenants = keys.tenants if keys is not None else {LOCAL_PRINCIPAL.tenant: LOCAL_PRINCIPAL.policy}
+    admission = TenantAdmission(metrics, TenantLabels(tenants))
     predictor = Predictor(
         catalog,
         router,
         metrics,
         max_inputs=config.max_inputs_per_request,
         throttle=config.throttle,
+        admission=admission,
     )
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
-        [TracingInterceptor(), AuthInterceptor(keys)],
+        [TracingInterceptor(), AuthInterceptor(keys, admission)],
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
@@ -120,7 +130,21 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
     health_listener = await start_health_listener(health_servicer, config.host, config.tls)
-    keys_watch = asyncio.create_task(keys.watch(), name="api-keys") if keys is not None else None
+    quota_sync = None
+    if config.quota_sync.redis_url:
+        quota_sync = QuotaSync(config.quota_sync, admission, tenants)
+        quota_sync.start()
+
+    def on_reload(store: KeyStore) -> None:
+        admission.labels.update(store.tenants)
+        if quota_sync is not None:
+            quota_sync.tenants = store.tenants
+
+    keys_watch = (
+        asyncio.create_task(keys.watch(on_reload=on_reload), name="api-keys")
+        if keys is not None
+        else None
+    )
     return Gateway(
         config,
         server,
@@ -132,4 +156,5 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         predictor,
         keys_watch,
         health_listener,
+        quota_sync,
     )

@@ -16,11 +16,11 @@ import os
 import torch
 
 from services.common.lifecycle import (
-    configure_logging,
     start_metrics,
     stop_event,
     write_ready_file,
 )
+from services.common.logs import configure_logging
 from services.common.tracing import configure_tracing
 from services.gpu_worker.config import WorkerConfig, parse_config
 from services.gpu_worker.server import create_worker
@@ -66,7 +66,7 @@ async def serve(config: WorkerConfig) -> int:
 
 def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
-    configure_logging()
+    configure_logging("gpu_worker", config.logging)
     configure_tracing("gpu_worker")
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
+from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -56,6 +57,7 @@ class WorkerConfig:
     torch_threads: int = 0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
+    logging: LogConfig = field(default_factory=LogConfig)
     #: Largest request message received, bytes: internal calls carry whole batches and
     #: multiplexed streams, so the cap is far above the gateway's.
     max_message_bytes: int = MAX_MESSAGE_BYTES

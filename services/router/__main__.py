@@ -6,12 +6,12 @@ import asyncio
 import logging
 
 from services.common.lifecycle import (
-    configure_logging,
     freeze_startup_heap,
     start_metrics,
     stop_event,
     write_ready_file,
 )
+from services.common.logs import configure_logging
 from services.common.redis_acl import redacted_url
 from services.common.tracing import configure_tracing
 from services.router.config import RouterConfig, parse_config
@@ -46,7 +46,7 @@ async def serve(config: RouterConfig) -> int:
 
 def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
-    configure_logging()
+    configure_logging("router", config.logging)
     configure_tracing("router")
     raise SystemExit(asyncio.run(serve(config)))
 

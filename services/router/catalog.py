@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import grpc
 
 from services.common.pb_conversions import model_kind_to_pb
+from services.common.registry_schema import ModelRecord
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.routing import RouteTable
 
@@ -34,6 +36,18 @@ class Catalog:
                     max_batch_size=model.max_batch_size,
                     slo_p99_ms=model.slo_p99_ms,
                     is_ready=is_ready,
+                    totals=_totals(m for _, m in served),
                 )
             )
         return pb.ListWorkerModelsResponse(versions=versions, device="router")
+
+
+def _totals(models: Iterable[ModelRecord]) -> pb.BatcherTotals:
+    """One version's cumulative batcher figures, summed over the workers that serve it."""
+    totals = pb.BatcherTotals()
+    for model in models:
+        totals.executions += model.executions
+        totals.rows += model.executed_rows
+        totals.queue_ns += round(model.queue_s_total * 1e9)
+        totals.compute_ns += round(model.compute_s_total * 1e9)
+    return totals

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
+from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -48,6 +49,7 @@ class RouterConfig:
     drain_grace_s: float = 10.0
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the router is ready.
     ready_file: Path | None = None
+    logging: LogConfig = field(default_factory=LogConfig)
     #: Largest request message received, bytes: internal calls carry whole batches and
     #: multiplexed streams, so the cap is far above the gateway's.
     max_message_bytes: int = MAX_MESSAGE_BYTES

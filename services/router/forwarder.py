@@ -13,13 +13,15 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
-from services.common.registry_schema import parse_route_metadata
+from services.common.priority import DEFAULT_PRIORITY, PriorityClass
+from services.common.registry_schema import ROUTE_PRIORITY_KEY, parse_route_metadata
 from services.common.telemetry import count_outcome
 from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
@@ -85,23 +87,22 @@ class Forwarder:
         return stream
 
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
-        name, version, num_rows, deadline_s = _call_facts(context, self._default_timeout_s)
+        facts = _call_facts(context, self._default_timeout_s)
         started_s = time.monotonic()
         try:
-            with count_outcome(self._metrics.responses_total, name, version):
-                return await self._infer(body, name, version, num_rows, deadline_s)
+            with count_outcome(self._metrics.responses_total, facts.name, facts.version):
+                return await self._infer(body, facts)
         finally:
-            self._metrics.request_seconds.labels(name, version).observe(
+            self._metrics.request_seconds.labels(facts.name, facts.version).observe(
                 time.monotonic() - started_s
             )
 
-    async def _infer(
-        self, body: bytes, name: str, version: str, num_rows: int, deadline_s: float
-    ) -> bytes:
+    async def _infer(self, body: bytes, facts: CallFacts) -> bytes:
+        name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         self._budget.record_request(time.monotonic())
         tried: set[str] = set()
         for attempt in range(self._max_retries + 1):
-            route = self._route(name, version, num_rows, deadline_s, tried)
+            route = self._route(facts, tried)
             sent_s = time.monotonic()
             try:
                 response = await self._stream(route.address).call(
@@ -129,12 +130,13 @@ class Forwarder:
         a stream that already delivered tokens is never silently replayed."""
         # No deadline from the caller: none here either (a stream may run long; the gateway
         # always sends one, the model's default_timeout_ms when its caller set none).
-        name, version, num_rows, deadline_s = _call_facts(context, None)
+        facts = _call_facts(context, None)
+        name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         with count_outcome(self._metrics.responses_total, name, version):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
             for attempt in range(self._max_retries + 1):
-                route = self._route(name, version, num_rows, deadline_s, tried)
+                route = self._route(facts, tried)
                 sent_s = time.monotonic()
                 call = self._channel(route.address).unary_stream(
                     GENERATE_METHOD, _passthrough, _passthrough
@@ -161,12 +163,16 @@ class Forwarder:
                     call.cancel()  # no-op once finished; stops the worker if our caller left
                     self._table.release(route.reservation_id)
 
-    def _route(
-        self, name: str, version: str, num_rows: int, deadline_s: float, tried: set[str]
-    ) -> Route:
-        now_s = time.monotonic()
+    def _route(self, facts: CallFacts, tried: set[str]) -> Route:
+        name, version, now_s = facts.name, facts.version, time.monotonic()
         decision = self._table.route(
-            name, version, num_rows, deadline_s - now_s, now_s, frozenset(tried)
+            name,
+            version,
+            facts.num_rows,
+            facts.deadline_s - now_s,
+            now_s,
+            frozenset(tried),
+            is_batch=facts.priority is PriorityClass.BATCH,
         )
         if isinstance(decision, Reject):
             self._metrics.rejected_total.labels(name, version, decision.reason.value).inc()
@@ -239,18 +245,36 @@ class Forwarder:
         self._metrics.retries_total.labels(name, version).inc()
 
 
+@dataclass(frozen=True)
+class CallFacts:
+    """What routing needs of a call, from its metadata and deadline."""
+
+    name: str
+    version: str
+    #: Input rows (prompt tokens for generation).
+    num_rows: int
+    #: Absolute, on time.monotonic(); math.inf for none.
+    deadline_s: float
+    priority: PriorityClass
+
+
 def _call_facts(
     context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float | None
-) -> tuple[str, str, int, float]:
-    """(model, version, rows, absolute deadline) of a call, from its metadata and deadline.
-    Without a caller's deadline: `default_timeout_s` from now, or math.inf when that is None."""
-    metadata = context.invocation_metadata() or ()
-    route_info = parse_route_metadata({k: v for k, v in metadata if isinstance(v, str)})
+) -> CallFacts:
+    """The call's facts. Without a caller's deadline: `default_timeout_s` from now, or
+    math.inf when that is None; without a priority class, the default class."""
+    metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
+    route_info = parse_route_metadata(metadata)
     if route_info is None:
         raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
+    try:
+        priority = PriorityClass.parse(metadata.get(ROUTE_PRIORITY_KEY) or DEFAULT_PRIORITY.value)
+    except ValueError as error:
+        raise InvalidInput(f"{ROUTE_PRIORITY_KEY}: {error}") from None
     remaining_s = context.time_remaining()
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
-    return (*route_info, math.inf if timeout_s is None else time.monotonic() + timeout_s)
+    deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
+    return CallFacts(*route_info, deadline_s, priority)
 
 
 def _timeout_s(deadline_s: float) -> float | None:

@@ -3,7 +3,7 @@
 `RouteTable` holds the last registry snapshot plus what this router knows that the registry does
 not yet: rows it has reserved on each worker and workers whose calls just failed. `route()`
 picks the ready worker with the least predicted wait and admits the request only if it can
-finish inside its remaining deadline. `RetryBudget` bounds retries to a fraction of traffic.
+finish inside its remaining deadline. `RetryBudget` (retry_budget.py) bounds retries.
 
 Synchronous and pure: time comes in as `now_s` (the driver's monotonic clock, the same clock
 as the heartbeat times it passes to `update`), randomness from an injected `random.Random`.
@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.router.ejection import TimeoutEjectionConfig, TimeoutEjector
+from services.router.retry_budget import RetryBudget
+
+__all__ = ["Reject", "RejectReason", "RetryBudget", "Route", "RouteTable", "RoutingConfig"]
 
 
 @dataclass(frozen=True)
@@ -159,11 +162,14 @@ class RouteTable:
         remaining_s: float,
         now_s: float,
         exclude: frozenset[str] = frozenset(),
+        *,
+        is_batch: bool = False,
     ) -> Route | Reject:
         """Choose a worker for `num_rows` rows of name@version and reserve them, or reject.
 
         `remaining_s` is what is left of the request's deadline (math.inf for none); `exclude`
-        names workers already tried for this request.
+        names workers already tried for this request. Rows of class `batch` (`is_batch`) run
+        after every other class, so they wait behind the workers' batch rows too.
         """
         cfg = self._config
         refreshed_at_s = self._refreshed_at_s
@@ -176,7 +182,7 @@ class RouteTable:
 
         key = f"{name}@{version}"
         candidates, is_known = self._candidates(
-            name, version, num_rows, now_s, refreshed_at_s, exclude
+            name, version, num_rows, now_s, refreshed_at_s, exclude, is_batch
         )
         if not candidates:
             if not is_known and key not in self._ever_served:
@@ -203,6 +209,7 @@ class RouteTable:
         now_s: float,
         refreshed_at_s: float,
         exclude: frozenset[str],
+        is_batch: bool,
     ) -> tuple[list[_Candidate], bool]:
         """Workers that may take name@version now, with their predicted wait; and whether any
         worker of the snapshot (refreshed at `refreshed_at_s`) serves it at all."""
@@ -228,7 +235,8 @@ class RouteTable:
             # while reads keep coming (see RoutingConfig.queue_report_ttl_s).
             local_rows = self._inflight_rows.get((worker.worker_id, key), 0)
             is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
-            queued_rows = local_rows if is_frozen else max(model.queued_rows, local_rows)
+            reported_rows = model.queued_rows + (model.queued_batch_rows if is_batch else 0)
+            queued_rows = local_rows if is_frozen else max(reported_rows, local_rows)
             predicted_s = max(model.min_batch_s, (queued_rows + num_rows) * model.per_row_s)
             # For generation, num_rows is the prompt's token count.
             has_room = model.kv_block_size == 0 or (
@@ -339,62 +347,3 @@ class RouteTable:
 
 def _rank(candidate: _Candidate) -> tuple[bool, float, str]:
     return not candidate.has_room, candidate.predicted_s, candidate.worker.worker_id
-
-
-#: Slices of the retry budget's window: deposits and withdrawals expire one slice at a time.
-_NUM_SLICES = 10
-
-
-class RetryBudget:
-    """Finagle-style retry budget: retries <= ratio x requests + a floor, over a sliding window.
-
-    Each request deposits `ratio` tokens and each retry withdraws one. Both expire after
-    `window_s`, and a constant reserve of `min_per_s * window_s` tokens sits on top, so:
-    - under traffic, retries stay near `ratio` of requests;
-    - at zero traffic, about `min_per_s` retries per second still get through;
-    - after a quiet period the balance is back to the reserve (deposits expired), so an idle
-      router cannot bank unlimited retries: the cap is ratio x requests in the last window +
-      the reserve.
-    """
-
-    def __init__(self, ratio: float = 0.2, min_per_s: float = 5.0, window_s: float = 10.0) -> None:
-        """Raises ValueError on a negative ratio or floor, or a non-positive window."""
-        if ratio < 0 or min_per_s < 0 or window_s <= 0:
-            raise ValueError("ratio and min_per_s must be >= 0, window_s > 0")
-        self._ratio = ratio
-        self._reserve = min_per_s * window_s
-        self._slice_s = window_s / _NUM_SLICES
-        # Ring of slices: net tokens (deposits - withdrawals) and the absolute slice number
-        # each entry currently holds, so an entry from an old window reads as empty.
-        self._net = [0.0] * _NUM_SLICES
-        self._slice_number = [-1] * _NUM_SLICES
-
-    def record_request(self, now_s: float) -> None:
-        """Count one request (first attempts only, not retries)."""
-        self._net[self._slot(now_s)] += self._ratio
-
-    def try_spend(self, now_s: float) -> bool:
-        """Withdraw one token for a retry; False (and nothing withdrawn) if none is left."""
-        # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
-        if self.balance(now_s) < 1.0 - 1e-9:
-            return False
-        self._net[self._slot(now_s)] -= 1.0
-        return True
-
-    def balance(self, now_s: float) -> float:
-        """Tokens available for retries now."""
-        current = math.floor(now_s / self._slice_s)
-        in_window = (
-            net
-            for net, number in zip(self._net, self._slice_number, strict=True)
-            if current - _NUM_SLICES < number <= current
-        )
-        return self._reserve + sum(in_window)
-
-    def _slot(self, now_s: float) -> int:
-        number = math.floor(now_s / self._slice_s)
-        index = number % _NUM_SLICES
-        if self._slice_number[index] != number:
-            self._slice_number[index] = number
-            self._net[index] = 0.0
-        return index

@@ -92,11 +92,15 @@ EXPECTED_INGRESS = {
     ("router", "metrics"): {"monitoring"},
     ("gpu-worker", "grpc"): {"router"},
     ("gpu-worker", "metrics"): {"monitoring"},
-    ("redis", "redis"): {"router", "gpu-worker"},
+    ("redis", "redis"): {"gateway", "router", "gpu-worker"},
 }
 TLS_MOUNT = "/etc/fabric/tls"
 #: The Redis ACL role of each tier that talks to Redis, and its settings' env prefix.
-REDIS_ROLES = {"router": ("router", "ROUTER"), "gpu-worker": ("worker", "WORKER")}
+REDIS_ROLES = {
+    "gateway": ("gateway", "GATEWAY"),
+    "router": ("router", "ROUTER"),
+    "gpu-worker": ("worker", "WORKER"),
+}
 
 Objects = list[dict[str, Any]]
 

@@ -4,7 +4,11 @@ separate processes the way `make run` starts them, called with real clients."""
 from __future__ import annotations
 
 import asyncio
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -12,6 +16,8 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -23,6 +29,7 @@ from tests.support.models import write_minilm_repository
 from tests.support.processes import health_status
 from tests.support.stack import Stack, start_stack
 from tests.support.texts import sentences
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
@@ -211,3 +218,118 @@ async def test_s38_bad_input_never_reaches_a_worker(stack: Stack, request_, code
         assert raised.value.code() == code, raised.value.details()
         await stub.Predict(predict_request("the next good request still works"), timeout=TIMEOUT_S)
     assert worker_rows(stack) == rows_before + 1
+
+
+async def _statistics(stack: Stack) -> kserve.ModelStatistics:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        reply = await stub.ModelStatistics(
+            kserve.ModelStatisticsRequest(name="minilm", version="1"), timeout=TIMEOUT_S
+        )
+    (stats,) = reply.model_stats
+    return stats
+
+
+async def test_model_statistics_count_the_requests_rows_and_batches_that_ran(
+    stack: Stack,
+) -> None:
+    before = await _statistics(stack)
+    texts = sentences(40, min_words=1, max_words=20, seed=5)
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        await asyncio.gather(
+            *(stub.Predict(predict_request(t, t), timeout=TIMEOUT_S) for t in texts)
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Predict(predict_request("word " * 2000), timeout=TIMEOUT_S)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    after = await _statistics(stack)
+    success, fail = after.inference_stats.success, after.inference_stats.fail
+    assert success.count - before.inference_stats.success.count == 40
+    assert after.inference_count - before.inference_count == 80
+    assert success.ns > before.inference_stats.success.ns
+    assert after.last_inference >= before.last_inference and after.last_inference > 0
+    # Too long for the resolved version's tokenizer: that version's failure.
+    assert fail.count - before.inference_stats.fail.count == 1 and fail.ns > 0
+
+    async def workers_reported() -> kserve.ModelStatistics | None:
+        stats = await _statistics(stack)
+        rows = stats.inference_stats.queue.count - before.inference_stats.queue.count
+        return stats if rows >= 80 else None
+
+    # The workers' figures travel by heartbeat, router and the gateway's catalog refresh.
+    stats = await eventually(workers_reported, message="the workers' totals reached us")
+    executions = stats.execution_count - before.execution_count
+    assert 1 <= executions < 80, "rows ran in batches"
+    assert stats.inference_stats.queue.count - before.inference_stats.queue.count == 80
+    executions_timed = stats.inference_stats.compute_infer.count
+    assert executions_timed - before.inference_stats.compute_infer.count == executions
+    compute_ns = stats.inference_stats.compute_infer.ns - before.inference_stats.compute_infer.ns
+    assert 0 < compute_ns < success.ns - before.inference_stats.success.ns
+
+
+def test_stock_client_reads_model_config_and_statistics(stack: Stack) -> None:
+    result = run_kserve_client(
+        stack.gateway.address, "--model", "minilm", "--introspect", "hello", "world"
+    )
+    config = result["config"]["config"]
+    assert config["name"] == "minilm" and config["max_batch_size"] == 64
+    assert config["input"] == [{"name": "text", "data_type": "TYPE_STRING", "dims": ["1"]}]
+    assert config["output"] == [{"name": "embedding", "data_type": "TYPE_FP32", "dims": ["384"]}]
+    batching = config["dynamic_batching"]
+    assert batching["max_queue_delay_microseconds"] == str(30_000 * 1000)
+    assert batching["priority_levels"] == "3" and batching["default_priority_level"] == "2"
+    assert "model_transaction_policy" not in config  # not decoupled: the default is omitted
+    (stats,) = result["statistics"]["model_stats"]
+    assert stats["name"] == "minilm" and stats["version"] == "1"
+    assert int(stats["inference_stats"]["success"]["count"]) >= 1
+    assert int(stats["inference_count"]) >= 2
+    unimplemented = result["unimplemented"]
+    assert unimplemented["status"] == "StatusCode.UNIMPLEMENTED", unimplemented
+    assert "RepositoryIndex is not implemented" in unimplemented["message"]
+
+
+CLIENT_PACKAGE = Path(__file__).resolve().parents[2] / "clients" / "python"
+_CLIENT_PROBE = """
+import json, sys
+from inference_fabric_client import Client, FabricError
+with Client(sys.argv[1], timeout_s=60) as client:
+    vectors = client.embed(["hello world", "naïve café"])
+    try:
+        client.embed(["x"], model="no-such-model")
+        missing = None
+    except FabricError as error:
+        missing = error.code
+    models = [m["name"] for m in client.models()]
+print(json.dumps({"shape": list(vectors.shape), "vectors": vectors.tolist(), "missing": missing,
+                  "torch": "torch" in sys.modules, "models": models}))
+"""
+
+
+def test_slim_client_package_installs_without_torch_and_embeds(
+    stack: Stack, tmp_path: Path, reference_embedder
+) -> None:
+    venv = tmp_path / "client-venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", str(CLIENT_PACKAGE)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert install.returncode == 0, install.stderr
+    probe = subprocess.run(
+        [str(python), "-c", _CLIENT_PROBE, stack.gateway.address],
+        capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    assert probe.returncode == 0, probe.stderr
+    result = json.loads(probe.stdout)
+    installed = subprocess.run(
+        [str(python), "-m", "pip", "list", "--format=json"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    assert "torch" not in {p["name"].lower() for p in json.loads(installed)}
+    assert result["shape"] == [2, 384] and not result["torch"]
+    assert result["missing"] == "NOT_FOUND" and "minilm" in result["models"]
+    reference = reference_embedder(["hello world", "naïve café"])
+    for got, want in zip(np.asarray(result["vectors"]), reference, strict=True):
+        assert cosine(got, want) >= 0.999

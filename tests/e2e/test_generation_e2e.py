@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import struct
+import sys
 from collections.abc import AsyncIterator, Iterator
 
 import grpc
@@ -205,3 +206,23 @@ async def test_s39_malformed_stream_requests_each_get_an_error_and_the_stream_en
     assert "raw_input_contents" in errors["short raw"]
     assert "given more than once" in errors["duplicate"]
     assert "exclusive" in errors["raw and contents"]
+
+
+async def test_the_command_line_client_streams_a_generation(stack: Stack) -> None:
+    """`python -m services.client generate` (the slim client package's CLI) streams the same
+    greedy tokens the gRPC API returns, and ends with the finish reason and counts."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.client", "--address", stack.gateway.address,
+        "generate", "Once upon a time", "--max-tokens", "12", "--json",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0, stderr.decode()
+    chunks = [json.loads(line) for line in stdout.decode().splitlines()]
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        request = generate_request("Once upon a time", max_tokens=12)
+        expected = await stream(api_grpc.InferenceServiceStub(channel), request)
+    assert [t for c in chunks for t in c["token_ids"]] == [t for m in expected for t in m.token_ids]
+    assert chunks[-1]["finish_reason"] in ("length", "stop")
+    assert chunks[-1]["completion_tokens"] == expected[-1].completion_tokens
+    assert chunks[-1]["prompt_tokens"] == expected[-1].prompt_tokens

@@ -22,6 +22,7 @@ from services.common.lifecycle import (
 )
 from services.common.tracing import TracingInterceptor
 from services.gateway.auth import AuthInterceptor, KeyStore, Principal, current_principal, hash_key
+from services.gateway.tenants import TenantPolicy
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -71,7 +72,7 @@ class Shapes:
 @pytest.fixture
 async def served() -> AsyncIterator[tuple[Shapes, grpc.aio.Channel]]:
     shapes = Shapes()
-    keys = KeyStore({hash_key("sesame"): Principal("search", None)})
+    keys = KeyStore({hash_key("sesame"): Principal("search", None, TenantPolicy("search"))})
     server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
     handlers = {
         "Unary": grpc.unary_unary_rpc_method_handler(shapes.unary),

@@ -7,6 +7,8 @@ repository. Prints exactly one JSON object on stdout:
     python tests/support/kserve_client.py --url 127.0.0.1:PORT --model minilm [--api-key K] TEXT...
 
 prints liveness, readiness, server and model metadata, and the `embedding` output for the texts.
+With `--introspect` it prints the model's config and statistics as JSON (as perf_analyzer reads
+them) and the status of an RPC this server declares but does not serve.
 With `--expect-error` it only sends the infer request and prints the error it got back
 ({"error_status": "StatusCode.INVALID_ARGUMENT", "message": ...}); exits 1 if the call succeeded.
 """
@@ -54,6 +56,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "one; prints the status of every call",
     )
     parser.add_argument("--sequential", type=int, default=0, help="with --burst: calls after it")
+    parser.add_argument(
+        "--introspect",
+        action="store_true",
+        help="print get_model_config and get_inference_statistics (as JSON, as perf_analyzer "
+        "reads them) and the status of an RPC the server does not implement",
+    )
     parser.add_argument("texts", nargs="*", help="input texts, one row each")
     return parser.parse_args(argv)
 
@@ -207,6 +215,25 @@ def run_generate(client, args: argparse.Namespace, headers: dict | None) -> int:
     return 0
 
 
+def run_introspect(client, args: argparse.Namespace, headers: dict | None) -> int:
+    """ModelConfig and ModelStatistics as perf_analyzer and genai-perf call them, and the
+    answer to a repository RPC (declared by Triton's service, not served here), after one
+    infer of the given texts (if any), so the statistics count at least that."""
+    if args.texts:
+        inputs = [make_input(args.texts, "BYTES")]
+        client.infer(args.model, inputs, headers=headers, client_timeout=args.timeout_s)
+    call = {"headers": headers, "client_timeout": args.timeout_s, "as_json": True}
+    config = client.get_model_config(args.model, args.model_version, **call)
+    statistics = client.get_inference_statistics(args.model, args.model_version, **call)
+    try:
+        client.get_model_repository_index(headers=headers, client_timeout=args.timeout_s)
+        unimplemented = {"status": None, "message": "the call succeeded"}
+    except InferenceServerException as error:
+        unimplemented = {"status": error.status(), "message": error.message()}
+    print(json.dumps({"config": config, "statistics": statistics, "unimplemented": unimplemented}))
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else None
@@ -214,6 +241,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.generate is not None:
             return run_generate(client, args, headers)
+        if args.introspect:
+            return run_introspect(client, args, headers)
         if args.burst is not None:
             return run_burst(client, args, headers)
         if args.expect_error:

@@ -87,6 +87,7 @@ def start_stack(
     num_workers: int = 1,
     model_repository: Path | None = None,
     extra_worker_args: tuple[str, ...] = (),
+    extra_gateway_args: tuple[str, ...] = (),
     tolerate_exits: bool = False,
     ready_timeout_s: float = 300.0,
 ) -> Stack:
@@ -102,6 +103,7 @@ def start_stack(
         "--model-repository", str(model_repository or REPO_ROOT / "models"),
         "--state-dir", str(state_dir),
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
+        *(f"--gateway-arg={arg}" for arg in extra_gateway_args),
         *(["--tolerate-exits"] if tolerate_exits else []),
     ]  # fmt: skip
     # The launcher renames its ready file into place whole once every tier is up.

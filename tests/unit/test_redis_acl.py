@@ -20,7 +20,7 @@ from services.common.redis_acl import (
 
 pytestmark = pytest.mark.unit
 
-PASSWORDS = {"admin": "a" * 8, "router": "r" * 8, "worker": "w" * 8}
+PASSWORDS = {"admin": "a" * 8, "router": "r" * 8, "worker": "w" * 8, "gateway": "g" * 8}
 
 
 def user_rules(lines: list[str]) -> dict[str, list[str]]:
@@ -51,6 +51,10 @@ def test_each_role_gets_only_its_commands_on_the_registry_keys() -> None:
         assert {r for r in role if r.startswith("~")} == {"~blue:workers", "~blue:worker:*"}
         assert "resetchannels" in role and not [r for r in role if r.startswith("&")]
     assert {"~*", "+@all"} <= set(rules["admin"])
+    # Gateways share quota demand on the quota keys only: no registry key, no other command.
+    gateway = rules["gateway"]
+    assert {r for r in gateway if r.startswith("+")} == {"+ping", "+hset", "+hgetall", "+hdel"}
+    assert {r for r in gateway if r.startswith("~")} == {"~blue:quota:*"}
 
 
 def test_passwords_appear_only_hashed() -> None:

@@ -25,12 +25,7 @@ from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.lane import Lane, LoadReport, Pending, warm_up_lane
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import (
-    BatcherConfig,
-    BatchKey,
-    Dispatch,
-    QueuedItem,
-)
+from services.gpu_worker.batching.types import BatcherConfig, BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
 from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
@@ -170,6 +165,7 @@ class BatchingDriver:
             queued_rows=lane.batcher.num_queued,
             per_row_s=per_row_s,
             min_batch_s=lane.latency.predict(smallest, 1),
+            totals=lane.totals.copy(),
         )
 
     @property
@@ -304,6 +300,7 @@ class BatchingDriver:
             self._metrics.backlog_seconds.labels(*lane.labels).observe(backlog_s)
             self._metrics.linger_seconds.labels(*lane.labels).observe(max(0.0, wait_s - backlog_s))
             self._metrics.queue_wait_seconds.labels(*lane.labels).observe(wait_s)
+            lane.totals.queue_s += wait_s
             rows.append(pending.row)
         self._busy_since = now
         self._running_until_s = now + lane.latency.predict(dispatch.key, len(rows))
@@ -370,6 +367,7 @@ class BatchingDriver:
         compute_s: float,
     ) -> None:
         labels = lane.labels
+        lane.totals.record_batch(len(rows), compute_s)
         for item in dispatch.items:
             self._metrics.row_compute_seconds.labels(*labels).observe(compute_s)
             self._metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)

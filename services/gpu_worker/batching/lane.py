@@ -4,6 +4,7 @@ queued rows, the load report routers read from it, and its warm-up."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,26 @@ class Pending:
     trace_context: TraceContext
 
 
+@dataclass
+class BatchTotals:
+    """A lane's cumulative figures since the worker started (Triton's model statistics)."""
+
+    executions: int = 0
+    rows: int = 0
+    #: Sum over dispatched rows of their wait in the queue (linger + backlog), seconds.
+    queue_s: float = 0.0
+    #: Sum over batches of their compute, seconds.
+    compute_s: float = 0.0
+
+    def record_batch(self, num_rows: int, compute_s: float) -> None:
+        self.executions += 1
+        self.rows += num_rows
+        self.compute_s += compute_s
+
+    def copy(self) -> BatchTotals:
+        return dataclasses.replace(self)
+
+
 @dataclass(frozen=True)
 class LoadReport:
     """What routers need to predict a version's wait on this worker (sent in heartbeats)."""
@@ -48,6 +69,7 @@ class LoadReport:
     #: Predicted compute of one row of the smallest bucket alone: the floor of any request's
     #: latency.
     min_batch_s: float
+    totals: BatchTotals = field(default_factory=BatchTotals)
 
 
 @dataclass
@@ -63,6 +85,7 @@ class Lane:
     #: Compute of the lane's costliest warm-up shape, seconds (the faster of its runs, as the
     #: latency model is seeded): the scale of the executor watchdog's bound.
     slowest_warmup_s: float = 0.0
+    totals: BatchTotals = field(default_factory=BatchTotals)
 
     @property
     def labels(self) -> tuple[str, str]:

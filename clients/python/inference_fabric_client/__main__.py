@@ -1,0 +1,3 @@
+from inference_fabric_client.cli import main
+
+raise SystemExit(main())

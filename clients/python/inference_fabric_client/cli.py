@@ -1,0 +1,114 @@
+"""Command line for the gateway's public API.
+
+    fabric-client embed "some text" ["more text" ...]
+    fabric-client generate "Once upon a time" --max-tokens 32
+    fabric-client models
+
+(`python -m inference_fabric_client ...` and, in the server's checkout, `python -m
+services.client ...` are the same program.) Settings also come from the environment:
+FABRIC_ADDRESS, FABRIC_API_KEY, FABRIC_TLS, FABRIC_CA_FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from inference_fabric_client.client import Client, FabricError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fabric-client",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    env = os.environ.get
+    parser.add_argument("--address", default=env("FABRIC_ADDRESS", "127.0.0.1:8001"),
+                        help="gateway host:port (env FABRIC_ADDRESS)")  # fmt: skip
+    parser.add_argument("--api-key", default=env("FABRIC_API_KEY"),
+                        help="API key (env FABRIC_API_KEY); not needed in local mode")  # fmt: skip
+    parser.add_argument("--tls", action="store_true", default=env("FABRIC_TLS") == "1",
+                        help="use TLS (env FABRIC_TLS=1)")  # fmt: skip
+    parser.add_argument("--ca-file", default=env("FABRIC_CA_FILE"),
+                        help="PEM roots to verify the gateway (default: the system's)")  # fmt: skip
+    parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
+    parser.add_argument("--priority", choices=["critical", "interactive", "batch"],
+                        help="priority class (default: the tenant's)")  # fmt: skip
+    commands = parser.add_subparsers(dest="command", required=True)
+    embed = commands.add_parser("embed", help="embed texts; prints one JSON line per text")
+    embed.add_argument("texts", nargs="+")
+    embed.add_argument("--model", default="minilm")
+    embed.add_argument("--version", default="", help="number or label (default: stable)")
+    embed.add_argument("--full", action="store_true", help="print whole vectors, not 8 values")
+    generate = commands.add_parser("generate", help="stream a generation to stdout")
+    generate.add_argument("prompt")
+    generate.add_argument("--model", default="tiny-llama")
+    generate.add_argument("--version", default="")
+    generate.add_argument("--max-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--json", action="store_true", help="one JSON line per chunk")
+    commands.add_parser("models", help="list the models this key may use")
+    return parser
+
+
+def _embed(client: Client, args: argparse.Namespace) -> None:
+    result = client.predict(args.model, args.texts, version=args.version, priority=args.priority)
+    for text, vector in zip(args.texts, result.outputs, strict=True):
+        shown = vector if args.full else vector[:8]
+        line = {
+            "text": text,
+            "model": f"{result.model}/{result.version}",
+            "dims": len(vector),
+            "embedding": [round(float(x), 6) for x in shown],
+        }
+        print(json.dumps(line))
+
+
+def _generate(client: Client, args: argparse.Namespace) -> None:
+    chunks = client.generate(
+        args.model,
+        args.prompt,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        stop=args.stop,
+        version=args.version,
+        priority=args.priority,
+    )
+    for chunk in chunks:
+        if args.json:
+            print(json.dumps(chunk.__dict__), flush=True)
+            continue
+        print(chunk.text, end="", flush=True)
+        if chunk.finish_reason:
+            tokens = f"{chunk.prompt_tokens} prompt + {chunk.completion_tokens} generated tokens"
+            print(f"\n[{chunk.finish_reason}; {tokens}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    client = Client(
+        args.address,
+        api_key=args.api_key,
+        tls=args.tls,
+        root_certificates=args.ca_file,
+        timeout_s=args.timeout_s,
+    )
+    with client:
+        try:
+            if args.command == "models":
+                for model in client.models():
+                    print(json.dumps(model))
+            elif args.command == "generate":
+                _generate(client, args)
+            else:
+                _embed(client, args)
+        except FabricError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+    return 0

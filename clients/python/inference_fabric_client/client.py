@@ -1,0 +1,261 @@
+"""A blocking client for the gateway's public API (`inference.v1.InferenceService`).
+
+    from inference_fabric_client import Client
+
+    with Client("gateway.example.com:8001", api_key="...", tls=True) as client:
+        vectors = client.embed(["hello world"])                  # numpy [1, 384]
+        for chunk in client.generate("tiny-llama", "Once upon", max_tokens=16):
+            print(chunk.text, end="")
+
+Every call takes `timeout_s` (the call's deadline; default the client's) and `priority`
+("critical", "interactive", "batch"; default the tenant's). Failures raise `FabricError` with
+the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retry hint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
+from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
+from inference_fabric_client._pb.inference.v1 import types_pb2 as types
+
+_DTYPES = {
+    types.DATA_TYPE_FP32: np.dtype("<f4"),
+    types.DATA_TYPE_FP16: np.dtype("<f2"),
+    types.DATA_TYPE_INT32: np.dtype("<i4"),
+    types.DATA_TYPE_INT64: np.dtype("<i8"),
+}
+_TO_PB = {dtype: value for value, dtype in _DTYPES.items()}
+_PRIORITIES = {
+    None: types.PRIORITY_UNSPECIFIED,
+    "critical": types.PRIORITY_CRITICAL,
+    "interactive": types.PRIORITY_INTERACTIVE,
+    "batch": types.PRIORITY_BATCH,
+}
+_FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
+
+
+class FabricError(Exception):
+    """A call the server refused or failed: `code` is the gRPC status name (for example
+    "RESOURCE_EXHAUSTED"); `retry_after_s` is the server's retry hint, when it sent one."""
+
+    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @classmethod
+    def from_rpc(cls, error: grpc.RpcError) -> FabricError:
+        call = error if isinstance(error, grpc.Call) else None
+        code = call.code().name if call else "UNKNOWN"
+        hint = None
+        for key, value in (call.trailing_metadata() or ()) if call else ():
+            if key == "retry-after-ms" and str(value).isdigit():
+                hint = int(value) / 1000.0
+        return cls(code, (call.details() if call else str(error)) or "", hint)
+
+
+@dataclass(frozen=True)
+class PredictResult:
+    """The outputs of one predict call, one array per input, in input order."""
+
+    model: str
+    version: str
+    outputs: list[np.ndarray]
+    request_id: str
+
+
+@dataclass(frozen=True)
+class GenerationChunk:
+    """Text and token ids produced since the previous chunk. The last chunk has
+    `finish_reason` ("length" or "stop") and the token counts."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def _read(path_or_bytes: str | Path | bytes | None) -> bytes | None:
+    if path_or_bytes is None or isinstance(path_or_bytes, bytes):
+        return path_or_bytes
+    return Path(path_or_bytes).read_bytes()
+
+
+def _tensor(array: np.ndarray) -> types.Tensor:
+    array = np.asarray(array)
+    little = array.dtype.newbyteorder("<")
+    value = _TO_PB.get(little)
+    if value is None:
+        raise ValueError(f"dtype {array.dtype} is not supported; use float32/16, int32/64")
+    raw = np.ascontiguousarray(array, dtype=little).tobytes()
+    return types.Tensor(dtype=value, shape=list(array.shape), raw_data=raw)
+
+
+def _array(tensor: types.Tensor) -> np.ndarray:
+    return np.frombuffer(tensor.raw_data, dtype=_DTYPES[tensor.dtype]).reshape(tuple(tensor.shape))
+
+
+class Client:
+    """One channel to a gateway; thread-safe; close it (or use `with`) when done."""
+
+    def __init__(
+        self,
+        address: str = "127.0.0.1:8001",
+        *,
+        api_key: str | None = None,
+        tls: bool = False,
+        root_certificates: str | Path | bytes | None = None,
+        client_certificate: str | Path | bytes | None = None,
+        client_key: str | Path | bytes | None = None,
+        server_name: str | None = None,
+        timeout_s: float = 30.0,
+    ) -> None:
+        """`tls`: verify the gateway with `root_certificates` (PEM; default the system's);
+        `client_certificate`/`client_key` for mutual TLS; `server_name` overrides the name
+        checked in the gateway's certificate."""
+        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        if tls:
+            credentials = grpc.ssl_channel_credentials(
+                _read(root_certificates), _read(client_key), _read(client_certificate)
+            )
+            self._channel = grpc.secure_channel(address, credentials, options=options)
+        else:
+            self._channel = grpc.insecure_channel(address, options=options)
+        self._stub = api_grpc.InferenceServiceStub(self._channel)
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._timeout_s = timeout_s
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def predict(
+        self,
+        model: str,
+        inputs: Sequence[str | np.ndarray],
+        *,
+        version: str = "",
+        priority: str | None = None,
+        request_id: str = "",
+        timeout_s: float | None = None,
+    ) -> PredictResult:
+        """Runs a fixed-cost model on texts (text models) or arrays (one row each)."""
+        rows = [
+            api.PredictInput(text=x) if isinstance(x, str) else api.PredictInput(tensor=_tensor(x))
+            for x in inputs
+        ]
+        request = api.PredictRequest(
+            model_name=model,
+            model_version=version,
+            inputs=rows,
+            request_id=request_id,
+            priority=_priority(priority),
+        )
+        try:
+            reply = self._stub.Predict(
+                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise FabricError.from_rpc(error) from None
+        outputs = [_array(t) for t in reply.outputs]
+        return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
+
+    def embed(
+        self,
+        texts: Sequence[str],
+        *,
+        model: str = "minilm",
+        version: str = "",
+        priority: str | None = None,
+        timeout_s: float | None = None,
+    ) -> np.ndarray:
+        """Embeddings of `texts`, one row each: float32 [len(texts), dims]."""
+        result = self.predict(
+            model, list(texts), version=version, priority=priority, timeout_s=timeout_s
+        )
+        return np.stack(result.outputs)
+
+    def generate(
+        self,
+        model: str,
+        prompt: str,
+        *,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 0.0,
+        seed: int | None = None,
+        stop: Sequence[str] = (),
+        version: str = "",
+        priority: str | None = None,
+        timeout_s: float | None = None,
+    ) -> Iterator[GenerationChunk]:
+        """Streams the generation as it is produced; closing the iterator cancels it."""
+        sampling = types.SamplingParameters(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop
+        )
+        if seed is not None:
+            sampling.seed = seed
+        request = api.GenerateRequest(
+            model_name=model,
+            model_version=version,
+            prompt=prompt,
+            sampling=sampling,
+            priority=_priority(priority),
+        )
+        stream = self._stub.Generate(
+            request, timeout=timeout_s or self._timeout_s, metadata=self._metadata
+        )
+        try:
+            for reply in stream:
+                yield GenerationChunk(
+                    text=reply.text,
+                    token_ids=list(reply.token_ids),
+                    finish_reason=_FINISH_REASONS.get(reply.finish_reason),
+                    prompt_tokens=reply.prompt_tokens,
+                    completion_tokens=reply.completion_tokens,
+                )
+        except grpc.RpcError as error:
+            raise FabricError.from_rpc(error) from None
+        finally:
+            stream.cancel()
+
+    def models(self, *, timeout_s: float | None = None) -> list[dict[str, object]]:
+        """The models this key may use: name, served versions and labels."""
+        try:
+            reply = self._stub.ListModels(
+                api.ListModelsRequest(), timeout=timeout_s or self._timeout_s,
+                metadata=self._metadata,
+            )  # fmt: skip
+        except grpc.RpcError as error:
+            raise FabricError.from_rpc(error) from None
+        return [
+            {
+                "name": m.name,
+                "versions": [v.model_version for v in m.versions],
+                "labels": dict(m.labels),
+            }
+            for m in reply.models
+        ]
+
+
+def _priority(name: str | None) -> int:
+    try:
+        return _PRIORITIES[name]
+    except KeyError:
+        choices = "critical, interactive, batch"
+        raise ValueError(f"priority must be one of {choices}; got {name!r}") from None

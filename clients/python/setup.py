@@ -1,0 +1,53 @@
+"""Builds the client with the public API's generated modules inside it.
+
+The public protos (`inference/v1/inference.proto` and the `types.proto` it imports; never the
+workers' internal `worker.proto`) are compiled from the repository's proto/ directory (or a
+`proto/` copied next to this file, for a source distribution) into
+`inference_fabric_client/_pb/`, and their imports re-rooted under the package.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+PUBLIC_PROTOS = ("inference/v1/types.proto", "inference/v1/inference.proto")
+
+
+def _proto_root() -> Path:
+    for root in (HERE / "proto", HERE.parents[1] / "proto"):
+        if (root / PUBLIC_PROTOS[0]).exists():
+            return root
+    raise FileNotFoundError("proto/ not found next to setup.py nor at the repository root")
+
+
+def _generate(out: Path) -> None:
+    from grpc_tools import protoc  # a build requirement (pyproject.toml)
+
+    target = out / "inference_fabric_client" / "_pb"
+    target.mkdir(parents=True, exist_ok=True)
+    root = _proto_root()
+    include = Path(protoc.__file__).parent / "_proto"
+    args = ["protoc", f"-I{root}", f"-I{include}", f"--python_out={target}",
+            f"--pyi_out={target}", f"--grpc_python_out={target}", *PUBLIC_PROTOS]  # fmt: skip
+    if protoc.main(args) != 0:
+        raise RuntimeError(f"protoc failed: {' '.join(args)}")
+    for path in target.rglob("*.py*"):
+        text = re.sub(r"^from inference([. ])", r"from inference_fabric_client._pb.inference\1",
+                      path.read_text(), flags=re.M)  # fmt: skip
+        path.write_text(text)
+    for directory in [target, *[d for d in target.rglob("*") if d.is_dir()]]:
+        (directory / "__init__.py").touch()
+
+
+class BuildWithProtos(build_py):
+    def run(self) -> None:
+        super().run()
+        _generate(Path(self.build_lib))
+
+
+setup(cmdclass={"build_py": BuildWithProtos})

@@ -1,0 +1,98 @@
+"""Tenant admission at the gateway: quotas before any work, priority classes, per-tenant
+metrics. The policies are pure (services.gateway.quotas, services.gateway.tenants); this is
+where they meet the clock, the metrics and the error types.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+from services.common.errors import Overloaded, ServingError
+from services.common.grpc_errors import status_of
+from services.common.priority import PriorityClass
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.quotas import QuotaRefusal, TenantQuotas
+from services.gateway.tenants import TenantLabels, TenantPolicy
+
+#: The calls quotas apply to: the ones that run models. Metadata, health and listing calls
+#: are cheap and never counted.
+INFERENCE_METHODS = frozenset(
+    {
+        "/inference.v1.InferenceService/Predict",
+        "/inference.v1.InferenceService/Generate",
+        "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelStreamInfer",
+    }
+)
+
+
+class TenantAdmission:
+    """Admits inference calls against their tenant's quotas, and counts them per tenant."""
+
+    def __init__(
+        self,
+        metrics: GatewayMetrics,
+        labels: TenantLabels,
+        *,
+        quotas: TenantQuotas | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.quotas = quotas or TenantQuotas()
+        self.labels = labels
+        self._metrics = metrics
+        self._clock = clock
+
+    def _refused(self, policy: TenantPolicy, refusal: QuotaRefusal) -> Overloaded:
+        self.refused(policy.name, refusal.quota)
+        return Overloaded(refusal.message, retry_after_s=refusal.retry_after_s)
+
+    def refused(self, tenant: str, reason: str) -> None:
+        self._metrics.tenant_refused_total.labels(self.labels(tenant), reason).inc()
+
+    def acquire(self, policy: TenantPolicy) -> Overloaded | None:
+        """Checks room in flight and takes a request token for one call (before its body is
+        even parsed), or returns the refusal to answer with. A granted call counts in flight
+        from `enter` (when it starts) to `release`."""
+        refusal = self.quotas.acquire(policy, self._clock())
+        return None if refusal is None else self._refused(policy, refusal)
+
+    def set_share_gauge(self, tenant: str, share: float) -> None:
+        self._metrics.tenant_quota_share.labels(self.labels(tenant)).set(share)
+
+    def enter(self, policy: TenantPolicy) -> None:
+        self.quotas.enter(policy.name)
+
+    def release(self, policy: TenantPolicy) -> None:
+        self.quotas.release(policy.name)
+
+    def charge_rows(self, policy: TenantPolicy, num_rows: int) -> None:
+        """Charges a call's input rows; raises Overloaded (rows_per_s) over the row rate."""
+        refusal = self.quotas.take_rows(policy, num_rows, self._clock())
+        if refusal is not None:
+            raise self._refused(policy, refusal)
+        self._metrics.tenant_rows_total.labels(self.labels(policy.name)).inc(num_rows)
+
+    def priority_for(self, policy: TenantPolicy, requested: PriorityClass | None) -> PriorityClass:
+        """The call's class (see TenantPolicy.priority_for); a refusal is counted."""
+        try:
+            return policy.priority_for(requested)
+        except ServingError:
+            self.refused(policy.name, "priority")
+            raise
+
+    @contextlib.contextmanager
+    def observe(self, tenant: str, priority: PriorityClass) -> Iterator[None]:
+        """Counts and times one inference call of `tenant` by its final status."""
+        label, started, code = self.labels(tenant), time.perf_counter(), "OK"
+        try:
+            yield
+        except BaseException as error:
+            code = status_of(error).code.name
+            raise
+        finally:
+            self._metrics.tenant_requests_total.labels(label, priority.value, code).inc()
+            self._metrics.tenant_request_seconds.labels(label).observe(
+                time.perf_counter() - started
+            )

@@ -1,0 +1,132 @@
+"""Fleet-wide tenant quotas: every gateway's recent demand, shared through Redis.
+
+Every `period_s` each gateway writes, in one pipelined round trip, its calls per second per
+tenant since the last write into one Redis hash (field: its id), and reads the whole hash
+back. From it, `quotas.fleet_shares` gives the fraction of each tenant's limits this gateway
+enforces until the next round. Nothing on the request path touches Redis.
+
+A gateway's entry carries a sequence number; one whose number has not moved for
+`stale_after_periods` rounds belongs to a gateway that is gone and is ignored (a gateway that
+stops cleanly deletes its own), so clock skew between gateways does not matter. While Redis
+is unreachable the last shares stay in force; a gateway that never reached it enforces whole
+limits, as if alone.
+
+Tolerance: a tenant may exceed a fleet-wide limit by about MIN_SHARE_OF_EQUAL (10%), plus
+what a shift of its demand between gateways admits during one period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from redis.exceptions import RedisError
+
+from services.common.redis_acl import GATEWAY, role_credentials
+from services.common.registry_schema import connect
+from services.gateway.admission import TenantAdmission
+from services.gateway.quotas import fleet_shares
+from services.gateway.tenants import TenantPolicy
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class QuotaSyncConfig:
+    #: Redis shared by the gateways ("" keeps quotas per gateway: each enforces whole limits).
+    redis_url: str = ""
+    #: File with the password of Redis user `gateway` (or the URL's user).
+    redis_password_file: Path | None = None
+    #: Key prefix, shared with the registry's (`<prefix>:quota:demand`).
+    key_prefix: str = "fabric"
+    #: How often demand is published and shares recomputed, seconds.
+    period_s: float = 0.5
+    #: Rounds without a new sequence number after which a gateway's entry is stale.
+    stale_after_periods: int = 4
+
+    @property
+    def demand_key(self) -> str:
+        return f"{self.key_prefix}:quota:demand"
+
+
+class QuotaSync:
+    def __init__(
+        self,
+        config: QuotaSyncConfig,
+        admission: TenantAdmission,
+        tenants: Mapping[str, TenantPolicy],
+    ) -> None:
+        self.config = config
+        #: Replaced when the keys file is reloaded.
+        self.tenants = dict(tenants)
+        self.gateway_id = uuid.uuid4().hex[:12]
+        self._admission = admission
+        credentials = role_credentials(GATEWAY, config.redis_url, config.redis_password_file)
+        self._client = connect(config.redis_url, credentials=credentials)
+        self._sequence = 0
+        # gateway id -> (last sequence number seen, rounds since it last changed)
+        self._seen: dict[str, tuple[int, int]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="quota-sync")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        # Failing that, the entry goes stale and the others ignore it.
+        with contextlib.suppress(RedisError, OSError):
+            await self._client.hdel(self.config.demand_key, self.gateway_id)
+        await self._client.aclose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.sync_once()
+            except (RedisError, OSError) as error:
+                log.warning("quota sync failed, last shares stay in force: %s", error)
+            await asyncio.sleep(self.config.period_s)
+
+    async def sync_once(self) -> dict[str, float]:
+        """One round: publish local demand, read everyone's, apply the new shares."""
+        offered = self._admission.quotas.take_offered()
+        limited = {name for name, policy in self.tenants.items() if policy.is_limited}
+        # Calls per round, as a rate of the nominal period: every gateway's figure has the
+        # same scale, whatever its round took.
+        demand = {t: n / self.config.period_s for t, n in offered.items() if t in limited}
+        self._sequence += 1
+        entry = json.dumps({"seq": self._sequence, "demand": demand})
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hset(self.config.demand_key, self.gateway_id, entry)
+            pipe.hgetall(self.config.demand_key)
+            _, raw = await pipe.execute()
+        demands = self._live_demands(raw)
+        shares = fleet_shares(self.gateway_id, demands, frozenset(limited))
+        self._admission.quotas.set_shares(shares)
+        for tenant, share in shares.items():
+            self._admission.set_share_gauge(tenant, share)
+        return shares
+
+    def _live_demands(self, raw: Mapping[bytes, bytes]) -> dict[str, dict[str, float]]:
+        demands: dict[str, dict[str, float]] = {}
+        seen: dict[str, tuple[int, int]] = {}
+        for field, value in raw.items():
+            gateway_id = field.decode()
+            try:
+                parsed = json.loads(value)
+                sequence, demand = int(parsed["seq"]), dict(parsed["demand"])
+            except (ValueError, KeyError, TypeError):
+                continue  # not ours to interpret; never fatal
+            previous = self._seen.get(gateway_id)
+            rounds = 0 if previous is None or previous[0] != sequence else previous[1] + 1
+            seen[gateway_id] = (sequence, rounds)
+            if rounds < self.config.stale_after_periods or gateway_id == self.gateway_id:
+                demands[gateway_id] = {str(t): float(d) for t, d in demand.items()}
+        self._seen = seen
+        return demands

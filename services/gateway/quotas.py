@@ -1,0 +1,182 @@
+"""Per-tenant quotas at the gateway: request and row rates (token buckets) and calls in flight.
+
+Limits in the tenant configuration are fleet-wide. Each gateway enforces its `share` of them:
+the fraction of the tenant's recent demand that reached this gateway, computed in the
+background from what every gateway reports (services.gateway.quota_sync, `fleet_shares`). A
+gateway alone, or one that has not heard from the others, enforces the whole limit.
+
+Pure: time comes in as `now_s`; nothing here reads a clock or does I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.gateway.tenants import TenantPolicy
+
+#: A gateway with no recent demand for a tenant still enforces this fraction of 1/N of its
+#: limits, so a first request is not refused while the shares catch up. The fleet-wide
+#: tolerance this allows: limits may be exceeded by up to this fraction, plus one refresh
+#: period of a demand shift.
+MIN_SHARE_OF_EQUAL = 0.1
+
+
+@dataclass(frozen=True)
+class QuotaRefusal:
+    """A call refused by its tenant's quota (RESOURCE_EXHAUSTED)."""
+
+    #: The quota's setting name: requests_per_s, rows_per_s or max_concurrency.
+    quota: str
+    message: str
+    retry_after_s: float
+
+
+@dataclass
+class TokenBucket:
+    """`rate_per_s` tokens a second, at most `capacity` banked. A take larger than the
+    capacity is granted once the bucket is full and leaves it in debt, so a big request is
+    slow rather than impossible."""
+
+    rate_per_s: float
+    capacity: float
+    level: float
+    updated_s: float
+
+    def refill(self, now_s: float) -> None:
+        elapsed_s = max(0.0, now_s - self.updated_s)
+        self.level = min(self.capacity, self.level + elapsed_s * self.rate_per_s)
+        self.updated_s = now_s
+
+    def take(self, amount: float, now_s: float) -> float:
+        """Takes `amount`; returns 0.0 if granted, else the seconds until it would be."""
+        self.refill(now_s)
+        needed = min(amount, self.capacity)
+        if self.level >= needed:
+            self.level -= amount
+            return 0.0
+        return (needed - self.level) / self.rate_per_s
+
+    def resize(self, rate_per_s: float, capacity: float, now_s: float) -> None:
+        """New limits take effect at once; tokens above the new capacity are dropped."""
+        self.refill(now_s)
+        self.rate_per_s, self.capacity = rate_per_s, capacity
+        self.level = min(self.level, capacity)
+
+
+def _bucket_for(
+    buckets: dict[str, TokenBucket], name: str, rate_per_s: float, capacity: float, now_s: float
+) -> TokenBucket:
+    bucket = buckets.get(name)
+    if bucket is None:
+        bucket = buckets[name] = TokenBucket(rate_per_s, capacity, capacity, now_s)
+    elif (bucket.rate_per_s, bucket.capacity) != (rate_per_s, capacity):
+        bucket.resize(rate_per_s, capacity, now_s)
+    return bucket
+
+
+@dataclass
+class _TenantState:
+    buckets: dict[str, TokenBucket] = field(default_factory=dict)
+    in_flight: int = 0
+
+
+class TenantQuotas:
+    """This gateway's part of every tenant's quotas."""
+
+    def __init__(self) -> None:
+        self._tenants: dict[str, _TenantState] = {}
+        #: tenant -> fraction of its fleet-wide limits this gateway enforces (default 1).
+        self._shares: dict[str, float] = {}
+        #: Calls offered per tenant (granted or refused) since `take_offered` last ran.
+        self._offered: Counter[str] = Counter()
+
+    def set_shares(self, shares: Mapping[str, float]) -> None:
+        self._shares = dict(shares)
+
+    def share(self, tenant: str) -> float:
+        return self._shares.get(tenant, 1.0)
+
+    def take_offered(self) -> Counter[str]:
+        """Calls offered per tenant since the last take (the demand this gateway reports)."""
+        offered, self._offered = self._offered, Counter()
+        return offered
+
+    def in_flight(self, tenant: str) -> int:
+        state = self._tenants.get(tenant)
+        return 0 if state is None else state.in_flight
+
+    def acquire(self, policy: TenantPolicy, now_s: float) -> QuotaRefusal | None:
+        """Admits one call (room in flight, and one request token), or says which quota
+        refused it. The call counts in flight from `enter` to `release`: checked before the
+        call starts, counted once it runs, so a call that never ran cannot leak a slot."""
+        self._offered[policy.name] += 1
+        if not policy.is_limited:
+            return None
+        state = self._tenants.setdefault(policy.name, _TenantState())
+        share = self.share(policy.name)
+        if policy.max_concurrency is not None:
+            limit = max(1, math.ceil(policy.max_concurrency * share))
+            if state.in_flight >= limit:
+                return QuotaRefusal(
+                    "max_concurrency",
+                    f"tenant {policy.name!r} is at its limit of {policy.max_concurrency} calls "
+                    f"in flight (max_concurrency)",
+                    retry_after_s=0.05,
+                )
+        return self._take(state, policy, "requests_per_s", 1, now_s)
+
+    def enter(self, tenant: str) -> None:
+        self._tenants.setdefault(tenant, _TenantState()).in_flight += 1
+
+    def release(self, tenant: str) -> None:
+        state = self._tenants.get(tenant)
+        if state is not None and state.in_flight > 0:
+            state.in_flight -= 1
+
+    def take_rows(self, policy: TenantPolicy, num_rows: int, now_s: float) -> QuotaRefusal | None:
+        """Charges a call's input rows to the tenant's row rate."""
+        if policy.rows_per_s is None:
+            return None
+        state = self._tenants.setdefault(policy.name, _TenantState())
+        return self._take(state, policy, "rows_per_s", num_rows, now_s)
+
+    def _take(
+        self, state: _TenantState, policy: TenantPolicy, quota: str, amount: int, now_s: float
+    ) -> QuotaRefusal | None:
+        fleet_rate = getattr(policy, quota)
+        if fleet_rate is None:
+            return None
+        rate = fleet_rate * self.share(policy.name)
+        bucket = _bucket_for(state.buckets, quota, rate, rate * policy.burst_s, now_s)
+        wait_s = bucket.take(amount, now_s)
+        if wait_s == 0.0:
+            return None
+        unit = "requests" if quota == "requests_per_s" else "rows"
+        return QuotaRefusal(
+            quota,
+            f"tenant {policy.name!r} is over its quota of {fleet_rate:g} {unit}/s ({quota})",
+            retry_after_s=wait_s,
+        )
+
+
+def fleet_shares(
+    local_id: str, demands: Mapping[str, Mapping[str, float]], tenants: frozenset[str]
+) -> dict[str, float]:
+    """Each tenant's share for gateway `local_id`, from every live gateway's recent demand
+    (gateway id -> tenant -> calls/s; the local gateway's own entry included). A tenant's
+    share is its local demand over its fleet demand, at least MIN_SHARE_OF_EQUAL / N; with
+    no demand anywhere, 1 / N."""
+    num_gateways = max(1, len(demands) if local_id in demands else len(demands) + 1)
+    floor = MIN_SHARE_OF_EQUAL / num_gateways
+    local = demands.get(local_id, {})
+    shares = {}
+    for tenant in tenants:
+        total = sum(d.get(tenant, 0.0) for d in demands.values())
+        if total <= 0.0:
+            shares[tenant] = 1.0 / num_gateways
+        else:
+            shares[tenant] = max(floor, local.get(tenant, 0.0) / total)
+    return shares

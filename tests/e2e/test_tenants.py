@@ -1,0 +1,153 @@
+"""Tenants end to end: quotas at the gateway from the keys file (and its reload), priority
+classes granted per tenant, per-tenant metrics; the whole stack as separate processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common import metric_names as names
+from services.common.errors import RETRY_AFTER_MS_KEY
+from services.gateway.auth import hash_key
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import types_pb2
+from tests.support.fabric_load import TIMEOUT_S, predict_request
+from tests.support.metrics import scrape, total
+from tests.support.models import write_minilm_repository
+from tests.support.stack import Stack, start_stack
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+KEYS = {"flood": "key-flood", "victim": "key-victim", "tight": "key-tight"}
+
+
+def keys_file(tight_requests_per_s: float) -> str:
+    entries = "\n".join(
+        f'[[keys]]\ntenant = "{tenant}"\nsha256 = "{hash_key(key)}"\n'
+        for tenant, key in KEYS.items()
+    )
+    return f"""{entries}
+[tenants.flood]
+requests_per_s = 20
+burst_s = 0.5
+[tenants.victim]
+requests_per_s = 20
+priorities = ["critical"]
+[tenants.tight]
+requests_per_s = {tight_requests_per_s}
+burst_s = 1.0
+"""
+
+
+@pytest.fixture(scope="module")
+def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "api-keys.toml"
+    path.write_text(keys_file(tight_requests_per_s=1000))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, keys_path: Path) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("tenants")
+    repository = write_minilm_repository(tmp / "repo", slo_p99_ms=30_000)
+    stack = start_stack(
+        tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys_path}",)
+    )
+    yield stack
+    assert stack.stop() == 0, stack.log("launcher")
+
+
+def auth(tenant: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+async def predict(
+    stub: api_grpc.InferenceServiceStub, tenant: str, text: str, **fields: object
+) -> grpc.aio.AioRpcError | None:
+    request = predict_request(text)
+    for name, value in fields.items():
+        setattr(request, name, value)
+    try:
+        await stub.Predict(request, metadata=auth(tenant), timeout=TIMEOUT_S)
+    except grpc.aio.AioRpcError as error:
+        return error
+    return None
+
+
+async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_served(
+    stack: Stack,
+) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+
+        async def victim() -> list[grpc.aio.AioRpcError | None]:
+            outcomes = []
+            for i in range(20):  # 10/s, half its quota
+                outcomes.append(await predict(stub, "victim", f"victim text {i}"))
+                await asyncio.sleep(0.1)
+            return outcomes
+
+        flood = [predict(stub, "flood", f"flood text {i}") for i in range(400)]
+        victim_outcomes, *flood_outcomes = await asyncio.gather(victim(), *flood)
+    assert victim_outcomes == [None] * 20
+    refused = [e for e in flood_outcomes if e is not None]
+    # 400 at once against 20/s with a 0.5 s burst: about 10 go through.
+    assert len(refused) >= 380
+    for error in refused:
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant 'flood' is over its quota of 20 requests/s" in error.details()
+        trailers = dict(error.trailing_metadata() or ())
+        assert int(trailers[RETRY_AFTER_MS_KEY]) > 0
+    metrics = scrape(stack.gateway.metrics_port)
+    refusals = total(
+        metrics, names.GATEWAY_TENANT_REFUSED_TOTAL, tenant="flood", reason="requests_per_s"
+    )
+    assert refusals == len(refused)
+    victim_ok = total(metrics, names.GATEWAY_TENANT_REQUESTS_TOTAL, tenant="victim", code="OK")
+    assert victim_ok == 20
+
+
+async def test_priority_classes_are_granted_per_tenant(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        critical = types_pb2.PRIORITY_CRITICAL
+        assert await predict(stub, "victim", "urgent", priority=critical) is None
+        denied = await predict(stub, "tight", "urgent", priority=critical)
+        assert await predict(stub, "tight", "later", priority=types_pb2.PRIORITY_BATCH) is None
+    assert denied is not None and denied.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "may not use priority 'critical'" in denied.details()
+    metrics = scrape(stack.gateway.metrics_port)
+    assert (
+        total(metrics, names.GATEWAY_TENANT_REQUESTS_TOTAL, tenant="victim", priority="critical")
+        >= 1
+    )
+    assert (
+        total(metrics, names.GATEWAY_TENANT_REQUESTS_TOTAL, tenant="tight", priority="batch") >= 1
+    )
+
+
+async def test_a_tightened_quota_takes_effect_within_two_seconds(
+    stack: Stack, keys_path: Path
+) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        outcomes = await asyncio.gather(*(predict(stub, "tight", f"t {i}") for i in range(20)))
+        assert outcomes == [None] * 20
+        keys_path.write_text(keys_file(tight_requests_per_s=2))
+        written_s = time.monotonic()
+
+        async def refused() -> bool:
+            burst = await asyncio.gather(*(predict(stub, "tight", f"u {i}") for i in range(10)))
+            return sum(e is not None for e in burst) >= 7
+
+        await eventually(refused, timeout_s=2.0, message="the tightened quota refused")
+        assert time.monotonic() - written_s <= 2.5
+        error = await predict(stub, "tight", "once more")
+    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "quota of 2 requests/s" in error.details()

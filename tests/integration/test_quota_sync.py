@@ -1,0 +1,78 @@
+"""Fleet-wide quotas: gateways share their demand through a real Redis, as user `gateway`."""
+
+from __future__ import annotations
+
+import pytest
+import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
+from redis.exceptions import NoPermissionError
+
+from services.common.redis_acl import GATEWAY
+from services.gateway.admission import TenantAdmission
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.quota_sync import QuotaSync, QuotaSyncConfig
+from services.gateway.tenants import TenantLabels, TenantPolicy
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.integration
+
+SEARCH = TenantPolicy("search", requests_per_s=100.0)
+TENANTS = {"search": SEARCH}
+
+
+def make_gateway(redis_server: RedisServer) -> tuple[TenantAdmission, QuotaSync]:
+    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels(TENANTS))
+    config = QuotaSyncConfig(redis_url=redis_server.role_url(GATEWAY), period_s=0.05)
+    return admission, QuotaSync(config, admission, TENANTS)
+
+
+async def test_each_gateway_enforces_the_share_of_the_demand_it_sees(
+    redis_server: RedisServer,
+) -> None:
+    (busy, busy_sync), (quiet, quiet_sync) = make_gateway(redis_server), make_gateway(redis_server)
+    try:
+        for _ in range(30):
+            busy.acquire(SEARCH)
+        for _ in range(10):
+            quiet.acquire(SEARCH)
+        await busy_sync.sync_once()
+        quiet_shares = await quiet_sync.sync_once()
+        busy_shares = await busy_sync.sync_once()  # now it has read the quiet one's entry too
+        assert quiet_shares["search"] == pytest.approx(0.25, abs=0.05)
+        # The busy gateway's second round saw no new calls of its own: its demand fell to 0,
+        # so it keeps only the floor while the quiet one's entry still shows demand.
+        assert busy_shares["search"] < 0.1
+        assert busy.quotas.share("search") == busy_shares["search"]
+    finally:
+        await busy_sync.stop()
+        await quiet_sync.stop()
+
+
+async def test_a_gateway_that_stopped_publishing_is_forgotten(redis_server: RedisServer) -> None:
+    (alive, alive_sync), (_, gone_sync) = make_gateway(redis_server), make_gateway(redis_server)
+    try:
+        await gone_sync.sync_once()
+        alive.acquire(SEARCH)
+        shares = await alive_sync.sync_once()
+        assert shares["search"] == pytest.approx(1.0)  # the other has shown no demand
+        for _ in range(alive_sync.config.stale_after_periods + 1):
+            await alive_sync.sync_once()
+        # No demand anywhere and the other entry stale: alone, this gateway takes it all.
+        assert (await alive_sync.sync_once())["search"] == pytest.approx(1.0)
+        client = aioredis.Redis.from_url(redis_server.url)
+        assert await client.hlen(alive_sync.config.demand_key) == 2
+        await client.aclose()
+    finally:
+        await alive_sync.stop()
+        await gone_sync.stop()
+
+
+async def test_the_gateway_user_cannot_touch_the_registry(redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.role_url(GATEWAY))
+    try:
+        with pytest.raises(NoPermissionError, match="no permissions to run the 'zrange'"):
+            await client.zrange("fabric:workers", 0, -1)
+        with pytest.raises(NoPermissionError, match="no permissions to access"):
+            await client.hset("fabric:worker:w1", "x", "1")
+    finally:
+        await client.aclose()
