@@ -21,6 +21,9 @@ class RejectReason(enum.Enum):
     #: delay) is predicted to finish past its admission limit: refused now (RESOURCE_EXHAUSTED)
     #: instead of timing out in the queue later.
     DEADLINE = "deadline"
+    #: The queue is contended and the request's tenant already holds its weighted share of it:
+    #: tenants over their share are refused before the others (RESOURCE_EXHAUSTED).
+    TENANT_SHARE = "tenant_share"
 
     # The generation scheduler: the sequence can never run with this model's configuration;
     # retrying the same request cannot succeed.

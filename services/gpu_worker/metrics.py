@@ -14,6 +14,10 @@ _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _MODEL = ("model", "version")
 _BUCKET = (*_MODEL, "bucket")
+#: Tenants labelled by name, in the order first seen; later ones share `OTHER_TENANT`. The
+#: gateway has already folded tenants outside its configuration into "other".
+MAX_LABELLED_TENANTS = 64
+OTHER_TENANT = "other"
 
 
 class WorkerMetrics:
@@ -32,6 +36,13 @@ class WorkerMetrics:
         )
         self._define_batches(new)
         self._define_row_stages(new)
+        self.tenant_compute_seconds_total = new.counter(
+            names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL,
+            "Executor seconds spent on each tenant's rows (a batch's compute split evenly over "
+            "its rows): the fair-share ledger's measure, as served.",
+            ("tenant",),
+        )
+        self._tenant_labels: set[str] = set()
         self.rejected_total = new.counter(
             names.WORKER_REJECTED_TOTAL, "Rows refused admission, by reason.", (*_MODEL, "reason")
         )
@@ -149,6 +160,15 @@ class WorkerMetrics:
         self.queue_depth = new.gauge(
             names.WORKER_QUEUE_DEPTH, "Rows queued and not yet dispatched.", _MODEL
         )
+
+    def tenant_label(self, tenant: str) -> str:
+        """The bounded label value of `tenant`."""
+        if tenant in self._tenant_labels:
+            return tenant
+        if len(self._tenant_labels) < MAX_LABELLED_TENANTS and tenant != OTHER_TENANT:
+            self._tenant_labels.add(tenant)
+            return tenant
+        return OTHER_TENANT
 
     def declare_model(self, model: str, version: str) -> None:
         """Creates a model's per-row series at load, so they exist (at zero) before its first

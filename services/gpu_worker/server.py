@@ -26,6 +26,7 @@ from services.common.model_repository import load_repository
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
 from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
+from services.common.priority import PriorityClass, worker_priority
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
@@ -59,6 +60,14 @@ def _raw_input(model_input: pb.ModelInput) -> RawInput:
     if which == "tensor":
         return tensor_from_pb(model_input.tensor)
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
+
+
+def _priority(value: int) -> PriorityClass:
+    """The priority class of an internal request; INVALID_ARGUMENT for an unknown value."""
+    try:
+        return worker_priority(value)
+    except ValueError as error:
+        raise InvalidInput(str(error)) from error
 
 
 def _version_info(model: ServedModel, *, is_ready: bool) -> pb.ModelVersionInfo:
@@ -128,6 +137,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 rows,
                 timeout_s=context.time_remaining(),
                 tenant=request.tenant or "default",
+                priority=_priority(request.priority),
+                weight=request.tenant_weight,
             )
             return pb.InferResponse(
                 model_name=labels[0],
@@ -169,7 +180,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         stream = backend.engine.generate(
             prompt,
             params,
-            priority=request.priority,
+            priority=_priority(request.priority).rank,
             first_token_limit_s=min((x for x in limits if x is not None), default=None),
         )
         async for delta in stream:

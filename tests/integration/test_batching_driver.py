@@ -15,8 +15,9 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import Unavailable
+from services.common.errors import InvalidInput, Unavailable
 from services.common.model_repository import load_repository
+from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
@@ -124,6 +125,35 @@ async def test_s29_draining_refuses_new_rows_and_finishes_queued_ones(harness: H
     with pytest.raises(Unavailable, match="draining"):
         await harness.submit(1, timeout_s=5)
     assert len(await queued) == 2
+
+
+async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(
+    harness: Harness,
+) -> None:
+    driver, backend = harness.driver, harness.backend
+    batch = asyncio.ensure_future(
+        driver.submit(
+            backend, harness.rows(3), timeout_s=5, tenant="jobs", priority=PriorityClass.BATCH
+        )
+    )
+    online = asyncio.ensure_future(driver.submit(backend, harness.rows(2), timeout_s=5, tenant="t"))
+    await eventually(lambda: driver.num_in_flight == 5, interval_s=0.001)
+
+    report = driver.load_report(backend)
+    assert (report.queued_rows, report.queued_batch_rows) == (2, 3)
+    await harness.settle(asyncio.gather(batch, online))
+    metrics = generate_latest(harness.registry).decode()
+    for tenant in ("jobs", "t"):
+        served_s = total(metrics, names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL, tenant=tenant)
+        assert served_s > 0, tenant
+
+
+async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
+    rows = harness.rows(1)
+    with pytest.raises(InvalidInput, match="tenant weight"):
+        await harness.driver.submit(
+            harness.backend, rows, timeout_s=5, tenant="t", weight=float("nan")
+        )
 
 
 async def test_a_dead_loop_fails_queued_rows_refuses_new_ones_and_says_so(

@@ -1,4 +1,5 @@
-"""Batcher: triggers, waits, expiry, admission, key isolation, EDF and deficit round robin.
+"""Batcher: triggers, waits, expiry, admission, key isolation, EDF, priority classes and
+weighted fair share by compute.
 
 Unless a test says otherwise: every key is unknown to the latency model, so predicted compute
 is `DEFAULT_COMPUTE_S` for any batch size, and the derived linger is the 0.05 s cap
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
@@ -26,6 +28,10 @@ from services.gpu_worker.batching.types import (
 )
 
 pytestmark = pytest.mark.unit
+
+CRITICAL = PriorityClass.CRITICAL.rank
+INTERACTIVE = PriorityClass.INTERACTIVE.rank
+BATCH = PriorityClass.BATCH.rank
 
 DEFAULT_COMPUTE_S = 0.01
 LINGER_S = 0.05
@@ -47,6 +53,8 @@ def make_item(
     key: BatchKey | None = None,
     num_tokens: int = 8,
     finish_by_s: float | None = None,
+    priority: int = 1,
+    weight: float = 0.0,
 ) -> QueuedItem:
     return QueuedItem(
         item_id=item_id,
@@ -56,6 +64,8 @@ def make_item(
         arrival_s=arrival_s,
         deadline_s=deadline_s,
         finish_by_s=finish_by_s,
+        priority=priority,
+        weight=weight,
     )
 
 
@@ -615,15 +625,112 @@ def test_tenant_weights_set_shares() -> None:
     assert totals == {"a": 24, "b": 8}
 
 
-def test_deficits_persist_across_batches() -> None:
-    # Turn of "a" is worth 3 items; a batch of 2 closes mid-turn, and the next batch resumes it.
+def test_shares_persist_across_batches() -> None:
+    # Batches of 2 cannot show a 3:1 split inside one batch: the ledger carries it across them.
     batcher = make_batcher(max_batch_size=2, tenant_weights={"a": 3.0})
     add_burst(batcher, count=10, tenant="a")
     add_burst(batcher, count=10, tenant="b", first_id=100)
 
     batches = [next_tenants(batcher) for _ in range(4)]
 
-    assert batches == [["a", "a"], ["a", "b"], ["a", "a"], ["a", "b"]]
+    assert Counter(t for batch in batches for t in batch) == {"a": 6, "b": 2}
+    assert batches[0] == ["a", "b"], "the lighter tenant is not kept waiting for a's turn"
+
+
+def test_share_is_counted_in_compute_across_keys() -> None:
+    # "a" sends rows of a bucket 4x as costly as "b"'s: equal weights give equal compute, so
+    # "b" gets about 4x the rows. One ledger spans every key of the batcher.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    long_key, short_key = make_key(bucket=128), make_key(bucket=32)
+    for size in range(1, 9):
+        latency.observe(long_key, size, 0.004 * size)
+        latency.observe(short_key, size, 0.001 * size)
+    batcher = make_batcher(latency=latency)
+    add_burst(batcher, count=200, tenant="a", bucket=128)
+    add_burst(batcher, count=200, tenant="b", bucket=32, first_id=1000)
+
+    served_s: Counter[str] = Counter()
+    for _ in range(20):
+        dispatch = dispatch_of(batcher.poll(0.2, executor_idle=True))
+        served_s[dispatch.items[0].tenant] += latency.predict(dispatch.key, len(dispatch.items))
+
+    assert served_s["a"] == pytest.approx(served_s["b"], rel=0.25)
+
+
+def test_priority_classes_run_in_order_within_a_batch() -> None:
+    batcher = make_batcher(max_batch_size=4)
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, priority=BATCH, deadline_s=1.0),
+            make_item(item_id=2, priority=INTERACTIVE, deadline_s=5.0),
+            make_item(item_id=3, priority=CRITICAL, deadline_s=9.0, tenant="b"),
+            make_item(item_id=4, priority=INTERACTIVE, deadline_s=4.0, tenant="b"),
+        ],
+    )
+
+    # Critical first; then, within interactive, "a" before "b": b was just served its critical
+    # row. Batch last, although its deadline is the earliest.
+    assert ids(dispatch_of(batcher.poll(0.0, executor_idle=True))) == [3, 2, 4, 1]
+
+
+def test_the_most_urgent_class_picks_the_key() -> None:
+    batcher = make_batcher()
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, bucket=32, priority=BATCH, deadline_s=1.0),
+            make_item(item_id=2, bucket=64, priority=INTERACTIVE, deadline_s=9.0),
+        ],
+    )
+    batcher.begin_drain()
+
+    assert batcher.urgency(0.0) == (INTERACTIVE, 0.0)
+    assert dispatch_of(batcher.poll(0.0, executor_idle=True)).key.bucket == 64
+    assert dispatch_of(batcher.poll(0.0, executor_idle=True)).key.bucket == 32
+
+
+def test_batch_rows_queued_do_not_delay_interactive_admission() -> None:
+    # 40 batch rows queued (5 full batches of 10 ms) would make the interactive row late; they
+    # run after it, so it is admitted. Another batch row is refused for the same deadline.
+    batcher = make_batcher(max_queue_size=100)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=60.0) for i in range(40)])
+
+    assert batcher.add(make_item(item_id=100, deadline_s=0.03), 0.0) == Admitted()
+    late_batch_row = make_item(item_id=101, priority=BATCH, deadline_s=0.03)
+    assert batcher.add(late_batch_row, 0.0) == Rejected(RejectReason.DEADLINE)
+
+
+def test_batch_rows_fill_only_half_the_queue() -> None:
+    batcher = make_batcher(max_queue_size=10)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH) for i in range(5)])
+
+    refused = batcher.add(make_item(item_id=5, priority=BATCH), 0.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.QUEUE_FULL
+    assert batcher.add(make_item(item_id=6), 0.0) == Admitted()
+    assert batcher.queued_at_most(INTERACTIVE) == 1
+
+
+def test_a_tenant_over_its_share_is_refused_before_others() -> None:
+    batcher = make_batcher(max_queue_size=10)
+    add_all(batcher, [make_item(item_id=i, tenant="a") for i in range(5)])
+    # Alone, "a" may fill the queue: there is nobody to keep room for.
+    assert batcher.add(make_item(item_id=5, tenant="a"), 0.0) == Admitted()
+    batcher.cancel(5)
+    add_all(batcher, [make_item(item_id=10, tenant="b")])
+
+    refused = batcher.add(make_item(item_id=6, tenant="a"), 0.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.TENANT_SHARE
+    add_all(batcher, [make_item(item_id=11 + i, tenant="b") for i in range(4)])
+    assert batcher.num_queued == 10
+
+
+def test_an_item_weight_overrides_the_configured_one() -> None:
+    batcher = make_batcher(tenant_weights={"a": 1.0})
+    add_burst(batcher, count=100, tenant="a", weight=3.0)
+    add_burst(batcher, count=100, tenant="b", first_id=1000)
+
+    assert Counter(next_tenants(batcher)) == {"a": 6, "b": 2}
 
 
 def test_fractional_weights_keep_their_ratio() -> None:

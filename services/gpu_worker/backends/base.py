@@ -87,6 +87,7 @@ class Backend(ServedModel):
             per_row_s=load.per_row_s,
             min_batch_s=load.min_batch_s,
             queued_rows=load.queued_rows,
+            queued_batch_rows=load.queued_batch_rows,
             executions=load.totals.executions,
             executed_rows=load.totals.rows,
             queue_s_total=load.totals.queue_s,

@@ -12,17 +12,27 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.errors import DeadlineExceeded, ExecutionFailed, Unavailable
+from services.common.errors import ExecutionFailed, InvalidInput, Unavailable
+from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.lane import Lane, LoadReport, Pending, warm_up_lane
+from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.lane import (
+    Lane,
+    LoadReport,
+    Pending,
+    by_urgency,
+    warm_up_lane,
+)
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey, Dispatch, QueuedItem
@@ -33,6 +43,19 @@ from services.gpu_worker.metrics import WorkerMetrics
 log = logging.getLogger(__name__)
 
 __all__ = ["BatchingDriver", "DriverConfig"]
+
+#: Rows at this priority rank or more urgent are online traffic; the rest is `batch` backlog.
+_URGENT_RANK = PriorityClass.INTERACTIVE.rank
+
+
+@dataclass(frozen=True)
+class _RequestFacts:
+    """What the driver knows of the request its rows belong to."""
+
+    tenant: str
+    rank: int
+    weight: float
+    timeout_s: float | None
 
 
 class BatchingDriver:
@@ -47,6 +70,8 @@ class BatchingDriver:
         self._config = config
         self._metrics = metrics
         self._clock = clock
+        # One fair-share ledger for every model, version and bucket on the worker.
+        self._ledger = ComputeLedger()
         self._lanes = {id(backend): self._lane_for(backend) for backend in backends}
         self._order = list(self._lanes.values())
         self._executor = DaemonExecutor("executor")
@@ -80,7 +105,8 @@ class BatchingDriver:
         )
         latency = LatencyModel()
         self._metrics.declare_model(model.name, backend.version.version)
-        return Lane(backend=backend, batcher=Batcher(batcher_config, latency), latency=latency)
+        batcher = Batcher(batcher_config, latency, self._ledger)
+        return Lane(backend=backend, batcher=batcher, latency=latency)
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
         return BatchKey(
@@ -162,10 +188,11 @@ class BatchingDriver:
         if per_row_s is None:
             per_row_s = lane.latency.per_item_s(smallest, lane.batcher.max_batch_size_for(smallest))
         return LoadReport(
-            queued_rows=lane.batcher.num_queued,
+            queued_rows=lane.batcher.queued_at_most(_URGENT_RANK),
             per_row_s=per_row_s,
             min_batch_s=lane.latency.predict(smallest, 1),
             totals=lane.totals.copy(),
+            queued_batch_rows=lane.batcher.num_queued - lane.batcher.queued_at_most(_URGENT_RANK),
         )
 
     @property
@@ -187,15 +214,22 @@ class BatchingDriver:
         *,
         timeout_s: float | None,
         tenant: str,
+        priority: PriorityClass = DEFAULT_PRIORITY,
+        weight: float = 0.0,
     ) -> list[np.ndarray]:
         """Queues the rows of one request, all or none, and waits for their outputs, in order.
         The deadline is the caller's remaining time (else the model's default_timeout_ms); a
         `shed_past_slo` model also refuses rows predicted to finish past its SLO. Rows still
-        queued are withdrawn if the caller goes away (cancellation) or any row fails."""
+        queued are withdrawn if the caller goes away (cancellation) or any row fails.
+        `priority` and the tenant's fair-share `weight` (0: the worker's configured one) order
+        the rows against everyone else's on the worker."""
         lane = self._lanes[id(backend)]
         if self._draining:
             raise Unavailable(str(self._refusal))
-        item_ids = self._admit(lane, rows, timeout_s=timeout_s, tenant=tenant)
+        if not (math.isfinite(weight) and weight >= 0.0):
+            raise InvalidInput(f"tenant weight must be finite and >= 0, got {weight}")
+        request = _RequestFacts(tenant, priority.rank, weight, timeout_s)
+        item_ids = self._admit(lane, rows, request)
         try:
             self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
             self._wake.set()
@@ -203,9 +237,7 @@ class BatchingDriver:
         finally:
             self._withdraw(lane, item_ids)
 
-    def _admit(
-        self, lane: Lane, rows: Sequence[PreparedRow], *, timeout_s: float | None, tenant: str
-    ) -> list[int]:
+    def _admit(self, lane: Lane, rows: Sequence[PreparedRow], request: _RequestFacts) -> list[int]:
         """Queues every row of one request or none (synchronous: nothing else is queued between
         the check for room and the rows). A refused row refuses the request, all rows rejected."""
         now, model = self._clock(), lane.backend.config
@@ -217,18 +249,20 @@ class BatchingDriver:
             item = QueuedItem(
                 item_id=next(self._item_ids),
                 key=self.key_for(lane.backend, row.bucket),
-                tenant=tenant,
+                tenant=request.tenant,
                 num_tokens=row.num_tokens,
                 arrival_s=now,
-                deadline_s=now + model.timeout_s_for(timeout_s),
+                deadline_s=now + model.timeout_s_for(request.timeout_s),
                 finish_by_s=None if shed_budget_s is None else now + shed_budget_s,
+                priority=request.rank,
+                weight=request.weight,
             )
             if isinstance(decision, Admitted):
                 decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
             if isinstance(decision, Rejected):
                 reason = decision.reason
                 self._metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(rows))
-                error = lane.rejection(item.key, reason, now, self._running_until_s or now)
+                error = lane.rejection(item, reason, now, self._running_until_s or now)
                 self._withdraw(lane, item_ids, drop=None)  # refused, not cancelled: no drop
                 raise error
             future = asyncio.get_running_loop().create_future()
@@ -262,10 +296,11 @@ class BatchingDriver:
             is_idle = self._running is None
             wake_at: float | None = None
             start = next(rotation)
-            # Rotate which lane is asked first so one busy model cannot starve another.
-            for lane in self._order[start:] + self._order[:start]:
-                poll = lane.batcher.poll(now, executor_idle=is_idle)
-                self._expire(lane, poll.expired)
+            rotated = self._order[start:] + self._order[:start]
+            turns = by_urgency(rotated, now) if is_idle else [(lane, False) for lane in rotated]
+            for lane, force in turns:
+                poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
+                lane.fail_expired(poll.expired, self._metrics)
                 if isinstance(poll.action, Dispatch):
                     self._dispatch(lane, poll.action, now)
                     is_idle = False
@@ -281,15 +316,6 @@ class BatchingDriver:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout_s)
 
-    def _expire(self, lane: Lane, expired: Sequence[QueuedItem]) -> None:
-        for item in expired:
-            pending = lane.pending.get(item.item_id)
-            if pending is not None and not pending.future.done():
-                pending.future.set_exception(
-                    DeadlineExceeded("deadline cannot be met; the request was not run")
-                )
-            self._metrics.dropped_total.labels(*lane.labels, "expired").inc()
-
     def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:
         busy_s = self._busy_s(now)
         rows = []
@@ -303,13 +329,20 @@ class BatchingDriver:
             lane.totals.queue_s += wait_s
             rows.append(pending.row)
         self._busy_since = now
-        self._running_until_s = now + lane.latency.predict(dispatch.key, len(rows))
+        predicted_s = lane.latency.predict(dispatch.key, len(rows))
+        self._running_until_s = now + predicted_s
         self._running = asyncio.get_running_loop().create_task(
-            self._execute(lane, dispatch, rows, started=now)
+            self._execute(lane, dispatch, rows, started=now, predicted_s=predicted_s)
         )
 
     async def _execute(
-        self, lane: Lane, dispatch: Dispatch, rows: list[PreparedRow], *, started: float
+        self,
+        lane: Lane,
+        dispatch: Dispatch,
+        rows: list[PreparedRow],
+        *,
+        started: float,
+        predicted_s: float,
     ) -> None:
         """Runs one batch. `started` is the dispatch instant: compute is timed from it, so a
         row's linger + backlog + compute equals its latency exactly."""
@@ -353,46 +386,11 @@ class BatchingDriver:
                     pending.future.set_exception(ExecutionFailed(describe_failure(result)))
                 else:
                     pending.future.set_result(result)
-            self._record_batch(lane, dispatch, rows, results, finished, compute_s)
+            lane.record_batch(self._metrics, dispatch, rows, results, finished, compute_s)
+            # The batcher charged the rows' tenants the predicted compute; settle on the real.
+            for item in dispatch.items:
+                correction_s = (compute_s - predicted_s) / len(rows)
+                self._ledger.charge(item.tenant, correction_s, item.weight)
+            self._export_gauges(lane, dispatch.key)
         finally:
             self._wake.set()
-
-    def _record_batch(
-        self,
-        lane: Lane,
-        dispatch: Dispatch,
-        rows: list[PreparedRow],
-        results: list[np.ndarray | Exception],
-        finished: float,
-        compute_s: float,
-    ) -> None:
-        labels = lane.labels
-        lane.totals.record_batch(len(rows), compute_s)
-        for item in dispatch.items:
-            self._metrics.row_compute_seconds.labels(*labels).observe(compute_s)
-            self._metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
-        limit = lane.batcher.max_batch_size_for(dispatch.key)
-        lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
-        bucket = str(dispatch.key.bucket)
-        failures = sum(isinstance(r, Exception) for r in results)
-        if failures == 0:
-            # A bisected batch's time says nothing about the model's normal cost.
-            lane.latency.observe(dispatch.key, len(rows), compute_s)
-            self._metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
-        else:
-            self._metrics.row_failures_total.labels(*labels).inc(failures)
-        backend = lane.backend
-        if len({backend.bucket_for(row.num_tokens) for row in rows}) > 1:
-            self._metrics.mixed_bucket_batches_total.labels(*labels).inc()
-        real_tokens = sum(row.num_tokens for row in rows)
-        padded_tokens = max(row.num_tokens for row in rows) * len(rows)
-        self._metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
-        self._metrics.batch_size.labels(*labels, bucket).observe(len(rows))
-        self._metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)
-        self._metrics.padding_waste_ratio.labels(*labels, bucket).observe(
-            1.0 - real_tokens / padded_tokens
-        )
-        self._metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
-        self._metrics.rows_total.labels(*labels).inc(len(rows))
-        self._metrics.queue_depth.labels(*labels).set(lane.batcher.num_queued)
-        self._export_gauges(lane, dispatch.key)

@@ -1,25 +1,32 @@
-"""Weighted deficit round robin across tenants, for the queued items of one batch key.
+"""The queued items of one batch key, in the order the worker serves them.
 
-Each tenant has its own queue in earliest-deadline-first order. Tenants take turns; a turn is
-worth `weight` items, so a tenant flooding the queue gets its share of every batch and no more.
-Deficits persist between batches (a batch may close in the middle of a tenant's turn), which is
-what keeps shares exact over many small batches. Pure: no clock, no I/O.
+Priority first: a batch takes `critical` rows before `interactive` ones and those before
+`batch` ones. Within a class, the tenant with the least weighted compute on the worker goes
+next (fair_share.ComputeLedger, shared by every key on the worker), so a tenant flooding the
+queue gets its share of every batch and no more, and shares hold across keys and models.
+Within a tenant and class, earliest deadline first. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterable, Iterator, Mapping
 
+from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.types import QueuedItem
 
-#: Weight of a tenant that `tenant_weights` does not list.
+#: Weight of a tenant that neither its request nor `tenant_weights` sets.
 DEFAULT_WEIGHT = 1.0
 
 #: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]
+#: A heap per (priority rank, tenant).
+_Class = tuple[int, str]
+#: What orders the heads of the heaps: (priority rank, virtual seconds, tenant's join order).
+Rank = tuple[int, float, int]
 
 
 def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
@@ -29,24 +36,35 @@ def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
         raise ValueError(f"tenant weights must be positive and finite; bad tenants: {bad}")
 
 
-class DeficitRoundRobin:
-    """The items of one batch key: EDF per tenant, tenants interleaved by weighted DRR."""
+def is_over_share(
+    item: QueuedItem, queues: Iterable[TenantQueues], weights: Mapping[str, float], size: int
+) -> bool:
+    """Whether `item`'s tenant already holds its weighted share of a queue of `size` items held
+    in `queues`: the part of `size` its weight gives it among the tenants queued (it included).
+    `weights`: the tenants' weights (DEFAULT_WEIGHT for those missing)."""
+    rows: Counter[str] = Counter()
+    for queue in queues:
+        for tenant in queue.tenants():
+            rows[tenant] += queue.tenant_rows(tenant)
+    others = sum(weights.get(t, DEFAULT_WEIGHT) for t in rows if t != item.tenant)
+    share = size * item.weight / (others + item.weight)
+    return rows[item.tenant] + 1 > share
 
-    def __init__(self, tenant_weights: Mapping[str, float]) -> None:
-        """`tenant_weights`: relative shares; unlisted tenants get `DEFAULT_WEIGHT`."""
-        check_tenant_weights(tenant_weights)
-        self._weights = dict(tenant_weights)
-        # Turns are scaled so the lightest possible tenant's turn is worth exactly one item:
-        # every turn then takes at least one item and take() never spins through empty rounds.
-        self._min_weight = min([DEFAULT_WEIGHT, *self._weights.values()])
+
+class TenantQueues:
+    """The items of one batch key: by priority, then weighted fair share, then EDF."""
+
+    def __init__(self, ledger: ComputeLedger) -> None:
+        self._ledger = ledger
         self._items: dict[int, QueuedItem] = {}
         # Heaps are pruned lazily: an entry whose id is no longer in _items is stale.
-        self._heaps: dict[str, list[_Entry]] = {}
+        self._heaps: dict[_Class, list[_Entry]] = {}
         self._num_stale = 0
-        # Tenants with a heap, in turn order; the head's turn is in progress.
-        self._turns: deque[str] = deque()
-        self._deficits: dict[str, float] = {}
-        self._is_head_credited = False
+        self._by_rank: Counter[int] = Counter()
+        self._by_tenant: Counter[str] = Counter()
+        # Order in which tenants with queued items joined: breaks ties like a DRR rotation.
+        self._joined: dict[str, int] = {}
+        self._join_order = itertools.count()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -57,22 +75,36 @@ class DeficitRoundRobin:
     def __iter__(self) -> Iterator[QueuedItem]:
         return iter(self._items.values())
 
+    def count_at_most(self, rank: int) -> int:
+        """Items queued at priority `rank` or more urgent (ranks ascend toward `batch`)."""
+        return sum(n for r, n in self._by_rank.items() if r <= rank)
+
+    def tenant_rows(self, tenant: str) -> int:
+        """Items of `tenant` queued here."""
+        return self._by_tenant[tenant]
+
+    def tenants(self) -> Iterator[str]:
+        """Tenants with items queued here."""
+        return iter(self._by_tenant)
+
     def push(self, item: QueuedItem) -> None:
-        """Queue `item`; a tenant new to the rotation joins at the back with no deficit."""
+        """Queue `item`; a tenant new to the queue joins behind those already in it."""
         if item.item_id in self._items:
             raise ValueError(f"item {item.item_id} is already queued")
         self._items[item.item_id] = item
-        heap = self._heaps.get(item.tenant)
-        if heap is None:
-            heap = self._heaps[item.tenant] = []
-            self._turns.append(item.tenant)
-            self._deficits[item.tenant] = 0.0
+        heap = self._heaps.setdefault((item.priority, item.tenant), [])
         heapq.heappush(heap, (item.deadline_s, item.arrival_s, item.item_id))
+        self._by_rank[item.priority] += 1
+        self._by_tenant[item.tenant] += 1
+        if item.tenant not in self._joined:
+            self._joined[item.tenant] = next(self._join_order)
+        self._ledger.join(item.tenant)
 
     def remove(self, item_id: int) -> QueuedItem | None:
         """Remove one item (cancelled); returns it, or None if it was not queued."""
         item = self._items.pop(item_id, None)
         if item is not None:
+            self._forget(item)
             self._num_stale += 1
             # Cancelled entries deep in a heap are only popped when they reach the top; rebuild
             # once they outnumber live ones so memory stays O(queued).
@@ -90,33 +122,50 @@ class DeficitRoundRobin:
         due: list[QueuedItem] = []
         for heap in self._heaps.values():
             while self._prune(heap) and heap[0][0] < cutoff_s:
-                due.append(self._items.pop(heapq.heappop(heap)[2]))
+                due.append(self._pop(heap))
         return due
 
-    def take(self, limit: int) -> list[QueuedItem]:
-        """Remove and return up to `limit` items in DRR order (EDF within each tenant)."""
+    def head_rank(self) -> Rank | None:
+        """The rank of the item `take` would take first, or None if empty."""
+        ranks = [self._rank(cls) for cls, heap in self._heaps.items() if self._prune(heap)]
+        return min(ranks, default=None)
+
+    def take(self, limit: int, row_cost_s: float) -> list[QueuedItem]:
+        """Remove and return up to `limit` items, each time from the most urgent class and,
+        within it, the tenant with the least virtual time counting the rows it already got in
+        this batch at `row_cost_s` each (the ledger is charged for them after the batch is
+        formed). EDF within a tenant and class."""
+        unit_s = row_cost_s if row_cost_s > 0.0 else 1.0
+        taken_s: dict[str, float] = {}
         batch: list[QueuedItem] = []
-        while len(batch) < limit and self._turns:
-            tenant = self._turns[0]
-            heap = self._heaps[tenant]
-            if not self._prune(heap):
-                self._leave(tenant)
-                continue
-            if not self._is_head_credited:
-                self._deficits[tenant] += (
-                    self._weights.get(tenant, DEFAULT_WEIGHT) / self._min_weight
-                )
-                self._is_head_credited = True
-            while len(batch) < limit and self._deficits[tenant] >= 1.0 and self._prune(heap):
-                batch.append(self._items.pop(heapq.heappop(heap)[2]))
-                self._deficits[tenant] -= 1.0
-            if not self._prune(heap):
-                self._leave(tenant)
-            elif self._deficits[tenant] < 1.0:
-                self._turns.rotate(-1)
-                self._is_head_credited = False
-            # Otherwise the batch is full mid-turn: the tenant keeps the head and its deficit.
+        while len(batch) < limit:
+            live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
+            if not live:
+                break
+            priority, tenant = min(live, key=lambda c: self._rank(c, taken_s.get(c[1], 0.0)))
+            item = self._pop(self._heaps[(priority, tenant)])
+            batch.append(item)
+            taken_s[tenant] = taken_s.get(tenant, 0.0) + unit_s / item.weight
+        self._heaps = {cls: heap for cls, heap in self._heaps.items() if heap}
         return batch
+
+    def _rank(self, cls: _Class, extra_s: float = 0.0) -> Rank:
+        priority, tenant = cls
+        return (priority, self._ledger.virtual_s(tenant) + extra_s, self._joined[tenant])
+
+    def _pop(self, heap: list[_Entry]) -> QueuedItem:
+        item = self._items.pop(heapq.heappop(heap)[2])
+        self._forget(item)
+        return item
+
+    def _forget(self, item: QueuedItem) -> None:
+        """Counts of an item that left the queue (taken, expired or cancelled)."""
+        self._by_rank[item.priority] -= 1
+        self._by_tenant[item.tenant] -= 1
+        if not self._by_tenant[item.tenant]:
+            del self._by_tenant[item.tenant]
+            del self._joined[item.tenant]  # rejoins at the back, as in a DRR rotation
+        self._ledger.leave(item.tenant)
 
     def _prune(self, heap: list[_Entry]) -> bool:
         """Drop stale entries from the top; True if a live item remains."""
@@ -125,18 +174,11 @@ class DeficitRoundRobin:
             self._num_stale -= 1
         return bool(heap)
 
-    def _leave(self, tenant: str) -> None:
-        """The head tenant has nothing queued: it leaves the rotation and, as in classic DRR,
-        forfeits its deficit so that idle time cannot be saved up and spent as a burst."""
-        self._turns.popleft()
-        del self._heaps[tenant]
-        del self._deficits[tenant]
-        self._is_head_credited = False
-
     def _rebuild_heaps(self) -> None:
-        heaps: dict[str, list[_Entry]] = {tenant: [] for tenant in self._turns}
+        heaps: dict[_Class, list[_Entry]] = {}
         for item in self._items.values():
-            heaps[item.tenant].append((item.deadline_s, item.arrival_s, item.item_id))
+            entry = (item.deadline_s, item.arrival_s, item.item_id)
+            heaps.setdefault((item.priority, item.tenant), []).append(entry)
         for heap in heaps.values():
             heapq.heapify(heap)
         self._heaps = heaps

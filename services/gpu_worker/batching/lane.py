@@ -5,19 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.errors import Overloaded, Unavailable
+from services.common.errors import DeadlineExceeded, Overloaded, Unavailable
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import BatchKey
+from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.metrics import WorkerMetrics
 
 #: Weight of one row in the lane's per-row cost EWMA (a batch of n rows weighs about n rows).
 ROW_COST_ALPHA = 0.02
@@ -62,6 +64,7 @@ class BatchTotals:
 class LoadReport:
     """What routers need to predict a version's wait on this worker (sent in heartbeats)."""
 
+    #: Rows queued above priority `batch` (what an online arrival waits behind).
     queued_rows: int
     #: Predicted compute per row at full batches, averaged over recent traffic's buckets: the
     #: marginal cost of queued work.
@@ -70,6 +73,8 @@ class LoadReport:
     #: latency.
     min_batch_s: float
     totals: BatchTotals = field(default_factory=BatchTotals)
+    #: Rows of priority `batch` queued (only `batch` arrivals wait behind them).
+    queued_batch_rows: int = 0
 
 
 @dataclass
@@ -97,6 +102,16 @@ class Lane:
             if not pending.future.done():
                 pending.future.set_exception(error)
 
+    def fail_expired(self, expired: Sequence[QueuedItem], metrics: WorkerMetrics) -> None:
+        """Answers rows the batcher dropped unrun (past their deadline) DEADLINE_EXCEEDED."""
+        for item in expired:
+            pending = self.pending.get(item.item_id)
+            if pending is not None and not pending.future.done():
+                pending.future.set_exception(
+                    DeadlineExceeded("deadline cannot be met; the request was not run")
+                )
+            metrics.dropped_total.labels(*self.labels, "expired").inc()
+
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""
         if self.row_cost_s is None:
@@ -106,11 +121,20 @@ class Lane:
             self.row_cost_s += weight * (per_row_s - self.row_cost_s)
 
     def rejection(
-        self, key: BatchKey, reason: RejectReason, now_s: float, start_s: float
+        self, item: QueuedItem, reason: RejectReason, now_s: float, start_s: float
     ) -> Exception:
         """The error a row refused for `reason` gets; `start_s` is when the executor frees."""
+        key = item.key
         if reason is RejectReason.DRAINING:
             return Unavailable("worker is draining")
+        max_batch_size = self.batcher.max_batch_size_for(key)
+        backlog_s = self.latency.per_item_s(key, max_batch_size) * self.batcher.num_queued
+        if reason is RejectReason.TENANT_SHARE:
+            return Overloaded(
+                f"{key.model}/{key.version}: the queue is contended and tenant {item.tenant!r}"
+                " already holds its fair share of it",
+                retry_after_s=backlog_s,
+            )
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
             limit = "its SLO" if self.backend.config.shed_past_slo else "the request's deadline"
@@ -119,12 +143,76 @@ class Lane:
                 f" now, past {limit}",
                 retry_after_s=finish_s - now_s,
             )
-        max_batch_size = self.batcher.max_batch_size_for(key)
-        retry_after_s = self.latency.per_item_s(key, max_batch_size) * self.batcher.num_queued
         return Overloaded(
             f"{key.model}/{key.version} queue is full ({self.batcher.num_queued} rows)",
-            retry_after_s=retry_after_s,
+            retry_after_s=backlog_s,
         )
+
+    def record_batch(
+        self,
+        metrics: WorkerMetrics,
+        dispatch: Dispatch,
+        rows: list[PreparedRow],
+        results: list[np.ndarray | Exception],
+        finished: float,
+        compute_s: float,
+    ) -> None:
+        """Folds a finished batch into the lane's totals, latency model and `metrics`."""
+        labels, lane = self.labels, self
+        lane.totals.record_batch(len(rows), compute_s)
+        row_share_s = compute_s / len(rows)
+        for item in dispatch.items:
+            metrics.row_compute_seconds.labels(*labels).observe(compute_s)
+            metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
+            tenant = metrics.tenant_label(item.tenant)
+            metrics.tenant_compute_seconds_total.labels(tenant).inc(row_share_s)
+        limit = lane.batcher.max_batch_size_for(dispatch.key)
+        lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
+        bucket = str(dispatch.key.bucket)
+        failures = sum(isinstance(r, Exception) for r in results)
+        if failures == 0:
+            # A bisected batch's time says nothing about the model's normal cost.
+            lane.latency.observe(dispatch.key, len(rows), compute_s)
+            metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
+        else:
+            metrics.row_failures_total.labels(*labels).inc(failures)
+        backend = lane.backend
+        if len({backend.bucket_for(row.num_tokens) for row in rows}) > 1:
+            metrics.mixed_bucket_batches_total.labels(*labels).inc()
+        real_tokens = sum(row.num_tokens for row in rows)
+        padded_tokens = max(row.num_tokens for row in rows) * len(rows)
+        metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
+        metrics.batch_size.labels(*labels, bucket).observe(len(rows))
+        metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)
+        metrics.padding_waste_ratio.labels(*labels, bucket).observe(
+            1.0 - real_tokens / padded_tokens
+        )
+        metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
+        metrics.rows_total.labels(*labels).inc(len(rows))
+        metrics.queue_depth.labels(*labels).set(lane.batcher.num_queued)
+
+
+#: A lane the driver asks for a batch, and whether to force it to close one now.
+Turn = tuple[Lane, bool]
+
+
+def by_urgency(lanes: list[Lane], now_s: float) -> list[Turn]:
+    """The order in which the driver, its executor idle, asks `lanes` (given in rotation
+    order) for a batch: the lane whose next batch is most urgent (priority class, then the
+    tenant furthest below its fair share) first, ties in rotation order. If the worker's most
+    urgent queued work is in a lane still lingering while another lane is ready, that lane is
+    forced to close its batch now: lingering must not hand the executor to a tenant over its
+    share."""
+    if len(lanes) < 2:
+        return [(lane, False) for lane in lanes]
+    urgency = {id(lane): lane.batcher.urgency(now_s) for lane in lanes}
+    ranked = sorted(lanes, key=lambda lane: urgency[id(lane)] or (math.inf, math.inf))
+    heads = [(head, i) for i, lane in enumerate(lanes) if (head := lane.batcher.head_rank())]
+    ready = urgency[id(ranked[0])]
+    if ready is not None and heads and min(heads)[0] < ready:
+        first = lanes[min(heads)[1]]
+        return [(first, True)] + [(lane, False) for lane in ranked if lane is not first]
+    return [(lane, False) for lane in ranked]
 
 
 def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> None:

@@ -8,11 +8,19 @@ again. Synchronous and pure: time comes in as `now_s`, compute cost from the `La
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
-from dataclasses import dataclass, field
 
+from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
-from services.gpu_worker.batching.fairness import DeficitRoundRobin, check_tenant_weights
+from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.fairness import (
+    DEFAULT_WEIGHT,
+    TenantQueues,
+    check_tenant_weights,
+    is_over_share,
+)
+from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
     BatcherConfig,
@@ -24,52 +32,24 @@ from services.gpu_worker.batching.types import (
     Wait,
 )
 
-#: Weight of each new inter-arrival gap in the per-key EWMA.
-ARRIVAL_GAP_ALPHA = 0.2
+#: `batch` rows are admitted only while the queue is less full than this share of its size:
+#: they fill idle capacity and are the first to be refused when it runs out.
+BATCH_QUEUE_SHARE = 0.5
+#: Past this share of the queue, a tenant holding more than its weighted share of the queued
+#: rows is refused before tenants under theirs are.
+CONTENDED_QUEUE_SHARE = 0.5
 
-#: Floor on the arrival-gap estimate, so simultaneous arrivals give a large, finite rate.
-_MIN_ARRIVAL_GAP_S = 1e-9
-
-
-@dataclass
-class _KeyQueue:
-    """The queued items of one batch key, and what the policy has learned about its traffic.
-
-    Kept after the queue empties: the arrival-rate estimate and the tenants' deficits belong to
-    the key, not to one burst of it.
-    """
-
-    items: DeficitRoundRobin
-    #: (arrival_s, item_id) min-heap for the oldest item; entries of items gone are stale.
-    arrivals: list[tuple[float, int]] = field(default_factory=list)
-    #: (admission limit, item_id) min-heap for the tightest queued item; stale likewise.
-    limits: list[tuple[float, int]] = field(default_factory=list)
-    last_add_s: float | None = None
-    #: EWMA of gaps between admissions; None until the second admission.
-    mean_gap_s: float | None = None
-
-    def oldest_arrival_s(self) -> float:
-        while self.arrivals[0][1] not in self.items:
-            heapq.heappop(self.arrivals)
-        return self.arrivals[0][0]
-
-    def earliest_limit_s(self) -> float:
-        while self.limits[0][1] not in self.items:
-            heapq.heappop(self.limits)
-        return self.limits[0][0]
-
-    def earliest_deadline_s(self) -> float:
-        deadline_s = self.items.earliest_deadline_s()
-        if deadline_s is None:
-            raise RuntimeError("earliest_deadline_s() of an empty queue")
-        return deadline_s
+_BATCH_RANK = PriorityClass.BATCH.rank
 
 
 class Batcher:
     """Per-key queues of one worker's model, and the decision of which batch to run next."""
 
-    def __init__(self, config: BatcherConfig, latency: LatencyModel) -> None:
-        """Raises ValueError if `config` is inconsistent."""
+    def __init__(
+        self, config: BatcherConfig, latency: LatencyModel, ledger: ComputeLedger | None = None
+    ) -> None:
+        """`ledger`: the worker-wide fair-share ledger every batcher of the worker shares (a
+        batcher of its own without one). Raises ValueError if `config` is inconsistent."""
         if config.max_batch_size < 1 or config.max_queue_size < 1:
             raise ValueError("max_batch_size and max_queue_size must be >= 1")
         if config.max_batch_tokens < 0 or config.min_expected_arrivals < 0:
@@ -80,7 +60,10 @@ class Batcher:
         check_tenant_weights(config.tenant_weights)
         self._config = config
         self._latency = latency
-        self._queues: dict[BatchKey, _KeyQueue] = {}
+        self._ledger = ComputeLedger() if ledger is None else ledger
+        self._queues: dict[BatchKey, KeyQueue] = {}
+        # The weight each tenant's latest row carried, for the queue-share check.
+        self._weights: dict[str, float] = {}
         # item_id -> key of every queued item: num_queued and cancel() without a scan.
         self._key_of: dict[int, BatchKey] = {}
         # key -> (latency model revision, max_batch_size_for): recomputed after observations.
@@ -177,29 +160,24 @@ class Batcher:
 
         An idle lane (nothing queued, nothing running) refuses an item only if its own compute
         alone cannot meet its deadline: a prediction that refused every item would never be
-        corrected, since refused items teach the latency model nothing. Raises ValueError on a
-        duplicate item_id, a caller bug."""
-        if self._is_draining:
-            return Rejected(RejectReason.DRAINING)
-        if self.num_queued >= self._config.max_queue_size:
-            return Rejected(RejectReason.QUEUE_FULL)
+        corrected, since refused items teach the latency model nothing.
+
+        Priority and tenants: rows queued at a lower priority do not count as ahead of the item
+        (they run after it); `batch` rows are refused once the queue is `BATCH_QUEUE_SHARE`
+        full, and past `CONTENDED_QUEUE_SHARE` a tenant over its weighted share of the queue is
+        refused (TENANT_SHARE). Raises ValueError on a duplicate item_id, a caller bug."""
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
-        if executor_free_s is None and self.num_queued == 0:
-            if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
-                return Rejected(RejectReason.DEADLINE)
-        else:
-            start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
-            finish_s = self.predicted_finish_s(item.key, start_s)
-            if finish_s + self._config.safety_margin_s > item.admission_limit_s:
-                return Rejected(RejectReason.DEADLINE)
-            if self._makes_batch_mates_late(item, start_s, finish_s):
-                return Rejected(RejectReason.DEADLINE)
+        if item.weight <= 0.0:
+            weight = self._config.tenant_weights.get(item.tenant, DEFAULT_WEIGHT)
+            item = dataclasses.replace(item, weight=weight)
+        refusal = self._refusal(item, now_s, executor_free_s)
+        if refusal is not None:
+            return refusal
+        self._weights[item.tenant] = item.weight
         queue = self._queues.get(item.key)
         if queue is None:
-            queue = self._queues[item.key] = _KeyQueue(
-                DeficitRoundRobin(self._config.tenant_weights)
-            )
+            queue = self._queues[item.key] = KeyQueue(TenantQueues(self._ledger))
         queue.items.push(item)
         heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
         heapq.heappush(queue.limits, (item.admission_limit_s, item.item_id))
@@ -210,8 +188,42 @@ class Batcher:
             queue.limits = [(i.admission_limit_s, i.item_id) for i in queue.items]
             heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
-        self._record_arrival(queue, now_s)
+        queue.record_arrival(now_s)
         return Admitted()
+
+    def _refusal(
+        self, item: QueuedItem, now_s: float, executor_free_s: float | None
+    ) -> Rejected | None:
+        """Why `item` may not be queued now (see `add`), or None."""
+        cfg = self._config
+        if self._is_draining:
+            return Rejected(RejectReason.DRAINING)
+        if self.num_queued >= cfg.max_queue_size:
+            return Rejected(RejectReason.QUEUE_FULL)
+        if (
+            item.priority >= _BATCH_RANK
+            and self.num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE
+        ):
+            return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
+        contended = self.num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE
+        queues = [queue.items for queue in self._queues.values()]
+        if contended and is_over_share(item, queues, self._weights, cfg.max_queue_size):
+            return Rejected(RejectReason.TENANT_SHARE)
+        if executor_free_s is None and self.num_queued == 0:
+            if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
+                return Rejected(RejectReason.DEADLINE)
+            return None
+        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+        finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority)
+        if finish_s + cfg.safety_margin_s > item.admission_limit_s:
+            return Rejected(RejectReason.DEADLINE)
+        if self._makes_batch_mates_late(item, start_s, finish_s):
+            return Rejected(RejectReason.DEADLINE)
+        return None
+
+    def queued_at_most(self, rank: int) -> int:
+        """Items queued at priority `rank` or more urgent, across keys."""
+        return sum(queue.items.count_at_most(rank) for queue in self._queues.values())
 
     def _makes_batch_mates_late(self, item: QueuedItem, start_s: float, finish_s: float) -> bool:
         """Whether `item`, joining a partly filled batch of its key, is what would push that
@@ -229,22 +241,29 @@ class Batcher:
             return False
         return self._drain_s(item.key, start_s, extra_rows=0) + margin_s <= mates_limit_s
 
-    def predicted_finish_s(self, key: BatchKey, start_s: float) -> float:
+    def predicted_finish_s(
+        self, key: BatchKey, start_s: float, *, rank: int | None = None
+    ) -> float:
         """When one more item of `key` would finish if the executor, free at `start_s`, ran
-        everything queued now first, every key in batches as full as its limit allows.
+        everything queued now first, every key in batches as full as its limit allows; with
+        `rank`, only what is queued at that priority or a more urgent one (the rest runs after).
 
         Conservative on purpose: queued items of other keys count as ahead even when their
         deadlines are later (the batcher serves the most urgent key first). Admitting only
         items that fit keeps the queue short enough to serve within deadlines; without it,
         overload fills the queue until every item waits about the whole SLO and most miss it.
         """
-        return self._drain_s(key, start_s, extra_rows=1)
+        return self._drain_s(key, start_s, extra_rows=1, rank=rank)
 
-    def _drain_s(self, key: BatchKey, start_s: float, *, extra_rows: int) -> float:
-        """When everything queued, plus `extra_rows` more of `key`, would be done."""
+    def _drain_s(
+        self, key: BatchKey, start_s: float, *, extra_rows: int, rank: int | None = None
+    ) -> float:
+        """When everything queued (at `rank` or more urgent, with one), plus `extra_rows` more
+        of `key`, would be done."""
         finish_s = start_s
         for queued_key, queue in self._queues.items():
-            rows = len(queue.items) + (extra_rows if queued_key == key else 0)
+            queued = len(queue.items) if rank is None else queue.items.count_at_most(rank)
+            rows = queued + (extra_rows if queued_key == key else 0)
             if rows == 0:
                 continue
             limit = self.max_batch_size_for(queued_key)
@@ -269,38 +288,71 @@ class Batcher:
         """Stop admitting; from now on every poll with an idle executor dispatches at once."""
         self._is_draining = True
 
-    def poll(self, now_s: float, *, executor_idle: bool) -> Poll:
+    def poll(self, now_s: float, *, executor_idle: bool, force: bool = False) -> Poll:
         """Drop items that can no longer meet their deadline, then dispatch one batch or wait.
 
         A busy executor is never given work: items keep merging into bigger batches meanwhile,
-        and the driver polls again once it is idle.
+        and the driver polls again once it is idle. `force`: close a batch now even if every
+        key would rather linger (reason FAIR_SHARE): the driver's call when this batcher holds
+        the most urgent work on the worker and another would otherwise take the executor.
         """
         expired = self._expire(now_s)
         if not executor_idle:
             expiries = (self._expiry_s(key, q) for key, q in self._queues.items() if q.items)
             return Poll(expired, Wait(min(expiries, default=None)))
-        chosen: tuple[float, BatchKey, CloseReason] | None = None
+        choice = self._choose(now_s, force=force)
+        if isinstance(choice, Wait):
+            return Poll(expired, choice)
+        _, key, reason = choice
+        limit = self.max_batch_size_for(key)
+        items = self._queues[key].items.take(limit, self._latency.per_item_s(key, limit))
+        # Fair share is charged in predicted compute: the batch's cost, split over its rows.
+        row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
+        for item in items:
+            del self._key_of[item.item_id]
+            self._ledger.charge(item.tenant, row_cost_s, item.weight)
+        return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
+
+    def urgency(self, now_s: float) -> tuple[int, float] | None:
+        """(priority rank, tenant virtual seconds) of the batch an idle executor would get from
+        this batcher now, or None if it would wait: the driver serves the most urgent of its
+        batchers first. Changes nothing (items that expired stay until the next poll)."""
+        choice = self._choose(now_s)
+        return None if isinstance(choice, Wait) else choice[0]
+
+    def head_rank(self) -> tuple[int, float] | None:
+        """(priority rank, tenant virtual seconds) of the most urgent queued item, ready to
+        dispatch or not; None if nothing is queued."""
+        heads = [head[:2] for q in self._queues.values() if (head := q.items.head_rank())]
+        return min(heads, default=None)
+
+    def _choose(
+        self, now_s: float, *, force: bool = False
+    ) -> tuple[tuple[int, float], BatchKey, CloseReason] | Wait:
+        """The key to dispatch now and why, with its urgency, or when to ask again. Among keys
+        ready to close (with `force`, every key with items): the most urgent priority class,
+        then the tenant furthest below its fair share, then the earliest deadline; BatchKey
+        order breaks ties."""
+        chosen: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
         wake_s: float | None = None
         for key, queue in self._queues.items():
-            if not queue.items:
+            head = queue.items.head_rank()
+            if head is None:
                 continue
             assessment = self._assess(key, queue, now_s)
+            if assessment[0] is None and force:
+                assessment = (CloseReason.FAIR_SHARE, None)
             if assessment[0] is None:  # not closing yet: [1] is when that could next change
                 key_wake_s = assessment[1]
                 wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)
                 continue
-            reason = assessment[0]
-            candidate = (queue.earliest_deadline_s(), key, reason)
-            # The most urgent key goes first; BatchKey order breaks ties deterministically.
+            candidate = ((head[0], head[1], queue.earliest_deadline_s()), key, assessment[0])
             if chosen is None or candidate[:2] < chosen[:2]:
                 chosen = candidate
         if chosen is None:
-            return Poll(expired, Wait(wake_s))
-        _, key, reason = chosen
-        items = self._queues[key].items.take(self.max_batch_size_for(key))
-        for item in items:
-            del self._key_of[item.item_id]
-        return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
+            return Wait(wake_s)
+        (priority, virtual_s, _), key, reason = chosen
+        return (priority, virtual_s), key, reason
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
         """Remove items that would miss their deadline even if run alone right now."""
@@ -313,12 +365,12 @@ class Batcher:
             del self._key_of[item.item_id]
         return tuple(expired)
 
-    def _expiry_s(self, key: BatchKey, queue: _KeyQueue) -> float:
+    def _expiry_s(self, key: BatchKey, queue: KeyQueue) -> float:
         """When the key's most urgent item will expire: past this, it cannot finish in time."""
         return queue.earliest_deadline_s() - self._latency.predict(key, 1)
 
     def _assess(
-        self, key: BatchKey, queue: _KeyQueue, now_s: float
+        self, key: BatchKey, queue: KeyQueue, now_s: float
     ) -> tuple[CloseReason, None] | tuple[None, float]:
         """Why the key's batch should close now, or else when that could next change."""
         cfg = self._config
@@ -334,46 +386,12 @@ class Batcher:
         linger_end_s = queue.oldest_arrival_s() + self.max_wait_s(key)
         if now_s >= linger_end_s:
             return CloseReason.LINGER, None
-        gap_s = self._arrival_gap_s(queue, now_s)
+        gap_s = queue.arrival_gap_s(now_s)
         # Expected arrivals before the linger ends; none expected with no rate estimate yet.
         expected = 0.0 if gap_s is None else (linger_end_s - now_s) / gap_s
         if expected < cfg.min_expected_arrivals:
             return CloseReason.IDLE, None
         wake_s = min(linger_end_s, slack_at_s, self._expiry_s(key, queue))
         if gap_s is not None:
-            wake_s = min(wake_s, self._idle_at_s(queue, linger_end_s))
+            wake_s = min(wake_s, queue.idle_at_s(linger_end_s, cfg.min_expected_arrivals))
         return None, wake_s
-
-    def _record_arrival(self, queue: _KeyQueue, now_s: float) -> None:
-        if queue.last_add_s is not None:
-            gap_s = max(now_s - queue.last_add_s, 0.0)
-            if queue.mean_gap_s is None:
-                queue.mean_gap_s = gap_s
-            else:
-                queue.mean_gap_s += ARRIVAL_GAP_ALPHA * (gap_s - queue.mean_gap_s)
-        queue.last_add_s = now_s
-
-    @staticmethod
-    def _arrival_gap_s(queue: _KeyQueue, now_s: float) -> float | None:
-        """Expected seconds between arrivals, or None with fewer than two arrivals so far."""
-        if queue.mean_gap_s is None or queue.last_add_s is None:
-            return None
-        # A silence longer than the usual gap is itself evidence that traffic has slowed.
-        return max(queue.mean_gap_s, now_s - queue.last_add_s, _MIN_ARRIVAL_GAP_S)
-
-    def _idle_at_s(self, queue: _KeyQueue, linger_end_s: float) -> float:
-        """When the work-conserving trigger will fire if nothing else arrives.
-
-        Expected arrivals (linger_end - t) / max(mean_gap, t - last_add) fall as t grows; this
-        is the t where they cross min_expected_arrivals, first while the mean gap dominates,
-        else once the silence since the last arrival does.
-        """
-        if queue.mean_gap_s is None or queue.last_add_s is None:
-            return linger_end_s
-        wanted = self._config.min_expected_arrivals
-        last_add_s = queue.last_add_s
-        mean_gap_s = max(queue.mean_gap_s, _MIN_ARRIVAL_GAP_S)
-        while_mean_s = linger_end_s - wanted * mean_gap_s
-        if while_mean_s <= last_add_s + mean_gap_s:
-            return while_mean_s
-        return (linger_end_s + wanted * last_add_s) / (1.0 + wanted)

@@ -41,6 +41,12 @@ class QueuedItem:
     #: item is admitted that would push it past it. None: the deadline. Earlier than the
     #: deadline for a model that sheds what would finish past its SLO.
     finish_by_s: float | None = None
+    #: Priority class rank (services.common.priority.PriorityClass.rank): 0 critical,
+    #: 1 interactive, 2 batch. Lower runs first and is shed last.
+    priority: int = 1
+    #: The tenant's fair-share weight, as its request carried it; 0 for the batcher's
+    #: configured `tenant_weights` (1 for a tenant not listed there).
+    weight: float = 0.0
 
     @property
     def admission_limit_s(self) -> float:
@@ -58,6 +64,9 @@ class CloseReason(enum.Enum):
     DEADLINE = "deadline"
     IDLE = "idle"
     DRAIN = "drain"
+    #: Closed early: the batcher held the worker's most urgent work (priority, then fair share)
+    #: while another batcher's batch was ready.
+    FAIR_SHARE = "fair_share"
 
 
 @dataclass(frozen=True)
@@ -65,8 +74,8 @@ class Dispatch:
     """Run these items now, as one batch, on the executor."""
 
     key: BatchKey
-    #: Items of one key, in the order rows should be laid out (earliest deadline first within
-    #: a tenant, tenants interleaved by deficit round robin).
+    #: Items of one key, in the order rows should be laid out (by priority, tenants
+    #: interleaved by weighted compute, earliest deadline first within a tenant).
     items: tuple[QueuedItem, ...]
     reason: CloseReason
 
@@ -110,5 +119,5 @@ class BatcherConfig:
     #: When the executor is idle, wait for more items only if at least this many are expected
     #: to arrive before the linger expires (work-conserving trigger).
     min_expected_arrivals: float = 1.0
-    #: Deficit-round-robin weights per tenant; tenants not listed get weight 1.0.
+    #: Fair-share weights of tenants whose requests carry none; tenants not listed weigh 1.0.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)

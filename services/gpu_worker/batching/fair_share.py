@@ -1,0 +1,81 @@
+"""Worker-wide fair share by cost: each tenant's compute, in weighted seconds.
+
+Every batch a worker runs charges its rows' tenants their predicted compute divided by their
+weight (start-time fair queuing's virtual time). The batchers of every model, version and
+bucket on the worker share one ledger, so a tenant's share holds across all of them, and it is
+counted in compute, not items: a row of a long bucket costs more than a row of a short one.
+The scheduler serves the tenant with the least virtual time first.
+
+A tenant with nothing queued must not bank credit: when it queues again, its virtual time is
+lifted to the least virtual time among tenants with queued work (the floor), so idle time is
+never spent later as a burst. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+#: Past this many remembered tenants, idle ones at or below the floor are forgotten (rejoining
+#: lifts them to the floor anyway, so forgetting them changes nothing).
+MAX_REMEMBERED_TENANTS = 4096
+
+
+def check_weight(weight: float) -> None:
+    """Raise ValueError unless `weight` is positive and finite."""
+    if not (math.isfinite(weight) and weight > 0.0):
+        raise ValueError(f"tenant weight must be positive and finite, got {weight}")
+
+
+class ComputeLedger:
+    """Per-tenant virtual time (compute seconds served / weight) and which tenants have work
+    queued. Shared by every batcher of one worker."""
+
+    def __init__(self) -> None:
+        self._virtual_s: dict[str, float] = {}
+        self._queued: Counter[str] = Counter()
+        self._floor_s = 0.0
+
+    @property
+    def num_tenants(self) -> int:
+        """Tenants remembered (queued now, or served above the floor)."""
+        return len(self._virtual_s)
+
+    def virtual_s(self, tenant: str) -> float:
+        """The tenant's weighted compute so far; a tenant never seen stands at the floor."""
+        return self._virtual_s.get(tenant, self._floor_s)
+
+    def floor_s(self) -> float:
+        """The least virtual time among tenants with queued work; with none queued, the floor
+        as it last was. Never decreases."""
+        if self._queued:
+            least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued)
+            self._floor_s = max(self._floor_s, least)
+        return self._floor_s
+
+    def join(self, tenant: str, rows: int = 1) -> None:
+        """`rows` of the tenant's were queued; a tenant that had none is lifted to the floor."""
+        if self._queued[tenant] == 0:
+            self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), self.floor_s())
+        self._queued[tenant] += rows
+
+    def leave(self, tenant: str, rows: int = 1) -> None:
+        """`rows` of the tenant's left the queue (dispatched, expired or cancelled)."""
+        left = self._queued[tenant] - rows
+        if left > 0:
+            self._queued[tenant] = left
+            return
+        del self._queued[tenant]
+        if len(self._virtual_s) > MAX_REMEMBERED_TENANTS:
+            self._forget_idle()
+
+    def charge(self, tenant: str, compute_s: float, weight: float) -> None:
+        """The tenant was served `compute_s` seconds of compute at `weight`."""
+        check_weight(weight)
+        self._virtual_s[tenant] = self.virtual_s(tenant) + compute_s / weight
+
+    def _forget_idle(self) -> None:
+        floor_s = self.floor_s()
+        for tenant in [t for t, v in self._virtual_s.items() if v <= floor_s]:
+            if tenant not in self._queued:
+                del self._virtual_s[tenant]

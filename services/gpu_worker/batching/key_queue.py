@@ -1,0 +1,81 @@
+"""The queue of one batch key, and what the batching policy learns about its traffic."""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from services.gpu_worker.batching.fairness import TenantQueues
+
+#: Weight of each new inter-arrival gap in the per-key EWMA.
+ARRIVAL_GAP_ALPHA = 0.2
+
+#: Floor on the arrival-gap estimate, so simultaneous arrivals give a large, finite rate.
+_MIN_ARRIVAL_GAP_S = 1e-9
+
+
+@dataclass
+class KeyQueue:
+    """The queued items of one batch key, and what the policy has learned about its traffic.
+
+    Kept after the queue empties: the arrival-rate estimate belongs to the key, not to one
+    burst of it.
+    """
+
+    items: TenantQueues
+    #: (arrival_s, item_id) min-heap for the oldest item; entries of items gone are stale.
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    #: (admission limit, item_id) min-heap for the tightest queued item; stale likewise.
+    limits: list[tuple[float, int]] = field(default_factory=list)
+    last_add_s: float | None = None
+    #: EWMA of gaps between admissions; None until the second admission.
+    mean_gap_s: float | None = None
+
+    def oldest_arrival_s(self) -> float:
+        while self.arrivals[0][1] not in self.items:
+            heapq.heappop(self.arrivals)
+        return self.arrivals[0][0]
+
+    def earliest_limit_s(self) -> float:
+        while self.limits[0][1] not in self.items:
+            heapq.heappop(self.limits)
+        return self.limits[0][0]
+
+    def earliest_deadline_s(self) -> float:
+        deadline_s = self.items.earliest_deadline_s()
+        if deadline_s is None:
+            raise RuntimeError("earliest_deadline_s() of an empty queue")
+        return deadline_s
+
+    def record_arrival(self, now_s: float) -> None:
+        """Folds an admission at `now_s` into the arrival-gap estimate."""
+        if self.last_add_s is not None:
+            gap_s = max(now_s - self.last_add_s, 0.0)
+            if self.mean_gap_s is None:
+                self.mean_gap_s = gap_s
+            else:
+                self.mean_gap_s += ARRIVAL_GAP_ALPHA * (gap_s - self.mean_gap_s)
+        self.last_add_s = now_s
+
+    def arrival_gap_s(self, now_s: float) -> float | None:
+        """Expected seconds between arrivals, or None with fewer than two arrivals so far."""
+        if self.mean_gap_s is None or self.last_add_s is None:
+            return None
+        # A silence longer than the usual gap is itself evidence that traffic has slowed.
+        return max(self.mean_gap_s, now_s - self.last_add_s, _MIN_ARRIVAL_GAP_S)
+
+    def idle_at_s(self, linger_end_s: float, wanted: float) -> float:
+        """When the work-conserving trigger will fire if nothing else arrives.
+
+        Expected arrivals (linger_end - t) / max(mean_gap, t - last_add) fall as t grows; this
+        is the t where they cross `wanted` (min_expected_arrivals), first while the mean gap
+        dominates, else once the silence since the last arrival does.
+        """
+        if self.mean_gap_s is None or self.last_add_s is None:
+            return linger_end_s
+        last_add_s = self.last_add_s
+        mean_gap_s = max(self.mean_gap_s, _MIN_ARRIVAL_GAP_S)
+        while_mean_s = linger_end_s - wanted * mean_gap_s
+        if while_mean_s <= last_add_s + mean_gap_s:
+            return while_mean_s
+        return (linger_end_s + wanted * last_add_s) / (1.0 + wanted)

@@ -1,0 +1,165 @@
+"""Fair share and priority classes on the worker, end to end: tenant weights from the gateway's
+keys file split contended compute, on one model and across models; `batch` traffic fills what
+`interactive` leaves. The whole stack as separate processes, two real TorchScript models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common import metric_names as names
+from services.gateway.auth import hash_key
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import types_pb2
+from tests.support.metrics import scrape, total
+from tests.support.models import write_affine_model
+from tests.support.stack import Stack, start_stack
+
+pytestmark = pytest.mark.e2e
+
+KEYS = {"gold": "key-gold", "bronze": "key-bronze", "online": "key-online", "filler": "key-f"}
+TENANTS = """
+[tenants.gold]
+weight = 3
+[tenants.bronze]
+weight = 1
+[tenants.online]
+[tenants.filler]
+default_priority = "batch"
+"""
+#: Burn iterations per model call (about 1.5 ms each on this machine): a batch of "heavy"
+#: costs about 4x one of "light", and both cost more than serving their requests does, so
+#: the worker's executor, not the CPU tiers, is what the tenants contend for. "quick" is
+#: cheap: the priority test's batches are short next to the interactive latency.
+MODELS = {"heavy": (24, 4), "light": (6, 4), "quick": (4, 8)}
+TIMEOUT_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("fair-share")
+    keys = "\n".join(
+        f'[[keys]]\ntenant = "{tenant}"\nsha256 = "{hash_key(key)}"\n'
+        for tenant, key in KEYS.items()
+    )
+    keys_path = tmp / "api-keys.toml"
+    keys_path.write_text(keys + TENANTS)
+    repository = tmp / "repo"
+    for name, (iters, max_batch_size) in MODELS.items():
+        write_affine_model(
+            repository,
+            name,
+            work_iters=iters,
+            max_batch_size=max_batch_size,
+            slo_p99_ms=5000,
+            max_queue_size=256,
+        )
+    stack = start_stack(
+        tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys_path}",)
+    )
+    yield stack
+    assert stack.stop() == 0, stack.log("launcher")
+
+
+def request(model: str, value: float) -> api.PredictRequest:
+    row = np.array([value, 1.0, 2.0, 3.0], dtype=np.float32)
+    tensor = types_pb2.Tensor(dtype=types_pb2.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
+    return api.PredictRequest(model_name=model, inputs=[api.PredictInput(tensor=tensor)])
+
+
+@dataclass
+class Outcomes:
+    """What one closed-loop caller group saw: latencies of OK calls, and error codes."""
+
+    latencies_s: list[float] = field(default_factory=list)
+    errors: list[grpc.StatusCode] = field(default_factory=list)
+
+    def p99_s(self) -> float:
+        return float(np.percentile(self.latencies_s, 99))
+
+
+async def closed_loop(
+    stub: api_grpc.InferenceServiceStub, tenant: str, model: str, concurrency: int, until: float
+) -> Outcomes:
+    """`concurrency` callers of `tenant`, each sending one request after another until `until`."""
+    outcomes = Outcomes()
+    metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+    async def caller(n: int) -> None:
+        while time.monotonic() < until:
+            started = time.monotonic()
+            try:
+                await stub.Predict(request(model, n + 0.5), metadata=metadata, timeout=TIMEOUT_S)
+                outcomes.latencies_s.append(time.monotonic() - started)
+            except grpc.aio.AioRpcError as error:
+                outcomes.errors.append(error.code())
+                await asyncio.sleep(0.01)
+
+    await asyncio.gather(*(caller(n) for n in range(concurrency)))
+    return outcomes
+
+
+def compute_s(stack: Stack, tenant: str) -> float:
+    metrics = scrape(stack.workers[0].metrics_port)
+    return total(metrics, names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL, tenant=tenant)
+
+
+@pytest.mark.parametrize(
+    "models", [("heavy", "heavy"), ("heavy", "light")], ids=["same-model", "different-models"]
+)
+async def test_weights_3_to_1_split_contended_compute_3_to_1(
+    stack: Stack, models: tuple[str, str]
+) -> None:
+    gold_model, bronze_model = models
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        warm_up_s, window_s = 3.0, 8.0
+        until = time.monotonic() + warm_up_s + window_s + 1.0
+        load = asyncio.gather(
+            closed_loop(stub, "gold", gold_model, 24, until),
+            closed_loop(stub, "bronze", bronze_model, 24, until),
+        )
+        await asyncio.sleep(warm_up_s)
+        before = {t: compute_s(stack, t) for t in ("gold", "bronze")}
+        await asyncio.sleep(window_s)
+        after = {t: compute_s(stack, t) for t in ("gold", "bronze")}
+        gold, bronze = await load
+    served = {t: after[t] - before[t] for t in after}
+    assert served["bronze"] > 0, "bronze was starved"
+    # The premise: the executor was the contended resource (busy most of the window).
+    assert sum(served.values()) >= 0.8 * window_s, served
+    ratio = served["gold"] / served["bronze"]
+    assert ratio == pytest.approx(3.0, rel=0.1), served
+    assert gold.latencies_s and bronze.latencies_s
+
+
+async def test_batch_priority_fills_what_interactive_leaves(stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        run_s = 8.0
+        # Capacity for batch traffic alone, then interactive alone, then both.
+        filler_alone = await closed_loop(stub, "filler", "quick", 32, time.monotonic() + run_s)
+        online_alone = await closed_loop(stub, "online", "quick", 2, time.monotonic() + run_s)
+        until = time.monotonic() + run_s
+        online_with, filler_with = await asyncio.gather(
+            closed_loop(stub, "online", "quick", 2, until),
+            closed_loop(stub, "filler", "quick", 32, until),
+        )
+    assert not online_with.errors, online_with.errors
+    alone_p99, with_p99 = online_alone.p99_s(), online_with.p99_s()
+    capacity = len(filler_alone.latencies_s) / run_s
+    left_over = capacity - len(online_with.latencies_s) / run_s
+    filler_goodput = len(filler_with.latencies_s) / run_s
+    print(
+        f"interactive p99 alone {alone_p99 * 1000:.1f} ms, beside batch {with_p99 * 1000:.1f}"
+        f" ms; batch {filler_goodput:.1f}/s of {left_over:.1f}/s left over"
+    )
+    assert with_p99 <= 1.1 * alone_p99, (alone_p99, with_p99)
+    assert filler_goodput >= 0.5 * left_over
