@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,14 @@ def _priority(value: int) -> PriorityClass:
         return worker_priority(value)
     except ValueError as error:
         raise InvalidInput(str(error)) from error
+
+
+def _generation_weight(value: float) -> float:
+    """A generation request's fair-share weight: 0 (unset) is 1; INVALID_ARGUMENT unless
+    finite and positive."""
+    if not (math.isfinite(value) and value >= 0.0):
+        raise InvalidInput(f"tenant weight must be finite and >= 0, got {value}")
+    return value or 1.0
 
 
 def _version_info(model: ServedModel, *, is_ready: bool) -> pb.ModelVersionInfo:
@@ -182,6 +191,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             params,
             priority=_priority(request.priority).rank,
             first_token_limit_s=min((x for x in limits if x is not None), default=None),
+            tenant=request.tenant or "default",
+            weight=_generation_weight(request.tenant_weight),
         )
         async for delta in stream:
             yield pb.GenerateResponse(

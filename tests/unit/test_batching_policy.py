@@ -701,6 +701,17 @@ def test_batch_rows_queued_do_not_delay_interactive_admission() -> None:
     assert batcher.add(late_batch_row, 0.0) == Rejected(RejectReason.DEADLINE)
 
 
+def test_a_flooders_queue_does_not_make_a_light_tenant_late() -> None:
+    # 40 rows of "flood" queued: 5 full batches, 50 ms. Fair share serves a row of "light" after
+    # about one of flood's, so light's row fits a 30 ms deadline; another flood row does not.
+    batcher = make_batcher(max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, tenant="flood", deadline_s=60.0) for i in range(40)])
+
+    assert batcher.add(make_item(item_id=100, tenant="light", deadline_s=0.03), 0.0) == Admitted()
+    flood_row = make_item(item_id=101, tenant="flood", deadline_s=0.03)
+    assert batcher.add(flood_row, 0.0) == Rejected(RejectReason.DEADLINE)
+
+
 def test_batch_rows_fill_only_half_the_queue() -> None:
     batcher = make_batcher(max_queue_size=10)
     add_all(batcher, [make_item(item_id=i, priority=BATCH) for i in range(5)])

@@ -12,7 +12,7 @@ from services.common.model_repository import (
     ModelConfigError,
     parse_model_config,
 )
-from services.gpu_worker.generation.engine import predicted_first_token_s
+from services.gpu_worker.generation.first_token import predicted_first_token_s
 
 pytestmark = pytest.mark.unit
 

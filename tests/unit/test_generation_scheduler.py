@@ -64,6 +64,8 @@ def make_seq(
     max_tokens: int = 4,
     priority: int = 0,
     arrival_s: float | None = None,
+    tenant: str = "",
+    weight: float = 1.0,
 ) -> Sequence:
     return Sequence(
         seq_id=seq_id,
@@ -71,6 +73,8 @@ def make_seq(
         max_tokens=max_tokens,
         priority=priority,
         arrival_s=float(seq_id) if arrival_s is None else arrival_s,
+        tenant=tenant,
+        weight=weight,
     )
 
 
@@ -288,6 +292,34 @@ def test_waiting_sequences_start_in_priority_then_arrival_order() -> None:
         engine.add(make_seq(seq_id=seq_id, priority=priority, max_tokens=1))
     engine.run()
     assert [scheduled_ids(s) for s in engine.steps] == [[2], [4], [3], [1]]
+
+
+def test_within_a_priority_the_tenant_with_fewer_tokens_per_weight_starts_first() -> None:
+    # One seat. "a" (weight 1) arrives first with three sequences, "b" (weight 3) after: once
+    # a's first has run, b has computed fewer tokens per weight, so b's go before a's others.
+    engine = FakeEngine(make_config(max_num_seqs=1))
+    for seq_id in (1, 2, 3):
+        engine.add(make_seq(seq_id=seq_id, tenant="a", max_tokens=1))
+    for seq_id in (4, 5):
+        engine.add(make_seq(seq_id=seq_id, tenant="b", weight=3.0, max_tokens=1))
+    engine.run()
+    assert [scheduled_ids(s) for s in engine.steps] == [[1], [4], [5], [2], [3]]
+
+
+def test_priority_outranks_fair_share_among_waiting_sequences() -> None:
+    engine = FakeEngine(make_config(max_num_seqs=1))
+    engine.add(make_seq(seq_id=1, tenant="busy", max_tokens=1))
+    engine.run()
+    engine.add(make_seq(seq_id=2, tenant="idle", priority=2, max_tokens=1))
+    engine.add(make_seq(seq_id=3, tenant="busy", priority=1, max_tokens=1))
+    engine.run()
+    assert [scheduled_ids(s) for s in engine.steps][1:] == [[3], [2]]
+
+
+def test_a_weight_that_is_not_positive_is_a_caller_bug() -> None:
+    scheduler = GenerationScheduler(make_config())
+    with pytest.raises(ValueError, match="positive and finite"):
+        scheduler.add(make_seq(seq_id=1, weight=0.0))
 
 
 def test_a_waiting_sequence_that_does_not_fit_blocks_later_ones() -> None:

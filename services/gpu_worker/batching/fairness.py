@@ -14,6 +14,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
+from typing import TypeVar
 
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.types import QueuedItem
@@ -27,6 +28,7 @@ _Entry = tuple[float, float, int]
 _Class = tuple[int, str]
 #: What orders the heads of the heaps: (priority rank, virtual seconds, tenant's join order).
 Rank = tuple[int, float, int]
+K = TypeVar("K")
 
 
 def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
@@ -51,6 +53,34 @@ def is_over_share(
     return rows[item.tenant] + 1 > share
 
 
+def rows_ahead(
+    per_key: Mapping[K, Mapping[str, int]],
+    tenant: str,
+    weight: float,
+    weights: Mapping[str, float],
+) -> dict[K, int]:
+    """Of the rows queued per key and tenant, how many fair share serves before one more row
+    of `tenant` (at `weight`): all of the tenant's own, and of each other tenant u the share
+    w_u / weight of as many rows as `tenant` has queued, plus one (weighted turns), capped at
+    what u has queued, spread over u's keys in proportion. An approximation: it ignores how
+    far apart the tenants' virtual times are now."""
+    totals: Counter[str] = Counter()
+    for counts in per_key.values():
+        totals.update(counts)
+    own = totals[tenant] + 1
+    fraction = {
+        u: min(1.0, own * weights.get(u, DEFAULT_WEIGHT) / (weight * n))
+        for u, n in totals.items()
+        if u != tenant and n > 0
+    }
+    return {
+        key: sum(
+            n if u == tenant else math.ceil(fraction[u] * n) for u, n in counts.items() if n > 0
+        )
+        for key, counts in per_key.items()
+    }
+
+
 class TenantQueues:
     """The items of one batch key: by priority, then weighted fair share, then EDF."""
 
@@ -61,6 +91,7 @@ class TenantQueues:
         self._heaps: dict[_Class, list[_Entry]] = {}
         self._num_stale = 0
         self._by_rank: Counter[int] = Counter()
+        self._by_class: Counter[_Class] = Counter()
         self._by_tenant: Counter[str] = Counter()
         # Order in which tenants with queued items joined: breaks ties like a DRR rotation.
         self._joined: dict[str, int] = {}
@@ -79,6 +110,14 @@ class TenantQueues:
         """Items queued at priority `rank` or more urgent (ranks ascend toward `batch`)."""
         return sum(n for r, n in self._by_rank.items() if r <= rank)
 
+    def rows_by_tenant(self, rank: int) -> Counter[str]:
+        """Items per tenant queued at priority `rank` or more urgent."""
+        counts: Counter[str] = Counter()
+        for (priority, tenant), n in self._by_class.items():
+            if priority <= rank:
+                counts[tenant] += n
+        return counts
+
     def tenant_rows(self, tenant: str) -> int:
         """Items of `tenant` queued here."""
         return self._by_tenant[tenant]
@@ -95,6 +134,7 @@ class TenantQueues:
         heap = self._heaps.setdefault((item.priority, item.tenant), [])
         heapq.heappush(heap, (item.deadline_s, item.arrival_s, item.item_id))
         self._by_rank[item.priority] += 1
+        self._by_class[(item.priority, item.tenant)] += 1
         self._by_tenant[item.tenant] += 1
         if item.tenant not in self._joined:
             self._joined[item.tenant] = next(self._join_order)
@@ -161,6 +201,9 @@ class TenantQueues:
     def _forget(self, item: QueuedItem) -> None:
         """Counts of an item that left the queue (taken, expired or cancelled)."""
         self._by_rank[item.priority] -= 1
+        self._by_class[(item.priority, item.tenant)] -= 1
+        if not self._by_class[(item.priority, item.tenant)]:
+            del self._by_class[(item.priority, item.tenant)]
         self._by_tenant[item.tenant] -= 1
         if not self._by_tenant[item.tenant]:
             del self._by_tenant[item.tenant]

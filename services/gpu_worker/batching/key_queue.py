@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.gpu_worker.batching.fairness import TenantQueues
+from services.gpu_worker.batching.types import BatchKey
 
 #: Weight of each new inter-arrival gap in the per-key EWMA.
 ARRIVAL_GAP_ALPHA = 0.2
@@ -79,3 +81,23 @@ class KeyQueue:
         if while_mean_s <= last_add_s + mean_gap_s:
             return while_mean_s
         return (linger_end_s + wanted * last_add_s) / (1.0 + wanted)
+
+
+def drain_s(
+    rows: Mapping[BatchKey, int],
+    predict: Callable[[BatchKey, int], float],
+    limit_for: Callable[[BatchKey], int],
+) -> float:
+    """Predicted compute of `rows` per key, every key in batches as full as `limit_for` allows
+    (`predict(key, n)`: one batch of n rows of the key)."""
+    total_s = 0.0
+    for key, count in rows.items():
+        if count <= 0:
+            continue
+        limit = limit_for(key)
+        full, rest = divmod(count, limit)
+        if full:
+            total_s += full * predict(key, limit)
+        if rest:
+            total_s += predict(key, rest)
+    return total_s

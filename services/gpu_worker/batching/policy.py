@@ -19,8 +19,9 @@ from services.gpu_worker.batching.fairness import (
     TenantQueues,
     check_tenant_weights,
     is_over_share,
+    rows_ahead,
 )
-from services.gpu_worker.batching.key_queue import KeyQueue
+from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
     BatcherConfig,
@@ -214,7 +215,7 @@ class Batcher:
                 return Rejected(RejectReason.DEADLINE)
             return None
         start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
-        finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority)
+        finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority, of=item)
         if finish_s + cfg.safety_margin_s > item.admission_limit_s:
             return Rejected(RejectReason.DEADLINE)
         if self._makes_batch_mates_late(item, start_s, finish_s):
@@ -239,42 +240,42 @@ class Batcher:
         mates_limit_s = queue.earliest_limit_s()
         if finish_s + margin_s <= mates_limit_s:
             return False
-        return self._drain_s(item.key, start_s, extra_rows=0) + margin_s <= mates_limit_s
+        queued = {k: len(q.items) for k, q in self._queues.items()}
+        return self._drain_s(item.key, start_s, queued, extra_rows=0) + margin_s <= mates_limit_s
 
     def predicted_finish_s(
-        self, key: BatchKey, start_s: float, *, rank: int | None = None
+        self,
+        key: BatchKey,
+        start_s: float,
+        *,
+        rank: int | None = None,
+        of: QueuedItem | None = None,
     ) -> float:
         """When one more item of `key` would finish if the executor, free at `start_s`, ran
         everything queued now first, every key in batches as full as its limit allows; with
-        `rank`, only what is queued at that priority or a more urgent one (the rest runs after).
+        `rank`, only what is queued at that priority or a more urgent one (the rest runs after);
+        with `of`, the new item, only the part of other tenants' rows that fair share serves
+        before it (fairness.rows_ahead): a light tenant is not refused for a flooder's queue.
 
         Conservative on purpose: queued items of other keys count as ahead even when their
         deadlines are later (the batcher serves the most urgent key first). Admitting only
         items that fit keeps the queue short enough to serve within deadlines; without it,
         overload fills the queue until every item waits about the whole SLO and most miss it.
         """
-        return self._drain_s(key, start_s, extra_rows=1, rank=rank)
+        if of is not None and rank is not None:
+            per_key = {k: q.items.rows_by_tenant(rank) for k, q in self._queues.items()}
+            rows = rows_ahead(per_key, of.tenant, of.weight, self._weights)
+        else:
+            rows = {k: q.items.count_at_most(rank) if rank is not None else len(q.items)
+                    for k, q in self._queues.items()}  # fmt: skip
+        return self._drain_s(key, start_s, rows, extra_rows=1)
 
     def _drain_s(
-        self, key: BatchKey, start_s: float, *, extra_rows: int, rank: int | None = None
+        self, key: BatchKey, start_s: float, rows: dict[BatchKey, int], *, extra_rows: int
     ) -> float:
-        """When everything queued (at `rank` or more urgent, with one), plus `extra_rows` more
-        of `key`, would be done."""
-        finish_s = start_s
-        for queued_key, queue in self._queues.items():
-            queued = len(queue.items) if rank is None else queue.items.count_at_most(rank)
-            rows = queued + (extra_rows if queued_key == key else 0)
-            if rows == 0:
-                continue
-            limit = self.max_batch_size_for(queued_key)
-            full, rest = divmod(rows, limit)
-            if full:
-                finish_s += full * self._latency.predict(queued_key, limit)
-            if rest:
-                finish_s += self._latency.predict(queued_key, rest)
-        if key not in self._queues and extra_rows:
-            finish_s += self._latency.predict(key, extra_rows)
-        return finish_s
+        """When `rows` (per key), plus `extra_rows` more of `key`, would be done."""
+        rows = {**rows, key: rows.get(key, 0) + extra_rows}
+        return start_s + drain_s(rows, self._latency.predict, self.max_batch_size_for)
 
     def cancel(self, item_id: int) -> bool:
         """Remove a queued item; True if it was queued (False if dispatched, expired or unknown)."""

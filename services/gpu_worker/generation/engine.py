@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Un
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Rejected
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.sampler import Sampler, make_generator
@@ -59,25 +59,6 @@ class _Request:
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_emitted: int = 0
-
-
-def predicted_first_token_s(
-    *,
-    num_waiting_tokens: int,
-    num_running: int,
-    num_prompt_tokens: int,
-    max_num_batched_tokens: int,
-    step_s: float,
-) -> float:
-    """Seconds until a new prompt's first token on a busy engine: the prefill backlog ahead of
-    it plus its own prompt, at the token budget left per step once every running sequence has
-    decoded its one token, at `step_s` a step. An idle engine answers 0: an idle lane is never
-    refused on a prediction."""
-    if num_waiting_tokens == 0 and num_running == 0:
-        return 0.0
-    prefill_per_step = max(1, max_num_batched_tokens - num_running)
-    steps = math.ceil((num_waiting_tokens + num_prompt_tokens) / prefill_per_step)
-    return steps * step_s
 
 
 class GenerationEngine:
@@ -189,6 +170,8 @@ class GenerationEngine:
         *,
         priority: int = 0,
         first_token_limit_s: float | None = None,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> AsyncIterator[Delta]:
         """Streams deltas until the sequence finishes. Closing the iterator (client cancel)
         frees the sequence's KV blocks before the next step. `first_token_limit_s`: seconds the
@@ -212,6 +195,8 @@ class GenerationEngine:
             max_tokens=params.max_tokens,
             priority=priority,
             arrival_s=now,
+            tenant=tenant,
+            weight=weight,
         )
         decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):

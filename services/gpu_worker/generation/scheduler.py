@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.batching.fair_share import ComputeLedger, check_weight
 from services.gpu_worker.generation.block_allocator import BlockAllocator
 
 
@@ -64,6 +65,10 @@ class Sequence:
     max_tokens: int
     #: Lower runs first; ties go to the earlier arrival_s, then the lower seq_id.
     priority: int = 0
+    #: Who asked, and their fair-share weight: among waiting sequences of one priority, the
+    #: tenant with the fewest tokens computed per weight is admitted first.
+    tenant: str = ""
+    weight: float = 1.0
     #: Seconds on the engine's monotonic clock.
     arrival_s: float = 0.0
     output_token_ids: list[int] = field(default_factory=list)
@@ -157,6 +162,8 @@ class GenerationScheduler:
         # Both sorted by _order. The last running sequence is the first to be preempted; a
         # preempted one re-enters waiting by its original key, ahead of later arrivals.
         self._waiting: list[Sequence] = []
+        # Tokens computed per tenant, per weight: fair share among waiting sequences.
+        self._ledger = ComputeLedger()
         self._running: list[Sequence] = []
         # The last schedule()'s work, until update_from_output() accounts for it.
         self._in_flight: dict[int, ScheduledSequence] = {}
@@ -219,8 +226,10 @@ class GenerationScheduler:
                 RejectReason.EXCEEDS_KV_CACHE,
                 f"needs {num_needed} KV blocks, the cache has {self._config.num_blocks}",
             )
+        check_weight(seq.weight)
         self._seqs[seq.seq_id] = seq
         bisect.insort(self._waiting, seq, key=_order)
+        self._ledger.join(seq.tenant)
         return Admitted()
 
     def schedule(self) -> SchedulerOutput:
@@ -274,6 +283,7 @@ class GenerationScheduler:
         for seq_id, step in in_flight.items():
             seq = self._seqs[seq_id]
             seq.num_computed_tokens += len(step.token_ids)
+            self._ledger.charge(seq.tenant, len(step.token_ids), seq.weight)
             if step.samples:
                 seq.output_token_ids.append(sampled[seq_id])
 
@@ -282,6 +292,7 @@ class GenerationScheduler:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return False
+        self._ledger.leave(seq.tenant)
         # Finished mid-step (cancel, error): its in-flight work is dropped, not accounted.
         self._in_flight.pop(seq_id, None)
         (self._running if seq.status is SequenceStatus.RUNNING else self._waiting).remove(seq)
@@ -320,7 +331,7 @@ class GenerationScheduler:
         blocks last. The first that does not fit stops admission: no overtaking."""
         cfg = self._config
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting[0]
+            seq = self._next_waiting()
             num_new = min(seq.num_tokens, budget)
             num_needed = self._allocator.blocks_for(num_new)
             # With nothing running the headroom protects nobody, and keeping it could leave a
@@ -328,7 +339,7 @@ class GenerationScheduler:
             headroom = cfg.watermark_blocks if self._running else 0
             if not self._allocator.can_allocate(num_needed + headroom):
                 break
-            del self._waiting[0]
+            self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             seq.block_table = self._allocator.allocate(num_needed)
             bisect.insort(self._running, seq, key=_order)
@@ -341,15 +352,24 @@ class GenerationScheduler:
         cfg = self._config
         num_reserved = 0
         while self._waiting and len(self._running) < cfg.max_num_seqs:
-            seq = self._waiting[0]
+            seq = self._next_waiting()
             headroom = cfg.watermark_blocks if self._running else 0
             num_needed = self._allocator.blocks_for(seq.num_tokens)
             if num_reserved + num_needed + headroom > self._allocator.num_free:
                 break
-            del self._waiting[0]
+            self._waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            self._running.append(seq)  # taken in order, so _running stays sorted
+            bisect.insort(self._running, seq, key=_order)
             num_reserved += num_needed
+
+    def _next_waiting(self) -> Sequence:
+        """The waiting sequence to admit next: the most urgent priority class, then the tenant
+        with the fewest tokens computed per weight (fair_share.ComputeLedger, counted in
+        tokens), then the earliest arrival."""
+        return min(
+            self._waiting,
+            key=lambda s: (s.priority, self._ledger.virtual_s(s.tenant), s.arrival_s, s.seq_id),
+        )
 
     def _plan(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens
