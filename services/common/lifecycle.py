@@ -134,10 +134,14 @@ def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
     return int(http_server.server_port)
 
 
-def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int) -> None:
+def write_ready_file(
+    path: Path | None, grpc_port: int, metrics_port: int, **other_ports: int
+) -> None:
+    """Writes {grpc_port, metrics_port, **other_ports} (such as the gateway's http_port)."""
     if path is not None:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"grpc_port": grpc_port, "metrics_port": metrics_port}))
+        ports = {"grpc_port": grpc_port, "metrics_port": metrics_port, **other_ports}
+        tmp.write_text(json.dumps(ports))
         tmp.replace(path)  # atomic: readers never see a half-written file
 
 

@@ -5,8 +5,10 @@ services.common.registry_schema):
 - `worker`: publishes its heartbeat (EVALSHA of the publish script, which runs TIME, ZADD and
   SET) and deregisters (ZREM, DEL), on the registry keys only. It reads nothing back.
 - `router`: reads the registry (ZRANGE, MGET, TIME) and writes nothing.
-- `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys only
-  (services.gateway.quota_sync); it cannot read or touch the registry.
+- `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys and reads
+  the runtime model routing (HGETALL of `<prefix>:rollout`; Redis 6 ACLs cannot make one key
+  read-only, so it could also write it) (services.gateway.quota_sync, routing_sync); it cannot
+  read or touch the registry.
 - `admin`: everything, for operators and tests.
 - `default` (unauthenticated connections): disabled, so a client without a password gets
   NOAUTH and nothing else.
@@ -70,7 +72,7 @@ def acl_lines(passwords: Mapping[str, str], *, registry_prefix: str = "fabric") 
     role_keys = {
         ROUTER: registry_keys,
         WORKER: registry_keys,
-        GATEWAY: f"~{registry_prefix}:quota:*",
+        GATEWAY: f"~{registry_prefix}:quota:* ~{registry_prefix}:rollout",
     }
     lines = [
         "user default off resetpass resetkeys resetchannels -@all",

@@ -25,14 +25,16 @@ async def serve(config: GatewayConfig) -> int:
     stopping = stop_event()
     metrics_port = start_metrics(config.metrics_port, config.host, gateway.metrics.registry)
     refresh = asyncio.create_task(gateway.refresh_catalog(), name="catalog")
+    http_port = gateway.http.port if gateway.http is not None else -1
     log.info(
-        "gateway on %s:%d, metrics on %d, router %s",
+        "gateway on %s:%d, HTTP on %d, metrics on %d, router %s",
         config.host,
         gateway.port,
+        http_port,
         metrics_port,
         config.router_address,
     )
-    write_ready_file(config.ready_file, gateway.port, metrics_port)
+    write_ready_file(config.ready_file, gateway.port, metrics_port, http_port=http_port)
     await stopping.wait()
     log.info("SIGTERM: stopping")
     refresh.cancel()

@@ -10,8 +10,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from services.common.errors import Overloaded, ServingError
-from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass
+from services.common.telemetry import count_outcome
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.quotas import QuotaRefusal, TenantQuotas
 from services.gateway.tenants import TenantLabels, TenantPolicy
@@ -85,14 +85,11 @@ class TenantAdmission:
     @contextlib.contextmanager
     def observe(self, tenant: str, priority: PriorityClass) -> Iterator[None]:
         """Counts and times one inference call of `tenant` by its final status."""
-        label, started, code = self.labels(tenant), time.perf_counter(), "OK"
+        label, started = self.labels(tenant), time.perf_counter()
         try:
-            yield
-        except BaseException as error:
-            code = status_of(error).code.name
-            raise
+            with count_outcome(self._metrics.tenant_requests_total, label, priority.value):
+                yield
         finally:
-            self._metrics.tenant_requests_total.labels(label, priority.value, code).inc()
             self._metrics.tenant_request_seconds.labels(label).observe(
                 time.perf_counter() - started
             )

@@ -170,6 +170,20 @@ def _read_keys(path: Path) -> dict[str, Principal]:
     return entries
 
 
+def principal_for(keys: KeyStore | None, metadata: Mapping[str, str]) -> Principal:
+    """The caller a call's metadata (or an HTTP request's lower-cased headers) presents:
+    LOCAL_PRINCIPAL without a keys store; raises Unauthenticated for a missing or unknown key."""
+    return LOCAL_PRINCIPAL if keys is None else keys.authenticate(_presented_key(metadata))
+
+
+def acting_as(
+    principal: Principal, admission: TenantAdmission | None = None
+) -> contextlib.AbstractAsyncContextManager[Step]:
+    """Serves the code inside as `principal` (`current_principal`), counted in flight by
+    `admission` when given (an admitted inference call); the HTTP API's way in."""
+    return _as(principal, admission)
+
+
 def _presented_key(metadata: Mapping[str, str]) -> str | None:
     authorization = metadata.get("authorization", "")
     if authorization.lower().startswith("bearer "):
@@ -187,11 +201,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._admission = admission
 
     def _principal(self, metadata: Mapping[str, str]) -> Principal:
-        return (
-            LOCAL_PRINCIPAL
-            if self._keys is None
-            else self._keys.authenticate(_presented_key(metadata))
-        )
+        return principal_for(self._keys, metadata)
 
     async def intercept_service(
         self,

@@ -3,6 +3,8 @@ which versions the fleet serves now (from the router, refreshed in the backgroun
 
 Resolving a request's model picks the version (number, label, or weighted default), checks a
 ready worker serves it, and that the workers' tokenizer is the one this gateway would use.
+Labels and traffic weights are the repository's until Redis says otherwise
+(services.common.model_routing, applied by routing_sync).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
+from services.common.model_routing import ModelRouting
 from services.common.text import TextEncoder
 from services.gateway.triton_info import WorkerTimes
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -47,6 +50,32 @@ class ModelCatalog:
             self._encoders[(version.config.name, version.version)] = encoder
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
         self._rng = rng or random.Random()
+        self._seeds = {
+            name: ModelRouting(dict(c.labels), dict(c.traffic)) for name, c in self._configs.items()
+        }
+        self._routing = dict(self._seeds)
+
+    def routing(self, name: str) -> ModelRouting:
+        """The model's labels and traffic weights in force (KeyError for an unknown model)."""
+        return self._routing[name]
+
+    def set_routing(self, name: str, routing: ModelRouting | None) -> bool:
+        """Applies a runtime routing for `name` (None: back to the repository's seed) if it is
+        newer than the one in force; True if it changed anything. Raises ValueError for an
+        unknown model or a label naming a version not in this gateway's repository."""
+        if name not in self._configs:
+            raise ValueError(f"model {name!r} is not in this gateway's repository")
+        current = self._routing[name]
+        if routing is None:
+            if current.revision == 0:
+                return False
+            self._routing[name] = self._seeds[name]
+            return True
+        if routing.revision <= current.revision:
+            return False
+        routing.check_versions({int(v) for (n, v) in self._encoders if n == name})
+        self._routing[name] = routing
+        return True
 
     def update_served(self, versions: Sequence[pb.ModelVersionInfo]) -> None:
         """Replaces the fleet view (what the router says live workers serve)."""
@@ -84,30 +113,34 @@ class ModelCatalog:
         served = [v for (n, _), v in self._served.items() if n == name and v.is_ready]
         return sorted(served, key=lambda v: int(v.model_version))
 
-    def _default_version(self, config: ModelConfig) -> str:
-        weights = {label: w for label, w in config.traffic.items() if label in config.labels}
-        if weights:
-            labels = list(weights)
-            label = self._rng.choices(labels, weights=[weights[x] for x in labels])[0]
-            return str(config.labels[label])
-        if "stable" in config.labels:
-            return str(config.labels["stable"])
+    def _default_version(self, config: ModelConfig, sticky_key: str | None) -> str:
+        routing = self._routing[config.name]
+        label = routing.weighted_label(config.name, sticky_key, self._rng)
+        if label is not None:
+            return str(routing.labels[label])
+        if "stable" in routing.labels:
+            return str(routing.labels["stable"])
         served = self.served_versions(config.name)
         if not served:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
         return served[-1].model_version
 
-    def resolve(self, name: str, version_spec: str) -> ResolvedModel:
+    def resolve(
+        self, name: str, version_spec: str, *, sticky_key: str | None = None
+    ) -> ResolvedModel:
+        """The version a request for `version_spec` (number, label, or "" for the weighted
+        default; the same `sticky_key` gets the same default while weights stand) runs on."""
         config = self.config(name)
+        labels = self._routing[config.name].labels
         spec = version_spec.strip()
         if not spec:
-            version = self._default_version(config)
+            version = self._default_version(config, sticky_key)
         elif spec.isdigit():
             version = str(int(spec))
         elif _LABEL_RE.match(spec):
-            if spec not in config.labels:
+            if spec not in labels:
                 raise NotFound(f"model {name!r} has no version label {spec!r}")
-            version = str(config.labels[spec])
+            version = str(labels[spec])
         else:
             raise InvalidInput(f"model version {version_spec!r} is neither a number nor a label")
         if (name, version) not in self._encoders:

@@ -33,6 +33,9 @@ class GatewayConfig:
     grpc_port: int = 8001
     #: Prometheus `/metrics` port (Triton's convention: 8002); 0 picks a free one.
     metrics_port: int = 8002
+    #: KServe v2 REST and OpenAI-compatible HTTP port (Triton's convention: 8000); 0 picks a
+    #: free one; -1 serves no HTTP.
+    http_port: int = 8000
     #: TOML file of hashed API keys (re-read when it changes). Without one the gateway refuses
     #: to start unless `allow_unauthenticated` is set.
     api_keys_file: Path | None = None
@@ -57,7 +60,8 @@ class GatewayConfig:
     #: How the router is dialled: TLS with the CA that signed its certificate, and the
     #: gateway's own client certificate where routers require one.
     router_tls: ClientTls = field(default_factory=ClientTls)
-    #: When set, a JSON line {grpc_port, metrics_port} is written here once the gateway is ready.
+    #: When set, a JSON line {grpc_port, metrics_port, http_port} is written here once the
+    #: gateway is ready (http_port -1 without HTTP).
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
     #: Where tenants' fleet-wide quotas are shared with the other gateways.
@@ -98,6 +102,13 @@ SETTINGS = SettingsTable(
             bool,
             False,
             "local development only: without a keys file, serve every caller as tenant 'local'",
+        ),
+        Setting(
+            "http_port",
+            int,
+            GatewayConfig.http_port,
+            "KServe v2 REST and OpenAI-compatible HTTP port; 0 picks a free one, -1 serves no HTTP",
+            "port",
         ),
         Setting(
             "max_inputs_per_request",

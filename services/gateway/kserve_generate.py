@@ -153,12 +153,14 @@ def _response(
     )
 
 
-async def _generate_one(
+async def generate_one(
     predictor: Predictor,
     request: kserve.ModelInferRequest,
     principal: Principal,
     timeout_s: float | None,
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    """One generation request (inputs as the module describes), its responses as they come;
+    errors raise (ServingError). Shared by ModelStreamInfer and the REST generate endpoints."""
     check_inputs(request)
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
@@ -214,7 +216,7 @@ async def stream_infer(
 
     async def run(request: kserve.ModelInferRequest) -> None:
         try:
-            stream = _generate_one(predictor, request, principal, time_remaining())
+            stream = generate_one(predictor, request, principal, time_remaining())
             async for response in stream:
                 await responses.put(response)
         except Exception as error:  # every request gets an answer, whatever failed

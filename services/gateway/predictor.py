@@ -163,7 +163,9 @@ class Predictor:
         call.principal.check_model(config.name)
         if config.generation is not None:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
-        model = self.catalog.resolve(call.model_name, call.version_spec)
+        model = self.catalog.resolve(
+            call.model_name, call.version_spec, sticky_key=call.request_id or None
+        )
         self._metrics.validate_seconds.observe(time.perf_counter() - started)
         is_ok = False
         try:
@@ -293,7 +295,9 @@ class Predictor:
         call.principal.check_model(config.name)
         if config.generation is None:
             raise InvalidInput(f"{config.name} is not a generation model: call Predict")
-        model = self.catalog.resolve(call.model_name, call.version_spec)
+        model = self.catalog.resolve(
+            call.model_name, call.version_spec, sticky_key=call.request_id or None
+        )
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
         self.admission.charge_rows(call.principal.policy, 1)

@@ -85,7 +85,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
         return api.ModelInfo(
             name=config.name,
             versions=catalog.served_versions(config.name),
-            labels={label: str(v) for label, v in config.labels.items()},
+            labels={label: str(v) for label, v in catalog.routing(config.name).labels.items()},
         )
 
     async def ListModels(

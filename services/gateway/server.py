@@ -24,11 +24,13 @@ from services.gateway.admission import TenantAdmission
 from services.gateway.auth import LOCAL_PRINCIPAL, AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
+from services.gateway.http.server import HttpListener, start_http
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import ROUTER_CHANNEL_OPTIONS, Predictor, router_target
 from services.gateway.public_api import InferenceServicer
 from services.gateway.quota_sync import QuotaSync
+from services.gateway.routing_sync import RoutingSync
 from services.gateway.tenants import TenantLabels
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
@@ -60,6 +62,10 @@ class Gateway:
     health_listener: grpc.aio.Server | None = None
     #: Shares tenants' fleet-wide quotas with the other gateways (None without Redis).
     quota_sync: QuotaSync | None = None
+    #: KServe v2 REST and OpenAI-compatible listener (None when `http_port` is -1).
+    http: HttpListener | None = None
+    #: Applies runtime labels and traffic weights from Redis (None without Redis).
+    routing_sync: RoutingSync | None = None
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -86,7 +92,11 @@ class Gateway:
             self.keys_watch.cancel()
         if self.quota_sync is not None:
             await self.quota_sync.stop()
+        if self.routing_sync is not None:
+            await self.routing_sync.stop()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
+        if self.http is not None:
+            await self.http.stop()
         await self.server.stop(grace=self.config.drain_grace_s)
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)
@@ -130,10 +140,17 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
     health_listener = await start_health_listener(health_servicer, config.host, config.tls)
-    quota_sync = None
+    quota_sync = routing_sync = None
     if config.quota_sync.redis_url:
         quota_sync = QuotaSync(config.quota_sync, admission, tenants)
         quota_sync.start()
+        routing_sync = RoutingSync(
+            catalog,
+            redis_url=config.quota_sync.redis_url,
+            password_file=config.quota_sync.redis_password_file,
+            key_prefix=config.quota_sync.key_prefix,
+        )
+        routing_sync.start()
 
     def on_reload(store: KeyStore) -> None:
         admission.labels.update(store.tenants)
@@ -145,6 +162,19 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         if keys is not None
         else None
     )
+    http = None
+    if config.http_port >= 0:
+        http = await start_http(
+            host=config.host,
+            port=config.http_port,
+            tls=config.tls,
+            keys=keys,
+            predictor=predictor,
+            metrics=metrics,
+            max_inputs=config.max_inputs_per_request,
+            max_body_bytes=config.max_message_bytes,
+            model_repository=config.model_repository,
+        )
     return Gateway(
         config,
         server,
@@ -157,4 +187,6 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         keys_watch,
         health_listener,
         quota_sync,
+        http,
+        routing_sync,
     )

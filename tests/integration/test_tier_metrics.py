@@ -42,6 +42,7 @@ async def tier_scrapes(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
             router_address=f"127.0.0.1:{router.port}",
             grpc_port=0,
             metrics_port=0,
+            http_port=0,
             allow_unauthenticated=True,
         )
     )

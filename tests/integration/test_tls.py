@@ -304,7 +304,7 @@ def fabric(tmp_path_factory: pytest.TempPathFactory, fabric_ca: Authority) -> It
         started.append(router)
         gateway = start_tier(tmp, "gateway", [
             "--model-repository", str(repository), "--allow-unauthenticated",
-            "--router-address", router.address, "--catalog-refresh-s", "0.1",
+            "--router-address", router.address, "--catalog-refresh-s", "0.1", "--http-port", "0",
             *server_args(gateway_cert, None),
             "--router-tls-ca-file", ca, "--router-tls-cert-file", str(gateway_client.cert),
             "--router-tls-key-file", str(gateway_client.key),

@@ -106,6 +106,7 @@ async def start_lone_gateway(repository: Path, **settings: Any) -> Gateway:
             router_address=NO_ROUTER,
             grpc_port=0,
             metrics_port=0,
+            http_port=0,
             **settings,
         )
     )
@@ -148,6 +149,7 @@ async def running_fabric(
                     router_address=fabric.router_address,
                     grpc_port=0,
                     metrics_port=0,
+                    http_port=0,
                     catalog_refresh_s=PERIOD_S,
                     allow_unauthenticated=True,
                 )

@@ -19,10 +19,16 @@ class Tier:
     grpc_port: int
     metrics_port: int
     pid: int
+    #: The gateway's KServe v2 REST / OpenAI port (-1 for the other tiers).
+    http_port: int = -1
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
 
 
 @dataclass(frozen=True)

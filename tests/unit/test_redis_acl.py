@@ -54,7 +54,7 @@ def test_each_role_gets_only_its_commands_on_the_registry_keys() -> None:
     # Gateways share quota demand on the quota keys only: no registry key, no other command.
     gateway = rules["gateway"]
     assert {r for r in gateway if r.startswith("+")} == {"+ping", "+hset", "+hgetall", "+hdel"}
-    assert {r for r in gateway if r.startswith("~")} == {"~blue:quota:*"}
+    assert {r for r in gateway if r.startswith("~")} == {"~blue:quota:*", "~blue:rollout"}
 
 
 def test_passwords_appear_only_hashed() -> None:

@@ -1,0 +1,238 @@
+"""KServe v2 REST bodies <-> the KServe gRPC messages the servicer already validates, so REST
+and gRPC share every check after this point. Pure: bytes and dicts in, messages out.
+
+JSON tensors carry `data` as a (possibly nested) row-major list; Triton's binary tensor
+extension sends the JSON header first (its length in the `Inference-Header-Content-Length`
+header) and then each input's bytes in order, each input's `parameters.binary_data_size` long
+(BYTES elements as 4-byte little-endian lengths each followed by the bytes). Outputs come back
+binary when the request's `binary_data_output` parameter or the output's `binary_data`
+parameter asks for it.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from services.common.errors import InvalidInput
+from services.common.tensors import NUMPY_DTYPES
+from services.pb.inference import grpc_service_pb2 as kserve
+
+#: The header naming the JSON part's length in a binary-extension body.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+#: Deepest nesting of a JSON `data` list (a tensor has few dimensions).
+MAX_DATA_DEPTH = 16
+_NUMBER_TYPES = (int, float)
+
+
+@dataclass(frozen=True)
+class InferBody:
+    """One parsed infer request: the message for the servicer and how to send outputs."""
+
+    request: kserve.ModelInferRequest
+    #: Every output binary (`binary_data_output`), unless named in `json_outputs`.
+    is_binary_default: bool
+    #: Outputs asked for by name with their own `binary_data` choice.
+    binary_by_output: dict[str, bool]
+
+    def is_binary(self, name: str) -> bool:
+        return self.binary_by_output.get(name, self.is_binary_default)
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
+    """The JSON object and the binary part after it (empty without the header)."""
+    if header_length is None:
+        json_part, binary = body, b""
+    else:
+        try:
+            length = int(header_length)
+        except ValueError:
+            raise InvalidInput(f"{HEADER_LENGTH} is not an integer: {header_length!r}") from None
+        if not 0 <= length <= len(body):
+            raise InvalidInput(f"{HEADER_LENGTH} {length} is outside the {len(body)}-byte body")
+        json_part, binary = body[:length], body[length:]
+    return parse_json_object(json_part), binary
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A request body that must be one JSON object; InvalidInput otherwise."""
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as error:
+        raise InvalidInput(f"request body is not JSON: {error}") from None
+    if not isinstance(parsed, dict):
+        raise InvalidInput("request body must be a JSON object")
+    return parsed
+
+
+def infer_parameters(parameters: Any) -> dict[str, kserve.InferParameter]:
+    """A JSON `parameters` object as InferParameters (bool, integer, float or string)."""
+    if parameters is None:
+        return {}
+    if not isinstance(parameters, dict):
+        raise InvalidInput("parameters must be a JSON object")
+    converted = {}
+    for key, value in parameters.items():
+        if isinstance(value, bool):
+            converted[key] = kserve.InferParameter(bool_param=value)
+        elif isinstance(value, int) and -(2**63) <= value < 2**63:
+            converted[key] = kserve.InferParameter(int64_param=value)
+        elif isinstance(value, float):
+            converted[key] = kserve.InferParameter(double_param=value)
+        elif isinstance(value, str):
+            converted[key] = kserve.InferParameter(string_param=value)
+        else:
+            raise InvalidInput(f"parameter {key!r} must be a bool, integer, number or string")
+    return converted
+
+
+def _flatten(data: Any, depth: int = 0) -> Iterator[Any]:
+    if depth > MAX_DATA_DEPTH:
+        raise InvalidInput(f"tensor data nests deeper than {MAX_DATA_DEPTH} lists")
+    for item in data:
+        if isinstance(item, list):
+            yield from _flatten(item, depth + 1)
+        else:
+            yield item
+
+
+def bytes_elements(elements: list[bytes]) -> bytes:
+    """BYTES elements in the wire framing: each a 4-byte little-endian length, then bytes."""
+    return b"".join(struct.pack("<I", len(e)) + e for e in elements)
+
+
+def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
+    """A JSON tensor's `data` as raw bytes in the wire layout of `datatype`."""
+    if not isinstance(data, list):
+        raise InvalidInput(f"input {name}: data must be a list")
+    flat = list(_flatten(data))
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise InvalidInput(f"input {name}: BYTES data must be strings")
+        return bytes_elements([v.encode() for v in flat])
+    dtype = NUMPY_DTYPES.get(datatype)
+    if dtype is None:
+        raise InvalidInput(f"input {name}: datatype {datatype!r} is not supported")
+    if not all(isinstance(v, _NUMBER_TYPES) and not isinstance(v, bool) for v in flat):
+        raise InvalidInput(f"input {name}: {datatype} data must be numbers")
+    try:
+        return np.asarray(flat, dtype=dtype).tobytes()
+    except OverflowError:
+        raise InvalidInput(f"input {name}: a value does not fit {datatype}") from None
+
+
+def _input_tensor(
+    tensor: Any, binary: bytes, offset: int
+) -> tuple[kserve.ModelInferRequest.InferInputTensor, bytes, int]:
+    """One input as (its metadata, its raw bytes, the binary offset after it)."""
+    if not isinstance(tensor, dict):
+        raise InvalidInput("each input must be a JSON object")
+    name, datatype, shape = tensor.get("name"), tensor.get("datatype"), tensor.get("shape")
+    if not isinstance(name, str) or not isinstance(datatype, str):
+        raise InvalidInput("each input needs a name and a datatype")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape
+    ):
+        raise InvalidInput(f"input {name}: shape must be a list of non-negative integers")
+    parameters = tensor.get("parameters") or {}
+    size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
+    if size is not None:
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise InvalidInput(f"input {name}: binary_data_size {size} runs past the body")
+        raw, offset = binary[offset : offset + size], offset + size
+    elif "data" in tensor:
+        raw = json_tensor_bytes(name, datatype, tensor["data"])
+    else:
+        raise InvalidInput(f"input {name} has neither data nor binary_data_size")
+    message = kserve.ModelInferRequest.InferInputTensor(name=name, datatype=datatype, shape=shape)
+    return message, raw, offset
+
+
+def infer_body(
+    model_name: str, model_version: str, body: dict[str, Any], binary: bytes
+) -> InferBody:
+    """The ModelInferRequest of a REST infer body; every input's data goes in
+    `raw_input_contents`, as tritonclient's gRPC client sends it."""
+    inputs = body.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise InvalidInput("inputs must be a non-empty list")
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput("id must be a string")
+    parameters = dict(body.get("parameters") or {})
+    is_binary_default = parameters.pop("binary_data_output", False) is True
+    request = kserve.ModelInferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        id=request_id,
+        parameters=infer_parameters(parameters),
+    )
+    offset = 0
+    for tensor in inputs:
+        message, raw, offset = _input_tensor(tensor, binary, offset)
+        request.inputs.append(message)
+        request.raw_input_contents.append(raw)
+    if offset != len(binary):
+        raise InvalidInput(f"{len(binary) - offset} bytes of binary data belong to no input")
+    binary_by_output = {}
+    for output in body.get("outputs") or []:
+        if not isinstance(output, dict) or not isinstance(output.get("name"), str):
+            raise InvalidInput("each output must be a JSON object with a name")
+        request.outputs.add(name=output["name"])
+        choice = (output.get("parameters") or {}).get("binary_data")
+        binary_by_output[output["name"]] = choice is True or (choice is None and is_binary_default)
+    return InferBody(request, is_binary_default, binary_by_output)
+
+
+def decode_bytes_elements(raw: bytes) -> list[bytes]:
+    """The elements of a length-prefixed BYTES buffer (our own responses: trusted framing)."""
+    elements, offset = [], 0
+    while offset + 4 <= len(raw):
+        (length,) = struct.unpack_from("<I", raw, offset)
+        elements.append(raw[offset + 4 : offset + 4 + length])
+        offset += 4 + length
+    return elements
+
+
+def output_data(datatype: str, raw: bytes) -> list[Any]:
+    """An output's raw bytes as a flat JSON `data` list."""
+    if datatype == "BYTES":
+        return [e.decode("utf-8", errors="replace") for e in decode_bytes_elements(raw)]
+    values: list[Any] = np.frombuffer(raw, dtype=NUMPY_DTYPES[datatype]).tolist()
+    return values
+
+
+def infer_response_body(
+    response: kserve.ModelInferResponse, choice: InferBody
+) -> tuple[bytes, int | None]:
+    """The REST body of `response` and, when any output went binary, the JSON part's length
+    (for the `Inference-Header-Content-Length` header)."""
+    outputs, binary = [], []
+    for tensor, raw in zip(response.outputs, response.raw_output_contents, strict=True):
+        output: dict[str, Any] = {
+            "name": tensor.name,
+            "datatype": tensor.datatype,
+            "shape": list(tensor.shape),
+        }
+        if choice.is_binary(tensor.name):
+            output["parameters"] = {"binary_data_size": len(raw)}
+            binary.append(raw)
+        else:
+            output["data"] = output_data(tensor.datatype, raw)
+        outputs.append(output)
+    header = json.dumps(
+        {
+            "model_name": response.model_name,
+            "model_version": response.model_version,
+            "id": response.id,
+            "outputs": outputs,
+        }
+    ).encode()
+    if not binary:
+        return header, None
+    return header + b"".join(binary), len(header)

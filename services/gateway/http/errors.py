@@ -1,0 +1,66 @@
+"""Errors as HTTP answers: the gRPC status a call would get (services.common.grpc_errors,
+the one mapping of errors to statuses) turned into an HTTP status and a JSON body."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.grpc_errors import status_of
+
+#: gRPC codes to HTTP statuses (as KServe and grpc-gateway map them); others are 500.
+HTTP_STATUSES: dict[grpc.StatusCode, int] = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.ALREADY_EXISTS: 409,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNIMPLEMENTED: 501,
+    grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+#: OpenAI's error `type` for our statuses (its clients read `error.message` and the status).
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """One error as an HTTP answer."""
+
+    status: int
+    message: str
+    #: Headers to send (Retry-After on 429 when the refusal carries a hint).
+    headers: dict[str, str]
+
+    def kserve_body(self) -> bytes:
+        """KServe's error body: {"error": "<message>"}."""
+        return json.dumps({"error": self.message}).encode()
+
+    def openai_body(self) -> bytes:
+        """OpenAI's error body: {"error": {"message", "type", "code"}}."""
+        kind = _OPENAI_TYPES.get(self.status, "server_error")
+        return json.dumps(
+            {"error": {"message": self.message, "type": kind, "code": self.status}}
+        ).encode()
+
+
+def http_error(error: BaseException) -> HttpError:
+    """The HTTP answer to a call that raised `error` (a ServingError's own words; "internal
+    error" for anything else, whose details stay in our logs)."""
+    status = status_of(error)
+    headers: dict[str, str] = {}
+    for key, value in status.trailers:
+        if key == RETRY_AFTER_MS_KEY:
+            # Retry-After is whole seconds; round up so a client never comes back too early.
+            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+    code = HTTP_STATUSES.get(status.code, 500)
+    return HttpError(code, status.message, headers)

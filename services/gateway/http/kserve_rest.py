@@ -1,0 +1,241 @@
+"""KServe v2 REST (Triton's HTTP API): health, metadata, config, statistics, infer (JSON and
+binary tensors) and Triton's generate extension. Every call goes through the gRPC servicer's
+own methods (services.gateway.kserve_api) or its generation path
+(services.gateway.kserve_generate), so both transports validate, route and count alike."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+import grpc
+from aiohttp import web
+from google.protobuf import json_format
+
+from services.common.errors import InvalidInput
+from services.common.grpc_errors import is_bug
+from services.gateway.auth import current_principal
+from services.gateway.http.codec import (
+    HEADER_LENGTH,
+    bytes_elements,
+    decode_bytes_elements,
+    infer_body,
+    infer_parameters,
+    infer_response_body,
+    parse_json_object,
+    split_body,
+)
+from services.gateway.http.errors import http_error
+from services.gateway.http.sse import SSE_CONTENT_TYPE, sse_event
+from services.gateway.kserve_api import KServeServicer
+from services.gateway.kserve_generate import generate_one
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import Predictor
+from services.pb.inference import grpc_service_pb2 as kserve
+
+#: Parameters of a generate request that are not sampling parameters.
+_CONTROL_PARAMETERS = ("priority", "timeout")
+#: Statistics fields that are strings, not int64 counts, in JSON.
+_TEXT_FIELDS = frozenset({"name", "version"})
+
+
+class _NoDeadline:
+    """The servicer's view of an HTTP call: HTTP carries no deadline (Triton's `timeout`
+    parameter can set one)."""
+
+    def time_remaining(self) -> float | None:
+        return None
+
+
+_CONTEXT = cast(grpc.aio.ServicerContext, _NoDeadline())
+
+
+def _json(payload: Any, status: int = 200) -> web.Response:
+    return web.Response(body=json.dumps(payload).encode(), status=status,
+                        content_type="application/json")  # fmt: skip
+
+
+def _tensor_metadata(tensors: Any) -> list[dict[str, Any]]:
+    return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in tensors]
+
+
+def _counts_as_numbers(value: Any, key: str = "") -> Any:
+    """protobuf's JSON writes int64 as strings; Triton's statistics JSON has numbers."""
+    if isinstance(value, dict):
+        return {k: _counts_as_numbers(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_counts_as_numbers(v, key) for v in value]
+    if isinstance(value, str) and key not in _TEXT_FIELDS and value.isdigit():
+        return int(value)
+    return value
+
+
+def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.ModelInferRequest:
+    """A generate-extension body ({"text_input", "parameters": {...}}) as the decoupled model's
+    ModelInferRequest: sampling keys go in `sampling_parameters`, `priority`/`timeout` stay
+    request parameters, `stream` and `exclude_input_in_output` become BOOL inputs."""
+    text = body.get("text_input")
+    if not isinstance(text, str):
+        raise InvalidInput("text_input (a string) is required")
+    options = dict(body.get("parameters") or {})
+    control = {k: options.pop(k) for k in _CONTROL_PARAMETERS if k in options}
+    flags = {k: bool(options.pop(k, False)) for k in ("stream", "exclude_input_in_output")}
+    request = kserve.ModelInferRequest(
+        model_name=name, model_version=version, id=str(body.get("id", "")),
+        parameters=infer_parameters(control),
+    )  # fmt: skip
+    request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(bytes_elements([text.encode()]))
+    request.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
+    request.raw_input_contents.append(bytes_elements([json.dumps(options).encode()]))
+    for flag, value in flags.items():
+        request.inputs.add(name=flag, datatype="BOOL", shape=[1])
+        request.raw_input_contents.append(b"\x01" if value else b"\x00")
+    return request
+
+
+def generate_json(response: kserve.ModelStreamInferResponse) -> dict[str, Any]:
+    """One generate response as Triton's generate extension writes it: model, version,
+    `text_output`, and on the last one finish_reason and token counts."""
+    infer = response.infer_response
+    (text,) = decode_bytes_elements(infer.raw_output_contents[0])
+    payload: dict[str, Any] = {
+        "model_name": infer.model_name,
+        "model_version": infer.model_version,
+        "text_output": text.decode("utf-8", errors="replace"),
+    }
+    for key, parameter in infer.parameters.items():
+        if key != "triton_final_response":
+            payload[key] = getattr(parameter, parameter.WhichOneof("parameter_choice") or "")
+    return payload
+
+
+class KServeRest:
+    """The /v2 routes, answered by `servicer` (the gRPC KServe servicer) and `predictor`."""
+
+    def __init__(self, servicer: KServeServicer, predictor: Predictor, metrics: GatewayMetrics):
+        self._servicer = servicer
+        self._predictor = predictor
+        self._metrics = metrics
+
+    def routes(self) -> list[web.RouteDef]:
+        """Every /v2 route; `inference` names the ones tenant quotas count."""
+        model = "/v2/models/{name}"
+        versioned = "/v2/models/{name}/versions/{version}"
+        routes = [
+            web.get("/v2/health/live", self.live),
+            web.get("/v2/health/ready", self.ready),
+            web.get("/v2", self.server_metadata),
+            web.get("/v2/models/stats", self.stats),
+        ]
+        for prefix in (model, versioned):
+            routes += [
+                web.get(prefix, self.model_metadata),
+                web.get(prefix + "/ready", self.model_ready),
+                web.get(prefix + "/config", self.config),
+                web.get(prefix + "/stats", self.stats),
+                web.post(prefix + "/infer", self.infer),
+                web.post(prefix + "/generate", self.generate),
+                web.post(prefix + "/generate_stream", self.generate_stream),
+            ]
+        return routes
+
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"live": True})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        answer = await self._servicer.ServerReady(kserve.ServerReadyRequest(), _CONTEXT)
+        return _json({"ready": answer.ready}, 200 if answer.ready else 503)
+
+    async def server_metadata(self, request: web.Request) -> web.Response:
+        answer = await self._servicer.ServerMetadata(kserve.ServerMetadataRequest(), _CONTEXT)
+        return _json(
+            {"name": answer.name, "version": answer.version, "extensions": list(answer.extensions)}
+        )
+
+    async def model_metadata(self, request: web.Request) -> web.Response:
+        name, version = _model(request)
+        answer = await self._servicer.ModelMetadata(
+            kserve.ModelMetadataRequest(name=name, version=version), _CONTEXT
+        )
+        return _json({"name": answer.name, "versions": list(answer.versions),
+                      "platform": answer.platform, "inputs": _tensor_metadata(answer.inputs),
+                      "outputs": _tensor_metadata(answer.outputs)})  # fmt: skip
+
+    async def model_ready(self, request: web.Request) -> web.Response:
+        name, version = _model(request)
+        answer = await self._servicer.ModelReady(
+            kserve.ModelReadyRequest(name=name, version=version), _CONTEXT
+        )
+        # Triton answers 200 when ready and 400 when not; clients read the status only.
+        return _json({"name": name, "ready": answer.ready}, 200 if answer.ready else 400)
+
+    async def config(self, request: web.Request) -> web.Response:
+        name, version = _model(request)
+        answer = await self._servicer.ModelConfig(
+            kserve.ModelConfigRequest(name=name, version=version), _CONTEXT
+        )
+        return _json(json_format.MessageToDict(answer.config, preserving_proto_field_name=True))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        name, version = request.match_info.get("name", ""), request.match_info.get("version", "")
+        answer = await self._servicer.ModelStatistics(
+            kserve.ModelStatisticsRequest(name=name, version=version), _CONTEXT
+        )
+        as_dict = json_format.MessageToDict(answer, preserving_proto_field_name=True)
+        as_dict.setdefault("model_stats", [])
+        return _json(_counts_as_numbers(as_dict))
+
+    async def infer(self, request: web.Request) -> web.Response:
+        name, version = _model(request)
+        body, binary = split_body(await request.read(), request.headers.get(HEADER_LENGTH))
+        parsed = infer_body(name, version, body, binary)
+        answer = await self._servicer.ModelInfer(parsed.request, _CONTEXT)
+        payload, header_length = infer_response_body(answer, parsed)
+        if header_length is None:
+            return web.Response(body=payload, content_type="application/json")
+        return web.Response(body=payload, content_type="application/octet-stream",
+                            headers={HEADER_LENGTH: str(header_length)})  # fmt: skip
+
+    def _responses(self, request: web.Request, body: dict[str, Any], *, stream: bool
+                   ) -> AsyncIterator[kserve.ModelStreamInferResponse]:  # fmt: skip
+        name, version = _model(request)
+        body.setdefault("parameters", {})
+        if isinstance(body["parameters"], dict):
+            body["parameters"]["stream"] = stream
+        message = generate_request(name, version, body)
+        return generate_one(self._predictor, message, current_principal(), None)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        body = parse_json_object(await request.read())
+        label = self._predictor.catalog.label_for(request.match_info["name"])
+        with self._metrics.observe_request("rest_generate", label):
+            final: dict[str, Any] = {}
+            async for response in self._responses(request, body, stream=False):
+                final = generate_json(response)
+        return _json(final)
+
+    async def generate_stream(self, request: web.Request) -> web.StreamResponse:
+        body = parse_json_object(await request.read())
+        label = self._predictor.catalog.label_for(request.match_info["name"])
+        with self._metrics.observe_request("rest_generate", label):
+            responses = self._responses(request, body, stream=True)
+            # The first event before the headers: a refused request gets its HTTP status.
+            first = await anext(responses)
+            answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+            await answer.prepare(request)
+            await answer.write(sse_event(generate_json(first)))
+            try:
+                async for response in responses:
+                    await answer.write(sse_event(generate_json(response)))
+            except Exception as error:  # the status is sent: the error goes in-band
+                await answer.write(sse_event({"error": http_error(error).message}))
+                if is_bug(error):
+                    raise
+            await answer.write_eof()
+            return answer
+
+
+def _model(request: web.Request) -> tuple[str, str]:
+    return request.match_info["name"], request.match_info.get("version", "")

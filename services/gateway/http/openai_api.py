@@ -1,0 +1,173 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions and /v1/chat/completions, streamed
+(server-sent events ending `data: [DONE]`) or whole, each with its token `usage`. Generation
+runs the KServe generate path (services.gateway.kserve_generate.generate_one): the same
+checks, tenant admission, routing and counting as gRPC generation."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from services.common.grpc_errors import is_bug
+from services.gateway.auth import Principal, current_principal
+from services.gateway.http.codec import parse_json_object
+from services.gateway.http.errors import http_error
+from services.gateway.http.kserve_rest import generate_json, generate_request
+from services.gateway.http.openai_codec import (
+    GenerationRequest,
+    ResponseShape,
+    chat_request,
+    completion_request,
+)
+from services.gateway.http.sse import DONE_EVENT, SSE_CONTENT_TYPE, sse_event
+from services.gateway.kserve_generate import generate_one
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import Predictor
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A model version's chat template and the special tokens it may name."""
+
+    template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def read_chat_template(weights_dir: Path) -> ChatTemplate:
+    """The `chat_template` of `weights_dir/tokenizer_config.json` (none without one)."""
+    path = weights_dir / "tokenizer_config.json"
+    if not path.exists():
+        return ChatTemplate()
+    config = json.loads(path.read_text())
+    template = config.get("chat_template")
+    tokens = {k: config.get(k) for k in ("bos_token", "eos_token")}
+    return ChatTemplate(
+        template if isinstance(template, str) else None,
+        *(t if isinstance(t, str) else "" for t in tokens.values()),
+    )
+
+
+class OpenAiApi:
+    """The /v1 routes over `predictor`'s generation path."""
+
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics, model_repository: Path):
+        self._predictor = predictor
+        self._metrics = metrics
+        self._repository = model_repository
+        self._templates: dict[tuple[str, str], ChatTemplate] = {}
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/chat/completions", self.chat_completions),
+        ]
+
+    async def models(self, request: web.Request) -> web.Response:
+        """The generation models this caller may use."""
+        catalog, principal = self._predictor.catalog, current_principal()
+        names = [
+            n for n in catalog.model_names()
+            if catalog.config(n).generation is not None
+            and (principal.models is None or n in principal.models)
+        ]  # fmt: skip
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "inference-fabric"}
+                for n in names]  # fmt: skip
+        return web.json_response({"object": "list", "data": data})
+
+    def _template(self, model: str, principal: Principal) -> ChatTemplate:
+        catalog = self._predictor.catalog
+        name = catalog.config(model).name
+        principal.check_model(name)
+        version = catalog.resolve(name, "").version
+        if (name, version) not in self._templates:
+            self._templates[(name, version)] = read_chat_template(self._repository / name / version)
+        return self._templates[(name, version)]
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        parsed = completion_request(parse_json_object(await request.read()))
+        return await self._answer(request, parsed, is_chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        body = parse_json_object(await request.read())
+        model = body.get("model")
+        template = self._template(model, current_principal()) if isinstance(model, str) else None
+        parsed = chat_request(
+            body,
+            template.template if template else None,
+            bos_token=template.bos_token if template else "",
+            eos_token=template.eos_token if template else "",
+        )
+        return await self._answer(request, parsed, is_chat=True)
+
+    def _generate(self, parsed: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+        parameters = {**parsed.sampling, "stream": True, "exclude_input_in_output": True}
+        message = generate_request(parsed.model, "", {"text_input": parsed.prompt,
+                                                      "parameters": parameters})  # fmt: skip
+        return _as_json(generate_one(self._predictor, message, current_principal(), None))
+
+    async def _answer(
+        self, request: web.Request, parsed: GenerationRequest, *, is_chat: bool
+    ) -> web.StreamResponse:
+        prefix = "chatcmpl" if is_chat else "cmpl"
+        shape = ResponseShape(f"{prefix}-{uuid.uuid4().hex}", parsed.model, int(time.time()),
+                              is_chat)  # fmt: skip
+        label = self._predictor.catalog.label_for(parsed.model)
+        with self._metrics.observe_request("openai", label):
+            chunks = self._generate(parsed)
+            if not parsed.is_streaming:
+                texts, final = [], {}
+                async for final in chunks:
+                    texts.append(final["text_output"])
+                return web.json_response(
+                    shape.whole("".join(texts), final["finish_reason"],
+                                final["prompt_tokens"], final["completion_tokens"])
+                )  # fmt: skip
+            return await _stream(request, shape, chunks, include_usage=parsed.include_usage)
+
+
+async def _as_json(responses: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
+    async for response in responses:
+        yield generate_json(response)
+
+
+async def _stream(
+    request: web.Request,
+    shape: ResponseShape,
+    chunks: AsyncIterator[dict[str, Any]],
+    *,
+    include_usage: bool,
+) -> web.StreamResponse:
+    """SSE chunks of one generation; the first is read before the headers go, so a refused
+    request is answered with its HTTP status rather than inside a 200 stream."""
+    first = await anext(chunks)
+    answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+    await answer.prepare(request)
+    if shape.is_chat:
+        await answer.write(sse_event(shape.chunk("", None, is_first=True)))
+    chunk = first
+    try:
+        while True:
+            reason = chunk.get("finish_reason")
+            await answer.write(sse_event(shape.chunk(chunk["text_output"], reason)))
+            if reason is not None:
+                break
+            chunk = await anext(chunks)
+        if include_usage:
+            usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
+            await answer.write(sse_event(usage))
+    except Exception as error:  # headers are sent: the error goes in-band, as OpenAI does
+        await answer.write(sse_event(json.loads(http_error(error).openai_body())))
+        if is_bug(error):
+            raise
+    await answer.write(DONE_EVENT)
+    await answer.write_eof()
+    return answer

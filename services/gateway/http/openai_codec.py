@@ -1,0 +1,181 @@
+"""OpenAI API bodies <-> this server's generation terms. Pure: dicts in, dicts out.
+
+Requests: `model`, `prompt` (completions) or `messages` (chat), `max_tokens` (chat also
+`max_completion_tokens`), `temperature`, `top_p`, `seed`, `stop`, `stream`,
+`stream_options.include_usage`; `n` must be 1. Fields OpenAI defines that change nothing here
+(`user`, `logprobs: null`...) are accepted and ignored; unknown sampling fields are refused.
+
+Chat prompts use the model's chat template (`chat_template` of its tokenizer_config.json, a
+Jinja template as Hugging Face writes them) when it has one; otherwise every message becomes
+"<role>: <content>" on its own line, followed by "assistant:" for the reply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from services.common.errors import InvalidInput
+
+#: OpenAI's default completion length (tokens) when a request gives none.
+DEFAULT_MAX_TOKENS = 16
+_ROLES = ("system", "user", "assistant", "tool", "developer")
+_IGNORED = frozenset({"user", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
+                      "frequency_penalty", "presence_penalty", "best_of", "response_format",
+                      "parallel_tool_calls", "store", "metadata"})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What one OpenAI request asks of the generation path."""
+
+    model: str
+    prompt: str
+    #: services.gateway.kserve_generate's sampling parameters (JSON keys).
+    sampling: dict[str, Any]
+    is_streaming: bool
+    include_usage: bool
+
+
+def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+    for key in max_tokens_keys:
+        if body.get(key) is not None:
+            sampling["max_tokens"] = body[key]
+    for key in ("temperature", "top_p", "seed", "stop"):
+        if body.get(key) is not None:
+            sampling[key] = body[key]
+    if body.get("n", 1) != 1:
+        raise InvalidInput("n must be 1: one choice per request")
+    return sampling
+
+
+def _common(body: dict[str, Any], known: frozenset[str]) -> tuple[str, bool, bool]:
+    unknown = sorted(set(body) - known - _IGNORED)
+    if unknown:
+        raise InvalidInput(f"unsupported fields {unknown}")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidInput("model (a string) is required")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidInput("stream_options must be an object")
+    return model, body.get("stream") is True, options.get("include_usage") is True
+
+
+_SHARED = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n",
+                     "stream", "stream_options"})  # fmt: skip
+
+
+def completion_request(body: dict[str, Any]) -> GenerationRequest:
+    """A /v1/completions body; `prompt` is a string or a list of exactly one."""
+    model, is_streaming, include_usage = _common(body, _SHARED | {"prompt"})
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise InvalidInput("prompt must be a string (or a list of one string)")
+    sampling = _sampling(body, ("max_tokens",))
+    return GenerationRequest(model, prompt, sampling, is_streaming, include_usage)
+
+
+def _content(message: Any) -> tuple[str, str]:
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise InvalidInput(f"each message needs a role, one of {list(_ROLES)}")
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: only text ones are served
+        if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            raise InvalidInput("only text content parts are supported")
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise InvalidInput("message content must be a string")
+    return message["role"], content
+
+
+def chat_prompt(
+    messages: Any, template: str | None, *, bos_token: str = "", eos_token: str = ""
+) -> str:
+    """The prompt for `messages`: the model's chat template when it has one, else the plain
+    role-prefixed template (module docstring)."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("messages must be a non-empty list")
+    pairs = [_content(m) for m in messages]
+    if template is None:
+        return "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    try:
+        return environment.from_string(template).render(
+            messages=[{"role": r, "content": c} for r, c in pairs],
+            add_generation_prompt=True,
+            bos_token=bos_token,
+            eos_token=eos_token,
+        )
+    except TemplateError as error:
+        raise InvalidInput(f"the model's chat template failed: {error}") from None
+
+
+def chat_request(
+    body: dict[str, Any], template: str | None, *, bos_token: str = "", eos_token: str = ""
+) -> GenerationRequest:
+    """A /v1/chat/completions body, its messages rendered into one prompt."""
+    model, is_streaming, include_usage = _common(
+        body, _SHARED | {"messages", "max_completion_tokens"}
+    )
+    prompt = chat_prompt(body.get("messages"), template, bos_token=bos_token, eos_token=eos_token)
+    sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+    return GenerationRequest(model, prompt, sampling, is_streaming, include_usage)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """How one endpoint writes its answers (ids, object names, where the text goes)."""
+
+    request_id: str
+    model: str
+    created_s: int
+    is_chat: bool
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created_s,
+                "model": self.model, "choices": choices}  # fmt: skip
+
+    def chunk(self, text: str, finish_reason: str | None, *, is_first: bool = False
+              ) -> dict[str, Any]:  # fmt: skip
+        """One streamed chunk carrying `text` (and the finish reason on the last one)."""
+        if not self.is_chat:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            return self._envelope("text_completion", [choice])
+        delta: dict[str, Any] = {"role": "assistant"} if is_first else {}
+        if text or is_first:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return self._envelope("chat.completion.chunk", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+        """The last chunk of a stream that asked for usage: no choices, the counts."""
+        obj = "chat.completion.chunk" if self.is_chat else "text_completion"
+        return {**self._envelope(obj, []), "usage": usage(prompt_tokens, completion_tokens)}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int
+              ) -> dict[str, Any]:  # fmt: skip
+        """The non-streaming answer."""
+        if self.is_chat:
+            message = {"role": "assistant", "content": text}
+            choice = {"index": 0, "message": message, "logprobs": None,
+                      "finish_reason": finish_reason}  # fmt: skip
+            answer = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            answer = self._envelope("text_completion", [choice])
+        return {**answer, "usage": usage(prompt_tokens, completion_tokens)}

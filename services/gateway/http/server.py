@@ -1,0 +1,120 @@
+"""The gateway's HTTP listener: KServe v2 REST and the OpenAI-compatible API on one aiohttp
+app, behind the same authentication and tenant admission as the gRPC port
+(services.gateway.auth, services.gateway.admission)."""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from services.common.errors import NotFound
+from services.common.grpc_errors import is_bug
+from services.common.tls import ServerTls
+from services.gateway.admission import TenantAdmission
+from services.gateway.auth import KeyStore, acting_as, principal_for
+from services.gateway.http.errors import HttpError, http_error
+from services.gateway.http.kserve_rest import KServeRest
+from services.gateway.http.openai_api import OpenAiApi
+from services.gateway.kserve_api import KServeServicer
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import Predictor
+
+log = logging.getLogger(__name__)
+
+#: Paths anyone may call: liveness and readiness probes.
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+#: Path endings of the calls that run models, which tenant quotas count.
+INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _answer(request: web.Request, error: HttpError) -> web.Response:
+    is_openai = request.path.startswith("/v1/")
+    body = error.openai_body() if is_openai else error.kserve_body()
+    return web.Response(body=body, status=error.status, headers=error.headers,
+                        content_type="application/json")  # fmt: skip
+
+
+def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middleware:
+    """Authenticates every call but the health probes, admits inference calls against the
+    tenant's quotas before the body is read, and answers errors as KServe (or, under /v1,
+    OpenAI) error bodies with the mapped HTTP status."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            if request.path in OPEN_PATHS:
+                return await handler(request)
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            principal = principal_for(keys, headers)
+            if not request.path.endswith(INFERENCE_SUFFIXES):
+                async with acting_as(principal):
+                    return await handler(request)
+            refusal = admission.acquire(principal.policy)
+            if refusal is not None:
+                raise refusal
+            async with acting_as(principal, admission):
+                return await handler(request)
+        except web.HTTPException as error:
+            if error.status == 404:
+                return _answer(request, http_error(NotFound(f"no route {request.path}")))
+            return _answer(request, HttpError(error.status, error.reason, {}))
+        except Exception as error:
+            if is_bug(error):
+                log.exception("HTTP %s %s failed", request.method, request.path)
+            return _answer(request, http_error(error))
+
+    return middleware
+
+
+def ssl_context(tls: ServerTls) -> ssl.SSLContext | None:
+    """The HTTP port's TLS: the gRPC port's certificate and, when set, its client CA (mTLS)."""
+    if tls.cert_file is None or tls.key_file is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tls.cert_file, tls.key_file)
+    if tls.client_ca_file is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(tls.client_ca_file)
+    return context
+
+
+@dataclass
+class HttpListener:
+    runner: web.AppRunner
+    port: int
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_http(
+    *,
+    host: str,
+    port: int,
+    tls: ServerTls,
+    keys: KeyStore | None,
+    predictor: Predictor,
+    metrics: GatewayMetrics,
+    max_inputs: int,
+    max_body_bytes: int,
+    model_repository: Path,
+) -> HttpListener:
+    """Serves the HTTP APIs on host:port (0: a free port); returns the bound port."""
+    app = web.Application(
+        middlewares=[auth_middleware(keys, predictor.admission)], client_max_size=max_body_bytes
+    )
+    servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs)
+    app.add_routes(KServeRest(servicer, predictor, metrics).routes())
+    app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls))
+    await site.start()
+    return HttpListener(runner, int(runner.addresses[0][1]))

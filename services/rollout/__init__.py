@@ -1,0 +1,1 @@
+"""Rollout: runtime version labels and traffic weights (services.common.model_routing)."""

@@ -1,0 +1,116 @@
+"""`python -m services.rollout routing show|set|reset`: runtime labels and traffic weights.
+
+    python -m services.rollout routing show
+    python -m services.rollout routing set minilm --label canary=2 --traffic stable=90 \
+        --traffic canary=10
+    python -m services.rollout routing reset minilm
+
+Connects as Redis user `admin` (`--redis-password-file`, or credentials in the URL). Every
+gateway applies a change within about half a second (services.gateway.routing_sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from services.common.model_repository import load_repository
+from services.common.model_routing import ModelRouting
+from services.common.redis_acl import ADMIN, role_credentials
+from services.common.registry_schema import connect
+from services.rollout.routing_store import Change, RoutingStore
+
+
+def _pairs(values: list[str]) -> dict[str, str]:
+    pairs = {}
+    for value in values:
+        name, sep, number = value.partition("=")
+        if not sep:
+            raise ValueError(f"{value!r}: expected LABEL=NUMBER")
+        pairs[name.strip()] = number.strip()
+    return pairs
+
+
+#: (flag, environment variable, default, help) of the connection settings.
+_SETTINGS = (
+    ("--redis-url", "ROLLOUT_REDIS_URL", "redis://127.0.0.1:6379/0", "registry Redis"),
+    ("--redis-password-file", "ROLLOUT_REDIS_PASSWORD_FILE", None, "password of user admin"),
+    ("--registry-prefix", "ROLLOUT_REGISTRY_PREFIX", "fabric", "Redis key prefix"),
+    ("--model-repository", "ROLLOUT_MODEL_REPOSITORY", "models", "seeds and checks versions"),
+)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m services.rollout",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    for flag, variable, default, doc in _SETTINGS:
+        value = os.environ.get(variable, default)
+        parser.add_argument(flag, default=value, help=f"{doc} (env {variable}; default {value})")
+    commands = parser.add_subparsers(dest="command", required=True)
+    routing = commands.add_parser("routing", help="version labels and traffic weights")
+    actions = routing.add_subparsers(dest="action", required=True)
+    actions.add_parser("show", help="every model's routing in force")
+    set_parser = actions.add_parser("set", help="change labels and weights of a model")
+    set_parser.add_argument("model")
+    set_parser.add_argument("--label", action="append", default=[], help="LABEL=VERSION")
+    set_parser.add_argument("--remove-label", action="append", default=[], help="LABEL")
+    set_parser.add_argument(
+        "--traffic", action="append", default=[], help="LABEL=WEIGHT (replaces all weights)"
+    )
+    reset_parser = actions.add_parser("reset", help="back to the repository's routing")
+    reset_parser.add_argument("model")
+    return parser.parse_args(argv)
+
+
+def changer(args: argparse.Namespace) -> Change:
+    """The change `routing set` asks for: labels added or moved, labels removed (and their
+    weights), and, with --traffic, the whole set of weights replaced."""
+    labels = {label: int(v) for label, v in _pairs(args.label).items()}
+    traffic = {label: float(v) for label, v in _pairs(args.traffic).items()}
+
+    def change(current: ModelRouting) -> ModelRouting:
+        new_labels = {**current.labels, **labels}
+        for label in args.remove_label:
+            new_labels.pop(label, None)
+        new_traffic = traffic or {k: w for k, w in current.traffic.items() if k in new_labels}
+        return ModelRouting(new_labels, new_traffic, current.revision)
+
+    return change
+
+
+async def run(args: argparse.Namespace) -> int:
+    password_file = Path(args.redis_password_file) if args.redis_password_file else None
+    credentials = role_credentials(ADMIN, args.redis_url, password_file)
+    client = connect(args.redis_url, timeout_s=5.0, credentials=credentials)
+    repository = load_repository(Path(args.model_repository))
+    store = RoutingStore(client, args.registry_prefix, repository)
+    try:
+        if args.action == "show":
+            for model, routing in sorted((await store.show()).items()):
+                print(f"{model}: {routing.dumps()}")
+        elif args.action == "set":
+            print(f"{args.model}: {(await store.change(args.model, changer(args))).dumps()}")
+        else:
+            print(f"{args.model}: {'reset' if await store.reset(args.model) else 'not set'}")
+    finally:
+        await client.aclose()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return asyncio.run(run(args))
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The OpenAI-compatible API end to end, driven by the stock `openai` Python package against
+`tiny-llama`: completions and chat completions, whole and streamed, with token usage; the
+model list; refusals as OpenAI errors with their HTTP statuses."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.gateway.auth import hash_key
+from tests.support.stack import Stack, start_stack
+
+pytestmark = pytest.mark.e2e
+
+API_KEY = "openai-test-key"
+MODEL = "tiny-llama"
+#: tiny-llama's tokenizer is byte-level with <s> prepended: a prompt of N ASCII bytes is N + 1
+#: tokens (models/tiny-llama/1/README.txt).
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("openai")
+    keys = tmp / "api-keys.toml"
+    keys.write_text(f'[[keys]]\ntenant = "llm"\nsha256 = "{hash_key(API_KEY)}"\n')
+    stack = start_stack(tmp, extra_gateway_args=(f"--api-keys-file={keys}",))
+    yield stack
+    assert stack.stop() == 0
+
+
+@pytest.fixture
+def client(stack: Stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.gateway.http_url}/v1", api_key=API_KEY, timeout=120)
+
+
+def test_models_lists_the_generation_models(client: openai.OpenAI) -> None:
+    ids = [model.id for model in client.models.list()]
+    assert MODEL in ids and "minilm" not in ids
+
+
+def test_completion_whole_and_streamed_agree_with_usage(client: openai.OpenAI) -> None:
+    whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+    assert whole.object == "text_completion" and whole.model == MODEL
+    (choice,) = whole.choices
+    assert choice.finish_reason == "length" and choice.text
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(PROMPT) + 1
+    assert whole.usage.completion_tokens == 6
+    assert whole.usage.total_tokens == len(PROMPT) + 7
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == choice.text  # greedy: the same tokens either way
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finish[-1] == "length" and set(finish[:-1]) <= {None}
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == len(PROMPT) + 1
+
+
+def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0
+    )
+    (choice,) = whole.choices
+    assert whole.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.finish_reason == "length" and choice.message.content
+    # No chat template: "system: Be brief.\nuser: Hi\nassistant:" and <s>.
+    expected_prompt = "system: Be brief.\nuser: Hi\nassistant:"
+    assert whole.usage is not None and whole.usage.prompt_tokens == len(expected_prompt) + 1
+    assert whole.usage.completion_tokens == 5
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == choice.message.content
+    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == (
+        len(expected_prompt) + 1 + 5
+    )
+
+
+def test_refusals_are_openai_errors(stack: Stack, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="minilm"):
+        client.completions.create(model="minilm", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, n=2)
+    unauthenticated = openai.OpenAI(base_url=f"{stack.gateway.http_url}/v1", api_key="wrong")
+    with pytest.raises(openai.AuthenticationError):
+        unauthenticated.models.list()
+
+
+def test_stream_ends_with_done(stack: Stack) -> None:
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "stream": True}
+    request = urllib.request.Request(
+        f"{stack.gateway.http_url}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+    )  # fmt: skip
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = response.read().decode().split("\n\n")
+    assert events[-2] == "data: [DONE]" and events[-1] == ""
+    assert all(e.startswith("data: ") for e in events[:-1])

@@ -1,0 +1,216 @@
+"""The HTTP APIs' pure conversions: KServe v2 JSON and binary tensors <-> KServe messages,
+SSE framing, errors as HTTP answers, OpenAI bodies and chat prompts."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidInput, NotFound, Overloaded, Unauthenticated
+from services.gateway.http.codec import (
+    HEADER_LENGTH,
+    bytes_elements,
+    infer_body,
+    infer_response_body,
+    output_data,
+    split_body,
+)
+from services.gateway.http.errors import http_error
+from services.gateway.http.kserve_rest import generate_request
+from services.gateway.http.openai_codec import (
+    DEFAULT_MAX_TOKENS,
+    ResponseShape,
+    chat_prompt,
+    chat_request,
+    completion_request,
+)
+from services.gateway.http.sse import sse_event
+from services.pb.inference import grpc_service_pb2 as kserve
+
+pytestmark = pytest.mark.unit
+
+
+def test_json_tensors_become_raw_contents_in_wire_layout() -> None:
+    body = {
+        "id": "r1",
+        "inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [2, 2], "data": [[1, 2], [3.5, 4]]},
+            {"name": "t", "datatype": "BYTES", "shape": [2], "data": ["a", "héllo"]},
+        ],
+        "parameters": {"priority": 1, "timeout": 5000},
+    }
+    parsed = infer_body("m", "2", body, b"")
+    request = parsed.request
+    assert (request.model_name, request.model_version, request.id) == ("m", "2", "r1")
+    assert np.frombuffer(request.raw_input_contents[0], "<f4").tolist() == [1, 2, 3.5, 4]
+    assert (
+        request.raw_input_contents[1]
+        == struct.pack("<I", 1) + b"a" + struct.pack("<I", 6) + "héllo".encode()
+    )
+    assert request.parameters["priority"].int64_param == 1
+    assert not parsed.is_binary("anything")
+
+
+def test_binary_extension_splits_inputs_by_their_sizes() -> None:
+    header = {
+        "inputs": [
+            {"name": "a", "datatype": "INT32", "shape": [2], "parameters": {"binary_data_size": 8}},
+            {"name": "b", "datatype": "INT64", "shape": [1], "parameters": {"binary_data_size": 8}},
+        ],
+        "parameters": {"binary_data_output": True},
+        "outputs": [{"name": "y", "parameters": {"binary_data": False}}],
+    }
+    raw_a, raw_b = np.array([7, 8], "<i4").tobytes(), np.array([9], "<i8").tobytes()
+    encoded = json.dumps(header).encode()
+    parsed_json, binary = split_body(encoded + raw_a + raw_b, str(len(encoded)))
+    parsed = infer_body("m", "", parsed_json, binary)
+    assert list(parsed.request.raw_input_contents) == [raw_a, raw_b]
+    assert [o.name for o in parsed.request.outputs] == ["y"]
+    assert not parsed.is_binary("y") and parsed.is_binary("z")
+    assert "binary_data_output" not in parsed.request.parameters
+
+
+@pytest.mark.parametrize(
+    ("body", "binary", "message"),
+    [
+        ({"inputs": []}, b"", "non-empty"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}, b"", "neither"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": ["x"]}]}, b"",
+         "numbers"),
+        ({"inputs": [{"name": "a", "datatype": "INT64", "shape": [1], "data": [2**70]}]}, b"",
+         "fit"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": [1]}]}, b"",
+         "shape"),
+        ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "data": [1]}]}, b"",
+         "strings"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}]}, b"xx",
+         "belong to no input"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1],
+                      "parameters": {"binary_data_size": 8}}]}, b"xxxx", "runs past"),
+        ({"inputs": [{"name": "a", "datatype": "U8", "shape": [1], "data": [1]}]}, b"",
+         "not supported"),
+    ],
+)  # fmt: skip
+def test_malformed_infer_bodies_are_invalid_input(body: dict, binary: bytes, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        infer_body("m", "", body, binary)
+
+
+def test_split_body_checks_the_header_length() -> None:
+    with pytest.raises(InvalidInput, match="outside"):
+        split_body(b"{}", "10")
+    with pytest.raises(InvalidInput, match="not JSON"):
+        split_body(b"{nope", None)
+    with pytest.raises(InvalidInput, match="object"):
+        split_body(b"[1]", None)
+
+
+def _response() -> kserve.ModelInferResponse:
+    return kserve.ModelInferResponse(
+        model_name="m",
+        model_version="1",
+        id="r",
+        outputs=[
+            kserve.ModelInferResponse.InferOutputTensor(name="y", datatype="FP32", shape=[1, 2]),
+            kserve.ModelInferResponse.InferOutputTensor(name="t", datatype="BYTES", shape=[1]),
+        ],
+        raw_output_contents=[np.array([1.5, -2], "<f4").tobytes(), bytes_elements([b"ok"])],
+    )
+
+
+def test_outputs_go_back_as_json_or_binary_as_asked() -> None:
+    as_json = infer_body("m", "", {"inputs": [{"name": "a", "datatype": "FP32", "shape": [1],
+                                               "data": [1]}]}, b"")  # fmt: skip
+    body, header_length = infer_response_body(_response(), as_json)
+    assert header_length is None
+    outputs = json.loads(body)["outputs"]
+    assert outputs[0]["data"] == [1.5, -2.0] and outputs[1]["data"] == ["ok"]
+    binary_choice = infer_body(
+        "m", "", {"inputs": as_json_inputs(), "parameters": {"binary_data_output": True}}, b""
+    )
+    body, header_length = infer_response_body(_response(), binary_choice)
+    assert header_length is not None
+    header = json.loads(body[:header_length])
+    sizes = [o["parameters"]["binary_data_size"] for o in header["outputs"]]
+    assert sizes == [8, 6] and len(body) == header_length + 14
+    assert output_data("FP32", body[header_length : header_length + 8]) == [1.5, -2.0]
+    assert HEADER_LENGTH == "Inference-Header-Content-Length"
+
+
+def as_json_inputs() -> list[dict]:
+    return [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}]
+
+
+def test_generate_body_becomes_the_decoupled_models_inputs() -> None:
+    body = {"text_input": "hi", "parameters": {"max_tokens": 3, "stream": True, "priority": 2}}
+    request = generate_request("llm", "", body)
+    names = [t.name for t in request.inputs]
+    assert names == ["text_input", "sampling_parameters", "stream", "exclude_input_in_output"]
+    sampling = json.loads(request.raw_input_contents[1][4:])
+    assert sampling == {"max_tokens": 3}
+    assert request.raw_input_contents[2] == b"\x01" and request.raw_input_contents[3] == b"\x00"
+    assert request.parameters["priority"].int64_param == 2
+    with pytest.raises(InvalidInput, match="text_input"):
+        generate_request("llm", "", {"parameters": {}})
+
+
+def test_sse_events_are_one_data_line_each() -> None:
+    assert sse_event({"a": "x\ny"}) == b'data: {"a":"x\\ny"}\n\n'
+
+
+def test_errors_map_to_http_statuses_with_retry_after() -> None:
+    refused = http_error(Overloaded("slow down", retry_after_s=1.2))
+    assert refused.status == 429 and refused.headers == {"Retry-After": "2"}
+    assert json.loads(refused.kserve_body()) == {"error": "slow down"}
+    assert http_error(Unauthenticated("no key")).status == 401
+    assert http_error(NotFound("gone")).status == 404
+    bug = http_error(ZeroDivisionError("secret detail"))
+    assert bug.status == 500 and bug.message == "internal error"
+    assert json.loads(http_error(InvalidInput("bad")).openai_body())["error"]["type"] == (
+        "invalid_request_error"
+    )
+
+
+def test_completion_request_defaults_and_refusals() -> None:
+    parsed = completion_request({"model": "m", "prompt": ["p"], "stop": ".", "seed": 3})
+    assert parsed.prompt == "p" and not parsed.is_streaming
+    assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS, "stop": ".", "seed": 3}
+    with pytest.raises(InvalidInput, match="tools"):
+        completion_request({"model": "m", "prompt": "p", "tools": []})
+    with pytest.raises(InvalidInput, match="prompt"):
+        completion_request({"model": "m", "prompt": ["a", "b"]})
+    chat = chat_request({"model": "m", "messages": [{"role": "user", "content": "q"}],
+                         "max_completion_tokens": 4, "stream": True,
+                         "stream_options": {"include_usage": True}}, None)  # fmt: skip
+    assert chat.sampling["max_tokens"] == 4 and chat.is_streaming and chat.include_usage
+
+
+def test_chat_prompt_plain_and_with_the_models_template() -> None:
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert chat_prompt(messages, None) == "system: s\nuser: u\nassistant:"
+    template = (
+        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    rendered = chat_prompt(messages, template, bos_token="<s>", eos_token="</s>")
+    assert rendered == "<s><|system|>s</s><|user|>u</s><|assistant|>"
+    with pytest.raises(InvalidInput, match="role"):
+        chat_prompt([{"role": "wizard", "content": "x"}], None)
+    with pytest.raises(InvalidInput, match="template"):
+        chat_prompt(messages, "{{ messages.__class__.__mro__ }}{{ undefined() }}")
+
+
+def test_response_shapes_follow_openai() -> None:
+    shape = ResponseShape("chatcmpl-1", "m", 7, is_chat=True)
+    first = shape.chunk("", None, is_first=True)
+    assert first["object"] == "chat.completion.chunk"
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert shape.chunk("", "stop")["choices"][0]["delta"] == {}
+    whole = shape.whole("hi", "length", 3, 2)
+    assert whole["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    text = ResponseShape("cmpl-1", "m", 7, is_chat=False)
+    assert text.usage_chunk(1, 1)["choices"] == []

@@ -1,0 +1,96 @@
+"""Runtime model routing: the record's rules, sticky weighted choice, and how the gateway's
+catalog applies records (newer revisions only, known versions only, reset to the seed)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import NotFound
+from services.common.model_repository import load_repository
+from services.common.model_routing import ModelRouting
+from services.gateway.catalog import ModelCatalog
+from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.models import write_versioned_affine_model
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    ("labels", "traffic", "message"),
+    [
+        ({"Stable": 1}, {}, "lower-case"),
+        ({"stable": 0}, {}, "positive integer"),
+        ({"stable": 1}, {"canary": 1.0}, "not a label"),
+        ({"stable": 1}, {"stable": float("nan")}, "finite"),
+        ({"stable": 1}, {"stable": -1.0}, ">= 0"),
+    ],
+)
+def test_malformed_routing_is_refused(
+    labels: dict[str, int], traffic: dict[str, float], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelRouting(labels, traffic)
+
+
+def test_a_record_survives_a_round_trip_and_garbage_is_refused() -> None:
+    routing = ModelRouting({"stable": 1, "canary": 2}, {"stable": 9.0, "canary": 1.0}, 7)
+    assert ModelRouting.loads(routing.dumps()) == routing
+    for garbage in (b"", b"[]", b'{"labels": {}}', b'{"revision": 1, "labels": 3}'):
+        with pytest.raises(ValueError):
+            ModelRouting.loads(garbage)
+
+
+def test_sticky_choice_is_stable_per_id_and_weighted_across_ids() -> None:
+    routing = ModelRouting({"stable": 1, "canary": 2}, {"stable": 3.0, "canary": 1.0}, 1)
+    rng = random.Random(0)
+    picks = [routing.weighted_label("m", f"request-{i}", rng) for i in range(4000)]
+    again = [routing.weighted_label("m", f"request-{i}", rng) for i in range(4000)]
+
+    assert picks == again
+    assert Counter(picks)["canary"] / len(picks) == pytest.approx(0.25, abs=0.03)
+    unweighted = ModelRouting({"stable": 1}, {"stable": 0.0})
+    assert unweighted.weighted_label("m", "x", rng) is None
+
+
+@pytest.fixture
+def catalog(tmp_path: Path) -> ModelCatalog:
+    write_versioned_affine_model(tmp_path / "repo", versions=(1, 2))
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"), rng=random.Random(0))
+    catalog.update_served(
+        [
+            pb.ModelVersionInfo(
+                model_name="affine", model_version=v, kind=pb.MODEL_KIND_TORCHSCRIPT, is_ready=True
+            )
+            for v in ("1", "2")
+        ]
+    )
+    return catalog
+
+
+def test_the_catalog_applies_only_newer_routing_of_known_versions(catalog: ModelCatalog) -> None:
+    assert catalog.resolve("affine", "").version == "2", "seed: no labels, the newest version"
+    canary = ModelRouting({"stable": 1, "canary": 2}, {"stable": 0.0, "canary": 1.0}, 2)
+
+    assert catalog.set_routing("affine", canary)
+    assert catalog.resolve("affine", "canary").version == "2"
+    assert catalog.resolve("affine", "stable").version == "1"
+    assert {catalog.resolve("affine", "").version for _ in range(20)} == {"2"}
+    stale = ModelRouting({"stable": 2}, {}, 1)
+    assert not catalog.set_routing("affine", stale), "an older revision never wins"
+    with pytest.raises(ValueError, match="do not exist"):
+        catalog.set_routing("affine", ModelRouting({"stable": 3}, {}, 5))
+    assert catalog.routing("affine") == canary
+
+
+def test_removing_the_record_returns_to_the_repository(catalog: ModelCatalog) -> None:
+    catalog.set_routing("affine", ModelRouting({"stable": 1}, {}, 4))
+    assert catalog.resolve("affine", "").version == "1"
+
+    assert catalog.set_routing("affine", None)
+    assert catalog.resolve("affine", "").version == "2"
+    with pytest.raises(NotFound, match="no version label"):
+        catalog.resolve("affine", "stable")
