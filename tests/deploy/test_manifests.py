@@ -1,7 +1,8 @@
 """The deployment, rendered and checked without a cluster.
 
 Both kustomize overlays are rendered with `kubectl kustomize` and the Helm chart with
-`.tools/helm template` (`make .tools/helm`). Every built-in object is validated strictly
+`.tools/helm template` (`make .tools/helm`) and its values-prod.yaml (the chart's vanilla
+defaults: tests/deploy/test_helm.py). Every built-in object is validated strictly
 (unknown fields rejected) with kubernetes-validate against KUBE_VERSION; custom resources
 (ServiceMonitor), which it has no schema for, are checked by this module's own assertions.
 Then the invariants that matter: probes and resources everywhere, a grace period that covers
@@ -57,6 +58,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 K8S_DIR = REPO_ROOT / "deploy" / "k8s"
 OVERLAYS = ("dev", "prod")
 CHART_DIR = REPO_ROOT / "deploy" / "helm" / "inference-fabric"
+PROD_VALUES = CHART_DIR / "values-prod.yaml"
 HELM = REPO_ROOT / ".tools" / "helm"
 ADAPTER_RULES = K8S_DIR / "prometheus-adapter" / "rules.yaml"
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "inference-fabric.json"
@@ -87,6 +89,7 @@ MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
 #: Who may reach each pod on which port, in prod: "*" anyone, a component name, or MONITORING.
 EXPECTED_INGRESS = {
     ("gateway", "grpc"): {"*"},
+    ("gateway", "http"): {"*"},
     ("gateway", "metrics"): {"monitoring"},
     ("router", "grpc"): {"gateway"},
     ("router", "metrics"): {"monitoring"},
@@ -132,7 +135,8 @@ def helm_command(*extra: str) -> list[str]:
         )
     return [
         str(HELM), "template", RELEASE, str(CHART_DIR),
-        "--namespace", "inference-fabric", "--kube-version", KUBE_VERSION, *extra,
+        "--namespace", "inference-fabric", "--kube-version", KUBE_VERSION,
+        "-f", str(PROD_VALUES), "--api-versions", "monitoring.coreos.com/v1", *extra,
     ]  # fmt: skip
 
 
@@ -164,7 +168,7 @@ def helm_objects() -> Objects:
 
 @pytest.fixture(scope="module")
 def renders(overlays: dict[str, Objects], helm_objects: Objects) -> dict[str, Objects]:
-    """Every render: the two overlays and the chart with its default (prod) values."""
+    """Every render: the two overlays and the chart with values-prod.yaml."""
     return {**overlays, "helm": helm_objects}
 
 
@@ -687,7 +691,8 @@ def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) 
     for name, objects in prod_like.items():
         found = deployments(objects)
         for tier in TIERS:
-            assert found[tier]["spec"]["replicas"] >= 2, f"{name}/{tier}"
+            # The HPA (minReplicas >= 2) owns the count; a replicas field would reset it.
+            assert "replicas" not in found[tier]["spec"], f"{name}/{tier}"
             assert TLS_MOUNT in secret_mounts(found[tier]), f"{name}/{tier}: no TLS Secret"
         gateway = main_container(found["gateway"])
         keys_file = env_entries(gateway)["GATEWAY_API_KEYS_FILE"]["value"]
@@ -1011,7 +1016,7 @@ def _pod_view(deployment: dict[str, Any]) -> dict[str, Any]:
     spec = {k: v for k, v in pod_spec(deployment).items() if k != "containers"}
     spec["volumes"] = sorted(json.dumps(v, sort_keys=True) for v in spec.get("volumes", []))
     return {
-        "replicas": deployment["spec"]["replicas"],
+        "replicas": deployment["spec"].get("replicas"),
         "strategy": deployment["spec"].get("strategy"),
         "pod": _normalize(spec),
         "containers": [_container_view(c) for c in pod_spec(deployment)["containers"]],

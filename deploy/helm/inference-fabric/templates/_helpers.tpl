@@ -19,8 +19,29 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version }}
 {{- end -}}
 
+{{/* A role's image; call with (dict "root" $ "role" "gateway"|"router"|"worker"). */}}
 {{- define "fabric.image" -}}
-{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- $image := .root.Values.image -}}
+{{- $repository := index $image.repositories .role -}}
+{{- with $image.registry }}{{ trimSuffix "/" . }}/{{ end -}}
+{{ $repository }}:{{ $image.tag | default .root.Chart.AppVersion }}
+{{- end -}}
+
+{{/* The Secret holding api-keys.toml: the given one, or the one the chart creates. */}}
+{{- define "fabric.apiKeysSecret" -}}
+{{- .Values.auth.existingSecret | default (printf "%s-gateway-api-keys" (include "fabric.prefix" .)) -}}
+{{- end -}}
+
+{{/* The Secret holding Redis's users.acl and each role's password: given, or chart-made. */}}
+{{- define "fabric.redisAclSecret" -}}
+{{- .Values.redisAuth.existingSecret | default (printf "%s-redis-acl" (include "fabric.prefix" .)) -}}
+{{- end -}}
+
+{{/* Whether the cluster serves the Prometheus Operator's CRDs and ServiceMonitors are wanted. */}}
+{{- define "fabric.serviceMonitors" -}}
+{{- if and .Values.serviceMonitor.enabled (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1") -}}
+true
+{{- end -}}
 {{- end -}}
 
 {{/* A native gRPC probe; call with (dict "port" 8001 "probe" .Values.gateway.probes.startup). */}}
@@ -61,7 +82,7 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
 {{- define "fabric.redisCredentialsVolume" -}}
 - name: redis-credentials
   secret:
-    secretName: {{ .root.Values.redisAuth.secretName }}
+    secretName: {{ include "fabric.redisAclSecret" .root }}
     items:
       - key: {{ .role }}-password
         path: password

@@ -1,0 +1,294 @@
+"""The Helm chart's own promises, beyond agreeing with the prod overlay (test_manifests.py):
+`helm lint --strict` is clean; the default values install on a vanilla cluster (no Secrets to
+create first, no Prometheus Operator, no GPUs, no TLS material); the Secrets the chart makes are
+ones the tiers accept; ServiceMonitors only where their CRD is served; no replicas field where
+an HPA owns the count; values.schema.json refuses a wrong type; NOTES.txt says how to reach the
+gateway and shouts when auth or TLS is off.
+
+Rendered with `.tools/helm` (`make .tools/helm`) and validated strictly with kubernetes-validate.
+"""
+
+from __future__ import annotations
+
+import base64
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
+from services.gateway.auth import KeyStore
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CHART_DIR = REPO_ROOT / "deploy" / "helm" / "inference-fabric"
+PROD_VALUES = CHART_DIR / "values-prod.yaml"
+HELM = REPO_ROOT / ".tools" / "helm"
+KUBE_VERSION = "1.32.0"
+RELEASE = "fabric"
+MONITORING_API = "monitoring.coreos.com/v1"
+#: Deployment component -> the key of its values.
+TIER_VALUES = {"gateway": "gateway", "router": "router", "gpu-worker": "worker"}
+
+Objects = list[dict[str, Any]]
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    if not HELM.is_file():
+        pytest.fail(f"{HELM.relative_to(REPO_ROOT)} is missing: run `make .tools/helm`")
+    return subprocess.run(
+        [str(HELM), *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+
+
+def render(*extra: str, chart: Path = CHART_DIR) -> Objects:
+    result = helm(
+        "template", RELEASE, str(chart), "--namespace", "inference-fabric",
+        "--kube-version", KUBE_VERSION, *extra,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def of_kind(objects: Objects, kind: str) -> Objects:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def deployments(objects: Objects) -> dict[str, dict[str, Any]]:
+    return {
+        d["metadata"]["labels"]["app.kubernetes.io/component"]: d
+        for d in of_kind(objects, "Deployment")
+    }
+
+
+def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]
+
+
+def main_container(deployment: dict[str, Any]) -> dict[str, Any]:
+    (container,) = pod_spec(deployment)["containers"]
+    return container
+
+
+def env_values(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def secret_data(objects: Objects, name: str) -> dict[str, str]:
+    (secret,) = [s for s in of_kind(objects, "Secret") if s["metadata"]["name"] == name]
+    return {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+
+
+def referenced_secrets(objects: Objects) -> set[str]:
+    """Every Secret a pod needs: volumes, env and envFrom references, image pull secrets."""
+    names: set[str] = set()
+    for deployment in of_kind(objects, "Deployment"):
+        spec = pod_spec(deployment)
+        names.update(v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v)
+        names.update(s["name"] for s in spec.get("imagePullSecrets", []))
+        for container in [*spec.get("initContainers", []), *spec["containers"]]:
+            for entry in container.get("env", []):
+                ref = entry.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    names.add(ref["name"])
+            names.update(
+                e["secretRef"]["name"] for e in container.get("envFrom", []) if "secretRef" in e
+            )
+    return names
+
+
+def validate_strictly(objects: Objects) -> None:
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+
+
+# -- lint and schema -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [None, PROD_VALUES], ids=["defaults", "prod"])
+def test_helm_lint_strict_is_clean(values: Path | None) -> None:
+    extra = ["-f", str(values)] if values else []
+    result = helm("lint", "--strict", str(CHART_DIR), *extra)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+    assert "[WARNING]" not in result.stdout and "[ERROR]" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"gateway": {"replicas": "two"}}, "gateway.replicas"),
+        ({"tls": {"enabled": "yes"}}, "tls.enabled"),
+        ({"image": {"repositories": {"worker": 5}}}, "image.repositories.worker"),
+        ({"worker": {"gpu": 0.5}}, "worker.gpu"),
+        ({"gateway": {"grpcPort": 70000}}, "gateway.grpcPort"),
+        ({"registryPrefix": "fab ric"}, "registryPrefix"),
+        ({"auth": {"secretName": "gateway-api-keys"}}, "secretName"),
+    ],
+    ids=["string-for-int", "string-for-bool", "int-for-string", "fraction-gpu", "port-range",
+         "prefix-pattern", "unknown-key"],
+)  # fmt: skip
+def test_schema_refuses_wrong_values(
+    values: dict[str, Any], complaint: str, tmp_path: Path
+) -> None:
+    bad = tmp_path / "bad-values.yaml"
+    bad.write_text(yaml.safe_dump(values))
+    template = ["template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION]
+    for command in (template, ["lint", "--strict", str(CHART_DIR)]):
+        result = helm(*command, "-f", str(bad))
+        output = result.stdout + result.stderr
+        assert result.returncode != 0, f"{command[0]} accepted {values}"
+        assert complaint in output, output
+
+
+# -- defaults: a vanilla cluster -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def defaults() -> Objects:
+    return render()
+
+
+def test_defaults_need_nothing_the_chart_does_not_create(defaults: Objects) -> None:
+    created = {s["metadata"]["name"] for s in of_kind(defaults, "Secret")}
+    assert referenced_secrets(defaults) <= created, referenced_secrets(defaults) - created
+    assert not [o for o in defaults if o["apiVersion"].startswith("monitoring.coreos.com/")]
+    assert not of_kind(defaults, "HorizontalPodAutoscaler"), "HPAs need metrics APIs"
+    for tier, deployment in deployments(defaults).items():
+        assert deployment["spec"]["replicas"] == 1, tier
+        spec = pod_spec(deployment)
+        assert not spec.get("nodeSelector") and not spec.get("tolerations"), tier
+        resources = main_container(deployment)["resources"]
+        assert "nvidia.com/gpu" not in {*resources["requests"], *resources["limits"]}, tier
+        assert not any(k.endswith(("_TLS_CERT_FILE", "_TLS_KEY_FILE"))
+                       for k in env_values(main_container(deployment))), tier  # fmt: skip
+    validate_strictly(defaults)
+
+
+def test_defaults_run_each_role_from_its_own_image(defaults: Objects) -> None:
+    values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+    chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
+    images = {tier: main_container(d)["image"] for tier, d in deployments(defaults).items()}
+    for tier, key in TIER_VALUES.items():
+        assert images[tier] == f"{values['image']['repositories'][key]}:{chart['appVersion']}"
+    assert len({images[tier] for tier in TIER_VALUES}) == 3
+    prod = deployments(render("-f", str(PROD_VALUES)))
+    assert (
+        main_container(prod["router"])["image"]
+        == "registry.example.com/inference-fabric-router:0.1.0"
+    )
+
+
+def test_chart_made_redis_users_are_the_ones_redis_acl_writes() -> None:
+    for prefix in ("fabric", "team-b"):
+        objects = render("--set", f"registryPrefix={prefix}")
+        data = secret_data(objects, f"{RELEASE}-redis-acl")
+        passwords = {role: data[password_file_name(role)] for role in ROLES}
+        assert len(set(passwords.values())) == len(ROLES), "one password per role"
+        assert all(len(p) >= 32 for p in passwords.values())
+        assert data[ACL_FILE_NAME].splitlines() == acl_lines(passwords, registry_prefix=prefix), (
+            "templates/secrets.yaml must write what services/common/redis_acl.py does"
+        )
+        assert not any(p in data[ACL_FILE_NAME] for p in passwords.values()), "hashes only"
+
+
+def test_chart_made_api_key_authenticates_as_its_tenant(defaults: Objects, tmp_path: Path) -> None:
+    name = f"{RELEASE}-gateway-api-keys"
+    data = secret_data(defaults, name)
+    keys_file = tmp_path / "api-keys.toml"
+    keys_file.write_text(data["api-keys.toml"])
+    assert data["api-key"] not in data["api-keys.toml"], "the gateway's file holds hashes only"
+    assert KeyStore.from_file(keys_file).authenticate(data["api-key"]).tenant == "default"
+    # The gateway mounts the hashes, never the key itself.
+    gateway = deployments(defaults)["gateway"]
+    (volume,) = [
+        v for v in pod_spec(gateway)["volumes"] if v.get("secret", {}).get("secretName") == name
+    ]
+    assert volume["secret"]["items"] == [{"key": "api-keys.toml", "path": "api-keys.toml"}]
+    assert env_values(main_container(gateway))["GATEWAY_API_KEYS_FILE"].endswith("/api-keys.toml")
+
+
+def test_existing_secrets_are_used_and_not_created() -> None:
+    objects = render("--set", "auth.existingSecret=keys", "--set", "redisAuth.existingSecret=acl")
+    assert not of_kind(objects, "Secret")
+    assert referenced_secrets(objects) == {"keys", "acl"}
+
+
+# -- ServiceMonitor CRD guard, HPA-owned replicas -----------------------------------------------
+
+
+def test_service_monitors_only_where_their_crd_is_served() -> None:
+    def monitors(*extra: str) -> Objects:
+        return of_kind(render(*extra), "ServiceMonitor")
+
+    assert not monitors()
+    served = monitors("--api-versions", MONITORING_API)
+    assert sorted(m["metadata"]["name"] for m in served) == [
+        f"{RELEASE}-gateway", f"{RELEASE}-gpu-worker", f"{RELEASE}-router",
+    ]  # fmt: skip
+    assert not monitors("--api-versions", MONITORING_API, "--set", "serviceMonitor.enabled=false")
+
+
+@pytest.mark.parametrize("tier", sorted(TIER_VALUES))
+def test_no_replicas_field_where_an_hpa_owns_the_count(tier: str) -> None:
+    key = TIER_VALUES[tier]
+    objects = render("--set", f"{key}.hpa.enabled=true", "--set", f"{key}.replicas=3")
+    found = deployments(objects)
+    assert "replicas" not in found[tier]["spec"]
+    (hpa,) = of_kind(objects, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == found[tier]["metadata"]["name"]
+    for other, deployment in found.items():
+        if other not in {tier, "redis"}:
+            assert deployment["spec"]["replicas"] == 1, f"{other} has no HPA: it keeps its field"
+    validate_strictly(objects)
+
+
+# -- NOTES.txt -------------------------------------------------------------------------------------
+
+
+def render_notes(tmp_path: Path, *extra: str) -> str:
+    """NOTES.txt as `helm install` prints it. `helm template` renders no notes, so a copy of
+    the chart carries them as a template of a ConfigMap."""
+    chart = tmp_path / "chart"
+    shutil.copytree(CHART_DIR, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "NOTES.txt").unlink()
+    (chart / "templates" / "_notes.tpl").write_text(
+        '{{- define "test.notes" -}}\n' + notes + "\n{{- end -}}\n"
+    )
+    (chart / "templates" / "notes.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\n"
+        'data:\n  notes: {{ include "test.notes" . | quote }}\n'
+    )
+    (config,) = [
+        o
+        for o in render("--show-only", "templates/notes.yaml", *extra, chart=chart)
+        if o["metadata"]["name"] == "notes"
+    ]
+    return str(config["data"]["notes"])
+
+
+def test_notes_tell_how_to_reach_the_gateway_and_shout_when_tls_is_off(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path)
+    assert f"port-forward svc/{RELEASE}-gateway 8001 8000" in notes
+    assert f"get secret {RELEASE}-gateway-api-keys -o jsonpath='{{.data.api-key}}'" in notes
+    assert "WARNING: TLS IS OFF" in notes
+    assert "AUTHENTICATION IS OFF" not in notes
+    assert "--target worker" in notes, "says how to build the role images"
+
+
+def test_notes_shout_when_auth_is_off(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path, "--set", "auth.enabled=false")
+    assert "WARNING: AUTHENTICATION IS OFF" in notes
+    assert "api-key" not in notes
+
+
+def test_notes_are_quiet_in_prod(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path, "-f", str(PROD_VALUES), "--api-versions", MONITORING_API)
+    assert "WARNING" not in notes
+    assert "Secret gateway-api-keys" in notes
