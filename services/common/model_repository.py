@@ -267,3 +267,14 @@ def load_repository(root: Path) -> list[ModelVersion]:
             for p in numbered
         )
     return versions
+
+
+def select_models(versions: list[ModelVersion], names: tuple[str, ...]) -> list[ModelVersion]:
+    """The versions of the models in `names` (a worker's model pool); all of them when `names`
+    is empty. Raises ModelConfigError naming any model the repository does not have."""
+    if not names:
+        return versions
+    missing = sorted(set(names) - {v.config.name for v in versions})
+    if missing:
+        raise ModelConfigError(f"models not in the repository: {', '.join(missing)}")
+    return [v for v in versions if v.config.name in names]

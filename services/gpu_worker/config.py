@@ -73,6 +73,8 @@ class WorkerConfig:
     redis_password_file: Path | None = None
     #: Registry key prefix (one prefix per fabric sharing a Redis).
     registry_prefix: str = "fabric"
+    #: The models this worker serves (its model pool); empty: every model in the repository.
+    models: tuple[str, ...] = ()
     #: This worker's id in the registry; unique per process.
     worker_id: str = ""
     #: host:port routers dial; defaults to host and the bound gRPC port.
@@ -193,12 +195,27 @@ _REGISTRY = (
     ),
 )
 
+
+def parse_model_names(text: str) -> tuple[str, ...]:
+    """`a,b` -> ("a", "b"); blanks dropped, duplicates refused."""
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if len(set(names)) != len(names):
+        raise ValueError(f"a model is named twice in {text!r}")
+    return names
+
+
 SETTINGS = SettingsTable(
     prog="python -m services.gpu_worker",
     description="GPU worker: serves the models of a model repository with dynamic batching.",
     env_prefix="WORKER",
     settings=(
         Setting("model_repository", Path, Path("models"), "model repository directory"),
+        Setting(
+            "models",
+            parse_model_names,
+            (),
+            "comma-separated models to serve (a model pool); empty: every model in the repository",
+        ),
         Setting(
             "torch_threads",
             int,

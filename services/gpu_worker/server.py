@@ -23,7 +23,7 @@ from services.common.lifecycle import (
     new_server,
     set_serving,
 )
-from services.common.model_repository import load_repository
+from services.common.model_repository import load_repository, select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
 from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
@@ -235,11 +235,13 @@ class Worker:
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     async def load(self) -> None:
-        """Loads every version in the repository and warms it up, off the event loop."""
+        """Loads every version of the worker's models (all in the repository without
+        `--models`) and warms them up, off the event loop."""
         device = select_device()
 
         def load_and_warm() -> tuple[LoadedModels, BatchingDriver]:
-            versions = load_repository(self.config.model_repository)
+            repository = load_repository(self.config.model_repository)
+            versions = select_models(repository, self.config.models)
             models = load_versions(versions, device, self.generation_metrics)
             batching = BatchingDriver(models.fixed_cost, self.config.batching, self.metrics)
             batching.warm_up()
