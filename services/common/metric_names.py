@@ -80,3 +80,15 @@ GENERATION_TOKENS_TOTAL = "inference_generation_tokens_total"
 GENERATION_FINISHED_TOTAL = "inference_generation_finished_total"
 GENERATION_CANCELLED_TOTAL = "inference_generation_cancelled_total"
 GENERATION_REJECTED_TOTAL = "inference_generation_rejected_total"
+
+# Job runners (durable batch jobs).
+JOBS_ITEMS_TOTAL = "inference_jobs_items_total"
+JOBS_ITEMS_RUNNING = "inference_jobs_items_running"
+JOBS_QUEUE_ENTRIES = "inference_jobs_queue_entries"
+JOBS_OLDEST_ENTRY_AGE_SECONDS = "inference_jobs_oldest_entry_age_seconds"
+JOBS_CHUNK_SECONDS = "inference_jobs_chunk_seconds"
+JOBS_RETRIES_TOTAL = "inference_jobs_retries_total"
+
+# Rollout controller (services.rollout)
+ROLLOUT_CANARY_PERCENT = "inference_rollout_canary_percent"
+ROLLOUT_DECISIONS_TOTAL = "inference_rollout_decisions_total"

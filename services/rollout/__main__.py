@@ -1,9 +1,15 @@
-"""`python -m services.rollout routing show|set|reset`: runtime labels and traffic weights.
+"""`python -m services.rollout`: runtime labels and traffic weights, and canary rollouts.
 
     python -m services.rollout routing show
     python -m services.rollout routing set minilm --label canary=2 --traffic stable=90 \
         --traffic canary=10
     python -m services.rollout routing reset minilm
+    python -m services.rollout canary minilm --version 2 --metrics-url http://w1:8202/metrics \
+        [--steps 1,5,25,50,100] [--hold-s 60] [--dry-run]
+
+`canary` steps the canary's traffic share, judges each step from the workers' metrics
+(services.rollout.policy) and promotes or rolls back by itself; it exits 0 on promotion, 1 on
+rollback.
 
 Connects as Redis user `admin` (`--redis-password-file`, or credentials in the URL). Every
 gateway applies a change within about half a second (services.gateway.routing_sync).
@@ -13,14 +19,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting
 from services.common.redis_acl import ADMIN, role_credentials
 from services.common.registry_schema import connect
+from services.rollout.controller import CanaryRollout, RolloutMetrics, describe_plan
+from services.rollout.health import scrape
+from services.rollout.policy import Decision, Plan
 from services.rollout.routing_store import Change, RoutingStore
 
 
@@ -65,7 +78,64 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     reset_parser = actions.add_parser("reset", help="back to the repository's routing")
     reset_parser.add_argument("model")
+    add_canary_parser(commands)
     return parser.parse_args(argv)
+
+
+def add_canary_parser(commands: Any) -> None:
+    canary = commands.add_parser("canary", help="step a canary version's traffic, judge, decide")
+    canary.add_argument("model")
+    canary.add_argument("--version", type=int, required=True, help="the canary's version")
+    canary.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics")
+    defaults = Plan()
+    canary.add_argument("--steps", default=",".join(f"{s:g}" for s in defaults.steps))
+    for name in ("hold_s", "max_error_rate_increase", "max_p99_ratio"):
+        canary.add_argument(
+            f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
+        )
+    for name in ("min_requests", "max_holds"):
+        canary.add_argument(
+            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
+        )
+    canary.add_argument("--check-period-s", type=float, default=5.0)
+    canary.add_argument("--metrics-port", type=int, default=-1, help="serve /metrics (-1: off)")
+    canary.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+
+
+def plan_from(args: argparse.Namespace) -> Plan:
+    return Plan(
+        steps=tuple(float(s) for s in args.steps.split(",")),
+        hold_s=args.hold_s,
+        max_error_rate_increase=args.max_error_rate_increase,
+        max_p99_ratio=args.max_p99_ratio,
+        min_requests=args.min_requests,
+        max_holds=args.max_holds,
+    )
+
+
+async def run_canary(args: argparse.Namespace, store: RoutingStore) -> int:
+    plan = plan_from(args)
+    if args.dry_run:
+        routing = (await store.show())[args.model]
+        print(describe_plan(plan, args.model, args.version, routing))
+        return 0
+    if not args.metrics_url:
+        raise ValueError("--metrics-url: at least one worker's metrics endpoint is needed")
+    registry = CollectorRegistry()
+    if args.metrics_port >= 0:
+        start_http_server(args.metrics_port, registry=registry)
+    rollout = CanaryRollout(
+        store,
+        args.model,
+        args.version,
+        plan,
+        snapshot=lambda: scrape(args.metrics_url, args.model),
+        metrics=RolloutMetrics(registry),
+        check_period_s=args.check_period_s,
+    )
+    decision = await rollout.run()
+    print(f"{args.model}: {decision.value}")
+    return 0 if decision is Decision.PROMOTE else 1
 
 
 def changer(args: argparse.Namespace) -> Change:
@@ -91,6 +161,8 @@ async def run(args: argparse.Namespace) -> int:
     repository = load_repository(Path(args.model_repository))
     store = RoutingStore(client, args.registry_prefix, repository)
     try:
+        if args.command == "canary":
+            return await run_canary(args, store)
         if args.action == "show":
             for model, routing in sorted((await store.show()).items()):
                 print(f"{model}: {routing.dumps()}")
@@ -104,6 +176,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return asyncio.run(run(args))

@@ -188,3 +188,21 @@ def write_versioned_affine_model(
         scripted = torch.jit.script(_SeededAffine(version))
         scripted.save(str(model_dir / str(version) / "model.pt"))
     return model_dir
+
+
+class _BrokenRelease(torch.nn.Module):
+    """A release that loads and warms up (on zeros) but fails every real row: first value > 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(4, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x[:, 0] > 0).any()):
+            raise RuntimeError("broken release")
+        return x @ self.weight
+
+
+def break_version(model_dir: Path, version: int) -> None:
+    """Replaces a TorchScript version with `_BrokenRelease` (a bad canary)."""
+    torch.jit.script(_BrokenRelease()).save(str(model_dir / str(version) / "model.pt"))

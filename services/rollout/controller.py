@@ -1,0 +1,126 @@
+"""Runs a canary rollout: steps the canary's traffic share in Redis, judges each step from the
+versions' own metrics (services.rollout.policy), and promotes or rolls back by itself.
+
+Every step and verdict is logged and counted (`inference_rollout_canary_percent{model}`,
+`inference_rollout_decisions_total{model,decision}`). Rollback sends all traffic back to
+`stable` (weight 0 for `canary`, its label kept for inspection); promotion moves `stable` to
+the canary's version and drops the `canary` label.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry
+
+from services.common import metric_names as names
+from services.common.model_routing import ModelRouting
+from services.common.telemetry import MetricFactory
+from services.rollout.health import Snapshot, health_between
+from services.rollout.policy import Decision, Plan, Verdict, judge
+from services.rollout.routing_store import RoutingStore
+
+log = logging.getLogger(__name__)
+
+
+class RolloutMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        new = MetricFactory(registry)
+        self.canary_percent = new.gauge(
+            names.ROLLOUT_CANARY_PERCENT, "Canary's share of the model's traffic now.", ("model",)
+        )
+        self.decisions_total = new.counter(
+            names.ROLLOUT_DECISIONS_TOTAL, "Step verdicts, by decision.", ("model", "decision")
+        )
+
+
+@dataclass
+class CanaryRollout:
+    store: RoutingStore
+    model: str
+    canary_version: int
+    plan: Plan
+    #: One cumulative snapshot of the model's per-version metrics.
+    snapshot: Callable[[], Awaitable[Snapshot]]
+    metrics: RolloutMetrics
+    #: How often a step in progress is checked for an early rollback, seconds.
+    check_period_s: float = 5.0
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+
+    async def run(self) -> Decision:
+        """Runs the plan to PROMOTE or ROLLBACK. Raises ValueError if the model has no
+        `stable` label or the canary version is unknown (nothing is changed then)."""
+        routing = (await self.store.show())[self.model]
+        if "stable" not in routing.labels:
+            raise ValueError(f"model {self.model!r} has no stable label to compare with")
+        stable = str(routing.labels["stable"])
+        for step, percent in enumerate(self.plan.steps):
+            await self._set_share(percent)
+            verdict = await self._run_step(step, stable)
+            if verdict.decision is Decision.ROLLBACK:
+                await self._set_share(0.0)
+                return verdict.decision
+        await self.store.change(self.model, self._promoted)
+        self.metrics.canary_percent.labels(self.model).set(0)
+        log.info("%s: promoted version %d to stable", self.model, self.canary_version)
+        return Decision.PROMOTE
+
+    async def _run_step(self, step: int, stable: str) -> Verdict:
+        before = await self.snapshot()
+        holds, waited_s = 0, 0.0
+        while True:
+            await self.sleep(self.check_period_s)
+            waited_s += self.check_period_s
+            after = await self.snapshot()
+            canary = health_between(before, after, str(self.canary_version))
+            baseline = health_between(before, after, stable)
+            final = waited_s >= self.plan.hold_s * (holds + 1)
+            verdict = judge(self.plan, step, holds, canary, baseline, final=final)
+            if verdict.decision is not Decision.HOLD or final:
+                self.metrics.decisions_total.labels(self.model, verdict.decision.value).inc()
+                log.info(
+                    "%s step %d (%g%%): %s: %s; canary %s, stable %s",
+                    self.model, step, self.plan.steps[step], verdict.decision.value,
+                    verdict.reason, canary, baseline,
+                )  # fmt: skip
+            if verdict.decision is Decision.HOLD:
+                holds += int(final)
+                continue
+            return verdict
+
+    async def _set_share(self, percent: float) -> None:
+        canary = self.canary_version
+
+        def change(current: ModelRouting) -> ModelRouting:
+            labels = {**current.labels, "canary": canary}
+            return ModelRouting(labels, {"stable": 100.0 - percent, "canary": percent})
+
+        await self.store.change(self.model, change)
+        self.metrics.canary_percent.labels(self.model).set(percent)
+        log.info("%s: canary version %d at %g%% of traffic", self.model, canary, percent)
+
+    def _promoted(self, current: ModelRouting) -> ModelRouting:
+        labels = {k: v for k, v in current.labels.items() if k != "canary"}
+        labels["stable"] = self.canary_version
+        return ModelRouting(labels, {"stable": 1.0})
+
+
+def describe_plan(plan: Plan, model: str, canary_version: int, routing: ModelRouting) -> str:
+    """The dry run's text: what would happen, step by step."""
+    lines = [
+        f"model {model}: routing now {routing.dumps()}",
+        f"canary version {canary_version}; stable stays "
+        f"{routing.labels.get('stable', '(none: the rollout would refuse to start)')}",
+    ]
+    for step, percent in enumerate(plan.steps):
+        lines.append(
+            f"  step {step}: canary at {percent:g}% for {plan.hold_s:g}s; roll back if its error"
+            f" rate exceeds stable's by {plan.max_error_rate_increase:.2%} or its p99 is over"
+            f" {plan.max_p99_ratio:g}x stable's (judged from {plan.min_requests} requests;"
+            f" up to {plan.max_holds} extra holds)"
+        )
+    lines.append("  then: stable -> canary's version, canary label dropped")
+    return "\n".join(lines)

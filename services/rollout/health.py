@@ -1,0 +1,63 @@
+"""Per-version health from the workers' own metrics: calls by status and the row-latency
+histogram, per (model, version), scraped from each worker's `/metrics`.
+
+A snapshot is cumulative; the health over a window is the difference of two. (In a cluster,
+a Prometheus query gives the same figures fleet-wide; this reads the workers directly, which
+is what the local stack and the tests have.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+from collections.abc import Sequence
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.common import metric_names as names
+from services.rollout.policy import Health, difference, p99_from_buckets
+
+#: Statuses that count against a version: the server failed, not the caller or the load.
+ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
+
+#: version -> flat counters: "code:<CODE>" calls, "le:<bound>" cumulative latency buckets.
+Snapshot = dict[str, dict[str, float]]
+
+
+def parse_snapshot(texts: Sequence[str], model: str) -> Snapshot:
+    """Sums the model's counters over every worker's exposition text, per version."""
+    snapshot: Snapshot = {}
+    wanted = {f"{names.WORKER_REQUESTS_TOTAL}", f"{names.WORKER_ROW_LATENCY_SECONDS}_bucket"}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in wanted or sample.labels.get("model") != model:
+                    continue
+                version = sample.labels.get("version", "")
+                if sample.name == names.WORKER_REQUESTS_TOTAL:
+                    key = f"code:{sample.labels.get('code', '')}"
+                else:
+                    key = f"le:{sample.labels.get('le', '')}"
+                counters = snapshot.setdefault(version, {})
+                counters[key] = counters.get(key, 0.0) + sample.value
+    return snapshot
+
+
+def health_between(before: Snapshot, after: Snapshot, version: str) -> Health:
+    """The version's calls, server errors and p99 between two snapshots."""
+    delta = difference(after.get(version, {}), before.get(version, {}))
+    requests = sum(v for k, v in delta.items() if k.startswith("code:"))
+    errors = sum(v for k, v in delta.items() if k.removeprefix("code:") in ERROR_CODES)
+    buckets = [(float(k[3:]), v) for k, v in delta.items() if k.startswith("le:")]
+    return Health(int(requests), int(errors), p99_from_buckets(buckets))
+
+
+def _fetch(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return str(response.read().decode())
+
+
+async def scrape(urls: Sequence[str], model: str) -> Snapshot:
+    """One snapshot of `model` across the workers at `urls` (their /metrics)."""
+    texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
+    return parse_snapshot(texts, model)

@@ -1,0 +1,138 @@
+"""The canary rollout's decisions: advance, hold, or roll back. Pure: no clock, no I/O.
+
+At each step the canary gets a share of the model's traffic (`Plan.steps`, percent). After
+the step's hold, its health over the step is compared with stable's over the same window:
+- roll back as soon as the canary's error rate exceeds stable's by more than
+  `max_error_rate_increase` (absolute), or its p99 exceeds stable's by more than
+  `max_p99_ratio`, judged once the canary has served `min_requests` in the step;
+- hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
+  extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
+- otherwise advance; after the last step, promote (the `stable` label moves to the canary).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class Decision(enum.Enum):
+    """Values are the metric label and the log word."""
+
+    HOLD = "hold"
+    ADVANCE = "advance"
+    ROLLBACK = "rollback"
+    PROMOTE = "promote"
+
+
+@dataclass(frozen=True)
+class Health:
+    """One version's traffic over a window: calls, failed calls, and p99 latency (seconds;
+    None without calls)."""
+
+    requests: int
+    errors: int
+    p99_s: float | None
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    #: Canary traffic percent at each step, ascending, ending at 100.
+    steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)
+    #: How long each step runs before it is judged, seconds.
+    hold_s: float = 60.0
+    max_error_rate_increase: float = 0.01
+    max_p99_ratio: float = 1.2
+    min_requests: int = 50
+    #: Extra holds a step may take for lack of canary traffic before the rollout gives up.
+    max_holds: int = 3
+
+    def __post_init__(self) -> None:
+        if not self.steps or list(self.steps) != sorted(self.steps) or self.steps[-1] != 100:
+            raise ValueError("steps must ascend and end at 100 (percent)")
+        if self.steps[0] <= 0:
+            raise ValueError("steps must be > 0 percent")
+        if min(self.hold_s, self.max_error_rate_increase) < 0 or self.max_p99_ratio < 1:
+            raise ValueError("hold and error-rate bound must be >= 0, the p99 ratio >= 1")
+        if self.min_requests < 1 or self.max_holds < 0:
+            raise ValueError("min_requests must be >= 1 and max_holds >= 0")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    decision: Decision
+    reason: str
+
+
+def judge(
+    plan: Plan, step: int, holds: int, canary: Health, stable: Health, *, final: bool
+) -> Verdict:
+    """The verdict on step `step` (index into plan.steps) after `holds` extra holds, from the
+    versions' health over the step so far. `final`: the step's hold is over (otherwise only a
+    rollback is decided early, never an advance)."""
+    if canary.requests >= plan.min_requests:
+        increase = canary.error_rate - stable.error_rate
+        if increase > plan.max_error_rate_increase:
+            return Verdict(
+                Decision.ROLLBACK,
+                f"canary error rate {canary.error_rate:.2%} vs stable {stable.error_rate:.2%}"
+                f" (bound +{plan.max_error_rate_increase:.2%})",
+            )
+        ratio = _p99_ratio(canary, stable)
+        if ratio > plan.max_p99_ratio:
+            return Verdict(
+                Decision.ROLLBACK,
+                f"canary p99 {ratio:.2f}x stable's (bound {plan.max_p99_ratio:.2f}x)",
+            )
+    if not final:
+        return Verdict(Decision.HOLD, "step in progress")
+    if canary.requests < plan.min_requests:
+        if holds >= plan.max_holds:
+            return Verdict(
+                Decision.ROLLBACK,
+                f"only {canary.requests} canary requests after {holds + 1} holds"
+                f" (need {plan.min_requests})",
+            )
+        return Verdict(Decision.HOLD, f"{canary.requests} canary requests so far")
+    if step == len(plan.steps) - 1:
+        return Verdict(Decision.PROMOTE, "every step healthy")
+    return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")
+
+
+def _p99_ratio(canary: Health, stable: Health) -> float:
+    """canary p99 / stable p99; 1 when either is unknown (nothing to compare)."""
+    if canary.p99_s is None or not stable.p99_s:
+        return 1.0
+    return canary.p99_s / stable.p99_s
+
+
+def p99_from_buckets(buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The 0.99 quantile of a Prometheus histogram's (upper bound, cumulative count) buckets,
+    interpolated linearly within the bucket (as PromQL's histogram_quantile); None if empty."""
+    ordered = sorted(buckets)
+    if not ordered or ordered[-1][1] <= 0:
+        return None
+    rank = 0.99 * ordered[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, cumulative in ordered:
+        if cumulative >= rank:
+            if math.isinf(upper):
+                return lower
+            width = cumulative - below
+            return lower + (upper - lower) * ((rank - below) / width if width else 1.0)
+        lower, below = upper, cumulative
+    return lower
+
+
+def difference(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """Counter deltas between two scrapes (a counter that went back, a restart, counts from 0)."""
+    return {
+        key: value - before.get(key, 0.0) if value >= before.get(key, 0.0) else value
+        for key, value in after.items()
+    }

@@ -1,0 +1,98 @@
+"""The canary rollout's verdicts (pure), and the histogram and counter arithmetic they use."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.rollout.health import health_between, parse_snapshot
+from services.rollout.policy import (
+    Decision,
+    Health,
+    Plan,
+    difference,
+    judge,
+    p99_from_buckets,
+)
+
+pytestmark = pytest.mark.unit
+
+PLAN = Plan(steps=(5.0, 50.0, 100.0), min_requests=100, max_holds=2)
+STABLE = Health(requests=1000, errors=2, p99_s=0.050)
+
+
+def test_a_healthy_canary_advances_then_is_promoted() -> None:
+    canary = Health(requests=200, errors=0, p99_s=0.052)
+    assert judge(PLAN, 0, 0, canary, STABLE, final=True).decision is Decision.ADVANCE
+    assert judge(PLAN, 2, 0, canary, STABLE, final=True).decision is Decision.PROMOTE
+
+
+def test_no_advance_before_the_hold_is_over() -> None:
+    canary = Health(requests=200, errors=0, p99_s=0.05)
+    assert judge(PLAN, 0, 0, canary, STABLE, final=False).decision is Decision.HOLD
+
+
+@pytest.mark.parametrize(
+    ("canary", "reason"),
+    [
+        (Health(requests=200, errors=10, p99_s=0.05), "error rate"),
+        (Health(requests=200, errors=0, p99_s=0.090), "p99"),
+    ],
+)
+def test_a_worse_canary_is_rolled_back_even_mid_step(canary: Health, reason: str) -> None:
+    verdict = judge(PLAN, 1, 0, canary, STABLE, final=False)
+    assert verdict.decision is Decision.ROLLBACK
+    assert reason in verdict.reason
+
+
+def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
+    canary = Health(requests=10, errors=5, p99_s=1.0)  # too few to judge, even this bad
+    assert judge(PLAN, 0, 0, canary, STABLE, final=False).decision is Decision.HOLD
+    assert judge(PLAN, 0, 1, canary, STABLE, final=True).decision is Decision.HOLD
+    verdict = judge(PLAN, 0, 2, canary, STABLE, final=True)
+    assert verdict.decision is Decision.ROLLBACK and "only 10 canary requests" in verdict.reason
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
+     {"max_p99_ratio": 0.9}, {"min_requests": 0}],
+)  # fmt: skip
+def test_an_inconsistent_plan_is_refused(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        Plan(**kwargs)  # type: ignore[arg-type]
+
+
+def test_p99_interpolates_within_its_bucket_like_promql() -> None:
+    buckets = [(0.01, 50.0), (0.1, 90.0), (1.0, 100.0), (math.inf, 100.0)]
+    # rank 99 lies in (0.1, 1.0], 9 of its 10 counts in: 0.1 + 0.9 * 0.9.
+    assert p99_from_buckets(buckets) == pytest.approx(0.91)
+    assert p99_from_buckets([(0.1, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_counters_that_went_back_count_from_zero() -> None:
+    assert difference({"a": 5.0, "b": 2.0}, {"a": 3.0, "b": 7.0}) == {"a": 2.0, "b": 2.0}
+
+
+WORKER_METRICS = """# TYPE inference_worker_requests_total counter
+inference_worker_requests_total{{model="m",version="1",code="OK"}} {ok}
+inference_worker_requests_total{{model="m",version="1",code="INTERNAL"}} {failed}
+inference_worker_requests_total{{model="m",version="1",code="INVALID_ARGUMENT"}} 7
+inference_worker_requests_total{{model="other",version="1",code="INTERNAL"}} 99
+# TYPE inference_worker_row_latency_seconds histogram
+inference_worker_row_latency_seconds_bucket{{model="m",version="1",le="0.1"}} {ok}
+inference_worker_row_latency_seconds_bucket{{model="m",version="1",le="+Inf"}} {ok}
+inference_worker_row_latency_seconds_count{{model="m",version="1"}} {ok}
+inference_worker_row_latency_seconds_sum{{model="m",version="1"}} 1
+"""
+
+
+def test_health_between_two_scrapes_of_two_workers() -> None:
+    before = parse_snapshot([WORKER_METRICS.format(ok=10, failed=1)] * 2, "m")
+    after = parse_snapshot([WORKER_METRICS.format(ok=60, failed=3)] * 2, "m")
+
+    health = health_between(before, after, "1")
+    # Per worker: 50 OK and 2 INTERNAL more (the caller's INVALID_ARGUMENT is not an error).
+    assert (health.requests, health.errors) == (104, 4)
+    assert health.p99_s is not None and 0 < health.p99_s <= 0.1
