@@ -1,0 +1,306 @@
+"""The simulated fleet: gateways, routers and workers, and a request's path through them.
+
+A request takes the real path: the gateway's `AdaptiveThrottle` may shed it; a router's
+`RouteTable` picks a worker from its last registry snapshot (heartbeats every
+`heartbeat_period_s`, read every `refresh_period_s`, stale after `stale_after_s`) or refuses it;
+`upstream_s` later the worker's batcher admits or refuses it; its answer returns `downstream_s`
+after the batch ends. A call to a dead or draining worker fails UNAVAILABLE: the router ejects
+that worker and retries elsewhere as `router.retry.decide_retry` allows, as the forwarder does.
+
+At scale, routers may be split into cells of `cell_size` workers (each router sees only its
+cell): `RouteTable.route` scans every worker of its snapshot, so one table over 1,000 workers
+costs a millisecond per request in Python. A real router scans the whole fleet.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
+from services.gpu_worker.admission import RejectReason as WorkerReject
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.router.retry import RetryElsewhere, decide_retry
+from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable, RoutingConfig
+from services.sim.curve import LatencyCurve
+from services.sim.events import EventLoop
+from services.sim.results import Recorder
+from services.sim.traffic import Arrival
+from services.sim.worker import ModelSpec, SimRequest, SimWorker
+
+
+@dataclass(frozen=True)
+class FleetConfig:
+    """How the fleet is built and how its parts talk."""
+
+    workers: int = 1
+    #: From a new worker's creation to its first heartbeat (image pull, model load, warm-up).
+    startup_s: float = 60.0
+    heartbeat_period_s: float = 1.0
+    refresh_period_s: float = 0.5
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    gateways: int = 1
+    #: Gateway + router + hop to the worker, and the hop back, seconds.
+    upstream_s: float = 0.002
+    downstream_s: float = 0.001
+    #: Workers per router cell; 0: one router table over the whole fleet.
+    cell_size: int = 0
+    max_retries: int = 1
+    #: Lognormal sigma of batch compute around the curve (0: exactly the curve).
+    noise_sigma: float = 0.0
+    #: CPU seconds the worker process spends per row outside the model (decode, copies).
+    cpu_per_row_s: float = 0.0002
+    cpu_cores: float = 1.0
+
+
+@dataclass
+class _Cell:
+    table: RouteTable
+    #: worker_id -> (last heartbeat record, its time): what Redis holds for this cell.
+    registry: dict[str, tuple[Any, float]] = field(default_factory=dict)
+
+
+class Fleet:
+    """Workers, the registry, routers and gateways on one event loop."""
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        spec: ModelSpec,
+        curve: LatencyCurve,
+        driver: DriverConfig,
+        loop: EventLoop,
+        recorder: Recorder,
+        *,
+        seed: int,
+        max_workers: int,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self._curve = curve
+        self._driver = driver
+        self._loop = loop
+        self._recorder = recorder
+        self._rng = random.Random(seed)
+        num_cells = 1 if config.cell_size <= 0 else math.ceil(max_workers / config.cell_size)
+        self._cells = [
+            _Cell(RouteTable(config.routing, random.Random(seed + i))) for i in range(num_cells)
+        ]
+        self._budgets = [RetryBudget() for _ in self._cells]
+        self._throttles = [AdaptiveThrottle(config.throttle) for _ in range(config.gateways)]
+        self.workers: dict[str, SimWorker] = {}
+        self._cell_of: dict[str, int] = {}
+        self._born_s: dict[str, float] = {}
+        #: Workers created and not yet serving (starting up).
+        self.starting: set[str] = set()
+        self._draining: set[str] = set()
+        self._worker_seconds = 0.0
+        self._next_worker = 0
+        #: Workers retired or dead, for the run's totals.
+        self._gone: list[SimWorker] = []
+        for cell in self._cells:
+            offset = self._rng.uniform(0, config.refresh_period_s)
+            loop.every(config.refresh_period_s, self._refresher(cell), start_s=offset)
+
+    # -- membership ------------------------------------------------------------------------
+
+    def add_worker(self, now_s: float, *, startup_s: float | None = None) -> str:
+        """Creates a worker; it heartbeats (and so becomes routable) after its start-up."""
+        number = self._next_worker
+        self._next_worker += 1
+        worker_id = f"w{number:04d}"
+        worker = SimWorker(
+            worker_id,
+            self.spec,
+            self._curve,
+            self._driver,
+            self._loop,
+            self._answer,
+            noise_sigma=self.config.noise_sigma,
+            rng=random.Random(self._rng.random()),
+        )
+        self.workers[worker_id] = worker
+        self._cell_of[worker_id] = number % len(self._cells)
+        self._born_s[worker_id] = now_s
+        self.starting.add(worker_id)
+        delay_s = self.config.startup_s if startup_s is None else startup_s
+        self._loop.at(now_s + delay_s, self._started, worker_id)
+        return worker_id
+
+    def _started(self, now_s: float, worker_id: str) -> None:
+        self.starting.discard(worker_id)
+        if worker_id in self.workers:
+            self._heartbeat(now_s, worker_id)
+
+    def _heartbeat(self, now_s: float, worker_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None or not worker.is_alive:
+            return
+        cell = self._cells[self._cell_of[worker_id]]
+        cell.registry[worker_id] = (worker.record(now_s, is_ready=True), now_s)
+        self._loop.at(now_s + self.config.heartbeat_period_s, self._heartbeat, worker_id)
+
+    def _refresher(self, cell: _Cell) -> Any:
+        def refresh(now_s: float, _: object) -> None:
+            cell.table.update(list(cell.registry.values()), now_s)
+
+        return refresh
+
+    @property
+    def serving(self) -> list[str]:
+        """Workers started, alive and not draining."""
+        return [
+            w
+            for w, worker in self.workers.items()
+            if worker.is_alive and w not in self.starting and w not in self._draining
+        ]
+
+    @property
+    def num_replicas(self) -> int:
+        """Workers the deployment counts: starting or serving (not draining, not dead)."""
+        return sum(
+            1 for w, worker in self.workers.items() if worker.is_alive and w not in self._draining
+        )
+
+    def remove_worker(self, now_s: float) -> None:
+        """Scale-down: the newest worker drains, publishes that at once, leaves when done."""
+        candidates = [w for w in self.workers if w not in self._draining]
+        if not candidates:
+            return
+        worker_id = max(candidates, key=lambda w: (self._born_s[w], w))
+        self._draining.add(worker_id)
+        worker = self.workers[worker_id]
+        if worker_id in self.starting:
+            self._retire(now_s, worker_id)
+            return
+        worker.begin_drain(now_s)
+        self._heartbeat_once(now_s, worker_id)
+        self._loop.at(now_s, self._retire_when_drained, worker_id)
+
+    def _heartbeat_once(self, now_s: float, worker_id: str) -> None:
+        cell = self._cells[self._cell_of[worker_id]]
+        cell.registry[worker_id] = (self.workers[worker_id].record(now_s, is_ready=False), now_s)
+
+    def _retire_when_drained(self, now_s: float, worker_id: str) -> None:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return
+        if worker.is_drained:
+            self._retire(now_s, worker_id)
+        else:
+            self._loop.at(now_s + 0.05, self._retire_when_drained, worker_id)
+
+    def _retire(self, now_s: float, worker_id: str) -> None:
+        worker = self.workers.pop(worker_id)
+        worker.is_alive = False
+        self._gone.append(worker)
+        self.starting.discard(worker_id)
+        self._draining.discard(worker_id)
+        self._cells[self._cell_of[worker_id]].registry.pop(worker_id, None)
+        self._worker_seconds += now_s - self._born_s.pop(worker_id)
+
+    def kill_workers(self, now_s: float, count: int) -> None:
+        """`count` serving workers die at once (no drain, no deregistration)."""
+        for worker_id in sorted(self.serving)[:count]:
+            worker = self.workers[worker_id]
+            for request in worker.kill(now_s):
+                self._unavailable(now_s, request)
+            self._worker_seconds += now_s - self._born_s.pop(worker_id)
+            self._gone.append(self.workers.pop(worker_id))
+
+    @property
+    def all_workers(self) -> list[SimWorker]:
+        """Every worker the run created, gone or not."""
+        return [*self._gone, *self.workers.values()]
+
+    def worker_seconds(self, now_s: float) -> float:
+        return self._worker_seconds + sum(now_s - born for born in self._born_s.values())
+
+    # -- a request's path ------------------------------------------------------------------
+
+    def arrive(self, now_s: float, arrival: Arrival) -> None:
+        self._recorder.arrived(now_s, arrival.tenant)
+        throttle = self._gateway(arrival)
+        if throttle.admit(arrival.model, now_s, self._rng.random()) is not None:
+            self._recorder.refused(now_s, "gateway_throttled")
+            return
+        timeout_s = self.spec.default_timeout_s if arrival.timeout_s is None else arrival.timeout_s
+        request = SimRequest(arrival, now_s + timeout_s)
+        request.cell = self._rng.randrange(len(self._cells))
+        self._budgets[request.cell].record_request(now_s)
+        self._route(now_s, request, throttle)
+
+    def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
+        spec = self.spec
+        decision = self._cells[request.cell].table.route(
+            spec.name, spec.version, 1, request.deadline_s - now_s, now_s, request.tried
+        )
+        if isinstance(decision, Reject):
+            is_overload = decision.reason is RejectReason.DEADLINE
+            throttle.record(
+                spec.name, now_s, is_accepted=not is_overload, retry_after_s=decision.retry_after_s
+            )
+            self._recorder.refused(request.arrival.at_s, f"router_{decision.reason.value}")
+            return
+        request.worker_id = decision.worker_id
+        request.reservation_id = decision.reservation_id
+        request.tried = request.tried | {decision.worker_id}
+        self._loop.at(now_s + self.config.upstream_s, self._at_worker, request)
+
+    def _at_worker(self, now_s: float, request: SimRequest) -> None:
+        worker = self.workers.get(request.worker_id)
+        if worker is None or not worker.is_alive or worker.batcher.is_draining:
+            self._unavailable(now_s, request)
+            return
+        reason = worker.submit(request, now_s)
+        if reason is None:
+            return
+        if reason is WorkerReject.DRAINING:
+            self._unavailable(now_s, request)
+            return
+        self._release(request)
+        self._throttle_of(request).record(self.spec.name, now_s, is_accepted=False)
+        self._recorder.refused(request.arrival.at_s, f"worker_{reason.value}")
+
+    def _answer(self, now_s: float, request: SimRequest, outcome: str) -> None:
+        """A worker answered: "ok" (the batch ran) or "expired" (DEADLINE_EXCEEDED unrun)."""
+        self._release(request)
+        self._throttle_of(request).record(self.spec.name, now_s, is_accepted=True)
+        arrival_s = request.arrival.at_s
+        if outcome == "ok":
+            latency_s = now_s + self.config.downstream_s - arrival_s
+            self._recorder.answered(arrival_s, latency_s, request.arrival.tenant)
+        else:
+            self._recorder.refused(arrival_s, f"worker_{outcome}")
+
+    def _unavailable(self, now_s: float, request: SimRequest) -> None:
+        """The call failed UNAVAILABLE: eject the worker, retry elsewhere if allowed."""
+        self._release(request)
+        self._cells[request.cell].table.eject(request.worker_id, now_s)
+        decision = decide_retry(
+            is_worker_unavailable=True,
+            attempt=request.num_attempts,
+            max_retries=self.config.max_retries,
+            deadline_s=request.deadline_s,
+            now_s=now_s,
+            budget=self._budgets[request.cell],
+        )
+        request.num_attempts += 1
+        if isinstance(decision, RetryElsewhere):
+            self._route(now_s, request, self._throttle_of(request))
+        else:
+            self._throttle_of(request).record(self.spec.name, now_s, is_accepted=True)
+            self._recorder.refused(request.arrival.at_s, "unavailable")
+
+    def _release(self, request: SimRequest) -> None:
+        self._cells[request.cell].table.release(request.reservation_id)
+
+    def _gateway(self, arrival: Arrival) -> AdaptiveThrottle:
+        # The request's gateway, stable for it: its throttle also counts the answer.
+        return self._throttles[hash(arrival.at_s) % len(self._throttles)]
+
+    def _throttle_of(self, request: SimRequest) -> AdaptiveThrottle:
+        return self._gateway(request.arrival)

@@ -1,0 +1,196 @@
+"""The capacity planner: the fewest workers that meet an SLO, and the HPA target that holds it.
+
+The closed form it generalises is a utilisation bound with batch amortisation. A worker that
+runs batches of b rows in t(b) seconds serves at most b / t(b) rows per second; a row may wait
+for the batch running when it arrives and then run in the next, so the SLO allows batches up
+to b* = the largest b with 2 t(b) <= SLO - upstream budget - safety margin (the batcher's own
+`batch_compute_budget_s`). Offered lambda requests/s with headroom h then need
+
+    c >= lambda (1 + h) t(b*) / b*        (utilisation rho = lambda t(b*) / (c b*) < 1, M/D/c-like)
+
+The simulator searches the worker count with the real policies instead. Where they differ:
+Poisson arrivals rarely fill b* (the batcher closes batches early when the executor is idle,
+so a lightly loaded worker runs small, expensive batches), admission refuses rows predicted
+late before the queue is saturated, and the tail percentile needs slack the mean bound ignores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from services.sim.simulation import Scenario, run
+
+
+@dataclass(frozen=True)
+class ClosedForm:
+    """The formula's inputs and answer."""
+
+    #: The largest batch whose compute fits half of the SLO the worker gets.
+    batch_size: int
+    batch_s: float
+    #: Rows per second one worker serves in full batches of the traffic's mix.
+    rows_per_s: float
+    workers: int
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One simulated worker count and whether it met the SLO."""
+
+    workers: int
+    latency_ms: float
+    slo_attainment: float
+    meets: bool
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The planner's answer."""
+
+    workers: int | None
+    closed_form: ClosedForm
+    trials: tuple[Trial, ...]
+    #: Mean queue wait per row at the planned count: the HPA's queue-wait target.
+    hpa_queue_wait_target_ms: float | None
+    #: Mean backlog per row (queue wait behind other batches, linger excluded) at the planned
+    #: count: the HPA's backlog target, the signal that falls as workers are added.
+    hpa_backlog_target_ms: float | None
+    offered_per_s: float
+
+
+def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
+    """The utilisation bound above, from the scenario's curve and its mean offered rate. With
+    several length buckets a row's cost is the traffic-weighted mean of t(b*) / b* per bucket;
+    `batch_size` and `batch_s` are those of the most frequent bucket."""
+    spec, driver = scenario.model, scenario.driver
+    budget_s = (spec.slo_s - driver.upstream_budget_s - driver.safety_margin_s) / 2
+    truth = scenario.curve.truth({b: spec.key(b) for b in spec.length_buckets})
+    shares = _bucket_shares(scenario)
+    per_row_s, batch_of = 0.0, dict[int, tuple[int, float]]()
+    for bucket, share in shares.items():
+        key = spec.key(bucket)
+        size = max(
+            [n for n in range(1, spec.max_batch_size + 1) if truth.predict(key, n) <= budget_s],
+            default=1,
+        )
+        batch_of[bucket] = (size, truth.predict(key, size))
+        per_row_s += share * batch_of[bucket][1] / size
+    size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
+    rate = _mean_rate(scenario) * (1.0 + headroom)
+    return ClosedForm(size, batch_s, 1.0 / per_row_s, max(1, math.ceil(rate * per_row_s)))
+
+
+def _bucket_shares(scenario: Scenario) -> dict[int, float]:
+    """Share of rows per length bucket, from the streams' length mixes (or the trace)."""
+    spec, shares = scenario.model, defaultdict[int, float](float)
+    traffic = scenario.traffic
+    if traffic.trace:
+        for arrival in traffic.trace:
+            shares[spec.bucket_for(arrival.num_tokens)] += 1.0
+    for stream in traffic.streams:
+        total = sum(stream.lengths.weights)
+        for tokens, weight in zip(stream.lengths.tokens, stream.lengths.weights, strict=True):
+            shares[spec.bucket_for(tokens)] += stream.rate_per_s * weight / total
+    grand = sum(shares.values()) or 1.0
+    return {bucket: value / grand for bucket, value in shares.items()}
+
+
+def _mean_rate(scenario: Scenario) -> float:
+    """Offered requests/s averaged over the scenario's duration (diurnal and bursts included)."""
+    traffic = scenario.traffic
+    if traffic.trace:
+        return len(traffic.trace) / scenario.duration_s
+    steps = 200
+    width_s = scenario.duration_s / steps
+    return sum(traffic.total_rate_per_s((i + 0.5) * width_s) for i in range(steps)) / steps
+
+
+def _trial(scenario: Scenario, workers: int, percentile: float) -> tuple[Trial, dict[str, Any]]:
+    fleet = dataclasses.replace(scenario.fleet, workers=workers)
+    summary = run(dataclasses.replace(scenario, fleet=fleet, hpa=None, losses=())).summary
+    latencies = summary["latency_ms"]
+    latency_ms = latencies.get(f"p{percentile:g}", latencies["p99"])
+    attainment = summary["slo_attainment"]
+    # Refused requests count against the percentile: an SLO at p99 allows 1% bad answers.
+    meets = latency_ms <= scenario.model.slo_s * 1e3 and attainment >= percentile / 100.0
+    return Trial(workers, latency_ms, attainment, meets), summary
+
+
+def plan(
+    scenario: Scenario, *, percentile: float = 99.0, headroom: float = 0.2, max_workers: int = 512
+) -> Plan:
+    """The fewest workers (no autoscaler, no losses) whose run of the scenario's traffic, scaled
+    by 1 + `headroom`, answers `percentile`% of requests within the SLO. Searches by doubling
+    from the closed form's half, then bisects."""
+    if percentile not in (50, 90, 99):
+        raise ValueError("percentile must be 50, 90 or 99 (the percentiles a run reports)")
+    formula = closed_form(scenario, headroom=headroom)
+    loaded = dataclasses.replace(scenario, traffic=scenario.traffic.scaled(1.0 + headroom))
+    trials: dict[int, tuple[Trial, dict[str, Any]]] = {}
+
+    def meets(workers: int) -> bool:
+        if workers not in trials:
+            trials[workers] = _trial(loaded, workers, percentile)
+        return trials[workers][0].meets
+
+    low, high = 0, max(1, formula.workers // 2)
+    while not meets(high):
+        low = high
+        if high >= max_workers:
+            return Plan(None, formula, _ordered(trials), None, None, _mean_rate(loaded))
+        high = min(max_workers, high * 2)
+    while high - low > 1:
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    chosen = trials[high][1]
+    return Plan(
+        high,
+        formula,
+        _ordered(trials),
+        chosen["mean_queue_wait_ms"],
+        chosen["mean_backlog_ms"],
+        _mean_rate(loaded),
+    )
+
+
+def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ...]:
+    return tuple(trials[w][0] for w in sorted(trials))
+
+
+def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: float) -> str:
+    """The plan, the formula with its numbers, and every simulated count, as text."""
+    cf = result.closed_form
+    lines = [
+        f"offered with {headroom:.0%} headroom: {result.offered_per_s:.1f} req/s; "
+        f"SLO {slo_ms:g} ms at p{percentile:g}",
+        "closed form: c >= lambda (1 + h) t(b*) / b*, b* = largest b with 2 t(b) <= SLO budget",
+        f"  b* = {cf.batch_size}, t(b*) = {cf.batch_s * 1e3:.2f} ms, "
+        f"{cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers",
+        "simulated (workers: latency at percentile, SLO attainment, meets):",
+    ]
+    for trial in result.trials:
+        lines.append(
+            f"  {trial.workers:5d}: {trial.latency_ms:9.1f} ms  {trial.slo_attainment:.4f}  "
+            f"{'yes' if trial.meets else 'no'}"
+        )
+    if result.workers is None:
+        lines.append("no worker count up to --max-workers meets the SLO")
+        return "\n".join(lines)
+    lines.append(f"plan: {result.workers} workers (closed form: {cf.workers})")
+    lines.append(
+        f"HPA on backlog: target {result.hpa_backlog_target_ms:.2f} ms; on queue wait: target "
+        f"{result.hpa_queue_wait_target_ms:.2f} ms (means per row at the planned count). Prefer "
+        "backlog: queue wait includes the batcher's linger, which adding workers does not "
+        "shorten (scenarios/hpa_queue_wait.toml climbs to max_replicas)"
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["ClosedForm", "Plan", "Trial", "closed_form", "format_plan", "plan"]

@@ -1,0 +1,145 @@
+"""What a simulated run measured: per-request outcomes, time series and the summary.
+
+Only arrivals after the warm-up count in the summary (the latency models and the throttle have
+settled by then); the time series keep everything, for the plots. Goodput counts answers
+within the SLO (the latency objective the fleet is provisioned for) per second.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class _Bin:
+    arrivals: int = 0
+    good: int = 0
+    latencies_s: list[float] = field(default_factory=list)
+
+
+class Recorder:
+    """Collects outcomes as the run produces them."""
+
+    def __init__(self, *, slo_s: float, warmup_s: float, bin_s: float = 1.0) -> None:
+        self.slo_s = slo_s
+        self.warmup_s = warmup_s
+        self.bin_s = bin_s
+        self._bins: dict[int, _Bin] = {}
+        #: Latencies (seconds) of answers to requests that arrived after the warm-up.
+        self.latencies_s: list[float] = []
+        self.refusals: Counter[str] = Counter()
+        self.num_arrivals = 0
+        self.num_good = 0
+        #: tenant -> [arrivals, answered within the SLO] after the warm-up.
+        self.by_tenant: dict[str, list[int]] = {}
+        #: (time, replicas, ready replicas), on every change and every autoscaler sync.
+        self.replicas: list[tuple[float, int, int]] = []
+        #: (time, the autoscaler's metric value).
+        self.hpa_metric: list[tuple[float, float]] = []
+
+    def _bin(self, time_s: float) -> _Bin:
+        index = int(time_s // self.bin_s)
+        found = self._bins.get(index)
+        if found is None:
+            found = self._bins[index] = _Bin()
+        return found
+
+    def arrived(self, arrival_s: float, tenant: str = "") -> None:
+        self._bin(arrival_s).arrivals += 1
+        if arrival_s >= self.warmup_s:
+            self.num_arrivals += 1
+            self.by_tenant.setdefault(tenant, [0, 0])[0] += 1
+
+    def answered(self, arrival_s: float, latency_s: float, tenant: str = "") -> None:
+        is_good = latency_s <= self.slo_s
+        slot = self._bin(arrival_s)
+        slot.latencies_s.append(latency_s)
+        slot.good += is_good
+        if arrival_s >= self.warmup_s:
+            self.latencies_s.append(latency_s)
+            self.num_good += is_good
+            self.by_tenant.setdefault(tenant, [0, 0])[1] += is_good
+
+    def refused(self, arrival_s: float, reason: str) -> None:
+        if arrival_s >= self.warmup_s:
+            self.refusals[reason] += 1
+
+    def replica_count(self, time_s: float, replicas: int, ready: int) -> None:
+        if not self.replicas or self.replicas[-1][1:] != (replicas, ready):
+            self.replicas.append((time_s, replicas, ready))
+
+    def series(self) -> dict[str, list[float]]:
+        """Per bin: time, offered rate, goodput, p50 and p99 latency (answered requests)."""
+        out: dict[str, list[float]] = {k: [] for k in ("t_s", "rate", "goodput", "p50", "p99")}
+        for index in sorted(self._bins):
+            slot = self._bins[index]
+            p50, p99 = _percentiles(slot.latencies_s, (50, 99))
+            out["t_s"].append(index * self.bin_s)
+            out["rate"].append(slot.arrivals / self.bin_s)
+            out["goodput"].append(slot.good / self.bin_s)
+            out["p50"].append(p50)
+            out["p99"].append(p99)
+        return out
+
+
+def _percentiles(values: Sequence[float], ranks: Iterable[float]) -> list[float]:
+    if not values:
+        return [math.nan for _ in ranks]
+    return [float(v) for v in np.percentile(np.asarray(values), list(ranks))]
+
+
+@dataclass(frozen=True)
+class FleetTotals:
+    """What the fleet did over the run, for the summary."""
+
+    worker_seconds: float
+    batch_sizes: Counter[int]
+    close_reasons: Counter[str]
+    max_replicas: int
+    final_replicas: int
+    #: Mean seconds a row waited in a worker's queue before its batch ran (the HPA signal).
+    mean_queue_wait_s: float = 0.0
+    #: The part of it spent behind other batches (linger excluded), seconds.
+    mean_backlog_s: float = 0.0
+
+
+def summarize(
+    recorder: Recorder, totals: FleetTotals, *, duration_s: float, wall_s: float, num_events: int
+) -> dict[str, Any]:
+    """The JSON summary of one run."""
+    window_s = max(duration_s - recorder.warmup_s, 1e-9)
+    p50, p90, p99 = _percentiles(recorder.latencies_s, (50, 90, 99))
+    arrivals = recorder.num_arrivals
+    num_batches = sum(totals.batch_sizes.values())
+    rows = sum(size * count for size, count in totals.batch_sizes.items())
+    return {
+        "simulated_s": duration_s,
+        "measured_s": window_s,
+        "wall_s": round(wall_s, 3),
+        "events": num_events,
+        "offered_per_s": arrivals / window_s,
+        "goodput_per_s": recorder.num_good / window_s,
+        "slo_attainment": recorder.num_good / arrivals if arrivals else math.nan,
+        "answered": len(recorder.latencies_s),
+        "latency_ms": {"p50": p50 * 1e3, "p90": p90 * 1e3, "p99": p99 * 1e3},
+        "refusals": dict(sorted(recorder.refusals.items())),
+        "slo_attainment_by_tenant": {
+            tenant: good / arrived if arrived else math.nan
+            for tenant, (arrived, good) in sorted(recorder.by_tenant.items())
+        },
+        "batches": num_batches,
+        "mean_batch_size": rows / num_batches if num_batches else 0.0,
+        "batch_sizes": {str(k): v for k, v in sorted(totals.batch_sizes.items())},
+        "close_reasons": dict(sorted(totals.close_reasons.items())),
+        "mean_queue_wait_ms": totals.mean_queue_wait_s * 1e3,
+        "mean_backlog_ms": totals.mean_backlog_s * 1e3,
+        "worker_hours": totals.worker_seconds / 3600.0,
+        "max_replicas": totals.max_replicas,
+        "final_replicas": totals.final_replicas,
+    }

@@ -1,0 +1,202 @@
+"""One simulated run: traffic into a fleet on an event loop, the HPA on top, and its summary."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.sim.autoscaler import HorizontalAutoscaler, HpaConfig
+from services.sim.curve import LatencyCurve
+from services.sim.events import EventLoop
+from services.sim.fleet import Fleet, FleetConfig
+from services.sim.results import FleetTotals, Recorder, summarize
+from services.sim.traffic import Arrival, Traffic
+from services.sim.worker import ModelSpec
+
+#: After the last arrival, the run goes on this long (at most) so in-flight requests finish.
+DRAIN_S = 5.0
+
+
+@dataclass(frozen=True)
+class WorkerLoss:
+    """At `at_s`, `num_workers` serving workers die at once (no drain)."""
+
+    at_s: float
+    num_workers: int
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """Everything one run needs."""
+
+    name: str
+    model: ModelSpec
+    curve: LatencyCurve
+    traffic: Traffic
+    duration_s: float = 60.0
+    #: Arrivals before this are not in the summary (latency models and throttle settle).
+    warmup_s: float = 5.0
+    seed: int = 1
+    driver: DriverConfig = field(default_factory=DriverConfig)
+    fleet: FleetConfig = field(default_factory=FleetConfig)
+    hpa: HpaConfig | None = None
+    losses: tuple[WorkerLoss, ...] = ()
+
+
+@dataclass
+class RunResult:
+    scenario: Scenario
+    summary: dict[str, Any]
+    recorder: Recorder
+    fleet: Fleet
+    totals: FleetTotals
+    num_events: int
+
+
+class _Autoscaling:
+    """Samples the HPA's metric from the serving workers each sync period and acts on it."""
+
+    def __init__(self, config: HpaConfig, fleet: Fleet, recorder: Recorder) -> None:
+        self._hpa = HorizontalAutoscaler(config)
+        self._fleet = fleet
+        self._recorder = recorder
+        self._last: dict[str, _Totals] = {}
+        self._last_s = 0.0
+
+    def sync(self, now_s: float, _: object) -> None:
+        fleet = self._fleet
+        metric = self.metric(now_s)
+        current, ready = fleet.num_replicas, len(fleet.serving)
+        desired = self._hpa.desired(now_s, current, ready, metric)
+        for _ in range(desired - current):
+            fleet.add_worker(now_s)
+        for _ in range(current - desired):
+            fleet.remove_worker(now_s)
+        self._recorder.hpa_metric.append((now_s, metric))
+
+    def metric(self, now_s: float) -> float:
+        """Over the last sync period, per serving worker: mean queue wait or mean backlog of
+        the rows it dispatched (seconds), CPU utilisation of its process, or its
+        executor-busy fraction."""
+        fleet, kind = self._fleet, self._hpa.config.metric
+        elapsed_s = max(now_s - self._last_s, 1e-9)
+        waits, backlogs, rows, shares = 0.0, 0.0, 0, []
+        current: dict[str, _Totals] = {}
+        for worker_id in fleet.serving:
+            worker = fleet.workers[worker_id]
+            now = current[worker_id] = _Totals(
+                worker.queue_wait_s_total,
+                worker.backlog_s_total,
+                worker.rows_dispatched,
+                worker.busy_s(now_s),
+            )
+            before = self._last.get(worker_id, _Totals(0.0, 0.0, 0, 0.0))
+            waits += now.wait_s - before.wait_s
+            backlogs += now.backlog_s - before.backlog_s
+            rows += now.rows - before.rows
+            if kind == "cpu":
+                cpu_s = (now.rows - before.rows) * fleet.config.cpu_per_row_s
+                shares.append(cpu_s / (elapsed_s * fleet.config.cpu_cores))
+            else:
+                shares.append((now.busy_s - before.busy_s) / elapsed_s)
+        self._last, self._last_s = current, now_s
+        if kind in ("queue_wait", "backlog"):
+            return (waits if kind == "queue_wait" else backlogs) / rows if rows else 0.0
+        return sum(shares) / len(shares) if shares else 0.0
+
+
+class _Totals(NamedTuple):
+    """One worker's cumulative counters at an HPA sync."""
+
+    wait_s: float
+    backlog_s: float
+    rows: int
+    busy_s: float
+
+
+def run(scenario: Scenario) -> RunResult:
+    """Runs `scenario` to its end (plus up to DRAIN_S for requests in flight)."""
+    started = time.perf_counter()
+    loop = EventLoop()
+    recorder = Recorder(slo_s=scenario.model.slo_s, warmup_s=scenario.warmup_s)
+    hpa = scenario.hpa
+    initial = (
+        scenario.fleet.workers if hpa is None else max(hpa.min_replicas, scenario.fleet.workers)
+    )
+    max_workers = initial if hpa is None else max(hpa.max_replicas, initial)
+    fleet = Fleet(
+        scenario.fleet,
+        scenario.model,
+        scenario.curve,
+        scenario.driver,
+        loop,
+        recorder,
+        seed=scenario.seed,
+        max_workers=max_workers,
+    )
+    for _ in range(initial):
+        fleet.add_worker(0.0, startup_s=0.0)
+    _feed(loop, fleet, scenario.traffic.arrivals(scenario.seed, scenario.duration_s))
+    for loss in scenario.losses:
+        loop.at(loss.at_s, lambda now_s, n: fleet.kill_workers(now_s, n), loss.num_workers)
+    if hpa is not None:
+        loop.every(hpa.sync_period_s, _Autoscaling(hpa, fleet, recorder).sync, start_s=0.0)
+    replicas = Counter[int]()
+
+    def sample(now_s: float, _: object) -> None:
+        count = fleet.num_replicas
+        replicas[count] += 1
+        recorder.replica_count(now_s, count, len(fleet.serving))
+
+    loop.every(1.0, sample)
+    loop.run(scenario.duration_s)
+    loop.run(scenario.duration_s + DRAIN_S)
+    totals = _totals(fleet, scenario.duration_s, replicas)
+    summary = summarize(
+        recorder,
+        totals,
+        duration_s=scenario.duration_s,
+        wall_s=time.perf_counter() - started,
+        num_events=loop.num_events,
+    )
+    summary["scenario"] = scenario.name
+    return RunResult(scenario, summary, recorder, fleet, totals, loop.num_events)
+
+
+def _feed(loop: EventLoop, fleet: Fleet, arrivals: Iterator[Arrival]) -> None:
+    """Schedules arrivals one at a time: the heap holds one pending arrival, not all."""
+
+    def arrive(now_s: float, arrival: Arrival) -> None:
+        fleet.arrive(now_s, arrival)
+        following = next(arrivals, None)
+        if following is not None:
+            loop.at(following.at_s, arrive, following)
+
+    first = next(arrivals, None)
+    if first is not None:
+        loop.at(first.at_s, arrive, first)
+
+
+def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTotals:
+    sizes: Counter[int] = Counter()
+    reasons: Counter[str] = Counter()
+    wait_s, backlog_s, rows = 0.0, 0.0, 0
+    for worker in fleet.all_workers:
+        sizes.update(worker.batch_sizes)
+        reasons.update(worker.close_reasons)
+        wait_s += worker.queue_wait_s_total
+        backlog_s += worker.backlog_s_total
+        rows += worker.rows_dispatched
+    return FleetTotals(
+        worker_seconds=fleet.worker_seconds(duration_s),
+        batch_sizes=sizes,
+        close_reasons=reasons,
+        max_replicas=max(replicas, default=0),
+        final_replicas=fleet.num_replicas,
+        mean_queue_wait_s=wait_s / rows if rows else 0.0,
+        mean_backlog_s=backlog_s / rows if rows else 0.0,
+    )

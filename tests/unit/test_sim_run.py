@@ -1,0 +1,192 @@
+"""Small scenarios run end to end through the fleet, and their outputs are sane; the planner
+and the command line; the simulator never imports asyncio or gRPC."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.sim.__main__ import main
+from services.sim.planner import closed_form, plan
+from services.sim.report import write_outputs
+from services.sim.scenario import load_scenario, parse_scenario
+from services.sim.shards import run_sharded, shard_of
+from services.sim.simulation import Scenario, run
+
+pytestmark = pytest.mark.unit
+
+SCENARIOS = Path(__file__).resolve().parents[2] / "services" / "sim" / "scenarios"
+
+
+def make_scenario(**overrides: Any) -> Scenario:
+    """2 workers, 500 req/s for 6 s of a curve each worker serves ~2,000 rows/s of."""
+    raw: dict[str, Any] = {
+        "name": "small",
+        "duration_s": 6,
+        "warmup_s": 1,
+        "curve": {"fixed_ms": 5.0, "per_token_us": 20.0},
+        "model": {"name": "m", "slo_ms": 200, "max_batch_size": 32, "length_buckets": [16, 64]},
+        "fleet": {"workers": 2},
+        "traffic": {"streams": [{"rate_per_s": 500, "lengths": [[12, 0.8], [50, 0.2]]}]},
+    }
+    raw.update(overrides)
+    return parse_scenario(raw, base_dir=Path("."), default_name="small")
+
+
+def test_a_lightly_loaded_fleet_answers_everything_within_the_slo() -> None:
+    summary = run(make_scenario()).summary
+    assert summary["offered_per_s"] == pytest.approx(500, rel=0.1)
+    assert summary["refusals"] == {}
+    assert summary["slo_attainment"] == 1.0
+    assert summary["goodput_per_s"] == pytest.approx(summary["offered_per_s"])
+    latency = summary["latency_ms"]
+    # At least one batch of compute (5 ms + 12 tokens x 20 us), at most the SLO.
+    assert 5.2 < latency["p50"] <= latency["p99"] <= 200
+    rows = sum(int(size) * n for size, n in summary["batch_sizes"].items())
+    assert rows >= summary["answered"]
+    assert summary["worker_hours"] == pytest.approx(2 * 6 / 3600)
+    assert summary["max_replicas"] == summary["final_replicas"] == 2
+
+
+def test_an_overloaded_worker_refuses_rather_than_answering_late() -> None:
+    summary = run(make_scenario(fleet={"workers": 1}, duration_s=4, traffic={
+        "streams": [{"rate_per_s": 6000, "timeout_ms": 200}]
+    })).summary  # fmt: skip
+    assert sum(summary["refusals"].values()) > 0.2 * summary["offered_per_s"] * 3
+    assert summary["latency_ms"]["p99"] <= 200 + 10
+    assert summary["mean_batch_size"] > 16
+
+
+def test_a_worker_lost_mid_run_costs_retries_not_the_slo() -> None:
+    scenario = make_scenario(
+        fleet={"workers": 3}, worker_loss=[{"at_s": 3.0, "num_workers": 1}], duration_s=8
+    )
+    result = run(scenario)
+    assert result.fleet.num_replicas == 2
+    assert result.summary["slo_attainment"] > 0.99
+    assert result.summary["worker_hours"] == pytest.approx((3 * 3 + 2 * 5) / 3600)
+
+
+def test_the_hpa_adds_workers_when_queue_wait_exceeds_its_target() -> None:
+    scenario = make_scenario(
+        duration_s=25,
+        fleet={"workers": 1, "startup_s": 5},
+        hpa={"metric": "queue_wait", "target": 0.002, "min_replicas": 1, "max_replicas": 8},
+        traffic={"streams": [{"rate_per_s": 1500}]},
+    )
+    result = run(scenario)
+    counts = [replicas for _, replicas, _ in result.recorder.replicas]
+    assert counts[0] == 1
+    assert max(counts) > 1
+    assert result.recorder.hpa_metric
+
+
+def test_a_run_writes_its_summary_and_series(tmp_path: Path) -> None:
+    result = run(make_scenario())
+    paths = write_outputs(result, tmp_path)
+    assert {p.name for p in paths} == {"summary.json", "latency.csv", "replicas.csv"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["scenario"] == "small"
+    header, *rows = (tmp_path / "latency.csv").read_text().splitlines()
+    assert header == "t_s,rate,goodput,p50,p99"
+    assert len(rows) >= 6
+
+
+def test_the_planner_finds_the_fewest_workers_meeting_the_slo() -> None:
+    scenario = make_scenario(duration_s=4, traffic={"streams": [{"rate_per_s": 4000}]})
+    answer = plan(scenario, percentile=99, headroom=0.0, max_workers=16)
+    assert answer.workers is not None
+    by_count = {trial.workers: trial for trial in answer.trials}
+    assert by_count[answer.workers].meets
+    if answer.workers > 1:
+        assert not by_count[answer.workers - 1].meets
+    assert answer.workers >= closed_form(scenario, headroom=0.0).workers
+    assert answer.hpa_queue_wait_target_ms is not None
+    assert answer.hpa_backlog_target_ms is not None
+    assert 0.0 <= answer.hpa_backlog_target_ms <= answer.hpa_queue_wait_target_ms
+
+
+def test_a_shard_is_an_equal_part_of_the_fleet_and_its_traffic() -> None:
+    scenario = make_scenario(fleet={"workers": 4, "cell_size": 2})
+    shard = shard_of(scenario, 1, 2)
+    assert shard.fleet.workers == 2
+    assert shard.traffic.total_rate_per_s(0.0) == pytest.approx(250.0)
+    assert shard.seed != shard_of(scenario, 0, 2).seed
+    with pytest.raises(ValueError, match="fixed fleet"):
+        shard_of(make_scenario(hpa={"target": 0.01}), 0, 2)
+    with pytest.raises(ValueError, match="do not split"):
+        shard_of(make_scenario(fleet={"workers": 3}), 0, 2)
+
+
+def test_a_sharded_run_merges_its_shards_measurements() -> None:
+    scenario = make_scenario(fleet={"workers": 4, "cell_size": 2}, duration_s=3)
+    summary = run_sharded(scenario, 2)
+    assert summary["shards"] == 2
+    assert summary["offered_per_s"] == pytest.approx(500, rel=0.15)
+    assert summary["answered"] == pytest.approx(summary["offered_per_s"] * 2, rel=0.01)
+    assert summary["max_replicas"] == 4
+    assert summary["worker_hours"] == pytest.approx(4 * 3 / 3600)
+    assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"] <= 200
+
+
+def test_a_scenario_reads_the_curve_bench_model_writes(tmp_path: Path) -> None:
+    points = [
+        {"num_tokens": tokens, "batch_size": size, "sequences_per_s": size / (0.004 + 1e-5 * size)}
+        for tokens in (16, 64)
+        for size in (1, 8, 32)
+    ]
+    (tmp_path / "raw_model.json").write_text(json.dumps({"device": "cpu", "points": points}))
+    (tmp_path / "s.toml").write_text(
+        'latency_curve = "raw_model.json"\ncurve_scale = 0.5\nduration_s = 2\nwarmup_s = 0.5\n'
+        '[model]\nname = "m"\nlength_buckets = [16, 64]\n'
+        "[[traffic.streams]]\nrate_per_s = 200\n"
+    )
+    scenario = load_scenario(tmp_path / "s.toml")
+    assert scenario.curve.scale == 0.5
+    assert dict(scenario.curve.points)[(16, 8)] == pytest.approx(0.004 + 8e-5)
+    key = scenario.model.key(16)
+    # The executor's truth is the measured curve times curve_scale (a GPU twice as fast).
+    assert scenario.curve.truth({16: key}).predict(key, 8) == pytest.approx(0.5 * (0.004 + 8e-5))
+    summary = run(scenario).summary
+    assert summary["slo_attainment"] == 1.0
+    assert summary["answered"] > 200
+
+
+def test_every_shipped_scenario_file_parses() -> None:
+    files = sorted(SCENARIOS.glob("*.toml"))
+    assert len(files) >= 8
+    for path in files:
+        assert load_scenario(path).name == path.stem
+
+
+def test_the_command_line_runs_a_scenario(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(
+        ["run", str(SCENARIOS / "steady.toml"), "--duration-s", "3", "--out", str(tmp_path)]
+    )
+    assert status == 0
+    out = capsys.readouterr().out
+    assert "goodput (req/s, within SLO)" in out
+    assert (tmp_path / "summary.json").exists()
+
+
+def test_the_command_line_reports_a_bad_scenario(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "bad"\n[model]\nname = "m"\nslo = 1\n')
+    assert main(["run", str(bad)]) == 2
+
+
+def test_the_simulator_never_imports_asyncio_or_grpc() -> None:
+    code = (
+        "import sys, services.sim.__main__\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('asyncio', 'grpc'))\n"
+        "assert not bad, bad\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert completed.returncode == 0, completed.stderr
