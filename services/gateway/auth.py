@@ -7,6 +7,7 @@ Keys file (TOML)::
     tenant = "search"
     sha256 = "<hex digest of the key>"    # python -m services.gateway.auth hash <key>
     models = ["minilm"]                   # optional: the models this key may use (default all)
+    admin = true                          # optional: may load/unload models (default false)
 
 and, optionally, `[tenants.NAME]` tables: each tenant's weight, quotas, models and priority
 classes (services.gateway.tenants). The file is re-read when it changes (checked every
@@ -51,13 +52,23 @@ class Principal:
     models: frozenset[str] | None
     #: The tenant's weight, quotas and priority classes.
     policy: TenantPolicy
+    #: May load and unload models for the whole fleet (Triton's repository extension).
+    is_admin: bool = False
 
     def check_model(self, model_name: str) -> None:
         if self.models is not None and model_name not in self.models:
             raise PermissionDenied(f"tenant {self.tenant!r} may not use model {model_name!r}")
 
+    def check_admin(self, action: str) -> None:
+        """Raises PermissionDenied unless this caller's key is an admin key."""
+        if not self.is_admin:
+            raise PermissionDenied(
+                f"{action} needs an admin API key; tenant {self.tenant!r}'s is not"
+            )
 
-LOCAL_PRINCIPAL = Principal(LOCAL_TENANT, None, TenantPolicy(LOCAL_TENANT))
+
+#: Local mode has one caller, the operator: it may use every model and change the repository.
+LOCAL_PRINCIPAL = Principal(LOCAL_TENANT, None, TenantPolicy(LOCAL_TENANT), is_admin=True)
 _principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("principal")
 
 
@@ -159,11 +170,14 @@ def _read_keys(path: Path) -> dict[str, Principal]:
             isinstance(models, list) and all(isinstance(m, str) for m in models)
         ):
             raise ValueError(f"{path}: models of tenant {tenant!r} must be a list of names")
+        is_admin = entry.get("admin", False)
+        if not isinstance(is_admin, bool):
+            raise ValueError(f"{path}: admin of tenant {tenant!r} must be true or false")
         policy = tenants.get(tenant) or TenantPolicy(tenant)
         # `models = []` is no model at all, not every model.
         allowed = [set(m) for m in (models, policy.models) if m is not None]
         entries[digest.lower()] = Principal(
-            tenant, frozenset(set.intersection(*allowed)) if allowed else None, policy
+            tenant, frozenset(set.intersection(*allowed)) if allowed else None, policy, is_admin
         )
     if not entries:
         raise ValueError(f"{path}: no [[keys]] entries")

@@ -28,6 +28,14 @@ _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
+def new_encoder(version: ModelVersion) -> TextEncoder | None:
+    """The tokenizer of a text model's version (reads its files: blocking); None for tensor
+    models."""
+    if version.config.kind in (ModelKind.EMBEDDING, ModelKind.GENERATION):
+        return TextEncoder(version.weights_dir, version.config)
+    return None
+
+
 @dataclass(frozen=True)
 class ResolvedModel:
     config: ModelConfig
@@ -44,10 +52,7 @@ class ModelCatalog:
         self._encoders: dict[tuple[str, str], TextEncoder | None] = {}
         for version in versions:
             self._configs[version.config.name] = version.config
-            encoder = None
-            if version.config.kind in (ModelKind.EMBEDDING, ModelKind.GENERATION):
-                encoder = TextEncoder(version.weights_dir, version.config)
-            self._encoders[(version.config.name, version.version)] = encoder
+            self._encoders[(version.config.name, version.version)] = new_encoder(version)
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
         self._rng = rng or random.Random()
         self._seeds = {
@@ -109,6 +114,26 @@ class ModelCatalog:
             raise NotFound(f"model {name!r} not found")
         return config
 
+    def has_version(self, name: str, version: str) -> bool:
+        """Whether this gateway knows `name`/`version` (read from its repository)."""
+        return (name, version) in self._encoders
+
+    def add_version(self, version: ModelVersion, encoder: TextEncoder | None) -> None:
+        """Knows a version added to the repository since start (hot load; `encoder` from
+        `new_encoder`, built off the event loop). A model new to the catalog starts from its
+        config's routing; a known model keeps its config and routing."""
+        name = version.config.name
+        if name not in self._configs:
+            self._configs[name] = version.config
+            config = version.config
+            self._seeds[name] = ModelRouting(dict(config.labels), dict(config.traffic))
+            self._routing[name] = self._seeds[name]
+        self._encoders[(name, version.version)] = encoder
+
+    def repository_versions(self, name: str) -> list[str]:
+        """The versions of `name` in this gateway's repository, in version order."""
+        return sorted((v for n, v in self._encoders if n == name), key=int)
+
     def served_versions(self, name: str) -> list[pb.ModelVersionInfo]:
         served = [v for (n, _), v in self._served.items() if n == name and v.is_ready]
         return sorted(served, key=lambda v: int(v.model_version))
@@ -120,7 +145,13 @@ class ModelCatalog:
             return str(routing.labels[label])
         if "stable" in routing.labels:
             return str(routing.labels["stable"])
-        served = self.served_versions(config.name)
+        # A version workers serve but this gateway has not read yet (loaded a moment ago) is
+        # not a default: resolving it would fail.
+        served = [
+            v
+            for v in self.served_versions(config.name)
+            if self.has_version(config.name, v.model_version)
+        ]
         if not served:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
         return served[-1].model_version

@@ -18,13 +18,21 @@ from typing import Any
 import grpc
 import numpy as np
 
-from services.common.errors import InvalidInput, NotFound, PermissionDenied, ServingError
+from services.common.errors import (
+    InvalidInput,
+    NotFound,
+    PermissionDenied,
+    ServingError,
+    Unavailable,
+)
 from services.common.model_repository import ModelConfig, TensorSpec
+from services.common.repository_state import ModelState
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.auth import Principal, current_principal
 from services.gateway.kserve_generate import check_inputs, stream_infer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.repository_control import RepositoryControl
 from services.gateway.triton_info import (
     PLATFORMS,
     UNIMPLEMENTED_RPCS,
@@ -39,7 +47,13 @@ SERVER_NAME = "inference-fabric"
 #: The installed distribution's version (pyproject.toml), as ServerMetadata reports it.
 SERVER_VERSION = importlib.metadata.version("inference-fabric")
 #: Triton protocol extensions this server serves (ServerMetadata).
-EXTENSIONS = ("model_configuration", "statistics", "schedule_policy", "parameters")
+EXTENSIONS = (
+    "model_configuration",
+    "statistics",
+    "schedule_policy",
+    "parameters",
+    "model_repository",
+)
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",
     "INT32": "int_contents",
@@ -137,11 +151,52 @@ def _values(
 
 
 class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
-    def __init__(self, predictor: Predictor, metrics: GatewayMetrics, *, max_inputs: int) -> None:
+    def __init__(
+        self,
+        predictor: Predictor,
+        metrics: GatewayMetrics,
+        *,
+        max_inputs: int,
+        repository: RepositoryControl | None = None,
+    ) -> None:
         self._predictor = predictor
         self._metrics = metrics
         #: Most rows one ModelInfer may carry, checked before any element is decoded.
         self._max_inputs = max_inputs
+        #: The fleet's desired model state (None without Redis: the repository RPCs refuse).
+        self._repository = repository
+
+    def _repository_control(self, action: str) -> RepositoryControl:
+        """The repository control, for an admin caller only."""
+        current_principal().check_admin(action)
+        if self._repository is None:
+            raise Unavailable(f"{action} needs the gateway's Redis (--redis-url)")
+        return self._repository
+
+    async def RepositoryIndex(
+        self, request: kserve.RepositoryIndexRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.RepositoryIndexResponse:
+        """Every version of the repository, READY or UNAVAILABLE in the fleet (admin only)."""
+        control = self._repository_control("RepositoryIndex")
+        return await control.index(is_ready_only=request.ready)
+
+    async def RepositoryModelLoad(
+        self, request: kserve.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.RepositoryModelLoadResponse:
+        """Asks every worker whose pool has the model to load all its versions (admin only);
+        answers once the desired state is written: workers converge within about 1-2 s."""
+        control = self._repository_control("RepositoryModelLoad")
+        await control.set_state(request.model_name, ModelState.LOADED)
+        return kserve.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: kserve.RepositoryModelUnloadRequest, context: grpc.aio.ServicerContext
+    ) -> kserve.RepositoryModelUnloadResponse:
+        """Asks every worker to unload the model (admin only): its calls in flight finish;
+        answers once the desired state is written: workers converge within about 1-2 s."""
+        control = self._repository_control("RepositoryModelUnload")
+        await control.set_state(request.model_name, ModelState.UNLOADED)
+        return kserve.RepositoryModelUnloadResponse()
 
     async def ServerLive(
         self, request: kserve.ServerLiveRequest, context: grpc.aio.ServicerContext

@@ -62,8 +62,10 @@ class GatewayMetrics:
             "none could be reached, by RPC (predict or generate).",
             ("rpc",),
         )
+        self._define_tenants(new)
 
-        # Per tenant: configured tenants by name, everyone else as `other` (bounded labels).
+    def _define_tenants(self, new: MetricFactory) -> None:
+        """Per tenant: configured tenants by name, everyone else as `other` (bounded labels)."""
         self.tenant_requests_total = new.counter(
             names.GATEWAY_TENANT_REQUESTS_TOTAL,
             "Inference calls per tenant and priority class, by gRPC status code.",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -25,13 +26,15 @@ from services.gateway.auth import LOCAL_PRINCIPAL, AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.http.server import HttpListener, start_http
+from services.gateway.jobs_api import add_job_service
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import ROUTER_CHANNEL_OPTIONS, Predictor, router_target
 from services.gateway.public_api import InferenceServicer
 from services.gateway.quota_sync import QuotaSync
+from services.gateway.repository_control import RepositoryControl, start_repository_control
 from services.gateway.routing_sync import RoutingSync
-from services.gateway.tenants import TenantLabels
+from services.gateway.tenants import TenantLabels, TenantPolicy
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
@@ -43,6 +46,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAMES = (
     api.DESCRIPTOR.services_by_name["InferenceService"].full_name,
     kserve.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name,
+    "inference.v1.JobService",
 )
 
 
@@ -66,6 +70,8 @@ class Gateway:
     http: HttpListener | None = None
     #: Applies runtime labels and traffic weights from Redis (None without Redis).
     routing_sync: RoutingSync | None = None
+    #: Writes the fleet's desired model state (None without Redis).
+    repository: RepositoryControl | None = None
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -94,6 +100,8 @@ class Gateway:
             await self.quota_sync.stop()
         if self.routing_sync is not None:
             await self.routing_sync.stop()
+        if self.repository is not None:
+            await self.repository.close()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
         if self.http is not None:
             await self.http.stop()
@@ -104,13 +112,71 @@ class Gateway:
         await self.router.close()
 
 
-async def create_gateway(config: GatewayConfig) -> Gateway:
+def _load_keys(config: GatewayConfig) -> KeyStore | None:
     keys = KeyStore.from_file(config.api_keys_file) if config.api_keys_file else None
     if keys is None:  # GatewayConfig refuses this unless allow_unauthenticated is set
         log.warning(
             "AUTHENTICATION IS OFF (--allow-unauthenticated): every caller is tenant 'local' "
             "and may use every model; for local development only"
         )
+    return keys
+
+
+def _start_redis_loops(
+    config: GatewayConfig,
+    catalog: ModelCatalog,
+    admission: TenantAdmission,
+    tenants: Mapping[str, TenantPolicy],
+) -> tuple[QuotaSync | None, RoutingSync | None]:
+    """Fleet-wide quotas and runtime model routing, both from the gateway's Redis (none
+    without one)."""
+    if not config.quota_sync.redis_url:
+        return None, None
+    quota_sync = QuotaSync(config.quota_sync, admission, tenants)
+    quota_sync.start()
+    routing_sync = RoutingSync(
+        catalog,
+        redis_url=config.quota_sync.redis_url,
+        password_file=config.quota_sync.redis_password_file,
+        key_prefix=config.quota_sync.key_prefix,
+    )
+    routing_sync.start()
+    return quota_sync, routing_sync
+
+
+def _watch_keys(
+    keys: KeyStore | None, admission: TenantAdmission, quota_sync: QuotaSync | None
+) -> asyncio.Task[None] | None:
+    """Re-reads the keys file when it changes; tenants' labels and quotas follow."""
+    if keys is None:
+        return None
+
+    def on_reload(store: KeyStore) -> None:
+        admission.labels.update(store.tenants)
+        if quota_sync is not None:
+            quota_sync.tenants = store.tenants
+
+    return asyncio.create_task(keys.watch(on_reload=on_reload), name="api-keys")
+
+
+def _add_services(
+    server: grpc.aio.Server, config: GatewayConfig, predictor: Predictor, metrics: GatewayMetrics
+) -> RepositoryControl | None:
+    """The public services on `server`; returns the repository control (None without Redis)."""
+    api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
+    repository = start_repository_control(predictor.catalog, config)
+    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
+        KServeServicer(
+            predictor, metrics, max_inputs=config.max_inputs_per_request, repository=repository
+        ),
+        server,
+    )
+    add_job_service(server, predictor.catalog, config.quota_sync)  # durable jobs, with Redis
+    return repository
+
+
+async def create_gateway(config: GatewayConfig) -> Gateway:
+    keys = _load_keys(config)
     catalog = ModelCatalog(load_repository(config.model_repository))
     metrics = GatewayMetrics(tier_registry("gateway"))
     router = open_channel(
@@ -132,36 +198,13 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
     )
-    api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
-    kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
-        KServeServicer(predictor, metrics, max_inputs=config.max_inputs_per_request), server
-    )
+    repository = _add_services(server, config, predictor, metrics)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
     health_listener = await start_health_listener(health_servicer, config.host, config.tls)
-    quota_sync = routing_sync = None
-    if config.quota_sync.redis_url:
-        quota_sync = QuotaSync(config.quota_sync, admission, tenants)
-        quota_sync.start()
-        routing_sync = RoutingSync(
-            catalog,
-            redis_url=config.quota_sync.redis_url,
-            password_file=config.quota_sync.redis_password_file,
-            key_prefix=config.quota_sync.key_prefix,
-        )
-        routing_sync.start()
-
-    def on_reload(store: KeyStore) -> None:
-        admission.labels.update(store.tenants)
-        if quota_sync is not None:
-            quota_sync.tenants = store.tenants
-
-    keys_watch = (
-        asyncio.create_task(keys.watch(on_reload=on_reload), name="api-keys")
-        if keys is not None
-        else None
-    )
+    quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
+    keys_watch = _watch_keys(keys, admission, quota_sync)
     http = None
     if config.http_port >= 0:
         http = await start_http(
@@ -174,6 +217,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
             max_inputs=config.max_inputs_per_request,
             max_body_bytes=config.max_message_bytes,
             model_repository=config.model_repository,
+            repository=repository,
         )
     return Gateway(
         config,
@@ -189,4 +233,5 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         quota_sync,
         http,
         routing_sync,
+        repository,
     )

@@ -48,9 +48,6 @@ _DATA_TYPES = {
 }
 #: Triton's RPCs that this server declares and answers UNIMPLEMENTED, with the reason.
 UNIMPLEMENTED_RPCS: Mapping[str, str] = {
-    "RepositoryIndex": "model repository control is not served: models load at worker start",
-    "RepositoryModelLoad": "model repository control is not served: models load at worker start",
-    "RepositoryModelUnload": "model repository control is not served",
     "SystemSharedMemoryStatus": "shared memory is not supported: send tensors in the request",
     "SystemSharedMemoryRegister": "shared memory is not supported: send tensors in the request",
     "SystemSharedMemoryUnregister": "shared memory is not supported",

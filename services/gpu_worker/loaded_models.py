@@ -47,14 +47,16 @@ def load_versions(
     failed: list[LoadFailure] = []
     for version in versions:
         try:
-            if version.config.kind is ModelKind.GENERATION:
-                generation.append(GenerationBackend(version, device, metrics))
-            else:
-                fixed_cost.append(load_backend(version, device))
+            model = load_version(version, device, metrics)
         except Exception as error:  # any loader error: torch, tokenizers, our own checks
             label = f"{version.config.name}/{version.version}"
             log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
-            failed.append(LoadFailure(version.config.name, version.version, _one_line(error)))
+            failed.append(LoadFailure(version.config.name, version.version, one_line(error)))
+            continue
+        if isinstance(model, GenerationBackend):
+            generation.append(model)
+        else:
+            fixed_cost.append(model)
     models = LoadedModels(fixed_cost=fixed_cost, generation=generation, failed=failed)
     served = {m.config.name for m in models.all}
     missing = sorted({f.model for f in failed} - served)
@@ -64,7 +66,17 @@ def load_versions(
     return models
 
 
-def _one_line(error: Exception) -> str:
+def load_version(
+    version: ModelVersion, device: torch.device, metrics: GenerationMetrics
+) -> Backend | GenerationBackend:
+    """Loads one version's weights onto `device` (blocking; not warmed up). Raises whatever
+    its loader raises (torch, tokenizers, our own checks)."""
+    if version.config.kind is ModelKind.GENERATION:
+        return GenerationBackend(version, device, metrics)
+    return load_backend(version, device)
+
+
+def one_line(error: Exception) -> str:
     """The last non-empty line of an error (TorchScript errors carry a traceback)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
@@ -85,10 +97,17 @@ class LoadedModels:
         generation: Sequence[GenerationBackend] = (),
         failed: Sequence[LoadFailure] = (),
     ) -> None:
-        self.fixed_cost = tuple(fixed_cost)
-        self.generation = tuple(generation)
         #: Versions in the repository that failed to load (not served, not advertised).
-        self.failed = tuple(failed)
+        self.failed: tuple[LoadFailure, ...] = tuple(failed)
+        self._index(tuple(fixed_cost), tuple(generation))
+
+    def _index(
+        self, fixed_cost: tuple[Backend, ...], generation: tuple[GenerationBackend, ...]
+    ) -> None:
+        """Rebuilds every view at once: a reader on the event loop sees the set before or
+        after a change, never half of it."""
+        self.fixed_cost = fixed_cost
+        self.generation = generation
         #: All versions, by name then version number (the repository's order).
         self.all: tuple[ServedModel, ...] = tuple(
             sorted(
@@ -98,6 +117,29 @@ class LoadedModels:
         self._by_key = {_key(m): m for m in self.all}
         self._fixed_cost_by_key = {_key(b): b for b in self.fixed_cost}
         self._generation_by_key = {_key(b): b for b in self.generation}
+
+    def add(self, model: ServedModel) -> None:
+        """Serves a version loaded while running (hot load); clears an earlier failure of it."""
+        self.failed = tuple(f for f in self.failed if (f.model, f.version) != _key(model))
+        if isinstance(model, GenerationBackend):
+            self._index(self.fixed_cost, (*self.generation, model))
+        elif isinstance(model, Backend):
+            self._index((*self.fixed_cost, model), self.generation)
+
+    def remove(self, model_name: str, model_version: str) -> ServedModel:
+        """Stops serving a version (hot unload): from now on it resolves NotFound and is no
+        longer advertised. Returns it, for the caller to drain and free."""
+        model = self.resolve(model_name, model_version)
+        self._index(
+            tuple(b for b in self.fixed_cost if b is not model),
+            tuple(b for b in self.generation if b is not model),
+        )
+        return model
+
+    def add_failure(self, failure: LoadFailure) -> None:
+        """Records a version that failed to load while running (reported, not served)."""
+        key = (failure.model, failure.version)
+        self.failed = (*(f for f in self.failed if (f.model, f.version) != key), failure)
 
     def resolve(self, model_name: str, model_version: str) -> ServedModel:
         """The named version, or the highest one for an empty `model_version`. Raises

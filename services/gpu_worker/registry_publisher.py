@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.common.redis_acl import WORKER, role_credentials
-from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.loaded_models import LoadedModels
@@ -125,10 +125,20 @@ class RegistryPublisher:
             is_draining=self._is_draining,
             sent_at_ms=int(time.time() * 1000),
             models=models,
+            failed=tuple(FailedVersion(f.model, f.version, f.error) for f in self._models.failed),
         )
+
+    @property
+    def client(self) -> aioredis.Redis:
+        """The worker role's Redis client (the repository follower reads through it too)."""
+        return self._client
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._publisher.run(), name="heartbeat")
+
+    def publish_soon(self) -> None:
+        """Publish now, not at the next period (the served set changed)."""
+        self._publisher.publish_soon()
 
     def mark_draining(self) -> None:
         """Routers stop choosing this worker at their next registry refresh."""

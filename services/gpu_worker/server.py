@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
-import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import grpc
 import numpy as np
+import torch
 from grpc_health.v1 import health
 
 from services.common.errors import InvalidInput, Unavailable
@@ -37,15 +37,17 @@ from services.gpu_worker.backends.base import RawInput, TokenIds, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.loaded_models import LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
+from services.gpu_worker.reconcile import is_wanted
 from services.gpu_worker.registry_publisher import RegistryPublisher
+from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
 from services.gpu_worker.served_model import ServedModel
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
@@ -233,15 +235,19 @@ class Worker:
     #: Set once a serving loop died: the worker no longer serves (see `_on_fatal`).
     fatal_error: Exception | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    #: Follows the desired model state (with `redis_url`); stopped first when draining.
+    _follower: asyncio.Task[None] | None = None
 
     async def load(self) -> None:
         """Loads every version of the worker's models (all in the repository without
         `--models`) and warms them up, off the event loop."""
         device = select_device()
+        desired = await desired_at_start(self.config)  # what the fleet unloaded stays unloaded
 
         def load_and_warm() -> tuple[LoadedModels, BatchingDriver]:
             repository = load_repository(self.config.model_repository)
-            versions = select_models(repository, self.config.models)
+            pool = select_models(repository, self.config.models)
+            versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
             models = load_versions(versions, device, self.generation_metrics)
             batching = BatchingDriver(models.fixed_cost, self.config.batching, self.metrics)
             batching.warm_up()
@@ -249,7 +255,7 @@ class Worker:
                 backend.warm_up()
             return models, batching
 
-        models, batching = await _in_daemon_thread(load_and_warm)
+        models, batching = await in_daemon_thread(load_and_warm)
         for failure in models.failed:  # logged by load_versions; served without them
             self.metrics.model_load_failures_total.labels(failure.model, failure.version).inc()
         freeze_startup_heap()
@@ -267,12 +273,39 @@ class Worker:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
             self.registry_publisher = RegistryPublisher(self.config, address, models, batching)
             self.registry_publisher.start()
+            self._follow_desired_state(models, batching, device)
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
             device,
             ", ".join(f"{m.config.name}/{m.version.version}@{m.fingerprint}" for m in models.all),
         )
+
+    def _follow_desired_state(
+        self, models: LoadedModels, batching: BatchingDriver, device: torch.device
+    ) -> None:
+        """Starts loading and unloading versions as the fleet's desired state says."""
+        assert self.registry_publisher is not None
+        publisher = self.registry_publisher
+        swapper = ModelSwapper(
+            models=models,
+            batching=batching,
+            device=device,
+            worker_metrics=self.metrics,
+            generation_metrics=self.generation_metrics,
+            on_fatal=self._on_fatal,
+            on_change=publisher.publish_soon,
+            watchdog_s=self.config.batching.watchdog_s,
+        )
+        follower = RepositoryFollower(
+            client=publisher.client,
+            registry_prefix=self.config.registry_prefix,
+            repository_dir=self.config.model_repository,
+            pool=self.config.models,
+            models=models,
+            swapper=swapper,
+        )
+        self._follower = asyncio.get_running_loop().create_task(follower.run(), name="follower")
 
     def _on_fatal(self, error: Exception) -> None:
         """A serving loop died, or a model call ran past the executor watchdog (its requests
@@ -292,6 +325,10 @@ class Worker:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""
         await self.health.enter_graceful_shutdown()
+        if self._follower is not None:
+            self._follower.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._follower
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
         drains = [b.engine.drain() for b in self.models.generation] if self.models else []
@@ -316,32 +353,6 @@ class Worker:
         await self.server.stop(grace=1.0)
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)
-
-
-async def _in_daemon_thread(fn: Callable[[], T]) -> T:
-    """Runs blocking `fn` in a daemon thread: a SIGTERM during model loading must not wait for
-    the load to finish before the process can exit."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle_result(result: T) -> None:
-        if not future.done():
-            future.set_result(result)
-
-    def settle_error(error: BaseException) -> None:
-        if not future.done():
-            future.set_exception(error)
-
-    def target() -> None:
-        try:
-            result = fn()
-        except BaseException as error:  # delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(settle_error, error)
-        else:
-            loop.call_soon_threadsafe(settle_result, result)
-
-    threading.Thread(target=target, name="model-loader", daemon=True).start()
-    return await future
 
 
 async def create_worker(config: WorkerConfig) -> Worker:

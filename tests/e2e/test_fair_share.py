@@ -123,8 +123,8 @@ async def test_weights_3_to_1_split_contended_compute_3_to_1(
         warm_up_s, window_s = 3.0, 8.0
         until = time.monotonic() + warm_up_s + window_s + 1.0
         load = asyncio.gather(
-            closed_loop(stub, "gold", gold_model, 24, until),
-            closed_loop(stub, "bronze", bronze_model, 24, until),
+            closed_loop(stub, "gold", gold_model, 48, until),
+            closed_loop(stub, "bronze", bronze_model, 48, until),
         )
         await asyncio.sleep(warm_up_s)
         before = {t: compute_s(stack, t) for t in ("gold", "bronze")}

@@ -30,6 +30,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from services.common.registry_schema import route_metadata
+from services.gateway.triton_info import UNIMPLEMENTED_RPCS
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -77,10 +78,17 @@ PUBLIC_SERVICES = (
 INTERNAL_SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"]
 
 
+#: Admin RPCs that change what the fleet serves: fuzzing them in local mode (every caller is
+#: admin) would unload the models the other targets need. tests/e2e/test_repository_control.py
+#: covers their refusals and their effects.
+STATE_CHANGING = frozenset({"RepositoryModelLoad", "RepositoryModelUnload"})
+#: Every method fuzzed: all but those, and Triton's RPCs the gateway does not implement, which
+#: answer UNIMPLEMENTED whatever they are sent (test_s39_unimplemented_rpcs_say_so).
 _METHODS = {
     f"/{service.full_name}/{method.name}": method
     for service in (*PUBLIC_SERVICES, INTERNAL_SERVICE)
     for method in service.methods
+    if method.name not in UNIMPLEMENTED_RPCS and method.name not in STATE_CHANGING
 }
 
 
@@ -148,6 +156,9 @@ SEEDS: dict[str, Message] = {
     "/inference.GRPCInferenceService/ModelReady": kserve.ModelReadyRequest(name="minilm"),
     "/inference.GRPCInferenceService/ServerMetadata": kserve.ServerMetadataRequest(),
     "/inference.GRPCInferenceService/ModelMetadata": kserve.ModelMetadataRequest(name="affine"),
+    "/inference.GRPCInferenceService/ModelConfig": kserve.ModelConfigRequest(name="affine"),
+    "/inference.GRPCInferenceService/ModelStatistics": kserve.ModelStatisticsRequest(name="minilm"),
+    "/inference.GRPCInferenceService/RepositoryIndex": kserve.RepositoryIndexRequest(),
     "/inference.GRPCInferenceService/ModelInfer": kserve.ModelInferRequest(
         model_name="affine",
         inputs=[
@@ -499,6 +510,15 @@ def test_s39_every_method_has_a_valid_seed(channels: dict[str, grpc.Channel]) ->
     for target in TARGETS:
         answer = call_raw(channels, target, SEEDS[target.path].SerializeToString())
         assert (answer.code, answer.in_band) == (grpc.StatusCode.OK, ()), (target, answer)
+
+
+def test_s39_unimplemented_rpcs_say_so(channels: dict[str, grpc.Channel]) -> None:
+    for name in UNIMPLEMENTED_RPCS:
+        path = f"/inference.GRPCInferenceService/{name}"
+        with pytest.raises(grpc.RpcError) as refused:
+            channels["gateway"].unary_unary(path)(b"", timeout=CALL_TIMEOUT_S)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, name
+        assert f"{name} is not implemented: " in (refused.value.details() or ""), name
 
 
 @pytest.mark.parametrize("body", _WIRE_EDGES, ids=lambda b: f"{len(b)}B")

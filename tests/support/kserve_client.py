@@ -9,6 +9,8 @@ repository. Prints exactly one JSON object on stdout:
 prints liveness, readiness, server and model metadata, and the `embedding` output for the texts.
 With `--introspect` it prints the model's config and statistics as JSON (as perf_analyzer reads
 them) and the status of an RPC this server declares but does not serve.
+With `--repository index|load|unload` it calls Triton's repository extension (--model names
+the model to load or unload) and prints {"status": "OK" or the error status, "message", "index"}.
 With `--expect-error` it only sends the infer request and prints the error it got back
 ({"error_status": "StatusCode.INVALID_ARGUMENT", "message": ...}); exits 1 if the call succeeded.
 """
@@ -61,6 +63,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="print get_model_config and get_inference_statistics (as JSON, as perf_analyzer "
         "reads them) and the status of an RPC the server does not implement",
+    )
+    parser.add_argument(
+        "--repository",
+        choices=("index", "load", "unload"),
+        help="call RepositoryIndex, or RepositoryModelLoad / Unload of --model, and print the "
+        "status (and the index)",
     )
     parser.add_argument("texts", nargs="*", help="input texts, one row each")
     return parser.parse_args(argv)
@@ -226,11 +234,30 @@ def run_introspect(client, args: argparse.Namespace, headers: dict | None) -> in
     config = client.get_model_config(args.model, args.model_version, **call)
     statistics = client.get_inference_statistics(args.model, args.model_version, **call)
     try:
-        client.get_model_repository_index(headers=headers, client_timeout=args.timeout_s)
+        client.get_system_shared_memory_status(headers=headers, client_timeout=args.timeout_s)
         unimplemented = {"status": None, "message": "the call succeeded"}
     except InferenceServerException as error:
         unimplemented = {"status": error.status(), "message": error.message()}
     print(json.dumps({"config": config, "statistics": statistics, "unimplemented": unimplemented}))
+    return 0
+
+
+def run_repository(client, args: argparse.Namespace, headers: dict | None) -> int:
+    """Triton's repository extension as an operator's script calls it; prints the status
+    ("OK" or the gRPC status) and, for `index`, the index as JSON."""
+    call = {"headers": headers, "client_timeout": args.timeout_s}
+    report = {"status": "OK", "message": ""}
+    try:
+        if args.repository == "load":
+            client.load_model(args.model, **call)
+        elif args.repository == "unload":
+            client.unload_model(args.model, **call)
+        else:
+            index = client.get_model_repository_index(as_json=True, **call)
+            report["index"] = index.get("models", [])
+    except InferenceServerException as error:
+        report = {"status": error.status(), "message": error.message()}
+    print(json.dumps(report))
     return 0
 
 
@@ -243,6 +270,8 @@ def main(argv: list[str]) -> int:
             return run_generate(client, args, headers)
         if args.introspect:
             return run_introspect(client, args, headers)
+        if args.repository is not None:
+            return run_repository(client, args, headers)
         if args.burst is not None:
             return run_burst(client, args, headers)
         if args.expect_error:

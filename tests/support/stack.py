@@ -49,6 +49,8 @@ class Stack:
     redis_pid: int
     #: The Redis admin's password (services.common.redis_acl), from the launcher's state dir.
     redis_admin_password: str
+    #: The job runner (`python -m services.jobs`; its grpc_port is 0: it serves only metrics).
+    jobs: Tier | None = None
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
@@ -60,12 +62,13 @@ class Stack:
         return f"redis://admin:{self.redis_admin_password}@127.0.0.1:{self.redis_port}/0"
 
     def pids(self) -> dict[str, int]:
-        """Every child's pid by name (gateway, router, worker-0..., redis)."""
+        """Every child's pid by name (gateway, router, worker-0..., redis, jobs)."""
         return {
             "gateway": self.gateway.pid,
             "router": self.router.pid,
             **{w.worker_id: w.pid for w in self.workers},
             "redis": self.redis_pid,
+            **({"jobs": self.jobs.pid} if self.jobs is not None else {}),
         }
 
     def log(self, name: str) -> str:
@@ -130,4 +133,5 @@ def start_stack(
         redis_port=ready["redis"]["port"],
         redis_pid=ready["redis"]["pid"],
         redis_admin_password=read_password(Path(ready["redis"]["acl_dir"]) / "admin-password"),
+        jobs=Tier(**ready["jobs"]) if "jobs" in ready else None,
     )

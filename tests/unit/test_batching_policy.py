@@ -712,6 +712,20 @@ def test_a_flooders_queue_does_not_make_a_light_tenant_late() -> None:
     assert batcher.add(flood_row, 0.0) == Rejected(RejectReason.DEADLINE)
 
 
+def test_a_batch_of_batch_rows_only_is_kept_short() -> None:
+    # 4 ms a row: a batch of 8 takes 32 ms; batch-only batches are capped at 10% of the
+    # 100 ms SLO (2 rows), so an interactive arrival waits at most about 10 ms for one.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    for size in range(1, 9):
+        latency.observe(make_key(), size, 0.004 * size)
+    batcher = make_batcher(latency=latency)
+    add_burst(batcher, count=8, priority=BATCH)
+    add_burst(batcher, count=8, first_id=100, priority=INTERACTIVE)
+
+    assert len(dispatch_of(batcher.poll(0.1, executor_idle=True)).items) == 8, "online: full"
+    assert len(dispatch_of(batcher.poll(0.1, executor_idle=True)).items) == 2
+
+
 def test_batch_rows_fill_only_half_the_queue() -> None:
     batcher = make_batcher(max_queue_size=10)
     add_all(batcher, [make_item(item_id=i, priority=BATCH) for i in range(5)])

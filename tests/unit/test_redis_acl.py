@@ -9,6 +9,7 @@ import pytest
 
 from services.common.redis_acl import (
     ACL_FILE_NAME,
+    JOB_COMMANDS,
     ROLES,
     FileCredentials,
     acl_lines,
@@ -20,7 +21,9 @@ from services.common.redis_acl import (
 
 pytestmark = pytest.mark.unit
 
-PASSWORDS = {"admin": "a" * 8, "router": "r" * 8, "worker": "w" * 8, "gateway": "g" * 8}
+PASSWORDS = {
+    "admin": "a" * 8, "router": "r" * 8, "worker": "w" * 8, "gateway": "g" * 8, "jobs": "j" * 8,
+}  # fmt: skip
 
 
 def user_rules(lines: list[str]) -> dict[str, list[str]]:
@@ -45,16 +48,29 @@ def test_each_role_gets_only_its_commands_on_the_registry_keys() -> None:
     assert {r for r in router if r.startswith("+")} == {"+ping", "+zrange", "+mget", "+time"}
     assert {r for r in worker if r.startswith("+")} == {
         "+ping", "+evalsha", "+script|load", "+time", "+zadd", "+set", "+zrem", "+del",
+        "+hgetall",
     }  # fmt: skip
+    registry_keys = {"~blue:workers", "~blue:worker:*"}
+    assert {r for r in router if r.startswith("~")} == registry_keys
+    # Workers also read the fleet's desired model state (services.common.repository_state).
+    assert {r for r in worker if r.startswith("~")} == {*registry_keys, "~blue:repository"}
     for role in (router, worker):
         assert "-@all" in role and role.index("-@all") < role.index("+ping")
-        assert {r for r in role if r.startswith("~")} == {"~blue:workers", "~blue:worker:*"}
         assert "resetchannels" in role and not [r for r in role if r.startswith("&")]
     assert {"~*", "+@all"} <= set(rules["admin"])
-    # Gateways share quota demand on the quota keys only: no registry key, no other command.
-    gateway = rules["gateway"]
-    assert {r for r in gateway if r.startswith("+")} == {"+ping", "+hset", "+hgetall", "+hdel"}
-    assert {r for r in gateway if r.startswith("~")} == {"~blue:quota:*", "~blue:rollout"}
+    # Gateways share quota demand (and submit jobs, below): no registry key, no other command.
+    gateway, jobs = rules["gateway"], rules["jobs"]
+    job_commands = {f"+{c}" for c in JOB_COMMANDS}
+    job_keys = {"~blue:job:*", "~blue:jobs:*"}
+    assert job_commands <= set(gateway) and job_keys <= set(gateway)
+    own_commands = {r for r in gateway if r.startswith("+")} - job_commands
+    assert own_commands == {"+ping", "+hset", "+hgetall", "+hdel"} - job_commands
+    own_keys = {r for r in gateway if r.startswith("~")} - job_keys
+    assert own_keys == {"~blue:quota:*", "~blue:rollout", "~blue:repository"}
+    # Job runners: the job keys only.
+    assert {r for r in jobs if r.startswith("+")} == {"+ping", *job_commands}
+    assert {r for r in jobs if r.startswith("~")} == job_keys
+    assert not {"+keys", "+flushall", "+config"} & set(jobs)
 
 
 def test_passwords_appear_only_hashed() -> None:

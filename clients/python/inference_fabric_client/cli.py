@@ -3,6 +3,7 @@
     fabric-client embed "some text" ["more text" ...]
     fabric-client generate "Once upon a time" --max-tokens 32
     fabric-client models
+    fabric-client job submit texts.jsonl | job status ID | job results ID --out FILE
 
 (`python -m inference_fabric_client ...` and, in the server's checkout, `python -m
 services.client ...` are the same program.) Settings also come from the environment:
@@ -17,6 +18,7 @@ import os
 import sys
 
 from inference_fabric_client.client import Client, FabricError
+from inference_fabric_client.job_cli import add_job_commands, run_job_command
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--json", action="store_true", help="one JSON line per chunk")
     commands.add_parser("models", help="list the models this key may use")
+    add_job_commands(commands)
     return parser
 
 
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.command == "models":
                 for model in client.models():
                     print(json.dumps(model))
+            elif args.command == "job":
+                run_job_command(client, args)
             elif args.command == "generate":
                 _generate(client, args)
             else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -24,6 +25,9 @@ import numpy as np
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
+
+if TYPE_CHECKING:
+    from inference_fabric_client.jobs import Jobs
 
 _DTYPES = {
     types.DATA_TYPE_FP32: np.dtype("<f4"),
@@ -142,6 +146,12 @@ class Client:
 
     def close(self) -> None:
         self._channel.close()
+
+    def jobs(self) -> Jobs:
+        """Durable batch jobs over this client's channel (inference_fabric_client.jobs)."""
+        from inference_fabric_client.jobs import Jobs
+
+        return Jobs(self._channel, self._metadata, self._timeout_s)
 
     def predict(
         self,

@@ -128,6 +128,9 @@ class KServeRest:
             web.get("/v2/health/ready", self.ready),
             web.get("/v2", self.server_metadata),
             web.get("/v2/models/stats", self.stats),
+            web.post("/v2/repository/index", self.repository_index),
+            web.post("/v2/repository/models/{name}/load", self.repository_load),
+            web.post("/v2/repository/models/{name}/unload", self.repository_unload),
         ]
         for prefix in (model, versioned):
             routes += [
@@ -186,6 +189,32 @@ class KServeRest:
         as_dict = json_format.MessageToDict(answer, preserving_proto_field_name=True)
         as_dict.setdefault("model_stats", [])
         return _json(_counts_as_numbers(as_dict))
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        """Triton's `POST /v2/repository/index` (body `{"ready": true}` optional): a JSON array
+        of {name, version, state, reason}."""
+        raw = await request.read()
+        body = parse_json_object(raw) if raw.strip() else {}
+        answer = await self._servicer.RepositoryIndex(
+            kserve.RepositoryIndexRequest(ready=body.get("ready") is True), _CONTEXT
+        )
+        return _json(
+            [json_format.MessageToDict(m, preserving_proto_field_name=True) for m in answer.models]
+        )
+
+    async def repository_load(self, request: web.Request) -> web.Response:
+        """Triton's `POST /v2/repository/models/{name}/load` (a body's parameters are ignored)."""
+        await self._servicer.RepositoryModelLoad(
+            kserve.RepositoryModelLoadRequest(model_name=request.match_info["name"]), _CONTEXT
+        )
+        return _json({})
+
+    async def repository_unload(self, request: web.Request) -> web.Response:
+        """Triton's `POST /v2/repository/models/{name}/unload`."""
+        await self._servicer.RepositoryModelUnload(
+            kserve.RepositoryModelUnloadRequest(model_name=request.match_info["name"]), _CONTEXT
+        )
+        return _json({})
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)

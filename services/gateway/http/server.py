@@ -24,6 +24,7 @@ from services.gateway.http.openai_api import OpenAiApi
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
+from services.gateway.repository_control import RepositoryControl
 
 log = logging.getLogger(__name__)
 
@@ -105,12 +106,14 @@ async def start_http(
     max_inputs: int,
     max_body_bytes: int,
     model_repository: Path,
+    repository: RepositoryControl | None = None,
 ) -> HttpListener:
-    """Serves the HTTP APIs on host:port (0: a free port); returns the bound port."""
+    """Serves the HTTP APIs on host:port (0: a free port); returns the bound port.
+    `repository` serves Triton's repository routes (None without Redis: they refuse)."""
     app = web.Application(
         middlewares=[auth_middleware(keys, predictor.admission)], client_max_size=max_body_bytes
     )
-    servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs)
+    servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs, repository=repository)
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())
     app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)

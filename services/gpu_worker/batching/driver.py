@@ -33,9 +33,8 @@ from services.gpu_worker.batching.lane import (
     by_urgency,
     warm_up_lane,
 )
-from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import BatcherConfig, BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.batching.lane_changes import new_lane, release_device_memory, settle
+from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
 from services.gpu_worker.execution import describe_failure, run_isolated
 from services.gpu_worker.metrics import WorkerMetrics
@@ -72,7 +71,7 @@ class BatchingDriver:
         self._clock = clock
         # One fair-share ledger for every model, version and bucket on the worker.
         self._ledger = ComputeLedger()
-        self._lanes = {id(backend): self._lane_for(backend) for backend in backends}
+        self._lanes = {id(b): new_lane(b, config, metrics, self._ledger) for b in backends}
         self._order = list(self._lanes.values())
         self._executor = DaemonExecutor("executor")
         #: The bound on one model call in force (seconds); raised after warm-up for slow models.
@@ -89,24 +88,6 @@ class BatchingDriver:
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
         self._refusal = Unavailable("worker is draining")  # what a row gets once draining
-
-    def _lane_for(self, backend: Backend) -> Lane:
-        model = backend.config
-        batcher_config = BatcherConfig(
-            max_batch_size=model.max_batch_size,
-            max_queue_size=model.max_queue_size,
-            slo_s=model.slo_s,
-            upstream_budget_s=self._config.upstream_budget_s,
-            safety_margin_s=self._config.safety_margin_s,
-            max_wait_cap_s=self._config.max_wait_cap_s,
-            max_batch_tokens=model.max_batch_tokens,
-            min_expected_arrivals=self._config.min_expected_arrivals,
-            tenant_weights=self._config.tenant_weights,
-        )
-        latency = LatencyModel()
-        self._metrics.declare_model(model.name, backend.version.version)
-        batcher = Batcher(batcher_config, latency, self._ledger)
-        return Lane(backend=backend, batcher=batcher, latency=latency)
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
         return BatchKey(
@@ -129,15 +110,35 @@ class BatchingDriver:
 
     def _warm_up(self) -> None:
         for lane in self._order:
-            warm_up_lane(lane, self.key_for)
-            for bucket in lane.backend.buckets:
-                self._export_gauges(lane, self.key_for(lane.backend, bucket))
-            log.info("warmed up %s/%s", *lane.labels)
-        slowest_s = max((lane.slowest_warmup_s for lane in self._order), default=0.0)
-        self.watchdog_s = watchdog_bound_s(self._config.watchdog_s, slowest_s)
-        log.info(
-            "executor watchdog: %.1fs (costliest warm-up batch %.3fs)", self.watchdog_s, slowest_s
-        )
+            self._warm_up_lane(lane)
+
+    def _warm_up_lane(self, lane: Lane) -> None:
+        """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
+        warm_up_lane(lane, self.key_for)
+        for bucket in lane.backend.buckets:
+            self._export_gauges(lane, self.key_for(lane.backend, bucket))
+        bound_s = watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
+        self.watchdog_s = max(self.watchdog_s, bound_s)
+        log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
+
+    async def add_backend(self, backend: Backend) -> None:
+        """Starts batching a version loaded while serving: warmed up on the executor thread,
+        between batches (warm-up and serving never share the device at once), then admitted."""
+        lane = new_lane(backend, self._config, self._metrics, self._ledger)
+        await asyncio.wrap_future(self._executor.submit(self._warm_up_lane, lane))
+        self._lanes[id(backend)] = lane
+        self._order.append(lane)
+
+    async def remove_backend(self, backend: Backend) -> None:
+        """Unloads a version's lane: refuses its new rows, returns once every row it admitted
+        is answered, then forgets it and releases device memory (after its last batch)."""
+        lane = self._lanes[id(backend)]
+        lane.batcher.begin_drain()
+        self._wake.set()
+        await settle(lane)
+        del self._lanes[id(backend)]
+        self._order.remove(lane)
+        await asyncio.wrap_future(self._executor.submit(release_device_memory))
 
     def _export_gauges(self, lane: Lane, key: BatchKey) -> None:
         labels = (*lane.labels, str(key.bucket))
@@ -223,7 +224,9 @@ class BatchingDriver:
         queued are withdrawn if the caller goes away (cancellation) or any row fails.
         `priority` and the tenant's fair-share `weight` (0: the worker's configured one) order
         the rows against everyone else's on the worker."""
-        lane = self._lanes[id(backend)]
+        lane = self._lanes.get(id(backend))
+        if lane is None:
+            raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
         if self._draining:
             raise Unavailable(str(self._refusal))
         if not (math.isfinite(weight) and weight >= 0.0):
@@ -287,7 +290,7 @@ class BatchingDriver:
         return self._busy_s_total + running
 
     async def _loop(self) -> None:
-        rotation = itertools.cycle(range(max(1, len(self._order))))
+        turns_taken = itertools.count()  # lanes come and go: rotate modulo their number now
         while True:
             if self._wedged is not None:
                 raise self._wedged
@@ -295,7 +298,7 @@ class BatchingDriver:
             now = self._clock()
             is_idle = self._running is None
             wake_at: float | None = None
-            start = next(rotation)
+            start = next(turns_taken) % max(1, len(self._order))
             rotated = self._order[start:] + self._order[:start]
             turns = by_urgency(rotated, now) if is_idle else [(lane, False) for lane in rotated]
             for lane, force in turns:

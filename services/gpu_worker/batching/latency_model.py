@@ -183,3 +183,15 @@ class LatencyModel:
         if curve is None:
             curve = self._curves[key] = _Curve(self._points[key])
         return curve
+
+    def largest_batch_within(self, key: BatchKey, max_size: int, budget_s: float) -> int:
+        """The largest batch of `key`, at most `max_size`, predicted to run within `budget_s`
+        (at least 1): predictions grow with the batch size, so a bisection finds it."""
+        low, high = 1, max_size
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.predict(key, middle) <= budget_s:
+                low = middle
+            else:
+                high = middle - 1
+        return low

@@ -40,6 +40,9 @@ BATCH_QUEUE_SHARE = 0.5
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5
 
+#: A batch of `batch` rows only is capped at this share of the SLO in predicted compute.
+BATCH_CLASS_SLO_SHARE = 0.1
+
 _BATCH_RANK = PriorityClass.BATCH.rank
 
 
@@ -115,16 +118,9 @@ class Batcher:
         if cached is not None and cached[0] == self._latency.revision:
             return cached[1]
         budget_s = self.batch_compute_budget_s
-        low, high = 1, self.shape_limit(key)
-        # Largest n with predict(n) <= budget: predictions are monotone in n.
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self._latency.predict(key, middle) <= budget_s:
-                low = middle
-            else:
-                high = middle - 1
-        self._limits[key] = (self._latency.revision, low)
-        return low
+        limit = self._latency.largest_batch_within(key, self.shape_limit(key), budget_s)
+        self._limits[key] = (self._latency.revision, limit)
+        return limit
 
     def max_wait_s(self, key: BatchKey) -> float:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
@@ -304,8 +300,13 @@ class Batcher:
         choice = self._choose(now_s, force=force)
         if isinstance(choice, Wait):
             return Poll(expired, choice)
-        _, key, reason = choice
+        (priority, _), key, reason = choice
         limit = self.max_batch_size_for(key)
+        if priority >= _BATCH_RANK:
+            # Only `batch` rows: keep the batch short, so that an interactive row arriving
+            # while it runs waits little (the executor cannot be preempted).
+            budget_s = BATCH_CLASS_SLO_SHARE * self._config.slo_s
+            limit = self._latency.largest_batch_within(key, limit, budget_s)
         items = self._queues[key].items.take(limit, self._latency.per_item_s(key, limit))
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))

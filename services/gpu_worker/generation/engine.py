@@ -173,11 +173,38 @@ class GenerationEngine:
         tenant: str = "",
         weight: float = 1.0,
     ) -> AsyncIterator[Delta]:
-        """Streams deltas until the sequence finishes. Closing the iterator (client cancel)
-        frees the sequence's KV blocks before the next step. `first_token_limit_s`: seconds the
-        first token may take (the caller's remaining deadline, or the SLO for a model that sheds
-        past it); a busy engine predicted to miss it refuses at once (Overloaded with a retry
-        hint) instead of letting the caller time out."""
+        """Streams deltas until the sequence finishes; closing the iterator (cancel) frees its
+        KV blocks before the next step. A busy engine predicted to miss `first_token_limit_s`
+        (the caller's deadline, or the SLO of a model that sheds) refuses at once."""
+        request = self._admit(
+            prompt_ids, params, priority, first_token_limit_s, tenant=tenant, weight=weight
+        )
+        seq_id = request.seq_id
+        self._wake.set()
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            if seq_id in self._requests:
+                # The consumer went away mid-stream: free the blocks before the next step.
+                self._cancel(seq_id)
+
+    def _admit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        priority: int,
+        first_token_limit_s: float | None,
+        *,
+        tenant: str,
+        weight: float,
+    ) -> _Request:
+        """Checks a new request and queues its sequence; raises what the caller gets."""
         if self._is_draining:
             raise Unavailable("worker is draining")
         if self._fatal is not None:
@@ -214,19 +241,7 @@ class GenerationEngine:
             arrival_s=now,
         )
         self._requests[seq_id] = request
-        self._wake.set()
-        try:
-            while True:
-                item = await request.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finish_reason is not None:
-                    return
-        finally:
-            if seq_id in self._requests:
-                # The consumer went away mid-stream: free the blocks before the next step.
-                self._cancel(seq_id)
+        return request
 
     def _check_first_token(self, num_prompt_tokens: int, limit_s: float | None) -> None:
         if limit_s is None:

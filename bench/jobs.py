@@ -1,0 +1,141 @@
+"""Durable batch job throughput against online goodput of the same model, in one run.
+
+    python -m bench.jobs [--items 100000] [--online-s 10] [--output bench/results/jobs.json]
+
+One local stack (redis with AOF, router, one minilm worker, gateway, one job runner):
+1. online goodput: closed-loop single-text Predict calls (interactive) for `--online-s`;
+2. a job of `--items` short texts submitted at once; its throughput is items over the time
+   from its first item starting to its last finishing (submission excluded, reported apart).
+3. online p99 at half that goodput (open loop, Poisson), alone and then while a saturating
+   job runs (cancelled afterwards): batch items must not cost online traffic its latency
+   (issue 13: p99 within 10%).
+The ratio job / online is issue 13's goal (>= 0.9). Prints two lines; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.fabric.loadgen import poisson_schedule, run_open_loop
+from bench.fabric.measure import closed_loop
+from bench.fabric.stack import REPO_ROOT, start_stack
+from bench.fabric.sweep import percentile
+from bench.fabric.targets import predict_sender
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import jobs_pb2 as jobs
+from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+
+ONLINE_CONCURRENCY = 32
+#: A 100,000-item job is about 4 MB: above the gateway's 4 MiB default message cap.
+MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+
+
+def short_texts(count: int) -> list[str]:
+    return [f"short text number {i} about topic {i % 97}" for i in range(count)]
+
+
+async def run_job(address: str, texts: list[str]) -> dict[str, Any]:
+    options = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        stub = jobs_grpc.JobServiceStub(channel)
+        items = [api.PredictInput(text=t) for t in texts]
+        started = time.time()
+        job_id = (await stub.SubmitJob(jobs.SubmitJobRequest(model_name="minilm", items=items),
+                                       timeout=300.0)).job_id  # fmt: skip
+        submit_s = time.time() - started
+        while True:
+            job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), timeout=30.0)
+            if job.num_ok + job.num_failed + job.num_cancelled == job.num_items:
+                break
+            await asyncio.sleep(0.5)
+        finished = time.time()
+        run_s = finished - (job.started_unix_s or started)
+        return {
+            "items": len(texts),
+            "submit_s": round(submit_s, 2),
+            "run_s": round(run_s, 2),
+            "items_per_s": round(len(texts) / run_s, 1),
+            "num_ok": job.num_ok,
+            "num_failed": job.num_failed,
+            "state": jobs.JobState.Name(job.state),
+        }
+
+
+async def open_loop_p99(address: str, rate_per_s: float, duration_s: float) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        send = predict_sender(channel, "minilm", short_texts(1000), timeout_s=30.0)
+        outcomes = await run_open_loop(send, poisson_schedule(rate_per_s, duration_s, seed=3))
+    ok = [o.latency_s for o in outcomes if o.ok]
+    return {"rate_per_s": round(rate_per_s, 1), "sent": len(outcomes), "ok": len(ok),
+            "p50_s": percentile(ok, 50), "p99_s": percentile(ok, 99)}  # fmt: skip
+
+
+async def online_beside_job(address: str, rate_per_s: float, online_s: float) -> dict[str, Any]:
+    """Online p99 alone, then while a job larger than the window can drain runs."""
+    alone = await open_loop_p99(address, rate_per_s, online_s)
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = jobs_grpc.JobServiceStub(channel)
+        texts = short_texts(int(online_s * rate_per_s * 8) + 5000)
+        items = [api.PredictInput(text=t) for t in texts]
+        request = jobs.SubmitJobRequest(model_name="minilm", items=items)
+        job_id = (await stub.SubmitJob(request, timeout=300.0)).job_id
+        while (await stub.GetJob(jobs.GetJobRequest(job_id=job_id))).num_ok < 500:
+            await asyncio.sleep(0.2)
+        beside = await open_loop_p99(address, rate_per_s, online_s)
+        job = await stub.CancelJob(jobs.CancelJobRequest(job_id=job_id))
+    p99_ratio = (beside["p99_s"] or 0.0) / max(alone["p99_s"] or 0.0, 1e-9)
+    return {"alone": alone, "beside_job": beside, "job_items_done": job.num_ok,
+            "p99_ratio": round(p99_ratio, 3)}  # fmt: skip
+
+
+async def measure(address: str, items: int, online_s: float) -> dict[str, Any]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        send = predict_sender(channel, "minilm", short_texts(1000), timeout_s=30.0)
+        online = await closed_loop(send, ONLINE_CONCURRENCY, online_s)
+    job = await run_job(address, short_texts(items))
+    half = await online_beside_job(address, online["ok_per_s"] / 2, max(online_s, 15.0))
+    return {
+        "online": online,
+        "job": job,
+        "ratio": round(job["items_per_s"] / max(online["ok_per_s"], 1e-9), 3),
+        "online_half_capacity": half,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.jobs", description=__doc__)
+    parser.add_argument("--items", type=int, default=100_000)
+    parser.add_argument("--online-s", type=float, default=10.0)
+    parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/jobs.json")
+    args = parser.parse_args()
+    state_dir = Path(tempfile.mkdtemp(prefix="bench-jobs-"))
+    stack = start_stack(
+        REPO_ROOT / "models", state_dir,
+        extra_gateway_args=(f"--max-message-bytes={MAX_MESSAGE_BYTES}",),
+    )  # fmt: skip
+    try:
+        figures = asyncio.run(measure(stack.gateway_address, args.items, args.online_s))
+    finally:
+        stack.stop()
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(figures, indent=2))
+    online, job = figures["online"]["ok_per_s"], figures["job"]["items_per_s"]
+    print(
+        f"online {online:.0f} items/s, job {job:.0f} items/s over {args.items} items, ratio"
+        f" {figures['ratio']:.2f} -> {args.output}"
+    )
+    half = figures["online_half_capacity"]
+    print(f"online p99 at half capacity: alone {half['alone']['p99_s']:.3f} s, beside a job "
+          f"{half['beside_job']['p99_s']:.3f} s (ratio {half['p99_ratio']:.2f})")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

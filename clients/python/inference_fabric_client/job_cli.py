@@ -1,0 +1,96 @@
+"""The `job` commands of the command line.
+
+    fabric-client job submit texts.jsonl [--model minilm] [--idempotency-key KEY] [--no-wait]
+    fabric-client job status JOB_ID
+    fabric-client job results JOB_ID --out results.jsonl [--start-index N]
+    fabric-client job cancel JOB_ID
+
+An input line is a JSON string or an object with "text". `submit` prints the job id, then
+(unless --no-wait) draws a progress bar on stderr until the job is finished. A result line is
+{"index", "status", "embedding"} for ok items and {"index", "status", "code", "message"} for
+the others, in input order.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from inference_fabric_client.client import Client
+from inference_fabric_client.jobs import JobInfo
+
+BAR_WIDTH = 30
+POLL_S = 0.5
+
+
+def add_job_commands(commands: argparse._SubParsersAction) -> None:  # type: ignore[type-arg,unused-ignore]
+    job = commands.add_parser("job", help="durable batch jobs: submit, status, results, cancel")
+    actions = job.add_subparsers(dest="job_command", required=True)
+    submit = actions.add_parser("submit", help="submit a JSONL file of texts")
+    submit.add_argument("file", type=Path)
+    submit.add_argument("--model", default="minilm")
+    submit.add_argument("--version", default="")
+    submit.add_argument("--idempotency-key", default="")
+    submit.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    for name, about in (("status", "a job's state and counts"), ("cancel", "cancel a job")):
+        actions.add_parser(name, help=about).add_argument("job_id")
+    results = actions.add_parser("results", help="write a job's results as JSONL")
+    results.add_argument("job_id")
+    results.add_argument("--out", type=Path, required=True)
+    results.add_argument("--start-index", type=int, default=0, help="resume from this item")
+    results.add_argument("--no-wait", action="store_true", help="only the results ready now")
+
+
+def _texts(path: Path) -> list[str]:
+    texts = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            value = json.loads(line)
+            texts.append(value["text"] if isinstance(value, dict) else str(value))
+    return texts
+
+
+def _bar(info: JobInfo) -> str:
+    filled = int(info.progress * BAR_WIDTH)
+    eta = f" eta {info.eta_s:.0f}s" if info.eta_s else ""
+    done = info.num_ok + info.num_failed + info.num_cancelled
+    return (f"\r[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {done}/{info.num_items} "
+            f"{info.state} (failed {info.num_failed}){eta}")  # fmt: skip
+
+
+def _status_line(info: JobInfo) -> str:
+    return json.dumps(info.__dict__)
+
+
+def run_job_command(client: Client, args: argparse.Namespace) -> None:
+    jobs = client.jobs()
+    if args.job_command == "submit":
+        job_id = jobs.submit(
+            args.model, _texts(args.file), version=args.version,
+            idempotency_key=args.idempotency_key,
+        )  # fmt: skip
+        print(job_id, flush=True)
+        if args.no_wait:
+            return
+        info = jobs.get(job_id)
+        while not info.is_finished:
+            print(_bar(info), end="", file=sys.stderr, flush=True)
+            time.sleep(POLL_S)
+            info = jobs.get(job_id)
+        print(_bar(info), file=sys.stderr, flush=True)
+    elif args.job_command in ("status", "cancel"):
+        call = jobs.get if args.job_command == "status" else jobs.cancel
+        print(_status_line(call(args.job_id)))
+    else:
+        with args.out.open("a" if args.start_index else "w") as out:
+            for result in jobs.results(args.job_id, start_index=args.start_index,
+                                       wait=not args.no_wait):  # fmt: skip
+                line: dict[str, object] = {"index": result.index, "status": result.status}
+                if result.output is not None:
+                    line["embedding"] = [float(x) for x in result.output]
+                else:
+                    line.update(code=result.code, message=result.message)
+                out.write(json.dumps(line) + "\n")

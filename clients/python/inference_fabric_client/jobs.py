@@ -1,0 +1,133 @@
+"""Durable batch jobs (`inference.v1.JobService`) from the blocking client.
+
+    with Client("127.0.0.1:8001") as client:
+        jobs = client.jobs()
+        job_id = jobs.submit("minilm", ["a", "b"], idempotency_key="run-42")
+        print(jobs.get(job_id).state)
+        for result in jobs.results(job_id):          # input order, resumable with start_index
+            ...
+
+Results come back in input order; a call streams up to the first item not finished yet, so
+`results(..., wait=True)` calls again from the next index until the job is finished.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import numpy as np
+
+from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
+from inference_fabric_client._pb.inference.v1 import jobs_pb2 as jobs
+from inference_fabric_client._pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+from inference_fabric_client.client import FabricError, _array
+
+_STATES = {value: name.removeprefix("JOB_STATE_").lower()
+           for name, value in jobs.JobState.items()}  # fmt: skip
+_ITEM_STATUSES = {value: name.removeprefix("ITEM_STATUS_").lower()
+                  for name, value in jobs.ItemStatus.items()}  # fmt: skip
+TERMINAL_STATES = frozenset({"succeeded", "partially_failed", "failed", "cancelled"})
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job's state ("queued", "running", "succeeded", "partially_failed", "failed",
+    "cancelled"), counts, progress (0..1) and ETA in seconds (0: unknown)."""
+
+    job_id: str
+    state: str
+    num_items: int
+    num_ok: int
+    num_failed: int
+    num_cancelled: int
+    progress: float
+    eta_s: float
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """One item's result: status "ok" with `output`, or "failed"/"cancelled" with the gRPC
+    status `code` and `message`."""
+
+    index: int
+    status: str
+    output: np.ndarray | None
+    code: str
+    message: str
+    num_attempts: int
+
+
+class Jobs:
+    """JobService calls over a Client's channel (Client.jobs())."""
+
+    def __init__(
+        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], timeout_s: float
+    ) -> None:
+        self._stub = jobs_grpc.JobServiceStub(channel)
+        self._metadata = metadata
+        self._timeout_s = timeout_s
+
+    def submit(
+        self,
+        model: str,
+        texts: Sequence[str],
+        *,
+        version: str = "",
+        idempotency_key: str = "",
+        complete_by_unix_s: float = 0.0,
+    ) -> str:
+        """Submits a job of texts; returns its id (the existing job's, for a known key)."""
+        request = jobs.SubmitJobRequest(
+            model_name=model,
+            model_version=version,
+            items=[api.PredictInput(text=t) for t in texts],
+            idempotency_key=idempotency_key,
+            complete_by_unix_s=complete_by_unix_s,
+        )
+        return str(self._call(self._stub.SubmitJob, request).job_id)
+
+    def get(self, job_id: str) -> JobInfo:
+        return _info(self._call(self._stub.GetJob, jobs.GetJobRequest(job_id=job_id)))
+
+    def cancel(self, job_id: str) -> JobInfo:
+        return _info(self._call(self._stub.CancelJob, jobs.CancelJobRequest(job_id=job_id)))
+
+    def results(
+        self, job_id: str, *, start_index: int = 0, wait: bool = False, poll_s: float = 0.5
+    ) -> Iterator[ItemResult]:
+        """Results from `start_index` in input order; with `wait`, until every item is in."""
+        index = start_index
+        while True:
+            request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
+            try:
+                for result in self._stub.GetJobResults(
+                    request, timeout=self._timeout_s, metadata=self._metadata
+                ):
+                    index = result.index + 1
+                    output = _array(result.output) if result.HasField("output") else None
+                    yield ItemResult(result.index, _ITEM_STATUSES[result.status], output,
+                                     result.code, result.message, result.num_attempts)  # fmt: skip
+            except grpc.RpcError as error:
+                raise FabricError.from_rpc(error) from None
+            if not wait or index >= self.get(job_id).num_items:
+                return
+            time.sleep(poll_s)
+
+    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Any) -> Any:
+        try:
+            return method(request, timeout=self._timeout_s, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise FabricError.from_rpc(error) from None
+
+
+def _info(j: jobs.Job) -> JobInfo:
+    return JobInfo(j.job_id, _STATES[j.state], j.num_items, j.num_ok, j.num_failed,
+                   j.num_cancelled, j.progress, j.eta_s)  # fmt: skip

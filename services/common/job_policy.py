@@ -1,0 +1,160 @@
+"""Pure rules of durable batch jobs, shared by the gateway's JobService and the job runners.
+
+- `job_state`: a job's state is derived from its item counts and its cancel flag, never stored,
+  so it cannot disagree with the results it summarises.
+- `RetryPolicy.decide`: after a failed attempt, `Retry(after_s)` with capped exponential backoff
+  and full jitter, or `GiveUp` (dead-letter) when the error can never succeed or the attempts
+  are spent.
+- `chunk_ranges` / `finished_prefix`: how a job's items are cut into queue entries, and which
+  results a resumable `GetJobResults` call may stream (the contiguous finished prefix from the
+  caller's offset, so that results are always in input order with no gaps).
+- `eta_s`: remaining time at the rate seen since the first item started.
+
+No I/O, no clock: time comes in as `now_s`, randomness as `jitter` in [0, 1).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: gRPC status names a retry can fix: capacity, deadlines, a tier restarting, a model error
+#: that may be transient. Everything else (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
+#: UNAUTHENTICATED, FAILED_PRECONDITION...) fails the same way every time: dead-letter at once.
+RETRYABLE_CODES = frozenset(
+    {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL", "UNKNOWN"}
+)
+
+
+class JobState(enum.Enum):
+    """A job's state; values are the names the API and the CLI print."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    PARTIALLY_FAILED = "partially_failed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self not in (JobState.QUEUED, JobState.RUNNING)
+
+
+class ItemStatus(enum.Enum):
+    """One item's outcome; the values are the job hash's counter fields (`num_<value>`)."""
+
+    OK = "ok"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass(frozen=True)
+class ItemCounts:
+    """Finished items of a job by status; the rest are queued or running."""
+
+    num_ok: int = 0
+    num_failed: int = 0
+    num_cancelled: int = 0
+
+    @property
+    def num_done(self) -> int:
+        return self.num_ok + self.num_failed + self.num_cancelled
+
+
+def job_state(num_items: int, counts: ItemCounts, *, is_cancelled: bool) -> JobState:
+    """The state of a job of `num_items` items with `counts` finished.
+
+    A cancelled job is CANCELLED from the cancel on, even while runners still mark its last
+    items. Otherwise: QUEUED before any item finished, RUNNING until all have, then SUCCEEDED
+    (all ok), FAILED (none ok) or PARTIALLY_FAILED.
+    """
+    if is_cancelled:
+        return JobState.CANCELLED
+    if counts.num_done < num_items:
+        return JobState.RUNNING if counts.num_done > 0 else JobState.QUEUED
+    if counts.num_ok == num_items:
+        return JobState.SUCCEEDED
+    if counts.num_ok == 0:
+        return JobState.FAILED
+    return JobState.PARTIALLY_FAILED
+
+
+def progress(num_items: int, counts: ItemCounts) -> float:
+    """Finished over all items, 0..1 (1 for an empty job)."""
+    return 1.0 if num_items <= 0 else min(1.0, counts.num_done / num_items)
+
+
+def eta_s(num_items: int, counts: ItemCounts, *, started_s: float, now_s: float) -> float:
+    """Seconds until every item is finished at the rate seen since `started_s` (0: unknown,
+    not started, or done)."""
+    remaining = num_items - counts.num_done
+    elapsed_s = now_s - started_s
+    if remaining <= 0 or started_s <= 0 or elapsed_s <= 0 or counts.num_done <= 0:
+        return 0.0
+    return remaining / (counts.num_done / elapsed_s)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Try again after `after_s` seconds."""
+
+    after_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    """Dead-letter: record the item as failed with this status."""
+
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Capped exponential backoff with full jitter (AWS's "full jitter": a uniform draw in
+    [0, min(max_delay_s, base_delay_s * 2**(attempt-1)))), so that runners retrying together
+    after one outage do not come back in lockstep."""
+
+    #: Attempts per item, the first included.
+    max_attempts: int = 5
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0:
+            raise ValueError("max_attempts >= 1 and non-negative delays are required")
+
+    def ceiling_s(self, num_attempts: int) -> float:
+        """The largest delay after attempt number `num_attempts` (1-based)."""
+        return float(min(self.max_delay_s, self.base_delay_s * 2 ** max(0, num_attempts - 1)))
+
+    def decide(self, num_attempts: int, code: str, message: str, jitter: float) -> Retry | GiveUp:
+        """What to do after attempt `num_attempts` failed with status `code`."""
+        if code not in RETRYABLE_CODES:
+            return GiveUp(code, message)
+        if num_attempts >= self.max_attempts:
+            return GiveUp(code, f"{message} (after {num_attempts} attempts)")
+        return Retry(after_s=jitter * self.ceiling_s(num_attempts))
+
+
+def chunk_ranges(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
+    """[start, end) index ranges of `chunk_size` items (the last may be shorter): one queue
+    entry, and one Predict call, each."""
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be at least 1")
+    return [
+        (start, min(start + chunk_size, num_items)) for start in range(0, num_items, chunk_size)
+    ]
+
+
+def finished_prefix(found: Sequence[bytes | None]) -> list[bytes]:
+    """The results of a page read from the caller's offset on, up to the first item not yet
+    finished (None): a resumed call never skips an item, and never returns one out of order."""
+    prefix = []
+    for result in found:
+        if result is None:
+            break
+        prefix.append(result)
+    return prefix

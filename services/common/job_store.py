@@ -1,0 +1,315 @@
+"""Durable batch jobs in Redis: the key schema and every read and write of it, for the gateway's
+JobService (submit, read, cancel) and the job runners (claim, record, acknowledge).
+
+Keys (`<p>` is the fabric's key prefix, "fabric" by default; Redis user `jobs` and the
+gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
+
+- `<p>:jobs:queue`: the work queue, a stream read by consumer group `runners`. One entry per
+  chunk of a job: {job, start, end} (item indices, end exclusive).
+- `<p>:job:<id>`: hash, the job: tenant, model, version, priority, num_items, created_s,
+  started_s, complete_by_s, idempotency_key, cancelled, and the counters num_ok, num_failed,
+  num_cancelled.
+- `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
+- `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
+  together with its counter (one script): a result, once written, is never overwritten, and
+  each item is counted once, however many times a retry or a reclaimed entry re-runs it.
+- `<p>:jobs:tenant:<tenant>`: sorted set, job ids by creation time (ListJobs).
+- `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first.
+- `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
+
+Submission is two steps: the items and the job hash are written (with a one-hour expiry, in
+one MULTI), then one script claims the idempotency key, lifts the expiry and enqueues every
+chunk. A crash between them leaves only expiring garbage; the script is atomic, so a job is
+either enqueued whole under its key or not at all; the loser of a race on a key deletes its
+own copy and answers with the winner's id. Durability across a Redis crash is the AOF's
+(README "Durable batch jobs").
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.credentials import CredentialProvider
+
+from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
+
+#: Consumer group of the job runners on the queue stream.
+GROUP = "runners"
+#: Unacknowledged submissions (items written, script not run) vanish after this.
+ORPHAN_TTL_S = 3600
+#: Dead-letter stream length kept (approximately).
+MAX_DEAD_LETTERS = 100_000
+
+_ENQUEUE = """
+if ARGV[5] == '1' then
+  local existing = redis.call('GET', KEYS[3])
+  if existing then return existing end
+  redis.call('SET', KEYS[3], ARGV[1])
+end
+redis.call('PERSIST', KEYS[1])
+redis.call('PERSIST', KEYS[2])
+local n = tonumber(ARGV[2])
+local size = tonumber(ARGV[3])
+for start = 0, n - 1, size do
+  redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start,
+             'end', math.min(start + size, n))
+end
+redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
+return ARGV[1]
+"""
+# KEYS: job hash, results hash, queue; ARGV: group, entry id, then (index, result, counter)*.
+_RECORD = """
+local added = 0
+for i = 3, #ARGV, 3 do
+  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
+    redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
+    added = added + 1
+  end
+end
+if ARGV[2] ~= '' then
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+  redis.call('XDEL', KEYS[3], ARGV[2])
+end
+return added
+"""
+
+
+def connect_jobs_redis(
+    url: str, *, timeout_s: float, credentials: CredentialProvider | None = None
+) -> aioredis.Redis:
+    """A client for the job keys. `timeout_s` bounds every call (a submission of 100,000
+    items is a few MB, so it is larger than the registry's). A connection idle for a second is
+    pinged before use, so the first call after a Redis restart reconnects instead of failing;
+    commands are never retried (a retried submission could run twice)."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+        retry_on_timeout=False,
+        health_check_interval=1,
+        credential_provider=credentials,
+    )
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job as stored (the state is derived: services.common.job_policy.job_state)."""
+
+    job_id: str
+    tenant: str
+    model_name: str
+    model_version: str
+    #: Priority class name ("batch").
+    priority: str
+    num_items: int
+    counts: ItemCounts
+    created_s: float
+    #: When a runner first claimed one of its chunks; 0 before.
+    started_s: float
+    #: Items not started by then are not run; 0: no deadline.
+    complete_by_s: float
+    idempotency_key: str
+    is_cancelled: bool
+
+    @classmethod
+    def from_hash(cls, job_id: str, raw: dict[bytes, bytes]) -> JobRecord:
+        text = {k.decode(): v.decode() for k, v in raw.items()}
+        counts = ItemCounts(
+            num_ok=int(text.get("num_ok", 0)),
+            num_failed=int(text.get("num_failed", 0)),
+            num_cancelled=int(text.get("num_cancelled", 0)),
+        )
+        return cls(
+            job_id=job_id,
+            tenant=text["tenant"],
+            model_name=text["model"],
+            model_version=text.get("version", ""),
+            priority=text.get("priority", "batch"),
+            num_items=int(text["num_items"]),
+            counts=counts,
+            created_s=float(text.get("created_s", 0)),
+            started_s=float(text.get("started_s", 0)),
+            complete_by_s=float(text.get("complete_by_s", 0)),
+            idempotency_key=text.get("idempotency_key", ""),
+            is_cancelled=text.get("cancelled") == "1",
+        )
+
+
+@dataclass(frozen=True)
+class NewJob:
+    """What SubmitJob persists."""
+
+    tenant: str
+    model_name: str
+    model_version: str
+    priority: str
+    #: Serialized `PredictInput`s, in order.
+    items: Sequence[bytes]
+    idempotency_key: str
+    complete_by_s: float
+
+
+@dataclass(frozen=True)
+class QueueEntry:
+    """One claimed chunk: items [start, end) of `job_id`, stream entry `entry_id`."""
+
+    entry_id: str
+    job_id: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ItemOutcome:
+    """One item's finished result, ready to record."""
+
+    index: int
+    status: ItemStatus
+    #: Serialized `JobItemResult`.
+    payload: bytes
+
+
+class JobStore:
+    """Reads and writes of the job keys; one per process, over one Redis client."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "fabric") -> None:
+        # Any: redis-py's stubs type replies as bytes | str unions; this client never decodes
+        # (decode_responses is off), so every reply is bytes.
+        self.client: Any = client
+        self.prefix = prefix
+        self.queue_key = f"{prefix}:jobs:queue"
+        self.dead_key = f"{prefix}:jobs:dead"
+        self._enqueue = client.register_script(_ENQUEUE)
+        self._record = client.register_script(_RECORD)
+
+    def job_key(self, job_id: str) -> str:
+        return f"{self.prefix}:job:{job_id}"
+
+    def _tenant_key(self, tenant: str) -> str:
+        return f"{self.prefix}:jobs:tenant:{tenant}"
+
+    async def submit(self, job: NewJob, *, chunk_size: int) -> tuple[str, bool]:
+        """Persists `job` and enqueues its chunks; returns (job id, is_existing): with an
+        idempotency key already used by this tenant, the existing job's id and True."""
+        job_id = uuid.uuid4().hex
+        key = self.job_key(job_id)
+        created_s = time.time()
+        meta: dict[str, str | int | float] = {
+            "tenant": job.tenant, "model": job.model_name, "version": job.model_version,
+            "priority": job.priority, "num_items": len(job.items), "created_s": created_s,
+            "complete_by_s": job.complete_by_s, "idempotency_key": job.idempotency_key,
+            "cancelled": 0, "num_ok": 0, "num_failed": 0, "num_cancelled": 0,
+        }  # fmt: skip
+        async with self.client.pipeline(transaction=True) as pipe:
+            for start, end in chunk_ranges(len(job.items), 10_000):
+                pipe.rpush(f"{key}:items", *job.items[start:end])
+            pipe.hset(key, mapping=meta)
+            pipe.expire(key, ORPHAN_TTL_S)
+            pipe.expire(f"{key}:items", ORPHAN_TTL_S)
+            await pipe.execute()
+        idem_key = f"{self.prefix}:jobs:idem:{job.tenant}:{job.idempotency_key}"
+        keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
+        has_key = "1" if job.idempotency_key else "0"
+        args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]
+        winner = (await self._enqueue(keys=keys, args=args)).decode()
+        if winner != job_id:
+            await self.client.delete(key, f"{key}:items")
+            return winner, True
+        return job_id, False
+
+    async def get(self, job_id: str) -> JobRecord | None:
+        raw = await self.client.hgetall(self.job_key(job_id))
+        return JobRecord.from_hash(job_id, raw) if raw and b"num_items" in raw else None
+
+    async def list_ids(self, tenant: str, *, offset: int, limit: int) -> list[str]:
+        """The tenant's job ids, newest first, from position `offset`."""
+        ids = await self.client.zrevrange(self._tenant_key(tenant), offset, offset + limit - 1)
+        return [i.decode() for i in ids]
+
+    async def cancel(self, job_id: str) -> None:
+        await self.client.hset(self.job_key(job_id), "cancelled", 1)
+
+    async def results(self, job_id: str, start: int, count: int) -> list[bytes | None]:
+        """Stored results of items [start, start+count): None where not finished yet."""
+        fields = [str(i) for i in range(start, start + count)]
+        return list(await self.client.hmget(f"{self.job_key(job_id)}:results", fields))
+
+    async def items(self, job_id: str, start: int, end: int) -> list[bytes]:
+        return list(await self.client.lrange(f"{self.job_key(job_id)}:items", start, end - 1))
+
+    async def mark_started(self, job_id: str) -> None:
+        await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())
+
+    async def ensure_group(self) -> None:
+        """Creates the runners' group (and the stream) unless they exist."""
+        try:
+            await self.client.xgroup_create(self.queue_key, GROUP, id="0", mkstream=True)
+        except aioredis.ResponseError as error:
+            if "BUSYGROUP" not in str(error):
+                raise
+
+    async def read_new(self, consumer: str, count: int, block_ms: int) -> list[QueueEntry]:
+        """Up to `count` entries no runner has claimed, waiting up to `block_ms` for one."""
+        reply = await self.client.xreadgroup(
+            GROUP, consumer, {self.queue_key: ">"}, count=count, block=block_ms
+        )
+        return [_entry(i, f) for _, entries in reply or () for i, f in entries if f]
+
+    async def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
+        """Up to `count` entries another runner claimed and left idle for `min_idle_ms` (it
+        died, or is stuck): now this consumer's."""
+        reply = await self.client.xautoclaim(
+            self.queue_key, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
+        )
+        return [_entry(i, f) for i, f in reply[1] if f]
+
+    async def record(
+        self, job_id: str, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
+    ) -> int:
+        """Writes the results not already written and counts them, and acknowledges `ack`
+        (None: nothing), in one atomic step; returns how many results were new."""
+        key = self.job_key(job_id)
+        args: list[Any] = [GROUP, ack.entry_id if ack is not None else ""]
+        for outcome in outcomes:
+            args += [outcome.index, outcome.payload, f"num_{outcome.status.value}"]
+        keys = [key, f"{key}:results", self.queue_key]
+        return int(await self._record(keys=keys, args=args))
+
+    async def drop(self, entry: QueueEntry) -> None:
+        """Acknowledges an entry whose job no longer exists."""
+        await self.client.xack(self.queue_key, GROUP, entry.entry_id)
+        await self.client.xdel(self.queue_key, entry.entry_id)
+
+    async def dead_letter(self, job_id: str, index: int, code: str, message: str) -> None:
+        fields = {"job": job_id, "index": index, "code": code, "message": message}
+        await self.client.xadd(self.dead_key, fields, maxlen=MAX_DEAD_LETTERS, approximate=True)
+
+    async def backlog(self) -> tuple[int, int, float]:
+        """(entries never claimed, entries claimed and unacknowledged, age in seconds of the
+        oldest entry still in the queue; 0 when empty)."""
+        # Acknowledged entries are deleted, so the stream holds exactly the entries not yet
+        # claimed plus the pending ones (XINFO's `lag` would need Redis 7).
+        groups = await self.client.xinfo_groups(self.queue_key)
+        group = next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
+        pending = int(group["pending"]) if group else 0
+        queued = max(0, int(await self.client.xlen(self.queue_key)) - pending)
+        oldest = await self.client.xrange(self.queue_key, count=1)
+        age_s = 0.0
+        if oldest:
+            created_ms = int(oldest[0][0].decode().split("-")[0])
+            age_s = max(0.0, time.time() - created_ms / 1000)
+        return queued, pending, age_s
+
+
+def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> QueueEntry:
+    return QueueEntry(
+        entry_id=entry_id.decode(),
+        job_id=fields[b"job"].decode(),
+        start=int(fields[b"start"]),
+        end=int(fields[b"end"]),
+    )

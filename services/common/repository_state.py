@@ -1,0 +1,71 @@
+"""The fleet's desired model state: which models the workers should have loaded.
+
+Redis layout (under the registry prefix, default "fabric"):
+- `<prefix>:repository`  hash: model name -> JSON `{"state": "loaded"|"unloaded",
+  "revision": <int>}`
+
+The gateway writes it (Triton's repository extension: RepositoryModelLoad / Unload, each write
+with a revision one above the hash's highest); every worker reads the whole hash (one HGETALL)
+about once a second and converges (services.gpu_worker.repository_follower). A model with no
+field is loaded wherever the repository and the worker's `--models` pool have it, as at start.
+Pure data: no Redis here.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ModelState(enum.Enum):
+    """What an operator asked for a model (all its versions in the repository)."""
+
+    LOADED = "loaded"
+    UNLOADED = "unloaded"
+
+
+@dataclass(frozen=True)
+class DesiredState:
+    """One model's entry in `<prefix>:repository`."""
+
+    state: ModelState
+    #: Grows with every write to the hash: a worker retries a failed load only when it grows,
+    #: and re-reads its repository (new versions on the volume) when any entry's does.
+    revision: int
+
+    def to_json(self) -> str:
+        return json.dumps({"state": self.state.value, "revision": self.revision})
+
+
+def repository_key(prefix: str) -> str:
+    """The hash of desired states under registry prefix `prefix`."""
+    return f"{prefix}:repository"
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
+    """The desired states in an HGETALL reply (str or bytes keys and values). A malformed
+    entry is logged and left out (its model follows the repository, as with no entry): one
+    bad write must not stop the fleet from following the others."""
+    desired: dict[str, DesiredState] = {}
+    for name, value in fields.items():
+        try:
+            raw = json.loads(_text(value))
+            desired[_text(name)] = DesiredState(ModelState(raw["state"]), int(raw["revision"]))
+        except (ValueError, KeyError, TypeError) as error:
+            log.warning("ignoring desired state of %r: %r (%s)", _text(name), value, error)
+    return desired
+
+
+def next_revision(desired: Mapping[str, DesiredState]) -> int:
+    """The revision the next write carries: one above every entry's."""
+    return 1 + max((d.revision for d in desired.values()), default=0)

@@ -1,0 +1,189 @@
+"""`inference.v1.JobService`: durable batch jobs, served by the gateway (protobuf <-> store).
+
+SubmitJob checks what can be checked up front (the model exists, is a fixed-cost model the
+tenant may use, the priority is granted, the item count is within `max_items`) and persists the
+job (services.common.job_store) before answering; the items themselves are validated when a
+runner sends them through Predict, and an item the model refuses fails alone. Every call
+is scoped to the caller's tenant: another tenant's job id is NOT_FOUND, never PERMISSION_DENIED,
+so job ids reveal nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import grpc
+from redis.exceptions import RedisError
+
+from services.common.errors import InvalidInput, NotFound, Unavailable
+from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
+from services.common.job_store import JobRecord, JobStore, NewJob, connect_jobs_redis
+from services.common.model_repository import ModelKind
+from services.common.priority import PriorityClass
+from services.common.redis_acl import GATEWAY, role_credentials
+from services.gateway.auth import current_principal
+from services.gateway.catalog import ModelCatalog
+from services.gateway.quota_sync import QuotaSyncConfig
+from services.pb.inference.v1 import jobs_pb2 as jobs
+from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+
+T = TypeVar("T")
+#: Socket timeout of the job store's calls: a 100,000-item submission is a few MB.
+STORE_TIMEOUT_S = 10.0
+#: Results read from Redis per round trip while streaming.
+RESULTS_PAGE = 256
+_STATES = {
+    JobState.QUEUED: jobs.JOB_STATE_QUEUED,
+    JobState.RUNNING: jobs.JOB_STATE_RUNNING,
+    JobState.SUCCEEDED: jobs.JOB_STATE_SUCCEEDED,
+    JobState.PARTIALLY_FAILED: jobs.JOB_STATE_PARTIALLY_FAILED,
+    JobState.FAILED: jobs.JOB_STATE_FAILED,
+    JobState.CANCELLED: jobs.JOB_STATE_CANCELLED,
+}
+
+
+@dataclass(frozen=True)
+class JobsApiConfig:
+    #: Most items one SubmitJob may carry.
+    max_items: int = 100_000
+    #: Items per queue entry, and so per Predict call a runner makes.
+    chunk_size: int = 64
+    #: Largest ListJobs page.
+    max_page_size: int = 500
+
+
+def job_to_pb(record: JobRecord, now_s: float) -> jobs.Job:
+    """The API's view of a stored job; its state and ETA are derived here."""
+    counts = record.counts
+    return jobs.Job(
+        job_id=record.job_id,
+        model_name=record.model_name,
+        model_version=record.model_version,
+        state=_STATES[job_state(record.num_items, counts, is_cancelled=record.is_cancelled)],
+        num_items=record.num_items,
+        num_ok=counts.num_ok,
+        num_failed=counts.num_failed,
+        num_cancelled=counts.num_cancelled,
+        progress=progress(record.num_items, counts),
+        eta_s=eta_s(record.num_items, counts, started_s=record.started_s, now_s=now_s),
+        created_unix_s=record.created_s,
+        started_unix_s=record.started_s,
+        priority=PriorityClass.parse(record.priority).proto,
+        idempotency_key=record.idempotency_key,
+        complete_by_unix_s=record.complete_by_s,
+    )
+
+
+class JobServicer(jobs_grpc.JobServiceServicer):
+    def __init__(self, store: JobStore, catalog: ModelCatalog, config: JobsApiConfig) -> None:
+        self._store = store
+        self._catalog = catalog
+        self._config = config
+
+    async def _own_job(self, job_id: str) -> JobRecord:
+        """The caller's job `job_id`; NotFound when missing or another tenant's."""
+        record = await _stored(self._store.get(job_id)) if job_id else None
+        if record is None or record.tenant != current_principal().tenant:
+            raise NotFound(f"job {job_id!r} not found")
+        return record
+
+    async def SubmitJob(
+        self, request: jobs.SubmitJobRequest, context: grpc.aio.ServicerContext
+    ) -> jobs.SubmitJobResponse:
+        principal = current_principal()
+        principal.check_model(request.model_name)
+        if self._catalog.config(request.model_name).kind == ModelKind.GENERATION:
+            raise InvalidInput("jobs run fixed-cost (Predict) models, not generation models")
+        if not 0 < len(request.items) <= self._config.max_items:
+            raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
+        try:
+            requested = PriorityClass.from_proto(request.priority) or PriorityClass.BATCH
+        except ValueError as error:
+            raise InvalidInput(str(error)) from None
+        priority = principal.policy.priority_for(requested)
+        job = NewJob(
+            tenant=principal.tenant,
+            model_name=request.model_name,
+            model_version=request.model_version,
+            priority=priority.value,
+            items=[item.SerializeToString() for item in request.items],
+            idempotency_key=request.idempotency_key,
+            complete_by_s=max(0.0, request.complete_by_unix_s),
+        )
+        job_id, is_existing = await _stored(
+            self._store.submit(job, chunk_size=self._config.chunk_size)
+        )
+        return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
+
+    async def GetJob(
+        self, request: jobs.GetJobRequest, context: grpc.aio.ServicerContext
+    ) -> jobs.Job:
+        return job_to_pb(await self._own_job(request.job_id), time.time())
+
+    async def ListJobs(
+        self, request: jobs.ListJobsRequest, context: grpc.aio.ServicerContext
+    ) -> jobs.ListJobsResponse:
+        size = min(request.page_size or 50, self._config.max_page_size)
+        if size < 1 or (request.page_token and not request.page_token.isdigit()):
+            raise InvalidInput("page_size must be positive and page_token a previous token")
+        offset = int(request.page_token or 0)
+        tenant = current_principal().tenant
+        ids = await _stored(self._store.list_ids(tenant, offset=offset, limit=size + 1))
+        now_s = time.time()
+        records = [await _stored(self._store.get(i)) for i in ids[:size]]
+        return jobs.ListJobsResponse(
+            jobs=[job_to_pb(r, now_s) for r in records if r is not None],
+            next_page_token=str(offset + size) if len(ids) > size else "",
+        )
+
+    async def CancelJob(
+        self, request: jobs.CancelJobRequest, context: grpc.aio.ServicerContext
+    ) -> jobs.Job:
+        record = await self._own_job(request.job_id)
+        state = job_state(record.num_items, record.counts, is_cancelled=record.is_cancelled)
+        if not state.is_terminal:
+            await _stored(self._store.cancel(record.job_id))
+            record = await self._own_job(request.job_id)
+        return job_to_pb(record, time.time())
+
+    async def GetJobResults(
+        self, request: jobs.GetJobResultsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[jobs.JobItemResult]:
+        record = await self._own_job(request.job_id)
+        if request.start_index < 0:
+            raise InvalidInput("start_index must not be negative")
+        index = request.start_index
+        while index < record.num_items:
+            count = min(RESULTS_PAGE, record.num_items - index)
+            page = await _stored(self._store.results(record.job_id, index, count))
+            found = finished_prefix(page)
+            for payload in found:
+                yield jobs.JobItemResult.FromString(payload)
+            index += len(found)
+            if len(found) < count:
+                return
+
+
+async def _stored(awaitable: Awaitable[T]) -> T:
+    """Awaits a store call; Redis unreachable is UNAVAILABLE (safe to retry)."""
+    try:
+        return await awaitable
+    except (RedisError, OSError) as error:
+        raise Unavailable(f"job store unavailable: {type(error).__name__}") from None
+
+
+def add_job_service(
+    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig
+) -> JobStore | None:
+    """Serves JobService on `server` when the gateway has a Redis (its quota-sharing one, as
+    Redis user `gateway`); returns the store (None: no Redis, JobService is UNIMPLEMENTED)."""
+    if not redis.redis_url:
+        return None
+    credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
+    client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
+    store = JobStore(client, prefix=redis.key_prefix)
+    jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, JobsApiConfig()), server)
+    return store

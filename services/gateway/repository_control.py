@@ -1,0 +1,177 @@
+"""Triton's model repository extension, fleet-wide: RepositoryIndex, RepositoryModelLoad and
+RepositoryModelUnload, for admin keys only.
+
+Load and unload write the model's desired state into `<prefix>:repository`
+(services.common.repository_state) with a revision one above the hash's highest, and answer
+once it is written: they do not wait for the fleet. Every worker reads that hash about once a
+second and converges (services.gpu_worker.repository_follower), so a change is served (or no
+longer served) within about 1-2 s plus one load or drain; the gateway's catalog, refreshed
+from the router, follows on its next refresh. Two gateways writing at once may give two writes
+the same revision; the one written last wins.
+
+Versions added to the volume after start: the gateway handling a load re-reads its repository
+before writing; every gateway does when it sees a new revision (within FOLLOW_PERIOD_S). The
+index lists every version of every model in this gateway's repository: READY while at
+least one live worker serves it, UNAVAILABLE otherwise, with the desired state as the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from redis.exceptions import RedisError
+
+from services.common.errors import InvalidInput, Unavailable
+from services.common.model_repository import ModelConfigError, load_repository
+from services.common.redis_acl import GATEWAY, role_credentials
+from services.common.registry_schema import connect
+from services.common.repository_state import (
+    DesiredState,
+    ModelState,
+    next_revision,
+    parse_desired,
+    repository_key,
+)
+from services.gateway.catalog import ModelCatalog, new_encoder
+from services.gateway.config import GatewayConfig
+from services.pb.inference import grpc_service_pb2 as kserve
+
+log = logging.getLogger(__name__)
+
+READY, UNAVAILABLE = "READY", "UNAVAILABLE"
+#: Seconds between reads of the desired state (for versions new to the volume).
+FOLLOW_PERIOD_S = 1.0
+
+
+def start_repository_control(
+    catalog: ModelCatalog, config: GatewayConfig
+) -> RepositoryControl | None:
+    """The gateway's repository control, following the desired state; None without Redis
+    (the repository RPCs then answer UNAVAILABLE)."""
+    redis = config.quota_sync
+    if not redis.redis_url:
+        return None
+    control = RepositoryControl(
+        catalog,
+        model_repository=config.model_repository,
+        redis_url=redis.redis_url,
+        password_file=redis.redis_password_file,
+        key_prefix=redis.key_prefix,
+    )
+    control.start()
+    return control
+
+
+class RepositoryControl:
+    """Reads and writes the fleet's desired model state; answers the repository RPCs."""
+
+    def __init__(
+        self,
+        catalog: ModelCatalog,
+        *,
+        model_repository: Path,
+        redis_url: str,
+        password_file: Path | None,
+        key_prefix: str,
+    ) -> None:
+        self._catalog = catalog
+        self._model_repository = model_repository
+        self._key = repository_key(key_prefix)
+        credentials = role_credentials(GATEWAY, redis_url, password_file)
+        self._client = connect(redis_url, credentials=credentials)
+        self._revisions: dict[str, int] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Follows the desired state: versions added to the volume become known to this
+        gateway's catalog when a load (a new revision) is written, by any gateway."""
+        self._task = asyncio.create_task(self._follow(), name="repository-follow")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._client.aclose()
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                revisions = {n: d.revision for n, d in (await self.desired()).items()}
+                if self._revisions is not None and revisions != self._revisions:
+                    await self.read_repository()
+                self._revisions = revisions
+            except Unavailable as error:
+                log.warning("desired model state unreadable: %s", error)
+            except (ModelConfigError, OSError) as error:
+                log.error("model repository not re-read: %s", error)
+            await asyncio.sleep(FOLLOW_PERIOD_S)
+
+    async def read_repository(self) -> list[str]:
+        """Adds the repository's versions this gateway does not know yet to its catalog
+        (tokenizers read off the event loop); returns them as `name/version`."""
+        versions = await asyncio.to_thread(load_repository, self._model_repository)
+        added = []
+        for version in versions:
+            name = version.config.name
+            if self._catalog.has_version(name, version.version):
+                continue
+            encoder = await asyncio.to_thread(new_encoder, version)
+            self._catalog.add_version(version, encoder)
+            added.append(f"{name}/{version.version}")
+        if added:
+            log.info("model repository re-read: %s added", ", ".join(added))
+        return added
+
+    async def desired(self) -> dict[str, DesiredState]:
+        """Every model's desired state; UNAVAILABLE while Redis cannot be read."""
+        try:
+            return parse_desired(await self._client.hgetall(self._key))
+        except (RedisError, OSError) as error:
+            raise Unavailable(f"the model repository state is unreachable: {error}") from error
+
+    async def set_state(self, model_name: str, state: ModelState) -> DesiredState:
+        """Writes `state` for a model of the repository (NOT_FOUND for another name). A load
+        first re-reads the repository, so this gateway knows new versions before any worker
+        serves them."""
+        if state is ModelState.LOADED:
+            try:
+                await self.read_repository()
+            except (ModelConfigError, OSError) as error:
+                raise InvalidInput(f"the model repository does not load: {error}") from error
+        config = self._catalog.config(model_name)
+        entry = DesiredState(state, next_revision(await self.desired()))
+        try:
+            await self._client.hset(self._key, config.name, entry.to_json())
+        except (RedisError, OSError) as error:
+            raise Unavailable(f"the model repository state is unreachable: {error}") from error
+        return entry
+
+    async def index(self, *, is_ready_only: bool) -> kserve.RepositoryIndexResponse:
+        """Every version in the repository with its state in the fleet (READY versions only
+        with `is_ready_only`)."""
+        desired = await self.desired()
+        models = []
+        for name in self._catalog.model_names():
+            served = {v.model_version for v in self._catalog.served_versions(name)}
+            versions = sorted({*self._catalog.repository_versions(name), *served}, key=int)
+            for version in versions:
+                state = READY if version in served else UNAVAILABLE
+                if is_ready_only and state != READY:
+                    continue
+                models.append(
+                    kserve.RepositoryIndexResponse.ModelIndex(
+                        name=name, version=version, state=state, reason=_reason(desired.get(name))
+                    )
+                )
+        return kserve.RepositoryIndexResponse(models=models)
+
+
+def _reason(entry: DesiredState | None) -> str:
+    """The desired state, as the index reports it."""
+    if entry is None:
+        return "desired: loaded (repository default)"
+    return f"desired: {entry.state.value} (revision {entry.revision})"

@@ -1,0 +1,64 @@
+"""Lanes coming and going while the batching driver serves: building a lane for a version,
+waiting until an unloading lane has answered every row it admitted, and handing the device
+memory of an unloaded version back.
+
+The driver calls these from `add_backend` / `remove_backend` (hot load and unload, see
+services.gpu_worker.hot_swap); warm-up and the memory release run on the driver's executor
+thread, so they never overlap a batch on the device."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import torch
+
+from services.gpu_worker.backends.base import Backend
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.lane import Lane
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.types import BatcherConfig
+from services.gpu_worker.metrics import WorkerMetrics
+
+
+def new_lane(
+    backend: Backend, config: DriverConfig, metrics: WorkerMetrics, ledger: ComputeLedger
+) -> Lane:
+    """A lane for `backend`: its batcher (the model's limits, the worker's batching settings,
+    the worker-wide fair-share `ledger`) and an empty latency model."""
+    model = backend.config
+    batcher_config = BatcherConfig(
+        max_batch_size=model.max_batch_size,
+        max_queue_size=model.max_queue_size,
+        slo_s=model.slo_s,
+        upstream_budget_s=config.upstream_budget_s,
+        safety_margin_s=config.safety_margin_s,
+        max_wait_cap_s=config.max_wait_cap_s,
+        max_batch_tokens=model.max_batch_tokens,
+        min_expected_arrivals=config.min_expected_arrivals,
+        tenant_weights=config.tenant_weights,
+    )
+    latency = LatencyModel()
+    metrics.declare_model(model.name, backend.version.version)
+    return Lane(backend=backend, batcher=Batcher(batcher_config, latency, ledger), latency=latency)
+
+
+async def settle(lane: Lane) -> None:
+    """Returns once every row `lane` has admitted so far is answered (run, expired or
+    withdrawn by its caller). The lane must already be draining: it admits nothing new, and
+    the driver dispatches what it holds at once."""
+    futures = [pending.future for pending in lane.pending.values()]
+    if futures:
+        # `wait`, not `gather`: cancelling the unload must not cancel the callers' rows.
+        await asyncio.wait(futures)
+
+
+def release_device_memory() -> None:
+    """Frees what an unloaded version left behind: its tensors once unreferenced, and the
+    allocator's cached blocks on a GPU. Run it on the executor thread, after the version's
+    last batch."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

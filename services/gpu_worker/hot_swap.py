@@ -1,0 +1,128 @@
+"""Hot load and unload: one model version enters or leaves a worker while it serves the rest.
+
+Load: weights are read off the event loop (a daemon thread), the version is warmed up where it
+will run (fixed-cost versions on the batching driver's executor thread, between batches;
+generation versions on their engine's step thread before the engine starts), and only then
+does it join `LoadedModels`, which the servicer resolves from and the next registry heartbeat
+advertises. A version that fails to load is logged, counted
+(`inference_worker_model_load_failures_total`) and recorded in `LoadedModels.failed`; the worker
+serves the rest as before.
+
+Unload: the version leaves `LoadedModels` first (new calls get NOT_FOUND, the next heartbeat,
+sent at once, no longer lists it), then its admitted work finishes (a lane-level drain, or its
+engine's drain), then its memory is released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from services.common.model_repository import ModelVersion
+from services.gpu_worker.backends.base import Backend
+from services.gpu_worker.batching.driver import BatchingDriver
+from services.gpu_worker.batching.lane_changes import release_device_memory
+from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.loaded_models import LoadedModels, LoadFailure, load_version, one_line
+from services.gpu_worker.metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class ModelSwapper:
+    """Loads and unloads single versions of a serving worker. Not re-entrant: one change at a
+    time (the repository follower applies its actions in order)."""
+
+    def __init__(
+        self,
+        *,
+        models: LoadedModels,
+        batching: BatchingDriver,
+        device: torch.device,
+        worker_metrics: WorkerMetrics,
+        generation_metrics: GenerationMetrics,
+        on_fatal: Callable[[Exception], None],
+        on_change: Callable[[], None],
+        watchdog_s: float,
+    ) -> None:
+        self._models = models
+        self._batching = batching
+        self._device = device
+        self._worker_metrics = worker_metrics
+        self._generation_metrics = generation_metrics
+        self._on_fatal = on_fatal
+        #: Called after the served set changed (publish the registry record now).
+        self._on_change = on_change
+        #: The configured bound on one generation step (seconds), as at start.
+        self._watchdog_s = watchdog_s
+
+    async def load(self, version: ModelVersion) -> bool:
+        """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
+        label = f"{version.config.name}/{version.version}"
+        try:
+            model = await in_daemon_thread(
+                lambda: load_version(version, self._device, self._generation_metrics)
+            )
+            if isinstance(model, GenerationBackend):
+                await in_daemon_thread(model.warm_up)
+                model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
+            else:
+                await self._batching.add_backend(model)
+        except Exception as error:  # any loader or warm-up error: the rest keeps serving
+            log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
+            self._worker_metrics.model_load_failures_total.labels(*_labels(version)).inc()
+            self._models.add_failure(LoadFailure(*_labels(version), one_line(error)))
+            return False
+        self._models.add(model)
+        self._on_change()
+        log.info("model %s loaded while serving (fingerprint %s)", label, model.fingerprint)
+        return True
+
+    async def unload(self, model_name: str, model_version: str) -> None:
+        """Stops serving a version, finishes its admitted work, then frees it."""
+        model = self._models.remove(model_name, model_version)
+        self._on_change()
+        log.info("unloading %s/%s: draining its admitted work", model_name, model_version)
+        if isinstance(model, GenerationBackend):
+            await model.engine.drain()
+            await in_daemon_thread(release_device_memory)
+        elif isinstance(model, Backend):
+            await self._batching.remove_backend(model)
+        log.info("model %s/%s unloaded", model_name, model_version)
+
+
+def _labels(version: ModelVersion) -> tuple[str, str]:
+    return (version.config.name, version.version)
+
+
+async def in_daemon_thread(fn: Callable[[], T]) -> T:
+    """Runs blocking `fn` in a daemon thread: a SIGTERM during a model load must not wait for
+    the load to finish before the process can exit."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle_result(result: T) -> None:
+        if not future.done():
+            future.set_result(result)
+
+    def settle_error(error: BaseException) -> None:
+        if not future.done():
+            future.set_exception(error)
+
+    def target() -> None:
+        try:
+            result = fn()
+        except BaseException as error:  # delivered to the awaiting coroutine
+            loop.call_soon_threadsafe(settle_error, error)
+        else:
+            loop.call_soon_threadsafe(settle_result, result)
+
+    threading.Thread(target=target, name="model-loader", daemon=True).start()
+    return await future

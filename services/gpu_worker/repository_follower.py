@@ -1,0 +1,141 @@
+"""The worker's side of the fleet's desired model state: read `<prefix>:repository` (one
+HGETALL) every period, plan with services.gpu_worker.reconcile, and apply the plan through the
+ModelSwapper. Never on the request path; a Redis outage leaves the worker serving what it has.
+
+The repository directory is re-read only when some model's desired revision changed (a new
+RepositoryModelLoad or Unload), so versions added to the volume are picked up by a load, as in
+Triton, without scanning the disk every period."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from services.common.model_repository import ModelConfigError, ModelVersion, load_repository
+from services.common.redis_acl import WORKER, role_credentials
+from services.common.registry_schema import connect
+from services.common.repository_state import DesiredState, parse_desired, repository_key
+from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
+from services.gpu_worker.loaded_models import LoadedModels
+from services.gpu_worker.reconcile import Action, Unload, VersionKey, plan, revision_of
+
+log = logging.getLogger(__name__)
+
+#: Seconds between reads of the desired state: a change reaches every worker within about
+#: this plus one load or drain.
+FOLLOW_PERIOD_S = 1.0
+
+
+async def desired_at_start(config: WorkerConfig) -> dict[str, DesiredState]:
+    """The desired state before the first load, so that a worker started after an unload does
+    not load (and advertise) what the fleet unloaded; {} without Redis, or while it is
+    unreachable (the follower then corrects within a period)."""
+    if not config.redis_url:
+        return {}
+    credentials = role_credentials(WORKER, config.redis_url, config.redis_password_file)
+    client = connect(config.redis_url, credentials=credentials)
+    try:
+        return parse_desired(await client.hgetall(repository_key(config.registry_prefix)))
+    except (RedisError, OSError) as error:
+        log.warning("desired model state unreadable at start (%s): loading the pool", error)
+        return {}
+    finally:
+        await client.aclose()
+
+
+class RepositoryFollower:
+    """Brings the worker's loaded versions to the desired state, one action at a time."""
+
+    def __init__(
+        self,
+        *,
+        client: aioredis.Redis,
+        registry_prefix: str,
+        repository_dir: Path,
+        pool: tuple[str, ...],
+        models: LoadedModels,
+        swapper: ModelSwapper,
+    ) -> None:
+        self._client = client
+        self._key = repository_key(registry_prefix)
+        self._repository_dir = repository_dir
+        self._pool = pool
+        self._models = models
+        self._swapper = swapper
+        self._versions: dict[VersionKey, ModelVersion] | None = None
+        self._revisions: dict[str, int] | None = None
+        #: Versions that failed to load -> their model's revision then (retried once it grows).
+        self._failed: dict[VersionKey, int] = {}
+
+    async def run(self) -> None:
+        """Follows until cancelled; logs Redis errors and goes on."""
+        is_reachable = True
+        while True:
+            try:
+                await self.follow_once()
+                is_reachable = True
+            except (RedisError, OSError) as error:
+                if is_reachable:
+                    log.warning("desired model state unreadable (%s); serving as is", error)
+                is_reachable = False
+            await asyncio.sleep(FOLLOW_PERIOD_S)
+
+    async def follow_once(self) -> None:
+        """One read of the desired state and the actions it calls for."""
+        desired = parse_desired(await self._client.hgetall(self._key))
+        revisions = {name: entry.revision for name, entry in desired.items()}
+        if self._revisions is None:
+            # Failures of the start-up load count as attempts at the revisions seen now.
+            for failure in self._models.failed:
+                key = (failure.model, failure.version)
+                self._failed[key] = revision_of(failure.model, desired)
+        if self._versions is None or revisions != self._revisions:
+            versions = await self._read_repository()
+            if versions is not None:
+                self._versions = versions
+        self._revisions = revisions
+        if self._versions is None:
+            return  # never read the repository: acting now would unload everything
+        actions = plan(
+            desired=desired,
+            loaded=[(m.config.name, m.version.version) for m in self._models.all],
+            failed=self._failed,
+            pool=self._pool,
+            repository=self._versions,
+        )
+        for action in actions:
+            await self._apply(action, desired, self._versions)
+
+    async def _apply(
+        self,
+        action: Action,
+        desired: Mapping[str, DesiredState],
+        versions: Mapping[VersionKey, ModelVersion],
+    ) -> None:
+        if isinstance(action, Unload):
+            await self._swapper.unload(action.model, action.version)
+            return
+        key = (action.model, action.version)
+        if await self._swapper.load(versions[key]):
+            self._failed.pop(key, None)
+        else:
+            self._failed[key] = revision_of(action.model, desired)
+
+    async def _read_repository(self) -> dict[VersionKey, ModelVersion] | None:
+        """The repository's versions in this worker's pool; None (logged) if unreadable."""
+        try:
+            versions = await in_daemon_thread(lambda: load_repository(self._repository_dir))
+        except (ModelConfigError, OSError) as error:
+            log.error("model repository unreadable; keeping the last read: %s", error)
+            return None
+        return {
+            (v.config.name, v.version): v
+            for v in versions
+            if not self._pool or v.config.name in self._pool
+        }

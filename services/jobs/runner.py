@@ -1,0 +1,237 @@
+"""The job runner's loop: claim queue entries, run their items through the gateway, record.
+
+Each queue entry is a chunk of one job (services.common.job_store). A runner claims new entries
+with XREADGROUP and, every few seconds, entries another runner left idle past
+`claim_timeout_s` with XAUTOCLAIM (that runner died or hangs). For a chunk it:
+
+1. skips the items that already have a result (a reclaimed chunk may be half done);
+2. marks the rest cancelled when the job was cancelled or its completion deadline passed;
+3. sends the rest as one `Predict` call at the job's priority (batch by default), through the
+   gateway like any client, so batch items share the workers' batches but are queued and shed
+   behind online traffic;
+4. on an error no retry can fix (INVALID_ARGUMENT...), runs each item alone to find the poison
+   ones; retryable errors are retried with capped exponential backoff and full jitter, up to
+   `max_attempts`; an item that still fails is recorded failed with its gRPC status
+   (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
+   item fails for it, the chunk is left pending for a later retry;
+5. records every result with HSETNX and acknowledges the entry, in one atomic script.
+
+Delivery is at-least-once (a runner may die after Predict, before recording); the results are
+effectively-once: a result written for an index is never overwritten, and each is counted once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+from redis.exceptions import RedisError
+
+from services.common.job_policy import RETRYABLE_CODES, GiveUp, ItemStatus, RetryPolicy
+from services.common.job_store import ItemOutcome, JobRecord, JobStore, QueueEntry
+from services.common.priority import PriorityClass
+from services.jobs.metrics import RunnerMetrics
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import jobs_pb2 as jobs
+
+log = logging.getLogger(__name__)
+
+#: Sends one PredictRequest and returns its response (raises grpc.aio.AioRpcError).
+PredictFn = Callable[[api.PredictRequest], Awaitable[api.PredictResponse]]
+#: How long XREADGROUP waits for new entries before the loop looks around again.
+READ_BLOCK_MS = 1000
+#: How often entries left idle by dead runners are looked for, and the backlog measured.
+RECLAIM_PERIOD_S = 2.0
+#: Pause after Redis failed, before trying again (Redis restarting).
+REDIS_RETRY_S = 0.5
+
+_Item = tuple[int, bytes]
+
+
+class RunnerRefused(Exception):
+    """The gateway refused the runner itself (UNAUTHENTICATED: a missing or revoked runner
+    key). No item is at fault: the chunk stays pending and is retried after the claim timeout,
+    by this runner or another, rather than failing every item of every job."""
+
+
+def _result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) -> ItemOutcome:
+    status_pb = {
+        ItemStatus.OK: jobs.ITEM_STATUS_OK,
+        ItemStatus.FAILED: jobs.ITEM_STATUS_FAILED,
+        ItemStatus.CANCELLED: jobs.ITEM_STATUS_CANCELLED,
+    }[status]
+    message = jobs.JobItemResult(index=index, status=status_pb, num_attempts=num_attempts, **fields)
+    return ItemOutcome(index, status, message.SerializeToString())
+
+
+class JobRunner:
+    def __init__(
+        self,
+        store: JobStore,
+        predict: PredictFn,
+        metrics: RunnerMetrics,
+        *,
+        consumer: str,
+        retry: RetryPolicy,
+        max_in_flight_chunks: int,
+        claim_timeout_s: float,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._store = store
+        self._predict = predict
+        self._metrics = metrics
+        self._consumer = consumer
+        self._retry = retry
+        self._max_in_flight = max_in_flight_chunks
+        self._claim_timeout_ms = int(claim_timeout_s * 1000)
+        self._rng = rng or random.Random()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Claims and runs chunks until `stopping` is set; Redis outages are waited out."""
+        next_reclaim_s = 0.0
+        while not stopping.is_set():
+            free = self._max_in_flight - len(self._tasks)
+            if free <= 0:
+                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+                continue
+            try:
+                entries: list[QueueEntry] = []
+                if time.monotonic() >= next_reclaim_s:
+                    next_reclaim_s = time.monotonic() + RECLAIM_PERIOD_S
+                    await self._store.ensure_group()  # Redis may have restarted empty
+                    entries = await self._store.reclaim(
+                        self._consumer, self._claim_timeout_ms, free
+                    )
+                    await self._measure_backlog()
+                if not entries:
+                    entries = await self._store.read_new(self._consumer, free, READ_BLOCK_MS)
+            except (RedisError, OSError) as error:
+                log.warning("job queue unreachable, retrying: %s", error)
+                await asyncio.sleep(REDIS_RETRY_S)
+                continue
+            for entry in entries:
+                task = asyncio.create_task(self._guarded(entry), name=f"chunk-{entry.entry_id}")
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, grace_s: float) -> None:
+        """Lets running chunks finish for up to `grace_s`, then cancels the rest (their entries
+        stay pending and are reclaimed by another runner)."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _measure_backlog(self) -> None:
+        queued, claimed, age_s = await self._store.backlog()
+        self._metrics.queue_entries.labels("queued").set(queued)
+        self._metrics.queue_entries.labels("claimed").set(claimed)
+        self._metrics.oldest_entry_age.set(age_s)
+
+    async def _guarded(self, entry: QueueEntry) -> None:
+        """Runs one chunk; a failure leaves its entry pending, to be reclaimed and rerun."""
+        started = time.perf_counter()
+        try:
+            await self._run_chunk(entry)
+        except (RedisError, OSError, RunnerRefused) as error:
+            log.warning(
+                "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
+            )
+        except Exception:
+            log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)
+        finally:
+            self._metrics.chunk_seconds.observe(time.perf_counter() - started)
+
+    async def _run_chunk(self, entry: QueueEntry) -> None:
+        job = await self._store.get(entry.job_id)
+        if job is None:
+            await self._store.drop(entry)
+            return
+        if job.started_s == 0:
+            await self._store.mark_started(job.job_id)
+        stored = await self._store.results(job.job_id, entry.start, entry.end - entry.start)
+        todo = [entry.start + i for i, r in enumerate(stored) if r is None]
+        if not todo:
+            await self._store.record(job.job_id, [], ack=entry)
+            return
+        payloads = await self._store.items(job.job_id, entry.start, entry.end)
+        items = [(i, payloads[i - entry.start]) for i in todo]
+        self._metrics.items_running.inc(len(items))
+        try:
+            outcomes = await self._run_items(job, items)
+        finally:
+            self._metrics.items_running.dec(len(items))
+        await self._store.record(job.job_id, outcomes, ack=entry)
+        for outcome in outcomes:
+            self._metrics.items.labels(outcome.status.value).inc()
+            if outcome.status is ItemStatus.FAILED:
+                result = jobs.JobItemResult.FromString(outcome.payload)
+                await self._store.dead_letter(
+                    job.job_id, outcome.index, result.code, result.message
+                )
+
+    def _stopped(self, job: JobRecord, items: Sequence[_Item]) -> list[ItemOutcome] | None:
+        """Cancelled outcomes when `job` must not start more items; None to go on."""
+        if job.is_cancelled:
+            code, message = "CANCELLED", "job cancelled"
+        elif job.complete_by_s and time.time() > job.complete_by_s:
+            code, message = "DEADLINE_EXCEEDED", "job's completion deadline passed"
+        else:
+            return None
+        return [_result(i, ItemStatus.CANCELLED, 0, code=code, message=message) for i, _ in items]
+
+    async def _run_items(self, job: JobRecord, items: Sequence[_Item]) -> list[ItemOutcome]:
+        """Runs `items` as one call, with retries; splits it on an error only one item may
+        cause. Re-reads the job before each retry, so a cancel stops the retries too."""
+        num_attempts = 0
+        while True:
+            stopped = self._stopped(job, items)
+            if stopped is not None:
+                return stopped
+            num_attempts += 1
+            try:
+                response = await self._predict(self._request(job, items))
+            except grpc.aio.AioRpcError as error:
+                code, message = error.code().name, error.details() or ""
+                if error.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    raise RunnerRefused(f"gateway refused the runner's key: {message}") from None
+            else:
+                return [
+                    _result(i, ItemStatus.OK, num_attempts, output=output)
+                    for (i, _), output in zip(items, response.outputs, strict=True)
+                ]
+            decision = self._retry.decide(num_attempts, code, message, self._rng.random())
+            if isinstance(decision, GiveUp) and len(items) > 1 and code not in RETRYABLE_CODES:
+                # One poison item fails the whole call: find it by running each alone.
+                singles = await asyncio.gather(*(self._run_items(job, [item]) for item in items))
+                return [outcome for outcomes in singles for outcome in outcomes]
+            if isinstance(decision, GiveUp):
+                return [
+                    _result(
+                        i,
+                        ItemStatus.FAILED,
+                        num_attempts,
+                        code=decision.code,
+                        message=decision.message,
+                    )
+                    for i, _ in items
+                ]
+            self._metrics.retries.labels(code).inc()
+            await asyncio.sleep(decision.after_s)
+            job = await self._store.get(job.job_id) or job
+
+    def _request(self, job: JobRecord, items: Sequence[_Item]) -> api.PredictRequest:
+        return api.PredictRequest(
+            model_name=job.model_name,
+            model_version=job.model_version,
+            inputs=[api.PredictInput.FromString(payload) for _, payload in items],
+            request_id=f"job-{job.job_id}-{items[0][0]}",
+            priority=PriorityClass.parse(job.priority).proto,
+        )

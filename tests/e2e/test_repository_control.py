@@ -1,0 +1,172 @@
+"""Triton's repository extension end to end: the stock tritonclient unloads and loads a model
+through the gateway with an admin key, the fleet follows within seconds, a non-admin key is
+refused. The whole stack as separate processes, with API keys."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.gateway.auth import hash_key
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from tests.support.kserve import run_kserve_client
+from tests.support.models import write_affine_model, write_versioned_affine_model
+from tests.support.stack import Stack, start_stack
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.e2e
+
+ADMIN_KEY = "repository-admin-key"
+USER_KEY = "repository-user-key"
+#: Workers read the desired state every second; the gateway's catalog follows the router's.
+CONVERGE_S = 8.0
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = tmp_path_factory.mktemp("repository") / "repo"
+    write_versioned_affine_model(repo, versions=(1,))
+    write_affine_model(repo, name="other")
+    return repo
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, repo: Path) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("stack")
+    keys = tmp / "api-keys.toml"
+    keys.write_text(
+        f'[[keys]]\ntenant = "ops"\nsha256 = "{hash_key(ADMIN_KEY)}"\nadmin = true\n'
+        f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(USER_KEY)}"\n'
+    )
+    stack = start_stack(tmp, model_repository=repo, extra_gateway_args=(f"--api-keys-file={keys}",))
+    yield stack
+    assert stack.stop() == 0, stack.log("launcher")
+
+
+def repository(stack: Stack, action: str, key: str, model: str = "affine") -> dict:
+    """The stock client's repository call (`index`, `load`, `unload`) with `key`."""
+    return run_kserve_client(
+        stack.gateway.address, "--model", model, "--api-key", key, "--repository", action
+    )
+
+
+def auth(key: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {key}"),)
+
+
+async def is_ready(stack: Stack, model: str = "affine") -> bool:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        reply = await stub.ModelReady(
+            kserve.ModelReadyRequest(name=model), metadata=auth(USER_KEY), timeout=10
+        )
+    return reply.ready
+
+
+async def infer(stack: Stack) -> kserve.ModelInferResponse:
+    tensor = kserve.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    request = kserve.ModelInferRequest(
+        model_name="affine",
+        inputs=[tensor],
+        raw_input_contents=[np.array([[1, 2, 3, 4]], dtype=np.float32).tobytes()],
+    )
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        return await stub.ModelInfer(request, metadata=auth(USER_KEY), timeout=30)
+
+
+def test_a_key_that_is_not_admin_is_refused(stack: Stack) -> None:
+    for action in ("unload", "load", "index"):
+        report = repository(stack, action, USER_KEY)
+        assert report["status"] == "StatusCode.PERMISSION_DENIED", report
+        assert "admin" in report["message"]
+
+
+async def test_unload_then_load_through_the_stock_client(stack: Stack) -> None:
+    assert await is_ready(stack)
+    index = repository(stack, "index", ADMIN_KEY)["index"]
+    assert {(m["name"], m["version"], m["state"]) for m in index} == {
+        ("affine", "1", "READY"),
+        ("other", "1", "READY"),
+    }
+
+    assert repository(stack, "unload", ADMIN_KEY)["status"] == "OK"
+    await eventually(
+        lambda: _not(is_ready(stack)), timeout_s=CONVERGE_S, message="affine still ready"
+    )
+    assert await is_ready(stack, "other"), "the other model keeps serving"
+    index = repository(stack, "index", ADMIN_KEY)["index"]
+    states = {m["name"]: (m["state"], m["reason"]) for m in index}
+    assert states["affine"][0] == "UNAVAILABLE" and "unloaded" in states["affine"][1]
+
+    assert repository(stack, "load", ADMIN_KEY)["status"] == "OK"
+    await eventually(lambda: is_ready(stack), timeout_s=CONVERGE_S, message="affine not ready")
+    reply = await infer(stack)
+    assert reply.model_name == "affine" and reply.model_version == "1"
+
+
+def post(stack: Stack, path: str, key: str) -> tuple[int, object]:
+    """(status, JSON body) of one REST call."""
+    request = urllib.request.Request(stack.gateway.http_url + path, data=b"", method="POST")
+    request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_rest_repository_routes_answer_admins_only(stack: Stack) -> None:
+    status, index = post(stack, "/v2/repository/index", ADMIN_KEY)
+    assert status == 200
+    assert {"name": "other", "version": "1", "state": "READY"}.items() <= index[-1].items()
+    assert post(stack, "/v2/repository/index", USER_KEY)[0] == 403
+    assert post(stack, "/v2/repository/models/affine/unload", USER_KEY)[0] == 403
+    assert post(stack, "/v2/repository/models/affine/load", ADMIN_KEY) == (200, {})
+    assert post(stack, "/v2/repository/models/nope/load", ADMIN_KEY)[0] == 404
+
+
+async def test_a_new_version_loads_while_traffic_runs_without_a_failed_request(
+    stack: Stack, repo: Path
+) -> None:
+    """The issue's scenario: serve v1; put v2 on the volume; RepositoryModelLoad with the
+    stock client while traffic runs: v2 serves, no request fails, the index shows both."""
+    versions: list[str] = []
+    failures: list[BaseException] = []
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        while not stop.is_set():
+            try:
+                versions.append((await infer(stack)).model_version)
+            except grpc.aio.AioRpcError as error:
+                failures.append(error)
+
+    assert (await infer(stack)).model_version == "1"
+    running = asyncio.ensure_future(traffic())
+    write_versioned_affine_model(repo, versions=(1, 2))  # v1 as it was; v2 is new
+    loaded = await asyncio.to_thread(repository, stack, "load", ADMIN_KEY)
+    await eventually(lambda: versions[-1:] == ["2"], timeout_s=CONVERGE_S, message="v2 serving")
+    stop.set()
+    await running
+    index = repository(stack, "index", ADMIN_KEY)["index"]
+    assert loaded["status"] == "OK", loaded
+    assert not failures, failures[:3]
+    assert {"1", "2"} <= set(versions)
+    assert {(m["name"], m["version"], m["state"]) for m in index} >= {
+        ("affine", "1", "READY"),
+        ("affine", "2", "READY"),
+    }
+
+
+async def _not(ready: object) -> bool:
+    return not await ready  # type: ignore[misc]

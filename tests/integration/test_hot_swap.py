@@ -1,0 +1,272 @@
+"""Hot load and unload: a real in-process worker on port 0 follows the desired model state in a
+real redis-server (through its own ACL role), with real TorchScript models."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+from redis.exceptions import NoPermissionError
+
+from services.common import metric_names as names
+from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.common.repository_state import DesiredState, ModelState, repository_key
+from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.server import Worker, create_worker
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.metrics import total
+from tests.support.models import (
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+    write_versioned_affine_model,
+)
+from tests.support.processes import REPO_ROOT
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+#: How soon a worker must follow a desired-state change (it reads the state every second).
+CONVERGE_S = 3.0
+#: A row starting with this holds the stalling model's call until its gate opens.
+STALL = 77.0
+#: Tokens of a stream: enough that its delivery (about 3 s) still runs when the worker starts
+#: unloading its model.
+MAX_TOKENS = 480
+
+
+def request(model: str = "affine", version: str = "", *, first: float = 1.0) -> pb.InferRequest:
+    data = np.array([first, 2, 3, 4], dtype=np.float32).tobytes()
+    tensor = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=data)
+    return pb.InferRequest(
+        model_name=model, model_version=version, inputs=[pb.ModelInput(tensor=tensor)]
+    )
+
+
+def config(tmp_path: Path, redis_url: str) -> WorkerConfig:
+    return WorkerConfig(
+        model_repository=tmp_path / "repo",
+        grpc_port=0,
+        metrics_port=0,
+        redis_url=redis_url,
+        worker_id="w1",
+        heartbeat=HeartbeatConfig(period_s=0.2),
+    )
+
+
+async def set_desired(redis_server: RedisServer, model: str, state: DesiredState) -> None:
+    client = connect(redis_server.url)
+    try:
+        await client.hset(repository_key("fabric"), model, state.to_json())
+    finally:
+        await client.aclose()
+
+
+async def registered(redis_server: RedisServer) -> WorkerRecord | None:
+    client = connect(redis_server.url)
+    try:
+        raw = await client.get(RegistryKeys().worker("w1"))
+    finally:
+        await client.aclose()
+    return WorkerRecord.from_json(raw) if raw is not None else None
+
+
+async def registered_models(redis_server: RedisServer) -> set[tuple[str, str]]:
+    record = await registered(redis_server)
+    return {(m.name, m.version) for m in record.models} if record else set()
+
+
+async def registered_failures(redis_server: RedisServer) -> list[tuple[str, str]]:
+    record = await registered(redis_server)
+    return [(f.name, f.version) for f in record.failed] if record else []
+
+
+async def listed(stub: pb_grpc.WorkerServiceStub) -> set[tuple[str, str]]:
+    response = await stub.ListModels(pb.ListWorkerModelsRequest(), timeout=10)
+    return {(v.model_name, v.model_version) for v in response.versions}
+
+
+@pytest.fixture
+async def worker(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Worker]:
+    write_affine_model(tmp_path / "repo")
+    write_affine_model(tmp_path / "repo", name="other")
+    write_stalling_model(tmp_path / "repo", tmp_path / "gate")
+    worker = await create_worker(config(tmp_path, redis_server.worker_url))
+    await worker.load()
+    yield worker
+    await worker.stop()
+
+
+async def test_unload_drains_in_flight_calls_then_load_serves_again(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    key, batching = ("stall", "1"), worker.batching
+    assert batching is not None
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        # One call holds the executor until the gate opens; three more queue behind it.
+        held = asyncio.ensure_future(stub.Infer(request("stall", first=STALL), timeout=60))
+        await eventually(lambda: batching.is_executing, message="stalled call running")
+        queued = [asyncio.ensure_future(stub.Infer(request("stall"), timeout=60)) for _ in "abc"]
+        await eventually(lambda: batching.num_in_flight == 4, message="calls queued")
+        await set_desired(redis_server, "stall", DesiredState(ModelState.UNLOADED, 1))
+        await eventually(lambda: _lacks(stub, key), timeout_s=CONVERGE_S, message="unlisted")
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.Infer(request("stall"), timeout=10)
+        is_still_running = not held.done() and not any(call.done() for call in queued)
+        release_stall(tmp_path / "gate")
+        answers = await asyncio.gather(held, *queued)
+        other = await stub.Infer(request("other"), timeout=10)
+        await eventually(lambda: _unregistered(redis_server, key), message="left the registry")
+
+        await set_desired(redis_server, "stall", DesiredState(ModelState.LOADED, 2))
+        await eventually(lambda: _has(stub, key), timeout_s=CONVERGE_S, message="listed again")
+        again = await stub.Infer(request("stall"), timeout=10)
+    assert is_still_running, "the calls were in flight when the version was unloaded"
+    assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+    assert [a.model_name for a in answers] == ["stall"] * 4
+    assert other.model_name == "other"
+    assert again.model_name == "stall"
+    assert key in await registered_models(redis_server)
+
+
+async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    model_dir = tmp_path / "repo" / "affine"
+    (model_dir / "2").mkdir()
+    (model_dir / "2" / "model.pt").write_bytes(b"not a torchscript archive")
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+    failures = names.WORKER_MODEL_LOAD_FAILURES_TOTAL
+
+    def load_failures() -> float:
+        exported = generate_latest(worker.metrics.registry).decode()
+        return total(exported, failures, model="affine", version="2")
+
+    await eventually(lambda: load_failures() == 1, timeout_s=CONVERGE_S, message="load failed")
+    reported = await eventually(lambda: registered_failures(redis_server), message="reported")
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        served = await listed(stub)
+        latest = await stub.Infer(request(), timeout=10)
+        assert worker.models is not None
+        failed = [(f.model, f.version) for f in worker.models.failed]
+
+        # Fixed on the volume: the next load (a higher revision) retries it, once.
+        write_versioned_affine_model(tmp_path / "fixed", versions=(2,))
+        (model_dir / "2" / "model.pt").write_bytes(
+            (tmp_path / "fixed" / "affine" / "2" / "model.pt").read_bytes()
+        )
+        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 2))
+        await eventually(lambda: _has(stub, ("affine", "2")), timeout_s=CONVERGE_S)
+        newest = await stub.Infer(request(), timeout=10)
+    assert served == {("affine", "1"), ("other", "1"), ("stall", "1")}
+    assert latest.model_version == "1"
+    assert failed == [("affine", "2")]
+    assert reported == [("affine", "2")]
+    assert load_failures() == 1
+    assert newest.model_version == "2"
+    assert worker.models.failed == ()
+    assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
+
+
+async def _no_failures(redis_server: RedisServer) -> bool:
+    return await registered_failures(redis_server) == []
+
+
+async def test_a_generation_model_unloads_after_its_streams_finish_and_loads_again(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    worker = await create_worker(config(tmp_path, redis_server.worker_url))
+    generate = pb.WorkerGenerateRequest(
+        model_name="tiny-llama",
+        text="once upon a time",
+        sampling=pb.SamplingParameters(max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    try:
+        await worker.load()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            stream = stub.Generate(generate, timeout=60)
+            first = await stream.read()
+            await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.UNLOADED, 1))
+            key = ("tiny-llama", "1")
+            await eventually(lambda: _lacks(stub, key), timeout_s=CONVERGE_S, message="unlisted")
+            rest = []
+            while (message := await stream.read()) is not grpc.aio.EOF:
+                rest.append(message)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await anext(aiter(stub.Generate(generate, timeout=60)))
+            await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.LOADED, 2))
+            await eventually(lambda: _has(stub, key), timeout_s=CONVERGE_S, message="listed")
+            again = [message async for message in stub.Generate(generate, timeout=60)]
+    finally:
+        await worker.stop()
+    tokens = [t for m in (first, *rest) for t in m.token_ids]
+    assert len(tokens) == MAX_TOKENS and rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
+    assert sum(len(m.token_ids) for m in again) == MAX_TOKENS
+
+
+async def test_a_worker_started_after_an_unload_does_not_load_the_model(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    write_affine_model(tmp_path / "repo")
+    write_affine_model(tmp_path / "repo", name="other")
+    await set_desired(redis_server, "other", DesiredState(ModelState.UNLOADED, 1))
+    worker = await create_worker(config(tmp_path, redis_server.worker_url))
+    try:
+        await worker.load()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            at_start = await listed(stub)
+            first_record = await eventually(lambda: registered_models(redis_server))
+            await set_desired(redis_server, "other", DesiredState(ModelState.LOADED, 2))
+            await eventually(lambda: _has(stub, ("other", "1")), timeout_s=CONVERGE_S)
+    finally:
+        await worker.stop()
+    assert at_start == {("affine", "1")}
+    assert first_record == {("affine", "1")}
+
+
+async def test_workers_read_the_desired_state_and_gateways_write_it(
+    redis_server: RedisServer,
+) -> None:
+    key, entry = repository_key("fabric"), DesiredState(ModelState.UNLOADED, 1).to_json()
+    worker = connect(redis_server.worker_url)
+    gateway = connect(redis_server.role_url("gateway"))
+    try:
+        await gateway.hset(key, "affine", entry)
+        assert await gateway.hgetall(key) == {b"affine": entry.encode()}
+        assert await worker.hgetall(key) == {b"affine": entry.encode()}
+        for call in (
+            lambda: worker.hset(key, "affine", "{}"),
+            lambda: worker.hgetall("fabric:rollout"),
+            lambda: gateway.hgetall(RegistryKeys().worker("w1")),
+        ):
+            with pytest.raises(NoPermissionError):
+                await call()
+    finally:
+        await worker.aclose()
+        await gateway.aclose()
+
+
+async def _lacks(stub: pb_grpc.WorkerServiceStub, key: tuple[str, str]) -> bool:
+    return key not in await listed(stub)
+
+
+async def _has(stub: pb_grpc.WorkerServiceStub, key: tuple[str, str]) -> bool:
+    return key in await listed(stub)
+
+
+async def _unregistered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
+    return key not in await registered_models(redis_server)

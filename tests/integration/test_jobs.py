@@ -1,0 +1,251 @@
+"""Durable batch jobs against a real redis-server (AOF on, ACL users), the gateway's JobService
+on a real gRPC server, a real gRPC Predict target, and the runner as a real process that the
+tests SIGKILL."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from services.common import metric_names as names
+from services.common.job_store import JobStore
+from services.common.tensors import tensor_from_pb
+from services.gateway.auth import KeyStore, Principal, hash_key
+from services.gateway.tenants import TenantPolicy
+from services.pb.inference.v1 import jobs_pb2 as jobs
+from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+from tests.support.jobs import (
+    BATCH,
+    POISON,
+    PredictTarget,
+    expected_output,
+    start_job_service,
+    start_runner,
+    start_target,
+    text_items,
+)
+from tests.support.metrics import scrape, total
+from tests.support.processes import REPO_ROOT, ServiceProcess
+from tests.support.redis import RedisServer, start_redis
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+KEYS = KeyStore(
+    {
+        hash_key("key-a"): Principal("a", None, TenantPolicy("a")),
+        hash_key("key-b"): Principal("b", None, TenantPolicy("b")),
+    }
+)
+AS_A = (("authorization", "Bearer key-a"),)
+AS_B = (("authorization", "Bearer key-b"),)
+
+
+@dataclass
+class Fabric:
+    redis: RedisServer
+    target: PredictTarget
+    target_address: str
+    jobs: jobs_grpc.JobServiceStub
+    store: JobStore
+    tmp_path: Path
+    runners: list[ServiceProcess]
+
+    def start_runner(self, name: str) -> ServiceProcess:
+        runner = start_runner(self.tmp_path, self.redis, self.target_address, name)
+        self.runners.append(runner)
+        return runner
+
+    async def submit(
+        self, texts: list[str], *, key: str = "", metadata: tuple[tuple[str, str], ...] = AS_A
+    ) -> str:
+        request = jobs.SubmitJobRequest(
+            model_name="minilm", items=text_items(texts), idempotency_key=key
+        )
+        return (await self.jobs.SubmitJob(request, metadata=metadata)).job_id
+
+    async def job(self, job_id: str) -> jobs.Job:
+        return await self.jobs.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
+
+    async def finished(self, job_id: str, timeout_s: float = 60.0) -> jobs.Job:
+        async def is_done() -> jobs.Job | None:
+            job = await self.job(job_id)
+            return job if job.num_ok + job.num_failed + job.num_cancelled == job.num_items else None
+
+        return await eventually(is_done, timeout_s=timeout_s, interval_s=0.1)
+
+    async def results(self, job_id: str, start_index: int = 0) -> list[jobs.JobItemResult]:
+        request = jobs.GetJobResultsRequest(job_id=job_id, start_index=start_index)
+        return [r async for r in self.jobs.GetJobResults(request, metadata=AS_A)]
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path) -> AsyncIterator[Fabric]:
+    redis = start_redis(tmp_path, appendonly=True)
+    target = PredictTarget()
+    target_server, target_address = await start_target(target)
+    jobs_server, jobs_address, store = await start_job_service(redis, REPO_ROOT / "models", KEYS)
+    channel = grpc.aio.insecure_channel(jobs_address)
+    fabric = Fabric(
+        redis, target, target_address, jobs_grpc.JobServiceStub(channel), store, tmp_path, []
+    )
+    try:
+        yield fabric
+    finally:
+        for runner in fabric.runners:
+            if runner.process.poll() is None:
+                runner.terminate()
+        await channel.close()
+        await jobs_server.stop(None)
+        await target_server.stop(None)
+        await store.client.aclose()
+        redis.stop()
+
+
+def texts_of(n: int) -> list[str]:
+    return [f"item number {i}" for i in range(n)]
+
+
+def assert_all_ok_in_order(results: list[jobs.JobItemResult], texts: list[str]) -> None:
+    assert [r.index for r in results] == list(range(len(texts)))
+    for result, text in zip(results, texts, strict=True):
+        assert result.status == jobs.ITEM_STATUS_OK, result
+        np.testing.assert_array_equal(tensor_from_pb(result.output), expected_output(text))
+
+
+async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fabric) -> None:
+    runner = fabric.start_runner("runner-1")
+    texts = texts_of(200)
+    job_id = await fabric.submit(texts)
+    job = await fabric.finished(job_id)
+    assert job.state == jobs.JOB_STATE_SUCCEEDED and job.num_ok == 200 and job.progress == 1.0
+    assert_all_ok_in_order(await fabric.results(job_id), texts)
+    # Resumable from an offset: exactly the rest, in order.
+    assert [r.index for r in await fabric.results(job_id, start_index=150)] == list(range(150, 200))
+    assert fabric.target.priorities == {BATCH}
+    metrics = scrape(runner.metrics_port)
+    assert total(metrics, names.JOBS_ITEMS_TOTAL, status="ok") == 200
+    assert total(metrics, names.JOBS_ITEMS_RUNNING) == 0
+
+
+async def test_runner_killed_mid_job_another_finishes_every_item_exactly_once(
+    fabric: Fabric,
+) -> None:
+    fabric.target.delay_s = 0.05
+    first = fabric.start_runner("runner-1")
+    texts = texts_of(400)
+    job_id = await fabric.submit(texts)
+
+    async def some_done() -> bool:
+        job = await fabric.job(job_id)
+        return 0 < job.num_ok < 300
+
+    await eventually(some_done, timeout_s=30.0, interval_s=0.02)
+    first.process.kill()
+    first.process.wait()
+    fabric.start_runner("runner-2")  # reclaims the dead runner's entries after 3 s idle
+    job = await fabric.finished(job_id)
+    assert job.state == jobs.JOB_STATE_SUCCEEDED and job.num_ok == 400
+    assert_all_ok_in_order(await fabric.results(job_id), texts)
+    assert set(fabric.target.runs) == set(texts)
+
+
+async def test_same_idempotency_key_returns_the_same_job_and_runs_nothing_twice(
+    fabric: Fabric,
+) -> None:
+    texts = texts_of(20)
+    first = await fabric.jobs.SubmitJob(
+        jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts), idempotency_key="k"),
+        metadata=AS_A,
+    )
+    again = await fabric.jobs.SubmitJob(
+        jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts), idempotency_key="k"),
+        metadata=AS_A,
+    )
+    assert (again.job_id, again.is_existing, first.is_existing) == (first.job_id, True, False)
+    # The key is per tenant: another tenant's "k" is its own job.
+    other = await fabric.submit(texts, key="k", metadata=AS_B)
+    assert other != first.job_id
+    fabric.start_runner("runner-1")
+    await fabric.finished(first.job_id)
+    listed = await fabric.jobs.ListJobs(jobs.ListJobsRequest(), metadata=AS_A)
+    assert [j.job_id for j in listed.jobs] == [first.job_id]
+    listed_b = await fabric.jobs.ListJobs(jobs.ListJobsRequest(), metadata=AS_B)
+    assert [j.job_id for j in listed_b.jobs] == [other]
+
+    async def both_ran() -> bool:
+        return all(fabric.target.runs[t] == 2 for t in texts)  # a's job once, b's once
+
+    await eventually(both_ran, timeout_s=30.0)
+
+
+async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) -> None:
+    texts = texts_of(60)
+    poison = {7, 8, 30, 44, 59}
+    for i in poison:
+        texts[i] = f"{POISON} {i}"
+    fabric.target.num_unavailable = 2  # transient failures first: retried, not failed
+    fabric.start_runner("runner-1")
+    job_id = await fabric.submit(texts)
+    job = await fabric.finished(job_id)
+    assert job.state == jobs.JOB_STATE_PARTIALLY_FAILED
+    assert (job.num_ok, job.num_failed) == (55, 5)
+    results = await fabric.results(job_id)
+    assert [r.index for r in results] == list(range(60))
+    failed = {r.index: r for r in results if r.status == jobs.ITEM_STATUS_FAILED}
+    assert set(failed) == poison
+    assert all(r.code == "INVALID_ARGUMENT" and POISON in r.message for r in failed.values())
+    dead = await fabric.store.client.xrange(fabric.store.dead_key)
+    assert sorted(int(fields[b"index"]) for _, fields in dead) == sorted(poison)
+
+
+async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric) -> None:
+    fabric.target.delay_s = 0.1
+    fabric.start_runner("runner-1")
+    texts = texts_of(400)
+    job_id = await fabric.submit(texts)
+
+    async def some_done() -> bool:
+        return (await fabric.job(job_id)).num_ok > 0
+
+    await eventually(some_done, timeout_s=30.0, interval_s=0.02)
+    cancelled = await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+    assert cancelled.state == jobs.JOB_STATE_CANCELLED
+    job = await fabric.finished(job_id)
+    assert job.state == jobs.JOB_STATE_CANCELLED
+    assert 0 < job.num_ok < 400 and job.num_ok + job.num_cancelled == 400
+    # Only the chunks already running at the cancel finish (4 in flight, 8 items each).
+    assert job.num_ok <= cancelled.num_ok + 4 * 8
+    results = await fabric.results(job_id)
+    assert [r.index for r in results] == list(range(400))
+    cancelled_items = [r for r in results if r.status == jobs.ITEM_STATUS_CANCELLED]
+    assert len(cancelled_items) == job.num_cancelled
+    assert all(r.code == "CANCELLED" for r in cancelled_items)
+
+
+async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
+    job_id = await fabric.submit(texts_of(3))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_B)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
+        await fabric.jobs.SubmitJob(jobs.SubmitJobRequest(model_name="minilm"), metadata=AS_A)
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await fabric.submit(texts_of(1), metadata=())
+    assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> None:
+    fabric.target.num_unauthenticated = 1  # the runner's key, not the items, is at fault
+    fabric.start_runner("runner-1")
+    texts = texts_of(8)
+    job_id = await fabric.submit(texts)
+    job = await fabric.finished(job_id)  # after the claim timeout, the chunk runs again
+    assert job.state == jobs.JOB_STATE_SUCCEEDED
+    assert_all_ok_in_order(await fabric.results(job_id), texts)

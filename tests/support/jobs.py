@@ -1,0 +1,129 @@
+"""Durable batch jobs in tests: a gRPC Predict target that stands in for the gateway, the
+gateway's JobService on its own server, and the job runner as a real process."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from services.common.errors import InvalidInput, Unauthenticated, Unavailable
+from services.common.job_store import JobStore, connect_jobs_redis
+from services.common.lifecycle import new_server
+from services.common.model_repository import load_repository
+from services.common.processes import start_and_wait
+from services.common.redis_acl import GATEWAY, JOBS, password_file_name
+from services.common.tensors import tensor_to_pb
+from services.gateway.auth import AuthInterceptor, KeyStore
+from services.gateway.catalog import ModelCatalog
+from services.gateway.jobs_api import JobsApiConfig, JobServicer
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+from services.pb.inference.v1 import types_pb2
+from tests.support.processes import REPO_ROOT, ServiceProcess
+from tests.support.redis import RedisServer
+
+#: Texts starting with this fail with INVALID_ARGUMENT, as a malformed input does.
+POISON = "poison"
+
+
+def expected_output(text: str) -> np.ndarray:
+    """What the stub target answers for `text`."""
+    return np.array([len(text), sum(text.encode()) % 9973], dtype="<f4")
+
+
+@dataclass
+class PredictTarget(api_grpc.InferenceServiceServicer):
+    """A Predict server: deterministic outputs per text, poison texts refused, optionally slow
+    or refusing its first calls (UNAUTHENTICATED, then UNAVAILABLE)."""
+
+    delay_s: float = 0.0
+    num_unavailable: int = 0
+    #: Calls refused UNAUTHENTICATED first (the runner's key not yet known).
+    num_unauthenticated: int = 0
+    #: How many times each text was run (at-least-once delivery shows here).
+    runs: collections.Counter[str] = field(default_factory=collections.Counter)
+    priorities: set[int] = field(default_factory=set)
+    num_calls: int = 0
+
+    async def Predict(
+        self, request: api.PredictRequest, context: grpc.aio.ServicerContext
+    ) -> api.PredictResponse:
+        self.num_calls += 1
+        self.priorities.add(request.priority)
+        if self.num_unauthenticated > 0:
+            self.num_unauthenticated -= 1
+            raise Unauthenticated("unknown API key")
+        if self.num_unavailable > 0:
+            self.num_unavailable -= 1
+            raise Unavailable("warming up")
+        texts = [i.text for i in request.inputs]
+        if any(t.startswith(POISON) for t in texts):
+            raise InvalidInput(f"cannot embed {POISON!r} texts")
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        self.runs.update(texts)
+        return api.PredictResponse(
+            model_name=request.model_name,
+            model_version="1",
+            outputs=[tensor_to_pb(expected_output(t)) for t in texts],
+        )
+
+
+async def start_target(target: PredictTarget) -> tuple[grpc.aio.Server, str]:
+    server = new_server()
+    api_grpc.add_InferenceServiceServicer_to_server(target, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+async def start_job_service(
+    redis: RedisServer, repository: Path, keys: KeyStore | None, *, chunk_size: int = 8
+) -> tuple[grpc.aio.Server, str, JobStore]:
+    """The gateway's JobService (as Redis user `gateway`) behind its auth interceptor."""
+    client = connect_jobs_redis(redis.role_url(GATEWAY), timeout_s=5.0)
+    store = JobStore(client)
+    catalog = ModelCatalog(load_repository(repository))
+    server = new_server([AuthInterceptor(keys)])
+    servicer = JobServicer(store, catalog, JobsApiConfig(chunk_size=chunk_size))
+    jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", store
+
+
+def start_runner(
+    tmp_path: Path, redis: RedisServer, gateway_address: str, name: str, *extra: str
+) -> ServiceProcess:
+    """`python -m services.jobs` as Redis user `jobs`, fast retries and a short claim timeout."""
+    password_file = tmp_path / f"{name}-{password_file_name(JOBS)}"
+    password_file.write_text(redis.passwords[JOBS])
+    argv = [
+        sys.executable, "-m", "services.jobs", "--metrics-port", "0",
+        "--redis-url", f"redis://127.0.0.1:{redis.port}/0",
+        "--redis-password-file", str(password_file),
+        "--gateway-address", gateway_address, "--consumer", name,
+        "--claim-timeout-s", "3", "--call-timeout-s", "2", "--max-attempts", "3",
+        "--retry-base-delay-s", "0.01", "--retry-max-delay-s", "0.05",
+        "--log-format", "text", *extra,
+    ]  # fmt: skip
+    child, ready = start_and_wait(
+        name, argv, log_path=tmp_path / f"{name}.log",
+        ready_file=tmp_path / f"{name}.ready.json", timeout_s=60.0, cwd=REPO_ROOT,
+    )  # fmt: skip
+    return ServiceProcess(child, ready["grpc_port"], ready["metrics_port"])
+
+
+def text_items(texts: list[str]) -> list[api.PredictInput]:
+    return [api.PredictInput(text=t) for t in texts]
+
+
+#: The priority the runner must send items at.
+BATCH = types_pb2.PRIORITY_BATCH

@@ -1,0 +1,40 @@
+"""Admin API keys: who may change the fleet's model repository (services.gateway.auth)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import PermissionDenied
+from services.gateway.auth import LOCAL_PRINCIPAL, KeyStore, hash_key
+
+pytestmark = pytest.mark.unit
+
+
+def keys_file(tmp_path: Path, admin_line: str) -> Path:
+    path = tmp_path / "api-keys.toml"
+    path.write_text(
+        f'[[keys]]\ntenant = "ops"\nsha256 = "{hash_key("ops-key")}"\n{admin_line}\n'
+        f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key("search-key")}"\n'
+    )
+    return path
+
+
+def test_only_a_key_marked_admin_is_admin(tmp_path: Path) -> None:
+    store = KeyStore.from_file(keys_file(tmp_path, "admin = true"))
+    admin, user = store.authenticate("ops-key"), store.authenticate("search-key")
+    admin.check_admin("RepositoryModelLoad")
+    with pytest.raises(PermissionDenied, match="RepositoryModelUnload needs an admin API key"):
+        user.check_admin("RepositoryModelUnload")
+    assert (admin.is_admin, user.is_admin) == (True, False)
+
+
+def test_admin_must_be_a_boolean(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="admin of tenant 'ops' must be true or false"):
+        KeyStore.from_file(keys_file(tmp_path, 'admin = "yes"'))
+
+
+def test_local_mode_without_keys_is_the_operator() -> None:
+    LOCAL_PRINCIPAL.check_admin("RepositoryIndex")
+    assert LOCAL_PRINCIPAL.is_admin

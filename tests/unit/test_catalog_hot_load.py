@@ -1,0 +1,52 @@
+"""A gateway's catalog meets versions loaded after it started (services.gateway.catalog)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import NotFound
+from services.common.model_repository import load_repository
+from services.gateway.catalog import ModelCatalog, new_encoder
+from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.models import write_affine_model, write_versioned_affine_model
+
+pytestmark = pytest.mark.unit
+
+
+def served(*keys: tuple[str, str]) -> list[pb.ModelVersionInfo]:
+    return [
+        pb.ModelVersionInfo(
+            model_name=name, model_version=version, kind=pb.MODEL_KIND_TORCHSCRIPT, is_ready=True
+        )
+        for name, version in keys
+    ]
+
+
+def test_a_served_version_the_gateway_has_not_read_is_not_the_default(tmp_path: Path) -> None:
+    write_versioned_affine_model(tmp_path / "repo", versions=(1,))
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"))
+    write_versioned_affine_model(tmp_path / "repo", versions=(1, 2))
+    catalog.update_served(served(("affine", "1"), ("affine", "2")))
+    assert catalog.resolve("affine", "").version == "1"
+    with pytest.raises(NotFound):
+        catalog.resolve("affine", "2")
+
+    (new,) = [v for v in load_repository(tmp_path / "repo") if v.version == "2"]
+    catalog.add_version(new, new_encoder(new))
+    assert catalog.has_version("affine", "2")
+    assert catalog.resolve("affine", "").version == "2"
+    assert catalog.repository_versions("affine") == ["1", "2"]
+
+
+def test_a_model_new_to_the_catalog_gets_its_config_and_routing(tmp_path: Path) -> None:
+    write_versioned_affine_model(tmp_path / "repo", versions=(1,))
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"))
+    write_affine_model(tmp_path / "repo", name="other")
+    (other,) = [v for v in load_repository(tmp_path / "repo") if v.config.name == "other"]
+    catalog.add_version(other, None)
+    catalog.update_served(served(("other", "1")))
+    assert catalog.model_names() == ["affine", "other"]
+    assert catalog.resolve("other", "").version == "1"
+    assert catalog.routing("other").revision == 0

@@ -1,0 +1,110 @@
+"""Durable batch jobs' pure rules: state from counts, backoff schedule, chunking, result paging."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.job_policy import (
+    GiveUp,
+    ItemCounts,
+    JobState,
+    Retry,
+    RetryPolicy,
+    chunk_ranges,
+    eta_s,
+    finished_prefix,
+    job_state,
+    progress,
+)
+
+pytestmark = pytest.mark.unit
+
+
+def make_counts(*, num_ok: int = 0, num_failed: int = 0, num_cancelled: int = 0) -> ItemCounts:
+    return ItemCounts(num_ok=num_ok, num_failed=num_failed, num_cancelled=num_cancelled)
+
+
+@pytest.mark.parametrize(
+    ("counts", "expected"),
+    [
+        (make_counts(), JobState.QUEUED),
+        (make_counts(num_ok=3), JobState.RUNNING),
+        (make_counts(num_failed=1), JobState.RUNNING),
+        (make_counts(num_ok=10), JobState.SUCCEEDED),
+        (make_counts(num_ok=9, num_failed=1), JobState.PARTIALLY_FAILED),
+        (make_counts(num_failed=10), JobState.FAILED),
+        (make_counts(num_failed=4, num_cancelled=6), JobState.FAILED),
+    ],
+)
+def test_state_follows_counts(counts: ItemCounts, expected: JobState) -> None:
+    assert job_state(10, counts, is_cancelled=False) is expected
+
+
+def test_cancelled_wins_over_counts_and_is_terminal() -> None:
+    for counts in (make_counts(), make_counts(num_ok=4), make_counts(num_ok=10)):
+        assert job_state(10, counts, is_cancelled=True) is JobState.CANCELLED
+    assert JobState.CANCELLED.is_terminal and not JobState.RUNNING.is_terminal
+
+
+def test_progress_and_eta_from_rate_so_far() -> None:
+    counts = make_counts(num_ok=20, num_failed=5)
+    assert progress(100, counts) == 0.25
+    # 25 items in 5 s: 5 items/s, 75 left -> 15 s.
+    assert eta_s(100, counts, started_s=1000.0, now_s=1005.0) == pytest.approx(15.0)
+    assert eta_s(100, make_counts(), started_s=1000.0, now_s=1005.0) == 0.0
+    assert eta_s(100, counts, started_s=0.0, now_s=1005.0) == 0.0
+    assert eta_s(25, counts, started_s=1000.0, now_s=1005.0) == 0.0
+
+
+def test_backoff_doubles_up_to_the_cap_with_full_jitter() -> None:
+    policy = RetryPolicy(max_attempts=10, base_delay_s=0.1, max_delay_s=1.0)
+    ceilings = [policy.ceiling_s(n) for n in range(1, 7)]
+    assert ceilings == pytest.approx([0.1, 0.2, 0.4, 0.8, 1.0, 1.0])
+    assert policy.decide(3, "UNAVAILABLE", "down", jitter=0.5) == Retry(after_s=pytest.approx(0.2))
+    assert policy.decide(3, "UNAVAILABLE", "down", jitter=0.0) == Retry(after_s=0.0)
+
+
+def test_retries_stop_at_max_attempts_with_the_last_status() -> None:
+    policy = RetryPolicy(max_attempts=3)
+    assert isinstance(policy.decide(2, "RESOURCE_EXHAUSTED", "busy", jitter=0.3), Retry)
+    decision = policy.decide(3, "RESOURCE_EXHAUSTED", "busy", jitter=0.3)
+    assert isinstance(decision, GiveUp)
+    assert decision.code == "RESOURCE_EXHAUSTED" and "after 3 attempts" in decision.message
+
+
+@pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED"])
+def test_errors_a_retry_cannot_fix_are_dead_lettered_at_once(code: str) -> None:
+    assert RetryPolicy().decide(1, code, "bad item", jitter=0.9) == GiveUp(code, "bad item")
+
+
+def test_bad_retry_policy_is_refused() -> None:
+    with pytest.raises(ValueError):
+        RetryPolicy(max_attempts=0)
+
+
+def test_chunks_cover_every_item_once_in_order() -> None:
+    assert chunk_ranges(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_ranges(8, 4) == [(0, 4), (4, 8)]
+    assert chunk_ranges(0, 4) == []
+    covered = [i for start, end in chunk_ranges(1001, 64) for i in range(start, end)]
+    assert covered == list(range(1001))
+    with pytest.raises(ValueError):
+        chunk_ranges(10, 0)
+
+
+def test_results_stream_stops_at_the_first_unfinished_item() -> None:
+    assert finished_prefix([b"0", b"1", None, b"3"]) == [b"0", b"1"]
+    assert finished_prefix([None, b"1"]) == []
+    assert finished_prefix([b"0", b"1"]) == [b"0", b"1"]
+
+
+def test_resuming_from_the_next_index_yields_each_result_once_in_order() -> None:
+    stored: list[bytes | None] = [str(i).encode() for i in range(6)] + [None] * 4
+    seen: list[bytes] = []
+    offset = 0
+    for finished_upto in (6, 10):  # the job makes progress between calls
+        stored[:finished_upto] = [str(i).encode() for i in range(finished_upto)]
+        page = finished_prefix(stored[offset:])
+        seen += page
+        offset += len(page)
+    assert seen == [str(i).encode() for i in range(10)]
