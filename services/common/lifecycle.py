@@ -4,12 +4,15 @@ ready file."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import gc
 import json
+import logging
+import os
 import signal
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -126,6 +129,27 @@ def stop_event() -> asyncio.Event:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, event.set)
     return event
+
+
+#: How long a stopping tier may run past its drain grace (closing servers and clients) before
+#: it is taken to be hung.
+STOP_OVERRUN_S = 15.0
+
+
+def bound_stop(drain_grace_s: float) -> None:
+    """Call on SIGTERM: if the process is still alive `drain_grace_s + STOP_OVERRUN_S` later,
+    every thread's stack goes to stderr (the tier's log) and the process exits 1. A stop that
+    hangs then ends on its own, well inside the orchestrator's kill deadline, and says where."""
+    faulthandler.dump_traceback_later(drain_grace_s + STOP_OVERRUN_S, exit=True)
+
+
+def exit_stopped(code: int) -> NoReturn:
+    """Ends a tier that has drained and closed: flushes the logs and exits without the
+    interpreter's teardown. Nothing is left to finish, and that teardown can block on library
+    threads (`asyncio.run` joins executor threads without a bound on 3.11; gRPC's pollers)."""
+    faulthandler.cancel_dump_traceback_later()
+    logging.shutdown()
+    os._exit(code)
 
 
 def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:

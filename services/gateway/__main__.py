@@ -6,6 +6,8 @@ import asyncio
 import logging
 
 from services.common.lifecycle import (
+    bound_stop,
+    exit_stopped,
     freeze_startup_heap,
     start_metrics,
     stop_event,
@@ -37,9 +39,11 @@ async def serve(config: GatewayConfig) -> int:
     write_ready_file(config.ready_file, gateway.port, metrics_port, http_port=http_port)
     await stopping.wait()
     log.info("SIGTERM: stopping")
+    bound_stop(config.drain_grace_s)
     refresh.cancel()
     await gateway.stop()
-    return 0
+    log.info("gateway stopped")
+    exit_stopped(0)
 
 
 def main() -> None:

@@ -16,6 +16,8 @@ import os
 import torch
 
 from services.common.lifecycle import (
+    bound_stop,
+    exit_stopped,
     start_metrics,
     stop_event,
     write_ready_file,
@@ -58,10 +60,11 @@ async def serve(config: WorkerConfig) -> int:
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")
+    bound_stop(config.drain_grace_s)
     loading.cancel()
     await worker.stop()
     log.info("worker stopped")
-    return 0
+    exit_stopped(0)
 
 
 def main() -> None:

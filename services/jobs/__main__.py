@@ -13,7 +13,13 @@ import os
 import socket
 
 from services.common.job_store import JobStore, connect_jobs_redis
-from services.common.lifecycle import start_metrics, stop_event, write_ready_file
+from services.common.lifecycle import (
+    bound_stop,
+    exit_stopped,
+    start_metrics,
+    stop_event,
+    write_ready_file,
+)
 from services.common.logs import configure_logging
 from services.common.multiplex import CHANNEL_OPTIONS
 from services.common.redis_acl import JOBS, redacted_url, role_credentials
@@ -71,10 +77,12 @@ async def serve(config: RunnerConfig) -> int:
     write_ready_file(config.ready_file, 0, metrics_port)
     await runner.run(stopping)
     log.info("SIGTERM: draining (grace %.1f s)", config.drain_grace_s)
+    bound_stop(config.drain_grace_s)
     await runner.drain(config.drain_grace_s)
     await channel.close()
     await client.aclose()
-    return 0
+    log.info("job runner stopped")
+    exit_stopped(0)
 
 
 def main() -> None:

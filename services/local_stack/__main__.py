@@ -160,7 +160,8 @@ def announce(config: StackConfig, children: list[Child]) -> None:
             admin = f"user admin, password in {config.redis_password_file(ADMIN)}"
             lines.append(f"  {c.name:<10} {config.redis_url:<28} pid {c.process.pid:<8} {admin}")
         else:
-            address = f"{HOST}:{c.ports['grpc_port']}"
+            # The job runner serves no gRPC: it only calls the gateway.
+            address = f"{HOST}:{c.ports['grpc_port']}" if c.tier != "jobs" else "(no gRPC port)"
             metrics = f"http://{HOST}:{c.ports['metrics_port']}/metrics"
             lines.append(f"  {c.name:<10} {address:<28} pid {c.process.pid:<8} {metrics}")
     gateway_ports = next(c for c in children if c.tier == "gateway").ports

@@ -6,6 +6,8 @@ import asyncio
 import logging
 
 from services.common.lifecycle import (
+    bound_stop,
+    exit_stopped,
     freeze_startup_heap,
     start_metrics,
     stop_event,
@@ -38,10 +40,11 @@ async def serve(config: RouterConfig) -> int:
     log.info(
         "SIGTERM: draining (new calls refused as not started; grace %.1f s)", config.drain_grace_s
     )
+    bound_stop(config.drain_grace_s)
     await router.stop()
     log.info("drained")
     sync_task.cancel()
-    return 0
+    exit_stopped(0)
 
 
 def main() -> None:

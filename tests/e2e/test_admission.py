@@ -95,7 +95,7 @@ def capacity_per_s(tmp_path_factory: pytest.TempPathFactory) -> float:
     try:
         capacity = asyncio.run(measure())
     finally:
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
     assert capacity > 5, f"the stack served {capacity:.1f} requests/s"
     return capacity
 
@@ -114,7 +114,7 @@ def test_a_burst_on_a_fresh_stack_is_served_whole_and_nothing_locks_out(tmp_path
         assert report["burst"] == ["OK"] * 64, Counter(report["burst"])
         assert report["sequential"] == ["OK"] * 20, Counter(report["sequential"])
     finally:
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
 
 
 def test_open_loop_traffic_from_the_moment_of_ready_meets_the_slo(
@@ -135,7 +135,7 @@ def test_open_loop_traffic_from_the_moment_of_ready_meets_the_slo(
     try:
         outcomes = asyncio.run(run())
     finally:
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
     assert good_share(outcomes) >= 0.99, f"at {rate_per_s:.1f}/s: {describe(outcomes)}"
 
 
@@ -158,7 +158,7 @@ def test_s03_after_a_flood_at_10x_capacity_normal_traffic_is_served_normally(
     try:
         outcomes, health = asyncio.run(run())
     finally:
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
     in_flood = [o for o in outcomes if o.scheduled_s < flood_s]
     recovering = [o for o in outcomes if flood_s <= o.scheduled_s < flood_s + recovery_s]
     recovered = [o for o in outcomes if o.scheduled_s >= flood_s + recovery_s]
@@ -208,7 +208,7 @@ def test_s03_open_loop_past_capacity_keeps_goodput_and_accepted_latency(
         # Nothing crashed or restarted: every child is the process the stack started.
         dead = [name for name, pid in stack.pids().items() if not Path(f"/proc/{pid}").exists()]
     finally:
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
     judged = [o for o in outcomes if o.scheduled_s >= settle_s]
     accepted = sorted(o.latency_s for o in judged if o.status == OK)
     goodput_per_s = sum(s <= SLO_S for s in accepted) / (duration_s - settle_s)

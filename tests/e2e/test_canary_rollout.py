@@ -39,7 +39,7 @@ def repository(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory, repository: Path) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("stack"), model_repository=repository)
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def rollout(stack: Stack, repository: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -42,7 +42,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     repository = write_minilm_repository(tmp / "repo", slo_p99_ms=30_000)
     stack = start_stack(tmp, num_workers=2, model_repository=repository, tolerate_exits=True)
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def vector(tensor: pb.Tensor) -> np.ndarray:

@@ -30,7 +30,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=30_000)
     stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 async def test_s21_worker_killed_under_load_loses_no_request(stack: Stack) -> None:

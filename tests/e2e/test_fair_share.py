@@ -65,7 +65,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys_path}",)
     )
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def request(model: str, value: float) -> api.PredictRequest:

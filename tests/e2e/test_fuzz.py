@@ -472,7 +472,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         patch.setenv("GATEWAY_ALLOW_UNAUTHENTICATED", "true")
         stack = start_stack(tmp, model_repository=repository)
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 @pytest.fixture(scope="module")

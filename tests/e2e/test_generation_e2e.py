@@ -29,7 +29,7 @@ pytestmark = pytest.mark.e2e
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     stack = start_stack(tmp_path_factory.mktemp("generation"))
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def generate_request(prompt: str, **sampling: object) -> api.GenerateRequest:

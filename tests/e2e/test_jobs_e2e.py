@@ -46,7 +46,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=30_000)
     stack = start_stack(tmp_path, model_repository=repository, tolerate_exits=True)
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def texts_of(n: int) -> list[str]:

@@ -134,5 +134,5 @@ async def test_tolerate_exits_keeps_the_other_tiers_running(tmp_path: Path) -> N
     assert stack.process.poll() is None
     for tier in (stack.gateway, stack.router):
         assert await health_status(tier.address) == SERVING
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
     assert alive(pids.values()) == []

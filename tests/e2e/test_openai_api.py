@@ -30,7 +30,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     keys.write_text(f'[[keys]]\ntenant = "llm"\nsha256 = "{hash_key(API_KEY)}"\n')
     stack = start_stack(tmp, extra_gateway_args=(f"--api-keys-file={keys}",))
     yield stack
-    assert stack.stop() == 0
+    assert stack.stop() == 0, stack.stop_report()
 
 
 @pytest.fixture

@@ -49,7 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, repo: Path) -> Iterator[Stac
     )
     stack = start_stack(tmp, model_repository=repo, extra_gateway_args=(f"--api-keys-file={keys}",))
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def repository(stack: Stack, action: str, key: str, model: str = "affine") -> dict:

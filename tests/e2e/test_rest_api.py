@@ -41,7 +41,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     )
     stack = start_stack(tmp, extra_gateway_args=(f"--api-keys-file={keys}",))
     yield stack
-    assert stack.stop() == 0
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def call(

@@ -162,7 +162,7 @@ async def test_s32_router_rolling_restart_under_load_no_client_errors(tmp_path: 
     finally:
         for tier in reversed(started):
             tier.terminate(timeout_s=30.0)
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()
 
 
 def live_workers(port: int) -> float:
@@ -197,4 +197,4 @@ async def test_s32_worker_rolling_restart_under_load_no_client_errors(tmp_path: 
     finally:
         for tier in reversed(started):
             tier.terminate(timeout_s=60.0)
-        assert stack.stop() == 0, stack.log("launcher")
+        assert stack.stop() == 0, stack.stop_report()

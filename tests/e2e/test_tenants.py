@@ -60,7 +60,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, keys_path: Path) -> Iterator
         tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys_path}",)
     )
     yield stack
-    assert stack.stop() == 0, stack.log("launcher")
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def auth(tenant: str) -> tuple[tuple[str, str], ...]:

@@ -77,6 +77,21 @@ class Stack:
             return self.launcher.log()
         return (self.state_dir / f"{name}.log").read_text(errors="replace")
 
+    def stop_report(self, tail_lines: int = 60) -> str:
+        """The launcher's log, then the last lines of each tier's log that it names as not
+        having stopped cleanly (a hung stop dumps its threads' stacks there)."""
+        launcher = self.log("launcher")
+        parts = [launcher]
+        for line in launcher.splitlines():
+            if " killed after " in line or " exited with code " in line:
+                name = line.split()[1] if line.startswith("error:") else line.split()[0]
+                path = self.state_dir / f"{name}.log"
+                if path.exists():
+                    tail = path.read_text(errors="replace").splitlines()[-tail_lines:]
+                    parts.append(f"--- {name}.log (last {tail_lines} lines) ---")
+                    parts.extend(tail)
+        return "\n".join(parts)
+
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM the launcher (it stops every tier in order), wait, return its exit code."""
         code = self.launcher.terminate(timeout_s)
