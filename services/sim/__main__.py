@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(result.summary))
         if args.out is not None:
             paths = write_outputs(result, args.out)
-            print(f"wrote {', '.join(str(p) for p in paths)} (CSV series: no plotting library)")
+            print(f"wrote {', '.join(str(p) for p in paths)}")
+            if not any(p.suffix == ".png" for p in paths):
+                print("no PNG plots: matplotlib is not installed (pip install -e '.[bench]')")
         return 0
     answer = plan(
         scenario,

@@ -1,7 +1,8 @@
 """A run's outputs on disk and on the terminal: summary JSON, CSV time series, a text table.
 
-Plots are not drawn: matplotlib is not a dependency of the project (the worker image must stay
-small), so the time series are written as CSV for any plotting tool to read.
+Plots (latency.png, replicas.png) are drawn with matplotlib when it is installed: it is an
+optional extra (`pip install -e '.[bench]'`; `make install-test` has it), not a dependency of the
+tiers, whose images stay small. The CSV series are written either way.
 """
 
 from __future__ import annotations
@@ -30,7 +31,60 @@ def write_outputs(result: RunResult, out_dir: Path) -> list[Path]:
     paths.append(_write_csv(out_dir / "replicas.csv", ("t_s", "replicas", "ready"), replicas))
     if recorder.hpa_metric:
         paths.append(_write_csv(out_dir / "hpa_metric.csv", ("t_s", "metric"), recorder.hpa_metric))
+    return paths + plot(result, out_dir)
+
+
+def plot(result: RunResult, out_dir: Path) -> list[Path]:
+    """latency.png (offered rate, goodput, p50/p99 against the SLO, per second) and
+    replicas.png (replicas and ready ones, and the HPA's metric) in `out_dir`; none without
+    matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    series = result.recorder.series()
+    name = result.scenario.name
+    figure, (rates, latency) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    rates.plot(series["t_s"], series["rate"], label="offered /s")
+    rates.plot(series["t_s"], series["goodput"], label="goodput /s")
+    rates.set_ylabel("requests/s")
+    rates.legend(loc="upper left")
+    latency.plot(series["t_s"], [v * 1e3 for v in series["p50"]], label="p50")
+    latency.plot(series["t_s"], [v * 1e3 for v in series["p99"]], label="p99")
+    latency.axhline(result.scenario.model.slo_s * 1e3, color="red", linestyle="--", label="SLO")
+    latency.set_ylabel("latency (ms)")
+    latency.set_xlabel("simulated time (s)")
+    latency.legend(loc="upper left")
+    figure.suptitle(f"{name}: traffic and latency")
+    paths = [_save(figure, out_dir / "latency.png")]
+    figure, replicas = plt.subplots(figsize=(9, 4))
+    times = [t for t, _, _ in result.recorder.replicas]
+    replicas.step(
+        times, [n for _, n, _ in result.recorder.replicas], where="post", label="replicas"
+    )
+    replicas.step(times, [r for _, _, r in result.recorder.replicas], where="post", label="ready")
+    replicas.set_ylabel("workers")
+    replicas.set_xlabel("simulated time (s)")
+    replicas.legend(loc="upper left")
+    if result.recorder.hpa_metric:
+        metric = replicas.twinx()
+        metric.plot(*zip(*result.recorder.hpa_metric, strict=True), color="grey", alpha=0.6)
+        metric.set_ylabel("HPA metric")
+    figure.suptitle(f"{name}: replicas")
+    paths.append(_save(figure, out_dir / "replicas.png"))
     return paths
+
+
+def _save(figure: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
 
 
 def write_summary(summary: dict[str, Any], out_dir: Path) -> Path:

@@ -89,7 +89,15 @@ def test_the_hpa_adds_workers_when_queue_wait_exceeds_its_target() -> None:
 def test_a_run_writes_its_summary_and_series(tmp_path: Path) -> None:
     result = run(make_scenario())
     paths = write_outputs(result, tmp_path)
-    assert {p.name for p in paths} == {"summary.json", "latency.csv", "replicas.csv"}
+    assert {p.name for p in paths} == {
+        "summary.json",
+        "latency.csv",
+        "replicas.csv",
+        "latency.png",
+        "replicas.png",
+    }
+    for png in ("latency.png", "replicas.png"):
+        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["scenario"] == "small"
     header, *rows = (tmp_path / "latency.csv").read_text().splitlines()
