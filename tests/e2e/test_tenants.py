@@ -142,12 +142,16 @@ async def test_a_tightened_quota_takes_effect_within_two_seconds(
         keys_path.write_text(keys_file(tight_requests_per_s=2))
         written_s = time.monotonic()
 
+        errors: list[grpc.aio.AioRpcError] = []
+
         async def refused() -> bool:
             burst = await asyncio.gather(*(predict(stub, "tight", f"u {i}") for i in range(10)))
-            return sum(e is not None for e in burst) >= 7
+            errors[:] = [e for e in burst if e is not None]
+            return len(errors) >= 7
 
         await eventually(refused, timeout_s=2.0, message="the tightened quota refused")
         assert time.monotonic() - written_s <= 2.5
-        error = await predict(stub, "tight", "once more")
-    assert error is not None and error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # One of the refusals themselves: a later single call may find a token refilled (2/s).
+    error = errors[0]
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "quota of 2 requests/s" in error.details()
