@@ -28,7 +28,7 @@ BUF_PKG    := @bufbuild/buf-linux-x64@1.47.2
 BUF_SHA256 := 3a0c4da8d46eea8136affa63db202c76a44f8112384160b73c3fffb1cf14b5d8
 
 .PHONY: all install install-test proto models lint format typecheck test test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs clean
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim clean
 
 all: test
 
@@ -197,8 +197,13 @@ bench-tenants: install-test
 bench-jobs: install-test
 	$(PY) -m bench.jobs
 
+# The fleet simulator against the real stack, same traffic, one worker (issue 17's validation):
+# goodput, p50 and p99 side by side -> bench/results/sim_validation.json.
+bench-sim: install-test
+	$(PY) -m bench.sim_validation --out bench/results/sim_validation.json
+
 # Every benchmark; results in bench/results/ (ignored by git).
-bench: bench-model bench-generation bench-fabric bench-tenants
+bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

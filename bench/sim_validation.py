@@ -1,0 +1,338 @@
+"""`python -m bench.sim_validation`: the same traffic through the real local stack and through the
+simulator with one worker, side by side (issue 17's validation).
+
+1. Start the stack (`services.local_stack`, one minilm worker), exactly as `make run` does.
+2. Calibrate, at low load, what the simulator is given rather than what it predicts:
+   - the in-stack latency curve: for each length bucket and batch size, single requests of that
+     many rows, sent one at a time; seconds per batch from the worker's own compute histogram
+     (the model runs about 2x slower beside the other tiers than alone, so `make bench-model`'s
+     bare curve would describe another machine), and its spread as the simulator's noise;
+   - the hops: the client's latency of one-row requests minus the worker's row latency.
+3. For each offered rate (fractions of the capacity the curve implies), send a seeded Poisson
+   stream of one-row requests with the length mix, open loop, through the stack; then simulate
+   the same rate, mix and duration with the calibrated curve and hops.
+4. Print goodput (answered within the SLO, per second), p50 and p99 of both, and each
+   simulator/real ratio; the issue's bound is 15%.
+
+The run takes about `len(rates) * (duration + a few) s` plus a minute of calibration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
+from bench.fabric.observe import delta, scrape, total
+from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
+from services.common import metric_names as names
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.sim.curve import LatencyCurve
+from services.sim.fleet import FleetConfig
+from services.sim.simulation import Scenario, run
+from services.sim.traffic import LengthMix, Stream, Traffic
+from services.sim.worker import ModelSpec
+
+MODEL = "minilm"
+#: Token counts of the two request kinds (special tokens included) and their shares.
+SHORT_TOKENS, LONG_TOKENS = 12, 100
+LENGTH_MIX = ((SHORT_TOKENS, 0.85), (LONG_TOKENS, 0.15))
+#: Batch sizes the curve is measured at; the simulator's latency model interpolates between.
+CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: The issue's bound on |simulated / real - 1|.
+TOLERANCE = 0.15
+
+
+def text_of(num_tokens: int) -> str:
+    """A text that minilm's tokenizer turns into `num_tokens` tokens ([CLS] and [SEP] included):
+    "hello" is one word piece."""
+    return " ".join(["hello"] * (num_tokens - 2))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    curve: LatencyCurve
+    #: Lognormal sigma of batch compute around its mean, over every measured point.
+    noise_sigma: float
+    #: Client latency minus the worker's row latency, one-row requests at low load.
+    hops_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "curve_ms": {
+                f"{bucket}x{size}": round(seconds * 1e3, 3)
+                for (bucket, size), seconds in self.curve.points
+            },
+            "noise_sigma": round(self.noise_sigma, 3),
+            "hops_ms": round(self.hops_s * 1e3, 3),
+        }
+
+
+def _bucket_of(num_tokens: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= num_tokens)
+
+
+async def calibrate(
+    stub: api_grpc.InferenceServiceStub, stack: BenchStack, repeats: int
+) -> Calibration:
+    """Measures the curve and the hops through the running stack (see the module's doc)."""
+    worker_port = next(p for name, p in stack.metrics_ports().items() if name.startswith("worker"))
+    buckets = (16, 32, 64, 128, 256)
+    points: list[dict[str, Any]] = []
+    log_ratios: list[float] = []
+    for num_tokens in (SHORT_TOKENS, LONG_TOKENS):
+        bucket = _bucket_of(num_tokens, buckets)
+        inputs = [api.PredictInput(text=text_of(num_tokens))]
+        for size in CURVE_SIZES:
+            request = api.PredictRequest(model_name=MODEL, inputs=inputs * size)
+            await stub.Predict(request, timeout=30.0)  # a first call at this shape, unmeasured
+            seconds: list[float] = []
+            for _ in range(repeats):
+                before = scrape(worker_port)
+                await stub.Predict(request, timeout=30.0)
+                after = delta(before, scrape(worker_port))
+                labels = {"model": MODEL, "bucket": str(bucket)}
+                count = total(after, f"{names.WORKER_COMPUTE_SECONDS}_count", **labels)
+                if count != 1:
+                    break  # past the SLO-derived batch cap: the worker splits this size
+                seconds.append(total(after, f"{names.WORKER_COMPUTE_SECONDS}_sum", **labels))
+            if len(seconds) < repeats:
+                print(f"bucket {bucket}: batches capped below {size} rows by the SLO", flush=True)
+                break
+            mean = statistics.fmean(seconds)
+            points.append({"bucket": bucket, "batch_size": size, "seconds": mean})
+            log_ratios += [math.log(s / mean) for s in seconds]
+    return Calibration(
+        curve=LatencyCurve.from_mapping({"points": points}),
+        noise_sigma=statistics.pstdev(log_ratios),
+        hops_s=await _hops(stub, worker_port, repeats * 4),
+    )
+
+
+async def _hops(stub: api_grpc.InferenceServiceStub, worker_port: int, count: int) -> float:
+    request = api.PredictRequest(model_name=MODEL, inputs=[api.PredictInput(text=text_of(12))])
+    before = scrape(worker_port)
+    client_s = 0.0
+    for _ in range(count):
+        started = time.monotonic()
+        await stub.Predict(request, timeout=30.0)
+        client_s += time.monotonic() - started
+        await asyncio.sleep(0.02)  # one at a time: no batching, no backlog
+    after = delta(before, scrape(worker_port))
+    rows = total(after, f"{names.WORKER_ROW_LATENCY_SECONDS}_count", model=MODEL)
+    worker_s = total(after, f"{names.WORKER_ROW_LATENCY_SECONDS}_sum", model=MODEL) / rows
+    return max(0.0, client_s / count - worker_s)
+
+
+def capacity_per_s(curve: LatencyCurve) -> float:
+    """Rows per second one worker serves with the largest batches measured for each bucket
+    (the worker's SLO-derived cap, or 64), over the length mix."""
+    seconds = dict(curve.points)
+    per_row = 0.0
+    for tokens, share in LENGTH_MIX:
+        bucket = _bucket_of(tokens, (16, 32, 64, 128, 256))
+        largest = max(size for b, size in seconds if b == bucket)
+        per_row += share * seconds[(bucket, largest)] / largest
+    return 1.0 / per_row
+
+
+@dataclass(frozen=True)
+class Side:
+    goodput_per_s: float
+    p50_ms: float
+    p99_ms: float
+    ok_share: float
+
+
+def _percentile(values: Sequence[float], rank: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return math.nan
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(rank / 100 * len(ordered)) - 1))]
+
+
+def real_side(
+    outcomes: Sequence[Outcome], *, warmup_s: float, window_s: float, slo_s: float
+) -> Side:
+    measured = [o for o in outcomes if o.scheduled_s >= warmup_s]
+    answered = [o.latency_s for o in measured if o.ok]
+    good = sum(1 for o in measured if o.ok and o.latency_s <= slo_s)
+    return Side(
+        goodput_per_s=good / window_s,
+        p50_ms=_percentile(answered, 50) * 1e3,
+        p99_ms=_percentile(answered, 99) * 1e3,
+        ok_share=len(answered) / len(measured) if measured else math.nan,
+    )
+
+
+async def real_run(
+    stub: api_grpc.InferenceServiceStub, rate: float, duration_s: float, seed: int
+) -> list[Outcome]:
+    """A seeded Poisson stream of one-row requests with the length mix, open loop."""
+    schedule = poisson_schedule(rate, duration_s, seed)
+    rng = random.Random(seed)
+    tokens, weights = zip(*LENGTH_MIX, strict=True)
+    kinds = rng.choices(tokens, weights, k=len(schedule))
+    requests = iter(
+        [
+            api.PredictRequest(model_name=MODEL, inputs=[api.PredictInput(text=text_of(n))])
+            for n in kinds
+        ]
+    )
+
+    async def send() -> None:
+        await stub.Predict(next(requests), timeout=30.0)
+
+    return await run_open_loop(send, schedule, timeout_s=30.0, drain_timeout_s=30.0)
+
+
+def sim_side(
+    calibration: Calibration, rate: float, duration_s: float, warmup_s: float, seed: int
+) -> tuple[Side, dict[str, Any]]:
+    model = ModelSpec(
+        name=MODEL,
+        slo_s=0.25,
+        max_batch_size=64,
+        max_batch_tokens=8192,
+        length_buckets=(16, 32, 64, 128, 256),
+    )
+    tokens, weights = zip(*LENGTH_MIX, strict=True)
+    scenario = Scenario(
+        name=f"validation-{rate:.0f}",
+        model=model,
+        curve=calibration.curve,
+        traffic=Traffic(streams=(Stream(MODEL, rate, lengths=LengthMix(tokens, weights)),)),
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        seed=seed,
+        fleet=FleetConfig(
+            workers=1,
+            startup_s=0.0,
+            noise_sigma=calibration.noise_sigma,
+            upstream_s=calibration.hops_s * 2 / 3,
+            downstream_s=calibration.hops_s / 3,
+        ),
+    )
+    summary = run(scenario).summary
+    answered = summary["answered"]
+    side = Side(
+        goodput_per_s=summary["goodput_per_s"],
+        p50_ms=summary["latency_ms"]["p50"],
+        p99_ms=summary["latency_ms"]["p99"],
+        ok_share=answered / (summary["offered_per_s"] * summary["measured_s"]),
+    )
+    return side, summary
+
+
+def ratio(sim: float, real: float) -> float:
+    return sim / real if real else math.nan
+
+
+def format_rows(rows: Sequence[dict[str, Any]]) -> str:
+    head = (
+        f"{'rate/s':>7} {'load':>5} | {'goodput real':>12} {'sim':>7} {'ratio':>6} | "
+        f"{'p50 real':>8} {'sim':>7} {'ratio':>6} | {'p99 real':>8} {'sim':>7} {'ratio':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        real, sim = row["real"], row["sim"]
+        lines.append(
+            f"{row['rate_per_s']:7.0f} {row['load']:5.2f} | "
+            f"{real['goodput_per_s']:12.1f} {sim['goodput_per_s']:7.1f} "
+            f"{row['goodput_ratio']:6.3f} | "
+            f"{real['p50_ms']:8.1f} {sim['p50_ms']:7.1f} {row['p50_ratio']:6.3f} | "
+            f"{real['p99_ms']:8.1f} {sim['p99_ms']:7.1f} {row['p99_ratio']:6.3f}"
+        )
+    return "\n".join(lines)
+
+
+async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
+    repository = write_minilm_repository(state_dir / "repo").parent.parent
+    stack = start_stack(repository, state_dir / "stack")
+    try:
+        async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            print("calibrating the curve and the hops at low load ...", flush=True)
+            calibration = await calibrate(stub, stack, args.repeats)
+            capacity = capacity_per_s(calibration.curve)
+            print(f"calibration {json.dumps(calibration.as_dict())}", flush=True)
+            print(f"capacity implied by the curve: {capacity:.0f} rows/s", flush=True)
+            rows = []
+            for index, load in enumerate(args.loads):
+                rate = load * capacity
+                seed = args.seed + index
+                print(
+                    f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s",
+                    flush=True,
+                )
+                outcomes = await real_run(stub, rate, args.duration_s, seed)
+                window_s = args.duration_s - args.warmup_s
+                real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
+                sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
+                rows.append(
+                    {
+                        "load": load,
+                        "rate_per_s": rate,
+                        "real": real.__dict__,
+                        "sim": sim.__dict__,
+                        "sim_batches": summary["mean_batch_size"],
+                        "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
+                        "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
+                        "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
+                    }
+                )
+                await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
+    finally:
+        stack.stop()
+    return {"calibration": calibration.as_dict(), "capacity_per_s": capacity, "rows": rows}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.sim_validation", description=__doc__)
+    parser.add_argument(
+        "--loads",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        default=(0.3, 0.6, 0.9),
+        help="offered rates as fractions of the curve's capacity (comma-separated)",
+    )
+    parser.add_argument("--duration-s", type=float, default=40.0)
+    parser.add_argument("--warmup-s", type=float, default=5.0)
+    parser.add_argument("--repeats", type=int, default=5, help="requests per curve point")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="write the report as JSON here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="sim-validation-") as tmp:
+        report = asyncio.run(validate(args, Path(tmp)))
+    print(format_rows(report["rows"]))
+    within = all(
+        abs(row[key] - 1.0) <= TOLERANCE
+        for row in report["rows"]
+        for key in ("goodput_ratio", "p50_ratio", "p99_ratio")
+    )
+    print(f"every ratio within {TOLERANCE:.0%}: {'yes' if within else 'no'}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({**report, "within_tolerance": within}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
