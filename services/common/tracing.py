@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
 from services.common.grpc_errors import status_of
 from services.common.interceptors import Step, wrap_handler
+from services.common.logs import bound_request_id
 
 log = logging.getLogger(__name__)
 
@@ -197,32 +199,59 @@ def end_server_span(
     span.end()
 
 
+#: Metadata key of the caller's request id; it is bound to every log line of the call.
+REQUEST_ID_KEY = "x-request-id"
+
+
 @contextlib.asynccontextmanager
 async def _traced(
     method: str, metadata: Iterable[tuple[str, Any]], context: grpc.aio.ServicerContext[Any, Any]
 ) -> AsyncIterator[Step]:
     """One call's server span, current only within the handler's own steps (see
-    services.common.interceptors), ended with the status the call is answered with."""
+    services.common.interceptors), ended with the status the call is answered with. The
+    caller's `x-request-id` is bound to the log lines written in those steps, and at debug
+    level each call ends with one access line (method, status, milliseconds)."""
+    metadata = tuple(metadata)
     span = start_server_span(method, metadata)
     active = trace.set_span_in_context(span)
+    request_id = next((str(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
+    started_s = time.perf_counter()
+
+    def step() -> contextlib.AbstractContextManager[None]:
+        return _attached(active, request_id)
+
     try:
-        yield lambda: _attached(active)
+        yield step
     except BaseException as error:
         if isinstance(error, grpc.aio.AbortError):  # the handler aborted: its code is set
             code = context.code() or grpc.StatusCode.UNKNOWN
         else:
             code = status_of(error).code
+        _log_access(step, method, code, started_s)
         end_server_span(span, code, str(error), error)
         raise
     else:
-        end_server_span(span, context.code() or grpc.StatusCode.OK)
+        code = context.code() or grpc.StatusCode.OK
+        _log_access(step, method, code, started_s)
+        end_server_span(span, code)
+
+
+def _log_access(step: Step, method: str, code: grpc.StatusCode, started_s: float) -> None:
+    if log.isEnabledFor(logging.DEBUG):
+        with step():
+            elapsed_ms = (time.perf_counter() - started_s) * 1e3
+            log.debug("%s %s %.1f ms", method.lstrip("/"), code.name, elapsed_ms)
 
 
 @contextlib.contextmanager
-def _attached(active: otel_context.Context) -> Iterator[None]:
+def _attached(active: otel_context.Context, request_id: str) -> Iterator[None]:
     token = otel_context.attach(active)
     try:
-        yield
+        if request_id:
+            with bound_request_id(request_id):
+                yield
+        else:
+            yield
     finally:
         otel_context.detach(token)
 

@@ -53,6 +53,8 @@ EXTENSIONS = (
     "schedule_policy",
     "parameters",
     "model_repository",
+    # KServe v2 REST's binary tensor data (the gateway's HTTP port; gRPC has raw contents).
+    "binary_tensor_data",
 )
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",

@@ -298,13 +298,40 @@ class Predictor:
         model = self.catalog.resolve(
             call.model_name, call.version_spec, sticky_key=call.request_id or None
         )
+        started = time.perf_counter()
+        is_ok = False
+        try:
+            generated = self._generate_resolved(
+                call, model, priority, max_model_len=config.generation.max_model_len
+            )
+            async for message in generated:
+                yield message
+            is_ok = True
+        finally:
+            # One generation is one request of one row, as Triton counts a decoupled model.
+            self.statistics.record(
+                config.name,
+                model.version,
+                rows=1,
+                is_ok=is_ok,
+                duration_s=time.perf_counter() - started,
+                finished_unix_s=time.time(),
+            )
+
+    async def _generate_resolved(
+        self,
+        call: GenerateCall,
+        model: ResolvedModel,
+        priority: PriorityClass,
+        *,
+        max_model_len: int,
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        config = model.config
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
         self.admission.charge_rows(call.principal.policy, 1)
         (ids,) = model.encoder.encode_many([call.prompt])
-        checked_sampling(
-            call.sampling, max_model_len=config.generation.max_model_len, prompt_len=len(ids)
-        )
+        checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids))
         request = pb.WorkerGenerateRequest(
             model_name=config.name,
             model_version=model.version,

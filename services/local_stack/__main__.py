@@ -3,10 +3,12 @@ and stops them front to back (see the package docstring)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from services.common.metric_names import ROUTER_LIVE_WORKERS
 from services.common.redis_acl import (
@@ -148,6 +150,15 @@ def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
     }
 
 
+def interpreter() -> str:
+    """This Python as a command that works from where the stack was started (the venv's
+    `.venv/bin/python` under `make run`, not a bare `python` that may lack the packages)."""
+    path = Path(sys.executable)
+    with contextlib.suppress(ValueError):
+        return str(path.relative_to(Path.cwd()))
+    return str(path)
+
+
 def announce(config: StackConfig, children: list[Child]) -> None:
     if config.ready_file is not None:
         # Written whole and renamed, so a reader never sees half a file.
@@ -171,8 +182,9 @@ def announce(config: StackConfig, children: list[Child]) -> None:
         f"  {'REST':<10} {rest:<28} KServe v2 REST (/v2) and OpenAI-compatible API (/v1)",
         f"logs: {config.state_dir}/<name>.log",
         "try:",
-        f'  python -m services.client --address {gateway} embed "hello world"',
+        f'  {interpreter()} -m services.client --address {gateway} embed "hello world"',
         f"  curl -s {rest}/v2/models/minilm",
+        "and, with grpcurl installed:",
         f"  grpcurl -plaintext -d '{EXAMPLE_PREDICT}' {gateway} {PREDICT_RPC}",
         f"  grpcurl -plaintext {gateway} list",
         "Ctrl-C stops every tier, gateway first.",

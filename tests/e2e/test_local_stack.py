@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import signal
 from collections.abc import Collection
@@ -95,6 +97,17 @@ async def test_stack_starts_and_stops_leaving_no_process(tmp_path: Path) -> None
         for tier in (stack.gateway, stack.router, *stack.workers):
             assert await health_status(tier.address) == SERVING, tier
         assert redis.Redis.from_url(stack.redis_url, socket_timeout=5).ping()
+        # The banner's first examples run as printed, from where `make run` runs.
+        banner = stack.log("launcher").partition("\ntry:\n")[2].partition("\nand, with grpcurl")[0]
+        examples = [line.strip() for line in banner.splitlines()]
+        assert len(examples) == 2 and "services.client" in examples[0], banner
+        outputs = [
+            await run_example(example, cwd=Path(__file__).resolve().parents[2])
+            for example in examples
+        ]
+        embedded = json.loads(outputs[0])
+        assert embedded["text"] == "hello world" and embedded["dims"] == 384, outputs[0]
+        assert json.loads(outputs[1])["name"] == "minilm", outputs[1]
     finally:
         exit_code = stack.stop()
     assert exit_code == 0, stack.log("launcher")
@@ -102,6 +115,16 @@ async def test_stack_starts_and_stops_leaving_no_process(tmp_path: Path) -> None
     assert alive(stack.pids().values()) == [], stack.pids()
     launcher_log = stack.log("launcher")
     assert "SIGTERM: stopping" in launcher_log
+
+
+async def run_example(command: str, *, cwd: Path) -> str:
+    """Runs one of the banner's example commands in a shell, as a user pastes it."""
+    process = await asyncio.create_subprocess_shell(
+        command, cwd=cwd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 0, f"{command}: {stderr.decode()}"
+    return stdout.decode()
 
 
 def test_launcher_killed_with_sigkill_leaves_no_children(tmp_path: Path) -> None:

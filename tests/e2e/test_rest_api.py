@@ -74,7 +74,7 @@ def test_stock_triton_http_client_speaks_to_the_rest_port(stack: Stack) -> None:
     report = triton_http_report(stack, API_KEY)
     assert report["live"] and report["ready"] and report["model_ready"]
     assert report["server_metadata"]["name"] == "inference-fabric"
-    assert "statistics" in report["server_metadata"]["extensions"]
+    assert {"statistics", "binary_tensor_data"} <= set(report["server_metadata"]["extensions"])
     metadata = report["model_metadata"]
     assert metadata["name"] == "minilm"
     assert metadata["inputs"] == [{"name": "text", "datatype": "BYTES", "shape": [-1]}]

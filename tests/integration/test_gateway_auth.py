@@ -236,3 +236,21 @@ async def test_s36_allow_unauthenticated_serves_everyone_as_local_loudly(
         assert await call(gateway, ()) == grpc.StatusCode.UNAVAILABLE, "past auth, no fleet"
     finally:
         await gateway.stop()
+
+
+async def test_s36_the_slim_client_sends_its_api_key(gateway: Gateway) -> None:
+    """`inference_fabric_client.Client(api_key=...)`: no key is UNAUTHENTICATED, a key for
+    other models PERMISSION_DENIED, a good key passes auth (UNAVAILABLE: no fleet here)."""
+    from inference_fabric_client import Client, FabricError
+
+    def code_with(api_key: str | None, model: str) -> str:
+        with Client(f"127.0.0.1:{gateway.port}", api_key=api_key, timeout_s=5) as client:
+            try:
+                client.embed(["hi"], model=model)
+            except FabricError as error:
+                return error.code
+        return "OK"
+
+    assert await asyncio.to_thread(code_with, None, "minilm") == "UNAUTHENTICATED"
+    assert await asyncio.to_thread(code_with, ADS_KEY, "minilm") == "PERMISSION_DENIED"
+    assert await asyncio.to_thread(code_with, SEARCH_KEY, "minilm") == "UNAVAILABLE"

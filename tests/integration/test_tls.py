@@ -10,6 +10,7 @@ Kubernetes: `--worker-tls-server-name` is what makes that verify.
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import sys
@@ -351,6 +352,47 @@ async def test_a_request_crosses_both_mtls_hops_end_to_end(
     values = np.frombuffer(output.raw_data, dtype=np.float32)
     expected = affine_reference(torch.from_numpy(row[None, :])).numpy()[0]
     np.testing.assert_allclose(values, expected, rtol=1e-5)
+
+
+async def test_the_slim_client_predicts_over_tls_and_fails_plaintext(
+    fabric: Fabric, fabric_ca: Authority
+) -> None:
+    """`inference_fabric_client.Client(tls=True, root_certificates=CA)` gets the same answer
+    over the gateway's TLS port; the same client without TLS is refused (UNAVAILABLE)."""
+    from inference_fabric_client import Client, FabricError
+
+    await eventually(lambda: live_workers(fabric.router) >= 1, timeout_s=30.0,
+                     message="router never saw the worker")  # fmt: skip
+    row = np.arange(4, dtype=np.float32)
+
+    def predict_tls() -> list[float] | None:
+        with Client(
+            fabric.gateway.address, tls=True, root_certificates=fabric_ca.ca_file, timeout_s=10
+        ) as client:
+            try:
+                (output,) = client.predict("affine", [row]).outputs
+            except FabricError as error:
+                # Only while the gateway's catalog catches up with the worker's model.
+                assert error.code in ("NOT_FOUND", "UNAVAILABLE"), error
+                return None
+            return [float(x) for x in np.asarray(output).reshape(-1)]
+
+    async def predicted() -> list[float] | None:
+        return await asyncio.to_thread(predict_tls)
+
+    output = await eventually(predicted, timeout_s=30.0, message=fabric.gateway.log())
+    expected = affine_reference(torch.from_numpy(row[None, :])).numpy()[0]
+    np.testing.assert_allclose(output, expected, rtol=1e-5)
+
+    def predict_plaintext() -> str:
+        with Client(fabric.gateway.address, timeout_s=5) as client:
+            try:
+                client.predict("affine", [row])
+            except FabricError as error:
+                return error.code
+        return "OK"
+
+    assert await asyncio.to_thread(predict_plaintext) == "UNAVAILABLE"
 
 
 async def test_internal_tiers_refuse_callers_without_a_fabric_certificate(

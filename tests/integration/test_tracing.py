@@ -3,6 +3,9 @@ redis-server, a real TorchScript model, spans caught by the SDK's in-memory expo
 
 from __future__ import annotations
 
+import io
+import json
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,6 +16,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from services.common.logs import JsonFormatter
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -96,3 +100,38 @@ async def test_invalid_request_ends_at_the_gateway_with_an_error_span(
         == (grpc.StatusCode.INVALID_ARGUMENT.value[0])
     )
     assert server_spans(spans, WORKER_INFER) == []
+
+
+async def test_a_calls_log_lines_carry_its_trace_and_request_ids(
+    fabric: Fabric, spans: InMemorySpanExporter
+) -> None:
+    """With the tiers' JSON log format at debug level, each call ends with an access line
+    that carries the caller's `x-request-id` and the call's trace id."""
+    lines = io.StringIO()
+    handler = logging.StreamHandler(lines)
+    handler.setFormatter(JsonFormatter("test"))
+    root = logging.getLogger()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    try:
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            await stub.Predict(
+                predict_request(4), metadata=(("x-request-id", "req-42"),), timeout=10
+            )
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.Predict(
+                    predict_request(3), metadata=(("x-request-id", "req-43"),), timeout=10
+                )
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+    records = [json.loads(line) for line in lines.getvalue().splitlines()]
+    access = {r["request_id"]: r for r in records if r["message"].startswith(PREDICT)}
+    (gateway_ok,) = [s for s in server_spans(spans, PREDICT) if s.status.is_ok]
+    assert access["req-42"]["message"].startswith(f"{PREDICT} OK ")
+    assert access["req-42"]["trace_id"] == format(gateway_ok.context.trace_id, "032x")
+    assert access["req-43"]["message"].startswith(f"{PREDICT} INVALID_ARGUMENT ")
+    assert access["req-42"]["level"] == "debug"

@@ -44,6 +44,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--timeout-s", type=float, default=60.0, help="per-call client timeout")
     parser.add_argument(
+        "--priority", type=int, default=0, help="Triton's `priority` request parameter (0: default)"
+    )
+    parser.add_argument(
+        "--server-timeout-us",
+        type=int,
+        default=None,
+        help="Triton's `timeout` request parameter, microseconds (the server's own deadline)",
+    )
+    parser.add_argument(
         "--generate",
         metavar="SAMPLING_JSON",
         help="stream a generation (decoupled model) of the first text with these sampling "
@@ -100,6 +109,8 @@ def infer(client, args: argparse.Namespace, headers: dict | None):
         outputs=[grpcclient.InferRequestedOutput(OUTPUT_NAME)],
         headers=headers,
         client_timeout=args.timeout_s,
+        priority=args.priority,
+        timeout=args.server_timeout_us,
     )
 
 
