@@ -46,6 +46,13 @@ class FingerprintMismatch(ServingError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ModelLoadFailed(ServingError):
+    """A model version in the repository does not load (corrupt or incompatible files). Fix
+    the repository, then load again; the versions already served keep serving."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Overloaded(ServingError):
     """Queue full, quota exceeded or the deadline cannot be met. Retry after `retry_after_s`."""
 

@@ -56,6 +56,7 @@ WORKER_ROW_COMPUTE_SECONDS = "inference_worker_row_compute_seconds"
 WORKER_ROW_LATENCY_SECONDS = "inference_worker_row_latency_seconds"
 WORKER_COMPUTE_SECONDS = "inference_worker_compute_seconds"
 WORKER_TENANT_COMPUTE_SECONDS_TOTAL = "inference_worker_tenant_compute_seconds_total"
+WORKER_TENANT_TOKENS_TOTAL = "inference_worker_tenant_tokens_total"
 WORKER_REJECTED_TOTAL = "inference_worker_rejected_total"
 WORKER_DROPPED_TOTAL = "inference_worker_dropped_total"
 WORKER_ROW_FAILURES_TOTAL = "inference_worker_row_failures_total"
@@ -92,3 +93,7 @@ JOBS_RETRIES_TOTAL = "inference_jobs_retries_total"
 # Rollout controller (services.rollout)
 ROLLOUT_CANARY_PERCENT = "inference_rollout_canary_percent"
 ROLLOUT_DECISIONS_TOTAL = "inference_rollout_decisions_total"
+#: Replicas the controller set on a canary pool's Deployment (services.rollout.cluster).
+ROLLOUT_CANARY_REPLICAS = "inference_rollout_canary_replicas"
+#: Ready pods of a canary pool at the controller's last look.
+ROLLOUT_POOL_READY_PODS = "inference_rollout_pool_ready_pods"

@@ -68,3 +68,12 @@ def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages."""
     with open("/proc/loadavg") as loadavg:
         return [float(v) for v in loadavg.read().split()[:3]]
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give new allocations without swapping (MemAvailable)."""
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")

@@ -54,6 +54,7 @@ class ModelCatalog:
             self._configs[version.config.name] = version.config
             self._encoders[(version.config.name, version.version)] = new_encoder(version)
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
+        self._load_failures: dict[tuple[str, str], list[pb.LoadFailure]] = {}
         self._rng = rng or random.Random()
         self._seeds = {
             name: ModelRouting(dict(c.labels), dict(c.traffic)) for name, c in self._configs.items()
@@ -82,9 +83,22 @@ class ModelCatalog:
         self._routing[name] = routing
         return True
 
-    def update_served(self, versions: Sequence[pb.ModelVersionInfo]) -> None:
-        """Replaces the fleet view (what the router says live workers serve)."""
+    def update_served(
+        self,
+        versions: Sequence[pb.ModelVersionInfo],
+        load_failures: Sequence[pb.LoadFailure] = (),
+    ) -> None:
+        """Replaces the fleet view (what the router says live workers serve, and which
+        versions they failed to load)."""
         self._served = {(v.model_name, v.model_version): v for v in versions}
+        failures: dict[tuple[str, str], list[pb.LoadFailure]] = {}
+        for failure in load_failures:
+            failures.setdefault((failure.model_name, failure.model_version), []).append(failure)
+        self._load_failures = failures
+
+    def load_failures(self, name: str, version: str) -> list[pb.LoadFailure]:
+        """The live workers' failures to load one version (empty if none failed)."""
+        return self._load_failures.get((name, version), [])
 
     def worker_times(self, name: str, version: str) -> WorkerTimes:
         """The live workers' cumulative batcher figures for one version (zeros if unserved)."""

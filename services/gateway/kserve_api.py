@@ -56,6 +56,9 @@ EXTENSIONS = (
     # KServe v2 REST's binary tensor data (the gateway's HTTP port; gRPC has raw contents).
     "binary_tensor_data",
 )
+#: Longest a RepositoryModelLoad waits for the fleet to serve the model (less with a tighter
+#: caller deadline): warm-up of a large model takes tens of seconds.
+LOAD_WAIT_S = 120.0
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",
     "INT32": "int_contents",
@@ -186,9 +189,11 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self, request: kserve.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> kserve.RepositoryModelLoadResponse:
         """Asks every worker whose pool has the model to load all its versions (admin only);
-        answers once the desired state is written: workers converge within about 1-2 s."""
+        answers once the fleet serves them, or FAILED_PRECONDITION with the load errors."""
         control = self._repository_control("RepositoryModelLoad")
-        await control.set_state(request.model_name, ModelState.LOADED)
+        remaining_s = context.time_remaining()
+        timeout_s = LOAD_WAIT_S if remaining_s is None else min(LOAD_WAIT_S, remaining_s - 0.5)
+        await control.load(request.model_name, timeout_s=max(0.0, timeout_s))
         return kserve.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(

@@ -2,17 +2,20 @@
 RepositoryModelUnload, for admin keys only.
 
 Load and unload write the model's desired state into `<prefix>:repository`
-(services.common.repository_state) with a revision one above the hash's highest, and answer
-once it is written: they do not wait for the fleet. Every worker reads that hash about once a
-second and converges (services.gpu_worker.repository_follower), so a change is served (or no
-longer served) within about 1-2 s plus one load or drain; the gateway's catalog, refreshed
-from the router, follows on its next refresh. Two gateways writing at once may give two writes
+(services.common.repository_state) with a revision one above the hash's highest. Every worker
+reads that hash about once a second and converges (services.gpu_worker.repository_follower), so
+a change is served (or no longer served) within about 1-2 s plus one load or drain; the
+gateway's catalog, refreshed from the router, follows on its next refresh. A load then waits,
+as Triton's does, until the fleet serves the model's versions, or answers FAILED_PRECONDITION
+with the workers' load errors (a corrupt version), while the versions already served keep
+serving; an unload answers once written. Two gateways writing at once may give two writes
 the same revision; the one written last wins.
 
 Versions added to the volume after start: the gateway handling a load re-reads its repository
 before writing; every gateway does when it sees a new revision (within FOLLOW_PERIOD_S). The
 index lists every version of every model in this gateway's repository: READY while at
-least one live worker serves it, UNAVAILABLE otherwise, with the desired state as the reason.
+least one live worker serves it, UNAVAILABLE otherwise, with the desired state and any
+worker's load error as the reason.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from services.common.errors import InvalidInput, Unavailable
+from services.common.errors import InvalidInput, ModelLoadFailed, Unavailable
 from services.common.model_repository import ModelConfigError, load_repository
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -38,12 +42,15 @@ from services.common.repository_state import (
 from services.gateway.catalog import ModelCatalog, new_encoder
 from services.gateway.config import GatewayConfig
 from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 READY, UNAVAILABLE = "READY", "UNAVAILABLE"
 #: Seconds between reads of the desired state (for versions new to the volume).
 FOLLOW_PERIOD_S = 1.0
+#: Seconds between looks at the fleet view while a load waits for its outcome.
+LOAD_POLL_S = 0.2
 
 
 def start_repository_control(
@@ -150,6 +157,47 @@ class RepositoryControl:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
         return entry
 
+    async def load(self, model_name: str, *, timeout_s: float) -> None:
+        """Writes the model's LOADED state and waits, as Triton's load does, until live
+        workers serve every version of it in the repository. Raises ModelLoadFailed as soon as
+        a worker reports a version it failed to load (a failure already reported before this
+        call counts only once `timeout_s` passes: a worker retrying the same files fails the
+        same way), and Unavailable when nothing is decided within `timeout_s` (no live worker
+        has the model in its pool, or loading takes longer: the fleet keeps converging)."""
+        name = self._catalog.config(model_name).name
+        reported_before = {_failure_key(f) for f in self._failures(name)}
+        await self.set_state(name, ModelState.LOADED)
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            wanted = set(self._catalog.repository_versions(name))
+            served = {v.model_version for v in self._catalog.served_versions(name)}
+            if wanted <= served:
+                return
+            failures = [f for f in self._failures(name) if f.model_version not in served]
+            fresh = [f for f in failures if _failure_key(f) not in reported_before]
+            if fresh or (failures and time.monotonic() >= deadline_s):
+                raise ModelLoadFailed(
+                    f"{name}: "
+                    + "; ".join(
+                        f"version {f.model_version} failed to load on {f.worker_id}: {f.error}"
+                        for f in fresh or failures
+                    )
+                )
+            if time.monotonic() >= deadline_s:
+                missing = ", ".join(sorted(wanted - served, key=int))
+                raise Unavailable(
+                    f"{name}: version(s) {missing} not served by any live worker within "
+                    f"{timeout_s:.0f} s; workers whose pool has the model keep converging"
+                )
+            await asyncio.sleep(LOAD_POLL_S)
+
+    def _failures(self, name: str) -> list[pb.LoadFailure]:
+        return [
+            f
+            for version in self._catalog.repository_versions(name)
+            for f in self._catalog.load_failures(name, version)
+        ]
+
     async def index(self, *, is_ready_only: bool) -> kserve.RepositoryIndexResponse:
         """Every version in the repository with its state in the fleet (READY versions only
         with `is_ready_only`)."""
@@ -162,12 +210,22 @@ class RepositoryControl:
                 state = READY if version in served else UNAVAILABLE
                 if is_ready_only and state != READY:
                     continue
+                reason = _reason(desired.get(name))
+                failures = self._catalog.load_failures(name, version)
+                if failures:
+                    reason += "; " + "; ".join(
+                        f"failed to load on {f.worker_id}: {f.error}" for f in failures
+                    )
                 models.append(
                     kserve.RepositoryIndexResponse.ModelIndex(
-                        name=name, version=version, state=state, reason=_reason(desired.get(name))
+                        name=name, version=version, state=state, reason=reason
                     )
                 )
         return kserve.RepositoryIndexResponse(models=models)
+
+
+def _failure_key(failure: pb.LoadFailure) -> tuple[str, str, str]:
+    return (failure.worker_id, failure.model_version, failure.error)
 
 
 def _reason(entry: DesiredState | None) -> str:

@@ -84,7 +84,7 @@ class Gateway:
         while True:
             try:
                 listing = await list_models(pb.ListWorkerModelsRequest(), timeout=2.0)
-                self.catalog.update_served(listing.versions)
+                self.catalog.update_served(listing.versions, listing.load_failures)
                 if not is_serving:
                     is_serving = True
                     await set_serving(self.health, SERVICE_NAMES, SERVING)

@@ -1,6 +1,8 @@
 """Hot load and unload: one model version enters or leaves a worker while it serves the rest.
 
-Load: weights are read off the event loop (a daemon thread), the version is warmed up where it
+Load: a version whose weights would not fit in the free memory is refused first
+(services.gpu_worker.memory_budget), so a load never takes the serving versions down with it.
+Then weights are read off the event loop (a daemon thread), the version is warmed up where it
 will run (fixed-cost versions on the batching driver's executor thread, between batches;
 generation versions on their engine's step thread before the engine starts), and only then
 does it join `LoadedModels`, which the servicer resolves from and the next registry heartbeat
@@ -30,6 +32,7 @@ from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.loaded_models import LoadedModels, LoadFailure, load_version, one_line
+from services.gpu_worker.memory_budget import check_fits, free_memory_bytes, weights_bytes
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,8 @@ class ModelSwapper:
         """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
         label = f"{version.config.name}/{version.version}"
         try:
+            weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
+            check_fits(weights=weights, free=free_memory_bytes(self._device), device=self._device)
             model = await in_daemon_thread(
                 lambda: load_version(version, self._device, self._generation_metrics)
             )

@@ -15,7 +15,8 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _MODEL = ("model", "version")
 _BUCKET = (*_MODEL, "bucket")
 #: Tenants labelled by name, in the order first seen; later ones share `OTHER_TENANT`. The
-#: gateway has already folded tenants outside its configuration into "other".
+#: worker cannot see the gateways' tenant configuration, so this bound is its own: the first
+#: 64 tenants seen keep their names.
 MAX_LABELLED_TENANTS = 64
 OTHER_TENANT = "other"
 
@@ -40,6 +41,12 @@ class WorkerMetrics:
             names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL,
             "Executor seconds spent on each tenant's rows (a batch's compute split evenly over "
             "its rows): the fair-share ledger's measure, as served.",
+            ("tenant",),
+        )
+        self.tenant_tokens_total = new.counter(
+            names.WORKER_TENANT_TOKENS_TOTAL,
+            "Tokens computed for each tenant's generations (prompt and generated): the "
+            "generation scheduler's fair-share measure, as served.",
             ("tenant",),
         )
         self._tenant_labels: set[str] = set()
@@ -160,6 +167,13 @@ class WorkerMetrics:
         self.queue_depth = new.gauge(
             names.WORKER_QUEUE_DEPTH, "Rows queued and not yet dispatched.", _MODEL
         )
+
+    def charge_tenant(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None:
+        """Records executor time (and, for generation, tokens) spent on `tenant`'s work."""
+        label = self.tenant_label(tenant)
+        self.tenant_compute_seconds_total.labels(label).inc(compute_s)
+        if num_tokens:
+            self.tenant_tokens_total.labels(label).inc(num_tokens)
 
     def tenant_label(self, tenant: str) -> str:
         """The bounded label value of `tenant`."""

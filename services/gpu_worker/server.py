@@ -374,7 +374,9 @@ async def create_worker(config: WorkerConfig) -> Worker:
     metrics = WorkerMetrics(registry)
     return Worker(
         generation_metrics=GenerationMetrics(
-            registry, watchdog_expired_total=metrics.watchdog_expired_total
+            registry,
+            watchdog_expired_total=metrics.watchdog_expired_total,
+            charge_tenant=metrics.charge_tenant,
         ),
         config=config,
         server=server,

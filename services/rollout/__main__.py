@@ -6,10 +6,17 @@
     python -m services.rollout routing reset minilm
     python -m services.rollout canary minilm --version 2 --metrics-url http://w1:8202/metrics \
         [--steps 1,5,25,50,100] [--hold-s 60] [--dry-run]
+    python -m services.rollout canary minilm --version 2 --namespace fabric \
+        --canary-deployment gpu-worker-minilm-canary --canary-replicas 2 \
+        --stable-deployment gpu-worker-minilm [--scale-down-on-rollback] [--dry-run]
 
 `canary` steps the canary's traffic share, judges each step from the workers' metrics
 (services.rollout.policy) and promotes or rolls back by itself; it exits 0 on promotion, 1 on
-rollback.
+rollback, 2 when it could not run (bad arguments, no stable label, the cluster refused or the
+canary pool never became ready). With `--canary-deployment` it first scales that Deployment
+and waits for its pods to be Ready (services.rollout.cluster: the in-cluster service account,
+else the kubeconfig, else `--kube-api-url`), and scrapes the ready pods of both pools, so
+`--metrics-url` is then optional.
 
 Connects as Redis user `admin` (`--redis-password-file`, or credentials in the URL). Every
 gateway applies a change within about half a second (services.gateway.routing_sync).
@@ -23,7 +30,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -34,7 +41,11 @@ from services.common.registry_schema import connect
 from services.rollout.controller import CanaryRollout, RolloutMetrics, describe_plan
 from services.rollout.health import scrape
 from services.rollout.policy import Decision, Plan
+from services.rollout.pool import ClusterError, PoolConfig
 from services.rollout.routing_store import Change, RoutingStore
+
+if TYPE_CHECKING:
+    from services.rollout.cluster import CanaryPool
 
 
 def _pairs(values: list[str]) -> dict[str, str]:
@@ -100,6 +111,21 @@ def add_canary_parser(commands: Any) -> None:
     canary.add_argument("--check-period-s", type=float, default=5.0)
     canary.add_argument("--metrics-port", type=int, default=-1, help="serve /metrics (-1: off)")
     canary.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    pools = canary.add_argument_group("Kubernetes worker pools (the `rollout` extra)")
+    pools.add_argument("--namespace", default="default", help="the pools' namespace")
+    pools.add_argument("--canary-deployment", help="Deployment of the canary's workers")
+    pools.add_argument("--stable-deployment", help="Deployment of stable's workers (scraped)")
+    pools.add_argument(
+        "--canary-replicas", type=int, help="scale the canary pool to this first (default: keep)"
+    )
+    pools.add_argument("--ready-timeout-s", type=float, default=600.0)
+    pools.add_argument("--pool-poll-s", type=float, default=2.0, help="pod listing period")
+    pools.add_argument(
+        "--scale-down-on-rollback", action="store_true", help="scale the canary pool to 0 then"
+    )
+    pools.add_argument(
+        "--kube-api-url", help="API server as is, no credentials (kubectl proxy; tests)"
+    )
 
 
 def plan_from(args: argparse.Namespace) -> Plan:
@@ -113,24 +139,70 @@ def plan_from(args: argparse.Namespace) -> Plan:
     )
 
 
+def pool_config_from(args: argparse.Namespace) -> PoolConfig | None:
+    """The canary pool's settings, None without `--canary-deployment`."""
+    if args.canary_deployment is None:
+        pool_only = {
+            "--stable-deployment": args.stable_deployment is not None,
+            "--canary-replicas": args.canary_replicas is not None,
+            "--scale-down-on-rollback": args.scale_down_on_rollback,
+        }
+        if given := [flag for flag, is_given in pool_only.items() if is_given]:
+            raise ValueError(f"{', '.join(given)}: needs --canary-deployment")
+        return None
+    return PoolConfig(
+        namespace=args.namespace,
+        canary_deployment=args.canary_deployment,
+        stable_deployment=args.stable_deployment,
+        num_canary_replicas=args.canary_replicas,
+        ready_timeout_s=args.ready_timeout_s,
+        poll_period_s=args.pool_poll_s,
+        is_scaled_down_on_rollback=args.scale_down_on_rollback,
+    )
+
+
 async def run_canary(args: argparse.Namespace, store: RoutingStore) -> int:
     plan = plan_from(args)
+    pool_config = pool_config_from(args)
+    registry = CollectorRegistry()
+    metrics = RolloutMetrics(registry)
+    if pool_config is None:
+        return await _run_canary(args, store, plan, metrics, pool=None)
+    # Imported here: only a rollout with a Kubernetes pool needs the `rollout` extra.
+    from services.rollout.cluster import CanaryPool, Deployments, api_client
+
+    with api_client(args.kube_api_url) as api:
+        pool = CanaryPool(Deployments(api, pool_config.namespace), pool_config, metrics)
+        return await _run_canary(args, store, plan, metrics, pool=pool)
+
+
+async def _run_canary(
+    args: argparse.Namespace,
+    store: RoutingStore,
+    plan: Plan,
+    metrics: RolloutMetrics,
+    *,
+    pool: CanaryPool | None,
+) -> int:
     if args.dry_run:
         routing = (await store.show())[args.model]
         print(describe_plan(plan, args.model, args.version, routing))
+        if pool is not None:
+            print(await pool.describe())
         return 0
-    if not args.metrics_url:
-        raise ValueError("--metrics-url: at least one worker's metrics endpoint is needed")
-    registry = CollectorRegistry()
+    if not args.metrics_url and pool is None:
+        raise ValueError("--metrics-url or --canary-deployment: no worker metrics to judge from")
     if args.metrics_port >= 0:
-        start_http_server(args.metrics_port, registry=registry)
+        start_http_server(args.metrics_port, registry=metrics.registry)
     rollout = CanaryRollout(
         store,
         args.model,
         args.version,
         plan,
-        snapshot=lambda: scrape(args.metrics_url, args.model),
-        metrics=RolloutMetrics(registry),
+        scrape=lambda urls: scrape(urls, args.model),
+        metrics=metrics,
+        metrics_urls=tuple(args.metrics_url),
+        pool=pool,
         check_period_s=args.check_period_s,
     )
     decision = await rollout.run()
@@ -180,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return asyncio.run(run(args))
-    except ValueError as error:
+    except (ValueError, ClusterError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
 

@@ -5,14 +5,20 @@ Every step and verdict is logged and counted (`inference_rollout_canary_percent{
 `inference_rollout_decisions_total{model,decision}`). Rollback sends all traffic back to
 `stable` (weight 0 for `canary`, its label kept for inspection); promotion moves `stable` to
 the canary's version and drops the `canary` label.
+
+With a `pool` (services.rollout.cluster in a Kubernetes cluster), the canary's worker pool is
+made ready before the first step, its pods' metrics endpoints join the ones given by hand, and
+a rollback releases the pool. Promotion leaves the pools as they are: the canary's pool now
+serves stable's version, and which pool to keep is an operator's choice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +27,7 @@ from services.common.model_routing import ModelRouting
 from services.common.telemetry import MetricFactory
 from services.rollout.health import Snapshot, health_between
 from services.rollout.policy import Decision, Plan, Verdict, judge
+from services.rollout.pool import ClusterError
 from services.rollout.routing_store import RoutingStore
 
 log = logging.getLogger(__name__)
@@ -28,6 +35,7 @@ log = logging.getLogger(__name__)
 
 class RolloutMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         new = MetricFactory(registry)
         self.canary_percent = new.gauge(
             names.ROLLOUT_CANARY_PERCENT, "Canary's share of the model's traffic now.", ("model",)
@@ -35,6 +43,25 @@ class RolloutMetrics:
         self.decisions_total = new.counter(
             names.ROLLOUT_DECISIONS_TOTAL, "Step verdicts, by decision.", ("model", "decision")
         )
+        self.canary_replicas = new.gauge(
+            names.ROLLOUT_CANARY_REPLICAS, "Replicas set on the canary pool.", ("deployment",)
+        )
+        self.pool_ready_pods = new.gauge(
+            names.ROLLOUT_POOL_READY_PODS, "Ready pods of the canary pool.", ("deployment",)
+        )
+
+
+class Pool(Protocol):
+    """The canary's worker pool in a cluster (services.rollout.cluster.CanaryPool)."""
+
+    async def prepare(self) -> tuple[str, ...]:
+        """Makes the pool ready to take traffic; the metrics endpoints to judge from. Raises
+        ClusterError when it cannot."""
+        ...
+
+    async def release(self) -> None:
+        """After a rollback, or a pool that never became ready."""
+        ...
 
 
 @dataclass
@@ -43,38 +70,57 @@ class CanaryRollout:
     model: str
     canary_version: int
     plan: Plan
-    #: One cumulative snapshot of the model's per-version metrics.
-    snapshot: Callable[[], Awaitable[Snapshot]]
+    #: One cumulative snapshot of the model's per-version metrics from these endpoints.
+    scrape: Callable[[Sequence[str]], Awaitable[Snapshot]]
     metrics: RolloutMetrics
+    #: Workers' /metrics given by hand (`--metrics-url`); the pool's are added to them.
+    metrics_urls: tuple[str, ...] = ()
+    pool: Pool | None = None
     #: How often a step in progress is checked for an early rollback, seconds.
     check_period_s: float = 5.0
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
 
     async def run(self) -> Decision:
         """Runs the plan to PROMOTE or ROLLBACK. Raises ValueError if the model has no
-        `stable` label or the canary version is unknown (nothing is changed then)."""
+        `stable` label, the canary version is unknown or there is no metrics endpoint, and
+        ClusterError if the pool cannot be made ready (the routing is unchanged then)."""
         routing = (await self.store.show())[self.model]
         if "stable" not in routing.labels:
             raise ValueError(f"model {self.model!r} has no stable label to compare with")
         stable = str(routing.labels["stable"])
+        if not self.store.has_version(self.model, self.canary_version):
+            raise ValueError(f"model {self.model!r} has no version {self.canary_version}")
+        # The endpoints are fixed for the whole rollout: a snapshot sums over them, and two
+        # sums over different sets of workers would not subtract.
+        urls = self.metrics_urls
+        if self.pool is not None:
+            try:
+                urls = (*urls, *await self.pool.prepare())
+            except ClusterError:
+                await self.pool.release()
+                raise
+        if not urls:
+            raise ValueError("no worker metrics endpoint to judge from")
         for step, percent in enumerate(self.plan.steps):
             await self._set_share(percent)
-            verdict = await self._run_step(step, stable)
+            verdict = await self._run_step(step, stable, urls)
             if verdict.decision is Decision.ROLLBACK:
                 await self._set_share(0.0)
+                if self.pool is not None:
+                    await self.pool.release()
                 return verdict.decision
         await self.store.change(self.model, self._promoted)
         self.metrics.canary_percent.labels(self.model).set(0)
         log.info("%s: promoted version %d to stable", self.model, self.canary_version)
         return Decision.PROMOTE
 
-    async def _run_step(self, step: int, stable: str) -> Verdict:
-        before = await self.snapshot()
+    async def _run_step(self, step: int, stable: str, urls: Sequence[str]) -> Verdict:
+        before = await self.scrape(urls)
         holds, waited_s = 0, 0.0
         while True:
             await self.sleep(self.check_period_s)
             waited_s += self.check_period_s
-            after = await self.snapshot()
+            after = await self.scrape(urls)
             canary = health_between(before, after, str(self.canary_version))
             baseline = health_between(before, after, stable)
             final = waited_s >= self.plan.hold_s * (holds + 1)

@@ -33,6 +33,11 @@ class RoutingStore:
                 dict(version.config.labels), dict(version.config.traffic)
             )
 
+    def has_version(self, model: str, version: int) -> bool:
+        """Whether the repository has this version of the model: a rollout checks before it
+        changes anything (a cluster's worker pool included)."""
+        return version in self._versions.get(model, set())
+
     async def show(self) -> dict[str, ModelRouting]:
         """Every repository model's routing in force (stored, else the seed)."""
         stored = await self._client.hgetall(self._key)

@@ -14,7 +14,8 @@ from services.router.routing import RouteTable
 
 
 class Catalog:
-    """Answers ListModels with every version some live worker serves."""
+    """Answers ListModels with every version some live worker serves, and the versions live
+    workers failed to load."""
 
     def __init__(self, table: RouteTable) -> None:
         self._table = table
@@ -39,7 +40,16 @@ class Catalog:
                     totals=_totals(m for _, m in served),
                 )
             )
-        return pb.ListWorkerModelsResponse(versions=versions, device="router")
+        failures = [
+            pb.LoadFailure(
+                model_name=f.name, model_version=f.version, worker_id=w.worker_id, error=f.error
+            )
+            for w in self._table.live_workers(time.monotonic())
+            for f in w.failed
+        ]
+        return pb.ListWorkerModelsResponse(
+            versions=versions, device="router", load_failures=failures
+        )
 
 
 def _totals(models: Iterable[ModelRecord]) -> pb.BatcherTotals:

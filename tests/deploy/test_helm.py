@@ -2,8 +2,10 @@
 `helm lint --strict` is clean; the default values install on a vanilla cluster (no Secrets to
 create first, no Prometheus Operator, no GPUs, no TLS material); the Secrets the chart makes are
 ones the tiers accept; ServiceMonitors only where their CRD is served; no replicas field where
-an HPA owns the count; values.schema.json refuses a wrong type; NOTES.txt says how to reach the
-gateway and shouts when auth or TLS is off.
+an HPA owns the count; worker pools (workerPools) on a vanilla cluster; the model repository
+from a claim or an init container, mounted where the tiers read it; values.schema.json refuses a
+wrong type; NOTES.txt says how to reach the gateway, waits for each pool and shouts when auth or
+TLS is off. (Pools with values-prod.yaml against the kustomize pools overlay: test_pools.py.)
 
 Rendered with `.tools/helm` (`make .tools/helm`) and validated strictly with kubernetes-validate.
 """
@@ -28,6 +30,7 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = REPO_ROOT / "deploy" / "helm" / "inference-fabric"
 PROD_VALUES = CHART_DIR / "values-prod.yaml"
+POOLS_VALUES = CHART_DIR / "values-pools.yaml"
 HELM = REPO_ROOT / ".tools" / "helm"
 KUBE_VERSION = "1.32.0"
 RELEASE = "fabric"
@@ -110,9 +113,11 @@ def validate_strictly(objects: Objects) -> None:
 # -- lint and schema -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("values", [None, PROD_VALUES], ids=["defaults", "prod"])
-def test_helm_lint_strict_is_clean(values: Path | None) -> None:
-    extra = ["-f", str(values)] if values else []
+@pytest.mark.parametrize(
+    "values", [(), (PROD_VALUES,), (PROD_VALUES, POOLS_VALUES)], ids=["defaults", "prod", "pools"]
+)
+def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
+    extra = [arg for path in values for arg in ("-f", str(path))]
     result = helm("lint", "--strict", str(CHART_DIR), *extra)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "0 chart(s) failed" in result.stdout
@@ -129,9 +134,14 @@ def test_helm_lint_strict_is_clean(values: Path | None) -> None:
         ({"gateway": {"grpcPort": 70000}}, "gateway.grpcPort"),
         ({"registryPrefix": "fab ric"}, "registryPrefix"),
         ({"auth": {"secretName": "gateway-api-keys"}}, "secretName"),
+        ({"workerPools": [{"name": "MiniLM", "models": ["minilm"]}]}, "workerPools.0.name"),
+        ({"workerPools": [{"name": "minilm", "models": "minilm"}]}, "workerPools.0.models"),
+        ({"workerPools": [{"name": "minilm", "models": []}]}, "workerPools.0.models"),
+        ({"modelRepository": {"source": "s3"}}, "modelRepository.source"),
     ],
     ids=["string-for-int", "string-for-bool", "int-for-string", "fraction-gpu", "port-range",
-         "prefix-pattern", "unknown-key"],
+         "prefix-pattern", "unknown-key", "pool-name-pattern", "string-for-models",
+         "pool-without-models", "repository-source"],
 )  # fmt: skip
 def test_schema_refuses_wrong_values(
     values: dict[str, Any], complaint: str, tmp_path: Path
@@ -213,6 +223,16 @@ def test_chart_made_api_key_authenticates_as_its_tenant(defaults: Objects, tmp_p
     assert env_values(main_container(gateway))["GATEWAY_API_KEYS_FILE"].endswith("/api-keys.toml")
 
 
+def test_defaults_run_one_worker_for_every_model_from_the_image(defaults: Objects) -> None:
+    worker = deployments(defaults)["gpu-worker"]
+    assert worker["metadata"]["name"] == f"{RELEASE}-gpu-worker"
+    assert "WORKER_MODELS" not in env_values(main_container(worker)), "every model"
+    for deployment in deployments(defaults).values():
+        assert "initContainers" not in pod_spec(deployment)
+        volumes = {v["name"] for v in pod_spec(deployment)["volumes"]}
+        assert "model-repository" not in volumes, "the repository is the image's"
+
+
 def test_existing_secrets_are_used_and_not_created() -> None:
     objects = render("--set", "auth.existingSecret=keys", "--set", "redisAuth.existingSecret=acl")
     assert not of_kind(objects, "Secret")
@@ -248,6 +268,115 @@ def test_no_replicas_field_where_an_hpa_owns_the_count(tier: str) -> None:
     validate_strictly(objects)
 
 
+# -- worker pools and the model repository ------------------------------------------------------
+
+POOLS = ("--set", "workerPools[0].name=embed", "--set", "workerPools[0].models={minilm}",
+         "--set", "workerPools[1].name=generate", "--set", "workerPools[1].models={tiny-llama}",
+         "--set", "workerPools[1].replicas=3")  # fmt: skip
+INIT = ("--set", "modelRepository.source=init", "--set", "modelRepository.init.image=fetch:1",
+        "--set", "modelRepository.init.command={sh,-c,fetch-models}")  # fmt: skip
+
+
+def workers(objects: Objects) -> dict[str, dict[str, Any]]:
+    """The worker Deployments by pool label ("" for the single worker)."""
+    return {
+        d["metadata"]["labels"].get("inference-fabric/pool", ""): d
+        for d in deployments_of(objects, "gpu-worker")
+    }
+
+
+def deployments_of(objects: Objects, component: str) -> Objects:
+    return [
+        d
+        for d in of_kind(objects, "Deployment")
+        if d["metadata"]["labels"]["app.kubernetes.io/component"] == component
+    ]
+
+
+def test_worker_pools_on_a_vanilla_cluster_keep_replicas_and_models() -> None:
+    """Without HPAs, each pool has its own replicas (its own, else worker.replicas)."""
+    objects = render(*POOLS)
+    found = workers(objects)
+    assert set(found) == {"embed", "generate"}
+    assert found["embed"]["spec"]["replicas"] == 1 and found["generate"]["spec"]["replicas"] == 3
+    assert env_values(main_container(found["embed"]))["WORKER_MODELS"] == "minilm"
+    assert env_values(main_container(found["generate"]))["WORKER_MODELS"] == "tiny-llama"
+    assert not of_kind(objects, "HorizontalPodAutoscaler")
+    validate_strictly(objects)
+
+
+def test_duplicate_pool_names_are_refused() -> None:
+    result = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
+                  *POOLS, "--set", "workerPools[1].name=embed")  # fmt: skip
+    assert result.returncode != 0
+    assert 'two pools are named "embed"' in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        (("--set", "modelRepository.source=pvc"), "modelRepository.pvc.claimName"),
+        (("--set", "modelRepository.source=init"), "modelRepository.init.image and .command"),
+    ],
+    ids=["pvc-without-claim", "init-without-image"],
+)
+def test_model_repository_source_needs_its_settings(
+    values: tuple[str, ...], complaint: str
+) -> None:
+    result = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION, *values)
+    assert result.returncode != 0
+    assert complaint in result.stderr, result.stderr
+
+
+def test_model_repository_from_a_claim_is_mounted_read_only_where_tiers_read_it() -> None:
+    objects = render(*POOLS, "--set", "modelRepository.source=pvc",
+                     "--set", "modelRepository.pvc.claimName=models",
+                     "--set", "modelRepository.pvc.subPath=v2")  # fmt: skip
+    for deployment in [*deployments_of(objects, "gateway"), *workers(objects).values()]:
+        spec = pod_spec(deployment)
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model-repository"]
+        assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+        container = main_container(deployment)
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model-repository"]
+        assert mount["readOnly"] is True and mount["subPath"] == "v2"
+        read_at = [v for k, v in env_values(container).items() if k.endswith("_MODEL_REPOSITORY")]
+        assert read_at == [mount["mountPath"]], deployment["metadata"]["name"]
+    validate_strictly(objects)
+
+
+def test_model_repository_from_an_init_container() -> None:
+    """The init container fills an emptyDir at the repository path (told its role and the
+    pool's models), locked down like every container; the tier then mounts it read-only."""
+    objects = render(*POOLS, *INIT)
+    pods = {"gateway": deployments_of(objects, "gateway")[0], **workers(objects)}
+    for name, deployment in pods.items():
+        spec = pod_spec(deployment)
+        (volume,) = [v for v in spec["volumes"] if v["name"] == "model-repository"]
+        assert set(volume) == {"name", "emptyDir"}, name
+        container = main_container(deployment)
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model-repository"]
+        assert mount["readOnly"] is True, name
+        read_at = [v for k, v in env_values(container).items() if k.endswith("_MODEL_REPOSITORY")]
+        assert read_at == [mount["mountPath"]], name
+
+        (init,) = spec["initContainers"]
+        assert init["image"] == "fetch:1" and init["command"] == ["sh", "-c", "fetch-models"]
+        (writes,) = [m for m in init["volumeMounts"] if m["name"] == "model-repository"]
+        assert writes["mountPath"] == mount["mountPath"] and not writes.get("readOnly"), name
+        env = env_values(init)
+        assert env["MODEL_REPOSITORY"] == mount["mountPath"], name
+        assert env["FABRIC_ROLE"] == ("gateway" if name == "gateway" else "worker"), name
+        pool_models = {"gateway": "", "embed": "minilm", "generate": "tiny-llama"}
+        assert env["FABRIC_MODELS"] == pool_models[name], name
+        security = init["securityContext"]
+        assert security["readOnlyRootFilesystem"] is True, name
+        assert security["allowPrivilegeEscalation"] is False, name
+        assert security["capabilities"]["drop"] == ["ALL"], name
+        for kind in ("requests", "limits"):
+            assert {"cpu", "memory"} <= set(init["resources"][kind]), name
+    validate_strictly(objects)
+
+
 # -- NOTES.txt -------------------------------------------------------------------------------------
 
 
@@ -276,6 +405,7 @@ def render_notes(tmp_path: Path, *extra: str) -> str:
 def test_notes_tell_how_to_reach_the_gateway_and_shout_when_tls_is_off(tmp_path: Path) -> None:
     notes = render_notes(tmp_path)
     assert f"port-forward svc/{RELEASE}-gateway 8001 8000" in notes
+    assert f"rollout status deploy/{RELEASE}-gpu-worker   # workers load models" in notes
     assert f"get secret {RELEASE}-gateway-api-keys -o jsonpath='{{.data.api-key}}'" in notes
     assert "WARNING: TLS IS OFF" in notes
     assert "AUTHENTICATION IS OFF" not in notes
@@ -286,6 +416,15 @@ def test_notes_shout_when_auth_is_off(tmp_path: Path) -> None:
     notes = render_notes(tmp_path, "--set", "auth.enabled=false")
     assert "WARNING: AUTHENTICATION IS OFF" in notes
     assert "api-key" not in notes
+
+
+def test_notes_wait_for_each_worker_pool(tmp_path: Path) -> None:
+    notes = render_notes(tmp_path, *POOLS, "--set", "modelRepository.source=pvc",
+                         "--set", "modelRepository.pvc.claimName=models")  # fmt: skip
+    assert f"rollout status deploy/{RELEASE}-gpu-worker-embed" in notes
+    assert f"rollout status deploy/{RELEASE}-gpu-worker-generate" in notes
+    assert f"deploy/{RELEASE}-gpu-worker " not in notes
+    assert "PersistentVolumeClaim models" in notes
 
 
 def test_notes_are_quiet_in_prod(tmp_path: Path) -> None:

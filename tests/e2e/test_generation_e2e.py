@@ -226,3 +226,45 @@ async def test_the_command_line_client_streams_a_generation(stack: Stack) -> Non
     assert chunks[-1]["finish_reason"] in ("length", "stop")
     assert chunks[-1]["completion_tokens"] == expected[-1].completion_tokens
     assert chunks[-1]["prompt_tokens"] == expected[-1].prompt_tokens
+
+
+async def test_model_statistics_count_generations_and_their_failures(stack: Stack) -> None:
+    """A generation is one request of one row in Triton's ModelStatistics (a decoupled model);
+    one refused at the gateway after its version resolved counts as a failure of that version.
+    The worker charges the caller's tenant the tokens it computed and their step time."""
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        kserve_stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        stats_request = kserve.ModelStatisticsRequest(name="tiny-llama")
+
+        async def statistics() -> kserve.ModelStatistics:
+            response = await kserve_stub.ModelStatistics(stats_request, timeout=10)
+            (stats,) = [s for s in response.model_stats if s.version == "1"]
+            return stats
+
+        before = await statistics()
+        worker_port = stack.workers[0].metrics_port
+        tokens_before = total(scrape(worker_port), names.WORKER_TENANT_TOKENS_TOTAL)
+        compute_before = total(scrape(worker_port), names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL)
+        stub = api_grpc.InferenceServiceStub(channel)
+        await asyncio.gather(
+            *(
+                stream(stub, generate_request("Once upon a time", max_tokens=4, ignore_eos=True))
+                for _ in range(3)
+            )
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stream(stub, generate_request("Once upon a time", max_tokens=10**6))
+        after = await statistics()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    success, fail = after.inference_stats.success, after.inference_stats.fail
+    assert success.count - before.inference_stats.success.count == 3
+    assert after.inference_count - before.inference_count == 3
+    assert fail.count - before.inference_stats.fail.count == 1
+    assert success.ns > before.inference_stats.success.ns
+    assert after.last_inference >= before.last_inference and after.last_inference > 0
+    # The worker charged the tenant for every prompt token and each decode step.
+    metrics = scrape(worker_port)
+    prompt_tokens = len("Once upon a time") + 1
+    tokens = total(metrics, names.WORKER_TENANT_TOKENS_TOTAL) - tokens_before
+    assert tokens == 3 * (prompt_tokens + 3), tokens
+    assert total(metrics, names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL) > compute_before

@@ -135,37 +135,83 @@ def test_rest_repository_routes_answer_admins_only(stack: Stack) -> None:
     assert post(stack, "/v2/repository/models/nope/load", ADMIN_KEY)[0] == 404
 
 
+class Traffic:
+    """`num_callers` loops of ModelInfer on affine until stopped: each answer's version, and
+    every failure."""
+
+    def __init__(self, stack: Stack, num_callers: int = 4) -> None:
+        self.versions: list[str] = []
+        self.failures: list[BaseException] = []
+        self._stack = stack
+        self._stop = asyncio.Event()
+        self._callers = [asyncio.ensure_future(self._loop()) for _ in range(num_callers)]
+
+    async def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.versions.append((await infer(self._stack)).model_version)
+            except grpc.aio.AioRpcError as error:
+                self.failures.append(error)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._callers)
+
+
 async def test_a_new_version_loads_while_traffic_runs_without_a_failed_request(
     stack: Stack, repo: Path
 ) -> None:
     """The issue's scenario: serve v1; put v2 on the volume; RepositoryModelLoad with the
-    stock client while traffic runs: v2 serves, no request fails, the index shows both."""
-    versions: list[str] = []
-    failures: list[BaseException] = []
-    stop = asyncio.Event()
-
-    async def traffic() -> None:
-        while not stop.is_set():
-            try:
-                versions.append((await infer(stack)).model_version)
-            except grpc.aio.AioRpcError as error:
-                failures.append(error)
-
+    stock client while concurrent traffic runs: the load answers once v2 serves, no request
+    fails, the index shows both."""
     assert (await infer(stack)).model_version == "1"
-    running = asyncio.ensure_future(traffic())
+    traffic = Traffic(stack)
     write_versioned_affine_model(repo, versions=(1, 2))  # v1 as it was; v2 is new
     loaded = await asyncio.to_thread(repository, stack, "load", ADMIN_KEY)
-    await eventually(lambda: versions[-1:] == ["2"], timeout_s=CONVERGE_S, message="v2 serving")
-    stop.set()
-    await running
     index = repository(stack, "index", ADMIN_KEY)["index"]
+    await eventually(
+        lambda: traffic.versions[-4:] == ["2"] * 4, timeout_s=CONVERGE_S, message="v2 serving"
+    )
+    await traffic.stop()
     assert loaded["status"] == "OK", loaded
-    assert not failures, failures[:3]
-    assert {"1", "2"} <= set(versions)
+    # The load answered once the fleet served v2: the index says so at once.
     assert {(m["name"], m["version"], m["state"]) for m in index} >= {
         ("affine", "1", "READY"),
         ("affine", "2", "READY"),
     }
+    assert not traffic.failures, traffic.failures[:3]
+    assert {"1", "2"} <= set(traffic.versions) and len(traffic.versions) >= 20
+
+
+async def test_a_corrupt_version_fails_its_load_clearly_and_the_served_ones_keep_serving(
+    stack: Stack, repo: Path
+) -> None:
+    """A version whose weights do not load: RepositoryModelLoad (stock client) answers
+    FAILED_PRECONDITION naming the version, the worker and the loader's error; traffic to
+    the served versions sees no error; the index reports the failure as the reason."""
+    write_versioned_affine_model(repo, versions=(1, 2))
+    assert repository(stack, "load", ADMIN_KEY)["status"] == "OK"
+    traffic = Traffic(stack)
+    corrupt = repo / "affine" / "3"
+    corrupt.mkdir(exist_ok=True)
+    (corrupt / "model.pt").write_bytes(b"these are not TorchScript weights")
+    try:
+        refused = await asyncio.to_thread(repository, stack, "load", ADMIN_KEY)
+        for _ in range(20):  # the served versions keep answering after the refusal too
+            await infer(stack)
+        index = repository(stack, "index", ADMIN_KEY)["index"]
+    finally:
+        await traffic.stop()
+        (corrupt / "model.pt").unlink()
+        corrupt.rmdir()
+    assert refused["status"] == "StatusCode.FAILED_PRECONDITION", refused
+    assert "version 3 failed to load on worker-0" in refused["message"], refused
+    assert not traffic.failures, traffic.failures[:3]
+    assert set(traffic.versions) <= {"1", "2"} and traffic.versions
+    states = {(m["name"], m["version"]): m for m in index}
+    assert states["affine", "3"]["state"] == "UNAVAILABLE"
+    assert "failed to load on worker-0" in states["affine", "3"]["reason"]
+    assert states["affine", "2"]["state"] == "READY"
 
 
 async def _not(ready: object) -> bool:

@@ -97,3 +97,28 @@ async def test_weights_set_at_runtime_reach_the_gateway_within_2_s(
             return {await version_served(stub) for _ in range(5)} == {"2"}
 
         await eventually(on_seed, timeout_s=2.0, interval_s=0.05)
+
+
+async def test_a_ten_percent_canary_set_at_runtime_gets_ten_percent_of_requests(
+    stack: Stack, repository: Path
+) -> None:
+    """stable=90, canary=10 written at runtime: 2 s later, 2,000 requests (no request id, so
+    each draws its version) split about 90/10: version 2's share within 3 points of 10%."""
+    rollout(stack, repository, "set", "affine", "--label", "stable=1", "--label", "canary=2",
+            "--traffic", "stable=90", "--traffic", "canary=10")  # fmt: skip
+    try:
+        await asyncio.sleep(2.0)
+        async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+
+            async def caller(num_requests: int) -> list[str]:
+                return [await version_served(stub) for _ in range(num_requests)]
+
+            served = [
+                v for vs in await asyncio.gather(*(caller(125) for _ in range(16))) for v in vs
+            ]
+    finally:
+        rollout(stack, repository, "reset", "affine")
+    assert len(served) == 2000 and set(served) == {"1", "2"}
+    canary_share = served.count("2") / len(served)
+    assert abs(canary_share - 0.10) <= 0.03, canary_share

@@ -178,6 +178,34 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
 
 
+async def test_a_version_larger_than_free_memory_is_refused_before_it_loads(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    """A version whose files (a sparse 1 TiB file beside a good model.pt: its apparent size is
+    what loading would read) cannot fit in the machine's memory is refused with the figures,
+    never read; the served versions keep answering."""
+    version_dir = tmp_path / "repo" / "affine" / "2"
+    write_versioned_affine_model(tmp_path / "good", versions=(2,))
+    version_dir.mkdir()
+    shutil.copy(tmp_path / "good" / "affine" / "2" / "model.pt", version_dir / "model.pt")
+    with open(version_dir / "padding.bin", "wb") as padding:
+        padding.truncate(1 << 40)
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+    reported = await eventually(
+        lambda: registered_failures(redis_server), timeout_s=CONVERGE_S, message="reported"
+    )
+    assert worker.models is not None
+    (failure,) = worker.models.failed
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        served = await listed(stub)
+        answer = await stub.Infer(request(), timeout=10)
+    assert reported == [("affine", "2")]
+    assert "not enough memory on cpu" in failure.error
+    assert "1048576 MiB of weights" in failure.error
+    assert ("affine", "2") not in served and answer.model_version == "1"
+
+
 async def _no_failures(redis_server: RedisServer) -> bool:
     return await registered_failures(redis_server) == []
 

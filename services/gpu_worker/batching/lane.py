@@ -164,8 +164,7 @@ class Lane:
         for item in dispatch.items:
             metrics.row_compute_seconds.labels(*labels).observe(compute_s)
             metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
-            tenant = metrics.tenant_label(item.tenant)
-            metrics.tenant_compute_seconds_total.labels(tenant).inc(row_share_s)
+            metrics.charge_tenant(item.tenant, compute_s=row_share_s)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)

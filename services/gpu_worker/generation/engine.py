@@ -55,6 +55,7 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     num_prompt_tokens: int
     arrival_s: float
+    tenant: str
     queue: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -239,6 +240,7 @@ class GenerationEngine:
             detokenizer=IncrementalDetokenizer(self.tokenizer),
             num_prompt_tokens=len(prompt_ids),
             arrival_s=now,
+            tenant=tenant,
         )
         self._requests[seq_id] = request
         return request
@@ -305,6 +307,7 @@ class GenerationEngine:
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
             self._metrics.step_seconds.labels(*self._labels).observe(step_s)
             self._metrics.step_tokens.labels(*self._labels).observe(output.num_batched_tokens)
+            self._charge_tenants(output.scheduled, step_s)
             try:
                 self._finish_step(output.scheduled, logits)
             except Exception as error:
@@ -312,6 +315,19 @@ class GenerationEngine:
                 # status, the loop and every other sequence go on.
                 log.exception("generation step could not be finished")
                 self._fail(output.scheduled, error)
+
+    def _charge_tenants(self, scheduled: Sequence[ScheduledSequence], step_s: float) -> None:
+        """Splits a step's time over its sequences' tenants by tokens computed (the fair-share
+        measure of generation), for the per-tenant compute metrics."""
+        charge = self._metrics.charge_tenant
+        num_tokens = sum(len(s.token_ids) for s in scheduled)
+        if charge is None or num_tokens == 0:
+            return
+        for item in scheduled:
+            request = self._requests.get(item.seq_id)
+            if request is not None:
+                share = len(item.token_ids) / num_tokens
+                charge(request.tenant, compute_s=step_s * share, num_tokens=len(item.token_ids))
 
     def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]

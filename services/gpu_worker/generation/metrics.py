@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
@@ -11,15 +13,25 @@ _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _MODEL = ("model", "version")
 
 
+class TenantCharge(Protocol):
+    def __call__(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None: ...
+
+
 class GenerationMetrics:
     def __init__(
-        self, registry: CollectorRegistry, *, watchdog_expired_total: Counter | None = None
+        self,
+        registry: CollectorRegistry,
+        *,
+        watchdog_expired_total: Counter | None = None,
+        charge_tenant: TenantCharge | None = None,
     ) -> None:
         """`watchdog_expired_total`: the worker's count of model calls past the executor
         watchdog (`WorkerMetrics`, whose registry this shares), which wedged generation steps
-        add to; None (an engine on its own) leaves them uncounted."""
+        add to; `charge_tenant`: the worker's per-tenant compute record
+        (`WorkerMetrics.charge_tenant`). None (an engine on its own) leaves them uncounted."""
         new = MetricFactory(registry)
         self.watchdog_expired_total = watchdog_expired_total
+        self.charge_tenant = charge_tenant
         self.ttft_seconds = new.histogram(
             names.GENERATION_TTFT_SECONDS,
             "From admission to the first generated token.",

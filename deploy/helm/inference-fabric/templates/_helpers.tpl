@@ -87,3 +87,105 @@ checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha
       - key: {{ .role }}-password
         path: password
 {{- end -}}
+
+{{/* Worker pools: each template ranges over `.Values.workerPools | default (list dict)`, where the
+one empty pool stands for today's single "<release>-gpu-worker" serving every model. */}}
+
+{{/* A worker pool's name suffix ("" for that unnamed pool); call with the pool. */}}
+{{- define "fabric.poolSuffix" -}}
+{{- with .name }}-{{ . }}{{ end -}}
+{{- end -}}
+
+{{/* A worker pool's selector labels: the tier's, plus inference-fabric/pool for a named pool,
+so no pool's selector reaches another's pods; call with (dict "root" $ "pool" $pool). */}}
+{{- define "fabric.workerSelectorLabels" -}}
+{{ include "fabric.selectorLabels" (dict "root" .root "component" "gpu-worker") }}
+{{- with .pool.name }}
+inference-fabric/pool: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Every label of a worker pool's objects; same call. */}}
+{{- define "fabric.workerLabels" -}}
+{{ include "fabric.labels" (dict "root" .root "component" "gpu-worker") }}
+{{- with .pool.name }}
+inference-fabric/pool: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* Where gateways and workers read the model repository (the image's; a volume mounted there
+hides it). */}}
+{{- define "fabric.modelRepositoryPath" -}}
+/app/models
+{{- end -}}
+
+{{/* The model repository's volume, for modelRepository.source pvc or init (nothing for image);
+call with $. */}}
+{{- define "fabric.modelRepositoryVolume" -}}
+{{- $repo := .Values.modelRepository -}}
+{{- if eq $repo.source "pvc" }}
+{{- if not $repo.pvc.claimName }}
+{{- fail "modelRepository.source=pvc needs modelRepository.pvc.claimName" }}
+{{- end }}
+- name: model-repository
+  persistentVolumeClaim:
+    claimName: {{ $repo.pvc.claimName }}
+    readOnly: true
+{{- else if eq $repo.source "init" }}
+- name: model-repository
+  emptyDir:
+    sizeLimit: {{ $repo.init.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{/* The main container's mount of that volume, read-only at the repository path; call with $. */}}
+{{- define "fabric.modelRepositoryMount" -}}
+{{- $repo := .Values.modelRepository -}}
+{{- if ne $repo.source "image" }}
+- name: model-repository
+  mountPath: {{ include "fabric.modelRepositoryPath" . }}
+  readOnly: true
+  {{- if and (eq $repo.source "pvc") $repo.pvc.subPath }}
+  subPath: {{ $repo.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* For modelRepository.source=init: the init container that fills the repository volume
+before the tier starts; call with (dict "root" $ "role" "gateway"|"worker" "models" list). It
+is told where (MODEL_REPOSITORY), for whom (FABRIC_ROLE) and which models (FABRIC_MODELS,
+comma-separated; "" = all): a gateway needs every model's config and tokenizer, not weights. */}}
+{{- define "fabric.modelRepositoryInit" -}}
+{{- $root := .root -}}
+{{- $init := $root.Values.modelRepository.init -}}
+{{- if eq $root.Values.modelRepository.source "init" }}
+{{- if not (and $init.image $init.command) }}
+{{- fail "modelRepository.source=init needs modelRepository.init.image and .command" }}
+{{- end }}
+initContainers:
+  - name: fetch-models
+    image: {{ $init.image }}
+    imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+    command:
+      {{- toYaml $init.command | nindent 6 }}
+    env:
+      - name: MODEL_REPOSITORY
+        value: {{ include "fabric.modelRepositoryPath" $root }}
+      - name: FABRIC_ROLE
+        value: {{ .role }}
+      - name: FABRIC_MODELS
+        value: {{ join "," .models | quote }}
+      {{- with $init.env }}
+      {{- toYaml . | nindent 6 }}
+      {{- end }}
+    resources:
+      {{- toYaml $init.resources | nindent 6 }}
+    securityContext:
+      {{- toYaml $root.Values.containerSecurityContext | nindent 6 }}
+    volumeMounts:
+      - name: model-repository
+        mountPath: {{ include "fabric.modelRepositoryPath" $root }}
+      - name: tmp
+        mountPath: /tmp
+{{- end }}
+{{- end -}}
