@@ -553,10 +553,12 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
 
         assert (await check(readiness, timeout=1)).status == SERVING
         os.kill(drained.pid, signal.SIGTERM)
+        # The worker answered NOT_SERVING, so it was still running then, draining: that is the
+        # promise. (Whether it is still running a moment later depends on how soon its queued
+        # rows finish, which is why the process itself is not checked here.)
         assert await eventually(readiness_left_serving, timeout_s=5, interval_s=0.005) == (
             NOT_SERVING
         )
-        assert is_running(drained.pid)
     await eventually(lambda: not is_running(drained.pid), timeout_s=30)
     others = [a for a in everyone if a != drained.address]
     assert await statuses("livenessProbe", others) == {SERVING}
