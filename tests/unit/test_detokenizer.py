@@ -3,6 +3,8 @@ stop string that is later cut)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
@@ -54,3 +56,16 @@ def test_held_back_prefix_is_released_when_it_does_not_become_a_stop() -> None:
     assert not stopped
     assert "".join(pieces) == "STAR"
     assert pieces[:2] == ["", ""], "'S' and 'ST' were held while they could start 'STOP'"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pieces_of_random_tokens_add_up_to_decoding_them_all_at_once(seed: int) -> None:
+    """Byte-level tokens drawn at random (half UTF-8 sequences, specials and all): the pieces
+    emitted token by token, then flushed, equal one decode of every token."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(TOKENIZER.get_vocab_size()) for _ in range(300)]
+    detokenizer = IncrementalDetokenizer(TOKENIZER)
+    pieces = [detokenizer.push(token, ())[0] for token in tokens]
+    pieces.append(detokenizer.flush())
+    whole = TOKENIZER.decode(tokens, skip_special_tokens=True)
+    assert "".join(pieces) == whole.rstrip("\ufffd") or "".join(pieces) == whole

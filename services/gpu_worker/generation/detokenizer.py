@@ -3,6 +3,12 @@
 Text is only emitted once it is final: never half a UTF-8 character (the decoder shows it as
 U+FFFD until the rest arrives), and never a suffix that could still grow into a stop string
 (the client must not see the start of a stop string that is then cut off).
+
+Each token decodes a short window, not the whole sequence (which made a reply of n tokens cost
+O(n^2)): the tokens since the last emitted ones plus those emitted last time as context, so
+that word-boundary rules (a leading space, a merged byte sequence) see what precedes the new
+token. The new text is the window's decode minus the context's; decoding the window alone
+gives the same text as decoding the sequence because both end at the same token boundary.
 """
 
 from __future__ import annotations
@@ -18,23 +24,35 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
+        #: The decoded text so far (complete characters only).
         self._text = ""
+        #: Characters of `_text` handed to the caller.
         self._num_emitted = 0
+        #: `_ids[_prefix:_read]` decoded last time as new text: the next window's context.
+        self._prefix = 0
+        #: `_ids[:_read]` are in `_text`.
+        self._read = 0
 
     def push(self, token_id: int, stops: Sequence[str]) -> tuple[str, bool]:
         """Adds a token; returns (text now final, whether a stop string was reached). After a
         stop, the text up to (not including) the stop string has been returned."""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.endswith(_INCOMPLETE):
+        context = self._decode(self._ids[self._prefix : self._read])
+        window = self._decode(self._ids[self._prefix :])
+        if window.endswith(_INCOMPLETE) or len(window) <= len(context):
             return "", False
-        self._text = text
+        self._text += window[len(context) :]
+        self._prefix, self._read = self._read, len(self._ids)
+        text = self._text
         search_from = max(0, self._num_emitted - max((len(s) for s in stops), default=0))
         cuts = [i for s in stops if s and (i := text.find(s, search_from)) >= 0]
         if cuts:
             return self._emit_until(min(cuts)), True
         held = max((_overlap(text, s) for s in stops if s), default=0)
         return self._emit_until(len(text) - held), False
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True) if ids else ""
 
     def flush(self) -> str:
         """Whatever was held back (the stream ended without a stop string)."""

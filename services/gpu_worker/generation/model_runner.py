@@ -50,6 +50,18 @@ class _ItemPlan:
     is_causal: bool
 
 
+@dataclass(frozen=True)
+class _DecodePlan:
+    """Every decode token of a step (one new token of a sequence with cached context)."""
+
+    #: Their rows in the flattened batch, int64 [n].
+    rows: torch.Tensor
+    #: Cache slots of each sequence's positions [0, end), padded with slot 0: int64 [n, width].
+    slots: torch.Tensor
+    #: True where a slot is the sequence's own (not padding): bool [n, 1, 1, width].
+    mask: torch.Tensor
+
+
 class ModelRunner:
     """A Llama model and its paged KV cache on one device."""
 
@@ -98,6 +110,8 @@ class ModelRunner:
         positions: list[int] = []
         new_slots: list[int] = []
         plans: list[_ItemPlan] = []
+        decodes: list[tuple[int, SequenceBatchItem]] = []
+        last_rows: list[int] = []
         for item in items:
             lo = len(input_ids)
             input_ids.extend(item.token_ids)
@@ -105,18 +119,25 @@ class ModelRunner:
             new_slots.extend(
                 slots_for(item.block_table, item.start_position, item.end_position, self.block_size)
             )
-            plans.append(self._plan(item, lo, len(input_ids)))
+            last_rows.append(len(input_ids) - 1)  # the row whose logits the caller samples
+            if item.start_position > 0 and len(item.token_ids) == 1:
+                decodes.append((lo, item))  # attended together, below
+            else:
+                plans.append(self._plan(item, lo, len(input_ids)))
 
         def on_device(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         new_slots_t = on_device(new_slots)
+        decode = self._decode_plan(decodes)
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             self.kv_cache.write(layer, new_slots_t, k, v)
             out = torch.empty_like(q)
+            if decode is not None:
+                out[decode.rows] = self._attend_decodes(layer, q[decode.rows], decode)
             for plan in plans:
                 if plan.context_slots is None:
                     keys, values = k[plan.lo : plan.hi], v[plan.lo : plan.hi]
@@ -136,8 +157,44 @@ class ModelRunner:
             return out
 
         hidden = self.model(on_device(input_ids), on_device(positions), attention)
-        last = on_device([plan.hi - 1 for plan in plans])
+        last = on_device(last_rows)
         return self.model.compute_logits(hidden[last]).float().cpu()
+
+    def _decode_plan(self, decodes: Sequence[tuple[int, SequenceBatchItem]]) -> _DecodePlan | None:
+        """One padded context table for every decode token of the step: row i holds the cache
+        slots of sequence i's positions [0, end), padded with slot 0 up to the longest; the
+        mask hides the padding."""
+        if not decodes:
+            return None
+        contexts = [
+            slots_for(item.block_table, 0, item.end_position, self.block_size)
+            for _, item in decodes
+        ]
+        width = max(len(c) for c in contexts)
+        slots = torch.zeros((len(contexts), width), dtype=torch.int64)
+        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int64)
+        for row, context in enumerate(contexts):
+            slots[row, : len(context)] = torch.tensor(context, dtype=torch.int64)
+        mask = torch.arange(width)[None, :] < lengths[:, None]
+        return _DecodePlan(
+            rows=torch.tensor([lo for lo, _ in decodes], dtype=torch.int64, device=self.device),
+            slots=slots.to(self.device),
+            # [n, 1 (heads), 1 (query), width]: broadcast over every head.
+            mask=mask[:, None, None, :].to(self.device),
+        )
+
+    def _attend_decodes(self, layer: int, q: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
+        """Attention of n decode tokens (`q`: [n, heads, head_dim]) over their sequences'
+        cached keys and values, in one gather and one SDPA call for the layer."""
+        num_seqs, width = plan.slots.shape
+        keys, values = self.kv_cache.gather(layer, plan.slots.reshape(-1))
+        # [n * width, kv_heads, head_dim] -> [n, kv_heads, width, head_dim]
+        keys = keys.view(num_seqs, width, *keys.shape[1:]).transpose(1, 2)
+        values = values.view(num_seqs, width, *values.shape[1:]).transpose(1, 2)
+        attended = F.scaled_dot_product_attention(
+            q[:, :, None, :], keys, values, attn_mask=plan.mask, enable_gqa=True
+        )
+        return attended[:, :, 0, :]
 
     def _plan(self, item: SequenceBatchItem, lo: int, hi: int) -> _ItemPlan:
         start, end = item.start_position, item.end_position
@@ -149,9 +206,6 @@ class ModelRunner:
             dtype=torch.int64,
             device=self.device,
         )
-        if hi - lo == 1:
-            # A decode token attends to everything before it and itself: no mask.
-            return _ItemPlan(lo, hi, context, None, is_causal=False)
         # A later prefill chunk: query i sits at position start + i and sees positions <= it.
         # SDPA's is_causal aligns the diagonal top-left, which is wrong when keys outnumber
         # queries, hence an explicit mask.
