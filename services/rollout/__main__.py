@@ -241,7 +241,8 @@ async def run(args: argparse.Namespace) -> int:
         elif args.action == "set":
             print(f"{args.model}: {(await store.change(args.model, changer(args))).dumps()}")
         else:
-            print(f"{args.model}: {'reset' if await store.reset(args.model) else 'not set'}")
+            changed = await store.reset(args.model)
+            print(f"{args.model}: {'reset' if changed else 'already as the repository'}")
     finally:
         await client.aclose()
     return 0

@@ -71,7 +71,13 @@ class RoutingStore:
                     continue  # another writer got in first: read again
 
     async def reset(self, model: str) -> bool:
-        """Drops the stored routing: gateways go back to the repository's. True if there was
-        one. (Revisions restart from the seed's; a gateway applies the seed on seeing the
-        field gone.)"""
-        return bool(await self._client.hdel(self._key, model))
+        """Back to the repository's labels and weights, stored as the next revision. True if a
+        routing other than the repository's was in force. Not a deletion: revisions would then
+        restart from the seed's, and a gateway that missed the deletion between two polls
+        would ignore every later change as older than the one it holds."""
+        if model not in self._seeds:
+            raise ValueError(f"model {model!r} is not in the model repository")
+        seed = self._seeds[model]
+        before = (await self.show())[model]
+        await self.change(model, lambda current: seed)
+        return (before.labels, before.traffic) != (seed.labels, seed.traffic)
