@@ -3,9 +3,11 @@
 create first, no Prometheus Operator, no GPUs, no TLS material); the Secrets the chart makes are
 ones the tiers accept; ServiceMonitors only where their CRD is served; no replicas field where
 an HPA owns the count; worker pools (workerPools) on a vanilla cluster; the model repository
-from a claim or an init container, mounted where the tiers read it; values.schema.json refuses a
-wrong type; NOTES.txt says how to reach the gateway, waits for each pool and shouts when auth or
-TLS is off. (Pools with values-prod.yaml against the kustomize pools overlay: test_pools.py.)
+from a claim or an init container, mounted where the tiers read it; Redis's AOF on a claim sized
+and classed by the values (an emptyDir only when asked, with a warning); the job runner with
+its own key; values.schema.json refuses a wrong type; NOTES.txt says how to reach the gateway,
+waits for each pool and shouts when auth, TLS or Redis persistence is off. (Pools with
+values-prod.yaml against the kustomize pools overlay: test_pools.py.)
 
 Rendered with `.tools/helm` (`make .tools/helm`) and validated strictly with kubernetes-validate.
 """
@@ -22,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.common.priority import PriorityClass
 from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway.auth import KeyStore
 
@@ -37,6 +40,8 @@ RELEASE = "fabric"
 MONITORING_API = "monitoring.coreos.com/v1"
 #: Deployment component -> the key of its values.
 TIER_VALUES = {"gateway": "gateway", "router": "router", "gpu-worker": "worker"}
+#: Every role with an image of its own: the tiers and the job runner.
+ROLE_VALUES = {**TIER_VALUES, "jobs": "jobs"}
 
 Objects = list[dict[str, Any]]
 
@@ -90,7 +95,7 @@ def secret_data(objects: Objects, name: str) -> dict[str, str]:
 def referenced_secrets(objects: Objects) -> set[str]:
     """Every Secret a pod needs: volumes, env and envFrom references, image pull secrets."""
     names: set[str] = set()
-    for deployment in of_kind(objects, "Deployment"):
+    for deployment in [*of_kind(objects, "Deployment"), *of_kind(objects, "StatefulSet")]:
         spec = pod_spec(deployment)
         names.update(v["secret"]["secretName"] for v in spec.get("volumes", []) if "secret" in v)
         names.update(s["name"] for s in spec.get("imagePullSecrets", []))
@@ -138,10 +143,14 @@ def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
         ({"workerPools": [{"name": "minilm", "models": "minilm"}]}, "workerPools.0.models"),
         ({"workerPools": [{"name": "minilm", "models": []}]}, "workerPools.0.models"),
         ({"modelRepository": {"source": "s3"}}, "modelRepository.source"),
+        ({"redis": {"appendfsync": "no"}}, "redis.appendfsync"),
+        ({"redis": {"persistence": {"size": 2}}}, "redis.persistence.size"),
+        ({"jobs": {"replicas": -1}}, "jobs.replicas"),
     ],
     ids=["string-for-int", "string-for-bool", "int-for-string", "fraction-gpu", "port-range",
          "prefix-pattern", "unknown-key", "pool-name-pattern", "string-for-models",
-         "pool-without-models", "repository-source"],
+         "pool-without-models", "repository-source", "aof-fsync-off", "unitless-claim-size",
+         "negative-runners"],
 )  # fmt: skip
 def test_schema_refuses_wrong_values(
     values: dict[str, Any], complaint: str, tmp_path: Path
@@ -184,9 +193,9 @@ def test_defaults_run_each_role_from_its_own_image(defaults: Objects) -> None:
     values = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     chart = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())
     images = {tier: main_container(d)["image"] for tier, d in deployments(defaults).items()}
-    for tier, key in TIER_VALUES.items():
+    for tier, key in ROLE_VALUES.items():
         assert images[tier] == f"{values['image']['repositories'][key]}:{chart['appVersion']}"
-    assert len({images[tier] for tier in TIER_VALUES}) == 3
+    assert len({images[tier] for tier in ROLE_VALUES}) == len(ROLE_VALUES)
     prod = deployments(render("-f", str(PROD_VALUES)))
     assert (
         main_container(prod["router"])["image"]
@@ -213,7 +222,8 @@ def test_chart_made_api_key_authenticates_as_its_tenant(defaults: Objects, tmp_p
     keys_file = tmp_path / "api-keys.toml"
     keys_file.write_text(data["api-keys.toml"])
     assert data["api-key"] not in data["api-keys.toml"], "the gateway's file holds hashes only"
-    assert KeyStore.from_file(keys_file).authenticate(data["api-key"]).tenant == "default"
+    keys = KeyStore.from_file(keys_file)
+    assert keys.authenticate(data["api-key"]).tenant == "default"
     # The gateway mounts the hashes, never the key itself.
     gateway = deployments(defaults)["gateway"]
     (volume,) = [
@@ -221,6 +231,21 @@ def test_chart_made_api_key_authenticates_as_its_tenant(defaults: Objects, tmp_p
     ]
     assert volume["secret"]["items"] == [{"key": "api-keys.toml", "path": "api-keys.toml"}]
     assert env_values(main_container(gateway))["GATEWAY_API_KEYS_FILE"].endswith("/api-keys.toml")
+    # The job runner has a key of its own, for a tenant granted the batch class, and mounts
+    # that key alone where JOBS_API_KEY_FILE points.
+    assert data["jobs-api-key"] not in data["api-keys.toml"]
+    runner = keys.authenticate(data["jobs-api-key"])
+    assert runner.tenant == "jobs"
+    assert PriorityClass.BATCH in runner.policy.priorities
+    jobs = deployments(defaults)["jobs"]
+    (volume,) = [
+        v for v in pod_spec(jobs)["volumes"] if v.get("secret", {}).get("secretName") == name
+    ]
+    (item,) = volume["secret"]["items"]
+    assert item["key"] == "jobs-api-key"
+    (mount,) = [m for m in main_container(jobs)["volumeMounts"] if m["name"] == volume["name"]]
+    key_file = env_values(main_container(jobs))["JOBS_API_KEY_FILE"]
+    assert key_file == f"{mount['mountPath']}/{item['path']}" and mount["readOnly"] is True
 
 
 def test_defaults_run_one_worker_for_every_model_from_the_image(defaults: Objects) -> None:
@@ -249,7 +274,7 @@ def test_service_monitors_only_where_their_crd_is_served() -> None:
     assert not monitors()
     served = monitors("--api-versions", MONITORING_API)
     assert sorted(m["metadata"]["name"] for m in served) == [
-        f"{RELEASE}-gateway", f"{RELEASE}-gpu-worker", f"{RELEASE}-router",
+        f"{RELEASE}-gateway", f"{RELEASE}-gpu-worker", f"{RELEASE}-jobs", f"{RELEASE}-router",
     ]  # fmt: skip
     assert not monitors("--api-versions", MONITORING_API, "--set", "serviceMonitor.enabled=false")
 
@@ -266,6 +291,80 @@ def test_no_replicas_field_where_an_hpa_owns_the_count(tier: str) -> None:
         if other not in {tier, "redis"}:
             assert deployment["spec"]["replicas"] == 1, f"{other} has no HPA: it keeps its field"
     validate_strictly(objects)
+
+
+# -- Redis persistence and the job runner --------------------------------------------------------
+
+
+def redis_stateful_set(objects: Objects) -> dict[str, Any]:
+    (redis,) = of_kind(objects, "StatefulSet")
+    return redis
+
+
+def data_volume(redis: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """("claim", the claim template's spec) or ("pod", the pod volume) behind Redis's --dir."""
+    container = main_container(redis)
+    args = container["args"]
+    (mount,) = [
+        m for m in container["volumeMounts"] if m["mountPath"] == args[args.index("--dir") + 1]
+    ]
+    templates = {t["metadata"]["name"]: t for t in redis["spec"].get("volumeClaimTemplates", [])}
+    if mount["name"] in templates:
+        return "claim", templates[mount["name"]]["spec"]
+    (volume,) = [v for v in pod_spec(redis)["volumes"] if v["name"] == mount["name"]]
+    return "pod", volume
+
+
+def test_redis_persistence_follows_the_values(tmp_path: Path) -> None:
+    kind, claim = data_volume(redis_stateful_set(render()))
+    assert kind == "claim", "on by default"
+    assert claim["resources"]["requests"]["storage"] == "2Gi"
+    assert "storageClassName" not in claim, "the cluster's default class"
+
+    objects = render("--set", "redis.persistence.size=20Gi",
+                     "--set", "redis.persistence.storageClass=fast-ssd",
+                     "--set", "redis.appendfsync=always")  # fmt: skip
+    redis = redis_stateful_set(objects)
+    kind, claim = data_volume(redis)
+    assert kind == "claim"
+    assert claim["resources"]["requests"]["storage"] == "20Gi"
+    assert claim["storageClassName"] == "fast-ssd"
+    args = main_container(redis)["args"]
+    assert args[args.index("--appendfsync") + 1] == "always"
+    # Claim templates cannot change after install: only labels no upgrade changes.
+    (template,) = redis["spec"]["volumeClaimTemplates"]
+    assert template["metadata"]["labels"] == redis["spec"]["selector"]["matchLabels"]
+    validate_strictly(objects)
+
+    objects = render("--set", "redis.persistence.enabled=false")
+    redis = redis_stateful_set(objects)
+    kind, volume = data_volume(redis)
+    assert kind == "pod" and "emptyDir" in volume, "off: an emptyDir"
+    assert "volumeClaimTemplates" not in redis["spec"]
+    validate_strictly(objects)
+    assert "WARNING: REDIS PERSISTENCE IS OFF" in render_notes(
+        tmp_path, "--set", "redis.persistence.enabled=false"
+    )
+
+
+def test_job_runner_replicas_follow_the_values_and_its_grace_covers_the_drain() -> None:
+    assert deployments(render())["jobs"]["spec"]["replicas"] == 1
+    assert deployments(render("--set", "jobs.replicas=3"))["jobs"]["spec"]["replicas"] == 3
+    result = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
+                  "--set", "jobs.terminationGracePeriodSeconds=20")  # fmt: skip
+    assert result.returncode != 0
+    assert "jobs.terminationGracePeriodSeconds" in result.stderr
+
+
+def test_job_runner_checks_the_gateways_certificate_name_when_told() -> None:
+    objects = render(
+        "--set", "tls.enabled=true", "--set", "jobs.gatewayTlsServerName=api.example.com"
+    )
+    env = env_values(main_container(deployments(objects)["jobs"]))
+    assert env["JOBS_GATEWAY_TLS_SERVER_NAME"] == "api.example.com"
+    assert env["JOBS_GATEWAY_TLS_CA_FILE"] == "/etc/fabric/tls/ca.crt"
+    default = env_values(main_container(deployments(render("--set", "tls.enabled=true"))["jobs"]))
+    assert "JOBS_GATEWAY_TLS_SERVER_NAME" not in default, "checks the host it dials"
 
 
 # -- worker pools and the model repository ------------------------------------------------------

@@ -1,13 +1,14 @@
 """The role images and the compose file, checked without a Docker daemon (none here).
 
 deploy/Dockerfile is parsed into stages: one build target per role (`gateway`, `router`,
-`worker`), each running its tier as uid 10001 and exposing the ports the chart uses; no stage
-the gateway or router image is built from installs torch, and what they copy from the worker
-stage is model files only. That the two tiers really run without torch is checked by starting
-the gateway on the repository's models, and importing the router, with `import torch` made to
-fail. The role image names agree across the chart, kustomize and docker-compose.yaml, and the
-compose file's environment is parsed by the tiers' own config parsers into a stack that can
-find itself.
+`worker`, `jobs`), each running its tier as uid 10001 and exposing the ports the chart uses; no
+stage the gateway, router or job runner image is built from installs torch, and what they copy
+from the worker stage is model files only. That they really run without torch is checked by
+starting the gateway on the repository's models, and importing the router's and the runner's
+entry points, with `import torch` made to fail. The role image names agree across the chart,
+kustomize and docker-compose.yaml, and the compose file's environment is parsed by the tiers'
+own config parsers into a stack that can find itself, whose Redis keeps the batch jobs in an AOF
+on a named volume.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import yaml
 
 from services.gateway import config as gateway_config
 from services.gpu_worker import config as worker_config
+from services.jobs import config as jobs_config
 from services.router import config as router_config
 from services.router.worker_networks import WorkerNetworks
 
@@ -43,13 +45,15 @@ ROLES = {
     "gateway": "services.gateway",
     "router": "services.router",
     "worker": "services.gpu_worker",
+    "jobs": "services.jobs",
 }
-TORCH_FREE = ("gateway", "router")
+TORCH_FREE = ("gateway", "router", "jobs")
 #: Compose service -> (its tier's settings, the Redis role whose password it mounts).
 COMPOSE_TIERS = {
     "gateway": (gateway_config.SETTINGS, "gateway"),
     "router": (router_config.SETTINGS, "router"),
     "worker": (worker_config.SETTINGS, "worker"),
+    "jobs": (jobs_config.SETTINGS, "jobs"),
 }
 
 
@@ -138,7 +142,7 @@ def test_one_target_per_role_running_its_tier_unprivileged(stages: dict[str, Sta
         assert ports == exposed, f"{role}: EXPOSE {sorted(exposed)} != chart {sorted(ports)}"
 
 
-def test_gateway_and_router_images_install_no_torch(stages: dict[str, Stage]) -> None:
+def test_gateway_router_and_runner_images_install_no_torch(stages: dict[str, Stage]) -> None:
     pyproject = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
     dependencies = pyproject["project"]["dependencies"]
     torch_stages = {
@@ -198,6 +202,7 @@ _START_WITHOUT_TORCH = r"""
 import asyncio, sys
 sys.modules["torch"] = None  # `import torch` now raises ImportError
 import services.router.__main__
+import services.jobs.__main__
 from services.gateway.config import parse_config
 from services.gateway.server import create_gateway
 
@@ -249,9 +254,9 @@ print("started without torch")
 """
 
 
-def test_gateway_and_router_run_without_torch() -> None:
-    """The gateway builds its catalog and tokenizers from models/ and serves; the router's entry
-    point imports; neither touches torch."""
+def test_gateway_router_and_runner_run_without_torch() -> None:
+    """The gateway builds its catalog and tokenizers from models/ and serves; the router's and
+    the job runner's entry points import; none touches torch."""
     if not (REPO_ROOT / "models" / "tiny-llama" / "1" / "tokenizer.json").is_file():
         pytest.fail("models/tiny-llama/1 is missing: run `make models`")
     result = subprocess.run(
@@ -284,11 +289,22 @@ def compose() -> dict[str, Any]:
 
 
 def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
-    """Container path -> host path of a service's bind mounts."""
+    """Container path -> host path of a service's bind mounts (not its named volumes)."""
     mounts = {}
     for volume in service.get("volumes", []):
         source, target, *_ = volume.split(":")
-        mounts[target] = (REPO_ROOT / source).resolve()
+        if source.startswith((".", "/")):
+            mounts[target] = (REPO_ROOT / source).resolve()
+    return mounts
+
+
+def named_volumes(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> volume name of a service's named volumes."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        if not source.startswith((".", "/")):
+            mounts[target] = source
     return mounts
 
 
@@ -297,7 +313,8 @@ import dataclasses, json, os, sys
 from services.gateway.config import parse_config as gateway
 from services.router.config import parse_config as router
 from services.gpu_worker.config import parse_config as worker
-parsers = {"gateway": gateway, "router": router, "worker": worker}
+from services.jobs.config import parse_config as jobs
+parsers = {"gateway": gateway, "router": router, "worker": worker, "jobs": jobs}
 out = {}
 for tier, env in json.loads(sys.stdin.read()).items():
     os.environ.clear()
@@ -323,12 +340,13 @@ def compose_configs(compose: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def redis_settings(tier: str, config: dict[str, Any]) -> dict[str, Any]:
-    """A tier's Redis settings (the gateway keeps them for quota sharing, its prefix as
-    `key_prefix`), under the router's and worker's names."""
-    if tier != "gateway":
-        return config
-    quota = config["quota_sync"]
-    return {**quota, "registry_prefix": quota["key_prefix"]}
+    """A tier's Redis settings (the gateway keeps them for quota sharing; it and the job runner
+    call the prefix `key_prefix`), under the router's and worker's names."""
+    if tier == "gateway":
+        config = config["quota_sync"]
+    if tier in {"gateway", "jobs"}:
+        return {**config, "registry_prefix": config["key_prefix"]}
+    return config
 
 
 def test_compose_builds_each_role_from_its_target(
@@ -349,13 +367,18 @@ def test_compose_stack_finds_itself(
     compose: dict[str, Any], compose_configs: dict[str, dict[str, Any]]
 ) -> None:
     services = compose["services"]
-    gateway, router, worker = (compose_configs[t] for t in ("gateway", "router", "worker"))
+    gateway, router, worker, jobs = (
+        compose_configs[t] for t in ("gateway", "router", "worker", "jobs")
+    )
     for tier, config in compose_configs.items():
         assert config["host"] == "0.0.0.0", f"{tier} must listen beyond loopback"
         assert redis_settings(tier, config)["redis_url"] == "redis://redis:6379/0", tier
         assert redis_settings(tier, config)["registry_prefix"] == "fabric", tier
     assert gateway["router_address"] == f"router:{router['grpc_port']}"
     assert gateway["allow_unauthenticated"] is True and gateway["api_keys_file"] is None
+    # The job runner calls the gateway's gRPC port; no key, as the gateway asks for none.
+    assert jobs["gateway_address"] == f"gateway:{gateway['grpc_port']}"
+    assert jobs["api_key_file"] is None and jobs["gateway_tls"]["ca_file"] is None
     # Routers dial what workers advertise: the worker's fixed address, inside the allowed network.
     host, _, port = worker["advertise_address"].rpartition(":")
     assert host == services["worker"]["networks"]["fabric"]["ipv4_address"]
@@ -383,3 +406,20 @@ def test_compose_redis_runs_the_dev_acl_and_each_tier_gets_its_own_password(
         password_file = redis_settings(tier, compose_configs[tier])["redis_password_file"]
         assert mounts[password_file] == acl.parent / f"{role}-password", tier
         assert all(v.endswith(":ro") for v in services[tier]["volumes"]), tier
+
+
+def test_compose_redis_keeps_the_jobs_in_an_aof_on_a_named_volume(compose: dict[str, Any]) -> None:
+    """Batch jobs survive `docker compose restart redis` (and `down` without -v): the AOF is on,
+    fsynced at least once a second, in a named volume."""
+    redis = compose["services"]["redis"]
+    command = redis["command"]
+
+    def option(flag: str) -> str:
+        assert command.count(flag) == 1, f"{flag} in {command}"
+        return str(command[command.index(flag) + 1])
+
+    assert option("--appendonly") == "yes"
+    assert option("--appendfsync") in {"everysec", "always"}
+    volume = named_volumes(redis).get(option("--dir"))
+    assert volume is not None, f"--dir {option('--dir')} is not a named volume"
+    assert volume in compose.get("volumes", {}), f"volume {volume} is not declared"

@@ -8,8 +8,9 @@ defaults: tests/deploy/test_helm.py). Every built-in object is validated strictl
 Then the invariants that matter: probes and resources everywhere, a grace period that covers
 preStop + drain, env the tiers really read, HPAs on metrics the services really export (a live
 worker's scrape) and prometheus-adapter really serves, selectors that select, NetworkPolicies
-that allow exactly the intended paths, the Helm chart agreeing with the prod overlay, and a
-Grafana dashboard whose every metric exists.
+that allow exactly the intended paths, a Redis that keeps the batch jobs (AOF on a claim) and a
+job runner that can reach it and the gateway, the Helm chart agreeing with the prod overlay, and
+a Grafana dashboard whose every metric exists.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
+from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway import config as gateway_config
 from services.gateway import server as gateway_server
@@ -42,6 +44,7 @@ from services.gpu_worker import config as worker_config
 from services.gpu_worker import server as worker_server
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
+from services.jobs import config as jobs_config
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router import config as router_config
@@ -71,11 +74,14 @@ PROD_LIKE = ("prod", "helm")
 RELEASE = "fabric"
 COMPONENT = "app.kubernetes.io/component"
 TIERS = ("gateway", "router", "gpu-worker")
+#: The batch job runner's component: no gRPC server, only metrics (services/jobs).
+RUNNER = "jobs"
 #: Each tier's settings table (services/<tier>/config.py): the env variables it reads.
 TIER_SETTINGS = {
     "gateway": gateway_config.SETTINGS,
     "router": router_config.SETTINGS,
     "gpu-worker": worker_config.SETTINGS,
+    RUNNER: jobs_config.SETTINGS,
 }
 #: grpc.health.v1 service names each tier registers (besides the overall "").
 HEALTH_NAMES = {
@@ -97,7 +103,9 @@ EXPECTED_INGRESS = {
     ("router", "metrics"): {"monitoring"},
     ("gpu-worker", "grpc"): {"router"},
     ("gpu-worker", "metrics"): {"monitoring"},
-    ("redis", "redis"): {"gateway", "router", "gpu-worker"},
+    # The runner only dials out (the gateway's gRPC port is open to anyone, and Redis).
+    (RUNNER, "metrics"): {"monitoring"},
+    ("redis", "redis"): {"gateway", "router", "gpu-worker", RUNNER},
 }
 TLS_MOUNT = "/etc/fabric/tls"
 #: The Redis ACL role of each tier that talks to Redis, and its settings' env prefix.
@@ -105,7 +113,10 @@ REDIS_ROLES = {
     "gateway": ("gateway", "GATEWAY"),
     "router": ("router", "ROUTER"),
     "gpu-worker": ("worker", "WORKER"),
+    RUNNER: ("jobs", "JOBS"),
 }
+#: Where Redis may keep the jobs: the AOF, fsynced once a second or on every write.
+DURABLE_FSYNC = {"everysec", "always"}
 
 Objects = list[dict[str, Any]]
 
@@ -198,8 +209,13 @@ def by_component(objects: Objects, kind: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def deployments(objects: Objects) -> dict[str, dict[str, Any]]:
-    return by_component(objects, "Deployment")
+def workloads(objects: Objects) -> dict[str, dict[str, Any]]:
+    """The pods' controllers by component: the tiers' Deployments and Redis's StatefulSet."""
+    found = by_component(objects, "Deployment")
+    for component_name, stateful_set in by_component(objects, "StatefulSet").items():
+        assert component_name not in found, f"a Deployment and a StatefulSet for {component_name!r}"
+        found[component_name] = stateful_set
+    return found
 
 
 def pod_spec(deployment: dict[str, Any]) -> dict[str, Any]:
@@ -236,8 +252,8 @@ def selects(match_labels: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def selected(objects: Objects, match_labels: dict[str, str]) -> list[str]:
-    """Components of the Deployments whose pods `match_labels` selects."""
-    return [c for c, d in deployments(objects).items() if selects(match_labels, pod_labels(d))]
+    """Components of the workloads whose pods `match_labels` selects."""
+    return [c for c, d in workloads(objects).items() if selects(match_labels, pod_labels(d))]
 
 
 def prestop_sleep_s(container: dict[str, Any]) -> float:
@@ -283,6 +299,7 @@ def resolve_env(
 
 
 def volume_sources(deployment: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The pod's volumes by name (a StatefulSet's claim templates are not among them)."""
     return {v["name"]: v for v in pod_spec(deployment).get("volumes", [])}
 
 
@@ -292,7 +309,7 @@ def secret_mounts(deployment: dict[str, Any]) -> dict[str, str]:
     return {
         mount["mountPath"]: volumes[mount["name"]]["secret"]["secretName"]
         for mount in main_container(deployment).get("volumeMounts", [])
-        if "secret" in volumes[mount["name"]]
+        if "secret" in volumes.get(mount["name"], {})
     }
 
 
@@ -321,7 +338,7 @@ def check_service_monitor(monitor: dict[str, Any], objects: Objects) -> None:
         assert endpoint["path"] == "/metrics"
         assert re.fullmatch(r"\d+(ms|s|m)", endpoint["interval"]), endpoint
     # The scraped port is the container's metrics port.
-    deployment = deployments(objects)[component(monitor)]
+    deployment = workloads(objects)[component(monitor)]
     target = service_ports["metrics"]["targetPort"]
     assert target == "metrics" or target == container_port(main_container(deployment), "metrics")
 
@@ -351,7 +368,7 @@ def test_every_builtin_object_validates_strictly(renders: dict[str, Objects]) ->
     } <= validated  # fmt: skip
     # Only the prod-like renders carry ServiceMonitors: dev is built-in kinds only, so that it
     # applies on a cluster without the Prometheus Operator's CRDs.
-    assert custom == 3 * len(PROD_LIKE), "one ServiceMonitor per tier in each prod-like render"
+    assert custom == 4 * len(PROD_LIKE), "one ServiceMonitor per tier and the runner in each"
     assert not [o for o in renders["dev"] if (o["apiVersion"], o["kind"]) in CRD_KINDS]
 
 
@@ -375,7 +392,7 @@ def test_helm_external_redis() -> None:
             "helm template (external Redis)",
         )
     )
-    assert "redis" not in deployments(objects)
+    assert "redis" not in workloads(objects)
     assert not [o for o in objects if component(o) == "redis"]
     (config,) = configmaps(objects).values()
     assert config["REDIS_URL"] == url
@@ -388,9 +405,12 @@ def test_helm_without_keys_says_auth_is_off() -> None:
     """The gateway fails closed: a chart rendered without API keys must switch auth off
     explicitly, or the gateway would not start."""
     objects = load_all(run(helm_command("--set", "auth.enabled=false"), "helm template (no keys)"))
-    env = env_entries(main_container(deployments(objects)["gateway"]))
+    env = env_entries(main_container(workloads(objects)["gateway"]))
     assert "GATEWAY_API_KEYS_FILE" not in env
     assert env["GATEWAY_ALLOW_UNAUTHENTICATED"]["value"] == "true"
+    runner = workloads(objects)[RUNNER]
+    assert "JOBS_API_KEY_FILE" not in env_entries(main_container(runner)), "a key for no one"
+    assert "gateway-api-keys" not in secret_mounts(runner).values()
 
 
 # -- pods: probes, resources, security, shutdown -----------------------------------------------
@@ -400,8 +420,8 @@ def test_every_container_has_probes_resources_and_a_locked_down_context(
     renders: dict[str, Objects],
 ) -> None:
     for name, objects in renders.items():
-        found = deployments(objects)
-        assert set(found) == {*TIERS, "redis"}, f"{name}: {set(found)}"
+        found = workloads(objects)
+        assert set(found) == {*TIERS, RUNNER, "redis"}, f"{name}: {set(found)}"
         for tier, deployment in found.items():
             pod_security = pod_spec(deployment).get("securityContext", {})
             assert pod_spec(deployment).get("automountServiceAccountToken") is False
@@ -423,7 +443,7 @@ def test_every_container_has_probes_resources_and_a_locked_down_context(
 def test_s33_grpc_probes_ask_the_tiers_own_health_services(renders: dict[str, Objects]) -> None:
     for name, objects in renders.items():
         for tier in TIERS:
-            container = main_container(deployments(objects)[tier])
+            container = main_container(workloads(objects)[tier])
             # With TLS on the gRPC port, kubelet (no TLS) probes the plaintext health port.
             health = env_entries(container).get(f"{TIER_SETTINGS[tier].env_prefix}_HEALTH_PORT")
             probe_port = container_port(container, "health" if health else "grpc")
@@ -445,11 +465,16 @@ def test_s33_grpc_probes_ask_the_tiers_own_health_services(renders: dict[str, Ob
 
 def test_worker_grace_period_covers_prestop_and_drain(renders: dict[str, Objects]) -> None:
     for name, objects in renders.items():
-        for tier, deployment in deployments(objects).items():
+        for tier, deployment in workloads(objects).items():
             container = main_container(deployment)
             grace = pod_spec(deployment).get("terminationGracePeriodSeconds", 30)
             pre_stop = prestop_sleep_s(container)
-            if tier == "redis":
+            if tier == RUNNER:
+                # No traffic comes in, so no preStop; SIGTERM: chunks drain, then a stuck stop
+                # ends itself STOP_OVERRUN_S later, inside the grace period.
+                drain = float(env_entries(container)["JOBS_DRAIN_GRACE_S"]["value"])
+                assert grace > drain + STOP_OVERRUN_S, f"{name}/{tier}: grace {grace}"
+            if tier in {"redis", RUNNER}:
                 continue
             assert pre_stop > 0, f"{name}/{tier}: no preStop sleep (endpoints update first)"
             assert grace > pre_stop, f"{name}/{tier}"
@@ -474,7 +499,8 @@ import dataclasses, json, os, signal, sys
 from services.gateway.config import parse_config as gateway
 from services.router.config import parse_config as router
 from services.gpu_worker.config import parse_config as worker
-parsers = {"gateway": gateway, "router": router, "gpu-worker": worker}
+from services.jobs.config import parse_config as jobs
+parsers = {"gateway": gateway, "router": router, "gpu-worker": worker, "jobs": jobs}
 out = {}
 for key, (tier, env) in json.loads(sys.stdin.read()).items():
     os.environ.clear()
@@ -516,7 +542,7 @@ def parsed_configs(renders: dict[str, Objects], tls_root: Path) -> dict[str, dic
             tier,
             staged_tls_files(
                 resolve_env(
-                    main_container(deployments(objects)[tier]),
+                    main_container(workloads(objects)[tier]),
                     objects,
                     pod_name=f"{tier}-7d9f-abcde",
                     pod_ip=POD_IP,
@@ -525,7 +551,7 @@ def parsed_configs(renders: dict[str, Objects], tls_root: Path) -> dict[str, dic
             ),
         )
         for name, objects in renders.items()
-        for tier in TIERS
+        for tier in (*TIERS, RUNNER)
     }
     return parse_tier_configs(requests)
 
@@ -549,9 +575,9 @@ def parse_tier_configs(requests: dict[str, Any]) -> dict[str, Any]:
 def test_env_names_are_ones_the_tiers_read(renders: dict[str, Objects]) -> None:
     """A misspelt variable would silently fall back to a default."""
     for name, objects in renders.items():
-        for tier in TIERS:
+        for tier in TIER_SETTINGS:
             read = set(TIER_SETTINGS[tier].env_vars())
-            container = main_container(deployments(objects)[tier])
+            container = main_container(workloads(objects)[tier])
             expanded = " ".join(str(e.get("value", "")) for e in container["env"])
             for variable in env_entries(container):
                 is_read = variable in read or f"$({variable})" in expanded
@@ -570,7 +596,7 @@ def test_tiers_parse_the_rendered_env_into_the_intended_config(
     renders: dict[str, Objects], parsed_configs: dict[str, dict[str, Any]]
 ) -> None:
     for name, objects in renders.items():
-        found = deployments(objects)
+        found = workloads(objects)
         for tier in TIERS:
             config = parsed_configs[f"{name}/{tier}"]
             container = main_container(found[tier])
@@ -619,7 +645,7 @@ def test_prod_serves_tls_everywhere_and_mtls_between_tiers(
     certificates, each caller dials with the CA and a client certificate, and the probes have a
     plaintext health port. Dev stays plaintext."""
     for name, objects in renders.items():
-        found = deployments(objects)
+        found = workloads(objects)
         configs = {tier: parsed_configs[f"{name}/{tier}"] for tier in TIERS}
         if name == "dev":
             for tier, config in configs.items():
@@ -653,7 +679,7 @@ def test_services_select_one_deployment_on_named_ports(renders: dict[str, Object
         for service in of_kind(objects, "Service"):
             (tier,) = selected(objects, service["spec"]["selector"])
             assert tier == component(service), f"{name}: {service['metadata']['name']}"
-            container = main_container(deployments(objects)[tier])
+            container = main_container(workloads(objects)[tier])
             for port in service["spec"]["ports"]:
                 target = port["targetPort"]
                 number = container_port(container, target) if isinstance(target, str) else target
@@ -669,7 +695,7 @@ def gpus(container: dict[str, Any], kind: str) -> int:
 
 def test_gpus_only_in_prod(renders: dict[str, Objects]) -> None:
     for name, objects in renders.items():
-        found = deployments(objects)
+        found = workloads(objects)
         worker = main_container(found["gpu-worker"])
         if name == "dev":
             for deployment in found.values():
@@ -681,30 +707,32 @@ def test_gpus_only_in_prod(renders: dict[str, Objects]) -> None:
         spec = pod_spec(found["gpu-worker"])
         assert spec["nodeSelector"], f"{name}: workers must land on GPU nodes"
         assert any(t["key"] == "nvidia.com/gpu" for t in spec["tolerations"]), name
-        for tier in ("gateway", "router", "redis"):
+        for tier in ("gateway", "router", RUNNER, "redis"):
             assert gpus(main_container(found[tier]), "limits") == 0
 
 
 def test_dev_is_one_of_each_without_auth(overlays: dict[str, Objects]) -> None:
     objects = overlays["dev"]
-    for deployment in deployments(objects).values():
+    for deployment in workloads(objects).values():
         assert deployment["spec"]["replicas"] == 1
         mounted = set(secret_mounts(deployment).values())
         assert mounted <= {redis_acl_secret(objects)}, "dev mounts no Secrets but Redis's"
     for kind in ("HorizontalPodAutoscaler", "PodDisruptionBudget", "NetworkPolicy"):
         assert not of_kind(objects, kind), f"dev has no {kind}"
-    gateway_env = env_entries(main_container(deployments(objects)["gateway"]))
+    gateway_env = env_entries(main_container(workloads(objects)["gateway"]))
     assert "GATEWAY_API_KEYS_FILE" not in gateway_env
     assert gateway_env["GATEWAY_ALLOW_UNAUTHENTICATED"]["value"] == "true"
 
 
 def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) -> None:
     for name, objects in prod_like.items():
-        found = deployments(objects)
+        found = workloads(objects)
         for tier in TIERS:
             # The HPA (minReplicas >= 2) owns the count; a replicas field would reset it.
             assert "replicas" not in found[tier]["spec"], f"{name}/{tier}"
             assert TLS_MOUNT in secret_mounts(found[tier]), f"{name}/{tier}: no TLS Secret"
+        # One runner, no HPA: more would only run more chunks at once.
+        assert found[RUNNER]["spec"]["replicas"] == 1, name
         gateway = main_container(found["gateway"])
         keys_file = env_entries(gateway)["GATEWAY_API_KEYS_FILE"]["value"]
         assert "GATEWAY_ALLOW_UNAUTHENTICATED" not in env_entries(gateway), f"{name}: auth off"
@@ -722,7 +750,7 @@ def test_prod_has_replicas_auth_and_tls_material(prod_like: dict[str, Objects]) 
 
 def redis_acl_secret(objects: Objects) -> str:
     """Name of the Secret the Redis pod reads its ACL file from."""
-    redis = deployments(objects)["redis"]
+    redis = workloads(objects)["redis"]
     (name,) = {
         v["secret"]["secretName"]
         for v in volume_sources(redis).values()
@@ -735,7 +763,7 @@ def mounted_secret_file(deployment: dict[str, Any], path: str) -> tuple[str, str
     """(Secret name, key) of the Secret file the main container sees at `path`."""
     volumes = volume_sources(deployment)
     for mount in main_container(deployment).get("volumeMounts", []):
-        source = volumes[mount["name"]].get("secret")
+        source = volumes.get(mount["name"], {}).get("secret")
         directory = mount["mountPath"].rstrip("/") + "/"
         if source is None or not path.startswith(directory):
             continue
@@ -750,7 +778,7 @@ def test_redis_runs_its_acl_and_each_tier_gets_only_its_own_password(
     renders: dict[str, Objects],
 ) -> None:
     for name, objects in renders.items():
-        found = deployments(objects)
+        found = workloads(objects)
         secret = redis_acl_secret(objects)
         args = main_container(found["redis"])["args"]
         assert "--protected-mode" not in args, f"{name}: Redis must keep protected mode"
@@ -783,12 +811,117 @@ def test_dev_redis_secret_is_marked_and_consistent(overlays: dict[str, Objects])
     assert data[ACL_FILE_NAME].splitlines() == acl_lines(passwords)
 
 
+# -- durable batch jobs: Redis keeps them, a runner drains them ---------------------------------
+
+
+def redis_option(args: list[str], flag: str) -> str:
+    """The value of `flag` in a redis-server argv, which must give it exactly once."""
+    assert args.count(flag) == 1, f"{flag} appears {args.count(flag)} times in {args}"
+    return args[args.index(flag) + 1]
+
+
+def claim_mounts(workload: dict[str, Any], objects: Objects) -> dict[str, dict[str, Any]]:
+    """mountPath -> claim spec, for the main container's volumes backed by a
+    PersistentVolumeClaim: a StatefulSet's claim template, or a claim object of the render."""
+    templates = {
+        t["metadata"]["name"]: t["spec"] for t in workload["spec"].get("volumeClaimTemplates", [])
+    }
+    claims = {c["metadata"]["name"]: c["spec"] for c in of_kind(objects, "PersistentVolumeClaim")}
+    volumes = volume_sources(workload)
+    mounts = {}
+    for mount in main_container(workload).get("volumeMounts", []):
+        volume = volumes.get(mount["name"])
+        if volume is None and mount["name"] in templates:
+            mounts[mount["mountPath"]] = templates[mount["name"]]
+        elif volume is not None and "persistentVolumeClaim" in volume:
+            mounts[mount["mountPath"]] = claims[volume["persistentVolumeClaim"]["claimName"]]
+    return mounts
+
+
+def test_redis_keeps_the_jobs_in_an_aof_on_a_claim(renders: dict[str, Objects]) -> None:
+    """An accepted job exists only in Redis: it must outlive the Redis pod. The AOF is on, fsynced
+    at least once a second, in a directory on a PersistentVolumeClaim, and never two pods write
+    it at once."""
+    for name, objects in renders.items():
+        redis = workloads(objects)["redis"]
+        where = f"{name}/redis"
+        args = main_container(redis)["args"]
+        assert redis_option(args, "--appendonly") == "yes", where
+        assert redis_option(args, "--appendfsync") in DURABLE_FSYNC, where
+        data_dir = redis_option(args, "--dir")
+        claims = claim_mounts(redis, objects)
+        assert data_dir in claims, f"{where}: --dir {data_dir} is not on a claim: {sorted(claims)}"
+        (mount,) = [m for m in main_container(redis)["volumeMounts"] if m["mountPath"] == data_dir]
+        assert not mount.get("readOnly"), where
+        claim = claims[data_dir]
+        assert set(claim["accessModes"]) <= {"ReadWriteOnce", "ReadWriteOncePod"}, where
+        assert claim["resources"]["requests"]["storage"], where
+        # The claim is writable by the non-root redis user.
+        security = pod_spec(redis)["securityContext"]
+        assert security["fsGroup"] == security["runAsUser"], where
+        # One writer of the AOF: one replica, never a second pod beside a terminating one.
+        assert redis["spec"]["replicas"] == 1, where
+        if redis["kind"] == "Deployment":
+            assert redis["spec"]["strategy"]["type"] == "Recreate", where
+        else:
+            assert redis["kind"] == "StatefulSet", where
+            retention = redis["spec"].get("persistentVolumeClaimRetentionPolicy", {})
+            assert retention.get("whenDeleted", "Retain") == "Retain", f"{where}: jobs deleted"
+            service = by_component(objects, "Service")["redis"]
+            assert redis["spec"]["serviceName"] == service["metadata"]["name"], where
+
+
+def test_job_runner_drains_the_queue_as_redis_user_jobs_through_the_gateway(
+    renders: dict[str, Objects], parsed_configs: dict[str, dict[str, Any]], tls_root: Path
+) -> None:
+    """Every render runs the job runner: it reads the fabric's Redis as user `jobs` (its own
+    password only) under the gateways' key prefix, calls the gateway Service's gRPC port, with
+    TLS and its own API key wherever the gateway has them, and serves metrics where its probes
+    and the ServiceMonitor look."""
+    for name, objects in renders.items():
+        found = workloads(objects)
+        runner, where = found[RUNNER], f"{name}/{RUNNER}"
+        container = main_container(runner)
+        assert container["command"] == ["python", "-m", "services.jobs"], where
+        assert runner["spec"]["replicas"] == 1, where
+        config, gateway = parsed_configs[where], parsed_configs[f"{name}/gateway"]
+
+        assert config["host"] == "0.0.0.0", f"{where}: Prometheus scrapes the pod IP"
+        metrics_port = container_port(container, "metrics")
+        assert config["metrics_port"] == metrics_port, where
+        for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = container[probe_name]
+            handler = probe.get("httpGet") or probe["tcpSocket"]
+            assert handler["port"] in {"metrics", metrics_port}, f"{where}.{probe_name}"
+
+        redis_url = f"redis://{service_address(objects, 'redis', 'redis')}/0"
+        assert config["redis_url"] == redis_url, where
+        password = mounted_secret_file(runner, config["redis_password_file"])
+        assert password == (redis_acl_secret(objects), "jobs-password"), where
+        assert config["key_prefix"] == gateway["quota_sync"]["key_prefix"], where
+
+        assert config["gateway_address"] == service_address(objects, "gateway", "grpc"), where
+        if gateway["api_keys_file"] is None:
+            assert config["api_key_file"] is None, where
+        else:
+            # Its own key, from the Secret the gateway's hashes come from; never the hashes.
+            keys_secret, _ = mounted_secret_file(found["gateway"], gateway["api_keys_file"])
+            assert config["api_key_file"] is not None, f"{where}: no API key, gateway refuses it"
+            secret, key = mounted_secret_file(runner, config["api_key_file"])
+            assert secret == keys_secret and key != "api-keys.toml", where
+        if gateway["tls"]["cert_file"] is None:
+            assert config["gateway_tls"]["ca_file"] is None, where
+        else:
+            ca_file = config["gateway_tls"]["ca_file"]
+            assert in_secret_mount(ca_file, tls_root, secret_mounts(runner)), f"{where}: no TLS"
+
+
 # -- autoscaling and disruption ----------------------------------------------------------------
 
 
 def test_hpas_target_deployments_and_scale_as_designed(prod_like: dict[str, Objects]) -> None:
     for name, objects in prod_like.items():
-        found = deployments(objects)
+        found = workloads(objects)
         names = {d["metadata"]["name"]: tier for tier, d in found.items()}
         hpas = {}
         for hpa in of_kind(objects, "HorizontalPodAutoscaler"):
@@ -817,12 +950,12 @@ def test_pdbs_select_exactly_their_tier(prod_like: dict[str, Objects]) -> None:
             spec = pdb["spec"]
             assert ("maxUnavailable" in spec) != ("minAvailable" in spec)
             covered.append(component(pdb))
-        assert sorted(covered) == sorted(TIERS), name
+        assert sorted(covered) == sorted([*TIERS, RUNNER]), name
 
 
 def ingress_sources(objects: Objects) -> dict[tuple[str, str], set[str]]:
     """(component, port name) -> who may connect, from the NetworkPolicies."""
-    found = deployments(objects)
+    found = workloads(objects)
     allowed: dict[tuple[str, str], set[str]] = {}
     for policy in of_kind(objects, "NetworkPolicy"):
         spec = policy["spec"]
@@ -857,7 +990,7 @@ def test_network_policies_allow_exactly_the_intended_paths(
 ) -> None:
     for name, objects in prod_like.items():
         assert ingress_sources(objects) == EXPECTED_INGRESS, name
-        for tier, deployment in deployments(objects).items():
+        for tier, deployment in workloads(objects).items():
             assert any(
                 selects(p["spec"]["podSelector"]["matchLabels"], pod_labels(deployment))
                 for p in of_kind(objects, "NetworkPolicy")
@@ -982,7 +1115,7 @@ def test_worker_probe_services_are_serving_on_a_live_worker(
     live_worker: ServiceProcess, renders: dict[str, Objects]
 ) -> None:
     names = {
-        main_container(deployments(objects)["gpu-worker"])[probe]["grpc"].get("service", "")
+        main_container(workloads(objects)["gpu-worker"])[probe]["grpc"].get("service", "")
         for objects in renders.values()
         for probe in ("startupProbe", "readinessProbe", "livenessProbe")
     }
@@ -1049,12 +1182,21 @@ def test_helm_chart_renders_the_prod_overlay(
     assert kinds(helm_objects) == kinds(prod)
 
     # Images, ports, probes first (the issue's explicit promise), then everything else.
-    prod_deployments, helm_deployments = deployments(prod), deployments(helm_objects)
+    prod_deployments, helm_deployments = workloads(prod), workloads(helm_objects)
     for tier, deployment in prod_deployments.items():
         ours, theirs = main_container(deployment), main_container(helm_deployments[tier])
         for field in ("image", "ports", "startupProbe", "readinessProbe", "livenessProbe"):
             assert ours[field] == theirs[field], f"{tier}.{field}: prod != helm"
         assert _pod_view(deployment) == _pod_view(helm_deployments[tier]), tier
+        if deployment["kind"] == "StatefulSet":
+            ours_spec, theirs_spec = deployment["spec"], helm_deployments[tier]["spec"]
+
+            def claim_templates(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+                return [(t["metadata"]["name"], t["spec"]) for t in spec["volumeClaimTemplates"]]
+
+            assert claim_templates(ours_spec) == claim_templates(theirs_spec), tier
+            retention = "persistentVolumeClaimRetentionPolicy"
+            assert ours_spec.get(retention) == theirs_spec.get(retention), tier
 
     def specs(objects: Objects, kind: str, drop: tuple[str, ...] = ()) -> dict[str, Any]:
         return {
@@ -1153,7 +1295,7 @@ def test_s32_router_service_is_headless_so_gateways_balance_over_every_router(
     for name, objects in renders.items():
         router = by_component(objects, "Service")["router"]
         assert router["spec"].get("clusterIP") == "None", name
-        gateway = main_container(deployments(objects)["gateway"])
+        gateway = main_container(workloads(objects)["gateway"])
         ref = env_entries(gateway)["GATEWAY_ROUTER_ADDRESS"]["valueFrom"]["configMapKeyRef"]
         config_map = next(
             o for o in of_kind(objects, "ConfigMap") if o["metadata"]["name"] == ref["name"]

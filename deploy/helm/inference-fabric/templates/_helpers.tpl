@@ -64,6 +64,17 @@ livenessProbe:
   {{- include "fabric.grpcProbe" (dict "port" .port "probe" .probes.liveness) | nindent 2 }}
 {{- end -}}
 
+{{/* An HTTP probe of the `metrics` port, for a tier without gRPC health (the job runner); call
+with the probe's values (periodSeconds, timeoutSeconds, failureThreshold). */}}
+{{- define "fabric.metricsProbe" -}}
+httpGet:
+  port: metrics
+  path: /metrics
+periodSeconds: {{ .periodSeconds }}
+timeoutSeconds: {{ .timeoutSeconds }}
+failureThreshold: {{ .failureThreshold }}
+{{- end -}}
+
 {{/* Rolls the pods when the shared settings change. */}}
 {{- define "fabric.configChecksum" -}}
 checksum/config: {{ include (print .Template.BasePath "/configmap.yaml") . | sha256sum }}
