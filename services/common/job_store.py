@@ -62,13 +62,18 @@ end
 redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
 return ARGV[1]
 """
-# KEYS: job hash, results hash, queue; ARGV: group, entry id, then (index, result, counter)*.
+# KEYS: job hash, results hash, queue, dead letters; ARGV: group, entry id, job id, dead-letter
+# cap, then (index, result, counter, code, message)* (code "": not a dead letter).
 _RECORD = """
 local added = 0
-for i = 3, #ARGV, 3 do
+for i = 5, #ARGV, 5 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
     added = added + 1
+    if ARGV[i + 3] ~= '' then
+      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[3],
+                 'index', ARGV[i], 'code', ARGV[i + 3], 'message', ARGV[i + 4])
+    end
   end
 end
 if ARGV[2] ~= '' then
@@ -172,6 +177,9 @@ class ItemOutcome:
     status: ItemStatus
     #: Serialized `JobItemResult`.
     payload: bytes
+    #: A failed item's gRPC status code name and message, dead-lettered with its result.
+    code: str = ""
+    message: str = ""
 
 
 class JobStore:
@@ -271,23 +279,24 @@ class JobStore:
     async def record(
         self, job_id: str, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
     ) -> int:
-        """Writes the results not already written and counts them, and acknowledges `ack`
-        (None: nothing), in one atomic step; returns how many results were new."""
+        """Writes the results not already written and counts them, dead-letters the failed ones
+        among them ({job, index, code, message} on `<p>:jobs:dead`), and acknowledges `ack`
+        (None: nothing), in one atomic step; returns how many results were new. A result
+        already written (a rerun of a reclaimed chunk) changes nothing and is not dead-lettered
+        twice."""
         key = self.job_key(job_id)
-        args: list[Any] = [GROUP, ack.entry_id if ack is not None else ""]
+        args: list[Any] = [GROUP, ack.entry_id if ack is not None else "", job_id, MAX_DEAD_LETTERS]
         for outcome in outcomes:
-            args += [outcome.index, outcome.payload, f"num_{outcome.status.value}"]
-        keys = [key, f"{key}:results", self.queue_key]
+            dead = outcome.status is ItemStatus.FAILED
+            args += [outcome.index, outcome.payload, f"num_{outcome.status.value}",
+                     outcome.code if dead else "", outcome.message if dead else ""]  # fmt: skip
+        keys = [key, f"{key}:results", self.queue_key, self.dead_key]
         return int(await self._record(keys=keys, args=args))
 
     async def drop(self, entry: QueueEntry) -> None:
         """Acknowledges an entry whose job no longer exists."""
         await self.client.xack(self.queue_key, GROUP, entry.entry_id)
         await self.client.xdel(self.queue_key, entry.entry_id)
-
-    async def dead_letter(self, job_id: str, index: int, code: str, message: str) -> None:
-        fields = {"job": job_id, "index": index, "code": code, "message": message}
-        await self.client.xadd(self.dead_key, fields, maxlen=MAX_DEAD_LETTERS, approximate=True)
 
     async def backlog(self) -> tuple[int, int, float]:
         """(entries never claimed, entries claimed and unacknowledged, age in seconds of the

@@ -1,9 +1,11 @@
 """`inference.v1.JobService`: durable batch jobs, served by the gateway (protobuf <-> store).
 
-SubmitJob checks what can be checked up front (the model exists, is a fixed-cost model the
-tenant may use, the priority is granted, the item count is within `max_items`) and persists the
-job (services.common.job_store) before answering; the items themselves are validated when a
-runner sends them through Predict, and an item the model refuses fails alone. Every call
+SubmitJob (items inline) and SubmitJobStream (items streamed in) share one path, `_submit`: it
+checks what can be checked up front (the model exists, is a fixed-cost model the tenant may use,
+the priority is granted) from the first message before reading more, counts the items against
+`max_items` as they arrive, and persists the job (services.common.job_store) before answering;
+the items themselves are validated when a runner sends them through Predict, and an item the
+model refuses fails alone. Every call
 is scoped to the caller's tenant: another tenant's job id is NOT_FOUND, never PERMISSION_DENIED,
 so job ids reveal nothing.
 """
@@ -11,7 +13,7 @@ so job ids reveal nothing.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,7 +49,7 @@ _STATES = {
 
 @dataclass(frozen=True)
 class JobsApiConfig:
-    #: Most items one SubmitJob may carry.
+    #: Most items one job may have (inline, or all the messages of a stream together).
     max_items: int = 100_000
     #: Items per queue entry, and so per Predict call a runner makes.
     chunk_size: int = 64
@@ -93,30 +95,57 @@ class JobServicer(jobs_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: jobs.SubmitJobRequest, context: grpc.aio.ServicerContext
     ) -> jobs.SubmitJobResponse:
+        return await self._submit(_one(request))
+
+    async def SubmitJobStream(
+        self, requests: AsyncIterable[jobs.SubmitJobRequest], context: grpc.aio.ServicerContext
+    ) -> jobs.SubmitJobResponse:
+        return await self._submit(aiter(requests))
+
+    async def _submit(
+        self, messages: AsyncIterator[jobs.SubmitJobRequest]
+    ) -> jobs.SubmitJobResponse:
+        """Submits the job the first of `messages` describes, with the items of them all.
+        Refused as soon as a message breaks a rule: the rest of the stream is never read."""
+        header = await anext(messages, None)
+        if header is None:
+            raise InvalidInput("the stream has no message: the first one names the model")
         principal = current_principal()
-        principal.check_model(request.model_name)
-        if self._catalog.config(request.model_name).kind == ModelKind.GENERATION:
+        principal.check_model(header.model_name)
+        if self._catalog.config(header.model_name).kind == ModelKind.GENERATION:
             raise InvalidInput("jobs run fixed-cost (Predict) models, not generation models")
-        if not 0 < len(request.items) <= self._config.max_items:
-            raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         try:
-            requested = PriorityClass.from_proto(request.priority) or PriorityClass.BATCH
+            requested = PriorityClass.from_proto(header.priority) or PriorityClass.BATCH
         except ValueError as error:
             raise InvalidInput(str(error)) from None
         priority = principal.policy.priority_for(requested)
+        items: list[bytes] = []
+        self._add_items(items, header)
+        async for message in messages:
+            _check_same_header(header, message)
+            self._add_items(items, message)
+        if not items:
+            raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         job = NewJob(
             tenant=principal.tenant,
-            model_name=request.model_name,
-            model_version=request.model_version,
+            model_name=header.model_name,
+            model_version=header.model_version,
             priority=priority.value,
-            items=[item.SerializeToString() for item in request.items],
-            idempotency_key=request.idempotency_key,
-            complete_by_s=max(0.0, request.complete_by_unix_s),
+            items=items,
+            idempotency_key=header.idempotency_key,
+            complete_by_s=max(0.0, header.complete_by_unix_s),
         )
         job_id, is_existing = await _stored(
             self._store.submit(job, chunk_size=self._config.chunk_size)
         )
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
+
+    def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest) -> None:
+        """Appends `message`'s items, serialized, to `items`; InvalidInput, before appending
+        any, when they would take the job past `max_items`."""
+        if len(items) + len(message.items) > self._config.max_items:
+            raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
+        items.extend(item.SerializeToString() for item in message.items)
 
     async def GetJob(
         self, request: jobs.GetJobRequest, context: grpc.aio.ServicerContext
@@ -165,6 +194,22 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             index += len(found)
             if len(found) < count:
                 return
+
+
+async def _one(request: jobs.SubmitJobRequest) -> AsyncIterator[jobs.SubmitJobRequest]:
+    """An inline submission as the stream of its one message."""
+    yield request
+
+
+def _check_same_header(header: jobs.SubmitJobRequest, message: jobs.SubmitJobRequest) -> None:
+    """A later message of a stream may set a field other than `items` only to the value the
+    first message (`header`) gave it. Unset fields are absent from ListFields (proto3)."""
+    for field, value in message.ListFields():
+        if field.name != "items" and value != getattr(header, field.name):
+            raise InvalidInput(
+                f"{field.name} differs from the stream's first message: a later message "
+                "carries items only"
+            )
 
 
 async def _stored(awaitable: Awaitable[T]) -> T:

@@ -14,7 +14,8 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    `max_attempts`; an item that still fails is recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
    item fails for it, the chunk is left pending for a later retry;
-5. records every result with HSETNX and acknowledges the entry, in one atomic script.
+5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
+   in one atomic script.
 
 Delivery is at-least-once (a runner may die after Predict, before recording); the results are
 effectively-once: a result written for an index is never overwritten, and each is counted once.
@@ -66,7 +67,9 @@ def _result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) ->
         ItemStatus.CANCELLED: jobs.ITEM_STATUS_CANCELLED,
     }[status]
     message = jobs.JobItemResult(index=index, status=status_pb, num_attempts=num_attempts, **fields)
-    return ItemOutcome(index, status, message.SerializeToString())
+    return ItemOutcome(
+        index, status, message.SerializeToString(), code=message.code, message=message.message
+    )
 
 
 class JobRunner:
@@ -171,11 +174,6 @@ class JobRunner:
         await self._store.record(job.job_id, outcomes, ack=entry)
         for outcome in outcomes:
             self._metrics.items.labels(outcome.status.value).inc()
-            if outcome.status is ItemStatus.FAILED:
-                result = jobs.JobItemResult.FromString(outcome.payload)
-                await self._store.dead_letter(
-                    job.job_id, outcome.index, result.code, result.message
-                )
 
     def _stopped(self, job: JobRecord, items: Sequence[_Item]) -> list[ItemOutcome] | None:
         """Cancelled outcomes when `job` must not start more items; None to go on."""

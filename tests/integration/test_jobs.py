@@ -4,6 +4,9 @@ tests SIGKILL."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +54,8 @@ class Fabric:
     redis: RedisServer
     target: PredictTarget
     target_address: str
+    #: The JobService's host:port.
+    address: str
     jobs: jobs_grpc.JobServiceStub
     store: JobStore
     tmp_path: Path
@@ -83,6 +88,22 @@ class Fabric:
         request = jobs.GetJobResultsRequest(job_id=job_id, start_index=start_index)
         return [r async for r in self.jobs.GetJobResults(request, metadata=AS_A)]
 
+    async def job_ids(self) -> list[str]:
+        """Tenant a's job ids, newest first (one page)."""
+        listed = await self.jobs.ListJobs(jobs.ListJobsRequest(page_size=500), metadata=AS_A)
+        return [j.job_id for j in listed.jobs]
+
+    async def cli(self, *args: str) -> tuple[str, str]:
+        """`python -m services.client ARGS` as tenant a; its (stdout, stderr) once it exits 0."""
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.client", "--address", self.address,
+            "--api-key", "key-a", *args,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, cwd=REPO_ROOT,
+        )  # fmt: skip
+        stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=60.0)
+        assert process.returncode == 0, stderr.decode()
+        return stdout.decode(), stderr.decode()
+
 
 @pytest.fixture
 async def fabric(tmp_path: Path) -> AsyncIterator[Fabric]:
@@ -92,7 +113,14 @@ async def fabric(tmp_path: Path) -> AsyncIterator[Fabric]:
     jobs_server, jobs_address, store = await start_job_service(redis, REPO_ROOT / "models", KEYS)
     channel = grpc.aio.insecure_channel(jobs_address)
     fabric = Fabric(
-        redis, target, target_address, jobs_grpc.JobServiceStub(channel), store, tmp_path, []
+        redis,
+        target,
+        target_address,
+        jobs_address,
+        jobs_grpc.JobServiceStub(channel),
+        store,
+        tmp_path,
+        [],
     )
     try:
         yield fabric
@@ -109,6 +137,15 @@ async def fabric(tmp_path: Path) -> AsyncIterator[Fabric]:
 
 def texts_of(n: int) -> list[str]:
     return [f"item number {i}" for i in range(n)]
+
+
+async def streamed(
+    texts: list[str], *, items_per_message: int, model_name: str = "minilm"
+) -> AsyncIterator[jobs.SubmitJobRequest]:
+    """A SubmitJobStream: the header with the first items, then items only."""
+    yield jobs.SubmitJobRequest(model_name=model_name, items=text_items(texts[:items_per_message]))
+    for start in range(items_per_message, len(texts), items_per_message):
+        yield jobs.SubmitJobRequest(items=text_items(texts[start : start + items_per_message]))
 
 
 def assert_all_ok_in_order(results: list[jobs.JobItemResult], texts: list[str]) -> None:
@@ -249,3 +286,120 @@ async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> No
     job = await fabric.finished(job_id)  # after the claim timeout, the chunk runs again
     assert job.state == jobs.JOB_STATE_SUCCEEDED
     assert_all_ok_in_order(await fabric.results(job_id), texts)
+
+
+async def test_a_streamed_job_is_bounded_by_max_items_not_by_one_message(fabric: Fabric) -> None:
+    texts = texts_of(100_000)
+    stream = streamed(texts, items_per_message=4_000)
+    job_id = (await fabric.jobs.SubmitJobStream(stream, metadata=AS_A, timeout=60.0)).job_id
+    job = await fabric.job(job_id)
+    assert (job.num_items, job.state, job.model_name) == (100_000, jobs.JOB_STATE_QUEUED, "minilm")
+    cancelled = await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+    assert cancelled.state == jobs.JOB_STATE_CANCELLED
+    # Inline, the same 100,000 short texts (about 2 MB) fit in one message and max_items.
+    inline = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts))
+    inline_id = (await fabric.jobs.SubmitJob(inline, metadata=AS_A, timeout=60.0)).job_id
+    assert (await fabric.job(inline_id)).num_items == 100_000
+    await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=inline_id), metadata=AS_A)
+    # One more item is refused either way. Streamed, as soon as the count passes the limit:
+    # this stream never ends, so an answer means the gateway stopped reading it.
+    inline.items.append(text_items(["one too many"])[0])
+    with pytest.raises(grpc.aio.AioRpcError) as too_many_inline:
+        await fabric.jobs.SubmitJob(inline, metadata=AS_A, timeout=60.0)
+    assert too_many_inline.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    async def past_the_limit_then_open() -> AsyncIterator[jobs.SubmitJobRequest]:
+        async for message in streamed(texts_of(104_000), items_per_message=4_000):
+            yield message
+        await asyncio.Event().wait()
+        yield jobs.SubmitJobRequest()  # never reached
+
+    with pytest.raises(grpc.aio.AioRpcError) as too_many_streamed:
+        await fabric.jobs.SubmitJobStream(past_the_limit_then_open(), metadata=AS_A, timeout=60.0)
+    assert too_many_streamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "100000" in (too_many_streamed.value.details() or "")
+    assert await fabric.job_ids() == [inline_id, job_id]
+
+
+async def test_a_stream_that_changes_its_header_or_has_no_items_persists_nothing(
+    fabric: Fabric,
+) -> None:
+    kept = await fabric.submit(texts_of(3))
+
+    async def model_changed() -> AsyncIterator[jobs.SubmitJobRequest]:
+        yield jobs.SubmitJobRequest(model_name="minilm", items=text_items(["a", "b"]))
+        yield jobs.SubmitJobRequest(model_name="tiny-llama", items=text_items(["c"]))
+
+    async def nothing() -> AsyncIterator[jobs.SubmitJobRequest]:
+        return
+        yield  # an async generator with no message
+
+    async def header_only() -> AsyncIterator[jobs.SubmitJobRequest]:
+        yield jobs.SubmitJobRequest(model_name="minilm")
+        yield jobs.SubmitJobRequest()
+
+    for stream, words in (
+        (model_changed(), "model_name differs"),
+        (nothing(), "no message"),
+        (header_only(), "1 to 100000 items"),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.jobs.SubmitJobStream(stream, metadata=AS_A, timeout=10.0)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert words in (refused.value.details() or "")
+    assert await fabric.job_ids() == [kept]
+
+    # A later message may repeat the first one's fields; items keep the order they were sent.
+    async def repeated_header() -> AsyncIterator[jobs.SubmitJobRequest]:
+        yield jobs.SubmitJobRequest(model_name="minilm", items=text_items(["a"]))
+        yield jobs.SubmitJobRequest(model_name="minilm", items=text_items(["b", "c"]))
+
+    response = await fabric.jobs.SubmitJobStream(repeated_header(), metadata=AS_A, timeout=10.0)
+    fabric.start_runner("runner-1")
+    await fabric.finished(response.job_id)
+    assert_all_ok_in_order(await fabric.results(response.job_id), ["a", "b", "c"])
+
+
+async def test_list_jobs_pages_newest_first_each_job_once(fabric: Fabric) -> None:
+    submitted = [await fabric.submit(texts_of(1)) for _ in range(7)]
+    pages: list[list[str]] = []
+    token = ""
+    while True:
+        request = jobs.ListJobsRequest(page_size=3, page_token=token)
+        page = await fabric.jobs.ListJobs(request, metadata=AS_A)
+        pages.append([j.job_id for j in page.jobs])
+        token = page.next_page_token
+        if not token:
+            break
+    assert [len(p) for p in pages] == [3, 3, 1]
+    assert [i for p in pages for i in p] == submitted[::-1]
+    with pytest.raises(grpc.aio.AioRpcError) as bad_token:
+        await fabric.jobs.ListJobs(jobs.ListJobsRequest(page_token="not-a-token"), metadata=AS_A)
+    assert bad_token.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_command_line_submits_a_file_and_writes_its_results_in_order(
+    fabric: Fabric,
+) -> None:
+    """`python -m services.client job submit | status | results` against the JobService: the
+    file goes up in several streamed messages, the results come back one line per input."""
+    texts = texts_of(12)
+    source = fabric.tmp_path / "texts.jsonl"
+    # Both input forms: a JSON string, or an object with "text".
+    lines = [json.dumps(t) if i % 2 else json.dumps({"text": t}) for i, t in enumerate(texts)]
+    source.write_text("\n".join(lines) + "\n")
+    fabric.start_runner("runner-1")
+    stdout, stderr = await fabric.cli("job", "submit", str(source), "--items-per-message", "5")
+    job_id = stdout.strip()
+    assert await fabric.job_ids() == [job_id]
+    assert "12/12 succeeded" in stderr  # the progress bar's last state
+    status, _ = await fabric.cli("job", "status", job_id)
+    shown = json.loads(status)
+    assert (shown["state"], shown["num_items"], shown["num_ok"]) == ("succeeded", 12, 12)
+    out = fabric.tmp_path / "results.jsonl"
+    await fabric.cli("job", "results", job_id, "--out", str(out))
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["index"] for r in results] == list(range(12))
+    assert all(r["status"] == "ok" for r in results)
+    for result, text in zip(results, texts, strict=True):
+        np.testing.assert_array_equal(np.array(result["embedding"], "<f4"), expected_output(text))

@@ -21,6 +21,7 @@ from services.common.redis_acl import GATEWAY, JOBS, password_file_name
 from services.common.tensors import tensor_to_pb
 from services.gateway.auth import AuthInterceptor, KeyStore
 from services.gateway.catalog import ModelCatalog
+from services.gateway.config import GatewayConfig
 from services.gateway.jobs_api import JobsApiConfig, JobServicer
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
@@ -87,11 +88,12 @@ async def start_target(target: PredictTarget) -> tuple[grpc.aio.Server, str]:
 async def start_job_service(
     redis: RedisServer, repository: Path, keys: KeyStore | None, *, chunk_size: int = 8
 ) -> tuple[grpc.aio.Server, str, JobStore]:
-    """The gateway's JobService (as Redis user `gateway`) behind its auth interceptor."""
+    """The gateway's JobService (as Redis user `gateway`) behind its auth interceptor, with
+    the gateway's default message limit (4 MiB)."""
     client = connect_jobs_redis(redis.role_url(GATEWAY), timeout_s=5.0)
     store = JobStore(client)
     catalog = ModelCatalog(load_repository(repository))
-    server = new_server([AuthInterceptor(keys)])
+    server = new_server([AuthInterceptor(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
     servicer = JobServicer(store, catalog, JobsApiConfig(chunk_size=chunk_size))
     jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")

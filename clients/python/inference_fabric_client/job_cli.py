@@ -1,14 +1,16 @@
 """The `job` commands of the command line.
 
     fabric-client job submit texts.jsonl [--model minilm] [--idempotency-key KEY] [--no-wait]
+                                         [--items-per-message N]
     fabric-client job status JOB_ID
     fabric-client job results JOB_ID --out results.jsonl [--start-index N]
     fabric-client job cancel JOB_ID
 
-An input line is a JSON string or an object with "text". `submit` prints the job id, then
-(unless --no-wait) draws a progress bar on stderr until the job is finished. A result line is
-{"index", "status", "embedding"} for ok items and {"index", "status", "code", "message"} for
-the others, in input order.
+An input line is a JSON string or an object with "text". `submit` streams the texts to the
+gateway (SubmitJobStream, 1,000 to a message: no gRPC message limit bounds the file, only the
+gateway's max items per job), prints the job id, then (unless --no-wait) draws a progress bar
+on stderr until the job is finished. A result line is {"index", "status", "embedding"} for ok
+items and {"index", "status", "code", "message"} for the others, in input order.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 from pathlib import Path
 
 from inference_fabric_client.client import Client
-from inference_fabric_client.jobs import JobInfo
+from inference_fabric_client.jobs import ITEMS_PER_MESSAGE, JobInfo
 
 BAR_WIDTH = 30
 POLL_S = 0.5
@@ -35,6 +37,8 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:  # type: ign
     submit.add_argument("--version", default="")
     submit.add_argument("--idempotency-key", default="")
     submit.add_argument("--no-wait", action="store_true", help="print the job id and exit")
+    submit.add_argument("--items-per-message", type=int, default=ITEMS_PER_MESSAGE,
+                        help="texts per streamed message")  # fmt: skip
     for name, about in (("status", "a job's state and counts"), ("cancel", "cancel a job")):
         actions.add_parser(name, help=about).add_argument("job_id")
     results = actions.add_parser("results", help="write a job's results as JSONL")
@@ -70,7 +74,7 @@ def run_job_command(client: Client, args: argparse.Namespace) -> None:
     if args.job_command == "submit":
         job_id = jobs.submit(
             args.model, _texts(args.file), version=args.version,
-            idempotency_key=args.idempotency_key,
+            idempotency_key=args.idempotency_key, items_per_message=args.items_per_message,
         )  # fmt: skip
         print(job_id, flush=True)
         if args.no_wait:

@@ -7,6 +7,8 @@
         for result in jobs.results(job_id):          # input order, resumable with start_index
             ...
 
+`submit` streams the texts in (SubmitJobStream, `items_per_message` per message), so no gRPC
+message limit bounds a job; only the gateway's max items per job (100,000 by default) does.
 Results come back in input order; a call streams up to the first item not finished yet, so
 `results(..., wait=True)` calls again from the next index until the job is finished.
 """
@@ -31,6 +33,9 @@ _STATES = {value: name.removeprefix("JOB_STATE_").lower()
 _ITEM_STATUSES = {value: name.removeprefix("ITEM_STATUS_").lower()
                   for name, value in jobs.ItemStatus.items()}  # fmt: skip
 TERMINAL_STATES = frozenset({"succeeded", "partially_failed", "failed", "cancelled"})
+#: Texts per SubmitJobStream message: short texts make messages of tens of KB, far below the
+#: 4 MiB default limit, and the gateway counts them against its max items as they arrive.
+ITEMS_PER_MESSAGE = 1_000
 
 
 @dataclass(frozen=True)
@@ -83,16 +88,29 @@ class Jobs:
         version: str = "",
         idempotency_key: str = "",
         complete_by_unix_s: float = 0.0,
+        items_per_message: int = ITEMS_PER_MESSAGE,
     ) -> str:
-        """Submits a job of texts; returns its id (the existing job's, for a known key)."""
-        request = jobs.SubmitJobRequest(
+        """Submits a job of texts, streamed `items_per_message` to a message; returns its id
+        (the existing job's, for a known key)."""
+        if items_per_message < 1:
+            raise ValueError("items_per_message must be positive")
+        header = jobs.SubmitJobRequest(
             model_name=model,
             model_version=version,
-            items=[api.PredictInput(text=t) for t in texts],
             idempotency_key=idempotency_key,
             complete_by_unix_s=complete_by_unix_s,
         )
-        return str(self._call(self._stub.SubmitJob, request).job_id)
+
+        def messages() -> Iterator[jobs.SubmitJobRequest]:
+            # The first message names the job and carries the first items; the rest, items
+            # only. No texts: the header alone, which the gateway refuses as an empty job.
+            for start in range(0, max(len(texts), 1), items_per_message):
+                message = header if start == 0 else jobs.SubmitJobRequest()
+                chunk = texts[start : start + items_per_message]
+                message.items.extend(api.PredictInput(text=t) for t in chunk)
+                yield message
+
+        return str(self._call(self._stub.SubmitJobStream, messages()).job_id)
 
     def get(self, job_id: str) -> JobInfo:
         return _info(self._call(self._stub.GetJob, jobs.GetJobRequest(job_id=job_id)))
@@ -121,7 +139,9 @@ class Jobs:
                 return
             time.sleep(poll_s)
 
-    def _call(self, method: grpc.UnaryUnaryMultiCallable, request: Any) -> Any:
+    def _call(
+        self, method: grpc.UnaryUnaryMultiCallable | grpc.StreamUnaryMultiCallable, request: Any
+    ) -> Any:
         try:
             return method(request, timeout=self._timeout_s, metadata=self._metadata)
         except grpc.RpcError as error:
