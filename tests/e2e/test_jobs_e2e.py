@@ -22,6 +22,9 @@ import grpc
 import numpy as np
 import pytest
 
+from bench.fabric.loadgen import run_closed_loop
+from bench.fabric.targets import predict_sender
+from bench.jobs import BesideJob, online_beside_job
 from services.common.metric_names import WORKER_ROWS_TOTAL
 from services.common.processes import ChildProcess, launch, start_and_wait, wait_ready
 from services.common.redis_acl import JOBS, password_file_name
@@ -223,3 +226,44 @@ async def test_cancel_mid_job_starts_no_new_item_and_keeps_results(stack: Stack)
         assert [r.index for r in results] == list(range(FAULT_ITEMS))
         ok = [r for r in results if r.status == jobs.ITEM_STATUS_OK]
         assert len(ok) == job.num_ok and all(len(r.output.raw_data) == 384 * 4 for r in ok)
+
+
+#: Seconds of each online window; windows alternate, alone and beside a job, NUM_PAIRS each.
+ONLINE_WINDOW_S = 8.0
+NUM_PAIRS = 2
+
+
+@pytest.fixture(scope="module")
+def beside_job(tmp_path_factory: pytest.TempPathFactory) -> BesideJob:
+    """One stack serving minilm with the default 250 ms SLO; online traffic at half its
+    capacity, alone and beside a saturating job, as `make bench-jobs` measures it."""
+    root = tmp_path_factory.mktemp("beside-job")
+    repository = write_minilm_repository(root / "repo", slo_p99_ms=250)
+    stack = start_stack(root, model_repository=repository)
+    try:
+        run = asyncio.run(_measure_beside_job(stack))
+    finally:
+        assert stack.stop() == 0, stack.stop_report()
+    print(f"online beside a job: {run.summary()}")
+    return run
+
+
+async def _measure_beside_job(stack: Stack) -> BesideJob:
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        send = predict_sender(channel, "minilm", texts_of(1000), timeout_s=30.0)
+        capacity = await run_closed_loop(send, concurrency=32, duration_s=8.0, warmup_s=2.0)
+        return await online_beside_job(
+            channel, capacity.ok_per_s / 2, window_s=ONLINE_WINDOW_S, pairs=NUM_PAIRS
+        )
+
+
+def test_online_traffic_is_served_beside_a_saturating_job(beside_job: BesideJob) -> None:
+    outcomes = beside_job.alone + beside_job.beside
+    assert all(o.ok for o in outcomes), {o.status for o in outcomes}
+    # The job really ran beside it (it gets what online traffic leaves, at a CPU's small
+    # backfill batches: 11-28% of the other half of capacity measured on two cores).
+    assert beside_job.job_items_per_s >= 0.05 * beside_job.rate_per_s
+
+
+def test_online_p99_beside_a_saturating_job_within_10_percent(beside_job: BesideJob) -> None:
+    assert beside_job.p99_ratio <= 1.10, beside_job.summary()

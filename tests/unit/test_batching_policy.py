@@ -669,9 +669,44 @@ def test_priority_classes_run_in_order_within_a_batch() -> None:
         ],
     )
 
-    # Critical first; then, within interactive, "a" before "b": b was just served its critical
-    # row. Batch last, although its deadline is the earliest.
-    assert ids(dispatch_of(batcher.poll(0.0, executor_idle=True))) == [3, 2, 4, 1]
+    # Past the linger: critical first; then, within interactive, "a" before "b": b was just
+    # served its critical row. Batch last, although its deadline is the earliest.
+    assert ids(dispatch_of(batcher.poll(LINGER_S, executor_idle=True))) == [3, 2, 4, 1]
+
+
+def test_interactive_rows_beside_batch_rows_close_at_once() -> None:
+    # Lingering buys fuller batches only while the executor would idle; with batch rows queued
+    # it never does. CPU-like (4 ms a row): the interactive rows close at once, alone (no batch
+    # row rides: each would add 50%), then the batch rows backfill one at a time (interactive
+    # rows arrived within the last second).
+    batcher = make_batcher(latency=linear_latency(0.004), max_queue_size=100)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH) for i in range(40)])
+    add_burst(batcher, count=2, first_id=100, priority=INTERACTIVE)
+
+    # The linger the worker reports is the interactive rows' own (2 rows, 8 ms: the 50 ms cap).
+    assert batcher.max_wait_s(make_key()) == LINGER_S
+    closing = dispatch_of(batcher.poll(0.002, executor_idle=True))
+    assert (ids(closing), closing.reason) == ([100, 101], CloseReason.FULL)
+    backfill = dispatch_of(batcher.poll(0.01, executor_idle=True))
+    assert (ids(backfill), backfill.reason) == ([0], CloseReason.BACKFILL)
+
+
+def test_no_backfill_that_would_still_run_when_interactive_rows_are_due() -> None:
+    # Interactive rows of one key linger; another key's batch rows (10 ms a batch, an unknown
+    # key) backfill meanwhile, but none starts that would still run when the interactive rows
+    # are due (found from a twin without the batch rows): the executor cannot be preempted.
+    twin = make_batcher(latency=linear_latency(0.004))
+    add_burst(twin, count=2, first_id=100, priority=INTERACTIVE)
+    due = twin.poll(0.002, executor_idle=True).action
+    assert isinstance(due, Wait) and due.until_s is not None
+    batcher = make_batcher(latency=linear_latency(0.004))
+    add_all(batcher, [make_item(item_id=i, bucket=64, priority=BATCH) for i in range(3)])
+    add_burst(batcher, count=2, first_id=100, priority=INTERACTIVE)
+
+    backfill = dispatch_of(batcher.poll(due.until_s - 0.011, executor_idle=True))
+    assert (backfill.key.bucket, backfill.reason) == (64, CloseReason.BACKFILL)
+    assert batcher.poll(due.until_s - 0.005, executor_idle=True).action == due
+    assert ids(dispatch_of(batcher.poll(due.until_s + 1e-6, executor_idle=True))) == [100, 101]
 
 
 def test_the_most_urgent_class_picks_the_key() -> None:
@@ -712,18 +747,53 @@ def test_a_flooders_queue_does_not_make_a_light_tenant_late() -> None:
     assert batcher.add(flood_row, 0.0) == Rejected(RejectReason.DEADLINE)
 
 
-def test_a_batch_of_batch_rows_only_is_kept_short() -> None:
-    # 4 ms a row: a batch of 8 takes 32 ms; batch-only batches are capped at 10% of the
-    # 100 ms SLO (2 rows), so an interactive arrival waits at most about 10 ms for one.
+def linear_latency(per_row_s: float, fixed_s: float = 0.0, max_size: int = 8) -> LatencyModel:
+    """A latency model that has seen batches of 1..max_size cost fixed_s + per_row_s a row."""
     latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
-    for size in range(1, 9):
-        latency.observe(make_key(), size, 0.004 * size)
-    batcher = make_batcher(latency=latency)
+    for size in range(1, max_size + 1):
+        latency.observe(make_key(), size, fixed_s + per_row_s * size)
+    return latency
+
+
+def test_a_batch_of_batch_rows_only_is_kept_short() -> None:
+    # 4 ms a row (a CPU: each row costs its own). With interactive rows arriving, a batch of
+    # batch rows only is held to about one interactive row's compute (1 row, 4 ms), so an
+    # interactive arrival waits at most that for it.
+    batcher = make_batcher(latency=linear_latency(0.004))
     add_burst(batcher, count=8, priority=BATCH)
     add_burst(batcher, count=8, first_id=100, priority=INTERACTIVE)
 
     assert len(dispatch_of(batcher.poll(0.1, executor_idle=True)).items) == 8, "online: full"
-    assert len(dispatch_of(batcher.poll(0.1, executor_idle=True)).items) == 2
+    assert len(dispatch_of(batcher.poll(0.1, executor_idle=True)).items) == 1
+
+
+def test_without_recent_interactive_rows_batch_rows_run_full_width() -> None:
+    # No interactive row for over URGENT_RECENT_S: batch rows run as wide as any batch (8),
+    # not one interactive row's worth.
+    batcher = make_batcher(latency=linear_latency(0.004))
+    add_all(batcher, [make_item(item_id=100, priority=INTERACTIVE, arrival_s=0.1)])
+    dispatch_of(batcher.poll(0.1, executor_idle=True))
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, arrival_s=1.0) for i in range(16)])
+
+    assert len(dispatch_of(batcher.poll(1.05, executor_idle=True)).items) == 1, "0.95 s after"
+    assert len(dispatch_of(batcher.poll(1.2, executor_idle=True)).items) == 8, "1.1 s after"
+
+
+def test_batch_rows_ride_an_interactive_batch_only_on_spare_width() -> None:
+    # CPU-like (4 ms a row): 2 interactive rows take 8 ms; one more row would add 50%, over
+    # the 10% batch rows may add, so none rides and the interactive rows run alone.
+    cpu = make_batcher(latency=linear_latency(0.004))
+    add_burst(cpu, count=6, priority=BATCH)
+    add_burst(cpu, count=2, first_id=100, priority=INTERACTIVE)
+    assert ids(dispatch_of(cpu.poll(0.1, executor_idle=True))) == [100, 101]
+
+    # GPU-like (10 ms fixed, 0.1 ms a row): the 6 batch rows add 6% and ride along; the batch
+    # they fill closes at once, with no linger for more interactive rows.
+    gpu = make_batcher(latency=linear_latency(0.0001, fixed_s=0.01))
+    add_burst(gpu, count=6, priority=BATCH)
+    add_burst(gpu, count=2, first_id=100, priority=INTERACTIVE)
+    full = dispatch_of(gpu.poll(0.002, executor_idle=True))
+    assert (ids(full), full.reason) == ([100, 101, 0, 1, 2, 3, 4, 5], CloseReason.FULL)
 
 
 def test_batch_rows_fill_only_half_the_queue() -> None:

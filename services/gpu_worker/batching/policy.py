@@ -40,8 +40,14 @@ BATCH_QUEUE_SHARE = 0.5
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5
 
-#: A batch of `batch` rows only is capped at this share of the SLO in predicted compute.
-BATCH_CLASS_SLO_SHARE = 0.1
+#: `batch` rows may lengthen a batch's predicted compute by at most this share of what its
+#: interactive rows alone would take: they ride the executor's spare width (large on a GPU,
+#: where a wider batch costs little more; about none on a CPU, where each row costs its own).
+BATCH_RIDE_SHARE = 0.1
+#: While more urgent rows arrived this recently, a batch of `batch` rows only is held to what
+#: one urgent row costs (x 1 + BATCH_RIDE_SHARE): an urgent row arriving as it starts waits
+#: for it, and the executor cannot be preempted. After a longer silence it is full width.
+URGENT_RECENT_S = 1.0
 
 _BATCH_RANK = PriorityClass.BATCH.rank
 
@@ -73,6 +79,8 @@ class Batcher:
         # key -> (latency model revision, max_batch_size_for): recomputed after observations.
         self._limits: dict[BatchKey, tuple[int, int]] = {}
         self._is_draining = False
+        # When the latest row more urgent than `batch` was queued.
+        self._last_urgent_s = float("-inf")
 
     @property
     def num_queued(self) -> int:
@@ -92,6 +100,13 @@ class Batcher:
         """Items queued for `key`."""
         queue = self._queues.get(key)
         return len(queue.items) if queue is not None else 0
+
+    def _urgent_or_all(self, key: BatchKey) -> int:
+        """Rows of `key` more urgent than `batch`, or, when there are none, all its rows."""
+        queue = self._queues.get(key)
+        if queue is None:
+            return 0
+        return queue.items.count_at_most(_BATCH_RANK - 1) or len(queue.items)
 
     def shape_limit(self, key: BatchKey) -> int:
         """Most items one batch of `key` may ever hold: max_batch_size, and the padded-token
@@ -124,9 +139,10 @@ class Batcher:
 
     def max_wait_s(self, key: BatchKey) -> float:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
-        predicted compute of the next batch and the safety margin, clamped to [0, cap]."""
+        predicted compute of the next batch and the safety margin, clamped to [0, cap]. The
+        next batch is sized by the rows more urgent than `batch` when there are any."""
         cfg = self._config
-        n_next = min(max(self.queue_length(key), 1), self.max_batch_size_for(key))
+        n_next = min(max(self._urgent_or_all(key), 1), self.max_batch_size_for(key))
         compute_s = self._latency.predict(key, n_next)
         budget_s = cfg.slo_s - cfg.upstream_budget_s - compute_s - cfg.safety_margin_s
         return min(max(budget_s, 0.0), cfg.max_wait_cap_s)
@@ -176,16 +192,21 @@ class Batcher:
         if queue is None:
             queue = self._queues[item.key] = KeyQueue(TenantQueues(self._ledger))
         queue.items.push(item)
-        heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
         heapq.heappush(queue.limits, (item.admission_limit_s, item.item_id))
+        if item.priority < _BATCH_RANK:
+            # Linger and the arrival rate are the urgent rows' own: `batch` rows are a backlog
+            # (a job's chunk arrives 64 rows at once), not traffic a batch should wait for.
+            heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
+            queue.record_arrival(now_s)
+            self._last_urgent_s = now_s
         # Entries of dispatched and expired items leave the heaps only from their tops.
-        if len(queue.arrivals) > 2 * len(queue.items) + 64:
-            queue.arrivals = [(i.arrival_s, i.item_id) for i in queue.items]
+        if len(queue.limits) > 2 * len(queue.items) + 64:
+            queue.arrivals = [(i.arrival_s, i.item_id) for i in queue.items
+                              if i.priority < _BATCH_RANK]  # fmt: skip
             heapq.heapify(queue.arrivals)
             queue.limits = [(i.admission_limit_s, i.item_id) for i in queue.items]
             heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
-        queue.record_arrival(now_s)
         return Admitted()
 
     def _refusal(
@@ -300,13 +321,8 @@ class Batcher:
         choice = self._choose(now_s, force=force)
         if isinstance(choice, Wait):
             return Poll(expired, choice)
-        (priority, _), key, reason = choice
-        limit = self.max_batch_size_for(key)
-        if priority >= _BATCH_RANK:
-            # Only `batch` rows: keep the batch short, so that an interactive row arriving
-            # while it runs waits little (the executor cannot be preempted).
-            budget_s = BATCH_CLASS_SLO_SHARE * self._config.slo_s
-            limit = self._latency.largest_batch_within(key, limit, budget_s)
+        _, key, reason = choice
+        limit = self._width(key, now_s)
         items = self._queues[key].items.take(limit, self._latency.per_item_s(key, limit))
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
@@ -314,6 +330,29 @@ class Batcher:
             del self._key_of[item.item_id]
             self._ledger.charge(item.tenant, row_cost_s, item.weight)
         return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
+
+    def _width(self, key: BatchKey, now_s: float) -> int:
+        """How many rows the next batch of `key` takes (urgent rows first, then `batch` ones):
+        `batch` rows must not cost more urgent rows their latency, and the executor cannot be
+        preempted.
+
+        - With urgent rows in the batch, `batch` rows fill it only as far as they lengthen its
+          predicted compute by BATCH_RIDE_SHARE of the urgent rows' alone.
+        - A batch of `batch` rows only (a backfill), while urgent rows arrived within
+          URGENT_RECENT_S, is held to about one urgent row's compute: an urgent row arriving
+          as it starts waits for all of it. After a longer silence it is as wide as any batch
+          (throughput: a job on an otherwise idle worker); the first urgent row after the
+          silence may wait for one, as `batch_compute_budget_s` allows.
+        """
+        limit = self.max_batch_size_for(key)
+        urgent = min(self._queues[key].items.count_at_most(_BATCH_RANK - 1), limit)
+        if urgent:
+            budget_s = self._latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
+            return max(urgent, self._latency.largest_batch_within(key, limit, budget_s))
+        if now_s - self._last_urgent_s >= URGENT_RECENT_S:
+            return limit
+        one_row_s = self._latency.predict(key, 1) * (1.0 + BATCH_RIDE_SHARE)
+        return self._latency.largest_batch_within(key, limit, one_row_s)
 
     def urgency(self, now_s: float) -> tuple[int, float] | None:
         """(priority rank, tenant virtual seconds) of the batch an idle executor would get from
@@ -334,8 +373,11 @@ class Batcher:
         """The key to dispatch now and why, with its urgency, or when to ask again. Among keys
         ready to close (with `force`, every key with items): the most urgent priority class,
         then the tenant furthest below its fair share, then the earliest deadline; BatchKey
-        order breaks ties."""
+        order breaks ties. With none ready, a backfill (a key with `batch` rows only), if it is
+        predicted to end before another key's lingering urgent rows are due (it cannot be
+        preempted)."""
         chosen: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
+        backfill: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
         wake_s: float | None = None
         for key, queue in self._queues.items():
             head = queue.items.head_rank()
@@ -344,13 +386,24 @@ class Batcher:
             assessment = self._assess(key, queue, now_s)
             if assessment[0] is None and force:
                 assessment = (CloseReason.FAIR_SHARE, None)
-            if assessment[0] is None:  # not closing yet: [1] is when that could next change
+            if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
                 key_wake_s = assessment[1]
                 wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)
                 continue
-            candidate = ((head[0], head[1], queue.earliest_deadline_s()), key, assessment[0])
-            if chosen is None or candidate[:2] < chosen[:2]:
+            reason = assessment[0]
+            candidate = ((head[0], head[1], queue.earliest_deadline_s()), key, reason)
+            if reason is CloseReason.BACKFILL:
+                if backfill is None or candidate[:2] < backfill[:2]:
+                    backfill = candidate
+            elif chosen is None or candidate[:2] < chosen[:2]:
                 chosen = candidate
+        if chosen is None and backfill is not None:
+            key = backfill[1]
+            if (
+                wake_s is None
+                or now_s + self._latency.predict(key, self._width(key, now_s)) <= wake_s
+            ):
+                chosen = backfill
         if chosen is None:
             return Wait(wake_s)
         (priority, virtual_s, _), key, reason = chosen
@@ -378,10 +431,18 @@ class Batcher:
         cfg = self._config
         if self._is_draining:
             return CloseReason.DRAIN, None
+        # The urgent rows decide; `batch` rows alone are a backlog, run whenever the executor
+        # has nothing more urgent (and ride along with urgent rows, `_width`).
+        urgent = queue.items.count_at_most(_BATCH_RANK - 1)
+        if not urgent:
+            return CloseReason.BACKFILL, None
         limit = self.max_batch_size_for(key)
-        if len(queue.items) >= limit:
+        # Lingering trades the urgent rows' latency for fuller batches, worth it only while the
+        # executor would otherwise idle: with `batch` rows queued it never does, so they close
+        # at once (and `batch` rows ride along as far as `_width` lets them).
+        if urgent >= limit or len(queue.items) > urgent:
             return CloseReason.FULL, None
-        compute_s = self._latency.predict(key, len(queue.items))
+        compute_s = self._latency.predict(key, urgent)
         slack_at_s = queue.earliest_deadline_s() - compute_s - cfg.safety_margin_s
         if now_s > slack_at_s:
             return CloseReason.DEADLINE, None

@@ -67,6 +67,8 @@ class CloseReason(enum.Enum):
     #: Closed early: the batcher held the worker's most urgent work (priority, then fair share)
     #: while another batcher's batch was ready.
     FAIR_SHARE = "fair_share"
+    #: Only `batch` rows, run on an executor no more urgent batch was ready for.
+    BACKFILL = "backfill"
 
 
 @dataclass(frozen=True)
