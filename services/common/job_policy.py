@@ -25,6 +25,14 @@ from dataclasses import dataclass
 RETRYABLE_CODES = frozenset(
     {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL", "UNKNOWN"}
 )
+#: Codes that say the fleet cannot serve now (no worker up for the model, a tier restarting,
+#: the fleet overloaded), not that an item is bad: a chunk still failing with one after its
+#: retries is left for a later round rather than failed (FLEET_ROUNDS of them).
+FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
+#: Rounds (a chunk's retries, then the claim timeout) a chunk may spend waiting for the fleet
+#: before its items fail with the fleet's status: a worker restart or a deploy costs a few; an
+#: item that crashes the worker it runs on cannot take the fleet down forever.
+FLEET_ROUNDS = 10
 
 
 class JobState(enum.Enum):

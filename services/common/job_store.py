@@ -7,8 +7,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
 - `<p>:jobs:queue`: the work queue, a stream read by consumer group `runners`. One entry per
   chunk of a job: {job, start, end} (item indices, end exclusive).
 - `<p>:job:<id>`: hash, the job: tenant, model, version, priority, num_items, created_s,
-  started_s, complete_by_s, idempotency_key, cancelled, and the counters num_ok, num_failed,
-  num_cancelled.
+  started_s, complete_by_s, idempotency_key, cancelled, the counters num_ok, num_failed,
+  num_cancelled, and `rounds:<start>`: rounds the chunk from item <start> waited for the fleet.
 - `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
 - `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
   together with its counter (one script): a result, once written, is never overwritten, and
@@ -249,6 +249,12 @@ class JobStore:
 
     async def items(self, job_id: str, start: int, end: int) -> list[bytes]:
         return list(await self.client.lrange(f"{self.job_key(job_id)}:items", start, end - 1))
+
+    async def count_round(self, job_id: str, start: int) -> int:
+        """Counts one more round the chunk from item `start` spent waiting for the fleet
+        (a field of the job's hash, so it outlives runners and goes with the job); returns the
+        rounds so far."""
+        return int(await self.client.hincrby(self.job_key(job_id), f"rounds:{start}", 1))
 
     async def mark_started(self, job_id: str) -> None:
         await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())

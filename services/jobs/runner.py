@@ -13,7 +13,9 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    ones; retryable errors are retried with capped exponential backoff and full jitter, up to
    `max_attempts`; an item that still fails is recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
-   item fails for it, the chunk is left pending for a later retry;
+   item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE and
+   RESOURCE_EXHAUSTED (the fleet down, restarting or full): the chunk is left pending for up
+   to FLEET_ROUNDS rounds before its items fail;
 5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
    in one atomic script.
 
@@ -33,7 +35,14 @@ from typing import Any
 import grpc
 from redis.exceptions import RedisError
 
-from services.common.job_policy import RETRYABLE_CODES, GiveUp, ItemStatus, RetryPolicy
+from services.common.job_policy import (
+    FLEET_CODES,
+    FLEET_ROUNDS,
+    RETRYABLE_CODES,
+    GiveUp,
+    ItemStatus,
+    RetryPolicy,
+)
 from services.common.job_store import ItemOutcome, JobRecord, JobStore, QueueEntry
 from services.common.priority import PriorityClass
 from services.jobs.metrics import RunnerMetrics
@@ -52,6 +61,13 @@ RECLAIM_PERIOD_S = 2.0
 REDIS_RETRY_S = 0.5
 
 _Item = tuple[int, bytes]
+
+
+class FleetUnavailable(Exception):
+    """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED:
+    no worker up, a restart, overload). No item is at fault: the chunk stays pending and is
+    retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the restart
+    of any tier."""
 
 
 class RunnerRefused(Exception):
@@ -143,7 +159,7 @@ class JobRunner:
         started = time.perf_counter()
         try:
             await self._run_chunk(entry)
-        except (RedisError, OSError, RunnerRefused) as error:
+        except (RedisError, OSError, RunnerRefused, FleetUnavailable) as error:
             log.warning(
                 "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
             )
@@ -210,6 +226,11 @@ class JobRunner:
                 # One poison item fails the whole call: find it by running each alone.
                 singles = await asyncio.gather(*(self._run_items(job, [item]) for item in items))
                 return [outcome for outcomes in singles for outcome in outcomes]
+            if isinstance(decision, GiveUp) and code in FLEET_CODES:
+                rounds = await self._store.count_round(job.job_id, items[0][0])
+                if rounds < FLEET_ROUNDS:
+                    self._metrics.retries.labels(code).inc()
+                    raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")
             if isinstance(decision, GiveUp):
                 return [
                     _result(

@@ -288,6 +288,22 @@ async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> No
     assert_all_ok_in_order(await fabric.results(job_id), texts)
 
 
+async def test_a_fleet_down_longer_than_the_retries_fails_no_item(fabric: Fabric) -> None:
+    # UNAVAILABLE through more than one chunk's 3 attempts (a worker restarting, say): not the
+    # items' fault. The chunk waits a round (the 3 s claim timeout) and runs once the fleet is
+    # back; with the old rule its 8 items failed UNAVAILABLE.
+    fabric.target.num_unavailable = 5
+    fabric.start_runner("runner-1")
+    texts = texts_of(8)
+    job_id = await fabric.submit(texts)
+    job = await fabric.finished(job_id)
+    assert (job.state, job.num_failed) == (jobs.JOB_STATE_SUCCEEDED, 0)
+    assert fabric.target.num_unavailable == 0 and fabric.target.num_calls >= 6
+    assert_all_ok_in_order(await fabric.results(job_id), texts)
+    stored = await fabric.store.client.hgetall(fabric.store.job_key(job_id))
+    assert int(stored[b"rounds:0"]) >= 1
+
+
 async def test_a_streamed_job_is_bounded_by_max_items_not_by_one_message(fabric: Fabric) -> None:
     texts = texts_of(100_000)
     stream = streamed(texts, items_per_message=4_000)
