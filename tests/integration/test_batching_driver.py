@@ -5,6 +5,7 @@ loop dies."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,17 +132,32 @@ async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(
     harness: Harness,
 ) -> None:
     driver, backend = harness.driver, harness.backend
+    # A first row holds the executor (batch rows alone would run at once, as a backfill), so
+    # the rows after it stay queued.
+    gate = threading.Event()
+    run = backend.run
+
+    def gated_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        gate.wait(timeout=10.0)
+        return run(rows)
+
+    backend.run = gated_run  # type: ignore[method-assign]
+    blocker = asyncio.ensure_future(
+        driver.submit(backend, harness.rows(1), timeout_s=5, tenant="t")
+    )
+    await eventually(lambda: driver.is_executing, interval_s=0.001)
     batch = asyncio.ensure_future(
         driver.submit(
             backend, harness.rows(3), timeout_s=5, tenant="jobs", priority=PriorityClass.BATCH
         )
     )
     online = asyncio.ensure_future(driver.submit(backend, harness.rows(2), timeout_s=5, tenant="t"))
-    await eventually(lambda: driver.num_in_flight == 5, interval_s=0.001)
+    await eventually(lambda: driver.num_in_flight == 6, interval_s=0.001)
 
     report = driver.load_report(backend)
     assert (report.queued_rows, report.queued_batch_rows) == (2, 3)
-    await harness.settle(asyncio.gather(batch, online))
+    gate.set()
+    await harness.settle(asyncio.gather(blocker, batch, online))
     metrics = generate_latest(harness.registry).decode()
     for tenant in ("jobs", "t"):
         served_s = total(metrics, names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL, tenant=tenant)
