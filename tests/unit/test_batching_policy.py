@@ -15,6 +15,7 @@ import pytest
 
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import (
@@ -69,7 +70,9 @@ def make_item(
     )
 
 
-def make_batcher(*, latency: LatencyModel | None = None, **overrides: Any) -> Batcher:
+def make_batcher(
+    *, latency: LatencyModel | None = None, ledger: ComputeLedger | None = None, **overrides: Any
+) -> Batcher:
     settings: dict[str, Any] = {
         "max_batch_size": 8,
         "max_queue_size": 1000,
@@ -79,7 +82,8 @@ def make_batcher(*, latency: LatencyModel | None = None, **overrides: Any) -> Ba
         "max_wait_cap_s": LINGER_S,
         **overrides,
     }
-    return Batcher(BatcherConfig(**settings), latency or LatencyModel(default_s=DEFAULT_COMPUTE_S))
+    latency = latency or LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    return Batcher(BatcherConfig(**settings), latency, ledger)
 
 
 def add_all(batcher: Batcher, items: list[QueuedItem]) -> None:
@@ -777,6 +781,19 @@ def test_without_recent_interactive_rows_batch_rows_run_full_width() -> None:
 
     assert len(dispatch_of(batcher.poll(1.05, executor_idle=True)).items) == 1, "0.95 s after"
     assert len(dispatch_of(batcher.poll(1.2, executor_idle=True)).items) == 8, "1.1 s after"
+
+
+def test_interactive_rows_of_another_model_keep_backfills_short() -> None:
+    # Two models' batchers share the worker's executor (and its ledger): interactive rows of
+    # one keep the other's batch rows to one-row backfills, as its own would.
+    ledger = ComputeLedger()
+    online = make_batcher(latency=linear_latency(0.004), ledger=ledger)
+    jobs = make_batcher(latency=linear_latency(0.004), ledger=ledger)
+    add_all(jobs, [make_item(item_id=i, priority=BATCH) for i in range(16)])
+    assert len(dispatch_of(jobs.poll(0.0, executor_idle=True)).items) == 8, "no online yet"
+    add_all(online, [make_item(item_id=100, priority=INTERACTIVE, arrival_s=0.5)])
+
+    assert len(dispatch_of(jobs.poll(0.6, executor_idle=True)).items) == 1
 
 
 def test_batch_rows_ride_an_interactive_batch_only_on_spare_width() -> None:

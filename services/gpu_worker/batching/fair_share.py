@@ -35,6 +35,10 @@ class ComputeLedger:
         self._virtual_s: dict[str, float] = {}
         self._queued: Counter[str] = Counter()
         self._floor_s = 0.0
+        #: When a row more urgent than `batch` was last queued on the worker, by any of its
+        #: batchers: while that is recent, every batcher keeps its backfills short, since the
+        #: executor they share cannot be preempted (policy.Batcher._width).
+        self.last_urgent_s = -math.inf
 
     @property
     def num_tenants(self) -> int:

@@ -44,9 +44,10 @@ CONTENDED_QUEUE_SHARE = 0.5
 #: interactive rows alone would take: they ride the executor's spare width (large on a GPU,
 #: where a wider batch costs little more; about none on a CPU, where each row costs its own).
 BATCH_RIDE_SHARE = 0.1
-#: While more urgent rows arrived this recently, a batch of `batch` rows only is held to what
-#: one urgent row costs (x 1 + BATCH_RIDE_SHARE): an urgent row arriving as it starts waits
-#: for it, and the executor cannot be preempted. After a longer silence it is full width.
+#: While more urgent rows arrived this recently (on the worker, for any model), a batch of
+#: `batch` rows only is held to what one urgent row costs (x 1 + BATCH_RIDE_SHARE): an urgent
+#: row arriving as it starts waits for it, and the executor cannot be preempted. After a
+#: longer silence it is full width.
 URGENT_RECENT_S = 1.0
 
 _BATCH_RANK = PriorityClass.BATCH.rank
@@ -79,8 +80,6 @@ class Batcher:
         # key -> (latency model revision, max_batch_size_for): recomputed after observations.
         self._limits: dict[BatchKey, tuple[int, int]] = {}
         self._is_draining = False
-        # When the latest row more urgent than `batch` was queued.
-        self._last_urgent_s = float("-inf")
 
     @property
     def num_queued(self) -> int:
@@ -198,7 +197,7 @@ class Batcher:
             # (a job's chunk arrives 64 rows at once), not traffic a batch should wait for.
             heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
             queue.record_arrival(now_s)
-            self._last_urgent_s = now_s
+            self._ledger.last_urgent_s = now_s
         # Entries of dispatched and expired items leave the heaps only from their tops.
         if len(queue.limits) > 2 * len(queue.items) + 64:
             queue.arrivals = [(i.arrival_s, i.item_id) for i in queue.items
@@ -349,7 +348,7 @@ class Batcher:
         if urgent:
             budget_s = self._latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
             return max(urgent, self._latency.largest_batch_within(key, limit, budget_s))
-        if now_s - self._last_urgent_s >= URGENT_RECENT_S:
+        if now_s - self._ledger.last_urgent_s >= URGENT_RECENT_S:
             return limit
         one_row_s = self._latency.predict(key, 1) * (1.0 + BATCH_RIDE_SHARE)
         return self._latency.largest_batch_within(key, limit, one_row_s)
