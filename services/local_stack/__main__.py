@@ -38,7 +38,6 @@ from services.local_stack.config import (
     PREDICT_RPC,
     StackConfig,
     parse_config,
-    worker_torch_threads,
 )
 
 
@@ -82,11 +81,7 @@ def start_router_and_workers(config: StackConfig, children: list[Child]) -> Chil
     children.append(router)
     wait_tiers(config, [router], children)
 
-    # Workers load models in parallel; each is waited for after all have started. They share
-    # the machine's cores with every other tier: a thread count set by the caller (a worker
-    # argument, later on the line, or WORKER_TORCH_THREADS) wins over this one.
-    threads = worker_torch_threads(config.num_workers, len(os.sched_getaffinity(0)))
-    threads_args = () if "WORKER_TORCH_THREADS" in os.environ else ("--torch-threads", str(threads))
+    # Workers load models in parallel; each is waited for after all have started.
     workers: list[Child] = []
     for i in range(config.num_workers):
         grpc_port, metrics_port = config.ports(8201 + 10 * i)
@@ -95,7 +90,7 @@ def start_router_and_workers(config: StackConfig, children: list[Child]) -> Chil
                        "--model-repository", str(config.model_repository),
                        "--redis-url", config.redis_url, "--worker-id", f"worker-{i}",
                        "--redis-password-file", config.redis_password_file(WORKER),
-                       *threads_args, *config.extra_worker_args]  # fmt: skip
+                       *config.extra_worker_args]  # fmt: skip
         workers.append(spawn(config, f"worker-{i}", "worker", worker_argv, has_ready=True))
         children.append(workers[-1])
     wait_tiers(config, workers, children)

@@ -64,16 +64,6 @@ class StackConfig:
         return ("0", "0") if self.is_ephemeral else (str(grpc_port), str(grpc_port + 1))
 
 
-def worker_torch_threads(num_workers: int, num_cores: int) -> int:
-    """torch intra-op threads per worker when every tier shares the machine's `num_cores`: half
-    of them, split over the workers, at least one each; the other half serve the gateway,
-    router, job runner and Redis. torch would take every core, and a worker running batches
-    back to back (a job's rows backfilling between online batches) would then starve the CPU
-    tiers that online requests pass through (`make bench-jobs` on two cores: online p99 beside
-    a job 1.06-1.09x alone with one thread, 1.28-1.64x with two)."""
-    return max(1, num_cores // (2 * num_workers))
-
-
 def parse_config(argv: list[str] | None = None) -> StackConfig:
     parser = argparse.ArgumentParser(
         prog="python -m services.local_stack",

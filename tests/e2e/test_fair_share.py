@@ -209,7 +209,7 @@ def test_batch_priority_gets_at_least_half_of_what_interactive_leaves(
 @pytest.mark.xfail(
     reason="known gap (issue 12), measured on 2 shared cores: interactive p99 beside saturating "
     "batch traffic was 1.14x-1.42x of alone over three runs, within 1.1x in a fourth; 1.47x-2.34x "
-    "over five runs since the local stack gives the worker one torch thread of the two cores. "
+    "over five runs this stop, some with the worker at one torch thread of the two cores. "
     "The batch traffic here is 32 callers of one-row calls (~800/s) through the gateway and "
     "router, which share those cores with the interactive calls; on the worker, interactive "
     "rows close at once beside batch rows and wait at most one small backfill batch",
