@@ -107,16 +107,43 @@ class Reject:
     message: str
 
 
-@dataclass(frozen=True)
 class _Candidate:
-    worker: WorkerRecord
-    model: ModelRecord
-    predicted_s: float
-    #: Generation models: the worker's free KV blocks hold the prompt now (always True for
-    #: fixed-cost models). Workers with room are preferred whatever their predicted wait.
-    has_room: bool = True
-    #: Nothing queued there, by its last heartbeat and by this router's reservations.
-    is_idle: bool = False
+    """A worker of the snapshot serving the model being routed, priced for the route being
+    decided: `RouteTable._price` sets the prices, and only the synchronous `route` reads them.
+    Built once per snapshot and model, so a route prices only the workers it compares."""
+
+    __slots__ = ("has_room", "is_idle", "model", "predicted_s", "worker", "worker_id")
+
+    def __init__(self, worker: WorkerRecord, model: ModelRecord) -> None:
+        self.worker = worker
+        self.worker_id = worker.worker_id
+        self.model = model
+        #: Predicted queue wait plus compute there (seconds).
+        self.predicted_s = 0.0
+        #: Generation models: the worker's free KV blocks hold the prompt now (always True for
+        #: fixed-cost models). Workers with room are preferred whatever their predicted wait.
+        self.has_room = True
+        #: Nothing queued there, by its last heartbeat and by this router's reservations.
+        self.is_idle = False
+
+
+class _Ejector(TimeoutEjector):
+    """The timeout ejector, noting whether it has ever ejected a worker: until then it lets
+    every worker be routed to, and `route` need not ask it about each one."""
+
+    def __init__(self, config: TimeoutEjectionConfig) -> None:
+        super().__init__(config)
+        self.has_ejected = False
+
+    def record_timeout(
+        self, worker_id: str, now_s: float, *, waited_s: float, predicted_s: float
+    ) -> float | None:
+        period_s = super().record_timeout(
+            worker_id, now_s, waited_s=waited_s, predicted_s=predicted_s
+        )
+        if period_s is not None:
+            self.has_ejected = True
+        return period_s
 
 
 class RouteTable:
@@ -132,7 +159,8 @@ class RouteTable:
         # heartbeat does not prove the worker answers calls.
         self._ejected_until_s: dict[str, float] = {}
         #: Ejects workers whose calls only time out; the forwarder reports call outcomes here.
-        self.timeouts = TimeoutEjector(config.timeout_ejection)
+        self._ejector = _Ejector(config.timeout_ejection)
+        self.timeouts: TimeoutEjector = self._ejector
         # (worker_id, "name@version") -> rows reserved by this router and not yet released.
         self._inflight_rows: dict[tuple[str, str], int] = {}
         # reservation_id -> (worker_id, "name@version", rows).
@@ -141,6 +169,10 @@ class RouteTable:
         # Every "name@version" some worker has served since start: one no worker serves now
         # is UNAVAILABLE (it may come back), never NOT_FOUND (permanent to clients).
         self._ever_served: set[str] = set()
+        # (name, version) -> the snapshot's workers routable for it (alive at the refresh, not
+        # draining, ready), and whether any worker of the snapshot serves it. Fixed between
+        # updates, so built once per snapshot and model rather than on every route.
+        self._routable: dict[tuple[str, str], tuple[list[_Candidate], bool]] = {}
 
     def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> None:
         """Replace the snapshot with `records`, each paired with its heartbeat time (seconds).
@@ -153,6 +185,7 @@ class RouteTable:
         self._ever_served.update(m.key for worker, _ in records for m in worker.models)
         self._refreshed_at_s = now_s
         self._ejected_until_s = {w: t for w, t in self._ejected_until_s.items() if t > now_s}
+        self._routable.clear()
 
     def route(
         self,
@@ -181,19 +214,27 @@ class RouteTable:
             return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
 
         key = f"{name}@{version}"
-        candidates, is_known = self._candidates(
-            name, version, num_rows, now_s, refreshed_at_s, exclude, is_batch
-        )
-        if not candidates:
+        eligible, is_known = self._eligible(name, version, now_s, exclude)
+        if not eligible:
             if not is_known and key not in self._ever_served:
                 return Reject(RejectReason.UNKNOWN_MODEL, 0.0, f"no worker serves {key}")
             message = f"no ready worker for {key}"
             return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
 
-        best = self._choose(candidates)
+        # Candidates are priced only where compared: the two power-of-two samples, or all of
+        # them for the exact minimum and for the fallback below.
+        pricing = (key, num_rows, now_s, refreshed_at_s, is_batch)
+        is_all_priced = len(eligible) <= cfg.power_of_two_threshold
+        if is_all_priced:
+            best = min(self._price(eligible, *pricing), key=_rank)
+        else:
+            # Power-of-two-choices: many routers with similar views would all pick the same
+            # exact minimum; two random samples spread load and still avoid the worst.
+            best = min(self._price(self._rng.sample(eligible, 2), *pricing), key=_rank)
         if not self._admits(best, remaining_s):
             # Power-of-two may have sampled two busy workers: before rejecting, fall back to the
             # best that admits, so a request is refused only when no candidate can take it.
+            candidates = eligible if is_all_priced else self._price(eligible, *pricing)
             admitting = [c for c in candidates if self._admits(c, remaining_s)]
             best = min(admitting or candidates, key=_rank)
         if not self._admits(best, remaining_s):
@@ -201,20 +242,35 @@ class RouteTable:
         self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows)
 
-    def _candidates(
-        self,
-        name: str,
-        version: str,
-        num_rows: int,
-        now_s: float,
-        refreshed_at_s: float,
-        exclude: frozenset[str],
-        is_batch: bool,
+    def _eligible(
+        self, name: str, version: str, now_s: float, exclude: frozenset[str]
     ) -> tuple[list[_Candidate], bool]:
-        """Workers that may take name@version now, with their predicted wait; and whether any
-        worker of the snapshot (refreshed at `refreshed_at_s`) serves it at all."""
-        key = f"{name}@{version}"
-        candidates: list[_Candidate] = []
+        """Workers that may take name@version now, in worker_id order, not priced yet; and
+        whether any worker of the snapshot serves it at all."""
+        routable = self._routable.get((name, version))
+        if routable is None:
+            routable = self._routable[(name, version)] = self._routable_for(name, version)
+        workers, is_known = routable
+        may_route = self.timeouts.may_route
+        ejected_until_s = self._ejected_until_s
+        if not exclude and not ejected_until_s:
+            if not self._ejector.has_ejected:
+                return workers, is_known  # the usual case; callers do not change the list
+            return [c for c in workers if may_route(c.worker_id, now_s)], is_known
+        eligible = [
+            c
+            for c in workers
+            if c.worker_id not in exclude
+            and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
+            and may_route(c.worker_id, now_s)
+        ]
+        return eligible, is_known
+
+    def _routable_for(self, name: str, version: str) -> tuple[list[_Candidate], bool]:
+        """The snapshot's workers alive at the last refresh, not draining and ready for
+        name@version; and whether any of its workers serves it at all."""
+        refreshed_at_s = self._refreshed_at_s
+        workers: list[_Candidate] = []
         is_known = False
         for worker, heartbeat_s in self._workers:
             model = worker.model(name, version)
@@ -222,29 +278,42 @@ class RouteTable:
                 continue
             is_known = True
             if (
-                not self._is_alive(heartbeat_s, refreshed_at_s)
-                or worker.is_draining
-                or not model.is_ready
-                or worker.worker_id in exclude
-                or now_s < self._ejected_until_s.get(worker.worker_id, -math.inf)
-                or not self.timeouts.may_route(worker.worker_id, now_s)
+                refreshed_at_s is not None
+                and self._is_alive(heartbeat_s, refreshed_at_s)
+                and not worker.is_draining
+                and model.is_ready
             ):
-                continue
+                workers.append(_Candidate(worker, model))
+        return workers, is_known
+
+    def _price(
+        self,
+        candidates: list[_Candidate],
+        key: str,
+        num_rows: int,
+        now_s: float,
+        refreshed_at_s: float,
+        is_batch: bool,
+    ) -> list[_Candidate]:
+        """Sets each candidate's predicted wait for `num_rows` rows of `key`; returns them."""
+        is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
+        for candidate in candidates:
+            model = candidate.model
             # The heartbeat is up to a period stale but counts every router's traffic; the
             # local count is fresh but only ours. The max is a conservative blend of the two,
             # while reads keep coming (see RoutingConfig.queue_report_ttl_s).
-            local_rows = self._inflight_rows.get((worker.worker_id, key), 0)
-            is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
+            local_rows = self._inflight_rows.get((candidate.worker_id, key), 0)
             reported_rows = model.queued_rows + (model.queued_batch_rows if is_batch else 0)
             queued_rows = local_rows if is_frozen else max(reported_rows, local_rows)
-            predicted_s = max(model.min_batch_s, (queued_rows + num_rows) * model.per_row_s)
+            candidate.predicted_s = max(
+                model.min_batch_s, (queued_rows + num_rows) * model.per_row_s
+            )
             # For generation, num_rows is the prompt's token count.
-            has_room = model.kv_block_size == 0 or (
+            candidate.has_room = model.kv_block_size == 0 or (
                 model.kv_blocks_free * model.kv_block_size >= num_rows
             )
-            is_idle = queued_rows == 0
-            candidates.append(_Candidate(worker, model, predicted_s, has_room, is_idle))
-        return candidates, is_known
+            candidate.is_idle = queued_rows == 0
+        return candidates
 
     def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:
         """The refusal when even the best candidate cannot finish in time: the backlog beyond
@@ -335,14 +404,6 @@ class RouteTable:
         # up to max_snapshot_age_s; failed calls eject). While refreshes arrive every period,
         # this lags the now_s comparison by at most one refresh period.
         return refreshed_at_s - heartbeat_s <= self._config.stale_after_s
-
-    def _choose(self, candidates: list[_Candidate]) -> _Candidate:
-        if len(candidates) > self._config.power_of_two_threshold:
-            # Power-of-two-choices: many routers with similar views would all pick the same
-            # exact minimum; two random samples spread load and still avoid the worst.
-            first, second = self._rng.sample(candidates, 2)
-            return min(first, second, key=_rank)
-        return min(candidates, key=_rank)
 
 
 def _rank(candidate: _Candidate) -> tuple[bool, float, str]:

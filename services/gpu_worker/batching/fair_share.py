@@ -57,6 +57,12 @@ class ComputeLedger:
             self._floor_s = max(self._floor_s, least)
         return self._floor_s
 
+    def has_queued_other_than(self, tenant: str) -> bool:
+        """Whether a tenant other than `tenant` has rows queued, in any batcher sharing the
+        ledger."""
+        queued = self._queued
+        return len(queued) > 1 or (len(queued) == 1 and tenant not in queued)
+
     def join(self, tenant: str, rows: int = 1) -> None:
         """`rows` of the tenant's were queued; a tenant that had none is lifted to the floor."""
         if self._queued[tenant] == 0:

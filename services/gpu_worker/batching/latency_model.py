@@ -33,8 +33,16 @@ class _Curve:
         self.seconds: list[float] = []
         for size in self.sizes:
             self.seconds.append(max(points[size], self.seconds[-1] if self.seconds else 0.0))
+        # A curve lives until its key gets a new point; scales move with every batch.
+        self._at: dict[int, float] = {}
 
     def at(self, batch_size: int) -> float:
+        seconds = self._at.get(batch_size)
+        if seconds is None:
+            seconds = self._at[batch_size] = self._interpolate(batch_size)
+        return seconds
+
+    def _interpolate(self, batch_size: int) -> float:
         sizes, seconds = self.sizes, self.seconds
         i = bisect_left(sizes, batch_size)
         if i < len(sizes) and sizes[i] == batch_size:
@@ -59,6 +67,38 @@ class _Curve:
             slope = (seconds[1] - seconds[0]) / (sizes[1] - sizes[0])
             intercept = min(max(seconds[0] - slope * sizes[0], 0.0), seconds[0])
         return intercept + (seconds[0] - intercept) * batch_size / sizes[0]
+
+
+class _Prediction:
+    """How one key is predicted until the next observation: the curve it reads (its own, or
+    its nearest sibling's times `ratio`), times `scale`, or `default_s` without a curve; and
+    the answers given so far."""
+
+    __slots__ = ("_curve", "_default_s", "_ratio", "_scale", "_seconds")
+
+    def __init__(
+        self, curve: _Curve | None, ratio: float | None, scale: float, default_s: float
+    ) -> None:
+        self._curve = curve
+        self._ratio = ratio
+        self._scale = scale
+        self._default_s = default_s
+        self._seconds: dict[int, float] = {}
+
+    def at(self, batch_size: int) -> float:
+        seconds = self._seconds.get(batch_size)
+        if seconds is None:
+            if batch_size < 1:
+                raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            seconds = self._seconds[batch_size] = self._compute(batch_size)
+        return seconds
+
+    def _compute(self, batch_size: int) -> float:
+        if self._curve is None:
+            return self._default_s
+        if self._ratio is None:
+            return max(self._curve.at(batch_size) * self._scale, MIN_PREDICTION_S)
+        return max(self._curve.at(batch_size) * self._ratio * self._scale, MIN_PREDICTION_S)
 
 
 class LatencyModel:
@@ -111,6 +151,9 @@ class LatencyModel:
         self._families: dict[_Family, set[BatchKey]] = {}
         # Rebuilt lazily: observe() runs once per batch, predict() many times per poll.
         self._curves: dict[BatchKey, _Curve] = {}
+        # How each key is predicted, until the next observation (which may move any key's
+        # curve or scale): a poll asks for the same few predictions again and again.
+        self._predictions: dict[BatchKey, _Prediction] = {}
 
     def observe(self, key: BatchKey, batch_size: int, seconds: float) -> None:
         """Record that a batch of `batch_size` items of `key` took `seconds` to compute."""
@@ -122,6 +165,7 @@ class LatencyModel:
         points = self._points.setdefault(key, {})
         self._families.setdefault(family, set()).add(key)
         self.revision += 1
+        self._predictions.clear()
         if points and min(points) <= batch_size <= max(points):
             ratio = seconds / max(self._curve(key).at(batch_size), MIN_PREDICTION_S)
             ratio = min(max(ratio, 1.0 / self._max_ratio), self._max_ratio)
@@ -153,18 +197,32 @@ class LatencyModel:
         curve of the nearest measured bucket of the same model/version/fingerprint, scaled by
         the bucket ratio; `default_s`.
         """
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        prediction = self._predictions.get(key)
+        if prediction is None:
+            prediction = self._prediction(key)
+        return prediction.at(batch_size)
+
+    def _prediction(self, key: BatchKey) -> _Prediction:
+        prediction = self._predictions.get(key)
+        if prediction is not None:
+            return prediction
         if self._points.get(key):
-            return max(self._curve(key).at(batch_size) * self.slowdown(key), MIN_PREDICTION_S)
-        siblings = [k for k in self._families.get(_family(key), ()) if self._points.get(k)]
-        if not siblings:
-            return self._default_s
-        # Nearest bucket; on a tie the larger one, whose scaled curve is the pessimistic one.
-        nearest = min(siblings, key=lambda k: (abs(k.bucket - key.bucket), -k.bucket))
-        ratio = key.bucket / nearest.bucket if key.bucket > 0 and nearest.bucket > 0 else 1.0
-        seconds = self._curve(nearest).at(batch_size) * ratio * self.slowdown(key)
-        return max(seconds, MIN_PREDICTION_S)
+            prediction = _Prediction(self._curve(key), None, self.slowdown(key), self._default_s)
+        else:
+            siblings = [k for k in self._families.get(_family(key), ()) if self._points.get(k)]
+            if siblings:
+                # Nearest bucket; on a tie the larger one, whose scaled curve is the
+                # pessimistic one.
+                nearest = min(siblings, key=lambda k: (abs(k.bucket - key.bucket), -k.bucket))
+                ratio = (
+                    key.bucket / nearest.bucket if key.bucket > 0 and nearest.bucket > 0 else 1.0
+                )
+                curve = self._curve(nearest)
+                prediction = _Prediction(curve, ratio, self.slowdown(key), self._default_s)
+            else:
+                prediction = _Prediction(None, None, 1.0, self._default_s)
+        self._predictions[key] = prediction
+        return prediction
 
     def per_item_s(self, key: BatchKey, batch_size: int) -> float:
         """Predicted compute seconds per item when running batches of `batch_size`."""
@@ -187,10 +245,11 @@ class LatencyModel:
     def largest_batch_within(self, key: BatchKey, max_size: int, budget_s: float) -> int:
         """The largest batch of `key`, at most `max_size`, predicted to run within `budget_s`
         (at least 1): predictions grow with the batch size, so a bisection finds it."""
+        prediction = self._prediction(key)
         low, high = 1, max_size
         while low < high:
             middle = (low + high + 1) // 2
-            if self.predict(key, middle) <= budget_s:
+            if prediction.at(middle) <= budget_s:
                 low = middle
             else:
                 high = middle - 1

@@ -51,6 +51,8 @@ BATCH_RIDE_SHARE = 0.1
 URGENT_RECENT_S = 1.0
 
 _BATCH_RANK = PriorityClass.BATCH.rank
+# `Admitted` carries no data: one instance answers every call.
+_ADMITTED = Admitted()
 
 
 class Batcher:
@@ -140,9 +142,12 @@ class Batcher:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
         predicted compute of the next batch and the safety margin, clamped to [0, cap]. The
         next batch is sized by the rows more urgent than `batch` when there are any."""
-        cfg = self._config
         n_next = min(max(self._urgent_or_all(key), 1), self.max_batch_size_for(key))
-        compute_s = self._latency.predict(key, n_next)
+        return self._linger_s(self._latency.predict(key, n_next))
+
+    def _linger_s(self, compute_s: float) -> float:
+        """The linger before a batch predicted to compute for `compute_s` (`max_wait_s`)."""
+        cfg = self._config
         budget_s = cfg.slo_s - cfg.upstream_budget_s - compute_s - cfg.safety_margin_s
         return min(max(budget_s, 0.0), cfg.max_wait_cap_s)
 
@@ -158,7 +163,7 @@ class Batcher:
                 RejectReason.QUEUE_FULL,
                 f"{num_items} rows, room for {self._config.max_queue_size - self.num_queued}",
             )
-        return Admitted()
+        return _ADMITTED
 
     def add(
         self, item: QueuedItem, now_s: float, *, executor_free_s: float | None = None
@@ -206,7 +211,7 @@ class Batcher:
             queue.limits = [(i.admission_limit_s, i.item_id) for i in queue.items]
             heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
-        return Admitted()
+        return _ADMITTED
 
     def _refusal(
         self, item: QueuedItem, now_s: float, executor_free_s: float | None
@@ -215,18 +220,16 @@ class Batcher:
         cfg = self._config
         if self._is_draining:
             return Rejected(RejectReason.DRAINING)
-        if self.num_queued >= cfg.max_queue_size:
+        num_queued = self.num_queued
+        if num_queued >= cfg.max_queue_size:
             return Rejected(RejectReason.QUEUE_FULL)
-        if (
-            item.priority >= _BATCH_RANK
-            and self.num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE
-        ):
+        if item.priority >= _BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
             return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
-        contended = self.num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE
-        queues = [queue.items for queue in self._queues.values()]
-        if contended and is_over_share(item, queues, self._weights, cfg.max_queue_size):
-            return Rejected(RejectReason.TENANT_SHARE)
-        if executor_free_s is None and self.num_queued == 0:
+        if num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE:
+            queues = [queue.items for queue in self._queues.values()]
+            if is_over_share(item, queues, self._weights, cfg.max_queue_size):
+                return Rejected(RejectReason.TENANT_SHARE)
+        if executor_free_s is None and num_queued == 0:
             if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
                 return Rejected(RejectReason.DEADLINE)
             return None
@@ -278,13 +281,22 @@ class Batcher:
         items that fit keeps the queue short enough to serve within deadlines; without it,
         overload fills the queue until every item waits about the whole SLO and most miss it.
         """
-        if of is not None and rank is not None:
+        if of is not None and rank is not None and not self._has_other_tenants(of.tenant):
+            # Fair share serves all of a lone tenant's own rows first: rows_ahead's answer.
+            rows = {k: q.items.count_at_most(rank) for k, q in self._queues.items()}
+        elif of is not None and rank is not None:
             per_key = {k: q.items.rows_by_tenant(rank) for k, q in self._queues.items()}
             rows = rows_ahead(per_key, of.tenant, of.weight, self._weights)
         else:
             rows = {k: q.items.count_at_most(rank) if rank is not None else len(q.items)
                     for k, q in self._queues.items()}  # fmt: skip
         return self._drain_s(key, start_s, rows, extra_rows=1)
+
+    def _has_other_tenants(self, tenant: str) -> bool:
+        """Whether any tenant but `tenant` has rows queued here, at any priority."""
+        if not self._ledger.has_queued_other_than(tenant):  # none on the whole worker
+            return False
+        return any(t != tenant for q in self._queues.values() for t in q.items.tenants())
 
     def _drain_s(
         self, key: BatchKey, start_s: float, rows: dict[BatchKey, int], *, extra_rows: int
@@ -379,8 +391,7 @@ class Batcher:
         backfill: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
         wake_s: float | None = None
         for key, queue in self._queues.items():
-            head = queue.items.head_rank()
-            if head is None:
+            if not queue.items:
                 continue
             assessment = self._assess(key, queue, now_s)
             if assessment[0] is None and force:
@@ -390,6 +401,9 @@ class Batcher:
                 wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)
                 continue
             reason = assessment[0]
+            head = queue.items.head_rank()
+            if head is None:  # not reached: a queue with items has a head
+                continue
             candidate = ((head[0], head[1], queue.earliest_deadline_s()), key, reason)
             if reason is CloseReason.BACKFILL:
                 if backfill is None or candidate[:2] < backfill[:2]:
@@ -442,10 +456,12 @@ class Batcher:
         if urgent >= limit or len(queue.items) > urgent:
             return CloseReason.FULL, None
         compute_s = self._latency.predict(key, urgent)
-        slack_at_s = queue.earliest_deadline_s() - compute_s - cfg.safety_margin_s
+        deadline_s = queue.earliest_deadline_s()
+        slack_at_s = deadline_s - compute_s - cfg.safety_margin_s
         if now_s > slack_at_s:
             return CloseReason.DEADLINE, None
-        linger_end_s = queue.oldest_arrival_s() + self.max_wait_s(key)
+        # max_wait_s(key), whose next batch is these `urgent` rows (fewer than `limit`).
+        linger_end_s = queue.oldest_arrival_s() + self._linger_s(compute_s)
         if now_s >= linger_end_s:
             return CloseReason.LINGER, None
         gap_s = queue.arrival_gap_s(now_s)
@@ -453,7 +469,8 @@ class Batcher:
         expected = 0.0 if gap_s is None else (linger_end_s - now_s) / gap_s
         if expected < cfg.min_expected_arrivals:
             return CloseReason.IDLE, None
-        wake_s = min(linger_end_s, slack_at_s, self._expiry_s(key, queue))
+        expiry_s = deadline_s - self._latency.predict(key, 1)  # _expiry_s(key, queue)
+        wake_s = min(linger_end_s, slack_at_s, expiry_s)
         if gap_s is not None:
             wake_s = min(wake_s, queue.idle_at_s(linger_end_s, cfg.min_expected_arrivals))
         return None, wake_s
