@@ -7,7 +7,11 @@ simulator with one worker, side by side (issue 17's validation).
      many rows, sent one at a time; seconds per batch from the worker's own compute histogram
      (the model runs about 2x slower beside the other tiers than alone, so `make bench-model`'s
      bare curve would describe another machine), and its spread as the simulator's noise;
-   - the hops: the client's latency of one-row requests minus the worker's row latency.
+   - the hops: the client's latency of one-row requests minus the worker's row latency;
+   - the CPU the other processes spend per request (this load generator, gateway, router,
+     Redis). On this CPU-only machine they share the model's
+     cores, and under load that slows both the batches and the hops: the simulator's shared
+     host (services/sim/host.py) models it, so the curve measured at idle still applies.
 3. For each offered rate (fractions of the capacity the curve implies), send a seeded Poisson
    stream of one-row requests with the length mix, open loop, through the stack; then simulate
    the same rate, mix and duration with the calibrated curve and hops.
@@ -23,6 +27,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -34,15 +39,17 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
-from bench.fabric.observe import delta, scrape, total
+from bench.fabric.observe import Observer, cpu_delta, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
 from services.sim.fleet import FleetConfig
+from services.sim.host import HostConfig
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import LengthMix, Stream, Traffic
 from services.sim.worker import ModelSpec
@@ -55,6 +62,8 @@ LENGTH_MIX = ((SHORT_TOKENS, 0.85), (LONG_TOKENS, 0.15))
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: The issue's bound on |simulated / real - 1|.
 TOLERANCE = 0.15
+#: torch's intra-op threads in the worker: the local stack leaves torch its default, one per core.
+MODEL_THREADS = torch.get_num_threads()
 
 
 def text_of(num_tokens: int) -> str:
@@ -70,6 +79,9 @@ class Calibration:
     noise_sigma: float
     #: Client latency minus the worker's row latency, one-row requests at low load.
     hops_s: float
+    #: CPU seconds per request the processes sharing the model's cores (load generator,
+    #: gateway, router, Redis) spend, at low load.
+    tier_cpu_s: float
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -79,6 +91,7 @@ class Calibration:
             },
             "noise_sigma": round(self.noise_sigma, 3),
             "hops_ms": round(self.hops_s * 1e3, 3),
+            "tier_cpu_ms": round(self.tier_cpu_s * 1e3, 3),
         }
 
 
@@ -116,26 +129,45 @@ async def calibrate(
             mean = statistics.fmean(seconds)
             points.append({"bucket": bucket, "batch_size": size, "seconds": mean})
             log_ratios += [math.log(s / mean) for s in seconds]
+    hops_s, tier_cpu_s = await _hops(stub, stack, repeats * 8)
     return Calibration(
         curve=LatencyCurve.from_mapping({"points": points}),
         noise_sigma=statistics.pstdev(log_ratios),
-        hops_s=await _hops(stub, worker_port, repeats * 4),
+        hops_s=hops_s,
+        tier_cpu_s=tier_cpu_s,
     )
 
 
-async def _hops(stub: api_grpc.InferenceServiceStub, worker_port: int, count: int) -> float:
+async def _hops(
+    stub: api_grpc.InferenceServiceStub, stack: BenchStack, count: int
+) -> tuple[float, float]:
+    """One-row requests one at a time (no batching, no backlog): the hops' latency (client
+    latency minus the worker's row latency) and the CPU the load generator (this process), the
+    gateway, the router and Redis spend per request."""
     request = api.PredictRequest(model_name=MODEL, inputs=[api.PredictInput(text=text_of(12))])
-    before = scrape(worker_port)
+    worker_name = next(name for name in stack.metrics_ports() if name.startswith("worker"))
+    observer = Observer(stack.pids(), {worker_name: stack.metrics_ports()[worker_name]})
+    before = observer.snapshot()
     client_s = 0.0
     for _ in range(count):
         started = time.monotonic()
         await stub.Predict(request, timeout=30.0)
         client_s += time.monotonic() - started
-        await asyncio.sleep(0.02)  # one at a time: no batching, no backlog
-    after = delta(before, scrape(worker_port))
+        await asyncio.sleep(0.02)
+    after_snapshot = observer.snapshot()
+    after = delta(before.metrics[worker_name], after_snapshot.metrics[worker_name])
     rows = total(after, f"{names.WORKER_ROW_LATENCY_SECONDS}_count", model=MODEL)
     worker_s = total(after, f"{names.WORKER_ROW_LATENCY_SECONDS}_sum", model=MODEL) / rows
-    return max(0.0, client_s / count - worker_s)
+    # The worker's process is left out: its CPU between requests is mostly torch's threads
+    # spinning after each batch (yielding under contention), which per request would count as
+    # several milliseconds the tiers never take from the model.
+    cpu = cpu_delta(before, after_snapshot)
+    tiers_cpu_s = sum(
+        seconds
+        for name, seconds in cpu.items()
+        if name != "outside_bench" and not name.startswith("worker")
+    )
+    return max(0.0, client_s / count - worker_s), tiers_cpu_s / count
 
 
 def capacity_per_s(curve: LatencyCurve) -> float:
@@ -225,6 +257,11 @@ def sim_side(
             noise_sigma=calibration.noise_sigma,
             upstream_s=calibration.hops_s * 2 / 3,
             downstream_s=calibration.hops_s / 3,
+            host=HostConfig(
+                cores=float(os.cpu_count() or 1),
+                tier_cpu_s=calibration.tier_cpu_s,
+                model_threads=MODEL_THREADS,
+            ),
         ),
     )
     summary = run(scenario).summary
@@ -306,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--loads",
         type=lambda text: tuple(float(x) for x in text.split(",")),
-        default=(0.3, 0.6, 0.9),
+        default=(0.2, 0.35, 0.5, 0.65),
         help="offered rates as fractions of the curve's capacity (comma-separated)",
     )
     parser.add_argument("--duration-s", type=float, default=40.0)

@@ -7,6 +7,12 @@ their `_total` suffix, as scraped.
 
 from __future__ import annotations
 
+#: Bucket bounds (seconds) of the worker's latency histograms; the HPA's p90 queue wait
+#: (deploy/k8s/prometheus-adapter) interpolates within them, and so does the simulator's.
+WORKER_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
 # Every tier.
 BUILD_INFO = "inference_build_info"
 PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"

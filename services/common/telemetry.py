@@ -28,9 +28,6 @@ SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 FAST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
 #: The worker's row stages (linger, backlog, compute, latency) and batch compute. The
 #: dashboard's `$slo` choices are bounds of these: change both together.
-WORKER_SECONDS_BUCKETS = (
-    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-)  # fmt: skip
 
 _PACKAGE = "inference-fabric"
 

@@ -23,7 +23,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.common.errors import PermissionDenied
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 
 #: Classes a tenant may ask for unless its table says otherwise.
@@ -58,12 +57,19 @@ class TenantPolicy:
             or self.max_concurrency is not None
         )
 
+    def is_granted(self, priority: PriorityClass) -> bool:
+        return priority in self.priorities
+
     def priority_for(self, requested: PriorityClass | None) -> PriorityClass:
         """The class a call runs at: the one asked for, else the tenant's default. Raises
         PermissionDenied for a class the tenant was not granted."""
+        # Imported here: services.common.errors needs grpc, and this module must load without
+        # it (the fleet simulator runs these policies and never imports asyncio or grpc).
+        from services.common.errors import PermissionDenied
+
         if requested is None:
             return self.default_priority
-        if requested not in self.priorities:
+        if not self.is_granted(requested):
             granted = ", ".join(sorted(p.value for p in self.priorities))
             raise PermissionDenied(
                 f"tenant {self.name!r} may not use priority {requested.value!r} "

@@ -8,7 +8,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.common.telemetry import WORKER_SECONDS_BUCKETS, MetricFactory
+from services.common.metric_names import WORKER_SECONDS_BUCKETS
+from services.common.telemetry import MetricFactory
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)

@@ -1,7 +1,9 @@
-"""`python -m services.sim run SCENARIO [--out DIR]` or `... plan SCENARIO [options]`.
+"""`python -m services.sim run|plan|sweep SCENARIO [options]`.
 
 `run` simulates one scenario file and prints its summary table (and writes JSON and CSV with
---out); `plan` searches the fewest workers that meet the scenario's SLO (see planner.py).
+--out); `plan` searches the fewest workers that meet the scenario's SLO and counts the gateways
+(see planner.py); `sweep` runs it once per value of `--set table.key=V1,V2,...` and marks the
+best (see sweep.py). `--set table.key=VALUE` overrides one setting of the file in any command.
 """
 
 from __future__ import annotations
@@ -11,11 +13,19 @@ import dataclasses
 import sys
 from pathlib import Path
 
+from services.sim.generation_run import GenerationScenario, run_generation
 from services.sim.planner import format_plan, plan
-from services.sim.report import format_table, write_outputs, write_summary
-from services.sim.scenario import load_scenario
+from services.sim.report import (
+    format_generation_table,
+    format_table,
+    write_generation_outputs,
+    write_outputs,
+    write_summary,
+)
+from services.sim.scenario import load_scenario, parse_setting
 from services.sim.shards import run_sharded
 from services.sim.simulation import Scenario, run
+from services.sim.sweep import format_sweep, sweep
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -34,19 +44,57 @@ def _parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--headroom", type=float, default=0.2, help="extra load, 0.2 = 20%%")
     plan_cmd.add_argument("--max-workers", type=int, default=512)
     plan_cmd.add_argument("--duration-s", type=float, help="override the scenario's duration")
+    plan_cmd.add_argument(
+        "--gateway-rps", type=float, help="requests/s one gateway serves (fleet.gateway_rps)"
+    )
+    sweep_cmd = commands.add_parser("sweep", help="one run per value of --set, the best marked")
+    sweep_cmd.add_argument("scenario", type=Path)
+    sweep_cmd.add_argument("--duration-s", type=float, help="override the scenario's duration")
+    for command in (run_cmd, plan_cmd, sweep_cmd):
+        command.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="TABLE.KEY=VALUE[,VALUE...]",
+            help="override a setting of the file (several values: sweep only); repeatable",
+        )
     return parser
+
+
+def _settings(texts: list[str], *, is_sweep: bool) -> dict[str, list[object]]:
+    settings = dict(parse_setting(text) for text in texts)
+    if not is_sweep and any(len(values) != 1 for values in settings.values()):
+        raise ValueError("--set takes one value here; several values are for `sweep`")
+    if is_sweep and not settings:
+        raise ValueError("sweep needs --set table.key=V1,V2,...")
+    return settings
+
+
+def _sweep(args: argparse.Namespace, settings: dict[str, list[object]]) -> int:
+    try:
+        rows = sweep(args.scenario, settings, duration_s=args.duration_s)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print(format_sweep(rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs the command; returns the exit status (2 for a bad scenario file)."""
     args = _parser().parse_args(argv)
     try:
-        scenario = load_scenario(args.scenario)
+        settings = _settings(args.set, is_sweep=args.command == "sweep")
+        if args.command == "sweep":
+            return _sweep(args, settings)
+        scenario = load_scenario(args.scenario, {k: v[0] for k, v in settings.items()})
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.duration_s is not None:
         scenario = dataclasses.replace(scenario, duration_s=args.duration_s)
+    if isinstance(scenario, GenerationScenario):
+        return _run_generation(args, scenario)
     if args.command == "run" and args.shards > 1:
         return _run_sharded(scenario, args.shards, args.out)
     if args.command == "run":
@@ -63,10 +111,23 @@ def main(argv: list[str] | None = None) -> int:
         percentile=args.percentile,
         headroom=args.headroom,
         max_workers=args.max_workers,
+        gateway_rps=args.gateway_rps,
     )
     slo_ms = scenario.model.slo_s * 1e3
     print(format_plan(answer, percentile=args.percentile, headroom=args.headroom, slo_ms=slo_ms))
     return 0 if answer.workers is not None else 1
+
+
+def _run_generation(args: argparse.Namespace, scenario: GenerationScenario) -> int:
+    if args.command != "run" or args.shards > 1:
+        print("error: generation scenarios only `run`, unsharded", file=sys.stderr)
+        return 2
+    result = run_generation(scenario)
+    print(format_generation_table(result.summary))
+    if args.out is not None:
+        paths = write_generation_outputs(result, args.out)
+        print(f"wrote {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 def _run_sharded(scenario: Scenario, num_shards: int, out_dir: Path | None) -> int:

@@ -1,6 +1,7 @@
 """The simulated fleet: gateways, routers and workers, and a request's path through them.
 
-A request takes the real path: the gateway's `AdaptiveThrottle` may shed it; a router's
+A request takes the real path: its tenant's quotas at the gateway may refuse it (gateway.py),
+then the gateway's `AdaptiveThrottle` (per model, class and tenant) may shed it; a router's
 `RouteTable` picks a worker from its last registry snapshot (heartbeats every
 `heartbeat_period_s`, read every `refresh_period_s`, stale after `stale_after_s`) or refuses it;
 `upstream_s` later the worker's batcher admits or refuses it; its answer returns `downstream_s`
@@ -8,17 +9,20 @@ after the batch ends. A call to a dead or draining worker fails UNAVAILABLE: the
 that worker and retries elsewhere as `router.retry.decide_retry` allows, as the forwarder does.
 
 At scale, routers may be split into cells of `cell_size` workers (each router sees only its
-cell): `RouteTable.route` scans every worker of its snapshot, so one table over 1,000 workers
-costs a millisecond per request in Python. A real router scans the whole fleet.
+cell); a real router sees the whole fleet. Cells once kept routing affordable; now a route
+prices only the two workers it samples (the table filters its snapshot once per refresh), so a
+table over 1,000 workers costs about what one over 50 does, a few microseconds per request.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.gateway.tenants import TenantPolicy
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gpu_worker.admission import RejectReason as WorkerReject
 from services.gpu_worker.batching.driver_config import DriverConfig
@@ -26,6 +30,8 @@ from services.router.retry import RetryElsewhere, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable, RoutingConfig
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
+from services.sim.gateway import GatewayAdmission
+from services.sim.host import HostConfig, SharedHost
 from services.sim.results import Recorder
 from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec, SimRequest, SimWorker
@@ -54,6 +60,16 @@ class FleetConfig:
     #: CPU seconds the worker process spends per row outside the model (decode, copies).
     cpu_per_row_s: float = 0.0002
     cpu_cores: float = 1.0
+    #: The cores a worker shares with its tiers (host.py); the default shares none.
+    host: HostConfig = field(default_factory=HostConfig)
+    #: The gateways' tenant tables (services.gateway.tenants; a scenario's [tenants.NAME]).
+    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
+    #: How often the gateways share their demand to split fleet-wide quotas, seconds (the
+    #: gateway's --quota-sync-period-s); 0: each gateway enforces whole limits (no Redis).
+    quota_sync_period_s: float = 0.5
+    #: Requests/s one gateway process serves (CPU-bound), for the planner's gateway count:
+    #: about one grpc.aio process's tiny unary calls per second on the 2-core dev machine.
+    gateway_rps: float = 3000.0
 
 
 @dataclass
@@ -91,6 +107,13 @@ class Fleet:
         ]
         self._budgets = [RetryBudget() for _ in self._cells]
         self._throttles = [AdaptiveThrottle(config.throttle) for _ in range(config.gateways)]
+        # Hops of the fixed `upstream_s`, scheduled in routing order: a line of the loop.
+        self._upstream = loop.line()
+        self._admission = GatewayAdmission(
+            config.tenants, config.gateways, sync_period_s=config.quota_sync_period_s
+        )
+        if self._admission.needs_sync:
+            loop.every(config.quota_sync_period_s, self._admission.sync)
         self.workers: dict[str, SimWorker] = {}
         self._cell_of: dict[str, int] = {}
         self._born_s: dict[str, float] = {}
@@ -121,6 +144,7 @@ class Fleet:
             self._answer,
             noise_sigma=self.config.noise_sigma,
             rng=random.Random(self._rng.random()),
+            host=SharedHost(self.config.host) if self.config.host.is_shared else None,
         )
         self.workers[worker_id] = worker
         self._cell_of[worker_id] = number % len(self._cells)
@@ -223,8 +247,13 @@ class Fleet:
 
     def arrive(self, now_s: float, arrival: Arrival) -> None:
         self._recorder.arrived(now_s, arrival.tenant)
+        refusal = self._admission.admit(self._gateway_of(arrival), arrival, now_s)
+        if refusal is not None:
+            self._recorder.refused(now_s, f"gateway_quota_{refusal.reason}")
+            return
         throttle = self._gateway(arrival)
-        if throttle.admit(arrival.model, now_s, self._rng.random()) is not None:
+        if throttle.admit(_throttle_key(arrival), now_s, self._rng.random()) is not None:
+            self._done(arrival)
             self._recorder.refused(now_s, "gateway_throttled")
             return
         timeout_s = self.spec.default_timeout_s if arrival.timeout_s is None else arrival.timeout_s
@@ -241,14 +270,26 @@ class Fleet:
         if isinstance(decision, Reject):
             is_overload = decision.reason is RejectReason.DEADLINE
             throttle.record(
-                spec.name, now_s, is_accepted=not is_overload, retry_after_s=decision.retry_after_s
+                _throttle_key(request.arrival),
+                now_s,
+                is_accepted=not is_overload,
+                retry_after_s=decision.retry_after_s,
             )
+            self._done(request.arrival)
             self._recorder.refused(request.arrival.at_s, f"router_{decision.reason.value}")
             return
         request.worker_id = decision.worker_id
         request.reservation_id = decision.reservation_id
         request.tried = request.tried | {decision.worker_id}
-        self._loop.at(now_s + self.config.upstream_s, self._at_worker, request)
+        upstream_s = self.config.upstream_s
+        worker = self.workers.get(decision.worker_id)  # None: it died since the snapshot
+        host = None if worker is None else worker.host
+        if host is None:
+            self._upstream.at(now_s + upstream_s, self._at_worker, request)
+            return
+        host.request(now_s)
+        upstream_s *= host.hop_stretch(now_s)
+        self._loop.at(now_s + upstream_s, self._at_worker, request)
 
     def _at_worker(self, now_s: float, request: SimRequest) -> None:
         worker = self.workers.get(request.worker_id)
@@ -262,16 +303,22 @@ class Fleet:
             self._unavailable(now_s, request)
             return
         self._release(request)
-        self._throttle_of(request).record(self.spec.name, now_s, is_accepted=False)
+        self._done(request.arrival)
+        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=False)
         self._recorder.refused(request.arrival.at_s, f"worker_{reason.value}")
 
     def _answer(self, now_s: float, request: SimRequest, outcome: str) -> None:
         """A worker answered: "ok" (the batch ran) or "expired" (DEADLINE_EXCEEDED unrun)."""
         self._release(request)
-        self._throttle_of(request).record(self.spec.name, now_s, is_accepted=True)
+        self._done(request.arrival)
+        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=True)
         arrival_s = request.arrival.at_s
         if outcome == "ok":
-            latency_s = now_s + self.config.downstream_s - arrival_s
+            downstream_s = self.config.downstream_s
+            worker = self.workers.get(request.worker_id)
+            if worker is not None and worker.host is not None:
+                downstream_s *= worker.host.hop_stretch(now_s)
+            latency_s = now_s + downstream_s - arrival_s
             self._recorder.answered(arrival_s, latency_s, request.arrival.tenant)
         else:
             self._recorder.refused(arrival_s, f"worker_{outcome}")
@@ -292,15 +339,32 @@ class Fleet:
         if isinstance(decision, RetryElsewhere):
             self._route(now_s, request, self._throttle_of(request))
         else:
-            self._throttle_of(request).record(self.spec.name, now_s, is_accepted=True)
+            self._done(request.arrival)
+            self._throttle_of(request).record(
+                _throttle_key(request.arrival), now_s, is_accepted=True
+            )
             self._recorder.refused(request.arrival.at_s, "unavailable")
 
     def _release(self, request: SimRequest) -> None:
         self._cells[request.cell].table.release(request.reservation_id)
 
+    def _done(self, arrival: Arrival) -> None:
+        """The call's answer or refusal left its gateway: it is no longer in flight there."""
+        self._admission.release(self._gateway_of(arrival), arrival.tenant)
+
+    def _gateway_of(self, arrival: Arrival) -> int:
+        # The request's gateway, stable for it: its throttle also counts the answer, and its
+        # quotas count the call in flight until then.
+        return hash(arrival.at_s) % len(self._throttles)
+
     def _gateway(self, arrival: Arrival) -> AdaptiveThrottle:
-        # The request's gateway, stable for it: its throttle also counts the answer.
-        return self._throttles[hash(arrival.at_s) % len(self._throttles)]
+        return self._throttles[self._gateway_of(arrival)]
 
     def _throttle_of(self, request: SimRequest) -> AdaptiveThrottle:
         return self._gateway(request.arrival)
+
+
+def _throttle_key(arrival: Arrival) -> str:
+    """The gateway throttle's key, as the real gateway's `_throttle_check` builds it: per model,
+    class and tenant, so one tenant's flood does not teach it to refuse everyone else."""
+    return f"{arrival.model}/{arrival.priority}/{arrival.tenant}"

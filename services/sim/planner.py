@@ -1,4 +1,5 @@
-"""The capacity planner: the fewest workers that meet an SLO, and the HPA target that holds it.
+"""The capacity planner: the fewest workers (and gateways) that meet an SLO, and the HPA target
+that holds it.
 
 The closed form it generalises is a utilisation bound with batch amortisation. A worker that
 runs batches of b rows in t(b) seconds serves at most b / t(b) rows per second; a row may wait
@@ -12,13 +13,18 @@ The simulator searches the worker count with the real policies instead. Where th
 Poisson arrivals rarely fill b* (the batcher closes batches early when the executor is idle,
 so a lightly loaded worker runs small, expensive batches), admission refuses rows predicted
 late before the queue is saturated, and the tail percentile needs slack the mean bound ignores.
+
+Gateways are CPU-bound and hold no queue worth simulating: one serves `gateway_rps` requests/s
+(FleetConfig.gateway_rps, or --gateway-rps), so the peak offered rate with headroom needs
+
+    g = ceil(peak lambda (1 + h) / gateway_rps)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,17 @@ class ClosedForm:
 
 
 @dataclass(frozen=True)
+class GatewayPlan:
+    """The gateway count: CPU-bound processes sized on the peak offered rate."""
+
+    #: The highest offered rate over the scenario (diurnal and bursts), before headroom, req/s.
+    peak_offered_per_s: float
+    #: Requests/s one gateway process serves.
+    gateway_rps: float
+    gateways: int
+
+
+@dataclass(frozen=True)
 class Trial:
     """One simulated worker count and whether it met the SLO."""
 
@@ -53,13 +70,20 @@ class Plan:
 
     workers: int | None
     closed_form: ClosedForm
+    gateways: GatewayPlan
     trials: tuple[Trial, ...]
-    #: Mean queue wait per row at the planned count: the HPA's queue-wait target.
+    #: Mean queue wait per row at the planned count under the scenario's own traffic (no
+    #: headroom): the simulated HPA's queue-wait target ([hpa] metric = "queue_wait").
     hpa_queue_wait_target_ms: float | None
-    #: Mean backlog per row (queue wait behind other batches, linger excluded) at the planned
-    #: count: the HPA's backlog target, the signal that falls as workers are added.
+    #: Mean backlog per row (queue wait behind other batches, linger excluded), the same way:
+    #: the simulated HPA's backlog target, the signal that falls as workers are added.
     hpa_backlog_target_ms: float | None
+    #: Mean offered rate with headroom, req/s.
     offered_per_s: float
+    #: p90 queue wait at the planned count, the same way, interpolated in the worker
+    #: histogram's buckets as prometheus-adapter does: the deployed HPA's target
+    #: (inference_worker_queue_wait_seconds_p90, deploy/k8s/overlays/prod/hpa.yaml).
+    hpa_p90_queue_wait_target_ms: float | None = None
 
 
 def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
@@ -82,6 +106,28 @@ def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
     size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
     rate = _mean_rate(scenario) * (1.0 + headroom)
     return ClosedForm(size, batch_s, 1.0 / per_row_s, max(1, math.ceil(rate * per_row_s)))
+
+
+def gateway_plan(scenario: Scenario, *, headroom: float, gateway_rps: float) -> GatewayPlan:
+    """The fewest gateways serving the scenario's peak offered rate with `headroom`."""
+    if gateway_rps <= 0:
+        raise ValueError("gateway_rps must be > 0")
+    peak = _peak_rate(scenario)
+    gateways = max(1, math.ceil(peak * (1.0 + headroom) / gateway_rps))
+    return GatewayPlan(peak, gateway_rps, gateways)
+
+
+def _peak_rate(scenario: Scenario) -> float:
+    """The highest offered requests/s: a trace's busiest second, else the streams' total rate
+    sampled every 0.1 s (the diurnal curve is smooth at that scale) and at each burst's start
+    (a burst may be shorter)."""
+    traffic, duration_s = scenario.traffic, scenario.duration_s
+    if traffic.trace:
+        per_second = Counter(int(a.at_s) for a in traffic.trace if a.at_s < duration_s)
+        return float(max(per_second.values(), default=0))
+    times = [i * 0.1 for i in range(math.ceil(duration_s / 0.1))]
+    times += [b.start_s for b in traffic.bursts if 0.0 <= b.start_s < duration_s]
+    return max((traffic.total_rate_per_s(t) for t in times), default=0.0)
 
 
 def _bucket_shares(scenario: Scenario) -> dict[int, float]:
@@ -121,14 +167,27 @@ def _trial(scenario: Scenario, workers: int, percentile: float) -> tuple[Trial, 
 
 
 def plan(
-    scenario: Scenario, *, percentile: float = 99.0, headroom: float = 0.2, max_workers: int = 512
+    scenario: Scenario,
+    *,
+    percentile: float = 99.0,
+    headroom: float = 0.2,
+    max_workers: int = 512,
+    gateway_rps: float | None = None,
 ) -> Plan:
     """The fewest workers (no autoscaler, no losses) whose run of the scenario's traffic, scaled
     by 1 + `headroom`, answers `percentile`% of requests within the SLO. Searches by doubling
-    from the closed form's half, then bisects."""
+    from the closed form's half, then bisects. Gateways: see `gateway_plan` (`gateway_rps`
+    defaults to the scenario's fleet.gateway_rps).
+
+    The HPA targets are measured at the planned count under the scenario's own traffic, not
+    the headroom's: an HPA holding a target taken at the edge of the SLO would shrink the fleet
+    until every worker ran at that edge, spending the headroom the plan keeps for surges the
+    HPA has not yet answered."""
     if percentile not in (50, 90, 99):
         raise ValueError("percentile must be 50, 90 or 99 (the percentiles a run reports)")
     formula = closed_form(scenario, headroom=headroom)
+    rps = scenario.fleet.gateway_rps if gateway_rps is None else gateway_rps
+    gateways = gateway_plan(scenario, headroom=headroom, gateway_rps=rps)
     loaded = dataclasses.replace(scenario, traffic=scenario.traffic.scaled(1.0 + headroom))
     trials: dict[int, tuple[Trial, dict[str, Any]]] = {}
 
@@ -141,7 +200,7 @@ def plan(
     while not meets(high):
         low = high
         if high >= max_workers:
-            return Plan(None, formula, _ordered(trials), None, None, _mean_rate(loaded))
+            return Plan(None, formula, gateways, _ordered(trials), None, None, _mean_rate(loaded))
         high = min(max_workers, high * 2)
     while high - low > 1:
         middle = (low + high) // 2
@@ -149,14 +208,16 @@ def plan(
             high = middle
         else:
             low = middle
-    chosen = trials[high][1]
+    chosen = trials[high][1] if headroom == 0 else _trial(scenario, high, percentile)[1]
     return Plan(
         high,
         formula,
+        gateways,
         _ordered(trials),
         chosen["mean_queue_wait_ms"],
         chosen["mean_backlog_ms"],
         _mean_rate(loaded),
+        chosen["p90_queue_wait_ms"],
     )
 
 
@@ -165,15 +226,17 @@ def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ..
 
 
 def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: float) -> str:
-    """The plan, the formula with its numbers, and every simulated count, as text."""
-    cf = result.closed_form
+    """The plan, the formulas with their numbers, and every simulated count, as text."""
+    cf, gw = result.closed_form, result.gateways
     lines = [
         f"offered with {headroom:.0%} headroom: {result.offered_per_s:.1f} req/s; "
         f"SLO {slo_ms:g} ms at p{percentile:g}",
         "closed form: c >= lambda (1 + h) t(b*) / b*, b* = largest b with 2 t(b) <= SLO budget",
         f"  b* = {cf.batch_size}, t(b*) = {cf.batch_s * 1e3:.2f} ms, "
         f"{cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers",
-        "simulated (workers: latency at percentile, SLO attainment, meets):",
+        f"gateways: g >= peak lambda (1 + h) / gateway_rps = {gw.peak_offered_per_s:.0f} x "
+        f"{1.0 + headroom:.2f} / {gw.gateway_rps:g} -> {gw.gateways} gateways",
+        f"simulated (workers: p{percentile:g} latency, SLO attainment, meets):",
     ]
     for trial in result.trials:
         lines.append(
@@ -183,14 +246,29 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
     if result.workers is None:
         lines.append("no worker count up to --max-workers meets the SLO")
         return "\n".join(lines)
-    lines.append(f"plan: {result.workers} workers (closed form: {cf.workers})")
     lines.append(
-        f"HPA on backlog: target {result.hpa_backlog_target_ms:.2f} ms; on queue wait: target "
-        f"{result.hpa_queue_wait_target_ms:.2f} ms (means per row at the planned count). Prefer "
-        "backlog: queue wait includes the batcher's linger, which adding workers does not "
-        "shorten (scenarios/hpa_queue_wait.toml climbs to max_replicas)"
+        f"plan: {result.workers} workers (closed form: {cf.workers}), {gw.gateways} gateways"
     )
+    lines += [
+        f"simulated HPA ([hpa] target, mean per row at {result.workers} workers under the "
+        "scenario's own traffic):",
+        f"  backlog {result.hpa_backlog_target_ms:.2f} ms, queue_wait "
+        f"{result.hpa_queue_wait_target_ms:.2f} ms. Prefer backlog: queue wait includes the "
+        "batcher's linger, which adding workers does not shorten",
+        "  (scenarios/hpa_queue_wait.toml climbs to max_replicas).",
+        f"deployed HPA (deploy/k8s/overlays/prod/hpa.yaml, p90 queue wait per pod from the "
+        f"worker histogram's buckets): target {result.hpa_p90_queue_wait_target_ms:.1f} ms",
+    ]
     return "\n".join(lines)
 
 
-__all__ = ["ClosedForm", "Plan", "Trial", "closed_form", "format_plan", "plan"]
+__all__ = [
+    "ClosedForm",
+    "GatewayPlan",
+    "Plan",
+    "Trial",
+    "closed_form",
+    "format_plan",
+    "gateway_plan",
+    "plan",
+]

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from services.sim.generation_run import GenerationRunResult
 from services.sim.simulation import RunResult
 
 
@@ -126,6 +127,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("latency p50 / p90 / p99 (ms)", _latencies(latency)),
         ("refusals", ", ".join(f"{k}={v}" for k, v in refusals.items())),
         ("SLO attainment by tenant", _by_tenant(summary["slo_attainment_by_tenant"])),
+        ("goodput by tenant (req/s)", _by_tenant(summary["goodput_per_s_by_tenant"], ".1f")),
+        ("p99 by tenant (ms)", _by_tenant(summary["p99_ms_by_tenant"], ".1f")),
         ("batches, mean size", f"{summary['batches']}, {summary['mean_batch_size']:.2f}"),
         ("close reasons", ", ".join(f"{k}={v}" for k, v in summary["close_reasons"].items())),
         ("replicas max / final", f"{summary['max_replicas']} / {summary['final_replicas']}"),
@@ -140,5 +143,48 @@ def _latencies(latency: dict[str, float]) -> str:
     return " / ".join(f"{latency[p]:.1f}" for p in ("p50", "p90", "p99"))
 
 
-def _by_tenant(attainment: dict[str, float]) -> str:
-    return ", ".join(f"{tenant}={value:.4f}" for tenant, value in attainment.items())
+def _by_tenant(values: dict[str, float], spec: str = ".4f") -> str:
+    return ", ".join(f"{tenant}={value:{spec}}" for tenant, value in values.items())
+
+
+def write_generation_outputs(result: GenerationRunResult, out_dir: Path) -> list[Path]:
+    """Writes summary.json and streams.csv (one row per stream that ran to its end after the
+    warm-up: arrival, prompt and output tokens, TTFT, TPOT, e2e in ms, preemptions)."""
+    summary_path = write_summary(result.summary, out_dir)
+    header = ("arrival_s", "prompt_tokens", "output_tokens", "ttft_ms", "tpot_ms", "e2e_ms",
+              "preemptions")  # fmt: skip
+    rows = (
+        (o.arrival_s, o.num_prompt_tokens, o.num_output_tokens, o.ttft_s * 1e3,
+         "" if o.tpot_s is None else o.tpot_s * 1e3, o.e2e_s * 1e3, o.num_preemptions)
+        for o in result.recorder.outcomes
+    )  # fmt: skip
+    return [summary_path, _write_csv(out_dir / "streams.csv", header, rows)]
+
+
+def format_generation_table(summary: dict[str, Any]) -> str:
+    """A generation run's headline figures, one per line."""
+    refusals = summary["refusals"] or {"none": 0}
+    rows = [
+        ("scenario", f"{summary['scenario']} ({summary['mode']}, workers={summary['workers']})"),
+        ("offered (req/s)", f"{summary['offered_per_s']:.1f}"),
+        ("goodput (req/s, TTFT within SLO)", f"{summary['goodput_per_s']:.1f}"),
+        ("TTFT SLO attainment", f"{summary['ttft_slo_attainment']:.4f}"),
+        ("TTFT p50 / p99 (ms)", _p50_p99(summary["ttft_ms"])),
+        ("TPOT p50 / p99 (ms)", _p50_p99(summary["tpot_ms"])),
+        ("e2e p50 / p99 (ms)", _p50_p99(summary["e2e_ms"])),
+        ("output tokens/s", f"{summary['output_tokens_per_s']:.0f}"),
+        ("answered, unfinished", f"{summary['answered']}, {summary['unfinished']}"),
+        ("refusals", ", ".join(f"{k}={v}" for k, v in refusals.items())),
+        ("preemptions (streams preempted)",
+         f"{summary['preemptions']} ({summary['streams_preempted']})"),
+        ("steps, mean running seqs", f"{summary['steps']}, {summary['mean_running_seqs']:.1f}"),
+        ("mean step (ms), batched tokens",
+         f"{summary['mean_step_ms']:.2f}, {summary['mean_batched_tokens']:.1f}"),
+        ("simulated / wall (s)", f"{summary['simulated_s']:g} / {summary['wall_s']:.2f}"),
+    ]  # fmt: skip
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def _p50_p99(latency: dict[str, float]) -> str:
+    return " / ".join(f"{latency[p]:.1f}" for p in ("p50", "p99"))

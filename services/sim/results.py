@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from services.common.metric_names import WORKER_SECONDS_BUCKETS
+
 
 @dataclass
 class _Bin:
@@ -38,6 +40,8 @@ class Recorder:
         self.num_good = 0
         #: tenant -> [arrivals, answered within the SLO] after the warm-up.
         self.by_tenant: dict[str, list[int]] = {}
+        #: tenant -> latencies (seconds) of its answers after the warm-up.
+        self.latencies_s_by_tenant: dict[str, list[float]] = {}
         #: (time, replicas, ready replicas), on every change and every autoscaler sync.
         self.replicas: list[tuple[float, int, int]] = []
         #: (time, the autoscaler's metric value).
@@ -65,6 +69,7 @@ class Recorder:
             self.latencies_s.append(latency_s)
             self.num_good += is_good
             self.by_tenant.setdefault(tenant, [0, 0])[1] += is_good
+            self.latencies_s_by_tenant.setdefault(tenant, []).append(latency_s)
 
     def refused(self, arrival_s: float, reason: str) -> None:
         if arrival_s >= self.warmup_s:
@@ -107,6 +112,26 @@ class FleetTotals:
     mean_queue_wait_s: float = 0.0
     #: The part of it spent behind other batches (linger excluded), seconds.
     mean_backlog_s: float = 0.0
+    #: Rows by queue wait in WORKER_SECONDS_BUCKETS (+Inf last), summed over workers.
+    queue_wait_counts: tuple[int, ...] = ()
+
+
+def histogram_quantile(quantile: float, counts: Sequence[int]) -> float:
+    """Prometheus' histogram_quantile over WORKER_SECONDS_BUCKETS: linear within the bucket
+    the rank falls in, the highest finite bound for the +Inf bucket; NaN without samples."""
+    total = sum(counts)
+    if not total:
+        return math.nan
+    rank, seen = quantile * total, 0
+    for index, count in enumerate(counts):
+        if seen + count >= rank and count:
+            if index == len(WORKER_SECONDS_BUCKETS):
+                return WORKER_SECONDS_BUCKETS[-1]
+            lower = WORKER_SECONDS_BUCKETS[index - 1] if index else 0.0
+            upper = WORKER_SECONDS_BUCKETS[index]
+            return lower + (upper - lower) * (rank - seen) / count
+        seen += count
+    return WORKER_SECONDS_BUCKETS[-1]
 
 
 def summarize(
@@ -133,12 +158,20 @@ def summarize(
             tenant: good / arrived if arrived else math.nan
             for tenant, (arrived, good) in sorted(recorder.by_tenant.items())
         },
+        "goodput_per_s_by_tenant": {
+            tenant: good / window_s for tenant, (_, good) in sorted(recorder.by_tenant.items())
+        },
+        "p99_ms_by_tenant": {
+            tenant: _percentiles(recorder.latencies_s_by_tenant.get(tenant, ()), (99,))[0] * 1e3
+            for tenant in sorted(recorder.by_tenant)
+        },
         "batches": num_batches,
         "mean_batch_size": rows / num_batches if num_batches else 0.0,
         "batch_sizes": {str(k): v for k, v in sorted(totals.batch_sizes.items())},
         "close_reasons": dict(sorted(totals.close_reasons.items())),
         "mean_queue_wait_ms": totals.mean_queue_wait_s * 1e3,
         "mean_backlog_ms": totals.mean_backlog_s * 1e3,
+        "p90_queue_wait_ms": histogram_quantile(0.9, totals.queue_wait_counts) * 1e3,
         "worker_hours": totals.worker_seconds / 3600.0,
         "max_replicas": totals.max_replicas,
         "final_replicas": totals.final_replicas,

@@ -9,8 +9,11 @@
     [batching]  upstream_budget_s, safety_margin_s, max_wait_cap_s, min_expected_arrivals,
                 tenant_weights = {a = 2.0}
     [fleet]     workers, startup_s, heartbeat_period_s, refresh_period_s, gateways, upstream_s,
-                downstream_s, cell_size, max_retries, noise_sigma, cpu_per_row_s, cpu_cores
+                downstream_s, cell_size, max_retries, noise_sigma, cpu_per_row_s, cpu_cores,
+                quota_sync_period_s, gateway_rps
     [fleet.routing] / [fleet.throttle]   RoutingConfig / ThrottleConfig fields
+    [fleet.host]  cores, tier_cpu_s, model_threads, window_s: the cores a worker shares with its
+                  tiers on a CPU-only machine (host.py; absent: none shared)
     [hpa]       metric ("queue_wait" | "backlog" | "cpu" | "gpu"), target, min_replicas,
                 max_replicas, sync_period_s, tolerance, scale_down_window_s, ...
     [[traffic.streams]]  model, tenant, priority, rate_per_s, lengths = [[12, 0.85], [100, 0.15]],
@@ -19,24 +22,49 @@
     [[traffic.bursts]]   start_s, duration_s, multiplier, tenant
     traffic.trace = "trace.csv"                 # recorded arrivals instead of streams
     [[worker_loss]]      at_s, num_workers
+    [tenants.NAME]       the gateway's tenant table (services/gateway/tenants.py): weight,
+                         requests_per_s, rows_per_s, burst_s, max_concurrency, models,
+                         default_priority, priorities; a weight also feeds the batcher's
+                         tenant_weights (setting both differently is an error)
+
+A generation scenario has a [generation] table instead of [model] and the curve, and no
+[batching], [hpa], [[worker_loss]] or [tenants] (generation_run.py says what it models):
+
+    [generation]  the model's config.toml [generation] table (max_model_len, block_size,
+                  num_kv_blocks, max_num_seqs, max_num_batched_tokens, watermark_blocks), and
+                  name, version, mode ("continuous" | "static"), ttft_slo_ms, shed_past_slo,
+                  default_timeout_ms, tenant_weights, drain_s,
+                  output_lengths = [[64, 0.5], [256, 0.5]]   # streams without their own
+    [generation.step_cost]  fixed_ms, per_prefill_token_us, per_decode_seq_us,
+                            per_context_token_us
+    [fleet]       workers, upstream_s, downstream_s, heartbeat_period_s, refresh_period_s,
+                  [fleet.routing]
+    [[traffic.streams]]  as above (lengths are prompt tokens), plus output_lengths
 
 Relative paths are read from the scenario file's directory, then from the current one.
+`load_scenario(path, overrides)` sets dotted `table.key` paths of the file's mapping first
+(`parse_setting("batching.max_wait_cap_s=0.005")`), for the CLI's --set and sweeps.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from services.gateway.tenants import TenantPolicy, parse_tenants
 from services.gateway.throttle import ThrottleConfig
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.router.routing import RoutingConfig
 from services.sim.autoscaler import HpaConfig
 from services.sim.curve import LatencyCurve
 from services.sim.fleet import FleetConfig
+from services.sim.generation import GenerationSpec, StepCost
+from services.sim.generation_run import GenerationScenario, StreamKey
+from services.sim.host import HostConfig
 from services.sim.simulation import Scenario, WorkerLoss
 from services.sim.traffic import Burst, Diurnal, LengthMix, Stream, Traffic, load_trace
 from services.sim.worker import ModelSpec
@@ -45,23 +73,76 @@ T = TypeVar("T")
 
 _TOP_KEYS = {
     "name", "duration_s", "warmup_s", "seed", "latency_curve", "curve", "curve_scale",
-    "model", "batching", "fleet", "hpa", "traffic", "worker_loss", "description",
+    "model", "batching", "fleet", "hpa", "traffic", "worker_loss", "description", "tenants",
 }  # fmt: skip
 
 
-def load_scenario(path: Path) -> Scenario:
-    """Reads a .toml, .yaml or .yml scenario; raises ValueError naming what is wrong."""
+def load_scenario(
+    path: Path, overrides: Mapping[str, Any] | None = None
+) -> Scenario | GenerationScenario:
+    """Reads a .toml, .yaml or .yml scenario, with `overrides` (dotted path -> value) set
+    first; raises ValueError naming what is wrong."""
+    raw = load_raw(path)
+    try:
+        if overrides:
+            raw = with_overrides(raw, overrides)
+        if "generation" in raw:
+            return parse_generation_scenario(raw, base_dir=path.parent, default_name=path.stem)
+        return parse_scenario(raw, base_dir=path.parent, default_name=path.stem)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"{path}: {error}") from error
+
+
+def load_raw(path: Path) -> dict[str, Any]:
+    """A scenario file's mapping as written, before any parsing."""
     text = path.read_text()
     if path.suffix in (".yaml", ".yml"):
         import yaml
 
-        raw = yaml.safe_load(text)
+        loaded = yaml.safe_load(text)
     else:
-        raw = tomllib.loads(text)
+        loaded = tomllib.loads(text)
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: a scenario is a mapping of tables")
+    return loaded
+
+
+def with_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of `raw` with each dotted path (`batching.max_wait_cap_s`, `duration_s`) set to
+    its value; missing tables on the way are created, and a number picks an element of an
+    array of tables (`traffic.streams.0.rate_per_s`). `raw` is not changed."""
+    out = copy.deepcopy(dict(raw))
+    for path, value in overrides.items():
+        *tables, key = path.split(".")
+        if not key or not all(tables):
+            raise ValueError(
+                f"--set {path!r}: expected a dotted path such as batching.max_wait_cap_s"
+            )
+        node: Any = out
+        for name in tables:
+            if isinstance(node, list) and name.isdigit() and int(name) < len(node):
+                node = node[int(name)]
+            elif isinstance(node, dict):
+                node = node.setdefault(name, {})
+            else:
+                raise ValueError(f"--set {path!r}: no table {name!r} there")
+        if not isinstance(node, dict):
+            raise ValueError(f"--set {path!r}: {tables[-1]!r} is not a table")
+        node[key] = value
+    return out
+
+
+def parse_setting(text: str) -> tuple[str, list[Any]]:
+    """`table.key=V1,V2,...` into the path and its values, each a TOML value (a number, true,
+    "text"), or the bare text where it is none (`hpa.metric=backlog`)."""
+    path, sep, values = text.partition("=")
+    if not sep or not path.strip() or not values.strip():
+        raise ValueError(f"--set {text!r}: expected table.key=VALUE[,VALUE...]")
     try:
-        return parse_scenario(raw, base_dir=path.parent, default_name=path.stem)
-    except (KeyError, TypeError, ValueError) as error:
-        raise ValueError(f"{path}: {error}") from error
+        parsed = tomllib.loads(f"v = [{values}]")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = [v.strip() for v in values.split(",")]
+    return path.strip(), list(parsed)
 
 
 def parse_scenario(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Scenario:
@@ -69,6 +150,7 @@ def parse_scenario(raw: Mapping[str, Any], *, base_dir: Path, default_name: str)
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
     model = _model(raw["model"])
+    tenants = parse_tenants(raw.get("tenants"), "[tenants]")
     return Scenario(
         name=str(raw.get("name", default_name)),
         model=model,
@@ -77,8 +159,8 @@ def parse_scenario(raw: Mapping[str, Any], *, base_dir: Path, default_name: str)
         duration_s=float(raw.get("duration_s", 60.0)),
         warmup_s=float(raw.get("warmup_s", 5.0)),
         seed=int(raw.get("seed", 1)),
-        driver=_build(DriverConfig, raw.get("batching", {}), "batching"),
-        fleet=_fleet(raw.get("fleet", {})),
+        driver=_driver(raw.get("batching", {}), raw.get("tenants") or {}, tenants),
+        fleet=_fleet(raw.get("fleet", {}), tenants),
         hpa=_build(HpaConfig, raw["hpa"], "hpa") if "hpa" in raw else None,
         losses=tuple(_build(WorkerLoss, t, "worker_loss") for t in raw.get("worker_loss", ())),
     )
@@ -124,12 +206,40 @@ def _curve(raw: Mapping[str, Any], base_dir: Path) -> LatencyCurve:
     return dataclasses.replace(curve, scale=scale)
 
 
-def _fleet(table: Mapping[str, Any]) -> FleetConfig:
+def _driver(
+    table: Mapping[str, Any],
+    tenant_tables: Mapping[str, Any],
+    tenants: Mapping[str, TenantPolicy],
+) -> DriverConfig:
+    """[batching], with the weights of [tenants.NAME] tables in its tenant_weights: the
+    gateway sends a tenant's weight with each request, and the worker's batcher uses it."""
     fields = dict(table)
+    weights = dict(fields.get("tenant_weights", {}))
+    for name, policy in tenants.items():
+        if "weight" not in tenant_tables[name]:
+            continue
+        if weights.get(name, policy.weight) != policy.weight:
+            raise ValueError(
+                f"tenant {name!r}: weight {policy.weight:g} in [tenants.{name}] and "
+                f"{weights[name]:g} in [batching] tenant_weights; set it in one place"
+            )
+        weights[name] = policy.weight
+    if weights:
+        fields["tenant_weights"] = weights
+    return _build(DriverConfig, fields, "batching")
+
+
+def _fleet(table: Mapping[str, Any], tenants: Mapping[str, TenantPolicy]) -> FleetConfig:
+    fields = dict(table)
+    if "tenants" in fields:
+        raise ValueError("[fleet]: tenants go in [tenants.NAME] tables")
+    fields["tenants"] = tenants
     if "routing" in fields:
         fields["routing"] = _build(RoutingConfig, fields["routing"], "fleet.routing")
     if "throttle" in fields:
         fields["throttle"] = _build(ThrottleConfig, fields["throttle"], "fleet.throttle")
+    if "host" in fields:
+        fields["host"] = _build(HostConfig, fields["host"], "fleet.host")
     return _build(FleetConfig, fields, "fleet")
 
 
@@ -156,3 +266,99 @@ def _stream(table: Mapping[str, Any], default_model: str) -> Stream:
     if "timeout_ms" in fields:
         fields["timeout_s"] = fields.pop("timeout_ms") / 1000.0
     return _build(Stream, fields, "traffic.streams")
+
+
+# -- generation scenarios -------------------------------------------------------------------
+
+_GENERATION_TOP_KEYS = {
+    "name", "duration_s", "warmup_s", "seed", "generation", "fleet", "traffic", "description",
+}  # fmt: skip
+_GENERATION_FLEET_KEYS = {
+    "workers", "upstream_s", "downstream_s", "heartbeat_period_s", "refresh_period_s", "routing",
+}  # fmt: skip
+
+
+def parse_generation_scenario(
+    raw: Mapping[str, Any], *, base_dir: Path, default_name: str
+) -> GenerationScenario:
+    """A scenario with a [generation] table (see the module docstring)."""
+    unknown = set(raw) - _GENERATION_TOP_KEYS
+    if unknown:
+        raise ValueError(f"unknown keys {sorted(unknown)} (not modelled for generation)")
+    table = dict(raw["generation"])
+    if "step_cost" not in table:
+        raise ValueError("[generation] needs a [generation.step_cost] table")
+    cost = _step_cost(table.pop("step_cost"))
+    default_lengths = _length_mix(table.pop("output_lengths", [[64, 1.0]]))
+    drain_s = float(table.pop("drain_s", 60.0))
+    spec = _generation_spec(table)
+    fleet = dict(raw.get("fleet", {}))
+    unknown = set(fleet) - _GENERATION_FLEET_KEYS
+    if unknown:
+        raise ValueError(f"[fleet]: {sorted(unknown)} not modelled for generation")
+    if "routing" in fleet:
+        fleet["routing"] = _build(RoutingConfig, fleet["routing"], "fleet.routing")
+    traffic, output_lengths = _generation_traffic(raw["traffic"], spec.name, base_dir)
+    return GenerationScenario(
+        name=str(raw.get("name", default_name)),
+        spec=spec,
+        cost=cost,
+        traffic=traffic,
+        output_lengths=output_lengths,
+        default_output_lengths=default_lengths,
+        duration_s=float(raw.get("duration_s", 60.0)),
+        warmup_s=float(raw.get("warmup_s", 5.0)),
+        seed=int(raw.get("seed", 1)),
+        fleet=_build(FleetConfig, fleet, "fleet"),
+        drain_s=drain_s,
+    )
+
+
+def _generation_spec(table: Mapping[str, Any]) -> GenerationSpec:
+    fields = dict(table)
+    if "ttft_slo_ms" in fields:
+        fields["ttft_slo_s"] = fields.pop("ttft_slo_ms") / 1000.0
+    if "default_timeout_ms" in fields:
+        fields["default_timeout_s"] = fields.pop("default_timeout_ms") / 1000.0
+    return _build(GenerationSpec, fields, "generation")
+
+
+def _step_cost(table: Mapping[str, Any]) -> StepCost:
+    units = {
+        "fixed_ms": ("fixed_s", 1e-3),
+        "per_prefill_token_us": ("per_prefill_token_s", 1e-6),
+        "per_decode_seq_us": ("per_decode_seq_s", 1e-6),
+        "per_context_token_us": ("per_context_token_s", 1e-6),
+    }
+    unknown = set(table) - set(units)
+    if unknown:
+        raise ValueError(f"[generation.step_cost]: unknown keys {sorted(unknown)}")
+    return StepCost(**{units[k][0]: float(v) * units[k][1] for k, v in table.items()})
+
+
+def _length_mix(pairs: Any) -> LengthMix:
+    parsed = [(int(t), float(w)) for t, w in pairs]
+    return LengthMix(tuple(t for t, _ in parsed), tuple(w for _, w in parsed))
+
+
+def _generation_traffic(
+    table: Mapping[str, Any], model: str, base_dir: Path
+) -> tuple[Traffic, dict[StreamKey, LengthMix]]:
+    """The traffic, and each stream's output lengths by its (model, tenant, priority)."""
+    fields = dict(table)
+    streams = [dict(s) for s in fields.get("streams", ())]
+    mixes = [s.pop("output_lengths", None) for s in streams]
+    if streams:
+        fields["streams"] = streams
+    traffic = _traffic(fields, model, base_dir)
+    lengths: dict[StreamKey, LengthMix] = {}
+    for stream, mix in zip(traffic.streams, mixes, strict=True):
+        if stream.model != model:
+            raise ValueError(f"stream of {stream.model!r}: the scenario serves {model!r}")
+        key = (stream.model, stream.tenant, stream.priority)
+        if mix is None:
+            continue
+        if key in lengths:
+            raise ValueError(f"two streams {key} with output_lengths: one per stream key")
+        lengths[key] = _length_mix(mix)
+    return traffic, lengths

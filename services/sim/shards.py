@@ -10,11 +10,14 @@ Only fixed fleets shard: an HPA or a worker loss acts on the whole deployment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
+from itertools import zip_longest
 from typing import Any
 
+from services.gateway.tenants import TenantPolicy
 from services.sim.results import FleetTotals, Recorder, summarize
 from services.sim.simulation import Scenario, run
 
@@ -27,12 +30,26 @@ def shard_of(scenario: Scenario, index: int, num_shards: int) -> Scenario:
         raise ValueError("a recorded trace does not shard")
     if scenario.fleet.workers % num_shards:
         raise ValueError(f"{scenario.fleet.workers} workers do not split in {num_shards} shards")
-    fleet = dataclasses.replace(scenario.fleet, workers=scenario.fleet.workers // num_shards)
+    tenants = {name: _part_of(p, num_shards) for name, p in scenario.fleet.tenants.items()}
+    fleet = dataclasses.replace(
+        scenario.fleet, workers=scenario.fleet.workers // num_shards, tenants=tenants
+    )
     return dataclasses.replace(
         scenario,
         fleet=fleet,
         traffic=scenario.traffic.scaled(1.0 / num_shards),
         seed=scenario.seed * 1000 + index,
+    )
+
+
+def _part_of(policy: TenantPolicy, num_shards: int) -> TenantPolicy:
+    """A shard's part of a tenant's fleet-wide limits, as a gateway enforces its share."""
+    requests, rows, calls = policy.requests_per_s, policy.rows_per_s, policy.max_concurrency
+    return dataclasses.replace(
+        policy,
+        requests_per_s=None if requests is None else requests / num_shards,
+        rows_per_s=None if rows is None else rows / num_shards,
+        max_concurrency=None if calls is None else max(1, math.ceil(calls / num_shards)),
     )
 
 
@@ -51,7 +68,11 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
     sizes: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
     worker_s, wait_s, backlog_s, rows = 0.0, 0.0, 0.0, 0
+    wait_counts: list[int] = []
     for part, totals, _ in parts:
+        wait_counts = [
+            a + b for a, b in zip_longest(wait_counts, totals.queue_wait_counts, fillvalue=0)
+        ]
         recorder.latencies_s.extend(part.latencies_s)
         recorder.refusals.update(part.refusals)
         recorder.num_arrivals += part.num_arrivals
@@ -60,6 +81,8 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
             counts = recorder.by_tenant.setdefault(tenant, [0, 0])
             counts[0] += arrived
             counts[1] += good
+        for tenant, latencies_s in part.latencies_s_by_tenant.items():
+            recorder.latencies_s_by_tenant.setdefault(tenant, []).extend(latencies_s)
         sizes.update(totals.batch_sizes)
         reasons.update(totals.close_reasons)
         worker_s += totals.worker_seconds
@@ -75,6 +98,7 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
         final_replicas=sum(t.final_replicas for _, t, _ in parts),
         mean_queue_wait_s=wait_s / rows if rows else 0.0,
         mean_backlog_s=backlog_s / rows if rows else 0.0,
+        queue_wait_counts=tuple(wait_counts),
     )
     summary = summarize(
         recorder,

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from services.common.metric_names import WORKER_SECONDS_BUCKETS
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.sim.autoscaler import HorizontalAutoscaler, HpaConfig
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
 from services.sim.fleet import Fleet, FleetConfig
 from services.sim.results import FleetTotals, Recorder, summarize
-from services.sim.traffic import Arrival, Traffic
+from services.sim.traffic import Traffic, schedule_arrivals
 from services.sim.worker import ModelSpec
 
 #: After the last arrival, the run goes on this long (at most) so in-flight requests finish.
@@ -140,7 +140,9 @@ def run(scenario: Scenario) -> RunResult:
     )
     for _ in range(initial):
         fleet.add_worker(0.0, startup_s=0.0)
-    _feed(loop, fleet, scenario.traffic.arrivals(scenario.seed, scenario.duration_s))
+    schedule_arrivals(
+        loop, fleet.arrive, scenario.traffic.arrivals(scenario.seed, scenario.duration_s)
+    )
     for loss in scenario.losses:
         loop.at(loss.at_s, lambda now_s, n: fleet.kill_workers(now_s, n), loss.num_workers)
     if hpa is not None:
@@ -167,25 +169,13 @@ def run(scenario: Scenario) -> RunResult:
     return RunResult(scenario, summary, recorder, fleet, totals, loop.num_events)
 
 
-def _feed(loop: EventLoop, fleet: Fleet, arrivals: Iterator[Arrival]) -> None:
-    """Schedules arrivals one at a time: the heap holds one pending arrival, not all."""
-
-    def arrive(now_s: float, arrival: Arrival) -> None:
-        fleet.arrive(now_s, arrival)
-        following = next(arrivals, None)
-        if following is not None:
-            loop.at(following.at_s, arrive, following)
-
-    first = next(arrivals, None)
-    if first is not None:
-        loop.at(first.at_s, arrive, first)
-
-
 def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTotals:
     sizes: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
     wait_s, backlog_s, rows = 0.0, 0.0, 0
+    wait_counts = [0] * (len(WORKER_SECONDS_BUCKETS) + 1)
     for worker in fleet.all_workers:
+        wait_counts = [a + b for a, b in zip(wait_counts, worker.queue_wait_counts, strict=True)]
         sizes.update(worker.batch_sizes)
         reasons.update(worker.close_reasons)
         wait_s += worker.queue_wait_s_total
@@ -199,4 +189,5 @@ def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTot
         final_replicas=fleet.num_replicas,
         mean_queue_wait_s=wait_s / rows if rows else 0.0,
         mean_backlog_s=backlog_s / rows if rows else 0.0,
+        queue_wait_counts=tuple(wait_counts),
     )

@@ -14,11 +14,13 @@ import csv
 import json
 import math
 import random
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
+
+from services.sim.events import EventLoop
 
 DEFAULT_PRIORITY = "interactive"
 
@@ -201,3 +203,21 @@ def write_trace(path: Path, arrivals: Sequence[Arrival]) -> None:
         for a in arrivals:
             timeout = "" if a.timeout_s is None else a.timeout_s
             writer.writerow([a.at_s, a.model, a.tenant, a.priority, a.num_tokens, timeout])
+
+
+def schedule_arrivals(
+    loop: EventLoop, on_arrival: Callable[[float, Arrival], None], arrivals: Iterator[Arrival]
+) -> None:
+    """Schedules `arrivals` one at a time, each by the one before it (the loop holds one pending
+    arrival, not all): in time order, so on a line of the loop rather than its heap."""
+    line = loop.line()
+
+    def arrive(now_s: float, arrival: Arrival) -> None:
+        on_arrival(now_s, arrival)
+        following = next(arrivals, None)
+        if following is not None:
+            line.at(following.at_s, arrive, following)
+
+    first = next(arrivals, None)
+    if first is not None:
+        line.at(first.at_s, arrive, first)

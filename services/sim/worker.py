@@ -11,6 +11,7 @@ executor's time is the latency curve (optionally noisy), not the prediction.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import random
@@ -18,16 +19,19 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Protocol
 
+from services.common.metric_names import WORKER_SECONDS_BUCKETS
 from services.common.priority import PriorityClass
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.fairness import DEFAULT_WEIGHT
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey, Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve, ServiceTime
 from services.sim.events import EventLoop
+from services.sim.host import SharedHost
 from services.sim.traffic import Arrival
 
 #: Weight of one row in the per-row cost EWMA of load reports (the lane's ROW_COST_ALPHA;
@@ -107,6 +111,7 @@ class SimWorker:
         noise_sigma: float = 0.0,
         rng: random.Random | None = None,
         keep_batches: bool = False,
+        host: SharedHost | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.spec = spec
@@ -116,7 +121,16 @@ class SimWorker:
         self.latency = LatencyModel()
         curve.seed(self.latency, keys)
         self._ledger = ComputeLedger()
-        self.batcher = Batcher(_batcher_config(spec, driver), self.latency, self._ledger)
+        config = _batcher_config(spec, driver)
+        self.batcher = Batcher(config, self.latency, self._ledger)
+        # Per request, only lookups: the key of each input length (one BatchKey object per
+        # bucket, so the policy's dicts find it by identity), each tenant's weight as the
+        # batcher would resolve it, and the shedding horizon.
+        self._keys = keys
+        self._key_of_tokens: dict[int, BatchKey] = {}
+        self._tenant_weights = config.tenant_weights
+        self._weight_of: dict[str, float] = {}
+        self._shed_s = spec.slo_s - driver.upstream_budget_s if spec.shed_past_slo else None
         self._service = ServiceTime(curve.truth(keys), noise_sigma, rng or random.Random(0))
         self._driver = driver
         self._item_ids = itertools.count(1)
@@ -125,8 +139,16 @@ class SimWorker:
         self._running_until_s: float | None = None
         self._predicted_s = 0.0
         self._running_since_s = 0.0
-        self._wake_token = 0
+        # The driver's timer: it wakes at `_wake_s` (None: none set). Setting it schedules a
+        # loop event only if none of this worker's pending ones is due by then; one due
+        # earlier re-arms itself when it runs. `_wake_entries_s`: the pending events' times,
+        # each pushed below all the others (the last is the earliest). So a Wait (one per
+        # submit while a batch runs) leaves no stale event behind to pop.
+        self._wake_s: float | None = None
+        self._wake_entries_s: list[float] = []
         self.is_alive = True
+        #: The cores this worker shares with its tiers, if it shares them (host.py).
+        self.host = host
         self.row_cost_s: float | None = None
         #: Every dispatched batch when `keep_batches`: (dispatch time, bucket, item ids, close
         #: reason value).
@@ -137,6 +159,9 @@ class SimWorker:
         self.busy_s_total = 0.0
         self.rows_total = 0
         self.queue_wait_s_total = 0.0
+        #: Rows by queue wait, in the worker histogram's buckets (+Inf last): what the
+        #: deployed HPA's p90 is interpolated from.
+        self.queue_wait_counts = [0] * (len(WORKER_SECONDS_BUCKETS) + 1)
         #: Rows dispatched, and the part of their queue wait spent behind other batches (the
         #: driver's backlog: executor-busy seconds between arrival and dispatch). The rest of
         #: the wait is linger, which the batcher chooses and more workers do not shorten.
@@ -153,17 +178,17 @@ class SimWorker:
         arrival = request.arrival
         decision: Admitted | Rejected = self.batcher.can_admit(1)
         if isinstance(decision, Admitted):
-            spec = self.spec
-            shed_s = spec.slo_s - self._driver.upstream_budget_s if spec.shed_past_slo else None
+            shed_s = self._shed_s
             item = QueuedItem(
                 item_id=next(self._item_ids),
-                key=spec.key(spec.bucket_for(arrival.num_tokens)),
+                key=self._key_for(arrival.num_tokens),
                 tenant=arrival.tenant,
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=request.deadline_s,
                 finish_by_s=None if shed_s is None else now_s + shed_s,
                 priority=_rank_of(arrival.priority),
+                weight=self._weight_for(arrival.tenant),
             )
             decision = self.batcher.add(item, now_s, executor_free_s=self._running_until_s)
         if isinstance(decision, Rejected):
@@ -172,6 +197,21 @@ class SimWorker:
         self._busy_at_arrival[item.item_id] = self.busy_s(now_s)
         self._pump(now_s)
         return None
+
+    def _key_for(self, num_tokens: int) -> BatchKey:
+        key = self._key_of_tokens.get(num_tokens)
+        if key is None:
+            key = self._keys[self.spec.bucket_for(num_tokens)]
+            self._key_of_tokens[num_tokens] = key
+        return key
+
+    def _weight_for(self, tenant: str) -> float:
+        """The weight `Batcher.add` gives a row that carries none, as simulated requests do:
+        set here, the batcher need not copy the item to fill it in."""
+        weight = self._weight_of.get(tenant)
+        if weight is None:
+            weight = self._weight_of[tenant] = self._tenant_weights.get(tenant, DEFAULT_WEIGHT)
+        return weight
 
     def begin_drain(self, now_s: float) -> None:
         self.batcher.begin_drain()
@@ -184,7 +224,7 @@ class SimWorker:
     def kill(self, now_s: float) -> list[SimRequest]:
         """The process dies: returns every request it held (their calls fail UNAVAILABLE)."""
         self.is_alive = False
-        self._wake_token += 1
+        self._wake_s = None
         lost = list(self._requests.values())
         self._requests.clear()
         self._busy_at_arrival.clear()
@@ -207,19 +247,36 @@ class SimWorker:
         if isinstance(action, Dispatch):
             self._dispatch(action, now_s)
         elif action.until_s is not None:
-            self._wake_token += 1
-            wake_s = max(action.until_s, now_s + MIN_WAKE_S)
-            self._loop.at(wake_s, self._wake, self._wake_token)
+            self._sleep_until(max(action.until_s, now_s + MIN_WAKE_S))
 
-    def _wake(self, now_s: float, token: int) -> None:
-        if token == self._wake_token:
-            self._pump(now_s)
+    def _sleep_until(self, wake_s: float) -> None:
+        """Sets the timer (replacing any set before, as the driver's next sleep does)."""
+        self._wake_s = wake_s
+        entries_s = self._wake_entries_s
+        if not entries_s or entries_s[-1] > wake_s:
+            entries_s.append(wake_s)
+            self._loop.at(wake_s, self._wake)
+
+    def _wake(self, now_s: float, _: object) -> None:
+        # Events run in time order, so the one running is this worker's earliest pending.
+        self._wake_entries_s.pop()
+        wake_s = self._wake_s
+        if wake_s is None:
+            return
+        if now_s < wake_s:
+            self._sleep_until(wake_s)
+            return
+        self._wake_s = None
+        self._pump(now_s)
 
     def _dispatch(self, dispatch: Dispatch, now_s: float) -> None:
         size = len(dispatch.items)
         busy_s = self.busy_s(now_s)
+        counts = self.queue_wait_counts
         for item in dispatch.items:
-            self.queue_wait_s_total += now_s - item.arrival_s
+            wait_s = now_s - item.arrival_s
+            self.queue_wait_s_total += wait_s
+            counts[bisect.bisect_left(WORKER_SECONDS_BUCKETS, wait_s)] += 1
             self.backlog_s_total += busy_s - self._busy_at_arrival.pop(item.item_id, busy_s)
         self.rows_dispatched += size
         self._running = dispatch
@@ -232,6 +289,8 @@ class SimWorker:
         self.batch_sizes[size] += 1
         self.close_reasons[dispatch.reason.value] += 1
         compute_s = self._service.seconds(dispatch.key, size)
+        if self.host is not None:
+            compute_s *= self.host.compute_stretch(now_s)
         self._loop.at(now_s + compute_s, self._finish, dispatch)
 
     def _finish(self, now_s: float, dispatch: Dispatch) -> None:
@@ -239,6 +298,8 @@ class SimWorker:
             return
         compute_s = now_s - self._running_since_s
         self.busy_s_total += compute_s
+        if self.host is not None:
+            self.host.ran(now_s, compute_s)
         self.rows_total += len(dispatch.items)
         self._running = None
         self._running_until_s = None
@@ -273,7 +334,7 @@ class SimWorker:
     def record(self, now_s: float, *, is_ready: bool) -> WorkerRecord:
         """The heartbeat, as services/gpu_worker/registry_publisher.py builds it."""
         spec = self.spec
-        smallest = spec.key(spec.length_buckets[0])
+        smallest = self._keys[spec.length_buckets[0]]
         per_row_s = self.row_cost_s
         if per_row_s is None:
             per_row_s = self.latency.per_item_s(smallest, self.batcher.max_batch_size_for(smallest))

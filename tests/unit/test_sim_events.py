@@ -74,3 +74,25 @@ def test_every_repeats_at_its_period_until_the_run_ends() -> None:
 def test_every_refuses_a_period_that_would_never_advance() -> None:
     with pytest.raises(ValueError, match="period_s"):
         EventLoop().every(0.0, lambda _now, _: None)
+
+
+def test_line_events_merge_with_heap_events_in_time_then_scheduling_order() -> None:
+    loop = EventLoop()
+    line = loop.line()
+    seen: list[str] = []
+    record = lambda _now, name: seen.append(name)  # noqa: E731
+    line.at(1.0, record, "line 1.0")
+    loop.at(1.0, record, "heap 1.0")  # same time, scheduled later: runs after
+    loop.at(0.5, record, "heap 0.5")
+    line.at(2.0, record, "line 2.0")
+    loop.at(1.5, record, "heap 1.5")
+    loop.run(10.0)
+    assert seen == ["heap 0.5", "line 1.0", "heap 1.0", "heap 1.5", "line 2.0"]
+
+
+def test_a_line_refuses_an_event_earlier_than_the_last_it_holds() -> None:
+    loop = EventLoop()
+    line = loop.line()
+    line.at(2.0, lambda _now, _arg: None)
+    with pytest.raises(ValueError, match="line event"):
+        line.at(1.0, lambda _now, _arg: None)

@@ -1,0 +1,92 @@
+"""The simulated gateways' tenant admission: the real quota code, in the real order.
+
+A gateway checks a call against its tenant's table (services.gateway.tenants) before the
+adaptive throttle sees it, as the real one does: the request rate and calls in flight in the
+auth interceptor (`TenantQuotas.acquire`), then the priority class and the model, then the
+row rate (`take_rows`, one row per simulated request). A granted call counts in flight until
+its answer or refusal (`release`). Each gateway has its own `TenantQuotas` and enforces its
+share of every fleet-wide limit; every `sync_period_s` the shares are recomputed from each
+gateway's demand with `quotas.fleet_shares`, as `quota_sync.QuotaSync.sync_once` does through
+Redis (no gateway is ever gone here, so no entry goes stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from services.common.priority import PriorityClass
+from services.gateway.quotas import TenantQuotas, fleet_shares
+from services.gateway.tenants import TenantPolicy
+from services.sim.traffic import Arrival
+
+
+@dataclass(frozen=True)
+class QuotaRefused:
+    """A call refused by its tenant's table at the gateway."""
+
+    #: requests_per_s, rows_per_s or max_concurrency (RESOURCE_EXHAUSTED), priority (a class
+    #: not granted) or models (a model not allowed; both PERMISSION_DENIED).
+    reason: str
+
+
+class GatewayAdmission:
+    """Every simulated gateway's tenant quotas."""
+
+    def __init__(
+        self, tenants: Mapping[str, TenantPolicy], num_gateways: int, *, sync_period_s: float
+    ) -> None:
+        self._tenants = dict(tenants)
+        self._quotas = [TenantQuotas() for _ in range(num_gateways)]
+        self._limited = frozenset(name for name, p in self._tenants.items() if p.is_limited)
+        self.sync_period_s = sync_period_s
+
+    @property
+    def needs_sync(self) -> bool:
+        """Whether shares matter: a limited tenant, several gateways, and a sync period."""
+        return bool(self._limited) and len(self._quotas) > 1 and self.sync_period_s > 0
+
+    def admit(self, gateway: int, arrival: Arrival, now_s: float) -> QuotaRefused | None:
+        """Runs the gateway's checks on one call; a granted call is in flight until
+        `release`. A tenant without a table is unlimited and may use every model."""
+        policy = self._tenants.get(arrival.tenant)
+        if policy is None:
+            return None
+        quotas = self._quotas[gateway]
+        refusal = quotas.acquire(policy, now_s)
+        if refusal is not None:
+            return QuotaRefused(refusal.quota)
+        quotas.enter(policy.name)
+        if not policy.is_granted(PriorityClass.parse(arrival.priority)):
+            reason = "priority"
+        elif policy.models is not None and arrival.model not in policy.models:
+            reason = "models"
+        else:
+            refusal = quotas.take_rows(policy, 1, now_s)
+            if refusal is None:
+                return None
+            reason = refusal.quota
+        quotas.release(policy.name)
+        return QuotaRefused(reason)
+
+    def release(self, gateway: int, tenant: str) -> None:
+        """The call admitted at `gateway` was answered or refused downstream."""
+        if tenant in self._tenants:
+            self._quotas[gateway].release(tenant)
+
+    def in_flight(self, gateway: int, tenant: str) -> int:
+        return self._quotas[gateway].in_flight(tenant)
+
+    def sync(self, now_s: float, _: object = None) -> None:
+        """One round of every gateway's quota sync: publish demand, apply the new shares."""
+        period_s = self.sync_period_s
+        demands = {
+            str(index): {
+                tenant: count / period_s
+                for tenant, count in quotas.take_offered().items()
+                if tenant in self._limited
+            }
+            for index, quotas in enumerate(self._quotas)
+        }
+        for index, quotas in enumerate(self._quotas):
+            quotas.set_shares(fleet_shares(str(index), demands, self._limited))

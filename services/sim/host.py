@@ -1,0 +1,106 @@
+"""A host whose CPU cores the model shares with the tiers in front of it.
+
+On a GPU fleet the gateways and routers run on other machines and the model runs on its GPU, so
+nothing here applies (`HostConfig.cores == 0`, the default). On a CPU-only machine, such as the
+local stack on a 2-core box, the model's threads, the gateway, the router, the worker's own
+Python and the load generator all run on the same cores. Then the in-stack latency curve,
+measured one request at a time, describes a model that had the cores to itself; under load the
+tiers take a share of them and every batch runs longer, and the hops wait for cores the model
+holds. That is why the real stack saturates well before the capacity its idle curve implies.
+
+The model here is processor sharing, smoothed over `window_s`:
+- the tiers' load `L` (cores) is the CPU seconds they spend per request times the request rate;
+- the model, while it runs, wants `model_threads` cores (torch's intra-op threads spin);
+- a batch runs `max(1, (model_threads + L) / cores)` times longer than the curve says;
+- a hop's thread, while the model runs (a `busy` fraction of the time), competes with its
+  threads and the tiers, `(model_threads + L + 1) / cores`, and otherwise with the tiers alone,
+  `(L + 1) / cores`; each at least 1, weighted by `busy`.
+Both factors are 1 at idle, so a curve and hops calibrated one request at a time stay exact there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """The shared host; `cores == 0` means the tiers run elsewhere (no sharing)."""
+
+    cores: float = 0.0
+    #: CPU seconds the co-located tiers (gateway, router, the worker's request handling, the
+    #: load generator) spend per request, measured at low load.
+    tier_cpu_s: float = 0.0
+    #: Cores the model's parallel regions occupy while a batch runs (0: all `cores`).
+    model_threads: float = 0.0
+    #: Time constant of the load estimates, seconds.
+    window_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.cores < 0 or self.tier_cpu_s < 0 or self.model_threads < 0:
+            raise ValueError("host cores, tier_cpu_s and model_threads must be >= 0")
+        if self.window_s <= 0:
+            raise ValueError("host window_s must be > 0")
+
+    @property
+    def is_shared(self) -> bool:
+        return self.cores > 0
+
+
+class _Decaying:
+    """An amount that decays with time constant `window_s`: amount / window_s is a rate."""
+
+    __slots__ = ("_amount", "_at_s", "_window_s")
+
+    def __init__(self, window_s: float) -> None:
+        self._window_s = window_s
+        self._amount = 0.0
+        self._at_s = 0.0
+
+    def add(self, now_s: float, amount: float) -> None:
+        self._amount = self.value(now_s) + amount
+        self._at_s = now_s
+
+    def value(self, now_s: float) -> float:
+        return self._amount * math.exp(-(now_s - self._at_s) / self._window_s)
+
+    def rate(self, now_s: float) -> float:
+        return self.value(now_s) / self._window_s
+
+
+class SharedHost:
+    """The CPU one worker shares with its tiers: slow-down factors for compute and hops."""
+
+    def __init__(self, config: HostConfig) -> None:
+        self.config = config
+        self._threads = config.model_threads or config.cores
+        self._tier_cpu = _Decaying(config.window_s)
+        self._model_busy = _Decaying(config.window_s)
+
+    def request(self, now_s: float) -> None:
+        """A request reached this worker's host: its tiers spent `tier_cpu_s` on it."""
+        self._tier_cpu.add(now_s, self.config.tier_cpu_s)
+
+    def ran(self, now_s: float, busy_s: float) -> None:
+        """The model just finished a batch that ran `busy_s` seconds."""
+        self._model_busy.add(now_s, busy_s)
+
+    def tier_load(self, now_s: float) -> float:
+        """Cores the tiers use, smoothed."""
+        return self._tier_cpu.rate(now_s)
+
+    def compute_stretch(self, now_s: float) -> float:
+        """How many times longer than its curve a batch starting now runs."""
+        if not self.config.is_shared:
+            return 1.0
+        return max(1.0, (self._threads + self.tier_load(now_s)) / self.config.cores)
+
+    def hop_stretch(self, now_s: float) -> float:
+        """How many times longer than at idle a hop starting now takes."""
+        if not self.config.is_shared:
+            return 1.0
+        busy = min(1.0, self._model_busy.rate(now_s))
+        cores, others = self.config.cores, self.tier_load(now_s) + 1.0
+        running = max(1.0, (self._threads + others) / cores)
+        return busy * running + (1.0 - busy) * max(1.0, others / cores)
