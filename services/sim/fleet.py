@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,8 +85,7 @@ class Fleet:
     def __init__(
         self,
         config: FleetConfig,
-        spec: ModelSpec,
-        curve: LatencyCurve,
+        models: Sequence[tuple[ModelSpec, LatencyCurve]],
         driver: DriverConfig,
         loop: EventLoop,
         recorder: Recorder,
@@ -95,8 +94,9 @@ class Fleet:
         max_workers: int,
     ) -> None:
         self.config = config
-        self.spec = spec
-        self._curve = curve
+        #: Every worker serves every model: (spec, its latency curve), in lane order.
+        self.models = tuple(models)
+        self._spec_of = {spec.name: spec for spec, _ in self.models}
         self._driver = driver
         self._loop = loop
         self._recorder = recorder
@@ -137,8 +137,7 @@ class Fleet:
         worker_id = f"w{number:04d}"
         worker = SimWorker(
             worker_id,
-            self.spec,
-            self._curve,
+            self.models,
             self._driver,
             self._loop,
             self._answer,
@@ -246,7 +245,7 @@ class Fleet:
     # -- a request's path ------------------------------------------------------------------
 
     def arrive(self, now_s: float, arrival: Arrival) -> None:
-        self._recorder.arrived(now_s, arrival.tenant)
+        self._recorder.arrived(now_s, arrival.tenant, arrival.model)
         refusal = self._admission.admit(self._gateway_of(arrival), arrival, now_s)
         if refusal is not None:
             self._recorder.refused(now_s, f"gateway_quota_{refusal.reason}")
@@ -256,14 +255,15 @@ class Fleet:
             self._done(arrival)
             self._recorder.refused(now_s, "gateway_throttled")
             return
-        timeout_s = self.spec.default_timeout_s if arrival.timeout_s is None else arrival.timeout_s
+        spec = self._spec_of[arrival.model]  # scenarios refuse streams of other models
+        timeout_s = spec.default_timeout_s if arrival.timeout_s is None else arrival.timeout_s
         request = SimRequest(arrival, now_s + timeout_s)
         request.cell = self._rng.randrange(len(self._cells))
         self._budgets[request.cell].record_request(now_s)
         self._route(now_s, request, throttle)
 
     def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
-        spec = self.spec
+        spec = self._spec_of[request.arrival.model]
         decision = self._cells[request.cell].table.route(
             spec.name, spec.version, 1, request.deadline_s - now_s, now_s, request.tried
         )
@@ -293,7 +293,7 @@ class Fleet:
 
     def _at_worker(self, now_s: float, request: SimRequest) -> None:
         worker = self.workers.get(request.worker_id)
-        if worker is None or not worker.is_alive or worker.batcher.is_draining:
+        if worker is None or not worker.is_alive or worker.is_draining:
             self._unavailable(now_s, request)
             return
         reason = worker.submit(request, now_s)
@@ -309,17 +309,18 @@ class Fleet:
 
     def _answer(self, now_s: float, request: SimRequest, outcome: str) -> None:
         """A worker answered: "ok" (the batch ran) or "expired" (DEADLINE_EXCEEDED unrun)."""
+        arrival = request.arrival
         self._release(request)
-        self._done(request.arrival)
-        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=True)
-        arrival_s = request.arrival.at_s
+        self._done(arrival)
+        self._throttle_of(request).record(_throttle_key(arrival), now_s, is_accepted=True)
+        arrival_s = arrival.at_s
         if outcome == "ok":
             downstream_s = self.config.downstream_s
             worker = self.workers.get(request.worker_id)
             if worker is not None and worker.host is not None:
                 downstream_s *= worker.host.hop_stretch(now_s)
             latency_s = now_s + downstream_s - arrival_s
-            self._recorder.answered(arrival_s, latency_s, request.arrival.tenant)
+            self._recorder.answered(arrival_s, latency_s, arrival.tenant, arrival.model)
         else:
             self._recorder.refused(arrival_s, f"worker_{outcome}")
 

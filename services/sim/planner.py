@@ -9,6 +9,11 @@ to b* = the largest b with 2 t(b) <= SLO - upstream budget - safety margin (the 
 
     c >= lambda (1 + h) t(b*) / b*        (utilisation rho = lambda t(b*) / (c b*) < 1, M/D/c-like)
 
+Several models on one fleet share every worker's executor, so their utilisations add up, each
+with its own curve, SLO and batch b*_m:
+
+    c >= sum over models m of lambda_m (1 + h) t_m(b*_m) / b*_m
+
 The simulator searches the worker count with the real policies instead. Where they differ:
 Poisson arrivals rarely fill b* (the batcher closes batches early when the executor is idle,
 so a lightly loaded worker runs small, expensive batches), admission refuses rows predicted
@@ -28,19 +33,46 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from services.sim.curve import LatencyCurve
+from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
+from services.sim.worker import ModelSpec
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    """One model's term of the closed form."""
+
+    model: str
+    slo_s: float
+    #: b*: the largest batch whose compute fits half of the SLO the worker gets, in the
+    #: model's most frequent bucket, and t(b*).
+    batch_size: int
+    batch_s: float
+    #: Predicted compute per row in full batches of the model's length mix, seconds.
+    per_row_s: float
+    #: Mean offered requests/s of the model, with headroom.
+    offered_per_s: float
+
+    @property
+    def workers(self) -> float:
+        """Workers' worth of executor time the model's traffic takes (its utilisation)."""
+        return self.offered_per_s * self.per_row_s
 
 
 @dataclass(frozen=True)
 class ClosedForm:
     """The formula's inputs and answer."""
 
-    #: The largest batch whose compute fits half of the SLO the worker gets.
+    #: The largest batch whose compute fits half of the SLO the worker gets (of the most
+    #: offered model, with several).
     batch_size: int
     batch_s: float
-    #: Rows per second one worker serves in full batches of the traffic's mix.
+    #: Rows per second one worker serves in full batches of the traffic's mix (all models).
     rows_per_s: float
     workers: int
+    #: Each model's term, in the scenario's order.
+    models: tuple[ModelLoad, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,13 +119,29 @@ class Plan:
 
 
 def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
-    """The utilisation bound above, from the scenario's curve and its mean offered rate. With
-    several length buckets a row's cost is the traffic-weighted mean of t(b*) / b* per bucket;
-    `batch_size` and `batch_s` are those of the most frequent bucket."""
-    spec, driver = scenario.model, scenario.driver
+    """The utilisation bound above, from each model's curve and mean offered rate. With several
+    length buckets a row's cost is the traffic-weighted mean of t(b*) / b* per bucket; a
+    model's `batch_size` and `batch_s` are those of its most frequent bucket."""
+    loads = tuple(
+        _model_load(scenario, spec, curve, headroom=headroom) for spec, curve in scenario.served()
+    )
+    busiest = max(loads, key=lambda load: load.offered_per_s)
+    busy = sum(load.workers for load in loads)
+    if len(loads) == 1:
+        rows_per_s = 1.0 / busiest.per_row_s
+    else:
+        rows_per_s = sum(load.offered_per_s for load in loads) / busy if busy else math.inf
+    workers = max(1, math.ceil(busy))
+    return ClosedForm(busiest.batch_size, busiest.batch_s, rows_per_s, workers, loads)
+
+
+def _model_load(
+    scenario: Scenario, spec: ModelSpec, curve: LatencyCurve, *, headroom: float
+) -> ModelLoad:
+    driver = scenario.driver
     budget_s = (spec.slo_s - driver.upstream_budget_s - driver.safety_margin_s) / 2
-    truth = scenario.curve.truth({b: spec.key(b) for b in spec.length_buckets})
-    shares = _bucket_shares(scenario)
+    truth = curve.truth({b: spec.key(b) for b in spec.length_buckets})
+    shares = _bucket_shares(scenario, spec) or {spec.length_buckets[0]: 1.0}
     per_row_s, batch_of = 0.0, dict[int, tuple[int, float]]()
     for bucket, share in shares.items():
         key = spec.key(bucket)
@@ -104,8 +152,8 @@ def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
         batch_of[bucket] = (size, truth.predict(key, size))
         per_row_s += share * batch_of[bucket][1] / size
     size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
-    rate = _mean_rate(scenario) * (1.0 + headroom)
-    return ClosedForm(size, batch_s, 1.0 / per_row_s, max(1, math.ceil(rate * per_row_s)))
+    rate = _mean_rate(scenario, spec.name) * (1.0 + headroom)
+    return ModelLoad(spec.name, spec.slo_s, size, batch_s, per_row_s, rate)
 
 
 def gateway_plan(scenario: Scenario, *, headroom: float, gateway_rps: float) -> GatewayPlan:
@@ -130,14 +178,18 @@ def _peak_rate(scenario: Scenario) -> float:
     return max((traffic.total_rate_per_s(t) for t in times), default=0.0)
 
 
-def _bucket_shares(scenario: Scenario) -> dict[int, float]:
-    """Share of rows per length bucket, from the streams' length mixes (or the trace)."""
-    spec, shares = scenario.model, defaultdict[int, float](float)
+def _bucket_shares(scenario: Scenario, spec: ModelSpec) -> dict[int, float]:
+    """Share of the model's rows per length bucket, from the length mixes of its streams (or
+    the trace); empty if none offers it."""
+    shares = defaultdict[int, float](float)
     traffic = scenario.traffic
     if traffic.trace:
         for arrival in traffic.trace:
-            shares[spec.bucket_for(arrival.num_tokens)] += 1.0
+            if arrival.model == spec.name:
+                shares[spec.bucket_for(arrival.num_tokens)] += 1.0
     for stream in traffic.streams:
+        if stream.model != spec.name:
+            continue
         total = sum(stream.lengths.weights)
         for tokens, weight in zip(stream.lengths.tokens, stream.lengths.weights, strict=True):
             shares[spec.bucket_for(tokens)] += stream.rate_per_s * weight / total
@@ -145,25 +197,45 @@ def _bucket_shares(scenario: Scenario) -> dict[int, float]:
     return {bucket: value / grand for bucket, value in shares.items()}
 
 
-def _mean_rate(scenario: Scenario) -> float:
-    """Offered requests/s averaged over the scenario's duration (diurnal and bursts included)."""
+def _mean_rate(scenario: Scenario, model: str | None = None) -> float:
+    """Offered requests/s averaged over the scenario's duration (diurnal and bursts included),
+    of `model` only if given."""
     traffic = scenario.traffic
     if traffic.trace:
-        return len(traffic.trace) / scenario.duration_s
+        count = sum(1 for a in traffic.trace if model is None or a.model == model)
+        return count / scenario.duration_s
+    streams = [s for s in traffic.streams if model is None or s.model == model]
     steps = 200
     width_s = scenario.duration_s / steps
-    return sum(traffic.total_rate_per_s((i + 0.5) * width_s) for i in range(steps)) / steps
+    return (
+        sum(sum(traffic.rate_per_s((i + 0.5) * width_s, s) for s in streams) for i in range(steps))
+        / steps
+    )
 
 
 def _trial(scenario: Scenario, workers: int, percentile: float) -> tuple[Trial, dict[str, Any]]:
     fleet = dataclasses.replace(scenario.fleet, workers=workers)
-    summary = run(dataclasses.replace(scenario, fleet=fleet, hpa=None, losses=())).summary
+    result = run(dataclasses.replace(scenario, fleet=fleet, hpa=None, losses=()))
+    summary = result.summary
     latencies = summary["latency_ms"]
     latency_ms = latencies.get(f"p{percentile:g}", latencies["p99"])
     attainment = summary["slo_attainment"]
-    # Refused requests count against the percentile: an SLO at p99 allows 1% bad answers.
-    meets = latency_ms <= scenario.model.slo_s * 1e3 and attainment >= percentile / 100.0
+    meets = bool(result.recorder.by_model) and all(
+        _model_meets(result.recorder, spec, percentile) for spec in scenario.models
+    )
     return Trial(workers, latency_ms, attainment, meets), summary
+
+
+def _model_meets(recorder: Recorder, spec: ModelSpec, percentile: float) -> bool:
+    """The model's `percentile` latency is within its SLO, and as large a share of its
+    requests was answered within it: refused requests count against the percentile (an SLO at
+    p99 allows 1% bad answers). A model nobody offered meets it."""
+    counts = recorder.by_model.get(spec.name)
+    if counts is None:
+        return True
+    arrived, good = counts
+    (latency_s,) = percentiles(recorder.latencies_s_by_model.get(spec.name, ()), (percentile,))
+    return latency_s * 1e3 <= spec.slo_s * 1e3 and good / arrived >= percentile / 100.0
 
 
 def plan(
@@ -226,14 +298,31 @@ def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ..
 
 
 def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: float) -> str:
-    """The plan, the formulas with their numbers, and every simulated count, as text."""
+    """The plan, the formulas with their numbers, and every simulated count, as text.
+    `slo_ms`: the SLO of a single-model scenario (several models: each one's, from the plan)."""
     cf, gw = result.closed_form, result.gateways
+    slo = f"SLO {slo_ms:g} ms" if len(cf.models) < 2 else "each model's SLO"
     lines = [
         f"offered with {headroom:.0%} headroom: {result.offered_per_s:.1f} req/s; "
-        f"SLO {slo_ms:g} ms at p{percentile:g}",
-        "closed form: c >= lambda (1 + h) t(b*) / b*, b* = largest b with 2 t(b) <= SLO budget",
-        f"  b* = {cf.batch_size}, t(b*) = {cf.batch_s * 1e3:.2f} ms, "
-        f"{cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers",
+        f"{slo} at p{percentile:g}",
+    ]
+    if len(cf.models) > 1:
+        lines.append(
+            "closed form: c >= sum_m lambda_m (1 + h) t_m(b*_m) / b*_m, b*_m as b* with m's SLO"
+        )
+        lines += [
+            f"  {m.model}: {m.offered_per_s:.1f} req/s, SLO {m.slo_s * 1e3:g} ms, b* = "
+            f"{m.batch_size}, t(b*) = {m.batch_s * 1e3:.2f} ms -> {m.workers:.2f} workers"
+            for m in cf.models
+        ]
+        lines.append(f"  {cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers")
+    else:
+        lines += [
+            "closed form: c >= lambda (1 + h) t(b*) / b*, b* = largest b with 2 t(b) <= SLO budget",
+            f"  b* = {cf.batch_size}, t(b*) = {cf.batch_s * 1e3:.2f} ms, "
+            f"{cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers",
+        ]
+    lines += [
         f"gateways: g >= peak lambda (1 + h) / gateway_rps = {gw.peak_offered_per_s:.0f} x "
         f"{1.0 + headroom:.2f} / {gw.gateway_rps:g} -> {gw.gateways} gateways",
         f"simulated (workers: p{percentile:g} latency, SLO attainment, meets):",
@@ -265,6 +354,7 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
 __all__ = [
     "ClosedForm",
     "GatewayPlan",
+    "ModelLoad",
     "Plan",
     "Trial",
     "closed_form",

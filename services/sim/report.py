@@ -55,7 +55,8 @@ def plot(result: RunResult, out_dir: Path) -> list[Path]:
     rates.legend(loc="upper left")
     latency.plot(series["t_s"], [v * 1e3 for v in series["p50"]], label="p50")
     latency.plot(series["t_s"], [v * 1e3 for v in series["p99"]], label="p99")
-    latency.axhline(result.scenario.model.slo_s * 1e3, color="red", linestyle="--", label="SLO")
+    for slo_s in sorted({spec.slo_s for spec in result.scenario.models}):
+        latency.axhline(slo_s * 1e3, color="red", linestyle="--", label=f"SLO {slo_s * 1e3:g} ms")
     latency.set_ylabel("latency (ms)")
     latency.set_xlabel("simulated time (s)")
     latency.legend(loc="upper left")
@@ -126,9 +127,17 @@ def format_table(summary: dict[str, Any]) -> str:
         ("SLO attainment", f"{summary['slo_attainment']:.4f}"),
         ("latency p50 / p90 / p99 (ms)", _latencies(latency)),
         ("refusals", ", ".join(f"{k}={v}" for k, v in refusals.items())),
-        ("SLO attainment by tenant", _by_tenant(summary["slo_attainment_by_tenant"])),
-        ("goodput by tenant (req/s)", _by_tenant(summary["goodput_per_s_by_tenant"], ".1f")),
-        ("p99 by tenant (ms)", _by_tenant(summary["p99_ms_by_tenant"], ".1f")),
+        ("SLO attainment by tenant", _by_name(summary["slo_attainment_by_tenant"])),
+        ("goodput by tenant (req/s)", _by_name(summary["goodput_per_s_by_tenant"], ".1f")),
+        ("p99 by tenant (ms)", _by_name(summary["p99_ms_by_tenant"], ".1f")),
+    ]
+    if len(summary.get("slo_attainment_by_model", {})) > 1:
+        rows += [
+            ("SLO attainment by model", _by_name(summary["slo_attainment_by_model"])),
+            ("goodput by model (req/s)", _by_name(summary["goodput_per_s_by_model"], ".1f")),
+            ("p99 by model (ms)", _by_name(summary["p99_ms_by_model"], ".1f")),
+        ]
+    rows += [
         ("batches, mean size", f"{summary['batches']}, {summary['mean_batch_size']:.2f}"),
         ("close reasons", ", ".join(f"{k}={v}" for k, v in summary["close_reasons"].items())),
         ("replicas max / final", f"{summary['max_replicas']} / {summary['final_replicas']}"),
@@ -143,8 +152,9 @@ def _latencies(latency: dict[str, float]) -> str:
     return " / ".join(f"{latency[p]:.1f}" for p in ("p50", "p90", "p99"))
 
 
-def _by_tenant(values: dict[str, float], spec: str = ".4f") -> str:
-    return ", ".join(f"{tenant}={value:{spec}}" for tenant, value in values.items())
+def _by_name(values: dict[str, float], spec: str = ".4f") -> str:
+    """`name=value, ...` of a per-tenant (or per-model) summary field."""
+    return ", ".join(f"{name}={value:{spec}}" for name, value in values.items())
 
 
 def write_generation_outputs(result: GenerationRunResult, out_dir: Path) -> list[Path]:

@@ -2,14 +2,15 @@
 
 Only arrivals after the warm-up count in the summary (the latency models and the throttle have
 settled by then); the time series keep everything, for the plots. Goodput counts answers
-within the SLO (the latency objective the fleet is provisioned for) per second.
+within the SLO (the latency objective the fleet is provisioned for; each model's own) per
+second.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +29,11 @@ class _Bin:
 class Recorder:
     """Collects outcomes as the run produces them."""
 
-    def __init__(self, *, slo_s: float, warmup_s: float, bin_s: float = 1.0) -> None:
-        self.slo_s = slo_s
+    def __init__(
+        self, *, slo_s_by_model: Mapping[str, float], warmup_s: float, bin_s: float = 1.0
+    ) -> None:
+        #: Each model's latency objective, seconds: an answer within it is good.
+        self.slo_s_by_model = dict(slo_s_by_model)
         self.warmup_s = warmup_s
         self.bin_s = bin_s
         self._bins: dict[int, _Bin] = {}
@@ -42,6 +46,9 @@ class Recorder:
         self.by_tenant: dict[str, list[int]] = {}
         #: tenant -> latencies (seconds) of its answers after the warm-up.
         self.latencies_s_by_tenant: dict[str, list[float]] = {}
+        #: model -> [arrivals, answered within its SLO] after the warm-up, and its latencies.
+        self.by_model: dict[str, list[int]] = {}
+        self.latencies_s_by_model: dict[str, list[float]] = {}
         #: (time, replicas, ready replicas), on every change and every autoscaler sync.
         self.replicas: list[tuple[float, int, int]] = []
         #: (time, the autoscaler's metric value).
@@ -54,14 +61,15 @@ class Recorder:
             found = self._bins[index] = _Bin()
         return found
 
-    def arrived(self, arrival_s: float, tenant: str = "") -> None:
+    def arrived(self, arrival_s: float, tenant: str, model: str) -> None:
         self._bin(arrival_s).arrivals += 1
         if arrival_s >= self.warmup_s:
             self.num_arrivals += 1
             self.by_tenant.setdefault(tenant, [0, 0])[0] += 1
+            self.by_model.setdefault(model, [0, 0])[0] += 1
 
-    def answered(self, arrival_s: float, latency_s: float, tenant: str = "") -> None:
-        is_good = latency_s <= self.slo_s
+    def answered(self, arrival_s: float, latency_s: float, tenant: str, model: str) -> None:
+        is_good = latency_s <= self.slo_s_by_model[model]
         slot = self._bin(arrival_s)
         slot.latencies_s.append(latency_s)
         slot.good += is_good
@@ -70,6 +78,27 @@ class Recorder:
             self.num_good += is_good
             self.by_tenant.setdefault(tenant, [0, 0])[1] += is_good
             self.latencies_s_by_tenant.setdefault(tenant, []).append(latency_s)
+            self.by_model.setdefault(model, [0, 0])[1] += is_good
+            self.latencies_s_by_model.setdefault(model, []).append(latency_s)
+
+    def merge(self, other: Recorder) -> None:
+        """Adds the summary counts and latencies of `other` (a shard of the same run) to
+        these; the time series are not merged."""
+        self.latencies_s.extend(other.latencies_s)
+        self.refusals.update(other.refusals)
+        self.num_arrivals += other.num_arrivals
+        self.num_good += other.num_good
+        for mine, theirs in ((self.by_tenant, other.by_tenant), (self.by_model, other.by_model)):
+            for name, (arrived, good) in theirs.items():
+                counts = mine.setdefault(name, [0, 0])
+                counts[0] += arrived
+                counts[1] += good
+        for mine_s, theirs_s in (
+            (self.latencies_s_by_tenant, other.latencies_s_by_tenant),
+            (self.latencies_s_by_model, other.latencies_s_by_model),
+        ):
+            for name, latencies_s in theirs_s.items():
+                mine_s.setdefault(name, []).extend(latencies_s)
 
     def refused(self, arrival_s: float, reason: str) -> None:
         if arrival_s >= self.warmup_s:
@@ -84,7 +113,7 @@ class Recorder:
         out: dict[str, list[float]] = {k: [] for k in ("t_s", "rate", "goodput", "p50", "p99")}
         for index in sorted(self._bins):
             slot = self._bins[index]
-            p50, p99 = _percentiles(slot.latencies_s, (50, 99))
+            p50, p99 = percentiles(slot.latencies_s, (50, 99))
             out["t_s"].append(index * self.bin_s)
             out["rate"].append(slot.arrivals / self.bin_s)
             out["goodput"].append(slot.good / self.bin_s)
@@ -93,7 +122,7 @@ class Recorder:
         return out
 
 
-def _percentiles(values: Sequence[float], ranks: Iterable[float]) -> list[float]:
+def percentiles(values: Sequence[float], ranks: Iterable[float]) -> list[float]:
     if not values:
         return [math.nan for _ in ranks]
     return [float(v) for v in np.percentile(np.asarray(values), list(ranks))]
@@ -139,7 +168,7 @@ def summarize(
 ) -> dict[str, Any]:
     """The JSON summary of one run."""
     window_s = max(duration_s - recorder.warmup_s, 1e-9)
-    p50, p90, p99 = _percentiles(recorder.latencies_s, (50, 90, 99))
+    p50, p90, p99 = percentiles(recorder.latencies_s, (50, 90, 99))
     arrivals = recorder.num_arrivals
     num_batches = sum(totals.batch_sizes.values())
     rows = sum(size * count for size, count in totals.batch_sizes.items())
@@ -161,10 +190,15 @@ def summarize(
         "goodput_per_s_by_tenant": {
             tenant: good / window_s for tenant, (_, good) in sorted(recorder.by_tenant.items())
         },
-        "p99_ms_by_tenant": {
-            tenant: _percentiles(recorder.latencies_s_by_tenant.get(tenant, ()), (99,))[0] * 1e3
-            for tenant in sorted(recorder.by_tenant)
+        "p99_ms_by_tenant": _p99_ms(recorder.by_tenant, recorder.latencies_s_by_tenant),
+        "slo_attainment_by_model": {
+            model: good / arrived if arrived else math.nan
+            for model, (arrived, good) in sorted(recorder.by_model.items())
         },
+        "goodput_per_s_by_model": {
+            model: good / window_s for model, (_, good) in sorted(recorder.by_model.items())
+        },
+        "p99_ms_by_model": _p99_ms(recorder.by_model, recorder.latencies_s_by_model),
         "batches": num_batches,
         "mean_batch_size": rows / num_batches if num_batches else 0.0,
         "batch_sizes": {str(k): v for k, v in sorted(totals.batch_sizes.items())},
@@ -176,3 +210,10 @@ def summarize(
         "max_replicas": totals.max_replicas,
         "final_replicas": totals.final_replicas,
     }
+
+
+def _p99_ms(
+    counts: Mapping[str, object], latencies_s: Mapping[str, list[float]]
+) -> dict[str, float]:
+    """p99 latency (ms) of each name in `counts`, sorted by name; NaN for one never answered."""
+    return {name: percentiles(latencies_s.get(name, ()), (99,))[0] * 1e3 for name in sorted(counts)}

@@ -1,11 +1,14 @@
 """Scenario files (TOML or YAML) into a `Scenario`. The layout, every table optional but
-[model] and the traffic:
+[model] (or [[models]]) and the traffic:
 
     name = "steady"            duration_s = 120      warmup_s = 10      seed = 1
     latency_curve = "curves/cpu_minilm.json"   # or [curve]: fixed_ms, per_token_us, sizes
     curve_scale = 1.0                           # multiplies every point (0.25: a 4x faster GPU)
     [model]     name, version, slo_ms, max_batch_size, max_queue_size, max_batch_tokens,
                 length_buckets, shed_past_slo, default_timeout_ms
+    [[models]]  several models on every worker (a lane each, one executor; worker.py): each
+                table the [model] keys and its own curve = {fixed_ms = 2, per_token_us = 5}
+                or latency_curve = FILE, and curve_scale; no [model] or top-level curve then
     [batching]  upstream_budget_s, safety_margin_s, max_wait_cap_s, min_expected_arrivals,
                 tenant_weights = {a = 2.0}
     [fleet]     workers, startup_s, heartbeat_period_s, refresh_period_s, gateways, upstream_s,
@@ -17,7 +20,8 @@
     [hpa]       metric ("queue_wait" | "backlog" | "cpu" | "gpu"), target, min_replicas,
                 max_replicas, sync_period_s, tolerance, scale_down_window_s, ...
     [[traffic.streams]]  model, tenant, priority, rate_per_s, lengths = [[12, 0.85], [100, 0.15]],
-                         timeout_ms
+                         timeout_ms; `model` may be left out with one model, and must name
+                         a model of the scenario (else ValueError)
     [traffic.diurnal]    amplitude, period_s, peak_at_s
     [[traffic.bursts]]   start_s, duration_s, multiplier, tenant
     traffic.trace = "trace.csv"                 # recorded arrivals instead of streams
@@ -73,8 +77,11 @@ T = TypeVar("T")
 
 _TOP_KEYS = {
     "name", "duration_s", "warmup_s", "seed", "latency_curve", "curve", "curve_scale",
-    "model", "batching", "fleet", "hpa", "traffic", "worker_loss", "description", "tenants",
+    "model", "models", "batching", "fleet", "hpa", "traffic", "worker_loss", "description",
+    "tenants",
 }  # fmt: skip
+#: Keys of a [[models]] table besides the ModelSpec fields: the model's own curve.
+_CURVE_KEYS = {"latency_curve", "curve", "curve_scale"}
 
 
 def load_scenario(
@@ -149,13 +156,13 @@ def parse_scenario(raw: Mapping[str, Any], *, base_dir: Path, default_name: str)
     unknown = set(raw) - _TOP_KEYS
     if unknown:
         raise ValueError(f"unknown keys {sorted(unknown)}")
-    model = _model(raw["model"])
+    models, curves = _models(raw, base_dir)
     tenants = parse_tenants(raw.get("tenants"), "[tenants]")
     return Scenario(
         name=str(raw.get("name", default_name)),
-        model=model,
-        curve=_curve(raw, base_dir),
-        traffic=_traffic(raw["traffic"], model.name, base_dir),
+        models=models,
+        curves=curves,
+        traffic=_traffic(raw["traffic"], models[0].name if len(models) == 1 else None, base_dir),
         duration_s=float(raw.get("duration_s", 60.0)),
         warmup_s=float(raw.get("warmup_s", 5.0)),
         seed=int(raw.get("seed", 1)),
@@ -179,6 +186,33 @@ def _resolve(name: str, base_dir: Path) -> Path:
     return candidate if candidate.exists() else Path(name)
 
 
+def _models(
+    raw: Mapping[str, Any], base_dir: Path
+) -> tuple[tuple[ModelSpec, ...], tuple[LatencyCurve, ...]]:
+    """[model] with the top-level curve, or each [[models]] table with its own curve."""
+    if "models" not in raw:
+        if "model" not in raw:
+            raise ValueError("a scenario needs a [model] table or [[models]] tables")
+        return (_model(raw["model"]),), (_curve(raw, raw["model"], base_dir),)
+    if "model" in raw or _CURVE_KEYS & set(raw):
+        raise ValueError(
+            "[[models]] tables hold each model and its curve: no [model], [curve], "
+            "latency_curve or curve_scale beside them"
+        )
+    tables = raw["models"]
+    if not isinstance(tables, list) or not tables:
+        raise ValueError("models: expected [[models]] tables")
+    specs, curves = [], []
+    for table in tables:
+        specs.append(_model({k: v for k, v in table.items() if k not in _CURVE_KEYS}))
+        where = f"[[models]] {specs[-1].name!r}"
+        try:
+            curves.append(_curve(table, table, base_dir))
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"{where}: {error}") from error
+    return tuple(specs), tuple(curves)
+
+
 def _model(table: Mapping[str, Any]) -> ModelSpec:
     fields = dict(table)
     if "slo_ms" in fields:
@@ -190,15 +224,16 @@ def _model(table: Mapping[str, Any]) -> ModelSpec:
     return _build(ModelSpec, fields, "model")
 
 
-def _curve(raw: Mapping[str, Any], base_dir: Path) -> LatencyCurve:
+def _curve(raw: Mapping[str, Any], model: Mapping[str, Any], base_dir: Path) -> LatencyCurve:
+    """The curve that `raw` (the scenario, or a [[models]] table) sets for `model` (its table)."""
     scale = float(raw.get("curve_scale", 1.0))
     if "latency_curve" in raw:
         return LatencyCurve.load(_resolve(str(raw["latency_curve"]), base_dir), scale=scale)
     table = raw.get("curve")
     if table is None:
-        raise ValueError("a scenario needs latency_curve = FILE or a [curve] table")
+        raise ValueError("a model needs latency_curve = FILE or a curve table")
     curve = LatencyCurve.linear(
-        table.get("buckets", raw["model"].get("length_buckets", (16,))),
+        table.get("buckets", model.get("length_buckets", (16,))),
         table.get("sizes", (1, 2, 4, 8, 16, 32, 64)),
         fixed_s=float(table["fixed_ms"]) / 1000.0,
         per_token_s=float(table["per_token_us"]) / 1e6,
@@ -243,9 +278,12 @@ def _fleet(table: Mapping[str, Any], tenants: Mapping[str, TenantPolicy]) -> Fle
     return _build(FleetConfig, fields, "fleet")
 
 
-def _traffic(table: Mapping[str, Any], default_model: str, base_dir: Path) -> Traffic:
+def _traffic(table: Mapping[str, Any], default_model: str | None, base_dir: Path) -> Traffic:
+    """[traffic]; a stream or trace row without a model offers `default_model` (None: the
+    scenario serves several, each stream must name one)."""
     if "trace" in table:
-        trace = load_trace(_resolve(str(table["trace"]), base_dir), default_model=default_model)
+        path = _resolve(str(table["trace"]), base_dir)
+        trace = load_trace(path, default_model=default_model or "")
         return Traffic(trace=trace)
     streams = tuple(_stream(s, default_model) for s in table.get("streams", ()))
     if not streams:
@@ -257,9 +295,12 @@ def _traffic(table: Mapping[str, Any], default_model: str, base_dir: Path) -> Tr
     )
 
 
-def _stream(table: Mapping[str, Any], default_model: str) -> Stream:
+def _stream(table: Mapping[str, Any], default_model: str | None) -> Stream:
     fields = dict(table)
-    fields.setdefault("model", default_model)
+    if "model" not in fields:
+        if default_model is None:
+            raise ValueError("[[traffic.streams]]: with several models, each stream names one")
+        fields["model"] = default_model
     if "lengths" in fields:
         pairs = [(int(t), float(w)) for t, w in fields["lengths"]]
         fields["lengths"] = LengthMix(tuple(t for t, _ in pairs), tuple(w for _, w in pairs))

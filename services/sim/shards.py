@@ -64,7 +64,7 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
     shards = [shard_of(scenario, i, num_shards) for i in range(num_shards)]
     with ProcessPoolExecutor(max_workers=num_shards) as pool:
         parts = list(pool.map(_run_shard, shards))
-    recorder = Recorder(slo_s=scenario.model.slo_s, warmup_s=scenario.warmup_s)
+    recorder = Recorder(slo_s_by_model=scenario.slo_s_by_model, warmup_s=scenario.warmup_s)
     sizes: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
     worker_s, wait_s, backlog_s, rows = 0.0, 0.0, 0.0, 0
@@ -73,16 +73,7 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
         wait_counts = [
             a + b for a, b in zip_longest(wait_counts, totals.queue_wait_counts, fillvalue=0)
         ]
-        recorder.latencies_s.extend(part.latencies_s)
-        recorder.refusals.update(part.refusals)
-        recorder.num_arrivals += part.num_arrivals
-        recorder.num_good += part.num_good
-        for tenant, (arrived, good) in part.by_tenant.items():
-            counts = recorder.by_tenant.setdefault(tenant, [0, 0])
-            counts[0] += arrived
-            counts[1] += good
-        for tenant, latencies_s in part.latencies_s_by_tenant.items():
-            recorder.latencies_s_by_tenant.setdefault(tenant, []).extend(latencies_s)
+        recorder.merge(part)
         sizes.update(totals.batch_sizes)
         reasons.update(totals.close_reasons)
         worker_s += totals.worker_seconds

@@ -31,11 +31,12 @@ class WorkerLoss:
 
 @dataclass(frozen=True)
 class Scenario:
-    """Everything one run needs."""
+    """Everything one run needs. Every worker serves every model in `models`, one lane each
+    (worker.py); `curves[i]` is the batch compute of `models[i]`."""
 
     name: str
-    model: ModelSpec
-    curve: LatencyCurve
+    models: tuple[ModelSpec, ...]
+    curves: tuple[LatencyCurve, ...]
     traffic: Traffic
     duration_s: float = 60.0
     #: Arrivals before this are not in the summary (latency models and throttle settle).
@@ -45,6 +46,38 @@ class Scenario:
     fleet: FleetConfig = field(default_factory=FleetConfig)
     hpa: HpaConfig | None = None
     losses: tuple[WorkerLoss, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [spec.name for spec in self.models]
+        if not names or len(self.curves) != len(names):
+            raise ValueError(f"{len(names)} models and {len(self.curves)} curves: one curve each")
+        if len(set(names)) != len(names):
+            raise ValueError(f"models {names}: each model once")
+        offered = {s.model for s in self.traffic.streams} | {a.model for a in self.traffic.trace}
+        unknown = sorted(offered - set(names))
+        if unknown:
+            raise ValueError(
+                f"traffic of model {unknown[0]!r}, which the scenario does not "
+                f"serve (it serves {names})"
+            )
+
+    @property
+    def model(self) -> ModelSpec:
+        """The first model (the only one of a single-model scenario)."""
+        return self.models[0]
+
+    @property
+    def curve(self) -> LatencyCurve:
+        """The first model's curve."""
+        return self.curves[0]
+
+    @property
+    def slo_s_by_model(self) -> dict[str, float]:
+        return {spec.name: spec.slo_s for spec in self.models}
+
+    def served(self) -> tuple[tuple[ModelSpec, LatencyCurve], ...]:
+        """Each model with its curve, in lane order."""
+        return tuple(zip(self.models, self.curves, strict=True))
 
 
 @dataclass
@@ -122,7 +155,7 @@ def run(scenario: Scenario) -> RunResult:
     """Runs `scenario` to its end (plus up to DRAIN_S for requests in flight)."""
     started = time.perf_counter()
     loop = EventLoop()
-    recorder = Recorder(slo_s=scenario.model.slo_s, warmup_s=scenario.warmup_s)
+    recorder = Recorder(slo_s_by_model=scenario.slo_s_by_model, warmup_s=scenario.warmup_s)
     hpa = scenario.hpa
     initial = (
         scenario.fleet.workers if hpa is None else max(hpa.min_replicas, scenario.fleet.workers)
@@ -130,8 +163,7 @@ def run(scenario: Scenario) -> RunResult:
     max_workers = initial if hpa is None else max(hpa.max_replicas, initial)
     fleet = Fleet(
         scenario.fleet,
-        scenario.model,
-        scenario.curve,
+        scenario.served(),
         scenario.driver,
         loop,
         recorder,

@@ -1,12 +1,16 @@
-"""One simulated worker: the real `Batcher` and `LatencyModel`, driven as the async driver
-(services/gpu_worker/batching/driver.py) drives them, on simulated time.
+"""One simulated worker: the real `Batcher` and `LatencyModel` of each model it serves, driven
+as the async driver (services/gpu_worker/batching/driver.py) drives them, on simulated time.
 
-The driver's loop, restated for one lane: on every submit, batch completion or wake-up it polls
-the batcher (`executor_idle` = nothing running), fails what expired, hands a `Dispatch` to the
-executor, or sleeps until `Wait.until_s`. A submit queues the request's row with
-`can_admit` then `add(..., executor_free_s=<predicted end of the running batch>)`. A finished
-batch teaches the latency model its compute time, as the lane's `record_batch` does. The
-executor's time is the latency curve (optionally noisy), not the prediction.
+The worker holds one lane per model (lane.py); the lanes share one executor (one batch runs at
+a time on the worker) and one fair-share `ComputeLedger`. The driver's loop, restated: on every
+submit, batch completion or wake-up it takes a pass over the lanes, rotated by one each pass and,
+with the executor idle, ordered by `by_urgency`; it polls each lane's batcher (`executor_idle`:
+nothing running and nothing dispatched earlier in the pass; `force` from `by_urgency`), fails
+what expired, hands a `Dispatch` to the executor, and sleeps until the earliest `Wait.until_s`.
+A submit queues the request's row in its model's lane with `can_admit` then
+`add(..., executor_free_s=<predicted end of the running batch>)`. A finished batch teaches its
+lane's latency model its compute time, as the lane's `record_batch` does. The executor's time
+is the lane's latency curve (optionally noisy), not the prediction.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import functools
 import itertools
 import random
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol
 
 from services.common.metric_names import WORKER_SECONDS_BUCKETS
@@ -26,46 +30,20 @@ from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import DEFAULT_WEIGHT
-from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import BatcherConfig, BatchKey, Dispatch, QueuedItem
-from services.sim.curve import LatencyCurve, ServiceTime
+from services.gpu_worker.batching.lane_order import by_urgency
+from services.gpu_worker.batching.types import Dispatch, QueuedItem
+from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
 from services.sim.host import SharedHost
+from services.sim.lane import ModelSpec, SimLane
 from services.sim.traffic import Arrival
 
-#: Weight of one row in the per-row cost EWMA of load reports (the lane's ROW_COST_ALPHA;
-#: lane.py itself imports asyncio, which the simulator must not).
-ROW_COST_ALPHA = 0.02
+__all__ = ["MIN_WAKE_S", "AnswerSink", "ModelSpec", "SimRequest", "SimWorker"]
 
 #: Shortest simulated sleep of the driver's loop. The batcher may answer `Wait(until_s)` with
 #: `until_s` at or before now (an item whose expiry instant is now, by float rounding, is kept
 #: until its deadline is strictly past); the real loop's clock moves on, the simulated one must.
 MIN_WAKE_S = 1e-6
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The slice of a model's configuration the simulated worker serves it with."""
-
-    name: str
-    version: str = "1"
-    fingerprint: str = "sim"
-    slo_s: float = 0.25
-    max_batch_size: int = 64
-    max_queue_size: int = 2048
-    max_batch_tokens: int = 0
-    length_buckets: tuple[int, ...] = (16,)
-    shed_past_slo: bool = False
-    default_timeout_s: float = 30.0
-
-    def bucket_for(self, num_tokens: int) -> int:
-        """The smallest bucket holding `num_tokens` (longer inputs run in the last one: the
-        real gateway refuses them, traffic files should not contain them)."""
-        return next((b for b in self.length_buckets if b >= num_tokens), self.length_buckets[-1])
-
-    def key(self, bucket: int) -> BatchKey:
-        return BatchKey(self.name, self.version, self.fingerprint, bucket)
 
 
 class SimRequest:
@@ -97,13 +75,12 @@ class AnswerSink(Protocol):
 
 
 class SimWorker:
-    """A worker process serving one model: its batcher, latency model and executor."""
+    """A worker process serving one or more models: a lane per model, one executor."""
 
     def __init__(
         self,
         worker_id: str,
-        spec: ModelSpec,
-        curve: LatencyCurve,
+        models: Sequence[tuple[ModelSpec, LatencyCurve]],
         driver: DriverConfig,
         loop: EventLoop,
         on_answer: AnswerSink,
@@ -113,29 +90,35 @@ class SimWorker:
         keep_batches: bool = False,
         host: SharedHost | None = None,
     ) -> None:
+        if not models:
+            raise ValueError("a worker serves at least one model")
         self.worker_id = worker_id
-        self.spec = spec
         self._loop = loop
         self._on_answer = on_answer
-        keys = {bucket: spec.key(bucket) for bucket in spec.length_buckets}
-        self.latency = LatencyModel()
-        curve.seed(self.latency, keys)
+        # One ledger for every lane: fair share across models, and the worker-wide time of
+        # the last urgent row (backfill width), as the driver shares its ledger.
         self._ledger = ComputeLedger()
-        config = _batcher_config(spec, driver)
-        self.batcher = Batcher(config, self.latency, self._ledger)
-        # Per request, only lookups: the key of each input length (one BatchKey object per
-        # bucket, so the policy's dicts find it by identity), each tenant's weight as the
-        # batcher would resolve it, and the shedding horizon.
-        self._keys = keys
-        self._key_of_tokens: dict[int, BatchKey] = {}
-        self._tenant_weights = config.tenant_weights
+        # The executor's noise is one stream of draws, whichever lane's batch runs.
+        service_rng = rng or random.Random(0)
+        #: The lanes, in the order the driver's loop starts its rotation from.
+        self.lanes = [
+            SimLane(spec, curve, driver, self._ledger, noise_sigma=noise_sigma, rng=service_rng)
+            for spec, curve in models
+        ]
+        self._lane_of = {lane.spec.name: lane for lane in self.lanes}
+        if len(self._lane_of) != len(self.lanes):
+            raise ValueError(f"two lanes of one model: {[lane.spec.name for lane in self.lanes]}")
+        # The driver's `turns_taken`: the loop's passes so far (the rotation's start).
+        self._num_passes = 0
+        # A single lane's every pass: no rotation, no ordering (by_urgency's answer for one).
+        self._only_turn = ((self.lanes[0], False),) if len(self.lanes) == 1 else None
+        # Each tenant's weight as the batcher would resolve it (the same for every lane).
+        self._tenant_weights = driver.tenant_weights
         self._weight_of: dict[str, float] = {}
-        self._shed_s = spec.slo_s - driver.upstream_budget_s if spec.shed_past_slo else None
-        self._service = ServiceTime(curve.truth(keys), noise_sigma, rng or random.Random(0))
-        self._driver = driver
         self._item_ids = itertools.count(1)
         self._requests: dict[int, SimRequest] = {}
         self._running: Dispatch | None = None
+        self._running_lane: SimLane | None = None
         self._running_until_s: float | None = None
         self._predicted_s = 0.0
         self._running_since_s = 0.0
@@ -147,14 +130,16 @@ class SimWorker:
         self._wake_s: float | None = None
         self._wake_entries_s: list[float] = []
         self.is_alive = True
+        self.is_draining = False
         #: The cores this worker shares with its tiers, if it shares them (host.py).
         self.host = host
-        self.row_cost_s: float | None = None
         #: Every dispatched batch when `keep_batches`: (dispatch time, bucket, item ids, close
         #: reason value).
         self.batches: list[tuple[float, int, tuple[int, ...], str]] = []
         self.batch_sizes: Counter[int] = Counter()
         self.close_reasons: Counter[str] = Counter()
+        #: Rows run to the end of their batch, by model.
+        self.rows_by_model: Counter[str] = Counter()
         #: Cumulative executor-busy seconds, rows run and their total queue wait (seconds).
         self.busy_s_total = 0.0
         self.rows_total = 0
@@ -173,15 +158,18 @@ class SimWorker:
     # -- requests --------------------------------------------------------------------------
 
     def submit(self, request: SimRequest, now_s: float) -> RejectReason | None:
-        """Queues the request's row as the driver's `_admit` does, then runs the loop once.
-        Returns why it was refused, or None."""
+        """Queues the request's row in its model's lane as the driver's `_admit` does, then
+        runs the loop once. Returns why it was refused, or None. KeyError for a model the
+        worker does not serve (the router only sends it models it heartbeats)."""
         arrival = request.arrival
-        decision: Admitted | Rejected = self.batcher.can_admit(1)
+        lane = self._lane_of[arrival.model]
+        batcher = lane.batcher
+        decision: Admitted | Rejected = batcher.can_admit(1)
         if isinstance(decision, Admitted):
-            shed_s = self._shed_s
+            shed_s = lane.shed_s
             item = QueuedItem(
                 item_id=next(self._item_ids),
-                key=self._key_for(arrival.num_tokens),
+                key=lane.key_for(arrival.num_tokens),
                 tenant=arrival.tenant,
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
@@ -190,20 +178,13 @@ class SimWorker:
                 priority=_rank_of(arrival.priority),
                 weight=self._weight_for(arrival.tenant),
             )
-            decision = self.batcher.add(item, now_s, executor_free_s=self._running_until_s)
+            decision = batcher.add(item, now_s, executor_free_s=self._running_until_s)
         if isinstance(decision, Rejected):
             return decision.reason
         self._requests[item.item_id] = request
         self._busy_at_arrival[item.item_id] = self.busy_s(now_s)
         self._pump(now_s)
         return None
-
-    def _key_for(self, num_tokens: int) -> BatchKey:
-        key = self._key_of_tokens.get(num_tokens)
-        if key is None:
-            key = self._keys[self.spec.bucket_for(num_tokens)]
-            self._key_of_tokens[num_tokens] = key
-        return key
 
     def _weight_for(self, tenant: str) -> float:
         """The weight `Batcher.add` gives a row that carries none, as simulated requests do:
@@ -214,7 +195,9 @@ class SimWorker:
         return weight
 
     def begin_drain(self, now_s: float) -> None:
-        self.batcher.begin_drain()
+        self.is_draining = True
+        for lane in self.lanes:
+            lane.batcher.begin_drain()
         self._pump(now_s)
 
     @property
@@ -229,25 +212,41 @@ class SimWorker:
         self._requests.clear()
         self._busy_at_arrival.clear()
         self._running = None
+        self._running_lane = None
         return lost
 
     # -- the driver's loop -----------------------------------------------------------------
 
     def _pump(self, now_s: float) -> None:
-        """One pass of the driver's `_loop` (a single lane)."""
+        """One pass of the driver's `_loop`. A pass that dispatches and waits on no lane
+        leaves the timer as it was (an earlier wake-up polls once more, to no effect but a
+        Wait); one that waits sets it to the earliest lane's wake-up."""
         if not self.is_alive:
             return
-        poll = self.batcher.poll(now_s, executor_idle=self._running is None)
-        for item in poll.expired:
-            self._busy_at_arrival.pop(item.item_id, None)
-            request = self._requests.pop(item.item_id, None)
-            if request is not None:
-                self._on_answer(now_s, request, "expired")
-        action = poll.action
-        if isinstance(action, Dispatch):
-            self._dispatch(action, now_s)
-        elif action.until_s is not None:
-            self._sleep_until(max(action.until_s, now_s + MIN_WAKE_S))
+        is_idle = self._running is None
+        turns: Sequence[tuple[SimLane, bool]] | None = self._only_turn
+        if turns is None:
+            lanes = self.lanes
+            start = self._num_passes % len(lanes)
+            self._num_passes += 1
+            rotated = lanes[start:] + lanes[:start]
+            turns = by_urgency(rotated, now_s) if is_idle else [(lane, False) for lane in rotated]
+        wake_s: float | None = None
+        for lane, force in turns:
+            poll = lane.batcher.poll(now_s, executor_idle=is_idle, force=force)
+            for item in poll.expired:
+                self._busy_at_arrival.pop(item.item_id, None)
+                request = self._requests.pop(item.item_id, None)
+                if request is not None:
+                    self._on_answer(now_s, request, "expired")
+            action = poll.action
+            if isinstance(action, Dispatch):
+                self._dispatch(lane, action, now_s)
+                is_idle = False
+            elif action.until_s is not None:
+                wake_s = action.until_s if wake_s is None else min(wake_s, action.until_s)
+        if wake_s is not None:
+            self._sleep_until(max(wake_s, now_s + MIN_WAKE_S))
 
     def _sleep_until(self, wake_s: float) -> None:
         """Sets the timer (replacing any set before, as the driver's next sleep does)."""
@@ -269,7 +268,7 @@ class SimWorker:
         self._wake_s = None
         self._pump(now_s)
 
-    def _dispatch(self, dispatch: Dispatch, now_s: float) -> None:
+    def _dispatch(self, lane: SimLane, dispatch: Dispatch, now_s: float) -> None:
         size = len(dispatch.items)
         busy_s = self.busy_s(now_s)
         counts = self.queue_wait_counts
@@ -280,28 +279,33 @@ class SimWorker:
             self.backlog_s_total += busy_s - self._busy_at_arrival.pop(item.item_id, busy_s)
         self.rows_dispatched += size
         self._running = dispatch
+        self._running_lane = lane
         self._running_since_s = now_s
-        self._predicted_s = self.latency.predict(dispatch.key, size)
+        self._predicted_s = lane.latency.predict(dispatch.key, size)
         self._running_until_s = now_s + self._predicted_s
         if self._keep_batches:
             ids = tuple(item.item_id for item in dispatch.items)
             self.batches.append((now_s, dispatch.key.bucket, ids, dispatch.reason.value))
         self.batch_sizes[size] += 1
         self.close_reasons[dispatch.reason.value] += 1
-        compute_s = self._service.seconds(dispatch.key, size)
+        compute_s = lane.service.seconds(dispatch.key, size)
         if self.host is not None:
             compute_s *= self.host.compute_stretch(now_s)
         self._loop.at(now_s + compute_s, self._finish, dispatch)
 
     def _finish(self, now_s: float, dispatch: Dispatch) -> None:
-        if not self.is_alive or self._running is not dispatch:
+        lane = self._running_lane
+        if not self.is_alive or self._running is not dispatch or lane is None:
             return
         compute_s = now_s - self._running_since_s
         self.busy_s_total += compute_s
         if self.host is not None:
             self.host.ran(now_s, compute_s)
-        self.rows_total += len(dispatch.items)
+        num_rows = len(dispatch.items)
+        self.rows_total += num_rows
+        self.rows_by_model[lane.spec.name] += num_rows
         self._running = None
+        self._running_lane = None
         self._running_until_s = None
         for item in dispatch.items:
             request = self._requests.pop(item.item_id, None)
@@ -309,20 +313,13 @@ class SimWorker:
                 self._on_answer(now_s, request, "ok")
         # The batcher charged the tenants the predicted compute; settle on the real, as the
         # driver does.
-        correction_s = (compute_s - self._predicted_s) / len(dispatch.items)
+        correction_s = (compute_s - self._predicted_s) / num_rows
         for item in dispatch.items:
             self._ledger.charge(item.tenant, correction_s, item.weight)
-        limit = self.batcher.max_batch_size_for(dispatch.key)
-        self._record_row_cost(self.latency.per_item_s(dispatch.key, limit), len(dispatch.items))
-        self.latency.observe(dispatch.key, len(dispatch.items), compute_s)
+        limit = lane.batcher.max_batch_size_for(dispatch.key)
+        lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), num_rows)
+        lane.latency.observe(dispatch.key, num_rows, compute_s)
         self._pump(now_s)
-
-    def _record_row_cost(self, per_row_s: float, num_rows: int) -> None:
-        if self.row_cost_s is None:
-            self.row_cost_s = per_row_s
-        else:
-            weight = 1.0 - (1.0 - ROW_COST_ALPHA) ** num_rows
-            self.row_cost_s += weight * (per_row_s - self.row_cost_s)
 
     # -- reports ---------------------------------------------------------------------------
 
@@ -332,13 +329,23 @@ class SimWorker:
         return self.busy_s_total + running_s
 
     def record(self, now_s: float, *, is_ready: bool) -> WorkerRecord:
-        """The heartbeat, as services/gpu_worker/registry_publisher.py builds it."""
-        spec = self.spec
-        smallest = self._keys[spec.length_buckets[0]]
-        per_row_s = self.row_cost_s
+        """The heartbeat, as services/gpu_worker/registry_publisher.py builds it: one model
+        record per lane."""
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            address=self.worker_id,
+            is_draining=self.is_draining,
+            sent_at_ms=int(now_s * 1000),
+            models=tuple(self._model_record(lane, is_ready=is_ready) for lane in self.lanes),
+        )
+
+    def _model_record(self, lane: SimLane, *, is_ready: bool) -> ModelRecord:
+        spec, latency, batcher = lane.spec, lane.latency, lane.batcher
+        smallest = lane.keys[spec.length_buckets[0]]
+        per_row_s = lane.row_cost_s
         if per_row_s is None:
-            per_row_s = self.latency.per_item_s(smallest, self.batcher.max_batch_size_for(smallest))
-        model = ModelRecord(
+            per_row_s = latency.per_item_s(smallest, batcher.max_batch_size_for(smallest))
+        return ModelRecord(
             name=spec.name,
             version=spec.version,
             fingerprint=spec.fingerprint,
@@ -347,33 +354,11 @@ class SimWorker:
             max_batch_size=spec.max_batch_size,
             slo_p99_ms=round(spec.slo_s * 1000),
             per_row_s=per_row_s,
-            min_batch_s=self.latency.predict(smallest, 1),
-            queued_rows=self.batcher.num_queued,
-            is_ready=is_ready and not self.batcher.is_draining,
+            min_batch_s=latency.predict(smallest, 1),
+            queued_rows=batcher.num_queued,
+            is_ready=is_ready and not batcher.is_draining,
             shed_past_slo=spec.shed_past_slo,
         )
-        return WorkerRecord(
-            worker_id=self.worker_id,
-            address=self.worker_id,
-            is_draining=self.batcher.is_draining,
-            sent_at_ms=int(now_s * 1000),
-            models=(model,),
-        )
-
-
-def _batcher_config(spec: ModelSpec, driver: DriverConfig) -> BatcherConfig:
-    """The batcher's settings, as the driver's `_lane_for` builds them."""
-    return BatcherConfig(
-        max_batch_size=spec.max_batch_size,
-        max_queue_size=spec.max_queue_size,
-        slo_s=spec.slo_s,
-        upstream_budget_s=driver.upstream_budget_s,
-        safety_margin_s=driver.safety_margin_s,
-        max_wait_cap_s=driver.max_wait_cap_s,
-        max_batch_tokens=spec.max_batch_tokens,
-        min_expected_arrivals=driver.min_expected_arrivals,
-        tenant_weights=driver.tenant_weights,
-    )
 
 
 @functools.cache

@@ -54,7 +54,7 @@ def simulated_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
     loop = EventLoop()
     outcomes: list[str] = []
     worker = SimWorker(
-        "w", SPEC, CURVE, DRIVER, loop, lambda _t, _r, outcome: outcomes.append(outcome),
+        "w", [(SPEC, CURVE)], DRIVER, loop, lambda _t, _r, outcome: outcomes.append(outcome),
         keep_batches=True,
     )  # fmt: skip
     refusals: list[str] = []

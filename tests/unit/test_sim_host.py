@@ -76,8 +76,8 @@ def _one_worker(host: HostConfig, rate_per_s: float) -> dict[str, Any]:
     curve = LatencyCurve.linear((16,), (1, 2, 4, 8, 16, 32), fixed_s=0.008, per_token_s=0.0001)
     scenario = Scenario(
         name="host",
-        model=model,
-        curve=curve,
+        models=(model,),
+        curves=(curve,),
         traffic=Traffic(streams=(Stream("m", rate_per_s, lengths=LengthMix((12,), (1.0,))),)),
         duration_s=20.0,
         warmup_s=5.0,

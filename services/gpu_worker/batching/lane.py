@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,13 +15,21 @@ from services.common.errors import DeadlineExceeded, Overloaded, Unavailable
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
-from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.lane_order import by_urgency
+from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
 
-#: Weight of one row in the lane's per-row cost EWMA (a batch of n rows weighs about n rows).
-ROW_COST_ALPHA = 0.02
+__all__ = [
+    "BatchTotals",
+    "Lane",
+    "LoadReport",
+    "Pending",
+    "by_urgency",
+    "warm_up_lane",
+]
+
 #: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
 WARMUP_RUNS_PER_SHAPE = 2
 
@@ -114,11 +121,7 @@ class Lane:
 
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""
-        if self.row_cost_s is None:
-            self.row_cost_s = per_row_s
-        else:
-            weight = 1.0 - (1.0 - ROW_COST_ALPHA) ** num_rows
-            self.row_cost_s += weight * (per_row_s - self.row_cost_s)
+        self.row_cost_s = folded_row_cost(self.row_cost_s, per_row_s, num_rows)
 
     def rejection(
         self, item: QueuedItem, reason: RejectReason, now_s: float, start_s: float
@@ -189,29 +192,6 @@ class Lane:
         metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
         metrics.rows_total.labels(*labels).inc(len(rows))
         metrics.queue_depth.labels(*labels).set(lane.batcher.num_queued)
-
-
-#: A lane the driver asks for a batch, and whether to force it to close one now.
-Turn = tuple[Lane, bool]
-
-
-def by_urgency(lanes: list[Lane], now_s: float) -> list[Turn]:
-    """The order in which the driver, its executor idle, asks `lanes` (given in rotation
-    order) for a batch: the lane whose next batch is most urgent (priority class, then the
-    tenant furthest below its fair share) first, ties in rotation order. If the worker's most
-    urgent queued work is in a lane still lingering while another lane is ready, that lane is
-    forced to close its batch now: lingering must not hand the executor to a tenant over its
-    share."""
-    if len(lanes) < 2:
-        return [(lane, False) for lane in lanes]
-    urgency = {id(lane): lane.batcher.urgency(now_s) for lane in lanes}
-    ranked = sorted(lanes, key=lambda lane: urgency[id(lane)] or (math.inf, math.inf))
-    heads = [(head, i) for i, lane in enumerate(lanes) if (head := lane.batcher.head_rank())]
-    ready = urgency[id(ranked[0])]
-    if ready is not None and heads and min(heads)[0] < ready:
-        first = lanes[min(heads)[1]]
-        return [(first, True)] + [(lane, False) for lane in ranked if lane is not first]
-    return [(lane, False) for lane in ranked]
 
 
 def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> None:

@@ -254,3 +254,16 @@ class LatencyModel:
             else:
                 high = middle - 1
         return low
+
+
+#: Weight of one row in a lane's per-row cost EWMA (a batch of n rows weighs about n rows).
+ROW_COST_ALPHA = 0.02
+
+
+def folded_row_cost(row_cost_s: float | None, per_row_s: float, num_rows: int) -> float:
+    """The per-row cost a load report carries, after a batch of `num_rows` rows whose predicted
+    cost per row is `per_row_s` (the first batch sets it)."""
+    if row_cost_s is None:
+        return per_row_s
+    weight = 1.0 - (1.0 - ROW_COST_ALPHA) ** num_rows
+    return row_cost_s + weight * (per_row_s - row_cost_s)
