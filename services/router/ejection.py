@@ -65,6 +65,9 @@ class TimeoutEjector:
         self._workers: dict[str, _Health] = {}
         #: When each worker last answered a call (any answer but a timeout).
         self._last_answer_s: dict[str, float] = {}
+        #: Whether any worker was ever ejected: until then `may_route` is True for every
+        #: worker, and a router need not ask about each one.
+        self.has_ejected = False
 
     def may_route(self, worker_id: str, now_s: float) -> bool:
         """False while `worker_id` is ejected, or on probation with its probe out."""
@@ -125,6 +128,7 @@ class TimeoutEjector:
     def _eject(self, health: _Health, now_s: float) -> float:
         period_s = min(self._config.max_eject_s, self._config.eject_s * 2**health.num_ejections)
         health.num_ejections += 1
+        self.has_ejected = True
         health.num_timeouts = 0
         health.ejected_until_s = now_s + period_s
         health.probe_until_s = None

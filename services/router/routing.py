@@ -127,25 +127,6 @@ class _Candidate:
         self.is_idle = False
 
 
-class _Ejector(TimeoutEjector):
-    """The timeout ejector, noting whether it has ever ejected a worker: until then it lets
-    every worker be routed to, and `route` need not ask it about each one."""
-
-    def __init__(self, config: TimeoutEjectionConfig) -> None:
-        super().__init__(config)
-        self.has_ejected = False
-
-    def record_timeout(
-        self, worker_id: str, now_s: float, *, waited_s: float, predicted_s: float
-    ) -> float | None:
-        period_s = super().record_timeout(
-            worker_id, now_s, waited_s=waited_s, predicted_s=predicted_s
-        )
-        if period_s is not None:
-            self.has_ejected = True
-        return period_s
-
-
 class RouteTable:
     """The last registry snapshot, this router's reservations and ejections, and the choice."""
 
@@ -159,8 +140,7 @@ class RouteTable:
         # heartbeat does not prove the worker answers calls.
         self._ejected_until_s: dict[str, float] = {}
         #: Ejects workers whose calls only time out; the forwarder reports call outcomes here.
-        self._ejector = _Ejector(config.timeout_ejection)
-        self.timeouts: TimeoutEjector = self._ejector
+        self.timeouts = TimeoutEjector(config.timeout_ejection)
         # (worker_id, "name@version") -> rows reserved by this router and not yet released.
         self._inflight_rows: dict[tuple[str, str], int] = {}
         # reservation_id -> (worker_id, "name@version", rows).
@@ -254,7 +234,7 @@ class RouteTable:
         may_route = self.timeouts.may_route
         ejected_until_s = self._ejected_until_s
         if not exclude and not ejected_until_s:
-            if not self._ejector.has_ejected:
+            if not self.timeouts.has_ejected:
                 return workers, is_known  # the usual case; callers do not change the list
             return [c for c in workers if may_route(c.worker_id, now_s)], is_known
         eligible = [

@@ -55,6 +55,17 @@ _BATCH_RANK = PriorityClass.BATCH.rank
 _ADMITTED = Admitted()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Choice:
+    """The key `_choose` picked and why, with its urgency (priority rank, tenant virtual
+    seconds); `width` is the batch's row count when the choice already had to compute it."""
+
+    rank: tuple[int, float]
+    key: BatchKey
+    reason: CloseReason
+    width: int | None = None
+
+
 class Batcher:
     """Per-key queues of one worker's model, and the decision of which batch to run next."""
 
@@ -332,8 +343,8 @@ class Batcher:
         choice = self._choose(now_s, force=force)
         if isinstance(choice, Wait):
             return Poll(expired, choice)
-        _, key, reason = choice
-        limit = self._width(key, now_s)
+        key, reason = choice.key, choice.reason
+        limit = self._width(key, now_s) if choice.width is None else choice.width
         items = self._queues[key].items.take(limit, self._latency.per_item_s(key, limit))
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
@@ -370,7 +381,7 @@ class Batcher:
         this batcher now, or None if it would wait: the driver serves the most urgent of its
         batchers first. Changes nothing (items that expired stay until the next poll)."""
         choice = self._choose(now_s)
-        return None if isinstance(choice, Wait) else choice[0]
+        return None if isinstance(choice, Wait) else choice.rank
 
     def head_rank(self) -> tuple[int, float] | None:
         """(priority rank, tenant virtual seconds) of the most urgent queued item, ready to
@@ -378,9 +389,7 @@ class Batcher:
         heads = [head[:2] for q in self._queues.values() if (head := q.items.head_rank())]
         return min(heads, default=None)
 
-    def _choose(
-        self, now_s: float, *, force: bool = False
-    ) -> tuple[tuple[int, float], BatchKey, CloseReason] | Wait:
+    def _choose(self, now_s: float, *, force: bool = False) -> _Choice | Wait:
         """The key to dispatch now and why, with its urgency, or when to ask again. Among keys
         ready to close (with `force`, every key with items): the most urgent priority class,
         then the tenant furthest below its fair share, then the earliest deadline; BatchKey
@@ -411,16 +420,14 @@ class Batcher:
             elif chosen is None or candidate[:2] < chosen[:2]:
                 chosen = candidate
         if chosen is None and backfill is not None:
-            key = backfill[1]
-            if (
-                wake_s is None
-                or now_s + self._latency.predict(key, self._width(key, now_s)) <= wake_s
-            ):
-                chosen = backfill
+            (priority, virtual_s, _), key, reason = backfill
+            width = self._width(key, now_s)
+            if wake_s is None or now_s + self._latency.predict(key, width) <= wake_s:
+                return _Choice((priority, virtual_s), key, reason, width)
         if chosen is None:
             return Wait(wake_s)
         (priority, virtual_s, _), key, reason = chosen
-        return (priority, virtual_s), key, reason
+        return _Choice((priority, virtual_s), key, reason)
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
         """Remove items that would miss their deadline even if run alone right now."""
