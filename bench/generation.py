@@ -1,10 +1,14 @@
-"""Continuous vs static (run-to-completion) batching on a mixed-length workload.
+"""Continuous vs static (run-to-completion) batching on a mixed-length workload, and prefix
+caching on vs off on a shared-prefix workload.
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, time to first token (p50/p99), time
-per output token, and checks both policies produced the same tokens for every request. Writes
+per output token, and checks both policies produced the same tokens for every request. Then
+the shared-prefix workload (every prompt one of a few long system prompts plus a short
+question, short replies: chat and RAG traffic) through the continuous engine with the prefix
+cache off and on: the same figures, the cache's hit rate, and identical outputs again. Writes
 bench/results/generation.json.
 """
 
@@ -12,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import statistics
@@ -23,7 +28,8 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from bench.fabric.sweep import percentile
-from services.common.model_repository import load_repository
+from services.common import metric_names as names
+from services.common.model_repository import ModelVersion, load_repository
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -47,6 +53,29 @@ def workload(num_requests: int, rate_per_s: float, seed: int) -> list[Arrival]:
         max_tokens = rng.randint(160, 240) if rng.random() < 0.2 else rng.randint(8, 32)
         arrivals.append(Arrival(at_s, prompt, max_tokens))
     return arrivals
+
+
+def shared_prefix_workload(num_requests: int, rate_per_s: float, seed: int) -> list[Arrival]:
+    """Poisson arrivals; each prompt one of 4 system prompts (240-360 characters) followed by
+    a 10-40 character question; replies of 8-32 tokens."""
+    rng = random.Random(seed)
+    letters = "abcdefghij klmnop"
+    systems = ["".join(rng.choice(letters) for _ in range(rng.randint(240, 360))) for _ in range(4)]
+    at_s, arrivals = 0.0, []
+    for _ in range(num_requests):
+        at_s += rng.expovariate(rate_per_s)
+        question = "".join(rng.choice(letters) for _ in range(rng.randint(10, 40)))
+        arrivals.append(Arrival(at_s, rng.choice(systems) + question, rng.randint(8, 32)))
+    return arrivals
+
+
+def with_prefix_caching(version: ModelVersion, scope: str) -> ModelVersion:
+    generation = version.config.generation
+    assert generation is not None
+    config = dataclasses.replace(
+        version.config, generation=dataclasses.replace(generation, prefix_caching=scope)
+    )
+    return dataclasses.replace(version, config=config)
 
 
 async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
@@ -110,34 +139,79 @@ def main() -> None:
     arrivals = workload(args.requests, args.rate, args.seed)
     report: dict = {"device": str(device), "requests": args.requests, "rate_per_s": args.rate}
     for name, is_static in (("static", True), ("continuous", False)):
-        backend = GenerationBackend(
-            version, device, GenerationMetrics(CollectorRegistry()), is_static=is_static
-        )
-        backend.warm_up()
-        print(f"running {name} ...", flush=True)
-        report[name] = asyncio.run(run(backend, arrivals))
+        report[name] = measure(name, version, device, arrivals, is_static=is_static)
     same = report["static"].pop("tokens") == report["continuous"].pop("tokens")
     report["identical_outputs"] = same
     continuous, static = report["continuous"], report["static"]
     report["tokens_per_s_ratio"] = continuous["tokens_per_s"] / static["tokens_per_s"]
     report["ttft_p99_ratio"] = continuous["ttft_p99_s"] / static["ttft_p99_s"]
     report["steps_ratio"] = static["steps"] / continuous["steps"]
+    print_table(report, ("static", "continuous"))
+    print(
+        f"\ncontinuous / static: {report['tokens_per_s_ratio']:.2f}x tokens/s, "
+        f"TTFT p99 {report['ttft_p99_ratio']:.2f}x, {report['steps_ratio']:.2f}x fewer steps; "
+        f"identical greedy outputs: {same}"
+    )
+    report["prefix_cache"] = prefix_cache_report(
+        version, device, shared_prefix_workload(args.requests, args.rate, args.seed + 1)
+    )
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2))
+
+
+def measure(
+    name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: bool
+) -> dict:
+    """One fresh engine (its own metrics) through `arrivals`; adds the prefix cache's counts."""
+    registry = CollectorRegistry()
+    backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
+    backend.warm_up()
+    print(f"running {name} ...", flush=True)
+    result = asyncio.run(run(backend, arrivals))
+    labels = {"model": version.config.name, "version": version.version}
+    for key, metric in (
+        ("prefix_queried_tokens", names.GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL),
+        ("prefix_hit_tokens", names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL),
+    ):
+        result[key] = registry.get_sample_value(metric, labels) or 0.0
+    return result
+
+
+def prefix_cache_report(
+    version: ModelVersion, device: torch.device, arrivals: list[Arrival]
+) -> dict:
+    """The continuous engine on a shared-prefix workload, prefix cache off, then on."""
+    report = {
+        name: measure(f"shared prefix, cache {name}", with_prefix_caching(version, scope), device,
+                      arrivals, is_static=False)
+        for name, scope in (("off", "off"), ("on", "shared"))
+    }  # fmt: skip
+    report["identical_outputs"] = report["off"].pop("tokens") == report["on"].pop("tokens")
+    on, off = report["on"], report["off"]
+    report["hit_rate"] = on["prefix_hit_tokens"] / max(1.0, on["prefix_queried_tokens"])
+    report["tokens_per_s_ratio"] = on["tokens_per_s"] / off["tokens_per_s"]
+    report["ttft_p50_ratio"] = on["ttft_p50_s"] / off["ttft_p50_s"]
+    report["ttft_p99_ratio"] = on["ttft_p99_s"] / off["ttft_p99_s"]
+    print_table(report, ("off", "on"))
+    print(
+        f"\nprefix cache on / off: {report['tokens_per_s_ratio']:.2f}x tokens/s, TTFT p50 "
+        f"{report['ttft_p50_ratio']:.2f}x, p99 {report['ttft_p99_ratio']:.2f}x; hit rate "
+        f"{report['hit_rate']:.0%} of prompt tokens; identical greedy outputs: "
+        f"{report['identical_outputs']}"
+    )
+    return report
+
+
+def print_table(report: dict, names_: tuple[str, str]) -> None:
     header = ("policy", "tok/s", "steps", "TTFT p50", "TTFT p99", "TPOT", "late")
     print("\n{:<11} {:>8} {:>6} {:>9} {:>9} {:>8} {:>5}".format(*header))
-    for name in ("static", "continuous"):
+    for name in names_:
         r = report[name]
         print(
             f"{name:<11} {r['tokens_per_s']:>8.0f} {r['steps']:>6} "
             f"{r['ttft_p50_s'] * 1000:>7.0f}ms {r['ttft_p99_s'] * 1000:>7.0f}ms "
             f"{r['tpot_mean_s'] * 1000:>6.1f}ms {r['late_sends']:>5}"
         )
-    print(
-        f"\ncontinuous / static: {report['tokens_per_s_ratio']:.2f}x tokens/s, "
-        f"TTFT p99 {report['ttft_p99_ratio']:.2f}x, {report['steps_ratio']:.2f}x fewer steps; "
-        f"identical greedy outputs: {same}"
-    )
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ GENERATION_KV_BLOCKS_USED = "inference_generation_kv_blocks_used"
 GENERATION_RUNNING_SEQUENCES = "inference_generation_running_sequences"
 GENERATION_WAITING_SEQUENCES = "inference_generation_waiting_sequences"
 GENERATION_PREEMPTIONS_TOTAL = "inference_generation_preemptions_total"
+GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL = (
+    "inference_generation_prefix_cache_queried_tokens_total"
+)
+GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL = "inference_generation_prefix_cache_hit_tokens_total"
+GENERATION_PREFIX_CACHE_BLOCKS = "inference_generation_prefix_cache_blocks"
 GENERATION_TOKENS_TOTAL = "inference_generation_tokens_total"
 GENERATION_FINISHED_TOTAL = "inference_generation_finished_total"
 GENERATION_CANCELLED_TOTAL = "inference_generation_cancelled_total"

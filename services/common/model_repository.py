@@ -63,6 +63,13 @@ class GenerationSettings:
     #: KV blocks kept free when admitting a new sequence while others run: headroom for the
     #: running ones to grow before one must be preempted (0: admit while any block is free).
     watermark_blocks: int = 0
+    #: Prefix caching: "shared" (a prompt's leading full blocks are computed once and shared
+    #: by every request that starts the same way), "per_tenant" (shared only within a tenant,
+    #: so no tenant can tell from its time to first token what another one sent), or "off".
+    prefix_caching: str = "shared"
+
+
+PREFIX_CACHING_SCOPES = ("off", "shared", "per_tenant")
 
 
 @dataclass(frozen=True)
@@ -214,11 +221,16 @@ def _generation_settings(raw: dict[str, Any], path: Path) -> GenerationSettings:
         generation = GenerationSettings(**raw.get("generation", {}))
     except TypeError as error:
         raise ModelConfigError(f"{path}: [generation]: {error}") from error
-    fields = vars(generation)
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in fields.values()):
-        raise ModelConfigError(f"{path}: [generation] values must be integers")
-    if min(v for k, v in fields.items() if k != "watermark_blocks") <= 0:
+    sizes = {k: v for k, v in vars(generation).items() if k != "prefix_caching"}
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in sizes.values()):
+        raise ModelConfigError(f"{path}: [generation] sizes must be integers")
+    if min(v for k, v in sizes.items() if k != "watermark_blocks") <= 0:
         raise ModelConfigError(f"{path}: [generation] sizes must be positive")
+    if generation.prefix_caching not in PREFIX_CACHING_SCOPES:
+        raise ModelConfigError(
+            f"{path}: [generation] prefix_caching must be one of {PREFIX_CACHING_SCOPES},"
+            f" got {generation.prefix_caching!r}"
+        )
     if generation.watermark_blocks < 0:
         raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
     return generation

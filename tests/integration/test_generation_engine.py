@@ -35,6 +35,7 @@ def write_repository(
     block_size: int = 4,
     max_num_seqs: int = 8,
     weights_from: Path | None = None,
+    prefix_caching: str = "shared",
 ) -> Path:
     """A model repository holding a random transformers Llama and tiny-llama's byte tokenizer
     (copied from `weights_from`, another such repository, when given)."""
@@ -70,6 +71,7 @@ block_size = {block_size}
 num_kv_blocks = {num_kv_blocks}
 max_num_seqs = {max_num_seqs}
 max_num_batched_tokens = 64
+prefix_caching = "{prefix_caching}"
 
 [inputs.text_input]
 dtype = "BYTES"
@@ -148,6 +150,56 @@ async def test_s18_greedy_matches_transformers_with_staggered_arrivals(
     results = await asyncio.gather(a, b, c)
     for prompt, n, got in zip(PROMPTS, lengths, results, strict=True):
         assert got == reference_greedy(checkpoint, backend.encode(prompt), n), prompt
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+SYSTEM = "You are a careful assistant. Answer briefly and cite the manual. "
+
+
+async def generate_ids(backend: GenerationBackend, prompt: str, tenant: str = "") -> list[int]:
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    tokens: list[int] = []
+    async for delta in backend.engine.generate(backend.encode(prompt), params, tenant=tenant):
+        tokens.extend(delta.token_ids)
+    return tokens
+
+
+@pytest.mark.parametrize("scope", ["shared", "per_tenant"])
+async def test_prefix_cached_prompts_give_the_reference_tokens(
+    checkpoint: Path, tmp_path: Path, scope: str
+) -> None:
+    """Requests that start with the same system prompt share its computed blocks (one after
+    another and at once); every reply still equals transformers' greedy one. Per tenant, one
+    tenant's blocks are never another's."""
+    backend, registry = make_backend(
+        write_repository(tmp_path, weights_from=checkpoint, prefix_caching=scope)
+    )
+    prompts = [SYSTEM + "What is a KV cache?", SYSTEM + "Why batch requests?"]
+    backend.engine.start()
+    try:
+        first = await generate_ids(backend, prompts[0], tenant="a")
+        other_tenant = await generate_ids(backend, prompts[0], tenant="b")
+        metrics = generate_latest(registry).decode()
+        hits_across_tenants = total(metrics, names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL)
+        together = await asyncio.gather(
+            *(generate_ids(backend, prompt, tenant="a") for prompt in [*prompts, *prompts])
+        )
+    finally:
+        await backend.engine.drain()
+    metrics = generate_latest(registry).decode()
+    queried = total(metrics, names.GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL)
+    hits = total(metrics, names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL)
+    num_system_tokens = len(backend.encode(SYSTEM))
+    # The same prompt again: every full block but the one holding its last token.
+    same_prompt_hits = (len(backend.encode(prompts[0])) - 1) // 4 * 4
+    assert hits_across_tenants == (0 if scope == "per_tenant" else same_prompt_hits)
+    assert queried == sum(
+        len(backend.encode(p)) for p in [prompts[0], *prompts, *prompts, prompts[0]]
+    )
+    assert hits >= 4 * (num_system_tokens // 4 * 4), (hits, queried)
+    expected = [reference_greedy(checkpoint, backend.encode(p), 12) for p in prompts]
+    assert first == other_tenant == expected[0]
+    assert together == [*expected, *expected]
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
 
 

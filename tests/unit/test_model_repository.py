@@ -1,4 +1,5 @@
-"""A generation model's `[generation]` table: sizes positive, the watermark optional and >= 0."""
+"""A generation model's `[generation]` table: sizes positive, the watermark optional and >= 0,
+prefix caching one of its scopes."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def test_watermark_defaults_to_zero_and_can_be_set(tmp_path: Path) -> None:
     assert parse(tmp_path, "watermark_blocks = 4\n").watermark_blocks == 4
 
 
+def test_prefix_caching_is_shared_unless_scoped_per_tenant_or_off(tmp_path: Path) -> None:
+    assert parse(tmp_path).prefix_caching == "shared"
+    for scope in ("off", "per_tenant"):
+        assert parse(tmp_path, f'prefix_caching = "{scope}"\n').prefix_caching == scope
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -48,6 +55,8 @@ def test_watermark_defaults_to_zero_and_can_be_set(tmp_path: Path) -> None:
         ("block_size = 0\n", "sizes must be positive"),
         ("num_kv_blocks = 1.5\n", "must be integers"),
         ("unknown_knob = 1\n", "unknown_knob"),
+        ('prefix_caching = "on"\n', "prefix_caching must be one of"),
+        ("prefix_caching = 1\n", "prefix_caching must be one of"),
     ],
 )
 def test_bad_generation_settings_name_the_file(tmp_path: Path, extra: str, message: str) -> None:

@@ -64,6 +64,7 @@ class GenerationBackend(ServedModel):
                 max_model_len=self._max_model_len,
                 is_static=is_static,
                 watermark_blocks=settings.watermark_blocks,
+                enable_prefix_caching=settings.prefix_caching != "off",
             )
         )
         self.engine = GenerationEngine(
@@ -74,6 +75,7 @@ class GenerationBackend(ServedModel):
             labels=(config.name, version.version),
             eos_token_ids=frozenset(self.runner.config.eos_token_ids),
             max_model_len=self._max_model_len,
+            is_cache_per_tenant=settings.prefix_caching == "per_tenant",
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 

@@ -73,16 +73,21 @@ class GenerationEngine:
         labels: tuple[str, str],
         eos_token_ids: frozenset[int],
         max_model_len: int,
+        is_cache_per_tenant: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`is_cache_per_tenant`: prefix-cached blocks are shared only among one tenant's
+        sequences (the scheduler's config says whether there is a prefix cache at all)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
         self._metrics = metrics
+        self._bound = metrics.bind(labels)
         self._labels = labels
         self._eos_token_ids = eos_token_ids
         self._clock = clock
+        self._is_cache_per_tenant = is_cache_per_tenant
         self._sampler = Sampler()
         self.steps = StepExecutor(runner, metrics, labels)
         self._requests: dict[int, _Request] = {}
@@ -225,13 +230,14 @@ class GenerationEngine:
             arrival_s=now,
             tenant=tenant,
             weight=weight,
+            cache_salt=tenant if self._is_cache_per_tenant else "",
         )
         decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
             # The scheduler refuses only what can never run with this configuration (empty
             # prompt, longer than max_model_len, more KV blocks than the cache has): retrying
             # it unchanged cannot succeed, so it is not an overload.
-            self._metrics.rejected_total.labels(*self._labels).inc()
+            self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
         request = _Request(
             seq_id=seq_id,
@@ -256,7 +262,7 @@ class GenerationEngine:
             step_s=self._mean_step_s,
         )
         if predicted_s > limit_s:
-            self._metrics.rejected_total.labels(*self._labels).inc()
+            self._bound.rejected_total.inc()
             raise Overloaded(
                 f"generation request refused: first token predicted in {predicted_s:.3f}s,"
                 f" past the {limit_s:.3f}s it may take",
@@ -265,7 +271,7 @@ class GenerationEngine:
 
     def _cancel(self, seq_id: int) -> None:
         self._requests.pop(seq_id, None)
-        self._metrics.cancelled_total.labels(*self._labels).inc()
+        self._bound.cancelled_total.inc()
         if self._is_stepping:
             self._cancelled.add(seq_id)  # applied once the step in flight is accounted
         else:
@@ -285,7 +291,11 @@ class GenerationEngine:
                 await self._wake.wait()
                 continue
             if output.preempted:
-                self._metrics.preemptions_total.labels(*self._labels).inc(len(output.preempted))
+                self._bound.preemptions_total.inc(len(output.preempted))
+            if output.num_prefix_queried_tokens:
+                self._count_prefix_cache(
+                    output.num_prefix_queried_tokens, output.num_prefix_hit_tokens
+                )
             items = [
                 SequenceBatchItem(s.token_ids, s.start_position, s.block_table)
                 for s in output.scheduled
@@ -305,8 +315,8 @@ class GenerationEngine:
             self.num_steps += 1
             step_s = self._clock() - started
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
-            self._metrics.step_seconds.labels(*self._labels).observe(step_s)
-            self._metrics.step_tokens.labels(*self._labels).observe(output.num_batched_tokens)
+            self._bound.step_seconds.observe(step_s)
+            self._bound.step_tokens.observe(output.num_batched_tokens)
             self._charge_tenants(output.scheduled, step_s)
             try:
                 self._finish_step(output.scheduled, logits)
@@ -373,19 +383,19 @@ class GenerationEngine:
             text += request.detokenizer.flush() if finish_reason == "length" else ""
         if request.first_token_s is None:
             request.first_token_s = now
-            self._metrics.ttft_seconds.labels(*self._labels).observe(now - request.arrival_s)
+            self._bound.ttft_seconds.observe(now - request.arrival_s)
         elif request.last_token_s is not None:
-            self._metrics.tpot_seconds.labels(*self._labels).observe(now - request.last_token_s)
+            self._bound.tpot_seconds.observe(now - request.last_token_s)
         request.last_token_s = now
         request.num_emitted += len(token_ids)
-        self._metrics.tokens_total.labels(*self._labels).inc(len(token_ids))
+        self._bound.tokens_total.inc(len(token_ids))
         if finish_reason is None:
             if token_ids:
                 request.queue.put_nowait(Delta(token_ids, text))
             return
         self._requests.pop(request.seq_id, None)
         self.scheduler.finish(request.seq_id)
-        self._metrics.finished_total.labels(*self._labels, finish_reason).inc()
+        self._bound.finished(finish_reason).inc()
         request.queue.put_nowait(
             Delta(
                 token_ids,
@@ -408,9 +418,14 @@ class GenerationEngine:
             self.scheduler.finish(seq_id)
         self._cancelled.clear()
 
+    def _count_prefix_cache(self, num_queried: int, num_hit: int) -> None:
+        self._bound.prefix_cache_queried_tokens_total.inc(num_queried)
+        self._bound.prefix_cache_hit_tokens_total.inc(num_hit)
+
     def _export_gauges(self) -> None:
         free = self.scheduler.num_free_blocks
-        self._metrics.kv_blocks_free.labels(*self._labels).set(free)
-        self._metrics.kv_blocks_used.labels(*self._labels).set(self.runner.num_blocks - free)
-        self._metrics.running_sequences.labels(*self._labels).set(self.scheduler.num_running)
-        self._metrics.waiting_sequences.labels(*self._labels).set(self.scheduler.num_waiting)
+        self._bound.kv_blocks_free.set(free)
+        self._bound.kv_blocks_used.set(self.runner.num_blocks - free)
+        self._bound.running_sequences.set(self.scheduler.num_running)
+        self._bound.waiting_sequences.set(self.scheduler.num_waiting)
+        self._bound.prefix_cache_blocks.set(self.scheduler.num_cached_blocks)

@@ -50,6 +50,11 @@ class PagedKVCache:
         """Keys and values at flattened slots (int64 [M]), each `[M, num_kv_heads, head_dim]`."""
         return self._flat(self.keys[layer])[slots], self._flat(self.values[layer])[slots]
 
+    def gather_blocks(self, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of whole blocks (int64 ids of any shape S), each
+        `[*S, block_size, num_kv_heads, head_dim]`: block_size slots copied per index."""
+        return self.keys[layer][blocks], self.values[layer][blocks]
+
     @staticmethod
     def _flat(cache: torch.Tensor) -> torch.Tensor:
         # A view: writes through it land in the paged tensor.

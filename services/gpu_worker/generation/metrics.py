@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -70,6 +70,23 @@ class GenerationMetrics:
             "Sequences preempted (blocks freed, recomputed later) because KV blocks ran out.",
             _MODEL,
         )
+        self.prefix_cache_queried_tokens_total = new.counter(
+            names.GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL,
+            "Known tokens of admitted sequences, looked up in the prefix cache.",
+            _MODEL,
+        )
+        self.prefix_cache_hit_tokens_total = new.counter(
+            names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL,
+            "Tokens of admitted sequences whose KV the prefix cache held (not computed again);"
+            " over ..._queried_tokens_total, the hit rate.",
+            _MODEL,
+        )
+        self.prefix_cache_blocks = new.gauge(
+            names.GENERATION_PREFIX_CACHE_BLOCKS,
+            "KV blocks the prefix cache remembers, owned or free (free ones are reused first"
+            " to last freed).",
+            _MODEL,
+        )
         self.tokens_total = new.counter(names.GENERATION_TOKENS_TOTAL, "Tokens streamed.", _MODEL)
         self.finished_total = new.counter(
             names.GENERATION_FINISHED_TOTAL, "Sequences finished, by reason.", (*_MODEL, "reason")
@@ -80,3 +97,43 @@ class GenerationMetrics:
         self.rejected_total = new.counter(
             names.GENERATION_REJECTED_TOTAL, "Requests refused at admission.", _MODEL
         )
+
+    def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
+        """This model version's children of every per-model metric, looked up once:
+        `labels()` takes a lock and a dict lookup per call, and the engine records per token."""
+        return BoundGenerationMetrics(self, labels)
+
+
+class BoundGenerationMetrics:
+    """`GenerationMetrics` children of one (model, version); `finished(reason)` for the one
+    metric with a further label."""
+
+    def __init__(self, metrics: GenerationMetrics, labels: tuple[str, str]) -> None:
+        def child(metric: Any) -> Any:
+            return metric.labels(*labels)
+
+        self.ttft_seconds = child(metrics.ttft_seconds)
+        self.tpot_seconds = child(metrics.tpot_seconds)
+        self.step_seconds = child(metrics.step_seconds)
+        self.step_tokens = child(metrics.step_tokens)
+        self.kv_blocks_free = child(metrics.kv_blocks_free)
+        self.kv_blocks_used = child(metrics.kv_blocks_used)
+        self.running_sequences = child(metrics.running_sequences)
+        self.waiting_sequences = child(metrics.waiting_sequences)
+        self.preemptions_total = child(metrics.preemptions_total)
+        self.prefix_cache_queried_tokens_total = child(metrics.prefix_cache_queried_tokens_total)
+        self.prefix_cache_hit_tokens_total = child(metrics.prefix_cache_hit_tokens_total)
+        self.prefix_cache_blocks = child(metrics.prefix_cache_blocks)
+        self.tokens_total = child(metrics.tokens_total)
+        self.cancelled_total = child(metrics.cancelled_total)
+        self.rejected_total = child(metrics.rejected_total)
+        self._finished_total = metrics.finished_total
+        self._labels = labels
+        self._finished: dict[str, Any] = {}
+
+    def finished(self, reason: str) -> Any:
+        """The finished-sequences counter of `reason`."""
+        child = self._finished.get(reason)
+        if child is None:
+            child = self._finished[reason] = self._finished_total.labels(*self._labels, reason)
+        return child

@@ -56,9 +56,11 @@ class _DecodePlan:
 
     #: Their rows in the flattened batch, int64 [n].
     rows: torch.Tensor
-    #: Cache slots of each sequence's positions [0, end), padded with slot 0: int64 [n, width].
-    slots: torch.Tensor
-    #: True where a slot is the sequence's own (not padding): bool [n, 1, 1, width].
+    #: Each sequence's block table, padded with block 0 to the longest: int64 [n, max_blocks].
+    #: Attention gathers whole blocks (contiguous runs of block_size slots), not slots.
+    blocks: torch.Tensor
+    #: True where a gathered position is the sequence's own (below its end, not padding):
+    #: bool [n, 1, 1, max_blocks * block_size].
     mask: torch.Tensor
 
 
@@ -161,36 +163,35 @@ class ModelRunner:
         return self.model.compute_logits(hidden[last]).float().cpu()
 
     def _decode_plan(self, decodes: Sequence[tuple[int, SequenceBatchItem]]) -> _DecodePlan | None:
-        """One padded context table for every decode token of the step: row i holds the cache
-        slots of sequence i's positions [0, end), padded with slot 0 up to the longest; the
-        mask hides the padding."""
+        """One padded block table for every decode token of the step: row i holds sequence i's
+        blocks covering positions [0, end), padded with block 0 up to the longest; the mask
+        hides padding and the unwritten tail of each last block. Built from block ids, not
+        positions: its cost grows with blocks, not with every token of every context."""
         if not decodes:
             return None
-        contexts = [
-            slots_for(item.block_table, 0, item.end_position, self.block_size)
-            for _, item in decodes
+        num_blocks = [num_blocks_for(item.end_position, self.block_size) for _, item in decodes]
+        width = max(num_blocks)
+        tables = [
+            [*item.block_table[:n], *([0] * (width - n))]
+            for (_, item), n in zip(decodes, num_blocks, strict=True)
         ]
-        width = max(len(c) for c in contexts)
-        slots = torch.zeros((len(contexts), width), dtype=torch.int64)
-        lengths = torch.tensor([len(c) for c in contexts], dtype=torch.int64)
-        for row, context in enumerate(contexts):
-            slots[row, : len(context)] = torch.tensor(context, dtype=torch.int64)
-        mask = torch.arange(width)[None, :] < lengths[:, None]
+        lengths = torch.tensor([item.end_position for _, item in decodes], dtype=torch.int64)
+        mask = torch.arange(width * self.block_size)[None, :] < lengths[:, None]
         return _DecodePlan(
             rows=torch.tensor([lo for lo, _ in decodes], dtype=torch.int64, device=self.device),
-            slots=slots.to(self.device),
-            # [n, 1 (heads), 1 (query), width]: broadcast over every head.
+            blocks=torch.tensor(tables, dtype=torch.int64, device=self.device),
+            # [n, 1 (heads), 1 (query), positions]: broadcast over every head.
             mask=mask[:, None, None, :].to(self.device),
         )
 
     def _attend_decodes(self, layer: int, q: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
         """Attention of n decode tokens (`q`: [n, heads, head_dim]) over their sequences'
-        cached keys and values, in one gather and one SDPA call for the layer."""
-        num_seqs, width = plan.slots.shape
-        keys, values = self.kv_cache.gather(layer, plan.slots.reshape(-1))
-        # [n * width, kv_heads, head_dim] -> [n, kv_heads, width, head_dim]
-        keys = keys.view(num_seqs, width, *keys.shape[1:]).transpose(1, 2)
-        values = values.view(num_seqs, width, *values.shape[1:]).transpose(1, 2)
+        cached keys and values, in one block gather and one SDPA call for the layer."""
+        num_seqs = plan.blocks.shape[0]
+        keys, values = self.kv_cache.gather_blocks(layer, plan.blocks)
+        # [n, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, positions, head_dim]
+        keys = keys.view(num_seqs, -1, *keys.shape[3:]).transpose(1, 2)
+        values = values.view(num_seqs, -1, *values.shape[3:]).transpose(1, 2)
         attended = F.scaled_dot_product_attention(
             q[:, :, None, :], keys, values, attn_mask=plan.mask, enable_gqa=True
         )
@@ -215,6 +216,7 @@ class ModelRunner:
         return _ItemPlan(lo, hi, context, mask, is_causal=False)
 
     def _check(self, item: SequenceBatchItem) -> None:
+        # min/max rather than a generator over every id: this runs for every item of every step.
         if not item.token_ids:
             raise ValueError("a batch item needs at least one token")
         if item.start_position < 0:
@@ -229,9 +231,10 @@ class ModelRunner:
                 f"block table has {len(item.block_table)} blocks, "
                 f"{item.end_position} positions need {needed}"
             )
-        if any(not 0 <= block < self.num_blocks for block in item.block_table[:needed]):
+        table = item.block_table[:needed]
+        if table and (min(table) < 0 or max(table) >= self.num_blocks):
             raise ValueError(
                 f"block table {item.block_table} has ids outside [0, {self.num_blocks})"
             )
-        if any(not 0 <= token < self.config.vocab_size for token in item.token_ids):
+        if min(item.token_ids) < 0 or max(item.token_ids) >= self.config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.config.vocab_size})")

@@ -10,6 +10,11 @@ free blocks; when a running sequence cannot grow, the lowest-priority running se
 preempted: its blocks are freed and, later, it is recomputed from its prompt plus the tokens it
 already produced, so its output continues where it left off.
 
+With prefix caching on, every full block a sequence computes is remembered under the digest of
+its tokens and all before them (`prefix_cache`), and an admitted sequence shares the remembered
+blocks of its leading full blocks instead of computing them: its prefill starts past them. A
+sequence recomputed after a preemption finds its own blocks again while nobody reused them.
+
 Synchronous and pure. The engine loop reads schedule() -> run the model -> update_from_output(),
 and calls finish() whenever it decides a sequence stops (length, eos, stop string, cancel, error).
 """
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger, check_weight
 from services.gpu_worker.generation.block_allocator import BlockAllocator
+from services.gpu_worker.generation.prefix_cache import cached_prefix_of, remember_filled_blocks
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,8 @@ class GenerationSchedulerConfig:
     #: Benchmark baseline: admit a batch only when nothing runs, prefill all of it, then decode
     #: it to completion.
     is_static: bool = False
+    #: Share the KV of leading full blocks that sequences of one cache salt have in common.
+    enable_prefix_caching: bool = False
 
 
 class SequenceStatus(enum.Enum):
@@ -78,6 +86,13 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     num_preemptions: int = 0
+    #: Prefix caching shares blocks only among sequences with the same salt.
+    cache_salt: str = ""
+    #: Digests of the leading full blocks of all_token_ids computed so far (prefix_cache);
+    #: tokens only grow, so they stay valid.
+    block_digests: list[bytes] = field(default_factory=list)
+    #: Leading tokens whose KV its last admission found in the prefix cache.
+    num_cached_tokens: int = 0
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
@@ -116,6 +131,10 @@ class SchedulerOutput:
     preempted: tuple[int, ...]
     #: sum(len(s.token_ids)); never above max_num_batched_tokens.
     num_batched_tokens: int
+    #: Known tokens of the sequences admitted this step, and how many of them the prefix
+    #: cache held (hits / queries is its hit rate; both 0 with prefix caching off).
+    num_prefix_queried_tokens: int = 0
+    num_prefix_hit_tokens: int = 0
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
@@ -158,6 +177,7 @@ class GenerationScheduler:
         _check_config(config)
         self._config = config
         self._allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self._caches = config.enable_prefix_caching
         self._seqs: dict[int, Sequence] = {}
         # Both sorted by _order. The last running sequence is the first to be preempted; a
         # preempted one re-enters waiting by its original key, ahead of later arrivals.
@@ -167,6 +187,9 @@ class GenerationScheduler:
         self._running: list[Sequence] = []
         # The last schedule()'s work, until update_from_output() accounts for it.
         self._in_flight: dict[int, ScheduledSequence] = {}
+        # This schedule()'s admissions: tokens looked up in the prefix cache, and found.
+        self._num_queried_tokens = 0
+        self._num_hit_tokens = 0
 
     @property
     def num_waiting(self) -> int:
@@ -185,8 +208,13 @@ class GenerationScheduler:
 
     @property
     def num_free_blocks(self) -> int:
-        """KV blocks owned by no sequence."""
+        """KV blocks owned by no sequence (prefix-cached ones included: they can be reused)."""
         return self._allocator.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """KV blocks the prefix cache remembers, owned or free."""
+        return self._allocator.num_cached
 
     def get(self, seq_id: int) -> Sequence | None:
         """The unfinished sequence `seq_id`, or None."""
@@ -240,6 +268,7 @@ class GenerationScheduler:
         if self._in_flight:
             raise RuntimeError("schedule() called before update_from_output() of the last step")
         cfg = self._config
+        self._num_queried_tokens = self._num_hit_tokens = 0
         if cfg.is_static and not self._running:
             self._admit_static_batch()
         budget = cfg.max_num_batched_tokens
@@ -269,6 +298,8 @@ class GenerationScheduler:
             scheduled=tuple(scheduled),
             preempted=tuple(preempted),
             num_batched_tokens=sum(len(s.token_ids) for s in scheduled),
+            num_prefix_queried_tokens=self._num_queried_tokens,
+            num_prefix_hit_tokens=self._num_hit_tokens,
         )
 
     def update_from_output(self, sampled: Mapping[int, int]) -> None:
@@ -286,6 +317,8 @@ class GenerationScheduler:
             self._ledger.charge(seq.tenant, len(step.token_ids), seq.weight)
             if step.samples:
                 seq.output_token_ids.append(sampled[seq_id])
+            if self._caches:
+                remember_filled_blocks(seq, self._allocator, step.start_position)
 
     def finish(self, seq_id: int) -> bool:
         """Stop a waiting or running sequence now and free its blocks. True if it was known."""
@@ -296,8 +329,7 @@ class GenerationScheduler:
         # Finished mid-step (cancel, error): its in-flight work is dropped, not accounted.
         self._in_flight.pop(seq_id, None)
         (self._running if seq.status is SequenceStatus.RUNNING else self._waiting).remove(seq)
-        self._allocator.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         return True
 
@@ -319,8 +351,7 @@ class GenerationScheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks; it is recomputed from all_token_ids once readmitted."""
         self._running.remove(seq)
-        self._allocator.free(seq.block_table)
-        seq.block_table = []
+        self._free_blocks(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -332,17 +363,18 @@ class GenerationScheduler:
         cfg = self._config
         while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
             seq = self._next_waiting()
-            num_new = min(seq.num_tokens, budget)
-            num_needed = self._allocator.blocks_for(num_new)
+            cached = cached_prefix_of(seq, self._allocator) if self._caches else []
+            num_cached = len(cached) * cfg.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            num_fresh = self._allocator.blocks_for(num_cached + num_new) - len(cached)
             # With nothing running the headroom protects nobody, and keeping it could leave a
             # sequence that fits the cache waiting forever.
             headroom = cfg.watermark_blocks if self._running else 0
-            if not self._allocator.can_allocate(num_needed + headroom):
+            num_taken = num_fresh + self._allocator.num_free_among(cached)
+            if not self._allocator.can_allocate(num_taken + headroom):
                 break
             self._waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            seq.block_table = self._allocator.allocate(num_needed)
-            bisect.insort(self._running, seq, key=_order)
+            self._start_running(seq, cached, num_fresh)
             scheduled.append(self._plan(seq, num_new))
             budget -= num_new
 
@@ -353,14 +385,35 @@ class GenerationScheduler:
         num_reserved = 0
         while self._waiting and len(self._running) < cfg.max_num_seqs:
             seq = self._next_waiting()
+            cached = cached_prefix_of(seq, self._allocator) if self._caches else []
             headroom = cfg.watermark_blocks if self._running else 0
-            num_needed = self._allocator.blocks_for(seq.num_tokens)
-            if num_reserved + num_needed + headroom > self._allocator.num_free:
+            num_needed = self._allocator.blocks_for(seq.num_tokens) - len(cached)
+            num_taken = num_needed + self._allocator.num_free_among(cached)
+            if num_reserved + num_taken + headroom > self._allocator.num_free:
                 break
             self._waiting.remove(seq)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self._running, seq, key=_order)
+            self._start_running(seq, cached, 0)
             num_reserved += num_needed
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Gives up `seq`'s blocks, tail first: free blocks are reused least recently freed
+        first, so the blocks nearest the start of a prompt, which more sequences share, are the
+        last of it the prefix cache forgets (vLLM does the same)."""
+        self._allocator.free(reversed(seq.block_table))
+        seq.block_table = []
+
+    def _start_running(self, seq: Sequence, cached: list[int], num_fresh: int) -> None:
+        """Moves an admitted `seq` (already out of waiting) to running: it shares the `cached`
+        blocks of its leading tokens, whose KV it need not compute, and takes `num_fresh` free
+        blocks after them."""
+        self._allocator.share(cached)
+        seq.block_table = cached + self._allocator.allocate(num_fresh)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * self._config.block_size
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self._running, seq, key=_order)
+        if self._caches:
+            self._num_queried_tokens += seq.num_tokens
+            self._num_hit_tokens += seq.num_computed_tokens
 
     def _next_waiting(self) -> Sequence:
         """The waiting sequence to admit next: the most urgent priority class, then the tenant
