@@ -100,7 +100,7 @@ def add_canary_parser(commands: Any) -> None:
     canary.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics")
     defaults = Plan()
     canary.add_argument("--steps", default=",".join(f"{s:g}" for s in defaults.steps))
-    for name in ("hold_s", "max_error_rate_increase", "max_p99_ratio"):
+    for name in ("hold_s", "max_error_rate_increase", "max_p99_ratio", "p99_slack_s"):
         canary.add_argument(
             f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
         )
@@ -134,6 +134,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         hold_s=args.hold_s,
         max_error_rate_increase=args.max_error_rate_increase,
         max_p99_ratio=args.max_p99_ratio,
+        p99_slack_s=args.p99_slack_s,
         min_requests=args.min_requests,
         max_holds=args.max_holds,
     )

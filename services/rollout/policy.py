@@ -4,7 +4,9 @@ At each step the canary gets a share of the model's traffic (`Plan.steps`, perce
 the step's hold, its health over the step is compared with stable's over the same window:
 - roll back as soon as the canary's error rate exceeds stable's by more than
   `max_error_rate_increase` (absolute), or its p99 exceeds stable's by more than
-  `max_p99_ratio`, judged once the canary has served `min_requests` in the step;
+  `max_p99_ratio` and by more than `p99_slack_s` too (a p99 of a few milliseconds read from
+  histogram buckets moves by a bucket's width: 2.5 ms against 4 ms is noise, not a 1.6x
+  regression), judged once the canary has served `min_requests` in the step;
 - hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
   extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
 - otherwise advance; after the last step, promote (the `stable` label moves to the canary).
@@ -49,6 +51,8 @@ class Plan:
     hold_s: float = 60.0
     max_error_rate_increase: float = 0.01
     max_p99_ratio: float = 1.2
+    #: How far past stable's the canary's p99 must also be, seconds, to count as slower.
+    p99_slack_s: float = 0.01
     min_requests: int = 50
     #: Extra holds a step may take for lack of canary traffic before the rollout gives up.
     max_holds: int = 3
@@ -58,8 +62,10 @@ class Plan:
             raise ValueError("steps must ascend and end at 100 (percent)")
         if self.steps[0] <= 0:
             raise ValueError("steps must be > 0 percent")
-        if min(self.hold_s, self.max_error_rate_increase) < 0 or self.max_p99_ratio < 1:
-            raise ValueError("hold and error-rate bound must be >= 0, the p99 ratio >= 1")
+        if min(self.hold_s, self.max_error_rate_increase, self.p99_slack_s) < 0:
+            raise ValueError("hold, error-rate bound and p99 slack must be >= 0")
+        if self.max_p99_ratio < 1:
+            raise ValueError("the p99 ratio must be >= 1")
         if self.min_requests < 1 or self.max_holds < 0:
             raise ValueError("min_requests must be >= 1 and max_holds >= 0")
 
@@ -85,10 +91,11 @@ def judge(
                 f" (bound +{plan.max_error_rate_increase:.2%})",
             )
         ratio = _p99_ratio(canary, stable)
-        if ratio > plan.max_p99_ratio:
+        if ratio > plan.max_p99_ratio and _p99_excess_s(canary, stable) > plan.p99_slack_s:
             return Verdict(
                 Decision.ROLLBACK,
-                f"canary p99 {ratio:.2f}x stable's (bound {plan.max_p99_ratio:.2f}x)",
+                f"canary p99 {ratio:.2f}x stable's (bound {plan.max_p99_ratio:.2f}x and"
+                f" +{plan.p99_slack_s * 1000:g} ms)",
             )
     if not final:
         return Verdict(Decision.HOLD, "step in progress")
@@ -110,6 +117,13 @@ def _p99_ratio(canary: Health, stable: Health) -> float:
     if canary.p99_s is None or not stable.p99_s:
         return 1.0
     return canary.p99_s / stable.p99_s
+
+
+def _p99_excess_s(canary: Health, stable: Health) -> float:
+    """How much later the canary's p99 is than stable's, seconds; 0 when either is unknown."""
+    if canary.p99_s is None or stable.p99_s is None:
+        return 0.0
+    return canary.p99_s - stable.p99_s
 
 
 def p99_from_buckets(buckets: Sequence[tuple[float, float]]) -> float | None:

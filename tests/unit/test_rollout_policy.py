@@ -46,6 +46,17 @@ def test_a_worse_canary_is_rolled_back_even_mid_step(canary: Health, reason: str
     assert reason in verdict.reason
 
 
+def test_a_few_milliseconds_past_a_millisecond_p99_is_not_a_regression() -> None:
+    # 4.3 ms against 2.5 ms is 1.7x, but within the 10 ms slack: a bucket's width at that
+    # scale, not a slower canary. 15 ms past it is both over the ratio and the slack.
+    fast_stable = Health(requests=1000, errors=0, p99_s=0.0025)
+    near = Health(requests=200, errors=0, p99_s=0.0043)
+    assert judge(PLAN, 0, 0, near, fast_stable, final=True).decision is Decision.ADVANCE
+    slow = Health(requests=200, errors=0, p99_s=0.0175)
+    verdict = judge(PLAN, 0, 0, slow, fast_stable, final=True)
+    assert verdict.decision is Decision.ROLLBACK and "+10 ms" in verdict.reason
+
+
 def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
     canary = Health(requests=10, errors=5, p99_s=1.0)  # too few to judge, even this bad
     assert judge(PLAN, 0, 0, canary, STABLE, final=False).decision is Decision.HOLD
@@ -57,7 +68,7 @@ def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
-     {"max_p99_ratio": 0.9}, {"min_requests": 0}],
+     {"max_p99_ratio": 0.9}, {"min_requests": 0}, {"p99_slack_s": -0.001}],
 )  # fmt: skip
 def test_an_inconsistent_plan_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
