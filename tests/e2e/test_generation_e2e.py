@@ -228,6 +228,31 @@ async def test_the_command_line_client_streams_a_generation(stack: Stack) -> Non
     assert chunks[-1]["prompt_tokens"] == expected[-1].prompt_tokens
 
 
+async def test_a_shared_system_prompt_is_prefilled_once(stack: Stack) -> None:
+    """Two requests that start with the same 64-character system prompt: the second shares the
+    first's KV blocks for it (the worker's prefix-cache hit counter moves by those tokens), and
+    a greedy reply is the same either way."""
+    system = f"{'You are the fabric test assistant; answer in one short line.':<64}"
+    prompts = [system + "Who are you?", system + "What is batching?"]
+    port = stack.workers[0].metrics_port
+    hits_before = total(scrape(port), names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL)
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        replies = []
+        for prompt in (*prompts, prompts[0]):
+            messages = await stream(stub, generate_request(prompt, max_tokens=6, ignore_eos=True))
+            replies.append([t for m in messages for t in m.token_ids])
+    hits = total(scrape(port), names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL) - hits_before
+    # [BOS] + 64 characters: 4 full blocks of 16 shared by the second prompt, and the third
+    # (the first again) finds all but the block holding its last token.
+    full_blocks_of_first = (1 + len(prompts[0]) - 1) // 16
+    assert hits == 16 * 4 + 16 * full_blocks_of_first, hits
+    assert replies[2] == replies[0] and len(replies[0]) == 6
+
+
+TALLY_PROMPT = "Tally me"
+
+
 async def test_model_statistics_count_generations_and_their_failures(stack: Stack) -> None:
     """A generation is one request of one row in Triton's ModelStatistics (a decoupled model);
     one refused at the gateway after its version resolved counts as a failure of that version.
@@ -246,9 +271,11 @@ async def test_model_statistics_count_generations_and_their_failures(stack: Stac
         tokens_before = total(scrape(worker_port), names.WORKER_TENANT_TOKENS_TOTAL)
         compute_before = total(scrape(worker_port), names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL)
         stub = api_grpc.InferenceServiceStub(channel)
+        # Shorter than a KV block (16 tokens), so the prefix cache never holds any of it: every
+        # prompt token is computed, and charged, for each of the three.
         await asyncio.gather(
             *(
-                stream(stub, generate_request("Once upon a time", max_tokens=4, ignore_eos=True))
+                stream(stub, generate_request(TALLY_PROMPT, max_tokens=4, ignore_eos=True))
                 for _ in range(3)
             )
         )
@@ -264,7 +291,7 @@ async def test_model_statistics_count_generations_and_their_failures(stack: Stac
     assert after.last_inference >= before.last_inference and after.last_inference > 0
     # The worker charged the tenant for every prompt token and each decode step.
     metrics = scrape(worker_port)
-    prompt_tokens = len("Once upon a time") + 1
+    prompt_tokens = len(TALLY_PROMPT) + 1
     tokens = total(metrics, names.WORKER_TENANT_TOKENS_TOTAL) - tokens_before
     assert tokens == 3 * (prompt_tokens + 3), tokens
     assert total(metrics, names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL) > compute_before
