@@ -122,8 +122,8 @@ _BATCHING = (
         "min_expected_arrivals",
         float,
         DriverConfig.min_expected_arrivals,
-        "with the executor idle, linger only if this many more rows are expected in time; "
-        "0 always lingers",
+        "with the executor idle, linger only if this many more rows are expected in time and "
+        "the next one soon enough to be worth waiting for; 0 always lingers",
         "rows",
         field="batching.min_expected_arrivals",
     ),

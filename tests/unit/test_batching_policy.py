@@ -155,9 +155,19 @@ def test_linger_waits_until_max_wait_then_dispatches() -> None:
     assert ids(dispatch) == [0, 1]
 
 
+def flat_latency(compute_s: float, max_size: int = 64) -> LatencyModel:
+    """A latency model that has seen every batch size up to max_size cost `compute_s` (a GPU
+    far from its limits: a batch costs its fixed part, whatever its width)."""
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    for size in (1, max_size):
+        latency.observe(make_key(), size, compute_s)
+    return latency
+
+
 def test_linger_closes_a_batch_under_steady_traffic() -> None:
-    # One arrival per ms keeps more than one arrival expected before the linger ends.
-    batcher = make_batcher(max_batch_size=64)
+    # A 60 ms batch whatever its width (SLO 200 ms): waiting for the next row (1 ms away) pays
+    # while fewer than 60 rows share the batch, so the linger (the 50 ms cap) runs out first.
+    batcher = make_batcher(max_batch_size=64, slo_s=0.2, latency=flat_latency(0.06))
     add_burst(batcher, count=2)
     for ms in range(2, 46):
         assert batcher.add(make_item(item_id=ms, arrival_s=ms / 1000), ms / 1000) == Admitted()
@@ -171,7 +181,7 @@ def test_linger_closes_a_batch_under_steady_traffic() -> None:
 
 
 def test_deadline_slack_closes_batch_before_linger() -> None:
-    batcher = make_batcher()
+    batcher = make_batcher(min_expected_arrivals=0.0)  # lingers whether or not it pays
     add_burst(batcher, count=2, deadline_s=0.03)
 
     # Slack runs out at deadline - compute - margin = 0.03 - 0.01 - 0.005.
@@ -211,18 +221,48 @@ def test_idle_executor_dispatches_a_lone_request_at_once() -> None:
     assert ids(dispatch) == [7]
 
 
-def test_idle_trigger_waits_while_more_arrivals_are_expected() -> None:
+def test_idle_trigger_waits_only_while_the_next_row_is_worth_waiting_for() -> None:
     batcher = make_batcher()
     add_burst(batcher, count=2)
 
-    # Gap 1 ms: expected arrivals (0.05 - t) / max(0.001, t - 0.001) drop below one at
-    # t = (0.05 + 0.001) / 2, well before the linger ends.
-    assert batcher.poll(0.001, executor_idle=True).action == Wait(until_s=pytest.approx(0.0255))
-    assert isinstance(batcher.poll(0.02, executor_idle=True).action, Wait)
+    # A 10 ms batch of any width, rows 1 ms apart: waiting for a third row pays while it is
+    # expected within c(1) / 3 - (c(3) - c(2)) = 3.33 ms, i.e. until 3.33 ms of silence
+    # after the last arrival, long before the linger (50 ms) ends.
+    wake_s = 0.001 + DEFAULT_COMPUTE_S / 3
+    assert batcher.poll(0.001, executor_idle=True).action == Wait(until_s=pytest.approx(wake_s))
+    assert isinstance(batcher.poll(0.004, executor_idle=True).action, Wait)
 
-    dispatch = dispatch_of(batcher.poll(0.0256, executor_idle=True))
+    dispatch = dispatch_of(batcher.poll(0.0044, executor_idle=True))
     assert dispatch.reason is CloseReason.IDLE
     assert ids(dispatch) == [0, 1]
+
+
+def test_a_flat_curve_gathers_about_a_batchs_cost_in_arrival_gaps() -> None:
+    # 10 ms a batch, one row a ms: the k queued rows wait for one more while 10 / (k + 1) > 1,
+    # so the batch closes with 9 rows, where waiting for a tenth no longer pays (executor
+    # idle, long before the 50 ms linger).
+    batcher = make_batcher(max_batch_size=64)
+    add_burst(batcher, count=2)  # the first rows give the arrival rate
+    closed = None
+    for ms in range(2, 40):
+        assert batcher.add(make_item(item_id=ms, arrival_s=ms / 1000), ms / 1000) == Admitted()
+        action = batcher.poll(ms / 1000, executor_idle=True).action
+        if isinstance(action, Dispatch):
+            closed = action
+            break
+    assert closed is not None and closed.reason is CloseReason.IDLE
+    assert len(closed.items) == 9
+
+
+def test_a_steep_curve_runs_an_idle_executor_at_once() -> None:
+    # 4 ms a row and nothing fixed (each row costs its own, a small model on a CPU): waiting
+    # for a row never pays, however fast they come; the rows that arrive while a batch runs
+    # make the next one.
+    batcher = make_batcher(latency=linear_latency(0.004))
+    add_all(batcher, [make_item(item_id=i, arrival_s=i * 1e-4) for i in range(2)])
+
+    dispatch = dispatch_of(batcher.poll(2e-4, executor_idle=True))
+    assert (ids(dispatch), dispatch.reason) == ([0, 1], CloseReason.IDLE)
 
 
 def test_arrival_rate_is_per_key() -> None:
@@ -699,11 +739,13 @@ def test_no_backfill_that_would_still_run_when_interactive_rows_are_due() -> Non
     # Interactive rows of one key linger; another key's batch rows (10 ms a batch, an unknown
     # key) backfill meanwhile, but none starts that would still run when the interactive rows
     # are due (found from a twin without the batch rows): the executor cannot be preempted.
-    twin = make_batcher(latency=linear_latency(0.004))
+    # Both linger whether or not it pays (min_expected_arrivals 0): the interactive rows are
+    # due when their linger ends.
+    twin = make_batcher(latency=linear_latency(0.004), min_expected_arrivals=0.0)
     add_burst(twin, count=2, first_id=100, priority=INTERACTIVE)
     due = twin.poll(0.002, executor_idle=True).action
     assert isinstance(due, Wait) and due.until_s is not None
-    batcher = make_batcher(latency=linear_latency(0.004))
+    batcher = make_batcher(latency=linear_latency(0.004), min_expected_arrivals=0.0)
     add_all(batcher, [make_item(item_id=i, bucket=64, priority=BATCH) for i in range(3)])
     add_burst(batcher, count=2, first_id=100, priority=INTERACTIVE)
 

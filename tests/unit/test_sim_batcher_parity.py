@@ -9,6 +9,7 @@ teaches the latency model its compute time."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.unit
 
 SPEC = ModelSpec(name="m", slo_s=0.1, max_batch_size=16, length_buckets=(16, 64))
 DRIVER = DriverConfig(upstream_budget_s=0.02, safety_margin_s=0.005, max_wait_cap_s=0.02)
+#: Lingering whether or not it pays (min_expected_arrivals 0): the linger and deadline-slack
+#: triggers then close batches too, and the parity covers them.
+ALWAYS_LINGERS = dataclasses.replace(DRIVER, min_expected_arrivals=0.0)
 CURVE = LatencyCurve.linear((16, 64), (1, 2, 4, 8, 16), fixed_s=0.004, per_token_s=5e-6)
 TIMEOUT_S = 0.08
 
@@ -50,11 +54,13 @@ def make_arrivals(seed: int, *, rate_per_s: float, num: int) -> list[Arrival]:
     return arrivals
 
 
-def simulated_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
+def simulated_batches(
+    arrivals: list[Arrival], driver: DriverConfig = DRIVER
+) -> tuple[list[Batch], list[str]]:
     loop = EventLoop()
     outcomes: list[str] = []
     worker = SimWorker(
-        "w", [(SPEC, CURVE)], DRIVER, loop, lambda _t, _r, outcome: outcomes.append(outcome),
+        "w", [(SPEC, CURVE)], driver, loop, lambda _t, _r, outcome: outcomes.append(outcome),
         keep_batches=True,
     )  # fmt: skip
     refusals: list[str] = []
@@ -102,7 +108,9 @@ class DirectDriver:
         self.latency.observe(dispatch.key, len(dispatch.items), now_s - self.running_since_s)
 
 
-def direct_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
+def direct_batches(
+    arrivals: list[Arrival], driver_config: DriverConfig = DRIVER
+) -> tuple[list[Batch], list[str]]:
     keys = {bucket: SPEC.key(bucket) for bucket in SPEC.length_buckets}
     latency = LatencyModel()
     CURVE.seed(latency, keys)
@@ -110,10 +118,10 @@ def direct_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
         max_batch_size=SPEC.max_batch_size,
         max_queue_size=SPEC.max_queue_size,
         slo_s=SPEC.slo_s,
-        upstream_budget_s=DRIVER.upstream_budget_s,
-        safety_margin_s=DRIVER.safety_margin_s,
-        max_wait_cap_s=DRIVER.max_wait_cap_s,
-        min_expected_arrivals=DRIVER.min_expected_arrivals,
+        upstream_budget_s=driver_config.upstream_budget_s,
+        safety_margin_s=driver_config.safety_margin_s,
+        max_wait_cap_s=driver_config.max_wait_cap_s,
+        min_expected_arrivals=driver_config.min_expected_arrivals,
     )
     driver = DirectDriver(Batcher(config, latency), latency, CURVE.truth(keys))
     batches: list[Batch] = []
@@ -144,13 +152,14 @@ def direct_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
         driver.poll(now_s, batches)
 
 
+@pytest.mark.parametrize("driver", [DRIVER, ALWAYS_LINGERS], ids=["default", "always-lingers"])
 @pytest.mark.parametrize(("seed", "rate_per_s"), [(1, 200.0), (2, 800.0), (3, 2500.0)])
 def test_simulated_worker_and_direct_batcher_dispatch_the_same_batches(
-    seed: int, rate_per_s: float
+    seed: int, rate_per_s: float, driver: DriverConfig
 ) -> None:
     arrivals = make_arrivals(seed, rate_per_s=rate_per_s, num=1500)
-    simulated, simulated_refusals = simulated_batches(arrivals)
-    direct, direct_refusals = direct_batches(arrivals)
+    simulated, simulated_refusals = simulated_batches(arrivals, driver)
+    direct, direct_refusals = direct_batches(arrivals, driver)
     assert len(simulated) > 50
     assert simulated == direct
     assert simulated_refusals == direct_refusals
@@ -159,8 +168,12 @@ def test_simulated_worker_and_direct_batcher_dispatch_the_same_batches(
 def test_the_arrival_sequences_exercise_every_decision_the_parity_compares() -> None:
     light, light_refusals = simulated_batches(make_arrivals(1, rate_per_s=200.0, num=1500))
     heavy, heavy_refusals = simulated_batches(make_arrivals(3, rate_per_s=2500.0, num=1500))
-    reasons = {reason for *_, reason in light + heavy}
-    assert {"idle", "full", "linger", "deadline"} <= reasons
+    lingering = [
+        simulated_batches(make_arrivals(seed, rate_per_s=rate, num=1500), ALWAYS_LINGERS)[0]
+        for seed, rate in ((1, 200.0), (3, 2500.0))
+    ]
+    assert {"idle", "full"} <= {reason for *_, reason in light + heavy}
+    assert {"linger", "deadline"} <= {reason for *_, reason in lingering[0] + lingering[1]}
     assert max(len(ids) for _, _, ids, _ in heavy) == SPEC.max_batch_size
     assert {bucket for _, bucket, _, _ in light} == {16, 64}
     assert light_refusals == []

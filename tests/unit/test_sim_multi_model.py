@@ -6,6 +6,7 @@ request as its own model; scenarios, summaries and the planner know the models a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -43,6 +44,9 @@ HEAVY_CURVE = LatencyCurve.linear((128, 512), (1, 2, 4, 8), fixed_s=0.006, per_t
 MODELS = ((LIGHT, LIGHT_CURVE), (HEAVY, HEAVY_CURVE))
 HEAVY_BUCKETS = set(HEAVY.length_buckets)
 DRIVER = DriverConfig(upstream_budget_s=0.01, safety_margin_s=0.005, max_wait_cap_s=0.02)
+#: Lingering whether or not it pays (min_expected_arrivals 0): lanes linger long enough for
+#: the cross-model decisions (fair_share, backfill) and the linger and deadline triggers.
+ALWAYS_LINGERS = dataclasses.replace(DRIVER, min_expected_arrivals=0.0)
 TIMEOUT_S = 0.25
 
 #: (dispatch time, bucket, item ids, close reason)
@@ -68,7 +72,7 @@ def make_arrivals(seed: int, *, rate_per_s: float, num: int) -> list[Arrival]:
 
 
 def simulated_batches(
-    arrivals: list[Arrival],
+    arrivals: list[Arrival], driver: DriverConfig = DRIVER
 ) -> tuple[list[Batch], list[str], dict[int, float]]:
     """The SimWorker's batches and refusals, and when each admitted row (by item id) was
     answered."""
@@ -81,7 +85,7 @@ def simulated_batches(
             answered_s[item_of[request]] = now_s
 
     loop = EventLoop()
-    worker = SimWorker("w", MODELS, DRIVER, loop, answer, keep_batches=True)
+    worker = SimWorker("w", MODELS, driver, loop, answer, keep_batches=True)
 
     def submit(now_s: float, arrival: Arrival) -> None:
         request = SimRequest(arrival, now_s + TIMEOUT_S)
@@ -162,7 +166,9 @@ class DirectDriver:
         lane.latency.observe(dispatch.key, len(dispatch.items), compute_s)
 
 
-def direct_lane(spec: ModelSpec, curve: LatencyCurve, ledger: ComputeLedger) -> DirectLane:
+def direct_lane(
+    spec: ModelSpec, curve: LatencyCurve, ledger: ComputeLedger, driver: DriverConfig
+) -> DirectLane:
     keys = {bucket: spec.key(bucket) for bucket in spec.length_buckets}
     latency = LatencyModel()
     curve.seed(latency, keys)
@@ -170,17 +176,19 @@ def direct_lane(spec: ModelSpec, curve: LatencyCurve, ledger: ComputeLedger) -> 
         max_batch_size=spec.max_batch_size,
         max_queue_size=spec.max_queue_size,
         slo_s=spec.slo_s,
-        upstream_budget_s=DRIVER.upstream_budget_s,
-        safety_margin_s=DRIVER.safety_margin_s,
-        max_wait_cap_s=DRIVER.max_wait_cap_s,
-        min_expected_arrivals=DRIVER.min_expected_arrivals,
+        upstream_budget_s=driver.upstream_budget_s,
+        safety_margin_s=driver.safety_margin_s,
+        max_wait_cap_s=driver.max_wait_cap_s,
+        min_expected_arrivals=driver.min_expected_arrivals,
     )
     return DirectLane(spec, Batcher(config, latency, ledger), latency, curve.truth(keys))
 
 
-def direct_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
+def direct_batches(
+    arrivals: list[Arrival], driver_config: DriverConfig = DRIVER
+) -> tuple[list[Batch], list[str]]:
     ledger = ComputeLedger()
-    lanes = [direct_lane(spec, curve, ledger) for spec, curve in MODELS]
+    lanes = [direct_lane(spec, curve, ledger, driver_config) for spec, curve in MODELS]
     lane_of = {lane.spec.name: lane for lane in lanes}
     driver = DirectDriver(lanes, ledger)
     refusals: list[str] = []
@@ -219,13 +227,14 @@ def direct_batches(arrivals: list[Arrival]) -> tuple[list[Batch], list[str]]:
         driver.take_pass(now_s)
 
 
+@pytest.mark.parametrize("driver", [DRIVER, ALWAYS_LINGERS], ids=["default", "always-lingers"])
 @pytest.mark.parametrize(("seed", "rate_per_s"), [(1, 150.0), (2, 600.0), (4, 3000.0)])
 def test_a_two_model_worker_dispatches_as_two_batchers_on_one_executor_do(
-    seed: int, rate_per_s: float
+    seed: int, rate_per_s: float, driver: DriverConfig
 ) -> None:
     arrivals = make_arrivals(seed, rate_per_s=rate_per_s, num=2000)
-    simulated, simulated_refusals, _ = simulated_batches(arrivals)
-    direct, direct_refusals = direct_batches(arrivals)
+    simulated, simulated_refusals, _ = simulated_batches(arrivals, driver)
+    direct, direct_refusals = direct_batches(arrivals, driver)
     assert len(simulated) > 50
     assert {bucket in HEAVY_BUCKETS for _, bucket, _, _ in simulated} == {True, False}
     assert simulated == direct
@@ -233,9 +242,15 @@ def test_a_two_model_worker_dispatches_as_two_batchers_on_one_executor_do(
 
 
 def test_the_parity_arrivals_exercise_the_cross_model_decisions() -> None:
-    light, _, _ = simulated_batches(make_arrivals(1, rate_per_s=150.0, num=2000))
-    heavy, refusals, _ = simulated_batches(make_arrivals(4, rate_per_s=3000.0, num=2000))
-    reasons = {reason for *_, reason in light + heavy}
+    reasons: set[str] = set()
+    refusals: list[str] = []
+    for driver in (DRIVER, ALWAYS_LINGERS):
+        light, _, _ = simulated_batches(make_arrivals(1, rate_per_s=150.0, num=2000), driver)
+        heavy, heavy_refusals, _ = simulated_batches(
+            make_arrivals(4, rate_per_s=3000.0, num=2000), driver
+        )
+        reasons |= {reason for *_, reason in light + heavy}
+        refusals += heavy_refusals
     # fair_share: by_urgency forced a lingering lane to close for its more urgent rows;
     # backfill: one model's `batch` rows filled the executor while the other's lingered.
     assert {"idle", "full", "linger", "deadline", "fair_share", "backfill"} <= reasons

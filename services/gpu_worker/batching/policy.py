@@ -480,4 +480,26 @@ class Batcher:
         wake_s = min(linger_end_s, slack_at_s, expiry_s)
         if gap_s is not None:
             wake_s = min(wake_s, queue.idle_at_s(linger_end_s, cfg.min_expected_arrivals))
+        if cfg.min_expected_arrivals > 0 and gap_s is not None and queue.last_add_s is not None:
+            payoff_gap_s = self._linger_payoff_gap_s(key, urgent, compute_s)
+            if gap_s >= payoff_gap_s:
+                return CloseReason.IDLE, None
+            # The silence since the last arrival counts as the gap: past this, waiting stops
+            # paying even if nobody comes.
+            wake_s = min(wake_s, queue.last_add_s + payoff_gap_s)
         return None, wake_s
+
+    def _linger_payoff_gap_s(self, key: BatchKey, num_rows: int, compute_s: float) -> float:
+        """How soon the next row must be expected for an idle executor to wait for it rather
+        than run the `num_rows` queued now (`compute_s`, their predicted compute).
+
+        One step of lookahead, in total latency of the queued rows and the next one, arriving
+        g from now. Run now: the queued rows finish at c(k) each; the newcomer waits for the
+        executor, then runs alone, c(1) more. Wait: all k + 1 finish at g + c(k + 1). Waiting
+        pays exactly when g < c(1) / (k + 1) - (c(k + 1) - c(k)): a batch's fixed cost, shared
+        by more rows, against the wait every queued row pays. A flat curve (a GPU) lingers
+        until about c(1) / g rows have gathered; a steep one (each row costs its own compute,
+        a small CPU model) or sparse arrivals dispatch at once, and traffic still batches as
+        the rows that arrive while a batch runs form the next one (the executor clocks it)."""
+        marginal_s = self._latency.predict(key, num_rows + 1) - compute_s
+        return self._latency.predict(key, 1) / (num_rows + 1) - marginal_s

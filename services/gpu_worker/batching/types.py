@@ -119,7 +119,8 @@ class BatcherConfig:
     #: Optional cap on padded tokens per batch (bucket * batch size); 0 means no cap.
     max_batch_tokens: int = 0
     #: When the executor is idle, wait for more items only if at least this many are expected
-    #: to arrive before the linger expires (work-conserving trigger).
+    #: to arrive before the linger expires, and the next one soon enough that waiting for it
+    #: pays (work-conserving trigger); 0 always lingers.
     min_expected_arrivals: float = 1.0
     #: Fair-share weights of tenants whose requests carry none; tenants not listed weigh 1.0.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)
