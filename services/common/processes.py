@@ -87,6 +87,7 @@ def launch(
     append_log: bool = False,
     own_session: bool = False,
     dies_with_parent: bool = False,
+    cpus: frozenset[int] | None = None,
 ) -> ChildProcess:
     """Starts `argv` with stdout and stderr in `log_path`; with `ready_file`, appends
     `--ready-file <path>` to it (an old file there is removed first: it would read as ready).
@@ -94,6 +95,7 @@ def launch(
     `own_session`: Ctrl-C in the terminal reaches only the caller, not the child.
     `dies_with_parent`: the child gets SIGTERM when the caller dies, even by SIGKILL; the caller
     must launch from its main thread (the kernel ties this to the forking thread).
+    `cpus`: the child and every thread it starts run only on these CPUs (set before exec).
     """
     args = list(argv)
     if ready_file is not None:
@@ -108,15 +110,22 @@ def launch(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=own_session,
-            preexec_fn=_die_with(os.getpid()) if dies_with_parent else None,
+            preexec_fn=_before_exec(os.getpid() if dies_with_parent else None, cpus),
         )
     return ChildProcess(name, process, log_path, ready_file)
 
 
-def _die_with(parent_pid: int) -> Callable[[], None]:
-    libc = ctypes.CDLL(None, use_errno=True)
+def _before_exec(parent_pid: int | None, cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """What the child does between fork and exec: die with `parent_pid`, run on `cpus`."""
+    if parent_pid is None and cpus is None:
+        return None
+    libc = ctypes.CDLL(None, use_errno=True) if parent_pid is not None else None
 
     def before_exec() -> None:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if libc is None:
+            return
         # A blocked signal mask survives exec; the child must see its own SIGTERM.
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)

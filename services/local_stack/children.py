@@ -57,6 +57,7 @@ def spawn(config: StackConfig, name: str, tier: str, argv: list[str], *, has_rea
         # SIGTERM every tier when the launcher dies, even by SIGKILL. The launcher forks only
         # from its main thread, which lives as long as it.
         dies_with_parent=True,
+        cpus=config.cpus.get(tier),
     )
     ports = {} if has_ready else {"port": config.redis_port}
     return Child(**vars(launched), tier=tier, ports=ports)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.redis_acl import (
@@ -16,6 +18,8 @@ HOST = "127.0.0.1"
 # For the banner's grpcurl example: the gateway's own Predict on the default model.
 EXAMPLE_PREDICT = '{"model_name": "minilm", "inputs": [{"text": "hello world"}]}'
 PREDICT_RPC = "inference.v1.InferenceService/Predict"
+#: Every tier the launcher starts, by the name `--cpus` uses.
+TIERS = ("redis", "router", "worker", "gateway", "jobs")
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,9 @@ class StackConfig:
     #: Appended to the job runner's command line (its --api-key-file when the gateway
     #: authenticates: the runner's tenant must be granted the batch class).
     extra_jobs_args: tuple[str, ...] = ()
+    #: CPUs each tier's processes may run on (tiers not named: any). On one machine this
+    #: stands in for the deployment's separate nodes: GPU workers apart from the CPU tiers.
+    cpus: Mapping[str, frozenset[int]] = field(default_factory=dict)
 
     @property
     def redis_url(self) -> str:
@@ -97,9 +104,21 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
     parser.add_argument(
         "--tolerate-exits", action="store_true", help="keep running if a tier exits once up"
     )
+    parser.add_argument(
+        "--cpus",
+        action="append",
+        default=[],
+        metavar="TIERS=CPUS",
+        help="pin tiers to CPUs, repeatable: --cpus worker=1 --cpus gateway,router,redis,jobs=0"
+        f" (tiers: {', '.join(TIERS)}; CPUs: ids and ranges such as 0-3,6)",
+    )
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
+    try:
+        cpus = parse_cpus(args.cpus, available=frozenset(os.sched_getaffinity(0)))
+    except ValueError as error:
+        parser.error(f"--cpus: {error}")
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="inference-fabric-"))
     return StackConfig(
         state_dir=state_dir.resolve(),
@@ -114,4 +133,40 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         stop_timeout_s=args.stop_timeout_s,
         tolerate_exits=args.tolerate_exits,
         extra_jobs_args=tuple(args.jobs_arg),
+        cpus=cpus,
     )
+
+
+def parse_cpus(specs: list[str], *, available: frozenset[int]) -> dict[str, frozenset[int]]:
+    """`TIERS=CPUS` entries -> {tier: CPUs}. Raises ValueError naming the entry at fault: an
+    unknown tier, a tier named twice, or a CPU this process may not run on."""
+    pinned: dict[str, frozenset[int]] = {}
+    for spec in specs:
+        tiers, _, cpu_list = spec.partition("=")
+        cpus = frozenset(_cpu_ids(cpu_list, spec))
+        if not cpus <= available:
+            raise ValueError(f"{spec!r}: CPUs {sorted(cpus - available)} are not available"
+                             f" (this machine offers {sorted(available)})")  # fmt: skip
+        for tier in (t.strip() for t in tiers.split(",")):
+            if tier not in TIERS:
+                raise ValueError(f"{spec!r}: unknown tier {tier!r} (tiers: {', '.join(TIERS)})")
+            if tier in pinned:
+                raise ValueError(f"{spec!r}: tier {tier!r} is pinned twice")
+            pinned[tier] = cpus
+    return pinned
+
+
+def _cpu_ids(cpu_list: str, spec: str) -> list[int]:
+    ids: list[int] = []
+    for part in cpu_list.split(","):
+        low, _, high = part.strip().partition("-")
+        try:
+            first, last = int(low), int(high or low)
+        except ValueError:
+            raise ValueError(
+                f"{spec!r}: expected TIERS=CPUS such as worker=1 or gateway=0-1"
+            ) from None
+        if first < 0 or last < first:
+            raise ValueError(f"{spec!r}: {part!r} is not a CPU range")
+        ids.extend(range(first, last + 1))
+    return ids

@@ -117,6 +117,29 @@ async def test_stack_starts_and_stops_leaving_no_process(tmp_path: Path) -> None
     assert "SIGTERM: stopping" in launcher_log
 
 
+def test_tiers_pinned_to_cpus_run_every_thread_there(tmp_path: Path) -> None:
+    """`--cpus`: the worker on one CPU, the CPU tiers on another (the deployment's separate
+    nodes, on one machine); every thread of every tier, started before or after it was
+    ready, keeps to its CPUs."""
+    available = sorted(os.sched_getaffinity(0))
+    low, high = available[0], available[-1]
+    stack = start_stack(
+        tmp_path,
+        launcher_args=("--cpus", f"worker={high}", "--cpus", f"gateway,router,redis,jobs={low}"),
+    )
+    try:
+        pids = stack.pids()
+        for name, pid in pids.items():
+            expected = {high} if name.startswith("worker") else {low}
+            threads = [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+            assert len(threads) > 1 or name == "redis", (name, threads)
+            for tid in threads:
+                assert os.sched_getaffinity(tid) == expected, (name, tid)
+        assert os.sched_getaffinity(stack.launcher.process.pid) == set(available)
+    finally:
+        assert stack.stop() == 0, stack.log("launcher")
+
+
 async def run_example(command: str, *, cwd: Path) -> str:
     """Runs one of the banner's example commands in a shell, as a user pastes it."""
     process = await asyncio.create_subprocess_shell(

@@ -114,11 +114,13 @@ def start_stack(
     extra_gateway_args: tuple[str, ...] = (),
     tolerate_exits: bool = False,
     ready_timeout_s: float = 300.0,
+    launcher_args: tuple[str, ...] = (),
 ) -> Stack:
     """Runs `python -m services.local_stack --ephemeral-ports` and waits until every tier is up.
 
     `tolerate_exits`: the launcher keeps the other tiers running when one exits after startup
     (for tests that kill a worker or Redis on purpose); `stop()` then still returns 0.
+    `launcher_args`: more of the launcher's own flags (`--cpus worker=1`).
     """
     state_dir = tmp_path / "stack"
     args = [
@@ -129,6 +131,7 @@ def start_stack(
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
         *(f"--gateway-arg={arg}" for arg in extra_gateway_args),
         *(["--tolerate-exits"] if tolerate_exits else []),
+        *launcher_args,
     ]  # fmt: skip
     # The launcher renames its ready file into place whole once every tier is up.
     launcher, ready = start_and_wait(

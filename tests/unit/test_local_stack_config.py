@@ -1,0 +1,43 @@
+"""The launcher's `--cpus TIERS=CPUS` pinning: parsed into one CPU set per tier, refused with a
+message naming the entry at fault."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from services.local_stack.config import parse_cpus
+
+pytestmark = pytest.mark.unit
+
+FOUR = frozenset(range(4))
+
+
+def test_tiers_and_cpu_ranges_become_one_set_per_tier() -> None:
+    pinned = parse_cpus(["worker=2-3", "gateway, router,redis=0", "jobs=0,1"], available=FOUR)
+    assert pinned == {
+        "worker": frozenset({2, 3}),
+        "gateway": frozenset({0}),
+        "router": frozenset({0}),
+        "redis": frozenset({0}),
+        "jobs": frozenset({0, 1}),
+    }
+    assert parse_cpus([], available=FOUR) == {}
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        (["worker=4"], "CPUs [4] are not available"),
+        (["gpu=1"], "unknown tier 'gpu'"),
+        (["worker=1", "worker=2"], "pinned twice"),
+        (["worker"], "expected TIERS=CPUS"),
+        (["worker=one"], "expected TIERS=CPUS"),
+        (["worker=3-1"], "not a CPU range"),
+    ],
+)
+def test_a_bad_entry_is_refused_by_name(specs: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)) as error:
+        parse_cpus(specs, available=FOUR)
+    assert repr(specs[-1]) in str(error.value)
