@@ -85,8 +85,10 @@ def start_stack(
     extra_worker_args: tuple[str, ...] = (),
     extra_gateway_args: tuple[str, ...] = (),
     ready_timeout_s: float = 600.0,
+    launcher_args: tuple[str, ...] = (),
 ) -> BenchStack:
-    """Redis, router, one worker and a gateway on free ports, serving `repository`."""
+    """Redis, router, one worker and a gateway on free ports, serving `repository`;
+    `launcher_args`: more of the launcher's own flags (`--cpus worker=1`)."""
     ready_file = state_dir / "stack-ready.json"
     argv = [
         sys.executable, "-m", "services.local_stack", "--ephemeral-ports",
@@ -94,6 +96,7 @@ def start_stack(
         "--state-dir", str(state_dir / "tiers"),
         *(f"--worker-arg={arg}" for arg in extra_worker_args),
         *(f"--gateway-arg={arg}" for arg in extra_gateway_args),
+        *launcher_args,
     ]  # fmt: skip
     launched = _launch(argv, state_dir, ready_file, ready_timeout_s)
     return BenchStack(launched.child, launched.ready)
