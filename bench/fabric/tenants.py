@@ -1,17 +1,23 @@
 """A flooding tenant: the victim's goodput and p99 with and without the flood, in one run.
 
-    python -m bench.fabric.tenants [--smoke] [--output bench/results/tenants.json]
+    python -m bench.fabric.tenants [--smoke] [--pin] [--output bench/results/tenants.json]
 
 One stack serves minilm (its own SLO, shedding past it) with API keys for three tenants. First
 an unlimited `probe` tenant measures closed-loop capacity C. The keys file is then rewritten
-(the gateway reloads it within a second) so that `victim` and `flood` each get a quota of
-QUOTA_SHARE x C requests/s. Then, at VICTIM_SHARE x C (open loop, Poisson):
+(the gateway reloads it within a second) so that `victim` gets a quota of QUOTA_SHARE x C
+requests/s and `flood` one of FLOOD_QUOTA_SHARE x C (quotas an operator sized to the fleet:
+what the flood is admitted barely loads it). Then, at VICTIM_SHARE x C (open loop, Poisson):
 1. the victim alone;
 2. the victim while `flood` sends as fast as FLOOD_CONCURRENCY callers can, ignoring retry
    hints (an abusive client), refused by its quota at the gateway;
 3. the same with the flood's quota lifted, so only the workers' admission and cost-weighted
    fair share stand between the two tenants.
 The flood's offered rate is reported as a multiple of C. Prints a table; writes JSON.
+
+`--pin` keeps the worker on one CPU (one torch thread) and the CPU tiers, this client and the
+flood on another (`services.local_stack --cpus`): a deployment's separate nodes on one machine.
+Without it every process shares every core, and the flood's client and refusals take CPU the
+model needs.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import multiprocessing
+import os
 import tempfile
 import time
 from collections import Counter
@@ -41,6 +48,7 @@ from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 MODEL = "minilm"
 KEYS = {"probe": "key-probe", "victim": "key-victim", "flood": "key-flood"}
 QUOTA_SHARE = 0.4
+FLOOD_QUOTA_SHARE = 0.05
 VICTIM_SHARE = 0.3
 FLOOD_CONCURRENCY = 64
 
@@ -157,7 +165,9 @@ async def victim_phase(
     }
 
 
-async def run(settings: Settings, state_dir: Path, log: Progress) -> dict[str, Any]:
+async def run(
+    settings: Settings, state_dir: Path, log: Progress, *, pin: bool = False
+) -> dict[str, Any]:
     repo = state_dir / "repo"
     write_minilm_repository(repo, shed_past_slo=True)
     version = next(v for v in load_repository(repo) if v.config.name == MODEL)
@@ -165,10 +175,24 @@ async def run(settings: Settings, state_dir: Path, log: Progress) -> dict[str, A
     texts = make_texts(256, settings.seed, version.weights_dir / "tokenizer.json")
     keys = state_dir / "api-keys.toml"
     keys.write_text(keys_toml({}))
+    cpus = sorted(os.sched_getaffinity(0))
+    pinning = dict(
+        extra_worker_args=("--torch-threads=1",),
+        launcher_args=("--cpus", f"worker={cpus[-1]}",
+                       "--cpus", f"gateway,router,redis,jobs={cpus[0]}"),
+    )  # fmt: skip
     stack = await asyncio.to_thread(
-        start_stack, repo, state_dir / "stack", extra_gateway_args=(f"--api-keys-file={keys}",)
+        start_stack,
+        repo,
+        state_dir / "stack",
+        extra_gateway_args=(f"--api-keys-file={keys}",),
+        **(pinning if pin else {}),
     )
-    report: dict[str, Any] = {"slo_s": slo_s, "settings": dataclasses.asdict(settings)}
+    if pin:
+        os.sched_setaffinity(0, {cpus[0]})  # this client, and the flood's process after it
+    report: dict[str, Any] = {
+        "slo_s": slo_s, "settings": dataclasses.asdict(settings), "pinned": pin
+    }  # fmt: skip
     try:
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
             observer = Observer(stack.pids(), stack.metrics_ports())
@@ -178,7 +202,8 @@ async def run(settings: Settings, state_dir: Path, log: Progress) -> dict[str, A
             log(f"[capacity] closed loop: {capacity:.0f}/s")
             quota, rate = QUOTA_SHARE * capacity, VICTIM_SHARE * capacity
             report.update(capacity_per_s=capacity, quota_per_s=quota)
-            keys.write_text(keys_toml({"victim": quota, "flood": quota}))
+            flood_quota = FLOOD_QUOTA_SHARE * capacity
+            keys.write_text(keys_toml({"victim": quota, "flood": flood_quota}))
             await asyncio.sleep(2.0)  # the gateway re-reads the keys file every second
             phases = {}
             for name, with_flood in (("alone", False), ("flood_with_quota", True)):
@@ -200,7 +225,8 @@ async def run(settings: Settings, state_dir: Path, log: Progress) -> dict[str, A
 
 def table(report: dict[str, Any]) -> str:
     capacity = report["capacity_per_s"]
-    rows = [f"capacity {capacity:.0f}/s; quotas {report['quota_per_s']:.0f}/s each; SLO "
+    rows = [f"capacity {capacity:.0f}/s; victim's quota {report['quota_per_s']:.0f}/s, the "
+            f"flood's {FLOOD_QUOTA_SHARE * capacity:.0f}/s; SLO "
             f"{report['slo_s'] * 1000:.0f} ms", "phase                 victim goodput  p99    "
             "good    flood offered (x capacity)  flood statuses"]  # fmt: skip
     for name, phase in report["phases"].items():
@@ -218,9 +244,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/tenants.json")
     parser.add_argument("--state-dir", type=Path)
+    parser.add_argument(
+        "--pin", action="store_true", help="worker on one CPU, CPU tiers and clients on another"
+    )
     args = parser.parse_args(argv)
     state_dir = args.state_dir or Path(tempfile.mkdtemp(prefix="tenants-bench-"))
-    report = asyncio.run(run(SMOKE if args.smoke else FULL, state_dir, Progress()))
+    report = asyncio.run(run(SMOKE if args.smoke else FULL, state_dir, Progress(), pin=args.pin))
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2) + "\n")
     print("\n" + table(report) + f"\n\nwrote {args.output}")
