@@ -129,13 +129,28 @@ ROUTE_ROWS_KEY = "x-route-rows"
 #: Priority class name (`services.common.priority.PriorityClass` value); absent means the
 #: default class.
 ROUTE_PRIORITY_KEY = "x-route-priority"
+#: The caller's tenant and its fair-share weight: the router predicts a request's wait from the
+#: rows fair share serves before it, not from every row queued (one tenant's backlog must not
+#: make another's request look late). Absent: one anonymous tenant of weight 1.
+ROUTE_TENANT_KEY = "x-route-tenant"
+ROUTE_WEIGHT_KEY = "x-route-tenant-weight"
 
 
 def route_metadata(
-    name: str, version: str, num_rows: int, priority: str = ""
+    name: str,
+    version: str,
+    num_rows: int,
+    priority: str = "",
+    *,
+    tenant: str = "",
+    weight: float = 1.0,
 ) -> tuple[tuple[str, str], ...]:
-    pairs = ((ROUTE_MODEL_KEY, name), (ROUTE_VERSION_KEY, version), (ROUTE_ROWS_KEY, str(num_rows)))
-    return (*pairs, (ROUTE_PRIORITY_KEY, priority)) if priority else pairs
+    pairs = [(ROUTE_MODEL_KEY, name), (ROUTE_VERSION_KEY, version), (ROUTE_ROWS_KEY, str(num_rows))]
+    if priority:
+        pairs.append((ROUTE_PRIORITY_KEY, priority))
+    if tenant:
+        pairs += [(ROUTE_TENANT_KEY, tenant), (ROUTE_WEIGHT_KEY, repr(float(weight)))]
+    return tuple(pairs)
 
 
 def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | None:

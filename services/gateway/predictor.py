@@ -202,7 +202,10 @@ class Predictor:
         )
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
-        route = route_metadata(config.name, model.version, len(inputs), priority.value)
+        route = route_metadata(
+            config.name, model.version, len(inputs), priority.value,
+            tenant=call.principal.tenant, weight=policy.weight,
+        )  # fmt: skip
         try:
             payload = await self._call_router(
                 request.SerializeToString(),
@@ -343,7 +346,10 @@ class Predictor:
             priority=priority.proto,
             tenant_weight=call.principal.policy.weight,
         )
-        route = route_metadata(config.name, model.version, len(ids), priority.value)
+        route = route_metadata(
+            config.name, model.version, len(ids), priority.value,
+            tenant=call.principal.tenant, weight=call.principal.policy.weight,
+        )  # fmt: skip
         metadata = outgoing_metadata(route)
         deadline_s = time.monotonic() + config.timeout_s_for(call.timeout_s)
         for attempt in itertools.count():

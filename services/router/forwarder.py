@@ -21,7 +21,12 @@ from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailab
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
-from services.common.registry_schema import ROUTE_PRIORITY_KEY, parse_route_metadata
+from services.common.registry_schema import (
+    ROUTE_PRIORITY_KEY,
+    ROUTE_TENANT_KEY,
+    ROUTE_WEIGHT_KEY,
+    parse_route_metadata,
+)
 from services.common.telemetry import count_outcome
 from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
@@ -173,6 +178,8 @@ class Forwarder:
             now_s,
             frozenset(tried),
             is_batch=facts.priority is PriorityClass.BATCH,
+            tenant=facts.tenant,
+            weight=facts.weight,
         )
         if isinstance(decision, Reject):
             self._metrics.rejected_total.labels(name, version, decision.reason.value).inc()
@@ -256,6 +263,9 @@ class CallFacts:
     #: Absolute, on time.monotonic(); math.inf for none.
     deadline_s: float
     priority: PriorityClass
+    #: The caller's tenant ("" when the gateway sent none) and its fair-share weight.
+    tenant: str = ""
+    weight: float = 1.0
 
 
 def _call_facts(
@@ -271,10 +281,17 @@ def _call_facts(
         priority = PriorityClass.parse(metadata.get(ROUTE_PRIORITY_KEY) or DEFAULT_PRIORITY.value)
     except ValueError as error:
         raise InvalidInput(f"{ROUTE_PRIORITY_KEY}: {error}") from None
+    tenant = metadata.get(ROUTE_TENANT_KEY, "")
+    try:
+        weight = float(metadata.get(ROUTE_WEIGHT_KEY) or 1.0)
+    except ValueError:
+        weight = math.nan
+    if not (math.isfinite(weight) and weight > 0):
+        raise InvalidInput(f"{ROUTE_WEIGHT_KEY} must be a positive number")
     remaining_s = context.time_remaining()
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
     deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
-    return CallFacts(*route_info, deadline_s, priority)
+    return CallFacts(*route_info, deadline_s, priority, tenant, weight)
 
 
 def _timeout_s(deadline_s: float) -> float | None:

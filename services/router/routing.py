@@ -12,7 +12,6 @@ as the heartbeat times it passes to `update`), randomness from an injected `rand
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -20,6 +19,7 @@ from dataclasses import dataclass
 
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.router.ejection import TimeoutEjectionConfig, TimeoutEjector
+from services.router.reservations import Reservations
 from services.router.retry_budget import RetryBudget
 
 __all__ = ["Reject", "RejectReason", "RetryBudget", "Route", "RouteTable", "RoutingConfig"]
@@ -141,11 +141,8 @@ class RouteTable:
         self._ejected_until_s: dict[str, float] = {}
         #: Ejects workers whose calls only time out; the forwarder reports call outcomes here.
         self.timeouts = TimeoutEjector(config.timeout_ejection)
-        # (worker_id, "name@version") -> rows reserved by this router and not yet released.
-        self._inflight_rows: dict[tuple[str, str], int] = {}
-        # reservation_id -> (worker_id, "name@version", rows).
-        self._reservations: dict[int, tuple[str, str, int]] = {}
-        self._next_reservation_id = itertools.count(1)
+        # Rows this router sent per (worker_id, "name@version") and tenant, not yet answered.
+        self._reservations = Reservations()
         # Every "name@version" some worker has served since start: one no worker serves now
         # is UNAVAILABLE (it may come back), never NOT_FOUND (permanent to clients).
         self._ever_served: set[str] = set()
@@ -177,12 +174,17 @@ class RouteTable:
         exclude: frozenset[str] = frozenset(),
         *,
         is_batch: bool = False,
+        tenant: str = "",
+        weight: float = 1.0,
     ) -> Route | Reject:
         """Choose a worker for `num_rows` rows of name@version and reserve them, or reject.
 
         `remaining_s` is what is left of the request's deadline (math.inf for none); `exclude`
         names workers already tried for this request. Rows of class `batch` (`is_batch`) run
-        after every other class, so they wait behind the workers' batch rows too.
+        after every other class, so they wait behind the workers' batch rows too. The wait is
+        the caller's `tenant`'s (of fair-share `weight`): of the rows queued there, those fair
+        share serves before its own (a flooding tenant's backlog is mostly behind a light
+        tenant's request, as the worker's batcher orders it).
         """
         cfg = self._config
         refreshed_at_s = self._refreshed_at_s
@@ -203,7 +205,7 @@ class RouteTable:
 
         # Candidates are priced only where compared: the two power-of-two samples, or all of
         # them for the exact minimum and for the fallback below.
-        pricing = (key, num_rows, now_s, refreshed_at_s, is_batch)
+        pricing = (key, num_rows, now_s, refreshed_at_s, is_batch, tenant, weight)
         is_all_priced = len(eligible) <= cfg.power_of_two_threshold
         if is_all_priced:
             best = min(self._price(eligible, *pricing), key=_rank)
@@ -220,7 +222,7 @@ class RouteTable:
         if not self._admits(best, remaining_s):
             return self._too_late(best, key, remaining_s)
         self.timeouts.on_routed(best.worker.worker_id, now_s)
-        return self._reserve(best, key, num_rows)
+        return self._reserve(best, key, num_rows, tenant, weight)
 
     def _eligible(
         self, name: str, version: str, now_s: float, exclude: frozenset[str]
@@ -274,25 +276,30 @@ class RouteTable:
         now_s: float,
         refreshed_at_s: float,
         is_batch: bool,
+        tenant: str,
+        weight: float,
     ) -> list[_Candidate]:
-        """Sets each candidate's predicted wait for `num_rows` rows of `key`; returns them."""
+        """Sets each candidate's predicted wait for `num_rows` rows of `key` of `tenant`;
+        returns them."""
         is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
         for candidate in candidates:
             model = candidate.model
             # The heartbeat is up to a period stale but counts every router's traffic; the
             # local count is fresh but only ours. The max is a conservative blend of the two,
             # while reads keep coming (see RoutingConfig.queue_report_ttl_s).
-            local_rows = self._inflight_rows.get((candidate.worker_id, key), 0)
+            slot = (candidate.worker_id, key)
+            local_rows = self._reservations.rows(slot)
             reported_rows = model.queued_rows + (model.queued_batch_rows if is_batch else 0)
             queued_rows = local_rows if is_frozen else max(reported_rows, local_rows)
+            candidate.is_idle = queued_rows == 0
+            ahead_rows = self._reservations.fair_share_of(queued_rows, slot, tenant, weight)
             candidate.predicted_s = max(
-                model.min_batch_s, (queued_rows + num_rows) * model.per_row_s
+                model.min_batch_s, (ahead_rows + num_rows) * model.per_row_s
             )
             # For generation, num_rows is the prompt's token count.
             candidate.has_room = model.kv_block_size == 0 or (
                 model.kv_blocks_free * model.kv_block_size >= num_rows
             )
-            candidate.is_idle = queued_rows == 0
         return candidates
 
     def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:
@@ -307,15 +314,14 @@ class RouteTable:
         retry_after_s = max(excess_s, best.model.min_batch_s)
         return Reject(RejectReason.DEADLINE, retry_after_s, message)
 
-    def _reserve(self, best: _Candidate, key: str, num_rows: int) -> Route:
+    def _reserve(
+        self, best: _Candidate, key: str, num_rows: int, tenant: str, weight: float
+    ) -> Route:
         # Check and reserve happen in one synchronous route() call, with no await between
         # them: that is the atomicity guarantee. Two routes in the same tick see each other's
         # rows.
         worker_id = best.worker.worker_id
-        reservation_id = next(self._next_reservation_id)
-        self._reservations[reservation_id] = (worker_id, key, num_rows)
-        slot = (worker_id, key)
-        self._inflight_rows[slot] = self._inflight_rows.get(slot, 0) + num_rows
+        reservation_id = self._reservations.reserve((worker_id, key), num_rows, tenant, weight)
         return Route(worker_id, best.worker.address, reservation_id, best.predicted_s)
 
     def _budget_s(self, model: ModelRecord, remaining_s: float) -> float:
@@ -337,16 +343,7 @@ class RouteTable:
 
     def release(self, reservation_id: int) -> None:
         """Return a reservation's rows. Idempotent: unknown or released ids are ignored."""
-        reservation = self._reservations.pop(reservation_id, None)
-        if reservation is None:
-            return
-        worker_id, key, num_rows = reservation
-        slot = (worker_id, key)
-        remaining_rows = self._inflight_rows[slot] - num_rows
-        if remaining_rows > 0:
-            self._inflight_rows[slot] = remaining_rows
-        else:
-            del self._inflight_rows[slot]
+        self._reservations.release(reservation_id)
 
     def eject(self, worker_id: str, now_s: float) -> None:
         """Skip `worker_id` until now_s + eject_s: a call to it failed with UNAVAILABLE."""
@@ -354,7 +351,7 @@ class RouteTable:
 
     def inflight_rows(self, worker_id: str) -> int:
         """Rows this router has reserved on `worker_id` and not released, all models."""
-        return sum(rows for (w, _), rows in self._inflight_rows.items() if w == worker_id)
+        return self._reservations.worker_rows(worker_id)
 
     def live_workers(self, now_s: float) -> tuple[WorkerRecord, ...]:
         """Workers whose heartbeat is fresh, draining or not, in worker_id order."""

@@ -264,8 +264,17 @@ class Fleet:
 
     def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
         spec = self._spec_of[request.arrival.model]
+        tenant = request.arrival.tenant
+        policy = self.config.tenants.get(tenant)
         decision = self._cells[request.cell].table.route(
-            spec.name, spec.version, 1, request.deadline_s - now_s, now_s, request.tried
+            spec.name,
+            spec.version,
+            1,
+            request.deadline_s - now_s,
+            now_s,
+            request.tried,
+            tenant=tenant,
+            weight=1.0 if policy is None else policy.weight,
         )
         if isinstance(decision, Reject):
             is_overload = decision.reason is RejectReason.DEADLINE

@@ -580,3 +580,53 @@ def test_a_worker_whose_calls_only_time_out_is_skipped_then_probed_by_one_reques
 def test_bad_timeout_ejection_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(timeout_eject_s=60.0, max_timeout_eject_s=30.0)
+
+
+# Tenants: the wait of a request is its tenant's under fair share
+
+
+def test_a_flooding_tenants_backlog_does_not_refuse_a_light_tenant() -> None:
+    # One worker, 0.01 s a row, 0.25 s to go: 24 rows ahead is the most a request can wait for.
+    table = loaded(make_table(), make_worker())
+
+    def send(tenant: str, num_rows: int = 1) -> Route | Reject:
+        return table.route(*MODEL, num_rows, 0.25, 0.0, tenant=tenant, weight=1.0)
+
+    flood = [send("flood", 4) for _ in range(6)]  # 24 rows reserved: the queue is full for it
+    assert all(isinstance(d, Route) for d in flood)
+    assert rejected(send("flood")) is RejectReason.DEADLINE
+    # Fair share serves one of the flood's rows per row of the light tenant's: 1 ahead.
+    light = send("light")
+    assert isinstance(light, Route) and light.predicted_s == pytest.approx(0.02)
+    # An anonymous request (no tenant from the gateway) waits for the whole queue, as before.
+    assert rejected(table.route(*MODEL, 1, 0.25, 0.0)) is RejectReason.DEADLINE
+
+
+def test_weights_and_the_heartbeat_queue_scale_the_tenants_share() -> None:
+    # The heartbeat reports 40 rows, this router sent 20 of them (10 each): the rest (other
+    # routers' traffic) is taken to be made up alike.
+    table = loaded(make_table(), make_worker(queued_rows=40))
+    for tenant, weight in (("gold", 3.0), ("bronze", 1.0)):
+        for _ in range(2):
+            assert isinstance(
+                table.route(*MODEL, 5, 10.0, 0.0, tenant=tenant, weight=weight), Route
+            )
+    gold = table.route(*MODEL, 1, 10.0, 0.0, tenant="gold", weight=3.0)
+    bronze = table.route(*MODEL, 1, 10.0, 0.0, tenant="bronze", weight=1.0)
+    # gold: its 10 rows and ceil(11 x 1 / 3) = 4 of bronze's, of 20 -> 14/20 of 40 = 28 ahead.
+    assert isinstance(gold, Route) and gold.predicted_s == pytest.approx((28 + 1) * 0.01)
+    # bronze: its 10 rows and all 11 of gold's (three of gold's go per row of its own), 21 of
+    # 21: the whole queue of 40 is ahead of it.
+    assert isinstance(bronze, Route) and bronze.predicted_s == pytest.approx((40 + 1) * 0.01)
+
+
+def test_tenant_bookkeeping_is_released_with_the_last_row() -> None:
+    table = loaded(make_table(), make_worker())
+    decisions = [table.route(*MODEL, 2, 10.0, 0.0, tenant=t, weight=1.0) for t in ("a", "b")]
+    for decision in decisions:
+        assert isinstance(decision, Route)
+        table.release(decision.reservation_id)
+    assert table.inflight_rows("w1") == 0
+    # With nothing reserved, a tenant's wait is the worker's whole (empty) queue again.
+    again = table.route(*MODEL, 1, 10.0, 0.0, tenant="a", weight=1.0)
+    assert isinstance(again, Route) and again.predicted_s == pytest.approx(0.01)

@@ -14,13 +14,18 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TypeVar
 
+from services.common.fair_rows import DEFAULT_WEIGHT, rows_ahead
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.types import QueuedItem
 
-#: Weight of a tenant that neither its request nor `tenant_weights` sets.
-DEFAULT_WEIGHT = 1.0
+__all__ = [
+    "DEFAULT_WEIGHT",
+    "TenantQueues",
+    "check_tenant_weights",
+    "is_over_share",
+    "rows_ahead",
+]
 
 #: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]
@@ -28,7 +33,6 @@ _Entry = tuple[float, float, int]
 _Class = tuple[int, str]
 #: What orders the heads of the heaps: (priority rank, virtual seconds, tenant's join order).
 Rank = tuple[int, float, int]
-K = TypeVar("K")
 
 
 def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
@@ -51,34 +55,6 @@ def is_over_share(
     others = sum(weights.get(t, DEFAULT_WEIGHT) for t in rows if t != item.tenant)
     share = size * item.weight / (others + item.weight)
     return rows[item.tenant] + 1 > share
-
-
-def rows_ahead(
-    per_key: Mapping[K, Mapping[str, int]],
-    tenant: str,
-    weight: float,
-    weights: Mapping[str, float],
-) -> dict[K, int]:
-    """Of the rows queued per key and tenant, how many fair share serves before one more row
-    of `tenant` (at `weight`): all of the tenant's own, and of each other tenant u the share
-    w_u / weight of as many rows as `tenant` has queued, plus one (weighted turns), capped at
-    what u has queued, spread over u's keys in proportion. An approximation: it ignores how
-    far apart the tenants' virtual times are now."""
-    totals: Counter[str] = Counter()
-    for counts in per_key.values():
-        totals.update(counts)
-    own = totals[tenant] + 1
-    fraction = {
-        u: min(1.0, own * weights.get(u, DEFAULT_WEIGHT) / (weight * n))
-        for u, n in totals.items()
-        if u != tenant and n > 0
-    }
-    return {
-        key: sum(
-            n if u == tenant else math.ceil(fraction[u] * n) for u, n in counts.items() if n > 0
-        )
-        for key, counts in per_key.items()
-    }
 
 
 class TenantQueues:
