@@ -43,6 +43,7 @@ import grpc
 import torch
 
 from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
+from bench.fabric.measure import wait_quiet
 from bench.fabric.observe import Observer, cpu_delta, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
@@ -65,6 +66,8 @@ CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 TOLERANCE = 0.15
 #: One-row calls of each length sent before calibrating, unmeasured.
 WARM_UP_CALLS = 20
+#: How long calibration waits for other processes to leave the CPU, seconds.
+QUIET_WAIT_S = 20.0
 #: torch's intra-op threads in the worker: the local stack leaves torch its default, one per core.
 MODEL_THREADS = torch.get_num_threads()
 
@@ -315,6 +318,10 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     try:
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
             stub = api_grpc.InferenceServiceStub(channel)
+            # What the simulator is given is measured one request at a time: other processes
+            # still busy then (a previous test's stack winding down) would inflate the hops
+            # and the tiers' CPU, and every simulated point after them.
+            await wait_quiet(lambda line: print(line, flush=True), QUIET_WAIT_S)
             print("calibrating the curve and the hops at low load ...", flush=True)
             calibration = await calibrate(stub, stack, args.repeats)
             capacity = capacity_per_s(calibration.curve)

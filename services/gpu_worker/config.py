@@ -135,6 +135,15 @@ _BATCHING = (
         field="batching.tenant_weights",
     ),
     Setting(
+        "backfill_torch_threads",
+        int,
+        DriverConfig.backfill_threads,
+        "torch threads of the short backfill batches of `batch` rows beside online traffic; "
+        "-1: half of torch's threads on a CPU (the rest stay free for the online path), 0: all",
+        "threads",
+        field="batching.backfill_threads",
+    ),
+    Setting(
         "watchdog_s",
         float,
         DriverConfig.watchdog_s,

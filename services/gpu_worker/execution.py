@@ -2,11 +2,40 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import torch
 
 from services.gpu_worker.backends.base import PreparedRow
+from services.gpu_worker.batching.driver_config import DriverConfig
+
+
+def resolve_backfill_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
+    """`config` with its backfill threads resolved: -1 becomes half of torch's intra-op
+    threads on a CPU with more than one (0 otherwise: a GPU's kernels leave the cores alone)."""
+    if config.backfill_threads >= 0:
+        return config
+    threads = torch.get_num_threads() // 2 if device.type == "cpu" else 0
+    return dataclasses.replace(config, backfill_threads=threads)
+
+
+def run_on_threads(
+    threads: int,
+    run: Callable[[Sequence[PreparedRow]], list[np.ndarray]],
+    rows: Sequence[PreparedRow],
+) -> list[np.ndarray | Exception]:
+    """`run_isolated` on `threads` torch intra-op threads (0: as set), restored after. On the
+    executor thread: the only one running the model."""
+    if threads <= 0:
+        return run_isolated(run, rows)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return run_isolated(run, rows)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def run_isolated(

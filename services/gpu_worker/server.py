@@ -36,6 +36,7 @@ from services.common.tracing import TracingInterceptor
 from services.gpu_worker.backends.base import RawInput, TokenIds, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.execution import resolve_backfill_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.loaded_models import LoadedModels, load_versions
@@ -249,7 +250,8 @@ class Worker:
             pool = select_models(repository, self.config.models)
             versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
             models = load_versions(versions, device, self.generation_metrics)
-            batching = BatchingDriver(models.fixed_cost, self.config.batching, self.metrics)
+            driver_config = resolve_backfill_threads(self.config.batching, device)
+            batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
             batching.warm_up()
             for backend in models.generation:
                 backend.warm_up()

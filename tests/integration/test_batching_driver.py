@@ -195,3 +195,57 @@ async def test_a_dead_loop_fails_queued_rows_refuses_new_ones_and_says_so(
     with pytest.raises(Unavailable):
         await driver.submit(backend, rows, timeout_s=5, tenant="t")
     await driver.drain()
+
+
+async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threads(
+    tmp_path: Path,
+) -> None:
+    """On a CPU the model's threads take every core; a backfill of `batch` rows held short
+    beside recent online rows runs on `backfill_threads` (leaving the rest to the online
+    path) and teaches the latency model nothing; after a quiet second it runs on all."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    clock = FakeClock()
+    run = backend.run
+    threads_seen: list[int] = []
+
+    def run_recording_threads(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        threads_seen.append(torch.get_num_threads())
+        clock.now_s += BATCH_S
+        return run(rows)
+
+    backend.run = run_recording_threads  # type: ignore[method-assign]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    registry = CollectorRegistry()
+    driver = BatchingDriver(
+        [backend], DriverConfig(backfill_threads=1), WorkerMetrics(registry), clock=clock
+    )
+    driver.warm_up()
+    driver.start()
+    harness = Harness(driver, backend, clock, registry)
+    try:
+        threads_seen.clear()
+        await harness.submit(1)  # online: an urgent row, on every thread
+        # Each batch the latency model learns from moves its slowdown (40 fake ms a batch).
+        taught = harness.metric(names.WORKER_LATENCY_SLOWDOWN)
+        batch_rows = harness.rows(2)
+        await harness.settle(
+            driver.submit(
+                backend, batch_rows, timeout_s=5, tenant="jobs", priority=PriorityClass.BATCH
+            )
+        )
+        assert harness.metric(names.WORKER_LATENCY_SLOWDOWN) == taught  # taught nothing
+        clock.now_s += 2.0  # a quiet spell: the next backfill is full width, on every thread
+        await harness.settle(
+            driver.submit(
+                backend, batch_rows, timeout_s=5, tenant="jobs", priority=PriorityClass.BATCH
+            )
+        )
+        assert harness.metric(names.WORKER_LATENCY_SLOWDOWN) != taught
+        assert threads_seen == [2, 1, 2]
+        assert torch.get_num_threads() == 2  # restored after the short backfill
+    finally:
+        await driver.drain()
+        torch.set_num_threads(previous)

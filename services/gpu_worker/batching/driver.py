@@ -34,9 +34,10 @@ from services.gpu_worker.batching.lane import (
     warm_up_lane,
 )
 from services.gpu_worker.batching.lane_changes import new_lane, release_device_memory, settle
-from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.batching.policy import URGENT_RECENT_S
+from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch, QueuedItem
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
-from services.gpu_worker.execution import describe_failure, run_isolated
+from services.gpu_worker.execution import describe_failure, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,15 @@ class BatchingDriver:
             self._execute(lane, dispatch, rows, started=now, predicted_s=predicted_s)
         )
 
+    def _threads_for(self, dispatch: Dispatch, now_s: float) -> int:
+        """torch threads for `dispatch` (0: the model's own): a backfill held short beside
+        recent online traffic runs on `backfill_threads`, leaving the other cores to the online
+        path; a backfill after a quiet spell takes every thread (throughput)."""
+        threads = self._config.backfill_threads
+        if threads <= 0 or dispatch.reason is not CloseReason.BACKFILL:
+            return 0
+        return threads if now_s - self._ledger.last_urgent_s < URGENT_RECENT_S else 0
+
     async def _execute(
         self,
         lane: Lane,
@@ -351,6 +361,7 @@ class BatchingDriver:
         row's linger + backlog + compute equals its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
+        threads = self._threads_for(dispatch, started)
         try:
             with batch_span(
                 key=dispatch.key,
@@ -360,7 +371,7 @@ class BatchingDriver:
             ):
                 async with asyncio.timeout(self.watchdog_s):
                     results = await loop.run_in_executor(
-                        self._executor, run_isolated, lane.backend.run, rows
+                        self._executor, run_on_threads, threads, lane.backend.run, rows
                     )
         except TimeoutError:
             self._wedged = Unavailable(wedged_message(lane.labels, self.watchdog_s))
@@ -389,7 +400,10 @@ class BatchingDriver:
                     pending.future.set_exception(ExecutionFailed(describe_failure(result)))
                 else:
                     pending.future.set_result(result)
-            lane.record_batch(self._metrics, dispatch, rows, results, finished, compute_s)
+            lane.record_batch(
+                self._metrics, dispatch, rows, results, finished, compute_s,
+                teaches_latency=threads == 0,
+            )  # fmt: skip
             # The batcher charged the rows' tenants the predicted compute; settle on the real.
             for item in dispatch.items:
                 correction_s = (compute_s - predicted_s) / len(rows)

@@ -28,6 +28,13 @@ class DriverConfig:
     #: bound in force is the larger of this and `WARMUP_MULTIPLE` times the costliest warm-up
     #: batch (see batching.watchdog), so a slow model never trips it on a healthy batch.
     watchdog_s: float = 30.0
+    #: torch intra-op threads of a backfill batch (`batch` rows only) held short beside
+    #: recent online traffic: on a CPU worker the model's threads take every core, and the
+    #: online path (this worker's event loop, the tiers on the same host) then waits for them.
+    #: 0 runs it on the model's threads; -1 (the default) is resolved when the worker loads
+    #: (execution.resolve_backfill_threads): half of torch's threads on a CPU, 0 on a GPU. A
+    #: driver given -1 unresolved runs every batch on the model's threads.
+    backfill_threads: int = -1
 
     def __post_init__(self) -> None:
         if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
@@ -36,3 +43,5 @@ class DriverConfig:
             raise ValueError("min_expected_arrivals must be >= 0")
         if self.watchdog_s <= 0:
             raise ValueError("watchdog_s must be > 0")
+        if self.backfill_threads < -1:
+            raise ValueError("backfill_threads must be >= -1")

@@ -159,8 +159,12 @@ class Lane:
         results: list[np.ndarray | Exception],
         finished: float,
         compute_s: float,
+        *,
+        teaches_latency: bool = True,
     ) -> None:
-        """Folds a finished batch into the lane's totals, latency model and `metrics`."""
+        """Folds a finished batch into the lane's totals, latency model and `metrics`; a batch
+        run on fewer threads than the model's (`teaches_latency` False) teaches the latency
+        model nothing: its time says nothing of the model's speed at full width."""
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
@@ -172,7 +176,7 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
-        if failures == 0:
+        if failures == 0 and teaches_latency:
             # A bisected batch's time says nothing about the model's normal cost.
             lane.latency.observe(dispatch.key, len(rows), compute_s)
             metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
