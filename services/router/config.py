@@ -170,6 +170,16 @@ SETTINGS = SettingsTable(
             field="routing.deadline_margin_s",
         ),
         Setting(
+            "explore_share",
+            float,
+            RoutingConfig.explore_share,
+            "share of routes sent to a random idle worker rather than the best, so a worker "
+            "whose estimates look slow (warmed up on a busy machine) still gets traffic to "
+            "correct them",
+            "share",
+            field="routing.explore_share",
+        ),
+        Setting(
             "power_of_two_threshold",
             int,
             RoutingConfig.power_of_two_threshold,

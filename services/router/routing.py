@@ -44,6 +44,10 @@ class RoutingConfig:
     deadline_margin_s: float = 0.005
     #: Use power-of-two-choices when there are more candidates than this; else exact minimum.
     power_of_two_threshold: int = 4
+    #: Share of routes sent to a random idle worker that can take them in time instead of the
+    #: best: a worker's estimates refresh only from traffic it serves, so one warmed up on a
+    #: busy machine (a replacement under load) could look slower forever and never get any.
+    explore_share: float = 0.05
     #: Consecutive timeouts (no success between) that eject a worker; 0: never (see
     #: services.router.ejection).
     timeouts_to_eject: int = TimeoutEjectionConfig.timeouts_to_eject
@@ -68,6 +72,8 @@ class RoutingConfig:
         )
         if min(*durations, self.deadline_margin_s) < 0:
             raise ValueError("routing durations and margin must be >= 0 seconds")
+        if not 0.0 <= self.explore_share <= 1.0:
+            raise ValueError("explore_share must be in [0, 1]")
         if self.power_of_two_threshold < 1:
             raise ValueError("power_of_two_threshold must be >= 1")
         _ = self.timeout_ejection  # bad ejection settings fail here, at start-up
@@ -221,6 +227,13 @@ class RouteTable:
             best = min(admitting or candidates, key=_rank)
         if not self._admits(best, remaining_s):
             return self._too_late(best, key, remaining_s)
+        if len(eligible) > 1 and self._rng.random() < cfg.explore_share:
+            priced = eligible if is_all_priced else self._price(eligible, *pricing)
+            idle = [
+                c for c in priced if c.is_idle and c is not best and self._admits(c, remaining_s)
+            ]
+            if idle:
+                best = self._rng.choice(idle)
         self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows, tenant, weight)
 

@@ -413,7 +413,7 @@ def test_few_candidates_use_the_exact_minimum() -> None:
 def test_power_of_two_never_picks_the_worse_of_its_pair_and_spreads_load() -> None:
     rng = RecordingRandom(7)
     workers = [make_worker(worker_id=f"w{i}", queued_rows=10 * i) for i in range(10)]
-    table = loaded(make_table(rng=rng, power_of_two_threshold=4), *workers)
+    table = loaded(make_table(rng=rng, power_of_two_threshold=4, explore_share=0.0), *workers)
     chosen: Counter[str] = Counter()
     for _ in range(2000):
         decision = route(table)
@@ -630,3 +630,36 @@ def test_tenant_bookkeeping_is_released_with_the_last_row() -> None:
     # With nothing reserved, a tenant's wait is the worker's whole (empty) queue again.
     again = table.route(*MODEL, 1, 10.0, 0.0, tenant="a", weight=1.0)
     assert isinstance(again, Route) and again.predicted_s == pytest.approx(0.01)
+
+
+def test_an_idle_worker_predicted_slow_still_gets_a_share_to_correct_its_estimates() -> None:
+    # w2's estimates are five times w1's (warmed up while its machine was busy): by prediction
+    # alone w1 wins every route of this light load, and w2 would never serve a row that could
+    # show it is as fast. A share of the routes explores it while it is idle.
+    fast = make_worker(worker_id="w1", per_row_s=0.01, min_batch_s=0.01)
+    slow = make_worker(worker_id="w2", per_row_s=0.05, min_batch_s=0.05)
+    for share, low, high in ((0.0, 0, 0), (0.05, 60, 140)):
+        table = loaded(make_table(seed=1, explore_share=share), fast, slow)
+        chosen: Counter[str] = Counter()
+        for _ in range(2000):
+            decision = route(table, remaining_s=0.2)
+            chosen[routed_to(decision)] += 1
+            assert isinstance(decision, Route)
+            table.release(decision.reservation_id)
+        assert low <= chosen["w2"] <= high, (share, chosen)
+
+
+def test_exploration_never_sends_a_request_where_it_would_be_late() -> None:
+    fast = make_worker(worker_id="w1", per_row_s=0.01, min_batch_s=0.01)
+    too_slow = make_worker(worker_id="w2", per_row_s=0.5, min_batch_s=0.5)
+    table = loaded(make_table(seed=1, explore_share=1.0), fast, too_slow)
+    for _ in range(50):
+        decision = route(table, remaining_s=0.2)
+        assert routed_to(decision) == "w1"
+        assert isinstance(decision, Route)
+        table.release(decision.reservation_id)
+
+
+def test_explore_share_must_be_a_share() -> None:
+    with pytest.raises(ValueError, match="explore_share"):
+        RoutingConfig(explore_share=1.5)
