@@ -14,7 +14,10 @@ block fails the test.
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gpu_worker.admission import Admitted, Rejected
@@ -207,3 +210,49 @@ def assert_outputs_match_reference(engine: FakeEngine, seqs: Seq[Sequence]) -> N
     for seq in seqs:
         expected = reference_output(seq.prompt_token_ids, seq.max_tokens)
         assert engine.outputs[seq.seq_id] == expected, f"sequence {seq.seq_id}"
+
+
+@dataclass
+class Soak:
+    """What `soak` did: the sequences added and cancelled, and the prefix-cache hits."""
+
+    added: list[Sequence] = field(default_factory=list)
+    cancelled: set[int] = field(default_factory=set)
+    prefix_hit_tokens: int = 0
+
+
+def soak(
+    engine: FakeEngine,
+    rng: random.Random,
+    prompt: Callable[[random.Random], dict[str, Any]],
+    *,
+    num_steps: int = 300,
+) -> Soak:
+    """Random traffic through `engine`: each step a new sequence arrives with probability 0.4
+    (`prompt(rng)` gives make_seq its prompt or prompt length), a live one is cancelled with
+    probability 0.05, then the engine steps (checking its invariants); then it runs dry. Every
+    block must be free again, and every sequence not cancelled must have produced exactly its
+    unbatched reference output."""
+    done = Soak()
+    for step in range(num_steps):
+        if rng.random() < 0.4:
+            seq = make_seq(
+                seq_id=len(done.added) + 1,
+                **prompt(rng),
+                max_tokens=rng.randint(1, 16),
+                priority=rng.randint(0, 2),
+                arrival_s=float(step),
+            )
+            assert engine.add(seq) == Admitted()
+            done.added.append(seq)
+        if engine.live and rng.random() < 0.05:
+            seq_id = rng.choice(sorted(engine.live))
+            assert engine.cancel(seq_id)
+            done.cancelled.add(seq_id)
+        done.prefix_hit_tokens += engine.step().num_prefix_hit_tokens
+    engine.run()
+    assert engine.scheduler.num_free_blocks == engine.config.num_blocks
+    completed = [seq for seq in done.added if seq.seq_id not in done.cancelled]
+    assert set(engine.outputs) == {seq.seq_id for seq in completed}
+    assert_outputs_match_reference(engine, completed)
+    return done

@@ -29,6 +29,7 @@ from tests.support.fake_generation import (
     make_config,
     make_seq,
     scheduled_ids,
+    soak,
 )
 
 pytestmark = pytest.mark.unit
@@ -525,28 +526,6 @@ def test_s12_randomized_soak_keeps_block_accounting_and_outputs_exact(
         is_static=is_static,
     )
     engine = FakeEngine(config)
-    added: list[Sequence] = []
-    cancelled: set[int] = set()
-    for step in range(300):
-        if rng.random() < 0.4:
-            seq = make_seq(
-                seq_id=len(added) + 1,
-                num_prompt_tokens=rng.randint(1, 30),
-                max_tokens=rng.randint(1, 16),
-                priority=rng.randint(0, 2),
-                arrival_s=float(step),
-            )
-            assert engine.add(seq) == Admitted()
-            added.append(seq)
-        if engine.live and rng.random() < 0.05:
-            seq_id = rng.choice(sorted(engine.live))
-            assert engine.cancel(seq_id)
-            cancelled.add(seq_id)
-        engine.step()  # checks the invariants, block accounting included
-    engine.run()
-    assert engine.scheduler.num_free_blocks == config.num_blocks
-    completed = [seq for seq in added if seq.seq_id not in cancelled]
-    assert set(engine.outputs) == {seq.seq_id for seq in completed}
-    assert_outputs_match_reference(engine, completed)
-    assert cancelled
+    done = soak(engine, rng, lambda r: {"num_prompt_tokens": r.randint(1, 30)})
+    assert done.cancelled
     assert any(s.preempted for s in engine.steps), "the soak should exercise preemption"

@@ -8,10 +8,8 @@ import random
 
 import pytest
 
-from services.gpu_worker.admission import Admitted
 from services.gpu_worker.generation.block_allocator import BlockAllocator
 from services.gpu_worker.generation.prefix_cache import extend_digests
-from services.gpu_worker.generation.scheduler import Sequence
 from tests.support.fake_generation import (
     VOCAB_SIZE,
     FakeEngine,
@@ -19,6 +17,7 @@ from tests.support.fake_generation import (
     item_of,
     make_config,
     make_seq,
+    soak,
 )
 
 pytestmark = pytest.mark.unit
@@ -201,29 +200,11 @@ def test_randomized_soak_with_shared_prefixes_keeps_outputs_exact(
     )
     engine = FakeEngine(config)
     systems = [[rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(4, 20))] for _ in range(3)]
-    added: list[Sequence] = []
-    cancelled: set[int] = set()
-    hits = 0
-    for step in range(300):
-        if rng.random() < 0.4:
-            tail = [rng.randrange(VOCAB_SIZE) for _ in range(rng.randint(1, 10))]
-            seq = make_seq(
-                seq_id=len(added) + 1,
-                prompt=rng.choice(systems) + tail,
-                max_tokens=rng.randint(1, 16),
-                priority=rng.randint(0, 2),
-                arrival_s=float(step),
-            )
-            assert engine.add(seq) == Admitted()
-            added.append(seq)
-        if engine.live and rng.random() < 0.05:
-            seq_id = rng.choice(sorted(engine.live))
-            assert engine.cancel(seq_id)
-            cancelled.add(seq_id)
-        hits += engine.step().num_prefix_hit_tokens  # checks the invariants too
-    engine.run()
-    assert engine.scheduler.num_free_blocks == config.num_blocks
-    completed = [seq for seq in added if seq.seq_id not in cancelled]
-    assert set(engine.outputs) == {seq.seq_id for seq in completed}
-    assert_outputs_match_reference(engine, completed)
-    assert hits > 0
+    done = soak(
+        engine,
+        rng,
+        lambda r: {
+            "prompt": r.choice(systems) + [r.randrange(VOCAB_SIZE) for _ in range(r.randint(1, 10))]
+        },
+    )
+    assert done.prefix_hit_tokens > 0
