@@ -173,7 +173,7 @@ SETTINGS = SettingsTable(
             "explore_share",
             float,
             RoutingConfig.explore_share,
-            "share of routes sent to a random idle worker rather than the best, so a worker "
+            "share of routes that try one other worker at random, taken if idle, so a worker "
             "whose estimates look slow (warmed up on a busy machine) still gets traffic to "
             "correct them",
             "share",

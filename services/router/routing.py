@@ -44,9 +44,10 @@ class RoutingConfig:
     deadline_margin_s: float = 0.005
     #: Use power-of-two-choices when there are more candidates than this; else exact minimum.
     power_of_two_threshold: int = 4
-    #: Share of routes sent to a random idle worker that can take them in time instead of the
-    #: best: a worker's estimates refresh only from traffic it serves, so one warmed up on a
-    #: busy machine (a replacement under load) could look slower forever and never get any.
+    #: Share of routes that draw one other worker at random and go there if it is idle and can
+    #: take them in time: a worker's estimates refresh only from traffic it serves, so one
+    #: warmed up on a busy machine (a replacement under load) could look slower forever and
+    #: never get any.
     explore_share: float = 0.05
     #: Consecutive timeouts (no success between) that eject a worker; 0: never (see
     #: services.router.ejection).
@@ -228,12 +229,12 @@ class RouteTable:
         if not self._admits(best, remaining_s):
             return self._too_late(best, key, remaining_s)
         if len(eligible) > 1 and self._rng.random() < cfg.explore_share:
-            priced = eligible if is_all_priced else self._price(eligible, *pricing)
-            idle = [
-                c for c in priced if c.is_idle and c is not best and self._admits(c, remaining_s)
-            ]
-            if idle:
-                best = self._rng.choice(idle)
+            # One other worker, drawn at random and priced alone: exploring stays O(1).
+            other = self._rng.choice([c for c in eligible if c is not best])
+            if not is_all_priced:
+                self._price([other], *pricing)
+            if other.is_idle and self._admits(other, remaining_s):
+                best = other
         self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows, tenant, weight)
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gateway.tenants import TenantPolicy
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gpu_worker.admission import RejectReason as WorkerReject
@@ -274,7 +275,7 @@ class Fleet:
             now_s,
             request.tried,
             tenant=tenant,
-            weight=1.0 if policy is None else policy.weight,
+            weight=DEFAULT_WEIGHT if policy is None else policy.weight,
         )
         if isinstance(decision, Reject):
             is_overload = decision.reason is RejectReason.DEADLINE

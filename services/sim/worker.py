@@ -23,13 +23,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Protocol
 
+from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.metric_names import WORKER_SECONDS_BUCKETS
 from services.common.priority import PriorityClass
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.fairness import DEFAULT_WEIGHT
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.types import Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve

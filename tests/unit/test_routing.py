@@ -118,6 +118,15 @@ def routed_to(decision: Route | Reject) -> str:
     return decision.worker_id
 
 
+def route_and_release(table: RouteTable, **kwargs: Any) -> str:
+    """Routes one request (see `route`), which must be routed; releases its reservation at once
+    and returns the worker it went to."""
+    decision = route(table, **kwargs)
+    assert isinstance(decision, Route), decision
+    table.release(decision.reservation_id)
+    return decision.worker_id
+
+
 def rejected(decision: Route | Reject) -> RejectReason:
     assert isinstance(decision, Reject), decision
     return decision.reason
@@ -403,10 +412,7 @@ def test_few_candidates_use_the_exact_minimum() -> None:
     workers = [make_worker(worker_id=f"w{i}", queued_rows=10 * i) for i in range(4)]
     table = loaded(make_table(rng=rng, power_of_two_threshold=4), *workers)
     for _ in range(50):
-        decision = route(table)
-        assert routed_to(decision) == "w0"
-        assert isinstance(decision, Route)
-        table.release(decision.reservation_id)
+        assert route_and_release(table) == "w0"
     assert rng.samples == []
 
 
@@ -445,10 +451,7 @@ def test_power_of_two_falls_back_to_the_best_before_rejecting() -> None:
     busy = [make_worker(worker_id=f"busy{i}", queued_rows=100) for i in range(6)]
     table = loaded(make_table(seed=1), *busy, make_worker(worker_id="idle"))
     for _ in range(200):
-        decision = route(table, remaining_s=0.1)
-        assert routed_to(decision) == "idle"
-        assert isinstance(decision, Route)
-        table.release(decision.reservation_id)
+        assert route_and_release(table, remaining_s=0.1) == "idle"
 
 
 # Read-only views
@@ -642,10 +645,7 @@ def test_an_idle_worker_predicted_slow_still_gets_a_share_to_correct_its_estimat
         table = loaded(make_table(seed=1, explore_share=share), fast, slow)
         chosen: Counter[str] = Counter()
         for _ in range(2000):
-            decision = route(table, remaining_s=0.2)
-            chosen[routed_to(decision)] += 1
-            assert isinstance(decision, Route)
-            table.release(decision.reservation_id)
+            chosen[route_and_release(table, remaining_s=0.2)] += 1
         assert low <= chosen["w2"] <= high, (share, chosen)
 
 
@@ -654,10 +654,7 @@ def test_exploration_never_sends_a_request_where_it_would_be_late() -> None:
     too_slow = make_worker(worker_id="w2", per_row_s=0.5, min_batch_s=0.5)
     table = loaded(make_table(seed=1, explore_share=1.0), fast, too_slow)
     for _ in range(50):
-        decision = route(table, remaining_s=0.2)
-        assert routed_to(decision) == "w1"
-        assert isinstance(decision, Route)
-        table.release(decision.reservation_id)
+        assert route_and_release(table, remaining_s=0.2) == "w1"
 
 
 def test_explore_share_must_be_a_share() -> None:

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
+from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.fairness import DEFAULT_WEIGHT
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher

@@ -15,17 +15,9 @@ import math
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping
 
-from services.common.fair_rows import DEFAULT_WEIGHT, rows_ahead
+from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.types import QueuedItem
-
-__all__ = [
-    "DEFAULT_WEIGHT",
-    "TenantQueues",
-    "check_tenant_weights",
-    "is_over_share",
-    "rows_ahead",
-]
 
 #: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]

@@ -11,16 +11,11 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
+from services.common.fair_rows import DEFAULT_WEIGHT, rows_ahead
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.fairness import (
-    DEFAULT_WEIGHT,
-    TenantQueues,
-    check_tenant_weights,
-    is_over_share,
-    rows_ahead,
-)
+from services.gpu_worker.batching.fairness import TenantQueues, check_tenant_weights, is_over_share
 from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
