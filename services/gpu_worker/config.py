@@ -229,7 +229,8 @@ SETTINGS = SettingsTable(
             "torch_threads",
             int,
             WorkerConfig.torch_threads,
-            "torch intra-op threads on the CPU; 0 keeps torch's default",
+            "torch intra-op threads on the CPU; 0 keeps torch's default (generation steps "
+            "run on one, all but one or all of them, whichever measures cheapest per step size)",
             "threads",
         ),
         *_BATCHING,

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -21,6 +22,22 @@ def resolve_backfill_threads(config: DriverConfig, device: torch.device) -> Driv
     return dataclasses.replace(config, backfill_threads=threads)
 
 
+@contextmanager
+def intra_op_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op threads set to `threads` for the block (0: left as set), restored
+    after. On the thread that runs the model: torch keeps the count per thread once a thread
+    has run a parallel region, so other threads' models keep theirs."""
+    previous = torch.get_num_threads()
+    if threads <= 0 or threads == previous:
+        yield
+        return
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 def run_on_threads(
     threads: int,
     run: Callable[[Sequence[PreparedRow]], list[np.ndarray]],
@@ -28,14 +45,8 @@ def run_on_threads(
 ) -> list[np.ndarray | Exception]:
     """`run_isolated` on `threads` torch intra-op threads (0: as set), restored after. On the
     executor thread: the only one running the model."""
-    if threads <= 0:
+    with intra_op_threads(threads):
         return run_isolated(run, rows)
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return run_isolated(run, rows)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def run_isolated(

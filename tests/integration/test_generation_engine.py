@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +18,10 @@ from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Un
 from services.common.model_repository import load_repository
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.sampler import Sampler
+from services.gpu_worker.thread_choice import ThreadChoice
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT
 from tests.support.waiting import eventually
@@ -319,6 +322,47 @@ async def test_same_seed_same_tokens_and_stop_conditions(engine_backend: Generat
         SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(greedy[4],)),
     )
     assert stopped == greedy[: greedy.index(greedy[4])]
+
+
+async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path) -> None:
+    backend, _ = make_backend(checkpoint)
+    execute = backend.runner.execute
+    seen: list[int] = []
+
+    def observed_execute(items):
+        seen.append(torch.get_num_threads())  # on the step thread, inside the step
+        return execute(items)
+
+    backend.runner.execute = observed_execute
+    # The backend's own engine, built again with a choice between one and two threads whatever
+    # this host's cores: each is measured twice, then explored every fourth step.
+    engine = GenerationEngine(
+        backend.runner,
+        backend.text.tokenizer,
+        backend.scheduler,
+        GenerationMetrics(CollectorRegistry()),
+        labels=("ref-llama", "1"),
+        eos_token_ids=frozenset(),
+        max_model_len=backend.max_model_len,
+        thread_choice=ThreadChoice((1, 2), explore_every=4, min_samples=2),
+    )
+    configured = torch.get_num_threads()
+    engine.start()
+    tokens: list[int] = []
+    async for delta in engine.generate(
+        backend.encode(PROMPTS[2]), SamplingParams(max_tokens=24, ignore_eos=True)
+    ):
+        tokens.extend(delta.token_ids)
+    await engine.drain()
+    assert set(seen) == {1, 2}
+    assert seen.count(1) >= 2 and seen.count(2) >= 2
+    assert tokens == reference_greedy(checkpoint, backend.encode(PROMPTS[2]), 24)
+    # Each step's count is restored after it: threads started later get the configured one.
+    later: list[int] = []
+    thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    assert later == [configured] and torch.get_num_threads() == configured
 
 
 async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:

@@ -16,6 +16,7 @@ from services.gpu_worker.generation.scheduler import (
     GenerationSchedulerConfig,
 )
 from services.gpu_worker.served_model import BatchLoads, ServedModel
+from services.gpu_worker.thread_choice import ThreadChoice, thread_options
 
 
 class GenerationBackend(ServedModel):
@@ -76,6 +77,13 @@ class GenerationBackend(ServedModel):
             eos_token_ids=frozenset(self.runner.config.eos_token_ids),
             max_model_len=self._max_model_len,
             is_cache_per_tenant=settings.prefix_caching == "per_tenant",
+            # On a CPU the steps' thread count is measured per step size (thread_choice); a
+            # GPU's kernels leave the cores to the event loop.
+            thread_choice=(
+                ThreadChoice(thread_options(torch.get_num_threads()))
+                if device.type == "cpu"
+                else None
+            ),
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 

@@ -31,6 +31,7 @@ from services.gpu_worker.generation.sampler import Sampler, make_generator
 from services.gpu_worker.generation.scheduler import GenerationScheduler, ScheduledSequence
 from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
 from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
+from services.gpu_worker.thread_choice import ThreadChoice
 
 log = logging.getLogger(__name__)
 
@@ -74,10 +75,13 @@ class GenerationEngine:
         eos_token_ids: frozenset[int],
         max_model_len: int,
         is_cache_per_tenant: bool = False,
+        thread_choice: ThreadChoice | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`is_cache_per_tenant`: prefix-cached blocks are shared only among one tenant's
-        sequences (the scheduler's config says whether there is a prefix cache at all)."""
+        sequences (the scheduler's config says whether there is a prefix cache at all).
+        `thread_choice`: picks each step's torch threads on a CPU (None: as set), fed the
+        cycle of every step run back to back with the next."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -88,6 +92,10 @@ class GenerationEngine:
         self._eos_token_ids = eos_token_ids
         self._clock = clock
         self._is_cache_per_tenant = is_cache_per_tenant
+        self._thread_choice = thread_choice
+        #: (launched_s, batched tokens, threads) of the step launched last, while steps run
+        #: back to back: the next launch closes its cycle. None after an idle wait or a failure.
+        self._cycle: tuple[float, int, int] | None = None
         self._sampler = Sampler()
         self.steps = StepExecutor(runner, metrics, labels)
         self._requests: dict[int, _Request] = {}
@@ -288,6 +296,7 @@ class GenerationEngine:
             if not output.scheduled:
                 if self._is_draining and not self.scheduler.has_unfinished():
                     return
+                self._cycle = None  # the cycle would include the idle wait
                 await self._wake.wait()
                 continue
             if output.preempted:
@@ -302,9 +311,11 @@ class GenerationEngine:
             ]
             self._is_stepping = True
             started = self._clock()
+            threads = self._launch_threads(output.num_batched_tokens, started)
             try:
-                logits = await self.steps.execute(items)
+                logits = await self.steps.execute(items, threads=threads)
             except Exception as error:
+                self._cycle = None
                 if self.steps.is_wedged:
                     raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
@@ -325,6 +336,18 @@ class GenerationEngine:
                 # status, the loop and every other sequence go on.
                 log.exception("generation step could not be finished")
                 self._fail(output.scheduled, error)
+
+    def _launch_threads(self, num_tokens: int, now: float) -> int:
+        """The torch threads of the step launched now (0: as set); closes the previous step's
+        cycle (its forward, sampling, streaming and this step's scheduling) in the choice."""
+        if self._thread_choice is None:
+            return 0
+        if self._cycle is not None:
+            launched_s, previous_tokens, previous_threads = self._cycle
+            self._thread_choice.record(previous_tokens, previous_threads, now - launched_s)
+        threads = self._thread_choice.choose(num_tokens)
+        self._cycle = (now, num_tokens, threads)
+        return threads
 
     def _charge_tenants(self, scheduled: Sequence[ScheduledSequence], step_s: float) -> None:
         """Splits a step's time over its sequences' tenants by tokens computed (the fair-share

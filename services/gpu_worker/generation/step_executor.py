@@ -21,6 +21,7 @@ import torch
 from services.common.errors import Unavailable
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s
+from services.gpu_worker.execution import intra_op_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 
@@ -71,13 +72,16 @@ class StepExecutor:
             self._runner.execute(items)
             self.slowest_warmup_s = max(self.slowest_warmup_s, time.monotonic() - started)
 
-    async def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
-        """The step's logits (`ModelRunner.execute`); raises what the forward raised, or
-        Unavailable, with `is_wedged` set, once the step has held the thread past the bound."""
+    async def execute(
+        self, items: Sequence[SequenceBatchItem], *, threads: int = 0
+    ) -> torch.Tensor:
+        """The step's logits (`ModelRunner.execute`) computed on `threads` torch intra-op
+        threads (0: as set); raises what the forward raised, or Unavailable, with `is_wedged`
+        set, once the step has held the thread past the bound."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.watchdog_s) as timeout:
-                return await loop.run_in_executor(self._executor, self._runner.execute, items)
+                return await loop.run_in_executor(self._executor, self._run, items, threads)
         except TimeoutError:
             if not timeout.expired():
                 raise  # raised by the forward itself: a failed step like any other
@@ -87,6 +91,10 @@ class StepExecutor:
             raise Unavailable(
                 f"a model step ran past the executor watchdog ({self.watchdog_s:.1f}s)"
             ) from None
+
+    def _run(self, items: Sequence[SequenceBatchItem], threads: int) -> torch.Tensor:
+        with intra_op_threads(threads):
+            return self._runner.execute(items)
 
     def shutdown(self) -> None:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon

@@ -1,0 +1,105 @@
+"""Which number of torch intra-op threads a model call runs on, learned from the calls (pure).
+
+On a CPU the model's parallel regions share the cores with the worker's event loop (sampling,
+detokenizing and streaming every generated token) and, on a small host, with the other tiers.
+A parallel region waits for its slowest thread, so a preempted thread stalls the whole call:
+a small model's steps then run faster on one thread than on all of them, while a large
+model's matmuls still want every core. Which count wins depends on the model, the size of the
+call and what else runs on the host, so it is measured, not guessed. Measured on this
+project's 2-core machine with `bench.generation`: the default tiny-llama runs 1.4x (continuous)
+to 1.8x (static) more tokens/s on one thread than on two, a 20M-parameter Llama 1.3x more on
+two than on one.
+
+Per size bucket (a power of two of the call's size, in tokens) the policy keeps a moving
+average of each option's cost (the caller's measure: the whole cycle from one call's launch to
+the next, so that a count which starves the event loop pays for it) and runs the cheapest;
+every `explore_every`-th call of a bucket tries the option tried least recently instead, so the
+choice follows a changing load. Options are tried `min_samples` times each before any is
+preferred.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def thread_options(num_threads: int) -> tuple[int, ...]:
+    """The counts worth trying when torch is set to `num_threads` on a CPU: one, all but one
+    (a core left to the event loop) and all; one option (no choice) when that is one thread."""
+    return tuple(sorted({1, max(1, num_threads - 1), max(1, num_threads)}))
+
+
+def size_bucket(size: int) -> int:
+    """The power of two at or above `size` (>= 1): calls of one bucket cost about the same."""
+    return 1 << max(0, size - 1).bit_length()
+
+
+@dataclass
+class _Bucket:
+    mean_cost_s: dict[int, float] = field(default_factory=dict)
+    num_samples: dict[int, int] = field(default_factory=dict)
+    #: Calls chosen in this bucket; every explore_every-th one explores.
+    num_chosen: int = 0
+    #: When each option was last run (in calls chosen), to explore the stalest.
+    last_chosen: dict[int, int] = field(default_factory=dict)
+
+
+class ThreadChoice:
+    """Picks a thread count per call from measured costs; `record` feeds it back."""
+
+    def __init__(
+        self,
+        options: tuple[int, ...],
+        *,
+        explore_every: int = 16,
+        min_samples: int = 3,
+        smoothing: float = 0.2,
+    ) -> None:
+        if not options or min(options) < 1:
+            raise ValueError("thread options must be counts >= 1")
+        if explore_every < 2 or min_samples < 1 or not 0 < smoothing <= 1:
+            raise ValueError("explore_every >= 2, min_samples >= 1, 0 < smoothing <= 1")
+        self.options = tuple(sorted(set(options)))
+        self._explore_every = explore_every
+        self._min_samples = min_samples
+        self._smoothing = smoothing
+        self._buckets: dict[int, _Bucket] = {}
+
+    def choose(self, size: int) -> int:
+        """The thread count to run a call of `size` (tokens) on."""
+        if len(self.options) == 1:
+            return self.options[0]
+        bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
+        bucket.num_chosen += 1
+        untried = [o for o in self.options if bucket.num_samples.get(o, 0) < self._min_samples]
+        if untried:
+            choice = min(untried, key=lambda o: bucket.num_samples.get(o, 0))
+        elif bucket.num_chosen % self._explore_every == 0:
+            best = self.best(size)
+            others = [o for o in self.options if o != best]
+            choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))
+        else:
+            choice = min(self.options, key=lambda o: bucket.mean_cost_s[o])
+        bucket.last_chosen[choice] = bucket.num_chosen
+        return choice
+
+    def record(self, size: int, threads: int, cost_s: float) -> None:
+        """A call of `size` ran on `threads` and cost `cost_s` (seconds)."""
+        if threads not in self.options or cost_s < 0:
+            return
+        bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
+        count = bucket.num_samples.get(threads, 0)
+        mean = bucket.mean_cost_s.get(threads)
+        # Averages until min_samples, then a moving average that follows the load.
+        weight = max(self._smoothing, 1.0 / (count + 1))
+        bucket.mean_cost_s[threads] = cost_s if mean is None else mean + weight * (cost_s - mean)
+        bucket.num_samples[threads] = count + 1
+
+    def best(self, size: int) -> int | None:
+        """The option measured cheapest for `size` so far; None before each has its samples."""
+        bucket = self._buckets.get(size_bucket(size))
+        if bucket is None or any(
+            bucket.num_samples.get(o, 0) < self._min_samples for o in self.options
+        ):
+            return None if len(self.options) > 1 else self.options[0]
+        return min(self.options, key=lambda o: bucket.mean_cost_s[o])
