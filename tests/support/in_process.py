@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import io
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -163,14 +164,38 @@ async def running_fabric(
         )
         yield fabric
     finally:
+        hung: list[str] = []
         if fabric._gateway is not None:
-            await fabric._gateway.stop()
-        await router.stop()
+            await _stop_within("the gateway", fabric._gateway.stop(), hung)
+        await _stop_within("the router", router.stop(), hung)
         for task in fabric._tasks:
             task.cancel()
         await asyncio.gather(*fabric._tasks, return_exceptions=True)
         for worker in workers:
-            await worker.stop()
+            await _stop_within(f"worker {worker.config.worker_id}", worker.stop(), hung)
+        if hung:
+            raise AssertionError("teardown: " + "\n".join(hung))
+
+
+#: How long one tier may take to stop at teardown (its drain grace is 10-30 s) before the test
+#: fails naming it, with every asyncio task's stack: a hung stop otherwise shows only as the
+#: suite's timeout and a dump of idle threads.
+STOP_TIMEOUT_S = 75.0
+
+
+async def _stop_within(what: str, stop: Coroutine[Any, Any, None], hung: list[str]) -> None:
+    """Awaits `stop` for at most STOP_TIMEOUT_S; past it, leaves it running and adds `what`
+    and every task's stack to `hung` (so the other tiers are still stopped)."""
+    task = asyncio.ensure_future(stop)
+    done, _ = await asyncio.wait({task}, timeout=STOP_TIMEOUT_S)
+    if task in done:
+        task.result()
+        return
+    stacks = io.StringIO()
+    for other in asyncio.all_tasks():
+        print(f"-- {other.get_name()}: {other.get_coro()}", file=stacks)
+        other.print_stack(file=stacks)
+    hung.append(f"{what} did not stop within {STOP_TIMEOUT_S:.0f}s; tasks:\n{stacks.getvalue()}")
 
 
 async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> bool:
