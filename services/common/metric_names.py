@@ -33,6 +33,8 @@ GATEWAY_TENANT_ROWS_TOTAL = "inference_gateway_tenant_rows_total"
 GATEWAY_TENANT_REFUSED_TOTAL = "inference_gateway_tenant_refused_total"
 GATEWAY_TENANT_REQUEST_SECONDS = "inference_gateway_tenant_request_seconds"
 GATEWAY_TENANT_QUOTA_SHARE = "inference_gateway_tenant_quota_share"
+#: Served by the supervisor of a gateway process group (--processes > 1).
+GATEWAY_PROCESS_RESTARTS_TOTAL = "inference_gateway_process_restarts_total"
 
 # Router.
 ROUTER_ROUTED_TOTAL = "inference_router_routed_total"

@@ -110,18 +110,20 @@ def launch(
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             start_new_session=own_session,
-            preexec_fn=_before_exec(os.getpid() if dies_with_parent else None, cpus),
+            preexec_fn=before_exec(os.getpid() if dies_with_parent else None, cpus),
         )
     return ChildProcess(name, process, log_path, ready_file)
 
 
-def _before_exec(parent_pid: int | None, cpus: frozenset[int] | None) -> Callable[[], None] | None:
-    """What the child does between fork and exec: die with `parent_pid`, run on `cpus`."""
+def before_exec(parent_pid: int | None, cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """What a child does between fork and exec (`Popen`'s preexec_fn): get SIGTERM when
+    `parent_pid` dies (fork from the main thread: the kernel ties this to the forking thread),
+    run on `cpus`."""
     if parent_pid is None and cpus is None:
         return None
     libc = ctypes.CDLL(None, use_errno=True) if parent_pid is not None else None
 
-    def before_exec() -> None:
+    def hook() -> None:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
         if libc is None:
@@ -132,7 +134,7 @@ def _before_exec(parent_pid: int | None, cpus: frozenset[int] | None) -> Callabl
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
 
-    return before_exec
+    return hook
 
 
 def has_written_ready_file(child: ChildProcess) -> bool:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 
 from services.common.lifecycle import (
     bound_stop,
@@ -16,6 +18,7 @@ from services.common.lifecycle import (
 from services.common.logs import configure_logging
 from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig, parse_config
+from services.gateway.process_group import ProcessGroup
 from services.gateway.server import create_gateway
 
 log = logging.getLogger("services.gateway")
@@ -49,6 +52,10 @@ async def serve(config: GatewayConfig) -> int:
 def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
     configure_logging("gateway", config.logging)
+    num_processes = config.processes or len(os.sched_getaffinity(0))
+    if num_processes > 1:
+        # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
+        raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())
     configure_tracing("gateway")
     raise SystemExit(asyncio.run(serve(config)))
 

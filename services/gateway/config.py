@@ -66,6 +66,10 @@ class GatewayConfig:
     logging: LogConfig = field(default_factory=LogConfig)
     #: Where tenants' fleet-wide quotas are shared with the other gateways.
     quota_sync: QuotaSyncConfig = field(default_factory=QuotaSyncConfig)
+    #: Gateway processes serving the same ports (process_group.py: SO_REUSEPORT, one event
+    #: loop per core); 0: one per CPU this process may run on. Above 1 needs Redis
+    #: (`quota_sync.redis_url`), so tenants' quotas hold across the processes.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         # Fail closed: serving everyone as one tenant must be asked for, never a default.
@@ -75,6 +79,14 @@ class GatewayConfig:
                 "development only, --allow-unauthenticated (GATEWAY_ALLOW_UNAUTHENTICATED=true)"
             )
         check_limits(self.max_message_bytes, self.max_concurrent_rpcs)
+        if self.processes < 0:
+            raise ValueError(f"processes must be >= 0 (0: one per CPU), got {self.processes}")
+        if self.processes != 1 and not self.quota_sync.redis_url:
+            raise ValueError(
+                "several gateway processes need --redis-url (GATEWAY_REDIS_URL): each process"
+                " is a gateway of its own, and tenants' quotas hold across them only through"
+                " Redis"
+            )
 
 
 SETTINGS = SettingsTable(
@@ -184,6 +196,15 @@ SETTINGS = SettingsTable(
             "how often quota demand is shared and each gateway's share recomputed",
             "s",
             field="quota_sync.period_s",
+        ),
+        Setting(
+            "processes",
+            int,
+            GatewayConfig.processes,
+            "gateway processes serving the same ports (SO_REUSEPORT), one event loop each, "
+            "under a supervisor that serves their merged /metrics and restarts any that exits; "
+            "0: one per CPU; any value but 1 needs --redis-url",
+            "processes",
         ),
         *limit_settings(GatewayConfig),
         *server_tls_settings(),

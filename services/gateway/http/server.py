@@ -118,6 +118,7 @@ async def start_http(
     app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls))
+    # reuse_port: the processes of a gateway group (process_group.py) share the port.
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=True)
     await site.start()
     return HttpListener(runner, int(runner.addresses[0][1]))

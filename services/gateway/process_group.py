@@ -1,0 +1,287 @@
+"""Several gateway processes on one set of ports (`--processes N`): one event loop per core.
+
+A gateway is one Python event loop, so one core: on this project's machines one process
+handles about 3k tiny calls/s, and refuses at most about 900 calls/s of a flood. With N > 1,
+`python -m services.gateway` becomes a supervisor that starts N ordinary gateways bound to the
+same gRPC and HTTP ports with SO_REUSEPORT, and the kernel spreads incoming connections over
+them (grpc sets the option on every listener; the HTTP listener asks for it). The supervisor:
+
+- reserves the ports first with sockets that are bound but never listen (the kernel hands
+  connections only to listeners), so port 0 picks one port for the whole group;
+- serves the group's `/metrics` on the metrics port: every process's series labelled
+  `gateway_process="<i>"`, so sums over the label are the pod's, plus its own restarts
+  counter;
+- restarts a process that exits, after a backoff that doubles while processes keep failing
+  fast; a process that fails before the group is first ready fails the group (a bad setting
+  would fail every restart the same way);
+- passes SIGTERM on and waits for every process to drain. Each process dies with the
+  supervisor, even if it is killed.
+
+Each process is a gateway in its own right: tenants' fleet-wide quotas are shared through
+Redis as between gateways on different hosts (so `--processes` > 1 needs `--redis-url`), and
+`--max-concurrent-rpcs` holds per process. The supervisor runs no gRPC and no event loop; it
+forks only from its main thread.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from services.common import metric_names as names
+from services.common.lifecycle import start_metrics, write_ready_file
+from services.common.processes import before_exec, request_stop, wait_or_kill
+from services.gateway.config import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+#: SIGINT/SIGTERM stop the group; SIGCHLD says a process exited. All three stay blocked and
+#: are taken with sigtimedwait, so none arrives between a check and the wait after it.
+WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
+#: The label that tells the group's processes apart in its /metrics.
+PROCESS_LABEL = "gateway_process"
+#: Restart backoff: doubles from the first to the cap while processes fail within
+#: `HEALTHY_RUN_S` of starting; a process that ran longer restarts after the first.
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+HEALTHY_RUN_S = 60.0
+#: How long a scrape waits for one process's /metrics.
+SCRAPE_TIMEOUT_S = 2.0
+#: How long the group may take to become ready.
+READY_TIMEOUT_S = 120.0
+
+
+@dataclass
+class _Member:
+    """One gateway process of the group."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    started_s: float
+    #: Its own /metrics port once it is ready; None before.
+    metrics_port: int | None = None
+
+
+class GroupMetrics(CollectorRegistry):
+    """The group's /metrics: the supervisor's own series and each ready process's, labelled
+    with its index, merged into one family per name (the text format allows each name once)."""
+
+    def __init__(self, group: ProcessGroup) -> None:
+        super().__init__(auto_describe=True)
+        self._group = group
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for family in super().collect():
+            families[family.name] = family
+        for index, port in self._group.metrics_ports().items():
+            url = f"http://{self._group.scrape_host}:{port}/metrics"
+            try:
+                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
+                    text = response.read().decode()
+            except OSError:
+                continue  # restarting: its series are missing from this scrape only
+            for family in text_string_to_metric_families(text):
+                merged = families.setdefault(
+                    family.name, Metric(family.name, family.documentation, family.type)
+                )
+                merged.samples.extend(
+                    Sample(s.name, {**s.labels, PROCESS_LABEL: str(index)}, s.value, s.timestamp)
+                    for s in family.samples
+                )
+        yield from families.values()
+
+
+class ProcessGroup:
+    """The supervisor: starts, watches, restarts and stops the group's gateway processes."""
+
+    def __init__(self, config: GatewayConfig, argv: list[str], num_processes: int) -> None:
+        self.config = config
+        self._argv = argv
+        self._num_processes = num_processes
+        self._reserved: list[socket.socket] = []
+        self._members: dict[int, _Member] = {}
+        self._state_dir = Path(tempfile.mkdtemp(prefix="gateway-group-"))
+        self._registry = GroupMetrics(self)
+        self._restarts_total = Counter(
+            names.GATEWAY_PROCESS_RESTARTS_TOTAL.removesuffix("_total"),
+            "Gateway processes of this group restarted after exiting on their own",
+            registry=self._registry,
+        )
+        host = config.host
+        self.scrape_host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        self.ports: dict[str, int] = {}
+
+    def metrics_ports(self) -> dict[int, int]:
+        """Each ready process's own /metrics port, by index."""
+        members = list(self._members.values())
+        return {m.index: m.metrics_port for m in members if m.metrics_port is not None}
+
+    def run(self) -> int:
+        """Serves until SIGTERM/SIGINT; the exit status (0: every process stopped cleanly)."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
+        try:
+            self._reserve_ports()
+            for index in range(self._num_processes):
+                self._start(index)
+            if not self._wait_first_ready():
+                return self._stop_all(status=1)
+            metrics_port = start_metrics(self.config.metrics_port, self.config.host, self._registry)
+            log.info(
+                "gateway group of %d processes on %s:%d, HTTP on %d, metrics on %d",
+                self._num_processes,
+                self.config.host,
+                self.ports["grpc_port"],
+                self.ports["http_port"],
+                metrics_port,
+            )
+            write_ready_file(self.config.ready_file, metrics_port=metrics_port, **self.ports)
+            return self._supervise()
+        finally:
+            for reserved in self._reserved:
+                reserved.close()
+            shutil.rmtree(self._state_dir, ignore_errors=True)
+
+    # -- ports ------------------------------------------------------------------------------
+
+    def _reserve_ports(self) -> None:
+        config = self.config
+        self.ports["grpc_port"] = self._reserve(config.grpc_port)
+        self.ports["http_port"] = -1 if config.http_port == -1 else self._reserve(config.http_port)
+        if config.tls.health_port is not None:
+            self.ports["health_port"] = self._reserve(config.tls.health_port)
+
+    def _reserve(self, port: int) -> int:
+        """Binds `port` (0: a free one) with SO_REUSEPORT without listening; the bound port."""
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        reserved = socket.socket(family, socket.SOCK_STREAM)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind((self.config.host, port))
+        self._reserved.append(reserved)
+        return int(reserved.getsockname()[1])
+
+    # -- processes --------------------------------------------------------------------------
+
+    def _start(self, index: int) -> None:
+        ready_file = self._state_dir / f"gateway-{index}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        overrides = [
+            "--processes", "1",
+            "--grpc-port", str(self.ports["grpc_port"]),
+            "--http-port", str(self.ports["http_port"]),
+            "--metrics-port", "0",
+            "--ready-file", str(ready_file),
+        ]  # fmt: skip
+        if "health_port" in self.ports:
+            overrides += ["--health-port", str(self.ports["health_port"])]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.gateway", *self._argv, *overrides],
+            stdin=subprocess.DEVNULL,
+            # Output goes where the supervisor's goes: one log stream for the container.
+            preexec_fn=before_exec(os.getpid(), None),
+        )
+        self._members[index] = _Member(index, process, ready_file, time.monotonic())
+        log.info("gateway process %d started (pid %d)", index, process.pid)
+
+    def _read_ready(self, member: _Member) -> bool:
+        """True once `member` has written its ready file (its metrics port recorded)."""
+        if member.metrics_port is not None:
+            return True
+        try:
+            ready = json.loads(member.ready_file.read_text())  # written whole, by rename
+        except FileNotFoundError:
+            return False
+        member.metrics_port = int(ready["metrics_port"])
+        return True
+
+    def _wait_first_ready(self) -> bool:
+        """Waits for every process's ready file; False if one exits first, time runs out or a
+        stop is asked for."""
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(self._read_ready(m) for m in self._members.values()):
+            for member in self._members.values():
+                if member.process.poll() is not None:
+                    log.error(
+                        "gateway process %d exited with code %d before the group was ready",
+                        member.index,
+                        member.process.returncode,
+                    )
+                    return False
+            if time.monotonic() > deadline:
+                log.error("the gateway group was not ready within %.0f s", READY_TIMEOUT_S)
+                return False
+            info = signal.sigtimedwait(WAKE_SIGNALS, 0.05)
+            if info is not None and info.si_signo != signal.SIGCHLD:
+                return False
+        return True
+
+    def _supervise(self) -> int:
+        """Restarts processes that exit until a stop is asked for, then stops the group."""
+        backoff_s = {index: 0.0 for index in self._members}
+        restart_at: dict[int, float] = {}
+        while True:
+            now = time.monotonic()
+            for index, at_s in list(restart_at.items()):
+                if at_s <= now:
+                    del restart_at[index]
+                    self._start(index)
+                    self._restarts_total.inc()
+            for member in list(self._members.values()):
+                self._read_ready(member)
+                code = member.process.poll()
+                if code is None or member.index in restart_at:
+                    continue
+                ran_s = now - member.started_s
+                previous = backoff_s[member.index]
+                backoff_s[member.index] = (
+                    FIRST_BACKOFF_S
+                    if ran_s >= HEALTHY_RUN_S or previous == 0
+                    else min(MAX_BACKOFF_S, previous * 2)
+                )
+                member.metrics_port = None
+                restart_at[member.index] = now + backoff_s[member.index]
+                log.error(
+                    "gateway process %d (pid %d) exited with code %d after %.1f s; restarting "
+                    "in %.1f s",
+                    member.index,
+                    member.process.pid,
+                    code,
+                    ran_s,
+                    backoff_s[member.index],
+                )
+            wait_s = min((at - now for at in restart_at.values()), default=1.0)
+            info = signal.sigtimedwait(WAKE_SIGNALS, max(0.01, min(1.0, wait_s)))
+            if info is not None and info.si_signo != signal.SIGCHLD:
+                log.info("%s: stopping the gateway group", signal.Signals(info.si_signo).name)
+                return self._stop_all(status=0)
+
+    def _stop_all(self, status: int) -> int:
+        """SIGTERMs every process, waits for each to drain (SIGKILL past its grace); `status`,
+        or 1 if one did not stop cleanly."""
+        running = [m for m in self._members.values() if m.process.poll() is None]
+        for member in running:
+            request_stop(member.process)
+        for member in running:
+            code = wait_or_kill(member.process, self.config.drain_grace_s + 15.0)
+            if code != 0:
+                log.error("gateway process %d stopped with %s", member.index, code)
+                status = 1
+        return status
