@@ -1,9 +1,11 @@
 """Raw in-process model throughput: the physical limit the serving stack is measured against.
 
-    python -m bench.raw_model [--batch-sizes 1 8 32] [--lengths 16 128] [--seconds 3]
+    python -m bench.raw_model [--batch-sizes 1 8 32] [--lengths 16 128] [--seconds 3] [--compile]
 
 Runs the model repository's embedding backend directly (no gRPC, no batcher) on the device the
-worker would use, and prints sequences/s per (input length, batch size). Writes JSON to
+worker would use, and prints sequences/s per (input length, batch size). With `--compile`, the
+same backend with its forward through torch.compile (the worker's `--compile-models`) is
+measured right after each point, and the speed-up printed. Writes JSON to
 bench/results/raw_model.json.
 """
 
@@ -49,21 +51,36 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per point")
     parser.add_argument("--output", type=Path, default=Path("bench/results/raw_model.json"))
+    parser.add_argument(
+        "--compile", action="store_true", help="also measure the forward through torch.compile"
+    )
     args = parser.parse_args()
 
     version = next(v for v in load_repository(args.model_repository) if v.config.name == args.model)
     backend = load_backend(version, select_device())
+    compiled = None
+    if args.compile:
+        compiled = load_backend(version, backend.device, compile_models=True)
+        started = time.perf_counter()
+        compiled.warm_up()
+        state = "compiled" if compiled.is_compiled else "NOT compiled (see the warning)"
+        print(f"torch.compile: {state} in {time.perf_counter() - started:.1f} s")
     results = []
     threads = torch.get_num_threads()
     print(f"{args.model}/{version.version} on {backend.device}, torch threads {threads}")
-    print(f"{'tokens':>7} {'batch':>6} {'seq/s':>9}")
+    print(f"{'tokens':>7} {'batch':>6} {'seq/s':>9}" + ("  compiled  speed-up" if compiled else ""))
     for length in args.lengths:
         for batch_size in args.batch_sizes:
             rate = measure(backend, length, batch_size, args.seconds)
-            results.append(
-                {"num_tokens": length, "batch_size": batch_size, "sequences_per_s": rate}
-            )
-            print(f"{length:>7} {batch_size:>6} {rate:>9.1f}", flush=True)
+            point = {"num_tokens": length, "batch_size": batch_size, "sequences_per_s": rate}
+            line = f"{length:>7} {batch_size:>6} {rate:>9.1f}"
+            if compiled is not None:
+                compiled_rate = measure(compiled, length, batch_size, args.seconds)
+                point["compiled_sequences_per_s"] = compiled_rate
+                point["compile_speedup"] = compiled_rate / rate
+                line += f" {compiled_rate:>9.1f} {compiled_rate / rate:>8.2f}x"
+            results.append(point)
+            print(line, flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"device": str(backend.device), "points": results}, indent=2))
 

@@ -55,6 +55,9 @@ class WorkerConfig:
     drain_grace_s: float = 30.0
     #: Intra-op threads for torch on the CPU (0 keeps torch's default).
     torch_threads: int = 0
+    #: Run the forward of the models written here (BERT embeddings) through `torch.compile`
+    #: (inductor; needs a C++ compiler on a CPU): faster batches, a longer warm-up.
+    compile_models: bool = False
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
@@ -224,6 +227,14 @@ SETTINGS = SettingsTable(
             parse_model_names,
             (),
             "comma-separated models to serve (a model pool); empty: every model in the repository",
+        ),
+        Setting(
+            "compile_models",
+            bool,
+            WorkerConfig.compile_models,
+            "run embedding models' forward through torch.compile (inductor: on this project's "
+            "CPU 1.1-1.2x faster batches of 8 or more rows, 10-35 s more warm-up; needs a C++ "
+            "compiler, else they run uncompiled with a warning)",
         ),
         Setting(
             "torch_threads",

@@ -54,6 +54,7 @@ class ModelSwapper:
         on_fatal: Callable[[Exception], None],
         on_change: Callable[[], None],
         watchdog_s: float,
+        compile_models: bool = False,
     ) -> None:
         self._models = models
         self._batching = batching
@@ -65,6 +66,8 @@ class ModelSwapper:
         self._on_change = on_change
         #: The configured bound on one generation step (seconds), as at start.
         self._watchdog_s = watchdog_s
+        #: Load versions with their forward compiled (WorkerConfig.compile_models).
+        self._compile_models = compile_models
 
     async def load(self, version: ModelVersion) -> bool:
         """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
@@ -73,7 +76,12 @@ class ModelSwapper:
             weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
             check_fits(weights=weights, free=free_memory_bytes(self._device), device=self._device)
             model = await in_daemon_thread(
-                lambda: load_version(version, self._device, self._generation_metrics)
+                lambda: load_version(
+                    version,
+                    self._device,
+                    self._generation_metrics,
+                    compile_models=self._compile_models,
+                )
             )
             if isinstance(model, GenerationBackend):
                 await in_daemon_thread(model.warm_up)

@@ -33,7 +33,11 @@ class LoadFailure:
 
 
 def load_versions(
-    versions: Sequence[ModelVersion], device: torch.device, metrics: GenerationMetrics
+    versions: Sequence[ModelVersion],
+    device: torch.device,
+    metrics: GenerationMetrics,
+    *,
+    compile_models: bool = False,
 ) -> LoadedModels:
     """Loads every version's weights onto `device` (blocking).
 
@@ -47,7 +51,7 @@ def load_versions(
     failed: list[LoadFailure] = []
     for version in versions:
         try:
-            model = load_version(version, device, metrics)
+            model = load_version(version, device, metrics, compile_models=compile_models)
         except Exception as error:  # any loader error: torch, tokenizers, our own checks
             label = f"{version.config.name}/{version.version}"
             log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
@@ -67,13 +71,17 @@ def load_versions(
 
 
 def load_version(
-    version: ModelVersion, device: torch.device, metrics: GenerationMetrics
+    version: ModelVersion,
+    device: torch.device,
+    metrics: GenerationMetrics,
+    *,
+    compile_models: bool = False,
 ) -> Backend | GenerationBackend:
     """Loads one version's weights onto `device` (blocking; not warmed up). Raises whatever
     its loader raises (torch, tokenizers, our own checks)."""
     if version.config.kind is ModelKind.GENERATION:
         return GenerationBackend(version, device, metrics)
-    return load_backend(version, device)
+    return load_backend(version, device, compile_models=compile_models)
 
 
 def one_line(error: Exception) -> str:

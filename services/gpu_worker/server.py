@@ -249,7 +249,12 @@ class Worker:
             repository = load_repository(self.config.model_repository)
             pool = select_models(repository, self.config.models)
             versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
-            models = load_versions(versions, device, self.generation_metrics)
+            models = load_versions(
+                versions,
+                device,
+                self.generation_metrics,
+                compile_models=self.config.compile_models,
+            )
             driver_config = resolve_backfill_threads(self.config.batching, device)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
             batching.warm_up()
@@ -298,6 +303,7 @@ class Worker:
             on_fatal=self._on_fatal,
             on_change=publisher.publish_soon,
             watchdog_s=self.config.batching.watchdog_s,
+            compile_models=self.config.compile_models,
         )
         follower = RepositoryFollower(
             client=publisher.client,

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from services.common.errors import InvalidInput
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelVersion, load_repository
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import TokenIds
+from services.gpu_worker.backends.embedding import EmbeddingBackend
 from tests.conftest import cosine
 from tests.support.processes import REPO_ROOT
 from tests.support.texts import sentences
@@ -19,10 +20,37 @@ from tests.support.texts import sentences
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def backend():
+def minilm() -> ModelVersion:
     (version,) = [v for v in load_repository(REPO_ROOT / "models") if v.config.name == "minilm"]
-    return load_backend(version, torch.device("cpu"))
+    return version
+
+
+@pytest.fixture(scope="module", params=["eager", "compiled"])
+def backend(request: pytest.FixtureRequest):
+    """The backend as the worker loads it, and again with its forward through torch.compile
+    (`--compile-models`, warmed up as the worker does): every test below holds for both."""
+    is_compiled = request.param == "compiled"
+    loaded = load_backend(minilm(), torch.device("cpu"), compile_models=is_compiled)
+    loaded.warm_up()
+    assert loaded.is_compiled == is_compiled  # compiled for real: not the eager fallback
+    return loaded
+
+
+def test_a_forward_that_fails_to_compile_is_served_uncompiled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    backend = EmbeddingBackend(minilm(), torch.device("cpu"), compile_forward=True)
+
+    def failing_compile(*_: torch.Tensor) -> torch.Tensor:
+        # What inductor raises without a C++ compiler, injected into the real backend.
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    backend._forward = failing_compile
+    backend.warm_up()
+    assert not backend.is_compiled
+    assert "torch.compile failed" in caplog.text
+    (embedding,) = backend.run(backend.prepare_many(["hello world"]))
+    np.testing.assert_allclose(embedding[:4], [-0.0345, 0.0310, 0.0067, 0.0261], atol=5e-4)
 
 
 def test_hello_world_matches_published_values(backend) -> None:

@@ -8,13 +8,17 @@ from services.common.model_repository import ModelConfigError, ModelKind, ModelV
 from services.gpu_worker.backends.base import Backend
 
 
-def load_backend(version: ModelVersion, device: torch.device) -> Backend:
-    """Loads one version's weights onto `device`. Raises ModelConfigError on a bad version."""
+def load_backend(
+    version: ModelVersion, device: torch.device, *, compile_models: bool = False
+) -> Backend:
+    """Loads one version's weights onto `device`. Raises ModelConfigError on a bad version.
+    `compile_models`: models written here (not TorchScript) run their forward through
+    `torch.compile`."""
     kind = version.config.kind
     if kind is ModelKind.EMBEDDING:
         from services.gpu_worker.backends.embedding import EmbeddingBackend
 
-        return EmbeddingBackend(version, device)
+        return EmbeddingBackend(version, device, compile_forward=compile_models)
     if kind is ModelKind.TORCHSCRIPT:
         from services.gpu_worker.backends.torchscript import TorchScriptBackend
 
