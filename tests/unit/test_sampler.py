@@ -60,6 +60,21 @@ def test_seeded_row_ignores_its_batch_neighbours() -> None:
     assert batched[1] == alone[0]
 
 
+def test_greedy_and_seeded_rows_in_one_batch_get_what_each_gets_alone() -> None:
+    logits = make_logits(num_rows=5, scale=0.1)
+    greedy, seeded = SamplingParams(), SamplingParams(temperature=1.0, seed=5)
+    params = [greedy, seeded, greedy, seeded, greedy]
+    alone = [
+        Sampler().sample(logits[i : i + 1], [p], [make_generator(p)])[0]
+        for i, p in enumerate(params)
+    ]
+
+    batched = Sampler().sample(logits, params, [make_generator(p) for p in params])
+
+    assert batched == alone
+    assert batched[0::2] == logits[0::2].argmax(dim=-1).tolist()
+
+
 @pytest.mark.parametrize(
     "params",
     [

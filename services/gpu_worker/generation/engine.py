@@ -369,9 +369,9 @@ class GenerationEngine:
             request = self._requests.get(scheduled[i].seq_id)
             params.append(request.params if request else SamplingParams())
             generators.append(request.generator if request else None)
-        tokens = (
-            self._sampler.sample(logits[sampling_rows], params, generators) if sampling_rows else []
-        )
+        # Decode steps sample every row: the logits need no gathering then.
+        rows = logits if len(sampling_rows) == len(scheduled) else logits[sampling_rows]
+        tokens = self._sampler.sample(rows, params, generators) if sampling_rows else []
         sampled = {scheduled[i].seq_id: t for i, t in zip(sampling_rows, tokens, strict=True)}
         self.scheduler.update_from_output(sampled)
         for seq_id in self._cancelled:

@@ -38,17 +38,22 @@ class Sampler:
                 f"{logits.shape[0]} rows of logits, {len(params)} params, "
                 f"{len(generators)} generators"
             )
-        return [
-            self._sample_row(row, p, g)
-            for row, p, g in zip(logits, params, generators, strict=True)
-        ]
+        # Greedy rows (the common case) take one argmax over all of them, not one per row.
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        tokens = [0] * len(params)
+        if greedy:
+            rows = logits if len(greedy) == len(params) else logits[greedy]
+            for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
+                tokens[i] = token
+        for i, (p, g) in enumerate(zip(params, generators, strict=True)):
+            if not p.is_greedy:
+                tokens[i] = self._sample_row(logits[i], p, g)
+        return tokens
 
     @staticmethod
     def _sample_row(
         logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
     ) -> int:
-        if params.is_greedy:
-            return int(torch.argmax(logits))
         # Work in descending order: top-k and top-p then cut a prefix. A stable sort keeps tied
         # tokens in id order, so top_k=1 picks the same token as argmax.
         sorted_logits, order = torch.sort(
