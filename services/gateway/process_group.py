@@ -39,6 +39,7 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import Metric
@@ -80,11 +81,21 @@ class _Member:
     metrics_port: int | None = None
 
 
+class MetricsSources(Protocol):
+    """Where the group's processes serve their own /metrics."""
+
+    scrape_host: str
+
+    def metrics_ports(self) -> dict[int, int]:
+        """Each ready process's metrics port, by index."""
+        ...
+
+
 class GroupMetrics(CollectorRegistry):
     """The group's /metrics: the supervisor's own series and each ready process's, labelled
     with its index, merged into one family per name (the text format allows each name once)."""
 
-    def __init__(self, group: ProcessGroup) -> None:
+    def __init__(self, group: MetricsSources) -> None:
         super().__init__(auto_describe=True)
         self._group = group
 
