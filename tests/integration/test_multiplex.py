@@ -14,6 +14,7 @@ from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.lifecycle import PING_TOLERANCE, new_server
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient, channel_options
 from services.common.multiplex_server import CallContext, MultiplexServer
+from services.common.write_linger import DEFAULT_LINGER, LingerConfig
 from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.integration
@@ -47,13 +48,15 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def connected(handler: Handler) -> AsyncIterator[tuple[Peer, MultiplexClient]]:
+async def connected(
+    handler: Handler, *, linger: LingerConfig = DEFAULT_LINGER
+) -> AsyncIterator[tuple[Peer, MultiplexClient]]:
     """A peer serving `handler` and a client of it; both closed on the way out."""
     peer = Peer(handler)
     port = await peer.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            client = MultiplexClient(channel, "peer")
+            client = MultiplexClient(channel, "peer", linger=linger)
             try:
                 yield peer, client
             finally:
@@ -75,6 +78,34 @@ async def test_concurrent_calls_share_messages_and_each_gets_its_own_answer() ->
     assert client.calls_sent == 300
     # Calls made while a message was being written left together.
     assert client.messages_sent < 300
+
+
+async def messages_for_two_calls(linger: LingerConfig, *, gap_s: float = 0.0) -> int:
+    """After a burst (the rate the policy follows), one call, then a second once the writer
+    has had its turns of the loop (`gap_s` later): the stream messages the two took."""
+    async with connected(echo, linger=linger) as (_peer, client):
+        await asyncio.gather(*(client.call(b"burst") for _ in range(20)))
+        before = client.messages_sent
+        first = asyncio.ensure_future(client.call(b"first"))
+        for _ in range(3):
+            await asyncio.sleep(0)  # the writer wakes: it sends `first`, or holds it
+        await asyncio.sleep(gap_s)
+        second = asyncio.ensure_future(client.call(b"second"))
+        assert await asyncio.gather(first, second) == [b"echo:first", b"echo:second"]
+        return client.messages_sent - before
+
+
+async def test_under_load_a_call_made_within_the_linger_joins_the_held_message() -> None:
+    assert await messages_for_two_calls(LingerConfig(linger_s=0.0)) == 2
+    assert await messages_for_two_calls(LingerConfig(linger_s=0.05)) == 1
+
+
+async def test_at_light_load_every_call_leaves_at_once_in_its_own_message() -> None:
+    async with connected(echo) as (_peer, client):
+        for _ in range(10):  # 100 calls/s: nothing would join within the linger
+            await client.call(b"alone")
+            await asyncio.sleep(0.01)
+    assert client.messages_sent == client.calls_sent == 10
 
 
 async def test_status_message_and_retry_hint_cross_the_stream() -> None:

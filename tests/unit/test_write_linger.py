@@ -1,0 +1,62 @@
+"""When a stream's writer holds a message back: only while calls come faster than the linger."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.write_linger import LingerConfig, WriteLinger
+
+pytestmark = pytest.mark.unit
+
+
+def arrivals(linger: WriteLinger, gap_s: float, count: int, start_s: float = 0.0) -> float:
+    now_s = start_s
+    for _ in range(count):
+        linger.arrived(now_s)
+        now_s += gap_s
+    return now_s
+
+
+def test_light_load_sends_at_once() -> None:
+    linger = WriteLinger(LingerConfig(linger_s=0.001))
+    assert linger.delay_s(1) == 0.0  # no call seen yet: no rate
+    arrivals(linger, gap_s=0.005, count=50)  # 200 calls/s: nothing would join in 1 ms
+    assert linger.delay_s(1) == 0.0
+
+
+def test_heavy_load_holds_a_short_message_and_sends_a_full_one() -> None:
+    linger = WriteLinger(LingerConfig(linger_s=0.001, fill=8))
+    arrivals(linger, gap_s=0.0002, count=50)  # 5,000 calls/s: about 5 join in 1 ms
+    assert linger.delay_s(1) == 0.001
+    assert linger.delay_s(7) == 0.001
+    assert linger.delay_s(8) == 0.0
+
+
+def test_a_silence_stops_the_lingering_at_once() -> None:
+    linger = WriteLinger(LingerConfig(linger_s=0.001, smoothing=0.1))
+    now_s = arrivals(linger, gap_s=0.0001, count=100)
+    assert linger.delay_s(1) > 0
+    linger.arrived(now_s + 1.0)  # one second of nothing, then a call
+    assert linger.delay_s(1) == 0.0
+
+
+def test_lingering_resumes_as_the_rate_builds_up_again() -> None:
+    linger = WriteLinger(LingerConfig(linger_s=0.001, smoothing=0.2))
+    now_s = arrivals(linger, gap_s=0.010, count=20)
+    assert linger.delay_s(1) == 0.0
+    arrivals(linger, gap_s=0.0001, count=40, start_s=now_s)
+    assert linger.delay_s(1) == 0.001
+
+
+def test_zero_linger_never_holds() -> None:
+    linger = WriteLinger(LingerConfig(linger_s=0.0))
+    arrivals(linger, gap_s=0.0, count=10)
+    assert linger.delay_s(1) == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"linger_s": -0.001}, {"fill": 0}, {"smoothing": 0.0}, {"smoothing": 1.5}]
+)
+def test_bad_settings_are_refused(kwargs: dict) -> None:
+    with pytest.raises(ValueError):
+        LingerConfig(**kwargs)
