@@ -69,6 +69,10 @@ SCRAPE_TIMEOUT_S = 2.0
 READY_TIMEOUT_S = 120.0
 
 
+class _StopRequested(Exception):
+    """SIGTERM or SIGINT arrived before the group was ready: stop it, cleanly."""
+
+
 @dataclass
 class _Member:
     """One gateway process of the group."""
@@ -153,8 +157,11 @@ class ProcessGroup:
             self._reserve_ports()
             for index in range(self._num_processes):
                 self._start(index)
-            if not self._wait_first_ready():
-                return self._stop_all(status=1)
+            try:
+                if not self._wait_first_ready():
+                    return self._stop_all(status=1)
+            except _StopRequested:
+                return self._stop_all(status=0)
             metrics_port = start_metrics(self.config.metrics_port, self.config.host, self._registry)
             log.info(
                 "gateway group of %d processes on %s:%d, HTTP on %d, metrics on %d",
@@ -224,8 +231,8 @@ class ProcessGroup:
         return True
 
     def _wait_first_ready(self) -> bool:
-        """Waits for every process's ready file; False if one exits first, time runs out or a
-        stop is asked for."""
+        """Waits for every process's ready file; False if one exits first or time runs out.
+        Raises _StopRequested on SIGTERM/SIGINT."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not all(self._read_ready(m) for m in self._members.values()):
             for member in self._members.values():
@@ -241,7 +248,7 @@ class ProcessGroup:
                 return False
             info = signal.sigtimedwait(WAKE_SIGNALS, 0.05)
             if info is not None and info.si_signo != signal.SIGCHLD:
-                return False
+                raise _StopRequested
         return True
 
     def _supervise(self) -> int:
@@ -292,7 +299,8 @@ class ProcessGroup:
             request_stop(member.process)
         for member in running:
             code = wait_or_kill(member.process, self.config.drain_grace_s + 15.0)
-            if code != 0:
+            # A process still starting has no handler yet: SIGTERM itself ends it, cleanly.
+            if code not in (0, -signal.SIGTERM):
                 log.error("gateway process %d stopped with %s", member.index, code)
                 status = 1
         return status
