@@ -230,7 +230,7 @@ class MultiplexClient:
                 # of the event loop leave in one message. Under load, also those of the next
                 # millisecond (write_linger); at light load no timer, so no added latency.
                 await asyncio.sleep(0)
-                delay_s = self._linger.delay_s(len(stream.outbox))
+                delay_s = self._linger.delay_s(len(stream.outbox), len(stream.pending))
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
                 stream.wake.clear()

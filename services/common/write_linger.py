@@ -5,10 +5,10 @@ however many calls it carries. But calls reach a gateway or a router one per tur
 loop (each is an RPC or a result of its own), so a writer that sends whatever is ready sends
 one call per message even under heavy load: with 32 callers of the identity model through the
 tiers (2 cores), 1.01 calls per message. Holding the message for `linger_s` gathers the calls
-that arrive meanwhile. That pays when at least one more call is expected in that time (the
-moving average of the gap between calls is at most `linger_s`), and never at light load, where
-it would only add latency; a message already `fill` calls long goes at once. Side by side on
-2 cores, the identity model closed loop (32 callers): 828-842 -> 1025-1074 calls/s.
+that arrive meanwhile. That pays under load: while calls come often enough that some are
+expected within `linger_s` (a moving average of the gap between them) and many are in flight.
+At light load, or with few callers (each waits for its answer before the next call), holding
+a call only adds latency, so it leaves at once; so does a message already `fill` calls long.
 
 asyncio's timers have millisecond resolution (its selectors round up to epoll's), hence 1 ms.
 """
@@ -25,12 +25,20 @@ class LingerConfig:
     linger_s: float = 0.001
     #: A message with this many calls ready goes at once.
     fill: int = 16
+    #: Hold only while at least this many calls are expected within `linger_s` (a moving
+    #: average gap of at most linger_s / min_expected_calls) ...
+    min_expected_calls: float = 0.5
+    #: ... and at least this many are in flight: with few callers, holding one call back
+    #: mostly delays the next ones (each waits for an answer), and gathers nothing.
+    min_in_flight: int = 8
     #: Weight of the newest gap in the moving average of the gap between calls.
     smoothing: float = 0.1
 
     def __post_init__(self) -> None:
         if self.linger_s < 0 or self.fill < 1 or not 0 < self.smoothing <= 1:
             raise ValueError("linger_s >= 0, fill >= 1 and 0 < smoothing <= 1")
+        if self.min_expected_calls <= 0 or self.min_in_flight < 0:
+            raise ValueError("min_expected_calls must be > 0 and min_in_flight >= 0")
 
 
 #: The tiers' streams: 1 ms, at once past 16 calls.
@@ -56,9 +64,15 @@ class WriteLinger:
             )
         self._last_s = now_s
 
-    def delay_s(self, num_ready: int) -> float:
-        """How long to hold a message of `num_ready` calls before sending it (0: now)."""
+    def delay_s(self, num_ready: int, num_in_flight: int) -> float:
+        """How long to hold a message of `num_ready` calls, with `num_in_flight` calls on the
+        stream not answered yet (these included), before sending it (0: now)."""
         config = self.config
-        if num_ready >= config.fill or self.mean_gap_s > config.linger_s:
+        expected_calls = config.linger_s / self.mean_gap_s if self.mean_gap_s > 0 else math.inf
+        if (
+            num_ready >= config.fill
+            or num_in_flight < config.min_in_flight
+            or expected_calls < config.min_expected_calls
+        ):
             return 0.0
         return config.linger_s

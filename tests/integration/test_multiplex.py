@@ -97,7 +97,9 @@ async def messages_for_two_calls(linger: LingerConfig, *, gap_s: float = 0.0) ->
 
 async def test_under_load_a_call_made_within_the_linger_joins_the_held_message() -> None:
     assert await messages_for_two_calls(LingerConfig(linger_s=0.0)) == 2
-    assert await messages_for_two_calls(LingerConfig(linger_s=0.05)) == 1
+    assert await messages_for_two_calls(LingerConfig(linger_s=0.05, min_in_flight=0)) == 1
+    # Two calls in flight are too few to hold one back for: each leaves at once.
+    assert await messages_for_two_calls(LingerConfig(linger_s=0.05, min_in_flight=8)) == 2
 
 
 async def test_at_light_load_every_call_leaves_at_once_in_its_own_message() -> None:
