@@ -4,20 +4,26 @@ simulator with one worker, side by side (issue 17's validation).
 1. Start the stack (`services.local_stack`, one minilm worker), exactly as `make run` does.
 2. Calibrate, at low load, what the simulator is given rather than what it predicts:
    - the in-stack latency curve, after some warm-up calls: for each length bucket and batch
-     size, single requests of that many rows, sent one at a time; the median seconds per batch
-     from the worker's own compute histogram
-     (the model runs about 2x slower beside the other tiers than alone, so `make bench-model`'s
-     bare curve would describe another machine), and its spread as the simulator's noise;
+     size, `--repeats` single requests of that many rows, sent one at a time; the median
+     seconds per batch from the worker's own compute histogram (the model runs about 2x slower
+     beside the other tiers than alone, so `make bench-model`'s bare curve would describe
+     another machine), and the spread of every call around its point's median as the
+     simulator's noise. (Rounds over every shape instead were tried: a one-row call right
+     after a 64-row one runs slower than under light traffic, and the simulated p50 came out
+     0.98-1.21x at loads 0.2-0.3 over four runs, against 0.99-1.08x over three.)
    - the hops: the client's latency of one-row requests minus the worker's row latency;
    - the CPU the other processes spend per request (this load generator, gateway, router,
      Redis). On this CPU-only machine they share the model's
      cores, and under load that slows both the batches and the hops: the simulator's shared
-     host (services/sim/host.py) models it, so the curve measured at idle still applies.
+     host (services/sim/host.py) models it, so the curve measured at idle still applies. With
+     the model on a GPU nothing is shared (no host model), and `--rates` gives the rates in
+     requests/s, since the curve's capacity there is far past what the Python tiers carry.
 3. For each offered rate (fractions of the capacity the curve implies), send a seeded Poisson
    stream of one-row requests with the length mix, open loop, through the stack; then simulate
    the same rate, mix and duration with the calibrated curve and hops.
 4. Print goodput (answered within the SLO, per second), p50 and p99 of both, and each
-   simulator/real ratio; the issue's bound is 15%.
+   simulator/real ratio; the issue's bound is 15%. Beside them, the mean batch size the worker
+   ran and the simulator's: where they part, the real stack has fallen behind its curve.
 
 The run takes about `len(rates) * (duration + a few) s` plus a minute of calibration.
 """
@@ -44,7 +50,7 @@ import torch
 
 from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
 from bench.fabric.measure import wait_quiet
-from bench.fabric.observe import Observer, cpu_delta, delta, scrape, total
+from bench.fabric.observe import Observer, Samples, cpu_delta, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
@@ -60,6 +66,7 @@ MODEL = "minilm"
 #: Token counts of the two request kinds (special tokens included) and their shares.
 SHORT_TOKENS, LONG_TOKENS = 12, 100
 LENGTH_MIX = ((SHORT_TOKENS, 0.85), (LONG_TOKENS, 0.15))
+LENGTHS = (SHORT_TOKENS, LONG_TOKENS)
 #: Batch sizes the curve is measured at; the simulator's latency model interpolates between.
 CURVE_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: The issue's bound on |simulated / real - 1|.
@@ -70,6 +77,9 @@ WARM_UP_CALLS = 20
 QUIET_WAIT_S = 20.0
 #: torch's intra-op threads in the worker: the local stack leaves torch its default, one per core.
 MODEL_THREADS = torch.get_num_threads()
+#: The worker runs the model where `select_device` puts it: on a GPU the model's compute shares no
+#: cores with the tiers, so the simulator's shared host does not apply there.
+MODEL_ON_GPU = torch.cuda.is_available()
 
 
 def text_of(num_tokens: int) -> str:
@@ -109,19 +119,19 @@ async def calibrate(
     stub: api_grpc.InferenceServiceStub, stack: BenchStack, repeats: int
 ) -> Calibration:
     """Measures the curve and the hops through the running stack (see the module's doc)."""
-    worker_port = next(p for name, p in stack.metrics_ports().items() if name.startswith("worker"))
+    worker_port = _worker_metrics_port(stack)
     buckets = (16, 32, 64, 128, 256)
     points: list[dict[str, Any]] = []
     log_ratios: list[float] = []
     # A stack fresh from start-up answers its first calls slower (allocations, caches): they
     # would inflate the one-row points, which light loads run most.
     for _ in range(WARM_UP_CALLS):
-        for num_tokens in (SHORT_TOKENS, LONG_TOKENS):
+        for num_tokens in LENGTHS:
             request = api.PredictRequest(
                 model_name=MODEL, inputs=[api.PredictInput(text=text_of(num_tokens))]
             )
             await stub.Predict(request, timeout=30.0)
-    for num_tokens in (SHORT_TOKENS, LONG_TOKENS):
+    for num_tokens in LENGTHS:
         bucket = _bucket_of(num_tokens, buckets)
         inputs = [api.PredictInput(text=text_of(num_tokens))]
         for size in CURVE_SIZES:
@@ -183,6 +193,20 @@ async def _hops(
         if name != "outside_bench" and not name.startswith("worker")
     )
     return max(0.0, client_s / count - worker_s), tiers_cpu_s / count
+
+
+def _worker_metrics_port(stack: BenchStack) -> int:
+    return next(p for name, p in stack.metrics_ports().items() if name.startswith("worker"))
+
+
+def _batches(worker_delta: Samples) -> dict[str, float]:
+    """Mean rows and compute milliseconds per batch the worker ran, from a metrics delta."""
+    count = total(worker_delta, f"{names.WORKER_BATCH_SIZE}_count", model=MODEL)
+    if not count:
+        return {"mean_size": math.nan, "mean_compute_ms": math.nan}
+    rows = total(worker_delta, f"{names.WORKER_BATCH_SIZE}_sum", model=MODEL)
+    compute_s = total(worker_delta, f"{names.WORKER_COMPUTE_SECONDS}_sum", model=MODEL)
+    return {"mean_size": rows / count, "mean_compute_ms": compute_s / count * 1e3}
 
 
 def capacity_per_s(curve: LatencyCurve) -> float:
@@ -272,7 +296,9 @@ def sim_side(
             noise_sigma=calibration.noise_sigma,
             upstream_s=calibration.hops_s * 2 / 3,
             downstream_s=calibration.hops_s / 3,
-            host=HostConfig(
+            host=HostConfig()
+            if MODEL_ON_GPU
+            else HostConfig(
                 cores=float(os.cpu_count() or 1),
                 tier_cpu_s=calibration.tier_cpu_s,
                 model_threads=MODEL_THREADS,
@@ -307,7 +333,8 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
             f"{real['goodput_per_s']:12.1f} {sim['goodput_per_s']:7.1f} "
             f"{row['goodput_ratio']:6.3f} | "
             f"{real['p50_ms']:8.1f} {sim['p50_ms']:7.1f} {row['p50_ratio']:6.3f} | "
-            f"{real['p99_ms']:8.1f} {sim['p99_ms']:7.1f} {row['p99_ratio']:6.3f}"
+            f"{real['p99_ms']:8.1f} {sim['p99_ms']:7.1f} {row['p99_ratio']:6.3f} | "
+            f"{row['real_batches']:10.2f} {row['sim_batches']:5.2f}"
         )
     return "\n".join(lines)
 
@@ -327,15 +354,19 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             capacity = capacity_per_s(calibration.curve)
             print(f"calibration {json.dumps(calibration.as_dict())}", flush=True)
             print(f"capacity implied by the curve: {capacity:.0f} rows/s", flush=True)
+            worker_port = _worker_metrics_port(stack)
             rows = []
-            for index, load in enumerate(args.loads):
-                rate = load * capacity
+            rates = args.rates or tuple(load * capacity for load in args.loads)
+            for index, rate in enumerate(rates):
+                load = rate / capacity
                 seed = args.seed + index
                 print(
                     f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s",
                     flush=True,
                 )
+                worker_before = scrape(worker_port)
                 outcomes = await real_run(stub, rate, args.duration_s, seed)
+                batches = _batches(delta(worker_before, scrape(worker_port)))
                 window_s = args.duration_s - args.warmup_s
                 real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
                 sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
@@ -346,6 +377,11 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
                         "real": real.__dict__,
                         "sim": sim.__dict__,
                         "sim_batches": summary["mean_batch_size"],
+                        # What the worker ran over the whole real run (warm-up included): a
+                        # batch size or compute far from the simulator's says which part of
+                        # the model is off.
+                        "real_batches": batches["mean_size"],
+                        "real_compute_ms": batches["mean_compute_ms"],
                         "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
                         "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
                         "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
@@ -364,6 +400,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=lambda text: tuple(float(x) for x in text.split(",")),
         default=(0.2, 0.35, 0.5, 0.65),
         help="offered rates as fractions of the curve's capacity (comma-separated)",
+    )
+    parser.add_argument(
+        "--rates",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        help="offered rates in requests/s instead of --loads (comma-separated): on a GPU the "
+        "curve's capacity is far past what the Python tiers carry",
     )
     parser.add_argument("--duration-s", type=float, default=40.0)
     parser.add_argument("--warmup-s", type=float, default=5.0)

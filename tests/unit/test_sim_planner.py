@@ -11,7 +11,7 @@ import pytest
 
 from services.sim.__main__ import main
 from services.sim.planner import format_plan, gateway_plan, plan
-from services.sim.scenario import parse_scenario
+from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import Arrival, Traffic
 
@@ -95,3 +95,19 @@ def test_the_command_line_plans_workers_and_gateways(
     assert "1000 x 1.00 / 400 -> 3 gateways" in out
     (plan_line,) = [line for line in out.splitlines() if line.startswith("plan: ")]
     assert plan_line.endswith(", 3 gateways")
+
+
+def test_the_h200_scenario_plans_from_the_gpu_curve_measured_there() -> None:
+    """scenarios/plan_h200.toml reads curves/minilm_h200.json (`make bench-model` on an H200)."""
+    path = Path(__file__).resolve().parents[2] / "services" / "sim" / "scenarios" / "plan_h200.toml"
+    scenario = dataclasses.replace(load_scenario(path), duration_s=3.0, warmup_s=1.0)
+    curve = dict(scenario.curve.points)
+    assert {bucket for bucket, _ in curve} == {16, 32, 64, 128, 256}
+    # A GPU's curve: 64 short rows cost a few times one row, not 64 times as on a CPU.
+    assert curve[(16, 64)] < 4 * curve[(16, 1)]
+    answer = plan(scenario, percentile=99, headroom=0.2, max_workers=8)
+    assert answer.workers is not None
+    by_count = {trial.workers: trial for trial in answer.trials}
+    assert by_count[answer.workers].meets
+    if answer.workers > 1:
+        assert not by_count[answer.workers - 1].meets
