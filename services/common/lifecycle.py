@@ -6,10 +6,12 @@ from __future__ import annotations
 import asyncio
 import faulthandler
 import gc
+import io
 import json
 import logging
 import os
 import signal
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, NoReturn
@@ -136,11 +138,39 @@ def stop_event() -> asyncio.Event:
 STOP_OVERRUN_S = 15.0
 
 
+#: How long before `bound_stop`'s deadline the event loop's tasks are written out.
+TASK_DUMP_LEAD_S = 1.0
+
+
 def bound_stop(drain_grace_s: float) -> None:
     """Call on SIGTERM: if the process is still alive `drain_grace_s + STOP_OVERRUN_S` later,
     every thread's stack goes to stderr (the tier's log) and the process exits 1. A stop that
-    hangs then ends on its own, well inside the orchestrator's kill deadline, and says where."""
-    faulthandler.dump_traceback_later(drain_grace_s + STOP_OVERRUN_S, exit=True)
+    hangs then ends on its own, well inside the orchestrator's kill deadline, and says where.
+
+    Called from a running event loop, it also writes every asyncio task's stack just before:
+    a stop awaiting something that never comes leaves the loop idle in `select`, which the
+    threads' stacks show and the tasks' name."""
+    deadline_s = drain_grace_s + STOP_OVERRUN_S
+    faulthandler.dump_traceback_later(deadline_s, exit=True)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    loop.call_later(max(0.0, deadline_s - TASK_DUMP_LEAD_S), _write_task_stacks)
+
+
+def _write_task_stacks() -> None:
+    sys.stderr.write(f"stop overran: the event loop's tasks\n{task_stacks()}")
+    sys.stderr.flush()
+
+
+def task_stacks() -> str:
+    """Every task of the running event loop with its coroutine and stack, as text."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        print(f"-- {task.get_name()}: {task.get_coro()}", file=out)
+        task.print_stack(file=out)
+    return out.getvalue()
 
 
 def exit_stopped(code: int) -> NoReturn:

@@ -38,6 +38,28 @@ def test_a_hung_stop_dumps_stacks_and_exits() -> None:
     assert "stuck_in_teardown" in done.stderr  # the hung frame is named in the dump
 
 
+def test_a_stop_awaiting_forever_names_the_task_before_exiting() -> None:
+    done = run_python(
+        """
+        import asyncio
+        from services.common import lifecycle
+        lifecycle.STOP_OVERRUN_S = 0.0
+        lifecycle.TASK_DUMP_LEAD_S = 0.25
+        async def close_that_never_returns():
+            await asyncio.Event().wait()
+        async def main():
+            lifecycle.bound_stop(0.5)
+            await asyncio.create_task(close_that_never_returns(), name="closing-streams")
+        asyncio.run(main())
+        """
+    )
+    assert done.returncode == 1
+    tasks = done.stderr.split("stop overran: the event loop's tasks", 1)[1]
+    assert "closing-streams" in tasks
+    assert "close_that_never_returns" in tasks
+    assert "most recent call first" in tasks  # then faulthandler's dump of the threads
+
+
 def test_exit_stopped_does_not_wait_for_threads() -> None:
     done = run_python(
         """

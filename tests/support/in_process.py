@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
+from services.common.lifecycle import task_stacks
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway, create_gateway
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
@@ -191,11 +191,7 @@ async def _stop_within(what: str, stop: Coroutine[Any, Any, None], hung: list[st
     if task in done:
         task.result()
         return
-    stacks = io.StringIO()
-    for other in asyncio.all_tasks():
-        print(f"-- {other.get_name()}: {other.get_coro()}", file=stacks)
-        other.print_stack(file=stacks)
-    hung.append(f"{what} did not stop within {STOP_TIMEOUT_S:.0f}s; tasks:\n{stacks.getvalue()}")
+    hung.append(f"{what} did not stop within {STOP_TIMEOUT_S:.0f}s; tasks:\n{task_stacks()}")
 
 
 async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> bool:
