@@ -316,6 +316,41 @@ def sim_side(
     return side, summary
 
 
+def _mean_side(sides: Sequence[Side]) -> Side:
+    return Side(
+        *(statistics.fmean(getattr(side, name) for side in sides) for name in Side.__annotations__)
+    )
+
+
+def _row(
+    load: float, rate: float, runs: Sequence[tuple[Side, Side, float, dict[str, float]]]
+) -> dict[str, Any]:
+    """One load's runs: the means of each side (the same seeds on both), their ratios, and the
+    real stack's own spread of p99 over the runs."""
+    real = _mean_side([run[0] for run in runs])
+    sim = _mean_side([run[1] for run in runs])
+    real_p99s = [run[0].p99_ms for run in runs]
+    return {
+        "load": load,
+        "rate_per_s": rate,
+        "runs": len(runs),
+        "real": real.__dict__,
+        "sim": sim.__dict__,
+        "real_p99_ms_range": [min(real_p99s), max(real_p99s)],
+        "sim_batches": statistics.fmean(run[2] for run in runs),
+        # What the worker ran over the whole real run (warm-up included): a batch size or
+        # compute far from the simulator's says which part of the model is off.
+        "real_batches": statistics.fmean(run[3]["mean_size"] for run in runs),
+        "real_compute_ms": statistics.fmean(run[3]["mean_compute_ms"] for run in runs),
+        "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
+        "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
+        "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
+        "per_run": [
+            {"real": real_run.__dict__, "sim": sim_run.__dict__} for real_run, sim_run, *_ in runs
+        ],
+    }
+
+
 def ratio(sim: float, real: float) -> float:
     return sim / real if real else math.nan
 
@@ -323,17 +358,20 @@ def ratio(sim: float, real: float) -> float:
 def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     head = (
         f"{'rate/s':>7} {'load':>5} | {'goodput real':>12} {'sim':>7} {'ratio':>6} | "
-        f"{'p50 real':>8} {'sim':>7} {'ratio':>6} | {'p99 real':>8} {'sim':>7} {'ratio':>6}"
+        f"{'p50 real':>8} {'sim':>7} {'ratio':>6} | {'p99 real':>8} {'sim':>7} {'ratio':>6} "
+        f"{'real range':>13} | {'batch real':>10} {'sim':>5}"
     )
     lines = [head, "-" * len(head)]
     for row in rows:
         real, sim = row["real"], row["sim"]
+        low, high = row["real_p99_ms_range"]
         lines.append(
             f"{row['rate_per_s']:7.0f} {row['load']:5.2f} | "
             f"{real['goodput_per_s']:12.1f} {sim['goodput_per_s']:7.1f} "
             f"{row['goodput_ratio']:6.3f} | "
             f"{real['p50_ms']:8.1f} {sim['p50_ms']:7.1f} {row['p50_ratio']:6.3f} | "
-            f"{real['p99_ms']:8.1f} {sim['p99_ms']:7.1f} {row['p99_ratio']:6.3f} | "
+            f"{real['p99_ms']:8.1f} {sim['p99_ms']:7.1f} {row['p99_ratio']:6.3f} "
+            f"{low:6.1f}-{high:<6.1f} | "
             f"{row['real_batches']:10.2f} {row['sim_batches']:5.2f}"
         )
     return "\n".join(lines)
@@ -359,35 +397,25 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             rates = args.rates or tuple(load * capacity for load in args.loads)
             for index, rate in enumerate(rates):
                 load = rate / capacity
-                seed = args.seed + index
-                print(
-                    f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s",
-                    flush=True,
-                )
-                worker_before = scrape(worker_port)
-                outcomes = await real_run(stub, rate, args.duration_s, seed)
-                batches = _batches(delta(worker_before, scrape(worker_port)))
-                window_s = args.duration_s - args.warmup_s
-                real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
-                sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
-                rows.append(
-                    {
-                        "load": load,
-                        "rate_per_s": rate,
-                        "real": real.__dict__,
-                        "sim": sim.__dict__,
-                        "sim_batches": summary["mean_batch_size"],
-                        # What the worker ran over the whole real run (warm-up included): a
-                        # batch size or compute far from the simulator's says which part of
-                        # the model is off.
-                        "real_batches": batches["mean_size"],
-                        "real_compute_ms": batches["mean_compute_ms"],
-                        "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
-                        "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
-                        "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
-                    }
-                )
-                await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
+                runs = []
+                for run_index in range(args.runs):
+                    print(
+                        f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s"
+                        + (f" (run {run_index + 1} of {args.runs})" if args.runs > 1 else ""),
+                        flush=True,
+                    )
+                    seed = args.seed + index + 1000 * run_index
+                    worker_before = scrape(worker_port)
+                    outcomes = await real_run(stub, rate, args.duration_s, seed)
+                    batches = _batches(delta(worker_before, scrape(worker_port)))
+                    window_s = args.duration_s - args.warmup_s
+                    real = real_side(
+                        outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25
+                    )
+                    sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
+                    runs.append((real, sim, summary["mean_batch_size"], batches))
+                    await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
+                rows.append(_row(load, rate, runs))
     finally:
         stack.stop()
     return {"calibration": calibration.as_dict(), "capacity_per_s": capacity, "rows": rows}
@@ -410,6 +438,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=40.0)
     parser.add_argument("--warmup-s", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=5, help="requests per curve point")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="runs per rate, each with its own seed on both sides; the table compares means "
+        "and shows the real p99's range over the runs",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
     return parser.parse_args(argv)

@@ -26,7 +26,14 @@ P99_TOLERANCE = 0.3
 @pytest.mark.timeout(600)
 def test_simulator_agrees_with_the_real_stack_at_moderate_load(tmp_path: Path) -> None:
     args = argparse.Namespace(
-        loads=(0.3,), rates=None, duration_s=30.0, warmup_s=5.0, repeats=5, seed=11, out=None
+        loads=(0.3,),
+        rates=None,
+        runs=1,
+        duration_s=30.0,
+        warmup_s=5.0,
+        repeats=5,
+        seed=11,
+        out=None,
     )
     report = asyncio.run(validate(args, tmp_path))
     print(format_rows(report["rows"]))
