@@ -33,6 +33,7 @@ from services.sim.scenario import parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import Arrival
 from services.sim.worker import MIN_WAKE_S, ModelSpec, SimRequest, SimWorker
+from tests.support.plans import assert_fewest_meeting
 
 pytestmark = pytest.mark.unit
 
@@ -456,12 +457,7 @@ def test_a_plan_of_several_models_meets_every_models_slo() -> None:
     raw["traffic"]["streams"][1]["rate_per_s"] = 150
     scenario = parse_scenario(raw, base_dir=Path("."), default_name="two")
     answer = plan(scenario, percentile=99, headroom=0.0, max_workers=16)
-    assert answer.workers is not None
-    by_count = {trial.workers: trial for trial in answer.trials}
-    assert by_count[answer.workers].meets
-    if answer.workers > 1:
-        assert not by_count[answer.workers - 1].meets
-    fleet = {**raw["fleet"], "workers": answer.workers}
+    fleet = {**raw["fleet"], "workers": assert_fewest_meeting(answer)}
     summary = run(parse_scenario({**raw, "fleet": fleet}, base_dir=Path("."), default_name="t"))
     for model, attainment in summary.summary["slo_attainment_by_model"].items():
         assert attainment >= 0.99, model

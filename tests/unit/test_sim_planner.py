@@ -14,6 +14,7 @@ from services.sim.planner import format_plan, gateway_plan, plan
 from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import Arrival, Traffic
+from tests.support.plans import assert_fewest_meeting
 
 pytestmark = pytest.mark.unit
 
@@ -106,8 +107,4 @@ def test_the_h200_scenario_plans_from_the_gpu_curve_measured_there() -> None:
     # A GPU's curve: 64 short rows cost a few times one row, not 64 times as on a CPU.
     assert curve[(16, 64)] < 4 * curve[(16, 1)]
     answer = plan(scenario, percentile=99, headroom=0.2, max_workers=8)
-    assert answer.workers is not None
-    by_count = {trial.workers: trial for trial in answer.trials}
-    assert by_count[answer.workers].meets
-    if answer.workers > 1:
-        assert not by_count[answer.workers - 1].meets
+    assert_fewest_meeting(answer)

@@ -17,6 +17,7 @@ from services.sim.report import write_outputs
 from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.shards import run_sharded, shard_of
 from services.sim.simulation import Scenario, run
+from tests.support.plans import assert_fewest_meeting
 
 pytestmark = pytest.mark.unit
 
@@ -108,12 +109,8 @@ def test_a_run_writes_its_summary_and_series(tmp_path: Path) -> None:
 def test_the_planner_finds_the_fewest_workers_meeting_the_slo() -> None:
     scenario = make_scenario(duration_s=4, traffic={"streams": [{"rate_per_s": 4000}]})
     answer = plan(scenario, percentile=99, headroom=0.0, max_workers=16)
-    assert answer.workers is not None
-    by_count = {trial.workers: trial for trial in answer.trials}
-    assert by_count[answer.workers].meets
-    if answer.workers > 1:
-        assert not by_count[answer.workers - 1].meets
-    assert answer.workers >= closed_form(scenario, headroom=0.0).workers
+    workers = assert_fewest_meeting(answer)
+    assert workers >= closed_form(scenario, headroom=0.0).workers
     assert answer.hpa_queue_wait_target_ms is not None
     assert answer.hpa_backlog_target_ms is not None
     assert 0.0 <= answer.hpa_backlog_target_ms <= answer.hpa_queue_wait_target_ms
