@@ -316,19 +316,20 @@ def sim_side(
     return side, summary
 
 
-def _mean_side(sides: Sequence[Side]) -> Side:
+def _median_side(sides: Sequence[Side]) -> Side:
     return Side(
-        *(statistics.fmean(getattr(side, name) for side in sides) for name in Side.__annotations__)
+        *(statistics.median(getattr(side, name) for side in sides) for name in Side.__annotations__)
     )
 
 
 def _row(
     load: float, rate: float, runs: Sequence[tuple[Side, Side, float, dict[str, float]]]
 ) -> dict[str, Any]:
-    """One load's runs: the means of each side (the same seeds on both), their ratios, and the
-    real stack's own spread of p99 over the runs."""
-    real = _mean_side([run[0] for run in runs])
-    sim = _mean_side([run[1] for run in runs])
+    """One load's runs: the medians of each side (the same seeds on both; a run the machine's
+    other work disturbed moves no median of three), their ratios, and the real stack's own
+    spread of p99 over the runs."""
+    real = _median_side([run[0] for run in runs])
+    sim = _median_side([run[1] for run in runs])
     real_p99s = [run[0].p99_ms for run in runs]
     return {
         "load": load,
@@ -442,7 +443,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--runs",
         type=int,
         default=1,
-        help="runs per rate, each with its own seed on both sides; the table compares means "
+        help="runs per rate, each with its own seed on both sides; the table compares medians "
         "and shows the real p99's range over the runs",
     )
     parser.add_argument("--seed", type=int, default=1)

@@ -1,10 +1,12 @@
 """The simulator against the real stack, small (issue 17's validation; the full run is
 `make bench-sim`): one minilm worker in the local stack as `make run` starts it, calibrated at
 low load, then the same seeded Poisson traffic (85% short, 15% long texts) through the stack and
-through the simulator. Goodput must agree within the issue's 15%. Inside the suite, after the
-other e2e tests, this short run's p50 came out 1.14-1.16x in three runs (0.92x alone), and p99
-of a 30 s window is a dozen samples: both are held to looser bounds here, and the benchmark
-(`make bench-sim`, longer windows on a quiet machine) reports all three against 15%."""
+through the simulator, three runs with their own seeds, compared by medians. Goodput must agree
+within the issue's 15%. Inside the suite, after the other e2e tests, one run's p50 came out
+1.14-1.16x in three suites (0.92x alone), and one run's real p99 once reached 192 ms where
+quiet runs give 56-80 ms (the machine's other work): p50 and p99 are held to looser bounds
+here, and the benchmark (`make bench-sim`, longer windows on a quiet machine) reports all three
+against 15%."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ def test_simulator_agrees_with_the_real_stack_at_moderate_load(tmp_path: Path) -
     args = argparse.Namespace(
         loads=(0.3,),
         rates=None,
-        runs=1,
+        runs=3,
         duration_s=30.0,
         warmup_s=5.0,
         repeats=5,
