@@ -431,8 +431,10 @@ async def test_s35_a_new_worker_replica_gets_requests_within_seconds(
         # It ran them itself, over the connections the router already had to the gateway and
         # the client to the gateway.
         await eventually(lambda: total(scrape(extra.metrics_port), names.WORKER_ROWS_TOTAL) > 5)
-        await load.stop()
     finally:
+        # Also on failure: the fabric is shared, and a load left running would count its rows
+        # in the next test (s27 then saw 3 rows "run twice").
+        await load.stop()
         code = extra.terminate()
     assert code == 0, extra.log()
     assert first_routed_after_s <= HEARTBEAT_PERIOD_S + REFRESH_PERIOD_S + SLACK_S
