@@ -322,15 +322,25 @@ def _median_side(sides: Sequence[Side]) -> Side:
     )
 
 
-def _row(
-    load: float, rate: float, runs: Sequence[tuple[Side, Side, float, dict[str, float]]]
-) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Run:
+    """One seeded run of a load on both sides."""
+
+    real: Side
+    sim: Side
+    #: Mean rows per batch the simulator ran.
+    sim_batch_size: float
+    #: What the real worker ran (`_batches`): mean rows and compute milliseconds per batch.
+    real_batches: dict[str, float]
+
+
+def _row(load: float, rate: float, runs: Sequence[Run]) -> dict[str, Any]:
     """One load's runs: the medians of each side (the same seeds on both; a run the machine's
     other work disturbed moves no median of three), their ratios, and the real stack's own
     spread of p99 over the runs."""
-    real = _median_side([run[0] for run in runs])
-    sim = _median_side([run[1] for run in runs])
-    real_p99s = [run[0].p99_ms for run in runs]
+    real = _median_side([run.real for run in runs])
+    sim = _median_side([run.sim for run in runs])
+    real_p99s = [run.real.p99_ms for run in runs]
     return {
         "load": load,
         "rate_per_s": rate,
@@ -338,17 +348,15 @@ def _row(
         "real": real.__dict__,
         "sim": sim.__dict__,
         "real_p99_ms_range": [min(real_p99s), max(real_p99s)],
-        "sim_batches": statistics.fmean(run[2] for run in runs),
+        "sim_batches": statistics.fmean(run.sim_batch_size for run in runs),
         # What the worker ran over the whole real run (warm-up included): a batch size or
         # compute far from the simulator's says which part of the model is off.
-        "real_batches": statistics.fmean(run[3]["mean_size"] for run in runs),
-        "real_compute_ms": statistics.fmean(run[3]["mean_compute_ms"] for run in runs),
+        "real_batches": statistics.fmean(run.real_batches["mean_size"] for run in runs),
+        "real_compute_ms": statistics.fmean(run.real_batches["mean_compute_ms"] for run in runs),
         "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
         "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
         "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
-        "per_run": [
-            {"real": real_run.__dict__, "sim": sim_run.__dict__} for real_run, sim_run, *_ in runs
-        ],
+        "per_run": [{"real": run.real.__dict__, "sim": run.sim.__dict__} for run in runs],
     }
 
 
@@ -398,7 +406,7 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             rates = args.rates or tuple(load * capacity for load in args.loads)
             for index, rate in enumerate(rates):
                 load = rate / capacity
-                runs = []
+                runs: list[Run] = []
                 for run_index in range(args.runs):
                     print(
                         f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s"
@@ -414,7 +422,7 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
                         outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25
                     )
                     sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
-                    runs.append((real, sim, summary["mean_batch_size"], batches))
+                    runs.append(Run(real, sim, summary["mean_batch_size"], batches))
                     await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
                 rows.append(_row(load, rate, runs))
     finally:
