@@ -103,6 +103,27 @@ def retry_after_of(error: BaseException | None) -> float | None:
     return None
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """No cyclic garbage collection for the duration. Why: the process that generates load may
+    hold torch's, grpc's and a test suite's many objects (with every test module imported, a
+    full collection takes 170 ms on an idle 2-core machine), and a collection stops its event
+    loop, which shows up as late sends and as latency the server never had. The garbage of a
+    run (asyncio tasks, RPC errors with tracebacks) is collected once afterwards; existing
+    objects are frozen first so that sweep stays short."""
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+        gc.unfreeze()
+        gc.collect()
+
+
 async def _timed(send: Send, timeout_s: float | None) -> tuple[float, str, BaseException | None]:
     """Runs one send; returns (latency, status, the error if it failed). Never raises except
     on cancellation."""
@@ -136,7 +157,19 @@ async def run_open_loop(
     schedule order. `timeout_s` bounds each call on the client side; calls still pending
     `drain_timeout_s` after the last send are cancelled and recorded as CLIENT_TIMEOUT (the run
     is bounded in time as well as count). `at_offsets` are (time, coroutine function) hooks run
-    concurrently at those offsets, e.g. to scrape metrics at a window boundary."""
+    concurrently at those offsets, e.g. to scrape metrics at a window boundary. The collector is
+    paused for the run (`paused_gc`)."""
+    with paused_gc():
+        return await _open_loop(send, schedule, timeout_s, drain_timeout_s, at_offsets)
+
+
+async def _open_loop(
+    send: Send,
+    schedule: Sequence[float],
+    timeout_s: float | None,
+    drain_timeout_s: float,
+    at_offsets: Sequence[tuple[float, Callable[[], Awaitable[None]]]],
+) -> list[Outcome]:
     loop = asyncio.get_running_loop()
     start = loop.time() + START_LEAD_S
     outcomes: list[Outcome | None] = [None] * len(schedule)
@@ -197,7 +230,8 @@ async def run_closed_loop(
     timeout_s: float | None = None,
 ) -> ClosedLoopResult:
     """Runs `concurrency` send loops for `warmup_s + duration_s`; counts only calls that
-    finish after the warm-up. A throughput probe (secondary view): it cannot show queueing."""
+    finish after the warm-up. A throughput probe (secondary view): it cannot show queueing.
+    The collector is paused for the run (`paused_gc`)."""
     loop = asyncio.get_running_loop()
     measure_from = loop.time() + warmup_s
     stop_at = measure_from + duration_s
@@ -220,7 +254,8 @@ async def run_closed_loop(
                 result.ok += 1
                 result.latencies_s.append(latency)
 
-    await asyncio.gather(*(caller() for _ in range(concurrency)))
+    with paused_gc():
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
     # Calls that were in flight at stop_at finish a little later; the window is stretched to
     # include them so the rate is not overstated.
     result.elapsed_s = max(duration_s, loop.time() - measure_from)
@@ -268,25 +303,6 @@ def generator_priority(mode: str) -> Iterator[str]:
         if applied != "default":
             with contextlib.suppress(OSError):
                 _set_all_threads(os.SCHED_OTHER, 0)
-
-
-@contextlib.contextmanager
-def paused_gc() -> Iterator[None]:
-    """No cyclic garbage collection for the duration. Why: this process holds torch's and
-    grpc's many objects, and a full collection stops the event loop for tens of ms, which
-    shows up as late sends. The garbage of a run (asyncio tasks, RPC errors with tracebacks) is
-    collected once afterwards; existing objects are frozen first so that sweep stays short."""
-    was_enabled = gc.isenabled()
-    gc.collect()
-    gc.freeze()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-        gc.unfreeze()
-        gc.collect()
 
 
 def split_windows(

@@ -16,7 +16,6 @@ from typing import Any
 from bench.fabric.loadgen import (
     Send,
     generator_priority,
-    paused_gc,
     poisson_schedule,
     run_closed_loop,
     run_open_loop,
@@ -135,7 +134,7 @@ async def measure_rate(
         return take
 
     begin_s = max(0.0, settings.warmup_s - SNAPSHOT_LEAD_S)
-    with generator_priority(settings.loadgen_priority) as priority, paused_gc():
+    with generator_priority(settings.loadgen_priority) as priority:
         outcomes = await run_open_loop(
             target.send,
             schedule,
