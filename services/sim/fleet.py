@@ -295,10 +295,12 @@ class Fleet:
         worker = self.workers.get(decision.worker_id)  # None: it died since the snapshot
         host = None if worker is None else worker.host
         if host is None:
+            request.upstream_s = upstream_s
             self._upstream.at(now_s + upstream_s, self._at_worker, request)
             return
         host.request(now_s)
         upstream_s *= host.hop_stretch(now_s)
+        request.upstream_s = upstream_s
         self._loop.at(now_s + upstream_s, self._at_worker, request)
 
     def _at_worker(self, now_s: float, request: SimRequest) -> None:
@@ -330,7 +332,13 @@ class Fleet:
             if worker is not None and worker.host is not None:
                 downstream_s *= worker.host.hop_stretch(now_s)
             latency_s = now_s + downstream_s - arrival_s
-            self._recorder.answered(arrival_s, latency_s, arrival.tenant, arrival.model)
+            self._recorder.answered(
+                arrival_s,
+                latency_s,
+                arrival.tenant,
+                arrival.model,
+                hops_s=request.upstream_s + downstream_s,
+            )
         else:
             self._recorder.refused(arrival_s, f"worker_{outcome}")
 

@@ -49,6 +49,8 @@ class Recorder:
         #: model -> [arrivals, answered within its SLO] after the warm-up, and its latencies.
         self.by_model: dict[str, list[int]] = {}
         self.latencies_s_by_model: dict[str, list[float]] = {}
+        #: Seconds the answers after the warm-up spent in the hops (router to worker and back).
+        self.hops_s = 0.0
         #: (time, replicas, ready replicas), on every change and every autoscaler sync.
         self.replicas: list[tuple[float, int, int]] = []
         #: (time, the autoscaler's metric value).
@@ -68,13 +70,17 @@ class Recorder:
             self.by_tenant.setdefault(tenant, [0, 0])[0] += 1
             self.by_model.setdefault(model, [0, 0])[0] += 1
 
-    def answered(self, arrival_s: float, latency_s: float, tenant: str, model: str) -> None:
+    def answered(
+        self, arrival_s: float, latency_s: float, tenant: str, model: str, hops_s: float = 0.0
+    ) -> None:
+        """An answer `latency_s` after arrival, `hops_s` of it in the hops."""
         is_good = latency_s <= self.slo_s_by_model[model]
         slot = self._bin(arrival_s)
         slot.latencies_s.append(latency_s)
         slot.good += is_good
         if arrival_s >= self.warmup_s:
             self.latencies_s.append(latency_s)
+            self.hops_s += hops_s
             self.num_good += is_good
             self.by_tenant.setdefault(tenant, [0, 0])[1] += is_good
             self.latencies_s_by_tenant.setdefault(tenant, []).append(latency_s)
@@ -85,6 +91,7 @@ class Recorder:
         """Adds the summary counts and latencies of `other` (a shard of the same run) to
         these; the time series are not merged."""
         self.latencies_s.extend(other.latencies_s)
+        self.hops_s += other.hops_s
         self.refusals.update(other.refusals)
         self.num_arrivals += other.num_arrivals
         self.num_good += other.num_good
@@ -204,6 +211,9 @@ def summarize(
         "batch_sizes": {str(k): v for k, v in sorted(totals.batch_sizes.items())},
         "close_reasons": dict(sorted(totals.close_reasons.items())),
         "mean_queue_wait_ms": totals.mean_queue_wait_s * 1e3,
+        "mean_hops_ms": recorder.hops_s / len(recorder.latencies_s) * 1e3
+        if recorder.latencies_s
+        else math.nan,
         "mean_backlog_ms": totals.mean_backlog_s * 1e3,
         "p90_queue_wait_ms": histogram_quantile(0.9, totals.queue_wait_counts) * 1e3,
         "worker_hours": totals.worker_seconds / 3600.0,

@@ -56,6 +56,7 @@ class SimRequest:
         "num_attempts",
         "reservation_id",
         "tried",
+        "upstream_s",
         "worker_id",
     )
 
@@ -68,6 +69,8 @@ class SimRequest:
         self.num_attempts = 0
         #: The router cell that routes it.
         self.cell = 0
+        #: How long its last trip from the router to a worker took.
+        self.upstream_s = 0.0
 
 
 class AnswerSink(Protocol):

@@ -96,3 +96,12 @@ def test_a_fleet_on_a_shared_host_serves_slower_and_saturates_sooner() -> None:
     heavy_apart, heavy_shared = _one_worker(apart, 400), _one_worker(shared, 400)
     assert heavy_apart["slo_attainment"] > 0.99
     assert heavy_shared["slo_attainment"] < heavy_apart["slo_attainment"]
+
+
+def test_the_summary_reports_the_hops_as_the_host_stretched_them() -> None:
+    configured_ms = (FleetConfig().upstream_s + FleetConfig().downstream_s) * 1e3
+    apart = _one_worker(HostConfig(), 100)
+    assert apart["mean_hops_ms"] == pytest.approx(configured_ms)
+    shared = _one_worker(HostConfig(cores=2, tier_cpu_s=0.004), 200)
+    # 0.8 cores of tiers, and the model busy part of the time: every hop waits for a core.
+    assert shared["mean_hops_ms"] > 1.1 * configured_ms
