@@ -150,6 +150,8 @@ class FleetTotals:
     mean_backlog_s: float = 0.0
     #: Rows by queue wait in WORKER_SECONDS_BUCKETS (+Inf last), summed over workers.
     queue_wait_counts: tuple[int, ...] = ()
+    #: Seconds the workers' batches ran, summed (stretched by a shared host where there is one).
+    compute_s: float = 0.0
 
 
 def histogram_quantile(quantile: float, counts: Sequence[int]) -> float:
@@ -208,6 +210,7 @@ def summarize(
         "p99_ms_by_model": _p99_ms(recorder.by_model, recorder.latencies_s_by_model),
         "batches": num_batches,
         "mean_batch_size": rows / num_batches if num_batches else 0.0,
+        "mean_compute_ms": totals.compute_s / num_batches * 1e3 if num_batches else 0.0,
         "batch_sizes": {str(k): v for k, v in sorted(totals.batch_sizes.items())},
         "close_reasons": dict(sorted(totals.close_reasons.items())),
         "mean_queue_wait_ms": totals.mean_queue_wait_s * 1e3,

@@ -90,6 +90,7 @@ def run_sharded(scenario: Scenario, num_shards: int) -> dict[str, Any]:
         mean_queue_wait_s=wait_s / rows if rows else 0.0,
         mean_backlog_s=backlog_s / rows if rows else 0.0,
         queue_wait_counts=tuple(wait_counts),
+        compute_s=sum(t.compute_s for _, t, _ in parts),
     )
     summary = summarize(
         recorder,

@@ -204,7 +204,7 @@ def run(scenario: Scenario) -> RunResult:
 def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTotals:
     sizes: Counter[int] = Counter()
     reasons: Counter[str] = Counter()
-    wait_s, backlog_s, rows = 0.0, 0.0, 0
+    wait_s, backlog_s, compute_s, rows = 0.0, 0.0, 0.0, 0
     wait_counts = [0] * (len(WORKER_SECONDS_BUCKETS) + 1)
     for worker in fleet.all_workers:
         wait_counts = [a + b for a, b in zip(wait_counts, worker.queue_wait_counts, strict=True)]
@@ -213,6 +213,7 @@ def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTot
         wait_s += worker.queue_wait_s_total
         backlog_s += worker.backlog_s_total
         rows += worker.rows_dispatched
+        compute_s += worker.busy_s_total
     return FleetTotals(
         worker_seconds=fleet.worker_seconds(duration_s),
         batch_sizes=sizes,
@@ -222,4 +223,5 @@ def _totals(fleet: Fleet, duration_s: float, replicas: Counter[int]) -> FleetTot
         mean_queue_wait_s=wait_s / rows if rows else 0.0,
         mean_backlog_s=backlog_s / rows if rows else 0.0,
         queue_wait_counts=tuple(wait_counts),
+        compute_s=compute_s,
     )

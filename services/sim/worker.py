@@ -302,8 +302,6 @@ class SimWorker:
             return
         compute_s = now_s - self._running_since_s
         self.busy_s_total += compute_s
-        if self.host is not None:
-            self.host.ran(now_s, compute_s)
         num_rows = len(dispatch.items)
         self.rows_total += num_rows
         self.rows_by_model[lane.spec.name] += num_rows
