@@ -79,7 +79,8 @@ TOLERANCE = 0.15
 #: One-row calls of each length sent before calibrating, unmeasured.
 WARM_UP_CALLS = 20
 #: Passes over every curve shape (each `--repeats` calls per shape). In one calibration the
-#: first shape, one 12-token row, measured 8.4 ms in one pass where later runs gave 6.0-6.4.
+#: first shape, one 12-token row, measured 8.4 ms in one pass where other calibrations gave
+#: 5.9-6.4.
 CURVE_PASSES = 2
 #: One-row calls, one at a time, that the hops and the tiers' CPU are measured over. The tiers'
 #: background work (heartbeats, refreshes) lands on whichever calls it overlaps: over 40 calls
@@ -417,7 +418,8 @@ def _row(load: float, rate: float, runs: Sequence[Run]) -> dict[str, Any]:
         "real_batches": statistics.fmean(run.real_batches["mean_size"] for run in runs),
         "real_compute_ms": statistics.fmean(run.real_batches["mean_compute_ms"] for run in runs),
         "sim_compute_ms": statistics.fmean(run.sim_compute_ms for run in runs),
-        # Under traffic the hops wait for cores too (the shared host stretches them).
+        # The hops under traffic: the simulated ones stretch only once the tiers outgrow the
+        # cores (host.py), and the real ones say whether that holds.
         "real_hops_ms": statistics.fmean(run.real_hops_ms for run in runs),
         "sim_hops_ms": statistics.fmean(run.sim_hops_ms for run in runs),
         "goodput_ratio": ratio(sim.goodput_per_s, real.goodput_per_s),
