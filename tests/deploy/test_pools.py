@@ -14,7 +14,6 @@ with the overlay. The rendering helpers are test_manifests.py's.
 from __future__ import annotations
 
 import json
-import shutil
 from typing import Any
 
 import kubernetes_validate
@@ -48,6 +47,7 @@ from tests.deploy.test_manifests import (
     staged_tls_files,
     volume_sources,
 )
+from tests.support.tools import venv_tool
 
 pytestmark = pytest.mark.integration
 
@@ -77,10 +77,9 @@ SELECTING = ("Deployment", "Service", "PodDisruptionBudget", "ServiceMonitor")
 
 
 def kustomize(overlay: str) -> Objects:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is not on PATH: these tests render with `kubectl kustomize`")
-    return load_all(run([kubectl, "kustomize", str(K8S_DIR / "overlays" / overlay)], overlay))
+    return load_all(
+        run([venv_tool("kubectl"), "kustomize", str(K8S_DIR / "overlays" / overlay)], overlay)
+    )
 
 
 @pytest.fixture(scope="module")

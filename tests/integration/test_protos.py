@@ -1,4 +1,5 @@
-"""Other teams compile proto/ with plain `protoc -I proto`: no path mapping, no Makefile."""
+"""Other teams compile proto/ with plain `protoc -I proto`: no path mapping, no Makefile; buf
+users build it with `buf build`. Both run the compilers as processes, hence integration."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.unit
+from tests.support.tools import venv_tool
+
+pytestmark = pytest.mark.integration
 
 PROTO = Path(__file__).resolve().parents[2] / "proto"
 
@@ -42,10 +45,8 @@ def test_proto_compiles_with_plain_protoc_and_the_result_imports(tmp_path: Path)
 
 def test_buf_builds_the_module() -> None:
     """`buf build` with the repository's buf.yaml (module root proto/), as buf users run it."""
-    buf = PROTO.parent / ".tools" / "buf"
-    assert buf.exists(), f"{buf} is missing: `make install` fetches it"
     built = subprocess.run(
-        [str(buf), "build", "--error-format", "text"],
+        [venv_tool("buf"), "build", "--error-format", "text"],
         capture_output=True, text=True, check=False, cwd=PROTO.parent,
     )  # fmt: skip
     assert built.returncode == 0, built.stderr
