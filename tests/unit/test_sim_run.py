@@ -1,11 +1,10 @@
 """Small scenarios run end to end through the fleet, and their outputs are sane; the planner
-and the command line; the simulator never imports asyncio or gRPC."""
+and the command line. (A sharded run's processes and the import check are in
+tests/integration/test_sim_processes.py.)"""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +12,8 @@ import pytest
 
 from services.sim.__main__ import main
 from services.sim.planner import closed_form, plan
-from services.sim.report import write_outputs
 from services.sim.scenario import load_scenario, parse_scenario
-from services.sim.shards import run_sharded, shard_of
+from services.sim.shards import shard_of
 from services.sim.simulation import Scenario, run
 from tests.support.plans import assert_fewest_meeting
 
@@ -87,25 +85,6 @@ def test_the_hpa_adds_workers_when_queue_wait_exceeds_its_target() -> None:
     assert result.recorder.hpa_metric
 
 
-def test_a_run_writes_its_summary_and_series(tmp_path: Path) -> None:
-    result = run(make_scenario())
-    paths = write_outputs(result, tmp_path)
-    assert {p.name for p in paths} == {
-        "summary.json",
-        "latency.csv",
-        "replicas.csv",
-        "latency.png",
-        "replicas.png",
-    }
-    for png in ("latency.png", "replicas.png"):
-        assert (tmp_path / png).read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["scenario"] == "small"
-    header, *rows = (tmp_path / "latency.csv").read_text().splitlines()
-    assert header == "t_s,rate,goodput,p50,p99"
-    assert len(rows) >= 6
-
-
 def test_the_planner_finds_the_fewest_workers_meeting_the_slo() -> None:
     scenario = make_scenario(duration_s=4, traffic={"streams": [{"rate_per_s": 4000}]})
     answer = plan(scenario, percentile=99, headroom=0.0, max_workers=16)
@@ -126,17 +105,6 @@ def test_a_shard_is_an_equal_part_of_the_fleet_and_its_traffic() -> None:
         shard_of(make_scenario(hpa={"target": 0.01}), 0, 2)
     with pytest.raises(ValueError, match="do not split"):
         shard_of(make_scenario(fleet={"workers": 3}), 0, 2)
-
-
-def test_a_sharded_run_merges_its_shards_measurements() -> None:
-    scenario = make_scenario(fleet={"workers": 4, "cell_size": 2}, duration_s=3)
-    summary = run_sharded(scenario, 2)
-    assert summary["shards"] == 2
-    assert summary["offered_per_s"] == pytest.approx(500, rel=0.15)
-    assert summary["answered"] == pytest.approx(summary["offered_per_s"] * 2, rel=0.01)
-    assert summary["max_replicas"] == 4
-    assert summary["worker_hours"] == pytest.approx(4 * 3 / 3600)
-    assert summary["latency_ms"]["p50"] <= summary["latency_ms"]["p99"] <= 200
 
 
 def test_a_scenario_reads_the_curve_bench_model_writes(tmp_path: Path) -> None:
@@ -185,13 +153,3 @@ def test_the_command_line_reports_a_bad_scenario(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "bad"\n[model]\nname = "m"\nslo = 1\n')
     assert main(["run", str(bad)]) == 2
-
-
-def test_the_simulator_never_imports_asyncio_or_grpc() -> None:
-    code = (
-        "import sys, services.sim.__main__\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('asyncio', 'grpc'))\n"
-        "assert not bad, bad\n"
-    )
-    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert completed.returncode == 0, completed.stderr
