@@ -15,7 +15,6 @@ import asyncio
 import math
 import os
 import struct
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -209,7 +208,6 @@ class Answer:
     details: str
     #: Statuses carried inside OK responses (KServe stream errors, multiplexed call results).
     in_band: tuple[str, ...]
-    elapsed_s: float
 
 
 def _in_band(method: pbd.MethodDescriptor, payload: bytes) -> list[str]:
@@ -240,7 +238,6 @@ def call_raw(channels: dict[str, grpc.Channel], target: Target, body: bytes) -> 
     """Sends `body` as the request (identity serializers) and collects the outcome."""
     channel, method = channels[target.tier], target.method
     kwargs = {"timeout": CALL_TIMEOUT_S, "metadata": _metadata(target)}
-    started = time.monotonic()
     payloads: list[bytes] = []
     try:
         if method.client_streaming and method.server_streaming:
@@ -255,7 +252,7 @@ def call_raw(channels: dict[str, grpc.Channel], target: Target, body: bytes) -> 
     except grpc.RpcError as error:
         code, details = error.code(), error.details() or ""
     in_band = tuple(status for p in payloads for status in _in_band(method, p))
-    return Answer(code, details, in_band, time.monotonic() - started)
+    return Answer(code, details, in_band)
 
 
 def assert_documented(target: Target, body: bytes, answer: Answer) -> None:
@@ -678,8 +675,8 @@ def test_s39_a_body_that_does_not_parse_is_invalid_argument(
     # ModelStreamInfer the stream then waited for a reader that had died, until the deadline.
     target = Target("gateway", path)
     answer = call_raw(channels, target, body)
+    # A hang would end at the call's deadline (CALL_TIMEOUT_S) as DEADLINE_EXCEEDED.
     assert answer.code == grpc.StatusCode.INVALID_ARGUMENT, answer
-    assert answer.elapsed_s < 5.0
 
 
 def test_s39_a_huge_scalar_shape_is_refused_at_once(channels: dict[str, grpc.Channel]) -> None:
@@ -688,5 +685,6 @@ def test_s39_a_huge_scalar_shape_is_refused_at_once(channels: dict[str, grpc.Cha
     request = _kserve_generate(b"hi", b"{}")
     request.inputs[0].shape[:] = [2**62] * 60_000
     answer = call_raw(channels, Target("gateway", STREAM_INFER), request.SerializeToString())
+    # A loop blocked for a minute would answer past the call's deadline (CALL_TIMEOUT_S):
+    # DEADLINE_EXCEEDED, not the in-band refusal.
     assert (answer.code, answer.in_band) == (grpc.StatusCode.OK, ("INVALID_ARGUMENT",)), answer
-    assert answer.elapsed_s < 5.0
