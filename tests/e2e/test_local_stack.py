@@ -1,4 +1,8 @@
-"""The whole fabric as a user runs it (`python -m services.local_stack`), and the Redis helper."""
+"""The whole fabric as a user runs it (`python -m services.local_stack`), and the Redis helper.
+
+Each stack test starts a stack of its own: the launcher's life is what it tests (started with
+two workers and stopped, started pinned to CPUs, killed with SIGKILL, losing a tier with and
+without --tolerate-exits), so no two of them can share one."""
 
 from __future__ import annotations
 
