@@ -28,7 +28,8 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim clean
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim \
+	bench-registry clean
 
 all: test
 
@@ -200,8 +201,14 @@ bench-jobs: install-test
 bench-sim: install-test
 	$(PY) -m bench.sim_validation --out bench/results/sim_validation.json
 
+# The registry scenarios' reaction times (a hung Redis noticed, a stopped worker dropped and
+# back, a new replica routed, an emptied Redis refilled) and latency beside a hung Redis, on one
+# two-worker stack: medians and ranges over rounds -> bench/results/registry.json.
+bench-registry: install-test
+	$(PY) -m bench.registry
+
 # Every benchmark; results in bench/results/ (ignored by git).
-bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim
+bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -1,6 +1,7 @@
 """Several gateway processes on one port (`--processes 2`, services/gateway/process_group.py),
 as a user runs them: the local stack with its real Redis, router and worker, stock gRPC calls
-over many connections, and the group's merged /metrics."""
+over many connections, and the group's merged /metrics. One stack serves the module; the test
+that kills the group's supervisor runs last."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import os
 import signal
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -32,9 +32,12 @@ OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 @pytest.fixture(scope="module")
 def group_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = start_stack(tmp_path_factory.mktemp("group"), extra_gateway_args=GROUP_ARGS)
+    """`tolerate_exits`: the last test kills the gateway's supervisor."""
+    stack = start_stack(
+        tmp_path_factory.mktemp("group"), extra_gateway_args=GROUP_ARGS, tolerate_exits=True
+    )
     yield stack
-    assert stack.stop() == 0
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def children_of(pid: int) -> list[int]:
@@ -107,41 +110,38 @@ async def test_connections_spread_over_both_processes_and_metrics_tell_them_apar
     assert sorted(labels["gateway_process"] for labels, _ in cpu) == ["0", "1"]
 
 
-async def test_a_killed_process_is_replaced_and_calls_keep_succeeding(tmp_path: Path) -> None:
-    stack = start_stack(tmp_path, extra_gateway_args=GROUP_ARGS, tolerate_exits=True)
-    gateway = stack.gateway
-    try:
-        first, second = children_of(gateway.pid)
-        os.kill(first, signal.SIGKILL)
+async def test_a_killed_process_is_replaced_and_calls_keep_succeeding(
+    group_stack: Stack,
+) -> None:
+    """Kills the group's supervisor at the end: last of the module's tests on the stack."""
+    gateway = group_stack.gateway
+    first, second = children_of(gateway.pid)
+    os.kill(first, signal.SIGKILL)
 
-        def replaced() -> bool:
-            text = scrape(gateway.metrics_port)
-            restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == 1
-            pids = children_of(gateway.pid)
-            return restarted and len(pids) == 2 and first not in pids and second in pids
+    def replaced() -> bool:
+        text = scrape(gateway.metrics_port)
+        restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == 1
+        pids = children_of(gateway.pid)
+        return restarted and len(pids) == 2 and first not in pids and second in pids
 
-        await eventually(replaced, timeout_s=60, message="the killed process was replaced")
-        # The replacement is ready once its series are back in the group's metrics.
-        await eventually(
-            lambda: (
-                len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2
-            ),
-            timeout_s=60,
-            message="the replacement serves its metrics",
-        )
-        codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
-        assert codes == ["OK"] * 32
-        # Killing the supervisor takes its processes with it: nothing is left serving.
-        survivors = children_of(gateway.pid)
-        os.kill(gateway.pid, signal.SIGKILL)
-        await eventually(
-            lambda: not any(read_stat(pid) is not None and read_stat(pid).state != "Z"
-                            for pid in survivors),
-            timeout_s=30,
-            message="the group's processes exited with their supervisor",
-        )  # fmt: skip
-    finally:
-        stack.stop()
+    await eventually(replaced, timeout_s=60, message="the killed process was replaced")
+    # The replacement is ready once its series are back in the group's metrics.
+    await eventually(
+        lambda: len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2,
+        timeout_s=60,
+        message="the replacement serves its metrics",
+    )
+    codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
+    assert codes == ["OK"] * 32
+    # Killing the supervisor takes its processes with it: nothing is left serving.
+    survivors = children_of(gateway.pid)
+    os.kill(gateway.pid, signal.SIGKILL)
+    await eventually(
+        lambda: not any(read_stat(pid) is not None and read_stat(pid).state != "Z"
+                        for pid in survivors),
+        timeout_s=30,
+        message="the group's processes exited with their supervisor",
+    )  # fmt: skip
 
 
 def test_several_processes_without_redis_are_refused_with_the_reason(

@@ -1,31 +1,59 @@
 """Rolling restarts under load, end to end (RELIABILITY.md scenarios 29 and 32): a gateway
 balancing over two routers loses no request while each router in turn drains on SIGTERM
 (finishing its calls, refusing later ones as not started) and restarts on its port; nor does a
-stack whose workers are restarted one after the other."""
+stack whose workers are restarted one after the other.
+
+One two-worker stack serves both tests, the workers' restart first: each test leaves the
+replacements it started running (the module's fixture stops them), so the stack stays whole for
+the next test."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
 from services.common.processes import start_and_wait
-from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from tests.support.fabric_load import TIMEOUT_S, predict_request
+from tests.support.fabric_load import ClosedLoopLoad
 from tests.support.metrics import scrape, total
-from tests.support.models import write_minilm_repository
+from tests.support.models import write_small_minilm_repository
 from tests.support.processes import REPO_ROOT, ServiceProcess, health_status
-from tests.support.stack import start_stack
+from tests.support.stack import Stack, start_stack
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
+
+
+@dataclass
+class Fleet:
+    """The module's stack, and the tiers the tests started in place of its own."""
+
+    stack: Stack
+    tmp_path: Path
+    #: Stopped, newest first, when the module ends.
+    started: list[ServiceProcess] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    """Two workers; `tolerate_exits`: the tests stop the stack's own router and workers."""
+    tmp_path = tmp_path_factory.mktemp("rollout")
+    repository = write_small_minilm_repository(tmp_path / "repo")
+    stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
+    fleet = Fleet(stack, tmp_path)
+    try:
+        yield fleet
+    finally:
+        for tier in reversed(fleet.started):
+            tier.terminate(timeout_s=60.0)
+    assert stack.stop() == 0, stack.stop_report()
 
 
 def command_line(pid: int) -> list[str]:
@@ -83,88 +111,6 @@ def has_exited(pid: int) -> bool:
         return True
 
 
-async def load_until(
-    address: str, stop: asyncio.Event, results: list[BaseException | None], concurrency: int = 6
-) -> None:
-    """Closed-loop load: `concurrency` callers, each sending one request after another."""
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = api_grpc.InferenceServiceStub(channel)
-
-        async def caller(n: int) -> None:
-            i = 0
-            while not stop.is_set():
-                try:
-                    reply = await stub.Predict(predict_request(f"{n} {i}"), timeout=TIMEOUT_S)
-                    assert len(reply.outputs) == 1
-                    results.append(None)
-                except grpc.aio.AioRpcError as error:
-                    results.append(error)
-                i += 1
-
-        await asyncio.gather(*(caller(n) for n in range(concurrency)))
-
-
-async def test_s32_router_rolling_restart_under_load_no_client_errors(tmp_path: Path) -> None:
-    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=30_000)
-    stack = start_stack(tmp_path, num_workers=1, model_repository=repository, tolerate_exits=True)
-    started: list[ServiceProcess] = []
-    try:
-        router_a = stack.router
-        router_argv = command_line(router_a.pid)
-        new_ports = {"grpc_port": "0", "metrics_port": "0"}
-        router_b = start_tier(tmp_path, "router-b", with_flags(router_argv, **new_ports))
-        started.append(router_b)
-        ports = (router_a.grpc_port, router_b.grpc_port)
-        both = ",".join(f"127.0.0.1:{port}" for port in ports)
-        gateway_argv = with_flags(command_line(stack.gateway.pid), **new_ports, router_address=both)
-        gateway = start_tier(tmp_path, "gateway-2", gateway_argv)
-        started.append(gateway)
-
-        async def gateway_serving() -> bool:
-            return await health_status(gateway.address) == health_pb2.HealthCheckResponse.SERVING
-
-        await eventually(gateway_serving, timeout_s=30.0)
-        stop = asyncio.Event()
-        results: list[BaseException | None] = []
-        load = asyncio.ensure_future(load_until(gateway.address, stop, results))
-
-        async def more_answers(n: int = 30) -> None:
-            count = len(results)
-            await eventually(lambda: len(results) >= count + n, timeout_s=60.0)
-
-        await more_answers()
-        # Router B (our child): drain, exit 0 (scenario 29), back on the same port.
-        assert router_b.terminate(timeout_s=30.0) == 0, router_b.log()
-        assert "drained" in router_b.log()
-        argv_b = with_flags(router_argv, grpc_port=str(ports[1]), metrics_port="0")
-        started.append(start_tier(tmp_path, "router-b2", argv_b))
-        await eventually(lambda: is_connected_to(ports[1]), timeout_s=30.0)
-        await more_answers()
-        # Router A (the launcher's child), the same way.
-        os.kill(router_a.pid, signal.SIGTERM)
-        await eventually(lambda: has_exited(router_a.pid), timeout_s=30.0)
-        argv_a = with_flags(router_argv, grpc_port=str(ports[0]), metrics_port="0")
-        started.append(start_tier(tmp_path, "router-a2", argv_a))
-        await eventually(lambda: is_connected_to(ports[0]), timeout_s=30.0)
-        await more_answers()
-        stop.set()
-        await load
-
-        failures = [r for r in results if r is not None]
-        assert not failures, failures[:3]
-        # Each resend is a call that would otherwise have failed UNAVAILABLE. How many calls
-        # meet a draining router depends on timing (none, when the streams move first), so the
-        # count is reported, not judged; tests/integration/test_router_drain.py checks the mark.
-        retries = total(scrape(gateway.metrics_port), names.GATEWAY_ROUTER_RETRIES_TOTAL)
-        print(f"{len(results)} answers, {retries:.0f} resent to another router")
-        # While router A drained, the restarted B carried every request.
-        assert total(scrape(started[2].metrics_port), names.ROUTER_ROUTED_TOTAL) > 0
-    finally:
-        for tier in reversed(started):
-            tier.terminate(timeout_s=30.0)
-        assert stack.stop() == 0, stack.stop_report()
-
-
 def live_workers(port: int) -> float:
     return total(scrape(port), names.ROUTER_LIVE_WORKERS)
 
@@ -174,35 +120,73 @@ def rows_served(port: int) -> float:
 
 
 @pytest.mark.timeout(600)  # the stack's two model loads, then two more, one after the other
-async def test_s32_worker_rolling_restart_under_load_no_client_errors(tmp_path: Path) -> None:
-    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=30_000)
-    stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
-    started: list[ServiceProcess] = []
+async def test_s32_worker_rolling_restart_under_load_no_client_errors(fleet: Fleet) -> None:
+    stack, tmp_path = fleet.stack, fleet.tmp_path
+    load = ClosedLoopLoad(stack.gateway.address)
+    await load.answered(30, "before the first restart")
+    for worker in stack.workers:
+        pid, argv = worker.pid, command_line(worker.pid)  # the same worker id, new ports
+        os.kill(pid, signal.SIGTERM)
+        await eventually(lambda pid=pid: has_exited(pid), timeout_s=60.0)
+        new_ports = with_flags(argv, grpc_port="0", metrics_port="0")
+        replacement = start_tier(tmp_path, worker.worker_id, new_ports)
+        fleet.started.append(replacement)
+        await eventually(lambda: live_workers(stack.router.metrics_port) == 2, timeout_s=30.0)
+        await load.answered(30, f"after {worker.worker_id}'s replacement joined")
+        # The replacement carries traffic within seconds, even one whose warm-up under
+        # load made its estimates look slow (the router explores idle workers).
+        await eventually(
+            lambda port=replacement.metrics_port: rows_served(port) > 0, timeout_s=30.0
+        )
+    await load.stop()
+    assert not load.failures(), load.failures()[:3]
+
+
+async def test_s32_router_rolling_restart_under_load_no_client_errors(fleet: Fleet) -> None:
+    """Its own gateway (the stack's, with a second router behind it); the stack's router is
+    replaced by one on the same port, which serves until the module ends."""
+    stack, tmp_path = fleet.stack, fleet.tmp_path
+    router_a = stack.router
+    router_argv = command_line(router_a.pid)
+    new_ports = {"grpc_port": "0", "metrics_port": "0"}
+    router_b = start_tier(tmp_path, "router-b", with_flags(router_argv, **new_ports))
+    fleet.started.append(router_b)
+    ports = (router_a.grpc_port, router_b.grpc_port)
+    both = ",".join(f"127.0.0.1:{port}" for port in ports)
+    gateway_argv = with_flags(command_line(stack.gateway.pid), **new_ports, router_address=both)
+    gateway = start_tier(tmp_path, "gateway-2", gateway_argv)
+    fleet.started.append(gateway)
+
+    async def gateway_serving() -> bool:
+        return await health_status(gateway.address) == health_pb2.HealthCheckResponse.SERVING
+
+    await eventually(gateway_serving, timeout_s=30.0)
+    load = ClosedLoopLoad(gateway.address)
     try:
-        stop = asyncio.Event()
-        results: list[BaseException | None] = []
-        load = asyncio.ensure_future(load_until(stack.gateway.address, stop, results))
-        await eventually(lambda: len(results) >= 30, timeout_s=60.0)
-        for worker in stack.workers:
-            pid, argv = worker.pid, command_line(worker.pid)  # the same worker id, new ports
-            os.kill(pid, signal.SIGTERM)
-            await eventually(lambda pid=pid: has_exited(pid), timeout_s=60.0)
-            new_ports = with_flags(argv, grpc_port="0", metrics_port="0")
-            replacement = start_tier(tmp_path, worker.worker_id, new_ports)
-            started.append(replacement)
-            await eventually(lambda: live_workers(stack.router.metrics_port) == 2, timeout_s=30.0)
-            count = len(results)
-            await eventually(lambda count=count: len(results) >= count + 30, timeout_s=60.0)
-            # The replacement carries traffic within seconds, even one whose warm-up under
-            # load made its estimates look slow (the router explores idle workers).
-            await eventually(
-                lambda port=replacement.metrics_port: rows_served(port) > 0, timeout_s=30.0
-            )
-        stop.set()
-        await load
-        failures = [r for r in results if r is not None]
-        assert not failures, failures[:3]
+        await load.answered(30, "before router B's restart")
+        # Router B (our child): drain, exit 0 (scenario 29), back on the same port.
+        assert router_b.terminate(timeout_s=30.0) == 0, router_b.log()
+        assert "drained" in router_b.log()
+        argv_b = with_flags(router_argv, grpc_port=str(ports[1]), metrics_port="0")
+        router_b2 = start_tier(tmp_path, "router-b2", argv_b)
+        fleet.started.append(router_b2)
+        await eventually(lambda: is_connected_to(ports[1]), timeout_s=30.0)
+        await load.answered(30, "after router B's restart")
+        # Router A (the launcher's child), the same way.
+        os.kill(router_a.pid, signal.SIGTERM)
+        await eventually(lambda: has_exited(router_a.pid), timeout_s=30.0)
+        argv_a = with_flags(router_argv, grpc_port=str(ports[0]), metrics_port="0")
+        fleet.started.append(start_tier(tmp_path, "router-a2", argv_a))
+        await eventually(lambda: is_connected_to(ports[0]), timeout_s=30.0)
+        await load.answered(30, "after router A's restart")
     finally:
-        for tier in reversed(started):
-            tier.terminate(timeout_s=60.0)
-        assert stack.stop() == 0, stack.stop_report()
+        results = await load.stop()
+
+    assert not load.failures(), load.failures()[:3]
+    # Each resend is a call that would otherwise have failed UNAVAILABLE. How many calls
+    # meet a draining router depends on timing (none, when the streams move first), so the
+    # count is reported, not judged; tests/integration/test_router_drain.py checks the mark.
+    retries = total(scrape(gateway.metrics_port), names.GATEWAY_ROUTER_RETRIES_TOTAL)
+    print(f"{len(results)} answers, {retries:.0f} resent to another router")
+    # While router A drained, the restarted B carried every request.
+    assert total(scrape(router_b2.metrics_port), names.ROUTER_ROUTED_TOTAL) > 0

@@ -89,6 +89,26 @@ def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
     return repository
 
 
+
+def write_small_minilm_repository(repository: Path) -> Path:
+    """minilm with an SLO of 30 s, batches of at most 8 and two length buckets, for e2e tests
+    whose texts are short and whose subject is faults or counts, not latency (two shared cores
+    cannot serve steady load within the default 250 ms). A worker warms up every shape of its
+    config: the default one takes about a minute on two busy cores, this one seconds."""
+    write_minilm_repository(repository, slo_p99_ms=30_000)
+    config = repository / "minilm" / "config.toml"
+    replaced = {
+        "max_batch_size": "max_batch_size = 8",
+        "length_buckets": "length_buckets = [16, 32]",
+    }
+    config.write_text(
+        "\n".join(
+            next((v for k, v in replaced.items() if line.startswith(k)), line)
+            for line in config.read_text().splitlines()
+        )
+    )
+    return repository
+
 #: A row whose first value is this makes the stalling test model block (see `_Stall`).
 STALL = 77.0
 
