@@ -29,7 +29,7 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
 	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim \
-	bench-registry clean
+	bench-registry bench-fair-share clean
 
 all: test
 
@@ -201,6 +201,11 @@ bench-jobs: install-test
 bench-sim: install-test
 	$(PY) -m bench.sim_validation --out bench/results/sim_validation.json
 
+# Tenants' weighted fair share on one worker: the compute split against the weights, online p99
+# beside batch-class traffic against alone, batch's share of what online leaves.
+bench-fair-share: install-test
+	$(PY) -m bench.fabric.fair_share
+
 # The registry scenarios' reaction times (a hung Redis noticed, a stopped worker dropped and
 # back, a new replica routed, an emptied Redis refilled) and latency beside a hung Redis, on one
 # two-worker stack: medians and ranges over rounds -> bench/results/registry.json.
@@ -208,7 +213,8 @@ bench-registry: install-test
 	$(PY) -m bench.registry
 
 # Every benchmark; results in bench/results/ (ignored by git).
-bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry
+bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry \
+	bench-fair-share
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

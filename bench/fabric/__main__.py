@@ -6,8 +6,10 @@ In one run, on one machine: (1) the raw in-process model throughput at batch siz
 (2) a bare grpc.aio echo server and (3) the identity model through gateway, router and
 worker, closed loop, same client, same payload size (the serving overhead); (4) the stack with
 batching off (max_batch_size 1) and (5) on (the model's own config), each swept for goodput
-with Poisson arrivals; (6) overload at multiples of the batching-on goodput; (7) optionally
-the same model served by Ray Serve (bench/fabric/peer_client.py). Every stack serves minilm with its
+with Poisson arrivals; (6) overload at multiples of the batching-on goodput, then normal
+traffic right after it; (7) a fresh batching-on stack under open-loop traffic from the moment it
+reports ready (mixed texts, half their goodput, no warm-up); (8) optionally the same model
+served by Ray Serve (bench/fabric/peer_client.py). Every stack serves minilm with its
 default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16 tokens).
 
 Prints progress and a final table; writes bench/results/fabric.json and fabric.png (with
@@ -35,6 +37,7 @@ from bench.fabric.measure import (
     Settings,
     Target,
     closed_loop,
+    measure_rate,
     measure_rate_clean,
     measure_raw,
     measure_raw_texts,
@@ -177,14 +180,17 @@ async def _stack_phase(
     quiet: dict[str, float],
     wait_s: float,
     worker_args: tuple[str, ...],
+    quiet_first: bool = True,
 ) -> Any:
-    """Starts a stack on `repository`, runs `measure(stack, channel)`, always stops it."""
+    """Starts a stack on `repository`, runs `measure(stack, channel)`, always stops it. Waits
+    for the CPU to be quiet first, unless `quiet_first` is False (a measurement from ready)."""
     log(f"[{name}] starting stack (redis, router, worker, gateway) on {repository}")
     stack = await asyncio.to_thread(
         start_stack, repository, state_dir / name, extra_worker_args=worker_args
     )
     log(f"[{name}] stack ready: gateway {stack.gateway_address}, pids {stack.pids()}")
-    quiet[name] = await wait_quiet(log, wait_s)
+    if quiet_first:
+        quiet[name] = await wait_quiet(log, wait_s)
     try:
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
             return await measure(stack, channel)
@@ -244,7 +250,9 @@ class _Run:
         self.log(f"[overhead] bare grpc.aio echo: {result['ok_per_s']:.0f}/s")
         return result
 
-    async def stack_phase(self, name: str, repository: Path, measure: Any) -> Any:
+    async def stack_phase(
+        self, name: str, repository: Path, measure: Any, quiet_first: bool = True
+    ) -> Any:
         return await _stack_phase(
             name,
             repository,
@@ -254,6 +262,7 @@ class _Run:
             self.quiet,
             self.settings.wait_quiet_s,
             tuple(self.args.worker_arg),
+            quiet_first,
         )
 
     async def batching_off(self, stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -315,6 +324,27 @@ class _Run:
         target.name = "after_overload"
         result = await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)
         self.report["after_overload"] = result.to_dict()
+
+    async def from_ready(self) -> None:
+        """A fresh batching-on stack gets open-loop traffic on the mixed texts at half their
+        goodput from the moment it reports ready, with no warm-up and no retry (either would
+        no longer be from ready): a rollout or a scale-up (docs/benchmarks.md, from cold)."""
+        goodput = self.report["configs"].get("batching_on_mixed", {}).get("goodput_per_s")
+        if not goodput:
+            self.report["from_ready"] = {"skipped": "no mixed-length goodput to take half of"}
+            return
+        settings = dataclasses.replace(self.settings, warmup_s=0.0)
+
+        async def measure(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+            observer = Observer(stack.pids(), stack.metrics_ports())
+            send = predict_sender(channel, MODEL, self.mixed_texts, self.timeout_s)
+            target = Target("from_ready", send, observer, MODEL)
+            result = await measure_rate(target, 0.5 * goodput, settings, self.slo_s, self.log)
+            return result.to_dict()
+
+        self.report["from_ready"] = await self.stack_phase(
+            "from_ready", self.on_repo, measure, quiet_first=False
+        )
 
     async def peer(self, peer_class: type | None) -> None:
         configs = self.report["configs"]
@@ -407,6 +437,7 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
         return await bench.batching_on(stack, channel, echo_result, payload)
 
     configs["batching_on"] = await bench.stack_phase("batching_on", bench.on_repo, batching_on)
+    await bench.from_ready()
     await bench.peer(peer_class)
     return bench.report
 

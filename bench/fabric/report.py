@@ -62,6 +62,9 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     after = report.get("after_overload")
     if after is not None:
         summary["after_overload_good_fraction"] = after["good_fraction"]
+    from_ready = report.get("from_ready", {})
+    if "good_fraction" in from_ready:
+        summary["from_ready_good_fraction"] = from_ready["good_fraction"]
     for point in report.get("overload", []):
         factor = point["factor"]
         summary[f"overload_{factor:g}x_goodput_fraction"] = _ratio(
@@ -183,6 +186,14 @@ def _config_lines(report: dict[str, Any]) -> list[str]:
         lines.append(
             f"{'after overload':<18} {_rate_columns(after)}"
             f"good {after['good_fraction']:.1%} at half the goodput, right after the floods"
+        )
+    from_ready = report.get("from_ready")
+    if from_ready is not None and "skipped" in from_ready:
+        lines.append(f"{'from ready':<18} skipped: {from_ready['skipped']}")
+    elif from_ready is not None:
+        lines.append(
+            f"{'from ready':<18} {_rate_columns(from_ready)}"
+            f"good {from_ready['good_fraction']:.1%} at half the mixed goodput, a fresh stack"
         )
     return lines
 

@@ -218,9 +218,17 @@ async def run(
                 with_flood=True, address=stack.gateway_address,
             )  # fmt: skip
             report["phases"] = phases
+            report["victim_p99_ratio"] = p99_ratio(phases)
     finally:
         await asyncio.to_thread(stack.stop)
     return report
+
+
+def p99_ratio(phases: dict[str, Any]) -> float | None:
+    """The victim's p99 beside the flood (refused by its quota) over its p99 alone: the
+    isolation figure (issue 12's goal: within 10%, a ratio of 1.10 or less)."""
+    alone, beside = (phases[name]["victim"]["p99_s"] for name in ("alone", "flood_with_quota"))
+    return beside / alone if alone and beside is not None else None
 
 
 def table(report: dict[str, Any]) -> str:
@@ -236,6 +244,9 @@ def table(report: dict[str, Any]) -> str:
             f"{name:22s}{victim['goodput_per_s']:8.1f}/s  {p99:>6s} {victim['good_fraction']:6.1%}"
             f"  {flooding['offered_per_s'] / capacity:10.1f}x  {flooding['statuses']}"
         )
+    ratio = report.get("victim_p99_ratio")
+    shown = "-" if ratio is None else f"{ratio:.2f}"
+    rows.append(f"victim p99 beside the quota-refused flood / alone: {shown} (goal <= 1.10)")
     return "\n".join(rows)
 
 
