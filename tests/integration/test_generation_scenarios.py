@@ -337,51 +337,67 @@ STALLED_CHANNEL = [("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0
 
 async def timed_tokens(
     stub: pb_grpc.WorkerServiceStub, request: pb.WorkerGenerateRequest
-) -> tuple[list[int], list[float]]:
-    tokens, times = [], []
+) -> tuple[list[int], float]:
+    """The stream's tokens, and when the last of them arrived (time.monotonic)."""
+    tokens, last_s = [], 0.0
     async for message in stub.Generate(request, timeout=60):
         tokens.extend(message.token_ids)
-        times.append(time.monotonic())
-    return tokens, times
+        last_s = time.monotonic()
+    return tokens, last_s
+
+
+#: Tokens of the stalled streams of scenario 20, and of the readers beside them: the stalled
+#: sequences end some 80 steps after the readers'.
+STALLED_TOKENS, READER_TOKENS = 100, 20
 
 
 async def test_s20_a_stalled_reader_does_not_stall_the_other_streams(served: Served) -> None:
+    """Two streams whose readers stop reading, and three normal readers, with fewer tokens,
+    that start after them. The readers keep pace with the engine: each has all its tokens
+    before the engine has finished the stalled sequences (some 80 steps after the readers'),
+    an order of events rather than a duration, which a busy machine slows on both sides alike
+    (the engine runs in this process)."""
     log, scheduler = served.log, served.backend.scheduler
     stall_deadline_s = 4.0
     async with grpc.aio.insecure_channel(served.address, options=STALLED_CHANNEL) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         # Two clients read one message and stop: one comes back later, one never does.
-        resumes = stub.Generate(generate_request("resumes", 40), timeout=60)
+        resumes = stub.Generate(generate_request("resumes", STALLED_TOKENS), timeout=60)
         rest = [await resumes.read()]
-        never = stub.Generate(generate_request("never", 40), timeout=stall_deadline_s)
+        never = stub.Generate(generate_request("never", STALLED_TOKENS), timeout=stall_deadline_s)
         await never.read()
         resumes_id, never_id = log.seq_ids()
         others = await asyncio.gather(
-            *(timed_tokens(served.stub, generate_request(f"reader {i}", 20)) for i in range(3))
+            *(
+                timed_tokens(served.stub, generate_request(f"reader {i}", READER_TOKENS))
+                for i in range(3)
+            )
         )
         # The engine does not wait for a reader: the stalled sequence runs to its end.
-        await eventually(lambda: len(log.sampled[resumes_id]) == 40, timeout_s=30)
+        await eventually(lambda: len(log.sampled[resumes_id]) == STALLED_TOKENS, timeout_s=30)
         while (message := await resumes.read()) != grpc.aio.EOF:
             rest.append(message)
         # The one never read ends with a status at its deadline, its KV blocks free.
-        never_code = await asyncio.wait_for(never.code(), stall_deadline_s + 5)
+        never_code = await asyncio.wait_for(never.code(), stall_deadline_s + 30)
     assert await resumes.code() == grpc.StatusCode.OK
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert never_code == grpc.StatusCode.DEADLINE_EXCEEDED
-    await eventually(lambda: not scheduler.has_unfinished(), timeout_s=5)
+    await eventually(lambda: not scheduler.has_unfinished(), timeout_s=30)
     assert served.backend.engine.num_free_blocks == log.num_blocks
     assert tokens_of(rest) == log.sampled[resumes_id], "nothing lost or repeated while stalled"
     # Each reader got exactly its sequence's tokens (matched by them: they arrived together).
     readers = {tuple(log.sampled[i]): i for i in log.seq_ids()[2:]}
     assert sorted(readers) == sorted(tuple(tokens) for tokens, _ in others)
-    for tokens, times in others:
+    # The step that gave the resumed sequence its last token.
+    resumes_done_s = log.steps[log.steps_with(resumes_id)[-1]].started_s
+    for tokens, last_s in others:
         seq_id = readers[tuple(tokens)]
-        assert len(tokens) == 20
-        # A token every step from admission to the end, delivered at the steps' pace.
+        assert len(tokens) == READER_TOKENS
+        # A token every step from admission to the end ...
         steps = log.steps_with(seq_id)
         assert steps == list(range(steps[0], steps[-1] + 1)), "skipped steps"
-        engine_s = log.steps[steps[-1]].started_s - log.steps[steps[0]].started_s
-        assert times[-1] - times[0] < 1.5 * engine_s + 0.5, "the stream lagged the engine"
+        # ... all delivered before the engine got much further.
+        assert last_s < resumes_done_s, "the stream lagged the engine"
     # ... while both stalled sequences decoded in the same steps.
     joined = log.steps[log.arrivals[log.seq_ids()[2]]].scheduled
     assert resumes_id in joined and never_id in joined
@@ -408,11 +424,19 @@ async def is_not_serving(service: ServiceProcess) -> bool:
     return bool(status == health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
+#: Streams running at the SIGTERM of scenario 30 (all at once: 16 x 31 KV blocks fit in 512).
+NUM_DRAIN_STREAMS = 16
+
+
 async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_with_a_status(
     tmp_path: Path,
 ) -> None:
-    # Short enough that 8 x 480 tokens cannot all finish within it, even on an idle machine.
-    grace_s = 0.25
+    """Streams run at the SIGTERM; during the grace they keep streaming and a new one is refused
+    "draining"; at its end those not finished are cut UNAVAILABLE "drain grace over", not
+    before it. The grace is long enough for the refusal to be checked within it on a busy
+    machine, and short beside the 16 x 480 tokens (about 3 s here, on a machine busy with
+    other tests; about 1.5 s for 8 x 480)."""
+    grace_s = 1.0
     service = start_worker(
         tmp_path,
         model_repository=write_tiny_llama(tmp_path / "repo"),
@@ -421,7 +445,10 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            calls = [stub.Generate(generate_request(f"s{i}", 480), timeout=60) for i in range(8)]
+            calls = [
+                stub.Generate(generate_request(f"s{i}", 480), timeout=60)
+                for i in range(NUM_DRAIN_STREAMS)
+            ]
             arrivals: list[list[float]] = [[] for _ in calls]
             readers = [
                 asyncio.ensure_future(read_counting(c, a))
@@ -430,10 +457,12 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
             await eventually(lambda: all(len(a) >= 2 for a in arrivals), timeout_s=30)
             service.process.send_signal(signal.SIGTERM)
             signalled = time.monotonic()
-            await eventually(lambda: is_not_serving(service), timeout_s=5)
+            await eventually(
+                lambda: is_not_serving(service), timeout_s=30, interval_s=0.01, message="draining"
+            )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await collect(stub, generate_request("too late", 4))
-            ends = await asyncio.wait_for(asyncio.gather(*readers), grace_s + 10)
+            ends = await asyncio.wait_for(asyncio.gather(*readers), 60)
     finally:
         code = await asyncio.to_thread(service.terminate, 20.0)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -443,9 +472,10 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
         if status == grpc.StatusCode.OK:  # finished within the grace
             assert len(tokens_at) == 480
             continue
+        # Cut by the grace (its message), at its end: not before it.
         assert status == grpc.StatusCode.UNAVAILABLE and "drain grace over" in details
-        assert grace_s <= ended - signalled < grace_s + 5, "cut at the end of the grace"
-    # 8 x 480 tokens take seconds on a CPU: the grace cuts some.
+        assert ended - signalled >= grace_s, "cut before the end of the grace"
+    # 16 x 480 tokens take seconds on a CPU: the grace cuts some.
     assert any(status != grpc.StatusCode.OK for status, _, _ in ends)
     assert code == 0, service.log()
     assert "draining" in service.log()
@@ -469,14 +499,13 @@ def test_s31_sigterm_while_the_model_loads_exits_promptly_and_cleanly(tmp_path: 
         eventually_sync(lambda: "loading models from" in child.log(), timeout_s=60)
         assert child.process.poll() is None and not ready_file.exists()
         child.process.send_signal(signal.SIGTERM)
-        signalled = time.monotonic()
-        code = child.process.wait(timeout=10)
-        elapsed_s = time.monotonic() - signalled
+        # Loading cannot end (the gate is closed): an exit at all is a prompt one, and a stop
+        # that waited out the drain grace (30 s) would overrun this bound.
+        code = child.process.wait(timeout=WorkerConfig.drain_grace_s / 2)
     finally:
         if child.process.poll() is None:
             child.process.kill()
             child.process.wait()
     assert code == 0, child.log()
-    assert elapsed_s < 5, f"took {elapsed_s:.1f}s to exit"
     assert "SIGTERM while loading models" in child.log()
     assert not ready_file.exists()

@@ -190,7 +190,7 @@ async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelle
 
     call.cancel()
 
-    await asyncio.wait_for(shapes.closed.wait(), timeout=10)
+    await asyncio.wait_for(shapes.closed.wait(), timeout=30)
     # The span ends on the server's side of the cancel, which the test cannot await.
     codes = await eventually(
         lambda: span_codes(spans, "UnaryStream"), message="the span did not end"

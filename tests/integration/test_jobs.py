@@ -173,18 +173,19 @@ async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fa
 async def test_runner_killed_mid_job_another_finishes_every_item_exactly_once(
     fabric: Fabric,
 ) -> None:
-    fabric.target.delay_s = 0.05
+    # Caught mid-job: some items done, then its calls held at the target while it dies.
+    fabric.target.hold_after_runs = 100
     first = fabric.start_runner("runner-1")
     texts = texts_of(400)
     job_id = await fabric.submit(texts)
 
-    async def some_done() -> bool:
-        job = await fabric.job(job_id)
-        return 0 < job.num_ok < 300
+    async def some_done_and_some_held() -> bool:
+        return fabric.target.num_held > 0 and (await fabric.job(job_id)).num_ok > 0
 
-    await eventually(some_done, timeout_s=30.0, interval_s=0.02)
+    await eventually(some_done_and_some_held, timeout_s=30.0, interval_s=0.02)
     first.process.kill()
     first.process.wait()
+    fabric.target.release()
     fabric.start_runner("runner-2")  # reclaims the dead runner's entries after 3 s idle
     job = await fabric.finished(job_id)
     assert job.state == jobs.JOB_STATE_SUCCEEDED and job.num_ok == 400
@@ -242,16 +243,19 @@ async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) 
 
 
 async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric) -> None:
-    fabric.target.delay_s = 0.1
+    # Caught mid-job: some items done, the chunks in flight held at the target until the
+    # cancel is in.
+    fabric.target.hold_after_runs = 100
     fabric.start_runner("runner-1")
     texts = texts_of(400)
     job_id = await fabric.submit(texts)
 
-    async def some_done() -> bool:
-        return (await fabric.job(job_id)).num_ok > 0
+    async def some_done_and_some_held() -> bool:
+        return fabric.target.num_held > 0 and (await fabric.job(job_id)).num_ok > 0
 
-    await eventually(some_done, timeout_s=30.0, interval_s=0.02)
+    await eventually(some_done_and_some_held, timeout_s=30.0, interval_s=0.02)
     cancelled = await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+    fabric.target.release()
     assert cancelled.state == jobs.JOB_STATE_CANCELLED
     job = await fabric.finished(job_id)
     assert job.state == jobs.JOB_STATE_CANCELLED

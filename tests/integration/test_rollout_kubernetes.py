@@ -305,10 +305,10 @@ async def test_the_pool_is_scaled_then_waited_for_until_its_pods_are_ready(
     )
     with api:
         preparing = asyncio.create_task(pool.prepare())
-        assert await asyncio.to_thread(pools.pods_listed.wait, 10)
+        assert await asyncio.to_thread(pools.pods_listed.wait, 30)
         assert not preparing.done(), "ready before its pods were"
         pools.set_ready(CANARY)
-        urls = await asyncio.wait_for(preparing, 10)
+        urls = await asyncio.wait_for(preparing, 30)
 
     assert [p.body for p in pools.patches()] == [{"spec": {"replicas": 2}}]
     # Discovered from the pods' IPs and their container port named `metrics`.
@@ -388,9 +388,9 @@ async def test_a_rollback_scales_the_canary_pool_back_to_zero(
     try:
         with api:
             running = asyncio.create_task(rollout.run())
-            assert await asyncio.to_thread(pools.pods_listed.wait, 10)
+            assert await asyncio.to_thread(pools.pods_listed.wait, 30)
             pools.set_ready(CANARY)
-            decision = await asyncio.wait_for(running, 10)
+            decision = await asyncio.wait_for(running, 30)
         routing = (await store.show())["affine"]
     finally:
         await client.aclose()

@@ -31,7 +31,12 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.integration
 
 TIMEOUTS_TO_EJECT = 2
-CALL_TIMEOUT_S = 0.5
+#: Deadline of the calls that reach the wedged worker: they can only time out, so it sets how
+#: long each takes, not whether it passes.
+WEDGED_CALL_TIMEOUT_S = 0.5
+#: Deadline of the calls that must be answered (OK, or refused at once): generous, so that a
+#: busy machine cannot turn an answer into DEADLINE_EXCEEDED (or a healthy worker's timeout).
+PATIENT_S = 30.0
 
 
 def request(*values: float) -> pb.InferRequest:
@@ -91,12 +96,12 @@ def live_workers(router: Router) -> float:
     return sample(router, "inference_router_live_workers")
 
 
-async def infer(router: Router) -> grpc.StatusCode:
+async def infer(router: Router, timeout_s: float = PATIENT_S) -> grpc.StatusCode:
     async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
         try:
             await pb_grpc.WorkerServiceStub(channel).Infer(
                 request(1, 2, 3, 4),
-                timeout=CALL_TIMEOUT_S,
+                timeout=timeout_s,
                 metadata=route_metadata("stall", "1", 1),
             )
         except grpc.aio.AioRpcError as error:
@@ -117,12 +122,15 @@ async def test_a_worker_whose_calls_only_time_out_is_ejected_and_traffic_goes_el
             )
             await eventually(lambda: wedged.batching.is_executing, interval_s=0.01)
             await eventually(lambda: live_workers(router) == 1, message="w1 in routing")
-            timeouts = [await infer(router) for _ in range(TIMEOUTS_TO_EJECT)]
+            timeouts = [
+                await infer(router, WEDGED_CALL_TIMEOUT_S) for _ in range(TIMEOUTS_TO_EJECT)
+            ]
             # The router's own deadline on the call ends a moment after the client's.
             ejections = await eventually(
                 lambda: sample(router, "inference_router_ejections_total", worker="w1")
             )
-            # Ejected: refused at once instead of waiting out another deadline there.
+            # Ejected: refused (at once) instead of waiting out the deadline there, which a
+            # call routed to w1 would have done: DEADLINE_EXCEEDED after PATIENT_S.
             assert await infer(router) == grpc.StatusCode.UNAVAILABLE
             healthy = await start_worker(tmp_path, redis_server, "w2")
             await eventually(lambda: live_workers(router) == 2, message="w2 in routing")

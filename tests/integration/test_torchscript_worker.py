@@ -1,4 +1,9 @@
-"""A user's TorchScript model behind a real in-process grpc.aio worker on port 0."""
+"""A user's TorchScript model behind a real in-process grpc.aio worker on port 0.
+
+Where a test needs the executor held while rows queue, the repository also serves the `stall`
+model (tests/support/models.py): a call with a `STALL` row blocks the worker's one executor
+thread until the test opens its gate, however fast or slow the machine is. Only the test of a
+refusal *predicted* from a batch's cost runs a costly model."""
 
 from __future__ import annotations
 
@@ -20,7 +25,14 @@ from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, total
-from tests.support.models import POISON, affine_reference, write_affine_model
+from tests.support.models import (
+    POISON,
+    STALL,
+    affine_reference,
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+)
 from tests.support.processes import health_status
 from tests.support.waiting import eventually
 
@@ -43,10 +55,14 @@ def row(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
-async def start(tmp_path: Path, **model: int) -> Worker:
+async def start(tmp_path: Path, *, with_stall: bool = False, **model: int) -> Worker:
+    """A worker serving `affine` (`model`: its settings) and, `with_stall`, the `stall` model
+    gated by `tmp_path / "gate"`."""
     # A generous SLO: these tests pin down ordering and statuses, not speed, and CI machines
     # are shared. Tests about deadlines set their own with the client's timeout.
     write_affine_model(tmp_path / "repo", **{"slo_p99_ms": 30_000, **model})
+    if with_stall:
+        write_stalling_model(tmp_path / "repo", tmp_path / "gate")
     worker = await create_worker(
         WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
     )
@@ -67,6 +83,15 @@ async def until_executing(worker: Worker) -> None:
     await eventually(
         lambda: worker.batching.is_executing, interval_s=0.01, message="a batch executing"
     )
+
+
+async def hold_executor(worker: Worker, stub: pb_grpc.WorkerServiceStub) -> asyncio.Future:
+    """Starts a `stall` call and returns it once its batch holds the executor."""
+    stall = row_request(row(STALL, 0, 0, 0))
+    stall.model_name = "stall"
+    blocker = asyncio.ensure_future(stub.Infer(stall, timeout=60))
+    await until_executing(worker)
+    return blocker
 
 
 def metric(worker: Worker, name: str, **labels: str) -> float:
@@ -109,42 +134,52 @@ async def test_s38_malformed_tensors_are_invalid_argument(
 
 
 async def test_s17_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> None:
-    # A slow model keeps the executor busy so the next requests share one batch.
-    worker = await start(tmp_path, work_iters=300, max_batch_size=8)
+    # A held executor: the next requests all queue, then share one batch.
+    worker = await start(tmp_path, with_stall=True, max_batch_size=8)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            first = asyncio.ensure_future(stub.Infer(row_request(row(0, 0, 0, 0)), timeout=30))
-            await asyncio.sleep(0)  # let it be dispatched alone
+            blocker = await hold_executor(worker, stub)
             batch = [row(POISON, 1, 1, 1) if i == 3 else row(i, 1, 1, 1) for i in range(6)]
-            results = await asyncio.gather(
-                first,
-                *(stub.Infer(row_request(r), timeout=30) for r in batch),
-                return_exceptions=True,
-            )
+            calls = [asyncio.ensure_future(stub.Infer(row_request(r), timeout=30)) for r in batch]
+            await eventually(lambda: worker.batching.num_in_flight == 7, interval_s=0.01)
+            release_stall(tmp_path / "gate")
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            await blocker
     finally:
+        release_stall(tmp_path / "gate")
         await worker.stop()
-    failed = [i for i, r in enumerate(results[1:]) if isinstance(r, Exception)]
+    failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
     assert failed == [3]
-    assert results[4].code() == grpc.StatusCode.INTERNAL
-    assert "poisoned row" in results[4].details()
+    assert results[3].code() == grpc.StatusCode.INTERNAL
+    assert "poisoned row" in results[3].details()
     assert metric(worker, names.WORKER_ROW_FAILURES_TOTAL) == 1
-    assert metric(worker, f"{names.WORKER_BATCH_SIZE}_count") < 7, "the good rows shared a batch"
+    # The six rows went to the model as one batch (a failure inside it reaches only its row).
+    assert metric(worker, f"{names.WORKER_BATCH_SIZE}_count", model="affine") < 6, (
+        "the good rows shared a batch"
+    )
 
 
 async def test_s07_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(
     tmp_path: Path,
 ) -> None:
-    # A long batch (thousands of matmuls) holds the executor well past the next row's deadline:
-    # the worker predicts that and refuses the row on arrival instead of letting it time out.
-    worker = await start(tmp_path, work_iters=6000, max_batch_size=1)
+    # A batch with a real cost (hundreds of matmuls, about 0.6 s here) holds the executor; the
+    # next row's deadline is one batch's measured cost away, so the row cannot run in time
+    # (the batch must end and the row run) while its call easily reaches the worker within
+    # it: both margins are one batch's cost, which a busy machine stretches alike. The worker
+    # predicts that and refuses the row on arrival instead of letting it time out. (A held
+    # `stall` batch would not do: its cost as measured is short, so the row would be admitted.)
+    worker = await start(tmp_path, work_iters=600, max_batch_size=1)
+    assert worker.models is not None and worker.batching is not None
+    (affine,) = worker.models.fixed_cost
+    timeout_s = worker.batching.load_report(affine).min_batch_s
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
             blocker = asyncio.ensure_future(stub.Infer(row_request(row(1, 1, 1, 1)), timeout=60))
             await until_executing(worker)
             with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await stub.Infer(row_request(row(2, 2, 2, 2)), timeout=0.1)
+                await stub.Infer(row_request(row(2, 2, 2, 2)), timeout=timeout_s)
             # Promptly: the answer came while the blocking batch was still running.
             assert not blocker.done()
             await blocker
@@ -159,41 +194,51 @@ async def test_s07_row_that_cannot_meet_its_deadline_is_refused_at_once_and_neve
 
 
 async def test_s09_cancelled_queued_request_is_never_executed(tmp_path: Path) -> None:
-    worker = await start(tmp_path, work_iters=1500, max_batch_size=1)
+    worker = await start(tmp_path, with_stall=True, max_batch_size=1)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            blocker = asyncio.ensure_future(stub.Infer(row_request(row(1, 1, 1, 1)), timeout=30))
-            await until_executing(worker)
+            blocker = await hold_executor(worker, stub)
             doomed = stub.Infer(row_request(row(2, 2, 2, 2)), timeout=30)
             survivor = asyncio.ensure_future(stub.Infer(row_request(row(3, 3, 3, 3)), timeout=30))
             # Both queued behind the blocker before one is cancelled.
             await eventually(lambda: worker.batching.num_in_flight == 3, interval_s=0.01)
             doomed.cancel()
+            await eventually(
+                lambda: metric(worker, names.WORKER_DROPPED_TOTAL, reason="cancelled") == 1,
+                message="the cancelled row left the queue",
+            )
+            assert not blocker.done()
+            release_stall(tmp_path / "gate")
             await asyncio.gather(blocker, survivor)
     finally:
+        release_stall(tmp_path / "gate")
         await worker.stop()
-    assert metric(worker, names.WORKER_ROWS_TOTAL) == 2
+    assert metric(worker, names.WORKER_ROWS_TOTAL, model="affine") == 1  # the survivor
     assert metric(worker, names.WORKER_DROPPED_TOTAL, reason="cancelled") == 1
 
 
 async def test_s01_queue_full_is_resource_exhausted_with_retry_hint(tmp_path: Path) -> None:
-    worker = await start(tmp_path, work_iters=1500, max_batch_size=1, max_queue_size=2)
+    worker = await start(tmp_path, with_stall=True, max_batch_size=1, max_queue_size=2)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            blocker = asyncio.ensure_future(stub.Infer(row_request(row(1, 0, 0, 0)), timeout=30))
-            await until_executing(worker)
+            blocker = await hold_executor(worker, stub)
             calls = [
                 asyncio.ensure_future(stub.Infer(row_request(row(i, 0, 0, 0)), timeout=30))
                 for i in range(2, 6)
             ]
+            await eventually(lambda: sum(c.done() for c in calls) >= 2, interval_s=0.01)
+            # Refused at once: while the blocking batch still holds the executor.
+            assert not blocker.done()
+            release_stall(tmp_path / "gate")
             results = await asyncio.gather(*calls, return_exceptions=True)
             await blocker
     finally:
+        release_stall(tmp_path / "gate")
         await worker.stop()
     rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
-    # One runs, two queue, the other two are refused at once.
+    # Two queue behind the held batch, the other two are refused.
     assert len(rejected) == 2
     assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
     hints = [dict(r.trailing_metadata()).get("retry-after-ms") for r in rejected]

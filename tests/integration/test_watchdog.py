@@ -1,7 +1,12 @@
-"""Scenario 22: a worker that is alive but wedged stops serving within the watchdog interval.
+"""Scenario 22: a worker that is alive but wedged stops serving once the watchdog expires.
 
 A real in-process worker on port 0 serves a real TorchScript model whose call blocks (until
-the test opens its gate file) on one marked row: the executor thread is really held."""
+the test opens its gate file) on one marked row: the executor thread is really held.
+
+No figure here depends on how busy the machine is: the wedged call is answered no earlier than
+the watchdog, by the watchdog (its message says so, where gRPC's own deadline would say
+"Deadline Exceeded"), and the stop is bounded by half the drain grace it would otherwise wait
+out; the waits for health to flip are generous condition bounds."""
 
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.integration
 
 WATCHDOG_S = 0.5
-#: Time allowed past the watchdog for the answer and the health flip (a loaded CI machine).
-MARGIN_S = 2.0
+#: Bound on the wait for the health flip after the answer (a condition wait: generous, it
+#: costs nothing when health flips at once).
+FLIP_TIMEOUT_S = 30.0
 
 
 def request(*values: float) -> pb.InferRequest:
@@ -48,12 +54,12 @@ async def gate(tmp_path: Path) -> AsyncIterator[Path]:
     release_stall(gate)  # the wedged call returns and its thread ends
 
 
-async def start(tmp_path: Path) -> Worker:
+async def start(tmp_path: Path, watchdog_s: float = WATCHDOG_S) -> Worker:
     config = WorkerConfig(
         model_repository=tmp_path / "repo",
         grpc_port=0,
         metrics_port=0,
-        batching=DriverConfig(watchdog_s=WATCHDOG_S),
+        batching=DriverConfig(watchdog_s=watchdog_s),
     )
     worker = await create_worker(config)
     await worker.load()
@@ -75,8 +81,12 @@ async def test_s22_a_wedged_model_call_fails_its_batch_and_turns_the_worker_not_
                 await stub.Infer(request(STALL, 0, 0, 0), timeout=30)
             answered_s = time.monotonic() - started
             # Overall health too: the liveness probe replaces the process (its thread is stuck).
-            await eventually(lambda: _not_serving(address), timeout_s=MARGIN_S, interval_s=0.02)
-            flipped_s = time.monotonic() - started
+            await eventually(
+                lambda: _not_serving(address),
+                timeout_s=FLIP_TIMEOUT_S,
+                interval_s=0.02,
+                message="NOT_SERVING (overall and the worker service) after the watchdog",
+            )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Infer(request(1, 2, 3, 4), timeout=10)
         stop_started = time.monotonic()
@@ -86,13 +96,15 @@ async def test_s22_a_wedged_model_call_fails_its_batch_and_turns_the_worker_not_
         release_stall(gate)
     assert wedged.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "exceeded the watchdog" in (wedged.value.details() or "")
-    assert WATCHDOG_S <= answered_s < WATCHDOG_S + MARGIN_S
-    assert flipped_s < WATCHDOG_S + MARGIN_S
+    # Not failed before the watchdog expired (and by the watchdog, not the 30 s deadline: its
+    # message above).
+    assert answered_s >= WATCHDOG_S
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "exceeded the watchdog" in (refused.value.details() or "")
     assert "exceeded the watchdog" in str(worker.fatal_error)
-    # Drain does not wait for the call that never returns.
-    assert stop_s < 5.0
+    # Drain does not wait for the call that never returns: the gate is still closed, so a stop
+    # that waited for it would take the whole drain grace (30 s) and then some.
+    assert stop_s < worker.config.drain_grace_s / 2, stop_s
     exported = generate_latest(worker.metrics.registry).decode()
     assert total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="stall", version="1") == 1
 
@@ -102,17 +114,29 @@ async def _not_serving(address: str) -> bool:
     return statuses == [health_pb2.HealthCheckResponse.NOT_SERVING] * 2
 
 
+#: The watchdog of the slow-call test: far longer than the call is held (SLOW_CALL_S), so that
+#: a busy machine cannot stretch the call past it.
+GENEROUS_WATCHDOG_S = 10.0
+#: How long the slow call holds the executor: the scenario's duration, far past a normal call.
+SLOW_CALL_S = 1.0
+
+
 async def test_s22_a_slow_call_within_the_watchdog_succeeds_and_the_worker_keeps_serving(
     tmp_path: Path, gate: Path
 ) -> None:
-    worker = await start(tmp_path)
+    """A call held on the executor for SLOW_CALL_S, well within the watchdog: answered, and the
+    worker stays SERVING."""
+    worker = await start(tmp_path, watchdog_s=GENEROUS_WATCHDOG_S)
     address = f"127.0.0.1:{worker.port}"
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
             call = stub.Infer(request(STALL, 0, 0, 0), timeout=30)
-            loop = asyncio.get_running_loop()
-            loop.call_later(WATCHDOG_S / 5, release_stall, gate)
+            assert worker.batching is not None
+            batching = worker.batching
+            await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
+            await asyncio.sleep(SLOW_CALL_S)  # the scenario: the call is slow, not wedged
+            release_stall(gate)
             response = await call
             status = await health_status(address, SERVICE_NAME)
     finally:

@@ -30,9 +30,18 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
     # The default SLO (250 ms) is for steady traffic; a burst of 64 long inputs on two CPU cores
     # would rightly be shed. This test is about answers and batches, so it allows 30 s.
     tmp = tmp_path_factory.mktemp("worker")
-    service = start_worker(
-        tmp, model_repository=write_minilm_repository(tmp / "repo", slo_p99_ms=30_000)
-    )
+    repository = write_minilm_repository(tmp / "repo", slo_p99_ms=30_000)
+    # Batches of at most 16 rows and 2048 tokens: the worker's start is its warm-up, every
+    # bucket at every power-of-two batch size up to the largest, which at the default (64 rows,
+    # 8192 tokens) takes minutes on two CPU cores busy with other tests. These tests need
+    # batches, not large ones.
+    config = repository / "minilm" / "config.toml"
+    text = config.read_text()
+    for default, small in (("max_batch_size = 64", "16"), ("max_batch_tokens = 8192", "2048")):
+        assert default in text, default
+        text = text.replace(default, f"{default.split(' = ')[0]} = {small}")
+    config.write_text(text)
+    service = start_worker(tmp, model_repository=repository)
     yield service
     assert service.terminate() == 0, service.log()
 
@@ -156,8 +165,13 @@ async def test_fingerprint_from_list_models_is_accepted(worker) -> None:
 
 async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
     repository = tmp_path / "repo"
-    write_affine_model(repository, work_iters=400, max_batch_size=4)
-    service = start_worker(tmp_path, model_repository=repository)
+    # Batches with a small real cost (about 0.1 s): rows are still queued when the SIGTERM
+    # lands, and the drain's work is far inside its 30 s grace, however busy the machine
+    # (one torch thread: two would contend with the other test module for the cores).
+    write_affine_model(repository, work_iters=100, max_batch_size=4)
+    service = start_worker(
+        tmp_path, model_repository=repository, extra_args=("--torch-threads", "1")
+    )
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)

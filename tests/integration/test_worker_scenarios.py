@@ -202,7 +202,9 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
     # A model with a real compute cost (~0.4 s): the worker expires a queued row once even
     # running it at once would miss the deadline, i.e. one compute before the deadline, well
     # before the deadline timers of gRPC fire on either side (so the answer below is the
-    # worker's expiry, not a cancellation, and the drop is counted as expired).
+    # worker's expiry, not a cancellation, and the drop is counted as expired). Who answered is
+    # read from the answer ("was not run" is the worker's; gRPC's own deadline says "Deadline
+    # Exceeded"), not from how long it took.
     write_affine_model(
         tmp_path / "repo", "slow", work_iters=400, max_batch_size=1, slo_p99_ms=SLO_MS
     )
@@ -229,9 +231,10 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
         await worker.stop()  # drains: anything still queued would run now
     assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "was not run" in (raised.value.details() or ""), raised.value.details()
-    assert answered_s < timeout_s
     assert metric(worker, names.WORKER_DROPPED_TOTAL, model="slow", reason="expired") == 1
     assert metric(worker, names.WORKER_DROPPED_TOTAL, model="slow", reason="cancelled") == 0
+    # Expired near its deadline (one compute before it), not refused early: a lower bound, which
+    # a busy machine can only move further away.
     assert answered_s > timeout_s / 2, "expired near its deadline, not refused early"
     assert metric(worker, names.WORKER_ROWS_TOTAL, model="slow") == 0, "the model never ran it"
 

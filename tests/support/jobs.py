@@ -41,10 +41,10 @@ def expected_output(text: str) -> np.ndarray:
 
 @dataclass
 class PredictTarget(api_grpc.InferenceServiceServicer):
-    """A Predict server: deterministic outputs per text, poison texts refused, optionally slow
-    or refusing its first calls (UNAUTHENTICATED, then UNAVAILABLE)."""
+    """A Predict server: deterministic outputs per text, poison texts refused, optionally
+    refusing its first calls (UNAUTHENTICATED, then UNAVAILABLE), or holding calls once some
+    texts have run (so that a job is caught mid-way however fast the machine runs it)."""
 
-    delay_s: float = 0.0
     num_unavailable: int = 0
     #: Calls refused UNAUTHENTICATED first (the runner's key not yet known).
     num_unauthenticated: int = 0
@@ -52,6 +52,16 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     runs: collections.Counter[str] = field(default_factory=collections.Counter)
     priorities: set[int] = field(default_factory=set)
     num_calls: int = 0
+    #: Once this many texts have run, calls wait for `release` (None: never held).
+    hold_after_runs: int | None = None
+    #: Calls that were held.
+    num_held: int = 0
+    _released: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def release(self) -> None:
+        """Lets the held calls go on, and holds no more."""
+        self.hold_after_runs = None
+        self._released.set()
 
     async def Predict(
         self, request: api.PredictRequest, context: grpc.aio.ServicerContext
@@ -67,8 +77,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
         texts = [i.text for i in request.inputs]
         if any(t.startswith(POISON) for t in texts):
             raise InvalidInput(f"cannot embed {POISON!r} texts")
-        if self.delay_s:
-            await asyncio.sleep(self.delay_s)
+        if self.hold_after_runs is not None and self.runs.total() >= self.hold_after_runs:
+            self.num_held += 1
+            await self._released.wait()
         self.runs.update(texts)
         return api.PredictResponse(
             model_name=request.model_name,
