@@ -233,9 +233,10 @@ async def run_closed_loop(
     finish after the warm-up. A throughput probe (secondary view): it cannot show queueing.
     The collector is paused for the run (`paused_gc`)."""
     loop = asyncio.get_running_loop()
-    measure_from = loop.time() + warmup_s
-    stop_at = measure_from + duration_s
     result = ClosedLoopResult(concurrency=concurrency, elapsed_s=duration_s)
+    # The window opens once the collector is paused: its collection first can take longer
+    # than a short run (hundreds of ms in a process holding a test suite, on busy cores).
+    measure_from = stop_at = 0.0
 
     async def caller() -> None:
         while loop.time() < stop_at:
@@ -255,6 +256,8 @@ async def run_closed_loop(
                 result.latencies_s.append(latency)
 
     with paused_gc():
+        measure_from = loop.time() + warmup_s
+        stop_at = measure_from + duration_s
         await asyncio.gather(*(caller() for _ in range(concurrency)))
     # Calls that were in flight at stop_at finish a little later; the window is stretched to
     # include them so the rate is not overstated.
