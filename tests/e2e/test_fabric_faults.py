@@ -21,6 +21,7 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """SLO 30 s: these tests are about losing nothing when parts fail, under load two CPU cores

@@ -89,7 +89,6 @@ def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
     return repository
 
 
-
 def write_small_minilm_repository(repository: Path) -> Path:
     """minilm with an SLO of 30 s, batches of at most 8 and two length buckets, for e2e tests
     whose texts are short and whose subject is faults or counts, not latency (two shared cores
@@ -108,6 +107,7 @@ def write_small_minilm_repository(repository: Path) -> Path:
         )
     )
     return repository
+
 
 #: A row whose first value is this makes the stalling test model block (see `_Stall`).
 STALL = 77.0
