@@ -25,7 +25,6 @@ import asyncio
 import json
 import tempfile
 import time
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,11 +33,11 @@ from typing import Any
 
 import grpc
 import numpy as np
-import torch
 
 from bench.fabric.observe import scrape, total
 from bench.fabric.stack import REPO_ROOT, start_stack
 from bench.fabric.sweep import percentile
+from bench.models import write_affine_model
 from services.common import metric_names as names
 from services.gateway.auth import hash_key
 from services.pb.inference.v1 import inference_pb2 as api
@@ -77,49 +76,18 @@ ONLINE_CALLERS, FILLER_CALLERS = 2, 32
 TIMEOUT_S = 20.0
 
 
-class _Burn(torch.nn.Module):
-    """y = x @ W + b, after `work_iters` matmuls that only burn time: a model of known cost."""
-
-    def __init__(self, work_iters: int) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.weight = torch.nn.Parameter(torch.randn(4, 2, generator=generator))
-        self.bias = torch.nn.Parameter(torch.randn(2, generator=generator))
-        self.work = torch.nn.Parameter(torch.randn(192, 192, generator=generator) / 16)
-        self.work_iters = work_iters
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        burn = self.work
-        for _ in range(self.work_iters):
-            burn = torch.tanh(burn @ self.work)
-        return x @ self.weight + self.bias + 0.0 * burn.sum()
-
-
 def write_repository(root: Path) -> Path:
     """`<root>/` with MODELS, FP32 [4] -> FP32 [2], a patient SLO and deep queues (the tenants'
     closed-loop callers keep them full)."""
     for name, (work_iters, max_batch_size) in MODELS.items():
-        model_dir = root / name
-        (model_dir / "1").mkdir(parents=True, exist_ok=True)
-        (model_dir / "config.toml").write_text(
-            f"""kind = "torchscript"
-slo_p99_ms = 5000
-max_batch_size = {max_batch_size}
-max_queue_size = 256
-
-[inputs.x]
-dtype = "FP32"
-dims = [4]
-
-[outputs.y]
-dtype = "FP32"
-dims = [2]
-"""
+        write_affine_model(
+            root,
+            name,
+            work_iters=work_iters,
+            max_batch_size=max_batch_size,
+            slo_p99_ms=5000,
+            max_queue_size=256,
         )
-        with warnings.catch_warnings():
-            # torch 2.13 marks TorchScript deprecated; it is what the torchscript backend loads.
-            warnings.simplefilter("ignore", DeprecationWarning)
-            torch.jit.script(_Burn(work_iters)).save(str(model_dir / "1" / "model.pt"))
     return root
 
 

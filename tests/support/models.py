@@ -6,71 +6,10 @@ from pathlib import Path
 
 import torch
 
-#: A row whose first value is this makes the test model raise (a "poisoned" input).
-POISON = 13.0
-
-
-class _Affine(torch.nn.Module):
-    """y = x @ W + b, after `work_iters` matmuls that only burn time (a slow model)."""
-
-    def __init__(self, work_iters: int) -> None:
-        super().__init__()
-        generator = torch.Generator().manual_seed(0)
-        self.weight = torch.nn.Parameter(torch.randn(4, 2, generator=generator))
-        self.bias = torch.nn.Parameter(torch.randn(2, generator=generator))
-        self.work = torch.nn.Parameter(torch.randn(192, 192, generator=generator) / 16)
-        self.work_iters = work_iters
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if bool((x[:, 0] == 13.0).any()):
-            raise RuntimeError("poisoned row")
-        burn = self.work
-        for _ in range(self.work_iters):
-            burn = torch.tanh(burn @ self.work)
-        return x @ self.weight + self.bias + 0.0 * burn.sum()
-
-
-def affine_reference(x: torch.Tensor) -> torch.Tensor:
-    """What the test model computes, for checking answers."""
-    model = _Affine(0)
-    with torch.no_grad():
-        return x @ model.weight + model.bias
-
-
-def write_affine_model(
-    repository: Path,
-    name: str = "affine",
-    *,
-    work_iters: int = 0,
-    max_batch_size: int = 8,
-    slo_p99_ms: int = 1000,
-    max_queue_size: int = 64,
-    versions: tuple[int, ...] = (1,),
-) -> Path:
-    """Writes `<repository>/<name>/` with a TorchScript affine model: FP32 [4] -> FP32 [2]."""
-    model_dir = repository / name
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.toml").write_text(
-        f"""
-kind = "torchscript"
-slo_p99_ms = {slo_p99_ms}
-max_batch_size = {max_batch_size}
-max_queue_size = {max_queue_size}
-
-[inputs.x]
-dtype = "FP32"
-dims = [4]
-
-[outputs.y]
-dtype = "FP32"
-dims = [2]
-"""
-    )
-    scripted = torch.jit.script(_Affine(work_iters))
-    for version in versions:
-        (model_dir / str(version)).mkdir(exist_ok=True)
-        scripted.save(str(model_dir / str(version) / "model.pt"))
-    return model_dir
+# The affine test model is the benchmarks' model of known cost (bench/models.py); re-exported.
+from bench.models import POISON as POISON
+from bench.models import affine_reference as affine_reference
+from bench.models import write_affine_model as write_affine_model
 
 
 def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
@@ -114,11 +53,12 @@ STALL = 77.0
 
 
 class _Stall(torch.nn.Module):
-    """y = x @ W + b, like `_Affine`; but a call with a row starting with `STALL` blocks until
-    the first byte of the gate file `gate_path` is non-zero: a model call that really holds
-    the executor thread, for as long as the test wants (`release_stall` ends it). TorchScript
-    has no sleep, so it polls the file (about one core while blocked). With `stall_every_call`,
-    every call blocks, warm-up's included: loading lasts until the gate opens."""
+    """y = x @ W + b, like bench/models.py's affine model; but a call with a row starting with
+    `STALL` blocks until the first byte of the gate file `gate_path` is non-zero: a model call
+    that really holds the executor thread, for as long as the test wants (`release_stall` ends
+    it). TorchScript has no sleep, so it polls the file (about one core while blocked). With
+    `stall_every_call`, every call blocks, warm-up's included: loading lasts until the gate
+    opens."""
 
     def __init__(self, gate_path: str, stall_every_call: bool = False) -> None:
         super().__init__()
