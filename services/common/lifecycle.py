@@ -169,7 +169,12 @@ def task_stacks() -> str:
     out = io.StringIO()
     for task in asyncio.all_tasks():
         print(f"-- {task.get_name()}: {task.get_coro()}", file=out)
-        task.print_stack(file=out)
+        try:
+            task.print_stack(file=out)
+        except Exception as error:
+            # A dump must not break the report it is part of. Seen: a TypeError inside
+            # linecache while a worker's stop overran.
+            print(f"   (no stack: {error!r})", file=out)
     return out.getvalue()
 
 
