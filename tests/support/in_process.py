@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,7 +142,7 @@ async def running_fabric(
         )
     )
     fabric = Fabric(router, workers)
-    fabric._tasks.append(asyncio.create_task(router.sync.run()))
+    fabric._tasks.append(asyncio.create_task(router.sync.run(), name="registry-sync"))
     expected_live = num_workers if num_live_workers is None else num_live_workers
     try:
         if with_gateway:
@@ -155,7 +157,9 @@ async def running_fabric(
                     allow_unauthenticated=True,
                 )
             )
-            fabric._tasks.append(asyncio.create_task(fabric.gateway.refresh_catalog()))
+            fabric._tasks.append(
+                asyncio.create_task(fabric.gateway.refresh_catalog(), name="catalog")
+            )
         # Heartbeat reads and catalog refreshes happen in background loops: poll.
         await eventually(
             lambda: _is_ready(fabric, repository, expected_live),
@@ -168,11 +172,7 @@ async def running_fabric(
         if fabric._gateway is not None:
             await _stop_within("the gateway", fabric._gateway.stop(), hung)
         await _stop_within("the router", router.stop(), hung)
-        for task in fabric._tasks:
-            task.cancel()
-        # A task that swallows its cancellation would otherwise hang here unnamed.
-        tasks = asyncio.gather(*fabric._tasks, return_exceptions=True)
-        await _stop_within("the router's sync and the gateway's catalog tasks", tasks, hung)
+        await _cancel_within(fabric._tasks, hung)
         for worker in workers:
             await _stop_within(f"worker {worker.config.worker_id}", worker.stop(), hung)
         if hung:
@@ -195,6 +195,33 @@ async def _stop_within(what: str, stop: Awaitable[Any], hung: list[str]) -> None
         task.result()
         return
     hung.append(f"{what} did not stop within {STOP_TIMEOUT_S:.0f}s; tasks:\n{task_stacks()}")
+
+
+#: How often a background task still running after its cancellation is cancelled again.
+RECANCEL_PERIOD_S = 0.5
+
+
+async def _cancel_within(tasks: list[asyncio.Task[Any]], hung: list[str]) -> None:
+    """Cancels `tasks` (the registry sync and the catalog refresh: endless loops that go on
+    after an error) until they end, for at most STOP_TIMEOUT_S; past it, adds the names and
+    stacks of those still running to `hung`.
+
+    Cancelled again every RECANCEL_PERIOD_S: both loops log an error and go on, so a
+    cancellation that a client library turns into its own error (an RPC ending CANCELLED, a
+    Redis read failing) is lost, and one lost cancel held this teardown for its whole bound
+    in a full-suite run."""
+    deadline_s = time.monotonic() + STOP_TIMEOUT_S
+    pending = {task for task in tasks if not task.done()}
+    while pending and time.monotonic() < deadline_s:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=RECANCEL_PERIOD_S)
+    if pending:
+        stacks = io.StringIO()
+        for task in pending:
+            print(f"-- {task.get_name()}", file=stacks)
+            task.print_stack(file=stacks)
+        hung.append(f"tasks still running {STOP_TIMEOUT_S:.0f}s after cancel:\n{stacks.getvalue()}")
 
 
 async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> bool:
