@@ -25,6 +25,12 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.e2e
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+#: The controller's latency rule (canary p99 against stable's) given slack no loaded machine
+#: reaches: both versions here are the same model, so a p99 gap is noise (2.86x, 18 ms against
+#: 6 ms, on 88 calls once rolled back the healthy canary while another test module had the
+#: cores). The rule itself is tests/unit/test_rollout_policy.py's; here a canary is judged by
+#: its errors, which are not noise.
+P99_SLACK_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +108,7 @@ async def run_canary(
         result = await asyncio.to_thread(
             rollout, stack, repository, "canary", model, "--version", "2", "--steps", "20,100",
             "--hold-s", "2", "--check-period-s", "0.5", "--min-requests", "10",
+            "--p99-slack-s", str(P99_SLACK_S),
         )  # fmt: skip
     finally:
         stop.set()
