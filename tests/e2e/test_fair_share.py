@@ -11,6 +11,7 @@ scenarios (bench/fabric/fair_share.py).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -30,7 +31,12 @@ pytestmark = pytest.mark.e2e
 
 #: The weighted split's window: once each tenant has had SETTLE_COMPUTE_S of compute (both
 #: queues are full), the worker's next WINDOW_COMPUTE_S of compute is counted per tenant.
-SETTLE_COMPUTE_S, WINDOW_COMPUTE_S = 0.5, 3.0
+#: The ledger charges each batch's real compute, so a batch that another process stalled is
+#: charged to its tenant whole, and the other is then served alone until it catches up (3x the
+#: stall for a stalled bronze batch): the likely cause when a 3 s window in a full-suite run
+#: saw bronze get nothing at all. Over 6 s, a stall of up to about 2 s on bronze's side or 3 s on
+#: gold's leaves both assertions true; the split stays exact over time.
+SETTLE_COMPUTE_S, WINDOW_COMPUTE_S = 0.5, 6.0
 #: Weights are 3:1; an even split would be 1:1. The favoured tenant must get more than this
 #: multiple of the other's compute: a wide margin below the weights, well above an even split.
 #: The ratio itself is the benchmark's figure: 2.7-3.0 on a quiet machine; 2.44 on one model
@@ -76,10 +82,15 @@ async def test_weights_3_to_1_favour_the_heavier_tenant_and_starve_nobody(
             wait=wait,
         )
     served = split.served_s
-    print(f"compute seconds in the window: {served}")
-    assert served["bronze"] > 0, f"bronze was starved: {served}"
-    assert served["gold"] > MIN_FAVOURED_MULTIPLE * served["bronze"], served
-    assert split.gold.latencies_s and split.bronze.latencies_s, served
+    calls = {
+        tenant: (len(outcomes.latencies_s), dict(Counter(e.name for e in outcomes.errors)))
+        for tenant, outcomes in (("gold", split.gold), ("bronze", split.bronze))
+    }
+    summary = f"compute seconds in the window: {served}; (OK calls, errors) over the run: {calls}"
+    print(summary)
+    assert served["bronze"] > 0, f"bronze was starved: {summary}"
+    assert served["gold"] > MIN_FAVOURED_MULTIPLE * served["bronze"], summary
+    assert split.gold.latencies_s and split.bronze.latencies_s, summary
 
 
 async def test_batch_traffic_fills_what_interactive_leaves_and_refuses_no_interactive_call(
