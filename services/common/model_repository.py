@@ -73,6 +73,19 @@ PREFIX_CACHING_SCOPES = ("off", "shared", "per_tenant")
 
 
 @dataclass(frozen=True)
+class EmbeddingSettings:
+    """The `[embedding]` table of an embedding model: what its embedding APIs may do."""
+
+    #: The model is trained so that its leading dims are an embedding themselves (Matryoshka):
+    #: OpenAI's `dimensions` may shorten the output (then re-normalized). Off: `dimensions` is
+    #: refused.
+    shortenable: bool = False
+    #: Inputs longer than the model takes are cut to its longest input instead of refused, on
+    #: the APIs that have no per-call choice (OpenAI's /v1/embeddings; TEI's asks per call).
+    truncate: bool = False
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """One model's `config.toml`."""
 
@@ -98,6 +111,8 @@ class ModelConfig:
     traffic: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     #: Generation models only.
     generation: GenerationSettings | None = None
+    #: Embedding models: what their embedding APIs may do (defaults without the table).
+    embedding: EmbeddingSettings = EmbeddingSettings()
     #: The deadline of a request whose caller sent none, ms (for generation: the whole stream).
     default_timeout_ms: int = DEFAULT_TIMEOUT_MS
     #: Opt-in shedding: refuse (RESOURCE_EXHAUSTED) a request predicted to finish past the SLO
@@ -207,6 +222,7 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         labels=MappingProxyType(dict(labels)),
         traffic=MappingProxyType({k: float(v) for k, v in traffic.items()}),
         generation=generation,
+        embedding=_embedding_settings(raw, path),
         default_timeout_ms=_positive(
             _optional(raw, "default_timeout_ms", int, DEFAULT_TIMEOUT_MS, path),
             "default_timeout_ms",
@@ -234,6 +250,21 @@ def _generation_settings(raw: dict[str, Any], path: Path) -> GenerationSettings:
     if generation.watermark_blocks < 0:
         raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
     return generation
+
+
+def _embedding_settings(raw: dict[str, Any], path: Path) -> EmbeddingSettings:
+    table = raw.get("embedding", {})
+    if not isinstance(table, dict):
+        raise ModelConfigError(f"{path}: [embedding] must be a table")
+    unknown = sorted(set(table) - {"shortenable", "truncate"})
+    if unknown:
+        raise ModelConfigError(f"{path}: [embedding] has unknown keys {unknown}")
+    if table and raw.get("kind") != ModelKind.EMBEDDING.value:
+        raise ModelConfigError(f"{path}: [embedding] is for embedding models only")
+    return EmbeddingSettings(
+        shortenable=_optional(table, "shortenable", bool, False, path),
+        truncate=_optional(table, "truncate", bool, False, path),
+    )
 
 
 def _weights_dir(version_dir: Path) -> Path:

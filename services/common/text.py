@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,14 @@ from services.common.model_repository import ModelConfig, ModelConfigError, Mode
 
 #: Characters per token above which a text cannot fit even before tokenizing it (cheap check).
 _MAX_CHARS_PER_TOKEN = 64
+
+
+@dataclass(frozen=True)
+class TokenIds:
+    """A text input sent already tokenized, by the version's own tokenizer, special tokens
+    included (gateways to workers; clients of the embedding APIs to gateways)."""
+
+    ids: np.ndarray
 
 
 class TextEncoder:
@@ -36,6 +45,10 @@ class TextEncoder:
         # Text is untrusted: a literal "[CLS]" or "</s>" typed by a user stays text and never
         # becomes the special token (not saved in tokenizer.json, so set on every load).
         self.tokenizer.encode_special_tokens = True
+        # The same tokenizer cutting to the longest input (special tokens kept): for callers
+        # that ask for truncation; a copy, so the refusing one is never reconfigured mid-call.
+        self._truncating = Tokenizer.from_str(self.tokenizer.to_str())
+        self._truncating.encode_special_tokens = True
         model_config = json.loads(model_config_path.read_text())
         context = int(model_config["max_position_embeddings"])
         if config.generation is not None:
@@ -52,14 +65,20 @@ class TextEncoder:
         digest.update(json.dumps(dict(config.preprocessing), sort_keys=True).encode())
         digest.update(str(self.max_tokens).encode())
         self.fingerprint = digest.hexdigest()[:16]
+        self._truncating.enable_truncation(self.max_tokens)
 
-    def _check_text(self, text: str) -> None:
+    def _check_text(self, text: str, *, truncate: bool) -> str:
+        """`text` after the cheap checks; truncating, cut to the characters that can fit."""
         if not text.strip():
             raise InvalidInput("text input is empty")
-        if len(text) > self.max_tokens * _MAX_CHARS_PER_TOKEN:
+        limit = self.max_tokens * _MAX_CHARS_PER_TOKEN
+        if truncate:
+            return text[:limit]
+        if len(text) > limit:
             raise InvalidInput(
                 f"text of {len(text)} characters cannot fit in {self.max_tokens} tokens"
             )
+        return text
 
     def check_ids(self, ids: np.ndarray) -> np.ndarray:
         """Validates pre-tokenized ids (special tokens included); returns them as int64."""
@@ -73,10 +92,12 @@ class TextEncoder:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
         return ids.astype(np.int64, copy=False)
 
-    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
-        """Token ids per text (int64), after the cheap checks; raises InvalidInput."""
-        for text in texts:
-            self._check_text(text)
+    def encode_many(self, texts: Sequence[str], *, truncate: bool = False) -> list[np.ndarray]:
+        """Token ids per text (int64), after the cheap checks; raises InvalidInput.
+        `truncate`: a text longer than `max_tokens` is cut to its first tokens (the special
+        tokens kept) instead of refused."""
+        checked = [self._check_text(text, truncate=truncate) for text in texts]
+        tokenizer = self._truncating if truncate else self.tokenizer
         # One call for all texts of a request: the Rust tokenizer batches internally.
-        encoded = self.tokenizer.encode_batch(list(texts))
+        encoded = tokenizer.encode_batch(checked)
         return [self.check_ids(np.asarray(e.ids, dtype=np.int64)) for e in encoded]

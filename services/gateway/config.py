@@ -49,6 +49,9 @@ class GatewayConfig:
     max_concurrent_rpcs: int = 4096
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
+    #: The embedding model TEI's `/embed` and `/info` serve (TEI serves one model per server);
+    #: empty: the repository's only text embedding model.
+    tei_model: str = ""
     #: How often the fleet's served versions are re-read from the router, seconds.
     catalog_refresh_s: float = 1.0
     #: Seconds in-flight calls may take to finish after SIGTERM before they are cancelled.
@@ -128,6 +131,13 @@ SETTINGS = SettingsTable(
             GatewayConfig.max_inputs_per_request,
             "most inputs one Predict / ModelInfer call may carry",
             "inputs",
+        ),
+        Setting(
+            "tei_model",
+            str,
+            GatewayConfig.tei_model,
+            "the embedding model TEI's /embed and /info serve; empty: the only text embedding "
+            "model in the repository",
         ),
         Setting(
             "catalog_refresh_s",

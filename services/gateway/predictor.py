@@ -20,6 +20,7 @@ from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
+from services.common.text import TokenIds
 from services.common.tracing import outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
@@ -53,8 +54,9 @@ def router_target(router_address: str) -> str:
     return "ipv4:" + ",".join(addresses)
 
 
-#: One input row as a client sent it: text for text models, a tensor row otherwise.
-PredictValue = str | np.ndarray
+#: One input row as a client sent it: text (or its token ids) for text models, a tensor row
+#: otherwise.
+PredictValue = str | TokenIds | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class PredictCall:
     timeout_s: float | None
     #: The class the caller asked for; None: its tenant's default.
     priority: PriorityClass | None = None
+    #: Text models: a text longer than the model takes is cut to its first tokens, not refused.
+    truncate: bool = False
+    #: Embedding models that L2-normalize: the outputs before normalization.
+    unnormalized: bool = False
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ class PredictResult:
     model_version: str
     outputs: list[np.ndarray]
     request_id: str
+    #: Text models: the tokens of every input row, special tokens included (0 otherwise).
+    num_tokens: int = 0
 
 
 class Predictor:
@@ -122,15 +130,27 @@ class Predictor:
             response_deserializer=pb.GenerateResponse.FromString,
         )
 
+    @property
+    def max_inputs(self) -> int:
+        """Most rows one call may carry."""
+        return self._max_inputs
+
     def _model_inputs(
-        self, model: ResolvedModel, values: Sequence[PredictValue]
+        self, model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
     ) -> list[pb.ModelInput]:
         config = model.config
         if model.encoder is not None:
-            if not all(isinstance(v, str) for v in values):
-                raise InvalidInput(f"{config.name} takes text inputs")
             started = time.perf_counter()
-            ids = model.encoder.encode_many([str(v) for v in values])
+            texts = [v for v in values if isinstance(v, str)]
+            encoded = iter(model.encoder.encode_many(texts, truncate=truncate))
+            ids = []
+            for value in values:
+                if isinstance(value, str):
+                    ids.append(next(encoded))
+                elif isinstance(value, TokenIds):
+                    ids.append(model.encoder.check_ids(value.ids))
+                else:
+                    raise InvalidInput(f"{config.name} takes text inputs")
             self._metrics.tokenize_seconds.labels(config.name).observe(
                 time.perf_counter() - started
             )
@@ -188,7 +208,7 @@ class Predictor:
         config, policy = model.config, call.principal.policy
         self.admission.charge_rows(policy, len(call.inputs))
         throttle_key = self._throttle_check(config.name, priority, policy.name)
-        inputs = self._model_inputs(model, call.inputs)
+        inputs = self._model_inputs(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or uuid.uuid4().hex
         request = pb.InferRequest(
             model_name=config.name,
@@ -199,6 +219,7 @@ class Predictor:
             request_id=request_id,
             priority=priority.proto,
             tenant_weight=policy.weight,
+            unnormalized=call.unnormalized,
         )
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
@@ -224,7 +245,8 @@ class Predictor:
         response = pb.InferResponse.FromString(payload)
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
         outputs = [tensor_from_pb(t) for t in response.outputs]
-        return PredictResult(config.name, model.version, outputs, request_id)
+        num_tokens = sum(len(i.token_ids) // 4 for i in inputs)
+        return PredictResult(config.name, model.version, outputs, request_id, num_tokens)
 
     async def _call_router(
         self, request: bytes, metadata: Sequence[tuple[str, str]], *, deadline_s: float

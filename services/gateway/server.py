@@ -218,6 +218,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
             max_body_bytes=config.max_message_bytes,
             model_repository=config.model_repository,
             repository=repository,
+            tei_model=config.tei_model,
         )
     return Gateway(
         config,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Sequence
@@ -31,9 +32,10 @@ from services.common.priority import PriorityClass, worker_priority
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
+from services.common.text import TokenIds
 from services.common.tls import add_port, start_health_listener
 from services.common.tracing import TracingInterceptor
-from services.gpu_worker.backends.base import RawInput, TokenIds, select_device
+from services.gpu_worker.backends.base import RawInput, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.execution import resolve_backfill_threads
@@ -144,6 +146,8 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             if not request.fingerprint and any(isinstance(r, TokenIds) for r in raw):
                 raise InvalidInput("token_ids inputs require the tokenizer's fingerprint")
             rows = backend.prepare_many(raw)
+            if request.unnormalized:
+                rows = [dataclasses.replace(row, is_normalized=False) for row in rows]
             outputs = await self._batching.submit(
                 backend,
                 rows,

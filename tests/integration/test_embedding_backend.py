@@ -10,8 +10,8 @@ import torch
 
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelVersion, load_repository
+from services.common.text import TokenIds
 from services.gpu_worker.backends import load_backend
-from services.gpu_worker.backends.base import TokenIds
 from services.gpu_worker.backends.embedding import EmbeddingBackend
 from tests.conftest import cosine
 from tests.support.processes import REPO_ROOT

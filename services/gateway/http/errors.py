@@ -45,6 +45,18 @@ class HttpError:
         """KServe's error body: {"error": "<message>"}."""
         return json.dumps({"error": self.message}).encode()
 
+    def tei_body(self) -> bytes:
+        """text-embeddings-inference's error body: {"error", "error_type"}."""
+        if self.status == 429:
+            kind = "Overloaded"
+        elif self.status == 503:
+            kind = "Unhealthy"
+        elif self.status >= 500:
+            kind = "Backend"
+        else:
+            kind = "Validation"
+        return json.dumps({"error": self.message, "error_type": kind}).encode()
+
     def openai_body(self) -> bytes:
         """OpenAI's error body: {"error": {"message", "type", "code"}}."""
         kind = _OPENAI_TYPES.get(self.status, "server_error")

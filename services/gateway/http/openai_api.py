@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from services.common.grpc_errors import is_bug
+from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
 from services.gateway.http.codec import parse_json_object
 from services.gateway.http.errors import http_error
@@ -30,6 +31,10 @@ from services.gateway.http.sse import DONE_EVENT, SSE_CONTENT_TYPE, sse_event
 from services.gateway.kserve_generate import generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
+
+#: The kinds /v1 serves: generation (completions, chat) and text embeddings (/v1/embeddings,
+#: services.gateway.http.embeddings_api).
+_OPENAI_KINDS = frozenset({ModelKind.GENERATION, ModelKind.EMBEDDING})
 
 
 @dataclass(frozen=True)
@@ -72,11 +77,11 @@ class OpenAiApi:
         ]
 
     async def models(self, request: web.Request) -> web.Response:
-        """The generation models this caller may use."""
+        """The generation and text embedding models this caller may use."""
         catalog, principal = self._predictor.catalog, current_principal()
         names = [
             n for n in catalog.model_names()
-            if catalog.config(n).generation is not None
+            if catalog.config(n).kind in _OPENAI_KINDS
             and (principal.models is None or n in principal.models)
         ]  # fmt: skip
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "inference-fabric"}

@@ -1,5 +1,5 @@
-"""The gateway's HTTP listener: KServe v2 REST and the OpenAI-compatible API on one aiohttp
-app, behind the same authentication and tenant admission as the gRPC port
+"""The gateway's HTTP listener: KServe v2 REST, the OpenAI-compatible API and TEI's embedding
+routes on one aiohttp app, behind the same authentication and tenant admission as the gRPC port
 (services.gateway.auth, services.gateway.admission)."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from services.common.grpc_errors import is_bug
 from services.common.tls import ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
+from services.gateway.http.embeddings_api import EmbeddingsApi
 from services.gateway.http.errors import HttpError, http_error
 from services.gateway.http.kserve_rest import KServeRest
 from services.gateway.http.openai_api import OpenAiApi
@@ -31,13 +32,22 @@ log = logging.getLogger(__name__)
 #: Paths anyone may call: liveness and readiness probes.
 OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 #: Path endings of the calls that run models, which tenant quotas count.
-INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions")
+INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions", "/embeddings",
+                      "/embed")  # fmt: skip
+#: text-embeddings-inference's routes, whose errors are TEI's bodies ("/" embeds, as TEI's
+#: does: Hugging Face's InferenceClient posts to the server's URL itself).
+TEI_PATHS = frozenset({"/", "/embed", "/info"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _answer(request: web.Request, error: HttpError) -> web.Response:
-    is_openai = request.path.startswith("/v1/")
-    body = error.openai_body() if is_openai else error.kserve_body()
+    """An error in the body shape of the API the path belongs to (OpenAI, TEI or KServe)."""
+    if request.path.startswith("/v1/"):
+        body = error.openai_body()
+    elif request.path in TEI_PATHS:
+        body = error.tei_body()
+    else:
+        body = error.kserve_body()
     return web.Response(body=body, status=error.status, headers=error.headers,
                         content_type="application/json")  # fmt: skip
 
@@ -54,7 +64,7 @@ def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middle
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
             principal = principal_for(keys, headers)
-            if not request.path.endswith(INFERENCE_SUFFIXES):
+            if not (request.path.endswith(INFERENCE_SUFFIXES) or request.path == "/"):
                 async with acting_as(principal):
                     return await handler(request)
             refusal = admission.acquire(principal.policy)
@@ -107,15 +117,18 @@ async def start_http(
     max_body_bytes: int,
     model_repository: Path,
     repository: RepositoryControl | None = None,
+    tei_model: str = "",
 ) -> HttpListener:
     """Serves the HTTP APIs on host:port (0: a free port); returns the bound port.
-    `repository` serves Triton's repository routes (None without Redis: they refuse)."""
+    `repository` serves Triton's repository routes (None without Redis: they refuse);
+    `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api)."""
     app = web.Application(
         middlewares=[auth_middleware(keys, predictor.admission)], client_max_size=max_body_bytes
     )
     servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs, repository=repository)
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())
     app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
+    app.add_routes(EmbeddingsApi(predictor, metrics, tei_model).routes())
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     # reuse_port: the processes of a gateway group (process_group.py) share the port.

@@ -15,15 +15,8 @@ import torch
 
 from services.common.model_repository import ModelConfig, ModelVersion
 from services.common.registry_schema import ModelRecord
+from services.common.text import TokenIds
 from services.gpu_worker.served_model import BatchLoads, ServedModel
-
-
-@dataclass(frozen=True)
-class TokenIds:
-    """Pre-tokenized input (special tokens included), as sent by gateways."""
-
-    ids: np.ndarray
-
 
 #: One input row as a client sent it, after decoding from protobuf.
 RawInput = str | TokenIds | np.ndarray
@@ -38,6 +31,9 @@ class PreparedRow:
     #: Real length in tokens (padding-waste accounting); 1 for tensor models.
     num_tokens: int
     data: np.ndarray
+    #: Embedding models that normalize: False for a row whose caller asked for the embedding
+    #: before L2 normalization (it batches with every other row).
+    is_normalized: bool = True
 
 
 def select_device() -> torch.device:

@@ -9,6 +9,7 @@ so `load_state_dict` maps the checkpoint one to one.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,9 +156,20 @@ class BertEncoder(nn.Module):
         return model.eval()
 
 
-def mean_pool_normalize(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Mean over real tokens, then L2 normalization (sentence-transformers' Pooling+Normalize)."""
+def mean_pool(hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean over real tokens (sentence-transformers' Pooling)."""
     mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
     summed = (hidden * mask).sum(dim=1)
     counts = mask.sum(dim=1).clamp(min=1e-9)
-    return F.normalize(summed / counts, p=2, dim=1)
+    return summed / counts
+
+
+def normalize_rows(pooled: torch.Tensor, which: Sequence[bool]) -> torch.Tensor:
+    """`pooled` with the rows `which` marks L2-normalized (sentence-transformers' Normalize),
+    the others as they are."""
+    if all(which):
+        return F.normalize(pooled, p=2, dim=1)
+    if not any(which):
+        return pooled
+    marked = torch.tensor(which, device=pooled.device).unsqueeze(1)
+    return torch.where(marked, F.normalize(pooled, p=2, dim=1), pooled)

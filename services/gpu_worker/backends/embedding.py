@@ -1,4 +1,5 @@
-"""Sentence embeddings: BERT encoder, mean pooling over the attention mask, L2 normalization."""
+"""Sentence embeddings: BERT encoder, mean pooling over the attention mask, L2 normalization
+(unless the config turns it off, or a row asks for its embedding before it)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,14 @@ import torch
 
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfigError, ModelVersion
-from services.common.text import TextEncoder
+from services.common.text import TextEncoder, TokenIds
 from services.gpu_worker.backends.base import (
     Backend,
     PreparedRow,
     RawInput,
-    TokenIds,
     fingerprint_of,
 )
-from services.gpu_worker.backends.bert import BertEncoder, mean_pool_normalize
+from services.gpu_worker.backends.bert import BertEncoder, mean_pool, normalize_rows
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,9 @@ class EmbeddingBackend(Backend):
         attention = torch.from_numpy(mask).to(self.device, non_blocking=True)
         with torch.inference_mode():
             hidden = self._forward(input_ids, attention)
+            pooled = mean_pool(hidden.float(), attention)
             if self._normalize:
-                pooled = mean_pool_normalize(hidden.float(), attention)
-            else:
-                weights = attention.unsqueeze(-1).float()
-                pooled = (hidden.float() * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+                pooled = normalize_rows(pooled, [row.is_normalized for row in rows])
         out = pooled.cpu().numpy()
         return list(out)
 

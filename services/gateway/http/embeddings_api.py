@@ -1,0 +1,156 @@
+"""The embedding APIs people already call: OpenAI's `POST /v1/embeddings` and
+text-embeddings-inference's `POST /embed` (and `POST /`, as TEI serves it) and `GET /info`.
+Each call is one Predict caller (services.gateway.predictor): the same tokenizer and checks,
+tenant admission and quotas, priorities, routing, batching, tracing and metrics as KServe and
+the project's own API."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from services.common.errors import InvalidInput
+from services.common.model_repository import ModelConfig, ModelKind
+from services.gateway.auth import current_principal
+from services.gateway.http.codec import parse_json_object
+from services.gateway.http.embeddings_codec import (
+    EmbeddingRequest,
+    openai_embedding_request,
+    openai_embedding_response,
+    shaped_vectors,
+    tei_embed_request,
+)
+from services.gateway.kserve_api import SERVER_VERSION
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import PredictCall, Predictor, PredictResult
+
+#: TEI's names for the output dtypes a text embedding model may declare.
+_TEI_DTYPES = {"FP32": "float32", "FP16": "float16"}
+
+
+def _json(payload: Any) -> web.Response:
+    return web.Response(body=json.dumps(payload).encode(), content_type="application/json")
+
+
+def is_normalizing(config: ModelConfig) -> bool:
+    """Whether the model's own outputs are L2-normalized (its `preprocessing.normalize`)."""
+    return bool(config.preprocessing.get("normalize", True))
+
+
+class EmbeddingsApi:
+    """The embedding routes over `predictor`; `tei_model` is the model TEI's routes serve
+    (empty: the repository's only text embedding model)."""
+
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics, tei_model: str) -> None:
+        self._predictor = predictor
+        self._metrics = metrics
+        self._tei_model = tei_model
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.post("/v1/embeddings", self.openai_embeddings),
+            web.post("/embed", self.tei_embed),
+            web.post("/", self.tei_embed),
+            web.get("/info", self.tei_info),
+        ]
+
+    def _embedding_config(self, model: str) -> ModelConfig:
+        """The config of a text embedding model; 400 naming the model for any other kind."""
+        config = self._predictor.catalog.config(model)
+        if config.kind is ModelKind.GENERATION:
+            raise InvalidInput(f"{config.name} is a generation model: it has no embeddings")
+        if config.kind is not ModelKind.EMBEDDING:
+            raise InvalidInput(f"{config.name} takes tensor inputs, not text: call /v2 infer")
+        return config
+
+    def _tei_config(self) -> ModelConfig:
+        if self._tei_model:
+            return self._embedding_config(self._tei_model)
+        catalog = self._predictor.catalog
+        names = [n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING]
+        if len(names) != 1:
+            raise InvalidInput(
+                f"TEI's routes serve one model and this gateway has {len(names)} embedding "
+                f"models ({', '.join(names)}): start it with --tei-model"
+            )
+        return catalog.config(names[0])
+
+    async def _embed(
+        self, parsed: EmbeddingRequest, config: ModelConfig
+    ) -> tuple[np.ndarray, PredictResult]:
+        """Runs `parsed` as one Predict call; the vectors shaped as it asked."""
+        output_dims = config.outputs[0].dims[-1]
+        if parsed.dimensions is not None:
+            if not config.embedding.shortenable:
+                raise InvalidInput(
+                    f"{config.name} cannot shorten its embeddings: dimensions is only honoured "
+                    "for a model whose config declares [embedding] shortenable = true"
+                )
+            if parsed.dimensions > output_dims:
+                raise InvalidInput(
+                    f"dimensions {parsed.dimensions} exceeds {config.name}'s {output_dims}"
+                )
+        model_normalizes = is_normalizing(config)
+        normalize = model_normalizes if parsed.normalize is None else parsed.normalize
+        truncate = config.embedding.truncate if parsed.truncate is None else parsed.truncate
+        result = await self._predictor.predict(
+            PredictCall(
+                model_name=config.name,
+                version_spec="",
+                inputs=parsed.inputs,
+                principal=current_principal(),
+                request_id="",
+                timeout_s=None,
+                truncate=truncate,
+                unnormalized=model_normalizes and not normalize,
+            )
+        )
+        vectors = shaped_vectors(
+            result.outputs, dimensions=parsed.dimensions,
+            is_normalized=model_normalizes and normalize, normalize=normalize,
+        )  # fmt: skip
+        return vectors, result
+
+    async def openai_embeddings(self, request: web.Request) -> web.Response:
+        parsed = openai_embedding_request(parse_json_object(await request.read()))
+        label = self._predictor.catalog.label_for(parsed.model)
+        with self._metrics.observe_request("openai_embeddings", label):
+            vectors, result = await self._embed(parsed, self._embedding_config(parsed.model))
+            return _json(
+                openai_embedding_response(
+                    vectors, model=result.model_name, num_tokens=result.num_tokens,
+                    encoding=parsed.encoding,
+                )
+            )  # fmt: skip
+
+    async def tei_embed(self, request: web.Request) -> web.Response:
+        parsed = tei_embed_request(parse_json_object(await request.read()))
+        config = self._tei_config()
+        with self._metrics.observe_request("tei_embed", config.name):
+            vectors, _ = await self._embed(parsed, config)
+            return _json(vectors.tolist())
+
+    async def tei_info(self, request: web.Request) -> web.Response:
+        """TEI's model information, and the embedding's dims."""
+        config = self._tei_config()
+        current_principal().check_model(config.name)
+        resolved = self._predictor.catalog.resolve(config.name, "")
+        max_tokens = resolved.encoder.max_tokens if resolved.encoder is not None else 0
+        output = config.outputs[0]
+        return _json({
+            "model_id": config.name,
+            "model_sha": resolved.fingerprint,
+            "model_version": resolved.version,
+            "model_dtype": _TEI_DTYPES.get(output.dtype, output.dtype.lower()),
+            "model_type": {"embedding": {"pooling": config.preprocessing.get("pooling", "mean")}},
+            "dims": output.dims[-1],
+            "max_input_length": max_tokens,
+            "max_batch_tokens": config.max_batch_tokens,
+            "max_batch_requests": config.max_batch_size,
+            "max_client_batch_size": self._predictor.max_inputs,
+            "auto_truncate": config.embedding.truncate,
+            "version": SERVER_VERSION,
+        })  # fmt: skip
