@@ -46,6 +46,7 @@ from bench.fabric.observe import scrape, total
 from bench.fabric.stack import REPO_ROOT, BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
 from services.common.processes import ChildProcess, launch, start_and_wait, wait_ready
+from services.common.procfs import is_alive
 from services.common.redis_acl import (
     ACL_FILE_NAME,
     ADMIN,
@@ -96,7 +97,7 @@ class Redis:
         os.kill(self.pid, signal.SIGKILL)
         if self.child is not None:
             self.child.process.wait(10)
-        _wait_for(lambda: not self.answers() and not _is_running(self.pid), "redis gone")
+        _wait_for(lambda: not self.answers() and not is_alive(self.pid), "redis gone")
 
     def start(self, state_dir: Path) -> None:
         data_dir = state_dir / f"redis-{time.monotonic_ns()}"
@@ -120,14 +121,6 @@ class Redis:
     def close(self) -> None:
         if self.child is not None and self.child.process.poll() is None:
             self.child.terminate(10)
-
-
-def _is_running(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 def _wait_for(condition: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:

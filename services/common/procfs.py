@@ -39,6 +39,13 @@ def read_stat(pid: int) -> ProcStat | None:
     return ProcStat(name, fields[0], int(fields[1]), ticks / _CLK_TCK)
 
 
+def is_alive(pid: int) -> bool:
+    """True while `pid` exists and has not exited (a zombie its parent has yet to reap has);
+    never raises, whenever the process goes."""
+    stat = read_stat(pid)
+    return stat is not None and stat.state not in ("Z", "X")
+
+
 def descendants(root: int) -> list[int]:
     """Every live process under `root` (children, grandchildren...), children first."""
     children: dict[int, list[int]] = {}

@@ -31,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import metric_names as names
 from services.common.processes import ChildProcess, launch, wait_ready
+from services.common.procfs import is_alive
 from services.common.redis_acl import ACL_FILE_NAME, ADMIN, WORKER, password_file_name
 from services.common.redis_server import ping, redis_command
 from services.common.registry_schema import RegistryKeys
@@ -101,7 +102,7 @@ class FabricRedis:
             self.child.process.wait(10)
         # The launcher reaps its own child; the port is free once nothing answers on it.
         eventually_sync(
-            lambda: not self.answers() and not is_running(self.pid),
+            lambda: not self.answers() and not is_alive(self.pid),
             timeout_s=30,
             interval_s=0.01,
             message=f"redis {self.pid} stopped and its port free",
@@ -135,16 +136,6 @@ class FabricRedis:
         return {m.decode() for m in members}
 
 
-def is_running(pid: int) -> bool:
-    """True while `pid` exists and is not a zombie (the launcher's exited children are reaped
-    by the launcher, not by us)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-
-
 @dataclass
 class Fabric:
     stack: Stack
@@ -168,7 +159,7 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
     try:
         yield Fabric(stack, fabric_redis, repository)
     finally:
-        if is_running(fabric_redis.pid):
+        if is_alive(fabric_redis.pid):
             fabric_redis.resume()
         code = stack.stop()
         fabric_redis.close()
@@ -555,7 +546,7 @@ async def test_s25_redis_stopped_for_30_s_routes_from_the_snapshot_and_refills_o
     )
     # No tier restarted: the same processes, started when they were before.
     assert {t.pid: start_time(t) for t in tiers} == started
-    assert all(is_running(pid) for pid in started)
+    assert all(is_alive(pid) for pid in started)
 
 
 async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_drops_in_drain(
@@ -621,7 +612,7 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
             NOT_SERVING
         )
     await eventually(
-        lambda: not is_running(drained.pid), timeout_s=60, message="the drained worker exited"
+        lambda: not is_alive(drained.pid), timeout_s=60, message="the drained worker exited"
     )
     others = [a for a in everyone if a != drained.address]
     assert await statuses("livenessProbe", others) == {SERVING}

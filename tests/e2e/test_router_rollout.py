@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
 from services.common.processes import start_and_wait
+from services.common.procfs import is_alive
 from tests.support.fabric_load import ClosedLoopLoad
 from tests.support.metrics import scrape, total
 from tests.support.models import write_small_minilm_repository
@@ -103,14 +104,6 @@ def is_connected_to(port: int) -> bool:
     return False
 
 
-def has_exited(pid: int) -> bool:
-    """Exited (reaped, or a zombie its parent has yet to reap)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
 def live_workers(port: int) -> float:
     return total(scrape(port), names.ROUTER_LIVE_WORKERS)
 
@@ -127,7 +120,7 @@ async def test_s32_worker_rolling_restart_under_load_no_client_errors(fleet: Fle
     for worker in stack.workers:
         pid, argv = worker.pid, command_line(worker.pid)  # the same worker id, new ports
         os.kill(pid, signal.SIGTERM)
-        await eventually(lambda pid=pid: has_exited(pid), timeout_s=60.0)
+        await eventually(lambda pid=pid: not is_alive(pid), timeout_s=60.0)
         new_ports = with_flags(argv, grpc_port="0", metrics_port="0")
         replacement = start_tier(tmp_path, worker.worker_id, new_ports)
         fleet.started.append(replacement)
@@ -174,7 +167,7 @@ async def test_s32_router_rolling_restart_under_load_no_client_errors(fleet: Fle
         await load.answered(30, "after router B's restart")
         # Router A (the launcher's child), the same way.
         os.kill(router_a.pid, signal.SIGTERM)
-        await eventually(lambda: has_exited(router_a.pid), timeout_s=30.0)
+        await eventually(lambda: not is_alive(router_a.pid), timeout_s=30.0)
         argv_a = with_flags(router_argv, grpc_port=str(ports[0]), metrics_port="0")
         fleet.started.append(start_tier(tmp_path, "router-a2", argv_a))
         await eventually(lambda: is_connected_to(ports[0]), timeout_s=30.0)
