@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from services.common.model_repository import load_repository
-from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends import LoadOptions, load_backend
 from services.gpu_worker.backends.base import select_device
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     backend = load_backend(version, select_device())
     compiled = None
     if args.compile:
-        compiled = load_backend(version, backend.device, compile_models=True)
+        compiled = load_backend(version, backend.device, LoadOptions(compile_models=True))
         started = time.perf_counter()
         compiled.warm_up()
         state = "compiled" if compiled.is_compiled else "NOT compiled (see the warning)"

@@ -9,8 +9,11 @@ batching off (max_batch_size 1) and (5) on (the model's own config), each swept 
 with Poisson arrivals; (6) overload at multiples of the batching-on goodput, then normal
 traffic right after it; (7) a fresh batching-on stack under open-loop traffic from the moment it
 reports ready (mixed texts, half their goodput, no warm-up); (8) optionally the same model
-served by Ray Serve (bench/fabric/peer_client.py). Every stack serves minilm with its
-default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16 tokens).
+served by Ray Serve (bench/fabric/peer_client.py); (9) the GPU-speed stand-in: minilm timed
+by the H100's curve, so the tiers are the bottleneck as on a GPU box (bench/fabric/stand_in.py;
+`--stand-in-only` runs the echo baseline and this phase alone). Every stack serves minilm with
+its default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16
+tokens).
 
 Prints progress and a final table; writes bench/results/fabric.json and fabric.png (with
 --smoke: smoke.json and smoke.png, seconds-long windows, no speed assertions).
@@ -53,6 +56,7 @@ from bench.fabric.stack import (
     write_identity_model,
     write_minilm_repository,
 )
+from bench.fabric.stand_in import measure_stand_in, stand_in_lines, worker_args
 from bench.fabric.targets import (
     MAX_TOKENS,
     MIN_TOKENS,
@@ -116,6 +120,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     )
     parser.add_argument("--smoke", action="store_true", help="seconds-long tiny settings")
     parser.add_argument(
+        "--stand-in-only",
+        action="store_true",
+        help="only the echo baseline and the GPU-speed stand-in phase (writes stand_in.json)",
+    )
+    parser.add_argument(
         "--peer",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -161,7 +170,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     settings = dataclasses.replace(settings, **given)
     if settings.windows < 1:
         parser.error("--windows must be at least 1 (the method asks for 3)")
-    name = "smoke" if args.smoke else "fabric"
+    name = "stand_in" if args.stand_in_only else "smoke" if args.smoke else "fabric"
     args.output = args.output or RESULTS / f"{name}.json"
     args.plot = args.plot or args.output.with_suffix(".png")
     return args, settings
@@ -251,7 +260,12 @@ class _Run:
         return result
 
     async def stack_phase(
-        self, name: str, repository: Path, measure: Any, quiet_first: bool = True
+        self,
+        name: str,
+        repository: Path,
+        measure: Any,
+        quiet_first: bool = True,
+        extra_worker_args: tuple[str, ...] = (),
     ) -> Any:
         return await _stack_phase(
             name,
@@ -261,8 +275,22 @@ class _Run:
             measure,
             self.quiet,
             self.settings.wait_quiet_s,
-            tuple(self.args.worker_arg),
+            (*self.args.worker_arg, *extra_worker_args),
             quiet_first,
+        )
+
+    async def stand_in(self, echo_result: dict[str, Any], bucket: int) -> None:
+        """The GPU-speed stand-in stack (bench/fabric/stand_in.py)."""
+
+        async def measure(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
+            return await measure_stand_in(
+                stack, channel, model=MODEL, texts=self.texts, settings=self.settings,
+                slo_s=self.slo_s, timeout_s=self.timeout_s, bucket=bucket, echo=echo_result,
+                log=self.log,
+            )  # fmt: skip
+
+        self.report["configs"]["stand_in"] = await self.stack_phase(
+            "stand_in", self.on_repo, measure, extra_worker_args=worker_args()
         )
 
     async def batching_off(self, stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
@@ -425,8 +453,12 @@ def _prepare(args: argparse.Namespace, settings: Settings, log: Progress) -> tup
 async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> dict[str, Any]:
     peer_class = load_peer() if args.peer else None  # fail before minutes of measuring
     bench, bucket = _prepare(args, settings, log)
-    await bench.raw_model(bucket)
     payload = identity_request().SerializeToString()
+    if args.stand_in_only:
+        bench.report["overhead"] = {"echo": await bench.echo(payload)}
+        await bench.stand_in(bench.report["overhead"]["echo"], bucket)
+        return bench.report
+    await bench.raw_model(bucket)
     echo_result = await bench.echo(payload)
     configs = bench.report["configs"]
     configs["batching_off"] = await bench.stack_phase(
@@ -438,6 +470,7 @@ async def run(args: argparse.Namespace, settings: Settings, log: Progress) -> di
 
     configs["batching_on"] = await bench.stack_phase("batching_on", bench.on_repo, batching_on)
     await bench.from_ready()
+    await bench.stand_in(echo_result, bucket)
     await bench.peer(peer_class)
     return bench.report
 
@@ -466,6 +499,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report["wall_s"] = round(time.time() - started, 1)
     report["machine"]["loadavg_at_end"] = load_average()
+    stand_in = stand_in_lines(report["configs"].get("stand_in", {}))
+    if args.stand_in_only:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2) + "\n")
+        print("\n" + "\n".join(stand_in))
+        print(f"\nwrote {args.output}; took {report['wall_s']:.0f} s")
+        return 0
     report["max_outside_cpu_share"] = max_outside_share(report)
     report["summary"] = summarize(report)
     report["goals"] = goals(report["summary"])
@@ -475,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     document = _smoke_view(report) if args.smoke else report
     args.output.write_text(json.dumps(document, indent=2) + "\n")
     print("\n" + format_table(report))
+    print("\n".join(stand_in))
     print(f"\nwrote {args.output}; plot: {report['plot']}; took {report['wall_s']:.0f} s")
     return 0
 

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.grpc_errors import ErrorMappingInterceptor
+from services.common.loop_lag import LoopLag
 from services.common.settings import Setting
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -188,7 +189,15 @@ def exit_stopped(code: int) -> NoReturn:
 
 
 def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
-    """Serves `/metrics` from a background thread; returns the bound port (0 picks one)."""
+    """Serves `/metrics` from a background thread; returns the bound port (0 picks one). Called
+    from a running event loop (every tier's process but the gateway group's supervisor), it
+    also samples that loop's lag into `registry` (services.common.loop_lag)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass  # no loop here: nothing to sample
+    else:
+        LoopLag(registry).start()
     http_server, _ = start_http_server(port, host, registry)
     return int(http_server.server_port)
 

@@ -18,6 +18,9 @@ BUILD_INFO = "inference_build_info"
 PROCESS_RESIDENT_MEMORY_BYTES = "process_resident_memory_bytes"
 PROCESS_CPU_SECONDS_TOTAL = "process_cpu_seconds_total"
 PROCESS_OPEN_FDS = "process_open_fds"
+#: How late the process's event loop ran a timer that was due (services.common.loop_lag).
+EVENT_LOOP_LAG_SECONDS = "inference_event_loop_lag_seconds"
+EVENT_LOOP_LAG_RECENT_SECONDS = "inference_event_loop_lag_recent_seconds"
 
 # Gateway.
 GATEWAY_REQUESTS_TOTAL = "inference_gateway_requests_total"

@@ -22,6 +22,7 @@ from services.common.settings import (
     parse_weights,
 )
 from services.common.tls import ServerTls, server_tls_settings
+from services.gpu_worker.backends import LoadOptions
 from services.gpu_worker.batching.driver_config import DriverConfig
 
 
@@ -58,6 +59,10 @@ class WorkerConfig:
     #: Run the forward of the models written here (BERT embeddings) through `torch.compile`
     #: (inductor; needs a C++ compiler on a CPU): faster batches, a longer warm-up.
     compile_models: bool = False
+    #: Serve every embedding model as a GPU-speed stand-in timed by this measured device curve
+    #: (services/gpu_worker/backends/stand_in.py; curves in services/sim/curves/): on a machine
+    #: without the GPU, the CPU tiers become the bottleneck as they are on a GPU box.
+    stand_in_curve: Path | None = None
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
@@ -87,6 +92,11 @@ class WorkerConfig:
     #: TLS of the gRPC port (services.common.tls); a client CA makes routers' certificates
     #: required (mTLS).
     tls: ServerTls = field(default_factory=ServerTls)
+
+    @property
+    def load_options(self) -> LoadOptions:
+        """How this worker loads its fixed-cost versions."""
+        return LoadOptions(self.compile_models, self.stand_in_curve)
 
 
 def _ms(seconds: float) -> float:
@@ -235,6 +245,14 @@ SETTINGS = SettingsTable(
             "run embedding models' forward through torch.compile (inductor: on this project's "
             "CPU 1.1-1.2x faster batches of 8 or more rows, 10-35 s more warm-up; needs a C++ "
             "compiler, else they run uncompiled with a warning)",
+        ),
+        Setting(
+            "stand_in_curve",
+            Path,
+            None,
+            "serve embedding models as GPU-speed stand-ins: batches take the time this device "
+            "curve gives (services/sim/curves/*.json), asleep, with the real tokenizer; outputs "
+            "are unit vectors, not embeddings (benchmarks of the CPU tiers without a GPU)",
         ),
         Setting(
             "torch_threads",

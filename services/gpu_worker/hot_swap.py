@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 
 from services.common.model_repository import ModelVersion
+from services.gpu_worker.backends import DEFAULT_LOAD, LoadOptions
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.batching.lane_changes import release_device_memory
@@ -54,7 +55,7 @@ class ModelSwapper:
         on_fatal: Callable[[Exception], None],
         on_change: Callable[[], None],
         watchdog_s: float,
-        compile_models: bool = False,
+        options: LoadOptions = DEFAULT_LOAD,
     ) -> None:
         self._models = models
         self._batching = batching
@@ -66,8 +67,8 @@ class ModelSwapper:
         self._on_change = on_change
         #: The configured bound on one generation step (seconds), as at start.
         self._watchdog_s = watchdog_s
-        #: Load versions with their forward compiled (WorkerConfig.compile_models).
-        self._compile_models = compile_models
+        #: How versions load (WorkerConfig.load_options).
+        self._options = options
 
     async def load(self, version: ModelVersion) -> bool:
         """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
@@ -76,12 +77,7 @@ class ModelSwapper:
             weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
             check_fits(weights=weights, free=free_memory_bytes(self._device), device=self._device)
             model = await in_daemon_thread(
-                lambda: load_version(
-                    version,
-                    self._device,
-                    self._generation_metrics,
-                    compile_models=self._compile_models,
-                )
+                lambda: load_version(version, self._device, self._generation_metrics, self._options)
             )
             if isinstance(model, GenerationBackend):
                 await in_daemon_thread(model.warm_up)

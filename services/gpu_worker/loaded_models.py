@@ -11,7 +11,7 @@ import torch
 
 from services.common.errors import InvalidInput, NotFound
 from services.common.model_repository import ModelConfigError, ModelKind, ModelVersion
-from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends import DEFAULT_LOAD, LoadOptions, load_backend
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -36,8 +36,7 @@ def load_versions(
     versions: Sequence[ModelVersion],
     device: torch.device,
     metrics: GenerationMetrics,
-    *,
-    compile_models: bool = False,
+    options: LoadOptions = DEFAULT_LOAD,
 ) -> LoadedModels:
     """Loads every version's weights onto `device` (blocking).
 
@@ -51,7 +50,7 @@ def load_versions(
     failed: list[LoadFailure] = []
     for version in versions:
         try:
-            model = load_version(version, device, metrics, compile_models=compile_models)
+            model = load_version(version, device, metrics, options)
         except Exception as error:  # any loader error: torch, tokenizers, our own checks
             label = f"{version.config.name}/{version.version}"
             log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
@@ -74,14 +73,13 @@ def load_version(
     version: ModelVersion,
     device: torch.device,
     metrics: GenerationMetrics,
-    *,
-    compile_models: bool = False,
+    options: LoadOptions = DEFAULT_LOAD,
 ) -> Backend | GenerationBackend:
     """Loads one version's weights onto `device` (blocking; not warmed up). Raises whatever
     its loader raises (torch, tokenizers, our own checks)."""
     if version.config.kind is ModelKind.GENERATION:
         return GenerationBackend(version, device, metrics)
-    return load_backend(version, device, compile_models=compile_models)
+    return load_backend(version, device, options)
 
 
 def one_line(error: Exception) -> str:

@@ -254,10 +254,7 @@ class Worker:
             pool = select_models(repository, self.config.models)
             versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
             models = load_versions(
-                versions,
-                device,
-                self.generation_metrics,
-                compile_models=self.config.compile_models,
+                versions, device, self.generation_metrics, self.config.load_options
             )
             driver_config = resolve_backfill_threads(self.config.batching, device)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
@@ -307,7 +304,7 @@ class Worker:
             on_fatal=self._on_fatal,
             on_change=publisher.publish_soon,
             watchdog_s=self.config.batching.watchdog_s,
-            compile_models=self.config.compile_models,
+            options=self.config.load_options,
         )
         follower = RepositoryFollower(
             client=publisher.client,

@@ -22,8 +22,8 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import HfHubHTTPError
 from tokenizers import Tokenizer
 
-from services.gateway.auth import hash_key
 from tests.conftest import cosine
+from tests.support.keys import write_keys_with_tight_tenant
 from tests.support.processes import REPO_ROOT
 from tests.support.stack import Stack, start_stack
 from tests.support.texts import sentences
@@ -62,11 +62,8 @@ def write_repository(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("embeddings")
-    keys = tmp / "api-keys.toml"
-    keys.write_text(
-        f'[[keys]]\ntenant = "embed"\nsha256 = "{hash_key(API_KEY)}"\n'
-        f'[[keys]]\ntenant = "tight"\nsha256 = "{hash_key(TIGHT_KEY)}"\n'
-        "[tenants.tight]\nrequests_per_s = 0.01\nburst_s = 100.0\n"
+    keys = write_keys_with_tight_tenant(
+        tmp / "api-keys.toml", tenant="embed", key=API_KEY, tight_key=TIGHT_KEY
     )
     stack = start_stack(
         tmp,

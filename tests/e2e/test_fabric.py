@@ -24,7 +24,7 @@ from services.pb.inference.v1 import worker_pb2 as pb
 from tests.conftest import cosine
 from tests.support.fabric_load import TIMEOUT_S, predict_request, routed_to
 from tests.support.kserve import run_kserve_client
-from tests.support.metrics import scrape, total
+from tests.support.metrics import samples, scrape, total
 from tests.support.models import write_minilm_repository
 from tests.support.processes import health_status
 from tests.support.stack import Stack, start_stack
@@ -65,6 +65,22 @@ def minilm_rows(stack: Stack) -> float:
 async def test_every_tier_is_serving(stack: Stack) -> None:
     for tier in (stack.gateway, stack.router, *stack.workers):
         assert await health_status(tier.address) == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_every_tier_process_samples_its_event_loop_lag(stack: Stack) -> None:
+    """Which tier is the bottleneck is visible: each process's loop lag beside its CPU."""
+    for tier in (stack.gateway, stack.router, *stack.workers):
+        await eventually(
+            lambda tier=tier: total(
+                scrape(tier.metrics_port), f"{names.EVENT_LOOP_LAG_SECONDS}_count"
+            ) > 0,
+            timeout_s=10.0,
+            message=f"{tier.address}: no event-loop lag samples",
+        )  # fmt: skip
+        text = scrape(tier.metrics_port)
+        ((_, recent_s),) = samples(text, names.EVENT_LOOP_LAG_RECENT_SECONDS)
+        assert 0.0 <= recent_s < 60.0
+        assert total(text, names.PROCESS_CPU_SECONDS_TOTAL) > 0.0
 
 
 async def test_200_concurrent_predicts_are_correct_and_batched(

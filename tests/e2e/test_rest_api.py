@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from services.gateway.auth import hash_key
+from tests.support.keys import write_keys_with_tight_tenant
 from tests.support.kserve import TRITON_PYTHON, run_kserve_client
 from tests.support.processes import REPO_ROOT
 from tests.support.stack import Stack, start_stack
@@ -32,12 +32,8 @@ TEXTS = ["hello world", "a second text"]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("rest")
-    keys = tmp / "api-keys.toml"
-    keys.write_text(
-        f'[[keys]]\ntenant = "rest"\nsha256 = "{hash_key(API_KEY)}"\n'
-        f'[[keys]]\ntenant = "tight"\nsha256 = "{hash_key(TIGHT_KEY)}"\n'
-        # One request of burst, refilled every 100 s: the second infer is refused.
-        "[tenants.tight]\nrequests_per_s = 0.01\nburst_s = 100.0\n"
+    keys = write_keys_with_tight_tenant(
+        tmp / "api-keys.toml", tenant="rest", key=API_KEY, tight_key=TIGHT_KEY
     )
     stack = start_stack(tmp, extra_gateway_args=(f"--api-keys-file={keys}",))
     yield stack

@@ -11,7 +11,7 @@ import torch
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelVersion, load_repository
 from services.common.text import TokenIds
-from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends import LoadOptions, load_backend
 from services.gpu_worker.backends.embedding import EmbeddingBackend
 from tests.conftest import cosine
 from tests.support.processes import REPO_ROOT
@@ -30,7 +30,7 @@ def backend(request: pytest.FixtureRequest):
     """The backend as the worker loads it, and again with its forward through torch.compile
     (`--compile-models`, warmed up as the worker does): every test below holds for both."""
     is_compiled = request.param == "compiled"
-    loaded = load_backend(minilm(), torch.device("cpu"), compile_models=is_compiled)
+    loaded = load_backend(minilm(), torch.device("cpu"), LoadOptions(compile_models=is_compiled))
     loaded.warm_up()
     assert loaded.is_compiled == is_compiled  # compiled for real: not the eager fallback
     return loaded

@@ -25,39 +25,13 @@ log = logging.getLogger(__name__)
 _PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-class EmbeddingBackend(Backend):
-    def __init__(
-        self, version: ModelVersion, device: torch.device, *, compile_forward: bool = False
-    ) -> None:
-        """`compile_forward`: the encoder runs through `torch.compile` (see `warm_up`)."""
-        super().__init__(version, device)
-        weights = version.weights_dir
-        model_files = [weights / "config.json", weights / "model.safetensors"]
-        missing = [str(p) for p in model_files if not p.exists()]
-        if missing:
-            raise ModelConfigError(f"{version.config.name}/{version.version}: missing {missing}")
-        preprocessing = version.config.preprocessing
-        if preprocessing.get("pooling", "mean") != "mean":
-            raise ModelConfigError(f"{version.config.name}: only pooling = 'mean' is supported")
-        self._normalize = bool(preprocessing.get("normalize", True))
-        precision = str(preprocessing.get("precision", "fp32"))
-        if precision not in _PRECISIONS:
-            raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
-        self.text = TextEncoder(weights, version.config)
-        self._model = BertEncoder.from_pretrained(weights).to(device, _PRECISIONS[precision])
-        # Dynamic shapes: one graph serves every batch size and padded length. Same weights,
-        # same numerics (inductor's kernels, checked at cosine 0.999 by the tests).
-        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
-            torch.compile(self._model, dynamic=True) if compile_forward else self._model
-        )
-        self.is_compiled = compile_forward
-        self._fingerprint = fingerprint_of(
-            version.config, model_files, self.text.fingerprint, precision
-        )
+class TextBackend(Backend):
+    """A text model's rows: its own tokenizer and checks (services.common.text), length
+    buckets, and warm-up rows; subclasses run them."""
 
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
+    def __init__(self, version: ModelVersion, device: torch.device) -> None:
+        super().__init__(version, device)
+        self.text = TextEncoder(version.weights_dir, version.config)
 
     @property
     def tokenizer_fingerprint(self) -> str:
@@ -93,6 +67,46 @@ class EmbeddingBackend(Backend):
             else:
                 raise InvalidInput(f"{self.config.name} takes text inputs, not tensors")
         return rows
+
+    def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
+        # [CLS] word... [SEP] with an ordinary word id: costs what a real row of that length does.
+        ids = np.full(bucket, 2088, dtype=np.int64)
+        ids[0], ids[-1] = 101, 102
+        return [PreparedRow(bucket=bucket, num_tokens=bucket, data=ids)] * batch_size
+
+
+class EmbeddingBackend(TextBackend):
+    def __init__(
+        self, version: ModelVersion, device: torch.device, *, compile_forward: bool = False
+    ) -> None:
+        """`compile_forward`: the encoder runs through `torch.compile` (see `warm_up`)."""
+        super().__init__(version, device)
+        weights = version.weights_dir
+        model_files = [weights / "config.json", weights / "model.safetensors"]
+        missing = [str(p) for p in model_files if not p.exists()]
+        if missing:
+            raise ModelConfigError(f"{version.config.name}/{version.version}: missing {missing}")
+        preprocessing = version.config.preprocessing
+        if preprocessing.get("pooling", "mean") != "mean":
+            raise ModelConfigError(f"{version.config.name}: only pooling = 'mean' is supported")
+        self._normalize = bool(preprocessing.get("normalize", True))
+        precision = str(preprocessing.get("precision", "fp32"))
+        if precision not in _PRECISIONS:
+            raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
+        self._model = BertEncoder.from_pretrained(weights).to(device, _PRECISIONS[precision])
+        # Dynamic shapes: one graph serves every batch size and padded length. Same weights,
+        # same numerics (inductor's kernels, checked at cosine 0.999 by the tests).
+        self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
+            torch.compile(self._model, dynamic=True) if compile_forward else self._model
+        )
+        self.is_compiled = compile_forward
+        self._fingerprint = fingerprint_of(
+            version.config, model_files, self.text.fingerprint, precision
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
 
     def run(self, rows: Sequence[PreparedRow]) -> list[np.ndarray]:
         # Pad to the longest row of the batch, not the bucket: on the CPU padding costs linearly.
@@ -131,9 +145,3 @@ class EmbeddingBackend(Backend):
                 self._forward = self._model
                 self.is_compiled = False
         super().warm_up()
-
-    def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
-        # [CLS] word... [SEP] with an ordinary word id: costs what a real row of that length does.
-        ids = np.full(bucket, 2088, dtype=np.int64)
-        ids[0], ids[-1] = 101, 102
-        return [PreparedRow(bucket=bucket, num_tokens=bucket, data=ids)] * batch_size

@@ -1,0 +1,118 @@
+"""bench.fabric's GPU-speed stand-in configuration: the fabric as it runs on a GPU box.
+
+The worker serves minilm as a stand-in (`--stand-in-curve`, services/gpu_worker/backends/
+stand_in.py): real tokenization, batches that take the H100's measured time asleep. The model
+then costs no CPU, so the tiers are the bottleneck here as on the H100 (../shared/gpu/). The
+phase reports:
+- goodput within the SLO on the uniform texts, and its efficiency against the curve's best
+  batch (the raw model on the H100);
+- CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
+  stand-in and for the identity model in the same stack, in units of one bare grpc.aio echo
+  call's CPU measured in the same run ("echo-calls", docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.fabric.measure import Progress, Settings, Target, closed_loop, sweep
+from bench.fabric.observe import Observer
+from bench.fabric.stack import REPO_ROOT
+from bench.fabric.targets import identity_sender, predict_sender
+from services.sim.curve import LatencyCurve
+
+#: The H100 curve (its provenance is in the file).
+STAND_IN_CURVE = REPO_ROOT / "services" / "sim" / "curves" / "minilm_h100.json"
+#: Closed-loop callers of the per-tier CPU figures (the data-path issue's goals are at 64).
+CALLERS = 64
+#: Processes that are not tiers of the fabric.
+_NOT_TIERS = frozenset({"redis", "launcher", "outside_bench"})
+
+
+def worker_args(curve: Path = STAND_IN_CURVE) -> tuple[str, ...]:
+    return (f"--stand-in-curve={curve}",)
+
+
+def best_rate(curve: Path, bucket: int) -> float:
+    """The curve's best sequences/s at `bucket` tokens (its best batch size)."""
+    points = LatencyCurve.load(curve).points
+    return max(size / seconds for (b, size), seconds in points if b == bucket)
+
+
+def echo_calls(run: dict[str, Any], echo: dict[str, Any]) -> dict[str, float | None]:
+    """Each tier's CPU per request of a closed-loop `run`, in echo-calls (CPU of one bare echo
+    call measured in the same benchmark run); workers are summed as "worker"."""
+    echo_cpu, echo_sent = echo.get("cpu_s", {}).get("echo"), echo.get("sent_in_windows", 0)
+    sent = run.get("sent_in_windows", 0)
+    if not echo_cpu or not echo_sent or not sent:
+        return {}
+    per_echo_call = echo_cpu / echo_sent
+    tiers: dict[str, float] = {}
+    for name, seconds in run.get("cpu_s", {}).items():
+        if name in _NOT_TIERS or name.startswith("loadgen"):
+            continue
+        tier = "worker" if name not in ("gateway", "router") else name
+        tiers[tier] = tiers.get(tier, 0.0) + seconds
+    return {tier: round(seconds / sent / per_echo_call, 2) for tier, seconds in tiers.items()}
+
+
+async def measure_stand_in(
+    stack: Any,
+    channel: grpc.aio.Channel,
+    *,
+    model: str,
+    texts: Sequence[str],
+    settings: Settings,
+    slo_s: float,
+    timeout_s: float,
+    bucket: int,
+    echo: dict[str, Any],
+    log: Progress,
+    identity: Callable[[grpc.aio.Channel, float], Any] = identity_sender,
+) -> dict[str, Any]:
+    """The stand-in stack's goodput sweep, then CPU per tier at CALLERS callers."""
+    observer = Observer(stack.pids(), stack.metrics_ports())
+    send = predict_sender(channel, model, texts, timeout_s)
+    raw_best = best_rate(STAND_IN_CURVE, bucket)
+    swept = await sweep(
+        Target("stand_in", send, observer, model), settings, slo_s, log,
+        fallback_rate=0.01 * raw_best,
+    )  # fmt: skip
+    loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
+    per_request: dict[str, Any] = {}
+    for name, sender in loads.items():
+        log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
+        run = await closed_loop(sender, CALLERS, settings.overhead_s, observer=observer)
+        per_request[name] = {**run, "echo_calls_per_request": echo_calls(run, echo)}
+        log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
+            f"{per_request[name]['echo_calls_per_request']}")  # fmt: skip
+    goodput = swept.get("goodput_per_s") or 0.0
+    return {
+        "curve": str(STAND_IN_CURVE.relative_to(REPO_ROOT)),
+        "raw_best_sequences_per_s": round(raw_best, 1),
+        "efficiency": round(goodput / raw_best, 4) if raw_best else None,
+        **swept,
+        "callers": CALLERS,
+        "per_request": per_request,
+    }
+
+
+def stand_in_lines(config: dict[str, Any]) -> list[str]:
+    """The stand-in's figures for the final table."""
+    if not config:
+        return []
+    lines = [
+        f"GPU-speed stand-in ({config['curve']}): goodput {config.get('goodput_per_s') or 0:.0f}/s"
+        f" = {config.get('efficiency') or 0:.3f} of the curve's best"
+        f" {config['raw_best_sequences_per_s']:.0f}/s",
+    ]
+    for name, run in config.get("per_request", {}).items():
+        lines.append(
+            f"  {name} at {config['callers']} callers: {run['ok_per_s']:.0f}/s, echo-calls per "
+            f"request {run['echo_calls_per_request']}"
+        )
+    return lines
