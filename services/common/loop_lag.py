@@ -62,6 +62,7 @@ class LoopLag:
             buckets=LAG_BUCKETS,
         )
         self._recent = RecentMax(window_s)
+        self._recent_s = 0.0
         factory.gauge(
             names.EVENT_LOOP_LAG_RECENT_SECONDS,
             f"The largest event-loop lag of the last {window_s:g} s.",
@@ -83,8 +84,10 @@ class LoopLag:
             self._handle = None
 
     def recent_s(self) -> float:
-        """The largest lag of the last window, seconds (0 before the first sample)."""
-        return self._recent.value(self._loop.time()) if self._loop is not None else 0.0
+        """The largest lag of the last window as of the latest sample, seconds (0 before the
+        first). Read from any thread (the metrics server's): the window itself is only ever
+        touched on the loop's thread."""
+        return self._recent_s
 
     def _schedule(self) -> None:
         assert self._loop is not None
@@ -97,4 +100,5 @@ class LoopLag:
         lag_s = max(0.0, now_s - self._due_s)
         self._histogram.observe(lag_s)
         self._recent.observe(now_s, lag_s)
+        self._recent_s = self._recent.value(now_s)
         self._schedule()
