@@ -13,7 +13,7 @@ phase reports:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +29,8 @@ from services.sim.curve import LatencyCurve
 STAND_IN_CURVE = REPO_ROOT / "services" / "sim" / "curves" / "minilm_h100.json"
 #: Closed-loop callers of the per-tier CPU figures (the data-path issue's goals are at 64).
 CALLERS = 64
-#: Processes that are not tiers of the fabric.
-_NOT_TIERS = frozenset({"redis", "launcher", "outside_bench"})
+#: Processes of a stack that are not tiers of the fabric.
+_NOT_TIERS = frozenset({"redis", "launcher"})
 
 
 def worker_args(curve: Path = STAND_IN_CURVE) -> tuple[str, ...]:
@@ -38,26 +38,37 @@ def worker_args(curve: Path = STAND_IN_CURVE) -> tuple[str, ...]:
 
 
 def best_rate(curve: Path, bucket: int) -> float:
-    """The curve's best sequences/s at `bucket` tokens (its best batch size)."""
+    """The curve's best sequences/s at `bucket` tokens (its best batch size), or at its
+    nearest measured bucket."""
     points = LatencyCurve.load(curve).points
-    return max(size / seconds for (b, size), seconds in points if b == bucket)
+    nearest = min({b for (b, _), _ in points}, key=lambda b: (abs(b - bucket), b))
+    return max(size / seconds for (b, size), seconds in points if b == nearest)
 
 
-def echo_calls(run: dict[str, Any], echo: dict[str, Any]) -> dict[str, float | None]:
+def echo_calls(
+    run: dict[str, Any], echo: dict[str, Any], tiers: Mapping[str, str]
+) -> dict[str, float]:
     """Each tier's CPU per request of a closed-loop `run`, in echo-calls (CPU of one bare echo
-    call measured in the same benchmark run); workers are summed as "worker"."""
+    call measured in the same benchmark run). `tiers` maps the stack's process names to their
+    tier (workers summed as "worker"); every other process (the load generator, Redis, the
+    launcher) is left out."""
     echo_cpu, echo_sent = echo.get("cpu_s", {}).get("echo"), echo.get("sent_in_windows", 0)
     sent = run.get("sent_in_windows", 0)
     if not echo_cpu or not echo_sent or not sent:
         return {}
     per_echo_call = echo_cpu / echo_sent
-    tiers: dict[str, float] = {}
+    seconds_by_tier: dict[str, float] = {}
     for name, seconds in run.get("cpu_s", {}).items():
-        if name in _NOT_TIERS or name.startswith("loadgen"):
-            continue
-        tier = "worker" if name not in ("gateway", "router") else name
-        tiers[tier] = tiers.get(tier, 0.0) + seconds
-    return {tier: round(seconds / sent / per_echo_call, 2) for tier, seconds in tiers.items()}
+        if name in tiers:
+            tier = tiers[name]
+            seconds_by_tier[tier] = seconds_by_tier.get(tier, 0.0) + seconds
+    return {t: round(s / sent / per_echo_call, 2) for t, s in seconds_by_tier.items()}
+
+
+def tier_of_processes(pids: Mapping[str, int]) -> dict[str, str]:
+    """The stack's gateway, router and workers by process name (BenchStack.pids)."""
+    return {name: name if name in ("gateway", "router") else "worker"
+            for name in pids if name not in _NOT_TIERS}  # fmt: skip
 
 
 async def measure_stand_in(
@@ -87,7 +98,10 @@ async def measure_stand_in(
     for name, sender in loads.items():
         log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
         run = await closed_loop(sender, CALLERS, settings.overhead_s, observer=observer)
-        per_request[name] = {**run, "echo_calls_per_request": echo_calls(run, echo)}
+        per_request[name] = {
+            **run,
+            "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
+        }
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
             f"{per_request[name]['echo_calls_per_request']}")  # fmt: skip
     goodput = swept.get("goodput_per_s") or 0.0

@@ -84,10 +84,12 @@ class LoopLag:
             self._handle = None
 
     def recent_s(self) -> float:
-        """The largest lag of the last window as of the latest sample, seconds (0 before the
-        first). Read from any thread (the metrics server's): the window itself is only ever
-        touched on the loop's thread."""
-        return self._recent_s
+        """The largest lag of the last window, seconds (0 before the first sample), and a
+        stall in progress: a loop blocked now is as late as its overdue timer. Read from any
+        thread (the metrics server's): the window itself is only touched on the loop's."""
+        if self._loop is None:
+            return 0.0
+        return max(self._recent_s, self._loop.time() - self._due_s)
 
     def _schedule(self) -> None:
         assert self._loop is not None

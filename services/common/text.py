@@ -6,6 +6,7 @@ tokenizes direct `text` calls), so both accept exactly the same inputs and produ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Sequence
@@ -45,10 +46,6 @@ class TextEncoder:
         # Text is untrusted: a literal "[CLS]" or "</s>" typed by a user stays text and never
         # becomes the special token (not saved in tokenizer.json, so set on every load).
         self.tokenizer.encode_special_tokens = True
-        # The same tokenizer cutting to the longest input (special tokens kept): for callers
-        # that ask for truncation; a copy, so the refusing one is never reconfigured mid-call.
-        self._truncating = Tokenizer.from_str(self.tokenizer.to_str())
-        self._truncating.encode_special_tokens = True
         model_config = json.loads(model_config_path.read_text())
         context = int(model_config["max_position_embeddings"])
         if config.generation is not None:
@@ -65,12 +62,26 @@ class TextEncoder:
         digest.update(json.dumps(dict(config.preprocessing), sort_keys=True).encode())
         digest.update(str(self.max_tokens).encode())
         self.fingerprint = digest.hexdigest()[:16]
-        self._truncating.enable_truncation(self.max_tokens)
+
+    @functools.cached_property
+    def _truncating(self) -> Tokenizer:
+        """The same tokenizer cutting to the longest input (special tokens kept), made on the
+        first call that asks for truncation; a copy, so the refusing one is never
+        reconfigured mid-call."""
+        truncating = Tokenizer.from_str(self.tokenizer.to_str())
+        truncating.encode_special_tokens = True
+        truncating.enable_truncation(self.max_tokens)
+        return truncating
 
     def _check_text(self, text: str, *, truncate: bool) -> str:
         """`text` after the cheap checks; truncating, cut to the characters that can fit."""
         if not text.strip():
             raise InvalidInput("text input is empty")
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # a lone surrogate (JSON may escape one)
+                raise InvalidInput("text input is not valid Unicode text") from None
         limit = self.max_tokens * _MAX_CHARS_PER_TOKEN
         if truncate:
             return text[:limit]

@@ -187,6 +187,7 @@ def test_openai_dimensions_and_truncation_where_the_model_allows(
         ({"model": "tiny-llama", "input": "hi"}, 400, "generation model"),
         ({"model": "no-such-model", "input": "hi"}, 404, "no-such-model"),
         ({"model": "minilm", "input": "hi", "encoding_format": "int8"}, 400, "encoding_format"),
+        ({"model": "minilm", "input": "a\ud800b"}, 400, "not valid Unicode"),
     ],
 )
 def test_openai_refusals_are_openai_errors(

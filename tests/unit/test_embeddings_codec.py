@@ -159,6 +159,9 @@ def test_truncation_keeps_the_special_tokens_and_refusal_names_the_limit() -> No
     # The refusing tokenizer is untouched by the truncating one.
     with pytest.raises(InvalidInput):
         encoder.encode_many([text])
+    # JSON can carry a lone surrogate, which no tokenizer takes: a clear refusal, not a crash.
+    with pytest.raises(InvalidInput, match="not valid Unicode"):
+        encoder.encode_many(["a\ud800b"])
 
 
 def test_rows_are_normalized_only_where_asked() -> None:

@@ -4,6 +4,7 @@ a loop blocked for 0.2 s as a lag of at least 0.15 s in its histogram and its re
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -44,3 +45,19 @@ async def test_a_blocked_loop_is_seen_as_lag() -> None:
     late = registry.get_sample_value(f"{names.EVENT_LOOP_LAG_SECONDS}_bucket", {"le": "0.1"})
     assert count is not None and late is not None
     assert count >= 3 and count - late >= 1  # the blocked sample is past 0.1 s
+
+
+async def test_a_stall_in_progress_is_visible_to_a_scrape() -> None:
+    """The metrics server reads the gauge from its own thread while the loop is blocked."""
+    lag = LoopLag(CollectorRegistry(), interval_s=0.05)
+    lag.start()
+    try:
+        await asyncio.sleep(0.06)
+        seen: list[float] = []
+        reader = threading.Timer(0.25, lambda: seen.append(lag.recent_s()))
+        reader.start()
+        time.sleep(0.35)  # the loop is blocked; no timer of it can run until this returns
+        reader.join()
+    finally:
+        lag.stop()
+    assert seen and seen[0] >= 0.2, seen

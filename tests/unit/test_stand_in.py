@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.fabric.stand_in import best_rate, echo_calls, tier_of_processes
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfigError, load_repository
 from services.gpu_worker.backends import LoadOptions, load_backend
@@ -78,3 +79,27 @@ def test_a_bad_curve_fails_loading_with_its_path(tmp_path: Path) -> None:
         StandInBackend(minilm(), CPU, curve)
     with pytest.raises(ModelConfigError, match=r"missing\.json"):
         StandInBackend(minilm(), CPU, tmp_path / "missing.json")
+
+
+def test_the_benchmarks_cpu_per_tier_counts_only_the_stacks_tiers() -> None:
+    tiers = tier_of_processes(
+        {"gateway": 1, "router": 2, "worker-0": 3, "worker-1": 4, "redis": 5, "launcher": 6}
+    )
+    assert tiers == {"gateway": "gateway", "router": "router", "worker-0": "worker",
+                     "worker-1": "worker"}  # fmt: skip
+    echo = {"cpu_s": {"echo": 1.0}, "sent_in_windows": 1000}  # 1 ms of CPU per echo call
+    run = {
+        "sent_in_windows": 100,
+        "cpu_s": {"gateway": 0.3, "router": 0.1, "worker-0": 0.05, "worker-1": 0.05,
+                  "bench": 5.0, "other_children": 1.0, "redis": 0.2, "outside_bench": 9.0},
+    }  # fmt: skip
+    assert echo_calls(run, echo, tiers) == {"gateway": 3.0, "router": 1.0, "worker": 1.0}
+    assert echo_calls(run, {"cpu_s": {}}, tiers) == {}
+
+
+def test_best_rate_reads_the_nearest_measured_bucket() -> None:
+    assert best_rate(H100, 16) == pytest.approx(max(
+        size / seconds for (bucket, size), seconds in LatencyCurve.load(H100).points
+        if bucket == 16
+    ))  # fmt: skip
+    assert best_rate(H100, 20) == best_rate(H100, 16)

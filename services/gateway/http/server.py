@@ -64,7 +64,8 @@ def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middle
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
             principal = principal_for(keys, headers)
-            if not (request.path.endswith(INFERENCE_SUFFIXES) or request.path == "/"):
+            is_tei_root = request.path == "/" and request.method == "POST"
+            if not (request.path.endswith(INFERENCE_SUFFIXES) or is_tei_root):
                 async with acting_as(principal):
                     return await handler(request)
             refusal = admission.acquire(principal.policy)
