@@ -121,6 +121,12 @@ class ModelConfig:
     shed_past_slo: bool = False
 
     @property
+    def normalizes_embeddings(self) -> bool:
+        """Embedding models: whether their outputs are L2-normalized (`preprocessing.normalize`,
+        on unless the config turns it off)."""
+        return bool(self.preprocessing.get("normalize", True))
+
+    @property
     def slo_s(self) -> float:
         return self.slo_p99_ms / 1000.0
 

@@ -68,7 +68,8 @@ def test_a_batch_sleeps_without_spending_cpu(tmp_path: Path) -> None:
     stand_in.run(rows)
     wall, cpu = time.monotonic() - wall, time.thread_time() - cpu
     assert wall >= 0.3
-    # Asleep: the thread's own CPU seconds are a small share of the batch (measured 0.000).
+    # Asleep: the thread's own CPU seconds are a small share of the batch. Measured over 10
+    # runs beside a parallel unit run: 0.0004-0.0008 of the wall time; the bound is 0.1.
     assert cpu < 0.1 * wall, (cpu, wall)
 
 

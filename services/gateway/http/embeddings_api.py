@@ -6,9 +6,6 @@ the project's own API."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import numpy as np
 from aiohttp import web
 
@@ -29,15 +26,6 @@ from services.gateway.predictor import PredictCall, Predictor, PredictResult
 
 #: TEI's names for the output dtypes a text embedding model may declare.
 _TEI_DTYPES = {"FP32": "float32", "FP16": "float16"}
-
-
-def _json(payload: Any) -> web.Response:
-    return web.Response(body=json.dumps(payload).encode(), content_type="application/json")
-
-
-def is_normalizing(config: ModelConfig) -> bool:
-    """Whether the model's own outputs are L2-normalized (its `preprocessing.normalize`)."""
-    return bool(config.preprocessing.get("normalize", True))
 
 
 class EmbeddingsApi:
@@ -93,7 +81,7 @@ class EmbeddingsApi:
                 raise InvalidInput(
                     f"dimensions {parsed.dimensions} exceeds {config.name}'s {output_dims}"
                 )
-        model_normalizes = is_normalizing(config)
+        model_normalizes = config.normalizes_embeddings
         normalize = model_normalizes if parsed.normalize is None else parsed.normalize
         truncate = config.embedding.truncate if parsed.truncate is None else parsed.truncate
         result = await self._predictor.predict(
@@ -119,7 +107,7 @@ class EmbeddingsApi:
         label = self._predictor.catalog.label_for(parsed.model)
         with self._metrics.observe_request("openai_embeddings", label):
             vectors, result = await self._embed(parsed, self._embedding_config(parsed.model))
-            return _json(
+            return web.json_response(
                 openai_embedding_response(
                     vectors, model=result.model_name, num_tokens=result.num_tokens,
                     encoding=parsed.encoding,
@@ -131,7 +119,7 @@ class EmbeddingsApi:
         config = self._tei_config()
         with self._metrics.observe_request("tei_embed", config.name):
             vectors, _ = await self._embed(parsed, config)
-            return _json(vectors.tolist())
+            return web.json_response(vectors.tolist())
 
     async def tei_info(self, request: web.Request) -> web.Response:
         """TEI's model information, and the embedding's dims."""
@@ -140,7 +128,7 @@ class EmbeddingsApi:
         resolved = self._predictor.catalog.resolve(config.name, "")
         max_tokens = resolved.encoder.max_tokens if resolved.encoder is not None else 0
         output = config.outputs[0]
-        return _json({
+        return web.json_response({
             "model_id": config.name,
             "model_sha": resolved.fingerprint,
             "model_version": resolved.version,

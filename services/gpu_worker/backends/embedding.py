@@ -89,7 +89,7 @@ class EmbeddingBackend(TextBackend):
         preprocessing = version.config.preprocessing
         if preprocessing.get("pooling", "mean") != "mean":
             raise ModelConfigError(f"{version.config.name}: only pooling = 'mean' is supported")
-        self._normalize = bool(preprocessing.get("normalize", True))
+        self._normalize = version.config.normalizes_embeddings
         precision = str(preprocessing.get("precision", "fp32"))
         if precision not in _PRECISIONS:
             raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
