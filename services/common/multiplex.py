@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import grpc
 
+from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
@@ -93,6 +94,8 @@ class _Stream:
         self.pending: dict[int, asyncio.Future[pb.MuxResult]] = {}
         self.outbox: list[pb.MuxCall] = []
         self.cancelled: list[int] = []
+        #: Slices of bundles in flight whose callers stopped waiting.
+        self.cancelled_slices: list[pb.SliceRef] = []
         self.wake = asyncio.Event()
         self.broken: str | None = None
         self.tasks: list[asyncio.Task[None]] = []
@@ -150,7 +153,10 @@ class MultiplexClient:
         *,
         metadata: Sequence[tuple[str, str]] = (),
         timeout_s: float | None = None,
+        slice_cancels: SliceCancels | None = None,
     ) -> bytes:
+        """`slice_cancels`: for a bundle, the slices its callers stop waiting for, which this
+        call tells the peer of as they come."""
         stream = self._current_stream()
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
@@ -166,6 +172,11 @@ class MultiplexClient:
             )
         )
         stream.wake.set()
+        stop_listening = (
+            None
+            if slice_cancels is None
+            else slice_cancels.listen(lambda index: self._cancel_slice(stream, call_id, index))
+        )
         try:
             async with asyncio.timeout(timeout_s):
                 result = await future
@@ -177,6 +188,9 @@ class MultiplexClient:
         except asyncio.CancelledError:
             self._cancel(stream, call_id)
             raise
+        finally:
+            if stop_listening is not None:
+                stop_listening()
         if result.code == 0:
             return result.response
         code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
@@ -197,6 +211,11 @@ class MultiplexClient:
     def _cancel(self, stream: _Stream, call_id: int) -> None:
         if stream.pending.pop(call_id, None) is not None and stream.broken is None:
             stream.cancelled.append(call_id)
+            stream.wake.set()
+
+    def _cancel_slice(self, stream: _Stream, call_id: int, index: int) -> None:
+        if call_id in stream.pending and stream.broken is None:
+            stream.cancelled_slices.append(pb.SliceRef(call_id=call_id, slice=index))
             stream.wake.set()
 
     def _retire(self, stream: _Stream) -> None:
@@ -234,16 +253,19 @@ class MultiplexClient:
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
                 stream.wake.clear()
-                while stream.outbox or stream.cancelled:
+                while stream.outbox or stream.cancelled or stream.cancelled_slices:
                     calls = stream.outbox[:MAX_CALLS_PER_MESSAGE]
                     del stream.outbox[:MAX_CALLS_PER_MESSAGE]
                     # Calls cancelled before they left need not leave at all.
                     calls = [c for c in calls if c.call_id in stream.pending]
                     cancelled, stream.cancelled = stream.cancelled, []
-                    if not calls and not cancelled:
+                    slices, stream.cancelled_slices = stream.cancelled_slices, []
+                    if not calls and not cancelled and not slices:
                         continue
                     await stream.call.write(
-                        pb.InferStreamRequest(calls=calls, cancelled_call_ids=cancelled)
+                        pb.InferStreamRequest(
+                            calls=calls, cancelled_call_ids=cancelled, cancelled_slices=slices
+                        )
                     )
                     self.messages_sent += 1
                     self.calls_sent += len(calls)

@@ -18,6 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
+from services.common.bundles import SliceCancels
 from services.common.errors import NOT_STARTED_TRAILER, DeadlineExceeded, InvalidInput
 from services.common.grpc_errors import is_bug, status_of
 from services.common.multiplex import MAX_CALLS_PER_MESSAGE, UNARY_METHOD
@@ -30,9 +31,15 @@ log = logging.getLogger(__name__)
 class CallContext:
     """What a unary handler uses of its ServicerContext, for one multiplexed call."""
 
-    def __init__(self, metadata: tuple[tuple[str, str], ...], deadline_s: float | None) -> None:
+    def __init__(
+        self,
+        metadata: tuple[tuple[str, str], ...],
+        deadline_s: float | None,
+    ) -> None:
         self._metadata = metadata
         self._deadline_s = deadline_s
+        #: For a bundle: the slices its callers stopped waiting for (see services.common.bundles).
+        self.slice_cancels = SliceCancels()
 
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
@@ -108,6 +115,8 @@ class _ServedStream:
         self._answer = answer
         self._closing = closing
         self._running: dict[int, asyncio.Task[None]] = {}
+        #: The contexts of the calls running, for slices cancelled while they run.
+        self._contexts: dict[int, CallContext] = {}
         self._outbox: list[pb.MuxResult] = []
         self._wake = asyncio.Event()
         self._is_reading_done = False
@@ -151,7 +160,12 @@ class _ServedStream:
                     if self._closing.is_set():
                         self._send(_shutting_down(call.call_id))
                     else:
-                        self._running[call.call_id] = loop.create_task(self._run(call))
+                        context = self._contexts[call.call_id] = _context_of(call)
+                        self._running[call.call_id] = loop.create_task(self._run(call, context))
+                # After the calls: a slice may be cancelled in the message that carries it.
+                for ref in message.cancelled_slices:
+                    if (running := self._contexts.get(ref.call_id)) is not None:
+                        running.slice_cancels.cancel(ref.slice)
         except InvalidInput as error:
             self._read_error = error
         finally:
@@ -162,18 +176,15 @@ class _ServedStream:
         await self._closing.wait()
         self._wake.set()
 
-    async def _run(self, call: pb.MuxCall) -> None:
-        metadata = tuple(call.metadata.items())
-        timeout_s = call.timeout_us / 1e6 if call.timeout_us else None
-        deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    async def _run(self, call: pb.MuxCall, context: CallContext) -> None:
+        timeout_s = context.time_remaining()
         result = pb.MuxResult(call_id=call.call_id)
-        span = start_server_span(UNARY_METHOD, metadata)
+        span = start_server_span(UNARY_METHOD, context.invocation_metadata())
         code, failure = grpc.StatusCode.OK, None
         try:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
-                context = CallContext(metadata, deadline_s)
                 result.response = await self._answer(call.request, context, timeout_s)
         except BaseException as error:
             if is_bug(error):  # our bug: log it, answer INTERNAL, keep serving
@@ -187,6 +198,7 @@ class _ServedStream:
                 raise
         finally:
             self._running.pop(call.call_id, None)
+            self._contexts.pop(call.call_id, None)
             end_server_span(span, code, result.message, failure)
         result.code = code.value[0]
         self._send(result)
@@ -194,6 +206,12 @@ class _ServedStream:
     def _send(self, result: pb.MuxResult) -> None:
         self._outbox.append(result)
         self._wake.set()
+
+
+def _context_of(call: pb.MuxCall) -> CallContext:
+    timeout_s = call.timeout_us / 1e6 if call.timeout_us else None
+    deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
+    return CallContext(tuple(call.metadata.items()), deadline_s)
 
 
 def _shutting_down(call_id: int) -> pb.MuxResult:

@@ -105,6 +105,27 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
     return (*extra, *carrier.items())
 
 
+def current_traceparent() -> str:
+    """The current span's W3C `traceparent`, or "" when it is not traced."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+@contextlib.contextmanager
+def traced_as(traceparent: str) -> Iterator[None]:
+    """Runs the enclosed code as part of the trace `traceparent` names (nothing when empty):
+    work done on behalf of one caller of a bundle links to that caller's trace."""
+    if not traceparent:
+        yield
+        return
+    token = otel_context.attach(propagate.extract({"traceparent": traceparent}))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
+
+
 def current_span_context() -> TraceContext:
     """The current request's span, for linking work done later on its behalf (a batch)."""
     return trace.get_current_span().get_span_context()

@@ -46,6 +46,13 @@ class GatewayMetrics:
             ("api", "model"),
             buckets=SECONDS_BUCKETS,
         )
+        self.bundle_slices = new.histogram(
+            names.GATEWAY_BUNDLE_SLICES,
+            "Callers' slices per bundle sent to a router (concurrent calls for one model "
+            "version travel together): its count is the calls downstream, its sum the callers.",
+            ("model",),
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
         self.throttled_total = new.counter(
             names.GATEWAY_THROTTLED_TOTAL,
             "Requests refused here by adaptive throttling (downstream was refusing work).",

@@ -14,17 +14,19 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from services.common.bundles import SliceCancels
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
-from services.common.tensors import check_row, tensor_from_pb, tensor_to_pb
+from services.common.tensors import check_row
 from services.common.text import TokenIds
-from services.common.tracing import outgoing_metadata
+from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
+from services.gateway.coalescer import BundleKey, Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
@@ -124,6 +126,8 @@ class Predictor:
         self.statistics = InferenceStatistics()
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router")
+        # ... in bundles: concurrent calls for one model version share one downstream call.
+        self._bundles = Coalescer(self._call_router, metrics)
         self._generate = router.unary_stream(
             GENERATE_METHOD,
             request_serializer=pb.WorkerGenerateRequest.SerializeToString,
@@ -135,9 +139,11 @@ class Predictor:
         """Most rows one call may carry."""
         return self._max_inputs
 
-    def _model_inputs(
+    def _model_rows(
         self, model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
-    ) -> list[pb.ModelInput]:
+    ) -> list[np.ndarray]:
+        """Each input row as the worker takes it: token ids for text models, a checked tensor
+        row otherwise."""
         config = model.config
         if model.encoder is not None:
             started = time.perf_counter()
@@ -154,17 +160,13 @@ class Predictor:
             self._metrics.tokenize_seconds.labels(config.name).observe(
                 time.perf_counter() - started
             )
-            return [pb.ModelInput(token_ids=i.astype("<i4").tobytes()) for i in ids]
+            return ids
         spec = config.inputs[0]
         rows = []
         for value in values:
             if not isinstance(value, np.ndarray):
                 raise InvalidInput(f"{config.name} takes tensor inputs")
-            rows.append(
-                pb.ModelInput(
-                    tensor=tensor_to_pb(check_row(spec.name, spec.dtype, spec.dims, value))
-                )
-            )
+            rows.append(check_row(spec.name, spec.dtype, spec.dims, value))
         return rows
 
     async def predict(self, call: PredictCall) -> PredictResult:
@@ -208,30 +210,30 @@ class Predictor:
         config, policy = model.config, call.principal.policy
         self.admission.charge_rows(policy, len(call.inputs))
         throttle_key = self._throttle_check(config.name, priority, policy.name)
-        inputs = self._model_inputs(model, call.inputs, truncate=call.truncate)
+        rows = self._model_rows(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or uuid.uuid4().hex
-        request = pb.InferRequest(
-            model_name=config.name,
-            model_version=model.version,
-            fingerprint=model.fingerprint,
-            inputs=inputs,
+        piece = pb.Slice(
+            rows=len(rows),
             tenant=call.principal.tenant,
-            request_id=request_id,
-            priority=priority.proto,
             tenant_weight=policy.weight,
+            priority=priority.proto,
+            request_id=request_id,
             unnormalized=call.unnormalized,
+            traceparent=current_traceparent(),
         )
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
-        route = route_metadata(
-            config.name, model.version, len(inputs), priority.value,
-            tenant=call.principal.tenant, weight=policy.weight,
+        key = BundleKey(
+            config.name, model.version, model.fingerprint, priority.value,
+            is_text=model.encoder is not None,
         )  # fmt: skip
         try:
-            payload = await self._call_router(
-                request.SerializeToString(),
-                outgoing_metadata(route),
+            outputs = await self._bundles.call(
+                key,
+                rows,
+                piece,
                 deadline_s=time.monotonic() + timeout_s,
+                max_rows=config.max_batch_size,
             )
         except UpstreamError as error:
             self._throttle.record(
@@ -242,21 +244,26 @@ class Predictor:
             )
             raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
-        response = pb.InferResponse.FromString(payload)
-        self._metrics.inputs_total.labels(config.name, model.version).inc(len(inputs))
-        outputs = [tensor_from_pb(t) for t in response.outputs]
-        num_tokens = sum(len(i.token_ids) // 4 for i in inputs)
+        self._metrics.inputs_total.labels(config.name, model.version).inc(len(rows))
+        num_tokens = sum(len(r) for r in rows) if model.encoder is not None else 0
         return PredictResult(config.name, model.version, outputs, request_id, num_tokens)
 
     async def _call_router(
-        self, request: bytes, metadata: Sequence[tuple[str, str]], *, deadline_s: float
+        self,
+        request: bytes,
+        metadata: Sequence[tuple[str, str]],
+        deadline_s: float,
+        slice_cancels: SliceCancels,
     ) -> bytes:
-        """One fixed-cost call, resent to another router while refused as never started."""
+        """One bundle, resent to another router while refused as never started."""
         attempt = 0
         while True:
             try:
                 return await self._router.call(
-                    request, metadata=metadata, timeout_s=max(0.0, deadline_s - time.monotonic())
+                    request,
+                    metadata=metadata,
+                    timeout_s=max(0.0, deadline_s - time.monotonic()),
+                    slice_cancels=slice_cancels,
                 )
             except UpstreamError as error:
                 if not await self._may_resend(error, attempt, deadline_s, "predict"):
@@ -303,6 +310,7 @@ class Predictor:
         return key
 
     async def close(self) -> None:
+        await self._bundles.close()
         await self._router.close()
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:

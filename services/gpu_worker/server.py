@@ -28,7 +28,6 @@ from services.common.model_repository import load_repository, select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
 from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
-from services.common.priority import PriorityClass, worker_priority
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
@@ -37,6 +36,7 @@ from services.common.tls import add_port, start_health_listener
 from services.common.tracing import TracingInterceptor
 from services.gpu_worker.backends.base import RawInput, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
+from services.gpu_worker.bundles import BundleRunner, request_priority
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.execution import resolve_backfill_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -66,14 +66,6 @@ def _raw_input(model_input: pb.ModelInput) -> RawInput:
     if which == "tensor":
         return tensor_from_pb(model_input.tensor)
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
-
-
-def _priority(value: int) -> PriorityClass:
-    """The priority class of an internal request; INVALID_ARGUMENT for an unknown value."""
-    try:
-        return worker_priority(value)
-    except ValueError as error:
-        raise InvalidInput(str(error)) from error
 
 
 def _generation_weight(value: float) -> float:
@@ -115,6 +107,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self._models: LoadedModels | None = None
         self._batching: BatchingDriver | None = None
         self._metrics: WorkerMetrics | None = None
+        self._bundles: BundleRunner | None = None
         self.streams = MultiplexServer(
             self.Infer,
             deserialize=pb.InferRequest.FromString,
@@ -125,6 +118,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         self, models: LoadedModels, batching: BatchingDriver, metrics: WorkerMetrics
     ) -> None:
         self._models, self._batching, self._metrics = models, batching, metrics
+        self._bundles = BundleRunner(batching, metrics)
 
     async def Infer(
         self, request: pb.InferRequest, context: grpc.aio.ServicerContext
@@ -132,6 +126,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         if self._models is None or self._batching is None or self._metrics is None:
             raise Unavailable("worker is still loading models")
         backend = self._models.fixed_cost_backend(request.model_name, request.model_version)
+        if request.slices and self._bundles is not None:
+            cancels = getattr(context, "slice_cancels", None)  # on an InferStream
+            return await self._bundles.infer(backend, request, context.time_remaining(), cancels)
         labels = (backend.config.name, backend.version.version)
         with count_outcome(self._metrics.requests_total, *labels):
             backend.check_fingerprint(request.fingerprint)
@@ -153,7 +150,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                 rows,
                 timeout_s=context.time_remaining(),
                 tenant=request.tenant or "default",
-                priority=_priority(request.priority),
+                priority=request_priority(request.priority),
                 weight=request.tenant_weight,
             )
             return pb.InferResponse(
@@ -196,7 +193,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         stream = backend.engine.generate(
             prompt,
             params,
-            priority=_priority(request.priority).rank,
+            priority=request_priority(request.priority).rank,
             first_token_limit_s=min((x for x in limits if x is not None), default=None),
             tenant=request.tenant or "default",
             weight=_generation_weight(request.tenant_weight),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.bundles import SliceCancels
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
@@ -96,13 +97,17 @@ class Forwarder:
         started_s = time.monotonic()
         try:
             with count_outcome(self._metrics.responses_total, facts.name, facts.version):
-                return await self._infer(body, facts)
+                return await self._infer(body, facts, getattr(context, "slice_cancels", None))
         finally:
             self._metrics.request_seconds.labels(facts.name, facts.version).observe(
                 time.monotonic() - started_s
             )
 
-    async def _infer(self, body: bytes, facts: CallFacts) -> bytes:
+    async def _infer(
+        self, body: bytes, facts: CallFacts, slice_cancels: SliceCancels | None
+    ) -> bytes:
+        """`slice_cancels`: a bundle's slices whose callers stopped waiting, relayed to the
+        worker (a bundle is routed, reserved and forwarded whole, as one call)."""
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         self._budget.record_request(time.monotonic())
         tried: set[str] = set()
@@ -114,6 +119,7 @@ class Forwarder:
                     body,
                     metadata=outgoing_metadata(),
                     timeout_s=_timeout_s(deadline_s),
+                    slice_cancels=slice_cancels,
                 )
             except UpstreamError as error:
                 self._note_outcome(route, sent_s, error)

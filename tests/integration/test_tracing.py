@@ -83,7 +83,10 @@ async def test_one_request_is_one_trace_across_the_three_tiers(
 
     (batch,) = [s for s in spans.get_finished_spans() if s.name == "batch"]
     assert batch.parent is None  # a batch serves many traces: it links them, belongs to none
-    assert worker_span.context in [link.context for link in batch.links]
+    # The request reached the worker in a bundle, whose hops are one caller's trace: the batch
+    # links each caller's own span (its slice's traceparent), the gateway's.
+    links = [(link.context.trace_id, link.context.span_id) for link in batch.links]
+    assert links == [(gateway_span.context.trace_id, gateway_span.context.span_id)]
     assert batch.attributes["inference.model"] == "affine"
     assert batch.attributes["inference.batch.size"] == 1
 

@@ -73,6 +73,9 @@ class Fabric:
     def router_metric(self, name: str, **labels: str) -> float:
         return metric(self.router.metrics.registry, name, **labels)
 
+    def gateway_metric(self, name: str, **labels: str) -> float:
+        return metric(self.gateway.metrics.registry, name, **labels)
+
     def worker_metric(self, name: str, **labels: str) -> float:
         """Summed over the in-process workers."""
         return sum(metric(w.metrics.registry, name, **labels) for w in self.workers)

@@ -225,11 +225,7 @@ class BatchingDriver:
         queued are withdrawn if the caller goes away (cancellation) or any row fails.
         `priority` and the tenant's fair-share `weight` (0: the worker's configured one) order
         the rows against everyone else's on the worker."""
-        lane = self._lanes.get(id(backend))
-        if lane is None:
-            raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
-        if self._draining:
-            raise Unavailable(str(self._refusal))
+        lane = self.open_lane(backend)
         if not (math.isfinite(weight) and weight >= 0.0):
             raise InvalidInput(f"tenant weight must be finite and >= 0, got {weight}")
         request = _RequestFacts(tenant, priority.rank, weight, timeout_s)
@@ -240,6 +236,16 @@ class BatchingDriver:
             return list(await asyncio.gather(*(lane.pending[i].future for i in item_ids)))
         finally:
             self._withdraw(lane, item_ids)
+
+    def open_lane(self, backend: Backend) -> Lane:
+        """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded or while the
+        worker drains."""
+        lane = self._lanes.get(id(backend))
+        if lane is None:
+            raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
+        if self._draining:
+            raise Unavailable(str(self._refusal))
+        return lane
 
     def _admit(self, lane: Lane, rows: Sequence[PreparedRow], request: _RequestFacts) -> list[int]:
         """Queues every row of one request or none (synchronous: nothing else is queued between

@@ -1,0 +1,230 @@
+"""Coalesces concurrent calls for one model version into bundles (services.common.bundles).
+
+Under load, a gateway process holds many calls for the same model version at once; sent one
+by one, each costs the router and the worker a whole internal call (a task, a span, a
+metadata map, protobuf messages, a routing decision and a reservation). Here the calls that
+arrive while others of their kind are in flight travel together: one downstream call, one
+routing decision, the rows as packed columns, and one status per caller's slice.
+
+When a bundle leaves follows the streams' write linger (services.common.write_linger): a
+call that finds nothing in flight leaves in this turn of the event loop, with whatever calls
+that same turn made (no timer: no added latency at light load); under load, a bundle waits up
+to `linger_s` (1 ms) for more, and leaves at once when it holds the model's max batch rows.
+
+Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
+bundle's, which is the latest slice's), its own status and retry hint, and its own
+cancellation: a caller that stops waiting has its slice dropped before the bundle leaves, or
+withdrawn downstream after (SliceCancels, relayed by the router to the worker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from services.common.bundles import SliceCancels, pack_token_rows
+from services.common.errors import UpstreamError
+from services.common.registry_schema import route_metadata
+from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.common.tracing import outgoing_metadata
+from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
+from services.gateway.metrics import GatewayMetrics
+from services.pb.inference.v1 import worker_pb2 as pb
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+#: Sends one bundle (its bytes, metadata, absolute deadline on time.monotonic(), and the
+#: slices whose callers stop waiting) and returns the answer's bytes, or raises UpstreamError.
+Send = Callable[[bytes, Sequence[tuple[str, str]], float, SliceCancels], Awaitable[bytes]]
+
+
+@dataclass(frozen=True)
+class BundleKey:
+    """What the calls of one bundle share: the model version, its inputs' kind, the class."""
+
+    model: str
+    version: str
+    fingerprint: str
+    #: The priority class's name (routing and the worker's order are per class).
+    priority: str
+    #: Rows are token ids (text models), not tensor rows.
+    is_text: bool
+
+
+@dataclass
+class _Slice:
+    rows: Sequence[np.ndarray]
+    piece: pb.Slice
+    deadline_s: float
+    future: asyncio.Future[list[np.ndarray]]
+    #: Its index in the bundle once sent (None before).
+    index: int | None = None
+
+
+@dataclass
+class _Bundle:
+    key: BundleKey
+    slices: list[_Slice] = field(default_factory=list)
+    rows: int = 0
+    cancels: SliceCancels = field(default_factory=SliceCancels)
+    is_sent: bool = False
+
+
+class Coalescer:
+    def __init__(
+        self, send: Send, metrics: GatewayMetrics, linger: LingerConfig = DEFAULT_LINGER
+    ) -> None:
+        self._send = send
+        self._metrics = metrics
+        self._linger_config = linger
+        self._open: dict[BundleKey, _Bundle] = {}
+        self._lingers: dict[BundleKey, WriteLinger] = {}
+        #: Slices sent or waiting, per key, not yet answered.
+        self._in_flight: dict[BundleKey, int] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def call(
+        self,
+        key: BundleKey,
+        rows: Sequence[np.ndarray],
+        piece: pb.Slice,
+        *,
+        deadline_s: float,
+        max_rows: int,
+    ) -> list[np.ndarray]:
+        """The outputs of `rows`, sent in a bundle with whatever calls of `key` are ready;
+        raises UpstreamError with the slice's own status, DEADLINE_EXCEEDED at `deadline_s`."""
+        loop = asyncio.get_running_loop()
+        linger = self._lingers.get(key)
+        if linger is None:
+            linger = self._lingers[key] = WriteLinger(self._linger_config)
+        linger.arrived(loop.time())
+        bundle = self._open.get(key)
+        if bundle is None:
+            bundle = self._open[key] = _Bundle(key)
+            self._spawn(self._leave_when_ready(bundle, linger, max_rows))
+        entry = _Slice(rows, piece, deadline_s, loop.create_future())
+        bundle.slices.append(entry)
+        bundle.rows += len(rows)
+        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        if bundle.rows >= max_rows:
+            self._leave(bundle)
+        try:
+            async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
+                return await entry.future
+        except TimeoutError:
+            self._withdraw(bundle, entry)
+            raise UpstreamError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "router: deadline exceeded"
+            ) from None
+        except asyncio.CancelledError:
+            self._withdraw(bundle, entry)
+            raise
+        finally:
+            self._in_flight[key] -= 1
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _withdraw(self, bundle: _Bundle, entry: _Slice) -> None:
+        """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn."""
+        if not bundle.is_sent:
+            bundle.slices.remove(entry)
+            bundle.rows -= len(entry.rows)
+        elif entry.index is not None:
+            bundle.cancels.cancel(entry.index)
+
+    async def _leave_when_ready(self, bundle: _Bundle, linger: WriteLinger, max_rows: int) -> None:
+        # Calls made in this turn of the event loop leave together; under load, also those of
+        # the next `linger_s` (see the module's docstring).
+        await asyncio.sleep(0)
+        if bundle.is_sent:
+            return
+        delay_s = linger.delay_s(bundle.rows, self._in_flight.get(bundle.key, 0))
+        if delay_s > 0 and bundle.rows < max_rows:
+            await asyncio.sleep(delay_s)
+        self._leave(bundle)
+
+    def _leave(self, bundle: _Bundle) -> None:
+        if bundle.is_sent:
+            return
+        bundle.is_sent = True
+        if self._open.get(bundle.key) is bundle:
+            del self._open[bundle.key]
+        for index, entry in enumerate(bundle.slices):
+            entry.index = index
+        if bundle.slices:
+            self._spawn(self._send_bundle(bundle))
+
+    async def _send_bundle(self, bundle: _Bundle) -> None:
+        key, slices = bundle.key, bundle.slices
+        deadline_s = max(s.deadline_s for s in slices)
+        request = pb.InferRequest(
+            model_name=key.model, model_version=key.version, fingerprint=key.fingerprint
+        )
+        tenants = set()
+        for entry in slices:
+            entry.piece.earlier_us = round((deadline_s - entry.deadline_s) * 1e6)
+            tenants.add((entry.piece.tenant, entry.piece.tenant_weight))
+        request.slices.extend(s.piece for s in slices)
+        rows = [row for s in slices for row in s.rows]
+        if key.is_text:
+            request.packed.token_ids, request.packed.row_lengths = pack_token_rows(rows)
+        else:
+            request.packed.tensor.CopyFrom(tensor_to_pb(np.stack(rows)))
+        # One tenant: routing prices its fair share as for a lone call; several: as shared.
+        tenant, weight = next(iter(tenants)) if len(tenants) == 1 else ("", 1.0)
+        route = route_metadata(
+            key.model, key.version, len(rows), key.priority, tenant=tenant, weight=weight
+        )
+        self._metrics.bundle_slices.labels(key.model).observe(len(slices))
+        try:
+            payload = await self._send(
+                request.SerializeToString(), outgoing_metadata(route), deadline_s, bundle.cancels
+            )
+            _answer(slices, pb.InferResponse.FromString(payload))
+        except Exception as error:  # the whole bundle failed: each caller gets the status
+            for entry in slices:
+                if not entry.future.done():
+                    entry.future.set_exception(error)
+
+
+def _answer(slices: Sequence[_Slice], response: pb.InferResponse) -> None:
+    """Hands each caller its slice's rows or status."""
+    if len(response.slices) != len(slices):
+        raise UpstreamError(
+            grpc.StatusCode.INTERNAL,
+            f"bundle of {len(slices)} slices answered with {len(response.slices)} statuses",
+        )
+    if response.HasField("packed_outputs"):
+        outputs = list(tensor_from_pb(response.packed_outputs))
+    else:
+        outputs = [tensor_from_pb(t) for t in response.outputs]
+    answered = sum(len(e.rows) for e, s in zip(slices, response.slices, strict=True) if s.code == 0)
+    if answered != len(outputs):
+        raise UpstreamError(
+            grpc.StatusCode.INTERNAL, f"bundle answered {len(outputs)} rows for {answered}"
+        )
+    start = 0
+    for entry, status in zip(slices, response.slices, strict=True):
+        if status.code == 0:
+            result, start = outputs[start : start + len(entry.rows)], start + len(entry.rows)
+            if not entry.future.done():
+                entry.future.set_result(result)
+        elif not entry.future.done():
+            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+            entry.future.set_exception(
+                UpstreamError(code, status.message, tuple(status.trailers.items()))
+            )

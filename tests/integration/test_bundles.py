@@ -1,0 +1,209 @@
+"""Bundles (services.common.bundles) through a real router and worker, and gateways that make
+them: each caller's slice is admitted, timed out, cancelled and answered on its own.
+
+An in-process fabric (a real redis-server, the router and a worker over gRPC on loopback)
+serves the affine model and the `stall` model (tests/support/models.py), whose call holds the
+worker's one executor until the test opens its gate: a bundle's rows then wait in the queue
+exactly as long as the test needs to cancel one caller and let another's deadline pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.common import metric_names as names
+from services.common.bundles import SliceCancels
+from services.common.multiplex import MultiplexClient
+from services.common.registry_schema import route_metadata
+from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.in_process import Fabric, running_fabric
+from tests.support.models import (
+    STALL,
+    affine_reference,
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+)
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+PATIENT_S = 30.0
+
+
+def row(*values: float) -> np.ndarray:
+    return np.array(values, dtype=np.float32)
+
+
+def expected(*rows: np.ndarray) -> np.ndarray:
+    return affine_reference(torch.from_numpy(np.stack(rows))).numpy()
+
+
+def bundle(model: str, slices: list[tuple[list[np.ndarray], pb.Slice]]) -> pb.InferRequest:
+    request = pb.InferRequest(model_name=model, model_version="1")
+    for rows, piece in slices:
+        piece.rows = len(rows)
+        request.slices.append(piece)
+    stacked = np.stack([r for rows, _ in slices for r in rows])
+    request.packed.tensor.CopyFrom(tensor_to_pb(stacked))
+    return request
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    gate = tmp_path / "gate"
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    write_stalling_model(tmp_path / "repo", gate)
+    try:
+        async with running_fabric(tmp_path / "repo", redis_server) as fabric:
+            yield fabric
+    finally:
+        release_stall(gate)
+
+
+async def test_each_slice_of_a_bundle_is_answered_on_its_own(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """Behind a stalled executor, one bundle of five callers: two are served, one cancelled
+    mid-flight gets nothing and its row is withdrawn unrun, one whose deadline passes gets
+    DEADLINE_EXCEEDED unrun, one with a bad row is refused alone. The router routed the
+    bundle once."""
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        stall = pb.InferRequest(
+            model_name="stall",
+            model_version="1",
+            slices=[pb.Slice(rows=1)],
+            packed=pb.PackedRows(tensor=tensor_to_pb(row(STALL, 0, 0, 0)[None])),
+        )
+        blocker = asyncio.ensure_future(
+            router.call(
+                stall.SerializeToString(),
+                metadata=route_metadata("stall", "1", 1),
+                timeout_s=PATIENT_S,
+            )
+        )
+        batching = fabric.worker.batching
+        assert batching is not None
+        await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
+
+        served, pair, cancelled, late = (
+            row(1, 2, 3, 4),
+            [row(0, 1, 0, 1), row(5, 5, 5, 5)],
+            row(9, 9, 9, 9),
+            row(7, 7, 7, 7),
+        )
+        request = bundle(
+            "affine",
+            [
+                ([served], pb.Slice(tenant="a")),
+                (pair, pb.Slice(tenant="b", priority=pb.PRIORITY_CRITICAL)),
+                ([cancelled], pb.Slice(tenant="a")),
+                # Its deadline falls 29.5 s before the bundle's: 0.5 s from now.
+                ([late], pb.Slice(tenant="c", earlier_us=29_500_000)),
+                ([row(np.nan, 0, 0, 0)], pb.Slice(tenant="a")),
+            ],
+        )
+        cancels = SliceCancels()
+        call = asyncio.ensure_future(
+            router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", 6),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        )
+        # Four slices' five rows queue (the bad one was refused at admission).
+        await eventually(lambda: batching.num_in_flight == 1 + 5, interval_s=0.01)
+        cancels.cancel(2)
+        await eventually(
+            lambda: fabric.worker_metric(names.WORKER_DROPPED_TOTAL, reason="cancelled") == 1,
+            interval_s=0.01,
+            message="the cancelled slice's row was not withdrawn",
+        )
+        await eventually(
+            lambda: fabric.worker_metric(names.WORKER_DROPPED_TOTAL, reason="expired") == 1,
+            timeout_s=10,
+            interval_s=0.01,
+            message="the late slice's row did not expire",
+        )
+        assert not call.done()  # its bundle-mates still wait for the executor
+        release_stall(tmp_path / "gate")
+        await blocker
+        response = pb.InferResponse.FromString(await call)
+        await router.close()
+
+    codes = [grpc.StatusCode.OK.value[0] if s.code == 0 else s.code for s in response.slices]
+    assert codes == [
+        grpc.StatusCode.OK.value[0],
+        grpc.StatusCode.OK.value[0],
+        grpc.StatusCode.CANCELLED.value[0],
+        grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+        grpc.StatusCode.INVALID_ARGUMENT.value[0],
+    ]
+    assert "NaN" in response.slices[4].message or "finite" in response.slices[4].message
+    outputs = tensor_from_pb(response.packed_outputs)
+    np.testing.assert_allclose(outputs, expected(served, *pair), rtol=1e-6)
+    # Only the served rows ran; the bundle was routed once.
+    assert fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine") == 3
+    assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL, model="affine") == 1
+    by_code = {
+        code: fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code=code)
+        for code in ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT")
+    }
+    assert by_code == {"OK": 2, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1, "INVALID_ARGUMENT": 1}
+
+
+async def test_a_bundle_that_does_not_add_up_is_refused_whole(fabric: Fabric) -> None:
+    request = bundle("affine", [([row(1, 2, 3, 4)], pb.Slice())])
+    request.slices[0].rows = 2  # two rows claimed, one packed
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        try:
+            with pytest.raises(Exception) as raised:
+                await router.call(
+                    request.SerializeToString(),
+                    metadata=route_metadata("affine", "1", 2),
+                    timeout_s=PATIENT_S,
+                )
+        finally:
+            await router.close()
+    assert getattr(raised.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not 2 rows" in str(raised.value)
+
+
+async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(
+    fabric: Fabric,
+) -> None:
+    """64 concurrent one-row callers of one gateway: every answer is its own row's, and the
+    router made one routing decision per bundle the gateway sent."""
+    rows = [row(i / 64, 1 - i / 64, -i / 8, 0.5) for i in range(64)]  # never POISON (13)
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+
+        async def predict(values: np.ndarray) -> np.ndarray:
+            tensor = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=values.tobytes())
+            request = api.PredictRequest(
+                model_name="affine", inputs=[api.PredictInput(tensor=tensor)]
+            )
+            response = await stub.Predict(request, timeout=PATIENT_S)
+            return tensor_from_pb(response.outputs[0])
+
+        answers = await asyncio.gather(*(predict(r) for r in rows))
+    np.testing.assert_allclose(np.stack(answers), expected(*rows), rtol=1e-6)
+    bundles = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_count", model="affine")
+    slices = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_sum", model="affine")
+    assert slices == 64
+    assert 1 <= bundles <= 64
+    assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL, model="affine") == bundles
