@@ -107,8 +107,15 @@ class TextEncoder:
         """Token ids per text (int64), after the cheap checks; raises InvalidInput.
         `truncate`: a text longer than `max_tokens` is cut to its first tokens (the special
         tokens kept) instead of refused."""
-        checked = [self._check_text(text, truncate=truncate) for text in texts]
+        checked = self.check_texts(texts, truncate=truncate)
+        return [self.check_ids(ids) for ids in self.tokenize(checked, truncate=truncate)]
+
+    def check_texts(self, texts: Sequence[str], *, truncate: bool = False) -> list[str]:
+        """`texts` after the cheap checks (no tokenizing); raises InvalidInput."""
+        return [self._check_text(text, truncate=truncate) for text in texts]
+
+    def tokenize(self, checked: Sequence[str], *, truncate: bool = False) -> list[np.ndarray]:
+        """Token ids of texts that passed `check_texts`, unchecked: `check_ids` says whether
+        each fits. One call for all: the Rust tokenizer batches them, outside the GIL."""
         tokenizer = self._truncating if truncate else self.tokenizer
-        # One call for all texts of a request: the Rust tokenizer batches internally.
-        encoded = tokenizer.encode_batch(checked)
-        return [self.check_ids(np.asarray(e.ids, dtype=np.int64)) for e in encoded]
+        return [np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(checked)]

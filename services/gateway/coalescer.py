@@ -23,12 +23,13 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
-from services.common.errors import UpstreamError
+from services.common.errors import InvalidInput, UpstreamError
 from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata
@@ -37,6 +38,11 @@ from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+#: Turns each caller's values into its rows, once per bundle (a text model tokenizes every
+#: caller's texts in one call): per caller, its rows or the InvalidInput that refuses it alone.
+Made = list[np.ndarray] | InvalidInput
+Prepare = Callable[[Sequence[Sequence[Any]]], list[Made]]
 
 #: Sends one bundle (its bytes, metadata, absolute deadline on time.monotonic(), and the
 #: slices whose callers stop waiting) and returns the answer's bytes, or raises UpstreamError.
@@ -54,11 +60,22 @@ class BundleKey:
     priority: str
     #: Rows are token ids (text models), not tensor rows.
     is_text: bool
+    #: Text models: texts too long are cut, not refused (another tokenizer).
+    truncate: bool = False
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A caller's outputs, and the rows that were sent for it (token ids for text models)."""
+
+    outputs: list[np.ndarray]
+    rows: Sequence[np.ndarray]
 
 
 @dataclass
 class _Slice:
-    rows: Sequence[np.ndarray]
+    #: The caller's values: its rows, or what `Prepare` makes them of.
+    rows: Sequence[Any]
     piece: pb.Slice
     deadline_s: float
     future: asyncio.Future[list[np.ndarray]]
@@ -69,6 +86,7 @@ class _Slice:
 @dataclass
 class _Bundle:
     key: BundleKey
+    prepare: Prepare | None
     slices: list[_Slice] = field(default_factory=list)
     rows: int = 0
     cancels: SliceCancels = field(default_factory=SliceCancels)
@@ -91,14 +109,17 @@ class Coalescer:
     async def call(
         self,
         key: BundleKey,
-        rows: Sequence[np.ndarray],
+        rows: Sequence[Any],
         piece: pb.Slice,
         *,
         deadline_s: float,
         max_rows: int,
-    ) -> list[np.ndarray]:
+        prepare: Prepare | None = None,
+    ) -> Answered:
         """The outputs of `rows`, sent in a bundle with whatever calls of `key` are ready;
-        raises UpstreamError with the slice's own status, DEADLINE_EXCEEDED at `deadline_s`."""
+        raises UpstreamError with the slice's own status, DEADLINE_EXCEEDED at `deadline_s`.
+        `prepare`: what makes rows of the values in `rows`, once per bundle (the same for
+        every call of `key`); None: `rows` are rows."""
         loop = asyncio.get_running_loop()
         linger = self._lingers.get(key)
         if linger is None:
@@ -106,7 +127,7 @@ class Coalescer:
         linger.arrived(loop.time())
         bundle = self._open.get(key)
         if bundle is None:
-            bundle = self._open[key] = _Bundle(key)
+            bundle = self._open[key] = _Bundle(key, prepare)
             self._spawn(self._leave_when_ready(bundle, linger, max_rows))
         entry = _Slice(rows, piece, deadline_s, loop.create_future())
         bundle.slices.append(entry)
@@ -116,7 +137,7 @@ class Coalescer:
             self._leave(bundle)
         try:
             async with asyncio.timeout(max(0.0, deadline_s - time.monotonic())):
-                return await entry.future
+                return Answered(await entry.future, entry.rows)
         except TimeoutError:
             self._withdraw(bundle, entry)
             raise UpstreamError(
@@ -163,6 +184,7 @@ class Coalescer:
         bundle.is_sent = True
         if self._open.get(bundle.key) is bundle:
             del self._open[bundle.key]
+        bundle.slices = _prepared(bundle)
         for index, entry in enumerate(bundle.slices):
             entry.index = index
         if bundle.slices:
@@ -199,6 +221,23 @@ class Coalescer:
             for entry in slices:
                 if not entry.future.done():
                     entry.future.set_exception(error)
+
+
+def _prepared(bundle: _Bundle) -> list[_Slice]:
+    """The bundle's slices with their rows made (`Prepare`); refused callers are answered and
+    left out."""
+    if bundle.prepare is None:
+        return bundle.slices
+    kept = []
+    made = bundle.prepare([s.rows for s in bundle.slices])
+    for entry, rows in zip(bundle.slices, made, strict=True):
+        if isinstance(rows, InvalidInput):
+            if not entry.future.done():
+                entry.future.set_exception(rows)
+        else:
+            entry.rows = rows
+            kept.append(entry)
+    return kept
 
 
 def _answer(slices: Sequence[_Slice], response: pb.InferResponse) -> None:

@@ -36,7 +36,7 @@ class GatewayMetrics:
         )
         self.tokenize_seconds = new.histogram(
             names.GATEWAY_TOKENIZE_SECONDS,
-            "Tokenization of a request's texts.",
+            "Tokenization of the texts of a bundle's callers (one call per bundle).",
             ("model",),
             buckets=FAST_SECONDS_BUCKETS,
         )

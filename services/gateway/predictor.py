@@ -26,7 +26,7 @@ from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import BundleKey, Coalescer
+from services.gateway.coalescer import BundleKey, Coalescer, Made, Prepare
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
@@ -141,33 +141,52 @@ class Predictor:
 
     def _model_rows(
         self, model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
-    ) -> list[np.ndarray]:
-        """Each input row as the worker takes it: token ids for text models, a checked tensor
-        row otherwise."""
+    ) -> list[str | np.ndarray]:
+        """Each input row after the checks made per call: a text model's texts checked (they
+        are tokenized per bundle, see `_tokenizer`) and its token ids as int64; a tensor
+        model's rows checked against its input."""
         config = model.config
         if model.encoder is not None:
-            started = time.perf_counter()
-            texts = [v for v in values if isinstance(v, str)]
-            encoded = iter(model.encoder.encode_many(texts, truncate=truncate))
-            ids = []
+            rows: list[str | np.ndarray] = []
             for value in values:
                 if isinstance(value, str):
-                    ids.append(next(encoded))
+                    (text,) = model.encoder.check_texts([value], truncate=truncate)
+                    rows.append(text)
                 elif isinstance(value, TokenIds):
-                    ids.append(model.encoder.check_ids(value.ids))
+                    rows.append(model.encoder.check_ids(value.ids))
                 else:
                     raise InvalidInput(f"{config.name} takes text inputs")
-            self._metrics.tokenize_seconds.labels(config.name).observe(
-                time.perf_counter() - started
-            )
-            return ids
+            return rows
         spec = config.inputs[0]
-        rows = []
+        checked: list[str | np.ndarray] = []
         for value in values:
             if not isinstance(value, np.ndarray):
                 raise InvalidInput(f"{config.name} takes tensor inputs")
-            rows.append(check_row(spec.name, spec.dtype, spec.dims, value))
-        return rows
+            checked.append(check_row(spec.name, spec.dtype, spec.dims, value))
+        return checked
+
+    def _tokenizer(self, model: ResolvedModel, *, truncate: bool) -> Prepare:
+        """Tokenizes the texts of every caller of a bundle in one call; a caller whose text
+        does not fit the model is refused alone."""
+        encoder = model.encoder
+        assert encoder is not None
+        histogram = self._metrics.tokenize_seconds.labels(model.config.name)
+
+        def tokenize(calls: Sequence[Sequence[str | np.ndarray]]) -> list[Made]:
+            started = time.perf_counter()
+            texts = [v for values in calls for v in values if isinstance(v, str)]
+            encoded = iter(encoder.tokenize(texts, truncate=truncate))
+            made: list[Made] = []
+            for values in calls:
+                rows = [v if isinstance(v, np.ndarray) else next(encoded) for v in values]
+                try:
+                    made.append([encoder.check_ids(r) for r in rows])
+                except InvalidInput as error:
+                    made.append(error)
+            histogram.observe(time.perf_counter() - started)
+            return made
+
+        return tokenize
 
     async def predict(self, call: PredictCall) -> PredictResult:
         policy = call.principal.policy
@@ -223,17 +242,19 @@ class Predictor:
         )
         # The router and worker see what is left of the deadline as their own gRPC deadline.
         timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
+        is_text = model.encoder is not None
         key = BundleKey(
             config.name, model.version, model.fingerprint, priority.value,
-            is_text=model.encoder is not None,
+            is_text=is_text, truncate=call.truncate,
         )  # fmt: skip
         try:
-            outputs = await self._bundles.call(
+            answered = await self._bundles.call(
                 key,
                 rows,
                 piece,
                 deadline_s=time.monotonic() + timeout_s,
                 max_rows=config.max_batch_size,
+                prepare=self._tokenizer(model, truncate=call.truncate) if is_text else None,
             )
         except UpstreamError as error:
             self._throttle.record(
@@ -245,8 +266,8 @@ class Predictor:
             raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         self._metrics.inputs_total.labels(config.name, model.version).inc(len(rows))
-        num_tokens = sum(len(r) for r in rows) if model.encoder is not None else 0
-        return PredictResult(config.name, model.version, outputs, request_id, num_tokens)
+        num_tokens = sum(len(r) for r in answered.rows) if is_text else 0
+        return PredictResult(config.name, model.version, answered.outputs, request_id, num_tokens)
 
     async def _call_router(
         self,
