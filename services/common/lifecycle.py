@@ -125,6 +125,17 @@ async def set_serving(
         await servicer.set(name, status)
 
 
+def stop_if_cancelled() -> None:
+    """Raises CancelledError in a task that was told to stop while a library call swallowed
+    the cancellation: on Python 3.11, `asyncio.timeout` turns a cancel that races its own
+    expiry into TimeoutError, and redis-py's socket timeouts then raise a RedisError. A loop
+    that catches that error and sleeps again would never stop (a gateway's stop once waited on
+    its routing sync until the stop bound killed it). Call it where such a loop catches."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def stop_event() -> asyncio.Event:
     """An event set on SIGTERM or SIGINT."""
     event = asyncio.Event()

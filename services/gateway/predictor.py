@@ -20,14 +20,13 @@ from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
-from services.common.tensors import check_row
-from services.common.text import TokenIds
 from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import BundleKey, Coalescer, Made, Prepare
+from services.gateway.coalescer import BundleKey, Coalescer, Prepare
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
 from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gateway.triton_info import InferenceStatistics
@@ -54,11 +53,6 @@ def router_target(router_address: str) -> str:
     if len(addresses) <= 1:
         return router_address.strip()
     return "ipv4:" + ",".join(addresses)
-
-
-#: One input row as a client sent it: text (or its token ids) for text models, a tensor row
-#: otherwise.
-PredictValue = str | TokenIds | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -139,54 +133,9 @@ class Predictor:
         """Most rows one call may carry."""
         return self._max_inputs
 
-    def _model_rows(
-        self, model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
-    ) -> list[str | np.ndarray]:
-        """Each input row after the checks made per call: a text model's texts checked (they
-        are tokenized per bundle, see `_tokenizer`) and its token ids as int64; a tensor
-        model's rows checked against its input."""
-        config = model.config
-        if model.encoder is not None:
-            rows: list[str | np.ndarray] = []
-            for value in values:
-                if isinstance(value, str):
-                    (text,) = model.encoder.check_texts([value], truncate=truncate)
-                    rows.append(text)
-                elif isinstance(value, TokenIds):
-                    rows.append(model.encoder.check_ids(value.ids))
-                else:
-                    raise InvalidInput(f"{config.name} takes text inputs")
-            return rows
-        spec = config.inputs[0]
-        checked: list[str | np.ndarray] = []
-        for value in values:
-            if not isinstance(value, np.ndarray):
-                raise InvalidInput(f"{config.name} takes tensor inputs")
-            checked.append(check_row(spec.name, spec.dtype, spec.dims, value))
-        return checked
-
-    def _tokenizer(self, model: ResolvedModel, *, truncate: bool) -> Prepare:
-        """Tokenizes the texts of every caller of a bundle in one call; a caller whose text
-        does not fit the model is refused alone."""
-        encoder = model.encoder
-        assert encoder is not None
+    def _tokenizer(self, model: ResolvedModel, truncate: bool) -> Prepare:
         histogram = self._metrics.tokenize_seconds.labels(model.config.name)
-
-        def tokenize(calls: Sequence[Sequence[str | np.ndarray]]) -> list[Made]:
-            started = time.perf_counter()
-            texts = [v for values in calls for v in values if isinstance(v, str)]
-            encoded = iter(encoder.tokenize(texts, truncate=truncate))
-            made: list[Made] = []
-            for values in calls:
-                rows = [v if isinstance(v, np.ndarray) else next(encoded) for v in values]
-                try:
-                    made.append([encoder.check_ids(r) for r in rows])
-                except InvalidInput as error:
-                    made.append(error)
-            histogram.observe(time.perf_counter() - started)
-            return made
-
-        return tokenize
+        return bundle_tokenizer(model, truncate=truncate, seconds=histogram)
 
     async def predict(self, call: PredictCall) -> PredictResult:
         policy = call.principal.policy
@@ -229,7 +178,7 @@ class Predictor:
         config, policy = model.config, call.principal.policy
         self.admission.charge_rows(policy, len(call.inputs))
         throttle_key = self._throttle_check(config.name, priority, policy.name)
-        rows = self._model_rows(model, call.inputs, truncate=call.truncate)
+        rows = checked_rows(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or uuid.uuid4().hex
         piece = pb.Slice(
             rows=len(rows),
@@ -254,7 +203,7 @@ class Predictor:
                 piece,
                 deadline_s=time.monotonic() + timeout_s,
                 max_rows=config.max_batch_size,
-                prepare=self._tokenizer(model, truncate=call.truncate) if is_text else None,
+                prepare=self._tokenizer(model, call.truncate) if is_text else None,
             )
         except UpstreamError as error:
             self._throttle.record(

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import stop_if_cancelled
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
 from services.gateway.admission import TenantAdmission
@@ -90,6 +91,7 @@ class QuotaSync:
             try:
                 await self.sync_once()
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 log.warning("quota sync failed, last shares stay in force: %s", error)
             await asyncio.sleep(self.config.period_s)
 

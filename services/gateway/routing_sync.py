@@ -17,6 +17,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import stop_if_cancelled
 from services.common.model_routing import ModelRouting, routing_key
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -59,6 +60,7 @@ class RoutingSync:
             try:
                 await self.sync_once()
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 log.warning("routing sync failed, the routing in force stays: %s", error)
             await asyncio.sleep(self._period_s)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,8 +22,8 @@ from services.common.priority import PriorityClass, worker_priority
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tracing import traced_as
-from services.gpu_worker.backends.base import Backend, RawInput
-from services.gpu_worker.batching.driver import BatchingDriver
+from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
+from services.gpu_worker.batching.driver import Admission, BatchingDriver
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -56,7 +58,8 @@ def bundle_rows(request: pb.InferRequest, num_rows: int) -> list[RawInput]:
 
 
 class BundleRunner:
-    """Runs bundles on one worker's batching driver."""
+    """Runs bundles on one worker's batching driver: every slice admitted in one pass, one
+    wait for all their rows, and no task or future per caller beyond its rows'."""
 
     def __init__(self, batching: BatchingDriver, metrics: WorkerMetrics) -> None:
         self._batching = batching
@@ -70,30 +73,50 @@ class BundleRunner:
         cancels: SliceCancels | None,
     ) -> pb.InferResponse:
         """The answer to a bundle: one status per slice, the OK slices' rows stacked."""
+        labels = (backend.config.name, backend.version.version)
         try:
-            tasks = self._start_slices(backend, request, time_left_s)
+            parts = self._rows_per_slice(backend, request)
         except Exception as error:  # refuses every slice alike: counted for each
             code = status_of(error).code.name
-            labels = (backend.config.name, backend.version.version, code)
-            self._metrics.requests_total.labels(*labels).inc(len(request.slices))
+            self._metrics.requests_total.labels(*labels, code).inc(len(request.slices))
             raise
+        outcomes: list[Admission | BaseException] = [
+            part
+            if isinstance(part, BaseException)
+            else self._admit(backend, part, piece, time_left_s)
+            for part, piece in zip(parts, request.slices, strict=True)
+        ]
+        admitted = [o for o in outcomes if isinstance(o, Admission)]
 
         def cancel(index: int) -> None:
-            if index < len(tasks):
-                tasks[index].cancel()  # its rows leave the queue (BatchingDriver.submit)
+            outcome = outcomes[index] if index < len(outcomes) else None
+            if isinstance(outcome, Admission):
+                outcomes[index] = asyncio.CancelledError()
+                self._batching.withdraw(outcome)  # its queued rows leave unrun
 
         stop = None if cancels is None else cancels.listen(cancel)
         try:
-            results = await asyncio.gather(*tasks, return_exceptions=True)
+            futures = [f for a in admitted for f in a.futures]
+            if futures:
+                await asyncio.wait(futures)
         finally:
             if stop is not None:
                 stop()
-        return self._answer(backend, results)
+            for admission in admitted:
+                self._batching.withdraw(admission)
+        results = [_result(o) for o in outcomes]
+        codes = Counter(
+            "OK" if not isinstance(r, BaseException) else status_of(r).code.name for r in results
+        )
+        for code, count in codes.items():
+            self._metrics.requests_total.labels(*labels, code).inc(count)
+        return _answer(backend, results)
 
-    def _start_slices(
-        self, backend: Backend, request: pb.InferRequest, time_left_s: float | None
-    ) -> list[asyncio.Task[list[np.ndarray]]]:
-        """One task per slice; raises what refuses the whole bundle."""
+    def _rows_per_slice(
+        self, backend: Backend, request: pb.InferRequest
+    ) -> list[list[PreparedRow] | BaseException]:
+        """Each slice's prepared rows, or the error that refuses it alone; raises what refuses
+        the whole bundle."""
         backend.check_fingerprint(request.fingerprint)
         slices = request.slices
         if any(s.rows == 0 for s in slices):
@@ -106,71 +129,83 @@ class BundleRunner:
             )
         # What refuses every slice alike refuses the bundle, so the router retries it elsewhere.
         self._batching.open_lane(backend)
-        rows = bundle_rows(request, num_rows)
-        loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Task[list[np.ndarray]]] = []
-        start = 0
-        for piece in slices:
-            part = rows[start : start + piece.rows]
-            start += piece.rows
-            timeout_s = slice_time_left_s(time_left_s, piece.earlier_us)
-            tasks.append(loop.create_task(self._run_slice(backend, part, piece, timeout_s)))
-        return tasks
+        raw = bundle_rows(request, num_rows)
+        ends = list(itertools.accumulate(s.rows for s in slices))
+        try:  # every row at once; only a bundle with a bad row is prepared slice by slice
+            prepared = backend.prepare_many(raw)
+            return [prepared[end - s.rows : end] for s, end in zip(slices, ends, strict=True)]
+        except InvalidInput:
+            pass
+        parts: list[list[PreparedRow] | BaseException] = []
+        for piece, end in zip(slices, ends, strict=True):
+            try:
+                parts.append(backend.prepare_many(raw[end - piece.rows : end]))
+            except InvalidInput as error:
+                parts.append(error)
+        return parts
 
-    async def _run_slice(
+    def _admit(
         self,
         backend: Backend,
-        raw: Sequence[RawInput],
+        rows: list[PreparedRow],
         piece: pb.Slice,
-        timeout_s: float | None,
-    ) -> list[np.ndarray]:
-        labels = (backend.config.name, backend.version.version)
-        code = "OK"
+        time_left_s: float | None,
+    ) -> Admission | BaseException:
+        """Queues one slice's rows (linked to its caller's trace), or the error refusing it."""
+        if piece.unnormalized:
+            rows = [dataclasses.replace(r, is_normalized=False) for r in rows]
         try:
             with traced_as(piece.traceparent):
-                prepared = backend.prepare_many(raw)
-                if piece.unnormalized:
-                    prepared = [dataclasses.replace(r, is_normalized=False) for r in prepared]
-                return await self._batching.submit(
+                return self._batching.admit(
                     backend,
-                    prepared,
-                    timeout_s=timeout_s,
+                    rows,
+                    timeout_s=slice_time_left_s(time_left_s, piece.earlier_us),
                     tenant=piece.tenant or "default",
                     priority=request_priority(piece.priority),
                     weight=piece.tenant_weight,
                 )
-        except BaseException as error:
-            code = status_of(error).code.name
-            raise
-        finally:
-            self._metrics.requests_total.labels(*labels, code).inc()
+        except Exception as error:
+            return error
 
-    @staticmethod
-    def _answer(backend: Backend, results: Sequence[object]) -> pb.InferResponse:
-        response = pb.InferResponse(
-            model_name=backend.config.name,
-            model_version=backend.version.version,
-            fingerprint=backend.fingerprint,
-        )
-        outputs: list[np.ndarray] = []
-        for result in results:
-            if isinstance(result, BaseException):
-                status = status_of(result)
-                response.slices.append(
-                    pb.SliceStatus(
-                        code=status.code.value[0],
-                        message=status.message,
-                        trailers=dict(status.trailers),
-                    )
+
+def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:
+    """A slice's outputs, or the error of its first failed row."""
+    if isinstance(outcome, BaseException):
+        return outcome
+    for future in outcome.futures:
+        if future.cancelled():
+            return asyncio.CancelledError()
+        if (error := future.exception()) is not None:
+            return error
+    return [f.result() for f in outcome.futures]
+
+
+def _answer(
+    backend: Backend, results: Sequence[list[np.ndarray] | BaseException]
+) -> pb.InferResponse:
+    response = pb.InferResponse(
+        model_name=backend.config.name,
+        model_version=backend.version.version,
+        fingerprint=backend.fingerprint,
+    )
+    outputs: list[np.ndarray] = []
+    for result in results:
+        if isinstance(result, BaseException):
+            status = status_of(result)
+            response.slices.append(
+                pb.SliceStatus(
+                    code=status.code.value[0],
+                    message=status.message,
+                    trailers=dict(status.trailers),
                 )
-            else:
-                assert isinstance(result, list)
-                outputs.extend(result)
-                response.slices.append(_OK)
-        if outputs:
-            first = outputs[0]
-            if all(o.shape == first.shape and o.dtype == first.dtype for o in outputs):
-                response.packed_outputs.CopyFrom(tensor_to_pb(np.stack(outputs)))
-            else:  # rows of different shapes do not stack: one tensor each
-                response.outputs.extend(tensor_to_pb(o) for o in outputs)
-        return response
+            )
+        else:
+            outputs.extend(result)
+            response.slices.append(_OK)
+    if outputs:
+        first = outputs[0]
+        if all(o.shape == first.shape and o.dtype == first.dtype for o in outputs):
+            response.packed_outputs.CopyFrom(tensor_to_pb(np.stack(outputs)))
+        else:  # rows of different shapes do not stack: one tensor each
+            response.outputs.extend(tensor_to_pb(o) for o in outputs)
+    return response

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import stop_if_cancelled
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.batching.driver import BatchingDriver
@@ -70,6 +71,7 @@ class HeartbeatPublisher:
                     log.info("heartbeat: registered in Redis")
                 self.is_connected, failures = True, 0
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 if self.is_connected or failures == 0:
                     log.warning("heartbeat: Redis unreachable (%s); retrying with backoff", error)
                 self.is_connected = False

@@ -16,6 +16,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import stop_if_cancelled
 from services.common.model_repository import ModelConfigError, ModelVersion, load_repository
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import connect
@@ -81,6 +82,7 @@ class RepositoryFollower:
                 await self.follow_once()
                 is_reachable = True
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 if is_reachable:
                     log.warning("desired model state unreadable (%s); serving as is", error)
                 is_reachable = False

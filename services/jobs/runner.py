@@ -44,6 +44,7 @@ from services.common.job_policy import (
     RetryPolicy,
 )
 from services.common.job_store import ItemOutcome, JobRecord, JobStore, QueueEntry
+from services.common.lifecycle import stop_if_cancelled
 from services.common.priority import PriorityClass
 from services.jobs.metrics import RunnerMetrics
 from services.pb.inference.v1 import inference_pb2 as api
@@ -131,6 +132,7 @@ class JobRunner:
                 if not entries:
                     entries = await self._store.read_new(self._consumer, free, READ_BLOCK_MS)
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 log.warning("job queue unreachable, retrying: %s", error)
                 await asyncio.sleep(REDIS_RETRY_S)
                 continue

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.lifecycle import stop_if_cancelled
 from services.common.registry_schema import RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
@@ -94,6 +95,7 @@ class RegistrySync:
                 failures = 0
                 await self._set_degraded(False)
             except (RedisError, OSError) as error:
+                stop_if_cancelled()
                 if failures == 0:
                     log.warning(
                         "registry: Redis unreachable (%s); routing from last snapshot", error

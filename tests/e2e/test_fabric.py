@@ -120,6 +120,29 @@ async def test_200_concurrent_predicts_are_correct_and_batched(
         assert routed_to(stack, worker.worker_id) > 0, "traffic must reach both workers"
 
 
+async def test_a_text_too_long_in_tokens_refuses_its_caller_alone(
+    stack: Stack, reference_embedder
+) -> None:
+    """Concurrent calls are tokenized together, per bundle (services.gateway.coalescer): a
+    text that passes the per-call checks but is too many tokens for the model fails its own
+    call, INVALID_ARGUMENT, and its bundle-mates are served."""
+    texts = sentences(31, min_words=1, max_words=30, seed=11)
+    reference = reference_embedder(texts)
+    too_long = "word " * 300  # 302 tokens, the model takes 256; few enough characters
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = api_grpc.InferenceServiceStub(channel)
+        calls = [stub.Predict(predict_request(t), timeout=TIMEOUT_S) for t in texts]
+        calls.insert(16, stub.Predict(predict_request(too_long), timeout=TIMEOUT_S))
+        replies = await asyncio.gather(*calls, return_exceptions=True)
+    refused = replies.pop(16)
+    assert isinstance(refused, grpc.aio.AioRpcError)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "accepts at most 256" in (refused.details() or "")
+    for reply, expected in zip(replies, reference, strict=True):
+        assert not isinstance(reply, BaseException), reply
+        assert cosine(vector(reply.outputs[0]), expected) >= 0.999
+
+
 async def test_every_tier_counts_the_load_and_worker_time_adds_up(stack: Stack) -> None:
     tiers = [stack.gateway, stack.router, *stack.workers]
     before = {tier.metrics_port: scrape(tier.metrics_port) for tier in tiers}

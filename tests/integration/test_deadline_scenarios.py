@@ -309,7 +309,7 @@ async def test_s11_the_worker_gets_the_time_left_of_the_callers_deadline(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No tier exports the deadline a call arrived with, so the gateway's predictor and the
-    worker's batcher are watched through their public `predict` and `submit`, wrapped: the
+    worker's batcher are watched through their public `predict` and `admit`, wrapped: the
     real ones run, unchanged, and the wrappers write down the time left they were given. The
     gateway's view is the reference: gRPC's own grpc-timeout header rounds the client's
     timeout up by a few milliseconds before the gateway sees it.
@@ -325,18 +325,18 @@ async def test_s11_the_worker_gets_the_time_left_of_the_callers_deadline(
         assert batching is not None
         at_gateway: list[float | None] = []
         at_worker: list[float | None] = []
-        real_predict, real_submit = predictor.predict, batching.submit
+        real_predict, real_admit = predictor.predict, batching.admit
 
         async def predict(call: PredictCall) -> PredictResult:
             at_gateway.append(call.timeout_s)
             return await real_predict(call)
 
-        async def submit(*args: Any, timeout_s: float | None, **kwargs: Any) -> Any:
+        def admit(*args: Any, timeout_s: float | None, **kwargs: Any) -> Any:
             at_worker.append(timeout_s)
-            return await real_submit(*args, timeout_s=timeout_s, **kwargs)
+            return real_admit(*args, timeout_s=timeout_s, **kwargs)
 
         monkeypatch.setattr(predictor, "predict", predict)
-        monkeypatch.setattr(batching, "submit", submit)
+        monkeypatch.setattr(batching, "admit", admit)
         timeout_s = 10.0
         async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
             stub = api_grpc.InferenceServiceStub(channel)

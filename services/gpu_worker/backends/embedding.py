@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 
@@ -37,8 +38,8 @@ class TextBackend(Backend):
     def tokenizer_fingerprint(self) -> str:
         return self.text.fingerprint
 
-    @property
-    def buckets(self) -> tuple[int, ...]:
+    @functools.cached_property
+    def buckets(self) -> tuple[int, ...]:  # asked for every row (bucket_for): computed once
         return tuple(b for b in self.config.length_buckets if b <= self.text.max_tokens)
 
     @property
@@ -57,7 +58,7 @@ class TextBackend(Backend):
 
     def prepare_many(self, values: Sequence[RawInput]) -> list[PreparedRow]:
         texts = [v for v in values if isinstance(v, str)]
-        encoded = iter(self.text.encode_many(texts))
+        encoded = iter(self.text.encode_many(texts) if texts else ())
         rows = []
         for value in values:
             if isinstance(value, str):

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.errors import ExecutionFailed, InvalidInput, Unavailable
+from services.common.errors import InvalidInput, Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.admission import Admitted, Rejected
@@ -27,6 +27,7 @@ from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import (
+    Admission,
     Lane,
     LoadReport,
     Pending,
@@ -37,12 +38,12 @@ from services.gpu_worker.batching.lane_changes import new_lane, release_device_m
 from services.gpu_worker.batching.policy import URGENT_RECENT_S
 from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch, QueuedItem
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
-from services.gpu_worker.execution import describe_failure, run_on_threads
+from services.gpu_worker.execution import run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BatchingDriver", "DriverConfig"]
+__all__ = ["Admission", "BatchingDriver", "DriverConfig"]
 
 #: Rows at this priority rank or more urgent are online traffic; the rest is `batch` backlog.
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
@@ -225,17 +226,42 @@ class BatchingDriver:
         queued are withdrawn if the caller goes away (cancellation) or any row fails.
         `priority` and the tenant's fair-share `weight` (0: the worker's configured one) order
         the rows against everyone else's on the worker."""
+        admission = self.admit(
+            backend, rows, timeout_s=timeout_s, tenant=tenant, priority=priority, weight=weight
+        )
+        try:
+            futures = admission.futures
+            if len(futures) == 1:
+                return [await futures[0]]
+            return list(await asyncio.gather(*futures))
+        finally:
+            self.withdraw(admission)
+
+    def admit(
+        self,
+        backend: Backend,
+        rows: Sequence[PreparedRow],
+        *,
+        timeout_s: float | None,
+        tenant: str,
+        priority: PriorityClass = DEFAULT_PRIORITY,
+        weight: float = 0.0,
+    ) -> Admission:
+        """`submit` without the wait: queues the rows (all or none; raises as `submit` does)
+        and returns their futures. The caller must `withdraw` the admission once it stops
+        waiting, whatever happened."""
         lane = self.open_lane(backend)
         if not (math.isfinite(weight) and weight >= 0.0):
             raise InvalidInput(f"tenant weight must be finite and >= 0, got {weight}")
         request = _RequestFacts(tenant, priority.rank, weight, timeout_s)
         item_ids = self._admit(lane, rows, request)
-        try:
-            self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
-            self._wake.set()
-            return list(await asyncio.gather(*(lane.pending[i].future for i in item_ids)))
-        finally:
-            self._withdraw(lane, item_ids)
+        self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
+        self._wake.set()
+        return Admission(lane, item_ids, [lane.pending[i].future for i in item_ids])
+
+    def withdraw(self, admission: Admission) -> None:
+        """Forgets an admission's rows; those still queued leave the batcher unrun."""
+        self._withdraw(admission.lane, admission.item_ids)
 
     def open_lane(self, backend: Backend) -> Lane:
         """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded or while the
@@ -327,17 +353,7 @@ class BatchingDriver:
                 await asyncio.wait_for(self._wake.wait(), timeout_s)
 
     def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:
-        busy_s = self._busy_s(now)
-        rows = []
-        for item in dispatch.items:
-            pending = lane.pending[item.item_id]
-            backlog_s = busy_s - pending.busy_s_at_arrival
-            wait_s = now - item.arrival_s
-            self._metrics.backlog_seconds.labels(*lane.labels).observe(backlog_s)
-            self._metrics.linger_seconds.labels(*lane.labels).observe(max(0.0, wait_s - backlog_s))
-            self._metrics.queue_wait_seconds.labels(*lane.labels).observe(wait_s)
-            lane.totals.queue_s += wait_s
-            rows.append(pending.row)
+        rows = lane.take_rows(dispatch, now, self._busy_s(now), self._metrics)
         self._busy_since = now
         predicted_s = lane.latency.predict(dispatch.key, len(rows))
         self._running_until_s = now + predicted_s
@@ -395,17 +411,7 @@ class BatchingDriver:
         self._running_until_s = None
         self._running = None
         try:
-            # Answers first: nothing after this point may leave a caller waiting.
-            for item, result in zip(dispatch.items, results, strict=True):
-                pending = lane.pending.get(item.item_id)
-                if pending is None or pending.future.done():
-                    continue  # the caller went away while the batch ran
-                if isinstance(result, Unavailable):
-                    pending.future.set_exception(result)
-                elif isinstance(result, Exception):
-                    pending.future.set_exception(ExecutionFailed(describe_failure(result)))
-                else:
-                    pending.future.set_result(result)
+            lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
                 teaches_latency=threads == 0,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from services.common.errors import DeadlineExceeded, Overloaded, Unavailable
+from services.common.errors import DeadlineExceeded, ExecutionFailed, Overloaded, Unavailable
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -19,9 +19,11 @@ from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.execution import describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
 
 __all__ = [
+    "Admission",
     "BatchTotals",
     "Lane",
     "LoadReport",
@@ -82,6 +84,16 @@ class LoadReport:
     totals: BatchTotals = field(default_factory=BatchTotals)
     #: Rows of priority `batch` queued (only `batch` arrivals wait behind them).
     queued_batch_rows: int = 0
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The rows of one request queued on the driver (`BatchingDriver.admit`)."""
+
+    lane: Lane
+    item_ids: list[int]
+    #: Each row's output, in the request's order.
+    futures: list[asyncio.Future[np.ndarray]]
 
 
 @dataclass
@@ -151,6 +163,39 @@ class Lane:
             retry_after_s=backlog_s,
         )
 
+    def take_rows(
+        self, dispatch: Dispatch, now_s: float, busy_s: float, metrics: WorkerMetrics
+    ) -> list[PreparedRow]:
+        """The rows of a batch being dispatched, each one's wait observed: its backlog (the
+        executor's busy time since it arrived) and its linger (the rest)."""
+        rows = []
+        backlog = metrics.backlog_seconds.labels(*self.labels)
+        linger = metrics.linger_seconds.labels(*self.labels)
+        queue_wait = metrics.queue_wait_seconds.labels(*self.labels)
+        for item in dispatch.items:
+            pending = self.pending[item.item_id]
+            backlog_s = busy_s - pending.busy_s_at_arrival
+            wait_s = now_s - item.arrival_s
+            backlog.observe(backlog_s)
+            linger.observe(max(0.0, wait_s - backlog_s))
+            queue_wait.observe(wait_s)
+            self.totals.queue_s += wait_s
+            rows.append(pending.row)
+        return rows
+
+    def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:
+        """Hands each row of a finished batch its output or its failure."""
+        for item, result in zip(dispatch.items, results, strict=True):
+            pending = self.pending.get(item.item_id)
+            if pending is None or pending.future.done():
+                continue  # the caller went away while the batch ran
+            if isinstance(result, Unavailable):
+                pending.future.set_exception(result)
+            elif isinstance(result, Exception):
+                pending.future.set_exception(ExecutionFailed(describe_failure(result)))
+            else:
+                pending.future.set_result(result)
+
     def record_batch(
         self,
         metrics: WorkerMetrics,
@@ -168,10 +213,15 @@ class Lane:
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
+        row_compute = metrics.row_compute_seconds.labels(*labels)
+        row_latency = metrics.row_latency_seconds.labels(*labels)
+        rows_by_tenant: dict[str, int] = {}
         for item in dispatch.items:
-            metrics.row_compute_seconds.labels(*labels).observe(compute_s)
-            metrics.row_latency_seconds.labels(*labels).observe(finished - item.arrival_s)
-            metrics.charge_tenant(item.tenant, compute_s=row_share_s)
+            row_compute.observe(compute_s)
+            row_latency.observe(finished - item.arrival_s)
+            rows_by_tenant[item.tenant] = rows_by_tenant.get(item.tenant, 0) + 1
+        for tenant, count in rows_by_tenant.items():  # once per tenant of the batch
+            metrics.charge_tenant(tenant, compute_s=row_share_s * count)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)

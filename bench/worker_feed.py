@@ -1,0 +1,159 @@
+"""How many rows one worker process takes when rows arrive in bundles.
+
+The data-path issue asks whether a worker's gRPC front must run in processes of its own
+(vLLM's API-server / engine split), or whether one process can feed a GPU once the per-row
+path is cheap. This feeds the GPU-speed stand-in's worker (bench.fabric.stand_in: minilm at
+the H100's measured speed, so the worker's CPU is all tiers' work and no model's) directly,
+as a router would: over one InferStream, `--callers` bundles in flight, each of `rows`
+one-text rows of 16 token ids. For each bundle size it reports rows/s, the worker process's
+CPU per row, and the rows/s one fully busy core would take at that cost (its ceiling), and it
+fits CPU per bundle = fixed + rows * per_row over the sizes.
+
+    python -m bench.worker_feed            # about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from bench.fabric.stack import start_stack, write_minilm_repository
+from bench.fabric.stand_in import worker_args
+from services.common.bundles import pack_token_rows
+from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.procfs import read_stat
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+
+#: Tokens per row: the stand-in curve's 16-token bucket, as bench.fabric's uniform texts.
+TOKENS = 16
+RESULTS = Path(__file__).parent / "results" / "worker_feed.json"
+
+
+def bundle_bytes(fingerprint: str, rows: int, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    ids = [
+        np.concatenate(([101], rng.integers(2000, 20000, TOKENS - 2), [102])).astype("<i4")
+        for _ in range(rows)
+    ]
+    token_ids, lengths = pack_token_rows(ids)
+    request = pb.InferRequest(
+        model_name="minilm",
+        model_version="1",
+        fingerprint=fingerprint,
+        slices=[pb.Slice(rows=1, tenant="bench") for _ in range(rows)],
+        packed=pb.PackedRows(token_ids=token_ids, row_lengths=lengths),
+    )
+    return request.SerializeToString()
+
+
+async def feed(
+    client: MultiplexClient, body: bytes, *, callers: int, duration_s: float
+) -> tuple[int, int]:
+    """(bundles answered OK, bundles failed) in `duration_s` with `callers` in flight."""
+    ok = failed = 0
+    end_s = time.monotonic() + duration_s
+
+    async def caller() -> None:
+        nonlocal ok, failed
+        while time.monotonic() < end_s:
+            try:
+                reply = pb.InferResponse.FromString(await client.call(body, timeout_s=5.0))
+                ok += all(s.code == 0 for s in reply.slices)
+                failed += any(s.code != 0 for s in reply.slices)
+            except Exception:
+                failed += 1
+
+    await asyncio.gather(*(caller() for _ in range(callers)))
+    return ok, failed
+
+
+async def measure(
+    address: str, pid: int, sizes: list[int], callers: int, duration_s: float
+) -> list[dict[str, Any]]:
+    results = []
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        models = await pb_grpc.WorkerServiceStub(channel).ListModels(pb.ListWorkerModelsRequest())
+        fingerprint = next(v.fingerprint for v in models.versions if v.model_name == "minilm")
+        client = MultiplexClient(channel, "worker")
+        try:
+            for rows in sizes:
+                body = bundle_bytes(fingerprint, rows, seed=rows)
+                await feed(client, body, callers=callers, duration_s=duration_s / 4)  # warm
+                before_cpu, before_s = _cpu_s(pid), time.monotonic()
+                ok, failed = await feed(client, body, callers=callers, duration_s=duration_s)
+                cpu_s, elapsed_s = _cpu_s(pid) - before_cpu, time.monotonic() - before_s
+                answered_rows = ok * rows
+                per_row_s = cpu_s / answered_rows if answered_rows else float("nan")
+                result = {
+                    "rows_per_bundle": rows,
+                    "bundles_ok": ok,
+                    "bundles_failed": failed,
+                    "rows_per_s": round(answered_rows / elapsed_s, 1),
+                    "worker_cpu_share": round(cpu_s / elapsed_s, 3),
+                    "cpu_us_per_row": round(per_row_s * 1e6, 1),
+                    "cpu_us_per_bundle": round(per_row_s * rows * 1e6, 1),
+                    "one_core_rows_per_s": round(1.0 / per_row_s) if answered_rows else 0,
+                }
+                print(json.dumps(result), flush=True)
+                results.append(result)
+        finally:
+            await client.close()
+    return results
+
+
+def _cpu_s(pid: int) -> float:
+    stat = read_stat(pid)
+    if stat is None:
+        raise RuntimeError(f"worker process {pid} is gone")
+    return stat.cpu_s
+
+
+def fit(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Least squares of CPU per bundle = fixed + rows * per_row, microseconds."""
+    rows = np.array([r["rows_per_bundle"] for r in results], dtype=float)
+    cost = np.array([r["cpu_us_per_bundle"] for r in results], dtype=float)
+    per_row, fixed = np.polyfit(rows, cost, 1)
+    return {"fixed_us_per_bundle": round(float(fixed), 1), "us_per_row": round(float(per_row), 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1,4,16,32,64", help="rows per bundle, comma-separated")
+    parser.add_argument("--callers", type=int, default=16, help="bundles in flight")
+    parser.add_argument("--duration-s", type=float, default=8.0, help="per bundle size")
+    args = parser.parse_args(argv)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    root = Path(tempfile.mkdtemp(prefix="worker-feed-"))
+    repository = root / "repo"
+    write_minilm_repository(repository)
+    stack = start_stack(repository, root / "stack", extra_worker_args=worker_args())
+    try:
+        (worker,) = stack.ready["workers"]
+        address = f"127.0.0.1:{worker['grpc_port']}"
+        results = asyncio.run(
+            measure(address, worker["pid"], sizes, args.callers, args.duration_s)
+        )
+    finally:
+        stack.stop()
+    report = {"callers": args.callers, "tokens_per_row": TOKENS, "sizes": results}
+    if len(results) >= 2:
+        report["fit"] = fit(results)
+        print(json.dumps(report["fit"]))
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

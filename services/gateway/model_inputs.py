@@ -1,0 +1,80 @@
+"""A fixed-cost call's inputs as the worker takes them: checked per call, tokenized per bundle.
+
+The checks that need no tokenizer (types, shapes, empty or oversized texts, token ids in the
+vocabulary) run in the call's own path, so a bad input is refused at once. Texts are tokenized
+when their bundle leaves (services.gateway.coalescer), every caller's in one call of the Rust
+tokenizer; a text too many tokens long then refuses its own caller alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from time import perf_counter
+from typing import Protocol
+
+import numpy as np
+
+from services.common.errors import InvalidInput
+from services.common.tensors import check_row
+from services.common.text import TokenIds
+from services.gateway.catalog import ResolvedModel
+from services.gateway.coalescer import Made, Prepare
+
+#: One input row as a client sent it: text (or its token ids) for text models, a tensor row
+#: otherwise.
+PredictValue = str | TokenIds | np.ndarray
+
+
+class Observer(Protocol):
+    def observe(self, amount: float) -> None: ...
+
+
+def checked_rows(
+    model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
+) -> list[str | np.ndarray]:
+    """Each input row after the checks made per call: a text model's texts checked (see
+    `bundle_tokenizer`) and its token ids as int64; a tensor model's rows checked against its
+    input."""
+    config = model.config
+    if model.encoder is not None:
+        rows: list[str | np.ndarray] = []
+        for value in values:
+            if isinstance(value, str):
+                (text,) = model.encoder.check_texts([value], truncate=truncate)
+                rows.append(text)
+            elif isinstance(value, TokenIds):
+                rows.append(model.encoder.check_ids(value.ids))
+            else:
+                raise InvalidInput(f"{config.name} takes text inputs")
+        return rows
+    spec = config.inputs[0]
+    checked: list[str | np.ndarray] = []
+    for value in values:
+        if not isinstance(value, np.ndarray):
+            raise InvalidInput(f"{config.name} takes tensor inputs")
+        checked.append(check_row(spec.name, spec.dtype, spec.dims, value))
+    return checked
+
+
+def bundle_tokenizer(model: ResolvedModel, *, truncate: bool, seconds: Observer) -> Prepare:
+    """Tokenizes the texts of every caller of a bundle in one call (observing its duration in
+    `seconds`); a caller whose text does not fit the model is refused alone."""
+    encoder = model.encoder
+    if encoder is None:
+        raise ValueError(f"{model.config.name} has no tokenizer")
+
+    def tokenize(calls: Sequence[Sequence[str | np.ndarray]]) -> list[Made]:
+        started = perf_counter()
+        texts = [v for values in calls for v in values if isinstance(v, str)]
+        encoded = iter(encoder.tokenize(texts, truncate=truncate))
+        made: list[Made] = []
+        for values in calls:
+            rows = [v if isinstance(v, np.ndarray) else next(encoded) for v in values]
+            try:
+                made.append([encoder.check_ids(r) for r in rows])
+            except InvalidInput as error:
+                made.append(error)
+        seconds.observe(perf_counter() - started)
+        return made
+
+    return tokenize
