@@ -140,9 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         (worker,) = stack.ready["workers"]
         address = f"127.0.0.1:{worker['grpc_port']}"
-        results = asyncio.run(
-            measure(address, worker["pid"], sizes, args.callers, args.duration_s)
-        )
+        results = asyncio.run(measure(address, worker["pid"], sizes, args.callers, args.duration_s))
     finally:
         stack.stop()
     report = {"callers": args.callers, "tokens_per_row": TOKENS, "sizes": results}
