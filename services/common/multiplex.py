@@ -127,8 +127,14 @@ class MultiplexClient:
         *,
         max_age_s: float = STREAM_MAX_AGE_S,
         linger: LingerConfig = DEFAULT_LINGER,
+        streams: int = 1,
     ) -> None:
-        """`linger`: how a message is held back to gather calls under load (write_linger)."""
+        """`linger`: how a message is held back to gather calls under load (write_linger).
+        `streams`: how many streams take calls at once, in turn. On a channel that balances
+        over several servers (round_robin), each stream goes to the next one, so calls
+        spread over them all instead of one for a stream's whole life."""
+        if streams < 1:
+            raise ValueError("streams must be at least 1")
         self._open_stream: grpc.aio.StreamStreamMultiCallable[
             pb.InferStreamRequest, pb.InferStreamResponse
         ] = channel.stream_stream(
@@ -139,7 +145,9 @@ class MultiplexClient:
         self._name = name
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
-        self._stream: _Stream | None = None
+        #: The streams taking new calls, one per slot (None: the next call opens one).
+        self._slots: list[_Stream | None] = [None] * streams
+        self._turns = itertools.count()
         #: Every stream not yet finished: the current one and those retiring.
         self._streams: list[_Stream] = []
         #: Stream messages written, for tests and metrics: calls / messages is the fan-in.
@@ -200,7 +208,8 @@ class MultiplexClient:
         raise error
 
     async def close(self) -> None:
-        streams, self._streams, self._stream = self._streams, [], None
+        streams, self._streams = self._streams, []
+        self._slots = [None] * len(self._slots)
         for stream in streams:
             stream.fail_all("client closed")
             stream.call.cancel()
@@ -219,20 +228,20 @@ class MultiplexClient:
             stream.wake.set()
 
     def _retire(self, stream: _Stream) -> None:
-        if self._stream is stream:
-            self._stream = None
+        self._slots = [None if s is stream else s for s in self._slots]
         stream.is_retiring = True
         stream.wake.set()
 
     def _current_stream(self) -> _Stream:
         loop = asyncio.get_running_loop()
-        stream = self._stream
+        slot = next(self._turns) % len(self._slots)
+        stream = self._slots[slot]
         if stream is not None and stream.broken is None:
             if loop.time() - stream.opened_s < self._max_age_s:
                 return stream
             stream.is_retiring = True
             stream.wake.set()
-        stream = self._stream = _Stream(self._open_stream(), self._name, loop.time())
+        stream = self._slots[slot] = _Stream(self._open_stream(), self._name, loop.time())
         self._streams = [s for s in self._streams if not all(t.done() for t in s.tasks)]
         self._streams.append(stream)
         stream.tasks = [

@@ -46,6 +46,12 @@ ROUTER_CHANNEL_OPTIONS = (
 )
 
 
+#: Streams a gateway process keeps to the routers, taking its calls in turn: each opens on
+#: the next router of the channel's round robin, so a process spreads its calls over up to
+#: this many routers (beyond that, a fleet's gateway processes spread over the rest).
+ROUTER_STREAMS = 4
+
+
 def router_target(router_address: str) -> str:
     """The gRPC target for `router_address`: one "host:port" (a DNS name balances over all its
     addresses), or comma-separated IPv4 "ip:port" entries, one per router."""
@@ -119,7 +125,7 @@ class Predictor:
         #: Triton-style per-version tally of the Predict calls this gateway answered.
         self.statistics = InferenceStatistics()
         # Every fixed-cost request to the router travels on one multiplexed stream.
-        self._router = MultiplexClient(router, "router")
+        self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
         self._bundles = Coalescer(self._call_router, metrics)
         self._generate = router.unary_stream(

@@ -26,7 +26,7 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
-from tests.support.in_process import Fabric, running_fabric
+from tests.support.in_process import Fabric, metric, running_fabric
 from tests.support.models import (
     STALL,
     affine_reference,
@@ -207,3 +207,27 @@ async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(
     assert slices == 64
     assert 1 <= bundles <= 64
     assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL, model="affine") == bundles
+
+
+async def test_a_gateway_process_spreads_its_calls_over_every_router(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Two routers on one Redis: one gateway process's calls, one at a time (a bundle each),
+    reach both, as its streams to the routers take calls in turn (ROUTER_STREAMS)."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    async with running_fabric(tmp_path / "repo", redis_server, num_routers=2) as fabric:
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            for i in range(16):
+                values = row(i / 16, 0, 1, 0)
+                tensor = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=values.tobytes())
+                request = api.PredictRequest(
+                    model_name="affine", inputs=[api.PredictInput(tensor=tensor)]
+                )
+                await stub.Predict(request, timeout=PATIENT_S)
+        routed = [
+            metric(r.metrics.registry, names.ROUTER_ROUTED_TOTAL, model="affine")
+            for r in (fabric.router, *fabric.more_routers)
+        ]
+    assert sum(routed) == 16
+    assert min(routed) > 0, routed

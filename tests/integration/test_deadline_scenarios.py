@@ -35,7 +35,7 @@ import pytest
 from services.common import metric_names as names
 from services.common.model_repository import DEFAULT_TIMEOUT_MS
 from services.common.registry_schema import route_metadata
-from services.gateway.predictor import PredictCall, PredictResult
+from services.gateway.predictor import ROUTER_STREAMS, PredictCall, PredictResult
 from services.gpu_worker.server import Worker
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
@@ -517,6 +517,9 @@ async def test_s12_a_soak_of_cancels_timeouts_and_errors_leaves_no_per_request_s
                 "OK",
                 "INVALID_ARGUMENT",
             }
+            # ... and every stream the gateway keeps to the routers (they take calls in turn).
+            for i in range(ROUTER_STREAMS):
+                assert await run_soak_call(stub, SoakCall("predict", 0.0, PATIENT_S), i) == "OK"
             baseline_futures = await num_futures()
             plan = soak_plan(random.Random(12), num_calls=300, spread_s=3.0)
             codes = await run_soak(stub, plan)

@@ -48,6 +48,8 @@ class Fabric:
     router: Router
     workers: list[Worker]
     _gateway: Gateway | None = None
+    #: Routers beside `router` on the same Redis (the gateway calls them all).
+    more_routers: list[Router] = field(default_factory=list)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @property
@@ -126,6 +128,7 @@ async def running_fabric(
     num_workers: int = 1,
     num_live_workers: int | None = None,
     with_gateway: bool = True,
+    num_routers: int = 1,
     **router_settings: Any,
 ) -> AsyncIterator[Fabric]:
     """`num_workers` in-process workers (`w0`, `w1`, ...) over `repository`, a router and, unless
@@ -139,20 +142,24 @@ async def running_fabric(
         await start_in_process_worker(repository, redis_server, f"w{i}") for i in range(num_workers)
     ]
     router_settings.setdefault("refresh_period_s", PERIOD_S)
-    router = await create_router(
-        RouterConfig(
-            redis_url=redis_server.router_url, grpc_port=0, metrics_port=0, **router_settings
+    routers = [
+        await create_router(
+            RouterConfig(
+                redis_url=redis_server.router_url, grpc_port=0, metrics_port=0, **router_settings
+            )
         )
-    )
-    fabric = Fabric(router, workers)
-    fabric._tasks.append(asyncio.create_task(router.sync.run(), name="registry-sync"))
+        for _ in range(num_routers)
+    ]
+    fabric = Fabric(routers[0], workers, more_routers=routers[1:])
+    for router in routers:
+        fabric._tasks.append(asyncio.create_task(router.sync.run(), name="registry-sync"))
     expected_live = num_workers if num_live_workers is None else num_live_workers
     try:
         if with_gateway:
             fabric._gateway = await create_gateway(
                 GatewayConfig(
                     model_repository=repository,
-                    router_address=fabric.router_address,
+                    router_address=",".join(f"127.0.0.1:{r.port}" for r in routers),
                     grpc_port=0,
                     metrics_port=0,
                     http_port=0,
@@ -174,7 +181,8 @@ async def running_fabric(
         hung: list[str] = []
         if fabric._gateway is not None:
             await _stop_within("the gateway", fabric._gateway.stop(), hung)
-        await _stop_within("the router", router.stop(), hung)
+        for router in routers:
+            await _stop_within("the router", router.stop(), hung)
         await _cancel_within(fabric._tasks, hung)
         for worker in workers:
             await _stop_within(f"worker {worker.config.worker_id}", worker.stop(), hung)
@@ -228,8 +236,9 @@ async def _cancel_within(tasks: list[asyncio.Task[Any]], hung: list[str]) -> Non
 
 
 async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> bool:
-    if fabric.router_metric(names.ROUTER_LIVE_WORKERS) != num_live_workers:
-        return False
+    for router in (fabric.router, *fabric.more_routers):
+        if metric(router.metrics.registry, names.ROUTER_LIVE_WORKERS) != num_live_workers:
+            return False
     if fabric._gateway is None:
         return True
     models = [path.name for path in repository.iterdir() if (path / "config.toml").exists()]
