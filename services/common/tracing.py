@@ -107,6 +107,8 @@ def outgoing_metadata(extra: tuple[tuple[str, str], ...] = ()) -> tuple[tuple[st
 
 def current_traceparent() -> str:
     """The current span's W3C `traceparent`, or "" when it is not traced."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        return ""  # tracing off: no span to name (and no propagator worth calling)
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return carrier.get("traceparent", "")

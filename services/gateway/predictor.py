@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import os
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
@@ -124,6 +124,8 @@ class Predictor:
         self._retry = retry or RouterRetryConfig()
         #: Triton-style per-version tally of the Predict calls this gateway answered.
         self.statistics = InferenceStatistics()
+        self._id_prefix = os.urandom(8).hex()
+        self._ids = itertools.count()
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
@@ -133,6 +135,11 @@ class Predictor:
             request_serializer=pb.WorkerGenerateRequest.SerializeToString,
             response_deserializer=pb.GenerateResponse.FromString,
         )
+
+    def _new_request_id(self) -> str:
+        """A request id for a call that brought none: 32 hex digits, unique as a UUID4 is (a
+        random prefix per process, then a count), at a fraction of uuid4's cost per call."""
+        return f"{self._id_prefix}{next(self._ids):016x}"
 
     @property
     def max_inputs(self) -> int:
@@ -185,7 +192,7 @@ class Predictor:
         self.admission.charge_rows(policy, len(call.inputs))
         throttle_key = self._throttle_check(config.name, priority, policy.name)
         rows = checked_rows(model, call.inputs, truncate=call.truncate)
-        request_id = call.request_id or uuid.uuid4().hex
+        request_id = call.request_id or self._new_request_id()
         piece = pb.Slice(
             rows=len(rows),
             tenant=call.principal.tenant,
@@ -348,7 +355,7 @@ class Predictor:
             token_ids=ids.astype("<i4").tobytes(),
             sampling=call.sampling,
             tenant=call.principal.tenant,
-            request_id=call.request_id or uuid.uuid4().hex,
+            request_id=call.request_id or self._new_request_id(),
             priority=priority.proto,
             tenant_weight=call.principal.policy.weight,
         )
