@@ -11,6 +11,8 @@ import torch
 
 from services.gpu_worker.backends.base import PreparedRow
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.policy import URGENT_RECENT_S
+from services.gpu_worker.batching.types import CloseReason
 
 
 def resolve_backfill_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
@@ -63,6 +65,17 @@ def run_isolated(
             return [error]
         middle = len(rows) // 2
         return run_isolated(run, rows[:middle]) + run_isolated(run, rows[middle:])
+
+
+def backfill_threads_for(
+    reason: CloseReason, backfill_threads: int, last_urgent_s: float, now_s: float
+) -> int:
+    """torch threads for a batch closed for `reason` (0: the model's own): a backfill held
+    short beside recent online traffic (`last_urgent_s`) runs on `backfill_threads`, leaving
+    the other cores to the online path; a backfill after a quiet spell takes every thread."""
+    if backfill_threads <= 0 or reason is not CloseReason.BACKFILL:
+        return 0
+    return backfill_threads if now_s - last_urgent_s < URGENT_RECENT_S else 0
 
 
 def describe_failure(error: Exception) -> str:

@@ -35,18 +35,14 @@ from services.gpu_worker.batching.lane import (
     warm_up_lane,
 )
 from services.gpu_worker.batching.lane_changes import new_lane, release_device_memory, settle
-from services.gpu_worker.batching.policy import URGENT_RECENT_S
-from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch, QueuedItem
+from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
-from services.gpu_worker.execution import run_on_threads
+from services.gpu_worker.execution import backfill_threads_for, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Admission", "BatchingDriver", "DriverConfig"]
-
-#: Rows at this priority rank or more urgent are online traffic; the rest is `batch` backlog.
-_URGENT_RANK = PriorityClass.INTERACTIVE.rank
 
 
 @dataclass(frozen=True)
@@ -118,7 +114,7 @@ class BatchingDriver:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
         warm_up_lane(lane, self.key_for)
         for bucket in lane.backend.buckets:
-            self._export_gauges(lane, self.key_for(lane.backend, bucket))
+            lane.export_gauges(self._metrics, self.key_for(lane.backend, bucket))
         bound_s = watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
@@ -141,11 +137,6 @@ class BatchingDriver:
         del self._lanes[id(backend)]
         self._order.remove(lane)
         await asyncio.wrap_future(self._executor.submit(release_device_memory))
-
-    def _export_gauges(self, lane: Lane, key: BatchKey) -> None:
-        labels = (*lane.labels, str(key.bucket))
-        self._metrics.max_wait_seconds.labels(*labels).set(lane.batcher.max_wait_s(key))
-        self._metrics.max_batch_size.labels(*labels).set(lane.batcher.max_batch_size_for(key))
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -185,18 +176,7 @@ class BatchingDriver:
         self._executor.shutdown(wait=self._wedged is None)
 
     def load_report(self, backend: Backend) -> LoadReport:
-        lane = self._lanes[id(backend)]
-        smallest = self.key_for(backend, backend.buckets[0])
-        per_row_s = lane.row_cost_s
-        if per_row_s is None:
-            per_row_s = lane.latency.per_item_s(smallest, lane.batcher.max_batch_size_for(smallest))
-        return LoadReport(
-            queued_rows=lane.batcher.queued_at_most(_URGENT_RANK),
-            per_row_s=per_row_s,
-            min_batch_s=lane.latency.predict(smallest, 1),
-            totals=lane.totals.copy(),
-            queued_batch_rows=lane.batcher.num_queued - lane.batcher.queued_at_most(_URGENT_RANK),
-        )
+        return self._lanes[id(backend)].load_report(self.key_for(backend, backend.buckets[0]))
 
     @property
     def is_executing(self) -> bool:
@@ -361,15 +341,6 @@ class BatchingDriver:
             self._execute(lane, dispatch, rows, started=now, predicted_s=predicted_s)
         )
 
-    def _threads_for(self, dispatch: Dispatch, now_s: float) -> int:
-        """torch threads for `dispatch` (0: the model's own): a backfill held short beside
-        recent online traffic runs on `backfill_threads`, leaving the other cores to the online
-        path; a backfill after a quiet spell takes every thread (throughput)."""
-        threads = self._config.backfill_threads
-        if threads <= 0 or dispatch.reason is not CloseReason.BACKFILL:
-            return 0
-        return threads if now_s - self._ledger.last_urgent_s < URGENT_RECENT_S else 0
-
     async def _execute(
         self,
         lane: Lane,
@@ -383,7 +354,9 @@ class BatchingDriver:
         row's linger + backlog + compute equals its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
-        threads = self._threads_for(dispatch, started)
+        threads = backfill_threads_for(
+            dispatch.reason, self._config.backfill_threads, self._ledger.last_urgent_s, started
+        )
         try:
             with batch_span(
                 key=dispatch.key,
@@ -420,6 +393,6 @@ class BatchingDriver:
             for item in dispatch.items:
                 correction_s = (compute_s - predicted_s) / len(rows)
                 self._ledger.charge(item.tenant, correction_s, item.weight)
-            self._export_gauges(lane, dispatch.key)
+            lane.export_gauges(self._metrics, dispatch.key)
         finally:
             self._wake.set()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.common.errors import DeadlineExceeded, ExecutionFailed, Overloaded, Unavailable
+from services.common.priority import PriorityClass
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -32,6 +33,8 @@ __all__ = [
     "warm_up_lane",
 ]
 
+#: Rows at this priority rank or more urgent are online traffic; the rest is `batch` backlog.
+_URGENT_RANK = PriorityClass.INTERACTIVE.rank
 #: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
 WARMUP_RUNS_PER_SHAPE = 2
 
@@ -162,6 +165,26 @@ class Lane:
             f"{key.model}/{key.version} queue is full ({self.batcher.num_queued} rows)",
             retry_after_s=backlog_s,
         )
+
+    def load_report(self, smallest: BatchKey) -> LoadReport:
+        """What routers read of this lane; `smallest` is its smallest bucket's key."""
+        per_row_s = self.row_cost_s
+        if per_row_s is None:
+            per_row_s = self.latency.per_item_s(smallest, self.batcher.max_batch_size_for(smallest))
+        urgent_rows = self.batcher.queued_at_most(_URGENT_RANK)
+        return LoadReport(
+            queued_rows=urgent_rows,
+            per_row_s=per_row_s,
+            min_batch_s=self.latency.predict(smallest, 1),
+            totals=self.totals.copy(),
+            queued_batch_rows=self.batcher.num_queued - urgent_rows,
+        )
+
+    def export_gauges(self, metrics: WorkerMetrics, key: BatchKey) -> None:
+        """The linger and batch size the batcher allows `key` now."""
+        labels = (*self.labels, str(key.bucket))
+        metrics.max_wait_seconds.labels(*labels).set(self.batcher.max_wait_s(key))
+        metrics.max_batch_size.labels(*labels).set(self.batcher.max_batch_size_for(key))
 
     def take_rows(
         self, dispatch: Dispatch, now_s: float, busy_s: float, metrics: WorkerMetrics
