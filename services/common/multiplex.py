@@ -268,7 +268,13 @@ class MultiplexClient:
                     # Calls cancelled before they left need not leave at all.
                     calls = [c for c in calls if c.call_id in stream.pending]
                     cancelled, stream.cancelled = stream.cancelled, []
-                    slices, stream.cancelled_slices = stream.cancelled_slices, []
+                    # A slice's cancel waits for its call to leave (the peer drops the cancels
+                    # of calls it has not read).
+                    unsent = {c.call_id for c in stream.outbox}
+                    slices = [r for r in stream.cancelled_slices if r.call_id not in unsent]
+                    stream.cancelled_slices = [
+                        r for r in stream.cancelled_slices if r.call_id in unsent
+                    ]
                     if not calls and not cancelled and not slices:
                         continue
                     await stream.call.write(

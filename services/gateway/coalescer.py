@@ -20,6 +20,7 @@ withdrawn downstream after (SliceCancels, relayed by the router to the worker).
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,15 @@ class BundleKey:
     is_text: bool
     #: Text models: texts too long are cut, not refused (another tokenizer).
     truncate: bool = False
+    #: `deadline_class` of the caller's time left: a bundle is answered once all its slices
+    #: are, so callers whose deadlines are far apart do not share one.
+    deadline_class: int = 0
+
+
+def deadline_class(timeout_s: float) -> int:
+    """Time left in classes of powers of two milliseconds (bundle-mates' deadlines are within
+    2x of each other)."""
+    return math.ceil(math.log2(max(1.0, timeout_s * 1000.0)))
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,9 @@ class Coalescer:
             linger = self._lingers[key] = WriteLinger(self._linger_config)
         linger.arrived(loop.time())
         bundle = self._open.get(key)
+        if bundle is not None and bundle.rows + len(rows) > max_rows:
+            self._leave(bundle)  # full: these rows start the next one
+            bundle = None
         if bundle is None:
             bundle = self._open[key] = _Bundle(key, prepare)
             self._spawn(self._leave_when_ready(bundle, linger, max_rows))
@@ -133,13 +146,13 @@ class Coalescer:
         bundle.slices.append(entry)
         bundle.rows += len(rows)
         self._in_flight[key] = self._in_flight.get(key, 0) + 1
-        if bundle.rows >= max_rows:
-            self._leave(bundle)
         # A timer, not asyncio.timeout: the same deadline for a fraction of its cost per call.
         timer = loop.call_at(
             loop.time() + max(0.0, deadline_s - time.monotonic()), self._expire, bundle, entry
         )
         try:
+            if bundle.rows >= max_rows:
+                self._leave(bundle)
             return Answered(await entry.future, entry.rows)
         except asyncio.CancelledError:
             self._withdraw(bundle, entry)
@@ -157,6 +170,11 @@ class Coalescer:
             self._withdraw(bundle, entry)
 
     async def close(self) -> None:
+        """Stops: every caller still waiting is answered UNAVAILABLE (not run here)."""
+        closing = UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
+        for bundle in self._open.values():
+            _fail(bundle.slices, closing)
+        self._open.clear()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -167,10 +185,12 @@ class Coalescer:
         task.add_done_callback(self._tasks.discard)
 
     def _withdraw(self, bundle: _Bundle, entry: _Slice) -> None:
-        """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn."""
+        """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn (once:
+        its deadline and its cancellation may both come)."""
         if not bundle.is_sent:
-            bundle.slices.remove(entry)
-            bundle.rows -= len(entry.rows)
+            if entry in bundle.slices:
+                bundle.slices.remove(entry)
+                bundle.rows -= len(entry.rows)
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
 
@@ -191,13 +211,35 @@ class Coalescer:
         bundle.is_sent = True
         if self._open.get(bundle.key) is bundle:
             del self._open[bundle.key]
-        bundle.slices = _prepared(bundle)
+        try:
+            bundle.slices = _prepared(bundle)
+        except Exception as error:  # a bug in preparing: every caller hears of it now
+            _fail(bundle.slices, error)
+            return
         for index, entry in enumerate(bundle.slices):
             entry.index = index
         if bundle.slices:
             self._spawn(self._send_bundle(bundle))
 
     async def _send_bundle(self, bundle: _Bundle) -> None:
+        slices = bundle.slices
+        try:
+            request, route = self._request(bundle)
+            payload = await self._send(
+                request.SerializeToString(),
+                outgoing_metadata(route),
+                max(s.deadline_s for s in slices),
+                bundle.cancels,
+            )
+            _answer(slices, pb.InferResponse.FromString(payload))
+        except Exception as error:  # the whole bundle failed: each caller gets the status
+            _fail(slices, error)
+        except asyncio.CancelledError:  # the gateway is closing
+            _fail(slices, UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down"))
+            raise
+
+    def _request(self, bundle: _Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
+        """The bundle's request and its routing metadata."""
         key, slices = bundle.key, bundle.slices
         deadline_s = max(s.deadline_s for s in slices)
         request = pb.InferRequest(
@@ -205,6 +247,7 @@ class Coalescer:
         )
         tenants = set()
         for entry in slices:
+            entry.piece.rows = len(entry.rows)
             entry.piece.earlier_us = round((deadline_s - entry.deadline_s) * 1e6)
             tenants.add((entry.piece.tenant, entry.piece.tenant_weight))
         request.slices.extend(s.piece for s in slices)
@@ -219,15 +262,13 @@ class Coalescer:
             key.model, key.version, len(rows), key.priority, tenant=tenant, weight=weight
         )
         self._metrics.bundle_slices.labels(key.model).observe(len(slices))
-        try:
-            payload = await self._send(
-                request.SerializeToString(), outgoing_metadata(route), deadline_s, bundle.cancels
-            )
-            _answer(slices, pb.InferResponse.FromString(payload))
-        except Exception as error:  # the whole bundle failed: each caller gets the status
-            for entry in slices:
-                if not entry.future.done():
-                    entry.future.set_exception(error)
+        return request, route
+
+
+def _fail(slices: Sequence[_Slice], error: BaseException) -> None:
+    for entry in slices:
+        if not entry.future.done():
+            entry.future.set_exception(error)
 
 
 def _prepared(bundle: _Bundle) -> list[_Slice]:

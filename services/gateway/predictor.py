@@ -24,7 +24,7 @@ from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import BundleKey, Coalescer, Prepare
+from services.gateway.coalescer import BundleKey, Coalescer, Prepare, deadline_class
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
 from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
@@ -207,7 +207,7 @@ class Predictor:
         is_text = model.encoder is not None
         key = BundleKey(
             config.name, model.version, model.fingerprint, priority.value,
-            is_text=is_text, truncate=call.truncate,
+            is_text=is_text, truncate=call.truncate, deadline_class=deadline_class(timeout_s),
         )  # fmt: skip
         try:
             answered = await self._bundles.call(

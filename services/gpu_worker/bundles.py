@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from services.common.bundles import SliceCancels, slice_time_left_s, unpack_token_rows
-from services.common.errors import InvalidInput
+from services.common.errors import InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.tensors import tensor_from_pb, tensor_to_pb
@@ -99,6 +99,9 @@ class BundleRunner:
             futures = [f for a in admitted for f in a.futures]
             if futures:
                 await asyncio.wait(futures)
+        except asyncio.CancelledError:  # the whole call: its caller went away
+            self._metrics.requests_total.labels(*labels, "CANCELLED").inc(len(outcomes))
+            raise
         finally:
             if stop is not None:
                 stop()
@@ -110,6 +113,12 @@ class BundleRunner:
         )
         for code, count in codes.items():
             self._metrics.requests_total.labels(*labels, code).inc(count)
+        if "OK" not in codes:
+            # Nothing ran here and this worker is failing (a watchdog, a stopped loop): the
+            # bundle fails UNAVAILABLE as a whole, so that the router retries it elsewhere.
+            unavailable = next((r for r in results if isinstance(r, Unavailable)), None)
+            if unavailable is not None:
+                raise unavailable
         return _answer(backend, results)
 
     def _rows_per_slice(

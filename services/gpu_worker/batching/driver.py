@@ -244,13 +244,15 @@ class BatchingDriver:
         self._withdraw(admission.lane, admission.item_ids)
 
     def open_lane(self, backend: Backend) -> Lane:
-        """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded or while the
-        worker drains."""
+        """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded, while it
+        unloads or while the worker drains."""
         lane = self._lanes.get(id(backend))
         if lane is None:
             raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
         if self._draining:
             raise Unavailable(str(self._refusal))
+        if lane.batcher.is_draining:
+            raise Unavailable(f"{backend.config.name}/{backend.version.version} is unloading")
         return lane
 
     def _admit(self, lane: Lane, rows: Sequence[PreparedRow], request: _RequestFacts) -> list[int]:

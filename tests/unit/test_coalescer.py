@@ -1,0 +1,142 @@
+"""The gateway's coalescer (services.gateway.coalescer) against a recorded downstream.
+
+The downstream here is a function that records each bundle it is sent and answers it as a
+worker would (or fails, or never answers): what these tests pin down is the coalescer's own
+bookkeeping, which the integration and e2e tests exercise through real tiers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.bundles import SliceCancels
+from services.common.errors import UpstreamError
+from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.gateway.coalescer import BundleKey, Coalescer, deadline_class
+from services.gateway.metrics import GatewayMetrics
+from services.pb.inference.v1 import worker_pb2 as pb
+
+pytestmark = pytest.mark.unit
+
+KEY = BundleKey("affine", "1", "f", "interactive", is_text=False)
+
+
+class Downstream:
+    """Answers each bundle with its rows doubled, after `delay_s`; records what it was sent."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.bundles: list[pb.InferRequest] = []
+        self.delay_s = delay_s
+
+    async def send(
+        self,
+        body: bytes,
+        metadata: Sequence[tuple[str, str]],
+        deadline_s: float,
+        cancels: SliceCancels,
+    ) -> bytes:
+        request = pb.InferRequest.FromString(body)
+        self.bundles.append(request)
+        await asyncio.sleep(self.delay_s)
+        rows = tensor_from_pb(request.packed.tensor)
+        response = pb.InferResponse(slices=[pb.SliceStatus() for _ in request.slices])
+        response.packed_outputs.CopyFrom(tensor_to_pb(rows * 2))
+        return response.SerializeToString()
+
+
+def coalescer(downstream: Downstream) -> Coalescer:
+    return Coalescer(downstream.send, GatewayMetrics(CollectorRegistry()))
+
+
+def rows(*values: float) -> list[np.ndarray]:
+    return [np.full(2, v, dtype=np.float32) for v in values]
+
+
+async def call(
+    bundles: Coalescer, values: list[np.ndarray], *, timeout_s: float = 5.0, max_rows: int = 8
+) -> list[np.ndarray]:
+    answered = await bundles.call(
+        KEY,
+        values,
+        pb.Slice(tenant="t"),
+        deadline_s=time.monotonic() + timeout_s,
+        max_rows=max_rows,
+    )
+    return answered.outputs
+
+
+async def test_concurrent_calls_share_a_bundle_and_each_gets_its_own_rows() -> None:
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+    answers = await asyncio.gather(*(call(bundles, rows(i, i + 0.5)) for i in range(3)))
+    assert len(downstream.bundles) == 1
+    assert [s.rows for s in downstream.bundles[0].slices] == [2, 2, 2]
+    for i, outputs in enumerate(answers):
+        np.testing.assert_array_equal(np.stack(outputs)[:, 0], [2 * i, 2 * i + 1])
+
+
+async def test_a_bundle_never_holds_more_than_the_max_rows() -> None:
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+    await asyncio.gather(*(call(bundles, rows(1, 2, 3), max_rows=8) for _ in range(4)))
+    sizes = [sum(s.rows for s in b.slices) for b in downstream.bundles]
+    assert sum(sizes) == 12
+    assert max(sizes) <= 8
+
+
+async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+
+    def broken(calls: Sequence[Sequence[object]]) -> list:
+        raise RuntimeError("tokenizer crashed")
+
+    async def one() -> None:
+        await bundles.call(
+            KEY, ["text"], pb.Slice(), deadline_s=time.monotonic() + 30, max_rows=8, prepare=broken
+        )
+
+    started = time.monotonic()
+    results = await asyncio.gather(one(), one(), return_exceptions=True)
+    assert [type(r) for r in results] == [RuntimeError, RuntimeError]
+    assert time.monotonic() - started < 5  # not at the 30 s deadline
+    assert downstream.bundles == []
+    assert bundles._in_flight[KEY] == 0
+
+
+async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_flight() -> None:
+    downstream = Downstream(delay_s=10.0)
+    bundles = coalescer(downstream)
+    task = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.05))
+    with pytest.raises(UpstreamError) as raised:
+        await task
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    # Its slice was withdrawn from the bundle in flight (the cancel travels downstream).
+    (bundle,) = downstream.bundles
+    assert len(bundle.slices) == 1
+    await bundles.close()
+
+
+async def test_close_answers_every_waiting_caller_unavailable() -> None:
+    downstream = Downstream(delay_s=10.0)
+    bundles = coalescer(downstream)
+    waiting = [asyncio.ensure_future(call(bundles, rows(i))) for i in range(3)]
+    await asyncio.sleep(0.01)
+    await bundles.close()
+    for task in waiting:
+        with pytest.raises(UpstreamError) as raised:
+            await task
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_deadline_classes_keep_far_apart_deadlines_in_different_bundles() -> None:
+    assert deadline_class(0.2) != deadline_class(30.0)
+    assert deadline_class(0.2) == deadline_class(0.25)  # within 2x: one class
+    assert deadline_class(0.0) == deadline_class(0.0005)  # at or under 1 ms: the first
