@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim \
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-worker-feed \
 	bench-registry bench-fair-share clean
 
 all: test
@@ -212,9 +212,14 @@ bench-fair-share: install-test
 bench-registry: install-test
 	$(PY) -m bench.registry
 
+# One worker process fed bundles directly (the GPU-speed stand-in): rows/s and CPU per row and
+# per bundle -> bench/results/worker_feed.json.
+bench-worker-feed: install-test
+	$(PY) -m bench.worker_feed
+
 # Every benchmark; results in bench/results/ (ignored by git).
 bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry \
-	bench-fair-share
+	bench-fair-share bench-worker-feed
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache
