@@ -41,9 +41,9 @@ from bench.fabric.measure import (
     Target,
     closed_loop,
     measure_rate,
-    measure_rate_clean,
     measure_raw,
     measure_raw_texts,
+    overload_phases,
     sweep,
     wait_quiet,
 )
@@ -341,17 +341,10 @@ class _Run:
     async def overload(self, target: Target, goodput: float) -> None:
         """Floods at multiples of the batching-on goodput, then normal traffic right after
         them (docs/benchmarks.md: it must be served normally)."""
-        settings, slo_s, log = self.settings, self.slo_s, self.log
-        self.report["overload"] = []
-        if not goodput:
-            return
-        for factor in settings.overload_factors:
-            target.name = f"overload_{factor:g}x"
-            result = await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
-            self.report["overload"].append({"factor": factor, **result.to_dict()})
-        target.name = "after_overload"
-        result = await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)
-        self.report["after_overload"] = result.to_dict()
+        floods, after = await overload_phases(target, goodput, self.settings, self.slo_s, self.log)
+        self.report["overload"] = floods
+        if after is not None:
+            self.report["after_overload"] = after
 
     async def from_ready(self) -> None:
         """A fresh batching-on stack gets open-loop traffic on the mixed texts at half their

@@ -195,6 +195,30 @@ async def measure_rate_clean(
     return result
 
 
+async def overload_phases(
+    target: Target, goodput: float, settings: Settings, slo_s: float, log: Progress
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Floods at `settings.overload_factors` multiples of `goodput`, then normal traffic (half
+    of it) right after them, which must be served normally (docs/benchmarks.md). Returns the
+    floods (each with its factor and, where goodput is known, its goodput over `goodput`) and
+    the traffic after them (None without a goodput to flood)."""
+    if not goodput:
+        return [], None
+    name, floods = target.name, []
+    for factor in settings.overload_factors:
+        target.name = f"{name}_overload_{factor:g}x"
+        result = (
+            await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
+        ).to_dict()
+        median = result["goodput_per_s"]["median"]
+        fraction = None if median is None else round(median / goodput, 3)
+        floods.append({"factor": factor, "goodput_fraction": fraction, **result})
+    target.name = f"{name}_after_overload"
+    after = (await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)).to_dict()
+    target.name = name
+    return floods, after
+
+
 async def closed_loop(
     send: Send,
     concurrency: int,

@@ -13,13 +13,14 @@ phase reports:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.fabric.measure import Progress, Settings, Target, closed_loop, sweep
+from bench.fabric.measure import Progress, Settings, Target, closed_loop, overload_phases, sweep
 from bench.fabric.observe import Observer
 from bench.fabric.stack import REPO_ROOT
 from bench.fabric.targets import identity_sender, predict_sender
@@ -29,6 +30,8 @@ from services.sim.curve import LatencyCurve
 STAND_IN_CURVE = REPO_ROOT / "services" / "sim" / "curves" / "minilm_h100.json"
 #: Closed-loop callers of the per-tier CPU figures (the data-path issue's goals are at 64).
 CALLERS = 64
+#: Multiples of the stand-in's goodput it is flooded at (issue 33's 2x).
+STAND_IN_OVERLOAD = (2.0,)
 #: Processes of a stack that are not tiers of the fabric.
 _NOT_TIERS = frozenset({"redis", "launcher"})
 
@@ -93,6 +96,15 @@ async def measure_stand_in(
         Target("stand_in", send, observer, model), settings, slo_s, log,
         fallback_rate=0.01 * raw_best,
     )  # fmt: skip
+    # 2x only: 10x the stand-in's goodput is past what the load generator can send on time
+    # from this machine (its windows would be void, not a measure of the fabric).
+    floods, after = await overload_phases(
+        Target("stand_in", send, observer, model),
+        swept.get("goodput_per_s") or 0.0,
+        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
+        slo_s,
+        log,
+    )
     loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
     per_request: dict[str, Any] = {}
     for name, sender in loads.items():
@@ -110,6 +122,8 @@ async def measure_stand_in(
         "raw_best_sequences_per_s": round(raw_best, 1),
         "efficiency": round(goodput / raw_best, 4) if raw_best else None,
         **swept,
+        "overload": floods,
+        "after_overload": after,
         "callers": CALLERS,
         "per_request": per_request,
     }
@@ -124,6 +138,14 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
         f" = {config.get('efficiency') or 0:.3f} of the curve's best"
         f" {config['raw_best_sequences_per_s']:.0f}/s",
     ]
+    for flood in config.get("overload", []):
+        p99 = flood["p99_s"]["median"]
+        lines.append(
+            f"  overload {flood['factor']:g}x: goodput {flood['goodput_fraction']} of it, "
+            f"accepted p99 {'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
+        )
+    if (after := config.get("after_overload")) is not None:
+        lines.append(f"  after the floods: {after['good_fraction']:.1%} good")
     for name, run in config.get("per_request", {}).items():
         lines.append(
             f"  {name} at {config['callers']} callers: {run['ok_per_s']:.0f}/s, echo-calls per "
