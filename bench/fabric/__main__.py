@@ -153,6 +153,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         help="extra worker argument for both stacks, repeatable: --worker-arg=--torch-threads=1",
     )
     parser.add_argument(
+        "--gateway-arg",
+        action="append",
+        default=[],
+        help="extra gateway argument for every stack, repeatable: "
+        "--gateway-arg=--max-concurrent-rpcs=128",
+    )
+    parser.add_argument(
         "--wait-quiet-s",
         type=float,
         help="before each phase (and before re-measuring a rate that other processes disturbed)"
@@ -190,12 +197,17 @@ async def _stack_phase(
     wait_s: float,
     worker_args: tuple[str, ...],
     quiet_first: bool = True,
+    gateway_args: tuple[str, ...] = (),
 ) -> Any:
     """Starts a stack on `repository`, runs `measure(stack, channel)`, always stops it. Waits
     for the CPU to be quiet first, unless `quiet_first` is False (a measurement from ready)."""
     log(f"[{name}] starting stack (redis, router, worker, gateway) on {repository}")
     stack = await asyncio.to_thread(
-        start_stack, repository, state_dir / name, extra_worker_args=worker_args
+        start_stack,
+        repository,
+        state_dir / name,
+        extra_worker_args=worker_args,
+        extra_gateway_args=gateway_args,
     )
     log(f"[{name}] stack ready: gateway {stack.gateway_address}, pids {stack.pids()}")
     if quiet_first:
@@ -277,6 +289,7 @@ class _Run:
             self.settings.wait_quiet_s,
             (*self.args.worker_arg, *extra_worker_args),
             quiet_first,
+            tuple(self.args.gateway_arg),
         )
 
     async def stand_in(self, echo_result: dict[str, Any], bucket: int) -> None:
@@ -407,6 +420,7 @@ def _prepare(args: argparse.Namespace, settings: Settings, log: Progress) -> tup
     report: dict[str, Any] = {
         "settings": dataclasses.asdict(settings),
         "worker_args": list(args.worker_arg),
+        "gateway_args": list(args.gateway_arg),
         "machine": _machine(),
         "model": {
             "name": MODEL,
