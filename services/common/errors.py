@@ -7,6 +7,8 @@ calls `context.abort` itself. A caller going away is asyncio's own cancellation,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import grpc
 
 #: Trailing-metadata key carrying the retry hint of RESOURCE_EXHAUSTED answers.
@@ -100,6 +102,10 @@ class ExecutionFailed(ServingError):
     code = grpc.StatusCode.INTERNAL
 
 
+#: gRPC status codes by their number.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
 class UpstreamError(ServingError):
     """A downstream tier's status, passed through to our caller unchanged (retry hint kept).
 
@@ -139,6 +145,11 @@ class UpstreamError(ServingError):
         waited too long in this tier's own queue runs out of time too, and taking that for a
         downstream refusal would throttle harder exactly when this tier is the bottleneck."""
         return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    @classmethod
+    def from_status(cls, code: int, message: str, trailers: Mapping[str, str]) -> UpstreamError:
+        """A status that came back as numbers and maps (a multiplexed call's, a slice's)."""
+        return cls(_CODES.get(code, grpc.StatusCode.UNKNOWN), message, tuple(trailers.items()))
 
     @classmethod
     def from_rpc_error(cls, error: grpc.aio.AioRpcError) -> UpstreamError:

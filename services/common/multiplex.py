@@ -69,8 +69,6 @@ def channel_options(keepalive_s: float = KEEPALIVE_S) -> tuple[tuple[str, int], 
 
 CHANNEL_OPTIONS = channel_options()
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
 
 def _timeout_us(timeout_s: float | None) -> int:
     # 0 on the wire means "no deadline"; a deadline already past is sent as 1 us.
@@ -201,8 +199,7 @@ class MultiplexClient:
                 stop_listening()
         if result.code == 0:
             return result.response
-        code = _CODES.get(result.code, grpc.StatusCode.UNKNOWN)
-        error = UpstreamError(code, result.message, tuple(result.trailers.items()))
+        error = UpstreamError.from_status(result.code, result.message, result.trailers)
         if error.is_not_started:
             self._retire(stream)  # the peer is closing it: the next call opens a new one
         raise error
@@ -270,11 +267,11 @@ class MultiplexClient:
                     cancelled, stream.cancelled = stream.cancelled, []
                     # A slice's cancel waits for its call to leave (the peer drops the cancels
                     # of calls it has not read).
-                    unsent = {c.call_id for c in stream.outbox}
-                    slices = [r for r in stream.cancelled_slices if r.call_id not in unsent]
-                    stream.cancelled_slices = [
-                        r for r in stream.cancelled_slices if r.call_id in unsent
-                    ]
+                    slices, stream.cancelled_slices = stream.cancelled_slices, []
+                    if slices and stream.outbox:
+                        unsent = {c.call_id for c in stream.outbox}
+                        stream.cancelled_slices = [r for r in slices if r.call_id in unsent]
+                        slices = [r for r in slices if r.call_id not in unsent]
                     if not calls and not cancelled and not slices:
                         continue
                     await stream.call.write(

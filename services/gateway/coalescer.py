@@ -38,8 +38,6 @@ from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLing
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
-
 #: Turns each caller's values into its rows, once per bundle (a text model tokenizes every
 #: caller's texts in one call): per caller, its rows or the InvalidInput that refuses it alone.
 Made = list[np.ndarray] | InvalidInput
@@ -311,7 +309,6 @@ def _answer(slices: Sequence[_Slice], response: pb.InferResponse) -> None:
             if not entry.future.done():
                 entry.future.set_result(result)
         elif not entry.future.done():
-            code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
             entry.future.set_exception(
-                UpstreamError(code, status.message, tuple(status.trailers.items()))
+                UpstreamError.from_status(status.code, status.message, status.trailers)
             )

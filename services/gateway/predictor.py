@@ -130,6 +130,8 @@ class Predictor:
         self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
         self._bundles = Coalescer(self._call_router, metrics)
+        #: Per (model, version, fingerprint, truncate): versions come and go, a few each.
+        self._tokenizers: dict[tuple[str, str, str, bool], Prepare] = {}
         self._generate = router.unary_stream(
             GENERATE_METHOD,
             request_serializer=pb.WorkerGenerateRequest.SerializeToString,
@@ -147,8 +149,15 @@ class Predictor:
         return self._max_inputs
 
     def _tokenizer(self, model: ResolvedModel, truncate: bool) -> Prepare:
-        histogram = self._metrics.tokenize_seconds.labels(model.config.name)
-        return bundle_tokenizer(model, truncate=truncate, seconds=histogram)
+        """The bundle tokenizer of `model`'s version, made once (not per call)."""
+        key = (model.config.name, model.version, model.fingerprint, truncate)
+        prepare = self._tokenizers.get(key)
+        if prepare is None:
+            histogram = self._metrics.tokenize_seconds.labels(model.config.name)
+            prepare = self._tokenizers[key] = bundle_tokenizer(
+                model, truncate=truncate, seconds=histogram
+            )
+        return prepare
 
     async def predict(self, call: PredictCall) -> PredictResult:
         policy = call.principal.policy

@@ -8,6 +8,7 @@ bundle shares (the model, its version and fingerprint, the packed columns) fails
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 from collections import Counter
@@ -164,13 +165,14 @@ class BundleRunner:
         if piece.unnormalized:
             rows = [dataclasses.replace(r, is_normalized=False) for r in rows]
         try:
-            with traced_as(piece.traceparent):
+            priority = request_priority(piece.priority)
+            with traced_as(piece.traceparent) if piece.traceparent else contextlib.nullcontext():
                 return self._batching.admit(
                     backend,
                     rows,
                     timeout_s=slice_time_left_s(time_left_s, piece.earlier_us),
                     tenant=piece.tenant or "default",
-                    priority=request_priority(piece.priority),
+                    priority=priority,
                     weight=piece.tenant_weight,
                 )
         except Exception as error:

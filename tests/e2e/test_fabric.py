@@ -169,7 +169,6 @@ async def test_every_tier_counts_the_load_and_worker_time_adds_up(stack: Stack) 
     # Concurrent calls travel to the router in bundles: it routes and answers each once.
     bundles = delta(stack.gateway, f"{names.GATEWAY_BUNDLE_SLICES}_count")
     assert delta(stack.gateway, f"{names.GATEWAY_BUNDLE_SLICES}_sum") == num_requests
-    assert 1 <= bundles <= num_requests
     assert delta(stack.router, names.ROUTER_RESPONSES_TOTAL, code="OK") == bundles
     assert delta(stack.router, names.ROUTER_ROUTED_TOTAL) == bundles
     assert worker_delta(names.WORKER_REQUESTS_TOTAL, code="OK") == num_requests

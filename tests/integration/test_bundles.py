@@ -205,7 +205,9 @@ async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(
     bundles = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_count", model="affine")
     slices = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_sum", model="affine")
     assert slices == 64
-    assert 1 <= bundles <= 64
+    # Some callers shared a bundle: 64 concurrent calls went as 26-60 bundles over 8 runs
+    # (the most on a machine busy with other work, where more calls arrive per loop turn).
+    assert bundles < 64
     assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL, model="affine") == bundles
 
 

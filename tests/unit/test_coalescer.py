@@ -103,10 +103,9 @@ async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> No
             KEY, ["text"], pb.Slice(), deadline_s=time.monotonic() + 30, max_rows=8, prepare=broken
         )
 
-    started = time.monotonic()
     results = await asyncio.gather(one(), one(), return_exceptions=True)
+    # The failure itself, not the deadline's DEADLINE_EXCEEDED (30 s away).
     assert [type(r) for r in results] == [RuntimeError, RuntimeError]
-    assert time.monotonic() - started < 5  # not at the 30 s deadline
     assert downstream.bundles == []
     assert bundles._in_flight[KEY] == 0
 
