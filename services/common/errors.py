@@ -7,6 +7,7 @@ calls `context.abort` itself. A caller going away is asyncio's own cancellation,
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 
 import grpc
@@ -17,6 +18,16 @@ RETRY_AFTER_MS_KEY = "retry-after-ms"
 #: closing stream): nothing ran, so the caller may send it to another server. One hop only:
 #: a tier never passes its peer's mark on to its own caller.
 NOT_STARTED_TRAILER = ("x-fabric-retry", "not-started")
+#: Retry hints are spread by this share either way, so that callers refused together do not
+#: all come back together (one more flood, in step).
+RETRY_JITTER = 0.25
+
+
+def retry_after_trailer(retry_after_s: float, rng: random.Random | None = None) -> tuple[str, str]:
+    """The `retry-after-ms` trailer of a refusal: `retry_after_s`, jittered by RETRY_JITTER,
+    at least 1 ms."""
+    spread = (rng or random).uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)
+    return (RETRY_AFTER_MS_KEY, str(max(1, round(retry_after_s * spread * 1000))))
 
 
 class ServingError(Exception):
@@ -62,12 +73,16 @@ class Overloaded(ServingError):
 
     def __init__(self, message: str, *, retry_after_s: float = 0.0) -> None:
         super().__init__(message)
+        #: The hint before jitter, seconds (policies compare it; the trailer spreads it).
         self.retry_after_s = retry_after_s
+        self._trailer: tuple[str, str] | None = None
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         if self.retry_after_s <= 0:
             return ()
-        return ((RETRY_AFTER_MS_KEY, str(max(1, round(self.retry_after_s * 1000)))),)
+        if self._trailer is None:  # jittered once per refusal
+            self._trailer = retry_after_trailer(self.retry_after_s)
+        return (self._trailer,)
 
 
 class DeadlineExceeded(ServingError):

@@ -9,11 +9,15 @@
 
 Every call takes `timeout_s` (the call's deadline; default the client's) and `priority`
 ("critical", "interactive", "batch"; default the tenant's). Failures raise `FabricError` with
-the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retry hint.
+the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retry hint. A
+predict refused for load is sent again after the server's hint while its deadline allows,
+within a retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)`
+turns that off.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +29,7 @@ import numpy as np
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
+from inference_fabric_client.retry import RetryBudget, RetryPolicy
 
 if TYPE_CHECKING:
     from inference_fabric_client.jobs import Jobs
@@ -122,10 +127,12 @@ class Client:
         client_key: str | Path | bytes | None = None,
         server_name: str | None = None,
         timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
     ) -> None:
         """`tls`: verify the gateway with `root_certificates` (PEM; default the system's);
         `client_certificate`/`client_key` for mutual TLS; `server_name` overrides the name
-        checked in the gateway's certificate."""
+        checked in the gateway's certificate. `retry`: when refused predicts are sent again
+        (default RetryPolicy())."""
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         if tls:
             credentials = grpc.ssl_channel_credentials(
@@ -137,6 +144,8 @@ class Client:
         self._stub = api_grpc.InferenceServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
+        self._retry = retry or RetryPolicy()
+        self._budget = RetryBudget(self._retry)
 
     def __enter__(self) -> Client:
         return self
@@ -175,14 +184,33 @@ class Client:
             request_id=request_id,
             priority=_priority(priority),
         )
-        try:
-            reply = self._stub.Predict(
-                request, timeout=timeout_s or self._timeout_s, metadata=self._metadata
-            )
-        except grpc.RpcError as error:
-            raise FabricError.from_rpc(error) from None
+        reply = self._call_with_retries(self._stub.Predict, request, timeout_s or self._timeout_s)
         outputs = [_array(t) for t in reply.outputs]
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
+
+    def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
+        """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint
+        is sent again after the hint while time and the retry budget allow."""
+        deadline = time.monotonic() + timeout_s
+        self._budget.on_call()
+        for attempt in range(self._retry.max_retries + 1):
+            try:
+                return method(  # type: ignore[operator]
+                    request, timeout=max(0.0, deadline - time.monotonic()), metadata=self._metadata
+                )
+            except grpc.RpcError as error:
+                failure = FabricError.from_rpc(error)
+            hint = failure.retry_after_s
+            if (
+                failure.code != "RESOURCE_EXHAUSTED"
+                or hint is None
+                or attempt == self._retry.max_retries
+                or time.monotonic() + hint >= deadline
+                or not self._budget.try_spend()
+            ):
+                raise failure from None
+            time.sleep(hint)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     def embed(
         self,

@@ -1,0 +1,52 @@
+"""Retrying refused calls, within a budget.
+
+A call refused for load (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) ran nothing, so it
+is safe to send again, after the hint and while its deadline leaves time. Retries are also
+load: a client that retried every refusal would multiply a flood by its retry count. So, as
+Finagle's and gRPC's retry budgets do, retries are bounded to a share of the calls this client
+made recently (`ratio`), plus a few at any time (`min_tokens`) so that a quiet client is not
+left without one.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """When a refused call is sent again."""
+
+    #: Most attempts after the first, per call.
+    max_retries: int = 2
+    #: Retries may be at most this share of calls (each call earns `ratio` of a retry).
+    ratio: float = 0.1
+    #: Retries the budget holds at most, and starts with.
+    min_tokens: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0 or self.ratio < 0 or self.min_tokens < 0:
+            raise ValueError("max_retries, ratio and min_tokens must be >= 0")
+
+
+class RetryBudget:
+    """A token bucket of retries: each call adds `ratio` of a token, each retry takes one.
+    Thread-safe (the client is)."""
+
+    def __init__(self, policy: RetryPolicy) -> None:
+        self._policy = policy
+        self._tokens = policy.min_tokens
+        self._lock = threading.Lock()
+
+    def on_call(self) -> None:
+        with self._lock:
+            self._tokens = min(self._policy.min_tokens, self._tokens + self._policy.ratio)
+
+    def try_spend(self) -> bool:
+        """Takes a retry if the budget has one."""
+        with self._lock:
+            if self._tokens < 1.0:
+                return False
+            self._tokens -= 1.0
+            return True

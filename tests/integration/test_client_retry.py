@@ -1,0 +1,103 @@
+"""The slim client's retries (inference_fabric_client.retry) against a real gRPC server on
+port 0 that refuses for load before it serves: the client waits the hint and sends again while
+its deadline and its retry budget allow, and never retries what was not refused for load."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from inference_fabric_client import Client, FabricError
+from inference_fabric_client.retry import RetryPolicy
+
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+
+pytestmark = pytest.mark.integration
+
+
+@dataclass
+class Refusing(api_grpc.InferenceServiceServicer):
+    """Refuses the first `refusals` Predicts (RESOURCE_EXHAUSTED, `hint_ms`), then answers."""
+
+    refusals: int = 0
+    hint_ms: int = 20
+    code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
+    calls: list[float] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def Predict(self, request: api.PredictRequest, context: Any) -> api.PredictResponse:
+        with self.lock:
+            self.calls.append(time.monotonic())
+            refuse = len(self.calls) <= self.refusals
+        if refuse:
+            context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
+            context.abort(self.code, "busy")
+        return api.PredictResponse(model_name=request.model_name, model_version="1")
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    servers: list[grpc.Server] = []
+
+    def start(servicer: Refusing) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api_grpc.add_InferenceServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(grace=None)
+
+
+def test_a_refused_call_is_sent_again_after_the_hint(serve: Any) -> None:
+    servicer = Refusing(refusals=2, hint_ms=50)
+    with Client(serve(servicer)) as client:
+        result = client.predict("m", ["hello"], timeout_s=10)
+    assert result.model == "m"
+    assert len(servicer.calls) == 3
+    gaps = [b - a for a, b in zip(servicer.calls, servicer.calls[1:], strict=False)]
+    assert all(gap >= 0.05 for gap in gaps), gaps
+
+
+def test_retries_stop_at_max_retries_and_at_the_deadline(serve: Any) -> None:
+    servicer = Refusing(refusals=100, hint_ms=10)
+    policy = RetryPolicy(max_retries=3)
+    with Client(serve(servicer), retry=policy) as client, pytest.raises(FabricError) as raised:
+        client.predict("m", ["hello"], timeout_s=10)
+    assert raised.value.code == "RESOURCE_EXHAUSTED" and raised.value.retry_after_s == 0.01
+    assert len(servicer.calls) == 4
+
+    slow = Refusing(refusals=100, hint_ms=5000)
+    with Client(serve(slow)) as client, pytest.raises(FabricError):
+        client.predict("m", ["hello"], timeout_s=1)
+    assert len(slow.calls) == 1  # the hint is past the deadline: no retry
+
+
+def test_the_budget_bounds_retries_to_a_share_of_calls(serve: Any) -> None:
+    servicer = Refusing(refusals=1000, hint_ms=1)
+    policy = RetryPolicy(max_retries=5, ratio=0.1, min_tokens=2)
+    with Client(serve(servicer), retry=policy) as client:
+        for _ in range(20):
+            with pytest.raises(FabricError):
+                client.predict("m", ["hello"], timeout_s=10)
+    # 20 calls; the budget starts at 2 retries and earns 0.1 per call (capped at 2): at most
+    # 2 + 20 * 0.1 = 4 retries, where unbudgeted the client would have sent 100 more.
+    assert 20 < len(servicer.calls) <= 24
+
+
+def test_other_failures_are_never_retried(serve: Any) -> None:
+    servicer = Refusing(refusals=1, code=grpc.StatusCode.UNAVAILABLE)
+    with Client(serve(servicer)) as client, pytest.raises(FabricError) as raised:
+        client.predict("m", ["hello"], timeout_s=10)
+    assert raised.value.code == "UNAVAILABLE"
+    assert len(servicer.calls) == 1
