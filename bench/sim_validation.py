@@ -287,6 +287,10 @@ class Side:
     p50_ms: float
     p99_ms: float
     ok_share: float
+    #: Share refused for load (RESOURCE_EXHAUSTED): past capacity, or a queue standing because
+    #: the machine slowed (the worker's standing-queue rule, services/gpu_worker/batching/
+    #: slo_shedding.py, on both sides).
+    refused_share: float
 
 
 def _percentile(values: Sequence[float], rank: float) -> float:
@@ -307,6 +311,11 @@ def real_side(
         p50_ms=_percentile(answered, 50) * 1e3,
         p99_ms=_percentile(answered, 99) * 1e3,
         ok_share=len(answered) / len(measured) if measured else math.nan,
+        refused_share=(
+            sum(1 for o in measured if o.status == "RESOURCE_EXHAUSTED") / len(measured)
+            if measured
+            else math.nan
+        ),
     )
 
 
@@ -366,12 +375,13 @@ def sim_side(
         ),
     )
     summary = run(scenario).summary
-    answered = summary["answered"]
+    offered = summary["offered_per_s"] * summary["measured_s"]
     side = Side(
         goodput_per_s=summary["goodput_per_s"],
         p50_ms=summary["latency_ms"]["p50"],
         p99_ms=summary["latency_ms"]["p99"],
-        ok_share=answered / (summary["offered_per_s"] * summary["measured_s"]),
+        ok_share=summary["answered"] / offered,
+        refused_share=sum(summary["refusals"].values()) / offered,
     )
     return side, summary
 

@@ -76,6 +76,7 @@ WORKER_MAX_WAIT_SECONDS = "inference_worker_max_wait_seconds"
 WORKER_MAX_BATCH_SIZE = "inference_worker_max_batch_size"
 WORKER_LATENCY_SLOWDOWN = "inference_worker_latency_slowdown"
 WORKER_QUEUE_DEPTH = "inference_worker_queue_depth"
+WORKER_QUEUE_STANDING = "inference_worker_queue_standing"
 WORKER_WATCHDOG_EXPIRED_TOTAL = "inference_worker_watchdog_expired_total"
 WORKER_MODEL_LOAD_FAILURES_TOTAL = "inference_worker_model_load_failures_total"
 

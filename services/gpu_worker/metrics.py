@@ -168,6 +168,13 @@ class WorkerMetrics:
         self.queue_depth = new.gauge(
             names.WORKER_QUEUE_DEPTH, "Rows queued and not yet dispatched.", _MODEL
         )
+        self.queue_standing = new.gauge(
+            names.WORKER_QUEUE_STANDING,
+            "1 while the model's queue stands (dispatch after dispatch for a whole SLO, rows "
+            "left queued that had waited above a tenth of it and above the longest linger): "
+            "online rows predicted to miss the SLO are then refused.",
+            _MODEL,
+        )
 
     def charge_tenant(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None:
         """Records executor time (and, for generation, tokens) spent on `tenant`'s work."""
@@ -199,3 +206,4 @@ class WorkerMetrics:
             histogram.labels(model, version)
         self.rows_total.labels(model, version)
         self.queue_depth.labels(model, version).set(0)
+        self.queue_standing.labels(model, version).set(0)

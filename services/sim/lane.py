@@ -11,6 +11,7 @@ from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey
 from services.sim.curve import LatencyCurve, ServiceTime
 
@@ -60,8 +61,13 @@ class SimLane:
         curve.seed(self.latency, self.keys)
         self.batcher = Batcher(_batcher_config(spec, driver), self.latency, ledger)
         self.service = ServiceTime(curve.truth(self.keys), noise_sigma, rng)
-        #: How long past arrival a row may finish, for a `shed_past_slo` model (else None).
-        self.shed_s = spec.slo_s - driver.upstream_budget_s if spec.shed_past_slo else None
+        #: When new rows must finish within the SLO, as the real lane's (slo_shedding.py).
+        self.shedding = SloShedding(
+            spec.slo_s,
+            shed_past_slo=spec.shed_past_slo,
+            upstream_budget_s=driver.upstream_budget_s,
+            max_linger_s=driver.max_wait_cap_s,
+        )
         #: EWMA over dispatched rows of the predicted per-row cost of their key at full
         #: batches (the real lane's `row_cost_s`); None until the first batch.
         self.row_cost_s: float | None = None

@@ -169,7 +169,8 @@ class SimWorker:
         batcher = lane.batcher
         decision: Admitted | Rejected = batcher.can_admit(1)
         if isinstance(decision, Admitted):
-            shed_s = lane.shed_s
+            priority = _rank_of(arrival.priority)
+            shed_s = lane.shedding.budget_s(priority, batcher.num_queued)
             item = QueuedItem(
                 item_id=next(self._item_ids),
                 key=lane.key_for(arrival.num_tokens),
@@ -178,7 +179,7 @@ class SimWorker:
                 arrival_s=now_s,
                 deadline_s=request.deadline_s,
                 finish_by_s=None if shed_s is None else now_s + shed_s,
-                priority=_rank_of(arrival.priority),
+                priority=priority,
                 weight=self._weight_for(arrival.tenant),
             )
             decision = batcher.add(item, now_s, executor_free_s=self._running_until_s)
@@ -280,6 +281,7 @@ class SimWorker:
             self.queue_wait_s_total += wait_s
             counts[bisect.bisect_left(WORKER_SECONDS_BUCKETS, wait_s)] += 1
             self.backlog_s_total += busy_s - self._busy_at_arrival.pop(item.item_id, busy_s)
+        lane.shedding.after_dispatch(now_s, lane.batcher.oldest_urgent_wait_s(now_s))
         self.rows_dispatched += size
         self._running = dispatch
         self._running_lane = lane

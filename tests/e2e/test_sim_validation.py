@@ -49,7 +49,12 @@ def test_the_validation_command_measures_both_sides_at_every_load(
     assert {key.split("x")[0] for key in report["calibration"]["curve_ms"]} == {"16", "128"}
     for row in rows:
         assert row["runs"] == 1 and row["rate_per_s"] > 0, row
-        assert row["real"]["ok_share"] == 1.0, row
+        # Every call answered, or refused for load: on a machine slowed by its neighbours the
+        # worker's queue may stand and refuse what would miss the SLO (issue 33); nothing else
+        # fails.
+        real = row["real"]
+        assert real["ok_share"] > 0, row
+        assert real["ok_share"] + real["refused_share"] == pytest.approx(1.0), row
         # Goodput counts answers within the 250 ms SLO, which a busy machine may miss: its
         # value is the benchmark's. Latencies exist on both sides, so their ratios do too.
         for side in (row["real"], row["sim"]):

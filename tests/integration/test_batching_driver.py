@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import InvalidInput, Unavailable
+from services.common.errors import InvalidInput, Overloaded, Unavailable
 from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
@@ -256,3 +257,55 @@ async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threa
     finally:
         await driver.drain()
         torch.set_num_threads(previous)
+
+
+async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_rows_queue(
+    tmp_path: Path,
+) -> None:
+    """Issue 33's rule at the batcher (CoDel on the rows' queue wait, target a tenth of the SLO,
+    interval the SLO), on the real clock with batches that take BATCH_S: a flood of patient
+    callers (30 s deadlines, SLO 200 ms) is absorbed at first, then, once every row has waited
+    above 20 ms for 200 ms, a new online row predicted to miss the SLO is refused with a retry
+    hint although its deadline would allow it, and a `batch` row still queues. Every row
+    admitted is served, and once the queue has drained an online row is admitted again."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=200, max_queue_size=1024)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    run = backend.run
+
+    def run_for_batch_s(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        time.sleep(BATCH_S)  # warm-up too: the latency model learns BATCH_S per batch
+        return run(rows)
+
+    backend.run = run_for_batch_s  # type: ignore[method-assign]
+    registry = CollectorRegistry()
+    driver = BatchingDriver(
+        [backend], DriverConfig(), WorkerMetrics(registry), clock=time.monotonic
+    )
+    driver.warm_up()
+    driver.start()
+
+    def rows(count: int) -> Sequence[PreparedRow]:
+        return backend.prepare_many([np.full(4, i, dtype=np.float32) for i in range(count)])
+
+    def is_standing() -> bool:
+        return total(generate_latest(registry).decode(), names.WORKER_QUEUE_STANDING) == 1
+
+    try:
+        # 25 batches of 8: about 1 s, standing from about 0.24 s on.
+        flood = asyncio.gather(
+            *(driver.submit(backend, rows(1), timeout_s=30, tenant="t") for _ in range(200))
+        )
+        await eventually(is_standing, interval_s=0.001)
+        with pytest.raises(Overloaded, match="past its SLO") as refused:
+            driver.admit(backend, rows(1), timeout_s=30, tenant="t")
+        assert refused.value.retry_after_s > 0
+        batch = driver.submit(
+            backend, rows(1), timeout_s=30, tenant="jobs", priority=PriorityClass.BATCH
+        )
+        assert len(await batch) == 1
+        assert len(await flood) == 200
+
+        assert len(await driver.submit(backend, rows(1), timeout_s=30, tenant="t")) == 1
+    finally:
+        await driver.drain()

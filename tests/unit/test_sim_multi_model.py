@@ -24,6 +24,7 @@ from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig, Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
@@ -108,6 +109,7 @@ class DirectLane:
     batcher: Batcher
     latency: LatencyModel
     truth: LatencyModel
+    shedding: SloShedding
 
 
 @dataclass
@@ -150,6 +152,7 @@ class DirectDriver:
         size = len(action.items)
         ids = tuple(item.item_id for item in action.items)
         self.batches.append((now_s, action.key.bucket, ids, action.reason.value))
+        lane.shedding.after_dispatch(now_s, lane.batcher.oldest_urgent_wait_s(now_s))
         self.running, self.running_lane, self.running_since_s = action, lane, now_s
         self.predicted_s = lane.latency.predict(action.key, size)
         self.running_until_s = now_s + self.predicted_s
@@ -182,7 +185,14 @@ def direct_lane(
         max_wait_cap_s=driver.max_wait_cap_s,
         min_expected_arrivals=driver.min_expected_arrivals,
     )
-    return DirectLane(spec, Batcher(config, latency, ledger), latency, curve.truth(keys))
+    shedding = SloShedding(
+        spec.slo_s,
+        shed_past_slo=spec.shed_past_slo,
+        upstream_budget_s=driver.upstream_budget_s,
+        max_linger_s=driver.max_wait_cap_s,
+    )
+    batcher = Batcher(config, latency, ledger)
+    return DirectLane(spec, batcher, latency, curve.truth(keys), shedding)
 
 
 def direct_batches(
@@ -206,6 +216,8 @@ def direct_batches(
             arrival = arrivals[index]
             index += 1
             lane = lane_of[arrival.model]
+            rank = PriorityClass.parse(arrival.priority).rank
+            budget_s = lane.shedding.budget_s(rank, lane.batcher.num_queued)
             item = QueuedItem(
                 item_id=next_id,
                 key=lane.spec.key(lane.spec.bucket_for(arrival.num_tokens)),
@@ -213,7 +225,8 @@ def direct_batches(
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=now_s + TIMEOUT_S,
-                priority=PriorityClass.parse(arrival.priority).rank,
+                finish_by_s=None if budget_s is None else now_s + budget_s,
+                priority=rank,
                 weight=DEFAULT_WEIGHT,
             )
             decision = lane.batcher.can_admit(1)
@@ -236,7 +249,7 @@ def test_a_two_model_worker_dispatches_as_two_batchers_on_one_executor_do(
     arrivals = make_arrivals(seed, rate_per_s=rate_per_s, num=2000)
     simulated, simulated_refusals, _ = simulated_batches(arrivals, driver)
     direct, direct_refusals = direct_batches(arrivals, driver)
-    assert len(simulated) > 50
+    assert len(simulated) > 30  # enough batches to compare (past capacity, many are refused)
     assert {bucket in HEAVY_BUCKETS for _, bucket, _, _ in simulated} == {True, False}
     assert simulated == direct
     assert simulated_refusals == direct_refusals

@@ -259,7 +259,7 @@ class BatchingDriver:
         """Queues every row of one request or none (synchronous: nothing else is queued between
         the check for room and the rows). A refused row refuses the request, all rows rejected."""
         now, model = self._clock(), lane.backend.config
-        shed_budget_s = model.shed_budget_s(self._config.upstream_budget_s)
+        shed_budget_s = lane.shedding.budget_s(request.rank, lane.batcher.num_queued)
         busy_s = self._busy_s(now)
         decision = lane.batcher.can_admit(len(rows))
         item_ids: list[int] = []

@@ -38,6 +38,13 @@ class KeyQueue:
             heapq.heappop(self.arrivals)
         return self.arrivals[0][0]
 
+    def oldest_urgent_arrival_s(self) -> float | None:
+        """Arrival of the oldest row queued ahead of `batch` (the heap holds only those), or
+        None when there is none."""
+        while self.arrivals and self.arrivals[0][1] not in self.items:
+            heapq.heappop(self.arrivals)
+        return self.arrivals[0][0] if self.arrivals else None
+
     def earliest_limit_s(self) -> float:
         while self.limits[0][1] not in self.items:
             heapq.heappop(self.limits)

@@ -19,6 +19,7 @@ from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.execution import describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
@@ -104,6 +105,8 @@ class Lane:
     backend: Backend
     batcher: Batcher
     latency: LatencyModel
+    #: When new rows must finish within the SLO, not just their deadline (slo_shedding.py).
+    shedding: SloShedding
     pending: dict[int, Pending] = field(default_factory=dict)
     #: EWMA over dispatched rows of the predicted per-row cost of their key at full batches:
     #: the marginal cost of a row of this lane's traffic mix, for load reports. None until the
@@ -155,7 +158,8 @@ class Lane:
             )
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
-            limit = "its SLO" if self.backend.config.shed_past_slo else "the request's deadline"
+            is_slo = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
+            limit = "its SLO" if is_slo else "the request's deadline"
             return Overloaded(
                 f"{key.model}/{key.version}: predicted to finish {finish_s - now_s:.3f}s from"
                 f" now, past {limit}",
@@ -204,6 +208,8 @@ class Lane:
             queue_wait.observe(wait_s)
             self.totals.queue_s += wait_s
             rows.append(pending.row)
+        self.shedding.after_dispatch(now_s, self.batcher.oldest_urgent_wait_s(now_s))
+        metrics.queue_standing.labels(*self.labels).set(int(self.shedding.queue.is_standing))
         return rows
 
     def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:

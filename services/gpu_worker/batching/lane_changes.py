@@ -19,6 +19,7 @@ from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -42,7 +43,14 @@ def new_lane(
     )
     latency = LatencyModel()
     metrics.declare_model(model.name, backend.version.version)
-    return Lane(backend=backend, batcher=Batcher(batcher_config, latency, ledger), latency=latency)
+    shedding = SloShedding(
+        model.slo_s,
+        shed_past_slo=model.shed_past_slo,
+        upstream_budget_s=config.upstream_budget_s,
+        max_linger_s=config.max_wait_cap_s,
+    )
+    batcher = Batcher(batcher_config, latency, ledger)
+    return Lane(backend=backend, batcher=batcher, latency=latency, shedding=shedding)
 
 
 async def settle(lane: Lane) -> None:

@@ -247,6 +247,11 @@ class Batcher:
             return Rejected(RejectReason.DEADLINE)
         return None
 
+    def oldest_urgent_wait_s(self, now_s: float) -> float:
+        """How long the oldest online row still queued has waited; 0 when none is queued."""
+        arrivals = [a for q in self._queues.values() if (a := q.oldest_urgent_arrival_s())]
+        return now_s - min(arrivals) if arrivals else 0.0
+
     def queued_at_most(self, rank: int) -> int:
         """Items queued at priority `rank` or more urgent, across keys."""
         return sum(queue.items.count_at_most(rank) for queue in self._queues.values())

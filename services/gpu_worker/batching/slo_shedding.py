@@ -1,0 +1,54 @@
+"""When a row must be predicted to finish within its model's SLO, not just its deadline.
+
+A model with `shed_past_slo` always bounds new rows by the SLO. Every other model does so
+while its queue stands (issue 33): a queue that stays long turns every caller's patience into
+waiting, and past capacity everyone's answer is late. The test is CoDel's (services.common.
+standing_queue), derived from the SLO: the queue stands once, dispatch after dispatch for a
+whole SLO, each dispatch left online rows queued that had already waited above a tenth of it
+(and above the longest linger the batcher chooses on purpose).
+A batch takes the newest rows with the oldest, so what a dispatch leaves behind is what tells
+a standing queue from a burst: a burst drains, and its bursts' callers are all served.
+
+Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
+deadline. Pure: time comes in as `now_s`. The worker's lanes and the simulator's use it alike.
+"""
+
+from __future__ import annotations
+
+from services.common.priority import PriorityClass
+from services.common.standing_queue import StandingQueue
+
+#: The queue stands once what dispatches leave behind has waited above this share of the SLO...
+TARGET_SLO_SHARE = 0.1
+#: ...for this share of it.
+INTERVAL_SLO_SHARE = 1.0
+#: Rows at this rank or more urgent are online traffic.
+_URGENT_RANK = PriorityClass.INTERACTIVE.rank
+
+
+class SloShedding:
+    """One lane's rule: the SLO budget of a new row, or None for its deadline alone."""
+
+    def __init__(
+        self, slo_s: float, *, shed_past_slo: bool, upstream_budget_s: float, max_linger_s: float
+    ) -> None:
+        self._budget_s = slo_s - upstream_budget_s
+        self._always = shed_past_slo
+        # A row may wait up to `max_linger_s` on purpose (lingering to fill its batch while
+        # another key's batch leaves): only a wait past that, and past the target, is queueing.
+        target_s = max(TARGET_SLO_SHARE * slo_s, max_linger_s)
+        self.queue = StandingQueue(target_s, INTERVAL_SLO_SHARE * slo_s)
+
+    def after_dispatch(self, now_s: float, oldest_left_wait_s: float) -> None:
+        """A dispatch at `now_s` left online rows queued, the oldest of which has waited
+        `oldest_left_wait_s` (0 when it left none)."""
+        self.queue.observe(now_s, oldest_left_wait_s)
+
+    def budget_s(self, rank: int, num_queued: int) -> float | None:
+        """Seconds a new row of priority `rank` may take to finish, or None (its deadline
+        bounds it), with `num_queued` rows queued now."""
+        if self._always:
+            return self._budget_s
+        if rank <= _URGENT_RANK and num_queued > 0 and self.queue.is_standing:
+            return self._budget_s
+        return None
