@@ -81,6 +81,7 @@ def new_server(
     is_internal: bool = False,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int = 0,
+    door: grpc.aio.ServerInterceptor | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server. Error mapping is the outermost interceptor, so errors raised by the
     others (authentication) are mapped too. Internal servers (router, worker) also allow the
@@ -88,10 +89,16 @@ def new_server(
 
     Limits apply before any handler, interceptor or parser sees the call: a message over
     `max_message_bytes` and a call past `max_concurrent_rpcs` at once (0: no limit; a stream
-    counts as one call for its whole life) are answered RESOURCE_EXHAUSTED by grpc itself."""
+    counts as one call for its whole life) are answered RESOURCE_EXHAUSTED by grpc itself.
+    `door` (services.common.door), when given, is the first interceptor: its refusals cost no
+    error mapping, tracing or authentication."""
     check_limits(max_message_bytes, max_concurrent_rpcs)
     return grpc.aio.server(
-        interceptors=[ErrorMappingInterceptor(), *interceptors],
+        interceptors=[
+            *([door] if door is not None else []),
+            ErrorMappingInterceptor(),
+            *interceptors,
+        ],
         maximum_concurrent_rpcs=max_concurrent_rpcs or None,
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),

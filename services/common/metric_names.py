@@ -21,6 +21,12 @@ PROCESS_OPEN_FDS = "process_open_fds"
 #: How late the process's event loop ran a timer that was due (services.common.loop_lag).
 EVENT_LOOP_LAG_SECONDS = "inference_event_loop_lag_seconds"
 EVENT_LOOP_LAG_RECENT_SECONDS = "inference_event_loop_lag_recent_seconds"
+#: The door's concurrency limit (services.common.door): refusals, the limit, calls in flight and
+#: the probed delay of the queue in front of the process.
+DOOR_REFUSED_TOTAL = "inference_door_refused_total"
+DOOR_LIMIT = "inference_door_limit"
+DOOR_IN_FLIGHT = "inference_door_in_flight"
+DOOR_QUEUE_DELAY_SECONDS = "inference_door_queue_delay_seconds"
 
 # Gateway.
 GATEWAY_REQUESTS_TOTAL = "inference_gateway_requests_total"

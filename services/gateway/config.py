@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.door import DoorConfig, door_settings
 from services.common.lifecycle import check_limits, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
@@ -56,6 +57,8 @@ class GatewayConfig:
     catalog_refresh_s: float = 1.0
     #: Seconds in-flight calls may take to finish after SIGTERM before they are cancelled.
     drain_grace_s: float = 10.0
+    #: Each process's adaptive concurrency limit on model calls (services.common.door).
+    door: DoorConfig = field(default_factory=DoorConfig)
     #: Adaptive throttling of what downstream refuses (services.gateway.throttle).
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     #: TLS of the public port (services.common.tls); optional client certificates (mTLS).
@@ -217,6 +220,7 @@ SETTINGS = SettingsTable(
             "processes",
         ),
         *limit_settings(GatewayConfig),
+        *door_settings(),
         *server_tls_settings(),
         *client_tls_settings("router", "router_tls"),
         *listener_settings(GatewayConfig),

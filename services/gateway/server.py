@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
+from services.common.door import Door, MethodShape
 from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
@@ -49,6 +50,14 @@ SERVICE_NAMES = (
     "inference.v1.JobService",
 )
 
+#: The calls the door's concurrency limit counts: one model call each, answered at once.
+#: Streams (ModelStreamInfer) live for many calls and generation has its own first-token
+#: admission, so neither holds a place under the limit.
+DOOR_METHODS = {
+    "/inference.v1.InferenceService/Predict": MethodShape(),
+    "/inference.GRPCInferenceService/ModelInfer": MethodShape(),
+}
+
 
 @dataclass
 class Gateway:
@@ -72,6 +81,8 @@ class Gateway:
     routing_sync: RoutingSync | None = None
     #: Writes the fleet's desired model state (None without Redis).
     repository: RepositoryControl | None = None
+    #: The concurrency limit on model calls (None when disabled).
+    door: Door | None = None
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -94,6 +105,8 @@ class Gateway:
             await asyncio.sleep(self.config.catalog_refresh_s)
 
     async def stop(self) -> None:
+        if self.door is not None:
+            await self.door.stop()
         if self.keys_watch is not None:
             self.keys_watch.cancel()
         if self.quota_sync is not None:
@@ -192,16 +205,22 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         throttle=config.throttle,
         admission=admission,
     )
+    door = Door(DOOR_METHODS, config.door, metrics.registry) if config.door.is_enabled else None
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
         [TracingInterceptor(), AuthInterceptor(keys, admission)],
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
+        door=door,
     )
     repository = _add_services(server, config, predictor, metrics)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
+    if door is not None:
+        door.listen(server)
     await server.start()
+    if door is not None:
+        door.start()
     health_listener = await start_health_listener(health_servicer, config.host, config.tls)
     quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
     keys_watch = _watch_keys(keys, admission, quota_sync)
@@ -235,4 +254,5 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         http,
         routing_sync,
         repository,
+        door,
     )

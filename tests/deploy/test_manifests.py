@@ -34,11 +34,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
+from services.common.door import Door, DoorConfig
 from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway import config as gateway_config
 from services.gateway import server as gateway_server
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.server import DOOR_METHODS
 from services.gpu_worker import config as worker_config
 from services.gpu_worker import server as worker_server
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -1036,10 +1038,14 @@ def worker_scrape(live_worker: ServiceProcess) -> str:
 @pytest.fixture(scope="module")
 def exported(worker_scrape: str) -> set[str]:
     """Every series name the three tiers export: the worker's from a live scrape, the router's
-    and gateway's from their metrics classes on fresh registries."""
+    and gateway's (its door's included) from their metrics classes on fresh registries."""
     families = [(f.name, f.type) for f in text_string_to_metric_families(worker_scrape)]
     for metrics in (RouterMetrics(CollectorRegistry()), GatewayMetrics(CollectorRegistry())):
         families += [(f.name, f.type) for f in metrics.registry.collect()]
+    # The gateway's door registers its own series on the gateway's registry.
+    door_registry = CollectorRegistry()
+    Door(DOOR_METHODS, DoorConfig(), door_registry)
+    families += [(f.name, f.type) for f in door_registry.collect()]
     return sample_names(families)
 
 

@@ -25,10 +25,12 @@ from grpc_health.v1 import health_pb2
 
 from bench.fabric.loadgen import OK, Outcome, poisson_schedule, run_open_loop
 from bench.fabric.targets import make_mixed_texts
+from services.common import metric_names as names
 from services.common.model_repository import load_repository
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.kserve import run_kserve_client
+from tests.support.metrics import scrape, total
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.stack import Stack, start_stack
 
@@ -58,6 +60,13 @@ FLOOD_S = 8.0
 #: Normal traffic after the flood is judged from this long after the flood's last send: the
 #: flood's own calls end within FLOOD_TIMEOUT_S, and what follows is the stack's recovery.
 RECOVERY_S = 5.0
+#: minilm's configured queue bound (models/minilm/config.toml).
+MAX_QUEUE_SIZE = next(
+    v.config.max_queue_size for v in load_repository(REPO_ROOT / "models") if v.config.name == MODEL
+)
+#: How much a tier's resident memory may grow over the flood: per-call state that outlived
+#: its call, 16,000 calls of it, would show well past this.
+RESIDENT_GROWTH_BYTES = 200 * 1024 * 1024
 #: What an overloaded stack may answer a caller: served, refused, or not in time.
 OVERLOAD_STATUSES = {OK, "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED"}
 TEXTS = make_mixed_texts(512, seed=11)
@@ -84,6 +93,25 @@ def describe(outcomes: Sequence[Outcome]) -> str:
         f"{len(outcomes)} requests: {dict(statuses)}, {len(late)} OK but past the SLO, "
         f"slowest {worst_ms} ms"
     )
+
+
+def bounded_state(stack: Stack) -> dict[str, float]:
+    """What must stay bounded under a flood, now: the worker's queue and the gateway's calls in
+    flight beside its door's limit."""
+    gateway, worker = scrape(stack.gateway.metrics_port), scrape(stack.workers[0].metrics_port)
+    return {
+        "worker_queue_depth": total(worker, names.WORKER_QUEUE_DEPTH),
+        "door_in_flight": total(gateway, names.DOOR_IN_FLIGHT),
+        "door_limit": total(gateway, names.DOOR_LIMIT),
+    }
+
+
+def resident_bytes(stack: Stack) -> dict[str, float]:
+    tiers = {"gateway": stack.gateway, "router": stack.router, "worker": stack.workers[0]}
+    return {
+        name: total(scrape(tier.metrics_port), names.PROCESS_RESIDENT_MEMORY_BYTES)
+        for name, tier in tiers.items()
+    }
 
 
 def dead_processes(stack: Stack) -> list[str]:
@@ -152,10 +180,21 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     The flood is served in part (no collapse to zero) and the rest refused with a status (not
     hung, not crashed): every call ends OK, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED. From
     RECOVERY_S after the flood, every normal call is OK: no lockout. Every tier is still the
-    process the stack started, and the gateway reports SERVING."""
+    process the stack started, the gateway reports SERVING, and what a flood could grow stayed
+    bounded: the worker's queue, the gateway's calls in flight, every tier's memory."""
     stack = from_ready.stack
     flood = poisson_schedule(FLOOD_RATE_PER_S, FLOOD_S, seed=2)
     calm = [FLOOD_S + t for t in poisson_schedule(NORMAL_RATE_PER_S, RECOVERY_S + NORMAL_S, 3)]
+
+    peaks: dict[str, float] = {}
+    resident_before = resident_bytes(stack)
+
+    async def watch() -> None:
+        """The flood's high-water marks, scraped as Prometheus would, every 0.25 s."""
+        while True:
+            for name, value in (await asyncio.to_thread(bounded_state, stack)).items():
+                peaks[name] = max(peaks.get(name, 0.0), value)
+            await asyncio.sleep(0.25)
 
     async def run() -> tuple[list[Outcome], int]:
         async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
@@ -168,7 +207,9 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
                 in_flood = time.monotonic() - started_s < FLOOD_S
                 await (flooding if in_flood else normal)()
 
+            watching = asyncio.create_task(watch())
             outcomes = await run_open_loop(send, flood + calm)
+            watching.cancel()
         return outcomes, await health_status(stack.gateway.address)
 
     outcomes, health = asyncio.run(run())
@@ -188,3 +229,10 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     assert all(o.status == OK for o in recovered), summary
     assert dead_processes(stack) == [], stack.pids()
     assert health == health_pb2.HealthCheckResponse.SERVING
+    # Bounded: the worker's queue within its configured size, the gateway's calls in flight
+    # within its door's limit, and no tier grew by more than RESIDENT_GROWTH_BYTES.
+    assert peaks, "the flood's state was never scraped"
+    assert peaks["worker_queue_depth"] <= MAX_QUEUE_SIZE, peaks
+    assert peaks["door_in_flight"] <= peaks["door_limit"], peaks
+    growth = {name: after - resident_before[name] for name, after in resident_bytes(stack).items()}
+    assert all(g < RESIDENT_GROWTH_BYTES for g in growth.values()), growth

@@ -1,0 +1,124 @@
+"""A process's concurrency limit, adapted from the queue delay in front of it (pure).
+
+Why a limit, and why this signal (measured on 2 cores with the GPU-speed stand-in, issue 33):
+a grpc.aio server picks up one call per method at a time, a few event-loop turns per call, so
+the more calls a process has in flight, the longer each turn and the slower it picks up the
+next. Past capacity the calls waiting to be picked up (inside grpc's C core, before any Python
+sees them) form a standing queue: every caller's patience becomes waiting time and every answer
+is late. Neither the event loop's lag (a few ms while calls waited 300 ms) nor a call's time
+inside the process (20-50 ms) shows that queue, so the door measures it directly with a probe
+call through the same queue (services.common.door), and bounds calls in flight: with 32 in
+flight a flood at twice capacity is picked up as fast as it arrives; with 96, or none, nothing
+is answered within the SLO.
+
+The rule is AIMD on the probe's delay, with CoDel's distinction between a good queue and a bad
+one (Nichols and Jacobson): from rest, a delay above `target_s` backs the limit off only once
+it has stayed above for `interval_s`, so a burst that drains within the interval is absorbed
+whole; once limited, a fifth of the interval above the target backs off again (as CoDel,
+having dropped recently, drops again sooner), from the calls actually in flight (as TCP
+backs off from the data in flight, not from a window it never filled): a queue that grows
+with 50 calls in flight is not cured by a limit of 128 times anything. Below the target the
+limit grows while calls use it, and returns to `initial` while they do not, so a cold burst
+after a flood finds room again.
+
+Time comes in as `now_s`; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.standing_queue import StandingQueue
+
+
+@dataclass(frozen=True)
+class LimitConfig:
+    """Settings of a `QueueDelayLimit`."""
+
+    #: The limit at rest: at start, and where it returns once unused. As high as the maximum
+    #: by default, so that only a queue that stood ever limits calls: a burst, however large,
+    #: is admitted whole (issue 33: a cold burst of 64 is served whole; the e2e sends 200).
+    initial: int = 4096
+    #: The limit never backs off below this. A process starved of CPU by its neighbours waits
+    #: with few calls in flight, and fewer would not help it (measured: a gateway beside the
+    #: parallel test suite backed off to 8 and refused calls its neighbours had delayed); 32 in
+    #: flight kept the stand-in's 2x flood picked up as fast as it came.
+    minimum: int = 32
+    #: Nor grows above this.
+    maximum: int = 4096
+    #: Queue delay a good queue stays under, seconds.
+    target_s: float = 0.025
+    #: How long the delay must stay above `target_s` before the queue counts as standing (from
+    #: rest). Long enough for several probes, and for a large burst to be picked up, so that a
+    #: burst or a process briefly short of CPU (a neighbour's burst, a pod at its CPU quota)
+    #: is not taken for a standing queue.
+    interval_s: float = 0.5
+    #: Factor the limit is multiplied by at each probe while the queue stands.
+    backoff: float = 0.75
+    #: Share of the limit added at each probe below the target (at least one call).
+    growth: float = 0.1
+    #: Factor the limit grows by at each probe below the target while unused, up to `initial`.
+    recovery: float = 1.5
+    #: A limit counts as used when calls in flight reached this share of it since the last
+    #: probe; only a used limit grows past `initial`.
+    used_share: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.minimum <= self.initial <= self.maximum:
+            raise ValueError("limits must satisfy 1 <= minimum <= initial <= maximum")
+        if not (self.target_s > 0 and self.interval_s > 0):
+            raise ValueError("target_s and interval_s must be > 0")
+        if not (0 < self.backoff < 1 and self.growth > 0 and self.recovery > 1):
+            raise ValueError("backoff must be in (0, 1), growth > 0 and recovery > 1")
+        if not 0 < self.used_share <= 1:
+            raise ValueError("used_share must be in (0, 1]")
+
+
+class QueueDelayLimit:
+    """How many calls a process takes in flight at once, from the measured queue delay."""
+
+    def __init__(self, config: LimitConfig) -> None:
+        self.config = config
+        self._limit = float(config.initial)
+        self._queue = StandingQueue(config.target_s, config.interval_s)
+        #: The last delay measured, seconds: how long the queue took to drain recently.
+        self.last_delay_s = 0.0
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit)
+
+    @property
+    def is_standing(self) -> bool:
+        """Whether the queue has stayed above its target for at least the interval (as of the
+        last update)."""
+        return self._queue.is_standing
+
+    def update(self, now_s: float, delay_s: float, peak_in_flight: int) -> None:
+        """One measurement: the queue's delay now, and the most calls in flight since the last
+        update."""
+        config = self.config
+        self.last_delay_s = delay_s
+        is_standing = self._queue.observe(now_s, delay_s)
+        if delay_s > config.target_s:
+            # At rest, only a queue that stood for the interval is backed off from: a burst is
+            # absorbed. Once limited (a flood began and has not ended), a fifth of it will do:
+            # the flood is still there, and waiting a whole interval lets it queue again.
+            is_limited = self._limit < config.initial
+            above_s = self._queue.above_for_s(now_s)
+            if is_standing or (is_limited and above_s >= config.interval_s / 5):
+                in_use = min(self._limit, float(peak_in_flight))
+                self._limit = max(float(config.minimum), in_use * config.backoff)
+            return
+        if peak_in_flight >= config.used_share * self._limit:
+            step = max(1.0, self._limit * config.growth)
+            self._limit = min(float(config.maximum), self._limit + step)
+        elif self._limit < config.initial:
+            # Demand is below the limit and the queue is short: nothing to protect, so the
+            # limit returns to `initial` quickly, ready for the next burst.
+            self._limit = min(float(config.initial), self._limit * config.recovery)
+
+    def retry_after_s(self) -> float:
+        """How long a refused caller should wait: the time the queue recently took to drain,
+        and at least the interval over which it is judged."""
+        return max(self.last_delay_s, self.config.interval_s)

@@ -1,0 +1,341 @@
+"""The door of a tier's gRPC server: a concurrency limit that refuses before any work is done.
+
+The door is the first interceptor (before error mapping, tracing and auth). For each guarded
+method (the ones that run models), a call past the process's limit is answered
+RESOURCE_EXHAUSTED from a handler built once: its body is never parsed, no span, no
+authentication, no exception; only grpc's own per-call cost remains, about one bare echo call
+(`bench/fabric`'s echo-calls), where serving the call costs three to four.
+
+The limit adapts to the delay of the queue in front of the process (services.common.
+concurrency_limit says why that queue and why a limit): every `probe_interval_s` the door sends
+a probe call to its own server through a Unix socket, on the busiest guarded method, and times
+it. The probe waits in the same queue as every caller of that method (grpc keeps one queue of
+calls not yet picked up per method, whatever the listener), is recognised by its metadata and
+answered at the door at once. A probe still unanswered at the next tick reports the time it
+has waited so far, so a queue growing without bound is seen while it grows.
+
+Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
+which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
+not come back in step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import secrets
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from services.common import metric_names as names
+from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
+from services.common.errors import retry_after_trailer
+from services.common.loop_lag import LAG_BUCKETS
+from services.common.settings import Setting
+from services.common.telemetry import MetricFactory
+
+#: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
+#: cannot pass the door as a probe.
+PROBE_KEY = "x-fabric-door-probe"
+
+
+@dataclass(frozen=True)
+class MethodShape:
+    """Whether a method streams its requests and its responses."""
+
+    request_streaming: bool = False
+    response_streaming: bool = False
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    """Settings of a door (services.common.concurrency_limit explains the limit's)."""
+
+    #: Guarded calls in flight a process admits while no queue stands in front of it, and
+    #: where the limit returns once unused; 0 disables the door.
+    initial_limit: int = LimitConfig.initial
+    #: The limit never backs off below this...
+    min_limit: int = LimitConfig.minimum
+    #: ...nor grows above this.
+    max_limit: int = LimitConfig.maximum
+    #: Queue delay a good queue stays under, seconds.
+    target_s: float = LimitConfig.target_s
+    #: How long the delay must stay above the target before the limit backs off, seconds.
+    interval_s: float = LimitConfig.interval_s
+    #: How often the queue's delay is probed, seconds.
+    probe_interval_s: float = 0.05
+
+    def __post_init__(self) -> None:
+        if self.initial_limit < 0 or self.probe_interval_s <= 0:
+            raise ValueError("door: initial_limit must be >= 0 and probe_interval_s > 0")
+        if self.is_enabled:
+            self.limit()  # validates the rest
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.initial_limit > 0
+
+    def limit(self) -> LimitConfig:
+        return LimitConfig(
+            initial=self.initial_limit,
+            minimum=self.min_limit,
+            maximum=self.max_limit,
+            target_s=self.target_s,
+            interval_s=self.interval_s,
+        )
+
+
+def door_settings() -> tuple[Setting, ...]:
+    """The door's settings, for a tier's settings table (its config's field `door`)."""
+    return (
+        Setting(
+            "door_initial_limit",
+            int,
+            DoorConfig.initial_limit,
+            "model calls in flight a process admits while no queue stands in front of it, and "
+            "where the adaptive limit returns once unused; 0 disables the door",
+            "calls",
+            field="door.initial_limit",
+        ),
+        Setting(
+            "door_min_limit",
+            int,
+            DoorConfig.min_limit,
+            "the door's limit never backs off below this",
+            "calls",
+            field="door.min_limit",
+        ),
+        Setting(
+            "door_max_limit",
+            int,
+            DoorConfig.max_limit,
+            "the door's limit never grows above this",
+            "calls",
+            field="door.max_limit",
+        ),
+        Setting(
+            "door_target_s",
+            float,
+            DoorConfig.target_s,
+            "queue delay in front of the process a good queue stays under (a tenth of the "
+            "tightest SLO served is a good value)",
+            "s",
+            field="door.target_s",
+        ),
+        Setting(
+            "door_interval_s",
+            float,
+            DoorConfig.interval_s,
+            "how long the queue delay must stay above its target before the limit backs off: "
+            "a burst that drains sooner is absorbed",
+            "s",
+            field="door.interval_s",
+        ),
+        Setting(
+            "door_probe_interval_s",
+            float,
+            DoorConfig.probe_interval_s,
+            "how often the door probes the queue in front of the process",
+            "s",
+            field="door.probe_interval_s",
+        ),
+    )
+
+
+class _DoorMetrics:
+    def __init__(self, registry: CollectorRegistry, door: Door) -> None:
+        factory = MetricFactory(registry)
+        self.refused = factory.counter(
+            names.DOOR_REFUSED_TOTAL,
+            "Calls refused at the door: past the process's concurrency limit.",
+            ("method",),
+        )
+        factory.gauge(
+            names.DOOR_LIMIT, "The process's concurrency limit for guarded calls now."
+        ).set_function(lambda: door.limit.limit)
+        factory.gauge(
+            names.DOOR_IN_FLIGHT, "Guarded calls in flight in this process now."
+        ).set_function(lambda: door.num_in_flight)
+        self.queue_delay = factory.histogram(
+            names.DOOR_QUEUE_DELAY_SECONDS,
+            "Each measured wait in the queue in front of this process (a probe's, or the "
+            "probe timer's own lateness), seconds.",
+            buckets=LAG_BUCKETS,
+        )
+
+
+class Door(grpc.aio.ServerInterceptor):
+    """Refuses guarded calls past the concurrency limit; probes the queue to adapt it."""
+
+    def __init__(
+        self,
+        methods: Mapping[str, MethodShape],
+        config: DoorConfig,
+        registry: CollectorRegistry,
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self.limit = QueueDelayLimit(config.limit())
+        self.num_in_flight = 0
+        self._peak_in_flight = 0
+        self._refusers = {
+            method: _handler(shape, self._refuse) for method, shape in methods.items()
+        }
+        self._probe_answers = {
+            method: _handler(shape, _answer_probe) for method, shape in methods.items()
+        }
+        self._calls_by_method = dict.fromkeys(methods, 0)
+        self._token = secrets.token_hex(16)
+        self._rng = rng or random.Random()
+        self._metrics = _DoorMetrics(registry, self)
+        self._address = f"unix-abstract:inference-door-{self._token}"
+        self._probe_task: asyncio.Task[None] | None = None
+        #: The probe call in flight, if any.
+        self._probe: asyncio.Task[None] | None = None
+        self._probe_started_s = 0.0
+        self._channel: grpc.aio.Channel | None = None
+
+    def listen(self, server: grpc.aio.Server) -> None:
+        """Adds the probe's listener to `server`; call before the server starts."""
+        server.add_insecure_port(self._address)
+
+    def start(self) -> None:
+        """Starts probing (on the running loop), once the server has started."""
+        self._channel = grpc.aio.insecure_channel(self._address)
+        self._probe_task = asyncio.create_task(self._probe_loop(), name="door-probe")
+
+    async def stop(self) -> None:
+        for task in (self._probe_task, self._probe):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._probe_task = self._probe = None
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        method = handler_call_details.method
+        refuser = self._refusers.get(method)
+        if refuser is None:
+            return await continuation(handler_call_details)
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == PROBE_KEY and value == self._token:
+                return self._probe_answers[method]
+        self._calls_by_method[method] += 1
+        if self.num_in_flight >= self.limit.limit:
+            self._metrics.refused.labels(method).inc()
+            return refuser
+        self.num_in_flight += 1
+        if self.num_in_flight > self._peak_in_flight:
+            self._peak_in_flight = self.num_in_flight
+        task = asyncio.current_task()
+        assert task is not None  # grpc runs every call's interceptors inside the call's task
+        task.add_done_callback(self._release)
+        return await continuation(handler_call_details)
+
+    def _release(self, _: object) -> None:
+        self.num_in_flight -= 1
+
+    def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Sets the refusal on `context` (the call then ends with it, no exception raised)."""
+        trailer = retry_after_trailer(self.limit.retry_after_s(), self._rng)
+        context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        context.set_details(
+            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit; "
+            f"retry after {trailer[1]} ms"
+        )
+        context.set_trailing_metadata((trailer,))
+
+    async def _probe_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        interval_s, target_s = self.config.probe_interval_s, self.config.target_s
+        due_s = loop.time()
+        while True:
+            due_s += interval_s
+            await asyncio.sleep(max(0.0, due_s - loop.time()))
+            now_s = loop.time()
+            # A late timer is a stalled loop: whatever arrived meanwhile waited at least this.
+            late_s = max(0.0, now_s - due_s)
+            due_s = max(due_s, now_s - interval_s)  # after a stall, no burst of catch-up ticks
+            if self._probe is not None and not self._probe.done():
+                # Still waiting: the queue is at least this long, and growing.
+                self._measured(now_s, max(late_s, now_s - self._probe_started_s))
+                continue
+            method = max(self._calls_by_method, key=self._calls_by_method.__getitem__)
+            if self._calls_by_method[method] == 0 and self.limit.last_delay_s <= target_s:
+                # Idle: nothing reached the door and the last probe found no queue, so none
+                # has formed since (a queue needs arrivals); only the timer is measured.
+                self._measured(now_s, late_s)
+                continue
+            if late_s > target_s:
+                self._measured(now_s, late_s)
+            self._calls_by_method = dict.fromkeys(self._calls_by_method, 0)
+            self._probe_started_s = now_s
+            self._probe = asyncio.create_task(self._send_probe(method, now_s))
+
+    async def _send_probe(self, method: str, started_s: float) -> None:
+        assert self._channel is not None
+        loop = asyncio.get_running_loop()
+        try:
+            call = self._channel.unary_unary(
+                method, request_serializer=bytes, response_deserializer=bytes
+            )
+            await call(b"", metadata=((PROBE_KEY, self._token),))
+        except grpc.aio.AioRpcError:
+            return  # the server is stopping: nothing measured
+        now_s = loop.time()
+        self._measured(now_s, now_s - started_s)
+
+    def _measured(self, now_s: float, delay_s: float) -> None:
+        self._metrics.queue_delay.observe(delay_s)
+        self.limit.update(now_s, delay_s, self._peak_in_flight)
+        self._peak_in_flight = self.num_in_flight
+
+
+def _handler(
+    shape: MethodShape, answer: Callable[[grpc.aio.ServicerContext[Any, Any]], None]
+) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of `shape` that only calls `answer(context)`: no deserializer (the body is
+    never parsed) and no serializer (a unary answer is an empty message)."""
+    if shape.response_streaming:
+
+        async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            answer(context)
+            return
+            yield  # an async generator that sends no message
+
+        factory = (
+            grpc.stream_stream_rpc_method_handler
+            if shape.request_streaming
+            else grpc.unary_stream_rpc_method_handler
+        )
+        return factory(stream)
+
+    async def unary(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        answer(context)
+        return b""
+
+    factory = (
+        grpc.stream_unary_rpc_method_handler
+        if shape.request_streaming
+        else grpc.unary_unary_rpc_method_handler
+    )
+    return factory(unary)
+
+
+def _answer_probe(_: grpc.aio.ServicerContext[Any, Any]) -> None:
+    """A probe's answer is OK and empty: what it measures is the wait before it."""

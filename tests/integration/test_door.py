@@ -1,0 +1,192 @@
+"""The door (services.common.door) on a real grpc.aio server on port 0: calls past the limit
+are refused before their body is parsed, with a jittered retry hint; the probe measures the
+queue in front of the process; a stall shorter than the interval is absorbed, a loop kept
+saturated backs the limit off."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common import metric_names as names
+from services.common.door import Door, DoorConfig, MethodShape
+from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.lifecycle import new_server
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+GUARDED = "/test.Door/Guarded"
+OPEN = "/test.Door/Open"
+
+
+def _strict_parse(data: bytes) -> bytes:
+    """A request parser that fails on anything but b"ok...": a refusal that parsed the body
+    would answer INVALID_ARGUMENT instead of RESOURCE_EXHAUSTED."""
+    if not data.startswith(b"ok"):
+        raise ValueError("not a request")
+    return data
+
+
+@dataclass
+class Served:
+    door: Door
+    channel: grpc.aio.Channel
+    registry: CollectorRegistry
+    release: asyncio.Event
+    entered: list[bytes]
+
+    async def call(self, body: bytes, method: str = GUARDED, timeout_s: float = 10.0) -> bytes:
+        result: bytes = await self.channel.unary_unary(method)(body, timeout=timeout_s)
+        return result
+
+    def delays_over(self, bound_s: float) -> float:
+        """How many measured queue delays exceeded `bound_s` (a histogram bucket bound)."""
+        name = names.DOOR_QUEUE_DELAY_SECONDS
+        count = self.registry.get_sample_value(f"{name}_count") or 0.0
+        within = self.registry.get_sample_value(f"{name}_bucket", {"le": str(bound_s)}) or 0.0
+        return count - within
+
+    def refused(self) -> float:
+        value = self.registry.get_sample_value(names.DOOR_REFUSED_TOTAL, {"method": GUARDED})
+        return value or 0.0
+
+
+@contextlib.asynccontextmanager
+async def _serve(config: DoorConfig) -> AsyncIterator[Served]:
+    registry = CollectorRegistry()
+    door = Door({GUARDED: MethodShape()}, config, registry)
+    release = asyncio.Event()
+    entered: list[bytes] = []
+
+    async def guarded(request: bytes, context: Any) -> bytes:
+        entered.append(request)
+        if request == b"ok-wait":
+            await release.wait()
+        if request == b"ok-stall":
+            time.sleep(0.4)  # the loop itself stalls: every waiting call waits with it
+        return b"served " + request
+
+    server = new_server(door=door)
+    handlers = {
+        "Guarded": grpc.unary_unary_rpc_method_handler(guarded, _strict_parse),
+        "Open": grpc.unary_unary_rpc_method_handler(guarded),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Door", handlers)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    door.listen(server)
+    await server.start()
+    door.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield Served(door, channel, registry, release, entered)
+    finally:
+        release.set()
+        await channel.close()
+        await door.stop()
+        await server.stop(grace=None)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[Served]:
+    config = DoorConfig(initial_limit=2, min_limit=1, max_limit=2, probe_interval_s=0.01)
+    async with _serve(config) as served:
+        yield served
+
+
+async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
+    served: Served,
+) -> None:
+    waiting = [asyncio.create_task(served.call(b"ok-wait")) for _ in range(2)]
+    await eventually(lambda: served.door.num_in_flight == 2)
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await served.call(b"not a parseable body")
+    error = raised.value
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert "limit" in (error.details() or "")
+    hints = [int(v) for k, v in error.trailing_metadata() or () if k == RETRY_AFTER_MS_KEY]
+    assert len(hints) == 1
+    # At least the interval (0.25 s), jittered by 25% either way.
+    assert 187 <= hints[0] <= 1500
+    assert served.refused() == 1
+    assert b"not a parseable body" not in served.entered
+
+    # Methods the door does not guard are never refused.
+    assert await served.call(b"free", method=OPEN) == b"served free"
+
+    served.release.set()
+    assert await asyncio.gather(*waiting) == [b"served ok-wait"] * 2
+    await eventually(lambda: served.door.num_in_flight == 0)
+    assert await served.call(b"ok-after") == b"served ok-after"
+
+
+async def test_refusals_are_jittered() -> None:
+    config = DoorConfig(initial_limit=1, min_limit=1, max_limit=1, probe_interval_s=0.01)
+    async with _serve(config) as served:
+        waiting = asyncio.create_task(served.call(b"ok-wait"))
+        await eventually(lambda: served.door.num_in_flight == 1)
+        hints = set()
+        for _ in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await served.call(b"ok")
+            hints.update(
+                v for k, v in raised.value.trailing_metadata() or () if k == RETRY_AFTER_MS_KEY
+            )
+        assert len(hints) > 5, hints
+        served.release.set()
+        await waiting
+
+
+async def test_a_stall_shorter_than_the_interval_is_absorbed() -> None:
+    """One 0.4 s stall of the loop with an interval of 1 s: the probe sees the queue, the
+    limit stays (a burst, not a standing queue)."""
+    config = DoorConfig(initial_limit=8, min_limit=1, interval_s=1.0, probe_interval_s=0.01)
+    async with _serve(config) as served:
+        waiting = [asyncio.create_task(served.call(b"ok-wait")) for _ in range(6)]
+        await eventually(lambda: served.door.num_in_flight == 6)
+        assert await served.call(b"ok-stall") == b"served ok-stall"
+        await eventually(lambda: served.delays_over(0.2) >= 1)
+        await eventually(lambda: served.door.limit.last_delay_s < config.target_s)
+        assert served.door.limit.limit >= config.initial_limit
+        assert served.refused() == 0
+        served.release.set()
+        await asyncio.gather(*waiting)
+
+
+async def test_a_loop_kept_saturated_backs_the_limit_off_and_refuses() -> None:
+    """Calls in flight while the loop stays busy longer than the interval: the probe's delay
+    stands above the target, the limit backs off from the calls in flight, and new calls are
+    refused at the door; once the loop is free the limit returns to its initial level."""
+    config = DoorConfig(
+        initial_limit=8, min_limit=2, target_s=0.01, interval_s=0.05, probe_interval_s=0.01
+    )
+    async with _serve(config) as served:
+        waiting = [asyncio.create_task(served.call(b"ok-wait")) for _ in range(6)]
+        await eventually(lambda: served.door.num_in_flight == 6)
+
+        async def hog() -> None:
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline:
+                time.sleep(0.03)  # 30 ms of work per turn: every probe waits for it
+                await asyncio.sleep(0)
+
+        await hog()
+        assert served.door.limit.limit < 6, served.door.limit.limit
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await served.call(b"ok")
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert served.refused() >= 1
+
+        served.release.set()
+        await asyncio.gather(*waiting)
+        await eventually(lambda: served.door.limit.limit == config.initial_limit)
+        assert await served.call(b"ok-again") == b"served ok-again"

@@ -1,0 +1,126 @@
+"""The door's concurrency limit (services.common.concurrency_limit): pure, time given."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
+from services.common.errors import retry_after_trailer
+
+pytestmark = pytest.mark.unit
+
+CONFIG = LimitConfig(initial=128, minimum=8, target_s=0.025, interval_s=0.25)
+PROBE_S = 0.05
+
+
+def run(limit: QueueDelayLimit, start_s: float, delays_s: list[float], in_flight: int) -> float:
+    """One update per probe period; returns the time after the last."""
+    now_s = start_s
+    for delay_s in delays_s:
+        limit.update(now_s, delay_s, in_flight)
+        now_s += PROBE_S
+    return now_s
+
+
+def test_a_burst_shorter_than_the_interval_is_absorbed() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    # Four probes (0.15 s) far above the target, then one below: never standing.
+    run(limit, 0.0, [0.2, 0.3, 0.3, 0.2, 0.01], in_flight=128)
+    assert limit.limit >= CONFIG.initial
+    assert not limit.is_standing
+
+
+def test_a_standing_queue_backs_off_from_the_calls_in_flight_down_to_the_minimum() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    # Above the target from t=0: standing once 0.25 s have passed (the sixth probe).
+    now_s = run(limit, 0.0, [0.1] * 5, in_flight=128)
+    assert limit.limit == CONFIG.initial and not limit.is_standing
+    limit.update(now_s, 0.1, 40)
+    assert limit.is_standing
+    # Backs off from the 40 calls actually in flight, not from 128.
+    assert limit.limit == int(40 * CONFIG.backoff)
+    now_s = run(limit, now_s + PROBE_S, [0.1] * 20, in_flight=limit.limit)
+    assert limit.limit == CONFIG.minimum
+
+
+def test_below_the_target_a_used_limit_grows_and_an_unused_one_returns_to_initial() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    now_s = run(limit, 0.0, [0.1] * 6, in_flight=20)
+    assert limit.limit == 15
+    # In use (calls in flight at the limit): grows by 10%, at least one call, per probe.
+    now_s = run(limit, now_s, [0.01], in_flight=15)
+    assert limit.limit == 16
+    now_s = run(limit, now_s, [0.01] * 10, in_flight=200)
+    assert 16 < limit.limit < CONFIG.initial
+    # Unused (few in flight): back to the initial level within a few probes, never above it.
+    run(limit, now_s, [0.001] * 6, in_flight=2)
+    assert limit.limit == CONFIG.initial
+    run(limit, now_s + 1.0, [0.001] * 20, in_flight=2)
+    assert limit.limit == CONFIG.initial
+
+
+def test_a_used_limit_grows_past_initial_up_to_the_maximum() -> None:
+    config = LimitConfig(initial=10, minimum=1, maximum=12)
+    limit = QueueDelayLimit(config)
+    run(limit, 0.0, [0.0] * 5, in_flight=1000)
+    assert limit.limit == 12
+
+
+def test_the_interval_restarts_when_the_delay_dips_below_the_target() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    # 0.2 s above, one dip, 0.2 s above again: never 0.25 s above in a row.
+    run(limit, 0.0, [0.1] * 5 + [0.01] + [0.1] * 5, in_flight=100)
+    assert limit.limit == CONFIG.initial
+    assert not limit.is_standing
+
+
+def test_the_retry_hint_is_the_recent_drain_time_at_least_the_interval() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    assert limit.retry_after_s() == CONFIG.interval_s
+    limit.update(0.0, 0.8, 10)
+    assert limit.retry_after_s() == 0.8
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"minimum": 0},
+        {"minimum": 5000},
+        {"maximum": 64},
+        {"target_s": 0.0},
+        {"interval_s": -1.0},
+        {"backoff": 1.0},
+        {"recovery": 1.0},
+        {"growth": 0.0},
+        {"used_share": 0.0},
+    ],
+)
+def test_unusable_settings_are_refused(changes: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        LimitConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_retry_trailers_are_jittered_around_the_hint() -> None:
+    rng = random.Random(7)
+    values = [int(retry_after_trailer(0.2, rng)[1]) for _ in range(200)]
+    assert min(values) >= 150 and max(values) <= 250
+    assert len(set(values)) > 20
+    assert retry_after_trailer(0.0001)[1] == "1"
+
+
+def test_once_limited_a_fifth_of_the_interval_above_the_target_backs_off_again() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    now_s = run(limit, 0.0, [0.1] * 6, in_flight=40)
+    assert limit.limit == 30
+    # One probe below the target (the queue drained, the limit in use grows by one), then the
+    # flood queues again: 0.05 s above (a fifth of 0.25 s) backs off, not a whole interval.
+    now_s = run(limit, now_s, [0.01], in_flight=30)
+    assert limit.limit == 33
+    limit.update(10.0, 0.1, 33)
+    limit.update(10.04, 0.1, 33)
+    assert limit.limit == 33, "not yet a fifth of the interval above"
+    limit.update(10.06, 0.1, 33)
+    assert limit.limit == int(33 * CONFIG.backoff)
+    assert not limit.is_standing
