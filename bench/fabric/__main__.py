@@ -140,7 +140,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     parser.add_argument(
         "--loadgen-priority",
         choices=("rr", "nice", "none"),
-        help="run the generator ahead of the stack in open-loop runs: SCHED_RR on one CPU "
+        help="run the generator ahead of the stack in open-loop runs: SCHED_RR on a quarter "
+        "of the CPUs, at least one "
         "(default), "
         "nice -5, or not at all (both need root; without it: not at all)",
     )

@@ -83,6 +83,7 @@ class QueueDelayLimit:
         self._queue = StandingQueue(config.target_s, config.interval_s)
         #: The last delay measured, seconds: how long the queue took to drain recently.
         self.last_delay_s = 0.0
+        self._last_backoff_s: float | None = None
 
     @property
     def limit(self) -> int:
@@ -99,16 +100,21 @@ class QueueDelayLimit:
         update."""
         config = self.config
         self.last_delay_s = delay_s
-        is_standing = self._queue.observe(now_s, delay_s)
+        self._queue.observe(now_s, delay_s)
         if delay_s > config.target_s:
             # At rest, only a queue that stood for the interval is backed off from: a burst is
             # absorbed. Once limited (a flood began and has not ended), a fifth of it will do:
             # the flood is still there, and waiting a whole interval lets it queue again.
+            # Either way, time above counts from the last back-off, not only from when the
+            # delay rose: one back-off per stretch, whatever the rate of measurements.
             is_limited = self._limit < config.initial
             above_s = self._queue.above_for_s(now_s)
-            if is_standing or (is_limited and above_s >= config.interval_s / 5):
+            if self._last_backoff_s is not None:
+                above_s = min(above_s, now_s - self._last_backoff_s)
+            if above_s >= (config.interval_s / 5 if is_limited else config.interval_s):
                 in_use = min(self._limit, float(peak_in_flight))
                 self._limit = max(float(config.minimum), in_use * config.backoff)
+                self._last_backoff_s = now_s
             return
         if peak_in_flight >= config.used_share * self._limit:
             step = max(1.0, self._limit * config.growth)

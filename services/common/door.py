@@ -8,11 +8,13 @@ authentication, no exception; only grpc's own per-call cost remains, about one b
 
 The limit adapts to the delay of the queue in front of the process (services.common.
 concurrency_limit says why that queue and why a limit): every `probe_interval_s` the door sends
-a probe call to its own server through a Unix socket, on the busiest guarded method, and times
-it. The probe waits in the same queue as every caller of that method (grpc keeps one queue of
-calls not yet picked up per method, whatever the listener), is recognised by its metadata and
-answered at the door at once. A probe still unanswered at the next tick reports the time it
-has waited so far, so a queue growing without bound is seen while it grows.
+a probe call to its own server through a Unix socket (a file in a 0700 directory), on the
+busiest guarded method, and times it. The probe waits in the same queue as every caller of
+that method (grpc keeps one queue of calls not yet picked up per registered method, whatever
+the listener; the guarded methods are registered), is recognised by a per-process secret in
+its metadata and answered at the door at once. A probe still unanswered at the next tick
+reports the time it has waited so far (once past the target), so a queue growing without
+bound is seen while it grows.
 
 Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
 which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
@@ -23,8 +25,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import secrets
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +43,8 @@ from services.common.errors import retry_after_trailer
 from services.common.loop_lag import LAG_BUCKETS
 from services.common.settings import Setting
 from services.common.telemetry import MetricFactory
+
+log = logging.getLogger(__name__)
 
 #: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
 #: cannot pass the door as a probe.
@@ -194,7 +201,8 @@ class Door(grpc.aio.ServerInterceptor):
         self._token = secrets.token_hex(16)
         self._rng = rng or random.Random()
         self._metrics = _DoorMetrics(registry, self)
-        self._address = f"unix-abstract:inference-door-{self._token}"
+        self._socket_dir: str | None = None
+        self._address = ""
         self._probe_task: asyncio.Task[None] | None = None
         #: The probe call in flight, if any.
         self._probe: asyncio.Task[None] | None = None
@@ -202,7 +210,11 @@ class Door(grpc.aio.ServerInterceptor):
         self._channel: grpc.aio.Channel | None = None
 
     def listen(self, server: grpc.aio.Server) -> None:
-        """Adds the probe's listener to `server`; call before the server starts."""
+        """Adds the probe's listener to `server`; call before the server starts. A socket file
+        in a directory only this user may enter (mkdtemp makes it 0700): the listener serves
+        without TLS, so no one else may reach it."""
+        self._socket_dir = tempfile.mkdtemp(prefix="inference-door-")
+        self._address = f"unix:{self._socket_dir}/probe.sock"
         server.add_insecure_port(self._address)
 
     def start(self) -> None:
@@ -220,6 +232,9 @@ class Door(grpc.aio.ServerInterceptor):
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
+        if self._socket_dir is not None:
+            shutil.rmtree(self._socket_dir, ignore_errors=True)
+            self._socket_dir = None
 
     async def intercept_service(
         self,
@@ -261,6 +276,17 @@ class Door(grpc.aio.ServerInterceptor):
         context.set_trailing_metadata((trailer,))
 
     async def _probe_loop(self) -> None:
+        try:
+            await self._probe_every_interval()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            # A door that stopped measuring must not keep a flood's limit forever.
+            log.exception("the door's probe loop failed; its limit returns to rest")
+            self.limit = QueueDelayLimit(self.config.limit())
+            raise
+
+    async def _probe_every_interval(self) -> None:
         loop = asyncio.get_running_loop()
         interval_s, target_s = self.config.probe_interval_s, self.config.target_s
         due_s = loop.time()
@@ -272,8 +298,11 @@ class Door(grpc.aio.ServerInterceptor):
             late_s = max(0.0, now_s - due_s)
             due_s = max(due_s, now_s - interval_s)  # after a stall, no burst of catch-up ticks
             if self._probe is not None and not self._probe.done():
-                # Still waiting: the queue is at least this long, and growing.
-                self._measured(now_s, max(late_s, now_s - self._probe_started_s))
+                # Still waiting: the queue is at least this long, and growing. A wait still
+                # within the target says nothing yet (the probe may be about to wait long).
+                waited_s = max(late_s, now_s - self._probe_started_s)
+                if waited_s > target_s:
+                    self._measured(now_s, waited_s)
                 continue
             method = max(self._calls_by_method, key=self._calls_by_method.__getitem__)
             if self._calls_by_method[method] == 0 and self.limit.last_delay_s <= target_s:
@@ -295,8 +324,12 @@ class Door(grpc.aio.ServerInterceptor):
                 method, request_serializer=bytes, response_deserializer=bytes
             )
             await call(b"", metadata=((PROBE_KEY, self._token),))
-        except grpc.aio.AioRpcError:
-            return  # the server is stopping: nothing measured
+        except grpc.aio.AioRpcError as error:
+            if error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                return  # the server is stopping: nothing measured
+            # Refused before the door (grpc's own --max-concurrent-rpcs): the process is as
+            # full as it gets; its wait is what it measured.
+            log.warning("door probe failed: %s", error.code().name)
         now_s = loop.time()
         self._measured(now_s, now_s - started_s)
 

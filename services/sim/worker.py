@@ -170,7 +170,7 @@ class SimWorker:
         decision: Admitted | Rejected = batcher.can_admit(1)
         if isinstance(decision, Admitted):
             priority = _rank_of(arrival.priority)
-            shed_s = lane.shedding.budget_s(priority, batcher.num_queued)
+            shed_s = lane.shedding.budget_s(now_s, priority, batcher.num_queued)
             item = QueuedItem(
                 item_id=next(self._item_ids),
                 key=lane.key_for(arrival.num_tokens),

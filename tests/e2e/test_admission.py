@@ -96,14 +96,9 @@ def describe(outcomes: Sequence[Outcome]) -> str:
 
 
 def bounded_state(stack: Stack) -> dict[str, float]:
-    """What must stay bounded under a flood, now: the worker's queue and the gateway's calls in
-    flight beside its door's limit."""
-    gateway, worker = scrape(stack.gateway.metrics_port), scrape(stack.workers[0].metrics_port)
-    return {
-        "worker_queue_depth": total(worker, names.WORKER_QUEUE_DEPTH),
-        "door_in_flight": total(gateway, names.DOOR_IN_FLIGHT),
-        "door_limit": total(gateway, names.DOOR_LIMIT),
-    }
+    """What must stay bounded under a flood, now: the worker's queue."""
+    worker = scrape(stack.workers[0].metrics_port)
+    return {"worker_queue_depth": total(worker, names.WORKER_QUEUE_DEPTH)}
 
 
 def resident_bytes(stack: Stack) -> dict[str, float]:
@@ -181,7 +176,7 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     hung, not crashed): every call ends OK, RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED. From
     RECOVERY_S after the flood, every normal call is OK: no lockout. Every tier is still the
     process the stack started, the gateway reports SERVING, and what a flood could grow stayed
-    bounded: the worker's queue, the gateway's calls in flight, every tier's memory."""
+    bounded: the worker's queue and every tier's memory."""
     stack = from_ready.stack
     flood = poisson_schedule(FLOOD_RATE_PER_S, FLOOD_S, seed=2)
     calm = [FLOOD_S + t for t in poisson_schedule(NORMAL_RATE_PER_S, RECOVERY_S + NORMAL_S, 3)]
@@ -229,10 +224,9 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     assert all(o.status == OK for o in recovered), summary
     assert dead_processes(stack) == [], stack.pids()
     assert health == health_pb2.HealthCheckResponse.SERVING
-    # Bounded: the worker's queue within its configured size, the gateway's calls in flight
-    # within its door's limit, and no tier grew by more than RESIDENT_GROWTH_BYTES.
+    # Bounded: the worker's queue within its configured size, and no tier grew by more than
+    # RESIDENT_GROWTH_BYTES. (The model binds here, not the gateway: its door stays at rest.)
     assert peaks, "the flood's state was never scraped"
     assert peaks["worker_queue_depth"] <= MAX_QUEUE_SIZE, peaks
-    assert peaks["door_in_flight"] <= peaks["door_limit"], peaks
     growth = {name: after - resident_before[name] for name, after in resident_bytes(stack).items()}
     assert all(g < RESIDENT_GROWTH_BYTES for g in growth.values()), growth

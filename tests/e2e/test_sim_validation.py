@@ -53,7 +53,7 @@ def test_the_validation_command_measures_both_sides_at_every_load(
         # worker's queue may stand and refuse what would miss the SLO (issue 33); nothing else
         # fails.
         real = row["real"]
-        assert real["ok_share"] > 0, row
+        assert real["refused_share"] <= 0.5, row  # below capacity most calls are served
         assert real["ok_share"] + real["refused_share"] == pytest.approx(1.0), row
         # Goodput counts answers within the 250 ms SLO, which a busy machine may miss: its
         # value is the benchmark's. Latencies exist on both sides, so their ratios do too.

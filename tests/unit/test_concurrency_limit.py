@@ -124,3 +124,15 @@ def test_once_limited_a_fifth_of_the_interval_above_the_target_backs_off_again()
     limit.update(10.06, 0.1, 33)
     assert limit.limit == int(33 * CONFIG.backoff)
     assert not limit.is_standing
+
+
+def test_once_limited_it_backs_off_once_per_fifth_of_the_interval_however_often_measured() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    run(limit, 0.0, [0.1] * 6, in_flight=100)  # standing at 0.25 s: 100 x 0.75
+    limit.update(0.3, 0.01, 100)  # drained for a moment; in use, so it grows by a tenth
+    assert limit.limit == 82
+    # Measured every 20 ms above the target for 0.2 s: one back-off per 0.05 s above (at
+    # 10.06, 10.12 and 10.18), not one per measurement.
+    for k in range(11):
+        limit.update(10.0 + k * 0.02, 0.1, 1000)
+    assert limit.limit == int(82.5 * CONFIG.backoff**3)

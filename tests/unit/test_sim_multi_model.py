@@ -217,7 +217,7 @@ def direct_batches(
             index += 1
             lane = lane_of[arrival.model]
             rank = PriorityClass.parse(arrival.priority).rank
-            budget_s = lane.shedding.budget_s(rank, lane.batcher.num_queued)
+            budget_s = lane.shedding.budget_s(now_s, rank, lane.batcher.num_queued)
             item = QueuedItem(
                 item_id=next_id,
                 key=lane.spec.key(lane.spec.bucket_for(arrival.num_tokens)),

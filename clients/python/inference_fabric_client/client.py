@@ -205,7 +205,7 @@ class Client:
                 failure.code != "RESOURCE_EXHAUSTED"
                 or hint is None
                 or attempt == self._retry.max_retries
-                or time.monotonic() + hint >= deadline
+                or time.monotonic() + hint + self._retry.min_attempt_s >= deadline
                 or not self._budget.try_spend()
             ):
                 raise failure from None

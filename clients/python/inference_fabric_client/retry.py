@@ -24,10 +24,13 @@ class RetryPolicy:
     ratio: float = 0.1
     #: Retries the budget holds at most, and starts with.
     min_tokens: float = 10.0
+    #: A retry is sent only if at least this long is left of the deadline after the hint: one
+    #: with less would only turn an informative refusal into DEADLINE_EXCEEDED.
+    min_attempt_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if self.max_retries < 0 or self.ratio < 0 or self.min_tokens < 0:
-            raise ValueError("max_retries, ratio and min_tokens must be >= 0")
+        if min(self.max_retries, self.ratio, self.min_tokens, self.min_attempt_s) < 0:
+            raise ValueError("max_retries, ratio, min_tokens and min_attempt_s must be >= 0")
 
 
 class RetryBudget:

@@ -235,7 +235,7 @@ class BatchingDriver:
             raise InvalidInput(f"tenant weight must be finite and >= 0, got {weight}")
         request = _RequestFacts(tenant, priority.rank, weight, timeout_s)
         item_ids = self._admit(lane, rows, request)
-        self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
+        lane.export_queue(self._metrics)
         self._wake.set()
         return Admission(lane, item_ids, [lane.pending[i].future for i in item_ids])
 
@@ -259,7 +259,7 @@ class BatchingDriver:
         """Queues every row of one request or none (synchronous: nothing else is queued between
         the check for room and the rows). A refused row refuses the request, all rows rejected."""
         now, model = self._clock(), lane.backend.config
-        shed_budget_s = lane.shedding.budget_s(request.rank, lane.batcher.num_queued)
+        shed_budget_s = lane.shedding.budget_s(now, request.rank, lane.batcher.num_queued)
         busy_s = self._busy_s(now)
         decision = lane.batcher.can_admit(len(rows))
         item_ids: list[int] = []
@@ -296,7 +296,7 @@ class BatchingDriver:
             if lane.batcher.cancel(item_id) and drop is not None:
                 self._metrics.dropped_total.labels(*lane.labels, drop).inc()
             pending.future.cancel()
-        self._metrics.queue_depth.labels(*lane.labels).set(lane.batcher.num_queued)
+        lane.export_queue(self._metrics)
 
     # -- the loop --------------------------------------------------------------------------
 

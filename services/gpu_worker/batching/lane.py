@@ -209,8 +209,14 @@ class Lane:
             self.totals.queue_s += wait_s
             rows.append(pending.row)
         self.shedding.after_dispatch(now_s, self.batcher.oldest_urgent_wait_s(now_s))
-        metrics.queue_standing.labels(*self.labels).set(int(self.shedding.queue.is_standing))
         return rows
+
+    def export_queue(self, metrics: WorkerMetrics) -> None:
+        """Rows queued now, and whether the queue stands (only while rows are queued)."""
+        num_queued = self.batcher.num_queued
+        metrics.queue_depth.labels(*self.labels).set(num_queued)
+        is_standing = self.shedding.queue.is_standing and num_queued > 0
+        metrics.queue_standing.labels(*self.labels).set(int(is_standing))
 
     def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:
         """Hands each row of a finished batch its output or its failure."""
@@ -274,7 +280,7 @@ class Lane:
         )
         metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
         metrics.rows_total.labels(*labels).inc(len(rows))
-        metrics.queue_depth.labels(*labels).set(lane.batcher.num_queued)
+        lane.export_queue(metrics)
 
 
 def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> None:

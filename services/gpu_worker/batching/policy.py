@@ -249,7 +249,9 @@ class Batcher:
 
     def oldest_urgent_wait_s(self, now_s: float) -> float:
         """How long the oldest online row still queued has waited; 0 when none is queued."""
-        arrivals = [a for q in self._queues.values() if (a := q.oldest_urgent_arrival_s())]
+        arrivals = [
+            a for q in self._queues.values() if (a := q.oldest_urgent_arrival_s()) is not None
+        ]
         return now_s - min(arrivals) if arrivals else 0.0
 
     def queued_at_most(self, rank: int) -> int:

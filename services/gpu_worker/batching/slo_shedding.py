@@ -44,11 +44,15 @@ class SloShedding:
         `oldest_left_wait_s` (0 when it left none)."""
         self.queue.observe(now_s, oldest_left_wait_s)
 
-    def budget_s(self, rank: int, num_queued: int) -> float | None:
-        """Seconds a new row of priority `rank` may take to finish, or None (its deadline
-        bounds it), with `num_queued` rows queued now."""
+    def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
+        """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows
+        queued, may take to finish, or None (its deadline bounds it)."""
+        if num_queued == 0:
+            # Empty: the queue drained (its rows ran, expired or were withdrawn), whatever the
+            # last dispatch saw.
+            self.queue.observe(now_s, 0.0)
         if self._always:
             return self._budget_s
-        if rank <= _URGENT_RANK and num_queued > 0 and self.queue.is_standing:
+        if rank <= _URGENT_RANK and self.queue.is_standing:
             return self._budget_s
         return None
