@@ -39,11 +39,8 @@ class LimitConfig:
     #: by default, so that only a queue that stood ever limits calls: a burst, however large,
     #: is admitted whole (issue 33: a cold burst of 64 is served whole; the e2e sends 200).
     initial: int = 4096
-    #: The limit never backs off below this. A process starved of CPU by its neighbours waits
-    #: with few calls in flight, and fewer would not help it (measured: a gateway beside the
-    #: parallel test suite backed off to 8 and refused calls its neighbours had delayed); 32 in
-    #: flight kept the stand-in's 2x flood picked up as fast as it came.
-    minimum: int = 32
+    #: The limit never backs off below this.
+    minimum: int = 8
     #: Nor grows above this.
     maximum: int = 4096
     #: Queue delay a good queue stays under, seconds.
@@ -59,6 +56,12 @@ class LimitConfig:
     growth: float = 0.1
     #: Factor the limit grows by at each probe below the target while unused, up to `initial`.
     recovery: float = 1.5
+    #: A delay counts against the limit only while the process was busy at least this share of
+    #: one core. A process starved of CPU by its neighbours (or at its pod's CPU quota) waits
+    #: however few calls it holds, and refusing would not help it: measured, a gateway beside
+    #: the parallel test suite, with about 8 calls in flight, backed off and refused calls its
+    #: neighbours had delayed. Past what it can pick up, a gateway runs near a whole core.
+    min_busy_share: float = 0.5
     #: A limit counts as used when calls in flight reached this share of it since the last
     #: probe; only a used limit grows past `initial`.
     used_share: float = 0.9
@@ -70,8 +73,8 @@ class LimitConfig:
             raise ValueError("target_s and interval_s must be > 0")
         if not (0 < self.backoff < 1 and self.growth > 0 and self.recovery > 1):
             raise ValueError("backoff must be in (0, 1), growth > 0 and recovery > 1")
-        if not 0 < self.used_share <= 1:
-            raise ValueError("used_share must be in (0, 1]")
+        if not (0 < self.used_share <= 1 and self.min_busy_share >= 0):
+            raise ValueError("used_share must be in (0, 1] and min_busy_share >= 0")
 
 
 class QueueDelayLimit:
@@ -95,12 +98,16 @@ class QueueDelayLimit:
         last update)."""
         return self._queue.is_standing
 
-    def update(self, now_s: float, delay_s: float, peak_in_flight: int) -> None:
-        """One measurement: the queue's delay now, and the most calls in flight since the last
-        update."""
+    def update(
+        self, now_s: float, delay_s: float, peak_in_flight: int, busy_share: float = 1.0
+    ) -> None:
+        """One measurement: the queue's delay now, the most calls in flight since the last
+        update, and the share of one core the process used since then."""
         config = self.config
         self.last_delay_s = delay_s
         self._queue.observe(now_s, delay_s)
+        if delay_s > config.target_s and busy_share < config.min_busy_share:
+            return  # not this process's queue: it waits for CPU, not for its own calls
         if delay_s > config.target_s:
             # At rest, only a queue that stood for the interval is backed off from: a burst is
             # absorbed. Once limited (a flood began and has not ended), a fifth of it will do:

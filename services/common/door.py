@@ -30,6 +30,7 @@ import random
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -208,6 +209,8 @@ class Door(grpc.aio.ServerInterceptor):
         self._probe: asyncio.Task[None] | None = None
         self._probe_started_s = 0.0
         self._channel: grpc.aio.Channel | None = None
+        #: The process's CPU seconds at the last measurement, and when it was taken.
+        self._cpu_s, self._cpu_at_s = time.process_time(), 0.0
 
     def listen(self, server: grpc.aio.Server) -> None:
         """Adds the probe's listener to `server`; call before the server starts. A socket file
@@ -220,6 +223,7 @@ class Door(grpc.aio.ServerInterceptor):
     def start(self) -> None:
         """Starts probing (on the running loop), once the server has started."""
         self._channel = grpc.aio.insecure_channel(self._address)
+        self._cpu_s, self._cpu_at_s = time.process_time(), asyncio.get_running_loop().time()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="door-probe")
 
     async def stop(self) -> None:
@@ -335,7 +339,10 @@ class Door(grpc.aio.ServerInterceptor):
 
     def _measured(self, now_s: float, delay_s: float) -> None:
         self._metrics.queue_delay.observe(delay_s)
-        self.limit.update(now_s, delay_s, self._peak_in_flight)
+        cpu_s = time.process_time()  # every thread of the process, grpc's included
+        busy_share = (cpu_s - self._cpu_s) / max(now_s - self._cpu_at_s, 1e-3)
+        self._cpu_s, self._cpu_at_s = cpu_s, now_s
+        self.limit.update(now_s, delay_s, self._peak_in_flight, busy_share)
         self._peak_in_flight = self.num_in_flight
 
 

@@ -163,9 +163,9 @@ async def test_a_stall_shorter_than_the_interval_is_absorbed() -> None:
 
 
 async def test_a_loop_kept_saturated_backs_the_limit_off_and_refuses() -> None:
-    """Calls in flight while the loop stays busy longer than the interval: the probe's delay
-    stands above the target, the limit backs off from the calls in flight, and new calls are
-    refused at the door; once the loop is free the limit returns to its initial level."""
+    """Calls in flight while the loop stays busy (burning CPU) longer than the interval: the
+    probe's delay stands above the target, the limit backs off from the calls in flight, and
+    new calls are refused at the door; once the loop is free the limit returns to rest."""
     config = DoorConfig(
         initial_limit=8, min_limit=2, target_s=0.01, interval_s=0.05, probe_interval_s=0.01
     )
@@ -176,7 +176,9 @@ async def test_a_loop_kept_saturated_backs_the_limit_off_and_refuses() -> None:
         async def hog() -> None:
             deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline:
-                time.sleep(0.03)  # 30 ms of work per turn: every probe waits for it
+                turn_end = time.monotonic() + 0.03
+                while time.monotonic() < turn_end:
+                    pass  # 30 ms of CPU work per turn: every probe waits for it
                 await asyncio.sleep(0)
 
         await hog()

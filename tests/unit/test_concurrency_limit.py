@@ -136,3 +136,14 @@ def test_once_limited_it_backs_off_once_per_fifth_of_the_interval_however_often_
     for k in range(11):
         limit.update(10.0 + k * 0.02, 0.1, 1000)
     assert limit.limit == int(82.5 * CONFIG.backoff**3)
+
+
+def test_a_process_starved_of_cpu_is_not_limited_for_its_wait() -> None:
+    """The same standing delay, once while the process was busy (its own queue) and once while
+    it got a tenth of a core (its neighbours' doing): only the first backs off."""
+    busy, starved = QueueDelayLimit(CONFIG), QueueDelayLimit(CONFIG)
+    for k in range(8):
+        busy.update(k * 0.05, 0.3, 20, busy_share=0.9)
+        starved.update(k * 0.05, 0.3, 20, busy_share=0.1)
+    assert busy.limit < CONFIG.initial
+    assert starved.limit == CONFIG.initial
