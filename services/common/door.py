@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 from services.common import metric_names as names
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
 from services.common.errors import retry_after_trailer
+from services.common.grpc_errors import HANDLER_FACTORIES
 from services.common.loop_lag import LAG_BUCKETS
 from services.common.settings import Setting
 from services.common.telemetry import MetricFactory
@@ -351,30 +352,18 @@ def _handler(
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler of `shape` that only calls `answer(context)`: no deserializer (the body is
     never parsed) and no serializer (a unary answer is an empty message)."""
-    if shape.response_streaming:
 
-        async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            answer(context)
-            return
-            yield  # an async generator that sends no message
-
-        factory = (
-            grpc.stream_stream_rpc_method_handler
-            if shape.request_streaming
-            else grpc.unary_stream_rpc_method_handler
-        )
-        return factory(stream)
+    async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+        answer(context)
+        return
+        yield  # an async generator that sends no message
 
     async def unary(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
         answer(context)
         return b""
 
-    factory = (
-        grpc.stream_unary_rpc_method_handler
-        if shape.request_streaming
-        else grpc.unary_unary_rpc_method_handler
-    )
-    return factory(unary)
+    factory = HANDLER_FACTORIES[(shape.request_streaming, shape.response_streaming)]
+    return factory(stream if shape.response_streaming else unary)
 
 
 def _answer_probe(_: grpc.aio.ServicerContext[Any, Any]) -> None:

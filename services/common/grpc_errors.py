@@ -82,7 +82,8 @@ class _Undecodable:
 
 _UNDECODABLE = _Undecodable()
 
-_HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
+#: grpc's handler constructor for each (request_streaming, response_streaming) shape.
+HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[Any, Any]]] = {
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
     (True, False): grpc.stream_unary_rpc_method_handler,
@@ -125,7 +126,7 @@ def _parsing_in_handler(
 
         checked = checked_coroutine
 
-    factory = _HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
+    factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
     return factory(checked, lenient, handler.response_serializer)
 
 

@@ -62,12 +62,7 @@ class SimLane:
         self.batcher = Batcher(_batcher_config(spec, driver), self.latency, ledger)
         self.service = ServiceTime(curve.truth(self.keys), noise_sigma, rng)
         #: When new rows must finish within the SLO, as the real lane's (slo_shedding.py).
-        self.shedding = SloShedding(
-            spec.slo_s,
-            shed_past_slo=spec.shed_past_slo,
-            upstream_budget_s=driver.upstream_budget_s,
-            max_linger_s=driver.max_wait_cap_s,
-        )
+        self.shedding = SloShedding.for_model(spec.slo_s, spec.shed_past_slo, driver)
         #: EWMA over dispatched rows of the predicted per-row cost of their key at full
         #: batches (the real lane's `row_cost_s`); None until the first batch.
         self.row_cost_s: float | None = None

@@ -185,12 +185,7 @@ def direct_lane(
         max_wait_cap_s=driver.max_wait_cap_s,
         min_expected_arrivals=driver.min_expected_arrivals,
     )
-    shedding = SloShedding(
-        spec.slo_s,
-        shed_past_slo=spec.shed_past_slo,
-        upstream_budget_s=driver.upstream_budget_s,
-        max_linger_s=driver.max_wait_cap_s,
-    )
+    shedding = SloShedding.for_model(spec.slo_s, spec.shed_past_slo, driver)
     batcher = Batcher(config, latency, ledger)
     return DirectLane(spec, batcher, latency, curve.truth(keys), shedding)
 

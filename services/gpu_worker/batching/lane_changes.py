@@ -43,12 +43,7 @@ def new_lane(
     )
     latency = LatencyModel()
     metrics.declare_model(model.name, backend.version.version)
-    shedding = SloShedding(
-        model.slo_s,
-        shed_past_slo=model.shed_past_slo,
-        upstream_budget_s=config.upstream_budget_s,
-        max_linger_s=config.max_wait_cap_s,
-    )
+    shedding = SloShedding.for_model(model.slo_s, model.shed_past_slo, config)
     batcher = Batcher(batcher_config, latency, ledger)
     return Lane(backend=backend, batcher=batcher, latency=latency, shedding=shedding)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
+from services.gpu_worker.batching.driver_config import DriverConfig
 
 #: The queue stands once what dispatches leave behind has waited above this share of the SLO...
 TARGET_SLO_SHARE = 0.1
@@ -38,6 +39,16 @@ class SloShedding:
         # another key's batch leaves): only a wait past that, and past the target, is queueing.
         target_s = max(TARGET_SLO_SHARE * slo_s, max_linger_s)
         self.queue = StandingQueue(target_s, INTERVAL_SLO_SHARE * slo_s)
+
+    @classmethod
+    def for_model(cls, slo_s: float, shed_past_slo: bool, driver: DriverConfig) -> SloShedding:
+        """A model's rule under the driver's budgets (the worker's lanes and the simulator's)."""
+        return cls(
+            slo_s,
+            shed_past_slo=shed_past_slo,
+            upstream_budget_s=driver.upstream_budget_s,
+            max_linger_s=driver.max_wait_cap_s,
+        )
 
     def after_dispatch(self, now_s: float, oldest_left_wait_s: float) -> None:
         """A dispatch at `now_s` left online rows queued, the oldest of which has waited
