@@ -65,6 +65,10 @@ class MethodShape:
 class DoorConfig:
     """Settings of a door (services.common.concurrency_limit explains the limit's)."""
 
+    #: Whether the gateway runs a door. Off by default: it limits every tenant alike, before
+    #: authentication, so a flood refused by its own quota can make the door refuse a tenant
+    #: within its quota (seen once beside the parallel test suite); opt in with `--door`.
+    enabled: bool = False
     #: Guarded calls in flight a process admits while no queue stands in front of it, and
     #: where the limit returns once unused; 0 disables the door.
     initial_limit: int = LimitConfig.initial
@@ -87,7 +91,7 @@ class DoorConfig:
 
     @property
     def is_enabled(self) -> bool:
-        return self.initial_limit > 0
+        return self.enabled and self.initial_limit > 0
 
     def limit(self) -> LimitConfig:
         return LimitConfig(
@@ -102,6 +106,15 @@ class DoorConfig:
 def door_settings() -> tuple[Setting, ...]:
     """The door's settings, for a tier's settings table (its config's field `door`)."""
     return (
+        Setting(
+            "door",
+            bool,
+            DoorConfig.enabled,
+            "run the door: an adaptive limit on model calls in flight per process, refusing "
+            "before any work once a queue stands in front of the process (off by default: it "
+            "does not tell tenants apart)",
+            field="door.enabled",
+        ),
         Setting(
             "door_initial_limit",
             int,
