@@ -205,9 +205,11 @@ async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(
     bundles = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_count", model="affine")
     slices = fabric.gateway_metric(names.GATEWAY_BUNDLE_SLICES + "_sum", model="affine")
     assert slices == 64
-    # Some callers shared a bundle: 64 concurrent calls went as 26-60 bundles over 8 runs
-    # (the most on a machine busy with other work, where more calls arrive per loop turn).
-    assert bundles < 64
+    # How many callers share a bundle depends on how calls arrive per loop turn: 26-60 bundles
+    # over 8 runs, and once 64 (no sharing) beside the parallel suite. So the sharing is the
+    # benchmark's figure (make bench-fabric, inference_gateway_bundle_slices); what holds
+    # whatever the timing is one routing decision per bundle.
+    assert 1 <= bundles <= 64
     assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL, model="affine") == bundles
 
 
