@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from services.common.bundles import split_at
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfig, ModelConfigError, ModelKind
 
@@ -102,6 +104,18 @@ class TextEncoder:
         if ids.min() < 0 or ids.max() >= self.vocab_size:
             raise InvalidInput(f"token ids must be in [0, {self.vocab_size})")
         return ids.astype(np.int64, copy=False)
+
+    def check_ids_many(self, rows: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`check_ids` of every row, in one pass over all their ids when every row is valid (a
+        bundle's rows are checked at once, not row by row); raises the first bad row's error."""
+        if len(rows) > 1:
+            lengths = [len(ids) for ids in rows]
+            if min(lengths) >= self._min_tokens and max(lengths) <= self.max_tokens:
+                flat = np.concatenate(rows)
+                if flat.size and flat.min() >= 0 and flat.max() < self.vocab_size:
+                    ends = list(itertools.accumulate(lengths))
+                    return split_at(flat.astype(np.int64, copy=False), ends)
+        return [self.check_ids(ids) for ids in rows]
 
     def encode_many(self, texts: Sequence[str], *, truncate: bool = False) -> list[np.ndarray]:
         """Token ids per text (int64), after the cheap checks; raises InvalidInput.

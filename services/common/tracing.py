@@ -114,18 +114,13 @@ def current_traceparent() -> str:
     return carrier.get("traceparent", "")
 
 
-@contextlib.contextmanager
-def traced_as(traceparent: str) -> Iterator[None]:
-    """Runs the enclosed code as part of the trace `traceparent` names (nothing when empty):
-    work done on behalf of one caller of a bundle links to that caller's trace."""
+def span_context_of(traceparent: str) -> TraceContext | None:
+    """The span a W3C `traceparent` names (None when empty): work done later on behalf of one
+    caller of a bundle (its batch) links to that caller's trace."""
     if not traceparent:
-        yield
-        return
-    token = otel_context.attach(propagate.extract({"traceparent": traceparent}))
-    try:
-        yield
-    finally:
-        otel_context.detach(token)
+        return None
+    extracted = propagate.extract({"traceparent": traceparent})
+    return trace.get_current_span(extracted).get_span_context()
 
 
 def current_span_context() -> TraceContext:
@@ -134,7 +129,7 @@ def current_span_context() -> TraceContext:
 
 
 class BatchKeyLike(Protocol):
-    # Read-only properties, so that a frozen dataclass (BatchKey) satisfies the protocol.
+    # Read-only properties, so that a named tuple (BatchKey) satisfies the protocol.
     @property
     def model(self) -> str: ...
     @property

@@ -8,7 +8,6 @@ bundle shares (the model, its version and fingerprint, the packed columns) fails
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import itertools
 from collections import Counter
@@ -22,13 +21,15 @@ from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
-from services.common.tracing import traced_as
+from services.common.tracing import span_context_of
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
-from services.gpu_worker.batching.driver import Admission, BatchingDriver
+from services.gpu_worker.batching.driver import Admission, BatchingDriver, SliceAsk
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 _OK = pb.SliceStatus()
+#: A slice's place among a bundle's outcomes while its rows are being admitted.
+_ADMITTING = Unavailable("being admitted")
 
 
 def request_priority(value: int) -> PriorityClass:
@@ -81,12 +82,7 @@ class BundleRunner:
             code = status_of(error).code.name
             self._metrics.requests_total.labels(*labels, code).inc(len(request.slices))
             raise
-        outcomes: list[Admission | BaseException] = [
-            part
-            if isinstance(part, BaseException)
-            else self._admit(backend, part, piece, time_left_s)
-            for part, piece in zip(parts, request.slices, strict=True)
-        ]
+        outcomes = self._admit(backend, request.slices, parts, time_left_s)
         admitted = [o for o in outcomes if isinstance(o, Admission)]
 
         def cancel(index: int) -> None:
@@ -157,26 +153,43 @@ class BundleRunner:
     def _admit(
         self,
         backend: Backend,
-        rows: list[PreparedRow],
-        piece: pb.Slice,
+        slices: Sequence[pb.Slice],
+        parts: list[list[PreparedRow] | BaseException],
         time_left_s: float | None,
-    ) -> Admission | BaseException:
-        """Queues one slice's rows (linked to its caller's trace), or the error refusing it."""
-        if piece.unnormalized:
-            rows = [dataclasses.replace(r, is_normalized=False) for r in rows]
-        try:
-            priority = request_priority(piece.priority)
-            with traced_as(piece.traceparent) if piece.traceparent else contextlib.nullcontext():
-                return self._batching.admit(
-                    backend,
+    ) -> list[Admission | BaseException]:
+        """Queues every slice's rows in one pass (each linked to its caller's trace): each
+        slice's admission, or the error refusing it."""
+        asks: list[SliceAsk] = []
+        outcomes: list[Admission | BaseException] = []
+        for part, piece in zip(parts, slices, strict=True):
+            if isinstance(part, BaseException):
+                outcomes.append(part)
+                continue
+            try:
+                rows = part
+                if piece.unnormalized:
+                    rows = [dataclasses.replace(r, is_normalized=False) for r in rows]
+                ask = SliceAsk(
                     rows,
-                    timeout_s=slice_time_left_s(time_left_s, piece.earlier_us),
-                    tenant=piece.tenant or "default",
-                    priority=priority,
-                    weight=piece.tenant_weight,
+                    slice_time_left_s(time_left_s, piece.earlier_us),
+                    piece.tenant or "default",
+                    request_priority(piece.priority),
+                    piece.tenant_weight,
+                    span_context_of(piece.traceparent),
                 )
-        except Exception as error:
-            return error
+            except Exception as error:
+                outcomes.append(error)
+                continue
+            outcomes.append(_ADMITTING)
+            asks.append(ask)
+        try:
+            admitted: list[Admission | Exception] = self._batching.admit_slices(
+                backend, asks, arrival_s=self._batching.now()
+            )
+        except Exception as error:  # refuses every slice alike (the lane closed)
+            admitted = [error] * len(asks)
+        answers = iter(admitted)
+        return [next(answers) if o is _ADMITTING else o for o in outcomes]
 
 
 def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:

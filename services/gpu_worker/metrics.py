@@ -207,3 +207,8 @@ class WorkerMetrics:
         self.rows_total.labels(model, version)
         self.queue_depth.labels(model, version).set(0)
         self.queue_standing.labels(model, version).set(0)
+
+    def forget_queue(self, model: str, version: str) -> None:
+        """An unloaded version's queue gauges read 0 again (they read its lane until then)."""
+        self.queue_depth.labels(model, version).set_function(lambda: 0)
+        self.queue_standing.labels(model, version).set_function(lambda: 0)

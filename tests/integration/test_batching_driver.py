@@ -23,7 +23,7 @@ from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
-from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
+from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig, SliceAsk
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.metrics import total
@@ -172,6 +172,34 @@ async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
         await harness.driver.submit(
             harness.backend, rows, timeout_s=5, tenant="t", weight=float("nan")
         )
+
+
+async def test_a_bundles_slices_are_admitted_in_one_pass_each_refused_alone(
+    harness: Harness,
+) -> None:
+    asks = [
+        SliceAsk(harness.rows(2), 5.0, "t"),
+        SliceAsk(harness.rows(1), 5.0, "t", weight=float("nan")),
+        SliceAsk(harness.rows(1), 5.0, "u"),
+    ]
+    arrival_s = harness.clock.now_s
+    first, refused, last = harness.driver.admit_slices(harness.backend, asks, arrival_s=arrival_s)
+    assert isinstance(refused, InvalidInput) and "tenant weight" in str(refused)
+    assert not isinstance(first, Exception) and not isinstance(last, Exception)
+    # The queue's gauge is read when scraped: the three admitted rows, then none.
+    assert harness.metric(names.WORKER_QUEUE_DEPTH) == 3
+    outputs = await harness.settle(asyncio.gather(*first.futures, *last.futures))
+    assert len(outputs) == 3
+    for admission in (first, last):
+        harness.driver.withdraw(admission)
+    assert harness.metric(names.WORKER_QUEUE_DEPTH) == 0
+    # The rows arrived together: each row's wait is observed, all alike.
+    assert harness.metric(f"{names.WORKER_QUEUE_WAIT_SECONDS}_count") == 3
+    wait_s = harness.metric(f"{names.WORKER_QUEUE_WAIT_SECONDS}_sum") / 3
+    assert wait_s > 0
+    assert harness.metric(f"{names.WORKER_ROW_LATENCY_SECONDS}_sum") == pytest.approx(
+        3 * (wait_s + BATCH_S), abs=1e-9
+    )
 
 
 async def test_a_dead_loop_fails_queued_rows_refuses_new_ones_and_says_so(

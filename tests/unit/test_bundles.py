@@ -9,6 +9,7 @@ from services.common.bundles import (
     SliceCancels,
     pack_token_rows,
     slice_time_left_s,
+    split_at,
     unpack_token_rows,
 )
 from services.common.errors import InvalidInput
@@ -27,6 +28,15 @@ def test_packed_token_rows_round_trip_and_refuse_what_does_not_add_up() -> None:
         unpack_token_rows(ids[:-4], lengths, 3)
     with pytest.raises(InvalidInput, match="at least one token"):
         unpack_token_rows(b"", np.zeros(1, "<i4").tobytes(), 1)
+
+
+def test_split_at_cuts_rows_as_numpy_split_does() -> None:
+    flat = np.arange(10)
+    ends = [3, 3, 7, 10]
+    assert [r.tolist() for r in split_at(flat, ends)] == [
+        r.tolist() for r in np.split(flat, ends[:-1])
+    ]
+    assert split_at(flat, []) == []
 
 
 def test_a_slices_time_left_is_the_calls_less_its_margin() -> None:

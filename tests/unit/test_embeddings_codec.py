@@ -170,3 +170,21 @@ def test_rows_are_normalized_only_where_asked() -> None:
     np.testing.assert_allclose(mixed.numpy(), [[0.6, 0.8], [6.0, 8.0], [0.0, 1.0]], rtol=1e-6)
     assert normalize_rows(pooled, [False] * 3).tolist() == pooled.tolist()
     assert normalize_rows(pooled, [True] * 3)[1].tolist() == pytest.approx([0.6, 0.8])
+
+
+def test_a_bundles_token_rows_are_checked_at_once_as_row_by_row() -> None:
+    version = next(v for v in load_repository(REPOSITORY) if v.config.name == "minilm")
+    encoder = TextEncoder(version.weights_dir, version.config)
+    rows = [np.array([101, 7592, 102], "<i4"), np.array([101, 102], "<i4"), np.arange(3, 40)]
+    at_once = encoder.check_ids_many(rows)
+    assert [r.dtype for r in at_once] == [np.int64] * 3
+    assert [r.tolist() for r in at_once] == [encoder.check_ids(r).tolist() for r in rows]
+    # One bad row: the error is that row's, as checking row by row gives it.
+    for bad, reason in (
+        (np.array([101], "<i4"), "at least 2 token"),
+        (np.array([101, encoder.vocab_size, 102], "<i4"), "token ids must be in"),
+        (np.array([101, -1, 102], "<i4"), "token ids must be in"),
+        (np.full(encoder.max_tokens + 1, 7, "<i4"), f"at most {encoder.max_tokens}"),
+    ):
+        with pytest.raises(InvalidInput, match=reason):
+            encoder.check_ids_many([rows[0], bad, rows[1]])

@@ -58,16 +58,12 @@ class TextBackend(Backend):
 
     def prepare_many(self, values: Sequence[RawInput]) -> list[PreparedRow]:
         texts = [v for v in values if isinstance(v, str)]
+        token_rows = [v.ids for v in values if isinstance(v, TokenIds)]
+        if len(texts) + len(token_rows) < len(values):
+            raise InvalidInput(f"{self.config.name} takes text inputs, not tensors")
         encoded = iter(self.text.encode_many(texts) if texts else ())
-        rows = []
-        for value in values:
-            if isinstance(value, str):
-                rows.append(self._row(next(encoded)))
-            elif isinstance(value, TokenIds):
-                rows.append(self._row(self.text.check_ids(value.ids)))
-            else:
-                raise InvalidInput(f"{self.config.name} takes text inputs, not tensors")
-        return rows
+        checked = iter(self.text.check_ids_many(token_rows) if token_rows else ())
+        return [self._row(next(encoded if isinstance(v, str) else checked)) for v in values]
 
     def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
         # [CLS] word... [SEP] with an ordinary word id: costs what a real row of that length does.

@@ -15,13 +15,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
 from services.common.errors import InvalidInput, Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
-from services.common.tracing import batch_span, current_span_context
+from services.common.tracing import TraceContext, batch_span, current_span_context
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver_config import DriverConfig
@@ -42,17 +42,30 @@ from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Admission", "BatchingDriver", "DriverConfig"]
+__all__ = ["Admission", "BatchingDriver", "DriverConfig", "SliceAsk"]
 
 
-@dataclass(frozen=True)
-class _RequestFacts:
-    """What the driver knows of the request its rows belong to."""
+class SliceAsk(NamedTuple):
+    """The rows of one caller to queue (`BatchingDriver.admit_slices`): `timeout_s` its time
+    left (None: the model's default), `weight` its tenant's fair-share weight (0: the
+    worker's configured one), `trace_context` the span its batch links to (None: the current
+    one)."""
 
-    tenant: str
-    rank: int
-    weight: float
+    rows: Sequence[PreparedRow]
     timeout_s: float | None
+    tenant: str
+    priority: PriorityClass = DEFAULT_PRIORITY
+    weight: float = 0.0
+    trace_context: TraceContext | None = None
+
+
+class _Shared(NamedTuple):
+    """What every slice of one admission pass shares."""
+
+    now: float
+    #: The executor's cumulative busy seconds at `now` (Pending.busy_s_at_arrival).
+    busy_s: float
+    trace_context: TraceContext
 
 
 class BatchingDriver:
@@ -86,6 +99,10 @@ class BatchingDriver:
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
         self._refusal = Unavailable("worker is draining")  # what a row gets once draining
+
+    def now(self) -> float:
+        """The driver's clock (monotonic seconds)."""
+        return self._clock()
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
         return BatchKey(
@@ -136,6 +153,7 @@ class BatchingDriver:
         await settle(lane)
         del self._lanes[id(backend)]
         self._order.remove(lane)
+        self._metrics.forget_queue(*lane.labels)
         await asyncio.wrap_future(self._executor.submit(release_device_memory))
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -230,14 +248,30 @@ class BatchingDriver:
         """`submit` without the wait: queues the rows (all or none; raises as `submit` does)
         and returns their futures. The caller must `withdraw` the admission once it stops
         waiting, whatever happened."""
+        ask = SliceAsk(rows, timeout_s, tenant, priority, weight)
+        (outcome,) = self.admit_slices(backend, [ask])
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def admit_slices(
+        self, backend: Backend, asks: Sequence[SliceAsk], *, arrival_s: float | None = None
+    ) -> list[Admission | Exception]:
+        """`admit` for the slices of one bundle, in one pass: each slice is queued whole or
+        refused alone (its error in its place), and what they share (the lane, the clock,
+        the executor's busy time) is read once. `arrival_s` (`now()` when the bundle arrived,
+        default now). Raises only what refuses every slice alike (`open_lane`)."""
         lane = self.open_lane(backend)
-        if not (math.isfinite(weight) and weight >= 0.0):
-            raise InvalidInput(f"tenant weight must be finite and >= 0, got {weight}")
-        request = _RequestFacts(tenant, priority.rank, weight, timeout_s)
-        item_ids = self._admit(lane, rows, request)
-        lane.export_queue(self._metrics)
+        now = self._clock() if arrival_s is None else arrival_s
+        shared = _Shared(now, self._busy_s(now), current_span_context())
+        outcomes: list[Admission | Exception] = []
+        for ask in asks:
+            try:
+                outcomes.append(self._admit(lane, ask, shared))
+            except Exception as error:
+                outcomes.append(error)
         self._wake.set()
-        return Admission(lane, item_ids, [lane.pending[i].future for i in item_ids])
+        return outcomes
 
     def withdraw(self, admission: Admission) -> None:
         """Forgets an admission's rows; those still queued leave the batcher unrun."""
@@ -255,38 +289,54 @@ class BatchingDriver:
             raise Unavailable(f"{backend.config.name}/{backend.version.version} is unloading")
         return lane
 
-    def _admit(self, lane: Lane, rows: Sequence[PreparedRow], request: _RequestFacts) -> list[int]:
-        """Queues every row of one request or none (synchronous: nothing else is queued between
-        the check for room and the rows). A refused row refuses the request, all rows rejected."""
-        now, model = self._clock(), lane.backend.config
-        shed_budget_s = lane.shedding.budget_s(now, request.rank, lane.batcher.num_queued)
-        busy_s = self._busy_s(now)
-        decision = lane.batcher.can_admit(len(rows))
+    def _admit(self, lane: Lane, ask: SliceAsk, shared: _Shared) -> Admission:
+        """Queues every row of one slice or none (synchronous: nothing else is queued between
+        the check for room and the rows). A refused row refuses the slice, all rows rejected.
+        What the rows share (deadline, weight, keys, trace) is worked out once per slice."""
+        if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
+            raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
+        now, model, batcher, rank = shared.now, lane.backend.config, lane.batcher, ask.priority.rank
+        shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
+        deadline_s = now + model.timeout_s_for(ask.timeout_s)
+        finish_by_s = None if shed_budget_s is None else now + shed_budget_s
+        weight = batcher.weight_of(ask.tenant, ask.weight)
+        trace_context = shared.trace_context if ask.trace_context is None else ask.trace_context
+        new_future = asyncio.get_running_loop().create_future
+        decision = batcher.can_admit(len(ask.rows))
         item_ids: list[int] = []
-        for row in rows:
+        futures: list[asyncio.Future[np.ndarray]] = []
+        for row in ask.rows:
             item = QueuedItem(
                 item_id=next(self._item_ids),
-                key=self.key_for(lane.backend, row.bucket),
-                tenant=request.tenant,
+                key=self._key(lane, row.bucket),
+                tenant=ask.tenant,
                 num_tokens=row.num_tokens,
                 arrival_s=now,
-                deadline_s=now + model.timeout_s_for(request.timeout_s),
-                finish_by_s=None if shed_budget_s is None else now + shed_budget_s,
-                priority=request.rank,
-                weight=request.weight,
+                deadline_s=deadline_s,
+                finish_by_s=finish_by_s,
+                priority=rank,
+                weight=weight,
             )
             if isinstance(decision, Admitted):
-                decision = lane.batcher.add(item, now, executor_free_s=self._running_until_s)
+                decision = batcher.add(item, now, executor_free_s=self._running_until_s)
             if isinstance(decision, Rejected):
                 reason = decision.reason
-                self._metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(rows))
+                self._metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
                 error = lane.rejection(item, reason, now, self._running_until_s or now)
                 self._withdraw(lane, item_ids, drop=None)  # refused, not cancelled: no drop
                 raise error
-            future = asyncio.get_running_loop().create_future()
-            lane.pending[item.item_id] = Pending(row, future, busy_s, current_span_context())
+            future = new_future()
+            lane.pending[item.item_id] = Pending(row, future, shared.busy_s, trace_context)
             item_ids.append(item.item_id)
-        return item_ids
+            futures.append(future)
+        return Admission(lane, item_ids, futures)
+
+    def _key(self, lane: Lane, bucket: int) -> BatchKey:
+        """`key_for(lane's backend, bucket)`, built once per bucket."""
+        key = lane.keys.get(bucket)
+        if key is None:
+            key = lane.keys[bucket] = self.key_for(lane.backend, bucket)
+        return key
 
     def _withdraw(self, lane: Lane, item_ids: list[int], *, drop: str | None = "cancelled") -> None:
         """Forgets a request's rows; still-queued ones leave the batcher (never run) as `drop`."""
@@ -296,7 +346,6 @@ class BatchingDriver:
             if lane.batcher.cancel(item_id) and drop is not None:
                 self._metrics.dropped_total.labels(*lane.labels, drop).inc()
             pending.future.cancel()
-        lane.export_queue(self._metrics)
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from services.common.errors import DeadlineExceeded, ExecutionFailed, Overloaded, Unavailable
 from services.common.priority import PriorityClass
+from services.common.telemetry import observe_many
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -108,6 +109,8 @@ class Lane:
     #: When new rows must finish within the SLO, not just their deadline (slo_shedding.py).
     shedding: SloShedding
     pending: dict[int, Pending] = field(default_factory=dict)
+    #: The batch key of each bucket (its backend's), built at the bucket's first row.
+    keys: dict[int, BatchKey] = field(default_factory=dict)
     #: EWMA over dispatched rows of the predicted per-row cost of their key at full batches:
     #: the marginal cost of a row of this lane's traffic mix, for load reports. None until the
     #: first batch.
@@ -194,29 +197,38 @@ class Lane:
         self, dispatch: Dispatch, now_s: float, busy_s: float, metrics: WorkerMetrics
     ) -> list[PreparedRow]:
         """The rows of a batch being dispatched, each one's wait observed: its backlog (the
-        executor's busy time since it arrived) and its linger (the rest)."""
+        executor's busy time since it arrived) and its linger (the rest). The rows of one
+        slice arrived together and share their wait: it is observed once per slice, counted
+        for each of its rows."""
         rows = []
+        # (arrival, executor busy seconds at arrival) -> rows: one per slice.
+        arrivals: dict[tuple[float, float], int] = {}
+        for item in dispatch.items:
+            pending = self.pending[item.item_id]
+            arrival = (item.arrival_s, pending.busy_s_at_arrival)
+            arrivals[arrival] = arrivals.get(arrival, 0) + 1
+            rows.append(pending.row)
         backlog = metrics.backlog_seconds.labels(*self.labels)
         linger = metrics.linger_seconds.labels(*self.labels)
         queue_wait = metrics.queue_wait_seconds.labels(*self.labels)
-        for item in dispatch.items:
-            pending = self.pending[item.item_id]
-            backlog_s = busy_s - pending.busy_s_at_arrival
-            wait_s = now_s - item.arrival_s
-            backlog.observe(backlog_s)
-            linger.observe(max(0.0, wait_s - backlog_s))
-            queue_wait.observe(wait_s)
-            self.totals.queue_s += wait_s
-            rows.append(pending.row)
+        for (arrival_s, busy_s_at_arrival), count in arrivals.items():
+            backlog_s = busy_s - busy_s_at_arrival
+            wait_s = now_s - arrival_s
+            observe_many(backlog, backlog_s, count)
+            observe_many(linger, max(0.0, wait_s - backlog_s), count)
+            observe_many(queue_wait, wait_s, count)
+            self.totals.queue_s += wait_s * count
         self.shedding.after_dispatch(now_s, self.batcher.oldest_urgent_wait_s(now_s))
         return rows
 
-    def export_queue(self, metrics: WorkerMetrics) -> None:
-        """Rows queued now, and whether the queue stands (only while rows are queued)."""
-        num_queued = self.batcher.num_queued
-        metrics.queue_depth.labels(*self.labels).set(num_queued)
-        is_standing = self.shedding.queue.is_standing and num_queued > 0
-        metrics.queue_standing.labels(*self.labels).set(int(is_standing))
+    def bind_queue_gauges(self, metrics: WorkerMetrics) -> None:
+        """Rows queued, and whether the queue stands (only while rows are queued), read when
+        metrics are scraped: nothing on the per-row path keeps them up to date."""
+        metrics.queue_depth.labels(*self.labels).set_function(lambda: self.batcher.num_queued)
+        metrics.queue_standing.labels(*self.labels).set_function(self._is_standing)
+
+    def _is_standing(self) -> int:
+        return int(self.shedding.queue.is_standing and self.batcher.num_queued > 0)
 
     def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:
         """Hands each row of a finished batch its output or its failure."""
@@ -248,13 +260,15 @@ class Lane:
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
-        row_compute = metrics.row_compute_seconds.labels(*labels)
-        row_latency = metrics.row_latency_seconds.labels(*labels)
+        observe_many(metrics.row_compute_seconds.labels(*labels), compute_s, len(rows))
         rows_by_tenant: dict[str, int] = {}
+        rows_by_arrival: dict[float, int] = {}
         for item in dispatch.items:
-            row_compute.observe(compute_s)
-            row_latency.observe(finished - item.arrival_s)
             rows_by_tenant[item.tenant] = rows_by_tenant.get(item.tenant, 0) + 1
+            rows_by_arrival[item.arrival_s] = rows_by_arrival.get(item.arrival_s, 0) + 1
+        row_latency = metrics.row_latency_seconds.labels(*labels)
+        for arrival_s, count in rows_by_arrival.items():  # once per slice of the batch
+            observe_many(row_latency, finished - arrival_s, count)
         for tenant, count in rows_by_tenant.items():  # once per tenant of the batch
             metrics.charge_tenant(tenant, compute_s=row_share_s * count)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
@@ -267,11 +281,12 @@ class Lane:
             metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
         else:
             metrics.row_failures_total.labels(*labels).inc(failures)
-        backend = lane.backend
-        if len({backend.bucket_for(row.num_tokens) for row in rows}) > 1:
+        tokens = [row.num_tokens for row in rows]
+        # Buckets grow with length: the shortest and longest rows tell whether buckets mixed.
+        if lane.backend.bucket_for(min(tokens)) != lane.backend.bucket_for(max(tokens)):
             metrics.mixed_bucket_batches_total.labels(*labels).inc()
-        real_tokens = sum(row.num_tokens for row in rows)
-        padded_tokens = max(row.num_tokens for row in rows) * len(rows)
+        real_tokens = sum(tokens)
+        padded_tokens = max(tokens) * len(rows)
         metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
         metrics.batch_size.labels(*labels, bucket).observe(len(rows))
         metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)
@@ -280,7 +295,6 @@ class Lane:
         )
         metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
         metrics.rows_total.labels(*labels).inc(len(rows))
-        lane.export_queue(metrics)
 
 
 def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> None:

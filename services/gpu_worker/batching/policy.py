@@ -192,8 +192,7 @@ class Batcher:
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
         if item.weight <= 0.0:
-            weight = self._config.tenant_weights.get(item.tenant, DEFAULT_WEIGHT)
-            item = dataclasses.replace(item, weight=weight)
+            item = dataclasses.replace(item, weight=self.weight_of(item.tenant, item.weight))
         refusal = self._refusal(item, now_s, executor_free_s)
         if refusal is not None:
             return refusal
@@ -218,6 +217,13 @@ class Batcher:
             heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
         return _ADMITTED
+
+    def weight_of(self, tenant: str, weight: float) -> float:
+        """The fair-share weight a row of `tenant` carrying `weight` gets: its own when
+        positive, else the configured one (DEFAULT_WEIGHT for a tenant not configured)."""
+        if weight > 0.0:
+            return weight
+        return self._config.tenant_weights.get(tenant, DEFAULT_WEIGHT)
 
     def _refusal(
         self, item: QueuedItem, now_s: float, executor_free_s: float | None
