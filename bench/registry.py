@@ -60,7 +60,7 @@ from services.gpu_worker.config import HeartbeatConfig
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.router.config import RouterConfig
-from services.router.routing import RoutingConfig
+from services.router.routing_config import RoutingConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 #: Longest wait for any one reaction; past it the round fails with what did not happen.

@@ -23,7 +23,8 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tracing import span_context_of
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
-from services.gpu_worker.batching.driver import Admission, BatchingDriver, SliceAsk
+from services.gpu_worker.batching.driver import Admission, BatchingDriver
+from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from services.gpu_worker.backends.base import PreparedRow
+from services.gpu_worker.batching.close_rule import URGENT_RECENT_S
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.policy import URGENT_RECENT_S
 from services.gpu_worker.batching.types import CloseReason
 
 

@@ -16,7 +16,7 @@ from services.common.settings import (
     listener_settings,
 )
 from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
-from services.router.routing import RoutingConfig
+from services.router.routing_config import RoutingConfig
 from services.router.worker_networks import DEFAULT_WORKER_NETWORKS, WorkerNetworks
 
 

@@ -22,7 +22,8 @@ from services.sim.report import (
     write_outputs,
     write_summary,
 )
-from services.sim.scenario import load_scenario, parse_setting
+from services.sim.scenario import load_scenario
+from services.sim.scenario_overrides import parse_setting
 from services.sim.shards import run_sharded
 from services.sim.simulation import Scenario, run
 from services.sim.sweep import format_sweep, sweep

@@ -28,7 +28,8 @@ from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gpu_worker.admission import RejectReason as WorkerReject
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.router.retry import RetryElsewhere, decide_retry
-from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable, RoutingConfig
+from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable
+from services.router.routing_config import RoutingConfig
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
 from services.sim.gateway import GatewayAdmission

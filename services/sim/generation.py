@@ -28,13 +28,8 @@ from services.common.priority import PriorityClass
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.generation.first_token import predicted_first_token_s
-from services.gpu_worker.generation.scheduler import (
-    GenerationScheduler,
-    GenerationSchedulerConfig,
-    ScheduledSequence,
-    SchedulerOutput,
-    Sequence,
-)
+from services.gpu_worker.generation.scheduler import GenerationScheduler, GenerationSchedulerConfig
+from services.gpu_worker.generation.sequence import ScheduledSequence, SchedulerOutput, Sequence
 from services.sim.events import EventLoop
 from services.sim.traffic import Arrival
 

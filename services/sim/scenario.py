@@ -47,12 +47,12 @@ A generation scenario has a [generation] table instead of [model] and the curve,
 
 Relative paths are read from the scenario file's directory, then from the current one.
 `load_scenario(path, overrides)` sets dotted `table.key` paths of the file's mapping first
-(`parse_setting("batching.max_wait_cap_s=0.005")`), for the CLI's --set and sweeps.
+(scenario_overrides.py: `parse_setting("batching.max_wait_cap_s=0.005")`), for the CLI's --set
+and sweeps.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import tomllib
 from collections.abc import Mapping
@@ -62,13 +62,14 @@ from typing import Any, TypeVar
 from services.gateway.tenants import TenantPolicy, parse_tenants
 from services.gateway.throttle import ThrottleConfig
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.router.routing import RoutingConfig
+from services.router.routing_config import RoutingConfig
 from services.sim.autoscaler import HpaConfig
 from services.sim.curve import LatencyCurve
 from services.sim.fleet import FleetConfig
 from services.sim.generation import GenerationSpec, StepCost
 from services.sim.generation_run import GenerationScenario, StreamKey
 from services.sim.host import HostConfig
+from services.sim.scenario_overrides import with_overrides
 from services.sim.simulation import Scenario, WorkerLoss
 from services.sim.traffic import Burst, Diurnal, LengthMix, Stream, Traffic, load_trace
 from services.sim.worker import ModelSpec
@@ -112,44 +113,6 @@ def load_raw(path: Path) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: a scenario is a mapping of tables")
     return loaded
-
-
-def with_overrides(raw: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of `raw` with each dotted path (`batching.max_wait_cap_s`, `duration_s`) set to
-    its value; missing tables on the way are created, and a number picks an element of an
-    array of tables (`traffic.streams.0.rate_per_s`). `raw` is not changed."""
-    out = copy.deepcopy(dict(raw))
-    for path, value in overrides.items():
-        *tables, key = path.split(".")
-        if not key or not all(tables):
-            raise ValueError(
-                f"--set {path!r}: expected a dotted path such as batching.max_wait_cap_s"
-            )
-        node: Any = out
-        for name in tables:
-            if isinstance(node, list) and name.isdigit() and int(name) < len(node):
-                node = node[int(name)]
-            elif isinstance(node, dict):
-                node = node.setdefault(name, {})
-            else:
-                raise ValueError(f"--set {path!r}: no table {name!r} there")
-        if not isinstance(node, dict):
-            raise ValueError(f"--set {path!r}: {tables[-1]!r} is not a table")
-        node[key] = value
-    return out
-
-
-def parse_setting(text: str) -> tuple[str, list[Any]]:
-    """`table.key=V1,V2,...` into the path and its values, each a TOML value (a number, true,
-    "text"), or the bare text where it is none (`hpa.metric=backlog`)."""
-    path, sep, values = text.partition("=")
-    if not sep or not path.strip() or not values.strip():
-        raise ValueError(f"--set {text!r}: expected table.key=VALUE[,VALUE...]")
-    try:
-        parsed = tomllib.loads(f"v = [{values}]")["v"]
-    except tomllib.TOMLDecodeError:
-        parsed = [v.strip() for v in values.split(",")]
-    return path.strip(), list(parsed)
 
 
 def parse_scenario(raw: Mapping[str, Any], *, base_dir: Path, default_name: str) -> Scenario:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from services.sim.scenario import load_raw, parse_scenario, with_overrides
+from services.sim.scenario import load_raw, parse_scenario
+from services.sim.scenario_overrides import with_overrides
 from services.sim.simulation import run
 
 #: Goodputs within this fraction of the highest tie: the same seed offers every run the same

@@ -37,7 +37,7 @@ from services.common.redis_server import ping, redis_command
 from services.common.registry_schema import RegistryKeys
 from services.gateway.config import GatewayConfig
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from services.router.routing import RoutingConfig
+from services.router.routing_config import RoutingConfig
 from services.router.server import REGISTRY_HEALTH_NAME
 from tests.support.fabric_load import predict_request, routed_to
 from tests.support.metrics import scrape, total

@@ -23,8 +23,9 @@ from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
-from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig, SliceAsk
+from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.metrics import total
 from tests.support.models import write_affine_model

@@ -36,13 +36,15 @@ from services.common import metric_names as names
 from services.common.model_repository import DEFAULT_TIMEOUT_MS
 from services.common.registry_schema import route_metadata
 from services.gateway.predictor import ROUTER_STREAMS, PredictCall, PredictResult
+from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.server import Worker
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
-from services.router.routing import RetryBudget, RouteTable, RoutingConfig
+from services.router.routing import RetryBudget, RouteTable
+from services.router.routing_config import RoutingConfig
 from tests.support.in_process import Fabric, running_fabric
 from tests.support.metrics import scrape, total
 from tests.support.models import STALL, release_stall, write_affine_model, write_stalling_model
@@ -309,7 +311,7 @@ async def test_s11_the_worker_gets_the_time_left_of_the_callers_deadline(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No tier exports the deadline a call arrived with, so the gateway's predictor and the
-    worker's batcher are watched through their public `predict` and `admit`, wrapped: the
+    worker's batcher are watched through their public `predict` and `admit_slices`, wrapped: the
     real ones run, unchanged, and the wrappers write down the time left they were given. The
     gateway's view is the reference: gRPC's own grpc-timeout header rounds the client's
     timeout up by a few milliseconds before the gateway sees it.
@@ -325,18 +327,18 @@ async def test_s11_the_worker_gets_the_time_left_of_the_callers_deadline(
         assert batching is not None
         at_gateway: list[float | None] = []
         at_worker: list[float | None] = []
-        real_predict, real_admit = predictor.predict, batching.admit
+        real_predict, real_admit = predictor.predict, batching.admit_slices
 
         async def predict(call: PredictCall) -> PredictResult:
             at_gateway.append(call.timeout_s)
             return await real_predict(call)
 
-        def admit(*args: Any, timeout_s: float | None, **kwargs: Any) -> Any:
-            at_worker.append(timeout_s)
-            return real_admit(*args, timeout_s=timeout_s, **kwargs)
+        def admit_slices(backend: Any, asks: Sequence[SliceAsk], **kwargs: Any) -> Any:
+            at_worker.extend(ask.timeout_s for ask in asks)
+            return real_admit(backend, asks, **kwargs)
 
         monkeypatch.setattr(predictor, "predict", predict)
-        monkeypatch.setattr(batching, "admit", admit)
+        monkeypatch.setattr(batching, "admit_slices", admit_slices)
         timeout_s = 10.0
         async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
             stub = api_grpc.InferenceServiceStub(channel)

@@ -32,8 +32,8 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.model_runner import SequenceBatchItem
 from services.gpu_worker.generation.sampler import Sampler
-from services.gpu_worker.generation.scheduler import SchedulerOutput
-from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
+from services.gpu_worker.generation.sequence import SchedulerOutput
+from services.gpu_worker.generation.sequence import Sequence as SchedSequence
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc

@@ -132,12 +132,13 @@ async def test_unload_drains_in_flight_calls_then_load_serves_again(
         await set_desired(redis_server, "stall", DesiredState(ModelState.LOADED, 2))
         await eventually(lambda: _has(stub, key), timeout_s=CONVERGE_S, message="listed again")
         again = await stub.Infer(request("stall"), timeout=10)
+        # Listed first, then published (the heartbeat's next turn, woken by the load).
+        await eventually(lambda: _registered(redis_server, key), message="registered again")
     assert is_still_running, "the calls were in flight when the version was unloaded"
     assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
     assert [a.model_name for a in answers] == ["stall"] * 4
     assert other.model_name == "other"
     assert again.model_name == "stall"
-    assert key in await registered_models(redis_server)
 
 
 async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
@@ -300,3 +301,7 @@ async def _has(stub: pb_grpc.WorkerServiceStub, key: tuple[str, str]) -> bool:
 
 async def _unregistered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
     return key not in await registered_models(redis_server)
+
+
+async def _registered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
+    return key in await registered_models(redis_server)

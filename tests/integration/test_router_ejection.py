@@ -22,7 +22,7 @@ from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
-from services.router.routing import RoutingConfig
+from services.router.routing_config import RoutingConfig
 from services.router.server import Router, create_router
 from tests.support.models import STALL, release_stall, write_stalling_model
 from tests.support.redis import RedisServer

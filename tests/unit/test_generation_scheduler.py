@@ -16,12 +16,8 @@ import random
 import pytest
 
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
-from services.gpu_worker.generation.scheduler import (
-    GenerationScheduler,
-    SchedulerOutput,
-    Sequence,
-    SequenceStatus,
-)
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.sequence import SchedulerOutput, Sequence, SequenceStatus
 from tests.support.fake_generation import (
     FakeEngine,
     assert_outputs_match_reference,

@@ -22,8 +22,8 @@ from services.router.routing import (
     RetryBudget,
     Route,
     RouteTable,
-    RoutingConfig,
 )
+from services.router.routing_config import RoutingConfig
 
 pytestmark = pytest.mark.unit
 

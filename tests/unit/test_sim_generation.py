@@ -15,11 +15,8 @@ from typing import Any
 
 import pytest
 
-from services.gpu_worker.generation.scheduler import (
-    GenerationScheduler,
-    SchedulerOutput,
-    Sequence,
-)
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.sequence import SchedulerOutput, Sequence
 from services.sim.__main__ import main
 from services.sim.events import EventLoop
 from services.sim.fleet import FleetConfig

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from services.sim.__main__ import main
-from services.sim.scenario import load_scenario, parse_setting, with_overrides
+from services.sim.scenario import load_scenario
+from services.sim.scenario_overrides import parse_setting, with_overrides
 from services.sim.simulation import Scenario
 from services.sim.sweep import SweepRow, best, format_sweep, sweep
 

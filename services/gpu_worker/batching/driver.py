@@ -12,17 +12,14 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import numpy as np
 
-from services.common.errors import InvalidInput, Unavailable
+from services.common.errors import Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
-from services.common.tracing import TraceContext, batch_span, current_span_context
-from services.gpu_worker.admission import Admitted, Rejected
+from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
@@ -30,42 +27,25 @@ from services.gpu_worker.batching.lane import (
     Admission,
     Lane,
     LoadReport,
-    Pending,
     by_urgency,
     warm_up_lane,
 )
 from services.gpu_worker.batching.lane_changes import new_lane, release_device_memory, settle
-from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.batching.slice_admission import (
+    AdmissionPass,
+    SliceAsk,
+    admit_slice,
+    batch_key,
+    withdraw_rows,
+)
+from services.gpu_worker.batching.types import BatchKey, Dispatch
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
 from services.gpu_worker.execution import backfill_threads_for, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Admission", "BatchingDriver", "DriverConfig", "SliceAsk"]
-
-
-class SliceAsk(NamedTuple):
-    """The rows of one caller to queue (`BatchingDriver.admit_slices`): `timeout_s` its time
-    left (None: the model's default), `weight` its tenant's fair-share weight (0: the
-    worker's configured one), `trace_context` the span its batch links to (None: the current
-    one)."""
-
-    rows: Sequence[PreparedRow]
-    timeout_s: float | None
-    tenant: str
-    priority: PriorityClass = DEFAULT_PRIORITY
-    weight: float = 0.0
-    trace_context: TraceContext | None = None
-
-
-class _Shared(NamedTuple):
-    """What every slice of one admission pass shares."""
-
-    now: float
-    #: The executor's cumulative busy seconds at `now` (Pending.busy_s_at_arrival).
-    busy_s: float
-    trace_context: TraceContext
+__all__ = ["Admission", "BatchingDriver", "DriverConfig"]
 
 
 class BatchingDriver:
@@ -105,12 +85,7 @@ class BatchingDriver:
         return self._clock()
 
     def key_for(self, backend: Backend, bucket: int) -> BatchKey:
-        return BatchKey(
-            model=backend.config.name,
-            version=backend.version.version,
-            fingerprint=backend.fingerprint,
-            bucket=bucket,
-        )
+        return batch_key(backend, bucket)
 
     # -- warm-up ---------------------------------------------------------------------------
 
@@ -263,11 +238,18 @@ class BatchingDriver:
         default now). Raises only what refuses every slice alike (`open_lane`)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
-        shared = _Shared(now, self._busy_s(now), current_span_context())
+        admission = AdmissionPass(
+            now=now,
+            busy_s=self._busy_s(now),
+            trace_context=current_span_context(),
+            executor_free_s=self._running_until_s,
+            item_ids=self._item_ids,
+            metrics=self._metrics,
+        )
         outcomes: list[Admission | Exception] = []
         for ask in asks:
             try:
-                outcomes.append(self._admit(lane, ask, shared))
+                outcomes.append(admit_slice(lane, ask, admission))
             except Exception as error:
                 outcomes.append(error)
         self._wake.set()
@@ -275,7 +257,7 @@ class BatchingDriver:
 
     def withdraw(self, admission: Admission) -> None:
         """Forgets an admission's rows; those still queued leave the batcher unrun."""
-        self._withdraw(admission.lane, admission.item_ids)
+        withdraw_rows(admission.lane, admission.item_ids, self._metrics)
 
     def open_lane(self, backend: Backend) -> Lane:
         """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded, while it
@@ -288,64 +270,6 @@ class BatchingDriver:
         if lane.batcher.is_draining:
             raise Unavailable(f"{backend.config.name}/{backend.version.version} is unloading")
         return lane
-
-    def _admit(self, lane: Lane, ask: SliceAsk, shared: _Shared) -> Admission:
-        """Queues every row of one slice or none (synchronous: nothing else is queued between
-        the check for room and the rows). A refused row refuses the slice, all rows rejected.
-        What the rows share (deadline, weight, keys, trace) is worked out once per slice."""
-        if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
-            raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
-        now, model, batcher, rank = shared.now, lane.backend.config, lane.batcher, ask.priority.rank
-        shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
-        deadline_s = now + model.timeout_s_for(ask.timeout_s)
-        finish_by_s = None if shed_budget_s is None else now + shed_budget_s
-        weight = batcher.weight_of(ask.tenant, ask.weight)
-        trace_context = shared.trace_context if ask.trace_context is None else ask.trace_context
-        new_future = asyncio.get_running_loop().create_future
-        decision = batcher.can_admit(len(ask.rows))
-        item_ids: list[int] = []
-        futures: list[asyncio.Future[np.ndarray]] = []
-        for row in ask.rows:
-            item = QueuedItem(
-                item_id=next(self._item_ids),
-                key=self._key(lane, row.bucket),
-                tenant=ask.tenant,
-                num_tokens=row.num_tokens,
-                arrival_s=now,
-                deadline_s=deadline_s,
-                finish_by_s=finish_by_s,
-                priority=rank,
-                weight=weight,
-            )
-            if isinstance(decision, Admitted):
-                decision = batcher.add(item, now, executor_free_s=self._running_until_s)
-            if isinstance(decision, Rejected):
-                reason = decision.reason
-                self._metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
-                error = lane.rejection(item, reason, now, self._running_until_s or now)
-                self._withdraw(lane, item_ids, drop=None)  # refused, not cancelled: no drop
-                raise error
-            future = new_future()
-            lane.pending[item.item_id] = Pending(row, future, shared.busy_s, trace_context)
-            item_ids.append(item.item_id)
-            futures.append(future)
-        return Admission(lane, item_ids, futures)
-
-    def _key(self, lane: Lane, bucket: int) -> BatchKey:
-        """`key_for(lane's backend, bucket)`, built once per bucket."""
-        key = lane.keys.get(bucket)
-        if key is None:
-            key = lane.keys[bucket] = self.key_for(lane.backend, bucket)
-        return key
-
-    def _withdraw(self, lane: Lane, item_ids: list[int], *, drop: str | None = "cancelled") -> None:
-        """Forgets a request's rows; still-queued ones leave the batcher (never run) as `drop`."""
-        for item_id in item_ids:
-            if (pending := lane.pending.pop(item_id, None)) is None:
-                continue
-            if lane.batcher.cancel(item_id) and drop is not None:
-                self._metrics.dropped_total.labels(*lane.labels, drop).inc()
-            pending.future.cancel()
 
     # -- the loop --------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ class DriverConfig:
     max_wait_cap_s: float = 0.05
     #: When the executor is idle, linger only if at least this many more rows are expected
     #: before the linger expires, and the next one soon enough that waiting for it pays (the
-    #: batcher's work-conserving trigger, `Batcher._linger_payoff_gap_s`); 0 always lingers.
+    #: batcher's work-conserving trigger, `close_rule.linger_payoff_gap_s`); 0 always lingers.
     min_expected_arrivals: float = 1.0
     #: Deficit-round-robin shares per tenant; tenants not listed get weight 1.0.
     tenant_weights: Mapping[str, float] = field(default_factory=dict)

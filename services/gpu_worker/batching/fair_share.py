@@ -37,7 +37,7 @@ class ComputeLedger:
         self._floor_s = 0.0
         #: When a row more urgent than `batch` was last queued on the worker, by any of its
         #: batchers: while that is recent, every batcher keeps its backfills short, since the
-        #: executor they share cannot be preempted (policy.Batcher._width).
+        #: executor they share cannot be preempted (close_rule.batch_width).
         self.last_urgent_s = -math.inf
 
     @property

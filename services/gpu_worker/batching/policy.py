@@ -11,12 +11,14 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from services.common.fair_rows import DEFAULT_WEIGHT, rows_ahead
+from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import TenantQueues, check_tenant_weights, is_over_share
-from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
+from services.gpu_worker.batching.forecast import QueueForecast
+from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
     BatcherConfig,
@@ -34,16 +36,6 @@ BATCH_QUEUE_SHARE = 0.5
 #: Past this share of the queue, a tenant holding more than its weighted share of the queued
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5
-
-#: `batch` rows may lengthen a batch's predicted compute by at most this share of what its
-#: interactive rows alone would take: they ride the executor's spare width (large on a GPU,
-#: where a wider batch costs little more; about none on a CPU, where each row costs its own).
-BATCH_RIDE_SHARE = 0.1
-#: While more urgent rows arrived this recently (on the worker, for any model), a batch of
-#: `batch` rows only is held to what one urgent row costs (x 1 + BATCH_RIDE_SHARE): an urgent
-#: row arriving as it starts waits for it, and the executor cannot be preempted. After a
-#: longer silence it is full width.
-URGENT_RECENT_S = 1.0
 
 _BATCH_RANK = PriorityClass.BATCH.rank
 # `Admitted` carries no data: one instance answers every call.
@@ -87,6 +79,9 @@ class Batcher:
         self._key_of: dict[int, BatchKey] = {}
         # key -> (latency model revision, max_batch_size_for): recomputed after observations.
         self._limits: dict[BatchKey, tuple[int, int]] = {}
+        self._forecast = QueueForecast(
+            self._queues, self._weights, self._ledger, latency, self.max_batch_size_for
+        )
         self._is_draining = False
 
     @property
@@ -149,13 +144,7 @@ class Batcher:
         predicted compute of the next batch and the safety margin, clamped to [0, cap]. The
         next batch is sized by the rows more urgent than `batch` when there are any."""
         n_next = min(max(self._urgent_or_all(key), 1), self.max_batch_size_for(key))
-        return self._linger_s(self._latency.predict(key, n_next))
-
-    def _linger_s(self, compute_s: float) -> float:
-        """The linger before a batch predicted to compute for `compute_s` (`max_wait_s`)."""
-        cfg = self._config
-        budget_s = cfg.slo_s - cfg.upstream_budget_s - compute_s - cfg.safety_margin_s
-        return min(max(budget_s, 0.0), cfg.max_wait_cap_s)
+        return linger_s(self._config, self._latency.predict(key, n_next))
 
     def can_admit(self, num_items: int) -> Admitted | Rejected:
         """Whether the queue has room for `num_items` more items now. A request's rows are
@@ -249,7 +238,7 @@ class Batcher:
         finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority, of=item)
         if finish_s + cfg.safety_margin_s > item.admission_limit_s:
             return Rejected(RejectReason.DEADLINE)
-        if self._makes_batch_mates_late(item, start_s, finish_s):
+        if self._forecast.makes_batch_mates_late(item, start_s, finish_s, cfg.safety_margin_s):
             return Rejected(RejectReason.DEADLINE)
         return None
 
@@ -264,23 +253,6 @@ class Batcher:
         """Items queued at priority `rank` or more urgent, across keys."""
         return sum(queue.items.count_at_most(rank) for queue in self._queues.values())
 
-    def _makes_batch_mates_late(self, item: QueuedItem, start_s: float, finish_s: float) -> bool:
-        """Whether `item`, joining a partly filled batch of its key, is what would push that
-        batch past the earliest admission limit of the items already in it. A batch already
-        predicted late without the item is not made late by it (one more row costs its
-        marginal compute), and refusing the item would not save it. Conservative when several
-        batches of the key are queued: the earliest limit may belong to an earlier, full
-        batch."""
-        queue = self._queues.get(item.key)
-        if queue is None or not len(queue.items) % self.max_batch_size_for(item.key):
-            return False
-        margin_s = self._config.safety_margin_s
-        mates_limit_s = queue.earliest_limit_s()
-        if finish_s + margin_s <= mates_limit_s:
-            return False
-        queued = {k: len(q.items) for k, q in self._queues.items()}
-        return self._drain_s(item.key, start_s, queued, extra_rows=0) + margin_s <= mates_limit_s
-
     def predicted_finish_s(
         self,
         key: BatchKey,
@@ -290,39 +262,8 @@ class Batcher:
         of: QueuedItem | None = None,
     ) -> float:
         """When one more item of `key` would finish if the executor, free at `start_s`, ran
-        everything queued now first, every key in batches as full as its limit allows; with
-        `rank`, only what is queued at that priority or a more urgent one (the rest runs after);
-        with `of`, the new item, only the part of other tenants' rows that fair share serves
-        before it (fairness.rows_ahead): a light tenant is not refused for a flooder's queue.
-
-        Conservative on purpose: queued items of other keys count as ahead even when their
-        deadlines are later (the batcher serves the most urgent key first). Admitting only
-        items that fit keeps the queue short enough to serve within deadlines; without it,
-        overload fills the queue until every item waits about the whole SLO and most miss it.
-        """
-        if of is not None and rank is not None and not self._has_other_tenants(of.tenant):
-            # Fair share serves all of a lone tenant's own rows first: rows_ahead's answer.
-            rows = {k: q.items.count_at_most(rank) for k, q in self._queues.items()}
-        elif of is not None and rank is not None:
-            per_key = {k: q.items.rows_by_tenant(rank) for k, q in self._queues.items()}
-            rows = rows_ahead(per_key, of.tenant, of.weight, self._weights)
-        else:
-            rows = {k: q.items.count_at_most(rank) if rank is not None else len(q.items)
-                    for k, q in self._queues.items()}  # fmt: skip
-        return self._drain_s(key, start_s, rows, extra_rows=1)
-
-    def _has_other_tenants(self, tenant: str) -> bool:
-        """Whether any tenant but `tenant` has rows queued here, at any priority."""
-        if not self._ledger.has_queued_other_than(tenant):  # none on the whole worker
-            return False
-        return any(t != tenant for q in self._queues.values() for t in q.items.tenants())
-
-    def _drain_s(
-        self, key: BatchKey, start_s: float, rows: dict[BatchKey, int], *, extra_rows: int
-    ) -> float:
-        """When `rows` (per key), plus `extra_rows` more of `key`, would be done."""
-        rows = {**rows, key: rows.get(key, 0) + extra_rows}
-        return start_s + drain_s(rows, self._latency.predict, self.max_batch_size_for)
+        what is queued first (forecast.QueueForecast.finish_s)."""
+        return self._forecast.finish_s(key, start_s, rank=rank, of=of)
 
     def cancel(self, item_id: int) -> bool:
         """Remove a queued item; True if it was queued (False if dispatched, expired or unknown)."""
@@ -362,27 +303,15 @@ class Batcher:
         return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
 
     def _width(self, key: BatchKey, now_s: float) -> int:
-        """How many rows the next batch of `key` takes (urgent rows first, then `batch` ones):
-        `batch` rows must not cost more urgent rows their latency, and the executor cannot be
-        preempted.
-
-        - With urgent rows in the batch, `batch` rows fill it only as far as they lengthen its
-          predicted compute by BATCH_RIDE_SHARE of the urgent rows' alone.
-        - A batch of `batch` rows only (a backfill), while urgent rows arrived within
-          URGENT_RECENT_S, is held to about one urgent row's compute: an urgent row arriving
-          as it starts waits for all of it. After a longer silence it is as wide as any batch
-          (throughput: a job on an otherwise idle worker); the first urgent row after the
-          silence may wait for one, as `batch_compute_budget_s` allows.
-        """
-        limit = self.max_batch_size_for(key)
-        urgent = min(self._queues[key].items.count_at_most(_BATCH_RANK - 1), limit)
-        if urgent:
-            budget_s = self._latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
-            return max(urgent, self._latency.largest_batch_within(key, limit, budget_s))
-        if now_s - self._ledger.last_urgent_s >= URGENT_RECENT_S:
-            return limit
-        one_row_s = self._latency.predict(key, 1) * (1.0 + BATCH_RIDE_SHARE)
-        return self._latency.largest_batch_within(key, limit, one_row_s)
+        """How many rows the next batch of `key` takes (close_rule.batch_width)."""
+        return batch_width(
+            key,
+            self._queues[key],
+            now_s,
+            limit=self.max_batch_size_for(key),
+            latency=self._latency,
+            last_urgent_s=self._ledger.last_urgent_s,
+        )
 
     def urgency(self, now_s: float) -> tuple[int, float] | None:
         """(priority rank, tenant virtual seconds) of the batch an idle executor would get from
@@ -456,58 +385,12 @@ class Batcher:
         self, key: BatchKey, queue: KeyQueue, now_s: float
     ) -> tuple[CloseReason, None] | tuple[None, float]:
         """Why the key's batch should close now, or else when that could next change."""
-        cfg = self._config
-        if self._is_draining:
-            return CloseReason.DRAIN, None
-        # The urgent rows decide; `batch` rows alone are a backlog, run whenever the executor
-        # has nothing more urgent (and ride along with urgent rows, `_width`).
-        urgent = queue.items.count_at_most(_BATCH_RANK - 1)
-        if not urgent:
-            return CloseReason.BACKFILL, None
-        limit = self.max_batch_size_for(key)
-        # Lingering trades the urgent rows' latency for fuller batches, worth it only while the
-        # executor would otherwise idle: with `batch` rows queued it never does, so they close
-        # at once (and `batch` rows ride along as far as `_width` lets them).
-        if urgent >= limit or len(queue.items) > urgent:
-            return CloseReason.FULL, None
-        compute_s = self._latency.predict(key, urgent)
-        deadline_s = queue.earliest_deadline_s()
-        slack_at_s = deadline_s - compute_s - cfg.safety_margin_s
-        if now_s > slack_at_s:
-            return CloseReason.DEADLINE, None
-        # max_wait_s(key), whose next batch is these `urgent` rows (fewer than `limit`).
-        linger_end_s = queue.oldest_arrival_s() + self._linger_s(compute_s)
-        if now_s >= linger_end_s:
-            return CloseReason.LINGER, None
-        gap_s = queue.arrival_gap_s(now_s)
-        # Expected arrivals before the linger ends; none expected with no rate estimate yet.
-        expected = 0.0 if gap_s is None else (linger_end_s - now_s) / gap_s
-        if expected < cfg.min_expected_arrivals:
-            return CloseReason.IDLE, None
-        expiry_s = deadline_s - self._latency.predict(key, 1)  # _expiry_s(key, queue)
-        wake_s = min(linger_end_s, slack_at_s, expiry_s)
-        if gap_s is not None:
-            wake_s = min(wake_s, queue.idle_at_s(linger_end_s, cfg.min_expected_arrivals))
-        if cfg.min_expected_arrivals > 0 and gap_s is not None and queue.last_add_s is not None:
-            payoff_gap_s = self._linger_payoff_gap_s(key, urgent, compute_s)
-            if gap_s >= payoff_gap_s:
-                return CloseReason.IDLE, None
-            # The silence since the last arrival counts as the gap: past this, waiting stops
-            # paying even if nobody comes.
-            wake_s = min(wake_s, queue.last_add_s + payoff_gap_s)
-        return None, wake_s
-
-    def _linger_payoff_gap_s(self, key: BatchKey, num_rows: int, compute_s: float) -> float:
-        """How soon the next row must be expected for an idle executor to wait for it rather
-        than run the `num_rows` queued now (`compute_s`, their predicted compute).
-
-        One step of lookahead, in total latency of the queued rows and the next one, arriving
-        g from now. Run now: the queued rows finish at c(k) each; the newcomer waits for the
-        executor, then runs alone, c(1) more. Wait: all k + 1 finish at g + c(k + 1). Waiting
-        pays exactly when g < c(1) / (k + 1) - (c(k + 1) - c(k)): a batch's fixed cost, shared
-        by more rows, against the wait every queued row pays. A flat curve (a GPU) lingers
-        until about c(1) / g rows have gathered; a steep one (each row costs its own compute,
-        a small CPU model) or sparse arrivals dispatch at once, and traffic still batches as
-        the rows that arrive while a batch runs form the next one (the executor clocks it)."""
-        marginal_s = self._latency.predict(key, num_rows + 1) - compute_s
-        return self._latency.predict(key, 1) / (num_rows + 1) - marginal_s
+        return assess(
+            key,
+            queue,
+            now_s,
+            config=self._config,
+            latency=self._latency,
+            limit=self.max_batch_size_for(key),
+            is_draining=self._is_draining,
+        )

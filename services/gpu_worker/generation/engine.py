@@ -15,7 +15,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
@@ -23,44 +22,18 @@ from tokenizers import Tokenizer
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Rejected
-from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.generation.sampler import Sampler, make_generator
-from services.gpu_worker.generation.scheduler import GenerationScheduler, ScheduledSequence
-from services.gpu_worker.generation.scheduler import Sequence as SchedSequence
+from services.gpu_worker.generation.request_stream import Delta, RequestStream
+from services.gpu_worker.generation.sampler import Sampler
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.sequence import ScheduledSequence
+from services.gpu_worker.generation.sequence import Sequence as SchedSequence
 from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
 from services.gpu_worker.thread_choice import ThreadChoice
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Delta:
-    """Tokens produced for one request since its previous delta."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    #: "length" or "stop" on the last delta, else None.
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
-class _Request:
-    seq_id: int
-    params: SamplingParams
-    generator: torch.Generator | None
-    detokenizer: IncrementalDetokenizer
-    num_prompt_tokens: int
-    arrival_s: float
-    tenant: str
-    queue: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
-    first_token_s: float | None = None
-    last_token_s: float | None = None
-    num_emitted: int = 0
 
 
 class GenerationEngine:
@@ -98,7 +71,7 @@ class GenerationEngine:
         self._cycle: tuple[float, int, int] | None = None
         self._sampler = Sampler()
         self.steps = StepExecutor(runner, metrics, labels)
-        self._requests: dict[int, _Request] = {}
+        self._requests: dict[int, RequestStream] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._cancelled: set[int] = set()
@@ -217,7 +190,7 @@ class GenerationEngine:
         *,
         tenant: str,
         weight: float,
-    ) -> _Request:
+    ) -> RequestStream:
         """Checks a new request and queues its sequence; raises what the caller gets."""
         if self._is_draining:
             raise Unavailable("worker is draining")
@@ -247,14 +220,8 @@ class GenerationEngine:
             # it unchanged cannot succeed, so it is not an overload.
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
-        request = _Request(
-            seq_id=seq_id,
-            params=params,
-            generator=make_generator(params),
-            detokenizer=IncrementalDetokenizer(self.tokenizer),
-            num_prompt_tokens=len(prompt_ids),
-            arrival_s=now,
-            tenant=tenant,
+        request = RequestStream.open(
+            seq_id, params, self.tokenizer, len(prompt_ids), arrival_s=now, tenant=tenant
         )
         self._requests[seq_id] = request
         return request
@@ -383,51 +350,14 @@ class GenerationEngine:
             if request is not None:
                 self._emit(request, token, now)
 
-    def _emit(self, request: _Request, token: int, now: float) -> None:
-        params = request.params
+    def _emit(self, request: RequestStream, token: int, now: float) -> None:
         sequence = self.scheduler.get(request.seq_id)
         # Cancelling drops the request before it finishes the sequence: a live request has one.
         assert sequence is not None
         num_generated = len(sequence.output_token_ids)
-        is_stop_token = token in params.stop_token_ids or (
-            token in self._eos_token_ids and not params.ignore_eos
-        )
-        finish_reason = "stop" if is_stop_token else None
-        text = ""
-        token_ids: tuple[int, ...] = ()
-        if not is_stop_token:
-            token_ids = (token,)
-            text, hit_stop = request.detokenizer.push(token, params.stop)
-            if hit_stop:
-                finish_reason = "stop"
-        if finish_reason is None and num_generated >= params.max_tokens:
-            finish_reason = "length"
-        if finish_reason is not None:
-            text += request.detokenizer.flush() if finish_reason == "length" else ""
-        if request.first_token_s is None:
-            request.first_token_s = now
-            self._bound.ttft_seconds.observe(now - request.arrival_s)
-        elif request.last_token_s is not None:
-            self._bound.tpot_seconds.observe(now - request.last_token_s)
-        request.last_token_s = now
-        request.num_emitted += len(token_ids)
-        self._bound.tokens_total.inc(len(token_ids))
-        if finish_reason is None:
-            if token_ids:
-                request.queue.put_nowait(Delta(token_ids, text))
-            return
-        self._requests.pop(request.seq_id, None)
-        self.scheduler.finish(request.seq_id)
-        self._bound.finished(finish_reason).inc()
-        request.queue.put_nowait(
-            Delta(
-                token_ids,
-                text,
-                finish_reason=finish_reason,
-                prompt_tokens=request.num_prompt_tokens,
-                completion_tokens=request.num_emitted,
-            )
-        )
+        if request.push_token(token, num_generated, now, self._eos_token_ids, self._bound):
+            self._requests.pop(request.seq_id, None)
+            self.scheduler.finish(request.seq_id)
 
     def _fail(self, scheduled: Sequence[ScheduledSequence], error: Exception) -> None:
         """A failed step fails the sequences in it (their streams end with an error status);

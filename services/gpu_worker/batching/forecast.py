@@ -1,0 +1,97 @@
+"""When the work queued on one batcher is predicted to finish: what the batching policy
+admits by (a row is queued only if predicted to finish in time, without making the rows
+already queued late).
+
+Reads the batcher's live queues (the same dicts, never copied) and its latency model.
+Synchronous and pure: start times come in as arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from services.common.fair_rows import rows_ahead
+from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
+
+
+class QueueForecast:
+    """The predicted drain of one batcher's queues: `queues` per key, the tenants' `weights`,
+    the worker's fair-share `ledger`, and `limit_for(key)`, the most rows a batch of a key
+    holds now."""
+
+    def __init__(
+        self,
+        queues: Mapping[BatchKey, KeyQueue],
+        weights: Mapping[str, float],
+        ledger: ComputeLedger,
+        latency: LatencyModel,
+        limit_for: Callable[[BatchKey], int],
+    ) -> None:
+        self._queues = queues
+        self._weights = weights
+        self._ledger = ledger
+        self._latency = latency
+        self._limit_for = limit_for
+
+    def finish_s(
+        self,
+        key: BatchKey,
+        start_s: float,
+        *,
+        rank: int | None = None,
+        of: QueuedItem | None = None,
+    ) -> float:
+        """When one more item of `key` would finish if the executor, free at `start_s`, ran
+        everything queued now first, every key in batches as full as its limit allows; with
+        `rank`, only what is queued at that priority or a more urgent one (the rest runs after);
+        with `of`, the new item, only the part of other tenants' rows that fair share serves
+        before it (fairness.rows_ahead): a light tenant is not refused for a flooder's queue.
+
+        Conservative on purpose: queued items of other keys count as ahead even when their
+        deadlines are later (the batcher serves the most urgent key first). Admitting only
+        items that fit keeps the queue short enough to serve within deadlines; without it,
+        overload fills the queue until every item waits about the whole SLO and most miss it.
+        """
+        if of is not None and rank is not None and not self._has_other_tenants(of.tenant):
+            # Fair share serves all of a lone tenant's own rows first: rows_ahead's answer.
+            rows = {k: q.items.count_at_most(rank) for k, q in self._queues.items()}
+        elif of is not None and rank is not None:
+            per_key = {k: q.items.rows_by_tenant(rank) for k, q in self._queues.items()}
+            rows = rows_ahead(per_key, of.tenant, of.weight, self._weights)
+        else:
+            rows = {k: q.items.count_at_most(rank) if rank is not None else len(q.items)
+                    for k, q in self._queues.items()}  # fmt: skip
+        return self._drain_s(key, start_s, rows, extra_rows=1)
+
+    def makes_batch_mates_late(
+        self, item: QueuedItem, start_s: float, finish_s: float, margin_s: float
+    ) -> bool:
+        """Whether `item`, joining a partly filled batch of its key, is what would push that
+        batch past the earliest admission limit of the items already in it (less `margin_s`).
+        A batch already predicted late without the item is not made late by it (one more row
+        costs its marginal compute), and refusing the item would not save it. Conservative
+        when several batches of the key are queued: the earliest limit may belong to an
+        earlier, full batch."""
+        queue = self._queues.get(item.key)
+        if queue is None or not len(queue.items) % self._limit_for(item.key):
+            return False
+        mates_limit_s = queue.earliest_limit_s()
+        if finish_s + margin_s <= mates_limit_s:
+            return False
+        queued = {k: len(q.items) for k, q in self._queues.items()}
+        return self._drain_s(item.key, start_s, queued, extra_rows=0) + margin_s <= mates_limit_s
+
+    def _has_other_tenants(self, tenant: str) -> bool:
+        """Whether any tenant but `tenant` has rows queued here, at any priority."""
+        if not self._ledger.has_queued_other_than(tenant):  # none on the whole worker
+            return False
+        return any(t != tenant for q in self._queues.values() for t in q.items.tenants())
+
+    def _drain_s(
+        self, key: BatchKey, start_s: float, rows: dict[BatchKey, int], *, extra_rows: int
+    ) -> float:
+        """When `rows` (per key), plus `extra_rows` more of `key`, would be done."""
+        rows = {**rows, key: rows.get(key, 0) + extra_rows}
+        return start_s + drain_s(rows, self._latency.predict, self._limit_for)

@@ -1,0 +1,125 @@
+"""Queueing the rows of one caller (a slice of a bundle, or a request of its own) on a lane,
+all or none, and forgetting them again: the batching driver's per-row path.
+
+Everything a bundle's slices share (the clock, the executor's busy time, the trace, the
+running batch's predicted end) is read once per admission pass (`AdmissionPass`); what one
+slice's rows share (deadline, weight, batch keys, trace) once per slice; each row then costs a
+queued item, the batcher's admission check and a future."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from services.common.errors import InvalidInput
+from services.common.priority import DEFAULT_PRIORITY, PriorityClass
+from services.common.tracing import TraceContext
+from services.gpu_worker.admission import Admitted, Rejected
+from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.lane import Admission, Lane, Pending
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
+from services.gpu_worker.metrics import WorkerMetrics
+
+
+class SliceAsk(NamedTuple):
+    """The rows of one caller to queue (`BatchingDriver.admit_slices`): `timeout_s` its time
+    left (None: the model's default), `weight` its tenant's fair-share weight (0: the
+    worker's configured one), `trace_context` the span its batch links to (None: the
+    pass's)."""
+
+    rows: Sequence[PreparedRow]
+    timeout_s: float | None
+    tenant: str
+    priority: PriorityClass = DEFAULT_PRIORITY
+    weight: float = 0.0
+    trace_context: TraceContext | None = None
+
+
+class AdmissionPass(NamedTuple):
+    """What every slice admitted in one pass shares."""
+
+    #: When the slices arrived, on the driver's clock.
+    now: float
+    #: The executor's cumulative busy seconds at `now` (Pending.busy_s_at_arrival).
+    busy_s: float
+    #: The span a slice's batch links to when the slice names none.
+    trace_context: TraceContext
+    #: When the running batch is predicted to end (None: the executor is idle).
+    executor_free_s: float | None
+    #: The driver's item ids.
+    item_ids: itertools.count[int]
+    metrics: WorkerMetrics
+
+
+def batch_key(backend: Backend, bucket: int) -> BatchKey:
+    """The batch key of `backend`'s rows of `bucket`."""
+    return BatchKey(
+        model=backend.config.name,
+        version=backend.version.version,
+        fingerprint=backend.fingerprint,
+        bucket=bucket,
+    )
+
+
+def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admission:
+    """Queues every row of one slice or none (synchronous: nothing else is queued between the
+    check for room and the rows). A refused row refuses the slice, all its rows rejected; the
+    error is raised."""
+    if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
+        raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
+    now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
+    shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
+    deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
+    finish_by_s = None if shed_budget_s is None else now + shed_budget_s
+    weight = batcher.weight_of(ask.tenant, ask.weight)
+    trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
+    new_future = asyncio.get_running_loop().create_future
+    decision = batcher.can_admit(len(ask.rows))
+    item_ids: list[int] = []
+    futures: list[asyncio.Future[np.ndarray]] = []
+    for row in ask.rows:
+        key = lane.keys.get(row.bucket)
+        if key is None:
+            key = lane.keys[row.bucket] = batch_key(lane.backend, row.bucket)
+        item = QueuedItem(
+            item_id=next(admission.item_ids),
+            key=key,
+            tenant=ask.tenant,
+            num_tokens=row.num_tokens,
+            arrival_s=now,
+            deadline_s=deadline_s,
+            finish_by_s=finish_by_s,
+            priority=rank,
+            weight=weight,
+        )
+        if isinstance(decision, Admitted):
+            decision = batcher.add(item, now, executor_free_s=admission.executor_free_s)
+        if isinstance(decision, Rejected):
+            reason = decision.reason
+            admission.metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
+            error = lane.rejection(item, reason, now, admission.executor_free_s or now)
+            # Refused, not cancelled: no drop counted.
+            withdraw_rows(lane, item_ids, admission.metrics, drop=None)
+            raise error
+        future = new_future()
+        lane.pending[item.item_id] = Pending(row, future, admission.busy_s, trace_context)
+        item_ids.append(item.item_id)
+        futures.append(future)
+    return Admission(lane, item_ids, futures)
+
+
+def withdraw_rows(
+    lane: Lane, item_ids: list[int], metrics: WorkerMetrics, *, drop: str | None = "cancelled"
+) -> None:
+    """Forgets a slice's rows; still-queued ones leave the batcher (never run) as `drop`."""
+    for item_id in item_ids:
+        if (pending := lane.pending.pop(item_id, None)) is None:
+            continue
+        if lane.batcher.cancel(item_id) and drop is not None:
+            metrics.dropped_total.labels(*lane.labels, drop).inc()
+        pending.future.cancel()

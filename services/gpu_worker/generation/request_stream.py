@@ -1,0 +1,121 @@
+"""A generation request's stream, as the engine (engine.py) feeds it: the `Delta`s its caller
+reads from its queue, and its state between steps (`RequestStream`): sampling settings,
+detokenizer, token timing. `RequestStream.push_token` extends it by one sampled token: stop
+tokens and strings, max_tokens, and the per-token metrics (TTFT, TPOT, tokens)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from services.common.sampling import SamplingParams
+from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.generation.metrics import BoundGenerationMetrics
+from services.gpu_worker.generation.sampler import make_generator
+
+
+@dataclass(frozen=True)
+class Delta:
+    """Tokens produced for one request since its previous delta."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    #: "length" or "stop" on the last delta, else None.
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class RequestStream:
+    """One live generation request: what samples and detokenizes its tokens, the queue its
+    deltas go to, and when its tokens came."""
+
+    seq_id: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    detokenizer: IncrementalDetokenizer
+    num_prompt_tokens: int
+    arrival_s: float
+    tenant: str
+    queue: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    num_emitted: int = 0
+
+    @classmethod
+    def open(
+        cls,
+        seq_id: int,
+        params: SamplingParams,
+        tokenizer: Tokenizer,
+        num_prompt_tokens: int,
+        *,
+        arrival_s: float,
+        tenant: str,
+    ) -> RequestStream:
+        """The stream of a request admitted at `arrival_s`, with its own sampling generator and
+        detokenizer."""
+        return cls(
+            seq_id=seq_id,
+            params=params,
+            generator=make_generator(params),
+            detokenizer=IncrementalDetokenizer(tokenizer),
+            num_prompt_tokens=num_prompt_tokens,
+            arrival_s=arrival_s,
+            tenant=tenant,
+        )
+
+    def push_token(
+        self,
+        token: int,
+        num_generated: int,
+        now: float,
+        eos_token_ids: frozenset[int],
+        bound: BoundGenerationMetrics,
+    ) -> bool:
+        """Streams `token`, sampled at `now` as the sequence's `num_generated`-th, and records
+        its metrics. True once it finishes the stream: its last delta is queued then, and the
+        engine finishes the sequence."""
+        params = self.params
+        is_stop_token = token in params.stop_token_ids or (
+            token in eos_token_ids and not params.ignore_eos
+        )
+        finish_reason = "stop" if is_stop_token else None
+        text = ""
+        token_ids: tuple[int, ...] = ()
+        if not is_stop_token:
+            token_ids = (token,)
+            text, hit_stop = self.detokenizer.push(token, params.stop)
+            if hit_stop:
+                finish_reason = "stop"
+        if finish_reason is None and num_generated >= params.max_tokens:
+            finish_reason = "length"
+        if finish_reason is not None:
+            text += self.detokenizer.flush() if finish_reason == "length" else ""
+        if self.first_token_s is None:
+            self.first_token_s = now
+            bound.ttft_seconds.observe(now - self.arrival_s)
+        elif self.last_token_s is not None:
+            bound.tpot_seconds.observe(now - self.last_token_s)
+        self.last_token_s = now
+        self.num_emitted += len(token_ids)
+        bound.tokens_total.inc(len(token_ids))
+        if finish_reason is None:
+            if token_ids:
+                self.queue.put_nowait(Delta(token_ids, text))
+            return False
+        bound.finished(finish_reason).inc()
+        self.queue.put_nowait(
+            Delta(
+                token_ids,
+                text,
+                finish_reason=finish_reason,
+                prompt_tokens=self.num_prompt_tokens,
+                completion_tokens=self.num_emitted,
+            )
+        )
+        return True
