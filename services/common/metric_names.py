@@ -73,6 +73,8 @@ WORKER_QUEUE_WAIT_SECONDS = "inference_worker_queue_wait_seconds"
 WORKER_ROW_COMPUTE_SECONDS = "inference_worker_row_compute_seconds"
 WORKER_ROW_LATENCY_SECONDS = "inference_worker_row_latency_seconds"
 WORKER_COMPUTE_SECONDS = "inference_worker_compute_seconds"
+#: The device's own time on batches (CUDA events on a GPU): its rate is the duty cycle.
+WORKER_DEVICE_BUSY_SECONDS_TOTAL = "inference_worker_device_busy_seconds_total"
 WORKER_TENANT_COMPUTE_SECONDS_TOTAL = "inference_worker_tenant_compute_seconds_total"
 WORKER_TENANT_TOKENS_TOTAL = "inference_worker_tenant_tokens_total"
 WORKER_REJECTED_TOTAL = "inference_worker_rejected_total"

@@ -113,6 +113,13 @@ class WorkerMetrics:
             _BUCKET,
             buckets=WORKER_SECONDS_BUCKETS,
         )
+        self.device_busy_seconds_total = new.counter(
+            names.WORKER_DEVICE_BUSY_SECONDS_TOTAL,
+            "Seconds the device spent on batches: CUDA events around each model call on a "
+            "GPU, the call's wall time on a CPU. Its rate, summed over a pod's models, is the "
+            "device's duty cycle.",
+            _MODEL,
+        )
 
     def _define_row_stages(self, new: MetricFactory) -> None:
         """Per-row stage histograms: linger + backlog + row compute = row latency."""
@@ -205,6 +212,7 @@ class WorkerMetrics:
         ):
             histogram.labels(model, version)
         self.rows_total.labels(model, version)
+        self.device_busy_seconds_total.labels(model, version)
         self.queue_depth.labels(model, version).set(0)
         self.queue_standing.labels(model, version).set(0)
 

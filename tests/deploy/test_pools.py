@@ -148,8 +148,9 @@ def repository_mount(deployment: dict[str, Any]) -> dict[str, Any]:
 
 
 def hpa_metric_selector(hpa: dict[str, Any]) -> tuple[str, list[str]]:
-    """(label, values admitted) of the worker HPA's metric selector: one `In` expression."""
-    (metric,) = hpa["spec"]["metrics"]
+    """(label, values admitted) of the worker HPA's queue-wait metric selector (its first
+    metric): one `In` expression."""
+    metric = hpa["spec"]["metrics"][0]
     selector = metric["pods"]["metric"]["selector"]
     assert set(selector) == {"matchExpressions"}, selector
     (expression,) = selector["matchExpressions"]
@@ -286,10 +287,16 @@ def test_each_pool_scales_on_its_own_models_queue_wait(pool_renders: dict[str, O
             }, where
             assert "replicas" not in deployment["spec"], f"{where}: the HPA owns the count"
             assert 2 <= spec["minReplicas"] < spec["maxReplicas"], where
-            (metric,) = spec["metrics"]
+            metric, duty_cycle = spec["metrics"]
             assert metric["type"] == "Pods", where
             rule = rules[metric["pods"]["metric"]["name"]]
             assert series_metric(rule) == f"{names.WORKER_QUEUE_WAIT_SECONDS}_bucket"
+            # And the device's duty cycle: the pool's pods serve only its models, so their
+            # devices' busy time needs no selector.
+            assert duty_cycle["type"] == "Pods", where
+            assert "selector" not in duty_cycle["pods"]["metric"], where
+            duty_rule = rules[duty_cycle["pods"]["metric"]["name"]]
+            assert series_metric(duty_rule) == names.WORKER_DEVICE_BUSY_SECONDS_TOTAL
             # The metric selector narrows the series to the pool's models: prometheus-adapter
             # adds it to <<.LabelMatchers>>, which every series the query reads must carry, and
             # its label must be one the worker puts on the series.

@@ -40,6 +40,7 @@ from services.gpu_worker.batching.slice_admission import (
 )
 from services.gpu_worker.batching.types import BatchKey, Dispatch
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
+from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import backfill_threads_for, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -329,6 +330,7 @@ class BatchingDriver:
         row's linger + backlog + compute equals its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
+        device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
         threads = backfill_threads_for(
             dispatch.reason, self._config.backfill_threads, self._ledger.last_urgent_s, started
         )
@@ -341,7 +343,7 @@ class BatchingDriver:
             ):
                 async with asyncio.timeout(self.watchdog_s):
                     results = await loop.run_in_executor(
-                        self._executor, run_on_threads, threads, lane.backend.run, rows
+                        self._executor, run_on_threads, threads, device_busy, rows
                     )
         except TimeoutError:
             self._wedged = Unavailable(wedged_message(lane.labels, self.watchdog_s))
@@ -354,6 +356,7 @@ class BatchingDriver:
             results = [error] * len(rows)
         finished = self._clock()
         compute_s = finished - started
+        self._metrics.device_busy_seconds_total.labels(*lane.labels).inc(device_busy.seconds)
         self._busy_s_total += compute_s
         self._busy_since = None
         self._running_until_s = None
