@@ -18,7 +18,6 @@ import torch
 from services.common.lifecycle import (
     bound_stop,
     exit_stopped,
-    freeze_startup_heap,
     start_metrics,
     stop_event,
     write_ready_file,
@@ -58,7 +57,6 @@ async def serve(config: WorkerConfig) -> int:
         logging.shutdown()
         os._exit(0)
     if not stopping.is_set():
-        freeze_startup_heap()  # torch, the models and their tokenizers: out of the GC's walks
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")

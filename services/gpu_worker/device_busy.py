@@ -1,56 +1,89 @@
-"""How long the device itself was busy with a batch: the worker's duty cycle.
+"""How long the device itself was busy with a batch or a step: the worker's duty cycle.
 
 The executor's compute time (inference_worker_compute_seconds) is what a row waits for: the
 Python that builds the batch's tensors, the launches, the device's work and the copy back.
-Beside it, each batch's device time answers which tier is the bottleneck (seed 004): a duty
+Beside it, each call's device time answers which tier is the bottleneck (seed 004): a duty
 cycle near 1 means the device is, and more GPU workers help; a low one while requests queue
 means the CPU is (the worker's own per-row path, or the tiers in front of it).
 
-- On a GPU: CUDA events recorded on the current stream around each model call. Their elapsed
-  time spans the batch's first kernel to its last, gaps between launches included, and
-  leaves out the host's work before the first launch and after the last copy.
-- On a CPU: the model call's wall time on the executor thread (the cores are the device).
+- On a GPU: CUDA events recorded on the current stream around the call's device section
+  (`device_section()`, which a backend puts around its forward: from inputs on the device to
+  outputs still on it), or around the whole call for a backend that marks none. The events
+  span the section's first kernel to its last, launch gaps included: a forward bound by its
+  launches reads busier than its kernels are. The host's work before the section (padding,
+  building inputs) and after it (the copy back, splitting rows) is left out.
+- On a CPU: the call's wall time on the executor thread (the cores are the device).
 
-Exported as the counter inference_worker_device_busy_seconds_total per model version: its
-rate, summed over a pod's models, is the pod's duty cycle."""
+Exported as the counter inference_worker_device_busy_seconds_total per model version, fixed-
+cost batches and generation steps alike: its rate, summed over a pod's models, is the pod's
+duty cycle."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
+from typing import Generic, ParamSpec, TypeVar
 
-import numpy as np
 import torch
 
-from services.gpu_worker.backends.base import PreparedRow
+P = ParamSpec("P")
+R = TypeVar("R")
 
-Run = Callable[[Sequence[PreparedRow]], list[np.ndarray]]
+#: The DeviceBusy whose call runs on this thread, if any (`device_section` reports to it).
+_timing = threading.local()
 
 
-class DeviceBusy:
+@contextlib.contextmanager
+def device_section() -> Iterator[None]:
+    """Marks the device's part of a model call (inputs on the device to outputs still on it):
+    on a GPU, the call's device time spans this section, not the host's work around it.
+    Nothing outside a DeviceBusy call, or on a CPU."""
+    busy: DeviceBusy[..., object] | None = getattr(_timing, "busy", None)
+    if busy is None or not busy.on_cuda:
+        yield
+        return
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    try:
+        yield
+    finally:
+        end.record()
+        busy.sections.append((start, end))
+
+
+class DeviceBusy(Generic[P, R]):
     """A model call that keeps count of the device time it used: call it as the call it wraps
-    (several times when a failing batch is bisected), then read `seconds`. Used on the
-    executor thread, one per batch."""
+    (several times when a failing batch is bisected), then read `seconds`. On the executor
+    thread, one per batch or step."""
 
-    __slots__ = ("_on_cuda", "_run", "seconds")
+    __slots__ = ("_run", "on_cuda", "seconds", "sections")
 
-    def __init__(self, run: Run, device: torch.device) -> None:
+    def __init__(self, run: Callable[P, R], device: torch.device) -> None:
         self._run = run
-        self._on_cuda = device.type == "cuda"
+        self.on_cuda = device.type == "cuda"
         self.seconds = 0.0
+        #: The device sections of the call running now: (start, end) events.
+        self.sections: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-    def __call__(self, rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        if not self._on_cuda:
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        if not self.on_cuda:
             start_s = time.perf_counter()
             try:
-                return self._run(rows)
+                return self._run(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start_s
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.sections.clear()
+        _timing.busy = self
         start.record()
         try:
-            return self._run(rows)
+            return self._run(*args, **kwargs)
         finally:
             end.record()
-            end.synchronize()  # already reached when the outputs were copied back: no wait
-            self.seconds += start.elapsed_time(end) / 1000.0
+            _timing.busy = None
+            end.synchronize()  # reached once the outputs were copied back: no wait
+            spans = self.sections or [(start, end)]
+            self.seconds += sum(first.elapsed_time(last) for first, last in spans) / 1000.0
+            self.sections.clear()

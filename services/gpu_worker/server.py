@@ -383,6 +383,7 @@ async def create_worker(config: WorkerConfig) -> Worker:
             registry,
             watchdog_expired_total=metrics.watchdog_expired_total,
             charge_tenant=metrics.charge_tenant,
+            device_busy_seconds_total=metrics.device_busy_seconds_total,
         ),
         config=config,
         server=server,

@@ -21,6 +21,7 @@ from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.sampler import Sampler
+from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.thread_choice import ThreadChoice
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT
@@ -322,6 +323,26 @@ async def test_same_seed_same_tokens_and_stop_conditions(engine_backend: Generat
         SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=(greedy[4],)),
     )
     assert stopped == greedy[: greedy.index(greedy[4])]
+
+
+async def test_generation_steps_count_their_device_time(checkpoint: Path) -> None:
+    # The worker's device-busy counter is shared with its generation models: a pod serving
+    # only generation still has a duty cycle, at zero from load.
+    registry = CollectorRegistry()
+    busy = WorkerMetrics(registry).device_busy_seconds_total
+    (version,) = load_repository(checkpoint)
+    metrics = GenerationMetrics(registry, device_busy_seconds_total=busy)
+    backend = GenerationBackend(version, torch.device("cpu"), metrics)
+    labels = {"model": version.config.name, "version": version.version}
+    name = names.WORKER_DEVICE_BUSY_SECONDS_TOTAL
+    assert registry.get_sample_value(name, labels) == 0.0
+    backend.engine.start()
+    try:
+        tokens = await collect(backend, "busy", SamplingParams(max_tokens=8, ignore_eos=True))
+    finally:
+        await backend.engine.drain()
+    assert len(tokens) == 8
+    assert (registry.get_sample_value(name, labels) or 0.0) > 0.0
 
 
 async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path) -> None:

@@ -20,6 +20,7 @@ from services.gpu_worker.backends.base import (
     fingerprint_of,
 )
 from services.gpu_worker.backends.bert import BertEncoder, mean_pool, normalize_rows
+from services.gpu_worker.device_busy import device_section
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class EmbeddingBackend(TextBackend):
             mask[i, : row.num_tokens] = True
         input_ids = torch.from_numpy(ids).to(self.device, non_blocking=True)
         attention = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        with torch.inference_mode():
+        with torch.inference_mode(), device_section():
             hidden = self._forward(input_ids, attention)
             pooled = mean_pool(hidden.float(), attention)
             if self._normalize:

@@ -16,6 +16,7 @@ from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfigError, ModelVersion
 from services.common.tensors import NUMPY_DTYPES, check_row
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput, fingerprint_of
+from services.gpu_worker.device_busy import device_section
 
 
 class TorchScriptBackend(Backend):
@@ -54,7 +55,7 @@ class TorchScriptBackend(Backend):
 
     def run(self, rows: Sequence[PreparedRow]) -> list[np.ndarray]:
         batch = torch.from_numpy(np.stack([row.data for row in rows])).to(self.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), device_section():
             result = self._module(batch)
         if not isinstance(result, torch.Tensor) or result.shape[0] != len(rows):
             raise RuntimeError(f"{self.config.name} returned no [batch, ...] tensor")

@@ -65,6 +65,8 @@ class BatchingDriver:
         self._ledger = ComputeLedger()
         self._lanes = {id(b): new_lane(b, config, metrics, self._ledger) for b in backends}
         self._order = list(self._lanes.values())
+        for lane in self._order:
+            lane.bind_queue_gauges(metrics)
         self._executor = DaemonExecutor("executor")
         #: The bound on one model call in force (seconds); raised after warm-up for slow models.
         self.watchdog_s = config.watchdog_s
@@ -119,6 +121,8 @@ class BatchingDriver:
         await asyncio.wrap_future(self._executor.submit(self._warm_up_lane, lane))
         self._lanes[id(backend)] = lane
         self._order.append(lane)
+        # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
+        lane.bind_queue_gauges(self._metrics)
 
     async def remove_backend(self, backend: Backend) -> None:
         """Unloads a version's lane: refuses its new rows, returns once every row it admitted
@@ -356,13 +360,13 @@ class BatchingDriver:
             results = [error] * len(rows)
         finished = self._clock()
         compute_s = finished - started
-        self._metrics.device_busy_seconds_total.labels(*lane.labels).inc(device_busy.seconds)
         self._busy_s_total += compute_s
         self._busy_since = None
         self._running_until_s = None
         self._running = None
         try:
             lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
+            self._metrics.device_busy_seconds_total.labels(*lane.labels).inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
                 teaches_latency=threads == 0,

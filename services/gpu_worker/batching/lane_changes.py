@@ -45,9 +45,7 @@ def new_lane(
     metrics.declare_model(model.name, backend.version.version)
     shedding = SloShedding.for_model(model.slo_s, model.shed_past_slo, config)
     batcher = Batcher(batcher_config, latency, ledger)
-    lane = Lane(backend=backend, batcher=batcher, latency=latency, shedding=shedding)
-    lane.bind_queue_gauges(metrics)
-    return lane
+    return Lane(backend=backend, batcher=batcher, latency=latency, shedding=shedding)
 
 
 async def settle(lane: Lane) -> None:

@@ -24,13 +24,17 @@ class GenerationMetrics:
         *,
         watchdog_expired_total: Counter | None = None,
         charge_tenant: TenantCharge | None = None,
+        device_busy_seconds_total: Counter | None = None,
     ) -> None:
         """`watchdog_expired_total`: the worker's count of model calls past the executor
         watchdog (`WorkerMetrics`, whose registry this shares), which wedged generation steps
         add to; `charge_tenant`: the worker's per-tenant compute record
-        (`WorkerMetrics.charge_tenant`). None (an engine on its own) leaves them uncounted."""
+        (`WorkerMetrics.charge_tenant`); `device_busy_seconds_total`: the worker's count of
+        device seconds (`WorkerMetrics`), which steps add to. None (an engine on its own)
+        leaves them uncounted."""
         new = MetricFactory(registry)
         self.watchdog_expired_total = watchdog_expired_total
+        self.device_busy_seconds_total = device_busy_seconds_total
         self.charge_tenant = charge_tenant
         self.ttft_seconds = new.histogram(
             names.GENERATION_TTFT_SECONDS,
@@ -127,6 +131,9 @@ class BoundGenerationMetrics:
         self.tokens_total = child(metrics.tokens_total)
         self.cancelled_total = child(metrics.cancelled_total)
         self.rejected_total = child(metrics.rejected_total)
+        # Created at load (at zero) like the fixed-cost models' series: the duty cycle's.
+        busy = metrics.device_busy_seconds_total
+        self.device_busy_seconds_total = None if busy is None else child(busy)
         self._finished_total = metrics.finished_total
         self._labels = labels
         self._finished: dict[str, Any] = {}

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from services.gpu_worker.device_busy import device_section
 from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.kv_cache import PagedKVCache, slots_for
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
@@ -158,9 +159,15 @@ class ModelRunner:
                 out[plan.lo : plan.hi] = attended[0].transpose(0, 1)
             return out
 
-        hidden = self.model(on_device(input_ids), on_device(positions), attention)
-        last = on_device(last_rows)
-        return self.model.compute_logits(hidden[last]).float().cpu()
+        token_ids, token_positions, last = (
+            on_device(input_ids),
+            on_device(positions),
+            on_device(last_rows),
+        )
+        with device_section():
+            hidden = self.model(token_ids, token_positions, attention)
+            logits = self.model.compute_logits(hidden[last]).float()
+        return logits.cpu()
 
     def _decode_plan(self, decodes: Sequence[tuple[int, SequenceBatchItem]]) -> _DecodePlan | None:
         """One padded block table for every decode token of the step: row i holds sequence i's

@@ -21,6 +21,7 @@ import torch
 from services.common.errors import Unavailable
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s
+from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import intra_op_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
@@ -40,6 +41,8 @@ class StepExecutor:
         self._runner = runner
         self._metrics = metrics
         self._labels = labels
+        busy = metrics.device_busy_seconds_total
+        self._device_busy = None if busy is None else busy.labels(*labels)
         self._executor = DaemonExecutor(f"generation-{'/'.join(labels)}")
         #: The costliest warm-up step (seconds): the bound in force is at least a multiple of it.
         self.slowest_warmup_s = 0.0
@@ -93,8 +96,13 @@ class StepExecutor:
             ) from None
 
     def _run(self, items: Sequence[SequenceBatchItem], threads: int) -> torch.Tensor:
-        with intra_op_threads(threads):
-            return self._runner.execute(items)
+        busy = DeviceBusy(self._runner.execute, self._runner.device)
+        try:
+            with intra_op_threads(threads):
+                return busy(items)
+        finally:
+            if self._device_busy is not None:
+                self._device_busy.inc(busy.seconds)
 
     def shutdown(self) -> None:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
