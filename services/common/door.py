@@ -16,6 +16,12 @@ its metadata and answered at the door at once. A probe still unanswered at the n
 reports the time it has waited so far (once past the target), so a queue growing without
 bound is seen while it grows.
 
+At the limit the door refuses by caller, not by arrival: a call is refused only if its caller
+(the credential it presents, `authorization` or `x-api-key`, read before authentication: no
+lookup, no hashing) holds at least an equal share of the limit among the callers in flight.
+A tenant flooding the gateway, even one its quota refuses a moment later, then cannot make the
+door refuse a tenant within its share; a single caller's flood is limited as a whole.
+
 Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
 which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
 not come back in step.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import secrets
@@ -51,6 +58,8 @@ log = logging.getLogger(__name__)
 #: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
 #: cannot pass the door as a probe.
 PROBE_KEY = "x-fabric-door-probe"
+#: Metadata keys whose value tells callers apart at the door (the gateway's credentials).
+CALLER_KEYS = frozenset({"authorization", "x-api-key"})
 
 
 @dataclass(frozen=True)
@@ -65,10 +74,8 @@ class MethodShape:
 class DoorConfig:
     """Settings of a door (services.common.concurrency_limit explains the limit's)."""
 
-    #: Whether the gateway runs a door. Off by default: it limits every tenant alike, before
-    #: authentication, so a flood refused by its own quota can make the door refuse a tenant
-    #: within its quota (seen once beside the parallel test suite); opt in with `--door`.
-    enabled: bool = False
+    #: Whether the gateway runs a door.
+    enabled: bool = True
     #: Guarded calls in flight a process admits while no queue stands in front of it, and
     #: where the limit returns once unused; 0 disables the door.
     initial_limit: int = LimitConfig.initial
@@ -111,8 +118,8 @@ def door_settings() -> tuple[Setting, ...]:
             bool,
             DoorConfig.enabled,
             "run the door: an adaptive limit on model calls in flight per process, refusing "
-            "before any work once a queue stands in front of the process (off by default: it "
-            "does not tell tenants apart)",
+            "before any work once a queue stands in front of the process, callers over their "
+            "share of it first",
             field="door.enabled",
         ),
         Setting(
@@ -205,6 +212,8 @@ class Door(grpc.aio.ServerInterceptor):
         self.config = config
         self.limit = QueueDelayLimit(config.limit())
         self.num_in_flight = 0
+        #: Guarded calls in flight per caller (its credential; "" for none), while any.
+        self._in_flight_by_caller: dict[str, int] = {}
         self._peak_in_flight = 0
         self._refusers = {
             method: _handler(shape, self._refuse) for method, shape in methods.items()
@@ -265,31 +274,43 @@ class Door(grpc.aio.ServerInterceptor):
         refuser = self._refusers.get(method)
         if refuser is None:
             return await continuation(handler_call_details)
+        caller = ""
         for key, value in handler_call_details.invocation_metadata or ():
-            if key == PROBE_KEY and value == self._token:
+            if key in CALLER_KEYS:
+                caller = value if isinstance(value, str) else value.hex()
+            elif key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
         self._calls_by_method[method] += 1
-        if self.num_in_flight >= self.limit.limit:
+        by_caller = self._in_flight_by_caller
+        if self.num_in_flight >= self.limit.limit and by_caller.get(caller, 0) >= (
+            self.limit.limit / max(1, len(by_caller))
+        ):
             self._metrics.refused.labels(method).inc()
             return refuser
         self.num_in_flight += 1
+        by_caller[caller] = by_caller.get(caller, 0) + 1
         if self.num_in_flight > self._peak_in_flight:
             self._peak_in_flight = self.num_in_flight
         task = asyncio.current_task()
         assert task is not None  # grpc runs every call's interceptors inside the call's task
-        task.add_done_callback(self._release)
+        task.add_done_callback(functools.partial(self._release, caller))
         return await continuation(handler_call_details)
 
-    def _release(self, _: object) -> None:
+    def _release(self, caller: str, _: object) -> None:
         self.num_in_flight -= 1
+        left = self._in_flight_by_caller[caller] - 1
+        if left:
+            self._in_flight_by_caller[caller] = left
+        else:
+            del self._in_flight_by_caller[caller]
 
     def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Sets the refusal on `context` (the call then ends with it, no exception raised)."""
         trailer = retry_after_trailer(self.limit.retry_after_s(), self._rng)
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         context.set_details(
-            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit; "
-            f"retry after {trailer[1]} ms"
+            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit, "
+            f"and this caller at least its share of them; retry after {trailer[1]} ms"
         )
         context.set_trailing_metadata((trailer,))
 

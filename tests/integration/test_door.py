@@ -44,8 +44,12 @@ class Served:
     release: asyncio.Event
     entered: list[bytes]
 
-    async def call(self, body: bytes, method: str = GUARDED, timeout_s: float = 10.0) -> bytes:
-        result: bytes = await self.channel.unary_unary(method)(body, timeout=timeout_s)
+    async def call(
+        self, body: bytes, method: str = GUARDED, timeout_s: float = 10.0, caller: str = ""
+    ) -> bytes:
+        metadata = (("authorization", f"Bearer {caller}"),) if caller else None
+        call = self.channel.unary_unary(method)
+        result: bytes = await call(body, timeout=timeout_s, metadata=metadata)
         return result
 
     def delays_over(self, bound_s: float) -> float:
@@ -127,6 +131,24 @@ async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
     assert await asyncio.gather(*waiting) == [b"served ok-wait"] * 2
     await eventually(lambda: served.door.num_in_flight == 0)
     assert await served.call(b"ok-after") == b"served ok-after"
+
+
+async def test_at_the_limit_only_callers_over_their_share_are_refused(served: Served) -> None:
+    # Caller a holds the whole limit (2); caller b, with nothing in flight, is under its share
+    # (2 / 1 caller) and passes; then a (2 of a share of 1) and b (1 of 1) are both refused.
+    a_calls = [asyncio.create_task(served.call(b"ok-wait", caller="a")) for _ in range(2)]
+    await eventually(lambda: served.door.num_in_flight == 2)
+    b_call = asyncio.create_task(served.call(b"ok-wait", caller="b"))
+    await eventually(lambda: served.door.num_in_flight == 3)
+    for caller in ("a", "b"):
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await served.call(b"ok-now", caller=caller)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caller
+    assert served.refused() == 2
+    served.release.set()
+    assert await asyncio.gather(*a_calls, b_call) == [b"served ok-wait"] * 3
+    await eventually(lambda: served.door.num_in_flight == 0)
+    assert await served.call(b"ok-after", caller="a") == b"served ok-after"
 
 
 async def test_refusals_are_jittered() -> None:
