@@ -14,7 +14,8 @@ import sys
 from pathlib import Path
 
 from services.sim.generation_run import GenerationScenario, run_generation
-from services.sim.planner import format_plan, plan
+from services.sim.plan_text import format_plan
+from services.sim.planner import plan
 from services.sim.report import (
     format_generation_table,
     format_table,

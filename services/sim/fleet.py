@@ -35,6 +35,7 @@ from services.sim.events import EventLoop
 from services.sim.gateway import GatewayAdmission
 from services.sim.host import HostConfig, SharedHost
 from services.sim.results import Recorder
+from services.sim.tier_costs import TierCpu
 from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec, SimRequest, SimWorker
 
@@ -69,9 +70,13 @@ class FleetConfig:
     #: How often the gateways share their demand to split fleet-wide quotas, seconds (the
     #: gateway's --quota-sync-period-s); 0: each gateway enforces whole limits (no Redis).
     quota_sync_period_s: float = 0.5
-    #: Requests/s one gateway process serves (CPU-bound), for the planner's gateway count:
-    #: about one grpc.aio process's tiny unary calls per second on the 2-core dev machine.
+    #: Requests/s one gateway process serves (CPU-bound), for the planner's gateway count
+    #: when `tier_cpu` is not given: about one grpc.aio process's tiny unary calls per second
+    #: on the 2-core dev machine.
     gateway_rps: float = 3000.0
+    #: Every tier's CPU per request, for the planner's process counts (tier_costs.py; a
+    #: scenario's [fleet.tier_cpu]). Unset: the plan counts devices and gateway_rps only.
+    tier_cpu: TierCpu = field(default_factory=TierCpu)
 
 
 @dataclass

@@ -19,8 +19,11 @@ Poisson arrivals rarely fill b* (the batcher closes batches early when the execu
 so a lightly loaded worker runs small, expensive batches), admission refuses rows predicted
 late before the queue is saturated, and the tail percentile needs slack the mean bound ignores.
 
-Gateways are CPU-bound and hold no queue worth simulating: one serves `gateway_rps` requests/s
-(FleetConfig.gateway_rps, or --gateway-rps), so the peak offered rate with headroom needs
+The device is not the only thing a fleet runs out of: with the tiers' CPU per request known
+(the scenario's [fleet.tier_cpu], tier_costs.py), the plan also counts worker processes per
+device, gateway processes and pods, and routers, and names what binds each. Without it,
+gateways are sized on `gateway_rps` requests/s each (FleetConfig.gateway_rps, or
+--gateway-rps):
 
     g = ceil(peak lambda (1 + h) / gateway_rps)
 """
@@ -36,6 +39,7 @@ from typing import Any
 from services.sim.curve import LatencyCurve
 from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
+from services.sim.tier_costs import FleetPlan, fleet_plan
 from services.sim.worker import ModelSpec
 
 
@@ -116,6 +120,8 @@ class Plan:
     #: histogram's buckets as prometheus-adapter does: the deployed HPA's target
     #: (inference_worker_queue_wait_seconds_p90, deploy/k8s/overlays/prod/hpa.yaml).
     hpa_p90_queue_wait_target_ms: float | None = None
+    #: Every tier's processes and what binds them, where the scenario gives the tiers' CPU.
+    fleet: FleetPlan | None = None
 
 
 def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
@@ -154,6 +160,21 @@ def _model_load(
     size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
     rate = _mean_rate(scenario, spec.name) * (1.0 + headroom)
     return ModelLoad(spec.name, spec.slo_s, size, batch_s, per_row_s, rate)
+
+
+def tiers_plan(scenario: Scenario, devices: int, *, headroom: float) -> FleetPlan | None:
+    """Every tier's processes for `devices` devices (tier_costs.fleet_plan), or None where the
+    scenario gives no tier CPU."""
+    cpu = scenario.fleet.tier_cpu
+    if not cpu.is_set:
+        return None
+    scale = 1.0 + headroom
+    return fleet_plan(
+        cpu,
+        device_workers=devices,
+        mean_per_s=_mean_rate(scenario) * scale,
+        peak_per_s=_peak_rate(scenario) * scale,
+    )
 
 
 def gateway_plan(scenario: Scenario, *, headroom: float, gateway_rps: float) -> GatewayPlan:
@@ -272,7 +293,10 @@ def plan(
     while not meets(high):
         low = high
         if high >= max_workers:
-            return Plan(None, formula, gateways, _ordered(trials), None, None, _mean_rate(loaded))
+            return Plan(
+                None, formula, gateways, _ordered(trials), None, None, _mean_rate(loaded),
+                fleet=tiers_plan(scenario, formula.workers, headroom=headroom),
+            )  # fmt: skip
         high = min(max_workers, high * 2)
     while high - low > 1:
         middle = (low + high) // 2
@@ -290,65 +314,12 @@ def plan(
         chosen["mean_backlog_ms"],
         _mean_rate(loaded),
         chosen["p90_queue_wait_ms"],
+        tiers_plan(scenario, high, headroom=headroom),
     )
 
 
 def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ...]:
     return tuple(trials[w][0] for w in sorted(trials))
-
-
-def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: float) -> str:
-    """The plan, the formulas with their numbers, and every simulated count, as text.
-    `slo_ms`: the SLO of a single-model scenario (several models: each one's, from the plan)."""
-    cf, gw = result.closed_form, result.gateways
-    slo = f"SLO {slo_ms:g} ms" if len(cf.models) < 2 else "each model's SLO"
-    lines = [
-        f"offered with {headroom:.0%} headroom: {result.offered_per_s:.1f} req/s; "
-        f"{slo} at p{percentile:g}",
-    ]
-    if len(cf.models) > 1:
-        lines.append(
-            "closed form: c >= sum_m lambda_m (1 + h) t_m(b*_m) / b*_m, b*_m as b* with m's SLO"
-        )
-        lines += [
-            f"  {m.model}: {m.offered_per_s:.1f} req/s, SLO {m.slo_s * 1e3:g} ms, b* = "
-            f"{m.batch_size}, t(b*) = {m.batch_s * 1e3:.2f} ms -> {m.workers:.2f} workers"
-            for m in cf.models
-        ]
-        lines.append(f"  {cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers")
-    else:
-        lines += [
-            "closed form: c >= lambda (1 + h) t(b*) / b*, b* = largest b with 2 t(b) <= SLO budget",
-            f"  b* = {cf.batch_size}, t(b*) = {cf.batch_s * 1e3:.2f} ms, "
-            f"{cf.rows_per_s:.0f} rows/s per worker -> {cf.workers} workers",
-        ]
-    lines += [
-        f"gateways: g >= peak lambda (1 + h) / gateway_rps = {gw.peak_offered_per_s:.0f} x "
-        f"{1.0 + headroom:.2f} / {gw.gateway_rps:g} -> {gw.gateways} gateways",
-        f"simulated (workers: p{percentile:g} latency, SLO attainment, meets):",
-    ]
-    for trial in result.trials:
-        lines.append(
-            f"  {trial.workers:5d}: {trial.latency_ms:9.1f} ms  {trial.slo_attainment:.4f}  "
-            f"{'yes' if trial.meets else 'no'}"
-        )
-    if result.workers is None:
-        lines.append("no worker count up to --max-workers meets the SLO")
-        return "\n".join(lines)
-    lines.append(
-        f"plan: {result.workers} workers (closed form: {cf.workers}), {gw.gateways} gateways"
-    )
-    lines += [
-        f"simulated HPA ([hpa] target, mean per row at {result.workers} workers under the "
-        "scenario's own traffic):",
-        f"  backlog {result.hpa_backlog_target_ms:.2f} ms, queue_wait "
-        f"{result.hpa_queue_wait_target_ms:.2f} ms. Prefer backlog: queue wait includes the "
-        "batcher's linger, which adding workers does not shorten",
-        "  (scenarios/hpa_queue_wait.toml climbs to max_replicas).",
-        f"deployed HPA (deploy/k8s/overlays/prod/hpa.yaml, p90 queue wait per pod from the "
-        f"worker histogram's buckets): target {result.hpa_p90_queue_wait_target_ms:.1f} ms",
-    ]
-    return "\n".join(lines)
 
 
 __all__ = [
@@ -358,7 +329,6 @@ __all__ = [
     "Plan",
     "Trial",
     "closed_form",
-    "format_plan",
     "gateway_plan",
     "plan",
 ]

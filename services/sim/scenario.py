@@ -17,6 +17,9 @@
     [fleet.routing] / [fleet.throttle]   RoutingConfig / ThrottleConfig fields
     [fleet.host]  cores, tier_cpu_s, model_threads, window_s: the cores a worker shares with its
                   tiers on a CPU-only machine (host.py; absent: none shared)
+    [fleet.tier_cpu]  gateway_s_per_request, router_s_per_request, worker_s_per_request,
+                  worker_s_per_row, cores_per_process, utilization, gateway_processes_per_pod,
+                  provenance: every tier's CPU, for the planner (tier_costs.py)
     [hpa]       metric ("queue_wait" | "backlog" | "cpu" | "gpu"), target, min_replicas,
                 max_replicas, sync_period_s, tolerance, scale_down_window_s, ...
     [[traffic.streams]]  model, tenant, priority, rate_per_s, lengths = [[12, 0.85], [100, 0.15]],
@@ -71,6 +74,7 @@ from services.sim.generation_run import GenerationScenario, StreamKey
 from services.sim.host import HostConfig
 from services.sim.scenario_overrides import with_overrides
 from services.sim.simulation import Scenario, WorkerLoss
+from services.sim.tier_costs import TierCpu
 from services.sim.traffic import Burst, Diurnal, LengthMix, Stream, Traffic, load_trace
 from services.sim.worker import ModelSpec
 
@@ -238,6 +242,8 @@ def _fleet(table: Mapping[str, Any], tenants: Mapping[str, TenantPolicy]) -> Fle
         fields["throttle"] = _build(ThrottleConfig, fields["throttle"], "fleet.throttle")
     if "host" in fields:
         fields["host"] = _build(HostConfig, fields["host"], "fleet.host")
+    if "tier_cpu" in fields:
+        fields["tier_cpu"] = _build(TierCpu, fields["tier_cpu"], "fleet.tier_cpu")
     return _build(FleetConfig, fields, "fleet")
 
 

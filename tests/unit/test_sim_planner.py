@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from services.sim.__main__ import main
-from services.sim.planner import format_plan, gateway_plan, plan
+from services.sim.plan_text import format_plan
+from services.sim.planner import gateway_plan, plan
 from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import Arrival, Traffic

@@ -1,0 +1,176 @@
+"""Every tier's CPU in a capacity plan: gateways, routers and the workers' own processes.
+
+On a GPU fleet the device is rarely what binds: measured on an H100 box, the whole fabric
+served 957 one-text requests/s against the model's 36,900 rows/s at batch 64, because every
+tier spent about a millisecond of CPU per request (services/sim/scenarios/plan_h100.toml has
+the figures). A plan that counts only devices (the closed form and the simulator's search)
+would deploy a tenth of the worker processes that traffic needs, and no routers.
+
+Each tier is a set of processes; a process's work is its event loop (plus grpc's own
+threads), so it serves at most `cores_per_process / cpu_s_per_request` requests/s, and a plan
+fills it to `utilization` of that. Then, for offered lambda requests/s with headroom h:
+
+    worker processes  w = ceil(lambda (1 + h) (c_w + rows c_row) / (k u))
+    devices           d = max(device term of the closed form, ceil(w / f_max), 1)
+    per device        f = ceil(w / d)           (worker processes sharing one device, at most
+                                                 f_max: MIG slices or time-slicing; a worker's
+                                                 gRPC front and its engine share one process)
+    gateways          g = ceil(peak (1 + h) c_g / (k u)), in ceil(g / per_pod) pods
+    routers           r = ceil(peak (1 + h) c_r / (k u))
+
+and each answer names what binds it: a device count the device curve ("device"), the
+processes per device the worker CPU ("worker CPU") once it asks for more than one, the
+gateways and routers their CPU. `capacity_per_s` is the inverse: what a given fleet serves,
+the lowest of its tiers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: What binds a tier's count.
+DEVICE, WORKER_CPU, GATEWAY_CPU, ROUTER_CPU = "device", "worker CPU", "gateway CPU", "router CPU"
+
+
+@dataclass(frozen=True)
+class TierCpu:
+    """CPU seconds each tier's process spends per request (and the worker's per row), as
+    bench.fabric measures them per tier, with where they were measured."""
+
+    gateway_s_per_request: float = 0.0
+    router_s_per_request: float = 0.0
+    worker_s_per_request: float = 0.0
+    #: The worker's CPU per row beyond a request's own cost (multi-row requests).
+    worker_s_per_row: float = 0.0
+    #: Cores one process's work can use: its event loop, and grpc's threads beside it.
+    cores_per_process: float = 1.0
+    #: Share of a process's cores a plan fills, leaving the rest for bursts (the CPU HPAs'
+    #: target is 0.7).
+    utilization: float = 0.7
+    #: Gateway processes per pod (the gateway's --processes).
+    gateway_processes_per_pod: int = 1
+    #: Worker processes one device can take (MIG slices, or time-slicing): past it, worker
+    #: CPU adds devices.
+    max_worker_processes_per_device: int = 8
+    #: Where the costs were measured (a log and its command).
+    provenance: str = ""
+
+    def __post_init__(self) -> None:
+        costs = (
+            self.gateway_s_per_request,
+            self.router_s_per_request,
+            self.worker_s_per_request,
+            self.worker_s_per_row,
+        )
+        if min(costs) < 0:
+            raise ValueError("tier CPU costs must be >= 0 seconds")
+        if self.cores_per_process <= 0 or not 0 < self.utilization <= 1:
+            raise ValueError("cores_per_process must be > 0 and utilization in (0, 1]")
+        if self.gateway_processes_per_pod < 1 or self.max_worker_processes_per_device < 1:
+            raise ValueError("processes per gateway pod and per device must be >= 1")
+
+    @property
+    def is_set(self) -> bool:
+        """Whether any tier's cost is known (else plans count devices and gateway_rps only)."""
+        return (
+            max(self.gateway_s_per_request, self.router_s_per_request, self.worker_s_per_request)
+            > 0
+        )
+
+    def worker_s(self, rows_per_request: float) -> float:
+        """A worker process's CPU seconds per request of `rows_per_request` rows."""
+        return self.worker_s_per_request + rows_per_request * self.worker_s_per_row
+
+    def processes_for(self, rate_per_s: float, cpu_s: float) -> int:
+        """Processes serving `rate_per_s` requests of `cpu_s` each, filled to `utilization`."""
+        return max(1, math.ceil(rate_per_s * cpu_s / (self.cores_per_process * self.utilization)))
+
+
+@dataclass(frozen=True)
+class TierCount:
+    """One tier's processes and what binds them."""
+
+    tier: str
+    processes: int
+    binds: str
+    #: Requests/s one process serves at the plan's utilization (inf: no cost known).
+    per_process_per_s: float
+
+
+@dataclass(frozen=True)
+class FleetPlan:
+    """Devices, worker processes per device, gateways (processes and pods) and routers."""
+
+    devices: int
+    device_binds: str
+    worker_processes_per_device: int
+    worker_binds: str
+    gateways: TierCount
+    gateway_pods: int
+    routers: TierCount
+
+    @property
+    def worker_processes(self) -> int:
+        return self.devices * self.worker_processes_per_device
+
+
+def fleet_plan(
+    cpu: TierCpu,
+    *,
+    device_workers: int,
+    mean_per_s: float,
+    peak_per_s: float,
+    rows_per_request: float = 1.0,
+) -> FleetPlan:
+    """The fleet for `mean_per_s` requests/s on average and `peak_per_s` at the busiest (both
+    with headroom already), given `device_workers` devices the device curve needs. Worker
+    processes follow the mean, as devices do (the worker HPA answers surges); gateways and
+    routers the peak (they hold no queue)."""
+    worker_processes = cpu.processes_for(mean_per_s, cpu.worker_s(rows_per_request))
+    by_cpu = math.ceil(worker_processes / cpu.max_worker_processes_per_device)
+    devices = max(1, device_workers, by_cpu)
+    per_device = max(1, math.ceil(worker_processes / devices))
+    gateways = _tier("gateway", cpu, peak_per_s, cpu.gateway_s_per_request, GATEWAY_CPU)
+    routers = _tier("router", cpu, peak_per_s, cpu.router_s_per_request, ROUTER_CPU)
+    return FleetPlan(
+        devices=devices,
+        device_binds=WORKER_CPU if by_cpu > max(1, device_workers) else DEVICE,
+        worker_processes_per_device=per_device,
+        worker_binds=WORKER_CPU if per_device > 1 else DEVICE,
+        gateways=gateways,
+        gateway_pods=math.ceil(gateways.processes / cpu.gateway_processes_per_pod),
+        routers=routers,
+    )
+
+
+def _tier(name: str, cpu: TierCpu, rate_per_s: float, cost_s: float, binds: str) -> TierCount:
+    per_process = math.inf if cost_s <= 0 else cpu.cores_per_process * cpu.utilization / cost_s
+    return TierCount(name, cpu.processes_for(rate_per_s, cost_s), binds, per_process)
+
+
+def capacity_per_s(
+    cpu: TierCpu,
+    *,
+    device_rows_per_s: float,
+    worker_processes: int,
+    gateway_processes: int,
+    routers: int,
+    rows_per_request: float = 1.0,
+) -> tuple[float, str]:
+    """Requests/s a fleet serves at full use of its processes (utilization 1), and the tier
+    that binds it: the lowest of its devices (`device_rows_per_s` in all), worker processes,
+    gateways and routers."""
+    cores = cpu.cores_per_process
+    limits = {
+        DEVICE: device_rows_per_s / rows_per_request,
+        WORKER_CPU: _served(worker_processes, cores, cpu.worker_s(rows_per_request)),
+        GATEWAY_CPU: _served(gateway_processes, cores, cpu.gateway_s_per_request),
+        ROUTER_CPU: _served(routers, cores, cpu.router_s_per_request),
+    }
+    binds = min(limits, key=limits.__getitem__)
+    return limits[binds], binds
+
+
+def _served(processes: int, cores: float, cost_s: float) -> float:
+    return math.inf if cost_s <= 0 else processes * cores / cost_s

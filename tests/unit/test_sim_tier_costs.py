@@ -1,0 +1,130 @@
+"""Every tier's CPU in a capacity plan (services.sim.tier_costs): what binds each count, and
+the capacity a fleet of processes predicts against one measured on an H100 box."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.sim.curve import LatencyCurve
+from services.sim.plan_text import format_plan
+from services.sim.planner import plan, tiers_plan
+from services.sim.scenario import load_scenario, parse_scenario
+from services.sim.tier_costs import (
+    DEVICE,
+    GATEWAY_CPU,
+    ROUTER_CPU,
+    WORKER_CPU,
+    TierCpu,
+    capacity_per_s,
+    fleet_plan,
+)
+from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.unit
+
+SCENARIOS = REPO_ROOT / "services" / "sim" / "scenarios"
+#: ../shared/gpu/h100_fabric_smoke.log, "batching_on": the fabric's goodput on an H100 box
+#: with one gateway, one router and one worker, and each tier's CPU per request there.
+H100_GOODPUT_PER_S = 957.0
+H100_CPU = TierCpu(
+    gateway_s_per_request=0.00119, router_s_per_request=0.00040, worker_s_per_request=0.00113
+)
+
+
+def test_a_fleet_whose_worker_cpu_binds_plans_more_worker_processes_not_more_devices() -> None:
+    cpu = TierCpu(worker_s_per_request=0.001, utilization=1.0)
+    # 3 devices' worth of model work; 10,000 req/s need 10 worker processes' CPU.
+    fleet = fleet_plan(cpu, device_workers=3, mean_per_s=10_000, peak_per_s=10_000)
+    assert (fleet.devices, fleet.device_binds) == (3, DEVICE)
+    assert (fleet.worker_processes_per_device, fleet.worker_binds) == (4, WORKER_CPU)
+    # Past what a device can take, worker CPU adds devices.
+    capped = TierCpu(worker_s_per_request=0.001, utilization=1.0, max_worker_processes_per_device=2)
+    fleet = fleet_plan(capped, device_workers=3, mean_per_s=10_000, peak_per_s=10_000)
+    assert (fleet.devices, fleet.device_binds, fleet.worker_processes_per_device) == (
+        5,
+        WORKER_CPU,
+        2,
+    )
+
+
+def test_a_fleet_whose_device_binds_plans_more_devices_and_one_process_each() -> None:
+    cpu = TierCpu(worker_s_per_request=0.0001, utilization=1.0)
+    fleet = fleet_plan(cpu, device_workers=6, mean_per_s=10_000, peak_per_s=10_000)
+    assert (fleet.devices, fleet.device_binds) == (6, DEVICE)
+    assert (fleet.worker_processes_per_device, fleet.worker_binds) == (1, DEVICE)
+
+
+def test_gateways_and_routers_are_sized_on_the_peak_and_their_cpu() -> None:
+    cpu = TierCpu(
+        gateway_s_per_request=0.001,
+        router_s_per_request=0.0004,
+        utilization=0.5,
+        gateway_processes_per_pod=4,
+    )
+    fleet = fleet_plan(cpu, device_workers=1, mean_per_s=1_000, peak_per_s=3_000)
+    # 3,000 req/s x 1 ms / 0.5 core: 6 processes in 2 pods; x 0.4 ms: 3 routers (2.4).
+    assert (fleet.gateways.processes, fleet.gateway_pods, fleet.gateways.binds) == (
+        6,
+        2,
+        GATEWAY_CPU,
+    )
+    assert (fleet.routers.processes, fleet.routers.binds) == (3, ROUTER_CPU)
+    assert fleet.gateways.per_process_per_s == pytest.approx(500)
+
+
+def test_the_h100_fabric_predicted_from_its_tier_costs_within_20_percent_of_measured() -> None:
+    # The H100 curve's best at 16 tokens (the smoke's uniform texts): the device alone.
+    points = LatencyCurve.load(REPO_ROOT / "services/sim/curves/minilm_h100.json").points
+    device_rows_per_s = max(size / seconds for (bucket, size), seconds in points if bucket == 16)
+    assert device_rows_per_s > 30 * H100_GOODPUT_PER_S  # the device is far from binding
+    predicted, binds = capacity_per_s(
+        H100_CPU,
+        device_rows_per_s=device_rows_per_s,
+        worker_processes=1,
+        gateway_processes=1,
+        routers=1,
+    )
+    assert binds == GATEWAY_CPU
+    assert abs(predicted - H100_GOODPUT_PER_S) / H100_GOODPUT_PER_S <= 0.2, predicted
+
+
+def test_the_plan_names_every_tier_and_what_binds_it() -> None:
+    raw: dict[str, Any] = {
+        "name": "tiers",
+        "duration_s": 3,
+        "warmup_s": 1,
+        "curve": {"fixed_ms": 1.0, "per_token_us": 2.0},
+        "model": {"name": "m", "slo_ms": 200, "max_batch_size": 32, "length_buckets": [16]},
+        "fleet": {
+            "workers": 1,
+            "tier_cpu": {
+                "gateway_s_per_request": 0.001,
+                "router_s_per_request": 0.0004,
+                "worker_s_per_request": 0.001,
+                "utilization": 1.0,
+            },
+        },
+        "traffic": {"streams": [{"rate_per_s": 3000, "lengths": [[12, 1.0]]}]},
+    }
+    scenario = parse_scenario(raw, base_dir=Path("."), default_name="tiers")
+    answer = plan(scenario, headroom=0.0)
+    assert answer.workers is not None and answer.fleet is not None
+    assert answer.fleet == tiers_plan(scenario, answer.workers, headroom=0.0)
+    assert answer.fleet.worker_processes >= 3  # 3,000 req/s x 1 ms
+    text = format_plan(answer, percentile=99, headroom=0.0, slo_ms=200)
+    for named in ("devices", "worker process", "gateways: 3 processes", "routers: 2", "binds"):
+        assert named in text, text
+
+
+@pytest.mark.parametrize("name", ["plan_h100.toml", "plan_h200.toml"])
+def test_the_gpu_plans_carry_the_tier_costs_measured_on_a_gpu_box(name: str) -> None:
+    cpu = load_scenario(SCENARIOS / name).fleet.tier_cpu
+    assert cpu.is_set and "h100_fabric_smoke.log" in cpu.provenance
+    assert (cpu.gateway_s_per_request, cpu.router_s_per_request, cpu.worker_s_per_request) == (
+        H100_CPU.gateway_s_per_request,
+        H100_CPU.router_s_per_request,
+        H100_CPU.worker_s_per_request,
+    )
