@@ -59,7 +59,7 @@ from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
-from services.sim.fleet import FleetConfig
+from services.sim.fleet_config import FleetConfig
 from services.sim.host import HostConfig
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import LengthMix, Stream, Traffic

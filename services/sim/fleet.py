@@ -18,65 +18,25 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.fair_rows import DEFAULT_WEIGHT
-from services.gateway.tenants import TenantPolicy
-from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
+from services.gateway.throttle import AdaptiveThrottle
 from services.gpu_worker.admission import RejectReason as WorkerReject
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.router.retry import RetryElsewhere, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable
-from services.router.routing_config import RoutingConfig
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
+from services.sim.fleet_config import FleetConfig
 from services.sim.gateway import GatewayAdmission
-from services.sim.host import HostConfig, SharedHost
+from services.sim.host import SharedHost
 from services.sim.results import Recorder
-from services.sim.tier_costs import TierCpu
+from services.sim.tier_queues import TierQueues
 from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec, SimRequest, SimWorker
-
-
-@dataclass(frozen=True)
-class FleetConfig:
-    """How the fleet is built and how its parts talk."""
-
-    workers: int = 1
-    #: From a new worker's creation to its first heartbeat (image pull, model load, warm-up).
-    startup_s: float = 60.0
-    heartbeat_period_s: float = 1.0
-    refresh_period_s: float = 0.5
-    routing: RoutingConfig = field(default_factory=RoutingConfig)
-    throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
-    gateways: int = 1
-    #: Gateway + router + hop to the worker, and the hop back, seconds.
-    upstream_s: float = 0.002
-    downstream_s: float = 0.001
-    #: Workers per router cell; 0: one router table over the whole fleet.
-    cell_size: int = 0
-    max_retries: int = 1
-    #: Lognormal sigma of batch compute around the curve (0: exactly the curve).
-    noise_sigma: float = 0.0
-    #: CPU seconds the worker process spends per row outside the model (decode, copies).
-    cpu_per_row_s: float = 0.0002
-    cpu_cores: float = 1.0
-    #: The cores a worker shares with its tiers (host.py); the default shares none.
-    host: HostConfig = field(default_factory=HostConfig)
-    #: The gateways' tenant tables (services.gateway.tenants; a scenario's [tenants.NAME]).
-    tenants: Mapping[str, TenantPolicy] = field(default_factory=dict)
-    #: How often the gateways share their demand to split fleet-wide quotas, seconds (the
-    #: gateway's --quota-sync-period-s); 0: each gateway enforces whole limits (no Redis).
-    quota_sync_period_s: float = 0.5
-    #: Requests/s one gateway process serves (CPU-bound), for the planner's gateway count
-    #: when `tier_cpu` is not given: about one grpc.aio process's tiny unary calls per second
-    #: on the 2-core dev machine.
-    gateway_rps: float = 3000.0
-    #: Every tier's CPU per request, for the planner's process counts (tier_costs.py; a
-    #: scenario's [fleet.tier_cpu]). Unset: the plan counts devices and gateway_rps only.
-    tier_cpu: TierCpu = field(default_factory=TierCpu)
 
 
 @dataclass
@@ -116,6 +76,12 @@ class Fleet:
         self._throttles = [AdaptiveThrottle(config.throttle) for _ in range(config.gateways)]
         # Hops of the fixed `upstream_s`, scheduled in routing order: a line of the loop.
         self._upstream = loop.line()
+        self._tiers = TierQueues(
+            config.tier_cpu,
+            gateways=config.gateways,
+            routers=config.routers,
+            worker_processes=config.worker_processes,
+        )
         self._admission = GatewayAdmission(
             config.tenants, config.gateways, sync_period_s=config.quota_sync_period_s
         )
@@ -300,6 +266,12 @@ class Fleet:
         upstream_s = self.config.upstream_s
         worker = self.workers.get(decision.worker_id)  # None: it died since the snapshot
         host = None if worker is None else worker.host
+        if self._tiers.is_set:  # every tier's CPU on the way (gateway and router per attempt)
+            upstream_s += self._tiers.at_gateway_and_router(now_s)
+            upstream_s += self._tiers.at_worker(decision.worker_id, now_s + upstream_s)
+            request.upstream_s = upstream_s
+            self._loop.at(now_s + upstream_s, self._at_worker, request)
+            return
         if host is None:
             request.upstream_s = upstream_s
             self._upstream.at(now_s + upstream_s, self._at_worker, request)

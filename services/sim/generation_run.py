@@ -25,7 +25,7 @@ from services.common.priority import PriorityClass
 from services.common.registry_schema import WorkerRecord
 from services.router.routing import Reject, RouteTable
 from services.sim.events import EventLoop
-from services.sim.fleet import FleetConfig
+from services.sim.fleet_config import FleetConfig
 from services.sim.generation import GenerationSpec, SimGenerationWorker, SimStream, StepCost
 from services.sim.generation_results import GenerationRecorder, summarize_generation
 from services.sim.traffic import Arrival, LengthMix, Traffic, schedule_arrivals

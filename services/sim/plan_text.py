@@ -51,7 +51,9 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
             f"plan: {result.workers} workers (closed form: {cf.workers}), {gw.gateways} gateways"
         )
     else:
-        lines += _fleet_lines(result.fleet, cf.workers)
+        lines += _fleet_lines(
+            result.fleet, result.closed_form_devices or cf.workers, result.workers
+        )
     lines += [
         f"simulated HPA ([hpa] target, mean per row at {result.workers} workers under the "
         "scenario's own traffic):",
@@ -65,13 +67,16 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
     return "\n".join(lines)
 
 
-def _fleet_lines(fleet: FleetPlan, closed_form_devices: int) -> list[str]:
-    """The plan of every tier (tier_costs.py), each with what binds it."""
+def _fleet_lines(fleet: FleetPlan, closed_form_devices: int, simulated: int) -> list[str]:
+    """The plan of every tier (tier_costs.py), each with what binds it. The devices are the
+    more of the simulated count (every process used in full) and the closed form's (each
+    process filled to the plan's utilization, leaving room for bursts)."""
     gateways, routers = fleet.gateways, fleet.routers
     return [
         f"plan: {fleet.devices} devices ({fleet.device_binds} binds; closed form: "
-        f"{closed_form_devices}), {fleet.worker_processes_per_device} worker process(es) per "
-        f"device ({fleet.worker_binds} binds)",
+        f"{closed_form_devices}, simulated: {simulated} with every process in full use), "
+        f"{fleet.worker_processes_per_device} worker process(es) per device "
+        f"({fleet.worker_binds} binds)",
         f"  gateways: {gateways.processes} processes in {fleet.gateway_pods} pods "
         f"({gateways.binds} binds, {gateways.per_process_per_s:.0f} req/s per process)",
         f"  routers: {routers.processes} ({routers.binds} binds, "

@@ -122,6 +122,9 @@ class Plan:
     hpa_p90_queue_wait_target_ms: float | None = None
     #: Every tier's processes and what binds them, where the scenario gives the tiers' CPU.
     fleet: FleetPlan | None = None
+    #: The devices the closed form plans with the tiers' CPU counted (worker processes past
+    #: what a device takes add devices), where the scenario gives it.
+    closed_form_devices: int | None = None
 
 
 def closed_form(scenario: Scenario, *, headroom: float) -> ClosedForm:
@@ -279,6 +282,17 @@ def plan(
     if percentile not in (50, 90, 99):
         raise ValueError("percentile must be 50, 90 or 99 (the percentiles a run reports)")
     formula = closed_form(scenario, headroom=headroom)
+    tiers = tiers_plan(scenario, formula.workers, headroom=headroom)
+    if tiers is not None:  # every trial runs the tiers' processes the closed form plans
+        scenario = dataclasses.replace(
+            scenario,
+            fleet=dataclasses.replace(
+                scenario.fleet,
+                gateways=tiers.gateways.processes,
+                routers=tiers.routers.processes,
+                worker_processes=tiers.worker_processes_per_device,
+            ),
+        )
     rps = scenario.fleet.gateway_rps if gateway_rps is None else gateway_rps
     gateways = gateway_plan(scenario, headroom=headroom, gateway_rps=rps)
     loaded = dataclasses.replace(scenario, traffic=scenario.traffic.scaled(1.0 + headroom))
@@ -295,7 +309,7 @@ def plan(
         if high >= max_workers:
             return Plan(
                 None, formula, gateways, _ordered(trials), None, None, _mean_rate(loaded),
-                fleet=tiers_plan(scenario, formula.workers, headroom=headroom),
+                fleet=tiers, closed_form_devices=None if tiers is None else tiers.devices,
             )  # fmt: skip
         high = min(max_workers, high * 2)
     while high - low > 1:
@@ -315,6 +329,7 @@ def plan(
         _mean_rate(loaded),
         chosen["p90_queue_wait_ms"],
         tiers_plan(scenario, high, headroom=headroom),
+        None if tiers is None else tiers.devices,
     )
 
 

@@ -13,7 +13,7 @@
                 tenant_weights = {a = 2.0}
     [fleet]     workers, startup_s, heartbeat_period_s, refresh_period_s, gateways, upstream_s,
                 downstream_s, cell_size, max_retries, noise_sigma, cpu_per_row_s, cpu_cores,
-                quota_sync_period_s, gateway_rps
+                quota_sync_period_s, gateway_rps, routers, worker_processes
     [fleet.routing] / [fleet.throttle]   RoutingConfig / ThrottleConfig fields
     [fleet.host]  cores, tier_cpu_s, model_threads, window_s: the cores a worker shares with its
                   tiers on a CPU-only machine (host.py; absent: none shared)
@@ -68,7 +68,7 @@ from services.gpu_worker.batching.driver_config import DriverConfig
 from services.router.routing_config import RoutingConfig
 from services.sim.autoscaler import HpaConfig
 from services.sim.curve import LatencyCurve
-from services.sim.fleet import FleetConfig
+from services.sim.fleet_config import FleetConfig
 from services.sim.generation import GenerationSpec, StepCost
 from services.sim.generation_run import GenerationScenario, StreamKey
 from services.sim.host import HostConfig

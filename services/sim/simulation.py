@@ -12,7 +12,8 @@ from services.gpu_worker.batching.driver_config import DriverConfig
 from services.sim.autoscaler import HorizontalAutoscaler, HpaConfig
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
-from services.sim.fleet import Fleet, FleetConfig
+from services.sim.fleet import Fleet
+from services.sim.fleet_config import FleetConfig
 from services.sim.results import FleetTotals, Recorder, summarize
 from services.sim.traffic import Traffic, schedule_arrivals
 from services.sim.worker import ModelSpec

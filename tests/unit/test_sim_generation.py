@@ -19,7 +19,7 @@ from services.gpu_worker.generation.scheduler import GenerationScheduler
 from services.gpu_worker.generation.sequence import SchedulerOutput, Sequence
 from services.sim.__main__ import main
 from services.sim.events import EventLoop
-from services.sim.fleet import FleetConfig
+from services.sim.fleet_config import FleetConfig
 from services.sim.generation import (
     FIRST_TOKEN_DEADLINE,
     GenerationSpec,

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from services.sim.curve import LatencyCurve
-from services.sim.fleet import FleetConfig
+from services.sim.fleet_config import FleetConfig
 from services.sim.host import HostConfig, SharedHost
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import LengthMix, Stream, Traffic

@@ -1,0 +1,58 @@
+"""The tiers' CPU in a simulated request's path: each tier's processes as a queue of CPU work.
+
+A request costs each tier the CPU seconds its [fleet.tier_cpu] says (tier_costs.TierCpu). The
+gateways together and the routers together are one queue each; every worker has its own, of
+`FleetConfig.worker_processes` processes. A queue of n processes of k cores works through n k
+CPU seconds per second, first come first served, so a request waits for the work ahead of it
+and then takes its own cost: the hop to the worker lengthens by both, and grows without bound
+once a tier is offered more than its processes can do. The model's device is the worker's
+executor, as before (worker.py); nothing here applies while no tier cost is set."""
+
+from __future__ import annotations
+
+from services.sim.tier_costs import TierCpu
+
+
+class ProcessQueue:
+    """`processes` processes of `cores` cores each, working through requests of `cost_s` CPU
+    seconds in arrival order."""
+
+    __slots__ = ("_cost_s", "_free_s", "_spacing_s")
+
+    def __init__(self, processes: int, cores: float, cost_s: float) -> None:
+        self._cost_s = cost_s
+        #: CPU seconds of one request over the queue's cores: its share of the queue's time.
+        self._spacing_s = cost_s / (max(1, processes) * cores)
+        self._free_s = 0.0
+
+    def delay_s(self, now_s: float) -> float:
+        """How long a request arriving at `now_s` spends in this tier: the work ahead of it,
+        then its own cost."""
+        start_s = max(now_s, self._free_s)
+        self._free_s = start_s + self._spacing_s
+        return start_s - now_s + self._cost_s
+
+
+class TierQueues:
+    """The gateways', the routers' and each worker's CPU queues of one simulated fleet."""
+
+    def __init__(self, cpu: TierCpu, *, gateways: int, routers: int, worker_processes: int) -> None:
+        self.is_set = cpu.is_set
+        cores = cpu.cores_per_process
+        self._gateways = ProcessQueue(gateways, cores, cpu.gateway_s_per_request)
+        self._routers = ProcessQueue(routers, cores, cpu.router_s_per_request)
+        self._worker = (worker_processes, cores, cpu.worker_s(1.0))
+        self._workers: dict[str, ProcessQueue] = {}
+
+    def at_gateway_and_router(self, now_s: float) -> float:
+        """Seconds a request spends in the gateway and then the router, arriving at `now_s`."""
+        gateway_s = self._gateways.delay_s(now_s)
+        return gateway_s + self._routers.delay_s(now_s + gateway_s)
+
+    def at_worker(self, worker_id: str, now_s: float) -> float:
+        """Seconds a request reaching `worker_id`'s processes at `now_s` spends in them before
+        its rows reach the batcher."""
+        queue = self._workers.get(worker_id)
+        if queue is None:
+            queue = self._workers[worker_id] = ProcessQueue(*self._worker)
+        return queue.delay_s(now_s)
