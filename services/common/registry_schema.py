@@ -76,6 +76,12 @@ class FailedVersion:
     error: str
 
 
+#: The revision of the internal API (proto/inference/v1/worker.proto) a worker serves, in its
+#: heartbeat. 1: one caller's rows per call; 2: bundles (packed rows, a status per slice),
+#: which routers and gateways now send. A record without one is a worker from before.
+INTERNAL_API = 2
+
+
 @dataclass(frozen=True)
 class WorkerRecord:
     """One worker's heartbeat."""
@@ -89,6 +95,8 @@ class WorkerRecord:
     models: tuple[ModelRecord, ...]
     #: Versions that failed to load (at start or on a hot load), for operators and tools.
     failed: tuple[FailedVersion, ...] = ()
+    #: The internal API it serves (INTERNAL_API when it is this build).
+    internal_api: int = INTERNAL_API
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -103,6 +111,7 @@ class WorkerRecord:
             sent_at_ms=int(raw["sent_at_ms"]),
             models=tuple(ModelRecord(**m) for m in raw["models"]),
             failed=tuple(FailedVersion(**f) for f in raw.get("failed", ())),
+            internal_api=int(raw.get("internal_api", 1)),
         )
 
     def model(self, name: str, version: str) -> ModelRecord | None:

@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.common.lifecycle import stop_if_cancelled
-from services.common.registry_schema import RegistryKeys, WorkerRecord
+from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
 from services.router.worker_networks import WorkerNetworks, admit_records
@@ -138,7 +138,26 @@ async def read_registry(
         if raw is None:
             continue  # record key expired: the worker stopped long ago
         try:
-            records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
+            record = WorkerRecord.from_json(raw)
         except (ValueError, KeyError, TypeError) as error:
             log.warning("skipping malformed registry record: %s", error)
+            continue
+        if record.internal_api < INTERNAL_API:
+            # It would refuse every bundle sent to it (INVALID_ARGUMENT): left out, so that
+            # gateways and routers upgraded before it leave it idle instead of failing calls.
+            if record.worker_id not in _warned_older:
+                _warned_older.add(record.worker_id)
+                log.warning(
+                    "worker %s serves internal API %d, this router needs %d: not routed to "
+                    "until it is upgraded",
+                    record.worker_id,
+                    record.internal_api,
+                    INTERNAL_API,
+                )
+            continue
+        records.append((record, score_ms / 1000.0))
     return records, now_s
+
+
+#: Workers of an older internal API already warned about (once each per process).
+_warned_older: set[str] = set()

@@ -4,6 +4,8 @@ through the tiers' own registry code."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from redis.retry import Retry
 
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.redis_server import ping
-from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
 from services.router.registry_reader import read_registry
@@ -92,6 +94,24 @@ async def test_router_reads_the_registry_but_cannot_change_it(
     # Nothing the router tried took effect.
     assert await clients["admin"].get(KEYS.worker("w0")) == RECORD.to_json().encode()
     assert await clients["admin"].zrange(KEYS.workers, 0, -1) == [b"w0"]
+
+
+async def test_a_worker_of_an_older_internal_api_is_not_routed_to(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    # A heartbeat from before bundles carries no internal_api: such a worker refuses every
+    # bundle, so routers leave it out rather than send it calls that fail.
+    await publisher(clients["worker"]).publish_once()
+    older = json.loads(RECORD.to_json())
+    del older["internal_api"]
+    older.update(worker_id="w-old", address="127.0.0.1:1")
+    admin = clients["admin"]
+    await admin.set(KEYS.worker("w-old"), json.dumps(older))
+    await admin.zadd(KEYS.workers, {"w-old": time.time() * 1000})
+    records, _ = await read_registry(clients["router"], KEYS)
+    assert [r.worker_id for r, _ in records] == ["w0"]
+    assert WorkerRecord.from_json(json.dumps(older)).internal_api == 1
+    assert records[0][0].internal_api == INTERNAL_API
 
 
 async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(
