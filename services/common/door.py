@@ -16,11 +16,14 @@ its metadata and answered at the door at once. A probe still unanswered at the n
 reports the time it has waited so far (once past the target), so a queue growing without
 bound is seen while it grows.
 
-At the limit the door refuses by caller, not by arrival: a call is refused only if its caller
-(the credential it presents, `authorization` or `x-api-key`, read before authentication: no
-lookup, no hashing) holds at least an equal share of the limit among the callers in flight.
-A tenant flooding the gateway, even one its quota refuses a moment later, then cannot make the
-door refuse a tenant within its share; a single caller's flood is limited as a whole.
+At the limit the door refuses by caller: a call is refused only if its caller (the credential
+it presents, `authorization` or `x-api-key`, read before authentication: no lookup, no
+hashing) sent at least an equal share of the guarded calls that reached the door lately
+(`CallerShares`: this and the previous half second). What a flood costs a process is its
+calls' arrival, however soon each is refused, so shares count arrivals, not calls in flight
+(a victim's slow, served calls would outnumber a flood's quickly refused ones). A tenant
+flooding the gateway, even one its quota refuses a moment later, then cannot make the door
+refuse a tenant sending less; a single caller's flood is limited as a whole.
 
 Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
 which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 import secrets
@@ -46,6 +48,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.common.caller_shares import CallerShares
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
 from services.common.errors import retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
@@ -212,8 +215,7 @@ class Door(grpc.aio.ServerInterceptor):
         self.config = config
         self.limit = QueueDelayLimit(config.limit())
         self.num_in_flight = 0
-        #: Guarded calls in flight per caller (its credential; "" for none), while any.
-        self._in_flight_by_caller: dict[str, int] = {}
+        self._shares = CallerShares()
         self._peak_in_flight = 0
         self._refusers = {
             method: _handler(shape, self._refuse) for method, shape in methods.items()
@@ -281,28 +283,20 @@ class Door(grpc.aio.ServerInterceptor):
             elif key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
         self._calls_by_method[method] += 1
-        by_caller = self._in_flight_by_caller
-        if self.num_in_flight >= self.limit.limit and by_caller.get(caller, 0) >= (
-            self.limit.limit / max(1, len(by_caller))
-        ):
+        is_over_share = self._shares.arrived(caller)
+        if self.num_in_flight >= self.limit.limit and is_over_share:
             self._metrics.refused.labels(method).inc()
             return refuser
         self.num_in_flight += 1
-        by_caller[caller] = by_caller.get(caller, 0) + 1
         if self.num_in_flight > self._peak_in_flight:
             self._peak_in_flight = self.num_in_flight
         task = asyncio.current_task()
         assert task is not None  # grpc runs every call's interceptors inside the call's task
-        task.add_done_callback(functools.partial(self._release, caller))
+        task.add_done_callback(self._release)
         return await continuation(handler_call_details)
 
-    def _release(self, caller: str, _: object) -> None:
+    def _release(self, _: object) -> None:
         self.num_in_flight -= 1
-        left = self._in_flight_by_caller[caller] - 1
-        if left:
-            self._in_flight_by_caller[caller] = left
-        else:
-            del self._in_flight_by_caller[caller]
 
     def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Sets the refusal on `context` (the call then ends with it, no exception raised)."""
@@ -310,7 +304,7 @@ class Door(grpc.aio.ServerInterceptor):
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
         context.set_details(
             f"overloaded: this process has {self.num_in_flight} calls in flight, its limit, "
-            f"and this caller at least its share of them; retry after {trailer[1]} ms"
+            f"and this caller sent at least its share of its calls; retry after {trailer[1]} ms"
         )
         context.set_trailing_metadata((trailer,))
 
@@ -333,6 +327,7 @@ class Door(grpc.aio.ServerInterceptor):
             due_s += interval_s
             await asyncio.sleep(max(0.0, due_s - loop.time()))
             now_s = loop.time()
+            self._shares.roll(now_s)
             # A late timer is a stalled loop: whatever arrived meanwhile waited at least this.
             late_s = max(0.0, now_s - due_s)
             due_s = max(due_s, now_s - interval_s)  # after a stall, no burst of catch-up ticks

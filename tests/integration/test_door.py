@@ -134,19 +134,20 @@ async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
 
 
 async def test_at_the_limit_only_callers_over_their_share_are_refused(served: Served) -> None:
-    # Caller a holds the whole limit (2); caller b, with nothing in flight, is under its share
-    # (2 / 1 caller) and passes; then a (2 of a share of 1) and b (1 of 1) are both refused.
+    # Caller a holds the whole limit (2 calls); caller b, new, is under its share and passes
+    # the full door; a, with 2 of the 3 calls sent, is refused; b, with 1 of 4, passes again.
     a_calls = [asyncio.create_task(served.call(b"ok-wait", caller="a")) for _ in range(2)]
     await eventually(lambda: served.door.num_in_flight == 2)
-    b_call = asyncio.create_task(served.call(b"ok-wait", caller="b"))
+    b_calls = [asyncio.create_task(served.call(b"ok-wait", caller="b"))]
     await eventually(lambda: served.door.num_in_flight == 3)
-    for caller in ("a", "b"):
-        with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await served.call(b"ok-now", caller=caller)
-        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, caller
-    assert served.refused() == 2
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await served.call(b"ok-now", caller="a")
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    b_calls.append(asyncio.create_task(served.call(b"ok-wait", caller="b")))
+    await eventually(lambda: served.door.num_in_flight == 4)
+    assert served.refused() == 1
     served.release.set()
-    assert await asyncio.gather(*a_calls, b_call) == [b"served ok-wait"] * 3
+    assert await asyncio.gather(*a_calls, *b_calls) == [b"served ok-wait"] * 4
     await eventually(lambda: served.door.num_in_flight == 0)
     assert await served.call(b"ok-after", caller="a") == b"served ok-after"
 
