@@ -3,53 +3,90 @@
 A door at its limit refuses the callers that sent at least an equal share of the calls that
 reached it lately (services.common.door). Shares count arrivals, not calls in flight: what a
 flood costs a process is its calls' arrival, however soon each is refused, and a victim's
-slow, served calls would outnumber a flood's quickly refused ones in flight. Pure: time comes
-in as `now_s` (the door's probe ticks roll the window)."""
+slow, served calls would outnumber a flood's quickly refused ones in flight.
+
+The door runs before authentication, so a caller is only the credential a call presents, and
+a flood may present a new one on every call. So a caller's first call in the window pair is
+counted for all first calls together (`NEW`, one caller), and only its later calls for itself:
+callers that rotate credentials share one share between them, and do not raise the number of
+callers the others' shares are measured against. At most `max_callers` callers are
+remembered per window; calls of others count as first calls. Pure: time comes in as `now_s`
+(the door's probe ticks roll the window)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
+
+#: The one caller every caller's first call is counted for.
+NEW = "\x00new"
+
+
+def caller_of(metadata: Iterable[tuple[str, str | bytes]]) -> str:
+    """The credential a call presents, as the gateway's authentication reads it: the bearer
+    token of `authorization` (prefix case and spaces ignored), else `x-api-key`; "" for none."""
+    authorization = api_key = ""
+    for key, value in metadata:
+        if key == "authorization" and isinstance(value, str):
+            authorization = value
+        elif key == "x-api-key" and isinstance(value, str):
+            api_key = value
+    if authorization[:7].lower() == "bearer ":
+        return authorization[7:].strip()
+    return api_key
 
 
 class CallerShares:
     """Calls per caller over the current window and the previous one (`window_s` each): whether
     a caller had sent at least an equal share of them (1 / the callers seen) before its next
-    call. A caller seen for the first time has sent none yet."""
+    call."""
 
     __slots__ = (
-        "_callers",
+        "_counted",
         "_current",
-        "_current_total",
         "_previous",
-        "_previous_total",
         "_rolled_s",
+        "_totals",
+        "max_callers",
         "window_s",
     )
 
-    def __init__(self, window_s: float = 0.5) -> None:
+    def __init__(self, window_s: float = 0.5, max_callers: int = 4096) -> None:
         self.window_s = window_s
+        self.max_callers = max_callers
+        #: caller -> its calls beyond its first, in this window and in the previous one.
         self._current: dict[str, int] = {}
         self._previous: dict[str, int] = {}
-        self._current_total = self._previous_total = 0
-        #: Distinct callers in the two windows.
-        self._callers = 0
+        #: Calls in the current window and the previous one.
+        self._totals = [0, 0]
+        #: Callers with a call counted for themselves (NEW one of them), in either window.
+        self._counted = 0
         self._rolled_s = 0.0
 
     def arrived(self, caller: str) -> bool:
-        """Counts a call of `caller`; True if, before it, the caller had sent at least an equal
-        share of the recent calls."""
-        sent = self._current.get(caller, 0)
-        earlier = self._previous.get(caller, 0)
-        if sent == 0 and earlier == 0:
-            self._callers += 1
-        before = sent + earlier
-        total = self._current_total + self._previous_total
-        self._current[caller] = sent + 1
-        self._current_total += 1
-        return before > 0 and before * self._callers >= total
+        """Counts a call of `caller`; True if, before it, the caller (or, for its first call,
+        all first calls together) had sent at least an equal share of the recent calls."""
+        current, previous = self._current, self._previous
+        # A caller seen before made its first call as one of NEW's: it counts as its own too.
+        first = 1
+        if caller not in current and caller not in previous:
+            if len(current) < self.max_callers:
+                current[caller] = 0  # seen: its later calls count for itself
+            caller, first = NEW, 0
+        sent = current.get(caller, 0)
+        own = sent + previous.get(caller, 0)
+        total = self._totals[0] + self._totals[1]
+        callers = self._counted + (own == 0)
+        current[caller] = sent + 1
+        self._totals[0] += 1
+        if own == 0:
+            self._counted += 1
+        before = own + first
+        return before > 0 and before * callers >= total
 
     def roll(self, now_s: float) -> None:
         """Starts a new window once the current one is `window_s` old."""
         if now_s - self._rolled_s >= self.window_s:
-            self._previous, self._previous_total = self._current, self._current_total
-            self._current, self._current_total = {}, 0
-            self._callers = len(self._previous)
+            self._previous, self._current = self._current, {}
+            self._totals = [0, self._totals[0]]
+            self._counted = sum(1 for calls in self._previous.values() if calls)
             self._rolled_s = now_s

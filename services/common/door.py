@@ -48,7 +48,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.common.caller_shares import CallerShares
+from services.common.caller_shares import CallerShares, caller_of
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
 from services.common.errors import retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
@@ -61,8 +61,6 @@ log = logging.getLogger(__name__)
 #: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
 #: cannot pass the door as a probe.
 PROBE_KEY = "x-fabric-door-probe"
-#: Metadata keys whose value tells callers apart at the door (the gateway's credentials).
-CALLER_KEYS = frozenset({"authorization", "x-api-key"})
 
 
 @dataclass(frozen=True)
@@ -92,10 +90,14 @@ class DoorConfig:
     interval_s: float = LimitConfig.interval_s
     #: How often the queue's delay is probed, seconds.
     probe_interval_s: float = 0.05
+    #: Callers' shares are of the calls of the last one to two windows of this, seconds.
+    share_window_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.initial_limit < 0 or self.probe_interval_s <= 0:
-            raise ValueError("door: initial_limit must be >= 0 and probe_interval_s > 0")
+        if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
+            raise ValueError(
+                "door: initial_limit must be >= 0, probe_interval_s and share_window_s > 0"
+            )
         if self.is_enabled:
             self.limit()  # validates the rest
 
@@ -215,7 +217,7 @@ class Door(grpc.aio.ServerInterceptor):
         self.config = config
         self.limit = QueueDelayLimit(config.limit())
         self.num_in_flight = 0
-        self._shares = CallerShares()
+        self._shares = CallerShares(config.share_window_s)
         self._peak_in_flight = 0
         self._refusers = {
             method: _handler(shape, self._refuse) for method, shape in methods.items()
@@ -276,14 +278,12 @@ class Door(grpc.aio.ServerInterceptor):
         refuser = self._refusers.get(method)
         if refuser is None:
             return await continuation(handler_call_details)
-        caller = ""
-        for key, value in handler_call_details.invocation_metadata or ():
-            if key in CALLER_KEYS:
-                caller = value if isinstance(value, str) else value.hex()
-            elif key == PROBE_KEY and value == self._token:
+        metadata = handler_call_details.invocation_metadata or ()
+        for key, value in metadata:
+            if key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
         self._calls_by_method[method] += 1
-        is_over_share = self._shares.arrived(caller)
+        is_over_share = self._shares.arrived(caller_of(metadata))
         if self.num_in_flight >= self.limit.limit and is_over_share:
             self._metrics.refused.labels(method).inc()
             return refuser
@@ -317,6 +317,7 @@ class Door(grpc.aio.ServerInterceptor):
             # A door that stopped measuring must not keep a flood's limit forever.
             log.exception("the door's probe loop failed; its limit returns to rest")
             self.limit = QueueDelayLimit(self.config.limit())
+            self._shares = CallerShares(self.config.share_window_s)
             raise
 
     async def _probe_every_interval(self) -> None:

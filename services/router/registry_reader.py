@@ -138,25 +138,34 @@ async def read_registry(
         if raw is None:
             continue  # record key expired: the worker stopped long ago
         try:
-            record = WorkerRecord.from_json(raw)
+            records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
         except (ValueError, KeyError, TypeError) as error:
             log.warning("skipping malformed registry record: %s", error)
-            continue
-        if record.internal_api < INTERNAL_API:
-            # It would refuse every bundle sent to it (INVALID_ARGUMENT): left out, so that
-            # gateways and routers upgraded before it leave it idle instead of failing calls.
-            if record.worker_id not in _warned_older:
-                _warned_older.add(record.worker_id)
-                log.warning(
-                    "worker %s serves internal API %d, this router needs %d: not routed to "
-                    "until it is upgraded",
-                    record.worker_id,
-                    record.internal_api,
-                    INTERNAL_API,
-                )
-            continue
-        records.append((record, score_ms / 1000.0))
-    return records, now_s
+    return _current_api_first(records), now_s
+
+
+def _current_api_first(
+    records: list[tuple[WorkerRecord, float]],
+) -> list[tuple[WorkerRecord, float]]:
+    """The workers of this build's internal API, once any is registered: a worker of an older
+    one refuses every bundle (INVALID_ARGUMENT), so while both serve, the older is left out
+    (warned about once per worker) and sits idle instead of failing calls. While none is
+    current (routers upgraded before every worker), all are kept: older gateways' calls, which
+    older workers serve, keep being served."""
+    current = [(r, at_s) for r, at_s in records if r.internal_api >= INTERNAL_API]
+    if not current:
+        return records
+    for record, _ in records:
+        if record.internal_api < INTERNAL_API and record.worker_id not in _warned_older:
+            _warned_older.add(record.worker_id)
+            log.warning(
+                "worker %s serves internal API %d, this router %d: not routed to while "
+                "upgraded workers serve",
+                record.worker_id,
+                record.internal_api,
+                INTERNAL_API,
+            )
+    return current
 
 
 #: Workers of an older internal API already warned about (once each per process).

@@ -69,12 +69,12 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
 
 def _fleet_lines(fleet: FleetPlan, closed_form_devices: int, simulated: int) -> list[str]:
     """The plan of every tier (tier_costs.py), each with what binds it. The devices are the
-    more of the simulated count (every process used in full) and the closed form's (each
-    process filled to the plan's utilization, leaving room for bursts)."""
+    more of the simulated count (worker processes at most planner.STABLE_LOAD busy) and the
+    closed form's (each process filled to the plan's utilization, leaving room for bursts)."""
     gateways, routers = fleet.gateways, fleet.routers
     return [
         f"plan: {fleet.devices} devices ({fleet.device_binds} binds; closed form: "
-        f"{closed_form_devices}, simulated: {simulated} with every process in full use), "
+        f"{closed_form_devices}, simulated: {simulated} with worker processes at most 95% busy), "
         f"{fleet.worker_processes_per_device} worker process(es) per device "
         f"({fleet.worker_binds} binds)",
         f"  gateways: {gateways.processes} processes in {fleet.gateway_pods} pods "

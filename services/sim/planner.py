@@ -300,7 +300,10 @@ def plan(
 
     def meets(workers: int) -> bool:
         if workers not in trials:
-            trials[workers] = _trial(loaded, workers, percentile)
+            trial, summary = _trial(loaded, workers, percentile)
+            if not _cpu_keeps_up(loaded, workers):
+                trial = dataclasses.replace(trial, meets=False)
+            trials[workers] = (trial, summary)
         return trials[workers][0].meets
 
     low, high = 0, max(1, formula.workers // 2)
@@ -331,6 +334,23 @@ def plan(
         tiers_plan(scenario, high, headroom=headroom),
         None if tiers is None else tiers.devices,
     )
+
+
+#: The most of a tier's CPU a trial may use and count as meeting the SLO: at full load a
+#: queue of CPU work grows without bound, however short a run shows it small.
+STABLE_LOAD = 0.95
+
+
+def _cpu_keeps_up(scenario: Scenario, workers: int) -> bool:
+    """Whether `workers` devices' worker processes have the CPU for the scenario's mean
+    offered rate at STABLE_LOAD at most (True without tier costs). Gateways and routers are
+    the closed form's, whatever the devices: their load is its utilization."""
+    cpu = scenario.fleet.tier_cpu
+    if not cpu.is_set or cpu.worker_s(1.0) <= 0:
+        return True
+    processes = workers * scenario.fleet.worker_processes
+    capacity_per_s = processes * cpu.cores_per_process / cpu.worker_s(1.0)
+    return _mean_rate(scenario) <= STABLE_LOAD * capacity_per_s
 
 
 def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ...]:

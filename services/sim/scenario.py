@@ -19,7 +19,8 @@
                   tiers on a CPU-only machine (host.py; absent: none shared)
     [fleet.tier_cpu]  gateway_s_per_request, router_s_per_request, worker_s_per_request,
                   worker_s_per_row, cores_per_process, utilization, gateway_processes_per_pod,
-                  provenance: every tier's CPU, for the planner (tier_costs.py)
+                  max_worker_processes_per_device, provenance: every tier's CPU, for the
+                  planner (tier_costs.py) and as queues on a request's path (tier_queues.py)
     [hpa]       metric ("queue_wait" | "backlog" | "cpu" | "gpu"), target, min_replicas,
                 max_replicas, sync_period_s, tolerance, scale_down_window_s, ...
     [[traffic.streams]]  model, tenant, priority, rate_per_s, lengths = [[12, 0.85], [100, 0.15]],
@@ -244,6 +245,8 @@ def _fleet(table: Mapping[str, Any], tenants: Mapping[str, TenantPolicy]) -> Fle
         fields["host"] = _build(HostConfig, fields["host"], "fleet.host")
     if "tier_cpu" in fields:
         fields["tier_cpu"] = _build(TierCpu, fields["tier_cpu"], "fleet.tier_cpu")
+        if "host" in fields:  # two models of the tiers' CPU: one at a time
+            raise ValueError("[fleet]: tier_cpu (tiers on their own CPUs) or host, not both")
     return _build(FleetConfig, fields, "fleet")
 
 

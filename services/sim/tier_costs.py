@@ -4,7 +4,8 @@ On a GPU fleet the device is rarely what binds: measured on an H100 box, the who
 served 957 one-text requests/s against the model's 36,900 rows/s at batch 64, because every
 tier spent about a millisecond of CPU per request (services/sim/scenarios/plan_h100.toml has
 the figures). A plan that counts only devices (the closed form and the simulator's search)
-would deploy a tenth of the worker processes that traffic needs, and no routers.
+would deploy about a twentieth of the worker processes that traffic needs (2 of 39 for
+plan_h100's 20,000 requests/s), a fifth of the gateways, and no routers.
 
 Each tier is a set of processes; a process's work is its event loop (plus grpc's own
 threads), so it serves at most `cores_per_process / cpu_s_per_request` requests/s, and a plan
@@ -84,7 +85,8 @@ class TierCpu:
 
     def processes_for(self, rate_per_s: float, cpu_s: float) -> int:
         """Processes serving `rate_per_s` requests of `cpu_s` each, filled to `utilization`."""
-        return max(1, math.ceil(rate_per_s * cpu_s / (self.cores_per_process * self.utilization)))
+        cores = rate_per_s * cpu_s / (self.cores_per_process * self.utilization)
+        return max(1, math.ceil(cores - 1e-9))  # 700 x 1 ms at 0.7 is 1, not 1.0000000000000002
 
 
 @dataclass(frozen=True)

@@ -100,7 +100,8 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to(
     clients: dict[str, aioredis.Redis],
 ) -> None:
     # A heartbeat from before bundles carries no internal_api: such a worker refuses every
-    # bundle, so routers leave it out rather than send it calls that fail.
+    # bundle, so while a current one serves, routers leave it out rather than send it calls
+    # that fail.
     await publisher(clients["worker"]).publish_once()
     older = json.loads(RECORD.to_json())
     del older["internal_api"]
@@ -112,6 +113,11 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to(
     assert [r.worker_id for r, _ in records] == ["w0"]
     assert WorkerRecord.from_json(json.dumps(older)).internal_api == 1
     assert records[0][0].internal_api == INTERNAL_API
+    # With no current worker left (routers upgraded before every worker), the older one is
+    # routed to again: older gateways' calls, which it serves, keep being served.
+    await admin.zrem(KEYS.workers, "w0")
+    records, _ = await read_registry(clients["router"], KEYS)
+    assert [r.worker_id for r, _ in records] == ["w-old"]
 
 
 async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.caller_shares import CallerShares
+from services.common.caller_shares import CallerShares, caller_of
 
 pytestmark = pytest.mark.unit
 
 
 def test_a_flooding_caller_is_over_its_share_and_a_light_one_is_not() -> None:
     shares = CallerShares(window_s=0.5)
+    # The very first call had nothing before it; then the flood sent every call.
     assert [shares.arrived("flood") for _ in range(3)] == [False, True, True]
-    # A caller seen for the first time has sent nothing yet.
+    # A new caller's first call: first calls are 1 of 3 so far, under an equal share.
     assert shares.arrived("victim") is False
     for _ in range(100):
         shares.arrived("flood")
-    # 1 of 104 calls, 2 callers: under an equal share; the flood far over it.
-    assert shares.arrived("victim") is False
+    assert shares.arrived("victim") is False  # its own first
     assert shares.arrived("flood") is True
 
 
@@ -26,9 +26,19 @@ def test_callers_sending_alike_are_each_at_their_share() -> None:
     for _ in range(10):
         shares.arrived("a")
         shares.arrived("b")
-    assert shares.arrived("a") is True  # 10 of 20, 2 callers: an equal share
-    assert shares.arrived("b") is False  # 10 of 21: just under it
-    assert shares.arrived("b") is True  # 11 of 22
+    assert shares.arrived("a") is True
+    assert shares.arrived("b") is True
+
+
+def test_a_flood_rotating_credentials_shares_one_share() -> None:
+    shares = CallerShares(max_callers=64)
+    for _ in range(20):
+        shares.arrived("tenant")
+    refused = [shares.arrived(f"junk-{i}") for i in range(1000)]
+    # Every junk call is a first call: together they are one caller, soon over its share,
+    # and they do not add callers for the tenant's share to be measured against.
+    assert sum(refused) >= 950
+    assert shares.arrived("tenant") is False
 
 
 def test_shares_are_of_the_last_two_windows() -> None:
@@ -43,3 +53,14 @@ def test_shares_are_of_the_last_two_windows() -> None:
     shares.roll(1.0)
     shares.roll(1.5)  # two windows later the flood is forgotten: a caller seen anew
     assert shares.arrived("flood") is False
+
+
+def test_the_caller_is_the_credential_as_authentication_reads_it() -> None:
+    assert caller_of([("authorization", "Bearer k1")]) == "k1"
+    assert caller_of([("authorization", "bearer   k1 ")]) == "k1"
+    # authorization wins over x-api-key, whatever the order: a caller cannot dodge its
+    # share by adding another header.
+    assert caller_of([("x-api-key", "junk"), ("authorization", "Bearer k1")]) == "k1"
+    assert caller_of([("authorization", "Bearer k1"), ("x-api-key", "junk")]) == "k1"
+    assert caller_of([("x-api-key", "k2")]) == "k2"
+    assert caller_of([("user-agent", "x")]) == ""
