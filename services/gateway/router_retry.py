@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RouterRetryConfig:
-    #: Most attempts of one call, the first included.
-    max_attempts: int = 4
+    #: Most attempts of one call, the first included: enough that a call whose resends meet
+    #: a draining router again, before its GOAWAY reached this gateway, still finds another.
+    max_attempts: int = 6
     #: Backoff before the first resend, seconds; doubles per resend up to `max_backoff_s`,
     #: with full jitter (so that the gateways resending a drained router's calls spread out).
     base_backoff_s: float = 0.02

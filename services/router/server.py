@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
@@ -60,11 +61,15 @@ class Router:
     async def stop(self) -> None:
         """Drains: calls already running finish (within `drain_grace_s`); every later one is
         refused UNAVAILABLE marked not started, which gateways resend to another router."""
+        # First, so that the GOAWAY it sends reaches gateways as the refusals below start: a
+        # gateway resending a refused call opens its next stream on another router, not on
+        # this one again (its channel still took this router as ready a moment later).
+        stopping = asyncio.create_task(self.server.stop(grace=self.config.drain_grace_s))
+        await asyncio.sleep(0)
         self.drain.start()
         self.streams.close()  # gateways' streams end once their calls are answered
         await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
-        # Also sends GOAWAY: gateways open their next streams on other routers.
-        await self.server.stop(grace=self.config.drain_grace_s)
+        await stopping
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)
         await self.forwarder.close()
