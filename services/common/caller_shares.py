@@ -21,18 +21,23 @@ from collections.abc import Iterable
 NEW = "\x00new"
 
 
+def presented_key(authorization: str, api_key: str | None) -> str | None:
+    """The API key a call presents: the bearer token of `authorization` (prefix case and
+    spaces ignored), else `api_key`. The gateway's authentication and its door read it alike."""
+    if authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    return api_key
+
+
 def caller_of(metadata: Iterable[tuple[str, str | bytes]]) -> str:
-    """The credential a call presents, as the gateway's authentication reads it: the bearer
-    token of `authorization` (prefix case and spaces ignored), else `x-api-key`; "" for none."""
-    authorization = api_key = ""
+    """The credential a call's metadata presents (`presented_key`); "" for none."""
+    authorization, api_key = "", ""
     for key, value in metadata:
         if key == "authorization" and isinstance(value, str):
             authorization = value
         elif key == "x-api-key" and isinstance(value, str):
             api_key = value
-    if authorization[:7].lower() == "bearer ":
-        return authorization[7:].strip()
-    return api_key
+    return presented_key(authorization, api_key) or ""
 
 
 class CallerShares:

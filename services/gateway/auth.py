@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from services.common.caller_shares import presented_key
 from services.common.errors import PermissionDenied, ServingError, Unauthenticated
 from services.common.interceptors import Step, no_step, wrap_handler
 from services.gateway.admission import INFERENCE_METHODS, TenantAdmission
@@ -199,10 +200,7 @@ def acting_as(
 
 
 def _presented_key(metadata: Mapping[str, str]) -> str | None:
-    authorization = metadata.get("authorization", "")
-    if authorization.lower().startswith("bearer "):
-        return authorization[7:].strip()
-    return metadata.get("x-api-key")
+    return presented_key(metadata.get("authorization", ""), metadata.get("x-api-key"))
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
