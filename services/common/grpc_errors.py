@@ -1,14 +1,12 @@
 """The one place where errors become gRPC statuses: `status_of`, used by the server interceptor
-here and by multiplexed calls (services.common.multiplex), so a call is answered alike on
-either path."""
+(services.common.interceptors) and by multiplexed calls (services.common.multiplex), so a call
+is answered alike on either path; and the lenient parsing that turns a body that does not
+parse into InvalidInput."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import inspect
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,9 +14,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from services.common.errors import InvalidInput, ServingError
-from services.common.interceptors import Step, no_step, wrap_handler
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,26 +49,6 @@ def is_bug(error: BaseException) -> bool:
     return not isinstance(error, ServingError | asyncio.CancelledError | GeneratorExit)
 
 
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Answers each call that raised with `status_of` its error (logging our bugs); the
-    outermost interceptor, so no handler calls `context.abort` itself."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
-        return wrap_handler(
-            _parsing_in_handler(handler), lambda context: _answering_errors(method, context)
-        )
-
-
 class _Undecodable:
     """A request body that did not parse. grpc parses bodies before any interceptor runs and
     answers a parse error UNKNOWN; parsed leniently, the failure reaches the handler instead,
@@ -91,67 +66,27 @@ HANDLER_FACTORIES: dict[tuple[bool, bool], Callable[..., grpc.RpcMethodHandler[A
 }
 
 
-def _parsing_in_handler(
-    handler: grpc.RpcMethodHandler[Any, Any],
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """`handler` whose requests are parsed leniently and checked inside its behaviour."""
-    parse = handler.request_deserializer
-    if parse is None:
-        return handler
+def lenient(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`parse` that answers a body it cannot parse with a marker instead of raising; the
+    handler's `parsed` (or `parsed_each`) raises InvalidInput on meeting it."""
 
-    def lenient(raw: bytes) -> Any:
+    def parse_leniently(raw: bytes) -> Any:
         try:
             return parse(raw)
         except DecodeError:
             return _UNDECODABLE
 
-    behaviour: Callable[..., Any] | None = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    if behaviour is None:
-        return handler  # wrap_handler refuses it
-    check: Callable[[Any], Any] = _parsed_each if handler.request_streaming else _parsed
-
-    def checked(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        # Raises (at call time) inside the error-mapping wrapper that wrap_handler adds.
-        return behaviour(check(request), context)
-
-    if inspect.iscoroutinefunction(behaviour):
-        # Keeps a coroutine handler one (wrap_handler tells a streaming handler that writes
-        # with context.write from an async generator by that).
-        async def checked_coroutine(
-            request: Any, context: grpc.aio.ServicerContext[Any, Any]
-        ) -> Any:
-            return await behaviour(check(request), context)
-
-        checked = checked_coroutine
-
-    factory = HANDLER_FACTORIES[(handler.request_streaming, handler.response_streaming)]
-    return factory(checked, lenient, handler.response_serializer)
+    return parse_leniently
 
 
-def _parsed(request: Any) -> Any:
+def parsed(request: Any) -> Any:
+    """`request`, or InvalidInput when its body did not parse (see `lenient`)."""
     if request is _UNDECODABLE:
         raise InvalidInput("request body does not parse as the method's request message")
     return request
 
 
-async def _parsed_each(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def parsed_each(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    """Each request of a stream, as `parsed`."""
     async for request in requests:
-        yield _parsed(request)
-
-
-@contextlib.asynccontextmanager
-async def _answering_errors(
-    method: str, context: grpc.aio.ServicerContext[Any, Any]
-) -> AsyncIterator[Step]:
-    try:
-        yield no_step
-    except grpc.aio.AbortError:
-        raise  # already answered (an inner interceptor aborted): its status stands
-    except Exception as error:
-        # Cancellation is not caught: grpc itself answers a call whose caller went away.
-        if is_bug(error):
-            log.exception("unhandled error in %s", method)
-        status = status_of(error)
-        await context.abort(status.code, status.message, trailing_metadata=status.trailers)
+        yield parsed(request)

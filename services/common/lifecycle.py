@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry, start_http_server
 
-from services.common.grpc_errors import ErrorMappingInterceptor
+from services.common.interceptors import ServerCalls, Stage
 from services.common.loop_lag import LoopLag
 from services.common.settings import Setting
 
@@ -76,28 +76,28 @@ def check_limits(max_message_bytes: int, max_concurrent_rpcs: int) -> None:
 
 
 def new_server(
-    interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    stages: Iterable[Stage] = (),
     *,
     is_internal: bool = False,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int = 0,
     door: grpc.aio.ServerInterceptor | None = None,
 ) -> grpc.aio.Server:
-    """A grpc.aio server. Error mapping is the outermost interceptor, so errors raised by the
-    others (authentication) are mapped too. Internal servers (router, worker) also allow the
-    keepalive pings of their callers' streams.
+    """A grpc.aio server running `stages` (tracing, authentication) around every call, in
+    that order, with error mapping outside them all (services.common.interceptors), so errors
+    raised by a stage (authentication's refusal) are mapped too. Internal servers (router,
+    worker) also allow the keepalive pings of their callers' streams.
 
     Limits apply before any handler, interceptor or parser sees the call: a message over
     `max_message_bytes` and a call past `max_concurrent_rpcs` at once (0: no limit; a stream
     counts as one call for its whole life) are answered RESOURCE_EXHAUSTED by grpc itself.
     `door` (services.common.door), when given, is the first interceptor: its refusals cost no
-    error mapping, tracing or authentication."""
+    stage."""
     check_limits(max_message_bytes, max_concurrent_rpcs)
     return grpc.aio.server(
         interceptors=[
             *([door] if door is not None else []),
-            ErrorMappingInterceptor(),
-            *interceptors,
+            ServerCalls(stages),
         ],
         maximum_concurrent_rpcs=max_concurrent_rpcs or None,
         options=[

@@ -45,11 +45,21 @@ class LogConfig:
 @contextlib.contextmanager
 def bound_request_id(request_id: str) -> Iterator[None]:
     """Log lines written inside carry `request_id`."""
-    token = _request_id.set(request_id)
+    token = bind_request_id(request_id)
     try:
         yield
     finally:
-        _request_id.reset(token)
+        unbind_request_id(token)
+
+
+def bind_request_id(request_id: str) -> contextvars.Token[str]:
+    """Log lines written from now on in this context carry `request_id`, until
+    `unbind_request_id` with the token returned (`bound_request_id` as two calls)."""
+    return _request_id.set(request_id)
+
+
+def unbind_request_id(token: contextvars.Token[str]) -> None:
+    _request_id.reset(token)
 
 
 class JsonFormatter(logging.Formatter):

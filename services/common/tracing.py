@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing for every tier: setup, the server interceptor, outgoing context, the
+"""OpenTelemetry tracing for every tier: setup, the server stage, outgoing context, the
 worker's batch span.
 
 One request is one trace: each tier's server span is the child of its caller's (W3C
@@ -11,11 +11,12 @@ context through.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol, cast
 
 import grpc
 from opentelemetry import context as otel_context
@@ -25,9 +26,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode
 
-from services.common.grpc_errors import status_of
-from services.common.interceptors import Step, wrap_handler
-from services.common.logs import bound_request_id
+from services.common.logs import bind_request_id, unbind_request_id
 
 log = logging.getLogger(__name__)
 
@@ -163,31 +162,63 @@ def batch_span(
         yield span
 
 
-# -- the server interceptor --------------------------------------------------------------------
+# -- the server stage --------------------------------------------------------------------------
 
 
-class TracingInterceptor(grpc.aio.ServerInterceptor):
-    """Runs each call in a SERVER span named after its method ("package.Service/Method"), the
-    child of the caller's span when the call's metadata carries one, ending with the call's
-    gRPC status. Sits inside the error-mapping interceptor, so it sees the domain errors."""
+class Tracing:
+    """The tracing stage of every call (services.common.interceptors): each runs in a SERVER
+    span named after its method ("package.Service/Method"), the child of the caller's span
+    when the call's metadata carries one, ending with the call's gRPC status (the domain
+    error's, before it is answered). The caller's `x-request-id` is bound to the log lines
+    written inside the handler, and at debug level each call ends with one access line
+    (method, status, milliseconds)."""
 
     def __init__(self, untraced_methods: Iterable[str] = ()) -> None:
         #: Full method paths ("/package.Service/Method") polled by other tiers, not requests.
         self._untraced = frozenset(untraced_methods)
 
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(details)
-        method: str = details.method
-        if handler is None or method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
-            return handler
-        metadata = details.invocation_metadata or ()
-        return wrap_handler(handler, lambda context: _traced(method, metadata, context))
+    def scope(self, method: str, metadata: Sequence[tuple[str, Any]]) -> _TracedCall | None:
+        if method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
+            return None
+        return _TracedCall(method, metadata)
+
+
+class _TracedCall:
+    """One call's span: current only while attached (see services.common.interceptors)."""
+
+    __slots__ = ("_active", "_method", "_request_id", "_span", "_started_s")
+
+    def __init__(self, method: str, metadata: Sequence[tuple[str, Any]]) -> None:
+        self._method = method
+        self._span = start_server_span(method, metadata)
+        self._active = trace.set_span_in_context(self._span)
+        self._request_id = next((str(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
+        self._started_s = time.perf_counter()
+
+    def enter(self) -> None:
+        pass
+
+    def attach(self) -> tuple[object, contextvars.Token[str] | None]:
+        token = otel_context.attach(self._active)
+        return token, bind_request_id(self._request_id) if self._request_id else None
+
+    def detach(self, token: object) -> None:
+        span_token, request_token = cast(
+            "tuple[contextvars.Token[otel_context.Context], contextvars.Token[str] | None]", token
+        )
+        if request_token is not None:
+            unbind_request_id(request_token)
+        otel_context.detach(span_token)
+
+    def exit(self, code: grpc.StatusCode, error: BaseException | None) -> None:
+        if log.isEnabledFor(logging.DEBUG):
+            elapsed_ms = (time.perf_counter() - self._started_s) * 1e3
+            token = self.attach()
+            try:
+                log.debug("%s %s %.1f ms", self._method.lstrip("/"), code.name, elapsed_ms)
+            finally:
+                self.detach(token)
+        end_server_span(self._span, code, "" if error is None else str(error), error)
 
 
 def start_server_span(method: str, metadata: Iterable[tuple[str, Any]]) -> trace.Span:
@@ -219,59 +250,6 @@ def end_server_span(
 
 #: Metadata key of the caller's request id; it is bound to every log line of the call.
 REQUEST_ID_KEY = "x-request-id"
-
-
-@contextlib.asynccontextmanager
-async def _traced(
-    method: str, metadata: Iterable[tuple[str, Any]], context: grpc.aio.ServicerContext[Any, Any]
-) -> AsyncIterator[Step]:
-    """One call's server span, current only within the handler's own steps (see
-    services.common.interceptors), ended with the status the call is answered with. The
-    caller's `x-request-id` is bound to the log lines written in those steps, and at debug
-    level each call ends with one access line (method, status, milliseconds)."""
-    metadata = tuple(metadata)
-    span = start_server_span(method, metadata)
-    active = trace.set_span_in_context(span)
-    request_id = next((str(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
-    started_s = time.perf_counter()
-
-    def step() -> contextlib.AbstractContextManager[None]:
-        return _attached(active, request_id)
-
-    try:
-        yield step
-    except BaseException as error:
-        if isinstance(error, grpc.aio.AbortError):  # the handler aborted: its code is set
-            code = context.code() or grpc.StatusCode.UNKNOWN
-        else:
-            code = status_of(error).code
-        _log_access(step, method, code, started_s)
-        end_server_span(span, code, str(error), error)
-        raise
-    else:
-        code = context.code() or grpc.StatusCode.OK
-        _log_access(step, method, code, started_s)
-        end_server_span(span, code)
-
-
-def _log_access(step: Step, method: str, code: grpc.StatusCode, started_s: float) -> None:
-    if log.isEnabledFor(logging.DEBUG):
-        with step():
-            elapsed_ms = (time.perf_counter() - started_s) * 1e3
-            log.debug("%s %s %.1f ms", method.lstrip("/"), code.name, elapsed_ms)
-
-
-@contextlib.contextmanager
-def _attached(active: otel_context.Context, request_id: str) -> Iterator[None]:
-    token = otel_context.attach(active)
-    try:
-        if request_id:
-            with bound_request_id(request_id):
-                yield
-        else:
-            yield
-    finally:
-        otel_context.detach(token)
 
 
 def _set_status(span: trace.Span, code: grpc.StatusCode, message: str) -> None:

@@ -24,7 +24,7 @@ import hmac
 import logging
 import sys
 import tomllib
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +32,7 @@ from typing import Any
 import grpc
 
 from services.common.caller_shares import presented_key
-from services.common.errors import PermissionDenied, ServingError, Unauthenticated
-from services.common.interceptors import Step, no_step, wrap_handler
+from services.common.errors import PermissionDenied, Unauthenticated
 from services.gateway.admission import INFERENCE_METHODS, TenantAdmission
 from services.gateway.tenants import TenantPolicy, parse_tenants
 
@@ -74,7 +73,7 @@ _principal: contextvars.ContextVar[Principal] = contextvars.ContextVar("principa
 
 
 def current_principal() -> Principal:
-    """The caller of the RPC being handled (set by AuthInterceptor)."""
+    """The caller of the RPC being handled (set by the Authentication stage)."""
     return _principal.get(LOCAL_PRINCIPAL)
 
 
@@ -191,97 +190,72 @@ def principal_for(keys: KeyStore | None, metadata: Mapping[str, str]) -> Princip
     return LOCAL_PRINCIPAL if keys is None else keys.authenticate(_presented_key(metadata))
 
 
-def acting_as(
+@contextlib.asynccontextmanager
+async def acting_as(
     principal: Principal, admission: TenantAdmission | None = None
-) -> contextlib.AbstractAsyncContextManager[Step]:
+) -> AsyncIterator[None]:
     """Serves the code inside as `principal` (`current_principal`), counted in flight by
     `admission` when given (an admitted inference call); the HTTP API's way in."""
-    return _as(principal, admission)
+    scope = _Acting(principal, admission)
+    scope.enter()
+    try:
+        yield
+    finally:
+        scope.exit(grpc.StatusCode.OK, None)
 
 
 def _presented_key(metadata: Mapping[str, str]) -> str | None:
     return presented_key(metadata.get("authorization", ""), metadata.get("x-api-key"))
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Resolves the caller's principal from the call's metadata and admits inference calls
-    against its tenant's quotas, before the request body is read or parsed; a refused call
-    never has its body deserialised."""
+class Authentication:
+    """The authentication stage of every call (services.common.interceptors): resolves the
+    caller's principal from the call's metadata and admits inference calls against its
+    tenant's quotas, before the request body is read or parsed; a refused call never has its
+    body deserialised."""
 
     def __init__(self, keys: KeyStore | None, admission: TenantAdmission | None = None) -> None:
         self._keys = keys
         self._admission = admission
 
-    def _principal(self, metadata: Mapping[str, str]) -> Principal:
-        return principal_for(self._keys, metadata)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[
-            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
-        ],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(_OPEN_METHODS):
-            return handler
-        metadata = {k: v for k, v in (details.invocation_metadata or ()) if isinstance(v, str)}
-        try:
-            principal = self._principal(metadata)
-        except ServingError as error:
-            return _refusing(handler, error)
+    def scope(self, method: str, metadata: Sequence[tuple[str, Any]]) -> _Acting | None:
+        """Raises Unauthenticated, or the quota's refusal, to refuse the call."""
+        if method.startswith(_OPEN_METHODS):
+            return None
+        principal = principal_for(self._keys, {k: v for k, v in metadata if isinstance(v, str)})
         admission = self._admission
-        if admission is None or details.method not in INFERENCE_METHODS:
-            return wrap_handler(handler, lambda context: _as(principal))
+        if admission is None or method not in INFERENCE_METHODS:
+            return _Acting(principal)
         refusal = admission.acquire(principal.policy)
         if refusal is not None:
-            return _refusing(handler, refusal)
-        return wrap_handler(handler, lambda context: _as(principal, admission))
+            raise refusal
+        return _Acting(principal, admission)
 
 
-@contextlib.asynccontextmanager
-async def _as(
-    principal: Principal, admission: TenantAdmission | None = None
-) -> AsyncIterator[Step]:
-    # Set inside the call (not in intercept_service) so the handler's own context holds it.
-    _principal.set(principal)
-    if admission is None:
-        yield no_step
-        return
-    admission.enter(principal.policy)  # counted in flight while it runs
-    try:
-        yield no_step
-    finally:
-        admission.release(principal.policy)
+class _Acting:
+    """A call served as its principal: set inside the call (not where the call arrives), so
+    the handler's own context holds it; counted in flight by `admission` while it runs."""
 
+    __slots__ = ("_admission", "_principal")
 
-def _unparsed(_body: bytes) -> None:
-    """The request deserializer of a refused call: its body is never parsed."""
-    return None
+    def __init__(self, principal: Principal, admission: TenantAdmission | None = None) -> None:
+        self._principal = principal
+        self._admission = admission
 
+    def enter(self) -> None:
+        _principal.set(self._principal)
+        if self._admission is not None:
+            self._admission.enter(self._principal.policy)
 
-def _refusing(
-    handler: grpc.RpcMethodHandler[Any, Any], error: ServingError
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of `handler`'s shape that raises `error` without parsing the body. Raised
-    inside the call, not here: the error-mapping interceptor answers it and tracing spans it
-    like any other failed call."""
+    def attach(self) -> None:
+        return None
 
-    async def refuse_unary(request: Any, context: Any) -> Any:
-        raise error
+    def detach(self, token: object) -> None:
+        pass
 
-    async def refuse_streaming(request: Any, context: Any) -> AsyncIterator[Any]:
-        raise error
-        yield  # an async generator, as a streaming handler must be
-
-    serialize = handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(refuse_unary, _unparsed, serialize)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(refuse_unary, _unparsed, serialize)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(refuse_streaming, _unparsed, serialize)
-    return grpc.stream_stream_rpc_method_handler(refuse_streaming, _unparsed, serialize)
+    def exit(self, code: grpc.StatusCode, error: BaseException | None) -> None:
+        if self._admission is not None:
+            self._admission.release(self._principal.policy)
 
 
 if __name__ == "__main__":

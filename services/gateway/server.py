@@ -21,9 +21,9 @@ from services.common.lifecycle import (
 from services.common.model_repository import load_repository
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, open_channel, start_health_listener
-from services.common.tracing import TracingInterceptor
+from services.common.tracing import Tracing
 from services.gateway.admission import TenantAdmission
-from services.gateway.auth import LOCAL_PRINCIPAL, AuthInterceptor, KeyStore
+from services.gateway.auth import LOCAL_PRINCIPAL, Authentication, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.http.server import HttpListener, start_http
@@ -208,7 +208,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     door = Door(DOOR_METHODS, config.door, metrics.registry) if config.door.is_enabled else None
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
-        [TracingInterceptor(), AuthInterceptor(keys, admission)],
+        [Tracing(), Authentication(keys, admission)],
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
         door=door,

@@ -33,7 +33,7 @@ from services.common.telemetry import count_outcome, tier_registry
 from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tls import add_port, start_health_listener
-from services.common.tracing import TracingInterceptor
+from services.common.tracing import Tracing
 from services.gpu_worker.backends.base import RawInput, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.bundles import BundleRunner, request_priority
@@ -365,7 +365,7 @@ async def create_worker(config: WorkerConfig) -> Worker:
     """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
     # A stream is a channel for many requests, each traced on its own: not a span itself.
     server = new_server(
-        [TracingInterceptor(untraced_methods=(STREAM_METHOD,))],
+        [Tracing(untraced_methods=(STREAM_METHOD,))],
         is_internal=True,
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,

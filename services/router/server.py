@@ -24,7 +24,7 @@ from services.common.redis_acl import ROUTER, role_credentials
 from services.common.registry_schema import RegistryKeys, connect
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, start_health_listener
-from services.common.tracing import TracingInterceptor
+from services.common.tracing import Tracing
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.catalog import Catalog
 from services.router.config import RouterConfig
@@ -92,7 +92,7 @@ async def create_router(config: RouterConfig) -> Router:
     # many requests, each traced on its own: both left out of traces.
     untraced = (f"/{SERVICE_NAME}/ListModels", STREAM_METHOD)
     server = new_server(
-        [TracingInterceptor(untraced_methods=untraced)],
+        [Tracing(untraced_methods=untraced)],
         is_internal=True,
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,

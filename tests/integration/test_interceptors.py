@@ -20,8 +20,8 @@ from services.common.lifecycle import (
     add_health_and_reflection,
     new_server,
 )
-from services.common.tracing import TracingInterceptor
-from services.gateway.auth import AuthInterceptor, KeyStore, Principal, current_principal, hash_key
+from services.common.tracing import Tracing
+from services.gateway.auth import Authentication, KeyStore, Principal, current_principal, hash_key
 from services.gateway.tenants import TenantPolicy
 from tests.support.waiting import eventually
 
@@ -73,7 +73,7 @@ class Shapes:
 async def served() -> AsyncIterator[tuple[Shapes, grpc.aio.Channel]]:
     shapes = Shapes()
     keys = KeyStore({hash_key("sesame"): Principal("search", None, TenantPolicy("search"))})
-    server = new_server([TracingInterceptor(), AuthInterceptor(keys)])
+    server = new_server([Tracing(), Authentication(keys)])
     handlers = {
         "Unary": grpc.unary_unary_rpc_method_handler(shapes.unary),
         "StreamUnary": grpc.stream_unary_rpc_method_handler(shapes.stream_unary),
@@ -203,7 +203,7 @@ async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelle
 async def test_s33_health_watch_streams_through_the_interceptors() -> None:
     # grpcio's Watch is a coroutine writing with context.write, not an async generator; wrapped
     # as a generator it answered INTERNAL on every tier.
-    server = new_server([TracingInterceptor(), AuthInterceptor(None)])
+    server = new_server([Tracing(), Authentication(None)])
     servicer = await add_health_and_reflection(server, ["test.Shapes"], status=SERVING)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -19,7 +19,7 @@ from services.common.model_repository import load_repository
 from services.common.processes import start_and_wait
 from services.common.redis_acl import GATEWAY, JOBS, password_file_name
 from services.common.tensors import tensor_to_pb
-from services.gateway.auth import AuthInterceptor, KeyStore
+from services.gateway.auth import Authentication, KeyStore
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.jobs_api import JobsApiConfig, JobServicer
@@ -104,7 +104,7 @@ async def start_job_service(
     client = connect_jobs_redis(redis.role_url(GATEWAY), timeout_s=5.0)
     store = JobStore(client)
     catalog = ModelCatalog(load_repository(repository))
-    server = new_server([AuthInterceptor(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
+    server = new_server([Authentication(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
     servicer = JobServicer(store, catalog, JobsApiConfig(chunk_size=chunk_size))
     jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
