@@ -132,4 +132,4 @@ class TextEncoder:
         """Token ids of texts that passed `check_texts`, unchecked: `check_ids` says whether
         each fits. One call for all: the Rust tokenizer batches them, outside the GIL."""
         tokenizer = self._truncating if truncate else self.tokenizer
-        return [np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch(checked)]
+        return [np.asarray(e.ids, dtype=np.int64) for e in tokenizer.encode_batch_fast(checked)]
