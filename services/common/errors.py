@@ -1,8 +1,8 @@
 """The few error types the fabric raises, grouped by what the caller can do about them.
 
 Business code raises these; `services.common.grpc_errors.status_of` turns them into gRPC
-statuses (for the error-mapping interceptor and for multiplexed calls alike), so no handler
-calls `context.abort` itself. A caller going away is asyncio's own cancellation, not a type here.
+statuses (for the server's interceptor, services.common.interceptors, and for multiplexed calls
+alike), so no handler calls `context.abort` itself. A caller going away is asyncio's own cancellation, not a type here.
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ whatever the number of stages, where a chain of interceptors built one per inter
 with its own continuation coroutine and async context manager (together about half a bare
 call's CPU, on the gateway's hot path). Per call, each stage may open a `Scope`:
 - `enter` when the handler starts, in the call's own task, and `exit` with the status the call
-  is answered with (before it is sent), in reverse order;
+  is answered with, in reverse order (before it is sent, unless the handler sent it itself
+  with `context.abort`); a call whose handler never starts (its body never arrived) has
+  neither;
 - `attach` before each stretch of the handler's own work and `detach` after it: the whole of
   a unary-response handler, and each step of a streaming one up to its next message. Nothing
   attached is held across a `yield`: a stream abandoned mid-way is closed later, from another
@@ -18,6 +20,7 @@ other failed call.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -142,7 +145,8 @@ def _whole(
             scope.enter()
         code: grpc.StatusCode = grpc.StatusCode.OK
         error: BaseException | None = None
-        tokens = [scope.attach() for scope in scopes]
+        answer: Exception | None = None
+        tokens = _attach(scopes)
         try:
             if refusal is not None:
                 raise refusal
@@ -153,16 +157,13 @@ def _whole(
             code, error = context.code() or grpc.StatusCode.UNKNOWN, aborted
             raise
         except BaseException as raised:
-            code, error = status_of(raised).code, raised
-            if is_bug(raised):
-                log.exception("unhandled error in %s", name)
+            code, error, answer = _failed(name, raised)
             raise
         finally:
-            for scope, token in zip(reversed(scopes), reversed(tokens), strict=True):
-                scope.detach(token)
+            _detach(scopes, tokens)
             _exit(scopes, code, error)
-            if isinstance(error, Exception) and not isinstance(error, grpc.aio.AbortError):
-                await _answer(context, error)
+            if answer is not None:
+                await _answer(context, answer)
 
     return call
 
@@ -179,20 +180,20 @@ def _streaming(
             scope.enter()
         code: grpc.StatusCode = grpc.StatusCode.OK
         error: BaseException | None = None
+        answer: Exception | None = None
         try:
             if refusal is not None:
                 raise refusal
             responses = behaviour(check(request_or_iterator), context)
             try:
                 while True:
-                    tokens = [scope.attach() for scope in scopes]
+                    tokens = _attach(scopes)
                     try:
                         message = await anext(responses)
                     except StopAsyncIteration:
                         break
                     finally:
-                        for scope, token in zip(reversed(scopes), reversed(tokens), strict=True):
-                            scope.detach(token)
+                        _detach(scopes, tokens)
                     yield message
             finally:
                 # Closed here, not left to the garbage collector: the handler's own cleanup
@@ -203,16 +204,49 @@ def _streaming(
             code, error = context.code() or grpc.StatusCode.UNKNOWN, aborted
             raise
         except BaseException as raised:
-            code, error = status_of(raised).code, raised
-            if is_bug(raised):
-                log.exception("unhandled error in %s", name)
+            # Attached again, so that a bug's log line carries the call's trace and request id.
+            tokens = _attach(scopes)
+            try:
+                code, error, answer = _failed(name, raised)
+            finally:
+                _detach(scopes, tokens)
             raise
         finally:
             _exit(scopes, code, error)
-            if isinstance(error, Exception) and not isinstance(error, grpc.aio.AbortError):
-                await _answer(context, error)
+            if answer is not None:
+                await _answer(context, answer)
 
     return call
+
+
+def _attach(scopes: tuple[Scope, ...]) -> list[object]:
+    return [scope.attach() for scope in scopes]
+
+
+def _detach(scopes: tuple[Scope, ...], tokens: list[object]) -> None:
+    for scope, token in zip(reversed(scopes), reversed(tokens), strict=True):
+        scope.detach(token)
+
+
+def _failed(
+    name: str, raised: BaseException
+) -> tuple[grpc.StatusCode, BaseException, Exception | None]:
+    """The status code of a call whose handler raised `raised`, and the error to answer it
+    with: `raised` itself when it is an error (logged with its stack when it is our bug), and
+    none when the call itself was cancelled (its caller went away, or the server stopped),
+    which grpc answers. A cancellation that did not come from the call's own task (an awaited
+    future something else cancelled) leaves a caller waiting: it is a bug, answered INTERNAL."""
+    answer: Exception | None = None
+    if isinstance(raised, Exception):
+        answer = raised
+    elif isinstance(raised, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is not None and not task.cancelling():
+            answer = RuntimeError(f"a cancellation the call did not ask for ({raised!r})")
+    if answer is not None and is_bug(answer):
+        log.error("unhandled error in %s", name, exc_info=raised)
+    code = status_of(raised if answer is None else answer).code
+    return code, raised, answer
 
 
 def _exit(scopes: tuple[Scope, ...], code: grpc.StatusCode, error: BaseException | None) -> None:
@@ -222,7 +256,6 @@ def _exit(scopes: tuple[Scope, ...], code: grpc.StatusCode, error: BaseException
 
 async def _answer(context: grpc.aio.ServicerContext[Any, Any], error: Exception) -> None:
     """Answers the call with `error`'s status (abort raises AbortError, which replaces the
-    error being raised). Cancellation is not answered: grpc itself answers a call whose caller
-    went away."""
+    error being raised)."""
     status = status_of(error)
     await context.abort(status.code, status.message, trailing_metadata=status.trailers)

@@ -184,19 +184,23 @@ class Tracing:
 
 
 class _TracedCall:
-    """One call's span: current only while attached (see services.common.interceptors)."""
+    """One call's span, started when its handler starts (a call whose handler never runs, its
+    body never received, has none); current only while attached (see
+    services.common.interceptors)."""
 
-    __slots__ = ("_active", "_method", "_request_id", "_span", "_started_s")
+    __slots__ = ("_active", "_metadata", "_method", "_request_id", "_span", "_started_s")
 
     def __init__(self, method: str, metadata: Sequence[tuple[str, Any]]) -> None:
         self._method = method
-        self._span = start_server_span(method, metadata)
-        self._active = trace.set_span_in_context(self._span)
-        self._request_id = next((str(v) for k, v in metadata if k == REQUEST_ID_KEY), "")
-        self._started_s = time.perf_counter()
+        self._metadata = metadata
+        self._request_id = ""
+        self._started_s = 0.0
 
     def enter(self) -> None:
-        pass
+        self._span = start_server_span(self._method, self._metadata)
+        self._active = trace.set_span_in_context(self._span)
+        self._request_id = next((str(v) for k, v in self._metadata if k == REQUEST_ID_KEY), "")
+        self._started_s = time.perf_counter()
 
     def attach(self) -> tuple[object, contextvars.Token[str] | None]:
         token = otel_context.attach(self._active)

@@ -2,7 +2,7 @@
 
 A gateway checks a call against its tenant's table (services.gateway.tenants) before the
 adaptive throttle sees it, as the real one does: the request rate and calls in flight in the
-auth interceptor (`TenantQuotas.acquire`), then the priority class and the model, then the
+authentication stage (`TenantQuotas.acquire`), then the priority class and the model, then the
 row rate (`take_rows`, one row per simulated request). A granted call counts in flight until
 its answer or refusal (`release`). Each gateway has its own `TenantQuotas` and enforces its
 share of every fleet-wide limit; every `sync_period_s` the shares are recomputed from each

@@ -45,6 +45,11 @@ class Shapes:
     async def unary(self, request: bytes, context: Any) -> bytes:
         if request == b"bug":
             raise RuntimeError("the database password is hunter2")
+        if request == b"cancelled inside":
+            # An awaited future that something else cancelled: not the call's cancellation.
+            future = asyncio.get_running_loop().create_future()
+            future.cancel()
+            await future
         return current_principal().tenant.encode() + b" " + _is_traced()
 
     async def stream_unary(self, requests: AsyncIterator[bytes], context: Any) -> bytes:
@@ -56,6 +61,10 @@ class Shapes:
             yield _is_traced()
             if request == b"busy":
                 raise Overloaded("queue is long", retry_after_s=0.25)
+            if request == b"cancelled inside":
+                future = asyncio.get_running_loop().create_future()
+                future.cancel()
+                await future
             if request == b"hang":
                 self.started.set()
                 await asyncio.Event().wait()
@@ -181,6 +190,34 @@ async def test_a_bug_is_internal_and_its_details_stay_on_the_server(
     assert raised.value.code() is grpc.StatusCode.INTERNAL
     assert raised.value.details() == "internal error"
     assert span_codes(spans, "Unary") == [grpc.StatusCode.INTERNAL.value[0]]
+
+
+@pytest.mark.parametrize("method", ["Unary", "UnaryStream"])
+async def test_a_cancellation_the_call_did_not_ask_for_is_answered_internal(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter, method: str
+) -> None:
+    """A handler that raised CancelledError while its call was not cancelled (an awaited
+    future cancelled by something else) is answered at once: its caller, who may have set no
+    deadline, would otherwise wait for ever."""
+    _, channel = served
+    if method == "Unary":
+        call = channel.unary_unary(f"/{SERVICE}/Unary")(b"cancelled inside", metadata=KEY)
+    else:
+        call = channel.unary_stream(f"/{SERVICE}/UnaryStream")(b"cancelled inside", metadata=KEY)
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        if method == "Unary":
+            await asyncio.wait_for(call, timeout=30)
+        else:
+            await asyncio.wait_for(_drain(call), timeout=30)
+
+    assert raised.value.code() is grpc.StatusCode.INTERNAL
+    assert raised.value.details() == "internal error"
+    assert span_codes(spans, method) == [grpc.StatusCode.INTERNAL.value[0]]
+
+
+async def _drain(call: Any) -> list[bytes]:
+    return [message async for message in call]
 
 
 async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelled(

@@ -99,7 +99,7 @@ async def start_target(target: PredictTarget) -> tuple[grpc.aio.Server, str]:
 async def start_job_service(
     redis: RedisServer, repository: Path, keys: KeyStore | None, *, chunk_size: int = 8
 ) -> tuple[grpc.aio.Server, str, JobStore]:
-    """The gateway's JobService (as Redis user `gateway`) behind its auth interceptor, with
+    """The gateway's JobService (as Redis user `gateway`) behind its authentication stage, with
     the gateway's default message limit (4 MiB)."""
     client = connect_jobs_redis(redis.role_url(GATEWAY), timeout_s=5.0)
     store = JobStore(client)
