@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-worker-feed \
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-sim-stand-in bench-worker-feed \
 	bench-registry bench-fair-share clean
 
 all: test
@@ -200,6 +200,11 @@ bench-jobs: install-test
 # goodput, p50 and p99 side by side -> bench/results/sim_validation.json.
 bench-sim: install-test
 	$(PY) -m bench.sim_validation --out bench/results/sim_validation.json
+
+# The simulator's tier model against the stack with the H100 stand-in (issue 35's validation):
+# tier costs measured, goodput at 0.5/0.8/1.0 of the planned load -> stand_in_validation.json.
+bench-sim-stand-in: install-test
+	$(PY) -m bench.stand_in_validation --runs 2 --out bench/results/stand_in_validation.json
 
 # Tenants' weighted fair share on one worker: the compute split against the weights, online p99
 # beside batch-class traffic against alone, batch's share of what online leaves.

@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +132,7 @@ async def calibrate(
     stub: api_grpc.InferenceServiceStub, stack: BenchStack, repeats: int
 ) -> Calibration:
     """Measures the curve and the hops through the running stack (see the module's doc)."""
-    worker_port = _worker_metrics_port(stack)
+    worker_port = worker_metrics_port(stack)
     # A stack fresh from start-up answers its first calls slower (allocations, caches): they
     # would inflate the one-row points, which light loads run most.
     for _ in range(WARM_UP_CALLS):
@@ -161,7 +161,7 @@ async def calibrate(
         typical = statistics.median(seconds)
         points.append({"bucket": bucket, "batch_size": size, "seconds": typical})
         log_ratios += [math.log(s / typical) for s in seconds]
-    hops_s, tier_cpu_s = await _hops(stub, stack, HOP_CALLS)
+    hops_s, tier_cpu_s = await measure_hops(stub, stack, HOP_CALLS)
     return Calibration(
         curve=LatencyCurve.from_mapping({"points": points}),
         noise_sigma=robust_sigma(log_ratios),
@@ -209,7 +209,7 @@ def robust_sigma(log_ratios: Sequence[float]) -> float:
     return 1.4826 * statistics.median(abs(x - centre) for x in log_ratios)
 
 
-async def _hops(
+async def measure_hops(
     stub: api_grpc.InferenceServiceStub, stack: BenchStack, count: int
 ) -> tuple[float, float]:
     """One-row requests one at a time (no batching, no backlog): the hops' latency (client
@@ -241,11 +241,11 @@ async def _hops(
     return max(0.0, client_s / count - worker_s), tiers_cpu_s / count
 
 
-def _worker_metrics_port(stack: BenchStack) -> int:
+def worker_metrics_port(stack: BenchStack) -> int:
     return next(p for name, p in stack.metrics_ports().items() if name.startswith("worker"))
 
 
-def _batches(worker_delta: Samples) -> dict[str, float]:
+def batches_of(worker_delta: Samples) -> dict[str, float]:
     """Mean rows and compute milliseconds per batch the worker ran, and the mean milliseconds
     from a row's arrival at the worker to its answer, from a metrics delta."""
     count = total(worker_delta, f"{names.WORKER_BATCH_SIZE}_count", model=MODEL)
@@ -343,6 +343,33 @@ async def real_run(
 def sim_side(
     calibration: Calibration, rate: float, duration_s: float, warmup_s: float, seed: int
 ) -> tuple[Side, dict[str, Any]]:
+    fleet = FleetConfig(
+        workers=1,
+        startup_s=0.0,
+        noise_sigma=calibration.noise_sigma,
+        upstream_s=calibration.hops_s * 2 / 3,
+        downstream_s=calibration.hops_s / 3,
+        host=HostConfig()
+        if MODEL_ON_GPU
+        else HostConfig(
+            cores=float(os.cpu_count() or 1),
+            tier_cpu_s=calibration.tier_cpu_s,
+            model_threads=MODEL_THREADS,
+        ),
+    )
+    return simulate(calibration.curve, fleet, rate, duration_s, warmup_s, seed)
+
+
+def simulate(
+    curve: LatencyCurve,
+    fleet: FleetConfig,
+    rate: float,
+    duration_s: float,
+    warmup_s: float,
+    seed: int,
+) -> tuple[Side, dict[str, Any]]:
+    """The simulator's side of one run: the stack's minilm (`curve`) on `fleet`, offered the
+    real run's Poisson stream of one-row requests with the length mix."""
     model = ModelSpec(
         name=MODEL,
         slo_s=0.25,
@@ -354,25 +381,12 @@ def sim_side(
     scenario = Scenario(
         name=f"validation-{rate:.0f}",
         models=(model,),
-        curves=(calibration.curve,),
+        curves=(curve,),
         traffic=Traffic(streams=(Stream(MODEL, rate, lengths=LengthMix(tokens, weights)),)),
         duration_s=duration_s,
         warmup_s=warmup_s,
         seed=seed,
-        fleet=FleetConfig(
-            workers=1,
-            startup_s=0.0,
-            noise_sigma=calibration.noise_sigma,
-            upstream_s=calibration.hops_s * 2 / 3,
-            downstream_s=calibration.hops_s / 3,
-            host=HostConfig()
-            if MODEL_ON_GPU
-            else HostConfig(
-                cores=float(os.cpu_count() or 1),
-                tier_cpu_s=calibration.tier_cpu_s,
-                model_threads=MODEL_THREADS,
-            ),
-        ),
+        fleet=fleet,
     )
     summary = run(scenario).summary
     offered = summary["offered_per_s"] * summary["measured_s"]
@@ -401,7 +415,7 @@ class Run:
     #: Mean rows and compute milliseconds per batch the simulator ran.
     sim_batch_size: float
     sim_compute_ms: float
-    #: What the real worker ran (`_batches`): mean rows and compute milliseconds per batch.
+    #: What the real worker ran (`batches_of`): mean rows and compute milliseconds per batch.
     real_batches: dict[str, float]
     #: Mean milliseconds of the hops (client to worker and back) per answer, each side.
     real_hops_ms: float
@@ -468,6 +482,50 @@ def format_rows(rows: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def compare(
+    stub: api_grpc.InferenceServiceStub,
+    stack: BenchStack,
+    rates: Sequence[float],
+    capacity: float,
+    args: argparse.Namespace,
+    simulated: Callable[[float, int], tuple[Side, dict[str, Any]]],
+) -> list[dict[str, Any]]:
+    """Each rate `args.runs` times through the real stack and through `simulated` (rate,
+    seed), with the same seeds: one table row per rate."""
+    worker_port = worker_metrics_port(stack)
+    rows = []
+    for index, rate in enumerate(rates):
+        load = rate / capacity
+        runs: list[Run] = []
+        for run_index in range(args.runs):
+            print(
+                f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s"
+                + (f" (run {run_index + 1} of {args.runs})" if args.runs > 1 else ""),
+                flush=True,
+            )
+            seed = args.seed + index + 1000 * run_index
+            worker_before = scrape(worker_port)
+            outcomes = await real_run(stub, rate, args.duration_s, seed)
+            batches = batches_of(delta(worker_before, scrape(worker_port)))
+            window_s = args.duration_s - args.warmup_s
+            real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
+            sim, summary = simulated(rate, seed)
+            runs.append(
+                Run(
+                    real,
+                    sim,
+                    summary["mean_batch_size"],
+                    summary["mean_compute_ms"],
+                    batches,
+                    real_hops_ms=mean_hops_ms(outcomes, batches["mean_row_ms"]),
+                    sim_hops_ms=summary["mean_hops_ms"],
+                )
+            )
+            await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
+        rows.append(_row(load, rate, runs))
+    return rows
+
+
 async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
     repository = write_minilm_repository(state_dir / "repo").parent.parent
     stack = start_stack(repository, state_dir / "stack")
@@ -483,40 +541,12 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             capacity = capacity_per_s(calibration.curve)
             print(f"calibration {json.dumps(calibration.as_dict())}", flush=True)
             print(f"capacity implied by the curve: {capacity:.0f} rows/s", flush=True)
-            worker_port = _worker_metrics_port(stack)
-            rows = []
             rates = args.rates or tuple(load * capacity for load in args.loads)
-            for index, rate in enumerate(rates):
-                load = rate / capacity
-                runs: list[Run] = []
-                for run_index in range(args.runs):
-                    print(
-                        f"load {load:.2f}: {rate:.0f} requests/s for {args.duration_s:.0f} s"
-                        + (f" (run {run_index + 1} of {args.runs})" if args.runs > 1 else ""),
-                        flush=True,
-                    )
-                    seed = args.seed + index + 1000 * run_index
-                    worker_before = scrape(worker_port)
-                    outcomes = await real_run(stub, rate, args.duration_s, seed)
-                    batches = _batches(delta(worker_before, scrape(worker_port)))
-                    window_s = args.duration_s - args.warmup_s
-                    real = real_side(
-                        outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25
-                    )
-                    sim, summary = sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
-                    runs.append(
-                        Run(
-                            real,
-                            sim,
-                            summary["mean_batch_size"],
-                            summary["mean_compute_ms"],
-                            batches,
-                            real_hops_ms=mean_hops_ms(outcomes, batches["mean_row_ms"]),
-                            sim_hops_ms=summary["mean_hops_ms"],
-                        )
-                    )
-                    await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear
-                rows.append(_row(load, rate, runs))
+
+            def simulated(rate: float, seed: int) -> tuple[Side, dict[str, Any]]:
+                return sim_side(calibration, rate, args.duration_s, args.warmup_s, seed)
+
+            rows = await compare(stub, stack, rates, capacity, args, simulated)
     finally:
         stack.stop()
     return {"calibration": calibration.as_dict(), "capacity_per_s": capacity, "rows": rows}
