@@ -6,8 +6,11 @@ the gateway's stages (error mapping, tracing, authentication) and its door.
 Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mapping only),
 `stages` (error mapping, tracing, authentication without keys), `door` (`stages` behind the
 door). The server answers each call with its own bytes, so what differs between modes is what
-the interceptor costs. On a machine with two CPUs or more the server runs on CPU 1 and the
-client on CPU 0, so that neither disturbs the other's figure.
+the interceptor costs. Two more modes refuse nearly every call, for what a refusal costs
+against a served call (issue 33's goal: at most 0.2): `door-refusing` (the door held at a
+limit of one call in flight) and `grpc-refusing` (`--max-concurrent-rpcs 1`: grpc answers
+RESOURCE_EXHAUSTED before any interceptor). On a machine with two CPUs or more the server
+runs on CPU 1 and the client on CPU 0, so that neither disturbs the other's figure.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from services.gateway.server import DOOR_METHODS
 
 SERVICE = "inference.v1.InferenceService"
 METHOD = f"/{SERVICE}/Predict"
-MODES = ("bare", "errors", "stages", "door")
+MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing")
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -49,7 +52,12 @@ def _server(mode: str) -> tuple[grpc.aio.Server, Door | None]:
     stages: list[Stage] = [Tracing(), Authentication(None)]
     if mode == "stages":
         return new_server(stages), None
-    door = Door(DOOR_METHODS, DoorConfig(), CollectorRegistry())
+    if mode == "grpc-refusing":
+        return new_server(stages, max_concurrent_rpcs=1), None
+    config = DoorConfig()
+    if mode == "door-refusing":
+        config = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
+    door = Door(DOOR_METHODS, config, CollectorRegistry())
     return new_server(stages, door=door), door
 
 
@@ -82,20 +90,26 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
     asyncio.run(run())
 
 
-async def _calls(port: int, seconds: float, concurrency: int) -> int:
-    """Calls answered in `seconds` by `concurrency` closed-loop callers."""
+async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
+    """Calls answered, and of them refused (RESOURCE_EXHAUSTED), in `seconds` by
+    `concurrency` closed-loop callers."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
-        answered, end = 0, time.monotonic() + seconds
+        answered, refused, end = 0, 0, time.monotonic() + seconds
 
         async def caller() -> None:
-            nonlocal answered
+            nonlocal answered, refused
             while time.monotonic() < end:
-                await call(b"x" * 40, metadata=(("authorization", "Bearer bench"),))
+                try:
+                    await call(b"x" * 40, metadata=(("authorization", "Bearer bench"),))
+                except grpc.aio.AioRpcError as error:
+                    if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    refused += 1
                 answered += 1
 
         await asyncio.gather(*(caller() for _ in range(concurrency)))
-        return answered
+        return answered, refused
 
 
 def _cpu_s(pid: int | None) -> float:
@@ -115,12 +129,17 @@ def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
         _pin(0)
         asyncio.run(_calls(port, seconds / 4, concurrency))  # warm-up
         before = _cpu_s(server.pid)
-        calls = asyncio.run(_calls(port, seconds, concurrency))
+        calls, refused = asyncio.run(_calls(port, seconds, concurrency))
         cpu_s = _cpu_s(server.pid) - before
     finally:
         stop.set()
         server.join(timeout=10)
-    return {"mode": mode, "calls": calls, "server_cpu_us_per_call": round(cpu_s / calls * 1e6, 1)}
+    return {
+        "mode": mode,
+        "calls": calls,
+        "refused_share": round(refused / calls, 3),
+        "server_cpu_us_per_call": round(cpu_s / calls * 1e6, 1),
+    }
 
 
 def main() -> None:

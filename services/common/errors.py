@@ -2,7 +2,8 @@
 
 Business code raises these; `services.common.grpc_errors.status_of` turns them into gRPC
 statuses (for the server's interceptor, services.common.interceptors, and for multiplexed calls
-alike), so no handler calls `context.abort` itself. A caller going away is asyncio's own cancellation, not a type here.
+alike), so no handler calls `context.abort` itself. A caller going away is asyncio's own
+cancellation, not a type here.
 """
 
 from __future__ import annotations
