@@ -8,7 +8,10 @@ phase reports:
   batch (the raw model on the H100);
 - CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
   stand-in and for the identity model in the same stack, in units of one bare grpc.aio echo
-  call's CPU measured in the same run ("echo-calls", docs/benchmarks.md).
+  call's CPU measured in the same run ("echo-calls", docs/benchmarks.md);
+- floods at `STAND_IN_OVERLOAD` multiples of the stand-in's goodput, and of the identity
+  model's closed-loop throughput at `CALLERS` (its capacity here: the tiers bind it as they
+  bind the stand-in), each followed by normal traffic at half of it (issue 33).
 """
 
 from __future__ import annotations
@@ -116,6 +119,14 @@ async def measure_stand_in(
         }
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
             f"{per_request[name]['echo_calls_per_request']}")  # fmt: skip
+    identity_capacity = per_request["identity"]["ok_per_s"]
+    identity_floods, identity_after = await overload_phases(
+        Target("identity", loads["identity"], observer, "identity"),
+        identity_capacity,
+        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
+        slo_s,
+        log,
+    )
     goodput = swept.get("goodput_per_s") or 0.0
     return {
         "curve": str(STAND_IN_CURVE.relative_to(REPO_ROOT)),
@@ -126,6 +137,11 @@ async def measure_stand_in(
         "after_overload": after,
         "callers": CALLERS,
         "per_request": per_request,
+        "identity_overload": {
+            "capacity_per_s": identity_capacity,
+            "floods": identity_floods,
+            "after": identity_after,
+        },
     }
 
 
@@ -146,6 +162,17 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
         )
     if (after := config.get("after_overload")) is not None:
         lines.append(f"  after the floods: {after['good_fraction']:.1%} good")
+    identity = config.get("identity_overload") or {}
+    for flood in identity.get("floods", []):
+        p99 = flood["p99_s"]["median"]
+        lines.append(
+            f"  identity model, overload {flood['factor']:g}x of its "
+            f"{identity['capacity_per_s']:.0f}/s at {config['callers']} callers: goodput "
+            f"{flood['goodput_fraction']} of it, accepted p99 "
+            f"{'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
+        )
+    if (after := identity.get("after")) is not None:
+        lines.append(f"  identity model after its floods: {after['good_fraction']:.1%} good")
     for name, run in config.get("per_request", {}).items():
         lines.append(
             f"  {name} at {config['callers']} callers: {run['ok_per_s']:.0f}/s, echo-calls per "
