@@ -57,10 +57,9 @@ from bench.sim_validation import (
     LENGTH_MIX,
     MODEL,
     QUIET_WAIT_S,
-    TOLERANCE,
     Side,
     compare,
-    format_rows,
+    conclude,
     measure_hops,
     simulate,
     text_of,
@@ -226,12 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="stand-in-validation-") as tmp:
         report = asyncio.run(validate(args, Path(tmp)))
-    print(format_rows(report["rows"]))
-    within = all(abs(row["goodput_ratio"] - 1.0) <= TOLERANCE for row in report["rows"])
-    print(f"goodput within {TOLERANCE:.0%} at every load: {'yes' if within else 'no'}")
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({**report, "within_tolerance": within}, indent=2))
+    conclude(report, ("goodput_ratio",), args.out)
     return 0
 
 
