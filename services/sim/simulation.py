@@ -133,14 +133,24 @@ class _Autoscaling:
             backlogs += now.backlog_s - before.backlog_s
             rows += now.rows - before.rows
             if kind == "cpu":
-                cpu_s = (now.rows - before.rows) * fleet.config.cpu_per_row_s
-                shares.append(cpu_s / (elapsed_s * fleet.config.cpu_cores))
+                shares.append(_cpu_share(fleet.config, now.rows - before.rows, elapsed_s))
             else:
                 shares.append((now.busy_s - before.busy_s) / elapsed_s)
         self._last, self._last_s = current, now_s
         if kind in ("queue_wait", "backlog"):
             return (waits if kind == "queue_wait" else backlogs) / rows if rows else 0.0
         return sum(shares) / len(shares) if shares else 0.0
+
+
+def _cpu_share(config: FleetConfig, rows: int, elapsed_s: float) -> float:
+    """A worker's CPU utilisation over `elapsed_s` in which it dispatched `rows` (one row per
+    simulated request): its processes' cost per request from [fleet.tier_cpu] when given,
+    over all its processes' cores; else `cpu_per_row_s` over `cpu_cores`."""
+    tiers = config.tier_cpu
+    if tiers.is_set:
+        cores = config.worker_processes * tiers.cores_per_process
+        return rows * tiers.worker_s(1.0) / (elapsed_s * cores)
+    return rows * config.cpu_per_row_s / (elapsed_s * config.cpu_cores)
 
 
 class _Totals(NamedTuple):

@@ -12,7 +12,7 @@ from services.sim.curve import LatencyCurve
 from services.sim.plan_text import format_plan
 from services.sim.planner import plan
 from services.sim.scenario import load_scenario, parse_scenario
-from services.sim.simulation import Scenario
+from services.sim.simulation import Scenario, run
 from services.sim.tier_costs import (
     DEVICE,
     GATEWAY_CPU,
@@ -152,3 +152,29 @@ def test_simulator_and_closed_form_agree_when_the_device_binds() -> None:
     assert answer.closed_form_devices == answer.closed_form.workers == 1
     assert answer.workers == 1, answer.trials
     assert answer.fleet is not None and answer.fleet.device_binds == DEVICE
+
+
+def test_the_simulated_cpu_hpa_reads_the_worker_processes_cost_when_tier_cpu_is_set() -> None:
+    # 3,000 req/s over 2 workers of 2 processes each, 0.8 ms of worker CPU a request: each
+    # worker's processes are 1,500 x 0.0008 / 2 = 0.6 busy (the fleet's cpu_per_row_s, 0.2 ms
+    # on one core, would say 0.3). The HPA keeps the 2, so every sync after the first reads
+    # about 0.6.
+    raw: dict[str, Any] = {
+        "name": "cpu-hpa",
+        "duration_s": 6,
+        "warmup_s": 1,
+        "curve": {"fixed_ms": 1.0, "per_token_us": 2.0},
+        "model": {"name": "m", "slo_ms": 200, "max_batch_size": 32, "length_buckets": [16]},
+        "fleet": {
+            "workers": 2,
+            "worker_processes": 2,
+            "tier_cpu": {"worker_s_per_request": 0.0008},
+        },
+        "hpa": {"metric": "cpu", "target": 0.6, "min_replicas": 2, "max_replicas": 2,
+                "sync_period_s": 1.0},
+        "traffic": {"streams": [{"rate_per_s": 3000, "lengths": [[12, 1.0]]}]},
+    }  # fmt: skip
+    result = run(parse_scenario(raw, base_dir=Path("."), default_name="cpu-hpa"))
+
+    readings = [metric for at_s, metric in result.recorder.hpa_metric if 2.0 <= at_s <= 5.0]
+    assert readings and all(0.5 <= metric <= 0.7 for metric in readings), readings
