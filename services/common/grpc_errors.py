@@ -44,6 +44,18 @@ def status_of(error: BaseException) -> Status:
     return _INTERNAL
 
 
+def answerable(error: BaseException) -> BaseException:
+    """`error`, or a RuntimeError in place of a CancelledError that the current task was not
+    asked for (an awaited future something else cancelled): the call it interrupted still has
+    a caller waiting, so it is answered as our bug (INTERNAL). The task's own cancellation
+    (the caller went away, the server is stopping) stays as it is: no one is answered."""
+    if isinstance(error, asyncio.CancelledError):
+        task = asyncio.current_task()
+        if task is not None and not task.cancelling():
+            return RuntimeError(f"a cancellation the call did not ask for ({error!r})")
+    return error
+
+
 def is_bug(error: BaseException) -> bool:
     """True when `error` is none the domain raises on purpose: log it with its stack."""
     return not isinstance(error, ServingError | asyncio.CancelledError | GeneratorExit)

@@ -20,7 +20,6 @@ other failed call.
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
@@ -31,6 +30,7 @@ import grpc
 from services.common.errors import ServingError
 from services.common.grpc_errors import (
     HANDLER_FACTORIES,
+    answerable,
     is_bug,
     lenient,
     parsed,
@@ -181,6 +181,7 @@ def _streaming(
         code: grpc.StatusCode = grpc.StatusCode.OK
         error: BaseException | None = None
         answer: Exception | None = None
+        is_abandoned = False
         try:
             if refusal is not None:
                 raise refusal
@@ -194,7 +195,11 @@ def _streaming(
                         break
                     finally:
                         _detach(scopes, tokens)
-                    yield message
+                    try:
+                        yield message
+                    except GeneratorExit:
+                        is_abandoned = True
+                        raise
             finally:
                 # Closed here, not left to the garbage collector: the handler's own cleanup
                 # (freeing KV blocks, cancelling a downstream call) runs before the call ends.
@@ -207,7 +212,7 @@ def _streaming(
             # Attached again, so that a bug's log line carries the call's trace and request id.
             tokens = _attach(scopes)
             try:
-                code, error, answer = _failed(name, raised)
+                code, error, answer = _failed(name, raised, is_abandoned=is_abandoned)
             finally:
                 _detach(scopes, tokens)
             raise
@@ -229,24 +234,21 @@ def _detach(scopes: tuple[Scope, ...], tokens: list[object]) -> None:
 
 
 def _failed(
-    name: str, raised: BaseException
+    name: str, raised: BaseException, *, is_abandoned: bool = False
 ) -> tuple[grpc.StatusCode, BaseException, Exception | None]:
     """The status code of a call whose handler raised `raised`, and the error to answer it
-    with: `raised` itself when it is an error (logged with its stack when it is our bug), and
-    none when the call itself was cancelled (its caller went away, or the server stopped),
-    which grpc answers. A cancellation that did not come from the call's own task (an awaited
-    future something else cancelled) leaves a caller waiting: it is a bug, answered INTERNAL."""
-    answer: Exception | None = None
-    if isinstance(raised, Exception):
-        answer = raised
-    elif isinstance(raised, asyncio.CancelledError):
-        task = asyncio.current_task()
-        if task is not None and not task.cancelling():
-            answer = RuntimeError(f"a cancellation the call did not ask for ({raised!r})")
-    if answer is not None and is_bug(answer):
+    with: `raised` itself when it is an error (logged with its stack when it is our bug); a
+    cancellation the call did not ask for as our bug (`answerable`); none when the call itself
+    was cancelled (its caller went away, or the server stopped), which grpc answers, nor for a
+    stream its caller abandoned (closed at a `yield`, maybe later from another task: whatever
+    its cleanup raises, the call is over)."""
+    if is_abandoned:
+        return grpc.StatusCode.CANCELLED, raised, None
+    error = answerable(raised)
+    if is_bug(error):
         log.error("unhandled error in %s", name, exc_info=raised)
-    code = status_of(raised if answer is None else answer).code
-    return code, raised, answer
+    answer = error if isinstance(error, Exception) else None
+    return status_of(error).code, raised, answer
 
 
 def _exit(scopes: tuple[Scope, ...], code: grpc.StatusCode, error: BaseException | None) -> None:

@@ -20,7 +20,7 @@ from opentelemetry import trace
 
 from services.common.bundles import SliceCancels
 from services.common.errors import NOT_STARTED_TRAILER, DeadlineExceeded, InvalidInput
-from services.common.grpc_errors import is_bug, status_of
+from services.common.grpc_errors import answerable, is_bug, status_of
 from services.common.multiplex import MAX_CALLS_PER_MESSAGE, UNARY_METHOD
 from services.common.tracing import end_server_span, start_server_span
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -186,11 +186,12 @@ class _ServedStream:
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
                 result.response = await self._answer(call.request, context, timeout_s)
-        except BaseException as error:
+        except BaseException as raised:
+            error = answerable(raised)
             if is_bug(error):  # our bug: log it, answer INTERNAL, keep serving
-                log.exception("unhandled error in a multiplexed call")
+                log.error("unhandled error in a multiplexed call", exc_info=raised)
             status = status_of(error)
-            code, result.message, failure = status.code, status.message, error
+            code, result.message, failure = status.code, status.message, raised
             result.trailers.update(status.trailers)
             if not isinstance(error, Exception):
                 # Cancelled: the caller cancelled the call, or the stream went away. Nobody

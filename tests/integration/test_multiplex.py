@@ -145,6 +145,23 @@ async def test_status_message_and_retry_hint_cross_the_stream() -> None:
     assert str(bug) == "internal error"  # the server's internals stay on the server
 
 
+async def test_a_cancellation_the_call_did_not_ask_for_is_answered_internal() -> None:
+    """A handler whose awaited future something else cancelled is answered at once, not left
+    for its caller to wait out (for ever without a deadline)."""
+
+    async def cancelled_inside(request: bytes, context: CallContext) -> bytes:
+        future = asyncio.get_running_loop().create_future()
+        future.cancel()
+        return await future
+
+    async with connected(cancelled_inside) as (_peer, client):
+        with pytest.raises(UpstreamError) as raised:
+            await asyncio.wait_for(client.call(b"x"), timeout=30)
+
+    assert raised.value.code is grpc.StatusCode.INTERNAL
+    assert str(raised.value) == "internal error"
+
+
 async def test_s11_metadata_and_time_left_reach_the_handler() -> None:
     seen: list[tuple[tuple[tuple[str, str], ...], float | None]] = []
 
