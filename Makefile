@@ -224,7 +224,7 @@ bench-worker-feed: install-test
 
 # Every benchmark; results in bench/results/ (ignored by git).
 bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry \
-	bench-fair-share bench-worker-feed
+	bench-fair-share bench-worker-feed bench-sim-stand-in
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -57,6 +57,7 @@ from bench.sim_validation import (
     LENGTH_MIX,
     MODEL,
     QUIET_WAIT_S,
+    WARM_UP_CALLS,
     Side,
     compare,
     conclude,
@@ -88,6 +89,8 @@ class StandInCalibration:
     fixed_hops_s: float
     #: The same, the tiers' costs included (what one call at a time measures).
     hops_s: float
+    #: The statuses of the closed loop the costs were measured over.
+    statuses: dict[str, int]
 
     def as_dict(self) -> dict[str, Any]:
         costs = self.costs
@@ -98,6 +101,7 @@ class StandInCalibration:
             "generator_ms": round(self.generator_s * 1e3, 3),
             "hops_ms": round(self.hops_s * 1e3, 3),
             "fixed_hops_ms": round(self.fixed_hops_s * 1e3, 3),
+            "cost_statuses": self.statuses,
         }
 
 
@@ -118,9 +122,16 @@ def _mixed_sender(stub: api_grpc.InferenceServiceStub, seed: int) -> Any:
 
 
 async def calibrate(stub: api_grpc.InferenceServiceStub, stack: BenchStack) -> StandInCalibration:
+    # A stack fresh from start-up answers its first calls slower (bench/sim_validation.py):
+    # they would inflate the hops' mean.
+    warm_up = _mixed_sender(stub, seed=3)
+    for _ in range(WARM_UP_CALLS):
+        await warm_up()
     hops_s, _ = await measure_hops(stub, stack, HOP_CALLS)
     observer = Observer(stack.pids(), stack.metrics_ports())
     run = await closed_loop(_mixed_sender(stub, seed=7), CALLERS, COST_SECONDS, observer=observer)
+    # Every call answered counts, refused ones too (a refusal costs the tiers CPU as well);
+    # the statuses are in the report.
     sent = run["sent_in_windows"]
     cpu: dict[str, float] = run["cpu_s"]
     worker_s = sum(seconds for name, seconds in cpu.items() if name.startswith("worker"))
@@ -136,6 +147,7 @@ async def calibrate(stub: api_grpc.InferenceServiceStub, stack: BenchStack) -> S
         generator_s=cpu["bench"] / sent,
         fixed_hops_s=max(0.0, hops_s - tiers_s),
         hops_s=hops_s,
+        statuses=dict(run["statuses"]),
     )
 
 

@@ -144,10 +144,10 @@ class _Autoscaling:
 
 def _cpu_share(config: FleetConfig, rows: int, elapsed_s: float) -> float:
     """A worker's CPU utilisation over `elapsed_s` in which it dispatched `rows` (one row per
-    simulated request): its processes' cost per request from [fleet.tier_cpu] when given,
-    over all its processes' cores; else `cpu_per_row_s` over `cpu_cores`."""
+    simulated request): its processes' cost per request from [fleet.tier_cpu] when that gives
+    the worker's, over all its processes' cores; else `cpu_per_row_s` over `cpu_cores`."""
     tiers = config.tier_cpu
-    if tiers.is_set:
+    if tiers.worker_s(1.0) > 0:
         cores = config.worker_processes * tiers.cores_per_process
         return rows * tiers.worker_s(1.0) / (elapsed_s * cores)
     return rows * config.cpu_per_row_s / (elapsed_s * config.cpu_cores)
