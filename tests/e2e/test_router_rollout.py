@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,13 +19,13 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
-from services.common.processes import start_and_wait
 from services.common.procfs import is_alive
 from tests.support.fabric_load import ClosedLoopLoad
 from tests.support.metrics import scrape, total
 from tests.support.models import write_small_minilm_repository
-from tests.support.processes import REPO_ROOT, ServiceProcess, health_status
+from tests.support.processes import ServiceProcess, health_status
 from tests.support.stack import Stack, start_stack
+from tests.support.tiers import command_line, start_tier, with_flags
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
@@ -55,42 +54,6 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         for tier in reversed(fleet.started):
             tier.terminate(timeout_s=60.0)
     assert stack.stop() == 0, stack.stop_report()
-
-
-def command_line(pid: int) -> list[str]:
-    """The command line a running tier was started with (by the stack's launcher)."""
-    return [a.decode() for a in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]]
-
-
-def with_flags(argv: list[str], **flags: str) -> list[str]:
-    """`argv` with each `--flag value` in `flags` replaced and the launcher's `--ready-file`
-    dropped (start_and_wait adds its own)."""
-    replaced: dict[str, str | None] = {f"--{k.replace('_', '-')}": v for k, v in flags.items()}
-    replaced["--ready-file"] = None
-    result: list[str] = []
-    i = 0
-    while i < len(argv):
-        if argv[i] in replaced:
-            value = replaced[argv[i]]
-            result += [] if value is None else [argv[i], value]
-            i += 2
-        else:
-            result.append(argv[i])
-            i += 1
-    return result
-
-
-def start_tier(tmp_path: Path, name: str, argv: list[str]) -> ServiceProcess:
-    ready_file = tmp_path / f"{name}-{time.monotonic_ns()}.ready.json"
-    child, ports = start_and_wait(
-        name,
-        argv,
-        log_path=ready_file.with_suffix(".log"),
-        ready_file=ready_file,
-        timeout_s=120.0,
-        cwd=REPO_ROOT,
-    )
-    return ServiceProcess(child, ports["grpc_port"], ports["metrics_port"])
 
 
 def is_connected_to(port: int) -> bool:
