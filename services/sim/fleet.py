@@ -221,10 +221,12 @@ class Fleet:
         self._recorder.arrived(now_s, arrival.tenant, arrival.model)
         refusal = self._admission.admit(self._gateway_of(arrival), arrival, now_s)
         if refusal is not None:
+            self._gateway_refused(now_s)
             self._recorder.refused(now_s, f"gateway_quota_{refusal.reason}")
             return
         throttle = self._gateway(arrival)
         if throttle.admit(_throttle_key(arrival), now_s, self._rng.random()) is not None:
+            self._gateway_refused(now_s)
             self._done(arrival)
             self._recorder.refused(now_s, "gateway_throttled")
             return
@@ -234,6 +236,10 @@ class Fleet:
         request.cell = self._rng.randrange(len(self._cells))
         self._budgets[request.cell].record_request(now_s)
         self._route(now_s, request, throttle)
+
+    def _gateway_refused(self, now_s: float) -> None:
+        if self._tiers.is_set:
+            self._tiers.refused_at_gateway(now_s)
 
     def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
         spec = self._spec_of[request.arrival.model]

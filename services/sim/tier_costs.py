@@ -44,6 +44,10 @@ class TierCpu:
     worker_s_per_request: float = 0.0
     #: The worker's CPU per row beyond a request's own cost (multi-row requests).
     worker_s_per_row: float = 0.0
+    #: CPU of a call the gateway refuses (its tenant's quota, its throttle), as a share of a
+    #: served call's: grpc's own per-call work, which no refusal avoids (bench.server_calls:
+    #: a refusal costs about a bare call, 0.3-0.4 of the gateway's served call).
+    gateway_refusal_share: float = 0.35
     #: Cores one process's work can use: its event loop, and grpc's threads beside it.
     cores_per_process: float = 1.0
     #: Share of a process's cores a plan fills, leaving the rest for bursts (the CPU HPAs'
@@ -66,6 +70,8 @@ class TierCpu:
         )
         if min(costs) < 0:
             raise ValueError("tier CPU costs must be >= 0 seconds")
+        if not 0 <= self.gateway_refusal_share <= 1:
+            raise ValueError("gateway_refusal_share must be in [0, 1]")
         if self.cores_per_process <= 0 or not 0 < self.utilization <= 1:
             raise ValueError("cores_per_process must be > 0 and utilization in (0, 1]")
         if self.gateway_processes_per_pod < 1 or self.max_worker_processes_per_device < 1:

@@ -5,7 +5,8 @@ gateways together and the routers together are one queue each; every worker has 
 `FleetConfig.worker_processes` processes. A queue of n processes of k cores works through n k
 CPU seconds per second, first come first served, so a request waits for the work ahead of it
 and then takes its own cost: the hop to the worker lengthens by both, and grows without bound
-once a tier is offered more than its processes can do. The model's device is the worker's
+once a tier is offered more than its processes can do. A call the gateways refuse costs them
+a share of a served call (grpc's own per-call work). The model's device is the worker's
 executor, as before (worker.py); nothing here applies while no tier cost is set."""
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ class ProcessQueue:
         self._spacing_s = cost_s / (max(1, processes) * cores)
         self._free_s = 0.0
 
+    def add_work(self, now_s: float, cost_s: float) -> None:
+        """Work of `cost_s` CPU seconds that arrives at `now_s` and answers no one (a refusal):
+        it delays the requests after it."""
+        spacing_s = self._spacing_s * (cost_s / self._cost_s) if self._cost_s else 0.0
+        self._free_s = max(now_s, self._free_s) + spacing_s
+
     def delay_s(self, now_s: float) -> float:
         """How long a request arriving at `now_s` spends in this tier: the work ahead of it,
         then its own cost."""
@@ -40,9 +47,15 @@ class TierQueues:
         self.is_set = cpu.is_set
         cores = cpu.cores_per_process
         self._gateways = ProcessQueue(gateways, cores, cpu.gateway_s_per_request)
+        self._refusal_s = cpu.gateway_refusal_share * cpu.gateway_s_per_request
         self._routers = ProcessQueue(routers, cores, cpu.router_s_per_request)
         self._worker = (worker_processes, cores, cpu.worker_s(1.0))
         self._workers: dict[str, ProcessQueue] = {}
+
+    def refused_at_gateway(self, now_s: float) -> None:
+        """A call the gateways refused at `now_s` (quota, throttle): grpc's per-call work,
+        `gateway_refusal_share` of a served call's, still falls on them."""
+        self._gateways.add_work(now_s, self._refusal_s)
 
     def at_gateway_and_router(self, now_s: float) -> float:
         """Seconds a request spends in the gateway and then the router, arriving at `now_s`."""

@@ -22,6 +22,7 @@ from services.sim.tier_costs import (
     capacity_per_s,
     fleet_plan,
 )
+from services.sim.tier_queues import TierQueues
 from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.unit
@@ -178,3 +179,25 @@ def test_the_simulated_cpu_hpa_reads_the_worker_processes_cost_when_tier_cpu_is_
 
     readings = [metric for at_s, metric in result.recorder.hpa_metric if 2.0 <= at_s <= 5.0]
     assert readings and all(0.5 <= metric <= 0.7 for metric in readings), readings
+
+
+def test_a_call_the_gateways_refuse_still_costs_them_its_share_of_a_served_call() -> None:
+    cpu = TierCpu(gateway_s_per_request=0.001, gateway_refusal_share=0.4)
+    queues = TierQueues(cpu, gateways=1, routers=1, worker_processes=1)
+    # Ten refusals at t=0 hold the one gateway process for 10 x 0.4 ms: a request arriving
+    # then waits for them before its own millisecond.
+    for _ in range(10):
+        queues.refused_at_gateway(0.0)
+    assert queues.at_gateway_and_router(0.0) == pytest.approx(0.004 + 0.001)
+    # Without refusal cost, the same request would find the process free.
+    free = TierQueues(
+        TierCpu(gateway_s_per_request=0.001, gateway_refusal_share=0.0),
+        gateways=1,
+        routers=1,
+        worker_processes=1,
+    )
+    for _ in range(10):
+        free.refused_at_gateway(0.0)
+    assert free.at_gateway_and_router(0.0) == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="gateway_refusal_share"):
+        TierCpu(gateway_s_per_request=0.001, gateway_refusal_share=1.5)
