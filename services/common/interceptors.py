@@ -84,12 +84,8 @@ class _Method:
         # A streaming handler that writes with `context.write` from a coroutine (grpcio's own
         # health Watch) is wrapped as a whole, like a unary-response one.
         self.wraps_whole = not handler.response_streaming or inspect.iscoroutinefunction(behaviour)
-        self._parse = handler.request_deserializer
-
-    def deserializer(self, refused: bool) -> Callable[[bytes], Any] | None:
-        if refused:
-            return _unparsed
-        return None if self._parse is None else lenient(self._parse)
+        parse = handler.request_deserializer
+        self.deserialize = None if parse is None else lenient(parse)
 
 
 def _unparsed(_body: bytes) -> None:
@@ -104,7 +100,6 @@ class ServerCalls(grpc.aio.ServerInterceptor):
     def __init__(self, stages: Iterable[Stage] = ()) -> None:
         self._stages = tuple(stages)
         self._methods: dict[str, _Method] = {}
-        self._deserializers: dict[tuple[str, bool], Callable[[bytes], Any] | None] = {}
 
     async def intercept_service(
         self, continuation: Continuation, details: grpc.HandlerCallDetails
@@ -116,8 +111,6 @@ class ServerCalls(grpc.aio.ServerInterceptor):
         method = self._methods.get(name)
         if method is None or method.source is not handler:
             method = self._methods[name] = _Method(handler)
-            self._deserializers[(name, False)] = method.deserializer(False)
-            self._deserializers[(name, True)] = method.deserializer(True)
         metadata = details.invocation_metadata or ()
         scopes: list[Scope] = []
         refusal: ServingError | None = None
@@ -131,7 +124,7 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                 scopes.append(scope)
         wrap = _whole if method.wraps_whole else _streaming
         behaviour = wrap(name, method, tuple(scopes), refusal)
-        deserialize = self._deserializers[(name, refusal is not None)]
+        deserialize = method.deserialize if refusal is None else _unparsed
         return method.factory(behaviour, deserialize, method.serialize)
 
 

@@ -18,26 +18,25 @@ class ProcessQueue:
     """`processes` processes of `cores` cores each, working through requests of `cost_s` CPU
     seconds in arrival order."""
 
-    __slots__ = ("_cost_s", "_free_s", "_spacing_s")
+    __slots__ = ("_cores", "_cost_s", "_free_s")
 
     def __init__(self, processes: int, cores: float, cost_s: float) -> None:
         self._cost_s = cost_s
-        #: CPU seconds of one request over the queue's cores: its share of the queue's time.
-        self._spacing_s = cost_s / (max(1, processes) * cores)
+        #: The queue's cores: work's CPU seconds over them is its share of the queue's time.
+        self._cores = max(1, processes) * cores
         self._free_s = 0.0
 
-    def add_work(self, now_s: float, cost_s: float) -> None:
-        """Work of `cost_s` CPU seconds that arrives at `now_s` and answers no one (a refusal):
-        it delays the requests after it."""
-        spacing_s = self._spacing_s * (cost_s / self._cost_s) if self._cost_s else 0.0
-        self._free_s = max(now_s, self._free_s) + spacing_s
+    def add_work(self, now_s: float, cost_s: float) -> float:
+        """Queues `cost_s` CPU seconds of work arriving at `now_s` (a refusal's answers no
+        one, but delays the requests after it); returns when the work starts."""
+        start_s = max(now_s, self._free_s)
+        self._free_s = start_s + cost_s / self._cores
+        return start_s
 
     def delay_s(self, now_s: float) -> float:
         """How long a request arriving at `now_s` spends in this tier: the work ahead of it,
         then its own cost."""
-        start_s = max(now_s, self._free_s)
-        self._free_s = start_s + self._spacing_s
-        return start_s - now_s + self._cost_s
+        return self.add_work(now_s, self._cost_s) - now_s + self._cost_s
 
 
 class TierQueues:
