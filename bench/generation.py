@@ -1,7 +1,14 @@
 """Continuous vs static (run-to-completion) batching on a mixed-length workload, and prefix
 caching on vs off on a shared-prefix workload.
 
-    python -m bench.generation [--requests 192] [--rate 400] [--seed 0]
+`--model` names a model of the repository or any Llama checkpoint directory (served with the
+repository's tiny-llama settings: `python -m services.gpu_worker.generation.tiny_llama DIR
+--size 100m` writes a ~100M-parameter one). `--quick` runs the continuous engine alone.
+`--attention torch-default` (torch's own kernel set, cuDNN attention included) and
+`--no-cuda-graphs` reproduce the engine as it was before either, for side-by-side runs.
+
+    python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
+        [--quick] [--attention measured|torch-default] [--no-cuda-graphs]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, time to first token (p50/p99), time
@@ -23,6 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from prometheus_client import CollectorRegistry
@@ -31,6 +39,7 @@ from bench.fabric.sweep import percentile
 from services.common import metric_names as names
 from services.common.model_repository import ModelVersion, load_repository
 from services.common.sampling import SamplingParams
+from services.gpu_worker.generation.attention_backends import TORCH_DEFAULT
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 
@@ -69,6 +78,22 @@ def shared_prefix_workload(num_requests: int, rate_per_s: float, seed: int) -> l
     return arrivals
 
 
+def resolve_model(repository: Path, model: str) -> ModelVersion:
+    """The repository's model `model`, or the checkpoint directory `model` served with the
+    repository's tiny-llama settings."""
+    versions = load_repository(repository)
+    named = [v for v in versions if v.config.name == model]
+    if named:
+        return named[0]
+    weights = Path(model)
+    if not (weights / "config.json").is_file():
+        raise SystemExit(f"{model}: neither a model of {repository} nor a checkpoint directory")
+    (tiny,) = (v for v in versions if v.config.name == "tiny-llama")
+    return dataclasses.replace(
+        tiny, config=dataclasses.replace(tiny.config, name=weights.name), weights_dir=weights
+    )
+
+
 def with_prefix_caching(version: ModelVersion, scope: str) -> ModelVersion:
     generation = version.config.generation
     assert generation is not None
@@ -93,7 +118,8 @@ async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
         elif delay < -0.01:
             late += 1
         sent = time.perf_counter()
-        tokens, stamps = [], []
+        tokens: list[int] = []
+        stamps: list[float] = []
         params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
         async for delta in engine.generate(backend.encode(arrival.prompt), params):
             tokens.extend(delta.token_ids)
@@ -132,14 +158,35 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=Path("bench/results/generation.json"))
+    parser.add_argument("--quick", action="store_true", help="the continuous engine alone")
+    parser.add_argument("--attention", choices=("measured", "torch-default"), default="measured")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
     args = parser.parse_args()
 
-    version = next(v for v in load_repository(args.model_repository) if v.config.name == args.model)
+    version = resolve_model(args.model_repository, args.model)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     arrivals = workload(args.requests, args.rate, args.seed)
-    report: dict = {"device": str(device), "requests": args.requests, "rate_per_s": args.rate}
+    engine = {
+        "attention": TORCH_DEFAULT if args.attention == "torch-default" else None,
+        "cuda_graphs": not args.no_cuda_graphs,
+    }
+    report: dict = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+        "model": version.config.name,
+        "requests": args.requests,
+        "rate_per_s": args.rate,
+        "attention": args.attention,
+        "cuda_graphs": engine["cuda_graphs"],
+    }
+    if args.quick:
+        report["continuous"] = measure("continuous", version, device, arrivals, **engine)
+        report["continuous"].pop("tokens")
+        print_table(report, ("continuous",))
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(report, indent=2))
+        return
     for name, is_static in (("static", True), ("continuous", False)):
-        report[name] = measure(name, version, device, arrivals, is_static=is_static)
+        report[name] = measure(name, version, device, arrivals, is_static=is_static, **engine)
     same = report["static"].pop("tokens") == report["continuous"].pop("tokens")
     report["identical_outputs"] = same
     continuous, static = report["continuous"], report["static"]
@@ -153,19 +200,22 @@ def main() -> None:
         f"identical greedy outputs: {same}"
     )
     report["prefix_cache"] = prefix_cache_report(
-        version, device, shared_prefix_workload(args.requests, args.rate, args.seed + 1)
+        version, device, shared_prefix_workload(args.requests, args.rate, args.seed + 1), engine
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))
 
 
 def measure(
-    name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: bool
+    name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: Any
 ) -> dict:
-    """One fresh engine (its own metrics) through `arrivals`; adds the prefix cache's counts."""
+    """One fresh engine (its own metrics; `kw` for GenerationBackend) through `arrivals`; adds
+    the prefix cache's counts and the engine's attention kernels and graphs."""
     registry = CollectorRegistry()
     backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
+    started = time.perf_counter()
     backend.warm_up()
+    warm_up_s = time.perf_counter() - started
     print(f"running {name} ...", flush=True)
     result = asyncio.run(run(backend, arrivals))
     labels = {"model": version.config.name, "version": version.version}
@@ -174,16 +224,19 @@ def measure(
         ("prefix_hit_tokens", names.GENERATION_PREFIX_CACHE_HIT_TOKENS_TOTAL),
     ):
         result[key] = registry.get_sample_value(metric, labels) or 0.0
+    result["warm_up_s"] = warm_up_s
+    result["attention_backends"] = backend.runner.attention.name
+    result["cuda_graphs"] = 0 if backend.runner.graphs is None else backend.runner.graphs.count
     return result
 
 
 def prefix_cache_report(
-    version: ModelVersion, device: torch.device, arrivals: list[Arrival]
+    version: ModelVersion, device: torch.device, arrivals: list[Arrival], engine: dict
 ) -> dict:
     """The continuous engine on a shared-prefix workload, prefix cache off, then on."""
     report = {
         name: measure(f"shared prefix, cache {name}", with_prefix_caching(version, scope), device,
-                      arrivals, is_static=False)
+                      arrivals, is_static=False, **engine)
         for name, scope in (("off", "off"), ("on", "shared"))
     }  # fmt: skip
     report["identical_outputs"] = report["off"].pop("tokens") == report["on"].pop("tokens")
@@ -202,7 +255,7 @@ def prefix_cache_report(
     return report
 
 
-def print_table(report: dict, names_: tuple[str, str]) -> None:
+def print_table(report: dict, names_: tuple[str, ...]) -> None:
     header = ("policy", "tok/s", "steps", "TTFT p50", "TTFT p99", "TPOT", "late")
     print("\n{:<11} {:>8} {:>6} {:>9} {:>9} {:>8} {:>5}".format(*header))
     for name in names_:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from services.common.model_repository import ModelConfigError, ModelVersion
 from services.common.registry_schema import ModelRecord
 from services.common.text import TextEncoder
 from services.gpu_worker.backends.base import fingerprint_of
+from services.gpu_worker.generation.attention_backends import AttentionBackends
+from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
@@ -17,6 +21,8 @@ from services.gpu_worker.generation.scheduler import (
 )
 from services.gpu_worker.served_model import BatchLoads, ServedModel
 from services.gpu_worker.thread_choice import ThreadChoice, thread_options
+
+log = logging.getLogger(__name__)
 
 
 class GenerationBackend(ServedModel):
@@ -29,9 +35,13 @@ class GenerationBackend(ServedModel):
         metrics: GenerationMetrics,
         *,
         is_static: bool = False,
+        attention: AttentionBackends | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """`is_static` selects run-to-completion batching: the baseline benchmarks compare
-        continuous batching against; never used for serving."""
+        continuous batching against; never used for serving. `attention` fixes the SDPA
+        kernels (None: measured at warm-up) and `cuda_graphs` False keeps decode steps eager
+        on a GPU: both for benchmarks' side-by-side runs."""
         config = version.config
         settings = config.generation
         if settings is None:
@@ -43,6 +53,9 @@ class GenerationBackend(ServedModel):
             raise ModelConfigError(f"{config.name}/{version.version}: missing {missing}")
         self.version = version
         self.config = config
+        self._metrics = metrics
+        self._attention = attention
+        self._cuda_graphs = cuda_graphs
         self.settings = settings
         self.text = TextEncoder(weights, config)
         # bf16 on a GPU (memory bandwidth is the decode bottleneck); fp32 on the CPU, where
@@ -107,8 +120,9 @@ class GenerationBackend(ServedModel):
         return [int(i) for i in self.text.encode_many([text])[0]]
 
     def warm_up(self) -> None:
-        """One prefill and one decode through the runner (lazy init, allocator), on the thread
-        that runs the engine's steps; the slower sets the floor of the step watchdog."""
+        """On the thread that runs the engine's steps: one prefill and one decode through the
+        runner (lazy init, allocator; the slower sets the floor of the step watchdog), then the
+        attention kernels' choice and, on a GPU, the decode steps' CUDA graphs."""
         block_size = self.runner.block_size
         prompt = tuple(range(1, block_size + 2))
         blocks = (0, 1)
@@ -118,6 +132,42 @@ class GenerationBackend(ServedModel):
                 [SequenceBatchItem((1,), len(prompt), blocks)],
             ]
         )
+        self.engine.steps.call(self._prepare_steps)
+
+    def _prepare_steps(self) -> None:
+        labels = (self.config.name, self.version.version)
+        if self._attention is None:
+            times = self.runner.choose_attention(self._representative_steps())
+        else:
+            self.runner.attention, times = self._attention, {}
+        measured = ", ".join(f"{name} {s * 1000:.2f} ms" for name, s in times.items())
+        log.info(
+            "generation attention of %s: %s (%s)",
+            "/".join(labels),
+            self.runner.attention.name,
+            f"warm-up steps: {measured}" if times else "not measured",
+        )
+        self._metrics.attention_backends.labels(*labels, self.runner.attention.name).set(1)
+        graphs = self.runner.capture_graphs(self.settings.max_num_seqs) if self._cuda_graphs else 0
+        self._metrics.cuda_graphs.labels(*labels).set(graphs)
+        if graphs:
+            log.info("generation of %s: %d decode CUDA graphs", "/".join(labels), graphs)
+
+    def _representative_steps(self) -> list[list[SequenceBatchItem]]:
+        """A full decode step (up to 32 sequences of half the model's length, at most 256
+        positions) and a 128-token prompt, within the cache's blocks: what the attention
+        kernels are timed on. Their keys and values go to blocks no sequence holds yet."""
+        block_size, settings = self.runner.block_size, self.settings
+        context = max(1, min(self._max_model_len // 2, 256))
+        per_seq = num_blocks_for(context + 1, block_size)
+        count = max(1, min(settings.max_num_seqs, 32, settings.num_kv_blocks // per_seq))
+        decode = [
+            SequenceBatchItem((1,), context, tuple(range(i * per_seq, (i + 1) * per_seq)))
+            for i in range(count)
+        ]
+        length = max(1, min(128, settings.max_num_batched_tokens, self._max_model_len))
+        blocks = tuple(range(num_blocks_for(length, block_size)))
+        return [decode, [SequenceBatchItem((1,) * length, 0, blocks)]]
 
     def model_record(self, *, is_ready: bool, batching: BatchLoads) -> ModelRecord:
         step_s = self.engine.mean_step_s

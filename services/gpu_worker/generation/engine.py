@@ -273,7 +273,7 @@ class GenerationEngine:
                     output.num_prefix_queried_tokens, output.num_prefix_hit_tokens
                 )
             items = [
-                SequenceBatchItem(s.token_ids, s.start_position, s.block_table)
+                SequenceBatchItem(s.token_ids, s.start_position, s.block_table, s.samples)
                 for s in output.scheduled
             ]
             self._is_stepping = True
@@ -336,9 +336,8 @@ class GenerationEngine:
             request = self._requests.get(scheduled[i].seq_id)
             params.append(request.params if request else SamplingParams())
             generators.append(request.generator if request else None)
-        # Decode steps sample every row: the logits need no gathering then.
-        rows = logits if len(sampling_rows) == len(scheduled) else logits[sampling_rows]
-        tokens = self._sampler.sample(rows, params, generators) if sampling_rows else []
+        # The step computed logits for the sampling rows only, in order.
+        tokens = self._sampler.sample(logits, params, generators) if sampling_rows else []
         sampled = {scheduled[i].seq_id: t for i, t in zip(sampling_rows, tokens, strict=True)}
         self.scheduler.update_from_output(sampled)
         for seq_id in self._cancelled:

@@ -192,8 +192,9 @@ class LlamaForCausalLM(nn.Module):
     def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         # Angles in float32 (as the reference does), then cast: [N, 1, head_dim] to broadcast
         # over heads.
-        inv_freq = self._inv_freq.to(positions.device)
-        angles = positions[:, None].float() * inv_freq[None, :]
+        if self._inv_freq.device != positions.device:  # once: no copy per step (or in a graph)
+            self._inv_freq = self._inv_freq.to(positions.device)
+        angles = positions[:, None].float() * self._inv_freq[None, :]
         emb = torch.cat((angles, angles), dim=-1)[:, None, :]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -92,6 +92,16 @@ class GenerationMetrics:
             _MODEL,
         )
         self.tokens_total = new.counter(names.GENERATION_TOKENS_TOTAL, "Tokens streamed.", _MODEL)
+        self.attention_backends = new.gauge(
+            names.GENERATION_ATTENTION_BACKENDS,
+            "1 for the set of SDPA kernels the model's steps run on, chosen at warm-up.",
+            (*_MODEL, "backends"),
+        )
+        self.cuda_graphs = new.gauge(
+            names.GENERATION_CUDA_GRAPHS,
+            "CUDA graphs captured for the model's decode-only steps (0 on a CPU or when off).",
+            _MODEL,
+        )
         self.finished_total = new.counter(
             names.GENERATION_FINISHED_TOTAL, "Sequences finished, by reason.", (*_MODEL, "reason")
         )

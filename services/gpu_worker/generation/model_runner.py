@@ -2,11 +2,15 @@
 
 All items' tokens are flattened into one batch so embeddings, projections and MLPs run as a few
 large matmuls. Only attention is per sequence: each item's queries attend to its own keys and
-values, gathered from the paged KV cache through its block table.
+values, gathered from the paged KV cache through its block table. The step's inputs reach the
+device in one packed copy (`step_inputs`); its attention runs on a chosen set of SDPA kernels
+(`attention_backends`); on a GPU, decode-only steps replay CUDA graphs (`decode_graphs`).
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,9 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from services.gpu_worker.device_busy import device_section
+from services.gpu_worker.generation.attention_backends import (
+    CANDIDATES,
+    fastest,
+)
 from services.gpu_worker.generation.block_allocator import num_blocks_for
-from services.gpu_worker.generation.kv_cache import PagedKVCache, slots_for
+from services.gpu_worker.generation.decode_graphs import DecodeGraphs
+from services.gpu_worker.generation.kv_cache import PagedKVCache
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
+from services.gpu_worker.generation.step_inputs import DecodeInputs, StepInputBuilder, StepTensors
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -30,39 +42,14 @@ class SequenceBatchItem:
     start_position: int
     # Physical blocks covering positions [0, start_position + len(token_ids)), in logical order.
     block_table: tuple[int, ...]
+    # Whether the caller samples from this item's last token (a prompt's last chunk, a decode);
+    # the step computes logits only for items that do.
+    samples: bool = True
 
     @property
     def end_position(self) -> int:
         """One past the position of the last token processed in this step."""
         return self.start_position + len(self.token_ids)
-
-
-@dataclass(frozen=True)
-class _ItemPlan:
-    """Where one item's tokens sit in the flattened batch, and what they attend to."""
-
-    lo: int
-    hi: int
-    # Cache slots of positions [0, end): None when the item is a whole prompt in one chunk, whose
-    # keys and values are exactly the ones computed in this forward.
-    context_slots: torch.Tensor | None
-    # Bool [num_new, end], True where attention is allowed; None when SDPA needs no mask.
-    mask: torch.Tensor | None
-    is_causal: bool
-
-
-@dataclass(frozen=True)
-class _DecodePlan:
-    """Every decode token of a step (one new token of a sequence with cached context)."""
-
-    #: Their rows in the flattened batch, int64 [n].
-    rows: torch.Tensor
-    #: Each sequence's block table, padded with block 0 to the longest: int64 [n, max_blocks].
-    #: Attention gathers whole blocks (contiguous runs of block_size slots), not slots.
-    blocks: torch.Tensor
-    #: True where a gathered position is the sequence's own (below its end, not padding):
-    #: bool [n, 1, 1, max_blocks * block_size].
-    mask: torch.Tensor
 
 
 class ModelRunner:
@@ -82,15 +69,25 @@ class ModelRunner:
         self.config: LlamaConfig = self.model.config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        #: Blocks a sequence of max_model_len positions covers: the widest decode block table.
+        self.max_blocks_per_seq = num_blocks_for(self.max_model_len, block_size)
+        # One block more than the allocator hands out: a CUDA graph's padding rows write their
+        # keys and values there and attend to it, never to a sequence's blocks.
+        self.pad_block = num_blocks
         self.kv_cache = PagedKVCache(
             num_layers=self.config.num_hidden_layers,
-            num_blocks=num_blocks,
+            num_blocks=num_blocks + 1,
             block_size=block_size,
             num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim,
             dtype=dtype,
             device=device,
         )
+        self.inputs = StepInputBuilder(device, block_size, self.max_blocks_per_seq * block_size)
+        #: The SDPA kernels every step may use (`choose_attention` measures them on a GPU).
+        self.attention = CANDIDATES[0]
+        #: Decode-only steps replayed from CUDA graphs, once captured (`capture_graphs`).
+        self.graphs: DecodeGraphs | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -100,7 +97,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
         """Process every item's new tokens in one forward, writing their keys and values to the
-        cache; returns float32 logits of each item's last token, `[len(items), vocab]`, on CPU.
+        cache; returns float32 logits of the last token of each item that samples, in the
+        items' order, `[number sampling, vocab]`, on CPU.
 
         Raises ValueError for malformed items (a caller bug: nothing is written in that case).
         """
@@ -108,119 +106,102 @@ class ModelRunner:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
         for item in items:
             self._check(item)
+        if self.graphs is not None and (logits := self.graphs.replay(items)) is not None:
+            return logits
+        tensors = self.inputs.build(items)
+        with self.attention.enabled(), device_section():
+            logits = self.forward(tensors)
+        return logits.cpu()
 
-        input_ids: list[int] = []
-        positions: list[int] = []
-        new_slots: list[int] = []
-        plans: list[_ItemPlan] = []
-        decodes: list[tuple[int, SequenceBatchItem]] = []
-        last_rows: list[int] = []
-        for item in items:
-            lo = len(input_ids)
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.end_position))
-            new_slots.extend(
-                slots_for(item.block_table, item.start_position, item.end_position, self.block_size)
-            )
-            last_rows.append(len(input_ids) - 1)  # the row whose logits the caller samples
-            if item.start_position > 0 and len(item.token_ids) == 1:
-                decodes.append((lo, item))  # attended together, below
-            else:
-                plans.append(self._plan(item, lo, len(input_ids)))
-
-        def on_device(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
-        new_slots_t = on_device(new_slots)
-        decode = self._decode_plan(decodes)
+    def forward(self, step: StepTensors) -> torch.Tensor:
+        """The step's float32 logits on the device (eager, or inside a graph's capture)."""
 
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
-            self.kv_cache.write(layer, new_slots_t, k, v)
-            out = torch.empty_like(q)
-            if decode is not None:
-                out[decode.rows] = self._attend_decodes(layer, q[decode.rows], decode)
-            for plan in plans:
-                if plan.context_slots is None:
-                    keys, values = k[plan.lo : plan.hi], v[plan.lo : plan.hi]
+            self.kv_cache.write(layer, step.slots, k, v)
+            parts = []
+            if step.decodes is not None:
+                parts.append(self._attend_decodes(layer, q[: step.decodes.count], step.decodes))
+            for span in step.prefills:
+                if span.context_slots is None:
+                    keys, values = k[span.lo : span.hi], v[span.lo : span.hi]
                 else:
-                    keys, values = self.kv_cache.gather(layer, plan.context_slots)
+                    keys, values = self.kv_cache.gather(layer, span.context_slots)
                 # SDPA wants [batch, heads, tokens, head_dim]; enable_gqa shares each KV head
                 # across its group of query heads without materializing copies.
                 attended = F.scaled_dot_product_attention(
-                    q[plan.lo : plan.hi].transpose(0, 1)[None],
+                    q[span.lo : span.hi].transpose(0, 1)[None],
                     keys.transpose(0, 1)[None],
                     values.transpose(0, 1)[None],
-                    attn_mask=plan.mask,
-                    is_causal=plan.is_causal,
+                    attn_mask=span.mask,
+                    is_causal=span.mask is None and span.hi - span.lo > 1,
                     enable_gqa=True,
                 )
-                out[plan.lo : plan.hi] = attended[0].transpose(0, 1)
-            return out
+                parts.append(attended[0].transpose(0, 1))
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        token_ids, token_positions, last = (
-            on_device(input_ids),
-            on_device(positions),
-            on_device(last_rows),
-        )
-        with device_section():
-            hidden = self.model(token_ids, token_positions, attention)
-            logits = self.model.compute_logits(hidden[last]).float()
-        return logits.cpu()
+        hidden = self.model(step.token_ids, step.positions, attention)
+        if step.sample_rows is not None:
+            hidden = hidden[step.sample_rows]
+        return self.model.compute_logits(hidden).float()
 
-    def _decode_plan(self, decodes: Sequence[tuple[int, SequenceBatchItem]]) -> _DecodePlan | None:
-        """One padded block table for every decode token of the step: row i holds sequence i's
-        blocks covering positions [0, end), padded with block 0 up to the longest; the mask
-        hides padding and the unwritten tail of each last block. Built from block ids, not
-        positions: its cost grows with blocks, not with every token of every context."""
-        if not decodes:
-            return None
-        num_blocks = [num_blocks_for(item.end_position, self.block_size) for _, item in decodes]
-        width = max(num_blocks)
-        tables = [
-            [*item.block_table[:n], *([0] * (width - n))]
-            for (_, item), n in zip(decodes, num_blocks, strict=True)
-        ]
-        lengths = torch.tensor([item.end_position for _, item in decodes], dtype=torch.int64)
-        mask = torch.arange(width * self.block_size)[None, :] < lengths[:, None]
-        return _DecodePlan(
-            rows=torch.tensor([lo for lo, _ in decodes], dtype=torch.int64, device=self.device),
-            blocks=torch.tensor(tables, dtype=torch.int64, device=self.device),
-            # [n, 1 (heads), 1 (query), positions]: broadcast over every head.
-            mask=mask[:, None, None, :].to(self.device),
-        )
-
-    def _attend_decodes(self, layer: int, q: torch.Tensor, plan: _DecodePlan) -> torch.Tensor:
+    def _attend_decodes(self, layer: int, q: torch.Tensor, decodes: DecodeInputs) -> torch.Tensor:
         """Attention of n decode tokens (`q`: [n, heads, head_dim]) over their sequences'
-        cached keys and values, in one block gather and one SDPA call for the layer."""
-        num_seqs = plan.blocks.shape[0]
-        keys, values = self.kv_cache.gather_blocks(layer, plan.blocks)
-        # [n, max_blocks, block_size, kv_heads, head_dim] -> [n, kv_heads, positions, head_dim]
+        cached keys and values, in one block gather and one SDPA call for the layer. The mask
+        hides padding and the unwritten tail of each last block; it costs one comparison per
+        layer, on the device."""
+        num_seqs, width = decodes.blocks.shape
+        keys, values = self.kv_cache.gather_blocks(layer, decodes.blocks)
+        # [n, width, block_size, kv_heads, head_dim] -> [n, kv_heads, positions, head_dim]
         keys = keys.view(num_seqs, -1, *keys.shape[3:]).transpose(1, 2)
         values = values.view(num_seqs, -1, *values.shape[3:]).transpose(1, 2)
+        positions = self.inputs.arange[: width * self.block_size]
+        # [n, 1 (heads), 1 (query), positions]: broadcast over every head.
+        mask = (positions[None, :] < decodes.lengths[:, None])[:, None, None, :]
         attended = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=plan.mask, enable_gqa=True
+            q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
         )
         return attended[:, :, 0, :]
 
-    def _plan(self, item: SequenceBatchItem, lo: int, hi: int) -> _ItemPlan:
-        start, end = item.start_position, item.end_position
-        if start == 0:
-            # The whole context is new: plain causal attention over this forward's keys.
-            return _ItemPlan(lo, hi, None, None, is_causal=hi - lo > 1)
-        context = torch.tensor(
-            slots_for(item.block_table, 0, end, self.block_size),
-            dtype=torch.int64,
-            device=self.device,
-        )
-        # A later prefill chunk: query i sits at position start + i and sees positions <= it.
-        # SDPA's is_causal aligns the diagonal top-left, which is wrong when keys outnumber
-        # queries, hence an explicit mask.
-        key_positions = torch.arange(end, device=self.device)
-        query_positions = torch.arange(start, end, device=self.device)
-        mask = key_positions[None, :] <= query_positions[:, None]
-        return _ItemPlan(lo, hi, context, mask, is_causal=False)
+    def choose_attention(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> dict[str, float]:
+        """On a GPU, the fastest kernel set (`attention_backends.CANDIDATES`) over `steps`
+        (representative steps, whose keys and values are written to the blocks they name),
+        kept in `self.attention`; returns each set's seconds. A CPU keeps the first set
+        unmeasured (returns {})."""
+        if self.device.type != "cuda":
+            return {}
+
+        def time_steps() -> float:
+            for items in steps:  # once to build each kernel's state, then timed
+                self._eager(items)
+            best = float("inf")
+            for _ in range(3):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                for items in steps:
+                    self._eager(items)
+                torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - started)
+            return best
+
+        self.attention, times = fastest(CANDIDATES, time_steps)
+        return times
+
+    @torch.inference_mode()
+    def _eager(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+        return self.forward(self.inputs.build(items))
+
+    def capture_graphs(self, max_num_seqs: int) -> int:
+        """On a GPU, captures the decode-only steps' CUDA graphs (`decode_graphs`) under the
+        chosen kernels; returns how many (0 on a CPU, where graphs are off)."""
+        if self.device.type != "cuda":
+            return 0
+        graphs = DecodeGraphs(self, max_num_seqs)
+        with self.attention.enabled():
+            graphs.capture()
+        self.graphs = graphs
+        return graphs.count
 
     def _check(self, item: SequenceBatchItem) -> None:
         # min/max rather than a generator over every id: this runs for every item of every step.

@@ -14,7 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 
@@ -27,6 +28,8 @@ from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: The bound on one step where the worker's `watchdog_s` is not given (an engine on its own).
 DEFAULT_WATCHDOG_S = DriverConfig.watchdog_s
@@ -68,6 +71,11 @@ class StepExecutor:
         """Runs `steps` in order on the executor thread (the thread that will run serving
         steps), timing each. Blocking: call it from a thread before serving."""
         self._executor.submit(self._run_timed, steps).result()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the executor thread (the thread that runs serving steps: CUDA graphs are
+        captured there). Blocking: call it from a thread before serving."""
+        return self._executor.submit(fn).result()
 
     def _run_timed(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> None:
         for items in steps:

@@ -1,6 +1,6 @@
 """Create a tiny Llama checkpoint with RANDOM (seeded) weights and a byte-level tokenizer.
 
-    python -m services.gpu_worker.generation.tiny_llama OUT_DIR [--seed 0]
+    python -m services.gpu_worker.generation.tiny_llama OUT_DIR [--seed 0] [--size tiny|100m]
 
 The output is gibberish by design: it lets the generation engine (paged KV cache, continuous
 batching, streaming) run end to end without downloading a real model. The files are in Hugging
@@ -69,17 +69,34 @@ def build_tokenizer() -> Tokenizer:
     return tokenizer
 
 
-def _hf_config(vocab_size: int) -> dict[str, object]:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": vocab_size,
+#: The shapes `--size` names: tiny-llama's own (every step is launch overhead on a GPU), and a
+#: ~100M-parameter model (104M with the byte vocabulary) whose steps give a GPU real work.
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
+    },
+    "100m": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+    },
+}
+
+
+def _hf_config(vocab_size: int, size: str) -> dict[str, object]:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        **SIZES[size],
         "hidden_act": "silu",
         "max_position_embeddings": 512,
         "rms_norm_eps": 1e-6,
@@ -95,8 +112,9 @@ def _hf_config(vocab_size: int) -> dict[str, object]:
     }
 
 
-def create_tiny_llama(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write the checkpoint into `out_dir` unless it is already complete; returns `out_dir`."""
+def create_tiny_llama(out_dir: Path, *, seed: int = 0, size: str = "tiny") -> Path:
+    """Write the checkpoint (of `SIZES[size]`) into `out_dir` unless it is already complete;
+    returns `out_dir`."""
     if all((out_dir / name).is_file() for name in (*_FILES, _WEIGHTS)):
         return out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -110,7 +128,8 @@ def create_tiny_llama(out_dir: Path, *, seed: int = 0) -> Path:
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     config_path = out_dir / "config.json"
-    config_path.write_text(json.dumps(_hf_config(tokenizer.get_vocab_size()), indent=2) + "\n")
+    config = _hf_config(tokenizer.get_vocab_size(), size)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
     (out_dir / "README.txt").write_text(
         _README.format(
             seed=seed, bos=BOS_TOKEN, bos_id=BOS_TOKEN_ID, eos=EOS_TOKEN, eos_id=EOS_TOKEN_ID
@@ -130,8 +149,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--size", choices=sorted(SIZES), default="tiny", help="tiny (default) or 100m"
+    )
     args = parser.parse_args(argv)
-    print(create_tiny_llama(args.out_dir, seed=args.seed))
+    print(create_tiny_llama(args.out_dir, seed=args.seed, size=args.size))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+"""Which SDPA kernels the generation engine's attention may use, chosen on purpose.
+
+torch picks a kernel for each `scaled_dot_product_attention` call among those enabled. On a GPU
+its default set includes cuDNN attention, which builds an execution plan for every new shape:
+about 8.5 ms a call on an H100 (`../shared/gpu/h100_generation_profile.log`), and a decode
+step's context width changes every step, so every step planned again. The engine therefore
+never enables cuDNN attention. Among the rest (flash, memory-efficient, math), a GPU worker
+times the sets below on representative steps at warm-up and keeps the fastest: which wins
+depends on the device, the head size and the dtype. Flash attention takes no explicit mask, so
+torch falls through to the next enabled kernel for the masked calls (decode and later prefill
+chunks); a set therefore lists kernels in torch's priority order, and "math" is in every one
+as the kernel of last resort for shapes the fused ones refuse.
+
+The choice is process-global state in torch (`sdpa_kernel` sets flags, not a thread-local):
+the engine enables its set around each step only, so another model's forward on another
+thread may see the engine's set for that long. The set differs from torch's default only by
+leaving kernels out, so that forward still runs, at worst on another kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+_NAMES = {
+    SDPBackend.FLASH_ATTENTION: "flash",
+    SDPBackend.EFFICIENT_ATTENTION: "efficient",
+    SDPBackend.MATH: "math",
+    SDPBackend.CUDNN_ATTENTION: "cudnn",
+}
+
+
+@dataclass(frozen=True)
+class AttentionBackends:
+    """A set of SDPA kernels, in torch's priority order."""
+
+    backends: tuple[SDPBackend, ...]
+
+    @property
+    def name(self) -> str:
+        """For logs and the metric's label: "flash+efficient+math"."""
+        return "+".join(_NAMES[b] for b in self.backends)
+
+    @contextlib.contextmanager
+    def enabled(self) -> Iterator[None]:
+        """Only these kernels while the block runs (torch's flags are restored after it)."""
+        with sdpa_kernel(list(self.backends)):
+            yield
+
+
+#: The sets a GPU worker times at warm-up, the first also a CPU's (whose SDPA has no cuDNN
+#: kernel to leave out, and whose choice is not measured).
+CANDIDATES = (
+    AttentionBackends(
+        (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+    ),
+    AttentionBackends((SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)),
+    AttentionBackends((SDPBackend.MATH,)),
+)
+
+
+#: torch's own set (cuDNN attention included): only for benchmarks' before-and-after runs.
+TORCH_DEFAULT = AttentionBackends(
+    (
+        SDPBackend.FLASH_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.MATH,
+        SDPBackend.CUDNN_ATTENTION,
+    )
+)
+
+
+def enabled_now() -> frozenset[str]:
+    """The kernels torch's flags enable at this moment (what a call made now may use)."""
+    flags = {
+        "flash": torch.backends.cuda.flash_sdp_enabled(),
+        "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+        "math": torch.backends.cuda.math_sdp_enabled(),
+        "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+    }
+    return frozenset(name for name, on in flags.items() if on)
+
+
+def fastest(
+    candidates: tuple[AttentionBackends, ...], time_step: Callable[[], float]
+) -> tuple[AttentionBackends, dict[str, float]]:
+    """The candidate under which `time_step()` (seconds, the caller's representative steps)
+    is shortest, and every candidate's time (a candidate whose kernels refuse the shapes
+    raises RuntimeError inside `time_step` and is left out). RuntimeError if none ran."""
+    times: dict[str, float] = {}
+    best: AttentionBackends | None = None
+    for candidate in candidates:
+        try:
+            with candidate.enabled():
+                seconds = time_step()
+        except RuntimeError:
+            continue
+        times[candidate.name] = seconds
+        if best is None or seconds < times[best.name]:
+            best = candidate
+    if best is None:
+        raise RuntimeError("no attention kernel set could run the warm-up steps")
+    return best, times

@@ -1,0 +1,50 @@
+"""The attention kernels' choice (pure: the timing is the caller's) and the graphs' buckets."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.generation.attention_backends import CANDIDATES, enabled_now, fastest
+from services.gpu_worker.generation.decode_graphs import buckets
+
+pytestmark = pytest.mark.unit
+
+
+def test_the_fastest_set_that_runs_is_chosen_and_every_time_reported() -> None:
+    timed = iter([0.004, 0.002, 0.003])
+    seen = []
+
+    def time_step() -> float:
+        seen.append(enabled_now())
+        return next(timed)
+
+    chosen, times = fastest(CANDIDATES, time_step)
+
+    assert chosen == CANDIDATES[1]
+    assert times == {c.name: t for c, t in zip(CANDIDATES, (0.004, 0.002, 0.003), strict=True)}
+    # Each timing ran with its own set enabled, cuDNN never.
+    assert seen == [frozenset(c.name.split("+")) for c in CANDIDATES]
+
+
+def test_a_set_whose_kernels_refuse_is_left_out_and_none_running_raises() -> None:
+    def refuse_fused() -> float:
+        if "flash" in enabled_now():
+            raise RuntimeError("No available kernel")
+        return 0.001 if "efficient" in enabled_now() else 0.0005
+
+    chosen, times = fastest(CANDIDATES, refuse_fused)
+    assert chosen == CANDIDATES[2] and set(times) == {"efficient+math", "math"}
+
+    def refuse() -> float:
+        raise RuntimeError("No available kernel")
+
+    with pytest.raises(RuntimeError, match="no attention kernel set"):
+        fastest(CANDIDATES, refuse)
+
+
+@pytest.mark.parametrize(
+    ("limit", "expected"),
+    [(1, (1,)), (2, (1, 2)), (32, (1, 2, 4, 8, 16, 32)), (24, (1, 2, 4, 8, 16, 24))],
+)
+def test_graph_buckets_are_powers_of_two_up_to_the_limit(limit: int, expected: tuple) -> None:
+    assert buckets(limit) == expected
