@@ -453,7 +453,7 @@ async def test_a_dead_loop_fails_its_streams_refuses_new_ones_and_says_so(
     )
     await anext(stream)
 
-    def broken_schedule() -> None:
+    def broken_schedule(*, admit: bool = True) -> None:
         raise RuntimeError("scheduler invariant broken")
 
     monkeypatch.setattr(backend.scheduler, "schedule", broken_schedule)

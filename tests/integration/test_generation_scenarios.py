@@ -105,12 +105,12 @@ class StepLog:
             self.arrivals[sequence.seq_id] = len(self.steps)
             return decision
 
-        def schedule() -> SchedulerOutput:
+        def schedule(*, admit: bool = True) -> SchedulerOutput:
             held = {i: scheduler.get(i) for i in self.arrivals}
             blocks_held = {i: len(s.block_table) for i, s in held.items() if s is not None}
             free = scheduler.num_free_blocks
             cancelled = registry.get_sample_value(names.GENERATION_CANCELLED_TOTAL, LABELS) or 0
-            output = real_schedule()
+            output = real_schedule(admit=admit)
             if output.scheduled:
                 self.steps.append(
                     Step(

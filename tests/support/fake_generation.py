@@ -108,8 +108,8 @@ class FakeEngine:
         self._tables.pop(seq_id, None)
         return self.scheduler.finish(seq_id)
 
-    def step(self) -> SchedulerOutput:
-        output = self.scheduler.schedule()
+    def step(self, *, admit: bool = True) -> SchedulerOutput:
+        output = self.scheduler.schedule(admit=admit)
         block_size = self.config.block_size
         for seq_id in output.preempted:
             self._tables.pop(seq_id, None)

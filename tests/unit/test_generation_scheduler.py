@@ -52,6 +52,17 @@ def test_s18_new_request_joins_running_decode_batch_at_the_next_step() -> None:
     )
 
 
+def test_a_step_that_may_not_admit_runs_the_running_and_leaves_the_waiting_waiting() -> None:
+    # The engine's prefill hold (a GPU replaying decode graphs) plans such steps.
+    engine = FakeEngine(make_config())
+    engine.add(make_seq(seq_id=1, max_tokens=10))
+    engine.step()
+    engine.add(make_seq(seq_id=2, max_tokens=10))
+    held = engine.step(admit=False)
+    assert scheduled_ids(held) == [1] and engine.scheduler.num_waiting == 1
+    assert scheduled_ids(engine.step()) == [1, 2]
+
+
 def test_s18_finished_sequence_leaves_at_once_and_its_blocks_return() -> None:
     engine = FakeEngine(make_config(num_blocks=16))
     short = make_seq(seq_id=1, num_prompt_tokens=8, max_tokens=2)

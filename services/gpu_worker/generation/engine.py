@@ -25,12 +25,14 @@ from services.gpu_worker.admission import Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.prefill_hold import PrefillHold
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
 from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.generation.scheduler import GenerationScheduler
 from services.gpu_worker.generation.sequence import ScheduledSequence
 from services.gpu_worker.generation.sequence import Sequence as SchedSequence
 from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
+from services.gpu_worker.generation.step_inputs import is_decode
 from services.gpu_worker.thread_choice import ThreadChoice
 
 log = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class GenerationEngine:
         self._fatal: Exception | None = None
         self.num_steps = 0
         self._mean_step_s = 0.01
+        self._prefill_hold = PrefillHold()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -258,7 +261,12 @@ class GenerationEngine:
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
-            output = self.scheduler.schedule()
+            # Decode steps replayed from CUDA graphs cost a fraction of a step with a prompt:
+            # prompts then wait (a few milliseconds at most) to share one (prefill_hold).
+            admit = self.runner.graphs is None or self._prefill_hold.admits(
+                self._clock(), num_running=self.scheduler.num_running
+            )
+            output = self.scheduler.schedule(admit=admit)
             self._export_gauges()
             if not output.scheduled:
                 if self._is_draining and not self.scheduler.has_unfinished():
@@ -291,7 +299,11 @@ class GenerationEngine:
             finally:
                 self._is_stepping = False
             self.num_steps += 1
-            step_s = self._clock() - started
+            ended = self._clock()
+            step_s = ended - started
+            self._prefill_hold.record(
+                has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
+            )
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
             self._bound.step_seconds.observe(step_s)
             self._bound.step_tokens.observe(output.num_batched_tokens)

@@ -88,6 +88,9 @@ class ModelRunner:
         self.attention = CANDIDATES[0]
         #: Decode-only steps replayed from CUDA graphs, once captured (`capture_graphs`).
         self.graphs: DecodeGraphs | None = None
+        #: Steps run so far from a graph, and eagerly (for benchmarks and logs).
+        self.num_replayed_steps = 0
+        self.num_eager_steps = 0
 
     @property
     def max_model_len(self) -> int:
@@ -107,7 +110,9 @@ class ModelRunner:
         for item in items:
             self._check(item)
         if self.graphs is not None and (logits := self.graphs.replay(items)) is not None:
+            self.num_replayed_steps += 1
             return logits
+        self.num_eager_steps += 1
         tensors = self.inputs.build(items)
         with self.attention.enabled(), device_section():
             logits = self.forward(tensors)
@@ -171,6 +176,9 @@ class ModelRunner:
         unmeasured (returns {})."""
         if self.device.type != "cuda":
             return {}
+        for items in steps:
+            for item in items:
+                self._check(item)
 
         def time_steps() -> float:
             for items in steps:  # once to build each kernel's state, then timed

@@ -184,9 +184,10 @@ class GenerationScheduler:
         self._ledger.join(seq.tenant)
         return Admitted()
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, *, admit: bool = True) -> SchedulerOutput:
         """Plan one step: running sequences first (priority order), preempting when blocks run
-        out, then admissions (static mode: a new batch only when nothing runs). Raises
+        out, then admissions unless `admit` is False (static mode: a new batch only when
+        nothing runs). Raises
         RuntimeError if the previous step was not accounted for with update_from_output() (or
         its sequences finished)."""
         if self._in_flight:
@@ -216,7 +217,7 @@ class GenerationScheduler:
             budget -= num_new
         # Blocks freed by a preemption are for the running sequences' next steps; admitting
         # into them now would only cause the next preemption (vLLM v1 does the same).
-        if not cfg.is_static and not preempted:
+        if admit and not cfg.is_static and not preempted:
             self._admit_waiting(budget, scheduled)
         return SchedulerOutput(
             scheduled=tuple(scheduled),
