@@ -117,6 +117,7 @@ class DecodeGraphs:
             *([pad] * (rows * width)),
         ]
 
+    @torch.inference_mode()
     def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
         """The step's logits (as `ModelRunner.execute` returns them) from its bucket's graph,
         or None when it has a prefill chunk or more sequences than the largest bucket."""

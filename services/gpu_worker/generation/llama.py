@@ -96,9 +96,9 @@ class _RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 and scale in the input dtype, as Hugging Face does, so bf16 runs
-        # round the same way as the reference.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # round the same way as the reference. One rms_norm call rather than its five
+        # elementwise steps: on a GPU each is a kernel launch, and eager steps are launch-bound.
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
 
@@ -119,6 +119,17 @@ class _Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
         self.v_proj = nn.Linear(config.hidden_size, kv_width, bias=False)
         self.o_proj = nn.Linear(q_width, config.hidden_size, bias=False)
+        #: q, k and v projections as one matmul, once `fuse()` has run (a loaded model).
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse(self) -> None:
+        """Replaces the three projections by one (their weights stacked): one launch instead of
+        three, and one rotation for queries and keys together."""
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        fused = nn.Linear(self.q_proj.in_features, sum(w.shape[0] for w in weights), bias=False)
+        fused.weight = nn.Parameter(torch.cat([w.detach() for w in weights]), requires_grad=False)
+        self.qkv_proj = fused
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(
         self,
@@ -128,14 +139,20 @@ class _Attention(nn.Module):
         sin: torch.Tensor,
         attention: AttentionFn,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
+        if self.qkv_proj is None:
+            q = self.q_proj(hidden).view(num_tokens, heads, self.head_dim)
+            k = self.k_proj(hidden).view(num_tokens, kv_heads, self.head_dim)
+            v = self.v_proj(hidden).view(num_tokens, kv_heads, self.head_dim)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+        else:
+            qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+            qk = qkv[:, : heads + kv_heads]
+            qk = qk * cos + _rotate_half(qk) * sin
+            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         context = attention(layer_index, q, k, v)
-        return self.o_proj(context.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(context.reshape(num_tokens, heads * self.head_dim))
 
 
 class _MLP(nn.Module):
@@ -234,4 +251,6 @@ class LlamaForCausalLM(nn.Module):
             and not (config.tie_word_embeddings and name == "lm_head.weight")
         }
         model.load_state_dict(state, strict=True)
+        for module in model.model.layers:
+            cast(_DecoderLayer, module).self_attn.fuse()
         return model.to(device=device).eval()

@@ -27,7 +27,7 @@ from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.decode_graphs import DecodeGraphs
 from services.gpu_worker.generation.kv_cache import PagedKVCache
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
-from services.gpu_worker.generation.step_inputs import DecodeInputs, StepInputBuilder, StepTensors
+from services.gpu_worker.generation.step_inputs import StepInputBuilder, StepTensors
 
 log = logging.getLogger(__name__)
 
@@ -121,13 +121,23 @@ class ModelRunner:
     def forward(self, step: StepTensors) -> torch.Tensor:
         """The step's float32 logits on the device (eager, or inside a graph's capture)."""
 
+        decodes = step.decodes
+        # Which gathered positions each decode token sees: the same for every layer, so built
+        # once a step. [n, 1 (kv heads), 1 (queries), positions], broadcast.
+        decode_mask = None
+        if decodes is not None:
+            positions = self.inputs.arange[: decodes.blocks.shape[1] * self.block_size]
+            decode_mask = (positions[None, :] < decodes.lengths[:, None])[:, None, None, :]
+
         def attention(
             layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         ) -> torch.Tensor:
             self.kv_cache.write(layer, step.slots, k, v)
             parts = []
-            if step.decodes is not None:
-                parts.append(self._attend_decodes(layer, q[: step.decodes.count], step.decodes))
+            if decodes is not None and decode_mask is not None:
+                parts.append(
+                    self._attend_decodes(layer, q[: decodes.count], decodes.blocks, decode_mask)
+                )
             for span in step.prefills:
                 if span.context_slots is None:
                     keys, values = k[span.lo : span.hi], v[span.lo : span.hi]
@@ -151,23 +161,26 @@ class ModelRunner:
             hidden = hidden[step.sample_rows]
         return self.model.compute_logits(hidden).float()
 
-    def _attend_decodes(self, layer: int, q: torch.Tensor, decodes: DecodeInputs) -> torch.Tensor:
+    def _attend_decodes(
+        self, layer: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of n decode tokens (`q`: [n, heads, head_dim]) over their sequences'
-        cached keys and values, in one block gather and one SDPA call for the layer. The mask
-        hides padding and the unwritten tail of each last block; it costs one comparison per
-        layer, on the device."""
-        num_seqs, width = decodes.blocks.shape
-        keys, values = self.kv_cache.gather_blocks(layer, decodes.blocks)
+        cached keys and values (whole `blocks`, [n, width], of which `mask` hides padding and
+        the unwritten tail of each last block), in one block gather and one SDPA call.
+
+        The query heads that share a KV head attend as that head's queries (grouped-query
+        attention without repeating keys and values, which SDPA's `enable_gqa` would do
+        outside its fused kernels)."""
+        num_seqs, heads, head_dim = q.shape
+        keys, values = self.kv_cache.gather_blocks(layer, blocks)
         # [n, width, block_size, kv_heads, head_dim] -> [n, kv_heads, positions, head_dim]
         keys = keys.view(num_seqs, -1, *keys.shape[3:]).transpose(1, 2)
         values = values.view(num_seqs, -1, *values.shape[3:]).transpose(1, 2)
-        positions = self.inputs.arange[: width * self.block_size]
-        # [n, 1 (heads), 1 (query), positions]: broadcast over every head.
-        mask = (positions[None, :] < decodes.lengths[:, None])[:, None, None, :]
-        attended = F.scaled_dot_product_attention(
-            q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=True
-        )
-        return attended[:, :, 0, :]
+        kv_heads = keys.shape[1]
+        # Query head h reads KV head h // group (Hugging Face's repeat_kv): consecutive heads.
+        grouped = q.view(num_seqs, kv_heads, heads // kv_heads, head_dim)
+        attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
+        return attended.reshape(num_seqs, heads, head_dim)
 
     def choose_attention(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> dict[str, float]:
         """On a GPU, the fastest kernel set (`attention_backends.CANDIDATES`) over `steps`

@@ -94,6 +94,9 @@ class HostStaging:
         self._host = torch.empty(0, dtype=torch.int64)
         self._copied: torch.cuda.Event | None = None
 
+    # Inference mode throughout: the buffers are inference tensors (made under it by the
+    # steps), which torch lets only inference mode update in place.
+    @torch.inference_mode()
     def stage(self, values: list[int]) -> torch.Tensor:
         """`values` in the reused host buffer (a fresh tensor on a CPU device)."""
         packed = torch.tensor(values, dtype=torch.int64)
@@ -108,12 +111,14 @@ class HostStaging:
         host.copy_(packed)
         return host
 
+    @torch.inference_mode()
     def copy_into(self, device_buffer: torch.Tensor, values: list[int]) -> None:
         """`values` copied into the front of `device_buffer` (a graph's static inputs)."""
         host = self.stage(values)
         device_buffer[: len(values)].copy_(host, non_blocking=True)
         self._record()
 
+    @torch.inference_mode()
     def to_device(self, values: list[int]) -> torch.Tensor:
         """`values` on the device, in one copy."""
         host = self.stage(values)
