@@ -7,6 +7,7 @@ run where a GPU is (the device script runs them); on a CPU they are skipped, not
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -167,9 +168,11 @@ def test_on_cuda_the_kernel_choice_is_measured_and_excludes_cudnn(model_dir: Pat
 @needs_cuda
 def test_on_cuda_graph_replays_give_the_eager_logits(model_dir: Path) -> None:
     eager, graphed = make_runner(model_dir, "cuda"), make_runner(model_dir, "cuda")
-    captured = graphed.capture_graphs(max_num_seqs=8)
+    captured = graphed.capture_graphs(max_num_seqs=8, max_model_len=96)
     graphs = graphed.graphs
+    # Widths up to the engine's 96 positions (24 blocks), not the checkpoint's 512.
     assert graphs is not None and graphs.batch_sizes == (1, 2, 4, 8)
+    assert graphs.widths == (1, 2, 4, 8, 16, 24)
     assert captured == graphs.count == len(graphs.batch_sizes) * len(graphs.widths)
     lengths = [3, 17, 30, 9, 50, 5, 22, 8]
     first, second = Sequences(lengths), Sequences(lengths)
@@ -181,6 +184,14 @@ def test_on_cuda_graph_replays_give_the_eager_logits(model_dir: Path) -> None:
         replayed = graphs.replay([second.decode(i, 11 + i) for i in range(count)])
         assert replayed is not None
         torch.testing.assert_close(replayed, expected, atol=2e-3, rtol=2e-3)
+    # Through execute, with an item that does not sample: a graph runs it, its row left out.
+    step_a = [first.decode(i, 30 + i) for i in range(3)]
+    step_b = [second.decode(i, 30 + i) for i in range(3)]
+    step_b[1] = dataclasses.replace(step_b[1], samples=False)
+    replayed = graphed.num_replayed_steps
+    logits = graphed.execute(step_b)
+    assert graphed.num_replayed_steps == replayed + 1
+    torch.testing.assert_close(logits, eager.execute(step_a)[[0, 2]], atol=2e-3, rtol=2e-3)
     # A step with a prompt in it is no graph's: replay declines it (before touching
     # anything), and execute runs it eagerly, to the same numbers.
     step_a, step_b = (

@@ -41,6 +41,27 @@ def test_a_set_whose_kernels_refuse_is_left_out_and_none_running_raises() -> Non
     with pytest.raises(RuntimeError, match="no attention kernel set"):
         fastest(CANDIDATES, refuse)
 
+    def fault() -> float:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    # A fault is no kernel's refusal: it is not hidden by choosing another set.
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        fastest(CANDIDATES, fault)
+
+
+def test_overlapping_steps_leave_the_flags_as_they_were_once_none_runs() -> None:
+    # Two models' steps on two threads: A enters, B enters, A leaves, B leaves.
+    before = enabled_now()
+    first, second = CANDIDATES[2].enabled(), CANDIDATES[1].enabled()
+    first.__enter__()
+    assert enabled_now() == {"math"}
+    second.__enter__()
+    assert enabled_now() == {"efficient", "math"}
+    first.__exit__(None, None, None)
+    assert enabled_now() == {"efficient", "math"}  # B still runs on its own set
+    second.__exit__(None, None, None)
+    assert enabled_now() == before
+
 
 @pytest.mark.parametrize(
     ("limit", "expected"),

@@ -37,6 +37,6 @@ def test_step_costs_are_moving_averages_and_equal_costs_hold_nothing() -> None:
     hold.record(has_prompt=True, seconds=0.012, end_s=0.3)
     assert hold.mixed_s == pytest.approx(0.003)  # 0.002 + 0.1 * (0.012 - 0.002)
     assert hold.hold_s == pytest.approx(0.001)
-    # A decode step cheaper than a mixed one never makes the hold negative.
+    # A decode step costlier than a mixed one never makes the hold negative.
     hold.record(has_prompt=False, seconds=0.05, end_s=0.4)
     assert hold.hold_s == 0.0

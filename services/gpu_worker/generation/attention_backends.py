@@ -11,20 +11,24 @@ torch falls through to the next enabled kernel for the masked calls (decode and 
 chunks); a set therefore lists kernels in torch's priority order, and "math" is in every one
 as the kernel of last resort for shapes the fused ones refuse.
 
-The choice is process-global state in torch (`sdpa_kernel` sets flags, not a thread-local):
-the engine enables its set around each step only, so another model's forward on another
-thread may see the engine's set for that long. The set differs from torch's default only by
-leaving kernels out, so that forward still runs, at worst on another kernel.
+The choice is process-global state in torch (flags, not a thread-local): the engine enables
+its set around each step only, so another model's forward on another thread may see the
+engine's set for that long. Steps of several generation models on their own threads overlap:
+the flags follow the set of the step that entered last among those running, and go back to
+what they were once none runs (a step wedged for good keeps its set enabled). Every set
+differs from torch's default only by leaving kernels out, so any forward still runs, at worst
+on another kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 _NAMES = {
     SDPBackend.FLASH_ATTENTION: "flash",
@@ -47,9 +51,37 @@ class AttentionBackends:
 
     @contextlib.contextmanager
     def enabled(self) -> Iterator[None]:
-        """Only these kernels while the block runs (torch's flags are restored after it)."""
-        with sdpa_kernel(list(self.backends)):
+        """Only these kernels while the block runs (see the module's doc for overlapping
+        blocks on several threads; the flags are as before once none runs)."""
+        global _before
+        with _lock:
+            if not _running:
+                _before = enabled_now()
+            _running.append(self)
+            _set_flags({_NAMES[b] for b in self.backends})
+        try:
             yield
+        finally:
+            with _lock:
+                _running.remove(self)
+                if _running:
+                    _set_flags({_NAMES[b] for b in _running[-1].backends})
+                else:
+                    _set_flags(_before)
+
+
+#: The sets of the steps running now, in the order they entered, and the flags before the
+#: first of them (`AttentionBackends.enabled`).
+_lock = threading.Lock()
+_running: list[AttentionBackends] = []
+_before: frozenset[str] = frozenset()
+
+
+def _set_flags(names: Set[str]) -> None:
+    torch.backends.cuda.enable_flash_sdp("flash" in names)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in names)
+    torch.backends.cuda.enable_math_sdp("math" in names)
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in names)
 
 
 #: The sets a GPU worker times at warm-up, the first also a CPU's (whose SDPA has no cuDNN
@@ -89,15 +121,20 @@ def fastest(
     candidates: tuple[AttentionBackends, ...], time_step: Callable[[], float]
 ) -> tuple[AttentionBackends, dict[str, float]]:
     """The candidate under which `time_step()` (seconds, the caller's representative steps)
-    is shortest, and every candidate's time (a candidate whose kernels refuse the shapes
-    raises RuntimeError inside `time_step` and is left out). RuntimeError if none ran."""
+    is shortest, and every candidate's time (a candidate whose kernels refuse the shapes,
+    torch's "No available kernel" RuntimeError inside `time_step`, is left out).
+    RuntimeError if none ran."""
     times: dict[str, float] = {}
     best: AttentionBackends | None = None
     for candidate in candidates:
         try:
             with candidate.enabled():
                 seconds = time_step()
-        except RuntimeError:
+        except RuntimeError as error:
+            # A set whose kernels all refuse some shape; anything else (out of memory, a
+            # device fault) is no reason to pick another set.
+            if "No available kernel" not in str(error):
+                raise
             continue
         times[candidate.name] = seconds
         if best is None or seconds < times[best.name]:

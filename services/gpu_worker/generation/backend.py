@@ -148,7 +148,11 @@ class GenerationBackend(ServedModel):
             f"warm-up steps: {measured}" if times else "not measured",
         )
         self._metrics.attention_backends.labels(*labels, self.runner.attention.name).set(1)
-        graphs = self.runner.capture_graphs(self.settings.max_num_seqs) if self._cuda_graphs else 0
+        graphs = (
+            self.runner.capture_graphs(self.settings.max_num_seqs, self._max_model_len)
+            if self._cuda_graphs
+            else 0
+        )
         self._metrics.cuda_graphs.labels(*labels).set(graphs)
         if graphs:
             log.info("generation of %s: %d decode CUDA graphs", "/".join(labels), graphs)
@@ -158,14 +162,16 @@ class GenerationBackend(ServedModel):
         positions) and a 128-token prompt, within the cache's blocks: what the attention
         kernels are timed on. Their keys and values go to blocks no sequence holds yet."""
         block_size, settings = self.runner.block_size, self.settings
-        context = max(1, min(self._max_model_len // 2, 256))
+        # Within the cache however small: the positions its blocks hold, less the decoded one.
+        room = settings.num_kv_blocks * block_size
+        context = max(1, min(self._max_model_len // 2, 256, room - 1))
         per_seq = num_blocks_for(context + 1, block_size)
         count = max(1, min(settings.max_num_seqs, 32, settings.num_kv_blocks // per_seq))
         decode = [
             SequenceBatchItem((1,), context, tuple(range(i * per_seq, (i + 1) * per_seq)))
             for i in range(count)
         ]
-        length = max(1, min(128, settings.max_num_batched_tokens, self._max_model_len))
+        length = max(1, min(128, settings.max_num_batched_tokens, self._max_model_len, room))
         blocks = tuple(range(num_blocks_for(length, block_size)))
         return [decode, [SequenceBatchItem((1,) * length, 0, blocks)]]
 

@@ -59,10 +59,13 @@ class _Graph:
 class DecodeGraphs:
     """One model runner's captured decode steps."""
 
-    def __init__(self, runner: ModelRunner, max_num_seqs: int) -> None:
+    def __init__(self, runner: ModelRunner, max_num_seqs: int, max_model_len: int) -> None:
+        """Buckets up to `max_num_seqs` sequences of up to `max_model_len` positions (the
+        engine's, which may be far below the checkpoint's; never wider than the cache)."""
         self._runner = runner
         self.batch_sizes = buckets(max_num_seqs)
-        self.widths = buckets(runner.max_blocks_per_seq)
+        widest = min(num_blocks_for(max_model_len, runner.block_size), runner.num_blocks)
+        self.widths = buckets(widest)
         self._graphs: dict[tuple[int, int], _Graph] = {}
 
     @property
@@ -120,14 +123,17 @@ class DecodeGraphs:
     @torch.inference_mode()
     def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
         """The step's logits (as `ModelRunner.execute` returns them) from its bucket's graph,
-        or None when it has a prefill chunk or more sequences than the largest bucket."""
+        or None when it has a prefill chunk, more sequences than the largest bucket or a
+        context longer than the widest."""
         count = len(items)
         if count > self.batch_sizes[-1] or not all(is_decode(item) for item in items):
             return None
         bs, pad = self._runner.block_size, self._runner.pad_block
-        batch = next(size for size in self.batch_sizes if size >= count)
         ends = [item.start_position + 1 for item in items]
         needed = [num_blocks_for(end, bs) for end in ends]
+        if max(needed) > self.widths[-1]:
+            return None
+        batch = next(size for size in self.batch_sizes if size >= count)
         width = next(size for size in self.widths if size >= max(needed))
         graph = self._graphs[batch, width]
         extra = batch - count

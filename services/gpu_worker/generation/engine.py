@@ -262,9 +262,12 @@ class GenerationEngine:
         while True:
             self._wake.clear()
             # Decode steps replayed from CUDA graphs cost a fraction of a step with a prompt:
-            # prompts then wait (a few milliseconds at most) to share one (prefill_hold).
-            admit = self.runner.graphs is None or self._prefill_hold.admits(
-                self._clock(), num_running=self.scheduler.num_running
+            # prompts then wait (a few milliseconds at most) to share one (prefill_hold),
+            # unless the step carries a prompt chunk anyway.
+            admit = (
+                self.runner.graphs is None
+                or self.scheduler.is_prefilling
+                or self._prefill_hold.admits(self._clock(), num_running=self.scheduler.num_running)
             )
             output = self.scheduler.schedule(admit=admit)
             self._export_gauges()

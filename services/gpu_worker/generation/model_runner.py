@@ -213,12 +213,14 @@ class ModelRunner:
     def _eager(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
         return self.forward(self.inputs.build(items))
 
-    def capture_graphs(self, max_num_seqs: int) -> int:
-        """On a GPU, captures the decode-only steps' CUDA graphs (`decode_graphs`) under the
-        chosen kernels; returns how many (0 on a CPU, where graphs are off)."""
+    def capture_graphs(self, max_num_seqs: int, max_model_len: int | None = None) -> int:
+        """On a GPU, captures the decode-only steps' CUDA graphs (`decode_graphs`) for up to
+        `max_num_seqs` sequences of up to `max_model_len` positions (default: the model's)
+        under the chosen kernels; returns how many (0 on a CPU, where graphs are off)."""
         if self.device.type != "cuda":
             return 0
-        graphs = DecodeGraphs(self, max_num_seqs)
+        longest = self.max_model_len if max_model_len is None else max_model_len
+        graphs = DecodeGraphs(self, max_num_seqs, longest)
         with self.attention.enabled():
             graphs.capture()
         self.graphs = graphs

@@ -126,6 +126,12 @@ class GenerationScheduler:
         return len(self._running)
 
     @property
+    def is_prefilling(self) -> bool:
+        """Whether a running sequence has prompt tokens left to compute (chunked prefill): the
+        next step carries a prompt chunk whatever is admitted."""
+        return any(_num_uncomputed(seq) > 1 for seq in self._running)
+
+    @property
     def max_num_batched_tokens(self) -> int:
         """Tokens one step may compute (decodes and prefill chunks together)."""
         return self._config.max_num_batched_tokens

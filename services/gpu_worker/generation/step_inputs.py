@@ -171,10 +171,10 @@ class StepInputBuilder:
         if decodes:
             ends = [items[i].start_position + 1 for i in decodes]
             width = max(num_blocks_for(end, bs) for end in ends)
-            for i in decodes:
-                table = items[i].block_table[:width]
-                values.extend(table)
-                values.extend([0] * (width - len(table)))  # hidden by the mask
+            for i, end in zip(decodes, ends, strict=True):
+                needed = num_blocks_for(end, bs)  # blocks past them are hidden by the mask
+                values.extend(items[i].block_table[:needed])
+                values.extend([0] * (width - needed))
             values.extend(ends)
         contexts: list[int] = []  # where each later chunk's context slots start in `values`
         for _, _, item in spans:
