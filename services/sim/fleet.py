@@ -263,6 +263,8 @@ class Fleet:
                 is_accepted=not is_overload,
                 retry_after_s=decision.retry_after_s,
             )
+            if self._tiers.is_set:
+                self._tiers.refused_at_router(now_s)
             self._done(request.arrival)
             self._recorder.refused(request.arrival.at_s, f"router_{decision.reason.value}")
             return

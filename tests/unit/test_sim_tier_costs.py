@@ -201,3 +201,13 @@ def test_a_call_the_gateways_refuse_still_costs_them_its_share_of_a_served_call(
     assert free.at_gateway_and_router(0.0) == pytest.approx(0.001)
     with pytest.raises(ValueError, match="gateway_refusal_share"):
         TierCpu(gateway_s_per_request=0.001, gateway_refusal_share=1.5)
+
+
+def test_a_call_the_routers_refuse_costs_the_gateway_and_the_router_a_forwarded_call() -> None:
+    cpu = TierCpu(gateway_s_per_request=0.001, router_s_per_request=0.0005)
+    queues = TierQueues(cpu, gateways=1, routers=1, worker_processes=1)
+    # Four calls refused by the routers at t=0 took 4 ms of the gateway and 2 ms of the
+    # router: a request arriving then leaves the gateway at 5 ms and the router at 5.5 ms.
+    for _ in range(4):
+        queues.refused_at_router(0.0)
+    assert queues.at_gateway_and_router(0.0) == pytest.approx(0.005 + 0.0005)
