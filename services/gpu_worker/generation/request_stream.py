@@ -1,5 +1,5 @@
 """A generation request's stream, as the engine (engine.py) feeds it: the `Delta`s its caller
-reads from its queue, and its state between steps (`RequestStream`): sampling settings,
+reads from its collector, and its state between steps (`RequestStream`): sampling settings,
 detokenizer, token timing. `RequestStream.push_token` extends it by one sampled token: stop
 tokens and strings, max_tokens, and the per-token metrics (TTFT, TPOT, tokens)."""
 
@@ -29,10 +29,60 @@ class Delta:
     completion_tokens: int = 0
 
 
+def merged(first: Delta, then: Delta) -> Delta:
+    """One delta for two consecutive ones: their tokens and text in order, the later's end."""
+    return Delta(
+        first.token_ids + then.token_ids,
+        first.text + then.text,
+        finish_reason=then.finish_reason,
+        prompt_tokens=then.prompt_tokens,
+        completion_tokens=then.completion_tokens,
+    )
+
+
+class DeltaCollector:
+    """What the engine produced for one request and its reader has not taken yet. Deltas that
+    arrive while the reader is busy (a gRPC stream's writes falling behind the steps) merge
+    into one, as vLLM's RequestOutputCollector does: a lagging reader sends one message for
+    several tokens instead of falling further behind, one message a token. An error is read
+    after the deltas before it."""
+
+    __slots__ = ("_error", "_pending", "_waiter")
+
+    def __init__(self) -> None:
+        self._pending: Delta | None = None
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, item: Delta | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = item
+        elif self._pending is None:
+            self._pending = item
+        else:
+            self._pending = merged(self._pending, item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get(self) -> Delta | BaseException:
+        """Everything produced since the last read, merged; or the error once that is read."""
+        while self._pending is None and self._error is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._pending is not None:
+            delta, self._pending = self._pending, None
+            return delta
+        assert self._error is not None
+        return self._error
+
+
 @dataclass
 class RequestStream:
-    """One live generation request: what samples and detokenizes its tokens, the queue its
-    deltas go to, and when its tokens came."""
+    """One live generation request: what samples and detokenizes its tokens, the collector
+    its deltas go to, and when its tokens came."""
 
     seq_id: int
     params: SamplingParams
@@ -41,7 +91,7 @@ class RequestStream:
     num_prompt_tokens: int
     arrival_s: float
     tenant: str
-    queue: asyncio.Queue[Delta | BaseException] = field(default_factory=asyncio.Queue)
+    queue: DeltaCollector = field(default_factory=DeltaCollector)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_emitted: int = 0
