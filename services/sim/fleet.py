@@ -242,6 +242,19 @@ class Fleet:
             self._tiers.refused_at_gateway(now_s)
 
     def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
+        """An attempt of `request` leaves the gateway's door at `now_s`. With tier costs, the
+        router decides once the gateway's and the router's CPU queues have done their work on
+        it (each attempt), on what the workers hold by then: a decision taken at the door
+        would route on a state as old as those queues are long."""
+        del throttle  # the request's own (`_throttle_of`), also after the queues
+        if self._tiers.is_set:
+            request.tiers_s = self._tiers.at_gateway_and_router(now_s)
+            self._loop.at(now_s + request.tiers_s, self._decide, request)
+            return
+        self._decide(now_s, request)
+
+    def _decide(self, now_s: float, request: SimRequest) -> None:
+        """The router's decision for `request` at `now_s`, and its trip to the worker."""
         spec = self._spec_of[request.arrival.model]
         tenant = request.arrival.tenant
         policy = self.config.tenants.get(tenant)
@@ -257,14 +270,12 @@ class Fleet:
         )
         if isinstance(decision, Reject):
             is_overload = decision.reason is RejectReason.DEADLINE
-            throttle.record(
+            self._throttle_of(request).record(
                 _throttle_key(request.arrival),
                 now_s,
                 is_accepted=not is_overload,
                 retry_after_s=decision.retry_after_s,
             )
-            if self._tiers.is_set:
-                self._tiers.refused_at_router(now_s)
             self._done(request.arrival)
             self._recorder.refused(request.arrival.at_s, f"router_{decision.reason.value}")
             return
@@ -274,10 +285,9 @@ class Fleet:
         upstream_s = self.config.upstream_s
         worker = self.workers.get(decision.worker_id)  # None: it died since the snapshot
         host = None if worker is None else worker.host
-        if self._tiers.is_set:  # every tier's CPU on the way (gateway and router per attempt)
-            upstream_s += self._tiers.at_gateway_and_router(now_s)
+        if self._tiers.is_set:  # the worker's processes' CPU queue, after the hop to it
             upstream_s += self._tiers.at_worker(decision.worker_id, now_s + upstream_s)
-            request.upstream_s = upstream_s
+            request.upstream_s = request.tiers_s + upstream_s
             self._loop.at(now_s + upstream_s, self._at_worker, request)
             return
         if host is None:

@@ -5,10 +5,11 @@ gateways together and the routers together are one queue each; every worker has 
 `FleetConfig.worker_processes` processes. A queue of n processes of k cores works through n k
 CPU seconds per second, first come first served, so a request waits for the work ahead of it
 and then takes its own cost: the hop to the worker lengthens by both, and grows without bound
-once a tier is offered more than its processes can do. A call the gateways refuse costs them
-a share of a served call (grpc's own per-call work); one the routers refuse costs the gateway
-and the router what a forwarded call does. The model's device is the worker's
-executor, as before (worker.py); nothing here applies while no tier cost is set."""
+once a tier is offered more than its processes can do. The router decides once the gateway's
+and its own queue are through (fleet.py), so a call the routers refuse has cost both tiers a
+forwarded call's work; a call the gateways refuse costs them a share of a served call (grpc's
+own per-call work). The model's device is the worker's executor, as before (worker.py);
+nothing here applies while no tier cost is set."""
 
 from __future__ import annotations
 
@@ -56,12 +57,6 @@ class TierQueues:
         """A call the gateways refused at `now_s` (quota, throttle): grpc's per-call work,
         `gateway_refusal_share` of a served call's, still falls on them."""
         self._gateways.add_work(now_s, self._refusal_s)
-
-    def refused_at_router(self, now_s: float) -> None:
-        """A call the routers refused at `now_s` (no worker could serve it in time): it took
-        the gateway's and the router's whole per-call work on its way in and its refusal
-        back, as a forwarded call does, and delays the calls behind it as much."""
-        self.at_gateway_and_router(now_s)
 
     def at_gateway_and_router(self, now_s: float) -> float:
         """Seconds a request spends in the gateway and then the router, arriving at `now_s`."""

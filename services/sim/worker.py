@@ -55,6 +55,7 @@ class SimRequest:
         "deadline_s",
         "num_attempts",
         "reservation_id",
+        "tiers_s",
         "tried",
         "upstream_s",
         "worker_id",
@@ -71,6 +72,9 @@ class SimRequest:
         self.cell = 0
         #: How long its last trip from the router to a worker took.
         self.upstream_s = 0.0
+        #: Seconds its last attempt spent in the gateways' and routers' CPU queues before
+        #: the router decided (tier_queues.py; 0 without tier costs).
+        self.tiers_s = 0.0
 
 
 class AnswerSink(Protocol):

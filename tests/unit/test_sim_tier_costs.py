@@ -203,11 +203,25 @@ def test_a_call_the_gateways_refuse_still_costs_them_its_share_of_a_served_call(
         TierCpu(gateway_s_per_request=0.001, gateway_refusal_share=1.5)
 
 
-def test_a_call_the_routers_refuse_costs_the_gateway_and_the_router_a_forwarded_call() -> None:
-    cpu = TierCpu(gateway_s_per_request=0.001, router_s_per_request=0.0005)
-    queues = TierQueues(cpu, gateways=1, routers=1, worker_processes=1)
-    # Four calls refused by the routers at t=0 took 4 ms of the gateway and 2 ms of the
-    # router: a request arriving then leaves the gateway at 5 ms and the router at 5.5 ms.
-    for _ in range(4):
-        queues.refused_at_router(0.0)
-    assert queues.at_gateway_and_router(0.0) == pytest.approx(0.005 + 0.0005)
+def test_the_router_decides_after_the_tier_queues_on_the_time_left_then() -> None:
+    # One gateway process at 4 ms a call, offered 500 calls/s for 2 s: twice what it does, so
+    # its queue grows by a second each two seconds. Each call allows 300 ms. The router decides
+    # once the gateway and router queues have done their work: calls that waited past their
+    # deadline there are refused by the router for the deadline, not routed and left to
+    # expire at the worker, and they cost the gateway their whole call on the way.
+    raw: dict[str, Any] = {
+        "name": "tier-queue-routing",
+        "duration_s": 2,
+        "warmup_s": 0,
+        "curve": {"fixed_ms": 1.0, "per_token_us": 1.0},
+        "model": {"name": "m", "slo_ms": 250, "max_batch_size": 32, "length_buckets": [16],
+                  "default_timeout_ms": 300},
+        "fleet": {"workers": 1, "gateways": 1, "routers": 1,
+                  "tier_cpu": {"gateway_s_per_request": 0.004}},
+        "traffic": {"streams": [{"rate_per_s": 500, "lengths": [[12, 1.0]]}]},
+    }  # fmt: skip
+    result = run(parse_scenario(raw, base_dir=Path("."), default_name="tier-queue-routing"))
+
+    refusals = result.recorder.refusals
+    assert refusals["router_deadline"] > 100, refusals
+    assert refusals["worker_expired"] == 0, refusals
