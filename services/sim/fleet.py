@@ -235,18 +235,17 @@ class Fleet:
         request = SimRequest(arrival, now_s + timeout_s)
         request.cell = self._rng.randrange(len(self._cells))
         self._budgets[request.cell].record_request(now_s)
-        self._route(now_s, request, throttle)
+        self._route(now_s, request)
 
     def _gateway_refused(self, now_s: float) -> None:
         if self._tiers.is_set:
             self._tiers.refused_at_gateway(now_s)
 
-    def _route(self, now_s: float, request: SimRequest, throttle: AdaptiveThrottle) -> None:
+    def _route(self, now_s: float, request: SimRequest) -> None:
         """An attempt of `request` leaves the gateway's door at `now_s`. With tier costs, the
         router decides once the gateway's and the router's CPU queues have done their work on
         it (each attempt), on what the workers hold by then: a decision taken at the door
         would route on a state as old as those queues are long."""
-        del throttle  # the request's own (`_throttle_of`), also after the queues
         if self._tiers.is_set:
             request.tiers_s = self._tiers.at_gateway_and_router(now_s)
             self._loop.at(now_s + request.tiers_s, self._decide, request)
@@ -352,7 +351,7 @@ class Fleet:
         )
         request.num_attempts += 1
         if isinstance(decision, RetryElsewhere):
-            self._route(now_s, request, self._throttle_of(request))
+            self._route(now_s, request)
         else:
             self._done(request.arrival)
             self._throttle_of(request).record(

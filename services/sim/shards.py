@@ -34,6 +34,18 @@ def shard_of(scenario: Scenario, index: int, num_shards: int) -> Scenario:
     fleet = dataclasses.replace(
         scenario.fleet, workers=scenario.fleet.workers // num_shards, tenants=tenants
     )
+    if fleet.tier_cpu.is_set:
+        # Each shard's gateways and routers queue its part of the traffic (tier_queues.py):
+        # all of them in every shard would do num_shards times the work.
+        gateways, routers = scenario.fleet.gateways, scenario.fleet.routers
+        if gateways % num_shards or routers % num_shards:
+            raise ValueError(
+                f"with tier costs, {gateways} gateways and {routers} routers must each split"
+                f" in {num_shards} shards"
+            )
+        fleet = dataclasses.replace(
+            fleet, gateways=gateways // num_shards, routers=routers // num_shards
+        )
     return dataclasses.replace(
         scenario,
         fleet=fleet,

@@ -44,3 +44,13 @@ async def test_an_error_is_read_after_the_deltas_before_it() -> None:
     collector.put_nowait(error)
     assert await collector.get() == Delta((1,), "a")
     assert await collector.get() is error
+
+
+async def test_a_second_reader_waiting_at_once_is_a_bug() -> None:
+    collector = DeltaCollector()
+    first = asyncio.create_task(collector.get())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="one reader"):
+        await collector.get()
+    collector.put_nowait(Delta((5,), "z"))
+    assert await first == Delta((5,), "z")

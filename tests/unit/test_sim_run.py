@@ -105,6 +105,13 @@ def test_a_shard_is_an_equal_part_of_the_fleet_and_its_traffic() -> None:
         shard_of(make_scenario(hpa={"target": 0.01}), 0, 2)
     with pytest.raises(ValueError, match="do not split"):
         shard_of(make_scenario(fleet={"workers": 3}), 0, 2)
+    # With tier costs each shard's gateways and routers queue only its part of the traffic.
+    tiered = {"workers": 4, "gateways": 4, "routers": 2,
+              "tier_cpu": {"gateway_s_per_request": 0.001}}  # fmt: skip
+    shard = shard_of(make_scenario(fleet=tiered), 0, 2)
+    assert (shard.fleet.gateways, shard.fleet.routers) == (2, 1)
+    with pytest.raises(ValueError, match="must each split"):
+        shard_of(make_scenario(fleet={**tiered, "routers": 3}), 0, 2)
 
 
 def test_a_scenario_reads_the_curve_bench_model_writes(tmp_path: Path) -> None:

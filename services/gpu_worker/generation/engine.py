@@ -4,8 +4,9 @@ Each step reads `schedule -> execute -> update_from_output`: the scheduler picks
 sequences (decodes, prefill chunks, admissions by free KV blocks, preemptions), the model runner
 computes them in one forward on the executor thread, the sampler picks a token for each
 sequence that reached the end of its known tokens, and the engine streams new text to each
-request's queue and finishes sequences that stopped. Consumers never block the loop: each
-request has its own unbounded queue (bounded in practice by max_tokens).
+request's collector and finishes sequences that stopped. Consumers never block the loop: each
+request has its own collector, where what its reader has not taken yet waits, read as one
+delta (request_stream.DeltaCollector; bounded by max_tokens).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class GenerationEngine:
 
     def _fail_all(self) -> None:
         for request in self._requests.values():
-            request.queue.put_nowait(self._stopped_error())
+            request.output.put_nowait(self._stopped_error())
         self._requests.clear()
 
     def _stopped_error(self) -> Unavailable:
@@ -173,7 +174,7 @@ class GenerationEngine:
         self._wake.set()
         try:
             while True:
-                item = await request.queue.get()
+                item = await request.output.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
@@ -380,7 +381,7 @@ class GenerationEngine:
             self.scheduler.finish(item.seq_id)
             request = self._requests.pop(item.seq_id, None)
             if request is not None:
-                request.queue.put_nowait(ExecutionFailed(f"generation failed: {error}"))
+                request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
         for seq_id in self._cancelled:
             self.scheduler.finish(seq_id)
         self._cancelled.clear()

@@ -29,52 +29,55 @@ class Delta:
     completion_tokens: int = 0
 
 
-def merged(first: Delta, then: Delta) -> Delta:
-    """One delta for two consecutive ones: their tokens and text in order, the later's end."""
+def merged(deltas: list[Delta]) -> Delta:
+    """One delta for consecutive ones: their tokens and text in order, the last one's end."""
+    if len(deltas) == 1:
+        return deltas[0]
+    last = deltas[-1]
     return Delta(
-        first.token_ids + then.token_ids,
-        first.text + then.text,
-        finish_reason=then.finish_reason,
-        prompt_tokens=then.prompt_tokens,
-        completion_tokens=then.completion_tokens,
+        tuple(token for delta in deltas for token in delta.token_ids),
+        "".join(delta.text for delta in deltas),
+        finish_reason=last.finish_reason,
+        prompt_tokens=last.prompt_tokens,
+        completion_tokens=last.completion_tokens,
     )
 
 
 class DeltaCollector:
     """What the engine produced for one request and its reader has not taken yet. Deltas that
-    arrive while the reader is busy (a gRPC stream's writes falling behind the steps) merge
-    into one, as vLLM's RequestOutputCollector does: a lagging reader sends one message for
+    arrive while the reader is busy (a gRPC stream's writes falling behind the steps) are read
+    as one, as vLLM's RequestOutputCollector does: a lagging reader sends one message for
     several tokens instead of falling further behind, one message a token. An error is read
-    after the deltas before it."""
+    after the deltas before it. One reader: a second waiting at once is a bug (it raises)."""
 
     __slots__ = ("_error", "_pending", "_waiter")
 
     def __init__(self) -> None:
-        self._pending: Delta | None = None
+        self._pending: list[Delta] = []
         self._error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
     def put_nowait(self, item: Delta | BaseException) -> None:
         if isinstance(item, BaseException):
             self._error = item
-        elif self._pending is None:
-            self._pending = item
         else:
-            self._pending = merged(self._pending, item)
+            self._pending.append(item)  # merged once, when read: linear in what piles up
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
     async def get(self) -> Delta | BaseException:
         """Everything produced since the last read, merged; or the error once that is read."""
-        while self._pending is None and self._error is None:
+        while not self._pending and self._error is None:
+            if self._waiter is not None:
+                raise RuntimeError("a generation stream has one reader")
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
             finally:
                 self._waiter = None
-        if self._pending is not None:
-            delta, self._pending = self._pending, None
-            return delta
+        if self._pending:
+            deltas, self._pending = self._pending, []
+            return merged(deltas)
         assert self._error is not None
         return self._error
 
@@ -91,7 +94,7 @@ class RequestStream:
     num_prompt_tokens: int
     arrival_s: float
     tenant: str
-    queue: DeltaCollector = field(default_factory=DeltaCollector)
+    output: DeltaCollector = field(default_factory=DeltaCollector)
     first_token_s: float | None = None
     last_token_s: float | None = None
     num_emitted: int = 0
@@ -156,10 +159,10 @@ class RequestStream:
         bound.tokens_total.inc(len(token_ids))
         if finish_reason is None:
             if token_ids:
-                self.queue.put_nowait(Delta(token_ids, text))
+                self.output.put_nowait(Delta(token_ids, text))
             return False
         bound.finished(finish_reason).inc()
-        self.queue.put_nowait(
+        self.output.put_nowait(
             Delta(
                 token_ids,
                 text,
