@@ -162,7 +162,10 @@ async def _stream(
     try:
         while True:
             reason = chunk.get("finish_reason")
-            await answer.write(sse_event(shape.chunk(chunk["text_output"], reason)))
+            # A token whose text is held back (part of a character, a possible stop string)
+            # comes with none: OpenAI sends no empty chunk, so neither does this stream.
+            if chunk["text_output"] or reason is not None:
+                await answer.write(sse_event(shape.chunk(chunk["text_output"], reason)))
             if reason is not None:
                 break
             chunk = await anext(chunks)
