@@ -75,11 +75,17 @@ class Sequences:
         return item
 
 
-def test_a_step_returns_logits_only_for_the_items_that_sample(model_dir: Path) -> None:
+@pytest.mark.parametrize(
+    ("device", "tolerance"), [("cpu", 1e-5), pytest.param("cuda", 1e-3, marks=needs_cuda)]
+)
+def test_a_step_returns_logits_only_for_the_items_that_sample(
+    model_dir: Path, device: str, tolerance: float
+) -> None:
     # One runner takes a step mixing, in this order, a prompt's middle chunk (which samples
     # nothing), a decode, a whole prompt and another decode; the other runs each item in a
-    # step of its own. The rows come back for the sampling items only, in the items' order.
-    mixed, alone = make_runner(model_dir), make_runner(model_dir)
+    # step of its own. The rows come back for the sampling items only, in the items' order
+    # (on CUDA within a tolerance: other shapes, other kernels).
+    mixed, alone = make_runner(model_dir, device), make_runner(model_dir, device)
     first, second = Sequences([5, 9, 12, 7]), Sequences([5, 9, 12, 7])
     for runner, seqs in ((mixed, first), (alone, second)):
         runner.execute([seqs.prefill(0), seqs.prefill(1)])
@@ -99,10 +105,13 @@ def test_a_step_returns_logits_only_for_the_items_that_sample(model_dir: Path) -
 
     assert [e.shape[0] for e in expected] == [0, 1, 1, 1]
     assert logits.shape == (3, mixed.config.vocab_size)
-    torch.testing.assert_close(logits, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, torch.cat(expected), atol=tolerance, rtol=tolerance)
     # The rest of the prompt then continues from the chunk's keys and values.
     torch.testing.assert_close(
-        mixed.execute([first.prefill(2)]), alone.execute([second.prefill(2)]), atol=1e-5, rtol=1e-5
+        mixed.execute([first.prefill(2)]),
+        alone.execute([second.prefill(2)]),
+        atol=tolerance,
+        rtol=tolerance,
     )
 
 
