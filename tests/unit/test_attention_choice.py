@@ -26,6 +26,17 @@ def test_the_fastest_set_that_runs_is_chosen_and_every_time_reported() -> None:
     assert seen == [frozenset(c.name.split("+")) for c in CANDIDATES]
 
 
+def test_a_later_set_replaces_an_earlier_one_only_when_faster_by_the_margin() -> None:
+    # Within 5% of the first set's time: a tie, and the first (broadest) set stays.
+    timed = iter([0.0100, 0.0097, 0.0096])
+    chosen, _ = fastest(CANDIDATES, lambda: next(timed))
+    assert chosen == CANDIDATES[0]
+    # Faster by more than the margin: it wins.
+    timed = iter([0.0100, 0.0094, 0.0092])
+    chosen, _ = fastest(CANDIDATES, lambda: next(timed))
+    assert chosen == CANDIDATES[1]
+
+
 def test_a_set_whose_kernels_refuse_is_left_out_and_none_running_raises() -> None:
     def refuse_fused() -> float:
         if "flash" in enabled_now():
