@@ -25,11 +25,13 @@ import torch
 
 from services.gpu_worker.device_busy import device_section
 from services.gpu_worker.generation.block_allocator import num_blocks_for
+from services.gpu_worker.generation.kv_cache import slots_for
 from services.gpu_worker.generation.step_inputs import (
     DecodeInputs,
     StepItem,
     StepTensors,
     is_decode,
+    padded_tables,
 )
 
 if TYPE_CHECKING:
@@ -130,26 +132,23 @@ class DecodeGraphs:
             return None
         bs, pad = self._runner.block_size, self._runner.pad_block
         ends = [item.start_position + 1 for item in items]
-        needed = [num_blocks_for(end, bs) for end in ends]
-        if max(needed) > self.widths[-1]:
+        widest = num_blocks_for(max(ends), bs)
+        if widest > self.widths[-1]:
             return None
         batch = next(size for size in self.batch_sizes if size >= count)
-        width = next(size for size in self.widths if size >= max(needed))
+        width = next(size for size in self.widths if size >= widest)
         graph = self._graphs[batch, width]
         extra = batch - count
         values = [item.token_ids[0] for item in items]
         values.extend([0] * extra)
         values.extend(item.start_position for item in items)
         values.extend([0] * extra)
-        for item in items:
-            start = item.start_position
-            values.append(item.block_table[start // bs] * bs + start % bs)
+        for item, end in zip(items, ends, strict=True):
+            values.extend(slots_for(item.block_table, item.start_position, end, bs))
         values.extend([pad * bs] * extra)
         values.extend(ends)
         values.extend([1] * extra)
-        for item, n in zip(items, needed, strict=True):
-            values.extend(item.block_table[:n])
-            values.extend([pad] * (width - n))
+        values.extend(padded_tables(items, bs, width, pad))
         values.extend([pad] * (extra * width))
         self._runner.inputs.staging.copy_into(graph.inputs, values)
         with device_section():

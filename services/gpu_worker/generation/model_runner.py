@@ -9,7 +9,6 @@ device in one packed copy (`step_inputs`); its attention runs on a chosen set of
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +27,6 @@ from services.gpu_worker.generation.decode_graphs import DecodeGraphs
 from services.gpu_worker.generation.kv_cache import PagedKVCache
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
 from services.gpu_worker.generation.step_inputs import StepInputBuilder, StepTensors
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

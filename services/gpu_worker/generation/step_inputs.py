@@ -43,6 +43,19 @@ def is_decode(item: StepItem) -> bool:
     return item.start_position > 0 and len(item.token_ids) == 1
 
 
+def padded_tables(
+    decodes: Sequence[StepItem], block_size: int, width: int, filler: int
+) -> list[int]:
+    """Each decode's blocks covering its context, then `filler` up to `width` blocks, row
+    after row (what attention gathers; the mask hides the filler)."""
+    values: list[int] = []
+    for item in decodes:
+        needed = num_blocks_for(item.start_position + 1, block_size)
+        values.extend(item.block_table[:needed])
+        values.extend([filler] * (width - needed))
+    return values
+
+
 @dataclass(frozen=True)
 class DecodeInputs:
     """The step's decode tokens: rows [0, count) of the flattened batch."""
@@ -171,10 +184,7 @@ class StepInputBuilder:
         if decodes:
             ends = [items[i].start_position + 1 for i in decodes]
             width = max(num_blocks_for(end, bs) for end in ends)
-            for i, end in zip(decodes, ends, strict=True):
-                needed = num_blocks_for(end, bs)  # blocks past them are hidden by the mask
-                values.extend(items[i].block_table[:needed])
-                values.extend([0] * (width - needed))
+            values.extend(padded_tables([items[i] for i in decodes], bs, width, 0))
             values.extend(ends)
         contexts: list[int] = []  # where each later chunk's context slots start in `values`
         for _, _, item in spans:
