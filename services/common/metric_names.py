@@ -49,6 +49,7 @@ GATEWAY_PROCESS_RESTARTS_TOTAL = "inference_gateway_process_restarts_total"
 # Router.
 ROUTER_ROUTED_TOTAL = "inference_router_routed_total"
 ROUTER_REJECTED_TOTAL = "inference_router_rejected_total"
+ROUTER_SPLIT_BUNDLES_TOTAL = "inference_router_split_bundles_total"
 ROUTER_RETRIES_TOTAL = "inference_router_retries_total"
 ROUTER_RESPONSES_TOTAL = "inference_router_responses_total"
 ROUTER_PREDICTED_WAIT_SECONDS = "inference_router_predicted_wait_seconds"

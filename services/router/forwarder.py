@@ -9,6 +9,7 @@ they arrived as unary calls or on a gateway's stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -19,6 +20,7 @@ import grpc
 
 from services.common.bundles import SliceCancels
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
+from services.common.grpc_errors import is_bug
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
@@ -31,6 +33,7 @@ from services.common.registry_schema import (
 from services.common.telemetry import count_outcome
 from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
+from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
 from services.router.metrics import RouterMetrics
 from services.router.retry import GiveUp, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
@@ -107,12 +110,32 @@ class Forwarder:
         self, body: bytes, facts: CallFacts, slice_cancels: SliceCancels | None
     ) -> bytes:
         """`slice_cancels`: a bundle's slices whose callers stopped waiting, relayed to the
-        worker (a bundle is routed, reserved and forwarded whole, as one call)."""
-        name, version, deadline_s = facts.name, facts.version, facts.deadline_s
+        worker. A bundle is routed, reserved and forwarded whole, as one call, unless no worker
+        can take all of it in time: then in parts (services.router.bundle_split)."""
         self._budget.record_request(time.monotonic())
-        tried: set[str] = set()
+        decision = self._decide(facts, frozenset())
+        if isinstance(decision, Reject):
+            bundle = None
+            if decision.reason is RejectReason.DEADLINE and facts.num_rows > 1:
+                bundle = Bundle.parse(body)
+            if bundle is None:
+                raise self._refused(facts, decision, retried=False)
+            return await self._split(bundle, facts, slice_cancels, decision)
+        return await self._attempts(body, facts, slice_cancels, decision)
+
+    async def _attempts(
+        self,
+        body: bytes,
+        facts: CallFacts,
+        slice_cancels: SliceCancels | None,
+        route: Route,
+    ) -> bytes:
+        """Sends a call on `route`, and again elsewhere while its failures allow a retry."""
+        name, version, deadline_s = facts.name, facts.version, facts.deadline_s
+        tried = {route.worker_id}
         for attempt in range(self._max_retries + 1):
-            route = self._route(facts, tried)
+            if attempt:
+                route = self._route(facts, tried)
             sent_s = time.monotonic()
             try:
                 response = await self._stream(route.address).call(
@@ -133,6 +156,48 @@ class Forwarder:
             finally:
                 self._table.release(route.reservation_id)
         raise Unavailable("no worker answered")  # unreachable: the last failure raises
+
+    async def _split(
+        self,
+        bundle: Bundle,
+        facts: CallFacts,
+        slice_cancels: SliceCancels | None,
+        whole: Reject,
+    ) -> bytes:
+        """Routes a bundle in parts; answers as the whole bundle would have been answered. When
+        no part can be routed, the bundle is refused whole, as it was refused at first."""
+
+        def decide(part: Part) -> Route | Reject:
+            return self._decide(_part_facts(facts, part), frozenset())
+
+        decided = plan(bundle, decide)
+        routes = [d for _, d in decided if isinstance(d, Route)]
+        if not routes:
+            raise self._refused(facts, whole, retried=False)
+        self._metrics.split_bundles_total.labels(facts.name, facts.version).inc()
+        parts = [part for part, _ in decided]
+        cancels, stop_relay = relay_cancels(slice_cancels or SliceCancels(), parts)
+
+        async def answer(part: Part, decision: Route | Reject, part_cancels: SliceCancels) -> bytes:
+            if isinstance(decision, Reject):
+                raise self._refused(_part_facts(facts, part), decision, retried=False)
+            return await self._attempts(
+                bundle.body(part), _part_facts(facts, part), part_cancels, decision
+            )
+
+        try:
+            answers = await asyncio.gather(
+                *(answer(p, d, c) for (p, d), c in zip(decided, cancels, strict=True)),
+                return_exceptions=True,
+            )
+        finally:
+            stop_relay()
+            for route in routes:  # a part cancelled before it started never released its own
+                self._table.release(route.reservation_id)
+        for error in answers:
+            if isinstance(error, BaseException) and is_bug(error):
+                log.error("a part of a split bundle failed", exc_info=error)
+        return merge(list(zip(parts, answers, strict=True)))
 
     async def generate(
         self, body: bytes, context: grpc.aio.ServicerContext
@@ -175,6 +240,15 @@ class Forwarder:
                     self._table.release(route.reservation_id)
 
     def _route(self, facts: CallFacts, tried: set[str]) -> Route:
+        """A route, avoiding `tried` (the workers tried already, to which it adds its own);
+        raises the refusal."""
+        decision = self._decide(facts, frozenset(tried))
+        if isinstance(decision, Reject):
+            raise self._refused(facts, decision, retried=bool(tried))
+        tried.add(decision.worker_id)
+        return decision
+
+    def _decide(self, facts: CallFacts, tried: frozenset[str]) -> Route | Reject:
         name, version, now_s = facts.name, facts.version, time.monotonic()
         decision = self._table.route(
             name,
@@ -182,18 +256,19 @@ class Forwarder:
             facts.num_rows,
             facts.deadline_s - now_s,
             now_s,
-            frozenset(tried),
+            tried,
             is_batch=facts.priority is PriorityClass.BATCH,
             tenant=facts.tenant,
             weight=facts.weight,
         )
-        if isinstance(decision, Reject):
-            self._metrics.rejected_total.labels(name, version, decision.reason.value).inc()
-            raise _rejection(decision, retried=bool(tried))
-        tried.add(decision.worker_id)
-        self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
-        self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
+        if isinstance(decision, Route):
+            self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
+            self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
         return decision
+
+    def _refused(self, facts: CallFacts, decision: Reject, *, retried: bool) -> Exception:
+        self._metrics.rejected_total.labels(facts.name, facts.version, decision.reason.value).inc()
+        return _rejection(decision, retried=retried)
 
     def _note_outcome(self, route: Route, sent_s: float, error: UpstreamError | None) -> None:
         """Tells the timeout ejector (services.router.ejection) how a worker answered: any
@@ -298,6 +373,17 @@ def _call_facts(
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
     deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
     return CallFacts(*route_info, deadline_s, priority, tenant, weight)
+
+
+def _part_facts(facts: CallFacts, part: Part) -> CallFacts:
+    """A part of a bundle's facts: its rows, its tenant, and its latest slice's deadline."""
+    return dataclasses.replace(
+        facts,
+        num_rows=part.rows,
+        deadline_s=facts.deadline_s - part.earlier_us / 1e6,
+        tenant=part.tenant,
+        weight=part.weight,
+    )
 
 
 def _timeout_s(deadline_s: float) -> float | None:

@@ -24,6 +24,12 @@ class RouterMetrics:
             "Requests refused before reaching a worker, by reason.",
             (*_MODEL, "reason"),
         )
+        self.split_bundles_total = new.counter(
+            names.ROUTER_SPLIT_BUNDLES_TOTAL,
+            "Bundles no worker could take whole in time, routed in parts (each part counts "
+            "in routed_total, each part refused in rejected_total).",
+            _MODEL,
+        )
         self.retries_total = new.counter(
             names.ROUTER_RETRIES_TOTAL, "Calls retried on another worker after UNAVAILABLE.", _MODEL
         )

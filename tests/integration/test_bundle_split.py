@@ -1,0 +1,191 @@
+"""A bundle that no worker can take whole in time, through a real router server and two real
+workers: the router routes it in parts (services.router.bundle_split), each worker runs its
+part's rows, and the caller gets one answer with every slice's status and rows in order.
+
+The router here is the router's own forwarding and gRPC wiring (`Forwarder`,
+`add_worker_service`) over a route table that the test loads itself, as the registry sync
+would, with a cost per row the test chooses: so which bundle fits where is the test's to say,
+whatever the workers' measured costs on a shared machine.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from services.common import metric_names as names
+from services.common.errors import UpstreamError
+from services.common.lifecycle import new_server
+from services.common.multiplex import MultiplexClient
+from services.common.registry_schema import ModelRecord, WorkerRecord, route_metadata
+from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.router.catalog import Catalog
+from services.router.drain import DrainGate
+from services.router.forwarder import Forwarder
+from services.router.metrics import RouterMetrics
+from services.router.routing import RetryBudget, Route, RouteTable
+from services.router.routing_config import RoutingConfig
+from services.router.server import add_worker_service
+from tests.support.in_process import Fabric, metric, running_fabric
+from tests.support.models import affine_reference, write_affine_model
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.integration
+
+#: The cost of a row the route table believes, and the rows it holds reserved on each worker:
+#: a worker is predicted to finish n more rows in (RESERVED_ROWS + n) * PER_ROW_S seconds.
+PER_ROW_S = 0.1
+RESERVED_ROWS = 10
+#: The bundles' time: a worker takes 20 more rows (3 s) with a second to spare, and not 40
+#: (5 s), so a slow machine's delays do not change what fits.
+TIMEOUT_S = 4.0
+OK = grpc.StatusCode.OK.value[0]
+
+
+@dataclass
+class SplittingRouter:
+    address: str
+    metrics: RouterMetrics
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric(self.metrics.registry, name, **labels)
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    async with running_fabric(
+        tmp_path / "repo", redis_server, num_workers=2, with_gateway=False
+    ) as fabric:
+        yield fabric
+
+
+@pytest.fixture
+async def router(fabric: Fabric) -> AsyncIterator[SplittingRouter]:
+    table = RouteTable(RoutingConfig(explore_share=0.0), random.Random(0))
+    records = [
+        WorkerRecord(w.config.worker_id, f"127.0.0.1:{w.port}", False, 0, (_affine_record(),))
+        for w in fabric.workers
+    ]
+    now_s = time.monotonic()  # the router's clock
+    table.update([(r, now_s) for r in records], now_s)
+    for record in records:  # never released: the workers stay busy in the table's eyes
+        others = frozenset(r.worker_id for r in records) - {record.worker_id}
+        held = table.route("affine", "1", RESERVED_ROWS, 100.0, now_s, others)
+        assert isinstance(held, Route) and held.worker_id == record.worker_id
+    metrics = RouterMetrics(CollectorRegistry())
+    forwarder = Forwarder(table, RetryBudget(), metrics, default_timeout_s=TIMEOUT_S, max_retries=1)
+    server = new_server(is_internal=True)
+    add_worker_service(server, forwarder, Catalog(table), DrainGate())
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield SplittingRouter(f"127.0.0.1:{port}", metrics)
+    finally:
+        await server.stop(grace=None)
+        await forwarder.close()
+
+
+def _affine_record() -> ModelRecord:
+    return ModelRecord(
+        name="affine",
+        version="1",
+        fingerprint="",
+        tokenizer_fingerprint="",
+        kind="torchscript",
+        max_batch_size=64,
+        slo_p99_ms=30_000,
+        per_row_s=PER_ROW_S,
+        min_batch_s=PER_ROW_S,
+        queued_rows=0,
+        is_ready=True,
+    )
+
+
+def bundle_of(rows_per_slice: list[int]) -> tuple[pb.InferRequest, np.ndarray]:
+    """A bundle of affine rows (one slice per entry, of that many rows), and its rows."""
+    rows = np.random.default_rng(len(rows_per_slice)).normal(size=(sum(rows_per_slice), 4))
+    stacked = rows.astype(np.float32)
+    request = pb.InferRequest(
+        model_name="affine",
+        model_version="1",
+        slices=[pb.Slice(rows=n, request_id=f"caller-{i}") for i, n in enumerate(rows_per_slice)],
+        packed=pb.PackedRows(tensor=tensor_to_pb(stacked)),
+    )
+    return request, stacked
+
+
+async def call(router: SplittingRouter, request: pb.InferRequest) -> pb.InferResponse:
+    num_rows = sum(s.rows for s in request.slices)
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        client = MultiplexClient(channel, "router")
+        try:
+            body = await client.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", num_rows),
+                timeout_s=TIMEOUT_S,
+            )
+        finally:
+            await client.close()
+    return pb.InferResponse.FromString(body)
+
+
+def expected(rows: np.ndarray) -> np.ndarray:
+    return affine_reference(torch.from_numpy(rows)).numpy()
+
+
+async def test_a_bundle_no_worker_takes_whole_is_served_in_parts_by_two_workers(
+    fabric: Fabric, router: SplittingRouter
+) -> None:
+    # 40 rows: 5 s on either worker; 20 rows: 3 s, on each.
+    request, rows = bundle_of([10, 10, 10, 10])
+    response = await call(router, request)
+    assert [s.code for s in response.slices] == [OK] * 4
+    np.testing.assert_allclose(
+        tensor_from_pb(response.packed_outputs), expected(rows), rtol=1e-5, atol=1e-6
+    )
+    assert router.metric(names.ROUTER_SPLIT_BUNDLES_TOTAL, model="affine") == 1
+    for worker in fabric.workers:
+        assert router.metric(names.ROUTER_ROUTED_TOTAL, worker=worker.config.worker_id) == 1
+        assert metric(worker.metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") == 20
+
+
+async def test_a_slice_no_worker_can_take_is_refused_alone_while_its_mates_are_served(
+    fabric: Fabric, router: SplittingRouter
+) -> None:
+    # 50 rows do not fit; the first three slices (15 rows, 2.5 s) do, on w0; the last (35 rows,
+    # 4.5 s on w1) nowhere.
+    request, rows = bundle_of([5, 5, 5, 35])
+    response = await call(router, request)
+    codes = [s.code for s in response.slices]
+    assert codes == [OK, OK, OK, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert "retry-after-ms" in response.slices[3].trailers
+    np.testing.assert_allclose(
+        tensor_from_pb(response.packed_outputs), expected(rows[:15]), rtol=1e-5, atol=1e-6
+    )
+    assert router.metric(names.ROUTER_REJECTED_TOTAL, reason="deadline") == 1
+    served = [
+        metric(w.metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") for w in fabric.workers
+    ]
+    assert sorted(served) == [0, 15]
+
+
+async def test_a_bundle_nothing_of_which_fits_is_refused_whole_as_before(
+    router: SplittingRouter,
+) -> None:
+    request, _ = bundle_of([40, 40])
+    with pytest.raises(UpstreamError) as raised:
+        await call(router, request)
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert router.metric(names.ROUTER_SPLIT_BUNDLES_TOTAL, model="affine") == 0
+    assert router.metric(names.ROUTER_REJECTED_TOTAL, reason="deadline") == 1
