@@ -14,6 +14,7 @@ request, relays cancelled slices to the parts that carry them and merges the ans
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -39,13 +40,24 @@ class Part:
 
     first: int
     stop: int
-    rows: int
+    #: Each slice's rows.
+    slice_rows: tuple[int, ...]
     #: How long before the bundle's deadline this part's deadline (its latest slice's) falls.
     earlier_us: int
     #: The part's tenant when all its slices share one ("" and 1.0 when they do not: routing
     #: then prices the rows as shared, as the gateway does for a bundle).
     tenant: str
     weight: float
+
+    @property
+    def rows(self) -> int:
+        return sum(self.slice_rows)
+
+
+def _weight(value: float) -> float:
+    """A slice's fair-share weight for routing: 1 (the default) when unset or not a positive
+    number (the worker refuses the slice; routing must not price negative rows ahead)."""
+    return value if math.isfinite(value) and value > 0 else 1.0
 
 
 #: The routing decision for a part: a route (rows reserved) or why none.
@@ -75,6 +87,9 @@ class Bundle:
         if len(request.slices) < 2 or any(s.rows < 1 for s in request.slices):
             return None
         packed = request.packed
+        has_tokens = bool(packed.token_ids or packed.row_lengths)
+        if has_tokens and packed.HasField("tensor"):
+            return None  # two columns: the worker refuses it (or reads the tokens); not ours
         if packed.HasField("tensor"):
             shape = packed.tensor.shape
             if not shape or shape[0] != num_rows or len(packed.tensor.raw_data) % num_rows:
@@ -91,10 +106,16 @@ class Bundle:
 
     def part(self, first: int, stop: int) -> Part:
         slices = self.request.slices[first:stop]
-        tenants = {(s.tenant, s.tenant_weight or 1.0) for s in slices}
+        tenants = {(s.tenant, _weight(s.tenant_weight)) for s in slices}
         tenant, weight = next(iter(tenants)) if len(tenants) == 1 else ("", 1.0)
-        rows = self._row_starts[stop] - self._row_starts[first]
-        return Part(first, stop, rows, min(s.earlier_us for s in slices), tenant, weight)
+        return Part(
+            first,
+            stop,
+            tuple(self.slice_rows[first:stop]),
+            min(s.earlier_us for s in slices),
+            tenant,
+            weight,
+        )
 
     def halfway(self, first: int, stop: int) -> int:
         """Where [first, stop) (two slices or more) splits into two parts of about equal rows."""
@@ -205,7 +226,7 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
         failed = pb.SliceStatus(
             code=status.code.value[0], message=status.message, trailers=dict(status.trailers)
         )
-        response.slices.extend([failed] * (part.stop - part.first))
+        response.slices.extend([failed] * len(part.slice_rows))
     packed = [o for o in outputs if isinstance(o, pb.Tensor)]
     if packed and len(packed) == len(outputs) and _stack_alike(packed):
         response.packed_outputs.CopyFrom(_stacked(packed))
@@ -216,12 +237,21 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
 
 
 def _part_response(body: bytes, part: Part) -> pb.InferResponse:
+    """A part's answer, checked: a status per slice and a row per row of its OK slices (so a
+    malformed answer fails its own part's callers, never its bundle-mates')."""
     response = pb.InferResponse.FromString(body)
-    if len(response.slices) != part.stop - part.first:
+    if len(response.slices) != len(part.slice_rows):
         raise ValueError(
-            f"a part of {part.stop - part.first} slices answered with "
-            f"{len(response.slices)} statuses"
+            f"a part of {len(part.slice_rows)} slices answered with {len(response.slices)} statuses"
         )
+    expected = sum(r for r, s in zip(part.slice_rows, response.slices, strict=True) if s.code == 0)
+    if response.HasField("packed_outputs"):
+        shape = response.packed_outputs.shape
+        answered = shape[0] if shape else -1
+    else:
+        answered = len(response.outputs)
+    if answered != expected:
+        raise ValueError(f"a part answered {answered} rows for {expected}")
     return response
 
 

@@ -9,31 +9,24 @@ they arrived as unary calls or on a gateway's stream.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import grpc
 
 from services.common.bundles import SliceCancels
-from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable, UpstreamError
+from services.common.errors import NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.grpc_errors import is_bug
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
-from services.common.priority import DEFAULT_PRIORITY, PriorityClass
-from services.common.registry_schema import (
-    ROUTE_PRIORITY_KEY,
-    ROUTE_TENANT_KEY,
-    ROUTE_WEIGHT_KEY,
-    parse_route_metadata,
-)
+from services.common.priority import PriorityClass
 from services.common.telemetry import count_outcome
 from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
+from services.router.call_facts import CallFacts, call_facts, part_facts
 from services.router.metrics import RouterMetrics
 from services.router.retry import GiveUp, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
@@ -96,7 +89,7 @@ class Forwarder:
         return stream
 
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
-        facts = _call_facts(context, self._default_timeout_s)
+        facts = call_facts(context, self._default_timeout_s)
         started_s = time.monotonic()
         try:
             with count_outcome(self._metrics.responses_total, facts.name, facts.version):
@@ -116,12 +109,30 @@ class Forwarder:
         decision = self._decide(facts, frozenset())
         if isinstance(decision, Reject):
             bundle = None
-            if decision.reason is RejectReason.DEADLINE and facts.num_rows > 1:
+            if self._may_split(facts, decision):
                 bundle = Bundle.parse(body)
             if bundle is None:
                 raise self._refused(facts, decision, retried=False)
             return await self._split(bundle, facts, slice_cancels, decision)
         return await self._attempts(body, facts, slice_cancels, decision)
+
+    def _may_split(self, facts: CallFacts, refusal: Reject) -> bool:
+        """Whether a call refused whole may be split: refused for its deadline, of several
+        rows, and some worker would take one row of it in time. Under overload no worker
+        does, and the refusal costs one more pricing, not a parse and a plan."""
+        if refusal.reason is not RejectReason.DEADLINE or facts.num_rows < 2:
+            return False
+        now_s = time.monotonic()
+        return self._table.can_take(
+            facts.name,
+            facts.version,
+            1,
+            facts.deadline_s - now_s,
+            now_s,
+            is_batch=facts.priority is PriorityClass.BATCH,
+            tenant=facts.tenant,
+            weight=facts.weight,
+        )
 
     async def _attempts(
         self,
@@ -167,22 +178,34 @@ class Forwarder:
         """Routes a bundle in parts; answers as the whole bundle would have been answered. When
         no part can be routed, the bundle is refused whole, as it was refused at first."""
 
-        def decide(part: Part) -> Route | Reject:
-            return self._decide(_part_facts(facts, part), frozenset())
+        routes: list[Route] = []
 
-        decided = plan(bundle, decide)
-        routes = [d for _, d in decided if isinstance(d, Route)]
+        def decide(part: Part) -> Route | Reject:
+            decision = self._decide(part_facts(facts, part), frozenset())
+            if isinstance(decision, Route):
+                routes.append(decision)
+            return decision
+
+        try:
+            decided = plan(bundle, decide)
+        except BaseException:
+            for route in routes:
+                self._table.release(route.reservation_id)
+            raise
         if not routes:
             raise self._refused(facts, whole, retried=False)
         self._metrics.split_bundles_total.labels(facts.name, facts.version).inc()
+        now_s = time.monotonic()
+        for _ in routes[1:]:  # each part may retry: each counts toward the retry budget
+            self._budget.record_request(now_s)
         parts = [part for part, _ in decided]
         cancels, stop_relay = relay_cancels(slice_cancels or SliceCancels(), parts)
 
         async def answer(part: Part, decision: Route | Reject, part_cancels: SliceCancels) -> bytes:
             if isinstance(decision, Reject):
-                raise self._refused(_part_facts(facts, part), decision, retried=False)
+                raise self._refused(part_facts(facts, part), decision, retried=False)
             return await self._attempts(
-                bundle.body(part), _part_facts(facts, part), part_cancels, decision
+                bundle.body(part), part_facts(facts, part), part_cancels, decision
             )
 
         try:
@@ -206,7 +229,7 @@ class Forwarder:
         a stream that already delivered tokens is never silently replayed."""
         # No deadline from the caller: none here either (a stream may run long; the gateway
         # always sends one, the model's default_timeout_ms when its caller set none).
-        facts = _call_facts(context, None)
+        facts = call_facts(context, None)
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         with count_outcome(self._metrics.responses_total, name, version):
             self._budget.record_request(time.monotonic())
@@ -331,59 +354,6 @@ class Forwarder:
             raise error
         log.warning("worker %s unavailable (%s); retrying elsewhere", route.worker_id, error)
         self._metrics.retries_total.labels(name, version).inc()
-
-
-@dataclass(frozen=True)
-class CallFacts:
-    """What routing needs of a call, from its metadata and deadline."""
-
-    name: str
-    version: str
-    #: Input rows (prompt tokens for generation).
-    num_rows: int
-    #: Absolute, on time.monotonic(); math.inf for none.
-    deadline_s: float
-    priority: PriorityClass
-    #: The caller's tenant ("" when the gateway sent none) and its fair-share weight.
-    tenant: str = ""
-    weight: float = 1.0
-
-
-def _call_facts(
-    context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float | None
-) -> CallFacts:
-    """The call's facts. Without a caller's deadline: `default_timeout_s` from now, or
-    math.inf when that is None; without a priority class, the default class."""
-    metadata = {k: v for k, v in context.invocation_metadata() or () if isinstance(v, str)}
-    route_info = parse_route_metadata(metadata)
-    if route_info is None:
-        raise InvalidInput("router calls need x-route-model, -version and -rows metadata")
-    try:
-        priority = PriorityClass.parse(metadata.get(ROUTE_PRIORITY_KEY) or DEFAULT_PRIORITY.value)
-    except ValueError as error:
-        raise InvalidInput(f"{ROUTE_PRIORITY_KEY}: {error}") from None
-    tenant = metadata.get(ROUTE_TENANT_KEY, "")
-    try:
-        weight = float(metadata.get(ROUTE_WEIGHT_KEY) or 1.0)
-    except ValueError:
-        weight = math.nan
-    if not (math.isfinite(weight) and weight > 0):
-        raise InvalidInput(f"{ROUTE_WEIGHT_KEY} must be a positive number")
-    remaining_s = context.time_remaining()
-    timeout_s = default_timeout_s if remaining_s is None else remaining_s
-    deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
-    return CallFacts(*route_info, deadline_s, priority, tenant, weight)
-
-
-def _part_facts(facts: CallFacts, part: Part) -> CallFacts:
-    """A part of a bundle's facts: its rows, its tenant, and its latest slice's deadline."""
-    return dataclasses.replace(
-        facts,
-        num_rows=part.rows,
-        deadline_s=facts.deadline_s - part.earlier_us / 1e6,
-        tenant=part.tenant,
-        weight=part.weight,
-    )
 
 
 def _timeout_s(deadline_s: float) -> float | None:

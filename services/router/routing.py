@@ -185,6 +185,30 @@ class RouteTable:
         self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows, tenant, weight)
 
+    def can_take(
+        self,
+        name: str,
+        version: str,
+        num_rows: int,
+        remaining_s: float,
+        now_s: float,
+        *,
+        is_batch: bool = False,
+        tenant: str = "",
+        weight: float = 1.0,
+    ) -> bool:
+        """Whether some worker would take `num_rows` rows in time now, as `route` judges it;
+        nothing is reserved. (A router that cannot place one row of a refused bundle has no
+        part of it to place either.)"""
+        if self._refreshed_at_s is None or (
+            now_s - self._refreshed_at_s > self._config.max_snapshot_age_s
+        ):
+            return False
+        eligible, _ = self._eligible(name, version, now_s, frozenset())
+        pricing = (f"{name}@{version}", num_rows, now_s, self._refreshed_at_s, is_batch)
+        priced = self._price(eligible, *pricing, tenant, weight)
+        return any(self._admits(c, remaining_s) for c in priced)
+
     def _eligible(
         self, name: str, version: str, now_s: float, exclude: frozenset[str]
     ) -> tuple[list[_Candidate], bool]:

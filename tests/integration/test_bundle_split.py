@@ -10,6 +10,8 @@ whatever the workers' measured costs on a shared machine.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator
@@ -37,13 +39,21 @@ from services.router.routing import RetryBudget, Route, RouteTable
 from services.router.routing_config import RoutingConfig
 from services.router.server import add_worker_service
 from tests.support.in_process import Fabric, metric, running_fabric
-from tests.support.models import affine_reference, write_affine_model
+from tests.support.models import (
+    STALL,
+    affine_reference,
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+)
 from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
-#: The cost of a row the route table believes, and the rows it holds reserved on each worker:
-#: a worker is predicted to finish n more rows in (RESERVED_ROWS + n) * PER_ROW_S seconds.
+#: The cost of a row the route table believes, and the rows it holds reserved on each worker
+#: for each model: a worker is predicted to finish n more rows of a model in
+#: (RESERVED_ROWS + n) * PER_ROW_S seconds.
 PER_ROW_S = 0.1
 RESERVED_ROWS = 10
 #: The bundles' time: a worker takes 20 more rows (3 s) with a second to spare, and not 40
@@ -56,6 +66,12 @@ OK = grpc.StatusCode.OK.value[0]
 class SplittingRouter:
     address: str
     metrics: RouterMetrics
+    table: RouteTable
+
+    def reserved_rows(self) -> list[int]:
+        """Rows reserved on each worker, both models (2 * RESERVED_ROWS when every call has
+        released its own)."""
+        return [self.table.inflight_rows(w) for w in ("w0", "w1")]
 
     def metric(self, name: str, **labels: str) -> float:
         return metric(self.metrics.registry, name, **labels)
@@ -63,26 +79,38 @@ class SplittingRouter:
 
 @pytest.fixture
 async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    gate = tmp_path / "gate"
     write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    async with running_fabric(
-        tmp_path / "repo", redis_server, num_workers=2, with_gateway=False
-    ) as fabric:
-        yield fabric
+    write_stalling_model(tmp_path / "repo", gate)
+    try:
+        async with running_fabric(
+            tmp_path / "repo", redis_server, num_workers=2, with_gateway=False
+        ) as fabric:
+            yield fabric
+    finally:
+        release_stall(gate)
 
 
 @pytest.fixture
 async def router(fabric: Fabric) -> AsyncIterator[SplittingRouter]:
     table = RouteTable(RoutingConfig(explore_share=0.0), random.Random(0))
     records = [
-        WorkerRecord(w.config.worker_id, f"127.0.0.1:{w.port}", False, 0, (_affine_record(),))
+        WorkerRecord(
+            w.config.worker_id,
+            f"127.0.0.1:{w.port}",
+            False,
+            0,
+            (_record("affine"), _record("stall")),
+        )
         for w in fabric.workers
     ]
     now_s = time.monotonic()  # the router's clock
     table.update([(r, now_s) for r in records], now_s)
     for record in records:  # never released: the workers stay busy in the table's eyes
         others = frozenset(r.worker_id for r in records) - {record.worker_id}
-        held = table.route("affine", "1", RESERVED_ROWS, 100.0, now_s, others)
-        assert isinstance(held, Route) and held.worker_id == record.worker_id
+        for model in ("affine", "stall"):
+            held = table.route(model, "1", RESERVED_ROWS, 100.0, now_s, others)
+            assert isinstance(held, Route) and held.worker_id == record.worker_id
     metrics = RouterMetrics(CollectorRegistry())
     forwarder = Forwarder(table, RetryBudget(), metrics, default_timeout_s=TIMEOUT_S, max_retries=1)
     server = new_server(is_internal=True)
@@ -90,15 +118,15 @@ async def router(fabric: Fabric) -> AsyncIterator[SplittingRouter]:
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        yield SplittingRouter(f"127.0.0.1:{port}", metrics)
+        yield SplittingRouter(f"127.0.0.1:{port}", metrics, table)
     finally:
         await server.stop(grace=None)
         await forwarder.close()
 
 
-def _affine_record() -> ModelRecord:
+def _record(name: str) -> ModelRecord:
     return ModelRecord(
-        name="affine",
+        name=name,
         version="1",
         fingerprint="",
         tokenizer_fingerprint="",
@@ -112,12 +140,14 @@ def _affine_record() -> ModelRecord:
     )
 
 
-def bundle_of(rows_per_slice: list[int]) -> tuple[pb.InferRequest, np.ndarray]:
-    """A bundle of affine rows (one slice per entry, of that many rows), and its rows."""
+def bundle_of(
+    rows_per_slice: list[int], model: str = "affine"
+) -> tuple[pb.InferRequest, np.ndarray]:
+    """A bundle of rows for `model` (one slice per entry, of that many rows), and its rows."""
     rows = np.random.default_rng(len(rows_per_slice)).normal(size=(sum(rows_per_slice), 4))
     stacked = rows.astype(np.float32)
     request = pb.InferRequest(
-        model_name="affine",
+        model_name=model,
         model_version="1",
         slices=[pb.Slice(rows=n, request_id=f"caller-{i}") for i, n in enumerate(rows_per_slice)],
         packed=pb.PackedRows(tensor=tensor_to_pb(stacked)),
@@ -127,12 +157,13 @@ def bundle_of(rows_per_slice: list[int]) -> tuple[pb.InferRequest, np.ndarray]:
 
 async def call(router: SplittingRouter, request: pb.InferRequest) -> pb.InferResponse:
     num_rows = sum(s.rows for s in request.slices)
+    model = request.model_name
     async with grpc.aio.insecure_channel(router.address) as channel:
         client = MultiplexClient(channel, "router")
         try:
             body = await client.call(
                 request.SerializeToString(),
-                metadata=route_metadata("affine", "1", num_rows),
+                metadata=route_metadata(model, "1", num_rows),
                 timeout_s=TIMEOUT_S,
             )
         finally:
@@ -158,6 +189,7 @@ async def test_a_bundle_no_worker_takes_whole_is_served_in_parts_by_two_workers(
     for worker in fabric.workers:
         assert router.metric(names.ROUTER_ROUTED_TOTAL, worker=worker.config.worker_id) == 1
         assert metric(worker.metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") == 20
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
 
 
 async def test_a_slice_no_worker_can_take_is_refused_alone_while_its_mates_are_served(
@@ -174,10 +206,12 @@ async def test_a_slice_no_worker_can_take_is_refused_alone_while_its_mates_are_s
         tensor_from_pb(response.packed_outputs), expected(rows[:15]), rtol=1e-5, atol=1e-6
     )
     assert router.metric(names.ROUTER_REJECTED_TOTAL, reason="deadline") == 1
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
     served = [
         metric(w.metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") for w in fabric.workers
     ]
     assert sorted(served) == [0, 15]
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
 
 
 async def test_a_bundle_nothing_of_which_fits_is_refused_whole_as_before(
@@ -189,3 +223,51 @@ async def test_a_bundle_nothing_of_which_fits_is_refused_whole_as_before(
     assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert router.metric(names.ROUTER_SPLIT_BUNDLES_TOTAL, model="affine") == 0
     assert router.metric(names.ROUTER_REJECTED_TOTAL, reason="deadline") == 1
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
+
+
+async def test_a_caller_gone_while_its_split_bundle_runs_leaves_no_rows_queued_or_reserved(
+    fabric: Fabric, router: SplittingRouter, tmp_path: Path
+) -> None:
+    """The first part's first row stalls w0's executor; the caller goes away: the router's
+    part calls end, their reservations are released, and w0 withdraws the part's queued rows
+    unrun (the stalled row itself is no longer counted in flight)."""
+    request, _ = bundle_of([10, 10, 10, 10], model="stall")
+    request.packed.tensor.raw_data = (
+        np.full(4, STALL, dtype=np.float32).tobytes() + request.packed.tensor.raw_data[16:]
+    )
+    w0 = fabric.workers[0]
+    batching = w0.batching
+    assert batching is not None
+    caller = asyncio.ensure_future(call(router, request))
+    try:
+        await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
+        await eventually(
+            lambda: (
+                metric(w0.metrics.registry, names.WORKER_ROWS_TOTAL, model="stall") == 0
+                and batching.num_in_flight == 20
+            ),
+            interval_s=0.01,
+            message="the first part's rows did not queue behind the stalled one",
+        )
+        assert router.reserved_rows()[0] == 2 * RESERVED_ROWS + 20
+        caller.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await caller
+        await eventually(
+            lambda: router.reserved_rows() == [2 * RESERVED_ROWS] * 2,
+            interval_s=0.01,
+            message="a part's reservation outlived its caller",
+        )
+        await eventually(
+            lambda: batching.num_in_flight == 0,
+            interval_s=0.01,
+            message="w0 kept the gone caller's queued rows",
+        )
+        # The stalled row runs on (an executor cannot be interrupted); the other 19 never will.
+        dropped = metric(
+            w0.metrics.registry, names.WORKER_DROPPED_TOTAL, model="stall", reason="cancelled"
+        )
+        assert dropped == 19
+    finally:
+        release_stall(tmp_path / "gate")

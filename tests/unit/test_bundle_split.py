@@ -162,6 +162,14 @@ def test_a_tensor_part_carries_its_rows() -> None:
     "body",
     [
         b"\xff\xff not a protobuf",
+        pb.InferRequest(
+            slices=[pb.Slice(rows=1), pb.Slice(rows=1)],
+            packed=pb.PackedRows(
+                token_ids=pack_token_rows([[1], [2]])[0],
+                row_lengths=pack_token_rows([[1], [2]])[1],
+                tensor=tensor_to_pb(np.zeros((2, 4), dtype=np.float32)),
+            ),
+        ).SerializeToString(),  # two columns
         text_bundle([3]).SerializeToString(),  # one slice: nothing to split
         pb.InferRequest(
             slices=[pb.Slice(rows=1), pb.Slice(rows=1)],
@@ -184,7 +192,7 @@ def test_what_is_no_well_formed_bundle_is_not_split(body: bytes) -> None:
 def test_a_cancelled_slice_reaches_the_part_that_carries_it_by_its_index_there() -> None:
     whole = SliceCancels()
     whole.cancel(0)
-    parts = [Part(0, 2, 2, 0, "", 1.0), Part(2, 5, 3, 0, "", 1.0)]
+    parts = [Part(0, 2, (1, 1), 0, "", 1.0), Part(2, 5, (1, 1, 1), 0, "", 1.0)]
     cancels, stop = relay_cancels(whole, parts)
     whole.cancel(3)
     assert (cancels[0].cancelled, cancels[1].cancelled) == ({0}, {1})
@@ -213,9 +221,9 @@ def test_the_merged_answer_has_every_slice_in_order_and_the_ok_rows_packed() -> 
     merged = pb.InferResponse.FromString(
         merge(
             [
-                (Part(0, 2, 3, 0, "", 1.0), answered([1, 2], [OK, OK])),
-                (Part(2, 3, 1, 0, "", 1.0), refusal),
-                (Part(3, 5, 2, 0, "", 1.0), answered([1, 1], [EXHAUSTED, OK])),
+                (Part(0, 2, (1, 2), 0, "", 1.0), answered([1, 2], [OK, OK])),
+                (Part(2, 3, (1,), 0, "", 1.0), refusal),
+                (Part(3, 5, (1, 1), 0, "", 1.0), answered([1, 1], [EXHAUSTED, OK])),
             ]
         )
     )
@@ -229,8 +237,8 @@ def test_parts_that_answer_row_by_row_merge_row_by_row_in_order() -> None:
     merged = pb.InferResponse.FromString(
         merge(
             [
-                (Part(0, 1, 2, 0, "", 1.0), answered([2], [OK], packed=True)),
-                (Part(1, 2, 1, 0, "", 1.0), answered([1], [OK], packed=False)),
+                (Part(0, 1, (2,), 0, "", 1.0), answered([2], [OK], packed=True)),
+                (Part(1, 2, (1,), 0, "", 1.0), answered([1], [OK], packed=False)),
             ]
         )
     )
@@ -238,18 +246,32 @@ def test_parts_that_answer_row_by_row_merge_row_by_row_in_order() -> None:
     assert [tensor_from_pb(t).shape for t in merged.outputs] == [(2,), (2,), (2,)]
 
 
-def test_a_part_answered_with_the_wrong_number_of_statuses_fails_its_slices_internal() -> None:
+def test_a_part_answered_with_the_wrong_statuses_or_rows_fails_its_own_slices_internal() -> None:
     merged = pb.InferResponse.FromString(
         merge(
             [
-                (Part(0, 2, 2, 0, "", 1.0), answered([1], [OK])),
-                (Part(2, 3, 1, 0, "", 1.0), UpstreamError(grpc.StatusCode.UNAVAILABLE, "gone")),
+                (Part(0, 2, (1, 1), 0, "", 1.0), answered([1], [OK])),
+                (Part(2, 3, (1,), 0, "", 1.0), UpstreamError(grpc.StatusCode.UNAVAILABLE, "gone")),
+                # Two OK slices of one row each, answered with one row.
+                (Part(3, 5, (1, 1), 0, "", 1.0), answered([1, 0], [OK, OK])),
             ]
         )
     )
+    internal = grpc.StatusCode.INTERNAL.value[0]
     assert [s.code for s in merged.slices] == [
-        grpc.StatusCode.INTERNAL.value[0],
-        grpc.StatusCode.INTERNAL.value[0],
+        internal,
+        internal,
         grpc.StatusCode.UNAVAILABLE.value[0],
+        internal,
+        internal,
     ]
     assert not merged.HasField("packed_outputs") and not merged.outputs
+
+
+@pytest.mark.parametrize("weight", [-1.0, 0.0, float("nan"), float("inf")])
+def test_a_slice_weight_that_is_no_positive_number_routes_as_the_default(weight: float) -> None:
+    request = text_bundle([1, 1], tenants=["a", "a"])
+    for piece in request.slices:
+        piece.tenant_weight = weight
+    part = parsed(request).part(0, 2)
+    assert (part.tenant, part.weight) == ("a", 1.0)

@@ -660,3 +660,15 @@ def test_exploration_never_sends_a_request_where_it_would_be_late() -> None:
 def test_explore_share_must_be_a_share() -> None:
     with pytest.raises(ValueError, match="explore_share"):
         RoutingConfig(explore_share=1.5)
+
+
+def test_can_take_judges_as_route_does_and_reserves_nothing() -> None:
+    # w1 has 50 rows queued (0.51 s for one more row), w2 90 (0.91 s).
+    table = loaded(make_table(), make_worker(worker_id="w1", queued_rows=50),
+                   make_worker(worker_id="w2", queued_rows=90))  # fmt: skip
+    assert table.can_take(*MODEL, 1, 0.6, 0.0)
+    assert not table.can_take(*MODEL, 10, 0.6, 0.0)  # 0.6 s on w1: past 0.6 less the margin
+    assert isinstance(route(table, num_rows=10, remaining_s=0.6), Reject)
+    assert table.inflight_rows("w1") == table.inflight_rows("w2") == 0
+    assert not table.can_take("other", "1", 1, 10.0, 0.0)
+    assert not make_table().can_take(*MODEL, 1, 10.0, 0.0)  # no snapshot yet
