@@ -28,7 +28,7 @@ TEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
-	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-sim-stand-in bench-worker-feed \
+	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-sim-stand-in bench-worker-feed bench-spread \
 	bench-registry bench-fair-share clean
 
 all: test
@@ -222,9 +222,15 @@ bench-registry: install-test
 bench-worker-feed: install-test
 	$(PY) -m bench.worker_feed
 
+# The fabric with its tiers spread over the machine's cores (gateway processes, two routers,
+# generator processes): goodput per rate against the raw model's best batch, CPU per tier
+# -> bench/results/spread.json. On a GPU box without --stand-in (bench/device_run.sh).
+bench-spread: install-test
+	$(PY) -m bench.spread --stand-in
+
 # Every benchmark; results in bench/results/ (ignored by git).
 bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry \
-	bench-fair-share bench-worker-feed bench-sim-stand-in
+	bench-fair-share bench-worker-feed bench-sim-stand-in bench-spread
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache

@@ -15,7 +15,9 @@
 #   generation_before: the engine as it was (torch's kernels with cuDNN attention, no graphs)
 #     and graphs off alone, side by side on the same machine; generation_100m: the ~100M
 #     model, graphs on and off; fabric_smoke: the whole fabric on minilm.
-# Not in the default set: raw_model (the model's curve) and sim_validation.
+#   fabric_spread: the fabric with its tiers spread over the cores (bench.spread).
+# Not in the default set: generation_before (recorded on H200s: 523 tokens/s before),
+# raw_model (the model's curve) and sim_validation.
 # STEPS="generation fabric_smoke" runs only those.
 set -u
 export PYTHONUNBUFFERED=1
@@ -49,7 +51,7 @@ EOF
 python3 -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1 >/dev/null || exit 1
 LLAMA_100M=/tmp/llama-100m
 
-STEPS=${STEPS:-pytest_cuda generation_steps generation generation_before generation_100m fabric_smoke}
+STEPS=${STEPS:-pytest_cuda generation_steps generation generation_100m fabric_spread fabric_smoke}
 # Every step's log and results go to $RES, packed into $OUT/results.tgz after each step (the
 # device tool brings back at most 8 files; a call cut short still brings back what finished).
 RES=/tmp/results
@@ -82,6 +84,11 @@ TAIL=10 step generation_before 90 sh -c "python3 -m bench.generation --quick --n
 TAIL=10 step generation_100m 90 sh -c "python3 -m bench.generation --quick --model $LLAMA_100M \
     --output $RES/generation_100m.json && python3 -m bench.generation --quick --no-cuda-graphs \
     --model $LLAMA_100M --output $RES/generation_100m_no_graphs.json"
+# The fabric with its tiers spread over the box's 16 cores (issue 32's GPU goal): 4 gateway
+# processes, 2 routers and 2 workers on the one GPU, load from 4 generator processes.
+TAIL=12 step fabric_spread 150 python3 -m bench.spread --gateway-processes 4 --routers 2 \
+    --workers 2 --generators 4 --rates ${SPREAD_RATES:-1000 2000 4000 6000 8000} \
+    --warmup-s 2 --window-s 4 --output "$RES/spread_gpu.json"
 TAIL=25 step fabric_smoke 170 python3 -m bench.fabric --smoke --no-peer \
     --output "$RES/fabric_smoke.json"
 step raw_model 90 python3 -m bench.raw_model --batch-sizes 1 2 4 8 16 32 64 \

@@ -45,8 +45,8 @@ def start(config: StackConfig, children: list[Child]) -> None:
     """Starts every tier in dependency order, appending each to `children` as soon as it exists
     (so that the caller can stop whatever was started if a later tier fails)."""
     start_redis(config, children)
-    router = start_router_and_workers(config, children)
-    gateway = start_gateway(config, children, router)
+    routers = start_router_and_workers(config, children)
+    gateway = start_gateway(config, children, routers)
     start_job_runner(config, children, gateway)
 
 
@@ -68,18 +68,21 @@ def start_redis(config: StackConfig, children: list[Child]) -> None:
     wait_tiers(config, children[-1:], children, lambda c: ping(c.ports["port"], auth=admin))
 
 
-def start_router_and_workers(config: StackConfig, children: list[Child]) -> Child:
-    """The router, then the workers (loading in parallel); returns the router once it sees
-    every worker."""
+def start_router_and_workers(config: StackConfig, children: list[Child]) -> list[Child]:
+    """The routers, then the workers (loading in parallel); returns the routers once each
+    sees every worker."""
     python = [sys.executable, "-m"]
-    grpc_port, metrics_port = config.ports(8101)
-    router_argv = [*python, "services.router", "--host", HOST,
-                   "--grpc-port", grpc_port, "--metrics-port", metrics_port,
-                   "--redis-url", config.redis_url,
-                   "--redis-password-file", config.redis_password_file(ROUTER)]  # fmt: skip
-    router = spawn(config, "router", "router", router_argv, has_ready=True)
-    children.append(router)
-    wait_tiers(config, [router], children)
+    routers: list[Child] = []
+    for i in range(config.num_routers):
+        grpc_port, metrics_port = config.ports(8101 + 10 * i)
+        router_argv = [*python, "services.router", "--host", HOST,
+                       "--grpc-port", grpc_port, "--metrics-port", metrics_port,
+                       "--redis-url", config.redis_url,
+                       "--redis-password-file", config.redis_password_file(ROUTER)]  # fmt: skip
+        name = "router" if config.num_routers == 1 else f"router-{i}"
+        routers.append(spawn(config, name, "router", router_argv, has_ready=True))
+        children.append(routers[-1])
+    wait_tiers(config, routers, children)
 
     # Workers load models in parallel; each is waited for after all have started.
     workers: list[Child] = []
@@ -94,18 +97,20 @@ def start_router_and_workers(config: StackConfig, children: list[Child]) -> Chil
         workers.append(spawn(config, f"worker-{i}", "worker", worker_argv, has_ready=True))
         children.append(workers[-1])
     wait_tiers(config, workers, children)
-    wait_tiers(config, [router], children, lambda r: sees_workers(r, config.num_workers),
+    wait_tiers(config, routers, children, lambda r: sees_workers(r, config.num_workers),
                what=f"showing {config.num_workers} {ROUTER_LIVE_WORKERS}")  # fmt: skip
-    return router
+    return routers
 
 
-def start_gateway(config: StackConfig, children: list[Child], router: Child) -> Child:
+def start_gateway(config: StackConfig, children: list[Child], routers: list[Child]) -> Child:
+    """The gateway, spreading its calls over every router."""
     python = [sys.executable, "-m"]
     grpc_port, metrics_port = config.ports(8001)
     gateway_argv = [*python, "services.gateway", "--host", HOST,
                     "--grpc-port", grpc_port, "--metrics-port", metrics_port,
                     "--http-port", "0" if config.is_ephemeral else "8000",
-                    "--router-address", f"{HOST}:{router.ports['grpc_port']}",
+                    "--router-address",
+                    ",".join(f"{HOST}:{r.ports['grpc_port']}" for r in routers),
                     "--model-repository", str(config.model_repository),
                     # Tenants' quotas hold across gateways through Redis.
                     "--redis-url", config.redis_url,
@@ -138,7 +143,12 @@ def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
     by_tier = {c.tier: {**c.ports, "pid": c.process.pid} for c in children}
     return {
         "gateway": by_tier["gateway"],
-        "router": by_tier["router"],
+        "router": next({**c.ports, "pid": c.process.pid} for c in children if c.tier == "router"),
+        "routers": [
+            {"name": c.name, **c.ports, "pid": c.process.pid}
+            for c in children
+            if c.tier == "router"
+        ],
         "jobs": by_tier["jobs"],
         "workers": [
             {"worker_id": c.name, **c.ports, "pid": c.process.pid}

@@ -53,6 +53,9 @@ class StackConfig:
     #: CPUs each tier's processes may run on (tiers not named: any). On one machine this
     #: stands in for the deployment's separate nodes: GPU workers apart from the CPU tiers.
     cpus: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    #: Routers (router-0, router-1, ... when more than one); the gateway spreads its calls
+    #: over all of them.
+    num_routers: int = 1
 
     @property
     def redis_url(self) -> str:
@@ -77,6 +80,9 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         description="Run redis, router, GPU workers and gateway on loopback until Ctrl-C.",
     )
     parser.add_argument("--num-workers", type=int, default=1, help="ids worker-0, worker-1, ...")
+    parser.add_argument(
+        "--num-routers", type=int, default=1, help="router-0, router-1, ... when more than one"
+    )
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument(
         "--state-dir", type=Path, default=None, help="logs and ready files (default: a new tmp dir)"
@@ -115,6 +121,8 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
     args = parser.parse_args(argv)
     if args.num_workers < 1:
         parser.error("--num-workers must be at least 1")
+    if not 1 <= args.num_routers <= 9:
+        parser.error("--num-routers must be 1 to 9 (their default ports lie below the workers')")
     try:
         cpus = parse_cpus(args.cpus, available=frozenset(os.sched_getaffinity(0)))
     except ValueError as error:
@@ -134,6 +142,7 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         tolerate_exits=args.tolerate_exits,
         extra_jobs_args=tuple(args.jobs_arg),
         cpus=cpus,
+        num_routers=args.num_routers,
     )
 
 

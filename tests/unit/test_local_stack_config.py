@@ -4,10 +4,11 @@ message naming the entry at fault."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
-from services.local_stack.config import parse_cpus
+from services.local_stack.config import parse_config, parse_cpus
 
 pytestmark = pytest.mark.unit
 
@@ -41,3 +42,11 @@ def test_a_bad_entry_is_refused_by_name(specs: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)) as error:
         parse_cpus(specs, available=FOUR)
     assert repr(specs[-1]) in str(error.value)
+
+
+def test_routers_are_counted_and_bounded(tmp_path: Path) -> None:
+    assert parse_config(["--state-dir", str(tmp_path)]).num_routers == 1
+    assert parse_config(["--num-routers", "3", "--state-dir", str(tmp_path)]).num_routers == 3
+    for count in ("0", "10"):
+        with pytest.raises(SystemExit):
+            parse_config(["--num-routers", count, "--state-dir", str(tmp_path)])
