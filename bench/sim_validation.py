@@ -43,7 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ from bench.fabric.measure import wait_quiet
 from bench.fabric.observe import Observer, Samples, cpu_delta, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
+from services.common.procfs import read_stat
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
@@ -420,6 +421,8 @@ class Run:
     #: Mean milliseconds of the hops (client to worker and back) per answer, each side.
     real_hops_ms: float
     sim_hops_ms: float
+    #: Each tier's CPU milliseconds per request sent over the real run (with an observer).
+    real_cpu_ms: dict[str, float] | None = None
 
 
 def _row(load: float, rate: float, runs: Sequence[Run]) -> dict[str, Any]:
@@ -450,7 +453,25 @@ def _row(load: float, rate: float, runs: Sequence[Run]) -> dict[str, Any]:
         "p50_ratio": ratio(sim.p50_ms, real.p50_ms),
         "p99_ratio": ratio(sim.p99_ms, real.p99_ms),
         "per_run": [{"real": run.real.__dict__, "sim": run.sim.__dict__} for run in runs],
+        "real_cpu_ms_per_request": _mean_cpu_ms([r.real_cpu_ms for r in runs]),
     }
+
+
+def _mean_cpu_ms(runs: Sequence[dict[str, float] | None]) -> dict[str, float] | None:
+    measured = [r for r in runs if r is not None]
+    if not measured:
+        return None
+    return {tier: round(statistics.fmean(r[tier] for r in measured), 3) for tier in measured[0]}
+
+
+def _tier_cpu_s(tiers: Mapping[str, int]) -> dict[str, float]:
+    """CPU seconds so far of each named process (processes of one name summed)."""
+    seconds: dict[str, float] = {}
+    for name, pid in tiers.items():
+        stat = read_stat(pid)
+        tier = name.split("-")[0]
+        seconds[tier] = seconds.get(tier, 0.0) + (0.0 if stat is None else stat.cpu_s)
+    return seconds
 
 
 def ratio(sim: float, real: float) -> float:
@@ -489,9 +510,12 @@ async def compare(
     capacity: float,
     args: argparse.Namespace,
     simulated: Callable[[float, int], tuple[Side, dict[str, Any]]],
+    tiers: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
     """Each rate `args.runs` times through the real stack and through `simulated` (rate,
-    seed), with the same seeds: one table row per rate."""
+    seed), with the same seeds: one table row per rate. With `tiers` (a name per process id:
+    every process of a tier under its name), also each tier's CPU per request of each real
+    run."""
     worker_port = worker_metrics_port(stack)
     rows = []
     for index, rate in enumerate(rates):
@@ -505,8 +529,16 @@ async def compare(
             )
             seed = args.seed + index + 1000 * run_index
             worker_before = scrape(worker_port)
+            cpu_before = None if tiers is None else _tier_cpu_s(tiers)
             outcomes = await real_run(stub, rate, args.duration_s, seed)
             batches = batches_of(delta(worker_before, scrape(worker_port)))
+            real_cpu_ms = None
+            if tiers is not None and cpu_before is not None and outcomes:
+                cpu_after = _tier_cpu_s(tiers)
+                real_cpu_ms = {
+                    tier: 1e3 * (cpu_after[tier] - cpu_before[tier]) / len(outcomes)
+                    for tier in cpu_after
+                }
             window_s = args.duration_s - args.warmup_s
             real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
             sim, summary = simulated(rate, seed)
@@ -519,6 +551,7 @@ async def compare(
                     batches,
                     real_hops_ms=mean_hops_ms(outcomes, batches["mean_row_ms"]),
                     sim_hops_ms=summary["mean_hops_ms"],
+                    real_cpu_ms=real_cpu_ms,
                 )
             )
             await asyncio.sleep(2.0)  # let the backlog of an overloaded run clear

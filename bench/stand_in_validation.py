@@ -10,9 +10,12 @@ is measured here:
 1. Start the stand-in stack (`services.local_stack`, one worker), as `make bench-fabric`'s
    stand-in phase does.
 2. Calibrate what the simulator is given:
-   - each tier's CPU per request, from its process's CPU seconds over `CALLERS` closed-loop
-     callers of one-row requests with the validation's length mix (the costs under load,
-     which are lower than one call at a time: a busy loop wakes once for several calls);
+   - each tier's CPU per caller and per bundle, from its process's CPU seconds over
+     `LIGHT_CALLERS` and `CALLERS` closed-loop callers of one-row requests with the
+     validation's length mix, and the bundles the gateway made at each (about one caller a
+     bundle at the first, several at the second; `fit_bundle_costs`), and so how bundles grow
+     with load. `--per-request-costs`: the cost per request at `CALLERS` callers alone, the
+     model before bundles, whose costs hold at that load only;
    - the hops: one-row requests one at a time, the client's latency less the worker's row
      latency, less the tiers' costs, which the simulated tier queues add back.
 3. The capacity: what the planner's closed form says one process per tier serves
@@ -39,6 +42,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import random
 import sys
 import tempfile
@@ -49,7 +53,7 @@ from typing import Any
 import grpc
 
 from bench.fabric.measure import closed_loop, wait_quiet
-from bench.fabric.observe import Observer
+from bench.fabric.observe import Observer, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from bench.fabric.stand_in import STAND_IN_CURVE, worker_args
 from bench.sim_validation import (
@@ -66,18 +70,78 @@ from bench.sim_validation import (
     text_of,
 )
 from bench.sim_validation import capacity_per_s as device_rows_per_s
+from services.common import metric_names as names
+from services.common.write_linger import DEFAULT_LINGER
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
 from services.sim.fleet_config import FleetConfig
 from services.sim.tier_costs import TierCpu, capacity_per_s
 
-#: Closed-loop callers the tiers' costs are measured at (bench.fabric's stand-in figure's).
+#: Closed-loop callers the tiers' costs are measured at (bench.fabric's stand-in figure's),
+#: and a light load beside it: a call a bundle, nearly, where 64 callers make bundles of
+#: several, so the two give each tier's cost per caller and per bundle.
 CALLERS = 64
+LIGHT_CALLERS = 8
 #: Seconds of the closed loop the costs are measured over (after a third as long of warm-up).
 COST_SECONDS = 10.0
+#: A gateway process's coalescer holds bundles back only past this many calls/s (it holds
+#: while half a call or more is expected within the linger: services/common/write_linger.py).
+MIN_BUNDLING_PER_S = DEFAULT_LINGER.min_expected_calls / DEFAULT_LINGER.linger_s
+#: Callers a bundle at most: the stand-in minilm's batch.
+MAX_SLICES = 64
 #: The issue's loads, as fractions of the planned load (or of the capacity, `--full-use`).
 LOADS = (0.5, 0.8, 1.0)
+
+
+@dataclass(frozen=True)
+class CostPoint:
+    """Each tier's CPU seconds per request under one closed loop, and its bundles."""
+
+    callers: int
+    per_s: float
+    #: Callers per bundle, from the gateway's `inference_gateway_bundle_slices`.
+    slices: float
+    #: "gateway", "router", "worker" and "bench" (the load generator).
+    cost_s: dict[str, float]
+    statuses: dict[str, int]
+
+
+def fit_bundle_costs(light: CostPoint, busy: CostPoint, *, max_slices: int) -> TierCpu:
+    """Each tier's cost per caller and per bundle from two loads whose bundles differ
+    (cost = per caller + per bundle / slices), and how bundles grow with a gateway process's
+    load: linearly past the rate from which its coalescer holds bundles back
+    (MIN_BUNDLING_PER_S), through the busy point. Both costs stay at or above zero, and the
+    busy point's cost is always matched (noise between the points moves only the split)."""
+    if busy.slices <= light.slices or busy.per_s <= MIN_BUNDLING_PER_S:
+        raise ValueError(
+            f"the two loads bundled alike ({light.slices:.2f} and {busy.slices:.2f} callers a "
+            f"bundle at {light.per_s:.0f}/s and {busy.per_s:.0f}/s): nothing to fit"
+        )
+    span = 1 / light.slices - 1 / busy.slices
+    fitted: dict[str, tuple[float, float]] = {}
+    for tier in ("gateway", "router", "worker"):
+        busy_s = busy.cost_s[tier]
+        per_bundle = max(0.0, (light.cost_s[tier] - busy_s) / span)
+        per_call = busy_s - per_bundle / busy.slices
+        if per_call < 0:  # the light load cost more than its bundles explain: all per bundle
+            per_call, per_bundle = 0.0, busy_s * busy.slices
+        fitted[tier] = (per_call, per_bundle)
+    return TierCpu(
+        gateway_s_per_request=fitted["gateway"][0],
+        gateway_s_per_bundle=fitted["gateway"][1],
+        router_s_per_request=fitted["router"][0],
+        router_s_per_bundle=fitted["router"][1],
+        worker_s_per_request=fitted["worker"][0],
+        worker_s_per_bundle=fitted["worker"][1],
+        bundle_window_s=(busy.slices - 1) / (busy.per_s - MIN_BUNDLING_PER_S),
+        min_bundling_per_s=MIN_BUNDLING_PER_S,
+        max_slices_per_bundle=max_slices,
+        provenance=(
+            f"bench.stand_in_validation: {light.callers} and {busy.callers} closed-loop "
+            "callers, this run"
+        ),
+    )
 
 
 @dataclass(frozen=True)
@@ -92,12 +156,31 @@ class StandInCalibration:
     #: The statuses of the closed loop the costs were measured over.
     statuses: dict[str, int]
 
+    #: The closed loops the costs came from.
+    points: tuple[CostPoint, ...] = ()
+    #: Why the costs are per request, not per caller and per bundle ("" when they are).
+    unfitted: str = ""
+
     def as_dict(self) -> dict[str, Any]:
         costs = self.costs
         return {
             "gateway_ms": round(costs.gateway_s_per_request * 1e3, 3),
             "router_ms": round(costs.router_s_per_request * 1e3, 3),
             "worker_ms": round(costs.worker_s_per_request * 1e3, 3),
+            "gateway_ms_per_bundle": round(costs.gateway_s_per_bundle * 1e3, 3),
+            "router_ms_per_bundle": round(costs.router_s_per_bundle * 1e3, 3),
+            "worker_ms_per_bundle": round(costs.worker_s_per_bundle * 1e3, 3),
+            "bundle_window_ms": round(costs.bundle_window_s * 1e3, 3),
+            "costs_per_request_because": self.unfitted or None,
+            "points": [
+                {
+                    "callers": p.callers,
+                    "per_s": round(p.per_s),
+                    "slices": round(p.slices, 2),
+                    **{f"{t}_ms": round(c * 1e3, 3) for t, c in p.cost_s.items()},
+                }
+                for p in self.points
+            ],
             "generator_ms": round(self.generator_s * 1e3, 3),
             "hops_ms": round(self.hops_s * 1e3, 3),
             "fixed_hops_ms": round(self.fixed_hops_s * 1e3, 3),
@@ -121,34 +204,110 @@ def _mixed_sender(stub: api_grpc.InferenceServiceStub, seed: int) -> Any:
     return send
 
 
-async def calibrate(stub: api_grpc.InferenceServiceStub, stack: BenchStack) -> StandInCalibration:
+async def calibrate(
+    stub: api_grpc.InferenceServiceStub, stack: BenchStack, *, bundles: bool = True
+) -> StandInCalibration:
+    """The hops one call at a time, then each tier's costs: per request at CALLERS callers,
+    or (`bundles`) per caller and per bundle from LIGHT_CALLERS and CALLERS callers."""
     # A stack fresh from start-up answers its first calls slower (bench/sim_validation.py):
     # they would inflate the hops' mean.
     warm_up = _mixed_sender(stub, seed=3)
     for _ in range(WARM_UP_CALLS):
         await warm_up()
     hops_s, _ = await measure_hops(stub, stack, HOP_CALLS)
+    busy = await _cost_point(stub, stack, CALLERS, seed=7)
+    points: tuple[CostPoint, ...] = (busy,)
+    costs = TierCpu(
+        gateway_s_per_request=busy.cost_s["gateway"],
+        router_s_per_request=busy.cost_s["router"],
+        worker_s_per_request=busy.cost_s["worker"],
+        provenance=f"bench.stand_in_validation: {CALLERS} closed-loop callers, this run",
+    )
+    unfitted = "--per-request-costs"
+    if bundles:
+        light = await _cost_point(stub, stack, LIGHT_CALLERS, seed=8)
+        points = (light, busy)
+        try:
+            costs, unfitted = fit_bundle_costs(light, busy, max_slices=MAX_SLICES), ""
+        except ValueError as error:  # a machine too busy to bundle: costs per request
+            unfitted = str(error)
+            print(f"no bundle model: {unfitted}", flush=True)
+    # The tiers' costs of one call at a time: a call a bundle.
+    tiers_s = costs.gateway_s() + costs.router_s() + costs.worker_s(1.0)
+    return StandInCalibration(
+        costs=costs,
+        generator_s=busy.cost_s["bench"],
+        fixed_hops_s=max(0.0, hops_s - tiers_s),
+        hops_s=hops_s,
+        statuses=dict(busy.statuses),
+        points=points,
+        unfitted=unfitted,
+    )
+
+
+async def _cost_point(
+    stub: api_grpc.InferenceServiceStub, stack: BenchStack, callers: int, *, seed: int
+) -> CostPoint:
+    """Each tier's CPU per request under `callers` closed-loop callers, and their bundles.
+    Every call answered counts, refused ones too (a refusal costs the tiers CPU as well)."""
     observer = Observer(stack.pids(), stack.metrics_ports())
-    run = await closed_loop(_mixed_sender(stub, seed=7), CALLERS, COST_SECONDS, observer=observer)
-    # Every call answered counts, refused ones too (a refusal costs the tiers CPU as well);
-    # the statuses are in the report.
+    gateway_port = stack.metrics_ports()["gateway"]
+    before = scrape(gateway_port)
+    run = await closed_loop(
+        _mixed_sender(stub, seed=seed), callers, COST_SECONDS, observer=observer
+    )
+    bundled = delta(before, scrape(gateway_port))
+    bundles = total(bundled, f"{names.GATEWAY_BUNDLE_SLICES}_count")
+    slices = total(bundled, f"{names.GATEWAY_BUNDLE_SLICES}_sum") / bundles if bundles else 1.0
     sent = run["sent_in_windows"]
     cpu: dict[str, float] = run["cpu_s"]
     worker_s = sum(seconds for name, seconds in cpu.items() if name.startswith("worker"))
-    costs = TierCpu(
-        gateway_s_per_request=cpu["gateway"] / sent,
-        router_s_per_request=cpu["router"] / sent,
-        worker_s_per_request=worker_s / sent,
-        provenance=f"bench.stand_in_validation: {CALLERS} closed-loop callers, this run",
-    )
-    tiers_s = costs.gateway_s_per_request + costs.router_s_per_request + costs.worker_s(1.0)
-    return StandInCalibration(
-        costs=costs,
-        generator_s=cpu["bench"] / sent,
-        fixed_hops_s=max(0.0, hops_s - tiers_s),
-        hops_s=hops_s,
+    return CostPoint(
+        callers=callers,
+        per_s=run["ok_per_s"],
+        slices=slices,
+        cost_s={
+            "gateway": cpu["gateway"] / sent,
+            "router": cpu["router"] / sent,
+            "worker": worker_s / sent,
+            "bench": cpu["bench"] / sent,
+        },
         statuses=dict(run["statuses"]),
     )
+
+
+#: The processes whose CPU the loads' rows report, by the stack's process names' first word.
+_TIERS = ("gateway", "router", "worker")
+
+
+def model_cpu_ms(costs: TierCpu, rate_per_s: float) -> dict[str, float]:
+    """Each tier's CPU milliseconds per request the costs predict at `rate_per_s` through one
+    gateway process (its bundles as large as that rate makes them)."""
+    slices = costs.slices_per_bundle(rate_per_s)
+    return {
+        "gateway": round(1e3 * costs.gateway_s(slices), 3),
+        "router": round(1e3 * costs.router_s(slices), 3),
+        "worker": round(1e3 * costs.worker_s(1.0, slices), 3),
+        "slices": round(slices, 2),
+    }
+
+
+def format_cpu(rows: list[dict[str, Any]], calibration: StandInCalibration) -> str:
+    """Each load's CPU per request per tier: measured, the costs' prediction, and (with a
+    bundle model) the busy point's costs, which a model per request would have given."""
+    busy = calibration.points[-1].cost_s if calibration.points else {}
+    lines = ["CPU ms per request   gateway (real model busy) | router ... | worker ... | slices"]
+    for row in rows:
+        real = row.get("real_cpu_ms_per_request") or {}
+        model = row["model_cpu_ms_per_request"]
+        parts = [
+            f"{real.get(t, math.nan):.3f} {model[t]:.3f} {1e3 * busy.get(t, math.nan):.3f}"
+            for t in _TIERS
+        ]
+        lines.append(
+            f"  {row['rate_per_s']:>6.0f}/s  " + " | ".join(parts) + f" | {model['slices']}"
+        )
+    return "\n".join(lines)
 
 
 def fleet_of(calibration: StandInCalibration) -> FleetConfig:
@@ -174,7 +333,7 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
             stub = api_grpc.InferenceServiceStub(channel)
             await wait_quiet(lambda line: print(line, flush=True), QUIET_WAIT_S)
             print("calibrating the tiers' costs and the hops ...", flush=True)
-            calibration = await calibrate(stub, stack)
+            calibration = await calibrate(stub, stack, bundles=not args.per_request_costs)
             capacity, binds = capacity_per_s(
                 calibration.costs,
                 device_rows_per_s=device_rows_per_s(curve),
@@ -195,7 +354,11 @@ async def validate(args: argparse.Namespace, state_dir: Path) -> dict[str, Any]:
                 return simulate(curve, fleet, rate, args.duration_s, args.warmup_s, seed)
 
             rates = tuple(load * planned for load in args.loads)
-            rows = await compare(stub, stack, rates, planned, args, simulated)
+            tiers = {n: pid for n, pid in stack.pids().items() if n.split("-")[0] in _TIERS}
+            rows = await compare(stub, stack, rates, planned, args, simulated, tiers)
+            for row in rows:
+                row["model_cpu_ms_per_request"] = model_cpu_ms(calibration.costs, row["rate_per_s"])
+            print(format_cpu(rows, calibration), flush=True)
     finally:
         stack.stop()
     return {
@@ -224,6 +387,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="loads as fractions of the capacity at full use (utilization 1), not of the "
         "load a plan assigns the fleet",
+    )
+    parser.add_argument(
+        "--per-request-costs",
+        action="store_true",
+        help="each tier's cost per request at one load, whatever the bundles (the model "
+        "before bundles), not per caller and per bundle",
     )
     parser.add_argument("--duration-s", type=float, default=30.0)
     parser.add_argument("--warmup-s", type=float, default=5.0)

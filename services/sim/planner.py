@@ -349,8 +349,10 @@ def _cpu_keeps_up(scenario: Scenario, workers: int) -> bool:
     if not cpu.is_set or cpu.worker_s(1.0) <= 0:
         return True
     processes = workers * scenario.fleet.worker_processes
-    capacity_per_s = processes * cpu.cores_per_process / cpu.worker_s(1.0)
-    return _mean_rate(scenario) <= STABLE_LOAD * capacity_per_s
+    rate_per_s = _mean_rate(scenario)
+    slices = cpu.slices_per_bundle(rate_per_s / scenario.fleet.gateways)
+    capacity_per_s = processes * cpu.cores_per_process / cpu.worker_s(1.0, slices)
+    return rate_per_s <= STABLE_LOAD * capacity_per_s
 
 
 def _ordered(trials: dict[int, tuple[Trial, dict[str, Any]]]) -> tuple[Trial, ...]:

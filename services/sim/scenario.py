@@ -18,10 +18,12 @@
     [fleet.host]  cores, tier_cpu_s, model_threads, window_s: the cores a worker shares with its
                   tiers on a CPU-only machine (host.py; absent: none shared)
     [fleet.tier_cpu]  gateway_s_per_request, router_s_per_request, worker_s_per_request,
-                  worker_s_per_row, gateway_refusal_share, cores_per_process, utilization,
-                  gateway_processes_per_pod, max_worker_processes_per_device, provenance:
-                  every tier's CPU, for the planner (tier_costs.py) and as queues on a
-                  request's path (tier_queues.py)
+                  worker_s_per_row, gateway_s_per_bundle, router_s_per_bundle,
+                  worker_s_per_bundle, bundle_window_s, min_bundling_per_s,
+                  max_slices_per_bundle, gateway_refusal_share, cores_per_process,
+                  utilization, gateway_processes_per_pod, max_worker_processes_per_device,
+                  provenance: every tier's CPU per caller and per bundle, for the planner
+                  (tier_costs.py) and as queues on a request's path (tier_queues.py)
     [hpa]       metric ("queue_wait" | "backlog" | "cpu" | "gpu"), target, min_replicas,
                 max_replicas, sync_period_s, tolerance, scale_down_window_s, ...
     [[traffic.streams]]  model, tenant, priority, rate_per_s, lengths = [[12, 0.85], [100, 0.15]],

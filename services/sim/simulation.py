@@ -149,7 +149,10 @@ def _cpu_share(config: FleetConfig, rows: int, elapsed_s: float) -> float:
     tiers = config.tier_cpu
     if tiers.worker_s(1.0) > 0:
         cores = config.worker_processes * tiers.cores_per_process
-        return rows * tiers.worker_s(1.0) / (elapsed_s * cores)
+        # Bundles as this worker's rate would make them were it the fleet's (a lower bound
+        # on the gateways' load, so an upper bound on the cost).
+        slices = tiers.slices_per_bundle(rows / elapsed_s / config.gateways)
+        return rows * tiers.worker_s(1.0, slices) / (elapsed_s * cores)
     return rows * config.cpu_per_row_s / (elapsed_s * config.cpu_cores)
 
 

@@ -28,6 +28,7 @@ the lowest of its tiers.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 #: What binds a tier's count.
@@ -44,6 +45,22 @@ class TierCpu:
     worker_s_per_request: float = 0.0
     #: The worker's CPU per row beyond a request's own cost (multi-row requests).
     worker_s_per_row: float = 0.0
+    #: CPU seconds per bundle, the downstream call that carries several callers' rows: the
+    #: gateway's call to a router and its answer, the router's forwarding, the worker's pass
+    #: over a bundle (its admission, its message). A request pays its share of it, over the
+    #: slices per bundle (`slices_per_bundle`); the `*_s_per_request` costs are then each
+    #: caller's own. 0: costs measured per request whatever the bundles (the GPU scenarios').
+    gateway_s_per_bundle: float = 0.0
+    router_s_per_bundle: float = 0.0
+    worker_s_per_bundle: float = 0.0
+    #: How bundles grow with load: a gateway process offered `per_s` calls a second bundles
+    #: 1 + (per_s - min_bundling_per_s) * bundle_window_s of them on average past
+    #: min_bundling_per_s (its coalescer holds a bundle back only under load:
+    #: services/common/write_linger.py), at most max_slices_per_bundle (the model's batch).
+    #: bundle_window_s 0: one slice per bundle.
+    bundle_window_s: float = 0.0
+    min_bundling_per_s: float = 0.0
+    max_slices_per_bundle: int = 64
     #: CPU of a call the gateway refuses (its tenant's quota, its throttle), as a share of a
     #: served call's: grpc's own per-call work, which no refusal avoids (bench.server_calls:
     #: a refusal costs about a bare call, 0.3-0.4 of the gateway's served call).
@@ -67,9 +84,16 @@ class TierCpu:
             self.router_s_per_request,
             self.worker_s_per_request,
             self.worker_s_per_row,
+            self.gateway_s_per_bundle,
+            self.router_s_per_bundle,
+            self.worker_s_per_bundle,
         )
         if min(costs) < 0:
             raise ValueError("tier CPU costs must be >= 0 seconds")
+        if min(self.bundle_window_s, self.min_bundling_per_s) < 0:
+            raise ValueError("bundle_window_s and min_bundling_per_s must be >= 0")
+        if self.max_slices_per_bundle < 1:
+            raise ValueError("max_slices_per_bundle must be >= 1")
         if not 0 <= self.gateway_refusal_share <= 1:
             raise ValueError("gateway_refusal_share must be in [0, 1]")
         if self.cores_per_process <= 0 or not 0 < self.utilization <= 1:
@@ -80,14 +104,32 @@ class TierCpu:
     @property
     def is_set(self) -> bool:
         """Whether any tier's cost is known (else plans count devices and gateway_rps only)."""
-        return (
-            max(self.gateway_s_per_request, self.router_s_per_request, self.worker_s_per_request)
-            > 0
-        )
+        return max(self.gateway_s(), self.router_s(), self.worker_s(1.0)) > 0
 
-    def worker_s(self, rows_per_request: float) -> float:
-        """A worker process's CPU seconds per request of `rows_per_request` rows."""
-        return self.worker_s_per_request + rows_per_request * self.worker_s_per_row
+    def slices_per_bundle(self, per_gateway_process_per_s: float) -> float:
+        """Callers per bundle, on average, at a gateway process offered that many calls/s."""
+        beyond_per_s = per_gateway_process_per_s - self.min_bundling_per_s
+        if self.bundle_window_s <= 0 or beyond_per_s <= 0:
+            return 1.0
+        grown = 1.0 + beyond_per_s * self.bundle_window_s
+        return min(float(self.max_slices_per_bundle), grown)
+
+    def gateway_s(self, slices: float = 1.0) -> float:
+        """A gateway process's CPU seconds per request, `slices` requests a bundle."""
+        return self.gateway_s_per_request + self.gateway_s_per_bundle / slices
+
+    def router_s(self, slices: float = 1.0) -> float:
+        """A router's CPU seconds per request, `slices` requests a bundle."""
+        return self.router_s_per_request + self.router_s_per_bundle / slices
+
+    def worker_s(self, rows_per_request: float, slices: float = 1.0) -> float:
+        """A worker process's CPU seconds per request of `rows_per_request` rows, `slices`
+        requests a bundle."""
+        return (
+            self.worker_s_per_request
+            + rows_per_request * self.worker_s_per_row
+            + self.worker_s_per_bundle / slices
+        )
 
     def processes_for(self, rate_per_s: float, cpu_s: float) -> int:
         """Processes serving `rate_per_s` requests of `cpu_s` each, filled to `utilization`."""
@@ -134,13 +176,18 @@ def fleet_plan(
     """The fleet for `mean_per_s` requests/s on average and `peak_per_s` at the busiest (both
     with headroom already), given `device_workers` devices the device curve needs. Worker
     processes follow the mean, as devices do (the worker HPA answers surges); gateways and
-    routers the peak (they hold no queue)."""
-    worker_processes = cpu.processes_for(mean_per_s, cpu.worker_s(rows_per_request))
+    routers the peak (they hold no queue). Bundles are as large as the planned gateway
+    processes' load makes them (`TierCpu.slices_per_bundle`): the routers' at the peak, the
+    workers' at the mean."""
+    gateways = _gateway_tier(cpu, peak_per_s)
+    slices_at_peak = cpu.slices_per_bundle(peak_per_s / gateways.processes)
+    slices_at_mean = cpu.slices_per_bundle(mean_per_s / gateways.processes)
+    worker_cost_s = cpu.worker_s(rows_per_request, slices_at_mean)
+    worker_processes = cpu.processes_for(mean_per_s, worker_cost_s)
     by_cpu = math.ceil(worker_processes / cpu.max_worker_processes_per_device)
     devices = max(1, device_workers, by_cpu)
     per_device = max(1, math.ceil(worker_processes / devices))
-    gateways = _tier("gateway", cpu, peak_per_s, cpu.gateway_s_per_request, GATEWAY_CPU)
-    routers = _tier("router", cpu, peak_per_s, cpu.router_s_per_request, ROUTER_CPU)
+    routers = _tier("router", cpu, peak_per_s, cpu.router_s(slices_at_peak), ROUTER_CPU)
     return FleetPlan(
         devices=devices,
         device_binds=WORKER_CPU if by_cpu > max(1, device_workers) else DEVICE,
@@ -150,6 +197,17 @@ def fleet_plan(
         gateway_pods=math.ceil(gateways.processes / cpu.gateway_processes_per_pod),
         routers=routers,
     )
+
+
+def _gateway_tier(cpu: TierCpu, peak_per_s: float) -> TierCount:
+    """The fewest gateway processes whose CPU takes `peak_per_s`, each bundling the calls of
+    its share (more processes: smaller bundles, more CPU per call)."""
+    processes = 1
+    while True:
+        cost_s = cpu.gateway_s(cpu.slices_per_bundle(peak_per_s / processes))
+        if cpu.processes_for(peak_per_s, cost_s) <= processes:
+            return _tier("gateway", cpu, peak_per_s, cost_s, GATEWAY_CPU)
+        processes += 1
 
 
 def _tier(name: str, cpu: TierCpu, rate_per_s: float, cost_s: float, binds: str) -> TierCount:
@@ -168,17 +226,51 @@ def capacity_per_s(
 ) -> tuple[float, str]:
     """Requests/s a fleet serves at full use of its processes (utilization 1), and the tier
     that binds it: the lowest of its devices (`device_rows_per_s` in all), worker processes,
-    gateways and routers."""
+    gateways and routers. A tier's limit is the first rate its processes cannot keep up with,
+    its bundles as large as that rate makes them (larger bundles later cannot help a fleet
+    that saturated on the way)."""
     cores = cpu.cores_per_process
+
+    def slices(rate_per_s: float) -> float:
+        return cpu.slices_per_bundle(rate_per_s / gateway_processes)
+
     limits = {
         DEVICE: device_rows_per_s / rows_per_request,
-        WORKER_CPU: _served(worker_processes, cores, cpu.worker_s(rows_per_request)),
-        GATEWAY_CPU: _served(gateway_processes, cores, cpu.gateway_s_per_request),
-        ROUTER_CPU: _served(routers, cores, cpu.router_s_per_request),
+        WORKER_CPU: _served(
+            worker_processes * cores, lambda r: cpu.worker_s(rows_per_request, slices(r))
+        ),
+        GATEWAY_CPU: _served(gateway_processes * cores, lambda r: cpu.gateway_s(slices(r))),
+        ROUTER_CPU: _served(routers * cores, lambda r: cpu.router_s(slices(r))),
     }
     binds = min(limits, key=limits.__getitem__)
     return limits[binds], binds
 
 
-def _served(processes: int, cores: float, cost_s: float) -> float:
-    return math.inf if cost_s <= 0 else processes * cores / cost_s
+def _served(cores: float, cost_s_at: Callable[[float], float]) -> float:
+    """The first rate (requests/s) at which `cores` cannot do a request's CPU `cost_s_at`
+    that rate; inf when requests cost nothing."""
+    if cost_s_at(1.0) <= 0:
+        return math.inf
+
+    def keeps_up(rate_per_s: float) -> bool:
+        return rate_per_s * cost_s_at(rate_per_s) <= cores
+
+    # Requests cost at most cost_s_at(1) each (bundles only grow with load), so up to
+    # cores / cost_s_at(1) every rate keeps up; scan on from there for the first that does not.
+    low = cores / cost_s_at(1.0)
+    high = low
+    while keeps_up(high * _SCAN_STEP):
+        high *= _SCAN_STEP
+        if high > _MAX_RATE_PER_S:
+            return math.inf
+    high *= _SCAN_STEP
+    low = high / _SCAN_STEP
+    for _ in range(60):  # bisect to well under a request/s
+        middle = (low + high) / 2
+        low, high = (middle, high) if keeps_up(middle) else (low, middle)
+    return low
+
+
+#: The capacity scan's step from one rate to the next, and where it gives up (no CPU binds).
+_SCAN_STEP = 1.01
+_MAX_RATE_PER_S = 1e9

@@ -1,6 +1,7 @@
 """The tiers' CPU in a simulated request's path: each tier's processes as a queue of CPU work.
 
-A request costs each tier the CPU seconds its [fleet.tier_cpu] says (tier_costs.TierCpu). The
+A request costs each tier the CPU seconds its [fleet.tier_cpu] says (tier_costs.TierCpu): its
+own, and its share of its bundle's, the bundles as large as the gateways' load makes them. The
 gateways together and the routers together are one queue each; every worker has its own, of
 `FleetConfig.worker_processes` processes. A queue of n processes of k cores works through n k
 CPU seconds per second, first come first served, so a request waits for the work ahead of it
@@ -13,17 +14,18 @@ nothing here applies while no tier cost is set."""
 
 from __future__ import annotations
 
+import math
+
 from services.sim.tier_costs import TierCpu
 
 
 class ProcessQueue:
-    """`processes` processes of `cores` cores each, working through requests of `cost_s` CPU
-    seconds in arrival order."""
+    """`processes` processes of `cores` cores each, working through CPU work in arrival
+    order."""
 
-    __slots__ = ("_cores", "_cost_s", "_free_s")
+    __slots__ = ("_cores", "_free_s")
 
-    def __init__(self, processes: int, cores: float, cost_s: float) -> None:
-        self._cost_s = cost_s
+    def __init__(self, processes: int, cores: float) -> None:
         #: The queue's cores: work's CPU seconds over them is its share of the queue's time.
         self._cores = max(1, processes) * cores
         self._free_s = 0.0
@@ -35,23 +37,36 @@ class ProcessQueue:
         self._free_s = start_s + cost_s / self._cores
         return start_s
 
-    def delay_s(self, now_s: float) -> float:
-        """How long a request arriving at `now_s` spends in this tier: the work ahead of it,
-        then its own cost."""
-        return self.add_work(now_s, self._cost_s) - now_s + self._cost_s
+    def delay_s(self, now_s: float, cost_s: float) -> float:
+        """How long a request of `cost_s` CPU seconds arriving at `now_s` spends in this
+        tier: the work ahead of it, then its own cost."""
+        return self.add_work(now_s, cost_s) - now_s + cost_s
+
+
+#: Weight of the newest gap between arrivals in the gateways' moving average (about the last
+#: hundred arrivals).
+_GAP_SMOOTHING = 0.01
 
 
 class TierQueues:
-    """The gateways', the routers' and each worker's CPU queues of one simulated fleet."""
+    """The gateways', the routers' and each worker's CPU queues of one simulated fleet. A
+    request's costs follow the bundles the gateways' load makes (TierCpu.slices_per_bundle),
+    from the moving average of the gap between arrivals at the gateways."""
 
     def __init__(self, cpu: TierCpu, *, gateways: int, routers: int, worker_processes: int) -> None:
         self.is_set = cpu.is_set
+        self._cpu = cpu
         cores = cpu.cores_per_process
-        self._gateways = ProcessQueue(gateways, cores, cpu.gateway_s_per_request)
+        self._num_gateways = max(1, gateways)
+        self._gateways = ProcessQueue(gateways, cores)
         self._refusal_s = cpu.gateway_refusal_share * cpu.gateway_s_per_request
-        self._routers = ProcessQueue(routers, cores, cpu.router_s_per_request)
-        self._worker = (worker_processes, cores, cpu.worker_s(1.0))
+        self._routers = ProcessQueue(routers, cores)
+        self._worker = (worker_processes, cores)
         self._workers: dict[str, ProcessQueue] = {}
+        self._last_arrival_s: float | None = None
+        self._mean_gap_s = math.inf
+        #: Callers per bundle at the gateways' load now.
+        self.slices = 1.0
 
     def refused_at_gateway(self, now_s: float) -> None:
         """A call the gateways refused at `now_s` (quota, throttle): grpc's per-call work,
@@ -60,8 +75,10 @@ class TierQueues:
 
     def at_gateway_and_router(self, now_s: float) -> float:
         """Seconds a request spends in the gateway and then the router, arriving at `now_s`."""
-        gateway_s = self._gateways.delay_s(now_s)
-        return gateway_s + self._routers.delay_s(now_s + gateway_s)
+        self._arrived(now_s)
+        cpu = self._cpu
+        gateway_s = self._gateways.delay_s(now_s, cpu.gateway_s(self.slices))
+        return gateway_s + self._routers.delay_s(now_s + gateway_s, cpu.router_s(self.slices))
 
     def at_worker(self, worker_id: str, now_s: float) -> float:
         """Seconds a request reaching `worker_id`'s processes at `now_s` spends in them before
@@ -69,4 +86,14 @@ class TierQueues:
         queue = self._workers.get(worker_id)
         if queue is None:
             queue = self._workers[worker_id] = ProcessQueue(*self._worker)
-        return queue.delay_s(now_s)
+        return queue.delay_s(now_s, self._cpu.worker_s(1.0, self.slices))
+
+    def _arrived(self, now_s: float) -> None:
+        if self._last_arrival_s is not None:
+            gap_s = max(0.0, now_s - self._last_arrival_s)
+            mean = self._mean_gap_s
+            self._mean_gap_s = gap_s if math.isinf(mean) else mean + _GAP_SMOOTHING * (gap_s - mean)
+        self._last_arrival_s = now_s
+        if self._mean_gap_s > 0 and not math.isinf(self._mean_gap_s):
+            per_process_per_s = 1.0 / (self._mean_gap_s * self._num_gateways)
+            self.slices = self._cpu.slices_per_bundle(per_process_per_s)

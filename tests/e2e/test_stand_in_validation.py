@@ -41,7 +41,18 @@ def test_the_stand_in_validation_measures_costs_and_both_sides(
 
     report = json.loads(out.read_text())
     calibration = report["calibration"]
-    for tier in ("gateway_ms", "router_ms", "worker_ms", "generator_ms", "hops_ms"):
+    # Each tier's CPU was measured at both loads (per caller and per bundle when the loads
+    # bundled differently, else per request: the report says which).
+    points = calibration["points"]
+    assert [p["callers"] for p in points] == [validation.LIGHT_CALLERS, validation.CALLERS]
+    for point in points:
+        for tier in ("gateway_ms", "router_ms", "worker_ms"):
+            assert point[tier] > 0, calibration
+    for cost in ("gateway_ms", "router_ms", "worker_ms"):
+        assert calibration[cost] >= 0 and calibration[f"{cost}_per_bundle"] >= 0, calibration
+    fitted = calibration["costs_per_request_because"] is None
+    assert fitted == (calibration["bundle_window_ms"] > 0), calibration
+    for tier in ("generator_ms", "hops_ms"):
         assert calibration[tier] > 0, calibration
     assert 0 <= calibration["fixed_hops_ms"] <= calibration["hops_ms"], calibration
     assert report["binds"] in (DEVICE, WORKER_CPU, GATEWAY_CPU, ROUTER_CPU)
@@ -56,7 +67,8 @@ def test_the_stand_in_validation_measures_costs_and_both_sides(
         for side in (row["real"], row["sim"]):
             assert side["goodput_per_s"] >= 0, row
             assert math.isfinite(side["p50_ms"]) and side["p50_ms"] > 0, row
-        # The simulated requests crossed the tier queues: every hop costs at least the tiers'.
+        # The simulated requests crossed the tier queues: every hop costs at least the tiers'
+        # own costs per caller (their share of a bundle's comes on top).
         tiers_ms = calibration["gateway_ms"] + calibration["router_ms"] + calibration["worker_ms"]
         assert row["sim_hops_ms"] >= tiers_ms, row
     assert isinstance(report["within_tolerance"], bool)

@@ -3,6 +3,8 @@ the capacity a fleet of processes predicts against one measured on an H100 box."
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +229,77 @@ def test_the_router_decides_after_the_tier_queues_on_the_time_left_then() -> Non
     # deadline at the worker.
     assert refusals["router_deadline"] > 100, refusals
     assert refusals["worker_deadline"] == 0, refusals
+
+
+#: Costs with bundles: per caller, per bundle, and bundles growing past 500 calls/s a gateway
+#: process (the stand-in stack's fit is of this shape: bench.stand_in_validation).
+BUNDLED = TierCpu(
+    gateway_s_per_request=0.0004,
+    gateway_s_per_bundle=0.0006,
+    router_s_per_bundle=0.0006,
+    worker_s_per_request=0.00005,
+    worker_s_per_bundle=0.0006,
+    bundle_window_s=0.003,
+    min_bundling_per_s=500,
+    max_slices_per_bundle=16,
+)
+
+
+def test_bundles_grow_with_a_gateway_process_load_past_the_threshold_up_to_the_batch() -> None:
+    assert BUNDLED.slices_per_bundle(0.0) == BUNDLED.slices_per_bundle(500.0) == 1.0
+    assert BUNDLED.slices_per_bundle(1500.0) == pytest.approx(4.0)  # 1 + 1,000 x 3 ms
+    assert BUNDLED.slices_per_bundle(1e6) == 16.0
+    assert TierCpu(router_s_per_bundle=0.001).slices_per_bundle(1e6) == 1.0  # no window
+    # A request pays its share of its bundle's cost.
+    assert BUNDLED.router_s(4.0) == pytest.approx(0.00015)
+    assert BUNDLED.worker_s(2.0, 4.0) == pytest.approx(0.00005 + 0.00015)
+    with pytest.raises(ValueError, match="bundle_window_s"):
+        TierCpu(bundle_window_s=-1.0)
+
+
+def test_the_capacity_counts_bundles_as_large_as_the_rate_makes_them() -> None:
+    capacity, binds = capacity_per_s(
+        BUNDLED, device_rows_per_s=1e6, worker_processes=1, gateway_processes=1, routers=1
+    )
+    # At one call a bundle the gateway would take 1,000/s; bundles growing past 500/s let it
+    # take more: it saturates where rate x cost at that rate's bundles fills its core.
+    assert binds == GATEWAY_CPU
+    assert capacity > 1_000
+    slices = BUNDLED.slices_per_bundle(capacity)
+    assert capacity * BUNDLED.gateway_s(slices) == pytest.approx(1.0, rel=1e-3)
+    # Without the bundle model (the same costs, one call a bundle) it is the 1,000/s.
+    single = TierCpu(gateway_s_per_request=0.001)
+    assert capacity_per_s(
+        single, device_rows_per_s=1e6, worker_processes=1, gateway_processes=1, routers=1
+    )[0] == pytest.approx(1_000)
+
+
+def test_more_gateway_processes_make_smaller_bundles_and_the_plan_counts_that() -> None:
+    cpu = dataclasses.replace(BUNDLED, utilization=1.0)
+    fleet = fleet_plan(cpu, device_workers=1, mean_per_s=6_000, peak_per_s=6_000)
+    gateways = fleet.gateways.processes
+    # The fewest processes that hold 6,000/s with the bundles their share makes...
+    share_s = cpu.gateway_s(cpu.slices_per_bundle(6_000 / gateways))
+    assert 6_000 * share_s <= gateways
+    fewer_s = cpu.gateway_s(cpu.slices_per_bundle(6_000 / (gateways - 1)))
+    assert 6_000 * fewer_s > gateways - 1
+    # ... fewer than at one call a bundle (6,000 x 1 ms = 6), and the routers and workers
+    # priced at those processes' bundles.
+    assert gateways < 6
+    slices = cpu.slices_per_bundle(6_000 / gateways)
+    assert fleet.routers.processes == math.ceil(6_000 * cpu.router_s(slices) - 1e-9)
+    assert fleet.worker_processes == math.ceil(6_000 * cpu.worker_s(1.0, slices) - 1e-9)
+
+
+def test_the_simulated_tiers_cost_a_request_less_as_the_gateways_load_grows() -> None:
+    def steady_delay_s(rate_per_s: float) -> tuple[float, float]:
+        queues = TierQueues(BUNDLED, gateways=1, routers=1, worker_processes=1)
+        delays = [queues.at_gateway_and_router(i / rate_per_s) for i in range(2_000)]
+        return delays[-1], queues.slices
+
+    light_s, light_slices = steady_delay_s(200)
+    busy_s, busy_slices = steady_delay_s(900)
+    assert light_slices == 1.0 and busy_slices == pytest.approx(2.2, rel=0.01)
+    # Alone in the queue each time: its own costs, at one call a bundle and at 2.2.
+    assert light_s == pytest.approx(BUNDLED.gateway_s(1.0) + BUNDLED.router_s(1.0))
+    assert busy_s == pytest.approx(BUNDLED.gateway_s(2.2) + BUNDLED.router_s(2.2), rel=0.01)

@@ -10,6 +10,7 @@ import pytest
 
 from bench.fabric.loadgen import OK, Outcome
 from bench.sim_validation import mean_hops_ms, robust_sigma
+from bench.stand_in_validation import CostPoint, fit_bundle_costs
 
 pytestmark = pytest.mark.unit
 
@@ -33,3 +34,40 @@ def test_the_hops_are_the_answered_calls_latency_less_the_workers_row_latency() 
     ]
     assert mean_hops_ms(outcomes, worker_row_ms=18.0) == pytest.approx(7.0)
     assert math.isnan(mean_hops_ms(outcomes[2:], worker_row_ms=18.0))
+
+
+def _point(callers: int, per_s: float, slices: float, **cost_us: float) -> CostPoint:
+    cost_s = {tier: us / 1e6 for tier, us in cost_us.items()}
+    return CostPoint(callers, per_s, slices, {"bench": 0.0, **cost_s}, {OK: 1})
+
+
+def test_two_loads_that_bundle_differently_give_each_tier_a_cost_per_call_and_per_bundle() -> None:
+    # The stand-in stack's shape (8 and 64 callers): the router's cost is nearly all per
+    # bundle, the gateway's split.
+    light = _point(8, 616, 1.04, gateway=1049, router=561, worker=675)
+    busy = _point(64, 1761, 4.73, gateway=524, router=127, worker=190)
+    costs = fit_bundle_costs(light, busy, max_slices=64)
+    for point in (light, busy):  # the fit goes through both points
+        slices = point.slices
+        assert costs.gateway_s(slices) == pytest.approx(point.cost_s["gateway"])
+        assert costs.router_s(slices) == pytest.approx(point.cost_s["router"])
+        assert costs.worker_s(1.0, slices) == pytest.approx(point.cost_s["worker"])
+    assert costs.router_s_per_request < 0.1 * costs.router_s_per_bundle
+    # Bundles grow past 500 calls/s through the busy point: 4.73 callers at 1,761/s.
+    assert costs.min_bundling_per_s == 500
+    assert costs.slices_per_bundle(1761) == pytest.approx(4.73)
+    assert costs.slices_per_bundle(400) == 1.0
+
+
+def test_a_fit_never_gives_a_negative_cost_and_always_matches_the_busy_point() -> None:
+    # Noise: the light load cheaper per call than the busy one.
+    light = _point(8, 616, 1.04, gateway=500, router=100, worker=100)
+    busy = _point(64, 1761, 4.73, gateway=524, router=127, worker=190)
+    costs = fit_bundle_costs(light, busy, max_slices=64)
+    assert costs.gateway_s_per_bundle == 0 and costs.gateway_s(4.73) == pytest.approx(524e-6)
+    # The light load costlier than bundles alone explain: all per bundle.
+    heavy = _point(8, 616, 1.04, gateway=5000, router=127, worker=190)
+    costs = fit_bundle_costs(heavy, busy, max_slices=64)
+    assert costs.gateway_s_per_request == 0 and costs.gateway_s(4.73) == pytest.approx(524e-6)
+    with pytest.raises(ValueError, match="bundled alike"):
+        fit_bundle_costs(busy, busy, max_slices=64)
