@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -50,6 +50,8 @@ RAW_BATCH = 64
 MAX_LATE_SHARE = 0.01
 #: Each call allows this many times the SLO (issue 33's callers allow 4x).
 TIMEOUT_SLOS = 4.0
+#: How long a generator process may take to start (spawn, imports, channels ready), seconds.
+STARTUP_TIMEOUT_S = 60.0
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -228,20 +230,47 @@ def _measure_rate(
         }
         process = context.Process(target=_generate, args=(plan, start, sender), daemon=True)
         process.start()
-        ready = receiver.recv()  # imports done and channels connected
-        if ready != "ready":
-            raise RuntimeError(f"generator {index} failed to start: {ready}")
+        sender.close()  # the child's copy is its own: a child that dies closes the pipe
         pipes.append(receiver)
         processes.append(process)
+        # Imports done and channels connected.
+        _expect(receiver, process, STARTUP_TIMEOUT_S, index, lambda m: m == "ready")
     start.set()
     time.sleep(args.warmup_s)
     cpu_before, at_before = _cpu_s(tiers), time.monotonic()
     time.sleep(args.window_s)
     cpu_after, at_after = _cpu_s(tiers), time.monotonic()
-    summaries = [pipe.recv() for pipe in pipes]
+    # The schedule ends with the window; the calls still pending then get their timeout.
+    summaries = [
+        _expect(pipe, process, 2 * plan["timeout_s"] + 30, index, lambda m: isinstance(m, dict))
+        for index, (pipe, process) in enumerate(zip(pipes, processes, strict=True))
+    ]
     for process in processes:
         process.join(timeout=30)
     return _combine(rate, summaries, cpu_before, cpu_after, at_after - at_before, args.window_s)
+
+
+def _expect(
+    pipe: Connection,
+    process: Any,
+    timeout_s: float,
+    index: int,
+    is_expected: Callable[[Any], bool],
+) -> Any:
+    """The generator's next message, if it is what is expected within `timeout_s`; raises
+    naming the generator otherwise (an error it sent, its exit, or silence)."""
+    if pipe.poll(timeout_s):
+        try:
+            message = pipe.recv()
+        except EOFError:
+            message = f"exited with code {process.exitcode}"
+        if is_expected(message):
+            return message
+    else:
+        message = f"nothing within {timeout_s:.0f} s (exit code {process.exitcode})"
+    for other in multiprocessing.active_children():
+        other.terminate()
+    raise RuntimeError(f"generator {index} failed: {message}")
 
 
 def _combine(

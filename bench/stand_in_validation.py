@@ -71,7 +71,6 @@ from bench.sim_validation import (
 )
 from bench.sim_validation import capacity_per_s as device_rows_per_s
 from services.common import metric_names as names
-from services.common.write_linger import DEFAULT_LINGER
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
@@ -85,9 +84,6 @@ CALLERS = 64
 LIGHT_CALLERS = 8
 #: Seconds of the closed loop the costs are measured over (after a third as long of warm-up).
 COST_SECONDS = 10.0
-#: A gateway process's coalescer holds bundles back only past this many calls/s (it holds
-#: while half a call or more is expected within the linger: services/common/write_linger.py).
-MIN_BUNDLING_PER_S = DEFAULT_LINGER.min_expected_calls / DEFAULT_LINGER.linger_s
 #: Callers a bundle at most: the stand-in minilm's batch.
 MAX_SLICES = 64
 #: The issue's loads, as fractions of the planned load (or of the capacity, `--full-use`).
@@ -110,14 +106,18 @@ class CostPoint:
 def fit_bundle_costs(light: CostPoint, busy: CostPoint, *, max_slices: int) -> TierCpu:
     """Each tier's cost per caller and per bundle from two loads whose bundles differ
     (cost = per caller + per bundle / slices), and how bundles grow with a gateway process's
-    load: linearly past the rate from which its coalescer holds bundles back
-    (MIN_BUNDLING_PER_S), through the busy point. Both costs stay at or above zero, and the
-    busy point's cost is always matched (noise between the points moves only the split)."""
-    if busy.slices <= light.slices or busy.per_s <= MIN_BUNDLING_PER_S:
+    load: linearly past the rate from which its coalescer starts holding bundles back, the
+    line through both points (at most the light point's rate from zero: a light point of one
+    caller a bundle leaves it there). Both costs stay at or above zero, and the busy point's
+    cost is always matched (noise between the points moves only the split)."""
+    if busy.slices <= light.slices or busy.per_s <= light.per_s:
         raise ValueError(
             f"the two loads bundled alike ({light.slices:.2f} and {busy.slices:.2f} callers a "
             f"bundle at {light.per_s:.0f}/s and {busy.per_s:.0f}/s): nothing to fit"
         )
+    # Bundles: the line through both points, b = 1 + (rate - bundling_from) window.
+    window_s = (busy.slices - light.slices) / (busy.per_s - light.per_s)
+    bundling_from_per_s = max(0.0, busy.per_s - (busy.slices - 1) / window_s)
     span = 1 / light.slices - 1 / busy.slices
     fitted: dict[str, tuple[float, float]] = {}
     for tier in ("gateway", "router", "worker"):
@@ -134,8 +134,8 @@ def fit_bundle_costs(light: CostPoint, busy: CostPoint, *, max_slices: int) -> T
         router_s_per_bundle=fitted["router"][1],
         worker_s_per_request=fitted["worker"][0],
         worker_s_per_bundle=fitted["worker"][1],
-        bundle_window_s=(busy.slices - 1) / (busy.per_s - MIN_BUNDLING_PER_S),
-        min_bundling_per_s=MIN_BUNDLING_PER_S,
+        bundle_window_s=window_s,
+        min_bundling_per_s=bundling_from_per_s,
         max_slices_per_bundle=max_slices,
         provenance=(
             f"bench.stand_in_validation: {light.callers} and {busy.callers} closed-loop "

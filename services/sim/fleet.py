@@ -146,6 +146,11 @@ class Fleet:
         return refresh
 
     @property
+    def bundle_slices(self) -> float:
+        """Callers per bundle at the gateways' load now (1 without tier costs)."""
+        return self._tiers.slices
+
+    @property
     def serving(self) -> list[str]:
         """Workers started, alive and not draining."""
         return [

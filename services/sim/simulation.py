@@ -133,7 +133,8 @@ class _Autoscaling:
             backlogs += now.backlog_s - before.backlog_s
             rows += now.rows - before.rows
             if kind == "cpu":
-                shares.append(_cpu_share(fleet.config, now.rows - before.rows, elapsed_s))
+                rows_here = now.rows - before.rows
+                shares.append(_cpu_share(fleet.config, rows_here, elapsed_s, fleet.bundle_slices))
             else:
                 shares.append((now.busy_s - before.busy_s) / elapsed_s)
         self._last, self._last_s = current, now_s
@@ -142,16 +143,14 @@ class _Autoscaling:
         return sum(shares) / len(shares) if shares else 0.0
 
 
-def _cpu_share(config: FleetConfig, rows: int, elapsed_s: float) -> float:
+def _cpu_share(config: FleetConfig, rows: int, elapsed_s: float, slices: float) -> float:
     """A worker's CPU utilisation over `elapsed_s` in which it dispatched `rows` (one row per
     simulated request): its processes' cost per request from [fleet.tier_cpu] when that gives
-    the worker's, over all its processes' cores; else `cpu_per_row_s` over `cpu_cores`."""
+    the worker's (at `slices` callers a bundle, as the tier queues price them now), over all
+    its processes' cores; else `cpu_per_row_s` over `cpu_cores`."""
     tiers = config.tier_cpu
     if tiers.worker_s(1.0) > 0:
         cores = config.worker_processes * tiers.cores_per_process
-        # Bundles as this worker's rate would make them were it the fleet's (a lower bound
-        # on the gateways' load, so an upper bound on the cost).
-        slices = tiers.slices_per_bundle(rows / elapsed_s / config.gateways)
         return rows * tiers.worker_s(1.0, slices) / (elapsed_s * cores)
     return rows * config.cpu_per_row_s / (elapsed_s * config.cpu_cores)
 

@@ -11,13 +11,21 @@ Each tier is a set of processes; a process's work is its event loop (plus grpc's
 threads), so it serves at most `cores_per_process / cpu_s_per_request` requests/s, and a plan
 fills it to `utilization` of that. Then, for offered lambda requests/s with headroom h:
 
-    worker processes  w = ceil(lambda (1 + h) (c_w + rows c_row) / (k u))
+    gateways          g = the fewest with peak (1 + h) c_g(b(peak (1 + h) / g)) <= g k u,
+                          in ceil(g / per_pod) pods
+    worker processes  w = ceil(lambda (1 + h) (c_w(b(lambda (1 + h) / g)) + rows c_row) / (k u))
     devices           d = max(device term of the closed form, ceil(w / f_max), 1)
     per device        f = ceil(w / d)           (worker processes sharing one device, at most
                                                  f_max: MIG slices or time-slicing; a worker's
                                                  gRPC front and its engine share one process)
-    gateways          g = ceil(peak (1 + h) c_g / (k u)), in ceil(g / per_pod) pods
-    routers           r = ceil(peak (1 + h) c_r / (k u))
+    routers           r = ceil(peak (1 + h) c_r(b(peak (1 + h) / g)) / (k u))
+
+where a tier's cost per request c_t(b) = its cost per caller + its cost per bundle / b, and a
+gateway process offered x calls/s bundles b(x) = min(b_max, 1 + max(0, x - x_0) window) of
+them (x_0: where its coalescer starts holding bundles back; no window: b = 1, and the costs
+are per request whatever the bundles, as the GPU scenarios measured them). A process's whole
+rate is taken as one bundle key's: its coalescer bundles per model version, class and
+deadline class, so a process serving several of them bundles less than this says.
 
 and each answer names what binds it: a device count the device curve ("device"), the
 processes per device the worker CPU ("worker CPU") once it asks for more than one, the
@@ -230,34 +238,46 @@ def capacity_per_s(
     its bundles as large as that rate makes them (larger bundles later cannot help a fleet
     that saturated on the way)."""
     cores = cpu.cores_per_process
+    gateways = max(1, gateway_processes)
+    # Below this fleet rate no gateway process bundles: every request costs its whole bundle.
+    bundling_from_per_s = gateways * cpu.min_bundling_per_s if cpu.bundle_window_s > 0 else math.inf
 
     def slices(rate_per_s: float) -> float:
-        return cpu.slices_per_bundle(rate_per_s / gateway_processes)
+        return cpu.slices_per_bundle(rate_per_s / gateways)
+
+    def served(processes: int, cost_s_at: Callable[[float], float]) -> float:
+        return _served(processes * cores, cost_s_at, bundling_from_per_s)
 
     limits = {
         DEVICE: device_rows_per_s / rows_per_request,
-        WORKER_CPU: _served(
-            worker_processes * cores, lambda r: cpu.worker_s(rows_per_request, slices(r))
-        ),
-        GATEWAY_CPU: _served(gateway_processes * cores, lambda r: cpu.gateway_s(slices(r))),
-        ROUTER_CPU: _served(routers * cores, lambda r: cpu.router_s(slices(r))),
+        WORKER_CPU: served(worker_processes, lambda r: cpu.worker_s(rows_per_request, slices(r))),
+        GATEWAY_CPU: served(gateway_processes, lambda r: cpu.gateway_s(slices(r))),
+        ROUTER_CPU: served(routers, lambda r: cpu.router_s(slices(r))),
     }
     binds = min(limits, key=limits.__getitem__)
     return limits[binds], binds
 
 
-def _served(cores: float, cost_s_at: Callable[[float], float]) -> float:
+def _served(cores: float, cost_s_at: Callable[[float], float], bundling_from_per_s: float) -> float:
     """The first rate (requests/s) at which `cores` cannot do a request's CPU `cost_s_at`
-    that rate; inf when requests cost nothing."""
+    that rate; inf when requests cost nothing, 0 without cores.
+
+    Below `bundling_from_per_s` a request costs cost_s_at(1) whatever the rate, so the CPU
+    used grows linearly and first fills the cores at cores / cost_s_at(1), if that comes
+    first. Past it, rate x cost is convex in the rate (bundles growing linearly with it, then
+    capped), so the rates that keep up there are one interval: a scan from where they
+    start finds its end, and bisection pins it."""
     if cost_s_at(1.0) <= 0:
         return math.inf
+    if cores <= 0:
+        return 0.0
 
     def keeps_up(rate_per_s: float) -> bool:
         return rate_per_s * cost_s_at(rate_per_s) <= cores
 
-    # Requests cost at most cost_s_at(1) each (bundles only grow with load), so up to
-    # cores / cost_s_at(1) every rate keeps up; scan on from there for the first that does not.
     low = cores / cost_s_at(1.0)
+    if low <= bundling_from_per_s:
+        return low
     high = low
     while keeps_up(high * _SCAN_STEP):
         high *= _SCAN_STEP

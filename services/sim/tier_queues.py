@@ -44,8 +44,9 @@ class ProcessQueue:
 
 
 #: Weight of the newest gap between arrivals in the gateways' moving average (about the last
-#: hundred arrivals).
+#: hundred arrivals), and the arrivals before it takes over from the plain mean.
 _GAP_SMOOTHING = 0.01
+_WARM_ARRIVALS = 100
 
 
 class TierQueues:
@@ -59,11 +60,12 @@ class TierQueues:
         cores = cpu.cores_per_process
         self._num_gateways = max(1, gateways)
         self._gateways = ProcessQueue(gateways, cores)
-        self._refusal_s = cpu.gateway_refusal_share * cpu.gateway_s_per_request
         self._routers = ProcessQueue(routers, cores)
         self._worker = (worker_processes, cores)
         self._workers: dict[str, ProcessQueue] = {}
-        self._last_arrival_s: float | None = None
+        self._first_arrival_s: float | None = None
+        self._last_arrival_s = 0.0
+        self._arrivals = 0
         self._mean_gap_s = math.inf
         #: Callers per bundle at the gateways' load now.
         self.slices = 1.0
@@ -71,7 +73,8 @@ class TierQueues:
     def refused_at_gateway(self, now_s: float) -> None:
         """A call the gateways refused at `now_s` (quota, throttle): grpc's per-call work,
         `gateway_refusal_share` of a served call's, still falls on them."""
-        self._gateways.add_work(now_s, self._refusal_s)
+        refusal_s = self._cpu.gateway_refusal_share * self._cpu.gateway_s(self.slices)
+        self._gateways.add_work(now_s, refusal_s)
 
     def at_gateway_and_router(self, now_s: float) -> float:
         """Seconds a request spends in the gateway and then the router, arriving at `now_s`."""
@@ -89,10 +92,16 @@ class TierQueues:
         return queue.delay_s(now_s, self._cpu.worker_s(1.0, self.slices))
 
     def _arrived(self, now_s: float) -> None:
-        if self._last_arrival_s is not None:
+        if self._first_arrival_s is None:
+            self._first_arrival_s = now_s
+        elif self._arrivals < _WARM_ARRIVALS:
+            # Until the average has as many gaps as it weighs, the plain mean since the first
+            # arrival: one gap (two calls at once: 0) would set the rate for the next hundred.
+            self._mean_gap_s = (now_s - self._first_arrival_s) / self._arrivals
+        else:
             gap_s = max(0.0, now_s - self._last_arrival_s)
-            mean = self._mean_gap_s
-            self._mean_gap_s = gap_s if math.isinf(mean) else mean + _GAP_SMOOTHING * (gap_s - mean)
+            self._mean_gap_s += _GAP_SMOOTHING * (gap_s - self._mean_gap_s)
+        self._arrivals += 1
         self._last_arrival_s = now_s
         if self._mean_gap_s > 0 and not math.isinf(self._mean_gap_s):
             per_process_per_s = 1.0 / (self._mean_gap_s * self._num_gateways)

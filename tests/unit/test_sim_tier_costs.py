@@ -303,3 +303,42 @@ def test_the_simulated_tiers_cost_a_request_less_as_the_gateways_load_grows() ->
     # Alone in the queue each time: its own costs, at one call a bundle and at 2.2.
     assert light_s == pytest.approx(BUNDLED.gateway_s(1.0) + BUNDLED.router_s(1.0))
     assert busy_s == pytest.approx(BUNDLED.gateway_s(2.2) + BUNDLED.router_s(2.2), rel=0.01)
+
+
+def test_a_tier_that_fills_before_bundles_start_binds_there_and_no_cores_serve_nothing() -> None:
+    # The router's fitted shape: nearly all per bundle, bundles past 500/s growing fast enough
+    # that its CPU peaks at 500/s (0.564 ms x 500 = 0.282 cores) and falls after. With 0.2815
+    # cores it cannot keep up at 499.1/s, whatever bundles would do later.
+    cpu = TierCpu(
+        router_s_per_request=0.000011,
+        router_s_per_bundle=0.000553,
+        bundle_window_s=0.00286,
+        min_bundling_per_s=500,
+        cores_per_process=0.2815,
+    )
+    capacity, binds = capacity_per_s(
+        cpu, device_rows_per_s=1e6, worker_processes=1, gateway_processes=1, routers=1
+    )
+    assert binds == ROUTER_CPU
+    assert capacity == pytest.approx(0.2815 / 0.000564)
+    for fleet in ({"routers": 0}, {"worker_processes": 0}, {"gateway_processes": 0}):
+        counts = {"worker_processes": 1, "gateway_processes": 1, "routers": 1, **fleet}
+        assert capacity_per_s(BUNDLED, device_rows_per_s=1e6, **counts)[0] == 0.0
+
+
+def test_the_simulated_gateways_rate_starts_from_the_mean_not_one_gap() -> None:
+    queues = TierQueues(BUNDLED, gateways=1, routers=1, worker_processes=1)
+    queues.at_gateway_and_router(0.0)
+    queues.at_gateway_and_router(0.0)  # two calls at once: one gap of 0
+    for i in range(1, 20):
+        queues.at_gateway_and_router(i / 200)  # then 200/s
+    assert queues.slices == 1.0  # well under 500/s: no bundles, not 16 callers a bundle
+
+
+def test_a_refusal_costs_its_share_of_a_served_call_at_the_bundles_of_the_moment() -> None:
+    cpu = dataclasses.replace(BUNDLED, gateway_refusal_share=0.5)
+    queues = TierQueues(cpu, gateways=1, routers=1, worker_processes=1)
+    queues.refused_at_gateway(0.0)
+    # At one caller a bundle a served call costs 0.4 + 0.6 ms: the refusal half of it.
+    alone = queues.at_gateway_and_router(0.0)
+    assert alone == pytest.approx(0.0005 + cpu.gateway_s(1.0) + cpu.router_s(1.0))
