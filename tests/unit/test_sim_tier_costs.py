@@ -12,7 +12,7 @@ import pytest
 
 from services.sim.curve import LatencyCurve
 from services.sim.plan_text import format_plan
-from services.sim.planner import plan
+from services.sim.planner import plan, tiers_plan
 from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.tier_costs import (
@@ -342,3 +342,19 @@ def test_a_refusal_costs_its_share_of_a_served_call_at_the_bundles_of_the_moment
     # At one caller a bundle a served call costs 0.4 + 0.6 ms: the refusal half of it.
     alone = queues.at_gateway_and_router(0.0)
     assert alone == pytest.approx(0.0005 + cpu.gateway_s(1.0) + cpu.router_s(1.0))
+
+
+def test_the_stand_in_plan_prices_every_tier_at_the_bundles_its_gateways_make() -> None:
+    scenario = load_scenario(SCENARIOS / "plan_stand_in.toml")
+    cpu = scenario.fleet.tier_cpu
+    assert cpu.bundle_window_s > 0 and "stand_in_validation" in cpu.provenance
+    fleet = tiers_plan(scenario, 1, headroom=0.2)
+    assert fleet is not None
+    # 3,600 requests/s over the planned gateway processes: each bundles its share.
+    slices = cpu.slices_per_bundle(3_600 / fleet.gateways.processes)
+    assert 1 < slices < 3
+    assert fleet.routers.processes == cpu.processes_for(3_600, cpu.router_s(slices))
+    # Priced at one caller a bundle (a cost per request measured at light load), every tier
+    # would need more; at the 64-caller point's bundles (3.54), fewer than it really takes.
+    for bundled_as in (1.0, 3.54):
+        assert cpu.processes_for(3_600, cpu.gateway_s(bundled_as)) != fleet.gateways.processes
