@@ -5,4 +5,8 @@
 - `python -m bench.fabric` (`make bench-fabric`, `make bench-smoke`): the whole fabric under load,
   against batching off, a bare echo server and the Ray Serve peer. Its helpers live in the
   `bench.fabric` package (stack, load generator, measurements, report, peer client and server).
+- `python -m bench.spread` (`make bench-spread`): the fabric with every tier spread over the
+  machine's cores and the load from several generator processes (a GPU box's figure).
+- The Makefile's `bench-*` targets list the rest (tenants, jobs, the simulator's validations,
+  the registry, fair share, the worker's intake, server calls, generation steps).
 """
