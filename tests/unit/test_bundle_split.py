@@ -11,7 +11,7 @@ import pytest
 
 from services.common.bundles import SliceCancels, pack_token_rows, unpack_token_rows
 from services.common.errors import Overloaded, UpstreamError
-from services.common.registry_schema import ModelRecord, WorkerRecord
+from services.common.registry_schema import WorkerRecord
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.bundle_split import (
@@ -25,6 +25,7 @@ from services.router.bundle_split import (
 )
 from services.router.routing import Reject, RejectReason, Route, RouteTable
 from services.router.routing_config import RoutingConfig
+from tests.support.records import model_record
 
 pytestmark = pytest.mark.unit
 
@@ -62,19 +63,7 @@ def parsed(request: pb.InferRequest) -> Bundle:
 def busy_table(*, reserved_rows: int = 100) -> RouteTable:
     """Two workers of minilm@1 at 10 ms a row, each with `reserved_rows` rows this router sent."""
     table = RouteTable(RoutingConfig(explore_share=0.0), random.Random(0))
-    model = ModelRecord(
-        name="minilm",
-        version="1",
-        fingerprint="fp",
-        tokenizer_fingerprint="tfp",
-        kind="embedding",
-        max_batch_size=256,
-        slo_p99_ms=10_000,
-        per_row_s=0.01,
-        min_batch_s=0.01,
-        queued_rows=0,
-        is_ready=True,
-    )
+    model = model_record(max_batch_size=256, slo_p99_ms=10_000)
     workers = [WorkerRecord(w, f"{w}:1", False, 0, (model,)) for w in ("w1", "w2")]
     table.update([(w, 0.0) for w in workers], 0.0)
     for worker in workers:

@@ -24,6 +24,7 @@ from services.router.routing import (
     RouteTable,
 )
 from services.router.routing_config import RoutingConfig
+from tests.support.records import model_record
 
 pytestmark = pytest.mark.unit
 
@@ -40,14 +41,9 @@ def make_model(
     is_ready: bool = True,
     shed_past_slo: bool = False,
 ) -> ModelRecord:
-    return ModelRecord(
+    return model_record(
         name=name,
         version=version,
-        fingerprint="fp",
-        tokenizer_fingerprint="tfp",
-        kind="embedding",
-        max_batch_size=32,
-        slo_p99_ms=100,
         per_row_s=per_row_s,
         min_batch_s=min_batch_s,
         queued_rows=queued_rows,

@@ -23,6 +23,7 @@ on another kernel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass
@@ -44,6 +45,11 @@ class AttentionBackends:
 
     backends: tuple[SDPBackend, ...]
 
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        """The flags' names of these kernels (built once, not at every step)."""
+        return frozenset(_NAMES[b] for b in self.backends)
+
     @property
     def name(self) -> str:
         """For logs and the metric's label: "flash+efficient+math"."""
@@ -58,14 +64,14 @@ class AttentionBackends:
             if not _running:
                 _before = enabled_now()
             _running.append(self)
-            _set_flags({_NAMES[b] for b in self.backends})
+            _set_flags(self.names)
         try:
             yield
         finally:
             with _lock:
                 _running.remove(self)
                 if _running:
-                    _set_flags({_NAMES[b] for b in _running[-1].backends})
+                    _set_flags(_running[-1].names)
                 else:
                     _set_flags(_before)
 

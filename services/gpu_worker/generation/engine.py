@@ -267,8 +267,8 @@ class GenerationEngine:
             # unless the step carries a prompt chunk anyway.
             admit = (
                 self.runner.graphs is None
-                or self.scheduler.is_prefilling
                 or self._prefill_hold.admits(self._clock(), num_running=self.scheduler.num_running)
+                or self.scheduler.is_prefilling  # a scan of the running sequences: last
             )
             output = self.scheduler.schedule(admit=admit)
             self._export_gauges()

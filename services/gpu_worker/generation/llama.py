@@ -141,16 +141,11 @@ class _Attention(nn.Module):
     ) -> torch.Tensor:
         num_tokens, heads, kv_heads = hidden.shape[0], self.num_heads, self.num_kv_heads
         if self.qkv_proj is None:
-            q = self.q_proj(hidden).view(num_tokens, heads, self.head_dim)
-            k = self.k_proj(hidden).view(num_tokens, kv_heads, self.head_dim)
-            v = self.v_proj(hidden).view(num_tokens, kv_heads, self.head_dim)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-        else:
-            qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
-            qk = qkv[:, : heads + kv_heads]
-            qk = qk * cos + _rotate_half(qk) * sin
-            q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+            raise RuntimeError("call fuse() first: from_pretrained does, for every model it loads")
+        qkv = self.qkv_proj(hidden).view(num_tokens, heads + 2 * kv_heads, self.head_dim)
+        qk = qkv[:, : heads + kv_heads]
+        qk = qk * cos + _rotate_half(qk) * sin
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         context = attention(layer_index, q, k, v)
         return self.o_proj(context.reshape(num_tokens, heads * self.head_dim))
 

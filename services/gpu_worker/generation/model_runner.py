@@ -104,8 +104,7 @@ class ModelRunner:
         """
         if not items:
             return torch.empty((0, self.config.vocab_size), dtype=torch.float32)
-        for item in items:
-            self._check(item)
+        self._check_all(items)
         if self.graphs is not None and (logits := self.graphs.replay(items)) is not None:
             self.num_replayed_steps += 1
             return logits
@@ -187,8 +186,7 @@ class ModelRunner:
         if self.device.type != "cuda":
             return {}
         for items in steps:
-            for item in items:
-                self._check(item)
+            self._check_all(items)
 
         def time_steps() -> float:
             for items in steps:  # once to build each kernel's state, then timed
@@ -222,6 +220,10 @@ class ModelRunner:
             graphs.capture()
         self.graphs = graphs
         return graphs.count
+
+    def _check_all(self, items: Sequence[SequenceBatchItem]) -> None:
+        for item in items:
+            self._check(item)
 
     def _check(self, item: SequenceBatchItem) -> None:
         # min/max rather than a generator over every id: this runs for every item of every step.
