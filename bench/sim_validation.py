@@ -56,7 +56,6 @@ from bench.fabric.measure import wait_quiet
 from bench.fabric.observe import Observer, Samples, cpu_delta, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from services.common import metric_names as names
-from services.common.procfs import read_stat
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.sim.curve import LatencyCurve
@@ -464,14 +463,16 @@ def _mean_cpu_ms(runs: Sequence[dict[str, float] | None]) -> dict[str, float] | 
     return {tier: round(statistics.fmean(r[tier] for r in measured), 3) for tier in measured[0]}
 
 
-def _tier_cpu_s(tiers: Mapping[str, int]) -> dict[str, float]:
-    """CPU seconds so far of each named process (processes of one name summed)."""
-    seconds: dict[str, float] = {}
-    for name, pid in tiers.items():
-        stat = read_stat(pid)
+def _ms_per_request(
+    cpu_s: Mapping[str, float], tiers: Mapping[str, int], requests: int
+) -> dict[str, float]:
+    """CPU milliseconds per request of each tier, its processes ("worker-0", ...) summed by
+    the first word of their names."""
+    ms: dict[str, float] = {}
+    for name in tiers:
         tier = name.split("-")[0]
-        seconds[tier] = seconds.get(tier, 0.0) + (0.0 if stat is None else stat.cpu_s)
-    return seconds
+        ms[tier] = ms.get(tier, 0.0) + 1e3 * cpu_s.get(name, 0.0) / requests
+    return ms
 
 
 def ratio(sim: float, real: float) -> float:
@@ -529,16 +530,15 @@ async def compare(
             )
             seed = args.seed + index + 1000 * run_index
             worker_before = scrape(worker_port)
-            cpu_before = None if tiers is None else _tier_cpu_s(tiers)
+            observer = None if tiers is None else Observer(tiers)
+            cpu_before = None if observer is None else observer.snapshot()
             outcomes = await real_run(stub, rate, args.duration_s, seed)
             batches = batches_of(delta(worker_before, scrape(worker_port)))
             real_cpu_ms = None
-            if tiers is not None and cpu_before is not None and outcomes:
-                cpu_after = _tier_cpu_s(tiers)
-                real_cpu_ms = {
-                    tier: 1e3 * (cpu_after[tier] - cpu_before[tier]) / len(outcomes)
-                    for tier in cpu_after
-                }
+            if observer is not None and cpu_before is not None and outcomes:
+                real_cpu_ms = _ms_per_request(
+                    cpu_delta(cpu_before, observer.snapshot()), tiers or {}, len(outcomes)
+                )
             window_s = args.duration_s - args.warmup_s
             real = real_side(outcomes, warmup_s=args.warmup_s, window_s=window_s, slo_s=0.25)
             sim, summary = simulated(rate, seed)

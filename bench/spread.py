@@ -37,7 +37,7 @@ from typing import Any
 from bench.fabric.loadgen import poisson_schedule, run_open_loop
 from bench.fabric.observe import scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
-from bench.fabric.stand_in import STAND_IN_CURVE, best_rate, worker_args
+from bench.fabric.stand_in import STAND_IN_CURVE, best_rate, tier_of_processes, worker_args
 from bench.fabric.targets import make_texts
 from services.common import metric_names as names
 from services.common.procfs import descendants, read_stat
@@ -75,8 +75,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         slo_s = _slo_s(repository)
         results = _sweep(stack, args, generators, slo_s, raw["sequences_per_s"])
         routed = {
-            r["name"]: total(scrape(r["metrics_port"]), names.ROUTER_ROUTED_TOTAL)
-            for r in stack.ready["routers"]
+            name: total(scrape(port), names.ROUTER_ROUTED_TOTAL)
+            for name, port in stack.metrics_ports().items()
+            if name.startswith("router")
         }
     finally:
         stack.stop()
@@ -163,7 +164,7 @@ def _slo_s(repository: Path) -> float:
 def _sweep(
     stack: BenchStack, args: argparse.Namespace, generators: int, slo_s: float, raw_per_s: float
 ) -> list[dict[str, Any]]:
-    tiers = _tier_pids(stack.ready)
+    tiers = _tier_pids(stack.pids())
     texts = make_texts(512, seed=0)
     results = []
     for rate in args.rates:
@@ -183,13 +184,13 @@ def _goodput(result: Mapping[str, Any]) -> float:
     return float(result["goodput_per_s"])
 
 
-def _tier_pids(ready: Mapping[str, Any]) -> dict[str, list[int]]:
-    """Each tier's processes by its launcher's ready file (children are added at each read)."""
-    return {
-        "gateway": [ready["gateway"]["pid"]],
-        "router": [r["pid"] for r in ready.get("routers", [ready["router"]])],
-        "worker": [w["pid"] for w in ready["workers"]],
-    }
+def _tier_pids(pids: Mapping[str, int]) -> dict[str, list[int]]:
+    """The stack's processes (BenchStack.pids) by tier (their children are added at each
+    read)."""
+    tiers: dict[str, list[int]] = {}
+    for name, tier in tier_of_processes(pids).items():
+        tiers.setdefault(tier, []).append(pids[name])
+    return tiers
 
 
 def _cpu_s(tiers: Mapping[str, list[int]]) -> dict[str, float]:

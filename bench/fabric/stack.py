@@ -46,20 +46,22 @@ class BenchStack(Processes):
         return f"{HOST}:{self.ready['gateway']['grpc_port']}"
 
     def pids(self) -> dict[str, int]:
-        """Every process of the stack by name, the launcher included."""
+        """Every process of the stack by name, the launcher included: "gateway", "router"
+        ("router-0", ... with several), workers by id, "redis", "launcher"."""
         return {
             "gateway": self.ready["gateway"]["pid"],
-            "router": self.ready["router"]["pid"],
+            **{r["name"]: r["pid"] for r in self.ready["routers"]},
             **{w["worker_id"]: w["pid"] for w in self.ready["workers"]},
             "redis": self.ready["redis"]["pid"],
             "launcher": self.process.pid,
         }
 
     def metrics_ports(self) -> dict[str, int]:
-        """Prometheus ports by tier name (workers by id)."""
+        """Prometheus ports by process name: "gateway", "router" ("router-0", ... with several),
+        workers by id."""
         return {
             "gateway": self.ready["gateway"]["metrics_port"],
-            "router": self.ready["router"]["metrics_port"],
+            **{r["name"]: r["metrics_port"] for r in self.ready["routers"]},
             **{w["worker_id"]: w["metrics_port"] for w in self.ready["workers"]},
         }
 

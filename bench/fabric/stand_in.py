@@ -73,8 +73,7 @@ def echo_calls(
 
 def tier_of_processes(pids: Mapping[str, int]) -> dict[str, str]:
     """The stack's gateway, router and workers by process name (BenchStack.pids)."""
-    return {name: name if name in ("gateway", "router") else "worker"
-            for name in pids if name not in _NOT_TIERS}  # fmt: skip
+    return {name: name.split("-")[0] for name in pids if name not in _NOT_TIERS}
 
 
 async def measure_stand_in(

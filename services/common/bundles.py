@@ -28,18 +28,25 @@ def pack_token_rows(rows: Sequence[np.ndarray]) -> tuple[bytes, bytes]:
 
 def unpack_token_rows(token_ids: bytes, row_lengths: bytes, num_rows: int) -> list[np.ndarray]:
     """The rows of PackedRows' token columns; INVALID_ARGUMENT when they do not add up."""
+    ends = token_row_ends(token_ids, row_lengths, num_rows)
+    return split_at(np.frombuffer(token_ids, dtype=_INT32), ends.tolist())
+
+
+def token_row_ends(token_ids: bytes, row_lengths: bytes, num_rows: int) -> np.ndarray:
+    """Where each row of PackedRows' token columns ends (in token ids, int64); INVALID_ARGUMENT
+    when the columns do not make `num_rows` rows of at least one token each."""
     if len(token_ids) % 4 or len(row_lengths) % 4:
         raise InvalidInput("packed token_ids and row_lengths must be little-endian int32")
     lengths = np.frombuffer(row_lengths, dtype=_INT32)
-    ids = np.frombuffer(token_ids, dtype=_INT32)
+    num_ids = len(token_ids) // 4
     if len(lengths) != num_rows:
         raise InvalidInput(f"packed rows: {len(lengths)} row lengths for {num_rows} rows")
     if len(lengths) and int(lengths.min()) < 1:
         raise InvalidInput("packed rows: every row needs at least one token")
     ends = np.cumsum(lengths, dtype=np.int64)
-    if (int(ends[-1]) if len(ends) else 0) != len(ids):
-        raise InvalidInput(f"packed rows: row lengths add up to {ends[-1]}, not {len(ids)} ids")
-    return split_at(ids, ends.tolist())
+    if (int(ends[-1]) if len(ends) else 0) != num_ids:
+        raise InvalidInput(f"packed rows: row lengths add up to {ends[-1]}, not {num_ids} ids")
+    return ends
 
 
 def split_at(flat: np.ndarray, ends: list[int]) -> list[np.ndarray]:

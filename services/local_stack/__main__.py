@@ -141,14 +141,13 @@ def start_job_runner(config: StackConfig, children: list[Child], gateway: Child)
 def describe(config: StackConfig, children: list[Child]) -> dict[str, object]:
     """The launcher's ready-file contents: every tier's ports and pid."""
     by_tier = {c.tier: {**c.ports, "pid": c.process.pid} for c in children}
+    routers = [(c.name, {**c.ports, "pid": c.process.pid}) for c in children
+               if c.tier == "router"]  # fmt: skip
     return {
         "gateway": by_tier["gateway"],
-        "router": next({**c.ports, "pid": c.process.pid} for c in children if c.tier == "router"),
-        "routers": [
-            {"name": c.name, **c.ports, "pid": c.process.pid}
-            for c in children
-            if c.tier == "router"
-        ],
+        # The first router alone, for readers of a one-router stack; "routers" has them all.
+        "router": routers[0][1],
+        "routers": [{"name": name, **router} for name, router in routers],
         "jobs": by_tier["jobs"],
         "workers": [
             {"worker_id": c.name, **c.ports, "pid": c.process.pid}

@@ -18,10 +18,10 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from google.protobuf.message import DecodeError
 
-from services.common.bundles import SliceCancels
+from services.common.bundles import SliceCancels, token_row_ends
+from services.common.errors import InvalidInput
 from services.common.grpc_errors import status_of
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.routing import Reject, RejectReason, Route
@@ -30,8 +30,6 @@ from services.router.routing import Reject, RejectReason, Route
 #: 2 * (2**MAX_SPLIT_DEPTH - 1) routing decisions. Splitting happens when the fleet is busy,
 #: when the router's CPU is worth most: past this depth, a part no worker takes is refused.
 MAX_SPLIT_DEPTH = 3
-
-_INT32 = np.dtype("<i4")
 
 
 @dataclass(frozen=True)
@@ -67,13 +65,13 @@ Decide = Callable[[Part], Route | Reject]
 class Bundle:
     """A parsed bundle: its slices' rows and where each slice's rows lie in the packed columns."""
 
-    def __init__(self, request: pb.InferRequest, token_ends: np.ndarray | None) -> None:
+    def __init__(self, request: pb.InferRequest, token_starts: list[int] | None) -> None:
         self.request = request
         self.slice_rows = [s.rows for s in request.slices]
         #: Row index where each slice starts, and the total at the end.
         self._row_starts = [0, *itertools.accumulate(self.slice_rows)]
         #: Text bundles: offset of each row's first token id, and the total at the end.
-        self._token_starts = token_ends
+        self._token_starts = token_starts
 
     @classmethod
     def parse(cls, body: bytes) -> Bundle | None:
@@ -95,14 +93,11 @@ class Bundle:
             if not shape or shape[0] != num_rows or len(packed.tensor.raw_data) % num_rows:
                 return None
             return cls(request, None)
-        if len(packed.row_lengths) != 4 * num_rows or len(packed.token_ids) % 4:
+        try:
+            ends = token_row_ends(packed.token_ids, packed.row_lengths, num_rows)
+        except InvalidInput:  # the worker refuses it whole; nothing to split
             return None
-        lengths = np.frombuffer(packed.row_lengths, dtype=_INT32)
-        token_starts = np.zeros(num_rows + 1, dtype=np.int64)
-        np.cumsum(lengths, out=token_starts[1:])
-        if int(lengths.min()) < 1 or int(token_starts[-1]) * 4 != len(packed.token_ids):
-            return None
-        return cls(request, token_starts)
+        return cls(request, [0, *ends.tolist()])
 
     def part(self, first: int, stop: int) -> Part:
         slices = self.request.slices[first:stop]
@@ -188,12 +183,11 @@ def relay_cancels(
     """Each part's cancelled slices, fed from the bundle's (a slice's index in its part); and
     the function that stops the relay."""
     cancels = [SliceCancels() for _ in parts]
-    starts = [p.first for p in parts]
 
     def relay(index: int) -> None:
-        for part, part_cancels, first in zip(parts, cancels, starts, strict=True):
+        for part, part_cancels in zip(parts, cancels, strict=True):
             if part.first <= index < part.stop:
-                part_cancels.cancel(index - first)
+                part_cancels.cancel(index - part.first)
                 return
 
     return cancels, whole.listen(relay)

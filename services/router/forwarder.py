@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import grpc
 
@@ -99,12 +99,14 @@ class Forwarder:
                 time.monotonic() - started_s
             )
 
-    async def _infer(
+    def _infer(
         self, body: bytes, facts: CallFacts, slice_cancels: SliceCancels | None
-    ) -> bytes:
+    ) -> Awaitable[bytes]:
         """`slice_cancels`: a bundle's slices whose callers stopped waiting, relayed to the
         worker. A bundle is routed, reserved and forwarded whole, as one call, unless no worker
-        can take all of it in time: then in parts (services.router.bundle_split)."""
+        can take all of it in time: then in parts (services.router.bundle_split). Not itself a
+        coroutine: the call awaits the one that sends it (no extra frame per request), and a
+        refusal raises at once."""
         self._budget.record_request(time.monotonic())
         decision = self._decide(facts, frozenset())
         if isinstance(decision, Reject):
@@ -113,8 +115,8 @@ class Forwarder:
                 bundle = Bundle.parse(body)
             if bundle is None:
                 raise self._refused(facts, decision, retried=False)
-            return await self._split(bundle, facts, slice_cancels, decision)
-        return await self._attempts(body, facts, slice_cancels, decision)
+            return self._split(bundle, facts, slice_cancels, decision)
+        return self._attempts(body, facts, slice_cancels, decision)
 
     def _may_split(self, facts: CallFacts, refusal: Reject) -> bool:
         """Whether a call refused whole may be split: refused for its deadline, of several
@@ -202,11 +204,10 @@ class Forwarder:
         cancels, stop_relay = relay_cancels(slice_cancels or SliceCancels(), parts)
 
         async def answer(part: Part, decision: Route | Reject, part_cancels: SliceCancels) -> bytes:
+            facts_of_part = part_facts(facts, part)
             if isinstance(decision, Reject):
-                raise self._refused(part_facts(facts, part), decision, retried=False)
-            return await self._attempts(
-                bundle.body(part), part_facts(facts, part), part_cancels, decision
-            )
+                raise self._refused(facts_of_part, decision, retried=False)
+            return await self._attempts(bundle.body(part), facts_of_part, part_cancels, decision)
 
         try:
             answers = await asyncio.gather(

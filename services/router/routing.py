@@ -141,13 +141,10 @@ class RouteTable:
         tenant's request, as the worker's batcher orders it).
         """
         cfg = self._config
+        if (stale := self._stale(now_s)) is not None:
+            return stale
         refreshed_at_s = self._refreshed_at_s
-        if refreshed_at_s is None:
-            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, "registry not loaded yet")
-        age_s = now_s - refreshed_at_s
-        if age_s > cfg.max_snapshot_age_s:
-            message = f"registry stale: last refresh {age_s:.1f}s ago"
-            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+        assert refreshed_at_s is not None  # not stale: loaded
 
         key = f"{name}@{version}"
         eligible, is_known = self._eligible(name, version, now_s, exclude)
@@ -200,14 +197,27 @@ class RouteTable:
         """Whether some worker would take `num_rows` rows in time now, as `route` judges it;
         nothing is reserved. (A router that cannot place one row of a refused bundle has no
         part of it to place either.)"""
-        if self._refreshed_at_s is None or (
-            now_s - self._refreshed_at_s > self._config.max_snapshot_age_s
-        ):
+        refreshed_at_s = self._refreshed_at_s
+        if refreshed_at_s is None or self._stale(now_s) is not None:
             return False
         eligible, _ = self._eligible(name, version, now_s, frozenset())
-        pricing = (f"{name}@{version}", num_rows, now_s, self._refreshed_at_s, is_batch)
-        priced = self._price(eligible, *pricing, tenant, weight)
+        key = f"{name}@{version}"
+        priced = self._price(
+            eligible, key, num_rows, now_s, refreshed_at_s, is_batch, tenant, weight
+        )
         return any(self._admits(c, remaining_s) for c in priced)
+
+    def _stale(self, now_s: float) -> Reject | None:
+        """The refusal while no snapshot is fresh enough to route on (none read yet, or Redis
+        unreachable past `max_snapshot_age_s`); None otherwise."""
+        cfg = self._config
+        if self._refreshed_at_s is None:
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, "registry not loaded yet")
+        age_s = now_s - self._refreshed_at_s
+        if age_s > cfg.max_snapshot_age_s:
+            message = f"registry stale: last refresh {age_s:.1f}s ago"
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+        return None
 
     def _eligible(
         self, name: str, version: str, now_s: float, exclude: frozenset[str]

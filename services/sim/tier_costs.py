@@ -265,8 +265,8 @@ def _served(cores: float, cost_s_at: Callable[[float], float], bundling_from_per
     Below `bundling_from_per_s` a request costs cost_s_at(1) whatever the rate, so the CPU
     used grows linearly and first fills the cores at cores / cost_s_at(1), if that comes
     first. Past it, rate x cost is convex in the rate (bundles growing linearly with it, then
-    capped), so the rates that keep up there are one interval: a scan from where they
-    start finds its end, and bisection pins it."""
+    capped), so the rates that keep up there are one interval, from where they start to at
+    most cores / cost_s_at(inf) (the cost at the largest bundles): bisection finds its end."""
     if cost_s_at(1.0) <= 0:
         return math.inf
     if cores <= 0:
@@ -278,19 +278,10 @@ def _served(cores: float, cost_s_at: Callable[[float], float], bundling_from_per
     low = cores / cost_s_at(1.0)
     if low <= bundling_from_per_s:
         return low
-    high = low
-    while keeps_up(high * _SCAN_STEP):
-        high *= _SCAN_STEP
-        if high > _MAX_RATE_PER_S:
-            return math.inf
-    high *= _SCAN_STEP
-    low = high / _SCAN_STEP
-    for _ in range(60):  # bisect to well under a request/s
+    high = cores / cost_s_at(math.inf)
+    if keeps_up(high):
+        return high
+    for _ in range(60):  # to well under a request/s
         middle = (low + high) / 2
         low, high = (middle, high) if keeps_up(middle) else (low, middle)
     return low
-
-
-#: The capacity scan's step from one rate to the next, and where it gives up (no CPU binds).
-_SCAN_STEP = 1.01
-_MAX_RATE_PER_S = 1e9

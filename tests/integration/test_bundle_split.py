@@ -55,11 +55,12 @@ pytestmark = pytest.mark.integration
 #: The cost of a row the route table believes, and the rows it holds reserved on each worker
 #: for each model: a worker is predicted to finish n more rows of a model in
 #: (RESERVED_ROWS + n) * PER_ROW_S seconds.
-PER_ROW_S = 0.1
+PER_ROW_S = 1.0
 RESERVED_ROWS = 10
-#: The bundles' time: a worker takes 20 more rows (3 s) with a second to spare, and not 40
-#: (5 s), so a slow machine's delays do not change what fits.
-TIMEOUT_S = 4.0
+#: The bundles' time: a worker takes 20 more rows (30 s predicted) with ten seconds to spare,
+#: and not 40 (50 s), so no delay a loaded machine makes changes what fits. (The predictions
+#: are the route table's; the rows themselves run in milliseconds.)
+TIMEOUT_S = 40.0
 OK = grpc.StatusCode.OK.value[0]
 
 
@@ -176,7 +177,7 @@ def expected(rows: np.ndarray) -> np.ndarray:
 async def test_a_bundle_no_worker_takes_whole_is_served_in_parts_by_two_workers(
     fabric: Fabric, router: SplittingRouter
 ) -> None:
-    # 40 rows: 5 s on either worker; 20 rows: 3 s, on each.
+    # 40 rows: 50 s on either worker; 20 rows: 30 s, on each.
     request, rows = bundle_of([10, 10, 10, 10])
     response = await call(router, request)
     assert [s.code for s in response.slices] == [OK] * 4
@@ -193,8 +194,8 @@ async def test_a_bundle_no_worker_takes_whole_is_served_in_parts_by_two_workers(
 async def test_a_slice_no_worker_can_take_is_refused_alone_while_its_mates_are_served(
     fabric: Fabric, router: SplittingRouter
 ) -> None:
-    # 50 rows do not fit; the first three slices (15 rows, 2.5 s) do, on w0; the last (35 rows,
-    # 4.5 s on w1) nowhere.
+    # 50 rows do not fit; the first three slices (15 rows, 25 s) do, on w0; the last (35 rows,
+    # 45 s on w1) nowhere.
     request, rows = bundle_of([5, 5, 5, 35])
     response = await call(router, request)
     codes = [s.code for s in response.slices]
