@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from services.common.registry_schema import ModelRecord, WorkerRecord
+from services.common.registry_schema import WorkerRecord
 from services.router.routing import (
     Reject,
     RejectReason,
@@ -31,25 +31,8 @@ pytestmark = pytest.mark.unit
 MODEL = ("minilm", "1")
 
 
-def make_model(
-    *,
-    name: str = "minilm",
-    version: str = "1",
-    queued_rows: int = 0,
-    per_row_s: float = 0.01,
-    min_batch_s: float = 0.01,
-    is_ready: bool = True,
-    shed_past_slo: bool = False,
-) -> ModelRecord:
-    return model_record(
-        name=name,
-        version=version,
-        per_row_s=per_row_s,
-        min_batch_s=min_batch_s,
-        queued_rows=queued_rows,
-        is_ready=is_ready,
-        shed_past_slo=shed_past_slo,
-    )
+#: Every model record of these tests: minilm@1 by default (tests/support/records.py).
+make_model = model_record
 
 
 def make_worker(
