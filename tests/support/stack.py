@@ -36,6 +36,10 @@ class WorkerTier(Tier):
     worker_id: str = ""
 
 
+#: How long the launcher may take to stop every tier after SIGTERM, seconds.
+STOP_TIMEOUT_S = 120.0
+
+
 @dataclass
 class Stack:
     #: The launcher, `python -m services.local_stack`; its log is its stdout and stderr.
@@ -92,7 +96,7 @@ class Stack:
                     parts.extend(tail)
         return "\n".join(parts)
 
-    def stop(self, timeout_s: float = 120.0) -> int:
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
         """SIGTERM the launcher (it stops every tier in order), wait, return its exit code."""
         code = self.launcher.terminate(timeout_s)
         if code is None:
@@ -142,14 +146,20 @@ def start_stack(
         timeout_s=ready_timeout_s,
         cwd=REPO_ROOT,
     )
-    return Stack(
-        launcher=launcher,
-        state_dir=state_dir,
-        gateway=Tier(**ready["gateway"]),
-        router=Tier(**ready["router"]),
-        workers=[WorkerTier(**worker) for worker in ready["workers"]],
-        redis_port=ready["redis"]["port"],
-        redis_pid=ready["redis"]["pid"],
-        redis_admin_password=read_password(Path(ready["redis"]["acl_dir"]) / "admin-password"),
-        jobs=Tier(**ready["jobs"]) if "jobs" in ready else None,
-    )
+    try:
+        return Stack(
+            launcher=launcher,
+            state_dir=state_dir,
+            gateway=Tier(**ready["gateway"]),
+            router=Tier(**ready["router"]),
+            workers=[WorkerTier(**worker) for worker in ready["workers"]],
+            redis_port=ready["redis"]["port"],
+            redis_pid=ready["redis"]["pid"],
+            redis_admin_password=read_password(Path(ready["redis"]["acl_dir"]) / "admin-password"),
+            jobs=Tier(**ready["jobs"]) if "jobs" in ready else None,
+        )
+    except Exception:
+        # A ready file this harness cannot read: stop the stack it describes rather than leave
+        # its tiers running after the test (the fixture never gets a Stack to stop).
+        launcher.terminate(STOP_TIMEOUT_S)
+        raise
