@@ -10,6 +10,9 @@ When a bundle leaves follows the streams' write linger (services.common.write_li
 call that finds nothing in flight leaves in this turn of the event loop, with whatever calls
 that same turn made (no timer: no added latency at light load); under load, a bundle waits up
 to `linger_s` (1 ms) for more, and leaves at once when it holds the model's max batch rows.
+Then the bundle clock (services.gateway.bundle_clock): while a bundle of its key is
+downstream and not answered, a ready bundle keeps gathering calls until one is answered (at
+most its hold), so bundles grow with the load instead of staying one linger's worth.
 
 Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
 bundle's, which is the latest slice's), its own status and retry hint, and its own
@@ -35,6 +38,7 @@ from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -103,15 +107,24 @@ class _Bundle:
 
 class Coalescer:
     def __init__(
-        self, send: Send, metrics: GatewayMetrics, linger: LingerConfig = DEFAULT_LINGER
+        self,
+        send: Send,
+        metrics: GatewayMetrics,
+        linger: LingerConfig = DEFAULT_LINGER,
+        clock: BundleClock = DEFAULT_CLOCK,
     ) -> None:
         self._send = send
         self._metrics = metrics
         self._linger_config = linger
+        self._clock = clock
         self._open: dict[BundleKey, _Bundle] = {}
         self._lingers: dict[BundleKey, WriteLinger] = {}
         #: Slices sent or waiting, per key, not yet answered.
         self._in_flight: dict[BundleKey, int] = {}
+        #: Bundles sent, per key, not answered yet; and the future a held bundle waits on,
+        #: done when one of them is answered.
+        self._out: dict[BundleKey, int] = {}
+        self._answered: dict[BundleKey, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def call(
@@ -201,7 +214,25 @@ class Coalescer:
         delay_s = linger.delay_s(bundle.rows, self._in_flight.get(bundle.key, 0))
         if delay_s > 0 and bundle.rows < max_rows:
             await asyncio.sleep(delay_s)
+        if not bundle.is_sent and bundle.slices:
+            time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
+            hold_s = self._clock.hold_s(self._out.get(bundle.key, 0), time_left_s)
+            if hold_s > 0:  # a full bundle leaves meanwhile (`call`)
+                await self._an_answer(bundle.key, hold_s)
         self._leave(bundle)
+
+    async def _an_answer(self, key: BundleKey, timeout_s: float) -> None:
+        """Returns once a bundle of `key` is answered, or after `timeout_s`."""
+        waiter = self._answered.get(key)
+        if waiter is None:
+            waiter = self._answered[key] = asyncio.get_running_loop().create_future()
+        await asyncio.wait((waiter,), timeout=timeout_s)
+
+    def _was_answered(self, key: BundleKey) -> None:
+        self._out[key] -= 1
+        waiter = self._answered.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _leave(self, bundle: _Bundle) -> None:
         if bundle.is_sent:
@@ -217,6 +248,7 @@ class Coalescer:
         for index, entry in enumerate(bundle.slices):
             entry.index = index
         if bundle.slices:
+            self._out[bundle.key] = self._out.get(bundle.key, 0) + 1
             self._spawn(self._send_bundle(bundle))
 
     async def _send_bundle(self, bundle: _Bundle) -> None:
@@ -235,6 +267,8 @@ class Coalescer:
         except asyncio.CancelledError:  # the gateway is closing
             _fail(slices, UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down"))
             raise
+        finally:
+            self._was_answered(bundle.key)
 
     def _request(self, bundle: _Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
         """The bundle's request and its routing metadata."""

@@ -17,6 +17,7 @@ from services.common.settings import (
     listener_settings,
 )
 from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
+from services.gateway.bundle_clock import BundleClock
 from services.gateway.quota_sync import QuotaSyncConfig
 from services.gateway.throttle import ThrottleConfig
 
@@ -59,6 +60,8 @@ class GatewayConfig:
     drain_grace_s: float = 10.0
     #: Each process's adaptive concurrency limit on model calls (services.common.door).
     door: DoorConfig = field(default_factory=DoorConfig)
+    #: When a bundle of concurrent calls leaves for the router (services.gateway.bundle_clock).
+    bundle_clock: BundleClock = field(default_factory=BundleClock)
     #: Adaptive throttling of what downstream refuses (services.gateway.throttle).
     throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     #: TLS of the public port (services.common.tls); optional client certificates (mTLS).
@@ -218,6 +221,24 @@ SETTINGS = SettingsTable(
             "under a supervisor that serves their merged /metrics and restarts any that exits; "
             "0: one per CPU; any value but 1 needs --redis-url",
             "processes",
+        ),
+        Setting(
+            "bundle_max_out",
+            int,
+            BundleClock.max_out,
+            "bundles of one model version a process keeps at the router, not answered, before "
+            "the next waits for an answer and gathers more calls meanwhile; 0: never waits",
+            "bundles",
+            field="bundle_clock.max_out",
+        ),
+        Setting(
+            "bundle_max_hold_s",
+            float,
+            BundleClock.max_hold_s,
+            "longest a ready bundle waits for an answer (and never over a tenth of its earliest "
+            "caller's time left)",
+            "s",
+            field="bundle_clock.max_hold_s",
         ),
         *limit_settings(GatewayConfig),
         *door_settings(),

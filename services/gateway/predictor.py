@@ -23,6 +23,7 @@ from services.common.sampling import checked_sampling
 from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.coalescer import BundleKey, Coalescer, Prepare, deadline_class
 from services.gateway.metrics import GatewayMetrics
@@ -114,6 +115,7 @@ class Predictor:
         admission: TenantAdmission,
         rng: random.Random | None = None,
         retry: RouterRetryConfig | None = None,
+        clock: BundleClock = DEFAULT_CLOCK,
     ) -> None:
         self.catalog = catalog
         self.admission = admission
@@ -129,7 +131,7 @@ class Predictor:
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
-        self._bundles = Coalescer(self._call_router, metrics)
+        self._bundles = Coalescer(self._call_router, metrics, clock=clock)
         #: Per (model, version, fingerprint, truncate): versions come and go, a few each.
         self._tokenizers: dict[tuple[str, str, str, bool], Prepare] = {}
         self._generate = router.unary_stream(

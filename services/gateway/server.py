@@ -204,6 +204,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         max_inputs=config.max_inputs_per_request,
         throttle=config.throttle,
         admission=admission,
+        clock=config.bundle_clock,
     )
     door = Door(DOOR_METHODS, config.door, metrics.registry) if config.door.is_enabled else None
     # Tracing outside auth: a refused call still gets its span.

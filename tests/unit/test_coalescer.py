@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
 from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.coalescer import BundleKey, Coalescer, deadline_class
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -29,11 +30,14 @@ KEY = BundleKey("affine", "1", "f", "interactive", is_text=False)
 
 
 class Downstream:
-    """Answers each bundle with its rows doubled, after `delay_s`; records what it was sent."""
+    """Answers each bundle with its rows doubled, after `delay_s` and once `gate` is open;
+    records what it was sent."""
 
     def __init__(self, delay_s: float = 0.0) -> None:
         self.bundles: list[pb.InferRequest] = []
         self.delay_s = delay_s
+        self.gate = asyncio.Event()
+        self.gate.set()
 
     async def send(
         self,
@@ -45,14 +49,15 @@ class Downstream:
         request = pb.InferRequest.FromString(body)
         self.bundles.append(request)
         await asyncio.sleep(self.delay_s)
+        await self.gate.wait()
         rows = tensor_from_pb(request.packed.tensor)
         response = pb.InferResponse(slices=[pb.SliceStatus() for _ in request.slices])
         response.packed_outputs.CopyFrom(tensor_to_pb(rows * 2))
         return response.SerializeToString()
 
 
-def coalescer(downstream: Downstream) -> Coalescer:
-    return Coalescer(downstream.send, GatewayMetrics(CollectorRegistry()))
+def coalescer(downstream: Downstream, clock: BundleClock = DEFAULT_CLOCK) -> Coalescer:
+    return Coalescer(downstream.send, GatewayMetrics(CollectorRegistry()), clock=clock)
 
 
 def rows(*values: float) -> list[np.ndarray]:
@@ -139,3 +144,73 @@ def test_deadline_classes_keep_far_apart_deadlines_in_different_bundles() -> Non
     assert deadline_class(0.2) != deadline_class(30.0)
     assert deadline_class(0.2) == deadline_class(0.25)  # within 2x: one class
     assert deadline_class(0.0) == deadline_class(0.0005)  # at or under 1 ms: the first
+
+
+async def sent(downstream: Downstream, count: int) -> None:
+    """Waits until `downstream` was sent `count` bundles (a test's own bound: 10 s)."""
+    async with asyncio.timeout(10):
+        while len(downstream.bundles) < count:
+            await asyncio.sleep(0.001)
+
+
+def sizes(downstream: Downstream) -> list[int]:
+    return [len(b.slices) for b in downstream.bundles]
+
+
+@pytest.mark.parametrize(("max_out", "expected"), [(1, [1, 5]), (0, [1, 1, 1, 1, 1, 1])])
+async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered(
+    max_out: int, expected: list[int]
+) -> None:
+    downstream = Downstream()
+    downstream.gate.clear()  # nothing is answered until the test says so
+    bundles = coalescer(downstream, BundleClock(max_out=max_out, max_hold_s=30.0))
+    calls = [asyncio.ensure_future(call(bundles, rows(0)))]
+    await sent(downstream, 1)
+    for i in range(1, 6):  # one call per turn of the loop, as separate RPCs arrive
+        calls.append(asyncio.ensure_future(call(bundles, rows(i))))
+        await asyncio.sleep(0.002)
+    downstream.gate.set()
+    answers = await asyncio.gather(*calls)
+    # With a bundle out, the other five calls waited for its answer and left as one bundle;
+    # without the clock, each left alone (too few in flight for the linger to hold them).
+    assert sizes(downstream) == expected
+    assert [float(a[0][0]) for a in answers] == [0, 2, 4, 6, 8, 10]
+    assert bundles._out[KEY] == 0
+
+
+async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=0.05))
+    first = asyncio.ensure_future(call(bundles, rows(0)))
+    await sent(downstream, 1)
+    second = asyncio.ensure_future(call(bundles, rows(1)))
+    await sent(downstream, 2)  # the first is still out: the hold, not an answer, sent it
+    assert not first.done()
+    downstream.gate.set()
+    assert [float(a[0][0]) for a in await asyncio.gather(first, second)] == [0, 2]
+
+
+async def test_a_full_bundle_leaves_at_once_whatever_is_out() -> None:
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=30.0))
+    first = asyncio.ensure_future(call(bundles, rows(0), max_rows=4))
+    await sent(downstream, 1)
+    full = [asyncio.ensure_future(call(bundles, rows(i, i), max_rows=4)) for i in (1, 2)]
+    await sent(downstream, 2)  # 4 rows: the max, sent without waiting for the first's answer
+    assert sizes(downstream) == [1, 2]
+    downstream.gate.set()
+    await asyncio.gather(first, *full)
+
+
+def test_the_clock_holds_only_with_max_out_bundles_out_and_within_its_bounds() -> None:
+    clock = BundleClock(max_out=2, max_hold_s=0.02, hold_share=0.1)
+    assert clock.hold_s(num_out=0, time_left_s=1.0) == 0.0
+    assert clock.hold_s(num_out=1, time_left_s=1.0) == 0.0
+    assert clock.hold_s(num_out=2, time_left_s=1.0) == 0.02  # max_hold_s
+    assert clock.hold_s(num_out=5, time_left_s=0.1) == pytest.approx(0.01)  # 10% of time left
+    assert clock.hold_s(num_out=5, time_left_s=-1.0) == 0.0  # already late: leaves now
+    assert BundleClock(max_out=0).hold_s(num_out=9, time_left_s=1.0) == 0.0  # clock off
+    with pytest.raises(ValueError):
+        BundleClock(hold_share=2.0)
