@@ -12,7 +12,8 @@ that same turn made (no timer: no added latency at light load); under load, a bu
 to `linger_s` (1 ms) for more, and leaves at once when it holds the model's max batch rows.
 Then the bundle clock (services.gateway.bundle_clock): while a bundle of its key is
 downstream and not answered, a ready bundle keeps gathering calls until one is answered (at
-most its hold), so bundles grow with the load instead of staying one linger's worth.
+most its hold, and only while the key's round trips are short), so bundles grow with the load
+instead of staying one linger's worth.
 
 Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
 bundle's, which is the latest slice's), its own status and retry hint, and its own
@@ -38,7 +39,7 @@ from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
-from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock, RoundTrip
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -124,6 +125,7 @@ class Coalescer:
         #: Bundles sent, per key, not answered yet; and the future a held bundle waits on,
         #: done when one of them is answered.
         self._out: dict[BundleKey, int] = {}
+        self._round_trips: dict[BundleKey, RoundTrip] = {}
         self._answered: dict[BundleKey, asyncio.Future[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -216,7 +218,12 @@ class Coalescer:
             await asyncio.sleep(delay_s)
         if not bundle.is_sent and bundle.slices:
             time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
-            hold_s = self._clock.hold_s(self._out.get(bundle.key, 0), time_left_s)
+            round_trip = self._round_trips.get(bundle.key)
+            hold_s = self._clock.hold_s(
+                self._out.get(bundle.key, 0),
+                time_left_s,
+                round_trip.mean_s if round_trip is not None else 0.0,
+            )
             if hold_s > 0:  # a full bundle leaves meanwhile (`call`)
                 await self._an_answer(bundle.key, hold_s)
         self._leave(bundle)
@@ -253,6 +260,7 @@ class Coalescer:
 
     async def _send_bundle(self, bundle: _Bundle) -> None:
         slices = bundle.slices
+        sent_s = time.monotonic()
         try:
             request, route = self._request(bundle)
             payload = await self._send(
@@ -261,6 +269,10 @@ class Coalescer:
                 max(s.deadline_s for s in slices),
                 bundle.cancels,
             )
+            round_trip = self._round_trips.get(bundle.key)
+            if round_trip is None:
+                round_trip = self._round_trips[bundle.key] = RoundTrip()
+            round_trip.observe(time.monotonic() - sent_s)
             _answer(slices, pb.InferResponse.FromString(payload))
         except Exception as error:  # the whole bundle failed: each caller gets the status
             _fail(slices, error)

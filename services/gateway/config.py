@@ -235,8 +235,8 @@ SETTINGS = SettingsTable(
             "bundle_max_hold_s",
             float,
             BundleClock.max_hold_s,
-            "longest a ready bundle waits for an answer (and never over a tenth of its earliest "
-            "caller's time left)",
+            "longest a ready bundle waits for an answer (never over a tenth of its earliest "
+            "caller's time left); bundles whose round trips take longer do not wait",
             "s",
             field="bundle_clock.max_hold_s",
         ),

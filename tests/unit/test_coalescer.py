@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
 from services.common.tensors import tensor_from_pb, tensor_to_pb
-from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock, RoundTrip
 from services.gateway.coalescer import BundleKey, Coalescer, deadline_class
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -204,13 +204,41 @@ async def test_a_full_bundle_leaves_at_once_whatever_is_out() -> None:
     await asyncio.gather(first, *full)
 
 
+async def test_with_slow_round_trips_a_ready_bundle_leaves_without_waiting() -> None:
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=30.0))
+    # The key's bundles took a minute to be answered (a model on a CPU, say): past the hold.
+    bundles._round_trips[KEY] = RoundTrip()
+    bundles._round_trips[KEY].observe(60.0)
+    first = asyncio.ensure_future(call(bundles, rows(0)))
+    await sent(downstream, 1)
+    second = asyncio.ensure_future(call(bundles, rows(1)))
+    await sent(downstream, 2)  # at once, not after the 30 s hold
+    downstream.gate.set()
+    await asyncio.gather(first, second)
+    assert bundles._round_trips[KEY].mean_s < 60.0  # the new round trips were counted
+
+
 def test_the_clock_holds_only_with_max_out_bundles_out_and_within_its_bounds() -> None:
     clock = BundleClock(max_out=2, max_hold_s=0.02, hold_share=0.1)
-    assert clock.hold_s(num_out=0, time_left_s=1.0) == 0.0
-    assert clock.hold_s(num_out=1, time_left_s=1.0) == 0.0
-    assert clock.hold_s(num_out=2, time_left_s=1.0) == 0.02  # max_hold_s
-    assert clock.hold_s(num_out=5, time_left_s=0.1) == pytest.approx(0.01)  # 10% of time left
-    assert clock.hold_s(num_out=5, time_left_s=-1.0) == 0.0  # already late: leaves now
-    assert BundleClock(max_out=0).hold_s(num_out=9, time_left_s=1.0) == 0.0  # clock off
+    assert clock.hold_s(num_out=0, time_left_s=1.0, round_trip_s=0.005) == 0.0
+    assert clock.hold_s(num_out=1, time_left_s=1.0, round_trip_s=0.005) == 0.0
+    assert clock.hold_s(num_out=2, time_left_s=1.0, round_trip_s=0.005) == 0.02  # max_hold_s
+    # 10% of the time left:
+    assert clock.hold_s(num_out=5, time_left_s=0.1, round_trip_s=0.005) == pytest.approx(0.01)
+    assert clock.hold_s(num_out=5, time_left_s=-1.0, round_trip_s=0.005) == 0.0  # late
+    # Round trips longer than the hold: waiting for an answer would only add latency.
+    assert clock.hold_s(num_out=5, time_left_s=1.0, round_trip_s=0.021) == 0.0
+    assert BundleClock(max_out=0).hold_s(num_out=9, time_left_s=1.0, round_trip_s=0.0) == 0.0
     with pytest.raises(ValueError):
         BundleClock(hold_share=2.0)
+
+
+def test_the_round_trip_is_a_moving_average_from_its_first_value() -> None:
+    trip = RoundTrip()
+    assert trip.mean_s == 0.0
+    trip.observe(0.010)
+    assert trip.mean_s == 0.010
+    trip.observe(0.060)
+    assert trip.mean_s == pytest.approx(0.010 + RoundTrip.SMOOTHING * 0.050)
