@@ -225,7 +225,11 @@ class Coalescer:
                 round_trip.mean_s if round_trip is not None else 0.0,
             )
             if hold_s > 0:  # a full bundle leaves meanwhile (`call`)
+                held_from = time.monotonic()
                 await self._an_answer(bundle.key, hold_s)
+                self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
+                    time.monotonic() - held_from
+                )
         self._leave(bundle)
 
     async def _an_answer(self, key: BundleKey, timeout_s: float) -> None:

@@ -53,6 +53,14 @@ class GatewayMetrics:
             ("model",),
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
         )
+        self.bundle_hold_seconds = new.histogram(
+            names.GATEWAY_BUNDLE_HOLD_SECONDS,
+            "How long a ready bundle waited for its key's bundle downstream to be answered, "
+            "gathering calls meanwhile (the bundle clock; bundles that did not wait are not "
+            "counted).",
+            ("model",),
+            buckets=FAST_SECONDS_BUCKETS,
+        )
         self.throttled_total = new.counter(
             names.GATEWAY_THROTTLED_TOTAL,
             "Requests refused here by adaptive throttling (downstream was refusing work).",

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common import metric_names as names
 from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
 from services.common.tensors import tensor_from_pb, tensor_to_pb
@@ -176,6 +177,10 @@ async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered
     assert sizes(downstream) == expected
     assert [float(a[0][0]) for a in answers] == [0, 2, 4, 6, 8, 10]
     assert bundles._out[KEY] == 0
+    held = bundles._metrics.registry.get_sample_value(
+        f"{names.GATEWAY_BUNDLE_HOLD_SECONDS}_count", {"model": "affine"}
+    )
+    assert (held or 0) == (1 if max_out == 1 else 0)  # only the bundle that waited counts
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
