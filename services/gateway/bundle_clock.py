@@ -21,9 +21,11 @@ is long (minilm on a CPU: tens to hundreds of ms), waiting for an answer only ad
 the worker's batcher, which sees every gateway's rows, batches them while its model is busy
 anyway. Clocked there, a flood of mixed lengths at 400/s on a fresh `make run` got about half
 as many answers within the SLO (200-326 of 3,200 against 529-562, /tmp trial, two runs each).
-So a bundle waits only while its key's round trip (a moving average) is at most `max_hold_s`,
-and then at most `max_hold_s` and `hold_share` of its earliest caller's time left, which also
-bounds what a slow or stalled downstream costs the calls behind it. Throughput is never capped
+So a bundle waits only while its key's round trip (a moving average, failed ones included) is
+at most `max_hold_s`, and then at most `max_hold_s` and `hold_share` of its earliest caller's
+time left when the hold begins (callers that join later have deadlines within 2x of it: the
+coalescer's deadline classes), which also bounds what a slow or stalled downstream costs the
+calls behind it. Throughput is never capped
 by the clock: a bundle that fills to the model's max batch rows leaves at once.
 """
 

@@ -104,6 +104,9 @@ class _Bundle:
     rows: int = 0
     cancels: SliceCancels = field(default_factory=SliceCancels)
     is_sent: bool = False
+    #: While the clock holds it: when the hold began, and a future done once it leaves.
+    held_from: float | None = None
+    left: asyncio.Future[None] | None = None
 
 
 class Coalescer:
@@ -192,10 +195,11 @@ class Coalescer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
+    def _spawn(self, coroutine: Coroutine[None, None, None]) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _withdraw(self, bundle: _Bundle, entry: _Slice) -> None:
         """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn (once:
@@ -224,31 +228,36 @@ class Coalescer:
                 time_left_s,
                 round_trip.mean_s if round_trip is not None else 0.0,
             )
-            if hold_s > 0:  # a full bundle leaves meanwhile (`call`)
-                held_from = time.monotonic()
-                await self._an_answer(bundle.key, hold_s)
-                self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
-                    time.monotonic() - held_from
+            if hold_s > 0:  # until an answer, or until it leaves full (`call`)
+                loop = asyncio.get_running_loop()
+                bundle.held_from, bundle.left = time.monotonic(), loop.create_future()
+                answered = self._answered.get(bundle.key)
+                if answered is None:
+                    answered = self._answered[bundle.key] = loop.create_future()
+                await asyncio.wait(
+                    (answered, bundle.left), timeout=hold_s, return_when=asyncio.FIRST_COMPLETED
                 )
         self._leave(bundle)
 
-    async def _an_answer(self, key: BundleKey, timeout_s: float) -> None:
-        """Returns once a bundle of `key` is answered, or after `timeout_s`."""
-        waiter = self._answered.get(key)
-        if waiter is None:
-            waiter = self._answered[key] = asyncio.get_running_loop().create_future()
-        await asyncio.wait((waiter,), timeout=timeout_s)
-
-    def _was_answered(self, key: BundleKey) -> None:
-        self._out[key] -= 1
-        waiter = self._answered.pop(key, None)
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+    def _bundle_done(self, bundle: _Bundle) -> None:
+        """Its send task ended (answered, failed, or cancelled, even before it started): a
+        caller not answered yet hears UNAVAILABLE, and a bundle held for it may leave."""
+        _fail(bundle.slices, UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down"))
+        self._out[bundle.key] -= 1
+        answered = self._answered.pop(bundle.key, None)
+        if answered is not None and not answered.done():
+            answered.set_result(None)
 
     def _leave(self, bundle: _Bundle) -> None:
         if bundle.is_sent:
             return
         bundle.is_sent = True
+        if bundle.held_from is not None and bundle.left is not None:
+            self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
+                time.monotonic() - bundle.held_from
+            )
+            if not bundle.left.done():
+                bundle.left.set_result(None)
         if self._open.get(bundle.key) is bundle:
             del self._open[bundle.key]
         try:
@@ -260,31 +269,33 @@ class Coalescer:
             entry.index = index
         if bundle.slices:
             self._out[bundle.key] = self._out.get(bundle.key, 0) + 1
-            self._spawn(self._send_bundle(bundle))
+            task = self._spawn(self._send_bundle(bundle))
+            task.add_done_callback(lambda _: self._bundle_done(bundle))
 
     async def _send_bundle(self, bundle: _Bundle) -> None:
         slices = bundle.slices
         sent_s = time.monotonic()
         try:
             request, route = self._request(bundle)
-            payload = await self._send(
-                request.SerializeToString(),
-                outgoing_metadata(route),
-                max(s.deadline_s for s in slices),
-                bundle.cancels,
-            )
-            round_trip = self._round_trips.get(bundle.key)
-            if round_trip is None:
-                round_trip = self._round_trips[bundle.key] = RoundTrip()
-            round_trip.observe(time.monotonic() - sent_s)
+            try:
+                payload = await self._send(
+                    request.SerializeToString(),
+                    outgoing_metadata(route),
+                    max(s.deadline_s for s in slices),
+                    bundle.cancels,
+                )
+            finally:  # a failure's round trip counts too: a stalled downstream stops the holds
+                self._round_trip_ended(bundle.key, sent_s)
             _answer(slices, pb.InferResponse.FromString(payload))
         except Exception as error:  # the whole bundle failed: each caller gets the status
             _fail(slices, error)
-        except asyncio.CancelledError:  # the gateway is closing
-            _fail(slices, UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down"))
-            raise
-        finally:
-            self._was_answered(bundle.key)
+        # Cancelled (the gateway is closing): `_bundle_done` answers the callers.
+
+    def _round_trip_ended(self, key: BundleKey, sent_s: float) -> None:
+        round_trip = self._round_trips.get(key)
+        if round_trip is None:
+            round_trip = self._round_trips[key] = RoundTrip()
+        round_trip.observe(time.monotonic() - sent_s)
 
     def _request(self, bundle: _Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
         """The bundle's request and its routing metadata."""

@@ -226,8 +226,9 @@ SETTINGS = SettingsTable(
             "bundle_max_out",
             int,
             BundleClock.max_out,
-            "bundles of one model version a process keeps at the router, not answered, before "
-            "the next waits for an answer and gathers more calls meanwhile; 0: never waits",
+            "bundles of one key (model version, priority class and deadline class) a process "
+            "keeps at the router, not answered, before the next waits for an answer and "
+            "gathers more calls meanwhile; 0: never waits",
             "bundles",
             field="bundle_clock.max_out",
         ),
@@ -236,7 +237,7 @@ SETTINGS = SettingsTable(
             float,
             BundleClock.max_hold_s,
             "longest a ready bundle waits for an answer (never over a tenth of its earliest "
-            "caller's time left); bundles whose round trips take longer do not wait",
+            "caller's time left when it begins); keys whose round trips take longer do not wait",
             "s",
             field="bundle_clock.max_hold_s",
         ),

@@ -59,7 +59,7 @@ class GatewayMetrics:
             "gathering calls meanwhile (the bundle clock; bundles that did not wait are not "
             "counted).",
             ("model",),
-            buckets=FAST_SECONDS_BUCKETS,
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.05, 0.1),
         )
         self.throttled_total = new.counter(
             names.GATEWAY_THROTTLED_TOTAL,

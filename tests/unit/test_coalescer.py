@@ -158,6 +158,14 @@ def sizes(downstream: Downstream) -> list[int]:
     return [len(b.slices) for b in downstream.bundles]
 
 
+def holds(bundles: Coalescer) -> float:
+    """Bundles the clock held (its histogram's count)."""
+    held = bundles._metrics.registry.get_sample_value(
+        f"{names.GATEWAY_BUNDLE_HOLD_SECONDS}_count", {"model": "affine"}
+    )
+    return held or 0.0
+
+
 @pytest.mark.parametrize(("max_out", "expected"), [(1, [1, 5]), (0, [1, 1, 1, 1, 1, 1])])
 async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered(
     max_out: int, expected: list[int]
@@ -177,10 +185,7 @@ async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered
     assert sizes(downstream) == expected
     assert [float(a[0][0]) for a in answers] == [0, 2, 4, 6, 8, 10]
     assert bundles._out[KEY] == 0
-    held = bundles._metrics.registry.get_sample_value(
-        f"{names.GATEWAY_BUNDLE_HOLD_SECONDS}_count", {"model": "affine"}
-    )
-    assert (held or 0) == (1 if max_out == 1 else 0)  # only the bundle that waited counts
+    assert holds(bundles) == (1 if max_out == 1 else 0)  # only the bundle that waited counts
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
@@ -192,21 +197,40 @@ async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> N
     second = asyncio.ensure_future(call(bundles, rows(1)))
     await sent(downstream, 2)  # the first is still out: the hold, not an answer, sent it
     assert not first.done()
+    assert holds(bundles) == 1
     downstream.gate.set()
     assert [float(a[0][0]) for a in await asyncio.gather(first, second)] == [0, 2]
 
 
-async def test_a_full_bundle_leaves_at_once_whatever_is_out() -> None:
+async def test_a_held_bundle_leaves_at_once_when_it_fills() -> None:
     downstream = Downstream()
     downstream.gate.clear()
     bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=30.0))
     first = asyncio.ensure_future(call(bundles, rows(0), max_rows=4))
     await sent(downstream, 1)
-    full = [asyncio.ensure_future(call(bundles, rows(i, i), max_rows=4)) for i in (1, 2)]
+    held = asyncio.ensure_future(call(bundles, rows(1), max_rows=4))
+    await asyncio.sleep(0.005)  # held: the first is out
+    assert len(downstream.bundles) == 1
+    filling = asyncio.ensure_future(call(bundles, rows(2, 2, 2), max_rows=4))
     await sent(downstream, 2)  # 4 rows: the max, sent without waiting for the first's answer
     assert sizes(downstream) == [1, 2]
+    # Its hold ended when it left, not when an answer came (none has yet).
+    assert holds(bundles) == 1
     downstream.gate.set()
-    await asyncio.gather(first, *full)
+    await asyncio.gather(first, held, filling)
+
+
+async def test_a_bundle_sent_as_the_gateway_closes_is_answered_unavailable() -> None:
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+    caller = asyncio.ensure_future(call(bundles, rows(0), max_rows=1))
+    await asyncio.sleep(0)  # the caller's bundle is full and sent: its task has not started
+    await bundles.close()
+    with pytest.raises(UpstreamError) as raised:
+        await caller
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert downstream.bundles == []  # never sent downstream
+    assert bundles._out[KEY] == 0
 
 
 async def test_with_slow_round_trips_a_ready_bundle_leaves_without_waiting() -> None:
@@ -220,6 +244,7 @@ async def test_with_slow_round_trips_a_ready_bundle_leaves_without_waiting() -> 
     await sent(downstream, 1)
     second = asyncio.ensure_future(call(bundles, rows(1)))
     await sent(downstream, 2)  # at once, not after the 30 s hold
+    assert holds(bundles) == 0
     downstream.gate.set()
     await asyncio.gather(first, second)
     assert bundles._round_trips[KEY].mean_s < 60.0  # the new round trips were counted
