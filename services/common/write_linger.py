@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from services.common.moving_average import MovingAverage
+
 
 @dataclass(frozen=True)
 class LingerConfig:
@@ -51,17 +53,17 @@ class WriteLinger:
     def __init__(self, config: LingerConfig = DEFAULT_LINGER) -> None:
         self.config = config
         self._last_s: float | None = None
-        #: Moving average of the gap between consecutive calls, seconds.
-        self.mean_gap_s = math.inf
+        self._gap = MovingAverage(config.smoothing)
+
+    @property
+    def mean_gap_s(self) -> float:
+        """Moving average of the gap between consecutive calls, seconds (inf before two)."""
+        return math.inf if self._gap.mean is None else self._gap.mean
 
     def arrived(self, now_s: float) -> None:
         """A call was queued at `now_s`."""
         if self._last_s is not None:
-            gap_s = max(0.0, now_s - self._last_s)
-            mean = self.mean_gap_s
-            self.mean_gap_s = (
-                gap_s if math.isinf(mean) else mean + self.config.smoothing * (gap_s - mean)
-            )
+            self._gap.observe(max(0.0, now_s - self._last_s))
         self._last_s = now_s
 
     def delay_s(self, num_ready: int, num_in_flight: int) -> float:

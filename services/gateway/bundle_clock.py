@@ -1,7 +1,7 @@
 """How long a ready bundle waits for one of its key's bundles to be answered (pure).
 
 A bundle that leaves as soon as it is ready carries what arrived in one linger (1 ms): with 64
-callers through the stand-in stack, 4.7 callers a bundle. But the router's and the worker's
+callers through the stand-in stack, 4.5 callers a bundle. But the router's and the worker's
 CPU is nearly all per bundle (issue 35's fit: 0.68 and 0.77 ms a bundle, 0.005 and 0.07 ms a
 caller), so small bundles spend the tiers' CPU on framing, not rows.
 
@@ -9,11 +9,14 @@ So the gateway clocks bundles by their answers, as a batcher that batches while 
 busy does: while `max_out` bundles of a key are downstream and not answered, the next one keeps
 gathering calls, and leaves when one of them is answered, when it holds the model's max batch
 rows (the coalescer sends a full bundle at once), or after its hold. Bundles then grow with the
-load and never wait at light load, where fewer than `max_out` are out. Measured with 64
-callers through the stand-in stack (2 cores, /tmp probe, one run each): 4.5 callers a bundle
-without the clock, 8.5 at `max_out` 2, 21.7 at `max_out` 1, where the router's CPU per request
-fell from 0.138 to 0.045 ms, the worker's from 0.204 to 0.080 ms and the gateway's from 0.545
-to 0.455 ms, and throughput rose from 1,806/s to 2,270/s with a lower p50 (27 ms against 33).
+load. At light load nothing waits: fewer than `max_out` bundles are out, or fewer than
+`min_in_flight` calls are in flight (with a few callers, each waiting for its answer before its
+next call, a held call mostly delays the others, which then take turns a round trip apart).
+Measured with 64 callers through the stand-in stack (2 cores, /tmp probe, one run each): 4.5
+callers a bundle without the clock, 8.5 at `max_out` 2, 21.7 at `max_out` 1, where the router's
+CPU per request fell from 0.138 to 0.045 ms, the worker's from 0.204 to 0.080 ms and the
+gateway's from 0.545 to 0.455 ms, and throughput rose from 1,806/s to 2,270/s with a lower p50
+(27 ms against 33).
 
 A partial bundle waits at most one bundle's round trip, which is short where the clock pays:
 a GPU-speed model, a few ms a round trip, whose tiers' CPU is what binds. Where the round trip
@@ -21,12 +24,12 @@ is long (minilm on a CPU: tens to hundreds of ms), waiting for an answer only ad
 the worker's batcher, which sees every gateway's rows, batches them while its model is busy
 anyway. Clocked there, a flood of mixed lengths at 400/s on a fresh `make run` got about half
 as many answers within the SLO (200-326 of 3,200 against 529-562, /tmp trial, two runs each).
-So a bundle waits only while its key's round trip (a moving average, failed ones included) is
-at most `max_hold_s`, and then at most `max_hold_s` and `hold_share` of its earliest caller's
-time left when the hold begins (callers that join later have deadlines within 2x of it: the
-coalescer's deadline classes), which also bounds what a slow or stalled downstream costs the
-calls behind it. Throughput is never capped
-by the clock: a bundle that fills to the model's max batch rows leaves at once.
+So a bundle waits only while its key's round trip (a moving average, failed ones included; a
+key with none yet holds) is at most `max_hold_s`, and then at most `max_hold_s` and
+`hold_share` of its earliest caller's time left when the hold begins (callers that join later
+have deadlines within 2x of it: the coalescer's deadline classes), which also bounds what a
+slow or stalled downstream costs the calls behind it. Throughput is never capped by the clock:
+a bundle that fills to the model's max batch rows leaves at once.
 """
 
 from __future__ import annotations
@@ -38,39 +41,37 @@ from dataclasses import dataclass
 class BundleClock:
     #: Bundles of one key downstream (sent, not answered) before the next waits (0: never).
     max_out: int = 1
+    #: ... and only with at least this many of the key's calls in flight: with few callers,
+    #: each waiting for its answer before its next call, a held call mostly delays the others
+    #: (they take turns a round trip apart) and gathers nothing (the streams' write linger's
+    #: rule, services.common.write_linger).
+    min_in_flight: int = 8
     #: Longest a ready bundle waits for an answer, seconds ...
     max_hold_s: float = 0.02
     #: ... and at most this share of its earliest caller's time left.
     hold_share: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.max_out < 0 or self.max_hold_s < 0 or not 0 <= self.hold_share <= 1:
-            raise ValueError("max_out >= 0, max_hold_s >= 0 and 0 <= hold_share <= 1")
+        if min(self.max_out, self.min_in_flight) < 0 or self.max_hold_s < 0:
+            raise ValueError("max_out, min_in_flight and max_hold_s must be >= 0")
+        if not 0 <= self.hold_share <= 1:
+            raise ValueError(f"hold_share must be in [0, 1], got {self.hold_share}")
 
-    def hold_s(self, num_out: int, time_left_s: float, round_trip_s: float) -> float:
-        """How long a ready bundle may wait for an answer with `num_out` bundles of its key out
-        and answered in `round_trip_s` (a moving average), its earliest caller having
-        `time_left_s` (0: it leaves now)."""
-        if self.max_out == 0 or num_out < self.max_out or round_trip_s > self.max_hold_s:
+    def hold_s(
+        self, num_out: int, num_in_flight: int, time_left_s: float, round_trip_s: float | None
+    ) -> float:
+        """How long a ready bundle may wait for an answer with `num_out` bundles of its key out,
+        `num_in_flight` of its calls in flight (its own included) and the key's round trips
+        averaging `round_trip_s` (None before the first, which holds), its earliest caller
+        having `time_left_s` (0: it leaves now)."""
+        if (
+            self.max_out == 0
+            or num_out < self.max_out
+            or num_in_flight < self.min_in_flight
+            or (round_trip_s is not None and round_trip_s > self.max_hold_s)
+        ):
             return 0.0
         return max(0.0, min(self.max_hold_s, self.hold_share * time_left_s))
-
-
-class RoundTrip:
-    """Moving average of one key's bundle round trips, seconds (0 before the first)."""
-
-    #: Weight of the newest round trip.
-    SMOOTHING = 0.2
-
-    def __init__(self) -> None:
-        self.mean_s = 0.0
-        self._seen = False
-
-    def observe(self, seconds: float) -> None:
-        if self._seen:
-            self.mean_s += self.SMOOTHING * (seconds - self.mean_s)
-        else:
-            self.mean_s, self._seen = seconds, True
 
 
 #: The gateway's default: one bundle of a key out per process.

@@ -35,11 +35,12 @@ import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
 from services.common.errors import InvalidInput, UpstreamError
+from services.common.moving_average import MovingAverage
 from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.tracing import outgoing_metadata
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
-from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock, RoundTrip
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -109,6 +110,28 @@ class _Bundle:
     left: asyncio.Future[None] | None = None
 
 
+#: Weight of a bundle's round trip in its key's moving average.
+ROUND_TRIP_WEIGHT = 0.2
+
+
+@dataclass
+class _KeyState:
+    """What the coalescer follows for one bundle key (kept while the process runs: keys are
+    a few per model version)."""
+
+    linger: WriteLinger
+    #: The bundle being filled, if any.
+    open: _Bundle | None = None
+    #: Callers' slices sent or waiting, not answered yet.
+    in_flight: int = 0
+    #: Bundles sent, not answered yet.
+    out: int = 0
+    #: The bundles' round trips, seconds (failed ones included).
+    round_trip: MovingAverage = field(default_factory=lambda: MovingAverage(ROUND_TRIP_WEIGHT))
+    #: Done when a bundle out is answered: what a held bundle waits on.
+    answered: asyncio.Future[None] | None = None
+
+
 class Coalescer:
     def __init__(
         self,
@@ -121,15 +144,7 @@ class Coalescer:
         self._metrics = metrics
         self._linger_config = linger
         self._clock = clock
-        self._open: dict[BundleKey, _Bundle] = {}
-        self._lingers: dict[BundleKey, WriteLinger] = {}
-        #: Slices sent or waiting, per key, not yet answered.
-        self._in_flight: dict[BundleKey, int] = {}
-        #: Bundles sent, per key, not answered yet; and the future a held bundle waits on,
-        #: done when one of them is answered.
-        self._out: dict[BundleKey, int] = {}
-        self._round_trips: dict[BundleKey, RoundTrip] = {}
-        self._answered: dict[BundleKey, asyncio.Future[None]] = {}
+        self._keys: dict[BundleKey, _KeyState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def call(
@@ -147,21 +162,21 @@ class Coalescer:
         `prepare`: what makes rows of the values in `rows`, once per bundle (the same for
         every call of `key`); None: `rows` are rows."""
         loop = asyncio.get_running_loop()
-        linger = self._lingers.get(key)
-        if linger is None:
-            linger = self._lingers[key] = WriteLinger(self._linger_config)
-        linger.arrived(loop.time())
-        bundle = self._open.get(key)
+        state = self._keys.get(key)
+        if state is None:
+            state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
+        state.linger.arrived(loop.time())
+        bundle = state.open
         if bundle is not None and bundle.rows + len(rows) > max_rows:
             self._leave(bundle)  # full: these rows start the next one
             bundle = None
         if bundle is None:
-            bundle = self._open[key] = _Bundle(key, prepare)
-            self._spawn(self._leave_when_ready(bundle, linger, max_rows))
+            bundle = state.open = _Bundle(key, prepare)
+            self._spawn(self._leave_when_ready(bundle, state, max_rows))
         entry = _Slice(rows, piece, deadline_s, loop.create_future())
         bundle.slices.append(entry)
         bundle.rows += len(rows)
-        self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        state.in_flight += 1
         # A timer, not asyncio.timeout: the same deadline for a fraction of its cost per call.
         timer = loop.call_at(
             loop.time() + max(0.0, deadline_s - time.monotonic()), self._expire, bundle, entry
@@ -175,7 +190,7 @@ class Coalescer:
             raise
         finally:
             timer.cancel()
-            self._in_flight[key] -= 1
+            state.in_flight -= 1
 
     def _expire(self, bundle: _Bundle, entry: _Slice) -> None:
         """The caller's deadline passed before its answer: DEADLINE_EXCEEDED, slice withdrawn."""
@@ -187,10 +202,10 @@ class Coalescer:
 
     async def close(self) -> None:
         """Stops: every caller still waiting is answered UNAVAILABLE (not run here)."""
-        closing = UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
-        for bundle in self._open.values():
-            _fail(bundle.slices, closing)
-        self._open.clear()
+        for state in self._keys.values():
+            if state.open is not None:
+                _fail(state.open.slices, _closing())
+                state.open = None
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -211,40 +226,39 @@ class Coalescer:
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
 
-    async def _leave_when_ready(self, bundle: _Bundle, linger: WriteLinger, max_rows: int) -> None:
+    async def _leave_when_ready(self, bundle: _Bundle, state: _KeyState, max_rows: int) -> None:
         # Calls made in this turn of the event loop leave together; under load, also those of
-        # the next `linger_s` (see the module's docstring).
+        # the next `linger_s`, and then those until an answer (see the module's docstring).
         await asyncio.sleep(0)
         if bundle.is_sent:
             return
-        delay_s = linger.delay_s(bundle.rows, self._in_flight.get(bundle.key, 0))
+        delay_s = state.linger.delay_s(bundle.rows, state.in_flight)
         if delay_s > 0 and bundle.rows < max_rows:
             await asyncio.sleep(delay_s)
         if not bundle.is_sent and bundle.slices:
             time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
-            round_trip = self._round_trips.get(bundle.key)
             hold_s = self._clock.hold_s(
-                self._out.get(bundle.key, 0),
-                time_left_s,
-                round_trip.mean_s if round_trip is not None else 0.0,
+                state.out, state.in_flight, time_left_s, state.round_trip.mean
             )
             if hold_s > 0:  # until an answer, or until it leaves full (`call`)
                 loop = asyncio.get_running_loop()
                 bundle.held_from, bundle.left = time.monotonic(), loop.create_future()
-                answered = self._answered.get(bundle.key)
-                if answered is None:
-                    answered = self._answered[bundle.key] = loop.create_future()
+                if state.answered is None:
+                    state.answered = loop.create_future()
                 await asyncio.wait(
-                    (answered, bundle.left), timeout=hold_s, return_when=asyncio.FIRST_COMPLETED
+                    (state.answered, bundle.left),
+                    timeout=hold_s,
+                    return_when=asyncio.FIRST_COMPLETED,
                 )
         self._leave(bundle)
 
     def _bundle_done(self, bundle: _Bundle) -> None:
         """Its send task ended (answered, failed, or cancelled, even before it started): a
         caller not answered yet hears UNAVAILABLE, and a bundle held for it may leave."""
-        _fail(bundle.slices, UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down"))
-        self._out[bundle.key] -= 1
-        answered = self._answered.pop(bundle.key, None)
+        _fail(bundle.slices, _closing())
+        state = self._keys[bundle.key]
+        state.out -= 1
+        answered, state.answered = state.answered, None
         if answered is not None and not answered.done():
             answered.set_result(None)
 
@@ -252,14 +266,16 @@ class Coalescer:
         if bundle.is_sent:
             return
         bundle.is_sent = True
-        if bundle.held_from is not None and bundle.left is not None:
-            self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
-                time.monotonic() - bundle.held_from
-            )
+        if bundle.left is not None:  # it was held
+            if bundle.slices and bundle.held_from is not None:
+                self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
+                    time.monotonic() - bundle.held_from
+                )
             if not bundle.left.done():
                 bundle.left.set_result(None)
-        if self._open.get(bundle.key) is bundle:
-            del self._open[bundle.key]
+        state = self._keys[bundle.key]
+        if state.open is bundle:
+            state.open = None
         try:
             bundle.slices = _prepared(bundle)
         except Exception as error:  # a bug in preparing: every caller hears of it now
@@ -268,7 +284,7 @@ class Coalescer:
         for index, entry in enumerate(bundle.slices):
             entry.index = index
         if bundle.slices:
-            self._out[bundle.key] = self._out.get(bundle.key, 0) + 1
+            state.out += 1
             task = self._spawn(self._send_bundle(bundle))
             task.add_done_callback(lambda _: self._bundle_done(bundle))
 
@@ -285,17 +301,11 @@ class Coalescer:
                     bundle.cancels,
                 )
             finally:  # a failure's round trip counts too: a stalled downstream stops the holds
-                self._round_trip_ended(bundle.key, sent_s)
+                self._keys[bundle.key].round_trip.observe(time.monotonic() - sent_s)
             _answer(slices, pb.InferResponse.FromString(payload))
         except Exception as error:  # the whole bundle failed: each caller gets the status
             _fail(slices, error)
         # Cancelled (the gateway is closing): `_bundle_done` answers the callers.
-
-    def _round_trip_ended(self, key: BundleKey, sent_s: float) -> None:
-        round_trip = self._round_trips.get(key)
-        if round_trip is None:
-            round_trip = self._round_trips[key] = RoundTrip()
-        round_trip.observe(time.monotonic() - sent_s)
 
     def _request(self, bundle: _Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
         """The bundle's request and its routing metadata."""
@@ -322,6 +332,10 @@ class Coalescer:
         )
         self._metrics.bundle_slices.labels(key.model).observe(len(slices))
         return request, route
+
+
+def _closing() -> UpstreamError:
+    return UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
 
 
 def _fail(slices: Sequence[_Slice], error: BaseException) -> None:

@@ -27,7 +27,9 @@ Pure: time comes in as `now_s`, randomness as a number in [0, 1) from the caller
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.common.moving_average import MovingAverage
 
 
 @dataclass(frozen=True)
@@ -61,13 +63,17 @@ class ThrottleConfig:
         return self.accepts_multiplier > 0
 
 
+#: Weight of a new downstream retry hint in their moving average.
+_HINT_WEIGHT = 0.2
+
+
 @dataclass
 class _Counts:
     #: Decaying counts (time constant memory_s), as of `at_s`.
     requests: float = 0.0
     accepts: float = 0.0
-    #: EWMA of downstream retry-after hints, seconds (None until the first one).
-    retry_after_s: float | None = None
+    #: Downstream's retry-after hints, seconds (mean None until the first one).
+    retry_after_s: MovingAverage = field(default_factory=lambda: MovingAverage(_HINT_WEIGHT))
     at_s: float = 0.0
     #: When a request was last counted (refused here, or answered downstream).
     counted_at_s: float = 0.0
@@ -92,9 +98,6 @@ class Shed:
 
 class AdaptiveThrottle:
     """Per-model decaying counts of requests and downstream accepts, and the local decision."""
-
-    #: Weight of a new downstream retry hint in its EWMA.
-    _HINT_ALPHA = 0.2
 
     def __init__(self, config: ThrottleConfig) -> None:
         self._config = config
@@ -123,7 +126,7 @@ class AdaptiveThrottle:
         counts = self._counts[model]  # a positive probability means counts exist
         counts.requests += 1.0
         counts.counted_at_s = now_s
-        hint_s = counts.retry_after_s
+        hint_s = counts.retry_after_s.mean
         return Shed(
             retry_after_s=self._config.default_retry_after_s if hint_s is None else hint_s,
             probability=probability,
@@ -141,9 +144,4 @@ class AdaptiveThrottle:
         if is_accepted:
             counts.accepts += 1.0
         if retry_after_s is not None:
-            previous_s = counts.retry_after_s
-            counts.retry_after_s = (
-                retry_after_s
-                if previous_s is None
-                else previous_s + self._HINT_ALPHA * (retry_after_s - previous_s)
-            )
+            counts.retry_after_s.observe(retry_after_s)

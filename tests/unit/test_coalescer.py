@@ -19,8 +19,9 @@ from prometheus_client import CollectorRegistry
 from services.common import metric_names as names
 from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
+from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
-from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock, RoundTrip
+from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.coalescer import BundleKey, Coalescer, deadline_class
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -39,6 +40,8 @@ class Downstream:
         self.delay_s = delay_s
         self.gate = asyncio.Event()
         self.gate.set()
+        #: Raised instead of answering, once the gate opens.
+        self.error: Exception | None = None
 
     async def send(
         self,
@@ -51,6 +54,8 @@ class Downstream:
         self.bundles.append(request)
         await asyncio.sleep(self.delay_s)
         await self.gate.wait()
+        if self.error is not None:
+            raise self.error
         rows = tensor_from_pb(request.packed.tensor)
         response = pb.InferResponse(slices=[pb.SliceStatus() for _ in request.slices])
         response.packed_outputs.CopyFrom(tensor_to_pb(rows * 2))
@@ -113,7 +118,7 @@ async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> No
     # The failure itself, not the deadline's DEADLINE_EXCEEDED (30 s away).
     assert [type(r) for r in results] == [RuntimeError, RuntimeError]
     assert downstream.bundles == []
-    assert bundles._in_flight[KEY] == 0
+    assert bundles._keys[KEY].in_flight == 0
 
 
 async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_flight() -> None:
@@ -166,17 +171,22 @@ def holds(bundles: Coalescer) -> float:
     return held or 0.0
 
 
+#: Callers' time: 300 s, so that a hold of 30 s is not cut to a tenth of it.
+LONG_S = 300.0
+
+
 @pytest.mark.parametrize(("max_out", "expected"), [(1, [1, 5]), (0, [1, 1, 1, 1, 1, 1])])
 async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered(
     max_out: int, expected: list[int]
 ) -> None:
     downstream = Downstream()
     downstream.gate.clear()  # nothing is answered until the test says so
-    bundles = coalescer(downstream, BundleClock(max_out=max_out, max_hold_s=30.0))
-    calls = [asyncio.ensure_future(call(bundles, rows(0)))]
+    clock = BundleClock(max_out=max_out, min_in_flight=0, max_hold_s=30.0)
+    bundles = coalescer(downstream, clock)
+    calls = [asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))]
     await sent(downstream, 1)
     for i in range(1, 6):  # one call per turn of the loop, as separate RPCs arrive
-        calls.append(asyncio.ensure_future(call(bundles, rows(i))))
+        calls.append(asyncio.ensure_future(call(bundles, rows(i), timeout_s=LONG_S)))
         await asyncio.sleep(0.002)
     downstream.gate.set()
     answers = await asyncio.gather(*calls)
@@ -184,14 +194,27 @@ async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered
     # without the clock, each left alone (too few in flight for the linger to hold them).
     assert sizes(downstream) == expected
     assert [float(a[0][0]) for a in answers] == [0, 2, 4, 6, 8, 10]
-    assert bundles._out[KEY] == 0
+    assert bundles._keys[KEY].out == 0
     assert holds(bundles) == (1 if max_out == 1 else 0)  # only the bundle that waited counts
+
+
+async def test_with_few_calls_in_flight_a_ready_bundle_leaves_without_waiting() -> None:
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=8, max_hold_s=30.0))
+    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
+    await sent(downstream, 1)
+    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await sent(downstream, 2)  # 2 calls in flight, under 8: at once, not after a 30 s hold
+    assert holds(bundles) == 0
+    downstream.gate.set()
+    await asyncio.gather(first, second)
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
     downstream = Downstream()
     downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=0.05))
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05))
     first = asyncio.ensure_future(call(bundles, rows(0)))
     await sent(downstream, 1)
     second = asyncio.ensure_future(call(bundles, rows(1)))
@@ -205,13 +228,13 @@ async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> N
 async def test_a_held_bundle_leaves_at_once_when_it_fills() -> None:
     downstream = Downstream()
     downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=30.0))
-    first = asyncio.ensure_future(call(bundles, rows(0), max_rows=4))
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
+    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S, max_rows=4))
     await sent(downstream, 1)
-    held = asyncio.ensure_future(call(bundles, rows(1), max_rows=4))
+    held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S, max_rows=4))
     await asyncio.sleep(0.005)  # held: the first is out
     assert len(downstream.bundles) == 1
-    filling = asyncio.ensure_future(call(bundles, rows(2, 2, 2), max_rows=4))
+    filling = asyncio.ensure_future(call(bundles, rows(2, 2, 2), timeout_s=LONG_S, max_rows=4))
     await sent(downstream, 2)  # 4 rows: the max, sent without waiting for the first's answer
     assert sizes(downstream) == [1, 2]
     # Its hold ended when it left, not when an answer came (none has yet).
@@ -220,55 +243,81 @@ async def test_a_held_bundle_leaves_at_once_when_it_fills() -> None:
     await asyncio.gather(first, held, filling)
 
 
-async def test_a_bundle_sent_as_the_gateway_closes_is_answered_unavailable() -> None:
+async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> None:
     downstream = Downstream()
-    bundles = coalescer(downstream)
-    caller = asyncio.ensure_future(call(bundles, rows(0), max_rows=1))
-    await asyncio.sleep(0)  # the caller's bundle is full and sent: its task has not started
+    downstream.gate.clear()
+    downstream.error = UpstreamError(grpc.StatusCode.UNAVAILABLE, "worker gone")
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
+    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
+    await sent(downstream, 1)
+    held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
+    assert bundles._keys[KEY].round_trip.mean is None
+    downstream.gate.set()  # the first fails: the held one leaves then, not after 30 s
+    async with asyncio.timeout(10):
+        results = await asyncio.gather(first, held, return_exceptions=True)
+    assert [r.code for r in results if isinstance(r, UpstreamError)] == [
+        grpc.StatusCode.UNAVAILABLE
+    ] * 2
+    assert sizes(downstream) == [1, 1]
+    assert bundles._keys[KEY].round_trip.mean is not None  # the failures' round trips count
+
+
+async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
+    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
+    await sent(downstream, 1)
+    held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
     await bundles.close()
-    with pytest.raises(UpstreamError) as raised:
-        await caller
-    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
-    assert downstream.bundles == []  # never sent downstream
-    assert bundles._out[KEY] == 0
+    for caller in (first, held):
+        with pytest.raises(UpstreamError) as raised:
+            await caller
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert bundles._keys[KEY].out == 0
 
 
 async def test_with_slow_round_trips_a_ready_bundle_leaves_without_waiting() -> None:
-    downstream = Downstream()
+    downstream = Downstream(delay_s=0.1)
+    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05))
+    # Answered in 100 ms (a model on a CPU, say): the key's round trips, past the 50 ms hold.
+    await call(bundles, rows(0))
+    downstream.delay_s = 0.0
     downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, max_hold_s=30.0))
-    # The key's bundles took a minute to be answered (a model on a CPU, say): past the hold.
-    bundles._round_trips[KEY] = RoundTrip()
-    bundles._round_trips[KEY].observe(60.0)
-    first = asyncio.ensure_future(call(bundles, rows(0)))
-    await sent(downstream, 1)
-    second = asyncio.ensure_future(call(bundles, rows(1)))
-    await sent(downstream, 2)  # at once, not after the 30 s hold
-    assert holds(bundles) == 0
+    first = asyncio.ensure_future(call(bundles, rows(1)))
+    await sent(downstream, 2)
+    second = asyncio.ensure_future(call(bundles, rows(2)))
+    await sent(downstream, 3)
+    assert holds(bundles) == 0  # it left without waiting on the clock
     downstream.gate.set()
     await asyncio.gather(first, second)
-    assert bundles._round_trips[KEY].mean_s < 60.0  # the new round trips were counted
 
 
 def test_the_clock_holds_only_with_max_out_bundles_out_and_within_its_bounds() -> None:
-    clock = BundleClock(max_out=2, max_hold_s=0.02, hold_share=0.1)
-    assert clock.hold_s(num_out=0, time_left_s=1.0, round_trip_s=0.005) == 0.0
-    assert clock.hold_s(num_out=1, time_left_s=1.0, round_trip_s=0.005) == 0.0
-    assert clock.hold_s(num_out=2, time_left_s=1.0, round_trip_s=0.005) == 0.02  # max_hold_s
-    # 10% of the time left:
-    assert clock.hold_s(num_out=5, time_left_s=0.1, round_trip_s=0.005) == pytest.approx(0.01)
-    assert clock.hold_s(num_out=5, time_left_s=-1.0, round_trip_s=0.005) == 0.0  # late
+    clock = BundleClock(max_out=2, min_in_flight=8, max_hold_s=0.02, hold_share=0.1)
+
+    def hold(out: int, *, in_flight: int = 8, left_s: float = 1.0, trip: float | None = 0.005):
+        return clock.hold_s(out, in_flight, left_s, trip)
+
+    assert hold(0) == hold(1) == 0.0  # under max_out bundles out
+    assert hold(2) == 0.02  # max_hold_s
+    assert hold(2, trip=None) == 0.02  # no round trip yet: it holds
+    assert hold(5, left_s=0.1) == pytest.approx(0.01)  # 10% of the time left
+    assert hold(5, left_s=-1.0) == 0.0  # already late
+    assert hold(5, in_flight=7) == 0.0  # too few calls in flight to gather any
     # Round trips longer than the hold: waiting for an answer would only add latency.
-    assert clock.hold_s(num_out=5, time_left_s=1.0, round_trip_s=0.021) == 0.0
-    assert BundleClock(max_out=0).hold_s(num_out=9, time_left_s=1.0, round_trip_s=0.0) == 0.0
+    assert hold(5, trip=0.021) == 0.0
+    assert BundleClock(max_out=0).hold_s(9, 99, 1.0, 0.0) == 0.0  # clock off
     with pytest.raises(ValueError):
         BundleClock(hold_share=2.0)
 
 
-def test_the_round_trip_is_a_moving_average_from_its_first_value() -> None:
-    trip = RoundTrip()
-    assert trip.mean_s == 0.0
-    trip.observe(0.010)
-    assert trip.mean_s == 0.010
-    trip.observe(0.060)
-    assert trip.mean_s == pytest.approx(0.010 + RoundTrip.SMOOTHING * 0.050)
+def test_a_moving_average_starts_at_its_first_value() -> None:
+    average = MovingAverage(0.2)
+    assert average.mean is None
+    assert average.observe(0.010) == 0.010
+    assert average.observe(0.060) == pytest.approx(0.010 + 0.2 * 0.050)
+    with pytest.raises(ValueError):
+        MovingAverage(0.0)

@@ -143,6 +143,8 @@ def test_tier_tables_reach_nested_configs() -> None:
     environ = {
         "GATEWAY_ALLOW_UNAUTHENTICATED": "true",
         "GATEWAY_THROTTLE_MEMORY_S": "0.5",
+        "GATEWAY_BUNDLE_MAX_OUT": "2",
+        "GATEWAY_BUNDLE_MAX_HOLD_S": "0.005",
         "ROUTER_STALE_AFTER_S": "4",
         "WORKER_HEARTBEAT_PERIOD_S": "0.25",
         "WORKER_TENANT_WEIGHTS": "search=3",
@@ -152,6 +154,7 @@ def test_tier_tables_reach_nested_configs() -> None:
     router = read_config(router_config.SETTINGS, router_config.config_from_settings, [], environ)
     worker = read_config(worker_config.SETTINGS, worker_config.config_from_settings, [], environ)
     assert gateway.throttle.memory_s == 0.5
+    assert (gateway.bundle_clock.max_out, gateway.bundle_clock.max_hold_s) == (2, 0.005)
     assert router.routing.stale_after_s == 4.0
     assert worker.heartbeat.period_s == 0.25
     assert worker.batching.tenant_weights == {"search": 3.0}

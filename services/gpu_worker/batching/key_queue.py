@@ -6,6 +6,7 @@ import heapq
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from services.common.moving_average import MovingAverage
 from services.gpu_worker.batching.fairness import TenantQueues
 from services.gpu_worker.batching.types import BatchKey
 
@@ -30,8 +31,8 @@ class KeyQueue:
     #: (admission limit, item_id) min-heap for the tightest queued item; stale likewise.
     limits: list[tuple[float, int]] = field(default_factory=list)
     last_add_s: float | None = None
-    #: EWMA of gaps between admissions; None until the second admission.
-    mean_gap_s: float | None = None
+    #: Gaps between admissions; its mean is None until the second admission.
+    gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
 
     def oldest_arrival_s(self) -> float:
         while self.arrivals[0][1] not in self.items:
@@ -59,19 +60,16 @@ class KeyQueue:
     def record_arrival(self, now_s: float) -> None:
         """Folds an admission at `now_s` into the arrival-gap estimate."""
         if self.last_add_s is not None:
-            gap_s = max(now_s - self.last_add_s, 0.0)
-            if self.mean_gap_s is None:
-                self.mean_gap_s = gap_s
-            else:
-                self.mean_gap_s += ARRIVAL_GAP_ALPHA * (gap_s - self.mean_gap_s)
+            self.gaps.observe(max(now_s - self.last_add_s, 0.0))
         self.last_add_s = now_s
 
     def arrival_gap_s(self, now_s: float) -> float | None:
         """Expected seconds between arrivals, or None with fewer than two arrivals so far."""
-        if self.mean_gap_s is None or self.last_add_s is None:
+        mean_gap_s = self.gaps.mean
+        if mean_gap_s is None or self.last_add_s is None:
             return None
         # A silence longer than the usual gap is itself evidence that traffic has slowed.
-        return max(self.mean_gap_s, now_s - self.last_add_s, _MIN_ARRIVAL_GAP_S)
+        return max(mean_gap_s, now_s - self.last_add_s, _MIN_ARRIVAL_GAP_S)
 
     def idle_at_s(self, linger_end_s: float, wanted: float) -> float:
         """When the work-conserving trigger will fire if nothing else arrives.
@@ -80,10 +78,10 @@ class KeyQueue:
         is the t where they cross `wanted` (min_expected_arrivals), first while the mean gap
         dominates, else once the silence since the last arrival does.
         """
-        if self.mean_gap_s is None or self.last_add_s is None:
+        if self.gaps.mean is None or self.last_add_s is None:
             return linger_end_s
         last_add_s = self.last_add_s
-        mean_gap_s = max(self.mean_gap_s, _MIN_ARRIVAL_GAP_S)
+        mean_gap_s = max(self.gaps.mean, _MIN_ARRIVAL_GAP_S)
         while_mean_s = linger_end_s - wanted * mean_gap_s
         if while_mean_s <= last_add_s + mean_gap_s:
             return while_mean_s
