@@ -12,8 +12,8 @@ is measured here:
 2. Calibrate what the simulator is given:
    - each tier's CPU per caller and per bundle, from its process's CPU seconds over
      `LIGHT_CALLERS` and `CALLERS` closed-loop callers of one-row requests with the
-     validation's length mix, and the bundles the gateway made at each (about one caller a
-     bundle at the first, several at the second; `fit_bundle_costs`), and so how bundles grow
+     validation's length mix, and the bundles the gateway made at each (a few callers a
+     bundle at the first, tens at the second; `fit_bundle_costs`), and so how bundles grow
      with load. `--per-request-costs`: the cost per request at `CALLERS` callers alone, the
      model before bundles, whose costs hold at that load only;
    - the hops: one-row requests one at a time, the client's latency less the worker's row
@@ -78,10 +78,12 @@ from services.sim.fleet_config import FleetConfig
 from services.sim.tier_costs import TierCpu, capacity_per_s
 
 #: Closed-loop callers the tiers' costs are measured at (bench.fabric's stand-in figure's),
-#: and a light load beside it: a call a bundle, nearly, where 64 callers make bundles of
-#: several, so the two give each tier's cost per caller and per bundle.
+#: and a lighter load beside it with smaller bundles, so the two give each tier's cost per
+#: caller and per bundle. 16, not 8: the gateway's bundle clock holds only with 8 or more calls
+#: in flight, so 8 callers make bundles of one (a point off the clock's growth of bundles with
+#: load; fitted from it, the tiers' CPU at half the load was 24-44% over the prediction).
 CALLERS = 64
-LIGHT_CALLERS = 8
+LIGHT_CALLERS = 16
 #: Seconds of the closed loop the costs are measured over (after a third as long of warm-up).
 COST_SECONDS = 10.0
 #: Callers a bundle at most: the stand-in minilm's batch.

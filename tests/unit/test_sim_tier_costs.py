@@ -350,13 +350,13 @@ def test_the_stand_in_plan_prices_every_tier_at_the_bundles_its_gateways_make() 
     assert cpu.bundle_window_s > 0 and "stand_in_validation" in cpu.provenance
     fleet = tiers_plan(scenario, 1, headroom=0.2)
     assert fleet is not None
-    # 3,600 requests/s over 3 gateway processes: 1,200/s each, 1 + (1,200 - 370) x 16.1 ms
+    # 3,600 requests/s over 3 gateway processes: 1,200/s each, 1 + (1,200 - 452) x 18.0 ms
     # callers a bundle.
     assert fleet.gateways.processes == 3
     slices = cpu.slices_per_bundle(1_200)
-    assert slices == pytest.approx(1 + (1_200 - 370) * 0.016124)
+    assert slices == pytest.approx(1 + (1_200 - 452) * 0.01798)
     assert fleet.routers.processes == cpu.processes_for(3_600, cpu.router_s(slices)) == 1
-    # Priced at one caller a bundle (the fit's cost of a call alone) the gateways would be 8,
+    # Priced at one caller a bundle (the fit's cost of a call alone) the gateways would be 10,
     # and the routers 6.
-    assert cpu.processes_for(3_600, cpu.gateway_s(1.0)) == 8
+    assert cpu.processes_for(3_600, cpu.gateway_s(1.0)) == 10
     assert cpu.processes_for(3_600, cpu.router_s(1.0)) == 6
