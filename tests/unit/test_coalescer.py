@@ -175,16 +175,26 @@ def holds(bundles: Coalescer) -> float:
 LONG_S = 300.0
 
 
+async def one_out(
+    clock: BundleClock, max_rows: int = 8
+) -> tuple[Downstream, Coalescer, asyncio.Future[list[np.ndarray]]]:
+    """A coalescer with `clock` whose first bundle, one call (its answer the future returned),
+    is downstream and not answered until the test opens the downstream's gate."""
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = coalescer(downstream, clock)
+    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S, max_rows=max_rows))
+    await sent(downstream, 1)
+    return downstream, bundles, first
+
+
 @pytest.mark.parametrize(("max_out", "expected"), [(1, [1, 5]), (0, [1, 1, 1, 1, 1, 1])])
 async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered(
     max_out: int, expected: list[int]
 ) -> None:
-    downstream = Downstream()
-    downstream.gate.clear()  # nothing is answered until the test says so
     clock = BundleClock(max_out=max_out, min_in_flight=0, max_hold_s=30.0)
-    bundles = coalescer(downstream, clock)
-    calls = [asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))]
-    await sent(downstream, 1)
+    downstream, bundles, first = await one_out(clock)
+    calls = [first]
     for i in range(1, 6):  # one call per turn of the loop, as separate RPCs arrive
         calls.append(asyncio.ensure_future(call(bundles, rows(i), timeout_s=LONG_S)))
         await asyncio.sleep(0.002)
@@ -199,11 +209,8 @@ async def test_while_a_bundle_is_out_the_next_gathers_calls_until_it_is_answered
 
 
 async def test_with_few_calls_in_flight_a_ready_bundle_leaves_without_waiting() -> None:
-    downstream = Downstream()
-    downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=8, max_hold_s=30.0))
-    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
-    await sent(downstream, 1)
+    clock = BundleClock(max_out=1, min_in_flight=8, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock)
     second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
     await sent(downstream, 2)  # 2 calls in flight, under 8: at once, not after a 30 s hold
     assert holds(bundles) == 0
@@ -212,11 +219,8 @@ async def test_with_few_calls_in_flight_a_ready_bundle_leaves_without_waiting() 
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
-    downstream = Downstream()
-    downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05))
-    first = asyncio.ensure_future(call(bundles, rows(0)))
-    await sent(downstream, 1)
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05)
+    downstream, bundles, first = await one_out(clock)
     second = asyncio.ensure_future(call(bundles, rows(1)))
     await sent(downstream, 2)  # the first is still out: the hold, not an answer, sent it
     assert not first.done()
@@ -226,11 +230,8 @@ async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> N
 
 
 async def test_a_held_bundle_leaves_at_once_when_it_fills() -> None:
-    downstream = Downstream()
-    downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
-    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S, max_rows=4))
-    await sent(downstream, 1)
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, max_rows=4)
     held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S, max_rows=4))
     await asyncio.sleep(0.005)  # held: the first is out
     assert len(downstream.bundles) == 1
@@ -244,12 +245,9 @@ async def test_a_held_bundle_leaves_at_once_when_it_fills() -> None:
 
 
 async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> None:
-    downstream = Downstream()
-    downstream.gate.clear()
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock)
     downstream.error = UpstreamError(grpc.StatusCode.UNAVAILABLE, "worker gone")
-    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
-    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
-    await sent(downstream, 1)
     held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
     await asyncio.sleep(0.005)
     assert bundles._keys[KEY].round_trip.mean is None
@@ -264,11 +262,8 @@ async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> Non
 
 
 async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
-    downstream = Downstream()
-    downstream.gate.clear()
-    bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0))
-    first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S))
-    await sent(downstream, 1)
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    _, bundles, first = await one_out(clock)
     held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
     await asyncio.sleep(0.005)
     await bundles.close()
