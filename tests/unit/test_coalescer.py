@@ -274,6 +274,19 @@ async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
     assert bundles._keys[KEY].out == 0
 
 
+async def test_a_bundle_sent_as_the_gateway_closes_is_answered_unavailable() -> None:
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+    caller = asyncio.ensure_future(call(bundles, rows(0), max_rows=1))
+    await asyncio.sleep(0)  # the caller's bundle is full and sent: its task has not started
+    await bundles.close()
+    with pytest.raises(UpstreamError) as raised:
+        await caller
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert downstream.bundles == []  # never sent downstream
+    assert bundles._keys[KEY].out == 0
+
+
 async def test_with_slow_round_trips_a_ready_bundle_leaves_without_waiting() -> None:
     downstream = Downstream(delay_s=0.1)
     bundles = coalescer(downstream, BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05))
