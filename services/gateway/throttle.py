@@ -137,7 +137,9 @@ class AdaptiveThrottle:
     ) -> None:
         """Counts downstream's answer to a request that was sent on: accepted (any outcome but
         an overload refusal) or refused, with the retry hint it carried if any."""
-        counts = self._counts.setdefault(model, _Counts(at_s=now_s))
+        counts = self._counts.get(model)
+        if counts is None:  # not setdefault: that would build a _Counts on every call
+            counts = self._counts[model] = _Counts(at_s=now_s)
         counts.decay_to(now_s, self._config.memory_s)
         counts.requests += 1.0
         counts.counted_at_s = now_s
