@@ -253,6 +253,23 @@ async def test_close_answers_running_calls_then_ends_the_stream() -> None:
         assert raised.value.code is grpc.StatusCode.UNAVAILABLE
 
 
+async def test_s29_every_call_on_streams_a_closing_peer_ends_is_marked_not_started() -> None:
+    # A closing peer ends each new stream at once, without reading it. A write racing that end
+    # fails INTERNAL locally in grpc ("Internal error from Core"), which then hides the peer's
+    # OK status: the calls must still be marked not started, so that routers resend them.
+    async with connected(echo) as (peer, client):
+        peer.streams.close()
+        for _ in range(40):
+            calls = []
+            for _ in range(8):  # in several writes: one of them races the stream's end
+                calls.append(asyncio.ensure_future(client.call(b"x" * 64)))
+                await asyncio.sleep(0.0002)
+            for outcome in await asyncio.gather(*calls, return_exceptions=True):
+                assert isinstance(outcome, UpstreamError)
+                assert outcome.code is grpc.StatusCode.UNAVAILABLE
+                assert outcome.is_not_started, str(outcome)
+
+
 async def test_s35_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:
     # As in production (lifecycle.new_server), the server sends GOAWAY once a connection is
     # old and cuts it a grace period later, here after 0.4 s and 0.8 s. A client that kept one
