@@ -22,7 +22,6 @@ server side.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 from collections.abc import Sequence
 
@@ -98,18 +97,6 @@ class _Stream:
         self.wake = asyncio.Event()
         self.broken: str | None = None
         self.tasks: list[asyncio.Task[None]] = []
-        #: The status the stream ended with, as it first arrived (see _on_end).
-        self.end_code: grpc.StatusCode | None = None
-        self.ended = asyncio.Event()
-        call.add_done_callback(self._on_end)
-
-    def _on_end(self, call: grpc.aio.Call) -> None:
-        """Records the peer's status when it arrives. A write already on its way into a stream
-        that has just ended fails in grpc's core, and grpc then replaces the call's status with
-        a local INTERNAL ("Internal error from Core"), hiding the peer's: keep the first."""
-        if self.end_code is None:
-            self.end_code = _code_now(call)
-            self.ended.set()
 
     def fail_all(self, reason: str, *, is_not_started: bool = False) -> None:
         """Fails every call waiting; `is_not_started`: the peer provably ran none of them."""
@@ -300,7 +287,7 @@ class MultiplexClient:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the stream broke under us, or ended (see _read)
-            is_not_started = _never_sent(error) or await _ended_cleanly(stream)
+            is_not_started = _never_sent(error) or await _ended_cleanly(stream.call)
             stream.fail_all(
                 f"stream write failed: {_describe(error)}", is_not_started=is_not_started
             )
@@ -320,15 +307,15 @@ class MultiplexClient:
                     future = stream.pending.pop(result.call_id, None)
                     if future is not None and not future.done():
                         future.set_result(result)
+                if message.closing:
+                    self._retire(stream)  # the peer refuses what it reads from now on
                 if stream.is_retiring and not stream.pending:
                     stream.wake.set()  # the writer half-closes it
         except asyncio.CancelledError:  # closed, or the channel closed under us
             stream.fail_all("stream cancelled")
             raise
         except Exception as error:
-            reason = f"stream failed: {_describe(error)}"
-            # Ended OK, then failed by a write that raced the end (see _Stream._on_end).
-            is_not_started = _never_sent(error) or stream.end_code is grpc.StatusCode.OK
+            reason, is_not_started = f"stream failed: {_describe(error)}", _never_sent(error)
         stream.fail_all(reason, is_not_started=is_not_started)
         stream.call.cancel()  # no-op once finished; frees a stream that only half-failed
 
@@ -350,26 +337,16 @@ def _never_sent(error: BaseException) -> bool:
     )
 
 
-async def _ended_cleanly(stream: _Stream) -> bool:
+async def _ended_cleanly(
+    call: grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse],
+) -> bool:
     """Whether the peer ended the stream OK (so it answered every call it read). A write fails
     when the peer has just ended the stream, a moment before its status reaches us: wait for
     the status briefly rather than take a stream still closing for a broken one."""
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stream.ended.wait(), timeout=_STATUS_WAIT_S)
-    return stream.end_code is grpc.StatusCode.OK
-
-
-def _code_now(call: grpc.aio.Call) -> grpc.StatusCode | None:
-    """The status code of a call that has ended, read at once (grpc.aio offers it only as a
-    coroutine, which completes without waiting once the call has its status)."""
-    reading = call.code()
     try:
-        reading.send(None)
-    except StopIteration as read:
-        code: grpc.StatusCode = read.value
-        return code
-    reading.close()
-    return None
+        return await asyncio.wait_for(call.code(), timeout=_STATUS_WAIT_S) == grpc.StatusCode.OK
+    except TimeoutError:
+        return False
 
 
 def _describe(error: BaseException) -> str:

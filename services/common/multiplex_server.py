@@ -58,9 +58,11 @@ class MultiplexServer:
 
     `serve` runs `handler(request, CallContext)` for every call of a stream concurrently,
     exactly as the unary method would run, and streams the results back, batching those that
-    finish while a message is being written. `close` (server shutdown) ends every stream once
-    the calls already received are answered, and answers later ones UNAVAILABLE, so that a
-    long-lived stream never holds a stopping server for its whole grace period.
+    finish while a message is being written. `close` (server shutdown) tells every stream's
+    caller (`closing`), answers the calls read from then on UNAVAILABLE marked not started,
+    and ends each stream once its caller half-closes (which it does as soon as nothing it sent
+    waits here) and every call received is answered: a long-lived stream does not hold a
+    stopping server for its grace period, and no caller's write meets the stream's end.
     """
 
     def __init__(
@@ -129,16 +131,20 @@ class _ServedStream:
         every call received is answered."""
         loop = asyncio.get_running_loop()
         helpers = [loop.create_task(self._read()), loop.create_task(self._wake_on_close())]
+        told_closing = False
         try:
             while True:
                 await self._wake.wait()
                 await asyncio.sleep(0)  # results finished in this turn of the loop go together
                 self._wake.clear()
+                if self._closing.is_set() and not told_closing and not self._is_reading_done:
+                    told_closing = True
+                    yield pb.InferStreamResponse(closing=True)
                 while self._outbox:
                     results = self._outbox[:MAX_CALLS_PER_MESSAGE]
                     del self._outbox[:MAX_CALLS_PER_MESSAGE]
                     yield pb.InferStreamResponse(results=results)
-                if (self._is_reading_done or self._closing.is_set()) and not self._running:
+                if self._is_reading_done and not self._running:
                     break
             if self._read_error is not None:
                 raise self._read_error

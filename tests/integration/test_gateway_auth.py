@@ -28,6 +28,7 @@ from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.in_process import start_lone_gateway
 from tests.support.models import write_affine_model, write_minilm_repository
 from tests.support.processes import REPO_ROOT, health_status
+from tests.support.stream_status import PeerStatus
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -185,7 +186,13 @@ async def raw_call(
         try:
             if method.endswith("StreamInfer"):
                 stream = channel.stream_stream(method)(iter([body]), metadata=metadata, timeout=5)
-                _ = [m async for m in stream]
+                # The gateway may end the stream before grpc has sent our message, and then
+                # grpc reports its own INTERNAL, not the gateway's status (PeerStatus).
+                peer_status = PeerStatus(stream)
+                try:
+                    _ = [m async for m in stream]
+                except grpc.aio.AioRpcError as error:
+                    return await peer_status.code(timeout_s=5) or error.code()
             else:
                 await channel.unary_unary(method)(body, metadata=metadata, timeout=5)
         except grpc.aio.AioRpcError as error:

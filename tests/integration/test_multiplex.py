@@ -16,6 +16,7 @@ from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient, channel_
 from services.common.multiplex_server import CallContext, MultiplexServer
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -27,8 +28,8 @@ class Peer:
 
     def __init__(self, handler: Handler, options: tuple[tuple[str, int], ...] = ()) -> None:
         self.streams = MultiplexServer(handler, deserialize=bytes, serialize=bytes)
-        #: InferStreams opened to this peer.
-        self.num_streams = 0
+        #: InferStreams opened to this peer, and those of them not yet ended.
+        self.num_streams = self.num_open = 0
         self.server = grpc.aio.server(options=(*CHANNEL_OPTIONS, *PING_TOLERANCE, *options))
         method = grpc.stream_stream_rpc_method_handler(
             self._serve,
@@ -47,8 +48,12 @@ class Peer:
         self, requests: AsyncIterator[pb.InferStreamRequest], context: object
     ) -> AsyncIterator[pb.InferStreamResponse]:
         self.num_streams += 1
-        async for message in self.streams.serve(requests, context):
-            yield message
+        self.num_open += 1
+        try:
+            async for message in self.streams.serve(requests, context):
+                yield message
+        finally:
+            self.num_open -= 1
 
     async def start(self, port: int = 0) -> int:
         self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
@@ -254,20 +259,24 @@ async def test_close_answers_running_calls_then_ends_the_stream() -> None:
 
 
 async def test_s29_every_call_on_streams_a_closing_peer_ends_is_marked_not_started() -> None:
-    # A closing peer ends each new stream at once, without reading it. A write racing that end
-    # fails INTERNAL locally in grpc ("Internal error from Core"), which then hides the peer's
-    # OK status: the calls must still be marked not started, so that routers resend them.
+    # A closing peer tells each stream's caller, answers what it reads from then on UNAVAILABLE
+    # marked not started, and ends the stream only once the caller half-closes: had it ended
+    # the stream itself, a write racing the end would fail INTERNAL in grpc's core, which hides
+    # the peer's status, and calls that never ran could not be resent (seen under load).
     async with connected(echo) as (peer, client):
         peer.streams.close()
         for _ in range(40):
             calls = []
-            for _ in range(8):  # in several writes: one of them races the stream's end
+            for _ in range(8):  # in several writes, while the peer tells the stream it closes
                 calls.append(asyncio.ensure_future(client.call(b"x" * 64)))
                 await asyncio.sleep(0.0002)
             for outcome in await asyncio.gather(*calls, return_exceptions=True):
                 assert isinstance(outcome, UpstreamError)
                 assert outcome.code is grpc.StatusCode.UNAVAILABLE
                 assert outcome.is_not_started, str(outcome)
+        # Each stream ended once its caller, told, half-closed.
+        assert peer.num_streams >= 40
+        await eventually(lambda: peer.num_open == 0, timeout_s=5.0)
 
 
 async def test_s35_streams_rotate_so_connection_ageing_never_cuts_a_call() -> None:

@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from services.sim.__main__ import main
 from services.sim.report import write_outputs
 from services.sim.shards import run_sharded
 from services.sim.simulation import run
 from tests.unit.test_sim_quotas import make_scenario as make_tenant_scenario
-from tests.unit.test_sim_run import make_scenario
+from tests.unit.test_sim_run import SCENARIOS, make_scenario
 
 pytestmark = pytest.mark.integration
 
@@ -81,3 +82,17 @@ def test_the_generation_simulator_never_imports_asyncio_or_grpc() -> None:
     )
     completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert completed.returncode == 0, completed.stderr
+
+
+def test_the_command_line_runs_a_scenario(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The whole command, plots included (here, not in tests/unit: see the module's note)."""
+    status = main(
+        ["run", str(SCENARIOS / "steady.toml"), "--duration-s", "8", "--out", str(tmp_path)]
+    )
+    assert status == 0
+    assert "goodput (req/s, within SLO)" in capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["offered_per_s"] > 0  # past the scenario's 5 s warm-up
+    assert summary["goodput_per_s"] > 0

@@ -144,18 +144,6 @@ def test_every_shipped_scenario_file_parses() -> None:
         assert load_scenario(path).name == path.stem
 
 
-def test_the_command_line_runs_a_scenario(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    status = main(
-        ["run", str(SCENARIOS / "steady.toml"), "--duration-s", "3", "--out", str(tmp_path)]
-    )
-    assert status == 0
-    out = capsys.readouterr().out
-    assert "goodput (req/s, within SLO)" in out
-    assert (tmp_path / "summary.json").exists()
-
-
 def test_the_command_line_reports_a_bad_scenario(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('name = "bad"\n[model]\nname = "m"\nslo = 1\n')
