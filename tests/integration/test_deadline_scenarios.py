@@ -644,7 +644,12 @@ async def test_s21_a_worker_killed_mid_batch_loses_no_request_and_leaves_routing
                 # Rows waiting behind a batch: the executor is busy with one.
                 return total(scrape(victim.metrics_port), names.WORKER_QUEUE_DEPTH) > 0
 
-            await eventually(victim_is_mid_batch, interval_s=0.01, message="a batch at the victim")
+            await eventually(
+                victim_is_mid_batch,
+                timeout_s=30.0,
+                interval_s=0.01,
+                message="a batch at the victim",
+            )
             victim.process.send_signal(signal.SIGKILL)
             killed_s = time.monotonic()
 
