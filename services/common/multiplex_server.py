@@ -52,6 +52,10 @@ class CallContext:
 
 Handler = Callable[[Any, Any], Awaitable[Any]]
 
+#: How long a closing server waits for a caller it told to half-close. A MultiplexClient
+#: does within a round trip once nothing it sent waits; one older than `closing` ignores it.
+CLOSING_WAIT_S = 1.0
+
 
 class MultiplexServer:
     """The server side of InferStream for one unary handler.
@@ -60,9 +64,11 @@ class MultiplexServer:
     exactly as the unary method would run, and streams the results back, batching those that
     finish while a message is being written. `close` (server shutdown) tells every stream's
     caller (`closing`), answers the calls read from then on UNAVAILABLE marked not started,
-    and ends each stream once its caller half-closes (which it does as soon as nothing it sent
-    waits here) and every call received is answered: a long-lived stream does not hold a
-    stopping server for its grace period, and no caller's write meets the stream's end.
+    and ends each stream once every call received is answered and its caller has half-closed
+    (MultiplexClient does as soon as nothing it sent waits here), so that no caller's write
+    meets the stream's end; a caller that has not half-closed CLOSING_WAIT_S after being told
+    (one that predates `closing`) has its stream ended then. A long-lived stream thus never
+    holds a stopping server for its grace period.
     """
 
     def __init__(
@@ -125,10 +131,12 @@ class _ServedStream:
         #: Why reading stopped early (a request that did not parse): the stream's status once
         #: every call already received is answered.
         self._read_error: InvalidInput | None = None
+        #: Told `closing` CLOSING_WAIT_S ago: ends without the caller's half-close.
+        self._is_done_waiting = False
 
     async def responses(self) -> AsyncIterator[pb.InferStreamResponse]:
-        """Results as they finish, until the caller half-closes (or the server closes) and
-        every call received is answered."""
+        """Results as they finish, until the caller half-closes (or, once the server closes,
+        CLOSING_WAIT_S have passed) and every call received is answered."""
         loop = asyncio.get_running_loop()
         helpers = [loop.create_task(self._read()), loop.create_task(self._wake_on_close())]
         told_closing = False
@@ -144,7 +152,7 @@ class _ServedStream:
                     results = self._outbox[:MAX_CALLS_PER_MESSAGE]
                     del self._outbox[:MAX_CALLS_PER_MESSAGE]
                     yield pb.InferStreamResponse(results=results)
-                if self._is_reading_done and not self._running:
+                if (self._is_reading_done or self._is_done_waiting) and not self._running:
                     break
             if self._read_error is not None:
                 raise self._read_error
@@ -180,6 +188,9 @@ class _ServedStream:
 
     async def _wake_on_close(self) -> None:
         await self._closing.wait()
+        self._wake.set()
+        await asyncio.sleep(CLOSING_WAIT_S)
+        self._is_done_waiting = True
         self._wake.set()
 
     async def _run(self, call: pb.MuxCall, context: CallContext) -> None:

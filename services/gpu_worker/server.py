@@ -355,7 +355,8 @@ class Worker:
     async def _close(self) -> None:
         if self.registry_publisher is not None:
             await self.registry_publisher.close()
-        self.servicer.streams.close()  # answered everything admitted: end the streams too
+        # Answered everything admitted: the streams end too, as routers half-close them.
+        self.servicer.streams.close()
         await self.server.stop(grace=1.0)
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)

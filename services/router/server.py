@@ -67,7 +67,8 @@ class Router:
         stopping = asyncio.create_task(self.server.stop(grace=self.config.drain_grace_s))
         await asyncio.sleep(0)
         self.drain.start()
-        self.streams.close()  # gateways' streams end once their calls are answered
+        self.streams.close()  # gateways' streams end once their calls are answered and
+        # the gateway, told, half-closes (MultiplexServer)
         await set_serving(self.health, (SERVICE_NAME,), NOT_SERVING)
         await stopping
         if self.health_listener is not None:

@@ -10,9 +10,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import pytest
 
+from services.common import multiplex_server
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.lifecycle import PING_TOLERANCE, new_server
-from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient, channel_options
+from services.common.multiplex import (
+    CHANNEL_OPTIONS,
+    STREAM_METHOD,
+    MultiplexClient,
+    channel_options,
+)
 from services.common.multiplex_server import CallContext, MultiplexServer
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -256,6 +262,46 @@ async def test_close_answers_running_calls_then_ends_the_stream() -> None:
         with pytest.raises(UpstreamError) as raised:
             await late
         assert raised.value.code is grpc.StatusCode.UNAVAILABLE
+        assert raised.value.is_not_started  # never ran: the router may send it elsewhere
+        await eventually(lambda: peer.num_open == 0, timeout_s=5.0)
+
+
+async def test_an_idle_stream_told_its_peer_closes_half_closes_and_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The peer would wait a minute for the half-close: the stream ends because the client,
+    # told, retires it and half-closes, with no call of its own to learn it from.
+    monkeypatch.setattr(multiplex_server, "CLOSING_WAIT_S", 60.0)
+    async with connected(echo) as (peer, client):
+        assert await client.call(b"one") == b"echo:one"
+        assert peer.num_open == 1
+        peer.streams.close()
+        await eventually(lambda: peer.num_open == 0, timeout_s=5.0)
+
+
+async def test_a_caller_that_ignores_closing_has_its_stream_ended_after_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A caller older than `closing` (here, a raw stream that never half-closes) does not hold
+    # a stopping server: its stream ends OK once CLOSING_WAIT_S have passed.
+    monkeypatch.setattr(multiplex_server, "CLOSING_WAIT_S", 0.2)
+    peer = Peer(echo)
+    port = await peer.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = channel.stream_stream(
+                STREAM_METHOD,
+                request_serializer=pb.InferStreamRequest.SerializeToString,
+                response_deserializer=pb.InferStreamResponse.FromString,
+            )()
+            await stream.write(pb.InferStreamRequest())
+            await eventually(lambda: peer.num_open == 1, timeout_s=5.0)
+            peer.streams.close()
+            messages = [message async for message in stream]
+            assert [m.closing for m in messages] == [True]
+            assert await stream.code() is grpc.StatusCode.OK
+    finally:
+        await peer.server.stop(None)
 
 
 async def test_s29_every_call_on_streams_a_closing_peer_ends_is_marked_not_started() -> None:
