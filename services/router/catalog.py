@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import grpc
 
+from services.common.errors import Unavailable
 from services.common.pb_conversions import model_kind_to_pb
 from services.common.registry_schema import ModelRecord
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -23,6 +24,10 @@ class Catalog:
     async def list_models(
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkerModelsResponse:
+        if self._table.snapshot_age_s(time.monotonic()) is None:
+            # Empty only because nothing was read yet: a gateway that took this for the fleet
+            # would refuse every call until its next poll (seen in a rolling restart).
+            raise Unavailable("router has not read the registry yet")
         versions = []
         for served in self._table.served_models(time.monotonic()).values():
             _, model = served[0]

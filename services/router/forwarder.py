@@ -367,4 +367,6 @@ def _rejection(decision: Reject, *, retried: bool) -> Exception:
         return Overloaded(decision.message, retry_after_s=decision.retry_after_s)
     if decision.reason is RejectReason.UNKNOWN_MODEL and not retried:
         return NotFound(decision.message)
-    return Unavailable(decision.message)
+    # Without a registry snapshot this router ran nothing: the gateway resends elsewhere.
+    is_not_started = decision.reason is RejectReason.NO_REGISTRY and not retried
+    return Unavailable(decision.message, is_not_started=is_not_started)

@@ -32,6 +32,10 @@ class RejectReason(enum.Enum):
 
     #: No ready worker serves it now (UNAVAILABLE): retrying later may succeed.
     NO_WORKER = "no_worker"
+    #: This router has no registry snapshot to route on: none read yet (just started), or
+    #: Redis unreachable past `max_snapshot_age_s` (UNAVAILABLE marked not started: another
+    #: router may route it).
+    NO_REGISTRY = "no_registry"
     #: Predicted completion misses the remaining deadline (RESOURCE_EXHAUSTED + retry hint).
     DEADLINE = "deadline"
     #: No worker has advertised this name@version since the router started (NOT_FOUND).
@@ -212,11 +216,11 @@ class RouteTable:
         unreachable past `max_snapshot_age_s`); None otherwise."""
         cfg = self._config
         if self._refreshed_at_s is None:
-            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, "registry not loaded yet")
+            return Reject(RejectReason.NO_REGISTRY, cfg.stale_after_s, "registry not loaded yet")
         age_s = now_s - self._refreshed_at_s
         if age_s > cfg.max_snapshot_age_s:
             message = f"registry stale: last refresh {age_s:.1f}s ago"
-            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
+            return Reject(RejectReason.NO_REGISTRY, cfg.stale_after_s, message)
         return None
 
     def _eligible(

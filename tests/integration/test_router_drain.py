@@ -87,3 +87,36 @@ async def test_a_call_to_a_router_that_is_gone_is_not_started(redis_server: Redi
         await client.close()
     assert raised.value.code is grpc.StatusCode.UNAVAILABLE
     assert raised.value.is_not_started
+
+
+async def test_a_router_that_has_not_read_the_registry_refuses_calls_not_started(
+    redis_server: RedisServer,
+) -> None:
+    """A router just started (its registry sync not yet run) has an empty route table: its
+    calls are refused marked not started, so gateways send them to another router, and its
+    ListModels is refused, so that no gateway takes the empty table for the fleet's catalog
+    (seen in a rolling restart: a gateway refused every call until its next catalog poll)."""
+    router = await create_router(
+        RouterConfig(redis_url=redis_server.router_url, grpc_port=0, metrics_port=0)
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.port}") as channel:
+            client = MultiplexClient(channel, "router")
+            with pytest.raises(UpstreamError) as refused:
+                await client.call(INFER, metadata=METADATA, timeout_s=PATIENT_S)
+            assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+            assert refused.value.is_not_started
+            await client.close()
+            list_models = channel.unary_unary(
+                "/inference.v1.WorkerService/ListModels",
+                request_serializer=pb.ListWorkerModelsRequest.SerializeToString,
+                response_deserializer=pb.ListWorkerModelsResponse.FromString,
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as listing:
+                await list_models(pb.ListWorkerModelsRequest(), timeout=PATIENT_S)
+            assert listing.value.code() is grpc.StatusCode.UNAVAILABLE
+            # Once it has read the (empty) registry, its empty catalog is the fleet's.
+            await router.sync.refresh_once()
+            assert not (await list_models(pb.ListWorkerModelsRequest())).versions
+    finally:
+        await router.stop()

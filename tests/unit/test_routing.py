@@ -350,10 +350,10 @@ def test_unknown_model_differs_from_no_ready_worker() -> None:
 # Snapshot staleness
 
 
-def test_no_snapshot_yet_is_no_worker_not_unknown_model() -> None:
+def test_no_snapshot_yet_is_no_registry_not_unknown_model() -> None:
     table = make_table()
     assert table.snapshot_age_s(5.0) is None
-    assert rejected(route(table)) is RejectReason.NO_WORKER
+    assert rejected(route(table)) is RejectReason.NO_REGISTRY
 
 
 def test_s25_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> None:
@@ -362,7 +362,7 @@ def test_s25_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed()
     assert routed_to(route(table, now_s=100.0)) == "w1"
     assert table.snapshot_age_s(100.0) == pytest.approx(100.0)
     stale = route(table, now_s=120.5)
-    assert rejected(stale) is RejectReason.NO_WORKER
+    assert rejected(stale) is RejectReason.NO_REGISTRY
     assert isinstance(stale, Reject) and "stale" in stale.message
 
     loaded(table, make_worker(), now_s=121.0)
