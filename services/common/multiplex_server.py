@@ -148,6 +148,9 @@ class _ServedStream:
                 if self._closing.is_set() and not told_closing and not self._is_reading_done:
                     told_closing = True
                     yield pb.InferStreamResponse(closing=True)
+                    # Counted from the telling, not from close(): a stream slow to take the
+                    # message (flow control) still gives its caller the whole wait.
+                    helpers.append(loop.create_task(self._stop_waiting_later()))
                 while self._outbox:
                     results = self._outbox[:MAX_CALLS_PER_MESSAGE]
                     del self._outbox[:MAX_CALLS_PER_MESSAGE]
@@ -189,6 +192,8 @@ class _ServedStream:
     async def _wake_on_close(self) -> None:
         await self._closing.wait()
         self._wake.set()
+
+    async def _stop_waiting_later(self) -> None:
         await asyncio.sleep(CLOSING_WAIT_S)
         self._is_done_waiting = True
         self._wake.set()

@@ -32,9 +32,10 @@ class RejectReason(enum.Enum):
 
     #: No ready worker serves it now (UNAVAILABLE): retrying later may succeed.
     NO_WORKER = "no_worker"
-    #: This router has no registry snapshot to route on: none read yet (just started), or
-    #: Redis unreachable past `max_snapshot_age_s` (UNAVAILABLE marked not started: another
-    #: router may route it).
+    #: This router has read no registry snapshot yet (just started): UNAVAILABLE marked not
+    #: started, as another router may route it. (A snapshot too old to trust, Redis unreachable
+    #: past `max_snapshot_age_s`, is NO_WORKER: every router is likely in the same state, and
+    #: gateways resending to each would multiply the load for as long as the outage lasts.)
     NO_REGISTRY = "no_registry"
     #: Predicted completion misses the remaining deadline (RESOURCE_EXHAUSTED + retry hint).
     DEADLINE = "deadline"
@@ -220,7 +221,7 @@ class RouteTable:
         age_s = now_s - self._refreshed_at_s
         if age_s > cfg.max_snapshot_age_s:
             message = f"registry stale: last refresh {age_s:.1f}s ago"
-            return Reject(RejectReason.NO_REGISTRY, cfg.stale_after_s, message)
+            return Reject(RejectReason.NO_WORKER, cfg.stale_after_s, message)
         return None
 
     def _eligible(

@@ -362,7 +362,7 @@ def test_s25_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed()
     assert routed_to(route(table, now_s=100.0)) == "w1"
     assert table.snapshot_age_s(100.0) == pytest.approx(100.0)
     stale = route(table, now_s=120.5)
-    assert rejected(stale) is RejectReason.NO_REGISTRY
+    assert rejected(stale) is RejectReason.NO_WORKER
     assert isinstance(stale, Reject) and "stale" in stale.message
 
     loaded(table, make_worker(), now_s=121.0)
