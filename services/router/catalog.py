@@ -24,7 +24,7 @@ class Catalog:
     async def list_models(
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListWorkerModelsResponse:
-        if self._table.snapshot_age_s(time.monotonic()) is None:
+        if not self._table.has_snapshot:
             # Empty only because nothing was read yet: a gateway that took this for the fleet
             # would refuse every call until its next poll (seen in a rolling restart).
             raise Unavailable("router has not read the registry yet")

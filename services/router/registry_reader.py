@@ -59,8 +59,7 @@ class RegistrySync:
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""
         records, redis_now_s = await read_registry(self._client, self._keys)
-        has_snapshot = self._table.snapshot_age_s(time.monotonic()) is not None
-        if not records and self._awaits_refill and has_snapshot:
+        if not records and self._awaits_refill and self._table.has_snapshot:
             # Redis is back, empty (restarted): workers re-register at their next heartbeat,
             # which their retry backoff may hold back for seconds. An update now would judge
             # every heartbeat of the outage's snapshot stale and refuse every call; so that

@@ -369,6 +369,11 @@ class RouteTable:
                 served.setdefault(model.key, []).append((worker, model))
         return served
 
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether a registry read has loaded this table (empty or not)."""
+        return self._refreshed_at_s is not None
+
     def snapshot_age_s(self, now_s: float) -> float | None:
         """Seconds since the last `update`, or None before the first one."""
         if self._refreshed_at_s is None:

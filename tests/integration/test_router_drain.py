@@ -14,6 +14,7 @@ from services.common.multiplex import MultiplexClient
 from services.common.registry_schema import route_metadata
 from services.gateway.predictor import GENERATE_METHOD
 from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
 from services.router.server import SERVICE_NAME, Router, create_router
 from tests.support.processes import health_status
@@ -107,11 +108,7 @@ async def test_a_router_that_has_not_read_the_registry_refuses_calls_not_started
             assert refused.value.code is grpc.StatusCode.UNAVAILABLE
             assert refused.value.is_not_started
             await client.close()
-            list_models = channel.unary_unary(
-                "/inference.v1.WorkerService/ListModels",
-                request_serializer=pb.ListWorkerModelsRequest.SerializeToString,
-                response_deserializer=pb.ListWorkerModelsResponse.FromString,
-            )
+            list_models = pb_grpc.WorkerServiceStub(channel).ListModels
             with pytest.raises(grpc.aio.AioRpcError) as listing:
                 await list_models(pb.ListWorkerModelsRequest(), timeout=PATIENT_S)
             assert listing.value.code() is grpc.StatusCode.UNAVAILABLE

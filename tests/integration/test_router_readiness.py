@@ -10,6 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
 from services.router.server import SERVICE_NAME, create_router
 from tests.support.processes import health_status
@@ -81,11 +82,7 @@ async def test_a_router_started_while_redis_was_down_takes_the_registry_it_finds
 
             await eventually(ready, timeout_s=30.0, message="ready once Redis is back")
             async with grpc.aio.insecure_channel(address) as channel:
-                list_models = channel.unary_unary(
-                    "/inference.v1.WorkerService/ListModels",
-                    request_serializer=pb.ListWorkerModelsRequest.SerializeToString,
-                    response_deserializer=pb.ListWorkerModelsResponse.FromString,
-                )
+                list_models = pb_grpc.WorkerServiceStub(channel).ListModels
                 # Answered (refused UNAVAILABLE while no snapshot is held): the empty fleet.
                 listing = await list_models(pb.ListWorkerModelsRequest(), timeout=10.0)
                 assert not listing.versions

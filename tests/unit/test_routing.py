@@ -352,8 +352,10 @@ def test_unknown_model_differs_from_no_ready_worker() -> None:
 
 def test_no_snapshot_yet_is_no_registry_not_unknown_model() -> None:
     table = make_table()
-    assert table.snapshot_age_s(5.0) is None
+    assert table.snapshot_age_s(5.0) is None and not table.has_snapshot
     assert rejected(route(table)) is RejectReason.NO_REGISTRY
+    loaded(table)  # an empty registry is a snapshot too
+    assert table.has_snapshot
 
 
 def test_s25_frozen_snapshot_routes_until_max_age_then_rejects_until_refreshed() -> None:
