@@ -192,7 +192,7 @@ async def raw_call(
                 try:
                     _ = [m async for m in stream]
                 except grpc.aio.AioRpcError as error:
-                    return await peer_status.code(timeout_s=5) or error.code()
+                    return await peer_status.code_of(error)
             else:
                 await channel.unary_unary(method)(body, metadata=metadata, timeout=5)
         except grpc.aio.AioRpcError as error:

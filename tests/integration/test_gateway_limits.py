@@ -20,6 +20,7 @@ from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from tests.support.in_process import Fabric, running_fabric, start_lone_gateway
 from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
 from tests.support.redis import RedisServer
+from tests.support.stream_status import PeerStatus
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -99,9 +100,14 @@ async def test_concurrent_calls_past_the_cap_are_resource_exhausted_streams_incl
 
         streams = [await open_stream(), await open_stream()]
         assert await live() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        refused = stub.ModelStreamInfer(timeout=30)
+        # Refused at once, the stream may end before grpc has sent our message, and then grpc
+        # reports its own INTERNAL, not the gateway's status (PeerStatus).
+        peer_status = PeerStatus(refused)
         with pytest.raises(grpc.aio.AioRpcError) as raised:
-            await open_stream()
-        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await refused.write(kserve.ModelInferRequest(model_name="nope", id="probe"))
+            await refused.read()
+        assert await peer_status.code_of(raised.value) == grpc.StatusCode.RESOURCE_EXHAUSTED
 
         for stream in streams:
             await stream.done_writing()

@@ -58,6 +58,11 @@ class PeerStatus:
             status = _status_now(self._call)
         return None if status is None else status[0]
 
+    async def code_of(self, error: grpc.aio.AioRpcError, timeout_s: float = 5.0) -> grpc.StatusCode:
+        """The code the peer ended the call with, for the `error` the call raised: grpc's
+        own if the peer's did not arrive within `timeout_s`."""
+        return await self.code(timeout_s) or error.code()
+
 
 def _is_local(status: tuple[grpc.StatusCode, str]) -> bool:
     return status == (grpc.StatusCode.INTERNAL, LOCAL_WRITE_FAILURE)
