@@ -44,8 +44,9 @@ def token_row_ends(token_ids: bytes, row_lengths: bytes, num_rows: int) -> np.nd
     if len(lengths) and int(lengths.min()) < 1:
         raise InvalidInput("packed rows: every row needs at least one token")
     ends = np.cumsum(lengths, dtype=np.int64)
-    if (int(ends[-1]) if len(ends) else 0) != num_ids:
-        raise InvalidInput(f"packed rows: row lengths add up to {ends[-1]}, not {num_ids} ids")
+    total = int(ends[-1]) if len(ends) else 0
+    if total != num_ids:
+        raise InvalidInput(f"packed rows: row lengths add up to {total}, not {num_ids} ids")
     return ends
 
 

@@ -28,6 +28,8 @@ def test_packed_token_rows_round_trip_and_refuse_what_does_not_add_up() -> None:
         unpack_token_rows(ids[:-4], lengths, 3)
     with pytest.raises(InvalidInput, match="at least one token"):
         unpack_token_rows(b"", np.zeros(1, "<i4").tobytes(), 1)
+    with pytest.raises(InvalidInput, match="add up to 0, not 3 ids"):  # ids and no row
+        unpack_token_rows(ids[:12], b"", 0)
 
 
 def test_split_at_cuts_rows_as_numpy_split_does() -> None:
