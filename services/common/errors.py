@@ -155,6 +155,14 @@ class UpstreamError(ServingError):
                 return int(value) / 1000.0
         return None
 
+    def for_one_caller(self, rng: random.Random | None = None) -> UpstreamError:
+        """The same status for one of several callers it answers together (a bundle's): an
+        error of its own, its retry hint jittered again (RETRY_JITTER), so that callers refused
+        in one bundle do not all come back together."""
+        hint_s = self.retry_after_s
+        trailers = () if hint_s is None else (retry_after_trailer(hint_s, rng),)
+        return UpstreamError(self.code, str(self), trailers, is_not_started=self.is_not_started)
+
     @property
     def is_overload(self) -> bool:
         """Downstream refused for load. DEADLINE_EXCEEDED is not counted: a request that

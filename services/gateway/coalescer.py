@@ -86,7 +86,7 @@ class Answered:
     rows: Sequence[np.ndarray]
 
 
-@dataclass
+@dataclass(eq=False)  # found by identity: its rows (arrays) do not compare with `==`
 class _Slice:
     #: The caller's values: its rows, or what `Prepare` makes them of.
     rows: Sequence[Any]
@@ -339,9 +339,12 @@ def _closing() -> UpstreamError:
 
 
 def _fail(slices: Sequence[_Slice], error: BaseException) -> None:
+    """Every caller not answered yet gets `error`; a downstream status, as an error of its own
+    with its own retry hint (UpstreamError.for_one_caller)."""
     for entry in slices:
         if not entry.future.done():
-            entry.future.set_exception(error)
+            own = error.for_one_caller() if isinstance(error, UpstreamError) else error
+            entry.future.set_exception(own)
 
 
 def _prepared(bundle: _Bundle) -> list[_Slice]:

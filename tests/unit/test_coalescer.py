@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.bundles import SliceCancels
-from services.common.errors import UpstreamError
+from services.common.errors import RETRY_AFTER_MS_KEY, UpstreamError, retry_after_trailer
 from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
@@ -259,6 +259,48 @@ async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> Non
     ] * 2
     assert sizes(downstream) == [1, 1]
     assert bundles._keys[KEY].round_trip.mean is not None  # the failures' round trips count
+
+
+async def test_callers_that_stop_waiting_before_their_bundle_leaves_are_left_out_of_it() -> None:
+    """One caller cancelled and one past its deadline while their bundle is held: neither is
+    sent (their rows, arrays like their bundle-mates', are found by identity), the cancelled
+    one ends cancelled, and nothing fails on the loop."""
+    loop_errors: list[dict[str, object]] = []
+    asyncio.get_running_loop().set_exception_handler(lambda _, context: loop_errors.append(context))
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock)
+    kept = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    cancelled = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)  # held, for up to 30 s: the first is out
+    expired = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.05))
+    with pytest.raises(UpstreamError) as raised:
+        await expired
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert len(downstream.bundles) == 1  # the three were held behind the first
+    downstream.gate.set()
+    assert [float(a[0][0]) for a in await asyncio.gather(first, kept)] == [0, 2]
+    assert sizes(downstream) == [1, 1]
+    assert loop_errors == []
+    assert bundles._keys[KEY].in_flight == 0
+
+
+async def test_the_callers_of_a_refused_bundle_get_errors_and_retry_hints_of_their_own() -> None:
+    downstream = Downstream()
+    downstream.error = UpstreamError(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (retry_after_trailer(1.0),)
+    )
+    bundles = coalescer(downstream)
+    callers = (call(bundles, rows(i), max_rows=32) for i in range(20))
+    errors = await asyncio.gather(*callers, return_exceptions=True)
+    assert len(downstream.bundles) == 1
+    refusals = [e for e in errors if isinstance(e, UpstreamError) and e.is_overload]
+    assert len({id(e) for e in refusals}) == 20
+    hints = [dict(e.trailers())[RETRY_AFTER_MS_KEY] for e in refusals]
+    assert len(set(hints)) > 1, hints  # spread, not one wave of retries after the same delay
+    assert all(500 <= int(h) <= 1600 for h in hints), hints
 
 
 async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
