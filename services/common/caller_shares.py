@@ -5,13 +5,16 @@ reached it lately (services.common.door). Shares count arrivals, not calls in fl
 flood costs a process is its calls' arrival, however soon each is refused, and a victim's
 slow, served calls would outnumber a flood's quickly refused ones in flight.
 
-The door runs before authentication, so a caller is only the credential a call presents, and
-a flood may present a new one on every call. So a caller's first call in the window pair is
-counted for all first calls together (`NEW`, one caller), and only its later calls for itself:
-callers that rotate credentials share one share between them, and do not raise the number of
-callers the others' shares are measured against. At most `max_callers` callers are
-remembered per window; calls of others count as first calls. Pure: time comes in as `now_s`
-(the door's probe ticks roll the window)."""
+A caller is whom the door's `caller` names. At a gateway with keys it is the tenant of the key
+a call presents, and one caller for all missing and unknown keys
+(services.gateway.auth.door_caller), so made-up keys cannot outnumber the tenants. Without keys
+it is the credential itself, and a flood may present a new one on every call. So a caller's
+first call in the window pair is counted for all first calls together (`NEW`, one caller), and
+only its later calls for itself: callers that rotate credentials share one share between them,
+and do not raise the number of callers the others' shares are measured against (a flood
+presenting each credential twice still does: only known keys stop that). At most `max_callers`
+callers are remembered per window; calls of others count as first calls. Pure: time comes in as
+`now_s` (the door's probe ticks roll the window)."""
 
 from __future__ import annotations
 

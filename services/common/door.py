@@ -16,14 +16,14 @@ its metadata and answered at the door at once. A probe still unanswered at the n
 reports the time it has waited so far (once past the target), so a queue growing without
 bound is seen while it grows.
 
-At the limit the door refuses by caller: a call is refused only if its caller (the credential
-it presents, `authorization` or `x-api-key`, read before authentication: no lookup, no
-hashing) sent at least an equal share of the guarded calls that reached the door lately
-(`CallerShares`: this and the previous half second). What a flood costs a process is its
-calls' arrival, however soon each is refused, so shares count arrivals, not calls in flight
-(a victim's slow, served calls would outnumber a flood's quickly refused ones). A tenant
-flooding the gateway, even one its quota refuses a moment later, then cannot make the door
-refuse a tenant sending less; a single caller's flood is limited as a whole.
+At the limit the door refuses by caller: a call is refused only if its caller (`caller` of its
+metadata; at the gateway the tenant of its key, one caller for all missing and unknown keys:
+services.gateway.auth.door_caller) sent at least an equal share of the guarded calls that
+reached the door lately (`CallerShares`: this and the previous half second). What a flood costs
+a process is its calls' arrival, however soon each is refused, so shares count arrivals, not
+calls in flight (a victim's slow, served calls would outnumber a flood's quickly refused ones).
+A tenant flooding the gateway, even one its quota refuses a moment later, then cannot make the
+door refuse a tenant sending less; a single caller's flood is limited as a whole.
 
 Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
 which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
@@ -52,6 +52,7 @@ from services.common.caller_shares import CallerShares, caller_of
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
 from services.common.errors import retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
+from services.common.interceptors import Metadata
 from services.common.loop_lag import LAG_BUCKETS
 from services.common.settings import Setting
 from services.common.telemetry import MetricFactory
@@ -95,9 +96,7 @@ class DoorConfig:
 
     def __post_init__(self) -> None:
         if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
-            raise ValueError(
-                "door: initial_limit must be >= 0, probe_interval_s and share_window_s > 0"
-            )
+            raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
         if self.is_enabled:
             self.limit()  # validates the rest
 
@@ -213,8 +212,10 @@ class Door(grpc.aio.ServerInterceptor):
         registry: CollectorRegistry,
         *,
         rng: random.Random | None = None,
+        caller: Callable[[Metadata], str] = caller_of,
     ) -> None:
         self.config = config
+        self._caller_of = caller
         self.limit = QueueDelayLimit(config.limit())
         self.num_in_flight = 0
         self._shares = CallerShares(config.share_window_s)
@@ -283,13 +284,12 @@ class Door(grpc.aio.ServerInterceptor):
             if key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
         self._calls_by_method[method] += 1
-        is_over_share = self._shares.arrived(caller_of(metadata))
+        is_over_share = self._shares.arrived(self._caller_of(metadata))
         if self.num_in_flight >= self.limit.limit and is_over_share:
             self._metrics.refused.labels(method).inc()
             return refuser
         self.num_in_flight += 1
-        if self.num_in_flight > self._peak_in_flight:
-            self._peak_in_flight = self.num_in_flight
+        self._peak_in_flight = max(self._peak_in_flight, self.num_in_flight)
         task = asyncio.current_task()
         assert task is not None  # grpc runs every call's interceptors inside the call's task
         task.add_done_callback(self._release)

@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 
-from services.common.caller_shares import presented_key
+from services.common.caller_shares import caller_of, presented_key
 from services.common.errors import PermissionDenied, Unauthenticated
 from services.gateway.admission import INFERENCE_METHODS, TenantAdmission
 from services.gateway.tenants import TenantPolicy, parse_tenants
@@ -131,6 +131,12 @@ class KeyStore:
             if self.reload_if_changed() and on_reload is not None:
                 on_reload(self)
 
+    def tenant_of(self, key: str) -> str | None:
+        """The tenant of `key` if it is known (looked up by its hash: no answer depends on
+        comparing it with each key), else None."""
+        principal = self._entries.get(hash_key(key)) if key else None
+        return None if principal is None else principal.tenant
+
     def authenticate(self, key: str | None) -> Principal:
         if not key:
             raise Unauthenticated("missing API key: send 'authorization: Bearer <key>'")
@@ -143,6 +149,25 @@ class KeyStore:
         if found is None:
             raise Unauthenticated("invalid API key")
         return found
+
+
+#: The door's one caller for every call with a missing or unknown key.
+UNKNOWN_CALLER = "\x00unknown"
+
+
+def door_caller(keys: KeyStore | None) -> Callable[[Sequence[tuple[str, Any]]], str]:
+    """Whom the door counts a call for (services.common.caller_shares), from its metadata: the
+    tenant of the key it presents, and one caller, UNKNOWN_CALLER, for every missing or
+    unknown key, so that made-up credentials share one share however many a flood presents
+    (each counted on its own, they outnumbered the tenants, whose shares shrank until every
+    tenant was over its share). Without a key store: the credential presented."""
+    if keys is None:
+        return caller_of
+
+    def caller(metadata: Sequence[tuple[str, Any]]) -> str:
+        return keys.tenant_of(caller_of(metadata)) or UNKNOWN_CALLER
+
+    return caller
 
 
 def _stamp(path: Path) -> tuple[int, int, int]:

@@ -23,7 +23,7 @@ from services.common.telemetry import tier_registry
 from services.common.tls import add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
 from services.gateway.admission import TenantAdmission
-from services.gateway.auth import LOCAL_PRINCIPAL, Authentication, KeyStore
+from services.gateway.auth import LOCAL_PRINCIPAL, Authentication, KeyStore, door_caller
 from services.gateway.catalog import ModelCatalog
 from services.gateway.config import GatewayConfig
 from services.gateway.http.server import HttpListener, start_http
@@ -206,7 +206,9 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         admission=admission,
         clock=config.bundle_clock,
     )
-    door = Door(DOOR_METHODS, config.door, metrics.registry) if config.door.is_enabled else None
+    door = None
+    if config.door.is_enabled:
+        door = Door(DOOR_METHODS, config.door, metrics.registry, caller=door_caller(keys))
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
         [Tracing(), Authentication(keys, admission)],

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,9 +17,12 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.common.caller_shares import caller_of
 from services.common.door import Door, DoorConfig, MethodShape
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.lifecycle import new_server
+from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
+from services.gateway.tenants import TenantPolicy
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -65,9 +68,11 @@ class Served:
 
 
 @contextlib.asynccontextmanager
-async def _serve(config: DoorConfig) -> AsyncIterator[Served]:
+async def _serve(
+    config: DoorConfig, caller: Callable[[Sequence[tuple[str, Any]]], str] = caller_of
+) -> AsyncIterator[Served]:
     registry = CollectorRegistry()
-    door = Door({GUARDED: MethodShape()}, config, registry)
+    door = Door({GUARDED: MethodShape()}, config, registry, caller=caller)
     release = asyncio.Event()
     entered: list[bytes] = []
 
@@ -153,6 +158,33 @@ async def test_at_the_limit_only_callers_over_their_share_are_refused(served: Se
     assert await asyncio.gather(*a_calls, *b_calls) == [b"served ok-wait"] * 4
     await eventually(lambda: served.door.num_in_flight == 0)
     assert await served.call(b"ok-after", caller="a") == b"served ok-after"
+
+
+async def test_callers_that_make_up_keys_share_one_share_and_lock_no_tenant_out() -> None:
+    """At the gateway the door counts a call for the tenant of its key, and every made-up key
+    as one caller (door_caller): a flood presenting each of many new keys twice fills the
+    door and is refused, and a tenant with a real key still passes it. Counted by
+    credential, those keys outnumbered the tenant, whose share shrank below its one call."""
+    policy = TenantPolicy("search")
+    keys = KeyStore({hash_key("search-key"): Principal("search", None, policy, False)})
+    config = DoorConfig(
+        initial_limit=2, min_limit=1, max_limit=2, probe_interval_s=0.01, share_window_s=60.0
+    )
+    async with _serve(config, door_caller(keys)) as served:
+        flood = [
+            asyncio.create_task(served.call(b"ok-wait", caller=f"made-up-{i}")) for i in (0, 1)
+        ]
+        await eventually(lambda: served.door.num_in_flight == 2)
+        for i in range(2, 22):
+            for _ in range(2):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await served.call(b"ok-now", caller=f"made-up-{i}")
+                assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        tenant = asyncio.create_task(served.call(b"ok-wait", caller="search-key"))
+        await eventually(lambda: served.door.num_in_flight == 3)
+        assert served.refused() == 40
+        served.release.set()
+        assert await asyncio.gather(*flood, tenant) == [b"served ok-wait"] * 3
 
 
 async def test_refusals_are_jittered() -> None:
