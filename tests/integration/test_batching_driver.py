@@ -167,6 +167,38 @@ async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(
         assert served_s > 0, tenant
 
 
+async def test_a_drain_cut_short_answers_every_waiting_row_unavailable(harness: Harness) -> None:
+    """A drain that outlasts its grace (cancelled, as the worker's stop does) answers the rows
+    still waiting, the running batch's and the queued ones, UNAVAILABLE at once: their callers
+    retry elsewhere, not when the server closes their calls."""
+    driver, backend = harness.driver, harness.backend
+    gate = threading.Event()
+    run = backend.run
+
+    def gated_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        gate.wait(timeout=10.0)
+        return run(rows)
+
+    backend.run = gated_run  # type: ignore[method-assign]
+    try:
+        running = asyncio.ensure_future(
+            driver.submit(backend, harness.rows(1), timeout_s=30, tenant="t")
+        )
+        await eventually(lambda: driver.is_executing, interval_s=0.001)
+        queued = asyncio.ensure_future(
+            driver.submit(backend, harness.rows(2), timeout_s=30, tenant="t")
+        )
+        await eventually(lambda: driver.num_in_flight == 3, interval_s=0.001)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(driver.drain(), 0.2)
+        for call in (running, queued):
+            with pytest.raises(Unavailable, match="stopping"):
+                await call
+        assert driver.num_in_flight == 0
+    finally:
+        gate.set()
+
+
 async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
     rows = harness.rows(1)
     with pytest.raises(InvalidInput, match="tenant weight"):

@@ -166,10 +166,19 @@ class BatchingDriver:
         self._wake.set()
 
     async def drain(self) -> None:
-        """Begins draining and returns once every admitted row has been answered."""
+        """Begins draining and returns once every admitted row has been answered. Cancelled
+        (its grace ran out), it answers every row still waiting UNAVAILABLE and stops the loop,
+        so that their callers retry elsewhere now, not when the server closes their calls."""
         self.begin_drain()
-        if self._loop_task is not None:
-            await self._loop_task
+        if self._loop_task is not None and not self._loop_task.done():
+            try:
+                await asyncio.shield(self._loop_task)
+            except asyncio.CancelledError:
+                self._refusal = Unavailable("this worker is stopping; retry elsewhere")
+                for lane in self._order:
+                    lane.fail_pending(self._refusal)
+                self._loop_task.cancel()
+                raise
         # A wedged call never returns: leave its (daemon) thread behind rather than hang.
         self._executor.shutdown(wait=self._wedged is None)
 
