@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -29,6 +30,9 @@ from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 _OK = pb.SliceStatus()
+#: A call cancelled this close to its deadline (seconds) was cancelled by it: our timer, or
+#: the caller's cancel at its own, a hop earlier.
+DEADLINE_SLACK_S = 0.05
 #: A slice's place among a bundle's outcomes while its rows are being admitted.
 _ADMITTING = Unavailable("being admitted")
 
@@ -83,8 +87,12 @@ class BundleRunner:
             code = status_of(error).code.name
             self._metrics.requests_total.labels(*labels, code).inc(len(request.slices))
             raise
-        outcomes = self._admit(backend, request.slices, parts, time_left_s)
+        # A slice its caller stopped waiting for before the bundle got here is not queued:
+        # its rows would count against its bundle-mates' room and deadlines.
+        gone = set() if cancels is None else cancels.cancelled
+        outcomes = self._admit(backend, request.slices, parts, time_left_s, gone)
         admitted = [o for o in outcomes if isinstance(o, Admission)]
+        called_s = time.monotonic()
 
         def cancel(index: int) -> None:
             outcome = outcomes[index] if index < len(outcomes) else None
@@ -97,8 +105,18 @@ class BundleRunner:
             futures = [f for a in admitted for f in a.futures]
             if futures:
                 await asyncio.wait(futures)
-        except asyncio.CancelledError:  # the whole call: its caller went away
-            self._metrics.requests_total.labels(*labels, "CANCELLED").inc(len(outcomes))
+        except asyncio.CancelledError:  # the whole call: its caller went away, or timed out
+            timed_out = (
+                time_left_s is not None
+                and time.monotonic() - called_s >= time_left_s - DEADLINE_SLACK_S
+            )
+            gave_up = "DEADLINE_EXCEEDED" if timed_out else "CANCELLED"
+            codes = Counter(
+                status_of(o).code.name if isinstance(o, BaseException) else gave_up
+                for o in outcomes
+            )
+            for code, count in codes.items():
+                self._metrics.requests_total.labels(*labels, code).inc(count)
             raise
         finally:
             if stop is not None:
@@ -134,9 +152,10 @@ class BundleRunner:
                 f"{num_rows} inputs exceed the queue capacity of "
                 f"{backend.config.max_queue_size}; split the bundle"
             )
-        # What refuses every slice alike refuses the bundle, so the router retries it elsewhere.
-        self._batching.open_lane(backend)
         raw = bundle_rows(request, num_rows)
+        # What refuses every slice alike refuses the bundle, so the router retries it elsewhere
+        # (a bundle its caller built wrong is refused INVALID_ARGUMENT first: not retried).
+        self._batching.open_lane(backend)
         ends = list(itertools.accumulate(s.rows for s in slices))
         try:  # every row at once; only a bundle with a bad row is prepared slice by slice
             prepared = backend.prepare_many(raw)
@@ -157,12 +176,16 @@ class BundleRunner:
         slices: Sequence[pb.Slice],
         parts: list[list[PreparedRow] | BaseException],
         time_left_s: float | None,
+        gone: set[int],
     ) -> list[Admission | BaseException]:
         """Queues every slice's rows in one pass (each linked to its caller's trace): each
-        slice's admission, or the error refusing it."""
+        slice's admission, or the error refusing it (CANCELLED for the indices in `gone`)."""
         asks: list[SliceAsk] = []
         outcomes: list[Admission | BaseException] = []
-        for part, piece in zip(parts, slices, strict=True):
+        for index, (part, piece) in enumerate(zip(parts, slices, strict=True)):
+            if index in gone:
+                outcomes.append(asyncio.CancelledError())
+                continue
             if isinstance(part, BaseException):
                 outcomes.append(part)
                 continue

@@ -165,6 +165,82 @@ async def test_each_slice_of_a_bundle_is_answered_on_its_own(
     assert by_code == {"OK": 2, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1, "INVALID_ARGUMENT": 1}
 
 
+async def test_a_slice_cancelled_before_its_bundle_arrives_takes_no_room(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """Behind a stalled executor and 10 queued rows, a bundle of two 30-row slices whose first
+    caller stopped waiting before it was sent: the first is answered CANCELLED and never
+    queued, so the second has the room the queue (64 rows) has left and is served. Queued, the
+    cancelled slice's 30 rows refused it (queue full, or its tenant over its share)."""
+
+    def stall_bundle(slices: list[tuple[int, str]], first: float = 0.0) -> bytes:
+        rows = [([row(first, i, 0, 0) for i in range(n)], pb.Slice(tenant=t)) for n, t in slices]
+        return bundle("stall", rows).SerializeToString()
+
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        blocker = asyncio.ensure_future(
+            router.call(
+                stall_bundle([(1, "c")], first=STALL),
+                metadata=route_metadata("stall", "1", 1),
+                timeout_s=PATIENT_S,
+            )
+        )
+        batching = fabric.worker.batching
+        assert batching is not None
+        await eventually(lambda: batching.num_in_flight == 1, interval_s=0.01)
+        queued = asyncio.ensure_future(
+            router.call(
+                stall_bundle([(10, "c")]),
+                metadata=route_metadata("stall", "1", 10),
+                timeout_s=PATIENT_S,
+            )
+        )
+        await eventually(lambda: batching.num_in_flight == 11, interval_s=0.01)
+        cancels = SliceCancels()
+        cancels.cancel(0)
+        call = asyncio.ensure_future(
+            router.call(
+                stall_bundle([(30, "a"), (30, "b")]),
+                metadata=route_metadata("stall", "1", 60),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        )
+        # Its second slice queued (or, refused, the bundle answered).
+        await eventually(lambda: call.done() or batching.num_in_flight == 41, interval_s=0.01)
+        release_stall(tmp_path / "gate")
+        await asyncio.gather(blocker, queued)
+        response = pb.InferResponse.FromString(await call)
+        await router.close()
+    assert [s.code for s in response.slices] == [grpc.StatusCode.CANCELLED.value[0], 0]
+    assert tensor_from_pb(response.packed_outputs).shape[0] == 30
+
+
+async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceeded(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """A bundle whose row is on the executor when its call's deadline passes: the worker gives
+    up on it at the deadline and counts it DEADLINE_EXCEEDED, not CANCELLED (the caller did
+    not go away; its time ran out)."""
+    request = bundle("stall", [([row(STALL, 0, 0, 0)], pb.Slice(tenant="a"))])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
+        worker = MultiplexClient(channel, "worker")
+        try:
+            with pytest.raises(Exception) as raised:
+                await worker.call(request.SerializeToString(), timeout_s=0.5)
+        finally:
+            await worker.close()
+    assert getattr(raised.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def counted(code: str) -> float:
+        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="stall", code=code)
+
+    await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
+    assert counted("CANCELLED") == 0
+    release_stall(tmp_path / "gate")
+
+
 async def test_a_bundle_that_does_not_add_up_is_refused_whole(fabric: Fabric) -> None:
     request = bundle("affine", [([row(1, 2, 3, 4)], pb.Slice())])
     request.slices[0].rows = 2  # two rows claimed, one packed
@@ -181,6 +257,26 @@ async def test_a_bundle_that_does_not_add_up_is_refused_whole(fabric: Fabric) ->
             await router.close()
     assert getattr(raised.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
     assert "not 2 rows" in str(raised.value)
+
+
+async def test_a_bundle_that_does_not_add_up_is_invalid_at_a_draining_worker_too(
+    fabric: Fabric,
+) -> None:
+    """Its caller built it wrong wherever it goes: INVALID_ARGUMENT, not the draining worker's
+    UNAVAILABLE (which would have the router try it on every other worker)."""
+    request = bundle("affine", [([row(1, 2, 3, 4)], pb.Slice())])
+    request.slices[0].rows = 2
+    batching = fabric.worker.batching
+    assert batching is not None
+    batching.begin_drain()
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
+        worker = MultiplexClient(channel, "worker")
+        try:
+            with pytest.raises(Exception) as raised:
+                await worker.call(request.SerializeToString(), timeout_s=PATIENT_S)
+        finally:
+            await worker.close()
+    assert getattr(raised.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(
