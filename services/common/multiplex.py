@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -32,6 +33,8 @@ from services.common.errors import UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
 from services.pb.inference.v1 import worker_pb2 as pb
+
+_T = TypeVar("_T")
 
 STREAM_METHOD = "/inference.v1.WorkerService/InferStream"
 #: The unary method each multiplexed call stands for (its server span is named after it).
@@ -44,6 +47,12 @@ UNARY_METHOD = "/inference.v1.WorkerService/Infer"
 STREAM_MAX_AGE_S = 20.0
 #: Most calls (or results) one stream message carries; the rest go in the next message.
 MAX_CALLS_PER_MESSAGE = 256
+#: Most bytes of calls (or results) one stream message packs together (a bigger one goes
+#: alone): well under the message limit, MAX_MESSAGE_BYTES, which a message of calls that each
+#: fit would otherwise pass, failing every call on its stream.
+MAX_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 4
+#: Room a call's envelope (its id, metadata and deadline) may take in a message.
+_ENVELOPE_BYTES = 64 * 1024
 #: How often a client pings a connection that has been quiet: a stream lives long, and a peer
 #: that vanished without closing it (a lost node, a dropped route) would otherwise hold its
 #: calls until their deadlines. With pings, the connection closes after a missed answer and the
@@ -68,6 +77,21 @@ def channel_options(keepalive_s: float = KEEPALIVE_S) -> tuple[tuple[str, int], 
 
 
 CHANNEL_OPTIONS = channel_options()
+
+
+def take_message(outbox: list[_T], size_of: Callable[[_T], int]) -> list[_T]:
+    """Removes and returns the first items of `outbox` that one stream message carries: at
+    most MAX_CALLS_PER_MESSAGE, and no more bytes than MAX_BYTES_PER_MESSAGE unless the first
+    alone is bigger."""
+    count, size = 0, 0
+    for item in outbox[:MAX_CALLS_PER_MESSAGE]:
+        size += size_of(item)
+        if count and size > MAX_BYTES_PER_MESSAGE:
+            break
+        count += 1
+    taken = outbox[:count]
+    del outbox[:count]
+    return taken
 
 
 def _timeout_us(timeout_s: float | None) -> int:
@@ -163,6 +187,12 @@ class MultiplexClient:
     ) -> bytes:
         """`slice_cancels`: for a bundle, the slices its callers stop waiting for, which this
         call tells the peer of as they come."""
+        if len(request) > MAX_MESSAGE_BYTES - _ENVELOPE_BYTES:  # as a unary call's send fails
+            raise UpstreamError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._name}: a call of {len(request)} bytes is past the message limit of "
+                f"{MAX_MESSAGE_BYTES} bytes",
+            )
         stream = self._current_stream()
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
@@ -260,8 +290,7 @@ class MultiplexClient:
                     await asyncio.sleep(delay_s)
                 stream.wake.clear()
                 while stream.outbox or stream.cancelled or stream.cancelled_slices:
-                    calls = stream.outbox[:MAX_CALLS_PER_MESSAGE]
-                    del stream.outbox[:MAX_CALLS_PER_MESSAGE]
+                    calls = take_message(stream.outbox, _request_bytes)
                     # Calls cancelled before they left need not leave at all.
                     calls = [c for c in calls if c.call_id in stream.pending]
                     cancelled, stream.cancelled = stream.cancelled, []
@@ -318,6 +347,10 @@ class MultiplexClient:
             reason, is_not_started = f"stream failed: {_describe(error)}", _never_sent(error)
         stream.fail_all(reason, is_not_started=is_not_started)
         stream.call.cancel()  # no-op once finished; frees a stream that only half-failed
+
+
+def _request_bytes(call: pb.MuxCall) -> int:
+    return len(call.request)
 
 
 #: How grpc fails a call that found no connection to send it on (pick_first, round_robin).

@@ -21,7 +21,7 @@ from opentelemetry import trace
 from services.common.bundles import SliceCancels
 from services.common.errors import NOT_STARTED_TRAILER, DeadlineExceeded, InvalidInput
 from services.common.grpc_errors import answerable, is_bug, status_of
-from services.common.multiplex import MAX_CALLS_PER_MESSAGE, UNARY_METHOD
+from services.common.multiplex import UNARY_METHOD, take_message
 from services.common.tracing import end_server_span, start_server_span
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -152,8 +152,7 @@ class _ServedStream:
                     # message (flow control) still gives its caller the whole wait.
                     helpers.append(loop.create_task(self._stop_waiting_later()))
                 while self._outbox:
-                    results = self._outbox[:MAX_CALLS_PER_MESSAGE]
-                    del self._outbox[:MAX_CALLS_PER_MESSAGE]
+                    results = take_message(self._outbox, _response_bytes)
                     yield pb.InferStreamResponse(results=results)
                 if (self._is_reading_done or self._is_done_waiting) and not self._running:
                     break
@@ -245,3 +244,7 @@ def _shutting_down(call_id: int) -> pb.MuxResult:
         message="server is shutting down",
         trailers=dict((NOT_STARTED_TRAILER,)),
     )
+
+
+def _response_bytes(result: pb.MuxResult) -> int:
+    return len(result.response)

@@ -12,7 +12,7 @@ import pytest
 
 from services.common import multiplex_server
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
-from services.common.lifecycle import PING_TOLERANCE, new_server
+from services.common.lifecycle import MAX_MESSAGE_BYTES, PING_TOLERANCE, new_server
 from services.common.multiplex import (
     CHANNEL_OPTIONS,
     STREAM_METHOD,
@@ -98,6 +98,48 @@ async def test_concurrent_calls_share_messages_and_each_gets_its_own_answer() ->
     assert client.calls_sent == 300
     # Calls made while a message was being written left together.
     assert client.messages_sent < 300
+
+
+async def test_calls_that_fit_alone_never_share_a_message_past_the_limit() -> None:
+    """Four calls of 20 MiB made at once (80 MiB together, past the 64 MiB a message may
+    carry): each travels, and is answered, in a message of its own; all four are served.
+    Packed into one message, every call on the stream failed. A call past the limit alone
+    fails RESOURCE_EXHAUSTED, as a unary call's send does, and is never written."""
+    big = [bytes([i]) * (20 << 20) for i in range(4)]
+    arrived: list[bytes] = []
+    all_arrived = asyncio.Event()
+    together = len(big)
+
+    async def echo_together(request: bytes, context: CallContext) -> bytes:
+        """Answers once all four have arrived: their answers leave in the same turn."""
+        arrived.append(request)
+        if len(arrived) == together:
+            all_arrived.set()
+        await all_arrived.wait()
+        return b"echo:" + request
+
+    peer = Peer(echo_together)
+    port = await peer.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            client = MultiplexClient(channel, "peer")
+            try:
+                answers = await asyncio.gather(*(client.call(b) for b in big))
+                assert [a == b"echo:" + b for a, b in zip(answers, big, strict=True)] == [True] * 4
+                assert client.messages_sent == 4
+                with pytest.raises(UpstreamError) as raised:
+                    await client.call(b"x" * MAX_MESSAGE_BYTES)
+                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert client.calls_sent == 4
+                arrived.clear()
+                all_arrived.clear()
+                together = 1
+                assert await client.call(b"small") == b"echo:small"  # the stream still serves
+            finally:
+                await client.close()
+    finally:
+        await peer.server.stop(None)
 
 
 async def messages_for_two_calls(linger: LingerConfig) -> int:
