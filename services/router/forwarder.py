@@ -238,14 +238,18 @@ class Forwarder:
             for attempt in range(self._max_retries + 1):
                 route = self._route(facts, tried)
                 sent_s = time.monotonic()
-                call = self._channel(route.address).unary_stream(
-                    GENERATE_METHOD, _passthrough, _passthrough
-                )(body, timeout=_timeout_s(deadline_s), metadata=outgoing_metadata())
+                call: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
                 has_sent = False
-                try:
+                try:  # from the reservation on: whatever fails, it is released
+                    call = self._channel(route.address).unary_stream(
+                        GENERATE_METHOD, _passthrough, _passthrough
+                    )(body, timeout=_timeout_s(deadline_s), metadata=outgoing_metadata())
                     async for message in call:
                         if not has_sent:
                             self._note_outcome(route, sent_s, None)
+                            # Its prompt is in: a sequence that decodes is no queued work (the
+                            # worker's heartbeat counts prompts waiting for a first token).
+                            self._table.release(route.reservation_id)
                         has_sent = True
                         yield message
                     return
@@ -260,7 +264,8 @@ class Forwarder:
                         self._note_cancelled(route, sent_s, deadline_s)
                     raise
                 finally:
-                    call.cancel()  # no-op once finished; stops the worker if our caller left
+                    if call is not None:  # no-op once finished; stops the worker if our caller left
+                        call.cancel()
                     self._table.release(route.reservation_id)
 
     def _route(self, facts: CallFacts, tried: set[str]) -> Route:

@@ -685,3 +685,32 @@ async def test_s21_a_worker_killed_mid_batch_loses_no_request_and_leaves_routing
     served_after_the_kill = [o for o in outcomes if o.sent_s > killed_s]
     assert len(served_after_the_kill) > 10
     assert all(o.code == grpc.StatusCode.OK for o in served_after_the_kill)
+
+
+async def test_a_generation_stream_holds_its_router_reservation_until_its_first_token(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The router reserves a stream's prompt tokens on its worker while the prompt waits, as
+    the worker's heartbeat counts it; from the first token the sequence decodes, and its
+    reservation is gone (held to the stream's end, every decoding stream counted as queued
+    work, and new streams were refused for a wait the worker did not have)."""
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    shutil.copytree(REPO_ROOT / "models" / GENERATION, repository / GENERATION)
+    request = pb.WorkerGenerateRequest(
+        model_name=GENERATION,
+        text="the stream decodes",
+        sampling=pb.SamplingParameters(max_tokens=300, ignore_eos=True),
+    )
+    async with (
+        running_fabric(repository, redis_server, with_gateway=False) as fabric,
+        grpc.aio.insecure_channel(fabric.router_address) as channel,
+    ):
+        stream = pb_grpc.WorkerServiceStub(channel).Generate(
+            request, timeout=PATIENT_S, metadata=route_metadata(GENERATION, "1", 20)
+        )
+        first = await stream.read()
+        assert isinstance(first, pb.GenerateResponse)
+        (table,) = route_tables()
+        assert table.inflight_rows("w0") == 0
+        stream.cancel()
