@@ -3,7 +3,8 @@ pipelined Redis read per period.
 
 When Redis is unreachable the last good snapshot stays in force (the route table bounds how
 long), health reports the registry degraded, and reads retry with capped backoff. Should it come
-back empty (restarted), that snapshot stays frozen until the first worker has re-registered.
+back empty (restarted), that snapshot stays frozen until the first worker has re-registered, and
+its workers stay in it for REFILL_S more while the others re-register.
 
 Records whose address is outside the allowed worker networks (services.router.worker_networks)
 never reach the route table: each such read counts them, and each is logged once while it stays.
@@ -29,6 +30,10 @@ log = logging.getLogger(__name__)
 
 #: Longest pause between reads while Redis is unreachable.
 _MAX_BACKOFF_S = 5.0
+#: Once Redis is back after an outage, how long the workers of the snapshot held through it
+#: stay routable without having re-registered: their heartbeats' retry backoff (5 s at most)
+#: spreads their return over seconds, and the first to return must not stand for the fleet.
+REFILL_S = 10.0
 
 
 class RegistrySync:
@@ -54,6 +59,9 @@ class RegistrySync:
         self._rejected: set[tuple[str, str]] = set()
         #: A read failed and no read has found a worker since (see `refresh_once`).
         self._awaits_refill = False
+        #: The workers held through the last outage, by id, and until when those not back yet
+        #: stay (REFILL_S); None when every one is back, or the time is up.
+        self._refill: tuple[dict[str, WorkerRecord], float] | None = None
         self.is_degraded = True  # until the first good read
 
     async def refresh_once(self) -> None:
@@ -67,15 +75,34 @@ class RegistrySync:
             # that started during the outage has none to keep: it takes the empty registry,
             # as its readiness already says it has read it.)
             return
+        now_s = time.monotonic()
+        if self._awaits_refill and self._table.has_snapshot:
+            held = self._table.live_workers(now_s)
+            self._refill = ({w.worker_id: w for w in held}, now_s + REFILL_S)
         self._awaits_refill = False
         split = admit_records(records, self._worker_networks)
         self._note_rejected(split.rejected)
         # Heartbeats carry Redis's clock; the table works on ours. Convert via the age each
         # heartbeat had at the read, so clocks never have to agree.
-        now_s = time.monotonic()
         admitted = [(r, now_s - (redis_now_s - hb_s)) for r, hb_s in split.admitted]
-        self._table.update(admitted, now_s)
+        self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
         self._metrics.live_workers.set(len(self._table.live_workers(now_s)))
+
+    def _not_back_yet(
+        self, admitted: list[tuple[WorkerRecord, float]], now_s: float
+    ) -> list[tuple[WorkerRecord, float]]:
+        """The workers held through the last outage that have not re-registered since, alive
+        as of now, for REFILL_S after Redis came back (a restarted Redis is refilled by each
+        worker's next heartbeat): until each is back, its models stay served."""
+        if self._refill is None:
+            return []
+        held, until_s = self._refill
+        back = {record.worker_id for record, _ in admitted}
+        missing = [(record, now_s) for worker_id, record in held.items() if worker_id not in back]
+        if not missing or now_s >= until_s:
+            self._refill = None
+            return []
+        return missing
 
     def _note_rejected(self, rejected: list[WorkerRecord]) -> None:
         self._metrics.rejected_worker_records_total.inc(len(rejected))
