@@ -336,11 +336,12 @@ class Forwarder:
         deadline_s: float,
     ) -> None:
         """Returns to retry on another worker, or raises the error for our caller
-        (services.router.retry says which). An UNAVAILABLE worker is ejected either way."""
+        (services.router.retry says which). An UNAVAILABLE worker is ejected either way; one
+        that answered NOT_FOUND (it unloaded the version since our snapshot) is only left."""
         is_unavailable = error.code == grpc.StatusCode.UNAVAILABLE
         now_s = time.monotonic()
         decision = decide_retry(
-            is_worker_unavailable=is_unavailable,
+            is_worker_unavailable=is_unavailable or error.code == grpc.StatusCode.NOT_FOUND,
             attempt=attempt,
             max_retries=self._max_retries,
             deadline_s=deadline_s,
@@ -358,7 +359,7 @@ class Forwarder:
                     decision.reason.value,
                 )
             raise error
-        log.warning("worker %s unavailable (%s); retrying elsewhere", route.worker_id, error)
+        log.warning("worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error)
         self._metrics.retries_total.labels(name, version).inc()
 
 

@@ -1,9 +1,10 @@
 """After a worker call fails: try another worker, or give the failure to the caller.
 
 Pure: the forwarder passes what happened and the time (`now_s`, monotonic); the decision is a
-type. Only a worker that was unavailable (gone, draining, not ready) is worth leaving: the
-request produced no result there and inference has no side effects, so another worker may run
-it. Any other failure is the request's own answer.
+type. Only a worker that was unavailable (gone, draining, not ready), or no longer serves the
+version (NOT_FOUND: unloaded since the router's snapshot, which still lists it), is worth
+leaving: the request produced no result there and inference has no side effects, so another
+worker may run it. Any other failure is the request's own answer.
 """
 
 from __future__ import annotations

@@ -270,3 +270,22 @@ async def test_a_caller_gone_while_its_split_bundle_runs_leaves_no_rows_queued_o
         assert dropped == 19
     finally:
         release_stall(tmp_path / "gate")
+
+
+async def test_a_worker_that_no_longer_serves_the_model_is_left_for_one_that_does(
+    fabric: Fabric, router: SplittingRouter
+) -> None:
+    """The route table still lists affine on w0 (a snapshot is up to a heartbeat old), but w0
+    has stopped serving it, as an unload does first: its NOT_FOUND sends the bundle on to w1,
+    as an unavailable worker's would, instead of answering the caller that the model does not
+    exist while another worker serves it."""
+    fabric.workers[0].models.remove("affine", "1")
+    for size in range(1, 7):
+        request, rows = bundle_of([1] * size)
+        response = await call(router, request)
+        assert [s.code for s in response.slices] == [OK] * size
+        np.testing.assert_allclose(
+            tensor_from_pb(response.packed_outputs), expected(rows), rtol=1e-5, atol=1e-6
+        )
+    assert router.metric(names.ROUTER_ROUTED_TOTAL, worker="w0") >= 1
+    assert metric(fabric.workers[1].metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") == 21
