@@ -7,7 +7,8 @@ Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mappin
 `stages` (error mapping, tracing, authentication without keys), `door` (`stages` behind the
 door). The server answers each call with its own bytes, so what differs between modes is what
 the interceptor costs. `grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
-RESOURCE_EXHAUSTED before any interceptor or handler) refuses about half the calls, for what a
+RESOURCE_EXHAUSTED before any parser or handler, once the interceptors ran) refuses about half
+the calls, for what a
 refusal costs against a served call (issue 33's goal: at most 0.2); with `stages` measured in
 the same run, the refused call's own CPU is printed too (the mixed figure less the served
 calls' share at the `stages` cost). On a machine with two CPUs or more the server

@@ -362,7 +362,7 @@ class Door(grpc.aio.ServerInterceptor):
         except grpc.aio.AioRpcError as error:
             if error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
                 return  # the server is stopping: nothing measured
-            # Refused before the door (grpc's own --max-concurrent-rpcs): the process is as
+            # Refused by grpc itself (past --max-concurrent-rpcs): the process is as
             # full as it gets; its wait is what it measured.
             log.warning("door probe failed: %s", error.code().name)
         now_s = loop.time()

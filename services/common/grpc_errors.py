@@ -62,7 +62,7 @@ def is_bug(error: BaseException) -> bool:
 
 
 class _Undecodable:
-    """A request body that did not parse. grpc parses bodies before any interceptor runs and
+    """A request body that did not parse. grpc parses a body before its handler runs and
     answers a parse error UNKNOWN; parsed leniently, the failure reaches the handler instead,
     which raises InvalidInput on meeting it (INVALID_ARGUMENT, like every other bad input)."""
 

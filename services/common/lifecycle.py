@@ -88,11 +88,12 @@ def new_server(
     raised by a stage (authentication's refusal) are mapped too. Internal servers (router,
     worker) also allow the keepalive pings of their callers' streams.
 
-    Limits apply before any handler, interceptor or parser sees the call: a message over
-    `max_message_bytes` and a call past `max_concurrent_rpcs` at once (0: no limit; a stream
-    counts as one call for its whole life) are answered RESOURCE_EXHAUSTED by grpc itself.
-    `door` (services.common.door), when given, is the first interceptor: its refusals cost no
-    stage."""
+    grpc itself answers RESOURCE_EXHAUSTED a message over `max_message_bytes` (before any
+    parser sees it) and a call past `max_concurrent_rpcs` at once (0: no limit; a stream counts
+    as one call for its whole life). The latter only once the interceptors have run (grpc finds
+    a call's handler first), so such a call has passed the door and the stages: at the gateway,
+    its tenant's request token is spent. `door` (services.common.door), when given, is the
+    first interceptor: its refusals cost no stage."""
     check_limits(max_message_bytes, max_concurrent_rpcs)
     return grpc.aio.server(
         interceptors=[
