@@ -8,8 +8,11 @@ enforces until the next round. Nothing on the request path touches Redis.
 A gateway's entry carries a sequence number; one whose number has not moved for
 `stale_after_periods` rounds belongs to a gateway that is gone and is ignored (a gateway that
 stops cleanly deletes its own), so clock skew between gateways does not matter. While Redis
-is unreachable the last shares stay in force; a gateway that never reached it enforces whole
-limits, as if alone.
+is unreachable the last shares stay in force for `stale_after_periods` rounds; then, the
+demand they followed being as stale as a gone gateway's, each tenant gets an equal share of
+the gateways last seen (a tenant whose calls moved to a gateway that held it at the floor
+would be refused nearly all of its quota for the whole outage). A gateway that never reached
+Redis enforces whole limits, as if alone.
 
 Tolerance: a tenant may exceed a fleet-wide limit by about MIN_SHARE_OF_EQUAL (10%), plus
 what a shift of its demand between gateways admits during one period.
@@ -74,6 +77,9 @@ class QuotaSync:
         # gateway id -> (last sequence number seen, rounds since it last changed)
         self._seen: dict[str, tuple[int, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        #: Rounds failed in a row, and the gateways the last good round saw (itself included).
+        self._failures = 0
+        self._num_gateways = 1
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="quota-sync")
@@ -88,12 +94,28 @@ class QuotaSync:
 
     async def _run(self) -> None:
         while True:
-            try:
-                await self.sync_once()
-            except (RedisError, OSError) as error:
-                stop_if_cancelled()
-                log.warning("quota sync failed, last shares stay in force: %s", error)
+            await self.run_round()
             await asyncio.sleep(self.config.period_s)
+
+    async def run_round(self) -> None:
+        """One round, whose Redis failure is logged and counted (see the module docstring)."""
+        try:
+            await self.sync_once()
+        except (RedisError, OSError) as error:
+            stop_if_cancelled()
+            self._failures += 1
+            if self._failures < self.config.stale_after_periods:
+                log.warning("quota sync failed, last shares stay in force: %s", error)
+            elif self._failures == self.config.stale_after_periods:
+                log.warning(
+                    "quota sync failing (%s): each tenant's share is 1/%d until Redis is back",
+                    error,
+                    self._num_gateways,
+                )
+                limited = [name for name, policy in self.tenants.items() if policy.is_limited]
+                self._apply(dict.fromkeys(limited, 1.0 / self._num_gateways))
+            return
+        self._failures = 0
 
     async def sync_once(self) -> dict[str, float]:
         """One round: publish local demand, read everyone's, apply the new shares."""
@@ -109,11 +131,15 @@ class QuotaSync:
             pipe.hgetall(self.config.demand_key)
             _, raw = await pipe.execute()
         demands = self._live_demands(raw)
+        self._num_gateways = max(1, len(demands))
         shares = fleet_shares(self.gateway_id, demands, frozenset(limited))
+        self._apply(shares)
+        return shares
+
+    def _apply(self, shares: dict[str, float]) -> None:
         self._admission.quotas.set_shares(shares)
         for tenant, share in shares.items():
             self._admission.set_share_gauge(tenant, share)
-        return shares
 
     def _live_demands(self, raw: Mapping[bytes, bytes]) -> dict[str, dict[str, float]]:
         demands: dict[str, dict[str, float]] = {}

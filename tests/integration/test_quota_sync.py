@@ -48,6 +48,31 @@ async def test_each_gateway_enforces_the_share_of_the_demand_it_sees(
         await quiet_sync.stop()
 
 
+async def test_while_redis_stays_away_each_gateway_falls_back_to_an_equal_share(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway holding a tenant at the floor (its calls went to the other gateway) keeps
+    that share through a short outage, and past `stale_after_periods` failed rounds takes an
+    equal one: the demand it followed is stale, and the tenant's calls may have moved to it."""
+    (busy, busy_sync), (quiet, quiet_sync) = make_gateway(redis_server), make_gateway(redis_server)
+    try:
+        for _ in range(10):
+            quiet.acquire(SEARCH)
+        await busy_sync.sync_once()
+        await quiet_sync.sync_once()
+        floor = (await busy_sync.sync_once())["search"]
+        assert floor < 0.1
+        redis_server.kill()
+        for _ in range(busy_sync.config.stale_after_periods - 1):
+            await busy_sync.run_round()
+        assert busy.quotas.share("search") == floor  # a short outage: the shares stay
+        await busy_sync.run_round()
+        assert busy.quotas.share("search") == pytest.approx(0.5)  # 1 of the 2 gateways seen
+    finally:
+        await busy_sync.stop()
+        await quiet_sync.stop()
+
+
 async def test_a_gateway_that_stopped_publishing_is_forgotten(redis_server: RedisServer) -> None:
     (alive, alive_sync), (_, gone_sync) = make_gateway(redis_server), make_gateway(redis_server)
     try:
