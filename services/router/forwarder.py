@@ -146,9 +146,10 @@ class Forwarder:
         """Sends a call on `route`, and again elsewhere while its failures allow a retry."""
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         tried = {route.worker_id}
+        failure: UpstreamError | None = None
         for attempt in range(self._max_retries + 1):
             if attempt:
-                route = self._route(facts, tried)
+                route = self._route(facts, tried, failure)
             sent_s = time.monotonic()
             try:
                 response = await self._stream(route.address).call(
@@ -158,6 +159,7 @@ class Forwarder:
                     slice_cancels=slice_cancels,
                 )
             except UpstreamError as error:
+                failure = error
                 self._note_outcome(route, sent_s, error)
                 self._after_failure(error, route, name, version, attempt, deadline_s)
             except asyncio.CancelledError:
@@ -235,8 +237,9 @@ class Forwarder:
         with count_outcome(self._metrics.responses_total, name, version):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
+            failure: UpstreamError | None = None
             for attempt in range(self._max_retries + 1):
-                route = self._route(facts, tried)
+                route = self._route(facts, tried, failure)
                 sent_s = time.monotonic()
                 call: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
                 has_sent = False
@@ -268,11 +271,16 @@ class Forwarder:
                         call.cancel()
                     self._table.release(route.reservation_id)
 
-    def _route(self, facts: CallFacts, tried: set[str]) -> Route:
+    def _route(
+        self, facts: CallFacts, tried: set[str], failure: UpstreamError | None = None
+    ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
-        raises the refusal."""
+        raises the refusal, or the last worker's NOT_FOUND (`failure`) when no other worker
+        is left to try: that worker's answer stands."""
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
+            if failure is not None and failure.code == grpc.StatusCode.NOT_FOUND:
+                raise failure
             raise self._refused(facts, decision, retried=bool(tried))
         tried.add(decision.worker_id)
         return decision
