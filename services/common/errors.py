@@ -86,6 +86,13 @@ class Overloaded(ServingError):
         return (self._trailer,)
 
 
+class MessageTooLarge(ServingError):
+    """A message past the limit of the stream or call that would carry it (as grpc answers a
+    unary call's)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class DeadlineExceeded(ServingError):
     """The deadline passed before the work ran; it was not run."""
 

@@ -51,8 +51,9 @@ MAX_CALLS_PER_MESSAGE = 256
 #: alone): well under the message limit, MAX_MESSAGE_BYTES, which a message of calls that each
 #: fit would otherwise pass, failing every call on its stream.
 MAX_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 4
-#: Room a call's envelope (its id, metadata and deadline) may take in a message.
-_ENVELOPE_BYTES = 64 * 1024
+#: Largest request (or response) of one call: the message limit, less room for the call's
+#: envelope (its id, metadata, deadline or status). A call past it fails alone.
+MAX_CALL_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
 #: How often a client pings a connection that has been quiet: a stream lives long, and a peer
 #: that vanished without closing it (a lost node, a dropped route) would otherwise hold its
 #: calls until their deadlines. With pings, the connection closes after a missed answer and the
@@ -187,7 +188,7 @@ class MultiplexClient:
     ) -> bytes:
         """`slice_cancels`: for a bundle, the slices its callers stop waiting for, which this
         call tells the peer of as they come."""
-        if len(request) > MAX_MESSAGE_BYTES - _ENVELOPE_BYTES:  # as a unary call's send fails
+        if len(request) > MAX_CALL_BYTES:  # as a unary call's send fails
             raise UpstreamError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self._name}: a call of {len(request)} bytes is past the message limit of "

@@ -19,9 +19,14 @@ from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from services.common.bundles import SliceCancels
-from services.common.errors import NOT_STARTED_TRAILER, DeadlineExceeded, InvalidInput
+from services.common.errors import (
+    NOT_STARTED_TRAILER,
+    DeadlineExceeded,
+    InvalidInput,
+    MessageTooLarge,
+)
 from services.common.grpc_errors import answerable, is_bug, status_of
-from services.common.multiplex import UNARY_METHOD, take_message
+from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD, take_message
 from services.common.tracing import end_server_span, start_server_span
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -206,7 +211,12 @@ class _ServedStream:
             with trace.use_span(
                 span, end_on_exit=False, record_exception=False, set_status_on_exception=False
             ):
-                result.response = await self._answer(call.request, context, timeout_s)
+                response = await self._answer(call.request, context, timeout_s)
+                if len(response) > MAX_CALL_BYTES:  # alone in a message, it would end the stream
+                    raise MessageTooLarge(
+                        f"an answer of {len(response)} bytes is past the message limit"
+                    )
+                result.response = response
         except BaseException as raised:
             error = answerable(raised)
             if is_bug(error):  # our bug: log it, answer INTERNAL, keep serving

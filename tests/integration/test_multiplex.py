@@ -142,6 +142,35 @@ async def test_calls_that_fit_alone_never_share_a_message_past_the_limit() -> No
         await peer.server.stop(None)
 
 
+async def test_an_answer_past_the_limit_fails_its_call_alone() -> None:
+    """A handler's answer bigger than a stream message may be: that call fails
+    RESOURCE_EXHAUSTED, as a unary call's would, and its stream goes on serving (sent, the
+    message would have ended the stream, failing every call on it)."""
+
+    async def answer(request: bytes, context: CallContext) -> bytes:
+        return b"x" * MAX_MESSAGE_BYTES if request == b"huge" else b"echo:" + request
+
+    peer = Peer(answer)
+    port = await peer.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+            client = MultiplexClient(channel, "peer")
+            try:
+                huge, small = await asyncio.gather(
+                    client.call(b"huge"), client.call(b"small"), return_exceptions=True
+                )
+                assert isinstance(huge, UpstreamError)
+                assert huge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert small == b"echo:small"
+                assert await client.call(b"after") == b"echo:after"
+                assert peer.num_streams == 1
+            finally:
+                await client.close()
+    finally:
+        await peer.server.stop(None)
+
+
 async def messages_for_two_calls(linger: LingerConfig) -> int:
     """After a burst (the rate the policy follows), one call, then a second once the writer
     has had its turns of the loop: the stream messages the two took."""
