@@ -165,7 +165,8 @@ class UpstreamError(ServingError):
     def for_one_caller(self, rng: random.Random | None = None) -> UpstreamError:
         """The same status for one of several callers it answers together (a bundle's): an
         error of its own, its retry hint jittered again (RETRY_JITTER), so that callers refused
-        in one bundle do not all come back together."""
+        in one bundle do not all come back together. The hint was jittered where it was made,
+        so callers' hints range from about 0.56x to 1.56x of the drain time it followed."""
         hint_s = self.retry_after_s
         trailers = () if hint_s is None else (retry_after_trailer(hint_s, rng),)
         return UpstreamError(self.code, str(self), trailers, is_not_started=self.is_not_started)

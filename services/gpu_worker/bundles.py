@@ -81,6 +81,7 @@ class BundleRunner:
     ) -> pb.InferResponse:
         """The answer to a bundle: one status per slice, the OK slices' rows stacked."""
         labels = (backend.config.name, backend.version.version)
+        called_s = time.monotonic()  # when `time_left_s` was read
         try:
             parts = self._rows_per_slice(backend, request)
         except Exception as error:  # refuses every slice alike: counted for each
@@ -92,7 +93,6 @@ class BundleRunner:
         gone = set() if cancels is None else cancels.cancelled
         outcomes = self._admit(backend, request.slices, parts, time_left_s, gone)
         admitted = [o for o in outcomes if isinstance(o, Admission)]
-        called_s = time.monotonic()
 
         def cancel(index: int) -> None:
             outcome = outcomes[index] if index < len(outcomes) else None

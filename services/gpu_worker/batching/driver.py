@@ -174,6 +174,9 @@ class BatchingDriver:
             try:
                 await asyncio.shield(self._loop_task)
             except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and not task.cancelling():
+                    return  # another drain, cut short, stopped the loop: nothing left to wait for
                 self._refusal = Unavailable("this worker is stopping; retry elsewhere")
                 for lane in self._order:
                     lane.fail_pending(self._refusal)
