@@ -33,6 +33,9 @@ _MAX_BACKOFF_S = 5.0
 #: Once Redis is back after an outage, how long the workers of the snapshot held through it
 #: stay routable without having re-registered: their heartbeats' retry backoff (5 s at most)
 #: spreads their return over seconds, and the first to return must not stand for the fleet.
+#: The reads cannot tell a restarted Redis from one only this router could not reach, so a
+#: worker that left meanwhile (deregistered, or its record expired) stays too: its calls fail
+#: UNAVAILABLE, which ejects it and sends them to another worker.
 REFILL_S = 10.0
 
 
