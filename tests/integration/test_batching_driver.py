@@ -63,6 +63,18 @@ class Harness:
             self.driver.submit(self.backend, self.rows(count), timeout_s=timeout_s, tenant="t")
         )
 
+    def hold_executor(self) -> threading.Event:
+        """From now on each batch waits, on the executor, for the gate returned (10 s at most)."""
+        gate = threading.Event()
+        run = self.backend.run
+
+        def gated_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+            gate.wait(timeout=10.0)
+            return run(rows)
+
+        self.backend.run = gated_run  # type: ignore[method-assign]
+        return gate
+
     async def settle(self, call: Awaitable[list[np.ndarray]]) -> list[np.ndarray]:
         """Awaits `call` while time passes on the fake clock, 1 ms per real ms: the driver
         lingers on its clock, so without time passing a lingering batch would never close.
@@ -137,14 +149,7 @@ async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(
     driver, backend = harness.driver, harness.backend
     # A first row holds the executor (batch rows alone would run at once, as a backfill), so
     # the rows after it stay queued.
-    gate = threading.Event()
-    run = backend.run
-
-    def gated_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        gate.wait(timeout=10.0)
-        return run(rows)
-
-    backend.run = gated_run  # type: ignore[method-assign]
+    gate = harness.hold_executor()
     blocker = asyncio.ensure_future(
         driver.submit(backend, harness.rows(1), timeout_s=5, tenant="t")
     )
@@ -172,14 +177,7 @@ async def test_a_drain_cut_short_answers_every_waiting_row_unavailable(harness: 
     still waiting, the running batch's and the queued ones, UNAVAILABLE at once: their callers
     retry elsewhere, not when the server closes their calls."""
     driver, backend = harness.driver, harness.backend
-    gate = threading.Event()
-    run = backend.run
-
-    def gated_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        gate.wait(timeout=10.0)
-        return run(rows)
-
-    backend.run = gated_run  # type: ignore[method-assign]
+    gate = harness.hold_executor()
     try:
         running = asyncio.ensure_future(
             driver.submit(backend, harness.rows(1), timeout_s=30, tenant="t")

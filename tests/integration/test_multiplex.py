@@ -69,13 +69,17 @@ class Peer:
 
 @contextlib.asynccontextmanager
 async def connected(
-    handler: Handler, *, linger: LingerConfig = DEFAULT_LINGER
+    handler: Handler,
+    *,
+    linger: LingerConfig = DEFAULT_LINGER,
+    options: tuple[tuple[str, int], ...] = (),
 ) -> AsyncIterator[tuple[Peer, MultiplexClient]]:
-    """A peer serving `handler` and a client of it; both closed on the way out."""
+    """A peer serving `handler` and a client of it (its channel with `options`); both closed
+    on the way out."""
     peer = Peer(handler)
     port = await peer.start()
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
             client = MultiplexClient(channel, "peer", linger=linger)
             try:
                 yield peer, client
@@ -118,28 +122,18 @@ async def test_calls_that_fit_alone_never_share_a_message_past_the_limit() -> No
         await all_arrived.wait()
         return b"echo:" + request
 
-    peer = Peer(echo_together)
-    port = await peer.start()
-    try:
-        address = f"127.0.0.1:{port}"
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            client = MultiplexClient(channel, "peer")
-            try:
-                answers = await asyncio.gather(*(client.call(b) for b in big))
-                assert [a == b"echo:" + b for a, b in zip(answers, big, strict=True)] == [True] * 4
-                assert client.messages_sent == 4
-                with pytest.raises(UpstreamError) as raised:
-                    await client.call(b"x" * MAX_MESSAGE_BYTES)
-                assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert client.calls_sent == 4
-                arrived.clear()
-                all_arrived.clear()
-                together = 1
-                assert await client.call(b"small") == b"echo:small"  # the stream still serves
-            finally:
-                await client.close()
-    finally:
-        await peer.server.stop(None)
+    async with connected(echo_together, options=CHANNEL_OPTIONS) as (_peer, client):
+        answers = await asyncio.gather(*(client.call(b) for b in big))
+        assert [a == b"echo:" + b for a, b in zip(answers, big, strict=True)] == [True] * 4
+        assert client.messages_sent == 4
+        with pytest.raises(UpstreamError) as raised:
+            await client.call(b"x" * MAX_MESSAGE_BYTES)
+        assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert client.calls_sent == 4
+        arrived.clear()
+        all_arrived.clear()
+        together = 1
+        assert await client.call(b"small") == b"echo:small"  # the stream still serves
 
 
 async def test_an_answer_past_the_limit_fails_its_call_alone() -> None:
@@ -150,25 +144,15 @@ async def test_an_answer_past_the_limit_fails_its_call_alone() -> None:
     async def answer(request: bytes, context: CallContext) -> bytes:
         return b"x" * MAX_MESSAGE_BYTES if request == b"huge" else b"echo:" + request
 
-    peer = Peer(answer)
-    port = await peer.start()
-    try:
-        address = f"127.0.0.1:{port}"
-        async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-            client = MultiplexClient(channel, "peer")
-            try:
-                huge, small = await asyncio.gather(
-                    client.call(b"huge"), client.call(b"small"), return_exceptions=True
-                )
-                assert isinstance(huge, UpstreamError)
-                assert huge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert small == b"echo:small"
-                assert await client.call(b"after") == b"echo:after"
-                assert peer.num_streams == 1
-            finally:
-                await client.close()
-    finally:
-        await peer.server.stop(None)
+    async with connected(answer, options=CHANNEL_OPTIONS) as (peer, client):
+        huge, small = await asyncio.gather(
+            client.call(b"huge"), client.call(b"small"), return_exceptions=True
+        )
+        assert isinstance(huge, UpstreamError)
+        assert huge.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert small == b"echo:small"
+        assert await client.call(b"after") == b"echo:after"
+        assert peer.num_streams == 1
 
 
 async def messages_for_two_calls(linger: LingerConfig) -> int:
