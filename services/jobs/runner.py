@@ -38,7 +38,6 @@ from redis.exceptions import RedisError
 from services.common.job_policy import (
     FLEET_CODES,
     FLEET_ROUNDS,
-    RETRYABLE_CODES,
     GiveUp,
     ItemStatus,
     RetryPolicy,
@@ -224,8 +223,9 @@ class JobRunner:
                     for (i, _), output in zip(items, response.outputs, strict=True)
                 ]
             decision = self._retry.decide(num_attempts, code, message, self._rng.random())
-            if isinstance(decision, GiveUp) and len(items) > 1 and code not in RETRYABLE_CODES:
-                # One poison item fails the whole call: find it by running each alone.
+            if isinstance(decision, GiveUp) and len(items) > 1 and code not in FLEET_CODES:
+                # One poison item may fail the whole call (refused, or crashing the model:
+                # INTERNAL, UNKNOWN, a call past its deadline): find it by running each alone.
                 singles = await asyncio.gather(*(self._run_items(job, [item]) for item in items))
                 return [outcome for outcomes in singles for outcome in outcomes]
             if isinstance(decision, GiveUp) and code in FLEET_CODES:

@@ -242,6 +242,20 @@ async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) 
     assert sorted(int(fields[b"index"]) for _, fields in dead) == sorted(poison)
 
 
+async def test_an_item_that_crashes_the_model_fails_alone(fabric: Fabric) -> None:
+    """A poison item whose call fails INTERNAL (retryable: a crash may be the worker's, not
+    the item's) fails its chunk's retries; then the chunk is run item by item, and only the
+    poison item fails (before, every item of its chunk was failed with it)."""
+    texts = texts_of(16)
+    texts[5] = f"{POISON} 5"
+    fabric.target.poison_crashes = True
+    fabric.start_runner("runner-1")
+    job = await fabric.finished(await fabric.submit(texts))
+    assert (job.num_ok, job.num_failed) == (15, 1)
+    failed = [r for r in await fabric.results(job.job_id) if r.status == jobs.ITEM_STATUS_FAILED]
+    assert [(r.index, r.code) for r in failed] == [(5, "INTERNAL")]
+
+
 async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric) -> None:
     # Caught mid-job: some items done, the chunks in flight held at the target until the
     # cancel is in.

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from services.common.errors import InvalidInput, Unauthenticated, Unavailable
+from services.common.errors import InvalidInput, ServingError, Unauthenticated, Unavailable
 from services.common.job_store import JobStore, connect_jobs_redis
 from services.common.lifecycle import new_server
 from services.common.model_repository import load_repository
@@ -56,6 +56,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     hold_after_runs: int | None = None
     #: Calls that were held.
     num_held: int = 0
+    #: Poison texts crash the call (INTERNAL, as a model that raises does) instead of being
+    #: refused INVALID_ARGUMENT.
+    poison_crashes: bool = False
     _released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def release(self) -> None:
@@ -76,6 +79,8 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
             raise Unavailable("warming up")
         texts = [i.text for i in request.inputs]
         if any(t.startswith(POISON) for t in texts):
+            if self.poison_crashes:
+                raise ServingError(f"the model crashed on a {POISON!r} text")
             raise InvalidInput(f"cannot embed {POISON!r} texts")
         if self.hold_after_runs is not None and self.runs.total() >= self.hold_after_runs:
             self.num_held += 1
