@@ -130,7 +130,9 @@ async def start_http(
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())
     app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
     app.add_routes(EmbeddingsApi(predictor, metrics, tei_model).routes())
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    # A client that hangs up cancels its handler, and so the work it asked for (aiohttp's
+    # default since 3.8 lets the handler run on, generating for nobody).
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     # reuse_port: the processes of a gateway group (process_group.py) share the port.
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=True)
