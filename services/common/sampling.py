@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from services.common.errors import InvalidInput
 from services.pb.inference.v1 import worker_pb2 as pb
 
-_MAX_SEED = 2**63
+#: Seeds are the proto's uint64: every value of it seeds torch's generator.
+_MAX_SEED = 2**64
 #: Below this a positive temperature divides logits into inf/NaN territory: it is refused
 #: (0 is greedy, which is what such a temperature would mean anyway).
 MIN_TEMPERATURE = 0.01
+#: ... as the wire carries it: a float32 0.01 is 0.0099999998, which is allowed too.
+_MIN_TEMPERATURE_ON_WIRE = MIN_TEMPERATURE * (1 - 1e-6)
 MAX_TEMPERATURE = 100.0
 #: Stop strings are scanned on every token: their count and length are bounded.
 MAX_STOP_STRINGS = 16
@@ -54,7 +57,9 @@ class SamplingParams:
                 f"prompt of {prompt_len} tokens + max_tokens {self.max_tokens} exceeds the "
                 f"model's maximum length of {max_model_len} tokens"
             )
-        if not (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+        if not (
+            self.temperature == 0 or _MIN_TEMPERATURE_ON_WIRE <= self.temperature <= MAX_TEMPERATURE
+        ):
             raise ValueError(
                 f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}],"
                 f" got {self.temperature}"
@@ -64,7 +69,7 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < _MAX_SEED:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids")
         if any(token < 0 for token in self.stop_token_ids):

@@ -5,8 +5,9 @@ import math
 import pytest
 import torch
 
-from services.common.sampling import SamplingParams
+from services.common.sampling import SamplingParams, sampling_from_pb
 from services.gpu_worker.generation.sampler import Sampler, make_generator
+from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -130,7 +131,7 @@ def test_make_generator_only_for_seeded_sampling() -> None:
         (SamplingParams(top_p=0.0), 4, "top_p"),
         (SamplingParams(top_p=1.5), 4, "top_p"),
         (SamplingParams(seed=-1), 4, "seed"),
-        (SamplingParams(seed=2**63), 4, "seed"),
+        (SamplingParams(seed=2**64), 4, "seed"),
         (SamplingParams(stop_token_ids=(-3,)), 4, "stop_token_ids"),
         (SamplingParams(stop=("",)), 4, "stop"),
         # Issue 16: a tiny positive temperature turned logits into inf/NaN and killed the
@@ -151,6 +152,11 @@ def test_validate_accepts_the_boundaries() -> None:
     SamplingParams(temperature=0.01, stop=("s" * 256,) * 16, stop_token_ids=(1,) * 64).validate(
         max_model_len=64, prompt_len=4
     )
-    SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=1.0, seed=2**63 - 1).validate(
+    SamplingParams(max_tokens=4, temperature=0.7, top_k=5, top_p=1.0, seed=2**64 - 1).validate(
         max_model_len=64, prompt_len=60
     )
+    # The smallest temperature as a client sends it (a float32 on the wire: 0.0099999998),
+    # and every uint64 seed (the proto's field).
+    sampled = sampling_from_pb(pb.SamplingParameters(temperature=0.01, seed=2**64 - 1))
+    sampled.validate(max_model_len=64, prompt_len=4)
+    make_generator(sampled)

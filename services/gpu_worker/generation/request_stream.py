@@ -140,6 +140,7 @@ class RequestStream:
         finish_reason = "stop" if is_stop_token else None
         text = ""
         token_ids: tuple[int, ...] = ()
+        hit_stop = False
         if not is_stop_token:
             token_ids = (token,)
             text, hit_stop = self.detokenizer.push(token, params.stop)
@@ -147,8 +148,10 @@ class RequestStream:
                 finish_reason = "stop"
         if finish_reason is None and num_generated >= params.max_tokens:
             finish_reason = "length"
-        if finish_reason is not None:
-            text += self.detokenizer.flush() if finish_reason == "length" else ""
+        if finish_reason is not None and not hit_stop:
+            # Text held back as the possible start of a stop string is the reply's own: it
+            # ends here without one (at a stop or EOS token, or its length).
+            text += self.detokenizer.flush()
         if self.first_token_s is None:
             self.first_token_s = now
             bound.ttft_seconds.observe(now - self.arrival_s)
