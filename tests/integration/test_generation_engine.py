@@ -302,6 +302,21 @@ async def test_a_request_that_can_never_fit_is_invalid(checkpoint: Path, tmp_pat
             await anext(
                 backend.engine.generate(backend.encode(PROMPTS[2]), SamplingParams(max_tokens=40))
             )
+        # Nor while the engine is busy and the caller's first token has a limit (its
+        # prediction was checked first, and refused it Overloaded, with a retry hint).
+        busy = backend.engine.generate(
+            backend.encode(PROMPTS[1]), SamplingParams(max_tokens=4, ignore_eos=True)
+        )
+        await anext(busy)
+        with pytest.raises(InvalidInput, match="KV blocks"):
+            await anext(
+                backend.engine.generate(
+                    backend.encode(PROMPTS[2]),
+                    SamplingParams(max_tokens=40),
+                    first_token_limit_s=1e-6,
+                )
+            )
+        await busy.aclose()
     finally:
         await backend.engine.drain()
 

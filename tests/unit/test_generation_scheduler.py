@@ -460,6 +460,20 @@ def test_add_accepts_sequences_exactly_at_the_limits(
     assert scheduler.get(1) is seq
 
 
+def test_a_sequence_whose_kv_fills_exactly_the_whole_cache_runs_to_its_end() -> None:
+    """20 prompt tokens and 5 to generate: the last one is sampled, never fed back, so 24
+    positions hold KV, exactly the cache's 6 blocks of 4. Admitted (it was refused as
+    needing 7), and it finishes without ever preempting itself."""
+    engine = FakeEngine(make_config(max_model_len=32, num_blocks=6))
+    assert engine.add(make_seq(seq_id=1, num_prompt_tokens=20, max_tokens=5)) == Admitted()
+    for _ in range(50):
+        if not engine.scheduler.has_unfinished():
+            break
+        assert engine.step().preempted == ()
+    assert len(engine.outputs[1]) == 5
+    assert engine.scheduler.num_free_blocks == 6
+
+
 def test_add_of_a_duplicate_or_used_sequence_raises() -> None:
     scheduler = GenerationScheduler(make_config())
     scheduler.add(make_seq(seq_id=1))

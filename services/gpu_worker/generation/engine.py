@@ -2,11 +2,10 @@
 
 Each step reads `schedule -> execute -> update_from_output`: the scheduler picks this step's
 sequences (decodes, prefill chunks, admissions by free KV blocks, preemptions), the model runner
-computes them in one forward on the executor thread, the sampler picks a token for each
-sequence that reached the end of its known tokens, and the engine streams new text to each
-request's collector and finishes sequences that stopped. Consumers never block the loop: each
-request has its own collector, where what its reader has not taken yet waits, read as one
-delta (request_stream.DeltaCollector; bounded by max_tokens).
+computes them in one forward on the executor thread, the sampler picks a token for each sequence
+that reached the end of its known tokens, and the engine streams new text to each request's
+collector and finishes sequences that stopped. Consumers never block the loop: what a reader has
+not taken yet waits in its collector, read as one delta (request_stream.DeltaCollector).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from tokenizers import Tokenizer
 
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.sampling import SamplingParams
-from services.gpu_worker.admission import Rejected
+from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
@@ -204,7 +203,6 @@ class GenerationEngine:
             params.validate(self.max_model_len, len(prompt_ids))
         except ValueError as error:
             raise InvalidInput(str(error)) from error
-        self._check_first_token(len(prompt_ids), first_token_limit_s)
         seq_id = next(self._seq_ids)
         now = self._clock()
         sequence = SchedSequence(
@@ -217,11 +215,14 @@ class GenerationEngine:
             weight=weight,
             cache_salt=tenant if self._is_cache_per_tenant else "",
         )
-        decision = self.scheduler.add(sequence)
+        decision: Admitted | Rejected | None = self.scheduler.refusal(sequence)
+        if decision is None:
+            self._check_first_token(len(prompt_ids), first_token_limit_s)
+            decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
-            # The scheduler refuses only what can never run with this configuration (empty
-            # prompt, longer than max_model_len, more KV blocks than the cache has): retrying
-            # it unchanged cannot succeed, so it is not an overload.
+            # What can never run with this configuration (empty prompt, past max_model_len,
+            # more KV blocks than the cache has), busy or not: no retry can succeed, so it is
+            # not an overload (and is refused before the first token's prediction).
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
         request = RequestStream.open(

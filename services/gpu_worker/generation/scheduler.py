@@ -162,6 +162,17 @@ class GenerationScheduler:
             raise ValueError(f"sequence {seq.seq_id} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens or seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} is not new")
+        refusal = self.refusal(seq)
+        if refusal is not None:
+            return refusal
+        check_weight(seq.weight)
+        self._seqs[seq.seq_id] = seq
+        bisect.insort(self._waiting, seq, key=_order)
+        self._ledger.join(seq.tenant)
+        return Admitted()
+
+    def refusal(self, seq: Sequence) -> Rejected | None:
+        """Why `seq` can never run with this configuration (`add` refuses it so), or None."""
         num_prompt = len(seq.prompt_token_ids)
         num_total = num_prompt + seq.max_tokens
         if num_prompt == 0:
@@ -177,18 +188,15 @@ class GenerationScheduler:
                 f" max_model_len ({self._config.max_model_len})",
             )
         # Checked at the edge so that a lone sequence can always grow to the end: a sequence
-        # that fits the whole cache never has to preempt itself forever.
-        num_needed = self._allocator.blocks_for(num_total)
+        # that fits the whole cache never has to preempt itself forever. Its last token is
+        # sampled and never fed back, so one position fewer than its length holds KV.
+        num_needed = self._allocator.blocks_for(num_total - 1)
         if num_needed > self._config.num_blocks:
             return Rejected(
                 RejectReason.EXCEEDS_KV_CACHE,
                 f"needs {num_needed} KV blocks, the cache has {self._config.num_blocks}",
             )
-        check_weight(seq.weight)
-        self._seqs[seq.seq_id] = seq
-        bisect.insort(self._waiting, seq, key=_order)
-        self._ledger.join(seq.tenant)
-        return Admitted()
+        return None
 
     def schedule(self, *, admit: bool = True) -> SchedulerOutput:
         """Plan one step: running sequences first (priority order), preempting when blocks run
