@@ -92,6 +92,18 @@ def test_binary_extension_splits_inputs_by_their_sizes() -> None:
                       "parameters": {"binary_data_size": 8}}]}, b"xxxx", "runs past"),
         ({"inputs": [{"name": "a", "datatype": "U8", "shape": [1], "data": [1]}]}, b"",
          "not supported"),
+        # Each of these was a 500 (a ValueError, TypeError, AttributeError or
+        # UnicodeEncodeError out of the codec, logged as our bug).
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "parameters": "x"}, b"", "parameters must be a JSON object"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "parameters": [1]}, b"", "parameters must be a JSON object"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "outputs": [{"name": "y", "parameters": [1]}]}, b"", "must be a JSON object"),
+        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [float("nan")]}]},
+         b"", "fit"),
+        ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "data": ["\ud800"]}]},
+         b"", "lone surrogate"),
     ],
 )  # fmt: skip
 def test_malformed_infer_bodies_are_invalid_input(body: dict, binary: bytes, message: str) -> None:
@@ -155,6 +167,19 @@ def test_generate_body_becomes_the_decoupled_models_inputs() -> None:
     assert request.parameters["priority"].int64_param == 2
     with pytest.raises(InvalidInput, match="text_input"):
         generate_request("llm", "", {"parameters": {}})
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"text_input": "hi", "parameters": "abc"}, "parameters must be a JSON object"),
+        ({"text_input": "hi", "parameters": 5}, "parameters must be a JSON object"),
+        ({"text_input": "\ud800"}, "lone surrogate"),
+    ],
+)
+def test_malformed_generate_bodies_are_invalid_input(body: dict, message: str) -> None:
+    with pytest.raises(InvalidInput, match=message):
+        generate_request("m", "", body)
 
 
 def test_sse_events_are_one_data_line_each() -> None:

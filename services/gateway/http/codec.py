@@ -101,6 +101,25 @@ def _flatten(data: Any, depth: int = 0) -> Iterator[Any]:
             yield item
 
 
+def json_object(value: Any, what: str) -> dict[str, Any]:
+    """`value` when it is a JSON object (absent or null: an empty one); INVALID_ARGUMENT
+    otherwise."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InvalidInput(f"{what} must be a JSON object")
+    return value
+
+
+def utf8(text: str, what: str) -> bytes:
+    """`text` in UTF-8; INVALID_ARGUMENT for text that has none (JSON's lone surrogates,
+    such as "\\ud800")."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        raise InvalidInput(f"{what} is not valid Unicode (a lone surrogate)") from None
+
+
 def bytes_elements(elements: list[bytes]) -> bytes:
     """BYTES elements in the wire framing: each a 4-byte little-endian length, then bytes."""
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
@@ -114,7 +133,7 @@ def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
     if datatype == "BYTES":
         if not all(isinstance(v, str) for v in flat):
             raise InvalidInput(f"input {name}: BYTES data must be strings")
-        return bytes_elements([v.encode() for v in flat])
+        return bytes_elements([utf8(v, f"input {name}") for v in flat])
     dtype = NUMPY_DTYPES.get(datatype)
     if dtype is None:
         raise InvalidInput(f"input {name}: datatype {datatype!r} is not supported")
@@ -122,7 +141,7 @@ def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
         raise InvalidInput(f"input {name}: {datatype} data must be numbers")
     try:
         return np.asarray(flat, dtype=dtype).tobytes()
-    except OverflowError:
+    except (OverflowError, ValueError):  # too big, or NaN/infinity for an integer type
         raise InvalidInput(f"input {name}: a value does not fit {datatype}") from None
 
 
@@ -164,7 +183,7 @@ def infer_body(
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput("id must be a string")
-    parameters = dict(body.get("parameters") or {})
+    parameters = dict(json_object(body.get("parameters"), "parameters"))
     is_binary_default = parameters.pop("binary_data_output", False) is True
     request = kserve.ModelInferRequest(
         model_name=model_name,
@@ -184,7 +203,7 @@ def infer_body(
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidInput("each output must be a JSON object with a name")
         request.outputs.add(name=output["name"])
-        choice = (output.get("parameters") or {}).get("binary_data")
+        choice = json_object(output.get("parameters"), "an output's parameters").get("binary_data")
         binary_by_output[output["name"]] = choice is True or (choice is None and is_binary_default)
     return InferBody(request, is_binary_default, binary_by_output)
 

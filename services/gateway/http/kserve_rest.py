@@ -23,8 +23,10 @@ from services.gateway.http.codec import (
     infer_body,
     infer_parameters,
     infer_response_body,
+    json_object,
     parse_json_object,
     split_body,
+    utf8,
 )
 from services.gateway.http.errors import http_error
 from services.gateway.http.sse import SSE_CONTENT_TYPE, sse_event
@@ -78,7 +80,7 @@ def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.Mo
     text = body.get("text_input")
     if not isinstance(text, str):
         raise InvalidInput("text_input (a string) is required")
-    options = dict(body.get("parameters") or {})
+    options = dict(json_object(body.get("parameters"), "parameters"))
     control = {k: options.pop(k) for k in _CONTROL_PARAMETERS if k in options}
     flags = {k: bool(options.pop(k, False)) for k in ("stream", "exclude_input_in_output")}
     request = kserve.ModelInferRequest(
@@ -86,7 +88,7 @@ def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.Mo
         parameters=infer_parameters(control),
     )  # fmt: skip
     request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
-    request.raw_input_contents.append(bytes_elements([text.encode()]))
+    request.raw_input_contents.append(bytes_elements([utf8(text, "text_input")]))
     request.inputs.add(name="sampling_parameters", datatype="BYTES", shape=[1])
     request.raw_input_contents.append(bytes_elements([json.dumps(options).encode()]))
     for flag, value in flags.items():
