@@ -170,19 +170,14 @@ class ModelCatalog:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
         return served[-1].model_version
 
-    def resolve(
-        self, name: str, version_spec: str, *, sticky_key: str | None = None
-    ) -> ResolvedModel:
-        """The version a request for `version_spec` (number, label, or "" for the weighted
-        default; the same `sticky_key` gets the same default while weights stand) runs on."""
-        config = self.config(name)
-        labels = self._routing[config.name].labels
+    def version_of(self, name: str, version_spec: str) -> str:
+        """The version a number or label names now, whether served or not; NOT_FOUND for one
+        this gateway's repository lacks or a label not set, INVALID_ARGUMENT for neither."""
         spec = version_spec.strip()
-        if not spec:
-            version = self._default_version(config, sticky_key)
-        elif spec.isdigit():
+        if spec.isdigit():
             version = str(int(spec))
         elif _LABEL_RE.match(spec):
+            labels = self._routing[self.config(name).name].labels
             if spec not in labels:
                 raise NotFound(f"model {name!r} has no version label {spec!r}")
             version = str(labels[spec])
@@ -190,6 +185,21 @@ class ModelCatalog:
             raise InvalidInput(f"model version {version_spec!r} is neither a number nor a label")
         if (name, version) not in self._encoders:
             raise NotFound(f"model {name!r} version {version} not found")
+        return version
+
+    def resolve(
+        self, name: str, version_spec: str, *, sticky_key: str | None = None
+    ) -> ResolvedModel:
+        """The version a request for `version_spec` (number, label, or "" for the weighted
+        default; the same `sticky_key` gets the same default while weights stand) runs on."""
+        config = self.config(name)
+        spec = version_spec.strip()
+        if spec:
+            version = self.version_of(name, spec)
+        else:
+            version = self._default_version(config, sticky_key)
+            if (name, version) not in self._encoders:
+                raise NotFound(f"model {name!r} version {version} not found")
         served = self._served.get((name, version))
         if served is None or not served.is_ready:
             raise Unavailable(f"no ready worker serves {name}/{version}")

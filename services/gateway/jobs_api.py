@@ -111,9 +111,12 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         if header is None:
             raise InvalidInput("the stream has no message: the first one names the model")
         principal = current_principal()
-        principal.check_model(header.model_name)
-        if self._catalog.config(header.model_name).kind == ModelKind.GENERATION:
+        config = self._catalog.config(header.model_name)  # NOT_FOUND first, as Predict
+        principal.check_model(config.name)
+        if config.kind == ModelKind.GENERATION:
             raise InvalidInput("jobs run fixed-cost (Predict) models, not generation models")
+        if header.model_version.strip():  # one no worker serves yet may be loading: not refused
+            self._catalog.version_of(config.name, header.model_version)
         try:
             requested = PriorityClass.from_proto(header.priority) or PriorityClass.BATCH
         except ValueError as error:

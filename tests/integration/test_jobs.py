@@ -242,6 +242,26 @@ async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) 
     assert sorted(int(fields[b"index"]) for _, fields in dead) == sorted(poison)
 
 
+async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
+    fabric: Fabric,
+) -> None:
+    """NOT_FOUND when submitted, as Predict would answer now (it was accepted, and each item
+    then failed on its own call); a version no worker serves yet (one loading) is accepted."""
+    for version in ("99", "canary"):
+        request = jobs.SubmitJobRequest(
+            model_name="minilm", model_version=version, items=text_items(["a", "b"])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.jobs.SubmitJob(request, metadata=AS_A)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND, version
+    odd = jobs.SubmitJobRequest(model_name="minilm", model_version="1.5", items=text_items(["a"]))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.SubmitJob(odd, metadata=AS_A)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    request = jobs.SubmitJobRequest(model_name="minilm", model_version="1", items=text_items(["a"]))
+    assert (await fabric.jobs.SubmitJob(request, metadata=AS_A)).job_id
+
+
 async def test_an_item_that_crashes_the_model_fails_alone(fabric: Fabric) -> None:
     """A poison item whose call fails INTERNAL (retryable: a crash may be the worker's, not
     the item's) fails its chunk's retries; then the chunk is run item by item, and only the
