@@ -110,6 +110,9 @@ class JobRunner:
         self._claim_timeout_ms = int(claim_timeout_s * 1000)
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
+        #: Entries this runner is running: a reclaim that finds one of them idle past the
+        #: claim timeout (its call retrying) hands it back to this same runner, not to run.
+        self._running: set[str] = set()
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Claims and runs chunks until `stopping` is set; Redis outages are waited out."""
@@ -136,6 +139,9 @@ class JobRunner:
                 await asyncio.sleep(REDIS_RETRY_S)
                 continue
             for entry in entries:
+                if entry.entry_id in self._running:
+                    continue
+                self._running.add(entry.entry_id)
                 task = asyncio.create_task(self._guarded(entry), name=f"chunk-{entry.entry_id}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
@@ -167,6 +173,7 @@ class JobRunner:
         except Exception:
             log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)
         finally:
+            self._running.discard(entry.entry_id)
             self._metrics.chunk_seconds.observe(time.perf_counter() - started)
 
     async def _run_chunk(self, entry: QueueEntry) -> None:

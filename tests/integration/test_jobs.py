@@ -262,6 +262,22 @@ async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
     assert (await fabric.jobs.SubmitJob(request, metadata=AS_A)).job_id
 
 
+async def test_a_runner_does_not_run_again_a_chunk_it_is_still_running(fabric: Fabric) -> None:
+    """A chunk whose calls are held past the claim timeout (3 s; each call times out after 2 s
+    and is retried) is idle that long in the queue, and the runner's own reclaim finds it: it
+    is this runner's, running, and is not run a second time (it was: each text ran twice)."""
+    fabric.target.hold_after_runs = 0
+    fabric.start_runner("runner-1")
+    texts = texts_of(4)
+    job_id = await fabric.submit(texts)
+    await eventually(lambda: fabric.target.num_held >= 1, timeout_s=30.0)
+    await asyncio.sleep(5.0)  # past the claim timeout, and two reclaims of the runner's
+    fabric.target.release()
+    job = await fabric.finished(job_id)
+    assert job.num_ok == 4
+    assert [fabric.target.runs[t] for t in texts] == [1] * 4
+
+
 async def test_an_item_that_crashes_the_model_fails_alone(fabric: Fabric) -> None:
     """A poison item whose call fails INTERNAL (retryable: a crash may be the worker's, not
     the item's) fails its chunk's retries; then the chunk is run item by item, and only the
