@@ -6,6 +6,7 @@ own methods (services.gateway.kserve_api) or its generation path
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
@@ -40,6 +41,8 @@ from services.pb.inference import grpc_service_pb2 as kserve
 _CONTROL_PARAMETERS = ("priority", "timeout")
 #: Statistics fields that are strings, not int64 counts, in JSON.
 _TEXT_FIELDS = frozenset({"name", "version"})
+
+log = logging.getLogger(__name__)
 
 
 class _NoDeadline:
@@ -261,9 +264,9 @@ class KServeRest:
                 async for response in responses:
                     await answer.write(sse_event(generate_json(response)))
             except Exception as error:  # the status is sent: the error goes in-band
+                if is_bug(error):  # logged here: raised, a second response would follow
+                    log.exception("generate stream of %s failed", request.path)
                 await answer.write(sse_event({"error": http_error(error).message}))
-                if is_bug(error):
-                    raise
             await answer.write_eof()
             return answer
 

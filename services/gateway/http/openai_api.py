@@ -6,6 +6,7 @@ checks, tenant admission, routing and counting as gRPC generation."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,8 @@ from services.gateway.predictor import Predictor
 #: The kinds /v1 serves: generation (completions, chat) and text embeddings (/v1/embeddings,
 #: services.gateway.http.embeddings_api).
 _OPENAI_KINDS = frozenset({ModelKind.GENERATION, ModelKind.EMBEDDING})
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -173,9 +176,9 @@ async def _stream(
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
             await answer.write(sse_event(usage))
     except Exception as error:  # headers are sent: the error goes in-band, as OpenAI does
+        if is_bug(error):  # logged here: raised, it would answer a second response in this one
+            log.exception("OpenAI stream of %s failed", request.path)
         await answer.write(sse_event(json.loads(http_error(error).openai_body())))
-        if is_bug(error):
-            raise
     await answer.write(DONE_EVENT)
     await answer.write_eof()
     return answer

@@ -1,0 +1,56 @@
+"""An OpenAI stream whose upstream fails after its headers went out, served by aiohttp on
+loopback through the gateway's own stream writer and error middleware: the failure goes in-band
+and the stream still ends as a stream (before, the middleware wrote a second, 500 response
+inside the chunked body, and clients reported a broken transfer)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from services.gateway.admission import TenantAdmission
+from services.gateway.http.openai_api import _stream
+from services.gateway.http.openai_codec import ResponseShape
+from services.gateway.http.server import auth_middleware
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenants import TenantLabels
+
+pytestmark = pytest.mark.integration
+
+
+async def chunks_then_a_bug() -> AsyncIterator[dict[str, Any]]:
+    yield {"text_output": "Hel", "finish_reason": None}
+    raise RuntimeError("upstream ended without a finish reason")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    shape = ResponseShape("cmpl-1", "m", 0, is_chat=False)
+    return await _stream(request, shape, chunks_then_a_bug(), include_usage=False)
+
+
+async def test_a_failure_mid_stream_goes_in_band_and_the_stream_ends_whole() -> None:
+    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels({}))
+    app = web.Application(middlewares=[auth_middleware(None, admission)])
+    app.add_routes([web.post("/v1/completions", completions)])
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        async with aiohttp.ClientSession() as session, session.post(url, json={}) as answer:
+            assert answer.status == 200
+            body = (await answer.read()).decode()
+    finally:
+        await runner.cleanup()
+    events = [line for line in body.split("\n\n") if line]
+    assert events[0].startswith("data: ") and '"Hel"' in events[0]
+    assert '"error"' in events[1]
+    assert events[-1] == "data: [DONE]"
+    assert "HTTP/1.1" not in body
