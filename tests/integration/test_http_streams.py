@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from services.common import metric_names as names
 from services.gateway.admission import TenantAdmission
 from services.gateway.http.openai_api import _stream
 from services.gateway.http.openai_codec import ResponseShape
@@ -28,9 +29,13 @@ async def chunks_then_a_bug() -> AsyncIterator[dict[str, Any]]:
     raise RuntimeError("upstream ended without a finish reason")
 
 
+METRICS = GatewayMetrics(CollectorRegistry())
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     shape = ResponseShape("cmpl-1", "m", 0, is_chat=False)
-    return await _stream(request, shape, chunks_then_a_bug(), include_usage=False)
+    with METRICS.observe_request("v1", "m"):  # as the OpenAI routes count their requests
+        return await _stream(request, shape, chunks_then_a_bug(), include_usage=False)
 
 
 async def test_a_failure_mid_stream_goes_in_band_and_the_stream_ends_whole() -> None:
@@ -54,3 +59,8 @@ async def test_a_failure_mid_stream_goes_in_band_and_the_stream_ends_whole() -> 
     assert '"error"' in events[1]
     assert events[-1] == "data: [DONE]"
     assert "HTTP/1.1" not in body
+    # Counted as what it was: a failed request (INTERNAL, a bug), not an OK one.
+    counted = METRICS.registry.get_sample_value(
+        names.GATEWAY_REQUESTS_TOTAL, {"api": "v1", "model": "m", "code": "INTERNAL"}
+    )
+    assert counted == 1

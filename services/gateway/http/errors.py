@@ -8,8 +8,9 @@ import math
 from dataclasses import dataclass
 
 import grpc
+from aiohttp import web
 
-from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.errors import RETRY_AFTER_MS_KEY, ServingError
 from services.common.grpc_errors import status_of
 
 #: gRPC codes to HTTP statuses (as KServe and grpc-gateway map them); others are 500.
@@ -30,6 +31,18 @@ HTTP_STATUSES: dict[grpc.StatusCode, int] = {
 #: OpenAI's error `type` for our statuses (its clients read `error.message` and the status).
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+class AnsweredInBand(ServingError):
+    """A stream's failure after its headers went out, answered inside the stream (which has
+    ended). Raised past the stream's metrics, which count it with the failure's status; the
+    error middleware then returns `response`, already sent, as it is."""
+
+    def __init__(self, response: web.StreamResponse, error: Exception) -> None:
+        status = status_of(error)
+        super().__init__(status.message)
+        self.code = status.code
+        self.response = response
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from services.gateway.http.codec import (
     split_body,
     utf8,
 )
-from services.gateway.http.errors import http_error
+from services.gateway.http.errors import AnsweredInBand, http_error
 from services.gateway.http.sse import SSE_CONTENT_TYPE, sse_event
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.kserve_generate import generate_one
@@ -264,9 +264,11 @@ class KServeRest:
                 async for response in responses:
                     await answer.write(sse_event(generate_json(response)))
             except Exception as error:  # the status is sent: the error goes in-band
-                if is_bug(error):  # logged here: raised, a second response would follow
+                if is_bug(error):
                     log.exception("generate stream of %s failed", request.path)
                 await answer.write(sse_event({"error": http_error(error).message}))
+                await answer.write_eof()
+                raise AnsweredInBand(answer, error) from error
             await answer.write_eof()
             return answer
 

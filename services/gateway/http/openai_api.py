@@ -20,7 +20,7 @@ from services.common.grpc_errors import is_bug
 from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
 from services.gateway.http.codec import parse_json_object
-from services.gateway.http.errors import http_error
+from services.gateway.http.errors import AnsweredInBand, http_error
 from services.gateway.http.kserve_rest import generate_json, generate_request
 from services.gateway.http.openai_codec import (
     GenerationRequest,
@@ -176,9 +176,12 @@ async def _stream(
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
             await answer.write(sse_event(usage))
     except Exception as error:  # headers are sent: the error goes in-band, as OpenAI does
-        if is_bug(error):  # logged here: raised, it would answer a second response in this one
+        if is_bug(error):
             log.exception("OpenAI stream of %s failed", request.path)
         await answer.write(sse_event(json.loads(http_error(error).openai_body())))
+        await answer.write(DONE_EVENT)
+        await answer.write_eof()
+        raise AnsweredInBand(answer, error) from error
     await answer.write(DONE_EVENT)
     await answer.write_eof()
     return answer

@@ -19,7 +19,7 @@ from services.common.tls import ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
 from services.gateway.http.embeddings_api import EmbeddingsApi
-from services.gateway.http.errors import HttpError, http_error
+from services.gateway.http.errors import AnsweredInBand, HttpError, http_error
 from services.gateway.http.kserve_rest import KServeRest
 from services.gateway.http.openai_api import OpenAiApi
 from services.gateway.kserve_api import KServeServicer
@@ -73,6 +73,8 @@ def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middle
                 raise refusal
             async with acting_as(principal, admission):
                 return await handler(request)
+        except AnsweredInBand as answered:  # counted; its stream has ended: nothing more
+            return answered.response
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
