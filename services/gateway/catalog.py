@@ -174,7 +174,7 @@ class ModelCatalog:
         """The version a number or label names now, whether served or not; NOT_FOUND for one
         this gateway's repository lacks or a label not set, INVALID_ARGUMENT for neither."""
         spec = version_spec.strip()
-        if spec.isdigit():
+        if spec.isascii() and spec.isdecimal():  # not str.isdigit: superscripts are digits
             version = str(int(spec))
         elif _LABEL_RE.match(spec):
             labels = self._routing[self.config(name).name].labels

@@ -2,12 +2,12 @@
 
 SubmitJob (items inline) and SubmitJobStream (items streamed in) share one path, `_submit`: it
 checks what can be checked up front (the model exists, is a fixed-cost model the tenant may use,
-the priority is granted) from the first message before reading more, counts the items against
-`max_items` as they arrive, and persists the job (services.common.job_store) before answering;
-the items themselves are validated when a runner sends them through Predict, and an item the
-model refuses fails alone. Every call
-is scoped to the caller's tenant: another tenant's job id is NOT_FOUND, never PERMISSION_DENIED,
-so job ids reveal nothing.
+the version asked for exists, the priority is granted) from the first message before reading
+more, counts the items against `max_items` as they arrive, and persists the job
+(services.common.job_store) before answering; the items themselves are validated when a runner
+sends them through Predict, and an item the model refuses fails alone. Every call is scoped to
+the caller's tenant: another tenant's job id is NOT_FOUND, never PERMISSION_DENIED, so job ids
+reveal nothing.
 """
 
 from __future__ import annotations

@@ -9,9 +9,11 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
 3. sends the rest as one `Predict` call at the job's priority (batch by default), through the
    gateway like any client, so batch items share the workers' batches but are queued and shed
    behind online traffic;
-4. on an error no retry can fix (INVALID_ARGUMENT...), runs each item alone to find the poison
-   ones; retryable errors are retried with capped exponential backoff and full jitter, up to
-   `max_attempts`; an item that still fails is recorded failed with its gRPC status
+4. on an error no retry can fix (INVALID_ARGUMENT...), or one a crashing item may cause
+   (INTERNAL, UNKNOWN) once its retries ran out, runs each item alone to find the poison ones
+   (the others stop if one gives up the chunk); retryable errors are retried with capped
+   exponential backoff and full jitter, up to `max_attempts`; an item that still fails is
+   recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
    item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE and
    RESOURCE_EXHAUSTED (the fleet down, restarting or full): the chunk is left pending for up
@@ -29,8 +31,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import grpc
 from redis.exceptions import RedisError
@@ -38,6 +40,7 @@ from redis.exceptions import RedisError
 from services.common.job_policy import (
     FLEET_CODES,
     FLEET_ROUNDS,
+    RETRYABLE_CODES,
     GiveUp,
     ItemStatus,
     RetryPolicy,
@@ -50,6 +53,8 @@ from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import jobs_pb2 as jobs
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 #: Sends one PredictRequest and returns its response (raises grpc.aio.AioRpcError).
 PredictFn = Callable[[api.PredictRequest], Awaitable[api.PredictResponse]]
@@ -74,6 +79,29 @@ class RunnerRefused(Exception):
     """The gateway refused the runner itself (UNAUTHENTICATED: a missing or revoked runner
     key). No item is at fault: the chunk stays pending and is retried after the claim timeout,
     by this runner or another, rather than failing every item of every job."""
+
+
+#: Retryable codes one item may still cause: a model that crashed on it. A call past its
+#: deadline, or aborted, says the fleet is slow: split, it would only multiply the calls.
+_ITEM_CRASH_CODES = frozenset({"INTERNAL", "UNKNOWN"})
+
+
+def _may_be_one_items(code: str) -> bool:
+    """Whether a chunk's call that failed with `code` for good may have failed for one item."""
+    return code not in RETRYABLE_CODES or code in _ITEM_CRASH_CODES
+
+
+async def _all_or_none(calls: Iterable[Awaitable[_T]]) -> list[_T]:
+    """Every call's result; on the first that raises, the others are cancelled (nothing of a
+    chunk given up keeps calling), then it is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) -> ItemOutcome:
@@ -230,10 +258,9 @@ class JobRunner:
                     for (i, _), output in zip(items, response.outputs, strict=True)
                 ]
             decision = self._retry.decide(num_attempts, code, message, self._rng.random())
-            if isinstance(decision, GiveUp) and len(items) > 1 and code not in FLEET_CODES:
-                # One poison item may fail the whole call (refused, or crashing the model:
-                # INTERNAL, UNKNOWN, a call past its deadline): find it by running each alone.
-                singles = await asyncio.gather(*(self._run_items(job, [item]) for item in items))
+            if isinstance(decision, GiveUp) and len(items) > 1 and _may_be_one_items(code):
+                # One poison item fails the whole call: find it by running each alone.
+                singles = await _all_or_none(self._run_items(job, [item]) for item in items)
                 return [outcome for outcomes in singles for outcome in outcomes]
             if isinstance(decision, GiveUp) and code in FLEET_CODES:
                 rounds = await self._store.count_round(job.job_id, items[0][0])

@@ -254,10 +254,13 @@ async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await fabric.jobs.SubmitJob(request, metadata=AS_A)
         assert refused.value.code() == grpc.StatusCode.NOT_FOUND, version
-    odd = jobs.SubmitJobRequest(model_name="minilm", model_version="1.5", items=text_items(["a"]))
-    with pytest.raises(grpc.aio.AioRpcError) as refused:
-        await fabric.jobs.SubmitJob(odd, metadata=AS_A)
-    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    for odd in ("1.5", "\u00b2"):  # a superscript two is a digit to str.isdigit, not a number
+        request = jobs.SubmitJobRequest(
+            model_name="minilm", model_version=odd, items=text_items(["a"])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.jobs.SubmitJob(request, metadata=AS_A)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, odd
     request = jobs.SubmitJobRequest(model_name="minilm", model_version="1", items=text_items(["a"]))
     assert (await fabric.jobs.SubmitJob(request, metadata=AS_A)).job_id
 
