@@ -17,13 +17,13 @@ from services.gateway.quotas import QuotaRefusal, TenantQuotas
 from services.gateway.tenants import TenantLabels, TenantPolicy
 
 #: The calls quotas apply to: the ones that run models. Metadata, health and listing calls
-#: are cheap and never counted. ModelStreamInfer's requests are admitted one by one inside
-#: the stream (services.gateway.kserve_generate.stream_infer), not the stream as one call.
+#: are cheap and never counted.
 INFERENCE_METHODS = frozenset(
     {
         "/inference.v1.InferenceService/Predict",
         "/inference.v1.InferenceService/Generate",
         "/inference.GRPCInferenceService/ModelInfer",
+        "/inference.GRPCInferenceService/ModelStreamInfer",
     }
 )
 

@@ -211,24 +211,14 @@ async def stream_infer(
     """Runs every request of the stream concurrently and yields their responses as they come.
     A request's error is reported in-band (`error_message`), as Triton does; the stream and the
     other requests go on. Each request's deadline is what is left of the stream's when it
-    arrives (`time_remaining`: None without one, then the model's default applies). Each is
-    admitted against its tenant's quotas (a request token, a call in flight while it runs) as
-    a call of its own would be: the stream itself is not (admission.INFERENCE_METHODS), or
-    one stream could run any number of generations past the tenant's `max_concurrency`."""
+    arrives (`time_remaining`: None without one, then the model's default applies)."""
     responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
-    admission, policy = predictor.admission, principal.policy
 
     async def run(request: kserve.ModelInferRequest) -> None:
         try:
-            if (refusal := admission.acquire(policy)) is not None:
-                raise refusal
-            admission.enter(policy)
-            try:
-                stream = generate_one(predictor, request, principal, time_remaining())
-                async for response in stream:
-                    await responses.put(response)
-            finally:
-                admission.release(policy)
+            stream = generate_one(predictor, request, principal, time_remaining())
+            async for response in stream:
+                await responses.put(response)
         except Exception as error:  # every request gets an answer, whatever failed
             if not isinstance(error, ServingError):
                 log.exception("generate request %r failed", request.id)
