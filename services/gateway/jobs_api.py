@@ -159,9 +159,10 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         self, request: jobs.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> jobs.ListJobsResponse:
         size = min(request.page_size or 50, self._config.max_page_size)
-        if size < 1 or (request.page_token and not request.page_token.isdigit()):
+        token = request.page_token
+        if size < 1 or (token and not (token.isascii() and token.isdecimal())):
             raise InvalidInput("page_size must be positive and page_token a previous token")
-        offset = int(request.page_token or 0)
+        offset = int(token or 0)
         tenant = current_principal().tenant
         ids = await _stored(self._store.list_ids(tenant, offset=offset, limit=size + 1))
         now_s = time.time()

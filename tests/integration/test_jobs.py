@@ -263,6 +263,10 @@ async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, odd
     request = jobs.SubmitJobRequest(model_name="minilm", model_version="1", items=text_items(["a"]))
     assert (await fabric.jobs.SubmitJob(request, metadata=AS_A)).job_id
+    # A page token of the same kind: a digit to str.isdigit, no number to int().
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.ListJobs(jobs.ListJobsRequest(page_token="\u00b2"), metadata=AS_A)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_a_runner_does_not_run_again_a_chunk_it_is_still_running(fabric: Fabric) -> None:
