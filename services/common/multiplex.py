@@ -85,7 +85,7 @@ def take_message(outbox: list[_T], size_of: Callable[[_T], int]) -> list[_T]:
     most MAX_CALLS_PER_MESSAGE, and no more bytes than MAX_BYTES_PER_MESSAGE unless the first
     alone is bigger."""
     count, size = 0, 0
-    for item in outbox[:MAX_CALLS_PER_MESSAGE]:
+    for item in itertools.islice(outbox, MAX_CALLS_PER_MESSAGE):
         size += size_of(item)
         if count and size > MAX_BYTES_PER_MESSAGE:
             break

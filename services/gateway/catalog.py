@@ -183,6 +183,10 @@ class ModelCatalog:
             version = str(labels[spec])
         else:
             raise InvalidInput(f"model version {version_spec!r} is neither a number nor a label")
+        return self._known(name, version)
+
+    def _known(self, name: str, version: str) -> str:
+        """`version`, when this gateway's repository has it; NOT_FOUND otherwise."""
         if (name, version) not in self._encoders:
             raise NotFound(f"model {name!r} version {version} not found")
         return version
@@ -193,13 +197,10 @@ class ModelCatalog:
         """The version a request for `version_spec` (number, label, or "" for the weighted
         default; the same `sticky_key` gets the same default while weights stand) runs on."""
         config = self.config(name)
-        spec = version_spec.strip()
-        if spec:
-            version = self.version_of(name, spec)
+        if version_spec.strip():
+            version = self.version_of(name, version_spec)
         else:
-            version = self._default_version(config, sticky_key)
-            if (name, version) not in self._encoders:
-                raise NotFound(f"model {name!r} version {version} not found")
+            version = self._known(name, self._default_version(config, sticky_key))
         served = self._served.get((name, version))
         if served is None or not served.is_ready:
             raise Unavailable(f"no ready worker serves {name}/{version}")

@@ -112,15 +112,14 @@ class QuotaSync:
                     error,
                     self._num_gateways,
                 )
-                limited = [name for name, policy in self.tenants.items() if policy.is_limited]
-                self._apply(dict.fromkeys(limited, 1.0 / self._num_gateways))
+                self._apply(dict.fromkeys(self._limited(), 1.0 / self._num_gateways))
             return
         self._failures = 0
 
     async def sync_once(self) -> dict[str, float]:
         """One round: publish local demand, read everyone's, apply the new shares."""
         offered = self._admission.quotas.take_offered()
-        limited = {name for name, policy in self.tenants.items() if policy.is_limited}
+        limited = self._limited()
         # Calls per round, as a rate of the nominal period: every gateway's figure has the
         # same scale, whatever its round took.
         demand = {t: n / self.config.period_s for t, n in offered.items() if t in limited}
@@ -132,9 +131,13 @@ class QuotaSync:
             _, raw = await pipe.execute()
         demands = self._live_demands(raw)
         self._num_gateways = max(1, len(demands))
-        shares = fleet_shares(self.gateway_id, demands, frozenset(limited))
+        shares = fleet_shares(self.gateway_id, demands, limited)
         self._apply(shares)
         return shares
+
+    def _limited(self) -> frozenset[str]:
+        """The tenants with a limit: the ones shares are computed for."""
+        return frozenset(name for name, policy in self.tenants.items() if policy.is_limited)
 
     def _apply(self, shares: dict[str, float]) -> None:
         self._admission.quotas.set_shares(shares)

@@ -12,7 +12,8 @@ import dataclasses
 import itertools
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 
 import numpy as np
 
@@ -33,6 +34,8 @@ _OK = pb.SliceStatus()
 #: A call cancelled this close to its deadline (seconds) was cancelled by it: our timer, or
 #: the caller's cancel at its own, a hop earlier.
 DEADLINE_SLACK_S = 0.05
+#: The slices cancelled before a bundle arrives, for a call that relays no cancels.
+_NONE_GONE: frozenset[int] = frozenset()
 #: A slice's place among a bundle's outcomes while its rows are being admitted.
 _ADMITTING = Unavailable("being admitted")
 
@@ -90,7 +93,7 @@ class BundleRunner:
             raise
         # A slice its caller stopped waiting for before the bundle got here is not queued:
         # its rows would count against its bundle-mates' room and deadlines.
-        gone = set() if cancels is None else cancels.cancelled
+        gone = _NONE_GONE if cancels is None else cancels.cancelled
         outcomes = self._admit(backend, request.slices, parts, time_left_s, gone)
         admitted = [o for o in outcomes if isinstance(o, Admission)]
 
@@ -111,12 +114,8 @@ class BundleRunner:
                 and time.monotonic() - called_s >= time_left_s - DEADLINE_SLACK_S
             )
             gave_up = "DEADLINE_EXCEEDED" if timed_out else "CANCELLED"
-            codes = Counter(
-                status_of(o).code.name if isinstance(o, BaseException) else gave_up
-                for o in outcomes
-            )
-            for code, count in codes.items():
-                self._metrics.requests_total.labels(*labels, code).inc(count)
+            self._count(labels, (_code(o) if isinstance(o, BaseException) else gave_up
+                                 for o in outcomes))  # fmt: skip
             raise
         finally:
             if stop is not None:
@@ -124,11 +123,8 @@ class BundleRunner:
             for admission in admitted:
                 self._batching.withdraw(admission)
         results = [_result(o) for o in outcomes]
-        codes = Counter(
-            "OK" if not isinstance(r, BaseException) else status_of(r).code.name for r in results
-        )
-        for code, count in codes.items():
-            self._metrics.requests_total.labels(*labels, code).inc(count)
+        codes = self._count(labels, (_code(r) if isinstance(r, BaseException) else "OK"
+                                     for r in results))  # fmt: skip
         if "OK" not in codes:
             # Nothing ran here and this worker is failing (a watchdog, a stopped loop): the
             # bundle fails UNAVAILABLE as a whole, so that the router retries it elsewhere.
@@ -136,6 +132,13 @@ class BundleRunner:
             if unavailable is not None:
                 raise unavailable
         return _answer(backend, results)
+
+    def _count(self, labels: tuple[str, str], codes: Iterable[str]) -> Counter[str]:
+        """Counts each slice's outcome (`codes`) in requests_total; returns the counts."""
+        counts = Counter(codes)
+        for code, count in counts.items():
+            self._metrics.requests_total.labels(*labels, code).inc(count)
+        return counts
 
     def _rows_per_slice(
         self, backend: Backend, request: pb.InferRequest
@@ -176,7 +179,7 @@ class BundleRunner:
         slices: Sequence[pb.Slice],
         parts: list[list[PreparedRow] | BaseException],
         time_left_s: float | None,
-        gone: set[int],
+        gone: AbstractSet[int],
     ) -> list[Admission | BaseException]:
         """Queues every slice's rows in one pass (each linked to its caller's trace): each
         slice's admission, or the error refusing it (CANCELLED for the indices in `gone`)."""
@@ -214,6 +217,10 @@ class BundleRunner:
             admitted = [error] * len(asks)
         answers = iter(admitted)
         return [next(answers) if o is _ADMITTING else o for o in outcomes]
+
+
+def _code(error: BaseException) -> str:
+    return status_of(error).code.name
 
 
 def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:
