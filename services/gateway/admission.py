@@ -51,11 +51,12 @@ class TenantAdmission:
     def refused(self, tenant: str, reason: str) -> None:
         self._metrics.tenant_refused_total.labels(self.labels(tenant), reason).inc()
 
-    def acquire(self, policy: TenantPolicy) -> Overloaded | None:
+    def acquire(self, policy: TenantPolicy, *, has_place: bool = False) -> Overloaded | None:
         """Checks room in flight and takes a request token for one call (before its body is
         even parsed), or returns the refusal to answer with. A granted call counts in flight
-        from `enter` (when it starts) to `release`."""
-        refusal = self.quotas.acquire(policy, self._clock())
+        from `enter` (when it starts) to `release`. A call that `has_place` takes a token only
+        (TenantQuotas.acquire)."""
+        refusal = self.quotas.acquire(policy, self._clock(), has_place=has_place)
         return None if refusal is None else self._refused(policy, refusal)
 
     def set_share_gauge(self, tenant: str, share: float) -> None:
@@ -93,3 +94,39 @@ class TenantAdmission:
             self._metrics.tenant_request_seconds.labels(label).observe(
                 time.perf_counter() - started
             )
+
+
+class StreamRequests:
+    """Admission of the requests one stream carries (ModelStreamInfer). The stream itself was
+    admitted as one call, with a request token and a place in flight for its whole life, so
+    idle streams count against their tenant too. Its first request rides on the stream's
+    token, and a request that starts while none of the stream's others runs rides on the
+    stream's place; every other request takes a token of its own, and a place of its own
+    while it runs, or is refused as a call of its own would be."""
+
+    def __init__(self, admission: TenantAdmission, policy: TenantPolicy) -> None:
+        self._admission = admission
+        self._policy = policy
+        self._has_admitted = False
+        self._is_place_taken = False
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Admits one request (raises Overloaded) and holds what it took while it runs."""
+        rides_on_place = not self._is_place_taken
+        if self._has_admitted:
+            refusal = self._admission.acquire(self._policy, has_place=rides_on_place)
+            if refusal is not None:
+                raise refusal
+        self._has_admitted = True
+        if rides_on_place:
+            self._is_place_taken = True
+        else:
+            self._admission.enter(self._policy)
+        try:
+            yield
+        finally:
+            if rides_on_place:
+                self._is_place_taken = False
+            else:
+                self._admission.release(self._policy)

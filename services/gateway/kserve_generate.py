@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from services.common.errors import InvalidInput, ServingError
 from services.common.grpc_errors import status_of
 from services.common.pb_conversions import finish_reason_from_pb
+from services.gateway.admission import StreamRequests
 from services.gateway.auth import Principal
 from services.gateway.predictor import GenerateCall, Predictor
 from services.gateway.triton_info import request_parameters
@@ -211,14 +212,18 @@ async def stream_infer(
     """Runs every request of the stream concurrently and yields their responses as they come.
     A request's error is reported in-band (`error_message`), as Triton does; the stream and the
     other requests go on. Each request's deadline is what is left of the stream's when it
-    arrives (`time_remaining`: None without one, then the model's default applies)."""
+    arrives (`time_remaining`: None without one, then the model's default applies). Each is
+    admitted against its tenant's quotas beside the stream (admission.StreamRequests), so one
+    stream runs no more generations at once than its tenant's `max_concurrency`."""
     responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
+    admission = StreamRequests(predictor.admission, principal.policy)
 
     async def run(request: kserve.ModelInferRequest) -> None:
         try:
-            stream = generate_one(predictor, request, principal, time_remaining())
-            async for response in stream:
-                await responses.put(response)
+            with admission.admitted():
+                stream = generate_one(predictor, request, principal, time_remaining())
+                async for response in stream:
+                    await responses.put(response)
         except Exception as error:  # every request gets an answer, whatever failed
             if not isinstance(error, ServingError):
                 log.exception("generate request %r failed", request.id)

@@ -108,16 +108,19 @@ class TenantQuotas:
         state = self._tenants.get(tenant)
         return 0 if state is None else state.in_flight
 
-    def acquire(self, policy: TenantPolicy, now_s: float) -> QuotaRefusal | None:
+    def acquire(
+        self, policy: TenantPolicy, now_s: float, *, has_place: bool = False
+    ) -> QuotaRefusal | None:
         """Admits one call (room in flight, and one request token), or says which quota
         refused it. The call counts in flight from `enter` to `release`: checked before the
-        call starts, counted once it runs, so a call that never ran cannot leak a slot."""
+        call starts, counted once it runs, so a call that never ran cannot leak a slot. A call
+        that `has_place` (it runs in a place in flight already held for it) takes a token only."""
         self._offered[policy.name] += 1
         if not policy.is_limited:
             return None
         state = self._tenants.setdefault(policy.name, _TenantState())
         share = self.share(policy.name)
-        if policy.max_concurrency is not None:
+        if policy.max_concurrency is not None and not has_place:
             limit = max(1, math.ceil(policy.max_concurrency * share))
             if state.in_flight >= limit:
                 return QuotaRefusal(

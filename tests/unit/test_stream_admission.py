@@ -1,0 +1,59 @@
+"""Admission of the requests one ModelStreamInfer stream carries (StreamRequests), against
+real quotas with a fake clock: the stream's own admission covers its first request and one
+running request at a time; every other request is admitted as a call of its own."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.errors import Overloaded
+from services.gateway.admission import StreamRequests, TenantAdmission
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenants import TenantLabels, TenantPolicy
+
+pytestmark = pytest.mark.unit
+
+
+def _admitted_stream(policy: TenantPolicy) -> tuple[TenantAdmission, StreamRequests]:
+    """A tenant's admission with one stream admitted as a call, as the gateway's
+    Authentication stage does (a token, then a place in flight while the stream lives)."""
+    admission = TenantAdmission(
+        GatewayMetrics(CollectorRegistry()), TenantLabels({policy.name: policy}), clock=lambda: 0.0
+    )
+    assert admission.acquire(policy) is None
+    admission.enter(policy)
+    return admission, StreamRequests(admission, policy)
+
+
+def test_requests_beyond_the_first_running_one_take_places_of_their_own() -> None:
+    policy = TenantPolicy(name="t", max_concurrency=3)
+    admission, stream = _admitted_stream(policy)
+    with contextlib.ExitStack() as running:
+        running.enter_context(stream.admitted())  # rides on the stream's place
+        assert admission.quotas.in_flight("t") == 1
+        running.enter_context(stream.admitted())
+        running.enter_context(stream.admitted())
+        assert admission.quotas.in_flight("t") == 3
+        with pytest.raises(Overloaded, match="max_concurrency"), stream.admitted():
+            pass
+        # A second stream of the tenant is refused too: its places are all taken.
+        assert admission.acquire(policy) is not None
+    assert admission.quotas.in_flight("t") == 1  # the stream's own place, held until it ends
+    # Every request has ended: the next one rides on the stream's place again, at the limit.
+    admission.enter(policy)
+    admission.enter(policy)
+    with stream.admitted():
+        assert admission.quotas.in_flight("t") == 3
+
+
+def test_the_first_request_rides_on_the_streams_token_and_the_others_take_their_own() -> None:
+    policy = TenantPolicy(name="t", requests_per_s=3.0, burst_s=1.0)  # a bucket of 3 tokens
+    _, stream = _admitted_stream(policy)  # the stream took the first token
+    for _ in range(3):  # one after the other: each rides on the stream's place
+        with stream.admitted():
+            pass
+    with pytest.raises(Overloaded, match="requests_per_s"), stream.admitted():
+        pass
