@@ -59,6 +59,7 @@ class Forwarder:
         self._table = table
         self._budget = budget
         self._metrics = metrics
+        metrics.retry_budget_tokens.set_function(lambda: budget.balance(time.monotonic()))
         self._default_timeout_s = default_timeout_s
         self._max_retries = max_retries
         #: How workers are dialled (None: plaintext).
@@ -144,7 +145,7 @@ class Forwarder:
         route: Route,
     ) -> bytes:
         """Sends a call on `route`, and again elsewhere while its failures allow a retry."""
-        name, version, deadline_s = facts.name, facts.version, facts.deadline_s
+        deadline_s = facts.deadline_s
         tried = {route.worker_id}
         failure: UpstreamError | None = None
         for attempt in range(self._max_retries + 1):
@@ -161,7 +162,7 @@ class Forwarder:
             except UpstreamError as error:
                 failure = error
                 self._note_outcome(route, sent_s, error)
-                self._after_failure(error, route, name, version, attempt, deadline_s)
+                self._after_failure(error, route, attempt, deadline_s)
             except asyncio.CancelledError:
                 self._note_cancelled(route, sent_s, deadline_s)
                 raise
@@ -261,7 +262,7 @@ class Forwarder:
                         raise UpstreamError.from_rpc_error(error) from None
                     failure = UpstreamError.from_rpc_error(error)
                     self._note_outcome(route, sent_s, failure)
-                    self._after_failure(failure, route, name, version, attempt, deadline_s)
+                    self._after_failure(failure, route, attempt, deadline_s)
                 except asyncio.CancelledError:
                     if not has_sent:
                         self._note_cancelled(route, sent_s, deadline_s)
@@ -276,12 +277,17 @@ class Forwarder:
     ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
         raises the refusal, or the last worker's NOT_FOUND (`failure`) when no other worker
-        is left to try: that worker's answer stands."""
+        is left to try: that worker's answer stands. With a `failure` it routes a retry, whose
+        budget token (taken by `_after_failure`) goes back when the retry cannot be routed."""
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
-            if failure is not None and failure.code == grpc.StatusCode.NOT_FOUND:
-                raise failure
+            if failure is not None:
+                self._budget.refund(time.monotonic())
+                if failure.code == grpc.StatusCode.NOT_FOUND:
+                    raise failure
             raise self._refused(facts, decision, retried=bool(tried))
+        if failure is not None:
+            self._metrics.retries_total.labels(facts.name, facts.version).inc()
         tried.add(decision.worker_id)
         return decision
 
@@ -338,8 +344,6 @@ class Forwarder:
         self,
         error: UpstreamError,
         route: Route,
-        name: str,
-        version: str,
         attempt: int,
         deadline_s: float,
     ) -> None:
@@ -368,7 +372,6 @@ class Forwarder:
                 )
             raise error
         log.warning("worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error)
-        self._metrics.retries_total.labels(name, version).inc()
 
 
 def _timeout_s(deadline_s: float) -> float | None:

@@ -31,7 +31,15 @@ class RouterMetrics:
             _MODEL,
         )
         self.retries_total = new.counter(
-            names.ROUTER_RETRIES_TOTAL, "Calls retried on another worker after UNAVAILABLE.", _MODEL
+            names.ROUTER_RETRIES_TOTAL,
+            "Calls retried on another worker (after UNAVAILABLE, or NOT_FOUND from a worker that "
+            "unloaded the version).",
+            _MODEL,
+        )
+        self.retry_budget_tokens = new.gauge(
+            names.ROUTER_RETRY_BUDGET_TOKENS,
+            "Retries the router-wide retry budget allows now (below 1: none until calls earn "
+            "more).",
         )
         self.responses_total = new.counter(
             names.ROUTER_RESPONSES_TOTAL,

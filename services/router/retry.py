@@ -28,7 +28,8 @@ class GiveUpReason(enum.Enum):
 
 @dataclass(frozen=True)
 class RetryElsewhere:
-    """Route the request again, to a worker not yet tried. A budget token has been spent."""
+    """Route the request again, to a worker not yet tried. A budget token has been spent:
+    refund it (RetryBudget.refund) if no other worker can take the request after all."""
 
 
 @dataclass(frozen=True)

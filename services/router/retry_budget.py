@@ -45,6 +45,11 @@ class RetryBudget:
         self._net[self._slot(now_s)] -= 1.0
         return True
 
+    def refund(self, now_s: float) -> None:
+        """Give back a token `try_spend` took for a retry that did not happen after all (no
+        other worker could take it)."""
+        self._net[self._slot(now_s)] += 1.0
+
     def balance(self, now_s: float) -> float:
         """Tokens available for retries now."""
         current = math.floor(now_s / self._slice_s)

@@ -273,6 +273,8 @@ class Fleet:
             weight=DEFAULT_WEIGHT if policy is None else policy.weight,
         )
         if isinstance(decision, Reject):
+            if request.tried:  # a retry that no worker can take: its budget token goes back
+                self._budgets[request.cell].refund(now_s)
             is_overload = decision.reason is RejectReason.DEADLINE
             self._throttle_of(request).record(
                 _throttle_key(request.arrival),

@@ -201,6 +201,44 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
     assert retries >= BUDGET_RESERVE - 1, (attempts, retries)
 
 
+async def test_a_retry_that_no_other_worker_can_take_spends_no_retry_budget(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """One worker, answering every call UNAVAILABLE (draining while its record says ready;
+    ejection off): after each failure a retry is allowed, but no other worker is there to
+    take it. Such a retry neither spends a token of the router-wide budget nor counts as a
+    retry (before, each took a token: a few dozen calls to one failing worker emptied the
+    budget that other models' real retries need)."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=SLO_MS)
+    async with running_fabric(
+        tmp_path / "repo", redis_server, num_workers=1, routing=RoutingConfig(eject_s=0.0)
+    ) as fabric:
+        (worker,) = fabric.workers
+        assert worker.batching is not None
+        worker.batching.begin_drain()
+        num_requests = int(BUDGET_RESERVE) + 10  # more than the budget's reserve
+        async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            codes = [
+                await status_of_call(
+                    stub.Infer(
+                        infer_request("affine", row(i, 1, 2, 3)),
+                        timeout=PATIENT_S,
+                        metadata=route_metadata("affine", "1", 1),
+                    )
+                )
+                for i in range(num_requests)
+            ]
+        assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
+        assert fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, code="UNAVAILABLE") == (
+            num_requests
+        )
+        assert fabric.router_metric(names.ROUTER_RETRIES_TOTAL) == 0
+        # Every call deposited its share and none withdrew (deposits expire after a window,
+        # the reserve never does).
+        assert fabric.router_metric(names.ROUTER_RETRY_BUDGET_TOKENS) >= BUDGET_RESERVE
+
+
 # -- 8: the caller's deadline, shorter or longer than the model's default, is what is used ----
 
 
