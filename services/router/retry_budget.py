@@ -38,11 +38,26 @@ class RetryBudget:
         self._net[self._slot(now_s)] += self._ratio
 
     def try_spend(self, now_s: float) -> bool:
-        """Withdraw one token for a retry; False (and nothing withdrawn) if none is left."""
+        """Withdraw one token for a retry; False (and nothing withdrawn) if none is left.
+        Deposits pay first, the oldest first, and the reserve only for what they cannot: a
+        retry paid by deposits expires with them, instead of outliving them as a debt on the
+        reserve (then the balance would stay below zero for up to a window after traffic
+        stops, and not even the reserve's retries would get through)."""
         # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
         if self.balance(now_s) < 1.0 - 1e-9:
             return False
-        self._net[self._slot(now_s)] -= 1.0
+        current = math.floor(now_s / self._slice_s)
+        owed = 1.0
+        for number in range(current - _NUM_SLICES + 1, current + 1):
+            index = number % _NUM_SLICES
+            if self._slice_number[index] != number or self._net[index] <= 0.0:
+                continue
+            paid = min(owed, self._net[index])
+            self._net[index] -= paid
+            owed -= paid
+            if owed <= 0.0:
+                return True
+        self._net[self._slot(now_s)] -= owed  # from the reserve, for a window
         return True
 
     def refund(self, now_s: float) -> None:

@@ -85,7 +85,7 @@ def test_retries_stop_at_max_retries_and_at_the_deadline(serve: Any) -> None:
 
 def test_the_budget_bounds_retries_to_a_share_of_calls(serve: Any) -> None:
     servicer = Refusing(refusals=1000, hint_ms=1)
-    policy = RetryPolicy(max_retries=5, ratio=0.1, min_tokens=2)
+    policy = RetryPolicy(max_retries=5, ratio=0.1, min_tokens=2, refill_per_s=0.0)
     with Client(serve(servicer), retry=policy) as client:
         for _ in range(20):
             with pytest.raises(FabricError):
@@ -101,3 +101,10 @@ def test_other_failures_are_never_retried(serve: Any) -> None:
         client.predict("m", ["hello"], timeout_s=10)
     assert raised.value.code == "UNAVAILABLE"
     assert len(servicer.calls) == 1
+
+
+def test_a_timeout_of_zero_is_due_at_once_not_the_clients_default(serve: Any) -> None:
+    servicer = Refusing()
+    with Client(serve(servicer)) as client, pytest.raises(FabricError) as raised:
+        client.predict("m", ["hello"], timeout_s=0.0)
+    assert raised.value.code == "DEADLINE_EXCEEDED"

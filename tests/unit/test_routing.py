@@ -494,6 +494,18 @@ def test_retry_budget_cap_holds_after_idle() -> None:
     assert sum(budget.try_spend(3600.0) for _ in range(500)) == 10
 
 
+def test_retries_paid_by_deposits_expire_with_them_and_leave_the_reserve() -> None:
+    budget = RetryBudget(ratio=0.2, min_per_s=1.0, window_s=10.0)  # a reserve of 10
+    for _ in range(1000):  # a burst deposits 200 tokens
+        budget.record_request(0.0)
+    assert sum(budget.try_spend(9.5) for _ in range(300)) == 210  # the deposits and reserve
+    # The burst's deposits have expired, and with them the retries they paid for: the
+    # reserve's 10 are spent until they age out (before, the 200 retries outlived their
+    # deposits as a debt, and no retry got through until 19.5 s).
+    assert budget.balance(10.0) == pytest.approx(0.0, abs=1e-9)
+    assert budget.try_spend(19.5)
+
+
 def test_retry_budget_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         RetryBudget(ratio=-0.1)

@@ -184,9 +184,14 @@ class Client:
             request_id=request_id,
             priority=_priority(priority),
         )
-        reply = self._call_with_retries(self._stub.Predict, request, timeout_s or self._timeout_s)
+        reply = self._call_with_retries(self._stub.Predict, request, self._timeout(timeout_s))
         outputs = [_array(t) for t in reply.outputs]
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
+
+    def _timeout(self, timeout_s: float | None) -> float:
+        """A call's timeout: the one given (0 included: it is already due), else the
+        client's."""
+        return self._timeout_s if timeout_s is None else timeout_s
 
     def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
         """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint
@@ -256,7 +261,7 @@ class Client:
             priority=_priority(priority),
         )
         stream = self._stub.Generate(
-            request, timeout=timeout_s or self._timeout_s, metadata=self._metadata
+            request, timeout=self._timeout(timeout_s), metadata=self._metadata
         )
         try:
             for reply in stream:
@@ -276,7 +281,7 @@ class Client:
         """The models this key may use: name, served versions and labels."""
         try:
             reply = self._stub.ListModels(
-                api.ListModelsRequest(), timeout=timeout_s or self._timeout_s,
+                api.ListModelsRequest(), timeout=self._timeout(timeout_s),
                 metadata=self._metadata,
             )  # fmt: skip
         except grpc.RpcError as error:

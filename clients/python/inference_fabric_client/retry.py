@@ -4,13 +4,15 @@ A call refused for load (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) ran no
 is safe to send again, after the hint and while its deadline leaves time. Retries are also
 load: a client that retried every refusal would multiply a flood by its retry count. So, as
 Finagle's and gRPC's retry budgets do, retries are bounded to a share of the calls this client
-made recently (`ratio`), plus a few at any time (`min_tokens`) so that a quiet client is not
-left without one.
+made recently (`ratio`), plus a few at any time (`refill_per_s`, up to `min_tokens`) so that a
+quiet client is not left without one.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -24,32 +26,53 @@ class RetryPolicy:
     ratio: float = 0.1
     #: Retries the budget holds at most, and starts with.
     min_tokens: float = 10.0
+    #: Retries the budget earns back a second, calls or not (a flood that emptied it does not
+    #: leave a quiet client without a retry until it has made calls enough to earn one).
+    refill_per_s: float = 1.0
     #: A retry is sent only if at least this long is left of the deadline after the hint: one
     #: with less would only turn an informative refusal into DEADLINE_EXCEEDED.
     min_attempt_s: float = 0.05
 
     def __post_init__(self) -> None:
-        if min(self.max_retries, self.ratio, self.min_tokens, self.min_attempt_s) < 0:
-            raise ValueError("max_retries, ratio, min_tokens and min_attempt_s must be >= 0")
+        settings = (self.max_retries, self.ratio, self.min_tokens, self.refill_per_s)
+        if min(*settings, self.min_attempt_s) < 0:
+            raise ValueError(
+                "max_retries, ratio, min_tokens, refill_per_s and min_attempt_s must be >= 0"
+            )
+        if self.max_retries > 0 and self.min_tokens < 1:
+            raise ValueError(
+                f"min_tokens must be >= 1 for retries (a retry takes a token, and the budget "
+                f"holds at most min_tokens), got {self.min_tokens}; max_retries=0 turns "
+                f"retries off"
+            )
 
 
 class RetryBudget:
-    """A token bucket of retries: each call adds `ratio` of a token, each retry takes one.
-    Thread-safe (the client is)."""
+    """A token bucket of retries: each call adds `ratio` of a token, each second
+    `refill_per_s`, each retry takes one. Thread-safe (the client is)."""
 
-    def __init__(self, policy: RetryPolicy) -> None:
+    def __init__(self, policy: RetryPolicy, *, clock: Callable[[], float] = time.monotonic) -> None:
         self._policy = policy
+        self._clock = clock
         self._tokens = policy.min_tokens
+        self._updated_s = clock()
         self._lock = threading.Lock()
 
     def on_call(self) -> None:
         with self._lock:
-            self._tokens = min(self._policy.min_tokens, self._tokens + self._policy.ratio)
+            self._add(self._policy.ratio)
 
     def try_spend(self) -> bool:
         """Takes a retry if the budget has one."""
         with self._lock:
+            self._add(0.0)
             if self._tokens < 1.0:
                 return False
             self._tokens -= 1.0
             return True
+
+    def _add(self, tokens: float) -> None:
+        now_s = self._clock()
+        earned = max(0.0, now_s - self._updated_s) * self._policy.refill_per_s
+        self._updated_s = now_s
+        self._tokens = min(self._policy.min_tokens, self._tokens + tokens + earned)
