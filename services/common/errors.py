@@ -85,6 +85,11 @@ class Overloaded(ServingError):
             self._trailer = retry_after_trailer(self.retry_after_s)
         return (self._trailer,)
 
+    def for_one_caller(self) -> Overloaded:
+        """The same refusal for one of several callers it answers together: its hint is
+        jittered on its own (UpstreamError.for_one_caller's reason)."""
+        return Overloaded(str(self), retry_after_s=self.retry_after_s)
+
 
 class MessageTooLarge(ServingError):
     """A message past the limit of the stream or call that would carry it (as grpc answers a

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from services.common.bundles import SliceCancels, token_row_ends
-from services.common.errors import InvalidInput
+from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.grpc_errors import status_of
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.routing import Reject, RejectReason, Route
@@ -216,11 +216,7 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
                 elif answered.outputs:
                     outputs.append(answered.outputs)
                 continue
-        status = status_of(answer)
-        failed = pb.SliceStatus(
-            code=status.code.value[0], message=status.message, trailers=dict(status.trailers)
-        )
-        response.slices.extend([failed] * len(part.slice_rows))
+        response.slices.extend(_failed(answer) for _ in part.slice_rows)
     packed = [o for o in outputs if isinstance(o, pb.Tensor)]
     if packed and len(packed) == len(outputs) and _stack_alike(packed):
         response.packed_outputs.CopyFrom(_stacked(packed))
@@ -275,3 +271,14 @@ def _rows(stacked: pb.Tensor) -> list[pb.Tensor]:
         )
         for i in range(num_rows)
     ]
+
+
+def _failed(error: BaseException) -> pb.SliceStatus:
+    """One slice's status of a part that failed or was refused with `error`: a retry hint of
+    its own, so that the part's callers do not all come back together."""
+    if isinstance(error, Overloaded | UpstreamError):
+        error = error.for_one_caller()
+    status = status_of(error)
+    return pb.SliceStatus(
+        code=status.code.value[0], message=status.message, trailers=dict(status.trailers)
+    )

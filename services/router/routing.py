@@ -303,16 +303,23 @@ class RouteTable:
         return candidates
 
     def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:
-        """The refusal when even the best candidate cannot finish in time: the backlog beyond
-        the budget must drain first, at least one batch's time."""
-        excess_s = best.predicted_s - self._budget_s(best.model, remaining_s)
+        """The refusal when even the best candidate cannot finish in time, with a retry hint
+        of at least one batch's time. Past the model's SLO, the backlog beyond it must drain
+        first. Past the caller's own deadline, waiting shortens what is left of it as fast as
+        the backlog drains, so a retry within that deadline can never fit: the hint is the
+        whole predicted time (as the worker's is), which a retrying client compares with
+        what its deadline leaves, and gives up at once instead of sending a futile retry."""
+        budget_s = self._budget_s(best.model, remaining_s)
+        is_slo_bound = best.model.shed_past_slo and budget_s < (
+            remaining_s - self._config.deadline_margin_s
+        )
         limit = "the model's SLO" if best.model.shed_past_slo else "the remaining deadline"
         message = (
             f"{key}: predicted {best.predicted_s:.3f}s on {best.worker.worker_id}, "
             f"past {limit} ({remaining_s:.3f}s left)"
         )
-        retry_after_s = max(excess_s, best.model.min_batch_s)
-        return Reject(RejectReason.DEADLINE, retry_after_s, message)
+        wait_s = best.predicted_s - budget_s if is_slo_bound else best.predicted_s
+        return Reject(RejectReason.DEADLINE, max(wait_s, best.model.min_batch_s), message)
 
     def _reserve(
         self, best: _Candidate, key: str, num_rows: int, tenant: str, weight: float

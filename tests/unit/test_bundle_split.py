@@ -222,6 +222,22 @@ def test_the_merged_answer_has_every_slice_in_order_and_the_ok_rows_packed() -> 
     assert tensor_from_pb(merged.packed_outputs).shape == (4, 2)
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Overloaded("late", retry_after_s=0.2),
+        UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", (("retry-after-ms", "200"),)),
+    ],
+)
+def test_the_callers_of_a_refused_part_get_retry_hints_of_their_own(
+    refusal: Exception,
+) -> None:
+    merged = pb.InferResponse.FromString(merge([(Part(0, 8, (1,) * 8, 0, "", 1.0), refusal)]))
+    hints = [int(s.trailers["retry-after-ms"]) for s in merged.slices]
+    assert len(hints) == 8 and all(150 <= h <= 250 for h in hints)
+    assert len(set(hints)) > 1  # 8 draws of a 100 ms spread: alike with odds below 1e-12
+
+
 def test_parts_that_answer_row_by_row_merge_row_by_row_in_order() -> None:
     merged = pb.InferResponse.FromString(
         merge(

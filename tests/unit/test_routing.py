@@ -221,7 +221,10 @@ def test_deadline_rejection_gives_a_retry_hint_and_reserves_nothing() -> None:
     decision = route(table, remaining_s=0.5)
     assert rejected(decision) is RejectReason.DEADLINE
     assert isinstance(decision, Reject)
-    assert decision.retry_after_s == pytest.approx(1.01 + 0.005 - 0.5)
+    # The whole predicted time: what is left of the caller's deadline shrinks as fast as the
+    # backlog drains, so a retry within it (0.5 s, less the hint) could never fit; the hint
+    # says so (before, it was the excess, 0.515 s, and the retry was refused again).
+    assert decision.retry_after_s == pytest.approx(1.01)
     assert "1.010" in decision.message and "0.500" in decision.message
     assert table.inflight_rows("w1") == 0
     assert isinstance(route(table, remaining_s=2.0), Route)
@@ -261,6 +264,9 @@ def test_shedding_models_refuse_what_would_finish_past_the_slo() -> None:
     assert rejected(decision) is RejectReason.DEADLINE
     assert isinstance(decision, Reject) and "SLO" in decision.message
     assert decision.retry_after_s == pytest.approx(0.31 - (0.1 - 0.005))
+    # Where the caller's deadline is shorter than the SLO, the deadline binds: the whole time.
+    decision = route(shedding, remaining_s=0.05)
+    assert isinstance(decision, Reject) and decision.retry_after_s == pytest.approx(0.31)
 
     patient = loaded(make_table(), make_worker(queued_rows=30))
     assert isinstance(route(patient, remaining_s=10.0), Route)
