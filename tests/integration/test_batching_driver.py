@@ -199,6 +199,39 @@ async def test_a_drain_cut_short_answers_every_waiting_row_unavailable(harness: 
         gate.set()
 
 
+async def test_a_version_warming_up_holds_batches_back_instead_of_timing_them(
+    harness: Harness,
+) -> None:
+    """A version loaded while serving warms up on the executor thread between batches: a row
+    of the serving version waits until the warm-up is done, then runs. Before, it was
+    dispatched behind the warm-up and timed from its dispatch, so a warm-up longer than the
+    watchdog took it for a wedged model call: the row failed UNAVAILABLE and the worker
+    stopped serving."""
+    driver = harness.driver
+    driver.watchdog_s = 0.3  # real seconds, as the watchdog counts them
+    second = load_backend(harness.backend.version, torch.device("cpu"))
+    started, gate = threading.Event(), threading.Event()
+    warm_up = second.warm_up
+
+    def slow_warm_up() -> None:
+        started.set()
+        gate.wait(timeout=10.0)
+        warm_up()
+
+    second.warm_up = slow_warm_up  # type: ignore[method-assign]
+    adding = asyncio.ensure_future(driver.add_backend(second))
+    try:
+        await eventually(started.is_set, interval_s=0.001, message="warm-up started")
+        row = asyncio.ensure_future(harness.submit(1, timeout_s=30))
+        await asyncio.sleep(2 * driver.watchdog_s)
+        assert not row.done()
+    finally:
+        gate.set()
+    await adding
+    assert len(await row) == 1
+    assert harness.metric(names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
+
+
 async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
     rows = harness.rows(1)
     with pytest.raises(InvalidInput, match="tenant weight"):

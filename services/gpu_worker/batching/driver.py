@@ -75,6 +75,7 @@ class BatchingDriver:
         self._item_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
+        self._num_between = 0  # `_between_batches` works asked for or running
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
@@ -93,12 +94,9 @@ class BatchingDriver:
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> None:
-        """Runs every (bucket, power-of-two batch size) of every lane, seeding the latency
-        models with the faster of two runs per shape: the first run of a shape pays one-off
-        costs (allocations, kernel selection) that serving never sees again, and an estimate
-        seeded with them would refuse work the model can do. Runs on the executor thread that
-        will run the batches (per-thread caches of the math libraries warm up too). Blocking:
-        call it from a thread before serving."""
+        """Warms every lane up (lane.warm_up_lane) on the executor thread that will run the
+        batches (the math libraries' per-thread caches warm up too). Blocking: call it from a
+        thread before serving."""
         self._executor.submit(self._warm_up).result()
 
     def _warm_up(self) -> None:
@@ -107,9 +105,7 @@ class BatchingDriver:
 
     def _warm_up_lane(self, lane: Lane) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
-        warm_up_lane(lane, self.key_for)
-        for bucket in lane.backend.buckets:
-            lane.export_gauges(self._metrics, self.key_for(lane.backend, bucket))
+        warm_up_lane(lane, self.key_for, self._metrics)
         bound_s = watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
@@ -118,7 +114,7 @@ class BatchingDriver:
         """Starts batching a version loaded while serving: warmed up on the executor thread,
         between batches (warm-up and serving never share the device at once), then admitted."""
         lane = new_lane(backend, self._config, self._metrics, self._ledger)
-        await asyncio.wrap_future(self._executor.submit(self._warm_up_lane, lane))
+        await self._between_batches(self._warm_up_lane, lane)
         self._lanes[id(backend)] = lane
         self._order.append(lane)
         # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
@@ -134,7 +130,20 @@ class BatchingDriver:
         del self._lanes[id(backend)]
         self._order.remove(lane)
         self._metrics.forget_queue(*lane.labels)
-        await asyncio.wrap_future(self._executor.submit(release_device_memory))
+        await self._between_batches(release_device_memory)
+
+    async def _between_batches(self, work: Callable[..., object], *args: object) -> None:
+        """Runs `work` on the executor thread between batches, dispatching none from the ask
+        to its return: a batch queued behind it would be timed with it (the watchdog could
+        take a long warm-up for a wedged call; tenants and the latency model would pay)."""
+        self._num_between += 1
+        try:
+            while self._running is not None:
+                await asyncio.wait({self._running})
+            await asyncio.wrap_future(self._executor.submit(work, *args))
+        finally:
+            self._num_between -= 1
+            self._wake.set()
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -213,9 +222,8 @@ class BatchingDriver:
         """Queues the rows of one request, all or none, and waits for their outputs, in order.
         The deadline is the caller's remaining time (else the model's default_timeout_ms); a
         `shed_past_slo` model also refuses rows predicted to finish past its SLO. Rows still
-        queued are withdrawn if the caller goes away (cancellation) or any row fails.
-        `priority` and the tenant's fair-share `weight` (0: the worker's configured one) order
-        the rows against everyone else's on the worker."""
+        queued are withdrawn if the caller goes away or any row fails. `priority` and the
+        tenant's fair-share `weight` (0: the worker's configured one) order them."""
         admission = self.admit(
             backend, rows, timeout_s=timeout_s, tenant=tenant, priority=priority, weight=weight
         )
@@ -301,7 +309,7 @@ class BatchingDriver:
                 raise self._wedged
             self._wake.clear()
             now = self._clock()
-            is_idle = self._running is None
+            is_idle = self._running is None and not self._num_between
             wake_at: float | None = None
             start = next(turns_taken) % max(1, len(self._order))
             rotated = self._order[start:] + self._order[:start]

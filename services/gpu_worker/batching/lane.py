@@ -297,10 +297,13 @@ class Lane:
         metrics.rows_total.labels(*labels).inc(len(rows))
 
 
-def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> None:
+def warm_up_lane(
+    lane: Lane, key_for: Callable[[Backend, int], BatchKey], metrics: WorkerMetrics
+) -> None:
     """Runs every (bucket, power-of-two batch size) the lane may form, seeding its latency model
-    with the faster of `WARMUP_RUNS_PER_SHAPE` runs per shape. Stops a bucket at the first size
-    past the batch compute budget: bigger batches of it are never formed. Blocking."""
+    with the faster of `WARMUP_RUNS_PER_SHAPE` runs per shape, then exports its gauges. Stops a
+    bucket at the first size past the batch compute budget: bigger batches of it are never
+    formed. Blocking."""
     backend = lane.backend
     backend.warm_up()
     for bucket in backend.buckets:
@@ -317,3 +320,5 @@ def warm_up_lane(lane: Lane, key_for: Callable[[Backend, int], BatchKey]) -> Non
             lane.slowest_warmup_s = max(lane.slowest_warmup_s, min(runs_s))
             if min(runs_s) > lane.batcher.batch_compute_budget_s:
                 break
+    for bucket in backend.buckets:
+        lane.export_gauges(metrics, key_for(backend, bucket))
