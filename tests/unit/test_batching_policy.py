@@ -16,6 +16,7 @@ import pytest
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.fairness import CROWDED_OUT_S
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import (
@@ -877,6 +878,24 @@ def test_a_tenant_over_its_share_is_refused_before_others() -> None:
     assert isinstance(refused, Rejected) and refused.reason is RejectReason.TENANT_SHARE
     add_all(batcher, [make_item(item_id=11 + i, tenant="b") for i in range(4)])
     assert batcher.num_queued == 10
+
+
+def test_a_tenant_turned_away_by_a_full_queue_gets_room_as_the_floods_rows_leave() -> None:
+    batcher = make_batcher(max_queue_size=10)
+    add_all(batcher, [make_item(item_id=i, tenant="a") for i in range(10)])  # alone: it fills
+    refused = batcher.add(make_item(item_id=100, tenant="b"), 0.0)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.QUEUE_FULL
+    # Two of the flood's rows leave. "b" was turned away: it shares the queue now, so the
+    # flood's next row is refused past its share and "b"'s retry finds the room (before, the
+    # flood, alone in the queue, took every freed place and "b" was refused for good).
+    batcher.cancel(0)
+    batcher.cancel(1)
+    refused = batcher.add(make_item(item_id=10, tenant="a"), 0.5)
+    assert isinstance(refused, Rejected) and refused.reason is RejectReason.TENANT_SHARE
+    assert batcher.add(make_item(item_id=101, tenant="b"), 0.5) == Admitted()
+    # Gone from the queue and not turned away for CROWDED_OUT_S, "b" no longer counts.
+    batcher.cancel(101)
+    assert batcher.add(make_item(item_id=11, tenant="a"), 0.5 + CROWDED_OUT_S) == Admitted()
 
 
 def test_an_item_weight_overrides_the_configured_one() -> None:

@@ -34,19 +34,46 @@ def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
         raise ValueError(f"tenant weights must be positive and finite; bad tenants: {bad}")
 
 
-def is_over_share(
-    item: QueuedItem, queues: Iterable[TenantQueues], weights: Mapping[str, float], size: int
-) -> bool:
-    """Whether `item`'s tenant already holds its weighted share of a queue of `size` items held
-    in `queues`: the part of `size` its weight gives it among the tenants queued (it included).
-    `weights`: the tenants' weights (DEFAULT_WEIGHT for those missing)."""
-    rows: Counter[str] = Counter()
-    for queue in queues:
-        for tenant in queue.tenants():
-            rows[tenant] += queue.tenant_rows(tenant)
-    others = sum(weights.get(t, DEFAULT_WEIGHT) for t in rows if t != item.tenant)
-    share = size * item.weight / (others + item.weight)
-    return rows[item.tenant] + 1 > share
+#: How long a tenant refused for a full queue still counts as queued (`QueueShares`).
+CROWDED_OUT_S = 2.0
+
+
+class QueueShares:
+    """Each tenant's weighted share of a worker's queue, among the tenants queued and those
+    refused because the queue was full in the last CROWDED_OUT_S. A tenant alone in the queue
+    may fill it; once another was turned away, both count, so the one holding the queue is
+    refused past its share as its rows leave, and the other's retry finds room."""
+
+    def __init__(self) -> None:
+        self._crowded_out_s: dict[str, float] = {}
+
+    def crowded_out(self, tenant: str, now_s: float) -> None:
+        """`tenant` was refused now: the queue was full."""
+        self._crowded_out_s[tenant] = now_s
+
+    def is_over(
+        self,
+        item: QueuedItem,
+        queues: Iterable[TenantQueues],
+        weights: Mapping[str, float],
+        size: int,
+        now_s: float,
+    ) -> bool:
+        """Whether `item`'s tenant already holds its share of a queue of `size` items held in
+        `queues`: the part of `size` its weight gives it among the tenants sharing the queue
+        (it included). `weights`: the tenants' weights (DEFAULT_WEIGHT for those missing)."""
+        rows: Counter[str] = Counter()
+        for queue in queues:
+            for tenant in queue.tenants():
+                rows[tenant] += queue.tenant_rows(tenant)
+        if self._crowded_out_s:  # the recent ones only
+            since_s = now_s - CROWDED_OUT_S
+            recent = {t: at_s for t, at_s in self._crowded_out_s.items() if at_s > since_s}
+            self._crowded_out_s = recent
+        sharing = {*rows, *self._crowded_out_s} - {item.tenant}
+        others = sum(weights.get(t, DEFAULT_WEIGHT) for t in sharing)
+        share = size * item.weight / (others + item.weight)
+        return rows[item.tenant] + 1 > share
 
 
 class TenantQueues:

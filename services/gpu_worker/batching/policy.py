@@ -16,7 +16,7 @@ from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.fairness import TenantQueues, check_tenant_weights, is_over_share
+from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
 from services.gpu_worker.batching.forecast import QueueForecast
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
@@ -75,6 +75,7 @@ class Batcher:
         self._queues: dict[BatchKey, KeyQueue] = {}
         # The weight each tenant's latest row carried, for the queue-share check.
         self._weights: dict[str, float] = {}
+        self._shares = QueueShares()
         # item_id -> key of every queued item: num_queued and cancel() without a scan.
         self._key_of: dict[int, BatchKey] = {}
         # key -> (latency model revision, max_batch_size_for): recomputed after observations.
@@ -177,7 +178,8 @@ class Batcher:
         Priority and tenants: rows queued at a lower priority do not count as ahead of the item
         (they run after it); `batch` rows are refused once the queue is `BATCH_QUEUE_SHARE`
         full, and past `CONTENDED_QUEUE_SHARE` a tenant over its weighted share of the queue is
-        refused (TENANT_SHARE). Raises ValueError on a duplicate item_id, a caller bug."""
+        refused (TENANT_SHARE; fairness.QueueShares). Raises ValueError on a duplicate item_id,
+        a caller bug."""
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
         if item.weight <= 0.0:
@@ -223,12 +225,13 @@ class Batcher:
             return Rejected(RejectReason.DRAINING)
         num_queued = self.num_queued
         if num_queued >= cfg.max_queue_size:
+            self._shares.crowded_out(item.tenant, now_s)
             return Rejected(RejectReason.QUEUE_FULL)
         if item.priority >= _BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
             return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
         if num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE:
             queues = [queue.items for queue in self._queues.values()]
-            if is_over_share(item, queues, self._weights, cfg.max_queue_size):
+            if self._shares.is_over(item, queues, self._weights, cfg.max_queue_size, now_s):
                 return Rejected(RejectReason.TENANT_SHARE)
         if executor_free_s is None and num_queued == 0:
             if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
