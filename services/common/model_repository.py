@@ -15,7 +15,7 @@ import enum
 import importlib
 import re
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -186,11 +186,18 @@ def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
 
 
 def parse_model_config(name: str, path: Path) -> ModelConfig:
-    """Parses and validates one `config.toml`."""
+    """Parses and validates one `config.toml`; anything wrong with it is ModelConfigError."""
     try:
-        raw = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as error:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ModelConfigError(f"{path}: {error}") from error
+    try:
+        return _model_config(name, raw, path)
+    except (TypeError, ValueError, AttributeError) as error:  # a field of the wrong shape
+        raise ModelConfigError(f"{path}: {error!r}") from error
+
+
+def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
     try:
         kind = ModelKind(_require(raw, "kind", str, path))
     except ValueError as error:
@@ -296,26 +303,42 @@ def _weights_dir(version_dir: Path) -> Path:
     return path if path.is_absolute() else (version_dir / path).resolve()
 
 
-def load_repository(root: Path) -> list[ModelVersion]:
-    """Every version of every model under `root`, ordered by model then version number."""
+def load_repository(
+    root: Path, *, on_error: Callable[[str, ModelConfigError], None] | None = None
+) -> list[ModelVersion]:
+    """Every version of every model under `root`, ordered by model then version number. A
+    model that does not read raises ModelConfigError, or, with `on_error`, is reported to it
+    (with its directory's name) and left out."""
     if not root.is_dir():
         raise ModelConfigError(f"{root}: model repository directory does not exist")
     versions: list[ModelVersion] = []
     for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
-        if not _NAME_RE.match(model_dir.name):
-            raise ModelConfigError(f"{model_dir}: model names are [a-z0-9][a-z0-9_.-]*")
-        config = parse_model_config(model_dir.name, model_dir / "config.toml")
+        try:
+            versions.extend(_model_versions(model_dir))
+        except ModelConfigError as error:
+            if on_error is None:
+                raise
+            on_error(model_dir.name, error)
+    return versions
+
+
+def _model_versions(model_dir: Path) -> list[ModelVersion]:
+    if not _NAME_RE.match(model_dir.name):
+        raise ModelConfigError(f"{model_dir}: model names are [a-z0-9][a-z0-9_.-]*")
+    config = parse_model_config(model_dir.name, model_dir / "config.toml")
+    try:
         numbered = sorted(
             (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
             key=lambda p: int(p.name),
         )
-        if not numbered:
-            raise ModelConfigError(f"{model_dir}: no version directories (1/, 2/, ...)")
-        versions.extend(
-            ModelVersion(config=config, version=str(int(p.name)), weights_dir=_weights_dir(p))
-            for p in numbered
-        )
-    return versions
+    except OSError as error:
+        raise ModelConfigError(f"{model_dir}: {error}") from error
+    if not numbered:
+        raise ModelConfigError(f"{model_dir}: no version directories (1/, 2/, ...)")
+    return [
+        ModelVersion(config=config, version=str(int(p.name)), weights_dir=_weights_dir(p))
+        for p in numbered
+    ]
 
 
 def select_models(versions: list[ModelVersion], names: tuple[str, ...]) -> list[ModelVersion]:

@@ -61,8 +61,8 @@ def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
         try:
             raw = json.loads(_text(value))
             desired[_text(name)] = DesiredState(ModelState(raw["state"]), int(raw["revision"]))
-        except (ValueError, KeyError, TypeError) as error:
-            log.warning("ignoring desired state of %r: %r (%s)", _text(name), value, error)
+        except (ValueError, KeyError, TypeError, OverflowError) as error:
+            log.warning("ignoring desired state of %r: %r (%s)", name, value, error)
     return desired
 
 

@@ -70,38 +70,50 @@ class RepositoryFollower:
         self._models = models
         self._swapper = swapper
         self._versions: dict[VersionKey, ModelVersion] | None = None
+        #: The desired revisions when the repository was last read whole (None: never).
         self._revisions: dict[str, int] | None = None
+        self._is_first = True
         #: Versions that failed to load -> their model's revision then (retried once it grows).
         self._failed: dict[VersionKey, int] = {}
+        #: What was last logged of each unreadable model, so a lasting fault is logged once.
+        self._unreadable: dict[str, str] = {}
 
     async def run(self) -> None:
-        """Follows until cancelled; logs Redis errors and goes on."""
-        is_reachable = True
+        """Follows until cancelled; logs what goes wrong (once while it lasts) and goes on."""
+        last_failure: str | None = None
         while True:
             try:
                 await self.follow_once()
-                is_reachable = True
+                last_failure = None
             except (RedisError, OSError) as error:
                 stop_if_cancelled()
-                if is_reachable:
+                if last_failure is None:
                     log.warning("desired model state unreadable (%s); serving as is", error)
-                is_reachable = False
+                last_failure = "unreachable"
+            except Exception as error:  # a bug, or data nobody foresaw: log it, keep following
+                if repr(error) != last_failure:
+                    log.exception("following the desired model state failed; retrying")
+                last_failure = repr(error)
             await asyncio.sleep(FOLLOW_PERIOD_S)
 
     async def follow_once(self) -> None:
         """One read of the desired state and the actions it calls for."""
         desired = parse_desired(await self._client.hgetall(self._key))
         revisions = {name: entry.revision for name, entry in desired.items()}
-        if self._revisions is None:
+        if self._is_first:
             # Failures of the start-up load count as attempts at the revisions seen now.
             for failure in self._models.failed:
                 key = (failure.model, failure.version)
                 self._failed[key] = revision_of(failure.model, desired)
+            self._is_first = False
         if self._versions is None or revisions != self._revisions:
-            versions = await self._read_repository()
+            # Read again until a read finds every model readable: a model being staged when a
+            # load was written is picked up once its files are complete.
+            versions, is_whole = await self._read_repository()
             if versions is not None:
                 self._versions = versions
-        self._revisions = revisions
+                if is_whole:
+                    self._revisions = revisions
         if self._versions is None:
             return  # never read the repository: acting now would unload everything
         actions = plan(
@@ -129,15 +141,29 @@ class RepositoryFollower:
         else:
             self._failed[key] = revision_of(action.model, desired)
 
-    async def _read_repository(self) -> dict[VersionKey, ModelVersion] | None:
-        """The repository's versions in this worker's pool; None (logged) if unreadable."""
+    async def _read_repository(self) -> tuple[dict[VersionKey, ModelVersion] | None, bool]:
+        """The repository's versions in this worker's pool (None, logged, if the repository is
+        unreadable), and whether every model read. A model that does not read keeps what was
+        last read of it: a half-written config must not unload the versions it serves."""
+        errors: dict[str, ModelConfigError] = {}
         try:
-            versions = await in_daemon_thread(lambda: load_repository(self._repository_dir))
+            versions = await in_daemon_thread(
+                lambda: load_repository(self._repository_dir, on_error=errors.__setitem__)
+            )
         except (ModelConfigError, OSError) as error:
             log.error("model repository unreadable; keeping the last read: %s", error)
-            return None
-        return {
+            return None, False
+        read = {
             (v.config.name, v.version): v
             for v in versions
             if not self._pool or v.config.name in self._pool
         }
+        for (model, version), last in (self._versions or {}).items():
+            if model in errors:
+                read[(model, version)] = last
+        unreadable = {model: str(fault) for model, fault in errors.items()}
+        for model, fault in unreadable.items():
+            if self._unreadable.get(model) != fault:
+                log.error("model %s unreadable; keeping its last read: %s", model, fault)
+        self._unreadable = unreadable
+        return read, not errors

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -333,8 +332,12 @@ class Worker:
         await self.health.enter_graceful_shutdown()
         if self._follower is not None:
             self._follower.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._follower
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # it died on a bug: the drain below must still run
+                log.exception("the model repository follower had stopped")
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
         drains = [b.engine.drain() for b in self.models.generation] if self.models else []

@@ -181,6 +181,32 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
 
 
+async def test_a_model_being_staged_neither_stops_the_follower_nor_hides_the_rest(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    """A model whose files are still being copied when a load is written (its config not yet
+    UTF-8, then a field of the wrong shape) is logged and left out: the load of another
+    model's new version goes ahead, and the staged model is picked up once its files are
+    complete, with no new load written. Before, such a config raised out of the follower,
+    which stopped following for good (and a failed read was never retried)."""
+    write_versioned_affine_model(tmp_path / "v2", versions=(2,))
+    shutil.copytree(tmp_path / "v2" / "affine" / "2", tmp_path / "repo" / "affine" / "2")
+    staged = tmp_path / "repo" / "staged"
+    staged.mkdir()
+    (staged / "config.toml").write_bytes(b'kind = "\xe9"\n')
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        await eventually(lambda: _has(stub, ("affine", "2")), timeout_s=CONVERGE_S)
+        complete = write_affine_model(tmp_path / "staging", name="staged")
+        config_text = (complete / "config.toml").read_text()
+        (staged / "config.toml").write_text(config_text + "length_buckets = 5\n")
+        await asyncio.sleep(2.5)  # two periods of the follower on the second half-written form
+        assert ("staged", "1") not in await listed(stub)
+        shutil.copytree(complete, staged, dirs_exist_ok=True)
+        await eventually(lambda: _has(stub, ("staged", "1")), timeout_s=CONVERGE_S)
+
+
 async def test_a_version_larger_than_free_memory_is_refused_before_it_loads(
     tmp_path: Path, worker: Worker, redis_server: RedisServer
 ) -> None:

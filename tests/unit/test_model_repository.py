@@ -1,5 +1,5 @@
-"""A generation model's `[generation]` table: sizes positive, the watermark optional and >= 0,
-prefix caching one of its scopes."""
+"""A model's `config.toml`: a generation model's `[generation]` table (sizes positive, the
+watermark optional and >= 0, prefix caching one of its scopes), and configs that do not read."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from services.common.model_repository import (
     GenerationSettings,
     ModelConfigError,
+    load_repository,
     parse_model_config,
 )
 
@@ -63,3 +64,33 @@ def test_bad_generation_settings_name_the_file(tmp_path: Path, extra: str, messa
     with pytest.raises(ModelConfigError, match=message) as error:
         parse(tmp_path, extra)
     assert "config.toml" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        _GENERATION.encode() + b"# caf\xe9\n",  # not UTF-8 (a half-copied file)
+        _GENERATION.encode() + b"length_buckets = 5\n",  # a field of the wrong shape
+        b"labels = 5\n" + _GENERATION.encode(),
+    ],
+)
+def test_a_config_that_does_not_read_is_a_model_config_error(tmp_path: Path, config: bytes) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(config)
+    with pytest.raises(ModelConfigError, match=r"config\.toml"):
+        parse_model_config("llm", path)
+
+
+def test_a_repository_read_can_leave_out_the_models_that_do_not_read(tmp_path: Path) -> None:
+    for name in ("good", "bad", "empty"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "good" / "config.toml").write_text(_GENERATION)
+    (tmp_path / "good" / "1").mkdir()
+    (tmp_path / "bad" / "config.toml").write_bytes(b'kind = "\xe9"\n')
+    (tmp_path / "empty" / "config.toml").write_text(_GENERATION)
+    with pytest.raises(ModelConfigError, match="bad"):
+        load_repository(tmp_path)
+    errors: dict[str, ModelConfigError] = {}
+    versions = load_repository(tmp_path, on_error=errors.__setitem__)
+    assert [(v.config.name, v.version) for v in versions] == [("good", "1")]
+    assert sorted(errors) == ["bad", "empty"]

@@ -115,6 +115,8 @@ def test_malformed_entries_are_left_out() -> None:
         "b": '{"state": "gone", "revision": 1}',
         "c": '{"state": "loaded"}',
         "d": '{"state": "unloaded", "revision": 2}',
+        "e": '{"state": "loaded", "revision": 1e999}',  # int(inf): OverflowError
+        b"\xe9": '{"state": "loaded", "revision": 1}',  # a name that is not UTF-8
     }
     assert parse_desired(fields) == {"d": unloaded(2)}
 
