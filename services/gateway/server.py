@@ -116,9 +116,12 @@ class Gateway:
         if self.repository is not None:
             await self.repository.close()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
+        # Both listeners stop taking calls at once and drain within the one grace (before,
+        # gRPC took new calls until the HTTP drain, unbounded by the grace, had ended).
+        stopping = [self.server.stop(grace=self.config.drain_grace_s)]
         if self.http is not None:
-            await self.http.stop()
-        await self.server.stop(grace=self.config.drain_grace_s)
+            stopping.append(self.http.stop())
+        await asyncio.gather(*stopping)
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)
         await self.predictor.close()
@@ -241,6 +244,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
             model_repository=config.model_repository,
             repository=repository,
             tei_model=config.tei_model,
+            drain_grace_s=config.drain_grace_s,
         )
     return Gateway(
         config,

@@ -121,10 +121,12 @@ async def start_http(
     model_repository: Path,
     repository: RepositoryControl | None = None,
     tei_model: str = "",
+    drain_grace_s: float = 60.0,
 ) -> HttpListener:
     """Serves the HTTP APIs on host:port (0: a free port); returns the bound port.
     `repository` serves Triton's repository routes (None without Redis: they refuse);
-    `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api)."""
+    `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api). Its
+    `stop` waits at most `drain_grace_s` for requests in progress, then closes them."""
     app = web.Application(
         middlewares=[auth_middleware(keys, predictor.admission)], client_max_size=max_body_bytes
     )
@@ -134,7 +136,13 @@ async def start_http(
     app.add_routes(EmbeddingsApi(predictor, metrics, tei_model).routes())
     # A client that hangs up cancels its handler, and so the work it asked for (aiohttp's
     # default since 3.8 lets the handler run on, generating for nobody).
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        handler_cancellation=True,
+        shutdown_timeout=drain_grace_s,
+    )
     await runner.setup()
     # reuse_port: the processes of a gateway group (process_group.py) share the port.
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=True)
