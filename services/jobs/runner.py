@@ -147,8 +147,12 @@ class JobRunner:
         next_reclaim_s = 0.0
         while not stopping.is_set():
             free = self._max_in_flight - len(self._tasks)
-            if free <= 0:
-                await asyncio.wait(self._tasks, return_when=asyncio.FIRST_COMPLETED)
+            if free <= 0:  # until a chunk ends, or the stop (its chunks are `drain`'s)
+                stop = asyncio.ensure_future(stopping.wait())
+                try:
+                    await asyncio.wait({*self._tasks, stop}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    stop.cancel()
                 continue
             try:
                 entries: list[QueueEntry] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -283,6 +284,31 @@ async def test_a_runner_does_not_run_again_a_chunk_it_is_still_running(fabric: F
     job = await fabric.finished(job_id)
     assert job.num_ok == 4
     assert [fabric.target.runs[t] for t in texts] == [1] * 4
+
+
+async def test_a_runner_whose_chunks_all_wait_stops_at_sigterm_within_its_grace(
+    fabric: Fabric,
+) -> None:
+    """SIGTERM while every chunk slot waits on a held call: the runner stops claiming, gives
+    the chunk its grace (1 s), cancels it (its entry stays pending for another runner) and
+    exits 0. Before, it noticed the stop only once a chunk ended: here, when the held call
+    timed out, a minute later."""
+    fabric.target.hold_after_runs = 0
+    runner = start_runner(
+        fabric.tmp_path, fabric.redis, fabric.target_address, "runner-1",
+        "--max-in-flight-chunks", "1", "--call-timeout-s", "60", "--claim-timeout-s", "90",
+        "--drain-grace-s", "1",
+    )  # fmt: skip
+    fabric.runners.append(runner)
+    await fabric.submit(texts_of(4))
+    try:
+        await eventually(lambda: fabric.target.num_held >= 1, timeout_s=30.0)
+        runner.process.send_signal(signal.SIGTERM)
+        # Far past the grace, far short of the held call's timeout.
+        code = await asyncio.to_thread(runner.process.wait, 20.0)
+    finally:
+        fabric.target.release()
+    assert code == 0
 
 
 async def test_an_item_that_crashes_the_model_fails_alone(fabric: Fabric) -> None:
