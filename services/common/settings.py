@@ -92,7 +92,7 @@ def listener_settings(defaults: Any) -> tuple[Setting, ...]:
     return (
         Setting(
             "drain_grace_s",
-            float,
+            parse_seconds,
             drain_grace_s,
             "time in-flight work may take to finish after SIGTERM",
             "s",
@@ -131,6 +131,14 @@ def parse_bool(text: str) -> bool:
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
     raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
+
+
+def parse_seconds(text: str) -> float:
+    """A duration: a finite number of seconds, at least 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"expected a finite number of seconds >= 0, got {text!r}")
+    return value
 
 
 def parse_weights(text: str) -> dict[str, float]:

@@ -129,6 +129,20 @@ def test_every_tier_table_parses_an_empty_command_line(module: Any) -> None:
 
 
 @pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
+@pytest.mark.parametrize("grace", ["inf", "nan", "-1"])
+def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
+    module: Any, grace: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, it parsed, and the tier failed at SIGTERM instead, with no drain at all."""
+    table: SettingsTable = module.SETTINGS
+    argv = ["--allow-unauthenticated"] if table.env_prefix == "GATEWAY" else []
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(table, module.config_from_settings, [*argv, "--drain-grace-s", grace], {})
+    assert exit_info.value.code == 2
+    assert "--drain-grace-s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
 def test_every_tier_follows_the_naming_convention(module: Any) -> None:
     table: SettingsTable = module.SETTINGS
     names = [s.name for s in table.settings]
