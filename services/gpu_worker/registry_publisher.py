@@ -65,6 +65,9 @@ class HeartbeatPublisher:
     async def run(self) -> None:
         failures = 0
         while True:
+            # Before the publish, not after: a change told while it is in flight (its record
+            # may be older) is published at once, not a period later.
+            self._wake.clear()
             try:
                 await self.publish_once()
                 if not self.is_connected:
@@ -76,7 +79,6 @@ class HeartbeatPublisher:
                     log.warning("heartbeat: Redis unreachable (%s); retrying with backoff", error)
                 self.is_connected = False
                 failures += 1
-            self._wake.clear()
             if failures == 1:
                 # Once at once: a restarted Redis closed every pooled connection, and only the
                 # first command on each fails; waiting a period would leave the registry empty
