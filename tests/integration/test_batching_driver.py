@@ -232,6 +232,28 @@ async def test_a_version_warming_up_holds_batches_back_instead_of_timing_them(
     assert harness.metric(names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
 
 
+async def test_a_row_refused_while_a_batch_overruns_its_prediction_gets_a_retry_hint(
+    harness: Harness,
+) -> None:
+    """The running batch is past its predicted end: a refusal's hint counts from now, not from
+    that end (before, it was negative, and the refusal carried no retry-after-ms at all)."""
+    driver, backend = harness.driver, harness.backend
+    gate = harness.hold_executor()
+    running = asyncio.ensure_future(
+        driver.submit(backend, harness.rows(1), timeout_s=30, tenant="t")
+    )
+    try:
+        await eventually(lambda: driver.is_executing, interval_s=0.001)
+        harness.clock.now_s += 5.0  # far past the batch's predicted end
+        with pytest.raises(Overloaded, match="past the request's deadline") as refused:
+            await driver.submit(backend, harness.rows(1), timeout_s=0.0001, tenant="t")
+        assert refused.value.retry_after_s > 0
+        assert refused.value.trailers()
+    finally:
+        gate.set()
+    await harness.settle(running)
+
+
 async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
     rows = harness.rows(1)
     with pytest.raises(InvalidInput, match="tenant weight"):

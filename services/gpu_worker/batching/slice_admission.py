@@ -102,7 +102,8 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         if isinstance(decision, Rejected):
             reason = decision.reason
             admission.metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
-            error = lane.rejection(item, reason, now, admission.executor_free_s or now)
+            free_s = admission.executor_free_s  # in the past when a batch overruns
+            error = lane.rejection(item, reason, now, now if free_s is None else max(now, free_s))
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
