@@ -94,7 +94,9 @@ class BundleRunner:
         # A slice its caller stopped waiting for before the bundle got here is not queued:
         # its rows would count against its bundle-mates' room and deadlines.
         gone = _NONE_GONE if cancels is None else cancels.cancelled
-        outcomes = self._admit(backend, request.slices, parts, time_left_s, gone)
+        # Preparing the rows took some of the time left: deadlines count from the read.
+        left_s = None if time_left_s is None else time_left_s - (time.monotonic() - called_s)
+        outcomes = self._admit(backend, request.slices, parts, left_s, gone)
         admitted = [o for o in outcomes if isinstance(o, Admission)]
 
         def cancel(index: int) -> None:

@@ -10,8 +10,10 @@ exactly as long as the test needs to cancel one caller and let another's deadlin
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -239,6 +241,38 @@ async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceed
     await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
     assert counted("CANCELLED") == 0
     release_stall(tmp_path / "gate")
+
+
+async def test_the_time_preparing_a_bundles_rows_counts_against_its_deadlines(
+    fabric: Fabric,
+) -> None:
+    """Preparing the rows (on the worker's loop) takes longer than the call's time left: the
+    slice is refused at admission, its deadline counted from when the time left was read.
+    Before, it counted from after the preparation, and the row was queued to run for a caller
+    whose time was up."""
+    backend = fabric.worker.models.fixed_cost_backend("affine", "1")  # type: ignore[union-attr]
+    prepare_many = backend.prepare_many
+
+    def slow_prepare_many(rows: Any) -> Any:
+        time.sleep(0.3)  # longer than the call's 0.2 s
+        return prepare_many(rows)
+
+    backend.prepare_many = slow_prepare_many  # type: ignore[method-assign]
+    request = bundle("affine", [([row(1, 2, 3, 4)], pb.Slice(tenant="a"))])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
+        worker = MultiplexClient(channel, "worker")
+        try:
+            with pytest.raises(Exception) as raised:
+                await worker.call(request.SerializeToString(), timeout_s=0.2)
+        finally:
+            await worker.close()
+            backend.prepare_many = prepare_many  # type: ignore[method-assign]
+    assert getattr(raised.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def counted(code: str) -> float:
+        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code=code)
+
+    await eventually(lambda: counted("RESOURCE_EXHAUSTED") == 1, interval_s=0.01)
 
 
 async def test_a_bundle_that_does_not_add_up_is_refused_whole(fabric: Fabric) -> None:
