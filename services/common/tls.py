@@ -168,6 +168,20 @@ def open_channel(
     return grpc.aio.secure_channel(address, tls.credentials(), options=options)
 
 
+def check_distinct_ports(**ports: int | None) -> None:
+    """Raises ValueError when two of a tier's listeners are given one fixed port: every listener
+    sets SO_REUSEPORT, so both would bind, and the kernel would split connections between
+    them at random (a health-only listener answering real calls UNIMPLEMENTED). Ports 0 (a
+    free one), negative (off) and None (not set) are never alike."""
+    taken: dict[int, str] = {}
+    for name, port in ports.items():
+        if port is None or port <= 0:
+            continue
+        if port in taken:
+            raise ValueError(f"{taken[port]} and {name} are both port {port}")
+        taken[port] = name
+
+
 async def start_health_listener(
     servicer: health.aio.HealthServicer, host: str, tls: ServerTls
 ) -> grpc.aio.Server | None:

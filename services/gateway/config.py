@@ -16,7 +16,13 @@ from services.common.settings import (
     config_builder,
     listener_settings,
 )
-from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
+from services.common.tls import (
+    ClientTls,
+    ServerTls,
+    check_distinct_ports,
+    client_tls_settings,
+    server_tls_settings,
+)
 from services.gateway.bundle_clock import BundleClock
 from services.gateway.quota_sync import QuotaSyncConfig
 from services.gateway.throttle import ThrottleConfig
@@ -88,6 +94,12 @@ class GatewayConfig:
                 "development only, --allow-unauthenticated (GATEWAY_ALLOW_UNAUTHENTICATED=true)"
             )
         check_limits(self.max_message_bytes, self.max_concurrent_rpcs)
+        check_distinct_ports(
+            grpc_port=self.grpc_port,
+            metrics_port=self.metrics_port,
+            http_port=self.http_port,
+            health_port=self.tls.health_port,
+        )
         if self.processes < 0:
             raise ValueError(f"processes must be >= 0 (0: one per CPU), got {self.processes}")
         if self.processes != 1 and not self.quota_sync.redis_url:

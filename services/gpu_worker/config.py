@@ -21,7 +21,7 @@ from services.common.settings import (
     listener_settings,
     parse_weights,
 )
-from services.common.tls import ServerTls, server_tls_settings
+from services.common.tls import ServerTls, check_distinct_ports, server_tls_settings
 from services.gpu_worker.backends import LoadOptions
 from services.gpu_worker.batching.driver_config import DriverConfig
 
@@ -92,6 +92,13 @@ class WorkerConfig:
     #: TLS of the gRPC port (services.common.tls); a client CA makes routers' certificates
     #: required (mTLS).
     tls: ServerTls = field(default_factory=ServerTls)
+
+    def __post_init__(self) -> None:
+        check_distinct_ports(
+            grpc_port=self.grpc_port,
+            metrics_port=self.metrics_port,
+            health_port=self.tls.health_port,
+        )
 
     @property
     def load_options(self) -> LoadOptions:

@@ -15,7 +15,13 @@ from services.common.settings import (
     config_builder,
     listener_settings,
 )
-from services.common.tls import ClientTls, ServerTls, client_tls_settings, server_tls_settings
+from services.common.tls import (
+    ClientTls,
+    ServerTls,
+    check_distinct_ports,
+    client_tls_settings,
+    server_tls_settings,
+)
 from services.router.routing_config import RoutingConfig
 from services.router.worker_networks import DEFAULT_WORKER_NETWORKS, WorkerNetworks
 
@@ -64,6 +70,13 @@ class RouterConfig:
     #: How workers are dialled: the CA of their certificates, the router's client certificate,
     #: and the name their certificate carries (they are dialled by pod IP).
     worker_tls: ClientTls = field(default_factory=ClientTls)
+
+    def __post_init__(self) -> None:
+        check_distinct_ports(
+            grpc_port=self.grpc_port,
+            metrics_port=self.metrics_port,
+            health_port=self.tls.health_port,
+        )
 
 
 SETTINGS = SettingsTable(

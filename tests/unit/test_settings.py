@@ -143,6 +143,21 @@ def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
 
 
 @pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
+def test_two_listeners_on_one_port_exit_2_naming_both(
+    module: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every listener sets SO_REUSEPORT: before, both bound, and the kernel split connections
+    between the health-only listener and the real one at random."""
+    table: SettingsTable = module.SETTINGS
+    argv = ["--allow-unauthenticated"] if table.env_prefix == "GATEWAY" else []
+    ports = ["--grpc-port", "18555", "--health-port", "18555"]
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(table, module.config_from_settings, [*argv, *ports], {})
+    assert exit_info.value.code == 2
+    assert "grpc_port and health_port are both port 18555" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
 def test_every_tier_follows_the_naming_convention(module: Any) -> None:
     table: SettingsTable = module.SETTINGS
     names = [s.name for s in table.settings]
