@@ -1,13 +1,15 @@
 """What Linux's /proc says about processes and the machine: CPU seconds, parents, states.
 
-For whoever watches the tiers from outside (the benchmark's CPU accounting, tests checking that
-no process outlives the stack); no tier reads /proc itself.
+Mostly for whoever watches the tiers from outside (the benchmark's CPU accounting, tests
+checking that no process outlives the stack); a worker reads the memory it may still take
+before a hot load (services.gpu_worker.memory_budget).
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -77,10 +79,32 @@ def load_average() -> list[float]:
         return [float(v) for v in loadavg.read().split()[:3]]
 
 
-def available_memory_bytes() -> int:
-    """Memory the kernel can give new allocations without swapping (MemAvailable)."""
+def available_memory_bytes(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """Memory new allocations can take without swapping: the machine's (MemAvailable), and in
+    a container with a memory limit (cgroup v2, `cgroup` its directory) no more than the limit
+    leaves beside the container's working set (what it uses less the page cache the kernel
+    can drop, as the kubelet counts it): past that limit the container is OOM-killed, however
+    much the machine has free."""
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemAvailable")
+                available = int(line.split()[1]) * 1024
+                break
+        else:
+            raise OSError("/proc/meminfo has no MemAvailable")
+    room = _cgroup_room_bytes(cgroup)
+    return available if room is None else min(available, room)
+
+
+def _cgroup_room_bytes(cgroup: Path) -> int | None:
+    """memory.max less the working set; None without a limit (or without cgroup v2)."""
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        current = int((cgroup / "memory.current").read_text())
+        stat = dict(line.split() for line in (cgroup / "memory.stat").read_text().splitlines())
+        working_set = current - int(stat.get("inactive_file", 0))
+        return max(0, int(limit) - working_set)
+    except (OSError, ValueError):
+        return None

@@ -33,7 +33,12 @@ from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.loaded_models import LoadedModels, LoadFailure, load_version, one_line
-from services.gpu_worker.memory_budget import check_fits, free_memory_bytes, weights_bytes
+from services.gpu_worker.memory_budget import (
+    check_fits,
+    free_memory_bytes,
+    kv_cache_bytes,
+    weights_bytes,
+)
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -75,7 +80,9 @@ class ModelSwapper:
         label = f"{version.config.name}/{version.version}"
         try:
             weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
-            check_fits(weights=weights, free=free_memory_bytes(self._device), device=self._device)
+            kv_cache = await asyncio.to_thread(kv_cache_bytes, version, self._device)
+            free = free_memory_bytes(self._device)
+            check_fits(weights=weights, free=free, device=self._device, kv_cache=kv_cache)
             model = await in_daemon_thread(
                 lambda: load_version(version, self._device, self._generation_metrics, self._options)
             )

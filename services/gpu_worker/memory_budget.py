@@ -4,8 +4,9 @@ A hot load reads weights while the old versions keep serving, so loading one tha
 fit would take the whole worker down (an out-of-memory kill, or CUDA OOM mid-batch) instead of
 failing the one load. The estimate is deliberately simple: the version's weight files, times a
 factor for what loading and warm-up add beside them (a second copy while tensors move to the
-device, activations, a generation model's KV cache is configured separately and checked when
-its engine allocates it). Too small a factor risks the worker; too large refuses loads that fit.
+device, activations), plus a generation model's KV cache, whose size its settings fix. Too
+small a factor risks the worker; too large refuses loads that fit. Free memory is the GPU's, or
+on a CPU the machine's within the container's memory limit (cgroup v2).
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ from pathlib import Path
 
 import torch
 
+from services.common.model_repository import ModelKind, ModelVersion
 from services.common.procfs import available_memory_bytes
+from services.gpu_worker.generation.backend import serving_dtype
+from services.gpu_worker.generation.llama import LlamaConfig
 
 #: Memory a load needs per byte of weight files (see the module's doc).
 LOAD_MEMORY_FACTOR = 2.0
@@ -43,13 +47,27 @@ def free_memory_bytes(device: torch.device) -> int:
     return available_memory_bytes()
 
 
-def check_fits(*, weights: int, free: int, device: torch.device) -> None:
-    """Raises InsufficientMemory, with the figures, when `weights` bytes of weight files need
-    more than `free` bytes (LOAD_MEMORY_FACTOR); pure."""
-    needed = round(weights * LOAD_MEMORY_FACTOR)
+def kv_cache_bytes(version: ModelVersion, device: torch.device) -> int:
+    """What a generation version's paged KV cache takes on `device` (its engine allocates it
+    whole when it loads): K and V of every layer, for its blocks and the one padding block; 0
+    for any other model."""
+    settings = version.config.generation
+    if version.config.kind is not ModelKind.GENERATION or settings is None:
+        return 0
+    llama = LlamaConfig.from_json(version.weights_dir / "config.json")
+    per_token = llama.num_key_value_heads * llama.head_dim * serving_dtype(device).itemsize
+    num_tokens = (settings.num_kv_blocks + 1) * settings.block_size
+    return 2 * llama.num_hidden_layers * num_tokens * per_token
+
+
+def check_fits(*, weights: int, free: int, device: torch.device, kv_cache: int = 0) -> None:
+    """Raises InsufficientMemory, with the figures, when `weights` bytes of weight files
+    (LOAD_MEMORY_FACTOR) and a KV cache of `kv_cache` bytes need more than `free`; pure."""
+    needed = round(weights * LOAD_MEMORY_FACTOR) + kv_cache
     if needed > free:
+        cache = f" + {kv_cache // _MIB} MiB of KV cache" if kv_cache else ""
         raise InsufficientMemory(
             f"not enough memory on {device}: the load needs about {needed // _MIB} MiB "
-            f"({weights // _MIB} MiB of weights x {LOAD_MEMORY_FACTOR:g}), {free // _MIB} MiB "
-            "free; unload a version or add memory"
+            f"({weights // _MIB} MiB of weights x {LOAD_MEMORY_FACTOR:g}{cache}), "
+            f"{free // _MIB} MiB free; unload a version or add memory"
         )

@@ -1,5 +1,5 @@
-"""The hot-load memory check: a version loads only if its weights, times the load factor, fit
-in the free memory."""
+"""The hot-load memory check: a version loads only if its weights, times the load factor, and a
+generation version's KV cache fit in the free memory, within the container's limit."""
 
 from __future__ import annotations
 
@@ -8,12 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.model_repository import load_repository
+from services.common.procfs import available_memory_bytes
+from services.gpu_worker.generation.backend import serving_dtype
+from services.gpu_worker.generation.model_runner import ModelRunner
 from services.gpu_worker.memory_budget import (
     LOAD_MEMORY_FACTOR,
     InsufficientMemory,
     check_fits,
+    kv_cache_bytes,
     weights_bytes,
 )
+from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +44,38 @@ def test_weights_bytes_adds_every_file_under_the_directory(tmp_path: Path) -> No
     (tmp_path / "model.pt").write_bytes(b"x" * 1000)
     (tmp_path / "nested" / "tokenizer.json").write_bytes(b"y" * 24)
     assert weights_bytes(tmp_path) == 1024
+
+
+def test_a_generation_versions_kv_cache_counts_beside_its_weights() -> None:
+    with pytest.raises(InsufficientMemory, match="50 MiB of KV cache"):
+        check_fits(weights=100 * MIB, free=220 * MIB, device=CPU, kv_cache=50 * MIB)
+    check_fits(weights=100 * MIB, free=250 * MIB, device=CPU, kv_cache=50 * MIB)
+
+
+def test_the_kv_cache_estimate_is_what_the_engine_allocates() -> None:
+    """tiny-llama's cache, estimated from its config.json and [generation] settings, against
+    the one its runner allocates on this CPU (before, generation loads counted no cache)."""
+    (version,) = [v for v in load_repository(REPO_ROOT / "models") if v.config.name == "tiny-llama"]
+    settings = version.config.generation
+    assert settings is not None
+    runner = ModelRunner(
+        version.weights_dir,
+        device=CPU,
+        dtype=serving_dtype(CPU),
+        num_blocks=settings.num_kv_blocks,
+        block_size=settings.block_size,
+    )
+    cache = runner.kv_cache
+    allocated = sum(t.numel() * t.element_size() for t in [*cache.keys, *cache.values])
+    assert kv_cache_bytes(version, CPU) == allocated > 0
+
+
+def test_a_containers_memory_limit_bounds_what_a_load_may_take(tmp_path: Path) -> None:
+    assert available_memory_bytes(tmp_path) > 0  # no cgroup files here: the machine's
+    (tmp_path / "memory.max").write_text("1073741824\n")  # 1 GiB
+    (tmp_path / "memory.current").write_text(str(900 * MIB))
+    (tmp_path / "memory.stat").write_text(f"anon {700 * MIB}\ninactive_file {200 * MIB}\n")
+    # The working set is 700 MiB (the inactive page cache can be dropped): 324 MiB of room.
+    assert available_memory_bytes(tmp_path) == 324 * MIB
+    (tmp_path / "memory.max").write_text("max\n")
+    assert available_memory_bytes(tmp_path) > 324 * MIB

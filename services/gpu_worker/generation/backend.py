@@ -25,6 +25,13 @@ from services.gpu_worker.thread_choice import ThreadChoice, thread_options
 log = logging.getLogger(__name__)
 
 
+def serving_dtype(device: torch.device) -> torch.dtype:
+    """The weights' and KV cache's dtype: bf16 on a GPU (memory bandwidth is the decode
+    bottleneck), fp32 on the CPU (bf16 matmuls are slow there, and the reference comparison
+    is exact)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 class GenerationBackend(ServedModel):
     """A loaded generation model version, stepped by its own engine."""
 
@@ -58,9 +65,7 @@ class GenerationBackend(ServedModel):
         self._cuda_graphs = cuda_graphs
         self.settings = settings
         self.text = TextEncoder(weights, config)
-        # bf16 on a GPU (memory bandwidth is the decode bottleneck); fp32 on the CPU, where
-        # bf16 matmuls are slow and the reference comparison is exact.
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = serving_dtype(device)
         self.runner = ModelRunner(
             weights,
             device=device,
