@@ -108,9 +108,12 @@ class ModelSwapper:
         log.info("unloading %s/%s: draining its admitted work", model_name, model_version)
         if isinstance(model, GenerationBackend):
             await model.engine.drain()
-            await in_daemon_thread(release_device_memory)
         elif isinstance(model, Backend):
             await self._batching.remove_backend(model)
+        # Its last reference: the release can free its tensors only once it is gone (on a
+        # GPU they went back to the allocator's cache, still counted used by the next load).
+        del model
+        await self._batching.between_batches(release_device_memory)
         log.info("model %s/%s unloaded", model_name, model_version)
 
 

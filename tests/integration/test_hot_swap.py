@@ -4,7 +4,9 @@ real redis-server (through its own ACL role), with real TorchScript models."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from redis.exceptions import NoPermissionError
 from services.common import metric_names as names
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
+from services.gpu_worker import hot_swap
+from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -205,6 +209,28 @@ async def test_a_model_being_staged_neither_stops_the_follower_nor_hides_the_res
         assert ("staged", "1") not in await listed(stub)
         shutil.copytree(complete, staged, dirs_exist_ok=True)
         await eventually(lambda: _has(stub, ("staged", "1")), timeout_s=CONVERGE_S)
+
+
+async def test_an_unloaded_version_is_unreferenced_when_its_memory_is_released(
+    worker: Worker, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release after an unload (gc, then the GPU allocator's cache emptied) runs once
+    nothing references the version any more. Before, the unload's own frames still held it:
+    on a GPU its tensors went back to the allocator's cache, which the next load's memory
+    check counts as used, so replacing a version by one of its size was refused."""
+    assert worker.models is not None
+    version = weakref.ref(worker.models.fixed_cost_backend("other", "1"))
+    freed: list[bool] = []
+
+    def release() -> None:
+        gc.collect()
+        freed.append(version() is None)
+        release_device_memory()
+
+    monkeypatch.setattr(hot_swap, "release_device_memory", release)
+    await set_desired(redis_server, "other", DesiredState(ModelState.UNLOADED, 1))
+    await eventually(lambda: bool(freed), timeout_s=CONVERGE_S, message="released")
+    assert freed == [True]
 
 
 async def test_a_version_larger_than_free_memory_is_refused_before_it_loads(

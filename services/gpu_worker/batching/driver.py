@@ -30,7 +30,7 @@ from services.gpu_worker.batching.lane import (
     by_urgency,
     warm_up_lane,
 )
-from services.gpu_worker.batching.lane_changes import new_lane, release_device_memory, settle
+from services.gpu_worker.batching.lane_changes import new_lane, settle
 from services.gpu_worker.batching.slice_admission import (
     AdmissionPass,
     SliceAsk,
@@ -75,7 +75,7 @@ class BatchingDriver:
         self._item_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._running: asyncio.Task[None] | None = None
-        self._num_between = 0  # `_between_batches` works asked for or running
+        self._num_between = 0  # `between_batches` works asked for or running
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
@@ -114,7 +114,7 @@ class BatchingDriver:
         """Starts batching a version loaded while serving: warmed up on the executor thread,
         between batches (warm-up and serving never share the device at once), then admitted."""
         lane = new_lane(backend, self._config, self._metrics, self._ledger)
-        await self._between_batches(self._warm_up_lane, lane)
+        await self.between_batches(self._warm_up_lane, lane)
         self._lanes[id(backend)] = lane
         self._order.append(lane)
         # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
@@ -122,7 +122,7 @@ class BatchingDriver:
 
     async def remove_backend(self, backend: Backend) -> None:
         """Unloads a version's lane: refuses its new rows, returns once every row it admitted
-        is answered, then forgets it and releases device memory (after its last batch)."""
+        is answered, then forgets it (the caller releases its memory once it drops it too)."""
         lane = self._lanes[id(backend)]
         lane.batcher.begin_drain()
         self._wake.set()
@@ -130,9 +130,8 @@ class BatchingDriver:
         del self._lanes[id(backend)]
         self._order.remove(lane)
         self._metrics.forget_queue(*lane.labels)
-        await self._between_batches(release_device_memory)
 
-    async def _between_batches(self, work: Callable[..., object], *args: object) -> None:
+    async def between_batches(self, work: Callable[..., object], *args: object) -> None:
         """Runs `work` on the executor thread between batches, dispatching none from the ask
         to its return: a batch queued behind it would be timed with it (the watchdog could
         take a long warm-up for a wedged call; tenants and the latency model would pay)."""
