@@ -7,6 +7,7 @@ before a hot load (services.gpu_worker.memory_budget).
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,3 +109,17 @@ def _cgroup_room_bytes(cgroup: Path) -> int | None:
         return max(0, int(limit) - working_set)
     except (OSError, ValueError):
         return None
+
+
+def usable_cpus(cgroup: Path = Path("/sys/fs/cgroup")) -> int:
+    """CPUs this process may use: those it may run on, and in a container with a CPU limit
+    (cgroup v2 `cpu.max`, `cgroup` its directory) no more than the limit, rounded up. A pod
+    limited to 2 CPUs on a 64-core node may run on all 64, but gets 2 CPUs' time."""
+    cpus = len(os.sched_getaffinity(0))
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cpus

@@ -16,6 +16,7 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
+from services.common.procfs import usable_cpus
 from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig, parse_config
 from services.gateway.process_group import ProcessGroup
@@ -56,7 +57,7 @@ def main() -> None:
     # tokenizer's thread pool, whose threads spin on cores that other gateway processes and
     # tiers need (with it, 64 callers of the stand-in stack ran 20% slower on 2 cores).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    num_processes = config.processes or len(os.sched_getaffinity(0))
+    num_processes = config.processes or usable_cpus()
     if num_processes > 1:
         # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
         raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())

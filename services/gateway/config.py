@@ -101,7 +101,9 @@ class GatewayConfig:
             health_port=self.tls.health_port,
         )
         if self.processes < 0:
-            raise ValueError(f"processes must be >= 0 (0: one per CPU), got {self.processes}")
+            raise ValueError(
+                f"processes must be >= 0 (0: one per CPU it may use), got {self.processes}"
+            )
         if self.processes != 1 and not self.quota_sync.redis_url:
             raise ValueError(
                 "several gateway processes need --redis-url (GATEWAY_REDIS_URL): each process"
