@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import sys
+
+# Until serve() installs its own handlers (imports and start-up take a second or two), SIGTERM
+# means "exit now, cleanly": nothing has been admitted yet. Without a handler, a process that
+# is PID 1 in its container would ignore it and start serving anyway.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
 import asyncio
 import logging
 import os
-import sys
 
 from services.common.lifecycle import (
     bound_stop,

@@ -7,6 +7,14 @@ The runner has no gRPC server of its own: it reads the job queue from Redis, cal
 
 from __future__ import annotations
 
+import signal
+import sys
+
+# Until serve() installs its own handlers (imports and start-up take a second or two), SIGTERM
+# means "exit now, cleanly": nothing has been admitted yet. Without a handler, a process that
+# is PID 1 in its container would ignore it and start serving anyway.
+signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+
 import asyncio
 import logging
 import os
