@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -141,6 +141,11 @@ class LoadedModels:
             tuple(b for b in self.generation if b is not model),
         )
         return model
+
+    def forget_failures(self, is_news: Callable[[LoadFailure], bool]) -> None:
+        """Keeps only the failures `is_news` says still matter (their version still on disk
+        and wanted): one deleted or unloaded since is no longer reported."""
+        self.failed = tuple(f for f in self.failed if is_news(f))
 
     def add_failure(self, failure: LoadFailure) -> None:
         """Records a version that failed to load while running (reported, not served)."""

@@ -24,7 +24,14 @@ from services.common.repository_state import DesiredState, parse_desired, reposi
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.loaded_models import LoadedModels
-from services.gpu_worker.reconcile import Action, Unload, VersionKey, plan, revision_of
+from services.gpu_worker.reconcile import (
+    Action,
+    Unload,
+    VersionKey,
+    is_wanted,
+    plan,
+    revision_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +123,10 @@ class RepositoryFollower:
                     self._revisions = revisions
         if self._versions is None:
             return  # never read the repository: acting now would unload everything
+        versions = self._versions
+        self._models.forget_failures(
+            lambda f: (f.model, f.version) in versions and is_wanted(f.model, desired, self._pool)
+        )
         actions = plan(
             desired=desired,
             loaded=[(m.config.name, m.version.version) for m in self._models.all],

@@ -185,6 +185,24 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
 
 
+async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    """A version that failed to load is reported (registry, RepositoryIndex) while it is on
+    the volume and wanted; deleted, it is reported no more (before, for the worker's life)."""
+    version_dir = tmp_path / "repo" / "affine" / "2"
+    version_dir.mkdir()
+    (version_dir / "model.pt").write_bytes(b"not a torchscript archive")
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+    assert await eventually(lambda: registered_failures(redis_server), timeout_s=CONVERGE_S) == [
+        ("affine", "2")
+    ]
+    shutil.rmtree(version_dir)
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 2))
+    await eventually(lambda: _no_failures(redis_server), timeout_s=CONVERGE_S)
+    assert worker.models is not None and worker.models.failed == ()
+
+
 async def test_a_model_being_staged_neither_stops_the_follower_nor_hides_the_rest(
     tmp_path: Path, worker: Worker, redis_server: RedisServer
 ) -> None:
