@@ -18,7 +18,7 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import InvalidInput, Overloaded, Unavailable
+from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
@@ -252,6 +252,35 @@ async def test_a_row_refused_while_a_batch_overruns_its_prediction_gets_a_retry_
     finally:
         gate.set()
     await harness.settle(running)
+
+
+async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
+    harness: Harness,
+) -> None:
+    """Every row of a batch fails: the batch is bisected, 2n - 1 model calls that together
+    take longer than the watchdog, though each is far inside it. The rows fail alone and the
+    worker serves on (before, the bound covered the whole batch: the worker took itself for
+    wedged and stopped serving)."""
+    driver, backend = harness.driver, harness.backend
+    driver.watchdog_s = 0.5  # real seconds
+    run = backend.run
+
+    def failing_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        time.sleep(0.1)
+        raise RuntimeError("this model fails on every row")
+
+    backend.run = failing_run  # type: ignore[method-assign]
+    admission = driver.admit(backend, harness.rows(8), timeout_s=60, tenant="t")
+    try:
+        outcomes = await harness.settle(
+            asyncio.gather(*admission.futures, return_exceptions=True)  # type: ignore[arg-type]
+        )
+    finally:
+        driver.withdraw(admission)
+        backend.run = run  # type: ignore[method-assign]
+    assert [type(o) for o in outcomes] == [ExecutionFailed] * 8
+    assert harness.metric(names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
+    assert len(await harness.submit(1)) == 1  # still serving
 
 
 async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:

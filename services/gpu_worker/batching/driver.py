@@ -21,6 +21,7 @@ from services.common.errors import Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import batch_span, current_span_context
 from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching import watchdog
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import (
@@ -39,7 +40,6 @@ from services.gpu_worker.batching.slice_admission import (
     withdraw_rows,
 )
 from services.gpu_worker.batching.types import BatchKey, Dispatch
-from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s, wedged_message
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import backfill_threads_for, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
@@ -67,7 +67,7 @@ class BatchingDriver:
         self._order = list(self._lanes.values())
         for lane in self._order:
             lane.bind_queue_gauges(metrics)
-        self._executor = DaemonExecutor("executor")
+        self._executor = watchdog.DaemonExecutor("executor")
         #: The bound on one model call in force (seconds); raised after warm-up for slow models.
         self.watchdog_s = config.watchdog_s
         # Set once a call ran past the watchdog: the loop stops with it (see `_supervised`).
@@ -106,7 +106,7 @@ class BatchingDriver:
     def _warm_up_lane(self, lane: Lane) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
         warm_up_lane(lane, self.key_for, self._metrics)
-        bound_s = watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
+        bound_s = watchdog.watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
 
@@ -364,12 +364,12 @@ class BatchingDriver:
                 num_rows=len(rows),
                 requests=contexts,
             ):
-                async with asyncio.timeout(self.watchdog_s):
-                    results = await loop.run_in_executor(
-                        self._executor, run_on_threads, threads, device_busy, rows
-                    )
+                running = loop.run_in_executor(
+                    self._executor, run_on_threads, threads, device_busy, rows
+                )
+                results = await watchdog.within_watchdog(running, self.watchdog_s, device_busy)
         except TimeoutError:
-            self._wedged = Unavailable(wedged_message(lane.labels, self.watchdog_s))
+            self._wedged = Unavailable(watchdog.wedged_message(lane.labels, self.watchdog_s))
             self._metrics.watchdog_expired_total.labels(*lane.labels).inc()
             results = [self._wedged] * len(rows)
         except Exception as error:

@@ -12,13 +12,15 @@ daemon thread (`DaemonExecutor`), which neither drain nor interpreter exit waits
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 #: The bound in force is at least this many times the costliest warm-up batch: a model whose
 #: largest batch takes 5 s is never declared wedged at 30 s under ordinary contention.
@@ -29,6 +31,28 @@ def watchdog_bound_s(watchdog_s: float, slowest_warmup_s: float) -> float:
     """The bound on one model call, seconds: the configured `watchdog_s`, raised to
     `WARMUP_MULTIPLE` x the costliest warm-up batch when that is larger."""
     return max(watchdog_s, WARMUP_MULTIPLE * slowest_warmup_s)
+
+
+class Calls(Protocol):
+    #: Model calls ended so far (DeviceBusy's count).
+    num_calls: int
+
+
+async def within_watchdog(batch: Awaitable[R], bound_s: float, calls: Calls) -> R:
+    """Awaits `batch` (on the executor: one model call, or 2n - 1 while a failing batch of n
+    rows is bisected) while its model calls each end within `bound_s`; raises TimeoutError
+    (and stops awaiting) once none has ended for `bound_s`: a call that never returns. Bounding
+    the whole batch instead would take a failing batch's bisection for a wedged call."""
+    running = asyncio.ensure_future(batch)
+    try:
+        num_ended = calls.num_calls
+        while not (await asyncio.wait({running}, timeout=bound_s))[0]:
+            if calls.num_calls == num_ended:
+                raise TimeoutError(f"no model call ended within {bound_s:.1f}s")
+            num_ended = calls.num_calls
+        return running.result()
+    finally:
+        running.cancel()  # a no-op once done; the call itself cannot be stopped
 
 
 def wedged_message(labels: tuple[str, str], bound_s: float) -> str:
