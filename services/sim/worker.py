@@ -171,7 +171,7 @@ class SimWorker:
         arrival = request.arrival
         lane = self._lane_of[arrival.model]
         batcher = lane.batcher
-        decision: Admitted | Rejected = batcher.can_admit(1)
+        decision: Admitted | Rejected = batcher.can_admit(1, tenant=arrival.tenant, now_s=now_s)
         if isinstance(decision, Admitted):
             priority = _rank_of(arrival.priority)
             shed_s = lane.shedding.budget_s(now_s, priority, batcher.num_queued)

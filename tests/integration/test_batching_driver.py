@@ -283,6 +283,34 @@ async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
     assert len(await harness.submit(1)) == 1  # still serving
 
 
+async def test_a_tenant_turned_away_by_a_full_queue_gets_room_as_the_floods_rows_leave(
+    harness: Harness,
+) -> None:
+    """Through the driver's admission (room first, then each row): tenant a alone fills the
+    queue (64 rows, the executor held), tenant b is refused for a full queue; once two of a's
+    rows leave, a's next row is refused past its share and b's retry gets in. Before, the
+    refusal for room never reached the shares, and a took every freed place."""
+    driver, backend = harness.driver, harness.backend
+    gate = harness.hold_executor()
+    admitted = []
+    try:
+        admitted.append(driver.admit(backend, harness.rows(1), timeout_s=30, tenant="a"))
+        await eventually(lambda: driver.is_executing, interval_s=0.001)
+        for _ in range(backend.config.max_queue_size):
+            admitted.append(driver.admit(backend, harness.rows(1), timeout_s=30, tenant="a"))
+        with pytest.raises(Overloaded, match="queue is full"):
+            driver.admit(backend, harness.rows(1), timeout_s=30, tenant="b")
+        for admission in admitted[1:3]:
+            driver.withdraw(admission)
+        with pytest.raises(Overloaded, match="fair share"):
+            driver.admit(backend, harness.rows(1), timeout_s=30, tenant="a")
+        admitted.append(driver.admit(backend, harness.rows(1), timeout_s=30, tenant="b"))
+    finally:
+        gate.set()
+        for admission in admitted:
+            driver.withdraw(admission)
+
+
 async def test_a_weight_that_is_not_finite_is_invalid(harness: Harness) -> None:
     rows = harness.rows(1)
     with pytest.raises(InvalidInput, match="tenant weight"):

@@ -740,6 +740,8 @@ def test_no_backfill_that_would_still_run_when_interactive_rows_are_due() -> Non
     # Interactive rows of one key linger; another key's batch rows (10 ms a batch, an unknown
     # key) backfill meanwhile, but none starts that would still run when the interactive rows
     # are due (found from a twin without the batch rows): the executor cannot be preempted.
+    # Then the interactive rows close at once instead of lingering on an idle executor beside
+    # a backlog (before, it waited until they were due), and the backfill runs after them.
     # Both linger whether or not it pays (min_expected_arrivals 0): the interactive rows are
     # due when their linger ends.
     twin = make_batcher(latency=linear_latency(0.004), min_expected_arrivals=0.0)
@@ -752,8 +754,24 @@ def test_no_backfill_that_would_still_run_when_interactive_rows_are_due() -> Non
 
     backfill = dispatch_of(batcher.poll(due.until_s - 0.011, executor_idle=True))
     assert (backfill.key.bucket, backfill.reason) == (64, CloseReason.BACKFILL)
-    assert batcher.poll(due.until_s - 0.005, executor_idle=True).action == due
-    assert ids(dispatch_of(batcher.poll(due.until_s + 1e-6, executor_idle=True))) == [100, 101]
+    urgent = dispatch_of(batcher.poll(due.until_s - 0.005, executor_idle=True))
+    assert (ids(urgent), urgent.reason) == ([100, 101], CloseReason.FULL)
+    after = dispatch_of(batcher.poll(due.until_s - 0.001, executor_idle=True))
+    assert (after.key.bucket, after.reason) == (64, CloseReason.BACKFILL)
+
+
+def test_urgent_rows_do_not_linger_on_an_idle_executor_beside_another_keys_backlog() -> None:
+    """Eight `batch` rows in bucket 64, two online rows in bucket 32 that would linger: the
+    backfill would still run when they are due, so they close at once (before, the executor
+    idled with the backlog queued; with the rows in one key they closed at once already)."""
+    batcher = make_batcher()
+    add_all(batcher, [make_item(item_id=i, bucket=64, priority=BATCH, deadline_s=100.0)
+                      for i in range(8)])  # fmt: skip
+    add_all(
+        batcher, [make_item(item_id=100, arrival_s=0.0), make_item(item_id=101, arrival_s=0.001)]
+    )
+    urgent = dispatch_of(batcher.poll(0.001, executor_idle=True))
+    assert (urgent.key.bucket, ids(urgent), urgent.reason) == (32, [100, 101], CloseReason.FULL)
 
 
 def test_the_most_urgent_class_picks_the_key() -> None:

@@ -14,6 +14,7 @@ import heapq
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.batching.choice import Choice, choose
 from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
@@ -40,17 +41,6 @@ CONTENDED_QUEUE_SHARE = 0.5
 _BATCH_RANK = PriorityClass.BATCH.rank
 # `Admitted` carries no data: one instance answers every call.
 _ADMITTED = Admitted()
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Choice:
-    """The key `_choose` picked and why, with its urgency (priority rank, tenant virtual
-    seconds); `width` is the batch's row count when the choice already had to compute it."""
-
-    rank: tuple[int, float]
-    key: BatchKey
-    reason: CloseReason
-    width: int | None = None
 
 
 class Batcher:
@@ -147,14 +137,19 @@ class Batcher:
         n_next = min(max(self._urgent_or_all(key), 1), self.max_batch_size_for(key))
         return linger_s(self._config, self._latency.predict(key, n_next))
 
-    def can_admit(self, num_items: int) -> Admitted | Rejected:
+    def can_admit(
+        self, num_items: int, *, tenant: str | None = None, weight: float = 0.0, now_s: float = 0.0
+    ) -> Admitted | Rejected:
         """Whether the queue has room for `num_items` more items now. A request's rows are
         queued all or none: the driver asks for all of them before it adds the first, so a
         request too big for the room left is refused whole, nothing queued. Room only: `add`
-        still checks each item's deadline."""
+        still checks each item's deadline. A `tenant` (of `weight`) refused for a full queue at
+        `now_s` shares the queue from then on (fairness.QueueShares)."""
         if self._is_draining:
             return Rejected(RejectReason.DRAINING)
         if self.num_queued + num_items > self._config.max_queue_size:
+            if tenant is not None:
+                self._crowded_out(tenant, weight, now_s)
             return Rejected(
                 RejectReason.QUEUE_FULL,
                 f"{num_items} rows, room for {self._config.max_queue_size - self.num_queued}",
@@ -209,6 +204,10 @@ class Batcher:
         self._key_of[item.item_id] = item.key
         return _ADMITTED
 
+    def _crowded_out(self, tenant: str, weight: float, now_s: float) -> None:
+        self._weights[tenant] = self.weight_of(tenant, weight)  # its share counts its weight
+        self._shares.crowded_out(tenant, now_s)
+
     def weight_of(self, tenant: str, weight: float) -> float:
         """The fair-share weight a row of `tenant` carrying `weight` gets: its own when
         positive, else the configured one (DEFAULT_WEIGHT for a tenant not configured)."""
@@ -225,7 +224,7 @@ class Batcher:
             return Rejected(RejectReason.DRAINING)
         num_queued = self.num_queued
         if num_queued >= cfg.max_queue_size:
-            self._shares.crowded_out(item.tenant, now_s)
+            self._crowded_out(item.tenant, item.weight, now_s)
             return Rejected(RejectReason.QUEUE_FULL)
         if item.priority >= _BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
             return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
@@ -329,45 +328,16 @@ class Batcher:
         heads = [head[:2] for q in self._queues.values() if (head := q.items.head_rank())]
         return min(heads, default=None)
 
-    def _choose(self, now_s: float, *, force: bool = False) -> _Choice | Wait:
-        """The key to dispatch now and why, with its urgency, or when to ask again. Among keys
-        ready to close (with `force`, every key with items): the most urgent priority class,
-        then the tenant furthest below its fair share, then the earliest deadline; BatchKey
-        order breaks ties. With none ready, a backfill (a key with `batch` rows only), if it is
-        predicted to end before another key's lingering urgent rows are due (it cannot be
-        preempted)."""
-        chosen: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
-        backfill: tuple[tuple[int, float, float], BatchKey, CloseReason] | None = None
-        wake_s: float | None = None
-        for key, queue in self._queues.items():
-            if not queue.items:
-                continue
-            assessment = self._assess(key, queue, now_s)
-            if assessment[0] is None and force:
-                assessment = (CloseReason.FAIR_SHARE, None)
-            if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
-                key_wake_s = assessment[1]
-                wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)
-                continue
-            reason = assessment[0]
-            head = queue.items.head_rank()
-            if head is None:  # not reached: a queue with items has a head
-                continue
-            candidate = ((head[0], head[1], queue.earliest_deadline_s()), key, reason)
-            if reason is CloseReason.BACKFILL:
-                if backfill is None or candidate[:2] < backfill[:2]:
-                    backfill = candidate
-            elif chosen is None or candidate[:2] < chosen[:2]:
-                chosen = candidate
-        if chosen is None and backfill is not None:
-            (priority, virtual_s, _), key, reason = backfill
-            width = self._width(key, now_s)
-            if wake_s is None or now_s + self._latency.predict(key, width) <= wake_s:
-                return _Choice((priority, virtual_s), key, reason, width)
-        if chosen is None:
-            return Wait(wake_s)
-        (priority, virtual_s, _), key, reason = chosen
-        return _Choice((priority, virtual_s), key, reason)
+    def _choose(self, now_s: float, *, force: bool = False) -> Choice | Wait:
+        """The key to dispatch now and why, or when to ask again (choice.choose)."""
+        return choose(
+            self._queues,
+            lambda key, queue: self._assess(key, queue, now_s),
+            lambda key: self._width(key, now_s),
+            self._latency.predict,
+            now_s,
+            force=force,
+        )
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
         """Remove items that would miss their deadline even if run alone right now."""

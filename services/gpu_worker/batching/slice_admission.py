@@ -79,7 +79,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     weight = batcher.weight_of(ask.tenant, ask.weight)
     trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
     new_future = asyncio.get_running_loop().create_future
-    decision = batcher.can_admit(len(ask.rows))
+    decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)
     item_ids: list[int] = []
     futures: list[asyncio.Future[np.ndarray]] = []
     for row in ask.rows:
