@@ -169,7 +169,11 @@ class RepositoryFollower:
             for v in versions
             if not self._pool or v.config.name in self._pool
         }
-        for (model, version), last in (self._versions or {}).items():
+        errors = {m: e for m, e in errors.items() if not self._pool or m in self._pool}
+        # What was last read of a model: the previous read, or, before the first, what the
+        # worker loaded at start (a model that does not read then must not be unloaded).
+        loaded = {(m.config.name, m.version.version): m.version for m in self._models.all}
+        for (model, version), last in {**loaded, **(self._versions or {})}.items():
             if model in errors:
                 read[(model, version)] = last
         unreadable = {model: str(fault) for model, fault in errors.items()}

@@ -4,6 +4,7 @@ real redis-server (through its own ACL role), with real TorchScript models."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import shutil
 import weakref
@@ -13,6 +14,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from prometheus_client import generate_latest
 from redis.exceptions import NoPermissionError
 
@@ -22,6 +24,8 @@ from services.common.repository_state import DesiredState, ModelState, repositor
 from services.gpu_worker import hot_swap
 from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.hot_swap import ModelSwapper
+from services.gpu_worker.repository_follower import RepositoryFollower
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -183,6 +187,48 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert newest.model_version == "2"
     assert worker.models.failed == ()
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
+
+
+async def test_a_served_model_that_does_not_read_at_the_first_follow_stays_served(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A model loaded at start whose config is being rewritten when the follower first reads
+    the repository: it is kept as loaded, not unloaded as gone from the volume (there is no
+    earlier read to keep: what the worker loaded stands for it)."""
+    write_affine_model(tmp_path / "repo")
+    write_affine_model(tmp_path / "repo", name="other")
+    worker = await create_worker(
+        dataclasses.replace(config(tmp_path, redis_server.worker_url), redis_url=None)
+    )
+    await worker.load()  # without Redis: no follower of its own
+    client = connect(redis_server.worker_url)
+    try:
+        assert worker.models is not None and worker.batching is not None
+        (tmp_path / "repo" / "other" / "config.toml").write_bytes(b'kind = "torchscr')
+        swapper = ModelSwapper(
+            models=worker.models,
+            batching=worker.batching,
+            device=torch.device("cpu"),
+            worker_metrics=worker.metrics,
+            generation_metrics=worker.generation_metrics,
+            on_fatal=lambda error: None,
+            on_change=lambda: None,
+            watchdog_s=30.0,
+        )
+        follower = RepositoryFollower(
+            client=client,
+            registry_prefix="fabric",
+            repository_dir=tmp_path / "repo",
+            pool=(),
+            models=worker.models,
+            swapper=swapper,
+        )
+        await follower.follow_once()
+        served = {(m.config.name, m.version.version) for m in worker.models.all}
+        assert served == {("affine", "1"), ("other", "1")}
+    finally:
+        await client.aclose()
+        await worker.stop()
 
 
 async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
