@@ -277,16 +277,18 @@ class Forwarder:
     ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
         raises the refusal, or the last worker's NOT_FOUND (`failure`) when no other worker
-        is left to try: that worker's answer stands. With a `failure` it routes a retry, whose
-        budget token (taken by `_after_failure`) goes back when the retry cannot be routed."""
+        is left to try: that worker's answer stands. With a `failure` it routes a retry, which
+        spends its budget token once routed (`_after_failure` saw one left), or, without one
+        left by now, gives the failure to the caller."""
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
-            if failure is not None:
-                self._budget.refund(time.monotonic())
-                if failure.code == grpc.StatusCode.NOT_FOUND:
-                    raise failure
+            if failure is not None and failure.code == grpc.StatusCode.NOT_FOUND:
+                raise failure
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:
+            if not self._budget.try_spend(time.monotonic()):
+                self._table.release(decision.reservation_id)
+                raise failure
             self._metrics.retries_total.labels(facts.name, facts.version).inc()
         tried.add(decision.worker_id)
         return decision

@@ -28,8 +28,8 @@ class GiveUpReason(enum.Enum):
 
 @dataclass(frozen=True)
 class RetryElsewhere:
-    """Route the request again, to a worker not yet tried. A budget token has been spent:
-    refund it (RetryBudget.refund) if no other worker can take the request after all."""
+    """Route the request again, to a worker not yet tried, spending a budget token
+    (RetryBudget.try_spend) once it is routed: a retry no other worker can take spends none."""
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def decide_retry(
     """What to do after attempt number `attempt` (0 for the first) failed.
 
     `deadline_s` is absolute on the same clock as `now_s` (math.inf for none). The budget is
-    asked last, so that a token is spent only on a retry that will happen.
+    asked last, and only asked: the caller spends the token once the retry is routed, so that
+    a token is spent only on a retry that happens.
     """
     if not is_worker_unavailable:
         return GiveUp(GiveUpReason.ANSWERED)
@@ -62,6 +63,6 @@ def decide_retry(
         return GiveUp(GiveUpReason.NO_ATTEMPTS_LEFT)
     if deadline_s <= now_s:
         return GiveUp(GiveUpReason.DEADLINE_PASSED)
-    if not budget.try_spend(now_s):
+    if not budget.has_token(now_s):
         return GiveUp(GiveUpReason.BUDGET_SPENT)
     return RetryElsewhere()

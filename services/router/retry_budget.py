@@ -43,8 +43,7 @@ class RetryBudget:
         retry paid by deposits expires with them, instead of outliving them as a debt on the
         reserve (then the balance would stay below zero for up to a window after traffic
         stops, and not even the reserve's retries would get through)."""
-        # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
-        if self.balance(now_s) < 1.0 - 1e-9:
+        if not self.has_token(now_s):
             return False
         current = math.floor(now_s / self._slice_s)
         owed = 1.0
@@ -60,10 +59,10 @@ class RetryBudget:
         self._net[self._slot(now_s)] -= owed  # from the reserve, for a window
         return True
 
-    def refund(self, now_s: float) -> None:
-        """Give back a token `try_spend` took for a retry that did not happen after all (no
-        other worker could take it)."""
-        self._net[self._slot(now_s)] += 1.0
+    def has_token(self, now_s: float) -> bool:
+        """Whether `try_spend` would grant a retry now (nothing withdrawn)."""
+        # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
+        return self.balance(now_s) >= 1.0 - 1e-9
 
     def balance(self, now_s: float) -> float:
         """Tokens available for retries now."""

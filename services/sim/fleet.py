@@ -272,9 +272,12 @@ class Fleet:
             tenant=tenant,
             weight=DEFAULT_WEIGHT if policy is None else policy.weight,
         )
+        budget = self._budgets[request.cell]  # a retry spends its token once routed
+        if request.tried and not isinstance(decision, Reject) and not budget.try_spend(now_s):
+            self._cells[request.cell].table.release(decision.reservation_id)
+            self._gave_up(request, now_s)  # the budget ran out since the retry was decided
+            return
         if isinstance(decision, Reject):
-            if request.tried:  # a retry that no worker can take: its budget token goes back
-                self._budgets[request.cell].refund(now_s)
             is_overload = decision.reason is RejectReason.DEADLINE
             self._throttle_of(request).record(
                 _throttle_key(request.arrival),
@@ -360,11 +363,13 @@ class Fleet:
         if isinstance(decision, RetryElsewhere):
             self._route(now_s, request)
         else:
-            self._done(request.arrival)
-            self._throttle_of(request).record(
-                _throttle_key(request.arrival), now_s, is_accepted=True
-            )
-            self._recorder.refused(request.arrival.at_s, "unavailable")
+            self._gave_up(request, now_s)
+
+    def _gave_up(self, request: SimRequest, now_s: float) -> None:
+        """No retry after UNAVAILABLE: the caller gets it."""
+        self._done(request.arrival)
+        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=True)
+        self._recorder.refused(request.arrival.at_s, "unavailable")
 
     def _release(self, request: SimRequest) -> None:
         self._cells[request.cell].table.release(request.reservation_id)
