@@ -8,7 +8,13 @@ from pathlib import Path
 
 from services.common.job_policy import RetryPolicy
 from services.common.logs import LogConfig
-from services.common.settings import ConfigParser, Setting, SettingsTable, config_builder
+from services.common.settings import (
+    ConfigParser,
+    Setting,
+    SettingsTable,
+    config_builder,
+    parse_seconds,
+)
 from services.common.tls import ClientTls, client_tls_settings
 
 
@@ -85,7 +91,7 @@ SETTINGS = SettingsTable(
         Setting("host", str, _D.host, "interface the metrics listener binds"),
         Setting("metrics_port", int, _D.metrics_port, "Prometheus /metrics port; 0: free", "port"),
         Setting("ready_file", Path, None, "once ready, write {grpc_port: 0, metrics_port} here"),
-        Setting("drain_grace_s", float, _D.drain_grace_s,
+        Setting("drain_grace_s", parse_seconds, _D.drain_grace_s,
                 "time running chunks may take to finish after SIGTERM", "s"),
         Setting("log_level", str, "info", "lowest level logged", field="logging.level"),
         Setting("log_format", str, "json", "log lines as json or text", field="logging.format"),

@@ -18,6 +18,7 @@ from services.common.settings import (
 )
 from services.gateway import config as gateway_config
 from services.gpu_worker import config as worker_config
+from services.jobs import config as jobs_config
 from services.router import config as router_config
 
 pytestmark = pytest.mark.unit
@@ -128,7 +129,7 @@ def test_every_tier_table_parses_an_empty_command_line(module: Any) -> None:
         assert table.env_var(setting) in " ".join(help_text.split())
 
 
-@pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
+@pytest.mark.parametrize("module", [*TIER_TABLES, jobs_config], ids=lambda m: m.SETTINGS.env_prefix)
 @pytest.mark.parametrize("grace", ["inf", "nan", "-1"])
 def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
     module: Any, grace: str, capsys: pytest.CaptureFixture[str]
