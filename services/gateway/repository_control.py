@@ -105,16 +105,25 @@ class RepositoryControl:
         await self._client.aclose()
 
     async def _follow(self) -> None:
+        """Re-reads the repository when a revision changes, and again every period until a
+        read succeeds (a version still being copied reads on a later try); logs what fails,
+        once while it lasts, and never stops following."""
+        last_failure = ""
         while True:
             try:
                 revisions = {n: d.revision for n, d in (await self.desired()).items()}
                 if self._revisions is not None and revisions != self._revisions:
                     await self.read_repository()
                 self._revisions = revisions
+                last_failure = ""
             except Unavailable as error:
-                log.warning("desired model state unreadable: %s", error)
-            except (ModelConfigError, OSError) as error:
-                log.error("model repository not re-read: %s", error)
+                if str(error) != last_failure:
+                    log.warning("desired model state unreadable: %s", error)
+                last_failure = str(error)
+            except Exception as error:  # a bad model directory, or a bug: retried
+                if repr(error) != last_failure:
+                    log.error("model repository not re-read: %s", error, exc_info=True)
+                last_failure = repr(error)
             await asyncio.sleep(FOLLOW_PERIOD_S)
 
     async def read_repository(self) -> list[str]:
@@ -126,7 +135,10 @@ class RepositoryControl:
             name = version.config.name
             if self._catalog.has_version(name, version.version):
                 continue
-            encoder = await asyncio.to_thread(new_encoder, version)
+            try:
+                encoder = await asyncio.to_thread(new_encoder, version)
+            except Exception as error:  # a tokenizer still being copied, or not one at all
+                raise ModelConfigError(f"{name}/{version.version}: {error}") from error
             self._catalog.add_version(version, encoder)
             added.append(f"{name}/{version.version}")
         if added:

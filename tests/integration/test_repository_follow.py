@@ -1,0 +1,57 @@
+"""A gateway follows the fleet's desired model state (RepositoryControl, against a real
+redis-server as the gateway's Redis user): when a revision changes it re-reads the repository,
+and a read that fails (a model still being copied) is tried again until it succeeds."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from services.common.model_repository import load_repository
+from services.common.redis_acl import GATEWAY
+from services.common.registry_schema import connect
+from services.common.repository_state import DesiredState, ModelState, repository_key
+from services.gateway.catalog import ModelCatalog
+from services.gateway.repository_control import FOLLOW_PERIOD_S, RepositoryControl
+from tests.support.models import write_affine_model
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A load of another model is written while `staged` is half-copied (a config that is
+    not UTF-8): the read fails, and is tried again every period until `staged` is complete,
+    which this gateway then knows, with no new revision written. Before, the failed read
+    counted as done, and the gateway never learnt of `staged`."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    catalog = ModelCatalog(load_repository(repository))
+    control = RepositoryControl(
+        catalog,
+        model_repository=repository,
+        redis_url=redis_server.role_url(GATEWAY),
+        password_file=None,
+        key_prefix="fabric",
+    )
+    admin = connect(redis_server.url)
+    control.start()
+    try:
+        await asyncio.sleep(2 * FOLLOW_PERIOD_S)  # it has read the revisions once
+        staged = repository / "staged"
+        staged.mkdir()
+        (staged / "config.toml").write_bytes(b'kind = "\xe9"\n')
+        entry = DesiredState(ModelState.LOADED, 1)
+        await admin.hset(repository_key("fabric"), "affine", entry.to_json())
+        await asyncio.sleep(2 * FOLLOW_PERIOD_S)  # it has tried to read, and failed
+        assert not catalog.has_version("staged", "1")
+        write_affine_model(repository, name="staged")  # the copy completes
+        await eventually(lambda: catalog.has_version("staged", "1"), timeout_s=30.0)
+    finally:
+        await control.close()
+        await admin.aclose()
