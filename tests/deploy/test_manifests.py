@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -1011,10 +1012,12 @@ def sample_names(families: list[tuple[str, str]]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def live_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    """A real worker process on a small TorchScript model, after one request."""
+    """A real worker process on a small TorchScript model and tiny-llama, after one request
+    to each (a generation model's series differ: pools of one scale on its own)."""
     tmp = tmp_path_factory.mktemp("deploy-worker")
     repository = tmp / "repo"
     write_affine_model(repository, slo_p99_ms=30_000)
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", repository / "tiny-llama")
     worker = start_worker(tmp, model_repository=repository)
     try:
         row = np.arange(4, dtype=np.float32)
@@ -1023,8 +1026,13 @@ def live_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePro
             inputs=[pb.ModelInput(tensor=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4],
                                                    raw_data=row.tobytes()))],
         )  # fmt: skip
+        generate = pb.WorkerGenerateRequest(
+            model_name="tiny-llama", text="hello", sampling=pb.SamplingParameters(max_tokens=2)
+        )
         with grpc.insecure_channel(worker.address) as channel:
-            pb_grpc.WorkerServiceStub(channel).Infer(request, timeout=30)
+            stub = pb_grpc.WorkerServiceStub(channel)
+            stub.Infer(request, timeout=30)
+            assert list(stub.Generate(generate, timeout=60))
         yield worker
     finally:
         assert worker.terminate() == 0, worker.log()

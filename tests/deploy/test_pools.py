@@ -14,6 +14,7 @@ with the overlay. The rendering helpers are test_manifests.py's.
 from __future__ import annotations
 
 import json
+import tomllib
 from typing import Any
 
 import kubernetes_validate
@@ -21,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.deploy.test_manifests import (
     CHART_DIR,
@@ -47,6 +49,7 @@ from tests.deploy.test_manifests import (
     staged_tls_files,
     volume_sources,
 )
+from tests.support.processes import REPO_ROOT
 from tests.support.tools import venv_tool
 
 pytestmark = pytest.mark.integration
@@ -263,15 +266,29 @@ def test_each_pool_serves_its_models_from_the_mounted_repository(
             assert config["model_repository"] == repository_mount(deployment)["mountPath"]
 
 
-def queue_wait_labels() -> set[str]:
-    """Labels of the worker's queue-wait histogram series (from its metrics class)."""
-    metrics = WorkerMetrics(CollectorRegistry())
-    metrics.queue_wait_seconds.labels("m", "1").observe(0)
-    (family,) = [f for f in metrics.registry.collect() if f.name == names.WORKER_QUEUE_WAIT_SECONDS]
-    return {label for sample in family.samples for label in sample.labels} - {"le"}
+def waiting_signal(models: list[str]) -> tuple[str, set[str]]:
+    """The histogram a pool of `models` scales on, and the labels of its series (from the
+    metrics classes): queue wait for fixed-cost models, time to first token for generation
+    models, which have no batching queue and so no queue-wait series at all."""
+    kinds = {model_config(model)["kind"] for model in models}
+    if kinds == {"generation"}:
+        registry = CollectorRegistry()
+        GenerationMetrics(registry).ttft_seconds.labels("m", "1").observe(0)
+        name = names.GENERATION_TTFT_SECONDS
+    else:
+        assert "generation" not in kinds, f"a pool mixes generation and fixed-cost: {models}"
+        worker = WorkerMetrics(CollectorRegistry())
+        worker.queue_wait_seconds.labels("m", "1").observe(0)
+        registry, name = worker.registry, names.WORKER_QUEUE_WAIT_SECONDS
+    (family,) = [f for f in registry.collect() if f.name == name]
+    return name, {label for sample in family.samples for label in sample.labels} - {"le"}
 
 
-def test_each_pool_scales_on_its_own_models_queue_wait(pool_renders: dict[str, Objects]) -> None:
+def model_config(model: str) -> dict[str, Any]:
+    return tomllib.loads((REPO_ROOT / "models" / model / "config.toml").read_text())
+
+
+def test_each_pool_scales_on_its_own_models_waiting(pool_renders: dict[str, Objects]) -> None:
     rules = {exposed_name(rule): rule for rule in adapter_rules()}
     for name, objects in pool_renders.items():
         found = by_key(objects)
@@ -290,7 +307,8 @@ def test_each_pool_scales_on_its_own_models_queue_wait(pool_renders: dict[str, O
             metric, duty_cycle = spec["metrics"]
             assert metric["type"] == "Pods", where
             rule = rules[metric["pods"]["metric"]["name"]]
-            assert series_metric(rule) == f"{names.WORKER_QUEUE_WAIT_SECONDS}_bucket"
+            waiting, waiting_labels = waiting_signal(POOL_MODELS[pool_name])
+            assert series_metric(rule) == f"{waiting}_bucket", where
             # And the device's duty cycle: the pool's pods serve only its models, so their
             # devices' busy time needs no selector.
             assert duty_cycle["type"] == "Pods", where
@@ -301,7 +319,7 @@ def test_each_pool_scales_on_its_own_models_queue_wait(pool_renders: dict[str, O
             # adds it to <<.LabelMatchers>>, which every series the query reads must carry, and
             # its label must be one the worker puts on the series.
             label, models = hpa_metric_selector(hpa)
-            assert label == "model" and label in queue_wait_labels(), where
+            assert label == "model" and label in waiting_labels, where
             assert models == POOL_MODELS[pool_name], where
             selected_models += models
             query = rule["metricsQuery"]
