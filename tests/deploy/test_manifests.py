@@ -41,6 +41,7 @@ from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_
 from services.gateway import config as gateway_config
 from services.gateway import server as gateway_server
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.process_group import PROCESS_LABEL
 from services.gateway.server import DOOR_METHODS
 from services.gpu_worker import config as worker_config
 from services.gpu_worker import server as worker_server
@@ -1279,6 +1280,18 @@ def test_dashboard_shows_the_stages_batching_and_slo_from_real_metrics(
         for name in re.findall(r"\b(inference_[a-z0-9_]+)_bucket\{[^}]*le=\"\$slo\"", query):
             assert name in bounds, f"{name} is read with le=$slo; add its bounds to the test"
             assert choices <= bounds[name], f"{name}: {sorted(choices - bounds[name])} not bounds"
+
+
+def test_the_dashboards_joins_match_on_labels_every_tier_has() -> None:
+    """`on (...)` joins series of different metrics, so only on labels both sides carry: the
+    Prometheus Operator's target labels, and a gateway group's process label (before, `on (pod,
+    process)`: no series has `process`, so with several gateway processes a pod's build-info
+    series were alike to the join, and the per-tier CPU and loop-lag panels failed)."""
+    common = {"pod", "namespace", "instance", "job", PROCESS_LABEL}
+    for query in dashboard_queries(json.loads(DASHBOARD.read_text())):
+        for group in re.findall(r"\bon\s*\(([^)]*)\)", query):
+            labels = {g.strip() for g in group.split(",") if g.strip()}
+            assert labels <= common, f"{query}: joins on {sorted(labels - common)}"
 
 
 def slo_histogram_bounds() -> dict[str, set[str]]:
