@@ -462,7 +462,18 @@ def test_s33_grpc_probes_ask_the_tiers_own_health_services(renders: dict[str, Ob
             assert router_server.REGISTRY_HEALTH_NAME not in services
 
 
-def test_worker_grace_period_covers_prestop_and_drain(renders: dict[str, Objects]) -> None:
+#: Each tier's drain grace when its manifest sets none (the tiers' config defaults).
+DRAIN_GRACE_DEFAULTS_S = {
+    "gateway": gateway_config.GatewayConfig.drain_grace_s,
+    "router": router_config.RouterConfig.drain_grace_s,
+    "gpu-worker": worker_config.WorkerConfig.drain_grace_s,
+}
+ENV_PREFIXES = {"gateway": "GATEWAY", "router": "ROUTER", "gpu-worker": "WORKER"}
+
+
+def test_grace_periods_cover_prestop_drain_and_a_hung_stops_own_exit(
+    renders: dict[str, Objects],
+) -> None:
     for name, objects in renders.items():
         for tier, deployment in workloads(objects).items():
             container = main_container(deployment)
@@ -476,16 +487,19 @@ def test_worker_grace_period_covers_prestop_and_drain(renders: dict[str, Objects
             if tier in {"redis", RUNNER}:
                 continue
             assert pre_stop > 0, f"{name}/{tier}: no preStop sleep (endpoints update first)"
-            assert grace > pre_stop, f"{name}/{tier}"
+            # SIGTERM after the preStop sleep: the drain, then a stop that hangs dumps its
+            # stacks and exits by itself STOP_OVERRUN_S later, before the kubelet's SIGKILL.
+            env = env_entries(container)
+            drain = DRAIN_GRACE_DEFAULTS_S[tier]
+            if f"{ENV_PREFIXES[tier]}_DRAIN_GRACE_S" in env:
+                drain = float(env[f"{ENV_PREFIXES[tier]}_DRAIN_GRACE_S"]["value"])
+            assert grace > pre_stop + drain + STOP_OVERRUN_S, (
+                f"{name}/{tier}: terminationGracePeriodSeconds {grace} <= preStop {pre_stop} + "
+                f"drain {drain} + {STOP_OVERRUN_S}: a hung stop would be SIGKILLed unreported"
+            )
             if tier != "gpu-worker":
                 continue
-            env = env_entries(container)
             assert "WORKER_DRAIN_GRACE_S" in env, f"{name}: set the drain grace explicitly"
-            drain = float(env["WORKER_DRAIN_GRACE_S"]["value"])
-            assert grace >= pre_stop + drain, (
-                f"{name}: terminationGracePeriodSeconds {grace} < preStop {pre_stop} + "
-                f"drain {drain}: the kubelet would SIGKILL in-flight work"
-            )
             # "" is NOT_SERVING from SIGTERM on: liveness must not restart a draining worker.
             liveness = container["livenessProbe"]
             assert liveness["failureThreshold"] * liveness["periodSeconds"] >= grace, name
