@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from services.common.lifecycle import STOP_OVERRUN_S
 from services.gateway import config as gateway_config
 from services.gpu_worker import config as worker_config
 from services.jobs import config as jobs_config
@@ -392,6 +393,18 @@ def test_compose_stack_finds_itself(
     published = {int(p.split(":")[-1]): p for p in services["gateway"]["ports"]}
     assert set(published) == {gateway["grpc_port"], gateway["http_port"], gateway["metrics_port"]}
     assert all(p.startswith("127.0.0.1:") for p in published.values())
+
+
+def test_compose_gives_each_tier_its_drain_before_the_kill(
+    compose: dict[str, Any], compose_configs: dict[str, dict[str, Any]]
+) -> None:
+    """`docker compose stop` sends SIGTERM, then SIGKILL after `stop_grace_period` (10 s by
+    default, which cut the worker's 30 s drain): it must cover the tier's drain and the
+    STOP_OVERRUN_S a hung stop takes to exit by itself."""
+    for tier, config in compose_configs.items():
+        text = compose["services"][tier].get("stop_grace_period", "10s")
+        assert text.endswith("s") and text[:-1].isdigit(), f"{tier}: {text} (write it in s)"
+        assert int(text[:-1]) > config["drain_grace_s"] + STOP_OVERRUN_S, tier
 
 
 def test_compose_redis_runs_the_dev_acl_and_each_tier_gets_its_own_password(
