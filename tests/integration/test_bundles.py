@@ -219,6 +219,20 @@ async def test_a_slice_cancelled_before_its_bundle_arrives_takes_no_room(
     assert tensor_from_pb(response.packed_outputs).shape[0] == 30
 
 
+async def _failure_of_direct_call(
+    fabric: Fabric, request: pb.InferRequest, *, timeout_s: float
+) -> BaseException:
+    """What a bundle sent straight to the worker (no router) failed with."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
+        worker = MultiplexClient(channel, "worker")
+        try:
+            with pytest.raises(Exception) as raised:
+                await worker.call(request.SerializeToString(), timeout_s=timeout_s)
+        finally:
+            await worker.close()
+    return raised.value
+
+
 async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceeded(
     fabric: Fabric, tmp_path: Path
 ) -> None:
@@ -226,14 +240,8 @@ async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceed
     up on it at the deadline and counts it DEADLINE_EXCEEDED, not CANCELLED (the caller did
     not go away; its time ran out)."""
     request = bundle("stall", [([row(STALL, 0, 0, 0)], pb.Slice(tenant="a"))])
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
-        worker = MultiplexClient(channel, "worker")
-        try:
-            with pytest.raises(Exception) as raised:
-                await worker.call(request.SerializeToString(), timeout_s=0.5)
-        finally:
-            await worker.close()
-    assert getattr(raised.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+    failure = await _failure_of_direct_call(fabric, request, timeout_s=0.5)
+    assert getattr(failure, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def counted(code: str) -> float:
         return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="stall", code=code)
@@ -259,15 +267,11 @@ async def test_the_time_preparing_a_bundles_rows_counts_against_its_deadlines(
 
     backend.prepare_many = slow_prepare_many  # type: ignore[method-assign]
     request = bundle("affine", [([row(1, 2, 3, 4)], pb.Slice(tenant="a"))])
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
-        worker = MultiplexClient(channel, "worker")
-        try:
-            with pytest.raises(Exception) as raised:
-                await worker.call(request.SerializeToString(), timeout_s=0.2)
-        finally:
-            await worker.close()
-            backend.prepare_many = prepare_many  # type: ignore[method-assign]
-    assert getattr(raised.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+    try:
+        failure = await _failure_of_direct_call(fabric, request, timeout_s=0.2)
+    finally:
+        backend.prepare_many = prepare_many  # type: ignore[method-assign]
+    assert getattr(failure, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def counted(code: str) -> float:
         return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code=code)
@@ -303,14 +307,8 @@ async def test_a_bundle_that_does_not_add_up_is_invalid_at_a_draining_worker_too
     batching = fabric.worker.batching
     assert batching is not None
     batching.begin_drain()
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{fabric.worker.port}") as channel:
-        worker = MultiplexClient(channel, "worker")
-        try:
-            with pytest.raises(Exception) as raised:
-                await worker.call(request.SerializeToString(), timeout_s=PATIENT_S)
-        finally:
-            await worker.close()
-    assert getattr(raised.value, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
+    failure = await _failure_of_direct_call(fabric, request, timeout_s=PATIENT_S)
+    assert getattr(failure, "code", None) == grpc.StatusCode.INVALID_ARGUMENT
 
 
 async def test_concurrent_callers_travel_in_bundles_and_each_gets_its_own_rows(

@@ -117,6 +117,24 @@ async def hold(until_s: float) -> None:
 # -- 5: retries stop within the retry budget; INVALID_ARGUMENT is never retried ---------------
 
 
+async def router_infer_codes(
+    fabric: Fabric, rows: Sequence[np.ndarray], *, at_once: bool
+) -> list[grpc.StatusCode]:
+    """The statuses of one Infer of affine/1 per row, sent straight to the router, all at once
+    or one after the other."""
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+
+        async def infer(values: np.ndarray) -> grpc.StatusCode:
+            metadata = route_metadata("affine", "1", 1)
+            call = stub.Infer(infer_request("affine", values), timeout=PATIENT_S, metadata=metadata)
+            return await status_of_call(call)
+
+        if at_once:
+            return list(await asyncio.gather(*(infer(r) for r in rows)))
+        return [await infer(r) for r in rows]
+
+
 #: The router's retry budget (services.router.routing.RetryBudget), as it is built.
 _BUDGET = inspect.signature(RetryBudget).parameters
 BUDGET_RATIO = _BUDGET["ratio"].default
@@ -143,20 +161,8 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
         max_retries = fabric.router.config.max_retries
         # First, healthy workers: a request the worker refuses as malformed is answered once.
         num_invalid = 20
-        async with grpc.aio.insecure_channel(fabric.router_address) as channel:
-            stub = pb_grpc.WorkerServiceStub(channel)
-            codes = await asyncio.gather(
-                *(
-                    status_of_call(
-                        stub.Infer(
-                            infer_request("affine", row(1, 2, 3)),  # 3 values, the model takes 4
-                            timeout=PATIENT_S,
-                            metadata=route_metadata("affine", "1", 1),
-                        )
-                    )
-                    for _ in range(num_invalid)
-                )
-            )
+        # 3 values, the model takes 4.
+        codes = await router_infer_codes(fabric, [row(1, 2, 3)] * num_invalid, at_once=True)
         assert set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}
         assert fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, code="INVALID_ARGUMENT") == (
             num_invalid
@@ -217,18 +223,8 @@ async def test_a_retry_that_no_other_worker_can_take_spends_no_retry_budget(
         assert worker.batching is not None
         worker.batching.begin_drain()
         num_requests = int(BUDGET_RESERVE) + 10  # more than the budget's reserve
-        async with grpc.aio.insecure_channel(fabric.router_address) as channel:
-            stub = pb_grpc.WorkerServiceStub(channel)
-            codes = [
-                await status_of_call(
-                    stub.Infer(
-                        infer_request("affine", row(i, 1, 2, 3)),
-                        timeout=PATIENT_S,
-                        metadata=route_metadata("affine", "1", 1),
-                    )
-                )
-                for i in range(num_requests)
-            ]
+        rows = [row(i, 1, 2, 3) for i in range(num_requests)]
+        codes = await router_infer_codes(fabric, rows, at_once=False)
         assert set(codes) == {grpc.StatusCode.UNAVAILABLE}
         assert fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, code="UNAVAILABLE") == (
             num_requests
