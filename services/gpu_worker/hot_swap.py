@@ -107,7 +107,12 @@ class ModelSwapper:
         self._on_change()
         log.info("unloading %s/%s: draining its admitted work", model_name, model_version)
         if isinstance(model, GenerationBackend):
-            await model.engine.drain()
+            # Shielded: a worker's stop cancels this follower, and its own drain (within the
+            # grace) takes this one over (it stays in `unloading`) instead of cutting its
+            # streams.
+            self._models.unloading.add(model)
+            await asyncio.shield(model.engine.drain())
+            self._models.unloading.discard(model)
         elif isinstance(model, Backend):
             await self._batching.remove_backend(model)
         # Its last reference: the release can free its tensors only once it is gone (on a

@@ -105,6 +105,9 @@ class LoadedModels:
     ) -> None:
         #: Versions in the repository that failed to load (not served, not advertised).
         self.failed: tuple[LoadFailure, ...] = tuple(failed)
+        #: Generation versions unloaded but still finishing their streams: a worker's stop
+        #: drains them with the served ones, within its grace.
+        self.unloading: set[GenerationBackend] = set()
         self._index(tuple(fixed_cost), tuple(generation))
 
     def _index(

@@ -340,7 +340,8 @@ class Worker:
                 log.exception("the model repository follower had stopped")
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
-        drains = [b.engine.drain() for b in self.models.generation] if self.models else []
+        generation = (*self.models.generation, *self.models.unloading) if self.models else ()
+        drains = [b.engine.drain() for b in generation]
         if self.batching is not None:
             drains.append(self.batching.drain())
         try:

@@ -364,6 +364,38 @@ async def test_a_generation_model_unloads_after_its_streams_finish_and_loads_aga
     assert sum(len(m.token_ids) for m in again) == MAX_TOKENS
 
 
+async def test_a_stop_during_a_generation_unload_lets_its_streams_finish(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """SIGTERM (the worker's stop) while a generation version unloads, its stream still
+    running: the stream finishes within the stop's grace. Before, the stop cancelled the
+    unload, which cancelled the engine's loop, and the stream was cut UNAVAILABLE."""
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    worker = await create_worker(config(tmp_path, redis_server.worker_url))
+    generate = pb.WorkerGenerateRequest(
+        model_name="tiny-llama",
+        text="once upon a time",
+        sampling=pb.SamplingParameters(max_tokens=MAX_TOKENS, ignore_eos=True),
+    )
+    stopping: asyncio.Task[None] | None = None
+    try:
+        await worker.load()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            stream = stub.Generate(generate, timeout=60)
+            messages = [await stream.read()]
+            await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.UNLOADED, 1))
+            key = ("tiny-llama", "1")
+            await eventually(lambda: _lacks(stub, key), timeout_s=CONVERGE_S, message="unlisted")
+            stopping = asyncio.create_task(worker.stop())
+            while (message := await stream.read()) is not grpc.aio.EOF:
+                messages.append(message)
+    finally:
+        await (stopping if stopping is not None else worker.stop())
+    assert sum(len(m.token_ids) for m in messages) == MAX_TOKENS
+    assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 async def test_a_worker_started_after_an_unload_does_not_load_the_model(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
