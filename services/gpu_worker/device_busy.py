@@ -58,14 +58,16 @@ class DeviceBusy(Generic[P, R]):
     (several times when a failing batch is bisected), then read `seconds`. On the executor
     thread, one per batch or step."""
 
-    __slots__ = ("_run", "num_calls", "on_cuda", "seconds", "sections")
+    __slots__ = ("_run", "last_end_s", "num_calls", "on_cuda", "seconds", "sections")
 
     def __init__(self, run: Callable[P, R], device: torch.device) -> None:
         self._run = run
         self.on_cuda = device.type == "cuda"
         self.seconds = 0.0
-        #: Calls that have ended (the watchdog's sign of progress: batching.watchdog).
+        #: Calls that have ended, and when the last one did (time.monotonic): the watchdog's
+        #: sign of progress (batching.watchdog).
         self.num_calls = 0
+        self.last_end_s = 0.0
         #: The device sections of the call running now: (start, end) events.
         self.sections: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -76,7 +78,7 @@ class DeviceBusy(Generic[P, R]):
                 return self._run(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start_s
-                self.num_calls += 1
+                self._ended()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         self.sections.clear()
         _timing.busy = self
@@ -90,4 +92,8 @@ class DeviceBusy(Generic[P, R]):
             spans = self.sections or [(start, end)]
             self.seconds += sum(first.elapsed_time(last) for first, last in spans) / 1000.0
             self.sections.clear()
-            self.num_calls += 1
+            self._ended()
+
+    def _ended(self) -> None:
+        self.last_end_s = time.monotonic()  # before the count: a reader that sees the count
+        self.num_calls += 1  # sees this call's end too

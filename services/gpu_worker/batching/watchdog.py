@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor, Future
 from typing import Any, Protocol, TypeVar
@@ -34,23 +35,28 @@ def watchdog_bound_s(watchdog_s: float, slowest_warmup_s: float) -> float:
 
 
 class Calls(Protocol):
-    #: Model calls ended so far (DeviceBusy's count).
+    #: Model calls ended so far, and when the last one did (DeviceBusy's, time.monotonic).
     num_calls: int
+    last_end_s: float
 
 
 async def within_watchdog(batch: Awaitable[R], bound_s: float, calls: Calls) -> R:
     """Awaits `batch` (on the executor: one model call, or 2n - 1 while a failing batch of n
-    rows is bisected) while its model calls each end within `bound_s`; raises TimeoutError
-    (and stops awaiting) once none has ended for `bound_s`: a call that never returns. Bounding
-    the whole batch instead would take a failing batch's bisection for a wedged call."""
+    rows is bisected) while each of its model calls ends within `bound_s` of the one before
+    (the first, of the batch's start); raises TimeoutError (and stops awaiting) once one has
+    not: a call that never returns. Bounding the whole batch instead would take a failing
+    batch's bisection for a wedged call."""
     running = asyncio.ensure_future(batch)
     try:
-        num_ended = calls.num_calls
-        while not (await asyncio.wait({running}, timeout=bound_s))[0]:
-            if calls.num_calls == num_ended:
-                raise TimeoutError(f"no model call ended within {bound_s:.1f}s")
-            num_ended = calls.num_calls
-        return running.result()
+        num_ended, since_s = calls.num_calls, time.monotonic()
+        while True:
+            wait_s = since_s + bound_s - time.monotonic()
+            if wait_s <= 0:
+                raise TimeoutError(f"a model call ran past {bound_s:.1f}s")
+            if (await asyncio.wait({running}, timeout=wait_s))[0]:
+                return running.result()
+            if calls.num_calls != num_ended:
+                num_ended, since_s = calls.num_calls, calls.last_end_s
     finally:
         running.cancel()  # a no-op once done; the call itself cannot be stopped
 
