@@ -189,9 +189,14 @@ class Client:
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
 
     def _timeout(self, timeout_s: float | None) -> float:
-        """A call's timeout: the one given (0 included: it is already due), else the
-        client's."""
-        return self._timeout_s if timeout_s is None else timeout_s
+        """A call's timeout: the one given, else the client's. One of 0 or less is already
+        due: DEADLINE_EXCEEDED without a call (gRPC may still serve a call whose deadline is
+        now, before its timer fires)."""
+        if timeout_s is None:
+            return self._timeout_s
+        if timeout_s <= 0:
+            raise FabricError("DEADLINE_EXCEEDED", f"timeout of {timeout_s} s: no time left")
+        return timeout_s
 
     def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
         """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint

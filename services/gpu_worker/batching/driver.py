@@ -132,9 +132,8 @@ class BatchingDriver:
         self._metrics.forget_queue(*lane.labels)
 
     async def between_batches(self, work: Callable[..., object], *args: object) -> None:
-        """Runs `work` on the executor thread between batches, dispatching none from the ask
-        to its return: a batch queued behind it would be timed with it (the watchdog could
-        take a long warm-up for a wedged call; tenants and the latency model would pay)."""
+        """Runs `work` on the executor between batches, dispatching none meanwhile: a batch
+        queued behind it would be timed with it (by the watchdog, the tenants, the model)."""
         self._num_between += 1
         try:
             while self._running is not None:
@@ -309,27 +308,29 @@ class BatchingDriver:
             self._wake.clear()
             now = self._clock()
             is_idle = self._running is None and not self._num_between
-            wake_at: float | None = None
-            start = next(turns_taken) % max(1, len(self._order))
-            rotated = self._order[start:] + self._order[:start]
-            turns = by_urgency(rotated, now) if is_idle else [(lane, False) for lane in rotated]
-            for lane, force in turns:
-                poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
-                lane.fail_expired(poll.expired, self._metrics)
-                if isinstance(poll.action, Dispatch):
-                    self._dispatch(lane, poll.action, now)
-                    is_idle = False
-                elif poll.action.until_s is not None:
-                    wake_at = (
-                        poll.action.until_s
-                        if wake_at is None
-                        else min(wake_at, poll.action.until_s)
-                    )
+            wake_at = self._take_turns(next(turns_taken), now, is_idle)
             if self._draining and self._running is None and self.num_in_flight == 0:
                 return
             timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout_s)
+
+    def _take_turns(self, turn: int, now: float, is_idle: bool) -> float | None:
+        """One pass over the lanes; returns when to look again. A frame of its own: no lane
+        outlives it in the sleeping loop's, where an unloaded version could not be freed."""
+        start = turn % max(1, len(self._order))
+        rotated = self._order[start:] + self._order[:start]
+        turns = by_urgency(rotated, now) if is_idle else [(lane, False) for lane in rotated]
+        wake_at: float | None = None
+        for lane, force in turns:
+            poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
+            lane.fail_expired(poll.expired, self._metrics)
+            if isinstance(poll.action, Dispatch):
+                self._dispatch(lane, poll.action, now)
+                is_idle = False
+            elif (until_s := poll.action.until_s) is not None:
+                wake_at = until_s if wake_at is None else min(wake_at, until_s)
+        return wake_at
 
     def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:
         rows = lane.take_rows(dispatch, now, self._busy_s(now), self._metrics)
