@@ -329,21 +329,29 @@ async def _no_failures(redis_server: RedisServer) -> bool:
     return await registered_failures(redis_server) == []
 
 
+#: A long generation of tiny-llama: still streaming when its version starts unloading.
+LONG_GENERATION = pb.WorkerGenerateRequest(
+    model_name="tiny-llama",
+    text="once upon a time",
+    sampling=pb.SamplingParameters(max_tokens=MAX_TOKENS, ignore_eos=True),
+)
+
+
+async def _tiny_llama_worker(tmp_path: Path, redis_server: RedisServer) -> Worker:
+    """A worker (not loaded yet) whose repository holds tiny-llama, beside the fixture's."""
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    return await create_worker(config(tmp_path, redis_server.worker_url))
+
+
 async def test_a_generation_model_unloads_after_its_streams_finish_and_loads_again(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
-    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
-    worker = await create_worker(config(tmp_path, redis_server.worker_url))
-    generate = pb.WorkerGenerateRequest(
-        model_name="tiny-llama",
-        text="once upon a time",
-        sampling=pb.SamplingParameters(max_tokens=MAX_TOKENS, ignore_eos=True),
-    )
+    worker = await _tiny_llama_worker(tmp_path, redis_server)
     try:
         await worker.load()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            stream = stub.Generate(generate, timeout=60)
+            stream = stub.Generate(LONG_GENERATION, timeout=60)
             first = await stream.read()
             await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.UNLOADED, 1))
             key = ("tiny-llama", "1")
@@ -352,10 +360,10 @@ async def test_a_generation_model_unloads_after_its_streams_finish_and_loads_aga
             while (message := await stream.read()) is not grpc.aio.EOF:
                 rest.append(message)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await anext(aiter(stub.Generate(generate, timeout=60)))
+                await anext(aiter(stub.Generate(LONG_GENERATION, timeout=60)))
             await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.LOADED, 2))
             await eventually(lambda: _has(stub, key), timeout_s=CONVERGE_S, message="listed")
-            again = [message async for message in stub.Generate(generate, timeout=60)]
+            again = [message async for message in stub.Generate(LONG_GENERATION, timeout=60)]
     finally:
         await worker.stop()
     tokens = [t for m in (first, *rest) for t in m.token_ids]
@@ -370,19 +378,13 @@ async def test_a_stop_during_a_generation_unload_lets_its_streams_finish(
     """SIGTERM (the worker's stop) while a generation version unloads, its stream still
     running: the stream finishes within the stop's grace. Before, the stop cancelled the
     unload, which cancelled the engine's loop, and the stream was cut UNAVAILABLE."""
-    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
-    worker = await create_worker(config(tmp_path, redis_server.worker_url))
-    generate = pb.WorkerGenerateRequest(
-        model_name="tiny-llama",
-        text="once upon a time",
-        sampling=pb.SamplingParameters(max_tokens=MAX_TOKENS, ignore_eos=True),
-    )
+    worker = await _tiny_llama_worker(tmp_path, redis_server)
     stopping: asyncio.Task[None] | None = None
     try:
         await worker.load()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
-            stream = stub.Generate(generate, timeout=60)
+            stream = stub.Generate(LONG_GENERATION, timeout=60)
             messages = [await stream.read()]
             await set_desired(redis_server, "tiny-llama", DesiredState(ModelState.UNLOADED, 1))
             key = ("tiny-llama", "1")
