@@ -8,10 +8,11 @@ Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mappin
 door). The server answers each call with its own bytes, so what differs between modes is what
 the interceptor costs. `grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
 RESOURCE_EXHAUSTED before any parser or handler, once the interceptors ran) refuses about half
-the calls, for what a
-refusal costs against a served call (issue 33's goal: at most 0.2); with `stages` measured in
-the same run, the refused call's own CPU is printed too (the mixed figure less the served
-calls' share at the `stages` cost). On a machine with two CPUs or more the server
+the calls, and `grpc-dropping` (`stages` with `--max-pending-calls 2`: grpc's C core drops,
+CANCELLED, the calls past four waiting to be picked up, before any Python) most of them, for
+what a refusal costs against a served call (issue 33's goal: at most 0.2); with `stages`
+measured in the same run, each refused call's own CPU is printed too (the mixed figure less the
+served calls' share at the `stages` cost). On a machine with two CPUs or more the server
 runs on CPU 1 and the client on CPU 0, so that neither disturbs the other's figure.
 """
 
@@ -39,7 +40,12 @@ from services.gateway.server import DOOR_METHODS
 
 SERVICE = "inference.v1.InferenceService"
 METHOD = f"/{SERVICE}/Predict"
-MODES = ("bare", "errors", "stages", "door", "grpc-refusing")
+MODES = ("bare", "errors", "stages", "door", "grpc-refusing", "grpc-dropping")
+#: How each refusing mode's refusals end at the caller.
+REFUSALS = {
+    "grpc-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "grpc-dropping": grpc.StatusCode.CANCELLED,
+}
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -56,6 +62,8 @@ def _server(mode: str) -> tuple[grpc.aio.Server, Door | None]:
         return new_server(stages), None
     if mode == "grpc-refusing":
         return new_server(stages, max_concurrent_rpcs=1), None
+    if mode == "grpc-dropping":
+        return new_server(stages, max_pending_calls=2), None
     door = Door(DOOR_METHODS, DoorConfig(), CollectorRegistry())
     return new_server(stages, door=door), door
 
@@ -102,7 +110,7 @@ async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]
                 try:
                     await call(b"x" * 40, metadata=(("authorization", "Bearer bench"),))
                 except grpc.aio.AioRpcError as error:
-                    if error.code() is not grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    if error.code() not in REFUSALS.values():
                         raise
                     refused += 1
                 answered += 1
@@ -154,14 +162,16 @@ def main() -> None:
     for mode in args.modes or MODES:
         results[mode] = measure(mode, args.seconds, args.concurrency)
         print(json.dumps(results[mode]), flush=True)
-    if "stages" in results and "grpc-refusing" in results:
+    for mode in REFUSALS:
+        if "stages" not in results or mode not in results:
+            continue
         served = results["stages"]["server_cpu_us_per_call"]
-        mixed = results["grpc-refusing"]
+        mixed = results[mode]
         share = mixed["refused_share"]
         if share > 0:
             refused = (mixed["server_cpu_us_per_call"] - (1 - share) * served) / share
-            print(f"a call refused by grpc: about {refused:.0f} us; served with the stages: "
-                  f"{served:.0f} us", flush=True)  # fmt: skip
+            print(f"{mode}: a refused call about {refused:.0f} us ({refused / served:.2f} of "
+                  f"one served with the stages: {served:.0f} us)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

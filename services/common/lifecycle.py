@@ -65,13 +65,40 @@ def limit_settings(defaults: Any) -> tuple[Setting, ...]:
     )
 
 
-def check_limits(max_message_bytes: int, max_concurrent_rpcs: int) -> None:
+def pending_call_options(max_pending_calls: int) -> tuple[tuple[str, int], ...]:
+    """grpc's options bounding the calls waiting in its C core for the server's Python to pick
+    them up (0: grpc's defaults).
+
+    A grpc.aio server picks up one call of a method at a time, each after a few turns of its
+    event loop; when the loop is saturated (the tiers, not the model, are the bottleneck:
+    issue 33), arrivals wait there, where no Python sees them, and every caller's patience
+    becomes queueing time. grpc's random early drop bounds that queue: up to the soft limit
+    every call is kept, then an arrival is dropped with the chance (size - soft) / (hard -
+    soft), and always at the hard limit, here twice the soft one. A dropped call ends
+    CANCELLED at its caller without costing the server's Python anything; the calls kept wait
+    at most about `2 * max_pending_calls` pickups. The soft limit takes a burst of that many
+    calls whole."""
+    if max_pending_calls == 0:
+        return ()
+    return (
+        ("grpc.server.max_pending_requests", max_pending_calls),
+        ("grpc.server.max_pending_requests_hard_limit", 2 * max_pending_calls),
+    )
+
+
+def check_limits(
+    max_message_bytes: int, max_concurrent_rpcs: int, max_pending_calls: int = 0
+) -> None:
     """ValueError unless the limits are usable (a config's validation calls this)."""
     if max_message_bytes < 1024:
         raise ValueError(f"max_message_bytes must be at least 1024, got {max_message_bytes}")
     if max_concurrent_rpcs < 0:
         raise ValueError(
             f"max_concurrent_rpcs must be >= 0 (0: no limit), got {max_concurrent_rpcs}"
+        )
+    if max_pending_calls < 0:
+        raise ValueError(
+            f"max_pending_calls must be >= 0 (0: grpc's default), got {max_pending_calls}"
         )
 
 
@@ -81,6 +108,7 @@ def new_server(
     is_internal: bool = False,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int = 0,
+    max_pending_calls: int = 0,
     door: grpc.aio.ServerInterceptor | None = None,
 ) -> grpc.aio.Server:
     """A grpc.aio server running `stages` (tracing, authentication) around every call, in
@@ -93,8 +121,12 @@ def new_server(
     as one call for its whole life). The latter only once the interceptors have run (grpc finds
     a call's handler first), so such a call has passed the door and the stages: at the gateway,
     its tenant's request token is spent. `door` (services.common.door), when given, is the
-    first interceptor: its refusals cost no stage."""
-    check_limits(max_message_bytes, max_concurrent_rpcs)
+    first interceptor: its refusals cost no stage.
+
+    `max_pending_calls` (0: grpc's own 1,000 and 3,000) bounds the calls grpc's C core holds
+    that no Python has picked up yet: past it, grpc drops arrivals with a chance that grows to
+    one at twice it (`pending_call_options`), before any Python runs for them."""
+    check_limits(max_message_bytes, max_concurrent_rpcs, max_pending_calls)
     return grpc.aio.server(
         interceptors=[
             *([door] if door is not None else []),
@@ -108,6 +140,7 @@ def new_server(
             ("grpc.max_connection_age_ms", 300_000),
             ("grpc.max_connection_age_grace_ms", 30_000),
             *(PING_TOLERANCE if is_internal else ()),
+            *pending_call_options(max_pending_calls),
         ],
     )
 

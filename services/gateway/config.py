@@ -55,6 +55,10 @@ class GatewayConfig:
     #: Most calls served at once (streams included) before grpc answers RESOURCE_EXHAUSTED;
     #: 0 means no limit.
     max_concurrent_rpcs: int = 4096
+    #: Calls grpc holds before this process's Python picks them up, past which it starts to
+    #: drop arrivals, CANCELLED (services.common.lifecycle.pending_call_options); 0: grpc's
+    #: default (1,000). At least a burst: a cold burst of 64 is served whole.
+    max_pending_calls: int = 64
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
     #: The embedding model TEI's `/embed` and `/info` serve (TEI serves one model per server);
@@ -93,7 +97,7 @@ class GatewayConfig:
                 "no API keys file: give --api-keys-file (GATEWAY_API_KEYS_FILE), or, for local "
                 "development only, --allow-unauthenticated (GATEWAY_ALLOW_UNAUTHENTICATED=true)"
             )
-        check_limits(self.max_message_bytes, self.max_concurrent_rpcs)
+        check_limits(self.max_message_bytes, self.max_concurrent_rpcs, self.max_pending_calls)
         check_distinct_ports(
             grpc_port=self.grpc_port,
             metrics_port=self.metrics_port,
@@ -256,6 +260,14 @@ SETTINGS = SettingsTable(
             field="bundle_clock.max_hold_s",
         ),
         *limit_settings(GatewayConfig),
+        Setting(
+            "max_pending_calls",
+            int,
+            GatewayConfig.max_pending_calls,
+            "calls grpc holds before a process picks them up; past it, arrivals are dropped "
+            "(CANCELLED) with a chance growing to one at twice it; 0: grpc's default",
+            "calls",
+        ),
         *door_settings(),
         *server_tls_settings(),
         *client_tls_settings("router", "router_tls"),

@@ -217,6 +217,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         [Tracing(), Authentication(keys, admission)],
         max_message_bytes=config.max_message_bytes,
         max_concurrent_rpcs=config.max_concurrent_rpcs,
+        max_pending_calls=config.max_pending_calls,
         door=door,
     )
     repository = _add_services(server, config, predictor, metrics)

@@ -1,10 +1,15 @@
 """Limits at a real in-process gateway, checked before work is spent on a request: message size
 (RELIABILITY.md scenario 37, with a real router and worker behind it), concurrent calls and
-streams, and KServe ModelInfer's row cap and permission check ahead of decoding any element.
+streams, calls waiting for the gateway's Python past grpc's pending bound, and KServe
+ModelInfer's row cap and permission check ahead of decoding any element.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -14,6 +19,7 @@ import pytest
 import torch
 
 from services.gateway.auth import hash_key
+from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
@@ -189,3 +195,64 @@ async def test_s38_model_infer_row_cap_comes_before_tensor_decoding(keyed_gatewa
     too_many = await model_infer(keyed_gateway, short, ADS_KEY)
     assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "exceed the limit of 4" in (too_many.details() or "")
+
+
+# -- calls grpc holds before the gateway's Python picks them up --------------------------------
+
+
+def _burst_while_blocked(
+    port: int, num_calls: int, blocked: threading.Event, arrived: threading.Event
+) -> list[str]:
+    """Once the loop is `blocked`, sends `num_calls` ServerLive calls at once from this thread
+    (a blocking channel, so not on the blocked loop), lets them reach the server (`arrived`
+    set after a wait long enough for loopback), and returns their status names once
+    answered."""
+    assert blocked.wait(timeout=30), "the loop never blocked"
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        futures = [stub.ServerLive.future(kserve.ServerLiveRequest(), timeout=30) for _ in
+                   range(num_calls)]  # fmt: skip
+        time.sleep(1.5)
+        arrived.set()
+        codes = []
+        for future in futures:
+            try:
+                future.result()
+                codes.append("OK")
+            except grpc.RpcError as error:
+                codes.append(error.code().name)
+        return codes
+
+
+@pytest.mark.parametrize(
+    ("max_pending_calls", "num_calls"), [(4, 40), (GatewayConfig.max_pending_calls, 64)]
+)
+async def test_calls_waiting_past_the_pending_bound_are_dropped_before_python_sees_them(
+    tmp_path: Path, max_pending_calls: int, num_calls: int
+) -> None:
+    """While the gateway's loop is stalled (saturated: no call is picked up), calls past twice
+    `max_pending_calls` are dropped by grpc's C core, CANCELLED, without reaching the
+    gateway; those it held are served once the loop runs. A burst the size of the default
+    (64, the cold burst the fabric serves whole) is held whole."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    gateway = await start_lone_gateway(
+        repository, allow_unauthenticated=True, max_pending_calls=max_pending_calls
+    )
+    try:
+        blocked, arrived = threading.Event(), threading.Event()
+        burst = asyncio.create_task(
+            asyncio.to_thread(_burst_while_blocked, gateway.port, num_calls, blocked, arrived)
+        )
+        await asyncio.sleep(0.1)  # the thread is waiting for the loop to block
+        blocked.set()  # and from here to the end of the wait, no turn of the loop runs
+        assert arrived.wait(timeout=30), "the burst was never sent"
+        codes = Counter(await burst)
+    finally:
+        await gateway.stop()
+    assert sum(codes.values()) == num_calls and set(codes) <= {"OK", "CANCELLED"}, codes
+    if 2 * max_pending_calls + 1 >= num_calls:
+        assert codes["OK"] == num_calls, codes
+    else:
+        # One call matched the server's outstanding pick-up; grpc keeps every call up to the
+        # soft bound and none past the hard one (twice it).
+        assert max_pending_calls + 1 <= codes["OK"] <= 2 * max_pending_calls + 1, codes
