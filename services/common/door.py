@@ -220,12 +220,8 @@ class Door(grpc.aio.ServerInterceptor):
         self.num_in_flight = 0
         self._shares = CallerShares(config.share_window_s)
         self._peak_in_flight = 0
-        self._refusers = {
-            method: _handler(shape, self._refuse) for method, shape in methods.items()
-        }
-        self._probe_answers = {
-            method: _handler(shape, _answer_probe) for method, shape in methods.items()
-        }
+        self._refusers = {m: _handler(shape, self._refuse) for m, shape in methods.items()}
+        self._probe_answers = {m: _handler(shape, _answer_probe) for m, shape in methods.items()}
         self._calls_by_method = dict.fromkeys(methods, 0)
         self._token = secrets.token_hex(16)
         self._rng = rng or random.Random()
@@ -233,8 +229,7 @@ class Door(grpc.aio.ServerInterceptor):
         self._socket_dir: str | None = None
         self._address = ""
         self._probe_task: asyncio.Task[None] | None = None
-        #: The probe call in flight, if any.
-        self._probe: asyncio.Task[None] | None = None
+        self._probe: asyncio.Task[None] | None = None  # the probe call in flight, if any
         self._probe_started_s = 0.0
         self._channel: grpc.aio.Channel | None = None
         #: The process's CPU seconds at the last measurement, and when it was taken.
@@ -354,19 +349,23 @@ class Door(grpc.aio.ServerInterceptor):
     async def _send_probe(self, method: str, started_s: float) -> None:
         assert self._channel is not None
         loop = asyncio.get_running_loop()
+        is_dropped = False
         try:
             call = self._channel.unary_unary(
                 method, request_serializer=bytes, response_deserializer=bytes
             )
             await call(b"", metadata=((PROBE_KEY, self._token),))
         except grpc.aio.AioRpcError as error:
-            if error.code() in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            if error.code() is grpc.StatusCode.UNAVAILABLE:
                 return  # the server is stopping: nothing measured
-            # Refused by grpc itself (past --max-concurrent-rpcs): the process is as
-            # full as it gets; its wait is what it measured.
-            log.warning("door probe failed: %s", error.code().name)
+            # Dropped unseen (CANCELLED: the door stops before its server, so not a stop), or
+            # refused (past --max-concurrent-rpcs): the process is as full as it gets.
+            is_dropped = error.code() is grpc.StatusCode.CANCELLED
+            if not is_dropped:
+                log.warning("door probe failed: %s", error.code().name)
         now_s = loop.time()
-        self._measured(now_s, now_s - started_s)
+        delay_s = now_s - started_s
+        self._measured(now_s, self.limit.dropped_probe_delay_s(delay_s) if is_dropped else delay_s)
 
     def _measured(self, now_s: float, delay_s: float) -> None:
         self._metrics.queue_delay.observe(delay_s)

@@ -147,3 +147,15 @@ def test_a_process_starved_of_cpu_is_not_limited_for_its_wait() -> None:
         starved.update(k * 0.05, 0.3, 20, busy_share=0.1)
     assert busy.limit < CONFIG.initial
     assert starved.limit == CONFIG.initial
+
+
+def test_probes_grpc_drops_unseen_count_as_a_standing_queue() -> None:
+    """A probe grpc dropped (the queue past --max-pending-calls) comes back at once; counted
+    as its own short wait it would read as no queue, and the limit would never back off."""
+    limit = QueueDelayLimit(CONFIG)
+    assert limit.dropped_probe_delay_s(0.001) == 2 * CONFIG.target_s
+    limit.update(0.0, 0.3, 128)
+    assert limit.dropped_probe_delay_s(0.001) == 0.3  # the queue last seen
+    dropped = QueueDelayLimit(CONFIG)
+    run(dropped, 0.0, [dropped.dropped_probe_delay_s(0.001)] * 8, in_flight=128)
+    assert dropped.limit < CONFIG.initial
