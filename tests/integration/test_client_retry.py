@@ -24,10 +24,11 @@ pytestmark = pytest.mark.integration
 
 @dataclass
 class Refusing(api_grpc.InferenceServiceServicer):
-    """Refuses the first `refusals` Predicts (RESOURCE_EXHAUSTED, `hint_ms`), then answers."""
+    """Refuses the first `refusals` Predicts (RESOURCE_EXHAUSTED, `hint_ms`; None: no hint),
+    then answers."""
 
     refusals: int = 0
-    hint_ms: int = 20
+    hint_ms: int | None = 20
     code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
     calls: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -37,7 +38,8 @@ class Refusing(api_grpc.InferenceServiceServicer):
             self.calls.append(time.monotonic())
             refuse = len(self.calls) <= self.refusals
         if refuse:
-            context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
+            if self.hint_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
             context.abort(self.code, "busy")
         return api.PredictResponse(model_name=request.model_name, model_version="1")
 
@@ -93,6 +95,25 @@ def test_the_budget_bounds_retries_to_a_share_of_calls(serve: Any) -> None:
     # 20 calls; the budget starts at 2 retries and earns 0.1 per call (capped at 2): at most
     # 2 + 20 * 0.1 = 4 retries, where unbudgeted the client would have sent 100 more.
     assert 20 < len(servicer.calls) <= 24
+
+
+def test_a_call_dropped_unseen_is_sent_again_after_a_jittered_wait(serve: Any) -> None:
+    """CANCELLED, which this client never causes (a gateway's grpc dropped the call before
+    any Python saw it, past --max-pending-calls), carries no hint: it is sent again after
+    `dropped_retry_s`, jittered to within 0.5-1.5 of it."""
+    servicer = Refusing(refusals=2, hint_ms=None, code=grpc.StatusCode.CANCELLED)
+    policy = RetryPolicy(dropped_retry_s=0.2)
+    with Client(serve(servicer), retry=policy) as client:
+        assert client.predict("m", ["hello"], timeout_s=10).model == "m"
+    assert len(servicer.calls) == 3
+    gaps = [b - a for a, b in zip(servicer.calls, servicer.calls[1:], strict=False)]
+    assert all(gap >= 0.1 for gap in gaps), gaps
+
+    dropped = Refusing(refusals=100, hint_ms=None, code=grpc.StatusCode.CANCELLED)
+    policy = RetryPolicy(max_retries=2, dropped_retry_s=0.01)
+    with Client(serve(dropped), retry=policy) as client, pytest.raises(FabricError) as raised:
+        client.predict("m", ["hello"], timeout_s=10)
+    assert raised.value.code == "CANCELLED" and len(dropped.calls) == 3
 
 
 def test_other_failures_are_never_retried(serve: Any) -> None:

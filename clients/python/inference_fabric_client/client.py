@@ -29,7 +29,7 @@ import numpy as np
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
-from inference_fabric_client.retry import RetryBudget, RetryPolicy
+from inference_fabric_client.retry import RetryBudget, RetryPolicy, retry_after_s
 
 if TYPE_CHECKING:
     from inference_fabric_client.jobs import Jobs
@@ -199,8 +199,9 @@ class Client:
         return timeout_s
 
     def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
-        """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint
-        is sent again after the hint while time and the retry budget allow."""
+        """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint,
+        or a call dropped unseen, is sent again after its wait (`retry_after_s`) while time and
+        the retry budget allow."""
         deadline = time.monotonic() + timeout_s
         self._budget.on_call()
         for attempt in range(self._retry.max_retries + 1):
@@ -210,10 +211,9 @@ class Client:
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
-            hint = failure.retry_after_s
+            hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
             if (
-                failure.code != "RESOURCE_EXHAUSTED"
-                or hint is None
+                hint is None
                 or attempt == self._retry.max_retries
                 or time.monotonic() + hint + self._retry.min_attempt_s >= deadline
                 or not self._budget.try_spend()

@@ -1,15 +1,19 @@
 """Retrying refused calls, within a budget.
 
 A call refused for load (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) ran nothing, so it
-is safe to send again, after the hint and while its deadline leaves time. Retries are also
-load: a client that retried every refusal would multiply a flood by its retry count. So, as
-Finagle's and gRPC's retry budgets do, retries are bounded to a share of the calls this client
-made recently (`ratio`), plus a few at any time (`refill_per_s`, up to `min_tokens`) so that a
-quiet client is not left without one.
+is safe to send again, after the hint and while its deadline leaves time. So is a call the
+gateway's gRPC library dropped before any of the gateway's code saw it (CANCELLED, which this
+client never causes: the calls waiting to be picked up were past the gateway's
+`--max-pending-calls`); it carries no hint, and is sent again after `dropped_retry_s`,
+jittered. Retries are also load: a client that retried every refusal would multiply a flood
+by its retry count. So, as Finagle's and gRPC's retry budgets do, retries are bounded to a
+share of the calls this client made recently (`ratio`), plus a few at any time
+(`refill_per_s`, up to `min_tokens`) so that a quiet client is not left without one.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -32,12 +36,16 @@ class RetryPolicy:
     #: A retry is sent only if at least this long is left of the deadline after the hint: one
     #: with less would only turn an informative refusal into DEADLINE_EXCEEDED.
     min_attempt_s: float = 0.05
+    #: A call dropped unseen (CANCELLED) is sent again after this long, times 0.5 to 1.5 at
+    #: random, so that the callers of one drop do not come back together.
+    dropped_retry_s: float = 0.1
 
     def __post_init__(self) -> None:
         settings = (self.max_retries, self.ratio, self.min_tokens, self.refill_per_s)
-        if min(*settings, self.min_attempt_s) < 0:
+        if min(*settings, self.min_attempt_s, self.dropped_retry_s) < 0:
             raise ValueError(
-                "max_retries, ratio, min_tokens, refill_per_s and min_attempt_s must be >= 0"
+                "max_retries, ratio, min_tokens, refill_per_s, min_attempt_s and "
+                "dropped_retry_s must be >= 0"
             )
         if self.max_retries > 0 and self.min_tokens < 1:
             raise ValueError(
@@ -45,6 +53,17 @@ class RetryPolicy:
                 f"holds at most min_tokens), got {self.min_tokens}; max_retries=0 turns "
                 f"retries off"
             )
+
+
+def retry_after_s(policy: RetryPolicy, code: str, hint_s: float | None) -> float | None:
+    """How long to wait before sending a failed call again; None: not again. Refusals for load
+    wait their hint (none without one); a call dropped unseen waits `dropped_retry_s`,
+    jittered."""
+    if code == "RESOURCE_EXHAUSTED":
+        return hint_s
+    if code == "CANCELLED":
+        return hint_s if hint_s is not None else policy.dropped_retry_s * random.uniform(0.5, 1.5)
+    return None
 
 
 class RetryBudget:
