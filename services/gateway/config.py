@@ -57,8 +57,9 @@ class GatewayConfig:
     max_concurrent_rpcs: int = 4096
     #: Calls grpc holds before this process's Python picks them up, past which it starts to
     #: drop arrivals, CANCELLED (services.common.lifecycle.pending_call_options); 0: grpc's
-    #: default (1,000). At least a burst: a cold burst of 64 is served whole.
-    max_pending_calls: int = 64
+    #: default (1,000). Twice the cold burst of 64 the fabric serves whole, so that 64 callers
+    #: sending back to back (a tenant's flood) never make it drop anyone else's call.
+    max_pending_calls: int = 128
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
     #: The embedding model TEI's `/embed` and `/info` serve (TEI serves one model per server);

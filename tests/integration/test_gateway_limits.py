@@ -225,7 +225,8 @@ def _burst_while_blocked(
 
 
 @pytest.mark.parametrize(
-    ("max_pending_calls", "num_calls"), [(4, 40), (GatewayConfig.max_pending_calls, 64)]
+    ("max_pending_calls", "num_calls"),
+    [(4, 40), (GatewayConfig.max_pending_calls, GatewayConfig.max_pending_calls)],
 )
 async def test_calls_waiting_past_the_pending_bound_are_dropped_before_python_sees_them(
     tmp_path: Path, max_pending_calls: int, num_calls: int
@@ -233,7 +234,7 @@ async def test_calls_waiting_past_the_pending_bound_are_dropped_before_python_se
     """While the gateway's loop is stalled (saturated: no call is picked up), calls past twice
     `max_pending_calls` are dropped by grpc's C core, CANCELLED, without reaching the
     gateway; those it held are served once the loop runs. A burst the size of the default
-    (64, the cold burst the fabric serves whole) is held whole."""
+    bound (128: twice the cold burst of 64 the fabric serves whole) is held whole."""
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     gateway = await start_lone_gateway(
         repository, allow_unauthenticated=True, max_pending_calls=max_pending_calls
