@@ -20,15 +20,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 #: gRPC status names a retry can fix: capacity, deadlines, a tier restarting, a model error
-#: that may be transient. Everything else (INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
-#: UNAUTHENTICATED, FAILED_PRECONDITION...) fails the same way every time: dead-letter at once.
+#: that may be transient, a call the gateway's grpc dropped unseen (CANCELLED: its queue of
+#: calls not yet picked up was past --max-pending-calls; a runner never cancels a call itself:
+#: its drain cancels the task, not the call's status). Everything else (INVALID_ARGUMENT,
+#: NOT_FOUND, PERMISSION_DENIED, UNAUTHENTICATED, FAILED_PRECONDITION...) fails the same way
+#: every time: dead-letter at once.
 RETRYABLE_CODES = frozenset(
-    {"UNAVAILABLE", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "ABORTED", "INTERNAL", "UNKNOWN"}
+    {
+        "UNAVAILABLE",
+        "RESOURCE_EXHAUSTED",
+        "DEADLINE_EXCEEDED",
+        "ABORTED",
+        "INTERNAL",
+        "UNKNOWN",
+        "CANCELLED",
+    }
 )
 #: Codes that say the fleet cannot serve now (no worker up for the model, a tier restarting,
 #: the fleet overloaded), not that an item is bad: a chunk still failing with one after its
 #: retries is left for a later round rather than failed (FLEET_ROUNDS of them).
-FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED"})
+FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"})
 #: Rounds (a chunk's retries, then the claim timeout) a chunk may spend waiting for the fleet
 #: before its items fail with the fleet's status: a worker restart or a deploy costs a few; an
 #: item that crashes the worker it runs on cannot take the fleet down forever.

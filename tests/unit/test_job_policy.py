@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.job_policy import (
+    FLEET_CODES,
     GiveUp,
     ItemCounts,
     JobState,
@@ -70,6 +71,13 @@ def test_retries_stop_at_max_attempts_with_the_last_status() -> None:
     decision = policy.decide(3, "RESOURCE_EXHAUSTED", "busy", jitter=0.3)
     assert isinstance(decision, GiveUp)
     assert decision.code == "RESOURCE_EXHAUSTED" and "after 3 attempts" in decision.message
+
+
+def test_a_call_the_gateway_dropped_unseen_is_retried_and_waits_for_the_fleet() -> None:
+    """CANCELLED from the gateway is a call its grpc dropped before any Python saw it (past
+    --max-pending-calls): the fleet is overloaded, the item is not bad."""
+    assert isinstance(RetryPolicy().decide(1, "CANCELLED", "dropped", jitter=0.5), Retry)
+    assert "CANCELLED" in FLEET_CODES
 
 
 @pytest.mark.parametrize("code", ["INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED"])
