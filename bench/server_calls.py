@@ -30,7 +30,8 @@ from typing import Any
 import grpc
 from prometheus_client import CollectorRegistry
 
-from services.common.door import Door, DoorConfig
+from services.common.door import Door
+from services.common.door_config import DoorConfig
 from services.common.interceptors import Stage
 from services.common.lifecycle import new_server
 from services.common.procfs import read_stat
@@ -98,8 +99,8 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
 
 
 async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
-    """Calls answered, and of them refused (RESOURCE_EXHAUSTED), in `seconds` by
-    `concurrency` closed-loop callers."""
+    """Calls answered, and of them refused (RESOURCE_EXHAUSTED, or CANCELLED when grpc dropped
+    them unseen), in `seconds` by `concurrency` closed-loop callers."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
         answered, refused, end = 0, 0, time.monotonic() + seconds

@@ -49,12 +49,12 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.caller_shares import CallerShares, caller_of
-from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
+from services.common.concurrency_limit import QueueDelayLimit
+from services.common.door_config import DoorConfig
 from services.common.errors import retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
 from services.common.interceptors import Metadata
 from services.common.loop_lag import LAG_BUCKETS
-from services.common.settings import Setting
 from services.common.telemetry import MetricFactory
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 #: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
 #: cannot pass the door as a probe.
 PROBE_KEY = "x-fabric-door-probe"
+#: How grpc ends a probe it dropped or refused before any handler ran.
+_GRPC_REFUSALS = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 @dataclass(frozen=True)
@@ -70,114 +72,6 @@ class MethodShape:
 
     request_streaming: bool = False
     response_streaming: bool = False
-
-
-@dataclass(frozen=True)
-class DoorConfig:
-    """Settings of a door (services.common.concurrency_limit explains the limit's)."""
-
-    #: Whether the gateway runs a door.
-    enabled: bool = True
-    #: Guarded calls in flight a process admits while no queue stands in front of it, and
-    #: where the limit returns once unused; 0 disables the door.
-    initial_limit: int = LimitConfig.initial
-    #: The limit never backs off below this...
-    min_limit: int = LimitConfig.minimum
-    #: ...nor grows above this.
-    max_limit: int = LimitConfig.maximum
-    #: Queue delay a good queue stays under, seconds.
-    target_s: float = LimitConfig.target_s
-    #: How long the delay must stay above the target before the limit backs off, seconds.
-    interval_s: float = LimitConfig.interval_s
-    #: How often the queue's delay is probed, seconds.
-    probe_interval_s: float = 0.05
-    #: Callers' shares are of the calls of the last one to two windows of this, seconds.
-    share_window_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
-            raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
-        if self.is_enabled:
-            self.limit()  # validates the rest
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.enabled and self.initial_limit > 0
-
-    def limit(self) -> LimitConfig:
-        return LimitConfig(
-            initial=self.initial_limit,
-            minimum=self.min_limit,
-            maximum=self.max_limit,
-            target_s=self.target_s,
-            interval_s=self.interval_s,
-        )
-
-
-def door_settings() -> tuple[Setting, ...]:
-    """The door's settings, for a tier's settings table (its config's field `door`)."""
-    return (
-        Setting(
-            "door",
-            bool,
-            DoorConfig.enabled,
-            "run the door: an adaptive limit on model calls in flight per process, refusing "
-            "before any work once a queue stands in front of the process, callers over their "
-            "share of it first",
-            field="door.enabled",
-        ),
-        Setting(
-            "door_initial_limit",
-            int,
-            DoorConfig.initial_limit,
-            "model calls in flight a process admits while no queue stands in front of it, and "
-            "where the adaptive limit returns once unused; 0 disables the door",
-            "calls",
-            field="door.initial_limit",
-        ),
-        Setting(
-            "door_min_limit",
-            int,
-            DoorConfig.min_limit,
-            "the door's limit never backs off below this",
-            "calls",
-            field="door.min_limit",
-        ),
-        Setting(
-            "door_max_limit",
-            int,
-            DoorConfig.max_limit,
-            "the door's limit never grows above this",
-            "calls",
-            field="door.max_limit",
-        ),
-        Setting(
-            "door_target_s",
-            float,
-            DoorConfig.target_s,
-            "queue delay in front of the process a good queue stays under (a tenth of the "
-            "tightest SLO served is a good value)",
-            "s",
-            field="door.target_s",
-        ),
-        Setting(
-            "door_interval_s",
-            float,
-            DoorConfig.interval_s,
-            "how long the queue delay must stay above its target before the limit backs off: "
-            "a burst that drains sooner is absorbed",
-            "s",
-            field="door.interval_s",
-        ),
-        Setting(
-            "door_probe_interval_s",
-            float,
-            DoorConfig.probe_interval_s,
-            "how often the door probes the queue in front of the process",
-            "s",
-            field="door.probe_interval_s",
-        ),
-    )
 
 
 class _DoorMetrics:
@@ -196,9 +90,17 @@ class _DoorMetrics:
         ).set_function(lambda: door.num_in_flight)
         self.queue_delay = factory.histogram(
             names.DOOR_QUEUE_DELAY_SECONDS,
-            "Each measured wait in the queue in front of this process (a probe's, or the "
-            "probe timer's own lateness), seconds.",
+            "Each measured wait in the queue in front of this process (a probe's, the probe "
+            "timer's own lateness, or for a probe grpc dropped the last wait and at least twice "
+            "the target), seconds.",
             buckets=LAG_BUCKETS,
+        )
+        self.probes_dropped = factory.counter(
+            names.DOOR_PROBES_DROPPED_TOTAL,
+            "Probes grpc dropped unseen (CANCELLED: the calls waiting to be picked up were past "
+            "--max-pending-calls) or refused (RESOURCE_EXHAUSTED: --max-concurrent-rpcs), as "
+            "callers' calls were then.",
+            ("code",),
         )
 
 
@@ -358,10 +260,14 @@ class Door(grpc.aio.ServerInterceptor):
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.UNAVAILABLE:
                 return  # the server is stopping: nothing measured
-            # Dropped unseen (CANCELLED: the door stops before its server, so not a stop), or
-            # refused (past --max-concurrent-rpcs): the process is as full as it gets.
-            is_dropped = error.code() is grpc.StatusCode.CANCELLED
-            if not is_dropped:
+            # Dropped unseen (CANCELLED: past --max-pending-calls; the door stops before its
+            # server, so not a stop), or refused by grpc (RESOURCE_EXHAUSTED: past
+            # --max-concurrent-rpcs): the process is as full as it gets, however soon the
+            # answer came.
+            is_dropped = error.code() in _GRPC_REFUSALS
+            if is_dropped:
+                self._metrics.probes_dropped.labels(error.code().name).inc()
+            else:
                 log.warning("door probe failed: %s", error.code().name)
         now_s = loop.time()
         delay_s = now_s - started_s

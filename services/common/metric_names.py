@@ -27,6 +27,7 @@ DOOR_REFUSED_TOTAL = "inference_door_refused_total"
 DOOR_LIMIT = "inference_door_limit"
 DOOR_IN_FLIGHT = "inference_door_in_flight"
 DOOR_QUEUE_DELAY_SECONDS = "inference_door_queue_delay_seconds"
+DOOR_PROBES_DROPPED_TOTAL = "inference_door_probes_dropped_total"
 
 # Gateway.
 GATEWAY_REQUESTS_TOTAL = "inference_gateway_requests_total"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.door import DoorConfig, door_settings
+from services.common.door_config import DoorConfig, door_settings
 from services.common.lifecycle import check_limits, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (

@@ -35,7 +35,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
-from services.common.door import Door, DoorConfig
+from services.common.door import Door
+from services.common.door_config import DoorConfig
 from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway import config as gateway_config

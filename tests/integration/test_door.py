@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.caller_shares import caller_of
-from services.common.door import Door, DoorConfig, MethodShape
+from services.common.door import Door, MethodShape
+from services.common.door_config import DoorConfig
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.lifecycle import new_server
 from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
@@ -46,6 +49,7 @@ class Served:
     registry: CollectorRegistry
     release: asyncio.Event
     entered: list[bytes]
+    port: int
 
     async def call(
         self, body: bytes, method: str = GUARDED, timeout_s: float = 10.0, caller: str = ""
@@ -62,6 +66,10 @@ class Served:
         within = self.registry.get_sample_value(f"{name}_bucket", {"le": str(bound_s)}) or 0.0
         return count - within
 
+    def probes_dropped(self) -> float:
+        labels = {"code": "CANCELLED"}
+        return self.registry.get_sample_value(names.DOOR_PROBES_DROPPED_TOTAL, labels) or 0.0
+
     def refused(self) -> float:
         value = self.registry.get_sample_value(names.DOOR_REFUSED_TOTAL, {"method": GUARDED})
         return value or 0.0
@@ -69,7 +77,9 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def _serve(
-    config: DoorConfig, caller: Callable[[Sequence[tuple[str, Any]]], str] = caller_of
+    config: DoorConfig,
+    caller: Callable[[Sequence[tuple[str, Any]]], str] = caller_of,
+    max_pending_calls: int = 0,
 ) -> AsyncIterator[Served]:
     registry = CollectorRegistry()
     door = Door({GUARDED: MethodShape()}, config, registry, caller=caller)
@@ -84,7 +94,7 @@ async def _serve(
             time.sleep(0.4)  # the loop itself stalls: every waiting call waits with it
         return b"served " + request
 
-    server = new_server(door=door)
+    server = new_server(door=door, max_pending_calls=max_pending_calls)
     handlers = {
         "Guarded": grpc.unary_unary_rpc_method_handler(guarded, _strict_parse),
         "Open": grpc.unary_unary_rpc_method_handler(guarded),
@@ -96,7 +106,7 @@ async def _serve(
     door.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     try:
-        yield Served(door, channel, registry, release, entered)
+        yield Served(door, channel, registry, release, entered, port)
     finally:
         release.set()
         await channel.close()
@@ -252,3 +262,47 @@ async def test_a_loop_kept_saturated_backs_the_limit_off_and_refuses() -> None:
         await asyncio.gather(*waiting)
         await eventually(lambda: served.door.limit.limit == config.initial_limit)
         assert await served.call(b"ok-again") == b"served ok-again"
+
+
+def _keep_calls_waiting(
+    port: int, stop: threading.Event, seen: Counter[str], num_calls: int = 40
+) -> None:
+    """`num_calls` calls to the guarded method always out, each sent again once answered, from
+    this thread (a blocking channel) until `stop`; counts the statuses in `seen`."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary(GUARDED)
+        out = [call.future(b"ok", timeout=10) for _ in range(num_calls)]
+        while not stop.is_set():
+            for i, future in enumerate(out):
+                if future.done():
+                    error = future.exception()
+                    seen["OK" if error is None else error.code().name] += 1
+                    out[i] = call.future(b"ok", timeout=10)
+            time.sleep(0.001)
+        for future in out:
+            future.cancel()
+
+
+async def test_a_probe_grpc_drops_counts_as_a_queue_over_the_target() -> None:
+    """With grpc keeping at most two calls waiting to be picked up (--max-pending-calls 1)
+    and a loop kept busy, callers' calls are dropped unseen (CANCELLED) and so are the door's
+    probes: each such probe counts as a delay of at least twice the target, not as nothing
+    measured (a queue the door would never see)."""
+    config = DoorConfig(
+        initial_limit=64, min_limit=1, target_s=0.01, interval_s=0.05, probe_interval_s=0.01
+    )
+    async with _serve(config, max_pending_calls=1) as served:
+        stop, seen = threading.Event(), Counter[str]()
+        flood = asyncio.create_task(asyncio.to_thread(_keep_calls_waiting, served.port, stop, seen))
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and not (served.probes_dropped() and seen["CANCELLED"]):
+            turn_end = time.monotonic() + 0.03
+            while time.monotonic() < turn_end:
+                pass  # 30 ms of CPU work per turn: calls wait to be picked up meanwhile
+            await asyncio.sleep(0)
+        stop.set()
+        await flood
+    assert seen["CANCELLED"] > 0, seen
+    assert served.probes_dropped() >= 1
+    # Each dropped probe counted a delay over the target (twice it, at least).
+    assert served.delays_over(config.target_s) >= served.probes_dropped()

@@ -1,0 +1,117 @@
+"""The door's settings (services.common.door): its config, and the settings-table entries a
+tier adds for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.concurrency_limit import LimitConfig
+from services.common.settings import Setting
+
+
+@dataclass(frozen=True)
+class DoorConfig:
+    """Settings of a door (services.common.concurrency_limit explains the limit's)."""
+
+    #: Whether the gateway runs a door.
+    enabled: bool = True
+    #: Guarded calls in flight a process admits while no queue stands in front of it, and
+    #: where the limit returns once unused; 0 disables the door.
+    initial_limit: int = LimitConfig.initial
+    #: The limit never backs off below this...
+    min_limit: int = LimitConfig.minimum
+    #: ...nor grows above this.
+    max_limit: int = LimitConfig.maximum
+    #: Queue delay a good queue stays under, seconds.
+    target_s: float = LimitConfig.target_s
+    #: How long the delay must stay above the target before the limit backs off, seconds.
+    interval_s: float = LimitConfig.interval_s
+    #: How often the queue's delay is probed, seconds.
+    probe_interval_s: float = 0.05
+    #: Callers' shares are of the calls of the last one to two windows of this, seconds.
+    share_window_s: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
+            raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
+        if self.is_enabled:
+            self.limit()  # validates the rest
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enabled and self.initial_limit > 0
+
+    def limit(self) -> LimitConfig:
+        return LimitConfig(
+            initial=self.initial_limit,
+            minimum=self.min_limit,
+            maximum=self.max_limit,
+            target_s=self.target_s,
+            interval_s=self.interval_s,
+        )
+
+
+def door_settings() -> tuple[Setting, ...]:
+    """The door's settings, for a tier's settings table (its config's field `door`)."""
+    return (
+        Setting(
+            "door",
+            bool,
+            DoorConfig.enabled,
+            "run the door: an adaptive limit on model calls in flight per process, refusing "
+            "before any work once a queue stands in front of the process, callers over their "
+            "share of it first",
+            field="door.enabled",
+        ),
+        Setting(
+            "door_initial_limit",
+            int,
+            DoorConfig.initial_limit,
+            "model calls in flight a process admits while no queue stands in front of it, and "
+            "where the adaptive limit returns once unused; 0 disables the door",
+            "calls",
+            field="door.initial_limit",
+        ),
+        Setting(
+            "door_min_limit",
+            int,
+            DoorConfig.min_limit,
+            "the door's limit never backs off below this",
+            "calls",
+            field="door.min_limit",
+        ),
+        Setting(
+            "door_max_limit",
+            int,
+            DoorConfig.max_limit,
+            "the door's limit never grows above this",
+            "calls",
+            field="door.max_limit",
+        ),
+        Setting(
+            "door_target_s",
+            float,
+            DoorConfig.target_s,
+            "queue delay in front of the process a good queue stays under (a tenth of the "
+            "tightest SLO served is a good value)",
+            "s",
+            field="door.target_s",
+        ),
+        Setting(
+            "door_interval_s",
+            float,
+            DoorConfig.interval_s,
+            "how long the queue delay must stay above its target before the limit backs off: "
+            "a burst that drains sooner is absorbed",
+            "s",
+            field="door.interval_s",
+        ),
+        Setting(
+            "door_probe_interval_s",
+            float,
+            DoorConfig.probe_interval_s,
+            "how often the door probes the queue in front of the process",
+            "s",
+            field="door.probe_interval_s",
+        ),
+    )
