@@ -30,6 +30,8 @@ class Refusing(api_grpc.InferenceServiceServicer):
     refusals: int = 0
     hint_ms: int | None = 20
     code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
+    #: How long each answer takes, seconds.
+    delay_s: float = 0.0
     calls: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -37,6 +39,7 @@ class Refusing(api_grpc.InferenceServiceServicer):
         with self.lock:
             self.calls.append(time.monotonic())
             refuse = len(self.calls) <= self.refusals
+        time.sleep(self.delay_s)
         if refuse:
             if self.hint_ms is not None:
                 context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
@@ -98,9 +101,9 @@ def test_the_budget_bounds_retries_to_a_share_of_calls(serve: Any) -> None:
 
 
 def test_a_call_dropped_unseen_is_sent_again_after_a_jittered_wait(serve: Any) -> None:
-    """CANCELLED, which this client never causes (a gateway's grpc dropped the call before
-    any Python saw it, past --max-pending-calls), carries no hint: it is sent again after
-    `dropped_retry_s`, jittered to within 0.5-1.5 of it."""
+    """CANCELLED that this client did not cause by closing (a gateway's grpc dropped the call
+    before any Python saw it, past --max-pending-calls) carries no hint: it is sent again
+    after `dropped_retry_s`, jittered to within 0.5-1.5 of it."""
     servicer = Refusing(refusals=2, hint_ms=None, code=grpc.StatusCode.CANCELLED)
     policy = RetryPolicy(dropped_retry_s=0.2)
     with Client(serve(servicer), retry=policy) as client:
@@ -114,6 +117,23 @@ def test_a_call_dropped_unseen_is_sent_again_after_a_jittered_wait(serve: Any) -
     with Client(serve(dropped), retry=policy) as client, pytest.raises(FabricError) as raised:
         client.predict("m", ["hello"], timeout_s=10)
     assert raised.value.code == "CANCELLED" and len(dropped.calls) == 3
+
+
+def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> None:
+    """Closing the client (from another thread) ends its calls CANCELLED: that is not a
+    drop, and sending again on the closed channel would fail with grpc's ValueError."""
+    servicer = Refusing(delay_s=2.0)
+    client = Client(serve(servicer))
+    with futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(client.predict, "m", ["hello"], timeout_s=10)
+        deadline = time.monotonic() + 10
+        while not servicer.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.close()
+        with pytest.raises(FabricError) as raised:
+            call.result(timeout=10)
+    assert raised.value.code == "CANCELLED"
+    assert len(servicer.calls) == 1
 
 
 def test_other_failures_are_never_retried(serve: Any) -> None:

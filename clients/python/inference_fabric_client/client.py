@@ -10,9 +10,10 @@
 Every call takes `timeout_s` (the call's deadline; default the client's) and `priority`
 ("critical", "interactive", "batch"; default the tenant's). Failures raise `FabricError` with
 the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retry hint. A
-predict refused for load is sent again after the server's hint while its deadline allows,
-within a retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)`
-turns that off.
+predict refused for load is sent again after the server's hint, and one the gateway's grpc
+dropped unseen (CANCELLED) after a short jittered wait, while its deadline allows, within a
+retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)` turns that
+off.
 """
 
 from __future__ import annotations
@@ -146,6 +147,8 @@ class Client:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = RetryBudget(self._retry)
+        #: Closed (from any thread): a call then cut short ends CANCELLED and is not retried.
+        self._is_closed = False
 
     def __enter__(self) -> Client:
         return self
@@ -154,6 +157,7 @@ class Client:
         self.close()
 
     def close(self) -> None:
+        self._is_closed = True
         self._channel.close()
 
     def jobs(self) -> Jobs:
@@ -214,6 +218,7 @@ class Client:
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
             if (
                 hint is None
+                or self._is_closed
                 or attempt == self._retry.max_retries
                 or time.monotonic() + hint + self._retry.min_attempt_s >= deadline
                 or not self._budget.try_spend()

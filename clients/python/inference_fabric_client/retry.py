@@ -3,11 +3,11 @@
 A call refused for load (RESOURCE_EXHAUSTED with a `retry-after-ms` hint) ran nothing, so it
 is safe to send again, after the hint and while its deadline leaves time. So is a call the
 gateway's gRPC library dropped before any of the gateway's code saw it (CANCELLED, which this
-client never causes: the calls waiting to be picked up were past the gateway's
-`--max-pending-calls`); it carries no hint, and is sent again after `dropped_retry_s`,
-jittered. Retries are also load: a client that retried every refusal would multiply a flood
-by its retry count. So, as Finagle's and gRPC's retry budgets do, retries are bounded to a
-share of the calls this client made recently (`ratio`), plus a few at any time
+client causes only by closing, and then sends nothing again: the calls waiting to be picked up
+were past the gateway's `--max-pending-calls`); it carries no hint, and is sent again after
+`dropped_retry_s`, jittered. Retries are also load: a client that retried every refusal would
+multiply a flood by its retry count. So, as Finagle's and gRPC's retry budgets do, retries are
+bounded to a share of the calls this client made recently (`ratio`), plus a few at any time
 (`refill_per_s`, up to `min_tokens`) so that a quiet client is not left without one.
 """
 
