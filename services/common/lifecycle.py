@@ -65,6 +65,10 @@ def limit_settings(defaults: Any) -> tuple[Setting, ...]:
     )
 
 
+#: Largest `max_pending_calls`: grpc takes twice it as a C int.
+MAX_PENDING_CALLS = 2**30 - 1
+
+
 def pending_call_options(max_pending_calls: int) -> tuple[tuple[str, int], ...]:
     """grpc's options bounding the calls waiting in its C core for the server's Python to pick
     them up (0: grpc's defaults).
@@ -72,12 +76,14 @@ def pending_call_options(max_pending_calls: int) -> tuple[tuple[str, int], ...]:
     A grpc.aio server picks up one call of a method at a time, each after a few turns of its
     event loop; when the loop is saturated (the tiers, not the model, are the bottleneck:
     issue 33), arrivals wait there, where no Python sees them, and every caller's patience
-    becomes queueing time. grpc's random early drop bounds that queue: up to the soft limit
-    every call is kept, then an arrival is dropped with the chance (size - soft) / (hard -
-    soft), and always at the hard limit, here twice the soft one. A dropped call ends
-    CANCELLED at its caller without costing the server's Python anything; the calls kept wait
-    at most about `2 * max_pending_calls` pickups. The soft limit takes a burst of that many
-    calls whole."""
+    becomes queueing time. grpc's random early drop bounds that queue, one per registered
+    method: up to the soft limit every call is kept, then an arrival is dropped with the chance
+    (size - soft) / (hard - soft), and always at the hard limit, here twice the soft one. A
+    dropped call ends CANCELLED at its caller (measured with grpc 1.85; tests/integration/
+    test_gateway_limits.py would see a change) without costing the server's Python anything,
+    whatever its caller: it is dropped before any quota or share applies. The calls
+    kept wait at most about `2 * max_pending_calls` pickups of their method. The soft limit
+    takes a burst of that many calls whole."""
     if max_pending_calls == 0:
         return ()
     return (
@@ -96,9 +102,10 @@ def check_limits(
         raise ValueError(
             f"max_concurrent_rpcs must be >= 0 (0: no limit), got {max_concurrent_rpcs}"
         )
-    if max_pending_calls < 0:
+    if not 0 <= max_pending_calls <= MAX_PENDING_CALLS:
         raise ValueError(
-            f"max_pending_calls must be >= 0 (0: grpc's default), got {max_pending_calls}"
+            f"max_pending_calls must be in [0, {MAX_PENDING_CALLS}] (0: grpc's default), got "
+            f"{max_pending_calls}"
         )
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from inference_fabric_client import Client, FabricError
 
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
@@ -84,16 +85,24 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     stack: Stack,
 ) -> None:
     """400 calls at once against a quota of 20/s with a 0.5 s burst: the bucket admits its
-    burst (10) plus what refills while the flood arrives, and refuses the rest; the victim,
-    paced at half its own quota, is never refused."""
+    burst (10) plus what refills while the flood arrives, and refuses the rest. The 400 are
+    more than the gateway keeps waiting to be picked up (--max-pending-calls, 128): grpc drops
+    some unseen (CANCELLED) before the quota sees them, and may drop another tenant's call
+    meanwhile. The victim, paced at half its own quota through the slim client (which sends a
+    dropped call again), is never refused."""
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
 
-        async def victim() -> list[grpc.aio.AioRpcError | None]:
-            outcomes = []
-            for i in range(20):  # 10/s, half its quota
-                outcomes.append(await predict(stub, "victim", f"victim text {i}"))
-                await asyncio.sleep(0.1)  # the scenario: a paced sender
+        def victim() -> list[FabricError | None]:
+            outcomes: list[FabricError | None] = []
+            with Client(stack.gateway.address, api_key=KEYS["victim"]) as client:
+                for i in range(20):  # 10/s, half its quota
+                    try:
+                        client.predict("minilm", [f"victim text {i}"], timeout_s=TIMEOUT_S)
+                        outcomes.append(None)
+                    except FabricError as error:
+                        outcomes.append(error)
+                    time.sleep(0.1)  # the scenario: a paced sender
             return outcomes
 
         async def flood() -> tuple[list[grpc.aio.AioRpcError | None], float]:
@@ -103,13 +112,17 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
             )
             return outcomes, time.monotonic() - started_s
 
-        victim_outcomes, (flood_outcomes, flood_s) = await asyncio.gather(victim(), flood())
+        victim_outcomes, (flood_outcomes, flood_s) = await asyncio.gather(
+            asyncio.to_thread(victim), flood()
+        )
     assert victim_outcomes == [None] * 20
-    refused = [e for e in flood_outcomes if e is not None]
+    failed = [e for e in flood_outcomes if e is not None]
+    dropped = [e for e in failed if e.code() == grpc.StatusCode.CANCELLED]
+    refused = [e for e in failed if e.code() != grpc.StatusCode.CANCELLED]
     # Admitted: at most the burst plus the refill over the flood's whole span (the calls reach
     # the gateway over that span, slower on a busy machine), and never all of them.
-    admitted = len(flood_outcomes) - len(refused)
-    assert admitted <= 20 * 0.5 + 20 * flood_s + 1, (admitted, flood_s)
+    admitted = len(flood_outcomes) - len(failed)
+    assert admitted <= 20 * 0.5 + 20 * flood_s + 1, (admitted, flood_s, len(dropped))
     assert len(refused) >= 1
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
