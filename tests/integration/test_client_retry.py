@@ -136,6 +136,22 @@ def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> No
     assert len(servicer.calls) == 1
 
 
+def test_a_client_closed_while_it_waits_to_retry_sends_nothing_again(serve: Any) -> None:
+    servicer = Refusing(refusals=1, hint_ms=500)
+    client = Client(serve(servicer))
+    with futures.ThreadPoolExecutor(1) as pool:
+        call = pool.submit(client.predict, "m", ["hello"], timeout_s=10)
+        deadline = time.monotonic() + 10
+        while not servicer.calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)  # the refusal is back: the client waits its 0.5 s hint
+        client.close()
+        with pytest.raises(FabricError) as raised:
+            call.result(timeout=10)
+    assert raised.value.code == "RESOURCE_EXHAUSTED"
+    assert len(servicer.calls) == 1
+
+
 def test_other_failures_are_never_retried(serve: Any) -> None:
     servicer = Refusing(refusals=1, code=grpc.StatusCode.UNAVAILABLE)
     with Client(serve(servicer)) as client, pytest.raises(FabricError) as raised:

@@ -225,6 +225,8 @@ class Client:
             ):
                 raise failure from None
             time.sleep(hint)
+            if self._is_closed:  # closed during the wait: nothing is sent again
+                raise failure from None
         raise AssertionError("unreachable")  # the last attempt returns or raises
 
     def embed(
