@@ -132,9 +132,10 @@ class QueueDelayLimit:
             self._limit = min(float(config.initial), self._limit * config.recovery)
 
     def dropped_probe_delay_s(self, waited_s: float) -> float:
-        """The delay a probe that grpc dropped unseen counts as (it found the queue past the
-        process's bound on calls waiting to be picked up, a queue over the target however
-        soon the drop came): the longest of its wait, the last delay and twice the target."""
+        """The delay a probe that grpc dropped unseen counts as (it found the calls of its
+        method waiting to be picked up past the process's bound, a queue over the target
+        however soon the drop came): the longest of its wait, the last delay and twice the
+        target."""
         return max(waited_s, self.last_delay_s, 2 * self.config.target_s)
 
     def retry_after_s(self) -> float:

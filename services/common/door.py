@@ -97,9 +97,10 @@ class _DoorMetrics:
         )
         self.probes_dropped = factory.counter(
             names.DOOR_PROBES_DROPPED_TOTAL,
-            "Probes grpc dropped unseen (CANCELLED: the calls waiting to be picked up were past "
-            "--max-pending-calls) or refused (RESOURCE_EXHAUSTED: --max-concurrent-rpcs), as "
-            "callers' calls were then.",
+            "Probes grpc dropped unseen (code CANCELLED: the calls of the method waiting to be "
+            "picked up were past --max-pending-calls) or refused (RESOURCE_EXHAUSTED: every "
+            "--max-concurrent-rpcs slot held), as callers' calls were then: one probe at a "
+            "time, on the busiest guarded method.",
             ("code",),
         )
 
@@ -261,11 +262,11 @@ class Door(grpc.aio.ServerInterceptor):
             if error.code() is grpc.StatusCode.UNAVAILABLE:
                 return  # the server is stopping: nothing measured
             # Dropped unseen (CANCELLED: past --max-pending-calls; the door stops before its
-            # server, so not a stop), or refused by grpc (RESOURCE_EXHAUSTED: past
-            # --max-concurrent-rpcs): the process is as full as it gets, however soon the
-            # answer came.
-            is_dropped = error.code() in _GRPC_REFUSALS
-            if is_dropped:
+            # server, so not a stop): a queue over the target, however soon the drop came.
+            # Refused by grpc (RESOURCE_EXHAUSTED: every --max-concurrent-rpcs slot held,
+            # streams included): its wait is what it measured.
+            is_dropped = error.code() is grpc.StatusCode.CANCELLED
+            if error.code() in _GRPC_REFUSALS:
                 self._metrics.probes_dropped.labels(error.code().name).inc()
             else:
                 log.warning("door probe failed: %s", error.code().name)
