@@ -9,7 +9,8 @@ door). The server answers each call with its own bytes, so what differs between 
 the interceptor costs. `grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
 RESOURCE_EXHAUSTED before any parser or handler, once the interceptors ran) refuses about half
 the calls, and `grpc-dropping` (`stages` with `--max-pending-calls 2`: grpc's C core drops,
-CANCELLED, the calls past four waiting to be picked up, before any Python) most of them, for
+CANCELLED, calls waiting to be picked up past two, all of them past four, before any Python)
+most of them, for
 what a refusal costs against a served call (issue 33's goal: at most 0.2); with `stages`
 measured in the same run, each refused call's own CPU is printed too (the mixed figure less the
 served calls' share at the `stages` cost). On a machine with two CPUs or more the server

@@ -55,10 +55,11 @@ class GatewayConfig:
     #: Most calls served at once (streams included) before grpc answers RESOURCE_EXHAUSTED;
     #: 0 means no limit.
     max_concurrent_rpcs: int = 4096
-    #: Calls grpc holds before this process's Python picks them up, past which it starts to
-    #: drop arrivals, CANCELLED (services.common.lifecycle.pending_call_options); 0: grpc's
-    #: default (1,000). Twice the cold burst of 64 the fabric serves whole, so that 64 callers
-    #: sending back to back (a tenant's flood) never make it drop anyone else's call.
+    #: Calls of one method grpc holds before this process's Python picks them up, past which it
+    #: starts to drop arrivals (all of them at twice it), CANCELLED (services.common.lifecycle.
+    #: pending_call_options); 0: grpc's default (1,000). Twice the cold burst of 64 the fabric
+    #: serves whole, so that 64 callers sending back to back (a tenant's flood) never make it
+    #: drop anyone else's call.
     max_pending_calls: int = 128
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
@@ -265,8 +266,8 @@ SETTINGS = SettingsTable(
             "max_pending_calls",
             int,
             GatewayConfig.max_pending_calls,
-            "calls grpc holds before a process picks them up; past it, arrivals are dropped "
-            "(CANCELLED) with a chance growing to one at twice it; 0: grpc's default",
+            "calls of one method grpc holds before a process picks them up; past it, arrivals "
+            "are dropped (CANCELLED) with a chance growing to one at twice it; 0: grpc's default",
             "calls",
         ),
         *door_settings(),

@@ -15,9 +15,10 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    exponential backoff and full jitter, up to `max_attempts`; an item that still fails is
    recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
-   item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE and
-   RESOURCE_EXHAUSTED (the fleet down, restarting or full): the chunk is left pending for up
-   to FLEET_ROUNDS rounds before its items fail;
+   item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE,
+   RESOURCE_EXHAUSTED and CANCELLED (the fleet down, restarting or full; CANCELLED: a gateway
+   dropped the call unseen): the chunk is left pending for up to FLEET_ROUNDS rounds before its
+   items fail;
 5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
    in one atomic script.
 
@@ -69,10 +70,10 @@ _Item = tuple[int, bytes]
 
 
 class FleetUnavailable(Exception):
-    """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED:
-    no worker up, a restart, overload). No item is at fault: the chunk stays pending and is
-    retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the restart
-    of any tier."""
+    """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED,
+    CANCELLED: no worker up, a restart, overload). No item is at fault: the chunk stays pending
+    and is retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the
+    restart of any tier."""
 
 
 class RunnerRefused(Exception):
