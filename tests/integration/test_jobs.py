@@ -375,11 +375,16 @@ async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> No
     assert_all_ok_in_order(await fabric.results(job_id), texts)
 
 
-async def test_a_fleet_down_longer_than_the_retries_fails_no_item(fabric: Fabric) -> None:
-    # UNAVAILABLE through more than one chunk's 3 attempts (a worker restarting, say): not the
-    # items' fault. The chunk waits a round (the 3 s claim timeout) and runs once the fleet is
-    # back; with the old rule its 8 items failed UNAVAILABLE.
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])
+async def test_a_fleet_down_longer_than_the_retries_fails_no_item(
+    fabric: Fabric, code: grpc.StatusCode
+) -> None:
+    # UNAVAILABLE through more than one chunk's 3 attempts (a worker restarting, say), or
+    # CANCELLED (a gateway dropping calls unseen): not the items' fault. The chunk waits a
+    # round (the 3 s claim timeout) and runs once the fleet is back; with the old rules its 8
+    # items failed with the status (CANCELLED: split into single calls first).
     fabric.target.num_unavailable = 5
+    fabric.target.unavailable_code = code
     fabric.start_runner("runner-1")
     texts = texts_of(8)
     job_id = await fabric.submit(texts)

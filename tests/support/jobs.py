@@ -46,6 +46,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     texts have run (so that a job is caught mid-way however fast the machine runs it)."""
 
     num_unavailable: int = 0
+    #: How those first calls fail: UNAVAILABLE (a tier restarting), or CANCELLED (a gateway that
+    #: dropped them unseen, past its --max-pending-calls).
+    unavailable_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
     #: Calls refused UNAUTHENTICATED first (the runner's key not yet known).
     num_unauthenticated: int = 0
     #: How many times each text was run (at-least-once delivery shows here).
@@ -76,7 +79,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
             raise Unauthenticated("unknown API key")
         if self.num_unavailable > 0:
             self.num_unavailable -= 1
-            raise Unavailable("warming up")
+            if self.unavailable_code is grpc.StatusCode.UNAVAILABLE:
+                raise Unavailable("warming up")
+            await context.abort(self.unavailable_code, "dropped unseen")
         texts = [i.text for i in request.inputs]
         if any(t.startswith(POISON) for t in texts):
             if self.poison_crashes:
