@@ -57,10 +57,11 @@ class GatewayConfig:
     max_concurrent_rpcs: int = 4096
     #: Calls of one method grpc holds before this process's Python picks them up, past which it
     #: starts to drop arrivals (all of them at twice it), CANCELLED (services.common.lifecycle.
-    #: pending_call_options); 0: grpc's default (1,000). Twice the cold burst of 64 the fabric
-    #: serves whole, so that 64 callers sending back to back (a tenant's flood) never make it
-    #: drop anyone else's call.
-    max_pending_calls: int = 128
+    #: pending_call_options); 0: grpc's defaults (every call kept up to 1,000). Off by default:
+    #: a count cannot tell a burst from a flood, and a burst past it loses calls (128 cut the
+    #: e2e's burst of 200); for gateways whose loop, not the model, binds, and whose callers
+    #: send a dropped call again (the slim client and the job runners do). 128 measured best.
+    max_pending_calls: int = 0
     #: Most inputs one Predict / ModelInfer call may carry.
     max_inputs_per_request: int = 256
     #: The embedding model TEI's `/embed` and `/info` serve (TEI serves one model per server);
@@ -267,7 +268,8 @@ SETTINGS = SettingsTable(
             int,
             GatewayConfig.max_pending_calls,
             "calls of one method grpc holds before a process picks them up; past it, arrivals "
-            "are dropped (CANCELLED) with a chance growing to one at twice it; 0: grpc's default",
+            "are dropped (CANCELLED) with a chance growing to one at twice it, bursts included; "
+            "0: grpc's defaults; 128 suits a gateway whose loop binds and whose callers resend",
             "calls",
         ),
         *door_settings(),

@@ -87,11 +87,11 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     stack: Stack,
 ) -> None:
     """400 calls at once against a quota of 20/s with a 0.5 s burst: the bucket admits its
-    burst (10) plus what refills while the flood arrives, and refuses the rest. The 400 are
-    more than the gateway keeps waiting to be picked up (--max-pending-calls, 128): grpc drops
-    some unseen (CANCELLED) before the quota sees them, and may drop another tenant's call
-    meanwhile. The victim, paced at half its own quota, sends a dropped call again (as the
-    slim client does) and is never refused."""
+    burst (10) plus what refills while the flood arrives, and refuses the rest. Should the
+    gateway bound the calls waiting to be picked up below 400 (--max-pending-calls, off by
+    default; GATEWAY_MAX_PENDING_CALLS), grpc drops some unseen (CANCELLED) before the quota
+    sees them, and may drop another tenant's call meanwhile: the victim, paced at half its own
+    quota, sends a dropped call again (as the slim client does), and is never refused."""
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         resent = 0
