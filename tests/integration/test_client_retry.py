@@ -119,36 +119,35 @@ def test_a_call_dropped_unseen_is_sent_again_after_a_jittered_wait(serve: Any) -
     assert raised.value.code == "CANCELLED" and len(dropped.calls) == 3
 
 
-def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> None:
-    """Closing the client (from another thread) ends its calls CANCELLED: that is not a
-    drop, and sending again on the closed channel would fail with grpc's ValueError."""
-    servicer = Refusing(delay_s=2.0)
-    client = Client(serve(servicer))
+def _close_once_called(servicer: Refusing, client: Client, after_s: float) -> FabricError:
+    """Closes `client` from this thread `after_s` after its predict (in another thread) reached
+    `servicer`; returns the predict's failure."""
     with futures.ThreadPoolExecutor(1) as pool:
         call = pool.submit(client.predict, "m", ["hello"], timeout_s=10)
         deadline = time.monotonic() + 10
         while not servicer.calls and time.monotonic() < deadline:
             time.sleep(0.01)
+        time.sleep(after_s)
         client.close()
         with pytest.raises(FabricError) as raised:
             call.result(timeout=10)
-    assert raised.value.code == "CANCELLED"
+    return raised.value
+
+
+def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> None:
+    """Closing the client (from another thread) ends its calls CANCELLED: that is not a
+    drop, and sending again on the closed channel would fail with grpc's ValueError."""
+    servicer = Refusing(delay_s=2.0)
+    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.0)
+    assert failure.code == "CANCELLED"
     assert len(servicer.calls) == 1
 
 
 def test_a_client_closed_while_it_waits_to_retry_sends_nothing_again(serve: Any) -> None:
     servicer = Refusing(refusals=1, hint_ms=500)
-    client = Client(serve(servicer))
-    with futures.ThreadPoolExecutor(1) as pool:
-        call = pool.submit(client.predict, "m", ["hello"], timeout_s=10)
-        deadline = time.monotonic() + 10
-        while not servicer.calls and time.monotonic() < deadline:
-            time.sleep(0.01)
-        time.sleep(0.1)  # the refusal is back: the client waits its 0.5 s hint
-        client.close()
-        with pytest.raises(FabricError) as raised:
-            call.result(timeout=10)
-    assert raised.value.code == "RESOURCE_EXHAUSTED"
+    # 0.1 s after the call arrived, its refusal is back: the client waits its 0.5 s hint.
+    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.1)
+    assert failure.code == "RESOURCE_EXHAUSTED"
     assert len(servicer.calls) == 1
 
 
