@@ -92,6 +92,20 @@ def status_of(error: BaseException) -> str:
     return type(error).__name__
 
 
+def noting_errors(send: Send, errors: list[str]) -> Send:
+    """`send`, noting each failed gRPC call's status and details in `errors` (who refused it:
+    an Outcome keeps the status only)."""
+
+    async def noted() -> None:
+        try:
+            await send()
+        except grpc.aio.AioRpcError as error:
+            errors.append(f"{error.code().name}: {error.details()}")
+            raise
+
+    return noted
+
+
 def retry_after_of(error: BaseException | None) -> float | None:
     """The server's `retry-after-ms` hint on a failed gRPC call, in seconds, if it sent one."""
     if not isinstance(error, grpc.aio.AioRpcError):

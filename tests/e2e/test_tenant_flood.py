@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.fabric.loadgen import OK, Outcome, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import OK, Outcome, noting_errors, poisson_schedule, run_open_loop
 from bench.fabric.targets import make_texts
 from bench.fabric.tenants import FloodProcess, keys_toml, sender
 from services.common import metric_names as names
@@ -67,6 +67,8 @@ class FloodRun:
     refusals: list[grpc.aio.AioRpcError]
     #: The flood's calls refused at the gateway during the victim's window beside it.
     refused_at_gateway: float
+    #: What each of the victim's failed calls was told (none expected): who refused it.
+    victim_errors: list[str]
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +113,8 @@ async def _measure(stack: Stack, keys: Path) -> FloodRun:
             quota_in_force, timeout_s=30.0, interval_s=0.2,
             message="the gateway did not reload its keys file (no quota refusal of 'flood')",
         )  # fmt: skip
-        victim = sender(channel, "victim", TEXTS, VICTIM_TIMEOUT_S)
+        victim_errors: list[str] = []
+        victim = noting_errors(sender(channel, "victim", TEXTS, VICTIM_TIMEOUT_S), victim_errors)
         alone = await run_open_loop(victim, poisson_schedule(VICTIM_RATE_PER_S, WINDOW_S, 5))
         refused_at_start = _refused_at_gateway(stack)
         flood = FloodProcess(address, TEXTS, 1.0)
@@ -133,6 +136,7 @@ async def _measure(stack: Stack, keys: Path) -> FloodRun:
         flood_statuses=statuses,
         refusals=[e for e in burst if e is not None],
         refused_at_gateway=refused,
+        victim_errors=victim_errors,
     )
 
 
@@ -169,7 +173,7 @@ def describe(run: FloodRun) -> str:
     return (
         f"flood refused at the gateway {run.refused_at_gateway:.0f} times in the window, "
         f"statuses {dict(run.flood_statuses)}; victim alone: {side(run.alone)}; beside the "
-        f"flood: {side(run.beside_flood)}"
+        f"flood: {side(run.beside_flood)}; the victim's errors: {run.victim_errors}"
     )
 
 
