@@ -9,8 +9,7 @@ keys for four tenants: `gold` (weight 3), `bronze` (weight 1), `online` (interac
 1. Weights: `gold` and `bronze` each run GOLD_BRONZE_CALLERS closed-loop callers of
    ROWS_PER_CALL rows, on one model and then on two models of different cost; once both are
    served, the worker's compute seconds per tenant are counted over a window of a fixed amount
-   of compute. The split's ratio is the
-   figure (the weights ask for 3.0).
+   of compute. The split's ratio is the figure (the weights ask for 3.0).
 2. Priority: `filler` alone (its capacity), then windows alternating `online` alone and beside
    `filler`: interactive p99 beside batch against alone (the goal: within 10%), and what batch
    got beside interactive against what interactive left of capacity.
@@ -109,9 +108,10 @@ def request(model: str, value: float, num_rows: int = 1) -> api.PredictRequest:
 
 @dataclass
 class Outcomes:
-    """What one closed-loop caller group saw: latencies of OK calls, and error codes."""
+    """What one caller group saw: OK calls' latencies and answer times, and error codes."""
 
     latencies_s: list[float] = field(default_factory=list)
+    answered_s: list[float] = field(default_factory=list)
     errors: list[grpc.StatusCode] = field(default_factory=list)
 
     def p99_s(self) -> float | None:
@@ -120,6 +120,7 @@ class Outcomes:
     def add(self, other: Outcomes) -> None:
         """Pools `other`'s outcomes into these."""
         self.latencies_s += other.latencies_s
+        self.answered_s += other.answered_s
         self.errors += other.errors
 
 
@@ -142,7 +143,8 @@ async def closed_loop(
             try:
                 call = request(model, n + 0.5, rows_per_call)
                 await stub.Predict(call, metadata=metadata, timeout=TIMEOUT_S)
-                outcomes.latencies_s.append(time.monotonic() - started)
+                outcomes.answered_s.append(answered_s := time.monotonic())
+                outcomes.latencies_s.append(answered_s - started)
             except grpc.aio.AioRpcError as error:
                 outcomes.errors.append(error.code())
                 await asyncio.sleep(0.01)
