@@ -165,6 +165,12 @@ def _is_quota_refusal(error: grpc.aio.AioRpcError | None) -> bool:
     )
 
 
+def _is_door_refusal(error: grpc.aio.AioRpcError) -> bool:
+    return error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (
+        "this caller sent at least its share" in (error.details() or "")
+    )
+
+
 def describe(run: FloodRun) -> str:
     def side(outcomes: list[Outcome]) -> str:
         slowest_ms = max((o.latency_s for o in outcomes), default=0.0) * 1000
@@ -173,7 +179,7 @@ def describe(run: FloodRun) -> str:
     return (
         f"flood refused at the gateway {run.refused_at_gateway:.0f} times in the window, "
         f"statuses {dict(run.flood_statuses)}; victim alone: {side(run.alone)}; beside the "
-        f"flood: {side(run.beside_flood)}; the victim's errors: {run.victim_errors}"
+        f"flood: {side(run.beside_flood)}; the victim's errors: {dict(Counter(run.victim_errors))}"
     )
 
 
@@ -191,10 +197,14 @@ def test_a_tenant_within_its_quota_is_served_beside_a_flood(flood_run: FloodRun)
 
 def test_the_flood_is_refused_at_the_gateway_with_a_retry_hint(flood_run: FloodRun) -> None:
     """Nearly all the flood's calls are refused RESOURCE_EXHAUSTED (its quota admits a sliver),
-    and each refusal names the quota and carries a retry hint."""
+    and each refusal names the quota and carries a retry hint. Right after the flood, the
+    gateway's door (services.common.door) may still hold a lowered limit: it may refuse some of
+    a burst from the flooding tenant, over its share, with a hint of its own."""
     statuses = flood_run.flood_statuses
     assert statuses["RESOURCE_EXHAUSTED"] >= 0.9 * sum(statuses.values()), statuses
     assert len(flood_run.refusals) >= 30, flood_run.refusals
+    over_quota = [e for e in flood_run.refusals if _is_quota_refusal(e)]
+    assert over_quota, flood_run.refusals
     for error in flood_run.refusals:
-        assert _is_quota_refusal(error), error
+        assert _is_quota_refusal(error) or _is_door_refusal(error), error
         assert int(dict(error.trailing_metadata() or ())[RETRY_AFTER_MS_KEY]) > 0

@@ -93,7 +93,7 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     sees them, and may drop another tenant's call meanwhile: the victim, paced at half its own
     quota, sends a dropped call again (as the slim client does), and is never refused. On a busy
     machine the door's limit (services.common.door) may fall while the flood waits; it then
-    refuses the caller over its share, the flood, and never the victim."""
+    refuses the caller over its share, the flood."""
     doors_refused = total(scrape(stack.gateway.metrics_port), names.DOOR_REFUSED_TOTAL)
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
@@ -131,7 +131,7 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     assert admitted <= 20 * 0.5 + 20 * flood_s + 1, (admitted, flood_s, len(dropped))
     over_quota = [e for e in refused if "tenant 'flood' is over its quota" in e.details()]
     over_share = [e for e in refused if "this caller sent at least its share" in e.details()]
-    assert len(over_quota) >= 1
+    assert len(over_quota) >= 1, [e.details() for e in refused]
     assert len(over_quota) + len(over_share) == len(refused), [e.details() for e in refused]
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -144,7 +144,8 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
         metrics, names.GATEWAY_TENANT_REFUSED_TOTAL, tenant="flood", reason="requests_per_s"
     )
     assert refusals == len(over_quota)
-    assert total(metrics, names.DOOR_REFUSED_TOTAL) - doors_refused == len(over_share)
+    door_refusals = total(metrics, names.DOOR_REFUSED_TOTAL) - doors_refused
+    assert door_refusals == len(over_share), (door_refusals, len(over_share))
     victim_ok = total(metrics, names.GATEWAY_TENANT_REQUESTS_TOTAL, tenant="victim", code="OK")
     assert victim_ok == 20
 
