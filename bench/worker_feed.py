@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,4,16,32,64", help="rows per bundle, comma-separated")
     parser.add_argument("--callers", type=int, default=16, help="bundles in flight")
     parser.add_argument("--duration-s", type=float, default=8.0, help="per bundle size")
+    parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="worker-feed-"))
@@ -147,9 +148,9 @@ def main(argv: list[str] | None = None) -> int:
     if len(results) >= 2:
         report["fit"] = fit(results)
         print(json.dumps(report["fit"]))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.output}")
     return 0
 
 
