@@ -37,9 +37,10 @@ from services.gpu_worker.batching.slice_admission import (
     SliceAsk,
     admit_slice,
     batch_key,
+    pass_bound,
     withdraw_rows,
 )
-from services.gpu_worker.batching.types import BatchKey, Dispatch
+from services.gpu_worker.batching.types import Dispatch
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import backfill_threads_for, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
@@ -88,9 +89,6 @@ class BatchingDriver:
         """The driver's clock (monotonic seconds)."""
         return self._clock()
 
-    def key_for(self, backend: Backend, bucket: int) -> BatchKey:
-        return batch_key(backend, bucket)
-
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> None:
@@ -105,7 +103,7 @@ class BatchingDriver:
 
     def _warm_up_lane(self, lane: Lane) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
-        warm_up_lane(lane, self.key_for, self._metrics)
+        warm_up_lane(lane, batch_key, self._metrics)
         bound_s = watchdog.watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
@@ -193,7 +191,7 @@ class BatchingDriver:
         self._executor.shutdown(wait=self._wedged is None)
 
     def load_report(self, backend: Backend) -> LoadReport:
-        return self._lanes[id(backend)].load_report(self.key_for(backend, backend.buckets[0]))
+        return self._lanes[id(backend)].load_report(batch_key(backend, backend.buckets[0]))
 
     @property
     def is_executing(self) -> bool:
@@ -256,9 +254,9 @@ class BatchingDriver:
         self, backend: Backend, asks: Sequence[SliceAsk], *, arrival_s: float | None = None
     ) -> list[Admission | Exception]:
         """`admit` for the slices of one bundle, in one pass: each slice is queued whole or
-        refused alone (its error in its place), and what they share (the lane, the clock,
-        the executor's busy time) is read once. `arrival_s` (`now()` when the bundle arrived,
-        default now). Raises only what refuses every slice alike (`open_lane`)."""
+        refused alone (its error in its place), and what they share (the lane, the clock, the
+        executor's busy time, the queues' forecast) is read once. `arrival_s`: `now()` when the
+        bundle arrived. Raises only what refuses every slice alike (`open_lane`)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
         admission = AdmissionPass(
@@ -268,6 +266,7 @@ class BatchingDriver:
             executor_free_s=self._running_until_s,
             item_ids=self._item_ids,
             metrics=self._metrics,
+            bound=pass_bound(lane, asks, now, self._running_until_s),
         )
         outcomes: list[Admission | Exception] = []
         for ask in asks:

@@ -8,12 +8,42 @@ Synchronous and pure: start times come in as arguments."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from math import inf
 
 from services.common.fair_rows import rows_ahead
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
+
+
+class PassBound:
+    """A bound on the deadline checks of one admission pass (several rows admitted at one
+    instant, with nothing dispatched between them: a bundle's slices).
+
+    `finish_s`: when everything queued at the pass's start, plus every row the pass brings, is
+    predicted to be done, the executor free at the pass's `start_s`. No row of the pass can be
+    predicted to finish later: what `QueueForecast.finish_s` counts ahead of a row is part of
+    that, and a key's drain never shrinks as its rows grow (the latency model's curves are
+    monotone). `earliest_limit_s`: the earliest admission limit of what was queued at the
+    start and of the rows admitted since. While `finish_s` plus the margin is at most both
+    that and a row's own limit, the row meets its limit and makes no batch-mate late, so its
+    per-row forecasts (`Batcher.add`) are skipped: a pass of 64 rows reads the queues once,
+    not 64 times."""
+
+    __slots__ = ("earliest_limit_s", "finish_s")
+
+    def __init__(self, finish_s: float, earliest_limit_s: float) -> None:
+        self.finish_s = finish_s
+        self.earliest_limit_s = earliest_limit_s
+
+    def covers(self, limit_s: float, margin_s: float) -> bool:
+        """Whether a row with admission limit `limit_s` surely passes the deadline checks."""
+        return self.finish_s + margin_s <= min(limit_s, self.earliest_limit_s)
+
+    def admitted(self, limit_s: float) -> None:
+        """A row with admission limit `limit_s` joined the queue."""
+        self.earliest_limit_s = min(self.earliest_limit_s, limit_s)
 
 
 class QueueForecast:
@@ -82,6 +112,18 @@ class QueueForecast:
             return False
         queued = {k: len(q.items) for k, q in self._queues.items()}
         return self._drain_s(item.key, start_s, queued, extra_rows=0) + margin_s <= mates_limit_s
+
+    def pass_bound(self, rows: Mapping[BatchKey, int], start_s: float) -> PassBound:
+        """The PassBound of an admission pass bringing `rows` (per key), the executor free at
+        `start_s`."""
+        queued = {k: len(q.items) for k, q in self._queues.items()}
+        for key, count in rows.items():
+            queued[key] = queued.get(key, 0) + count
+        earliest_s = min(
+            (q.earliest_limit_s() for q in self._queues.values() if len(q.items)), default=inf
+        )
+        finish_s = start_s + drain_s(queued, self._latency.predict, self._limit_for)
+        return PassBound(finish_s, earliest_s)
 
     def _has_other_tenants(self, tenant: str) -> bool:
         """Whether any tenant but `tenant` has rows queued here, at any priority."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Mapping
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.priority import PriorityClass
@@ -18,7 +19,7 @@ from services.gpu_worker.batching.choice import Choice, choose
 from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
-from services.gpu_worker.batching.forecast import QueueForecast
+from services.gpu_worker.batching.forecast import PassBound, QueueForecast
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import (
@@ -157,7 +158,12 @@ class Batcher:
         return _ADMITTED
 
     def add(
-        self, item: QueuedItem, now_s: float, *, executor_free_s: float | None = None
+        self,
+        item: QueuedItem,
+        now_s: float,
+        *,
+        executor_free_s: float | None = None,
+        bound: PassBound | None = None,
     ) -> Admitted | Rejected:
         """Queue `item` (arriving at `now_s`) or say why not.
 
@@ -173,15 +179,18 @@ class Batcher:
         Priority and tenants: rows queued at a lower priority do not count as ahead of the item
         (they run after it); `batch` rows are refused once the queue is `BATCH_QUEUE_SHARE`
         full, and past `CONTENDED_QUEUE_SHARE` a tenant over its weighted share of the queue is
-        refused (TENANT_SHARE; fairness.QueueShares). Raises ValueError on a duplicate item_id,
-        a caller bug."""
+        refused (TENANT_SHARE; fairness.QueueShares). `bound`: the admission pass's
+        (`pass_bound`), which spares a row it covers the per-row forecasts, to the same
+        decision. Raises ValueError on a duplicate item_id, a caller bug."""
         if item.item_id in self._key_of:
             raise ValueError(f"item {item.item_id} is already queued")
         if item.weight <= 0.0:
             item = dataclasses.replace(item, weight=self.weight_of(item.tenant, item.weight))
-        refusal = self._refusal(item, now_s, executor_free_s)
+        refusal = self._refusal(item, now_s, executor_free_s, bound)
         if refusal is not None:
             return refusal
+        if bound is not None:
+            bound.admitted(item.admission_limit_s)
         self._weights[item.tenant] = item.weight
         queue = self._queues.get(item.key)
         if queue is None:
@@ -216,7 +225,11 @@ class Batcher:
         return self._config.tenant_weights.get(tenant, DEFAULT_WEIGHT)
 
     def _refusal(
-        self, item: QueuedItem, now_s: float, executor_free_s: float | None
+        self,
+        item: QueuedItem,
+        now_s: float,
+        executor_free_s: float | None,
+        bound: PassBound | None = None,
     ) -> Rejected | None:
         """Why `item` may not be queued now (see `add`), or None."""
         cfg = self._config
@@ -236,6 +249,8 @@ class Batcher:
             if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
                 return Rejected(RejectReason.DEADLINE)
             return None
+        if bound is not None and bound.covers(item.admission_limit_s, cfg.safety_margin_s):
+            return None
         start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
         finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority, of=item)
         if finish_s + cfg.safety_margin_s > item.admission_limit_s:
@@ -243,6 +258,14 @@ class Batcher:
         if self._forecast.makes_batch_mates_late(item, start_s, finish_s, cfg.safety_margin_s):
             return Rejected(RejectReason.DEADLINE)
         return None
+
+    def pass_bound(
+        self, rows: Mapping[BatchKey, int], now_s: float, executor_free_s: float | None
+    ) -> PassBound:
+        """The bound of an admission pass at `now_s` bringing `rows` per key (forecast.PassBound),
+        the running batch predicted to end at `executor_free_s` (None: nothing runs)."""
+        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+        return self._forecast.pass_bound(rows, start_s)
 
     def oldest_urgent_wait_s(self, now_s: float) -> float:
         """How long the oldest online row still queued has waited; 0 when none is queued."""

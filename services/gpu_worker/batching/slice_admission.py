@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -21,6 +22,7 @@ from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.lane import Admission, Lane, Pending
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
@@ -54,6 +56,8 @@ class AdmissionPass(NamedTuple):
     #: The driver's item ids.
     item_ids: itertools.count[int]
     metrics: WorkerMetrics
+    #: The pass's bound on its rows' deadline checks (None: each row is checked alone).
+    bound: PassBound | None = None
 
 
 def batch_key(backend: Backend, bucket: int) -> BatchKey:
@@ -64,6 +68,26 @@ def batch_key(backend: Backend, bucket: int) -> BatchKey:
         fingerprint=backend.fingerprint,
         bucket=bucket,
     )
+
+
+def lane_key(lane: Lane, bucket: int) -> BatchKey:
+    """The batch key of the lane's rows of `bucket`, built once per lane and bucket."""
+    key = lane.keys.get(bucket)
+    if key is None:
+        key = lane.keys[bucket] = batch_key(lane.backend, bucket)
+    return key
+
+
+def pass_bound(
+    lane: Lane, asks: Sequence[SliceAsk], now: float, executor_free_s: float | None
+) -> PassBound | None:
+    """The bound of a pass admitting `asks` (forecast.PassBound); None for a single row,
+    which it would not spare anything."""
+    buckets = Counter(row.bucket for ask in asks for row in ask.rows)
+    if sum(buckets.values()) < 2:
+        return None
+    rows = {lane_key(lane, bucket): count for bucket, count in buckets.items()}
+    return lane.batcher.pass_bound(rows, now, executor_free_s)
 
 
 def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admission:
@@ -83,9 +107,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     item_ids: list[int] = []
     futures: list[asyncio.Future[np.ndarray]] = []
     for row in ask.rows:
-        key = lane.keys.get(row.bucket)
-        if key is None:
-            key = lane.keys[row.bucket] = batch_key(lane.backend, row.bucket)
+        key = lane_key(lane, row.bucket)
         item = QueuedItem(
             item_id=next(admission.item_ids),
             key=key,
@@ -98,7 +120,9 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             weight=weight,
         )
         if isinstance(decision, Admitted):
-            decision = batcher.add(item, now, executor_free_s=admission.executor_free_s)
+            decision = batcher.add(
+                item, now, executor_free_s=admission.executor_free_s, bound=admission.bound
+            )
         if isinstance(decision, Rejected):
             reason = decision.reason
             admission.metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
