@@ -110,13 +110,13 @@ class QueueForecast:
         mates_limit_s = queue.earliest_limit_s()
         if finish_s + margin_s <= mates_limit_s:
             return False
-        queued = {k: len(q.items) for k, q in self._queues.items()}
+        queued = self._queued()
         return self._drain_s(item.key, start_s, queued, extra_rows=0) + margin_s <= mates_limit_s
 
     def pass_bound(self, rows: Mapping[BatchKey, int], start_s: float) -> PassBound:
         """The PassBound of an admission pass bringing `rows` (per key), the executor free at
         `start_s`."""
-        queued = {k: len(q.items) for k, q in self._queues.items()}
+        queued = self._queued()
         for key, count in rows.items():
             queued[key] = queued.get(key, 0) + count
         earliest_s = min(
@@ -124,6 +124,10 @@ class QueueForecast:
         )
         finish_s = start_s + drain_s(queued, self._latency.predict, self._limit_for)
         return PassBound(finish_s, earliest_s)
+
+    def _queued(self) -> dict[BatchKey, int]:
+        """Rows queued per key, at every priority."""
+        return {k: len(q.items) for k, q in self._queues.items()}
 
     def _has_other_tenants(self, tenant: str) -> bool:
         """Whether any tenant but `tenant` has rows queued here, at any priority."""

@@ -40,6 +40,14 @@ BATCH_QUEUE_SHARE = 0.5
 CONTENDED_QUEUE_SHARE = 0.5
 
 _BATCH_RANK = PriorityClass.BATCH.rank
+
+
+def executor_start_s(now_s: float, executor_free_s: float | None) -> float:
+    """When the executor can start what is queued: now, or once the running batch is
+    predicted to end (`executor_free_s`; in the past when the batch overruns)."""
+    return now_s if executor_free_s is None else max(now_s, executor_free_s)
+
+
 # `Admitted` carries no data: one instance answers every call.
 _ADMITTED = Admitted()
 
@@ -251,7 +259,7 @@ class Batcher:
             return None
         if bound is not None and bound.covers(item.admission_limit_s, cfg.safety_margin_s):
             return None
-        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+        start_s = executor_start_s(now_s, executor_free_s)
         finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority, of=item)
         if finish_s + cfg.safety_margin_s > item.admission_limit_s:
             return Rejected(RejectReason.DEADLINE)
@@ -264,7 +272,7 @@ class Batcher:
     ) -> PassBound:
         """The bound of an admission pass at `now_s` bringing `rows` per key (forecast.PassBound),
         the running batch predicted to end at `executor_free_s` (None: nothing runs)."""
-        start_s = now_s if executor_free_s is None else max(now_s, executor_free_s)
+        start_s = executor_start_s(now_s, executor_free_s)
         return self._forecast.pass_bound(rows, start_s)
 
     def oldest_urgent_wait_s(self, now_s: float) -> float:

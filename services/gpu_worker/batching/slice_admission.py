@@ -24,6 +24,7 @@ from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.lane import Admission, Lane, Pending
+from services.gpu_worker.batching.policy import executor_start_s
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -126,8 +127,8 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         if isinstance(decision, Rejected):
             reason = decision.reason
             admission.metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
-            free_s = admission.executor_free_s  # in the past when a batch overruns
-            error = lane.rejection(item, reason, now, now if free_s is None else max(now, free_s))
+            start_s = executor_start_s(now, admission.executor_free_s)
+            error = lane.rejection(item, reason, now, start_s)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
