@@ -24,12 +24,21 @@ is long (minilm on a CPU: tens to hundreds of ms), waiting for an answer only ad
 the worker's batcher, which sees every gateway's rows, batches them while its model is busy
 anyway. Clocked there, a flood of mixed lengths at 400/s on a fresh `make run` got about half
 as many answers within the SLO (200-326 of 3,200 against 529-562, /tmp trial, two runs each).
-So a bundle waits only while its key's round trip (a moving average, failed ones included; a
-key with none yet holds) is at most `max_hold_s`, and then at most `max_hold_s` and
+So a bundle waits only while its key's time downstream (a moving average of the worker's own
+time on each bundle, as it reports it, or of the round trip where it does not and for failed
+ones; a key with none yet holds) is at most `max_hold_s`, and then at most `max_hold_s` and
 `hold_share` of its earliest caller's time left when the hold begins (callers that join later
 have deadlines within 2x of it: the coalescer's deadline classes), which also bounds what a
 slow or stalled downstream costs the calls behind it. Throughput is never capped by the clock:
 a bundle that fills to the model's max batch rows leaves at once.
+
+Not the round trip as the gateway sees it: that also counts how late the gateway's own event
+loop reads each answer, and the gateway is the tier that saturates first. Gated on it, the
+clock stopped holding just when it paid: with 64 callers through the stand-in stack in a
+slow hour (2 cores), the round trips' average hovered around the 20 ms gate (11-53 ms), holds
+stopped, and bundles fell to 1.2-3.2 callers, the tiers' CPU per request rising with them,
+which kept the round trips long. Gated on the worker's own time, side by side in that hour
+(/tmp probe, two runs each): 6.7-9.7 callers a bundle, 525-555 requests/s against 305-510.
 """
 
 from __future__ import annotations
@@ -58,17 +67,17 @@ class BundleClock:
             raise ValueError(f"hold_share must be in [0, 1], got {self.hold_share}")
 
     def hold_s(
-        self, num_out: int, num_in_flight: int, time_left_s: float, round_trip_s: float | None
+        self, num_out: int, num_in_flight: int, time_left_s: float, downstream_s: float | None
     ) -> float:
         """How long a ready bundle may wait for an answer with `num_out` bundles of its key out,
-        `num_in_flight` of its calls in flight (its own included) and the key's round trips
-        averaging `round_trip_s` (None before the first, which holds), its earliest caller
+        `num_in_flight` of its calls in flight (its own included) and the key's times downstream
+        averaging `downstream_s` (None before the first, which holds), its earliest caller
         having `time_left_s` (0: it leaves now)."""
         if (
             self.max_out == 0
             or num_out < self.max_out
             or num_in_flight < self.min_in_flight
-            or (round_trip_s is not None and round_trip_s > self.max_hold_s)
+            or (downstream_s is not None and downstream_s > self.max_hold_s)
         ):
             return 0.0
         return max(0.0, min(self.max_hold_s, self.hold_share * time_left_s))

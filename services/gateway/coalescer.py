@@ -12,7 +12,7 @@ that same turn made (no timer: no added latency at light load); under load, a bu
 to `linger_s` (1 ms) for more, and leaves at once when it holds the model's max batch rows.
 Then the bundle clock (services.gateway.bundle_clock): while a bundle of its key is
 downstream and not answered, a ready bundle keeps gathering calls until one is answered (at
-most its hold, and only while the key's round trips are short), so bundles grow with the load
+most its hold, and only while the key's time downstream is short), so bundles grow with the load
 instead of staying one linger's worth.
 
 Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
@@ -110,8 +110,8 @@ class _Bundle:
     left: asyncio.Future[None] | None = None
 
 
-#: Weight of a bundle's round trip in its key's moving average.
-ROUND_TRIP_WEIGHT = 0.2
+#: Weight of a bundle's time downstream in its key's moving average.
+DOWNSTREAM_WEIGHT = 0.2
 
 
 @dataclass
@@ -126,8 +126,9 @@ class _KeyState:
     in_flight: int = 0
     #: Bundles sent, not answered yet.
     out: int = 0
-    #: The bundles' round trips, seconds (failed ones included).
-    round_trip: MovingAverage = field(default_factory=lambda: MovingAverage(ROUND_TRIP_WEIGHT))
+    #: The bundles' times downstream, seconds: the worker's own time on each, as it reports
+    #: it, else the round trip (a failed bundle's included; `_send_bundle`).
+    downstream: MovingAverage = field(default_factory=lambda: MovingAverage(DOWNSTREAM_WEIGHT))
     #: Done when a bundle out is answered: what a held bundle waits on.
     answered: asyncio.Future[None] | None = None
 
@@ -238,7 +239,7 @@ class Coalescer:
         if not bundle.is_sent and bundle.slices:
             time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
             hold_s = self._clock.hold_s(
-                state.out, state.in_flight, time_left_s, state.round_trip.mean
+                state.out, state.in_flight, time_left_s, state.downstream.mean
             )
             if hold_s > 0:  # until an answer, or until it leaves full (`call`)
                 loop = asyncio.get_running_loop()
@@ -290,6 +291,7 @@ class Coalescer:
 
     async def _send_bundle(self, bundle: _Bundle) -> None:
         slices = bundle.slices
+        downstream = self._keys[bundle.key].downstream
         sent_s = time.monotonic()
         try:
             request, route = self._request(bundle)
@@ -300,9 +302,15 @@ class Coalescer:
                     max(s.deadline_s for s in slices),
                     bundle.cancels,
                 )
-            finally:  # a failure's round trip counts too: a stalled downstream stops the holds
-                self._keys[bundle.key].round_trip.observe(time.monotonic() - sent_s)
-            _answer(slices, pb.InferResponse.FromString(payload))
+            except BaseException:  # a failure's round trip counts: a stalled downstream
+                downstream.observe(time.monotonic() - sent_s)  # stops the holds
+                raise
+            response = pb.InferResponse.FromString(payload)
+            # The worker's own time, not the round trip, which also counts how late this
+            # process's loop read the answer (services.gateway.bundle_clock).
+            worker_s = response.worker_us / 1e6
+            downstream.observe(worker_s if worker_s > 0 else time.monotonic() - sent_s)
+            _answer(slices, response)
         except Exception as error:  # the whole bundle failed: each caller gets the status
             _fail(slices, error)
         # Cancelled (the gateway is closing): `_bundle_done` answers the callers.

@@ -133,7 +133,9 @@ class BundleRunner:
             unavailable = next((r for r in results if isinstance(r, Unavailable)), None)
             if unavailable is not None:
                 raise unavailable
-        return _answer(backend, results)
+        response = _answer(backend, results)
+        response.worker_us = round((time.monotonic() - called_s) * 1e6)
+        return response
 
     def _count(self, labels: tuple[str, str], codes: Iterable[str]) -> Counter[str]:
         """Counts each slice's outcome (`codes`) in requests_total; returns the counts."""

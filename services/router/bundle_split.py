@@ -194,8 +194,9 @@ def relay_cancels(
 
 
 def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
-    """The bundle's answer from its parts' (in slice order): one status per slice, and the rows
-    of the slices answered OK, packed when every part packed rows of one dtype and shape."""
+    """The bundle's answer from its parts' (in slice order): one status per slice, the rows of
+    the slices answered OK, packed when every part packed rows of one dtype and shape, and the
+    longest of the parts' times in their workers."""
     response = pb.InferResponse()
     # Each answered part's rows, in order: its packed tensor, or its row tensors.
     outputs: list[pb.Tensor | Sequence[pb.Tensor]] = []
@@ -211,6 +212,7 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
                     response.model_version = answered.model_version
                     response.fingerprint = answered.fingerprint
                 response.slices.extend(answered.slices)
+                response.worker_us = max(response.worker_us, answered.worker_us)
                 if answered.HasField("packed_outputs"):
                     outputs.append(answered.packed_outputs)
                 elif answered.outputs:

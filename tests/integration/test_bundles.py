@@ -118,6 +118,7 @@ async def test_each_slice_of_a_bundle_is_answered_on_its_own(
             ],
         )
         cancels = SliceCancels()
+        sent_s = time.monotonic()
         call = asyncio.ensure_future(
             router.call(
                 request.SerializeToString(),
@@ -144,8 +145,12 @@ async def test_each_slice_of_a_bundle_is_answered_on_its_own(
         release_stall(tmp_path / "gate")
         await blocker
         response = pb.InferResponse.FromString(await call)
+        round_trip_us = (time.monotonic() - sent_s) * 1e6
         await router.close()
 
+    # The worker says how long it held the bundle: behind the stall past the late slice's
+    # 0.5 s, and within the round trip (the router passes it on).
+    assert 500_000 <= response.worker_us <= round_trip_us
     codes = [grpc.StatusCode.OK.value[0] if s.code == 0 else s.code for s in response.slices]
     assert codes == [
         grpc.StatusCode.OK.value[0],

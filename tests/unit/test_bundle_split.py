@@ -190,9 +190,14 @@ def test_a_cancelled_slice_reaches_the_part_that_carries_it_by_its_index_there()
     assert cancels[1].cancelled == {1}
 
 
-def answered(num_rows: list[int], codes: list[int], *, packed: bool = True) -> bytes:
-    """A part's answer: slice i of code 0 answers rows filled with its first row's index."""
-    response = pb.InferResponse(model_name="minilm", model_version="1", fingerprint="fp")
+def answered(
+    num_rows: list[int], codes: list[int], *, packed: bool = True, worker_us: int = 0
+) -> bytes:
+    """A part's answer: slice i of code 0 answers rows filled with its first row's index;
+    `worker_us`, its worker's time on it."""
+    response = pb.InferResponse(
+        model_name="minilm", model_version="1", fingerprint="fp", worker_us=worker_us
+    )
     rows = []
     for count, code in zip(num_rows, codes, strict=True):
         response.slices.add(code=code)
@@ -210,13 +215,14 @@ def test_the_merged_answer_has_every_slice_in_order_and_the_ok_rows_packed() -> 
     merged = pb.InferResponse.FromString(
         merge(
             [
-                (Part(0, 2, (1, 2), 0, "", 1.0), answered([1, 2], [OK, OK])),
+                (Part(0, 2, (1, 2), 0, "", 1.0), answered([1, 2], [OK, OK], worker_us=900)),
                 (Part(2, 3, (1,), 0, "", 1.0), refusal),
-                (Part(3, 5, (1, 1), 0, "", 1.0), answered([1, 1], [EXHAUSTED, OK])),
+                (Part(3, 5, (1, 1), 0, "", 1.0), answered([1, 1], [EXHAUSTED, OK], worker_us=7)),
             ]
         )
     )
     assert merged.model_name == "minilm" and merged.fingerprint == "fp"
+    assert merged.worker_us == 900  # the parts' longest time in a worker
     assert [s.code for s in merged.slices] == [OK, OK, EXHAUSTED, EXHAUSTED, OK]
     assert "retry-after-ms" in merged.slices[2].trailers
     assert tensor_from_pb(merged.packed_outputs).shape == (4, 2)
