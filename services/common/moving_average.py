@@ -1,7 +1,7 @@
 """An exponentially weighted moving average that starts at its first value (pure).
 
 The tiers follow several quantities this way: the gap between calls (a stream's write linger,
-a batching key's arrivals), a model's bundle round trip (the gateway's bundle clock), the
+a batching key's arrivals), a model's time downstream (the gateway's bundle clock), the
 retry hints downstream sends (the gateway's throttle).
 """
 

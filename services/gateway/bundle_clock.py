@@ -39,6 +39,9 @@ slow hour (2 cores), the round trips' average hovered around the 20 ms gate (11-
 stopped, and bundles fell to 1.2-3.2 callers, the tiers' CPU per request rising with them,
 which kept the round trips long. Gated on the worker's own time, side by side in that hour
 (/tmp probe, two runs each): 6.7-9.7 callers a bundle, 525-555 requests/s against 305-510.
+A router that retried a bundle on another worker passes on only the last worker's time, so a
+stalled first worker does not show in it; a bundle held meanwhile waits at most its hold,
+which the key's next answer ends.
 """
 
 from __future__ import annotations

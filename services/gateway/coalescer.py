@@ -302,10 +302,10 @@ class Coalescer:
                     max(s.deadline_s for s in slices),
                     bundle.cancels,
                 )
+                response = pb.InferResponse.FromString(payload)
             except BaseException:  # a failure's round trip counts: a stalled downstream
                 downstream.observe(time.monotonic() - sent_s)  # stops the holds
                 raise
-            response = pb.InferResponse.FromString(payload)
             # The worker's own time, not the round trip, which also counts how late this
             # process's loop read the answer (services.gateway.bundle_clock).
             worker_s = response.worker_us / 1e6

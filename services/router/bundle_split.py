@@ -196,8 +196,10 @@ def relay_cancels(
 def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
     """The bundle's answer from its parts' (in slice order): one status per slice, the rows of
     the slices answered OK, packed when every part packed rows of one dtype and shape, and the
-    longest of the parts' times in their workers."""
+    longest of the parts' times in their workers (0 when a part failed: its time is not
+    known, so the gateway's bundle clock reads the round trip instead)."""
     response = pb.InferResponse()
+    failed = False
     # Each answered part's rows, in order: its packed tensor, or its row tensors.
     outputs: list[pb.Tensor | Sequence[pb.Tensor]] = []
     for part, answer in answers:
@@ -219,12 +221,15 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
                     outputs.append(answered.outputs)
                 continue
         response.slices.extend(_failed(answer) for _ in part.slice_rows)
+        failed = True
     packed = [o for o in outputs if isinstance(o, pb.Tensor)]
     if packed and len(packed) == len(outputs) and _stack_alike(packed):
         response.packed_outputs.CopyFrom(_stacked(packed))
     else:
         for output in outputs:
             response.outputs.extend(_rows(output) if isinstance(output, pb.Tensor) else output)
+    if failed:
+        response.worker_us = 0
     return response.SerializeToString()
 
 

@@ -222,10 +222,23 @@ def test_the_merged_answer_has_every_slice_in_order_and_the_ok_rows_packed() -> 
         )
     )
     assert merged.model_name == "minilm" and merged.fingerprint == "fp"
-    assert merged.worker_us == 900  # the parts' longest time in a worker
+    assert merged.worker_us == 0  # a part failed: its time is not known
     assert [s.code for s in merged.slices] == [OK, OK, EXHAUSTED, EXHAUSTED, OK]
     assert "retry-after-ms" in merged.slices[2].trailers
     assert tensor_from_pb(merged.packed_outputs).shape == (4, 2)
+
+
+def test_a_merged_answer_reports_its_parts_longest_time_in_a_worker() -> None:
+    merged = pb.InferResponse.FromString(
+        merge(
+            [
+                (Part(0, 1, (1,), 0, "", 1.0), answered([1], [OK], worker_us=7)),
+                (Part(1, 2, (1,), 0, "", 1.0), answered([1], [OK], worker_us=900)),
+                (Part(2, 3, (1,), 0, "", 1.0), answered([1], [EXHAUSTED], worker_us=40)),
+            ]
+        )
+    )
+    assert merged.worker_us == 900
 
 
 @pytest.mark.parametrize(
