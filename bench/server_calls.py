@@ -6,7 +6,10 @@ the gateway's stages (error mapping, tracing, authentication) and its door.
 Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mapping only),
 `stages` (error mapping, tracing, authentication without keys), `door` (`stages` behind the
 door). The server answers each call with its own bytes, so what differs between modes is what
-the interceptor costs. `grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
+the interceptor costs. `door-refusing` (the door's limit held at one call in flight, which
+each served call holds for 50 ms: the door refuses nearly every call, RESOURCE_EXHAUSTED with
+a hint, before the stages or any parser),
+`grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
 RESOURCE_EXHAUSTED before any parser or handler, once the interceptors ran) refuses about half
 the calls, and `grpc-dropping` (`stages` with `--max-pending-calls 2`: grpc's C core drops,
 CANCELLED, calls waiting to be picked up past two, all of them past four, before any Python)
@@ -42,15 +45,24 @@ from services.gateway.server import DOOR_METHODS
 
 SERVICE = "inference.v1.InferenceService"
 METHOD = f"/{SERVICE}/Predict"
-MODES = ("bare", "errors", "stages", "door", "grpc-refusing", "grpc-dropping")
+MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing", "grpc-dropping")
 #: How each refusing mode's refusals end at the caller.
 REFUSALS = {
+    "door-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "grpc-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "grpc-dropping": grpc.StatusCode.CANCELLED,
 }
+#: `door-refusing`'s door: its limit held at one call in flight.
+REFUSING_DOOR = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    return request
+
+
+async def _slow_echo(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+    """`door-refusing`'s: a call served holds the door's one place for 50 ms."""
+    await asyncio.sleep(0.05)
     return request
 
 
@@ -66,7 +78,8 @@ def _server(mode: str) -> tuple[grpc.aio.Server, Door | None]:
         return new_server(stages, max_concurrent_rpcs=1), None
     if mode == "grpc-dropping":
         return new_server(stages, max_pending_calls=2), None
-    door = Door(DOOR_METHODS, DoorConfig(), CollectorRegistry())
+    config = REFUSING_DOOR if mode == "door-refusing" else DoorConfig()
+    door = Door(DOOR_METHODS, config, CollectorRegistry())
     return new_server(stages, door=door), door
 
 
@@ -80,7 +93,8 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
 
     async def run() -> None:
         server, door = _server(mode)
-        handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(_echo)
+        echo = _slow_echo if mode == "door-refusing" else _echo
+        handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(echo)
         generic = grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})
         server.add_generic_rpc_handlers((generic,))
         port = server.add_insecure_port("127.0.0.1:0")

