@@ -151,6 +151,29 @@ async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
     assert await served.call(b"ok-after") == b"served ok-after"
 
 
+async def test_large_calls_past_the_limit_are_refused_with_their_hints_before_their_bodies(
+    served: Served,
+) -> None:
+    """The door answers without reading the request: calls of 3 MB still arriving when the
+    refusal is sent hear RESOURCE_EXHAUSTED and the hint (not a reset stream), and the
+    connection they shared goes on serving."""
+    waiting = [asyncio.create_task(served.call(b"ok-wait")) for _ in range(2)]
+    await eventually(lambda: served.door.num_in_flight == 2)
+
+    large = b"x" * (3 << 20)
+    refusals = await asyncio.gather(*(served.call(large) for _ in range(4)), return_exceptions=True)
+    for error in refusals:
+        assert isinstance(error, grpc.aio.AioRpcError), error
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+        assert [k for k, _ in error.trailing_metadata() or ()].count(RETRY_AFTER_MS_KEY) == 1
+    assert served.refused() == 4
+
+    served.release.set()
+    assert await asyncio.gather(*waiting) == [b"served ok-wait"] * 2
+    await eventually(lambda: served.door.num_in_flight == 0)
+    assert await served.call(b"ok-" + large) == b"served ok-" + large
+
+
 async def test_at_the_limit_only_callers_over_their_share_are_refused(served: Served) -> None:
     # Caller a fills the limit (2 calls in flight) and is refused past it (it sent every call
     # so far); caller b, sending less, passes the full door: its first call counted with all
