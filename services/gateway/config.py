@@ -258,7 +258,8 @@ SETTINGS = SettingsTable(
             float,
             BundleClock.max_hold_s,
             "longest a ready bundle waits for an answer (never over a tenth of its earliest "
-            "caller's time left when it begins); keys whose round trips take longer do not wait",
+            "caller's time left when it begins); keys whose workers hold their bundles longer "
+            "(as they report it) do not wait",
             "s",
             field="bundle_clock.max_hold_s",
         ),
