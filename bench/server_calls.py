@@ -7,14 +7,13 @@ Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mappin
 `stages` (error mapping, tracing, authentication without keys), `door` (`stages` behind the
 door). The server answers each call with its own bytes, so what differs between modes is what
 the interceptor costs. `door-refusing` (the door's limit held at one call in flight, which
-each served call holds for 50 ms: the door refuses nearly every call, RESOURCE_EXHAUSTED with
-a hint, before the stages or any parser),
-`grpc-refusing` (`stages` with `--max-concurrent-rpcs 1`: grpc answers
-RESOURCE_EXHAUSTED before any parser or handler, once the interceptors ran) refuses about half
-the calls, and `grpc-dropping` (`stages` with `--max-pending-calls 2`: grpc's C core drops,
-CANCELLED, calls waiting to be picked up past two, all of them past four, before any Python)
-most of them, for
-what a refusal costs against a served call (issue 33's goal: at most 0.2); with `stages`
+each served call holds for 50 ms) has the door refuse nearly every call, RESOURCE_EXHAUSTED
+with a hint, before the stages or any parser; `grpc-refusing` (`stages` with
+`--max-concurrent-rpcs 1`: grpc answers RESOURCE_EXHAUSTED before any parser or handler, once
+the interceptors ran) refuses about half the calls, and `grpc-dropping` (`stages` with
+`--max-pending-calls 2`: grpc's C core drops, CANCELLED, calls waiting to be picked up past
+two, all of them past four, before any Python) most of them, for what a refusal costs against
+a served call (issue 33's goal: at most 0.2); with `stages`
 measured in the same run, each refused call's own CPU is printed too (the mixed figure less the
 served calls' share at the `stages` cost). On a machine with two CPUs or more the server
 runs on CPU 1 and the client on CPU 0, so that neither disturbs the other's figure.

@@ -36,7 +36,7 @@ Not the round trip as the gateway sees it: that also counts how late the gateway
 loop reads each answer, and the gateway is the tier that saturates first. Gated on it, the
 clock stopped holding just when it paid: with 64 callers through the stand-in stack in a
 slow hour (2 cores), the round trips' average hovered around the 20 ms gate (11-53 ms), holds
-stopped, and bundles fell to 1.2-3.2 callers, the tiers' CPU per request rising with them,
+stopped, and bundles fell to 1.1-3.2 callers, the tiers' CPU per request rising with them,
 which kept the round trips long. Gated on the worker's own time, side by side in that hour
 (/tmp probe, two runs each): 6.7-9.7 callers a bundle, 525-555 requests/s against 305-510.
 A router that retried a bundle on another worker passes on only the last worker's time, so a

@@ -82,7 +82,8 @@ class BundleRunner:
         time_left_s: float | None,
         cancels: SliceCancels | None,
     ) -> pb.InferResponse:
-        """The answer to a bundle: one status per slice, the OK slices' rows stacked."""
+        """The answer to a bundle: one status per slice, the OK slices' rows stacked, and the
+        time this took (`worker_us`: what the gateway's bundle clock reads)."""
         labels = (backend.config.name, backend.version.version)
         called_s = time.monotonic()  # when `time_left_s` was read
         try:

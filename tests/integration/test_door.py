@@ -151,7 +151,7 @@ async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
     assert await served.call(b"ok-after") == b"served ok-after"
 
 
-async def test_large_calls_past_the_limit_are_refused_with_their_hints_before_their_bodies(
+async def test_large_calls_past_the_limit_are_refused_with_their_hints_and_the_link_serves_on(
     served: Served,
 ) -> None:
     """The door answers without reading the request: calls of 3 MB still arriving when the

@@ -266,6 +266,26 @@ async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> Non
     assert bundles._keys[KEY].downstream.mean is not None  # the failures' round trips count
 
 
+async def test_an_answer_that_does_not_parse_fails_its_callers_and_counts_its_round_trip() -> None:
+    class Garbled(Downstream):
+        async def send(
+            self,
+            body: bytes,
+            metadata: Sequence[tuple[str, str]],
+            deadline_s: float,
+            cancels: SliceCancels,
+        ) -> bytes:
+            await super().send(body, metadata, deadline_s, cancels)
+            return b"\xff\xff\xff"  # no InferResponse
+
+    bundles = coalescer(Garbled(delay_s=0.03))
+    with pytest.raises(Exception) as raised:
+        await call(bundles, rows(0))
+    assert not isinstance(raised.value, asyncio.CancelledError)
+    mean = bundles._keys[KEY].downstream.mean
+    assert mean is not None and mean >= 0.03  # the round trip: no worker's time to read
+
+
 async def test_callers_that_stop_waiting_before_their_bundle_leaves_are_left_out_of_it() -> None:
     """One caller cancelled and one past its deadline while their bundle is held: neither is
     sent (their rows, arrays like their bundle-mates', are found by identity), the cancelled
@@ -366,17 +386,19 @@ async def test_a_ready_bundle_waits_only_while_its_key_is_fast_downstream(
 def test_the_clock_holds_only_with_max_out_bundles_out_and_within_its_bounds() -> None:
     clock = BundleClock(max_out=2, min_in_flight=8, max_hold_s=0.02, hold_share=0.1)
 
-    def hold(out: int, *, in_flight: int = 8, left_s: float = 1.0, trip: float | None = 0.005):
-        return clock.hold_s(out, in_flight, left_s, trip)
+    def hold(
+        out: int, *, in_flight: int = 8, left_s: float = 1.0, downstream: float | None = 0.005
+    ) -> float:
+        return clock.hold_s(out, in_flight, left_s, downstream)
 
     assert hold(0) == hold(1) == 0.0  # under max_out bundles out
     assert hold(2) == 0.02  # max_hold_s
-    assert hold(2, trip=None) == 0.02  # no round trip yet: it holds
+    assert hold(2, downstream=None) == 0.02  # no time downstream known yet: it holds
     assert hold(5, left_s=0.1) == pytest.approx(0.01)  # 10% of the time left
     assert hold(5, left_s=-1.0) == 0.0  # already late
     assert hold(5, in_flight=7) == 0.0  # too few calls in flight to gather any
-    # Round trips longer than the hold: waiting for an answer would only add latency.
-    assert hold(5, trip=0.021) == 0.0
+    # Bundles held downstream longer than the hold: waiting for an answer only adds latency.
+    assert hold(5, downstream=0.021) == 0.0
     assert BundleClock(max_out=0).hold_s(9, 99, 1.0, 0.0) == 0.0  # clock off
     with pytest.raises(ValueError):
         BundleClock(hold_share=2.0)
