@@ -44,6 +44,8 @@ class Downstream:
         self.gate.set()
         #: Raised instead of answering, once the gate opens.
         self.error: Exception | None = None
+        #: Sent instead of an answer, once the gate opens (a garbled one, say).
+        self.garbled: bytes | None = None
 
     async def send(
         self,
@@ -58,6 +60,8 @@ class Downstream:
         await self.gate.wait()
         if self.error is not None:
             raise self.error
+        if self.garbled is not None:
+            return self.garbled
         rows = tensor_from_pb(request.packed.tensor)
         response = pb.InferResponse(
             slices=[pb.SliceStatus() for _ in request.slices],
@@ -267,18 +271,9 @@ async def test_a_failed_bundle_ends_the_hold_and_counts_as_a_round_trip() -> Non
 
 
 async def test_an_answer_that_does_not_parse_fails_its_callers_and_counts_its_round_trip() -> None:
-    class Garbled(Downstream):
-        async def send(
-            self,
-            body: bytes,
-            metadata: Sequence[tuple[str, str]],
-            deadline_s: float,
-            cancels: SliceCancels,
-        ) -> bytes:
-            await super().send(body, metadata, deadline_s, cancels)
-            return b"\xff\xff\xff"  # no InferResponse
-
-    bundles = coalescer(Garbled(delay_s=0.03))
+    downstream = Downstream(delay_s=0.03)
+    downstream.garbled = b"\xff\xff\xff"  # no InferResponse
+    bundles = coalescer(downstream)
     with pytest.raises(Exception) as raised:
         await call(bundles, rows(0))
     assert not isinstance(raised.value, asyncio.CancelledError)
