@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -95,9 +95,12 @@ class MultiplexServer:
         self, requests: AsyncIterator[pb.InferStreamRequest], context: object = None
     ) -> AsyncIterator[pb.InferStreamResponse]:
         del context  # each call carries its own deadline and metadata
-        stream = _ServedStream(requests, self._answer, self._closing)
-        async for message in stream.responses():
-            yield message
+        responses = _ServedStream(requests, self._answer, self._closing).responses()
+        try:
+            async for message in responses:
+                yield message
+        finally:  # closed early (a front that went away): its calls are cancelled now
+            await responses.aclose()
 
     async def _answer(
         self, request_bytes: bytes, context: CallContext, timeout_s: float | None
@@ -139,7 +142,7 @@ class _ServedStream:
         #: Told `closing` CLOSING_WAIT_S ago: ends without the caller's half-close.
         self._is_done_waiting = False
 
-    async def responses(self) -> AsyncIterator[pb.InferStreamResponse]:
+    async def responses(self) -> AsyncGenerator[pb.InferStreamResponse, None]:
         """Results as they finish, until the caller half-closes (or, once the server closes,
         CLOSING_WAIT_S have passed) and every call received is answered."""
         loop = asyncio.get_running_loop()

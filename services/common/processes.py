@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -196,6 +197,32 @@ def start_and_wait(
     if ready is None:  # cannot happen: wait_ready saw the file, and it is only ever replaced whole
         raise ProcessError(f"{name}: {ready_file} vanished")
     return child, ready
+
+
+#: Restart backoff of a supervisor's children: doubles from the first to the cap while they
+#: fail within `HEALTHY_RUN_S` of starting; one that ran longer restarts after the first.
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 30.0
+HEALTHY_RUN_S = 60.0
+
+
+def restart_backoff(ran_s: float, previous_s: float) -> float:
+    """How long to wait before restarting a child that exited after `ran_s`, whose previous
+    backoff was `previous_s` (0 for none)."""
+    if ran_s >= HEALTHY_RUN_S or previous_s == 0:
+        return FIRST_BACKOFF_S
+    return min(MAX_BACKOFF_S, previous_s * 2)
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to `port` (0: a free one) with SO_REUSEPORT that never listens: the
+    kernel hands connections only to listeners, so processes started later bind the same
+    port and share its connections. Keep it open while they run."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    reserved = socket.socket(family, socket.SOCK_STREAM)
+    reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    reserved.bind((host, port))
+    return reserved
 
 
 def request_stop(process: subprocess.Popen[bytes]) -> None:

@@ -35,20 +35,21 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.samples import Sample
+from prometheus_client import Counter
 
 from services.common import metric_names as names
+from services.common.group_metrics import GroupMetrics
 from services.common.lifecycle import start_metrics, write_ready_file
-from services.common.processes import before_exec, request_stop, wait_or_kill
+from services.common.processes import (
+    before_exec,
+    request_stop,
+    reserve_port,
+    restart_backoff,
+    wait_or_kill,
+)
 from services.gateway.config import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -58,13 +59,6 @@ log = logging.getLogger(__name__)
 WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
 #: The label that tells the group's processes apart in its /metrics.
 PROCESS_LABEL = "gateway_process"
-#: Restart backoff: doubles from the first to the cap while processes fail within
-#: `HEALTHY_RUN_S` of starting; a process that ran longer restarts after the first.
-FIRST_BACKOFF_S = 0.5
-MAX_BACKOFF_S = 30.0
-HEALTHY_RUN_S = 60.0
-#: How long a scrape waits for one process's /metrics.
-SCRAPE_TIMEOUT_S = 2.0
 #: How long the group may take to become ready.
 READY_TIMEOUT_S = 120.0
 
@@ -85,46 +79,6 @@ class _Member:
     metrics_port: int | None = None
 
 
-class MetricsSources(Protocol):
-    """Where the group's processes serve their own /metrics."""
-
-    scrape_host: str
-
-    def metrics_ports(self) -> dict[int, int]:
-        """Each ready process's metrics port, by index."""
-        ...
-
-
-class GroupMetrics(CollectorRegistry):
-    """The group's /metrics: the supervisor's own series and each ready process's, labelled
-    with its index, merged into one family per name (the text format allows each name once)."""
-
-    def __init__(self, group: MetricsSources) -> None:
-        super().__init__(auto_describe=True)
-        self._group = group
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for family in super().collect():
-            families[family.name] = family
-        for index, port in self._group.metrics_ports().items():
-            url = f"http://{self._group.scrape_host}:{port}/metrics"
-            try:
-                with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-                    text = response.read().decode()
-            except OSError:
-                continue  # restarting: its series are missing from this scrape only
-            for family in text_string_to_metric_families(text):
-                merged = families.setdefault(
-                    family.name, Metric(family.name, family.documentation, family.type)
-                )
-                merged.samples.extend(
-                    Sample(s.name, {**s.labels, PROCESS_LABEL: str(index)}, s.value, s.timestamp)
-                    for s in family.samples
-                )
-        yield from families.values()
-
-
 class ProcessGroup:
     """The supervisor: starts, watches, restarts and stops the group's gateway processes."""
 
@@ -135,7 +89,7 @@ class ProcessGroup:
         self._reserved: list[socket.socket] = []
         self._members: dict[int, _Member] = {}
         self._state_dir = Path(tempfile.mkdtemp(prefix="gateway-group-"))
-        self._registry = GroupMetrics(self)
+        self._registry = GroupMetrics(self, PROCESS_LABEL)
         self._restarts_total = Counter(
             names.GATEWAY_PROCESS_RESTARTS_TOTAL.removesuffix("_total"),
             "Gateway processes of this group restarted after exiting on their own",
@@ -188,11 +142,7 @@ class ProcessGroup:
             self.ports["health_port"] = self._reserve(config.tls.health_port)
 
     def _reserve(self, port: int) -> int:
-        """Binds `port` (0: a free one) with SO_REUSEPORT without listening; the bound port."""
-        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
-        reserved = socket.socket(family, socket.SOCK_STREAM)
-        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        reserved.bind((self.config.host, port))
+        reserved = reserve_port(self.config.host, port)
         self._reserved.append(reserved)
         return int(reserved.getsockname()[1])
 
@@ -268,12 +218,7 @@ class ProcessGroup:
                 if code is None or member.index in restart_at:
                     continue
                 ran_s = now - member.started_s
-                previous = backoff_s[member.index]
-                backoff_s[member.index] = (
-                    FIRST_BACKOFF_S
-                    if ran_s >= HEALTHY_RUN_S or previous == 0
-                    else min(MAX_BACKOFF_S, previous * 2)
-                )
+                backoff_s[member.index] = restart_backoff(ran_s, backoff_s[member.index])
                 member.metrics_port = None
                 restart_at[member.index] = now + backoff_s[member.index]
                 log.error(

@@ -12,9 +12,14 @@ signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+from prometheus_client import CollectorRegistry
 
+from services.common.group_metrics import GroupMetrics, RegistryCollector
 from services.common.lifecycle import (
     bound_stop,
     exit_stopped,
@@ -25,15 +30,44 @@ from services.common.lifecycle import (
 from services.common.logs import configure_logging
 from services.common.tracing import configure_tracing
 from services.gpu_worker.config import WorkerConfig, parse_config
+from services.gpu_worker.engine_link import EngineLink
+from services.gpu_worker.front import ENGINE_LINK_SOCKET
+from services.gpu_worker.fronts import FRONT_LABEL, Fronts
 from services.gpu_worker.server import create_worker
 
 log = logging.getLogger("services.gpu_worker")
 
+#: How long the fronts may take to be ready once the engine has loaded.
+FRONTS_READY_TIMEOUT_S = 60.0
+
 
 async def serve(config: WorkerConfig) -> int:
-    worker = await create_worker(config)
+    if not config.front_processes:
+        return await _serve(config, None)
+    engine_dir = Path(tempfile.mkdtemp(prefix="worker-engine-"))
+    try:
+        return await _serve(config, engine_dir)
+    finally:
+        shutil.rmtree(engine_dir, ignore_errors=True)
+
+
+async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
+    worker = await create_worker(config, engine_dir)
+    fronts: Fronts | None = None
+    link: EngineLink | None = None
+    exposed: CollectorRegistry = worker.metrics.registry
+    if engine_dir is not None:
+        fronts = Fronts(config, sys.argv[1:], engine_dir, worker.metrics.registry)
+        worker.port = fronts.reserve_ports()
+        link = EngineLink(
+            worker.servicer.streams, engine_dir / ENGINE_LINK_SOCKET, config.max_message_bytes
+        )
+        await link.start()
+        fronts.start()  # they serve NOT_SERVING, as the engine does, until it has loaded
+        exposed = GroupMetrics(fronts, FRONT_LABEL)
+        exposed.register(RegistryCollector(worker.metrics.registry))
     stopping = stop_event()
-    metrics_port = start_metrics(config.metrics_port, config.host, worker.metrics.registry)
+    metrics_port = start_metrics(config.metrics_port, config.host, exposed)
     log.info(
         "worker listening on %s:%d, metrics on %d; loading models from %s",
         config.host,
@@ -57,12 +91,18 @@ async def serve(config: WorkerConfig) -> int:
         logging.shutdown()
         os._exit(0)
     if not stopping.is_set():
+        if fronts is not None:
+            await fronts.wait_ready(FRONTS_READY_TIMEOUT_S)
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")
     bound_stop(config.drain_grace_s)
     loading.cancel()
     await worker.stop()
+    if link is not None:  # told `closing` by worker.stop, its streams end
+        await link.close()
+    if fronts is not None:
+        await fronts.stop()
     log.info("worker stopped")
     exit_stopped(0)
 

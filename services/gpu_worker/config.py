@@ -22,8 +22,8 @@ from services.common.settings import (
     parse_weights,
 )
 from services.common.tls import ServerTls, check_distinct_ports, server_tls_settings
-from services.gpu_worker.backends import LoadOptions
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.load_options import LoadOptions
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,10 @@ class HeartbeatConfig:
     def __post_init__(self) -> None:
         if min(self.period_s, self.ttl_s, self.max_backoff_s) <= 0:
             raise ValueError("heartbeat period, TTL and max backoff must be > 0 seconds")
+
+
+#: Most front processes one worker starts.
+MAX_FRONT_PROCESSES = 64
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,9 @@ class WorkerConfig:
     #: Most calls served at once (streams included); 0 means no limit: callers are our own
     #: tiers, already capped at the gateway, and admission control bounds the work itself.
     max_concurrent_rpcs: int = 0
+    #: gRPC front processes (services.gpu_worker.front) relaying calls to this process, the
+    #: engine, which then serves gRPC only on a Unix socket of its own; 0: it serves the port.
+    front_processes: int = 0
     #: Worker-wide batching settings (per-model ones come from the model repository).
     batching: DriverConfig = field(default_factory=DriverConfig)
     #: Redis holding the worker registry; None runs the worker standalone (direct calls only).
@@ -94,6 +101,10 @@ class WorkerConfig:
     tls: ServerTls = field(default_factory=ServerTls)
 
     def __post_init__(self) -> None:
+        if not 0 <= self.front_processes <= MAX_FRONT_PROCESSES:
+            raise ValueError(
+                f"front_processes must be in [0, {MAX_FRONT_PROCESSES}], got {self.front_processes}"
+            )
         check_distinct_ports(
             grpc_port=self.grpc_port,
             metrics_port=self.metrics_port,
@@ -268,6 +279,14 @@ SETTINGS = SettingsTable(
             "torch intra-op threads on the CPU; 0 keeps torch's default (generation steps "
             "run on one, all but one or all of them, whichever measures cheapest per step size)",
             "threads",
+        ),
+        Setting(
+            "front_processes",
+            int,
+            WorkerConfig.front_processes,
+            "gRPC front processes sharing the worker's port, relaying calls to this process "
+            "(the engine: models, batcher, device) over a Unix socket; 0: it serves the port",
+            "processes",
         ),
         *_BATCHING,
         *_REGISTRY,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -26,18 +26,19 @@ from services.common.lifecycle import (
 from services.common.model_repository import load_repository, select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
-from services.common.pb_conversions import finish_reason_to_pb, model_kind_to_pb
+from services.common.pb_conversions import finish_reason_to_pb
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import count_outcome, tier_registry
-from services.common.tensors import dtype_pb, tensor_from_pb, tensor_to_pb
+from services.common.tensors import tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tls import add_port, start_health_listener
 from services.common.tracing import Tracing
-from services.gpu_worker.backends.base import RawInput, select_device
+from services.gpu_worker.backends.base import select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.bundles import BundleRunner, request_priority
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.execution import resolve_backfill_threads
+from services.gpu_worker.front import engine_grpc_target
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.loaded_models import LoadedModels, load_versions
@@ -45,57 +46,13 @@ from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.reconcile import is_wanted
 from services.gpu_worker.registry_publisher import RegistryPublisher
 from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
-from services.gpu_worker.served_model import ServedModel
+from services.gpu_worker.wire import generation_weight, raw_input, version_info
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
-
-
-def _raw_input(model_input: pb.ModelInput) -> RawInput:
-    which = model_input.WhichOneof("payload")
-    if which == "text":
-        return model_input.text
-    if which == "token_ids":
-        if len(model_input.token_ids) % 4:
-            raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
-        return TokenIds(np.frombuffer(model_input.token_ids, dtype="<i4"))
-    if which == "tensor":
-        return tensor_from_pb(model_input.tensor)
-    raise InvalidInput("an input has no payload (text, token_ids or tensor)")
-
-
-def _generation_weight(value: float) -> float:
-    """A generation request's fair-share weight: 0 (unset) is 1; INVALID_ARGUMENT unless
-    finite and positive."""
-    if not (math.isfinite(value) and value >= 0.0):
-        raise InvalidInput(f"tenant weight must be finite and >= 0, got {value}")
-    return value or 1.0
-
-
-def _version_info(model: ServedModel, *, is_ready: bool) -> pb.ModelVersionInfo:
-    config = model.config
-
-    def specs(tensors: Sequence) -> list[pb.TensorSpec]:
-        return [pb.TensorSpec(name=t.name, dtype=dtype_pb(t.dtype), dims=t.dims) for t in tensors]
-
-    return pb.ModelVersionInfo(
-        model_name=config.name,
-        model_version=model.version.version,
-        fingerprint=model.fingerprint,
-        kind=model_kind_to_pb(model.kind),
-        max_batch_size=config.max_batch_size,
-        slo_p99_ms=config.slo_p99_ms,
-        length_buckets=list(model.length_buckets),
-        max_input_tokens=model.max_input_tokens,
-        max_model_len=model.max_model_len,
-        inputs=specs(config.inputs),
-        outputs=specs(config.outputs),
-        is_ready=is_ready,
-        tokenizer_fingerprint=model.tokenizer_fingerprint,
-    )
 
 
 class WorkerServicer(pb_grpc.WorkerServiceServicer):
@@ -138,7 +95,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
                     f"{len(request.inputs)} inputs exceed the queue capacity of "
                     f"{backend.config.max_queue_size}; split the request"
                 )
-            raw = [_raw_input(i) for i in request.inputs]
+            raw = [raw_input(i) for i in request.inputs]
             if not request.fingerprint and any(isinstance(r, TokenIds) for r in raw):
                 raise InvalidInput("token_ids inputs require the tokenizer's fingerprint")
             rows = backend.prepare_many(raw)
@@ -195,7 +152,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             priority=request_priority(request.priority).rank,
             first_token_limit_s=min((x for x in limits if x is not None), default=None),
             tenant=request.tenant or "default",
-            weight=_generation_weight(request.tenant_weight),
+            weight=generation_weight(request.tenant_weight),
         )
         async for delta in stream:
             yield pb.GenerateResponse(
@@ -212,7 +169,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         models = self._models.all if self._models else ()
         ready = self._batching is not None
         return pb.ListWorkerModelsResponse(
-            versions=[_version_info(m, is_ready=ready) for m in models], device=self._device
+            versions=[version_info(m, is_ready=ready) for m in models], device=self._device
         )
 
 
@@ -366,8 +323,11 @@ class Worker:
             await self.health_listener.stop(grace=None)
 
 
-async def create_worker(config: WorkerConfig) -> Worker:
-    """Builds and starts the gRPC server (NOT_SERVING until `load` completes)."""
+async def create_worker(config: WorkerConfig, engine_dir: Path | None = None) -> Worker:
+    """Builds and starts the gRPC server (NOT_SERVING until `load` completes). With
+    `engine_dir` (a worker with fronts: services.gpu_worker.fronts) it serves only on the
+    engine's Unix socket there, and its fronts serve the worker's port (`Worker.port` is 0
+    until the caller sets it)."""
     # A stream is a channel for many requests, each traced on its own: not a span itself.
     server = new_server(
         [Tracing(untraced_methods=(STREAM_METHOD,))],
@@ -378,9 +338,15 @@ async def create_worker(config: WorkerConfig) -> Worker:
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)
     health_servicer = await add_health_and_reflection(server, (SERVICE_NAME,))
-    port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
+    if engine_dir is None:
+        port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
+    else:
+        server.add_insecure_port(engine_grpc_target(engine_dir))
+        port = 0
     await server.start()
-    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+    health_listener = None
+    if engine_dir is None:  # else the fronts serve the health port
+        health_listener = await start_health_listener(health_servicer, config.host, config.tls)
     registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(

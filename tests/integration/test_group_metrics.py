@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from services.gateway.process_group import PROCESS_LABEL, GroupMetrics
+from services.common.group_metrics import GroupMetrics
+from services.gateway.process_group import PROCESS_LABEL
 from tests.support.metrics import samples, serving
 
 pytestmark = pytest.mark.integration
@@ -47,7 +48,7 @@ def closed_port() -> int:
 def test_processes_series_are_labelled_and_merged_into_one_family_each() -> None:
     with serving(process_registry(3)) as first, serving(process_registry(5)) as second:
         group = Ports({0: first, 1: second, 2: closed_port()})
-        text = generate_latest(GroupMetrics(group)).decode()
+        text = generate_latest(GroupMetrics(group, PROCESS_LABEL)).decode()
     by_process = {
         labels[PROCESS_LABEL]: value for labels, value in samples(text, "demo_requests_total")
     }

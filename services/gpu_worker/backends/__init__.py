@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import torch
 
 from services.common.model_repository import ModelConfigError, ModelKind, ModelVersion
 from services.gpu_worker.backends.base import Backend
+from services.gpu_worker.load_options import DEFAULT_LOAD, LoadOptions
 
-
-@dataclass(frozen=True)
-class LoadOptions:
-    """How a worker loads its fixed-cost versions (from WorkerConfig)."""
-
-    #: Models written here (not TorchScript) run their forward through `torch.compile`.
-    compile_models: bool = False
-    #: Embedding models run as GPU-speed stand-ins timed by this curve (backends/stand_in.py).
-    stand_in_curve: Path | None = None
-
-
-#: The real models, uncompiled.
-DEFAULT_LOAD = LoadOptions()
+__all__ = ["DEFAULT_LOAD", "Backend", "LoadOptions", "load_backend"]
 
 
 def load_backend(

@@ -1,0 +1,342 @@
+"""A worker's gRPC front (`--front-processes N`): the API-server half of vLLM's API-server /
+engine split.
+
+A worker with N fronts is N + 1 processes. The engine (`python -m services.gpu_worker`) owns
+the models, the batcher, admission and the device; it serves gRPC only on a Unix socket of its
+own, and starts N fronts (services.gpu_worker.fronts) bound to the worker's port with
+SO_REUSEPORT, so the kernel spreads routers' connections over them. A front parses nothing:
+
+- an InferStream (every bundle a router sends) is relayed as frames to the engine's link
+  (services.common.frames, services.gpu_worker.engine_link): one Unix-socket connection per
+  stream, each message's bytes passed on as they came;
+- every other method of WorkerService (Infer, Generate, ListModels) is passed on as bytes to
+  the engine's gRPC socket, with the caller's metadata and time left, and its status and
+  trailers passed back;
+- its health follows the engine's (a Watch on the engine's socket): NOT_SERVING while the
+  engine loads, drains, has failed or cannot be reached.
+
+A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
+NOT_SERVING, tells each stream's router `closing` (the router half-closes once its calls are
+answered) and stops once its streams have ended, or after the drain grace.
+
+    python -m services.gpu_worker.front --engine-dir DIR --engine-pid PID <worker settings>
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2
+from prometheus_client import CollectorRegistry, Counter
+
+from services.common import metric_names as names
+from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
+from services.common.lifecycle import (
+    NOT_SERVING,
+    add_health_and_reflection,
+    new_server,
+    set_serving,
+    start_metrics,
+    stop_event,
+    write_ready_file,
+)
+from services.common.logs import configure_logging
+from services.common.multiplex import STREAM_METHOD, channel_options
+from services.common.processes import PR_SET_PDEATHSIG
+from services.common.telemetry import tier_registry
+from services.common.tls import add_port, start_health_listener
+from services.gpu_worker.config import WorkerConfig, parse_config
+from services.pb.inference.v1 import worker_pb2 as pb
+
+log = logging.getLogger("services.gpu_worker.front")
+
+SERVICE = pb.DESCRIPTOR.services_by_name["WorkerService"]
+#: The engine's sockets, in the directory it passes its fronts.
+ENGINE_GRPC_SOCKET = "engine.sock"
+ENGINE_LINK_SOCKET = "link.sock"
+#: Metadata a front does not pass on: HTTP/2's and grpc's own, which the next call sets.
+_OWN_METADATA = ("user-agent", "te", "content-type")
+#: How often a front looks for its engine's health again after losing it.
+HEALTH_RETRY_S = 0.2
+#: Sent to a stream's router when its front stops: the router half-closes once answered.
+CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
+
+
+def engine_grpc_target(engine_dir: Path) -> str:
+    return f"unix:{engine_dir / ENGINE_GRPC_SOCKET}"
+
+
+def _forwarded(metadata: Any) -> tuple[tuple[str, Any], ...]:
+    return tuple(
+        (key, value)
+        for key, value in metadata or ()
+        if not key.startswith((":", "grpc-")) and key not in _OWN_METADATA
+    )
+
+
+class FrontMetrics:
+    """What a front counts, beside its process's CPU and its event loop's lag."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.streams_total = Counter(
+            names.WORKER_FRONT_STREAMS_TOTAL.removesuffix("_total"),
+            "InferStreams this front relayed to the engine (each a router's stream)",
+            registry=registry,
+        )
+        self.calls_total = Counter(
+            names.WORKER_FRONT_CALLS_TOTAL.removesuffix("_total"),
+            "Calls other than InferStream this front passed on to the engine",
+            ("method",),
+            registry=registry,
+        )
+
+
+class StreamRelay:
+    """InferStreams relayed to the engine's link, one connection each."""
+
+    def __init__(self, link_path: Path, max_message_bytes: int, metrics: FrontMetrics) -> None:
+        self._link_path = link_path
+        self._max_bytes = max_message_bytes
+        self._metrics = metrics
+        #: Each open stream's queue of answers on their way to its router.
+        self._open: set[asyncio.Queue[bytes | None]] = set()
+        self._stopping = False
+
+    async def relay(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        if self._stopping:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker front is stopping")
+        try:
+            reader, writer = await asyncio.open_unix_connection(str(self._link_path))
+        except OSError:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine is not up")
+        self._metrics.streams_total.inc()
+        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        status: list[pb.MuxResult] = []
+        loop = asyncio.get_running_loop()
+        helpers = (
+            loop.create_task(self._send(requests, writer)),
+            loop.create_task(self._receive(reader, answers, status)),
+        )
+        self._open.add(answers)
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+        finally:
+            self._open.discard(answers)
+            for helper in helpers:
+                helper.cancel()
+            writer.close()
+        if not status:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine went away")
+        if status[0].code:
+            await context.abort(
+                _CODES.get(status[0].code, grpc.StatusCode.UNKNOWN),
+                status[0].message,
+                tuple(status[0].trailers.items()),
+            )
+
+    def stop(self) -> None:
+        """Tells every open stream's router `closing`; new streams are refused."""
+        self._stopping = True
+        for answers in self._open:
+            answers.put_nowait(CLOSING)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._open)
+
+    async def _send(self, requests: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
+        try:
+            async for message in requests:
+                write_frame(writer, MESSAGE, message)
+                await writer.drain()
+            write_frame(writer, END)
+            await writer.drain()
+        except ConnectionError:
+            pass  # the engine went away: _receive ends the stream
+
+    async def _receive(
+        self,
+        reader: asyncio.StreamReader,
+        answers: asyncio.Queue[bytes | None],
+        status: list[pb.MuxResult],
+    ) -> None:
+        try:
+            while (frame := await read_frame(reader, self._max_bytes)) is not None:
+                kind, payload = frame
+                if kind == END:
+                    status.append(pb.MuxResult.FromString(payload))
+                    break
+                answers.put_nowait(payload)
+        except (FrameError, ConnectionError) as error:
+            log.warning("the engine's link broke: %s", error)
+        finally:
+            answers.put_nowait(None)
+
+
+#: grpc's status codes by number.
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Passthrough(grpc.GenericRpcHandler):
+    """WorkerService, served by passing each call on to the engine: InferStream through the
+    relay, the other methods as bytes over the engine's gRPC socket."""
+
+    def __init__(
+        self, channel: grpc.aio.Channel, relay: StreamRelay, metrics: FrontMetrics
+    ) -> None:
+        self._channel = channel
+        self._calls_total = metrics.calls_total
+        self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        for method in SERVICE.methods:
+            name = f"/{SERVICE.full_name}/{method.name}"
+            if name == STREAM_METHOD:
+                self._handlers[name] = grpc.stream_stream_rpc_method_handler(relay.relay)
+            elif method.server_streaming:
+                self._handlers[name] = grpc.unary_stream_rpc_method_handler(self._streamed(name))
+            else:
+                self._handlers[name] = grpc.unary_unary_rpc_method_handler(self._unary(name))
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        return self._handlers.get(handler_call_details.method)
+
+    def _unary(self, name: str) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(name)
+
+        counted = self._calls_total.labels(name)
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            counted.inc()
+            try:
+                return bytes(
+                    await call(
+                        request,
+                        timeout=context.time_remaining(),
+                        metadata=_forwarded(context.invocation_metadata()),
+                    )
+                )
+            except grpc.aio.AioRpcError as error:
+                await _pass_back(error, context)
+                raise  # not reached: abort raises
+
+        return handle
+
+    def _streamed(self, name: str) -> Callable[..., AsyncIterator[bytes]]:
+        call: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = self._channel.unary_stream(name)
+
+        counted = self._calls_total.labels(name)
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            counted.inc()
+            responses = call(
+                request,
+                timeout=context.time_remaining(),
+                metadata=_forwarded(context.invocation_metadata()),
+            )
+            try:
+                async for response in responses:
+                    yield bytes(response)
+            except grpc.aio.AioRpcError as error:
+                await _pass_back(error, context)
+
+        return handle
+
+
+async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext) -> None:
+    """Ends the call as the engine ended it: its code, message and trailers."""
+    await context.abort(error.code(), error.details() or "", _forwarded(error.trailing_metadata()))
+
+
+async def follow_engine_health(
+    channel: grpc.aio.Channel, servicer: health.aio.HealthServicer
+) -> None:
+    """Mirrors the engine's health for WorkerService until cancelled; NOT_SERVING while the
+    engine cannot be reached."""
+    watch = channel.unary_stream(
+        "/grpc.health.v1.Health/Watch",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    names = (SERVICE.full_name,)
+    while True:
+        try:
+            async for update in watch(health_pb2.HealthCheckRequest(service=SERVICE.full_name)):
+                await set_serving(servicer, names, update.status)
+        except grpc.aio.AioRpcError as error:
+            log.debug("the engine's health is out of reach: %s", error.code())
+        await set_serving(servicer, names, NOT_SERVING)
+        await asyncio.sleep(HEALTH_RETRY_S)
+
+
+async def serve(config: WorkerConfig, engine_dir: Path) -> int:
+    options = (*channel_options(), ("grpc.max_send_message_length", config.max_message_bytes))
+    channel = grpc.aio.insecure_channel(engine_grpc_target(engine_dir), options=options)
+    server = new_server(
+        is_internal=True,
+        max_message_bytes=config.max_message_bytes,
+        max_concurrent_rpcs=config.max_concurrent_rpcs,
+    )
+    registry = tier_registry("worker_front")
+    metrics = FrontMetrics(registry)
+    relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, config.max_message_bytes, metrics)
+    server.add_generic_rpc_handlers((Passthrough(channel, relay, metrics),))
+    servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
+    port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
+    await server.start()
+    health_listener = await start_health_listener(servicer, config.host, config.tls)
+    metrics_port = start_metrics(config.metrics_port, config.host, registry)
+    stopping = stop_event()
+    following = asyncio.get_running_loop().create_task(follow_engine_health(channel, servicer))
+    write_ready_file(config.ready_file, port, metrics_port)
+    log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)
+    await stopping.wait()
+    following.cancel()
+    await servicer.enter_graceful_shutdown()
+    relay.stop()
+    for _ in range(round(config.drain_grace_s / HEALTH_RETRY_S)):
+        if not relay.num_open:
+            break
+        await asyncio.sleep(HEALTH_RETRY_S)
+    await server.stop(grace=1.0)
+    if health_listener is not None:
+        await health_listener.stop(grace=None)
+    await channel.close()
+    log.info("worker front stopped")
+    return 0
+
+
+def die_with(engine_pid: int) -> None:
+    """SIGTERM when the engine exits (the kernel ties it to the thread that started us: the
+    engine's main thread); exits now if the engine is already gone."""
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != engine_pid:
+        sys.exit(1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m services.gpu_worker.front", add_help=False)
+    parser.add_argument("--engine-dir", type=Path, required=True)
+    parser.add_argument("--engine-pid", type=int, required=True)
+    own, rest = parser.parse_known_args(argv)
+    die_with(own.engine_pid)
+    config = parse_config(rest)
+    configure_logging("gpu_worker_front", config.logging)
+    raise SystemExit(asyncio.run(serve(config, own.engine_dir)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,193 @@
+"""The engine's front processes (`--front-processes N`; services.gpu_worker.front).
+
+The engine reserves the worker's gRPC port (and its plaintext health port, if any) with
+sockets bound with SO_REUSEPORT that never listen, so port 0 picks one port for all fronts,
+and starts N fronts bound to it. It restarts a front that exits, after a backoff that doubles
+while fronts keep failing fast, and stops them once its own drain is done (a front then tells
+its routers `closing` and ends its streams). A front dies with the engine (SIGTERM from the
+kernel), so a worker never outlives its engine. The worker's `/metrics` carries each ready
+front's series, labelled `worker_front="<i>"` (services.common.group_metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from services.common import metric_names as names
+from services.common.processes import request_stop, reserve_port, restart_backoff, wait_or_kill
+from services.gpu_worker.config import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+#: The label that tells the fronts apart in the worker's /metrics.
+FRONT_LABEL = "worker_front"
+#: How often the engine looks at its fronts.
+WATCH_S = 0.2
+
+
+@dataclass
+class _Front:
+    index: int
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    started_s: float
+    #: Its own /metrics port once it is ready; None before.
+    metrics_port: int | None = None
+
+
+class Fronts:
+    """Starts, watches, restarts and stops the worker's fronts."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        argv: list[str],
+        engine_dir: Path,
+        registry: CollectorRegistry,
+    ) -> None:
+        self._config = config
+        self._argv = argv
+        self._engine_dir = engine_dir
+        self._fronts: dict[int, _Front] = {}
+        self._reserved: list[socket.socket] = []
+        self._watching: asyncio.Task[None] | None = None
+        self._restarts_total = Counter(
+            names.WORKER_FRONT_RESTARTS_TOTAL.removesuffix("_total"),
+            "Worker fronts restarted after exiting on their own",
+            registry=registry,
+        )
+        host = config.host
+        self.scrape_host = "127.0.0.1" if host in ("", "0.0.0.0", "::") else host
+        #: The worker's gRPC port, and its health port when one is set, once reserved.
+        self.port = 0
+        self.health_port: int | None = None
+
+    def reserve_ports(self) -> int:
+        """Binds the worker's ports for the fronts to share; the gRPC port."""
+        self.port = self._reserve(self._config.grpc_port)
+        if self._config.tls.health_port is not None:
+            self.health_port = self._reserve(self._config.tls.health_port)
+        return self.port
+
+    def _reserve(self, port: int) -> int:
+        reserved = reserve_port(self._config.host, port)
+        self._reserved.append(reserved)
+        return int(reserved.getsockname()[1])
+
+    def metrics_ports(self) -> dict[int, int]:
+        """Each ready front's own /metrics port, by index."""
+        fronts = list(self._fronts.values())
+        return {f.index: f.metrics_port for f in fronts if f.metrics_port is not None}
+
+    def pids(self) -> dict[int, int]:
+        return {f.index: f.process.pid for f in self._fronts.values()}
+
+    def start(self) -> None:
+        """Starts every front, and the watch that restarts them (from the loop's thread: a
+        front's SIGTERM on the engine's exit is tied to the thread that started it)."""
+        for index in range(self._config.front_processes):
+            self._start(index)
+        self._watching = asyncio.get_running_loop().create_task(self._watch(), name="fronts")
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Returns once every front is ready; RuntimeError if one exits first or time runs
+        out."""
+        deadline = time.monotonic() + timeout_s
+        while not all(self._read_ready(f) for f in self._fronts.values()):
+            for front in self._fronts.values():
+                if front.process.poll() is not None:
+                    raise RuntimeError(
+                        f"worker front {front.index} exited with code "
+                        f"{front.process.returncode} before it was ready"
+                    )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker's fronts were not ready within {timeout_s:.0f}s")
+            await asyncio.sleep(WATCH_S / 4)
+
+    async def stop(self) -> None:
+        """SIGTERMs every front and waits for each (SIGKILL past the drain grace)."""
+        if self._watching is not None:
+            self._watching.cancel()
+        running = [f for f in self._fronts.values() if f.process.poll() is None]
+        for front in running:
+            request_stop(front.process)
+        grace_s = self._config.drain_grace_s + 5.0
+        codes = await asyncio.gather(
+            *(asyncio.to_thread(wait_or_kill, f.process, grace_s) for f in running)
+        )
+        for front, code in zip(running, codes, strict=True):
+            if code != 0:
+                log.error("worker front %d stopped with %s", front.index, code)
+        for reserved in self._reserved:
+            reserved.close()
+
+    def _start(self, index: int) -> None:
+        ready_file = self._engine_dir / f"front-{index}.ready.json"
+        ready_file.unlink(missing_ok=True)
+        overrides = [
+            "--engine-dir", str(self._engine_dir),
+            "--engine-pid", str(os.getpid()),
+            "--front-processes", "0",
+            "--grpc-port", str(self.port),
+            "--metrics-port", "0",
+            "--ready-file", str(ready_file),
+        ]  # fmt: skip
+        if self.health_port is not None:
+            overrides += ["--health-port", str(self.health_port)]
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.gpu_worker.front", *self._argv, *overrides],
+            stdin=subprocess.DEVNULL,  # its output goes where the engine's goes
+        )
+        self._fronts[index] = _Front(index, process, ready_file, time.monotonic())
+        log.info("worker front %d started (pid %d)", index, process.pid)
+
+    def _read_ready(self, front: _Front) -> bool:
+        if front.metrics_port is not None:
+            return True
+        try:
+            ready = json.loads(front.ready_file.read_text())  # written whole, by rename
+        except FileNotFoundError:
+            return False
+        front.metrics_port = int(ready["metrics_port"])
+        return True
+
+    async def _watch(self) -> None:
+        backoff_s = {index: 0.0 for index in self._fronts}
+        restart_at: dict[int, float] = {}
+        while True:
+            await asyncio.sleep(WATCH_S)
+            now = time.monotonic()
+            for index, at_s in list(restart_at.items()):
+                if at_s <= now:
+                    del restart_at[index]
+                    self._start(index)
+                    self._restarts_total.inc()
+            for front in list(self._fronts.values()):
+                self._read_ready(front)
+                code = front.process.poll()
+                if code is None or front.index in restart_at:
+                    continue
+                ran_s = now - front.started_s
+                backoff_s[front.index] = restart_backoff(ran_s, backoff_s[front.index])
+                front.metrics_port = None
+                restart_at[front.index] = now + backoff_s[front.index]
+                log.error(
+                    "worker front %d (pid %d) exited with code %d after %.1f s; restarting in "
+                    "%.1f s",
+                    front.index,
+                    front.process.pid,
+                    code,
+                    ran_s,
+                    backoff_s[front.index],
+                )
