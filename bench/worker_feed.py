@@ -30,13 +30,16 @@ from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.stand_in import worker_args
 from services.common.bundles import pack_token_rows
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
-from services.common.procfs import read_stat
+from services.common.procfs import descendants, is_alive, read_stat
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 #: Tokens per row: the stand-in curve's 16-token bucket, as bench.fabric's uniform texts.
 TOKENS = 16
 RESULTS = Path(__file__).parent / "results" / "worker_feed.json"
+#: One connection per channel (grpc otherwise shares one among a process's like channels), so
+#: that a worker's fronts each take some.
+OWN_CONNECTION = (("grpc.use_local_subchannel_pool", 1),)
 
 
 def bundle_bytes(fingerprint: str, rows: int, seed: int) -> bytes:
@@ -57,13 +60,14 @@ def bundle_bytes(fingerprint: str, rows: int, seed: int) -> bytes:
 
 
 async def feed(
-    client: MultiplexClient, body: bytes, *, callers: int, duration_s: float
+    clients: list[MultiplexClient], body: bytes, *, callers: int, duration_s: float
 ) -> tuple[int, int]:
-    """(bundles answered OK, bundles failed) in `duration_s` with `callers` in flight."""
+    """(bundles answered OK, bundles failed) in `duration_s` with `callers` in flight, spread
+    over `clients`."""
     ok = failed = 0
     end_s = time.monotonic() + duration_s
 
-    async def caller() -> None:
+    async def caller(client: MultiplexClient) -> None:
         nonlocal ok, failed
         while time.monotonic() < end_s:
             try:
@@ -73,49 +77,65 @@ async def feed(
             except Exception:
                 failed += 1
 
-    await asyncio.gather(*(caller() for _ in range(callers)))
+    await asyncio.gather(*(caller(clients[i % len(clients)]) for i in range(callers)))
     return ok, failed
 
 
 async def measure(
-    address: str, pid: int, sizes: list[int], callers: int, duration_s: float
+    address: str, pid: int, sizes: list[int], callers: int, duration_s: float, connections: int
 ) -> list[dict[str, Any]]:
+    """With fronts (`--front-processes`), `pid` is the engine's: the figures are the engine's
+    CPU, and its fronts' CPU is reported beside them."""
     results = []
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
-        models = await pb_grpc.WorkerServiceStub(channel).ListModels(pb.ListWorkerModelsRequest())
+    channels = [
+        grpc.aio.insecure_channel(address, options=(*CHANNEL_OPTIONS, *OWN_CONNECTION))
+        for _ in range(connections)
+    ]
+    clients = [MultiplexClient(channel, f"worker-{i}") for i, channel in enumerate(channels)]
+    try:
+        models = await pb_grpc.WorkerServiceStub(channels[0]).ListModels(
+            pb.ListWorkerModelsRequest()
+        )
         fingerprint = next(v.fingerprint for v in models.versions if v.model_name == "minilm")
-        client = MultiplexClient(channel, "worker")
-        try:
-            for rows in sizes:
-                body = bundle_bytes(fingerprint, rows, seed=rows)
-                await feed(client, body, callers=callers, duration_s=duration_s / 4)  # warm
-                before_cpu, before_s = _cpu_s(pid), time.monotonic()
-                ok, failed = await feed(client, body, callers=callers, duration_s=duration_s)
-                cpu_s, elapsed_s = _cpu_s(pid) - before_cpu, time.monotonic() - before_s
-                answered_rows = ok * rows
-                per_row_s = cpu_s / answered_rows if answered_rows else float("nan")
-                result = {
-                    "rows_per_bundle": rows,
-                    "bundles_ok": ok,
-                    "bundles_failed": failed,
-                    "rows_per_s": round(answered_rows / elapsed_s, 1),
-                    "worker_cpu_share": round(cpu_s / elapsed_s, 3),
-                    "cpu_us_per_row": round(per_row_s * 1e6, 1),
-                    "cpu_us_per_bundle": round(per_row_s * rows * 1e6, 1),
-                    "one_core_rows_per_s": round(1.0 / per_row_s) if answered_rows else 0,
-                }
-                print(json.dumps(result), flush=True)
-                results.append(result)
-        finally:
-            await client.close()
+        fronts = [child for child in descendants(pid) if is_alive(child)]
+        for rows in sizes:
+            body = bundle_bytes(fingerprint, rows, seed=rows)
+            await feed(clients, body, callers=callers, duration_s=duration_s / 4)  # warm
+            before_cpu, before_s = _cpu_s([pid]), time.monotonic()
+            before_fronts = _cpu_s(fronts)
+            ok, failed = await feed(clients, body, callers=callers, duration_s=duration_s)
+            cpu_s, elapsed_s = _cpu_s([pid]) - before_cpu, time.monotonic() - before_s
+            fronts_cpu_s = _cpu_s(fronts) - before_fronts
+            answered_rows = ok * rows
+            per_row_s = cpu_s / answered_rows if answered_rows else float("nan")
+            result = {
+                "rows_per_bundle": rows,
+                "bundles_ok": ok,
+                "bundles_failed": failed,
+                "rows_per_s": round(answered_rows / elapsed_s, 1),
+                "worker_cpu_share": round(cpu_s / elapsed_s, 3),
+                "cpu_us_per_row": round(per_row_s * 1e6, 1),
+                "cpu_us_per_bundle": round(per_row_s * rows * 1e6, 1),
+                "one_core_rows_per_s": round(1.0 / per_row_s) if answered_rows else 0,
+            }
+            if fronts:
+                result["fronts_cpu_us_per_bundle"] = round(fronts_cpu_s / max(ok, 1) * 1e6, 1)
+            print(json.dumps(result), flush=True)
+            results.append(result)
+    finally:
+        await asyncio.gather(*(client.close() for client in clients))
+        await asyncio.gather(*(channel.close() for channel in channels))
     return results
 
 
-def _cpu_s(pid: int) -> float:
-    stat = read_stat(pid)
-    if stat is None:
-        raise RuntimeError(f"worker process {pid} is gone")
-    return stat.cpu_s
+def _cpu_s(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        stat = read_stat(pid)
+        if stat is None:
+            raise RuntimeError(f"worker process {pid} is gone")
+        total += stat.cpu_s
+    return total
 
 
 def fit(results: list[dict[str, Any]]) -> dict[str, float]:
@@ -131,20 +151,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1,4,16,32,64", help="rows per bundle, comma-separated")
     parser.add_argument("--callers", type=int, default=16, help="bundles in flight")
     parser.add_argument("--duration-s", type=float, default=8.0, help="per bundle size")
+    parser.add_argument(
+        "--front-processes",
+        type=int,
+        default=0,
+        help="the worker's fronts (its --front-processes); the figures are then its engine's",
+    )
+    parser.add_argument(
+        "--connections", type=int, default=0, help="connections fed (0: one per front, or one)"
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     root = Path(tempfile.mkdtemp(prefix="worker-feed-"))
     repository = root / "repo"
     write_minilm_repository(repository)
-    stack = start_stack(repository, root / "stack", extra_worker_args=worker_args())
+    fronts = ("--front-processes", str(args.front_processes)) if args.front_processes else ()
+    connections = args.connections or max(1, args.front_processes)
+    stack = start_stack(repository, root / "stack", extra_worker_args=(*worker_args(), *fronts))
     try:
         (worker,) = stack.ready["workers"]
         address = f"127.0.0.1:{worker['grpc_port']}"
-        results = asyncio.run(measure(address, worker["pid"], sizes, args.callers, args.duration_s))
+        results = asyncio.run(
+            measure(address, worker["pid"], sizes, args.callers, args.duration_s, connections)
+        )
     finally:
         stack.stop()
-    report = {"callers": args.callers, "tokens_per_row": TOKENS, "sizes": results}
+    report = {
+        "callers": args.callers,
+        "front_processes": args.front_processes,
+        "connections": connections,
+        "tokens_per_row": TOKENS,
+        "sizes": results,
+    }
     if len(results) >= 2:
         report["fit"] = fit(results)
         print(json.dumps(report["fit"]))

@@ -12,8 +12,9 @@ SO_REUSEPORT, so the kernel spreads routers' connections over them. A front pars
 - every other method of WorkerService (Infer, Generate, ListModels) is passed on as bytes to
   the engine's gRPC socket, with the caller's metadata and time left, and its status and
   trailers passed back;
-- its health follows the engine's (a Watch on the engine's socket): NOT_SERVING while the
-  engine loads, drains, has failed or cannot be reached.
+- its health follows the engine's, asked twice a second over the engine's socket:
+  NOT_SERVING while the engine loads, drains, has failed, cannot be reached or does not
+  answer (a wedged engine).
 
 A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
 NOT_SERVING, tells each stream's router `closing` (the router half-closes once its calls are
@@ -66,8 +67,11 @@ ENGINE_GRPC_SOCKET = "engine.sock"
 ENGINE_LINK_SOCKET = "link.sock"
 #: Metadata a front does not pass on: HTTP/2's and grpc's own, which the next call sets.
 _OWN_METADATA = ("user-agent", "te", "content-type")
-#: How often a front looks for its engine's health again after losing it.
-HEALTH_RETRY_S = 0.2
+#: How often a front asks its engine's health, and how long it waits for the answer.
+HEALTH_PERIOD_S = 0.5
+HEALTH_TIMEOUT_S = 2.0
+#: How often a stopping front looks whether its streams have ended.
+STOP_POLL_S = 0.1
 #: Sent to a stream's router when its front stops: the router half-closes once answered.
 CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
 
@@ -264,22 +268,24 @@ async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerCont
 async def follow_engine_health(
     channel: grpc.aio.Channel, servicer: health.aio.HealthServicer
 ) -> None:
-    """Mirrors the engine's health for WorkerService until cancelled; NOT_SERVING while the
-    engine cannot be reached."""
-    watch = channel.unary_stream(
-        "/grpc.health.v1.Health/Watch",
+    """Mirrors the engine's health for WorkerService until cancelled, asking every
+    HEALTH_PERIOD_S: NOT_SERVING while the engine cannot be reached or does not answer
+    within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own)."""
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
         response_deserializer=health_pb2.HealthCheckResponse.FromString,
     )
+    request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
     names = (SERVICE.full_name,)
     while True:
         try:
-            async for update in watch(health_pb2.HealthCheckRequest(service=SERVICE.full_name)):
-                await set_serving(servicer, names, update.status)
+            status = (await check(request, timeout=HEALTH_TIMEOUT_S)).status
         except grpc.aio.AioRpcError as error:
             log.debug("the engine's health is out of reach: %s", error.code())
-        await set_serving(servicer, names, NOT_SERVING)
-        await asyncio.sleep(HEALTH_RETRY_S)
+            status = NOT_SERVING
+        await set_serving(servicer, names, status)
+        await asyncio.sleep(HEALTH_PERIOD_S)
 
 
 async def serve(config: WorkerConfig, engine_dir: Path) -> int:
@@ -307,10 +313,10 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     following.cancel()
     await servicer.enter_graceful_shutdown()
     relay.stop()
-    for _ in range(round(config.drain_grace_s / HEALTH_RETRY_S)):
+    for _ in range(round(config.drain_grace_s / STOP_POLL_S)):
         if not relay.num_open:
             break
-        await asyncio.sleep(HEALTH_RETRY_S)
+        await asyncio.sleep(STOP_POLL_S)
     await server.stop(grace=1.0)
     if health_listener is not None:
         await health_listener.stop(grace=None)

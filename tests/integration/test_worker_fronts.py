@@ -22,11 +22,17 @@ from bench.models import affine_reference
 from services.common import metric_names as names
 from services.common.errors import UpstreamError
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
-from tests.support.models import write_affine_model
+from tests.support.models import (
+    STALL,
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+)
 from tests.support.processes import ServiceProcess, health_status, start_worker
 from tests.support.waiting import eventually
 
@@ -55,20 +61,20 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]
     assert service.terminate() == 0, service.log()
 
 
+@pytest.fixture
+def own_worker(tmp_path: Path) -> Iterator[ServiceProcess]:
+    """A worker for a test that kills part of it; stopped afterwards whatever happened."""
+    service = start_with_fronts(tmp_path)
+    try:
+        yield service
+    finally:
+        if service.process.poll() is None:
+            service.terminate()
+
+
 def fronts_of(engine_pid: int) -> set[int]:
-    """The live child processes of the engine (its fronts)."""
-    children = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[1]) == engine_pid and fields[0] != "Z":
-            children.add(int(entry))
-    return children
+    """The engine's live children: its fronts."""
+    return {pid for pid in descendants(engine_pid) if is_alive(pid)}
 
 
 def affine_request(seed: int) -> tuple[pb.InferRequest, np.ndarray]:
@@ -120,9 +126,9 @@ async def test_callers_see_one_worker_whose_calls_both_fronts_carry(worker) -> N
 
 
 async def test_a_killed_front_is_restarted_while_the_engine_and_the_other_front_serve(
-    tmp_path: Path,
+    own_worker: ServiceProcess,
 ) -> None:
-    worker = start_with_fronts(tmp_path)
+    worker = own_worker
     channels = [
         grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION) for _ in range(CHANNELS)
     ]
@@ -173,26 +179,77 @@ async def test_a_killed_front_is_restarted_while_the_engine_and_the_other_front_
     assert worker.terminate() == 0, worker.log()
 
 
-async def test_an_engine_killed_takes_its_fronts_and_the_port_with_it(tmp_path: Path) -> None:
-    worker = start_with_fronts(tmp_path)
+async def test_a_front_killed_mid_call_has_its_queued_rows_withdrawn_by_the_engine(
+    tmp_path: Path,
+) -> None:
+    """Two calls on one stream, so on one front: the first holds the executor in a stalled
+    batch, the second is queued behind it. The front dies: both callers fail UNAVAILABLE, and
+    the engine withdraws the queued row while the stalled batch still runs."""
+    gate = tmp_path / "gate"
+    write_stalling_model(tmp_path / "repo", gate)
+    worker = start_worker(
+        tmp_path, model_repository=tmp_path / "repo", extra_args=("--front-processes", "2")
+    )
+    channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
+    try:
+        client = MultiplexClient(channel, "caller")
+        row = np.array([STALL, 0, 0, 0], dtype=np.float32)  # a row that stalls its batch
+        stall = pb.InferRequest(
+            model_name="stall", inputs=[pb.ModelInput(tensor=tensor_to_pb(row))]
+        ).SerializeToString()
+        before = _streams_by_front(worker)
+        blocker = asyncio.ensure_future(client.call(stall, timeout_s=60))
+
+        def queued() -> float:
+            return total(scrape(worker.metrics_port), names.WORKER_QUEUE_DEPTH, model="stall")
+
+        await eventually(lambda: _streams_by_front(worker) != before, message="no stream")
+        await asyncio.sleep(0.5)  # the blocker's batch takes the executor; nothing is queued
+        assert queued() == 0 and not blocker.done()
+        waiting = asyncio.ensure_future(client.call(stall, timeout_s=60))
+        await eventually(lambda: queued() == 1, message="the second call was not queued")
+        (carrier,) = [i for i, n in _streams_by_front(worker).items() if n > before.get(i, 0)]
+        os.kill(_front_pid(worker, carrier), signal.SIGKILL)
+        for call in (blocker, waiting):
+            with pytest.raises(UpstreamError) as failed:
+                await call
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+        await eventually(lambda: queued() == 0, message="the queued row was not withdrawn")
+        release_stall(gate)
+    finally:
+        release_stall(gate)
+        await channel.close()
+        if worker.process.poll() is None:
+            assert worker.terminate() == 0, worker.log()
+
+
+def _streams_by_front(worker: ServiceProcess) -> dict[str, float]:
+    relayed = samples(scrape(worker.metrics_port), names.WORKER_FRONT_STREAMS_TOTAL)
+    return {labels["worker_front"]: value for labels, value in relayed}
+
+
+def _front_pid(worker: ServiceProcess, index: str) -> int:
+    """The pid of front `index`, known by its ready file's name on its command line."""
+    for pid in fronts_of(worker.process.pid):
+        if f"front-{index}.ready.json" in Path(f"/proc/{pid}/cmdline").read_text():
+            return pid
+    raise AssertionError(f"front {index} is not running")
+
+
+async def test_an_engine_killed_takes_its_fronts_and_the_port_with_it(
+    own_worker: ServiceProcess,
+) -> None:
+    worker = own_worker
     fronts = fronts_of(worker.process.pid)
     assert len(fronts) == 2
     os.kill(worker.process.pid, signal.SIGKILL)
     worker.process.wait()
 
     def gone() -> bool:
-        return not any(Path(f"/proc/{pid}").exists() and _is_live(pid) for pid in fronts)
+        return not any(is_alive(pid) for pid in fronts)
 
     await eventually(gone, timeout_s=30, message="the fronts outlived their engine")
     with pytest.raises(grpc.aio.AioRpcError) as unreachable:
         await health_status(worker.address, SERVICE)
     assert unreachable.value.code() == grpc.StatusCode.UNAVAILABLE
     assert worker.log().count("worker front stopped") == 2  # each stopped on its own SIGTERM
-
-
-def _is_live(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
