@@ -1,10 +1,9 @@
 """Every tier scaled out at once (the data-path issue's e2e): 64 concurrent one-text callers
 through a gateway of two processes (`--processes 2`, one port by SO_REUSEPORT) balancing over
-two routers, to one minilm worker. Each answer equals the row computed alone, the calls
-travelled in bundles, and both gateway processes and both routers carried them.
-
-The worker's front/engine split is not built (its figures are in docs/benchmarks.md, the
-worker-intake benchmark), so the worker is one process."""
+two routers, to one minilm worker with two fronts (`--front-processes 2`: its engine and two
+gRPC front processes on its port). Each answer equals the row computed alone, the calls
+travelled in bundles, both gateway processes and both routers carried them, and the worker's
+fronts relayed the routers' streams to its engine."""
 
 from __future__ import annotations
 
@@ -45,7 +44,9 @@ def scaled(
     over both routers; the tiers started here stop before the stack."""
     tmp_path = tmp_path_factory.mktemp("scale-out")
     repository = write_small_minilm_repository(tmp_path / "repo")
-    stack = start_stack(tmp_path, model_repository=repository)
+    stack = start_stack(
+        tmp_path, model_repository=repository, extra_worker_args=("--front-processes", "2")
+    )
     started: list[ServiceProcess] = []
     try:
         router_argv = command_line(stack.router.pid)
@@ -79,7 +80,7 @@ def _row(response: api.PredictResponse) -> np.ndarray:
 async def test_64_callers_through_two_gateway_processes_and_two_routers(
     scaled: tuple[Stack, ServiceProcess, list[ServiceProcess]],
 ) -> None:
-    _stack, gateway, routers = scaled
+    stack, gateway, routers = scaled
 
     async def gateway_serving() -> bool:
         return await health_status(gateway.address) == health_pb2.HealthCheckResponse.SERVING
@@ -134,3 +135,7 @@ async def test_64_callers_through_two_gateway_processes_and_two_routers(
     # Both routers routed.
     for router in routers:
         assert total(scrape(router.metrics_port), names.ROUTER_ROUTED_TOTAL) > 0, router
+    # Through the worker's fronts: a stream of each router at least.
+    (worker,) = stack.workers
+    relayed = scrape(worker.metrics_port)
+    assert total(relayed, names.WORKER_FRONT_STREAMS_TOTAL) >= len(routers), relayed
