@@ -9,6 +9,10 @@ one-text rows of 16 token ids. For each bundle size it reports rows/s, the worke
 CPU per row, and the rows/s one fully busy core would take at that cost (its ceiling), and it
 fits CPU per bundle = fixed + rows * per_row over the sizes.
 
+With `--front-processes N` the worker runs N gRPC fronts relaying to its engine
+(services.gpu_worker.front), fed over one connection per front: the figures are then the
+engine's CPU, with the fronts' CPU per bundle beside them.
+
     python -m bench.worker_feed            # about 1 minute
 """
 
