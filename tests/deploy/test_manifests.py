@@ -46,6 +46,7 @@ from services.gateway.process_group import PROCESS_LABEL
 from services.gateway.server import DOOR_METHODS
 from services.gpu_worker import config as worker_config
 from services.gpu_worker import server as worker_server
+from services.gpu_worker.fronts import FRONT_LABEL
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
 from services.jobs import config as jobs_config
@@ -1299,14 +1300,20 @@ def test_dashboard_shows_the_stages_batching_and_slo_from_real_metrics(
 
 def test_the_dashboards_joins_match_on_labels_every_tier_has() -> None:
     """`on (...)` joins series of different metrics, so only on labels both sides carry: the
-    Prometheus Operator's target labels, and a gateway group's process label (before, `on (pod,
-    process)`: no series has `process`, so with several gateway processes a pod's build-info
-    series were alike to the join, and the per-tier CPU and loop-lag panels failed)."""
-    common = {"pod", "namespace", "instance", "job", PROCESS_LABEL}
+    Prometheus Operator's target labels, and the labels that tell apart the processes of one
+    pod's /metrics (a gateway group's processes, a worker's fronts). A join that tells one kind
+    apart must tell both: before, `on (pod, process)` matched no series' label, so with several
+    gateway processes a pod's build-info series were alike to the join and the per-tier CPU and
+    loop-lag panels failed; `on (pod, gateway_process)` alone did the same to a worker with
+    fronts."""
+    group_labels = {PROCESS_LABEL, FRONT_LABEL}
+    common = {"pod", "namespace", "instance", "job", *group_labels}
     for query in dashboard_queries(json.loads(DASHBOARD.read_text())):
         for group in re.findall(r"\bon\s*\(([^)]*)\)", query):
             labels = {g.strip() for g in group.split(",") if g.strip()}
             assert labels <= common, f"{query}: joins on {sorted(labels - common)}"
+            if labels & group_labels:
+                assert group_labels <= labels, f"{query}: joins on {sorted(labels)}"
 
 
 def slo_histogram_bounds() -> dict[str, set[str]]:
