@@ -20,7 +20,8 @@
 # cuDNN attention and no graphs, and graphs off alone; recorded on H200s: 523 tokens/s
 # before), raw_model (the model's curve), sim_validation, and worker_feed (about 60 s: the
 # rows/s one worker process takes from bundles on this box's cores, beside a bare echo
-# call's CPU; whether a worker's gRPC front must be split from its engine, issue 32).
+# call's CPU, then the engine's with two fronts (--front-processes 2): whether splitting a
+# worker's gRPC front from its engine pays on a box with cores to spare, issue 32).
 # STEPS="generation fabric_smoke" runs only those.
 set -u
 export PYTHONUNBUFFERED=1
@@ -94,8 +95,10 @@ TAIL=12 step fabric_spread 150 python3 -m bench.spread --gateway-processes 4 --r
     --warmup-s 2 --window-s 4 --output "$RES/spread_gpu.json"
 TAIL=25 step fabric_smoke 170 python3 -m bench.fabric --smoke --no-peer \
     --output "$RES/fabric_smoke.json"
-TAIL=12 step worker_feed 90 sh -c "python3 -m bench.server_calls bare && python3 -m \
-    bench.worker_feed --duration-s 4 --output $RES/worker_feed_gpu.json"
+TAIL=12 step worker_feed 150 sh -c "python3 -m bench.server_calls bare && python3 -m \
+    bench.worker_feed --duration-s 4 --output $RES/worker_feed_gpu.json && python3 -m \
+    bench.worker_feed --duration-s 4 --front-processes 2 \
+    --output $RES/worker_feed_fronts_gpu.json"
 step raw_model 90 python3 -m bench.raw_model --batch-sizes 1 2 4 8 16 32 64 \
     --lengths 16 32 64 128 256 --seconds 0.5 --output "$RES/raw_model_gpu.json"
 TAIL=12 step sim_validation 200 python3 -m bench.sim_validation --rates "${RATES:-100,300,600,1000}" \

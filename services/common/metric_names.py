@@ -68,6 +68,7 @@ WORKER_REQUESTS_TOTAL = "inference_worker_requests_total"
 WORKER_FRONT_RESTARTS_TOTAL = "inference_worker_front_restarts_total"
 #: Served by each front (labelled worker_front in the worker's /metrics).
 WORKER_FRONT_STREAMS_TOTAL = "inference_worker_front_streams_total"
+WORKER_FRONT_OPEN_STREAMS = "inference_worker_front_open_streams"
 WORKER_FRONT_CALLS_TOTAL = "inference_worker_front_calls_total"
 WORKER_ROWS_TOTAL = "inference_worker_rows_total"
 WORKER_BATCHES_TOTAL = "inference_worker_batches_total"

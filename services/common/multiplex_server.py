@@ -93,7 +93,7 @@ class MultiplexServer:
 
     async def serve(
         self, requests: AsyncIterator[pb.InferStreamRequest], context: object = None
-    ) -> AsyncIterator[pb.InferStreamResponse]:
+    ) -> AsyncGenerator[pb.InferStreamResponse, None]:
         del context  # each call carries its own deadline and metadata
         responses = _ServedStream(requests, self._answer, self._closing).responses()
         try:

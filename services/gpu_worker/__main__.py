@@ -37,9 +37,6 @@ from services.gpu_worker.server import create_worker
 
 log = logging.getLogger("services.gpu_worker")
 
-#: How long the fronts may take to be ready once the engine has loaded.
-FRONTS_READY_TIMEOUT_S = 60.0
-
 
 async def serve(config: WorkerConfig) -> int:
     if not config.front_processes:
@@ -48,7 +45,7 @@ async def serve(config: WorkerConfig) -> int:
     try:
         return await _serve(config, engine_dir)
     finally:
-        shutil.rmtree(engine_dir, ignore_errors=True)
+        _remove(engine_dir)
 
 
 async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
@@ -75,11 +72,14 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         metrics_port,
         config.model_repository,
     )
-    loading = asyncio.create_task(worker.load())
+    # With fronts, the worker turns SERVING (and joins the registry) once they listen.
+    loading = asyncio.create_task(
+        worker.load(before_serving=fronts.wait_ready if fronts is not None else None)
+    )
     stop_wait = asyncio.create_task(stopping.wait())
     await asyncio.wait({loading, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if loading.done() and loading.exception() is not None:
-        log.error("model loading failed: %s", loading.exception())
+        log.error("the worker failed to start: %s", loading.exception())
         await worker.server.stop(grace=None)
         return 1
     if not loading.done():
@@ -89,22 +89,32 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         log.info("SIGTERM while loading models: exiting")
         await worker.server.stop(grace=None)
         logging.shutdown()
+        _remove(engine_dir)
         os._exit(0)
     if not stopping.is_set():
-        if fronts is not None:
-            await fronts.wait_ready(FRONTS_READY_TIMEOUT_S)
+        if fronts is not None and not await fronts.wait_serving():
+            log.warning("not every front saw the engine SERVING in time; reporting ready")
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")
     bound_stop(config.drain_grace_s)
     loading.cancel()
+    if fronts is not None:  # a front that exits now (a signal to the whole group) stays down
+        fronts.stop_watching()
     await worker.stop()
     if link is not None:  # told `closing` by worker.stop, its streams end
         await link.close()
     if fronts is not None:
         await fronts.stop()
     log.info("worker stopped")
+    _remove(engine_dir)
     exit_stopped(0)
+
+
+def _remove(engine_dir: Path | None) -> None:
+    """The engine's sockets and its fronts' ready files (exit_stopped skips `finally`)."""
+    if engine_dir is not None:
+        shutil.rmtree(engine_dir, ignore_errors=True)
 
 
 def main() -> None:

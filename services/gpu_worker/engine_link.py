@@ -11,6 +11,7 @@ callers with it: the stream's calls are cancelled, and their queued rows withdra
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -96,9 +97,11 @@ class EngineLink:
 
         status = pb.MuxResult(code=grpc.StatusCode.OK.value[0])
         try:
-            async for response in self._streams.serve(requests()):
-                write_frame(writer, MESSAGE, response.SerializeToString())
-                await writer.drain()
+            # Closed however this ends, so that a stream cut short cancels its calls now.
+            async with contextlib.aclosing(self._streams.serve(requests())) as responses:
+                async for response in responses:
+                    write_frame(writer, MESSAGE, response.SerializeToString())
+                    await writer.drain()
         except asyncio.CancelledError:
             if front_gone:
                 return

@@ -38,12 +38,14 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import metric_names as names
 from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
 from services.common.lifecycle import (
+    MAX_MESSAGE_BYTES,
     NOT_SERVING,
+    SERVING,
     add_health_and_reflection,
     new_server,
     set_serving,
@@ -97,6 +99,11 @@ class FrontMetrics:
             "InferStreams this front relayed to the engine (each a router's stream)",
             registry=registry,
         )
+        self.open_streams = Gauge(
+            names.WORKER_FRONT_OPEN_STREAMS,
+            "InferStreams this front is relaying now",
+            registry=registry,
+        )
         self.calls_total = Counter(
             names.WORKER_FRONT_CALLS_TOTAL.removesuffix("_total"),
             "Calls other than InferStream this front passed on to the engine",
@@ -108,9 +115,8 @@ class FrontMetrics:
 class StreamRelay:
     """InferStreams relayed to the engine's link, one connection each."""
 
-    def __init__(self, link_path: Path, max_message_bytes: int, metrics: FrontMetrics) -> None:
+    def __init__(self, link_path: Path, metrics: FrontMetrics) -> None:
         self._link_path = link_path
-        self._max_bytes = max_message_bytes
         self._metrics = metrics
         #: Each open stream's queue of answers on their way to its router.
         self._open: set[asyncio.Queue[bytes | None]] = set()
@@ -134,11 +140,15 @@ class StreamRelay:
             loop.create_task(self._receive(reader, answers, status)),
         )
         self._open.add(answers)
+        if self._stopping:  # stop() ran while this stream was connecting
+            answers.put_nowait(CLOSING)
+        self._metrics.open_streams.inc()
         try:
             while (answer := await answers.get()) is not None:
                 yield answer
         finally:
             self._open.discard(answers)
+            self._metrics.open_streams.dec()
             for helper in helpers:
                 helper.cancel()
             writer.close()
@@ -178,7 +188,9 @@ class StreamRelay:
         status: list[pb.MuxResult],
     ) -> None:
         try:
-            while (frame := await read_frame(reader, self._max_bytes)) is not None:
+            # The engine's answers are bounded as its gRPC answers are (the front's
+            # --max-message-bytes bounds what callers send it, and the engine the same).
+            while (frame := await read_frame(reader, MAX_MESSAGE_BYTES)) is not None:
                 kind, payload = frame
                 if kind == END:
                     status.append(pb.MuxResult.FromString(payload))
@@ -256,6 +268,8 @@ class Passthrough(grpc.GenericRpcHandler):
                     yield bytes(response)
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
+            finally:  # the caller went away: so does the engine's call
+                responses.cancel()
 
         return handle
 
@@ -266,7 +280,9 @@ async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerCont
 
 
 async def follow_engine_health(
-    channel: grpc.aio.Channel, servicer: health.aio.HealthServicer
+    channel: grpc.aio.Channel,
+    servicer: health.aio.HealthServicer,
+    on_first_serving: Callable[[], None],
 ) -> None:
     """Mirrors the engine's health for WorkerService until cancelled, asking every
     HEALTH_PERIOD_S: NOT_SERVING while the engine cannot be reached or does not answer
@@ -278,6 +294,7 @@ async def follow_engine_health(
     )
     request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
     names = (SERVICE.full_name,)
+    has_served = False
     while True:
         try:
             status = (await check(request, timeout=HEALTH_TIMEOUT_S)).status
@@ -285,6 +302,9 @@ async def follow_engine_health(
             log.debug("the engine's health is out of reach: %s", error.code())
             status = NOT_SERVING
         await set_serving(servicer, names, status)
+        if status == SERVING and not has_served:
+            has_served = True
+            on_first_serving()
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
@@ -298,7 +318,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     )
     registry = tier_registry("worker_front")
     metrics = FrontMetrics(registry)
-    relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, config.max_message_bytes, metrics)
+    relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, metrics)
     server.add_generic_rpc_handlers((Passthrough(channel, relay, metrics),))
     servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
@@ -306,8 +326,16 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     health_listener = await start_health_listener(servicer, config.host, config.tls)
     metrics_port = start_metrics(config.metrics_port, config.host, registry)
     stopping = stop_event()
-    following = asyncio.get_running_loop().create_task(follow_engine_health(channel, servicer))
+    # Ready once listening, and said again once serving: the engine waits for the first before
+    # it turns SERVING, and for the second before it reports the worker ready.
     write_ready_file(config.ready_file, port, metrics_port)
+    following = asyncio.get_running_loop().create_task(
+        follow_engine_health(
+            channel,
+            servicer,
+            lambda: write_ready_file(config.ready_file, port, metrics_port, serving=1),
+        )
+    )
     log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)
     await stopping.wait()
     following.cancel()

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 FRONT_LABEL = "worker_front"
 #: How often the engine looks at its fronts.
 WATCH_S = 0.2
+#: How long the fronts may take to be ready, from their start (a slow start restarts a few).
+READY_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -44,6 +46,8 @@ class _Front:
     started_s: float
     #: Its own /metrics port once it is ready; None before.
     metrics_port: int | None = None
+    #: Whether it has seen the engine SERVING (it says so in its ready file).
+    has_served: bool = False
 
 
 class Fronts:
@@ -62,6 +66,8 @@ class Fronts:
         self._fronts: dict[int, _Front] = {}
         self._reserved: list[socket.socket] = []
         self._watching: asyncio.Task[None] | None = None
+        self._started_s = 0.0
+        self.num_restarts = 0
         self._restarts_total = Counter(
             names.WORKER_FRONT_RESTARTS_TOTAL.removesuffix("_total"),
             "Worker fronts restarted after exiting on their own",
@@ -96,29 +102,30 @@ class Fronts:
     def start(self) -> None:
         """Starts every front, and the watch that restarts them (from the loop's thread: a
         front's SIGTERM on the engine's exit is tied to the thread that started it)."""
+        self._started_s = time.monotonic()
         for index in range(self._config.front_processes):
             self._start(index)
         self._watching = asyncio.get_running_loop().create_task(self._watch(), name="fronts")
 
-    async def wait_ready(self, timeout_s: float) -> None:
-        """Returns once every front is ready; RuntimeError if one exits first or time runs
-        out."""
-        deadline = time.monotonic() + timeout_s
+    async def wait_ready(self) -> None:
+        """Returns once every front is ready (one that exits meanwhile is restarted);
+        RuntimeError past READY_TIMEOUT_S from their start."""
         while not all(self._read_ready(f) for f in self._fronts.values()):
-            for front in self._fronts.values():
-                if front.process.poll() is not None:
-                    raise RuntimeError(
-                        f"worker front {front.index} exited with code "
-                        f"{front.process.returncode} before it was ready"
-                    )
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the worker's fronts were not ready within {timeout_s:.0f}s")
+            if time.monotonic() > self._started_s + READY_TIMEOUT_S:
+                raise RuntimeError(
+                    f"the worker's fronts were not all ready within {READY_TIMEOUT_S:.0f}s "
+                    f"({self.num_restarts} restarts; see their log lines)"
+                )
             await asyncio.sleep(WATCH_S / 4)
+
+    def stop_watching(self) -> None:
+        """No more restarts: the worker is stopping."""
+        if self._watching is not None:
+            self._watching.cancel()
 
     async def stop(self) -> None:
         """SIGTERMs every front and waits for each (SIGKILL past the drain grace)."""
-        if self._watching is not None:
-            self._watching.cancel()
+        self.stop_watching()
         running = [f for f in self._fronts.values() if f.process.poll() is None]
         for front in running:
             request_stop(front.process)
@@ -152,14 +159,25 @@ class Fronts:
         self._fronts[index] = _Front(index, process, ready_file, time.monotonic())
         log.info("worker front %d started (pid %d)", index, process.pid)
 
+    async def wait_serving(self) -> bool:
+        """Waits until every front has seen the engine SERVING (they ask twice a second), so
+        that the worker is reported ready when its port says SERVING; False past
+        READY_TIMEOUT_S from their start."""
+        while not all(self._read_ready(f) and f.has_served for f in self._fronts.values()):
+            if time.monotonic() > self._started_s + READY_TIMEOUT_S:
+                return False
+            await asyncio.sleep(WATCH_S / 4)
+        return True
+
     def _read_ready(self, front: _Front) -> bool:
-        if front.metrics_port is not None:
+        if front.has_served:
             return True
         try:
             ready = json.loads(front.ready_file.read_text())  # written whole, by rename
         except FileNotFoundError:
             return False
         front.metrics_port = int(ready["metrics_port"])
+        front.has_served = bool(ready.get("serving"))
         return True
 
     async def _watch(self) -> None:
@@ -173,6 +191,7 @@ class Fronts:
                     del restart_at[index]
                     self._start(index)
                     self._restarts_total.inc()
+                    self.num_restarts += 1
             for front in list(self._fronts.values()):
                 self._read_ready(front)
                 code = front.process.poll()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -196,9 +196,10 @@ class Worker:
     #: Follows the desired model state (with `redis_url`); stopped first when draining.
     _follower: asyncio.Task[None] | None = None
 
-    async def load(self) -> None:
+    async def load(self, before_serving: Callable[[], Awaitable[None]] | None = None) -> None:
         """Loads every version of the worker's models (all in the repository without
-        `--models`) and warms them up, off the event loop."""
+        `--models`) and warms them up, off the event loop; then awaits `before_serving` (a
+        worker's fronts listening), turns SERVING and joins the registry."""
         device = select_device()
         desired = await desired_at_start(self.config)  # what the fleet unloaded stays unloaded
 
@@ -229,6 +230,8 @@ class Worker:
                 on_fatal=self._on_fatal, watchdog_s=self.config.batching.watchdog_s
             )
         self.servicer.attach(models, batching, self.metrics)
+        if before_serving is not None:
+            await before_serving()
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"

@@ -46,10 +46,10 @@ def fronts_of(worker: WorkerTier) -> set[int]:
 
 
 def carrying_front(worker: WorkerTier) -> int:
-    """The pid of a front of `worker` that has relayed a stream (the router's)."""
-    relayed = samples(scrape(worker.metrics_port), names.WORKER_FRONT_STREAMS_TOTAL)
-    carriers = sorted(labels["worker_front"] for labels, value in relayed if value > 0)
-    assert carriers, relayed
+    """The pid of a front of `worker` relaying a stream now (the router's)."""
+    relaying = samples(scrape(worker.metrics_port), names.WORKER_FRONT_OPEN_STREAMS)
+    carriers = sorted(labels["worker_front"] for labels, value in relaying if value > 0)
+    assert carriers, relaying
     for pid in fronts_of(worker):
         if f"front-{carriers[0]}.ready.json" in Path(f"/proc/{pid}/cmdline").read_text():
             return pid

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -197,18 +198,20 @@ async def test_a_front_killed_mid_call_has_its_queued_rows_withdrawn_by_the_engi
         stall = pb.InferRequest(
             model_name="stall", inputs=[pb.ModelInput(tensor=tensor_to_pb(row))]
         ).SerializeToString()
-        before = _streams_by_front(worker)
-        blocker = asyncio.ensure_future(client.call(stall, timeout_s=60))
 
         def queued() -> float:
             return total(scrape(worker.metrics_port), names.WORKER_QUEUE_DEPTH, model="stall")
 
-        await eventually(lambda: _streams_by_front(worker) != before, message="no stream")
-        await asyncio.sleep(0.5)  # the blocker's batch takes the executor; nothing is queued
-        assert queued() == 0 and not blocker.done()
+        def dispatched() -> float:
+            count = f"{names.WORKER_QUEUE_WAIT_SECONDS}_count"
+            return total(scrape(worker.metrics_port), count, model="stall")
+
+        blocker = asyncio.ensure_future(client.call(stall, timeout_s=60))
+        await eventually(lambda: dispatched() == 1, message="the first call did not run")
+        assert queued() == 0 and not blocker.done()  # its batch holds the executor
         waiting = asyncio.ensure_future(client.call(stall, timeout_s=60))
         await eventually(lambda: queued() == 1, message="the second call was not queued")
-        (carrier,) = [i for i, n in _streams_by_front(worker).items() if n > before.get(i, 0)]
+        (carrier,) = [i for i, n in _open_streams_by_front(worker).items() if n > 0]
         os.kill(_front_pid(worker, carrier), signal.SIGKILL)
         for call in (blocker, waiting):
             with pytest.raises(UpstreamError) as failed:
@@ -219,13 +222,13 @@ async def test_a_front_killed_mid_call_has_its_queued_rows_withdrawn_by_the_engi
     finally:
         release_stall(gate)
         await channel.close()
-        if worker.process.poll() is None:
-            assert worker.terminate() == 0, worker.log()
+        code = worker.terminate() if worker.process.poll() is None else None
+    assert code == 0, worker.log()
 
 
-def _streams_by_front(worker: ServiceProcess) -> dict[str, float]:
-    relayed = samples(scrape(worker.metrics_port), names.WORKER_FRONT_STREAMS_TOTAL)
-    return {labels["worker_front"]: value for labels, value in relayed}
+def _open_streams_by_front(worker: ServiceProcess) -> dict[str, float]:
+    relaying = samples(scrape(worker.metrics_port), names.WORKER_FRONT_OPEN_STREAMS)
+    return {labels["worker_front"]: value for labels, value in relaying}
 
 
 def _front_pid(worker: ServiceProcess, index: str) -> int:
@@ -242,13 +245,22 @@ async def test_an_engine_killed_takes_its_fronts_and_the_port_with_it(
     worker = own_worker
     fronts = fronts_of(worker.process.pid)
     assert len(fronts) == 2
+    # What a killed engine cannot remove: its sockets' directory, named on its fronts' commands.
+    command = Path(f"/proc/{min(fronts)}/cmdline").read_text().split("\0")
+    engine_dir = Path(command[command.index("--engine-dir") + 1])
     os.kill(worker.process.pid, signal.SIGKILL)
     worker.process.wait()
 
     def gone() -> bool:
         return not any(is_alive(pid) for pid in fronts)
 
-    await eventually(gone, timeout_s=30, message="the fronts outlived their engine")
+    try:
+        await eventually(gone, timeout_s=30, message="the fronts outlived their engine")
+    finally:  # did they not, they must not outlive the test
+        for pid in fronts:
+            if is_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(engine_dir, ignore_errors=True)
     with pytest.raises(grpc.aio.AioRpcError) as unreachable:
         await health_status(worker.address, SERVICE)
     assert unreachable.value.code() == grpc.StatusCode.UNAVAILABLE
