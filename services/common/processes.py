@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -19,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 #: How often a ready check is repeated while waiting.
@@ -212,6 +215,69 @@ def restart_backoff(ran_s: float, previous_s: float) -> float:
     if ran_s >= HEALTHY_RUN_S or previous_s == 0:
         return FIRST_BACKOFF_S
     return min(MAX_BACKOFF_S, previous_s * 2)
+
+
+@dataclass
+class Supervised:
+    """One child of a supervisor (a gateway group's process, a worker engine's front)."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    ready_file: Path
+    started_s: float
+    #: Its own /metrics port once it is ready; None before.
+    metrics_port: int | None = None
+
+    def read_ready(self) -> dict[str, Any] | None:
+        """Its ready file, recording its metrics port; None until it is written (whole, by
+        rename)."""
+        try:
+            ready = dict(json.loads(self.ready_file.read_text()))
+        except FileNotFoundError:
+            return None
+        self.metrics_port = int(ready["metrics_port"])
+        return ready
+
+
+class Restarts:
+    """When a supervisor restarts its children that exit: each after its own backoff
+    (`restart_backoff`), logged. Children are known by index; the clock is the caller's
+    (`now_s`, monotonic)."""
+
+    def __init__(self, what: str) -> None:
+        #: How the log names a child: "gateway process", "worker front".
+        self._what = what
+        self._backoff_s: dict[int, float] = {}
+        self._at_s: dict[int, float] = {}
+
+    def exited(self, index: int, pid: int, code: int, ran_s: float, now_s: float) -> None:
+        """Child `index` exited after running `ran_s`: schedules its restart."""
+        backoff_s = restart_backoff(ran_s, self._backoff_s.get(index, 0.0))
+        self._backoff_s[index] = backoff_s
+        self._at_s[index] = now_s + backoff_s
+        log.error(
+            "%s %d (pid %d) exited with code %d after %.1f s; restarting in %.1f s",
+            self._what,
+            index,
+            pid,
+            code,
+            ran_s,
+            backoff_s,
+        )
+
+    def is_pending(self, index: int) -> bool:
+        return index in self._at_s
+
+    def due(self, now_s: float) -> list[int]:
+        """The children whose restart time has come (no longer pending once returned)."""
+        indexes = [index for index, at_s in self._at_s.items() if at_s <= now_s]
+        for index in indexes:
+            del self._at_s[index]
+        return indexes
+
+    def next_in_s(self, now_s: float) -> float | None:
+        """Seconds until the next restart is due; None when none is pending."""
+        return min((at_s - now_s for at_s in self._at_s.values()), default=None)
 
 
 def reserve_port(host: str, port: int) -> socket.socket:

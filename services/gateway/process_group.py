@@ -25,7 +25,6 @@ forks only from its main thread.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import Counter
@@ -44,10 +42,11 @@ from services.common import metric_names as names
 from services.common.group_metrics import GroupMetrics
 from services.common.lifecycle import start_metrics, write_ready_file
 from services.common.processes import (
+    Restarts,
+    Supervised,
     before_exec,
     request_stop,
     reserve_port,
-    restart_backoff,
     wait_or_kill,
 )
 from services.gateway.config import GatewayConfig
@@ -67,18 +66,6 @@ class _StopRequested(Exception):
     """SIGTERM or SIGINT arrived before the group was ready: stop it, cleanly."""
 
 
-@dataclass
-class _Member:
-    """One gateway process of the group."""
-
-    index: int
-    process: subprocess.Popen[bytes]
-    ready_file: Path
-    started_s: float
-    #: Its own /metrics port once it is ready; None before.
-    metrics_port: int | None = None
-
-
 class ProcessGroup:
     """The supervisor: starts, watches, restarts and stops the group's gateway processes."""
 
@@ -87,7 +74,7 @@ class ProcessGroup:
         self._argv = argv
         self._num_processes = num_processes
         self._reserved: list[socket.socket] = []
-        self._members: dict[int, _Member] = {}
+        self._members: dict[int, Supervised] = {}
         self._state_dir = Path(tempfile.mkdtemp(prefix="gateway-group-"))
         self._registry = GroupMetrics(self, PROCESS_LABEL)
         self._restarts_total = Counter(
@@ -166,19 +153,12 @@ class ProcessGroup:
             # Output goes where the supervisor's goes: one log stream for the container.
             preexec_fn=before_exec(os.getpid(), None),
         )
-        self._members[index] = _Member(index, process, ready_file, time.monotonic())
+        self._members[index] = Supervised(index, process, ready_file, time.monotonic())
         log.info("gateway process %d started (pid %d)", index, process.pid)
 
-    def _read_ready(self, member: _Member) -> bool:
+    def _read_ready(self, member: Supervised) -> bool:
         """True once `member` has written its ready file (its metrics port recorded)."""
-        if member.metrics_port is not None:
-            return True
-        try:
-            ready = json.loads(member.ready_file.read_text())  # written whole, by rename
-        except FileNotFoundError:
-            return False
-        member.metrics_port = int(ready["metrics_port"])
-        return True
+        return member.metrics_port is not None or member.read_ready() is not None
 
     def _wait_first_ready(self) -> bool:
         """Waits for every process's ready file; False if one exits first or time runs out.
@@ -203,34 +183,22 @@ class ProcessGroup:
 
     def _supervise(self) -> int:
         """Restarts processes that exit until a stop is asked for, then stops the group."""
-        backoff_s = {index: 0.0 for index in self._members}
-        restart_at: dict[int, float] = {}
+        restarts = Restarts("gateway process")
         while True:
             now = time.monotonic()
-            for index, at_s in list(restart_at.items()):
-                if at_s <= now:
-                    del restart_at[index]
-                    self._start(index)
-                    self._restarts_total.inc()
+            for index in restarts.due(now):
+                self._start(index)
+                self._restarts_total.inc()
             for member in list(self._members.values()):
                 self._read_ready(member)
                 code = member.process.poll()
-                if code is None or member.index in restart_at:
+                if code is None or restarts.is_pending(member.index):
                     continue
-                ran_s = now - member.started_s
-                backoff_s[member.index] = restart_backoff(ran_s, backoff_s[member.index])
                 member.metrics_port = None
-                restart_at[member.index] = now + backoff_s[member.index]
-                log.error(
-                    "gateway process %d (pid %d) exited with code %d after %.1f s; restarting "
-                    "in %.1f s",
-                    member.index,
-                    member.process.pid,
-                    code,
-                    ran_s,
-                    backoff_s[member.index],
-                )
-            wait_s = min((at - now for at in restart_at.values()), default=1.0)
+                ran_s = now - member.started_s
+                restarts.exited(member.index, member.process.pid, code, ran_s, now)
+            next_in_s = restarts.next_in_s(now)
+            wait_s = 1.0 if next_in_s is None else next_in_s
             info = signal.sigtimedwait(WAKE_SIGNALS, max(0.01, min(1.0, wait_s)))
             if info is not None and info.si_signo != signal.SIGCHLD:
                 log.info("%s: stopping the gateway group", signal.Signals(info.si_signo).name)

@@ -12,7 +12,6 @@ front's series, labelled `worker_front="<i>"` (services.common.group_metrics).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import socket
@@ -25,7 +24,13 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
-from services.common.processes import request_stop, reserve_port, restart_backoff, wait_or_kill
+from services.common.processes import (
+    Restarts,
+    Supervised,
+    request_stop,
+    reserve_port,
+    wait_or_kill,
+)
 from services.gpu_worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -39,13 +44,7 @@ READY_TIMEOUT_S = 60.0
 
 
 @dataclass
-class _Front:
-    index: int
-    process: subprocess.Popen[bytes]
-    ready_file: Path
-    started_s: float
-    #: Its own /metrics port once it is ready; None before.
-    metrics_port: int | None = None
+class _Front(Supervised):
     #: Whether it has seen the engine SERVING (it says so in its ready file).
     has_served: bool = False
 
@@ -68,6 +67,7 @@ class Fronts:
         self._watching: asyncio.Task[None] | None = None
         self._started_s = 0.0
         self.num_restarts = 0
+        self._restarts = Restarts("worker front")
         self._restarts_total = Counter(
             names.WORKER_FRONT_RESTARTS_TOTAL.removesuffix("_total"),
             "Worker fronts restarted after exiting on their own",
@@ -172,41 +172,25 @@ class Fronts:
     def _read_ready(self, front: _Front) -> bool:
         if front.has_served:
             return True
-        try:
-            ready = json.loads(front.ready_file.read_text())  # written whole, by rename
-        except FileNotFoundError:
+        ready = front.read_ready()
+        if ready is None:
             return False
-        front.metrics_port = int(ready["metrics_port"])
         front.has_served = bool(ready.get("serving"))
         return True
 
     async def _watch(self) -> None:
-        backoff_s = {index: 0.0 for index in self._fronts}
-        restart_at: dict[int, float] = {}
         while True:
             await asyncio.sleep(WATCH_S)
             now = time.monotonic()
-            for index, at_s in list(restart_at.items()):
-                if at_s <= now:
-                    del restart_at[index]
-                    self._start(index)
-                    self._restarts_total.inc()
-                    self.num_restarts += 1
+            for index in self._restarts.due(now):
+                self._start(index)
+                self._restarts_total.inc()
+                self.num_restarts += 1
             for front in list(self._fronts.values()):
                 self._read_ready(front)
                 code = front.process.poll()
-                if code is None or front.index in restart_at:
+                if code is None or self._restarts.is_pending(front.index):
                     continue
-                ran_s = now - front.started_s
-                backoff_s[front.index] = restart_backoff(ran_s, backoff_s[front.index])
                 front.metrics_port = None
-                restart_at[front.index] = now + backoff_s[front.index]
-                log.error(
-                    "worker front %d (pid %d) exited with code %d after %.1f s; restarting in "
-                    "%.1f s",
-                    front.index,
-                    front.process.pid,
-                    code,
-                    ran_s,
-                    backoff_s[front.index],
-                )
+                ran_s = now - front.started_s
+                self._restarts.exited(front.index, front.process.pid, code, ran_s, now)
