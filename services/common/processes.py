@@ -238,6 +238,11 @@ class Supervised:
         self.metrics_port = int(ready["metrics_port"])
         return ready
 
+    def exited(self) -> None:
+        """Forgets its ready file, which its restart writes anew: a dead child is not ready."""
+        self.metrics_port = None
+        self.ready_file.unlink(missing_ok=True)
+
 
 class Restarts:
     """When a supervisor restarts its children that exit: each after its own backoff

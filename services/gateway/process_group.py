@@ -194,7 +194,7 @@ class ProcessGroup:
                 code = member.process.poll()
                 if code is None or restarts.is_pending(member.index):
                     continue
-                member.metrics_port = None
+                member.exited()
                 ran_s = now - member.started_s
                 restarts.exited(member.index, member.process.pid, code, ran_s, now)
             next_in_s = restarts.next_in_s(now)

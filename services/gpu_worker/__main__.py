@@ -81,6 +81,7 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     if loading.done() and loading.exception() is not None:
         log.error("the worker failed to start: %s", loading.exception())
         await worker.server.stop(grace=None)
+        await _stop_fronts(fronts, link)
         return 1
     if not loading.done():
         # Stopped while loading: nothing was admitted, so there is nothing to drain. Exit now
@@ -91,9 +92,13 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         logging.shutdown()
         _remove(engine_dir)
         os._exit(0)
+    if fronts is not None and not stopping.is_set():
+        serving = asyncio.create_task(fronts.wait_serving(lambda: worker.fatal_error is not None))
+        await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        serving.cancel()
+        if serving.done() and not serving.cancelled() and not serving.result():
+            log.warning("not every front saw the engine SERVING; reporting ready")
     if not stopping.is_set():
-        if fronts is not None and not await fronts.wait_serving():
-            log.warning("not every front saw the engine SERVING in time; reporting ready")
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()
     log.info("SIGTERM: draining")
@@ -102,13 +107,18 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     if fronts is not None:  # a front that exits now (a signal to the whole group) stays down
         fronts.stop_watching()
     await worker.stop()
-    if link is not None:  # told `closing` by worker.stop, its streams end
-        await link.close()
-    if fronts is not None:
-        await fronts.stop()
+    await _stop_fronts(fronts, link)  # the link's streams were told `closing` by worker.stop
     log.info("worker stopped")
     _remove(engine_dir)
     exit_stopped(0)
+
+
+async def _stop_fronts(fronts: Fronts | None, link: EngineLink | None) -> None:
+    """Ends the link's streams, then stops the fronts."""
+    if link is not None:
+        await link.close()
+    if fronts is not None:
+        await fronts.stop()
 
 
 def _remove(engine_dir: Path | None) -> None:

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,14 +40,20 @@ log = logging.getLogger(__name__)
 FRONT_LABEL = "worker_front"
 #: How often the engine looks at its fronts.
 WATCH_S = 0.2
-#: How long the fronts may take to be ready, from their start (a slow start restarts a few).
+#: How long the fronts may take to listen once the engine has loaded (a few may restart).
 READY_TIMEOUT_S = 60.0
+#: How long they may take to see the engine SERVING: a few of their health polls.
+SERVING_TIMEOUT_S = 10.0
 
 
 @dataclass
 class _Front(Supervised):
     #: Whether it has seen the engine SERVING (it says so in its ready file).
     has_served: bool = False
+
+    def exited(self) -> None:
+        super().exited()
+        self.has_served = False
 
 
 class Fronts:
@@ -65,7 +72,6 @@ class Fronts:
         self._fronts: dict[int, _Front] = {}
         self._reserved: list[socket.socket] = []
         self._watching: asyncio.Task[None] | None = None
-        self._started_s = 0.0
         self.num_restarts = 0
         self._restarts = Restarts("worker front")
         self._restarts_total = Counter(
@@ -102,16 +108,16 @@ class Fronts:
     def start(self) -> None:
         """Starts every front, and the watch that restarts them (from the loop's thread: a
         front's SIGTERM on the engine's exit is tied to the thread that started it)."""
-        self._started_s = time.monotonic()
         for index in range(self._config.front_processes):
             self._start(index)
         self._watching = asyncio.get_running_loop().create_task(self._watch(), name="fronts")
 
     async def wait_ready(self) -> None:
-        """Returns once every front is ready (one that exits meanwhile is restarted);
-        RuntimeError past READY_TIMEOUT_S from their start."""
+        """Returns once every front listens (one that exits meanwhile is restarted);
+        RuntimeError past READY_TIMEOUT_S."""
+        deadline_s = time.monotonic() + READY_TIMEOUT_S
         while not all(self._read_ready(f) for f in self._fronts.values()):
-            if time.monotonic() > self._started_s + READY_TIMEOUT_S:
+            if time.monotonic() > deadline_s:
                 raise RuntimeError(
                     f"the worker's fronts were not all ready within {READY_TIMEOUT_S:.0f}s "
                     f"({self.num_restarts} restarts; see their log lines)"
@@ -159,12 +165,13 @@ class Fronts:
         self._fronts[index] = _Front(index, process, ready_file, time.monotonic())
         log.info("worker front %d started (pid %d)", index, process.pid)
 
-    async def wait_serving(self) -> bool:
+    async def wait_serving(self, give_up: Callable[[], bool]) -> bool:
         """Waits until every front has seen the engine SERVING (they ask twice a second), so
         that the worker is reported ready when its port says SERVING; False past
-        READY_TIMEOUT_S from their start."""
+        SERVING_TIMEOUT_S, or as soon as `give_up()` (the engine failed)."""
+        deadline_s = time.monotonic() + SERVING_TIMEOUT_S
         while not all(self._read_ready(f) and f.has_served for f in self._fronts.values()):
-            if time.monotonic() > self._started_s + READY_TIMEOUT_S:
+            if give_up() or time.monotonic() > deadline_s:
                 return False
             await asyncio.sleep(WATCH_S / 4)
         return True
@@ -191,6 +198,6 @@ class Fronts:
                 code = front.process.poll()
                 if code is None or self._restarts.is_pending(front.index):
                     continue
-                front.metrics_port = None
+                front.exited()
                 ran_s = now - front.started_s
                 self._restarts.exited(front.index, front.process.pid, code, ran_s, now)

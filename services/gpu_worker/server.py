@@ -232,6 +232,8 @@ class Worker:
         self.servicer.attach(models, batching, self.metrics)
         if before_serving is not None:
             await before_serving()
+            if self.fatal_error is not None:  # failed meanwhile: it must not turn SERVING
+                raise RuntimeError(f"the worker failed while starting: {self.fatal_error}")
         await set_serving(self.health, (SERVICE_NAME,), SERVING)
         if self.config.redis_url:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
