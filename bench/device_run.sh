@@ -18,7 +18,7 @@
 #   fabric_smoke: the whole fabric on minilm.
 # Not in the default set: generation_before (the engine as it was, torch's kernels with
 # cuDNN attention and no graphs, and graphs off alone; recorded on H200s: 523 tokens/s
-# before), raw_model (the model's curve), sim_validation, and worker_feed (about 60 s: the
+# before), raw_model (the model's curve), sim_validation, and worker_feed (about 90 s: the
 # rows/s one worker process takes from bundles on this box's cores, beside a bare echo
 # call's CPU, then the engine's with two fronts (--front-processes 2): whether splitting a
 # worker's gRPC front from its engine pays on a box with cores to spare, issue 32).

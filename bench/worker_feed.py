@@ -10,8 +10,9 @@ CPU per row, and the rows/s one fully busy core would take at that cost (its cei
 fits CPU per bundle = fixed + rows * per_row over the sizes.
 
 With `--front-processes N` the worker runs N gRPC fronts relaying to its engine
-(services.gpu_worker.front), fed over one connection per front: the figures are then the
-engine's CPU, with the fronts' CPU per bundle beside them.
+(services.gpu_worker.front), fed over as many connections as fronts (the kernel places
+connections, so two may land on one front): the figures are then the engine's CPU, with the
+fronts' CPU per bundle beside them.
 
     python -m bench.worker_feed            # about 1 minute
 """

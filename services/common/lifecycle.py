@@ -261,13 +261,12 @@ def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
     return int(http_server.server_port)
 
 
-def write_ready_file(
-    path: Path | None, grpc_port: int, metrics_port: int, **other_ports: int
-) -> None:
-    """Writes {grpc_port, metrics_port, **other_ports} (such as the gateway's http_port)."""
+def write_ready_file(path: Path | None, grpc_port: int, metrics_port: int, **fields: int) -> None:
+    """Writes {grpc_port, metrics_port, **fields}: other ports (the gateway's http_port), or
+    flags (a worker front's `serving`)."""
     if path is not None:
         tmp = path.with_suffix(path.suffix + ".tmp")
-        ports = {"grpc_port": grpc_port, "metrics_port": metrics_port, **other_ports}
+        ports = {"grpc_port": grpc_port, "metrics_port": metrics_port, **fields}
         tmp.write_text(json.dumps(ports))
         tmp.replace(path)  # atomic: readers never see a half-written file
 

@@ -47,6 +47,7 @@ GATEWAY_TENANT_REQUEST_SECONDS = "inference_gateway_tenant_request_seconds"
 GATEWAY_TENANT_QUOTA_SHARE = "inference_gateway_tenant_quota_share"
 #: Served by the supervisor of a gateway process group (--processes > 1).
 GATEWAY_PROCESS_RESTARTS_TOTAL = "inference_gateway_process_restarts_total"
+
 # Router.
 ROUTER_ROUTED_TOTAL = "inference_router_routed_total"
 ROUTER_REJECTED_TOTAL = "inference_router_rejected_total"
@@ -62,14 +63,15 @@ ROUTER_LIVE_WORKERS = "inference_router_live_workers"
 ROUTER_REJECTED_WORKER_RECORDS_TOTAL = "inference_router_rejected_worker_records_total"
 ROUTER_EJECTIONS_TOTAL = "inference_router_ejections_total"
 
-# GPU worker: requests, batching and per-row stages.
-WORKER_REQUESTS_TOTAL = "inference_worker_requests_total"
-#: Served by a worker's engine with fronts (--front-processes > 0).
+# GPU worker fronts (--front-processes > 0): the restarts are the engine's; the rest each
+# front's, labelled worker_front in the worker's /metrics.
 WORKER_FRONT_RESTARTS_TOTAL = "inference_worker_front_restarts_total"
-#: Served by each front (labelled worker_front in the worker's /metrics).
 WORKER_FRONT_STREAMS_TOTAL = "inference_worker_front_streams_total"
 WORKER_FRONT_OPEN_STREAMS = "inference_worker_front_open_streams"
 WORKER_FRONT_CALLS_TOTAL = "inference_worker_front_calls_total"
+
+# GPU worker: requests, batching and per-row stages.
+WORKER_REQUESTS_TOTAL = "inference_worker_requests_total"
 WORKER_ROWS_TOTAL = "inference_worker_rows_total"
 WORKER_BATCHES_TOTAL = "inference_worker_batches_total"
 WORKER_BATCH_SIZE = "inference_worker_batch_size"

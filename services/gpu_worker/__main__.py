@@ -52,7 +52,7 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     worker = await create_worker(config, engine_dir)
     fronts: Fronts | None = None
     link: EngineLink | None = None
-    exposed: CollectorRegistry = worker.metrics.registry
+    served_metrics: CollectorRegistry = worker.metrics.registry
     if engine_dir is not None:
         fronts = Fronts(config, sys.argv[1:], engine_dir, worker.metrics.registry)
         worker.port = fronts.reserve_ports()
@@ -61,10 +61,10 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         )
         await link.start()
         fronts.start()  # they serve NOT_SERVING, as the engine does, until it has loaded
-        exposed = GroupMetrics(fronts, FRONT_LABEL)
-        exposed.register(RegistryCollector(worker.metrics.registry))
+        served_metrics = GroupMetrics(fronts, FRONT_LABEL)
+        served_metrics.register(RegistryCollector(worker.metrics.registry))
     stopping = stop_event()
-    metrics_port = start_metrics(config.metrics_port, config.host, exposed)
+    metrics_port = start_metrics(config.metrics_port, config.host, served_metrics)
     log.info(
         "worker listening on %s:%d, metrics on %d; loading models from %s",
         config.host,
@@ -97,7 +97,10 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         await asyncio.wait({serving, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
         serving.cancel()
         if serving.done() and not serving.cancelled() and not serving.result():
-            log.warning("not every front saw the engine SERVING; reporting ready")
+            if worker.fatal_error is None:
+                log.warning("not every front saw the engine SERVING in time; reporting ready")
+            else:  # logged where it failed; health says NOT_SERVING
+                log.warning("the engine failed while its fronts came up; reporting ready")
     if not stopping.is_set():
         write_ready_file(config.ready_file, worker.port, metrics_port)
         await stopping.wait()

@@ -188,8 +188,8 @@ class StreamRelay:
         status: list[pb.MuxResult],
     ) -> None:
         try:
-            # The engine's answers are bounded as its gRPC answers are (the front's
-            # --max-message-bytes bounds what callers send it, and the engine the same).
+            # At most MAX_MESSAGE_BYTES, the engine's bound on what it sends over gRPC:
+            # --max-message-bytes bounds only what callers send.
             while (frame := await read_frame(reader, MAX_MESSAGE_BYTES)) is not None:
                 kind, payload = frame
                 if kind == END:
@@ -294,7 +294,7 @@ async def follow_engine_health(
     )
     request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
     names = (SERVICE.full_name,)
-    has_served = False
+    saw_serving = False
     while True:
         try:
             status = (await check(request, timeout=HEALTH_TIMEOUT_S)).status
@@ -302,8 +302,8 @@ async def follow_engine_health(
             log.debug("the engine's health is out of reach: %s", error.code())
             status = NOT_SERVING
         await set_serving(servicer, names, status)
-        if status == SERVING and not has_served:
-            has_served = True
+        if status == SERVING and not saw_serving:
+            saw_serving = True
             on_first_serving()
         await asyncio.sleep(HEALTH_PERIOD_S)
 
@@ -355,7 +355,9 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
 
 def die_with(engine_pid: int) -> None:
     """SIGTERM when the engine exits (the kernel ties it to the thread that started us: the
-    engine's main thread); exits now if the engine is already gone."""
+    engine's main thread); exits now if the engine is already gone. Set here, not in a
+    `preexec_fn` as the gateway group's supervisor does: the engine runs threads (torch's,
+    grpc's), and code between fork and exec in a threaded process may deadlock."""
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != engine_pid:
         sys.exit(1)

@@ -38,22 +38,23 @@ log = logging.getLogger(__name__)
 
 #: The label that tells the fronts apart in the worker's /metrics.
 FRONT_LABEL = "worker_front"
-#: How often the engine looks at its fronts.
+#: How often the engine looks at its fronts, and at their ready files while it waits for them.
 WATCH_S = 0.2
+READY_POLL_S = 0.05
 #: How long the fronts may take to listen once the engine has loaded (a few may restart).
 READY_TIMEOUT_S = 60.0
-#: How long they may take to see the engine SERVING: a few of their health polls.
+#: How long they may take to see the engine SERVING: 10 s, 20 of their health polls.
 SERVING_TIMEOUT_S = 10.0
 
 
 @dataclass
 class _Front(Supervised):
     #: Whether it has seen the engine SERVING (it says so in its ready file).
-    has_served: bool = False
+    saw_engine_serving: bool = False
 
     def exited(self) -> None:
         super().exited()
-        self.has_served = False
+        self.saw_engine_serving = False
 
 
 class Fronts:
@@ -102,9 +103,6 @@ class Fronts:
         fronts = list(self._fronts.values())
         return {f.index: f.metrics_port for f in fronts if f.metrics_port is not None}
 
-    def pids(self) -> dict[int, int]:
-        return {f.index: f.process.pid for f in self._fronts.values()}
-
     def start(self) -> None:
         """Starts every front, and the watch that restarts them (from the loop's thread: a
         front's SIGTERM on the engine's exit is tied to the thread that started it)."""
@@ -116,13 +114,13 @@ class Fronts:
         """Returns once every front listens (one that exits meanwhile is restarted);
         RuntimeError past READY_TIMEOUT_S."""
         deadline_s = time.monotonic() + READY_TIMEOUT_S
-        while not all(self._read_ready(f) for f in self._fronts.values()):
+        while not all(self._is_listening(f) for f in self._fronts.values()):
             if time.monotonic() > deadline_s:
                 raise RuntimeError(
                     f"the worker's fronts were not all ready within {READY_TIMEOUT_S:.0f}s "
                     f"({self.num_restarts} restarts; see their log lines)"
                 )
-            await asyncio.sleep(WATCH_S / 4)
+            await asyncio.sleep(READY_POLL_S)
 
     def stop_watching(self) -> None:
         """No more restarts: the worker is stopping."""
@@ -170,19 +168,23 @@ class Fronts:
         that the worker is reported ready when its port says SERVING; False past
         SERVING_TIMEOUT_S, or as soon as `give_up()` (the engine failed)."""
         deadline_s = time.monotonic() + SERVING_TIMEOUT_S
-        while not all(self._read_ready(f) and f.has_served for f in self._fronts.values()):
+        while not all(
+            self._is_listening(f) and f.saw_engine_serving for f in self._fronts.values()
+        ):
             if give_up() or time.monotonic() > deadline_s:
                 return False
-            await asyncio.sleep(WATCH_S / 4)
+            await asyncio.sleep(READY_POLL_S)
         return True
 
-    def _read_ready(self, front: _Front) -> bool:
-        if front.has_served:
+    def _is_listening(self, front: _Front) -> bool:
+        """Whether `front` has written its ready file; reads whether it says it saw the engine
+        SERVING, until it does."""
+        if front.saw_engine_serving:
             return True
         ready = front.read_ready()
         if ready is None:
             return False
-        front.has_served = bool(ready.get("serving"))
+        front.saw_engine_serving = bool(ready.get("serving"))
         return True
 
     async def _watch(self) -> None:
@@ -194,7 +196,7 @@ class Fronts:
                 self._restarts_total.inc()
                 self.num_restarts += 1
             for front in list(self._fronts.values()):
-                self._read_ready(front)
+                self._is_listening(front)
                 code = front.process.poll()
                 if code is None or self._restarts.is_pending(front.index):
                     continue

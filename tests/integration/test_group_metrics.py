@@ -1,5 +1,6 @@
-"""The gateway group's /metrics: each process's series scraped over HTTP, labelled with its
-index and merged into one family per name; a process that does not answer is left out."""
+"""A process group's /metrics (a gateway group's, a worker's fronts'): each process's series
+scraped over HTTP, labelled with its index and merged into one family per name; a process that
+does not answer is left out."""
 
 from __future__ import annotations
 
