@@ -25,6 +25,7 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
+from services.gpu_worker.front import engine_grpc_target
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
@@ -34,7 +35,7 @@ from tests.support.models import (
     write_affine_model,
     write_stalling_model,
 )
-from tests.support.processes import ServiceProcess, health_status, start_worker
+from tests.support.processes import REPO_ROOT, ServiceProcess, health_status, start_worker
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -124,6 +125,44 @@ async def test_callers_see_one_worker_whose_calls_both_fronts_carry(worker) -> N
     by_front = {labels["worker_front"]: value for labels, value in relayed}
     assert set(by_front) == {"0", "1"} and all(value >= 1 for value in by_front.values()), by_front
     assert sum(by_front.values()) >= CHANNELS
+
+
+async def test_a_generation_stream_through_a_front_is_the_engines_own(tmp_path: Path) -> None:
+    """Generate (a server-streaming method) passed on by a front: the same greedy tokens and
+    finish as from the engine's own socket; its errors too."""
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    worker = start_worker(
+        tmp_path, model_repository=tmp_path / "repo", extra_args=("--front-processes", "1")
+    )
+    try:
+        (front,) = fronts_of(worker.process.pid)
+        command = Path(f"/proc/{front}/cmdline").read_text().split("\0")
+        engine = engine_grpc_target(Path(command[command.index("--engine-dir") + 1]))
+        request = pb.WorkerGenerateRequest(
+            model_name="tiny-llama",
+            text="the fronts pass this on",
+            sampling=pb.SamplingParameters(max_tokens=12, ignore_eos=True),  # greedy
+        )
+        unknown = pb.WorkerGenerateRequest(model_name="nope", text="x")
+        streams, errors = [], []
+        for address in (worker.address, engine):
+            async with grpc.aio.insecure_channel(address) as channel:
+                stub = pb_grpc.WorkerServiceStub(channel)
+                streams.append([m async for m in stub.Generate(request, timeout=60)])
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    async for _ in stub.Generate(unknown, timeout=60):
+                        pass
+                errors.append((refused.value.code(), refused.value.details()))
+        through_front, from_engine = (
+            ([t for m in stream for t in m.token_ids], stream[-1].finish_reason)
+            for stream in streams
+        )
+        assert through_front == from_engine
+        assert len(through_front[0]) == 12
+        assert errors[0] == errors[1] and errors[0][0] == grpc.StatusCode.NOT_FOUND
+    finally:
+        code = worker.terminate()
+    assert code == 0, worker.log()
 
 
 async def test_a_killed_front_is_restarted_while_the_engine_and_the_other_front_serve(
