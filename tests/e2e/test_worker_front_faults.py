@@ -59,7 +59,7 @@ def carrying_front(worker: WorkerTier) -> int:
 async def test_a_front_killed_under_load_loses_no_request(stack: Stack) -> None:
     victim = stack.workers[1]
     assert len(fronts_of(victim)) == 2
-    load = Load(stack.gateway.address, concurrency=16)
+    load = Load(stack.gateway.address, concurrency=8)
     await load.answered(30, "before the kill")
     await eventually(
         lambda: routed_to(stack, victim.worker_id) > 0,
