@@ -31,6 +31,7 @@ from bench.fabric.tenants import FloodProcess, keys_toml, sender
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from tests.support.metrics import scrape, total
+from tests.support.models import write_small_minilm_repository
 from tests.support.stack import Stack, start_stack
 from tests.support.waiting import eventually
 
@@ -44,8 +45,8 @@ TEXTS = make_texts(256, 3)
 #: loads the worker.
 VICTIM_RATE_PER_S, VICTIM_QUOTA_PER_S, FLOOD_QUOTA_PER_S = 20.0, 40.0, 5.0
 WINDOW_S = 10.0
-#: The victim's deadline: past the SLO by far, so that a neighbour on the shared cores makes
-#: answers late, not failed; what is checked is that the flood costs the victim no call.
+#: The victim's deadline: far past what a call takes, so that a neighbour on the shared cores
+#: makes answers late, not failed; what is checked is that the flood costs the victim no call.
 VICTIM_TIMEOUT_S = 5.0
 #: Refusals of the flood's calls at the gateway that show it is running (before the victim's
 #: window); one gateway process refuses about 800-900 calls/s here.
@@ -73,11 +74,16 @@ class FloodRun:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, Path]]:
+    """The small minilm config (SLO 30 s): what is asserted is the quota's isolation, in
+    statuses. Under the default 250 ms a CI run once saw the worker rightly refuse one of the
+    victim's calls as predicted past its SLO (the CI machine's two cores are shared with other
+    tests). The victim's share within the SLO is `make bench-tenants`'."""
     tmp = tmp_path_factory.mktemp("flood")
     keys = tmp / "api-keys.toml"
     keys.write_text(keys_toml({}))
     stack = start_stack(
         tmp,
+        model_repository=write_small_minilm_repository(tmp / "repo"),
         extra_gateway_args=(f"--api-keys-file={keys}",),
         extra_worker_args=("--torch-threads=1",),
         launcher_args=(
