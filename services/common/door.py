@@ -51,7 +51,7 @@ from services.common import metric_names as names
 from services.common.caller_shares import CallerShares, caller_of
 from services.common.concurrency_limit import QueueDelayLimit
 from services.common.door_config import DoorConfig
-from services.common.errors import retry_after_trailer
+from services.common.errors import Overloaded, retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
 from services.common.interceptors import Metadata
 from services.common.loop_lag import LAG_BUCKETS
@@ -125,6 +125,8 @@ class Door(grpc.aio.ServerInterceptor):
         self._refusers = {m: _handler(shape, self._refuse) for m, shape in methods.items()}
         self._probe_answers = {m: _handler(shape, _answer_probe) for m, shape in methods.items()}
         self._calls_by_method = dict.fromkeys(methods, 0)
+        #: The method whose probe measures calls that `enter` (they come in another way).
+        self._outside_method = next(iter(methods))
         self._token = secrets.token_hex(16)
         self._rng = rng or random.Random()
         self._metrics = _DoorMetrics(registry, self)
@@ -181,28 +183,52 @@ class Door(grpc.aio.ServerInterceptor):
             if key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
         self._calls_by_method[method] += 1
-        is_over_share = self._shares.arrived(self._caller_of(metadata))
-        if self.num_in_flight >= self.limit.limit and is_over_share:
-            self._metrics.refused.labels(method).inc()
+        if not self._admits(metadata, method):
             return refuser
-        self.num_in_flight += 1
-        self._peak_in_flight = max(self._peak_in_flight, self.num_in_flight)
         task = asyncio.current_task()
         assert task is not None  # grpc runs every call's interceptors inside the call's task
-        task.add_done_callback(self._release)
+        task.add_done_callback(lambda _: self.leave())
         return await continuation(handler_call_details)
 
-    def _release(self, _: object) -> None:
+    def enter(self, metadata: Metadata, label: str) -> Overloaded | None:
+        """A guarded call that reached the process another way than this server (the gateway's
+        HTTP front, on the same event loop), presenting `metadata` (lower-cased header names):
+        None if admitted, counted in flight until `leave`; else the refusal to answer it with,
+        counted under `label`. It counts as an arrival on the first guarded method, so a load
+        that comes only this way is probed too: the probe then measures how long the loop
+        they share takes to pick up a call."""
+        self._calls_by_method[self._outside_method] += 1
+        if self._admits(metadata, label):
+            return None
+        retry_after_s = self.limit.retry_after_s()
+        return Overloaded(self._refusal_words(f"about {retry_after_s * 1000:.0f}"),
+                          retry_after_s=retry_after_s)  # fmt: skip
+
+    def leave(self) -> None:
+        """Ends one admitted call."""
         self.num_in_flight -= 1
+
+    def _admits(self, metadata: Metadata, label: str) -> bool:
+        is_over_share = self._shares.arrived(self._caller_of(metadata))
+        if self.num_in_flight >= self.limit.limit and is_over_share:
+            self._metrics.refused.labels(label).inc()
+            return False
+        self.num_in_flight += 1
+        self._peak_in_flight = max(self._peak_in_flight, self.num_in_flight)
+        return True
+
+    def _refusal_words(self, retry_after_ms: str) -> str:
+        return (
+            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit, "
+            f"and this caller sent at least its share of its calls; retry after "
+            f"{retry_after_ms} ms"
+        )
 
     def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Sets the refusal on `context` (the call then ends with it, no exception raised)."""
         trailer = retry_after_trailer(self.limit.retry_after_s(), self._rng)
         context.set_code(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        context.set_details(
-            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit, "
-            f"and this caller sent at least its share of its calls; retry after {trailer[1]} ms"
-        )
+        context.set_details(self._refusal_words(trailer[1]))
         context.set_trailing_metadata((trailer,))
 
     async def _probe_loop(self) -> None:

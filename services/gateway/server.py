@@ -246,6 +246,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
             repository=repository,
             tei_model=config.tei_model,
             drain_grace_s=config.drain_grace_s,
+            door=door,
         )
     return Gateway(
         config,

@@ -331,3 +331,52 @@ async def test_a_probe_grpc_drops_counts_as_a_queue_over_the_target() -> None:
     # Each dropped probe counted a delay of at least 1 s (twice the target); nothing else
     # measured here waits half of that.
     assert served.delays_over(config.target_s) >= served.probes_dropped()
+
+
+async def test_calls_entered_another_way_share_the_limit(served: Served) -> None:
+    """Calls that reach the process another way (the gateway's HTTP front: `enter`, `leave`)
+    count against the same limit as the server's: with two entered, a gRPC call is refused at
+    the door, and so is a third entered call, with a hint and counted under its label; one
+    left, a gRPC call is served."""
+    metadata = (("authorization", "Bearer a"),)
+    assert served.door.enter(metadata, "http") is None
+    assert served.door.enter(metadata, "http") is None
+    assert served.door.num_in_flight == 2
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await served.call(b"ok", caller="a")
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    refusal = served.door.enter(metadata, "http")
+    assert refusal is not None and refusal.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "limit" in str(refusal) and refusal.retry_after_s >= DoorConfig().interval_s
+    assert [k for k, _ in refusal.trailers()] == [RETRY_AFTER_MS_KEY]
+    labels = {"method": "http"}
+    assert served.registry.get_sample_value(names.DOOR_REFUSED_TOTAL, labels) == 1
+    assert served.door.num_in_flight == 2
+    served.door.leave()
+    assert await served.call(b"ok-now", caller="a") == b"served ok-now"
+    served.door.leave()
+    await eventually(lambda: served.door.num_in_flight == 0)  # the served call's task ends
+
+
+async def test_a_loop_kept_busy_by_calls_entered_another_way_backs_the_limit_off() -> None:
+    """Only entered calls (no gRPC caller) while the loop stays busy: the door measures the
+    loop they share, backs its limit off from them and refuses the next."""
+    config = DoorConfig(
+        initial_limit=8, min_limit=2, target_s=0.01, interval_s=0.05, probe_interval_s=0.01
+    )
+    async with _serve(config) as served:
+        for _ in range(6):
+            assert served.door.enter((), "http") is None
+        deadline = time.monotonic() + 5.0  # as in the test above: CPU share may take time
+        while time.monotonic() < deadline and served.door.limit.limit >= 6:
+            if served.door.enter((), "http") is None:  # arrivals, each answered at once
+                served.door.leave()
+            turn_end = time.monotonic() + 0.03
+            while time.monotonic() < turn_end:
+                pass
+            await asyncio.sleep(0)
+        assert served.door.limit.limit < 6, served.door.limit.limit
+        assert served.door.enter((), "http") is not None
+        for _ in range(6):
+            served.door.leave()
+        await eventually(lambda: served.door.limit.limit == config.initial_limit)

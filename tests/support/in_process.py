@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import io
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,6 +129,7 @@ async def running_fabric(
     num_live_workers: int | None = None,
     with_gateway: bool = True,
     num_routers: int = 1,
+    gateway_settings: Mapping[str, Any] | None = None,
     **router_settings: Any,
 ) -> AsyncIterator[Fabric]:
     """`num_workers` in-process workers (`w0`, `w1`, ...) over `repository`, a router and, unless
@@ -137,7 +138,7 @@ async def running_fabric(
     Redis), the gateway serves every model in `repository` and reports SERVING.
 
     `router_settings` are `RouterConfig` fields (`routing`, `worker_networks`, ...); the registry
-    refresh period defaults to `PERIOD_S`."""
+    refresh period defaults to `PERIOD_S`. `gateway_settings`: more GatewayConfig fields."""
     workers = [
         await start_in_process_worker(repository, redis_server, f"w{i}") for i in range(num_workers)
     ]
@@ -165,6 +166,7 @@ async def running_fabric(
                     http_port=0,
                     catalog_refresh_s=PERIOD_S,
                     allow_unauthenticated=True,
+                    **(gateway_settings or {}),
                 )
             )
             fabric._tasks.append(

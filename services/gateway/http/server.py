@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from services.common.door import Door
 from services.common.errors import NotFound
 from services.common.grpc_errors import is_bug
 from services.common.tls import ServerTls
@@ -34,6 +35,11 @@ OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 #: Path endings of the calls that run models, which tenant quotas count.
 INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions", "/embeddings",
                       "/embed")  # fmt: skip
+#: Path endings of the model calls under the door's limit (services.common.door): as on the
+#: gRPC port, not generation, which has its own first-token admission.
+DOOR_SUFFIXES = ("/infer", "/embeddings", "/embed")
+#: The door's `method` label for the calls it refuses here.
+DOOR_LABEL = "http"
 #: text-embeddings-inference's routes, whose errors are TEI's bodies ("/" embeds, as TEI's
 #: does: Hugging Face's InferenceClient posts to the server's URL itself).
 TEI_PATHS = frozenset({"/", "/embed", "/info"})
@@ -52,10 +58,30 @@ def _answer(request: web.Request, error: HttpError) -> web.Response:
                         content_type="application/json")  # fmt: skip
 
 
-def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middleware:
-    """Authenticates every call but the health probes, admits inference calls against the
+def _is_tei_root(request: web.Request) -> bool:
+    return request.path == "/" and request.method == "POST"
+
+
+def auth_middleware(
+    keys: KeyStore | None, admission: TenantAdmission, door: Door | None = None
+) -> Middleware:
+    """Passes model calls through the process's door (as the gRPC port's, before anything
+    else), authenticates every call but the health probes, admits inference calls against the
     tenant's quotas before the body is read, and answers errors as KServe (or, under /v1,
     OpenAI) error bodies with the mapped HTTP status."""
+
+    async def authenticated(
+        request: web.Request, handler: Handler, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        principal = principal_for(keys, headers)
+        if not (request.path.endswith(INFERENCE_SUFFIXES) or _is_tei_root(request)):
+            async with acting_as(principal):
+                return await handler(request)
+        refusal = admission.acquire(principal.policy)
+        if refusal is not None:
+            raise refusal
+        async with acting_as(principal, admission):
+            return await handler(request)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -63,16 +89,15 @@ def auth_middleware(keys: KeyStore | None, admission: TenantAdmission) -> Middle
             if request.path in OPEN_PATHS:
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
-            principal = principal_for(keys, headers)
-            is_tei_root = request.path == "/" and request.method == "POST"
-            if not (request.path.endswith(INFERENCE_SUFFIXES) or is_tei_root):
-                async with acting_as(principal):
-                    return await handler(request)
-            refusal = admission.acquire(principal.policy)
+            if door is None or not (request.path.endswith(DOOR_SUFFIXES) or _is_tei_root(request)):
+                return await authenticated(request, handler, headers)
+            refusal = door.enter(tuple(headers.items()), DOOR_LABEL)
             if refusal is not None:
                 raise refusal
-            async with acting_as(principal, admission):
-                return await handler(request)
+            try:
+                return await authenticated(request, handler, headers)
+            finally:
+                door.leave()
         except AnsweredInBand as answered:  # counted; its stream has ended: nothing more
             return answered.response
         except web.HTTPException as error:
@@ -122,13 +147,16 @@ async def start_http(
     repository: RepositoryControl | None = None,
     tei_model: str = "",
     drain_grace_s: float = 60.0,
+    door: Door | None = None,
 ) -> HttpListener:
     """Serves the HTTP APIs on host:port (0: a free port); returns the bound port.
-    `repository` serves Triton's repository routes (None without Redis: they refuse);
-    `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api). Its
-    `stop` waits at most `drain_grace_s` for requests in progress, then closes them."""
+        `repository` serves Triton's repository routes (None without Redis: they refuse);
+        `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api); `door`,
+    the gRPC port's, also limits this port's model calls. Its
+        `stop` waits at most `drain_grace_s` for requests in progress, then closes them."""
     app = web.Application(
-        middlewares=[auth_middleware(keys, predictor.admission)], client_max_size=max_body_bytes
+        middlewares=[auth_middleware(keys, predictor.admission, door)],
+        client_max_size=max_body_bytes,
     )
     servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs, repository=repository)
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())

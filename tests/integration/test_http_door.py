@@ -1,0 +1,99 @@
+"""The gateway's HTTP model calls pass the process's door (services.common.door) as its gRPC
+model calls do, under one limit: a real in-process fabric whose worker serves the stalling
+model, so a call stays in flight for as long as the test wants, and a door whose limit is one."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import numpy as np
+import pytest
+
+from services.common import metric_names as names
+from services.common.door_config import DoorConfig
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from tests.support.in_process import Fabric, running_fabric
+from tests.support.models import STALL, release_stall, write_stalling_model
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+MODEL = "stall"
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    write_stalling_model(tmp_path / "repo", tmp_path / "gate")
+    door = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
+    try:
+        async with running_fabric(
+            tmp_path / "repo", redis_server, gateway_settings={"door": door}
+        ) as fabric:
+            yield fabric
+    finally:
+        release_stall(tmp_path / "gate")  # a stalled executor must not outlive the test
+
+
+def infer_body(first: float) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32",
+                        "data": [first, 0.0, 0.0, 0.0]}]}  # fmt: skip
+
+
+async def test_http_model_calls_share_the_door_and_its_limit_with_grpc(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """One HTTP infer in flight fills a door of one: the next HTTP model call (KServe or
+    OpenAI) is refused 429 with Retry-After in its API's error body, and a gRPC ModelInfer
+    RESOURCE_EXHAUSTED, all before any other stage; a call that runs no model, and
+    generation (its own admission), are not the door's. Once the stalled call is answered,
+    model calls are served again."""
+    door = fabric.gateway.door
+    assert door is not None and fabric.gateway.http is not None
+    base = f"http://127.0.0.1:{fabric.gateway.http.port}"
+    infer_url = f"{base}/v2/models/{MODEL}/infer"
+    async with aiohttp.ClientSession() as session:
+
+        async def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any], str]:
+            async with session.post(url, json=body) as answer:
+                return answer.status, await answer.json(), answer.headers.get("Retry-After", "")
+
+        stalled = asyncio.create_task(post(infer_url, infer_body(STALL)))
+        await eventually(lambda: door.num_in_flight == 1, message="the stalled call is in flight")
+
+        status, body, retry_after = await post(infer_url, infer_body(1.0))
+        assert (status, retry_after) == (429, "1"), (status, body)
+        assert "calls in flight, its limit" in body["error"], body
+        status, body, _ = await post(f"{base}/v1/embeddings", {"model": MODEL, "input": "hi"})
+        assert status == 429 and body["error"]["type"] == "rate_limit_error", body
+
+        request = kserve.ModelInferRequest(
+            model_name=MODEL,
+            inputs=[kserve.ModelInferRequest.InferInputTensor(name="x", datatype="FP32",
+                                                              shape=[1, 4])],
+            raw_input_contents=[np.ones((1, 4), np.float32).tobytes()],
+        )  # fmt: skip
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await kserve_grpc.GRPCInferenceServiceStub(channel).ModelInfer(request, timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, raised.value
+        assert "calls in flight, its limit" in (raised.value.details() or "")
+
+        async with session.get(f"{base}/v2/models/{MODEL}") as answer:
+            assert answer.status == 200  # model metadata: not a model call
+        status, body, _ = await post(f"{base}/v1/completions", {"model": "nope", "prompt": "x"})
+        assert status == 404, body  # generation passes the door and meets its own checks
+
+        assert fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="http") == 2
+        release_stall(tmp_path / "gate")
+        status, body, _ = await stalled
+        assert status == 200 and body["outputs"][0]["shape"] == [1, 2], body
+        await eventually(lambda: door.num_in_flight == 0, message="the door was not left")
+        status, body, _ = await post(infer_url, infer_body(1.0))
+        assert status == 200, body
