@@ -15,7 +15,10 @@ the interceptors ran) refuses about half the calls, and `grpc-dropping` (`stages
 two, all of them past four, before any Python) most of them, for what a refusal costs against
 a served call (issue 33's goal: at most 0.2); with `stages`
 measured in the same run, each refused call's own CPU is printed too (the mixed figure less the
-served calls' share at the `stages` cost). On a machine with two CPUs or more the server
+served calls' share at the `stages` cost). `http` serves the same echo as an HTTP POST to a
+KServe infer path through the gateway's HTTP middleware (aiohttp, the door, authentication
+without keys, tenant admission), and `http-door-refusing` has that door refuse as
+`door-refusing` does (429), priced against `http`. On a machine with two CPUs or more the server
 runs on CPU 1 and the client on CPU 0, so that neither disturbs the other's figure.
 """
 
@@ -30,7 +33,9 @@ import time
 from multiprocessing.synchronize import Event
 from typing import Any
 
+import aiohttp
 import grpc
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.common.door import Door
@@ -39,18 +44,27 @@ from services.common.interceptors import Stage
 from services.common.lifecycle import new_server
 from services.common.procfs import read_stat
 from services.common.tracing import Tracing
+from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Authentication
+from services.gateway.http.server import auth_middleware
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import DOOR_METHODS
+from services.gateway.tenants import TenantLabels
 
 SERVICE = "inference.v1.InferenceService"
 METHOD = f"/{SERVICE}/Predict"
-MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing", "grpc-dropping")
+MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing", "grpc-dropping",
+         "http", "http-door-refusing")  # fmt: skip
 #: How each refusing mode's refusals end at the caller.
 REFUSALS = {
     "door-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "grpc-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "grpc-dropping": grpc.StatusCode.CANCELLED,
 }
+#: HTTP modes: what their refusals are priced against, and the path they call.
+HTTP_REFUSALS = {"http-door-refusing": "http"}
+HTTP_PATH = "/v2/models/echo/infer"
+HTTP_REFUSED = 429
 #: `door-refusing`'s door: its limit held at one call in flight.
 REFUSING_DOOR = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
 
@@ -77,9 +91,28 @@ def _server(mode: str) -> tuple[grpc.aio.Server, Door | None]:
         return new_server(stages, max_concurrent_rpcs=1), None
     if mode == "grpc-dropping":
         return new_server(stages, max_pending_calls=2), None
-    config = REFUSING_DOOR if mode == "door-refusing" else DoorConfig()
+    config = REFUSING_DOOR if mode.endswith("door-refusing") else DoorConfig()
     door = Door(DOOR_METHODS, config, CollectorRegistry())
     return new_server(stages, door=door), door
+
+
+async def _start_http(door: Door | None, refusing: bool) -> tuple[web.AppRunner, int]:
+    """The gateway's HTTP middleware (no keys) in front of an echo route; with `refusing`, a
+    call served holds the door's one place for 50 ms."""
+
+    async def echo(request: web.Request) -> web.Response:
+        body = await request.read()
+        if refusing:
+            await asyncio.sleep(0.05)
+        return web.Response(body=body, content_type="application/json")
+
+    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels())
+    app = web.Application(middlewares=[auth_middleware(None, admission, door)])
+    app.router.add_post(HTTP_PATH, echo)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, int(runner.addresses[0][1])
 
 
 def _pin(cpu: int) -> None:
@@ -91,7 +124,7 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
     _pin(1)
 
     async def run() -> None:
-        server, door = _server(mode)
+        server, door = _server("stages" if mode == "http" else mode)
         echo = _slow_echo if mode == "door-refusing" else _echo
         handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(echo)
         generic = grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})
@@ -102,9 +135,14 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
         await server.start()
         if door is not None:
             door.start()
+        http = None
+        if mode.startswith("http"):
+            http, port = await _start_http(door, mode in HTTP_REFUSALS)
         ports.put(port)
         while not stop.is_set():
             await asyncio.sleep(0.05)
+        if http is not None:
+            await http.cleanup()
         if door is not None:
             await door.stop()
         await server.stop(0)
@@ -134,6 +172,29 @@ async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]
         return answered, refused
 
 
+async def _http_calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
+    """`_calls` over HTTP/1.1 (one keep-alive connection per caller): refused is 429."""
+    url, body = f"http://127.0.0.1:{port}{HTTP_PATH}", b'{"inputs": []}' + b" " * 26
+    headers = {"Authorization": "Bearer bench", "Content-Type": "application/json"}
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        answered, refused, end = 0, 0, time.monotonic() + seconds
+
+        async def caller() -> None:
+            nonlocal answered, refused
+            while time.monotonic() < end:
+                async with session.post(url, data=body, headers=headers) as answer:
+                    await answer.read()
+                    if answer.status == HTTP_REFUSED:
+                        refused += 1
+                    elif answer.status != 200:
+                        raise RuntimeError(f"HTTP {answer.status}: {await answer.text()}")
+                answered += 1
+
+        await asyncio.gather(*(caller() for _ in range(concurrency)))
+        return answered, refused
+
+
 def _cpu_s(pid: int | None) -> float:
     stat = None if pid is None else read_stat(pid)
     if stat is None:
@@ -149,9 +210,10 @@ def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
     try:
         port = ports.get(timeout=60)
         _pin(0)
-        asyncio.run(_calls(port, seconds / 4, concurrency))  # warm-up
+        calls_of = _http_calls if mode.startswith("http") else _calls
+        asyncio.run(calls_of(port, seconds / 4, concurrency))  # warm-up
         before = _cpu_s(server.pid)
-        calls, refused = asyncio.run(_calls(port, seconds, concurrency))
+        calls, refused = asyncio.run(calls_of(port, seconds, concurrency))
         cpu_s = _cpu_s(server.pid) - before
     finally:
         stop.set()
@@ -177,16 +239,17 @@ def main() -> None:
     for mode in args.modes or MODES:
         results[mode] = measure(mode, args.seconds, args.concurrency)
         print(json.dumps(results[mode]), flush=True)
-    for mode in REFUSALS:
-        if "stages" not in results or mode not in results:
+    priced_against = {**dict.fromkeys(REFUSALS, "stages"), **HTTP_REFUSALS}
+    for mode, base in priced_against.items():
+        if base not in results or mode not in results:
             continue
-        served = results["stages"]["server_cpu_us_per_call"]
+        served = results[base]["server_cpu_us_per_call"]
         mixed = results[mode]
         share = mixed["refused_share"]
         if share > 0:
             refused = (mixed["server_cpu_us_per_call"] - (1 - share) * served) / share
             print(f"{mode}: a refused call about {refused:.0f} us ({refused / served:.2f} of "
-                  f"one served with the stages: {served:.0f} us)", flush=True)  # fmt: skip
+                  f"one served in `{base}`: {served:.0f} us)", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
