@@ -26,6 +26,7 @@ Time comes in as `now_s`; nothing here reads a clock.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.common.standing_queue import StandingQueue
@@ -91,6 +92,12 @@ class QueueDelayLimit:
     @property
     def limit(self) -> int:
         return int(self._limit)
+
+    def retarget(self, target_s: float) -> None:
+        """A new queue-delay target (the SLO it derives from changed); the limit and the
+        queue's history stay."""
+        self.config = dataclasses.replace(self.config, target_s=target_s)
+        self._queue.target_s = target_s
 
     @property
     def is_standing(self) -> bool:

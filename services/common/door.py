@@ -118,7 +118,10 @@ class Door(grpc.aio.ServerInterceptor):
     ) -> None:
         self.config = config
         self._caller_of = caller
-        self.limit = QueueDelayLimit(config.limit())
+        #: The tightest SLO of the guarded models, which the target derives from (None: none
+        #: known; `follow_slo` sets it).
+        self._tightest_slo_s: float | None = None
+        self.limit = QueueDelayLimit(config.limit(config.target_for(None)))
         self.num_in_flight = 0
         self._shares = CallerShares(config.share_window_s)
         self._peak_in_flight = 0
@@ -138,6 +141,20 @@ class Door(grpc.aio.ServerInterceptor):
         self._channel: grpc.aio.Channel | None = None
         #: The process's CPU seconds at the last measurement, and when it was taken.
         self._cpu_s, self._cpu_at_s = time.process_time(), 0.0
+
+    @property
+    def target_s(self) -> float:
+        """The queue-delay target now, seconds."""
+        return self.config.target_for(self._tightest_slo_s)
+
+    def follow_slo(self, tightest_slo_s: float | None) -> None:
+        """The tightest SLO of the models whose calls the door guards, seconds (None: none):
+        the target follows it unless the config sets one."""
+        if tightest_slo_s == self._tightest_slo_s:
+            return
+        self._tightest_slo_s = tightest_slo_s
+        self.limit.retarget(self.target_s)
+        log.info("the door's queue-delay target is %.0f ms", self.target_s * 1000)
 
     def listen(self, server: grpc.aio.Server) -> None:
         """Adds the probe's listener to `server`; call before the server starts. A socket file
@@ -239,15 +256,16 @@ class Door(grpc.aio.ServerInterceptor):
         except Exception:
             # A door that stopped measuring must not keep a flood's limit forever.
             log.exception("the door's probe loop failed; its limit returns to rest")
-            self.limit = QueueDelayLimit(self.config.limit())
+            self.limit = QueueDelayLimit(self.config.limit(self.target_s))
             self._shares = CallerShares(self.config.share_window_s)
             raise
 
     async def _probe_every_interval(self) -> None:
         loop = asyncio.get_running_loop()
-        interval_s, target_s = self.config.probe_interval_s, self.config.target_s
+        interval_s = self.config.probe_interval_s
         due_s = loop.time()
         while True:
+            target_s = self.limit.config.target_s  # follows the SLO (follow_slo)
             due_s += interval_s
             await asyncio.sleep(max(0.0, due_s - loop.time()))
             now_s = loop.time()

@@ -22,8 +22,11 @@ class DoorConfig:
     min_limit: int = LimitConfig.minimum
     #: ...nor grows above this.
     max_limit: int = LimitConfig.maximum
-    #: Queue delay a good queue stays under, seconds.
-    target_s: float = LimitConfig.target_s
+    #: Queue delay a good queue stays under, seconds; 0: `target_slo_share` of the tightest
+    #: SLO of the models whose calls the door guards (`target_for`).
+    target_s: float = 0.0
+    #: The target's share of that SLO, when `target_s` is 0.
+    target_slo_share: float = 0.25
     #: How long the delay must stay above the target before the limit backs off, seconds.
     interval_s: float = LimitConfig.interval_s
     #: How often the queue's delay is probed, seconds.
@@ -34,19 +37,31 @@ class DoorConfig:
     def __post_init__(self) -> None:
         if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
             raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
+        if self.target_s < 0 or not 0 < self.target_slo_share <= 1:
+            raise ValueError("door: target_s >= 0 and target_slo_share in (0, 1]")
         if self.is_enabled:
-            self.limit()  # validates the rest
+            self.limit(self.target_for(None))  # validates the rest
 
     @property
     def is_enabled(self) -> bool:
         return self.enabled and self.initial_limit > 0
 
-    def limit(self) -> LimitConfig:
+    def target_for(self, tightest_slo_s: float | None) -> float:
+        """The queue-delay target, seconds: `target_s` if set, else `target_slo_share` of
+        `tightest_slo_s` (the tightest SLO of the guarded models; None when there is none,
+        then LimitConfig's default)."""
+        if self.target_s > 0:
+            return self.target_s
+        if tightest_slo_s is None:
+            return LimitConfig.target_s
+        return self.target_slo_share * tightest_slo_s
+
+    def limit(self, target_s: float) -> LimitConfig:
         return LimitConfig(
             initial=self.initial_limit,
             minimum=self.min_limit,
             maximum=self.max_limit,
-            target_s=self.target_s,
+            target_s=target_s,
             interval_s=self.interval_s,
         )
 
@@ -92,10 +107,19 @@ def door_settings() -> tuple[Setting, ...]:
             "door_target_s",
             float,
             DoorConfig.target_s,
-            "queue delay in front of the process a good queue stays under (a tenth of the "
-            "tightest SLO served is a good value)",
+            "queue delay in front of the process a good queue stays under; 0 derives it from "
+            "the tightest SLO of the models served (door_target_slo_share of it)",
             "s",
             field="door.target_s",
+        ),
+        Setting(
+            "door_target_slo_share",
+            float,
+            DoorConfig.target_slo_share,
+            "the door's target as a share of the tightest SLO of the models served, when "
+            "door_target_s is 0",
+            "",
+            field="door.target_slo_share",
         ),
         Setting(
             "door_interval_s",

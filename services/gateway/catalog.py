@@ -113,6 +113,10 @@ class ModelCatalog:
             compute_s=totals.compute_ns / 1e9,
         )
 
+    def tightest_slo_s(self) -> float | None:
+        """The tightest SLO of the fixed-cost models (not generation), seconds; None if none."""
+        return min((c.slo_s for c in self._configs.values() if c.generation is None), default=None)
+
     def model_names(self) -> list[str]:
         return sorted(self._configs)
 

@@ -96,6 +96,8 @@ class Gateway:
             try:
                 listing = await list_models(pb.ListWorkerModelsRequest(), timeout=2.0)
                 self.catalog.update_served(listing.versions, listing.load_failures)
+                if self.door is not None:  # models added since: the tightest SLO may change
+                    self.door.follow_slo(self.catalog.tightest_slo_s())
                 if not is_serving:
                     is_serving = True
                     await set_serving(self.health, SERVICE_NAMES, SERVING)
@@ -212,6 +214,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     door = None
     if config.door.is_enabled:
         door = Door(DOOR_METHODS, config.door, metrics.registry, caller=door_caller(keys))
+        door.follow_slo(catalog.tightest_slo_s())
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
         [Tracing(), Authentication(keys, admission)],

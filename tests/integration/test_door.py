@@ -246,7 +246,7 @@ async def test_a_stall_shorter_than_the_interval_is_absorbed() -> None:
         await eventually(lambda: served.door.num_in_flight == 6)
         assert await served.call(b"ok-stall") == b"served ok-stall"
         await eventually(lambda: served.delays_over(0.2) >= 1)
-        await eventually(lambda: served.door.limit.last_delay_s < config.target_s)
+        await eventually(lambda: served.door.limit.last_delay_s < served.door.target_s)
         assert served.door.limit.limit >= config.initial_limit
         assert served.refused() == 0
         served.release.set()

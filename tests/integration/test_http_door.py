@@ -1,6 +1,7 @@
 """The gateway's HTTP model calls pass the process's door (services.common.door) as its gRPC
-model calls do, under one limit: a real in-process fabric whose worker serves the stalling
-model, so a call stays in flight for as long as the test wants, and a door whose limit is one."""
+model calls do, under one limit, whose queue-delay target derives from the models' SLO: a real
+in-process fabric whose worker serves the stalling model, so a call stays in flight for as long
+as the test wants, and a door whose limit is one."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ async def test_http_model_calls_share_the_door_and_its_limit_with_grpc(
     model calls are served again."""
     door = fabric.gateway.door
     assert door is not None and fabric.gateway.http is not None
+    assert door.target_s == pytest.approx(0.25 * 30.0)  # a quarter of the model's SLO
     base = f"http://127.0.0.1:{fabric.gateway.http.port}"
     infer_url = f"{base}/v2/models/{MODEL}/infer"
     async with aiohttp.ClientSession() as session:

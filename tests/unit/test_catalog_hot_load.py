@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from services.common.model_repository import load_repository
 from services.gateway.catalog import ModelCatalog, new_encoder
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.models import write_affine_model, write_versioned_affine_model
+from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -50,3 +52,18 @@ def test_a_model_new_to_the_catalog_gets_its_config_and_routing(tmp_path: Path) 
     assert catalog.model_names() == ["affine", "other"]
     assert catalog.resolve("other", "").version == "1"
     assert catalog.routing("other").revision == 0
+
+
+def test_the_tightest_slo_is_of_the_fixed_cost_models_and_follows_new_ones(
+    tmp_path: Path,
+) -> None:
+    """What the gateway's door derives its target from: generation models (not under the
+    door) do not count, and a model added later does."""
+    repository = tmp_path / "repo"
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", repository / "tiny-llama")
+    catalog = ModelCatalog(load_repository(repository))
+    assert catalog.tightest_slo_s() is None  # generation only (its SLO is 2 s)
+    write_affine_model(repository, slo_p99_ms=400)
+    (affine,) = [v for v in load_repository(repository) if v.config.name == "affine"]
+    catalog.add_version(affine, new_encoder(affine))
+    assert catalog.tightest_slo_s() == pytest.approx(0.4)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
+from services.common.door_config import DoorConfig
 from services.common.errors import retry_after_trailer
 
 pytestmark = pytest.mark.unit
@@ -159,3 +160,27 @@ def test_probes_grpc_drops_unseen_count_as_a_standing_queue() -> None:
     dropped = QueueDelayLimit(CONFIG)
     run(dropped, 0.0, [dropped.dropped_probe_delay_s(0.001)] * 8, in_flight=128)
     assert dropped.limit < CONFIG.initial
+
+
+def test_a_raised_target_no_longer_backs_off_for_delays_below_it() -> None:
+    """`retarget` (the SLO the door's target derives from changed): delays that stood above
+    the old target but below the new one no longer back the limit off."""
+    limit = QueueDelayLimit(CONFIG)
+    limit.retarget(0.1)
+    assert limit.config.target_s == 0.1
+    run(limit, 0.0, [0.05] * 20, in_flight=128)
+    assert limit.limit >= CONFIG.initial and not limit.is_standing
+    limit.retarget(0.025)
+    run(limit, 1.0, [0.05] * 20, in_flight=128)
+    assert limit.limit < CONFIG.initial and limit.is_standing
+
+
+def test_the_door_target_derives_from_the_tightest_slo_unless_set() -> None:
+    derived = DoorConfig()
+    assert derived.target_for(0.25) == pytest.approx(0.0625)  # a quarter of the SLO
+    assert derived.target_for(None) == LimitConfig.target_s  # no guarded model known
+    assert DoorConfig(target_slo_share=0.1).target_for(2.0) == pytest.approx(0.2)
+    assert DoorConfig(target_s=0.04).target_for(0.25) == 0.04  # set: the SLO does not matter
+    for unusable in ({"target_s": -0.01}, {"target_slo_share": 0.0}, {"target_slo_share": 1.5}):
+        with pytest.raises(ValueError):
+            DoorConfig(**unusable)  # type: ignore[arg-type]
