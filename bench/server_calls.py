@@ -124,7 +124,7 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
     _pin(1)
 
     async def run() -> None:
-        server, door = _server("stages" if mode == "http" else mode)
+        server, door = _server(mode)  # `http` gets the stages and a door at rest
         echo = _slow_echo if mode == "door-refusing" else _echo
         handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(echo)
         generic = grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})

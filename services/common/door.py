@@ -121,6 +121,7 @@ class Door(grpc.aio.ServerInterceptor):
         #: The tightest SLO of the guarded models, which the target derives from (None: none
         #: known; `follow_slo` sets it).
         self._tightest_slo_s: float | None = None
+        self._is_following = False
         self.limit = QueueDelayLimit(config.limit(config.target_for(None)))
         self.num_in_flight = 0
         self._shares = CallerShares(config.share_window_s)
@@ -150,8 +151,9 @@ class Door(grpc.aio.ServerInterceptor):
     def follow_slo(self, tightest_slo_s: float | None) -> None:
         """The tightest SLO of the models whose calls the door guards, seconds (None: none):
         the target follows it unless the config sets one."""
-        if tightest_slo_s == self._tightest_slo_s:
+        if self._is_following and tightest_slo_s == self._tightest_slo_s:
             return
+        self._is_following = True
         self._tightest_slo_s = tightest_slo_s
         self.limit.retarget(self.target_s)
         log.info("the door's queue-delay target is %.0f ms", self.target_s * 1000)

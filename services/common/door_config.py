@@ -3,10 +3,14 @@ tier adds for it."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.common.concurrency_limit import LimitConfig
 from services.common.settings import Setting
+
+#: The least target derived from an SLO, seconds.
+MIN_DERIVED_TARGET_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,7 @@ class DoorConfig:
     #: ...nor grows above this.
     max_limit: int = LimitConfig.maximum
     #: Queue delay a good queue stays under, seconds; 0: `target_slo_share` of the tightest
-    #: SLO of the models whose calls the door guards (`target_for`).
+    #: SLO of the fixed-cost models the gateway knows (`target_for`).
     target_s: float = 0.0
     #: The target's share of that SLO, when `target_s` is 0.
     target_slo_share: float = 0.25
@@ -37,7 +41,9 @@ class DoorConfig:
     def __post_init__(self) -> None:
         if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
             raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
-        if self.target_s < 0 or not 0 < self.target_slo_share <= 1:
+        if not (math.isfinite(self.target_s) and self.target_s >= 0) or not (
+            0 < self.target_slo_share <= 1
+        ):
             raise ValueError("door: target_s >= 0 and target_slo_share in (0, 1]")
         if self.is_enabled:
             self.limit(self.target_for(None))  # validates the rest
@@ -49,12 +55,15 @@ class DoorConfig:
     def target_for(self, tightest_slo_s: float | None) -> float:
         """The queue-delay target, seconds: `target_s` if set, else `target_slo_share` of
         `tightest_slo_s` (the tightest SLO of the guarded models; None when there is none,
-        then LimitConfig's default)."""
+        then LimitConfig's default), within MIN_DERIVED_TARGET_S and the interval: a target
+        past the interval would only see a queue that stood longer than it is judged over, and
+        one below a few ms would take the event loop's own jitter for a queue."""
         if self.target_s > 0:
             return self.target_s
         if tightest_slo_s is None:
             return LimitConfig.target_s
-        return self.target_slo_share * tightest_slo_s
+        derived_s = self.target_slo_share * tightest_slo_s
+        return min(max(derived_s, MIN_DERIVED_TARGET_S), self.interval_s)
 
     def limit(self, target_s: float) -> LimitConfig:
         return LimitConfig(
@@ -108,7 +117,8 @@ def door_settings() -> tuple[Setting, ...]:
             float,
             DoorConfig.target_s,
             "queue delay in front of the process a good queue stays under; 0 derives it from "
-            "the tightest SLO of the models served (door_target_slo_share of it)",
+            "the tightest SLO of the models the gateway knows (door_target_slo_share of it, "
+            "at most door_interval_s)",
             "s",
             field="door.target_s",
         ),
@@ -116,8 +126,8 @@ def door_settings() -> tuple[Setting, ...]:
             "door_target_slo_share",
             float,
             DoorConfig.target_slo_share,
-            "the door's target as a share of the tightest SLO of the models served, when "
-            "door_target_s is 0",
+            "the door's target as a share of the tightest SLO of the models the gateway knows, "
+            "when door_target_s is 0",
             "",
             field="door.target_slo_share",
         ),

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
 
 from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
-from services.common.door_config import DoorConfig
+from services.common.door_config import MIN_DERIVED_TARGET_S, DoorConfig
 from services.common.errors import retry_after_trailer
 
 pytestmark = pytest.mark.unit
@@ -181,6 +182,14 @@ def test_the_door_target_derives_from_the_tightest_slo_unless_set() -> None:
     assert derived.target_for(None) == LimitConfig.target_s  # no guarded model known
     assert DoorConfig(target_slo_share=0.1).target_for(2.0) == pytest.approx(0.2)
     assert DoorConfig(target_s=0.04).target_for(0.25) == 0.04  # set: the SLO does not matter
-    for unusable in ({"target_s": -0.01}, {"target_slo_share": 0.0}, {"target_slo_share": 1.5}):
+    # Within the interval (a longer target would judge a queue over less than itself) and a
+    # few ms (the loop's own jitter).
+    assert derived.target_for(30.0) == derived.interval_s
+    assert derived.target_for(0.004) == MIN_DERIVED_TARGET_S
+    unusable_settings = (
+        {"target_s": -0.01}, {"target_s": math.nan}, {"target_slo_share": 0.0},
+        {"target_slo_share": 1.5},
+    )  # fmt: skip
+    for unusable in unusable_settings:
         with pytest.raises(ValueError):
             DoorConfig(**unusable)  # type: ignore[arg-type]

@@ -150,10 +150,10 @@ async def start_http(
     door: Door | None = None,
 ) -> HttpListener:
     """Serves the HTTP APIs on host:port (0: a free port); returns the bound port.
-        `repository` serves Triton's repository routes (None without Redis: they refuse);
-        `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api); `door`,
-    the gRPC port's, also limits this port's model calls. Its
-        `stop` waits at most `drain_grace_s` for requests in progress, then closes them."""
+    `repository` serves Triton's repository routes (None without Redis: they refuse);
+    `tei_model` is the model TEI's routes serve (services.gateway.http.embeddings_api); `door`,
+    the gRPC port's, also limits this port's model calls. Its `stop` waits at most
+    `drain_grace_s` for requests in progress, then closes them."""
     app = web.Application(
         middlewares=[auth_middleware(keys, predictor.admission, door)],
         client_max_size=max_body_bytes,
