@@ -285,7 +285,10 @@ class MultiplexClient:
                 # Let every task that is ready now run first: the calls they make in this turn
                 # of the event loop leave in one message. Under load, also those of the next
                 # millisecond (write_linger); at light load no timer, so no added latency.
-                await asyncio.sleep(0)
+                # With one call in flight (callers taking turns) there is nobody to wait for,
+                # and a turn of the loop costs a wake-up of its own: it leaves at once.
+                if len(stream.pending) > 1:
+                    await asyncio.sleep(0)
                 delay_s = self._linger.delay_s(len(stream.outbox), len(stream.pending))
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)

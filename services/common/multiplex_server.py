@@ -151,7 +151,8 @@ class _ServedStream:
         try:
             while True:
                 await self._wake.wait()
-                await asyncio.sleep(0)  # results finished in this turn of the loop go together
+                if self._running:  # results finished in this turn of the loop go together
+                    await asyncio.sleep(0)
                 self._wake.clear()
                 if self._closing.is_set() and not told_closing and not self._is_reading_done:
                     told_closing = True
