@@ -14,6 +14,11 @@ With `--front-processes N` the worker runs N gRPC fronts relaying to its engine
 connections, so two may land on one front): the figures are then the engine's CPU, with the
 fronts' CPU per bundle beside them.
 
+With `--through-router` the bundles go to the stack's router instead, as a gateway sends them
+(with their routing metadata), and the router's CPU per bundle is reported beside the
+worker's: set beside `python -m bench.stream_floor` (grpc.aio's own cost of relaying a
+message) it shows what the router's own work per bundle costs.
+
     python -m bench.worker_feed            # about 1 minute
 """
 
@@ -36,6 +41,7 @@ from bench.fabric.stand_in import worker_args
 from services.common.bundles import pack_token_rows
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
 from services.common.procfs import descendants, is_alive, read_stat
+from services.common.registry_schema import route_metadata
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
@@ -65,10 +71,15 @@ def bundle_bytes(fingerprint: str, rows: int, seed: int) -> bytes:
 
 
 async def feed(
-    clients: list[MultiplexClient], body: bytes, *, callers: int, duration_s: float
+    clients: list[MultiplexClient],
+    body: bytes,
+    *,
+    callers: int,
+    duration_s: float,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> tuple[int, int]:
     """(bundles answered OK, bundles failed) in `duration_s` with `callers` in flight, spread
-    over `clients`."""
+    over `clients`; `metadata`: each call's (a router's routing facts)."""
     ok = failed = 0
     end_s = time.monotonic() + duration_s
 
@@ -76,7 +87,8 @@ async def feed(
         nonlocal ok, failed
         while time.monotonic() < end_s:
             try:
-                reply = pb.InferResponse.FromString(await client.call(body, timeout_s=5.0))
+                answer = await client.call(body, metadata=metadata, timeout_s=5.0)
+                reply = pb.InferResponse.FromString(answer)
                 ok += all(s.code == 0 for s in reply.slices)
                 failed += any(s.code != 0 for s in reply.slices)
             except Exception:
@@ -87,10 +99,17 @@ async def feed(
 
 
 async def measure(
-    address: str, pid: int, sizes: list[int], callers: int, duration_s: float, connections: int
+    address: str,
+    pid: int,
+    sizes: list[int],
+    callers: int,
+    duration_s: float,
+    connections: int,
+    router_pid: int | None = None,
 ) -> list[dict[str, Any]]:
     """With fronts (`--front-processes`), `pid` is the engine's: the figures are the engine's
-    CPU, and its fronts' CPU is reported beside them."""
+    CPU, and its fronts' CPU is reported beside them. With `router_pid`, `address` is that
+    router's, and its CPU per bundle is reported too."""
     results = []
     channels = [
         grpc.aio.insecure_channel(address, options=(*CHANNEL_OPTIONS, *OWN_CONNECTION))
@@ -105,12 +124,16 @@ async def measure(
         fronts = [child for child in descendants(pid) if is_alive(child)]
         for rows in sizes:
             body = bundle_bytes(fingerprint, rows, seed=rows)
-            await feed(clients, body, callers=callers, duration_s=duration_s / 4)  # warm
+            metadata = () if router_pid is None else route_metadata("minilm", "1", rows)
+            run = {"callers": callers, "metadata": metadata}
+            await feed(clients, body, duration_s=duration_s / 4, **run)  # warm
+            routers = [] if router_pid is None else [router_pid]
             before_cpu, before_s = _cpu_s([pid]), time.monotonic()
-            before_fronts = _cpu_s(fronts)
-            ok, failed = await feed(clients, body, callers=callers, duration_s=duration_s)
+            before_fronts, before_router = _cpu_s(fronts), _cpu_s(routers)
+            ok, failed = await feed(clients, body, duration_s=duration_s, **run)
             cpu_s, elapsed_s = _cpu_s([pid]) - before_cpu, time.monotonic() - before_s
             fronts_cpu_s = _cpu_s(fronts) - before_fronts
+            router_cpu_s = _cpu_s(routers) - before_router
             answered_rows = ok * rows
             per_row_s = cpu_s / answered_rows if answered_rows else float("nan")
             result = {
@@ -125,6 +148,8 @@ async def measure(
             }
             if fronts:
                 result["fronts_cpu_us_per_bundle"] = round(fronts_cpu_s / max(ok, 1) * 1e6, 1)
+            if routers:
+                result["router_cpu_us_per_bundle"] = round(router_cpu_s / max(ok, 1) * 1e6, 1)
             print(json.dumps(result), flush=True)
             results.append(result)
     finally:
@@ -138,7 +163,7 @@ def _cpu_s(pids: list[int]) -> float:
     for pid in pids:
         stat = read_stat(pid)
         if stat is None:
-            raise RuntimeError(f"worker process {pid} is gone")
+            raise RuntimeError(f"process {pid} is gone")
         total += stat.cpu_s
     return total
 
@@ -165,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--connections", type=int, default=0, help="connections fed (0: one per front, or one)"
     )
+    parser.add_argument(
+        "--through-router",
+        action="store_true",
+        help="feed the stack's router, as a gateway does, and report its CPU per bundle too",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS, help="where the JSON goes")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -176,9 +206,20 @@ def main(argv: list[str] | None = None) -> int:
     stack = start_stack(repository, root / "stack", extra_worker_args=(*worker_args(), *fronts))
     try:
         (worker,) = stack.ready["workers"]
-        address = f"127.0.0.1:{worker['grpc_port']}"
+        (router,) = stack.ready["routers"]
+        fed = router if args.through_router else worker
+        address = f"127.0.0.1:{fed['grpc_port']}"
+        router_pid = router["pid"] if args.through_router else None
         results = asyncio.run(
-            measure(address, worker["pid"], sizes, args.callers, args.duration_s, connections)
+            measure(
+                address,
+                worker["pid"],
+                sizes,
+                args.callers,
+                args.duration_s,
+                connections,
+                router_pid,
+            )
         )
     finally:
         stack.stop()
@@ -186,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         "callers": args.callers,
         "front_processes": args.front_processes,
         "connections": connections,
+        "through_router": args.through_router,
         "tokens_per_row": TOKENS,
         "sizes": results,
     }
