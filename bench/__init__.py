@@ -7,6 +7,7 @@
   `bench.fabric` package (stack, load generator, measurements, report, peer client and server).
 - `python -m bench.spread` (`make bench-spread`): the fabric with every tier spread over the
   machine's cores and the load from several generator processes (a GPU box's figure).
-- The Makefile's `bench-*` targets list the rest (tenants, jobs, the simulator's validations,
-  the registry, fair share, the worker's intake, server calls, generation steps).
+- The Makefile's `bench-*` targets and docs/benchmarks.md list the rest (tenants, jobs, the
+  simulator's validations, the registry, fair share, the worker's intake, server calls, the
+  floor of a relayed stream message, generation steps).
 """
