@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import os
 import time
 from multiprocessing.synchronize import Event
@@ -25,18 +24,15 @@ from typing import Any
 
 import grpc
 
+from bench.loopback import PROCESSES, cpu_s, serve_until
 from bench.server_calls import METHOD, SERVICE
 from services.common.interceptors import ServerCalls
 from services.common.lifecycle import add_health_and_reflection, serve_registered_as_generic
-from services.common.procfs import read_stat
 from services.common.tracing import Tracing
 from services.gateway.auth import Authentication
 from services.gateway.server import SERVICE_NAMES
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
-
-#: Servers start in fresh interpreters: grpc does not survive a fork of a process using it.
-_PROCESSES = multiprocessing.get_context("spawn")
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
@@ -61,12 +57,7 @@ def _serve(generic_only: bool, services: bool, ports: Any, stop: Event) -> None:
             )
             jobs_grpc.add_JobServiceServicer_to_server(jobs_grpc.JobServiceServicer(), server)
             await add_health_and_reflection(server, SERVICE_NAMES)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ports.put(port)
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        await server.stop(0)
+        await serve_until(server, ports, stop)
 
     asyncio.run(run())
 
@@ -85,13 +76,6 @@ async def _burst(channel: grpc.aio.Channel, seconds: float, concurrency: int) ->
     return calls
 
 
-def _cpu_s(pid: int | None) -> float:
-    stat = None if pid is None else read_stat(pid)
-    if stat is None:
-        raise RuntimeError(f"process {pid} is gone")
-    return stat.cpu_s
-
-
 async def _drive(
     servers: dict[str, tuple[int | None, int]], rounds: int, burst_s: float, concurrency: int
 ) -> dict[str, dict[str, float]]:
@@ -108,9 +92,9 @@ async def _drive(
         for _ in range(rounds):
             for name in order:
                 pid = servers[name][0]
-                before = _cpu_s(pid)
+                before = cpu_s(pid)
                 calls = await _burst(channels[name], burst_s, concurrency)
-                totals[name][0] += _cpu_s(pid) - before
+                totals[name][0] += cpu_s(pid) - before
                 totals[name][1] += calls
             order.reverse()
     finally:
@@ -133,9 +117,9 @@ def main() -> None:
     stops, processes, servers = [], [], {}
     try:
         for name, generic_only in (("registered", False), ("generic_only", True)):
-            ports = _PROCESSES.Queue()
-            stop = _PROCESSES.Event()
-            process = _PROCESSES.Process(
+            ports = PROCESSES.Queue()
+            stop = PROCESSES.Event()
+            process = PROCESSES.Process(
                 target=_serve, args=(generic_only, not args.no_services, ports, stop)
             )
             process.start()

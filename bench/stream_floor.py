@@ -33,14 +33,12 @@ from typing import Any
 
 import grpc
 
-from services.common.procfs import read_stat
+from bench.loopback import PROCESSES, cpu_s, serve_until
 
 SERVICE = "bench.Floor"
 STREAM = f"/{SERVICE}/Stream"
 UNARY = f"/{SERVICE}/Unary"
 RESULTS = Path(__file__).parent / "results" / "stream_floor.json"
-#: Servers start in fresh interpreters: grpc does not survive a fork of a process using it.
-_PROCESSES = multiprocessing.get_context("spawn")
 
 
 async def _echo_stream(
@@ -119,12 +117,7 @@ def _serve(upstream: int | None, ports: multiprocessing.Queue[int], stop: Event)
         }
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        ports.put(port)
-        while not stop.is_set():
-            await asyncio.sleep(0.05)
-        await server.stop(0)
+        await serve_until(server, ports, stop)
         if channel is not None:
             await channel.close()
 
@@ -155,16 +148,9 @@ async def _unary(port: int, calls: int, in_flight: int, size: int) -> None:
         await asyncio.gather(*(caller() for _ in range(in_flight)))
 
 
-def _cpu_s(pid: int | None) -> float:
-    stat = None if pid is None else read_stat(pid)
-    if stat is None:
-        raise RuntimeError(f"process {pid} is gone")
-    return stat.cpu_s
-
-
 def _start(upstream: int | None, stop: Event) -> tuple[multiprocessing.Process, int]:
-    ports: multiprocessing.Queue[int] = _PROCESSES.Queue()
-    process = _PROCESSES.Process(target=_serve, args=(upstream, ports, stop))
+    ports: multiprocessing.Queue[int] = PROCESSES.Queue()
+    process = PROCESSES.Process(target=_serve, args=(upstream, ports, stop))
     process.start()
     return process, ports.get(timeout=60)
 
@@ -179,15 +165,15 @@ async def _measured(
 ) -> dict[str, Any]:
     relay_port, echo_port = ports
     await _relayed(relay_port, calls // 4, in_flight, size)  # warm-up
-    relay_0, echo_0 = _cpu_s(relay.pid), _cpu_s(echo.pid)
+    relay_0, echo_0 = cpu_s(relay.pid), cpu_s(echo.pid)
     started = time.monotonic()
     await _relayed(relay_port, calls, in_flight, size)
     seconds = time.monotonic() - started
-    relay_s, echo_s = _cpu_s(relay.pid) - relay_0, _cpu_s(echo.pid) - echo_0
+    relay_s, echo_s = cpu_s(relay.pid) - relay_0, cpu_s(echo.pid) - echo_0
     await _unary(echo_port, calls // 4, in_flight, size)  # warm-up
-    unary_0 = _cpu_s(echo.pid)
+    unary_0 = cpu_s(echo.pid)
     await _unary(echo_port, calls, in_flight, size)
-    unary_s = _cpu_s(echo.pid) - unary_0
+    unary_s = cpu_s(echo.pid) - unary_0
     done = calls // in_flight * in_flight
     return {
         "in_flight": in_flight,
@@ -202,7 +188,7 @@ async def _measured(
 
 def measure(calls: int, in_flight: int, size: int) -> dict[str, Any]:
     """CPU per call of the relay and of the echo behind it, and of a bare unary echo call."""
-    relay_stop, echo_stop = _PROCESSES.Event(), _PROCESSES.Event()
+    relay_stop, echo_stop = PROCESSES.Event(), PROCESSES.Event()
     echo, echo_port = _start(None, echo_stop)
     relay, relay_port = _start(echo_port, relay_stop)
     try:

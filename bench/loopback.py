@@ -1,0 +1,35 @@
+"""Servers of the per-call CPU benchmarks (`bench.stream_floor`, `bench.registered_methods`):
+each in a fresh interpreter (grpc does not survive a fork of a process using it), on a
+loopback port it reports, until told to stop; and the CPU a process has used."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+from multiprocessing.synchronize import Event
+from typing import Any
+
+import grpc
+
+from services.common.procfs import read_stat
+
+PROCESSES = multiprocessing.get_context("spawn")
+
+
+async def serve_until(server: grpc.aio.Server, ports: Any, stop: Event) -> None:
+    """Starts `server` on a loopback port, puts the port on `ports`, and stops the server once
+    `stop` is set."""
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    ports.put(port)
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    await server.stop(0)
+
+
+def cpu_s(pid: int | None) -> float:
+    """CPU seconds process `pid` has used; raises if it is gone."""
+    stat = None if pid is None else read_stat(pid)
+    if stat is None:
+        raise RuntimeError(f"process {pid} is gone")
+    return stat.cpu_s
