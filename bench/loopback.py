@@ -27,6 +27,30 @@ async def serve_until(server: grpc.aio.Server, ports: Any, stop: Event) -> None:
     await server.stop(0)
 
 
+def start_server(target: Any, *args: Any) -> tuple[multiprocessing.Process, int, Event]:
+    """Runs `target(*args, ports, stop)` (which calls `serve_until`) in a spawned process;
+    returns the process, the port it reported and its stop event. A daemon: a benchmark that
+    fails midway does not wait for it on exit."""
+    ports: Any = PROCESSES.Queue()
+    stop = PROCESSES.Event()
+    process = PROCESSES.Process(target=target, args=(*args, ports, stop), daemon=True)
+    process.start()
+    try:
+        return process, ports.get(timeout=60), stop
+    except BaseException:
+        process.terminate()
+        raise
+
+
+def stop_servers(servers: list[tuple[multiprocessing.Process, int, Event]]) -> None:
+    """Stops each server in turn, and ends one that has not stopped within 10 s."""
+    for process, _, event in servers:
+        event.set()
+        process.join(timeout=10)
+        if process.is_alive():
+            process.terminate()
+
+
 def cpu_s(pid: int | None) -> float:
     """CPU seconds process `pid` has used; raises if it is gone."""
     stat = None if pid is None else read_stat(pid)

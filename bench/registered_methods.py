@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import time
 from multiprocessing.synchronize import Event
@@ -24,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from bench.loopback import PROCESSES, cpu_s, serve_until
+from bench.loopback import cpu_s, serve_until, start_server, stop_servers
 from bench.server_calls import METHOD, SERVICE
 from services.common.interceptors import ServerCalls
 from services.common.lifecycle import add_health_and_reflection, serve_registered_as_generic
@@ -114,24 +115,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1 or args.burst_s <= 0 or args.concurrency < 1:
         parser.error("--rounds >= 1, --burst-s > 0 and --concurrency >= 1")
-    stops, processes, servers = [], [], {}
+    started: list[tuple[multiprocessing.Process, int, Event]] = []
     try:
+        servers = {}
         for name, generic_only in (("registered", False), ("generic_only", True)):
-            ports = PROCESSES.Queue()
-            stop = PROCESSES.Event()
-            process = PROCESSES.Process(
-                target=_serve, args=(generic_only, not args.no_services, ports, stop)
-            )
-            process.start()
-            stops.append(stop)
-            processes.append(process)
-            servers[name] = (process.pid, ports.get(timeout=60))
+            started.append(start_server(_serve, generic_only, not args.no_services))
+            servers[name] = (started[-1][0].pid, started[-1][1])
         results = asyncio.run(_drive(servers, args.rounds, args.burst_s, args.concurrency))
     finally:
-        for stop in stops:
-            stop.set()
-        for process in processes:
-            process.join(timeout=10)
+        stop_servers(started)
     print(json.dumps({"services": not args.no_services, **results}))
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 
-from bench.loopback import PROCESSES, cpu_s, serve_until
+from bench.loopback import cpu_s, serve_until, start_server, stop_servers
 
 SERVICE = "bench.Floor"
 STREAM = f"/{SERVICE}/Stream"
@@ -63,12 +63,16 @@ class _Pipe:
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _read(self) -> None:
+        ended: BaseException = EOFError("the stream ended")
         try:
             while isinstance(message := await self._call.read(), bytes):
                 self._waiting.pop(0).set_result(message)
-        except grpc.aio.AioRpcError as error:  # its peer stopped first: nobody waits now
+        except grpc.aio.AioRpcError as error:  # its peer stopped first
+            ended = error
+        finally:  # nobody waits past the stream's end
             for answer in self._waiting:
-                answer.set_exception(error)
+                if not answer.done():
+                    answer.set_exception(ended)
 
     async def call(self, message: bytes) -> bytes:
         answer = asyncio.get_running_loop().create_future()
@@ -148,13 +152,6 @@ async def _unary(port: int, calls: int, in_flight: int, size: int) -> None:
         await asyncio.gather(*(caller() for _ in range(in_flight)))
 
 
-def _start(upstream: int | None, stop: Event) -> tuple[multiprocessing.Process, int]:
-    ports: multiprocessing.Queue[int] = PROCESSES.Queue()
-    process = PROCESSES.Process(target=_serve, args=(upstream, ports, stop))
-    process.start()
-    return process, ports.get(timeout=60)
-
-
 async def _measured(
     relay: multiprocessing.Process,
     echo: multiprocessing.Process,
@@ -188,16 +185,14 @@ async def _measured(
 
 def measure(calls: int, in_flight: int, size: int) -> dict[str, Any]:
     """CPU per call of the relay and of the echo behind it, and of a bare unary echo call."""
-    relay_stop, echo_stop = PROCESSES.Event(), PROCESSES.Event()
-    echo, echo_port = _start(None, echo_stop)
-    relay, relay_port = _start(echo_port, relay_stop)
+    servers = [start_server(_serve, None)]
     try:
+        servers.insert(0, start_server(_serve, servers[0][1]))  # the relay, to the echo's port
+        (relay, relay_port, _), (echo, echo_port, _) = servers
         ports = (relay_port, echo_port)
         return asyncio.run(_measured(relay, echo, ports, calls, in_flight, size))
     finally:  # the relay first: its stream to the echo ends before the echo does
-        for stop, process in ((relay_stop, relay), (echo_stop, echo)):
-            stop.set()
-            process.join(timeout=10)
+        stop_servers(servers)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """A process's concurrency limit, adapted from the queue delay in front of it (pure).
 
 Why a limit, and why this signal (measured on 2 cores with the GPU-speed stand-in, issue 33):
-a grpc.aio server picks up one call per method at a time, a few event-loop turns per call, so
+a grpc.aio server picks up one call at a time, a few event-loop turns per call, so
 the more calls a process has in flight, the longer each turn and the slower it picks up the
 next. Past capacity the calls waiting to be picked up (inside grpc's C core, before any Python
 sees them) form a standing queue: every caller's patience becomes waiting time and every answer

@@ -10,8 +10,9 @@ The limit adapts to the delay of the queue in front of the process (services.com
 concurrency_limit says why that queue and why a limit): every `probe_interval_s` the door sends
 a probe call to its own server through a Unix socket (a file in a 0700 directory), on the
 busiest guarded method, and times it. The probe waits in the same queue as every call (the
-server takes every method through its generic handlers, so grpc keeps one queue of calls not
-yet picked up for all of them, whatever the listener: lifecycle.serve_registered_as_generic),
+server takes its methods, health's aside, through its generic handlers, so grpc keeps one
+queue of calls not yet picked up for them all, whatever the listener:
+lifecycle.serve_registered_as_generic),
 is recognised by a per-process secret in its metadata and answered at the door at once. A
 probe still unanswered at the next tick reports the time it has waited so far (once past the
 target), so a queue growing without bound is seen while it grows.
@@ -96,7 +97,7 @@ class _DoorMetrics:
         )
         self.probes_dropped = factory.counter(
             names.DOOR_PROBES_DROPPED_TOTAL,
-            "Probes grpc dropped unseen (code CANCELLED: the calls of the method waiting to be "
+            "Probes grpc dropped unseen (code CANCELLED: the calls waiting to be "
             "picked up were past --max-pending-calls) or refused (RESOURCE_EXHAUSTED: every "
             "--max-concurrent-rpcs slot held), as callers' calls were then: one probe at a "
             "time, on the busiest guarded method.",

@@ -73,16 +73,17 @@ def pending_call_options(max_pending_calls: int) -> tuple[tuple[str, int], ...]:
     """grpc's options bounding the calls waiting in its C core for the server's Python to pick
     them up (0: grpc's defaults).
 
-    A grpc.aio server picks up one call of a method at a time, each after a few turns of its
-    event loop; when the loop is saturated (the tiers, not the model, are the bottleneck:
-    issue 33), arrivals wait there, where no Python sees them, and every caller's patience
-    becomes queueing time. grpc's random early drop bounds that queue, one per registered
-    method: up to the soft limit every call is kept, then an arrival is dropped with the chance
-    (size - soft) / (hard - soft), and always at the hard limit, here twice the soft one. A
-    dropped call ends CANCELLED at its caller (measured with grpc 1.85; tests/integration/
-    test_gateway_limits.py would see a change) without costing the server's Python anything,
-    whatever its caller: it is dropped before any quota or share applies. The calls
-    kept wait at most about `2 * max_pending_calls` pickups of their method. The soft limit
+    A grpc.aio server picks up one call at a time, each after a few turns of its event loop;
+    when the loop is saturated (the tiers, not the model, are the bottleneck: issue 33),
+    arrivals wait there, where no Python sees them, and every caller's patience becomes
+    queueing time. grpc's random early drop bounds that queue (one for all the methods a
+    server takes through generic handlers, `serve_registered_as_generic`; one of its own for
+    each method still registered, health's): up to the soft limit every call is kept, then an
+    arrival is dropped with the chance (size - soft) / (hard - soft), and always at the hard
+    limit, here twice the soft one. A dropped call ends CANCELLED at its caller (measured with
+    grpc 1.85; tests/integration/test_gateway_limits.py would see a change) without costing the
+    server's Python anything, whatever its caller: it is dropped before any quota or share
+    applies. The calls kept wait at most about `2 * max_pending_calls` pickups. The soft limit
     takes a burst of that many calls whole."""
     if max_pending_calls == 0:
         return ()
@@ -154,38 +155,39 @@ def new_server(
     return server
 
 
+#: Services a server keeps registered: grpc gives each registered method a queue of its own, so
+#: health probes are picked up however many model calls wait (and are never among the calls
+#: `pending_call_options` drops); a few more futures in grpc.aio's wait, not 35.
+KEPT_REGISTERED = frozenset({health_pb2.DESCRIPTOR.services_by_name["Health"].full_name})
+
+
 def serve_registered_as_generic(server: grpc.aio.Server) -> None:
-    """Has `server` serve the methods it is given as pre-registered through its generic
-    handlers instead (the generated `add_*_to_server`, health and reflection give every
-    service both ways).
+    """Has `server` serve the methods it is given as pre-registered through generic handlers
+    instead (the generated `add_*_to_server`, health and reflection give every service both
+    ways), all but KEPT_REGISTERED's.
 
     grpc.aio's server keeps one request for the next call pending per registered method, and
     for every call it picks up waits on all of them again (`asyncio.wait` over one future per
     method, each given and taken back a done-callback): with the gateway's 35 methods, 23% of
     the Python and builtin calls its process made under 64 closed-loop callers (counted with
     `sys.setprofile`), and 38-75 us of server CPU per call, 6-12% (`bench.registered_methods`).
-    With generic handlers alone there is one pending request, whatever the methods. Calls are
-    picked up one at a time either way; grpc's pending-call bound (`pending_call_options`)
-    then counts the calls waiting at the process, not per method. A service given only as
-    registered gets a generic handler of its own."""
-    add_generic = server.add_generic_rpc_handlers
-    served: set[str] = set()
-
-    def add_generic_rpc_handlers(generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
-        handlers = tuple(generic_rpc_handlers)
-        for handler in handlers:
-            if isinstance(handler, grpc.ServiceRpcHandler):
-                served.add(handler.service_name())
-        add_generic(handlers)
+    With generic handlers there is one pending request for them all, whatever the methods.
+    Calls are picked up one at a time either way; grpc's pending-call bound
+    (`pending_call_options`) then counts the calls waiting at the process. The methods become a
+    generic handler added after those already given, so where a generic handler of the same
+    name was given first (as the generated code does), it answers, as a registered method
+    would have; a catch-all generic handler given earlier answers them too."""
+    add_registered = server.add_registered_method_handlers
 
     def add_registered_method_handlers(
         service_name: str, method_handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]
     ) -> None:
-        if service_name not in served:
-            generic = grpc.method_handlers_generic_handler(service_name, dict(method_handlers))
-            add_generic_rpc_handlers((generic,))
+        if service_name in KEPT_REGISTERED:
+            add_registered(service_name, method_handlers)
+            return
+        generic = grpc.method_handlers_generic_handler(service_name, dict(method_handlers))
+        server.add_generic_rpc_handlers((generic,))
 
-    server.add_generic_rpc_handlers = add_generic_rpc_handlers  # type: ignore[method-assign]
     server.add_registered_method_handlers = add_registered_method_handlers  # type: ignore[method-assign]
 
 

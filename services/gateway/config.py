@@ -55,7 +55,7 @@ class GatewayConfig:
     #: Most calls served at once (streams included) before grpc answers RESOURCE_EXHAUSTED;
     #: 0 means no limit.
     max_concurrent_rpcs: int = 4096
-    #: Calls of one method grpc holds before this process's Python picks them up, past which it
+    #: Calls grpc holds before this process's Python picks them up, past which it
     #: starts to drop arrivals (all of them at twice it), CANCELLED (services.common.lifecycle.
     #: pending_call_options); 0: grpc's defaults (every call kept up to 1,000). Off by default:
     #: a count cannot tell a burst from a flood, and a burst past it loses calls (128 cut the
@@ -268,7 +268,7 @@ SETTINGS = SettingsTable(
             "max_pending_calls",
             int,
             GatewayConfig.max_pending_calls,
-            "calls of one method grpc holds before a process picks them up; past it, arrivals "
+            "calls grpc holds before a process picks them up; past it, arrivals "
             "are dropped (CANCELLED) with a chance growing to one at twice it, bursts included; "
             "0: grpc's defaults; 128 suits a gateway whose loop binds and whose callers resend",
             "calls",

@@ -268,7 +268,7 @@ def _answer(text: bytes) -> grpc.RpcMethodHandler[bytes, bytes]:
 async def test_methods_given_as_registered_are_served_through_the_generic_handlers() -> None:
     # grpc.aio serves a registered method before any generic handler of the same name, and
     # waits on one pending request per registered method for every call it picks up; a
-    # server of new_server serves them all through its generic handlers instead.
+    # server of new_server serves them through its generic handlers instead, health aside.
     server = new_server()
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler("test.Both", {"Call": _answer(b"generic")}),)
@@ -276,6 +276,12 @@ async def test_methods_given_as_registered_are_served_through_the_generic_handle
     server.add_registered_method_handlers("test.Both", {"Call": _answer(b"registered")})
     # A service given only as registered is still served, by a generic handler of its own.
     server.add_registered_method_handlers("test.Registered", {"Call": _answer(b"registered")})
+    # Health stays registered (a queue of its own in grpc): its registered method answers.
+    health = "grpc.health.v1.Health"
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(health, {"Check": _answer(b"generic")}),)
+    )
+    server.add_registered_method_handlers(health, {"Check": _answer(b"registered")})
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
@@ -283,6 +289,8 @@ async def test_methods_given_as_registered_are_served_through_the_generic_handle
             assert await channel.unary_unary("/test.Both/Call")(b"", timeout=10) == b"generic"
             only = channel.unary_unary("/test.Registered/Call")
             assert await only(b"", timeout=10) == b"registered"
+            check = channel.unary_unary(f"/{health}/Check")
+            assert await check(b"", timeout=10) == b"registered"
             with pytest.raises(grpc.aio.AioRpcError) as unknown:
                 await channel.unary_unary("/test.Registered/Other")(b"", timeout=10)
             assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED
