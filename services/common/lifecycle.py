@@ -170,7 +170,7 @@ def serve_registered_as_generic(server: grpc.aio.Server) -> None:
     for every call it picks up waits on all of them again (`asyncio.wait` over one future per
     method, each given and taken back a done-callback): with the gateway's 35 methods, 23% of
     the Python and builtin calls its process made under 64 closed-loop callers (counted with
-    `sys.setprofile`), and 38-75 us of server CPU per call, 6-12% (`bench.registered_methods`).
+    `sys.setprofile`), and 27-75 us of server CPU per call, 4-12% (`bench.registered_methods`).
     With generic handlers there is one pending request for them all, whatever the methods.
     Calls are picked up one at a time either way; grpc's pending-call bound
     (`pending_call_options`) then counts the calls waiting at the process. The methods become a
