@@ -38,11 +38,11 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from bench.loopback import cpu_s
 from services.common.door import Door
 from services.common.door_config import DoorConfig
 from services.common.interceptors import Stage
 from services.common.lifecycle import new_server
-from services.common.procfs import read_stat
 from services.common.tracing import Tracing
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Authentication
@@ -195,13 +195,6 @@ async def _http_calls(port: int, seconds: float, concurrency: int) -> tuple[int,
         return answered, refused
 
 
-def _cpu_s(pid: int | None) -> float:
-    stat = None if pid is None else read_stat(pid)
-    if stat is None:
-        raise RuntimeError("the server process is gone")
-    return stat.cpu_s
-
-
 def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     stop = multiprocessing.Event()
@@ -212,9 +205,9 @@ def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
         _pin(0)
         calls_of = _http_calls if mode.startswith("http") else _calls
         asyncio.run(calls_of(port, seconds / 4, concurrency))  # warm-up
-        before = _cpu_s(server.pid)
+        before = cpu_s(server.pid)
         calls, refused = asyncio.run(calls_of(port, seconds, concurrency))
-        cpu_s = _cpu_s(server.pid) - before
+        used_s = cpu_s(server.pid) - before
     finally:
         stop.set()
         server.join(timeout=10)
@@ -222,7 +215,7 @@ def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
         "mode": mode,
         "calls": calls,
         "refused_share": round(refused / calls, 3),
-        "server_cpu_us_per_call": round(cpu_s / calls * 1e6, 1),
+        "server_cpu_us_per_call": round(used_s / calls * 1e6, 1),
     }
 
 

@@ -36,11 +36,12 @@ from typing import Any
 import grpc
 import numpy as np
 
+from bench import loopback
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.stand_in import worker_args
 from services.common.bundles import pack_token_rows
 from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
-from services.common.procfs import descendants, is_alive, read_stat
+from services.common.procfs import descendants, is_alive
 from services.common.registry_schema import route_metadata
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -159,13 +160,7 @@ async def measure(
 
 
 def _cpu_s(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        stat = read_stat(pid)
-        if stat is None:
-            raise RuntimeError(f"process {pid} is gone")
-        total += stat.cpu_s
-    return total
+    return sum(loopback.cpu_s(pid) for pid in pids)
 
 
 def fit(results: list[dict[str, Any]]) -> dict[str, float]:

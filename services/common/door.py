@@ -11,11 +11,11 @@ concurrency_limit says why that queue and why a limit): every `probe_interval_s`
 a probe call to its own server through a Unix socket (a file in a 0700 directory), on the
 busiest guarded method, and times it. The probe waits in the same queue as every call (the
 server takes its methods, health's aside, through its generic handlers, so grpc keeps one
-queue of calls not yet picked up for them all, whatever the listener:
-lifecycle.serve_registered_as_generic),
-is recognised by a per-process secret in its metadata and answered at the door at once. A
-probe still unanswered at the next tick reports the time it has waited so far (once past the
-target), so a queue growing without bound is seen while it grows.
+queue of calls not yet picked up for them all, whatever the listener: lifecycle.
+serve_registered_as_generic), is recognised by a per-process secret in its metadata and
+answered at the door at once. A probe still unanswered at the next tick reports the time it
+has waited so far (once past the target), so a queue growing without bound is seen while it
+grows.
 
 At the limit the door refuses by caller: a call is refused only if its caller (`caller` of its
 metadata; at the gateway the tenant of its key, one caller for all missing and unknown keys:
