@@ -1,7 +1,7 @@
 """Server CPU per unary call: a bare grpc.aio server against one built by `new_server` with
 the gateway's stages (error mapping, tracing, authentication) and its door.
 
-    python -m bench.server_calls [--seconds 8] [--concurrency 32] [MODE ...]
+    python -m bench.server_calls [--seconds 8] [--concurrency 32] [--event-loop asyncio] [MODE ...]
 
 Modes: `bare` (grpc.aio, no interceptor), `errors` (`new_server()`: error mapping only),
 `stages` (error mapping, tracing, authentication without keys), `door` (`stages` behind the
@@ -39,8 +39,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from bench.loopback import cpu_s
+from services.common import event_loop
 from services.common.door import Door
 from services.common.door_config import DoorConfig
+from services.common.event_loop import parse_event_loop
 from services.common.interceptors import Stage
 from services.common.lifecycle import new_server
 from services.common.tracing import Tracing
@@ -120,7 +122,7 @@ def _pin(cpu: int) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
+def _serve(mode: str, loop: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
     _pin(1)
 
     async def run() -> None:
@@ -147,7 +149,7 @@ def _serve(mode: str, ports: multiprocessing.Queue[int], stop: Event) -> None:
             await door.stop()
         await server.stop(0)
 
-    asyncio.run(run())
+    event_loop.run(run(), loop)
 
 
 async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
@@ -195,10 +197,10 @@ async def _http_calls(port: int, seconds: float, concurrency: int) -> tuple[int,
         return answered, refused
 
 
-def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
+def measure(mode: str, seconds: float, concurrency: int, loop: str) -> dict[str, Any]:
     ports: multiprocessing.Queue[int] = multiprocessing.Queue()
     stop = multiprocessing.Event()
-    server = multiprocessing.Process(target=_serve, args=(mode, ports, stop))
+    server = multiprocessing.Process(target=_serve, args=(mode, loop, ports, stop))
     server.start()
     try:
         port = ports.get(timeout=60)
@@ -213,6 +215,7 @@ def measure(mode: str, seconds: float, concurrency: int) -> dict[str, Any]:
         server.join(timeout=10)
     return {
         "mode": mode,
+        "event_loop": loop,
         "calls": calls,
         "refused_share": round(refused / calls, 3),
         "server_cpu_us_per_call": round(used_s / calls * 1e6, 1),
@@ -224,13 +227,20 @@ def main() -> None:
     parser.add_argument("modes", nargs="*", metavar="MODE", help=f"of {', '.join(MODES)} (all)")
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument(
+        "--event-loop",
+        type=parse_event_loop,
+        default="asyncio",
+        help="the server's event loop: asyncio (default: the yardstick every earlier figure "
+        "used) or uvloop (as the tiers run since services.common.event_loop)",
+    )
     args = parser.parse_args()
     unknown = [mode for mode in args.modes if mode not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}: choose from {', '.join(MODES)}")
     results = {}
     for mode in args.modes or MODES:
-        results[mode] = measure(mode, args.seconds, args.concurrency)
+        results[mode] = measure(mode, args.seconds, args.concurrency, args.event_loop)
         print(json.dumps(results[mode]), flush=True)
     priced_against = {**dict.fromkeys(REFUSALS, "stages"), **HTTP_REFUSALS}
     for mode, base in priced_against.items():

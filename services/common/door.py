@@ -170,7 +170,7 @@ class Door(grpc.aio.ServerInterceptor):
     def start(self) -> None:
         """Starts probing (on the running loop), once the server has started."""
         self._channel = grpc.aio.insecure_channel(self._address)
-        self._cpu_s, self._cpu_at_s = time.process_time(), asyncio.get_running_loop().time()
+        self._cpu_s, self._cpu_at_s = time.process_time(), time.monotonic()
         self._probe_task = asyncio.create_task(self._probe_loop(), name="door-probe")
 
     async def stop(self) -> None:
@@ -264,14 +264,14 @@ class Door(grpc.aio.ServerInterceptor):
             raise
 
     async def _probe_every_interval(self) -> None:
-        loop = asyncio.get_running_loop()
+        # time.monotonic(), not the loop's clock: uvloop's counts whole milliseconds.
         interval_s = self.config.probe_interval_s
-        due_s = loop.time()
+        due_s = time.monotonic()
         while True:
             target_s = self.limit.config.target_s  # follows the SLO (follow_slo)
             due_s += interval_s
-            await asyncio.sleep(max(0.0, due_s - loop.time()))
-            now_s = loop.time()
+            await asyncio.sleep(max(0.0, due_s - time.monotonic()))
+            now_s = time.monotonic()
             self._shares.roll(now_s)
             # A late timer is a stalled loop: whatever arrived meanwhile waited at least this.
             late_s = max(0.0, now_s - due_s)
@@ -297,7 +297,6 @@ class Door(grpc.aio.ServerInterceptor):
 
     async def _send_probe(self, method: str, started_s: float) -> None:
         assert self._channel is not None
-        loop = asyncio.get_running_loop()
         is_dropped = False
         try:
             call = self._channel.unary_unary(
@@ -316,7 +315,7 @@ class Door(grpc.aio.ServerInterceptor):
                 self._metrics.probes_dropped.labels(error.code().name).inc()
             else:
                 log.warning("door probe failed: %s", error.code().name)
-        now_s = loop.time()
+        now_s = time.monotonic()
         delay_s = now_s - started_s
         self._measured(now_s, self.limit.dropped_probe_delay_s(delay_s) if is_dropped else delay_s)
 

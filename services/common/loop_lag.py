@@ -3,8 +3,9 @@
 Every tier is one asyncio loop per process. When the loop saturates (per-call Python work
 outgrows the process's core) every call waits for it, whatever the model does: on a GPU box
 this, not the device, is what fills first (the data-path issue). A timer asks to be woken every
-`interval_s`; how late it wakes is the lag. It is a timer callback, not a task, so it never
-outlives its loop and costs one callback per interval.
+`interval_s`; how late it wakes is the lag, read on `time.monotonic()` (uvloop's own clock
+counts whole milliseconds, and a scrape reads it from another thread). It is a timer
+callback, not a task, so it never outlives its loop and costs one callback per interval.
 
 Exported per tier (its own registry): `inference_event_loop_lag_seconds` (histogram of every
 sample) and `inference_event_loop_lag_recent_seconds` (the largest sample of the last
@@ -14,6 +15,7 @@ sample) and `inference_event_loop_lag_recent_seconds` (the largest sample of the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry
@@ -89,16 +91,15 @@ class LoopLag:
         thread (the metrics server's): the window itself is only touched on the loop's."""
         if self._loop is None:
             return 0.0
-        return max(self._recent_s, self._loop.time() - self._due_s)
+        return max(self._recent_s, time.monotonic() - self._due_s)
 
     def _schedule(self) -> None:
         assert self._loop is not None
-        self._due_s = self._loop.time() + self._interval_s
-        self._handle = self._loop.call_at(self._due_s, self._tick)
+        self._due_s = time.monotonic() + self._interval_s
+        self._handle = self._loop.call_later(self._interval_s, self._tick)
 
     def _tick(self) -> None:
-        assert self._loop is not None
-        now_s = self._loop.time()
+        now_s = time.monotonic()
         lag_s = max(0.0, now_s - self._due_s)
         self._histogram.observe(lag_s)
         self._recent.observe(now_s, lag_s)

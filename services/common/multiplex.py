@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -197,7 +198,7 @@ class MultiplexClient:
         stream = self._current_stream()
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
-        self._linger.arrived(loop.time())
+        self._linger.arrived(time.monotonic())
         future: asyncio.Future[pb.MuxResult] = loop.create_future()
         stream.pending[call_id] = future
         stream.outbox.append(
@@ -265,11 +266,11 @@ class MultiplexClient:
         slot = next(self._turns) % len(self._slots)
         stream = self._slots[slot]
         if stream is not None and stream.broken is None:
-            if loop.time() - stream.opened_s < self._max_age_s:
+            if time.monotonic() - stream.opened_s < self._max_age_s:
                 return stream
             stream.is_retiring = True
             stream.wake.set()
-        stream = self._slots[slot] = _Stream(self._open_stream(), self._name, loop.time())
+        stream = self._slots[slot] = _Stream(self._open_stream(), self._name, time.monotonic())
         self._streams = [s for s in self._streams if not all(t.done() for t in s.tasks)]
         self._streams.append(stream)
         stream.tasks = [

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from services.common.event_loop import EVENT_LOOPS, parse_event_loop
+
 C = TypeVar("C")
 
 #: Placeholder of a value in usage lines, by unit or else by type.
@@ -85,8 +87,9 @@ class SettingsTable:
 
 def listener_settings(defaults: Any) -> tuple[Setting, ...]:
     """The settings every tier has: listen address, ports, ready file, drain grace, logging
-    (into the config's `logging: LogConfig` field); defaults read from the tier's config class
-    (its `grpc_port`, `metrics_port`, `drain_grace_s`)."""
+    (into the config's `logging: LogConfig` field) and the event loop (its `event_loop`);
+    defaults read from the tier's config class (its `grpc_port`, `metrics_port`,
+    `drain_grace_s`)."""
     grpc_port, metrics_port = defaults.grpc_port, defaults.metrics_port
     drain_grace_s = defaults.drain_grace_s
     return (
@@ -121,6 +124,11 @@ def listener_settings(defaults: Any) -> tuple[Setting, ...]:
             "log_format", str, "json",
             "log lines as json (one object per line, with trace and request ids) or text",
             field="logging.format",
+        ),
+        Setting(
+            "event_loop", parse_event_loop, EVENT_LOOPS[0],
+            "the process's event loop: uvloop (libuv's, about a tenth less CPU a call) or "
+            "asyncio (the standard library's); services.common.event_loop",
         ),
     )  # fmt: skip
 

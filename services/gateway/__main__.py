@@ -14,6 +14,7 @@ import asyncio
 import logging
 import os
 
+from services.common import event_loop
 from services.common.lifecycle import (
     bound_stop,
     exit_stopped,
@@ -69,7 +70,7 @@ def main() -> None:
         # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
         raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())
     configure_tracing("gateway")
-    raise SystemExit(asyncio.run(serve(config)))
+    raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

@@ -166,7 +166,7 @@ class Coalescer:
         state = self._keys.get(key)
         if state is None:
             state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
-        state.linger.arrived(loop.time())
+        state.linger.arrived(time.monotonic())
         bundle = state.open
         if bundle is not None and bundle.rows + len(rows) > max_rows:
             self._leave(bundle)  # full: these rows start the next one
@@ -179,8 +179,8 @@ class Coalescer:
         bundle.rows += len(rows)
         state.in_flight += 1
         # A timer, not asyncio.timeout: the same deadline for a fraction of its cost per call.
-        timer = loop.call_at(
-            loop.time() + max(0.0, deadline_s - time.monotonic()), self._expire, bundle, entry
+        timer = loop.call_later(
+            max(0.0, deadline_s - time.monotonic()), self._expire, bundle, entry
         )
         try:
             if bundle.rows >= max_rows:

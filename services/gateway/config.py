@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.door_config import DoorConfig, door_settings
+from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import check_limits, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
@@ -86,6 +87,8 @@ class GatewayConfig:
     #: gateway is ready (http_port -1 without HTTP).
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
+    #: The process's event loop (services.common.event_loop): uvloop or asyncio.
+    event_loop: str = EVENT_LOOPS[0]
     #: Where tenants' fleet-wide quotas are shared with the other gateways.
     quota_sync: QuotaSyncConfig = field(default_factory=QuotaSyncConfig)
     #: Gateway processes serving the same ports (process_group.py: SO_REUSEPORT, one event

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from prometheus_client import CollectorRegistry
 
+from services.common import event_loop
 from services.common.group_metrics import GroupMetrics, RegistryCollector
 from services.common.lifecycle import (
     bound_stop,
@@ -136,7 +137,7 @@ def main() -> None:
     configure_tracing("gpu_worker")
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    raise SystemExit(asyncio.run(serve(config)))
+    raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

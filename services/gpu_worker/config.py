@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
@@ -70,6 +71,8 @@ class WorkerConfig:
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the worker is ready.
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
+    #: The process's event loop (services.common.event_loop): uvloop or asyncio.
+    event_loop: str = EVENT_LOOPS[0]
     #: Largest request message received, bytes: internal calls carry whole batches and
     #: multiplexed streams, so the cap is far above the gateway's.
     max_message_bytes: int = MAX_MESSAGE_BYTES

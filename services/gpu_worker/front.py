@@ -40,6 +40,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from services.common import event_loop
 from services.common import metric_names as names
 from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
 from services.common.lifecycle import (
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with(own.engine_pid)
     config = parse_config(rest)
     configure_logging("gpu_worker_front", config.logging)
-    raise SystemExit(asyncio.run(serve(config, own.engine_dir)))
+    raise SystemExit(event_loop.run(serve(config, own.engine_dir), config.event_loop))
 
 
 if __name__ == "__main__":

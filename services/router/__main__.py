@@ -13,6 +13,7 @@ signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
 import asyncio
 import logging
 
+from services.common import event_loop
 from services.common.lifecycle import (
     bound_stop,
     exit_stopped,
@@ -59,7 +60,7 @@ def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
     configure_logging("router", config.logging)
     configure_tracing("router")
-    raise SystemExit(asyncio.run(serve(config)))
+    raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
@@ -56,6 +57,8 @@ class RouterConfig:
     #: When set, a JSON line {grpc_port, metrics_port} is written here once the router is ready.
     ready_file: Path | None = None
     logging: LogConfig = field(default_factory=LogConfig)
+    #: The process's event loop (services.common.event_loop): uvloop or asyncio.
+    event_loop: str = EVENT_LOOPS[0]
     #: Largest request message received, bytes: internal calls carry whole batches and
     #: multiplexed streams, so the cap is far above the gateway's.
     max_message_bytes: int = MAX_MESSAGE_BYTES

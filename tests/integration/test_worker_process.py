@@ -163,15 +163,29 @@ async def test_fingerprint_from_list_models_is_accepted(worker) -> None:
     assert await health_status(worker.address) == health_pb2.HealthCheckResponse.SERVING
 
 
+def _runs_uvloop(service: ServiceProcess) -> bool:
+    """Whether the process has uvloop's extension loaded (its event loop is libuv's)."""
+    return "uvloop" in Path(f"/proc/{service.process.pid}/maps").read_text()
+
+
+def test_the_worker_runs_on_uvloop_by_default(worker: ServiceProcess) -> None:
+    assert _runs_uvloop(worker)
+    assert "running on uvloop's event loop" in worker.log()
+
+
 async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
     repository = tmp_path / "repo"
     # Batches with a small real cost (about 0.1 s): rows are still queued when the SIGTERM
     # lands, and the drain's work is far inside its 30 s grace, however busy the machine
-    # (one torch thread: two would contend with the other test module for the cores).
+    # (one torch thread: two would contend with the other test module for the cores). On
+    # asyncio's own event loop: the setting's other value serves and drains as well.
     write_affine_model(repository, work_iters=100, max_batch_size=4)
     service = start_worker(
-        tmp_path, model_repository=repository, extra_args=("--torch-threads", "1")
+        tmp_path,
+        model_repository=repository,
+        extra_args=("--torch-threads", "1", "--event-loop", "asyncio"),
     )
+    assert not _runs_uvloop(service)
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
