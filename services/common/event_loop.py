@@ -6,19 +6,23 @@ handler's task, its futures and timers, a stream's writer. asyncio's loop runs e
 vLLM's API server does. Measured with `python -m bench.server_calls bare stages door`, three
 alternations of whole runs in one session (server CPU a call): a bare grpc.aio echo 536-588
 -> 465-498 us, the gateway's stages 623-698 -> 542-639 us, the stages behind the door 684-757
--> 622-684 us (10-13% less); the stand-in worker's CPU a bundle (`python -m
+-> 622-684 us (9-15% less); the stand-in worker's CPU a bundle (`python -m
 bench.worker_feed --sizes 1,16`) 2,792-2,844 -> 2,252-2,682 us at 16 rows, about the same at
 one row.
 
-What differs for the code (checked where the tiers read the loop's clock):
+What differs for the code (checked where the tiers read the loop's clock or wait on it):
 - `loop.time()` counts whole milliseconds, so durations measured within a process use
-  `time.monotonic()` (services.common.loop_lag, the door's probe);
-- a timer may fire up to a millisecond before it is due (libuv rounds to its millisecond
-  clock), so nothing may take a timer's firing as proof that its time has passed; deadline
-  timers end a call up to that much early, as grpc's own deadline may.
+  `time.monotonic()` (services.common.loop_lag, the door's probe, the streams' gaps);
+- a timer is rounded to the nearest millisecond of a clock that counts whole ones, so it may
+  fire up to about 1.5 ms before it is due, and one under half a millisecond runs at once:
+  nothing may take a timer's firing as proof that its time has passed (deadline timers end a
+  call up to that much early, inside the router's and worker's slack), and a loop that waits
+  for a time under a millisecond away waits a whole one (the worker's batching driver), or it
+  would spin until it is due; a stream's 1 ms write linger lasts 0-1 ms.
 
-`--event-loop asyncio` (every tier's setting) runs asyncio's loop instead, as does a machine
-where uvloop cannot be imported (logged).
+The gateway, the router and the worker (its fronts too) take `--event-loop asyncio` to run
+asyncio's loop instead, as does a machine where uvloop cannot be imported (logged). The jobs
+runner, a client of the gateway, stays on asyncio's.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ expected within `linger_s` (a moving average of the gap between them) and many a
 At light load, or with few callers (each waits for its answer before the next call), holding
 a call only adds latency, so it leaves at once; so does a message already `fill` calls long.
 
-asyncio's timers have millisecond resolution (its selectors round up to epoll's), hence 1 ms.
+Timers have millisecond resolution, hence 1 ms: asyncio's selector rounds a wait up to epoll's
+millisecond; uvloop's clock counts whole milliseconds, so there a 1 ms hold lasts 0-1 ms
+(services.common.event_loop).
 """
 
 from __future__ import annotations

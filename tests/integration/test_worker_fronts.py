@@ -35,7 +35,13 @@ from tests.support.models import (
     write_affine_model,
     write_stalling_model,
 )
-from tests.support.processes import REPO_ROOT, ServiceProcess, health_status, start_worker
+from tests.support.processes import (
+    REPO_ROOT,
+    ServiceProcess,
+    health_status,
+    runs_uvloop,
+    start_worker,
+)
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -93,6 +99,8 @@ def answer(response: bytes | pb.InferResponse) -> np.ndarray:
 
 async def test_callers_see_one_worker_whose_calls_both_fronts_carry(worker) -> None:
     assert len(fronts_of(worker.process.pid)) == 2
+    # The fronts follow the engine's settings: both on uvloop's event loop, as it is.
+    assert all(map(runs_uvloop, {worker.process.pid, *fronts_of(worker.process.pid)}))
     assert await health_status(worker.address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)

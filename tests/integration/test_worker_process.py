@@ -19,7 +19,7 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import cosine
 from tests.support.metrics import samples, scrape, total
 from tests.support.models import write_affine_model, write_minilm_repository
-from tests.support.processes import ServiceProcess, health_status, start_worker
+from tests.support.processes import ServiceProcess, health_status, runs_uvloop, start_worker
 from tests.support.texts import sentences
 
 pytestmark = pytest.mark.integration
@@ -163,13 +163,8 @@ async def test_fingerprint_from_list_models_is_accepted(worker) -> None:
     assert await health_status(worker.address) == health_pb2.HealthCheckResponse.SERVING
 
 
-def _runs_uvloop(service: ServiceProcess) -> bool:
-    """Whether the process has uvloop's extension loaded (its event loop is libuv's)."""
-    return "uvloop" in Path(f"/proc/{service.process.pid}/maps").read_text()
-
-
 def test_the_worker_runs_on_uvloop_by_default(worker: ServiceProcess) -> None:
-    assert _runs_uvloop(worker)
+    assert runs_uvloop(worker.process.pid)
     assert "running on uvloop's event loop" in worker.log()
 
 
@@ -185,7 +180,7 @@ async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) 
         model_repository=repository,
         extra_args=("--torch-threads", "1", "--event-loop", "asyncio"),
     )
-    assert not _runs_uvloop(service)
+    assert not runs_uvloop(service.process.pid)
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)

@@ -68,6 +68,11 @@ def start_worker(
     return ServiceProcess(child, ports["grpc_port"], ports["metrics_port"])
 
 
+def runs_uvloop(pid: int) -> bool:
+    """Whether process `pid` has uvloop's extension loaded (its event loop is libuv's)."""
+    return "uvloop" in Path(f"/proc/{pid}/maps").read_text()
+
+
 async def health_status(address: str, service: str = "") -> int:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -311,8 +311,9 @@ class BatchingDriver:
             if self._draining and self._running is None and self.num_in_flight == 0:
                 return
             timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout_s)
+            with contextlib.suppress(TimeoutError):  # a wait under 1 ms lasts 1 ms: uvloop would
+                # end it at once (its timers count whole ms), and passes would spin until due
+                await asyncio.wait_for(self._wake.wait(), timeout_s and max(timeout_s, 0.001))
 
     def _take_turns(self, turn: int, now: float, is_idle: bool) -> float | None:
         """One pass over the lanes; returns when to look again. A frame of its own: no lane
