@@ -42,7 +42,6 @@ from bench.loopback import cpu_s
 from services.common import event_loop
 from services.common.door import Door
 from services.common.door_config import DoorConfig
-from services.common.event_loop import parse_event_loop
 from services.common.interceptors import Stage
 from services.common.lifecycle import new_server
 from services.common.tracing import Tracing
@@ -229,7 +228,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument(
         "--event-loop",
-        type=parse_event_loop,
+        type=event_loop.parse_event_loop,
         default="asyncio",
         help="the server's event loop: asyncio (default: the yardstick every earlier figure "
         "used) or uvloop (as the tiers run since services.common.event_loop)",

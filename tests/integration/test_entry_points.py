@@ -1,8 +1,9 @@
-"""Each tier's entry point (`python -m services.<tier>`), as a real process: a SIGTERM that
-lands while it is still starting (importing, building its servers, before it installs its
-draining handlers) ends it cleanly, status 0. Without a handler of its own, a process that is
-PID 1 in its container ignores SIGTERM and goes on to serve, and elsewhere it dies of the
-signal (the local stack counts that a failure)."""
+"""Each tier's entry point (`python -m services.<tier>`), as a real process. Its event loop is
+uvloop's unless set otherwise (in a child interpreter: uvloop stays out of the test process).
+A SIGTERM that lands while it is still starting (importing, building its servers, before it
+installs its draining handlers) ends it cleanly, status 0. Without a handler of its own, a
+process that is PID 1 in its container ignores SIGTERM and goes on to serve, and elsewhere it
+dies of the signal (the local stack counts that a failure)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 
 import pytest
 
+from services.common.event_loop import EVENT_LOOPS
 from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -40,3 +42,33 @@ def test_a_sigterm_before_serving_ends_the_process_cleanly(entry_point: str) -> 
         timeout=120,
     )
     assert done.returncode == 0, done.stderr.decode()
+
+
+#: Prints the type of the loop `event_loop.run` runs a coroutine on, for each argument given.
+_LOOP_TYPES = """
+import asyncio, sys
+from services.common import event_loop
+
+async def loop_type():
+    await asyncio.sleep(0)
+    return type(asyncio.get_running_loop())
+
+for kind in sys.argv[1:]:
+    run = event_loop.run(loop_type()) if kind == "default" else event_loop.run(loop_type(), kind)
+    print(run.__module__, run.__name__, issubclass(run, asyncio.BaseEventLoop))
+"""
+
+
+def test_the_default_is_uvloop_and_each_kind_runs_on_its_own_loop() -> None:
+    assert EVENT_LOOPS[0] == "uvloop"
+    done = subprocess.run(
+        [sys.executable, "-c", _LOOP_TYPES, "default", "uvloop", "asyncio"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    default, uvloop, asyncio = done.stdout.splitlines()
+    assert default == uvloop == "uvloop Loop False"  # libuv's loop, not asyncio's
+    assert asyncio.split()[0].startswith("asyncio.") and asyncio.endswith(" True")

@@ -1,30 +1,13 @@
-"""The event loop a tier runs on (services.common.event_loop): the setting's values, and that
-each kind runs its coroutine on a loop of that kind."""
+"""The event loop setting's values (services.common.event_loop); that each kind runs on a loop
+of that kind is tests/integration/test_entry_points.py's (in a child interpreter, as a tier)."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-import uvloop
 
-from services.common.event_loop import EVENT_LOOPS, parse_event_loop, run
+from services.common.event_loop import parse_event_loop
 
 pytestmark = pytest.mark.unit
-
-
-async def _loop_type() -> type:
-    await asyncio.sleep(0)
-    return type(asyncio.get_running_loop())
-
-
-def test_the_default_is_uvloop_and_each_kind_runs_on_its_own_loop() -> None:
-    assert EVENT_LOOPS[0] == "uvloop"
-    assert run(_loop_type()) is uvloop.Loop
-    assert run(_loop_type(), "uvloop") is uvloop.Loop
-    loop_type = run(_loop_type(), "asyncio")
-    assert loop_type is not uvloop.Loop
-    assert issubclass(loop_type, asyncio.BaseEventLoop)
 
 
 def test_the_setting_takes_either_kind_in_any_case_and_refuses_others() -> None:
