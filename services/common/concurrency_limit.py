@@ -21,6 +21,18 @@ with 50 calls in flight is not cured by a limit of 128 times anything. Below the
 limit grows while calls use it, and returns to `initial` while they do not, so a cold burst
 after a flood finds room again.
 
+A limit on calls in flight bounds the queue only while the process holds many: one that picks
+calls up slower than they come (its loop's turns, not its CPU, pace grpc.aio's pickup; measured
+with the identity model's flood, 0-2 calls in flight under a limit of 8 while the probe waited
+0.57 s) admits every call it picks up, each late. So while the queue stands (above the target
+for the interval, or a fifth of it once limited), its delay is past `shed_factor` targets and
+calls in flight stay short of the limit, the limit also sheds (`is_shedding`): the door refuses
+every call over its caller's share as it leaves the queue, whatever is in flight, until a
+measurement finds the delay back under that. Refused calls cost about one echo call where
+served ones cost three to four, so the queue drains. Where calls in flight reach the limit
+(a model whose calls wait for batches, as the stand-in's), the limit alone acts: shedding
+there too (or from a delay of one target) cost the stand-in's 2x flood most of its goodput.
+
 Time comes in as `now_s`; nothing here reads a clock.
 """
 
@@ -63,6 +75,11 @@ class LimitConfig:
     #: the parallel test suite, with about 8 calls in flight, backed off and refused calls its
     #: neighbours had delayed. Past what it can pick up, a gateway runs near a whole core.
     min_busy_share: float = 0.5
+    #: While the queue stands, the door sheds (refuses every call over its caller's share,
+    #: whatever is in flight) once its delay is past this multiple of `target_s` (half the
+    #: SLO, for the target derived as a quarter of it): a call that waited that long before
+    #: any work is likely late however it is served. 0: never sheds.
+    shed_factor: float = 2.0
     #: A limit counts as used when calls in flight reached this share of it since the last
     #: probe; only a used limit grows past `initial`.
     used_share: float = 0.9
@@ -76,6 +93,8 @@ class LimitConfig:
             raise ValueError("backoff must be in (0, 1), growth > 0 and recovery > 1")
         if not (0 < self.used_share <= 1 and self.min_busy_share >= 0):
             raise ValueError("used_share must be in (0, 1] and min_busy_share >= 0")
+        if not (self.shed_factor == 0 or 1 <= self.shed_factor < float("inf")):
+            raise ValueError("shed_factor must be 0 (never shed) or in [1, inf)")
 
 
 class QueueDelayLimit:
@@ -88,6 +107,9 @@ class QueueDelayLimit:
         #: The last delay measured, seconds: how long the queue took to drain recently.
         self.last_delay_s = 0.0
         self._last_backoff_s: float | None = None
+        #: Whether every call over its caller's share is refused now, whatever is in flight
+        #: (as of the last update): see `update`.
+        self.is_shedding = False
 
     @property
     def limit(self) -> int:
@@ -113,6 +135,7 @@ class QueueDelayLimit:
         config = self.config
         self.last_delay_s = delay_s
         self._queue.observe(now_s, delay_s)
+        was_shedding, self.is_shedding = self.is_shedding, False
         if delay_s > config.target_s and busy_share < config.min_busy_share:
             return  # not this process's queue: it waits for CPU, not for its own calls
         if delay_s > config.target_s:
@@ -122,10 +145,26 @@ class QueueDelayLimit:
             # Either way, time above counts from the last back-off, not only from when the
             # delay rose: one back-off per stretch, whatever the rate of measurements.
             is_limited = self._limit < config.initial
-            above_s = self._queue.above_for_s(now_s)
+            stood_s = self._queue.above_for_s(now_s)
+            needed_s = config.interval_s / 5 if is_limited else config.interval_s
+            # While it stands with calls waiting past `shed_factor` targets and the limit is
+            # not what holds calls back, the queue sheds: a limit on calls in flight cannot
+            # drain a queue that stands before them (a process that picks calls up slower
+            # than they come holds few in flight, under any limit), so calls are refused as
+            # they leave it until a measurement finds it shorter (as CoDel drops while its
+            # queue stands). Where calls in flight reach the limit, the limit acts alone.
+            is_late = config.shed_factor > 0 and delay_s > config.shed_factor * config.target_s
+            is_binding = peak_in_flight >= config.used_share * self._limit
+            self.is_shedding = is_late and stood_s >= needed_s and not is_binding
+            if was_shedding:
+                # What is in flight is what shedding left, not what the process can hold: no
+                # back-off from it (measured, backing off from it left the stand-in's flood
+                # at the minimum limit once shedding ended, and its goodput fell by 70%).
+                return
+            above_s = stood_s
             if self._last_backoff_s is not None:
                 above_s = min(above_s, now_s - self._last_backoff_s)
-            if above_s >= (config.interval_s / 5 if is_limited else config.interval_s):
+            if above_s >= needed_s:
                 in_use = min(self._limit, float(peak_in_flight))
                 self._limit = max(float(config.minimum), in_use * config.backoff)
                 self._last_backoff_s = now_s

@@ -86,6 +86,11 @@ class _DoorMetrics:
             names.DOOR_LIMIT, "The process's concurrency limit for guarded calls now."
         ).set_function(lambda: door.limit.limit)
         factory.gauge(
+            names.DOOR_SHEDDING,
+            "1 while the queue in front of the process stands: calls over their caller's share "
+            "are refused whatever is in flight.",
+        ).set_function(lambda: int(door.limit.is_shedding))
+        factory.gauge(
             names.DOOR_IN_FLIGHT, "Guarded calls in flight in this process now."
         ).set_function(lambda: door.num_in_flight)
         self.queue_delay = factory.histogram(
@@ -230,7 +235,8 @@ class Door(grpc.aio.ServerInterceptor):
 
     def _admits(self, metadata: Metadata, label: str) -> bool:
         is_over_share = self._shares.arrived(self._caller_of(metadata))
-        if self.num_in_flight >= self.limit.limit and is_over_share:
+        is_full = self.limit.is_shedding or self.num_in_flight >= self.limit.limit
+        if is_full and is_over_share:
             self._metrics.refused.labels(label).inc()
             return False
         self.num_in_flight += 1
@@ -238,10 +244,16 @@ class Door(grpc.aio.ServerInterceptor):
         return True
 
     def _refusal_words(self, retry_after_ms: str) -> str:
+        if self.limit.is_shedding:
+            why = (
+                f"calls wait about {self.limit.last_delay_s * 1000:.0f} ms to be picked up "
+                f"here, past its target of {self.target_s * 1000:.0f} ms"
+            )
+        else:
+            why = f"this process has {self.num_in_flight} calls in flight, its limit"
         return (
-            f"overloaded: this process has {self.num_in_flight} calls in flight, its limit, "
-            f"and this caller sent at least its share of its calls; retry after "
-            f"{retry_after_ms} ms"
+            f"overloaded: {why}, and this caller sent at least its share of its calls; retry "
+            f"after {retry_after_ms} ms"
         )
 
     def _refuse(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:

@@ -33,6 +33,8 @@ class DoorConfig:
     target_slo_share: float = 0.25
     #: How long the delay must stay above the target before the limit backs off, seconds.
     interval_s: float = LimitConfig.interval_s
+    #: Past how many targets of delay a standing queue is shed (LimitConfig.shed_factor).
+    shed_factor: float = LimitConfig.shed_factor
     #: How often the queue's delay is probed, seconds.
     probe_interval_s: float = 0.05
     #: Callers' shares are of the calls of the last one to two windows of this, seconds.
@@ -72,6 +74,7 @@ class DoorConfig:
             maximum=self.max_limit,
             target_s=target_s,
             interval_s=self.interval_s,
+            shed_factor=self.shed_factor,
         )
 
 
@@ -139,6 +142,16 @@ def door_settings() -> tuple[Setting, ...]:
             "a burst that drains sooner is absorbed",
             "s",
             field="door.interval_s",
+        ),
+        Setting(
+            "door_shed_factor",
+            float,
+            DoorConfig.shed_factor,
+            "while the queue in front of the process stands with a delay past this many "
+            "targets, the door refuses every model call over its caller's share, whatever is "
+            "in flight; 0 never sheds",
+            "",
+            field="door.shed_factor",
         ),
         Setting(
             "door_probe_interval_s",

@@ -22,9 +22,10 @@ PROCESS_OPEN_FDS = "process_open_fds"
 EVENT_LOOP_LAG_SECONDS = "inference_event_loop_lag_seconds"
 EVENT_LOOP_LAG_RECENT_SECONDS = "inference_event_loop_lag_recent_seconds"
 #: The door's concurrency limit (services.common.door): refusals, the limit, calls in flight and
-#: the probed delay of the queue in front of the process.
+#: the probed delay of the queue in front of the process, whether it sheds.
 DOOR_REFUSED_TOTAL = "inference_door_refused_total"
 DOOR_LIMIT = "inference_door_limit"
+DOOR_SHEDDING = "inference_door_shedding"
 DOOR_IN_FLIGHT = "inference_door_in_flight"
 DOOR_QUEUE_DELAY_SECONDS = "inference_door_queue_delay_seconds"
 DOOR_PROBES_DROPPED_TOTAL = "inference_door_probes_dropped_total"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -37,14 +38,83 @@ def test_a_burst_shorter_than_the_interval_is_absorbed() -> None:
 def test_a_standing_queue_backs_off_from_the_calls_in_flight_down_to_the_minimum() -> None:
     limit = QueueDelayLimit(CONFIG)
     # Above the target from t=0: standing once 0.25 s have passed (the sixth probe).
-    now_s = run(limit, 0.0, [0.1] * 5, in_flight=128)
+    now_s = run(limit, 0.0, [0.04] * 5, in_flight=128)
     assert limit.limit == CONFIG.initial and not limit.is_standing
-    limit.update(now_s, 0.1, 40)
+    limit.update(now_s, 0.04, 40)
     assert limit.is_standing
     # Backs off from the 40 calls actually in flight, not from 128.
     assert limit.limit == int(40 * CONFIG.backoff)
-    now_s = run(limit, now_s + PROBE_S, [0.1] * 20, in_flight=limit.limit)
+    now_s = run(limit, now_s + PROBE_S, [0.04] * 20, in_flight=limit.limit)
     assert limit.limit == CONFIG.minimum
+
+
+def test_a_standing_queue_sheds_until_a_measurement_finds_it_drained() -> None:
+    """Shedding (every call over its share refused, whatever is in flight) starts when the
+    queue has stood for the interval, with no call in flight at all (a process picking calls
+    up slower than they come), stops at the first delay at or below the target, and starts
+    again after a fifth of the interval above it while the limit is still backed off."""
+    limit = QueueDelayLimit(CONFIG)
+    now_s = run(limit, 0.0, [0.1] * 5, in_flight=0)
+    assert not limit.is_shedding
+    now_s = run(limit, now_s, [0.1], in_flight=0)
+    assert limit.is_shedding and limit.limit == CONFIG.minimum
+    now_s = run(limit, now_s, [0.1] * 3, in_flight=0)
+    assert limit.is_shedding
+    now_s = run(limit, now_s, [CONFIG.target_s], in_flight=0)
+    assert not limit.is_shedding
+    # Limited (backed off, not yet back at rest): a fifth of the interval above will do
+    # (0.05 s), not the whole of it (0.25 s): shedding again by the third probe above.
+    assert limit.limit < CONFIG.initial
+    now_s = run(limit, now_s, [0.1], in_flight=0)
+    assert not limit.is_shedding
+    run(limit, now_s, [0.1] * 2, in_flight=0)
+    assert limit.is_shedding
+
+
+def test_the_limit_holds_while_shedding_and_at_the_first_measurement_after() -> None:
+    """Calls in flight fall while the door sheds: the limit does not back off from them, nor
+    at the first measurement after shedding ends; later it does, from the calls in flight."""
+    limit = QueueDelayLimit(CONFIG)
+    now_s = run(limit, 0.0, [0.1] * 6, in_flight=40)
+    assert limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
+    now_s = run(limit, now_s, [0.1] * 10, in_flight=0)
+    assert limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
+    between_s = 1.5 * CONFIG.target_s  # above the target, short of shedding
+    now_s = run(limit, now_s, [between_s], in_flight=0)
+    assert not limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
+    run(limit, now_s, [between_s], in_flight=20)
+    assert limit.limit == int(20 * CONFIG.backoff)
+
+
+def test_a_late_queue_is_only_limited_while_calls_in_flight_reach_the_limit() -> None:
+    """Calls in flight at the limit: the limit is what holds them back, and backs off; the
+    queue sheds only once they stay short of it."""
+    limit = QueueDelayLimit(CONFIG)
+    now_s = run(limit, 0.0, [0.1] * 6, in_flight=CONFIG.initial)
+    assert limit.is_standing and not limit.is_shedding
+    assert limit.limit == int(CONFIG.initial * CONFIG.backoff)
+    run(limit, now_s, [0.1], in_flight=2)
+    assert limit.is_shedding
+
+
+def test_a_queue_standing_under_the_shed_delay_is_only_limited() -> None:
+    """Standing, but with a delay short of `shed_factor` targets (calls still in time): the
+    limit backs off, nothing sheds; with shed_factor 0 no delay sheds."""
+    limit = QueueDelayLimit(CONFIG)
+    run(limit, 0.0, [CONFIG.shed_factor * CONFIG.target_s * 0.9] * 12, in_flight=40)
+    assert limit.is_standing and limit.limit < 40 and not limit.is_shedding
+    never = QueueDelayLimit(dataclasses.replace(CONFIG, shed_factor=0))
+    run(never, 0.0, [10.0] * 12, in_flight=0)
+    assert never.is_standing and not never.is_shedding
+
+
+def test_a_process_starved_of_cpu_does_not_shed() -> None:
+    limit = QueueDelayLimit(CONFIG)
+    now_s = 0.0
+    for _ in range(20):
+        limit.update(now_s, 0.2, 0, busy_share=0.2)
+        now_s += PROBE_S
+    assert limit.is_standing and not limit.is_shedding
 
 
 def test_below_the_target_a_used_limit_grows_and_an_unused_one_returns_to_initial() -> None:
@@ -97,6 +167,8 @@ def test_the_retry_hint_is_the_recent_drain_time_at_least_the_interval() -> None
         {"recovery": 1.0},
         {"growth": 0.0},
         {"used_share": 0.0},
+        {"shed_factor": 0.5},
+        {"shed_factor": float("inf")},
     ],
 )
 def test_unusable_settings_are_refused(changes: dict[str, float]) -> None:
@@ -130,13 +202,13 @@ def test_once_limited_a_fifth_of_the_interval_above_the_target_backs_off_again()
 
 def test_once_limited_it_backs_off_once_per_fifth_of_the_interval_however_often_measured() -> None:
     limit = QueueDelayLimit(CONFIG)
-    run(limit, 0.0, [0.1] * 6, in_flight=100)  # standing at 0.25 s: 100 x 0.75
+    run(limit, 0.0, [0.04] * 6, in_flight=100)  # standing at 0.25 s: 100 x 0.75
     limit.update(0.3, 0.01, 100)  # drained for a moment; in use, so it grows by a tenth
     assert limit.limit == 82
     # Measured every 20 ms above the target for 0.2 s: one back-off per 0.05 s above (at
     # 10.06, 10.12 and 10.18), not one per measurement.
     for k in range(11):
-        limit.update(10.0 + k * 0.02, 0.1, 1000)
+        limit.update(10.0 + k * 0.02, 0.04, 1000)
     assert limit.limit == int(82.5 * CONFIG.backoff**3)
 
 
