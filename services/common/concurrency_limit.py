@@ -22,16 +22,17 @@ limit grows while calls use it, and returns to `initial` while they do not, so a
 after a flood finds room again.
 
 A limit on calls in flight bounds the queue only while the process holds many: one that picks
-calls up slower than they come (its loop's turns, not its CPU, pace grpc.aio's pickup; measured
-with the identity model's flood, 0-2 calls in flight under a limit of 8 while the probe waited
-0.57 s) admits every call it picks up, each late. So while the queue stands (above the target
-for the interval, or a fifth of it once limited), its delay is past `shed_factor` targets and
-calls in flight stay short of the limit, the limit also sheds (`is_shedding`): the door refuses
-every call over its caller's share as it leaves the queue, whatever is in flight, until a
-measurement finds the delay back under that. Refused calls cost about one echo call where
-served ones cost three to four, so the queue drains. Where calls in flight reach the limit
-(a model whose calls wait for batches, as the stand-in's), the limit alone acts: shedding
-there too (or from a delay of one target) cost the stand-in's 2x flood most of its goodput.
+calls up slower than they come (grpc.aio asks for the next call only once its loop has taken
+the last, a few loop turns each; measured with the identity model's flood, 0-2 calls in flight
+under a limit of 8 while the probe waited 0.57 s) admits every call it picks up, each late. So
+while the queue stands (above the target for the interval, or a fifth of it once limited), its
+delay is past `shed_factor` targets and calls in flight stay short of the limit, the limit also
+sheds (`is_shedding`): the door refuses every call over its caller's share as it leaves the
+queue, whatever is in flight, until a measurement finds otherwise (`update`). Refused calls
+cost about one echo call where served ones cost three to four, so the queue drains. Where calls
+in flight reach the limit (a model whose calls wait for batches, as the stand-in's), the limit
+alone acts: it is what holds calls back there. Measured on this machine's floods, shedding
+showed no effect on goodput inside their noise (docs/benchmarks.md item 6).
 
 Time comes in as `now_s`; nothing here reads a clock.
 """
@@ -147,27 +148,25 @@ class QueueDelayLimit:
             is_limited = self._limit < config.initial
             stood_s = self._queue.above_for_s(now_s)
             needed_s = config.interval_s / 5 if is_limited else config.interval_s
-            # While it stands with calls waiting past `shed_factor` targets and the limit is
-            # not what holds calls back, the queue sheds: a limit on calls in flight cannot
-            # drain a queue that stands before them (a process that picks calls up slower
-            # than they come holds few in flight, under any limit), so calls are refused as
-            # they leave it until a measurement finds it shorter (as CoDel drops while its
-            # queue stands). Where calls in flight reach the limit, the limit acts alone.
-            is_late = config.shed_factor > 0 and delay_s > config.shed_factor * config.target_s
-            is_binding = peak_in_flight >= config.used_share * self._limit
-            self.is_shedding = is_late and stood_s >= needed_s and not is_binding
-            if was_shedding:
-                # What is in flight is what shedding left, not what the process can hold: no
-                # back-off from it (measured, backing off from it left the stand-in's flood
-                # at the minimum limit once shedding ended, and its goodput fell by 70%).
-                return
             above_s = stood_s
             if self._last_backoff_s is not None:
                 above_s = min(above_s, now_s - self._last_backoff_s)
-            if above_s >= needed_s:
+            # While shedding, and at the measurement that ends it, what is in flight is what
+            # shedding left, not what the process can hold: no back-off from it.
+            if above_s >= needed_s and not was_shedding:
                 in_use = min(self._limit, float(peak_in_flight))
                 self._limit = max(float(config.minimum), in_use * config.backoff)
                 self._last_backoff_s = now_s
+            # While it stands with calls waiting past `shed_delay_s` and the limit (as it is
+            # now, backed off or not) is not what holds calls back, the queue sheds: a limit
+            # on calls in flight cannot drain a queue that stands before them (a process that
+            # picks calls up slower than they come holds few in flight, under any limit), so
+            # calls are refused as they leave it until a measurement finds it shorter (as
+            # CoDel drops while its queue stands). Where calls in flight reach the limit, the
+            # limit acts alone.
+            is_late = config.shed_factor > 0 and delay_s > self.shed_delay_s
+            is_binding = peak_in_flight >= config.used_share * self._limit
+            self.is_shedding = is_late and stood_s >= needed_s and not is_binding
             return
         if peak_in_flight >= config.used_share * self._limit:
             step = max(1.0, self._limit * config.growth)
@@ -176,6 +175,16 @@ class QueueDelayLimit:
             # Demand is below the limit and the queue is short: nothing to protect, so the
             # limit returns to `initial` quickly, ready for the next burst.
             self._limit = min(float(config.initial), self._limit * config.recovery)
+
+    @property
+    def shed_delay_s(self) -> float:
+        """The delay past which a standing queue sheds, seconds (`shed_factor` targets)."""
+        return self.config.shed_factor * self.config.target_s
+
+    def stop_shedding(self) -> None:
+        """Ends shedding until the next measurement says otherwise (measurements stopped: the
+        door stops, or its server does)."""
+        self.is_shedding = False
 
     def dropped_probe_delay_s(self, waited_s: float) -> float:
         """The delay a probe that grpc dropped unseen counts as (it found the calls of its

@@ -1,7 +1,8 @@
 """The door of a tier's gRPC server: a concurrency limit that refuses before any work is done.
 
 The door is the first interceptor (before error mapping, tracing and auth). For each guarded
-method (the ones that run models), a call past the process's limit is answered
+method (the ones that run models), a call past the process's limit, or any while the limit
+sheds a standing queue (services.common.concurrency_limit), is answered
 RESOURCE_EXHAUSTED from a handler built once: its body is never parsed, no span, no
 authentication, no exception; only grpc's own per-call cost remains, about one bare echo call
 (`bench/fabric`'s echo-calls), where serving the call costs three to four.
@@ -17,14 +18,15 @@ answered at the door at once. A probe still unanswered at the next tick reports 
 has waited so far (once past the target), so a queue growing without bound is seen while it
 grows.
 
-At the limit the door refuses by caller: a call is refused only if its caller (`caller` of its
-metadata; at the gateway the tenant of its key, one caller for all missing and unknown keys:
-services.gateway.auth.door_caller) sent at least an equal share of the guarded calls that
-reached the door lately (`CallerShares`: this and the previous half second). What a flood costs
-a process is its calls' arrival, however soon each is refused, so shares count arrivals, not
-calls in flight (a victim's slow, served calls would outnumber a flood's quickly refused ones).
-A tenant flooding the gateway, even one its quota refuses a moment later, then cannot make the
-door refuse a tenant sending less; a single caller's flood is limited as a whole.
+At the limit, and while shedding, the door refuses by caller: a call is refused only if its
+caller (`caller` of its metadata; at the gateway the tenant of its key, one caller for all
+missing and unknown keys: services.gateway.auth.door_caller) sent at least an equal share of
+the guarded calls that reached the door lately (`CallerShares`: this and the previous half
+second). What a flood costs a process is its calls' arrival, however soon each is refused, so
+shares count arrivals, not calls in flight (a victim's slow, served calls would outnumber a
+flood's quickly refused ones). A tenant flooding the gateway, even one its quota refuses a
+moment later, then cannot make the door refuse a tenant sending less; a single caller's flood
+is limited as a whole.
 
 Refusals carry `retry-after-ms`: the queue's recent drain time, at least the interval over
 which it is judged, jittered (services.common.errors.RETRY_JITTER) so that refused callers do
@@ -79,7 +81,8 @@ class _DoorMetrics:
         factory = MetricFactory(registry)
         self.refused = factory.counter(
             names.DOOR_REFUSED_TOTAL,
-            "Calls refused at the door: past the process's concurrency limit.",
+            "Calls refused at the door: past the process's concurrency limit, or while it "
+            "sheds a standing queue.",
             ("method",),
         )
         factory.gauge(
@@ -185,6 +188,7 @@ class Door(grpc.aio.ServerInterceptor):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         self._probe_task = self._probe = None
+        self.limit.stop_shedding()  # nothing measures the queue any more
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
@@ -244,13 +248,15 @@ class Door(grpc.aio.ServerInterceptor):
         return True
 
     def _refusal_words(self, retry_after_ms: str) -> str:
-        if self.limit.is_shedding:
+        # Said when the answer is written, which may be a measurement after the call was
+        # refused: whichever reason holds now (the limit's, or else the queue's).
+        if self.num_in_flight >= self.limit.limit:
+            why = f"this process has {self.num_in_flight} calls in flight, its limit"
+        else:
             why = (
                 f"calls wait about {self.limit.last_delay_s * 1000:.0f} ms to be picked up "
-                f"here, past its target of {self.target_s * 1000:.0f} ms"
+                f"here, past {self.limit.shed_delay_s * 1000:.0f} ms"
             )
-        else:
-            why = f"this process has {self.num_in_flight} calls in flight, its limit"
         return (
             f"overloaded: {why}, and this caller sent at least its share of its calls; retry "
             f"after {retry_after_ms} ms"
@@ -317,7 +323,8 @@ class Door(grpc.aio.ServerInterceptor):
             await call(b"", metadata=((PROBE_KEY, self._token),))
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.UNAVAILABLE:
-                return  # the server is stopping: nothing measured
+                self.limit.stop_shedding()  # the server is stopping: nothing measured
+                return
             # Dropped unseen (CANCELLED: past --max-pending-calls; the door stops before its
             # server, so not a stop): a queue over the target, however soon the drop came.
             # Refused by grpc (RESOURCE_EXHAUSTED: every --max-concurrent-rpcs slot held,

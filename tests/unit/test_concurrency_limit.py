@@ -73,17 +73,21 @@ def test_a_standing_queue_sheds_until_a_measurement_finds_it_drained() -> None:
 
 def test_the_limit_holds_while_shedding_and_at_the_first_measurement_after() -> None:
     """Calls in flight fall while the door sheds: the limit does not back off from them, nor
-    at the first measurement after shedding ends; later it does, from the calls in flight."""
+    at the measurement that ends shedding; later it does, from the calls in flight."""
     limit = QueueDelayLimit(CONFIG)
-    now_s = run(limit, 0.0, [0.1] * 6, in_flight=40)
+    for k in range(6):  # standing at 0.25 s with 40 in flight: the limit backs off, binding
+        limit.update(k * 0.05, 0.1, 40)
+    assert limit.limit == int(40 * CONFIG.backoff) and not limit.is_shedding
+    limit.update(0.26, 0.1, 5)  # few in flight, well under the limit: sheds
     assert limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
-    now_s = run(limit, now_s, [0.1] * 10, in_flight=0)
+    for k in range(10):
+        limit.update(0.3 + k * 0.05, 0.1, 0)
     assert limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
     between_s = 1.5 * CONFIG.target_s  # above the target, short of shedding
-    now_s = run(limit, now_s, [between_s], in_flight=0)
+    limit.update(1.0, between_s, 0)
     assert not limit.is_shedding and limit.limit == int(40 * CONFIG.backoff)
-    run(limit, now_s, [between_s], in_flight=20)
-    assert limit.limit == int(20 * CONFIG.backoff)
+    limit.update(1.1, between_s, 20)
+    assert limit.limit == int(20 * CONFIG.backoff) and not limit.is_shedding
 
 
 def test_a_late_queue_is_only_limited_while_calls_in_flight_reach_the_limit() -> None:
