@@ -11,7 +11,8 @@ traffic right after it; (7) a fresh batching-on stack under open-loop traffic fr
 reports ready (mixed texts, half their goodput, no warm-up); (8) optionally the same model
 served by Ray Serve (bench/fabric/peer_client.py); (9) the GPU-speed stand-in: minilm timed
 by the H100's curve, so the tiers are the bottleneck as on a GPU box (bench/fabric/stand_in.py;
-`--stand-in-only` runs the echo baseline and this phase alone). Every stack serves minilm with
+`--stand-in-only` runs the echo baseline and this phase alone; `--flood-rate R` floods it at R
+calls/s rather than at 2x each run's own capacity). Every stack serves minilm with
 its default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16
 tokens).
 
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -136,6 +138,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     parser.add_argument("--max-probes", type=int, help="rates tried per configuration")
     parser.add_argument("--raw-seconds", type=float, help="per raw-model batch size")
     parser.add_argument("--overload", type=float, nargs="*", help="multiples of goodput")
+    parser.add_argument(
+        "--flood-rate",
+        type=float,
+        help="with --stand-in-only: flood the stand-in and the identity model at this many "
+        "calls/s, not at 2x each run's own capacity, so that two trees meet the same flood",
+    )
     parser.add_argument("--seed", type=int, help="Poisson schedule and text seed")
     parser.add_argument(
         "--loadgen-priority",
@@ -179,6 +187,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     settings = dataclasses.replace(settings, **given)
     if settings.windows < 1:
         parser.error("--windows must be at least 1 (the method asks for 3)")
+    if args.flood_rate is not None and not 0 < args.flood_rate < math.inf:
+        parser.error("--flood-rate must be a positive number of calls/s")
     name = "stand_in" if args.stand_in_only else "smoke" if args.smoke else "fabric"
     args.output = args.output or RESULTS / f"{name}.json"
     args.plot = args.plot or args.output.with_suffix(".png")
@@ -301,7 +311,7 @@ class _Run:
             return await measure_stand_in(
                 stack, channel, model=MODEL, texts=self.texts, settings=self.settings,
                 slo_s=self.slo_s, timeout_s=self.timeout_s, bucket=bucket, echo=echo_result,
-                log=self.log,
+                log=self.log, flood_rate_per_s=self.args.flood_rate,
             )  # fmt: skip
 
         self.report["configs"]["stand_in"] = await self.stack_phase(
@@ -423,6 +433,7 @@ def _prepare(args: argparse.Namespace, settings: Settings, log: Progress) -> tup
         "settings": dataclasses.asdict(settings),
         "worker_args": list(args.worker_arg),
         "gateway_args": list(args.gateway_arg),
+        "flood_rate_per_s": args.flood_rate,
         "machine": _machine(),
         "model": {
             "name": MODEL,

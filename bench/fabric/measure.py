@@ -196,17 +196,24 @@ async def measure_rate_clean(
 
 
 async def overload_phases(
-    target: Target, goodput: float, settings: Settings, slo_s: float, log: Progress
+    target: Target,
+    goodput: float,
+    settings: Settings,
+    slo_s: float,
+    log: Progress,
+    rate_per_s: float | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-    """Floods at `settings.overload_factors` multiples of `goodput`, then normal traffic (half
-    of it) right after them, which must be served normally (docs/benchmarks.md). Returns the
-    floods (each with its factor and, where goodput is known, its goodput over `goodput`) and
-    the traffic after them (None without a goodput to flood)."""
+    """Floods at `settings.overload_factors` multiples of `goodput` (or one at `rate_per_s`,
+    the same for every run: two trees offered the same flood), then normal traffic (half of
+    `goodput`) right after them, which must be served normally (docs/benchmarks.md). Returns
+    the floods (each with its factor and its goodput over `goodput`) and the traffic after
+    them (None without a goodput to flood)."""
     if not goodput:
         return [], None
     name, floods = target.name, []
-    for factor in settings.overload_factors:
-        target.name = f"{name}_overload_{factor:g}x"
+    factors = settings.overload_factors if rate_per_s is None else (rate_per_s / goodput,)
+    for factor in factors:
+        target.name = f"{name}_overload_{factor:.3g}x"
         result = (
             await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
         ).to_dict()

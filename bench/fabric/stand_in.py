@@ -89,8 +89,11 @@ async def measure_stand_in(
     echo: dict[str, Any],
     log: Progress,
     identity: Callable[[grpc.aio.Channel, float], Any] = identity_sender,
+    flood_rate_per_s: float | None = None,
 ) -> dict[str, Any]:
-    """The stand-in stack's goodput sweep, then CPU per tier at CALLERS callers."""
+    """The stand-in stack's goodput sweep, then CPU per tier at CALLERS callers. The floods
+    are at `flood_rate_per_s` where given (the same load whatever the run's own capacity),
+    else STAND_IN_OVERLOAD times it."""
     observer = Observer(stack.pids(), stack.metrics_ports())
     send = predict_sender(channel, model, texts, timeout_s)
     raw_best = best_rate(STAND_IN_CURVE, bucket)
@@ -106,6 +109,7 @@ async def measure_stand_in(
         dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
         slo_s,
         log,
+        flood_rate_per_s,
     )
     loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
     per_request: dict[str, Any] = {}
@@ -125,6 +129,7 @@ async def measure_stand_in(
         dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
         slo_s,
         log,
+        flood_rate_per_s,
     )
     goodput = swept.get("goodput_per_s") or 0.0
     return {
@@ -156,7 +161,7 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
     for flood in config.get("overload", []):
         p99 = flood["p99_s"]["median"]
         lines.append(
-            f"  overload {flood['factor']:g}x: goodput {flood['goodput_fraction']} of it, "
+            f"  overload {flood['factor']:.3g}x: goodput {flood['goodput_fraction']} of it, "
             f"accepted p99 {'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
         )
     if (after := config.get("after_overload")) is not None:
@@ -165,7 +170,7 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
     for flood in identity.get("floods", []):
         p99 = flood["p99_s"]["median"]
         lines.append(
-            f"  identity model, overload {flood['factor']:g}x of its "
+            f"  identity model, overload {flood['factor']:.3g}x of its "
             f"{identity['capacity_per_s']:.0f}/s at {config['callers']} callers: goodput "
             f"{flood['goodput_fraction']} of it, accepted p99 "
             f"{'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
