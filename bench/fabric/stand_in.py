@@ -71,6 +71,18 @@ def echo_calls(
     return {t: round(s / sent / per_echo_call, 2) for t, s in seconds_by_tier.items()}
 
 
+def callers_per_bundle(breakdown: Mapping[str, Any]) -> float | None:
+    """Calls the gateway answered per call the router answered (a bundle: the gateway sends
+    each bundle as one call), from a closed-loop run's metrics breakdown; None without both."""
+    answered = sum((breakdown.get("gateway") or {}).get("by_code", {}).values())
+    bundles = sum(
+        sum((figures.get("by_code") or {}).values())
+        for name, figures in breakdown.items()
+        if name.startswith("router")
+    )
+    return round(answered / bundles, 1) if answered and bundles else None
+
+
 def tier_of_processes(pids: Mapping[str, int]) -> dict[str, str]:
     """The stack's gateway, router and workers by process name (BenchStack.pids)."""
     return {name: name.split("-")[0] for name in pids if name not in _NOT_TIERS}
@@ -112,16 +124,21 @@ async def measure_stand_in(
         flood_rate_per_s,
     )
     loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
+    models = {"minilm_stand_in": model, "identity": "identity"}
     per_request: dict[str, Any] = {}
     for name, sender in loads.items():
         log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
-        run = await closed_loop(sender, CALLERS, settings.overhead_s, observer=observer)
+        run = await closed_loop(
+            sender, CALLERS, settings.overhead_s, observer=observer, model=models[name]
+        )
         per_request[name] = {
             **run,
             "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
+            "callers_per_bundle": callers_per_bundle(run.get("breakdown") or {}),
         }
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
-            f"{per_request[name]['echo_calls_per_request']}")  # fmt: skip
+            f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
+            f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
     identity_capacity = per_request["identity"]["ok_per_s"]
     identity_floods, identity_after = await overload_phases(
         Target("identity", loads["identity"], observer, "identity"),
@@ -180,6 +197,7 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
     for name, run in config.get("per_request", {}).items():
         lines.append(
             f"  {name} at {config['callers']} callers: {run['ok_per_s']:.0f}/s, echo-calls per "
-            f"request {run['echo_calls_per_request']}"
+            f"request {run['echo_calls_per_request']}, callers a bundle "
+            f"{run.get('callers_per_bundle')}"
         )
     return lines
