@@ -1,5 +1,6 @@
 """Each tier's entry point (`python -m services.<tier>`), as a real process. Its event loop is
-uvloop's unless set otherwise (in a child interpreter: uvloop stays out of the test process).
+uvloop's unless set otherwise, asyncio's where uvloop cannot be imported (in a child interpreter:
+uvloop stays out of the test process).
 A SIGTERM that lands while it is still starting (importing, building its servers, before it
 installs its draining handlers) ends it cleanly, status 0. Without a handler of its own, a
 process that is PID 1 in its container ignores SIGTERM and goes on to serve, and elsewhere it
@@ -72,3 +73,20 @@ def test_the_default_is_uvloop_and_each_kind_runs_on_its_own_loop() -> None:
     default, uvloop, asyncio = done.stdout.splitlines()
     assert default == uvloop == "uvloop Loop False"  # libuv's loop, not asyncio's
     assert asyncio.split()[0].startswith("asyncio.") and asyncio.endswith(" True")
+
+
+def test_where_uvloop_cannot_be_imported_the_process_runs_asyncios_loop_and_says_so() -> None:
+    """The default asked for on a machine without uvloop (its import blocked in the child):
+    asyncio's loop runs the coroutine, and a warning names the import's failure."""
+    blocked = "import logging, sys; sys.modules['uvloop'] = None; logging.basicConfig()\n"
+    done = subprocess.run(
+        [sys.executable, "-c", blocked + _LOOP_TYPES, "default"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    (loop,) = done.stdout.splitlines()
+    assert loop.split()[0].startswith("asyncio.") and loop.endswith(" True")
+    assert "uvloop cannot be imported" in done.stderr
