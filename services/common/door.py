@@ -90,8 +90,9 @@ class _DoorMetrics:
         ).set_function(lambda: door.limit.limit)
         factory.gauge(
             names.DOOR_SHEDDING,
-            "1 while the queue in front of the process stands: calls over their caller's share "
-            "are refused whatever is in flight.",
+            "1 while the door sheds: the queue in front of the process stood past "
+            "--door-shed-factor targets with calls in flight short of the limit, and calls over "
+            "their caller's share are refused whatever is in flight.",
         ).set_function(lambda: int(door.limit.is_shedding))
         factory.gauge(
             names.DOOR_IN_FLIGHT, "Guarded calls in flight in this process now."
