@@ -119,9 +119,15 @@ def cpu_delta(before: Snapshot, after: Snapshot) -> dict[str, float]:
     return {name: round(value, 3) for name, value in named.items()}
 
 
-def _mean_ms(samples: Samples, name: str, **labels: str) -> float | None:
+def _mean(samples: Samples, name: str, **labels: str) -> float | None:
+    """The mean of histogram `name`'s observations (None without any)."""
     count = total(samples, f"{name}_count", **labels)
-    return 1000.0 * total(samples, f"{name}_sum", **labels) / count if count else None
+    return total(samples, f"{name}_sum", **labels) / count if count else None
+
+
+def _mean_ms(samples: Samples, name: str, **labels: str) -> float | None:
+    mean = _mean(samples, name, **labels)
+    return None if mean is None else 1000.0 * mean
 
 
 def breakdown(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any]:
@@ -136,6 +142,7 @@ def breakdown(before: Snapshot, after: Snapshot, model: str) -> dict[str, Any]:
             "validate_ms": _mean_ms(gateway, names.GATEWAY_VALIDATE_SECONDS),
             "tokenize_ms": _mean_ms(gateway, names.GATEWAY_TOKENIZE_SECONDS, model=model),
             "by_code": by_label(gateway, names.GATEWAY_REQUESTS_TOTAL, "code", model=model),
+            "callers_per_bundle": _mean(gateway, names.GATEWAY_BUNDLE_SLICES, model=model),
         }
     if "router" in d:
         router = d["router"]

@@ -71,16 +71,8 @@ def echo_calls(
     return {t: round(s / sent / per_echo_call, 2) for t, s in seconds_by_tier.items()}
 
 
-def callers_per_bundle(breakdown: Mapping[str, Any]) -> float | None:
-    """Calls the gateway answered per call the router answered (a bundle: the gateway sends
-    each bundle as one call), from a closed-loop run's metrics breakdown; None without both."""
-    answered = sum((breakdown.get("gateway") or {}).get("by_code", {}).values())
-    bundles = sum(
-        sum((figures.get("by_code") or {}).values())
-        for name, figures in breakdown.items()
-        if name.startswith("router")
-    )
-    return round(answered / bundles, 1) if answered and bundles else None
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
 
 
 def tier_of_processes(pids: Mapping[str, int]) -> dict[str, str]:
@@ -134,7 +126,9 @@ async def measure_stand_in(
         per_request[name] = {
             **run,
             "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
-            "callers_per_bundle": callers_per_bundle(run.get("breakdown") or {}),
+            "callers_per_bundle": _rounded(
+                (run.get("breakdown") or {}).get("gateway", {}).get("callers_per_bundle")
+            ),
         }
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
             f"{per_request[name]['echo_calls_per_request']}, callers a bundle "

@@ -60,17 +60,22 @@ for kind in sys.argv[1:]:
 """
 
 
-def test_the_default_is_uvloop_and_each_kind_runs_on_its_own_loop() -> None:
-    assert EVENT_LOOPS[0] == "uvloop"
+def _loop_types(*kinds: str, before: str = "") -> subprocess.CompletedProcess[str]:
+    """Runs _LOOP_TYPES for `kinds` in a child interpreter, `before` run first."""
     done = subprocess.run(
-        [sys.executable, "-c", _LOOP_TYPES, "default", "uvloop", "asyncio"],
+        [sys.executable, "-c", before + _LOOP_TYPES, *kinds],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    default, uvloop, asyncio = done.stdout.splitlines()
+    return done
+
+
+def test_the_default_is_uvloop_and_each_kind_runs_on_its_own_loop() -> None:
+    assert EVENT_LOOPS[0] == "uvloop"
+    default, uvloop, asyncio = _loop_types("default", "uvloop", "asyncio").stdout.splitlines()
     assert default == uvloop == "uvloop Loop False"  # libuv's loop, not asyncio's
     assert asyncio.split()[0].startswith("asyncio.") and asyncio.endswith(" True")
 
@@ -79,14 +84,7 @@ def test_where_uvloop_cannot_be_imported_the_process_runs_asyncios_loop_and_says
     """The default asked for on a machine without uvloop (its import blocked in the child):
     asyncio's loop runs the coroutine, and a warning names the import's failure."""
     blocked = "import logging, sys; sys.modules['uvloop'] = None; logging.basicConfig()\n"
-    done = subprocess.run(
-        [sys.executable, "-c", blocked + _LOOP_TYPES, "default"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
+    done = _loop_types("default", before=blocked)
     (loop,) = done.stdout.splitlines()
     assert loop.split()[0].startswith("asyncio.") and loop.endswith(" True")
     assert "uvloop cannot be imported" in done.stderr

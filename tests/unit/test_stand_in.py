@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench.fabric.stand_in import best_rate, callers_per_bundle, echo_calls, tier_of_processes
+from bench.fabric.stand_in import best_rate, echo_calls, tier_of_processes
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfigError, load_repository
 from services.gpu_worker.backends import LoadOptions, load_backend
@@ -104,14 +104,3 @@ def test_best_rate_reads_the_nearest_measured_bucket() -> None:
         if bucket == 16
     ))  # fmt: skip
     assert best_rate(H100, 20) == best_rate(H100, 16)
-
-
-def test_callers_per_bundle_are_the_gateways_answers_over_the_routers() -> None:
-    breakdown = {
-        "gateway": {"by_code": {"OK": 600.0, "RESOURCE_EXHAUSTED": 40.0}},
-        "router": {"by_code": {"OK": 60.0, "UNAVAILABLE": 4.0}},
-        "worker-0": {"rows": 600.0},
-    }
-    assert callers_per_bundle(breakdown) == 10.0
-    assert callers_per_bundle({"gateway": {"by_code": {"OK": 5.0}}}) is None
-    assert callers_per_bundle({}) is None
