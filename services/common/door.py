@@ -158,6 +158,10 @@ class Door(grpc.aio.ServerInterceptor):
         """The queue-delay target now, seconds."""
         return self.config.target_for(self._tightest_slo_s)
 
+    def pickup_delay_s(self) -> float:
+        """How long calls wait to be picked up by this process, as last measured, seconds."""
+        return self.limit.last_delay_s
+
     def follow_slo(self, tightest_slo_s: float | None) -> None:
         """The tightest SLO of the models whose calls the door guards, seconds (None: none):
         the target follows it unless the config sets one."""

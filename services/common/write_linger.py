@@ -68,15 +68,20 @@ class WriteLinger:
             self._gap.observe(max(0.0, now_s - self._last_s))
         self._last_s = now_s
 
-    def delay_s(self, num_ready: int, num_in_flight: int) -> float:
+    def expected_calls(self, within_s: float) -> float:
+        """Calls expected to arrive within `within_s` at the moving average's rate."""
+        if within_s <= 0:
+            return 0.0
+        return within_s / self.mean_gap_s if self.mean_gap_s > 0 else math.inf
+
+    def delay_s(self, num_ready: int, num_in_flight: float) -> float:
         """How long to hold a message of `num_ready` calls, with `num_in_flight` calls on the
         stream not answered yet (these included), before sending it (0: now)."""
         config = self.config
-        expected_calls = config.linger_s / self.mean_gap_s if self.mean_gap_s > 0 else math.inf
         if (
             num_ready >= config.fill
             or num_in_flight < config.min_in_flight
-            or expected_calls < config.min_expected_calls
+            or self.expected_calls(config.linger_s) < config.min_expected_calls
         ):
             return 0.0
         return config.linger_s

@@ -6,14 +6,14 @@ metadata map, protobuf messages, a routing decision and a reservation). Here the
 arrive while others of their kind are in flight travel together: one downstream call, one
 routing decision, the rows as packed columns, and one status per caller's slice.
 
-When a bundle leaves follows the streams' write linger (services.common.write_linger): a
-call that finds nothing in flight leaves in this turn of the event loop, with whatever calls
-that same turn made (no timer: no added latency at light load); under load, a bundle waits up
-to `linger_s` (1 ms) for more, and leaves at once when it holds the model's max batch rows.
-Then the bundle clock (services.gateway.bundle_clock): while a bundle of its key is
-downstream and not answered, a ready bundle keeps gathering calls until one is answered (at
-most its hold, and only while the key's time downstream is short), so bundles grow with the load
-instead of staying one linger's worth.
+When a bundle leaves follows the streams' write linger (services.common.write_linger): at
+light load a call leaves in this turn of the event loop, with whatever calls that same turn
+made (no timer: no added latency); under load, a bundle waits up to `linger_s` (1 ms) for
+more, and leaves at once when it holds the model's max batch rows. Then the bundle clock
+(services.gateway.bundle_clock): while a bundle of its key is downstream and not answered, a
+ready bundle keeps gathering calls until one is answered (at most its hold, and only while the
+key's time downstream is short), so bundles grow with the load. Both count the key's calls in
+flight, and those waiting to be picked up by this process (its door's measured pickup delay).
 
 Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
 bundle's, which is the latest slice's), its own status and retry hint, and its own
@@ -116,8 +116,7 @@ DOWNSTREAM_WEIGHT = 0.2
 
 @dataclass
 class _KeyState:
-    """What the coalescer follows for one bundle key (kept while the process runs: keys are
-    a few per model version)."""
+    """What the coalescer follows for one bundle key (a few keys per model version)."""
 
     linger: WriteLinger
     #: The bundle being filled, if any.
@@ -140,11 +139,13 @@ class Coalescer:
         metrics: GatewayMetrics,
         linger: LingerConfig = DEFAULT_LINGER,
         clock: BundleClock = DEFAULT_CLOCK,
+        pickup_delay_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._send = send
         self._metrics = metrics
         self._linger_config = linger
         self._clock = clock
+        self._pickup_delay_s = pickup_delay_s
         self._keys: dict[BundleKey, _KeyState] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -233,14 +234,14 @@ class Coalescer:
         await asyncio.sleep(0)
         if bundle.is_sent:
             return
-        delay_s = state.linger.delay_s(bundle.rows, state.in_flight)
+        # In flight: the key's calls here, and those waiting to be picked up (module docstring).
+        in_flight = state.in_flight + state.linger.expected_calls(self._pickup_delay_s())
+        delay_s = state.linger.delay_s(bundle.rows, in_flight)
         if delay_s > 0 and bundle.rows < max_rows:
             await asyncio.sleep(delay_s)
         if not bundle.is_sent and bundle.slices:
             time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
-            hold_s = self._clock.hold_s(
-                state.out, state.in_flight, time_left_s, state.downstream.mean
-            )
+            hold_s = self._clock.hold_s(state.out, in_flight, time_left_s, state.downstream.mean)
             if hold_s > 0:  # until an answer, or until it leaves full (`call`)
                 loop = asyncio.get_running_loop()
                 bundle.held_from, bundle.left = time.monotonic(), loop.create_future()
@@ -347,8 +348,7 @@ def _closing() -> UpstreamError:
 
 
 def _fail(slices: Sequence[_Slice], error: BaseException) -> None:
-    """Every caller not answered yet gets `error`; a downstream status, as an error of its own
-    with its own retry hint (UpstreamError.for_one_caller)."""
+    """Every caller not answered yet gets `error` (a downstream status: its own copy)."""
     for entry in slices:
         if not entry.future.done():
             own = error.for_one_caller() if isinstance(error, UpstreamError) else error

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -16,7 +15,7 @@ import numpy as np
 
 from services.common.bundles import SliceCancels
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
-from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.multiplex import MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
@@ -28,38 +27,17 @@ from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.coalescer import BundleKey, Coalescer, Prepare, deadline_class
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
-from services.gateway.router_retry import GiveUp, RouterRetryConfig, decide_resend
+from services.gateway.router_retry import (
+    ROUTER_STREAMS,
+    GiveUp,
+    RouterRetryConfig,
+    decide_resend,
+)
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gateway.triton_info import InferenceStatistics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
-#: Spread streams and calls over every router of `router_address` (a list of addresses, or
-#: every address a DNS name resolves to) rather than pinning the first one.
-ROUTER_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
-ROUTER_CHANNEL_OPTIONS = (
-    *CHANNEL_OPTIONS,
-    ("grpc.service_config", ROUTER_SERVICE_CONFIG),
-    # A router back from a restart is in rotation again within about 2 s (gRPC's defaults
-    # back off up to 120 s), so a rolling restart need not wait long between routers.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-)
-
-
-#: Streams a gateway process keeps to the routers, taking its calls in turn: each opens on
-#: the next router of the channel's round robin, so a process spreads its calls over up to
-#: this many routers (beyond that, a fleet's gateway processes spread over the rest).
-ROUTER_STREAMS = 4
-
-
-def router_target(router_address: str) -> str:
-    """The gRPC target for `router_address`: one "host:port" (a DNS name balances over all its
-    addresses), or comma-separated IPv4 "ip:port" entries, one per router."""
-    addresses = [a.strip() for a in router_address.split(",") if a.strip()]
-    if len(addresses) <= 1:
-        return router_address.strip()
-    return "ipv4:" + ",".join(addresses)
 
 
 @dataclass(frozen=True)
@@ -116,6 +94,7 @@ class Predictor:
         rng: random.Random | None = None,
         retry: RouterRetryConfig | None = None,
         clock: BundleClock = DEFAULT_CLOCK,
+        pickup_delay_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.catalog = catalog
         self.admission = admission
@@ -131,7 +110,9 @@ class Predictor:
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
-        self._bundles = Coalescer(self._call_router, metrics, clock=clock)
+        self._bundles = Coalescer(
+            self._call_router, metrics, clock=clock, pickup_delay_s=pickup_delay_s
+        )
         #: Per (model, version, fingerprint, truncate): versions come and go, a few each.
         self._tokenizers: dict[tuple[str, str, str, bool], Prepare] = {}
         self._generate = router.unary_stream(

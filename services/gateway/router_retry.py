@@ -1,6 +1,7 @@
-"""Resending a call to another router: only a call that provably never ran, within its deadline.
+"""How a gateway reaches its routers: one channel over all of them, and resends.
 
-A router that drains (or a stream it closes) refuses new calls UNAVAILABLE marked not started,
+A call is resent to another router only if it provably never ran, and within its deadline. A
+router that drains (or a stream it closes) refuses new calls UNAVAILABLE marked not started,
 and a call that found no connection to any router was never sent; either may go to another
 router without running twice. Any other failure, including an UNAVAILABLE that may have come
 after the router forwarded the call, is the caller's answer. Pure: the predictor passes what
@@ -9,7 +10,37 @@ happened, the time left and a random number; the decision is a type.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from services.common.multiplex import CHANNEL_OPTIONS
+
+#: Spread streams and calls over every router of `router_address` (a list of addresses, or
+#: every address a DNS name resolves to) rather than pinning the first one.
+ROUTER_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})
+ROUTER_CHANNEL_OPTIONS = (
+    *CHANNEL_OPTIONS,
+    ("grpc.service_config", ROUTER_SERVICE_CONFIG),
+    # A router back from a restart is in rotation again within about 2 s (gRPC's defaults
+    # back off up to 120 s), so a rolling restart need not wait long between routers.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+#: Streams a gateway process keeps to the routers, taking its calls in turn: each opens on
+#: the next router of the channel's round robin, so a process spreads its calls over up to
+#: this many routers (beyond that, a fleet's gateway processes spread over the rest).
+ROUTER_STREAMS = 4
+
+
+def router_target(router_address: str) -> str:
+    """The gRPC target for `router_address`: one "host:port" (a DNS name balances over all its
+    addresses), or comma-separated IPv4 "ip:port" entries, one per router."""
+    addresses = [a.strip() for a in router_address.split(",") if a.strip()]
+    if len(addresses) <= 1:
+        return router_address.strip()
+    return "ipv4:" + ",".join(addresses)
 
 
 @dataclass(frozen=True)

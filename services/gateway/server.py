@@ -30,10 +30,11 @@ from services.gateway.http.server import HttpListener, start_http
 from services.gateway.jobs_api import add_job_service
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.predictor import ROUTER_CHANNEL_OPTIONS, Predictor, router_target
+from services.gateway.predictor import Predictor
 from services.gateway.public_api import InferenceServicer
 from services.gateway.quota_sync import QuotaSync
 from services.gateway.repository_control import RepositoryControl, start_repository_control
+from services.gateway.router_retry import ROUTER_CHANNEL_OPTIONS, router_target
 from services.gateway.routing_sync import RoutingSync
 from services.gateway.tenants import TenantLabels, TenantPolicy
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -202,6 +203,10 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     )
     tenants = keys.tenants if keys is not None else {LOCAL_PRINCIPAL.tenant: LOCAL_PRINCIPAL.policy}
     admission = TenantAdmission(metrics, TenantLabels(tenants))
+    door = None
+    if config.door.is_enabled:
+        door = Door(DOOR_METHODS, config.door, metrics.registry, caller=door_caller(keys))
+        door.follow_slo(catalog.tightest_slo_s())
     predictor = Predictor(
         catalog,
         router,
@@ -210,11 +215,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         throttle=config.throttle,
         admission=admission,
         clock=config.bundle_clock,
+        pickup_delay_s=door.pickup_delay_s if door is not None else lambda: 0.0,
     )
-    door = None
-    if config.door.is_enabled:
-        door = Door(DOOR_METHODS, config.door, metrics.registry, caller=door_caller(keys))
-        door.follow_slo(catalog.tightest_slo_s())
     # Tracing outside auth: a refused call still gets its span.
     server = new_server(
         [Tracing(), Authentication(keys, admission)],

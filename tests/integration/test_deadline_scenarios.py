@@ -35,7 +35,8 @@ import pytest
 from services.common import metric_names as names
 from services.common.model_repository import DEFAULT_TIMEOUT_MS
 from services.common.registry_schema import route_metadata
-from services.gateway.predictor import ROUTER_STREAMS, PredictCall, PredictResult
+from services.gateway.predictor import PredictCall, PredictResult
+from services.gateway.router_retry import ROUTER_STREAMS
 from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.server import Worker
 from services.pb.inference.v1 import inference_pb2 as api

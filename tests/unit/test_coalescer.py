@@ -71,8 +71,15 @@ class Downstream:
         return response.SerializeToString()
 
 
-def coalescer(downstream: Downstream, clock: BundleClock = DEFAULT_CLOCK) -> Coalescer:
-    return Coalescer(downstream.send, GatewayMetrics(CollectorRegistry()), clock=clock)
+def coalescer(
+    downstream: Downstream, clock: BundleClock = DEFAULT_CLOCK, pickup_delay_s: float = 0.0
+) -> Coalescer:
+    return Coalescer(
+        downstream.send,
+        GatewayMetrics(CollectorRegistry()),
+        clock=clock,
+        pickup_delay_s=lambda: pickup_delay_s,
+    )
 
 
 def rows(*values: float) -> list[np.ndarray]:
@@ -185,13 +192,13 @@ LONG_S = 300.0
 
 
 async def one_out(
-    clock: BundleClock, max_rows: int = 8
+    clock: BundleClock, max_rows: int = 8, pickup_delay_s: float = 0.0
 ) -> tuple[Downstream, Coalescer, asyncio.Future[list[np.ndarray]]]:
     """A coalescer with `clock` whose first bundle, one call (its answer the future returned),
     is downstream and not answered until the test opens the downstream's gate."""
     downstream = Downstream()
     downstream.gate.clear()
-    bundles = coalescer(downstream, clock)
+    bundles = coalescer(downstream, clock, pickup_delay_s)
     first = asyncio.ensure_future(call(bundles, rows(0), timeout_s=LONG_S, max_rows=max_rows))
     await sent(downstream, 1)
     return downstream, bundles, first
@@ -225,6 +232,26 @@ async def test_with_few_calls_in_flight_a_ready_bundle_leaves_without_waiting() 
     assert holds(bundles) == 0
     downstream.gate.set()
     await asyncio.gather(first, second)
+
+
+@pytest.mark.parametrize(("pickup_delay_s", "expected"), [(0.0, [1, 1, 1]), (1.0, [1, 2])])
+async def test_calls_waiting_to_be_picked_up_count_as_in_flight(
+    pickup_delay_s: float, expected: list[int]
+) -> None:
+    # Three calls in flight, under 8; but at the key's rate (a call every 2 ms) a process that
+    # picks calls up 1 s late has about 500 more waiting: a busy gateway, which holds.
+    clock = BundleClock(max_out=1, min_in_flight=8, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=pickup_delay_s)
+    calls = [first]
+    for i in (1, 2):
+        await asyncio.sleep(0.002)
+        calls.append(asyncio.ensure_future(call(bundles, rows(i), timeout_s=LONG_S)))
+    await asyncio.sleep(0.005)
+    assert len(downstream.bundles) == (1 if pickup_delay_s else 3)  # held: the first is out
+    downstream.gate.set()
+    await asyncio.gather(*calls)
+    assert sizes(downstream) == expected
+    assert holds(bundles) == (1 if pickup_delay_s else 0)
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:

@@ -7,8 +7,13 @@ import grpc
 import pytest
 
 from services.common.errors import NOT_STARTED_TRAILER, UpstreamError
-from services.gateway.predictor import router_target
-from services.gateway.router_retry import GiveUp, Resend, RouterRetryConfig, decide_resend
+from services.gateway.router_retry import (
+    GiveUp,
+    Resend,
+    RouterRetryConfig,
+    decide_resend,
+    router_target,
+)
 
 pytestmark = pytest.mark.unit
 

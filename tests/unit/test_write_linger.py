@@ -51,6 +51,17 @@ def test_few_calls_in_flight_are_never_held() -> None:
     assert linger.delay_s(1, 8) == 0.001
 
 
+def test_calls_expected_within_a_window_follow_the_rate() -> None:
+    linger = WriteLinger(LingerConfig(smoothing=1.0))
+    assert linger.expected_calls(0.01) == 0.0  # no gap seen yet: no rate
+    arrivals(linger, gap_s=0.002, count=3)  # 500 calls/s
+    assert linger.expected_calls(0.01) == pytest.approx(5.0)
+    assert linger.expected_calls(0.0) == 0.0
+    linger.arrived(0.004)  # a gap of 0: as many as you like, but none within no time
+    assert linger.expected_calls(0.001) == float("inf")
+    assert linger.expected_calls(0.0) == 0.0
+
+
 def test_a_silence_stops_the_lingering_at_once() -> None:
     linger = WriteLinger(LingerConfig(linger_s=0.001, smoothing=0.1))
     now_s = arrivals(linger, gap_s=0.0001, count=100)
