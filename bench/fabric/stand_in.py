@@ -3,12 +3,13 @@
 The worker serves minilm as a stand-in (`--stand-in-curve`, services/gpu_worker/backends/
 stand_in.py): real tokenization, batches that take the H100's measured time asleep. The model
 then costs no CPU, so the tiers are the bottleneck here as on the H100 (../shared/gpu/). The
-phase reports:
-- goodput within the SLO on the uniform texts, and its efficiency against the curve's best
-  batch (the raw model on the H100);
+phase reports, in this order:
 - CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
   stand-in and for the identity model in the same stack, in units of one bare grpc.aio echo
-  call's CPU measured in the same run ("echo-calls", docs/benchmarks.md);
+  call's CPU measured in the same run, just before the stack starts ("echo-calls",
+  docs/benchmarks.md);
+- goodput within the SLO on the uniform texts, and its efficiency against the curve's best
+  batch (the raw model on the H100);
 - floods at `STAND_IN_OVERLOAD` multiples of the stand-in's goodput, and of the identity
   model's closed-loop throughput at `CALLERS` (its capacity here: the tiers bind it as they
   bind the stand-in), each followed by normal traffic at half of it (issue 33).
@@ -95,26 +96,13 @@ async def measure_stand_in(
     identity: Callable[[grpc.aio.Channel, float], Any] = identity_sender,
     flood_rate_per_s: float | None = None,
 ) -> dict[str, Any]:
-    """The stand-in stack's goodput sweep, then CPU per tier at CALLERS callers. The floods
-    are at `flood_rate_per_s` where given (the same load whatever the run's own capacity),
-    else STAND_IN_OVERLOAD times it."""
+    """CPU per tier at CALLERS callers first (nearest the `echo` measured before the stack
+    started), then the stand-in stack's goodput sweep and floods. The floods are at
+    `flood_rate_per_s` where given (the same load whatever the run's own capacity), else
+    STAND_IN_OVERLOAD times each one's capacity."""
     observer = Observer(stack.pids(), stack.metrics_ports())
     send = predict_sender(channel, model, texts, timeout_s)
     raw_best = best_rate(STAND_IN_CURVE, bucket)
-    swept = await sweep(
-        Target("stand_in", send, observer, model), settings, slo_s, log,
-        fallback_rate=0.01 * raw_best,
-    )  # fmt: skip
-    # 2x only: 10x the stand-in's goodput is past what the load generator can send on time
-    # from this machine (its windows would be void, not a measure of the fabric).
-    floods, after = await overload_phases(
-        Target("stand_in", send, observer, model),
-        swept.get("goodput_per_s") or 0.0,
-        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
-        slo_s,
-        log,
-        flood_rate_per_s,
-    )
     loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
     models = {"minilm_stand_in": model, "identity": "identity"}
     per_request: dict[str, Any] = {}
@@ -133,6 +121,20 @@ async def measure_stand_in(
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
             f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
             f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
+    swept = await sweep(
+        Target("stand_in", send, observer, model), settings, slo_s, log,
+        fallback_rate=0.01 * raw_best,
+    )  # fmt: skip
+    # 2x only: 10x the stand-in's goodput is past what the load generator can send on time
+    # from this machine (its windows would be void, not a measure of the fabric).
+    floods, after = await overload_phases(
+        Target("stand_in", send, observer, model),
+        swept.get("goodput_per_s") or 0.0,
+        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
+        slo_s,
+        log,
+        flood_rate_per_s,
+    )
     identity_capacity = per_request["identity"]["ok_per_s"]
     identity_floods, identity_after = await overload_phases(
         Target("identity", loads["identity"], observer, "identity"),
@@ -151,6 +153,7 @@ async def measure_stand_in(
         "overload": floods,
         "after_overload": after,
         "callers": CALLERS,
+        "echo": echo,
         "per_request": per_request,
         "identity_overload": {
             "capacity_per_s": identity_capacity,
