@@ -3,16 +3,17 @@
 The worker serves minilm as a stand-in (`--stand-in-curve`, services/gpu_worker/backends/
 stand_in.py): real tokenization, batches that take the H100's measured time asleep. The model
 then costs no CPU, so the tiers are the bottleneck here as on the H100 (../shared/gpu/). The
-phase reports, in this order:
+phase measures, in this order:
 - CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
   stand-in and for the identity model in the same stack, in units of one bare grpc.aio echo
   call's CPU measured in the same run, just before the stack starts ("echo-calls",
   docs/benchmarks.md);
+- a flood at `STAND_IN_OVERLOAD` multiples of the identity model's closed-loop throughput at
+  `CALLERS` (its capacity here: the tiers bind it as they bind the stand-in), followed by
+  normal traffic at half of it (issue 33);
 - goodput within the SLO on the uniform texts, and its efficiency against the curve's best
   batch (the raw model on the H100);
-- floods at `STAND_IN_OVERLOAD` multiples of the stand-in's goodput, and of the identity
-  model's closed-loop throughput at `CALLERS` (its capacity here: the tiers bind it as they
-  bind the stand-in), each followed by normal traffic at half of it (issue 33).
+- a flood at `STAND_IN_OVERLOAD` multiples of that goodput, and normal traffic after it.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ async def measure_stand_in(
     flood_rate_per_s: float | None = None,
 ) -> dict[str, Any]:
     """CPU per tier at CALLERS callers first (nearest the `echo` measured before the stack
-    started), then the stand-in stack's goodput sweep and floods. The floods are at
+    started), then the identity model's floods, then the stand-in's goodput sweep and floods:
+    each flood soon after the capacity it is a multiple of. The floods are at
     `flood_rate_per_s` where given (the same load whatever the run's own capacity), else
     STAND_IN_OVERLOAD times each one's capacity."""
     observer = Observer(stack.pids(), stack.metrics_ports())
@@ -121,6 +123,16 @@ async def measure_stand_in(
         log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
             f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
             f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
+    # The identity model's floods right after its capacity was measured, not minutes later.
+    identity_capacity = per_request["identity"]["ok_per_s"]
+    identity_floods, identity_after = await overload_phases(
+        Target("identity", loads["identity"], observer, "identity"),
+        identity_capacity,
+        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
+        slo_s,
+        log,
+        flood_rate_per_s,
+    )
     swept = await sweep(
         Target("stand_in", send, observer, model), settings, slo_s, log,
         fallback_rate=0.01 * raw_best,
@@ -130,15 +142,6 @@ async def measure_stand_in(
     floods, after = await overload_phases(
         Target("stand_in", send, observer, model),
         swept.get("goodput_per_s") or 0.0,
-        dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
-        slo_s,
-        log,
-        flood_rate_per_s,
-    )
-    identity_capacity = per_request["identity"]["ok_per_s"]
-    identity_floods, identity_after = await overload_phases(
-        Target("identity", loads["identity"], observer, "identity"),
-        identity_capacity,
         dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
         slo_s,
         log,

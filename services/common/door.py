@@ -159,8 +159,9 @@ class Door(grpc.aio.ServerInterceptor):
         return self.config.target_for(self._tightest_slo_s)
 
     def pickup_delay_s(self) -> float:
-        """How long calls wait to be picked up by this process, as last measured, seconds."""
-        return self.limit.last_delay_s
+        """How long calls wait to be picked up by this process, as last measured, seconds (0
+        once the door stopped: nothing measures it any more)."""
+        return self.limit.last_delay_s if self._probe_task is not None else 0.0
 
     def follow_slo(self, tightest_slo_s: float | None) -> None:
         """The tightest SLO of the models whose calls the door guards, seconds (None: none):

@@ -70,7 +70,7 @@ class WriteLinger:
 
     def expected_calls(self, within_s: float) -> float:
         """Calls expected to arrive within `within_s` at the moving average's rate."""
-        if within_s <= 0:
+        if not within_s > 0:  # NaN too
             return 0.0
         return within_s / self.mean_gap_s if self.mean_gap_s > 0 else math.inf
 

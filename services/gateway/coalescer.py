@@ -73,8 +73,7 @@ class BundleKey:
 
 
 def deadline_class(timeout_s: float) -> int:
-    """Time left in classes of powers of two milliseconds (bundle-mates' deadlines are within
-    2x of each other)."""
+    """Time left in classes of powers of two milliseconds (bundle-mates' within 2x)."""
     return math.ceil(math.log2(max(1.0, timeout_s * 1000.0)))
 
 
@@ -125,8 +124,7 @@ class _KeyState:
     in_flight: int = 0
     #: Bundles sent, not answered yet.
     out: int = 0
-    #: The bundles' times downstream, seconds: the worker's own time on each, as it reports
-    #: it, else the round trip (a failed bundle's included; `_send_bundle`).
+    #: The bundles' times downstream, seconds (the worker's own, else the round trip).
     downstream: MovingAverage = field(default_factory=lambda: MovingAverage(DOWNSTREAM_WEIGHT))
     #: Done when a bundle out is answered: what a held bundle waits on.
     answered: asyncio.Future[None] | None = None
@@ -234,13 +232,12 @@ class Coalescer:
         await asyncio.sleep(0)
         if bundle.is_sent:
             return
-        # In flight: the key's calls here, and those waiting to be picked up (module docstring).
-        in_flight = state.in_flight + state.linger.expected_calls(self._pickup_delay_s())
-        delay_s = state.linger.delay_s(bundle.rows, in_flight)
+        delay_s = state.linger.delay_s(bundle.rows, self._in_flight(state))
         if delay_s > 0 and bundle.rows < max_rows:
             await asyncio.sleep(delay_s)
         if not bundle.is_sent and bundle.slices:
             time_left_s = min(s.deadline_s for s in bundle.slices) - time.monotonic()
+            in_flight = self._in_flight(state)  # after the linger: calls came and went
             hold_s = self._clock.hold_s(state.out, in_flight, time_left_s, state.downstream.mean)
             if hold_s > 0:  # until an answer, or until it leaves full (`call`)
                 loop = asyncio.get_running_loop()
@@ -253,6 +250,10 @@ class Coalescer:
                     return_when=asyncio.FIRST_COMPLETED,
                 )
         self._leave(bundle)
+
+    def _in_flight(self, state: _KeyState) -> float:
+        """The key's calls here, and those waiting to be picked up (the module's docstring)."""
+        return state.in_flight + state.linger.expected_calls(self._pickup_delay_s())
 
     def _bundle_done(self, bundle: _Bundle) -> None:
         """Its send task ended (answered, failed, or cancelled, even before it started): a
@@ -356,8 +357,7 @@ def _fail(slices: Sequence[_Slice], error: BaseException) -> None:
 
 
 def _prepared(bundle: _Bundle) -> list[_Slice]:
-    """The bundle's slices with their rows made (`Prepare`); refused callers are answered and
-    left out."""
+    """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out."""
     if bundle.prepare is None:
         return bundle.slices
     kept = []

@@ -326,6 +326,9 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
         assert served.door.limit.is_shedding
         assert served.registry.get_sample_value(names.DOOR_SHEDDING) == 1
         assert served.door.num_in_flight < served.door.limit.limit
+        # Shedding measured calls waiting past twice the target to be picked up: the delay
+        # the gateway's coalescer counts waiting calls by (services.gateway.coalescer).
+        assert served.door.pickup_delay_s() > 2 * config.target_s
         num_sent = await busy_while(lambda: not refusals, send=True)
         assert refusals, "no call was refused while the queue stood"
         for error in refusals:
@@ -339,6 +342,11 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
         await eventually(lambda: not served.door.limit.is_shedding)
         assert served.registry.get_sample_value(names.DOOR_SHEDDING) == 0
         assert await served.call(b"ok-again") == b"served ok-again"
+        door = served.door
+        assert door.pickup_delay_s() > 0  # a probe's round trip, or a timer's lateness
+    # Stopped (as a draining gateway's door is first), it reports no delay: nothing measures
+    # one any more.
+    assert door.pickup_delay_s() == 0.0
 
 
 def _keep_calls_waiting(
