@@ -22,18 +22,20 @@ import torch
 
 from services.common import metric_names as names
 from services.common.bundles import SliceCancels
+from services.common.door_config import DoorConfig
 from services.common.multiplex import MultiplexClient
 from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
-from tests.support.in_process import Fabric, metric, running_fabric
+from tests.support.in_process import Fabric, metric, running_fabric, start_lone_gateway
 from tests.support.models import (
     STALL,
     affine_reference,
     release_stall,
     write_affine_model,
+    write_minilm_repository,
     write_stalling_model,
 )
 from tests.support.redis import RedisServer
@@ -374,3 +376,25 @@ async def test_a_gateway_process_spreads_its_calls_over_every_router(
         ]
     assert sum(routed) == 16
     assert min(routed) > 0, routed
+
+
+async def test_a_gateways_coalescer_counts_by_its_doors_pickup_delay(tmp_path: Path) -> None:
+    """The gateway's coalescer counts the calls waiting to be picked up by the delay its own
+    door measures (services.gateway.coalescer), and by none once the door is off."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    gateway = await start_lone_gateway(repository, allow_unauthenticated=True)
+    try:
+        door = gateway.door
+        assert door is not None  # on by default
+        door.limit.last_delay_s = 0.25  # as a probe that waited a quarter second measures
+        assert gateway.predictor._bundles._pickup_delay_s() == 0.25
+    finally:
+        await gateway.stop()
+    no_door = await start_lone_gateway(
+        repository, allow_unauthenticated=True, door=DoorConfig(enabled=False)
+    )
+    try:
+        assert no_door.door is None
+        assert no_door.predictor._bundles._pickup_delay_s() == 0.0
+    finally:
+        await no_door.stop()
