@@ -135,9 +135,9 @@ class Coalescer:
         self,
         send: Send,
         metrics: GatewayMetrics,
+        pickup_delay_s: Callable[[], float],
         linger: LingerConfig = DEFAULT_LINGER,
         clock: BundleClock = DEFAULT_CLOCK,
-        pickup_delay_s: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self._send = send
         self._metrics = metrics

@@ -94,7 +94,7 @@ class Predictor:
         rng: random.Random | None = None,
         retry: RouterRetryConfig | None = None,
         clock: BundleClock = DEFAULT_CLOCK,
-        pickup_delay_s: Callable[[], float] = lambda: 0.0,
+        pickup_delay_s: Callable[[], float],
     ) -> None:
         self.catalog = catalog
         self.admission = admission
