@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -24,6 +24,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from services.common.interceptors import ServerCalls, Stage
 from services.common.loop_lag import LoopLag
 from services.common.settings import Setting
+
+log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -316,3 +318,31 @@ def freeze_startup_heap() -> None:
     otherwise walk it while requests wait (tens of ms per collection, as latency spikes)."""
     gc.collect()
     gc.freeze()
+
+
+async def drain_within(
+    drains: Sequence[asyncio.Task[None]],
+    grace_s: float,
+    state: Callable[[str], str] = lambda name: "",
+) -> None:
+    """Waits up to `grace_s` for every drain; past it, cancels those left (their rows are
+    answered UNAVAILABLE) and logs them by name, with `state(name)`, so a stop that overran
+    says what it waited for. A drain that failed is logged and raised once all are done."""
+    if not drains:
+        return
+    try:
+        done, pending = await asyncio.wait(drains, timeout=grace_s)
+    except asyncio.CancelledError:
+        for task in drains:
+            task.cancel()
+        raise
+    if pending:
+        left = ", ".join(t.get_name() + state(t.get_name()) for t in pending)
+        log.warning("drain did not finish within %.1fs: still running %s", grace_s, left)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        if not task.cancelled() and (error := task.exception()) is not None:
+            log.error("%s failed; closing anyway", task.get_name(), exc_info=error)
+            raise error

@@ -19,6 +19,7 @@ from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
     add_health_and_reflection,
+    drain_within,
     freeze_startup_heap,
     new_server,
     set_serving,
@@ -303,20 +304,25 @@ class Worker:
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
         generation = (*self.models.generation, *self.models.unloading) if self.models else ()
-        drains = [b.engine.drain() for b in generation]
+        loop = asyncio.get_running_loop()
+        drains = [
+            loop.create_task(b.engine.drain(), name=f"drain {b.config.name} {b.version.version}")
+            for b in generation
+        ]
         if self.batching is not None:
-            drains.append(self.batching.drain())
+            drains.append(loop.create_task(self.batching.drain(), name="drain batching"))
         try:
-            await asyncio.wait_for(asyncio.gather(*drains), self.config.drain_grace_s)
-        except TimeoutError:
-            log.warning("drain did not finish within %.1fs", self.config.drain_grace_s)
-        except Exception:
-            log.exception("drain failed; closing anyway")
-            raise
+            await drain_within(drains, self.config.drain_grace_s, self._drain_state)
         finally:
             # Whatever the drain did, leave the registry and close: a stale entry would draw
             # routers' calls to a process that is going away.
             await self._close()
+
+    def _drain_state(self, drain: str) -> str:
+        if drain != "drain batching" or self.batching is None:
+            return ""
+        executing = "a batch executing" if self.batching.is_executing else "none executing"
+        return f" ({self.batching.num_in_flight} rows unanswered, {executing})"
 
     async def _close(self) -> None:
         if self.registry_publisher is not None:

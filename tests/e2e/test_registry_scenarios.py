@@ -414,7 +414,10 @@ async def test_s35_a_new_worker_replica_gets_requests(fabric: Fabric, tmp_path: 
     await load.served_more_than(20)
     password_file = stack.state_dir / "redis-acl" / password_file_name(WORKER)
     args = ("--redis-url", f"redis://127.0.0.1:{stack.redis_port}/0", "--host", "127.0.0.1",
-            "--redis-password-file", str(password_file), "--worker-id", "worker-new")  # fmt: skip
+            "--redis-password-file", str(password_file), "--worker-id", "worker-new",
+            # A drain that hangs then says so, with what it waits for, well inside terminate's
+            # 30 s (it once overran them, unexplained: no log said where).
+            "--drain-grace-s", "5")  # fmt: skip
     extra: ServiceProcess = await asyncio.to_thread(
         start_worker, tmp_path, model_repository=fabric.model_repository, extra_args=args
     )
@@ -437,6 +440,7 @@ async def test_s35_a_new_worker_replica_gets_requests(fabric: Fabric, tmp_path: 
         await load.stop()
         code = extra.terminate()
     assert code == 0, extra.log()
+    assert "drain did not finish" not in extra.log(), extra.log()
     assert not load.errors()[:3]
     await eventually(
         lambda: live_workers(stack) == 2,
