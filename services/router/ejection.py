@@ -7,7 +7,8 @@ there waits out its whole deadline. `TimeoutEjector` ejects such a worker from r
 has answered nothing for `min_silence_s`: an overloaded worker times out many calls in a row yet
 keeps answering others, and ejecting it would turn overload into an outage. After the period
 one request at a time probes it again. A probe that times out ejects it again for twice as
-long (bounded by `max_eject_s`); a success restores it.
+long (bounded by `max_eject_s`); a success restores it. Routing skips an ejected worker only
+while another can take the call (services.router.routing: Envoy's panic threshold at 0%).
 
 Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
 """

@@ -233,20 +233,21 @@ class RouteTable:
         if routable is None:
             routable = self._routable[(name, version)] = self._routable_for(name, version)
         workers, is_known = routable
-        may_route = self.timeouts.may_route
         ejected_until_s = self._ejected_until_s
         if not exclude and not ejected_until_s:
             if not self.timeouts.has_ejected:
                 return workers, is_known  # the usual case; callers do not change the list
-            return [c for c in workers if may_route(c.worker_id, now_s)], is_known
-        eligible = [
-            c
-            for c in workers
-            if c.worker_id not in exclude
-            and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
-            and may_route(c.worker_id, now_s)
-        ]
-        return eligible, is_known
+        else:
+            workers = [
+                c
+                for c in workers
+                if c.worker_id not in exclude
+                and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
+            ]
+        # Timeouts eject a worker only while another can take its calls (Envoy's panic threshold
+        # at 0%): where all time out, ejecting the last turns late answers into none (ejection).
+        may_route = self.timeouts.may_route
+        return [c for c in workers if may_route(c.worker_id, now_s)] or workers, is_known
 
     def _routable_for(self, name: str, version: str) -> tuple[list[_Candidate], bool]:
         """The snapshot's workers alive at the last refresh, not draining and ready for

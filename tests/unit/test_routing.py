@@ -579,6 +579,29 @@ def test_a_worker_whose_calls_only_time_out_is_skipped_then_probed_by_one_reques
     assert routed_to(route(table, now_s=11.1)) == "w1"
 
 
+def test_the_last_worker_a_model_has_is_still_routed_when_its_calls_time_out() -> None:
+    """Envoy's panic threshold at 0%: every worker timing out is an overloaded machine more
+    likely than wedged workers, and ejecting the last would turn late answers into none."""
+    table = loaded(
+        make_table(timeouts_to_eject=2, timeout_eject_s=10.0), make_worker(worker_id="w1")
+    )
+    for _ in range(2):
+        assert routed_to(route(table, now_s=1.0)) == "w1"
+        table.timeouts.record_timeout("w1", 1.0, waited_s=1.0, predicted_s=0.01)
+    assert table.timeouts.is_ejected("w1", 1.0)
+    assert routed_to(route(table, now_s=1.0)) == "w1"
+    # A second worker takes every call while the first is ejected ...
+    w2 = make_worker(worker_id="w2", queued_rows=50)
+    loaded(table, make_worker(worker_id="w1"), w2, now_s=2.0)
+    assert {routed_to(route(table, now_s=2.0)) for _ in range(5)} == {"w2"}
+    # ... but a retry that already tried it has only the ejected one left: it goes there.
+    assert routed_to(route(table, now_s=2.0, exclude=frozenset({"w2"}))) == "w1"
+    # A worker that refused a call UNAVAILABLE is out however few are left: it is unreachable.
+    table.eject("w1", 2.0)
+    retry = route(table, now_s=2.0, exclude=frozenset({"w2"}))
+    assert rejected(retry) is RejectReason.NO_WORKER
+
+
 def test_bad_timeout_ejection_settings_are_refused() -> None:
     with pytest.raises(ValueError):
         RoutingConfig(timeout_eject_s=60.0, max_timeout_eject_s=30.0)
