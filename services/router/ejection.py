@@ -8,13 +8,16 @@ has answered nothing for `min_silence_s`: an overloaded worker times out many ca
 keeps answering others, and ejecting it would turn overload into an outage. After the period
 one request at a time probes it again. A probe that times out ejects it again for twice as
 long (bounded by `max_eject_s`); a success restores it. Routing skips an ejected worker only
-while another can take the call (services.router.routing: Envoy's panic threshold at 0%).
+while another worker of the model version is routable (services.router.routing: Envoy's panic
+mode, entered here only when none is left); an answer to a call routed there meanwhile
+restores it at once.
 
 Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -54,6 +57,8 @@ class _Health:
     num_ejections: int = 0
     #: While ejected: when the period ends; after it, the worker is on probation.
     ejected_until_s: float | None = None
+    #: When the current ejection began (calls sent since are answers of the ejected worker).
+    ejected_at_s: float = 0.0
     #: On probation, a probe is out until this time (then another may go).
     probe_until_s: float | None = None
     #: When the last ejection period ended (repeats within `max_eject_s` of it double).
@@ -87,17 +92,20 @@ class TimeoutEjector:
         if health is not None and until_s is not None and now_s >= until_s:
             health.probe_until_s = now_s + self._config.eject_s
 
-    def record_success(self, worker_id: str, now_s: float) -> None:
-        """A call to `worker_id` was answered: the timeout streak ends, a probation too. The
-        worker is forgotten once it has answered for `max_eject_s` since its last ejection."""
+    def record_success(self, worker_id: str, now_s: float, sent_s: float = -math.inf) -> None:
+        """A call to `worker_id`, sent at `sent_s`, was answered: the timeout streak ends, an
+        ejection too once the answer is to a call sent while ejected (routed there because no
+        other worker could take it: services.router.routing) or on probation. The worker is
+        forgotten once it has answered for `max_eject_s` since its last ejection."""
         self._last_answer_s[worker_id] = now_s
         health = self._workers.get(worker_id)
         if health is None:
             return
         health.num_timeouts = 0
         if health.ejected_until_s is not None:
-            if now_s >= health.ejected_until_s:  # else a late answer to a call sent before
-                health.last_ejection_end_s = health.ejected_until_s
+            # Else a late answer to a call sent before the ejection: it says nothing new.
+            if now_s >= health.ejected_until_s or sent_s >= health.ejected_at_s:
+                health.last_ejection_end_s = min(now_s, health.ejected_until_s)
                 health.ejected_until_s = health.probe_until_s = None
             return
         if health.num_ejections == 0 or (
@@ -131,6 +139,7 @@ class TimeoutEjector:
         health.num_ejections += 1
         self.has_ejected = True
         health.num_timeouts = 0
+        health.ejected_at_s = now_s
         health.ejected_until_s = now_s + period_s
         health.probe_until_s = None
         return period_s

@@ -321,7 +321,7 @@ class Forwarder:
         now_s = time.monotonic()
         timeouts = self._table.timeouts
         if error is None or error.code not in _NO_ANSWER:
-            timeouts.record_success(route.worker_id, now_s)
+            timeouts.record_success(route.worker_id, now_s, sent_s)
         elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             waited_s = now_s - sent_s
             period_s = timeouts.record_timeout(
@@ -329,7 +329,8 @@ class Forwarder:
             )
             if period_s is not None:
                 log.warning(
-                    "worker %s ejected for %.0fs: its calls only time out",
+                    "worker %s ejected for %.0fs: its calls only time out (still routed to "
+                    "while no other worker of its model version is)",
                     route.worker_id,
                     period_s,
                 )

@@ -244,8 +244,8 @@ class RouteTable:
                 if c.worker_id not in exclude
                 and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
             ]
-        # Timeouts eject a worker only while another can take its calls (Envoy's panic threshold
-        # at 0%): where all time out, ejecting the last turns late answers into none (ejection).
+        # Timeouts eject a worker only while another is routable (Envoy's panic mode, here only
+        # when none is left): where all time out, ejecting the last turns late answers to none.
         may_route = self.timeouts.may_route
         return [c for c in workers if may_route(c.worker_id, now_s)] or workers, is_known
 

@@ -130,8 +130,8 @@ async def test_a_worker_whose_calls_only_time_out_is_ejected_and_traffic_goes_el
                 lambda: sample(router, "inference_router_ejections_total", worker="w1")
             )
             # Ejected, but the only worker of its model: still routed there (Envoy's panic
-            # threshold), since every worker timing out is more likely an overloaded machine
-            # than a wedged one, and ejecting the last would answer nobody.
+            # mode), since every worker timing out is more likely an overloaded machine than a
+            # wedged one, and ejecting the last would answer nobody.
             alone = await infer(router, WEDGED_CALL_TIMEOUT_S)
             routed_alone = sample(router, routed, model="stall", version="1", worker="w1")
             healthy = await start_worker(tmp_path, redis_server, "w2")

@@ -147,3 +147,18 @@ def test_zero_timeouts_to_eject_never_ejects() -> None:
 def test_bad_settings_are_refused(config: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         make_ejector(**config)
+
+
+def test_an_answer_to_a_call_sent_while_ejected_restores_the_worker_at_once() -> None:
+    """Routed there anyway (the last worker of its model: services.router.routing), its
+    answers are news; an answer to a call sent before the ejection is not."""
+    ejector = make_ejector()
+    assert time_out(ejector, 1.0, times=3) == 10.0
+    ejector.record_success("w1", 2.0, sent_s=0.5)  # sent before the ejection
+    assert ejector.is_ejected("w1", 2.0)
+    ejector.record_success("w1", 3.0, sent_s=2.5)  # sent while ejected
+    assert not ejector.is_ejected("w1", 3.0)
+    assert ejector.may_route("w1", 3.0)
+    # A repeat within max_eject_s still doubles: the restoration ended the period early.
+    ejector.record_success("w1", 3.0)
+    assert time_out(ejector, 6.0, times=3) == 20.0

@@ -580,8 +580,9 @@ def test_a_worker_whose_calls_only_time_out_is_skipped_then_probed_by_one_reques
 
 
 def test_the_last_worker_a_model_has_is_still_routed_when_its_calls_time_out() -> None:
-    """Envoy's panic threshold at 0%: every worker timing out is an overloaded machine more
-    likely than wedged workers, and ejecting the last would turn late answers into none."""
+    """Envoy's panic mode, entered only when no other worker is left: every worker timing out
+    is an overloaded machine more likely than wedged workers, and ejecting the last would turn
+    late answers into none."""
     table = loaded(
         make_table(timeouts_to_eject=2, timeout_eject_s=10.0), make_worker(worker_id="w1")
     )
