@@ -327,22 +327,27 @@ async def drain_within(
 ) -> None:
     """Waits up to `grace_s` for every drain; past it, cancels those left (their rows are
     answered UNAVAILABLE) and logs them by name, with `state(name)`, so a stop that overran
-    says what it waited for. A drain that failed is logged and raised once all are done."""
+    says what it waited for. Cancelled itself, it cancels every drain and waits for their
+    cancel paths. Every drain that failed is logged; the first is raised once all are done."""
     if not drains:
         return
     try:
-        done, pending = await asyncio.wait(drains, timeout=grace_s)
+        _, pending = await asyncio.wait(drains, timeout=grace_s)
     except asyncio.CancelledError:
         for task in drains:
             task.cancel()
+        await asyncio.wait(drains)
         raise
     if pending:
-        left = ", ".join(t.get_name() + state(t.get_name()) for t in pending)
-        log.warning("drain did not finish within %.1fs: still running %s", grace_s, left)
         for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-    for task in done:
-        if not task.cancelled() and (error := task.exception()) is not None:
-            log.error("%s failed; closing anyway", task.get_name(), exc_info=error)
-            raise error
+            task.cancel()  # first: whatever `state` does, nothing is left running
+        names = [t.get_name() + state(t.get_name()) for t in drains if t in pending]
+        log.warning(
+            "drain did not finish within %.1fs: still running %s", grace_s, ", ".join(names)
+        )
+        await asyncio.wait(pending)
+    errors = [(t, e) for t in drains if not t.cancelled() and (e := t.exception()) is not None]
+    for task, error in errors:
+        log.error("%s failed; closing anyway", task.get_name(), exc_info=error)
+    if errors:
+        raise errors[0][1]
