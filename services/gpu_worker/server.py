@@ -53,6 +53,9 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+#: The batching loop's drain task, by name (a stop that overran names it).
+BATCHING_DRAIN = "drain batching"
+
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WorkerService"].full_name
 
 
@@ -310,7 +313,7 @@ class Worker:
             for b in generation
         ]
         if self.batching is not None:
-            drains.append(loop.create_task(self.batching.drain(), name="drain batching"))
+            drains.append(loop.create_task(self.batching.drain(), name=BATCHING_DRAIN))
         try:
             await drain_within(drains, self.config.drain_grace_s, self._drain_state)
         finally:
@@ -319,7 +322,7 @@ class Worker:
             await self._close()
 
     def _drain_state(self, drain: str) -> str:
-        if drain != "drain batching" or self.batching is None:
+        if drain != BATCHING_DRAIN or self.batching is None:
             return ""
         executing = "a batch executing" if self.batching.is_executing else "none executing"
         return f" ({self.batching.num_in_flight} rows unanswered, {executing})"

@@ -95,7 +95,7 @@ class TimeoutEjector:
     def record_success(self, worker_id: str, now_s: float, sent_s: float = -math.inf) -> None:
         """A call to `worker_id`, sent at `sent_s`, was answered: the timeout streak ends, an
         ejection too once the answer is to a call sent while ejected (routed there because no
-        other worker could take it: services.router.routing) or on probation. The worker is
+        other worker was routable: services.router.routing) or on probation. The worker is
         forgotten once it has answered for `max_eject_s` since its last ejection."""
         self._last_answer_s[worker_id] = now_s
         health = self._workers.get(worker_id)

@@ -329,8 +329,8 @@ class Forwarder:
             )
             if period_s is not None:
                 log.warning(
-                    "worker %s ejected for %.0fs: its calls only time out (still routed to "
-                    "while no other worker of its model version is)",
+                    "worker %s ejected for %.0fs: its calls only time out (it is still routed "
+                    "to while no other worker of its model version is routable)",
                     route.worker_id,
                     period_s,
                 )

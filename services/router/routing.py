@@ -234,16 +234,15 @@ class RouteTable:
             routable = self._routable[(name, version)] = self._routable_for(name, version)
         workers, is_known = routable
         ejected_until_s = self._ejected_until_s
-        if not exclude and not ejected_until_s:
-            if not self.timeouts.has_ejected:
-                return workers, is_known  # the usual case; callers do not change the list
-        else:
+        if exclude or ejected_until_s:
             workers = [
                 c
                 for c in workers
                 if c.worker_id not in exclude
                 and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
             ]
+        elif not self.timeouts.has_ejected:
+            return workers, is_known  # the usual case; callers do not change the list
         # Timeouts eject a worker only while another is routable (Envoy's panic mode, here only
         # when none is left): where all time out, ejecting the last turns late answers to none.
         may_route = self.timeouts.may_route
