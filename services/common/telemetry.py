@@ -4,11 +4,12 @@ tier exports, and recording helpers (business code only records values)."""
 from __future__ import annotations
 
 import bisect
-import contextlib
 import importlib.metadata
 import math
-from collections.abc import Iterator, Sequence
-from typing import Protocol
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -77,26 +78,51 @@ def package_version() -> str:
         return "unknown"
 
 
-class _LabelledCounter(Protocol):
-    def labels(self, *values: str) -> _Incrementable: ...
+class Children(dict[tuple[str, ...], Any]):
+    """A labelled metric's children by their label values, each made once: `labels()` takes a
+    lock and checks and joins its values on every call, and the hot paths record per request.
+    For a metric whose children are never removed (none on those paths is)."""
+
+    __slots__ = ("_metric",)
+
+    def __init__(self, metric: Counter | Gauge | Histogram) -> None:
+        super().__init__()
+        self._metric = metric
+
+    def __missing__(self, values: tuple[str, ...]) -> Any:
+        child = self[values] = self._metric.labels(*values)
+        return child
 
 
-class _Incrementable(Protocol):
-    def inc(self, amount: float = 1) -> None: ...
+class Outcome:
+    """Counts the enclosed call in `counts` under `labels` plus the gRPC status it ends with
+    (OK, or the status its error maps to; CANCELLED when the caller went away), and observes
+    its duration in `seconds` (a histogram's child) when given. A class, not a generator: it is
+    entered per request."""
 
+    __slots__ = ("_counts", "_labels", "_seconds", "_started")
 
-@contextlib.contextmanager
-def count_outcome(counter: _LabelledCounter, *labels: str) -> Iterator[None]:
-    """Counts the enclosed call under `labels` plus the gRPC status it ends with (OK, or the
-    status its error maps to; CANCELLED when the caller went away)."""
-    code = "OK"
-    try:
-        yield
-    except BaseException as error:
-        code = status_of(error).code.name
-        raise
-    finally:
-        counter.labels(*labels, code).inc()
+    def __init__(
+        self, counts: Children, labels: tuple[str, ...], seconds: Histogram | None = None
+    ) -> None:
+        self._counts = counts
+        self._labels = labels
+        self._seconds = seconds
+        self._started = 0.0
+
+    def __enter__(self) -> None:
+        self._started = time.perf_counter()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        code = "OK" if error is None else status_of(error).code.name
+        self._counts[(*self._labels, code)].inc()
+        if self._seconds is not None:
+            self._seconds.observe(time.perf_counter() - self._started)
 
 
 def observe_many(histogram: Histogram, amount: float, count: int) -> None:

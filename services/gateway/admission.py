@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 from services.common.errors import Overloaded, ServingError
 from services.common.priority import PriorityClass
-from services.common.telemetry import count_outcome
+from services.common.telemetry import Outcome
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.quotas import QuotaRefusal, TenantQuotas
 from services.gateway.tenants import TenantLabels, TenantPolicy
@@ -73,7 +73,7 @@ class TenantAdmission:
         refusal = self.quotas.take_rows(policy, num_rows, self._clock())
         if refusal is not None:
             raise self._refused(policy, refusal)
-        self._metrics.tenant_rows_total.labels(self.labels(policy.name)).inc(num_rows)
+        self._metrics.tenant_rows_total_of[(self.labels(policy.name),)].inc(num_rows)
 
     def priority_for(self, policy: TenantPolicy, requested: PriorityClass | None) -> PriorityClass:
         """The call's class (see TenantPolicy.priority_for); a refusal is counted."""
@@ -83,17 +83,15 @@ class TenantAdmission:
             self.refused(policy.name, "priority")
             raise
 
-    @contextlib.contextmanager
-    def observe(self, tenant: str, priority: PriorityClass) -> Iterator[None]:
-        """Counts and times one inference call of `tenant` by its final status."""
-        label, started = self.labels(tenant), time.perf_counter()
-        try:
-            with count_outcome(self._metrics.tenant_requests_total, label, priority.value):
-                yield
-        finally:
-            self._metrics.tenant_request_seconds.labels(label).observe(
-                time.perf_counter() - started
-            )
+    def observe(self, tenant: str, priority: PriorityClass) -> Outcome:
+        """Counts and times one inference call of `tenant` by its final status: enter it
+        around the call."""
+        label = self.labels(tenant)
+        return Outcome(
+            self._metrics.tenant_requests_total_of,
+            (label, priority.value),
+            self._metrics.tenant_request_seconds_of[(label,)],
+        )
 
 
 class StreamRequests:

@@ -219,7 +219,7 @@ class Predictor:
             )
             raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
-        self._metrics.inputs_total.labels(config.name, model.version).inc(len(rows))
+        self._metrics.inputs_total_of[(config.name, model.version)].inc(len(rows))
         num_tokens = sum(len(r) for r in answered.rows) if is_text else 0
         return PredictResult(config.name, model.version, answered.outputs, request_id, num_tokens)
 
@@ -271,7 +271,7 @@ class Predictor:
         key = f"{model}/{priority.value}/{tenant}"
         shed = self._throttle.admit(key, time.monotonic(), self._rng.random())
         if priority is not PriorityClass.BATCH:
-            self._metrics.throttle_probability.labels(model).set(
+            self._metrics.throttle_probability_of[(model,)].set(
                 0.0 if shed is None else shed.probability
             )
         if shed is not None:

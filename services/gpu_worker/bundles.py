@@ -90,7 +90,7 @@ class BundleRunner:
             parts = self._rows_per_slice(backend, request)
         except Exception as error:  # refuses every slice alike: counted for each
             code = status_of(error).code.name
-            self._metrics.requests_total.labels(*labels, code).inc(len(request.slices))
+            self._metrics.requests_total_of[(*labels, code)].inc(len(request.slices))
             raise
         # A slice its caller stopped waiting for before the bundle got here is not queued:
         # its rows would count against its bundle-mates' room and deadlines.
@@ -142,7 +142,7 @@ class BundleRunner:
         """Counts each slice's outcome (`codes`) in requests_total; returns the counts."""
         counts = Counter(codes)
         for code, count in counts.items():
-            self._metrics.requests_total.labels(*labels, code).inc(count)
+            self._metrics.requests_total_of[(*labels, code)].inc(count)
         return counts
 
     def _rows_per_slice(

@@ -29,7 +29,7 @@ from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
 from services.common.pb_conversions import finish_reason_to_pb
 from services.common.sampling import sampling_from_pb
-from services.common.telemetry import count_outcome, tier_registry
+from services.common.telemetry import Outcome, tier_registry
 from services.common.tensors import tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tls import add_port, start_health_listener
@@ -90,7 +90,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             cancels = getattr(context, "slice_cancels", None)  # on an InferStream
             return await self._bundles.infer(backend, request, context.time_remaining(), cancels)
         labels = (backend.config.name, backend.version.version)
-        with count_outcome(self._metrics.requests_total, *labels):
+        with Outcome(self._metrics.requests_total_of, labels):
             backend.check_fingerprint(request.fingerprint)
             if not request.inputs:
                 raise InvalidInput("request has no inputs")

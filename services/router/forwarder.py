@@ -22,7 +22,7 @@ from services.common.grpc_errors import is_bug
 from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
-from services.common.telemetry import count_outcome
+from services.common.telemetry import Outcome
 from services.common.tls import ClientTls, open_channel
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
@@ -91,14 +91,10 @@ class Forwarder:
 
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
         facts = call_facts(context, self._default_timeout_s)
-        started_s = time.monotonic()
-        try:
-            with count_outcome(self._metrics.responses_total, facts.name, facts.version):
-                return await self._infer(body, facts, getattr(context, "slice_cancels", None))
-        finally:
-            self._metrics.request_seconds.labels(facts.name, facts.version).observe(
-                time.monotonic() - started_s
-            )
+        labels = (facts.name, facts.version)
+        seconds = self._metrics.request_seconds_of[labels]
+        with Outcome(self._metrics.responses_total_of, labels, seconds):
+            return await self._infer(body, facts, getattr(context, "slice_cancels", None))
 
     def _infer(
         self, body: bytes, facts: CallFacts, slice_cancels: SliceCancels | None
@@ -235,7 +231,7 @@ class Forwarder:
         # always sends one, the model's default_timeout_ms when its caller set none).
         facts = call_facts(context, None)
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
-        with count_outcome(self._metrics.responses_total, name, version):
+        with Outcome(self._metrics.responses_total_of, (name, version)):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
             failure: UpstreamError | None = None
@@ -307,8 +303,8 @@ class Forwarder:
             weight=facts.weight,
         )
         if isinstance(decision, Route):
-            self._metrics.routed_total.labels(name, version, decision.worker_id).inc()
-            self._metrics.predicted_wait_seconds.labels(name, version).observe(decision.predicted_s)
+            self._metrics.routed_total_of[(name, version, decision.worker_id)].inc()
+            self._metrics.predicted_wait_seconds_of[(name, version)].observe(decision.predicted_s)
         return decision
 
     def _refused(self, facts: CallFacts, decision: Reject, *, retried: bool) -> Exception:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
+from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory
 
 _MODEL = ("model", "version")
 
@@ -78,3 +78,8 @@ class RouterMetrics:
             "Workers taken out of routing because their calls only timed out, by worker.",
             ("worker",),
         )
+        # The children each bundle records in, each looked up once.
+        self.routed_total_of = Children(self.routed_total)
+        self.responses_total_of = Children(self.responses_total)
+        self.predicted_wait_seconds_of = Children(self.predicted_wait_seconds)
+        self.request_seconds_of = Children(self.request_seconds)

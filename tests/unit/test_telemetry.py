@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from services.common.telemetry import observe_many
+from services.common.errors import InvalidInput
+from services.common.telemetry import Children, Outcome, observe_many
 
 pytestmark = pytest.mark.unit
 
@@ -44,3 +46,39 @@ def test_no_observation_records_nothing() -> None:
     histogram = Histogram("none", "", buckets=BUCKETS, registry=None)
     observe_many(histogram, 0.5, 0)
     assert all(v == 0 for v in _samples(histogram).values())
+
+
+def _counts(counter: Counter) -> dict[tuple[str, ...], float]:
+    (metric,) = counter.collect()
+    return {tuple(s.labels.values()): s.value for s in metric.samples if s.name.endswith("_total")}
+
+
+def test_a_child_is_looked_up_once_and_records_in_the_exported_series() -> None:
+    counter = Counter("calls", "", ("model", "code"), registry=CollectorRegistry())
+    children = Children(counter)
+    children[("m", "OK")].inc()
+    children[("m", "OK")].inc(2)
+    children[("n", "OK")].inc()
+    assert children[("m", "OK")] is counter.labels("m", "OK")
+    assert len(children) == 2
+    assert _counts(counter) == {("m", "OK"): 3.0, ("n", "OK"): 1.0}
+
+
+def test_an_outcome_counts_each_call_by_the_status_it_ends_with_and_times_it() -> None:
+    registry = CollectorRegistry()
+    counter = Counter("calls", "", ("model", "code"), registry=registry)
+    histogram = Histogram("call_seconds", "", ("model",), buckets=BUCKETS, registry=registry)
+    counts, seconds = Children(counter), histogram.labels("m")
+    with Outcome(counts, ("m",), seconds):
+        pass
+    with pytest.raises(InvalidInput), Outcome(counts, ("m",), seconds):
+        raise InvalidInput("bad row")  # raised on: the outcome counts, never swallows
+    with pytest.raises(asyncio.CancelledError), Outcome(counts, ("m",)):
+        raise asyncio.CancelledError  # the caller went away
+    assert _counts(counter) == {
+        ("m", "OK"): 1.0,
+        ("m", "INVALID_ARGUMENT"): 1.0,
+        ("m", "CANCELLED"): 1.0,
+    }
+    # Only the calls given `seconds` are timed.
+    assert _samples(histogram)[("call_seconds_count", "")] == 2.0
