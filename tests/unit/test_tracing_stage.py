@@ -1,0 +1,65 @@
+"""The tracing stage without a tracer provider: no span where none would record or carry
+anything, the caller's context still passed on, the request id still on every log line."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import grpc
+import pytest
+from opentelemetry import trace
+
+from services.common import tracing
+from services.common.logs import JsonFormatter
+from services.common.tracing import Tracing, current_traceparent
+
+pytestmark = pytest.mark.unit
+
+METHOD = "/inference.v1.InferenceService/Predict"
+CALLER = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"
+
+
+@pytest.fixture(autouse=True)
+def no_provider(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As in a tier that found no exporter (the test process may have installed one)."""
+    monkeypatch.setattr(tracing, "is_recording", lambda: False)
+
+
+def _logged_request_id() -> str | None:
+    record = logging.LogRecord("svc", logging.INFO, __file__, 1, "inside", (), None)
+    return json.loads(JsonFormatter("gateway").format(record)).get("request_id")
+
+
+def test_a_call_without_trace_context_gets_no_span_and_keeps_its_request_id() -> None:
+    scope = Tracing().scope(METHOD, (("user-agent", "grpc-python"), ("x-request-id", "req-7")))
+    assert scope is not None
+    scope.enter()
+    token = scope.attach()
+    try:
+        assert trace.get_current_span() is trace.INVALID_SPAN
+        assert current_traceparent() == ""  # nothing to pass on downstream
+        assert _logged_request_id() == "req-7"
+    finally:
+        scope.detach(token)
+    scope.exit(grpc.StatusCode.OK, None)
+    assert _logged_request_id() is None
+
+
+def test_a_callers_trace_context_is_still_passed_on() -> None:
+    scope = Tracing().scope(METHOD, (("traceparent", CALLER),))
+    assert scope is not None
+    scope.enter()
+    token = scope.attach()
+    try:
+        # The call's (non-recording) span is the caller's child: the same trace goes on.
+        assert current_traceparent().split("-")[1] == CALLER.split("-")[1]
+    finally:
+        scope.detach(token)
+    scope.exit(grpc.StatusCode.OK, None)
+    assert current_traceparent() == ""
+
+
+def test_probes_are_never_traced() -> None:
+    assert Tracing().scope("/grpc.health.v1.Health/Check", ()) is None
+    assert Tracing(untraced_methods=(METHOD,)).scope(METHOD, (("traceparent", CALLER),)) is None
