@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -78,19 +78,24 @@ def package_version() -> str:
         return "unknown"
 
 
-class Children(dict[tuple[str, ...], Any]):
+#: A labelled metric, whose `labels()` returns its own kind of child.
+M = TypeVar("M", Counter, Gauge, Histogram)
+
+
+class Children(dict[tuple[str, ...], M]):
     """A labelled metric's children by their label values, each made once: `labels()` takes a
     lock and checks and joins its values on every call, and the hot paths record per request.
     For a metric whose children are never removed (none on those paths is)."""
 
     __slots__ = ("_metric",)
 
-    def __init__(self, metric: Counter | Gauge | Histogram) -> None:
+    def __init__(self, metric: M) -> None:
         super().__init__()
-        self._metric = metric
+        self._metric: M = metric
 
-    def __missing__(self, values: tuple[str, ...]) -> Any:
-        child = self[values] = self._metric.labels(*values)
+    def __missing__(self, values: tuple[str, ...]) -> M:
+        child: M = self._metric.labels(*values)
+        self[values] = child
         return child
 
 
@@ -103,7 +108,7 @@ class Outcome:
     __slots__ = ("_counts", "_labels", "_seconds", "_started")
 
     def __init__(
-        self, counts: Children, labels: tuple[str, ...], seconds: Histogram | None = None
+        self, counts: Children[Counter], labels: tuple[str, ...], seconds: Histogram | None = None
     ) -> None:
         self._counts = counts
         self._labels = labels

@@ -144,7 +144,7 @@ def batch_span(
 ) -> Iterator[trace.Span]:
     """A span around one batch's execution, linked to each request that has rows in it. It is
     a root: a batch serves many traces, so it belongs to none of them."""
-    if not is_recording():  # nothing would be recorded (about 20 us a batch for nothing)
+    if not has_tracer_provider():  # nothing would be recorded (about 20 us a batch for nothing)
         yield trace.INVALID_SPAN
         return
     # A request with several rows in the batch is linked once.
@@ -178,8 +178,7 @@ class Tracing:
 
     While no tracer provider is installed (`configure_tracing` found no exporter), a call that
     carries no trace context gets no span: the API's span would record nothing and pass on no
-    context, and making it cost more than the rest of the stage (the gateway's calls each
-    paid about 8 us for it)."""
+    context, yet cost more than the rest of the stage (about 8 us of each gateway call)."""
 
     def __init__(self, untraced_methods: Iterable[str] = ()) -> None:
         #: Full method paths ("/package.Service/Method") polled by other tiers, not requests.
@@ -191,14 +190,14 @@ class Tracing:
     def scope(self, method: str, metadata: Sequence[tuple[str, Any]]) -> _Call | None:
         if method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
             return None
-        if is_recording() or any(key in self._context_keys for key, _ in metadata):
+        if has_tracer_provider() or any(key in self._context_keys for key, _ in metadata):
             return _TracedCall(method, metadata)
         return _Call(method, metadata)
 
 
-def is_recording() -> bool:
-    """Whether a tracer provider is installed, so that spans are recorded; until one is, the
-    API's spans only carry a caller's context along."""
+def has_tracer_provider() -> bool:
+    """Whether a tracer provider is installed, so that spans can be recorded; until one is,
+    the API's spans only carry a caller's context along."""
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
 
 

@@ -12,7 +12,8 @@ from opentelemetry import trace
 
 from services.common import tracing
 from services.common.logs import JsonFormatter
-from services.common.tracing import Tracing, current_traceparent
+from services.common.tracing import Tracing, batch_span, current_traceparent
+from services.gpu_worker.batching.types import BatchKey
 
 pytestmark = pytest.mark.unit
 
@@ -23,7 +24,7 @@ CALLER = "00-0af7651916cd43dd8448eb211c80319c-00f067aa0ba902b7-01"
 @pytest.fixture(autouse=True)
 def no_provider(monkeypatch: pytest.MonkeyPatch) -> None:
     """As in a tier that found no exporter (the test process may have installed one)."""
-    monkeypatch.setattr(tracing, "is_recording", lambda: False)
+    monkeypatch.setattr(tracing, "has_tracer_provider", lambda: False)
 
 
 def _logged_request_id() -> str | None:
@@ -31,7 +32,13 @@ def _logged_request_id() -> str | None:
     return json.loads(JsonFormatter("gateway").format(record)).get("request_id")
 
 
-def test_a_call_without_trace_context_gets_no_span_and_keeps_its_request_id() -> None:
+def test_a_call_without_trace_context_gets_no_span_and_keeps_its_request_id(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_span(*args: object) -> None:
+        raise AssertionError("a span was started")
+
+    monkeypatch.setattr(tracing, "start_server_span", no_span)
     scope = Tracing().scope(METHOD, (("user-agent", "grpc-python"), ("x-request-id", "req-7")))
     assert scope is not None
     scope.enter()
@@ -52,7 +59,7 @@ def test_a_callers_trace_context_is_still_passed_on() -> None:
     scope.enter()
     token = scope.attach()
     try:
-        # The call's (non-recording) span is the caller's child: the same trace goes on.
+        # The call's (non-recording) span carries the caller's span context: its trace goes on.
         assert current_traceparent().split("-")[1] == CALLER.split("-")[1]
     finally:
         scope.detach(token)
@@ -63,3 +70,14 @@ def test_a_callers_trace_context_is_still_passed_on() -> None:
 def test_probes_are_never_traced() -> None:
     assert Tracing().scope("/grpc.health.v1.Health/Check", ()) is None
     assert Tracing(untraced_methods=(METHOD,)).scope(METHOD, (("traceparent", CALLER),)) is None
+
+
+def test_a_batch_gets_no_span_and_its_errors_pass_through() -> None:
+    key = BatchKey("m", "1", "fingerprint", 16)
+    with batch_span(key=key, close_reason="full", num_rows=2, requests=()) as span:
+        assert span is trace.INVALID_SPAN
+    with (
+        pytest.raises(RuntimeError, match="model failed"),
+        batch_span(key=key, close_reason="full", num_rows=2, requests=()),
+    ):
+        raise RuntimeError("model failed")
