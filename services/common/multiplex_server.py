@@ -16,7 +16,6 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from opentelemetry import trace
 
 from services.common.bundles import SliceCancels
 from services.common.errors import (
@@ -27,7 +26,13 @@ from services.common.errors import (
 )
 from services.common.grpc_errors import answerable, is_bug, status_of
 from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD, take_message
-from services.common.tracing import end_server_span, start_server_span
+from services.common.tracing import (
+    context_keys,
+    current_while,
+    end_server_span,
+    needs_span,
+    start_server_span,
+)
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -134,6 +139,7 @@ class _ServedStream:
         #: The contexts of the calls running, for slices cancelled while they run.
         self._contexts: dict[int, CallContext] = {}
         self._outbox: list[pb.MuxResult] = []
+        self._context_keys = context_keys()
         self._wake = asyncio.Event()
         self._is_reading_done = False
         #: Why reading stopped early (a request that did not parse): the stream's status once
@@ -209,12 +215,13 @@ class _ServedStream:
     async def _run(self, call: pb.MuxCall, context: CallContext) -> None:
         timeout_s = context.time_remaining()
         result = pb.MuxResult(call_id=call.call_id)
-        span = start_server_span(UNARY_METHOD, context.invocation_metadata())
+        metadata = context.invocation_metadata()
+        span = None
+        if needs_span(metadata, self._context_keys):  # none while tracing is off (tracing.py)
+            span = start_server_span(UNARY_METHOD, metadata)
         code, failure = grpc.StatusCode.OK, None
         try:
-            with trace.use_span(
-                span, end_on_exit=False, record_exception=False, set_status_on_exception=False
-            ):
+            with current_while(span):
                 response = await self._answer(call.request, context, timeout_s)
                 if len(response) > MAX_CALL_BYTES:  # alone in a message, it would end the stream
                     raise MessageTooLarge(
@@ -235,7 +242,8 @@ class _ServedStream:
         finally:
             self._running.pop(call.call_id, None)
             self._contexts.pop(call.call_id, None)
-            end_server_span(span, code, result.message, failure)
+            if span is not None:
+                end_server_span(span, code, result.message, failure)
         result.code = code.value[0]
         self._send(result)
 

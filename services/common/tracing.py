@@ -183,14 +183,12 @@ class Tracing:
     def __init__(self, untraced_methods: Iterable[str] = ()) -> None:
         #: Full method paths ("/package.Service/Method") polled by other tiers, not requests.
         self._untraced = frozenset(untraced_methods)
-        #: The metadata keys the installed propagators read (W3C: traceparent, tracestate,
-        #: baggage).
-        self._context_keys = frozenset(propagate.get_global_textmap().fields)
+        self._context_keys = context_keys()
 
     def scope(self, method: str, metadata: Sequence[tuple[str, Any]]) -> _Call | None:
         if method.startswith(_UNTRACED_PREFIXES) or method in self._untraced:
             return None
-        if has_tracer_provider() or any(key in self._context_keys for key, _ in metadata):
+        if needs_span(metadata, self._context_keys):
             return _TracedCall(method, metadata)
         return _Call(method, metadata)
 
@@ -199,6 +197,28 @@ def has_tracer_provider() -> bool:
     """Whether a tracer provider is installed, so that spans can be recorded; until one is,
     the API's spans only carry a caller's context along."""
     return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider)
+
+
+def context_keys() -> frozenset[str]:
+    """The metadata keys the installed propagators read (W3C: traceparent, tracestate,
+    baggage)."""
+    return frozenset(propagate.get_global_textmap().fields)
+
+
+def needs_span(metadata: Iterable[tuple[str, Any]], keys: frozenset[str]) -> bool:
+    """Whether a call with `metadata` is served in a span: one can be recorded (a tracer
+    provider is installed), or its caller sent trace context (`keys`: `context_keys()`) to
+    pass on. Otherwise the API's span would record nothing and pass on nothing."""
+    return has_tracer_provider() or any(key in keys for key, _ in metadata)
+
+
+def current_while(span: trace.Span | None) -> contextlib.AbstractContextManager[object]:
+    """`span` made current for the enclosed code (which ends it); nothing when None."""
+    if span is None:
+        return contextlib.nullcontext()
+    return trace.use_span(
+        span, end_on_exit=False, record_exception=False, set_status_on_exception=False
+    )
 
 
 class _Call:

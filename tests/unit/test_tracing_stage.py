@@ -12,7 +12,14 @@ from opentelemetry import trace
 
 from services.common import tracing
 from services.common.logs import JsonFormatter
-from services.common.tracing import Tracing, batch_span, current_traceparent
+from services.common.tracing import (
+    Tracing,
+    batch_span,
+    context_keys,
+    current_traceparent,
+    current_while,
+    needs_span,
+)
 from services.gpu_worker.batching.types import BatchKey
 
 pytestmark = pytest.mark.unit
@@ -81,3 +88,30 @@ def test_a_batch_gets_no_span_and_its_errors_pass_through() -> None:
         batch_span(key=key, close_reason="full", num_rows=2, requests=()),
     ):
         raise RuntimeError("model failed")
+
+
+def test_a_multiplexed_call_needs_a_span_only_to_pass_on_its_callers_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    keys = context_keys()
+    assert {"traceparent", "tracestate", "baggage"} <= keys
+    assert not needs_span((("user-agent", "grpc-python"),), keys)
+    assert needs_span((("user-agent", "grpc-python"), ("traceparent", CALLER)), keys)
+    monkeypatch.setattr(tracing, "has_tracer_provider", lambda: True)
+    assert needs_span((), keys)  # recorded once a provider is installed
+
+
+def test_current_while_makes_a_span_current_without_ending_it() -> None:
+    with current_while(None):
+        assert trace.get_current_span() is trace.INVALID_SPAN
+    parent = trace.NonRecordingSpan(
+        trace.SpanContext(
+            trace_id=int(CALLER.split("-")[1], 16),
+            span_id=int(CALLER.split("-")[2], 16),
+            is_remote=True,
+            trace_flags=trace.TraceFlags(1),
+        )
+    )
+    with current_while(parent):
+        assert current_traceparent() == CALLER
+    assert trace.get_current_span() is trace.INVALID_SPAN
