@@ -1,5 +1,6 @@
 """The server side of InferStream (see services.common.multiplex): each call of a stream runs
-as the unary method it stands for, with its own deadline, metadata, server span and status.
+as the unary method it stands for, with its own deadline, metadata, status and, where tracing
+needs one (tracing.needs_span), server span.
 
 `MultiplexServer.serve` is the stream method's handler; the unary handler it runs gets a
 `CallContext` offering what handlers use of a `grpc.aio.ServicerContext` (`time_remaining`,
@@ -217,7 +218,9 @@ class _ServedStream:
         result = pb.MuxResult(call_id=call.call_id)
         metadata = context.invocation_metadata()
         span = None
-        if needs_span(metadata, self._context_keys):  # none while tracing is off (tracing.py)
+        # None while tracing is off and the caller sent no trace context (tracing.needs_span):
+        # nothing is current then, as the stream's own method is never traced.
+        if needs_span(metadata, self._context_keys):
             span = start_server_span(UNARY_METHOD, metadata)
         code, failure = grpc.StatusCode.OK, None
         try:
@@ -237,7 +240,7 @@ class _ServedStream:
             result.trailers.update(status.trailers)
             if not isinstance(error, Exception):
                 # Cancelled: the caller cancelled the call, or the stream went away. Nobody
-                # waits for an answer; the span still ends CANCELLED.
+                # waits for an answer; its span, if any, still ends CANCELLED.
                 raise
         finally:
             self._running.pop(call.call_id, None)

@@ -213,7 +213,8 @@ def needs_span(metadata: Iterable[tuple[str, Any]], keys: frozenset[str]) -> boo
 
 
 def current_while(span: trace.Span | None) -> contextlib.AbstractContextManager[object]:
-    """`span` made current for the enclosed code (which ends it); nothing when None."""
+    """`span` made current for the enclosed code; nothing when None. Never ends it: its
+    caller does."""
     if span is None:
         return contextlib.nullcontext()
     return trace.use_span(

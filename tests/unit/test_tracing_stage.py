@@ -1,17 +1,22 @@
-"""The tracing stage without a tracer provider: no span where none would record or carry
-anything, the caller's context still passed on, the request id still on every log line."""
+"""Tracing without a tracer provider: no span where none would record or carry anything (a
+call of the stage, a multiplexed call, a batch), the caller's context still passed on, the
+request id still on every log line."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import pytest
 from opentelemetry import trace
 
-from services.common import tracing
+from services.common import multiplex_server, tracing
+from services.common.errors import InvalidInput
 from services.common.logs import JsonFormatter
+from services.common.multiplex_server import CallContext, MultiplexServer
 from services.common.tracing import (
     Tracing,
     batch_span,
@@ -21,6 +26,7 @@ from services.common.tracing import (
     needs_span,
 )
 from services.gpu_worker.batching.types import BatchKey
+from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -90,21 +96,30 @@ def test_a_batch_gets_no_span_and_its_errors_pass_through() -> None:
         raise RuntimeError("model failed")
 
 
-def test_a_multiplexed_call_needs_a_span_only_to_pass_on_its_callers_context(
+def test_a_call_needs_a_span_only_to_be_recorded_or_to_pass_on_context(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     keys = context_keys()
-    assert {"traceparent", "tracestate", "baggage"} <= keys
+    assert "traceparent" in keys  # the default propagators: W3C trace context and baggage
     assert not needs_span((("user-agent", "grpc-python"),), keys)
     assert needs_span((("user-agent", "grpc-python"), ("traceparent", CALLER)), keys)
     monkeypatch.setattr(tracing, "has_tracer_provider", lambda: True)
     assert needs_span((), keys)  # recorded once a provider is installed
 
 
-def test_current_while_makes_a_span_current_without_ending_it() -> None:
+class _CountedEnds(trace.NonRecordingSpan):
+    def __init__(self, context: trace.SpanContext) -> None:
+        super().__init__(context)
+        self.num_ends = 0
+
+    def end(self, end_time: int | None = None) -> None:
+        self.num_ends += 1
+
+
+def test_current_while_makes_a_span_current_and_leaves_its_end_to_the_caller() -> None:
     with current_while(None):
         assert trace.get_current_span() is trace.INVALID_SPAN
-    parent = trace.NonRecordingSpan(
+    span = _CountedEnds(
         trace.SpanContext(
             trace_id=int(CALLER.split("-")[1], 16),
             span_id=int(CALLER.split("-")[2], 16),
@@ -112,6 +127,60 @@ def test_current_while_makes_a_span_current_without_ending_it() -> None:
             trace_flags=trace.TraceFlags(1),
         )
     )
-    with current_while(parent):
+    with current_while(span):
         assert current_traceparent() == CALLER
     assert trace.get_current_span() is trace.INVALID_SPAN
+    assert span.num_ends == 0
+
+
+Handler = Callable[[bytes, CallContext], object]
+
+
+def _served(handler: Handler, calls: list[pb.MuxCall]) -> list[pb.MuxResult]:
+    """`calls` sent on one stream to a MultiplexServer running `handler`: their results."""
+
+    async def answer(request: bytes, context: CallContext) -> bytes:
+        handler(request, context)
+        return request
+
+    async def run() -> list[pb.MuxResult]:
+        server = MultiplexServer(answer, deserialize=bytes, serialize=bytes)
+
+        async def requests() -> AsyncIterator[pb.InferStreamRequest]:
+            yield pb.InferStreamRequest(calls=calls)
+
+        results: list[pb.MuxResult] = []
+        async for message in server.serve(requests()):
+            results.extend(message.results)
+        return sorted(results, key=lambda r: r.call_id)
+
+    return asyncio.run(run())
+
+
+def test_a_multiplexed_call_gets_a_span_only_to_pass_on_its_callers_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    start_server_span = tracing.start_server_span
+    seen: dict[bytes, str] = {}
+
+    def record(request: bytes, context: CallContext) -> None:
+        if request == b"bad":
+            raise InvalidInput("bad request")
+        seen[request] = current_traceparent()
+
+    def spans_only_with_context(method: str, metadata: tuple[tuple[str, str], ...]) -> object:
+        assert dict(metadata).get("traceparent") == CALLER, "a span without trace context"
+        return start_server_span(method, metadata)
+
+    monkeypatch.setattr(multiplex_server, "start_server_span", spans_only_with_context)
+    results = _served(
+        record,
+        [
+            pb.MuxCall(call_id=1, request=b"plain"),
+            pb.MuxCall(call_id=2, request=b"traced", metadata={"traceparent": CALLER}),
+            pb.MuxCall(call_id=3, request=b"bad"),
+        ],
+    )
+    assert [r.code for r in results] == [0, 0, grpc.StatusCode.INVALID_ARGUMENT.value[0]]
+    assert seen[b"plain"] == ""
+    assert seen[b"traced"].split("-")[1] == CALLER.split("-")[1]
