@@ -7,7 +7,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
-from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
+from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory
 
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _MODEL = ("model", "version")
@@ -144,13 +144,9 @@ class BoundGenerationMetrics:
         # Created at load (at zero) like the fixed-cost models' series: the duty cycle's.
         busy = metrics.device_busy_seconds_total
         self.device_busy_seconds_total = None if busy is None else child(busy)
-        self._finished_total = metrics.finished_total
+        self._finished = Children(metrics.finished_total)
         self._labels = labels
-        self._finished: dict[str, Any] = {}
 
-    def finished(self, reason: str) -> Any:
+    def finished(self, reason: str) -> Counter:
         """The finished-sequences counter of `reason`."""
-        child = self._finished.get(reason)
-        if child is None:
-            child = self._finished[reason] = self._finished_total.labels(*self._labels, reason)
-        return child
+        return self._finished[(*self._labels, reason)]
