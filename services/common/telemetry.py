@@ -7,7 +7,7 @@ import bisect
 import importlib.metadata
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -130,20 +130,30 @@ class Outcome:
             self._seconds.observe(time.perf_counter() - self._started)
 
 
-def observe_many(histogram: Histogram, amount: float, count: int) -> None:
-    """`count` observations of `amount` at once, as `count` calls of `histogram.observe` would
-    record them: the rows of one slice or one batch share their wait and compute, and the
-    per-row path pays for one observation, not one per row. `histogram` is a labelled child.
+def observe_counts(histogram: Histogram, counts: Iterable[tuple[float, int]]) -> None:
+    """Each (amount, count) of `counts` as `count` observations of `amount`, recorded as that
+    many calls of `histogram.observe` would record them, in one write of the sum and one per
+    bucket touched: the rows of one slice share their wait, and a batch's slices fall in a
+    few buckets, so the per-row path pays for neither a call per row nor one per slice.
+    `histogram` is a labelled child.
 
     It writes the child's sum and bucket values directly (prometheus_client keeps them as
     `_sum` and `_buckets` beside `_upper_bounds`); tests/unit/test_telemetry.py holds it equal
     to repeated `observe` calls, so an upgrade that moves them fails there."""
-    if count == 1 or not math.isfinite(amount):
-        for _ in range(count):
-            histogram.observe(amount)
-        return
-    if count <= 0:
-        return
-    histogram._sum.inc(amount * count)
-    index = bisect.bisect_left(histogram._upper_bounds, amount)
-    histogram._buckets[index].inc(count)
+    bounds = histogram._upper_bounds
+    total = 0.0
+    by_bucket: dict[int, int] = {}
+    for amount, count in counts:
+        if count <= 0:
+            continue
+        if not math.isfinite(amount):  # NaN falls in no bucket, and bisect cannot place it
+            for _ in range(count):
+                histogram.observe(amount)
+            continue
+        total += amount * count
+        index = bisect.bisect_left(bounds, amount)
+        by_bucket[index] = by_bucket.get(index, 0) + count
+    if by_bucket:
+        histogram._sum.inc(total)
+        for index, count in by_bucket.items():
+            histogram._buckets[index].inc(count)

@@ -49,7 +49,7 @@ class TenantAdmission:
         return Overloaded(refusal.message, retry_after_s=refusal.retry_after_s)
 
     def refused(self, tenant: str, reason: str) -> None:
-        self._metrics.tenant_refused_total.labels(self.labels(tenant), reason).inc()
+        self._metrics.tenant_refused_total_of[(self.labels(tenant), reason)].inc()
 
     def acquire(self, policy: TenantPolicy, *, has_place: bool = False) -> Overloaded | None:
         """Checks room in flight and takes a request token for one call (before its body is

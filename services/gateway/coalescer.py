@@ -271,9 +271,8 @@ class Coalescer:
         bundle.is_sent = True
         if bundle.left is not None:  # it was held
             if bundle.slices and bundle.held_from is not None:
-                self._metrics.bundle_hold_seconds.labels(bundle.key.model).observe(
-                    time.monotonic() - bundle.held_from
-                )
+                held_s = time.monotonic() - bundle.held_from
+                self._metrics.bundle_hold_seconds_of[(bundle.key.model,)].observe(held_s)
             if not bundle.left.done():
                 bundle.left.set_result(None)
         state = self._keys[bundle.key]
@@ -340,7 +339,7 @@ class Coalescer:
         route = route_metadata(
             key.model, key.version, len(rows), key.priority, tenant=tenant, weight=weight
         )
-        self._metrics.bundle_slices.labels(key.model).observe(len(slices))
+        self._metrics.bundle_slices_of[(key.model,)].observe(len(slices))
         return request, route
 
 

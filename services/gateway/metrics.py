@@ -84,6 +84,10 @@ class GatewayMetrics:
         self.tenant_requests_total_of = Children(self.tenant_requests_total)
         self.tenant_rows_total_of = Children(self.tenant_rows_total)
         self.tenant_request_seconds_of = Children(self.tenant_request_seconds)
+        self.bundle_slices_of = Children(self.bundle_slices)
+        self.bundle_hold_seconds_of = Children(self.bundle_hold_seconds)
+        self.throttled_total_of = Children(self.throttled_total)
+        self.tenant_refused_total_of = Children(self.tenant_refused_total)
 
     def _define_tenants(self, new: MetricFactory) -> None:
         """Per tenant: configured tenants by name, everyone else as `other` (bounded labels)."""

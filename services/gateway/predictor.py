@@ -275,7 +275,7 @@ class Predictor:
                 0.0 if shed is None else shed.probability
             )
         if shed is not None:
-            self._metrics.throttled_total.labels(model).inc()
+            self._metrics.throttled_total_of[(model,)].inc()
             self.admission.refused(tenant, "throttled")
             raise Overloaded(
                 f"{model}: overloaded, refused at the gateway (downstream is refusing work; "

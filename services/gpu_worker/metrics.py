@@ -75,6 +75,7 @@ class WorkerMetrics:
             _MODEL,
         )
         self._define_batcher_state(new)
+        self._index_children()
 
     def _define_batches(self, new: MetricFactory) -> None:
         """Per-batch metrics: how batches close, how full and padded they are, their compute."""
@@ -183,10 +184,30 @@ class WorkerMetrics:
             _MODEL,
         )
 
-        # The children each bundle and batch records in, each looked up once.
+    def _index_children(self) -> None:
+        """The children each bundle, slice and batch records in, each looked up once."""
         self.requests_total_of = Children(self.requests_total)
         self.tenant_compute_seconds_total_of = Children(self.tenant_compute_seconds_total)
         self.tenant_tokens_total_of = Children(self.tenant_tokens_total)
+        self.rejected_total_of = Children(self.rejected_total)
+        self.dropped_total_of = Children(self.dropped_total)
+        self.rows_total_of = Children(self.rows_total)
+        self.row_failures_total_of = Children(self.row_failures_total)
+        self.batches_total_of = Children(self.batches_total)
+        self.batch_size_of = Children(self.batch_size)
+        self.batch_fill_ratio_of = Children(self.batch_fill_ratio)
+        self.mixed_bucket_batches_total_of = Children(self.mixed_bucket_batches_total)
+        self.padding_waste_ratio_of = Children(self.padding_waste_ratio)
+        self.compute_seconds_of = Children(self.compute_seconds)
+        self.device_busy_seconds_total_of = Children(self.device_busy_seconds_total)
+        self.linger_seconds_of = Children(self.linger_seconds)
+        self.backlog_seconds_of = Children(self.backlog_seconds)
+        self.queue_wait_seconds_of = Children(self.queue_wait_seconds)
+        self.row_compute_seconds_of = Children(self.row_compute_seconds)
+        self.row_latency_seconds_of = Children(self.row_latency_seconds)
+        self.max_wait_seconds_of = Children(self.max_wait_seconds)
+        self.max_batch_size_of = Children(self.max_batch_size)
+        self.latency_slowdown_of = Children(self.latency_slowdown)
 
     def charge_tenant(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None:
         """Records executor time (and, for generation, tokens) spent on `tenant`'s work."""

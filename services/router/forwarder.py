@@ -308,7 +308,7 @@ class Forwarder:
         return decision
 
     def _refused(self, facts: CallFacts, decision: Reject, *, retried: bool) -> Exception:
-        self._metrics.rejected_total.labels(facts.name, facts.version, decision.reason.value).inc()
+        self._metrics.rejected_total_of[(facts.name, facts.version, decision.reason.value)].inc()
         return _rejection(decision, retried=retried)
 
     def _note_outcome(self, route: Route, sent_s: float, error: UpstreamError | None) -> None:

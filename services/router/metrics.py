@@ -83,3 +83,4 @@ class RouterMetrics:
         self.responses_total_of = Children(self.responses_total)
         self.predicted_wait_seconds_of = Children(self.predicted_wait_seconds)
         self.request_seconds_of = Children(self.request_seconds)
+        self.rejected_total_of = Children(self.rejected_total)

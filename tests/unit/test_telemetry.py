@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.errors import InvalidInput
-from services.common.telemetry import Children, Outcome, observe_many
+from services.common.telemetry import Children, Outcome, observe_counts
 
 pytestmark = pytest.mark.unit
 
@@ -32,8 +32,8 @@ def _samples(histogram: Histogram) -> dict[tuple[str, str], float]:
 def test_many_observations_at_once_equal_as_many_single_ones(amount: float, count: int) -> None:
     at_once = Histogram("at_once", "", ("model",), buckets=BUCKETS, registry=CollectorRegistry())
     one_by_one = Histogram("one_by_one", "", ("model",), buckets=BUCKETS, registry=None)
-    observe_many(at_once.labels("m"), amount, count)
-    observe_many(at_once.labels("m"), 0.05, 1)
+    observe_counts(at_once.labels("m"), [(amount, count)])
+    observe_counts(at_once.labels("m"), [(0.05, 1)])
     for _ in range(count):
         one_by_one.labels("m").observe(amount)
     one_by_one.labels("m").observe(0.05)
@@ -42,9 +42,45 @@ def test_many_observations_at_once_equal_as_many_single_ones(amount: float, coun
     assert _samples(at_once) == renamed
 
 
+def test_a_batch_of_slices_at_once_equals_each_observation_alone() -> None:
+    """Several (amount, count) pairs, two in one bucket, one past every bound, one not a
+    number: the buckets and count as one observe call per row, the sum as close as float
+    addition order allows."""
+    pairs = [(0.0005, 3), (0.0007, 2), (0.05, 1), (0.05, 4), (2.5, 2), (math.inf, 1), (0.3, 0)]
+    at_once = Histogram("at_once", "", buckets=BUCKETS, registry=None)
+    one_by_one = Histogram("at_once", "", buckets=BUCKETS, registry=None)
+    observe_counts(at_once, pairs)
+    for amount, count in pairs:
+        for _ in range(count):
+            one_by_one.observe(amount)
+    got, want = _samples(at_once), _samples(one_by_one)
+    assert {k: v for k, v in got.items() if k[0] != "at_once_sum"} == {
+        k: v for k, v in want.items() if k[0] != "at_once_sum"
+    }
+    assert got[("at_once_count", "")] == 13
+    assert got[("at_once_sum", "")] == want[("at_once_sum", "")] == math.inf
+    finite = [(a, c) for a, c in pairs if math.isfinite(a)]
+    observe_counts(finite_at_once := Histogram("f", "", buckets=BUCKETS, registry=None), finite)
+    assert _samples(finite_at_once)[("f_sum", "")] == pytest.approx(sum(a * c for a, c in finite))
+
+
+def test_a_not_a_number_observation_counts_in_no_bucket_as_observe_does() -> None:
+    at_once = Histogram("nan", "", buckets=BUCKETS, registry=None)
+    one_by_one = Histogram("nan", "", buckets=BUCKETS, registry=None)
+    observe_counts(at_once, [(math.nan, 2), (0.5, 1)])
+    for amount in (math.nan, math.nan, 0.5):
+        one_by_one.observe(amount)
+    got, want = _samples(at_once), _samples(one_by_one)
+    assert math.isnan(got[("nan_sum", "")]) and math.isnan(want[("nan_sum", "")])
+    del got[("nan_sum", "")], want[("nan_sum", "")]
+    assert got == want
+    assert got[("nan_count", "")] == 1
+
+
 def test_no_observation_records_nothing() -> None:
     histogram = Histogram("none", "", buckets=BUCKETS, registry=None)
-    observe_many(histogram, 0.5, 0)
+    observe_counts(histogram, [(0.5, 0)])
+    observe_counts(histogram, [])
     assert all(v == 0 for v in _samples(histogram).values())
 
 

@@ -386,7 +386,7 @@ class BatchingDriver:
         self._running = None
         try:
             lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
-            self._metrics.device_busy_seconds_total.labels(*lane.labels).inc(device_busy.seconds)
+            self._metrics.device_busy_seconds_total_of[lane.labels].inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
                 teaches_latency=threads == 0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ import numpy as np
 
 from services.common.errors import DeadlineExceeded, ExecutionFailed, Overloaded, Unavailable
 from services.common.priority import PriorityClass
-from services.common.telemetry import observe_many
+from services.common.telemetry import observe_counts
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -120,8 +121,9 @@ class Lane:
     slowest_warmup_s: float = 0.0
     totals: BatchTotals = field(default_factory=BatchTotals)
 
-    @property
+    @functools.cached_property
     def labels(self) -> tuple[str, str]:
+        """(model, version): the lane's backend never changes."""
         return (self.backend.config.name, self.backend.version.version)
 
     def fail_pending(self, error: Exception) -> None:
@@ -138,7 +140,7 @@ class Lane:
                 pending.future.set_exception(
                     DeadlineExceeded("deadline cannot be met; the request was not run")
                 )
-            metrics.dropped_total.labels(*self.labels, "expired").inc()
+            metrics.dropped_total_of[(*self.labels, "expired")].inc()
 
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""
@@ -190,16 +192,16 @@ class Lane:
     def export_gauges(self, metrics: WorkerMetrics, key: BatchKey) -> None:
         """The linger and batch size the batcher allows `key` now."""
         labels = (*self.labels, str(key.bucket))
-        metrics.max_wait_seconds.labels(*labels).set(self.batcher.max_wait_s(key))
-        metrics.max_batch_size.labels(*labels).set(self.batcher.max_batch_size_for(key))
+        metrics.max_wait_seconds_of[labels].set(self.batcher.max_wait_s(key))
+        metrics.max_batch_size_of[labels].set(self.batcher.max_batch_size_for(key))
 
     def take_rows(
         self, dispatch: Dispatch, now_s: float, busy_s: float, metrics: WorkerMetrics
     ) -> list[PreparedRow]:
         """The rows of a batch being dispatched, each one's wait observed: its backlog (the
         executor's busy time since it arrived) and its linger (the rest). The rows of one
-        slice arrived together and share their wait: it is observed once per slice, counted
-        for each of its rows."""
+        slice arrived together and share their wait: it is counted once per slice, for each of
+        its rows, and each histogram is written once for the batch."""
         rows = []
         # (arrival, executor busy seconds at arrival) -> rows: one per slice.
         arrivals: dict[tuple[float, float], int] = {}
@@ -208,16 +210,18 @@ class Lane:
             arrival = (item.arrival_s, pending.busy_s_at_arrival)
             arrivals[arrival] = arrivals.get(arrival, 0) + 1
             rows.append(pending.row)
-        backlog = metrics.backlog_seconds.labels(*self.labels)
-        linger = metrics.linger_seconds.labels(*self.labels)
-        queue_wait = metrics.queue_wait_seconds.labels(*self.labels)
+        backlogs, lingers, waits = [], [], []
         for (arrival_s, busy_s_at_arrival), count in arrivals.items():
             backlog_s = busy_s - busy_s_at_arrival
             wait_s = now_s - arrival_s
-            observe_many(backlog, backlog_s, count)
-            observe_many(linger, max(0.0, wait_s - backlog_s), count)
-            observe_many(queue_wait, wait_s, count)
+            backlogs.append((backlog_s, count))
+            lingers.append((max(0.0, wait_s - backlog_s), count))
+            waits.append((wait_s, count))
             self.totals.queue_s += wait_s * count
+        labels = self.labels
+        observe_counts(metrics.backlog_seconds_of[labels], backlogs)
+        observe_counts(metrics.linger_seconds_of[labels], lingers)
+        observe_counts(metrics.queue_wait_seconds_of[labels], waits)
         self.shedding.after_dispatch(now_s, self.batcher.oldest_urgent_wait_s(now_s))
         return rows
 
@@ -260,15 +264,16 @@ class Lane:
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
-        observe_many(metrics.row_compute_seconds.labels(*labels), compute_s, len(rows))
+        observe_counts(metrics.row_compute_seconds_of[labels], ((compute_s, len(rows)),))
         rows_by_tenant: dict[str, int] = {}
         rows_by_arrival: dict[float, int] = {}
         for item in dispatch.items:
             rows_by_tenant[item.tenant] = rows_by_tenant.get(item.tenant, 0) + 1
             rows_by_arrival[item.arrival_s] = rows_by_arrival.get(item.arrival_s, 0) + 1
-        row_latency = metrics.row_latency_seconds.labels(*labels)
-        for arrival_s, count in rows_by_arrival.items():  # once per slice of the batch
-            observe_many(row_latency, finished - arrival_s, count)
+        observe_counts(  # one pair per slice of the batch
+            metrics.row_latency_seconds_of[labels],
+            ((finished - arrival_s, count) for arrival_s, count in rows_by_arrival.items()),
+        )
         for tenant, count in rows_by_tenant.items():  # once per tenant of the batch
             metrics.charge_tenant(tenant, compute_s=row_share_s * count)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
@@ -278,23 +283,22 @@ class Lane:
         if failures == 0 and teaches_latency:
             # A bisected batch's time says nothing about the model's normal cost.
             lane.latency.observe(dispatch.key, len(rows), compute_s)
-            metrics.latency_slowdown.labels(*labels).set(lane.latency.slowdown(dispatch.key))
+            metrics.latency_slowdown_of[labels].set(lane.latency.slowdown(dispatch.key))
         else:
-            metrics.row_failures_total.labels(*labels).inc(failures)
+            metrics.row_failures_total_of[labels].inc(failures)
         tokens = [row.num_tokens for row in rows]
         # Buckets grow with length: the shortest and longest rows tell whether buckets mixed.
         if lane.backend.bucket_for(min(tokens)) != lane.backend.bucket_for(max(tokens)):
-            metrics.mixed_bucket_batches_total.labels(*labels).inc()
+            metrics.mixed_bucket_batches_total_of[labels].inc()
         real_tokens = sum(tokens)
         padded_tokens = max(tokens) * len(rows)
-        metrics.batches_total.labels(*labels, bucket, dispatch.reason.value).inc()
-        metrics.batch_size.labels(*labels, bucket).observe(len(rows))
-        metrics.batch_fill_ratio.labels(*labels).observe(len(rows) / limit)
-        metrics.padding_waste_ratio.labels(*labels, bucket).observe(
-            1.0 - real_tokens / padded_tokens
-        )
-        metrics.compute_seconds.labels(*labels, bucket).observe(compute_s)
-        metrics.rows_total.labels(*labels).inc(len(rows))
+        by_bucket = (*labels, bucket)
+        metrics.batches_total_of[(*by_bucket, dispatch.reason.value)].inc()
+        metrics.batch_size_of[by_bucket].observe(len(rows))
+        metrics.batch_fill_ratio_of[labels].observe(len(rows) / limit)
+        metrics.padding_waste_ratio_of[by_bucket].observe(1.0 - real_tokens / padded_tokens)
+        metrics.compute_seconds_of[by_bucket].observe(compute_s)
+        metrics.rows_total_of[labels].inc(len(rows))
 
 
 def warm_up_lane(

@@ -126,7 +126,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             )
         if isinstance(decision, Rejected):
             reason = decision.reason
-            admission.metrics.rejected_total.labels(*lane.labels, reason.value).inc(len(ask.rows))
+            admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(ask.rows))
             start_s = executor_start_s(now, admission.executor_free_s)
             error = lane.rejection(item, reason, now, start_s)
             # Refused, not cancelled: no drop counted.
@@ -147,5 +147,5 @@ def withdraw_rows(
         if (pending := lane.pending.pop(item_id, None)) is None:
             continue
         if lane.batcher.cancel(item_id) and drop is not None:
-            metrics.dropped_total.labels(*lane.labels, drop).inc()
+            metrics.dropped_total_of[(*lane.labels, drop)].inc()
         pending.future.cancel()
