@@ -56,20 +56,17 @@ from bench.fabric.measure import closed_loop, wait_quiet
 from bench.fabric.observe import Observer, delta, scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from bench.fabric.stand_in import STAND_IN_CURVE, worker_args
-from bench.sim_validation import (
+from bench.sim_calibration import (
     HOP_CALLS,
     LENGTH_MIX,
     MODEL,
-    QUIET_WAIT_S,
     WARM_UP_CALLS,
-    Side,
-    compare,
-    conclude,
     measure_hops,
-    simulate,
     text_of,
 )
-from bench.sim_validation import capacity_per_s as device_rows_per_s
+from bench.sim_calibration import capacity_per_s as device_rows_per_s
+from bench.sim_report import Side, conclude
+from bench.sim_validation import QUIET_WAIT_S, compare, simulate
 from services.common import metric_names as names
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc

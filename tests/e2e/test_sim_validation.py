@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import bench.sim_calibration as calibration
 import bench.sim_validation as validation
 
 pytestmark = pytest.mark.e2e
@@ -38,9 +39,9 @@ def test_the_validation_command_measures_both_sides_at_every_load(
     # other processes on 54% of the CPU). Three passes of three calls, the passes apart as
     # the benchmark spreads its own: a point moves only if five of its nine calls stall.
     monkeypatch.setattr(validation, "QUIET_WAIT_S", 0.0)
-    monkeypatch.setattr(validation, "CURVE_PASSES", 3)
-    monkeypatch.setattr(validation, "CURVE_SIZES", (1, 2, 4))
-    monkeypatch.setattr(validation, "HOP_CALLS", 20)
+    monkeypatch.setattr(calibration, "CURVE_PASSES", 3)
+    monkeypatch.setattr(calibration, "CURVE_SIZES", (1, 2, 4))
+    monkeypatch.setattr(calibration, "HOP_CALLS", 20)
     out = tmp_path / "sim_validation.json"
     argv = ["--loads", ",".join(map(str, LOADS)), "--duration-s", "3", "--warmup-s", "1",
             "--repeats", "3", "--runs", "1", "--seed", "11", "--out", str(out)]  # fmt: skip

@@ -1,4 +1,4 @@
-"""The validation's calibration statistics (bench/sim_validation.py), as pure functions."""
+"""The validation's calibration statistics (bench/sim_calibration.py), as pure functions."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import statistics
 import pytest
 
 from bench.fabric.loadgen import OK, Outcome
-from bench.sim_validation import mean_hops_ms, robust_sigma
+from bench.sim_calibration import mean_hops_ms, robust_sigma
 from bench.stand_in_validation import CostPoint, fit_bundle_costs
 
 pytestmark = pytest.mark.unit
