@@ -132,27 +132,34 @@ class Outcome:
 
 def observe_counts(histogram: Histogram, counts: Iterable[tuple[float, int]]) -> None:
     """Each (amount, count) of `counts` as `count` observations of `amount`, recorded as that
-    many calls of `histogram.observe` would record them, in one write of the sum and one per
-    bucket touched: the rows of one slice share their wait, and a batch's slices fall in a
-    few buckets, so the per-row path pays for neither a call per row nor one per slice.
-    `histogram` is a labelled child.
+    many calls of `histogram.observe` would record them (the sum up to the order its float
+    additions take), in one write of the sum and one per bucket touched: the rows of one
+    slice share their wait, and a batch's slices fall in a few buckets, so the per-row path
+    pays for neither a call per row nor one per slice. `histogram` is a labelled child.
+    `counts` is read whole before anything is recorded.
 
     It writes the child's sum and bucket values directly (prometheus_client keeps them as
     `_sum` and `_buckets` beside `_upper_bounds`); tests/unit/test_telemetry.py holds it equal
     to repeated `observe` calls, so an upgrade that moves them fails there."""
+    # As `observe` does: a labelled parent is refused (ValueError). prometheus_client leaves
+    # this private method untyped.
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]
     bounds = histogram._upper_bounds
     total = 0.0
     by_bucket: dict[int, int] = {}
+    not_finite: list[tuple[float, int]] = []
     for amount, count in counts:
         if count <= 0:
             continue
         if not math.isfinite(amount):  # NaN falls in no bucket, and bisect cannot place it
-            for _ in range(count):
-                histogram.observe(amount)
+            not_finite.append((amount, count))
             continue
         total += amount * count
         index = bisect.bisect_left(bounds, amount)
         by_bucket[index] = by_bucket.get(index, 0) + count
+    for amount, count in not_finite:
+        for _ in range(count):
+            histogram.observe(amount)
     if by_bucket:
         histogram._sum.inc(total)
         for index, count in by_bucket.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -75,6 +76,25 @@ def test_a_not_a_number_observation_counts_in_no_bucket_as_observe_does() -> Non
     del got[("nan_sum", "")], want[("nan_sum", "")]
     assert got == want
     assert got[("nan_count", "")] == 1
+
+
+def test_a_labelled_parent_is_refused_as_observe_refuses_it() -> None:
+    parent = Histogram("parent", "", ("model",), buckets=BUCKETS, registry=None)
+    with pytest.raises(ValueError):
+        observe_counts(parent, [(0.5, 1)])
+
+
+def test_counts_that_fail_midway_record_nothing() -> None:
+    histogram = Histogram("partial", "", buckets=BUCKETS, registry=None)
+
+    def counts() -> Iterator[tuple[float, int]]:
+        yield (0.5, 2)
+        yield (math.inf, 1)
+        raise RuntimeError("the caller's generator failed")
+
+    with pytest.raises(RuntimeError):
+        observe_counts(histogram, counts())
+    assert all(v == 0 for v in _samples(histogram).values())
 
 
 def test_no_observation_records_nothing() -> None:
