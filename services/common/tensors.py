@@ -24,7 +24,7 @@ _PB_TO_NAME: dict[pb.DataType, str] = {
     pb.DATA_TYPE_BYTES: "BYTES",
 }
 _NAME_TO_PB = {name: value for value, name in _PB_TO_NAME.items()}
-#: The wire name of each little-endian numpy dtype (native order here); others are looked up.
+#: The wire name of each little-endian numpy dtype (native order here).
 _WIRE_NAMES: dict[np.dtype, str] = {dtype: name for name, dtype in NUMPY_DTYPES.items()}
 
 #: Largest tensor dimension product accepted from the wire (guards against shape bombs).
@@ -70,10 +70,8 @@ def tensor_from_pb(tensor: pb.Tensor) -> np.ndarray:
 
 def tensor_to_pb(array: np.ndarray) -> pb.Tensor:
     name = _WIRE_NAMES.get(array.dtype)
-    if name is None:
-        name = next(
-            (n for n, d in NUMPY_DTYPES.items() if d == array.dtype.newbyteorder("<")), None
-        )
+    if name is None:  # not in native order: its little-endian twin's name, if it has one
+        name = _WIRE_NAMES.get(array.dtype.newbyteorder("<"))
     if name is None:
         raise TypeError(f"no wire dtype for numpy {array.dtype}")
     data = np.ascontiguousarray(array, dtype=NUMPY_DTYPES[name]).tobytes()

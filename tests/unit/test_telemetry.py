@@ -61,7 +61,8 @@ def test_a_batch_of_slices_at_once_equals_each_observation_alone() -> None:
     assert got[("at_once_count", "")] == 13
     assert got[("at_once_sum", "")] == want[("at_once_sum", "")] == math.inf
     finite = [(a, c) for a, c in pairs if math.isfinite(a)]
-    observe_counts(finite_at_once := Histogram("f", "", buckets=BUCKETS, registry=None), finite)
+    finite_at_once = Histogram("f", "", buckets=BUCKETS, registry=None)
+    observe_counts(finite_at_once, finite)
     assert _samples(finite_at_once)[("f_sum", "")] == pytest.approx(sum(a * c for a, c in finite))
 
 
