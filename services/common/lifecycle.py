@@ -216,13 +216,23 @@ async def set_serving(
 
 def stop_if_cancelled() -> None:
     """Raises CancelledError in a task that was told to stop while a library call swallowed
-    the cancellation: on Python 3.11, `asyncio.timeout` turns a cancel that races its own
-    expiry into TimeoutError, and redis-py's socket timeouts then raise a RedisError. A loop
-    that catches that error and sleeps again would never stop (a gateway's stop once waited on
-    its routing sync until the stop bound killed it). Call it where such a loop catches."""
+    the cancellation. On Python 3.11, `asyncio.wait_for` returns the result of an awaitable
+    that completed as the cancel arrived (redis-py writes each command through it when a
+    socket timeout is set), and `asyncio.timeout` turns a cancel that races its own expiry
+    into TimeoutError, which redis-py raises as a RedisError. A loop that goes on to sleep and
+    run another round would never stop (a gateway's stop once waited on its routing sync, and
+    a worker's on its repository follower, until the stop bound killed it). Call it where
+    such a loop catches, and before it sleeps (`sleep_unless_stopped`)."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
+
+
+async def sleep_unless_stopped(seconds: float) -> None:
+    """`asyncio.sleep` between the rounds of a loop that is stopped by cancelling it: a round
+    that swallowed the cancellation (see `stop_if_cancelled`) ends the loop here."""
+    stop_if_cancelled()
+    await asyncio.sleep(seconds)
 
 
 def stop_event() -> asyncio.Event:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import stop_if_cancelled
+from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
 from services.gateway.admission import TenantAdmission
@@ -95,7 +95,7 @@ class QuotaSync:
     async def _run(self) -> None:
         while True:
             await self.run_round()
-            await asyncio.sleep(self.config.period_s)
+            await sleep_unless_stopped(self.config.period_s)
 
     async def run_round(self) -> None:
         """One round, whose Redis failure is logged and counted (see the module docstring)."""

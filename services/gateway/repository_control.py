@@ -29,6 +29,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from services.common.errors import InvalidInput, ModelLoadFailed, Unavailable
+from services.common.lifecycle import sleep_unless_stopped
 from services.common.model_repository import ModelConfigError, load_repository
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -124,7 +125,7 @@ class RepositoryControl:
                 if repr(error) != last_failure:
                     log.error("model repository not re-read: %s", error, exc_info=True)
                 last_failure = repr(error)
-            await asyncio.sleep(FOLLOW_PERIOD_S)
+            await sleep_unless_stopped(FOLLOW_PERIOD_S)
 
     async def read_repository(self) -> list[str]:
         """Adds the repository's versions this gateway does not know yet to its catalog

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import stop_if_cancelled
+from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.model_routing import ModelRouting, routing_key
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -62,7 +62,7 @@ class RoutingSync:
             except (RedisError, OSError) as error:
                 stop_if_cancelled()
                 log.warning("routing sync failed, the routing in force stays: %s", error)
-            await asyncio.sleep(self._period_s)
+            await sleep_unless_stopped(self._period_s)
 
     async def sync_once(self) -> list[str]:
         """One round; returns the models whose routing changed."""

@@ -17,6 +17,7 @@ from services.common.lifecycle import (
     add_health_and_reflection,
     new_server,
     set_serving,
+    sleep_unless_stopped,
 )
 from services.common.model_repository import load_repository
 from services.common.telemetry import tier_registry
@@ -105,7 +106,7 @@ class Gateway:
             except grpc.aio.AioRpcError as error:
                 # Keep the last view: the router may be restarting; calls to it will tell.
                 log.warning("catalog refresh failed: %s", error.code().name)
-            await asyncio.sleep(self.config.catalog_refresh_s)
+            await sleep_unless_stopped(self.config.catalog_refresh_s)
 
     async def stop(self) -> None:
         if self.door is not None:

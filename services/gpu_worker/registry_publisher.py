@@ -65,6 +65,7 @@ class HeartbeatPublisher:
     async def run(self) -> None:
         failures = 0
         while True:
+            stop_if_cancelled()  # a round, or the wait below, may have swallowed a stop
             # Before the publish, not after: a change told while it is in flight (its record
             # may be older) is published at once, not a period later.
             self._wake.clear()

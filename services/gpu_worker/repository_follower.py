@@ -8,7 +8,6 @@ Triton, without scanning the disk every period."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import stop_if_cancelled
+from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.model_repository import ModelConfigError, ModelVersion, load_repository
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import connect
@@ -101,7 +100,7 @@ class RepositoryFollower:
                 if repr(error) != last_failure:
                     log.exception("following the desired model state failed; retrying")
                 last_failure = repr(error)
-            await asyncio.sleep(FOLLOW_PERIOD_S)
+            await sleep_unless_stopped(FOLLOW_PERIOD_S)
 
     async def follow_once(self) -> None:
         """One read of the desired state and the actions it calls for."""

@@ -12,7 +12,6 @@ never reach the route table: each such read counts them, and each is logged once
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -20,7 +19,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import stop_if_cancelled
+from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
@@ -138,7 +137,7 @@ class RegistrySync:
             age_s = self._table.snapshot_age_s(time.monotonic())
             self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)
             delay_s = min(_MAX_BACKOFF_S, self._period_s * 2 ** max(0, failures - 1))
-            await asyncio.sleep(delay_s)
+            await sleep_unless_stopped(delay_s)
 
     async def _set_degraded(self, is_degraded: bool) -> None:
         if is_degraded != self.is_degraded:
