@@ -21,13 +21,12 @@ from bench.fabric.measure import (
     Target,
     closed_loop,
     measure_rate,
-    measure_raw,
-    measure_raw_texts,
     overload_phases,
     sweep,
     wait_quiet,
 )
 from bench.fabric.observe import Observer
+from bench.fabric.raw import measure_raw, measure_raw_texts
 from bench.fabric.stack import (
     start_echo,
     start_stack,

@@ -10,7 +10,7 @@ import pytest
 
 from bench.fabric.loadgen import OK, Outcome
 from bench.sim_calibration import mean_hops_ms, robust_sigma
-from bench.stand_in_validation import CostPoint, fit_bundle_costs
+from bench.stand_in_fit import CostPoint, fit_bundle_costs
 
 pytestmark = pytest.mark.unit
 
