@@ -218,11 +218,12 @@ def stop_if_cancelled() -> None:
     """Raises CancelledError in a task that was told to stop while a library call swallowed
     the cancellation. On Python 3.11, `asyncio.wait_for` returns the result of an awaitable
     that completed as the cancel arrived (redis-py writes each command through it when a
-    socket timeout is set), and `asyncio.timeout` turns a cancel that races its own expiry
-    into TimeoutError, which redis-py raises as a RedisError. A loop that goes on to sleep and
-    run another round would never stop (a gateway's stop once waited on its routing sync, and
-    a worker's on its repository follower, until the stop bound killed it). Call it where
-    such a loop catches, and before it sleeps (`sleep_unless_stopped`)."""
+    socket timeout is set), and a library may turn a cancel into an error of its own (redis-py
+    raises its timeouts as RedisError). A loop that goes on to sleep and run another round
+    would never stop (a gateway's stop once waited on its routing sync, and a worker's on its
+    repository follower, until the stop bound killed it). Call it where such a loop catches,
+    after a read that decides what it does next, and before it sleeps
+    (`sleep_unless_stopped`)."""
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError

@@ -87,6 +87,12 @@ class QuotaSync:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
+            try:  # before the client closes under it
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # it died on a bug: the stop goes on
+                log.exception("the quota sync had stopped")
         # Failing that, the entry goes stale and the others ignore it.
         with contextlib.suppress(RedisError, OSError):
             await self._client.hdel(self.config.demand_key, self.gateway_id)

@@ -153,5 +153,9 @@ class RegistryPublisher:
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
+            # Ended before the record is deleted: a write of its still in flight would bring
+            # the record back.
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         await self._publisher.deregister(self._worker_id)
         await self._client.aclose()

@@ -105,6 +105,7 @@ class RepositoryFollower:
     async def follow_once(self) -> None:
         """One read of the desired state and the actions it calls for."""
         desired = parse_desired(await self._client.hgetall(self._key))
+        stop_if_cancelled()  # the read may have swallowed a stop: no load or unload after it
         revisions = {name: entry.revision for name, entry in desired.items()}
         if self._is_first:
             # Failures of the start-up load count as attempts at the revisions seen now.
@@ -134,6 +135,7 @@ class RepositoryFollower:
             repository=self._versions,
         )
         for action in actions:
+            stop_if_cancelled()
             await self._apply(action, desired, self._versions)
 
     async def _apply(

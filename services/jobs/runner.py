@@ -247,6 +247,7 @@ class JobRunner:
         cause. Re-reads the job before each retry, so a cancel stops the retries too."""
         num_attempts = 0
         while True:
+            stop_if_cancelled()  # re-reading the job may have swallowed a drain's cancel
             stopped = self._stopped(job, items)
             if stopped is not None:
                 return stopped

@@ -9,13 +9,22 @@ import time
 from pathlib import Path
 from typing import cast
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
+from prometheus_client import CollectorRegistry
 
+from services.common.job_policy import FLEET_ROUNDS, ItemCounts, RetryPolicy
+from services.common.job_store import JobRecord, JobStore
 from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
+from services.common.model_repository import ModelVersion
 from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.loaded_models import LoadedModels
 from services.gpu_worker.repository_follower import RepositoryFollower
+from services.jobs.metrics import RunnerMetrics
+from services.jobs.runner import JobRunner
+from services.pb.inference.v1 import inference_pb2 as api
+from tests.support.models import write_affine_model
 
 pytestmark = pytest.mark.unit
 
@@ -100,7 +109,18 @@ class _RedisSwallowingTheFirstStop:
         self.num_reads += 1
         if self.num_reads == 1:
             await _written_as_the_stop_arrives()
-        return {}
+        return {}  # no desired state: every model on the volume is wanted
+
+
+class _RecordingSwapper:
+    """Records the loads the follower asks for (none may follow a stop)."""
+
+    def __init__(self) -> None:
+        self.loads: list[str] = []
+
+    async def load(self, version: ModelVersion) -> bool:
+        self.loads.append(version.config.name)
+        return True
 
 
 async def test_the_repository_follower_stops_when_a_read_swallowed_its_stop(
@@ -108,17 +128,102 @@ async def test_the_repository_follower_stops_when_a_read_swallowed_its_stop(
 ) -> None:
     """A worker's stop once waited on its follower until the stop bound killed the process
     (exit 1): the stop arrived as a Redis write completed, and the follower slept and read
-    again, once a second, never to stop."""
+    again, once a second, never to stop. Nor may the read's round go on to load a model that
+    is on the volume but not served (a load can outlast the stop's bound)."""
+    write_affine_model(tmp_path)
     client = _RedisSwallowingTheFirstStop()
+    swapper = _RecordingSwapper()
     follower = RepositoryFollower(
         client=cast(aioredis.Redis, client),
         registry_prefix="fabric",
-        repository_dir=tmp_path,  # empty: nothing to load or unload
+        repository_dir=tmp_path,
         pool=(),
-        models=LoadedModels(),
-        swapper=cast(ModelSwapper, None),  # never called: nothing to load or unload
+        models=LoadedModels(),  # nothing served: the affine model is a load to make
+        swapper=cast(ModelSwapper, swapper),
     )
     task = asyncio.get_running_loop().create_task(follower.run())
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)
     assert client.num_reads == 1
+    assert swapper.loads == []
+
+
+async def test_the_repository_follower_loads_what_is_wanted_when_not_stopped(
+    tmp_path: Path,
+) -> None:
+    """The same follower and volume, with no stop: its round loads the model (so the test
+    above would see a load were the stop not honoured mid-round)."""
+    write_affine_model(tmp_path)
+    swapper = _RecordingSwapper()
+    client = _RedisSwallowingTheFirstStop()
+    client.num_reads = 1  # its reads complete normally
+    follower = RepositoryFollower(
+        client=cast(aioredis.Redis, client),
+        registry_prefix="fabric",
+        repository_dir=tmp_path,
+        pool=(),
+        models=LoadedModels(),
+        swapper=cast(ModelSwapper, swapper),
+    )
+    await follower.follow_once()
+    assert swapper.loads == ["affine"]
+
+
+class _JobStoreSwallowingTheStop:
+    """The job store: its re-read of the job before a retry completes as a drain's cancel
+    arrives."""
+
+    def __init__(self, job: JobRecord) -> None:
+        self.job = job
+        self.num_reads = 0
+
+    async def get(self, job_id: str) -> JobRecord:
+        self.num_reads += 1
+        await _written_as_the_stop_arrives()
+        return self.job
+
+    async def count_round(self, job_id: str, start: int) -> int:
+        return FLEET_ROUNDS  # the fleet's rounds are spent: the items fail, not the chunk
+
+
+async def test_a_job_chunk_retrying_stops_when_the_job_read_swallowed_the_drain() -> None:
+    """A runner's drain cancels the chunks still running past its grace and waits for them:
+    a chunk whose re-read of its job swallowed the cancel must not send its call again (each
+    attempt may take the call's whole timeout, past the stop's bound)."""
+    job = JobRecord(
+        job_id="j",
+        tenant="t",
+        model_name="m",
+        model_version="",
+        priority="batch",
+        num_items=1,
+        counts=ItemCounts(num_ok=0, num_failed=0, num_cancelled=0),
+        created_s=time.time(),
+        started_s=0.0,
+        complete_by_s=0.0,
+        idempotency_key="",
+        is_cancelled=False,
+    )
+    store = _JobStoreSwallowingTheStop(job)
+    num_calls = 0
+
+    async def predict(request: api.PredictRequest) -> api.PredictResponse:
+        nonlocal num_calls
+        num_calls += 1
+        empty = grpc.aio.Metadata()
+        raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, empty, empty, "no worker")
+
+    runner = JobRunner(
+        cast(JobStore, store),
+        predict,
+        RunnerMetrics(CollectorRegistry()),
+        consumer="runner-0",
+        retry=RetryPolicy(max_attempts=5, base_delay_s=0.0),
+        max_in_flight_chunks=1,
+        claim_timeout_s=30.0,
+    )
+    items = [(0, api.PredictInput(text="hello").SerializeToString())]
+    task = asyncio.get_running_loop().create_task(runner._run_items(job, items))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=5)
+    assert (num_calls, store.num_reads) == (1, 1)
