@@ -36,7 +36,6 @@ not come back in step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import secrets
@@ -57,6 +56,7 @@ from services.common.door_config import DoorConfig
 from services.common.errors import Overloaded, retry_after_trailer
 from services.common.grpc_errors import HANDLER_FACTORIES
 from services.common.interceptors import Metadata
+from services.common.lifecycle import cancel_and_wait
 from services.common.loop_lag import LAG_BUCKETS
 from services.common.telemetry import Children, MetricFactory
 
@@ -189,11 +189,8 @@ class Door(grpc.aio.ServerInterceptor):
         self._probe_task = asyncio.create_task(self._probe_loop(), name="door-probe")
 
     async def stop(self) -> None:
-        for task in (self._probe_task, self._probe):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        await cancel_and_wait(self._probe_task, "the door's probe loop")
+        await cancel_and_wait(self._probe, "the door's probe call")
         self._probe_task = self._probe = None
         self.limit.stop_shedding()  # nothing measures the queue any more
         if self._channel is not None:

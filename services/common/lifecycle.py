@@ -229,6 +229,22 @@ def stop_if_cancelled() -> None:
         raise asyncio.CancelledError
 
 
+async def cancel_and_wait(task: asyncio.Task[Any] | None, what: str) -> None:
+    """Stops a background task (a sync loop, a follower) and waits until it has ended, so that
+    nothing of it runs on once its owner goes on to close what it used. An error it had died
+    of is logged, not raised: the owner's stop must go on. A cancel of the caller itself while
+    it waits is raised, not taken for the task's."""
+    if task is None:
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        stop_if_cancelled()
+    except Exception:
+        log.exception("%s had stopped on an error", what)
+
+
 async def sleep_unless_stopped(seconds: float) -> None:
     """`asyncio.sleep` between the rounds of a loop that is stopped by cancelling it: a round
     that swallowed the cancellation (see `stop_if_cancelled`) ends the loop here."""

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
+from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
 from services.gateway.admission import TenantAdmission
@@ -85,14 +85,7 @@ class QuotaSync:
         self._task = asyncio.create_task(self._run(), name="quota-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:  # before the client closes under it
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # it died on a bug: the stop goes on
-                log.exception("the quota sync had stopped")
+        await cancel_and_wait(self._task, "the quota sync")  # before its entry goes
         # Failing that, the entry goes stale and the others ignore it.
         with contextlib.suppress(RedisError, OSError):
             await self._client.hdel(self.config.demand_key, self.gateway_id)

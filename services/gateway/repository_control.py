@@ -21,7 +21,6 @@ worker's load error as the reason.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 from redis.exceptions import RedisError
 
 from services.common.errors import InvalidInput, ModelLoadFailed, Unavailable
-from services.common.lifecycle import sleep_unless_stopped
+from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped
 from services.common.model_repository import ModelConfigError, load_repository
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -99,10 +98,7 @@ class RepositoryControl:
         self._task = asyncio.create_task(self._follow(), name="repository-follow")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task, "the repository follow")
         await self._client.aclose()
 
     async def _follow(self) -> None:

@@ -11,13 +11,12 @@ While Redis is unreachable the routing in force stays.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from pathlib import Path
 
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
+from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.model_routing import ModelRouting, routing_key
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -49,10 +48,7 @@ class RoutingSync:
         self._task = asyncio.create_task(self._run(), name="routing-sync")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task, "the routing sync")
         await self._client.aclose()
 
     async def _run(self) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from services.common.lifecycle import stop_if_cancelled
+from services.common.lifecycle import cancel_and_wait, stop_if_cancelled
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.batching.driver import BatchingDriver
@@ -151,11 +151,8 @@ class RegistryPublisher:
         self._publisher.publish_soon()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            # Ended before the record is deleted: a write of its still in flight would bring
-            # the record back.
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        # Ended before the record is deleted: a write of its still in flight would bring the
+        # record back.
+        await cancel_and_wait(self._task, "the heartbeat")
         await self._publisher.deregister(self._worker_id)
         await self._client.aclose()

@@ -19,6 +19,7 @@ from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
     add_health_and_reflection,
+    cancel_and_wait,
     drain_within,
     freeze_startup_heap,
     new_server,
@@ -296,14 +297,8 @@ class Worker:
     async def stop(self) -> None:
         """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""
         await self.health.enter_graceful_shutdown()
-        if self._follower is not None:
-            self._follower.cancel()
-            try:
-                await self._follower
-            except asyncio.CancelledError:
-                pass
-            except Exception:  # it died on a bug: the drain below must still run
-                log.exception("the model repository follower had stopped")
+        # Died on a bug, it is logged: the drain below must still run.
+        await cancel_and_wait(self._follower, "the model repository follower")
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
         generation = (*self.models.generation, *self.models.unloading) if self.models else ()

@@ -4,6 +4,7 @@ an error."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common.job_policy import FLEET_ROUNDS, ItemCounts, RetryPolicy
 from services.common.job_store import JobRecord, JobStore
-from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
+from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.model_repository import ModelVersion
 from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.loaded_models import LoadedModels
@@ -227,3 +228,57 @@ async def test_a_job_chunk_retrying_stops_when_the_job_read_swallowed_the_drain(
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)
     assert (num_calls, store.num_reads) == (1, 1)
+
+
+async def test_cancel_and_wait_returns_once_the_task_has_ended() -> None:
+    rounds = 0
+
+    async def loop() -> None:
+        nonlocal rounds
+        while True:
+            rounds += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(loop())
+    await asyncio.sleep(0)
+    await cancel_and_wait(task, "the loop")
+    assert task.cancelled()
+    ended_at = rounds
+    await asyncio.sleep(0)
+    assert rounds == ended_at
+    await cancel_and_wait(None, "nothing started")  # a task never started: nothing to do
+
+
+async def test_cancel_and_wait_logs_the_error_a_task_died_of(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def dies() -> None:
+        raise ValueError("a bug")
+
+    task = asyncio.get_running_loop().create_task(dies())
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.ERROR):
+        await cancel_and_wait(task, "the sync")  # returns: its owner's stop goes on
+    assert "the sync had stopped on an error" in caplog.text
+    assert "ValueError: a bug" in caplog.text
+
+
+async def test_cancel_and_wait_raises_a_cancel_of_its_caller() -> None:
+    """A stop cancelled while it waits (its own bound ran out) stops too, rather than take
+    the cancel for the task's and go on."""
+
+    async def slow_to_stop() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)
+            raise
+
+    task = asyncio.get_running_loop().create_task(slow_to_stop())
+    await asyncio.sleep(0)
+    stop = asyncio.get_running_loop().create_task(cancel_and_wait(task, "the task"))
+    await asyncio.sleep(0)  # the stop is waiting on the task now
+    stop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(stop, timeout=5)
+    assert task.done()
