@@ -232,17 +232,23 @@ def stop_if_cancelled() -> None:
 async def cancel_and_wait(task: asyncio.Task[Any] | None, what: str) -> None:
     """Stops a background task (a sync loop, a follower) and waits until it has ended, so that
     nothing of it runs on once its owner goes on to close what it used. An error it had died
-    of is logged, not raised: the owner's stop must go on. A cancel of the caller itself while
-    it waits is raised, not taken for the task's."""
+    of is logged, not raised: the owner's stop must go on. A cancel of the caller itself that
+    arrives while it waits is raised once the task has ended (even should the task have
+    swallowed it), never taken for the task's; one that came before (a cancelled stop's
+    cleanup) is not raised again."""
     if task is None:
         return
+    caller = asyncio.current_task()
+    cancels_before = caller.cancelling() if caller is not None else 0
     task.cancel()
     try:
         await task
     except asyncio.CancelledError:
-        stop_if_cancelled()
+        pass
     except Exception:
         log.exception("%s had stopped on an error", what)
+    if caller is not None and caller.cancelling() > cancels_before:
+        raise asyncio.CancelledError
 
 
 async def sleep_unless_stopped(seconds: float) -> None:

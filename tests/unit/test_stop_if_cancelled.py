@@ -4,6 +4,7 @@ an error."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import sys
 import time
@@ -282,3 +283,44 @@ async def test_cancel_and_wait_raises_a_cancel_of_its_caller() -> None:
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(stop, timeout=5)
     assert task.done()
+
+
+async def test_cancel_and_wait_in_a_cancelled_stops_cleanup_goes_on() -> None:
+    """A stop cancelled earlier (its `finally` closing what it owns) is not cancelled again by
+    the task's own cancel: the cleanup after it runs."""
+    cleaned_up = False
+    task = asyncio.get_running_loop().create_task(asyncio.sleep(60))
+
+    async def stop() -> None:
+        nonlocal cleaned_up
+        try:
+            await asyncio.sleep(60)  # the drain, cut by a cancel
+        finally:
+            await cancel_and_wait(task, "the task")
+            cleaned_up = True
+
+    stopping = asyncio.get_running_loop().create_task(stop())
+    await asyncio.sleep(0)
+    stopping.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(stopping, timeout=5)
+    assert cleaned_up
+    assert task.cancelled()
+
+
+async def test_cancel_and_wait_raises_its_callers_cancel_that_the_task_swallowed() -> None:
+    async def swallows_a_cancel() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:  # its own stop: it winds down
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(30)  # the caller's cancel ends it here, and is lost
+
+    task = asyncio.get_running_loop().create_task(swallows_a_cancel())
+    await asyncio.sleep(0)
+    stop = asyncio.get_running_loop().create_task(cancel_and_wait(task, "the task"))
+    await asyncio.sleep(0.01)  # the task is winding down, the stop waiting on it
+    stop.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(stop, timeout=5)
+    assert task.done() and not task.cancelled()  # it did swallow the caller's cancel
