@@ -233,6 +233,33 @@ def test_slowdown_reaches_shapes_that_did_not_run() -> None:
     assert model.predict(make_key(bucket=64), 1) > 1.8 * 0.010 * 2
 
 
+def test_a_slowdown_past_max_ratio_is_learned_whole() -> None:
+    # A small CPU model beside a flooded gateway ran 2.3x its warm-up: a scale bounded by
+    # max_ratio itself (2) would predict its batches short for as long as the flood lasts, and
+    # the worker would admit and size batches that end past the SLO.
+    model = make_model({1: 0.010, 8: 0.040}, slowdown_alpha=0.2)
+    key = make_key()
+    for _ in range(30):
+        model.observe(key, 8, 0.160)  # 4x
+
+    assert model.slowdown(key) == pytest.approx(4.0, rel=0.02)
+    assert model.predict(key, 8) == pytest.approx(0.160, rel=0.02)
+    assert model.family_slowdown(key) == pytest.approx(4.0, rel=0.02)
+
+
+def test_each_step_is_bounded_relative_to_the_scale() -> None:
+    model = make_model({1: 0.010, 4: 0.010}, slowdown_alpha=0.2)
+    key = make_key()
+    for _ in range(30):
+        model.observe(key, 4, 0.030)  # a lasting 3x
+    before = model.slowdown(key)
+
+    model.observe(key, 4, 5.0)  # then a 500x stall: counted as 2x the scale
+    assert model.slowdown(key) == pytest.approx(before * 1.2)
+    model.observe(key, 4, 1e-6)  # and a batch that took nothing: half the scale
+    assert model.slowdown(key) == pytest.approx(before * 1.2 * (1 - 0.2 * (1 - 1 / 2)))
+
+
 def test_slowdown_returns_to_one_when_the_machine_recovers() -> None:
     model = make_model({1: 0.010, 8: 0.040}, slowdown_alpha=0.3)
     key = make_key()

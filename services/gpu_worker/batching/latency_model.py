@@ -109,13 +109,15 @@ class LatencyModel:
     monotone. It is never rewritten by serving traffic: a shape seen once under a stall, or
     only under overload, must not stay inflated for good. Serving batches teach the *scale*
     instead: the EWMA (`slowdown_alpha`) of observed / curve over every batch, per key, with
-    each batch's ratio bounded to [1/max_ratio, max_ratio]. Any batch of a key moves its scale,
-    whatever its size, so the estimate cannot get stuck on a shape that no longer runs:
+    each batch's ratio bounded to within a factor `max_ratio` of the scale. Any batch of a key
+    moves its scale, whatever its size, so the estimate cannot get stuck on a shape that no
+    longer runs:
 
-    - one outlier moves the scale by at most `slowdown_alpha x (max_ratio - 1)`, and the next
-      normal batches take it back;
+    - one outlier moves the scale by at most `slowdown_alpha x (max_ratio - 1)` of itself, and
+      the next normal batches take it back;
     - when the machine slows down for everyone (other processes taking the cores under
-      overload), every size of the key is predicted slower within a few batches;
+      overload), every size of the key is predicted slower within a few batches, however
+      much slower it is (a small CPU model beside a flooded gateway runs 2-3x its warm-up);
     - keys without batches of their own yet use their family's scale (same model, version and
       fingerprint), learned from all its keys.
 
@@ -133,7 +135,7 @@ class LatencyModel:
         """`slowdown_alpha` is the weight of each batch in its key's and family's scale (0:
         no learning, the curve alone); `default_s` is the prediction for a key whose family
         (model, version, fingerprint) has never been measured; `max_ratio` bounds one batch's
-        observed / curve ratio both ways."""
+        observed / curve ratio both ways, relative to the scale learned so far."""
         if not 0.0 <= slowdown_alpha <= 1.0:
             raise ValueError(f"slowdown_alpha must be in [0, 1], got {slowdown_alpha}")
         if not (math.isfinite(default_s) and default_s > 0.0):
@@ -168,15 +170,21 @@ class LatencyModel:
         self._predictions.clear()
         if points and min(points) <= batch_size <= max(points):
             ratio = seconds / max(self._curve(key).at(batch_size), MIN_PREDICTION_S)
-            ratio = min(max(ratio, 1.0 / self._max_ratio), self._max_ratio)
-            alpha = self._slowdown_alpha
             scale = self.slowdown(key)
-            self._key_scale[key] = scale + alpha * (ratio - scale)
+            self._key_scale[key] = self._smoothed(scale, ratio)
             family_scale = self._family_scale.get(family, 1.0)
-            self._family_scale[family] = family_scale + alpha * (ratio - family_scale)
+            self._family_scale[family] = self._smoothed(family_scale, ratio)
             return
         points[batch_size] = seconds / self.slowdown(key)
         self._curves.pop(key, None)
+
+    def _smoothed(self, scale: float, ratio: float) -> float:
+        """`scale` after one batch's observed / curve `ratio`, bounded to within `max_ratio`
+        of the scale itself: one outlier moves it by a bounded step, and a lasting slowdown of
+        any size is learned, geometrically (bounded to within `max_ratio` of 1 instead, a
+        machine three times slower would be predicted at most twice as slow, for good)."""
+        ratio = min(max(ratio, scale / self._max_ratio), scale * self._max_ratio)
+        return scale + self._slowdown_alpha * (ratio - scale)
 
     def slowdown(self, key: BatchKey) -> float:
         """The scale predictions of `key` carry now: observed / curve, smoothed (its family's
