@@ -12,7 +12,8 @@ import torch
 from services.gpu_worker.backends.base import PreparedRow
 from services.gpu_worker.batching.close_rule import URGENT_RECENT_S
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.types import CloseReason
+from services.gpu_worker.batching.types import CloseReason, Dispatch
+from services.gpu_worker.thread_choice import ThreadChoice
 
 
 def resolve_backfill_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
@@ -76,6 +77,47 @@ def backfill_threads_for(
     if backfill_threads <= 0 or reason is not CloseReason.BACKFILL:
         return 0
     return backfill_threads if now_s - last_urgent_s < URGENT_RECENT_S else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchThreads:
+    """The torch threads one batch runs on (0: the model's own), whether its time teaches the
+    latency model, and where that time is recorded (the lane's thread choice, if any)."""
+
+    count: int
+    teaches_latency: bool
+    choice: ThreadChoice | None = None
+    #: The batch's padded tokens (rows x bucket), the choice's measure of a call's size.
+    size: int = 0
+
+    def record(self, compute_s: float) -> None:
+        """The batch ran for `compute_s`: its cost per padded token, to the choice."""
+        if self.choice is not None:
+            self.choice.record(self.size, self.count, compute_s / self.size)
+
+
+def batch_threads(
+    choice: ThreadChoice | None,
+    dispatch: Dispatch,
+    num_rows: int,
+    backfill_threads: int,
+    last_urgent_s: float,
+    now_s: float,
+) -> BatchThreads:
+    """The threads of a batch dispatched at `now_s`. A backfill held short beside online
+    traffic runs on `backfill_threads` and teaches nothing. Any other batch, on a lane with a
+    thread `choice` (a model computing on the host's cores), runs on the count measured
+    cheapest per padded token for its size: on a CPU shared with the tiers, a parallel region
+    waits for its slowest thread, and a preempted one stalls the whole batch (minilm beside a
+    10x flood here served 12-70 rows/s on two threads, 120-190 on one). It teaches the latency
+    model unless it explores another count than the best one (`ThreadChoice.choose`)."""
+    threads = backfill_threads_for(dispatch.reason, backfill_threads, last_urgent_s, now_s)
+    if threads or choice is None:
+        return BatchThreads(threads, teaches_latency=threads == 0)
+    size = num_rows * max(1, dispatch.key.bucket)
+    best = choice.best(size)
+    threads = choice.choose(size)
+    return BatchThreads(threads, best is None or threads == best, choice, size)
 
 
 def describe_failure(error: Exception) -> str:

@@ -397,6 +397,7 @@ async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threa
     driver = BatchingDriver(
         [backend], DriverConfig(backfill_threads=1), WorkerMetrics(registry), clock=clock
     )
+    driver.open_lane(backend).threads = None  # the other batches on the model's own count
     driver.warm_up()
     driver.start()
     harness = Harness(driver, backend, clock, registry)
@@ -427,6 +428,50 @@ async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threa
         full = rest[len(held_short) :]
         assert online == 2 and held_short and full and set(full) == {2}, threads_seen
         assert torch.get_num_threads() == 2  # restored after the short backfill
+    finally:
+        await driver.drain()
+        torch.set_num_threads(previous)
+
+
+async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path) -> None:
+    """On a CPU a lane times its batches per padded token on one thread and on all, and runs
+    them on the cheaper count: here one, as the fake clock makes two threads three times
+    slower (a 2-core host flooded at 10x served 12-70 rows/s on two, 120-190 on one). Every
+    16th batch of a size explores the other count, and teaches the latency model nothing."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    clock = FakeClock()
+    run = backend.run
+    threads_seen: list[int] = []
+
+    def run_slower_on_two_threads(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        threads_seen.append(torch.get_num_threads())
+        clock.now_s += BATCH_S * (3 if threads_seen[-1] == 2 else 1)
+        return run(rows)
+
+    backend.run = run_slower_on_two_threads  # type: ignore[method-assign]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    registry = CollectorRegistry()
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(registry), clock=clock)
+    driver.warm_up()
+    driver.start()
+    harness = Harness(driver, backend, clock, registry)
+    try:
+        threads_seen.clear()
+        for _ in range(15):
+            await harness.submit(1)
+        # Three samples of each count first, then the cheaper one.
+        assert threads_seen == [1, 2] * 3 + [1] * 9
+        taught = harness.metric(names.WORKER_LATENCY_SLOWDOWN)
+        await harness.submit(1)  # the 16th: it explores
+        assert threads_seen[-1] == 2
+        assert harness.metric(names.WORKER_LATENCY_SLOWDOWN) == taught
+        await harness.submit(1)
+        assert threads_seen[-1] == 1
+        assert harness.metric(names.WORKER_LATENCY_SLOWDOWN) != taught  # back on the best
+        assert torch.get_num_threads() == 2  # restored after each batch
     finally:
         await driver.drain()
         torch.set_num_threads(previous)

@@ -71,6 +71,12 @@ class Backend(ServedModel):
         """Bucket values this backend produces (warm-up runs each)."""
         return (1,)
 
+    @property
+    def computes_on_host(self) -> bool:
+        """Whether a batch computes on the host's cores, on torch's intra-op threads (a CPU
+        device), so that how many it takes is worth measuring (execution.batch_threads)."""
+        return self.device.type == "cpu"
+
     def warm_up(self) -> None:
         """One batch of one row of the smallest bucket (allocator, lazy init)."""
         self.run(self.warmup_rows(self.buckets[0], 1))

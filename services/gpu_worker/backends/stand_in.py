@@ -54,6 +54,11 @@ class StandInBackend(TextBackend):
     def fingerprint(self) -> str:
         return self._fingerprint
 
+    @property
+    def computes_on_host(self) -> bool:
+        """A stand-in's batch sleeps: no thread count makes it faster."""
+        return False
+
     def batch_seconds(self, bucket: int, batch_size: int) -> float:
         """The device time of one batch, as the curve gives it."""
         return self._truth.predict(self._keys[bucket], batch_size)

@@ -42,7 +42,7 @@ from services.gpu_worker.batching.slice_admission import (
 )
 from services.gpu_worker.batching.types import Dispatch
 from services.gpu_worker.device_busy import DeviceBusy
-from services.gpu_worker.execution import backfill_threads_for, run_on_threads
+from services.gpu_worker.execution import batch_threads, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -355,9 +355,8 @@ class BatchingDriver:
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
-        threads = backfill_threads_for(
-            dispatch.reason, self._config.backfill_threads, self._ledger.last_urgent_s, started
-        )
+        threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
+                                self._ledger.last_urgent_s, started)  # fmt: skip
         try:
             with batch_span(
                 key=dispatch.key,
@@ -366,7 +365,7 @@ class BatchingDriver:
                 requests=contexts,
             ):
                 running = loop.run_in_executor(
-                    self._executor, run_on_threads, threads, device_busy, rows
+                    self._executor, run_on_threads, threads.count, device_busy, rows
                 )
                 results = await watchdog.within_watchdog(running, self.watchdog_s, device_busy)
         except TimeoutError:
@@ -380,6 +379,7 @@ class BatchingDriver:
             results = [error] * len(rows)
         finished = self._clock()
         compute_s = finished - started
+        threads.record(compute_s)
         self._busy_s_total += compute_s
         self._busy_since = None
         self._running_until_s = None
@@ -389,7 +389,7 @@ class BatchingDriver:
             self._metrics.device_busy_seconds_total_of[lane.labels].inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
-                teaches_latency=threads == 0,
+                teaches_latency=threads.teaches_latency,
             )  # fmt: skip
             # The batcher charged the rows' tenants the predicted compute; settle on the real.
             for item in dispatch.items:

@@ -25,6 +25,7 @@ from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.execution import describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
+from services.gpu_worker.thread_choice import ThreadChoice
 
 __all__ = [
     "Admission",
@@ -120,6 +121,9 @@ class Lane:
     #: latency model is seeded): the scale of the executor watchdog's bound.
     slowest_warmup_s: float = 0.0
     totals: BatchTotals = field(default_factory=BatchTotals)
+    #: The torch threads of each batch, measured per size (execution.batch_threads); None
+    #: where their count is not the lane's to choose (a GPU, a stand-in, one thread).
+    threads: ThreadChoice | None = None
 
     @functools.cached_property
     def labels(self) -> tuple[str, str]:

@@ -22,6 +22,7 @@ from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig
 from services.gpu_worker.metrics import WorkerMetrics
+from services.gpu_worker.thread_choice import ThreadChoice, thread_options
 
 
 def new_lane(
@@ -45,7 +46,11 @@ def new_lane(
     metrics.declare_model(model.name, backend.version.version)
     shedding = SloShedding.for_model(model.slo_s, model.shed_past_slo, config)
     batcher = Batcher(batcher_config, latency, ledger)
-    return Lane(backend=backend, batcher=batcher, latency=latency, shedding=shedding)
+    options = thread_options(torch.get_num_threads())
+    threads = ThreadChoice(options) if backend.computes_on_host and len(options) > 1 else None
+    return Lane(
+        backend=backend, batcher=batcher, latency=latency, shedding=shedding, threads=threads
+    )
 
 
 async def settle(lane: Lane) -> None:

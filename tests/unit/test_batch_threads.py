@@ -1,0 +1,79 @@
+"""The torch threads of one embedding batch (execution.batch_threads): a backfill held short,
+the model's own count, or the count a lane's thread choice measured cheapest per padded token,
+and which batches teach the latency model."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch
+from services.gpu_worker.execution import batch_threads
+from services.gpu_worker.thread_choice import ThreadChoice
+
+pytestmark = pytest.mark.unit
+
+NOW_S = 100.0
+
+
+def dispatch(reason: CloseReason = CloseReason.FULL, bucket: int = 16) -> Dispatch:
+    return Dispatch(BatchKey("m", "1", "f", bucket), (), reason)
+
+
+def test_a_backfill_beside_online_traffic_runs_short_and_teaches_nothing() -> None:
+    choice = ThreadChoice((1, 2), min_samples=1)
+    threads = batch_threads(choice, dispatch(CloseReason.BACKFILL), 4, 1, NOW_S - 0.1, NOW_S)
+
+    assert (threads.count, threads.teaches_latency) == (1, False)
+    threads.record(0.5)
+    assert choice.best(64) is None  # nothing recorded: the choice never saw this batch
+
+
+def test_without_a_choice_a_batch_runs_on_the_models_threads_and_teaches() -> None:
+    threads = batch_threads(None, dispatch(), 4, 1, NOW_S - 0.1, NOW_S)
+
+    assert (threads.count, threads.teaches_latency) == (0, True)
+    threads.record(0.5)  # nowhere to record: no error
+
+
+def test_the_choice_settles_on_the_count_cheapest_per_padded_token() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    # Four rows of bucket 16: 64 padded tokens. Each count is tried once; both teach, as
+    # neither is known to be the better yet.
+    seen = []
+    for _ in range(2):
+        threads = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+        assert threads.teaches_latency
+        threads.record(0.064 if threads.count == 1 else 0.192)  # 1 or 3 ms a token
+        seen.append(threads.count)
+    assert sorted(seen) == [1, 2]
+    assert choice.best(64) == 1
+
+    counts, teaches = [], []
+    for _ in range(6):
+        threads = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+        counts.append(threads.count)
+        teaches.append(threads.teaches_latency)
+    # Every fourth call of the size explores the other count, and teaches nothing: its time
+    # says how the other count does, not how the lane's batches run.
+    assert counts == [1, 2, 1, 1, 1, 2]
+    assert teaches == [c == 1 for c in counts]
+
+
+def test_the_cost_recorded_is_per_padded_token() -> None:
+    choice = ThreadChoice((1, 2), min_samples=1)
+    # Two batches of one size class (48 and 64 padded tokens): the smaller one on one thread
+    # takes less time, but more per token.
+    first = batch_threads(choice, dispatch(), 3, 1, NOW_S - 10.0, NOW_S)
+    assert (first.count, first.size) == (1, 48)
+    first.record(0.048)  # 1 ms a token
+    second = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+    assert (second.count, second.size) == (2, 64)  # the untried count next
+    second.record(0.056)  # 0.875 ms a token, though the longer batch
+
+    assert choice.best(64) == 2
+
+
+@pytest.mark.parametrize("bucket", [0, 1])
+def test_a_tensor_models_size_is_its_rows(bucket: int) -> None:
+    threads = batch_threads(ThreadChoice((1, 2)), dispatch(bucket=bucket), 5, 1, 0.0, NOW_S)
+    assert threads.size == 5
