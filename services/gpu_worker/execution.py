@@ -16,13 +16,18 @@ from services.gpu_worker.batching.types import CloseReason, Dispatch
 from services.gpu_worker.thread_choice import ThreadChoice
 
 
-def resolve_backfill_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
-    """`config` with its backfill threads resolved: -1 becomes half of torch's intra-op
-    threads on a CPU with more than one (0 otherwise: a GPU's kernels leave the cores alone)."""
-    if config.backfill_threads >= 0:
-        return config
-    threads = torch.get_num_threads() // 2 if device.type == "cpu" else 0
-    return dataclasses.replace(config, backfill_threads=threads)
+def resolve_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
+    """`config` with its thread counts resolved, once, at start, before any batch: torch gives
+    a thread its count when it first asks, from the last count set on any thread, so a lane
+    built later (a hot load) could read a batch's momentary one. `model_threads` 0 becomes
+    torch's intra-op threads on a CPU; `backfill_threads` -1 half of them (0 on a GPU, whose
+    kernels leave the cores alone)."""
+    threads = torch.get_num_threads() if device.type == "cpu" else 0
+    if config.model_threads == 0:
+        config = dataclasses.replace(config, model_threads=threads)
+    if config.backfill_threads < 0:
+        config = dataclasses.replace(config, backfill_threads=threads // 2)
+    return config
 
 
 @contextmanager
@@ -96,6 +101,10 @@ class BatchThreads:
             self.choice.record(self.size, self.count, compute_s / self.size)
 
 
+#: A batch on the model's own threads, teaching the latency model.
+MODEL_THREADS = BatchThreads(0, teaches_latency=True)
+
+
 def batch_threads(
     choice: ThreadChoice | None,
     dispatch: Dispatch,
@@ -103,20 +112,25 @@ def batch_threads(
     backfill_threads: int,
     last_urgent_s: float,
     now_s: float,
+    *,
+    may_explore: bool = True,
 ) -> BatchThreads:
     """The threads of a batch dispatched at `now_s`. A backfill held short beside online
-    traffic runs on `backfill_threads` and teaches nothing. Any other batch, on a lane with a
-    thread `choice` (a model computing on the host's cores), runs on the count measured
-    cheapest per padded token for its size: on a CPU shared with the tiers, a parallel region
-    waits for its slowest thread, and a preempted one stalls the whole batch (minilm beside a
-    10x flood here served 12-70 rows/s on two threads, 120-190 on one). It teaches the latency
-    model unless it explores another count than the best one (`ThreadChoice.choose`)."""
+    traffic runs on `backfill_threads` (or the fewer the lane measured best) and teaches
+    nothing. Any other batch, on a lane with a thread `choice` (a model computing on the
+    host's cores), runs on the count measured cheapest per padded token for its size: on a
+    CPU shared with the tiers, a parallel region waits for its slowest thread, and a
+    preempted one stalls the whole batch (minilm beside a 10x flood here served 12-70 rows/s
+    on two threads, 120-190 on one). It teaches the latency model unless it explores another
+    count than the best one (`ThreadChoice.choose`), which it does only when `may_explore`
+    (nothing else queued: a count measured slower delays no other row)."""
+    size = num_rows * max(1, dispatch.key.bucket)
     threads = backfill_threads_for(dispatch.reason, backfill_threads, last_urgent_s, now_s)
     if threads or choice is None:
-        return BatchThreads(threads, teaches_latency=threads == 0)
-    size = num_rows * max(1, dispatch.key.bucket)
+        best = None if choice is None or not threads else choice.best(size)
+        return BatchThreads(threads if best is None else min(threads, best), threads == 0)
     best = choice.best(size)
-    threads = choice.choose(size)
+    threads = choice.choose(size, may_explore=may_explore)
     return BatchThreads(threads, best is None or threads == best, choice, size)
 
 

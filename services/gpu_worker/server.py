@@ -39,7 +39,7 @@ from services.gpu_worker.backends.base import select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.bundles import BundleRunner, request_priority
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.execution import resolve_backfill_threads
+from services.gpu_worker.execution import resolve_threads
 from services.gpu_worker.front import engine_grpc_target
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
@@ -215,7 +215,7 @@ class Worker:
             models = load_versions(
                 versions, device, self.generation_metrics, self.config.load_options
             )
-            driver_config = resolve_backfill_threads(self.config.batching, device)
+            driver_config = resolve_threads(self.config.batching, device)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
             batching.warm_up()
             for backend in models.generation:

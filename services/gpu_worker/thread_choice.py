@@ -65,8 +65,10 @@ class ThreadChoice:
         self._smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
 
-    def choose(self, size: int) -> int:
-        """The thread count to run a call of `size` (tokens) on."""
+    def choose(self, size: int, *, may_explore: bool = True) -> int:
+        """The thread count to run a call of `size` (tokens) on. A caller whose call would
+        hold up others (`may_explore` False) gets the best count on an exploring turn: an
+        exploration costs the call itself, at most."""
         if len(self.options) == 1:
             return self.options[0]
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
@@ -74,7 +76,7 @@ class ThreadChoice:
         untried = [o for o in self.options if bucket.num_samples.get(o, 0) < self._min_samples]
         if untried:
             choice = min(untried, key=lambda o: bucket.num_samples.get(o, 0))
-        elif bucket.num_chosen % self._explore_every == 0:
+        elif may_explore and bucket.num_chosen % self._explore_every == 0:
             best = self.best(size)
             others = [o for o in self.options if o != best]
             choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))

@@ -361,7 +361,7 @@ class SimWorker:
             max_batch_size=spec.max_batch_size,
             slo_p99_ms=round(spec.slo_s * 1000),
             per_row_s=per_row_s,
-            min_batch_s=latency.predict(smallest, 1),
+            min_batch_s=latency.predict_alone(smallest),
             queued_rows=batcher.num_queued,
             is_ready=is_ready and not batcher.is_draining,
             shed_past_slo=spec.shed_past_slo,

@@ -477,6 +477,46 @@ async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path)
         torch.set_num_threads(previous)
 
 
+async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) -> None:
+    """A batch that failed (bisected, or failing at once) says nothing of what a count costs:
+    the next batch still samples the count it ran on."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    run = backend.run
+    threads_seen: list[int] = []
+    fail = [True]
+
+    def run_failing_first(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        threads_seen.append(torch.get_num_threads())
+        if fail[0]:
+            raise RuntimeError("this batch fails")
+        return run(rows)
+
+    backend.run = run_failing_first  # type: ignore[method-assign]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    try:
+        fail[0] = False
+        driver.warm_up()
+        driver.start()
+        threads_seen.clear()
+        fail[0] = True
+        with pytest.raises(ExecutionFailed):
+            await driver.submit(
+                backend, backend.prepare_many([np.ones(4, np.float32)]), timeout_s=30, tenant="t"
+            )
+        fail[0] = False
+        await driver.submit(
+            backend, backend.prepare_many([np.ones(4, np.float32)]), timeout_s=30, tenant="t"
+        )
+        assert threads_seen == [1, 1]  # one thread still unsampled: not [1, 2]
+    finally:
+        await driver.drain()
+        torch.set_num_threads(previous)
+
+
 async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_rows_queue(
     tmp_path: Path,
 ) -> None:

@@ -28,6 +28,16 @@ def test_a_backfill_beside_online_traffic_runs_short_and_teaches_nothing() -> No
     assert choice.best(64) is None  # nothing recorded: the choice never saw this batch
 
 
+def test_a_backfill_runs_on_fewer_threads_still_when_the_lane_measured_fewer_best() -> None:
+    choice = ThreadChoice((1, 2, 4), min_samples=1)
+    for cost_s in (0.064, 0.128, 0.192):  # one thread, then two, then four: one is best
+        choice.record(64, choice.choose(64), cost_s)
+    assert choice.best(64) == 1
+
+    threads = batch_threads(choice, dispatch(CloseReason.BACKFILL), 4, 2, NOW_S - 0.1, NOW_S)
+    assert (threads.count, threads.teaches_latency) == (1, False)
+
+
 def test_without_a_choice_a_batch_runs_on_the_models_threads_and_teaches() -> None:
     threads = batch_threads(None, dispatch(), 4, 1, NOW_S - 0.1, NOW_S)
 
@@ -57,6 +67,20 @@ def test_the_choice_settles_on_the_count_cheapest_per_padded_token() -> None:
     # says how the other count does, not how the lane's batches run.
     assert counts == [1, 2, 1, 1, 1, 2]
     assert teaches == [c == 1 for c in counts]
+
+
+def test_a_batch_others_wait_behind_never_explores() -> None:
+    choice = ThreadChoice((1, 2), explore_every=2, min_samples=1)
+    for cost_s in (0.064, 0.192):
+        choice.record(64, choice.choose(64), cost_s)
+
+    # Calls 3 to 6 of the size: every second one is an exploring turn.
+    counts = [
+        batch_threads(choice, dispatch(), 4, 1, 0.0, NOW_S, may_explore=may_explore).count
+        for may_explore in (True, False, True, True)
+    ]
+    # The 4th, its turn while others wait, runs on the best; the 6th, idle, explores.
+    assert counts == [1, 1, 1, 2]
 
 
 def test_the_cost_recorded_is_per_padded_token() -> None:

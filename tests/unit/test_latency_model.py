@@ -247,6 +247,23 @@ def test_a_slowdown_past_max_ratio_is_learned_whole() -> None:
     assert model.family_slowdown(key) == pytest.approx(4.0, rel=0.02)
 
 
+def test_a_row_alone_is_predicted_at_most_max_ratio_slower_than_its_curve() -> None:
+    # What refuses or drops a lone row unrun: were it the whole learned scale, a stall could
+    # make every lone row look too slow for its deadline, and no batch would run to correct it.
+    model = make_model({1: 0.010, 8: 0.040}, slowdown_alpha=0.5)
+    key = make_key()
+    model.observe(key, 1, 0.015)
+    assert model.predict_alone(key) == pytest.approx(model.predict(key, 1))  # 1.25x: as is
+    for _ in range(40):
+        model.observe(key, 8, 4.0)  # a 100x stall
+
+    assert model.slowdown(key) == pytest.approx(100.0, rel=0.01)
+    assert model.predict(key, 1) == pytest.approx(1.0, rel=0.01)
+    assert model.predict_alone(key) == pytest.approx(0.020)
+    # A bucket read through a sibling's curve is bounded alike.
+    assert model.predict_alone(make_key(bucket=64)) == pytest.approx(0.020 * 64 / 32)
+
+
 def test_each_step_is_bounded_relative_to_the_scale() -> None:
     model = make_model({1: 0.010, 4: 0.010}, slowdown_alpha=0.2)
     key = make_key()

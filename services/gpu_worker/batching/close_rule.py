@@ -102,7 +102,7 @@ def assess(
     expected = 0.0 if gap_s is None else (linger_end_s - now_s) / gap_s
     if expected < config.min_expected_arrivals:
         return CloseReason.IDLE, None
-    expiry_s = deadline_s - latency.predict(key, 1)  # Batcher._expiry_s(key, queue)
+    expiry_s = deadline_s - latency.predict_alone(key)  # Batcher._expiry_s(key, queue)
     wake_s = min(linger_end_s, slack_at_s, expiry_s)
     if gap_s is not None:
         wake_s = min(wake_s, queue.idle_at_s(linger_end_s, config.min_expected_arrivals))

@@ -356,7 +356,8 @@ class BatchingDriver:
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
         threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
-                                self._ledger.last_urgent_s, started)  # fmt: skip
+                                self._ledger.last_urgent_s, started,
+                                may_explore=lane.batcher.num_queued == 0)  # fmt: skip
         try:
             with batch_span(
                 key=dispatch.key,
@@ -379,7 +380,6 @@ class BatchingDriver:
             results = [error] * len(rows)
         finished = self._clock()
         compute_s = finished - started
-        threads.record(compute_s)
         self._busy_s_total += compute_s
         self._busy_since = None
         self._running_until_s = None
@@ -389,7 +389,7 @@ class BatchingDriver:
             self._metrics.device_busy_seconds_total_of[lane.labels].inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
-                teaches_latency=threads.teaches_latency,
+                threads=threads,
             )  # fmt: skip
             # The batcher charged the rows' tenants the predicted compute; settle on the real.
             for item in dispatch.items:

@@ -32,9 +32,15 @@ class DriverConfig:
     #: recent online traffic: on a CPU worker the model's threads take every core, and the
     #: online path (this worker's event loop, the tiers on the same host) then waits for them.
     #: 0 runs it on the model's threads; -1 (the default) is resolved when the worker loads
-    #: (execution.resolve_backfill_threads): half of torch's threads on a CPU, 0 on a GPU. A
+    #: (execution.resolve_threads): half of torch's threads on a CPU, 0 on a GPU. A
     #: driver given -1 unresolved runs every batch on the model's threads.
     backfill_threads: int = -1
+    #: torch intra-op threads a model's batch may run on, at most, on a CPU: each lane
+    #: chooses among one, all but one and all of them (execution.batch_threads). 0 (the
+    #: default) is resolved when the worker loads (execution.resolve_threads): torch's
+    #: threads on a CPU, 0 on a GPU. A driver given 0 unresolved reads torch's as it builds
+    #: each lane.
+    model_threads: int = 0
 
     def __post_init__(self) -> None:
         if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
@@ -45,3 +51,5 @@ class DriverConfig:
             raise ValueError("watchdog_s must be > 0")
         if self.backfill_threads < -1:
             raise ValueError("backfill_threads must be >= -1")
+        if self.model_threads < 0:
+            raise ValueError("model_threads must be >= 0")

@@ -23,7 +23,7 @@ from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
-from services.gpu_worker.execution import describe_failure
+from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.thread_choice import ThreadChoice
 
@@ -188,7 +188,7 @@ class Lane:
         return LoadReport(
             queued_rows=urgent_rows,
             per_row_s=per_row_s,
-            min_batch_s=self.latency.predict(smallest, 1),
+            min_batch_s=self.latency.predict_alone(smallest),
             totals=self.totals.copy(),
             queued_batch_rows=self.batcher.num_queued - urgent_rows,
         )
@@ -260,11 +260,12 @@ class Lane:
         finished: float,
         compute_s: float,
         *,
-        teaches_latency: bool = True,
+        threads: BatchThreads = MODEL_THREADS,
     ) -> None:
-        """Folds a finished batch into the lane's totals, latency model and `metrics`; a batch
-        run on fewer threads than the model's (`teaches_latency` False) teaches the latency
-        model nothing: its time says nothing of the model's speed at full width."""
+        """Folds a finished batch into the lane's totals, latency model, thread choice and
+        `metrics`. A batch that ran on a count of threads other than the lane's usual one
+        (`threads.teaches_latency` False: a backfill held short, an exploring batch) teaches
+        the latency model nothing: its time says nothing of how the lane's batches run."""
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
@@ -284,10 +285,12 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
-        if failures == 0 and teaches_latency:
+        if failures == 0:
             # A bisected batch's time says nothing about the model's normal cost.
-            lane.latency.observe(dispatch.key, len(rows), compute_s)
-            metrics.latency_slowdown_of[labels].set(lane.latency.slowdown(dispatch.key))
+            threads.record(compute_s)
+            if threads.teaches_latency:
+                lane.latency.observe(dispatch.key, len(rows), compute_s)
+                metrics.latency_slowdown_of[labels].set(lane.latency.slowdown(dispatch.key))
         else:
             metrics.row_failures_total_of[labels].inc(failures)
         tokens = [row.num_tokens for row in rows]

@@ -46,7 +46,7 @@ def new_lane(
     metrics.declare_model(model.name, backend.version.version)
     shedding = SloShedding.for_model(model.slo_s, model.shed_past_slo, config)
     batcher = Batcher(batcher_config, latency, ledger)
-    options = thread_options(torch.get_num_threads())
+    options = thread_options(config.model_threads or torch.get_num_threads())
     threads = ThreadChoice(options) if backend.computes_on_host and len(options) > 1 else None
     return Lane(
         backend=backend, batcher=batcher, latency=latency, shedding=shedding, threads=threads

@@ -254,7 +254,7 @@ class Batcher:
             if self._shares.is_over(item, queues, self._weights, cfg.max_queue_size, now_s):
                 return Rejected(RejectReason.TENANT_SHARE)
         if executor_free_s is None and num_queued == 0:
-            if now_s + self._latency.predict(item.key, 1) > item.deadline_s:
+            if now_s + self._latency.predict_alone(item.key) > item.deadline_s:
                 return Rejected(RejectReason.DEADLINE)
             return None
         if bound is not None and bound.covers(item.admission_limit_s, cfg.safety_margin_s):
@@ -375,7 +375,7 @@ class Batcher:
         expired: list[QueuedItem] = []
         for key, queue in self._queues.items():
             if queue.items:
-                cutoff_s = now_s + self._latency.predict(key, 1)
+                cutoff_s = now_s + self._latency.predict_alone(key)
                 expired.extend(queue.items.pop_deadline_before(cutoff_s))
         for item in expired:
             del self._key_of[item.item_id]
@@ -383,7 +383,7 @@ class Batcher:
 
     def _expiry_s(self, key: BatchKey, queue: KeyQueue) -> float:
         """When the key's most urgent item will expire: past this, it cannot finish in time."""
-        return queue.earliest_deadline_s() - self._latency.predict(key, 1)
+        return queue.earliest_deadline_s() - self._latency.predict_alone(key)
 
     def _assess(
         self, key: BatchKey, queue: KeyQueue, now_s: float
