@@ -27,6 +27,8 @@ def resolve_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
         config = dataclasses.replace(config, model_threads=threads)
     if config.backfill_threads < 0:
         config = dataclasses.replace(config, backfill_threads=threads // 2)
+    if 0 < config.model_threads < config.backfill_threads:  # never more than the model's own
+        config = dataclasses.replace(config, backfill_threads=config.model_threads)
     return config
 
 

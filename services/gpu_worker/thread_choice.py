@@ -42,6 +42,8 @@ class _Bucket:
     num_chosen: int = 0
     #: When each option was last run (in calls chosen), to explore the stalest.
     last_chosen: dict[int, int] = field(default_factory=dict)
+    #: An exploring turn came while exploring was not allowed: the next call that may, does.
+    is_exploration_due: bool = False
 
 
 class ThreadChoice:
@@ -67,8 +69,8 @@ class ThreadChoice:
 
     def choose(self, size: int, *, may_explore: bool = True) -> int:
         """The thread count to run a call of `size` (tokens) on. A caller whose call would
-        hold up others (`may_explore` False) gets the best count on an exploring turn: an
-        exploration costs the call itself, at most."""
+        hold up others (`may_explore` False) gets the best count: an exploring turn then waits
+        for the next call that may explore (an exploration costs the call itself, at most)."""
         if len(self.options) == 1:
             return self.options[0]
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
@@ -76,7 +78,7 @@ class ThreadChoice:
         untried = [o for o in self.options if bucket.num_samples.get(o, 0) < self._min_samples]
         if untried:
             choice = min(untried, key=lambda o: bucket.num_samples.get(o, 0))
-        elif may_explore and bucket.num_chosen % self._explore_every == 0:
+        elif self._explores(bucket, may_explore):
             best = self.best(size)
             others = [o for o in self.options if o != best]
             choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))
@@ -84,6 +86,16 @@ class ThreadChoice:
             choice = min(self.options, key=lambda o: bucket.mean_cost_s[o])
         bucket.last_chosen[choice] = bucket.num_chosen
         return choice
+
+    def _explores(self, bucket: _Bucket, may_explore: bool) -> bool:
+        """Whether this call of `bucket` explores: every explore_every-th call, or the first
+        call allowed to after such a turn came while exploring was not."""
+        if bucket.num_chosen % self._explore_every == 0:
+            bucket.is_exploration_due = True
+        if not (may_explore and bucket.is_exploration_due):
+            return False
+        bucket.is_exploration_due = False
+        return True
 
     def record(self, size: int, threads: int, cost_s: float) -> None:
         """A call of `size` ran on `threads` and cost `cost_s` (seconds)."""

@@ -5,9 +5,11 @@ and which batches teach the latency model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
+from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch
-from services.gpu_worker.execution import batch_threads
+from services.gpu_worker.execution import batch_threads, resolve_threads
 from services.gpu_worker.thread_choice import ThreadChoice
 
 pytestmark = pytest.mark.unit
@@ -69,18 +71,24 @@ def test_the_choice_settles_on_the_count_cheapest_per_padded_token() -> None:
     assert teaches == [c == 1 for c in counts]
 
 
-def test_a_batch_others_wait_behind_never_explores() -> None:
-    choice = ThreadChoice((1, 2), explore_every=2, min_samples=1)
+def test_a_batch_others_wait_behind_postpones_its_exploring_turn() -> None:
+    choice = ThreadChoice((1, 2), explore_every=3, min_samples=1)
     for cost_s in (0.064, 0.192):
         choice.record(64, choice.choose(64), cost_s)
 
-    # Calls 3 to 6 of the size: every second one is an exploring turn.
-    counts = [
-        batch_threads(choice, dispatch(), 4, 1, 0.0, NOW_S, may_explore=may_explore).count
-        for may_explore in (True, False, True, True)
+    # Calls 3 to 6 of the size; the 3rd and the 6th are exploring turns.
+    threads = [
+        batch_threads(choice, dispatch(), 4, 1, 0.0, NOW_S, may_explore=may_explore)
+        for may_explore in (False, True, True, True)
     ]
-    # The 4th, its turn while others wait, runs on the best; the 6th, idle, explores.
-    assert counts == [1, 1, 1, 2]
+    # The 3rd, its turn while others wait, runs on the best and teaches; the 4th, with
+    # nothing else queued, takes the turn (postponed, not lost); the 6th takes its own.
+    assert [(t.count, t.teaches_latency) for t in threads] == [
+        (1, True),
+        (2, False),
+        (1, True),
+        (2, False),
+    ]
 
 
 def test_the_cost_recorded_is_per_padded_token() -> None:
@@ -101,3 +109,18 @@ def test_the_cost_recorded_is_per_padded_token() -> None:
 def test_a_tensor_models_size_is_its_rows(bucket: int) -> None:
     threads = batch_threads(ThreadChoice((1, 2)), dispatch(bucket=bucket), 5, 1, 0.0, NOW_S)
     assert threads.size == 5
+
+
+def test_thread_counts_are_resolved_once_at_start() -> None:
+    threads = torch.get_num_threads()
+    cpu = resolve_threads(DriverConfig(), torch.device("cpu"))
+    assert (cpu.model_threads, cpu.backfill_threads) == (threads, threads // 2)
+    # A configured backfill count is never more than the model's own.
+    wide = resolve_threads(DriverConfig(backfill_threads=threads + 4), torch.device("cpu"))
+    assert wide.backfill_threads == threads
+    # A GPU's kernels leave the cores alone: nothing to choose, no backfill count.
+    gpu = resolve_threads(DriverConfig(), torch.device("cuda"))
+    assert (gpu.model_threads, gpu.backfill_threads) == (0, 0)
+    # Set counts stay as set.
+    pinned = resolve_threads(DriverConfig(model_threads=1, backfill_threads=1), torch.device("cpu"))
+    assert (pinned.model_threads, pinned.backfill_threads) == (1, 1)

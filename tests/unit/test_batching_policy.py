@@ -411,6 +411,25 @@ def test_idle_lane_refuses_a_row_whose_own_compute_misses_its_deadline() -> None
     assert batcher.add(make_item(item_id=2, deadline_s=0.6), 0.0) == Admitted()
 
 
+def test_a_lane_with_nothing_queued_prices_a_row_by_its_floor_after_a_stall() -> None:
+    # The lane learned a 100x stall. Refused on it, with nothing of its own queued (another
+    # model's batch on the executor, or none), no batch of its would run to correct it.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.010)
+    for _ in range(40):
+        latency.observe(make_key(), 1, 1.0)
+    assert latency.predict(make_key(), 1) == pytest.approx(1.0, rel=0.01)
+    batcher = make_batcher(latency=latency)
+
+    # Another lane's batch runs until 0.05 s: this row is priced at 0.05 + 2 x 0.010.
+    assert batcher.predicted_finish_s(make_key(), 0.05) == pytest.approx(0.07)
+    item = make_item(item_id=1, deadline_s=0.1)
+    assert batcher.add(item, 0.0, executor_free_s=0.05) == Admitted()
+    # Behind a row of its own it is priced by the learned scale, and refused.
+    later = make_item(item_id=2, deadline_s=0.5)
+    assert batcher.add(later, 0.0, executor_free_s=0.05) == Rejected(RejectReason.DEADLINE)
+
+
 def test_idle_lane_ignores_the_shedding_limit() -> None:
     # finish_by (shed past the SLO) is for a busy lane: an idle one runs what its deadline allows.
     latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)

@@ -355,9 +355,9 @@ class BatchingDriver:
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
+        idle = not any(other.batcher.num_queued for other in self._order)  # explore only then
         threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
-                                self._ledger.last_urgent_s, started,
-                                may_explore=lane.batcher.num_queued == 0)  # fmt: skip
+                                self._ledger.last_urgent_s, started, may_explore=idle)  # fmt: skip
         try:
             with batch_span(
                 key=dispatch.key,

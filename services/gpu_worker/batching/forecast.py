@@ -83,7 +83,13 @@ class QueueForecast:
         deadlines are later (the batcher serves the most urgent key first). Admitting only
         items that fit keeps the queue short enough to serve within deadlines; without it,
         overload fills the queue until every item waits about the whole SLO and most miss it.
+
+        With nothing queued, the item runs alone: predicted by its floor (LatencyModel.
+        predict_alone), as an idle lane's admission is, since a lane that refused every lone
+        row on a learned slowdown would run no batch to correct it.
         """
+        if not any(queue.items for queue in self._queues.values()):
+            return start_s + self._latency.predict_alone(key)
         if of is not None and rank is not None and not self._has_other_tenants(of.tenant):
             # Fair share serves all of a lone tenant's own rows first: rows_ahead's answer.
             rows = {k: q.items.count_at_most(rank) for k, q in self._queues.items()}
