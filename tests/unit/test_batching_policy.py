@@ -430,6 +430,25 @@ def test_a_lane_with_nothing_queued_prices_a_row_by_its_floor_after_a_stall() ->
     assert batcher.add(later, 0.0, executor_free_s=0.05) == Rejected(RejectReason.DEADLINE)
 
 
+def test_a_pass_of_several_rows_on_an_empty_lane_is_priced_by_their_floor() -> None:
+    # A bundle's rows are queued one by one: without the pass's floor, the second row would
+    # be priced behind the first on the learned stall, and the whole slice refused.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.010)
+    latency.observe(make_key(), 2, 0.015)
+    for _ in range(40):
+        latency.observe(make_key(), 2, 1.5)  # a 100x stall
+    batcher = make_batcher(latency=latency)
+
+    bound = batcher.pass_bound({make_key(): 2}, 0.0, 0.05)
+    # The batch limit follows the learned scale (one row a batch now); each is priced by its
+    # floor, twice its warm-up.
+    assert bound.finish_s == pytest.approx(0.05 + 2 * (2 * 0.010))
+    for item_id in (1, 2):
+        item = make_item(item_id=item_id, deadline_s=0.1)
+        assert batcher.add(item, 0.0, executor_free_s=0.05, bound=bound) == Admitted()
+
+
 def test_idle_lane_ignores_the_shedding_limit() -> None:
     # finish_by (shed past the SLO) is for a busy lane: an idle one runs what its deadline allows.
     latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)

@@ -121,14 +121,16 @@ class QueueForecast:
 
     def pass_bound(self, rows: Mapping[BatchKey, int], start_s: float) -> PassBound:
         """The PassBound of an admission pass bringing `rows` (per key), the executor free at
-        `start_s`."""
+        `start_s`. With nothing queued at its start, the pass's rows are priced by their floor
+        (LatencyModel.predict_bounded), as a lone row is (`finish_s`)."""
         queued = self._queued()
+        predict = self._latency.predict if any(queued.values()) else self._latency.predict_bounded
         for key, count in rows.items():
             queued[key] = queued.get(key, 0) + count
         earliest_s = min(
             (q.earliest_limit_s() for q in self._queues.values() if len(q.items)), default=inf
         )
-        finish_s = start_s + drain_s(queued, self._latency.predict, self._limit_for)
+        finish_s = start_s + drain_s(queued, predict, self._limit_for)
         return PassBound(finish_s, earliest_s)
 
     def _queued(self) -> dict[BatchKey, int]:

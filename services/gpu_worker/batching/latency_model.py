@@ -232,15 +232,19 @@ class LatencyModel:
         self._predictions[key] = prediction
         return prediction
 
-    def predict_alone(self, key: BatchKey) -> float:
-        """Predicted compute of one row of `key` alone, its scale bounded to `max_ratio`: the
-        floor a row is refused or dropped unrun by (an idle lane's admission, a queued row's
-        expiry, a router's idle worker). A refusal there leaves no batch to correct the scale,
-        so a slowdown learned in a stall, however large, must not turn every lone row away
-        for good."""
-        seconds = self.predict(key, 1)
+    def predict_bounded(self, key: BatchKey, batch_size: int) -> float:
+        """`predict`, its scale bounded to `max_ratio`: the floor rows are refused or dropped
+        unrun by when nothing else of their lane is queued (a lane's admission with an empty
+        queue, a queued row's expiry, a router's idle worker). A refusal there leaves no batch
+        to correct the scale, so a slowdown learned in a stall, however large, must not turn
+        every such row away for good."""
+        seconds = self.predict(key, batch_size)
         scale = self.slowdown(key)
         return seconds * self._max_ratio / scale if scale > self._max_ratio else seconds
+
+    def predict_alone(self, key: BatchKey) -> float:
+        """One row of `key` alone, by the floor (`predict_bounded`)."""
+        return self.predict_bounded(key, 1)
 
     def per_item_s(self, key: BatchKey, batch_size: int) -> float:
         """Predicted compute seconds per item when running batches of `batch_size`."""

@@ -181,8 +181,8 @@ class Batcher:
         may join the batch of items already admitted, and must not make them late.
 
         An idle lane (nothing queued, nothing running) refuses an item only if its own compute
-        alone cannot meet its deadline: a prediction that refused every item would never be
-        corrected, since refused items teach the latency model nothing.
+        alone cannot meet its deadline, and a lane with nothing queued prices it by its floor
+        (predict_alone): refused items teach the latency model nothing.
 
         Priority and tenants: rows queued at a lower priority do not count as ahead of the item
         (they run after it); `batch` rows are refused once the queue is `BATCH_QUEUE_SHARE`
