@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +107,26 @@ async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
     driver.start()
     yield Harness(driver, backend, clock, registry)
     await driver.drain()
+
+
+def thread_recording_backend(
+    tmp_path: Path, clock: FakeClock, seconds_on: Callable[[int], float] = lambda _: BATCH_S
+) -> tuple[Backend, list[int]]:
+    """The affine model on a CPU whose every call records the torch threads it ran on and
+    moves `clock` by `seconds_on(threads)`; returns it and the threads seen."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    run = backend.run
+    threads_seen: list[int] = []
+
+    def run_recording_threads(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        threads_seen.append(torch.get_num_threads())
+        clock.now_s += seconds_on(threads_seen[-1])
+        return run(rows)
+
+    backend.run = run_recording_threads  # type: ignore[method-assign]
+    return backend, threads_seen
 
 
 async def test_a_rows_stages_add_up_to_its_latency_exactly(harness: Harness) -> None:
@@ -378,19 +398,8 @@ async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threa
     """On a CPU the model's threads take every core; a backfill of `batch` rows held short
     beside recent online rows runs on `backfill_threads` (leaving the rest to the online
     path) and teaches the latency model nothing; after a quiet second it runs on all."""
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    (version,) = load_repository(tmp_path / "repo")
-    backend = load_backend(version, torch.device("cpu"))
     clock = FakeClock()
-    run = backend.run
-    threads_seen: list[int] = []
-
-    def run_recording_threads(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        threads_seen.append(torch.get_num_threads())
-        clock.now_s += BATCH_S
-        return run(rows)
-
-    backend.run = run_recording_threads  # type: ignore[method-assign]
+    backend, threads_seen = thread_recording_backend(tmp_path, clock)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     registry = CollectorRegistry()
@@ -438,19 +447,10 @@ async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path)
     them on the cheaper count: here one, as the fake clock makes two threads three times
     slower (a 2-core host flooded at 10x served 12-70 rows/s on two, 120-190 on one). Every
     16th batch of a size explores the other count, and teaches the latency model nothing."""
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    (version,) = load_repository(tmp_path / "repo")
-    backend = load_backend(version, torch.device("cpu"))
     clock = FakeClock()
-    run = backend.run
-    threads_seen: list[int] = []
-
-    def run_slower_on_two_threads(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        threads_seen.append(torch.get_num_threads())
-        clock.now_s += BATCH_S * (3 if threads_seen[-1] == 2 else 1)
-        return run(rows)
-
-    backend.run = run_slower_on_two_threads  # type: ignore[method-assign]
+    backend, threads_seen = thread_recording_backend(
+        tmp_path, clock, lambda threads: BATCH_S * (3 if threads == 2 else 1)
+    )
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     registry = CollectorRegistry()
@@ -480,18 +480,15 @@ async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path)
 async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) -> None:
     """A batch that failed (bisected, or failing at once) says nothing of what a count costs:
     the next batch still samples the count it ran on."""
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    (version,) = load_repository(tmp_path / "repo")
-    backend = load_backend(version, torch.device("cpu"))
+    backend, threads_seen = thread_recording_backend(tmp_path, FakeClock())
     run = backend.run
-    threads_seen: list[int] = []
     fail = [True]
 
     def run_failing_first(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        threads_seen.append(torch.get_num_threads())
+        outputs = run(rows)  # its threads recorded
         if fail[0]:
             raise RuntimeError("this batch fails")
-        return run(rows)
+        return outputs
 
     backend.run = run_failing_first  # type: ignore[method-assign]
     previous = torch.get_num_threads()
