@@ -128,9 +128,11 @@ def batch_threads(
     (nothing else queued: a count measured slower delays no other row)."""
     size = num_rows * max(1, dispatch.key.bucket)
     threads = backfill_threads_for(dispatch.reason, backfill_threads, last_urgent_s, now_s)
-    if threads or choice is None:
-        best = None if choice is None or not threads else choice.best(size)
-        return BatchThreads(threads if best is None else min(threads, best), threads == 0)
+    if threads:  # a backfill held short
+        best = None if choice is None else choice.best(size)
+        return BatchThreads(threads if best is None else min(threads, best), False)
+    if choice is None:
+        return MODEL_THREADS
     best = choice.best(size)
     threads = choice.choose(size, may_explore=may_explore)
     return BatchThreads(threads, best is None or threads == best, choice, size)
