@@ -123,9 +123,10 @@ def batch_threads(
     host's cores), runs on the count measured cheapest per padded token for its size: on a
     CPU shared with the tiers, a parallel region waits for its slowest thread, and a
     preempted one stalls the whole batch (minilm beside a 10x flood here served 12-70 rows/s
-    on two threads, 120-190 on one). It teaches the latency model unless it explores another
-    count than the best one (`ThreadChoice.choose`), which it does only when `may_explore`
-    (nothing else queued: a count measured slower delays no other row)."""
+    on two threads, 120-190 on one). It teaches the latency model unless it runs another count
+    than the cheapest so far (`ThreadChoice.choose`: a sample or an exploration), which it does
+    only when `may_explore` (nothing else queued: a count measured slower delays no other row)
+    or before anything is measured."""
     size = num_rows * max(1, dispatch.key.bucket)
     threads = backfill_threads_for(dispatch.reason, backfill_threads, last_urgent_s, now_s)
     if threads:  # a backfill held short

@@ -12,15 +12,28 @@ two than on one.
 
 Per size bucket (a power of two of the call's size, in tokens) the policy keeps a moving
 average of each option's cost (the caller's measure: the whole cycle from one call's launch to
-the next, so that a count which starves the event loop pays for it) and runs the cheapest;
-every `explore_every`-th call of a bucket tries the option tried least recently instead, so the
-choice follows a changing load. Options are tried `min_samples` times each before any is
-preferred.
+the next, so that a count which starves the event loop pays for it) and runs the cheapest.
+Options are sampled `min_samples` times each, fewest threads first, and every `explore_every`-th
+call of a bucket tries the option tried least recently instead, so the choice follows a
+changing load. On a busy host more threads is the risky bet: beside a 10x flood here one batch
+of 8 rows took 1.8 s on two threads, 0.03-0.2 s on one. So trying an option is held back:
+- an option whose first samples cost more than `RULE_OUT_RATIO` times the cheapest is not
+  sampled further;
+- a caller whose call others wait for (`may_explore` False) runs the cheapest so far;
+- a try costing more than `RULE_OUT_RATIO` times the cheapest says the host is busy, for every
+  size: no option is tried for the next `explore_every` calls of any size, doubled after each
+  such try (up to `MAX_BACKOFF` times), and a try that costs less ends the backing off.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+#: An option costing more than this many times the cheapest is not worth more samples now.
+RULE_OUT_RATIO = 2.0
+#: After a costly try, no option is tried for explore_every calls, doubled per costly try up to
+#: this many times.
+MAX_BACKOFF = 16
 
 
 def thread_options(num_threads: int) -> tuple[int, ...]:
@@ -66,26 +79,50 @@ class ThreadChoice:
         self._min_samples = min_samples
         self._smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
+        #: Calls chosen, of every size; no option is tried before call number held_until.
+        self._num_calls = 0
+        self._held_until = 0
+        #: How many calls the next costly try holds trying back (doubling, reset by a fair one).
+        self._hold_calls = explore_every
 
     def choose(self, size: int, *, may_explore: bool = True) -> int:
         """The thread count to run a call of `size` (tokens) on. A caller whose call would
-        hold up others (`may_explore` False) gets the best count: an exploring turn then waits
-        for the next call that may explore (an exploration costs the call itself, at most)."""
+        hold up others (`may_explore` False) gets the cheapest count measured so far: a sample
+        or an exploring turn then waits for the next call that may explore (either costs the
+        call itself, at most)."""
         if len(self.options) == 1:
             return self.options[0]
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
         bucket.num_chosen += 1
-        untried = [o for o in self.options if bucket.num_samples.get(o, 0) < self._min_samples]
-        if untried:
-            choice = min(untried, key=lambda o: bucket.num_samples.get(o, 0))
-        elif self._explores(bucket, may_explore):
-            best = self.best(size)
+        self._num_calls += 1
+        may_explore = may_explore and self._num_calls >= self._held_until
+        unsampled = self._unsampled(bucket)
+        if unsampled and (may_explore or not bucket.mean_cost_s):
+            choice = unsampled[0]  # fewest threads first: the safe bet on a busy host
+        elif not unsampled and self._explores(bucket, may_explore):
+            best = self._cheapest(bucket)
             others = [o for o in self.options if o != best]
             choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))
         else:
-            choice = min(self.options, key=lambda o: bucket.mean_cost_s[o])
+            choice = self._cheapest(bucket)
         bucket.last_chosen[choice] = bucket.num_chosen
         return choice
+
+    def _unsampled(self, bucket: _Bucket) -> list[int]:
+        """The options still short of `min_samples` in `bucket`, fewest threads first, but for
+        those already costing more than RULE_OUT_RATIO times the cheapest."""
+        cheapest_s = min(bucket.mean_cost_s.values(), default=0.0)
+        return [
+            o
+            for o in self.options
+            if bucket.num_samples.get(o, 0) < self._min_samples
+            and bucket.mean_cost_s.get(o, 0.0) <= RULE_OUT_RATIO * cheapest_s
+        ]
+
+    @staticmethod
+    def _cheapest(bucket: _Bucket) -> int:
+        """The option of `bucket` with the lowest mean cost (it has at least one sample)."""
+        return min(bucket.mean_cost_s, key=lambda o: (bucket.mean_cost_s[o], o))
 
     def _explores(self, bucket: _Bucket, may_explore: bool) -> bool:
         """Whether this call of `bucket` explores: every explore_every-th call, or the first
@@ -103,6 +140,12 @@ class ThreadChoice:
             return
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
         count = bucket.num_samples.get(threads, 0)
+        if bucket.mean_cost_s and threads != self._cheapest(bucket):  # a try: how busy the host?
+            if cost_s > RULE_OUT_RATIO * min(bucket.mean_cost_s.values()):
+                self._held_until = self._num_calls + self._hold_calls
+                self._hold_calls = min(2 * self._hold_calls, self._explore_every * MAX_BACKOFF)
+            else:
+                self._hold_calls = self._explore_every
         mean = bucket.mean_cost_s.get(threads)
         # Averages until min_samples, then a moving average that follows the load.
         weight = max(self._smoothing, 1.0 / (count + 1))
@@ -110,10 +153,13 @@ class ThreadChoice:
         bucket.num_samples[threads] = count + 1
 
     def best(self, size: int) -> int | None:
-        """The option measured cheapest for `size` so far; None before each has its samples."""
+        """The option measured cheapest for `size` so far; None before any was measured."""
         bucket = self._buckets.get(size_bucket(size))
-        if bucket is None or any(
-            bucket.num_samples.get(o, 0) < self._min_samples for o in self.options
-        ):
+        if bucket is None or not bucket.mean_cost_s:
             return None if len(self.options) > 1 else self.options[0]
-        return min(self.options, key=lambda o: bucket.mean_cost_s[o])
+        return self._cheapest(bucket)
+
+    def samples(self, size: int) -> dict[int, int]:
+        """How many calls of `size`'s bucket each option has been measured on."""
+        bucket = self._buckets.get(size_bucket(size))
+        return {} if bucket is None else dict(bucket.num_samples)

@@ -445,8 +445,10 @@ async def test_a_short_backfill_beside_online_traffic_runs_on_the_backfill_threa
 async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path) -> None:
     """On a CPU a lane times its batches per padded token on one thread and on all, and runs
     them on the cheaper count: here one, as the fake clock makes two threads three times
-    slower (a 2-core host flooded at 10x served 12-70 rows/s on two, 120-190 on one). Every
-    16th batch of a size explores the other count, and teaches the latency model nothing."""
+    slower (a 2-core host flooded at 10x served 12-70 rows/s on two, 120-190 on one). One
+    thread is sampled first, three times; two threads once, as that costs past the rule-out
+    ratio, which also holds any try back for 16 batches: the 16th batch's exploring turn is
+    taken by the 20th. An exploring batch teaches the latency model nothing."""
     clock = FakeClock()
     backend, threads_seen = thread_recording_backend(
         tmp_path, clock, lambda threads: BATCH_S * (3 if threads == 2 else 1)
@@ -462,10 +464,13 @@ async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path)
         threads_seen.clear()
         for _ in range(15):
             await harness.submit(1)
-        # Three samples of each count first, then the cheaper one.
-        assert threads_seen == [1, 2] * 3 + [1] * 9
+        # Three samples of one thread, one of two (three times dearer), then the cheaper.
+        assert threads_seen == [1, 1, 1, 2] + [1] * 11
+        for _ in range(4):
+            await harness.submit(1)  # the 16th's turn, held back to the 20th
+        assert threads_seen[-4:] == [1] * 4
         taught = harness.metric(names.WORKER_LATENCY_SLOWDOWN)
-        await harness.submit(1)  # the 16th: it explores
+        await harness.submit(1)  # the 20th: it explores
         assert threads_seen[-1] == 2
         assert harness.metric(names.WORKER_LATENCY_SLOWDOWN) == taught
         await harness.submit(1)
@@ -508,7 +513,11 @@ async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) 
         await driver.submit(
             backend, backend.prepare_many([np.ones(4, np.float32)]), timeout_s=30, tenant="t"
         )
-        assert threads_seen == [1, 1]  # one thread still unsampled: not [1, 2]
+        assert threads_seen == [1, 1]
+        # Only the second taught the choice: one thread is known, from one sample (the
+        # failed batch's would have made it two, and a cost of a whole bisection).
+        choice = driver.open_lane(backend).threads
+        assert choice is not None and choice.samples(1) == {1: 1}
     finally:
         await driver.drain()
         torch.set_num_threads(previous)

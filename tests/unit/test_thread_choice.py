@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from services.gpu_worker.thread_choice import ThreadChoice, size_bucket, thread_options
+from services.gpu_worker.thread_choice import (
+    MAX_BACKOFF,
+    ThreadChoice,
+    size_bucket,
+    thread_options,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -31,11 +38,33 @@ def test_sizes_share_a_bucket_up_to_the_next_power_of_two() -> None:
     assert [size_bucket(n) for n in (0, 1, 2, 3, 4, 5, 17, 512)] == [1, 1, 2, 4, 4, 8, 32, 512]
 
 
-def test_each_option_is_measured_before_one_is_preferred() -> None:
+def test_each_option_is_measured_fewest_threads_first_before_one_is_preferred() -> None:
     choice = ThreadChoice((1, 2), min_samples=3)
-    first = run_calls(choice, 8, {1: 0.001, 2: 0.005}, 6)
-    assert sorted(first) == [1, 1, 1, 2, 2, 2]
+    first = run_calls(choice, 8, {1: 0.002, 2: 0.003}, 6)
+    assert first == [1, 1, 1, 2, 2, 2]
     assert choice.best(8) == 1
+
+
+def test_an_option_costing_past_the_rule_out_ratio_is_not_sampled_again() -> None:
+    # Beside a flood two threads cost 10x one: one sample of them is enough.
+    choice = ThreadChoice((1, 2), min_samples=3, explore_every=1000)
+    assert run_calls(choice, 8, {1: 0.001, 2: 0.010}, 10) == [1, 1, 1, 2] + [1] * 6
+    # Within the ratio, each is sampled in full.
+    close = ThreadChoice((1, 2), min_samples=3, explore_every=1000)
+    assert run_calls(close, 8, {1: 0.001, 2: 0.0019}, 8) == [1, 1, 1, 2, 2, 2, 1, 1]
+
+
+def test_a_call_others_wait_for_runs_the_cheapest_so_far_not_a_sample() -> None:
+    choice = ThreadChoice((1, 2), min_samples=2)
+    # Nothing measured yet: the first call samples whatever waits.
+    assert choice.choose(8, may_explore=False) == 1
+    choice.record(8, 1, 0.001)
+    assert choice.best(8) == 1  # the cheapest so far, before every option is sampled
+    # Two threads are still unsampled; a call others wait for runs (and samples) one.
+    assert choice.choose(8, may_explore=False) == 1
+    choice.record(8, 1, 0.001)
+    assert choice.choose(8, may_explore=False) == 1
+    assert choice.choose(8) == 2  # the next call that may, samples
 
 
 def test_the_cheapest_option_wins_per_size_bucket() -> None:
@@ -64,6 +93,35 @@ def test_the_choice_follows_a_change_in_cost() -> None:
         choice, 16, {1: 0.009, 2: 0.003}, 60
     )
     assert later[-8:].count(2) >= 6
+
+
+def test_a_costly_try_holds_trying_back_for_every_size_doubling_until_a_fair_one() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    costs = {1: 0.001, 2: 0.0015}
+    assert run_calls(choice, 8, costs, 2) == [1, 2]  # each sampled, within the ratio
+    assert run_calls(choice, 300, costs, 2) == [1, 2]  # another size: its own samples
+    costs[2] = 0.005  # the host got busy: two threads now five times dearer
+    assert run_calls(choice, 8, costs, 2) == [1, 2]  # the size's 4th call tries, costly
+    # No try for the next 4 calls of any size: the other size's 4th call does not try.
+    assert run_calls(choice, 300, {1: 0.001, 2: 0.0015}, 2) == [1, 1]
+    chosen = run_calls(choice, 8, costs, 58)  # the size's calls 5 to 62
+    explored_at = [i + 5 for i, t in enumerate(chosen) if t == 2]
+    # Each costly try doubles the hold: 8 calls after the 8th call's try, 16 after the 16th,
+    # 32 after the 32nd: the 36th call's turn waits past call 62.
+    assert explored_at == [8, 16, 32]
+    costs[2] = 0.0015  # quiet again: the next try is fair and ends the backing off
+    chosen = run_calls(choice, 8, costs, 20)  # calls 63 to 82
+    explored_at = [i + 63 for i, t in enumerate(chosen) if t == 2]
+    assert explored_at == [64, 68, 72, 76, 80]
+
+
+def test_the_hold_stops_doubling_at_max_backoff_times_explore_every() -> None:
+    choice = ThreadChoice((1, 2), explore_every=2, min_samples=1)
+    chosen = run_calls(choice, 8, {1: 0.001, 2: 0.005}, 400)
+    explored_at = [i + 1 for i, t in enumerate(chosen) if t == 2]
+    gaps = [b - a for a, b in itertools.pairwise(explored_at)]
+    assert gaps[:4] == [2, 4, 8, 16]  # the sample (call 2) held 2 calls, then doubling
+    assert gaps[-3:] == [2 * MAX_BACKOFF] * 3
 
 
 def test_one_option_is_always_chosen_and_unknown_ones_are_ignored() -> None:
