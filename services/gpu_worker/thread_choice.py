@@ -19,10 +19,14 @@ changing load. On a busy host more threads is the risky bet: beside a 10x flood 
 of 8 rows took 1.8 s on two threads, 0.03-0.2 s on one. So trying an option is held back:
 - an option whose first samples cost more than `RULE_OUT_RATIO` times the cheapest is not
   sampled further;
-- a caller whose call others wait for (`may_explore` False) runs the cheapest so far;
-- a try costing more than `RULE_OUT_RATIO` times the cheapest says the host is busy, for every
-  size: no option is tried for the next `explore_every` calls of any size, doubled after each
-  such try (up to `MAX_BACKOFF` times), and a try that costs less ends the backing off.
+- a caller whose call others wait for (`may_explore` False) runs the cheapest so far, for
+  `explore_every` calls of its size at most;
+- any call costing more than `RULE_OUT_RATIO` times its bucket's cheapest (a costly try, or
+  the cheapest itself slowed down) says the host is busy, for every size, until
+  `explore_every` calls of any size later, a span doubled after each such call (up to
+  `MAX_BACKOFF` times) and reset by a try that costs less. While the host is busy no option
+  is tried, and each call runs on the fewest threads measured within `RULE_OUT_RATIO` of its
+  bucket's cheapest: a size measured on a quiet host may have found more threads cheaper.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from dataclasses import dataclass, field
 
 #: An option costing more than this many times the cheapest is not worth more samples now.
 RULE_OUT_RATIO = 2.0
-#: After a costly try, no option is tried for explore_every calls, doubled per costly try up to
-#: this many times.
+#: A costly call marks the host busy for explore_every calls, doubled per costly call up to this
+#: many times.
 MAX_BACKOFF = 16
 
 
@@ -57,6 +61,10 @@ class _Bucket:
     last_chosen: dict[int, int] = field(default_factory=dict)
     #: An exploring turn came while exploring was not allowed: the next call that may, does.
     is_exploration_due: bool = False
+    #: The last call chosen was a try (a sample or an exploration of another than the cheapest).
+    is_trying: bool = False
+    #: Calls on which a sample or a turn waited for others' rows, since the last try.
+    num_postponed: int = 0
 
 
 class ThreadChoice:
@@ -79,32 +87,51 @@ class ThreadChoice:
         self._min_samples = min_samples
         self._smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
-        #: Calls chosen, of every size; no option is tried before call number held_until.
+        #: Calls chosen, of every size; the host counts as busy until call number held_until.
         self._num_calls = 0
         self._held_until = 0
-        #: How many calls the next costly try holds trying back (doubling, reset by a fair one).
+        #: How many calls the next costly call holds back (doubling, reset by a fair try).
         self._hold_calls = explore_every
 
     def choose(self, size: int, *, may_explore: bool = True) -> int:
         """The thread count to run a call of `size` (tokens) on. A caller whose call would
         hold up others (`may_explore` False) gets the cheapest count measured so far: a sample
         or an exploring turn then waits for the next call that may explore (either costs the
-        call itself, at most)."""
+        call itself, at most), or `explore_every` calls of the size at most, so a lane never
+        idle still measures its options. While the host is busy, nothing is tried."""
         if len(self.options) == 1:
             return self.options[0]
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
         bucket.num_chosen += 1
         self._num_calls += 1
-        may_explore = may_explore and self._num_calls >= self._held_until
         unsampled = self._unsampled(bucket)
-        if unsampled and (may_explore or not bucket.mean_cost_s):
+        if not unsampled and bucket.num_chosen % self._explore_every == 0:
+            bucket.is_exploration_due = True
+        is_busy = self._num_calls < self._held_until
+        wants_try = bool(unsampled) or bucket.is_exploration_due
+        if wants_try and bucket.mean_cost_s and not (may_explore or is_busy):
+            bucket.num_postponed += 1
+            may_explore = bucket.num_postponed > self._explore_every
+        may_explore = may_explore and not is_busy
+        if not bucket.mean_cost_s:
             choice = unsampled[0]  # fewest threads first: the safe bet on a busy host
-        elif not unsampled and self._explores(bucket, may_explore):
-            best = self._cheapest(bucket)
-            others = [o for o in self.options if o != best]
+        elif unsampled and may_explore:
+            choice = unsampled[0]
+        elif bucket.is_exploration_due and may_explore:
+            bucket.is_exploration_due = False
+            cheapest = self._cheapest(bucket)
+            others = [o for o in self.options if o != cheapest]
             choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))
+        elif is_busy:
+            choice = self._fewest_near_cheapest(bucket)
         else:
             choice = self._cheapest(bucket)
+        # A try: a count other than the cheapest, run to be measured (not for a busy host).
+        bucket.is_trying = (
+            may_explore and bool(bucket.mean_cost_s) and choice != self._cheapest(bucket)
+        )
+        if bucket.is_trying:
+            bucket.num_postponed = 0
         bucket.last_chosen[choice] = bucket.num_chosen
         return choice
 
@@ -116,7 +143,7 @@ class ThreadChoice:
             o
             for o in self.options
             if bucket.num_samples.get(o, 0) < self._min_samples
-            and bucket.mean_cost_s.get(o, 0.0) <= RULE_OUT_RATIO * cheapest_s
+            and (cheapest_s <= 0 or bucket.mean_cost_s.get(o, 0.0) <= RULE_OUT_RATIO * cheapest_s)
         ]
 
     @staticmethod
@@ -124,15 +151,11 @@ class ThreadChoice:
         """The option of `bucket` with the lowest mean cost (it has at least one sample)."""
         return min(bucket.mean_cost_s, key=lambda o: (bucket.mean_cost_s[o], o))
 
-    def _explores(self, bucket: _Bucket, may_explore: bool) -> bool:
-        """Whether this call of `bucket` explores: every explore_every-th call, or the first
-        call allowed to after such a turn came while exploring was not."""
-        if bucket.num_chosen % self._explore_every == 0:
-            bucket.is_exploration_due = True
-        if not (may_explore and bucket.is_exploration_due):
-            return False
-        bucket.is_exploration_due = False
-        return True
+    @staticmethod
+    def _fewest_near_cheapest(bucket: _Bucket) -> int:
+        """The fewest threads measured in `bucket` within RULE_OUT_RATIO of the cheapest."""
+        cheapest_s = min(bucket.mean_cost_s.values())
+        return min(o for o, s in bucket.mean_cost_s.items() if s <= RULE_OUT_RATIO * cheapest_s)
 
     def record(self, size: int, threads: int, cost_s: float) -> None:
         """A call of `size` ran on `threads` and cost `cost_s` (seconds)."""
@@ -140,12 +163,14 @@ class ThreadChoice:
             return
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
         count = bucket.num_samples.get(threads, 0)
-        if bucket.mean_cost_s and threads != self._cheapest(bucket):  # a try: how busy the host?
-            if cost_s > RULE_OUT_RATIO * min(bucket.mean_cost_s.values()):
+        if bucket.mean_cost_s:  # how busy is the host?
+            cheapest_s = min(bucket.mean_cost_s.values())
+            if cheapest_s > 0 and cost_s > RULE_OUT_RATIO * cheapest_s:
                 self._held_until = self._num_calls + self._hold_calls
                 self._hold_calls = min(2 * self._hold_calls, self._explore_every * MAX_BACKOFF)
-            else:
+            elif bucket.is_trying and threads != self._cheapest(bucket):
                 self._hold_calls = self._explore_every
+        bucket.is_trying = False
         mean = bucket.mean_cost_s.get(threads)
         # Averages until min_samples, then a moving average that follows the load.
         weight = max(self._smoothing, 1.0 / (count + 1))

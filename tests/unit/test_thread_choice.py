@@ -46,12 +46,30 @@ def test_each_option_is_measured_fewest_threads_first_before_one_is_preferred() 
 
 
 def test_an_option_costing_past_the_rule_out_ratio_is_not_sampled_again() -> None:
-    # Beside a flood two threads cost 10x one: one sample of them is enough.
-    choice = ThreadChoice((1, 2), min_samples=3, explore_every=1000)
-    assert run_calls(choice, 8, {1: 0.001, 2: 0.010}, 10) == [1, 1, 1, 2] + [1] * 6
-    # Within the ratio, each is sampled in full.
-    close = ThreadChoice((1, 2), min_samples=3, explore_every=1000)
-    assert run_calls(close, 8, {1: 0.001, 2: 0.0019}, 8) == [1, 1, 1, 2, 2, 2, 1, 1]
+    choice = ThreadChoice((1, 2), min_samples=3, explore_every=4)
+    fair = {1: 0.001, 2: 0.0015}
+    assert run_calls(choice, 300, fair, 6) == [1, 1, 1, 2, 2, 2]  # within the ratio: in full
+    # Beside a flood two threads cost 10x one: its first sample (the 4th call) marks the host
+    # busy for 4 calls, which the other size's calls pass.
+    flood = {1: 0.001, 2: 0.010}
+    assert run_calls(choice, 8, flood, 4) == [1, 1, 1, 2]
+    assert run_calls(choice, 300, fair, 4) == [1, 1, 1, 2]  # its 8th call's turn, once free
+    # Two threads are not sampled again (calls 5 to 7); only the 8th call's turn tries them.
+    assert run_calls(choice, 8, flood, 4) == [1, 1, 1, 2]
+    assert choice.samples(8) == {1: 6, 2: 2}
+
+
+def test_a_lane_never_idle_still_samples_and_explores_every_so_often() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    costs = {1: 0.002, 2: 0.0015}
+    chosen = []
+    for _ in range(12):  # rows always queued: no call may explore
+        threads = choice.choose(64, may_explore=False)
+        choice.record(64, threads, costs[threads])
+        chosen.append(threads)
+    # The first call samples what it must; two threads' sample waits 4 calls, then is taken
+    # (the 6th); the 8th call's turn waits 4 calls too, taken by the 12th.
+    assert chosen == [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 1]
 
 
 def test_a_call_others_wait_for_runs_the_cheapest_so_far_not_a_sample() -> None:
@@ -122,6 +140,24 @@ def test_the_hold_stops_doubling_at_max_backoff_times_explore_every() -> None:
     gaps = [b - a for a, b in itertools.pairwise(explored_at)]
     assert gaps[:4] == [2, 4, 8, 16]  # the sample (call 2) held 2 calls, then doubling
     assert gaps[-3:] == [2 * MAX_BACKOFF] * 3
+
+
+def test_a_busy_host_runs_each_size_on_the_fewest_threads_near_its_cheapest() -> None:
+    choice = ThreadChoice((1, 2, 4), explore_every=8, min_samples=1)
+    quiet = {1: 0.0015, 2: 0.0008, 4: 0.0012}  # size 64: two threads cheapest, one within 2x
+    large = {1: 0.040, 2: 0.021, 4: 0.010}  # size 4096: four threads, one and two far dearer
+    assert run_calls(choice, 64, quiet, 3) == [1, 2, 4]
+    assert run_calls(choice, 4096, large, 3) == [1, 2, 4]
+    assert run_calls(choice, 64, quiet, 1) == [2]
+    # The 5th batch of size 64, on its cheapest count, takes past twice its mean: the host is
+    # busy for the next 8 calls of any size (to call 16).
+    choice.record(64, choice.choose(64), 0.0018)
+    # Size 64 runs on one thread, size 4096 stays on four (one and two past the ratio there).
+    assert run_calls(choice, 64, quiet, 2) == [1, 1]
+    assert run_calls(choice, 4096, large, 1) == [4]
+    # Size 64's 8th call (the 12th in all) has its exploring turn while busy: postponed to the
+    # 16th, the first past the hold, which tries four threads; then back on two.
+    assert run_calls(choice, 64, quiet, 8) == [1, 1, 1, 1, 4, 2, 2, 2]
 
 
 def test_one_option_is_always_chosen_and_unknown_ones_are_ignored() -> None:
