@@ -1,5 +1,5 @@
-"""How a worker loads its fixed-cost versions: apart from the backends, so that reading the
-worker's settings (its fronts do) imports no torch."""
+"""How a worker loads its versions: apart from the backends, so that reading the worker's
+settings (its fronts do) imports no torch."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How a worker loads its fixed-cost versions (from WorkerConfig)."""
+    """How a worker loads its versions (from WorkerConfig)."""
 
     #: Models written here (not TorchScript) run their forward through `torch.compile`.
     compile_models: bool = False
     #: Embedding models run as GPU-speed stand-ins timed by this curve (backends/stand_in.py).
     stand_in_curve: Path | None = None
+    #: The torch threads a generation engine on a CPU chooses up to (0: torch's count on the
+    #: loading thread). Resolved once at start (execution.resolve_threads): torch gives a
+    #: thread its count when it first asks, from the last count set on any thread, so a version
+    #: loaded while serving could read a batch's momentary one.
+    host_threads: int = 0
 
 
 #: The real models, uncompiled.

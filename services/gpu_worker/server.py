@@ -43,6 +43,7 @@ from services.gpu_worker.execution import resolve_threads
 from services.gpu_worker.front import engine_grpc_target
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
+from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.reconcile import is_wanted
@@ -208,21 +209,24 @@ class Worker:
         device = select_device()
         desired = await desired_at_start(self.config)  # what the fleet unloaded stays unloaded
 
-        def load_and_warm() -> tuple[LoadedModels, BatchingDriver]:
+        def load_and_warm() -> tuple[LoadedModels, BatchingDriver, LoadOptions]:
             repository = load_repository(self.config.model_repository)
             pool = select_models(repository, self.config.models)
             versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
-            models = load_versions(
-                versions, device, self.generation_metrics, self.config.load_options
-            )
             driver_config = resolve_threads(self.config.batching, device)
+            # Generation engines choose their threads up to the count resolved now, for
+            # versions loaded while serving too (not the count torch gives their thread then).
+            options = dataclasses.replace(
+                self.config.load_options, host_threads=driver_config.model_threads
+            )
+            models = load_versions(versions, device, self.generation_metrics, options)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
             batching.warm_up()
             for backend in models.generation:
                 backend.warm_up()
-            return models, batching
+            return models, batching, options
 
-        models, batching = await in_daemon_thread(load_and_warm)
+        models, batching, options = await in_daemon_thread(load_and_warm)
         for failure in models.failed:  # logged by load_versions; served without them
             self.metrics.model_load_failures_total.labels(failure.model, failure.version).inc()
         freeze_startup_heap()
@@ -244,7 +248,7 @@ class Worker:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
             self.registry_publisher = RegistryPublisher(self.config, address, models, batching)
             self.registry_publisher.start()
-            self._follow_desired_state(models, batching, device)
+            self._follow_desired_state(models, batching, device, options)
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
@@ -253,9 +257,14 @@ class Worker:
         )
 
     def _follow_desired_state(
-        self, models: LoadedModels, batching: BatchingDriver, device: torch.device
+        self,
+        models: LoadedModels,
+        batching: BatchingDriver,
+        device: torch.device,
+        options: LoadOptions,
     ) -> None:
-        """Starts loading and unloading versions as the fleet's desired state says."""
+        """Starts loading and unloading versions (as `options` say) as the fleet's desired
+        state says."""
         assert self.registry_publisher is not None
         publisher = self.registry_publisher
         swapper = ModelSwapper(
@@ -267,7 +276,7 @@ class Worker:
             on_fatal=self._on_fatal,
             on_change=publisher.publish_soon,
             watchdog_s=self.config.batching.watchdog_s,
-            options=self.config.load_options,
+            options=options,
         )
         follower = RepositoryFollower(
             client=publisher.client,

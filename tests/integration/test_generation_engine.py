@@ -21,6 +21,8 @@ from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.sampler import Sampler
+from services.gpu_worker.load_options import LoadOptions
+from services.gpu_worker.loaded_models import load_version
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.thread_choice import ThreadChoice
 from tests.support.metrics import total
@@ -399,6 +401,28 @@ async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path)
     thread.start()
     thread.join()
     assert later == [configured] and torch.get_num_threads() == configured
+
+
+def test_a_version_loaded_while_serving_chooses_up_to_the_threads_resolved_at_start(
+    checkpoint: Path,
+) -> None:
+    """torch gives a thread its count when it first asks, from the last count set anywhere: a
+    version loaded while a batch runs on one thread could read one and never try more. Loaded
+    with the count the worker resolved at start (LoadOptions.host_threads), it chooses up to
+    that; without one, up to what its loading thread reads."""
+    (version,) = load_repository(checkpoint)
+    metrics = GenerationMetrics(CollectorRegistry())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # a batch's momentary count, as the loading thread reads it
+    try:
+        resolved = load_version(version, torch.device("cpu"), metrics, LoadOptions(host_threads=2))
+        unresolved = load_version(version, torch.device("cpu"), metrics)
+    finally:
+        torch.set_num_threads(previous)
+    assert isinstance(resolved, GenerationBackend) and resolved.thread_choice is not None
+    assert resolved.thread_choice.options == (1, 2)
+    assert isinstance(unresolved, GenerationBackend) and unresolved.thread_choice is not None
+    assert unresolved.thread_choice.options == (1,)
 
 
 async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> None:

@@ -44,11 +44,13 @@ class GenerationBackend(ServedModel):
         is_static: bool = False,
         attention: AttentionBackends | None = None,
         cuda_graphs: bool = True,
+        host_threads: int = 0,
     ) -> None:
         """`is_static` selects run-to-completion batching: the baseline benchmarks compare
         continuous batching against; never used for serving. `attention` fixes the SDPA
         kernels (None: measured at warm-up) and `cuda_graphs` False keeps decode steps eager
-        on a GPU: both for benchmarks' side-by-side runs."""
+        on a GPU: both for benchmarks' side-by-side runs. On a CPU the engine chooses each
+        step's torch threads up to `host_threads` (0: torch's count on this thread)."""
         config = version.config
         settings = config.generation
         if settings is None:
@@ -86,6 +88,13 @@ class GenerationBackend(ServedModel):
                 enable_prefix_caching=settings.prefix_caching != "off",
             )
         )
+        # On a CPU the steps' thread count is measured per step size (thread_choice); a GPU's
+        # kernels leave the cores to the event loop.
+        self.thread_choice = (
+            ThreadChoice(thread_options(host_threads or torch.get_num_threads()))
+            if device.type == "cpu"
+            else None
+        )
         self.engine = GenerationEngine(
             self.runner,
             self.text.tokenizer,
@@ -95,13 +104,7 @@ class GenerationBackend(ServedModel):
             eos_token_ids=frozenset(self.runner.config.eos_token_ids),
             max_model_len=self._max_model_len,
             is_cache_per_tenant=settings.prefix_caching == "per_tenant",
-            # On a CPU the steps' thread count is measured per step size (thread_choice); a
-            # GPU's kernels leave the cores to the event loop.
-            thread_choice=(
-                ThreadChoice(thread_options(torch.get_num_threads()))
-                if device.type == "cpu"
-                else None
-            ),
+            thread_choice=self.thread_choice,
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 
