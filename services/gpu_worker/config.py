@@ -116,7 +116,8 @@ class WorkerConfig:
 
     @property
     def load_options(self) -> LoadOptions:
-        """How this worker loads its fixed-cost versions."""
+        """How this worker loads its versions (the thread count generation engines choose
+        up to is resolved at start: server.serve)."""
         return LoadOptions(self.compile_models, self.stand_in_curve)
 
 

@@ -123,10 +123,10 @@ def batch_threads(
     host's cores), runs on the count measured cheapest per padded token for its size: on a
     CPU shared with the tiers, a parallel region waits for its slowest thread, and a
     preempted one stalls the whole batch (minilm beside a 10x flood here served 12-70 rows/s
-    on two threads, 120-190 on one). It teaches the latency model unless it runs another count
-    than the cheapest so far (`ThreadChoice.choose`: a sample or an exploration), which it does
-    only when `may_explore` (nothing else queued: a count measured slower delays no other row)
-    or before anything is measured."""
+    on two threads, 120-190 on one). It teaches the latency model unless it is a try of another
+    count than the cheapest so far (`ThreadChoice.choose`: a sample or an exploration), which
+    it is only when `may_explore` (nothing else queued: a count measured slower delays no
+    other row) or after its size's turn has waited long enough."""
     size = num_rows * max(1, dispatch.key.bucket)
     threads = backfill_threads_for(dispatch.reason, backfill_threads, last_urgent_s, now_s)
     if threads:  # a backfill held short
@@ -134,9 +134,8 @@ def batch_threads(
         return BatchThreads(threads if best is None else min(threads, best), False)
     if choice is None:
         return MODEL_THREADS
-    best = choice.best(size)
     threads = choice.choose(size, may_explore=may_explore)
-    return BatchThreads(threads, best is None or threads == best, choice, size)
+    return BatchThreads(threads, not choice.is_trying(size), choice, size)
 
 
 def describe_failure(error: Exception) -> str:

@@ -20,13 +20,14 @@ of 8 rows took 1.8 s on two threads, 0.03-0.2 s on one. So trying an option is h
 - an option whose first samples cost more than `RULE_OUT_RATIO` times the cheapest is not
   sampled further;
 - a caller whose call others wait for (`may_explore` False) runs the cheapest so far, for
-  `explore_every` calls of its size at most;
-- any call costing more than `RULE_OUT_RATIO` times its bucket's cheapest (a costly try, or
-  the cheapest itself slowed down) says the host is busy, for every size, until
-  `explore_every` calls of any size later, a span doubled after each such call (up to
-  `MAX_BACKOFF` times) and reset by a try that costs less. While the host is busy no option
-  is tried, and each call runs on the fewest threads measured within `RULE_OUT_RATIO` of its
-  bucket's cheapest: a size measured on a quiet host may have found more threads cheaper.
+  `min_samples` (a sample) or `explore_every` (an exploring turn) calls of its size at most;
+- a try costing more than `RULE_OUT_RATIO` times its bucket's cheapest holds every try back
+  until `explore_every` calls of any size later, a span doubled after each costly call (up to
+  `MAX_BACKOFF` times) and reset by a try that costs less;
+- a call costing more than `RULE_OUT_RATIO` times its own count's mean (the host slowed it
+  down) holds tries back alike and says the host is busy for as long: each call then runs on
+  the fewest threads measured within `RULE_OUT_RATIO` of its bucket's cheapest, as a size
+  measured on a quiet host may have found more threads cheaper.
 """
 
 from __future__ import annotations
@@ -87,9 +88,11 @@ class ThreadChoice:
         self._min_samples = min_samples
         self._smoothing = smoothing
         self._buckets: dict[int, _Bucket] = {}
-        #: Calls chosen, of every size; the host counts as busy until call number held_until.
+        #: Calls chosen, of every size. Nothing is tried before call number held_until, and the
+        #: host counts as busy before busy_until (never later than held_until).
         self._num_calls = 0
         self._held_until = 0
+        self._busy_until = 0
         #: How many calls the next costly call holds back (doubling, reset by a fair try).
         self._hold_calls = explore_every
 
@@ -97,8 +100,9 @@ class ThreadChoice:
         """The thread count to run a call of `size` (tokens) on. A caller whose call would
         hold up others (`may_explore` False) gets the cheapest count measured so far: a sample
         or an exploring turn then waits for the next call that may explore (either costs the
-        call itself, at most), or `explore_every` calls of the size at most, so a lane never
-        idle still measures its options. While the host is busy, nothing is tried."""
+        call itself, at most), or `min_samples` (a sample) or `explore_every` (a turn) calls of
+        the size at most, so a lane never idle still measures its options. While the host is
+        busy, nothing is tried."""
         if len(self.options) == 1:
             return self.options[0]
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
@@ -107,31 +111,32 @@ class ThreadChoice:
         unsampled = self._unsampled(bucket)
         if not unsampled and bucket.num_chosen % self._explore_every == 0:
             bucket.is_exploration_due = True
-        is_busy = self._num_calls < self._held_until
-        wants_try = bool(unsampled) or bucket.is_exploration_due
-        if wants_try and bucket.mean_cost_s and not (may_explore or is_busy):
-            bucket.num_postponed += 1
-            may_explore = bucket.num_postponed > self._explore_every
-        may_explore = may_explore and not is_busy
+        is_held = self._num_calls < self._held_until
+        cheapest = self._cheapest(bucket) if bucket.mean_cost_s else None
+        if bucket.mean_cost_s and not (may_explore or is_held):
+            if any(o != cheapest for o in unsampled):  # a sample of another count waits
+                bucket.num_postponed += 1
+                may_explore = bucket.num_postponed > self._min_samples
+            elif bucket.is_exploration_due:
+                bucket.num_postponed += 1
+                may_explore = bucket.num_postponed > self._explore_every
+        may_explore = may_explore and not is_held
+        if may_explore:
+            bucket.num_postponed = 0
         if not bucket.mean_cost_s:
             choice = unsampled[0]  # fewest threads first: the safe bet on a busy host
         elif unsampled and may_explore:
             choice = unsampled[0]
         elif bucket.is_exploration_due and may_explore:
             bucket.is_exploration_due = False
-            cheapest = self._cheapest(bucket)
             others = [o for o in self.options if o != cheapest]
             choice = min(others, key=lambda o: bucket.last_chosen.get(o, 0))
-        elif is_busy:
+        elif self._num_calls < self._busy_until:
             choice = self._fewest_near_cheapest(bucket)
         else:
             choice = self._cheapest(bucket)
         # A try: a count other than the cheapest, run to be measured (not for a busy host).
-        bucket.is_trying = (
-            may_explore and bool(bucket.mean_cost_s) and choice != self._cheapest(bucket)
-        )
-        if bucket.is_trying:
-            bucket.num_postponed = 0
+        bucket.is_trying = may_explore and cheapest is not None and choice != cheapest
         bucket.last_chosen[choice] = bucket.num_chosen
         return choice
 
@@ -163,19 +168,34 @@ class ThreadChoice:
             return
         bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
         count = bucket.num_samples.get(threads, 0)
-        if bucket.mean_cost_s:  # how busy is the host?
-            cheapest_s = min(bucket.mean_cost_s.values())
-            if cheapest_s > 0 and cost_s > RULE_OUT_RATIO * cheapest_s:
-                self._held_until = self._num_calls + self._hold_calls
-                self._hold_calls = min(2 * self._hold_calls, self._explore_every * MAX_BACKOFF)
-            elif bucket.is_trying and threads != self._cheapest(bucket):
-                self._hold_calls = self._explore_every
+        own_s = bucket.mean_cost_s.get(threads, 0.0)
+        cheapest_s = min(bucket.mean_cost_s.values(), default=0.0)
+        if own_s > 0 and cost_s > RULE_OUT_RATIO * own_s:  # the host slowed this count down
+            self._hold(busy=True)
+        elif bucket.is_trying and cheapest_s > 0 and cost_s > RULE_OUT_RATIO * cheapest_s:
+            self._hold(busy=False)  # a costly try: try less often
+        elif bucket.is_trying:
+            self._hold_calls = self._explore_every
         bucket.is_trying = False
         mean = bucket.mean_cost_s.get(threads)
         # Averages until min_samples, then a moving average that follows the load.
         weight = max(self._smoothing, 1.0 / (count + 1))
         bucket.mean_cost_s[threads] = cost_s if mean is None else mean + weight * (cost_s - mean)
         bucket.num_samples[threads] = count + 1
+
+    def _hold(self, *, busy: bool) -> None:
+        """Nothing is tried (and, if `busy`, the host counts as busy) until `_hold_calls` calls
+        later; the next hold is twice as long, up to MAX_BACKOFF times explore_every."""
+        self._held_until = self._num_calls + self._hold_calls
+        if busy:
+            self._busy_until = self._held_until
+        self._hold_calls = min(2 * self._hold_calls, self._explore_every * MAX_BACKOFF)
+
+    def is_trying(self, size: int) -> bool:
+        """Whether the last call chosen for `size`'s bucket is a try: a count other than the
+        cheapest so far, run to be measured (a sample or an exploration)."""
+        bucket = self._buckets.get(size_bucket(size))
+        return bucket is not None and bucket.is_trying
 
     def best(self, size: int) -> int | None:
         """The option measured cheapest for `size` so far; None before any was measured."""

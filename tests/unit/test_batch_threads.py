@@ -92,6 +92,20 @@ def test_a_batch_others_wait_behind_postpones_its_exploring_turn() -> None:
     ]
 
 
+def test_a_busy_hosts_batch_on_a_count_other_than_the_cheapest_still_teaches() -> None:
+    choice = ThreadChoice((1, 2), explore_every=1000, min_samples=1)
+    for _ in range(2):  # one thread 1.5 ms a token, two 1 ms: two is the cheapest
+        threads = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+        threads.record(0.096 if threads.count == 1 else 0.064)
+    busy = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+    assert busy.count == 2
+    busy.record(0.200)  # three times its mean: the host slowed it down
+    # The lane now runs on one thread while the host is busy: not a try, so it teaches the
+    # latency model how the lane's batches run now.
+    threads = batch_threads(choice, dispatch(), 4, 1, NOW_S - 10.0, NOW_S)
+    assert (threads.count, threads.teaches_latency) == (1, True)
+
+
 def test_the_cost_recorded_is_per_padded_token() -> None:
     choice = ThreadChoice((1, 2), min_samples=1)
     # Two batches of one size class (48 and 64 padded tokens): the smaller one on one thread

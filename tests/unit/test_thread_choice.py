@@ -50,7 +50,7 @@ def test_an_option_costing_past_the_rule_out_ratio_is_not_sampled_again() -> Non
     fair = {1: 0.001, 2: 0.0015}
     assert run_calls(choice, 300, fair, 6) == [1, 1, 1, 2, 2, 2]  # within the ratio: in full
     # Beside a flood two threads cost 10x one: its first sample (the 4th call) marks the host
-    # busy for 4 calls, which the other size's calls pass.
+    # busy until 4 calls later, which the other size's calls pass.
     flood = {1: 0.001, 2: 0.010}
     assert run_calls(choice, 8, flood, 4) == [1, 1, 1, 2]
     assert run_calls(choice, 300, fair, 4) == [1, 1, 1, 2]  # its 8th call's turn, once free
@@ -67,9 +67,10 @@ def test_a_lane_never_idle_still_samples_and_explores_every_so_often() -> None:
         threads = choice.choose(64, may_explore=False)
         choice.record(64, threads, costs[threads])
         chosen.append(threads)
-    # The first call samples what it must; two threads' sample waits 4 calls, then is taken
-    # (the 6th); the 8th call's turn waits 4 calls too, taken by the 12th.
-    assert chosen == [1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 1]
+    # The first call samples what it must; two threads' sample waits min_samples (1) call,
+    # then is taken (the 3rd); the 4th call's turn waits explore_every (4) calls, taken by
+    # the 8th.
+    assert chosen == [1, 1, 2, 2, 2, 2, 2, 1, 2, 2, 2, 2]
 
 
 def test_a_call_others_wait_for_runs_the_cheapest_so_far_not_a_sample() -> None:
@@ -120,7 +121,7 @@ def test_a_costly_try_holds_trying_back_for_every_size_doubling_until_a_fair_one
     assert run_calls(choice, 300, costs, 2) == [1, 2]  # another size: its own samples
     costs[2] = 0.005  # the host got busy: two threads now five times dearer
     assert run_calls(choice, 8, costs, 2) == [1, 2]  # the size's 4th call tries, costly
-    # No try for the next 4 calls of any size: the other size's 4th call does not try.
+    # No try until 4 calls of any size later: the other size's 4th call does not try.
     assert run_calls(choice, 300, {1: 0.001, 2: 0.0015}, 2) == [1, 1]
     chosen = run_calls(choice, 8, costs, 58)  # the size's calls 5 to 62
     explored_at = [i + 5 for i, t in enumerate(chosen) if t == 2]
@@ -150,7 +151,7 @@ def test_a_busy_host_runs_each_size_on_the_fewest_threads_near_its_cheapest() ->
     assert run_calls(choice, 4096, large, 3) == [1, 2, 4]
     assert run_calls(choice, 64, quiet, 1) == [2]
     # The 5th batch of size 64, on its cheapest count, takes past twice its mean: the host is
-    # busy for the next 8 calls of any size (to call 16).
+    # busy until 8 calls of any size later (call 16).
     choice.record(64, choice.choose(64), 0.0018)
     # Size 64 runs on one thread, size 4096 stays on four (one and two past the ratio there).
     assert run_calls(choice, 64, quiet, 2) == [1, 1]
@@ -158,6 +159,32 @@ def test_a_busy_host_runs_each_size_on_the_fewest_threads_near_its_cheapest() ->
     # Size 64's 8th call (the 12th in all) has its exploring turn while busy: postponed to the
     # 16th, the first past the hold, which tries four threads; then back on two.
     assert run_calls(choice, 64, quiet, 8) == [1, 1, 1, 1, 4, 2, 2, 2]
+
+
+def test_a_costly_try_holds_tries_back_but_does_not_make_the_host_busy() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    costs = {1: 0.0019, 2: 0.001}  # one thread a little under twice two's cost
+    assert run_calls(choice, 64, costs, 2) == [1, 2]
+    costs[1] = 0.0021  # its tries now just past twice the cheapest: costly, not slowed down
+    # The 4th call's try holds the next until the 8th; between, the lane stays on two.
+    assert run_calls(choice, 64, costs, 10) == [2, 1, 2, 2, 2, 1, 2, 2, 2, 2]
+
+
+def test_a_busy_hosts_calls_are_judged_by_their_own_counts_mean() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    costs = {1: 0.0017, 2: 0.001}
+    assert run_calls(choice, 64, costs, 2) == [1, 2]
+    assert run_calls(choice, 300, {1: 0.001, 2: 0.001}, 2) == [1, 2]
+    # Size 300's one thread takes five times its mean: the host is busy until 4 calls later.
+    assert run_calls(choice, 300, {1: 0.005, 2: 0.001}, 1) == [1]
+    # Size 64 runs on one thread (within twice its cheapest) at 2.1x two's mean: past twice
+    # the cheapest, but not its own count's mean, so the host is not held busy by it. Then its
+    # postponed turn tries one thread (costly: tries are held back), and it is back on two.
+    costs[1] = 0.0021
+    assert run_calls(choice, 64, costs, 6) == [1, 1, 1, 1, 2, 2]
+    # Held back 8 calls by that try (not for as long as the busy calls would have made it):
+    # the 8th call's turn is taken by the 14th.
+    assert run_calls(choice, 64, costs, 8) == [2, 2, 2, 2, 2, 1, 2, 2]
 
 
 def test_one_option_is_always_chosen_and_unknown_ones_are_ignored() -> None:

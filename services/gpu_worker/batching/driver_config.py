@@ -39,7 +39,8 @@ class DriverConfig:
     #: chooses among one, all but one and all of them (execution.batch_threads). 0 (the
     #: default) is resolved when the worker loads (execution.resolve_threads): torch's
     #: threads on a CPU, 0 on a GPU. A driver given 0 unresolved reads torch's as it builds
-    #: each lane.
+    #: each lane. The worker's generation engines choose their steps' threads up to the
+    #: same resolved count (LoadOptions.host_threads).
     model_threads: int = 0
 
     def __post_init__(self) -> None:
