@@ -20,14 +20,17 @@ of 8 rows took 1.8 s on two threads, 0.03-0.2 s on one. So trying an option is h
 - an option whose first samples cost more than `RULE_OUT_RATIO` times the cheapest is not
   sampled further;
 - a caller whose call others wait for (`may_explore` False) runs the cheapest so far, for
-  `min_samples` (a sample) or `explore_every` (an exploring turn) calls of its size at most;
-- a try costing more than `RULE_OUT_RATIO` times its bucket's cheapest holds every try back
-  until `explore_every` calls of any size later, a span doubled after each costly call (up to
-  `MAX_BACKOFF` times) and reset by a try that costs less;
+  `min_samples` (a sample) or `explore_every` (an exploring turn) calls of its size at most,
+  not counting calls while tries are held back;
+- a try costing more than `RULE_OUT_RATIO` times its bucket's cheapest holds every size's
+  tries back until `explore_every` calls later, a span doubled after each costly call (up to
+  `MAX_BACKOFF` times) and reset by a try that costs less; an option already known that
+  costly, costly again, only spaces its own bucket's exploring turns out alike;
 - a call costing more than `RULE_OUT_RATIO` times its own count's mean (the host slowed it
-  down) holds tries back alike and says the host is busy for as long: each call then runs on
-  the fewest threads measured within `RULE_OUT_RATIO` of its bucket's cheapest, as a size
-  measured on a quiet host may have found more threads cheaper.
+  down) holds tries back as well and says the host is busy for as long: each call then runs
+  on the fewest threads measured within `RULE_OUT_RATIO` of its bucket's cheapest, as a size
+  measured on a quiet host may have found more threads cheaper. A caller whose calls' cost
+  follows their content more than their size (a generation step) turns this off.
 """
 
 from __future__ import annotations
@@ -36,8 +39,8 @@ from dataclasses import dataclass, field
 
 #: An option costing more than this many times the cheapest is not worth more samples now.
 RULE_OUT_RATIO = 2.0
-#: A costly call marks the host busy for explore_every calls, doubled per costly call up to this
-#: many times.
+#: A hold lasts explore_every calls, doubled per costly call up to this many times that (and a
+#: bucket's exploring interval alike).
 MAX_BACKOFF = 16
 
 
@@ -56,15 +59,18 @@ def size_bucket(size: int) -> int:
 class _Bucket:
     mean_cost_s: dict[int, float] = field(default_factory=dict)
     num_samples: dict[int, int] = field(default_factory=dict)
-    #: Calls chosen in this bucket; every explore_every-th one explores.
+    #: Calls chosen in this bucket; every explore_interval-th one explores.
     num_chosen: int = 0
+    #: explore_every, doubled per exploration of an option already known costly (its mean past
+    #: RULE_OUT_RATIO times the cheapest) that cost as much again; reset by a fair try.
+    explore_interval: int = 0
     #: When each option was last run (in calls chosen), to explore the stalest.
     last_chosen: dict[int, int] = field(default_factory=dict)
     #: An exploring turn came while exploring was not allowed: the next call that may, does.
     is_exploration_due: bool = False
     #: The last call chosen was a try (a sample or an exploration of another than the cheapest).
     is_trying: bool = False
-    #: Calls on which a sample or a turn waited for others' rows, since the last try.
+    #: Calls on which the pending sample or turn waited for others' rows.
     num_postponed: int = 0
 
 
@@ -78,7 +84,10 @@ class ThreadChoice:
         explore_every: int = 16,
         min_samples: int = 3,
         smoothing: float = 0.2,
+        detects_busy_host: bool = True,
     ) -> None:
+        """`detects_busy_host` False: a call past twice its count's mean says nothing of the
+        host (a generation step's cost follows what it holds: decode rows, prompt chunks)."""
         if not options or min(options) < 1:
             raise ValueError("thread options must be counts >= 1")
         if explore_every < 2 or min_samples < 1 or not 0 < smoothing <= 1:
@@ -87,6 +96,7 @@ class ThreadChoice:
         self._explore_every = explore_every
         self._min_samples = min_samples
         self._smoothing = smoothing
+        self._detects_busy_host = detects_busy_host
         self._buckets: dict[int, _Bucket] = {}
         #: Calls chosen, of every size. Nothing is tried before call number held_until, and the
         #: host counts as busy before busy_until (never later than held_until).
@@ -101,32 +111,34 @@ class ThreadChoice:
         hold up others (`may_explore` False) gets the cheapest count measured so far: a sample
         or an exploring turn then waits for the next call that may explore (either costs the
         call itself, at most), or `min_samples` (a sample) or `explore_every` (a turn) calls of
-        the size at most, so a lane never idle still measures its options. While the host is
-        busy, nothing is tried."""
+        the size at most, so a lane never idle still measures its options. While tries are
+        held back (a costly try, a busy host) nothing is tried, nor counted as waiting."""
         if len(self.options) == 1:
             return self.options[0]
-        bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
+        bucket = self._bucket(size)
         bucket.num_chosen += 1
         self._num_calls += 1
         unsampled = self._unsampled(bucket)
-        if not unsampled and bucket.num_chosen % self._explore_every == 0:
+        if not unsampled and bucket.num_chosen % bucket.explore_interval == 0:
             bucket.is_exploration_due = True
         is_held = self._num_calls < self._held_until
         cheapest = self._cheapest(bucket) if bucket.mean_cost_s else None
-        if bucket.mean_cost_s and not (may_explore or is_held):
-            if any(o != cheapest for o in unsampled):  # a sample of another count waits
-                bucket.num_postponed += 1
-                may_explore = bucket.num_postponed > self._min_samples
-            elif bucket.is_exploration_due:
-                bucket.num_postponed += 1
-                may_explore = bucket.num_postponed > self._explore_every
+        to_sample = [o for o in unsampled if o != cheapest]
+        is_forced = False
+        if not (to_sample or bucket.is_exploration_due):
+            bucket.num_postponed = 0  # nothing pending
+        elif bucket.mean_cost_s and not (may_explore or is_held):
+            bucket.num_postponed += 1
+            limit = self._min_samples if to_sample else self._explore_every
+            may_explore = is_forced = bucket.num_postponed > limit
         may_explore = may_explore and not is_held
         if may_explore:
             bucket.num_postponed = 0
         if not bucket.mean_cost_s:
             choice = unsampled[0]  # fewest threads first: the safe bet on a busy host
         elif unsampled and may_explore:
-            choice = unsampled[0]
+            # Fewest threads first; a sample forced after waiting is of another count.
+            choice = to_sample[0] if is_forced and to_sample else unsampled[0]
         elif bucket.is_exploration_due and may_explore:
             bucket.is_exploration_due = False
             others = [o for o in self.options if o != cheapest]
@@ -139,6 +151,11 @@ class ThreadChoice:
         bucket.is_trying = may_explore and cheapest is not None and choice != cheapest
         bucket.last_chosen[choice] = bucket.num_chosen
         return choice
+
+    def _bucket(self, size: int) -> _Bucket:
+        return self._buckets.setdefault(
+            size_bucket(size), _Bucket(explore_interval=self._explore_every)
+        )
 
     def _unsampled(self, bucket: _Bucket) -> list[int]:
         """The options still short of `min_samples` in `bucket`, fewest threads first, but for
@@ -166,16 +183,21 @@ class ThreadChoice:
         """A call of `size` ran on `threads` and cost `cost_s` (seconds)."""
         if threads not in self.options or cost_s < 0:
             return
-        bucket = self._buckets.setdefault(size_bucket(size), _Bucket())
+        bucket = self._bucket(size)
         count = bucket.num_samples.get(threads, 0)
         own_s = bucket.mean_cost_s.get(threads, 0.0)
         cheapest_s = min(bucket.mean_cost_s.values(), default=0.0)
-        if own_s > 0 and cost_s > RULE_OUT_RATIO * own_s:  # the host slowed this count down
-            self._hold(busy=True)
-        elif bucket.is_trying and cheapest_s > 0 and cost_s > RULE_OUT_RATIO * cheapest_s:
-            self._hold(busy=False)  # a costly try: try less often
+        is_costly = cheapest_s > 0 and cost_s > RULE_OUT_RATIO * cheapest_s
+        if self._detects_busy_host and own_s > 0 and cost_s > RULE_OUT_RATIO * own_s:
+            self._hold(busy=True)  # the host slowed this count down
+        elif bucket.is_trying and is_costly and own_s > RULE_OUT_RATIO * cheapest_s:
+            # An option already known costly, costly again: its own bucket explores it less.
+            longest = self._explore_every * MAX_BACKOFF
+            bucket.explore_interval = min(2 * bucket.explore_interval, longest)
+        elif bucket.is_trying and is_costly:
+            self._hold(busy=False)  # newly costly: maybe the host, so hold every size's tries
         elif bucket.is_trying:
-            self._hold_calls = self._explore_every
+            self._hold_calls = bucket.explore_interval = self._explore_every
         bucket.is_trying = False
         mean = bucket.mean_cost_s.get(threads)
         # Averages until min_samples, then a moving average that follows the load.

@@ -49,8 +49,8 @@ def test_an_option_costing_past_the_rule_out_ratio_is_not_sampled_again() -> Non
     choice = ThreadChoice((1, 2), min_samples=3, explore_every=4)
     fair = {1: 0.001, 2: 0.0015}
     assert run_calls(choice, 300, fair, 6) == [1, 1, 1, 2, 2, 2]  # within the ratio: in full
-    # Beside a flood two threads cost 10x one: its first sample (the 4th call) marks the host
-    # busy until 4 calls later, which the other size's calls pass.
+    # Beside a flood two threads cost 10x one: its first sample (the 4th call), a costly try,
+    # holds every size's tries back until 4 calls later, which the other size's calls pass.
     flood = {1: 0.001, 2: 0.010}
     assert run_calls(choice, 8, flood, 4) == [1, 1, 1, 2]
     assert run_calls(choice, 300, fair, 4) == [1, 1, 1, 2]  # its 8th call's turn, once free
@@ -183,8 +183,34 @@ def test_a_busy_hosts_calls_are_judged_by_their_own_counts_mean() -> None:
     costs[1] = 0.0021
     assert run_calls(choice, 64, costs, 6) == [1, 1, 1, 1, 2, 2]
     # Held back 8 calls by that try (not for as long as the busy calls would have made it):
-    # the 8th call's turn is taken by the 14th.
-    assert run_calls(choice, 64, costs, 8) == [2, 2, 2, 2, 2, 1, 2, 2]
+    # the 8th call's turn is taken by the 14th. One thread, now known costly (its mean past
+    # twice the cheapest), costly again: only its bucket's turns space out, to every 8th call.
+    assert run_calls(choice, 64, costs, 8) == [2, 2, 2, 2, 2, 1, 2, 1]
+
+
+def test_a_known_costly_option_spaces_its_own_buckets_tries_not_every_sizes() -> None:
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
+    dear = {1: 0.001, 2: 0.005}  # size 8: two threads always five times dearer
+    fair = {1: 0.001, 2: 0.0012}  # size 300: two threads within the ratio
+    assert run_calls(choice, 8, dear, 2) == [1, 2]  # newly costly: every try held 4 calls
+    chosen_8, chosen_300 = [], []
+    for _ in range(200):  # strictly alternating sizes
+        chosen_8 += run_calls(choice, 8, dear, 1)
+        chosen_300 += run_calls(choice, 300, fair, 1)
+    # Size 8 keeps trying two threads, ever less often (every 4th call, then 8th, ... 64th);
+    # size 300 is not held back by those tries: it samples two threads and keeps exploring.
+    explored_8 = [i for i, t in enumerate(chosen_8) if t == 2]
+    assert 3 <= len(explored_8) <= 8
+    assert choice.samples(300)[2] >= 10
+
+
+def test_without_busy_host_detection_a_slow_call_changes_nothing() -> None:
+    choice = ThreadChoice((1, 2), explore_every=1000, min_samples=1, detects_busy_host=False)
+    quiet = {1: 0.002, 2: 0.001}
+    assert run_calls(choice, 64, quiet, 3) == [1, 2, 2]
+    choice.record(64, choice.choose(64), 0.003)  # three times its mean: a long step
+    # Not busy: still the cheapest (with detection, one thread, within twice the cheapest).
+    assert run_calls(choice, 64, quiet, 3) == [2, 2, 2]
 
 
 def test_one_option_is_always_chosen_and_unknown_ones_are_ignored() -> None:

@@ -91,7 +91,10 @@ class GenerationBackend(ServedModel):
         # On a CPU the steps' thread count is measured per step size (thread_choice); a GPU's
         # kernels leave the cores to the event loop.
         self.thread_choice = (
-            ThreadChoice(thread_options(host_threads or torch.get_num_threads()))
+            ThreadChoice(
+                thread_options(host_threads or torch.get_num_threads()),
+                detects_busy_host=False,  # a step's cost follows what it holds
+            )
             if device.type == "cpu"
             else None
         )
