@@ -114,19 +114,20 @@ def test_the_choice_follows_a_change_in_cost() -> None:
     assert later[-8:].count(2) >= 6
 
 
-def test_a_costly_try_holds_trying_back_for_every_size_doubling_until_a_fair_one() -> None:
+def test_costly_tries_hold_tries_back_then_space_out_until_a_fair_one() -> None:
     choice = ThreadChoice((1, 2), explore_every=4, min_samples=1)
     costs = {1: 0.001, 2: 0.0015}
     assert run_calls(choice, 8, costs, 2) == [1, 2]  # each sampled, within the ratio
     assert run_calls(choice, 300, costs, 2) == [1, 2]  # another size: its own samples
     costs[2] = 0.005  # the host got busy: two threads now five times dearer
-    assert run_calls(choice, 8, costs, 2) == [1, 2]  # the size's 4th call tries, costly
-    # No try until 4 calls of any size later: the other size's 4th call does not try.
+    # The size's 4th call tries two threads: past twice their own mean, the host slowed them
+    # down, so no try until 4 calls of any size later: the other size's 4th call does not try.
+    assert run_calls(choice, 8, costs, 2) == [1, 2]
     assert run_calls(choice, 300, {1: 0.001, 2: 0.0015}, 2) == [1, 1]
     chosen = run_calls(choice, 8, costs, 58)  # the size's calls 5 to 62
     explored_at = [i + 5 for i, t in enumerate(chosen) if t == 2]
-    # Each costly try doubles the hold: 8 calls after the 8th call's try, 16 after the 16th,
-    # 32 after the 32nd: the 36th call's turn waits past call 62.
+    # Two threads are now known costly: each costly try doubles the size's own interval, from
+    # 4 to 8 after the 8th call's try, 16 after the 16th, 32 after the 32nd (the 64th next).
     assert explored_at == [8, 16, 32]
     costs[2] = 0.0015  # quiet again: the next try is fair and ends the backing off
     chosen = run_calls(choice, 8, costs, 20)  # calls 63 to 82
@@ -134,12 +135,14 @@ def test_a_costly_try_holds_trying_back_for_every_size_doubling_until_a_fair_one
     assert explored_at == [64, 68, 72, 76, 80]
 
 
-def test_the_hold_stops_doubling_at_max_backoff_times_explore_every() -> None:
+def test_tries_stop_spacing_out_at_max_backoff_times_explore_every() -> None:
     choice = ThreadChoice((1, 2), explore_every=2, min_samples=1)
     chosen = run_calls(choice, 8, {1: 0.001, 2: 0.005}, 400)
     explored_at = [i + 1 for i, t in enumerate(chosen) if t == 2]
     gaps = [b - a for a, b in itertools.pairwise(explored_at)]
-    assert gaps[:4] == [2, 4, 8, 16]  # the sample (call 2) held 2 calls, then doubling
+    # The sample (call 2), newly costly, holds tries 2 calls; then two threads are known
+    # costly and the size's interval doubles per try, up to MAX_BACKOFF times explore_every.
+    assert gaps[:4] == [2, 4, 8, 16]
     assert gaps[-3:] == [2 * MAX_BACKOFF] * 3
 
 
