@@ -265,8 +265,8 @@ class Lane:
         """Folds a finished batch into the lane's totals, latency model, thread choice and
         `metrics`. A batch that ran on a count of threads other than the lane's usual one
         (`threads.teaches_latency` False: a backfill held short, a sample or an exploration
-        of a count other than the cheapest so far) teaches
-        the latency model nothing: its time says nothing of how the lane's batches run."""
+        of a count other than the cheapest so far) teaches the latency model nothing: its
+        time says nothing of how the lane's batches run."""
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
