@@ -15,6 +15,7 @@ import grpc
 import pytest
 from inference_fabric_client import Client, FabricError
 from inference_fabric_client.retry import RetryPolicy
+from inference_fabric_client.throttle import ThrottlePolicy
 
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
@@ -164,3 +165,37 @@ def test_a_timeout_of_zero_is_due_at_once_not_the_clients_default(serve: Any) ->
     with Client(serve(servicer)) as client, pytest.raises(FabricError) as raised:
         client.predict("m", ["hello"], timeout_s=0.0)
     assert raised.value.code == "DEADLINE_EXCEEDED"
+
+
+def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -> None:
+    """Adaptive throttling (inference_fabric_client.throttle) against a real server that refuses
+    every predict without a hint: past `min_requests`, the client refuses calls itself, unsent,
+    RESOURCE_EXHAUSTED with a message that says so; once the server accepts again and the
+    window has passed, every call is sent again. Unthrottled, every call reaches the server."""
+    policy = ThrottlePolicy(window_s=2.0, min_requests=10)
+    servicer = Refusing(refusals=1000, hint_ms=None)
+    codes: list[str] = []
+    with Client(serve(servicer), throttle=policy) as client:
+        for _ in range(60):
+            with pytest.raises(FabricError) as raised:
+                client.predict("m", ["hello"], timeout_s=10)
+            codes.append(raised.value.code)
+            if "refused by this client" in raised.value.message:
+                assert raised.value.code == "RESOURCE_EXHAUSTED"
+                assert raised.value.retry_after_s is None
+        local = 60 - len(servicer.calls)
+        assert set(codes) == {"RESOURCE_EXHAUSTED"}
+        # The first 10 are all sent; then each is refused here with a chance near 1 - 1/n.
+        assert 10 <= len(servicer.calls) < 30 and local > 30
+        servicer.refusals = 0
+        time.sleep(2.1)  # the refusals have left the window
+        for _ in range(20):
+            assert client.predict("m", ["hello"], timeout_s=10).model == "m"
+        assert len(servicer.calls) == 60 - local + 20
+
+    unthrottled = Refusing(refusals=1000, hint_ms=None)
+    with Client(serve(unthrottled), throttle=None) as client:
+        for _ in range(60):
+            with pytest.raises(FabricError):
+                client.predict("m", ["hello"], timeout_s=10)
+    assert len(unthrottled.calls) == 60

@@ -13,7 +13,9 @@ the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retr
 predict refused for load is sent again after the server's hint, and one the gateway's grpc
 dropped unseen (CANCELLED) after a short jittered wait, while its deadline allows, within a
 retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)` turns that
-off.
+off. While the gateway refuses many predicts, the client refuses some itself, at no cost to the
+gateway (`throttle`, inference_fabric_client.throttle): they fail RESOURCE_EXHAUSTED unsent;
+`throttle=None` turns that off.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
 from inference_fabric_client.retry import RetryBudget, RetryPolicy, retry_after_s
+from inference_fabric_client.throttle import (
+    DEFAULT_THROTTLE,
+    AdaptiveThrottle,
+    ThrottlePolicy,
+    is_accepted,
+)
 
 if TYPE_CHECKING:
     from inference_fabric_client.jobs import Jobs
@@ -129,11 +137,13 @@ class Client:
         server_name: str | None = None,
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
+        throttle: ThrottlePolicy | None = DEFAULT_THROTTLE,
     ) -> None:
         """`tls`: verify the gateway with `root_certificates` (PEM; default the system's);
         `client_certificate`/`client_key` for mutual TLS; `server_name` overrides the name
         checked in the gateway's certificate. `retry`: when refused predicts are sent again
-        (default RetryPolicy())."""
+        (default RetryPolicy()). `throttle`: when this client refuses predicts itself while the
+        gateway refuses many (None: never)."""
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         if tls:
             credentials = grpc.ssl_channel_credentials(
@@ -147,6 +157,7 @@ class Client:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = RetryBudget(self._retry)
+        self._throttle = AdaptiveThrottle(throttle) if throttle is not None else None
         #: Closed (from any thread): a call then cut short ends CANCELLED and is not retried.
         self._is_closed = False
 
@@ -203,9 +214,30 @@ class Client:
         return timeout_s
 
     def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
-        """`method(request)` within `timeout_s` in all; a refusal for load with a retry hint,
-        or a call dropped unseen, is sent again after its wait (`retry_after_s`) while time and
-        the retry budget allow."""
+        """`method(request)` within `timeout_s` in all, unless the throttle refuses it unsent;
+        a refusal for load with a retry hint, or a call dropped unseen, is sent again after its
+        wait (`retry_after_s`) while time and the retry budget allow."""
+        throttle = self._throttle
+        if throttle is None:
+            return self._attempts(method, request, timeout_s)
+        if not throttle.admits():
+            requests, accepts = throttle.counts()
+            raise FabricError(
+                "RESOURCE_EXHAUSTED",
+                f"refused by this client, unsent: the gateway accepted {accepts} of its last "
+                f"{requests} calls (adaptive throttling; Client(throttle=None) turns it off)",
+            )
+        code = "OK"
+        try:
+            return self._attempts(method, request, timeout_s)
+        except FabricError as failure:
+            code = failure.code
+            raise
+        finally:
+            throttle.record(is_accepted(code))
+
+    def _attempts(self, method: object, request: object, timeout_s: float) -> object:
+        """The attempts of one call: the first, then retries while allowed."""
         deadline = time.monotonic() + timeout_s
         self._budget.on_call()
         for attempt in range(self._retry.max_retries + 1):
