@@ -21,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+from inference_fabric_client.throttle import AdaptiveThrottle, is_accepted
 
 #: A send is late when it leaves this long after its scheduled time.
 LATE_THRESHOLD_S = 0.005
@@ -31,6 +32,8 @@ START_LEAD_S = 0.05
 #: Status of a call the generator gave up on (its own timeout, or still pending at the end).
 CLIENT_TIMEOUT = "CLIENT_TIMEOUT"
 OK = "OK"
+#: Status of a call a throttled sender refused itself, unsent (`throttled`).
+THROTTLED = "THROTTLED"
 #: Closed loop: a caller whose call failed waits this long before its next one, unless the
 #: server said how long (a `retry-after-ms` hint, honoured up to MAX_RETRY_AFTER_S).
 FAILURE_PAUSE_S = 0.02
@@ -77,10 +80,16 @@ def poisson_schedule(
     return times
 
 
+class Throttled(Exception):
+    """A call a throttled sender refused itself, unsent."""
+
+
 def status_of(error: BaseException) -> str:
     """The status an error is recorded under: gRPC's code name where there is one."""
     if isinstance(error, grpc.aio.AioRpcError):
         return error.code().name
+    if isinstance(error, Throttled):
+        return THROTTLED
     if isinstance(error, TimeoutError):
         return CLIENT_TIMEOUT
     code = getattr(error, "code", None)  # a sync grpc.RpcError, or a peer's error with a code
@@ -104,6 +113,28 @@ def noting_errors(send: Send, errors: list[str]) -> Send:
             raise
 
     return noted
+
+
+def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
+    """`send` as the slim client sends a predict (inference_fabric_client.throttle): refused
+    here, unsent (THROTTLED), with the throttle's probability; every call sent tells the
+    throttle whether the gateway accepted it. A call cut short on this side (its timeout, or
+    the end of a run) counts as not accepted: it waited past what its caller allowed."""
+
+    async def send_throttled() -> None:
+        if not throttle.admits():
+            raise Throttled()
+        accepted = False
+        try:
+            await send()
+            accepted = True
+        except grpc.aio.AioRpcError as error:
+            accepted = is_accepted(error.code().name)
+            raise
+        finally:
+            throttle.record(accepted)
+
+    return send_throttled
 
 
 def retry_after_of(error: BaseException | None) -> float | None:

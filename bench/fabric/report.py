@@ -66,14 +66,19 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     if "good_fraction" in from_ready:
         summary["from_ready_good_fraction"] = from_ready["good_fraction"]
     for point in report.get("overload", []):
-        factor = point["factor"]
-        summary[f"overload_{factor:g}x_goodput_fraction"] = _ratio(
-            point["goodput_per_s"]["median"], on
-        )
+        flood = flood_name(point, "_")
+        summary[f"{flood}_goodput_fraction"] = _ratio(point["goodput_per_s"]["median"], on)
         p99 = point["p99_s"]["median"]
-        summary[f"overload_{factor:g}x_accepted_p99_s"] = p99
-        summary[f"overload_{factor:g}x_p99_within_slo"] = p99 is not None and p99 <= slo_s
+        summary[f"{flood}_accepted_p99_s"] = p99
+        summary[f"{flood}_p99_within_slo"] = p99 is not None and p99 <= slo_s
     return summary
+
+
+def flood_name(point: dict[str, Any], separator: str = " ") -> str:
+    """A flood's name: "overload 2x", and "overload 2x throttled" where its callers throttled
+    themselves (the goals are the floods of callers that send every call)."""
+    words = ["overload", f"{point['factor']:.3g}x"]
+    return separator.join([*words, "throttled"] if point.get("throttled") else words)
 
 
 def goals(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -177,7 +182,7 @@ def _config_lines(report: dict[str, Any]) -> list[str]:
     for point in report.get("overload", []):
         not_ok = {k: v for k, v in point.get("statuses", {}).items() if k != "OK"}
         lines.append(
-            f"{'overload ' + format(point['factor'], 'g') + 'x':<18} {_rate_columns(point)}"
+            f"{flood_name(point).replace('throttled', 'thr'):<18} {_rate_columns(point)}"
             f"{not_ok or '-'!s:<28} offered {point['offered_rate_per_s']:.0f}/s"
             + ("" if point.get("valid") else "  (INVALID: late sends)")
         )

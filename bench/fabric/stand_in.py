@@ -27,6 +27,7 @@ import grpc
 
 from bench.fabric.measure import Progress, Settings, Target, closed_loop, overload_phases, sweep
 from bench.fabric.observe import Observer
+from bench.fabric.report import flood_name
 from bench.fabric.stack import REPO_ROOT
 from bench.fabric.targets import identity_sender, predict_sender
 from services.sim.curve import LatencyCurve
@@ -178,7 +179,7 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
     for flood in config.get("overload", []):
         p99 = flood["p99_s"]["median"]
         lines.append(
-            f"  overload {flood['factor']:.3g}x: goodput {flood['goodput_fraction']} of it, "
+            f"  {flood_name(flood)}: goodput {flood['goodput_fraction']} of it, "
             f"accepted p99 {'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
         )
     if (after := config.get("after_overload")) is not None:
@@ -187,7 +188,7 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
     for flood in identity.get("floods", []):
         p99 = flood["p99_s"]["median"]
         lines.append(
-            f"  identity model, overload {flood['factor']:.3g}x of its "
+            f"  identity model, {flood_name(flood)} of its "
             f"{identity['capacity_per_s']:.0f}/s at {config['callers']} callers: goodput "
             f"{flood['goodput_fraction']} of it, accepted p99 "
             f"{'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"

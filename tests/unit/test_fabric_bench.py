@@ -6,6 +6,7 @@ import pytest
 
 from bench.fabric.__main__ import parse_args
 from bench.fabric.observe import Snapshot, breakdown
+from bench.fabric.report import flood_name, goals, summarize
 from services.common import metric_names as names
 
 pytestmark = pytest.mark.unit
@@ -44,3 +45,27 @@ def test_the_breakdown_reports_the_gateways_callers_a_bundle_for_its_model() -> 
     assert after["gateway"]["callers_per_bundle"] == 8.0
     idle = breakdown(gateway(10.0, 40.0), gateway(10.0, 40.0), "identity")
     assert idle["gateway"]["callers_per_bundle"] is None
+
+
+def test_a_flood_of_throttling_callers_is_summarized_beside_the_goal_not_as_it() -> None:
+    """The overload goals are the floods of callers that send every call; the same flood from
+    callers that throttle themselves (measure.overload_phases) gets keys of its own."""
+
+    def flood(is_throttled: bool, goodput: float) -> dict[str, object]:
+        return {"factor": 2.0, "throttled": is_throttled, "goodput_per_s": {"median": goodput},
+                "p99_s": {"median": 0.1}}  # fmt: skip
+
+    report = {
+        "configs": {"batching_on": {"goodput_per_s": 100.0}},
+        "model": {"slo_p99_ms": 250},
+        "overload": [flood(False, 30.0), flood(True, 95.0)],
+    }
+    summary = summarize(report)
+    assert summary["overload_2x_goodput_fraction"] == 0.3
+    assert summary["overload_2x_throttled_goodput_fraction"] == 0.95
+    assert summary["overload_2x_throttled_p99_within_slo"] is True
+    assert goals(summary)["overload_2x_goodput_fraction"]["met"] is False
+    assert [flood_name(point) for point in report["overload"]] == [
+        "overload 2x",
+        "overload 2x throttled",
+    ]

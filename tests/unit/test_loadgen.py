@@ -11,17 +11,22 @@ import statistics
 import grpc
 import numpy as np
 import pytest
+from inference_fabric_client.throttle import AdaptiveThrottle, ThrottlePolicy
 
 from bench.fabric.loadgen import (
     CLIENT_TIMEOUT,
     LATE_THRESHOLD_S,
     OK,
+    THROTTLED,
     Outcome,
+    Send,
+    _timed,
     poisson_schedule,
     retry_after_of,
     run_closed_loop,
     split_windows,
     status_of,
+    throttled,
 )
 from bench.fabric.sweep import GoodputSearch, percentile, summarize_rate, window_stats
 
@@ -245,3 +250,31 @@ def test_closed_loop_callers_wait_as_long_as_the_server_asks() -> None:
     assert calls == 2
     assert result.statuses == {"RESOURCE_EXHAUSTED": 2}
     assert result.ok == 0
+
+
+def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_server_did() -> None:
+    """loadgen.throttled: a call its throttle refuses is never sent (THROTTLED); each call sent
+    is recorded accepted or not by its status, a timeout cut short here as not accepted."""
+    sent: list[str] = []
+
+    def sender(outcomes: list[BaseException | None], delay_s: float = 0.0) -> Send:
+        async def send() -> None:
+            sent.append("sent")
+            await asyncio.sleep(delay_s)
+            if (failure := outcomes.pop(0)) is not None:
+                raise failure
+
+        return send
+
+    throttle = AdaptiveThrottle(ThrottlePolicy(min_requests=0), random=lambda: 0.0)
+    send = throttled(sender([None, refusal("10"), None]), throttle)
+    statuses = [asyncio.run(_timed(send, None))[1] for _ in range(3)]
+    # OK (1 of 1 accepted), RESOURCE_EXHAUSTED (1 of 2), then a chance of (2 - 1.1) / 3 over
+    # a draw of 0: refused here.
+    assert statuses == [OK, "RESOURCE_EXHAUSTED", THROTTLED]
+    assert len(sent) == 2 and throttle.counts() == (3, 1)
+
+    timing_out = AdaptiveThrottle(ThrottlePolicy(min_requests=0), random=lambda: 1.0)
+    slow = throttled(sender([None], delay_s=1.0), timing_out)
+    assert asyncio.run(_timed(slow, 0.01))[1] == CLIENT_TIMEOUT
+    assert timing_out.counts() == (1, 0)
