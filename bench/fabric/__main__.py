@@ -62,7 +62,7 @@ FULL = Settings(
 # mixed-length workload needs the long ones).
 SMOKE = dataclasses.replace(
     FULL, warmup_s=0.5, window_s=1.0, probe_s=1.5, max_probes=3, growth=1.5, rel_tol=0.25,
-    raw_seconds=0.3, overhead_s=1.5,
+    raw_seconds=0.3, overhead_s=1.5, throttled_floods=False,
 )  # fmt: skip
 
 
@@ -112,6 +112,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     parser.add_argument("--raw-seconds", type=float, help="per raw-model batch size")
     parser.add_argument("--overload", type=float, nargs="*", help="multiples of goodput")
     parser.add_argument(
+        "--throttled-floods",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="offer each flood again from callers that throttle themselves as the slim client "
+        "does (default: on, off with --smoke, whose warm-ups are shorter than the throttle's "
+        "window)",
+    )
+    parser.add_argument(
         "--flood-rate",
         type=float,
         help="with --stand-in-only: flood the stand-in and the identity model at this many "
@@ -155,6 +163,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         "max_probes": args.max_probes, "raw_seconds": args.raw_seconds, "seed": args.seed,
         "loadgen_priority": args.loadgen_priority, "wait_quiet_s": args.wait_quiet_s,
         "overload_factors": None if args.overload is None else tuple(args.overload),
+        "throttled_floods": args.throttled_floods,
     }  # fmt: skip
     given = {key: value for key, value in overrides.items() if value is not None}
     settings = dataclasses.replace(settings, **given)

@@ -122,17 +122,17 @@ def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
     the end of a run) counts as not accepted: it waited past what its caller allowed."""
 
     async def send_throttled() -> None:
-        if not throttle.admits():
+        if not throttle.admits(time.monotonic(), random.random()):
             raise Throttled()
-        accepted = False
+        is_accepted_call = False
         try:
             await send()
-            accepted = True
+            is_accepted_call = True
         except grpc.aio.AioRpcError as error:
-            accepted = is_accepted(error.code().name)
+            is_accepted_call = is_accepted(error.code().name)
             raise
         finally:
-            throttle.record(accepted)
+            throttle.record(time.monotonic(), accepted=is_accepted_call)
 
     return send_throttled
 

@@ -66,7 +66,8 @@ class Settings:
     #: Times a rate is measured again when other processes took over OUTSIDE_RETRY_SHARE.
     contention_retries: int = 1
     #: Each flood is also offered from callers that throttle themselves as the slim client
-    #: does (loadgen.throttled), after the floods of callers that send every call.
+    #: does (loadgen.throttled), after the floods of callers that send every call and the
+    #: traffic after them.
     throttled_floods: bool = True
 
 
@@ -208,33 +209,38 @@ async def overload_phases(
     rate_per_s: float | None = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Floods at `settings.overload_factors` multiples of `goodput` (or one at `rate_per_s`,
-    the same for every run: two trees offered the same flood), from callers that send every
-    call, then (with `settings.throttled_floods`) the same floods from callers that throttle
-    themselves as the slim client does, each with a throttle of its own (a fresh population
-    of clients); then normal traffic (half of `goodput`, every call sent) right after them,
-    which must be served normally (docs/benchmarks.md). Returns the floods (each with its
-    factor, whether its callers throttled, and its goodput over `goodput`) and the traffic
-    after them (None without a goodput to flood)."""
+    the same for every run: two trees offered the same flood) from callers that send every
+    call, then normal traffic (half of `goodput`) right after them, which must be served
+    normally (docs/benchmarks.md); then, with `settings.throttled_floods`, the same floods
+    from callers that throttle themselves as the slim client does (`loadgen.throttled`, one
+    throttle a flood, kept across a re-measured attempt: each attempt's warm-up outlasts the
+    throttle's 2 s window). Returns the floods (each with its factor, whether its callers
+    throttled, and its goodput over `goodput`) and the traffic after the first floods (None
+    without a goodput to flood)."""
     if not goodput:
         return [], None
-    name, send, floods = target.name, target.send, []
+    name, send = target.name, target.send
     factors = settings.overload_factors if rate_per_s is None else (rate_per_s / goodput,)
-    for is_throttled in (False, True) if settings.throttled_floods else (False,):
-        for factor in factors:
-            target.name = f"{name}_overload_{factor:.3g}x" + ("_throttled" if is_throttled else "")
-            target.send = throttled(send, AdaptiveThrottle()) if is_throttled else send
-            result = (
-                await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
-            ).to_dict()
-            median = result["goodput_per_s"]["median"]
-            fraction = None if median is None else round(median / goodput, 3)
-            floods.append(
-                {"factor": factor, "throttled": is_throttled, "goodput_fraction": fraction,
-                 **result}
-            )  # fmt: skip
-    target.name, target.send = f"{name}_after_overload", send
-    after = (await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)).to_dict()
-    target.name = name
+
+    async def flood(factor: float, is_throttled: bool) -> dict[str, Any]:
+        target.name = f"{name}_overload_{factor:.3g}x" + ("_throttled" if is_throttled else "")
+        target.send = throttled(send, AdaptiveThrottle()) if is_throttled else send
+        result = (
+            await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
+        ).to_dict()
+        median = result["goodput_per_s"]["median"]
+        fraction = None if median is None else round(median / goodput, 3)
+        return {"factor": factor, "throttled": is_throttled, "goodput_fraction": fraction,
+                **result}  # fmt: skip
+
+    try:
+        floods = [await flood(factor, False) for factor in factors]
+        target.name, target.send = f"{name}_after_overload", send
+        after = (await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)).to_dict()
+        if settings.throttled_floods:
+            floods += [await flood(factor, True) for factor in factors]
+    finally:
+        target.name, target.send = name, send
     return floods, after
 
 

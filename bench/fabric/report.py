@@ -77,7 +77,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def flood_name(point: dict[str, Any], separator: str = " ") -> str:
     """A flood's name: "overload 2x", and "overload 2x throttled" where its callers throttled
     themselves (the goals are the floods of callers that send every call)."""
-    words = ["overload", f"{point['factor']:.3g}x"]
+    words = ["overload", f"{point['factor']:g}x"]
     return separator.join([*words, "throttled"] if point.get("throttled") else words)
 
 
@@ -268,11 +268,13 @@ def write_plot(report: dict[str, Any], path: Path) -> str | None:
         for q, style in (("p50_s", "--"), ("p99_s", "-")):
             y = [(r[q]["median"] or float("nan")) * 1000 for r in rates]
             axes.plot(x, y, style, marker="o", color=colors[name], label=f"{name} {q[:3]}")
-    overload = report.get("overload", [])
-    if overload:
-        axes.scatter([p["offered_rate_per_s"] for p in overload],
-                     [(p["p99_s"]["median"] or float("nan")) * 1000 for p in overload],
-                     marker="x", color="tab:red", label="batching_on overload p99")  # fmt: skip
+    for is_throttled, marker, color in ((False, "x", "tab:red"), (True, "+", "tab:purple")):
+        floods = [p for p in report.get("overload", []) if bool(p.get("throttled")) == is_throttled]
+        if floods:
+            label = "batching_on overload p99" + (", throttling callers" if is_throttled else "")
+            axes.scatter([p["offered_rate_per_s"] for p in floods],
+                         [(p["p99_s"]["median"] or float("nan")) * 1000 for p in floods],
+                         marker=marker, color=color, label=label)  # fmt: skip
     slo_ms = report.get("model", {}).get("slo_p99_ms")
     if slo_ms:
         axes.axhline(slo_ms, color="gray", linestyle=":", label=f"SLO {slo_ms} ms")

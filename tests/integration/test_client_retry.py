@@ -13,7 +13,7 @@ from typing import Any
 
 import grpc
 import pytest
-from inference_fabric_client import Client, FabricError
+from inference_fabric_client import Client, FabricError, ThrottledError
 from inference_fabric_client.retry import RetryPolicy
 from inference_fabric_client.throttle import ThrottlePolicy
 
@@ -92,7 +92,7 @@ def test_retries_stop_at_max_retries_and_at_the_deadline(serve: Any) -> None:
 def test_the_budget_bounds_retries_to_a_share_of_calls(serve: Any) -> None:
     servicer = Refusing(refusals=1000, hint_ms=1)
     policy = RetryPolicy(max_retries=5, ratio=0.1, min_tokens=2, refill_per_s=0.0)
-    with Client(serve(servicer), retry=policy) as client:
+    with Client(serve(servicer), retry=policy, throttle=None) as client:
         for _ in range(20):
             with pytest.raises(FabricError):
                 client.predict("m", ["hello"], timeout_s=10)
@@ -168,30 +168,39 @@ def test_a_timeout_of_zero_is_due_at_once_not_the_clients_default(serve: Any) ->
 
 
 def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -> None:
-    """Adaptive throttling (inference_fabric_client.throttle) against a real server that refuses
-    every predict without a hint: past `min_requests`, the client refuses calls itself, unsent,
-    RESOURCE_EXHAUSTED with a message that says so; once the server accepts again and the
-    window has passed, every call is sent again. Unthrottled, every call reaches the server."""
-    policy = ThrottlePolicy(window_s=2.0, min_requests=10)
+    """Adaptive throttling (inference_fabric_client.throttle), on by default, against a real
+    server that refuses every predict without a hint: past `min_requests`, the client refuses
+    calls itself, unsent, as ThrottledError (RESOURCE_EXHAUSTED with a hint), for that model
+    only; once the server accepts again and the window has passed, every call is sent again.
+    Unthrottled, every call reaches the server."""
     servicer = Refusing(refusals=1000, hint_ms=None)
-    codes: list[str] = []
-    with Client(serve(servicer), throttle=policy) as client:
+    with Client(serve(servicer)) as client:
+        failures = []
         for _ in range(60):
             with pytest.raises(FabricError) as raised:
                 client.predict("m", ["hello"], timeout_s=10)
-            codes.append(raised.value.code)
-            if "refused by this client" in raised.value.message:
-                assert raised.value.code == "RESOURCE_EXHAUSTED"
-                assert raised.value.retry_after_s is None
-        local = 60 - len(servicer.calls)
-        assert set(codes) == {"RESOURCE_EXHAUSTED"}
-        # The first 10 are all sent; then each is refused here with a chance near 1 - 1/n.
-        assert 10 <= len(servicer.calls) < 30 and local > 30
-        servicer.refusals = 0
-        time.sleep(2.1)  # the refusals have left the window
+            failures.append(raised.value)
+        local = [f for f in failures if isinstance(f, ThrottledError)]
+        assert {f.code for f in failures} == {"RESOURCE_EXHAUSTED"}
+        assert all(f.retry_after_s == 0.2 and "refused by this client" in str(f) for f in local)
+        # The first 20 are all sent; then each is refused here with a chance near 1 - 1/n.
+        assert 20 <= len(servicer.calls) < 40 and len(local) == 60 - len(servicer.calls)
+        servicer.refusals = 0  # another model's calls are not throttled
+        assert client.predict("other", ["hello"], timeout_s=10).model == "other"
+
+    policy = ThrottlePolicy(window_s=1.0, min_requests=10)
+    recovering = Refusing(refusals=30, hint_ms=None)
+    with Client(serve(recovering), throttle=policy) as client:
+        for _ in range(30):
+            with pytest.raises(FabricError):
+                client.predict("m", ["hello"], timeout_s=10)
+        sent = len(recovering.calls)
+        assert sent < 30
+        recovering.refusals = 0
+        time.sleep(1.1)  # a window: the refusals are forgotten (nothing to await for that)
         for _ in range(20):
             assert client.predict("m", ["hello"], timeout_s=10).model == "m"
-        assert len(servicer.calls) == 60 - local + 20
+        assert len(recovering.calls) == sent + 20
 
     unthrottled = Refusing(refusals=1000, hint_ms=None)
     with Client(serve(unthrottled), throttle=None) as client:

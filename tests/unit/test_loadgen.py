@@ -7,6 +7,7 @@ import asyncio
 import math
 import random
 import statistics
+import time
 
 import grpc
 import numpy as np
@@ -20,10 +21,10 @@ from bench.fabric.loadgen import (
     THROTTLED,
     Outcome,
     Send,
-    _timed,
     poisson_schedule,
     retry_after_of,
     run_closed_loop,
+    run_open_loop,
     split_windows,
     status_of,
     throttled,
@@ -254,27 +255,33 @@ def test_closed_loop_callers_wait_as_long_as_the_server_asks() -> None:
 
 def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_server_did() -> None:
     """loadgen.throttled: a call its throttle refuses is never sent (THROTTLED); each call sent
-    is recorded accepted or not by its status, a timeout cut short here as not accepted."""
-    sent: list[str] = []
+    is recorded accepted or not by its status, one cut short here by its timeout as not
+    accepted."""
+    num_sent = 0
 
-    def sender(outcomes: list[BaseException | None], delay_s: float = 0.0) -> Send:
+    def sender(failures: list[BaseException | None], delay_s: float = 0.0) -> Send:
         async def send() -> None:
-            sent.append("sent")
+            nonlocal num_sent
+            num_sent += 1
             await asyncio.sleep(delay_s)
-            if (failure := outcomes.pop(0)) is not None:
+            if (failure := failures.pop(0)) is not None:
                 raise failure
 
         return send
 
-    throttle = AdaptiveThrottle(ThrottlePolicy(min_requests=0), random=lambda: 0.0)
-    send = throttled(sender([None, refusal("10"), None]), throttle)
-    statuses = [asyncio.run(_timed(send, None))[1] for _ in range(3)]
-    # OK (1 of 1 accepted), RESOURCE_EXHAUSTED (1 of 2), then a chance of (2 - 1.1) / 3 over
-    # a draw of 0: refused here.
-    assert statuses == [OK, "RESOURCE_EXHAUSTED", THROTTLED]
-    assert len(sent) == 2 and throttle.counts() == (3, 1)
+    # Every call is refused by the server; past min_requests the throttle refuses with a
+    # chance of n / (n + 1), so some calls are never sent.
+    throttle = AdaptiveThrottle(ThrottlePolicy(min_requests=2))
+    send = throttled(sender([refusal("10")] * 40), throttle)
+    outcomes = asyncio.run(run_open_loop(send, [i * 0.002 for i in range(40)]))
+    statuses = [o.status for o in outcomes]
+    assert statuses[:2] == ["RESOURCE_EXHAUSTED"] * 2
+    assert set(statuses) == {"RESOURCE_EXHAUSTED", THROTTLED}
+    assert statuses.count("RESOURCE_EXHAUSTED") == num_sent < 20
+    assert throttle.counts(time.monotonic()) == (40, 0)
 
-    timing_out = AdaptiveThrottle(ThrottlePolicy(min_requests=0), random=lambda: 1.0)
+    timing_out = AdaptiveThrottle(ThrottlePolicy(min_requests=0))
     slow = throttled(sender([None], delay_s=1.0), timing_out)
-    assert asyncio.run(_timed(slow, 0.01))[1] == CLIENT_TIMEOUT
-    assert timing_out.counts() == (1, 0)
+    outcomes = asyncio.run(run_open_loop(slow, [0.0], timeout_s=0.01))
+    assert [o.status for o in outcomes] == [CLIENT_TIMEOUT]
+    assert timing_out.counts(time.monotonic()) == (1, 0)

@@ -1,5 +1,11 @@
 """Client for the inference fabric's public gRPC API (no torch needed)."""
 
-from inference_fabric_client.client import Client, FabricError, GenerationChunk, PredictResult
+from inference_fabric_client.client import (
+    Client,
+    FabricError,
+    GenerationChunk,
+    PredictResult,
+    ThrottledError,
+)
 
-__all__ = ["Client", "FabricError", "GenerationChunk", "PredictResult"]
+__all__ = ["Client", "FabricError", "GenerationChunk", "PredictResult", "ThrottledError"]

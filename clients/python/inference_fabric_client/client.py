@@ -13,13 +13,15 @@ the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retr
 predict refused for load is sent again after the server's hint, and one the gateway's grpc
 dropped unseen (CANCELLED) after a short jittered wait, while its deadline allows, within a
 retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)` turns that
-off. While the gateway refuses many predicts, the client refuses some itself, at no cost to the
-gateway (`throttle`, inference_fabric_client.throttle): they fail RESOURCE_EXHAUSTED unsent;
-`throttle=None` turns that off.
+off. While the gateway refuses many of a model's predicts, the client refuses some of them
+itself, at no cost to the gateway (`throttle`, inference_fabric_client.throttle): they raise
+`ThrottledError` (RESOURCE_EXHAUSTED) unsent; `throttle=None` turns that off.
 """
 
 from __future__ import annotations
 
+import random
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -60,8 +62,9 @@ _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STO
 
 
 class FabricError(Exception):
-    """A call the server refused or failed: `code` is the gRPC status name (for example
-    "RESOURCE_EXHAUSTED"); `retry_after_s` is the server's retry hint, when it sent one."""
+    """A call the server (or, as `ThrottledError`, this client) refused, or that failed:
+    `code` is the gRPC status name (for example "RESOURCE_EXHAUSTED"); `retry_after_s` is the
+    server's retry hint, when it sent one."""
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
@@ -78,6 +81,12 @@ class FabricError(Exception):
             if key == "retry-after-ms" and str(value).isdigit():
                 hint = int(value) / 1000.0
         return cls(code, (call.details() if call else str(error)) or "", hint)
+
+
+class ThrottledError(FabricError):
+    """A predict this client refused itself, unsent, because the gateway refused many of the
+    model's predicts lately (inference_fabric_client.throttle): RESOURCE_EXHAUSTED, with a
+    hint of a tenth of the throttle's window."""
 
 
 @dataclass(frozen=True)
@@ -157,7 +166,10 @@ class Client:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = RetryBudget(self._retry)
-        self._throttle = AdaptiveThrottle(throttle) if throttle is not None else None
+        self._throttle_policy = throttle
+        #: One throttle per model: one model's refusals do not refuse another's calls.
+        self._throttles: dict[str, AdaptiveThrottle] = {}
+        self._throttles_lock = threading.Lock()
         #: Closed (from any thread): a call then cut short ends CANCELLED and is not retried.
         self._is_closed = False
 
@@ -199,7 +211,9 @@ class Client:
             request_id=request_id,
             priority=_priority(priority),
         )
-        reply = self._call_with_retries(self._stub.Predict, request, self._timeout(timeout_s))
+        reply = self._call_with_retries(
+            self._stub.Predict, request, self._timeout(timeout_s), self._throttle_of(model)
+        )
         outputs = [_array(t) for t in reply.outputs]
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
 
@@ -213,28 +227,46 @@ class Client:
             raise FabricError("DEADLINE_EXCEEDED", f"timeout of {timeout_s} s: no time left")
         return timeout_s
 
-    def _call_with_retries(self, method: object, request: object, timeout_s: float) -> object:
-        """`method(request)` within `timeout_s` in all, unless the throttle refuses it unsent;
+    def _throttle_of(self, model: str) -> AdaptiveThrottle | None:
+        if self._throttle_policy is None:
+            return None
+        with self._throttles_lock:
+            throttle = self._throttles.get(model)
+            if throttle is None:
+                throttle = self._throttles[model] = AdaptiveThrottle(self._throttle_policy)
+            return throttle
+
+    def _call_with_retries(
+        self,
+        method: object,
+        request: object,
+        timeout_s: float,
+        throttle: AdaptiveThrottle | None = None,
+    ) -> object:
+        """`method(request)` within `timeout_s` in all, unless `throttle` refuses it unsent;
         a refusal for load with a retry hint, or a call dropped unseen, is sent again after its
         wait (`retry_after_s`) while time and the retry budget allow."""
-        throttle = self._throttle
         if throttle is None:
             return self._attempts(method, request, timeout_s)
-        if not throttle.admits():
-            requests, accepts = throttle.counts()
-            raise FabricError(
+        if not throttle.admits(time.monotonic(), random.random()):
+            requests, accepts = throttle.counts(time.monotonic())
+            raise ThrottledError(
                 "RESOURCE_EXHAUSTED",
-                f"refused by this client, unsent: the gateway accepted {accepts} of its last "
-                f"{requests} calls (adaptive throttling; Client(throttle=None) turns it off)",
+                f"refused by this client, unsent: of the {requests} calls of this model asked "
+                f"of it in the last {throttle.policy.window_s:g} s, the gateway accepted "
+                f"{accepts} (adaptive throttling; Client(throttle=None) turns it off)",
+                throttle.policy.window_s / 10,
             )
-        code = "OK"
+        is_accepted_call = False
         try:
-            return self._attempts(method, request, timeout_s)
+            reply = self._attempts(method, request, timeout_s)
+            is_accepted_call = True
+            return reply
         except FabricError as failure:
-            code = failure.code
+            is_accepted_call = is_accepted(failure.code)
             raise
         finally:
-            throttle.record(is_accepted(code))
+            throttle.record(time.monotonic(), accepted=is_accepted_call)
 
     def _attempts(self, method: object, request: object, timeout_s: float) -> object:
         """The attempts of one call: the first, then retries while allowed."""
