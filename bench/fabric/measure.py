@@ -213,8 +213,9 @@ async def overload_phases(
     call, then normal traffic (half of `goodput`) right after them, which must be served
     normally (docs/benchmarks.md); then, with `settings.throttled_floods`, the same floods
     from callers that throttle themselves as the slim client does (`loadgen.throttled`, one
-    throttle a flood, kept across a re-measured attempt: each attempt's warm-up outlasts the
-    throttle's 2 s window). Returns the floods (each with its factor, whether its callers
+    throttle a flood, kept across a re-measured attempt of it: the same clients go on
+    flooding), and a pause of one warm-up after them, so that what is measured next does not
+    meet their tail. Returns the floods (each with its factor, whether its callers
     throttled, and its goodput over `goodput`) and the traffic after the first floods (None
     without a goodput to flood)."""
     if not goodput:
@@ -239,6 +240,7 @@ async def overload_phases(
         after = (await measure_rate_clean(target, 0.5 * goodput, settings, slo_s, log)).to_dict()
         if settings.throttled_floods:
             floods += [await flood(factor, True) for factor in factors]
+            await asyncio.sleep(settings.warmup_s)
     finally:
         target.name, target.send = name, send
     return floods, after

@@ -229,7 +229,8 @@ class Run:
 
     async def overload(self, target: Target, goodput: float) -> None:
         """Floods at multiples of the batching-on goodput, then normal traffic right after
-        them (docs/benchmarks.md: it must be served normally)."""
+        them (docs/benchmarks.md: it must be served normally), then the same floods from
+        callers that throttle themselves (measure.overload_phases)."""
         floods, after = await overload_phases(target, goodput, self.settings, self.slo_s, self.log)
         self.report["overload"] = floods
         if after is not None:

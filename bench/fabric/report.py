@@ -190,7 +190,8 @@ def _config_lines(report: dict[str, Any]) -> list[str]:
     if after is not None:
         lines.append(
             f"{'after overload':<18} {_rate_columns(after)}"
-            f"good {after['good_fraction']:.1%} at half the goodput, right after the floods"
+            f"good {after['good_fraction']:.1%} at half the goodput, right after the floods of "
+            f"callers sending every call"
         )
     from_ready = report.get("from_ready")
     if from_ready is not None and "skipped" in from_ready:

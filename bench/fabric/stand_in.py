@@ -183,7 +183,8 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
             f"accepted p99 {'-' if p99 is None else f'{p99 * 1000:.0f} ms'}"
         )
     if (after := config.get("after_overload")) is not None:
-        lines.append(f"  after the floods: {after['good_fraction']:.1%} good")
+        good = after["good_fraction"]
+        lines.append(f"  after the floods of callers sending every call: {good:.1%} good")
     identity = config.get("identity_overload") or {}
     for flood in identity.get("floods", []):
         p99 = flood["p99_s"]["median"]

@@ -1,4 +1,5 @@
-"""bench.fabric's command line (the stand-in's fixed flood rate) and its metrics breakdown."""
+"""bench.fabric's command line (the stand-in's fixed flood rate, the throttled floods), its
+metrics breakdown and its summary of floods."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ def test_the_flood_rate_is_taken_as_given_and_absent_by_default() -> None:
     assert args.flood_rate == 2600.0
     args, _ = parse_args(["--stand-in-only", "--no-peer"])
     assert args.flood_rate is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], True),
+        (["--smoke"], False),
+        (["--stand-in-only"], True),
+        (["--smoke", "--throttled-floods"], True),
+        (["--no-throttled-floods"], False),
+    ],
+)
+def test_floods_of_throttling_callers_are_on_but_in_smoke_runs(
+    argv: list[str], expected: bool
+) -> None:
+    _, settings = parse_args(["--no-peer", *argv])
+    assert settings.throttled_floods is expected
 
 
 @pytest.mark.parametrize("rate", ["0", "-5", "inf", "nan"])

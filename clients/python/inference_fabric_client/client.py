@@ -58,13 +58,15 @@ _PRIORITIES = {
     "interactive": types.PRIORITY_INTERACTIVE,
     "batch": types.PRIORITY_BATCH,
 }
+#: Past this many models' throttles, those with no call in their window are dropped.
+_MAX_IDLE_THROTTLES = 64
 _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
 
 
 class FabricError(Exception):
     """A call the server (or, as `ThrottledError`, this client) refused, or that failed:
     `code` is the gRPC status name (for example "RESOURCE_EXHAUSTED"); `retry_after_s` is the
-    server's retry hint, when it sent one."""
+    retry hint, when there is one (the server's, or the throttle's)."""
 
     def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(f"{code}: {message}")
@@ -86,7 +88,7 @@ class FabricError(Exception):
 class ThrottledError(FabricError):
     """A predict this client refused itself, unsent, because the gateway refused many of the
     model's predicts lately (inference_fabric_client.throttle): RESOURCE_EXHAUSTED, with a
-    hint of a tenth of the throttle's window."""
+    hint (`retry_after_s`) of one slice of the throttle's window."""
 
 
 @dataclass(frozen=True)
@@ -233,6 +235,13 @@ class Client:
         with self._throttles_lock:
             throttle = self._throttles.get(model)
             if throttle is None:
+                if len(self._throttles) >= _MAX_IDLE_THROTTLES:
+                    # Models called once and not since do not pile up: a throttle with nothing
+                    # in its window knows nothing, and a new one starts the same.
+                    now_s = time.monotonic()
+                    for name, old in list(self._throttles.items()):
+                        if old.counts(now_s).num_asked == 0:
+                            del self._throttles[name]
                 throttle = self._throttles[model] = AdaptiveThrottle(self._throttle_policy)
             return throttle
 
@@ -248,14 +257,16 @@ class Client:
         wait (`retry_after_s`) while time and the retry budget allow."""
         if throttle is None:
             return self._attempts(method, request, timeout_s)
-        if not throttle.admits(time.monotonic(), random.random()):
-            requests, accepts = throttle.counts(time.monotonic())
+        asked_s = time.monotonic()
+        if not throttle.admits(asked_s, random.random()):
+            counts = throttle.counts(asked_s)
             raise ThrottledError(
                 "RESOURCE_EXHAUSTED",
-                f"refused by this client, unsent: of the {requests} calls of this model asked "
-                f"of it in the last {throttle.policy.window_s:g} s, the gateway accepted "
-                f"{accepts} (adaptive throttling; Client(throttle=None) turns it off)",
-                throttle.policy.window_s / 10,
+                f"refused by this client, unsent: of the {counts.num_sent} calls of this model "
+                f"it sent in the last {throttle.policy.window_s:g} s, the gateway did not "
+                f"accept {counts.num_not_accepted} (adaptive throttling; Client(throttle=None) "
+                f"turns it off)",
+                throttle.retry_after_s,
             )
         is_accepted_call = False
         try:
@@ -266,7 +277,7 @@ class Client:
             is_accepted_call = is_accepted(failure.code)
             raise
         finally:
-            throttle.record(time.monotonic(), accepted=is_accepted_call)
+            throttle.record(time.monotonic(), asked_s, accepted=is_accepted_call)
 
     def _attempts(self, method: object, request: object, timeout_s: float) -> object:
         """The attempts of one call: the first, then retries while allowed."""

@@ -7,21 +7,38 @@ serving, and what it serves falls however well it chooses what to refuse. A call
 refuses itself costs the gateway nothing.
 
 How (Google's SRE book, "Handling Overload", client-side throttling): over the last
-`window_s` the client counts the calls it was asked to make (`requests`: those it refused
-itself, and those it sent once their answer is in) and those the gateway accepted (`accepts`:
-every outcome but a refusal for load, a call dropped unseen or a deadline missed,
-`NOT_ACCEPTED`), and refuses a new call itself with probability
+`window_s` the client counts the calls it was asked to make and those the gateway accepted
+(`accepts`: every call sent but those that ended in a refusal for load, a drop unseen or a
+missed deadline, `NOT_ACCEPTED`), and refuses a new call itself with probability
 
     max(0, (requests - accept_ratio * accepts) / (requests + 1))
 
 The gateway then sees about `accept_ratio` times the calls it accepts: a little more than it
 can take, so it goes on refusing a few (and the client goes on learning how many it takes),
-and the rest cost it nothing. While it accepts at least 1 in `accept_ratio` of the calls,
-nothing is refused. Calls still in flight are not counted (Envoy's admission control counts
-at completion too), so a burst of calls to a healthy gateway is sent whole. Nothing is refused
-while fewer than `min_requests` calls were counted in the window, so a client making a few
-calls a second does not refuse itself after one refusal. The window is short: within
-`window_s` of a flood's end the client sends every call again.
+and the rest cost it nothing. While it accepts at least 1 in `accept_ratio` of the calls sent,
+nothing is refused.
+
+Two departures from the book, each for a failure its formula has with an `accept_ratio` this
+low (the book's is 2):
+- A call sent counts as accepted until it ends otherwise, and its end counts with the calls
+  asked for when it was (`record`'s `asked_s`). So a burst to a healthy gateway is sent whole,
+  and a gateway that refuses at once while it answers slowly does not read as refusing all.
+- `requests` are the calls sent, plus those refused here weighed by how much the gateway still
+  refuses of what it is sent (`ThrottleCounts.requests`). Counted whole, as the book counts
+  them, a flood's own refusals keep the client refusing after the flood: the share it sends can
+  then grow only `accept_ratio` times over its recent share, so after a 10x flood it would
+  refuse most calls for tens of seconds to a gateway refusing none. Weighed, the client sends
+  every call again within `window_s` of the flood's end, once the calls the gateway refused
+  have left the window.
+
+Nothing is refused while fewer than `min_requests` calls were asked for in the window, so a
+client making a few calls a second does not refuse itself after one refusal.
+
+The gateway throttles its own calls to the routers by the book's rule too
+(services/gateway/throttle.py: K 1.5, decaying counts over 0.25 s, at most 95% refused). This
+package ships alone and imports nothing of the server's, and the rule differs where the
+gateway's cost differs: refusing at the gateway's door costs the gateway, so K is lower here,
+which is what the two departures above are for.
 
 The policy is pure: time (`now_s`, monotonic seconds) and chance (`draw`, uniform in [0, 1))
 come in as arguments. It is thread-safe (the client is).
@@ -36,10 +53,11 @@ from dataclasses import dataclass
 #: Outcomes that do not count as accepted (gRPC status code names): a refusal for load, a call
 #: the gateway's gRPC dropped unseen (CANCELLED), a deadline missed (the call waited in a queue
 #: the gateway could not drain in time). Not UNAVAILABLE: a gateway that cannot be reached
-#: spends nothing on the call, and its callers should see UNAVAILABLE, not a local refusal.
+#: spends nothing on the call, one that answers it (no worker to serve the model) is not
+#: short of CPU for it, and either way callers should see UNAVAILABLE, not a local refusal.
 NOT_ACCEPTED = frozenset({"RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"})
 #: The window is counted in this many slices, each dropped whole once it is `window_s` old.
-_SLICES = 10
+_NUM_SLICES = 10
 
 
 @dataclass(frozen=True)
@@ -56,8 +74,8 @@ class ThrottlePolicy:
     min_requests: int = 20
 
     def __post_init__(self) -> None:
-        if not self.accept_ratio >= 1:
-            raise ValueError(f"accept_ratio must be >= 1, got {self.accept_ratio}")
+        if not self.accept_ratio > 1:
+            raise ValueError(f"accept_ratio must be > 1, got {self.accept_ratio}")
         if not self.window_s > 0:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.min_requests < 0:
@@ -79,8 +97,12 @@ class _Slice:
     """The calls counted from `start_s` on, until the next slice starts."""
 
     start_s: float
-    num_requests: int = 0
-    num_accepts: int = 0
+    #: Calls asked for (`admits`), sent or not.
+    num_asked: int = 0
+    #: Of those, refused here.
+    num_refused_here: int = 0
+    #: Of those sent, the ones that ended not accepted so far (`record`).
+    num_not_accepted: int = 0
 
 
 class AdaptiveThrottle:
@@ -92,34 +114,46 @@ class AdaptiveThrottle:
 
     def __init__(self, policy: ThrottlePolicy = DEFAULT_THROTTLE) -> None:
         self.policy = policy
-        self._slice_s = policy.window_s / _SLICES
+        self._slice_s = policy.window_s / _NUM_SLICES
         self._slices: deque[_Slice] = deque()  # oldest first
-        self._num_requests = 0
-        self._num_accepts = 0
+        self._num_asked = 0
+        self._num_refused_here = 0
+        self._num_not_accepted = 0
         self._lock = threading.Lock()
 
     def admits(self, now_s: float, draw: float) -> bool:
-        """Whether to send a call asked for now; `draw` is uniform in [0, 1). A call refused
-        here counts as a request at once; one sent counts when `record`ed."""
+        """Whether to send a call asked for now; `draw` is uniform in [0, 1)."""
         with self._lock:
             current = self._current(now_s)
             probability = self._probability()
+            current.num_asked += 1
+            self._num_asked += 1
             if not draw < probability:
                 return True
-            current.num_requests += 1
-            self._num_requests += 1
+            current.num_refused_here += 1
+            self._num_refused_here += 1
             return False
 
-    def record(self, now_s: float, *, accepted: bool) -> None:
-        """How a call `admits` let through ended: accepted by the gateway or not
-        (`is_accepted` of its status)."""
+    def record(self, now_s: float, asked_s: float, *, accepted: bool) -> None:
+        """How a call `admits` let through at `asked_s` ended, now: accepted by the gateway or
+        not (`is_accepted` of its status). It counts with the calls asked for when it was, so
+        the share of calls sent that the gateway refused is of one set of calls; a call asked
+        for longer than the window ago no longer counts."""
+        if accepted:
+            return
         with self._lock:
-            current = self._current(now_s)
-            current.num_requests += 1
-            self._num_requests += 1
-            if accepted:
-                current.num_accepts += 1
-                self._num_accepts += 1
+            self._current(now_s)
+            for asked_in in reversed(self._slices):
+                if asked_in.start_s <= asked_s:
+                    asked_in.num_not_accepted += 1
+                    self._num_not_accepted += 1
+                    return
+
+    @property
+    def retry_after_s(self) -> float:
+        """A hint for a call refused here: one slice of the window, the soonest the chance can
+        change by a slice's calls leaving it."""
+        return self._slice_s
 
     def refusal_probability(self, now_s: float) -> float:
         """The chance that a call asked for now is refused here."""
@@ -127,25 +161,60 @@ class AdaptiveThrottle:
             self._current(now_s)
             return self._probability()
 
-    def counts(self, now_s: float) -> tuple[int, int]:
-        """(requests, accepts) counted in the window now."""
+    def counts(self, now_s: float) -> ThrottleCounts:
+        """The calls counted in the window now."""
         with self._lock:
             self._current(now_s)
-            return self._num_requests, self._num_accepts
+            return ThrottleCounts(self._num_asked, self._num_refused_here, self._num_not_accepted)
 
     def _probability(self) -> float:
-        if self._num_requests < self.policy.min_requests:
+        if self._num_asked < self.policy.min_requests:
             return 0.0
-        excess = self._num_requests - self.policy.accept_ratio * self._num_accepts
-        return max(0.0, excess / (self._num_requests + 1))
+        counts = ThrottleCounts(self._num_asked, self._num_refused_here, self._num_not_accepted)
+        requests, accepts = counts.requests(self.policy.accept_ratio), counts.num_accepts
+        return max(0.0, (requests - self.policy.accept_ratio * accepts) / (requests + 1))
 
     def _current(self, now_s: float) -> _Slice:
         """The slice counting now, after dropping those a window old."""
         slices = self._slices
         while slices and slices[0].start_s <= now_s - self.policy.window_s:
             gone = slices.popleft()
-            self._num_requests -= gone.num_requests
-            self._num_accepts -= gone.num_accepts
+            self._num_asked -= gone.num_asked
+            self._num_refused_here -= gone.num_refused_here
+            self._num_not_accepted -= gone.num_not_accepted
         if not slices or now_s >= slices[-1].start_s + self._slice_s:
             slices.append(_Slice(now_s))
         return slices[-1]
+
+
+@dataclass(frozen=True)
+class ThrottleCounts:
+    """A throttle's calls in its window: asked for, refused here, and sent but not accepted.
+    Calls sent and not yet answered count as accepted: a burst to a healthy gateway is sent
+    whole, and a gateway that refuses at once while it answers slowly does not read as
+    refusing everything."""
+
+    num_asked: int
+    num_refused_here: int
+    num_not_accepted: int
+
+    @property
+    def num_sent(self) -> int:
+        return self.num_asked - self.num_refused_here
+
+    @property
+    def num_accepts(self) -> int:
+        return max(0, self.num_sent - self.num_not_accepted)
+
+    def requests(self, accept_ratio: float) -> float:
+        """The SRE book's requests: the calls sent, and those refused here weighed by how much
+        the gateway still refuses of what it is sent (1 at the share a throttled client's
+        gateway refuses, 1 - 1 / accept_ratio, or more; 0 when it refuses nothing). Counted
+        whole, a flood's own refusals would keep the client refusing after the flood: the
+        share it sends can grow only by `accept_ratio` over its recent share, so after a 10x
+        flood it would refuse most calls for tens of seconds to a gateway refusing none."""
+        if self.num_sent <= 0:
+            return float(self.num_asked)
+        refused_share = min(1.0, self.num_not_accepted / self.num_sent)
+        weight = min(1.0, refused_share * accept_ratio / (accept_ratio - 1.0))
+        return self.num_sent + weight * self.num_refused_here
