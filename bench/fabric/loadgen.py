@@ -116,24 +116,23 @@ def noting_errors(send: Send, errors: list[str]) -> Send:
 
 
 def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
-    """`send` as the slim client sends a predict (inference_fabric_client.throttle): refused
-    here, unsent (THROTTLED), with the throttle's probability; every call sent tells the
-    throttle whether the gateway accepted it. A call cut short on this side (its timeout, or
-    the end of a run) counts as not accepted: it waited past what its caller allowed."""
+    """`send` as the slim client sends a predict (inference_fabric_client.throttle, without
+    retries): refused here, unsent (THROTTLED), with the throttle's probability; every call
+    sent tells the throttle whether the gateway refused it (`is_accepted` of its status; a
+    call cut short on this side, by its timeout or the end of a run, was not refused)."""
 
     async def send_throttled() -> None:
         asked_s = time.monotonic()
         if not throttle.admits(asked_s, random.random()):
             raise Throttled()
-        is_accepted_call = False
+        is_refused = False
         try:
             await send()
-            is_accepted_call = True
         except grpc.aio.AioRpcError as error:
-            is_accepted_call = is_accepted(error.code().name)
+            is_refused = not is_accepted(error.code().name)
             raise
         finally:
-            throttle.record(time.monotonic(), asked_s, accepted=is_accepted_call)
+            throttle.record(time.monotonic(), asked_s, accepted=not is_refused)
 
     return send_throttled
 

@@ -208,3 +208,20 @@ def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -
             with pytest.raises(FabricError):
                 client.predict("m", ["hello"], timeout_s=10)
     assert len(unthrottled.calls) == 60
+
+
+def test_a_client_sends_no_retry_while_its_throttle_refuses(serve: Any) -> None:
+    """A call retried until accepted would hide the refusal from the throttle, so while it
+    refuses calls (its chance above 0), a refused call is not sent again. The first call, with
+    nothing counted yet, is retried as always (3 attempts); every later call sent reaches the
+    server once."""
+    servicer = Refusing(refusals=1000, hint_ms=1)
+    policy = ThrottlePolicy(min_requests=0)
+    with Client(serve(servicer), throttle=policy, retry=RetryPolicy(max_retries=2)) as client:
+        failures = []
+        for _ in range(30):
+            with pytest.raises(FabricError) as raised:
+                client.predict("m", ["hello"], timeout_s=10)
+            failures.append(raised.value)
+    num_sent_later = sum(not isinstance(f, ThrottledError) for f in failures[1:])
+    assert len(servicer.calls) == 3 + num_sent_later

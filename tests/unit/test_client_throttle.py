@@ -198,10 +198,10 @@ def test_calls_older_than_the_window_are_forgotten_slice_by_slice() -> None:
     assert throttle.retry_after_s == pytest.approx(0.1)
 
 
-def test_outcomes_that_count_as_accepted() -> None:
-    for code in ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE"):
+def test_only_refusals_and_drops_count_as_not_accepted() -> None:
+    for code in ("OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED"):
         assert is_accepted(code)
-    for code in ("RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"):
+    for code in ("RESOURCE_EXHAUSTED", "CANCELLED"):
         assert not is_accepted(code)
 
 

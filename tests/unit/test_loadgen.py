@@ -254,8 +254,8 @@ def test_closed_loop_callers_wait_as_long_as_the_server_asks() -> None:
 
 def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_server_did() -> None:
     """loadgen.throttled: a call its throttle refuses is never sent (THROTTLED); each call sent
-    is recorded accepted or not by its status, one cut short here by its timeout as not
-    accepted."""
+    is recorded refused or not by its status, one cut short here by its timeout as not
+    refused."""
     num_sent = 0
 
     def sender(failures: list[BaseException | None], delay_s: float = 0.0) -> Send:
@@ -293,4 +293,7 @@ def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_serve
     timing_out = AdaptiveThrottle(ThrottlePolicy(min_requests=0))
     slow = throttled(sender([None], delay_s=1.0), timing_out)
     assert asyncio.run(statuses_of(slow, 1, timeout_s=0.01)) == [CLIENT_TIMEOUT]
-    assert timing_out.counts(time.monotonic()).num_not_accepted == 1
+    # Not refused by the server: a timeout here counts as accepted, as DEADLINE_EXCEEDED does.
+    assert timing_out.counts(time.monotonic()) == ThrottleCounts(
+        num_asked=1, num_refused_here=0, num_not_accepted=0
+    )

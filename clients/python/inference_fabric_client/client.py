@@ -59,7 +59,7 @@ _PRIORITIES = {
     "batch": types.PRIORITY_BATCH,
 }
 #: Past this many models' throttles, those with no call in their window are dropped.
-_MAX_IDLE_THROTTLES = 64
+_PRUNE_THROTTLES_PAST = 64
 _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
 
 
@@ -235,7 +235,7 @@ class Client:
         with self._throttles_lock:
             throttle = self._throttles.get(model)
             if throttle is None:
-                if len(self._throttles) >= _MAX_IDLE_THROTTLES:
+                if len(self._throttles) >= _PRUNE_THROTTLES_PAST:
                     # Models called once and not since do not pile up: a throttle with nothing
                     # in its window knows nothing, and a new one starts the same.
                     now_s = time.monotonic()
@@ -262,25 +262,32 @@ class Client:
             counts = throttle.counts(asked_s)
             raise ThrottledError(
                 "RESOURCE_EXHAUSTED",
-                f"refused by this client, unsent: of the {counts.num_sent} calls of this model "
-                f"it sent in the last {throttle.policy.window_s:g} s, the gateway did not "
-                f"accept {counts.num_not_accepted} (adaptive throttling; Client(throttle=None) "
-                f"turns it off)",
+                f"refused by this client, unsent: of the {counts.num_asked} calls of this model "
+                f"asked of it in the last {throttle.policy.window_s:g} s it refused "
+                f"{counts.num_refused_here} and sent {counts.num_sent}, of which the gateway "
+                f"refused {counts.num_not_accepted} (adaptive throttling; "
+                f"Client(throttle=None) turns it off)",
                 throttle.retry_after_s,
             )
-        is_accepted_call = False
+        is_refused = False
         try:
-            reply = self._attempts(method, request, timeout_s)
-            is_accepted_call = True
-            return reply
+            return self._attempts(method, request, timeout_s, throttle)
         except FabricError as failure:
-            is_accepted_call = is_accepted(failure.code)
+            is_refused = not is_accepted(failure.code)
             raise
         finally:
-            throttle.record(time.monotonic(), asked_s, accepted=is_accepted_call)
+            throttle.record(time.monotonic(), asked_s, accepted=not is_refused)
 
-    def _attempts(self, method: object, request: object, timeout_s: float) -> object:
-        """The attempts of one call: the first, then retries while allowed."""
+    def _attempts(
+        self,
+        method: object,
+        request: object,
+        timeout_s: float,
+        throttle: AdaptiveThrottle | None = None,
+    ) -> object:
+        """The attempts of one call: the first, then retries while allowed, and none while
+        `throttle` refuses calls (a retry would be a call it sheds, and one retried until
+        accepted would hide the refusal from it)."""
         deadline = time.monotonic() + timeout_s
         self._budget.on_call()
         for attempt in range(self._retry.max_retries + 1):
@@ -296,6 +303,7 @@ class Client:
                 or self._is_closed
                 or attempt == self._retry.max_retries
                 or time.monotonic() + hint + self._retry.min_attempt_s >= deadline
+                or (throttle is not None and throttle.refusal_probability(time.monotonic()) > 0)
                 or not self._budget.try_spend()
             ):
                 raise failure from None
