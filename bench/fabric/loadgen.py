@@ -122,8 +122,7 @@ def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
     call cut short on this side, by its timeout or the end of a run, was not refused)."""
 
     async def send_throttled() -> None:
-        asked_s = time.monotonic()
-        if not throttle.admits(asked_s, random.random()):
+        if not throttle.admits(time.monotonic(), random.random()):
             raise Throttled()
         is_refused = False
         try:
@@ -132,7 +131,7 @@ def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
             is_refused = not is_accepted(error.code().name)
             raise
         finally:
-            throttle.record(time.monotonic(), asked_s, accepted=not is_refused)
+            throttle.record(time.monotonic(), accepted=not is_refused)
 
     return send_throttled
 

@@ -287,7 +287,7 @@ def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_serve
     assert set(statuses) == {"RESOURCE_EXHAUSTED", THROTTLED}
     assert statuses.count("RESOURCE_EXHAUSTED") == num_sent < 20
     assert throttle.counts(time.monotonic()) == ThrottleCounts(
-        num_asked=40, num_refused_here=40 - num_sent, num_not_accepted=num_sent
+        num_requests=40, num_accepts=0, is_refusing=True
     )
 
     timing_out = AdaptiveThrottle(ThrottlePolicy(min_requests=0))
@@ -295,5 +295,5 @@ def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_serve
     assert asyncio.run(statuses_of(slow, 1, timeout_s=0.01)) == [CLIENT_TIMEOUT]
     # Not refused by the server: a timeout here counts as accepted, as DEADLINE_EXCEEDED does.
     assert timing_out.counts(time.monotonic()) == ThrottleCounts(
-        num_asked=1, num_refused_here=0, num_not_accepted=0
+        num_requests=1, num_accepts=1, is_refusing=False
     )

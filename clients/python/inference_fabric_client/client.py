@@ -240,7 +240,7 @@ class Client:
                     # in its window knows nothing, and a new one starts the same.
                     now_s = time.monotonic()
                     for name, old in list(self._throttles.items()):
-                        if old.counts(now_s).num_asked == 0:
+                        if old.counts(now_s).num_requests == 0:
                             del self._throttles[name]
                 throttle = self._throttles[model] = AdaptiveThrottle(self._throttle_policy)
             return throttle
@@ -257,15 +257,14 @@ class Client:
         wait (`retry_after_s`) while time and the retry budget allow."""
         if throttle is None:
             return self._attempts(method, request, timeout_s)
-        asked_s = time.monotonic()
-        if not throttle.admits(asked_s, random.random()):
-            counts = throttle.counts(asked_s)
+        now_s = time.monotonic()
+        if not throttle.admits(now_s, random.random()):
+            counts = throttle.counts(now_s)
             raise ThrottledError(
                 "RESOURCE_EXHAUSTED",
-                f"refused by this client, unsent: of the {counts.num_asked} calls of this model "
-                f"asked of it in the last {throttle.policy.window_s:g} s it refused "
-                f"{counts.num_refused_here} and sent {counts.num_sent}, of which the gateway "
-                f"refused {counts.num_not_accepted} (adaptive throttling; "
+                f"refused by this client, unsent: the gateway refuses this model's calls, and "
+                f"accepted {counts.num_accepts} of the {counts.num_requests} asked of this "
+                f"client in the last {throttle.policy.window_s:g} s (adaptive throttling; "
                 f"Client(throttle=None) turns it off)",
                 throttle.retry_after_s,
             )
@@ -276,7 +275,7 @@ class Client:
             is_refused = not is_accepted(failure.code)
             raise
         finally:
-            throttle.record(time.monotonic(), asked_s, accepted=not is_refused)
+            throttle.record(time.monotonic(), accepted=not is_refused)
 
     def _attempts(
         self,
