@@ -21,35 +21,40 @@ that queues calls before it refuses them is sent less as its queue grows. A clie
 retries refusals does not while its throttle refuses (client.py): a call retried until
 accepted would hide the refusal from it.
 
-Departures from the book, each for a failure its counting has with an `accept_ratio` this low
-(the book's is 2), found by review and by measurement:
-- Nothing is refused until the gateway refuses a call, and again once it has refused none for
-  `quiet_s` (5 s). Else a burst to a healthy gateway would be throttled while in flight, and
-  steady calls to one that answers in more than a tenth of the window. `quiet_s` is longer
-  than the window because under a steady flood a gateway's door sheds in bursts, seconds
-  apart: a client that stopped counting between them flooded it.
-- Half a second (`refusing_s`) after the gateway's last refusal, the multiple becomes
-  `climbing_accept_ratio` (2.2). At 1.1, what a client sends can grow only by a tenth a window
-  while the gateway refuses none of it: in a made-up 10x flood that began with a refusal, a
-  client sent the gateway a fifth of what it could take for 6 s, and after the flood refused
-  96% of its calls for 10 s more.
-  At 2.2 it climbs back within a second or two, and sends at most 2.2 times what the gateway
-  accepts before the gateway refuses again.
+One departure from the book: nothing is refused until the gateway refuses a call, and again
+once it has refused none for `quiet_s` (5 s). With an `accept_ratio` this low (the book's is
+2) its counting would throttle a burst to a healthy gateway while in flight, throttle steady
+calls to one that answers in more than a tenth of the window, and keep a client refusing for
+tens of seconds after a flood (what it sends grows only by a tenth a window while the gateway
+refuses none of it). `quiet_s` is longer than the window because under a steady flood a
+gateway's door sheds in bursts, seconds apart: a client that stopped counting between them
+flooded it.
 
 Measured on the stand-in stack's identity floods at 2x its capacity (/tmp script, forms of the
-counting side by side, 18 s a flood, goodput within the SLO over capacity): the book's
-counting throughout, 0.43-1.02 over 14 floods, the gateway refusing 200-1,700 calls a flood,
-accepted calls' p99 0.06-0.45 s; this form, 0.65 and 0.88, 7,200-8,000 refused, p99 0.36-0.53
-s. Forms that counted calls in flight as accepted, or not at all, or stopped counting while
-the window held no refusal, gave 0.23-0.67, with 2,400-7,600 refused and p99 0.35-0.73 s.
+counting side by side, 18 s a flood, goodput within the SLO over capacity; the book's counting
+beside each):
+- the book's: 0.43-1.13 over 18 floods (median about 0.65), 0-2,300 calls refused at the
+  gateway a flood, accepted calls' p99 0.06-0.45 s;
+- a call in flight counted as accepted: 1.08 and 1.11 (the book 0.97 and 1.13), about 5,000
+  refused, p99 0.27 s (0.10-0.11);
+- a call in flight not counted at all: 0.23-0.37 (0.54-0.67), 6,900-7,600 refused, p99
+  0.61-0.73 s; the same with the client's own refusals weighed by the gateway's refusal
+  share, 0.29-0.55 (0.49-0.62), p99 0.48-0.67 s;
+- the book's only while the window held a refusal: 0.33 and 0.36 (0.52 and 0.43), p99 0.53-
+  0.60 s: the counting lapsed between the door's bursts;
+- this form: 0.35 and 1.06 (1.02 and 0.87), 2,400-2,800 refused, p99 0.26-0.35 s; with the
+  multiple raised to 2.2 half a second after the gateway's last refusal (to climb back faster),
+  0.65 and 0.88 (0.77 and 0.47), but 7,200-8,000 refused and p99 0.36-0.53 s, so not kept.
+A call in flight counted as not accepted yet is what keeps the gateway's queue short.
 
 What it does not do well:
-- For about a second after a flood it goes on refusing most calls, at a gateway that could
-  take them; and it sends a flooded gateway more than the book's counting does, so the
-  gateway refuses more and its accepted calls wait longer (above).
+- What a client sends grows only by a tenth a window while the gateway refuses none of it: a
+  client knocked down by a flood's first refusals sends less than the gateway takes for
+  seconds (a made-up 10x flood that began with a refusal: a fifth of it for 6 s), and after a
+  flood it refuses most calls until `quiet_s` has passed.
 - While the gateway refuses, calls in flight count as not accepted yet: where answers take
-  more than about `window_s` * (1 - 1 / multiple) on average (0.18 s within half a second of
-  a refusal, 1.1 s after), the client sends less than the gateway takes.
+  more than about `window_s` * (1 - 1 / `accept_ratio`) (0.18 s) on average, the client sends
+  less than the gateway takes.
 - A gateway that refuses a share of calls whatever their number (not a capacity) at more than
   1 - 1 / `accept_ratio` (1 in 11) shuts a client's calls down to a trickle, as the book's rule
   does past 1 in 2 at its K of 2: accepts then fall with what is sent.
@@ -99,12 +104,6 @@ class ThrottlePolicy:
     window_s: float = 2.0
     #: Nothing is refused while fewer calls than this were counted in the window.
     min_requests: int = 20
-    #: While the gateway refused a call in the last this many seconds, it is sent about
-    #: `accept_ratio` times what it accepts; after that, `climbing_accept_ratio` times.
-    refusing_s: float = 0.5
-    #: The multiple while the gateway has refused none for `refusing_s`: what the client
-    #: sends can then double in a window, not grow by a tenth (below).
-    climbing_accept_ratio: float = 2.2
     #: Once the gateway has refused none for this long, nothing is refused here. Longer than
     #: the window: under a steady flood a gateway's door sheds in bursts, seconds apart.
     quiet_s: float = 5.0
@@ -116,16 +115,8 @@ class ThrottlePolicy:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.min_requests < 0:
             raise ValueError(f"min_requests must be >= 0, got {self.min_requests}")
-        if not 0 <= self.refusing_s <= self.quiet_s:
-            raise ValueError(
-                f"refusing_s and quiet_s must satisfy 0 <= refusing_s <= quiet_s, got "
-                f"{self.refusing_s} and {self.quiet_s}"
-            )
-        if not self.climbing_accept_ratio >= self.accept_ratio:
-            raise ValueError(
-                f"climbing_accept_ratio must be >= accept_ratio, got "
-                f"{self.climbing_accept_ratio} < {self.accept_ratio}"
-            )
+        if not self.quiet_s >= 0:
+            raise ValueError(f"quiet_s must be >= 0, got {self.quiet_s}")
 
 
 #: What a client throttles with unless told otherwise.
@@ -210,16 +201,9 @@ class AdaptiveThrottle:
         return last_s is not None and now_s - last_s < self.policy.quiet_s
 
     def _probability(self, now_s: float) -> float:
-        policy, last_s = self.policy, self._last_refused_s
-        if self._num_requests < policy.min_requests or last_s is None:
+        if self._num_requests < self.policy.min_requests or not self._is_refusing(now_s):
             return 0.0
-        since_s = now_s - last_s
-        if since_s >= policy.quiet_s:
-            return 0.0
-        ratio = (
-            policy.climbing_accept_ratio if since_s >= policy.refusing_s else policy.accept_ratio
-        )
-        excess = self._num_requests - ratio * self._num_accepts
+        excess = self._num_requests - self.policy.accept_ratio * self._num_accepts
         return max(0.0, excess / (self._num_requests + 1))
 
     def _current(self, now_s: float) -> _Slice:
