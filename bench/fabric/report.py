@@ -77,7 +77,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def flood_name(point: dict[str, Any], separator: str = " ") -> str:
     """A flood's name: "overload 2x", and "overload 2x throttled" where its callers throttled
     themselves (the goals are the floods of callers that send every call)."""
-    words = ["overload", f"{point['factor']:g}x"]
+    words = ["overload", f"{point['factor']:.3g}x"]
     return separator.join([*words, "throttled"] if point.get("throttled") else words)
 
 
@@ -182,7 +182,7 @@ def _config_lines(report: dict[str, Any]) -> list[str]:
     for point in report.get("overload", []):
         not_ok = {k: v for k, v in point.get("statuses", {}).items() if k != "OK"}
         lines.append(
-            f"{flood_name(point).replace('throttled', 'thr'):<18} {_rate_columns(point)}"
+            f"{flood_name(point):<18} {_rate_columns(point)}"
             f"{not_ok or '-'!s:<28} offered {point['offered_rate_per_s']:.0f}/s"
             + ("" if point.get("valid") else "  (INVALID: late sends)")
         )

@@ -211,10 +211,10 @@ def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -
 
 
 def test_a_client_sends_no_retry_while_its_throttle_refuses(serve: Any) -> None:
-    """A call retried until accepted would hide the refusal from the throttle, so while it
-    refuses calls (its chance above 0), a refused call is not sent again. The first call, with
-    nothing counted yet, is retried as always (3 attempts); every later call sent reaches the
-    server once."""
+    """A call retried until accepted would hide the refusal from the throttle, so once the
+    gateway refused an attempt, and while the throttle refuses, a refused call is not sent
+    again: every call sent reaches the server once. Unthrottled, the first call alone reaches
+    it three times (two retries)."""
     servicer = Refusing(refusals=1000, hint_ms=1)
     policy = ThrottlePolicy(min_requests=0)
     with Client(serve(servicer), throttle=policy, retry=RetryPolicy(max_retries=2)) as client:
@@ -223,5 +223,15 @@ def test_a_client_sends_no_retry_while_its_throttle_refuses(serve: Any) -> None:
             with pytest.raises(FabricError) as raised:
                 client.predict("m", ["hello"], timeout_s=10)
             failures.append(raised.value)
-    num_sent_later = sum(not isinstance(f, ThrottledError) for f in failures[1:])
-    assert len(servicer.calls) == 3 + num_sent_later
+    num_sent = sum(not isinstance(f, ThrottledError) for f in failures)
+    assert num_sent >= 1  # the first call: nothing counted before it
+    assert len(servicer.calls) == num_sent
+
+    unthrottled = Refusing(refusals=1000, hint_ms=1)
+    retry = RetryPolicy(max_retries=2)
+    with (
+        Client(serve(unthrottled), throttle=None, retry=retry) as client,
+        pytest.raises(FabricError),
+    ):
+        client.predict("m", ["hello"], timeout_s=10)
+    assert len(unthrottled.calls) == 3

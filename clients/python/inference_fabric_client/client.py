@@ -12,10 +12,11 @@ Every call takes `timeout_s` (the call's deadline; default the client's) and `pr
 the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retry hint. A
 predict refused for load is sent again after the server's hint, and one the gateway's grpc
 dropped unseen (CANCELLED) after a short jittered wait, while its deadline allows, within a
-retry budget (`retry`, inference_fabric_client.retry); `RetryPolicy(max_retries=0)` turns that
-off. While the gateway refuses many of a model's predicts, the client refuses some of them
-itself, at no cost to the gateway (`throttle`, inference_fabric_client.throttle): they raise
-`ThrottledError` (RESOURCE_EXHAUSTED) unsent; `throttle=None` turns that off.
+retry budget (`retry`, inference_fabric_client.retry), and not while the throttle (below)
+refuses; `RetryPolicy(max_retries=0)` turns that off. While the gateway refuses many of a
+model's predicts, the client refuses some of them itself, at no cost to the gateway
+(`throttle`, inference_fabric_client.throttle): they raise `ThrottledError`
+(RESOURCE_EXHAUSTED) unsent; `throttle=None` turns that off.
 """
 
 from __future__ import annotations
@@ -237,10 +238,12 @@ class Client:
             if throttle is None:
                 if len(self._throttles) >= _PRUNE_THROTTLES_PAST:
                     # Models called once and not since do not pile up: a throttle with nothing
-                    # in its window knows nothing, and a new one starts the same.
+                    # in its window and no refusal in its quiet period refuses nothing, as a
+                    # new one does.
                     now_s = time.monotonic()
                     for name, old in list(self._throttles.items()):
-                        if old.counts(now_s).num_requests == 0:
+                        counts = old.counts(now_s)
+                        if counts.num_requests == 0 and not counts.is_refusing:
                             del self._throttles[name]
                 throttle = self._throttles[model] = AdaptiveThrottle(self._throttle_policy)
             return throttle
@@ -254,7 +257,9 @@ class Client:
     ) -> object:
         """`method(request)` within `timeout_s` in all, unless `throttle` refuses it unsent;
         a refusal for load with a retry hint, or a call dropped unseen, is sent again after its
-        wait (`retry_after_s`) while time and the retry budget allow."""
+        wait (`retry_after_s`) while time and the retry budget allow and `throttle` refuses
+        nothing. A call ending in any other exception counts as accepted: the gateway did not
+        refuse it."""
         if throttle is None:
             return self._attempts(method, request, timeout_s)
         now_s = time.monotonic()
@@ -296,6 +301,8 @@ class Client:
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
+            if throttle is not None and not is_accepted(failure.code):
+                throttle.note_refused(time.monotonic())
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
             if (
                 hint is None

@@ -1,10 +1,10 @@
 """Adaptive throttling: a client refuses some of its own calls while the gateway refuses many.
 
-Why: a gateway refuses a call for load at about the CPU of one bare gRPC call, a third to a
-half of what serving one costs it (docs/architecture.md, "What bounds a flood's goodput"). So
-past about twice its capacity, a gateway that only refuses spends as much on refusing as on
-serving, and what it serves falls however well it chooses what to refuse. A call the client
-refuses itself costs the gateway nothing.
+Why: a gateway refuses a call for load at about the CPU of one bare gRPC call, a quarter to a
+third of what serving one costs it (docs/architecture.md, "What bounds a flood's goodput"). So
+a flood at twice its capacity spends about a third of the gateway's CPU on refusals, and one
+at ten times more than all of it: what it serves falls however well it chooses what to
+refuse. A call the client refuses itself costs the gateway nothing.
 
 How (Google's SRE book, "Handling Overload", client-side throttling): over the last
 `window_s` the client counts the calls it was asked to make (`requests`, counted when asked,
@@ -115,8 +115,8 @@ class ThrottlePolicy:
             raise ValueError(f"window_s must be > 0, got {self.window_s}")
         if self.min_requests < 0:
             raise ValueError(f"min_requests must be >= 0, got {self.min_requests}")
-        if not self.quiet_s >= 0:
-            raise ValueError(f"quiet_s must be >= 0, got {self.quiet_s}")
+        if not self.quiet_s > 0:
+            raise ValueError(f"quiet_s must be > 0 (0 would never refuse), got {self.quiet_s}")
 
 
 #: What a client throttles with unless told otherwise.
@@ -176,7 +176,18 @@ class AdaptiveThrottle:
                 current.num_accepts += 1
                 self._num_accepts += 1
             else:
-                self._last_refused_s = now_s
+                self._note_refused(now_s)
+
+    def note_refused(self, now_s: float) -> None:
+        """The gateway refused an attempt of a call now, one a retry may still get accepted:
+        it counts as refusing from now (`ThrottlePolicy.quiet_s`), so that no retry follows
+        while the throttle refuses."""
+        with self._lock:
+            self._note_refused(now_s)
+
+    def _note_refused(self, now_s: float) -> None:
+        last_s = self._last_refused_s
+        self._last_refused_s = now_s if last_s is None else max(last_s, now_s)
 
     @property
     def retry_after_s(self) -> float:
