@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 from inference_fabric_client.throttle import (
     AdaptiveThrottle,
+    ModelThrottles,
     ThrottleCounts,
     ThrottlePolicy,
     is_accepted,
@@ -216,3 +217,20 @@ def test_only_refusals_and_drops_count_as_not_accepted() -> None:
 def test_a_bad_policy_is_refused(settings: dict[str, float], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ThrottlePolicy(**settings)  # type: ignore[arg-type]
+
+
+def test_one_throttle_a_model_and_idle_ones_dropped_past_max_kept() -> None:
+    throttles = ModelThrottles(ThrottlePolicy())
+    first = throttles.of("a", now_s=0.0)
+    assert throttles.of("a", now_s=0.0) is first
+    refused = throttles.of("refused", now_s=0.0)
+    assert refused.admits(0.0, draw=0.5)
+    refused.record(0.0, accepted=False)
+    for index in range(ModelThrottles.MAX_KEPT - 2):
+        throttles.of(f"m{index}", now_s=0.0)
+    assert len(throttles) == ModelThrottles.MAX_KEPT
+    # 3 s on, every window is empty; "refused" is still in its quiet period and is kept.
+    throttles.of("new", now_s=3.0)
+    assert len(throttles) == 2
+    assert throttles.of("refused", now_s=3.0) is refused
+    assert throttles.of("a", now_s=3.0) is not first

@@ -22,7 +22,6 @@ model's predicts, the client refuses some of them itself, at no cost to the gate
 from __future__ import annotations
 
 import random
-import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from inference_fabric_client.retry import RetryBudget, RetryPolicy, retry_after_
 from inference_fabric_client.throttle import (
     DEFAULT_THROTTLE,
     AdaptiveThrottle,
+    ModelThrottles,
     ThrottlePolicy,
     is_accepted,
 )
@@ -59,8 +59,6 @@ _PRIORITIES = {
     "interactive": types.PRIORITY_INTERACTIVE,
     "batch": types.PRIORITY_BATCH,
 }
-#: Past this many models' throttles, those with no call in their window are dropped.
-_PRUNE_THROTTLES_PAST = 64
 _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
 
 
@@ -169,10 +167,7 @@ class Client:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._budget = RetryBudget(self._retry)
-        self._throttle_policy = throttle
-        #: One throttle per model: one model's refusals do not refuse another's calls.
-        self._throttles: dict[str, AdaptiveThrottle] = {}
-        self._throttles_lock = threading.Lock()
+        self._throttles = ModelThrottles(throttle) if throttle is not None else None
         #: Closed (from any thread): a call then cut short ends CANCELLED and is not retried.
         self._is_closed = False
 
@@ -214,8 +209,10 @@ class Client:
             request_id=request_id,
             priority=_priority(priority),
         )
+        throttles = self._throttles
+        throttle = throttles.of(model, time.monotonic()) if throttles is not None else None
         reply = self._call_with_retries(
-            self._stub.Predict, request, self._timeout(timeout_s), self._throttle_of(model)
+            self._stub.Predict, request, self._timeout(timeout_s), throttle
         )
         outputs = [_array(t) for t in reply.outputs]
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
@@ -229,24 +226,6 @@ class Client:
         if timeout_s <= 0:
             raise FabricError("DEADLINE_EXCEEDED", f"timeout of {timeout_s} s: no time left")
         return timeout_s
-
-    def _throttle_of(self, model: str) -> AdaptiveThrottle | None:
-        if self._throttle_policy is None:
-            return None
-        with self._throttles_lock:
-            throttle = self._throttles.get(model)
-            if throttle is None:
-                if len(self._throttles) >= _PRUNE_THROTTLES_PAST:
-                    # Models called once and not since do not pile up: a throttle with nothing
-                    # in its window and no refusal in its quiet period refuses nothing, as a
-                    # new one does.
-                    now_s = time.monotonic()
-                    for name, old in list(self._throttles.items()):
-                        counts = old.counts(now_s)
-                        if counts.num_requests == 0 and not counts.is_refusing:
-                            del self._throttles[name]
-                throttle = self._throttles[model] = AdaptiveThrottle(self._throttle_policy)
-            return throttle
 
     def _call_with_retries(
         self,

@@ -229,6 +229,36 @@ class AdaptiveThrottle:
         return slices[-1]
 
 
+class ModelThrottles:
+    """One `AdaptiveThrottle` per model, so that one model's refusals do not refuse another's
+    calls. Thread-safe."""
+
+    #: Past this many throttles, those with no call in their window and no refusal in their
+    #: quiet period (which refuse nothing, as a new one does) are dropped.
+    MAX_KEPT = 64
+
+    def __init__(self, policy: ThrottlePolicy) -> None:
+        self.policy = policy
+        self._throttles: dict[str, AdaptiveThrottle] = {}
+        self._lock = threading.Lock()
+
+    def of(self, model: str, now_s: float) -> AdaptiveThrottle:
+        with self._lock:
+            throttle = self._throttles.get(model)
+            if throttle is None:
+                if len(self._throttles) >= self.MAX_KEPT:
+                    for name, kept in list(self._throttles.items()):
+                        counts = kept.counts(now_s)
+                        if counts.num_requests == 0 and not counts.is_refusing:
+                            del self._throttles[name]
+                throttle = self._throttles[model] = AdaptiveThrottle(self.policy)
+            return throttle
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._throttles)
+
+
 @dataclass(frozen=True)
 class ThrottleCounts:
     """A throttle's calls in its window: asked for (requests) and accepted (counted when
