@@ -210,28 +210,28 @@ def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -
     assert len(unthrottled.calls) == 60
 
 
-def test_a_client_sends_no_retry_while_its_throttle_refuses(serve: Any) -> None:
-    """A call retried until accepted would hide the refusal from the throttle, so once the
-    gateway refused an attempt, and while the throttle refuses, a refused call is not sent
-    again: every call sent reaches the server once. Unthrottled, the first call alone reaches
-    it three times (two retries)."""
+def test_a_client_sends_no_retry_while_its_throttle_refuses(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call retried until accepted would hide the refusal from the throttle, so while it
+    refuses calls (its chance above 0), a refused call is not sent again. Every draw is 0.999,
+    so every call is sent: the first, with nothing counted before it, is retried twice, and
+    each of the 29 after it reaches the server once. Unthrottled, each is retried as the
+    budget allows."""
+    monkeypatch.setattr("inference_fabric_client.client.random.random", lambda: 0.999)
     servicer = Refusing(refusals=1000, hint_ms=1)
     policy = ThrottlePolicy(min_requests=0)
-    with Client(serve(servicer), throttle=policy, retry=RetryPolicy(max_retries=2)) as client:
-        failures = []
+    retry = RetryPolicy(max_retries=2)
+    with Client(serve(servicer), throttle=policy, retry=retry) as client:
         for _ in range(30):
             with pytest.raises(FabricError) as raised:
                 client.predict("m", ["hello"], timeout_s=10)
-            failures.append(raised.value)
-    num_sent = sum(not isinstance(f, ThrottledError) for f in failures)
-    assert num_sent >= 1  # the first call: nothing counted before it
-    assert len(servicer.calls) == num_sent
+            assert not isinstance(raised.value, ThrottledError)
+    assert len(servicer.calls) == 3 + 29
 
     unthrottled = Refusing(refusals=1000, hint_ms=1)
-    retry = RetryPolicy(max_retries=2)
-    with (
-        Client(serve(unthrottled), throttle=None, retry=retry) as client,
-        pytest.raises(FabricError),
-    ):
-        client.predict("m", ["hello"], timeout_s=10)
-    assert len(unthrottled.calls) == 3
+    with Client(serve(unthrottled), throttle=None, retry=retry) as client:
+        for _ in range(30):
+            with pytest.raises(FabricError):
+                client.predict("m", ["hello"], timeout_s=10)
+    assert len(unthrottled.calls) > 3 + 29

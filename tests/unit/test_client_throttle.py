@@ -120,28 +120,25 @@ def test_calls_are_sent_whole_again_once_the_gateway_has_refused_none_for_quiet_
     assert all(second.num_taken == second.num_sent for second in seconds[7:])
 
 
-def test_nothing_is_refused_until_the_gateway_refuses_so_a_burst_is_sent_whole() -> None:
-    """Calls in flight are requests not accepted yet, but while the gateway has refused none
-    lately nothing is refused here: a burst to a healthy gateway is sent whole. One to a
-    gateway refusing as a flooded one does is throttled while in flight."""
+def test_calls_in_flight_count_in_nothing_so_a_burst_is_not_throttled_in_flight() -> None:
+    """A call sent counts once answered: a burst to a healthy gateway is sent whole, and one to
+    a gateway refusing as a flooded one does is refused at the window's chance, which does not
+    grow while the burst is in flight."""
     healthy = AdaptiveThrottle(ThrottlePolicy())
     for _ in range(30):
         assert healthy.admits(0.0, draw=0.0)
         healthy.record(0.0, accepted=True)
     assert all(healthy.admits(0.1, draw=0.0) for _ in range(64))
-    assert healthy.counts(0.1) == ThrottleCounts(num_requests=94, num_accepts=30,
+    assert healthy.counts(0.1) == ThrottleCounts(num_requests=30, num_accepts=30,
                                                  is_refusing=False)  # fmt: skip
-    assert healthy.refusal_probability(0.1) == 0.0
 
     refusing = AdaptiveThrottle(ThrottlePolicy())
     for index in range(30):  # one in three refused, every call sent (draws of 0.999)
         assert refusing.admits(0.0, draw=0.999)
         refusing.record(0.0, accepted=index % 3 != 0)
-    # (30 - 1.1 * 20) / 31 at first; each call in flight adds to the requests.
-    assert refusing.refusal_probability(0.0) == pytest.approx(8 / 31)
-    sent = sum(refusing.admits(0.1, draw=0.5) for _ in range(64))
-    assert 0 < sent < 64
-    assert refusing.refusal_probability(0.1) > 0.5
+    assert refusing.refusal_probability(0.0) == pytest.approx((30 - 1.1 * 20) / 31)
+    assert all(refusing.admits(0.1, draw=0.3) for _ in range(64))  # 0.3 > 8 / 31
+    assert refusing.refusal_probability(0.1) == pytest.approx(8 / 31)
 
 
 def test_nothing_is_refused_while_the_gateway_accepts_at_least_one_in_accept_ratio() -> None:
@@ -161,8 +158,8 @@ def test_the_chance_follows_the_formula_while_the_gateway_refuses_more() -> None
     # (requests - K * accepts) / (requests + 1) = (100 - 66) / 101
     assert throttle.refusal_probability(0.0) == pytest.approx(34 / 101)
     assert throttle.admits(0.0, draw=0.34) and not throttle.admits(0.0, draw=0.33)
-    # The call in flight and the one refused here count as requests.
-    assert throttle.refusal_probability(0.0) == pytest.approx((102 - 66) / 103)
+    # The call in flight counts in nothing, the one refused here as a request.
+    assert throttle.refusal_probability(0.0) == pytest.approx((101 - 66) / 102)
 
 
 def test_the_gateway_counts_as_refusing_until_it_refused_none_for_quiet_s() -> None:
@@ -192,6 +189,7 @@ def test_calls_older_than_the_window_are_forgotten_slice_by_slice() -> None:
     throttle = AdaptiveThrottle(ThrottlePolicy(window_s=1.0, min_requests=0))
     for index in range(10):  # each in a slice of its own: 0.11 s apart, slices 0.1 s long
         assert throttle.admits(index * 0.11, draw=0.5)
+        throttle.record(index * 0.11, accepted=True)
     # At 1.05 the first slice (from 0.0) is a window old, the second (from 0.11) is not.
     assert throttle.counts(1.05).num_requests == 9
     assert throttle.counts(1.95).num_requests == 1  # only the last (from 0.99) is left

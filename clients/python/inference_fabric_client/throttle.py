@@ -7,63 +7,64 @@ at ten times more than all of it: what it serves falls however well it chooses w
 refuse. A call the client refuses itself costs the gateway nothing.
 
 How (Google's SRE book, "Handling Overload", client-side throttling): over the last
-`window_s` the client counts the calls it was asked to make (`requests`, counted when asked,
-those it refused itself included) and those the gateway accepted (`accepts`, counted when
-answered: every call sent but those it refused for load or dropped unseen, `NOT_ACCEPTED`),
-and refuses a new call itself with probability
+`window_s` the client counts its requests (the calls it refused itself, at once, and the calls
+it sent, once answered) and the gateway's accepts (of those answered, every one but a refusal
+for load or a drop unseen, `NOT_ACCEPTED`), and refuses a new call itself with probability
 
     max(0, (requests - accept_ratio * accepts) / (requests + 1))
 
 The gateway then sees about `accept_ratio` times the calls it accepts: a little more than it
 can take, so it goes on refusing a few (and the client goes on learning how many it takes),
-and the rest cost it nothing. A call in flight is a request not accepted yet, so a gateway
-that queues calls before it refuses them is sent less as its queue grows. A client that
-retries refusals does not while its throttle refuses (client.py): a call retried until
-accepted would hide the refusal from it.
+and the rest cost it nothing. A call in flight counts in neither (as Envoy's admission control
+samples at completion), so a burst is not throttled while in flight. A client that retries
+refusals does not while its throttle refuses (client.py): a call retried until accepted would
+hide the refusal from it.
 
 One departure from the book: nothing is refused until the gateway refuses a call, and again
 once it has refused none for `quiet_s` (5 s). With an `accept_ratio` this low (the book's is
-2) its counting would throttle a burst to a healthy gateway while in flight, throttle steady
-calls to one that answers in more than a tenth of the window, and keep a client refusing for
-tens of seconds after a flood (what it sends grows only by a tenth a window while the gateway
-refuses none of it). `quiet_s` is longer than the window because under a steady flood a
-gateway's door sheds in bursts, seconds apart: a client that stopped counting between them
-flooded it.
+2), the client's own refusals, counted as requests, would keep it refusing for tens of seconds
+after a flood: what it sends grows only by a tenth a window while the gateway refuses none of
+it. `quiet_s` is longer than the window because under a steady flood a gateway's door sheds in
+bursts, seconds apart: a client that stopped counting between them flooded it.
 
 Measured on the stand-in stack's identity floods at 2x its capacity (/tmp script, forms of the
-counting side by side, 18 s a flood, goodput within the SLO over capacity; the book's counting
-beside each):
-- the book's: 0.43-1.13 over 18 floods (median about 0.65), 0-2,300 calls refused at the
+counting side by side, 18 s a flood, goodput within the SLO over capacity; this counting
+without the quiet period beside each):
+- this counting: 0.43-1.13 over 18 floods (median about 0.65), 0-2,300 calls refused at the
   gateway a flood, accepted calls' p99 0.06-0.45 s;
-- a call in flight counted as accepted: 1.08 and 1.11 (the book 0.97 and 1.13), about 5,000
+- a call in flight counted as accepted: 1.08 and 1.11 (0.97 and 1.13 beside), about 5,000
   refused, p99 0.27 s (0.10-0.11);
-- a call in flight not counted at all: 0.23-0.37 (0.54-0.67), 6,900-7,600 refused, p99
-  0.61-0.73 s; the same with the client's own refusals weighed by the gateway's refusal
-  share, 0.29-0.55 (0.49-0.62), p99 0.48-0.67 s;
-- the book's only while the window held a refusal: 0.33 and 0.36 (0.52 and 0.43), p99 0.53-
-  0.60 s: the counting lapsed between the door's bursts;
-- this form: 0.35 and 1.06 (1.02 and 0.87), 2,400-2,800 refused, p99 0.26-0.35 s; with the
-  multiple raised to 2.2 half a second after the gateway's last refusal (to climb back faster),
-  0.65 and 0.88 (0.77 and 0.47), but 7,200-8,000 refused and p99 0.36-0.53 s, so not kept.
-A call in flight counted as not accepted yet is what keeps the gateway's queue short.
+- each answer counted with the calls asked for when it was (so a call in flight is a request
+  not yet answered), the client's own refusals weighed by the gateway's refusal share:
+  0.23-0.55 (0.49-0.67), 6,900-7,600 refused, p99 0.48-0.73 s; counted so, the book's
+  counting only while the window held a refusal: 0.33 and 0.36 (0.52 and 0.43), p99 0.53-0.60 s
+  (it lapsed between the door's bursts); with a 5 s quiet period instead: 0.50 and 1.09 (0.93
+  and 0.72);
+- the book's counting (a call in flight a request not accepted yet) with the quiet period:
+  0.35 and 1.06 (1.02 and 0.87), 2,400-2,800 refused, p99 0.26-0.35 s; the same with the
+  multiple raised to 2.2 half a second after the last refusal (to climb back faster): 0.65
+  and 0.88 (0.77 and 0.47), 7,200-8,000 refused, p99 0.36-0.53 s.
+This counting refused the fewest calls at the gateway, with the shortest p99 and as much
+goodput as any; the quiet period changes nothing while the gateway refuses.
 
 What it does not do well:
 - What a client sends grows only by a tenth a window while the gateway refuses none of it: a
   client knocked down by a flood's first refusals sends less than the gateway takes for
-  seconds (a made-up 10x flood that began with a refusal: a fifth of it for 6 s), and after a
-  flood it refuses most calls until `quiet_s` has passed.
-- While the gateway refuses, calls in flight count as not accepted yet: where answers take
-  more than about `window_s` * (1 - 1 / `accept_ratio`) (0.18 s) on average, the client sends
-  less than the gateway takes.
+  seconds (a made-up 10x flood that began with a refusal: a tenth to a quarter of it for all
+  8 s), and after a flood it refuses most calls until `quiet_s` has passed.
+- A new client meeting a gateway that refuses at once but answers slowly reads it as refusing
+  nearly all (the refusals are counted first), and climbs only a tenth a window: in a
+  made-up 2x flood with answers taking 0.3 s, it sent a third of what the gateway could take
+  for 5 s.
 - A gateway that refuses a share of calls whatever their number (not a capacity) at more than
   1 - 1 / `accept_ratio` (1 in 11) shuts a client's calls down to a trickle, as the book's rule
   does past 1 in 2 at its K of 2: accepts then fall with what is sent.
 - Many clients each seeing few refusals send more than `accept_ratio` times what the gateway
   takes (simulated at 10x by a review, with an earlier form of the counting: 1.16x for 50
   clients of 20 calls a second each, up to 1.54x for 500 of 2).
-- Nothing is refused while fewer than `min_requests` calls were asked for in the window, so a
-  client making a few calls a second does not refuse itself after one refusal, and a flood of
-  such clients is not throttled at all.
+- Nothing is refused while fewer than `min_requests` calls were counted in the window (refused
+  here, or answered), so a client making a few calls a second does not refuse itself after one
+  refusal, and a flood of such clients is not throttled at all.
 
 The gateway throttles its own calls to the routers by a variant of the rule
 (services/gateway/throttle.py: K 1.5, decaying counts over 0.25 s, at most 95% refused). This
@@ -134,9 +135,9 @@ class _Slice:
     """The calls counted from `start_s` on, until the next slice starts."""
 
     start_s: float
-    #: Calls asked for (`admits`), sent or not.
+    #: Calls refused here (`admits`), and calls sent once answered (`record`).
     num_requests: int = 0
-    #: Calls the gateway accepted, counted when answered (`record`).
+    #: Of those answered, the ones the gateway accepted.
     num_accepts: int = 0
 
 
@@ -158,20 +159,23 @@ class AdaptiveThrottle:
         self._lock = threading.Lock()
 
     def admits(self, now_s: float, draw: float) -> bool:
-        """Whether to send a call asked for now (it counts as a request either way); `draw`
-        is uniform in [0, 1)."""
+        """Whether to send a call asked for now; `draw` is uniform in [0, 1). A call refused
+        here counts as a request at once; one sent counts when `record`ed."""
         with self._lock:
             current = self._current(now_s)
-            probability = self._probability(now_s)
+            if not draw < self._probability(now_s):
+                return True
             current.num_requests += 1
             self._num_requests += 1
-            return not draw < probability
+            return False
 
     def record(self, now_s: float, *, accepted: bool) -> None:
         """How a call `admits` let through ended, now: accepted by the gateway or not
         (`is_accepted` of its status)."""
         with self._lock:
             current = self._current(now_s)
+            current.num_requests += 1
+            self._num_requests += 1
             if accepted:
                 current.num_accepts += 1
                 self._num_accepts += 1
@@ -261,8 +265,8 @@ class ModelThrottles:
 
 @dataclass(frozen=True)
 class ThrottleCounts:
-    """A throttle's calls in its window: asked for (requests) and accepted (counted when
-    answered), and whether the gateway counts as refusing (it refused a call less than
+    """A throttle's calls in its window: requests (refused here, or sent and answered) and
+    accepts, and whether the gateway counts as refusing (it refused a call less than
     `ThrottlePolicy.quiet_s` ago)."""
 
     num_requests: int
