@@ -54,10 +54,17 @@ def scaled(
         router_b = start_tier(tmp_path, "router-b", with_flags(router_argv, **free))
         started.append(router_b)
         both = f"127.0.0.1:{stack.router.grpc_port},127.0.0.1:{router_b.grpc_port}"
+        # A ready bundle may wait up to 1 s for an answer, not the default's 20 ms: a key whose
+        # worker takes longer than the hold on its bundles never holds (the bundle clock), and
+        # beside the parallel suite this minilm's bundles took longer, so that every call
+        # could leave alone (CI: 192 bundles of 192 calls). Six busy loops beside this test
+        # (2 cores): 165-168 bundles of 192 at the default hold, 46 and 89 at 1 s.
         gateway_argv = [
             *with_flags(command_line(stack.gateway.pid), **free, router_address=both),
             "--processes",
             "2",
+            "--bundle-max-hold-s",
+            "1.0",
         ]
         gateway = start_tier(tmp_path, "gateway-group", gateway_argv)
         started.append(gateway)
