@@ -10,34 +10,28 @@ the order of `outputs`.
 from __future__ import annotations
 
 import importlib.metadata
-import math
-import struct
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import grpc
-import numpy as np
 
 from services.common.errors import (
-    InvalidInput,
     NotFound,
     PermissionDenied,
     ServingError,
     Unavailable,
 )
-from services.common.model_repository import ModelConfig, TensorSpec
+from services.common.model_repository import TensorSpec
 from services.common.repository_state import ModelState
-from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.auth import Principal, current_principal
-from services.gateway.kserve_generate import check_inputs, stream_infer
+from services.gateway.kserve_infer import infer_one, stream_infer
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.predictor import Predictor
 from services.gateway.repository_control import RepositoryControl
 from services.gateway.triton_info import (
     PLATFORMS,
     UNIMPLEMENTED_RPCS,
     model_config_message,
-    request_parameters,
     unimplemented,
 )
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -59,100 +53,6 @@ EXTENSIONS = (
 #: Longest a RepositoryModelLoad waits for the fleet to serve the model (less with a tighter
 #: caller deadline): warm-up of a large model takes tens of seconds.
 LOAD_WAIT_S = 120.0
-_TYPED_FIELDS = {
-    "FP32": "fp32_contents",
-    "INT32": "int_contents",
-    "INT64": "int64_contents",
-}
-
-
-def _decode_bytes(raw: bytes, count: int) -> list[str]:
-    """Length-prefixed BYTES elements; INVALID_ARGUMENT if the framing or UTF-8 is wrong."""
-    texts, offset = [], 0
-    while offset < len(raw):
-        if offset + 4 > len(raw):
-            raise InvalidInput("BYTES tensor: truncated length prefix")
-        (length,) = struct.unpack_from("<I", raw, offset)
-        offset += 4
-        if offset + length > len(raw):
-            raise InvalidInput("BYTES tensor: element runs past the end of the data")
-        try:
-            texts.append(raw[offset : offset + length].decode("utf-8"))
-        except UnicodeDecodeError as error:
-            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
-        offset += length
-    if len(texts) != count:
-        raise InvalidInput(f"BYTES tensor holds {len(texts)} elements; its shape says {count}")
-    return texts
-
-
-def _num_rows(shape: list[int], row_dims: tuple[int, ...], name: str, *, is_bytes: bool) -> int:
-    """Rows in a [batch, *row_dims] input (BYTES: [batch] or [batch, 1])."""
-    if is_bytes:
-        is_valid = len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
-        expected = "[batch] or [batch, 1]"
-    else:
-        is_valid = len(shape) == len(row_dims) + 1 and tuple(shape[1:]) == row_dims
-        expected = f"[batch, {', '.join(map(str, row_dims))}]"
-    if not is_valid or shape[0] < 0:
-        raise InvalidInput(f"input {name} has shape {shape}; expected {expected}")
-    if shape[0] == 0:
-        raise InvalidInput(f"input {name} is empty")
-    return shape[0]
-
-
-def _values(
-    config: ModelConfig, request: kserve.ModelInferRequest, max_rows: int
-) -> list[PredictValue]:
-    """The request's rows, decoded only after every check on the tensor's metadata (name,
-    dtype, shape, row cap) has passed."""
-    check_inputs(request)
-    spec = config.inputs[0]
-    tensors = {t.name: i for i, t in enumerate(request.inputs)}
-    if set(tensors) != {spec.name}:
-        raise InvalidInput(
-            f"{config.name} takes exactly one input named {spec.name!r}, got {sorted(tensors)}"
-        )
-    index = tensors[spec.name]
-    tensor = request.inputs[index]
-    if tensor.datatype != spec.dtype:
-        raise InvalidInput(
-            f"input {spec.name} must be {spec.dtype}, got {tensor.datatype or 'none'}"
-        )
-    shape = list(tensor.shape)
-    count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
-    if count > max_rows:
-        raise InvalidInput(f"{count} inputs exceed the limit of {max_rows}")
-    if spec.dtype == "BYTES":
-        if request.raw_input_contents:
-            return list(_decode_bytes(request.raw_input_contents[index], count))
-        elements = list(tensor.contents.bytes_contents)
-        if len(elements) != count:
-            raise InvalidInput(
-                f"input {spec.name} holds {len(elements)} elements; shape says {count}"
-            )
-        try:
-            return [e.decode("utf-8") for e in elements]
-        except UnicodeDecodeError as error:
-            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
-    dtype = NUMPY_DTYPES[spec.dtype]
-    num_elements = math.prod(shape)  # Python ints: a numpy product would wrap around
-    if num_elements > MAX_ELEMENTS:
-        raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
-    if request.raw_input_contents:
-        raw = request.raw_input_contents[index]
-        if len(raw) != num_elements * dtype.itemsize:
-            raise InvalidInput(f"input {spec.name}: {len(raw)} bytes do not match shape {shape}")
-        array = np.frombuffer(raw, dtype=dtype)
-    else:
-        field = _TYPED_FIELDS.get(spec.dtype)
-        values = getattr(tensor.contents, field) if field else []
-        if len(values) != num_elements:
-            raise InvalidInput(
-                f"input {spec.name}: {len(values)} values do not match shape {shape}"
-            )
-        array = np.asarray(values, dtype=dtype)
-    return list(array.reshape((count, *spec.dims)))
 
 
 class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
@@ -303,7 +203,12 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
         responses = stream_infer(
-            self._predictor, request_iterator, current_principal(), context.time_remaining
+            self._predictor,
+            self._metrics,
+            request_iterator,
+            current_principal(),
+            context.time_remaining,
+            self._max_inputs,
         )
         async for response in responses:
             yield response
@@ -313,42 +218,12 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
     ) -> kserve.ModelInferResponse:
         label = self._predictor.catalog.label_for(request.model_name)
         with self._metrics.observe_request("kserve_v2", label):
-            config = self._predictor.catalog.config(request.model_name)
-            principal = current_principal()
-            # Before any input is decoded: a caller may not spend our CPU on a model it may
-            # not use, nor on more rows than the cap.
-            principal.check_model(config.name)
-            if config.generation is not None:
-                raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
-            options = request_parameters(request.parameters)
-            output = config.outputs[0]
-            requested = [o.name for o in request.outputs]
-            if requested and requested != [output.name]:
-                raise InvalidInput(
-                    f"{config.name} has one output, {output.name!r}; asked {requested}"
-                )
-            result = await self._predictor.predict(
-                PredictCall(
-                    model_name=request.model_name,
-                    version_spec=request.model_version,
-                    inputs=_values(config, request, self._max_inputs),
-                    principal=principal,
-                    request_id=request.id,
-                    timeout_s=options.deadline_s(context.time_remaining()),
-                    priority=options.priority,
-                )
-            )
-            batch = np.stack(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
-            return kserve.ModelInferResponse(
-                model_name=result.model_name,
-                model_version=result.model_version,
-                id=request.id,
-                outputs=[
-                    kserve.ModelInferResponse.InferOutputTensor(
-                        name=output.name, datatype=output.dtype, shape=list(batch.shape)
-                    )
-                ],
-                raw_output_contents=[batch.tobytes()],
+            return await infer_one(
+                self._predictor,
+                request,
+                current_principal(),
+                context.time_remaining(),
+                self._max_inputs,
             )
 
 

@@ -8,16 +8,13 @@ Requests on one stream run concurrently; each response echoes its request's id.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
-from services.common.errors import InvalidInput, ServingError
-from services.common.grpc_errors import status_of
+from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
-from services.gateway.admission import StreamRequests
 from services.gateway.auth import Principal
 from services.gateway.predictor import GenerateCall, Predictor
 from services.gateway.triton_info import request_parameters
@@ -201,60 +198,3 @@ async def generate_one(
             prompt_tokens=message.prompt_tokens,
             completion_tokens=message.completion_tokens,
         )
-
-
-async def stream_infer(
-    predictor: Predictor,
-    requests: AsyncIterator[kserve.ModelInferRequest],
-    principal: Principal,
-    time_remaining: Callable[[], float | None],
-) -> AsyncIterator[kserve.ModelStreamInferResponse]:
-    """Runs every request of the stream concurrently and yields their responses as they come.
-    A request's error is reported in-band (`error_message`), as Triton does; the stream and the
-    other requests go on. Each request's deadline is what is left of the stream's when it
-    arrives (`time_remaining`: None without one, then the model's default applies). Each is
-    admitted against its tenant's quotas beside the stream (admission.StreamRequests), so one
-    stream runs no more generations at once than its tenant's `max_concurrency`."""
-    responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
-    admission = StreamRequests(predictor.admission, principal.policy)
-
-    async def run(request: kserve.ModelInferRequest) -> None:
-        try:
-            with admission.admitted():
-                stream = generate_one(predictor, request, principal, time_remaining())
-                async for response in stream:
-                    await responses.put(response)
-        except Exception as error:  # every request gets an answer, whatever failed
-            if not isinstance(error, ServingError):
-                log.exception("generate request %r failed", request.id)
-            status = status_of(error)
-            await responses.put(
-                kserve.ModelStreamInferResponse(
-                    error_message=f"{status.code.name}: {status.message}",
-                    infer_response=kserve.ModelInferResponse(id=request.id),
-                )
-            )
-
-    tasks: set[asyncio.Task[None]] = set()
-
-    async def read_all() -> None:
-        try:
-            async for request in requests:
-                task = asyncio.create_task(run(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.gather(*tasks)
-        finally:
-            await responses.put(None)  # also when reading failed: the stream must not hang
-
-    reader = asyncio.create_task(read_all())
-    try:
-        while (response := await responses.get()) is not None:
-            yield response
-        await reader  # raises what ended the reading (a message that does not parse)
-    finally:
-        # The client went away (or the stream failed): its generations stop too, freeing
-        # their KV blocks, instead of running on for nobody.
-        reader.cancel()
-        for task in list(tasks):
-            task.cancel()

@@ -219,6 +219,22 @@ def test_stock_kserve_v2_client(stack: Stack, reference_embedder) -> None:
         assert cosine(got, want) >= 0.999
 
 
+def test_stock_kserve_v2_client_streams_an_embedding_model(
+    stack: Stack, reference_embedder
+) -> None:
+    """tritonclient's start_stream / async_stream_infer on minilm (not decoupled): each text
+    answered once, by its request id, and a wrong request refused in-band beside them."""
+    texts = [f"streamed text number {i}" for i in range(12)]
+    result = run_kserve_client(stack.gateway.address, "--model", "minilm", "--stream", *texts)
+    assert sorted(result["embeddings"]) == sorted(f"t{i}" for i in range(12))
+    reference = reference_embedder(texts)
+    for i, want in enumerate(reference):
+        (got,) = np.asarray(result["embeddings"][f"t{i}"])
+        assert cosine(got, want) >= 0.999
+    (error,) = result["errors"]
+    assert error.startswith("INVALID_ARGUMENT: input text must be BYTES"), error
+
+
 def test_s38_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack) -> None:
     rows_before = worker_rows(stack)
     result = run_kserve_client(

@@ -11,6 +11,9 @@ With `--introspect` it prints the model's config and statistics as JSON (as perf
 them) and the status of an RPC this server declares but does not serve.
 With `--repository index|load|unload` it calls Triton's repository extension (--model names
 the model to load or unload) and prints {"status": "OK" or the error status, "message", "index"}.
+With `--stream` it sends each text as a request of its own on one ModelStreamInfer stream
+(`async_stream_infer`), and one FP32 request beside them, and prints {"embeddings": {request id:
+rows}, "errors": [messages]}.
 With `--expect-error` it only sends the infer request and prints the error it got back
 ({"error_status": "StatusCode.INVALID_ARGUMENT", "message": ...}); exits 1 if the call succeeded.
 """
@@ -57,6 +60,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         metavar="SAMPLING_JSON",
         help="stream a generation (decoupled model) of the first text with these sampling "
         "parameters, as Triton's LLM backends are called; prints the chunks and the final flags",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="each text a request of its own on one ModelStreamInfer stream, and one FP32 "
+        "request beside them; prints the embeddings by request id and the errors",
     )
     parser.add_argument("--no-stream", action="store_true", help="with --generate: stream=false")
     parser.add_argument(
@@ -234,6 +243,36 @@ def run_generate(client, args: argparse.Namespace, headers: dict | None) -> int:
     return 0
 
 
+def run_stream(client, args: argparse.Namespace, headers: dict | None) -> int:
+    """A model that is not decoupled on ModelStreamInfer, as Triton serves it: one response per
+    request; errors come in-band (the callback's `error`, with no request id)."""
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(
+        callback=lambda result, error: responses.put((result, error)), headers=headers
+    )
+    output = [grpcclient.InferRequestedOutput(OUTPUT_NAME)]
+    for i, text in enumerate(args.texts):
+        client.async_stream_infer(
+            model_name=args.model,
+            inputs=[make_input([text], "BYTES")],
+            request_id=f"t{i}",
+            outputs=output,
+        )
+    client.async_stream_infer(
+        model_name=args.model, inputs=[make_input(["wrong"], "FP32")], request_id="wrong"
+    )
+    embeddings, errors = {}, []
+    for _ in range(len(args.texts) + 1):
+        result, error = responses.get(timeout=args.timeout_s)
+        if error is not None:
+            errors.append(error.message())
+        else:
+            embeddings[result.get_response().id] = result.as_numpy(OUTPUT_NAME).tolist()
+    client.stop_stream()
+    print(json.dumps({"embeddings": embeddings, "errors": errors}))
+    return 0
+
+
 def run_introspect(client, args: argparse.Namespace, headers: dict | None) -> int:
     """ModelConfig and ModelStatistics as perf_analyzer and genai-perf call them, and the
     answer to a repository RPC (declared by Triton's service, not served here), after one
@@ -279,6 +318,8 @@ def main(argv: list[str]) -> int:
     try:
         if args.generate is not None:
             return run_generate(client, args, headers)
+        if args.stream:
+            return run_stream(client, args, headers)
         if args.introspect:
             return run_introspect(client, args, headers)
         if args.repository is not None:

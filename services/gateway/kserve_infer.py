@@ -1,0 +1,264 @@
+"""Inference requests of the Open Inference Protocol v2 (KServe v2) over gRPC: one
+`ModelInfer`, and the requests of a `ModelStreamInfer` stream, whatever the model.
+
+Triton serves every model on the stream, not only decoupled ones: a model that is not
+decoupled answers each request with exactly one response, and stock clients
+(tritonclient.grpc's `start_stream` and `async_stream_infer`) use it to keep many requests in
+flight over one call. That is also the cheap way in: a unary call costs the gateway grpc's
+whole per-call path (about one bare echo call of CPU, services.common.door), where a message on
+an open stream costs a read and a write. So embedding models and classifiers are served on
+the stream as `ModelInfer` serves them (same checks, admission, coalescing and answers), and
+generation models as services.gateway.kserve_generate streams them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import struct
+from collections.abc import AsyncIterator, Callable
+
+import numpy as np
+
+from services.common.errors import InvalidInput, Overloaded, ServingError
+from services.common.grpc_errors import status_of
+from services.common.model_repository import ModelConfig
+from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
+from services.gateway.admission import StreamRequests
+from services.gateway.auth import Principal
+from services.gateway.kserve_generate import check_inputs, generate_one
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.triton_info import request_parameters
+from services.pb.inference import grpc_service_pb2 as kserve
+
+log = logging.getLogger(__name__)
+
+#: The `api` label of requests served on a ModelStreamInfer stream (one count per request).
+STREAM_API = "kserve_v2_stream"
+#: Requests of one stream in flight at once; past it, a request is refused in-band before any
+#: work (a stream is one call at the door, so this bounds what one call may hold).
+MAX_STREAM_IN_FLIGHT = 1024
+
+_TYPED_FIELDS = {
+    "FP32": "fp32_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+}
+
+
+def _decode_bytes(raw: bytes, count: int) -> list[str]:
+    """Length-prefixed BYTES elements; INVALID_ARGUMENT if the framing or UTF-8 is wrong."""
+    texts, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise InvalidInput("BYTES tensor: truncated length prefix")
+        (length,) = struct.unpack_from("<I", raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise InvalidInput("BYTES tensor: element runs past the end of the data")
+        try:
+            texts.append(raw[offset : offset + length].decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
+        offset += length
+    if len(texts) != count:
+        raise InvalidInput(f"BYTES tensor holds {len(texts)} elements; its shape says {count}")
+    return texts
+
+
+def _num_rows(shape: list[int], row_dims: tuple[int, ...], name: str, *, is_bytes: bool) -> int:
+    """Rows in a [batch, *row_dims] input (BYTES: [batch] or [batch, 1])."""
+    if is_bytes:
+        is_valid = len(shape) == 1 or (len(shape) == 2 and shape[1] == 1)
+        expected = "[batch] or [batch, 1]"
+    else:
+        is_valid = len(shape) == len(row_dims) + 1 and tuple(shape[1:]) == row_dims
+        expected = f"[batch, {', '.join(map(str, row_dims))}]"
+    if not is_valid or shape[0] < 0:
+        raise InvalidInput(f"input {name} has shape {shape}; expected {expected}")
+    if shape[0] == 0:
+        raise InvalidInput(f"input {name} is empty")
+    return shape[0]
+
+
+def _values(
+    config: ModelConfig, request: kserve.ModelInferRequest, max_rows: int
+) -> list[PredictValue]:
+    """The request's rows, decoded only after every check on the tensor's metadata (name,
+    dtype, shape, row cap) has passed."""
+    check_inputs(request)
+    spec = config.inputs[0]
+    tensors = {t.name: i for i, t in enumerate(request.inputs)}
+    if set(tensors) != {spec.name}:
+        raise InvalidInput(
+            f"{config.name} takes exactly one input named {spec.name!r}, got {sorted(tensors)}"
+        )
+    index = tensors[spec.name]
+    tensor = request.inputs[index]
+    if tensor.datatype != spec.dtype:
+        raise InvalidInput(
+            f"input {spec.name} must be {spec.dtype}, got {tensor.datatype or 'none'}"
+        )
+    shape = list(tensor.shape)
+    count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
+    if count > max_rows:
+        raise InvalidInput(f"{count} inputs exceed the limit of {max_rows}")
+    if spec.dtype == "BYTES":
+        if request.raw_input_contents:
+            return list(_decode_bytes(request.raw_input_contents[index], count))
+        elements = list(tensor.contents.bytes_contents)
+        if len(elements) != count:
+            raise InvalidInput(
+                f"input {spec.name} holds {len(elements)} elements; shape says {count}"
+            )
+        try:
+            return [e.decode("utf-8") for e in elements]
+        except UnicodeDecodeError as error:
+            raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
+    dtype = NUMPY_DTYPES[spec.dtype]
+    num_elements = math.prod(shape)  # Python ints: a numpy product would wrap around
+    if num_elements > MAX_ELEMENTS:
+        raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
+    if request.raw_input_contents:
+        raw = request.raw_input_contents[index]
+        if len(raw) != num_elements * dtype.itemsize:
+            raise InvalidInput(f"input {spec.name}: {len(raw)} bytes do not match shape {shape}")
+        array = np.frombuffer(raw, dtype=dtype)
+    else:
+        field = _TYPED_FIELDS.get(spec.dtype)
+        values = getattr(tensor.contents, field) if field else []
+        if len(values) != num_elements:
+            raise InvalidInput(
+                f"input {spec.name}: {len(values)} values do not match shape {shape}"
+            )
+        array = np.asarray(values, dtype=dtype)
+    return list(array.reshape((count, *spec.dims)))
+
+
+async def infer_one(
+    predictor: Predictor,
+    request: kserve.ModelInferRequest,
+    principal: Principal,
+    time_left_s: float | None,
+    max_rows: int,
+) -> kserve.ModelInferResponse:
+    """One inference request of a model that is not decoupled; errors raise (ServingError).
+    `time_left_s` is the caller's (None: the model's default applies), `max_rows` the most
+    rows it may carry, checked before any element is decoded."""
+    config = predictor.catalog.config(request.model_name)
+    # Before any input is decoded: a caller may not spend our CPU on a model it may not use,
+    # nor on more rows than the cap.
+    principal.check_model(config.name)
+    if config.generation is not None:
+        raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
+    options = request_parameters(request.parameters)
+    output = config.outputs[0]
+    requested = [o.name for o in request.outputs]
+    if requested and requested != [output.name]:
+        raise InvalidInput(f"{config.name} has one output, {output.name!r}; asked {requested}")
+    result = await predictor.predict(
+        PredictCall(
+            model_name=request.model_name,
+            version_spec=request.model_version,
+            inputs=_values(config, request, max_rows),
+            principal=principal,
+            request_id=request.id,
+            timeout_s=options.deadline_s(time_left_s),
+            priority=options.priority,
+        )
+    )
+    batch = np.stack(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
+    return kserve.ModelInferResponse(
+        model_name=result.model_name,
+        model_version=result.model_version,
+        id=request.id,
+        outputs=[
+            kserve.ModelInferResponse.InferOutputTensor(
+                name=output.name, datatype=output.dtype, shape=list(batch.shape)
+            )
+        ],
+        raw_output_contents=[batch.tobytes()],
+    )
+
+
+async def stream_infer(
+    predictor: Predictor,
+    metrics: GatewayMetrics,
+    requests: AsyncIterator[kserve.ModelInferRequest],
+    principal: Principal,
+    time_remaining: Callable[[], float | None],
+    max_rows: int,
+) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    """Runs every request of the stream concurrently and yields their responses as they come:
+    one for a model that is not decoupled, a generation's as it streams them. A request's
+    error is reported in-band (`error_message`), as Triton does; the stream and the other
+    requests go on. Each request's deadline is its `timeout` parameter, else what is left of
+    the stream's when it arrives (`time_remaining`: None without one, then the model's default
+    applies). Each is admitted against its tenant's quotas beside the stream
+    (admission.StreamRequests), so one stream runs no more requests at once than its tenant's
+    `max_concurrency`. Requests to models that are not decoupled are counted one by one
+    (api `kserve_v2_stream`)."""
+    responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
+    admission = StreamRequests(predictor.admission, principal.policy)
+
+    async def infer(request: kserve.ModelInferRequest) -> None:
+        label = predictor.catalog.label_for(request.model_name)
+        with metrics.observe_request(STREAM_API, label):
+            response = await infer_one(predictor, request, principal, time_remaining(), max_rows)
+        responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
+
+    async def run(request: kserve.ModelInferRequest) -> None:
+        try:
+            with admission.admitted():
+                if predictor.catalog.config(request.model_name).generation is None:
+                    await infer(request)
+                    return
+                stream = generate_one(predictor, request, principal, time_remaining())
+                async for response in stream:
+                    responses.put_nowait(response)
+        except Exception as error:  # every request gets an answer, whatever failed
+            if not isinstance(error, ServingError):
+                log.exception("stream request %r failed", request.id)
+            responses.put_nowait(_error_response(request.id, error))
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def read_all() -> None:
+        try:
+            async for request in requests:
+                if len(tasks) >= MAX_STREAM_IN_FLIGHT:
+                    refusal = Overloaded(
+                        f"{MAX_STREAM_IN_FLIGHT} requests of this stream are in flight; "
+                        "wait for answers before sending more"
+                    )
+                    responses.put_nowait(_error_response(request.id, refusal))
+                    continue
+                task = asyncio.create_task(run(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.gather(*tasks)
+        finally:
+            responses.put_nowait(None)  # also when reading failed: the stream must not hang
+
+    reader = asyncio.create_task(read_all())
+    try:
+        while (response := await responses.get()) is not None:
+            yield response
+        await reader  # raises what ended the reading (a message that does not parse)
+    finally:
+        # The client went away (or the stream failed): its requests stop too (a generation
+        # frees its KV blocks, a bundled call its slice), instead of running on for nobody.
+        reader.cancel()
+        for task in list(tasks):
+            task.cancel()
+
+
+def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
+    """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id."""
+    status = status_of(error)
+    return kserve.ModelStreamInferResponse(
+        error_message=f"{status.code.name}: {status.message}",
+        infer_response=kserve.ModelInferResponse(id=request_id),
+    )

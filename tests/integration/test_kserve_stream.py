@@ -1,0 +1,166 @@
+"""ModelStreamInfer serves models that are not decoupled, as Triton does: one response per
+request, by id, the requests of one stream in flight together (a real in-process fabric: a
+redis-server, the router, a worker and the gateway over gRPC on loopback, serving the affine
+model and the `stall` model of tests/support/models.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from services.common import metric_names as names
+from services.gateway import kserve_infer
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from tests.support.in_process import Fabric, running_fabric
+from tests.support.models import (
+    STALL,
+    affine_reference,
+    release_stall,
+    write_affine_model,
+    write_stalling_model,
+)
+from tests.support.redis import RedisServer
+
+pytestmark = pytest.mark.integration
+
+PATIENT_S = 30.0
+
+
+@pytest.fixture
+async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
+    gate = tmp_path / "gate"
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    write_stalling_model(tmp_path / "repo", gate)
+    try:
+        async with running_fabric(tmp_path / "repo", redis_server) as fabric:
+            yield fabric
+    finally:
+        release_stall(gate)
+
+
+def _infer(request_id: str, rows: np.ndarray, *, model: str = "affine") -> kserve.ModelInferRequest:
+    tensor = kserve.ModelInferRequest.InferInputTensor(
+        name="x", datatype="FP32", shape=list(rows.shape)
+    )
+    return kserve.ModelInferRequest(
+        model_name=model, id=request_id, inputs=[tensor], raw_input_contents=[rows.tobytes()]
+    )
+
+
+def _rows(response: kserve.ModelInferResponse) -> np.ndarray:
+    (output,) = response.outputs
+    assert output.name == "y" and output.datatype == "FP32"
+    return np.frombuffer(response.raw_output_contents[0], dtype="<f4").reshape(output.shape)
+
+
+async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
+    fabric: Fabric,
+) -> None:
+    """32 one-row requests, a two-row one and a wrong one on one stream: each answered once
+    with its own rows, the wrong one in-band INVALID_ARGUMENT with its id, and each counted
+    (api kserve_v2_stream) by its own status."""
+    generator = np.random.default_rng(5)
+    sent = {f"r{i}": generator.uniform(-1, 1, (1, 4)).astype("<f4") for i in range(32)}
+    sent["two-rows"] = generator.uniform(-1, 1, (2, 4)).astype("<f4")
+    requests = [_infer(request_id, rows) for request_id, rows in sent.items()]
+    wrong = _infer("wrong", np.zeros((1, 4), dtype="<i4"))
+    wrong.inputs[0].datatype = "INT32"
+    requests.insert(10, wrong)
+    answers: dict[str, np.ndarray] = {}
+    errors: dict[str, str] = {}
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter(requests), timeout=PATIENT_S
+        )
+        async for response in call:
+            request_id = response.infer_response.id
+            assert request_id not in answers and request_id not in errors, request_id
+            if response.error_message:
+                errors[request_id] = response.error_message
+            else:
+                answers[request_id] = _rows(response.infer_response)
+        assert await call.code() == grpc.StatusCode.OK
+    assert set(answers) == set(sent)
+    for request_id, rows in sent.items():
+        expected = affine_reference(torch.from_numpy(rows)).numpy()
+        np.testing.assert_allclose(answers[request_id], expected, rtol=1e-5, atol=1e-6)
+    assert list(errors) == ["wrong"]
+    assert errors["wrong"].startswith("INVALID_ARGUMENT: input x must be FP32"), errors
+    counted = {
+        code: fabric.gateway_metric(
+            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model="affine", code=code
+        )
+        for code in ("OK", "INVALID_ARGUMENT")
+    }
+    assert counted == {"OK": 33, "INVALID_ARGUMENT": 1}
+    assert fabric.worker_metric(names.WORKER_ROWS_TOTAL) == 34
+
+
+async def test_a_request_past_its_timeout_parameter_ends_alone(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """A request held at the worker (the stall model) past its own `timeout` parameter is
+    answered DEADLINE_EXCEEDED in-band with its id, and the stream goes on: a request sent on
+    it afterwards is answered."""
+    stalled = _infer("stalled", np.full((1, 4), STALL, dtype="<f4"), model="stall")
+    stalled.parameters["timeout"].int64_param = 300_000  # microseconds, as Triton's
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
+        while (request := await queue.get()) is not None:
+            yield request
+
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            requests(), timeout=PATIENT_S
+        )
+        queue.put_nowait(stalled)
+        late = await call.read()
+        release_stall(tmp_path / "gate")
+        queue.put_nowait(_infer("after", np.ones((1, 4), dtype="<f4")))
+        after = await call.read()
+        queue.put_nowait(None)
+        assert await call.read() == grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+    assert late.infer_response.id == "stalled"
+    assert late.error_message.startswith("DEADLINE_EXCEEDED"), late.error_message
+    assert after.infer_response.id == "after" and not after.error_message
+    expected = affine_reference(torch.ones((1, 4))).numpy()
+    np.testing.assert_allclose(_rows(after.infer_response), expected, rtol=1e-5, atol=1e-6)
+
+
+async def test_a_stream_holds_no_more_requests_in_flight_than_its_cap(
+    fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With two requests of a stream held at the worker and a cap of two, a third is refused
+    in-band RESOURCE_EXHAUSTED at once, before any work; the two are answered once released."""
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_IN_FLIGHT", 2)
+    held = [_infer(f"held{i}", np.full((1, 4), STALL, dtype="<f4"), model="stall") for i in (0, 1)]
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+    for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
+        queue.put_nowait(request)
+
+    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
+        while (request := await queue.get()) is not None:
+            yield request
+
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            requests(), timeout=PATIENT_S
+        )
+        refused = await call.read()
+        release_stall(tmp_path / "gate")
+        answered = {(await call.read()).infer_response.id for _ in held}
+        queue.put_nowait(None)
+        assert await call.read() == grpc.aio.EOF
+    assert refused.infer_response.id == "third"
+    assert refused.error_message.startswith("RESOURCE_EXHAUSTED: 2 requests of this stream")
+    assert answered == {"held0", "held1"}
+    assert fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine") == 0
