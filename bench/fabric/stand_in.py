@@ -5,9 +5,9 @@ stand_in.py): real tokenization, batches that take the H100's measured time asle
 then costs no CPU, so the tiers are the bottleneck here as on the H100 (../shared/gpu/). The
 phase measures, in this order:
 - CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
-  stand-in and for the identity model in the same stack, in units of one bare grpc.aio echo
-  call's CPU measured in the same run, just before the stack starts ("echo-calls",
-  docs/benchmarks.md);
+  stand-in and for the identity model in the same stack (as unary calls, then as requests of
+  one open ModelStreamInfer stream), in units of one bare grpc.aio echo call's CPU measured in
+  the same run, just before the stack starts ("echo-calls", docs/benchmarks.md);
 - a flood at `STAND_IN_OVERLOAD` multiples of the identity model's closed-loop throughput at
   `CALLERS` (its capacity here: the tiers bind it as they bind the stand-in), followed by
   normal traffic at half of it (issue 33);
@@ -29,6 +29,7 @@ from bench.fabric.measure import Progress, Settings, Target, closed_loop, overlo
 from bench.fabric.observe import Observer
 from bench.fabric.report import flood_name
 from bench.fabric.stack import REPO_ROOT
+from bench.fabric.stream_target import StreamSender
 from bench.fabric.targets import identity_sender, predict_sender
 from services.sim.curve import LatencyCurve
 
@@ -106,24 +107,34 @@ async def measure_stand_in(
     observer = Observer(stack.pids(), stack.metrics_ports())
     send = predict_sender(channel, model, texts, timeout_s)
     raw_best = best_rate(STAND_IN_CURVE, bucket)
-    loads = {"minilm_stand_in": send, "identity": identity(channel, timeout_s)}
-    models = {"minilm_stand_in": model, "identity": "identity"}
+    stream = StreamSender(channel, timeout_s)
+    # The identity model's rows as unary calls, then the same rows as requests of one open
+    # ModelStreamInfer stream, one after the other.
+    loads = {
+        "minilm_stand_in": send,
+        "identity": identity(channel, timeout_s),
+        "identity_stream": stream.send,
+    }
+    models = {"minilm_stand_in": model, "identity": "identity", "identity_stream": "identity"}
     per_request: dict[str, Any] = {}
-    for name, sender in loads.items():
-        log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
-        run = await closed_loop(
-            sender, CALLERS, settings.overhead_s, observer=observer, model=models[name]
-        )
-        per_request[name] = {
-            **run,
-            "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
-            "callers_per_bundle": _rounded(
-                (run.get("breakdown") or {}).get("gateway", {}).get("callers_per_bundle")
-            ),
-        }
-        log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
-            f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
-            f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
+    try:
+        for name, sender in loads.items():
+            log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
+            run = await closed_loop(
+                sender, CALLERS, settings.overhead_s, observer=observer, model=models[name]
+            )
+            per_request[name] = {
+                **run,
+                "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
+                "callers_per_bundle": _rounded(
+                    (run.get("breakdown") or {}).get("gateway", {}).get("callers_per_bundle")
+                ),
+            }
+            log(f"[stand_in] {name}: {run['ok_per_s']:.0f}/s, echo-calls per request "
+                f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
+                f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
+    finally:
+        await stream.aclose()
     # The identity model's floods right after its capacity was measured, not minutes later.
     identity_capacity = per_request["identity"]["ok_per_s"]
     identity_floods, identity_after = await overload_phases(
