@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from services.common.door import Door
 from services.common.errors import (
     NotFound,
     PermissionDenied,
@@ -24,7 +25,7 @@ from services.common.errors import (
 from services.common.model_repository import TensorSpec
 from services.common.repository_state import ModelState
 from services.gateway.auth import Principal, current_principal
-from services.gateway.kserve_infer import infer_one, stream_infer
+from services.gateway.kserve_infer import StreamInfer, infer_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
 from services.gateway.repository_control import RepositoryControl
@@ -63,6 +64,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         *,
         max_inputs: int,
         repository: RepositoryControl | None = None,
+        door: Door | None = None,
     ) -> None:
         self._predictor = predictor
         self._metrics = metrics
@@ -70,6 +72,9 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self._max_inputs = max_inputs
         #: The fleet's desired model state (None without Redis: the repository RPCs refuse).
         self._repository = repository
+        #: ModelStreamInfer's requests pass the process's door one by one (unary calls pass
+        #: it as calls, before this servicer).
+        self._streams = StreamInfer(predictor, metrics, max_inputs, door)
 
     def _repository_control(self, action: str) -> RepositoryControl:
         """The repository control, for an admin caller only."""
@@ -202,13 +207,11 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[kserve.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
-        responses = stream_infer(
-            self._predictor,
-            self._metrics,
+        responses = self._streams.serve(
             request_iterator,
             current_principal(),
+            tuple(context.invocation_metadata() or ()),
             context.time_remaining,
-            self._max_inputs,
         )
         async for response in responses:
             yield response

@@ -18,11 +18,14 @@ import logging
 import math
 import struct
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.door import Door
 from services.common.errors import InvalidInput, Overloaded, ServingError
 from services.common.grpc_errors import status_of
+from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.admission import StreamRequests
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 #: The `api` label of requests served on a ModelStreamInfer stream (one count per request).
 STREAM_API = "kserve_v2_stream"
+#: The door's `method` label for the requests of streams it refuses.
+STREAM_DOOR_LABEL = "stream"
 #: Requests of one stream in flight at once; past it, a request is refused in-band before any
 #: work (a stream is one call at the door, so this bounds what one call may hold).
 MAX_STREAM_IN_FLIGHT = 1024
@@ -183,76 +188,116 @@ async def infer_one(
     )
 
 
-async def stream_infer(
-    predictor: Predictor,
-    metrics: GatewayMetrics,
-    requests: AsyncIterator[kserve.ModelInferRequest],
-    principal: Principal,
-    time_remaining: Callable[[], float | None],
-    max_rows: int,
-) -> AsyncIterator[kserve.ModelStreamInferResponse]:
-    """Runs every request of the stream concurrently and yields their responses as they come:
-    one for a model that is not decoupled, a generation's as it streams them. A request's
-    error is reported in-band (`error_message`), as Triton does; the stream and the other
-    requests go on. Each request's deadline is its `timeout` parameter, else what is left of
-    the stream's when it arrives (`time_remaining`: None without one, then the model's default
-    applies). Each is admitted against its tenant's quotas beside the stream
-    (admission.StreamRequests), so one stream runs no more requests at once than its tenant's
-    `max_concurrency`. Requests to models that are not decoupled are counted one by one
-    (api `kserve_v2_stream`)."""
-    responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
-    admission = StreamRequests(predictor.admission, principal.policy)
+@dataclass(frozen=True)
+class StreamInfer:
+    """Serves ModelStreamInfer streams (`serve`): what every stream of a gateway shares."""
 
-    async def infer(request: kserve.ModelInferRequest) -> None:
-        label = predictor.catalog.label_for(request.model_name)
-        with metrics.observe_request(STREAM_API, label):
-            response = await infer_one(predictor, request, principal, time_remaining(), max_rows)
-        responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
+    predictor: Predictor
+    metrics: GatewayMetrics
+    #: Most rows one request may carry.
+    max_rows: int
+    #: The process's door (services.common.door), which each request of a model that is not
+    #: decoupled passes as a call of its own would (None: no door).
+    door: Door | None = None
 
-    async def run(request: kserve.ModelInferRequest) -> None:
+    def _enter_door(
+        self, request: kserve.ModelInferRequest, metadata: Metadata
+    ) -> tuple[bool, Overloaded | None]:
+        """Whether `request` entered the door (to `leave` once answered), or its refusal.
+        Generation requests do not pass it (they have their own admission, and would hold a
+        place for a whole generation); nor do requests of an unknown model (refused later)."""
+        if self.door is None:
+            return False, None
         try:
-            with admission.admitted():
-                if predictor.catalog.config(request.model_name).generation is None:
-                    await infer(request)
-                    return
-                stream = generate_one(predictor, request, principal, time_remaining())
-                async for response in stream:
-                    responses.put_nowait(response)
-        except Exception as error:  # every request gets an answer, whatever failed
-            if not isinstance(error, ServingError):
-                log.exception("stream request %r failed", request.id)
-            responses.put_nowait(_error_response(request.id, error))
+            if self.predictor.catalog.config(request.model_name).generation is not None:
+                return False, None
+        except ServingError:
+            return False, None
+        refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
+        return refusal is None, refusal
 
-    tasks: set[asyncio.Task[None]] = set()
+    async def serve(
+        self,
+        requests: AsyncIterator[kserve.ModelInferRequest],
+        principal: Principal,
+        metadata: Metadata,
+        time_remaining: Callable[[], float | None],
+    ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+        """Runs every request of the stream concurrently and yields their responses as they
+        come: one for a model that is not decoupled, a generation's as it streams them. A
+        request's error is reported in-band (`error_message`), as Triton does; the stream and
+        the other requests go on. Each request's deadline is its `timeout` parameter, else what
+        is left of the stream's when it arrives (`time_remaining`: None without one, then the
+        model's default applies). A request of a model that is not decoupled first passes the
+        door as a call with the stream's `metadata` would, refused in-band at once past its
+        limit or while it sheds (not counted as a request: the door counts it). Each request
+        is then admitted against its tenant's quotas beside the stream
+        (admission.StreamRequests), so one stream runs no more requests at once than its
+        tenant's `max_concurrency`. Requests to models that are not decoupled are counted one
+        by one (api `kserve_v2_stream`)."""
+        predictor, max_rows = self.predictor, self.max_rows
+        responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
+        admission = StreamRequests(predictor.admission, principal.policy)
 
-    async def read_all() -> None:
+        async def infer(request: kserve.ModelInferRequest) -> None:
+            label = predictor.catalog.label_for(request.model_name)
+            with self.metrics.observe_request(STREAM_API, label):
+                time_left_s = time_remaining()
+                response = await infer_one(predictor, request, principal, time_left_s, max_rows)
+            responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
+
+        async def run(request: kserve.ModelInferRequest, has_entered: bool) -> None:
+            try:
+                with admission.admitted():
+                    if predictor.catalog.config(request.model_name).generation is None:
+                        await infer(request)
+                        return
+                    stream = generate_one(predictor, request, principal, time_remaining())
+                    async for response in stream:
+                        responses.put_nowait(response)
+            except Exception as error:  # every request gets an answer, whatever failed
+                if not isinstance(error, ServingError):
+                    log.exception("stream request %r failed", request.id)
+                responses.put_nowait(_error_response(request.id, error))
+            finally:
+                if has_entered and self.door is not None:
+                    self.door.leave()
+
+        tasks: set[asyncio.Task[None]] = set()
+
+        async def read_all() -> None:
+            try:
+                async for request in requests:
+                    if len(tasks) >= MAX_STREAM_IN_FLIGHT:
+                        refusal: Overloaded | None = Overloaded(
+                            f"{MAX_STREAM_IN_FLIGHT} requests of this stream are in flight; "
+                            "wait for answers before sending more"
+                        )
+                        has_entered = False
+                    else:
+                        has_entered, refusal = self._enter_door(request, metadata)
+                    if refusal is not None:
+                        responses.put_nowait(_error_response(request.id, refusal))
+                        continue
+                    task = asyncio.create_task(run(request, has_entered))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*tasks)
+            finally:
+                responses.put_nowait(None)  # also when reading failed: the stream must not hang
+
+        reader = asyncio.create_task(read_all())
         try:
-            async for request in requests:
-                if len(tasks) >= MAX_STREAM_IN_FLIGHT:
-                    refusal = Overloaded(
-                        f"{MAX_STREAM_IN_FLIGHT} requests of this stream are in flight; "
-                        "wait for answers before sending more"
-                    )
-                    responses.put_nowait(_error_response(request.id, refusal))
-                    continue
-                task = asyncio.create_task(run(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.gather(*tasks)
+            while (response := await responses.get()) is not None:
+                yield response
+            await reader  # raises what ended the reading (a message that does not parse)
         finally:
-            responses.put_nowait(None)  # also when reading failed: the stream must not hang
-
-    reader = asyncio.create_task(read_all())
-    try:
-        while (response := await responses.get()) is not None:
-            yield response
-        await reader  # raises what ended the reading (a message that does not parse)
-    finally:
-        # The client went away (or the stream failed): its requests stop too (a generation
-        # frees its KV blocks, a bundled call its slice), instead of running on for nobody.
-        reader.cancel()
-        for task in list(tasks):
-            task.cancel()
+            # The client went away (or the stream failed): its requests stop too (a
+            # generation frees its KV blocks, a bundled call its slice), instead of running on
+            # for nobody.
+            reader.cancel()
+            for task in list(tasks):
+                task.cancel()
 
 
 def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:

@@ -180,14 +180,22 @@ def _watch_keys(
 
 
 def _add_services(
-    server: grpc.aio.Server, config: GatewayConfig, predictor: Predictor, metrics: GatewayMetrics
+    server: grpc.aio.Server,
+    config: GatewayConfig,
+    predictor: Predictor,
+    metrics: GatewayMetrics,
+    door: Door | None,
 ) -> RepositoryControl | None:
     """The public services on `server`; returns the repository control (None without Redis)."""
     api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
     repository = start_repository_control(predictor.catalog, config)
     kserve_grpc.add_GRPCInferenceServiceServicer_to_server(
         KServeServicer(
-            predictor, metrics, max_inputs=config.max_inputs_per_request, repository=repository
+            predictor,
+            metrics,
+            max_inputs=config.max_inputs_per_request,
+            repository=repository,
+            door=door,
         ),
         server,
     )
@@ -226,7 +234,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         max_pending_calls=config.max_pending_calls,
         door=door,
     )
-    repository = _add_services(server, config, predictor, metrics)
+    repository = _add_services(server, config, predictor, metrics, door)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     if door is not None:

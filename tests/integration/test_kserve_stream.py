@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from services.common import metric_names as names
+from services.common.door_config import DoorConfig
 from services.gateway import kserve_infer
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
@@ -27,6 +28,7 @@ from tests.support.models import (
     write_stalling_model,
 )
 from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -164,3 +166,56 @@ async def test_a_stream_holds_no_more_requests_in_flight_than_its_cap(
     assert refused.error_message.startswith("RESOURCE_EXHAUSTED: 2 requests of this stream")
     assert answered == {"held0", "held1"}
     assert fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine") == 0
+
+
+async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A gateway door of one place: a stream's request held at the worker takes it, so the
+    stream's next request is refused in-band with the door's words before any work, and so is a
+    unary ModelInfer beside it; once the held request is answered its place is free again."""
+    gate = tmp_path / "gate"
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    write_stalling_model(tmp_path / "repo", gate)
+    one_place = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+
+    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
+        while (request := await queue.get()) is not None:
+            yield request
+
+    try:
+        async with (
+            running_fabric(
+                tmp_path / "repo", redis_server, gateway_settings={"door": one_place}
+            ) as fabric,
+            grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+        ):
+            door = fabric.gateway.door
+            assert door is not None
+            stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+            call = stub.ModelStreamInfer(requests(), timeout=PATIENT_S)
+            queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
+            await eventually(lambda: door.num_in_flight == 1, message="the held request entered")
+            queue.put_nowait(_infer("refused", np.ones((1, 4), dtype="<f4")))
+            refused = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await stub.ModelInfer(_infer("unary", np.ones((1, 4), dtype="<f4")), timeout=5)
+            release_stall(gate)
+            held = await call.read()
+            await eventually(lambda: door.num_in_flight == 0, message="the place is free")
+            queue.put_nowait(_infer("after", np.ones((1, 4), dtype="<f4")))
+            after = await call.read()
+            queue.put_nowait(None)
+            assert await call.read() == grpc.aio.EOF
+            rows = fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine")
+            refusals = fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="stream")
+    finally:
+        release_stall(gate)
+    assert refused.infer_response.id == "refused"
+    assert refused.error_message.startswith("RESOURCE_EXHAUSTED: overloaded: this process has 1")
+    assert unary.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert held.infer_response.id == "held" and not held.error_message
+    assert after.infer_response.id == "after" and not after.error_message
+    assert rows == 1  # the request after; neither refused one reached the worker
+    assert refusals == 1
