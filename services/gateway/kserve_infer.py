@@ -42,9 +42,12 @@ log = logging.getLogger(__name__)
 STREAM_API = "kserve_v2_stream"
 #: The door's `method` label for the requests of streams it refuses.
 STREAM_DOOR_LABEL = "stream"
-#: Requests of one stream in flight at once; past it, a request is refused in-band before any
-#: work (a stream is one call at the door, so this bounds what one call may hold).
-MAX_STREAM_IN_FLIGHT = 1024
+#: What one stream may hold at once: requests in flight and answers not written yet. At it,
+#: the gateway reads no more of the stream until answers are written (HTTP/2's flow control
+#: then holds the caller's further requests), so one call holds bounded memory: a stream's
+#: answers are written one at a time, and a flood past what they carry would otherwise pile
+#: up answers (and refusals, each one more message) without end.
+MAX_STREAM_HELD = 1024
 
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",
@@ -234,7 +237,8 @@ class StreamInfer:
         is then admitted against its tenant's quotas beside the stream
         (admission.StreamRequests), so one stream runs no more requests at once than its
         tenant's `max_concurrency`. Requests to models that are not decoupled are counted one
-        by one (api `kserve_v2_stream`)."""
+        by one (api `kserve_v2_stream`). While the stream holds MAX_STREAM_HELD requests in
+        flight and answers not written, no more of it is read."""
         predictor, max_rows = self.predictor, self.max_rows
         responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
         admission = StreamRequests(predictor.admission, principal.policy)
@@ -264,24 +268,24 @@ class StreamInfer:
                     self.door.leave()
 
         tasks: set[asyncio.Task[None]] = set()
+        room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
+
+        def held() -> int:
+            return len(tasks) + responses.qsize()
 
         async def read_all() -> None:
             try:
                 async for request in requests:
-                    if len(tasks) >= MAX_STREAM_IN_FLIGHT:
-                        refusal: Overloaded | None = Overloaded(
-                            f"{MAX_STREAM_IN_FLIGHT} requests of this stream are in flight; "
-                            "wait for answers before sending more"
-                        )
-                        has_entered = False
-                    else:
-                        has_entered, refusal = self._enter_door(request, metadata)
+                    has_entered, refusal = self._enter_door(request, metadata)
                     if refusal is not None:
                         responses.put_nowait(_error_response(request.id, refusal))
-                        continue
-                    task = asyncio.create_task(run(request, has_entered))
-                    tasks.add(task)
-                    task.add_done_callback(tasks.discard)
+                    else:
+                        task = asyncio.create_task(run(request, has_entered))
+                        tasks.add(task)
+                        task.add_done_callback(tasks.discard)
+                    while held() >= MAX_STREAM_HELD:  # read on once answers are written
+                        room.clear()
+                        await room.wait()
                 await asyncio.gather(*tasks)
             finally:
                 responses.put_nowait(None)  # also when reading failed: the stream must not hang
@@ -289,6 +293,8 @@ class StreamInfer:
         reader = asyncio.create_task(read_all())
         try:
             while (response := await responses.get()) is not None:
+                if held() < MAX_STREAM_HELD:
+                    room.set()
                 yield response
             await reader  # raises what ended the reading (a message that does not parse)
         finally:

@@ -138,12 +138,13 @@ async def test_a_request_past_its_timeout_parameter_ends_alone(
     np.testing.assert_allclose(_rows(after.infer_response), expected, rtol=1e-5, atol=1e-6)
 
 
-async def test_a_stream_holds_no_more_requests_in_flight_than_its_cap(
+async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_go_out(
     fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With two requests of a stream held at the worker and a cap of two, a third is refused
-    in-band RESOURCE_EXHAUSTED at once, before any work; the two are answered once released."""
-    monkeypatch.setattr(kserve_infer, "MAX_STREAM_IN_FLIGHT", 2)
+    """With two requests of a stream held at the worker and a stream that may hold two, the
+    gateway reads no third request (none refused, none passing the door, none run) until an
+    answer is written; then every request is answered."""
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_HELD", 2)
     held = [_infer(f"held{i}", np.full((1, 4), STALL, dtype="<f4"), model="stall") for i in (0, 1)]
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
     for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
@@ -153,19 +154,30 @@ async def test_a_stream_holds_no_more_requests_in_flight_than_its_cap(
         while (request := await queue.get()) is not None:
             yield request
 
+    def stream_requests(model: str) -> float:
+        return fabric.gateway_metric(
+            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model=model
+        )
+
     async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
         call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
             requests(), timeout=PATIENT_S
         )
-        refused = await call.read()
+        door = fabric.gateway.door
+        assert door is not None
+        await eventually(lambda: door.num_in_flight == 2, message="both held requests read")
+        await eventually(lambda: queue.empty(), message="the client sent all three")
+        await asyncio.sleep(0.5)  # time for a third request to be read, were it to be
+        # Every request read passes the door: it holds the two, not the third.
+        unread = (door.num_in_flight, fabric.worker_metric(names.WORKER_ROWS_TOTAL))
         release_stall(tmp_path / "gate")
-        answered = {(await call.read()).infer_response.id for _ in held}
+        answers = [await call.read() for _ in range(3)]
         queue.put_nowait(None)
         assert await call.read() == grpc.aio.EOF
-    assert refused.infer_response.id == "third"
-    assert refused.error_message.startswith("RESOURCE_EXHAUSTED: 2 requests of this stream")
-    assert answered == {"held0", "held1"}
-    assert fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine") == 0
+    assert unread == (2, 0)
+    assert sorted(a.infer_response.id for a in answers) == ["held0", "held1", "third"]
+    assert not any(a.error_message for a in answers), answers
+    assert stream_requests("affine") == 1 and stream_requests("stall") == 2
 
 
 async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
