@@ -29,14 +29,19 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
-from tests.support.in_process import Fabric, metric, running_fabric, start_lone_gateway
+from tests.support.in_process import (
+    Fabric,
+    affine_and_stall_fabric,
+    metric,
+    running_fabric,
+    start_lone_gateway,
+)
 from tests.support.models import (
     STALL,
     affine_reference,
     release_stall,
     write_affine_model,
     write_minilm_repository,
-    write_stalling_model,
 )
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -66,14 +71,8 @@ def bundle(model: str, slices: list[tuple[list[np.ndarray], pb.Slice]]) -> pb.In
 
 @pytest.fixture
 async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
-    gate = tmp_path / "gate"
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    write_stalling_model(tmp_path / "repo", gate)
-    try:
-        async with running_fabric(tmp_path / "repo", redis_server) as fabric:
-            yield fabric
-    finally:
-        release_stall(gate)
+    async with affine_and_stall_fabric(tmp_path, redis_server) as fabric:
+        yield fabric
 
 
 async def test_each_slice_of_a_bundle_is_answered_on_its_own(

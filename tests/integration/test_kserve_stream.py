@@ -19,13 +19,11 @@ from services.common.door_config import DoorConfig
 from services.gateway import kserve_infer
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
-from tests.support.in_process import Fabric, running_fabric
+from tests.support.in_process import Fabric, affine_and_stall_fabric
 from tests.support.models import (
     STALL,
     affine_reference,
     release_stall,
-    write_affine_model,
-    write_stalling_model,
 )
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -37,14 +35,8 @@ PATIENT_S = 30.0
 
 @pytest.fixture
 async def fabric(tmp_path: Path, redis_server: RedisServer) -> AsyncIterator[Fabric]:
-    gate = tmp_path / "gate"
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    write_stalling_model(tmp_path / "repo", gate)
-    try:
-        async with running_fabric(tmp_path / "repo", redis_server) as fabric:
-            yield fabric
-    finally:
-        release_stall(gate)
+    async with affine_and_stall_fabric(tmp_path, redis_server) as fabric:
+        yield fabric
 
 
 def _infer(request_id: str, rows: np.ndarray, *, model: str = "affine") -> kserve.ModelInferRequest:
@@ -186,9 +178,6 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
     """A gateway door of one place: a stream's request held at the worker takes it, so the
     stream's next request is refused in-band with the door's words before any work, and so is a
     unary ModelInfer beside it; once the held request is answered its place is free again."""
-    gate = tmp_path / "gate"
-    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
-    write_stalling_model(tmp_path / "repo", gate)
     one_place = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
 
@@ -196,34 +185,31 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
         while (request := await queue.get()) is not None:
             yield request
 
-    try:
-        async with (
-            running_fabric(
-                tmp_path / "repo", redis_server, gateway_settings={"door": one_place}
-            ) as fabric,
-            grpc.aio.insecure_channel(fabric.gateway_address) as channel,
-        ):
-            door = fabric.gateway.door
-            assert door is not None
-            stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-            call = stub.ModelStreamInfer(requests(), timeout=PATIENT_S)
-            queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
-            await eventually(lambda: door.num_in_flight == 1, message="the held request entered")
-            queue.put_nowait(_infer("refused", np.ones((1, 4), dtype="<f4")))
-            refused = await call.read()
-            with pytest.raises(grpc.aio.AioRpcError) as unary:
-                await stub.ModelInfer(_infer("unary", np.ones((1, 4), dtype="<f4")), timeout=5)
-            release_stall(gate)
-            held = await call.read()
-            await eventually(lambda: door.num_in_flight == 0, message="the place is free")
-            queue.put_nowait(_infer("after", np.ones((1, 4), dtype="<f4")))
-            after = await call.read()
-            queue.put_nowait(None)
-            assert await call.read() == grpc.aio.EOF
-            rows = fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine")
-            refusals = fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="stream")
-    finally:
-        release_stall(gate)
+    async with (
+        affine_and_stall_fabric(
+            tmp_path, redis_server, gateway_settings={"door": one_place}
+        ) as fabric,
+        grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+    ):
+        door = fabric.gateway.door
+        assert door is not None
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelStreamInfer(requests(), timeout=PATIENT_S)
+        queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
+        await eventually(lambda: door.num_in_flight == 1, message="the held request entered")
+        queue.put_nowait(_infer("refused", np.ones((1, 4), dtype="<f4")))
+        refused = await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.ModelInfer(_infer("unary", np.ones((1, 4), dtype="<f4")), timeout=5)
+        release_stall(tmp_path / "gate")
+        held = await call.read()
+        await eventually(lambda: door.num_in_flight == 0, message="the place is free")
+        queue.put_nowait(_infer("after", np.ones((1, 4), dtype="<f4")))
+        after = await call.read()
+        queue.put_nowait(None)
+        assert await call.read() == grpc.aio.EOF
+        rows = fabric.worker_metric(names.WORKER_ROWS_TOTAL, model="affine")
+        refusals = fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="stream")
     assert refused.infer_response.id == "refused"
     assert refused.error_message.startswith("RESOURCE_EXHAUSTED: overloaded: this process has 1")
     assert unary.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -25,6 +25,7 @@ from services.gpu_worker.server import Worker, create_worker
 from services.router.config import RouterConfig
 from services.router.server import Router, create_router
 from tests.support.metrics import total
+from tests.support.models import release_stall, write_affine_model, write_stalling_model
 from tests.support.processes import health_status
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -247,3 +248,20 @@ async def _is_ready(fabric: Fabric, repository: Path, num_live_workers: int) -> 
     return all(fabric.gateway.catalog.served_versions(model) for model in models) and (
         await health_status(fabric.gateway_address) == health_pb2.HealthCheckResponse.SERVING
     )
+
+
+@contextlib.asynccontextmanager
+async def affine_and_stall_fabric(
+    tmp_path: Path, redis_server: RedisServer, **settings: Any
+) -> AsyncIterator[Fabric]:
+    """`running_fabric` (with `settings`) over the affine model and the `stall` model
+    (tests/support/models.py), whose calls with a STALL row hold the worker's executor until
+    `release_stall(tmp_path / "gate")`; the gate is opened when the fabric stops too."""
+    gate = tmp_path / "gate"
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    write_stalling_model(tmp_path / "repo", gate)
+    try:
+        async with running_fabric(tmp_path / "repo", redis_server, **settings) as fabric:
+            yield fabric
+    finally:
+        release_stall(gate)
