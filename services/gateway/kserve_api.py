@@ -9,6 +9,7 @@ the order of `outputs`.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
@@ -207,14 +208,17 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         request_iterator: AsyncIterator[kserve.ModelInferRequest],
         context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
-        responses = self._streams.serve(
+        served = self._streams.serve(
             request_iterator,
             current_principal(),
             tuple(context.invocation_metadata() or ()),
             context.time_remaining,
         )
-        async for response in responses:
-            yield response
+        # Closed here when the client goes away, not whenever it is collected: its requests
+        # stop at once (serve's `finally`).
+        async with contextlib.aclosing(served) as responses:
+            async for response in responses:
+                yield response
 
     async def ModelInfer(
         self, request: kserve.ModelInferRequest, context: grpc.aio.ServicerContext

@@ -17,8 +17,9 @@ import asyncio
 import logging
 import math
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -46,7 +47,8 @@ STREAM_DOOR_LABEL = "stream"
 #: the gateway reads no more of the stream until answers are written (HTTP/2's flow control
 #: then holds the caller's further requests), so one call holds bounded memory: a stream's
 #: answers are written one at a time, and a flood past what they carry would otherwise pile
-#: up answers (and refusals, each one more message) without end.
+#: up answers (and refusals, each one more message) without end. A generation in flight may
+#: add tokens beyond it, as many as it generates before they are written.
 MAX_STREAM_HELD = 1024
 
 _TYPED_FIELDS = {
@@ -203,18 +205,21 @@ class StreamInfer:
     #: decoupled passes as a call of its own would (None: no door).
     door: Door | None = None
 
+    def _is_generation(self, model_name: str) -> bool:
+        """Whether `model_name` is a known generation model (any other request is served as
+        ModelInfer serves it, an unknown model's refused NOT_FOUND there)."""
+        try:
+            return self.predictor.catalog.config(model_name).generation is not None
+        except ServingError:
+            return False
+
     def _enter_door(
         self, request: kserve.ModelInferRequest, metadata: Metadata
     ) -> tuple[bool, Overloaded | None]:
         """Whether `request` entered the door (to `leave` once answered), or its refusal.
-        Generation requests do not pass it (they have their own admission, and would hold a
-        place for a whole generation); nor do requests of an unknown model (refused later)."""
-        if self.door is None:
-            return False, None
-        try:
-            if self.predictor.catalog.config(request.model_name).generation is not None:
-                return False, None
-        except ServingError:
+        Generation requests do not pass it: they have their own admission, and would hold a
+        place for a whole generation."""
+        if self.door is None or self._is_generation(request.model_name):
             return False, None
         refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
         return refusal is None, refusal
@@ -225,7 +230,7 @@ class StreamInfer:
         principal: Principal,
         metadata: Metadata,
         time_remaining: Callable[[], float | None],
-    ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+    ) -> AsyncGenerator[kserve.ModelStreamInferResponse, None]:
         """Runs every request of the stream concurrently and yields their responses as they
         come: one for a model that is not decoupled, a generation's as it streams them. A
         request's error is reported in-band (`error_message`), as Triton does; the stream and
@@ -236,9 +241,10 @@ class StreamInfer:
         limit or while it sheds (not counted as a request: the door counts it). Each request
         is then admitted against its tenant's quotas beside the stream
         (admission.StreamRequests), so one stream runs no more requests at once than its
-        tenant's `max_concurrency`. Requests to models that are not decoupled are counted one
-        by one (api `kserve_v2_stream`). While the stream holds MAX_STREAM_HELD requests in
-        flight and answers not written, no more of it is read."""
+        tenant's `max_concurrency`. Requests to models that are not decoupled (or unknown) are
+        counted one by one (api `kserve_v2_stream`). While the stream holds MAX_STREAM_HELD
+        requests in flight and answers not written, no more of it is read (a generation's
+        answers count once written, not as they come)."""
         predictor, max_rows = self.predictor, self.max_rows
         responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
         admission = StreamRequests(predictor.admission, principal.policy)
@@ -250,10 +256,10 @@ class StreamInfer:
                 response = await infer_one(predictor, request, principal, time_left_s, max_rows)
             responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
 
-        async def run(request: kserve.ModelInferRequest, has_entered: bool) -> None:
+        async def run(request: kserve.ModelInferRequest) -> None:
             try:
                 with admission.admitted():
-                    if predictor.catalog.config(request.model_name).generation is None:
+                    if not self._is_generation(request.model_name):
                         await infer(request)
                         return
                     stream = generate_one(predictor, request, principal, time_remaining())
@@ -263,15 +269,22 @@ class StreamInfer:
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
                 responses.put_nowait(_error_response(request.id, error))
-            finally:
-                if has_entered and self.door is not None:
-                    self.door.leave()
 
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
 
         def held() -> int:
             return len(tasks) + responses.qsize()
+
+        def finished(task: asyncio.Task[None], *, has_entered: bool) -> None:
+            # A done callback, not `run`'s own `finally`: a task cancelled before it ever ran
+            # (the stream ending in the loop turn that made it) runs no `finally`, and its
+            # place at the door would never be given back.
+            tasks.discard(task)
+            if has_entered and self.door is not None:
+                self.door.leave()
+            if held() < MAX_STREAM_HELD:
+                room.set()
 
         async def read_all() -> None:
             try:
@@ -280,9 +293,9 @@ class StreamInfer:
                     if refusal is not None:
                         responses.put_nowait(_error_response(request.id, refusal))
                     else:
-                        task = asyncio.create_task(run(request, has_entered))
+                        task = asyncio.create_task(run(request))
                         tasks.add(task)
-                        task.add_done_callback(tasks.discard)
+                        task.add_done_callback(partial(finished, has_entered=has_entered))
                     while held() >= MAX_STREAM_HELD:  # read on once answers are written
                         room.clear()
                         await room.wait()

@@ -17,6 +17,8 @@ import torch
 from services.common import metric_names as names
 from services.common.door_config import DoorConfig
 from services.gateway import kserve_infer
+from services.gateway.auth import LOCAL_PRINCIPAL
+from services.gateway.kserve_infer import StreamInfer
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from tests.support.in_process import Fabric, affine_and_stall_fabric
@@ -57,9 +59,10 @@ def _rows(response: kserve.ModelInferResponse) -> np.ndarray:
 async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
     fabric: Fabric,
 ) -> None:
-    """32 one-row requests, a two-row one and a wrong one on one stream: each answered once
-    with its own rows, the wrong one in-band INVALID_ARGUMENT with its id, and each counted
-    (api kserve_v2_stream) by its own status."""
+    """32 one-row requests, a two-row one, a wrong one and one of an unknown model on one
+    stream: each answered once with its own rows, the wrong one in-band INVALID_ARGUMENT and
+    the unknown model's NOT_FOUND with their ids, and each counted (api kserve_v2_stream) by
+    its own status, as ModelInfer counts its calls."""
     generator = np.random.default_rng(5)
     sent = {f"r{i}": generator.uniform(-1, 1, (1, 4)).astype("<f4") for i in range(32)}
     sent["two-rows"] = generator.uniform(-1, 1, (2, 4)).astype("<f4")
@@ -67,6 +70,7 @@ async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
     wrong = _infer("wrong", np.zeros((1, 4), dtype="<i4"))
     wrong.inputs[0].datatype = "INT32"
     requests.insert(10, wrong)
+    requests.insert(20, _infer("unknown", np.ones((1, 4), dtype="<f4"), model="no-such-model"))
     answers: dict[str, np.ndarray] = {}
     errors: dict[str, str] = {}
     async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
@@ -85,8 +89,9 @@ async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
     for request_id, rows in sent.items():
         expected = affine_reference(torch.from_numpy(rows)).numpy()
         np.testing.assert_allclose(answers[request_id], expected, rtol=1e-5, atol=1e-6)
-    assert list(errors) == ["wrong"]
+    assert sorted(errors) == ["unknown", "wrong"]
     assert errors["wrong"].startswith("INVALID_ARGUMENT: input x must be FP32"), errors
+    assert errors["unknown"].startswith("NOT_FOUND: model 'no-such-model'"), errors
     counted = {
         code: fabric.gateway_metric(
             names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model="affine", code=code
@@ -94,6 +99,12 @@ async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
         for code in ("OK", "INVALID_ARGUMENT")
     }
     assert counted == {"OK": 33, "INVALID_ARGUMENT": 1}
+    assert (
+        fabric.gateway_metric(
+            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model="other", code="NOT_FOUND"
+        )
+        == 1
+    )
     assert fabric.worker_metric(names.WORKER_ROWS_TOTAL) == 34
 
 
@@ -178,7 +189,9 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
     """A gateway door of one place: a stream's request held at the worker takes it, so the
     stream's next request is refused in-band with the door's words before any work, and so is a
     unary ModelInfer beside it; once the held request is answered its place is free again."""
-    one_place = DoorConfig(initial_limit=1, min_limit=1, max_limit=1)
+    # One caller, over its share however long the test takes (a caller unseen for two share
+    # windows would count as new, and a new caller is let in).
+    one_place = DoorConfig(initial_limit=1, min_limit=1, max_limit=1, share_window_s=3600)
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
 
     async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
@@ -217,3 +230,48 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
     assert after.infer_response.id == "after" and not after.error_message
     assert rows == 1  # the request after; neither refused one reached the worker
     assert refusals == 1
+
+
+async def test_a_stream_that_ends_before_its_request_ran_gives_the_door_place_back(
+    fabric: Fabric,
+) -> None:
+    """The stream's consumer is cancelled (the client went away) in the loop turn that made a
+    request's task, before it first ran: the task is cancelled unstarted, and the place it
+    took at the door is given back all the same."""
+    gateway = fabric.gateway
+    door = gateway.door
+    assert door is not None
+    streams = StreamInfer(gateway.predictor, gateway.metrics, 8, door)
+    consumer: asyncio.Task[kserve.ModelStreamInferResponse] | None = None
+
+    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
+        assert consumer is not None
+        consumer.cancel()  # runs before the task made for the request below
+        yield _infer("unstarted", np.ones((1, 4), dtype="<f4"))
+        await asyncio.Event().wait()  # the client sends nothing more
+
+    served = streams.serve(requests(), LOCAL_PRINCIPAL, (), lambda: PATIENT_S)
+    consumer = asyncio.create_task(anext(served))
+    with pytest.raises(asyncio.CancelledError):
+        await consumer
+    await served.aclose()
+    await eventually(lambda: door.num_in_flight == 0, message="the place was given back")
+    assert fabric.worker_metric(names.WORKER_ROWS_TOTAL) == 0
+
+
+async def test_a_stream_that_may_hold_one_request_serves_one_after_another(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Room for one: each answer written lets the next request be read, so three requests sent
+    at once are all answered (reading resumes when a request's task ends, not only when an
+    answer is taken for writing, which would leave the reader waiting for ever)."""
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_HELD", 1)
+    requests = [_infer(f"r{i}", np.full((1, 4), i, dtype="<f4")) for i in range(3)]
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            iter(requests), timeout=PATIENT_S
+        )
+        answers = [response async for response in call]
+        assert await call.code() == grpc.StatusCode.OK
+    assert [a.infer_response.id for a in answers] == ["r0", "r1", "r2"]
+    assert not any(a.error_message for a in answers), answers
