@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 
+from bench.fabric.loadgen import Send
 from bench.fabric.measure import Progress, Settings, Target, closed_loop, overload_phases, sweep
 from bench.fabric.observe import Observer
 from bench.fabric.report import flood_name
@@ -107,18 +108,26 @@ async def measure_stand_in(
     observer = Observer(stack.pids(), stack.metrics_ports())
     send = predict_sender(channel, model, texts, timeout_s)
     raw_best = best_rate(STAND_IN_CURVE, bucket)
-    stream = StreamSender(channel, timeout_s)
+    streams: list[StreamSender] = []
+
+    def on_one_stream() -> Send:
+        """Opened when its phase begins, not idle through the phases before it."""
+        streams.append(StreamSender(channel, timeout_s))
+        return streams[-1].send
+
     # The identity model's rows as unary calls, then the same rows as requests of one open
     # ModelStreamInfer stream, one after the other.
-    loads = {
-        "minilm_stand_in": send,
-        "identity": identity(channel, timeout_s),
-        "identity_stream": stream.send,
+    loads: dict[str, Callable[[], Send]] = {
+        "minilm_stand_in": lambda: send,
+        "identity": lambda: identity(channel, timeout_s),
+        "identity_stream": on_one_stream,
     }
     models = {"minilm_stand_in": model, "identity": "identity", "identity_stream": "identity"}
     per_request: dict[str, Any] = {}
+    senders: dict[str, Send] = {}
     try:
-        for name, sender in loads.items():
+        for name, opened in loads.items():
+            sender = senders[name] = opened()
             log(f"[stand_in] {name}: {CALLERS} closed-loop callers of one row")
             run = await closed_loop(
                 sender, CALLERS, settings.overhead_s, observer=observer, model=models[name]
@@ -134,11 +143,12 @@ async def measure_stand_in(
                 f"{per_request[name]['echo_calls_per_request']}, callers a bundle "
                 f"{per_request[name]['callers_per_bundle']}")  # fmt: skip
     finally:
-        await stream.aclose()
+        for stream in streams:
+            await stream.aclose()
     # The identity model's floods right after its capacity was measured, not minutes later.
     identity_capacity = per_request["identity"]["ok_per_s"]
     identity_floods, identity_after = await overload_phases(
-        Target("identity", loads["identity"], observer, "identity"),
+        Target("identity", senders["identity"], observer, "identity"),
         identity_capacity,
         dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
         slo_s,

@@ -2,10 +2,10 @@
 (as tritonclient's `async_stream_infer` does), for comparing the tiers' CPU per request with
 unary calls of the same request (services.gateway.kserve_infer says why it is cheaper).
 
-Each `send()` is one request of the stream, answered by id; it raises `StreamRefusal` (whose
-`code()` is the gRPC status the gateway put in the response's `error_message`) for a request
-answered with an error, and TimeoutError past its timeout. Requests are built once up front,
-in a ring of ids longer than any number of calls in flight.
+Each `send()` is one request of the stream, answered by its own id; it raises `StreamRefusal`
+(whose `code()` is the gRPC status the gateway put in the response's `error_message`) for a
+request answered with an error, and TimeoutError past its timeout. Each request is a copy of
+one built up front, with its id set.
 """
 
 from __future__ import annotations
@@ -20,9 +20,6 @@ import numpy as np
 from bench.fabric.stack import IDENTITY_DIMS
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
-
-#: Requests built up front, ids cycling: far more than the calls a run keeps in flight.
-RING = 4096
 
 
 class StreamRefusal(Exception):
@@ -51,15 +48,18 @@ def identity_infer(request_id: str, model: str, timeout_s: float) -> kserve.Mode
 
 
 class StreamSender:
-    """One open stream on `channel`; `send` is a load-generator target. Close with `aclose`."""
+    """One open stream on `channel`; `send` is a load-generator target. Close with `aclose`.
+    Every send has an id of its own, so a late answer to a call its caller gave up on is
+    dropped, never taken for a newer call's."""
 
     def __init__(self, channel: grpc.aio.Channel, timeout_s: float, model: str = "identity"):
         self._timeout_s = timeout_s
-        self._requests = itertools.cycle(
-            [identity_infer(str(i), model, timeout_s) for i in range(RING)]
-        )
+        self._template = identity_infer("", model, timeout_s)
+        self._ids = itertools.count()
         self._outbox: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
         self._waiting: dict[str, asyncio.Future[None]] = {}
+        #: Answers whose call was no longer waiting (its caller gave up on it).
+        self.num_late_answers = 0
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
         self._call = stub.ModelStreamInfer(self._outgoing())
         self._reader = asyncio.create_task(self._read())
@@ -73,8 +73,8 @@ class StreamSender:
             async for response in self._call:
                 future = self._waiting.pop(response.infer_response.id, None)
                 if future is None or future.done():
-                    continue
-                if response.error_message:
+                    self.num_late_answers += 1
+                elif response.error_message:
                     future.set_exception(StreamRefusal(response.error_message))
                 else:
                     future.set_result(None)
@@ -86,7 +86,11 @@ class StreamSender:
             self._waiting.clear()
 
     async def send(self) -> None:
-        request = next(self._requests)
+        if self._reader.done():
+            raise ConnectionError("the stream ended")
+        request = kserve.ModelInferRequest()
+        request.CopyFrom(self._template)
+        request.id = str(next(self._ids))
         future = asyncio.get_running_loop().create_future()
         self._waiting[request.id] = future
         self._outbox.put_nowait(request)
@@ -94,11 +98,12 @@ class StreamSender:
             # A second past the request's own timeout, which the gateway answers.
             await asyncio.wait_for(future, self._timeout_s + 1.0)
         finally:
-            self._waiting.pop(request.id, None)
+            if self._waiting.get(request.id) is future:
+                del self._waiting[request.id]
 
     async def aclose(self) -> None:
         self._outbox.put_nowait(None)
         try:
             await asyncio.wait_for(self._reader, 10.0)
-        except (TimeoutError, grpc.aio.AioRpcError):
+        except Exception:  # the stream failed or hung: end it from this side
             self._call.cancel()
