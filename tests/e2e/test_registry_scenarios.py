@@ -475,7 +475,11 @@ async def test_s27_redis_restarted_empty_is_refilled_by_heartbeats_and_runs_noth
     # The scenario, past the staleness limit: the router's workers are the refilled ones, not
     # the old snapshot's (whose heartbeats are stale by now).
     await hold(restarted_at + STALE_AFTER_S + 1)
-    assert live_workers(stack) == 2
+    await eventually(
+        lambda: live_workers(stack) == 2,
+        timeout_s=REACTION_TIMEOUT_S,
+        message="the router's workers are the two refilled ones",
+    )
     outcomes = await load.stop()
 
     assert not load.errors()[:3]
@@ -606,10 +610,10 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
         # Polled: the standard Watch fails INTERNAL on every tier (the error-mapping interceptor
         # cannot wrap grpcio's coroutine-style Watch handler).
         async def readiness_left_serving() -> int | None:
-            status = (await check(readiness, timeout=1)).status
+            status = (await check(readiness, timeout=5)).status
             return None if status == SERVING else status
 
-        assert (await check(readiness, timeout=1)).status == SERVING
+        assert (await check(readiness, timeout=5)).status == SERVING
         os.kill(drained.pid, signal.SIGTERM)
         # The worker answered NOT_SERVING, so it was still running then, draining: that is the
         # promise. (Whether it is still running a moment later depends on how soon its queued

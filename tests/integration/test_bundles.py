@@ -113,8 +113,9 @@ async def test_each_slice_of_a_bundle_is_answered_on_its_own(
                 ([served], pb.Slice(tenant="a")),
                 (pair, pb.Slice(tenant="b", priority=pb.PRIORITY_CRITICAL)),
                 ([cancelled], pb.Slice(tenant="a")),
-                # Its deadline falls 29.5 s before the bundle's: 0.5 s from now.
-                ([late], pb.Slice(tenant="c", earlier_us=29_500_000)),
+                # Its deadline falls 27 s before the bundle's: 3 s from now, time enough on a
+                # loaded machine to be seen queued before it expires.
+                ([late], pb.Slice(tenant="c", earlier_us=27_000_000)),
                 ([row(np.nan, 0, 0, 0)], pb.Slice(tenant="a")),
             ],
         )

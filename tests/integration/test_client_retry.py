@@ -145,9 +145,10 @@ def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> No
 
 
 def test_a_client_closed_while_it_waits_to_retry_sends_nothing_again(serve: Any) -> None:
-    servicer = Refusing(refusals=1, hint_ms=500)
-    # 0.1 s after the call arrived, its refusal is back: the client waits its 0.5 s hint.
-    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.1)
+    servicer = Refusing(refusals=1, hint_ms=2000)
+    # 0.3 s after the call arrived, its refusal is back: the client waits its 2 s hint (wide
+    # margins both ways: a loaded machine may be slow to hand the refusal back, or to close).
+    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.3)
     assert failure.code == "RESOURCE_EXHAUSTED"
     assert len(servicer.calls) == 1
 
