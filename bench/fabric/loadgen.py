@@ -115,14 +115,17 @@ def noting_errors(send: Send, errors: list[str]) -> Send:
     return noted
 
 
-def throttled(send: Send, throttle: AdaptiveThrottle) -> Send:
+def throttled(send: Send, throttle: AdaptiveThrottle, rng: random.Random | None = None) -> Send:
     """`send` as the slim client sends a predict (inference_fabric_client.throttle, without
     retries): refused here, unsent (THROTTLED), with the throttle's probability; every call
     sent tells the throttle whether the gateway refused it (`is_accepted` of its status; a
-    call cut short on this side, by its timeout or the end of a run, was not refused)."""
+    call cut short on this side, by its timeout or the end of a run, was not refused). The
+    throttle's draws come from `rng` (a fresh generator without one)."""
+
+    draw = (rng or random.Random()).random
 
     async def send_throttled() -> None:
-        if not throttle.admits(time.monotonic(), random.random()):
+        if not throttle.admits(time.monotonic(), draw()):
             raise Throttled()
         is_refused = False
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -225,7 +226,8 @@ async def overload_phases(
 
     async def flood(factor: float, is_throttled: bool) -> dict[str, Any]:
         target.name = f"{name}_overload_{factor:.3g}x" + ("_throttled" if is_throttled else "")
-        target.send = throttled(send, AdaptiveThrottle()) if is_throttled else send
+        draws = random.Random(settings.seed)  # the throttle's draws repeat for a --seed
+        target.send = throttled(send, AdaptiveThrottle(), draws) if is_throttled else send
         result = (
             await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
         ).to_dict()

@@ -279,13 +279,20 @@ def test_a_throttled_sender_refuses_unsent_and_tells_its_throttle_what_the_serve
                 statuses.append(status_of(error))
         return statuses
 
+    def refused_throughout(throttle: AdaptiveThrottle, seed: int) -> list[str]:
+        send = throttled(sender([refusal("10")] * 40), throttle, random.Random(seed))
+        return asyncio.run(statuses_of(send, 40))
+
     # Every call is refused by the server; past min_requests the throttle refuses with a
     # chance of about n / (n + 1), so most calls are never sent.
     throttle = AdaptiveThrottle(ThrottlePolicy(min_requests=2))
-    statuses = asyncio.run(statuses_of(throttled(sender([refusal("10")] * 40), throttle), 40))
+    statuses = refused_throughout(throttle, seed=3)
+    sent_by_the_first = num_sent
+    # Its draws come from the generator it is given: the same seed refuses the same calls.
+    assert refused_throughout(AdaptiveThrottle(ThrottlePolicy(min_requests=2)), 3) == statuses
     assert statuses[:2] == ["RESOURCE_EXHAUSTED"] * 2
     assert set(statuses) == {"RESOURCE_EXHAUSTED", THROTTLED}
-    assert statuses.count("RESOURCE_EXHAUSTED") == num_sent < 20
+    assert statuses.count("RESOURCE_EXHAUSTED") == sent_by_the_first < 20
     assert throttle.counts(time.monotonic()) == ThrottleCounts(
         num_requests=40, num_accepts=0, is_refusing=True
     )
