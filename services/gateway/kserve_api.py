@@ -1,10 +1,6 @@
 """The Open Inference Protocol v2 (KServe v2) gRPC service, so stock Triton and KServe clients
-work unmodified. Same behaviour as the project's own API: both call the one Predictor.
-
-Wire conventions (as tritonclient sends and reads them): BYTES inputs arrive in
-`raw_input_contents` as 4-byte little-endian lengths each followed by the bytes (or typed in
-`contents.bytes_contents`); outputs go back in `raw_output_contents`, one entry per output, in
-the order of `outputs`.
+work unmodified. Same behaviour as the project's own API: both call the one Predictor. The
+inference requests themselves are decoded and served by services.gateway.kserve_infer.
 """
 
 from __future__ import annotations

@@ -3,13 +3,13 @@ backends are: a decoupled model with inputs `text_input` (BYTES), `stream` (BOOL
 `sampling_parameters` (BYTES, JSON such as {"max_tokens": 16, "temperature": 0}) and
 `exclude_input_in_output` (BOOL); output `text_output` (BYTES). Every response carries the
 `triton_final_response` parameter; the final one also carries finish_reason and token counts.
-Requests on one stream run concurrently; each response echoes its request's id.
+Each response echoes its request's id. The stream itself, whose requests run concurrently, is
+served by services.gateway.kserve_infer.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import struct
 from collections.abc import AsyncIterator
 
@@ -20,8 +20,6 @@ from services.gateway.predictor import GenerateCall, Predictor
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import worker_pb2 as pb
-
-log = logging.getLogger(__name__)
 
 _SAMPLING_KEYS = {
     "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_token_ids", "ignore_eos",

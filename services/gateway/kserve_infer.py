@@ -9,6 +9,11 @@ whole per-call path (about one bare echo call of CPU, services.common.door), whe
 an open stream costs a read and a write. So embedding models and classifiers are served on
 the stream as `ModelInfer` serves them (same checks, admission, coalescing and answers), and
 generation models as services.gateway.kserve_generate streams them.
+
+Wire conventions (as tritonclient sends and reads them): BYTES inputs arrive in
+`raw_input_contents` as 4-byte little-endian lengths each followed by the bytes (or typed in
+`contents.bytes_contents`); outputs go back in `raw_output_contents`, one entry per output, in
+the order of `outputs`.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from functools import partial
 import numpy as np
 
 from services.common.door import Door
-from services.common.errors import InvalidInput, Overloaded, ServingError
+from services.common.errors import InvalidInput, ServingError
 from services.common.grpc_errors import status_of
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
@@ -213,17 +218,6 @@ class StreamInfer:
         except ServingError:
             return False
 
-    def _enter_door(
-        self, request: kserve.ModelInferRequest, metadata: Metadata
-    ) -> tuple[bool, Overloaded | None]:
-        """Whether `request` entered the door (to `leave` once answered), or its refusal.
-        Generation requests do not pass it: they have their own admission, and would hold a
-        place for a whole generation."""
-        if self.door is None or self._is_generation(request.model_name):
-            return False, None
-        refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
-        return refusal is None, refusal
-
     async def serve(
         self,
         requests: AsyncIterator[kserve.ModelInferRequest],
@@ -256,10 +250,10 @@ class StreamInfer:
                 response = await infer_one(predictor, request, principal, time_left_s, max_rows)
             responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
 
-        async def run(request: kserve.ModelInferRequest) -> None:
+        async def run(request: kserve.ModelInferRequest, is_generation: bool) -> None:
             try:
                 with admission.admitted():
-                    if not self._is_generation(request.model_name):
+                    if not is_generation:
                         await infer(request)
                         return
                     stream = generate_one(predictor, request, principal, time_remaining())
@@ -273,7 +267,7 @@ class StreamInfer:
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
 
-        def held() -> int:
+        def num_held() -> int:
             return len(tasks) + responses.qsize()
 
         def finished(task: asyncio.Task[None], *, has_entered: bool) -> None:
@@ -281,22 +275,29 @@ class StreamInfer:
             # (the stream ending in the loop turn that made it) runs no `finally`, and its
             # place at the door would never be given back.
             tasks.discard(task)
-            if has_entered and self.door is not None:
+            if has_entered:
+                assert self.door is not None  # entered only where there is one
                 self.door.leave()
-            if held() < MAX_STREAM_HELD:
+            if num_held() < MAX_STREAM_HELD:
                 room.set()
 
         async def read_all() -> None:
             try:
                 async for request in requests:
-                    has_entered, refusal = self._enter_door(request, metadata)
+                    is_generation = self._is_generation(request.model_name)
+                    # Generation requests do not pass the door: they have their own admission,
+                    # and would hold a place for a whole generation.
+                    has_entered, refusal = False, None
+                    if self.door is not None and not is_generation:
+                        refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
+                        has_entered = refusal is None
                     if refusal is not None:
                         responses.put_nowait(_error_response(request.id, refusal))
                     else:
-                        task = asyncio.create_task(run(request))
+                        task = asyncio.create_task(run(request, is_generation))
                         tasks.add(task)
                         task.add_done_callback(partial(finished, has_entered=has_entered))
-                    while held() >= MAX_STREAM_HELD:  # read on once answers are written
+                    while num_held() >= MAX_STREAM_HELD:  # read on once answers are written
                         room.clear()
                         await room.wait()
                 await asyncio.gather(*tasks)
@@ -306,7 +307,7 @@ class StreamInfer:
         reader = asyncio.create_task(read_all())
         try:
             while (response := await responses.get()) is not None:
-                if held() < MAX_STREAM_HELD:
+                if num_held() < MAX_STREAM_HELD:
                     room.set()
                 yield response
             await reader  # raises what ended the reading (a message that does not parse)

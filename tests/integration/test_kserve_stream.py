@@ -50,6 +50,14 @@ def _infer(request_id: str, rows: np.ndarray, *, model: str = "affine") -> kserv
     )
 
 
+async def _sent_from(
+    queue: asyncio.Queue[kserve.ModelInferRequest | None],
+) -> AsyncIterator[kserve.ModelInferRequest]:
+    """A stream's requests as the test puts them in `queue`, until it puts None."""
+    while (request := await queue.get()) is not None:
+        yield request
+
+
 def _rows(response: kserve.ModelInferResponse) -> np.ndarray:
     (output,) = response.outputs
     assert output.name == "y" and output.datatype == "FP32"
@@ -118,13 +126,9 @@ async def test_a_request_past_its_timeout_parameter_ends_alone(
     stalled.parameters["timeout"].int64_param = 300_000  # microseconds, as Triton's
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
 
-    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
-        while (request := await queue.get()) is not None:
-            yield request
-
     async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
         call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            requests(), timeout=PATIENT_S
+            _sent_from(queue), timeout=PATIENT_S
         )
         queue.put_nowait(stalled)
         late = await call.read()
@@ -153,10 +157,6 @@ async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_g
     for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
         queue.put_nowait(request)
 
-    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
-        while (request := await queue.get()) is not None:
-            yield request
-
     def stream_requests(model: str) -> float:
         return fabric.gateway_metric(
             names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model=model
@@ -164,7 +164,7 @@ async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_g
 
     async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
         call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            requests(), timeout=PATIENT_S
+            _sent_from(queue), timeout=PATIENT_S
         )
         door = fabric.gateway.door
         assert door is not None
@@ -190,13 +190,12 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
     stream's next request is refused in-band with the door's words before any work, and so is a
     unary ModelInfer beside it; once the held request is answered its place is free again."""
     # One caller, over its share however long the test takes (a caller unseen for two share
-    # windows would count as new, and a new caller is let in).
-    one_place = DoorConfig(initial_limit=1, min_limit=1, max_limit=1, share_window_s=3600)
+    # windows would count as new, and a new caller is let in); and a door that never sheds, so
+    # that only its one place decides, however slow the machine.
+    one_place = DoorConfig(
+        initial_limit=1, min_limit=1, max_limit=1, share_window_s=3600, shed_factor=0
+    )
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
-
-    async def requests() -> AsyncIterator[kserve.ModelInferRequest]:
-        while (request := await queue.get()) is not None:
-            yield request
 
     async with (
         affine_and_stall_fabric(
@@ -207,7 +206,7 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
         door = fabric.gateway.door
         assert door is not None
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-        call = stub.ModelStreamInfer(requests(), timeout=PATIENT_S)
+        call = stub.ModelStreamInfer(_sent_from(queue), timeout=PATIENT_S)
         queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
         await eventually(lambda: door.num_in_flight == 1, message="the held request entered")
         queue.put_nowait(_infer("refused", np.ones((1, 4), dtype="<f4")))
