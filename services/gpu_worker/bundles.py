@@ -17,7 +17,7 @@ from collections.abc import Set as AbstractSet
 import numpy as np
 
 from services.common.bundles import SliceCancels, slice_time_left_s, unpack_token_rows
-from services.common.errors import InvalidInput, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.tensors import tensor_from_pb, tensor_to_pb
@@ -101,8 +101,10 @@ class BundleRunner:
 
         def cancel(index: int) -> None:
             outcome = outcomes[index] if index < len(outcomes) else None
-            if isinstance(outcome, Admission):
-                outcomes[index] = asyncio.CancelledError()
+            # A slice whose rows were all answered (served, or expired here) keeps its answer.
+            if isinstance(outcome, Admission) and not all(f.done() for f in outcome.futures):
+                earlier_us = request.slices[index].earlier_us
+                outcomes[index] = _given_up(time_left_s, called_s, earlier_us)
                 self._batching.withdraw(outcome)  # its queued rows leave unrun
 
         stop = None if cancels is None else cancels.listen(cancel)
@@ -111,11 +113,7 @@ class BundleRunner:
             if futures:
                 await asyncio.wait(futures)
         except asyncio.CancelledError:  # the whole call: its caller went away, or timed out
-            timed_out = (
-                time_left_s is not None
-                and time.monotonic() - called_s >= time_left_s - DEADLINE_SLACK_S
-            )
-            gave_up = "DEADLINE_EXCEEDED" if timed_out else "CANCELLED"
+            gave_up = _code(_given_up(time_left_s, called_s))
             self._count(labels, (_code(o) if isinstance(o, BaseException) else gave_up
                                  for o in outcomes))  # fmt: skip
             raise
@@ -227,6 +225,16 @@ class BundleRunner:
 
 def _code(error: BaseException) -> str:
     return status_of(error).code.name
+
+
+def _given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) -> BaseException:
+    """What a call (or one of its slices, `earlier_us` before the call's deadline) that its
+    caller stopped waiting for is counted and answered: DEADLINE_EXCEEDED when its deadline
+    had come (our timer, or the caller's cancel at its own, a hop earlier), else CANCELLED."""
+    left_s = slice_time_left_s(time_left_s, earlier_us)
+    if left_s is not None and time.monotonic() - called_s >= left_s - DEADLINE_SLACK_S:
+        return DeadlineExceeded("deadline exceeded")
+    return asyncio.CancelledError()
 
 
 def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:

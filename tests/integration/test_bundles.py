@@ -10,6 +10,8 @@ exactly as long as the test needs to cancel one caller and let another's deadlin
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -226,6 +228,112 @@ async def test_a_slice_cancelled_before_its_bundle_arrives_takes_no_room(
         await router.close()
     assert [s.code for s in response.slices] == [grpc.StatusCode.CANCELLED.value[0], 0]
     assert tensor_from_pb(response.packed_outputs).shape[0] == 30
+
+
+async def test_a_slice_whose_rows_expired_keeps_deadline_exceeded_when_its_caller_leaves(
+    fabric: Fabric, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Behind a stalled executor, a two-row slice expires at the worker (its deadline is 3 s
+    away); then its caller stops waiting, as the gateway's timer does at that deadline. The
+    slice stays DEADLINE_EXCEEDED, counted so (before, the cancel turned it into CANCELLED),
+    and neither row's error is logged as never retrieved: a slice reports its first row's
+    only, and withdrawing its rows marks the others seen."""
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        blocker = asyncio.ensure_future(
+            router.call(
+                bundle("stall", [([row(STALL, 0, 0, 0)], pb.Slice())]).SerializeToString(),
+                metadata=route_metadata("stall", "1", 1),
+                timeout_s=PATIENT_S,
+            )
+        )
+        batching = fabric.worker.batching
+        assert batching is not None
+        await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
+        late = [row(7, 7, 7, 7), row(8, 8, 8, 8)]
+        request = bundle(
+            "affine",
+            [
+                ([row(1, 2, 3, 4)], pb.Slice(tenant="a")),
+                (late, pb.Slice(tenant="c", earlier_us=27_000_000)),
+            ],
+        )
+        cancels = SliceCancels()
+        call = asyncio.ensure_future(
+            router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", 3),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        )
+        await eventually(
+            lambda: fabric.worker_metric(names.WORKER_DROPPED_TOTAL, reason="expired") == 2,
+            timeout_s=10,
+            interval_s=0.01,
+            message="the late slice's rows did not expire",
+        )
+        cancels.cancel(1)
+        await asyncio.sleep(0.2)  # the cancel crosses the router to the worker
+        release_stall(tmp_path / "gate")
+        await blocker
+        response = pb.InferResponse.FromString(await call)
+        await router.close()
+    codes = [s.code for s in response.slices]
+    assert codes == [0, grpc.StatusCode.DEADLINE_EXCEEDED.value[0]]
+
+    def counted(code: str) -> float:
+        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code=code)
+
+    assert (counted("OK"), counted("DEADLINE_EXCEEDED"), counted("CANCELLED")) == (1, 1, 0)
+    gc.collect()
+    await asyncio.sleep(0)
+    unread = [r for r in caplog.records if "never retrieved" in r.getMessage()]
+    assert unread == []
+
+
+async def test_a_slice_running_at_its_deadline_is_counted_deadline_exceeded(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """A bundle's slice whose row is on the executor when its deadline passes (0.5 s away; its
+    bundle-mate has 30 s): its caller stops waiting then, as the gateway does, and the worker
+    counts it DEADLINE_EXCEEDED, not CANCELLED; the bundle-mate is served once the executor
+    is free."""
+    request = bundle(
+        "stall",
+        [
+            ([row(STALL, 0, 0, 0)], pb.Slice(tenant="a", earlier_us=29_500_000)),
+            ([row(1, 0, 0, 0)], pb.Slice(tenant="b")),
+        ],
+    )
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        cancels = SliceCancels()
+        sent_s = time.monotonic()
+        call = asyncio.ensure_future(
+            router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("stall", "1", 2),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        )
+        batching = fabric.worker.batching
+        assert batching is not None
+        await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
+        await asyncio.sleep(max(0.0, sent_s + 0.5 - time.monotonic()))
+        cancels.cancel(0)
+        await asyncio.sleep(0.2)  # the cancel crosses the router to the worker
+        release_stall(tmp_path / "gate")
+        response = pb.InferResponse.FromString(await call)
+        await router.close()
+    assert [s.code for s in response.slices] == [grpc.StatusCode.DEADLINE_EXCEEDED.value[0], 0]
+
+    def counted(code: str) -> float:
+        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="stall", code=code)
+
+    assert (counted("OK"), counted("DEADLINE_EXCEEDED"), counted("CANCELLED")) == (1, 1, 0)
 
 
 async def _failure_of_direct_call(
