@@ -125,15 +125,19 @@ class _Stream:
         self.tasks: list[asyncio.Task[None]] = []
 
     def fail_all(self, reason: str, *, is_not_started: bool = False) -> None:
-        """Fails every call waiting; `is_not_started`: the peer provably ran none of them."""
+        """Fails every call waiting; `is_not_started`: the peer provably ran none of them.
+        Calls still in the outbox were never written, so they are marked not started either
+        way: their callers may send them elsewhere."""
         self.broken = reason
-        for future in self.pending.values():
+        unsent = {call.call_id for call in self.outbox}
+        self.outbox.clear()
+        for call_id, future in self.pending.items():
             if not future.done():
                 future.set_exception(
                     UpstreamError(
                         grpc.StatusCode.UNAVAILABLE,
                         f"{self.name}: {reason}",
-                        is_not_started=is_not_started,
+                        is_not_started=is_not_started or call_id in unsent,
                     )
                 )
         self.pending.clear()
@@ -308,11 +312,16 @@ class MultiplexClient:
                         slices = [r for r in slices if r.call_id not in unsent]
                     if not calls and not cancelled and not slices:
                         continue
-                    await stream.call.write(
-                        pb.InferStreamRequest(
-                            calls=calls, cancelled_call_ids=cancelled, cancelled_slices=slices
-                        )
+                    message = pb.InferStreamRequest(
+                        calls=calls, cancelled_call_ids=cancelled, cancelled_slices=slices
                     )
+                    try:
+                        await stream.call.write(message)
+                    except asyncio.InvalidStateError:
+                        # grpc.aio refused the write before sending a byte (the stream had
+                        # finished): its calls are back in the outbox, as never written.
+                        stream.outbox[:0] = calls
+                        raise
                     self.messages_sent += 1
                     self.calls_sent += len(calls)
                 if stream.is_retiring and not stream.pending:
