@@ -187,6 +187,9 @@ class _ServedStream:
                 for call_id in message.cancelled_call_ids:
                     task = self._running.pop(call_id, None)
                     if task is not None:
+                        # Here, not in `_run`'s own `finally`, which a task cancelled before it
+                        # first ran never reaches.
+                        self._contexts.pop(call_id, None)
                         task.cancel()
                 for call in message.calls:
                     if self._closing.is_set():
