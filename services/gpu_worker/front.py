@@ -18,7 +18,8 @@ SO_REUSEPORT, so the kernel spreads routers' connections over them. A front pars
 
 A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
 NOT_SERVING, tells each stream's router `closing` (the router half-closes once its calls are
-answered) and stops once its streams have ended, or after the drain grace.
+answered) and stops once its streams and the calls it passed on (a generation's stream
+among them) have ended, or after the drain grace.
 
     python -m services.gpu_worker.front --engine-dir DIR --engine-pid PID <worker settings>
 """
@@ -216,6 +217,8 @@ class Passthrough(grpc.GenericRpcHandler):
     ) -> None:
         self._channel = channel
         self._calls_total = metrics.calls_total
+        #: Calls passed on and not yet ended (a stopping front waits for them, as for streams).
+        self.num_open = 0
         self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         for method in SERVICE.methods:
             name = f"/{SERVICE.full_name}/{method.name}"
@@ -238,6 +241,7 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             counted.inc()
+            self.num_open += 1
             try:
                 return bytes(
                     await call(
@@ -249,6 +253,8 @@ class Passthrough(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
                 raise  # not reached: abort raises
+            finally:
+                self.num_open -= 1
 
         return handle
 
@@ -259,6 +265,7 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             counted.inc()
+            self.num_open += 1
             responses = call(
                 request,
                 timeout=context.time_remaining(),
@@ -270,6 +277,7 @@ class Passthrough(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
             finally:  # the caller went away: so does the engine's call
+                self.num_open -= 1
                 responses.cancel()
 
         return handle
@@ -320,7 +328,8 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     registry = tier_registry("worker_front")
     metrics = FrontMetrics(registry)
     relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, metrics)
-    server.add_generic_rpc_handlers((Passthrough(channel, relay, metrics),))
+    passthrough = Passthrough(channel, relay, metrics)
+    server.add_generic_rpc_handlers((passthrough,))
     servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
@@ -343,7 +352,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     await servicer.enter_graceful_shutdown()
     relay.stop()
     for _ in range(round(config.drain_grace_s / STOP_POLL_S)):
-        if not relay.num_open:
+        if not relay.num_open and not passthrough.num_open:
             break
         await asyncio.sleep(STOP_POLL_S)
     await server.stop(grace=1.0)

@@ -312,3 +312,43 @@ async def test_an_engine_killed_takes_its_fronts_and_the_port_with_it(
         await health_status(worker.address, SERVICE)
     assert unreachable.value.code() == grpc.StatusCode.UNAVAILABLE
     assert worker.log().count("worker front stopped") == 2  # each stopped on its own SIGTERM
+
+
+async def test_a_stopping_front_waits_for_the_calls_it_passed_on(tmp_path: Path) -> None:
+    """A unary Infer passed on by the only front, held in a stalled batch; the front is told
+    to stop (SIGTERM, as when a whole process group is signalled). It turns NOT_SERVING and
+    stays until the call ends: released 2 s later, the call is answered OK. Before, the front
+    waited only for its relayed streams and cut the call after a 1 s grace."""
+    gate = tmp_path / "gate"
+    write_stalling_model(tmp_path / "repo", gate)
+    worker = start_worker(
+        tmp_path, model_repository=tmp_path / "repo", extra_args=("--front-processes", "1")
+    )
+    channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
+    try:
+        (front,) = fronts_of(worker.process.pid)
+        row = np.array([STALL, 0, 0, 0], dtype=np.float32)  # a row that stalls its batch
+        stall = pb.InferRequest(
+            model_name="stall", inputs=[pb.ModelInput(tensor=tensor_to_pb(row))]
+        )
+        stub = pb_grpc.WorkerServiceStub(channel)
+        call = asyncio.ensure_future(stub.Infer(stall, timeout=60))
+
+        def dispatched() -> float:
+            count = f"{names.WORKER_QUEUE_WAIT_SECONDS}_count"
+            return total(scrape(worker.metrics_port), count, model="stall")
+
+        await eventually(lambda: dispatched() == 1, message="the call did not run")
+        os.kill(front, signal.SIGTERM)
+        await asyncio.sleep(2.0)  # past the 1 s grace the front's server stop would give
+        assert not call.done()
+        assert is_alive(front)
+        release_stall(gate)
+        response = await call
+        assert len(response.outputs) == 1
+        await eventually(lambda: not is_alive(front), message="the front did not stop")
+    finally:
+        release_stall(gate)
+        await channel.close()
+        code = worker.terminate() if worker.process.poll() is None else None
+    assert code == 0, worker.log()
