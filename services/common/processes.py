@@ -270,6 +270,30 @@ class Restarts:
             backoff_s,
         )
 
+    def start_due(self, now_s: float, start: Callable[[int], None]) -> int:
+        """Starts (`start(index)`) every child whose restart time has come; one that cannot be
+        started (an OSError: no memory, no file descriptors, its files gone) is logged and
+        tried again after the next backoff, instead of ending the supervisor's loop. Returns
+        how many were started."""
+        started = 0
+        for index in self.due(now_s):
+            try:
+                start(index)
+            except OSError as error:
+                backoff_s = restart_backoff(0.0, self._backoff_s.get(index, 0.0))
+                self._backoff_s[index] = backoff_s
+                self._at_s[index] = now_s + backoff_s
+                log.error(
+                    "%s %d could not be started (%s); trying again in %.1f s",
+                    self._what,
+                    index,
+                    error,
+                    backoff_s,
+                )
+            else:
+                started += 1
+        return started
+
     def is_pending(self, index: int) -> bool:
         return index in self._at_s
 

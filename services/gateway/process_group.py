@@ -186,9 +186,7 @@ class ProcessGroup:
         restarts = Restarts("gateway process")
         while True:
             now = time.monotonic()
-            for index in restarts.due(now):
-                self._start(index)
-                self._restarts_total.inc()
+            self._restarts_total.inc(restarts.start_due(now, self._start))
             for member in list(self._members.values()):
                 self._read_ready(member)
                 code = member.process.poll()

@@ -191,10 +191,9 @@ class Fronts:
         while True:
             await asyncio.sleep(WATCH_S)
             now = time.monotonic()
-            for index in self._restarts.due(now):
-                self._start(index)
-                self._restarts_total.inc()
-                self.num_restarts += 1
+            started = self._restarts.start_due(now, self._start)
+            self._restarts_total.inc(started)
+            self.num_restarts += started
             for front in list(self._fronts.values()):
                 self._is_listening(front)
                 code = front.process.poll()

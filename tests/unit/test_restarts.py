@@ -50,3 +50,31 @@ def test_children_back_off_on_their_own_clocks() -> None:
     assert restarts.due(1.0 + FIRST_BACKOFF_S) == [1]
     assert restarts.due(1.0 + 2 * FIRST_BACKOFF_S) == [0]
     assert restarts.next_in_s(5.0) is None
+
+
+def test_a_child_that_cannot_be_started_is_tried_again_after_a_backoff() -> None:
+    """Starting a child fails (an OSError: no memory, no file descriptors): the supervisor's
+    loop goes on, and the child is tried again after a backoff that grows while it keeps
+    failing; the other children due are started. Before, the error ended the loop, and no
+    child was ever restarted again."""
+    restarts = Restarts("front")
+    attempts: list[int] = []
+    failing = {0: 2}  # child 0 fails to start twice
+
+    def start(index: int) -> None:
+        attempts.append(index)
+        if failing.get(index, 0) > 0:
+            failing[index] -= 1
+            raise OSError(24, "Too many open files")
+
+    restarts.exited(0, pid=100, code=1, ran_s=1.0, now_s=0.0)
+    restarts.exited(1, pid=101, code=1, ran_s=1.0, now_s=0.0)
+    assert restarts.start_due(FIRST_BACKOFF_S, start) == 1  # child 1 started, 0 failed
+    assert restarts.is_pending(0) and not restarts.is_pending(1)
+    first_wait_s = restarts.next_in_s(FIRST_BACKOFF_S)
+    assert first_wait_s == 2 * FIRST_BACKOFF_S
+    now_s = FIRST_BACKOFF_S + first_wait_s
+    assert restarts.start_due(now_s, start) == 0  # failed again: waits twice as long
+    assert restarts.next_in_s(now_s) == 4 * FIRST_BACKOFF_S
+    assert restarts.start_due(now_s + 4 * FIRST_BACKOFF_S, start) == 1
+    assert attempts == [0, 1, 0, 0] and not restarts.is_pending(0)
