@@ -24,7 +24,6 @@ withdrawn downstream after (SliceCancels, relayed by the router to the worker).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -34,79 +33,30 @@ import grpc
 import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
-from services.common.errors import InvalidInput, UpstreamError
+from services.common.errors import UpstreamError
 from services.common.moving_average import MovingAverage
 from services.common.registry_schema import route_metadata
-from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.common.tensors import tensor_to_pb
 from services.common.tracing import outgoing_metadata
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
+from services.gateway.bundle_parts import (
+    Answered,
+    Bundle,
+    BundleKey,
+    CallerSlice,
+    Prepare,
+    answer,
+    closing,
+    fail,
+    prepared,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
-
-#: Turns each caller's values into its rows, once per bundle (a text model tokenizes every
-#: caller's texts in one call): per caller, its rows or the InvalidInput that refuses it alone.
-Made = list[np.ndarray] | InvalidInput
-Prepare = Callable[[Sequence[Sequence[Any]]], list[Made]]
 
 #: Sends one bundle (its bytes, metadata, absolute deadline on time.monotonic(), and the
 #: slices whose callers stop waiting) and returns the answer's bytes, or raises UpstreamError.
 Send = Callable[[bytes, Sequence[tuple[str, str]], float, SliceCancels], Awaitable[bytes]]
-
-
-@dataclass(frozen=True)
-class BundleKey:
-    """What the calls of one bundle share: the model version, its inputs' kind, the class."""
-
-    model: str
-    version: str
-    fingerprint: str
-    #: The priority class's name (routing and the worker's order are per class).
-    priority: str
-    #: Rows are token ids (text models), not tensor rows.
-    is_text: bool
-    #: Text models: texts too long are cut, not refused (another tokenizer).
-    truncate: bool = False
-    #: `deadline_class` of the caller's time left: a bundle is answered once all its slices
-    #: are, so callers whose deadlines are far apart do not share one.
-    deadline_class: int = 0
-
-
-def deadline_class(timeout_s: float) -> int:
-    """Time left in classes of powers of two milliseconds (bundle-mates' within 2x)."""
-    return math.ceil(math.log2(max(1.0, timeout_s * 1000.0)))
-
-
-@dataclass(frozen=True)
-class Answered:
-    """A caller's outputs, and the rows that were sent for it (token ids for text models)."""
-
-    outputs: list[np.ndarray]
-    rows: Sequence[np.ndarray]
-
-
-@dataclass(eq=False)  # found by identity: its rows (arrays) do not compare with `==`
-class _Slice:
-    #: The caller's values: its rows, or what `Prepare` makes them of.
-    rows: Sequence[Any]
-    piece: pb.Slice
-    deadline_s: float
-    future: asyncio.Future[list[np.ndarray]]
-    #: Its index in the bundle once sent (None before).
-    index: int | None = None
-
-
-@dataclass
-class _Bundle:
-    key: BundleKey
-    prepare: Prepare | None
-    slices: list[_Slice] = field(default_factory=list)
-    rows: int = 0
-    cancels: SliceCancels = field(default_factory=SliceCancels)
-    is_sent: bool = False
-    #: While the clock holds it: when the hold began, and a future done once it leaves.
-    held_from: float | None = None
-    left: asyncio.Future[None] | None = None
 
 
 #: Weight of a bundle's time downstream in its key's moving average.
@@ -119,7 +69,7 @@ class _KeyState:
 
     linger: WriteLinger
     #: The bundle being filled, if any.
-    open: _Bundle | None = None
+    open: Bundle | None = None
     #: Callers' slices sent or waiting, not answered yet.
     in_flight: int = 0
     #: Bundles sent, not answered yet.
@@ -171,9 +121,9 @@ class Coalescer:
             self._leave(bundle)  # full: these rows start the next one
             bundle = None
         if bundle is None:
-            bundle = state.open = _Bundle(key, prepare)
+            bundle = state.open = Bundle(key, prepare)
             self._spawn(self._leave_when_ready(bundle, state, max_rows))
-        entry = _Slice(rows, piece, deadline_s, loop.create_future())
+        entry = CallerSlice(rows, piece, deadline_s, loop.create_future())
         bundle.slices.append(entry)
         bundle.rows += len(rows)
         state.in_flight += 1
@@ -192,7 +142,7 @@ class Coalescer:
             timer.cancel()
             state.in_flight -= 1
 
-    def _expire(self, bundle: _Bundle, entry: _Slice) -> None:
+    def _expire(self, bundle: Bundle, entry: CallerSlice) -> None:
         """The caller's deadline passed before its answer: DEADLINE_EXCEEDED, slice withdrawn."""
         if not entry.future.done():
             entry.future.set_exception(
@@ -204,7 +154,7 @@ class Coalescer:
         """Stops: every caller still waiting is answered UNAVAILABLE (not run here)."""
         for state in self._keys.values():
             if state.open is not None:
-                _fail(state.open.slices, _closing())
+                fail(state.open.slices, closing())
                 state.open = None
         for task in list(self._tasks):
             task.cancel()
@@ -216,7 +166,7 @@ class Coalescer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _withdraw(self, bundle: _Bundle, entry: _Slice) -> None:
+    def _withdraw(self, bundle: Bundle, entry: CallerSlice) -> None:
         """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn (once:
         its deadline and its cancellation may both come)."""
         if not bundle.is_sent:
@@ -226,7 +176,7 @@ class Coalescer:
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
 
-    async def _leave_when_ready(self, bundle: _Bundle, state: _KeyState, max_rows: int) -> None:
+    async def _leave_when_ready(self, bundle: Bundle, state: _KeyState, max_rows: int) -> None:
         # Calls made in this turn of the event loop leave together; under load, also those of
         # the next `linger_s`, and then those until an answer (see the module's docstring).
         await asyncio.sleep(0)
@@ -255,17 +205,17 @@ class Coalescer:
         """The key's calls here, and those waiting to be picked up (the module's docstring)."""
         return state.in_flight + state.linger.expected_calls(self._pickup_delay_s())
 
-    def _bundle_done(self, bundle: _Bundle) -> None:
+    def _bundle_done(self, bundle: Bundle) -> None:
         """Its send task ended (answered, failed, or cancelled, even before it started): a
         caller not answered yet hears UNAVAILABLE, and a bundle held for it may leave."""
-        _fail(bundle.slices, _closing())
+        fail(bundle.slices, closing())
         state = self._keys[bundle.key]
         state.out -= 1
         answered, state.answered = state.answered, None
         if answered is not None and not answered.done():
             answered.set_result(None)
 
-    def _leave(self, bundle: _Bundle) -> None:
+    def _leave(self, bundle: Bundle) -> None:
         if bundle.is_sent:
             return
         bundle.is_sent = True
@@ -279,9 +229,9 @@ class Coalescer:
         if state.open is bundle:
             state.open = None
         try:
-            bundle.slices = _prepared(bundle)
+            bundle.slices = prepared(bundle)
         except Exception as error:  # a bug in preparing: every caller hears of it now
-            _fail(bundle.slices, error)
+            fail(bundle.slices, error)
             return
         for index, entry in enumerate(bundle.slices):
             entry.index = index
@@ -290,7 +240,7 @@ class Coalescer:
             task = self._spawn(self._send_bundle(bundle))
             task.add_done_callback(lambda _: self._bundle_done(bundle))
 
-    async def _send_bundle(self, bundle: _Bundle) -> None:
+    async def _send_bundle(self, bundle: Bundle) -> None:
         slices = bundle.slices
         downstream = self._keys[bundle.key].downstream
         sent_s = time.monotonic()
@@ -311,12 +261,12 @@ class Coalescer:
             # process's loop read the answer (services.gateway.bundle_clock).
             worker_s = response.worker_us / 1e6
             downstream.observe(worker_s if worker_s > 0 else time.monotonic() - sent_s)
-            _answer(slices, response)
+            answer(slices, response)
         except Exception as error:  # the whole bundle failed: each caller gets the status
-            _fail(slices, error)
+            fail(slices, error)
         # Cancelled (the gateway is closing): `_bundle_done` answers the callers.
 
-    def _request(self, bundle: _Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
+    def _request(self, bundle: Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
         """The bundle's request and its routing metadata."""
         key, slices = bundle.key, bundle.slices
         deadline_s = max(s.deadline_s for s in slices)
@@ -341,59 +291,3 @@ class Coalescer:
         )
         self._metrics.bundle_slices_of[(key.model,)].observe(len(slices))
         return request, route
-
-
-def _closing() -> UpstreamError:
-    return UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
-
-
-def _fail(slices: Sequence[_Slice], error: BaseException) -> None:
-    """Every caller not answered yet gets `error` (a downstream status: its own copy)."""
-    for entry in slices:
-        if not entry.future.done():
-            own = error.for_one_caller() if isinstance(error, UpstreamError) else error
-            entry.future.set_exception(own)
-
-
-def _prepared(bundle: _Bundle) -> list[_Slice]:
-    """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out."""
-    if bundle.prepare is None:
-        return bundle.slices
-    kept = []
-    made = bundle.prepare([s.rows for s in bundle.slices])
-    for entry, rows in zip(bundle.slices, made, strict=True):
-        if isinstance(rows, InvalidInput):
-            if not entry.future.done():
-                entry.future.set_exception(rows)
-        else:
-            entry.rows = rows
-            kept.append(entry)
-    return kept
-
-
-def _answer(slices: Sequence[_Slice], response: pb.InferResponse) -> None:
-    """Hands each caller its slice's rows or status."""
-    if len(response.slices) != len(slices):
-        raise UpstreamError(
-            grpc.StatusCode.INTERNAL,
-            f"bundle of {len(slices)} slices answered with {len(response.slices)} statuses",
-        )
-    if response.HasField("packed_outputs"):
-        outputs = list(tensor_from_pb(response.packed_outputs))
-    else:
-        outputs = [tensor_from_pb(t) for t in response.outputs]
-    answered = sum(len(e.rows) for e, s in zip(slices, response.slices, strict=True) if s.code == 0)
-    if answered != len(outputs):
-        raise UpstreamError(
-            grpc.StatusCode.INTERNAL, f"bundle answered {len(outputs)} rows for {answered}"
-        )
-    start = 0
-    for entry, status in zip(slices, response.slices, strict=True):
-        if status.code == 0:
-            result, start = outputs[start : start + len(entry.rows)], start + len(entry.rows)
-            if not entry.future.done():
-                entry.future.set_result(result)
-        elif not entry.future.done():
-            entry.future.set_exception(
-                UpstreamError.from_status(status.code, status.message, status.trailers)
-            )

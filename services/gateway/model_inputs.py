@@ -17,8 +17,8 @@ import numpy as np
 from services.common.errors import InvalidInput
 from services.common.tensors import check_row
 from services.common.text import TokenIds
+from services.gateway.bundle_parts import Made, Prepare
 from services.gateway.catalog import ResolvedModel
-from services.gateway.coalescer import Made, Prepare
 
 #: One input row as a client sent it: text (or its token ids) for text models, a tensor row
 #: otherwise.

@@ -23,8 +23,9 @@ from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
+from services.gateway.bundle_parts import BundleKey, Prepare, deadline_class
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import BundleKey, Coalescer, Prepare, deadline_class
+from services.gateway.coalescer import Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
 from services.gateway.router_retry import (

@@ -22,7 +22,8 @@ from services.common.errors import RETRY_AFTER_MS_KEY, UpstreamError, retry_afte
 from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
-from services.gateway.coalescer import BundleKey, Coalescer, deadline_class
+from services.gateway.bundle_parts import BundleKey, deadline_class
+from services.gateway.coalescer import Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 

@@ -1,0 +1,135 @@
+"""The parts of a bundle the gateway's coalescer (services.gateway.coalescer) fills, sends and
+answers: its key, each caller's slice, and what each caller is told once the bundle is
+prepared, answered or failed."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from services.common.bundles import SliceCancels
+from services.common.errors import InvalidInput, UpstreamError
+from services.common.tensors import tensor_from_pb
+from services.pb.inference.v1 import worker_pb2 as pb
+
+#: Turns each caller's values into its rows, once per bundle (a text model tokenizes every
+#: caller's texts in one call): per caller, its rows or the InvalidInput that refuses it alone.
+Made = list[np.ndarray] | InvalidInput
+Prepare = Callable[[Sequence[Sequence[Any]]], list[Made]]
+
+
+@dataclass(frozen=True)
+class BundleKey:
+    """What the calls of one bundle share: the model version, its inputs' kind, the class."""
+
+    model: str
+    version: str
+    fingerprint: str
+    #: The priority class's name (routing and the worker's order are per class).
+    priority: str
+    #: Rows are token ids (text models), not tensor rows.
+    is_text: bool
+    #: Text models: texts too long are cut, not refused (another tokenizer).
+    truncate: bool = False
+    #: `deadline_class` of the caller's time left: a bundle is answered once all its slices
+    #: are, so callers whose deadlines are far apart do not share one.
+    deadline_class: int = 0
+
+
+def deadline_class(timeout_s: float) -> int:
+    """Time left in classes of powers of two milliseconds (bundle-mates' within 2x)."""
+    return math.ceil(math.log2(max(1.0, timeout_s * 1000.0)))
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A caller's outputs, and the rows that were sent for it (token ids for text models)."""
+
+    outputs: list[np.ndarray]
+    rows: Sequence[np.ndarray]
+
+
+@dataclass(eq=False)  # found by identity: its rows (arrays) do not compare with `==`
+class CallerSlice:
+    #: The caller's values: its rows, or what `Prepare` makes them of.
+    rows: Sequence[Any]
+    piece: pb.Slice
+    deadline_s: float
+    future: asyncio.Future[list[np.ndarray]]
+    #: Its index in the bundle once sent (None before).
+    index: int | None = None
+
+
+@dataclass
+class Bundle:
+    key: BundleKey
+    prepare: Prepare | None
+    slices: list[CallerSlice] = field(default_factory=list)
+    rows: int = 0
+    cancels: SliceCancels = field(default_factory=SliceCancels)
+    is_sent: bool = False
+    #: While the clock holds it: when the hold began, and a future done once it leaves.
+    held_from: float | None = None
+    left: asyncio.Future[None] | None = None
+
+
+def closing() -> UpstreamError:
+    return UpstreamError(grpc.StatusCode.UNAVAILABLE, "gateway is shutting down")
+
+
+def fail(slices: Sequence[CallerSlice], error: BaseException) -> None:
+    """Every caller not answered yet gets `error` (a downstream status: its own copy)."""
+    for entry in slices:
+        if not entry.future.done():
+            own = error.for_one_caller() if isinstance(error, UpstreamError) else error
+            entry.future.set_exception(own)
+
+
+def prepared(bundle: Bundle) -> list[CallerSlice]:
+    """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out."""
+    if bundle.prepare is None:
+        return bundle.slices
+    kept = []
+    made = bundle.prepare([s.rows for s in bundle.slices])
+    for entry, rows in zip(bundle.slices, made, strict=True):
+        if isinstance(rows, InvalidInput):
+            if not entry.future.done():
+                entry.future.set_exception(rows)
+        else:
+            entry.rows = rows
+            kept.append(entry)
+    return kept
+
+
+def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> None:
+    """Hands each caller its slice's rows or status."""
+    if len(response.slices) != len(slices):
+        raise UpstreamError(
+            grpc.StatusCode.INTERNAL,
+            f"bundle of {len(slices)} slices answered with {len(response.slices)} statuses",
+        )
+    if response.HasField("packed_outputs"):
+        outputs = list(tensor_from_pb(response.packed_outputs))
+    else:
+        outputs = [tensor_from_pb(t) for t in response.outputs]
+    answered = sum(len(e.rows) for e, s in zip(slices, response.slices, strict=True) if s.code == 0)
+    if answered != len(outputs):
+        raise UpstreamError(
+            grpc.StatusCode.INTERNAL, f"bundle answered {len(outputs)} rows for {answered}"
+        )
+    start = 0
+    for entry, status in zip(slices, response.slices, strict=True):
+        if status.code == 0:
+            result, start = outputs[start : start + len(entry.rows)], start + len(entry.rows)
+            if not entry.future.done():
+                entry.future.set_result(result)
+        elif not entry.future.done():
+            entry.future.set_exception(
+                UpstreamError.from_status(status.code, status.message, status.trailers)
+            )
