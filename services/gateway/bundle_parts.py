@@ -65,6 +65,11 @@ class CallerSlice:
     #: Its index in the bundle once sent (None before).
     index: int | None = None
 
+    @property
+    def num_bytes(self) -> int:
+        """Bytes its tensor rows carry (a text's values, a few bytes each, count none)."""
+        return sum(getattr(row, "nbytes", 0) for row in self.rows)
+
 
 @dataclass
 class Bundle:
@@ -72,6 +77,8 @@ class Bundle:
     prepare: Prepare | None
     slices: list[CallerSlice] = field(default_factory=list)
     rows: int = 0
+    #: Bytes its slices' rows carry (CallerSlice.num_bytes).
+    num_bytes: int = 0
     cancels: SliceCancels = field(default_factory=SliceCancels)
     is_sent: bool = False
     #: While the clock holds it: when the hold began, and a future done once it leaves.

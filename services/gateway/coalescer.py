@@ -35,6 +35,7 @@ import numpy as np
 from services.common.bundles import SliceCancels, pack_token_rows
 from services.common.errors import UpstreamError
 from services.common.moving_average import MovingAverage
+from services.common.multiplex import MAX_CALL_BYTES
 from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_to_pb
 from services.common.tracing import outgoing_metadata
@@ -58,6 +59,10 @@ from services.pb.inference.v1 import worker_pb2 as pb
 #: slices whose callers stop waiting) and returns the answer's bytes, or raises UpstreamError.
 Send = Callable[[bytes, Sequence[tuple[str, str]], float, SliceCancels], Awaitable[bytes]]
 
+
+#: Most bytes of rows one bundle carries: a call past the stream's limit would fail every
+#: caller in it (multiplex.MAX_CALL_BYTES); the rest is room for its slices' own fields.
+MAX_BUNDLE_BYTES = MAX_CALL_BYTES - (1 << 20)
 
 #: Weight of a bundle's time downstream in its key's moving average.
 DOWNSTREAM_WEIGHT = 0.2
@@ -117,15 +122,19 @@ class Coalescer:
             state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
         state.linger.arrived(time.monotonic())
         bundle = state.open
-        if bundle is not None and bundle.rows + len(rows) > max_rows:
+        entry = CallerSlice(rows, piece, deadline_s, loop.create_future())
+        if bundle is not None and (
+            bundle.rows + len(rows) > max_rows
+            or bundle.num_bytes + entry.num_bytes > MAX_BUNDLE_BYTES
+        ):
             self._leave(bundle)  # full: these rows start the next one
             bundle = None
         if bundle is None:
             bundle = state.open = Bundle(key, prepare)
             self._spawn(self._leave_when_ready(bundle, state, max_rows))
-        entry = CallerSlice(rows, piece, deadline_s, loop.create_future())
         bundle.slices.append(entry)
         bundle.rows += len(rows)
+        bundle.num_bytes += entry.num_bytes
         state.in_flight += 1
         # A timer, not asyncio.timeout: the same deadline for a fraction of its cost per call.
         timer = loop.call_later(
@@ -173,6 +182,7 @@ class Coalescer:
             if entry in bundle.slices:
                 bundle.slices.remove(entry)
                 bundle.rows -= len(entry.rows)
+                bundle.num_bytes -= entry.num_bytes
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
 

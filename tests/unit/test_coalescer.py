@@ -21,6 +21,7 @@ from services.common.bundles import SliceCancels
 from services.common.errors import RETRY_AFTER_MS_KEY, UpstreamError, retry_after_trailer
 from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
+from services.gateway import coalescer as coalescer_module
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.coalescer import Coalescer
@@ -117,6 +118,22 @@ async def test_a_bundle_never_holds_more_than_the_max_rows() -> None:
     sizes = [sum(s.rows for s in b.slices) for b in downstream.bundles]
     assert sum(sizes) == 12
     assert max(sizes) <= 8
+
+
+async def test_a_bundle_never_carries_more_bytes_than_one_call_may(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of a tensor model that would make a bundle past the internal call's byte limit
+    start the next bundle, as rows past the max batch do: sent together, the call would fail
+    every caller in it. Here the limit is 40 bytes and each caller's two rows 16."""
+    monkeypatch.setattr(coalescer_module, "MAX_BUNDLE_BYTES", 40)
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+    answers = await asyncio.gather(*(call(bundles, rows(i, i)) for i in range(5)))
+    sizes = [[s.rows for s in b.slices] for b in downstream.bundles]
+    assert sizes == [[2, 2], [2, 2], [2]]
+    for i, outputs in enumerate(answers):
+        np.testing.assert_array_equal(np.stack(outputs)[:, 0], [2 * i, 2 * i])
 
 
 async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:
