@@ -17,9 +17,10 @@ SO_REUSEPORT, so the kernel spreads routers' connections over them. A front pars
   answer (a wedged engine).
 
 A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
-NOT_SERVING, tells each stream's router `closing` (the router half-closes once its calls are
-answered) and stops once its streams and the calls it passed on (a generation's stream
-among them) have ended, or after the drain grace.
+NOT_SERVING, sends its connections GOAWAY (a router's next streams land on another front),
+tells each stream's router `closing` (the router half-closes once its calls are answered) and
+stops once its streams and the calls it passed on (a generation's stream among them) have
+ended, or after the drain grace.
 
     python -m services.gpu_worker.front --engine-dir DIR --engine-pid PID <worker settings>
 """
@@ -74,8 +75,6 @@ _OWN_METADATA = ("user-agent", "te", "content-type")
 #: How often a front asks its engine's health, and how long it waits for the answer.
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
-#: How often a stopping front looks whether its streams have ended.
-STOP_POLL_S = 0.1
 #: Sent to a stream's router when its front stops: the router half-closes once answered.
 CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
 
@@ -169,10 +168,6 @@ class StreamRelay:
         for answers in self._open:
             answers.put_nowait(CLOSING)
 
-    @property
-    def num_open(self) -> int:
-        return len(self._open)
-
     async def _send(self, requests: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
         try:
             async for message in requests:
@@ -217,8 +212,6 @@ class Passthrough(grpc.GenericRpcHandler):
     ) -> None:
         self._channel = channel
         self._calls_total = metrics.calls_total
-        #: Calls passed on and not yet ended (a stopping front waits for them, as for streams).
-        self.num_open = 0
         self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         for method in SERVICE.methods:
             name = f"/{SERVICE.full_name}/{method.name}"
@@ -241,7 +234,6 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             counted.inc()
-            self.num_open += 1
             try:
                 return bytes(
                     await call(
@@ -253,8 +245,6 @@ class Passthrough(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
                 raise  # not reached: abort raises
-            finally:
-                self.num_open -= 1
 
         return handle
 
@@ -265,7 +255,6 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             counted.inc()
-            self.num_open += 1
             responses = call(
                 request,
                 timeout=context.time_remaining(),
@@ -277,7 +266,6 @@ class Passthrough(grpc.GenericRpcHandler):
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
             finally:  # the caller went away: so does the engine's call
-                self.num_open -= 1
                 responses.cancel()
 
         return handle
@@ -328,8 +316,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     registry = tier_registry("worker_front")
     metrics = FrontMetrics(registry)
     relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, metrics)
-    passthrough = Passthrough(channel, relay, metrics)
-    server.add_generic_rpc_handlers((passthrough,))
+    server.add_generic_rpc_handlers((Passthrough(channel, relay, metrics),))
     servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
@@ -350,12 +337,14 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     await stopping.wait()
     following.cancel()
     await servicer.enter_graceful_shutdown()
+    # grpc's own stop first: it tells every connection GOAWAY at once, so that the streams a
+    # router opens from now on land on another front (over a new connection) instead of this
+    # one, and waits for the calls running here (relayed streams, calls passed on), at most
+    # the drain grace. Then each relayed stream's router is told `closing`.
+    server_stopped = asyncio.get_running_loop().create_task(server.stop(grace=config.drain_grace_s))
+    await asyncio.sleep(0)
     relay.stop()
-    for _ in range(round(config.drain_grace_s / STOP_POLL_S)):
-        if not relay.num_open and not passthrough.num_open:
-            break
-        await asyncio.sleep(STOP_POLL_S)
-    await server.stop(grace=1.0)
+    await server_stopped
     if health_listener is not None:
         await health_listener.stop(grace=None)
     await channel.close()

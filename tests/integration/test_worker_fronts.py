@@ -352,3 +352,39 @@ async def test_a_stopping_front_waits_for_the_calls_it_passed_on(tmp_path: Path)
         await channel.close()
         code = worker.terminate() if worker.process.poll() is None else None
     assert code == 0, worker.log()
+
+
+async def test_a_front_stopping_alone_sends_its_callers_new_streams_to_the_other(
+    own_worker: ServiceProcess,
+) -> None:
+    """One front is told to stop while a caller's stream runs on it: the stream is told
+    `closing`, and the caller's next stream lands on the other front, so every call is
+    answered. Before, the next stream went over the same connection to the stopping front,
+    which refused it UNAVAILABLE (a router then ejected the whole worker)."""
+    worker = own_worker
+    channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
+    client = MultiplexClient(channel, "caller")
+    request, expected = affine_request(3)
+    payload = request.SerializeToString()
+    try:
+        np.testing.assert_allclose(answer(await client.call(payload, timeout_s=10)), expected, 1e-5)
+        (carrier,) = [i for i, n in _open_streams_by_front(worker).items() if n > 0]
+        stopping = _front_pid(worker, carrier)
+        os.kill(stopping, signal.SIGTERM)
+        outcomes: list[bytes | BaseException] = []
+        deadline_s = asyncio.get_running_loop().time() + 2.0
+        while asyncio.get_running_loop().time() < deadline_s:
+            try:
+                outcomes.append(await client.call(payload, timeout_s=10))
+            except UpstreamError as error:
+                outcomes.append(error)
+            await asyncio.sleep(0.01)
+        failed = [o for o in outcomes if isinstance(o, BaseException)]
+        assert failed == [], failed[:3]
+        for got in outcomes:
+            np.testing.assert_allclose(answer(got), expected, 1e-5)  # type: ignore[arg-type]
+        await eventually(lambda: not is_alive(stopping), message="the front did not stop")
+    finally:
+        await client.close()
+        await channel.close()
+    assert worker.terminate() == 0, worker.log()
