@@ -54,8 +54,8 @@ class TenantAdmission:
     def acquire(self, policy: TenantPolicy, *, has_place: bool = False) -> Overloaded | None:
         """Checks room in flight and takes a request token for one call (before its body is
         even parsed), or returns the refusal to answer with. A granted call counts in flight
-        from `enter` (when it starts) to `release`. A call that `has_place` takes a token only
-        (TenantQuotas.acquire)."""
+        from `enter` (in the same step: TenantQuotas.acquire) to `release`. A call that
+        `has_place` takes a token only."""
         refusal = self.quotas.acquire(policy, self._clock(), has_place=has_place)
         return None if refusal is None else self._refused(policy, refusal)
 

@@ -251,15 +251,25 @@ class Authentication:
         admission = self._admission
         if admission is None or method not in INFERENCE_METHODS:
             return _Acting(principal)
-        refusal = admission.acquire(principal.policy)
+        policy = principal.policy
+        refusal = admission.acquire(policy)
         if refusal is not None:
             raise refusal
-        return _Acting(principal, admission)
+        # Counted in flight from here, in the step that checked for room: grpc runs the handler
+        # only once the request body has arrived, and the calls arriving meanwhile must see
+        # this one. Given back when the call's task ends, however it ends (a later stage's
+        # refusal, a caller gone before its body came).
+        admission.enter(policy)
+        task = asyncio.current_task()
+        assert task is not None  # grpc runs a call's interceptors, its stages, in its task
+        task.add_done_callback(lambda _: admission.release(policy))
+        return _Acting(principal)
 
 
 class _Acting:
     """A call served as its principal: set inside the call (not where the call arrives), so
-    the handler's own context holds it; counted in flight by `admission` while it runs."""
+    the handler's own context holds it; counted in flight by `admission` while it runs (an
+    HTTP call's: a gRPC call is counted from its authentication, `Authentication.scope`)."""
 
     __slots__ = ("_admission", "_principal")
 

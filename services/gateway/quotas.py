@@ -112,9 +112,10 @@ class TenantQuotas:
         self, policy: TenantPolicy, now_s: float, *, has_place: bool = False
     ) -> QuotaRefusal | None:
         """Admits one call (room in flight, and one request token), or says which quota
-        refused it. The call counts in flight from `enter` to `release`: checked before the
-        call starts, counted once it runs, so a call that never ran cannot leak a slot. A call
-        that `has_place` (it runs in a place in flight already held for it) takes a token only."""
+        refused it. The call counts in flight from `enter` to `release`, entered in the same
+        step as the check (nothing may be admitted between them, or a burst would pass the
+        check together) and released once the call ends, however it ends. A call that
+        `has_place` (it runs in a place in flight already held for it) takes a token only."""
         self._offered[policy.name] += 1
         if not policy.is_limited:
             return None

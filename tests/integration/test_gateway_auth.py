@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -25,9 +26,11 @@ from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from tests.support.in_process import start_lone_gateway
-from tests.support.models import write_affine_model, write_minilm_repository
+from services.pb.inference.v1 import worker_pb2 as wpb
+from tests.support.in_process import affine_and_stall_fabric, start_lone_gateway
+from tests.support.models import STALL, release_stall, write_affine_model, write_minilm_repository
 from tests.support.processes import REPO_ROOT, health_status
+from tests.support.redis import RedisServer
 from tests.support.stream_status import PeerStatus
 from tests.support.waiting import eventually
 
@@ -272,3 +275,57 @@ async def test_s36_the_slim_client_sends_its_api_key(gateway: Gateway) -> None:
     assert await asyncio.to_thread(code_with, None, "minilm") == "UNAUTHENTICATED"
     assert await asyncio.to_thread(code_with, ADS_KEY, "minilm") == "PERMISSION_DENIED"
     assert await asyncio.to_thread(code_with, SEARCH_KEY, "minilm") == "UNAVAILABLE"
+
+
+async def test_a_burst_of_calls_passes_max_concurrency_no_further(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A tenant allowed 3 calls in flight sends 16 at once, each held at the worker (a stalled
+    model): 3 run and 13 are refused RESOURCE_EXHAUSTED (max_concurrency), then the 3 are
+    answered. A call is counted in the step that checked for room: before, it was counted
+    only once its handler started, after its body arrived, and a burst's calls all passed the
+    check meanwhile."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nmax_concurrency = 3\n")
+    async with affine_and_stall_fabric(
+        tmp_path, redis_server, gateway_settings={"api_keys_file": keys}
+    ) as fabric:
+        row = np.array([STALL, 0, 0, 0], dtype="<f4")
+        tensor = wpb.Tensor(dtype=wpb.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
+        request = api.PredictRequest(model_name="stall", inputs=[api.PredictInput(tensor=tensor)])
+        # 1 MiB of a field the gateway does not know (parsed and ignored): each body takes a
+        # while to arrive, as a large or slow caller's does, and the calls' checks interleave.
+        padding = b"\x82\x3e" + _varint(1 << 20) + bytes(1 << 20)  # field 992, bytes
+        body = request.SerializeToString() + padding
+        metadata = (("authorization", f"Bearer {SEARCH_KEY}"),)
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            predict = channel.unary_unary(
+                "/inference.v1.InferenceService/Predict",
+                response_deserializer=api.PredictResponse.FromString,
+            )
+            calls = [
+                asyncio.ensure_future(predict(body, metadata=metadata, timeout=60))
+                for _ in range(16)
+            ]
+            refused = []
+            while len(refused) < 13:
+                done, _ = await asyncio.wait(
+                    [c for c in calls if c not in refused], return_when=asyncio.FIRST_COMPLETED
+                )
+                for call in done:
+                    error = call.exception()
+                    assert isinstance(error, grpc.aio.AioRpcError), error
+                    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+                    assert "max_concurrency" in (error.details() or "")
+                    refused.append(call)
+            release_stall(tmp_path / "gate")
+            answered = await asyncio.gather(*(c for c in calls if c not in refused))
+    assert len(answered) == 3
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out) + bytes([value])
