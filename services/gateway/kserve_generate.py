@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import AsyncIterator
+from typing import Any
 
 from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
@@ -105,21 +106,48 @@ def _sampling(raw: bytes | None) -> pb.SamplingParameters:
         raise InvalidInput(
             f"unknown sampling_parameters {unknown}; known: {sorted(_SAMPLING_KEYS)}"
         )
+    _check_types(options)
+    # The wire's zero means "the default": an explicit 0 is refused, not read as that.
+    for key in ("max_tokens", "top_p"):
+        if key in options and options[key] <= 0:
+            raise InvalidInput(f"sampling_parameters: {key} must be > 0, got {options[key]}")
     stop = options.get("stop", [])
     try:
         return pb.SamplingParameters(
-            max_tokens=int(options.get("max_tokens", 0)),
+            max_tokens=options.get("max_tokens", 0),
             temperature=float(options.get("temperature", 0.0)),
-            top_k=int(options.get("top_k", 0)),
+            top_k=options.get("top_k", 0),
             top_p=float(options.get("top_p", 0.0)),
-            seed=int(options["seed"]) if "seed" in options else None,
-            stop=[stop] if isinstance(stop, str) else [str(s) for s in stop],
-            stop_token_ids=[int(t) for t in options.get("stop_token_ids", [])],
-            ignore_eos=bool(options.get("ignore_eos", False)),
+            seed=options.get("seed"),
+            stop=[stop] if isinstance(stop, str) else stop,
+            stop_token_ids=options.get("stop_token_ids", []),
+            ignore_eos=options.get("ignore_eos", False),
         )
-    # Negative into unsigned, wrong types, inf or 1e999 into an int.
+    # Negative into unsigned, inf or 1e999 into an int.
     except (TypeError, ValueError, OverflowError) as error:
         raise InvalidInput(f"sampling_parameters: {error}") from error
+
+
+def _check_types(options: dict[str, Any]) -> None:
+    """Each sampling parameter's JSON type, as it is, never converted: `"8"`, `2.7` or `true`
+    for a count are refused, as a mapping for the stop strings."""
+    for key, value in options.items():
+        if key in ("max_tokens", "top_k", "seed"):
+            valid = isinstance(value, int) and not isinstance(value, bool)
+        elif key in ("temperature", "top_p"):
+            valid = isinstance(value, int | float) and not isinstance(value, bool)
+        elif key == "ignore_eos":
+            valid = isinstance(value, bool)
+        elif key == "stop":
+            valid = isinstance(value, str) or (
+                isinstance(value, list) and all(isinstance(v, str) for v in value)
+            )
+        else:  # stop_token_ids
+            valid = isinstance(value, list) and all(
+                isinstance(v, int) and not isinstance(v, bool) for v in value
+            )
+        if not valid:
+            raise InvalidInput(f"sampling_parameters: {key} has the wrong type: {value!r}")
 
 
 def _response(

@@ -149,6 +149,42 @@ def test_bad_sampling_parameter_is_a_400(stack: Stack) -> None:
     assert status == 400 and "max_tokenz" in json.loads(answer)["error"]
 
 
+@pytest.mark.parametrize(
+    ("parameters", "named"),
+    [
+        # Each was served: 0 read as the default (16 tokens, top_p 1), 2.7 cut to 2, "8" and
+        # true taken for 8 and 1, a mapping's keys taken for stop strings, "false" for true.
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 3, "top_p": 0}, "top_p"),
+        ({"max_tokens": 2.7}, "max_tokens"),
+        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 3, "stop": {"a": 1}}, "stop"),
+        ({"max_tokens": 3, "exclude_input_in_output": "false"}, "exclude_input_in_output"),
+    ],
+)
+def test_sampling_values_of_the_wrong_kind_are_a_400(
+    stack: Stack, parameters: dict, named: str
+) -> None:
+    body = {"text_input": "Hello", "parameters": parameters}
+    status, _, answer = call(stack, "/v2/models/tiny-llama/generate", json.dumps(body).encode())
+    assert status == 400, answer
+    assert named in json.loads(answer)["error"]
+
+
+def test_generate_stream_with_null_parameters_still_streams(stack: Stack) -> None:
+    """`"parameters": null` is no parameters: the stream endpoint streams (before, it sent one
+    event with the whole text)."""
+    body = {"text_input": "Hello", "parameters": None}
+    status, _, answer = call(
+        stack, "/v2/models/tiny-llama/generate_stream", json.dumps(body).encode()
+    )
+    assert status == 200, answer
+    events = [json.loads(line[len("data: ") :]) for line in answer.decode().split("\n\n") if line]
+    assert len(events) > 1 and events[-1]["finish_reason"]
+    assert not events[0]["text_output"].startswith("Hello")  # tokens, not prompt and all
+
+
 def test_tenant_quota_refusal_is_a_429_with_retry_after(stack: Stack) -> None:
     body = json.dumps(
         {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": ["hi"]}]}

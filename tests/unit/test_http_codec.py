@@ -101,9 +101,18 @@ def test_binary_extension_splits_inputs_by_their_sizes() -> None:
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
           "outputs": [{"name": "y", "parameters": [1]}]}, b"", "must be a JSON object"),
         ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [float("nan")]}]},
-         b"", "fit"),
+         b"", "integers"),
         ({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "data": ["\ud800"]}]},
          b"", "lone surrogate"),
+        # A 500 (a TypeError iterating it), then truncated to 1 and 0, then taken as 1 byte.
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [1]}],
+          "outputs": 5}, b"", "outputs must be a list"),
+        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [2], "data": [1.9, -0.7]}]},
+         b"", "must be integers"),
+        ({"inputs": [{"name": "a", "datatype": "INT64", "shape": [1], "data": [2.0]}]},
+         b"", "must be integers"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1],
+                      "parameters": {"binary_data_size": True}}]}, b"x", "runs past"),
     ],
 )  # fmt: skip
 def test_malformed_infer_bodies_are_invalid_input(body: dict, binary: bytes, message: str) -> None:

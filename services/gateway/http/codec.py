@@ -125,6 +125,11 @@ def bytes_elements(elements: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
+def _is_int(value: Any) -> bool:
+    """A JSON integer (not `true` or `false`, which Python counts as ints)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
     """A JSON tensor's `data` as raw bytes in the wire layout of `datatype`."""
     if not isinstance(data, list):
@@ -139,6 +144,9 @@ def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
         raise InvalidInput(f"input {name}: datatype {datatype!r} is not supported")
     if not all(isinstance(v, _NUMBER_TYPES) and not isinstance(v, bool) for v in flat):
         raise InvalidInput(f"input {name}: {datatype} data must be numbers")
+    if dtype.kind in "iu" and not all(isinstance(v, int) for v in flat):
+        # numpy would cut 1.9 to 1 without a word; Triton refuses it too.
+        raise InvalidInput(f"input {name}: {datatype} data must be integers")
     try:
         return np.asarray(flat, dtype=dtype).tobytes()
     except (OverflowError, ValueError):  # too big, or NaN/infinity for an integer type
@@ -154,14 +162,12 @@ def _input_tensor(
     name, datatype, shape = tensor.get("name"), tensor.get("datatype"), tensor.get("shape")
     if not isinstance(name, str) or not isinstance(datatype, str):
         raise InvalidInput("each input needs a name and a datatype")
-    if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**63 for d in shape
-    ):
+    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**63 for d in shape):
         raise InvalidInput(f"input {name}: shape must be a list of non-negative integers")
     parameters = tensor.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
-        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+        if not _is_int(size) or size < 0 or offset + size > len(binary):
             raise InvalidInput(f"input {name}: binary_data_size {size} runs past the body")
         raw, offset = binary[offset : offset + size], offset + size
     elif "data" in tensor:
@@ -198,8 +204,11 @@ def infer_body(
         request.raw_input_contents.append(raw)
     if offset != len(binary):
         raise InvalidInput(f"{len(binary) - offset} bytes of binary data belong to no input")
+    outputs = body.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise InvalidInput("outputs must be a list")
     binary_by_output = {}
-    for output in body.get("outputs") or []:
+    for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidInput("each output must be a JSON object with a name")
         request.outputs.add(name=output["name"])

@@ -85,7 +85,10 @@ def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.Mo
         raise InvalidInput("text_input (a string) is required")
     options = dict(json_object(body.get("parameters"), "parameters"))
     control = {k: options.pop(k) for k in _CONTROL_PARAMETERS if k in options}
-    flags = {k: bool(options.pop(k, False)) for k in ("stream", "exclude_input_in_output")}
+    flags = {k: options.pop(k, False) for k in ("stream", "exclude_input_in_output")}
+    for flag, value in flags.items():
+        if not isinstance(value, bool):  # bool("false") is True
+            raise InvalidInput(f"parameters.{flag} must be true or false, got {value!r}")
     request = kserve.ModelInferRequest(
         model_name=name, model_version=version, id=str(body.get("id", "")),
         parameters=infer_parameters(control),
@@ -235,7 +238,8 @@ class KServeRest:
     def _responses(self, request: web.Request, body: dict[str, Any], *, stream: bool
                    ) -> AsyncIterator[kserve.ModelStreamInferResponse]:  # fmt: skip
         name, version = _model(request)
-        body.setdefault("parameters", {})
+        if body.get("parameters") is None:  # absent or null: the endpoint's own
+            body["parameters"] = {}
         if isinstance(body["parameters"], dict):
             body["parameters"]["stream"] = stream
         message = generate_request(name, version, body)
