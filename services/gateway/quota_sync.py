@@ -7,7 +7,10 @@ enforces until the next round. Nothing on the request path touches Redis.
 
 A gateway's entry carries a sequence number; one whose number has not moved for
 `stale_after_periods` rounds belongs to a gateway that is gone and is ignored (a gateway that
-stops cleanly deletes its own), so clock skew between gateways does not matter. While Redis
+stops cleanly deletes its own; one that was killed has its entry deleted by the others after
+`forget_after_periods` rounds), so clock skew between gateways does not matter. An entry a
+gateway sees for the first time counts for two rounds, and from then on only while its number
+moves. While Redis
 is unreachable the last shares stay in force for `stale_after_periods` rounds; then, the
 demand they followed being as stale as a gone gateway's, each tenant gets an equal share of
 the gateways last seen (a tenant whose calls moved to a gateway that held it at the floor
@@ -53,6 +56,9 @@ class QuotaSyncConfig:
     period_s: float = 0.5
     #: Rounds without a new sequence number after which a gateway's entry is stale.
     stale_after_periods: int = 4
+    #: ... and after which any gateway deletes it: its gateway died without deleting it
+    #: (killed), and each start is a new id, so such entries would pile up.
+    forget_after_periods: int = 40
 
     @property
     def demand_key(self) -> str:
@@ -76,6 +82,8 @@ class QuotaSync:
         self._sequence = 0
         # gateway id -> (last sequence number seen, rounds since it last changed)
         self._seen: dict[str, tuple[int, int]] = {}
+        #: Entries to delete in the next round (`forget_after_periods`).
+        self._forgotten: list[str] = []
         self._task: asyncio.Task[None] | None = None
         #: Rounds failed in a row, and the gateways the last good round saw (itself included).
         self._failures = 0
@@ -125,9 +133,11 @@ class QuotaSync:
         self._sequence += 1
         entry = json.dumps({"seq": self._sequence, "demand": demand})
         async with self._client.pipeline(transaction=False) as pipe:
+            if self._forgotten:
+                pipe.hdel(self.config.demand_key, *self._forgotten)
             pipe.hset(self.config.demand_key, self.gateway_id, entry)
             pipe.hgetall(self.config.demand_key)
-            _, raw = await pipe.execute()
+            *_, raw = await pipe.execute()
         demands = self._live_demands(raw)
         self._num_gateways = max(1, len(demands))
         shares = fleet_shares(self.gateway_id, demands, limited)
@@ -146,17 +156,28 @@ class QuotaSync:
     def _live_demands(self, raw: Mapping[bytes, bytes]) -> dict[str, dict[str, float]]:
         demands: dict[str, dict[str, float]] = {}
         seen: dict[str, tuple[int, int]] = {}
+        forgotten: list[str] = []
+        stale, forget = self.config.stale_after_periods, self.config.forget_after_periods
         for field, value in raw.items():
-            gateway_id = field.decode()
             try:
+                gateway_id = field.decode()
                 parsed = json.loads(value)
-                sequence, demand = int(parsed["seq"]), dict(parsed["demand"])
-            except (ValueError, KeyError, TypeError):
-                continue  # not ours to interpret; never fatal
+                sequence = int(parsed["seq"])
+                demand = {str(t): float(d) for t, d in dict(parsed["demand"]).items()}
+            except (ValueError, KeyError, TypeError, AttributeError):
+                continue  # not ours to interpret (another version's, say); never fatal
             previous = self._seen.get(gateway_id)
-            rounds = 0 if previous is None or previous[0] != sequence else previous[1] + 1
+            if previous is None:
+                # First seen (this gateway has just started): live for two rounds, and then
+                # only while its number moves, so a gone gateway's entry counts for two rounds,
+                # not `stale`; two, not one: a live gateway's round may fall just after ours.
+                rounds = max(0, stale - 2)
+            else:
+                rounds = 0 if previous[0] != sequence else previous[1] + 1
             seen[gateway_id] = (sequence, rounds)
-            if rounds < self.config.stale_after_periods or gateway_id == self.gateway_id:
-                demands[gateway_id] = {str(t): float(d) for t, d in demand.items()}
-        self._seen = seen
+            if rounds < stale or gateway_id == self.gateway_id:
+                demands[gateway_id] = demand
+            elif rounds >= forget:
+                forgotten.append(gateway_id)
+        self._seen, self._forgotten = seen, forgotten
         return demands

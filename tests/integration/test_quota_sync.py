@@ -101,3 +101,53 @@ async def test_the_gateway_user_cannot_touch_the_registry(redis_server: RedisSer
             await client.hset("fabric:worker:w1", "x", "1")
     finally:
         await client.aclose()
+
+
+async def test_a_killed_gateways_entry_counts_briefly_for_a_new_gateway_and_is_deleted(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway killed without deleting its entry (its demand frozen at 100/s): a gateway that
+    starts now counts it for two rounds, then takes the whole share; past
+    `forget_after_periods` rounds it deletes the entry. Before, a new gateway counted every
+    such entry for `stale_after_periods` rounds (each start held its tenants near the floor
+    for about 2 s), and the entries stayed in Redis for good."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels(TENANTS))
+    config = QuotaSyncConfig(
+        redis_url=redis_server.role_url(GATEWAY), period_s=0.05, forget_after_periods=6
+    )
+    sync = QuotaSync(config, admission, TENANTS)
+    try:
+        await admin.hset(config.demand_key, "killed", '{"seq": 7, "demand": {"search": 100.0}}')
+        shares = []
+        for _ in range(3):
+            admission.acquire(SEARCH)
+            shares.append((await sync.sync_once())["search"])
+        assert shares[0] < 0.5 and shares[1] < 0.5  # the dead entry's demand, counted
+        assert shares[2] == pytest.approx(1.0)  # its number never moved: stale
+        for _ in range(config.forget_after_periods):
+            await sync.sync_once()
+        assert await admin.hkeys(config.demand_key) == [sync.gateway_id.encode()]
+    finally:
+        await sync.stop()
+        await admin.aclose()
+
+
+async def test_entries_that_do_not_parse_are_skipped_and_the_sync_goes_on(
+    redis_server: RedisServer,
+) -> None:
+    """Entries another version might write (a null demand, a field name that is not UTF-8)
+    are skipped; the round computes its shares from the rest. Before, they raised out of the
+    round, past its error handling, and ended the sync loop: the shares froze."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    admission, sync = make_gateway(redis_server)
+    try:
+        key = sync.config.demand_key
+        await admin.hset(key, "newer", '{"seq": 1, "demand": {"search": null}}')
+        await admin.hset(key, b"\xff\xfe", '{"seq": 1, "demand": {"search": 5.0}}')
+        await admin.hset(key, "list", '{"seq": 1, "demand": ["search"]}')
+        admission.acquire(SEARCH)
+        assert (await sync.sync_once())["search"] == pytest.approx(1.0)
+    finally:
+        await sync.stop()
+        await admin.aclose()
