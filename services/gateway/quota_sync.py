@@ -18,7 +18,8 @@ would be refused nearly all of its quota for the whole outage). A gateway that n
 Redis enforces whole limits, as if alone.
 
 Tolerance: a tenant may exceed a fleet-wide limit by about MIN_SHARE_OF_EQUAL (10%), plus
-what a shift of its demand between gateways admits during one period.
+what a shift of its demand between gateways admits during one period; `max_concurrency`,
+counted in whole calls, by up to one call per gateway process (each admits at least one).
 """
 
 from __future__ import annotations
