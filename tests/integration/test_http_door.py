@@ -17,6 +17,7 @@ import pytest
 
 from services.common import metric_names as names
 from services.common.door_config import DoorConfig
+from services.gateway.http import server as http_server
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from tests.support.in_process import Fabric, running_fabric
@@ -102,3 +103,30 @@ async def test_http_model_calls_share_the_door_and_its_limit_with_grpc(
         await eventually(lambda: door.num_in_flight == 0, message="the door was not left")
         status, body, _ = await post(infer_url, infer_body(1.0))
         assert status == 200, body
+
+
+async def test_a_body_that_does_not_arrive_is_a_408_and_gives_its_place_back(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model call that sends its headers and 10 of its 1,000 bytes, then nothing: within the
+    body's bound it is answered 408 and its place at the door (a limit of one) is free again,
+    so the next call is served. Before, it held the place as long as its connection stayed
+    open, and the door refused every other model call of the process."""
+    monkeypatch.setattr(http_server, "BODY_TIMEOUT_S", 0.5)
+    door = fabric.gateway.door
+    assert door is not None and fabric.gateway.http is not None
+    port = fabric.gateway.http.port
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+        'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"inputs":'.encode()
+    )
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+    assert status_line.startswith(b"HTTP/1.1 408"), status_line
+    writer.close()
+    await eventually(lambda: door.num_in_flight == 0, message="the door was not left")
+    async with aiohttp.ClientSession() as session:
+        url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
+        async with session.post(url, json=infer_body(1.0)) as answer:
+            assert answer.status == 200, await answer.text()

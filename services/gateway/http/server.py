@@ -4,6 +4,7 @@ routes on one aiohttp app, behind the same authentication and tenant admission a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from collections.abc import Awaitable, Callable
@@ -44,6 +45,14 @@ DOOR_LABEL = "http"
 #: does: Hugging Face's InferenceClient posts to the server's URL itself).
 TEI_PATHS = frozenset({"/", "/embed", "/info"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Longest a model call's body may take to arrive once the call holds its place at the door
+#: and in its tenant's quota (a caller that sends its headers and then a trickle, or nothing,
+#: must not hold them for good): past it, 408.
+BODY_TIMEOUT_S = 30.0
+
+
+class _BodyTimedOut(Exception):
+    pass
 
 
 def _answer(request: web.Request, error: HttpError) -> web.Response:
@@ -67,8 +76,9 @@ def auth_middleware(
 ) -> Middleware:
     """Passes model calls through the process's door (as the gRPC port's, before anything
     else), authenticates every call but the health probes, admits inference calls against the
-    tenant's quotas before the body is read, and answers errors as KServe (or, under /v1,
-    OpenAI) error bodies with the mapped HTTP status."""
+    tenant's quotas before the body is read, then reads it within BODY_TIMEOUT_S (408 past
+    it), and answers errors as KServe (or, under /v1, OpenAI) error bodies with the mapped
+    HTTP status."""
 
     async def authenticated(
         request: web.Request, handler: Handler, headers: dict[str, str]
@@ -81,6 +91,11 @@ def auth_middleware(
         if refusal is not None:
             raise refusal
         async with acting_as(principal, admission):
+            try:  # read whole now (aiohttp keeps it for the handler), within a bound
+                async with asyncio.timeout(BODY_TIMEOUT_S):
+                    await request.read()
+            except TimeoutError:
+                raise _BodyTimedOut from None
             return await handler(request)
 
     @web.middleware
@@ -100,6 +115,9 @@ def auth_middleware(
                 door.leave()
         except AnsweredInBand as answered:  # counted; its stream has ended: nothing more
             return answered.response
+        except _BodyTimedOut:
+            message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s"
+            return _answer(request, HttpError(408, message, {"Connection": "close"}))
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
