@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls", action="store_true", default=env("FABRIC_TLS") == "1",
                         help="use TLS (env FABRIC_TLS=1)")  # fmt: skip
     parser.add_argument("--ca-file", default=env("FABRIC_CA_FILE"),
-                        help="PEM roots to verify the gateway (default: the system's)")  # fmt: skip
+                        help="PEM roots to verify the gateway (default: the system's); "
+                             "implies --tls")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--priority", choices=["critical", "interactive", "batch"],
                         help="priority class (default: the tenant's)")  # fmt: skip
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(
         args.address,
         api_key=args.api_key,
-        tls=args.tls,
+        tls=args.tls or args.ca_file is not None,  # roots to verify with: TLS, surely
         root_certificates=args.ca_file,
         timeout_s=args.timeout_s,
     )

@@ -153,7 +153,14 @@ class Client:
         `client_certificate`/`client_key` for mutual TLS; `server_name` overrides the name
         checked in the gateway's certificate. `retry`: when refused predicts are sent again
         (default RetryPolicy()). `throttle`: when this client refuses predicts itself while the
-        gateway refuses many (None: never)."""
+        gateway refuses many (None: never). Certificates or a server name without `tls` are a
+        ValueError: the channel would be plaintext, and the API key would go out in clear."""
+        tls_settings = (root_certificates, client_certificate, client_key, server_name)
+        if not tls and any(setting is not None for setting in tls_settings):
+            raise ValueError(
+                "root_certificates, client_certificate, client_key and server_name need "
+                "tls=True (without it the channel is plaintext)"
+            )
         options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
         if tls:
             credentials = grpc.ssl_channel_credentials(

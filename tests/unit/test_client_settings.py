@@ -1,0 +1,40 @@
+"""The slim client's channel settings (inference_fabric_client.Client, its command line): TLS
+settings never leave a channel plaintext."""
+
+from __future__ import annotations
+
+import pytest
+from inference_fabric_client import Client, cli
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"root_certificates": b"-----BEGIN CERTIFICATE-----"},
+        {"client_certificate": b"x", "client_key": b"y"},
+        {"server_name": "gateway"},
+    ],
+)
+def test_tls_settings_without_tls_are_refused(setting: dict) -> None:
+    """Before, they were ignored: a plaintext channel, the API key sent in clear."""
+    with pytest.raises(ValueError, match="tls=True"):
+        Client("127.0.0.1:1", api_key="secret", **setting)
+    Client("127.0.0.1:1", api_key="secret", tls=True, **setting).close()  # with TLS: taken
+
+
+def test_the_command_lines_ca_file_turns_tls_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[dict] = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(address: str, **settings: object) -> None:
+        made.append(settings)
+        raise Recorded
+
+    monkeypatch.setattr(cli, "Client", record)
+    with pytest.raises(Recorded):
+        cli.main(["--address", "127.0.0.1:1", "--ca-file", "ca.pem", "models"])
+    assert made[0]["tls"] is True and made[0]["root_certificates"] == "ca.pem"
