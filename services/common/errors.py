@@ -163,7 +163,7 @@ class UpstreamError(ServingError):
     def retry_after_s(self) -> float | None:
         """The downstream retry hint, seconds, or None without one."""
         for key, value in self._trailers:
-            if key == RETRY_AFTER_MS_KEY and value.isdigit():
+            if key == RETRY_AFTER_MS_KEY and value.isascii() and value.isdigit():
                 return int(value) / 1000.0
         return None
 

@@ -167,7 +167,8 @@ def parse_route_metadata(metadata: Mapping[str, str]) -> tuple[str, str, int] | 
     name = metadata.get(ROUTE_MODEL_KEY)
     version = metadata.get(ROUTE_VERSION_KEY)
     rows = metadata.get(ROUTE_ROWS_KEY, "")
-    if not name or not version or not rows.isdigit() or int(rows) < 1:
+    # isascii too: "²".isdigit() is True, and int() of it raises.
+    if not name or not version or not (rows.isascii() and rows.isdigit()) or int(rows) < 1:
         return None
     return name, version, int(rows)
 

@@ -58,6 +58,9 @@ class RoutingSync:
             except (RedisError, OSError) as error:
                 stop_if_cancelled()
                 log.warning("routing sync failed, the routing in force stays: %s", error)
+            except Exception:  # kept running: a stopped sync would freeze the routing
+                stop_if_cancelled()
+                log.exception("routing sync failed, the routing in force stays")
             await sleep_unless_stopped(self._period_s)
 
     async def sync_once(self) -> list[str]:

@@ -74,10 +74,16 @@ class HeartbeatPublisher:
                 if not self.is_connected:
                     log.info("heartbeat: registered in Redis")
                 self.is_connected, failures = True, 0
-            except (RedisError, OSError) as error:
-                stop_if_cancelled()
+            except Exception as error:  # Redis away, or anything else: a heartbeat that
+                stop_if_cancelled()  # stopped would take the worker out of routing for good
                 if self.is_connected or failures == 0:
-                    log.warning("heartbeat: Redis unreachable (%s); retrying with backoff", error)
+                    is_redis = isinstance(error, RedisError | OSError)
+                    log.warning(
+                        "heartbeat: %s (%s); retrying with backoff",
+                        "Redis unreachable" if is_redis else "publish failed",
+                        error,
+                        exc_info=not is_redis,
+                    )
                 self.is_connected = False
                 failures += 1
             if failures == 1:

@@ -134,6 +134,9 @@ class RegistrySync:
                 failures += 1
                 self._awaits_refill = True
                 await self._set_degraded(True)
+            except Exception:  # our bug, or a record past the parser: the next round may do
+                stop_if_cancelled()  # better, and a stopped refresh would freeze routing
+                log.exception("registry: refresh failed; routing from last snapshot")
             age_s = self._table.snapshot_age_s(time.monotonic())
             self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)
             delay_s = min(_MAX_BACKOFF_S, self._period_s * 2 ** max(0, failures - 1))
@@ -170,7 +173,8 @@ async def read_registry(
             continue  # record key expired: the worker stopped long ago
         try:
             records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
-        except (ValueError, KeyError, TypeError) as error:
+        # OverflowError: a time of 1e400; RecursionError: JSON nested past Python's limit.
+        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as error:
             log.warning("skipping malformed registry record: %s", error)
     return _current_api_first(records), now_s
 

@@ -69,7 +69,7 @@ class WorkerNetworks:
 def address_host(address: str) -> str | None:
     """The host of `host:port` or `[v6]:port`; None when the form or the port is wrong."""
     host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

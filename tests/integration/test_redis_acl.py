@@ -4,6 +4,7 @@ through the tiers' own registry code."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
 from services.router.registry_reader import read_registry
 from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -176,3 +178,55 @@ async def test_a_tier_authenticates_from_its_password_file(
     records, _ = await read_registry(router, KEYS)
     await router.aclose()
     assert [r.worker_id for r, _ in records] == ["w0"]
+
+
+async def test_records_that_do_not_parse_are_skipped(clients: dict[str, aioredis.Redis]) -> None:
+    """A record whose time is 1e400 (OverflowError in int()) or whose JSON nests past Python's
+    limit (RecursionError) is skipped beside a good one. Before, either raised out of the
+    router's refresh, past its handling of Redis errors, and ended its registry loop: routing
+    froze on the last snapshot, and once it aged out every call was refused."""
+    await publisher(clients["worker"]).publish_once()
+    admin = clients["admin"]
+    late = json.loads(RECORD.to_json()) | {"worker_id": "w-inf", "sent_at_ms": 1e400}
+    bad = {
+        "w-inf": json.dumps(late).replace("Infinity", "1e400"),
+        "w-deep": "[" * 100_000 + "]" * 100_000,
+    }
+    for worker_id, raw in bad.items():
+        await admin.set(KEYS.worker(worker_id), raw)
+        await admin.zadd(KEYS.workers, {worker_id: time.time() * 1000})
+    records, _ = await read_registry(clients["router"], KEYS)
+    assert [r.worker_id for r, _ in records] == ["w0"]
+
+
+async def test_a_heartbeat_outlives_an_empty_password_file(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The password file is empty when the heartbeat reconnects (a rotation that truncates,
+    then writes): that round fails, and once the file holds the password again the worker is
+    registered again. Before, the error (a ValueError, not a Redis error) ended the heartbeat
+    loop: the worker left routing for good while staying healthy."""
+    password_file = tmp_path / "worker-password"
+    password_file.write_text(redis_server.passwords[WORKER])
+    url = redis_server.anonymous_url
+    client = connect(url, credentials=role_credentials(WORKER, url, password_file))
+    heartbeat = HeartbeatPublisher(
+        client, KEYS, HeartbeatConfig(period_s=0.05, max_backoff_s=0.1), lambda: RECORD
+    )
+    admin = connect(redis_server.url)
+    task = asyncio.create_task(heartbeat.run())
+    try:
+        await eventually(lambda: heartbeat.is_connected, message="never registered")
+        password_file.write_text("")
+        await client.connection_pool.disconnect()
+        await eventually(lambda: not heartbeat.is_connected, message="the round did not fail")
+        assert not task.done()
+        password_file.write_text(redis_server.passwords[WORKER])
+        await admin.delete(KEYS.worker("w0"))
+        await eventually(lambda: heartbeat.is_connected, message="not registered again")
+        assert await admin.exists(KEYS.worker("w0")) == 1
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        await admin.aclose()

@@ -101,3 +101,10 @@ def test_router_setting_parses_and_rejects_bad_values(capsys: pytest.CaptureFixt
         parse_config(["--worker-networks", "10.0.0.0/33"], {})
     assert exit_info.value.code == 2
     assert "worker-networks" in capsys.readouterr().err
+
+
+def test_a_port_of_non_ascii_digits_is_no_port() -> None:
+    """ "²".isdigit() is True and int("²") raises: such a port was a ValueError out of the
+    router's registry refresh."""
+    assert address_host("10.0.0.1:²") is None
+    assert address_host("10.0.0.1:٨٠") is None  # Arabic-Indic digits
