@@ -27,6 +27,7 @@ own copy and answers with the winner's id. Durability across a Redis crash is th
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from collections.abc import Sequence
@@ -42,6 +43,36 @@ from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
 GROUP = "runners"
 #: Unacknowledged submissions (items written, script not run) vanish after this.
 ORPHAN_TTL_S = 3600
+#: Most jobs of one tenant sharing one creation time (to the microsecond) that a page of
+#: ListJobs steps over correctly.
+MAX_TIED_JOBS = 64
+
+
+@dataclass(frozen=True)
+class JobCursor:
+    """A job's place in its tenant's list: newest first, then by id."""
+
+    created_s: float
+    job_id: str
+
+    def token(self) -> str:
+        return f"{self.created_s!r}/{self.job_id}"
+
+    @staticmethod
+    def parse(token: str) -> JobCursor:
+        """Raises ValueError for a token no cursor made."""
+        created, _, job_id = token.partition("/")
+        cursor = JobCursor(float(created), job_id)
+        if not (math.isfinite(cursor.created_s) and is_job_id(job_id)):
+            raise ValueError(token)
+        return cursor
+
+
+def is_job_id(text: str) -> bool:
+    """Whether `text` has the shape of a job id (32 lowercase hex digits)."""
+    return len(text) == 32 and all(c in "0123456789abcdef" for c in text)
+
+
 #: Dead-letter stream length kept (approximately).
 MAX_DEAD_LETTERS = 100_000
 
@@ -220,7 +251,10 @@ class JobStore:
             pipe.expire(key, ORPHAN_TTL_S)
             pipe.expire(f"{key}:items", ORPHAN_TTL_S)
             await pipe.execute()
-        idem_key = f"{self.prefix}:jobs:idem:{job.tenant}:{job.idempotency_key}"
+        # The tenant's length first: tenant "a:b" with key "c" and tenant "a" with key "b:c"
+        # must not share one.
+        tenant = job.tenant
+        idem_key = f"{self.prefix}:jobs:idem:{len(tenant)}:{tenant}:{job.idempotency_key}"
         keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
         has_key = "1" if job.idempotency_key else "0"
         args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]
@@ -234,10 +268,27 @@ class JobStore:
         raw = await self.client.hgetall(self.job_key(job_id))
         return JobRecord.from_hash(job_id, raw) if raw and b"num_items" in raw else None
 
-    async def list_ids(self, tenant: str, *, offset: int, limit: int) -> list[str]:
-        """The tenant's job ids, newest first, from position `offset`."""
-        ids = await self.client.zrevrange(self._tenant_key(tenant), offset, offset + limit - 1)
-        return [i.decode() for i in ids]
+    async def list_ids(
+        self, tenant: str, *, after: JobCursor | None, limit: int
+    ) -> list[tuple[str, JobCursor]]:
+        """Up to `limit` of the tenant's job ids, newest first, strictly after `after` (None:
+        from the newest), each with its cursor: a position that jobs submitted meanwhile do not
+        move, so no page repeats or skips one."""
+        key = self._tenant_key(tenant)
+        if after is None:
+            top, ties = "+inf", 0
+        else:
+            top, ties = repr(after.created_s), MAX_TIED_JOBS
+        found = await self.client.zrange(
+            key, top, "-inf", desc=True, byscore=True, offset=0, num=limit + ties, withscores=True
+        )
+        ids = []
+        for member, score in found:
+            job_id = member.decode()
+            # Members of one score come in reverse order of their bytes.
+            if after is None or score < after.created_s or job_id < after.job_id:
+                ids.append((job_id, JobCursor(score, job_id)))
+        return ids[:limit]
 
     async def cancel(self, job_id: str) -> None:
         await self.client.hset(self.job_key(job_id), "cancelled", 1)
@@ -281,6 +332,11 @@ class JobStore:
             self.queue_key, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
         )
         return [_entry(i, f) for i, f in reply[1] if f]
+
+    async def keep(self, consumer: str, entry: QueueEntry) -> None:
+        """Restarts the idle time of `consumer`'s `entry`, still running: no other runner's
+        `reclaim` takes it while it is kept."""
+        await self.client.xclaim(self.queue_key, GROUP, consumer, 0, [entry.entry_id], justid=True)
 
     async def record(
         self, job_id: str, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None

@@ -48,8 +48,10 @@ ROLES = (ADMIN, ROUTER, WORKER, GATEWAY, JOBS)
 #: record and acknowledge (scripts run under the caller's rights, hence their commands too).
 JOB_COMMANDS = (
     "evalsha", "eval", "script|load", "get", "set", "persist", "expire", "del", "rpush",
-    "lrange", "hset", "hsetnx", "hincrby", "hgetall", "hmget", "zadd", "zrevrange", "xadd",
-    "xreadgroup", "xautoclaim", "xack", "xdel", "xgroup|create", "xinfo|groups", "xrange",
+    "lrange", "hset", "hsetnx", "hincrby", "hgetall", "hmget", "zadd", "zrevrange", "zrange",
+    "xadd",
+    "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xgroup|create", "xinfo|groups",
+    "xrange",
     "xlen",
     "multi", "exec",
 )  # fmt: skip
@@ -57,7 +59,17 @@ JOB_COMMANDS = (
 #: inside EVALSHA under the worker's own rights, hence TIME, ZADD and SET.
 ROLE_COMMANDS: Mapping[str, tuple[str, ...]] = {
     ROUTER: ("zrange", "mget", "time"),
-    WORKER: ("evalsha", "script|load", "time", "zadd", "set", "zrem", "del", "hgetall"),
+    WORKER: (
+        "evalsha",
+        "script|load",
+        "time",
+        "zadd",
+        "zremrangebyscore",
+        "set",
+        "zrem",
+        "del",
+        "hgetall",
+    ),
     GATEWAY: ("hset", "hgetall", "hdel", *JOB_COMMANDS),
     JOBS: JOB_COMMANDS,
 }

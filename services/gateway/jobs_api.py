@@ -22,7 +22,14 @@ from redis.exceptions import RedisError
 
 from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
-from services.common.job_store import JobRecord, JobStore, NewJob, connect_jobs_redis
+from services.common.job_store import (
+    JobCursor,
+    JobRecord,
+    JobStore,
+    NewJob,
+    connect_jobs_redis,
+    is_job_id,
+)
 from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
 from services.common.redis_acl import GATEWAY, role_credentials
@@ -87,7 +94,8 @@ class JobServicer(jobs_grpc.JobServiceServicer):
 
     async def _own_job(self, job_id: str) -> JobRecord:
         """The caller's job `job_id`; NotFound when missing or another tenant's."""
-        record = await _stored(self._store.get(job_id)) if job_id else None
+        # An id of another shape names no job (and must not reach Redis: `<id>:items` is a key).
+        record = await _stored(self._store.get(job_id)) if is_job_id(job_id) else None
         if record is None or record.tenant != current_principal().tenant:
             raise NotFound(f"job {job_id!r} not found")
         return record
@@ -159,17 +167,20 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         self, request: jobs.ListJobsRequest, context: grpc.aio.ServicerContext
     ) -> jobs.ListJobsResponse:
         size = min(request.page_size or 50, self._config.max_page_size)
-        token = request.page_token
-        if size < 1 or (token and not (token.isascii() and token.isdecimal())):
+        try:
+            after = JobCursor.parse(request.page_token) if request.page_token else None
+        except ValueError:
+            after = None
+            size = 0
+        if size < 1:
             raise InvalidInput("page_size must be positive and page_token a previous token")
-        offset = int(token or 0)
         tenant = current_principal().tenant
-        ids = await _stored(self._store.list_ids(tenant, offset=offset, limit=size + 1))
+        found = await _stored(self._store.list_ids(tenant, after=after, limit=size + 1))
         now_s = time.time()
-        records = [await _stored(self._store.get(i)) for i in ids[:size]]
+        records = [await _stored(self._store.get(i)) for i, _ in found[:size]]
         return jobs.ListJobsResponse(
             jobs=[job_to_pb(r, now_s) for r in records if r is not None],
-            next_page_token=str(offset + size) if len(ids) > size else "",
+            next_page_token=found[size - 1][1].token() if len(found) > size else "",
         )
 
     async def CancelJob(

@@ -24,13 +24,19 @@ from services.gpu_worker.loaded_models import LoadedModels
 log = logging.getLogger(__name__)
 
 # Score = Redis server time in ms, taken inside the script so the write is one atomic step.
+# Members that have not beaten for ARGV[4] ms go: workers that died without deregistering
+# (killed, their node lost), whose record keys expired long ago. A pcall: under a Redis that
+# still runs an older ACL (not reloaded since an upgrade), the heartbeat itself must not fail.
 _PUBLISH = """
 local now = redis.call('TIME')
 local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 redis.call('ZADD', KEYS[1], ms, ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.pcall('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (ms - tonumber(ARGV[4])))
 return ms
 """
+#: How long a worker that stopped beating stays a member of the registry's sorted set.
+FORGET_AFTER_S = 600.0
 
 
 class HeartbeatPublisher:
@@ -55,7 +61,12 @@ class HeartbeatPublisher:
         record = self._record()
         await self._script(
             keys=[self._keys.workers, self._keys.worker(record.worker_id)],
-            args=[record.worker_id, record.to_json(), int(self._config.ttl_s * 1000)],
+            args=[
+                record.worker_id,
+                record.to_json(),
+                int(self._config.ttl_s * 1000),
+                int(FORGET_AFTER_S * 1000),
+            ],
         )
 
     def publish_soon(self) -> None:

@@ -197,6 +197,7 @@ class JobRunner:
     async def _guarded(self, entry: QueueEntry) -> None:
         """Runs one chunk; a failure leaves its entry pending, to be reclaimed and rerun."""
         started = time.perf_counter()
+        keeping = asyncio.create_task(self._keep_claimed(entry), name=f"keep-{entry.entry_id}")
         try:
             await self._run_chunk(entry)
         except (RedisError, OSError, RunnerRefused, FleetUnavailable) as error:
@@ -206,8 +207,21 @@ class JobRunner:
         except Exception:
             log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)
         finally:
+            keeping.cancel()
             self._running.discard(entry.entry_id)
             self._metrics.chunk_seconds.observe(time.perf_counter() - started)
+
+    async def _keep_claimed(self, entry: QueueEntry) -> None:
+        """Keeps `entry` this runner's while its chunk runs, however long its calls and their
+        retries take: its idle time restarts every third of the claim timeout, so another
+        runner's reclaim (of entries idle past it: their runner died) leaves it alone."""
+        while True:
+            await asyncio.sleep(self._claim_timeout_ms / 3000)
+            try:
+                await self._store.keep(self._consumer, entry)
+            except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
+                stop_if_cancelled()
+                log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)
 
     async def _run_chunk(self, entry: QueueEntry) -> None:
         job = await self._store.get(entry.job_id)

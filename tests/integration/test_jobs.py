@@ -8,6 +8,7 @@ import asyncio
 import json
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +45,12 @@ KEYS = KeyStore(
     {
         hash_key("key-a"): Principal("a", None, TenantPolicy("a")),
         hash_key("key-b"): Principal("b", None, TenantPolicy("b")),
+        hash_key("key-ab"): Principal("a:b", None, TenantPolicy("a:b")),
     }
 )
 AS_A = (("authorization", "Bearer key-a"),)
 AS_B = (("authorization", "Bearer key-b"),)
+AS_AB = (("authorization", "Bearer key-ab"),)
 
 
 @dataclass
@@ -223,6 +226,25 @@ async def test_same_idempotency_key_returns_the_same_job_and_runs_nothing_twice(
     await eventually(both_ran, timeout_s=30.0)
 
 
+async def test_idempotency_keys_of_tenants_whose_names_share_a_prefix_never_meet(
+    fabric: Fabric,
+) -> None:
+    """Tenant "a" with key "b:k" and tenant "a:b" with key "k": two jobs. Before, both were
+    the Redis key `...:idem:a:b:k`: the second submission got the first tenant's job id back
+    (is_existing) and stored nothing, and its GetJob said NOT_FOUND."""
+    first = await fabric.jobs.SubmitJob(
+        jobs.SubmitJobRequest(model_name="minilm", items=text_items(["x"]), idempotency_key="b:k"),
+        metadata=AS_A,
+    )
+    second = await fabric.jobs.SubmitJob(
+        jobs.SubmitJobRequest(model_name="minilm", items=text_items(["y"]), idempotency_key="k"),
+        metadata=AS_AB,
+    )
+    assert not second.is_existing and second.job_id != first.job_id
+    job = await fabric.jobs.GetJob(jobs.GetJobRequest(job_id=second.job_id), metadata=AS_AB)
+    assert job.num_items == 1
+
+
 async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) -> None:
     texts = texts_of(60)
     poison = {7, 8, 30, 44, 59}
@@ -280,6 +302,29 @@ async def test_a_runner_does_not_run_again_a_chunk_it_is_still_running(fabric: F
     job_id = await fabric.submit(texts)
     await eventually(lambda: fabric.target.num_held >= 1, timeout_s=30.0)
     await asyncio.sleep(5.0)  # past the claim timeout, and two reclaims of the runner's
+    fabric.target.release()
+    job = await fabric.finished(job_id)
+    assert job.num_ok == 4
+    assert [fabric.target.runs[t] for t in texts] == [1] * 4
+
+
+async def test_another_runner_does_not_take_a_chunk_still_running_past_the_claim_timeout(
+    fabric: Fabric,
+) -> None:
+    """The same held chunk with a second runner up: the first keeps its entry claimed while it
+    runs (every third of the 3 s claim timeout), so the second's reclaim leaves it alone and
+    each text runs once. Before, the entry was idle in the queue from its delivery on, the
+    second runner took it over after 3 s and ran it too: each text ran twice."""
+    fabric.target.hold_after_runs = 0
+    fabric.start_runner("runner-1")
+    fabric.start_runner("runner-2")
+    texts = texts_of(4)
+    job_id = await fabric.submit(texts)
+    await eventually(lambda: fabric.target.num_held >= 1, timeout_s=30.0)
+    held_s = time.monotonic()
+    # Past the claim timeout and a reclaim of the other runner's (every second), before the
+    # owner's third call (each times out after 2 s) would time out too.
+    await asyncio.sleep(max(0.0, held_s + 4.5 - time.monotonic()))
     fabric.target.release()
     job = await fabric.finished(job_id)
     assert job.num_ok == 4
@@ -357,6 +402,12 @@ async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await fabric.jobs.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_B)
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    # An id naming one of the job's other keys is no job either (it was UNAVAILABLE: Redis's
+    # WRONGTYPE, which also told that the job exists).
+    for crafted in (f"{job_id}:items", f"{job_id}:results", "x" * 32):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.jobs.GetJob(jobs.GetJobRequest(job_id=crafted), metadata=AS_A)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND, crafted
     with pytest.raises(grpc.aio.AioRpcError) as empty:
         await fabric.jobs.SubmitJob(jobs.SubmitJobRequest(model_name="minilm"), metadata=AS_A)
     assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -469,6 +520,10 @@ async def test_a_stream_that_changes_its_header_or_has_no_items_persists_nothing
 
 
 async def test_list_jobs_pages_newest_first_each_job_once(fabric: Fabric) -> None:
+    """Pages of three over seven jobs, with two more submitted after the first page: each of
+    the seven once, newest first (the newer two are before the first page's place). Before,
+    a page token was a position, and the two new jobs pushed two of the first page's jobs
+    into the second."""
     submitted = [await fabric.submit(texts_of(1)) for _ in range(7)]
     pages: list[list[str]] = []
     token = ""
@@ -477,10 +532,14 @@ async def test_list_jobs_pages_newest_first_each_job_once(fabric: Fabric) -> Non
         page = await fabric.jobs.ListJobs(request, metadata=AS_A)
         pages.append([j.job_id for j in page.jobs])
         token = page.next_page_token
+        if len(pages) == 1:
+            newer = [await fabric.submit(texts_of(1)) for _ in range(2)]
         if not token:
             break
     assert [len(p) for p in pages] == [3, 3, 1]
     assert [i for p in pages for i in p] == submitted[::-1]
+    first = await fabric.jobs.ListJobs(jobs.ListJobsRequest(page_size=2), metadata=AS_A)
+    assert [j.job_id for j in first.jobs] == newer[::-1]
     with pytest.raises(grpc.aio.AioRpcError) as bad_token:
         await fabric.jobs.ListJobs(jobs.ListJobsRequest(page_token="not-a-token"), metadata=AS_A)
     assert bad_token.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -230,3 +230,22 @@ async def test_a_heartbeat_outlives_an_empty_password_file(
         await asyncio.gather(task, return_exceptions=True)
         await client.aclose()
         await admin.aclose()
+
+
+async def test_a_heartbeat_forgets_members_silent_for_ten_minutes(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    """A worker killed without deregistering (its record expired, its member left in the
+    sorted set) is dropped from the set by the next heartbeat once it has been silent for
+    FORGET_AFTER_S; one silent for less stays. Under a Redis still running an ACL without
+    the command (upgraded code, ACL not reloaded), the heartbeat goes on all the same.
+    Before, such members stayed for good, and every router read them all twice a second."""
+    admin = clients["admin"]
+    now_ms = time.time() * 1000
+    await admin.zadd(KEYS.workers, {"killed": now_ms - 3_600_000, "quiet": now_ms - 60_000})
+    await publisher(clients["worker"]).publish_once()
+    assert set(await admin.zrange(KEYS.workers, 0, -1)) == {b"w0", b"quiet"}
+    await admin.zadd(KEYS.workers, {"killed": now_ms - 3_600_000})
+    await admin.execute_command("ACL", "SETUSER", "worker", "-zremrangebyscore")
+    await publisher(clients["worker"]).publish_once()  # no error
+    assert set(await admin.zrange(KEYS.workers, 0, -1)) == {b"w0", b"quiet", b"killed"}

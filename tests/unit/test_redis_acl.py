@@ -47,8 +47,8 @@ def test_each_role_gets_only_its_commands_on_the_registry_keys() -> None:
     router, worker = rules["router"], rules["worker"]
     assert {r for r in router if r.startswith("+")} == {"+ping", "+zrange", "+mget", "+time"}
     assert {r for r in worker if r.startswith("+")} == {
-        "+ping", "+evalsha", "+script|load", "+time", "+zadd", "+set", "+zrem", "+del",
-        "+hgetall",
+        "+ping", "+evalsha", "+script|load", "+time", "+zadd", "+zremrangebyscore", "+set",
+        "+zrem", "+del", "+hgetall",
     }  # fmt: skip
     registry_keys = {"~blue:workers", "~blue:worker:*"}
     assert {r for r in router if r.startswith("~")} == registry_keys
