@@ -4,7 +4,7 @@ settings never leave a channel plaintext."""
 from __future__ import annotations
 
 import pytest
-from inference_fabric_client import Client, cli
+from inference_fabric_client import Client, FabricError, cli
 
 pytestmark = pytest.mark.unit
 
@@ -38,3 +38,17 @@ def test_the_command_lines_ca_file_turns_tls_on(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(Recorded):
         cli.main(["--address", "127.0.0.1:1", "--ca-file", "ca.pem", "models"])
     assert made[0]["tls"] is True and made[0]["root_certificates"] == "ca.pem"
+
+
+def test_a_closed_client_refuses_calls_as_cancelled() -> None:
+    """Before, grpc's ValueError ("Cannot invoke RPC on closed channel!") came out."""
+    client = Client("127.0.0.1:1", throttle=None)
+    client.close()
+    for call in (
+        lambda: client.predict("m", ["x"]),
+        lambda: list(client.generate("m", "x")),
+        lambda: client.models(),
+    ):
+        with pytest.raises(FabricError) as refused:
+            call()
+        assert refused.value.code == "CANCELLED"

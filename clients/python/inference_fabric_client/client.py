@@ -79,7 +79,7 @@ class FabricError(Exception):
         code = call.code().name if call else "UNKNOWN"
         hint = None
         for key, value in (call.trailing_metadata() or ()) if call else ():
-            if key == "retry-after-ms" and str(value).isdigit():
+            if key == "retry-after-ms" and str(value).isascii() and str(value).isdigit():
                 hint = int(value) / 1000.0
         return cls(code, (call.details() if call else str(error)) or "", hint)
 
@@ -227,7 +227,10 @@ class Client:
     def _timeout(self, timeout_s: float | None) -> float:
         """A call's timeout: the one given, else the client's. One of 0 or less is already
         due: DEADLINE_EXCEEDED without a call (gRPC may still serve a call whose deadline is
-        now, before its timer fires)."""
+        now, before its timer fires). A closed client makes no call: CANCELLED (grpc's own
+        error would be a ValueError)."""
+        if self._is_closed:
+            raise FabricError("CANCELLED", "the client is closed")
         if timeout_s is None:
             return self._timeout_s
         if timeout_s <= 0:

@@ -125,16 +125,19 @@ class Jobs:
         index = start_index
         while True:
             request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
+            stream = self._stub.GetJobResults(
+                request, timeout=self._timeout_s, metadata=self._metadata
+            )
             try:
-                for result in self._stub.GetJobResults(
-                    request, timeout=self._timeout_s, metadata=self._metadata
-                ):
+                for result in stream:
                     index = result.index + 1
                     output = _array(result.output) if result.HasField("output") else None
                     yield ItemResult(result.index, _ITEM_STATUSES[result.status], output,
                                      result.code, result.message, result.num_attempts)  # fmt: skip
             except grpc.RpcError as error:
                 raise FabricError.from_rpc(error) from None
+            finally:  # the caller stopped reading: the server's stream stops now, not at GC
+                stream.cancel()
             if not wait or index >= self.get(job_id).num_items:
                 return
             time.sleep(poll_s)
