@@ -201,7 +201,9 @@ def test_errors_map_to_http_statuses_with_retry_after() -> None:
     assert refused.status == 429 and refused.headers["Retry-After"] in {"1", "2"}
     assert set(refused.headers) == {"Retry-After"}
     assert json.loads(refused.kserve_body()) == {"error": "slow down"}
-    assert http_error(Unauthenticated("no key")).status == 401
+    unauthenticated = http_error(Unauthenticated("no key"))
+    assert unauthenticated.status == 401
+    assert unauthenticated.headers == {"WWW-Authenticate": "Bearer"}
     assert http_error(NotFound("gone")).status == 404
     bug = http_error(ZeroDivisionError("secret detail"))
     assert bug.status == 500 and bug.message == "internal error"

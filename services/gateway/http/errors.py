@@ -88,4 +88,6 @@ def http_error(error: BaseException) -> HttpError:
             # Retry-After is whole seconds; round up so a client never comes back too early.
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
     code = HTTP_STATUSES.get(status.code, 500)
+    if code == 401:  # RFC 9110: a 401 names the scheme it wants (an API key as a bearer token)
+        headers["WWW-Authenticate"] = "Bearer"
     return HttpError(code, status.message, headers)
