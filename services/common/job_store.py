@@ -251,10 +251,10 @@ class JobStore:
             pipe.expire(key, ORPHAN_TTL_S)
             pipe.expire(f"{key}:items", ORPHAN_TTL_S)
             await pipe.execute()
-        # The tenant's length first: tenant "a:b" with key "c" and tenant "a" with key "b:c"
-        # must not share one.
-        tenant = job.tenant
-        idem_key = f"{self.prefix}:jobs:idem:{len(tenant)}:{tenant}:{job.idempotency_key}"
+        # The tenant percent-encoded: tenant "a:b" with key "c" and tenant "a" with key "b:c"
+        # must not share one. A tenant without ":" or "%" keeps the key it had before.
+        tenant = job.tenant.replace("%", "%25").replace(":", "%3A")
+        idem_key = f"{self.prefix}:jobs:idem:{tenant}:{job.idempotency_key}"
         keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
         has_key = "1" if job.idempotency_key else "0"
         args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]

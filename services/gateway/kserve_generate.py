@@ -10,6 +10,7 @@ served by services.gateway.kserve_infer.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -106,7 +107,7 @@ def _sampling(raw: bytes | None) -> pb.SamplingParameters:
         raise InvalidInput(
             f"unknown sampling_parameters {unknown}; known: {sorted(_SAMPLING_KEYS)}"
         )
-    _check_types(options)
+    options = _typed(options)
     # The wire's zero means "the default": an explicit 0 is refused, not read as that.
     for key in ("max_tokens", "top_p"):
         if key in options and options[key] <= 0:
@@ -128,15 +129,27 @@ def _sampling(raw: bytes | None) -> pb.SamplingParameters:
         raise InvalidInput(f"sampling_parameters: {error}") from error
 
 
-def _check_types(options: dict[str, Any]) -> None:
-    """Each sampling parameter's JSON type, as it is, never converted: `"8"`, `2.7` or `true`
-    for a count are refused, as a mapping for the stop strings."""
+def _typed(options: dict[str, Any]) -> dict[str, Any]:
+    """Each sampling parameter at its type. A number may come as a JSON number or as a string
+    of one (Triton's vLLM backend's clients send `"0.1"`), and `ignore_eos` as `"true"` or
+    `"false"`; nothing else is converted: `2.7`, `"2.7"` or `true` for a count are refused, as
+    a mapping for the stop strings."""
+    typed: dict[str, Any] = {}
     for key, value in options.items():
         if key in ("max_tokens", "top_k", "seed"):
+            if isinstance(value, str) and value.isascii() and value.isdigit():
+                value = int(value)
             valid = isinstance(value, int) and not isinstance(value, bool)
         elif key in ("temperature", "top_p"):
+            if isinstance(value, str):
+                value = _float_text(value)
             valid = isinstance(value, int | float) and not isinstance(value, bool)
         elif key == "ignore_eos":
+            value = (
+                {"true": True, "false": False}.get(value, value)
+                if isinstance(value, str)
+                else value
+            )
             valid = isinstance(value, bool)
         elif key == "stop":
             valid = isinstance(value, str) or (
@@ -148,6 +161,17 @@ def _check_types(options: dict[str, Any]) -> None:
             )
         if not valid:
             raise InvalidInput(f"sampling_parameters: {key} has the wrong type: {value!r}")
+        typed[key] = value
+    return typed
+
+
+def _float_text(text: str) -> float | str:
+    """The number a string spells (finite), or the string itself (refused by the caller)."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return number if math.isfinite(number) else text
 
 
 def _response(

@@ -122,6 +122,10 @@ class QuotaSync:
                 )
                 self._apply(dict.fromkeys(self._limited(), 1.0 / self._num_gateways))
             return
+        except Exception:  # a bug, or an entry past the parser: the loop must go on, the last
+            stop_if_cancelled()  # shares staying in force meanwhile
+            log.exception("quota sync round failed, last shares stay in force")
+            return
         self._failures = 0
 
     async def sync_once(self) -> dict[str, float]:
@@ -165,7 +169,8 @@ class QuotaSync:
                 parsed = json.loads(value)
                 sequence = int(parsed["seq"])
                 demand = {str(t): float(d) for t, d in dict(parsed["demand"]).items()}
-            except (ValueError, KeyError, TypeError, AttributeError):
+            # OverflowError: a number of 1e400; RecursionError: JSON nested past the limit.
+            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
                 continue  # not ours to interpret (another version's, say); never fatal
             previous = self._seen.get(gateway_id)
             if previous is None:

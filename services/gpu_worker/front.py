@@ -340,8 +340,11 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     # grpc's own stop first: it tells every connection GOAWAY at once, so that the streams a
     # router opens from now on land on another front (over a new connection) instead of this
     # one, and waits for the calls running here (relayed streams, calls passed on), at most
-    # the drain grace. Then each relayed stream's router is told `closing`.
-    server_stopped = asyncio.get_running_loop().create_task(server.stop(grace=config.drain_grace_s))
+    # the drain grace and a second (what the engine ends at its own grace, a generation it
+    # cuts UNAVAILABLE, reaches the caller with the engine's status, not cut here first).
+    # Then each relayed stream's router is told `closing`.
+    grace_s = config.drain_grace_s + 1.0
+    server_stopped = asyncio.get_running_loop().create_task(server.stop(grace=grace_s))
     await asyncio.sleep(0)
     relay.stop()
     await server_stopped

@@ -214,11 +214,19 @@ class JobRunner:
     async def _keep_claimed(self, entry: QueueEntry) -> None:
         """Keeps `entry` this runner's while its chunk runs, however long its calls and their
         retries take: its idle time restarts every third of the claim timeout, so another
-        runner's reclaim (of entries idle past it: their runner died) leaves it alone."""
+        runner's reclaim (of entries idle past it: their runner died) leaves it alone. Once it
+        could not keep it for a whole claim timeout (Redis away, this process paused), another
+        runner may have taken it over: it stops, rather than take it back."""
+        timeout_s = self._claim_timeout_ms / 1000
+        kept_s = time.monotonic()
         while True:
-            await asyncio.sleep(self._claim_timeout_ms / 3000)
+            await asyncio.sleep(timeout_s / 3)
+            if time.monotonic() - kept_s > timeout_s:
+                log.warning("chunk %s not kept claimed for %.0fs", entry.entry_id, timeout_s)
+                return
             try:
                 await self._store.keep(self._consumer, entry)
+                kept_s = time.monotonic()
             except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
                 stop_if_cancelled()
                 log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)

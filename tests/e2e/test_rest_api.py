@@ -152,12 +152,12 @@ def test_bad_sampling_parameter_is_a_400(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("parameters", "named"),
     [
-        # Each was served: 0 read as the default (16 tokens, top_p 1), 2.7 cut to 2, "8" and
-        # true taken for 8 and 1, a mapping's keys taken for stop strings, "false" for true.
+        # Each was served: 0 read as the default (16 tokens, top_p 1), 2.7 and "2.7" cut to
+        # 2, true taken for 1, a mapping's keys taken for stop strings, "false" for true.
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 3, "top_p": 0}, "top_p"),
         ({"max_tokens": 2.7}, "max_tokens"),
-        ({"max_tokens": "8"}, "max_tokens"),
+        ({"max_tokens": "2.7"}, "max_tokens"),
         ({"max_tokens": True}, "max_tokens"),
         ({"max_tokens": 3, "stop": {"a": 1}}, "stop"),
         ({"max_tokens": 3, "exclude_input_in_output": "false"}, "exclude_input_in_output"),
@@ -170,6 +170,15 @@ def test_sampling_values_of_the_wrong_kind_are_a_400(
     status, _, answer = call(stack, "/v2/models/tiny-llama/generate", json.dumps(body).encode())
     assert status == 400, answer
     assert named in json.loads(answer)["error"]
+
+
+def test_sampling_numbers_written_as_strings_are_taken(stack: Stack) -> None:
+    """As Triton's vLLM backend's clients send them: `"3"`, `"0"`, `"1.0"`."""
+    body = {"text_input": "Hello",
+            "parameters": {"max_tokens": "3", "temperature": "0", "top_p": "1.0"}}  # fmt: skip
+    status, _, answer = call(stack, "/v2/models/tiny-llama/generate", json.dumps(body).encode())
+    assert status == 200, answer
+    assert json.loads(answer)["completion_tokens"] == 3
 
 
 def test_generate_stream_with_null_parameters_still_streams(stack: Stack) -> None:

@@ -323,8 +323,10 @@ async def test_a_slice_running_at_its_deadline_is_counted_deadline_exceeded(
         assert batching is not None
         await eventually(lambda: batching.is_executing, interval_s=0.01, message="stalled")
         await asyncio.sleep(max(0.0, sent_s + 0.5 - time.monotonic()))
+        assert batching.num_in_flight == 2
         cancels.cancel(0)
-        await asyncio.sleep(0.2)  # the cancel crosses the router to the worker
+        # The cancel crossed the router and the worker withdrew the row (still running).
+        await eventually(lambda: batching.num_in_flight == 1, interval_s=0.01)
         release_stall(tmp_path / "gate")
         response = pb.InferResponse.FromString(await call)
         await router.close()

@@ -117,7 +117,11 @@ def auth_middleware(
             return answered.response
         except _BodyTimedOut:
             message = f"the request body did not arrive within {BODY_TIMEOUT_S:.0f}s"
-            return _answer(request, HttpError(408, message, {"Connection": "close"}))
+            timed_out = _answer(request, HttpError(408, message, {}))
+            # Not kept alive: aiohttp reads what of the body comes within its lingering time
+            # (10 s), then closes the connection.
+            timed_out.force_close()
+            return timed_out
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
