@@ -14,7 +14,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   together with its counter (one script): a result, once written, is never overwritten, and
   each item is counted once, however many times a retry or a reclaimed entry re-runs it.
 - `<p>:jobs:tenant:<tenant>`: sorted set, job ids by creation time (ListJobs).
-- `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first.
+- `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first; the
+  tenant percent-encoded (`:` as `%3A`, `%` as `%25`), so that no two tenants' keys meet.
 - `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
 
 Submission is two steps: the items and the job hash are written (with a one-hour expiry, in
