@@ -257,9 +257,7 @@ class Restarts:
 
     def exited(self, index: int, pid: int, code: int, ran_s: float, now_s: float) -> None:
         """Child `index` exited after running `ran_s`: schedules its restart."""
-        backoff_s = restart_backoff(ran_s, self._backoff_s.get(index, 0.0))
-        self._backoff_s[index] = backoff_s
-        self._at_s[index] = now_s + backoff_s
+        backoff_s = self._schedule(index, ran_s, now_s)
         log.error(
             "%s %d (pid %d) exited with code %d after %.1f s; restarting in %.1f s",
             self._what,
@@ -280,9 +278,7 @@ class Restarts:
             try:
                 start(index)
             except OSError as error:
-                backoff_s = restart_backoff(0.0, self._backoff_s.get(index, 0.0))
-                self._backoff_s[index] = backoff_s
-                self._at_s[index] = now_s + backoff_s
+                backoff_s = self._schedule(index, 0.0, now_s)
                 log.error(
                     "%s %d could not be started (%s); trying again in %.1f s",
                     self._what,
@@ -293,6 +289,13 @@ class Restarts:
             else:
                 started += 1
         return started
+
+    def _schedule(self, index: int, ran_s: float, now_s: float) -> float:
+        """Schedules child `index`'s next start after its backoff; returns the backoff."""
+        backoff_s = restart_backoff(ran_s, self._backoff_s.get(index, 0.0))
+        self._backoff_s[index] = backoff_s
+        self._at_s[index] = now_s + backoff_s
+        return backoff_s
 
     def is_pending(self, index: int) -> bool:
         return index in self._at_s
