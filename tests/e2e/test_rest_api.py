@@ -152,8 +152,8 @@ def test_bad_sampling_parameter_is_a_400(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("parameters", "named"),
     [
-        # Each was served: 0 read as the default (16 tokens, top_p 1), 2.7 and "2.7" cut to
-        # 2, true taken for 1, a mapping's keys taken for stop strings, "false" for true.
+        # Each but "2.7" was served: 0 read as the default (16 tokens, top_p 1), 2.7 cut to 2,
+        # true taken for 1, a mapping's keys taken for stop strings, "false" for true.
         ({"max_tokens": 0}, "max_tokens"),
         ({"max_tokens": 3, "top_p": 0}, "top_p"),
         ({"max_tokens": 2.7}, "max_tokens"),
