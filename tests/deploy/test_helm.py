@@ -15,6 +15,7 @@ Rendered with `.tools/helm` (`make .tools/helm`) and validated strictly with kub
 from __future__ import annotations
 
 import base64
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -530,3 +531,8 @@ def test_notes_are_quiet_in_prod(tmp_path: Path) -> None:
     notes = render_notes(tmp_path, "-f", str(PROD_VALUES), "--api-versions", MONITORING_API)
     assert "WARNING" not in notes
     assert "Secret gateway-api-keys" in notes
+    # Through a port-forward the address is 127.0.0.1: the certificate's name is checked.
+    gateway = re.search(r"port-forward svc/(\S+) ", notes)
+    assert gateway is not None
+    assert f"--ca-file ca.crt --server-name {gateway[1]}" in notes
+    assert f"--resolve {gateway[1]}:" in notes

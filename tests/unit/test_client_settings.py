@@ -38,6 +38,9 @@ def test_the_command_lines_ca_file_turns_tls_on(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(Recorded):
         cli.main(["--address", "127.0.0.1:1", "--ca-file", "ca.pem", "models"])
     assert made[0]["tls"] is True and made[0]["root_certificates"] == "ca.pem"
+    with pytest.raises(Recorded):
+        cli.main(["--address", "127.0.0.1:1", "--server-name", "gateway", "models"])
+    assert made[1]["tls"] is True and made[1]["server_name"] == "gateway"
 
 
 def test_a_closed_client_refuses_calls_as_cancelled() -> None:

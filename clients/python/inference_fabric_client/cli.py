@@ -7,7 +7,7 @@
 
 (`python -m inference_fabric_client ...` and, in the server's checkout, `python -m
 services.client ...` are the same program.) Settings also come from the environment:
-FABRIC_ADDRESS, FABRIC_API_KEY, FABRIC_TLS, FABRIC_CA_FILE.
+FABRIC_ADDRESS, FABRIC_API_KEY, FABRIC_TLS, FABRIC_CA_FILE, FABRIC_SERVER_NAME.
 """
 
 from __future__ import annotations
@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="use TLS (env FABRIC_TLS=1)")  # fmt: skip
     parser.add_argument("--ca-file", default=env("FABRIC_CA_FILE"),
                         help="PEM roots to verify the gateway (default: the system's); "
+                             "implies --tls")  # fmt: skip
+    parser.add_argument("--server-name", default=env("FABRIC_SERVER_NAME"),
+                        help="the name to check in the gateway's certificate, when the address "
+                             "is another (a port-forward's 127.0.0.1; env FABRIC_SERVER_NAME); "
                              "implies --tls")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=30.0, help="deadline of each call")
     parser.add_argument("--priority", choices=["critical", "interactive", "batch"],
@@ -99,8 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(
         args.address,
         api_key=args.api_key,
-        tls=args.tls or args.ca_file is not None,  # roots to verify with: TLS, surely
+        # Roots to verify with, or a name to check: TLS, surely.
+        tls=args.tls or args.ca_file is not None or args.server_name is not None,
         root_certificates=args.ca_file,
+        server_name=args.server_name,
         timeout_s=args.timeout_s,
     )
     with client:
