@@ -125,9 +125,8 @@ class _Stream:
         self.tasks: list[asyncio.Task[None]] = []
 
     def fail_all(self, reason: str, *, is_not_started: bool = False) -> None:
-        """Fails every call waiting; `is_not_started`: the peer provably ran none of them.
-        Calls still in the outbox were never written, so they are marked not started either
-        way: their callers may send them elsewhere."""
+        """Fails every call waiting; `is_not_started`: the peer provably ran none of them (as
+        it did not those still in the outbox, never written: always marked so)."""
         self.broken = reason
         unsent = {call.call_id for call in self.outbox}
         self.outbox.clear()
@@ -317,10 +316,8 @@ class MultiplexClient:
                     )
                     try:
                         await stream.call.write(message)
-                    except asyncio.InvalidStateError:
-                        # grpc.aio refused the write before sending a byte (the stream had
-                        # finished): its calls are back in the outbox, as never written.
-                        stream.outbox[:0] = calls
+                    except asyncio.InvalidStateError:  # refused before a byte left (finished):
+                        stream.outbox[:0] = calls  # never written, as those still queued
                         raise
                     self.messages_sent += 1
                     self.calls_sent += len(calls)
