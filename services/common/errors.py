@@ -31,6 +31,20 @@ def retry_after_trailer(retry_after_s: float, rng: random.Random | None = None) 
     return (RETRY_AFTER_MS_KEY, str(max(1, round(retry_after_s * spread * 1000))))
 
 
+#: What reading a record another process wrote (JSON, then its fields) may raise when the
+#: record is not what this version expects: a missing key, a wrong type, a number of 1e400
+#: (OverflowError in int()), JSON nested past Python's limit (RecursionError). Readers of
+#: shared state skip such a record; none of these may end their loop.
+MALFORMED_RECORD_ERRORS: tuple[type[Exception], ...] = (
+    ValueError,
+    KeyError,
+    TypeError,
+    AttributeError,
+    OverflowError,
+    RecursionError,
+)
+
+
 class ServingError(Exception):
     """Base class. `code` is the gRPC status the caller sees."""
 

@@ -62,13 +62,10 @@ class CallerSlice:
     piece: pb.Slice
     deadline_s: float
     future: asyncio.Future[list[np.ndarray]]
+    #: Bytes its tensor rows carry, as the caller gave them (a text's values count none).
+    num_bytes: int
     #: Its index in the bundle once sent (None before).
     index: int | None = None
-
-    @property
-    def num_bytes(self) -> int:
-        """Bytes its tensor rows carry (a text's values, a few bytes each, count none)."""
-        return sum(getattr(row, "nbytes", 0) for row in self.rows)
 
 
 @dataclass

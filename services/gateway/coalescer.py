@@ -122,7 +122,8 @@ class Coalescer:
             state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
         state.linger.arrived(time.monotonic())
         bundle = state.open
-        entry = CallerSlice(rows, piece, deadline_s, loop.create_future())
+        num_bytes = sum(getattr(row, "nbytes", 0) for row in rows)  # tensors'; texts' none
+        entry = CallerSlice(rows, piece, deadline_s, loop.create_future(), num_bytes)
         if bundle is not None and (
             bundle.rows + len(rows) > max_rows
             or bundle.num_bytes + entry.num_bytes > MAX_BUNDLE_BYTES

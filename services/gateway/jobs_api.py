@@ -170,8 +170,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         try:
             after = JobCursor.parse(request.page_token) if request.page_token else None
         except ValueError:
-            after = None
-            size = 0
+            size = 0  # refused below, as a size that is not positive
         if size < 1:
             raise InvalidInput("page_size must be positive and page_token a previous token")
         tenant = current_principal().tenant

@@ -18,6 +18,7 @@ from typing import Any
 from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
 from services.gateway.auth import Principal
+from services.gateway.http.codec import is_json_int
 from services.gateway.predictor import GenerateCall, Predictor
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -139,7 +140,7 @@ def _typed(options: dict[str, Any]) -> dict[str, Any]:
         if key in ("max_tokens", "top_k", "seed"):
             if isinstance(value, str) and value.isascii() and value.isdigit():
                 value = int(value)
-            valid = isinstance(value, int) and not isinstance(value, bool)
+            valid = is_json_int(value)
         elif key in ("temperature", "top_p"):
             if isinstance(value, str):
                 value = _float_text(value)
@@ -156,9 +157,7 @@ def _typed(options: dict[str, Any]) -> dict[str, Any]:
                 isinstance(value, list) and all(isinstance(v, str) for v in value)
             )
         else:  # stop_token_ids
-            valid = isinstance(value, list) and all(
-                isinstance(v, int) and not isinstance(v, bool) for v in value
-            )
+            valid = isinstance(value, list) and all(is_json_int(v) for v in value)
         if not valid:
             raise InvalidInput(f"sampling_parameters: {key} has the wrong type: {value!r}")
         typed[key] = value

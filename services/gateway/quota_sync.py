@@ -35,6 +35,7 @@ from pathlib import Path
 
 from redis.exceptions import RedisError
 
+from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
@@ -169,8 +170,7 @@ class QuotaSync:
                 parsed = json.loads(value)
                 sequence = int(parsed["seq"])
                 demand = {str(t): float(d) for t, d in dict(parsed["demand"]).items()}
-            # OverflowError: a number of 1e400; RecursionError: JSON nested past the limit.
-            except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError):
+            except MALFORMED_RECORD_ERRORS:
                 continue  # not ours to interpret (another version's, say); never fatal
             previous = self._seen.get(gateway_id)
             if previous is None:

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
 from services.router.metrics import RouterMetrics
@@ -173,8 +174,7 @@ async def read_registry(
             continue  # record key expired: the worker stopped long ago
         try:
             records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
-        # OverflowError: a time of 1e400; RecursionError: JSON nested past Python's limit.
-        except (ValueError, KeyError, TypeError, OverflowError, RecursionError) as error:
+        except MALFORMED_RECORD_ERRORS as error:
             log.warning("skipping malformed registry record: %s", error)
     return _current_api_first(records), now_s
 

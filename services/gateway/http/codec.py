@@ -125,7 +125,7 @@ def bytes_elements(elements: list[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(e)) + e for e in elements)
 
 
-def _is_int(value: Any) -> bool:
+def is_json_int(value: Any) -> bool:
     """A JSON integer (not `true` or `false`, which Python counts as ints)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -162,12 +162,12 @@ def _input_tensor(
     name, datatype, shape = tensor.get("name"), tensor.get("datatype"), tensor.get("shape")
     if not isinstance(name, str) or not isinstance(datatype, str):
         raise InvalidInput("each input needs a name and a datatype")
-    if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d < 2**63 for d in shape):
+    if not isinstance(shape, list) or not all(is_json_int(d) and 0 <= d < 2**63 for d in shape):
         raise InvalidInput(f"input {name}: shape must be a list of non-negative integers")
     parameters = tensor.get("parameters") or {}
     size = parameters.get("binary_data_size") if isinstance(parameters, dict) else None
     if size is not None:
-        if not _is_int(size) or size < 0 or offset + size > len(binary):
+        if not is_json_int(size) or size < 0 or offset + size > len(binary):
             raise InvalidInput(f"input {name}: binary_data_size {size} runs past the body")
         raw, offset = binary[offset : offset + size], offset + size
     elif "data" in tensor:

@@ -20,6 +20,7 @@ import numpy as np
 
 from services.common.errors import InvalidInput
 from services.common.text import TokenIds
+from services.gateway.http.codec import is_json_int
 
 ENCODINGS = ("float", "base64")
 _OPENAI_FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
@@ -44,14 +45,10 @@ class EmbeddingRequest:
     truncate: bool | None = None
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _token_ids(values: list[Any], field: str) -> TokenIds:
     if not values:
         raise InvalidInput(f"{field}: a token-id list is empty")
-    if not all(_is_int(v) and 0 <= v < 2**31 for v in values):
+    if not all(is_json_int(v) and 0 <= v < 2**31 for v in values):
         raise InvalidInput(f"{field}: token ids must be integers in [0, 2^31)")
     return TokenIds(np.asarray(values, dtype=np.int64))
 
@@ -60,7 +57,7 @@ def _inputs(value: Any, field: str) -> list[str | TokenIds]:
     """A string, a token-id list, or a non-empty list of either (one kind throughout)."""
     if isinstance(value, str):
         items: list[Any] = [value]
-    elif isinstance(value, list) and value and all(_is_int(v) for v in value):
+    elif isinstance(value, list) and value and all(is_json_int(v) for v in value):
         return [_token_ids(value, field)]
     elif isinstance(value, list):
         items = value
@@ -92,7 +89,7 @@ def _encoding(body: dict[str, Any], allowed: tuple[str, ...]) -> str:
 
 def _dimensions(body: dict[str, Any]) -> int | None:
     dimensions = body.get("dimensions")
-    if dimensions is not None and not (_is_int(dimensions) and dimensions >= 1):
+    if dimensions is not None and not (is_json_int(dimensions) and dimensions >= 1):
         raise InvalidInput(f"dimensions must be an integer >= 1, got {dimensions!r}")
     return dimensions
 
