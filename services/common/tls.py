@@ -182,18 +182,35 @@ def check_distinct_ports(**ports: int | None) -> None:
         taken[port] = name
 
 
+@dataclass(frozen=True)
+class HealthListener:
+    """A tier's plaintext health-only server and the port it bound (`--health-port 0`: a
+    free one, which the tier writes to its ready file as `health_port`)."""
+
+    server: grpc.aio.Server
+    port: int
+
+    async def stop(self, grace: float | None) -> None:
+        await self.server.stop(grace=grace)
+
+
 async def start_health_listener(
     servicer: health.aio.HealthServicer, host: str, tls: ServerTls
-) -> grpc.aio.Server | None:
+) -> HealthListener | None:
     """With `tls.health_port` set, a started plaintext server on it that serves only
     `servicer` (the tier's own health statuses); None otherwise."""
     if tls.health_port is None:
         return None
     server = grpc.aio.server()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    server.add_insecure_port(f"{host}:{tls.health_port}")
+    port = server.add_insecure_port(f"{host}:{tls.health_port}")
     await server.start()
-    return server
+    return HealthListener(server, port)
+
+
+def health_port_field(port: int | None) -> dict[str, int]:
+    """The ready file's `health_port` field: the bound health port, when there is one."""
+    return {} if port is None else {"health_port": port}
 
 
 def server_tls_settings(field: str = "tls") -> tuple[Setting, ...]:
@@ -222,7 +239,7 @@ def server_tls_settings(field: str = "tls") -> tuple[Setting, ...]:
             int,
             None,
             "plaintext port serving only grpc.health.v1, for probes that cannot speak TLS "
-            "(unset: none)",
+            "(unset: none; 0: a free one, written to the ready file)",
             "port",
             field=f"{field}.health_port",
         ),

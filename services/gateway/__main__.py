@@ -25,6 +25,7 @@ from services.common.lifecycle import (
 )
 from services.common.logs import configure_logging
 from services.common.procfs import usable_cpus
+from services.common.tls import health_port_field
 from services.common.tracing import configure_tracing
 from services.gateway.config import GatewayConfig, parse_config
 from services.gateway.process_group import ProcessGroup
@@ -48,7 +49,11 @@ async def serve(config: GatewayConfig) -> int:
         metrics_port,
         config.router_address,
     )
-    write_ready_file(config.ready_file, gateway.port, metrics_port, http_port=http_port)
+    health = gateway.health_listener
+    write_ready_file(
+        config.ready_file, gateway.port, metrics_port, http_port=http_port,
+        **health_port_field(None if health is None else health.port),
+    )  # fmt: skip
     await stopping.wait()
     log.info("SIGTERM: stopping")
     bound_stop(config.drain_grace_s)

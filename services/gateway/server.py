@@ -21,7 +21,7 @@ from services.common.lifecycle import (
 )
 from services.common.model_repository import load_repository
 from services.common.telemetry import tier_registry
-from services.common.tls import add_port, open_channel, start_health_listener
+from services.common.tls import HealthListener, add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import LOCAL_PRINCIPAL, Authentication, KeyStore, door_caller
@@ -74,7 +74,7 @@ class Gateway:
     #: Re-reads the API keys file when it changes (None without one).
     keys_watch: asyncio.Task[None] | None = None
     #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
-    health_listener: grpc.aio.Server | None = None
+    health_listener: HealthListener | None = None
     #: Shares tenants' fleet-wide quotas with the other gateways (None without Redis).
     quota_sync: QuotaSync | None = None
     #: KServe v2 REST and OpenAI-compatible listener (None when `http_port` is -1).

@@ -29,6 +29,7 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
+from services.common.tls import health_port_field
 from services.common.tracing import configure_tracing
 from services.gpu_worker.config import WorkerConfig, parse_config
 from services.gpu_worker.engine_link import EngineLink
@@ -103,7 +104,13 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
             else:  # logged where it failed; health says NOT_SERVING
                 log.warning("the engine failed while its fronts came up; reporting ready")
     if not stopping.is_set():
-        write_ready_file(config.ready_file, worker.port, metrics_port)
+        health = worker.health_listener
+        health_port = fronts.health_port if fronts is not None else None
+        if health is not None:
+            health_port = health.port
+        write_ready_file(
+            config.ready_file, worker.port, metrics_port, **health_port_field(health_port)
+        )
         await stopping.wait()
     log.info("SIGTERM: draining")
     bound_stop(config.drain_grace_s)

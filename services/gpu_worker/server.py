@@ -33,7 +33,7 @@ from services.common.sampling import sampling_from_pb
 from services.common.telemetry import Outcome, tier_registry
 from services.common.tensors import tensor_to_pb
 from services.common.text import TokenIds
-from services.common.tls import add_port, start_health_listener
+from services.common.tls import HealthListener, add_port, start_health_listener
 from services.common.tracing import Tracing
 from services.gpu_worker.backends.base import select_device
 from services.gpu_worker.batching.driver import BatchingDriver
@@ -195,7 +195,7 @@ class Worker:
     models: LoadedModels | None = None
     registry_publisher: RegistryPublisher | None = None
     #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
-    health_listener: grpc.aio.Server | None = None
+    health_listener: HealthListener | None = None
     #: Set once a serving loop died: the worker no longer serves (see `_on_fatal`).
     fatal_error: Exception | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)

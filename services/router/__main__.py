@@ -24,6 +24,7 @@ from services.common.lifecycle import (
 )
 from services.common.logs import configure_logging
 from services.common.redis_acl import redacted_url
+from services.common.tls import health_port_field
 from services.common.tracing import configure_tracing
 from services.router.config import RouterConfig, parse_config
 from services.router.server import create_router
@@ -44,7 +45,11 @@ async def serve(config: RouterConfig) -> int:
         metrics_port,
         redacted_url(config.redis_url),
     )
-    write_ready_file(config.ready_file, router.port, metrics_port)
+    health = router.health_listener
+    write_ready_file(
+        config.ready_file, router.port, metrics_port,
+        **health_port_field(None if health is None else health.port),
+    )  # fmt: skip
     await stopping.wait()
     log.info(
         "SIGTERM: draining (new calls refused as not started; grace %.1f s)", config.drain_grace_s

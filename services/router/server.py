@@ -23,7 +23,7 @@ from services.common.multiplex_server import MultiplexServer
 from services.common.redis_acl import ROUTER, role_credentials
 from services.common.registry_schema import RegistryKeys, connect
 from services.common.telemetry import tier_registry
-from services.common.tls import add_port, start_health_listener
+from services.common.tls import HealthListener, add_port, start_health_listener
 from services.common.tracing import Tracing
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.catalog import Catalog
@@ -54,7 +54,7 @@ class Router:
     forwarder: Forwarder
     streams: MultiplexServer
     #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
-    health_listener: grpc.aio.Server | None = None
+    health_listener: HealthListener | None = None
     #: Refuses new calls once draining (replaced by create_router with the handlers' gate).
     drain: DrainGate = field(default_factory=DrainGate)
 

@@ -31,7 +31,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.metric_names import ROUTER_LIVE_WORKERS
 from services.common.processes import start_and_wait
-from services.common.redis_server import find_free_port
 from services.common.tls import ClientTls, ServerTls, open_channel
 from services.gateway.config import parse_config as parse_gateway_config
 from services.gateway.server import Gateway
@@ -247,11 +246,20 @@ class Fabric:
     gateway: ServiceProcess
     #: Plaintext health-only port of the worker (for probes).
     worker_health_port: int
+    #: The router's and the gateway's, by tier.
+    health_ports: dict[str, int]
     #: What a gateway presents to routers.
     gateway_client: Issued
 
 
 def start_tier(tmp_path: Path, name: str, args: list[str]) -> ServiceProcess:
+    return start_tier_with_ports(tmp_path, name, args)[0]
+
+
+def start_tier_with_ports(
+    tmp_path: Path, name: str, args: list[str]
+) -> tuple[ServiceProcess, dict[str, int]]:
+    """The tier's process and its ready file's ports."""
     child, ports = start_and_wait(
         name,
         [sys.executable, "-m", f"services.{name}", "--grpc-port", "0", "--metrics-port", "0",
@@ -261,7 +269,7 @@ def start_tier(tmp_path: Path, name: str, args: list[str]) -> ServiceProcess:
         timeout_s=180.0,
         cwd=REPO_ROOT,
     )  # fmt: skip
-    return ServiceProcess(child, ports["grpc_port"], ports["metrics_port"])
+    return ServiceProcess(child, ports["grpc_port"], ports["metrics_port"]), ports
 
 
 def server_args(issued: Issued, client_ca: Path | None) -> list[str]:
@@ -285,33 +293,40 @@ def fabric(tmp_path_factory: pytest.TempPathFactory, fabric_ca: Authority) -> It
     gateway_cert = fabric_ca.issue("gateway", ips=("127.0.0.1",))
     router_client = fabric_ca.issue("router-client")
     gateway_client = fabric_ca.issue("gateway-client")
-    health_port = find_free_port()
     redis = start_redis(tmp)
     started: list[ServiceProcess] = []
     try:
-        worker = start_tier(tmp, "gpu_worker", [
+        # Port 0: the worker binds a free one and reports it (a port picked here first could
+        # be taken by the worker's own gRPC port 0 before its health listener binds it).
+        worker, ports = start_tier_with_ports(tmp, "gpu_worker", [
             "--model-repository", str(repository), "--redis-url", redis.worker_url,
             "--worker-id", "tls-worker", "--heartbeat-period-s", "0.1",
-            "--health-port", str(health_port), *server_args(worker_cert, fabric_ca.ca_file),
+            "--health-port", "0", *server_args(worker_cert, fabric_ca.ca_file),
         ])  # fmt: skip
+        health_port = ports["health_port"]
+        assert health_port > 0
         started.append(worker)
-        router = start_tier(tmp, "router", [
-            "--redis-url", redis.router_url, "--refresh-period-s", "0.1",
+        router, router_ports = start_tier_with_ports(tmp, "router", [
+            "--redis-url", redis.router_url, "--refresh-period-s", "0.1", "--health-port", "0",
             *server_args(router_cert, fabric_ca.ca_file),
             "--worker-tls-ca-file", ca, "--worker-tls-cert-file", str(router_client.cert),
             "--worker-tls-key-file", str(router_client.key),
             "--worker-tls-server-name", WORKER_NAME,
         ])  # fmt: skip
         started.append(router)
-        gateway = start_tier(tmp, "gateway", [
-            "--model-repository", str(repository), "--allow-unauthenticated",
+        gateway, gateway_ports = start_tier_with_ports(tmp, "gateway", [
+            "--model-repository", str(repository), "--allow-unauthenticated", "--health-port", "0",
             "--router-address", router.address, "--catalog-refresh-s", "0.1", "--http-port", "0",
             *server_args(gateway_cert, None),
             "--router-tls-ca-file", ca, "--router-tls-cert-file", str(gateway_client.cert),
             "--router-tls-key-file", str(gateway_client.key),
         ])  # fmt: skip
         started.append(gateway)
-        yield Fabric(redis, worker, router, gateway, health_port, gateway_client)
+        health_ports = {
+            "router": router_ports["health_port"],
+            "gateway": gateway_ports["health_port"],
+        }
+        yield Fabric(redis, worker, router, gateway, health_port, health_ports, gateway_client)
     finally:
         for service in reversed(started):
             code = service.terminate()
@@ -425,3 +440,10 @@ async def test_health_port_answers_plaintext_probes_and_nothing_else(fabric: Fab
         with pytest.raises(grpc.aio.AioRpcError) as error:
             await infer(pb.InferRequest(model_name="affine"), timeout=5)
         assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # The router's and the gateway's, bound at port 0 too, each reported in its ready file.
+    for tier, port in fabric.health_ports.items():
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(), timeout=5
+            )
+            assert reply.status == SERVING, tier
