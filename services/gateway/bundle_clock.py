@@ -43,6 +43,17 @@ have deadlines within 2x of it: the coalescer's deadline classes), which also bo
 slow or stalled downstream costs the calls behind it. Throughput is never capped by the clock:
 a bundle that fills to the model's max batch rows leaves at once.
 
+An answered hold gathers the calls already waiting at the door. A process that picks calls up
+later than they come (its door's pickup delay) has more of the key's calls in grpc's queue when
+the bundle out is answered; leaving then, the held bundle carries only what the process picked
+up during one round trip, and the waiting calls go a round trip later in the next bundle. So an
+answered hold waits up to the pickup delay more, within its hold, for them to join (`gather_s`);
+a process that keeps up (a pickup delay near 0) sends at the answer. 64 identity callers
+through the stand-in stack (2 cores), without -> with the gather, three alternations of a /tmp
+probe: 9.1-10.2 -> 24.5-27.4 callers a bundle, 1,043-1,191 -> 1,223-1,409 requests/s, p50
+50-60 -> 43-48 ms, CPU per request gateway 834-939 -> 724-851 us, router 128-150 -> 51-67 us,
+worker 251-289 -> 126-155 us; at 8 and 16 callers nothing changed (no call waits there).
+
 Not the round trip as the gateway sees it: that also counts how late the gateway's own event
 loop reads each answer, and the gateway is the tier that saturates first. Gated on it, the
 clock stopped holding just when it paid: with 64 callers through the stand-in stack in a
@@ -96,6 +107,12 @@ class BundleClock:
         ):
             return 0.0
         return max(0.0, min(self.max_hold_s, self.hold_share * time_left_s))
+
+    def gather_s(self, pickup_delay_s: float, held_s: float, hold_s: float) -> float:
+        """How much longer a held bundle, answered after `held_s` of its `hold_s`, waits for
+        the calls waiting to be picked up by this process (`pickup_delay_s`: how long they
+        wait): they are picked up within it. 0 when the hold is spent or nothing waits."""
+        return max(0.0, min(pickup_delay_s, hold_s - held_s))
 
 
 #: The gateway's default: one bundle of a key out per process.

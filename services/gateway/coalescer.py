@@ -205,11 +205,15 @@ class Coalescer:
                 bundle.held_from, bundle.left = time.monotonic(), loop.create_future()
                 if state.answered is None:
                     state.answered = loop.create_future()
+                answered = state.answered
                 await asyncio.wait(
-                    (state.answered, bundle.left),
-                    timeout=hold_s,
-                    return_when=asyncio.FIRST_COMPLETED,
+                    (answered, bundle.left), timeout=hold_s, return_when=asyncio.FIRST_COMPLETED
                 )
+                # Answered: the calls already waiting at this process's door join it first.
+                held_s = time.monotonic() - bundle.held_from
+                gather_s = self._clock.gather_s(self._pickup_delay_s(), held_s, hold_s)
+                if answered.done() and gather_s > 0 and not bundle.left.done():
+                    await asyncio.wait((bundle.left,), timeout=gather_s)
         self._leave(bundle)
 
     def _in_flight(self, state: _KeyState) -> float:

@@ -275,6 +275,36 @@ async def test_calls_waiting_to_be_picked_up_count_as_in_flight(pickup_delay_s: 
     assert holds(bundles) == (1 if is_busy else 0)
 
 
+async def test_an_answered_hold_gathers_the_calls_waiting_to_be_picked_up() -> None:
+    # A busy process (its calls wait 2 s to be picked up): when the bundle out is answered,
+    # the held one waits for the calls already at the door, which arrive within that delay,
+    # rather than leaving with what it has and sending them a bundle later.
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=2.0)
+    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
+    downstream.gate.set()
+    await first
+    await asyncio.sleep(0.05)  # answered a while ago: the second's bundle still gathers
+    assert len(downstream.bundles) == 1
+    third = asyncio.ensure_future(call(bundles, rows(2), timeout_s=LONG_S))
+    answered_s = time.monotonic()
+    await asyncio.gather(second, third)
+    assert sizes(downstream) == [1, 2]
+    # It left after the pickup delay, not after its 30 s hold.
+    assert time.monotonic() - answered_s < 10.0
+
+
+async def test_an_answered_hold_leaves_at_once_when_no_call_waits() -> None:
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=0.0)
+    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
+    downstream.gate.set()
+    await asyncio.gather(first, second)  # within the test's timeout, not after 30 s
+    assert sizes(downstream) == [1, 1]
+
+
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
     clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=0.05)
     downstream, bundles, first = await one_out(clock)
@@ -443,6 +473,11 @@ def test_the_clock_holds_only_with_max_out_bundles_out_and_within_its_bounds() -
     # Bundles held downstream longer than the hold: waiting for an answer only adds latency.
     assert hold(5, downstream=0.021) == 0.0
     assert BundleClock(max_out=0).hold_s(9, 99, 1.0, 0.0) == 0.0  # clock off
+    # Answered: it waits for the calls at the door, within what is left of its hold.
+    assert clock.gather_s(0.005, held_s=0.004, hold_s=0.02) == 0.005
+    assert clock.gather_s(0.05, held_s=0.004, hold_s=0.02) == pytest.approx(0.016)
+    assert clock.gather_s(0.0, held_s=0.004, hold_s=0.02) == 0.0  # nothing waits
+    assert clock.gather_s(0.05, held_s=0.03, hold_s=0.02) == 0.0  # the hold is spent
     with pytest.raises(ValueError):
         BundleClock(hold_share=2.0)
 
