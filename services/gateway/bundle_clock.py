@@ -7,8 +7,9 @@ caller), so small bundles spend the tiers' CPU on framing, not rows.
 
 So the gateway clocks bundles by their answers, as a batcher that batches while its device is
 busy does: while `max_out` bundles of a key are downstream and not answered, the next one keeps
-gathering calls, and leaves when one of them is answered, when it holds the model's max batch
-rows (the coalescer sends a full bundle at once), or after its hold. Bundles then grow with the
+gathering calls, and leaves when one of them is answered (and the calls then waiting to be
+picked up have joined it: below), when it holds the model's max batch rows (the coalescer sends
+a full bundle at once), or after its hold. Bundles then grow with the
 load. At light load nothing waits: fewer than `max_out` bundles are out, or fewer than
 `min_in_flight` calls are in flight (with a few callers, each waiting for its answer before its
 next call, a held call mostly delays the others, which then take turns a round trip apart).
@@ -48,7 +49,8 @@ later than they come (its door's pickup delay) has more of the key's calls in gr
 the bundle out is answered; leaving then, the held bundle carries only what the process picked
 up during one round trip, and the waiting calls go a round trip later in the next bundle. So an
 answered hold waits up to the pickup delay more, within its hold, for them to join (`gather_s`);
-a process that keeps up (a pickup delay near 0) sends at the answer. 64 identity callers
+a process that keeps up (a pickup delay near 0) sends at the answer, and so does a bundle whose
+hold a failed bundle ended. 64 identity callers
 through the stand-in stack (2 cores), without -> with the gather, three alternations of a /tmp
 probe: 9.1-10.2 -> 24.5-27.4 callers a bundle, 1,043-1,191 -> 1,223-1,409 requests/s, p50
 50-60 -> 43-48 ms, CPU per request gateway 834-939 -> 724-851 us, router 128-150 -> 51-67 us,

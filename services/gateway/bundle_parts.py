@@ -78,6 +78,8 @@ class Bundle:
     num_bytes: int = 0
     cancels: SliceCancels = field(default_factory=SliceCancels)
     is_sent: bool = False
+    #: Its answer came and parsed (its slices each got their status).
+    is_answered: bool = False
     #: While the clock holds it: when the hold began, and a future done once it leaves.
     held_from: float | None = None
     left: asyncio.Future[None] | None = None

@@ -11,8 +11,9 @@ light load a call leaves in this turn of the event loop, with whatever calls tha
 made (no timer: no added latency); under load, a bundle waits up to `linger_s` (1 ms) for
 more, and leaves at once when it holds the model's max batch rows. Then the bundle clock
 (services.gateway.bundle_clock): while a bundle of its key is downstream and not answered, a
-ready bundle keeps gathering calls until one is answered (at most its hold, and only while the
-key's time downstream is short), so bundles grow with the load. Both count the key's calls in
+ready bundle keeps gathering calls until one is answered, and then while calls wait to be
+picked up by this process (at most its hold, and only while the key's time downstream is
+short), so bundles grow with the load. Both count the key's calls in
 flight, and those waiting to be picked up by this process (its door's measured pickup delay).
 
 Each caller keeps its own deadline (its slice's deadline is sent as an offset from the
@@ -81,8 +82,8 @@ class _KeyState:
     out: int = 0
     #: The bundles' times downstream, seconds (the worker's own, else the round trip).
     downstream: MovingAverage = field(default_factory=lambda: MovingAverage(DOWNSTREAM_WEIGHT))
-    #: Done when a bundle out is answered: what a held bundle waits on.
-    answered: asyncio.Future[None] | None = None
+    #: Done when a bundle out ends, True if it was answered: what a held bundle waits on.
+    answered: asyncio.Future[bool] | None = None
 
 
 class Coalescer:
@@ -189,7 +190,8 @@ class Coalescer:
 
     async def _leave_when_ready(self, bundle: Bundle, state: _KeyState, max_rows: int) -> None:
         # Calls made in this turn of the event loop leave together; under load, also those of
-        # the next `linger_s`, and then those until an answer (see the module's docstring).
+        # the next `linger_s`, and then those until an answer and those waiting to be picked
+        # up then (see the module's docstring).
         await asyncio.sleep(0)
         if bundle.is_sent:
             return
@@ -209,10 +211,12 @@ class Coalescer:
                 await asyncio.wait(
                     (answered, bundle.left), timeout=hold_s, return_when=asyncio.FIRST_COMPLETED
                 )
-                # Answered: the calls already waiting at this process's door join it first.
+                # Answered: the calls already waiting at this process's door join it first (a
+                # failed bundle ends the hold at once, as before: the next may go elsewhere).
                 held_s = time.monotonic() - bundle.held_from
                 gather_s = self._clock.gather_s(self._pickup_delay_s(), held_s, hold_s)
-                if answered.done() and gather_s > 0 and not bundle.left.done():
+                was_answered = answered.done() and answered.result()
+                if was_answered and gather_s > 0 and not bundle.left.done():
                     await asyncio.wait((bundle.left,), timeout=gather_s)
         self._leave(bundle)
 
@@ -228,7 +232,7 @@ class Coalescer:
         state.out -= 1
         answered, state.answered = state.answered, None
         if answered is not None and not answered.done():
-            answered.set_result(None)
+            answered.set_result(bundle.is_answered)
 
     def _leave(self, bundle: Bundle) -> None:
         if bundle.is_sent:
@@ -277,6 +281,7 @@ class Coalescer:
             worker_s = response.worker_us / 1e6
             downstream.observe(worker_s if worker_s > 0 else time.monotonic() - sent_s)
             answer(slices, response)
+            bundle.is_answered = True
         except Exception as error:  # the whole bundle failed: each caller gets the status
             fail(slices, error)
         # Cancelled (the gateway is closing): `_bundle_done` answers the callers.

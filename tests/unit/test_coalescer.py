@@ -301,8 +301,25 @@ async def test_an_answered_hold_leaves_at_once_when_no_call_waits() -> None:
     second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
     await asyncio.sleep(0.005)
     downstream.gate.set()
-    await asyncio.gather(first, second)  # within the test's timeout, not after 30 s
+    answered_s = time.monotonic()
+    await asyncio.gather(first, second)
+    assert time.monotonic() - answered_s < 10.0  # not after its 30 s hold
     assert sizes(downstream) == [1, 1]
+
+
+async def test_a_failed_bundle_ends_the_hold_without_gathering() -> None:
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=30.0)
+    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
+    downstream.error = UpstreamError(grpc.StatusCode.UNAVAILABLE, "worker gone")
+    downstream.gate.set()
+    with pytest.raises(UpstreamError):
+        await first
+    await sent(downstream, 2)  # at once: no 30 s gather after a failure
+    assert sizes(downstream) == [1, 1]
+    with pytest.raises(UpstreamError):  # the downstream still fails
+        await second
 
 
 async def test_a_held_bundle_leaves_after_its_hold_if_nothing_is_answered() -> None:
