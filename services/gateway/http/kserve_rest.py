@@ -29,8 +29,8 @@ from services.gateway.http.codec import (
     split_body,
     utf8,
 )
-from services.gateway.http.errors import AnsweredInBand, http_error
-from services.gateway.http.sse import SSE_CONTENT_TYPE, sse_event
+from services.gateway.http.errors import http_error
+from services.gateway.http.sse import SSE_CONTENT_TYPE, EventWriter, sse_event
 from services.gateway.kserve_api import KServeServicer
 from services.gateway.kserve_generate import generate_one
 from services.gateway.metrics import GatewayMetrics
@@ -263,17 +263,16 @@ class KServeRest:
             first = await anext(responses)
             answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
             await answer.prepare(request)
-            await answer.write(sse_event(generate_json(first)))
+            events = EventWriter(request, answer)
             try:
+                await events.send(sse_event(generate_json(first)))
                 async for response in responses:
-                    await answer.write(sse_event(generate_json(response)))
+                    await events.send(sse_event(generate_json(response)))
+                await events.end()
             except Exception as error:  # the status is sent: the error goes in-band
                 if is_bug(error):
                     log.exception("generate stream of %s failed", request.path)
-                await answer.write(sse_event({"error": http_error(error).message}))
-                await answer.write_eof()
-                raise AnsweredInBand(answer, error) from error
-            await answer.write_eof()
+                await events.end_in_band((sse_event({"error": http_error(error).message}),), error)
             return answer
 
 

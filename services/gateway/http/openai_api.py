@@ -20,7 +20,7 @@ from services.common.grpc_errors import is_bug
 from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
 from services.gateway.http.codec import parse_json_object
-from services.gateway.http.errors import AnsweredInBand, http_error
+from services.gateway.http.errors import http_error
 from services.gateway.http.kserve_rest import generate_json, generate_request
 from services.gateway.http.openai_codec import (
     GenerationRequest,
@@ -28,7 +28,7 @@ from services.gateway.http.openai_codec import (
     chat_request,
     completion_request,
 )
-from services.gateway.http.sse import DONE_EVENT, SSE_CONTENT_TYPE, sse_event
+from services.gateway.http.sse import DONE_EVENT, SSE_CONTENT_TYPE, EventWriter, sse_event
 from services.gateway.kserve_generate import generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
@@ -159,29 +159,28 @@ async def _stream(
     first = await anext(chunks)
     answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
     await answer.prepare(request)
-    if shape.is_chat:
-        await answer.write(sse_event(shape.chunk("", None, is_first=True)))
+    events = EventWriter(request, answer)
     chunk = first
     try:
+        if shape.is_chat:
+            await events.send(sse_event(shape.chunk("", None, is_first=True)))
         while True:
             reason = chunk.get("finish_reason")
             # A token whose text is held back (part of a character, a possible stop string)
             # comes with none: OpenAI sends no empty chunk, so neither does this stream.
             if chunk["text_output"] or reason is not None:
-                await answer.write(sse_event(shape.chunk(chunk["text_output"], reason)))
+                await events.send(sse_event(shape.chunk(chunk["text_output"], reason)))
             if reason is not None:
                 break
             chunk = await anext(chunks)
         if include_usage:
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
-            await answer.write(sse_event(usage))
+            await events.send(sse_event(usage))
+        await events.send(DONE_EVENT)
+        await events.end()
     except Exception as error:  # headers are sent: the error goes in-band, as OpenAI does
         if is_bug(error):
             log.exception("OpenAI stream of %s failed", request.path)
-        await answer.write(sse_event(json.loads(http_error(error).openai_body())))
-        await answer.write(DONE_EVENT)
-        await answer.write_eof()
-        raise AnsweredInBand(answer, error) from error
-    await answer.write(DONE_EVENT)
-    await answer.write_eof()
+        error_event = sse_event(json.loads(http_error(error).openai_body()))
+        await events.end_in_band((error_event, DONE_EVENT), error)
     return answer
