@@ -58,7 +58,9 @@ def start_with_fronts(tmp_path: Path) -> ServiceProcess:
     repository = tmp_path / "repo"
     write_affine_model(repository, slo_p99_ms=30_000)
     return start_worker(
-        tmp_path, model_repository=repository, extra_args=("--front-processes", "2")
+        tmp_path,
+        model_repository=repository,
+        extra_args=("--front-processes", "2", "--health-port", "0"),
     )
 
 
@@ -102,6 +104,10 @@ async def test_callers_see_one_worker_whose_calls_both_fronts_carry(worker) -> N
     # The fronts follow the engine's settings: both on uvloop's event loop, as it is.
     assert all(map(runs_uvloop, {worker.process.pid, *fronts_of(worker.process.pid)}))
     assert await health_status(worker.address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+    # The plaintext health port its fronts serve (`--health-port 0`), from its ready file.
+    assert worker.health_port is not None
+    health_address = f"127.0.0.1:{worker.health_port}"
+    assert await health_status(health_address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
     async with grpc.aio.insecure_channel(worker.address) as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         listed = await stub.ListModels(pb.ListWorkerModelsRequest(), timeout=10)

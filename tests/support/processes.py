@@ -21,6 +21,8 @@ class ServiceProcess:
     child: ChildProcess
     grpc_port: int
     metrics_port: int
+    #: Its plaintext health-only port, when it has one (`--health-port`).
+    health_port: int | None = None
 
     @property
     def process(self) -> subprocess.Popen[bytes]:
@@ -65,7 +67,9 @@ def start_worker(
         timeout_s=ready_timeout_s,
         cwd=REPO_ROOT,
     )
-    return ServiceProcess(child, ports["grpc_port"], ports["metrics_port"])
+    return ServiceProcess(
+        child, ports["grpc_port"], ports["metrics_port"], ports.get("health_port")
+    )
 
 
 def runs_uvloop(pid: int) -> bool:

@@ -29,53 +29,59 @@ def sse_event(payload: dict[str, Any]) -> bytes:
 
 #: Longest one write of an event stream may wait for its client to read (the connection's
 #: buffers full): past it the client has stopped reading, and its connection is dropped. A
-#: stream whose writes wait forever would hold what it holds for good: a place in the process's
-#: door, its tenant's concurrency, the generation's sequence.
+#: stream whose writes waited forever would hold its tenant's concurrency, its connection and
+#: the generation upstream for good.
 WRITE_TIMEOUT_S = 30.0
 
 
-class StalledReader(ServingError):
-    """The client of an event stream read none of it for `WRITE_TIMEOUT_S`; its connection
-    was dropped."""
+class ReaderGone(ServingError):
+    """The client of an event stream went away, or stopped reading it (a write waited
+    `WRITE_TIMEOUT_S` for the connection's buffers to drain, and the connection was dropped)."""
 
     code = grpc.StatusCode.CANCELLED
 
 
 class EventWriter:
-    """Writes one event stream (whose headers are sent), each write within `timeout_s`."""
+    """Writes one event stream (whose headers are sent), each write within `timeout_s`
+    (None: WRITE_TIMEOUT_S)."""
 
     def __init__(
-        self, request: web.Request, answer: web.StreamResponse, timeout_s: float = WRITE_TIMEOUT_S
+        self, request: web.Request, answer: web.StreamResponse, timeout_s: float | None = None
     ) -> None:
         self._request = request
         self.answer = answer
-        self._timeout_s = timeout_s
+        self._timeout_s = WRITE_TIMEOUT_S if timeout_s is None else timeout_s
+        self._is_ending = False
 
     async def send(self, data: bytes) -> None:
-        """Writes `data`; raises StalledReader, the connection dropped, past the timeout."""
-        await self._within_timeout(self.answer.write(data))
+        """Writes `data`; raises ReaderGone when the client went away or stopped reading."""
+        await self._write(self.answer.write(data))
 
     async def end(self) -> None:
-        """Ends the stream; raises StalledReader as `send`."""
-        await self._within_timeout(self.answer.write_eof())
+        """Ends the stream; raises ReaderGone as `send`."""
+        self._is_ending = True
+        await self._write(self.answer.write_eof())
 
     async def end_in_band(self, events: Sequence[bytes], error: Exception) -> NoReturn:
         """Sends `events` (the failure, in band) and ends the stream, then raises
-        AnsweredInBand for `error`; a client that stopped reading gets neither."""
-        if not isinstance(error, StalledReader):
-            with contextlib.suppress(StalledReader):
+        AnsweredInBand for `error`; nothing more is written once the stream's end was sent or
+        its client is gone."""
+        if not (self._is_ending or isinstance(error, ReaderGone)):
+            with contextlib.suppress(ReaderGone):
                 for event in events:
                     await self.send(event)
                 await self.end()
         raise AnsweredInBand(self.answer, error) from error
 
-    async def _within_timeout(self, write: Awaitable[None]) -> None:
+    async def _write(self, write: Awaitable[None]) -> None:
         try:
             async with asyncio.timeout(self._timeout_s):
                 await write
         except TimeoutError:
             if (transport := self._request.transport) is not None:
                 transport.abort()
-            raise StalledReader(
-                f"the client read none of the stream for {self._timeout_s:g}s"
+            raise ReaderGone(
+                f"the client stopped reading the stream (a write waited {self._timeout_s:g}s)"
             ) from None
+        except ConnectionError as error:  # aiohttp's ClientConnectionResetError among them
+            raise ReaderGone(f"the client went away: {error}") from None
