@@ -14,12 +14,10 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.gateway.admission import TenantAdmission
 from services.gateway.http.openai_api import _stream
 from services.gateway.http.openai_codec import ResponseShape
-from services.gateway.http.server import auth_middleware
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.tenants import TenantLabels
+from tests.support.http_app import serving_route
 
 pytestmark = pytest.mark.integration
 
@@ -39,21 +37,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def test_a_failure_mid_stream_goes_in_band_and_the_stream_ends_whole() -> None:
-    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels({}))
-    app = web.Application(middlewares=[auth_middleware(None, admission)])
-    app.add_routes([web.post("/v1/completions", completions)])
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
+    async with serving_route("/v1/completions", completions) as port:
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession() as session, session.post(url, json={}) as answer:
             assert answer.status == 200
             body = (await answer.read()).decode()
-    finally:
-        await runner.cleanup()
     events = [line for line in body.split("\n\n") if line]
     assert events[0].startswith("data: ") and '"Hel"' in events[0]
     assert '"error"' in events[1]

@@ -18,13 +18,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.gateway.admission import TenantAdmission
 from services.gateway.http import sse
 from services.gateway.http.openai_api import _stream
 from services.gateway.http.openai_codec import ResponseShape
-from services.gateway.http.server import auth_middleware
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.tenants import TenantLabels
+from tests.support.http_app import serving_route
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -55,25 +53,16 @@ class Generation:
 
 @contextlib.asynccontextmanager
 async def serving(generation: Generation, metrics: GatewayMetrics) -> AsyncIterator[int]:
-    """The OpenAI completions route streaming `generation`, behind the gateway's middleware
-    (no door, no keys); yields its port."""
+    """The OpenAI completions route streaming `generation`, behind the gateway's middleware;
+    yields its port."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         shape = ResponseShape("cmpl-1", "m", 0, is_chat=False)
         with metrics.observe_request("v1", "m"):  # as the OpenAI routes count their requests
             return await _stream(request, shape, generation.chunks(), include_usage=False)
 
-    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels({}))
-    app = web.Application(middlewares=[auth_middleware(None, admission)])
-    app.add_routes([web.post("/v1/completions", completions)])
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield runner.addresses[0][1]
-    finally:
-        await runner.cleanup()
+    async with serving_route("/v1/completions", completions) as port:
+        yield port
 
 
 def counted(metrics: GatewayMetrics) -> Callable[[str], float | None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -275,14 +276,23 @@ async def test_calls_waiting_to_be_picked_up_count_as_in_flight(pickup_delay_s: 
     assert holds(bundles) == (1 if is_busy else 0)
 
 
+async def one_out_one_held(
+    pickup_delay_s: float,
+) -> tuple[Downstream, Coalescer, asyncio.Future[list[np.ndarray]], asyncio.Future[Any]]:
+    """`one_out` with a clock that holds up to 30 s, and a second call held behind the first
+    (its linger over), with calls waiting `pickup_delay_s` to be picked up."""
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=pickup_delay_s)
+    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    await asyncio.sleep(0.005)
+    return downstream, bundles, first, second
+
+
 async def test_an_answered_hold_gathers_the_calls_waiting_to_be_picked_up() -> None:
     # A busy process (its calls wait 2 s to be picked up): when the bundle out is answered,
     # the held one waits for the calls already at the door, which arrive within that delay,
     # rather than leaving with what it has and sending them a bundle later.
-    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
-    downstream, bundles, first = await one_out(clock, pickup_delay_s=2.0)
-    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
-    await asyncio.sleep(0.005)
+    downstream, bundles, first, second = await one_out_one_held(pickup_delay_s=2.0)
     downstream.gate.set()
     await first
     await asyncio.sleep(0.05)  # answered a while ago: the second's bundle still gathers
@@ -296,10 +306,7 @@ async def test_an_answered_hold_gathers_the_calls_waiting_to_be_picked_up() -> N
 
 
 async def test_an_answered_hold_leaves_at_once_when_no_call_waits() -> None:
-    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
-    downstream, bundles, first = await one_out(clock, pickup_delay_s=0.0)
-    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
-    await asyncio.sleep(0.005)
+    downstream, _, first, second = await one_out_one_held(pickup_delay_s=0.0)
     downstream.gate.set()
     answered_s = time.monotonic()
     await asyncio.gather(first, second)
@@ -308,10 +315,7 @@ async def test_an_answered_hold_leaves_at_once_when_no_call_waits() -> None:
 
 
 async def test_a_failed_bundle_ends_the_hold_without_gathering() -> None:
-    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
-    downstream, bundles, first = await one_out(clock, pickup_delay_s=30.0)
-    second = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
-    await asyncio.sleep(0.005)
+    downstream, _, first, second = await one_out_one_held(pickup_delay_s=30.0)
     downstream.error = UpstreamError(grpc.StatusCode.UNAVAILABLE, "worker gone")
     downstream.gate.set()
     with pytest.raises(UpstreamError):
