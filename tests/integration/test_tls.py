@@ -303,9 +303,9 @@ def fabric(tmp_path_factory: pytest.TempPathFactory, fabric_ca: Authority) -> It
             "--worker-id", "tls-worker", "--heartbeat-period-s", "0.1",
             "--health-port", "0", *server_args(worker_cert, fabric_ca.ca_file),
         ])  # fmt: skip
+        started.append(worker)  # stopped whatever its ready file says
         health_port = ports["health_port"]
         assert health_port > 0
-        started.append(worker)
         router, router_ports = start_tier_with_ports(tmp, "router", [
             "--redis-url", redis.router_url, "--refresh-period-s", "0.1", "--health-port", "0",
             *server_args(router_cert, fabric_ca.ca_file),
