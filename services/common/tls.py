@@ -208,8 +208,10 @@ async def start_health_listener(
     return HealthListener(server, port)
 
 
-def health_port_field(port: int | None) -> dict[str, int]:
-    """The ready file's `health_port` field: the bound health port, when there is one."""
+def health_port_field(health: HealthListener | int | None) -> dict[str, int]:
+    """The ready file's `health_port` field: the port of a tier's health listener, or the
+    one its children serve (a worker's fronts); none without one."""
+    port = health.port if isinstance(health, HealthListener) else health
     return {} if port is None else {"health_port": port}
 
 

@@ -49,10 +49,9 @@ async def serve(config: GatewayConfig) -> int:
         metrics_port,
         config.router_address,
     )
-    health = gateway.health_listener
     write_ready_file(
         config.ready_file, gateway.port, metrics_port, http_port=http_port,
-        **health_port_field(None if health is None else health.port),
+        **health_port_field(gateway.health_listener),
     )  # fmt: skip
     await stopping.wait()
     log.info("SIGTERM: stopping")

@@ -104,13 +104,9 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
             else:  # logged where it failed; health says NOT_SERVING
                 log.warning("the engine failed while its fronts came up; reporting ready")
     if not stopping.is_set():
-        health = worker.health_listener
-        health_port = fronts.health_port if fronts is not None else None
-        if health is not None:
-            health_port = health.port
-        write_ready_file(
-            config.ready_file, worker.port, metrics_port, **health_port_field(health_port)
-        )
+        # With fronts, they serve the health port (the engine has no listener of its own).
+        health = worker.health_listener if fronts is None else fronts.health_port
+        write_ready_file(config.ready_file, worker.port, metrics_port, **health_port_field(health))
         await stopping.wait()
     log.info("SIGTERM: draining")
     bound_stop(config.drain_grace_s)

@@ -45,11 +45,9 @@ async def serve(config: RouterConfig) -> int:
         metrics_port,
         redacted_url(config.redis_url),
     )
-    health = router.health_listener
     write_ready_file(
-        config.ready_file, router.port, metrics_port,
-        **health_port_field(None if health is None else health.port),
-    )  # fmt: skip
+        config.ready_file, router.port, metrics_port, **health_port_field(router.health_listener)
+    )
     await stopping.wait()
     log.info(
         "SIGTERM: draining (new calls refused as not started; grace %.1f s)", config.drain_grace_s
