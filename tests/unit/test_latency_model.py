@@ -1,5 +1,5 @@
-"""LatencyModel: the measured curve (interpolation, extrapolation, fallbacks, monotonicity) and
-the learned scale (outliers, slowdowns, recovery)."""
+"""LatencyModel: the measured curve (interpolation, extrapolation, fallbacks, monotonicity),
+the learned scale (outliers, slowdowns, recovery) and the spread predictions add to it."""
 
 from __future__ import annotations
 
@@ -186,6 +186,9 @@ def test_observe_rejects_invalid_input(batch_size: int, seconds: float) -> None:
         {"slowdown_alpha": -0.1},
         {"max_ratio": 0.5},
         {"max_ratio": float("inf")},
+        {"spread_weight": -1.0},
+        {"spread_weight": float("nan")},
+        {"spread_alpha": 1.5},
     ],
 )
 def test_constructor_rejects_invalid_settings(kwargs: dict[str, float]) -> None:
@@ -322,3 +325,66 @@ def test_seeding_new_sizes_is_not_a_slowdown() -> None:
         model.observe(key, size, seconds)
 
     assert model.slowdown(key) == 1.0
+
+
+def spread_model(weight: float) -> tuple[LatencyModel, BatchKey]:
+    model = LatencyModel(slowdown_alpha=0.2, spread_weight=weight, spread_alpha=0.25)
+    key = make_key()
+    model.observe(key, 4, 0.010)  # the curve
+    return model, key
+
+
+def test_steady_batches_carry_no_margin() -> None:
+    model, key = spread_model(2.0)
+    for _ in range(20):
+        model.observe(key, 4, 0.010)
+
+    assert model.predict(key, 4) == pytest.approx(0.010)
+
+
+def test_batches_that_spread_are_predicted_by_their_slow_end() -> None:
+    """Alternating 10 and 20 ms: the scale settles near the middle, and the prediction adds
+    two spreads of it (about 5 ms each), so it lands at the slow end, not the middle."""
+    margined, key = spread_model(2.0)
+    plain, _ = spread_model(0.0)
+    for seconds in [0.010, 0.020] * 20:
+        margined.observe(key, 4, seconds)
+        plain.observe(key, 4, seconds)
+
+    middle = plain.predict(key, 4)
+    assert 0.013 < middle < 0.017
+    assert margined.predict(key, 4) > middle + 0.008  # two spreads of about 5 ms
+    assert margined.slowdown(key) == pytest.approx(plain.slowdown(key))  # the scale alone
+
+
+def test_the_margin_fades_once_batches_run_steady_again() -> None:
+    model, key = spread_model(2.0)
+    for seconds in [0.010, 0.030] * 10:
+        model.observe(key, 4, seconds)
+    spread_out = model.predict(key, 4)
+    for _ in range(40):
+        model.observe(key, 4, 0.010)
+
+    assert spread_out > 0.025
+    assert model.predict(key, 4) == pytest.approx(0.010, rel=0.02)
+
+
+def test_a_key_without_batches_takes_its_familys_spread() -> None:
+    model, key = spread_model(2.0)
+    for seconds in [0.010, 0.020] * 20:
+        model.observe(key, 4, seconds)
+    sibling = make_key(bucket=64)  # no batches: the nearest bucket's curve, the family's scale
+
+    scaled_curve = 0.010 * 64 / 32 * model.family_slowdown(sibling)
+    assert model.predict(sibling, 4) > scaled_curve + 0.008 * 64 / 32
+
+
+def test_a_row_alone_is_bounded_margin_included() -> None:
+    """The floor (predict_bounded) stays within max_ratio of the curve whatever the spread: a
+    refused row leaves no batch to shrink it."""
+    model, key = spread_model(2.0)
+    for seconds in [0.010, 0.019] * 20:  # a scale under max_ratio, a margin past it
+        model.observe(key, 4, seconds)
+
+    assert model.predict(key, 4) > 2.0 * 0.010
+    assert model.predict_bounded(key, 4) == pytest.approx(2.0 * 0.010)

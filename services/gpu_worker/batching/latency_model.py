@@ -12,6 +12,9 @@ from bisect import bisect_left
 
 from services.gpu_worker.batching.types import BatchKey
 
+#: How many spreads of the scale a worker's predictions add to it (LatencyModel).
+WORKER_SPREAD_WEIGHT = 2.0
+
 #: Floor on every prediction: a batch never costs nothing, and callers divide by predictions.
 MIN_PREDICTION_S = 1e-6
 
@@ -123,6 +126,21 @@ class LatencyModel:
 
     A batch size beyond the measured ones (bigger than warm-up ran) becomes a new point of the
     curve, divided by the key's scale so that it records shape, not the moment's contention.
+
+    A worker's predictions (`WORKER_SPREAD_WEIGHT`; the class's default is the scale alone)
+    carry the scale plus `spread_weight` times its *spread*, the moving mean of each batch's
+    distance from the scale (its ratio bounded as for the scale's step, smoothed by
+    `spread_alpha`): Jacobson's retransmission timer, which waits for the smoothed round trip
+    plus four times its mean deviation. A row admitted by the middle of its batch's likely
+    times is late whenever the batch runs slow; by the slow end, only when the batch runs
+    slower than usual. On a GPU, or a CPU to itself, the spread is near 0 and so is the margin.
+    On a CPU shared with a flooded gateway, batches spread widely: minilm beside a 2x flood on
+    this 2-core machine ran a median batch in under 75 ms and its p99 in 200-300 ms. Side by
+    side there (344 calls/s against 121-146/s of closed-loop capacity, fresh stacks,
+    alternating twice; docs/benchmarks.md), a weight of 0 -> 2: answers within the SLO 104.2
+    and 69.6 -> 103.4 and 99.2/s, their p50 191 and 217 -> 149 and 148 ms, p99 339 and 388 ->
+    305 and 266 ms. The spread is per key, and per family for keys without batches of their
+    own, as the scale is.
     """
 
     def __init__(
@@ -131,13 +149,23 @@ class LatencyModel:
         slowdown_alpha: float = 0.2,
         default_s: float = 0.01,
         max_ratio: float = 2.0,
+        spread_weight: float = 0.0,
+        spread_alpha: float = 0.25,
     ) -> None:
         """`slowdown_alpha` is the weight of each batch in its key's and family's scale (0:
         no learning, the curve alone); `default_s` is the prediction for a key whose family
         (model, version, fingerprint) has never been measured; `max_ratio` bounds one batch's
-        observed / curve ratio both ways, relative to the scale learned so far."""
+        observed / curve ratio both ways, relative to the scale learned so far;
+        `spread_weight` is how many spreads of the scale predictions add to it (0: the scale
+        alone), `spread_alpha` the weight of each batch in the spread."""
         if not 0.0 <= slowdown_alpha <= 1.0:
             raise ValueError(f"slowdown_alpha must be in [0, 1], got {slowdown_alpha}")
+        if not (0.0 <= spread_alpha <= 1.0 and math.isfinite(spread_weight)
+                and spread_weight >= 0.0):  # fmt: skip
+            raise ValueError(
+                f"spread_alpha must be in [0, 1] and spread_weight finite and >= 0, got "
+                f"{spread_alpha} and {spread_weight}"
+            )
         if not (math.isfinite(default_s) and default_s > 0.0):
             raise ValueError(f"default_s must be positive and finite, got {default_s}")
         if not (math.isfinite(max_ratio) and max_ratio >= 1.0):
@@ -145,8 +173,13 @@ class LatencyModel:
         self._slowdown_alpha = slowdown_alpha
         self._default_s = default_s
         self._max_ratio = max_ratio
+        self._spread_weight = spread_weight
+        self._spread_alpha = spread_alpha
         self._key_scale: dict[BatchKey, float] = {}
         self._family_scale: dict[_Family, float] = {}
+        #: Each scale's spread: the moving mean of |bounded ratio - scale|.
+        self._key_spread: dict[BatchKey, float] = {}
+        self._family_spread: dict[_Family, float] = {}
         #: Incremented by every observation: callers cache what they derive from predictions.
         self.revision = 0
         self._points: dict[BatchKey, dict[int, float]] = {}
@@ -171,20 +204,33 @@ class LatencyModel:
         if points and min(points) <= batch_size <= max(points):
             ratio = seconds / max(self._curve(key).at(batch_size), MIN_PREDICTION_S)
             scale = self.slowdown(key)
-            self._key_scale[key] = self._smoothed(scale, ratio)
+            spread = self._key_spread.get(key, self._family_spread.get(family, 0.0))
+            self._key_scale[key], self._key_spread[key] = self._learned(scale, spread, ratio)
             family_scale = self._family_scale.get(family, 1.0)
-            self._family_scale[family] = self._smoothed(family_scale, ratio)
+            family_spread = self._family_spread.get(family, 0.0)
+            self._family_scale[family], self._family_spread[family] = self._learned(
+                family_scale, family_spread, ratio
+            )
             return
         points[batch_size] = seconds / self.slowdown(key)
         self._curves.pop(key, None)
 
-    def _smoothed(self, scale: float, ratio: float) -> float:
-        """`scale` after one batch's observed / curve `ratio`, bounded to within `max_ratio`
-        of the scale itself: one outlier moves it by a bounded step, and a lasting slowdown of
-        any size is learned, geometrically (bounded to within `max_ratio` of 1 instead, a
-        machine three times slower would be predicted at most twice as slow, for good)."""
+    def _learned(self, scale: float, spread: float, ratio: float) -> tuple[float, float]:
+        """`scale` and its `spread` after one batch's observed / curve `ratio`, bounded to
+        within `max_ratio` of the scale itself: one outlier moves either by a bounded step,
+        and a lasting slowdown of any size is learned, geometrically (bounded to within
+        `max_ratio` of 1 instead, a machine three times slower would be predicted at most
+        twice as slow, for good)."""
         ratio = min(max(ratio, scale / self._max_ratio), scale * self._max_ratio)
-        return scale + self._slowdown_alpha * (ratio - scale)
+        spread += self._spread_alpha * (abs(ratio - scale) - spread)
+        return scale + self._slowdown_alpha * (ratio - scale), spread
+
+    def _margined(self, key: BatchKey) -> float:
+        """The scale predictions of `key` carry: its slowdown plus `spread_weight` spreads."""
+        spread = self._key_spread.get(key)
+        if spread is None:
+            spread = self._family_spread.get(_family(key), 0.0)
+        return self.slowdown(key) + self._spread_weight * spread
 
     def slowdown(self, key: BatchKey) -> float:
         """The scale predictions of `key` carry now: observed / curve, smoothed (its family's
@@ -215,7 +261,7 @@ class LatencyModel:
         if prediction is not None:
             return prediction
         if self._points.get(key):
-            prediction = _Prediction(self._curve(key), None, self.slowdown(key), self._default_s)
+            prediction = _Prediction(self._curve(key), None, self._margined(key), self._default_s)
         else:
             siblings = [k for k in self._families.get(_family(key), ()) if self._points.get(k)]
             if siblings:
@@ -226,7 +272,7 @@ class LatencyModel:
                     key.bucket / nearest.bucket if key.bucket > 0 and nearest.bucket > 0 else 1.0
                 )
                 curve = self._curve(nearest)
-                prediction = _Prediction(curve, ratio, self.slowdown(key), self._default_s)
+                prediction = _Prediction(curve, ratio, self._margined(key), self._default_s)
             else:
                 prediction = _Prediction(None, None, 1.0, self._default_s)
         self._predictions[key] = prediction
@@ -237,9 +283,9 @@ class LatencyModel:
         unrun by when nothing else of their lane is queued (a lane's admission with an empty
         queue, a queued row's expiry, a router's idle worker). A refusal there leaves no batch
         to correct the scale, so a slowdown learned in a stall, however large, must not turn
-        every such row away for good."""
+        every such row away for good (nor may its spread)."""
         seconds = self.predict(key, batch_size)
-        scale = self.slowdown(key)
+        scale = self._margined(key)
         return seconds * self._max_ratio / scale if scale > self._max_ratio else seconds
 
     def predict_alone(self, key: BatchKey) -> float:
