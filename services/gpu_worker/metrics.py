@@ -169,8 +169,15 @@ class WorkerMetrics:
         self.latency_slowdown = new.gauge(
             names.WORKER_LATENCY_SLOWDOWN,
             "Observed / predicted batch compute, smoothed over recent batches: above 1 the "
-            "machine runs slower than the latency curve says (contention), and admission "
-            "predicts with it.",
+            "machine runs slower than the latency curve says (contention). Admission "
+            "predicts with it plus two of its spreads (inference_worker_latency_spread).",
+            _MODEL,
+        )
+        self.latency_spread = new.gauge(
+            names.WORKER_LATENCY_SPREAD,
+            "How far batches' observed / predicted compute falls from the slowdown, "
+            "smoothed over recent batches: wide where the model shares its cores with other "
+            "work, near 0 on a device of its own.",
             _MODEL,
         )
         self.queue_depth = new.gauge(
@@ -208,6 +215,7 @@ class WorkerMetrics:
         self.max_wait_seconds_of = Children(self.max_wait_seconds)
         self.max_batch_size_of = Children(self.max_batch_size)
         self.latency_slowdown_of = Children(self.latency_slowdown)
+        self.latency_spread_of = Children(self.latency_spread)
 
     def charge_tenant(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None:
         """Records executor time (and, for generation, tokens) spent on `tenant`'s work."""

@@ -344,7 +344,7 @@ def test_steady_batches_carry_no_margin() -> None:
 
 def test_batches_that_spread_are_predicted_by_their_slow_end() -> None:
     """Alternating 10 and 20 ms: the scale settles near the middle, and the prediction adds
-    two spreads of it (about 5 ms each), so it lands at the slow end, not the middle."""
+    two spreads of it (about 5 ms each), so it lands past the slow end, not in the middle."""
     margined, key = spread_model(2.0)
     plain, _ = spread_model(0.0)
     for seconds in [0.010, 0.020] * 20:
@@ -388,3 +388,31 @@ def test_a_row_alone_is_bounded_margin_included() -> None:
 
     assert model.predict(key, 4) > 2.0 * 0.010
     assert model.predict_bounded(key, 4) == pytest.approx(2.0 * 0.010)
+
+
+def test_curve_points_teach_neither_scale_nor_spread() -> None:
+    """A batch size beyond the curve becomes a point of it (shape, not contention): the
+    spread learned so far stays as it was."""
+    model, key = spread_model(2.0)
+    for seconds in [0.010, 0.020] * 20:
+        model.observe(key, 4, seconds)
+    before = (model.slowdown(key), model.spread(key), model.predict(key, 4))
+
+    model.observe(key, 8, 0.050)
+
+    assert (model.slowdown(key), model.spread(key), model.predict(key, 4)) == before
+
+
+def test_a_key_with_steady_batches_keeps_its_own_narrow_spread() -> None:
+    """Spreads are per key: a bucket whose batches run steady carries no margin beside one
+    whose batches spread, while a bucket without batches takes the family's."""
+    model, spread_key = spread_model(2.0)
+    steady_key = make_key(bucket=16)
+    model.observe(steady_key, 4, 0.005)  # its curve
+    for seconds in [0.010, 0.020] * 20:
+        model.observe(spread_key, 4, seconds)
+        model.observe(steady_key, 4, 0.005 * model.slowdown(steady_key))
+
+    assert model.spread(steady_key) < 0.01
+    assert model.spread(spread_key) > 0.3
+    assert model.spread(make_key(bucket=64)) > 0.1  # the family's, both keys' batches

@@ -292,6 +292,7 @@ class Lane:
             if threads.teaches_latency:
                 lane.latency.observe(dispatch.key, len(rows), compute_s)
                 metrics.latency_slowdown_of[labels].set(lane.latency.slowdown(dispatch.key))
+                metrics.latency_spread_of[labels].set(lane.latency.spread(dispatch.key))
         else:
             metrics.row_failures_total_of[labels].inc(failures)
         tokens = [row.num_tokens for row in rows]

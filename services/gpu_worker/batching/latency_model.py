@@ -105,7 +105,8 @@ class _Prediction:
 
 
 class LatencyModel:
-    """Compute seconds per (key, batch size): a measured curve times a learned scale.
+    """Compute seconds per (key, batch size): a measured curve times a learned scale, plus a
+    margin of the scale's spread.
 
     The curve is the shape: each batch size's first measurement (warm-up measures every shape
     the worker may run), interpolated between sizes and extrapolated beyond them, made
@@ -225,16 +226,21 @@ class LatencyModel:
         spread += self._spread_alpha * (abs(ratio - scale) - spread)
         return scale + self._slowdown_alpha * (ratio - scale), spread
 
-    def _margined(self, key: BatchKey) -> float:
-        """The scale predictions of `key` carry: its slowdown plus `spread_weight` spreads."""
+    def spread(self, key: BatchKey) -> float:
+        """How far `key`'s batches fall from its scale, on average (its family's while it has
+        no batches of its own; 0.0 before any)."""
         spread = self._key_spread.get(key)
         if spread is None:
             spread = self._family_spread.get(_family(key), 0.0)
-        return self.slowdown(key) + self._spread_weight * spread
+        return spread
+
+    def _margined(self, key: BatchKey) -> float:
+        """The scale predictions of `key` carry: its slowdown plus `spread_weight` spreads."""
+        return self.slowdown(key) + self._spread_weight * self.spread(key)
 
     def slowdown(self, key: BatchKey) -> float:
-        """The scale predictions of `key` carry now: observed / curve, smoothed (its family's
-        while it has no batches of its own; 1.0 before any)."""
+        """The learned scale of `key`, without its spread's margin: observed / curve, smoothed
+        (its family's while it has no batches of its own; 1.0 before any)."""
         scale = self._key_scale.get(key)
         if scale is None:
             scale = self._family_scale.get(_family(key), 1.0)
@@ -286,7 +292,9 @@ class LatencyModel:
         every such row away for good (nor may its spread)."""
         seconds = self.predict(key, batch_size)
         scale = self._margined(key)
-        return seconds * self._max_ratio / scale if scale > self._max_ratio else seconds
+        if scale <= self._max_ratio:
+            return seconds
+        return max(seconds * self._max_ratio / scale, MIN_PREDICTION_S)
 
     def predict_alone(self, key: BatchKey) -> float:
         """One row of `key` alone, by the floor (`predict_bounded`)."""
