@@ -145,6 +145,15 @@ _BATCHING = (
         scale=0.001,
     ),
     Setting(
+        "prediction_spreads",
+        float,
+        DriverConfig.prediction_spreads,
+        "spreads of the batch times' learned scale that each batch-time prediction adds (the "
+        "slow end of a batch's likely times); 0 predicts by the scale alone",
+        "spreads",
+        field="batching.prediction_spreads",
+    ),
+    Setting(
         "max_wait_cap_ms",
         float,
         _ms(DriverConfig.max_wait_cap_s),

@@ -9,11 +9,7 @@ from dataclasses import dataclass
 
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.latency_model import (
-    WORKER_SPREAD_WEIGHT,
-    LatencyModel,
-    folded_row_cost,
-)
+from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey
@@ -61,7 +57,7 @@ class SimLane:
         self.spec = spec
         # One BatchKey object per bucket, so the policy's dicts find it by identity.
         self.keys = {bucket: spec.key(bucket) for bucket in spec.length_buckets}
-        self.latency = LatencyModel(spread_weight=WORKER_SPREAD_WEIGHT)
+        self.latency = LatencyModel(spread_weight=driver.prediction_spreads)
         curve.seed(self.latency, self.keys)
         self.batcher = Batcher(_batcher_config(spec, driver), self.latency, ledger)
         self.service = ServiceTime(curve.truth(self.keys), noise_sigma, rng)

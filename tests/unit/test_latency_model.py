@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.latency_model import MIN_PREDICTION_S, LatencyModel
 from services.gpu_worker.batching.types import BatchKey
 
@@ -416,3 +417,9 @@ def test_a_key_with_steady_batches_keeps_its_own_narrow_spread() -> None:
     assert model.spread(steady_key) < 0.01
     assert model.spread(spread_key) > 0.3
     assert model.spread(make_key(bucket=64)) > 0.1  # the family's, both keys' batches
+
+
+@pytest.mark.parametrize("spreads", [-1.0, float("inf"), float("nan")])
+def test_the_workers_setting_refuses_spreads_that_are_no_margin(spreads: float) -> None:
+    with pytest.raises(ValueError, match="prediction_spreads"):
+        DriverConfig(prediction_spreads=spreads)

@@ -18,7 +18,7 @@ import pytest
 
 from services.gpu_worker.admission import Admitted
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.latency_model import WORKER_SPREAD_WEIGHT, LatencyModel
+from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatcherConfig, Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve
@@ -112,7 +112,7 @@ def direct_batches(
     arrivals: list[Arrival], driver_config: DriverConfig = DRIVER
 ) -> tuple[list[Batch], list[str]]:
     keys = {bucket: SPEC.key(bucket) for bucket in SPEC.length_buckets}
-    latency = LatencyModel(spread_weight=WORKER_SPREAD_WEIGHT)
+    latency = LatencyModel(spread_weight=driver_config.prediction_spreads)
     CURVE.seed(latency, keys)
     config = BatcherConfig(
         max_batch_size=SPEC.max_batch_size,

@@ -22,7 +22,7 @@ from services.gpu_worker.admission import Admitted
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane_order import by_urgency
-from services.gpu_worker.batching.latency_model import WORKER_SPREAD_WEIGHT, LatencyModel
+from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig, Dispatch, QueuedItem
@@ -174,7 +174,7 @@ def direct_lane(
     spec: ModelSpec, curve: LatencyCurve, ledger: ComputeLedger, driver: DriverConfig
 ) -> DirectLane:
     keys = {bucket: spec.key(bucket) for bucket in spec.length_buckets}
-    latency = LatencyModel(spread_weight=WORKER_SPREAD_WEIGHT)
+    latency = LatencyModel(spread_weight=driver.prediction_spreads)
     curve.seed(latency, keys)
     config = BatcherConfig(
         max_batch_size=spec.max_batch_size,

@@ -16,6 +16,9 @@ class DriverConfig:
     upstream_budget_s: float = 0.04
     #: Margin kept between predicted completion and a row's deadline.
     safety_margin_s: float = 0.005
+    #: Spreads of the batch times' learned scale each prediction adds (latency_model: the
+    #: slow end of a batch's likely times, not its middle); 0 predicts by the scale alone.
+    prediction_spreads: float = 2.0
     #: Upper bound on the derived linger.
     max_wait_cap_s: float = 0.05
     #: When the executor is idle, linger only if at least this many more rows are expected
@@ -48,6 +51,8 @@ class DriverConfig:
             raise ValueError("upstream budget, safety margin and max_wait cap must be >= 0")
         if self.min_expected_arrivals < 0:
             raise ValueError("min_expected_arrivals must be >= 0")
+        if not 0 <= self.prediction_spreads < float("inf"):
+            raise ValueError("prediction_spreads must be finite and >= 0")
         if self.watchdog_s <= 0:
             raise ValueError("watchdog_s must be > 0")
         if self.backfill_threads < -1:

@@ -17,7 +17,7 @@ from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import Lane
-from services.gpu_worker.batching.latency_model import WORKER_SPREAD_WEIGHT, LatencyModel
+from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig
@@ -42,7 +42,7 @@ def new_lane(
         min_expected_arrivals=config.min_expected_arrivals,
         tenant_weights=config.tenant_weights,
     )
-    latency = LatencyModel(spread_weight=WORKER_SPREAD_WEIGHT)
+    latency = LatencyModel(spread_weight=config.prediction_spreads)
     metrics.declare_model(model.name, backend.version.version)
     shedding = SloShedding.for_model(model.slo_s, model.shed_past_slo, config)
     batcher = Batcher(batcher_config, latency, ledger)

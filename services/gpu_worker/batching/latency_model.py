@@ -12,9 +12,6 @@ from bisect import bisect_left
 
 from services.gpu_worker.batching.types import BatchKey
 
-#: How many spreads of the scale a worker's predictions add to it (LatencyModel).
-WORKER_SPREAD_WEIGHT = 2.0
-
 #: Floor on every prediction: a batch never costs nothing, and callers divide by predictions.
 MIN_PREDICTION_S = 1e-6
 
@@ -128,7 +125,8 @@ class LatencyModel:
     A batch size beyond the measured ones (bigger than warm-up ran) becomes a new point of the
     curve, divided by the key's scale so that it records shape, not the moment's contention.
 
-    A worker's predictions (`WORKER_SPREAD_WEIGHT`; the class's default is the scale alone)
+    A worker's predictions (`--prediction-spreads`, 2 by default; the class's default is the
+    scale alone)
     carry the scale plus `spread_weight` times its *spread*, the moving mean of each batch's
     distance from the scale (its ratio bounded as for the scale's step, smoothed by
     `spread_alpha`): Jacobson's retransmission timer, which waits for the smoothed round trip

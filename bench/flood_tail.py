@@ -1,0 +1,170 @@
+"""Where an overload's late answers come from: minilm flooded at fixed rates on a fresh stack,
+with each tier's latency histograms read before and after each flood.
+
+    python -m bench.flood_tail [RATE ...] [--worker-arg=--torch-threads=1] ...
+
+The stack is `bench.fabric`'s batching-on stack (its minilm repository, `shed_past_slo`), on
+the short uniform texts. First 16 closed-loop callers for 6 s (their answers/s: the capacity
+of the moment, which drifts on a shared machine); then each rate (default 344/s, the fabric
+benchmark's 2x flood) open loop with Poisson arrivals, callers allowing 4x the SLO (at least
+1 s), measured as `bench.fabric` measures a rate (`measure_rate_clean`, 3 windows of 5 s by
+default). Per rate it prints the answers within the SLO a second, the accepted calls' p50 and
+p99, the statuses and each process's CPU seconds, then, for every latency histogram of the
+tiers (the gateway's request and door queue delay, the router's request and predicted wait,
+the worker's queue wait, compute and row latency, every tier's event-loop lag), the count
+over the flood and the bucket bounds its p50, p90 and p99 fall in: a tail in the worker's
+compute is the model's, one in its queue wait its admission's, one only in the gateway's door
+queue delay the gateway's pickup. Results also go to `--output` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.fabric.__main__ import FULL
+from bench.fabric.measure import Progress, Target, closed_loop, measure_rate_clean
+from bench.fabric.observe import Observer
+from bench.fabric.stack import start_stack, write_minilm_repository
+from bench.fabric.targets import make_texts, predict_sender
+from services.common.model_repository import load_repository
+
+#: Histogram families read, by a part of their names.
+FAMILIES = (
+    "request_seconds",
+    "door_queue_delay",
+    "predicted_wait",
+    "queue_wait",
+    "row_compute",
+    "row_latency",
+    "loop_lag_seconds",
+)
+QUANTILES = (0.5, 0.9, 0.99)
+
+#: (tier, family, labels) -> {upper bound: cumulative count}
+Buckets = dict[tuple[str, str, str], dict[float, float]]
+
+
+def scrape(ports: dict[str, int]) -> Buckets:
+    """Every wanted histogram's cumulative bucket counts, per tier, summed over the labels
+    that name a version."""
+    out: Buckets = {}
+    for tier, port in ports.items():
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+        for family in text_string_to_metric_families(text):
+            if family.type != "histogram" or not any(f in family.name for f in FAMILIES):
+                continue
+            for sample in family.samples:
+                if not sample.name.endswith("_bucket"):
+                    continue
+                labels = {k: v for k, v in sample.labels.items() if k not in ("le", "version")}
+                counts = out.setdefault((tier, family.name, json.dumps(labels, sort_keys=True)), {})
+                bound = float(sample.labels["le"])
+                counts[bound] = counts.get(bound, 0.0) + sample.value
+    return out
+
+
+def quantile_bounds(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
+    """The observations between two scrapes of one histogram, and the upper bound of the bucket
+    each of QUANTILES falls in."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    found: dict[str, Any] = {"count": total}
+    for q in QUANTILES:
+        found[f"p{round(q * 100)}_le"] = next(
+            (b for b, c in zip(bounds, counts, strict=True) if total and c >= q * total), None
+        )
+    return found
+
+
+async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
+    state = Path(tempfile.mkdtemp(prefix="flood-tail-"))
+    repository = state / "repository"
+    write_minilm_repository(repository, shed_past_slo=True)
+    version = next(v for v in load_repository(repository) if v.config.name == "minilm")
+    texts = make_texts(256, 0, version.weights_dir / "tokenizer.json")
+    slo_s = version.config.slo_p99_ms / 1000
+    settings = dataclasses.replace(
+        FULL, windows=args.windows, window_s=args.window_s, warmup_s=args.warmup_s
+    )
+    stack = start_stack(
+        repository,
+        state / "stack",
+        extra_gateway_args=tuple(args.gateway_arg),
+        extra_worker_args=tuple(args.worker_arg),
+    )
+    results: list[dict[str, Any]] = []
+    try:
+        observer = Observer(stack.pids(), stack.metrics_ports())
+        async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
+            send = predict_sender(channel, "minilm", texts, max(1.0, 4 * slo_s))
+            capacity = await closed_loop(send, 16, 6, observer=observer, model="minilm")
+            print(f"16 closed-loop callers: {capacity['ok_per_s']:.1f} answers/s", flush=True)
+            for rate in args.rates:
+                before = scrape(stack.metrics_ports())
+                target = Target(f"minilm {rate:g}/s", send, observer, "minilm")
+                run = await measure_rate_clean(target, rate, settings, slo_s, Progress())
+                after = scrape(stack.metrics_ports())
+                found = run.to_dict()
+                tails = {
+                    " ".join(key): quantile_bounds(before.get(key, {}), counts)
+                    for key, counts in sorted(after.items())
+                }
+                results.append({
+                    "rate_per_s": rate,
+                    "capacity_per_s": capacity["ok_per_s"],
+                    "goodput_per_s": found["goodput_per_s"],
+                    "p50_s": found["p50_s"],
+                    "p99_s": found["p99_s"],
+                    "statuses": found["statuses"],
+                    "cpu_s": found["cpu_s"],
+                    "histograms": {k: v for k, v in tails.items() if v["count"]},
+                })  # fmt: skip
+                print_rate(results[-1])
+    finally:
+        stack.stop()
+    return results
+
+
+def print_rate(result: dict[str, Any]) -> None:
+    median = {k: result[k]["median"] for k in ("goodput_per_s", "p50_s", "p99_s")}
+    print(
+        f"{result['rate_per_s']:g} calls/s: {median['goodput_per_s']:.1f} answers/s within the "
+        f"SLO ({median['goodput_per_s'] / result['capacity_per_s']:.2f} of capacity), accepted "
+        f"p50 {median['p50_s'] * 1000:.0f} ms, p99 {median['p99_s'] * 1000:.0f} ms; "
+        f"{result['statuses']}; CPU s {result['cpu_s']}",
+        flush=True,
+    )
+    for name, found in result["histograms"].items():
+        bounds = " / ".join(str(found[f"p{round(q * 100)}_le"]) for q in QUANTILES)
+        print(f"  {name}: {found['count']:.0f}, p50 / p90 / p99 <= {bounds} s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("rates", nargs="*", type=float, default=[344.0], help="calls/s")
+    parser.add_argument("--windows", type=int, default=3)
+    parser.add_argument("--window-s", type=float, default=5.0)
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--worker-arg", action="append", default=[], help="repeatable")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="repeatable")
+    parser.add_argument("--output", type=Path, default=Path("bench/results/flood_tail.json"))
+    args = parser.parse_args()
+    results = asyncio.run(flood(args))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
