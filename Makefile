@@ -29,7 +29,7 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 .PHONY: all install install-test proto models lint format typecheck test test-fast test-unit test-integration test-e2e run bench \
 	bench-model bench-generation bench-fabric bench-smoke bench-tenants bench-jobs bench-sim bench-sim-stand-in bench-worker-feed bench-spread \
-	bench-registry bench-fair-share clean
+	bench-registry bench-fair-share bench-flood-tail clean
 
 all: test
 
@@ -222,6 +222,12 @@ bench-registry: install-test
 bench-worker-feed: install-test
 	$(PY) -m bench.worker_feed
 
+# minilm flooded at 2x the fabric benchmark's goodput on a fresh stack: answers within the SLO,
+# and each tier's latency histograms over the flood (where late answers come from)
+# -> bench/results/flood_tail.json.
+bench-flood-tail: install-test
+	$(PY) -m bench.flood_tail
+
 # The fabric with its tiers spread over the machine's cores (gateway processes, two routers,
 # generator processes): goodput per rate against the raw model's best batch, CPU per tier
 # -> bench/results/spread.json. On a GPU box without --stand-in (bench/device_run.sh).
@@ -230,7 +236,7 @@ bench-spread: install-test
 
 # Every benchmark; results in bench/results/ (ignored by git).
 bench: bench-model bench-generation bench-fabric bench-tenants bench-jobs bench-sim bench-registry \
-	bench-fair-share bench-worker-feed bench-sim-stand-in bench-spread
+	bench-fair-share bench-worker-feed bench-sim-stand-in bench-spread bench-flood-tail
 
 clean:
 	rm -rf services/pb build *.egg-info .pytest_cache .ruff_cache .mypy_cache
