@@ -1,5 +1,5 @@
 """Where an overload's late answers come from: minilm flooded at fixed rates on a fresh stack,
-with each tier's latency histograms read before and after each flood.
+with each tier's latency histograms read around each flood's measured windows.
 
     python -m bench.flood_tail [RATE ...] [--worker-arg=--torch-threads=1] ...
 
@@ -7,14 +7,16 @@ The stack is `bench.fabric`'s batching-on stack (its minilm repository, `shed_pa
 the short uniform texts. First 16 closed-loop callers for 6 s (their answers/s: the capacity
 of the moment, which drifts on a shared machine); then each rate (default 344/s, the fabric
 benchmark's 2x flood) open loop with Poisson arrivals, callers allowing 4x the SLO (at least
-1 s), measured as `bench.fabric` measures a rate (`measure_rate_clean`, 3 windows of 5 s by
-default). Per rate it prints the answers within the SLO a second, the accepted calls' p50 and
+1 s), measured as `bench.fabric` measures a rate (`measure_rate_clean`: 3 windows of 5 s by
+default, measured again once, after a wait for quiet, when other processes took much of the
+CPU). Per rate it prints the answers within the SLO a second, the accepted calls' p50 and
 p99, the statuses and each process's CPU seconds, then, for every latency histogram of the
 tiers (the gateway's request and door queue delay, the router's request and predicted wait,
 the worker's queue wait, compute and row latency, every tier's event-loop lag), the count
-over the flood and the bucket bounds its p50, p90 and p99 fall in: a tail in the worker's
-compute is the model's, one in its queue wait its admission's, one only in the gateway's door
-queue delay the gateway's pickup. Results also go to `--output` as JSON.
+over the measured windows (the last attempt's, as for the goodput) and the bucket bounds its
+p50, p90 and p99 fall in: a tail in the worker's compute is the model's, one in its queue
+wait its admission's, one only in the gateway's door queue delay the gateway's pickup.
+Results go to `--output` as JSON after each rate.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fabric.__main__ import FULL
 from bench.fabric.measure import Progress, Target, closed_loop, measure_rate_clean
-from bench.fabric.observe import Observer
+from bench.fabric.observe import Observer, Snapshot
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.targets import make_texts, predict_sender
 from services.common.model_repository import load_repository
@@ -74,6 +76,19 @@ def scrape(ports: dict[str, int]) -> Buckets:
     return out
 
 
+class HistogramObserver(Observer):
+    """The fabric benchmark's observer, scraping the histograms too at each snapshot, so that
+    they cover what the rate's figures cover: `measure_rate` snapshots around its measured
+    windows."""
+
+    marks: list[Buckets]
+
+    def snapshot(self) -> Snapshot:
+        taken = super().snapshot()
+        self.marks.append(scrape(dict(self.metrics_ports)))
+        return taken
+
+
 def quantile_bounds(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
     """The observations between two scrapes of one histogram, and the upper bound of the bucket
     each of QUANTILES falls in."""
@@ -82,9 +97,11 @@ def quantile_bounds(before: dict[float, float], after: dict[float, float]) -> di
     total = counts[-1] if counts else 0.0
     found: dict[str, Any] = {"count": total}
     for q in QUANTILES:
-        found[f"p{round(q * 100)}_le"] = next(
+        bound = next(
             (b for b, c in zip(bounds, counts, strict=True) if total and c >= q * total), None
         )
+        # JSON has no infinity: a quantile past the last finite bound is written as text.
+        found[f"p{round(q * 100)}_le"] = "+Inf" if bound == float("inf") else bound
     return found
 
 
@@ -106,16 +123,16 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     results: list[dict[str, Any]] = []
     try:
-        observer = Observer(stack.pids(), stack.metrics_ports())
+        observer = HistogramObserver(stack.pids(), stack.metrics_ports())
+        observer.marks = []
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
             send = predict_sender(channel, "minilm", texts, max(1.0, 4 * slo_s))
             capacity = await closed_loop(send, 16, 6, observer=observer, model="minilm")
             print(f"16 closed-loop callers: {capacity['ok_per_s']:.1f} answers/s", flush=True)
             for rate in args.rates:
-                before = scrape(stack.metrics_ports())
                 target = Target(f"minilm {rate:g}/s", send, observer, "minilm")
                 run = await measure_rate_clean(target, rate, settings, slo_s, Progress())
-                after = scrape(stack.metrics_ports())
+                before, after = observer.marks[-2:]  # around the last attempt's windows
                 found = run.to_dict()
                 tails = {
                     " ".join(key): quantile_bounds(before.get(key, {}), counts)
@@ -128,22 +145,37 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "p50_s": found["p50_s"],
                     "p99_s": found["p99_s"],
                     "statuses": found["statuses"],
-                    "cpu_s": found["cpu_s"],
+                    "cpu_s": found.get("cpu_s"),
+                    "valid": found.get("valid"),
+                    "attempts": found.get("attempts"),
+                    "outside_cpu_share": found.get("outside_cpu_share"),
                     "histograms": {k: v for k, v in tails.items() if v["count"]},
                 })  # fmt: skip
                 print_rate(results[-1])
+                write(args.output, results)
     finally:
         stack.stop()
     return results
 
 
+def write(path: Path, results: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2, default=str) + "\n")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
 def print_rate(result: dict[str, Any]) -> None:
-    median = {k: result[k]["median"] for k in ("goodput_per_s", "p50_s", "p99_s")}
+    goodput = result["goodput_per_s"]["median"] or 0.0
+    capacity = result["capacity_per_s"]
+    share = f"{goodput / capacity:.2f}" if capacity else "-"
     print(
-        f"{result['rate_per_s']:g} calls/s: {median['goodput_per_s']:.1f} answers/s within the "
-        f"SLO ({median['goodput_per_s'] / result['capacity_per_s']:.2f} of capacity), accepted "
-        f"p50 {median['p50_s'] * 1000:.0f} ms, p99 {median['p99_s'] * 1000:.0f} ms; "
-        f"{result['statuses']}; CPU s {result['cpu_s']}",
+        f"{result['rate_per_s']:g} calls/s: {goodput:.1f} answers/s within the SLO ({share} of "
+        f"capacity), accepted p50 {_ms(result['p50_s']['median'])}, p99 "
+        f"{_ms(result['p99_s']['median'])}; {result['statuses']}; CPU s {result['cpu_s']}; "
+        f"attempts {result['attempts']}, valid {result['valid']}",
         flush=True,
     )
     for name, found in result["histograms"].items():
@@ -161,9 +193,7 @@ def main() -> None:
     parser.add_argument("--gateway-arg", action="append", default=[], help="repeatable")
     parser.add_argument("--output", type=Path, default=Path("bench/results/flood_tail.json"))
     args = parser.parse_args()
-    results = asyncio.run(flood(args))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(results, indent=2, default=str) + "\n")
+    asyncio.run(flood(args))
 
 
 if __name__ == "__main__":

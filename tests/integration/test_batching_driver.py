@@ -148,10 +148,14 @@ async def test_the_latency_model_learns_from_the_drivers_clock(harness: Harness)
     # Warm-up timed real runs (microseconds for this model); serving batches on the fake clock
     # take BATCH_S each, and the learned scale follows them up, bounded per batch.
     slowdowns = []
+    spreads = []
     for _ in range(4):
         await harness.submit(1)
         slowdowns.append(harness.metric(names.WORKER_LATENCY_SLOWDOWN))
+        spreads.append(harness.metric(names.WORKER_LATENCY_SPREAD))
     assert slowdowns == sorted(slowdowns) and slowdowns[0] > 1.0
+    # Each batch ran slower than the scale so far: the spread it exports grew from none.
+    assert spreads == sorted(spreads) and spreads[0] > 0.0
 
 
 async def test_s29_draining_refuses_new_rows_and_finishes_queued_ones(harness: Harness) -> None:

@@ -126,20 +126,18 @@ class LatencyModel:
     curve, divided by the key's scale so that it records shape, not the moment's contention.
 
     A worker's predictions (`--prediction-spreads`, 2 by default; the class's default is the
-    scale alone)
-    carry the scale plus `spread_weight` times its *spread*, the moving mean of each batch's
-    distance from the scale (its ratio bounded as for the scale's step, smoothed by
-    `spread_alpha`): Jacobson's retransmission timer, which waits for the smoothed round trip
-    plus four times its mean deviation. A row admitted by the middle of its batch's likely
+    scale alone) carry the scale plus `spread_weight` times its *spread*, the moving mean of
+    each batch's distance from the scale (its ratio bounded as for the scale's step, smoothed
+    by `spread_alpha`): Jacobson's retransmission timer, which waits for the smoothed round
+    trip plus four times its mean deviation. A row admitted by the middle of its batch's likely
     times is late whenever the batch runs slow; by the slow end, only when the batch runs
     slower than usual. On a GPU, or a CPU to itself, the spread is near 0 and so is the margin.
     On a CPU shared with a flooded gateway, batches spread widely: minilm beside a 2x flood on
-    this 2-core machine ran a median batch in under 75 ms and its p99 in 200-300 ms. Side by
-    side there (344 calls/s against 121-146/s of closed-loop capacity, fresh stacks,
-    alternating twice; docs/benchmarks.md), a weight of 0 -> 2: answers within the SLO 104.2
-    and 69.6 -> 103.4 and 99.2/s, their p50 191 and 217 -> 149 and 148 ms, p99 339 and 388 ->
-    305 and 266 ms. The spread is per key, and per family for keys without batches of their
-    own, as the scale is.
+    this 2-core machine ran a median batch in under 75 ms and its p99 in 200-300 ms. There
+    (`python -m bench.flood_tail`, 0 spreads against 2, alternating twice; docs/benchmarks.md)
+    answers within the SLO went from 99.6 and 92.4 to 132.6 and 129.6 a second, and the
+    accepted calls' p99 from 365 and 354 ms to 329 and 263 ms. The spread is per key, and per
+    family for keys without batches of their own, as the scale is.
     """
 
     def __init__(
