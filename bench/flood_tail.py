@@ -1,5 +1,5 @@
 """Where an overload's late answers come from: minilm flooded at fixed rates on a fresh stack,
-with each tier's latency histograms read around each flood's measured windows.
+with each tier's latency histograms over each flood's measured windows.
 
     python -m bench.flood_tail [RATE ...] [--worker-arg=--torch-threads=1] ...
 
@@ -26,16 +26,14 @@ import asyncio
 import dataclasses
 import json
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fabric.__main__ import FULL
 from bench.fabric.measure import Progress, Target, closed_loop, measure_rate_clean
-from bench.fabric.observe import Observer, Snapshot
+from bench.fabric.observe import Observer, Snapshot, delta
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.targets import make_texts, predict_sender
 from services.common.model_repository import load_repository
@@ -52,48 +50,43 @@ FAMILIES = (
 )
 QUANTILES = (0.5, 0.9, 0.99)
 
-#: (tier, family, labels) -> {upper bound: cumulative count}
+#: (tier, family, labels) -> {upper bound: observations at or under it}
 Buckets = dict[tuple[str, str, str], dict[float, float]]
 
 
-def scrape(ports: dict[str, int]) -> Buckets:
-    """Every wanted histogram's cumulative bucket counts, per tier, summed over the labels
-    that name a version."""
+def histograms(before: Snapshot, after: Snapshot) -> Buckets:
+    """The wanted histograms' bucket counts between two of the observer's snapshots (which
+    scrape every tier's metrics), per tier, summed over the labels that name a version."""
     out: Buckets = {}
-    for tier, port in ports.items():
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
-            text = reply.read().decode()
-        for family in text_string_to_metric_families(text):
-            if family.type != "histogram" or not any(f in family.name for f in FAMILIES):
+    for tier, samples in after.metrics.items():
+        for (name, pairs), value in delta(before.metrics.get(tier, {}), samples).items():
+            if not name.endswith("_bucket") or not any(f in name for f in FAMILIES):
                 continue
-            for sample in family.samples:
-                if not sample.name.endswith("_bucket"):
-                    continue
-                labels = {k: v for k, v in sample.labels.items() if k not in ("le", "version")}
-                counts = out.setdefault((tier, family.name, json.dumps(labels, sort_keys=True)), {})
-                bound = float(sample.labels["le"])
-                counts[bound] = counts.get(bound, 0.0) + sample.value
+            labels = {k: v for k, v in pairs if k not in ("le", "version")}
+            family = name.removesuffix("_bucket")
+            counts = out.setdefault((tier, family, json.dumps(labels, sort_keys=True)), {})
+            bound = float(dict(pairs)["le"])
+            counts[bound] = counts.get(bound, 0.0) + value
     return out
 
 
-class HistogramObserver(Observer):
-    """The fabric benchmark's observer, scraping the histograms too at each snapshot, so that
-    they cover what the rate's figures cover: `measure_rate` snapshots around its measured
-    windows."""
+class SnapshotsKept(Observer):
+    """The fabric benchmark's observer, keeping its snapshots: `measure_rate` takes one before
+    and one after its measured windows, so the last two bound what the rate's figures cover."""
 
-    marks: list[Buckets]
+    taken: list[Snapshot]
 
     def snapshot(self) -> Snapshot:
-        taken = super().snapshot()
-        self.marks.append(scrape(dict(self.metrics_ports)))
-        return taken
+        snapshot = super().snapshot()
+        self.taken.append(snapshot)
+        return snapshot
 
 
-def quantile_bounds(before: dict[float, float], after: dict[float, float]) -> dict[str, Any]:
-    """The observations between two scrapes of one histogram, and the upper bound of the bucket
-    each of QUANTILES falls in."""
-    bounds = sorted(after)
-    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+def quantile_bounds(buckets: dict[float, float]) -> dict[str, Any]:
+    """The observations of one histogram's `buckets` (from `histograms`), and the upper bound
+    of the bucket each of QUANTILES falls in."""
+    bounds = sorted(buckets)
+    counts = [buckets[b] for b in bounds]
     total = counts[-1] if counts else 0.0
     found: dict[str, Any] = {"count": total}
     for q in QUANTILES:
@@ -123,8 +116,8 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     results: list[dict[str, Any]] = []
     try:
-        observer = HistogramObserver(stack.pids(), stack.metrics_ports())
-        observer.marks = []
+        observer = SnapshotsKept(stack.pids(), stack.metrics_ports())
+        observer.taken = []
         async with grpc.aio.insecure_channel(stack.gateway_address) as channel:
             send = predict_sender(channel, "minilm", texts, max(1.0, 4 * slo_s))
             capacity = await closed_loop(send, 16, 6, observer=observer, model="minilm")
@@ -132,11 +125,11 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
             for rate in args.rates:
                 target = Target(f"minilm {rate:g}/s", send, observer, "minilm")
                 run = await measure_rate_clean(target, rate, settings, slo_s, Progress())
-                before, after = observer.marks[-2:]  # around the last attempt's windows
+                before, after = observer.taken[-2:]  # around the last attempt's windows
                 found = run.to_dict()
                 tails = {
-                    " ".join(key): quantile_bounds(before.get(key, {}), counts)
-                    for key, counts in sorted(after.items())
+                    " ".join(key): quantile_bounds(counts)
+                    for key, counts in sorted(histograms(before, after).items())
                 }
                 results.append({
                     "rate_per_s": rate,

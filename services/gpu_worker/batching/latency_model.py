@@ -23,6 +23,14 @@ def _family(key: BatchKey) -> _Family:
     return (key.model, key.version, key.fingerprint)
 
 
+def _own_or_family(
+    by_key: dict[BatchKey, float], by_family: dict[_Family, float], key: BatchKey, default: float
+) -> float:
+    """`key`'s own learned value, else its family's, else `default`."""
+    value = by_key.get(key)
+    return by_family.get(_family(key), default) if value is None else value
+
+
 class _Curve:
     """Known points of one key, made monotone so that a bigger batch never looks cheaper."""
 
@@ -201,7 +209,7 @@ class LatencyModel:
         if points and min(points) <= batch_size <= max(points):
             ratio = seconds / max(self._curve(key).at(batch_size), MIN_PREDICTION_S)
             scale = self.slowdown(key)
-            spread = self._key_spread.get(key, self._family_spread.get(family, 0.0))
+            spread = self.spread(key)
             self._key_scale[key], self._key_spread[key] = self._learned(scale, spread, ratio)
             family_scale = self._family_scale.get(family, 1.0)
             family_spread = self._family_spread.get(family, 0.0)
@@ -225,10 +233,7 @@ class LatencyModel:
     def spread(self, key: BatchKey) -> float:
         """How far `key`'s batches fall from its scale, on average (its family's while it has
         no batches of its own; 0.0 before any)."""
-        spread = self._key_spread.get(key)
-        if spread is None:
-            spread = self._family_spread.get(_family(key), 0.0)
-        return spread
+        return _own_or_family(self._key_spread, self._family_spread, key, 0.0)
 
     def _margined(self, key: BatchKey) -> float:
         """The scale predictions of `key` carry: its slowdown plus `spread_weight` spreads."""
@@ -237,10 +242,7 @@ class LatencyModel:
     def slowdown(self, key: BatchKey) -> float:
         """The learned scale of `key`, without its spread's margin: observed / curve, smoothed
         (its family's while it has no batches of its own; 1.0 before any)."""
-        scale = self._key_scale.get(key)
-        if scale is None:
-            scale = self._family_scale.get(_family(key), 1.0)
-        return scale
+        return _own_or_family(self._key_scale, self._family_scale, key, 1.0)
 
     def family_slowdown(self, key: BatchKey) -> float:
         """The scale of `key`'s family: observed / curve over all its keys' batches."""
