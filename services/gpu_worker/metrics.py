@@ -56,7 +56,8 @@ class WorkerMetrics:
         )
         self.dropped_total = new.counter(
             names.WORKER_DROPPED_TOTAL,
-            "Queued rows removed before compute: expired (deadline) or cancelled.",
+            "Queued rows removed before compute: expired (past their deadline), past_slo (past "
+            "the SLO bound admission set, their deadline still allowing them) or cancelled.",
             (*_MODEL, "reason"),
         )
         self.row_failures_total = new.counter(

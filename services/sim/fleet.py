@@ -26,6 +26,7 @@ from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gateway.throttle import AdaptiveThrottle
 from services.gpu_worker.admission import RejectReason as WorkerReject
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.slo_shedding import PAST_SLO
 from services.router.retry import RetryElsewhere, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, RouteTable
 from services.sim.curve import LatencyCurve
@@ -325,11 +326,13 @@ class Fleet:
         self._recorder.refused(request.arrival.at_s, f"worker_{reason.value}")
 
     def _answer(self, now_s: float, request: SimRequest, outcome: str) -> None:
-        """A worker answered: "ok" (the batch ran) or "expired" (DEADLINE_EXCEEDED unrun)."""
+        """A worker answered: "ok" (the batch ran), "expired" (DEADLINE_EXCEEDED unrun) or
+        "past_slo" (refused unrun: past the SLO bound admission set)."""
         arrival = request.arrival
         self._release(request)
         self._done(arrival)
-        self._throttle_of(request).record(_throttle_key(arrival), now_s, is_accepted=True)
+        is_accepted = outcome != PAST_SLO  # refused, as admission refuses
+        self._throttle_of(request).record(_throttle_key(arrival), now_s, is_accepted=is_accepted)
         arrival_s = arrival.at_s
         if outcome == "ok":
             downstream_s = self.config.downstream_s

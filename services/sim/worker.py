@@ -31,6 +31,7 @@ from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane_order import by_urgency
+from services.gpu_worker.batching.slo_shedding import expiry_reason
 from services.gpu_worker.batching.types import Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
@@ -246,7 +247,8 @@ class SimWorker:
                 self._busy_at_arrival.pop(item.item_id, None)
                 request = self._requests.pop(item.item_id, None)
                 if request is not None:
-                    self._on_answer(now_s, request, "expired")
+                    finish_s = now_s + lane.latency.predict_alone(item.key)
+                    self._on_answer(now_s, request, expiry_reason(item, finish_s))
             action = poll.action
             if isinstance(action, Dispatch):
                 self._dispatch(lane, action, now_s)

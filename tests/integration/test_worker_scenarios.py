@@ -239,6 +239,37 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
     assert metric(worker, names.WORKER_ROWS_TOTAL, model="slow") == 0, "the model never ran it"
 
 
+async def test_a_row_held_past_its_slo_bound_is_refused_unrun_while_its_deadline_allows_it(
+    tmp_path: Path, gate: Path
+) -> None:
+    # A model that sheds past its SLO (2 s): a row admitted within it (the stall ahead is
+    # predicted short) and then held in the queue by a batch that runs far longer is refused
+    # once it could no longer finish within the SLO, RESOURCE_EXHAUSTED with a retry hint, though
+    # its caller would wait 30 s: an answer past the SLO is what the bound exists to prevent.
+    model_dir = write_affine_model(tmp_path / "repo", "shed", slo_p99_ms=2_000)
+    config = model_dir / "config.toml"
+    config.write_text("shed_past_slo = true\n" + config.read_text())  # a top-level key
+    worker = await start(tmp_path)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            blocker = await hold_executor(worker, stub)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.Infer(infer_request("shed", row(1, 2, 3, 4)), timeout=PATIENT_S)
+            assert not blocker.done(), "answered while the blocking batch still ran"
+            release_stall(gate)
+            await blocker
+    finally:
+        release_stall(gate)
+        await worker.stop()
+    assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "could no longer finish within its SLO" in (raised.value.details() or "")
+    assert retry_hint_ms(raised.value) > 0
+    assert metric(worker, names.WORKER_DROPPED_TOTAL, model="shed", reason="past_slo") == 1
+    assert metric(worker, names.WORKER_DROPPED_TOTAL, model="shed", reason="expired") == 0
+    assert metric(worker, names.WORKER_ROWS_TOTAL, model="shed") == 0, "the model never ran it"
+
+
 async def test_s13_a_held_scheduler_forms_exactly_the_configured_batches(
     tmp_path: Path, gate: Path
 ) -> None:

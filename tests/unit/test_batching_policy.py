@@ -19,6 +19,7 @@ from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import CROWDED_OUT_S
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.slo_shedding import EXPIRED, PAST_SLO, expiry_reason
 from services.gpu_worker.batching.types import (
     BatcherConfig,
     BatchKey,
@@ -362,6 +363,37 @@ def test_expired_items_are_returned_once_and_never_dispatched() -> None:
     assert batcher.cancel(1) is False
 
 
+def test_a_row_past_its_slo_bound_expires_while_its_deadline_would_allow_it() -> None:
+    batcher = make_batcher(max_batch_size=1)
+    add_all(batcher, [make_item(item_id=1, deadline_s=1.0)])
+    # Admitted: two batches of one (0.02) + margin end by its 0.04 bound.
+    assert batcher.add(make_item(item_id=2, deadline_s=30.0, finish_by_s=0.04), 0.0) == Admitted()
+
+    # The executor stays busy: the row is due to expire once its own compute (0.01) would end
+    # past its bound, not its deadline.
+    assert batcher.poll(0.0, executor_idle=False).action == Wait(until_s=pytest.approx(0.03))
+    poll = batcher.poll(0.031, executor_idle=False)
+
+    assert [item.item_id for item in poll.expired] == [2]
+    assert expiry_reason(poll.expired[0], 0.031 + DEFAULT_COMPUTE_S) == PAST_SLO
+    assert expiry_reason(poll.expired[0], 30.5) == EXPIRED
+    assert batcher.num_queued == 1
+
+
+def test_a_row_an_idle_lane_admits_past_its_slo_bound_is_held_to_its_deadline() -> None:
+    # Admitted though its own compute (0.3) ends past its bound (the idle lane's rule): it is
+    # not then expired unrun at the next poll, but run.
+    latency = LatencyModel(default_s=DEFAULT_COMPUTE_S)
+    latency.observe(make_key(), 1, 0.3)
+    batcher = make_batcher(latency=latency)
+    assert batcher.add(make_item(item_id=1, deadline_s=30.0, finish_by_s=0.25), 0.0) == Admitted()
+
+    poll = batcher.poll(0.0, executor_idle=True)
+
+    assert poll.expired == ()
+    assert ids(dispatch_of(poll)) == [1]
+
+
 # Admission and cancellation ---------------------------------------------------------------------
 
 
@@ -682,6 +714,22 @@ def test_earliest_deadline_first_within_a_tenant() -> None:
 
     assert dispatch.reason is CloseReason.FULL
     assert ids(dispatch) == [2, 4, 5, 3, 1]
+
+
+def test_a_tighter_slo_bound_goes_before_an_earlier_deadline_within_a_tenant() -> None:
+    batcher = make_batcher(max_batch_size=1)
+    add_all(
+        batcher,
+        [
+            make_item(item_id=1, deadline_s=5.0, arrival_s=0.0),
+            make_item(item_id=2, deadline_s=30.0, finish_by_s=0.5, arrival_s=0.001),
+            make_item(item_id=3, deadline_s=4.0, arrival_s=0.002),
+        ],
+    )
+
+    order = [ids(dispatch_of(batcher.poll(0.002, executor_idle=True))) for _ in range(3)]
+
+    assert order == [[2], [3], [1]]
 
 
 def test_flooding_tenant_cannot_crowd_out_another() -> None:

@@ -37,12 +37,13 @@ def choose(
     force: bool = False,
 ) -> Choice | Wait:
     """Among keys ready to close (with `force`, every key with items): the most urgent priority
-    class, then the tenant furthest below its fair share, then the earliest deadline; BatchKey
-    order breaks ties. With none ready, a backfill (a key with `batch` rows only), if it is
-    predicted (`width_of` rows, `predict`) to end before the urgent rows lingering in other
-    keys are due: it cannot be preempted. If it is not, those rows close now instead (FULL):
-    lingering pays only while the executor would otherwise idle, and with a backfill waiting
-    it would not; the backfill runs after them. `assess` is the close rule of one key."""
+    class, then the tenant furthest below its fair share, then the earliest admission limit (a
+    deadline, or the SLO bound admission set); BatchKey order breaks ties. With none ready, a
+    backfill (a key with `batch` rows only), if it is predicted (`width_of` rows, `predict`) to
+    end before the urgent rows lingering in other keys are due: it cannot be preempted. If it
+    is not, those rows close now instead (FULL): lingering pays only while the executor would
+    otherwise idle, and with a backfill waiting it would not; the backfill runs after them.
+    `assess` is the close rule of one key."""
     chosen: _Candidate | None = None
     backfill: _Candidate | None = None
     lingering: _Candidate | None = None
@@ -54,7 +55,7 @@ def choose(
         assessment = assess(key, queue)
         if assessment[0] is None and force:
             assessment = (CloseReason.FAIR_SHARE, None)
-        rank = (head[0], head[1], queue.earliest_deadline_s())
+        rank = (head[0], head[1], queue.earliest_limit_s())
         if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
             key_wake_s = assessment[1]
             wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)

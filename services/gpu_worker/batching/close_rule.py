@@ -89,8 +89,8 @@ def assess(
     if urgent >= limit or len(queue.items) > urgent:
         return CloseReason.FULL, None
     compute_s = latency.predict(key, urgent)
-    deadline_s = queue.earliest_deadline_s()
-    slack_at_s = deadline_s - compute_s - config.safety_margin_s
+    limit_s = queue.earliest_limit_s()  # a deadline, or the SLO bound admission set
+    slack_at_s = limit_s - compute_s - config.safety_margin_s
     if now_s > slack_at_s:
         return CloseReason.DEADLINE, None
     # Batcher.max_wait_s(key), whose next batch is these `urgent` rows (fewer than `limit`).
@@ -102,7 +102,7 @@ def assess(
     expected = 0.0 if gap_s is None else (linger_end_s - now_s) / gap_s
     if expected < config.min_expected_arrivals:
         return CloseReason.IDLE, None
-    expiry_s = deadline_s - latency.predict_alone(key)  # Batcher._expiry_s(key, queue)
+    expiry_s = limit_s - latency.predict_alone(key)  # Batcher._expiry_s(key, queue)
     wake_s = min(linger_end_s, slack_at_s, expiry_s)
     if gap_s is not None:
         wake_s = min(wake_s, queue.idle_at_s(linger_end_s, config.min_expected_arrivals))

@@ -324,7 +324,7 @@ class BatchingDriver:
         wake_at: float | None = None
         for lane, force in turns:
             poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
-            lane.fail_expired(poll.expired, self._metrics)
+            lane.fail_expired(poll.expired, now, self._running_until_s, self._metrics)
             if isinstance(poll.action, Dispatch):
                 self._dispatch(lane, poll.action, now)
                 is_idle = False

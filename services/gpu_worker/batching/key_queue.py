@@ -7,14 +7,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
+from services.common.priority import PriorityClass
 from services.gpu_worker.batching.fairness import TenantQueues
-from services.gpu_worker.batching.types import BatchKey
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
 
 #: Weight of each new inter-arrival gap in the per-key EWMA.
 ARRIVAL_GAP_ALPHA = 0.2
 
 #: Floor on the arrival-gap estimate, so simultaneous arrivals give a large, finite rate.
 _MIN_ARRIVAL_GAP_S = 1e-9
+#: Rows at this rank are a backlog, not traffic (`KeyQueue.push`).
+_BATCH_RANK = PriorityClass.BATCH.rank
 
 
 @dataclass
@@ -28,8 +31,6 @@ class KeyQueue:
     items: TenantQueues
     #: (arrival_s, item_id) min-heap for the oldest item; entries of items gone are stale.
     arrivals: list[tuple[float, int]] = field(default_factory=list)
-    #: (admission limit, item_id) min-heap for the tightest queued item; stale likewise.
-    limits: list[tuple[float, int]] = field(default_factory=list)
     last_add_s: float | None = None
     #: Gaps between admissions; its mean is None until the second admission.
     gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
@@ -47,15 +48,26 @@ class KeyQueue:
         return self.arrivals[0][0] if self.arrivals else None
 
     def earliest_limit_s(self) -> float:
-        while self.limits[0][1] not in self.items:
-            heapq.heappop(self.limits)
-        return self.limits[0][0]
+        """The earliest admission limit of the queued items (QueuedItem.admission_limit_s):
+        when the tightest of them must finish."""
+        limit_s = self.items.earliest_limit_s()
+        if limit_s is None:
+            raise RuntimeError("earliest_limit_s() of an empty queue")
+        return limit_s
 
-    def earliest_deadline_s(self) -> float:
-        deadline_s = self.items.earliest_deadline_s()
-        if deadline_s is None:
-            raise RuntimeError("earliest_deadline_s() of an empty queue")
-        return deadline_s
+    def push(self, item: QueuedItem, now_s: float) -> None:
+        """Queues `item`, admitted at `now_s`. Linger and the arrival rate are the urgent rows'
+        own: `batch` rows are a backlog (a job's chunk arrives 64 rows at once), not traffic a
+        batch should wait for."""
+        self.items.push(item)
+        if item.priority < _BATCH_RANK:
+            heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
+            self.record_arrival(now_s)
+        # Entries of dispatched and expired items leave the heap only from its top.
+        if len(self.arrivals) > 2 * len(self.items) + 64:
+            self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
+                             if i.priority < _BATCH_RANK]  # fmt: skip
+            heapq.heapify(self.arrivals)
 
     def record_arrival(self, now_s: float) -> None:
         """Folds an admission at `now_s` into the arrival-gap estimate."""

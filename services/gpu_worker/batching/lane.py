@@ -20,8 +20,8 @@ from services.gpu_worker.admission import RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
-from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.slo_shedding import SloShedding
+from services.gpu_worker.batching.policy import Batcher, executor_start_s
+from services.gpu_worker.batching.slo_shedding import PAST_SLO, SloShedding, expiry_reason
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
@@ -136,15 +136,35 @@ class Lane:
             if not pending.future.done():
                 pending.future.set_exception(error)
 
-    def fail_expired(self, expired: Sequence[QueuedItem], metrics: WorkerMetrics) -> None:
-        """Answers rows the batcher dropped unrun (past their deadline) DEADLINE_EXCEEDED."""
+    def fail_expired(
+        self,
+        expired: Sequence[QueuedItem],
+        now_s: float,
+        executor_free_s: float | None,
+        metrics: WorkerMetrics,
+    ) -> None:
+        """Answers rows the batcher dropped unrun at `now_s` (the executor predicted free at
+        `executor_free_s`, None: idle): past their deadline DEADLINE_EXCEEDED; past the SLO
+        bound admission set, their deadline still allowing them, RESOURCE_EXHAUSTED with a
+        retry hint, as admission refuses."""
+        start_s = executor_start_s(now_s, executor_free_s)
         for item in expired:
+            alone_s = self.latency.predict_alone(item.key)
+            reason = expiry_reason(item, now_s + alone_s)
             pending = self.pending.get(item.item_id)
             if pending is not None and not pending.future.done():
-                pending.future.set_exception(
-                    DeadlineExceeded("deadline cannot be met; the request was not run")
-                )
-            metrics.dropped_total_of[(*self.labels, "expired")].inc()
+                if reason == PAST_SLO:
+                    finish_s = self.batcher.predicted_finish_s(item.key, start_s)
+                    error: Exception = Overloaded(
+                        f"{item.key.model}/{item.key.version}: could no longer finish within"
+                        f" its SLO (run alone, {alone_s * 1000:.0f} ms from now at the"
+                        " soonest); not run",
+                        retry_after_s=finish_s - now_s,
+                    )
+                else:
+                    error = DeadlineExceeded("deadline cannot be met; the request was not run")
+                pending.future.set_exception(error)
+            metrics.dropped_total_of[(*self.labels, reason)].inc()
 
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""

@@ -2,14 +2,14 @@
 
 A bigger batch amortizes the executor's fixed per-call cost but makes earlier items wait. The
 batcher holds one queue per batch key and, each time the driver polls, drops items that can no
-longer meet their deadline, then either closes one batch (and says why) or says when to ask
-again. Synchronous and pure: time comes in as `now_s`, compute cost from the `LatencyModel`.
+longer meet their admission limit (their deadline, or the SLO bound admission set), then either
+closes one batch (and says why) or says when to ask again. Synchronous and pure: time comes in
+as `now_s`, compute cost from the `LatencyModel`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from collections.abc import Mapping
 
 from services.common.fair_rows import DEFAULT_WEIGHT
@@ -22,6 +22,7 @@ from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, che
 from services.gpu_worker.batching.forecast import PassBound, QueueForecast
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.slo_shedding import admitted_alone
 from services.gpu_worker.batching.types import (
     BatcherConfig,
     BatchKey,
@@ -181,7 +182,8 @@ class Batcher:
         may join the batch of items already admitted, and must not make them late.
 
         An idle lane (nothing queued, nothing running) refuses an item only if its own compute
-        alone cannot meet its deadline, and a lane with nothing queued prices it by its floor
+        alone cannot meet its deadline (one admitted past its SLO bound is then held to its
+        deadline: `admitted_alone`), and a lane with nothing queued prices it by its floor
         (predict_alone): refused items teach the latency model nothing.
 
         Priority and tenants: rows queued at a lower priority do not count as ahead of the item
@@ -197,27 +199,17 @@ class Batcher:
         refusal = self._refusal(item, now_s, executor_free_s, bound)
         if refusal is not None:
             return refusal
+        if executor_free_s is None and not self._key_of:
+            item = admitted_alone(item, now_s + self._latency.predict_alone(item.key))
         if bound is not None:
             bound.admitted(item.admission_limit_s)
         self._weights[item.tenant] = item.weight
         queue = self._queues.get(item.key)
         if queue is None:
             queue = self._queues[item.key] = KeyQueue(TenantQueues(self._ledger))
-        queue.items.push(item)
-        heapq.heappush(queue.limits, (item.admission_limit_s, item.item_id))
+        queue.push(item, now_s)
         if item.priority < _BATCH_RANK:
-            # Linger and the arrival rate are the urgent rows' own: `batch` rows are a backlog
-            # (a job's chunk arrives 64 rows at once), not traffic a batch should wait for.
-            heapq.heappush(queue.arrivals, (item.arrival_s, item.item_id))
-            queue.record_arrival(now_s)
             self._ledger.last_urgent_s = now_s
-        # Entries of dispatched and expired items leave the heaps only from their tops.
-        if len(queue.limits) > 2 * len(queue.items) + 64:
-            queue.arrivals = [(i.arrival_s, i.item_id) for i in queue.items
-                              if i.priority < _BATCH_RANK]  # fmt: skip
-            heapq.heapify(queue.arrivals)
-            queue.limits = [(i.admission_limit_s, i.item_id) for i in queue.items]
-            heapq.heapify(queue.limits)
         self._key_of[item.item_id] = item.key
         return _ADMITTED
 
@@ -371,19 +363,20 @@ class Batcher:
         )
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
-        """Remove items that would miss their deadline even if run alone right now."""
+        """Remove items that would miss their admission limit even if run alone right now:
+        their deadline, or the SLO bound admission set (`expiry_reason` tells which)."""
         expired: list[QueuedItem] = []
         for key, queue in self._queues.items():
             if queue.items:
                 cutoff_s = now_s + self._latency.predict_alone(key)
-                expired.extend(queue.items.pop_deadline_before(cutoff_s))
+                expired.extend(queue.items.pop_limit_before(cutoff_s))
         for item in expired:
             del self._key_of[item.item_id]
         return tuple(expired)
 
     def _expiry_s(self, key: BatchKey, queue: KeyQueue) -> float:
         """When the key's most urgent item will expire: past this, it cannot finish in time."""
-        return queue.earliest_deadline_s() - self._latency.predict_alone(key)
+        return queue.earliest_limit_s() - self._latency.predict_alone(key)
 
     def _assess(
         self, key: BatchKey, queue: KeyQueue, now_s: float

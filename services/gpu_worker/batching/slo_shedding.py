@@ -10,14 +10,21 @@ A batch takes the newest rows with the oldest, so what a dispatch leaves behind 
 a standing queue from a burst: a burst drains, and its bursts' callers are all served.
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
-deadline. Pure: time comes in as `now_s`. The worker's lanes and the simulator's use it alike.
+deadline. A row admitted with the SLO bound is held to it while queued: once its own compute
+could no longer end within it, the batcher drops it unrun (PAST_SLO), and it is refused with a
+retry hint as admission refuses, since an answer past the SLO is the late answer the bound
+exists to prevent, and its place in a batch can still serve a row in time. Pure: time comes
+in as `now_s`. The worker's lanes and the simulator's use it alike.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.types import QueuedItem
 
 #: The queue stands once what dispatches leave behind has waited above this share of the SLO...
 TARGET_SLO_SHARE = 0.1
@@ -25,6 +32,24 @@ TARGET_SLO_SHARE = 0.1
 INTERVAL_SLO_SHARE = 1.0
 #: Rows at this rank or more urgent are online traffic.
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
+#: Why the batcher dropped a row unrun (`WORKER_DROPPED_TOTAL`'s reason): its deadline could no
+#: longer be met, or only the SLO bound admission set could not (its deadline still could).
+EXPIRED, PAST_SLO = "expired", "past_slo"
+
+
+def admitted_alone(item: QueuedItem, finish_s: float) -> QueuedItem:
+    """`item` as an idle lane queues it, its own compute predicted to end at `finish_s`. One
+    that cannot meet its SLO bound so is admitted to its deadline (Batcher.add: a refused row
+    teaches the latency model nothing) and is held to that, not dropped unrun at once."""
+    if item.finish_by_s is None or finish_s <= item.finish_by_s:
+        return item
+    return dataclasses.replace(item, finish_by_s=None)
+
+
+def expiry_reason(item: QueuedItem, finish_s: float) -> str:
+    """Why the batcher dropped `item` unrun, its own compute predicted to end at `finish_s`
+    at the soonest: PAST_SLO while its deadline would still allow that, else EXPIRED."""
+    return EXPIRED if finish_s > item.deadline_s else PAST_SLO
 
 
 class SloShedding:
