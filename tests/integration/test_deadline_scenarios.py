@@ -511,6 +511,20 @@ async def run_soak_call(stub: api_grpc.InferenceServiceStub, call: SoakCall, i: 
     return (await rpc.code()).name
 
 
+async def served_after_refusals(stub: api_grpc.InferenceServiceStub, kind: str) -> str:
+    """The status of a patient call of `kind` right after the soak, sent again (a few times,
+    after a pause) while it is refused RESOURCE_EXHAUSTED: the gateway's adaptive throttle
+    remembers the soak's queue-full refusals for a moment (its counts decay over 0.25 s), and
+    a slow machine may meet it there; a refusal with a hint is not a lost tier."""
+    code = "RESOURCE_EXHAUSTED"
+    for _ in range(5):
+        code = await run_soak_call(stub, SoakCall(kind, 0.0, PATIENT_S), 0)
+        if code != "RESOURCE_EXHAUSTED":
+            return code
+        await asyncio.sleep(0.5)
+    return code
+
+
 async def run_soak(stub: api_grpc.InferenceServiceStub, plan: Sequence[SoakCall]) -> list[str]:
     """Sends every call of `plan` (each at its start time); returns the status names. Its own
     coroutine: the calls' tasks are gone once it returns, so counting futures sees only what
@@ -577,8 +591,8 @@ async def test_s12_a_soak_of_cancels_timeouts_and_errors_leaves_no_per_request_s
             await eventually(settled, timeout_s=30.0, message="per-request state released")
             futures_after = await num_futures()
             # Still serving, both kinds.
-            assert await run_soak_call(stub, SoakCall("predict", 0.0, PATIENT_S), 0) == "OK"
-            assert await run_soak_call(stub, SoakCall("generate", 0.0, PATIENT_S), 0) == "OK"
+            assert await served_after_refusals(stub, "predict") == "OK"
+            assert await served_after_refusals(stub, "generate") == "OK"
         assert generation_gauges(fabric)[names.GENERATION_KV_BLOCKS_USED] == 0
     counts = {code: codes.count(code) for code in set(codes)}
     # The soak did exercise every path: answers, timeouts, cancels and refusals.

@@ -380,6 +380,30 @@ def test_a_row_past_its_slo_bound_expires_while_its_deadline_would_allow_it() ->
     assert batcher.num_queued == 1
 
 
+def test_a_batch_row_is_held_to_its_deadline_not_its_slo_bound() -> None:
+    # A model that sheds past its SLO bounds `batch` rows at admission too; queued, a backfill
+    # waits on purpose, so only its deadline drops it.
+    batcher = make_batcher(max_batch_size=1)
+    add_all(batcher, [make_item(item_id=1, deadline_s=1.0)])
+    backfill = make_item(item_id=2, deadline_s=30.0, finish_by_s=0.04, priority=BATCH)
+    assert batcher.add(backfill, 0.0) == Admitted()
+
+    poll = batcher.poll(0.031, executor_idle=False)
+
+    assert poll.expired == ()
+    assert batcher.num_queued == 2
+
+
+def test_an_idle_lane_holds_a_row_to_its_slo_bound_only_with_the_margin_to_spare() -> None:
+    # Its own compute (0.01) ends by its 0.012 bound, but not with the 5 ms margin: admitted as
+    # a row whose bound it cannot meet, to its deadline, and not dropped at the next poll.
+    batcher = make_batcher()
+    assert batcher.add(make_item(item_id=1, deadline_s=30.0, finish_by_s=0.012), 0.0) == Admitted()
+
+    assert batcher.poll(0.003, executor_idle=False).expired == ()
+    assert batcher.num_queued == 1
+
+
 def test_a_row_an_idle_lane_admits_past_its_slo_bound_is_held_to_its_deadline() -> None:
     # Admitted though its own compute (0.3) ends past its bound (the idle lane's rule): it is
     # not then expired unrun at the next poll, but run.
@@ -716,20 +740,21 @@ def test_earliest_deadline_first_within_a_tenant() -> None:
     assert ids(dispatch) == [2, 4, 5, 3, 1]
 
 
-def test_a_tighter_slo_bound_goes_before_an_earlier_deadline_within_a_tenant() -> None:
+def test_a_row_bound_to_the_slo_does_not_overtake_an_older_row_without_a_bound() -> None:
+    # Row 1 was admitted before the queue stood (no bound); rows bound since keep their place
+    # behind it: ordered by a bound, an older patient row would wait until its deadline.
     batcher = make_batcher(max_batch_size=1)
     add_all(
         batcher,
         [
-            make_item(item_id=1, deadline_s=5.0, arrival_s=0.0),
-            make_item(item_id=2, deadline_s=30.0, finish_by_s=0.5, arrival_s=0.001),
-            make_item(item_id=3, deadline_s=4.0, arrival_s=0.002),
+            make_item(item_id=1, deadline_s=30.0, arrival_s=0.0),
+            make_item(item_id=2, deadline_s=30.001, finish_by_s=0.5, arrival_s=0.001),
         ],
     )
 
-    order = [ids(dispatch_of(batcher.poll(0.002, executor_idle=True))) for _ in range(3)]
+    order = [ids(dispatch_of(batcher.poll(0.002, executor_idle=True))) for _ in range(2)]
 
-    assert order == [[2], [3], [1]]
+    assert order == [[1], [2]]
 
 
 def test_flooding_tenant_cannot_crowd_out_another() -> None:

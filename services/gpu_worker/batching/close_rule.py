@@ -89,7 +89,7 @@ def assess(
     if urgent >= limit or len(queue.items) > urgent:
         return CloseReason.FULL, None
     compute_s = latency.predict(key, urgent)
-    limit_s = queue.earliest_limit_s()  # a deadline, or the SLO bound admission set
+    limit_s = queue.earliest_limit_s()  # a deadline, or an online row's SLO bound
     slack_at_s = limit_s - compute_s - config.safety_margin_s
     if now_s > slack_at_s:
         return CloseReason.DEADLINE, None

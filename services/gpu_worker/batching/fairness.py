@@ -4,8 +4,7 @@ Priority first: a batch takes `critical` rows before `interactive` ones and thos
 `batch` ones. Within a class, the tenant with the least weighted compute on the worker goes
 next (fair_share.ComputeLedger, shared by every key on the worker), so a tenant flooding the
 queue gets its share of every batch and no more, and shares hold across keys and models.
-Within a tenant and class, earliest admission limit first (QueuedItem.admission_limit_s: the
-row's SLO bound where admission set one, else its deadline). Pure: no clock, no I/O.
+Within a tenant and class, earliest deadline first. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.types import QueuedItem
 
-#: Heap entry: (admission limit, arrival_s, item_id) gives EDF, then arrival, then id.
+#: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]
 #: A heap per (priority rank, tenant).
 _Class = tuple[int, str]
@@ -78,8 +77,7 @@ class QueueShares:
 
 
 class TenantQueues:
-    """The items of one batch key: by priority, then weighted fair share, then EDF (by each
-    item's admission limit)."""
+    """The items of one batch key: by priority, then weighted fair share, then EDF."""
 
     def __init__(self, ledger: ComputeLedger) -> None:
         self._ledger = ledger
@@ -129,7 +127,7 @@ class TenantQueues:
             raise ValueError(f"item {item.item_id} is already queued")
         self._items[item.item_id] = item
         heap = self._heaps.setdefault((item.priority, item.tenant), [])
-        heapq.heappush(heap, (item.admission_limit_s, item.arrival_s, item.item_id))
+        heapq.heappush(heap, (item.deadline_s, item.arrival_s, item.item_id))
         self._by_rank[item.priority] += 1
         self._by_class[(item.priority, item.tenant)] += 1
         self._by_tenant[item.tenant] += 1
@@ -138,7 +136,7 @@ class TenantQueues:
         self._ledger.join(item.tenant)
 
     def remove(self, item_id: int) -> QueuedItem | None:
-        """Remove one item (cancelled); returns it, or None if it was not queued."""
+        """Remove one item (cancelled or expired); returns it, or None if it was not queued."""
         item = self._items.pop(item_id, None)
         if item is not None:
             self._forget(item)
@@ -148,19 +146,6 @@ class TenantQueues:
             if self._num_stale > len(self._items) + 64:
                 self._rebuild_heaps()
         return item
-
-    def earliest_limit_s(self) -> float | None:
-        """The earliest admission limit among queued items, or None if empty."""
-        heads = [heap[0][0] for heap in self._heaps.values() if self._prune(heap)]
-        return min(heads, default=None)
-
-    def pop_limit_before(self, cutoff_s: float) -> list[QueuedItem]:
-        """Remove and return every item whose admission limit is strictly before `cutoff_s`."""
-        due: list[QueuedItem] = []
-        for heap in self._heaps.values():
-            while self._prune(heap) and heap[0][0] < cutoff_s:
-                due.append(self._pop(heap))
-        return due
 
     def head_rank(self) -> Rank | None:
         """The rank of the item `take` would take first, or None if empty."""
@@ -217,7 +202,7 @@ class TenantQueues:
     def _rebuild_heaps(self) -> None:
         heaps: dict[_Class, list[_Entry]] = {}
         for item in self._items.values():
-            entry = (item.admission_limit_s, item.arrival_s, item.item_id)
+            entry = (item.deadline_s, item.arrival_s, item.item_id)
             heaps.setdefault((item.priority, item.tenant), []).append(entry)
         for heap in heaps.values():
             heapq.heapify(heap)

@@ -25,11 +25,11 @@ class PassBound:
     predicted to be done, the executor free at the pass's `start_s`. No row of the pass can be
     predicted to finish later: what `QueueForecast.finish_s` counts ahead of a row is part of
     that, and a key's drain never shrinks as its rows grow (the latency model's curves are
-    monotone). `earliest_limit_s`: the earliest admission limit of what was queued at the
-    start and of the rows admitted since. While `finish_s` plus the margin is at most both
-    that and a row's own limit, the row meets its limit and makes no batch-mate late, so its
-    per-row forecasts (`Batcher.add`) are skipped: a pass of 64 rows reads the queues once,
-    not 64 times."""
+    monotone). `earliest_limit_s`: the earliest queue limit (QueuedItem.queue_limit_s) of what
+    was queued at the start and of the rows admitted since. While `finish_s` plus the margin
+    is at most both that and a row's own limit, the row meets its limit and makes no
+    batch-mate late, so its per-row forecasts (`Batcher.add`) are skipped: a pass of 64 rows
+    reads the queues once, not 64 times."""
 
     __slots__ = ("earliest_limit_s", "finish_s")
 
@@ -42,7 +42,7 @@ class PassBound:
         return self.finish_s + margin_s <= min(limit_s, self.earliest_limit_s)
 
     def admitted(self, limit_s: float) -> None:
-        """A row with admission limit `limit_s` joined the queue."""
+        """A row with queue limit `limit_s` joined the queue."""
         self.earliest_limit_s = min(self.earliest_limit_s, limit_s)
 
 
@@ -105,7 +105,7 @@ class QueueForecast:
         self, item: QueuedItem, start_s: float, finish_s: float, margin_s: float
     ) -> bool:
         """Whether `item`, joining a partly filled batch of its key, is what would push that
-        batch past the earliest admission limit of the items already in it (less `margin_s`).
+        batch past the earliest queue limit of the items already in it (less `margin_s`).
         A batch already predicted late without the item is not made late by it (one more row
         costs its marginal compute), and refusing the item would not save it. Conservative
         when several batches of the key are queued: the earliest limit may belong to an

@@ -31,6 +31,9 @@ class KeyQueue:
     items: TenantQueues
     #: (arrival_s, item_id) min-heap for the oldest item; entries of items gone are stale.
     arrivals: list[tuple[float, int]] = field(default_factory=list)
+    #: (queue limit, item_id) min-heap for the tightest queued item (QueuedItem.queue_limit_s);
+    #: stale likewise.
+    limits: list[tuple[float, int]] = field(default_factory=list)
     last_add_s: float | None = None
     #: Gaps between admissions; its mean is None until the second admission.
     gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
@@ -48,26 +51,37 @@ class KeyQueue:
         return self.arrivals[0][0] if self.arrivals else None
 
     def earliest_limit_s(self) -> float:
-        """The earliest admission limit of the queued items (QueuedItem.admission_limit_s):
-        when the tightest of them must finish."""
-        limit_s = self.items.earliest_limit_s()
-        if limit_s is None:
-            raise RuntimeError("earliest_limit_s() of an empty queue")
-        return limit_s
+        """The earliest queue limit of the queued items (QueuedItem.queue_limit_s): when the
+        tightest of them must finish."""
+        while self.limits[0][1] not in self.items:
+            heapq.heappop(self.limits)
+        return self.limits[0][0]
+
+    def pop_limit_before(self, cutoff_s: float) -> list[QueuedItem]:
+        """Removes and returns every item whose queue limit is strictly before `cutoff_s`."""
+        due: list[QueuedItem] = []
+        while self.limits and self.limits[0][0] < cutoff_s:
+            item = self.items.remove(heapq.heappop(self.limits)[1])
+            if item is not None:
+                due.append(item)
+        return due
 
     def push(self, item: QueuedItem, now_s: float) -> None:
         """Queues `item`, admitted at `now_s`. Linger and the arrival rate are the urgent rows'
         own: `batch` rows are a backlog (a job's chunk arrives 64 rows at once), not traffic a
         batch should wait for."""
         self.items.push(item)
+        heapq.heappush(self.limits, (item.queue_limit_s, item.item_id))
         if item.priority < _BATCH_RANK:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
-        # Entries of dispatched and expired items leave the heap only from its top.
-        if len(self.arrivals) > 2 * len(self.items) + 64:
+        # Entries of dispatched and expired items leave the heaps only from their tops.
+        if len(self.limits) > 2 * len(self.items) + 64:
             self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
                              if i.priority < _BATCH_RANK]  # fmt: skip
             heapq.heapify(self.arrivals)
+            self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
+            heapq.heapify(self.limits)
 
     def record_arrival(self, now_s: float) -> None:
         """Folds an admission at `now_s` into the arrival-gap estimate."""

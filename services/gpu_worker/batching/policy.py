@@ -2,7 +2,7 @@
 
 A bigger batch amortizes the executor's fixed per-call cost but makes earlier items wait. The
 batcher holds one queue per batch key and, each time the driver polls, drops items that can no
-longer meet their admission limit (their deadline, or the SLO bound admission set), then either
+longer meet their queue limit (their deadline, or an online row's SLO bound), then either
 closes one batch (and says why) or says when to ask again. Synchronous and pure: time comes in
 as `now_s`, compute cost from the `LatencyModel`.
 """
@@ -200,9 +200,10 @@ class Batcher:
         if refusal is not None:
             return refusal
         if executor_free_s is None and not self._key_of:
-            item = admitted_alone(item, now_s + self._latency.predict_alone(item.key))
+            alone_s = self._latency.predict_alone(item.key) + self._config.safety_margin_s
+            item = admitted_alone(item, now_s + alone_s)
         if bound is not None:
-            bound.admitted(item.admission_limit_s)
+            bound.admitted(item.queue_limit_s)
         self._weights[item.tenant] = item.weight
         queue = self._queues.get(item.key)
         if queue is None:
@@ -303,7 +304,7 @@ class Batcher:
         self._is_draining = True
 
     def poll(self, now_s: float, *, executor_idle: bool, force: bool = False) -> Poll:
-        """Drop items that can no longer meet their deadline, then dispatch one batch or wait.
+        """Drop items that can no longer meet their queue limit, then dispatch one batch or wait.
 
         A busy executor is never given work: items keep merging into bigger batches meanwhile,
         and the driver polls again once it is idle. `force`: close a batch now even if every
@@ -363,13 +364,13 @@ class Batcher:
         )
 
     def _expire(self, now_s: float) -> tuple[QueuedItem, ...]:
-        """Remove items that would miss their admission limit even if run alone right now:
-        their deadline, or the SLO bound admission set (`expiry_reason` tells which)."""
+        """Remove items that would miss their queue limit even if run alone right now: their
+        deadline, or an online row's SLO bound (`expiry_reason` tells which)."""
         expired: list[QueuedItem] = []
         for key, queue in self._queues.items():
             if queue.items:
                 cutoff_s = now_s + self._latency.predict_alone(key)
-                expired.extend(queue.items.pop_limit_before(cutoff_s))
+                expired.extend(queue.pop_limit_before(cutoff_s))
         for item in expired:
             del self._key_of[item.item_id]
         return tuple(expired)

@@ -10,10 +10,13 @@ A batch takes the newest rows with the oldest, so what a dispatch leaves behind 
 a standing queue from a burst: a burst drains, and its bursts' callers are all served.
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
-deadline. A row admitted with the SLO bound is held to it while queued: once its own compute
-could no longer end within it, the batcher drops it unrun (PAST_SLO), and it is refused with a
-retry hint as admission refuses, since an answer past the SLO is the late answer the bound
-exists to prevent, and its place in a batch can still serve a row in time. Pure: time comes
+deadline. An online row admitted with the SLO bound is held to it while queued: once its own
+compute could no longer end within it, the batcher drops it unrun (PAST_SLO), and it is refused
+with a retry hint as admission refuses, since an answer past the SLO is the late answer the
+bound exists to prevent, and its place in a batch can still serve a row in time. Rows keep
+their place by deadline (a bound row does not overtake an older one without a bound), and
+`batch` rows, which a model with `shed_past_slo` admits to the SLO too, are held to their
+deadline: the batcher holds a backfill back on purpose. Pure: time comes
 in as `now_s`. The worker's lanes and the simulator's use it alike.
 """
 
@@ -38,9 +41,10 @@ EXPIRED, PAST_SLO = "expired", "past_slo"
 
 
 def admitted_alone(item: QueuedItem, finish_s: float) -> QueuedItem:
-    """`item` as an idle lane queues it, its own compute predicted to end at `finish_s`. One
-    that cannot meet its SLO bound so is admitted to its deadline (Batcher.add: a refused row
-    teaches the latency model nothing) and is held to that, not dropped unrun at once."""
+    """`item` as an idle lane queues it, its own compute predicted to end at `finish_s` (the
+    safety margin included). One that cannot meet its SLO bound so is admitted to its deadline
+    (Batcher.add: a refused row teaches the latency model nothing) and is held to that, not
+    dropped unrun at once."""
     if item.finish_by_s is None or finish_s <= item.finish_by_s:
         return item
     return dataclasses.replace(item, finish_by_s=None)

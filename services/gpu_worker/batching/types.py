@@ -11,6 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from services.common.priority import PriorityClass
+
+#: `batch` rows are a backlog: held to their deadline, never to an SLO (`queue_limit_s`).
+_BATCH_RANK = PriorityClass.BATCH.rank
+
 
 class BatchKey(NamedTuple):
     """Everything two requests must agree on to share one kernel call.
@@ -41,9 +46,11 @@ class QueuedItem:
     arrival_s: float
     #: Absolute deadline on the driver's monotonic clock: past it, the item is dropped unrun.
     deadline_s: float
-    #: Admission only: the item is admitted only if predicted to finish by then, and no later
-    #: item is admitted that would push it past it. None: the deadline. Earlier than the
-    #: deadline for a model that sheds what would finish past its SLO.
+    #: The SLO bound: the item is admitted only if predicted to finish by then, no later item
+    #: is admitted that would push it past it, and an online item is dropped unrun once it
+    #: could no longer finish by then (`queue_limit_s`). None: the deadline. Earlier than the
+    #: deadline for a model that sheds what would finish past its SLO (or while its queue
+    #: stands: slo_shedding).
     finish_by_s: float | None = None
     #: Priority class rank (services.common.priority.PriorityClass.rank): 0 critical,
     #: 1 interactive, 2 batch. Lower runs first and is shed last.
@@ -58,6 +65,13 @@ class QueuedItem:
         return (
             self.deadline_s if self.finish_by_s is None else min(self.finish_by_s, self.deadline_s)
         )
+
+    @property
+    def queue_limit_s(self) -> float:
+        """When the item, once queued, must still be able to finish, or it is dropped unrun:
+        its admission limit for online rows, its deadline for `batch` rows (a backlog the
+        batcher holds back on purpose, close_rule.batch_width)."""
+        return self.deadline_s if self.priority >= _BATCH_RANK else self.admission_limit_s
 
 
 class CloseReason(enum.Enum):
@@ -98,8 +112,8 @@ class Wait:
 class Poll:
     """The batcher's answer to "what now?"."""
 
-    #: Items removed because their deadline can no longer be met (answer DEADLINE_EXCEEDED,
-    #: never run them).
+    #: Items removed because their queue limit (QueuedItem.queue_limit_s) can no longer be met:
+    #: never run them; `slo_shedding.expiry_reason` says how to answer them.
     expired: tuple[QueuedItem, ...]
     action: Dispatch | Wait
 
