@@ -15,8 +15,10 @@ tiers (the gateway's request and door queue delay, the router's request and pred
 the worker's queue wait, compute and row latency, every tier's event-loop lag), the count
 over the measured windows (the last attempt's, as for the goodput) and the bucket bounds its
 p50, p90 and p99 fall in: a tail in the worker's compute is the model's, one in its queue
-wait its admission's, one only in the gateway's door queue delay the gateway's pickup.
-Results go to `--output` as JSON after each rate.
+wait its admission's, one only in the gateway's door queue delay the gateway's pickup. Then
+where the refused calls were refused, counted over the same windows: the gateway's door and
+adaptive throttle, the router, the worker's admission and its drops (a refusal costs every tier
+it reached). Results go to `--output` as JSON after each rate.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from bench.fabric.measure import Progress, Target, closed_loop, measure_rate_cle
 from bench.fabric.observe import Observer, Snapshot, delta
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.targets import make_texts, predict_sender
+from services.common import metric_names as names
 from services.common.model_repository import load_repository
 
 #: Histogram families read, by a part of their names.
@@ -49,6 +52,14 @@ FAMILIES = (
     "loop_lag_seconds",
 )
 QUANTILES = (0.5, 0.9, 0.99)
+#: Counters of calls and rows refused or dropped, tier by tier.
+REFUSALS = (
+    names.DOOR_REFUSED_TOTAL,
+    names.GATEWAY_THROTTLED_TOTAL,
+    names.ROUTER_REJECTED_TOTAL,
+    names.WORKER_REJECTED_TOTAL,
+    names.WORKER_DROPPED_TOTAL,
+)
 
 #: (tier, family, labels) -> {upper bound: observations at or under it}
 Buckets = dict[tuple[str, str, str], dict[float, float]]
@@ -67,6 +78,19 @@ def histograms(before: Snapshot, after: Snapshot) -> Buckets:
             counts = out.setdefault((tier, family, json.dumps(labels, sort_keys=True)), {})
             bound = float(dict(pairs)["le"])
             counts[bound] = counts.get(bound, 0.0) + value
+    return out
+
+
+def refusals(before: Snapshot, after: Snapshot) -> dict[str, float]:
+    """The REFUSALS counters' increases between two snapshots, by tier, name and labels
+    (those that name a version left out), the ones that grew."""
+    out: dict[str, float] = {}
+    for tier, samples in after.metrics.items():
+        for (name, pairs), value in delta(before.metrics.get(tier, {}), samples).items():
+            if name in REFUSALS and value > 0:
+                labels = json.dumps({k: v for k, v in pairs if k != "version"}, sort_keys=True)
+                key = f"{tier} {name} {labels}"
+                out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -143,6 +167,7 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
                     "attempts": found.get("attempts"),
                     "outside_cpu_share": found.get("outside_cpu_share"),
                     "histograms": {k: v for k, v in tails.items() if v["count"]},
+                    "refusals": refusals(before, after),
                 })  # fmt: skip
                 print_rate(results[-1])
                 write(args.output, results)
@@ -174,6 +199,8 @@ def print_rate(result: dict[str, Any]) -> None:
     for name, found in result["histograms"].items():
         bounds = " / ".join(str(found[f"p{round(q * 100)}_le"]) for q in QUANTILES)
         print(f"  {name}: {found['count']:.0f}, p50 / p90 / p99 <= {bounds} s", flush=True)
+    for name, count in sorted(result["refusals"].items()):
+        print(f"  refused: {name}: {count:.0f}", flush=True)
 
 
 def main() -> None:
