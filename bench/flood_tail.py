@@ -40,6 +40,7 @@ from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.targets import make_texts, predict_sender
 from services.common import metric_names as names
 from services.common.model_repository import load_repository
+from services.gpu_worker.batching.slo_shedding import PAST_SLO
 
 #: Histogram families read, by a part of their names.
 FAMILIES = (
@@ -52,10 +53,13 @@ FAMILIES = (
     "loop_lag_seconds",
 )
 QUANTILES = (0.5, 0.9, 0.99)
-#: Counters of calls and rows refused or dropped, tier by tier.
+#: Counters of refusals, tier by tier, each in its tier's unit: the gateway's in calls (its
+#: door's, and its tenants' by reason: the adaptive throttle, quotas), the router's in requests
+#: (a gateway's bundle is one), the worker's in rows (its admission's, and rows it dropped
+#: unrun past their SLO bound: its other drops, cancelled or expired, are not refusals).
 REFUSALS = (
     names.DOOR_REFUSED_TOTAL,
-    names.GATEWAY_THROTTLED_TOTAL,
+    names.GATEWAY_TENANT_REFUSED_TOTAL,
     names.ROUTER_REJECTED_TOTAL,
     names.WORKER_REJECTED_TOTAL,
     names.WORKER_DROPPED_TOTAL,
@@ -87,10 +91,13 @@ def refusals(before: Snapshot, after: Snapshot) -> dict[str, float]:
     out: dict[str, float] = {}
     for tier, samples in after.metrics.items():
         for (name, pairs), value in delta(before.metrics.get(tier, {}), samples).items():
-            if name in REFUSALS and value > 0:
-                labels = json.dumps({k: v for k, v in pairs if k != "version"}, sort_keys=True)
-                key = f"{tier} {name} {labels}"
-                out[key] = out.get(key, 0.0) + value
+            labels = {k: v for k, v in pairs if k != "version"}
+            if name not in REFUSALS or value <= 0:
+                continue
+            if name == names.WORKER_DROPPED_TOTAL and labels.get("reason") != PAST_SLO:
+                continue
+            key = f"{tier} {name} {json.dumps(labels, sort_keys=True)}"
+            out[key] = out.get(key, 0.0) + value
     return out
 
 

@@ -380,9 +380,14 @@ async def test_s26_a_worker_that_stops_heartbeating_leaves_routing_and_returns(
         # it continues, or keepalive gives up on it): new callers are served by the survivor.
         meanwhile = Load(stack.gateway.address, concurrency=2).start()
         await meanwhile.served_more_than(10)
+        # The router counts what it routes, and the gateway may bundle both callers' calls
+        # into one: ten calls served can be fewer than ten routed (seen once: nine).
+        await eventually(
+            lambda: routed_to(stack, survivor.worker_id) >= survivor_routed + 10,
+            message="the survivor was routed ten more",
+        )
         await meanwhile.stop()
         assert not meanwhile.errors()[:3]
-        assert routed_to(stack, survivor.worker_id) >= survivor_routed + 10
         assert routed_to(stack, victim.worker_id) == victim_routed
     finally:
         os.kill(victim.pid, signal.SIGCONT)

@@ -489,8 +489,14 @@ def soak_plan(rng: random.Random, num_calls: int, spread_s: float) -> list[SoakC
 
 
 async def run_soak_call(stub: api_grpc.InferenceServiceStub, call: SoakCall, i: int) -> str:
-    """Sends one call of the plan; returns the name of the status it ended with. The sleeps
-    are the plan's schedule (when the call is sent, when its client gives up), not waits."""
+    """Sends one call of the plan; returns the name of the status it ended with."""
+    rpc = await soak_rpc(stub, call, i)
+    return (await rpc.code()).name
+
+
+async def soak_rpc(stub: api_grpc.InferenceServiceStub, call: SoakCall, i: int) -> Any:
+    """Sends one call of the plan; returns it, ended. The sleeps are the plan's schedule (when
+    the call is sent, when its client gives up), not waits."""
     await asyncio.sleep(call.start_s)
     rpc: Any
     if call.kind == "generate":
@@ -508,18 +514,19 @@ async def run_soak_call(stub: api_grpc.InferenceServiceStub, call: SoakCall, i: 
         await asyncio.sleep(call.cancel_after_s)
         rpc.cancel()
     await asyncio.gather(reader, return_exceptions=True)
-    return (await rpc.code()).name
+    return rpc
 
 
 async def served_after_refusals(stub: api_grpc.InferenceServiceStub, kind: str) -> str:
     """The status of a patient call of `kind` right after the soak, sent again (a few times,
-    after a pause) while it is refused RESOURCE_EXHAUSTED: the gateway's adaptive throttle
-    remembers the soak's queue-full refusals for a moment (its counts decay over 0.25 s), and
-    a slow machine may meet it there; a refusal with a hint is not a lost tier."""
+    after a pause) while the gateway's adaptive throttle refuses it: the throttle remembers the
+    soak's queue-full refusals for a moment (its counts decay over 0.25 s), and a slow machine
+    may meet it there. Any other refusal is returned as it came."""
     code = "RESOURCE_EXHAUSTED"
     for _ in range(5):
-        code = await run_soak_call(stub, SoakCall(kind, 0.0, PATIENT_S), 0)
-        if code != "RESOURCE_EXHAUSTED":
+        rpc = await soak_rpc(stub, SoakCall(kind, 0.0, PATIENT_S), 0)
+        code = (await rpc.code()).name
+        if code != "RESOURCE_EXHAUSTED" or "refused at the gateway" not in await rpc.details():
             return code
         await asyncio.sleep(0.5)
     return code

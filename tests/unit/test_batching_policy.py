@@ -418,6 +418,35 @@ def test_a_row_an_idle_lane_admits_past_its_slo_bound_is_held_to_its_deadline() 
     assert ids(dispatch_of(poll)) == [1]
 
 
+def test_churn_past_the_heaps_rebuild_keeps_every_answer_right() -> None:
+    # Each round queues three rows, cancels one, drops one past its SLO bound and dispatches the
+    # third: the queue's heaps keep stale entries of all three kinds, past their rebuild many
+    # times over, and every wait, drop and dispatch still sees the live rows only.
+    batcher = make_batcher(max_batch_size=2)
+    for round_ in range(300):
+        now, first = round_ * 0.1, 3 * round_
+        kept = make_item(item_id=first, arrival_s=now, deadline_s=now + 10.0)
+        bound = make_item(
+            item_id=first + 1, arrival_s=now, deadline_s=now + 10, finish_by_s=now + 0.05
+        )
+        # Cancelled, its entry is the tightest: a wait taken from it would come 5 ms early.
+        cancelled = make_item(item_id=first + 2, arrival_s=now, deadline_s=now + 0.045)
+        for item in (kept, bound, cancelled):
+            assert batcher.add(item, now) == Admitted()
+        assert batcher.cancel(cancelled.item_id)
+
+        # Busy: the bound row is due to drop at 0.04 (its bound less its own compute).
+        assert batcher.poll(now, executor_idle=False).action == Wait(
+            until_s=pytest.approx(now + 0.04)
+        )
+        poll = batcher.poll(now + 0.041, executor_idle=False)
+        assert [item.item_id for item in poll.expired] == [bound.item_id]
+        poll = batcher.poll(now + 0.06, executor_idle=True)
+        assert poll.expired == ()
+        assert ids(dispatch_of(poll)) == [kept.item_id]
+        assert batcher.num_queued == 0
+
+
 # Admission and cancellation ---------------------------------------------------------------------
 
 

@@ -240,7 +240,7 @@ def direct_batches(
 
 
 @pytest.mark.parametrize("driver", [DRIVER, ALWAYS_LINGERS], ids=["default", "always-lingers"])
-@pytest.mark.parametrize(("seed", "rate_per_s"), [(1, 150.0), (2, 600.0), (4, 3000.0)])
+@pytest.mark.parametrize(("seed", "rate_per_s"), [(1, 150.0), (2, 600.0), (2, 3000.0)])
 def test_a_two_model_worker_dispatches_as_two_batchers_on_one_executor_do(
     seed: int, rate_per_s: float, driver: DriverConfig
 ) -> None:
@@ -260,16 +260,15 @@ def test_the_parity_arrivals_exercise_the_cross_model_decisions() -> None:
     for driver in (DRIVER, ALWAYS_LINGERS):
         light, _, _ = simulated_batches(make_arrivals(1, rate_per_s=150.0, num=2000), driver)
         heavy, heavy_refusals, _ = simulated_batches(
-            make_arrivals(4, rate_per_s=3000.0, num=2000), driver, outcomes
+            make_arrivals(2, rate_per_s=3000.0, num=2000), driver, outcomes
         )
         reasons |= {reason for *_, reason in light + heavy}
         refusals += heavy_refusals
     # fair_share: by_urgency forced a lingering lane to close for its more urgent rows;
-    # backfill: one model's `batch` rows filled the executor while the other's lingered.
-    # (A batch closed for its rows' slack, `deadline`, these arrivals no longer give: rows are
-    # held to their SLO bound while queued, so one past it is dropped, `past_slo`, first.
-    # test_batching_policy covers that close.)
-    assert {"idle", "full", "linger", "fair_share", "backfill"} <= reasons
+    # backfill: one model's `batch` rows filled the executor while the other's lingered;
+    # past_slo: a row held to its SLO bound was dropped unrun. (Seed 4 at 3,000/s, used before
+    # rows were held to their bound, no longer closes a batch for its slack, `deadline`.)
+    assert {"idle", "full", "linger", "deadline", "fair_share", "backfill"} <= reasons
     assert "deadline" in refusals
     assert outcomes["past_slo"] > 0
 

@@ -37,8 +37,8 @@ def choose(
     force: bool = False,
 ) -> Choice | Wait:
     """Among keys ready to close (with `force`, every key with items): the most urgent priority
-    class, then the tenant furthest below its fair share, then the earliest admission limit (a
-    deadline, or the SLO bound admission set); BatchKey order breaks ties. With none ready, a
+    class, then the tenant furthest below its fair share, then the earliest queue limit (a
+    deadline, or an online row's SLO bound); BatchKey order breaks ties. With none ready, a
     backfill (a key with `batch` rows only), if it is predicted (`width_of` rows, `predict`) to
     end before the urgent rows lingering in other keys are due: it cannot be preempted. If it
     is not, those rows close now instead (FULL): lingering pays only while the executor would

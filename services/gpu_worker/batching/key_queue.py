@@ -75,8 +75,9 @@ class KeyQueue:
         if item.priority < _BATCH_RANK:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
-        # Entries of dispatched and expired items leave the heaps only from their tops.
-        if len(self.limits) > 2 * len(self.items) + 64:
+        # Entries of dispatched and expired items leave the heaps only from their tops (expiry
+        # empties the top of `limits`, not of `arrivals`, so either may grow).
+        if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
             self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
                              if i.priority < _BATCH_RANK]  # fmt: skip
             heapq.heapify(self.arrivals)

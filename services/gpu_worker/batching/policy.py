@@ -178,8 +178,9 @@ class Batcher:
 
         `executor_free_s` is when the batch running now is predicted to end (None: nothing
         runs). The item is admitted if everything queued, it included, is predicted to finish
-        by the earliest admission limit among them (see QueuedItem.finish_by_s): a new item
-        may join the batch of items already admitted, and must not make them late.
+        by its own admission limit and the earliest queue limit of the others (see
+        QueuedItem.finish_by_s, queue_limit_s): a new item may join the batch of items already
+        admitted, and must not make them late.
 
         An idle lane (nothing queued, nothing running) refuses an item only if its own compute
         alone cannot meet its deadline (one admitted past its SLO bound is then held to its
