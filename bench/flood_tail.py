@@ -91,9 +91,9 @@ def refusals(before: Snapshot, after: Snapshot) -> dict[str, float]:
     out: dict[str, float] = {}
     for tier, samples in after.metrics.items():
         for (name, pairs), value in delta(before.metrics.get(tier, {}), samples).items():
-            labels = {k: v for k, v in pairs if k != "version"}
             if name not in REFUSALS or value <= 0:
                 continue
+            labels = {k: v for k, v in pairs if k != "version"}
             if name == names.WORKER_DROPPED_TOTAL and labels.get("reason") != PAST_SLO:
                 continue
             key = f"{tier} {name} {json.dumps(labels, sort_keys=True)}"

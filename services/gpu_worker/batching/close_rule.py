@@ -8,10 +8,9 @@ Synchronous and pure: time comes in as `now_s`, compute cost from the `LatencyMo
 
 from __future__ import annotations
 
-from services.common.priority import PriorityClass
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.types import BatcherConfig, BatchKey, CloseReason
+from services.gpu_worker.batching.types import BATCH_RANK, BatcherConfig, BatchKey, CloseReason
 
 #: `batch` rows may lengthen a batch's predicted compute by at most this share of what its
 #: interactive rows alone would take: they ride the executor's spare width (large on a GPU,
@@ -22,8 +21,6 @@ BATCH_RIDE_SHARE = 0.1
 #: row arriving as it starts waits for it, and the executor cannot be preempted. After a
 #: longer silence it is full width.
 URGENT_RECENT_S = 1.0
-
-_BATCH_RANK = PriorityClass.BATCH.rank
 
 
 def linger_s(config: BatcherConfig, compute_s: float) -> float:
@@ -54,7 +51,7 @@ def batch_width(
       (throughput: a job on an otherwise idle worker); the first urgent row after the silence
       may wait for one, as the batch compute budget allows.
     """
-    urgent = min(queue.items.count_at_most(_BATCH_RANK - 1), limit)
+    urgent = min(queue.items.count_at_most(BATCH_RANK - 1), limit)
     if urgent:
         budget_s = latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
         return max(urgent, latency.largest_batch_within(key, limit, budget_s))
@@ -80,7 +77,7 @@ def assess(
         return CloseReason.DRAIN, None
     # The urgent rows decide; `batch` rows alone are a backlog, run whenever the executor
     # has nothing more urgent (and ride along with urgent rows, `batch_width`).
-    urgent = queue.items.count_at_most(_BATCH_RANK - 1)
+    urgent = queue.items.count_at_most(BATCH_RANK - 1)
     if not urgent:
         return CloseReason.BACKFILL, None
     # Lingering trades the urgent rows' latency for fuller batches, worth it only while the

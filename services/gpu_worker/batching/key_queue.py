@@ -7,17 +7,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
-from services.common.priority import PriorityClass
 from services.gpu_worker.batching.fairness import TenantQueues
-from services.gpu_worker.batching.types import BatchKey, QueuedItem
+from services.gpu_worker.batching.types import BATCH_RANK, BatchKey, QueuedItem
 
 #: Weight of each new inter-arrival gap in the per-key EWMA.
 ARRIVAL_GAP_ALPHA = 0.2
 
 #: Floor on the arrival-gap estimate, so simultaneous arrivals give a large, finite rate.
 _MIN_ARRIVAL_GAP_S = 1e-9
-#: Rows at this rank are a backlog, not traffic (`KeyQueue.push`).
-_BATCH_RANK = PriorityClass.BATCH.rank
 
 
 @dataclass
@@ -72,14 +69,14 @@ class KeyQueue:
         batch should wait for."""
         self.items.push(item)
         heapq.heappush(self.limits, (item.queue_limit_s, item.item_id))
-        if item.priority < _BATCH_RANK:
+        if item.priority < BATCH_RANK:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
         # Entries of dispatched and expired items leave the heaps only from their tops (expiry
         # empties the top of `limits`, not of `arrivals`, so either may grow).
         if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
             self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
-                             if i.priority < _BATCH_RANK]  # fmt: skip
+                             if i.priority < BATCH_RANK]  # fmt: skip
             heapq.heapify(self.arrivals)
             self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
             heapq.heapify(self.limits)

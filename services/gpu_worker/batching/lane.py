@@ -147,13 +147,13 @@ class Lane:
         `executor_free_s`, None: idle): past their deadline DEADLINE_EXCEEDED; past the SLO
         bound admission set, their deadline still allowing them, RESOURCE_EXHAUSTED with a
         retry hint, as admission refuses."""
-        start_s = executor_start_s(now_s, executor_free_s)
         for item in expired:
             alone_s = self.latency.predict_alone(item.key)
             reason = expiry_reason(item, now_s + alone_s)
             pending = self.pending.get(item.item_id)
             if pending is not None and not pending.future.done():
                 if reason == PAST_SLO:
+                    start_s = executor_start_s(now_s, executor_free_s)
                     finish_s = self.batcher.predicted_finish_s(item.key, start_s)
                     error: Exception = Overloaded(
                         f"{item.key.model}/{item.key.version}: could no longer finish within"

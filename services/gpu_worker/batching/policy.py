@@ -13,7 +13,6 @@ import dataclasses
 from collections.abc import Mapping
 
 from services.common.fair_rows import DEFAULT_WEIGHT
-from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.choice import Choice, choose
 from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
@@ -24,6 +23,7 @@ from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.slo_shedding import admitted_alone
 from services.gpu_worker.batching.types import (
+    BATCH_RANK,
     BatcherConfig,
     BatchKey,
     CloseReason,
@@ -39,8 +39,6 @@ BATCH_QUEUE_SHARE = 0.5
 #: Past this share of the queue, a tenant holding more than its weighted share of the queued
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5
-
-_BATCH_RANK = PriorityClass.BATCH.rank
 
 
 def executor_start_s(now_s: float, executor_free_s: float | None) -> float:
@@ -109,7 +107,7 @@ class Batcher:
         queue = self._queues.get(key)
         if queue is None:
             return 0
-        return queue.items.count_at_most(_BATCH_RANK - 1) or len(queue.items)
+        return queue.items.count_at_most(BATCH_RANK - 1) or len(queue.items)
 
     def shape_limit(self, key: BatchKey) -> int:
         """Most items one batch of `key` may ever hold: max_batch_size, and the padded-token
@@ -210,7 +208,7 @@ class Batcher:
         if queue is None:
             queue = self._queues[item.key] = KeyQueue(TenantQueues(self._ledger))
         queue.push(item, now_s)
-        if item.priority < _BATCH_RANK:
+        if item.priority < BATCH_RANK:
             self._ledger.last_urgent_s = now_s
         self._key_of[item.item_id] = item.key
         return _ADMITTED
@@ -241,7 +239,7 @@ class Batcher:
         if num_queued >= cfg.max_queue_size:
             self._crowded_out(item.tenant, item.weight, now_s)
             return Rejected(RejectReason.QUEUE_FULL)
-        if item.priority >= _BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
+        if item.priority >= BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
             return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
         if num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE:
             queues = [queue.items for queue in self._queues.values()]

@@ -16,8 +16,8 @@ with a retry hint as admission refuses, since an answer past the SLO is the late
 bound exists to prevent, and its place in a batch can still serve a row in time. Rows keep
 their place by deadline (a bound row does not overtake an older one without a bound), and
 `batch` rows, which a model with `shed_past_slo` admits to the SLO too, are held to their
-deadline: the batcher holds a backfill back on purpose. Pure: time comes
-in as `now_s`. The worker's lanes and the simulator's use it alike.
+deadline: the batcher holds a backfill back on purpose. Pure: time comes in as `now_s`. The
+worker's lanes and the simulator's use it alike.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 from services.common.priority import PriorityClass
 
-#: `batch` rows are a backlog: held to their deadline, never to an SLO (`queue_limit_s`).
-_BATCH_RANK = PriorityClass.BATCH.rank
+#: The rank of `batch` rows: a backlog, not traffic (no linger waits for them), held to their
+#: deadline, never to an SLO (`queue_limit_s`).
+BATCH_RANK = PriorityClass.BATCH.rank
 
 
 class BatchKey(NamedTuple):
@@ -72,7 +73,7 @@ class QueuedItem:
         """When the item, once queued, must still be able to finish, or it is dropped unrun:
         its admission limit for online rows, its deadline for `batch` rows (a backlog the
         batcher holds back on purpose, close_rule.batch_width)."""
-        return self.deadline_s if self.priority >= _BATCH_RANK else self.admission_limit_s
+        return self.deadline_s if self.priority >= BATCH_RANK else self.admission_limit_s
 
 
 class CloseReason(enum.Enum):
