@@ -63,6 +63,7 @@ ROUTER_REQUEST_SECONDS = "inference_router_request_seconds"
 ROUTER_REGISTRY_DEGRADED = "inference_router_registry_degraded"
 ROUTER_REGISTRY_SNAPSHOT_AGE_SECONDS = "inference_router_registry_snapshot_age_seconds"
 ROUTER_LIVE_WORKERS = "inference_router_live_workers"
+ROUTER_WORKER_LINKS = "inference_router_worker_links"
 ROUTER_REJECTED_WORKER_RECORDS_TOTAL = "inference_router_rejected_worker_records_total"
 ROUTER_EJECTIONS_TOTAL = "inference_router_ejections_total"
 

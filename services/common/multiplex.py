@@ -239,6 +239,11 @@ class MultiplexClient:
             self._retire(stream)  # the peer is closing it: the next call opens a new one
         raise error
 
+    @property
+    def num_pending(self) -> int:
+        """Calls sent and not yet answered, on every stream."""
+        return sum(len(stream.pending) for stream in self._streams)
+
     async def close(self) -> None:
         streams, self._streams = self._streams, []
         self._slots = [None] * len(self._slots)

@@ -68,7 +68,7 @@ def bundle_rows(request: pb.InferRequest, num_rows: int) -> list[RawInput]:
 
 class BundleRunner:
     """Runs bundles on one worker's batching driver: every slice admitted in one pass, one
-    wait for all their rows, and no task or future per caller beyond its rows'."""
+    wait for all of them, and one future per slice (its rows' outputs), no task."""
 
     def __init__(self, batching: BatchingDriver, metrics: WorkerMetrics) -> None:
         self._batching = batching
@@ -102,14 +102,14 @@ class BundleRunner:
         def cancel(index: int) -> None:
             outcome = outcomes[index] if index < len(outcomes) else None
             # A slice whose rows were all answered (served, or expired here) keeps its answer.
-            if isinstance(outcome, Admission) and not all(f.done() for f in outcome.futures):
+            if isinstance(outcome, Admission) and not outcome.future.done():
                 earlier_us = request.slices[index].earlier_us
                 outcomes[index] = _given_up(time_left_s, called_s, earlier_us)
                 self._batching.withdraw(outcome)  # its queued rows leave unrun
 
         stop = None if cancels is None else cancels.listen(cancel)
         try:
-            futures = [f for a in admitted for f in a.futures]
+            futures = [a.future for a in admitted]
             if futures:
                 await asyncio.wait(futures)
         except asyncio.CancelledError:  # the whole call: its caller went away, or timed out
@@ -238,15 +238,13 @@ def _given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) -
 
 
 def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:
-    """A slice's outputs, or the error of its first failed row."""
+    """A slice's outputs, or the failure of its first row to fail."""
     if isinstance(outcome, BaseException):
         return outcome
-    for future in outcome.futures:
-        if future.cancelled():
-            return asyncio.CancelledError()
-        if (error := future.exception()) is not None:
-            return error
-    return [f.result() for f in outcome.futures]
+    future = outcome.future
+    if future.cancelled():
+        return asyncio.CancelledError()
+    return future.exception() or future.result()
 
 
 def _answer(

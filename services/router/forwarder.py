@@ -19,17 +19,17 @@ import grpc
 from services.common.bundles import SliceCancels
 from services.common.errors import NotFound, Overloaded, Unavailable, UpstreamError
 from services.common.grpc_errors import is_bug
-from services.common.multiplex import MultiplexClient
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
 from services.common.telemetry import Outcome
-from services.common.tls import ClientTls, open_channel
+from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
 from services.router.call_facts import CallFacts, call_facts, part_facts
 from services.router.metrics import RouterMetrics
 from services.router.retry import GiveUp, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
+from services.router.worker_links import WorkerLinks
 
 log = logging.getLogger(__name__)
 
@@ -62,32 +62,13 @@ class Forwarder:
         metrics.retry_budget_tokens.set_function(lambda: budget.balance(time.monotonic()))
         self._default_timeout_s = default_timeout_s
         self._max_retries = max_retries
-        #: How workers are dialled (None: plaintext).
-        self._tls = tls or ClientTls()
         # One long-lived channel per worker address: HTTP/2 multiplexes every call over it,
         # and one InferStream on it carries every fixed-cost call.
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._streams: dict[str, MultiplexClient] = {}
+        self.links = WorkerLinks(tls or ClientTls())
+        metrics.worker_links.set_function(lambda: len(self.links))
 
     async def close(self) -> None:
-        for stream in self._streams.values():
-            await stream.close()
-        self._streams.clear()
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-
-    def _channel(self, address: str) -> grpc.aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = open_channel(address, self._tls)
-        return channel
-
-    def _stream(self, address: str) -> MultiplexClient:
-        stream = self._streams.get(address)
-        if stream is None:
-            stream = self._streams[address] = MultiplexClient(self._channel(address), address)
-        return stream
+        await self.links.close()
 
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
         facts = call_facts(context, self._default_timeout_s)
@@ -149,7 +130,7 @@ class Forwarder:
                 route = self._route(facts, tried, failure)
             sent_s = time.monotonic()
             try:
-                response = await self._stream(route.address).call(
+                response = await self.links.stream(route.address).call(
                     body,
                     metadata=outgoing_metadata(),
                     timeout_s=_timeout_s(deadline_s),
@@ -240,8 +221,9 @@ class Forwarder:
                 sent_s = time.monotonic()
                 call: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
                 has_sent = False
+                self.links.generation_started(route.address)
                 try:  # from the reservation on: whatever fails, it is released
-                    call = self._channel(route.address).unary_stream(
+                    call = self.links.channel(route.address).unary_stream(
                         GENERATE_METHOD, _passthrough, _passthrough
                     )(body, timeout=_timeout_s(deadline_s), metadata=outgoing_metadata())
                     async for message in call:
@@ -266,6 +248,7 @@ class Forwarder:
                 finally:
                     if call is not None:  # no-op once finished; stops the worker if our caller left
                         call.cancel()
+                    self.links.generation_ended(route.address)
                     self._table.release(route.reservation_id)
 
     def _route(

@@ -68,6 +68,11 @@ class RouterMetrics:
         self.live_workers = new.gauge(
             names.ROUTER_LIVE_WORKERS, "Workers with a fresh heartbeat in the snapshot."
         )
+        self.worker_links = new.gauge(
+            names.ROUTER_WORKER_LINKS,
+            "Workers this router holds a channel to: one gone from the registry for 30 s, with "
+            "no call on it, is closed.",
+        )
         self.rejected_worker_records_total = new.counter(
             names.ROUTER_REJECTED_WORKER_RECORDS_TOTAL,
             "Registry records ignored at a read because their address is outside "

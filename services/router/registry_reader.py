@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from collections.abc import Set as AbstractSet
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -50,13 +51,17 @@ class RegistrySync:
         period_s: float,
         on_degraded_change: Callable[[bool], Awaitable[None]],
         worker_networks: WorkerNetworks,
+        on_refresh: Callable[[AbstractSet[str], float], Awaitable[None]] | None = None,
     ) -> None:
+        """`on_refresh(addresses, now_s)` runs after each read that replaced the snapshot,
+        with the addresses of its live workers (the router closes links to workers gone)."""
         self._client = client
         self._keys = keys
         self._table = table
         self._metrics = metrics
         self._period_s = period_s
         self._on_degraded_change = on_degraded_change
+        self._on_refresh = on_refresh
         self._worker_networks = worker_networks
         #: (worker_id, address) of the records the last read rejected: logged once each.
         self._rejected: set[tuple[str, str]] = set()
@@ -89,7 +94,10 @@ class RegistrySync:
         # heartbeat had at the read, so clocks never have to agree.
         admitted = [(r, now_s - (redis_now_s - hb_s)) for r, hb_s in split.admitted]
         self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
-        self._metrics.live_workers.set(len(self._table.live_workers(now_s)))
+        live = self._table.live_workers(now_s)
+        self._metrics.live_workers.set(len(live))
+        if self._on_refresh is not None:
+            await self._on_refresh({worker.address for worker in live}, now_s)
 
     def _not_back_yet(
         self, admitted: list[tuple[WorkerRecord, float]], now_s: float

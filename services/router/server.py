@@ -113,6 +113,7 @@ async def create_router(config: RouterConfig) -> Router:
         period_s=config.refresh_period_s,
         worker_networks=config.worker_networks,
         on_degraded_change=on_degraded_change,
+        on_refresh=forwarder.links.prune,
     )
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()

@@ -296,13 +296,16 @@ async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
         raise RuntimeError("this model fails on every row")
 
     backend.run = failing_run  # type: ignore[method-assign]
-    admission = driver.admit(backend, harness.rows(8), timeout_s=60, tenant="t")
+    # Eight callers of a row each, queued together: one batch of eight.
+    admissions = [driver.admit(backend, harness.rows(1), timeout_s=60, tenant="t")
+                  for _ in range(8)]  # fmt: skip
     try:
         outcomes = await harness.settle(
-            asyncio.gather(*admission.futures, return_exceptions=True)  # type: ignore[arg-type]
+            asyncio.gather(*(a.future for a in admissions), return_exceptions=True)
         )
     finally:
-        driver.withdraw(admission)
+        for admission in admissions:
+            driver.withdraw(admission)
         backend.run = run  # type: ignore[method-assign]
     assert [type(o) for o in outcomes] == [ExecutionFailed] * 8
     assert harness.metric(names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
@@ -359,8 +362,8 @@ async def test_a_bundles_slices_are_admitted_in_one_pass_each_refused_alone(
     assert not isinstance(first, Exception) and not isinstance(last, Exception)
     # The queue's gauge is read when scraped: the three admitted rows, then none.
     assert harness.metric(names.WORKER_QUEUE_DEPTH) == 3
-    outputs = await harness.settle(asyncio.gather(*first.futures, *last.futures))
-    assert len(outputs) == 3
+    outputs = await harness.settle(asyncio.gather(first.future, last.future))
+    assert [len(o) for o in outputs] == [2, 1]
     for admission in (first, last):
         harness.driver.withdraw(admission)
     assert harness.metric(names.WORKER_QUEUE_DEPTH) == 0

@@ -201,7 +201,7 @@ class BatchingDriver:
     @property
     def num_in_flight(self) -> int:
         """Admitted rows not yet answered."""
-        return sum(not p.future.done() for lane in self._order for p in lane.pending.values())
+        return sum(not p.is_answered for lane in self._order for p in lane.pending.values())
 
     # -- requests --------------------------------------------------------------------------
 
@@ -224,10 +224,7 @@ class BatchingDriver:
             backend, rows, timeout_s=timeout_s, tenant=tenant, priority=priority, weight=weight
         )
         try:
-            futures = admission.futures
-            if len(futures) == 1:
-                return [await futures[0]]
-            return list(await asyncio.gather(*futures))
+            return await admission.future
         finally:
             self.withdraw(admission)
 
@@ -242,8 +239,8 @@ class BatchingDriver:
         weight: float = 0.0,
     ) -> Admission:
         """`submit` without the wait: queues the rows (all or none; raises as `submit` does)
-        and returns their futures. The caller must `withdraw` the admission once it stops
-        waiting, whatever happened."""
+        and returns the future of their outputs. The caller must `withdraw` the admission once
+        it stops waiting, whatever happened."""
         ask = SliceAsk(rows, timeout_s, tenant, priority, weight)
         (outcome,) = self.admit_slices(backend, [ask])
         if isinstance(outcome, Exception):

@@ -33,6 +33,7 @@ __all__ = [
     "Lane",
     "LoadReport",
     "Pending",
+    "SliceOutputs",
     "by_urgency",
     "warm_up_lane",
 ]
@@ -43,17 +44,55 @@ _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 WARMUP_RUNS_PER_SHAPE = 2
 
 
+class SliceOutputs:
+    """The outputs of one caller's rows (a slice, or a request of its own), filled in as their
+    batches finish. `future` resolves to them all, in the caller's order, once the last is
+    in, or fails with the first failure among them. One future a caller, not a row: a
+    bundle's wait, its cancels and its answer touch each caller once."""
+
+    __slots__ = ("_left", "_outputs", "future")
+
+    def __init__(self, future: asyncio.Future[list[np.ndarray]], num_rows: int) -> None:
+        self.future = future
+        self._outputs: list[np.ndarray | None] = [None] * num_rows
+        self._left = num_rows
+
+    def is_answered(self, index: int) -> bool:
+        """Whether row `index` has its output, or will get none (the caller's answer is set)."""
+        return self._outputs[index] is not None or self.future.done()
+
+    def answer(self, index: int, output: np.ndarray) -> None:
+        """Row `index`'s output; the last one resolves the future."""
+        if self.is_answered(index):
+            return
+        self._outputs[index] = output
+        self._left -= 1
+        if self._left == 0:
+            self.future.set_result(self._outputs)  # type: ignore[arg-type]  # none is None
+
+    def fail(self, error: BaseException) -> None:
+        """Fails the caller's rows with `error`, unless its answer is already set."""
+        if not self.future.done():
+            self.future.set_exception(error)
+
+
 @dataclass
 class Pending:
     """Driver-side state of one queued row."""
 
     row: PreparedRow
-    future: asyncio.Future[np.ndarray]
+    #: The outputs of the row's caller, and the row's place among them.
+    outputs: SliceOutputs
+    index: int
     #: Cumulative executor-busy seconds when the row was queued; the difference at dispatch is
     #: the row's backlog, the rest of its wait is linger.
     busy_s_at_arrival: float
     #: The submitting request's span, which the batch span running this row links to.
     trace_context: TraceContext
+
+    @property
+    def is_answered(self) -> bool:
+        return self.outputs.is_answered(self.index)
 
 
 @dataclass
@@ -99,8 +138,8 @@ class Admission:
 
     lane: Lane
     item_ids: list[int]
-    #: Each row's output, in the request's order.
-    futures: list[asyncio.Future[np.ndarray]]
+    #: The rows' outputs, in the request's order (SliceOutputs).
+    future: asyncio.Future[list[np.ndarray]]
 
 
 @dataclass
@@ -133,8 +172,7 @@ class Lane:
     def fail_pending(self, error: Exception) -> None:
         """Fails every row still waiting for its output with `error`."""
         for pending in self.pending.values():
-            if not pending.future.done():
-                pending.future.set_exception(error)
+            pending.outputs.fail(error)
 
     def fail_expired(
         self,
@@ -151,7 +189,7 @@ class Lane:
             alone_s = self.latency.predict_alone(item.key)
             reason = expiry_reason(item, now_s + alone_s)
             pending = self.pending.get(item.item_id)
-            if pending is not None and not pending.future.done():
+            if pending is not None and not pending.is_answered:
                 if reason == PAST_SLO:
                     start_s = executor_start_s(now_s, executor_free_s)
                     finish_s = self.batcher.predicted_finish_s(item.key, start_s)
@@ -163,7 +201,7 @@ class Lane:
                     )
                 else:
                     error = DeadlineExceeded("deadline cannot be met; the request was not run")
-                pending.future.set_exception(error)
+                pending.outputs.fail(error)
             metrics.dropped_total_of[(*self.labels, reason)].inc()
 
     def record_row_cost(self, per_row_s: float, num_rows: int) -> None:
@@ -262,14 +300,14 @@ class Lane:
         """Hands each row of a finished batch its output or its failure."""
         for item, result in zip(dispatch.items, results, strict=True):
             pending = self.pending.get(item.item_id)
-            if pending is None or pending.future.done():
+            if pending is None:
                 continue  # the caller went away while the batch ran
             if isinstance(result, Unavailable):
-                pending.future.set_exception(result)
+                pending.outputs.fail(result)
             elif isinstance(result, Exception):
-                pending.future.set_exception(ExecutionFailed(describe_failure(result)))
+                pending.outputs.fail(ExecutionFailed(describe_failure(result)))
             else:
-                pending.future.set_result(result)
+                pending.outputs.answer(pending.index, result)
 
     def record_batch(
         self,

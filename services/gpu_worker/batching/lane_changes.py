@@ -54,10 +54,10 @@ def new_lane(
 
 
 async def settle(lane: Lane) -> None:
-    """Returns once every row `lane` has admitted so far is answered (run, expired or
-    withdrawn by its caller). The lane must already be draining: it admits nothing new, and
-    the driver dispatches what it holds at once."""
-    futures = [pending.future for pending in lane.pending.values()]
+    """Returns once every caller `lane` has admitted rows of so far is answered (its rows
+    run, one of them failed or expired, or withdrawn by the caller). The lane must already be
+    draining: it admits nothing new, and the driver dispatches what it holds at once."""
+    futures = {pending.outputs.future for pending in lane.pending.values()}
     if futures:
         # `wait`, not `gather`: cancelling the unload must not cancel the callers' rows.
         await asyncio.wait(futures)

@@ -3,8 +3,8 @@ all or none, and forgetting them again: the batching driver's per-row path.
 
 Everything a bundle's slices share (the clock, the executor's busy time, the trace, the
 running batch's predicted end) is read once per admission pass (`AdmissionPass`); what one
-slice's rows share (deadline, weight, batch keys, trace) once per slice; each row then costs a
-queued item, the batcher's admission check and a future."""
+slice's rows share (deadline, weight, batch keys, trace, the future of its outputs) once per
+slice; each row then costs a queued item and the batcher's admission check."""
 
 from __future__ import annotations
 
@@ -15,15 +15,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-import numpy as np
-
 from services.common.errors import InvalidInput
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.forecast import PassBound
-from services.gpu_worker.batching.lane import Admission, Lane, Pending
+from services.gpu_worker.batching.lane import Admission, Lane, Pending, SliceOutputs
 from services.gpu_worker.batching.policy import executor_start_s
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
@@ -103,11 +101,10 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     finish_by_s = None if shed_budget_s is None else now + shed_budget_s
     weight = batcher.weight_of(ask.tenant, ask.weight)
     trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
-    new_future = asyncio.get_running_loop().create_future
     decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)
     item_ids: list[int] = []
-    futures: list[asyncio.Future[np.ndarray]] = []
-    for row in ask.rows:
+    outputs = SliceOutputs(asyncio.get_running_loop().create_future(), len(ask.rows))
+    for index, row in enumerate(ask.rows):
         key = lane_key(lane, row.bucket)
         item = QueuedItem(
             item_id=next(admission.item_ids),
@@ -132,11 +129,9 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
-        future = new_future()
-        lane.pending[item.item_id] = Pending(row, future, admission.busy_s, trace_context)
+        lane.pending[item.item_id] = Pending(row, outputs, index, admission.busy_s, trace_context)
         item_ids.append(item.item_id)
-        futures.append(future)
-    return Admission(lane, item_ids, futures)
+    return Admission(lane, item_ids, outputs.future)
 
 
 def withdraw_rows(
@@ -148,4 +143,4 @@ def withdraw_rows(
             continue
         if lane.batcher.cancel(item_id) and drop is not None:
             metrics.dropped_total_of[(*lane.labels, drop)].inc()
-        pending.future.cancel()
+        pending.outputs.future.cancel()
