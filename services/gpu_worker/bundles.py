@@ -101,11 +101,13 @@ class BundleRunner:
 
         def cancel(index: int) -> None:
             outcome = outcomes[index] if index < len(outcomes) else None
-            # A slice whose rows were all answered (served, or expired here) keeps its answer.
-            if isinstance(outcome, Admission) and not outcome.future.done():
+            if not isinstance(outcome, Admission):
+                return
+            # A slice already answered (served, or failed here) keeps its answer.
+            if not outcome.future.done():
                 earlier_us = request.slices[index].earlier_us
                 outcomes[index] = _given_up(time_left_s, called_s, earlier_us)
-                self._batching.withdraw(outcome)  # its queued rows leave unrun
+            self._batching.withdraw(outcome)  # its queued rows leave unrun
 
         stop = None if cancels is None else cancels.listen(cancel)
         try:
@@ -113,6 +115,9 @@ class BundleRunner:
             if futures:
                 await asyncio.wait(futures)
         except asyncio.CancelledError:  # the whole call: its caller went away, or timed out
+            for admission in admitted:  # its failures are answered to no one: read, not logged
+                if admission.future.done() and not admission.future.cancelled():
+                    admission.future.exception()
             gave_up = _code(_given_up(time_left_s, called_s))
             self._count(labels, (_code(o) if isinstance(o, BaseException) else gave_up
                                  for o in outcomes))  # fmt: skip

@@ -97,7 +97,11 @@ class RegistrySync:
         live = self._table.live_workers(now_s)
         self._metrics.live_workers.set(len(live))
         if self._on_refresh is not None:
-            await self._on_refresh({worker.address for worker in live}, now_s)
+            try:  # its failure is not the registry's: it must not read as an outage
+                await self._on_refresh({worker.address for worker in live}, now_s)
+            except Exception:
+                stop_if_cancelled()
+                log.exception("registry: after-refresh hook failed")
 
     def _not_back_yet(
         self, admitted: list[tuple[WorkerRecord, float]], now_s: float

@@ -69,6 +69,8 @@ class WorkerLinks:
         `linger_s` by `now_s`, with no call on it. Called after each registry read (not while
         Redis is unreachable: the snapshot, frozen, keeps its workers)."""
         for address in [a for a in self._channels if a not in addresses]:
+            if address not in self._channels:  # closed meanwhile (by `close`)
+                continue
             left_at_s = self._left_at_s.setdefault(address, now_s)
             if now_s - left_at_s >= self.linger_s and not self.is_busy(address):
                 log.info("links: closing the link to %s, gone from the registry", address)
@@ -84,7 +86,9 @@ class WorkerLinks:
         # Out of the maps first: a call routed here meanwhile opens a new link.
         self._left_at_s.pop(address, None)
         stream = self._streams.pop(address, None)
-        channel = self._channels.pop(address)
+        channel = self._channels.pop(address, None)
+        if channel is None:  # closed meanwhile (`close` and `prune` both got here)
+            return
         if stream is not None:
             await stream.close()
         await channel.close()

@@ -312,6 +312,39 @@ async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
     assert len(await harness.submit(1)) == 1  # still serving
 
 
+async def test_a_callers_failed_row_fails_it_and_its_rows_still_queued_leave_unrun(
+    harness: Harness,
+) -> None:
+    """24 rows of one caller, three batches of 8; the model fails on row 0. The caller is
+    answered the failure at once, and its 16 rows still queued leave the queue unrun, without
+    its withdrawing them (before, they ran, or waited for the caller to withdraw them, and were
+    then counted as cancelled drops)."""
+    driver, backend = harness.driver, harness.backend
+    run, values_run = backend.run, []
+
+    def failing_on_row_0(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        values = [float(r.data[0]) for r in rows]
+        if 0.0 in values:
+            raise RuntimeError("this model fails on row 0")
+        values_run.extend(values)
+        return run(rows)
+
+    backend.run = failing_on_row_0  # type: ignore[method-assign]
+    admission = driver.admit(backend, harness.rows(24), timeout_s=60, tenant="t")
+    try:
+        await harness.settle(asyncio.gather(admission.future, return_exceptions=True))
+        assert isinstance(admission.future.exception(), ExecutionFailed)
+        assert harness.metric(names.WORKER_QUEUE_DEPTH) == 0
+        assert driver.num_in_flight == 0
+        assert max(values_run) < 8  # only the first batch's other rows ran
+        assert harness.metric(names.WORKER_DROPPED_TOTAL) == 0
+    finally:
+        driver.withdraw(admission)
+        backend.run = run  # type: ignore[method-assign]
+    assert len(await harness.submit(3)) == 3  # still serving
+    assert await harness.submit(0) == []  # no rows: answered at once, not waited on forever
+
+
 async def test_a_tenant_turned_away_by_a_full_queue_gets_room_as_the_floods_rows_leave(
     harness: Harness,
 ) -> None:

@@ -61,12 +61,12 @@ async def test_a_link_closes_only_after_its_address_left_for_the_linger_with_no_
     links = WorkerLinks(ClientTls(), linger_s=LINGER_S)
     async with holding_server() as address:
         stream = links.stream(address)
-        call = asyncio.create_task(stream.call(b"held", timeout_s=60))
-        await eventually(lambda: stream.num_pending == 1, interval_s=0.01)
-        # Live: kept, whatever the time.
+        # Live and idle: kept, whatever the time.
         await links.prune({address}, 0.0)
         await links.prune({address}, 100.0)
         assert len(links) == 1
+        call = asyncio.create_task(stream.call(b"held", timeout_s=60))
+        await eventually(lambda: stream.num_pending == 1, interval_s=0.01)
         # Gone from 101 s on: kept for the linger, then kept while its call runs.
         await links.prune(set(), 101.0)
         await links.prune(set(), 101.0 + LINGER_S / 2)
@@ -92,6 +92,10 @@ async def test_a_link_closes_only_after_its_address_left_for_the_linger_with_no_
         assert len(links) == 1
         links.generation_ended(address)
         await links.prune(set(), 200.0 + 3 * LINGER_S)
+        assert len(links) == 0
+        # `close` while a prune closes the same link (a router stopping mid-read): each once.
+        links.stream(address)
+        await asyncio.gather(links.close(), links.prune(set(), 1_000.0 + 3 * LINGER_S))
         assert len(links) == 0
     await links.close()
 

@@ -21,6 +21,7 @@ from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher, executor_start_s
+from services.gpu_worker.batching.slice_outputs import SliceOutputs
 from services.gpu_worker.batching.slo_shedding import PAST_SLO, SloShedding, expiry_reason
 from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure
@@ -33,7 +34,6 @@ __all__ = [
     "Lane",
     "LoadReport",
     "Pending",
-    "SliceOutputs",
     "by_urgency",
     "warm_up_lane",
 ]
@@ -42,38 +42,6 @@ __all__ = [
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 #: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
 WARMUP_RUNS_PER_SHAPE = 2
-
-
-class SliceOutputs:
-    """The outputs of one caller's rows (a slice, or a request of its own), filled in as their
-    batches finish. `future` resolves to them all, in the caller's order, once the last is
-    in, or fails with the first failure among them. One future a caller, not a row: a
-    bundle's wait, its cancels and its answer touch each caller once."""
-
-    __slots__ = ("_left", "_outputs", "future")
-
-    def __init__(self, future: asyncio.Future[list[np.ndarray]], num_rows: int) -> None:
-        self.future = future
-        self._outputs: list[np.ndarray | None] = [None] * num_rows
-        self._left = num_rows
-
-    def is_answered(self, index: int) -> bool:
-        """Whether row `index` has its output, or will get none (the caller's answer is set)."""
-        return self._outputs[index] is not None or self.future.done()
-
-    def answer(self, index: int, output: np.ndarray) -> None:
-        """Row `index`'s output; the last one resolves the future."""
-        if self.is_answered(index):
-            return
-        self._outputs[index] = output
-        self._left -= 1
-        if self._left == 0:
-            self.future.set_result(self._outputs)  # type: ignore[arg-type]  # none is None
-
-    def fail(self, error: BaseException) -> None:
-        """Fails the caller's rows with `error`, unless its answer is already set."""
-        if not self.future.done():
-            self.future.set_exception(error)
 
 
 @dataclass
@@ -171,7 +139,7 @@ class Lane:
 
     def fail_pending(self, error: Exception) -> None:
         """Fails every row still waiting for its output with `error`."""
-        for pending in self.pending.values():
+        for pending in list(self.pending.values()):  # a failed caller's rows leave it
             pending.outputs.fail(error)
 
     def fail_expired(

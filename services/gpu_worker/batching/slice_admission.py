@@ -9,6 +9,7 @@ slice; each row then costs a queued item and the batcher's admission check."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import math
 from collections import Counter
@@ -21,8 +22,9 @@ from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.forecast import PassBound
-from services.gpu_worker.batching.lane import Admission, Lane, Pending, SliceOutputs
+from services.gpu_worker.batching.lane import Admission, Lane, Pending
 from services.gpu_worker.batching.policy import executor_start_s
+from services.gpu_worker.batching.slice_outputs import SliceOutputs
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -131,6 +133,11 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             raise error
         lane.pending[item.item_id] = Pending(row, outputs, index, admission.busy_s, trace_context)
         item_ids.append(item.item_id)
+    # A failed row fails its caller: the caller's rows still queued leave unrun, not counted
+    # as drops (the caller is answered the failure).
+    outputs.on_failed = functools.partial(
+        withdraw_rows, lane, item_ids, admission.metrics, drop=None
+    )
     return Admission(lane, item_ids, outputs.future)
 
 
