@@ -44,6 +44,10 @@ FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"})
 #: before its items fail with the fleet's status: a worker restart or a deploy costs a few; an
 #: item that crashes the worker it runs on cannot take the fleet down forever.
 FLEET_ROUNDS = 10
+#: Rounds a chunk may fail in its runner with an unexpected error (a bug, an answer the runner
+#: cannot read) before its items without a result fail INTERNAL: a chunk that always fails so
+#: would otherwise be reclaimed and rerun by the runners forever.
+CRASH_ROUNDS = 3
 
 
 class JobState(enum.Enum):

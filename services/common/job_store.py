@@ -8,7 +8,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   chunk of a job: {job, start, end} (item indices, end exclusive).
 - `<p>:job:<id>`: hash, the job: tenant, model, version, priority, num_items, created_s,
   started_s, complete_by_s, idempotency_key, cancelled, the counters num_ok, num_failed,
-  num_cancelled, and `rounds:<start>`: rounds the chunk from item <start> waited for the fleet.
+  num_cancelled, `rounds:<start>`: rounds the chunk from item <start> waited for the fleet, and
+  `crashes:<start>`: rounds it failed in a runner with an unexpected error.
 - `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
 - `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
   together with its counter (one script): a result, once written, is never overwritten, and
@@ -302,11 +303,11 @@ class JobStore:
     async def items(self, job_id: str, start: int, end: int) -> list[bytes]:
         return list(await self.client.lrange(f"{self.job_key(job_id)}:items", start, end - 1))
 
-    async def count_round(self, job_id: str, start: int) -> int:
+    async def count_round(self, job_id: str, start: int, kind: str = "rounds") -> int:
         """Counts one more round the chunk from item `start` spent waiting for the fleet
-        (a field of the job's hash, so it outlives runners and goes with the job); returns the
-        rounds so far."""
-        return int(await self.client.hincrby(self.job_key(job_id), f"rounds:{start}", 1))
+        (`kind` "rounds"), or failed in its runner ("crashes"): a field of the job's hash, so
+        it outlives runners and goes with the job. Returns the rounds so far."""
+        return int(await self.client.hincrby(self.job_key(job_id), f"{kind}:{start}", 1))
 
     async def mark_started(self, job_id: str) -> None:
         await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())

@@ -22,6 +22,10 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
 5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
    in one atomic script.
 
+A chunk whose run fails with an unexpected error (a bug, an answer the runner cannot read) is
+left pending for a later round, CRASH_ROUNDS in all; then its items without a result fail
+INTERNAL, so that no chunk is rerun by the runners forever.
+
 Delivery is at-least-once (a runner may die after Predict, before recording); the results are
 effectively-once: a result written for an index is never overwritten, and each is counted once.
 """
@@ -39,6 +43,7 @@ import grpc
 from redis.exceptions import RedisError
 
 from services.common.job_policy import (
+    CRASH_ROUNDS,
     FLEET_CODES,
     FLEET_ROUNDS,
     RETRYABLE_CODES,
@@ -204,12 +209,36 @@ class JobRunner:
             log.warning(
                 "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
             )
-        except Exception:
+        except Exception as error:
             log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)
+            await self._after_crash(entry, error)
         finally:
             keeping.cancel()
             self._running.discard(entry.entry_id)
             self._metrics.chunk_seconds.observe(time.perf_counter() - started)
+
+    async def _after_crash(self, entry: QueueEntry, error: Exception) -> None:
+        """Counts a round `entry`'s chunk failed with an unexpected error; it is left pending,
+        to be reclaimed and run again, CRASH_ROUNDS times in all. Then its items without a
+        result fail INTERNAL (dead-lettered) and the entry is acknowledged."""
+        try:
+            if await self._store.get(entry.job_id) is None:
+                await self._store.drop(entry)
+                return
+            crashes = await self._store.count_round(entry.job_id, entry.start, "crashes")
+            if crashes < CRASH_ROUNDS:
+                return
+            stored = await self._store.results(entry.job_id, entry.start, entry.end - entry.start)
+            message = f"the job runner failed on this item's chunk {crashes} times: {error!r}"
+            outcomes = [
+                _result(entry.start + i, ItemStatus.FAILED, 0, code="INTERNAL", message=message)
+                for i, result in enumerate(stored)
+                if result is None
+            ]
+            await self._store.record(entry.job_id, outcomes, ack=entry)
+            self._metrics.items.labels(ItemStatus.FAILED.value).inc(len(outcomes))
+        except (RedisError, OSError) as redis_error:  # the chunk stays pending: a later round
+            log.warning("chunk %s: could not count its failure: %s", entry.entry_id, redis_error)
 
     async def _keep_claimed(self, entry: QueueEntry) -> None:
         """Keeps `entry` this runner's while its chunk runs, however long its calls and their

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from services.common import metric_names as names
+from services.common.job_policy import CRASH_ROUNDS
 from services.common.job_store import JobStore
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
@@ -26,6 +27,7 @@ from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
 from tests.support.jobs import (
     BATCH,
+    GARBLED,
     POISON,
     PredictTarget,
     expected_output,
@@ -263,6 +265,33 @@ async def test_poison_items_are_dead_lettered_with_their_status(fabric: Fabric) 
     assert all(r.code == "INVALID_ARGUMENT" and POISON in r.message for r in failed.values())
     dead = await fabric.store.client.xrange(fabric.store.dead_key)
     assert sorted(int(fields[b"index"]) for _, fields in dead) == sorted(poison)
+
+
+async def test_a_chunk_its_runner_always_fails_on_is_failed_after_its_rounds_not_rerun_forever(
+    fabric: Fabric,
+) -> None:
+    # Chunks of 8: the first holds an item whose answer comes back one output short, which
+    # the runner cannot read (an unexpected error, not a status). It was left pending and
+    # rerun by every reclaim forever; now it runs CRASH_ROUNDS times, then its items fail.
+    texts = texts_of(16)
+    texts[3] = f"{GARBLED} 3"
+    fabric.start_runner("runner-1")
+    job_id = await fabric.submit(texts)
+    job = await fabric.finished(job_id, timeout_s=120.0)
+    assert (job.state, job.num_ok, job.num_failed) == (jobs.JOB_STATE_PARTIALLY_FAILED, 8, 8)
+    results = await fabric.results(job_id)
+    assert [r.index for r in results] == list(range(16))
+    for result, text in zip(results[8:], texts[8:], strict=True):
+        assert result.status == jobs.ITEM_STATUS_OK, result
+        np.testing.assert_array_equal(tensor_from_pb(result.output), expected_output(text))
+    for result in results[:8]:
+        assert (result.status, result.code) == (jobs.ITEM_STATUS_FAILED, "INTERNAL"), result
+        assert f"{CRASH_ROUNDS} times" in result.message and "ValueError" in result.message
+    assert fabric.target.runs[texts[3]] == CRASH_ROUNDS
+    dead = await fabric.store.client.xrange(fabric.store.dead_key)
+    assert sorted(int(fields[b"index"]) for _, fields in dead) == list(range(8))
+    backlog = await fabric.store.backlog()
+    assert backlog[:2] == (0, 0)  # nothing left queued or claimed
 
 
 async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
