@@ -25,6 +25,10 @@ chunk. A crash between them leaves only expiring garbage; the script is atomic, 
 either enqueued whole under its key or not at all; the loser of a race on a key deletes its
 own copy and answers with the winner's id. Durability across a Redis crash is the AOF's
 (README "Durable batch jobs").
+
+A job is kept `retention_s` (7 days by default) from the moment its every item has a result:
+then its hash, items, results and idempotency key expire together (a ListJobs that finds one
+gone takes it out of its tenant's list), and the idempotency key may name a new job.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
 GROUP = "runners"
 #: Unacknowledged submissions (items written, script not run) vanish after this.
 ORPHAN_TTL_S = 3600
+#: How long a finished job (its record, items, results and idempotency key) is kept, seconds.
+RETENTION_S = 7 * 24 * 3600
 #: Most jobs of one tenant sharing one creation time (to the microsecond) that a page of
 #: ListJobs steps over correctly.
 MAX_TIED_JOBS = 64
@@ -95,11 +101,14 @@ end
 redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
 return ARGV[1]
 """
-# KEYS: job hash, results hash, queue, dead letters; ARGV: group, entry id, job id, dead-letter
-# cap, then (index, result, counter, code, message)* (code "": not a dead letter).
+# KEYS: job hash, results hash, queue, dead letters, items list[, idempotency key]; ARGV:
+# group, entry id, job id, dead-letter cap, retention seconds (0: forever), then (index,
+# result, counter, code, message)* (code "": not a dead letter). A job whose every item has
+# its result once these are written expires, with its items, results and idempotency key (if
+# it still names this job), after the retention.
 _RECORD = """
 local added = 0
-for i = 5, #ARGV, 5 do
+for i = 6, #ARGV, 5 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
     added = added + 1
@@ -112,6 +121,19 @@ end
 if ARGV[2] ~= '' then
   redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
   redis.call('XDEL', KEYS[3], ARGV[2])
+end
+local ttl = tonumber(ARGV[5])
+if added > 0 and ttl > 0 then
+  local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled')
+  local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
+  if c[1] and tonumber(c[1]) <= done then
+    redis.call('EXPIRE', KEYS[1], ttl)
+    redis.call('EXPIRE', KEYS[2], ttl)
+    redis.call('EXPIRE', KEYS[5], ttl)
+    if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[3] then
+      redis.call('EXPIRE', KEYS[6], ttl)
+    end
+  end
 end
 return added
 """
@@ -218,13 +240,18 @@ class ItemOutcome:
 class JobStore:
     """Reads and writes of the job keys; one per process, over one Redis client."""
 
-    def __init__(self, client: aioredis.Redis, *, prefix: str = "fabric") -> None:
+    def __init__(
+        self, client: aioredis.Redis, *, prefix: str = "fabric", retention_s: float = RETENTION_S
+    ) -> None:
+        """`retention_s`: how long a job is kept once its every item has a result (recorded
+        here); 0 keeps it for good."""
         # Any: redis-py's stubs type replies as bytes | str unions; this client never decodes
         # (decode_responses is off), so every reply is bytes.
         self.client: Any = client
         self.prefix = prefix
         self.queue_key = f"{prefix}:jobs:queue"
         self.dead_key = f"{prefix}:jobs:dead"
+        self.retention_s = retention_s
         self._enqueue = client.register_script(_ENQUEUE)
         self._record = client.register_script(_RECORD)
 
@@ -253,10 +280,7 @@ class JobStore:
             pipe.expire(key, ORPHAN_TTL_S)
             pipe.expire(f"{key}:items", ORPHAN_TTL_S)
             await pipe.execute()
-        # The tenant percent-encoded: tenant "a:b" with key "c" and tenant "a" with key "b:c"
-        # must not share one. A tenant without ":" or "%" keeps the key it had before.
-        tenant = job.tenant.replace("%", "%25").replace(":", "%3A")
-        idem_key = f"{self.prefix}:jobs:idem:{tenant}:{job.idempotency_key}"
+        idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
         keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
         has_key = "1" if job.idempotency_key else "0"
         args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]
@@ -265,6 +289,13 @@ class JobStore:
             await self.client.delete(key, f"{key}:items")
             return winner, True
         return job_id, False
+
+    def idempotency_key(self, tenant: str, key: str) -> str:
+        """The Redis key of `tenant`'s idempotency key `key`. The tenant percent-encoded:
+        tenant "a:b" with key "c" and tenant "a" with key "b:c" must not share one. A tenant
+        without ":" or "%" keeps the key it had before."""
+        encoded = tenant.replace("%", "%25").replace(":", "%3A")
+        return f"{self.prefix}:jobs:idem:{encoded}:{key}"
 
     async def get(self, job_id: str) -> JobRecord | None:
         raw = await self.client.hgetall(self.job_key(job_id))
@@ -341,21 +372,31 @@ class JobStore:
         await self.client.xclaim(self.queue_key, GROUP, consumer, 0, [entry.entry_id], justid=True)
 
     async def record(
-        self, job_id: str, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
+        self, job: JobRecord, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
     ) -> int:
         """Writes the results not already written and counts them, dead-letters the failed ones
         among them ({job, index, code, message} on `<p>:jobs:dead`), and acknowledges `ack`
         (None: nothing), in one atomic step; returns how many results were new. A result
         already written (a rerun of a reclaimed chunk) changes nothing and is not dead-lettered
-        twice."""
+        twice. Once every item of the job has its result, the job expires after
+        `retention_s`."""
+        job_id = job.job_id
         key = self.job_key(job_id)
-        args: list[Any] = [GROUP, ack.entry_id if ack is not None else "", job_id, MAX_DEAD_LETTERS]
+        ack_id = ack.entry_id if ack is not None else ""
+        ttl_s = math.ceil(self.retention_s) if self.retention_s > 0 else 0
+        args: list[Any] = [GROUP, ack_id, job_id, MAX_DEAD_LETTERS, ttl_s]
         for outcome in outcomes:
             dead = outcome.status is ItemStatus.FAILED
             args += [outcome.index, outcome.payload, f"num_{outcome.status.value}",
                      outcome.code if dead else "", outcome.message if dead else ""]  # fmt: skip
-        keys = [key, f"{key}:results", self.queue_key, self.dead_key]
+        keys = [key, f"{key}:results", self.queue_key, self.dead_key, f"{key}:items"]
+        if job.idempotency_key:
+            keys.append(self.idempotency_key(job.tenant, job.idempotency_key))
         return int(await self._record(keys=keys, args=args))
+
+    async def forget(self, tenant: str, job_ids: Sequence[str]) -> None:
+        """Takes jobs that expired out of `tenant`'s list."""
+        await self.client.zrem(self._tenant_key(tenant), *job_ids)
 
     async def drop(self, entry: QueueEntry) -> None:
         """Acknowledges an entry whose job no longer exists."""

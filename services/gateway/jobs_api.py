@@ -177,6 +177,9 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         found = await _stored(self._store.list_ids(tenant, after=after, limit=size + 1))
         now_s = time.time()
         records = [await _stored(self._store.get(i)) for i, _ in found[:size]]
+        expired = [i for (i, _), record in zip(found[:size], records, strict=True) if not record]
+        if expired:  # kept past their retention: gone for good
+            await _stored(self._store.forget(tenant, expired))
         return jobs.ListJobsResponse(
             jobs=[job_to_pb(r, now_s) for r in records if r is not None],
             next_page_token=found[size - 1][1].token() if len(found) > size else "",

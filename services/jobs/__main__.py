@@ -60,7 +60,7 @@ async def serve(config: RunnerConfig) -> int:
     client = connect_jobs_redis(
         config.redis_url, timeout_s=REDIS_TIMEOUT_S, credentials=credentials
     )
-    store = JobStore(client, prefix=config.key_prefix)
+    store = JobStore(client, prefix=config.key_prefix, retention_s=config.retention_s)
     channel = open_channel(config.gateway_address, config.gateway_tls, CHANNEL_OPTIONS)
     metrics = RunnerMetrics(tier_registry("jobs"))
     consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.job_policy import RetryPolicy
+from services.common.job_store import RETENTION_S
 from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
@@ -49,6 +50,8 @@ class RunnerConfig:
     metrics_port: int = 8301
     #: When set, {grpc_port: 0, metrics_port} is written here once the runner is ready.
     ready_file: Path | None = None
+    #: How long a finished job (record, items, results, idempotency key) is kept; 0: for good.
+    retention_s: float = RETENTION_S
     #: Seconds running chunks may take to finish after SIGTERM; the rest are left pending
     #: and another runner reclaims them after `claim_timeout_s`.
     drain_grace_s: float = 10.0
@@ -57,6 +60,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.max_in_flight_chunks < 1 or self.claim_timeout_s <= 0 or self.call_timeout_s <= 0:
             raise ValueError("max_in_flight_chunks, claim_timeout_s and call_timeout_s must be > 0")
+        if not 0 <= self.retention_s < float("inf"):
+            raise ValueError("retention_s must be finite and >= 0 (0: keep jobs for good)")
         if self.claim_timeout_s <= self.call_timeout_s:
             # Otherwise a live runner's entry is taken over while its call is still running.
             raise ValueError("claim_timeout_s must exceed call_timeout_s")
@@ -91,6 +96,9 @@ SETTINGS = SettingsTable(
         Setting("host", str, _D.host, "interface the metrics listener binds"),
         Setting("metrics_port", int, _D.metrics_port, "Prometheus /metrics port; 0: free", "port"),
         Setting("ready_file", Path, None, "once ready, write {grpc_port: 0, metrics_port} here"),
+        Setting("retention_s", parse_seconds, _D.retention_s,
+                "how long a finished job is kept (its results, its idempotency key); 0: for good",
+                "s"),
         Setting("drain_grace_s", parse_seconds, _D.drain_grace_s,
                 "time running chunks may take to finish after SIGTERM", "s"),
         Setting("log_level", str, "info", "lowest level logged", field="logging.level"),

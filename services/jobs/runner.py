@@ -222,7 +222,8 @@ class JobRunner:
         to be reclaimed and run again, CRASH_ROUNDS times in all. Then its items without a
         result fail INTERNAL (dead-lettered) and the entry is acknowledged."""
         try:
-            if await self._store.get(entry.job_id) is None:
+            job = await self._store.get(entry.job_id)
+            if job is None:
                 await self._store.drop(entry)
                 return
             crashes = await self._store.count_round(entry.job_id, entry.start, "crashes")
@@ -235,7 +236,7 @@ class JobRunner:
                 for i, result in enumerate(stored)
                 if result is None
             ]
-            await self._store.record(entry.job_id, outcomes, ack=entry)
+            await self._store.record(job, outcomes, ack=entry)
             self._metrics.items.labels(ItemStatus.FAILED.value).inc(len(outcomes))
         except (RedisError, OSError) as redis_error:  # the chunk stays pending: a later round
             log.warning("chunk %s: could not count its failure: %s", entry.entry_id, redis_error)
@@ -270,7 +271,7 @@ class JobRunner:
         stored = await self._store.results(job.job_id, entry.start, entry.end - entry.start)
         todo = [entry.start + i for i, r in enumerate(stored) if r is None]
         if not todo:
-            await self._store.record(job.job_id, [], ack=entry)
+            await self._store.record(job, [], ack=entry)
             return
         payloads = await self._store.items(job.job_id, entry.start, entry.end)
         items = [(i, payloads[i - entry.start]) for i in todo]
@@ -279,7 +280,7 @@ class JobRunner:
             outcomes = await self._run_items(job, items)
         finally:
             self._metrics.items_running.dec(len(items))
-        await self._store.record(job.job_id, outcomes, ack=entry)
+        await self._store.record(job, outcomes, ack=entry)
         for outcome in outcomes:
             self._metrics.items.labels(outcome.status.value).inc()
 

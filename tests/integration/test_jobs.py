@@ -16,6 +16,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import redis.asyncio as aioredis
 
 from services.common import metric_names as names
 from services.common.job_policy import CRASH_ROUNDS
@@ -292,6 +293,41 @@ async def test_a_chunk_its_runner_always_fails_on_is_failed_after_its_rounds_not
     assert sorted(int(fields[b"index"]) for _, fields in dead) == list(range(8))
     backlog = await fabric.store.backlog()
     assert backlog[:2] == (0, 0)  # nothing left queued or claimed
+
+
+async def test_a_finished_job_expires_after_its_retention_and_its_key_may_name_a_new_one(
+    fabric: Fabric,
+) -> None:
+    fabric.start_runner("runner-1", "--retention-s", "2")
+    texts = texts_of(10)
+    job_id = await fabric.submit(texts, key="nightly")
+    # Kept while it runs: nothing expires before its last result.
+    job = await fabric.finished(job_id)
+    assert job.state == jobs.JOB_STATE_SUCCEEDED
+    key = fabric.store.job_key(job_id)
+    idem_key = fabric.store.idempotency_key("a", "nightly")
+    admin = aioredis.Redis.from_url(fabric.redis.url)  # TTLs are no tier's to read
+    try:
+        for name in (key, f"{key}:items", f"{key}:results", idem_key):
+            assert 0 < await admin.pttl(name) <= 2_000, name
+        assert_all_ok_in_order(await fabric.results(job_id), texts)
+        # Gone once the retention passed: NOT_FOUND, out of the tenant's list, the key free.
+        await eventually(lambda: _gone(admin, key), timeout_s=30.0, interval_s=0.2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.job(job_id)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        assert job_id not in await fabric.job_ids()
+        assert await admin.zscore("fabric:jobs:tenant:a", job_id) is None
+        assert not await admin.exists(f"{key}:items", f"{key}:results", idem_key)
+    finally:
+        await admin.aclose()
+    again = await fabric.submit(texts, key="nightly")
+    assert again != job_id
+    assert (await fabric.finished(again)).state == jobs.JOB_STATE_SUCCEEDED
+
+
+async def _gone(client: aioredis.Redis, key: str) -> bool:
+    return not await client.exists(key)
 
 
 async def test_a_job_for_a_version_that_does_not_exist_is_refused_at_submission(
