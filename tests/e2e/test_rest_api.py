@@ -126,6 +126,20 @@ def test_refusals_have_their_http_status_and_a_json_error(stack: Stack) -> None:
     assert call(stack, "/v2/health/live", key=None)[0] == 200
 
 
+def test_answers_carry_the_callers_request_id_and_a_405_names_the_allowed_methods(
+    stack: Stack,
+) -> None:
+    for path, expected in (("/v2/models/minilm", 200), ("/v2/models/no-such-model", 404)):
+        status, headers, _ = call(stack, path, headers={"X-Request-Id": f"req {path}"})
+        assert status == expected
+        assert {k.lower(): v for k, v in headers.items()}["x-request-id"] == f"req {path}"
+    _, headers, _ = call(stack, "/v2/models/minilm")  # none sent: none answered
+    assert "x-request-id" not in {k.lower() for k in headers}
+    status, headers, body = call(stack, "/v2/health/live", b"{}")  # POST to a GET route
+    assert status == 405 and "error" in json.loads(body)
+    assert "GET" in {k.lower(): v for k, v in headers.items()}["allow"]
+
+
 def test_generate_extension_whole_and_streamed(stack: Stack) -> None:
     body = {"text_input": "Hello", "parameters": {"max_tokens": 5, "temperature": 0}}
     status, _, answer = call(stack, "/v2/models/tiny-llama/generate", json.dumps(body).encode())

@@ -55,6 +55,10 @@ class _BodyTimedOut(Exception):
     pass
 
 
+#: Longest `X-Request-Id` echoed on an answer.
+MAX_REQUEST_ID_CHARS = 256
+
+
 def _answer(request: web.Request, error: HttpError) -> web.Response:
     """An error in the body shape of the API the path belongs to (OpenAI, TEI or KServe)."""
     if request.path.startswith("/v1/"):
@@ -125,13 +129,24 @@ def auth_middleware(
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
-            return _answer(request, HttpError(error.status, error.reason, {}))
+            # 405 names the methods the path takes (RFC 9110: Allow is required on it).
+            allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else {}
+            return _answer(request, HttpError(error.status, error.reason, allow))
         except Exception as error:
             if is_bug(error):
                 log.exception("HTTP %s %s failed", request.method, request.path)
             return _answer(request, http_error(error))
 
     return middleware
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Answers carry the caller's `X-Request-Id` back (errors and streams too), as proxies
+    do, so that a client's logs and the fabric's meet; one past MAX_REQUEST_ID_CHARS is not
+    echoed."""
+    request_id = request.headers.get("X-Request-Id")
+    if request_id and len(request_id) <= MAX_REQUEST_ID_CHARS:
+        response.headers.setdefault("X-Request-Id", request_id)
 
 
 def ssl_context(tls: ServerTls) -> ssl.SSLContext | None:
@@ -180,6 +195,7 @@ async def start_http(
         middlewares=[auth_middleware(keys, predictor.admission, door)],
         client_max_size=max_body_bytes,
     )
+    app.on_response_prepare.append(echo_request_id)
     servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs, repository=repository)
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())
     app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
