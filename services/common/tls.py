@@ -16,11 +16,19 @@ server name the dialled host itself (an IP: an IP SAN) must be in the certificat
 
 Kubelet's gRPC probes cannot speak TLS, let alone present a client certificate: `--health-port`
 opens a second, plaintext listener that serves only grpc.health.v1 (status, no data) for them.
-Certificates are read at start-up; rotating them means restarting the pods.
+A port's own certificate, key and client CA are read again when their files change
+(`CertificateFiles`: checked at each new connection's handshake), so a certificate rotated in
+place, as cert-manager rewrites a mounted Secret, is served to new connections without a
+restart; a half-written or mismatched pair keeps the one served before. The certificates a tier
+presents as a client (`--<peer>-tls-*`) and the CAs it verifies peers with are read at start-up:
+rotating those means restarting the pods.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +39,8 @@ from grpc_health.v1 import health, health_pb2_grpc
 
 from services.common.multiplex import CHANNEL_OPTIONS
 from services.common.settings import Setting
+
+log = logging.getLogger(__name__)
 
 _PEM_MARKER = b"-----BEGIN "
 
@@ -96,11 +106,71 @@ class ServerTls:
             ca = read_pem(self.client_ca_file, "TLS client CA")
         return cert, key, ca
 
-    def credentials(self) -> grpc.ServerCredentials:
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return tuple(p for p in (self.cert_file, self.key_file, self.client_ca_file) if p)
+
+    def read_checked(self) -> tuple[bytes, bytes, bytes | None]:
+        """(certificate, key, client CA) as the files hold them now; ValueError where one is
+        unreadable or not PEM, or the key is not the certificate's."""
         cert, key, ca = self._read()
-        return grpc.ssl_server_credentials(
-            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        try:  # the pair must match, or every handshake would fail
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+                str(self.cert_file), str(self.key_file)
+            )
+        except (OSError, ssl.SSLError) as error:
+            message = f"TLS key {self.key_file} does not fit {self.cert_file}: {error}"
+            raise ValueError(message) from None
+        return cert, key, ca
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """The port's credentials, read again when the files change (at a new connection)."""
+        files = CertificateFiles(self)
+        cert, key, ca = self._read()
+
+        def current() -> grpc.ServerCertificateConfiguration | None:
+            read = files.read_if_changed()
+            if read is None:
+                return None
+            cert, key, ca = read
+            return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+
+        return grpc.dynamic_ssl_server_credentials(
+            grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca),
+            current,  # type: ignore[arg-type]  # grpc's docs: None keeps the one served
+            require_client_authentication=ca is not None,
         )
+
+
+class CertificateFiles:
+    """A server's PEM files, read again once one of them changes (its modification time, size
+    or inode: a file rewritten, or a Secret volume's symlink swapped)."""
+
+    def __init__(self, tls: ServerTls) -> None:
+        self._tls = tls
+        self._seen = self._stamp()
+
+    def _stamp(self) -> tuple[tuple[int, int, int], ...]:
+        try:
+            stats = [os.stat(p) for p in self._tls.files]
+        except OSError:
+            return ()  # mid-rotation: read when they are back
+        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+
+    def read_if_changed(self) -> tuple[bytes, bytes, bytes | None] | None:
+        """The files' contents if they changed since last seen, and hold a matching pair;
+        else None (unchanged, or not usable yet: the certificate served stays)."""
+        stamp = self._stamp()
+        if stamp == self._seen or not stamp:
+            return None
+        self._seen = stamp
+        try:
+            read = self._tls.read_checked()
+        except ValueError as error:
+            log.warning("TLS: the rotated files are not usable yet, serving the old: %s", error)
+            return None
+        log.info("TLS: serving the certificate rotated in %s", self._tls.cert_file)
+        return read
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from aiohttp.typedefs import Middleware
 from services.common.door import Door
 from services.common.errors import NotFound
 from services.common.grpc_errors import is_bug
-from services.common.tls import ServerTls
+from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
 from services.gateway.http.embeddings_api import EmbeddingsApi
@@ -150,15 +150,34 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
 
 
 def ssl_context(tls: ServerTls) -> ssl.SSLContext | None:
-    """The HTTP port's TLS: the gRPC port's certificate and, when set, its client CA (mTLS)."""
+    """The HTTP port's TLS: the gRPC port's certificate and, when set, its client CA (mTLS),
+    read again when their files change (at a new connection's hello, as on the gRPC port:
+    services.common.tls.CertificateFiles), the connection then handed the new context."""
     if tls.cert_file is None or tls.key_file is None:
         return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(tls.cert_file, tls.key_file)
-    if tls.client_ca_file is not None:
-        context.verify_mode = ssl.CERT_REQUIRED
-        context.load_verify_locations(tls.client_ca_file)
-    return context
+
+    def build() -> ssl.SSLContext:
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(tls.cert_file, tls.key_file)  # type: ignore[arg-type]
+        if tls.client_ca_file is not None:
+            context.verify_mode = ssl.CERT_REQUIRED
+            context.load_verify_locations(tls.client_ca_file)
+        return context
+
+    files, first = CertificateFiles(tls), build()
+    serving = [first]
+
+    def on_hello(connection: ssl.SSLObject, server_name: str | None, _: ssl.SSLContext) -> None:
+        if files.read_if_changed() is not None:
+            try:
+                serving[0] = build()
+            except (OSError, ssl.SSLError) as error:  # changed again while read: the old stays
+                log.warning("TLS: the HTTP port keeps its certificate: %s", error)
+        if serving[0] is not first:
+            connection.context = serving[0]
+
+    first.sni_callback = on_hello
+    return first
 
 
 @dataclass

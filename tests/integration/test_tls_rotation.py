@@ -1,0 +1,80 @@
+"""A certificate rotated in place (as cert-manager rewrites a mounted Secret) is served to new
+connections on the gateway's gRPC and HTTP ports without a restart; a half-rotated, mismatched
+pair keeps the certificate served before. Real TLS on loopback, certificates made at test time
+by two throwaway CAs: the port starts with one's certificate and is rotated to the other's."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import ssl
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.common.tls import ClientTls, ServerTls
+from tests.integration.test_tls import Authority, Issued, health_code, start_gateway
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+
+def serve(issued: Issued, served: Issued) -> None:
+    """Rotates `served`'s files to `issued`'s: each replaced whole, the key first."""
+    for source, target in ((issued.key, served.key), (issued.cert, served.cert)):
+        staged = target.with_suffix(".new")
+        shutil.copyfile(source, staged)
+        staged.replace(target)
+
+
+def https_status(port: int, ca: Authority) -> int | str:
+    """The status of GET /v2/health/live over TLS verified by `ca`, or the TLS failure."""
+    context = ssl.create_default_context(cafile=str(ca.ca_file))
+    try:
+        with urllib.request.urlopen(
+            f"https://127.0.0.1:{port}/v2/health/live", context=context, timeout=10
+        ) as response:
+            return int(response.status)
+    except urllib.error.URLError as error:
+        return type(error.reason).__name__
+
+
+async def test_a_certificate_rotated_in_place_is_served_to_new_connections(
+    tmp_path: Path,
+) -> None:
+    old_ca, new_ca = Authority(tmp_path / "old", "old"), Authority(tmp_path / "new", "new")
+    old = old_ca.issue("gateway-old", ips=("127.0.0.1",))
+    new = new_ca.issue("gateway-new", ips=("127.0.0.1",))
+    served = Issued(tmp_path / "served.crt", tmp_path / "served.key")
+    serve(old, served)
+    gateway = await start_gateway(tmp_path, ServerTls(cert_file=served.cert, key_file=served.key))
+    address = f"127.0.0.1:{gateway.port}"
+    assert gateway.http is not None
+    http_port = gateway.http.port
+    trusts_old, trusts_new = ClientTls(ca_file=old_ca.ca_file), ClientTls(ca_file=new_ca.ca_file)
+    try:
+        assert await health_code(address, trusts_old) == grpc.StatusCode.OK
+        assert await health_code(address, trusts_new) == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.to_thread(https_status, http_port, old_ca) == 200
+
+        # Half rotated: the new key beside the old certificate. The old pair stays served.
+        shutil.copyfile(new.key, served.key)
+        assert await health_code(address, trusts_old) == grpc.StatusCode.OK
+        assert await asyncio.to_thread(https_status, http_port, old_ca) == 200
+
+        serve(new, served)
+
+        async def serves_new() -> bool:
+            return await health_code(address, trusts_new) == grpc.StatusCode.OK
+
+        await eventually(serves_new, timeout_s=10, interval_s=0.1)
+        assert await health_code(address, trusts_old) == grpc.StatusCode.UNAVAILABLE
+        assert await asyncio.to_thread(https_status, http_port, new_ca) == 200
+        assert await asyncio.to_thread(https_status, http_port, old_ca) == (
+            "SSLCertVerificationError"
+        )
+    finally:
+        await gateway.stop()
