@@ -101,14 +101,24 @@ end
 redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
 return ARGV[1]
 """
-# KEYS: job hash, results hash, queue, dead letters, items list[, idempotency key]; ARGV:
-# group, entry id, job id, dead-letter cap, retention seconds (0: forever), then (index,
-# result, counter, code, message)* (code "": not a dead letter). A job whose every item has
-# its result once these are written expires, with its items, results and idempotency key (if
-# it still names this job), after the retention.
+# KEYS: job hash, results hash, queue, dead letters, items list, the tenant's job list[,
+# idempotency key]; ARGV: group, entry id, job id, dead-letter cap, retention seconds (0:
+# forever), job key prefix, then (index, result, counter, code, message)* (code "": not a dead
+# letter). A job gone (expired) records nothing: its entry is only acknowledged. A job whose
+# every item has its result once these are written expires, with its items, results and
+# idempotency key (if it still names this job), after the retention; and the oldest 64 jobs
+# of its tenant's list are looked at, those gone taken out (each job's end clears up to 64
+# ended before it, so the list holds about the jobs kept).
 _RECORD = """
+if not redis.call('HMGET', KEYS[1], 'num_items')[1] then
+  if ARGV[2] ~= '' then
+    redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+    redis.call('XDEL', KEYS[3], ARGV[2])
+  end
+  return 0
+end
 local added = 0
-for i = 6, #ARGV, 5 do
+for i = 7, #ARGV, 5 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
     added = added + 1
@@ -130,12 +140,24 @@ if added > 0 and ttl > 0 then
     redis.call('EXPIRE', KEYS[1], ttl)
     redis.call('EXPIRE', KEYS[2], ttl)
     redis.call('EXPIRE', KEYS[5], ttl)
-    if KEYS[6] and redis.call('GET', KEYS[6]) == ARGV[3] then
-      redis.call('EXPIRE', KEYS[6], ttl)
+    if KEYS[7] and redis.call('GET', KEYS[7]) == ARGV[3] then
+      redis.call('EXPIRE', KEYS[7], ttl)
+    end
+    for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, 63)) do
+      if redis.call('EXISTS', ARGV[6] .. id) == 0 then
+        redis.call('ZREM', KEYS[6], id)
+      end
     end
   end
 end
 return added
+"""
+# KEYS: job hash; ARGV: field. Counts one more in the field of a job that still exists (one
+# gone is not brought back as a hash of that field alone, which would never expire): -1 if
+# gone.
+_COUNT_ROUND = """
+if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return -1 end
+return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 """
 
 
@@ -254,6 +276,7 @@ class JobStore:
         self.retention_s = retention_s
         self._enqueue = client.register_script(_ENQUEUE)
         self._record = client.register_script(_RECORD)
+        self._count_round = client.register_script(_COUNT_ROUND)
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
@@ -337,8 +360,10 @@ class JobStore:
     async def count_round(self, job_id: str, start: int, kind: str = "rounds") -> int:
         """Counts one more round the chunk from item `start` spent waiting for the fleet
         (`kind` "rounds"), or failed in its runner ("crashes"): a field of the job's hash, so
-        it outlives runners and goes with the job. Returns the rounds so far."""
-        return int(await self.client.hincrby(self.job_key(job_id), f"{kind}:{start}", 1))
+        it outlives runners and goes with the job. Returns the rounds so far; -1 if the job is
+        gone."""
+        keys = [self.job_key(job_id)]
+        return int(await self._count_round(keys=keys, args=[f"{kind}:{start}"]))
 
     async def mark_started(self, job_id: str) -> None:
         await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())
@@ -384,12 +409,13 @@ class JobStore:
         key = self.job_key(job_id)
         ack_id = ack.entry_id if ack is not None else ""
         ttl_s = math.ceil(self.retention_s) if self.retention_s > 0 else 0
-        args: list[Any] = [GROUP, ack_id, job_id, MAX_DEAD_LETTERS, ttl_s]
+        args: list[Any] = [GROUP, ack_id, job_id, MAX_DEAD_LETTERS, ttl_s, self.job_key("")]
         for outcome in outcomes:
             dead = outcome.status is ItemStatus.FAILED
             args += [outcome.index, outcome.payload, f"num_{outcome.status.value}",
                      outcome.code if dead else "", outcome.message if dead else ""]  # fmt: skip
-        keys = [key, f"{key}:results", self.queue_key, self.dead_key, f"{key}:items"]
+        keys = [key, f"{key}:results", self.queue_key, self.dead_key, f"{key}:items",
+                self._tenant_key(job.tenant)]  # fmt: skip
         if job.idempotency_key:
             keys.append(self.idempotency_key(job.tenant, job.idempotency_key))
         return int(await self._record(keys=keys, args=args))

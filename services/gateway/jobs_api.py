@@ -12,6 +12,7 @@ reveal nothing.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -178,8 +179,9 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         now_s = time.time()
         records = [await _stored(self._store.get(i)) for i, _ in found[:size]]
         expired = [i for (i, _), record in zip(found[:size], records, strict=True) if not record]
-        if expired:  # kept past their retention: gone for good
-            await _stored(self._store.forget(tenant, expired))
+        if expired:  # kept past their retention: gone for good (a later list tries again)
+            with contextlib.suppress(RedisError, OSError):
+                await self._store.forget(tenant, expired)
         return jobs.ListJobsResponse(
             jobs=[job_to_pb(r, now_s) for r in records if r is not None],
             next_page_token=found[size - 1][1].token() if len(found) > size else "",

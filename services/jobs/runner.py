@@ -33,6 +33,7 @@ effectively-once: a result written for an index is never overwritten, and each i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -210,6 +211,7 @@ class JobRunner:
                 "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
             )
         except Exception as error:
+            stop_if_cancelled()  # a drain's cancel a library turned into an error: no crash
             log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)
             await self._after_crash(entry, error)
         finally:
@@ -220,26 +222,31 @@ class JobRunner:
     async def _after_crash(self, entry: QueueEntry, error: Exception) -> None:
         """Counts a round `entry`'s chunk failed with an unexpected error; it is left pending,
         to be reclaimed and run again, CRASH_ROUNDS times in all. Then its items without a
-        result fail INTERNAL (dead-lettered) and the entry is acknowledged."""
+        result fail INTERNAL (dead-lettered; cancelled, those of a job cancelled meanwhile) and
+        the entry is acknowledged; a job gone, or one that cannot be read, has it dropped."""
         try:
-            job = await self._store.get(entry.job_id)
-            if job is None:
+            crashes = await self._store.count_round(entry.job_id, entry.start, "crashes")
+            if 0 <= crashes < CRASH_ROUNDS:
+                return
+            job = None if crashes < 0 else await self._store.get(entry.job_id)
+            if job is None:  # gone (expired, deleted): nothing to record
                 await self._store.drop(entry)
                 return
-            crashes = await self._store.count_round(entry.job_id, entry.start, "crashes")
-            if crashes < CRASH_ROUNDS:
-                return
             stored = await self._store.results(entry.job_id, entry.start, entry.end - entry.start)
+            todo = [(entry.start + i, b"") for i, result in enumerate(stored) if result is None]
             message = f"the job runner failed on this item's chunk {crashes} times: {error!r}"
-            outcomes = [
-                _result(entry.start + i, ItemStatus.FAILED, 0, code="INTERNAL", message=message)
-                for i, result in enumerate(stored)
-                if result is None
+            outcomes = self._stopped(job, todo) or [
+                _result(i, ItemStatus.FAILED, 0, code="INTERNAL", message=message) for i, _ in todo
             ]
             await self._store.record(job, outcomes, ack=entry)
-            self._metrics.items.labels(ItemStatus.FAILED.value).inc(len(outcomes))
+            for outcome in outcomes:
+                self._metrics.items.labels(outcome.status.value).inc()
         except (RedisError, OSError) as redis_error:  # the chunk stays pending: a later round
             log.warning("chunk %s: could not count its failure: %s", entry.entry_id, redis_error)
+        except Exception:  # its job cannot be read or recorded: the chunk leaves, or it loops
+            log.exception("chunk %s of job %s dropped unrecorded", entry.entry_id, entry.job_id)
+            with contextlib.suppress(RedisError, OSError):
+                await self._store.drop(entry)
 
     async def _keep_claimed(self, entry: QueueEntry) -> None:
         """Keeps `entry` this runner's while its chunk runs, however long its calls and their
