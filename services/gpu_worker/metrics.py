@@ -171,7 +171,7 @@ class WorkerMetrics:
             names.WORKER_LATENCY_SLOWDOWN,
             "Observed / predicted batch compute, smoothed over recent batches: above 1 the "
             "machine runs slower than the latency curve says (contention). Admission "
-            "predicts with it plus --prediction-spreads (4 by default) of its spreads "
+            "predicts with it plus --prediction-spreads (2 by default) of its spreads "
             "(inference_worker_latency_spread).",
             _MODEL,
         )

@@ -17,9 +17,9 @@ class DriverConfig:
     #: Margin kept between predicted completion and a row's deadline.
     safety_margin_s: float = 0.005
     #: Spreads of the batch times' learned scale each prediction adds (latency_model: the
-    #: slow end of a batch's likely times, not its middle); 0 predicts by the scale alone. 4,
-    #: as Jacobson's timer (docs/benchmarks.md, item 4: 2 left minilm's 2x p99 past its SLO).
-    prediction_spreads: float = 4.0
+    #: slow end of a batch's likely times, not its middle); 0 predicts by the scale alone. Not
+    #: 4, as Jacobson's timer: that refused a fifth of a cold burst (docs/benchmarks.md, item 4).
+    prediction_spreads: float = 2.0
     #: Upper bound on the derived linger.
     max_wait_cap_s: float = 0.05
     #: When the executor is idle, linger only if at least this many more rows are expected

@@ -133,7 +133,7 @@ class LatencyModel:
     A batch size beyond the measured ones (bigger than warm-up ran) becomes a new point of the
     curve, divided by the key's scale so that it records shape, not the moment's contention.
 
-    A worker's predictions (`--prediction-spreads`, 4 by default; the class's default is the
+    A worker's predictions (`--prediction-spreads`, 2 by default; the class's default is the
     scale alone) carry the scale plus `spread_weight` times its *spread*, the moving mean of
     each batch's distance from the scale (its ratio bounded as for the scale's step, smoothed
     by `spread_alpha`): Jacobson's retransmission timer, which waits for the smoothed round
