@@ -20,8 +20,9 @@ A port's own certificate, key and client CA are read again when their files chan
 (`CertificateFiles`: checked at each new connection's handshake), so a certificate rotated in
 place, as cert-manager rewrites a mounted Secret, is served to new connections without a
 restart; a half-written or mismatched pair keeps the one served before. The certificates a tier
-presents as a client (`--<peer>-tls-*`) and the CAs it verifies peers with are read at start-up:
-rotating those means restarting the pods.
+presents as a client (`--<peer>-tls-*`) and the CAs it verifies peers with are read at start-up
+only: after rotating those, the pods must be restarted (a rollout, or a reloader watching the
+Secret); nothing here restarts them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,32 +145,44 @@ class ServerTls:
 
 
 class CertificateFiles:
-    """A server's PEM files, read again once one of them changes (its modification time, size
-    or inode: a file rewritten, or a Secret volume's symlink swapped)."""
+    """A server's PEM files, read again once one of them changes (its modification or change
+    time, size, inode or device: a file rewritten, or a Secret volume's symlink swapped)."""
+
+    #: Seconds between tries of files that changed but could not be used yet.
+    RETRY_S = 1.0
 
     def __init__(self, tls: ServerTls) -> None:
         self._tls = tls
-        self._seen = self._stamp()
+        #: The stamp of the files last served.
+        self._served = self._stamp()
+        #: When files that changed last failed to read (they are tried again after RETRY_S,
+        #: even if they look unchanged since: a write may keep the stamp the failed read saw).
+        self._failed_at_s: float | None = None
 
-    def _stamp(self) -> tuple[tuple[int, int, int], ...]:
+    def _stamp(self) -> tuple[tuple[int, ...], ...]:
         try:
             stats = [os.stat(p) for p in self._tls.files]
         except OSError:
             return ()  # mid-rotation: read when they are back
-        return tuple((s.st_mtime_ns, s.st_size, s.st_ino) for s in stats)
+        return tuple((s.st_mtime_ns, s.st_ctime_ns, s.st_size, s.st_ino, s.st_dev) for s in stats)
 
     def read_if_changed(self) -> tuple[bytes, bytes, bytes | None] | None:
-        """The files' contents if they changed since last seen, and hold a matching pair;
-        else None (unchanged, or not usable yet: the certificate served stays)."""
+        """The files' contents if they changed since the ones served, and hold a matching
+        pair; else None (unchanged, or not usable yet: the certificate served stays)."""
         stamp = self._stamp()
-        if stamp == self._seen or not stamp:
+        if stamp == self._served or not stamp:
             return None
-        self._seen = stamp
+        now_s = time.monotonic()
+        if self._failed_at_s is not None and now_s - self._failed_at_s < self.RETRY_S:
+            return None
         try:
             read = self._tls.read_checked()
         except ValueError as error:
-            log.warning("TLS: the rotated files are not usable yet, serving the old: %s", error)
+            if self._failed_at_s is None:
+                log.warning("TLS: the rotated files are not usable yet, serving the old: %s", error)
+            self._failed_at_s = now_s
             return None
+        self._served, self._failed_at_s = stamp, None
         log.info("TLS: serving the certificate rotated in %s", self._tls.cert_file)
         return read
 

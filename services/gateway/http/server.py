@@ -142,10 +142,15 @@ def auth_middleware(
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """Answers carry the caller's `X-Request-Id` back (errors and streams too), as proxies
-    do, so that a client's logs and the fabric's meet; one past MAX_REQUEST_ID_CHARS is not
-    echoed."""
+    do, so that a client's logs and the fabric's meet; one past MAX_REQUEST_ID_CHARS, or not
+    printable ASCII, is not echoed."""
     request_id = request.headers.get("X-Request-Id")
-    if request_id and len(request_id) <= MAX_REQUEST_ID_CHARS:
+    if (
+        request_id
+        and len(request_id) <= MAX_REQUEST_ID_CHARS
+        and request_id.isascii()
+        and request_id.isprintable()
+    ):
         response.headers.setdefault("X-Request-Id", request_id)
 
 
