@@ -238,9 +238,7 @@ class JobRunner:
             outcomes = self._stopped(job, todo) or [
                 _result(i, ItemStatus.FAILED, 0, code="INTERNAL", message=message) for i, _ in todo
             ]
-            await self._store.record(job, outcomes, ack=entry)
-            for outcome in outcomes:
-                self._metrics.items.labels(outcome.status.value).inc()
+            await self._record(job, outcomes, entry)
         except (RedisError, OSError) as redis_error:  # the chunk stays pending: a later round
             log.warning("chunk %s: could not count its failure: %s", entry.entry_id, redis_error)
         except Exception:  # its job cannot be read or recorded: the chunk leaves, or it loops
@@ -287,6 +285,12 @@ class JobRunner:
             outcomes = await self._run_items(job, items)
         finally:
             self._metrics.items_running.dec(len(items))
+        await self._record(job, outcomes, entry)
+
+    async def _record(
+        self, job: JobRecord, outcomes: Sequence[ItemOutcome], entry: QueueEntry
+    ) -> None:
+        """Records `outcomes`, acknowledging `entry`, and counts them by status."""
         await self._store.record(job, outcomes, ack=entry)
         for outcome in outcomes:
             self._metrics.items.labels(outcome.status.value).inc()
