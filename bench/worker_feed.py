@@ -40,7 +40,8 @@ from bench import loopback
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.stand_in import worker_args
 from services.common.bundles import pack_token_rows
-from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.channel_options import CHANNEL_OPTIONS
+from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.registry_schema import route_metadata
 from services.pb.inference.v1 import worker_pb2 as pb

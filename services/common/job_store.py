@@ -44,6 +44,7 @@ import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 
 from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
+from services.common.job_scripts import COUNT_ROUND, ENQUEUE, RECORD
 
 #: Consumer group of the job runners on the queue stream.
 GROUP = "runners"
@@ -83,82 +84,6 @@ def is_job_id(text: str) -> bool:
 
 #: Dead-letter stream length kept (approximately).
 MAX_DEAD_LETTERS = 100_000
-
-_ENQUEUE = """
-if ARGV[5] == '1' then
-  local existing = redis.call('GET', KEYS[3])
-  if existing then return existing end
-  redis.call('SET', KEYS[3], ARGV[1])
-end
-redis.call('PERSIST', KEYS[1])
-redis.call('PERSIST', KEYS[2])
-local n = tonumber(ARGV[2])
-local size = tonumber(ARGV[3])
-for start = 0, n - 1, size do
-  redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start,
-             'end', math.min(start + size, n))
-end
-redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
-return ARGV[1]
-"""
-# KEYS: job hash, results hash, queue, dead letters, items list, the tenant's job list[,
-# idempotency key]; ARGV: group, entry id, job id, dead-letter cap, retention seconds (0:
-# forever), job key prefix, then (index, result, counter, code, message)* (code "": not a dead
-# letter). A job gone (expired) records nothing: its entry is only acknowledged. A job whose
-# every item has its result once these are written expires, with its items, results and
-# idempotency key (if it still names this job), after the retention; and the oldest 64 jobs
-# of its tenant's list are looked at, those gone taken out (each job's end clears up to 64
-# ended before it, so the list holds about the jobs kept).
-_RECORD = """
-if not redis.call('HMGET', KEYS[1], 'num_items')[1] then
-  if ARGV[2] ~= '' then
-    redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-    redis.call('XDEL', KEYS[3], ARGV[2])
-  end
-  return 0
-end
-local added = 0
-for i = 7, #ARGV, 5 do
-  if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
-    redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
-    added = added + 1
-    if ARGV[i + 3] ~= '' then
-      redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[3],
-                 'index', ARGV[i], 'code', ARGV[i + 3], 'message', ARGV[i + 4])
-    end
-  end
-end
-if ARGV[2] ~= '' then
-  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
-  redis.call('XDEL', KEYS[3], ARGV[2])
-end
-local ttl = tonumber(ARGV[5])
-if added > 0 and ttl > 0 then
-  local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled')
-  local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
-  if c[1] and tonumber(c[1]) <= done then
-    redis.call('EXPIRE', KEYS[1], ttl)
-    redis.call('EXPIRE', KEYS[2], ttl)
-    redis.call('EXPIRE', KEYS[5], ttl)
-    if KEYS[7] and redis.call('GET', KEYS[7]) == ARGV[3] then
-      redis.call('EXPIRE', KEYS[7], ttl)
-    end
-    for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, 63)) do
-      if redis.call('EXISTS', ARGV[6] .. id) == 0 then
-        redis.call('ZREM', KEYS[6], id)
-      end
-    end
-  end
-end
-return added
-"""
-# KEYS: job hash; ARGV: field. Counts one more in the field of a job that still exists (one
-# gone is not brought back as a hash of that field alone, which would never expire): -1 if
-# gone.
-_COUNT_ROUND = """
-if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return -1 end
-return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-"""
 
 
 def connect_jobs_redis(
@@ -274,9 +199,9 @@ class JobStore:
         self.queue_key = f"{prefix}:jobs:queue"
         self.dead_key = f"{prefix}:jobs:dead"
         self.retention_s = retention_s
-        self._enqueue = client.register_script(_ENQUEUE)
-        self._record = client.register_script(_RECORD)
-        self._count_round = client.register_script(_COUNT_ROUND)
+        self._enqueue = client.register_script(ENQUEUE)
+        self._record = client.register_script(RECORD)
+        self._count_round = client.register_script(COUNT_ROUND)
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from services.common.multiplex import CHANNEL_OPTIONS
+from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.settings import Setting
 
 log = logging.getLogger(__name__)
@@ -244,7 +244,7 @@ def open_channel(
     address: str, tls: ClientTls, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS
 ) -> grpc.aio.Channel:
     """A channel to `address`: secure when `tls` is configured, else plaintext; `options` as
-    for any of the tiers' channels (multiplex.CHANNEL_OPTIONS)."""
+    for any of the tiers' channels (channel_options.CHANNEL_OPTIONS)."""
     if not tls.is_enabled:
         return grpc.aio.insecure_channel(address, options=options)
     if tls.server_name:

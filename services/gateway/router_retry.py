@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from services.common.multiplex import CHANNEL_OPTIONS
+from services.common.channel_options import CHANNEL_OPTIONS
 
 #: Spread streams and calls over every router of `router_address` (a list of addresses, or
 #: every address a DNS name resolves to) rather than pinning the first one.

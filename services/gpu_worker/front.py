@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import event_loop
 from services.common import metric_names as names
+from services.common.channel_options import channel_options
 from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
 from services.common.lifecycle import (
     MAX_MESSAGE_BYTES,
@@ -57,7 +58,7 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
-from services.common.multiplex import STREAM_METHOD, channel_options
+from services.common.multiplex import STREAM_METHOD
 from services.common.processes import PR_SET_PDEATHSIG
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, start_health_listener

@@ -20,6 +20,7 @@ import logging
 import os
 import socket
 
+from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.job_store import JobStore, connect_jobs_redis
 from services.common.lifecycle import (
     bound_stop,
@@ -29,7 +30,6 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
-from services.common.multiplex import CHANNEL_OPTIONS
 from services.common.redis_acl import JOBS, redacted_url, role_credentials
 from services.common.telemetry import tier_registry
 from services.common.tls import open_channel

@@ -11,14 +11,10 @@ import grpc
 import pytest
 
 from services.common import multiplex_server
+from services.common.channel_options import CHANNEL_OPTIONS, channel_options
 from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES, PING_TOLERANCE, new_server
-from services.common.multiplex import (
-    CHANNEL_OPTIONS,
-    STREAM_METHOD,
-    MultiplexClient,
-    channel_options,
-)
+from services.common.multiplex import STREAM_METHOD, MultiplexClient
 from services.common.multiplex_server import CallContext, MultiplexServer
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig
 from services.pb.inference.v1 import worker_pb2 as pb

@@ -21,8 +21,9 @@ from grpc_health.v1 import health_pb2
 
 from bench.models import affine_reference
 from services.common import metric_names as names
+from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.errors import UpstreamError
-from services.common.multiplex import CHANNEL_OPTIONS, MultiplexClient
+from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
 from services.gpu_worker.front import engine_grpc_target
