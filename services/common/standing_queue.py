@@ -10,14 +10,20 @@ from __future__ import annotations
 
 
 class StandingQueue:
-    """Whether a queue stands, from the delays observed as things leave it."""
+    """Whether a queue stands, from the delays observed as things leave it. With `hold_s`, a
+    queue that stood keeps standing until no delay above the target has been seen for that
+    long: one that empties at every departure (a batcher whose batch takes every row queued)
+    shows a drained queue between refills, which under a flood is not a drained queue."""
 
-    def __init__(self, target_s: float, interval_s: float) -> None:
-        if not (target_s > 0 and interval_s > 0):
-            raise ValueError("target_s and interval_s must be > 0")
+    def __init__(self, target_s: float, interval_s: float, *, hold_s: float = 0.0) -> None:
+        if not (target_s > 0 and interval_s > 0 and hold_s >= 0):
+            raise ValueError("target_s and interval_s must be > 0, and hold_s >= 0")
         self.target_s = target_s
         self.interval_s = interval_s
+        self.hold_s = hold_s
         self._above_since_s: float | None = None
+        #: When a delay above the target was last seen while the queue stood.
+        self._last_above_s = 0.0
         self.is_standing = False
 
     def observe(self, now_s: float, delay_s: float) -> bool:
@@ -26,8 +32,21 @@ class StandingQueue:
             self._above_since_s = None
         elif self._above_since_s is None:
             self._above_since_s = now_s
-        self.is_standing = self.above_for_s(now_s) >= self.interval_s
+        if self.above_for_s(now_s) >= self.interval_s:
+            self.is_standing = True
+            self._last_above_s = now_s
+        elif self.is_standing and delay_s > self.target_s:
+            self._last_above_s = now_s
+        else:
+            self.is_standing = self.is_standing and now_s - self._last_above_s < self.hold_s
         return self.is_standing
+
+    def hold(self, now_s: float) -> None:
+        """Something that would have waited above the target was turned away at `now_s`: a
+        queue standing keeps standing (its hold starts again), as if it had left with that
+        delay, since the queue is short only because it is turned away."""
+        if self.is_standing:
+            self._last_above_s = now_s
 
     def above_for_s(self, now_s: float) -> float:
         """How long the delay has stayed above the target (0 when it is not above)."""

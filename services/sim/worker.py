@@ -189,6 +189,8 @@ class SimWorker:
             )
             decision = batcher.add(item, now_s, executor_free_s=self._running_until_s)
         if isinstance(decision, Rejected):
+            if decision.reason is RejectReason.DEADLINE:
+                lane.shedding.refused(now_s)
             return decision.reason
         self._requests[item.item_id] = request
         self._busy_at_arrival[item.item_id] = self.busy_s(now_s)

@@ -7,7 +7,11 @@ standing_queue), derived from the SLO: the queue stands once, dispatch after dis
 whole SLO, each dispatch left online rows queued that had already waited above a tenth of it
 (and above the longest linger the batcher chooses on purpose).
 A batch takes the newest rows with the oldest, so what a dispatch leaves behind is what tells
-a standing queue from a burst: a burst drains, and its bursts' callers are all served.
+a standing queue from a burst: a burst drains, and its bursts' callers are all served. Once
+standing, the queue is held so for HOLD_INTERVALS after the last dispatch that left a row above
+the target or the last row refused as predicted late: under a flood, a batch that takes every
+row, or the bound's own refusals, empty the queue between arrivals, and ending the standing
+there let the next interval's rows queue up to their deadlines (docs/benchmarks.md, item 4).
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
@@ -33,6 +37,10 @@ from services.gpu_worker.batching.types import QueuedItem
 TARGET_SLO_SHARE = 0.1
 #: ...for this share of it.
 INTERVAL_SLO_SHARE = 1.0
+#: A queue that stood keeps standing until no dispatch has left a row above the target for this
+#: many intervals (StandingQueue.hold_s): a batch that takes every row queued empties the queue
+#: between a flood's arrivals.
+HOLD_INTERVALS = 4.0
 #: Rows at this rank or more urgent are online traffic.
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 #: Why the batcher dropped a row unrun (`WORKER_DROPPED_TOTAL`'s reason): its deadline could no
@@ -67,7 +75,8 @@ class SloShedding:
         # A row may wait up to `max_linger_s` on purpose (lingering to fill its batch while
         # another key's batch leaves): only a wait past that, and past the target, is queueing.
         target_s = max(TARGET_SLO_SHARE * slo_s, max_linger_s)
-        self.queue = StandingQueue(target_s, INTERVAL_SLO_SHARE * slo_s)
+        interval_s = INTERVAL_SLO_SHARE * slo_s
+        self.queue = StandingQueue(target_s, interval_s, hold_s=HOLD_INTERVALS * interval_s)
 
     @classmethod
     def for_model(cls, slo_s: float, shed_past_slo: bool, driver: DriverConfig) -> SloShedding:
@@ -83,6 +92,13 @@ class SloShedding:
         """A dispatch at `now_s` left online rows queued, the oldest of which has waited
         `oldest_left_wait_s` (0 when it left none)."""
         self.queue.observe(now_s, oldest_left_wait_s)
+
+    def refused(self, now_s: float) -> None:
+        """A new row was refused at `now_s`, predicted to finish past its limit: a standing
+        queue that its bound keeps short still stands (StandingQueue.hold). Without this, the
+        bound would end the standing it answers, and the next interval's rows, bound by their
+        deadlines alone, would queue up to them."""
+        self.queue.hold(now_s)
 
     def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
         """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows
