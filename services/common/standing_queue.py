@@ -1,7 +1,9 @@
 """CoDel's test of a queue (Nichols and Jacobson, "Controlling Queue Delay"): a good queue
 absorbs a burst and drains; a bad one stands. A queue is standing once the delay of everything
 leaving it has stayed above `target_s` for at least `interval_s`; one departure at or below
-the target shows it drained, and the interval starts again.
+the target shows it drained, and the interval starts again. With a hold (`hold_s`), a queue
+that stood is drained only once no delay above the target, and nothing turned away from one
+(`hold`), has been seen for that long.
 
 Pure: time comes in as `now_s`.
 """
@@ -35,17 +37,26 @@ class StandingQueue:
         if self.above_for_s(now_s) >= self.interval_s:
             self.is_standing = True
             self._last_above_s = now_s
-        elif self.is_standing and delay_s > self.target_s:
-            self._last_above_s = now_s
         else:
-            self.is_standing = self.is_standing and now_s - self._last_above_s < self.hold_s
+            self.is_standing = self._is_held(now_s)
+            if self.is_standing and delay_s > self.target_s:
+                self._last_above_s = now_s
         return self.is_standing
+
+    @property
+    def last_above_s(self) -> float:
+        """When the queue, standing, last saw a delay above the target or held for one."""
+        return self._last_above_s
+
+    def _is_held(self, now_s: float) -> bool:
+        """Whether a queue that stood is still within its hold at `now_s` (never without one)."""
+        return self.is_standing and now_s - self._last_above_s < self.hold_s
 
     def hold(self, now_s: float) -> None:
         """Something that would have waited above the target was turned away at `now_s`: a
         queue standing keeps standing (its hold starts again), as if it had left with that
         delay, since the queue is short only because it is turned away."""
-        if self.is_standing:
+        if self._is_held(now_s):
             self._last_above_s = now_s
 
     def above_for_s(self, now_s: float) -> float:

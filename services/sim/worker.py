@@ -31,6 +31,7 @@ from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane_order import by_urgency
+from services.gpu_worker.batching.policy import executor_start_s
 from services.gpu_worker.batching.slo_shedding import expiry_reason
 from services.gpu_worker.batching.types import Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve
@@ -190,7 +191,8 @@ class SimWorker:
             decision = batcher.add(item, now_s, executor_free_s=self._running_until_s)
         if isinstance(decision, Rejected):
             if decision.reason is RejectReason.DEADLINE:
-                lane.shedding.refused(now_s)
+                start_s = executor_start_s(now_s, self._running_until_s)
+                lane.shedding.refused(now_s, item, batcher, lane.latency, start_s)
             return decision.reason
         self._requests[item.item_id] = request
         self._busy_at_arrival[item.item_id] = self.busy_s(now_s)

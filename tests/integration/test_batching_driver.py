@@ -603,9 +603,12 @@ async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_row
             *(driver.submit(backend, rows(1), timeout_s=30, tenant="t") for _ in range(200))
         )
         await eventually(is_standing, interval_s=0.001)
+        refused_s = time.monotonic()  # no dispatch is observed before the admission returns
         with pytest.raises(Overloaded, match="past its SLO") as refused:
             driver.admit(backend, rows(1), timeout_s=30, tenant="t")
         assert refused.value.retry_after_s > 0
+        # Refused behind the flood's queue: the refusal holds the standing queue.
+        assert driver.open_lane(backend).shedding.queue.last_above_s >= refused_s
         batch = driver.submit(
             backend, rows(1), timeout_s=30, tenant="jobs", priority=PriorityClass.BATCH
         )

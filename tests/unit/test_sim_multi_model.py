@@ -19,12 +19,12 @@ import pytest
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.common.priority import PriorityClass
-from services.gpu_worker.admission import Admitted
+from services.gpu_worker.admission import Admitted, RejectReason
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.policy import Batcher, executor_start_s
 from services.gpu_worker.batching.slo_shedding import SloShedding
 from services.gpu_worker.batching.types import BatcherConfig, Dispatch, QueuedItem
 from services.sim.curve import LatencyCurve
@@ -232,6 +232,9 @@ def direct_batches(
                 next_id += 1
                 decision = lane.batcher.add(item, now_s, executor_free_s=driver.running_until_s)
             if not isinstance(decision, Admitted):
+                if decision.reason is RejectReason.DEADLINE:  # as the worker's admission does
+                    start_s = executor_start_s(now_s, driver.running_until_s)
+                    lane.shedding.refused(now_s, item, lane.batcher, lane.latency, start_s)
                 refusals.append(decision.reason.value)
                 continue
         else:

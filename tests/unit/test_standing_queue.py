@@ -8,7 +8,11 @@ import pytest
 
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
+from services.gpu_worker.admission import Admitted
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import HOLD_INTERVALS, SloShedding
+from services.gpu_worker.batching.types import BatcherConfig, BatchKey, QueuedItem
 
 pytestmark = pytest.mark.unit
 
@@ -67,27 +71,84 @@ def test_hold_must_not_be_negative() -> None:
         StandingQueue(TARGET_S, INTERVAL_S, hold_s=-1.0)
 
 
+def queued_batcher(rows: int) -> Batcher:
+    """A batcher of batches of 8 whose every batch is predicted at 0.1 s, `rows` queued."""
+    config = BatcherConfig(
+        max_batch_size=8,
+        max_queue_size=100,
+        slo_s=0.25,
+        upstream_budget_s=0.02,
+        safety_margin_s=0.005,
+        max_wait_cap_s=0.05,
+    )
+    batcher = Batcher(config, LatencyModel(default_s=0.1))
+    for i in range(rows):
+        assert batcher.add(row(i, finish_by_s=None), 0.0) == Admitted()
+    return batcher
+
+
+def row(item_id: int, *, finish_by_s: float | None = 0.23, deadline_s: float = 10.0,
+        priority: int = INTERACTIVE) -> QueuedItem:  # fmt: skip
+    key = BatchKey(model="m", version="1", fingerprint="f", bucket=16)
+    return QueuedItem(
+        item_id=item_id,
+        key=key,
+        tenant="t",
+        num_tokens=4,
+        arrival_s=0.0,
+        deadline_s=deadline_s,
+        finish_by_s=finish_by_s,
+        priority=priority,
+    )
+
+
+def standing_shedding() -> tuple[SloShedding, float]:
+    """minilm's SLO (0.25 s): a lane standing once dispatches left rows that waited 0.1 s for
+    an interval; returns it and the time it stood."""
+    shedding = SloShedding(0.25, shed_past_slo=False, upstream_budget_s=0.02, max_linger_s=0.0)
+    assert shedding.budget_s(0.0, INTERACTIVE, num_queued=5) is None
+    now_s = 0.0
+    while not shedding.queue.is_standing:
+        now_s += 0.05
+        shedding.after_dispatch(now_s, 0.1)
+    return shedding, now_s
+
+
 def test_slo_shedding_keeps_bounding_rows_by_the_slo_while_its_refusals_keep_the_queue_short() -> (
     None
 ):
     """A flood that the SLO bound keeps short: the queue empties between its arrivals (a batch
-    takes every row), and rows are still bound by the SLO while they are refused; once the
-    refusals and delays stop for the hold, rows are bound by their deadlines again."""
-    slo_s = 0.25
-    shedding = SloShedding(slo_s, shed_past_slo=False, upstream_budget_s=0.02, max_linger_s=0.0)
-    hold_s = HOLD_INTERVALS * slo_s
-    assert shedding.budget_s(0.0, INTERACTIVE, num_queued=5) is None
-    now_s = 0.0
-    while not shedding.queue.is_standing:  # dispatches leave rows that waited 0.1 s
-        now_s += 0.05
-        shedding.after_dispatch(now_s, 0.1)
+    takes every row), and rows are still bound by the SLO while online rows bound by it are
+    refused behind a queue; once that stops for the hold, rows are bound by their deadlines
+    again."""
+    shedding, now_s = standing_shedding()
     assert shedding.budget_s(now_s, INTERACTIVE, num_queued=5) == pytest.approx(0.23)
+    batcher, latency = queued_batcher(8), LatencyModel(default_s=0.1)
+    refused = row(100, finish_by_s=now_s + 0.23)  # 0.2 s to finish behind a batch: refused
 
     for _ in range(8):  # each 0.5 s: an empty queue, a refusal
         now_s += 0.5
         assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) == pytest.approx(0.23)
-        shedding.refused(now_s)
-    now_s += hold_s
+        shedding.refused(now_s, refused, batcher, latency, now_s)
+    now_s += HOLD_INTERVALS * 0.25
     assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) is None
-    # A `batch` row is never bound by the SLO here, standing or not.
     assert shedding.budget_s(now_s, PriorityClass.BATCH.rank, num_queued=0) is None
+
+
+@pytest.mark.parametrize(
+    ("why", "refused", "queued"),
+    [
+        ("its own deadline, not the SLO, was its limit", row(100, deadline_s=0.2), 8),
+        ("a batch row", row(100, priority=PriorityClass.BATCH.rank), 8),
+        ("its own compute, nothing queued, missed the SLO", row(100), 0),
+    ],
+)
+def test_a_refusal_that_says_nothing_about_the_queue_holds_nothing(
+    why: str, refused: QueuedItem, queued: int
+) -> None:
+    shedding, now_s = standing_shedding()
+    batcher = queued_batcher(queued)
+    for _ in range(8):
+        now_s += 0.5
+        shedding.refused(now_s, refused, batcher, LatencyModel(default_s=0.1), now_s)
+    assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) is None, why

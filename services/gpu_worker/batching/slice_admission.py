@@ -126,9 +126,9 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         if isinstance(decision, Rejected):
             reason = decision.reason
             admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(ask.rows))
-            if reason is RejectReason.DEADLINE:
-                lane.shedding.refused(now)
             start_s = executor_start_s(now, admission.executor_free_s)
+            if reason is RejectReason.DEADLINE:
+                lane.shedding.refused(now, item, batcher, lane.latency, start_s)
             error = lane.rejection(item, reason, now, start_s)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)

@@ -27,19 +27,25 @@ worker's lanes and the simulator's use it alike.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import QueuedItem
+
+if TYPE_CHECKING:
+    from services.gpu_worker.batching.policy import Batcher
 
 #: The queue stands once what dispatches leave behind has waited above this share of the SLO...
 TARGET_SLO_SHARE = 0.1
 #: ...for this share of it.
 INTERVAL_SLO_SHARE = 1.0
-#: A queue that stood keeps standing until no dispatch has left a row above the target for this
-#: many intervals (StandingQueue.hold_s): a batch that takes every row queued empties the queue
-#: between a flood's arrivals.
+#: A queue that stood keeps standing until, for this many intervals, no dispatch has left a row
+#: above the target and no online row bound by the SLO was refused after a wait above it
+#: (StandingQueue.hold_s, `SloShedding.refused`): under a flood, a batch that takes every row
+#: queued, and the bound's own refusals, empty the queue between arrivals.
 HOLD_INTERVALS = 4.0
 #: Rows at this rank or more urgent are online traffic.
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
@@ -93,12 +99,28 @@ class SloShedding:
         `oldest_left_wait_s` (0 when it left none)."""
         self.queue.observe(now_s, oldest_left_wait_s)
 
-    def refused(self, now_s: float) -> None:
-        """A new row was refused at `now_s`, predicted to finish past its limit: a standing
-        queue that its bound keeps short still stands (StandingQueue.hold). Without this, the
-        bound would end the standing it answers, and the next interval's rows, bound by their
-        deadlines alone, would queue up to them."""
-        self.queue.hold(now_s)
+    def refused(
+        self,
+        now_s: float,
+        item: QueuedItem,
+        batcher: Batcher,
+        latency: LatencyModel,
+        start_s: float,
+    ) -> None:
+        """`batcher` refused `item` at `now_s` as predicted to finish past its limit, the
+        executor free at `start_s`. An online row whose limit was the SLO bound, turned away
+        from a wait above the target (its predicted finish less its own compute), holds a
+        standing queue (StandingQueue.hold): the queue is short because its rows are refused.
+        Without this, the bound would end the standing it answers, and the next interval's
+        rows, bound by their deadlines alone, would queue up to them. A row refused for its
+        own deadline, a `batch` row, or one whose own compute is what misses the SLO says
+        nothing about the queue, and holds nothing."""
+        slo_bound = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
+        if item.priority > _URGENT_RANK or not slo_bound:
+            return
+        finish_s = batcher.predicted_finish_s(item.key, start_s)
+        if finish_s - now_s - latency.predict_alone(item.key) > self.queue.target_s:
+            self.queue.hold(now_s)
 
     def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
         """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows
