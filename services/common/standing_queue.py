@@ -14,8 +14,9 @@ from __future__ import annotations
 class StandingQueue:
     """Whether a queue stands, from the delays observed as things leave it. With `hold_s`, a
     queue that stood keeps standing until no delay above the target has been seen for that
-    long: one that empties at every departure (a batcher whose batch takes every row queued)
-    shows a drained queue between refills, which under a flood is not a drained queue."""
+    long, nor anything turned away from one (`hold`): one that empties at every departure (a
+    batcher whose batch takes every row queued), or that is kept short by refusing, shows a
+    drained queue between refills, which under a flood is not a drained queue."""
 
     def __init__(self, target_s: float, interval_s: float, *, hold_s: float = 0.0) -> None:
         if not (target_s > 0 and interval_s > 0 and hold_s >= 0):
@@ -24,7 +25,7 @@ class StandingQueue:
         self.interval_s = interval_s
         self.hold_s = hold_s
         self._above_since_s: float | None = None
-        #: When a delay above the target was last seen while the queue stood.
+        #: When a delay above the target was last seen, or held for (`hold`), while it stood.
         self._last_above_s = 0.0
         self.is_standing = False
 

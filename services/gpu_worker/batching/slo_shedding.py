@@ -9,9 +9,10 @@ whole SLO, each dispatch left online rows queued that had already waited above a
 A batch takes the newest rows with the oldest, so what a dispatch leaves behind is what tells
 a standing queue from a burst: a burst drains, and its bursts' callers are all served. Once
 standing, the queue is held so for HOLD_INTERVALS after the last dispatch that left a row above
-the target or the last row refused as predicted late: under a flood, a batch that takes every
-row, or the bound's own refusals, empty the queue between arrivals, and ending the standing
-there let the next interval's rows queue up to their deadlines (docs/benchmarks.md, item 4).
+the target or the last online row bound by the SLO refused behind a wait above it (`refused`):
+under a flood, a batch that takes every row, or the bound's own refusals, empty the queue
+between arrivals, and ending the standing there let the next interval's rows queue up to their
+deadlines (docs/benchmarks.md, item 4).
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
