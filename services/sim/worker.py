@@ -192,7 +192,8 @@ class SimWorker:
         if isinstance(decision, Rejected):
             if decision.reason is RejectReason.DEADLINE:
                 start_s = executor_start_s(now_s, self._running_until_s)
-                lane.shedding.refused(now_s, item, batcher, lane.latency, start_s)
+                finish_s = batcher.predicted_finish_s(item.key, start_s)
+                lane.shedding.refused(now_s, item, finish_s, lane.latency)
             return decision.reason
         self._requests[item.item_id] = request
         self._busy_at_arrival[item.item_id] = self.busy_s(now_s)

@@ -234,7 +234,8 @@ def direct_batches(
             if not isinstance(decision, Admitted):
                 if decision.reason is RejectReason.DEADLINE:  # as the worker's admission does
                     start_s = executor_start_s(now_s, driver.running_until_s)
-                    lane.shedding.refused(now_s, item, lane.batcher, lane.latency, start_s)
+                    finish_s = lane.batcher.predicted_finish_s(item.key, start_s)
+                    lane.shedding.refused(now_s, item, finish_s, lane.latency)
                 refusals.append(decision.reason.value)
                 continue
         else:

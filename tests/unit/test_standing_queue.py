@@ -129,7 +129,7 @@ def test_slo_shedding_keeps_bounding_rows_by_the_slo_while_its_refusals_keep_the
     for _ in range(8):  # each 0.5 s: an empty queue, a refusal
         now_s += 0.5
         assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) == pytest.approx(0.23)
-        shedding.refused(now_s, refused, batcher, latency, now_s)
+        shedding.refused(now_s, refused, batcher.predicted_finish_s(refused.key, now_s), latency)
     now_s += HOLD_INTERVALS * 0.25
     assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) is None
     assert shedding.budget_s(now_s, PriorityClass.BATCH.rank, num_queued=0) is None
@@ -150,5 +150,6 @@ def test_a_refusal_that_says_nothing_about_the_queue_holds_nothing(
     batcher = queued_batcher(queued)
     for _ in range(8):
         now_s += 0.5
-        shedding.refused(now_s, refused, batcher, LatencyModel(default_s=0.1), now_s)
+        finish_s = batcher.predicted_finish_s(refused.key, now_s)
+        shedding.refused(now_s, refused, finish_s, LatencyModel(default_s=0.1))
     assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) is None, why

@@ -179,7 +179,9 @@ class Lane:
     def rejection(
         self, item: QueuedItem, reason: RejectReason, now_s: float, start_s: float
     ) -> Exception:
-        """The error a row refused for `reason` gets; `start_s` is when the executor frees."""
+        """The error a row refused for `reason` gets; `start_s` is when the executor frees. A
+        row refused as predicted late is told to the lane's SLO shedding, where it may hold a
+        standing queue (SloShedding.refused)."""
         key = item.key
         if reason is RejectReason.DRAINING:
             return Unavailable("worker is draining")
@@ -193,6 +195,7 @@ class Lane:
             )
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
+            self.shedding.refused(now_s, item, finish_s, self.latency)
             is_slo = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
             limit = "its SLO" if is_slo else "the request's deadline"
             return Overloaded(

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from services.common.errors import InvalidInput
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
-from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.lane import Admission, Lane, Pending
@@ -127,8 +127,6 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             reason = decision.reason
             admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(ask.rows))
             start_s = executor_start_s(now, admission.executor_free_s)
-            if reason is RejectReason.DEADLINE:
-                lane.shedding.refused(now, item, batcher, lane.latency, start_s)
             error = lane.rejection(item, reason, now, start_s)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)

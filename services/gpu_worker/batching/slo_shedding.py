@@ -28,16 +28,12 @@ worker's lanes and the simulator's use it alike.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import QueuedItem
-
-if TYPE_CHECKING:
-    from services.gpu_worker.batching.policy import Batcher
 
 #: The queue stands once what dispatches leave behind has waited above this share of the SLO...
 TARGET_SLO_SHARE = 0.1
@@ -101,15 +97,10 @@ class SloShedding:
         self.queue.observe(now_s, oldest_left_wait_s)
 
     def refused(
-        self,
-        now_s: float,
-        item: QueuedItem,
-        batcher: Batcher,
-        latency: LatencyModel,
-        start_s: float,
+        self, now_s: float, item: QueuedItem, finish_s: float, latency: LatencyModel
     ) -> None:
-        """`batcher` refused `item` at `now_s` as predicted to finish past its limit, the
-        executor free at `start_s`. An online row whose limit was the SLO bound, turned away
+        """`item` was refused at `now_s` as predicted to finish at `finish_s`, past its limit
+        (`latency`: its lane's model). An online row whose limit was the SLO bound, turned away
         from a wait above the target (its predicted finish less its own compute), holds a
         standing queue (StandingQueue.hold): the queue is short because its rows are refused.
         Without this, the bound would end the standing it answers, and the next interval's
@@ -119,7 +110,6 @@ class SloShedding:
         slo_bound = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
         if item.priority > _URGENT_RANK or not slo_bound:
             return
-        finish_s = batcher.predicted_finish_s(item.key, start_s)
         if finish_s - now_s - latency.predict_alone(item.key) > self.queue.target_s:
             self.queue.hold(now_s)
 
