@@ -154,6 +154,16 @@ _BATCHING = (
         field="batching.prediction_spreads",
     ),
     Setting(
+        "slo_prediction_spreads",
+        float,
+        DriverConfig.slo_prediction_spreads,
+        "spreads a row bound by its model's SLO is predicted with against that bound (its "
+        "budget is cut to the share predictions with --prediction-spreads may fill); a row "
+        "bound by its deadline alone keeps --prediction-spreads",
+        "spreads",
+        field="batching.slo_prediction_spreads",
+    ),
+    Setting(
         "max_wait_cap_ms",
         float,
         _ms(DriverConfig.max_wait_cap_s),

@@ -9,8 +9,8 @@
     [[models]]  several models on every worker (a lane each, one executor; worker.py): each
                 table the [model] keys and its own curve = {fixed_ms = 2, per_token_us = 5}
                 or latency_curve = FILE, and curve_scale; no [model] or top-level curve then
-    [batching]  upstream_budget_s, safety_margin_s, prediction_spreads, max_wait_cap_s,
-                min_expected_arrivals, tenant_weights = {a = 2.0}
+    [batching]  upstream_budget_s, safety_margin_s, prediction_spreads, slo_prediction_spreads,
+                max_wait_cap_s, min_expected_arrivals, tenant_weights = {a = 2.0}
     [fleet]     workers, startup_s, heartbeat_period_s, refresh_period_s, gateways, upstream_s,
                 downstream_s, cell_size, max_retries, noise_sigma, cpu_per_row_s, cpu_cores,
                 quota_sync_period_s, gateway_rps, routers, worker_processes

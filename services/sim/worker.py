@@ -176,15 +176,17 @@ class SimWorker:
         decision: Admitted | Rejected = batcher.can_admit(1, tenant=arrival.tenant, now_s=now_s)
         if isinstance(decision, Admitted):
             priority = _rank_of(arrival.priority)
-            shed_s = lane.shedding.budget_s(now_s, priority, batcher.num_queued)
+            key = lane.key_for(arrival.num_tokens)
             item = QueuedItem(
                 item_id=next(self._item_ids),
-                key=lane.key_for(arrival.num_tokens),
+                key=key,
                 tenant=arrival.tenant,
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=request.deadline_s,
-                finish_by_s=None if shed_s is None else now_s + shed_s,
+                finish_by_s=lane.shedding.finish_by_s(
+                    now_s, priority, batcher.num_queued, lane.latency, key
+                ),
                 priority=priority,
                 weight=self._weight_for(arrival.tenant),
             )

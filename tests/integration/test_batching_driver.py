@@ -25,7 +25,7 @@ from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.slice_admission import SliceAsk
+from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.metrics import total
 from tests.support.models import write_affine_model
@@ -618,3 +618,40 @@ async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_row
         assert len(await driver.submit(backend, rows(1), timeout_s=30, tenant="t")) == 1
     finally:
         await driver.drain()
+
+
+async def test_rows_bound_by_the_slo_are_admitted_by_the_slo_spreads(tmp_path: Path) -> None:
+    """The worker's admission bounds a row of a model that sheds past its SLO by
+    `slo_prediction_spreads` of its lane's spread (SloShedding.finish_by_s): with batches that
+    spread (10 ms on average, 5 ms from it), a lane at four admits fewer rows behind a queue
+    than one at two, its refusals saying the SLO."""
+    repo = tmp_path / "repo"
+    write_affine_model(repo, slo_p99_ms=200, max_queue_size=1024)
+    config = repo / "affine" / "config.toml"
+    text = config.read_text().replace(
+        'kind = "torchscript"', 'kind = "torchscript"\nshed_past_slo = true', 1
+    )
+    config.write_text(text)
+    (version,) = load_repository(repo)
+    backend = load_backend(version, torch.device("cpu"))
+
+    def admitted_behind_a_queue(slo_spreads: float) -> int:
+        config = DriverConfig(slo_prediction_spreads=slo_spreads)
+        driver = BatchingDriver(
+            [backend], config, WorkerMetrics(CollectorRegistry()), clock=FakeClock()
+        )
+        driver.warm_up()  # never started: nothing dispatches, the clock stands
+        lane = driver.open_lane(backend)
+        for seconds in [0.005, 0.015] * 40:
+            lane.latency.observe(lane_key(lane, backend.buckets[0]), 8, seconds)
+        rows = backend.prepare_many([np.zeros(4, dtype=np.float32)])
+        for admitted in itertools.count():
+            try:
+                driver.admit(backend, rows, timeout_s=30, tenant="t")
+            except Overloaded as refused:
+                assert "SLO" in str(refused)
+                return admitted
+        raise AssertionError("unreachable")
+
+    at_two, at_four = admitted_behind_a_queue(2.0), admitted_behind_a_queue(4.0)
+    assert 0 < at_four < at_two

@@ -358,6 +358,23 @@ def test_batches_that_spread_are_predicted_by_their_slow_end() -> None:
     assert margined.slowdown(key) == pytest.approx(plain.slowdown(key))  # the scale alone
 
 
+def test_a_budget_share_trades_the_models_spreads_for_others() -> None:
+    """Predictions at two spreads that fit a budget times the share for four fit the whole
+    budget at four; with no spread, or the model's own weight, the share is the whole."""
+    model, key = spread_model(2.0)
+    four, _ = spread_model(4.0)
+    assert model.budget_share(key, 4.0) == 1.0  # no spread learned yet
+    for seconds in [0.010, 0.020] * 20:
+        model.observe(key, 4, seconds)
+        four.observe(key, 4, seconds)
+
+    share = model.budget_share(key, 4.0)
+    assert 0.6 < share < 0.9
+    assert model.predict(key, 4) / share == pytest.approx(four.predict(key, 4))
+    assert model.budget_share(key, 2.0) == 1.0
+    assert model.budget_share(key, 0.0) > 1.0  # fewer spreads: more of the budget
+
+
 def test_the_margin_fades_once_batches_run_steady_again() -> None:
     model, key = spread_model(2.0)
     for seconds in [0.010, 0.030] * 10:
@@ -420,6 +437,9 @@ def test_a_key_with_steady_batches_keeps_its_own_narrow_spread() -> None:
 
 
 @pytest.mark.parametrize("spreads", [-1.0, float("inf"), float("nan")])
-def test_the_workers_setting_refuses_spreads_that_are_no_margin(spreads: float) -> None:
-    with pytest.raises(ValueError, match="prediction_spreads"):
-        DriverConfig(prediction_spreads=spreads)
+@pytest.mark.parametrize("setting", ["prediction_spreads", "slo_prediction_spreads"])
+def test_the_workers_setting_refuses_spreads_that_are_no_margin(
+    setting: str, spreads: float
+) -> None:
+    with pytest.raises(ValueError, match=f"^{setting}"):
+        DriverConfig(**{setting: spreads})

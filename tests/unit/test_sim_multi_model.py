@@ -215,15 +215,18 @@ def direct_batches(
             index += 1
             lane = lane_of[arrival.model]
             rank = PriorityClass.parse(arrival.priority).rank
-            budget_s = lane.shedding.budget_s(now_s, rank, lane.batcher.num_queued)
+            key = lane.spec.key(lane.spec.bucket_for(arrival.num_tokens))
+            finish_by_s = lane.shedding.finish_by_s(
+                now_s, rank, lane.batcher.num_queued, lane.latency, key
+            )
             item = QueuedItem(
                 item_id=next_id,
-                key=lane.spec.key(lane.spec.bucket_for(arrival.num_tokens)),
+                key=key,
                 tenant=arrival.tenant,
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=now_s + TIMEOUT_S,
-                finish_by_s=None if budget_s is None else now_s + budget_s,
+                finish_by_s=finish_by_s,
                 priority=rank,
                 weight=DEFAULT_WEIGHT,
             )

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
-from services.gpu_worker.admission import Admitted
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slo_shedding import HOLD_INTERVALS, SloShedding
@@ -71,8 +71,9 @@ def test_hold_must_not_be_negative() -> None:
         StandingQueue(TARGET_S, INTERVAL_S, hold_s=-1.0)
 
 
-def queued_batcher(rows: int) -> Batcher:
-    """A batcher of batches of 8 whose every batch is predicted at 0.1 s, `rows` queued."""
+def queued_batcher(rows: int, latency: LatencyModel | None = None) -> Batcher:
+    """A batcher of batches of 8 whose every batch is predicted at 0.1 s (or by `latency`),
+    `rows` queued."""
     config = BatcherConfig(
         max_batch_size=8,
         max_queue_size=100,
@@ -81,7 +82,7 @@ def queued_batcher(rows: int) -> Batcher:
         safety_margin_s=0.005,
         max_wait_cap_s=0.05,
     )
-    batcher = Batcher(config, LatencyModel(default_s=0.1))
+    batcher = Batcher(config, latency or LatencyModel(default_s=0.1))
     for i in range(rows):
         assert batcher.add(row(i, finish_by_s=None), 0.0) == Admitted()
     return batcher
@@ -153,3 +154,44 @@ def test_a_refusal_that_says_nothing_about_the_queue_holds_nothing(
         finish_s = batcher.predicted_finish_s(refused.key, now_s)
         shedding.refused(now_s, refused, finish_s, LatencyModel(default_s=0.1))
     assert shedding.budget_s(now_s, INTERACTIVE, num_queued=0) is None, why
+
+
+def spread_latency() -> tuple[LatencyModel, BatchKey]:
+    """A lane's latency model at two spreads whose batches of 8 alternate 60 and 140 ms."""
+    latency, key = LatencyModel(spread_weight=2.0), row(0).key
+    latency.observe(key, 1, 0.05)
+    latency.observe(key, 8, 0.1)
+    for seconds in [0.06, 0.14] * 10:
+        latency.observe(key, 8, seconds)
+    return latency, key
+
+
+def test_a_row_bound_by_the_slo_is_admitted_by_four_spreads_one_bound_by_its_deadline_by_two() -> (
+    None
+):
+    """The same predicted finish, inside the budget at two spreads and past it at four: a row
+    that the SLO bounds is refused, a row its caller's deadline bounds (a burst's) admitted, and
+    an SLO bound at the lane's own spreads admits it too."""
+    latency, key = spread_latency()
+    share = latency.budget_share(key, 4.0)
+    assert 0.5 < share < 0.9
+    now_s, upstream_s = 0.0, 0.02
+    finish_s = queued_batcher(8, latency).predicted_finish_s(key, now_s, rank=INTERACTIVE)
+    # A budget that the finish (and the safety margin) fills between its share and its whole.
+    budget_s = (finish_s + 0.005 - now_s) * 2.0 / (1.0 + share)
+
+    def finish_by_s(slo_spreads: float | None) -> float | None:
+        shedding = SloShedding(budget_s + upstream_s, shed_past_slo=True,
+                               upstream_budget_s=upstream_s, max_linger_s=0.0,
+                               slo_spreads=slo_spreads)  # fmt: skip
+        return shedding.finish_by_s(now_s, INTERACTIVE, 8, latency, key)
+
+    def add(finish_by_s: float | None, deadline_s: float = 10.0) -> Admitted | Rejected:
+        item = row(100, finish_by_s=finish_by_s, deadline_s=deadline_s)
+        return queued_batcher(8, latency).add(item, now_s, executor_free_s=now_s)
+
+    assert finish_by_s(4.0) == pytest.approx(now_s + budget_s * share)
+    assert add(finish_by_s(4.0)) == Rejected(RejectReason.DEADLINE)
+    assert add(None, deadline_s=now_s + budget_s) == Admitted()
+    assert finish_by_s(None) == pytest.approx(now_s + budget_s)
+    assert add(finish_by_s(None)) == Admitted()

@@ -20,6 +20,12 @@ class DriverConfig:
     #: slow end of a batch's likely times, not its middle); 0 predicts by the scale alone. Not
     #: 4, as Jacobson's timer: that refused a fifth of a cold burst (docs/benchmarks.md, item 4).
     prediction_spreads: float = 2.0
+    #: Spreads a row bound by its model's SLO (slo_shedding.py) is predicted with, against that
+    #: bound: its SLO budget is cut to the share that predictions with `prediction_spreads`
+    #: may fill (LatencyModel.budget_share). Four kept a 2x flood's accepted p99 within the SLO
+    #: where two did not; a row bound by its caller's deadline alone (a cold burst's) keeps
+    #: `prediction_spreads` (docs/benchmarks.md, item 4).
+    slo_prediction_spreads: float = 4.0
     #: Upper bound on the derived linger.
     max_wait_cap_s: float = 0.05
     #: When the executor is idle, linger only if at least this many more rows are expected
@@ -54,6 +60,8 @@ class DriverConfig:
             raise ValueError("min_expected_arrivals must be >= 0")
         if not 0 <= self.prediction_spreads < float("inf"):
             raise ValueError("prediction_spreads must be finite and >= 0")
+        if not 0 <= self.slo_prediction_spreads < float("inf"):
+            raise ValueError("slo_prediction_spreads must be finite and >= 0")
         if self.watchdog_s <= 0:
             raise ValueError("watchdog_s must be > 0")
         if self.backfill_threads < -1:

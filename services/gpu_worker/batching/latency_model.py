@@ -239,6 +239,20 @@ class LatencyModel:
         """The scale predictions of `key` carry: its slowdown plus `spread_weight` spreads."""
         return self.slowdown(key) + self._spread_weight * self.spread(key)
 
+    def budget_share(self, key: BatchKey, spread_weight: float) -> float:
+        """The share of a time budget that predictions of `key` (its scale plus this model's
+        `spread_weight` spreads) may fill for what they predict to end within it by
+        `spread_weight` spreads instead: (scale + own weight x spread) / (scale + weight x
+        spread). A forecast's finish that fits the budget times this share fits the whole
+        budget at the other margin, wherever the forecast is batch compute (lingers and the
+        safety margin it also counts are scaled too, so it errs strict). 1.0 with no spread
+        (a GPU, or a CPU to itself) or the same weight."""
+        spread = self.spread(key)
+        if spread == 0.0 or spread_weight == self._spread_weight:
+            return 1.0
+        scale = self.slowdown(key)
+        return self._margined(key) / (scale + spread_weight * spread)
+
     def slowdown(self, key: BatchKey) -> float:
         """The learned scale of `key`, without its spread's margin: observed / curve, smoothed
         (its family's while it has no batches of its own; 1.0 before any)."""

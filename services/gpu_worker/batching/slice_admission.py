@@ -98,9 +98,14 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
         raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
     now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
-    shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
     deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
-    finish_by_s = None if shed_budget_s is None else now + shed_budget_s
+    finish_by_s = (
+        lane.shedding.finish_by_s(
+            now, rank, batcher.num_queued, lane.latency, lane_key(lane, ask.rows[0].bucket)
+        )
+        if ask.rows
+        else None
+    )
     weight = batcher.weight_of(ask.tenant, ask.weight)
     trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
     decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)

@@ -14,6 +14,11 @@ under a flood, a batch that takes every row, or the bound's own refusals, empty 
 between arrivals, and ending the standing there let the next interval's rows queue up to their
 deadlines (docs/benchmarks.md, item 4).
 
+A row bound by the SLO is admitted by the slow end of its batches' likely times, four spreads
+of its lane's scale (`finish_by_s`, `DriverConfig.slo_prediction_spreads`), where a row bound
+by its caller's deadline alone keeps the lane's two: four everywhere kept a flood's accepted
+p99 within the SLO, and refused part of a cold burst (docs/benchmarks.md, item 4).
+
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
 compute could no longer end within it, the batcher drops it unrun (PAST_SLO), and it is refused
@@ -33,7 +38,7 @@ from services.common.priority import PriorityClass
 from services.common.standing_queue import StandingQueue
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.types import QueuedItem
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
 
 #: The queue stands once what dispatches leave behind has waited above this share of the SLO...
 TARGET_SLO_SHARE = 0.1
@@ -71,10 +76,19 @@ class SloShedding:
     """One lane's rule: the SLO budget of a new row, or None for its deadline alone."""
 
     def __init__(
-        self, slo_s: float, *, shed_past_slo: bool, upstream_budget_s: float, max_linger_s: float
+        self,
+        slo_s: float,
+        *,
+        shed_past_slo: bool,
+        upstream_budget_s: float,
+        max_linger_s: float,
+        slo_spreads: float | None = None,
     ) -> None:
+        """`slo_spreads`: the spreads a row is predicted with against its SLO bound (`finish_by_s`;
+        None: those of its lane's predictions)."""
         self._budget_s = slo_s - upstream_budget_s
         self._always = shed_past_slo
+        self._slo_spreads = slo_spreads
         # A row may wait up to `max_linger_s` on purpose (lingering to fill its batch while
         # another key's batch leaves): only a wait past that, and past the target, is queueing.
         target_s = max(TARGET_SLO_SHARE * slo_s, max_linger_s)
@@ -89,6 +103,7 @@ class SloShedding:
             shed_past_slo=shed_past_slo,
             upstream_budget_s=driver.upstream_budget_s,
             max_linger_s=driver.max_wait_cap_s,
+            slo_spreads=driver.slo_prediction_spreads,
         )
 
     def after_dispatch(self, now_s: float, oldest_left_wait_s: float) -> None:
@@ -112,6 +127,23 @@ class SloShedding:
             return
         if finish_s - now_s - latency.predict_alone(item.key) > self.queue.target_s:
             self.queue.hold(now_s)
+
+    def finish_by_s(
+        self, now_s: float, rank: int, num_queued: int, latency: LatencyModel, key: BatchKey
+    ) -> float | None:
+        """When a new row of `key` and priority `rank`, arriving at `now_s` with `num_queued`
+        rows queued, must be predicted to finish by `latency` (its lane's model), or None (its
+        deadline bounds it): its SLO budget (`budget_s`), cut to the share that predictions at
+        the lane's margin may fill for what they predict to end within it at `slo_spreads`
+        (LatencyModel.budget_share). So a row bound by the SLO is admitted by the slow end of
+        its batches' times, and a row bound by its caller's deadline alone (a burst's) by the
+        lane's own margin."""
+        budget_s = self.budget_s(now_s, rank, num_queued)
+        if budget_s is None:
+            return None
+        if self._slo_spreads is not None:
+            budget_s *= latency.budget_share(key, self._slo_spreads)
+        return now_s + budget_s
 
     def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
         """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows
