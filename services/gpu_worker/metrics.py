@@ -172,7 +172,8 @@ class WorkerMetrics:
             "Observed / predicted batch compute, smoothed over recent batches: above 1 the "
             "machine runs slower than the latency curve says (contention). Admission "
             "predicts with it plus --prediction-spreads (2 by default) of its spreads "
-            "(inference_worker_latency_spread).",
+            "(inference_worker_latency_spread), and, against a row's SLO bound, "
+            "--slo-prediction-spreads (4).",
             _MODEL,
         )
         self.latency_spread = new.gauge(

@@ -176,6 +176,7 @@ class SimWorker:
         decision: Admitted | Rejected = batcher.can_admit(1, tenant=arrival.tenant, now_s=now_s)
         if isinstance(decision, Admitted):
             priority = _rank_of(arrival.priority)
+            shed_s = lane.shedding.budget_s(now_s, priority, batcher.num_queued)
             key = lane.key_for(arrival.num_tokens)
             item = QueuedItem(
                 item_id=next(self._item_ids),
@@ -184,11 +185,10 @@ class SimWorker:
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=request.deadline_s,
-                finish_by_s=lane.shedding.finish_by_s(
-                    now_s, priority, batcher.num_queued, lane.latency, key
-                ),
+                finish_by_s=None if shed_s is None else now_s + shed_s,
                 priority=priority,
                 weight=self._weight_for(arrival.tenant),
+                slo_share=lane.shedding.slo_share(lane.latency, key),
             )
             decision = batcher.add(item, now_s, executor_free_s=self._running_until_s)
         if isinstance(decision, Rejected):

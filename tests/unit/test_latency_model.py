@@ -375,6 +375,17 @@ def test_a_budget_share_trades_the_models_spreads_for_others() -> None:
     assert model.budget_share(key, 0.0) > 1.0  # fewer spreads: more of the budget
 
 
+def test_four_spreads_against_two_cut_at_most_half_a_budget() -> None:
+    """However wide the spread (batches 1x and 4x the curve in turn), the share stays above
+    own weight / weight."""
+    model, key = spread_model(2.0)
+    for seconds in [0.010, 0.040] * 30:
+        model.observe(key, 4, seconds)
+
+    assert model.spread(key) > 0.5 * model.slowdown(key)
+    assert 0.5 < model.budget_share(key, 4.0) < 0.7
+
+
 def test_the_margin_fades_once_batches_run_steady_again() -> None:
     model, key = spread_model(2.0)
     for seconds in [0.010, 0.030] * 10:

@@ -216,9 +216,7 @@ def direct_batches(
             lane = lane_of[arrival.model]
             rank = PriorityClass.parse(arrival.priority).rank
             key = lane.spec.key(lane.spec.bucket_for(arrival.num_tokens))
-            finish_by_s = lane.shedding.finish_by_s(
-                now_s, rank, lane.batcher.num_queued, lane.latency, key
-            )
+            budget_s = lane.shedding.budget_s(now_s, rank, lane.batcher.num_queued)
             item = QueuedItem(
                 item_id=next_id,
                 key=key,
@@ -226,9 +224,10 @@ def direct_batches(
                 num_tokens=arrival.num_tokens,
                 arrival_s=now_s,
                 deadline_s=now_s + TIMEOUT_S,
-                finish_by_s=finish_by_s,
+                finish_by_s=None if budget_s is None else now_s + budget_s,
                 priority=rank,
                 weight=DEFAULT_WEIGHT,
+                slo_share=lane.shedding.slo_share(lane.latency, key),
             )
             decision = lane.batcher.can_admit(1)
             if isinstance(decision, Admitted):

@@ -89,7 +89,7 @@ def queued_batcher(rows: int, latency: LatencyModel | None = None) -> Batcher:
 
 
 def row(item_id: int, *, finish_by_s: float | None = 0.23, deadline_s: float = 10.0,
-        priority: int = INTERACTIVE) -> QueuedItem:  # fmt: skip
+        priority: int = INTERACTIVE, slo_share: float = 1.0) -> QueuedItem:  # fmt: skip
     key = BatchKey(model="m", version="1", fingerprint="f", bucket=16)
     return QueuedItem(
         item_id=item_id,
@@ -100,6 +100,7 @@ def row(item_id: int, *, finish_by_s: float | None = 0.23, deadline_s: float = 1
         deadline_s=deadline_s,
         finish_by_s=finish_by_s,
         priority=priority,
+        slo_share=slo_share,
     )
 
 
@@ -175,23 +176,41 @@ def test_a_row_bound_by_the_slo_is_admitted_by_four_spreads_one_bound_by_its_dea
     latency, key = spread_latency()
     share = latency.budget_share(key, 4.0)
     assert 0.5 < share < 0.9
-    now_s, upstream_s = 0.0, 0.02
+
+    def shedding(slo_spreads: float | None) -> SloShedding:
+        return SloShedding(0.25, shed_past_slo=True, upstream_budget_s=0.02, max_linger_s=0.0,
+                           slo_spreads=slo_spreads)  # fmt: skip
+
+    assert shedding(4.0).slo_share(latency, key) == share
+    assert shedding(None).slo_share(latency, key) == 1.0
+    now_s = 0.0
     finish_s = queued_batcher(8, latency).predicted_finish_s(key, now_s, rank=INTERACTIVE)
     # A budget that the finish (and the safety margin) fills between its share and its whole.
     budget_s = (finish_s + 0.005 - now_s) * 2.0 / (1.0 + share)
 
-    def finish_by_s(slo_spreads: float | None) -> float | None:
-        shedding = SloShedding(budget_s + upstream_s, shed_past_slo=True,
-                               upstream_budget_s=upstream_s, max_linger_s=0.0,
-                               slo_spreads=slo_spreads)  # fmt: skip
-        return shedding.finish_by_s(now_s, INTERACTIVE, 8, latency, key)
-
-    def add(finish_by_s: float | None, deadline_s: float = 10.0) -> Admitted | Rejected:
-        item = row(100, finish_by_s=finish_by_s, deadline_s=deadline_s)
+    def add(slo_share: float, *, slo_bound: bool = True) -> Admitted | Rejected:
+        if slo_bound:
+            item = row(100, finish_by_s=now_s + budget_s, slo_share=slo_share)
+        else:
+            item = row(100, finish_by_s=None, deadline_s=now_s + budget_s, slo_share=slo_share)
         return queued_batcher(8, latency).add(item, now_s, executor_free_s=now_s)
 
-    assert finish_by_s(4.0) == pytest.approx(now_s + budget_s * share)
-    assert add(finish_by_s(4.0)) == Rejected(RejectReason.DEADLINE)
-    assert add(None, deadline_s=now_s + budget_s) == Admitted()
-    assert finish_by_s(None) == pytest.approx(now_s + budget_s)
-    assert add(finish_by_s(None)) == Admitted()
+    assert add(share) == Rejected(RejectReason.DEADLINE)
+    assert add(share, slo_bound=False) == Admitted()
+    assert add(1.0) == Admitted()
+
+
+def test_a_queued_row_is_held_to_its_whole_slo_budget() -> None:
+    """The share bounds admission's forecast only: once queued, a row is dropped unrun only when
+    it could no longer finish within the whole budget."""
+    item = row(1, finish_by_s=0.23, slo_share=0.5)
+    assert (item.admission_limit_s, item.queue_limit_s, item.is_slo_bound) == (0.115, 0.23, True)
+    assert not row(1, finish_by_s=0.23, deadline_s=0.1, slo_share=0.5).is_slo_bound
+    assert row(1, priority=PriorityClass.BATCH.rank, slo_share=0.5).queue_limit_s == 10.0
+
+    batcher = queued_batcher(0)  # every batch 0.1 s
+    assert batcher.add(item, 0.0, executor_free_s=0.0) == Admitted()  # 0.105 s, within 0.115
+    batcher.poll(0.1, executor_idle=False)  # 0.2 s at the soonest: past 0.115, within 0.23
+    assert batcher.num_queued == 1
+    batcher.poll(0.14, executor_idle=False)  # 0.24 s: past the budget, dropped
+    assert batcher.num_queued == 0

@@ -196,8 +196,7 @@ class Lane:
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
             self.shedding.refused(now_s, item, finish_s, self.latency)
-            is_slo = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
-            limit = "its SLO" if is_slo else "the request's deadline"
+            limit = "its SLO" if item.is_slo_bound else "the request's deadline"
             return Overloaded(
                 f"{key.model}/{key.version}: predicted to finish {finish_s - now_s:.3f}s from"
                 f" now, past {limit}",

@@ -244,14 +244,15 @@ class LatencyModel:
         `spread_weight` spreads) may fill for what they predict to end within it by
         `spread_weight` spreads instead: (scale + own weight x spread) / (scale + weight x
         spread). A forecast's finish that fits the budget times this share fits the whole
-        budget at the other margin, wherever the forecast is batch compute (lingers and the
-        safety margin it also counts are scaled too, so it errs strict). 1.0 with no spread
-        (a GPU, or a CPU to itself) or the same weight."""
+        budget at the other margin, wherever the forecast is batch compute (the lingers and
+        safety margin it also counts are cut too, so it errs strict; and a row predicted on its
+        floor, `predict_bounded`, whose margin the floor already bounds). It is never below own
+        weight / weight: however wide the spread, four spreads against two cut at most half of a
+        budget. 1.0 with no spread (a GPU, or a CPU to itself) or the same weight."""
         spread = self.spread(key)
         if spread == 0.0 or spread_weight == self._spread_weight:
             return 1.0
-        scale = self.slowdown(key)
-        return self._margined(key) / (scale + spread_weight * spread)
+        return self._margined(key) / (self.slowdown(key) + spread_weight * spread)
 
     def slowdown(self, key: BatchKey) -> float:
         """The learned scale of `key`, without its spread's margin: observed / curve, smoothed

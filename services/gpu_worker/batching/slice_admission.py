@@ -98,14 +98,9 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
         raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
     now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
+    shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
     deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
-    finish_by_s = (
-        lane.shedding.finish_by_s(
-            now, rank, batcher.num_queued, lane.latency, lane_key(lane, ask.rows[0].bucket)
-        )
-        if ask.rows
-        else None
-    )
+    finish_by_s = None if shed_budget_s is None else now + shed_budget_s
     weight = batcher.weight_of(ask.tenant, ask.weight)
     trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
     decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)
@@ -113,6 +108,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     outputs = SliceOutputs(asyncio.get_running_loop().create_future(), len(ask.rows))
     for index, row in enumerate(ask.rows):
         key = lane_key(lane, row.bucket)
+        slo_share = 1.0 if finish_by_s is None else lane.shedding.slo_share(lane.latency, key)
         item = QueuedItem(
             item_id=next(admission.item_ids),
             key=key,
@@ -123,6 +119,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             finish_by_s=finish_by_s,
             priority=rank,
             weight=weight,
+            slo_share=slo_share,
         )
         if isinstance(decision, Admitted):
             decision = batcher.add(

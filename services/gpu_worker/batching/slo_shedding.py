@@ -15,9 +15,10 @@ between arrivals, and ending the standing there let the next interval's rows que
 deadlines (docs/benchmarks.md, item 4).
 
 A row bound by the SLO is admitted by the slow end of its batches' likely times, four spreads
-of its lane's scale (`finish_by_s`, `DriverConfig.slo_prediction_spreads`), where a row bound
+of its lane's scale (`slo_share`, `DriverConfig.slo_prediction_spreads`), where a row bound
 by its caller's deadline alone keeps the lane's two: four everywhere kept a flood's accepted
-p99 within the SLO, and refused part of a cold burst (docs/benchmarks.md, item 4).
+p99 within the SLO, and refused part of a cold burst (docs/benchmarks.md, item 4). Once
+queued, a row is held to its whole SLO budget (QueuedItem.queue_limit_s).
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
@@ -84,8 +85,8 @@ class SloShedding:
         max_linger_s: float,
         slo_spreads: float | None = None,
     ) -> None:
-        """`slo_spreads`: the spreads a row is predicted with against its SLO bound (`finish_by_s`;
-        None: those of its lane's predictions)."""
+        """`slo_spreads`: the spreads a row is predicted with against its SLO bound for
+        admission (`slo_share`; None: those of its lane's predictions)."""
         self._budget_s = slo_s - upstream_budget_s
         self._always = shed_past_slo
         self._slo_spreads = slo_spreads
@@ -122,28 +123,21 @@ class SloShedding:
         rows, bound by their deadlines alone, would queue up to them. A row refused for its
         own deadline, a `batch` row, or one whose own compute is what misses the SLO says
         nothing about the queue, and holds nothing."""
-        slo_bound = item.finish_by_s is not None and item.finish_by_s < item.deadline_s
-        if item.priority > _URGENT_RANK or not slo_bound:
+        if item.priority > _URGENT_RANK or not item.is_slo_bound:
             return
         if finish_s - now_s - latency.predict_alone(item.key) > self.queue.target_s:
             self.queue.hold(now_s)
 
-    def finish_by_s(
-        self, now_s: float, rank: int, num_queued: int, latency: LatencyModel, key: BatchKey
-    ) -> float | None:
-        """When a new row of `key` and priority `rank`, arriving at `now_s` with `num_queued`
-        rows queued, must be predicted to finish by `latency` (its lane's model), or None (its
-        deadline bounds it): its SLO budget (`budget_s`), cut to the share that predictions at
-        the lane's margin may fill for what they predict to end within it at `slo_spreads`
+    def slo_share(self, latency: LatencyModel, key: BatchKey) -> float:
+        """The share of its SLO budget a new row of `key` bound by it may fill, as `latency` (its
+        lane's model) predicts, for admission (QueuedItem.slo_share): the share that predictions
+        at the lane's margin fill where predictions at `slo_spreads` would fill it whole
         (LatencyModel.budget_share). So a row bound by the SLO is admitted by the slow end of
         its batches' times, and a row bound by its caller's deadline alone (a burst's) by the
         lane's own margin."""
-        budget_s = self.budget_s(now_s, rank, num_queued)
-        if budget_s is None:
-            return None
-        if self._slo_spreads is not None:
-            budget_s *= latency.budget_share(key, self._slo_spreads)
-        return now_s + budget_s
+        if self._slo_spreads is None:
+            return 1.0
+        return latency.budget_share(key, self._slo_spreads)
 
     def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
         """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows

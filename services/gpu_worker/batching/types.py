@@ -60,20 +60,33 @@ class QueuedItem:
     #: The tenant's fair-share weight, as its request carried it; 0 for the batcher's
     #: configured `tenant_weights` (1 for a tenant not listed there).
     weight: float = 0.0
+    #: The share of its SLO budget (`finish_by_s` - `arrival_s`) that admission's forecast may
+    #: fill (SloShedding.slo_share: the slow end of its batches' times); once queued, the
+    #: whole budget is its bound.
+    slo_share: float = 1.0
 
     @property
     def admission_limit_s(self) -> float:
-        """When the item must be predicted to finish for admission to let it in or keep it."""
-        return (
-            self.deadline_s if self.finish_by_s is None else min(self.finish_by_s, self.deadline_s)
-        )
+        """When the item must be predicted to finish for admission to let it in."""
+        if self.finish_by_s is None:
+            return self.deadline_s
+        slo_s = self.arrival_s + (self.finish_by_s - self.arrival_s) * self.slo_share
+        return min(slo_s, self.deadline_s)
+
+    @property
+    def is_slo_bound(self) -> bool:
+        """Whether its SLO bound, not its deadline, is what admission held it to."""
+        return self.admission_limit_s < self.deadline_s
 
     @property
     def queue_limit_s(self) -> float:
         """When the item, once queued, must still be able to finish, or it is dropped unrun:
-        its admission limit for online rows, its deadline for `batch` rows (a backlog the
-        batcher holds back on purpose, close_rule.batch_width)."""
-        return self.deadline_s if self.priority >= BATCH_RANK else self.admission_limit_s
+        its SLO bound (the whole budget) or deadline, whichever comes first, for online rows;
+        its deadline for `batch` rows (a backlog the batcher holds back on purpose,
+        close_rule.batch_width)."""
+        if self.priority >= BATCH_RANK or self.finish_by_s is None:
+            return self.deadline_s
+        return min(self.finish_by_s, self.deadline_s)
 
 
 class CloseReason(enum.Enum):
