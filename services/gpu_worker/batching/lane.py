@@ -196,7 +196,11 @@ class Lane:
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
             self.shedding.refused(now_s, item, finish_s, self.latency)
-            limit = "its SLO" if item.is_slo_bound else "the request's deadline"
+            limit = (
+                f"its SLO (admitted within {item.admission_limit_s - now_s:.3f}s)"
+                if item.is_slo_bound
+                else "the request's deadline"
+            )
             return Overloaded(
                 f"{key.model}/{key.version}: predicted to finish {finish_s - now_s:.3f}s from"
                 f" now, past {limit}",

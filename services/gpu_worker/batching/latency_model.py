@@ -244,11 +244,12 @@ class LatencyModel:
         `spread_weight` spreads) may fill for what they predict to end within it by
         `spread_weight` spreads instead: (scale + own weight x spread) / (scale + weight x
         spread). A forecast's finish that fits the budget times this share fits the whole
-        budget at the other margin, wherever the forecast is batch compute (the lingers and
-        safety margin it also counts are cut too, so it errs strict; and a row predicted on its
-        floor, `predict_bounded`, whose margin the floor already bounds). It is never below own
-        weight / weight: however wide the spread, four spreads against two cut at most half of a
-        budget. 1.0 with no spread (a GPU, or a CPU to itself) or the same weight."""
+        budget at the other margin, wherever the forecast is batch compute. It errs strict: the
+        lingers and safety margin a forecast also counts are cut too, and so is a row predicted
+        on its floor (`predict_bounded`), whose margin the floor already bounds. It is never
+        below own weight / weight: however wide the spread, four spreads against two cut at
+        most half of a budget. 1.0 with no spread (a GPU, or a CPU to itself) or the same
+        weight."""
         spread = self.spread(key)
         if spread == 0.0 or spread_weight == self._spread_weight:
             return 1.0

@@ -16,9 +16,10 @@ deadlines (docs/benchmarks.md, item 4).
 
 A row bound by the SLO is admitted by the slow end of its batches' likely times, four spreads
 of its lane's scale (`slo_share`, `DriverConfig.slo_prediction_spreads`), where a row bound
-by its caller's deadline alone keeps the lane's two: four everywhere kept a flood's accepted
-p99 within the SLO, and refused part of a cold burst (docs/benchmarks.md, item 4). Once
-queued, a row is held to its whole SLO budget (QueuedItem.queue_limit_s).
+by its caller's deadline alone keeps the lane's `prediction_spreads` (two): four everywhere
+kept a flood's accepted p99 within the SLO, and refused part of a cold burst
+(docs/benchmarks.md, item 4). Once queued, a row is held to its whole SLO budget
+(QueuedItem.queue_limit_s).
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
@@ -134,10 +135,12 @@ class SloShedding:
         at the lane's margin fill where predictions at `slo_spreads` would fill it whole
         (LatencyModel.budget_share). So a row bound by the SLO is admitted by the slow end of
         its batches' times, and a row bound by its caller's deadline alone (a burst's) by the
-        lane's own margin."""
+        lane's own margin. Never above 1: a setting of fewer spreads than the lane's cuts
+        nothing."""
         if self._slo_spreads is None:
             return 1.0
-        return latency.budget_share(key, self._slo_spreads)
+        # Fewer spreads than the lane's would admit rows past the bound they are held to.
+        return min(1.0, latency.budget_share(key, self._slo_spreads))
 
     def budget_s(self, now_s: float, rank: int, num_queued: int) -> float | None:
         """Seconds a new row of priority `rank`, arriving at `now_s` with `num_queued` rows

@@ -47,10 +47,11 @@ class QueuedItem:
     arrival_s: float
     #: Absolute deadline on the driver's monotonic clock: past it, the item is dropped unrun.
     deadline_s: float
-    #: The SLO bound: the item is admitted only if predicted to finish by then, no later item
-    #: joining its batch is admitted that would push it past it (a later item with an earlier
-    #: deadline still runs first: the queue is by deadline), and an online item is dropped
-    #: unrun once it could no longer finish by then (`queue_limit_s`). None: the deadline.
+    #: The SLO bound: the item is admitted only if predicted to finish within its share of it
+    #: (`slo_share`, `admission_limit_s`), no later item joining its batch is admitted that
+    #: would push it past it (a later item with an earlier deadline still runs first: the
+    #: queue is by deadline), and an online item is dropped unrun once it could no longer
+    #: finish by then (`queue_limit_s`). None: the deadline.
     #: Earlier than the deadline for a model that sheds what would finish past its SLO (or
     #: while its queue stands: slo_shedding).
     finish_by_s: float | None = None
