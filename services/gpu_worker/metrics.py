@@ -173,7 +173,7 @@ class WorkerMetrics:
             "machine runs slower than the latency curve says (contention). Admission "
             "predicts with it plus --prediction-spreads (2 by default) of its spreads "
             "(inference_worker_latency_spread), and, against a row's SLO bound, "
-            "--slo-prediction-spreads (4).",
+            "--slo-prediction-spreads (2 by default).",
             _MODEL,
         )
         self.latency_spread = new.gauge(

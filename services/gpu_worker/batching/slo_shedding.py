@@ -14,12 +14,12 @@ under a flood, a batch that takes every row, or the bound's own refusals, empty 
 between arrivals, and ending the standing there let the next interval's rows queue up to their
 deadlines (docs/benchmarks.md, item 4).
 
-A row bound by the SLO is admitted by the slow end of its batches' likely times, four spreads
-of its lane's scale (`slo_share`, `DriverConfig.slo_prediction_spreads`), where a row bound
-by its caller's deadline alone keeps the lane's `prediction_spreads` (two): four everywhere
-kept a flood's accepted p99 within the SLO, and refused part of a cold burst
-(docs/benchmarks.md, item 4). Once queued, a row is held to its whole SLO budget
-(QueuedItem.queue_limit_s).
+A row bound by the SLO may be admitted by more spreads of its lane's scale than the lane's
+`prediction_spreads` (`slo_share`, `DriverConfig.slo_prediction_spreads`, as many by default),
+where a row bound by its caller's deadline alone keeps the lane's: four everywhere kept a
+flood's accepted p99 within the SLO and refused part of a cold burst; four against the SLO
+alone refused part of the normal traffic right after a flood (docs/benchmarks.md, item 4).
+Once queued, a row is held to its whole SLO budget (QueuedItem.queue_limit_s).
 
 Only online rows (interactive, critical) are bounded so; `batch` rows may queue up to their
 deadline. An online row admitted with the SLO bound is held to it while queued: once its own
