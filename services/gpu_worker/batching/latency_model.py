@@ -250,8 +250,10 @@ class LatencyModel:
         below own weight / weight: however wide the spread, four spreads against two cut at
         most half of a budget. 1.0 with no spread (a GPU, or a CPU to itself) or the same
         weight."""
+        if spread_weight == self._spread_weight:
+            return 1.0  # the default (--slo-prediction-spreads as --prediction-spreads): no lookup
         spread = self.spread(key)
-        if spread == 0.0 or spread_weight == self._spread_weight:
+        if spread == 0.0:
             return 1.0
         return self._margined(key) / (self.slowdown(key) + spread_weight * spread)
 
