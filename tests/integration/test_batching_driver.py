@@ -634,6 +634,40 @@ async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_row
         await driver.drain()
 
 
+async def test_a_row_refused_for_its_batch_mates_limit_is_told_so(tmp_path: Path) -> None:
+    """A row whose own deadline allows minutes, refused because joining the batch queued
+    ahead would push that batch past its first row's deadline, is told it was that row's limit,
+    not its own deadline (the message a caller and an operator read), and by queue-full
+    refusals how many rows it asked for."""
+    write_affine_model(tmp_path / "repo", max_batch_size=8, max_queue_size=2)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver(
+        [backend], DriverConfig(), WorkerMetrics(CollectorRegistry()), clock=FakeClock()
+    )
+    # Neither warmed up nor started: the curve is the one written here, nothing dispatches,
+    # and the clock stands.
+    lane = driver.open_lane(backend)
+    key = lane_key(lane, backend.buckets[0])
+    for size in range(1, 9):  # one row takes 10 ms, two or more 200 ms
+        lane.latency.observe(key, size, 0.01 if size == 1 else 0.2)
+    rows = backend.prepare_many([np.zeros(4, dtype=np.float32)])
+
+    driver.admit(backend, rows, timeout_s=0.1, tenant="t")  # alone, it ends in time
+    with pytest.raises(Overloaded) as refused:
+        driver.admit(backend, rows, timeout_s=600, tenant="t")
+    message = str(refused.value)
+    assert "past the limit of a row already queued in its batch" in message, message
+    assert "deadline" not in message, message
+    assert refused.value.retry_after_s > 0
+
+    with pytest.raises(Overloaded) as full:
+        driver.admit(
+            backend, backend.prepare_many([np.zeros(4, np.float32)] * 3), timeout_s=600, tenant="t"
+        )
+    assert "queue is full (1 rows): 3 rows, room for 1" in str(full.value), full.value
+
+
 async def test_rows_bound_by_the_slo_are_admitted_by_the_slo_spreads(tmp_path: Path) -> None:
     """The worker's admission bounds a row of a model that sheds past its SLO by
     `slo_prediction_spreads` of its lane's spread (SloShedding.slo_share,

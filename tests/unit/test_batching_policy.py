@@ -18,7 +18,7 @@ from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import CROWDED_OUT_S
 from services.gpu_worker.batching.latency_model import LatencyModel
-from services.gpu_worker.batching.policy import Batcher
+from services.gpu_worker.batching.policy import PAST_BATCH_MATES, Batcher
 from services.gpu_worker.batching.slo_shedding import EXPIRED, PAST_SLO, expiry_reason
 from services.gpu_worker.batching.types import (
     BatcherConfig,
@@ -563,9 +563,10 @@ def test_a_row_may_not_make_the_rows_of_its_batch_late() -> None:
 
     # Joining item 1's batch makes it two rows (0.02) + margin: 0.025, inside item 1's 0.03.
     assert batcher.add(make_item(item_id=2, deadline_s=10.0), 0.0) == Admitted()
-    # A third row makes that batch 0.03 + margin, past item 1's deadline, though not its own.
+    # A third row makes that batch 0.03 + margin, past item 1's deadline, though not its own:
+    # the refusal says whose limit it is.
     assert batcher.add(make_item(item_id=3, deadline_s=10.0), 0.0) == Rejected(
-        RejectReason.DEADLINE
+        RejectReason.DEADLINE, PAST_BATCH_MATES
     )
     # Item 1 gone (cancelled), the same row fits.
     assert batcher.cancel(1)

@@ -16,7 +16,7 @@ from services.common.errors import DeadlineExceeded, ExecutionFailed, Overloaded
 from services.common.priority import PriorityClass
 from services.common.telemetry import observe_counts
 from services.common.tracing import TraceContext
-from services.gpu_worker.admission import RejectReason
+from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
@@ -177,12 +177,13 @@ class Lane:
         self.row_cost_s = folded_row_cost(self.row_cost_s, per_row_s, num_rows)
 
     def rejection(
-        self, item: QueuedItem, reason: RejectReason, now_s: float, start_s: float
+        self, item: QueuedItem, refusal: Rejected, now_s: float, start_s: float
     ) -> Exception:
-        """The error a row refused for `reason` gets; `start_s` is when the executor frees. A
-        row refused as predicted late is told to the lane's SLO shedding, where it may hold a
-        standing queue (SloShedding.refused)."""
-        key = item.key
+        """The error a row refused so gets; `start_s` is when the executor frees. A row
+        refused as predicted late is told to the lane's SLO shedding, where it may hold a
+        standing queue (SloShedding.refused). The refusal's detail, when it has one, says
+        which limit or room refused it."""
+        key, reason = item.key, refusal.reason
         if reason is RejectReason.DRAINING:
             return Unavailable("worker is draining")
         max_batch_size = self.batcher.max_batch_size_for(key)
@@ -196,18 +197,20 @@ class Lane:
         if reason is RejectReason.DEADLINE:
             finish_s = self.batcher.predicted_finish_s(key, start_s)
             self.shedding.refused(now_s, item, finish_s, self.latency)
-            limit = (
-                f"its SLO (admitted within {item.admission_limit_s - now_s:.3f}s)"
-                if item.is_slo_bound
-                else "the request's deadline"
-            )
+            if refusal.detail:  # a limit not the row's own (policy.PAST_BATCH_MATES)
+                past = refusal.detail
+            elif item.is_slo_bound:
+                past = f"past its SLO (admitted within {item.admission_limit_s - now_s:.3f}s)"
+            else:
+                past = "past the request's deadline"
             return Overloaded(
                 f"{key.model}/{key.version}: predicted to finish {finish_s - now_s:.3f}s from"
-                f" now, past {limit}",
+                f" now, {past}",
                 retry_after_s=finish_s - now_s,
             )
+        why = f": {refusal.detail}" if refusal.detail else ""
         return Overloaded(
-            f"{key.model}/{key.version} queue is full ({self.batcher.num_queued} rows)",
+            f"{key.model}/{key.version} queue is full ({self.batcher.num_queued} rows){why}",
             retry_after_s=backlog_s,
         )
 

@@ -39,6 +39,9 @@ BATCH_QUEUE_SHARE = 0.5
 #: Past this share of the queue, a tenant holding more than its weighted share of the queued
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5
+#: The detail of a DEADLINE refusal for the limit of a row already queued in the batch the new
+#: row would join (forecast.QueueForecast.makes_batch_mates_late), not the new row's own.
+PAST_BATCH_MATES = "past the limit of a row already queued in its batch"
 
 
 def executor_start_s(now_s: float, executor_free_s: float | None) -> float:
@@ -256,7 +259,7 @@ class Batcher:
         if finish_s + cfg.safety_margin_s > item.admission_limit_s:
             return Rejected(RejectReason.DEADLINE)
         if self._forecast.makes_batch_mates_late(item, start_s, finish_s, cfg.safety_margin_s):
-            return Rejected(RejectReason.DEADLINE)
+            return Rejected(RejectReason.DEADLINE, PAST_BATCH_MATES)
         return None
 
     def pass_bound(

@@ -129,7 +129,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             reason = decision.reason
             admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(ask.rows))
             start_s = executor_start_s(now, admission.executor_free_s)
-            error = lane.rejection(item, reason, now, start_s)
+            error = lane.rejection(item, decision, now, start_s)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
