@@ -18,7 +18,13 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
+from services.common.errors import (
+    DeadlineExceeded,
+    ExecutionFailed,
+    InvalidInput,
+    Overloaded,
+    Unavailable,
+)
 from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
@@ -28,7 +34,7 @@ from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.metrics import total
-from tests.support.models import write_affine_model
+from tests.support.models import write_affine_model, write_small_minilm_repository
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -632,6 +638,40 @@ async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_row
         assert len(await driver.submit(backend, rows(1), timeout_s=30, tenant="t")) == 1
     finally:
         await driver.drain()
+
+
+async def test_a_caller_whose_long_row_expires_as_its_short_row_leaves_fails_alone(
+    tmp_path: Path,
+) -> None:
+    """One caller's two rows of two buckets share a deadline, but each expires by its own
+    compute: at a turn where the long row can no longer end in time, the short one can, and
+    the same poll drops the one and dispatches the other. The caller is answered
+    DEADLINE_EXCEEDED and the loop goes on (before, failing the caller withdrew the row being
+    dispatched, and the dispatch's KeyError stopped the worker's batching for good)."""
+    (version,) = load_repository(write_small_minilm_repository(tmp_path / "repo"))
+    backend = load_backend(version, torch.device("cpu"))
+    clock = FakeClock()
+    driver = BatchingDriver(
+        [backend], DriverConfig(), WorkerMetrics(CollectorRegistry()), clock=clock
+    )
+    # Neither warmed up nor started: the curves are the ones written here, and the test takes
+    # the loop's turns itself.
+    lane = driver.open_lane(backend)
+    short, long = backend.buckets
+    for size in range(1, 9):
+        lane.latency.observe(lane_key(lane, short), size, 0.01)
+        lane.latency.observe(lane_key(lane, long), size, 0.5)
+    rows = [backend.warmup_rows(short, 1)[0], backend.warmup_rows(long, 1)[0]]
+    admission = driver.admit(backend, rows, timeout_s=1.0, tenant="t")
+
+    clock.now_s += 0.7  # the long row (0.5 s) can no longer end within the second, the short can
+    driver._take_turns(0, clock(), is_idle=True)
+    assert driver.is_executing  # the short row's batch
+    with pytest.raises(DeadlineExceeded):
+        await admission.future
+    driver.withdraw(admission)
+    await driver.drain()
+    assert not lane.pending
 
 
 async def test_a_row_refused_for_its_batch_mates_limit_is_told_so(tmp_path: Path) -> None:

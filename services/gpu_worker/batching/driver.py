@@ -321,12 +321,15 @@ class BatchingDriver:
         wake_at: float | None = None
         for lane, force in turns:
             poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
-            lane.fail_expired(poll.expired, now, self._running_until_s, self._metrics)
+            # The batch's rows first: an expired row fails its caller's rows still pending, and
+            # a caller's rows of two buckets may have one in the batch (that row then runs for
+            # no one, as a row whose caller left while it ran).
             if isinstance(poll.action, Dispatch):
                 self._dispatch(lane, poll.action, now)
                 is_idle = False
             elif (until_s := poll.action.until_s) is not None:
                 wake_at = until_s if wake_at is None else min(wake_at, until_s)
+            lane.fail_expired(poll.expired, now, self._running_until_s, self._metrics)
         return wake_at
 
     def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:
