@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.errors import InvalidInput
+from services.common.errors import DeadlineExceeded, InvalidInput
 from services.common.multiplex_server import CallContext
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.registry_schema import (
@@ -59,6 +59,9 @@ def call_facts(
     if not (math.isfinite(weight) and weight > 0):
         raise InvalidInput(f"{ROUTE_WEIGHT_KEY} must be a positive number")
     remaining_s = context.time_remaining()
+    if remaining_s is not None and remaining_s <= 0:
+        # Late already: its caller's answer is the deadline's, not an overload to retry.
+        raise DeadlineExceeded("deadline exceeded before the call was routed")
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
     deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
     return CallFacts(*route_info, deadline_s, priority, tenant, weight)

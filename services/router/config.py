@@ -3,6 +3,7 @@ it once."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -80,6 +81,15 @@ class RouterConfig:
             metrics_port=self.metrics_port,
             health_port=self.tls.health_port,
         )
+        # Below 0 no attempt at all is made: every call failed UNAVAILABLE with its rows left
+        # reserved, and a generation ended OK with no token. A period of 0 spins the registry
+        # loop.
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        for name in ("refresh_period_s", "default_timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
 
 
 SETTINGS = SettingsTable(

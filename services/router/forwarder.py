@@ -256,12 +256,18 @@ class Forwarder:
     ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
         raises the refusal, or the last worker's NOT_FOUND (`failure`) when no other worker
-        is left to try: that worker's answer stands. With a `failure` it routes a retry, which
+        is left to try: that worker's answer stands. Another worker that serves the version
+        but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
+        hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed (`_after_failure` saw one left), or, without one
         left by now, gives the failure to the caller."""
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
-            if failure is not None and failure.code == grpc.StatusCode.NOT_FOUND:
+            if (
+                failure is not None
+                and failure.code == grpc.StatusCode.NOT_FOUND
+                and decision.reason is not RejectReason.DEADLINE
+            ):
                 raise failure
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:

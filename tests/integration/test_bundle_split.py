@@ -295,3 +295,23 @@ async def test_a_worker_that_no_longer_serves_the_model_is_left_for_one_that_doe
     with pytest.raises(UpstreamError) as raised:
         await call(router, bundle_of([1])[0])
     assert raised.value.code == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_worker_that_no_longer_serves_the_model_beside_a_busy_one_is_overload(
+    fabric: Fabric, router: SplittingRouter
+) -> None:
+    """w0 has stopped serving affine (its NOT_FOUND sends the bundle on), and w1, which still
+    serves it, is predicted past the bundle's deadline: the caller is refused as overload,
+    with a hint, not told that the model does not exist (before, w0's NOT_FOUND stood)."""
+    fabric.workers[0].models.remove("affine", "1")
+    now_s = time.monotonic()
+    busy = router.table.route("affine", "1", 20, 100.0, now_s, frozenset({"w0"}))
+    assert isinstance(busy, Route) and busy.worker_id == "w1"  # w1: (30 + n) s for n rows
+    # 15 rows: 25 s on w0, which is tried first and answers NOT_FOUND; 45 s on w1.
+    with pytest.raises(UpstreamError) as raised:
+        await call(router, bundle_of([5, 5, 5])[0])
+    assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, raised.value
+    assert raised.value.retry_after_s is not None and raised.value.retry_after_s > 0
+    assert router.metric(names.ROUTER_ROUTED_TOTAL, worker="w0") == 1
+    router.table.release(busy.reservation_id)
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2

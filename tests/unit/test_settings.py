@@ -143,6 +143,26 @@ def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
     assert "--drain-grace-s" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--max-retries", "-1", "max_retries must be >= 0"),
+        ("--refresh-period-s", "0", "refresh_period_s must be"),
+        ("--refresh-period-s", "nan", "refresh_period_s must be"),
+        ("--default-timeout-s", "-5", "default_timeout_s must be"),
+    ],
+)
+def test_a_router_setting_out_of_its_range_exits_2_naming_it(
+    flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, -1 retries parsed, and the router then made no attempt at all: every call
+    failed UNAVAILABLE with its rows left reserved, until every worker looked busy."""
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(router_config.SETTINGS, router_config.config_from_settings, [flag, value], {})
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("module", TIER_TABLES, ids=lambda m: m.SETTINGS.env_prefix)
 def test_two_listeners_on_one_port_exit_2_naming_both(
     module: Any, capsys: pytest.CaptureFixture[str]
