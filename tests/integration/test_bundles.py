@@ -178,6 +178,38 @@ async def test_each_slice_of_a_bundle_is_answered_on_its_own(
     assert by_code == {"OK": 2, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1, "INVALID_ARGUMENT": 1}
 
 
+async def test_a_slice_whose_deadline_passed_on_the_way_is_deadline_exceeded_alone(
+    fabric: Fabric,
+) -> None:
+    """A slice whose deadline falls more than the call's time left before the call's has no
+    time left when the bundle arrives: it is answered DEADLINE_EXCEEDED, not refused as
+    overload with a retry hint (nor counted among the worker's refusals), and its
+    bundle-mate is served."""
+    served = row(1, 2, 3, 4)
+    request = bundle(
+        "affine",
+        [
+            ([served], pb.Slice(tenant="a")),
+            ([row(5, 5, 5, 5)], pb.Slice(tenant="b", earlier_us=int((PATIENT_S + 5) * 1e6))),
+        ],
+    )
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        try:
+            body = await router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", 2),
+                timeout_s=PATIENT_S,
+            )
+        finally:
+            await router.close()
+    response = pb.InferResponse.FromString(body)
+    assert [s.code for s in response.slices] == [0, grpc.StatusCode.DEADLINE_EXCEEDED.value[0]]
+    assert "retry-after-ms" not in response.slices[1].trailers
+    np.testing.assert_allclose(tensor_from_pb(response.packed_outputs), expected(served), rtol=1e-6)
+    assert fabric.worker_metric(names.WORKER_REJECTED_TOTAL, reason="deadline") == 0
+
+
 async def test_a_slice_cancelled_before_its_bundle_arrives_takes_no_room(
     fabric: Fabric, tmp_path: Path
 ) -> None:
@@ -374,9 +406,9 @@ async def test_the_time_preparing_a_bundles_rows_counts_against_its_deadlines(
     fabric: Fabric,
 ) -> None:
     """Preparing the rows (on the worker's loop) takes longer than the call's time left: the
-    slice is refused at admission, its deadline counted from when the time left was read.
-    Before, it counted from after the preparation, and the row was queued to run for a caller
-    whose time was up."""
+    slice is answered DEADLINE_EXCEEDED at admission, its deadline counted from when the time
+    left was read. Before, it counted from after the preparation, and the row was queued to
+    run for a caller whose time was up."""
     backend = fabric.worker.models.fixed_cost_backend("affine", "1")  # type: ignore[union-attr]
     prepare_many = backend.prepare_many
 
@@ -395,7 +427,8 @@ async def test_the_time_preparing_a_bundles_rows_counts_against_its_deadlines(
     def counted(code: str) -> float:
         return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code=code)
 
-    await eventually(lambda: counted("RESOURCE_EXHAUSTED") == 1, interval_s=0.01)
+    await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
+    assert fabric.worker_metric(names.WORKER_REJECTED_TOTAL, reason="deadline") == 0
 
 
 async def test_a_bundle_that_does_not_add_up_is_refused_whole(fabric: Fabric) -> None:

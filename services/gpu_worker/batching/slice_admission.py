@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from services.common.errors import InvalidInput
+from services.common.errors import DeadlineExceeded, InvalidInput
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Admitted, Rejected
@@ -97,6 +97,10 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     error is raised."""
     if not (math.isfinite(ask.weight) and ask.weight >= 0.0):
         raise InvalidInput(f"tenant weight must be finite and >= 0, got {ask.weight}")
+    if ask.timeout_s is not None and ask.timeout_s <= 0.0:
+        # Late already (its deadline passed on the way): the deadline's answer, not an
+        # overload refusal with a retry hint.
+        raise DeadlineExceeded("deadline exceeded before its rows were queued")
     now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
     shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
     deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
