@@ -12,7 +12,9 @@ Parsed once into frozen types; a bad file fails loading with its path in the mes
 from __future__ import annotations
 
 import enum
+import functools
 import importlib
+import math
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -22,7 +24,9 @@ from types import MappingProxyType
 from typing import Any
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
-_DTYPES = frozenset({"FP32", "FP16", "INT32", "INT64", "BYTES"})
+#: Bytes of one value of each dtype (BYTES: at least one).
+_DTYPE_BYTES = {"FP32": 4, "FP16": 2, "INT32": 4, "INT64": 8, "BYTES": 1}
+_DTYPES = frozenset(_DTYPE_BYTES)
 #: A request's deadline when neither its caller nor its model's config sets one, ms.
 DEFAULT_TIMEOUT_MS = 30_000
 
@@ -125,6 +129,11 @@ class ModelConfig:
         """Embedding models: whether their outputs are L2-normalized (`preprocessing.normalize`,
         on unless the config turns it off)."""
         return bool(self.preprocessing.get("normalize", True))
+
+    @functools.cached_property
+    def output_row_bytes(self) -> int:
+        """Bytes of one row's outputs, every declared output's (BYTES values count one)."""
+        return sum(math.prod(o.dims) * _DTYPE_BYTES[o.dtype] for o in self.outputs)
 
     @property
     def slo_s(self) -> float:

@@ -35,6 +35,7 @@ import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
 from services.common.errors import UpstreamError
+from services.common.model_repository import ModelConfig
 from services.common.moving_average import MovingAverage
 from services.common.multiplex import MAX_CALL_BYTES
 from services.common.registry_schema import route_metadata
@@ -61,9 +62,20 @@ from services.pb.inference.v1 import worker_pb2 as pb
 Send = Callable[[bytes, Sequence[tuple[str, str]], float, SliceCancels], Awaitable[bytes]]
 
 
-#: Most bytes of rows one bundle carries: a call past the stream's limit would fail every
-#: caller in it (multiplex.MAX_CALL_BYTES); the rest is room for its slices' own fields.
+#: Most bytes of rows and slices one bundle carries, and of outputs its answer carries: a
+#: call or an answer past the stream's limit would fail every caller in it
+#: (multiplex.MAX_CALL_BYTES); the rest is room for the bundle's own fields.
 MAX_BUNDLE_BYTES = MAX_CALL_BYTES - (1 << 20)
+
+
+def max_bundle_rows(config: ModelConfig) -> int:
+    """Most rows a bundle of `config`'s model takes: a batch, but no more than its workers'
+    queue holds (a bundle past it is refused whole there) nor than one answer's bytes carry
+    (a model whose rows answer megabytes, served alone at light load, would otherwise fail
+    every caller of a full bundle under load)."""
+    by_bytes = MAX_BUNDLE_BYTES // max(1, config.output_row_bytes)
+    return max(1, min(config.max_batch_size, config.max_queue_size, by_bytes))
+
 
 #: Weight of a bundle's time downstream in its key's moving average.
 DOWNSTREAM_WEIGHT = 0.2
@@ -123,7 +135,10 @@ class Coalescer:
             state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
         state.linger.arrived(time.monotonic())
         bundle = state.open
-        num_bytes = sum(getattr(row, "nbytes", 0) for row in rows)  # tensors'; texts' none
+        # Its tensors' bytes (texts' are a few token ids a row) and its slice's own fields,
+        # whose request id is the caller's: one caller's long id must not take its
+        # bundle-mates past the call's limit.
+        num_bytes = sum(getattr(row, "nbytes", 0) for row in rows) + piece.ByteSize()
         entry = CallerSlice(rows, piece, deadline_s, loop.create_future(), num_bytes)
         if bundle is not None and (
             bundle.rows + len(rows) > max_rows

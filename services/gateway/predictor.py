@@ -25,7 +25,7 @@ from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, Prepare, deadline_class
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import Coalescer
+from services.gateway.coalescer import Coalescer, max_bundle_rows
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
 from services.gateway.router_retry import (
@@ -208,7 +208,7 @@ class Predictor:
                 rows,
                 piece,
                 deadline_s=time.monotonic() + timeout_s,
-                max_rows=config.max_batch_size,
+                max_rows=max_bundle_rows(config),
                 prepare=self._tokenizer(model, call.truncate) if is_text else None,
             )
         except UpstreamError as error:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -20,12 +21,13 @@ from prometheus_client import CollectorRegistry
 from services.common import metric_names as names
 from services.common.bundles import SliceCancels
 from services.common.errors import RETRY_AFTER_MS_KEY, UpstreamError, retry_after_trailer
+from services.common.model_repository import ModelConfig, parse_model_config
 from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway import coalescer as coalescer_module
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
-from services.gateway.coalescer import Coalescer
+from services.gateway.coalescer import Coalescer, max_bundle_rows
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -135,6 +137,66 @@ async def test_a_bundle_never_carries_more_bytes_than_one_call_may(
     assert sizes == [[2, 2], [2, 2], [2]]
     for i, outputs in enumerate(answers):
         np.testing.assert_array_equal(np.stack(outputs)[:, 0], [2 * i, 2 * i])
+
+
+async def test_a_callers_long_request_id_counts_against_the_bundles_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A slice's own fields count with its rows: a caller with a long request id goes in a
+    bundle of its own, not into one it would take past the call's limit (which would fail
+    every caller in it). Here the limit is 200 bytes, each caller's row 8 bytes and its
+    slice 6, or 176 with the long id."""
+    monkeypatch.setattr(coalescer_module, "MAX_BUNDLE_BYTES", 200)
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+
+    async def call_with_id(value: float, request_id: str) -> list[np.ndarray]:
+        answered = await bundles.call(
+            KEY,
+            rows(value),
+            pb.Slice(tenant="t", request_id=request_id),
+            deadline_s=time.monotonic() + 5.0,
+            max_rows=8,
+        )
+        return answered.outputs
+
+    ids = ["a", "b", "x" * 170, "c"]
+    answers = await asyncio.gather(*(call_with_id(i, id_) for i, id_ in enumerate(ids)))
+    for bundle in downstream.bundles:
+        assert bundle.ByteSize() <= 200 + 64  # the rows' packing and the bundle's own fields
+    assert [[s.request_id[:1] for s in b.slices] for b in downstream.bundles] == [
+        ["a", "b"],
+        ["x", "c"],
+    ]
+    for i, outputs in enumerate(answers):
+        np.testing.assert_array_equal(np.stack(outputs)[:, 0], [2 * i])
+
+
+def test_a_bundle_takes_no_more_rows_than_a_workers_queue_holds_or_an_answer_carries(
+    tmp_path: Path,
+) -> None:
+    """A batch, unless the model's queue is smaller (a bundle past it is refused whole at the
+    worker), or its rows' outputs are so big that a full bundle's answer would pass the call's
+    limit: [512, 768] FP32 outputs are 1.5 MiB a row, and 64 of them 96 MiB."""
+
+    def config(outputs: str, max_queue_size: int = 2048) -> ModelConfig:
+        path = tmp_path / "config.toml"
+        path.write_text(
+            f'kind = "torchscript"\nslo_p99_ms = 250\nmax_batch_size = 64\n'
+            f"max_queue_size = {max_queue_size}\n"
+            f'[inputs.x]\ndtype = "FP32"\ndims = [4]\n[outputs.y]\n{outputs}\n'
+        )
+        return parse_model_config("m", path)
+
+    small = 'dtype = "FP32"\ndims = [384]'
+    assert max_bundle_rows(config(small)) == 64
+    assert max_bundle_rows(config(small, max_queue_size=8)) == 8
+    big = config('dtype = "FP32"\ndims = [512, 768]')
+    assert big.output_row_bytes == 512 * 768 * 4
+    assert max_bundle_rows(big) == coalescer_module.MAX_BUNDLE_BYTES // (512 * 768 * 4)
+    assert max_bundle_rows(big) < 64
+    huge = config('dtype = "INT64"\ndims = [4096, 4096]')  # one row alone is past it
+    assert max_bundle_rows(huge) == 1
 
 
 async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:
