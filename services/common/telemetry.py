@@ -90,7 +90,7 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 class Children(dict[tuple[str, ...], M]):
     """A labelled metric's children by their label values, each made once: `labels()` takes a
     lock and checks and joins its values on every call, and the hot paths record per request.
-    For a metric whose children are never removed (none on those paths is)."""
+    A child removed from the metric must leave this dict too (RouterMetrics.forget_workers)."""
 
     __slots__ = ("_metric",)
 

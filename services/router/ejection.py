@@ -144,6 +144,14 @@ class TimeoutEjector:
         health.probe_until_s = None
         return period_s
 
+    def forget(self, worker_ids: set[str]) -> None:
+        """Drops what is kept of workers that left the registry (a worker id is its host and
+        process, so a restarted pod is a new one: kept, these would grow with every
+        restart)."""
+        for worker_id in worker_ids:
+            self._workers.pop(worker_id, None)
+            self._last_answer_s.pop(worker_id, None)
+
     def is_ejected(self, worker_id: str, now_s: float) -> bool:
         """Inside an ejection period now (probation not included)."""
         health = self._workers.get(worker_id)

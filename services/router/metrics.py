@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
@@ -89,3 +91,14 @@ class RouterMetrics:
         self.predicted_wait_seconds_of = Children(self.predicted_wait_seconds)
         self.request_seconds_of = Children(self.request_seconds)
         self.rejected_total_of = Children(self.rejected_total)
+
+    def forget_workers(self, worker_ids: set[str]) -> None:
+        """Removes the series of workers that left the registry: a worker id is its host and
+        process, so every pod restart is a new one, and their series would otherwise pile up
+        in every scrape for as long as the router runs."""
+        for key in [k for k in self.routed_total_of if k[-1] in worker_ids]:
+            del self.routed_total_of[key]
+            self.routed_total.remove(*key)
+        for worker_id in worker_ids:
+            with contextlib.suppress(KeyError):  # never ejected: no series
+                self.ejections_total.remove(worker_id)

@@ -93,7 +93,10 @@ class RegistrySync:
         # Heartbeats carry Redis's clock; the table works on ours. Convert via the age each
         # heartbeat had at the read, so clocks never have to agree.
         admitted = [(r, now_s - (redis_now_s - hb_s)) for r, hb_s in split.admitted]
-        self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
+        gone = self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
+        if gone:
+            self._metrics.forget_workers(gone)
+            _warned_older.difference_update(gone)
         live = self._table.live_workers(now_s)
         self._metrics.live_workers.set(len(live))
         if self._on_refresh is not None:

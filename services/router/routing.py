@@ -110,18 +110,23 @@ class RouteTable:
         # updates, so built once per snapshot and model rather than on every route.
         self._routable: dict[tuple[str, str], tuple[list[_Candidate], bool]] = {}
 
-    def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> None:
-        """Replace the snapshot with `records`, each paired with its heartbeat time (seconds).
+    def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> set[str]:
+        """Replace the snapshot with `records`, each paired with its heartbeat time (seconds);
+        returns the ids of the workers that left it (what is kept of them is dropped here).
 
         An empty read never replaces a non-empty snapshot: a restarted, empty Redis refills
         within one heartbeat period, and until then the last workers stay routable for as long
         as their heartbeats would have stayed fresh (`stale_after_s`), then time out as dead."""
+        gone: set[str] = set()
         if records or not self._workers:
+            gone = {w.worker_id for w, _ in self._workers} - {w.worker_id for w, _ in records}
             self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
+            self.timeouts.forget(gone)
         self._ever_served.update(m.key for worker, _ in records for m in worker.models)
         self._refreshed_at_s = now_s
         self._ejected_until_s = {w: t for w, t in self._ejected_until_s.items() if t > now_s}
         self._routable.clear()
+        return gone
 
     def route(
         self,

@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common.registry_schema import WorkerRecord
+from services.router.metrics import RouterMetrics
 from services.router.routing import (
     Reject,
     RejectReason,
@@ -695,3 +697,33 @@ def test_can_take_judges_as_route_does_and_reserves_nothing() -> None:
     assert table.inflight_rows("w1") == table.inflight_rows("w2") == 0
     assert not table.can_take("other", "1", 1, 10.0, 0.0)
     assert not make_table().can_take(*MODEL, 1, 10.0, 0.0)  # no snapshot yet
+
+
+def test_workers_that_leave_the_snapshot_are_named_and_their_timeouts_forgotten() -> None:
+    """A worker id is a host and a process: every pod restart is a new worker, and what a
+    router keeps of each one gone (its ejection, its last answer, its metric series) must go
+    with it, or it grows with every restart."""
+    table = loaded(make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2"))
+    for _ in range(5):  # w2's calls only time out: ejected
+        table.timeouts.record_timeout("w2", 1.0, waited_s=1.0, predicted_s=0.01)
+    assert table.timeouts.is_ejected("w2", 1.0)
+
+    assert table.update([(make_worker(worker_id="w1"), 2.0)], 2.0) == {"w2"}
+    assert not table.timeouts.is_ejected("w2", 2.0)  # forgotten, not merely left
+    # An empty read keeps the snapshot (a restarted Redis): nobody left.
+    assert table.update([], 3.0) == set()
+    assert table.update([(make_worker(worker_id="w1"), 4.0)], 4.0) == set()
+
+
+def test_the_series_of_workers_that_left_are_removed() -> None:
+    metrics = RouterMetrics(CollectorRegistry())
+    for worker in ("w1", "w2"):
+        metrics.routed_total_of[("minilm", "1", worker)].inc()
+        metrics.ejections_total.labels(worker).inc()
+
+    metrics.forget_workers({"w2"})
+    text = generate_latest(metrics.registry).decode()
+    assert 'worker="w1"' in text
+    assert 'worker="w2"' not in text
+    assert list(metrics.routed_total_of) == [("minilm", "1", "w1")]
+    metrics.forget_workers({"w3"})  # never seen: nothing to remove, no error
