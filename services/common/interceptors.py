@@ -124,8 +124,13 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                 scopes.append(scope)
         wrap = _whole if method.wraps_whole else _streaming
         behaviour = wrap(name, method, tuple(scopes), refusal)
-        deserialize = method.deserialize if refusal is None else _unparsed
-        return method.factory(behaviour, deserialize, method.serialize)
+        if refusal is not None:
+            # Answered at once, as a call whose requests are never read: grpc reads a unary
+            # call's body before its handler runs, and a caller that sends none (refused for
+            # no API key, say) would hold its places here (the door's, grpc's) meanwhile.
+            factory = HANDLER_FACTORIES[(True, method.source.response_streaming)]
+            return factory(behaviour, _unparsed, method.serialize)
+        return method.factory(behaviour, method.deserialize, method.serialize)
 
 
 def _whole(

@@ -148,6 +148,31 @@ async def keyed_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     await gateway.stop()
 
 
+async def test_a_call_refused_at_its_headers_is_answered_without_waiting_for_its_body(
+    keyed_gateway: Gateway,
+) -> None:
+    """A call presenting no API key is refused at its headers: answered UNAUTHENTICATED at
+    once, not after a body it never sends. Before, the refusal waited for the body, and a
+    caller that sent none held its place at the door (and at grpc's max_concurrent_rpcs) until
+    its deadline or its connection's age: enough such calls, sent with no key at all, filled
+    the door and refused every tenant."""
+    door = keyed_gateway.door
+    assert door is not None
+    body_sent = asyncio.Event()
+
+    async def no_body() -> AsyncIterator[bytes]:
+        await body_sent.wait()  # never, while the call lasts
+        yield b""
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{keyed_gateway.port}") as channel:
+        predict = channel.stream_unary("/inference.v1.InferenceService/Predict")
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await predict(no_body(), timeout=20)
+        body_sent.set()
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED, raised.value
+    assert door.num_in_flight == 0
+
+
 def undecodable_text(num_rows: int, num_bytes: int) -> kserve.ModelInferRequest:
     """A minilm request of `num_rows` texts whose BYTES framing is broken: the first length
     prefix claims more bytes than follow."""
