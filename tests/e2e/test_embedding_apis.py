@@ -160,6 +160,10 @@ def test_openai_dimensions_and_truncation_where_the_model_allows(
 ) -> None:
     with pytest.raises(openai.BadRequestError, match="minilm cannot shorten"):
         client.embeddings.create(model="minilm", input="hi", dimensions=64)
+    # Its own size shortens nothing: answered as it is, by any model.
+    (same,) = client.embeddings.create(model="minilm", input=TEXTS[0], dimensions=384).data
+    assert len(same.embedding) == 384
+    assert cosine(np.asarray(same.embedding), reference_embedder(TEXTS[:1])[0]) >= 0.999
     (short,) = client.embeddings.create(model=MATRYOSHKA, input=TEXTS[0], dimensions=64).data
     expected = reference_embedder(TEXTS[:1])[0][:64]
     assert len(short.embedding) == 64

@@ -6,10 +6,17 @@ from __future__ import annotations
 import json
 import struct
 
+import grpc
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidInput, NotFound, Overloaded, Unauthenticated
+from services.common.errors import (
+    InvalidInput,
+    NotFound,
+    Overloaded,
+    Unauthenticated,
+    UpstreamError,
+)
 from services.gateway.http.codec import (
     HEADER_LENGTH,
     bytes_elements,
@@ -205,6 +212,8 @@ def test_errors_map_to_http_statuses_with_retry_after() -> None:
     assert unauthenticated.status == 401
     assert unauthenticated.headers == {"WWW-Authenticate": "Bearer"}
     assert http_error(NotFound("gone")).status == 404
+    # Dropped further down, safe to send again: a status stock clients retry (not 499).
+    assert http_error(UpstreamError(grpc.StatusCode.CANCELLED, "dropped")).status == 503
     bug = http_error(ZeroDivisionError("secret detail"))
     assert bug.status == 500 and bug.message == "internal error"
     assert json.loads(http_error(InvalidInput("bad")).openai_body())["error"]["type"] == (

@@ -71,16 +71,17 @@ class EmbeddingsApi:
     ) -> tuple[np.ndarray, PredictResult]:
         """Runs `parsed` as one Predict call; the vectors shaped as it asked."""
         output_dims = config.outputs[0].dims[-1]
-        if parsed.dimensions is not None:
+        # The model's own size shortens nothing: asked of any model (clients set up with a
+        # fixed `dimensions` send it on every call), it is the model's answer as it is.
+        dimensions = None if parsed.dimensions == output_dims else parsed.dimensions
+        if dimensions is not None:
             if not config.embedding.shortenable:
                 raise InvalidInput(
                     f"{config.name} cannot shorten its embeddings: dimensions is only honoured "
                     "for a model whose config declares [embedding] shortenable = true"
                 )
-            if parsed.dimensions > output_dims:
-                raise InvalidInput(
-                    f"dimensions {parsed.dimensions} exceeds {config.name}'s {output_dims}"
-                )
+            if dimensions > output_dims:
+                raise InvalidInput(f"dimensions {dimensions} exceeds {config.name}'s {output_dims}")
         model_normalizes = config.normalizes_embeddings
         normalize = model_normalizes if parsed.normalize is None else parsed.normalize
         truncate = config.embedding.truncate if parsed.truncate is None else parsed.truncate
@@ -97,7 +98,7 @@ class EmbeddingsApi:
             )
         )
         vectors = shaped_vectors(
-            result.outputs, dimensions=parsed.dimensions,
+            result.outputs, dimensions=dimensions,
             is_normalized=model_normalizes and normalize, normalize=normalize,
         )  # fmt: skip
         return vectors, result

@@ -13,7 +13,11 @@ from aiohttp import web
 from services.common.errors import RETRY_AFTER_MS_KEY, ServingError
 from services.common.grpc_errors import status_of
 
-#: gRPC codes to HTTP statuses (as KServe and grpc-gateway map them); others are 500.
+#: gRPC codes to HTTP statuses (as KServe and grpc-gateway map them); others are 500. Not
+#: CANCELLED to grpc-gateway's 499: a client that hung up is written nothing (its handler is
+#: cancelled), so a CANCELLED answered here came from further down (a call dropped unseen
+#: past --max-pending-calls, a tier stopping past its grace), which is safe to send again, and
+#: stock clients (OpenAI's, tritonclient, TEI's) retry a 503, never a 499.
 HTTP_STATUSES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.OUT_OF_RANGE: 400,
@@ -23,7 +27,7 @@ HTTP_STATUSES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.ALREADY_EXISTS: 409,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.CANCELLED: 503,
     grpc.StatusCode.UNIMPLEMENTED: 501,
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
