@@ -87,6 +87,8 @@ def test_stock_triton_http_client_speaks_to_the_rest_port(stack: Stack) -> None:
     config = report["config"]
     assert config["name"] == "minilm" and config["max_batch_size"] > 0
     assert config["input"][0]["name"] == "text" and config["input"][0]["data_type"] == "TYPE_STRING"
+    # Numbers, as Triton writes them (protobuf's JSON writes int64 dims as strings).
+    assert config["output"][0]["dims"] == [384]
     (stats,) = report["statistics"]["model_stats"]
     # Two infers of two rows each went before the statistics were read.
     assert stats["name"] == "minilm" and stats["inference_count"] >= 4

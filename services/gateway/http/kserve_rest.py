@@ -13,6 +13,8 @@ from typing import Any, cast
 import grpc
 from aiohttp import web
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import Message
 
 from services.common.errors import InvalidInput
 from services.common.grpc_errors import is_bug
@@ -39,8 +41,11 @@ from services.pb.inference import grpc_service_pb2 as kserve
 
 #: Parameters of a generate request that are not sampling parameters.
 _CONTROL_PARAMETERS = ("priority", "timeout")
-#: Statistics fields that are strings, not int64 counts, in JSON.
-_TEXT_FIELDS = frozenset({"name", "version"})
+#: The field types protobuf's JSON writes as strings.
+_INT64_TYPES = frozenset({
+    FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
+    FieldDescriptor.TYPE_FIXED64, FieldDescriptor.TYPE_SFIXED64,
+})  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +70,38 @@ def _tensor_metadata(tensors: Any) -> list[dict[str, Any]]:
     return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)} for t in tensors]
 
 
-def _counts_as_numbers(value: Any, key: str = "") -> Any:
-    """protobuf's JSON writes int64 as strings; Triton's statistics JSON has numbers."""
-    if isinstance(value, dict):
-        return {k: _counts_as_numbers(v, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_counts_as_numbers(v, key) for v in value]
-    if isinstance(value, str) and key not in _TEXT_FIELDS and value.isdigit():
-        return int(value)
+def _as_json(message: Message) -> dict[str, Any]:
+    """`message` as protobuf's JSON writes it, but with its 64-bit integers as numbers, as
+    Triton writes them: protobuf writes them as strings, and a client's
+    `np.zeros(config["output"][0]["dims"])` refuses ["384"]."""
+    as_dict = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    return _with_numbers(cast(Descriptor, message.DESCRIPTOR), as_dict)
+
+
+def _with_numbers(descriptor: Descriptor, value: dict[str, Any]) -> dict[str, Any]:
+    """`value` (a message of `descriptor` as JSON) with its 64-bit integer fields as ints."""
+    for name, item in value.items():
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        kind = field.message_type
+        if kind is not None and kind.GetOptions().map_entry:
+            value[name] = {
+                k: _field_value(kind.fields_by_name["value"], v) for k, v in item.items()
+            }
+        elif isinstance(item, list):
+            value[name] = [_field_value(field, v) for v in item]
+        else:
+            value[name] = _field_value(field, item)
     return value
+
+
+def _field_value(field: FieldDescriptor, item: Any) -> Any:
+    if field.message_type is not None and isinstance(item, dict):
+        return _with_numbers(field.message_type, item)
+    if field.type in _INT64_TYPES and isinstance(item, str):
+        return int(item)
+    return item
 
 
 def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.ModelInferRequest:
@@ -187,16 +215,16 @@ class KServeRest:
         answer = await self._servicer.ModelConfig(
             kserve.ModelConfigRequest(name=name, version=version), _CONTEXT
         )
-        return _json(json_format.MessageToDict(answer.config, preserving_proto_field_name=True))
+        return _json(_as_json(answer.config))
 
     async def stats(self, request: web.Request) -> web.Response:
         name, version = request.match_info.get("name", ""), request.match_info.get("version", "")
         answer = await self._servicer.ModelStatistics(
             kserve.ModelStatisticsRequest(name=name, version=version), _CONTEXT
         )
-        as_dict = json_format.MessageToDict(answer, preserving_proto_field_name=True)
+        as_dict = _as_json(answer)
         as_dict.setdefault("model_stats", [])
-        return _json(_counts_as_numbers(as_dict))
+        return _json(as_dict)
 
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's `POST /v2/repository/index` (body `{"ready": true}` optional): a JSON array
