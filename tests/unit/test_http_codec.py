@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+from typing import Any
 
 import grpc
 import numpy as np
@@ -233,6 +234,35 @@ def test_completion_request_defaults_and_refusals() -> None:
                          "max_completion_tokens": 4, "stream": True,
                          "stream_options": {"include_usage": True}}, None)  # fmt: skip
     assert chat.sampling["max_tokens"] == 4 and chat.is_streaming and chat.include_usage
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"logprobs": 1}, {"logprobs": True}, {"top_logprobs": 3}, {"echo": True},
+        {"logit_bias": {"50256": -100}}, {"suffix": "end"}, {"frequency_penalty": 0.5},
+        {"presence_penalty": -1}, {"best_of": 3}, {"response_format": {"type": "json_object"}},
+    ],
+)  # fmt: skip
+def test_a_field_asking_for_what_is_not_generated_is_refused(field: dict[str, Any]) -> None:
+    """Before, these were accepted whatever their value and answered without what they asked
+    (no log probabilities, no echoed prompt, text where JSON was asked for)."""
+    with pytest.raises(InvalidInput, match=next(iter(field))):
+        completion_request({"model": "m", "prompt": "p", **field})
+
+
+def test_fields_at_their_defaults_or_null_are_accepted() -> None:
+    defaults = {
+        "logprobs": None, "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": None,
+        "frequency_penalty": 0, "presence_penalty": 0.0, "best_of": 1,
+        "response_format": {"type": "text"}, "user": "u-1", "n": None,
+    }  # fmt: skip
+    parsed = completion_request({"model": "m", "prompt": "p", **defaults})
+    assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS}
+    chat = chat_request(
+        {"model": "m", "messages": [{"role": "user", "content": "q"}], "logprobs": False}, None
+    )
+    assert chat.prompt.endswith("assistant:")
 
 
 def test_chat_prompt_plain_and_with_the_models_template() -> None:

@@ -23,9 +23,16 @@ from services.common.errors import InvalidInput
 #: OpenAI's default completion length (tokens) when a request gives none.
 DEFAULT_MAX_TOKENS = 16
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-_IGNORED = frozenset({"user", "logprobs", "top_logprobs", "logit_bias", "echo", "suffix",
-                      "frequency_penalty", "presence_penalty", "best_of", "response_format",
-                      "parallel_tool_calls", "store", "metadata"})  # fmt: skip
+#: Fields accepted whatever their value: they ask nothing of the generation.
+_IGNORED = frozenset({"user", "parallel_tool_calls", "store", "metadata"})
+#: Fields accepted null or at their defaults only: any other value asks for what is not
+#: generated (log probabilities, an echoed prompt, penalties, JSON output), and answering
+#: without it would hand a client that reads it an answer it did not ask for.
+_AT_DEFAULT: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},), "echo": (False,),
+    "suffix": ("",), "frequency_penalty": (0,), "presence_penalty": (0,), "best_of": (1,),
+    "response_format": ({"type": "text"},),
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -48,15 +55,21 @@ def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[st
     for key in ("temperature", "top_p", "seed", "stop"):
         if body.get(key) is not None:
             sampling[key] = body[key]
-    if body.get("n", 1) != 1:
+    if body.get("n") not in (None, 1):
         raise InvalidInput("n must be 1: one choice per request")
     return sampling
 
 
 def _common(body: dict[str, Any], known: frozenset[str]) -> tuple[str, bool, bool]:
-    unknown = sorted(set(body) - known - _IGNORED)
+    unknown = sorted(set(body) - known - _IGNORED - set(_AT_DEFAULT))
     if unknown:
         raise InvalidInput(f"unsupported fields {unknown}")
+    asked = sorted(
+        key for key, defaults in _AT_DEFAULT.items()
+        if body.get(key) is not None and body[key] not in defaults
+    )  # fmt: skip
+    if asked:
+        raise InvalidInput(f"unsupported {asked}: accepted only null or at their defaults")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidInput("model (a string) is required")
