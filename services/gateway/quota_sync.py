@@ -146,7 +146,8 @@ class QuotaSync:
             *_, raw = await pipe.execute()
         demands = self._live_demands(raw)
         self._num_gateways = max(1, len(demands))
-        shares = fleet_shares(self.gateway_id, demands, limited)
+        quotas = self._admission.quotas
+        shares = fleet_shares(self.gateway_id, demands, limited, quotas.shares)
         self._apply(shares)
         return shares
 

@@ -96,6 +96,11 @@ class TenantQuotas:
     def set_shares(self, shares: Mapping[str, float]) -> None:
         self._shares = dict(shares)
 
+    @property
+    def shares(self) -> Mapping[str, float]:
+        """The shares set last (`set_shares`; empty before the first)."""
+        return self._shares
+
     def share(self, tenant: str) -> float:
         return self._shares.get(tenant, 1.0)
 
@@ -167,20 +172,28 @@ class TenantQuotas:
 
 
 def fleet_shares(
-    local_id: str, demands: Mapping[str, Mapping[str, float]], tenants: frozenset[str]
+    local_id: str,
+    demands: Mapping[str, Mapping[str, float]],
+    tenants: frozenset[str],
+    previous: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Each tenant's share for gateway `local_id`, from every live gateway's recent demand
     (gateway id -> tenant -> calls/s; the local gateway's own entry included). A tenant's
-    share is its local demand over its fleet demand, at least MIN_SHARE_OF_EQUAL / N; with
-    no demand anywhere, 1 / N."""
+    share is its local demand over its fleet demand, at least MIN_SHARE_OF_EQUAL / N. With no
+    demand anywhere, it keeps its `previous` share (this gateway's last), else 1 / N: a round
+    without new calls (a tenant between bursts, or holding long calls) says nothing about
+    where its calls go. Reset to 1 / N, a gateway serving all of a tenant's calls refused most
+    of its next burst (its bucket clipped to the share) and the replacement of a finished long
+    call under max_concurrency, until the next round."""
     num_gateways = max(1, len(demands) if local_id in demands else len(demands) + 1)
     floor = MIN_SHARE_OF_EQUAL / num_gateways
     local = demands.get(local_id, {})
+    kept = previous or {}
     shares = {}
     for tenant in tenants:
         total = sum(d.get(tenant, 0.0) for d in demands.values())
         if total <= 0.0:
-            shares[tenant] = 1.0 / num_gateways
+            shares[tenant] = kept.get(tenant, 1.0 / num_gateways)
         else:
             shares[tenant] = max(floor, local.get(tenant, 0.0) / total)
     return shares

@@ -89,4 +89,4 @@ class GatewayAdmission:
             for index, quotas in enumerate(self._quotas)
         }
         for index, quotas in enumerate(self._quotas):
-            quotas.set_shares(fleet_shares(str(index), demands, self._limited))
+            quotas.set_shares(fleet_shares(str(index), demands, self._limited, quotas.shares))

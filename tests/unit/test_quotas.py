@@ -101,6 +101,23 @@ def test_fleet_shares_follow_each_gateways_demand() -> None:
     assert shares["ads"] == shares["quiet"] == pytest.approx(0.5)
 
 
+def test_a_round_without_demand_keeps_the_last_shares() -> None:
+    """A tenant between bursts (or holding long calls) offers nothing for a round: each
+    gateway keeps the share it had, so the one serving all its calls still takes its next
+    burst whole and replaces a finished long call, where 1 / N refused most of them."""
+    busy = fleet_shares("a", {"a": {"search": 40.0}, "b": {}}, frozenset({"search"}))
+    assert busy["search"] == pytest.approx(1.0)
+    idle = {"a": {}, "b": {}}
+    assert fleet_shares("a", idle, frozenset({"search"}), busy) == busy
+    # With no share of its own yet (just started), an equal split, as before.
+    assert fleet_shares("a", idle, frozenset({"search"}), {}) == {"search": 0.5}
+
+    quotas = TenantQuotas()
+    policy = make_policy(requests_per_s=100.0, burst_s=1.0)
+    quotas.set_shares(fleet_shares("a", idle, frozenset({"search"}), busy))
+    assert sum(quotas.acquire(policy, now_s=0.0) is None for _ in range(100)) == 100
+
+
 def test_a_gateway_without_demand_keeps_a_floor_so_a_first_call_is_not_refused() -> None:
     demands = {"a": {"search": 50.0}, "b": {}, "c": {}, "d": {}}
     share = fleet_shares("b", demands, frozenset({"search"}))["search"]
