@@ -206,6 +206,14 @@ def _read_keys(path: Path) -> dict[str, Principal]:
         )
     if not entries:
         raise ValueError(f"{path}: no [[keys]] entries")
+    named = {principal.tenant for principal in entries.values()}
+    for name in sorted(set(tenants) - named):
+        # Said, not refused: a tenant may be set up before its keys are issued.
+        log.warning(
+            "%s: [tenants.%s] is no key's tenant, so its limits apply to no one (a misspelt "
+            "name leaves the tenant it meant unlimited); tenants with keys: %s",
+            path, name, ", ".join(sorted(named)),
+        )  # fmt: skip
     return entries
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -38,3 +39,17 @@ def test_admin_must_be_a_boolean(tmp_path: Path) -> None:
 def test_local_mode_without_keys_is_the_operator() -> None:
     LOCAL_PRINCIPAL.check_admin("RepositoryIndex")
     assert LOCAL_PRINCIPAL.is_admin
+
+
+def test_a_tenant_table_no_key_belongs_to_is_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A misspelt `[tenants.NAME]` applies to no one and leaves the tenant it meant unlimited:
+    loading says so (before, it was ignored silently)."""
+    path = keys_file(tmp_path, "")
+    path.write_text(path.read_text() + "\n[tenants.serach]\nrequests_per_s = 5\n")
+    with caplog.at_level(logging.WARNING, logger="services.gateway.auth"):
+        store = KeyStore.from_file(path)
+    assert store.authenticate("search-key").policy.requests_per_s is None  # not limited
+    (record,) = [r for r in caplog.records if "serach" in r.getMessage()]
+    assert "no key's tenant" in record.getMessage() and "ops, search" in record.getMessage()
