@@ -102,18 +102,16 @@ class RouteTable:
         self.timeouts = TimeoutEjector(config.timeout_ejection)
         # Rows this router sent per (worker_id, "name@version") and tenant, not yet answered.
         self._reservations = Reservations()
-        # Every "name@version" some worker has served since start: one no worker serves now
-        # is UNAVAILABLE (it may come back), never NOT_FOUND (permanent to clients).
+        # Every "name@version" served since start: one no worker serves now is UNAVAILABLE
+        # (it may come back), never NOT_FOUND (permanent to clients).
         self._ever_served: set[str] = set()
-        # (name, version) -> the snapshot's workers routable for it (alive at the refresh, not
-        # draining, ready), and whether any worker of the snapshot serves it. Fixed between
-        # updates, so built once per snapshot and model rather than on every route.
+        # (name, version) -> the snapshot's routable workers for it (alive, not draining,
+        # ready) and whether any serves it: built once per snapshot and model, not per route.
         self._routable: dict[tuple[str, str], tuple[list[_Candidate], bool]] = {}
 
     def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> set[str]:
         """Replace the snapshot with `records`, each paired with its heartbeat time (seconds);
         returns the ids of the workers that left it (what is kept of them is dropped here).
-
         An empty read never replaces a non-empty snapshot: a restarted, empty Redis refills
         within one heartbeat period, and until then the last workers stay routable for as long
         as their heartbeats would have stayed fresh (`stale_after_s`), then time out as dead."""
@@ -339,10 +337,8 @@ class RouteTable:
     def _budget_s(self, model: ModelRecord, remaining_s: float) -> float:
         """Seconds a request may be predicted to take there: its remaining deadline, and the
         model's SLO too when the model sheds past it; less the margin."""
-        budget_s = remaining_s
-        if model.shed_past_slo:
-            budget_s = min(budget_s, model.slo_p99_ms / 1000.0)
-        return budget_s - self._config.deadline_margin_s
+        slo_s = model.slo_p99_ms / 1000.0 if model.shed_past_slo else math.inf
+        return min(remaining_s, slo_s) - self._config.deadline_margin_s
 
     def _admits(self, candidate: _Candidate, remaining_s: float) -> bool:
         """An idle worker (nothing queued by its last heartbeat or by us) takes any request its
@@ -388,9 +384,7 @@ class RouteTable:
 
     def snapshot_age_s(self, now_s: float) -> float | None:
         """Seconds since the last `update`, or None before the first one."""
-        if self._refreshed_at_s is None:
-            return None
-        return now_s - self._refreshed_at_s
+        return None if self._refreshed_at_s is None else now_s - self._refreshed_at_s
 
     def _is_alive(self, heartbeat_s: float, refreshed_at_s: float) -> bool:
         # Judged at the last refresh, not at now_s: while Redis is unreachable the snapshot is
