@@ -79,6 +79,9 @@ class _Method:
         self.behaviour: Callable[..., Any] = behaviour
         shape = (handler.request_streaming, handler.response_streaming)
         self.factory = HANDLER_FACTORIES[shape]
+        # A refused call's handler never reads its requests, so grpc runs it at once, before
+        # any body arrives: one a caller never sends holds no place (the door's, grpc's).
+        self.refusing_factory = HANDLER_FACTORIES[(True, handler.response_streaming)]
         self.check: Callable[[Any], Any] = parsed_each if handler.request_streaming else parsed
         self.serialize = handler.response_serializer
         # A streaming handler that writes with `context.write` from a coroutine (grpcio's own
@@ -124,12 +127,8 @@ class ServerCalls(grpc.aio.ServerInterceptor):
                 scopes.append(scope)
         wrap = _whole if method.wraps_whole else _streaming
         behaviour = wrap(name, method, tuple(scopes), refusal)
-        if refusal is not None:
-            # Answered at once, as a call whose requests are never read: grpc reads a unary
-            # call's body before its handler runs, and a caller that sends none (refused for
-            # no API key, say) would hold its places here (the door's, grpc's) meanwhile.
-            factory = HANDLER_FACTORIES[(True, method.source.response_streaming)]
-            return factory(behaviour, _unparsed, method.serialize)
+        if refusal is not None:  # answered at once, whether or not a body ever comes
+            return method.refusing_factory(behaviour, _unparsed, method.serialize)
         return method.factory(behaviour, method.deserialize, method.serialize)
 
 

@@ -146,8 +146,7 @@ class QuotaSync:
             *_, raw = await pipe.execute()
         demands = self._live_demands(raw)
         self._num_gateways = max(1, len(demands))
-        quotas = self._admission.quotas
-        shares = fleet_shares(self.gateway_id, demands, limited, quotas.shares)
+        shares = fleet_shares(self.gateway_id, demands, limited, self._admission.quotas.shares)
         self._apply(shares)
         return shares
 
