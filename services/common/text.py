@@ -33,6 +33,20 @@ class TokenIds:
     ids: np.ndarray
 
 
+@dataclass(frozen=True)
+class TemplatedText:
+    """A prompt a model's chat template rendered: the template's own text is trusted (its
+    special tokens are meant), the callers' message contents in it are not.
+
+    `literal_spans`: where each content sits in `text` ((start, end) in characters, in order),
+    or None when the template rendered the contents in a way that could not be told apart
+    from its own text; `literals`: the contents as the callers sent them."""
+
+    text: str
+    literal_spans: tuple[tuple[int, int], ...] | None
+    literals: tuple[str, ...]
+
+
 class TextEncoder:
     def __init__(self, weights_dir: Path, config: ModelConfig) -> None:
         tokenizer_path = weights_dir / "tokenizer.json"
@@ -74,6 +88,57 @@ class TextEncoder:
         truncating.encode_special_tokens = True
         truncating.enable_truncation(self.max_tokens)
         return truncating
+
+    @functools.cached_property
+    def _template_tokenizer(self) -> Tokenizer:
+        """The same tokenizer reading special tokens in text as the tokens they name (for a
+        chat template's own text only), made on the first templated prompt; a copy."""
+        return Tokenizer.from_str(self.tokenizer.to_str())
+
+    @functools.cached_property
+    def _special_tokens(self) -> dict[int, str]:
+        """The tokenizer's special tokens, by id."""
+        added = self.tokenizer.get_added_tokens_decoder()
+        return {i: token.content for i, token in added.items() if token.special}
+
+    def encode_templated(self, prompt: TemplatedText) -> np.ndarray:
+        """Token ids of a chat template's rendering (int64): the template's special tokens (its
+        `bos_token`, `<|eot_id|>`...) as the ids they name, the message contents as text
+        whatever they hold, and nothing added (the template writes its own BOS, as Hugging
+        Face's `apply_chat_template` has it). Raises InvalidInput.
+
+        The whole rendering is tokenized at once (the ids Hugging Face gives) unless a content
+        holds a special token's text; then its pieces are tokenized apart, the contents' as
+        text. Contents the template did not render as sent cannot be located: one holding a
+        special token's text is then refused, as it could not be kept text."""
+        text = self._check_text(prompt.text, truncate=False)
+        encoding = self._template_tokenizer.encode(text, add_special_tokens=False)
+        specials = self._special_tokens
+        spans = prompt.literal_spans
+        if spans is None:
+            for literal in prompt.literals:
+                if held := [t for t in specials.values() if t in literal]:
+                    raise InvalidInput(
+                        f"a message holds the special token {held[0]!r}, which this model's "
+                        "chat template would not keep as text"
+                    )
+            return self.check_ids(np.asarray(encoding.ids, dtype=np.int64))
+        injected = any(
+            start < end_s and start_s < end
+            for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
+            if token in specials
+            for start_s, end_s in spans
+        )
+        if not injected:
+            return self.check_ids(np.asarray(encoding.ids, dtype=np.int64))
+        ids: list[int] = []
+        position = 0
+        for start_s, end_s in (*spans, (len(text), len(text))):
+            own, literal = text[position:start_s], text[start_s:end_s]
+            ids += self._template_tokenizer.encode(own, add_special_tokens=False).ids
+            ids += self.tokenizer.encode(literal, add_special_tokens=False).ids
+            position = end_s
+        return self.check_ids(np.asarray(ids, dtype=np.int64))
 
     def _check_text(self, text: str, *, truncate: bool) -> str:
         """`text` after the cheap checks; truncating, cut to the characters that can fit."""

@@ -17,6 +17,7 @@ from typing import Any
 
 from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
+from services.common.text import TemplatedText
 from services.gateway.auth import Principal
 from services.gateway.http.codec import is_json_int
 from services.gateway.predictor import GenerateCall, Predictor
@@ -205,9 +206,11 @@ async def generate_one(
     request: kserve.ModelInferRequest,
     principal: Principal,
     timeout_s: float | None,
+    templated: TemplatedText | None = None,
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
     """One generation request (inputs as the module describes), its responses as they come;
-    errors raise (ServingError). Shared by ModelStreamInfer and the REST generate endpoints."""
+    errors raise (ServingError). Shared by ModelStreamInfer and the REST generate endpoints.
+    `templated`: the chat template's rendering `text_input` holds (the OpenAI chat API's)."""
     check_inputs(request)
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
@@ -228,6 +231,7 @@ async def generate_one(
         request_id=request.id,
         timeout_s=options.deadline_s(timeout_s),
         priority=options.priority,
+        templated=templated,
     )
     collected = [prompt] if include_prompt else []
     async for message in predictor.generate(call):

@@ -19,6 +19,7 @@ from services.common.multiplex import MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
+from services.common.text import TemplatedText
 from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
@@ -70,6 +71,9 @@ class GenerateCall:
     timeout_s: float | None
     #: The class the caller asked for; None: its tenant's default.
     priority: PriorityClass | None = None
+    #: A chat prompt the model's template rendered (`prompt` is its text), its special tokens
+    #: read as tokens; None: the prompt is all the caller's text.
+    templated: TemplatedText | None = None
 
 
 @dataclass(frozen=True)
@@ -339,7 +343,10 @@ class Predictor:
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
         self.admission.charge_rows(call.principal.policy, 1)
-        (ids,) = model.encoder.encode_many([call.prompt])
+        if call.templated is not None:
+            ids = model.encoder.encode_templated(call.templated)
+        else:
+            (ids,) = model.encoder.encode_many([call.prompt])
         checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids))
         request = pb.WorkerGenerateRequest(
             model_name=config.name,

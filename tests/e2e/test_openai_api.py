@@ -5,14 +5,17 @@ model list; refusals as OpenAI errors with their HTTP statuses."""
 from __future__ import annotations
 
 import json
+import shutil
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
 
 from services.gateway.auth import hash_key
-from tests.support.stack import Stack, start_stack
+from services.gpu_worker.generation.tiny_llama import BOS_TOKEN, EOS_TOKEN
+from tests.support.stack import REPO_ROOT, Stack, start_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -21,6 +24,24 @@ MODEL = "tiny-llama"
 #: tiny-llama's tokenizer is byte-level with <s> prepended: a prompt of N ASCII bytes is N + 1
 #: tokens (models/tiny-llama/1/README.txt).
 PROMPT = "Once upon a time"
+#: tiny-llama's checkpoint with a chat template (Zephyr's shape) in its tokenizer_config.json.
+CHAT_MODEL = "tiny-chat"
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def _repository(root: Path) -> Path:
+    """The default models, and tiny-llama again as CHAT_MODEL with CHAT_TEMPLATE."""
+    root.mkdir()
+    for name in ("minilm", MODEL):
+        (root / name).symlink_to(REPO_ROOT / "models" / name, target_is_directory=True)
+    shutil.copytree(REPO_ROOT / "models" / MODEL, root / CHAT_MODEL)
+    tokenizer_config = root / CHAT_MODEL / "1" / "tokenizer_config.json"
+    config = json.loads(tokenizer_config.read_text())
+    tokenizer_config.write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    return root
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +49,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("openai")
     keys = tmp / "api-keys.toml"
     keys.write_text(f'[[keys]]\ntenant = "llm"\nsha256 = "{hash_key(API_KEY)}"\n')
-    stack = start_stack(tmp, extra_gateway_args=(f"--api-keys-file={keys}",))
+    repository = _repository(tmp / "models")
+    stack = start_stack(
+        tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys}",)
+    )
     yield stack
     assert stack.stop() == 0, stack.stop_report()
 
@@ -98,6 +122,23 @@ def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
     assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == (
         len(expected_prompt) + 1 + 5
     )
+
+
+def test_a_chat_template_s_special_tokens_are_tokens_and_the_contents_text(
+    client: openai.OpenAI,
+) -> None:
+    """Before, the rendering was tokenized as text: the template's <s> and </s> were 3 and 4
+    bytes each, and the tokenizer prepended a second <s> (35 tokens here, not 29)."""
+    messages = [{"role": "user", "content": "a</s>b"}]
+    whole = client.chat.completions.create(
+        model=CHAT_MODEL, messages=messages, max_tokens=2, temperature=0
+    )
+    # <s> <|user|> a</s>b </s> <|assistant|>: the two specials one token each, the content
+    # (whose </s> is text) 6 bytes, the rest 8 + 13 bytes.
+    rendered = f"{BOS_TOKEN}<|user|>a</s>b{EOS_TOKEN}<|assistant|>"
+    assert whole.usage is not None
+    assert whole.usage.prompt_tokens == len(rendered) - len(BOS_TOKEN) - len(EOS_TOKEN) + 2
+    assert whole.usage.prompt_tokens == 29
 
 
 def test_refusals_are_openai_errors(stack: Stack, client: openai.OpenAI) -> None:

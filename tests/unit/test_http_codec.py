@@ -31,7 +31,6 @@ from services.gateway.http.kserve_rest import generate_request
 from services.gateway.http.openai_codec import (
     DEFAULT_MAX_TOKENS,
     ResponseShape,
-    chat_prompt,
     chat_request,
     completion_request,
 )
@@ -263,21 +262,6 @@ def test_fields_at_their_defaults_or_null_are_accepted() -> None:
         {"model": "m", "messages": [{"role": "user", "content": "q"}], "logprobs": False}, None
     )
     assert chat.prompt.endswith("assistant:")
-
-
-def test_chat_prompt_plain_and_with_the_models_template() -> None:
-    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    assert chat_prompt(messages, None) == "system: s\nuser: u\nassistant:"
-    template = (
-        "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}"
-        "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
-    )
-    rendered = chat_prompt(messages, template, bos_token="<s>", eos_token="</s>")
-    assert rendered == "<s><|system|>s</s><|user|>u</s><|assistant|>"
-    with pytest.raises(InvalidInput, match="role"):
-        chat_prompt([{"role": "wizard", "content": "x"}], None)
-    with pytest.raises(InvalidInput, match="template"):
-        chat_prompt(messages, "{{ messages.__class__.__mro__ }}{{ undefined() }}")
 
 
 def test_response_shapes_follow_openai() -> None:

@@ -91,14 +91,17 @@ class OpenAiApi:
                 for n in names]  # fmt: skip
         return web.json_response({"object": "list", "data": data})
 
-    def _template(self, model: str, principal: Principal) -> ChatTemplate:
+    def _template(self, model: str, principal: Principal) -> tuple[str, ChatTemplate]:
+        """The version a chat request for `model` runs on, and that version's template: the
+        generation is sent to the same version, so a canary's prompts are built by its own
+        template."""
         catalog = self._predictor.catalog
         name = catalog.config(model).name
         principal.check_model(name)
         version = catalog.resolve(name, "").version
         if (name, version) not in self._templates:
             self._templates[(name, version)] = read_chat_template(self._repository / name / version)
-        return self._templates[(name, version)]
+        return version, self._templates[(name, version)]
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = completion_request(parse_json_object(await request.read()))
@@ -107,30 +110,31 @@ class OpenAiApi:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = parse_json_object(await request.read())
         model = body.get("model")
-        template = self._template(model, current_principal()) if isinstance(model, str) else None
+        version, template = "", ChatTemplate()
+        if isinstance(model, str):
+            version, template = self._template(model, current_principal())
         parsed = chat_request(
-            body,
-            template.template if template else None,
-            bos_token=template.bos_token if template else "",
-            eos_token=template.eos_token if template else "",
+            body, template.template, bos_token=template.bos_token, eos_token=template.eos_token
         )
-        return await self._answer(request, parsed, is_chat=True)
+        return await self._answer(request, parsed, is_chat=True, version=version)
 
-    def _generate(self, parsed: GenerationRequest) -> AsyncIterator[dict[str, Any]]:
+    def _generate(self, parsed: GenerationRequest, version: str) -> AsyncIterator[dict[str, Any]]:
         parameters = {**parsed.sampling, "stream": True, "exclude_input_in_output": True}
-        message = generate_request(parsed.model, "", {"text_input": parsed.prompt,
-                                                      "parameters": parameters})  # fmt: skip
-        return _as_json(generate_one(self._predictor, message, current_principal(), None))
+        message = generate_request(parsed.model, version, {"text_input": parsed.prompt,
+                                                           "parameters": parameters})  # fmt: skip
+        principal = current_principal()
+        responses = generate_one(self._predictor, message, principal, None, parsed.templated)
+        return _as_json(responses)
 
     async def _answer(
-        self, request: web.Request, parsed: GenerationRequest, *, is_chat: bool
+        self, request: web.Request, parsed: GenerationRequest, *, is_chat: bool, version: str = ""
     ) -> web.StreamResponse:
         prefix = "chatcmpl" if is_chat else "cmpl"
         shape = ResponseShape(f"{prefix}-{uuid.uuid4().hex}", parsed.model, int(time.time()),
                               is_chat)  # fmt: skip
         label = self._predictor.catalog.label_for(parsed.model)
         with self._metrics.observe_request("openai", label):
-            chunks = self._generate(parsed)
+            chunks = self._generate(parsed, version)
             if not parsed.is_streaming:
                 texts, final = [], {}
                 async for final in chunks:

@@ -6,19 +6,26 @@ Requests: `model`, `prompt` (completions) or `messages` (chat), `max_tokens` (ch
 (`user`, `logprobs: null`...) are accepted and ignored; unknown sampling fields are refused.
 
 Chat prompts use the model's chat template (`chat_template` of its tokenizer_config.json, a
-Jinja template as Hugging Face writes them) when it has one; otherwise every message becomes
+Jinja template as Hugging Face writes them) when it has one, its special tokens read as tokens
+and the message contents as text (`templated_prompt`); otherwise every message becomes
 "<role>: <content>" on its own line, followed by "assistant:" for the reply.
 """
 
 from __future__ import annotations
 
+import functools
+import re
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidInput
+from services.common.text import TemplatedText
 
 #: OpenAI's default completion length (tokens) when a request gives none.
 DEFAULT_MAX_TOKENS = 16
@@ -45,6 +52,9 @@ class GenerationRequest:
     sampling: dict[str, Any]
     is_streaming: bool
     include_usage: bool
+    #: A chat prompt of the model's template: `prompt` with its contents located (None: the
+    #: prompt is all the caller's text).
+    templated: TemplatedText | None = None
 
 
 def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
@@ -108,26 +118,95 @@ def _content(message: Any) -> tuple[str, str]:
     return message["role"], content
 
 
-def chat_prompt(
-    messages: Any, template: str | None, *, bos_token: str = "", eos_token: str = ""
-) -> str:
-    """The prompt for `messages`: the model's chat template when it has one, else the plain
-    role-prefixed template (module docstring)."""
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInput("messages must be a non-empty list")
-    pairs = [_content(m) for m in messages]
-    if template is None:
-        return "".join(f"{role}: {content}\n" for role, content in pairs) + "assistant:"
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    try:
-        return environment.from_string(template).render(
-            messages=[{"role": r, "content": c} for r, c in pairs],
+def plain_prompt(messages: Any) -> str:
+    """The prompt for `messages` of a model without a chat template (module docstring)."""
+    return "".join(f"{role}: {content}\n" for role, content in _pairs(messages)) + "assistant:"
+
+
+def templated_prompt(
+    messages: Any, template: str, *, bos_token: str = "", eos_token: str = ""
+) -> TemplatedText:
+    """The prompt for `messages` rendered by the model's chat `template`, with where the
+    message contents sit in it (`_located`): the gateway reads the template's special tokens
+    as tokens and the contents as text (TextEncoder.encode_templated)."""
+    pairs = _pairs(messages)
+    roles, contents = [role for role, _ in pairs], tuple(content for _, content in pairs)
+
+    def render(shown: Sequence[str]) -> str:
+        return _compiled(template).render(
+            messages=[{"role": r, "content": c} for r, c in zip(roles, shown, strict=True)],
             add_generation_prompt=True,
             bos_token=bos_token,
             eos_token=eos_token,
         )
+
+    try:
+        text = render(contents)
     except TemplateError as error:
         raise InvalidInput(f"the model's chat template failed: {error}") from None
+    try:
+        marked = render([_marker(i) for i in range(len(contents))])
+    except TemplateError:  # a template that reads the contents: they are not located
+        marked = ""
+    return TemplatedText(text, _located(text, marked, contents), contents)
+
+
+def _pairs(messages: Any) -> list[tuple[str, str]]:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidInput("messages must be a non-empty list")
+    return [_content(m) for m in messages]
+
+
+def _raise_exception(message: str) -> None:
+    """What Hugging Face's chat templates call to refuse a conversation."""
+    raise TemplateError(message)
+
+
+@functools.lru_cache(maxsize=16)
+def _compiled(template: str) -> Template:
+    """`template` compiled in the sandbox chat templates render in, with what Hugging Face's
+    renderer adds: loop controls, `raise_exception` and `strftime_now` (once per template:
+    a gateway serves a few)."""
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    environment.globals["raise_exception"] = _raise_exception
+    environment.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
+    return environment.from_string(template)
+
+
+def _marker(index: int) -> str:
+    """Message `index`'s stand-in while locating contents: private-use characters, with no
+    whitespace for a template's `trim` to take."""
+    return f"\ue000{index}\ue001"
+
+
+_MARKER = re.compile("\ue000([0-9]+)\ue001")
+
+
+def _located(text: str, marked: str, contents: Sequence[str]) -> tuple[tuple[int, int], ...] | None:
+    """Where each content the template showed sits in `text`, in the order shown, from the
+    rendering of the same messages with stand-ins for contents (`marked`); None when they
+    cannot be told apart from the template's own text: a content shown twice, or changed
+    beyond `trim`, or a template whose text depends on them."""
+    parts = _MARKER.split(marked)
+    own, shown = parts[0::2], [int(i) for i in parts[1::2]]
+    if not marked or len(set(shown)) != len(shown) or any(i >= len(contents) for i in shown):
+        return None
+    if not text.startswith(own[0]):
+        return None
+    position, spans = len(own[0]), []
+    for index, after in zip(shown, own[1:], strict=True):
+        content = contents[index]
+        for candidate in dict.fromkeys((content, content.strip())):
+            end = position + len(candidate)
+            if text.startswith(candidate, position) and text.startswith(after, end):
+                break
+        else:
+            return None
+        spans.append((position, end))
+        position = end + len(after)
+    return tuple(spans) if position == len(text) else None
 
 
 def chat_request(
@@ -137,9 +216,15 @@ def chat_request(
     model, is_streaming, include_usage = _common(
         body, _SHARED | {"messages", "max_completion_tokens"}
     )
-    prompt = chat_prompt(body.get("messages"), template, bos_token=bos_token, eos_token=eos_token)
+    messages = body.get("messages")
+    templated = None
+    if template is None:
+        prompt = plain_prompt(messages)
+    else:
+        templated = templated_prompt(messages, template, bos_token=bos_token, eos_token=eos_token)
+        prompt = templated.text
     sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
-    return GenerationRequest(model, prompt, sampling, is_streaming, include_usage)
+    return GenerationRequest(model, prompt, sampling, is_streaming, include_usage, templated)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -56,7 +56,10 @@ class LlamaConfig:
 
     @classmethod
     def from_json(cls, path: Path) -> LlamaConfig:
-        """Read `config.json`; ValueError for variants this implementation would compute wrongly."""
+        """Read `config.json`; ValueError for variants this implementation would compute wrongly.
+        The end-of-sequence tokens are those it names and those of a `generation_config.json`
+        beside it, as Hugging Face's `generate` stops on (Llama 3 Instruct lists its
+        end-of-turn `<|eot_id|>` there only)."""
         raw: dict[str, Any] = json.loads(path.read_text())
         if raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"{path}: only hidden_act=silu is supported, got {raw['hidden_act']}")
@@ -70,7 +73,11 @@ class LlamaConfig:
             if raw.get(flag, False):
                 raise ValueError(f"{path}: {flag}=true is not supported")
         heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
+        eos = _token_ids(raw.get("eos_token_id"))
+        generation_path = path.parent / "generation_config.json"
+        if generation_path.is_file():
+            generation = json.loads(generation_path.read_text())
+            eos = (*eos, *_token_ids(generation.get("eos_token_id")))
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -84,8 +91,15 @@ class LlamaConfig:
             max_position_embeddings=raw["max_position_embeddings"],
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, list) else eos,
+            eos_token_id=tuple(dict.fromkeys(eos)) or None,
         )
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field (an id, a list of them, or null) as a tuple."""
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
 
 
 class _RMSNorm(nn.Module):
