@@ -4,6 +4,7 @@ checked token for token against `transformers`' own greedy generate."""
 from __future__ import annotations
 
 import asyncio
+import math
 import shutil
 import threading
 from collections.abc import Iterator
@@ -462,23 +463,57 @@ async def test_a_step_that_fails_to_sample_fails_its_streams_and_the_loop_goes_o
     # stream of the model hung. The fault is injected into the real sampler, once.
     backend, _ = make_backend(checkpoint)
     backend.engine.start()
-    real_sample = Sampler.sample
+    real_sample_rows = Sampler.sample_rows
     calls = 0
 
-    def sample_failing_once(self: Sampler, *args: object, **kwargs: object) -> list[int]:
+    def sample_failing_once(self: Sampler, *args: object, **kwargs: object) -> list[object]:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise FloatingPointError("probabilities contain NaN")
-        return real_sample(self, *args, **kwargs)  # type: ignore[arg-type]
+        return real_sample_rows(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(Sampler, "sample", sample_failing_once)
+    monkeypatch.setattr(Sampler, "sample_rows", sample_failing_once)
     try:
         with pytest.raises(ExecutionFailed, match="NaN"):
             await collect(backend, PROMPTS[0], SamplingParams(max_tokens=4))
         assert len(await collect(backend, PROMPTS[1], SamplingParams(max_tokens=4))) == 4
     finally:
         await backend.engine.drain()
+
+
+async def test_a_row_that_fails_to_sample_fails_its_stream_alone(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, one row's sampling error (torch's, for probabilities that are not finite) failed
+    every stream of its step. The row of seed 13 gets non-finite logits, in the real sampler."""
+    backend, _ = make_backend(checkpoint)
+    backend.engine.start()
+    real_sample_row = Sampler._sample_row
+
+    def nan_for_seed_13(
+        logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+    ) -> int:
+        if params.seed == 13:
+            logits = torch.full_like(logits, math.nan)
+        return real_sample_row(logits, params, generator)
+
+    monkeypatch.setattr(Sampler, "_sample_row", staticmethod(nan_for_seed_13))
+    started = asyncio.Event()
+    try:
+        # The greedy stream is decoding when the failing one is prefilled: they share steps.
+        greedy = asyncio.create_task(
+            collect(backend, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), started)
+        )
+        await started.wait()
+        with pytest.raises(ExecutionFailed, match="generation failed"):
+            await collect(backend, PROMPTS[1], SamplingParams(temperature=1.0, seed=13))
+        assert len(await greedy) == 40
+        sampled = SamplingParams(temperature=1.0, seed=14, max_tokens=3, ignore_eos=True)
+        assert len(await collect(backend, PROMPTS[2], sampled)) == 3
+    finally:
+        await backend.engine.drain()
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
 
 
 async def test_a_dead_loop_fails_its_streams_refuses_new_ones_and_says_so(

@@ -292,17 +292,17 @@ def fail_runner_at(backend: GenerationBackend, mp: pytest.MonkeyPatch, call: int
 def fail_sampler_at(backend: GenerationBackend, mp: pytest.MonkeyPatch, call: int) -> None:
     """The real sampler, failing its `call`-th call from now (NaN probabilities)."""
     del backend
-    sample = Sampler.sample
+    sample_rows = Sampler.sample_rows
     calls = 0
 
-    def failing_sample(self: Sampler, *args: object, **kwargs: object) -> list[int]:
+    def failing_sample(self: Sampler, *args: object, **kwargs: object) -> list[object]:
         nonlocal calls
         calls += 1
         if calls == call:
             raise FloatingPointError("probabilities contain NaN")
-        return sample(self, *args, **kwargs)  # type: ignore[arg-type]
+        return sample_rows(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    mp.setattr(Sampler, "sample", failing_sample)
+    mp.setattr(Sampler, "sample_rows", failing_sample)
 
 
 @pytest.mark.parametrize("fault", [fail_runner_at, fail_sampler_at], ids=["runner", "sampler"])

@@ -160,3 +160,17 @@ def test_validate_accepts_the_boundaries() -> None:
     sampled = sampling_from_pb(pb.SamplingParameters(temperature=0.01, seed=2**64 - 1))
     sampled.validate(max_model_len=64, prompt_len=4)
     make_generator(sampled)
+
+
+def test_a_row_whose_probabilities_are_not_finite_fails_alone() -> None:
+    """Before, the first such row raised out of `sample`, and its step-mates got no token."""
+    logits = make_logits(num_rows=3)
+    logits[1] = math.nan
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    params = [SamplingParams(), sampled, sampled]
+    generators = [None, make_generator(sampled), make_generator(sampled)]
+    first, failed, last = Sampler().sample_rows(logits, params, generators)
+    assert isinstance(failed, RuntimeError)
+    assert first == int(logits[0].argmax()) and isinstance(last, int)
+    with pytest.raises(RuntimeError):
+        Sampler().sample(logits, params, generators)

@@ -122,10 +122,8 @@ class GenerationEngine:
         self._requests.clear()
 
     def _stopped_error(self) -> Unavailable:
-        return Unavailable(
-            f"generation engine of {'/'.join(self._labels)} stopped: {self._fatal}; retry on"
-            " another worker"
-        )
+        name, fatal = "/".join(self._labels), self._fatal
+        return Unavailable(f"generation engine of {name} stopped: {fatal}; retry on another worker")
 
     async def drain(self) -> None:
         """Stop admitting; running streams get tokens until they finish (cancelled: see above)."""
@@ -282,9 +280,8 @@ class GenerationEngine:
             if output.preempted:
                 self._bound.preemptions_total.inc(len(output.preempted))
             if output.num_prefix_queried_tokens:
-                self._count_prefix_cache(
-                    output.num_prefix_queried_tokens, output.num_prefix_hit_tokens
-                )
+                self._bound.prefix_cache_queried_tokens_total.inc(output.num_prefix_queried_tokens)
+                self._bound.prefix_cache_hit_tokens_total.inc(output.num_prefix_hit_tokens)
             items = [
                 SequenceBatchItem(s.token_ids, s.start_position, s.block_table, s.samples)
                 for s in output.scheduled
@@ -348,14 +345,18 @@ class GenerationEngine:
 
     def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        params, generators = [], []
-        for i in sampling_rows:
-            request = self._requests.get(scheduled[i].seq_id)
-            params.append(request.params if request else SamplingParams())
-            generators.append(request.generator if request else None)
+        requests = [self._requests.get(scheduled[i].seq_id) for i in sampling_rows]
+        params = [request.params if request else SamplingParams() for request in requests]
+        generators = [request.generator if request else None for request in requests]
         # The step computed logits for the sampling rows only, in order.
-        tokens = self._sampler.sample(logits, params, generators) if sampling_rows else []
-        sampled = {scheduled[i].seq_id: t for i, t in zip(sampling_rows, tokens, strict=True)}
+        tokens = self._sampler.sample_rows(logits, params, generators) if sampling_rows else []
+        sampled: dict[int, int] = {}
+        for i, token in zip(sampling_rows, tokens, strict=True):
+            if isinstance(token, Exception):  # this sequence alone ends with the error
+                log.warning("sampling failed for one sequence: %s", token)
+                self._fail_sequence(scheduled[i].seq_id, token)
+            else:
+                sampled[scheduled[i].seq_id] = token
         self.scheduler.update_from_output(sampled)
         for seq_id in self._cancelled:
             self.scheduler.finish(seq_id)
@@ -379,17 +380,16 @@ class GenerationEngine:
         """A failed step fails the sequences in it (their streams end with an error status);
         sequences not in the step keep going."""
         for item in scheduled:
-            self.scheduler.finish(item.seq_id)
-            request = self._requests.pop(item.seq_id, None)
-            if request is not None:
-                request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
+            self._fail_sequence(item.seq_id, error)
         for seq_id in self._cancelled:
             self.scheduler.finish(seq_id)
         self._cancelled.clear()
 
-    def _count_prefix_cache(self, num_queried: int, num_hit: int) -> None:
-        self._bound.prefix_cache_queried_tokens_total.inc(num_queried)
-        self._bound.prefix_cache_hit_tokens_total.inc(num_hit)
+    def _fail_sequence(self, seq_id: int, error: Exception) -> None:  # its stream with `error`
+        self.scheduler.finish(seq_id)
+        request = self._requests.pop(seq_id, None)
+        if request is not None:
+            request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
 
     def _export_gauges(self) -> None:
         free = self.scheduler.num_free_blocks

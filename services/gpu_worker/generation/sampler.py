@@ -32,7 +32,20 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
     ) -> list[int]:
         """logits: float [n, vocab] on CPU (the generators are CPU generators); one params and
-        one generator per row. Returns the chosen token ids."""
+        one generator per row. Returns the chosen token ids; raises the first row's error."""
+        tokens = self.sample_rows(logits, params, generators)
+        if failed := [t for t in tokens if isinstance(t, Exception)]:
+            raise failed[0]
+        return [t for t in tokens if isinstance(t, int)]
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> list[int | RuntimeError]:
+        """As `sample`, each row's token or its own error (torch's, as for probabilities that
+        are not finite): one row's failure is not its step-mates'."""
         if not len(params) == len(generators) == logits.shape[0]:
             raise ValueError(
                 f"{logits.shape[0]} rows of logits, {len(params)} params, "
@@ -40,14 +53,17 @@ class Sampler:
             )
         # Greedy rows (the common case) take one argmax over all of them, not one per row.
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        tokens = [0] * len(params)
+        tokens: list[int | RuntimeError] = [0] * len(params)
         if greedy:
             rows = logits if len(greedy) == len(params) else logits[greedy]
             for i, token in zip(greedy, rows.argmax(dim=-1).tolist(), strict=True):
                 tokens[i] = token
         for i, (p, g) in enumerate(zip(params, generators, strict=True)):
             if not p.is_greedy:
-                tokens[i] = self._sample_row(logits[i], p, g)
+                try:
+                    tokens[i] = self._sample_row(logits[i], p, g)
+                except RuntimeError as error:
+                    tokens[i] = error
         return tokens
 
     @staticmethod
