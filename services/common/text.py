@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from services.common.bundles import split_at
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfig, ModelConfigError, ModelKind
+from services.common.templated_text import TemplatedText, TemplateTokens
 
 #: Characters per token above which a text cannot fit even before tokenizing it (cheap check).
 _MAX_CHARS_PER_TOKEN = 64
@@ -31,20 +32,6 @@ class TokenIds:
     included (gateways to workers; clients of the embedding APIs to gateways)."""
 
     ids: np.ndarray
-
-
-@dataclass(frozen=True)
-class TemplatedText:
-    """A prompt a model's chat template rendered: the template's own text is trusted (its
-    special tokens are meant), the callers' message contents in it are not.
-
-    `literal_spans`: where each content sits in `text` ((start, end) in characters, in order),
-    or None when the template rendered the contents in a way that could not be told apart
-    from its own text; `literals`: the contents as the callers sent them."""
-
-    text: str
-    literal_spans: tuple[tuple[int, int], ...] | None
-    literals: tuple[str, ...]
 
 
 class TextEncoder:
@@ -90,55 +77,16 @@ class TextEncoder:
         return truncating
 
     @functools.cached_property
-    def _template_tokenizer(self) -> Tokenizer:
-        """The same tokenizer reading special tokens in text as the tokens they name (for a
-        chat template's own text only), made on the first templated prompt; a copy."""
-        return Tokenizer.from_str(self.tokenizer.to_str())
-
-    @functools.cached_property
-    def _special_tokens(self) -> dict[int, str]:
-        """The tokenizer's special tokens, by id."""
-        added = self.tokenizer.get_added_tokens_decoder()
-        return {i: token.content for i, token in added.items() if token.special}
+    def _templates(self) -> TemplateTokens:
+        """How templated prompts read, made on the first one."""
+        return TemplateTokens(self.tokenizer)
 
     def encode_templated(self, prompt: TemplatedText) -> np.ndarray:
-        """Token ids of a chat template's rendering (int64): the template's special tokens (its
-        `bos_token`, `<|eot_id|>`...) as the ids they name, the message contents as text
-        whatever they hold, and nothing added (the template writes its own BOS, as Hugging
-        Face's `apply_chat_template` has it). Raises InvalidInput.
-
-        The whole rendering is tokenized at once (the ids Hugging Face gives) unless a content
-        holds a special token's text; then its pieces are tokenized apart, the contents' as
-        text. Contents the template did not render as sent cannot be located: one holding a
-        special token's text is then refused, as it could not be kept text."""
-        text = self._check_text(prompt.text, truncate=False)
-        encoding = self._template_tokenizer.encode(text, add_special_tokens=False)
-        specials = self._special_tokens
-        spans = prompt.literal_spans
-        if spans is None:
-            for literal in prompt.literals:
-                if held := [t for t in specials.values() if t in literal]:
-                    raise InvalidInput(
-                        f"a message holds the special token {held[0]!r}, which this model's "
-                        "chat template would not keep as text"
-                    )
-            return self.check_ids(np.asarray(encoding.ids, dtype=np.int64))
-        injected = any(
-            start < end_s and start_s < end
-            for token, (start, end) in zip(encoding.ids, encoding.offsets, strict=True)
-            if token in specials
-            for start_s, end_s in spans
-        )
-        if not injected:
-            return self.check_ids(np.asarray(encoding.ids, dtype=np.int64))
-        ids: list[int] = []
-        position = 0
-        for start_s, end_s in (*spans, (len(text), len(text))):
-            own, literal = text[position:start_s], text[start_s:end_s]
-            ids += self._template_tokenizer.encode(own, add_special_tokens=False).ids
-            ids += self.tokenizer.encode(literal, add_special_tokens=False).ids
-            position = end_s
-        return self.check_ids(np.asarray(ids, dtype=np.int64))
+        """Token ids (int64) of a prompt a chat template rendered, its special tokens read as
+        tokens and its message contents as text (services.common.templated_text); raises
+        InvalidInput."""
+        self._check_text(prompt.text, truncate=False)
+        return self.check_ids(np.asarray(self._templates.ids(prompt), dtype=np.int64))
 
     def _check_text(self, text: str, *, truncate: bool) -> str:
         """`text` after the cheap checks; truncating, cut to the characters that can fit."""

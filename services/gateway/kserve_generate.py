@@ -17,7 +17,7 @@ from typing import Any
 
 from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
-from services.common.text import TemplatedText
+from services.common.templated_text import TemplatedText
 from services.gateway.auth import Principal
 from services.gateway.http.codec import is_json_int
 from services.gateway.predictor import GenerateCall, Predictor

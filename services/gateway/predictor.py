@@ -19,7 +19,7 @@ from services.common.multiplex import MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
-from services.common.text import TemplatedText
+from services.common.templated_text import TemplatedText
 from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal

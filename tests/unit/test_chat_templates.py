@@ -10,13 +10,16 @@ import shutil
 from pathlib import Path
 
 import pytest
+from tokenizers import AddedToken
 
 from services.common.errors import InvalidInput
 from services.common.model_repository import load_repository
-from services.common.text import TemplatedText, TextEncoder
+from services.common.templated_text import TemplatedText, TemplateTokens
+from services.common.text import TextEncoder
+from services.gateway.http.openai_api import ChatTemplate, read_chat_template
 from services.gateway.http.openai_codec import chat_request, plain_prompt, templated_prompt
 from services.gpu_worker.generation.llama import LlamaConfig
-from services.gpu_worker.generation.tiny_llama import BOS_TOKEN_ID, EOS_TOKEN_ID
+from services.gpu_worker.generation.tiny_llama import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -111,6 +114,54 @@ def test_a_special_token_in_a_content_stays_text(encoder: TextEncoder) -> None:
         encoder.encode_templated(unlocated)
     clean = TemplatedText("<s>ab</s>", None, ("ab",))
     assert encoder.encode_templated(clean).tolist() == [BOS_TOKEN_ID, 97, 98, EOS_TOKEN_ID]
+
+
+def test_a_template_that_makes_special_tokens_of_contents_is_refused(
+    encoder: TextEncoder,
+) -> None:
+    """Contents it repeats cannot be located; repeated, "s><" makes "<s>" (review finding:
+    only each content alone was checked)."""
+    repeats = "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ m.content }}{% endfor %}"
+    made = templated_prompt([{"role": "user", "content": "s><"}], repeats, **SPECIALS)
+    assert made.literal_spans is None
+    with pytest.raises(InvalidInput, match="makes special tokens"):
+        encoder.encode_templated(made)
+    clean = templated_prompt([{"role": "user", "content": "ab"}], repeats, **SPECIALS)
+    assert encoder.encode_templated(clean).tolist() == [BOS_TOKEN_ID, 97, 98, 97, 98]
+
+
+def test_a_special_token_that_takes_the_whitespace_beside_it_stays_the_templates() -> None:
+    """A special token with lstrip (Phi-3's `<|end|>`) takes a content's trailing space into
+    its offsets: it is still the template's token, not text."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens([AddedToken("<|end|>", lstrip=True, special=True)])
+    end_id = tokenizer.token_to_id("<|end|>")
+    tokenizer.encode_special_tokens = True
+    prompt = templated_prompt(
+        [{"role": "user", "content": "hi "}, {"role": "user", "content": "a</s>"}],
+        "{% for m in messages %}{{ m.content }}<|end|>{% endfor %}",
+    )
+    ids = TemplateTokens(tokenizer).ids(prompt)
+    assert ids == [*_bytes("hi"), end_id, *_bytes("a</s>"), end_id]
+
+
+def test_hugging_face_template_extras() -> None:
+    """`tojson` as Hugging Face writes it (not HTML-escaped), `{% generation %}`, templates
+    named in a list and special tokens written as AddedToken objects (review findings)."""
+    tool = "{% for m in messages %}{{ m.content | tojson }}{% generation %}!{% endgeneration %}{% endfor %}"  # noqa: E501
+    prompt = templated_prompt([{"role": "tool", "content": "<é>"}], tool)
+    assert prompt.text == '"<é>"!' and prompt.literal_spans == ((1, 4),)
+
+
+def test_a_tokenizer_config_s_template_and_tokens_in_their_other_forms(tmp_path: Path) -> None:
+    named = [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]
+    config = {
+        "chat_template": named,
+        "bos_token": {"__type": "AddedToken", "content": "<s>", "lstrip": False},
+        "eos_token": "</s>",
+    }  # fmt: skip
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert read_chat_template(tmp_path) == ChatTemplate("d", "<s>", "</s>")
 
 
 def test_a_templated_prompt_is_held_to_the_models_length(encoder: TextEncoder) -> None:

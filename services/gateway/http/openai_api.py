@@ -50,17 +50,27 @@ class ChatTemplate:
 
 
 def read_chat_template(weights_dir: Path) -> ChatTemplate:
-    """The `chat_template` of `weights_dir/tokenizer_config.json` (none without one)."""
+    """The `chat_template` of `weights_dir/tokenizer_config.json` (none without one; of a
+    list of named ones, "default"); its `bos_token` and `eos_token` as strings or as Hugging
+    Face's AddedToken objects."""
     path = weights_dir / "tokenizer_config.json"
     if not path.exists():
         return ChatTemplate()
     config = json.loads(path.read_text())
     template = config.get("chat_template")
-    tokens = {k: config.get(k) for k in ("bos_token", "eos_token")}
+    if isinstance(template, list):  # named templates: Hugging Face's default is "default"
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
     return ChatTemplate(
         template if isinstance(template, str) else None,
-        *(t if isinstance(t, str) else "" for t in tokens.values()),
+        *(_token_text(config.get(key)) for key in ("bos_token", "eos_token")),
     )
+
+
+def _token_text(token: Any) -> str:
+    if isinstance(token, dict):  # {"__type": "AddedToken", "content": "<s>", ...}
+        token = token.get("content")
+    return token if isinstance(token, str) else ""
 
 
 class OpenAiApi:

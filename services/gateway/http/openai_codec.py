@@ -14,18 +14,21 @@ and the message contents as text (`templated_prompt`); otherwise every message b
 from __future__ import annotations
 
 import functools
+import json
 import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jinja2 import Template
+from jinja2 import Template, nodes
 from jinja2.exceptions import TemplateError
+from jinja2.ext import Extension, loopcontrols
+from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidInput
-from services.common.text import TemplatedText
+from services.common.templated_text import TemplatedText
 
 #: OpenAI's default completion length (tokens) when a request gives none.
 DEFAULT_MAX_TOKENS = 16
@@ -144,11 +147,13 @@ def templated_prompt(
         text = render(contents)
     except TemplateError as error:
         raise InvalidInput(f"the model's chat template failed: {error}") from None
+    except Exception as error:  # the template's own code failed on these messages
+        raise InvalidInput(f"the model's chat template failed: {error!r}") from None
     try:
         marked = render([_marker(i) for i in range(len(contents))])
-    except TemplateError:  # a template that reads the contents: they are not located
+    except Exception:  # a template that computes with the contents: they are not located
         marked = ""
-    return TemplatedText(text, _located(text, marked, contents), contents)
+    return TemplatedText(text, _located(text, marked, contents), contents, marked)
 
 
 def _pairs(messages: Any) -> list[tuple[str, str]]:
@@ -168,11 +173,37 @@ def _compiled(template: str) -> Template:
     renderer adds: loop controls, `raise_exception` and `strftime_now` (once per template:
     a gateway serves a few)."""
     environment = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, _Generation]
     )
+    environment.filters["tojson"] = _tojson
     environment.globals["raise_exception"] = _raise_exception
     environment.globals["strftime_now"] = lambda fmt: time.strftime(fmt)
     return environment.from_string(template)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """Hugging Face's `tojson`: JSON as written, not escaped for HTML as Jinja's is."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+class _Generation(Extension):
+    """`{% generation %}...{% endgeneration %}`: Hugging Face's marker of the assistant's
+    tokens (for training masks); it renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Parser) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
 
 
 def _marker(index: int) -> str:
