@@ -297,8 +297,8 @@ class MultiplexClient:
                     )
                     try:
                         await stream.call.write(message)
-                    except asyncio.InvalidStateError:  # refused before a byte left (finished):
-                        stream.outbox[:0] = calls  # never written, as those still queued
+                    except Exception:  # refused (finished, or grpc's send op failed): the
+                        stream.outbox[:0] = calls  # peer has none of it, as of those queued
                         raise
                     self.messages_sent += 1
                     self.calls_sent += len(calls)

@@ -86,10 +86,26 @@ async def test_calls_still_in_the_outbox_when_the_stream_fails_are_marked_not_st
     await client.close()
 
 
-async def test_a_write_grpc_refused_unsent_leaves_its_calls_not_started() -> None:
+@pytest.mark.parametrize(
+    "write_error",
+    [
+        asyncio.InvalidStateError("RPC already finished."),
+        # Before, only InvalidStateError was: a write failed so lost its calls' mark, and the
+        # gateway did not send them to another router.
+        grpc.aio.AioRpcError(
+            grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(), "send failed"
+        ),
+    ],
+    ids=["finished", "send-failed"],
+)
+async def test_a_write_grpc_refused_unsent_leaves_its_calls_not_started(
+    write_error: Exception,
+) -> None:
     """grpc.aio refuses a write on a stream that has finished before sending a byte
-    (InvalidStateError): the message's calls never left, so they are marked not started."""
-    stream = Stream(write_error=asyncio.InvalidStateError("RPC already finished."))
+    (InvalidStateError), and raises the call's status when it finished while the write waited
+    or grpc's send operation failed (AioRpcError, INTERNAL when the peer's status is lost):
+    either way the message's calls never reached the peer, so they are marked not started."""
+    stream = Stream(write_error=write_error)
     client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
     errors = await failures([asyncio.ensure_future(client.call(b"a", timeout_s=5.0))])
     assert [(e.code, e.is_not_started) for e in errors] == [(grpc.StatusCode.UNAVAILABLE, True)]
