@@ -61,11 +61,7 @@ def load_versions(
         else:
             fixed_cost.append(model)
     models = LoadedModels(fixed_cost=fixed_cost, generation=generation, failed=failed)
-    served = {m.config.name for m in models.all}
-    missing = sorted({f.model for f in failed} - served)
-    if missing:
-        errors = "; ".join(f"{f.model}/{f.version}: {f.error}" for f in failed)
-        raise ModelConfigError(f"no version of {', '.join(missing)} loaded ({errors})")
+    models.check_every_model_served()
     return models
 
 
@@ -149,6 +145,21 @@ class LoadedModels:
         """Keeps only the failures `is_news` says still matter (their version still on disk
         and wanted): one deleted or unloaded since is no longer reported."""
         self.failed = tuple(f for f in self.failed if is_news(f))
+
+    def check_every_model_served(self) -> None:
+        """Raises ModelConfigError when every version of a model failed (`load_versions`)."""
+        missing = sorted({f.model for f in self.failed} - {m.config.name for m in self.all})
+        if missing:
+            errors = "; ".join(f"{f.model}/{f.version}: {f.error}" for f in self.failed)
+            raise ModelConfigError(f"no version of {', '.join(missing)} loaded ({errors})")
+
+    def fail_warm_up(self, model: ServedModel, error: Exception) -> None:
+        """Leaves out a version loaded at start whose warm-up failed, as one that failed to
+        load is (as a hot load leaves it out)."""
+        label = f"{model.config.name}/{model.version.version}"
+        log.error("model %s failed to warm up; not served: %s", label, error, exc_info=error)
+        self.remove(*_key(model))
+        self.add_failure(LoadFailure(*_key(model), one_line(error)))
 
     def add_failure(self, failure: LoadFailure) -> None:
         """Records a version that failed to load while running (reported, not served)."""

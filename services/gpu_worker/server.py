@@ -221,9 +221,14 @@ class Worker:
             )
             models = load_versions(versions, device, self.generation_metrics, options)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
-            batching.warm_up()
-            for backend in models.generation:
-                backend.warm_up()
+            for backend, error in batching.warm_up():
+                models.fail_warm_up(backend, error)
+            for generation in models.generation:
+                try:
+                    generation.warm_up()
+                except Exception as error:  # left out, as in a hot load (hot_swap)
+                    models.fail_warm_up(generation, error)
+            models.check_every_model_served()
             return models, batching, options
 
         models, batching, options = await in_daemon_thread(load_and_warm)

@@ -4,11 +4,13 @@ TorchScript models (one version's weights corrupt), a real redis-server for the 
 from __future__ import annotations
 
 import logging
+import warnings
 from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
@@ -39,6 +41,18 @@ def request(version: str = "") -> pb.InferRequest:
 
 def corrupt(model_dir: Path, version: int) -> None:
     (model_dir / str(version) / "model.pt").write_bytes(b"not a torchscript archive")
+
+
+class _Failing(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("no kernel for this device")
+
+
+def fail_warm_up(model_dir: Path, version: int) -> None:
+    """A version whose weights load and whose every run fails (its warm-up first)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript, as bench.models
+        torch.jit.script(_Failing()).save(str(model_dir / str(version) / "model.pt"))
 
 
 def config(tmp_path: Path, redis_url: str | None = None) -> WorkerConfig:
@@ -91,6 +105,40 @@ async def test_s24_a_version_that_fails_to_load_leaves_the_others_serving(
     failures = names.WORKER_MODEL_LOAD_FAILURES_TOTAL
     assert total(exported, failures, model="affine", version="2") == 1
     assert total(exported, failures, model="affine", version="1") == 0
+
+
+async def test_a_version_whose_warm_up_fails_at_start_is_left_out_as_a_failed_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before, it failed the worker's start (a crash loop until the version left the disk),
+    where a hot load of it left it out (review finding)."""
+    fail_warm_up(write_affine_model(tmp_path / "repo", versions=(1, 2)), 2)
+    worker = await create_worker(config(tmp_path))
+    try:
+        with caplog.at_level(logging.ERROR):
+            await worker.load()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            listed = await stub.ListModels(pb.ListWorkerModelsRequest(), timeout=10)
+            latest = await stub.Infer(request(), timeout=10)
+        status = await health_status(f"127.0.0.1:{worker.port}", SERVICE_NAME)
+    finally:
+        await worker.stop()
+    assert status == health_pb2.HealthCheckResponse.SERVING
+    assert [(v.model_version, v.is_ready) for v in listed.versions] == [("1", True)]
+    assert latest.model_version == "1"
+    assert "affine/2 failed to warm up" in caplog.text
+    exported = generate_latest(worker.metrics.registry).decode()
+    failures = names.WORKER_MODEL_LOAD_FAILURES_TOTAL
+    assert total(exported, failures, model="affine", version="2") == 1
+    # A model whose only version fails its warm-up is one with no loadable version.
+    fail_warm_up(tmp_path / "repo" / "affine", 1)
+    alone = await create_worker(config(tmp_path))
+    try:
+        with pytest.raises(ModelConfigError, match="no version of affine loaded"):
+            await alone.load()
+    finally:
+        await alone.stop()
 
 
 async def test_s23_a_model_with_no_loadable_version_keeps_the_worker_not_serving(

@@ -85,21 +85,26 @@ class BatchingDriver:
         self._loop_task: asyncio.Task[None] | None = None
         self._refusal = Unavailable("worker is draining")  # what a row gets once draining
 
-    def now(self) -> float:
-        """The driver's clock (monotonic seconds)."""
+    def now(self) -> float:  # the driver's clock (monotonic seconds)
         return self._clock()
 
     # -- warm-up ---------------------------------------------------------------------------
 
-    def warm_up(self) -> None:
-        """Warms every lane up (lane.warm_up_lane) on the executor thread that will run the
-        batches (the math libraries' per-thread caches warm up too). Blocking: call it from a
-        thread before serving."""
-        self._executor.submit(self._warm_up).result()
+    def warm_up(self) -> list[tuple[Backend, Exception]]:
+        """Warms every lane up (lane.warm_up_lane) on the executor thread that runs the batches
+        (warming the math libraries' per-thread caches too), dropping a lane whose warm-up
+        fails: its backend is returned with the error. Blocking: from a thread, before serving."""
+        return self._executor.submit(self._warm_up).result()
 
-    def _warm_up(self) -> None:
-        for lane in self._order:
-            self._warm_up_lane(lane)
+    def _warm_up(self) -> list[tuple[Backend, Exception]]:
+        failed: list[tuple[Backend, Exception]] = []
+        for lane in list(self._order):
+            try:
+                self._warm_up_lane(lane)
+            except Exception as error:  # left out, as a version that failed to load is
+                self._forget(lane)
+                failed.append((lane.backend, error))
+        return failed
 
     def _warm_up_lane(self, lane: Lane) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
@@ -125,7 +130,10 @@ class BatchingDriver:
         lane.batcher.begin_drain()
         self._wake.set()
         await settle(lane)
-        del self._lanes[id(backend)]
+        self._forget(lane)
+
+    def _forget(self, lane: Lane) -> None:  # and its queue's metric series
+        del self._lanes[id(lane.backend)]
         self._order.remove(lane)
         self._metrics.forget_queue(*lane.labels)
 
@@ -163,17 +171,16 @@ class BatchingDriver:
             if on_fatal is not None:
                 on_fatal(error)
 
-    def begin_drain(self) -> None:
-        """Stop admitting; queued rows are dispatched at once (close reason: drain)."""
+    def begin_drain(self) -> None:  # stop admitting; queued rows dispatch at once (drain)
         self._draining = True
         for lane in self._order:
             lane.batcher.begin_drain()
         self._wake.set()
 
     async def drain(self) -> None:
-        """Begins draining and returns once every admitted row has been answered. Cancelled
-        (its grace ran out), it answers every row still waiting UNAVAILABLE and stops the loop,
-        so that their callers retry elsewhere now, not when the server closes their calls."""
+        """Begins draining; returns once every admitted row is answered. Cancelled (the grace
+        ran out), it answers the rows still waiting UNAVAILABLE (retried elsewhere now, not when
+        the server closes their calls) and stops the loop."""
         self.begin_drain()
         if self._loop_task is not None and not self._loop_task.done():
             try:
@@ -194,13 +201,11 @@ class BatchingDriver:
         return self._lanes[id(backend)].load_report(batch_key(backend, backend.buckets[0]))
 
     @property
-    def is_executing(self) -> bool:
-        """A batch is on the executor now."""
+    def is_executing(self) -> bool:  # a batch is on the executor now
         return self._running is not None
 
     @property
-    def num_in_flight(self) -> int:
-        """Admitted rows not yet answered."""
+    def num_in_flight(self) -> int:  # admitted rows not yet answered
         return sum(not p.is_answered for lane in self._order for p in lane.pending.values())
 
     # -- requests --------------------------------------------------------------------------
@@ -215,11 +220,10 @@ class BatchingDriver:
         priority: PriorityClass = DEFAULT_PRIORITY,
         weight: float = 0.0,
     ) -> list[np.ndarray]:
-        """Queues the rows of one request, all or none, and waits for their outputs, in order.
-        The deadline is the caller's remaining time (else the model's default_timeout_ms); a
-        `shed_past_slo` model also refuses rows predicted to finish past its SLO. Rows still
-        queued are withdrawn if the caller goes away or any row fails. `priority` and the
-        tenant's fair-share `weight` (0: the worker's configured one) order them."""
+        """Queues one request's rows, all or none, and waits for their outputs, in order, by the
+        caller's remaining time (else the model's default_timeout_ms) and, for a `shed_past_slo`
+        model, its SLO; rows still queued are withdrawn if the caller goes away or a row fails.
+        `priority` and the fair-share `weight` (0: the worker's configured one) order them."""
         admission = self.admit(
             backend, rows, timeout_s=timeout_s, tenant=tenant, priority=priority, weight=weight
         )
@@ -238,9 +242,8 @@ class BatchingDriver:
         priority: PriorityClass = DEFAULT_PRIORITY,
         weight: float = 0.0,
     ) -> Admission:
-        """`submit` without the wait: queues the rows (all or none; raises as `submit` does)
-        and returns the future of their outputs. The caller must `withdraw` the admission once
-        it stops waiting, whatever happened."""
+        """`submit` without the wait: queues the rows (raises as `submit` does) and returns the
+        future of their outputs; the caller `withdraw`s the admission once it stops waiting."""
         ask = SliceAsk(rows, timeout_s, tenant, priority, weight)
         (outcome,) = self.admit_slices(backend, [ask])
         if isinstance(outcome, Exception):
@@ -250,10 +253,9 @@ class BatchingDriver:
     def admit_slices(
         self, backend: Backend, asks: Sequence[SliceAsk], *, arrival_s: float | None = None
     ) -> list[Admission | Exception]:
-        """`admit` for the slices of one bundle, in one pass: each slice is queued whole or
-        refused alone (its error in its place), and what they share (the lane, the clock, the
-        executor's busy time, the queues' forecast) is read once. `arrival_s`: `now()` when the
-        bundle arrived. Raises only what refuses every slice alike (`open_lane`)."""
+        """`admit` for a bundle's slices in one pass, reading once what they share (the lane,
+        the clock, the busy time, the forecast): each queued whole or refused alone (its error
+        in its place); `arrival_s`: `now()` at arrival. Raises what refuses all (`open_lane`)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
         admission = AdmissionPass(
@@ -274,8 +276,7 @@ class BatchingDriver:
         self._wake.set()
         return outcomes
 
-    def withdraw(self, admission: Admission) -> None:
-        """Forgets an admission's rows; those still queued leave the batcher unrun."""
+    def withdraw(self, admission: Admission) -> None:  # its rows still queued leave unrun
         withdraw_rows(admission.lane, admission.item_ids, self._metrics)
 
     def open_lane(self, backend: Backend) -> Lane:
@@ -293,8 +294,7 @@ class BatchingDriver:
     # -- the loop --------------------------------------------------------------------------
 
     def _busy_s(self, now: float) -> float:
-        running = 0.0 if self._busy_since is None else now - self._busy_since
-        return self._busy_s_total + running
+        return self._busy_s_total + (0.0 if self._busy_since is None else now - self._busy_since)
 
     async def _loop(self) -> None:
         turns_taken = itertools.count()  # lanes come and go: rotate modulo their number now
@@ -350,8 +350,8 @@ class BatchingDriver:
         started: float,
         predicted_s: float,
     ) -> None:
-        """Runs one batch. `started` is the dispatch instant: compute is timed from it, so a
-        row's linger + backlog + compute equals its latency exactly."""
+        """Runs one batch, timed from its dispatch (`started`): a row's linger + backlog +
+        compute is its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
