@@ -157,22 +157,26 @@ class ModelCatalog:
         return sorted(served, key=lambda v: int(v.model_version))
 
     def _default_version(self, config: ModelConfig, sticky_key: str | None) -> str:
+        """The weighted label's version, else stable's, else the newest served; a labelled
+        version no ready worker serves (a canary that failed to load everywhere) passes its
+        share on down that list rather than fail it (review finding)."""
         routing = self._routing[config.name]
         label = routing.weighted_label(config.name, sticky_key, self._rng)
-        if label is not None:
-            return str(routing.labels[label])
-        if "stable" in routing.labels:
-            return str(routing.labels["stable"])
         # A version workers serve but this gateway has not read yet (loaded a moment ago) is
         # not a default: resolving it would fail.
         served = [
-            v
+            v.model_version
             for v in self.served_versions(config.name)
             if self.has_version(config.name, v.model_version)
         ]
+        for chosen in (label, "stable"):
+            if chosen is not None and chosen in routing.labels:
+                version = str(routing.labels[chosen])
+                if version in served:
+                    return version
         if not served:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
-        return served[-1].model_version
+        return served[-1]
 
     def version_of(self, name: str, version_spec: str) -> str:
         """The version a number or label names now, whether served or not; NOT_FOUND for one

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import NotFound
+from services.common.errors import NotFound, Unavailable
 from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting
 from services.gateway.catalog import ModelCatalog
@@ -84,6 +84,29 @@ def test_the_catalog_applies_only_newer_routing_of_known_versions(catalog: Model
     with pytest.raises(ValueError, match="do not exist"):
         catalog.set_routing("affine", ModelRouting({"stable": 3}, {}, 5))
     assert catalog.routing("affine") == canary
+
+
+def test_a_labelled_version_no_worker_serves_passes_its_share_on(catalog: ModelCatalog) -> None:
+    """Before, the default traffic a canary's weight drew to a version that failed to load
+    everywhere failed UNAVAILABLE (review finding). It goes to stable, else the newest
+    served; a call naming the label still gets the label's version, or its refusal."""
+    catalog.set_routing(
+        "affine", ModelRouting({"stable": 1, "canary": 2}, {"stable": 0.0, "canary": 1.0}, 2)
+    )
+    only_one = [
+        pb.ModelVersionInfo(
+            model_name="affine", model_version="1", kind=pb.MODEL_KIND_TORCHSCRIPT, is_ready=True
+        )
+    ]
+    catalog.update_served(only_one)
+    assert {catalog.resolve("affine", "").version for _ in range(20)} == {"1"}
+    with pytest.raises(Unavailable, match="affine/2"):
+        catalog.resolve("affine", "canary")
+    catalog.set_routing("affine", ModelRouting({"stable": 2, "canary": 2}, {"canary": 1.0}, 3))
+    assert {catalog.resolve("affine", "").version for _ in range(20)} == {"1"}
+    catalog.update_served([])
+    with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
+        catalog.resolve("affine", "")
 
 
 def test_removing_the_record_returns_to_the_repository(catalog: ModelCatalog) -> None:
