@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from redis.exceptions import RedisError
+from redis.exceptions import OutOfMemoryError, RedisError
 
-from services.common.errors import InvalidInput, NotFound, Unavailable
+from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
 from services.common.job_store import (
     JobCursor,
@@ -59,6 +59,9 @@ _STATES = {
 class JobsApiConfig:
     #: Most items one job may have (inline, or all the messages of a stream together).
     max_items: int = 100_000
+    #: Most bytes its items may take together (serialized): what one job holds of the
+    #: gateway's memory while it arrives, and of Redis's until its retention ends.
+    max_bytes: int = 64 * 1024 * 1024
     #: Items per queue entry, and so per Predict call a runner makes.
     chunk_size: int = 64
     #: Largest ListJobs page.
@@ -132,10 +135,10 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             raise InvalidInput(str(error)) from None
         priority = principal.policy.priority_for(requested)
         items: list[bytes] = []
-        self._add_items(items, header)
+        num_bytes = self._add_items(items, header, 0)
         async for message in messages:
             _check_same_header(header, message)
-            self._add_items(items, message)
+            num_bytes = self._add_items(items, message, num_bytes)
         if not items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         job = NewJob(
@@ -152,12 +155,20 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         )
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
 
-    def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest) -> None:
-        """Appends `message`'s items, serialized, to `items`; InvalidInput, before appending
-        any, when they would take the job past `max_items`."""
+    def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest, num_bytes: int) -> int:
+        """Appends `message`'s items, serialized, to `items` (holding `num_bytes`); returns
+        their bytes now. InvalidInput, before appending any, when they would take the job past
+        `max_items` or `max_bytes`."""
         if len(items) + len(message.items) > self._config.max_items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
-        items.extend(item.SerializeToString() for item in message.items)
+        added = [item.SerializeToString() for item in message.items]
+        num_bytes += sum(map(len, added))
+        if num_bytes > self._config.max_bytes:
+            raise InvalidInput(
+                f"a job's items may take at most {self._config.max_bytes} bytes: split it"
+            )
+        items.extend(added)
+        return num_bytes
 
     async def GetJob(
         self, request: jobs.GetJobRequest, context: grpc.aio.ServicerContext
@@ -231,10 +242,22 @@ def _check_same_header(header: jobs.SubmitJobRequest, message: jobs.SubmitJobReq
             )
 
 
+#: The retry hint of a job refused because the store is full: jobs finish and expire slowly.
+STORE_FULL_RETRY_S = 60.0
+
+
 async def _stored(awaitable: Awaitable[T]) -> T:
-    """Awaits a store call; Redis unreachable is UNAVAILABLE (safe to retry)."""
+    """Awaits a store call; Redis unreachable is UNAVAILABLE (safe to retry), Redis at its
+    memory cap (`--maxmemory`, nothing evicted) RESOURCE_EXHAUSTED: a resend fails alike until
+    jobs expire or the store grows."""
     try:
         return await awaitable
+    except OutOfMemoryError:
+        raise Overloaded(
+            "the job store is full (Redis at its memory cap): retry once jobs have finished and "
+            "expired, or submit fewer items",
+            retry_after_s=STORE_FULL_RETRY_S,
+        ) from None
     except (RedisError, OSError) as error:
         raise Unavailable(f"job store unavailable: {type(error).__name__}") from None
 

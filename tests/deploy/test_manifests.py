@@ -829,6 +829,18 @@ def test_dev_redis_secret_is_marked_and_consistent(overlays: dict[str, Objects])
 # -- durable batch jobs: Redis keeps them, a runner drains them ---------------------------------
 
 
+def _redis_bytes(size: str) -> int:
+    """A redis-server memory size ("320mb": MiB, as redis-server reads it)."""
+    number, unit = size[:-2], size[-2:]
+    return int(number) * {"mb": 2**20, "gb": 2**30}[unit]
+
+
+def _quantity_bytes(quantity: str) -> int:
+    """A Kubernetes memory quantity in Mi or Gi."""
+    number, unit = quantity[:-2], quantity[-2:]
+    return int(number) * {"Mi": 2**20, "Gi": 2**30}[unit]
+
+
 def redis_option(args: list[str], flag: str) -> str:
     """The value of `flag` in a redis-server argv, which must give it exactly once."""
     assert args.count(flag) == 1, f"{flag} appears {args.count(flag)} times in {args}"
@@ -863,6 +875,12 @@ def test_redis_keeps_the_jobs_in_an_aof_on_a_claim(renders: dict[str, Objects]) 
         args = main_container(redis)["args"]
         assert redis_option(args, "--appendonly") == "yes", where
         assert redis_option(args, "--appendfsync") in DURABLE_FSYNC, where
+        # Capped below the container's limit, never evicting (a job is never dropped): an
+        # OOM-killed Redis would replay its AOF into the same limit, in a crash loop.
+        assert redis_option(args, "--maxmemory-policy") == "noeviction", where
+        cap = redis_option(args, "--maxmemory")
+        limit = main_container(redis)["resources"]["limits"]["memory"]
+        assert _redis_bytes(cap) <= 0.75 * _quantity_bytes(limit), f"{where}: {cap} of {limit}"
         data_dir = redis_option(args, "--dir")
         claims = claim_mounts(redis, objects)
         assert data_dir in claims, f"{where}: --dir {data_dir} is not on a claim: {sorted(claims)}"

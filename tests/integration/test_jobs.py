@@ -19,6 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from services.common import metric_names as names
+from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS
 from services.common.job_store import JobStore
 from services.common.tensors import tensor_from_pb
@@ -546,6 +547,49 @@ async def test_a_streamed_job_is_bounded_by_max_items_not_by_one_message(fabric:
     assert too_many_streamed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "100000" in (too_many_streamed.value.details() or "")
     assert await fabric.job_ids() == [inline_id, job_id]
+
+
+async def test_a_streamed_job_is_bounded_by_its_bytes(fabric: Fabric) -> None:
+    """Before, only by its count: 100,000 items of up to 4 MiB each could be held by the
+    gateway while they arrived, then in Redis for the retention (review finding). Refused as
+    soon as the bytes pass the limit (64 MiB): this stream never ends, so an answer means the
+    gateway stopped reading it; nothing is persisted."""
+    megabytes = ["x" * 1_000_000] * 3
+
+    async def past_the_bytes_then_open() -> AsyncIterator[jobs.SubmitJobRequest]:
+        yield jobs.SubmitJobRequest(model_name="minilm", items=text_items(megabytes))
+        for _ in range(30):  # 93 MB in all
+            yield jobs.SubmitJobRequest(items=text_items(megabytes))
+        await asyncio.Event().wait()
+        yield jobs.SubmitJobRequest()  # never reached
+
+    with pytest.raises(grpc.aio.AioRpcError) as too_big:
+        await fabric.jobs.SubmitJobStream(past_the_bytes_then_open(), metadata=AS_A, timeout=60.0)
+    assert too_big.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"{64 * 1024 * 1024} bytes" in (too_big.value.details() or "")
+    assert await fabric.job_ids() == []
+
+
+async def test_a_job_the_full_store_refuses_is_resource_exhausted_with_a_hint(
+    fabric: Fabric,
+) -> None:
+    """Redis at its memory cap refuses writes (`--maxmemory`, noeviction, as deployed). Before,
+    the refusal was UNAVAILABLE, which clients take as safe to resend at once: it is
+    RESOURCE_EXHAUSTED with a retry hint, and nothing of the job is kept."""
+    admin = aioredis.Redis.from_url(fabric.redis.url)
+    kept = await fabric.submit(texts_of(3))
+    try:
+        await admin.config_set("maxmemory", "1mb")
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await fabric.submit(["y" * 200_000] * 10)
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await admin.aclose()
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "job store is full" in (full.value.details() or "")
+    hints = dict(full.value.trailing_metadata() or ())
+    assert float(hints[RETRY_AFTER_MS_KEY]) > 0
+    assert await fabric.job_ids() == [kept]
 
 
 async def test_a_stream_that_changes_its_header_or_has_no_items_persists_nothing(
