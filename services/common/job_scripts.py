@@ -80,3 +80,15 @@ COUNT_ROUND = """
 if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return -1 end
 return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 """
+# KEYS: job hash. Marks a job cancelled only while it exists and has items not finished: a
+# job whose last result was recorded meanwhile keeps its final state, and one gone (expired)
+# is not brought back as a hash of that field alone, which would never expire. Returns 1 if
+# marked, 0 if finished, -1 if gone.
+CANCEL = """
+local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled')
+if not c[1] then return -1 end
+local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
+if tonumber(c[1]) <= done then return 0 end
+redis.call('HSET', KEYS[1], 'cancelled', 1)
+return 1
+"""

@@ -44,7 +44,7 @@ import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 
 from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
-from services.common.job_scripts import COUNT_ROUND, ENQUEUE, RECORD
+from services.common.job_scripts import CANCEL, COUNT_ROUND, ENQUEUE, RECORD
 
 #: Consumer group of the job runners on the queue stream.
 GROUP = "runners"
@@ -202,6 +202,7 @@ class JobStore:
         self._enqueue = client.register_script(ENQUEUE)
         self._record = client.register_script(RECORD)
         self._count_round = client.register_script(COUNT_ROUND)
+        self._cancel = client.register_script(CANCEL)
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
@@ -271,8 +272,9 @@ class JobStore:
                 ids.append((job_id, JobCursor(score, job_id)))
         return ids[:limit]
 
-    async def cancel(self, job_id: str) -> None:
-        await self.client.hset(self.job_key(job_id), "cancelled", 1)
+    async def cancel(self, job_id: str) -> bool:
+        """Marks the job cancelled unless every item finished (or it is gone); True if so."""
+        return int(await self._cancel(keys=[self.job_key(job_id)])) == 1
 
     async def results(self, job_id: str, start: int, count: int) -> list[bytes | None]:
         """Stored results of items [start, start+count): None where not finished yet."""

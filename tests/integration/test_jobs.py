@@ -466,6 +466,23 @@ async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric)
     assert all(r.code == "CANCELLED" for r in cancelled_items)
 
 
+async def test_a_cancel_that_loses_the_race_to_the_last_result_changes_nothing(
+    fabric: Fabric,
+) -> None:
+    """CancelJob reads the job's state, then marks it: the last result may be recorded between
+    the two. The mark is the store's (the gateway's second step, taken here after the job
+    finished): before, it set `cancelled` whatever the counts, and a job whose every item
+    succeeded read CANCELLED for good; on a job gone, it left a hash that never expired."""
+    fabric.start_runner("runner-1")
+    job_id = await fabric.submit(texts_of(5))
+    assert (await fabric.finished(job_id)).state == jobs.JOB_STATE_SUCCEEDED
+    assert not await fabric.store.cancel(job_id)
+    assert (await fabric.job(job_id)).state == jobs.JOB_STATE_SUCCEEDED
+    gone = "0" * 32
+    assert not await fabric.store.cancel(gone)
+    assert not await fabric.store.client.exists(fabric.store.job_key(gone))
+
+
 async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
     job_id = await fabric.submit(texts_of(3))
     with pytest.raises(grpc.aio.AioRpcError) as refused:
