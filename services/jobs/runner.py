@@ -10,8 +10,11 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    gateway like any client, so batch items share the workers' batches but are queued and shed
    behind online traffic;
 4. on an error no retry can fix (INVALID_ARGUMENT...), or one a crashing item may cause
-   (INTERNAL, UNKNOWN) once its retries ran out, runs each item alone to find the poison ones
-   (the others stop if one gives up the chunk); retryable errors are retried with capped
+   (INTERNAL, UNKNOWN) once its retries ran out, runs each item alone, a few at a time, to
+   find the poison ones (not for an error of the call whatever its items: NOT_FOUND,
+   PERMISSION_DENIED...); should one give the chunk up for a later round, the others stop and
+   what finished is recorded first (services/jobs/chunk_calls.py); retryable errors are
+   retried with capped
    exponential backoff and full jitter, up to `max_attempts`; an item that still fails is
    recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
@@ -37,8 +40,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
 
 import grpc
 from redis.exceptions import RedisError
@@ -47,7 +49,6 @@ from services.common.job_policy import (
     CRASH_ROUNDS,
     FLEET_CODES,
     FLEET_ROUNDS,
-    RETRYABLE_CODES,
     GiveUp,
     ItemStatus,
     RetryPolicy,
@@ -55,13 +56,19 @@ from services.common.job_policy import (
 from services.common.job_store import ItemOutcome, JobRecord, JobStore, QueueEntry
 from services.common.lifecycle import stop_if_cancelled
 from services.common.priority import PriorityClass
+from services.jobs.chunk_calls import (
+    SPLIT_CONCURRENCY,
+    FleetRound,
+    FleetUnavailable,
+    RunnerRefused,
+    all_or_none,
+    item_result,
+    may_be_one_items,
+)
 from services.jobs.metrics import RunnerMetrics
 from services.pb.inference.v1 import inference_pb2 as api
-from services.pb.inference.v1 import jobs_pb2 as jobs
 
 log = logging.getLogger(__name__)
-
-_T = TypeVar("_T")
 
 #: Sends one PredictRequest and returns its response (raises grpc.aio.AioRpcError).
 PredictFn = Callable[[api.PredictRequest], Awaitable[api.PredictResponse]]
@@ -73,54 +80,6 @@ RECLAIM_PERIOD_S = 2.0
 REDIS_RETRY_S = 0.5
 
 _Item = tuple[int, bytes]
-
-
-class FleetUnavailable(Exception):
-    """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED,
-    CANCELLED: no worker up, a restart, overload). No item is at fault: the chunk stays pending
-    and is retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the
-    restart of any tier."""
-
-
-class RunnerRefused(Exception):
-    """The gateway refused the runner itself (UNAUTHENTICATED: a missing or revoked runner
-    key). No item is at fault: the chunk stays pending and is retried after the claim timeout,
-    by this runner or another, rather than failing every item of every job."""
-
-
-#: Retryable codes one item may still cause: a model that crashed on it. A call past its
-#: deadline, or aborted, says the fleet is slow: split, it would only multiply the calls.
-_ITEM_CRASH_CODES = frozenset({"INTERNAL", "UNKNOWN"})
-
-
-def _may_be_one_items(code: str) -> bool:
-    """Whether a chunk's call that failed with `code` for good may have failed for one item."""
-    return code not in RETRYABLE_CODES or code in _ITEM_CRASH_CODES
-
-
-async def _all_or_none(calls: Iterable[Awaitable[_T]]) -> list[_T]:
-    """Every call's result; on the first that raises, the others are cancelled (nothing of a
-    chunk given up keeps calling), then it is raised."""
-    tasks = [asyncio.ensure_future(call) for call in calls]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-def _result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) -> ItemOutcome:
-    status_pb = {
-        ItemStatus.OK: jobs.ITEM_STATUS_OK,
-        ItemStatus.FAILED: jobs.ITEM_STATUS_FAILED,
-        ItemStatus.CANCELLED: jobs.ITEM_STATUS_CANCELLED,
-    }[status]
-    message = jobs.JobItemResult(index=index, status=status_pb, num_attempts=num_attempts, **fields)
-    return ItemOutcome(
-        index, status, message.SerializeToString(), code=message.code, message=message.message
-    )
 
 
 class JobRunner:
@@ -236,7 +195,8 @@ class JobRunner:
             todo = [(entry.start + i, b"") for i, result in enumerate(stored) if result is None]
             message = f"the job runner failed on this item's chunk {crashes} times: {error!r}"
             outcomes = self._stopped(job, todo) or [
-                _result(i, ItemStatus.FAILED, 0, code="INTERNAL", message=message) for i, _ in todo
+                item_result(i, ItemStatus.FAILED, 0, code="INTERNAL", message=message)
+                for i, _ in todo
             ]
             await self._record(job, outcomes, entry)
         except (RedisError, OSError) as redis_error:  # the chunk stays pending: a later round
@@ -282,15 +242,17 @@ class JobRunner:
         items = [(i, payloads[i - entry.start]) for i in todo]
         self._metrics.items_running.inc(len(items))
         try:
-            outcomes = await self._run_items(job, items)
+            fleet_round = FleetRound(self._store, job.job_id, entry.start)
+            outcomes = await self._run_items(job, items, fleet_round)
         finally:
             self._metrics.items_running.dec(len(items))
         await self._record(job, outcomes, entry)
 
     async def _record(
-        self, job: JobRecord, outcomes: Sequence[ItemOutcome], entry: QueueEntry
+        self, job: JobRecord, outcomes: Sequence[ItemOutcome], entry: QueueEntry | None
     ) -> None:
-        """Records `outcomes`, acknowledging `entry`, and counts them by status."""
+        """Records `outcomes`, acknowledging `entry` (None: it stays pending), and counts them
+        by status."""
         await self._store.record(job, outcomes, ack=entry)
         for outcome in outcomes:
             self._metrics.items.labels(outcome.status.value).inc()
@@ -303,9 +265,13 @@ class JobRunner:
             code, message = "DEADLINE_EXCEEDED", "job's completion deadline passed"
         else:
             return None
-        return [_result(i, ItemStatus.CANCELLED, 0, code=code, message=message) for i, _ in items]
+        return [
+            item_result(i, ItemStatus.CANCELLED, 0, code=code, message=message) for i, _ in items
+        ]
 
-    async def _run_items(self, job: JobRecord, items: Sequence[_Item]) -> list[ItemOutcome]:
+    async def _run_items(
+        self, job: JobRecord, items: Sequence[_Item], fleet_round: FleetRound
+    ) -> list[ItemOutcome]:
         """Runs `items` as one call, with retries; splits it on an error only one item may
         cause. Re-reads the job before each retry, so a cancel stops the retries too."""
         num_attempts = 0
@@ -323,22 +289,21 @@ class JobRunner:
                     raise RunnerRefused(f"gateway refused the runner's key: {message}") from None
             else:
                 return [
-                    _result(i, ItemStatus.OK, num_attempts, output=output)
+                    item_result(i, ItemStatus.OK, num_attempts, output=output)
                     for (i, _), output in zip(items, response.outputs, strict=True)
                 ]
             decision = self._retry.decide(num_attempts, code, message, self._rng.random())
-            if isinstance(decision, GiveUp) and len(items) > 1 and _may_be_one_items(code):
+            if isinstance(decision, GiveUp) and len(items) > 1 and may_be_one_items(code):
                 # One poison item fails the whole call: find it by running each alone.
-                singles = await _all_or_none(self._run_items(job, [item]) for item in items)
-                return [outcome for outcomes in singles for outcome in outcomes]
+                return await self._run_singles(job, items, fleet_round)
             if isinstance(decision, GiveUp) and code in FLEET_CODES:
-                rounds = await self._store.count_round(job.job_id, items[0][0])
+                rounds = await fleet_round.count()
                 if rounds < FLEET_ROUNDS:
                     self._metrics.retries.labels(code).inc()
                     raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")
             if isinstance(decision, GiveUp):
                 return [
-                    _result(
+                    item_result(
                         i,
                         ItemStatus.FAILED,
                         num_attempts,
@@ -350,6 +315,27 @@ class JobRunner:
             self._metrics.retries.labels(code).inc()
             await asyncio.sleep(decision.after_s)
             job = await self._store.get(job.job_id) or job
+
+    async def _run_singles(
+        self, job: JobRecord, items: Sequence[_Item], fleet_round: FleetRound
+    ) -> list[ItemOutcome]:
+        """Runs each of `items` alone, SPLIT_CONCURRENCY at a time. Should one be left for a
+        later round (the fleet, the runner's key), the others' outcomes are recorded first
+        (the entry stays pending: its rerun skips them) and the error raised."""
+        limit = asyncio.Semaphore(SPLIT_CONCURRENCY)
+        finished: list[ItemOutcome] = []
+
+        async def alone(item: _Item) -> None:
+            async with limit:
+                finished.extend(await self._run_items(job, [item], fleet_round))
+
+        try:
+            await all_or_none(alone(item) for item in items)
+        except (FleetUnavailable, RunnerRefused):
+            if finished:
+                await self._record(job, finished, None)
+            raise
+        return sorted(finished, key=lambda outcome: outcome.index)
 
     def _request(self, job: JobRecord, items: Sequence[_Item]) -> api.PredictRequest:
         return api.PredictRequest(

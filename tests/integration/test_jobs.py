@@ -31,6 +31,7 @@ from tests.support.jobs import (
     BATCH,
     GARBLED,
     POISON,
+    UNSERVED,
     PredictTarget,
     expected_output,
     start_job_service,
@@ -510,6 +511,41 @@ async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> No
     job = await fabric.finished(job_id)  # after the claim timeout, the chunk runs again
     assert job.state == jobs.JOB_STATE_SUCCEEDED
     assert_all_ok_in_order(await fabric.results(job_id), texts)
+
+
+async def test_a_chunk_refused_whatever_its_items_is_not_split(fabric: Fabric) -> None:
+    """NOT_FOUND (the model gone) fails every item alike: before, the chunk was run again as
+    one call per item (1 + 8 calls here), and each failed the same way (review finding)."""
+    fabric.target.refuse_all = grpc.StatusCode.NOT_FOUND
+    fabric.start_runner("runner-1")
+    job = await fabric.finished(await fabric.submit(texts_of(8)))
+    assert (job.state, job.num_failed) == (jobs.JOB_STATE_FAILED, 8)
+    assert fabric.target.num_calls == 1
+
+
+async def test_a_split_chunk_left_for_the_fleet_keeps_what_its_items_finished(
+    fabric: Fabric,
+) -> None:
+    """A chunk split to find its poison item, one of whose items the fleet cannot serve: the
+    chunk is left for a later round, and its items that finished alone are recorded first, so
+    that its rerun skips them. Before, they were dropped and run again every round."""
+    texts = texts_of(8)
+    texts[2], texts[6] = f"{POISON} 2", f"{UNSERVED} 6"
+    fabric.target.poison_crashes = True  # retryable, then split
+    fabric.start_runner("runner-1")
+    job_id = await fabric.submit(texts)
+
+    async def second_round() -> bool:
+        stored = await fabric.store.client.hgetall(fabric.store.job_key(job_id))
+        return int(stored.get(b"rounds:0", 0)) >= 2
+
+    await eventually(second_round, timeout_s=60.0, interval_s=0.2)
+    job = await fabric.job(job_id)
+    # The poison item fails once its retries run out, unless the fleet's gave the chunk up
+    # first (its call is then stopped, and runs again in the next round).
+    assert (job.num_ok, job.state) == (6, jobs.JOB_STATE_RUNNING)
+    ok = [t for i, t in enumerate(texts) if i not in (2, 6)]
+    assert [fabric.target.runs[t] for t in ok] == [1] * 6
 
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED])

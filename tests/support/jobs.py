@@ -35,6 +35,9 @@ POISON = "poison"
 #: A call with a text starting with this is answered one output short, as a broken gateway
 #: might: an answer the runner cannot read.
 GARBLED = "garbled"
+#: A call with a text starting with this is refused UNAVAILABLE, every time (the fleet cannot
+#: serve it: no item's fault).
+UNSERVED = "unserved"
 
 
 def expected_output(text: str) -> np.ndarray:
@@ -65,6 +68,8 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     #: Poison texts crash the call (INTERNAL, as a model that raises does) instead of being
     #: refused INVALID_ARGUMENT.
     poison_crashes: bool = False
+    #: Every call is refused with this status (None: none is), as a model gone would be.
+    refuse_all: grpc.StatusCode | None = None
     _released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def release(self) -> None:
@@ -85,11 +90,15 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
             if self.unavailable_code is grpc.StatusCode.UNAVAILABLE:
                 raise Unavailable("warming up")
             await context.abort(self.unavailable_code, "dropped unseen")
+        if self.refuse_all is not None:
+            await context.abort(self.refuse_all, "refused whatever the items")
         texts = [i.text for i in request.inputs]
         if any(t.startswith(POISON) for t in texts):
             if self.poison_crashes:
                 raise ServingError(f"the model crashed on a {POISON!r} text")
             raise InvalidInput(f"cannot embed {POISON!r} texts")
+        if any(t.startswith(UNSERVED) for t in texts):
+            raise Unavailable("no worker serves it now")
         if self.hold_after_runs is not None and self.runs.total() >= self.hold_after_runs:
             self.num_held += 1
             await self._released.wait()

@@ -23,6 +23,7 @@ from services.common.model_repository import ModelVersion
 from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.loaded_models import LoadedModels
 from services.gpu_worker.repository_follower import RepositoryFollower
+from services.jobs.chunk_calls import FleetRound
 from services.jobs.metrics import RunnerMetrics
 from services.jobs.runner import JobRunner
 from services.pb.inference.v1 import inference_pb2 as api
@@ -226,7 +227,8 @@ async def test_a_job_chunk_retrying_stops_when_the_job_read_swallowed_the_drain(
         claim_timeout_s=30.0,
     )
     items = [(0, api.PredictInput(text="hello").SerializeToString())]
-    task = asyncio.get_running_loop().create_task(runner._run_items(job, items))
+    fleet_round = FleetRound(cast(JobStore, store), job.job_id, 0)
+    task = asyncio.get_running_loop().create_task(runner._run_items(job, items, fleet_round))
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)
     assert (num_calls, store.num_reads) == (1, 1)

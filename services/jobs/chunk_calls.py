@@ -1,0 +1,86 @@
+"""What the job runner (services/jobs/runner.py) decides about one chunk's calls: which
+failures leave the chunk for a later round, which may be one item's (so its items are run
+alone), how many one-item calls run at once, and the results it records."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Iterable
+from typing import Any, TypeVar
+
+from services.common.job_policy import RETRYABLE_CODES, ItemStatus
+from services.common.job_store import ItemOutcome, JobStore
+from services.pb.inference.v1 import jobs_pb2 as jobs
+
+_T = TypeVar("_T")
+
+
+class FleetUnavailable(Exception):
+    """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED,
+    CANCELLED: no worker up, a restart, overload). No item is at fault: the chunk stays pending
+    and is retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the
+    restart of any tier."""
+
+
+class RunnerRefused(Exception):
+    """The gateway refused the runner itself (UNAUTHENTICATED: a missing or revoked runner
+    key). No item is at fault: the chunk stays pending and is retried after the claim timeout,
+    by this runner or another, rather than failing every item of every job."""
+
+
+#: Retryable codes one item may still cause: a model that crashed on it. A call past its
+#: deadline, or aborted, says the fleet is slow: split, it would only multiply the calls.
+_ITEM_CRASH_CODES = frozenset({"INTERNAL", "UNKNOWN"})
+#: Codes that refuse the call whatever its items: the model or version gone, the runner's
+#: rights, a method not served, a version's tokenizer differing. Split, every item fails alike.
+_CALL_CODES = frozenset({"NOT_FOUND", "PERMISSION_DENIED", "UNIMPLEMENTED", "FAILED_PRECONDITION"})
+#: Most one-item calls a split chunk makes at once (its items are run alone to find the bad
+#: one: a chunk's worth at once would be a burst the runner's chunk limit does not bound).
+SPLIT_CONCURRENCY = 8
+
+
+def may_be_one_items(code: str) -> bool:
+    """Whether a chunk's call that failed with `code` for good may have failed for one item."""
+    return code not in _CALL_CODES and (code not in RETRYABLE_CODES or code in _ITEM_CRASH_CODES)
+
+
+async def all_or_none(calls: Iterable[Awaitable[_T]]) -> list[_T]:
+    """Every call's result; on the first that raises, the others are cancelled (nothing of a
+    chunk given up keeps calling), then it is raised."""
+    tasks = [asyncio.ensure_future(call) for call in calls]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+class FleetRound:
+    """Counts the round a chunk is left for because the fleet cannot serve it (the job's
+    `rounds:<start>`), once however many of its calls (its items split) hit the fleet in it."""
+
+    def __init__(self, store: JobStore, job_id: str, start: int) -> None:
+        self._store, self._job_id, self._start = store, job_id, start
+        self._counted: asyncio.Future[int] | None = None
+
+    async def count(self) -> int:
+        """The chunk's rounds so far, this one included; -1 if the job is gone."""
+        if self._counted is None:
+            self._counted = asyncio.ensure_future(
+                self._store.count_round(self._job_id, self._start)
+            )
+        return await asyncio.shield(self._counted)
+
+
+def item_result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) -> ItemOutcome:
+    status_pb = {
+        ItemStatus.OK: jobs.ITEM_STATUS_OK,
+        ItemStatus.FAILED: jobs.ITEM_STATUS_FAILED,
+        ItemStatus.CANCELLED: jobs.ITEM_STATUS_CANCELLED,
+    }[status]
+    message = jobs.JobItemResult(index=index, status=status_pb, num_attempts=num_attempts, **fields)
+    return ItemOutcome(
+        index, status, message.SerializeToString(), code=message.code, message=message.message
+    )
