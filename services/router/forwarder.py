@@ -255,8 +255,8 @@ class Forwarder:
         self, facts: CallFacts, tried: set[str], failure: UpstreamError | None = None
     ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
-        raises the refusal, or the last worker's NOT_FOUND (`failure`) when no other worker
-        is left to try: that worker's answer stands. Another worker that serves the version
+        raises the refusal, or the last worker's NOT_FOUND (`failure`, as UNAVAILABLE:
+        `_for_caller`) when no other worker is left to try. Another worker that serves the version
         but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed (`_after_failure` saw one left), or, without one
@@ -268,12 +268,12 @@ class Forwarder:
                 and failure.code == grpc.StatusCode.NOT_FOUND
                 and decision.reason is not RejectReason.DEADLINE
             ):
-                raise failure
+                raise _for_caller(failure)
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:
             if not self._budget.try_spend(time.monotonic()):
                 self._table.release(decision.reservation_id)
-                raise failure
+                raise _for_caller(failure)
             self._metrics.retries_total.labels(facts.name, facts.version).inc()
         tried.add(decision.worker_id)
         return decision
@@ -358,13 +358,26 @@ class Forwarder:
                     error,
                     decision.reason.value,
                 )
-            raise error
+            raise _for_caller(error)
         log.warning("worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error)
 
 
 def _timeout_s(deadline_s: float) -> float | None:
     """A downstream call's gRPC timeout for an absolute deadline (None for none)."""
     return None if math.isinf(deadline_s) else max(0.0, deadline_s - time.monotonic())
+
+
+def _for_caller(failure: UpstreamError) -> Exception:
+    """A worker's failure as the caller gets it. A worker's NOT_FOUND for a version this
+    router's snapshot says it serves (unloaded there since) is no permanent answer: the version
+    was served, so UNAVAILABLE (as when no worker serves a version served before), marked not
+    started (it ran nothing there)."""
+    if failure.code != grpc.StatusCode.NOT_FOUND:
+        return failure
+    return Unavailable(
+        f"{failure} on the worker routed to (unloaded there); no other worker serves it now",
+        is_not_started=True,
+    )
 
 
 def _rejection(decision: Reject, *, retried: bool) -> Exception:

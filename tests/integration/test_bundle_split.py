@@ -278,7 +278,9 @@ async def test_a_worker_that_no_longer_serves_the_model_is_left_for_one_that_doe
     """The route table still lists affine on w0 (a snapshot is up to a heartbeat old), but w0
     has stopped serving it, as an unload does first: its NOT_FOUND sends the bundle on to w1,
     as an unavailable worker's would, instead of answering the caller that the model does not
-    exist while another worker serves it. With none left to try, NOT_FOUND is the answer."""
+    exist while another worker serves it. With none left to try, the answer is UNAVAILABLE
+    with w0's words, marked not started: the version was served, and may be again (before,
+    NOT_FOUND, which clients take as permanent; review finding)."""
     fabric.workers[0].models.remove("affine", "1")
     for size in range(1, 7):
         request, rows = bundle_of([1] * size)
@@ -289,12 +291,13 @@ async def test_a_worker_that_no_longer_serves_the_model_is_left_for_one_that_doe
         )
     assert router.metric(names.ROUTER_ROUTED_TOTAL, worker="w0") >= 1
     assert metric(fabric.workers[1].metrics.registry, names.WORKER_ROWS_TOTAL, model="affine") == 21
-    # With no other worker to try (w1 ejected for a while), w0's NOT_FOUND is the answer, not
-    # the router's 'no ready worker' for the workers it has tried.
+    # With no other worker to try (w1 ejected for a while), w0's words are the answer, not the
+    # router's 'no ready worker' for the workers it has tried.
     router.table.eject("w1", time.monotonic())
     with pytest.raises(UpstreamError) as raised:
         await call(router, bundle_of([1])[0])
-    assert raised.value.code == grpc.StatusCode.NOT_FOUND
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE and raised.value.is_not_started
+    assert "not" in str(raised.value) and "no other worker serves it now" in str(raised.value)
 
 
 async def test_a_worker_that_no_longer_serves_the_model_beside_a_busy_one_is_overload(
