@@ -30,8 +30,11 @@ class Catalog:
             raise Unavailable("router has not read the registry yet")
         versions = []
         for served in self._table.served_models(time.monotonic()).values():
-            _, model = served[0]
-            is_ready = any(m.is_ready and not w.is_draining for w, m in served)
+            # Its facts (the fingerprints the gateway stamps on calls) are a serving worker's:
+            # a draining or unready one may hold the version's files of before a re-stage.
+            ready = [m for w, m in served if m.is_ready and not w.is_draining]
+            model = ready[0] if ready else served[0][1]
+            is_ready = bool(ready)
             versions.append(
                 pb.ModelVersionInfo(
                     model_name=model.name,

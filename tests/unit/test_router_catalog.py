@@ -1,0 +1,55 @@
+"""The router's catalog (services.router.catalog): what ListModels tells gateways of a version
+several workers serve, from the registry snapshot."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any, cast
+
+import grpc
+import pytest
+
+from services.common.registry_schema import WorkerRecord
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.router.catalog import Catalog
+from services.router.routing import RouteTable
+from services.router.routing_config import RoutingConfig
+from tests.support.records import model_record
+
+pytestmark = pytest.mark.unit
+
+
+def worker(worker_id: str, *, draining: bool = False, **model: Any) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id,
+        address=f"{worker_id}:50051",
+        is_draining=draining,
+        sent_at_ms=0,
+        models=(model_record(**model),),
+    )
+
+
+async def listed(*workers: WorkerRecord) -> list[pb.ModelVersionInfo]:
+    table = RouteTable(RoutingConfig(), random.Random(0))
+    now_s = time.monotonic()
+    table.update([(w, now_s) for w in workers], now_s)
+    context = cast(grpc.aio.ServicerContext[Any, Any], None)
+    answer = await Catalog(table).list_models(pb.ListWorkerModelsRequest(), context)
+    return list(answer.versions)
+
+
+async def test_a_versions_fingerprints_are_a_serving_workers() -> None:
+    """Workers disagree during a rolling update that re-staged a version's files: the first by
+    id (draining, or not ready) held the old ones. Before, its fingerprint was told, and every
+    call the gateway stamped with it was refused FAILED_PRECONDITION by the serving workers
+    (review finding)."""
+    old = {"fingerprint": "old", "tokenizer_fingerprint": "old-t"}
+    new = {"fingerprint": "new", "tokenizer_fingerprint": "new-t"}
+    for stale in (worker("w0", draining=True, **old), worker("w0", is_ready=False, **old)):
+        (version,) = await listed(stale, worker("w1", **new))
+        assert (version.fingerprint, version.tokenizer_fingerprint) == ("new", "new-t")
+        assert version.is_ready
+    # None serving: the version is told, not ready, with the first's facts.
+    (version,) = await listed(worker("w0", draining=True, **old))
+    assert (version.fingerprint, version.is_ready) == ("old", False)
