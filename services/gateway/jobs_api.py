@@ -13,6 +13,7 @@ reveal nothing.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -134,6 +135,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         except ValueError as error:
             raise InvalidInput(str(error)) from None
         priority = principal.policy.priority_for(requested)
+        complete_by_s = _complete_by_s(header.complete_by_unix_s)
         items: list[bytes] = []
         num_bytes = self._add_items(items, header, 0)
         async for message in messages:
@@ -148,7 +150,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             priority=priority.value,
             items=items,
             idempotency_key=header.idempotency_key,
-            complete_by_s=max(0.0, header.complete_by_unix_s),
+            complete_by_s=complete_by_s,
         )
         job_id, is_existing = await _stored(
             self._store.submit(job, chunk_size=self._config.chunk_size)
@@ -212,8 +214,11 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         self, request: jobs.GetJobResultsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[jobs.JobItemResult]:
         record = await self._own_job(request.job_id)
-        if request.start_index < 0:
-            raise InvalidInput("start_index must not be negative")
+        if not 0 <= request.start_index <= record.num_items:
+            raise InvalidInput(
+                f"start_index must be in [0, {record.num_items}] (the job's items), got "
+                f"{request.start_index}"
+            )
         index = request.start_index
         while index < record.num_items:
             count = min(RESULTS_PAGE, record.num_items - index)
@@ -224,6 +229,13 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             index += len(found)
             if len(found) < count:
                 return
+
+
+def _complete_by_s(value: float) -> float:
+    """A submission's completion deadline: 0 (none) or a finite time after the epoch."""
+    if not (value == 0.0 or 0.0 < value < math.inf):
+        raise InvalidInput(f"complete_by_unix_s must be 0 (none) or a time, got {value}")
+    return value
 
 
 async def _one(request: jobs.SubmitJobRequest) -> AsyncIterator[jobs.SubmitJobRequest]:

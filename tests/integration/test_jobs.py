@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import sys
 import time
@@ -482,6 +483,28 @@ async def test_a_cancel_that_loses_the_race_to_the_last_result_changes_nothing(
     gone = "0" * 32
     assert not await fabric.store.cancel(gone)
     assert not await fabric.store.client.exists(fabric.store.job_key(gone))
+
+
+async def test_results_past_the_end_and_a_deadline_before_the_epoch_are_refused(
+    fabric: Fabric,
+) -> None:
+    """Before, a `start_index` past the job's items streamed nothing, as if none had finished,
+    and a negative `complete_by_unix_s` meant no deadline (review finding). The index just past
+    the last item (a reader that has every result) still streams nothing, OK."""
+    job_id = await fabric.submit(texts_of(3))
+    assert await fabric.results(job_id, start_index=3) == []
+    with pytest.raises(grpc.aio.AioRpcError) as past:
+        await fabric.results(job_id, start_index=4)
+    assert past.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "[0, 3]" in (past.value.details() or "")
+    for when in (-1.0, math.inf, math.nan):
+        request = jobs.SubmitJobRequest(
+            model_name="minilm", items=text_items(["a"]), complete_by_unix_s=when
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await fabric.jobs.SubmitJob(request, metadata=AS_A)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, when
+    assert await fabric.job_ids() == [job_id]
 
 
 async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
