@@ -37,13 +37,25 @@ RETRYABLE_CODES = frozenset(
     }
 )
 #: Codes that say the fleet cannot serve now (no worker up for the model, a tier restarting,
-#: the fleet overloaded), not that an item is bad: a chunk still failing with one after its
-#: retries is left for a later round rather than failed (FLEET_ROUNDS of them).
-FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED"})
-#: Rounds (a chunk's retries, then the claim timeout) a chunk may spend waiting for the fleet
-#: before its items fail with the fleet's status: a worker restart or a deploy costs a few; an
-#: item that crashes the worker it runs on cannot take the fleet down forever.
+#: the fleet overloaded or too slow for the call's deadline: batch rows wait behind online
+#: traffic), not that an item is bad: a chunk still failing with one after its retries is left
+#: for a later round rather than failed (`fleet_patience_spent`).
+FLEET_CODES = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"})
+#: Rounds (a chunk's retries, then the claim timeout) a chunk waits for the fleet at least
+#: before its items fail with the fleet's status...
 FLEET_ROUNDS = 10
+#: ... and seconds since its first such round (a deploy, a restart of every worker, a long
+#: online peak): an item that crashes the worker it runs on cannot take the fleet down forever,
+#: and a rollout of any tier fails no item.
+FLEET_PATIENCE_S = 1800.0
+
+
+def fleet_patience_spent(rounds: int, waited_s: float, patience_s: float) -> bool:
+    """Whether a chunk the fleet could not serve for `rounds` rounds, the first `waited_s`
+    ago, fails its items now rather than wait another round."""
+    return rounds >= FLEET_ROUNDS and waited_s >= patience_s
+
+
 #: Rounds a chunk may fail in its runner with an unexpected error (a bug, an answer the runner
 #: cannot read) before its items without a result fail INTERNAL: a chunk that always fails so
 #: would otherwise be reclaimed and rerun by the runners forever.

@@ -92,3 +92,11 @@ if tonumber(c[1]) <= done then return 0 end
 redis.call('HSET', KEYS[1], 'cancelled', 1)
 return 1
 """
+# KEYS: job hash; ARGV: the rounds field, the field of the first round's time, now (seconds).
+# Counts one more round the fleet could not serve a chunk in, the time of its first kept:
+# returns {rounds, first round's time}; {-1, 0} if the job is gone (not brought back).
+FLEET_ROUND = """
+if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return {-1, '0'} end
+redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
+return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), redis.call('HMGET', KEYS[1], ARGV[2])[1]}
+"""

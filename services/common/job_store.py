@@ -8,7 +8,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   chunk of a job: {job, start, end} (item indices, end exclusive).
 - `<p>:job:<id>`: hash, the job: tenant, model, version, priority, num_items, created_s,
   started_s, complete_by_s, idempotency_key, cancelled, the counters num_ok, num_failed,
-  num_cancelled, `rounds:<start>`: rounds the chunk from item <start> waited for the fleet, and
+  num_cancelled, `rounds:<start>`: rounds the chunk from item <start> waited for the fleet,
+  `fleet_since:<start>`: when the first of them was (seconds since the epoch), and
   `crashes:<start>`: rounds it failed in a runner with an unexpected error.
 - `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
 - `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
@@ -44,7 +45,7 @@ import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 
 from services.common.job_policy import ItemCounts, ItemStatus, chunk_ranges
-from services.common.job_scripts import CANCEL, COUNT_ROUND, ENQUEUE, RECORD
+from services.common.job_scripts import CANCEL, COUNT_ROUND, ENQUEUE, FLEET_ROUND, RECORD
 
 #: Consumer group of the job runners on the queue stream.
 GROUP = "runners"
@@ -203,6 +204,7 @@ class JobStore:
         self._record = client.register_script(RECORD)
         self._count_round = client.register_script(COUNT_ROUND)
         self._cancel = client.register_script(CANCEL)
+        self._fleet_round = client.register_script(FLEET_ROUND)
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
@@ -291,6 +293,15 @@ class JobStore:
         gone."""
         keys = [self.job_key(job_id)]
         return int(await self._count_round(keys=keys, args=[f"{kind}:{start}"]))
+
+    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
+        """Counts one more round the fleet could not serve the chunk from item `start` in
+        (`rounds:<start>`, as `count_round`); returns the rounds so far and how long ago the
+        first was (`fleet_since:<start>`); (-1, 0) if the job is gone."""
+        keys = [self.job_key(job_id)]
+        args = [f"rounds:{start}", f"fleet_since:{start}", repr(now_s)]
+        rounds, since = await self._fleet_round(keys=keys, args=args)
+        return int(rounds), max(0.0, now_s - float(since)) if int(rounds) >= 0 else 0.0
 
     async def mark_started(self, job_id: str) -> None:
         await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())

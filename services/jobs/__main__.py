@@ -72,6 +72,7 @@ async def serve(config: RunnerConfig) -> int:
         retry=config.retry,
         max_in_flight_chunks=config.max_in_flight_chunks,
         claim_timeout_s=config.claim_timeout_s,
+        fleet_patience_s=config.fleet_patience_s,
     )
     stopping = stop_event()
     metrics_port = start_metrics(config.metrics_port, config.host, metrics.registry)

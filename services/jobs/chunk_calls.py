@@ -5,10 +5,11 @@ alone), how many one-item calls run at once, and the results it records."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
-from services.common.job_policy import RETRYABLE_CODES, ItemStatus
+from services.common.job_policy import RETRYABLE_CODES, ItemStatus, fleet_patience_spent
 from services.common.job_store import ItemOutcome, JobStore
 from services.pb.inference.v1 import jobs_pb2 as jobs
 
@@ -17,9 +18,9 @@ _T = TypeVar("_T")
 
 class FleetUnavailable(Exception):
     """The fleet could not serve a chunk through its retries (UNAVAILABLE, RESOURCE_EXHAUSTED,
-    CANCELLED: no worker up, a restart, overload). No item is at fault: the chunk stays pending
-    and is retried after the claim timeout, up to FLEET_ROUNDS rounds, so a job outlives the
-    restart of any tier."""
+    CANCELLED, DEADLINE_EXCEEDED: no worker up, a restart, overload). No item is at fault: the
+    chunk stays pending and is retried after the claim timeout, for FLEET_ROUNDS rounds and the
+    runner's fleet patience at least, so a job outlives the restart or rollout of any tier."""
 
 
 class RunnerRefused(Exception):
@@ -59,19 +60,23 @@ async def all_or_none(calls: Iterable[Awaitable[_T]]) -> list[_T]:
 
 class FleetRound:
     """Counts the round a chunk is left for because the fleet cannot serve it (the job's
-    `rounds:<start>`), once however many of its calls (its items split) hit the fleet in it."""
+    `rounds:<start>`), once however many of its calls (its items split) hit the fleet in it,
+    and says whether the chunk's patience is spent (job_policy.fleet_patience_spent)."""
 
-    def __init__(self, store: JobStore, job_id: str, start: int) -> None:
+    def __init__(self, store: JobStore, job_id: str, start: int, patience_s: float) -> None:
         self._store, self._job_id, self._start = store, job_id, start
-        self._counted: asyncio.Future[int] | None = None
+        self._patience_s = patience_s
+        self._counted: asyncio.Future[tuple[int, float]] | None = None
 
-    async def count(self) -> int:
-        """The chunk's rounds so far, this one included; -1 if the job is gone."""
+    async def is_spent(self) -> bool:
+        """Whether the chunk's items fail now (not for a job gone: its entry is dropped when
+        next run)."""
         if self._counted is None:
             self._counted = asyncio.ensure_future(
-                self._store.count_round(self._job_id, self._start)
+                self._store.fleet_round(self._job_id, self._start, time.time())
             )
-        return await asyncio.shield(self._counted)
+        rounds, waited_s = await asyncio.shield(self._counted)
+        return rounds >= 0 and fleet_patience_spent(rounds, waited_s, self._patience_s)
 
 
 def item_result(index: int, status: ItemStatus, num_attempts: int, **fields: Any) -> ItemOutcome:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.job_policy import RetryPolicy
+from services.common.job_policy import FLEET_PATIENCE_S, RetryPolicy
 from services.common.job_store import RETENTION_S
 from services.common.logs import LogConfig
 from services.common.settings import (
@@ -42,6 +42,10 @@ class RunnerConfig:
     claim_timeout_s: float = 30.0
     #: Deadline of each Predict call.
     call_timeout_s: float = 20.0
+    #: How long a chunk the fleet cannot serve (UNAVAILABLE, RESOURCE_EXHAUSTED, CANCELLED,
+    #: DEADLINE_EXCEEDED through its retries) waits, from its first such round and for
+    #: FLEET_ROUNDS rounds at least, before its items fail with the fleet's status.
+    fleet_patience_s: float = FLEET_PATIENCE_S
     #: Retries of failed items (attempts, capped exponential backoff with full jitter).
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Interface of the metrics listener.
@@ -62,6 +66,8 @@ class RunnerConfig:
             raise ValueError("max_in_flight_chunks, claim_timeout_s and call_timeout_s must be > 0")
         if not 0 <= self.retention_s < float("inf"):
             raise ValueError("retention_s must be finite and >= 0 (0: keep jobs for good)")
+        if not 0 <= self.fleet_patience_s < float("inf"):
+            raise ValueError("fleet_patience_s must be finite and >= 0")
         if self.claim_timeout_s <= self.call_timeout_s:
             # Otherwise a live runner's entry is taken over while its call is still running.
             raise ValueError("claim_timeout_s must exceed call_timeout_s")
@@ -86,6 +92,9 @@ SETTINGS = SettingsTable(
         Setting("claim_timeout_s", float, _D.claim_timeout_s,
                 "an entry idle this long in another runner's hands is taken over", "s"),
         Setting("call_timeout_s", float, _D.call_timeout_s, "deadline of each Predict call", "s"),
+        Setting("fleet_patience_s", float, _D.fleet_patience_s,
+                "how long a chunk the fleet cannot serve waits (from its first such round, and "
+                "10 rounds at least) before its items fail", "s"),
         Setting("max_attempts", int, RetryPolicy.max_attempts, "attempts per item",
                 "attempts", field="retry.max_attempts"),
         Setting("retry_base_delay_s", float, RetryPolicy.base_delay_s,

@@ -19,9 +19,10 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    recorded failed with its gRPC status
    (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
    item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE,
-   RESOURCE_EXHAUSTED and CANCELLED (the fleet down, restarting or full; CANCELLED: a gateway
-   dropped the call unseen): the chunk is left pending for up to FLEET_ROUNDS rounds before its
-   items fail;
+   RESOURCE_EXHAUSTED, CANCELLED and DEADLINE_EXCEEDED (the fleet down, restarting, full or
+   too slow; CANCELLED: a gateway dropped the call unseen): the chunk is left pending for a
+   later round, for FLEET_ROUNDS rounds and `--fleet-patience-s` at least, before its items
+   fail;
 5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
    in one atomic script.
 
@@ -48,7 +49,7 @@ from redis.exceptions import RedisError
 from services.common.job_policy import (
     CRASH_ROUNDS,
     FLEET_CODES,
-    FLEET_ROUNDS,
+    FLEET_PATIENCE_S,
     GiveUp,
     ItemStatus,
     RetryPolicy,
@@ -93,6 +94,7 @@ class JobRunner:
         retry: RetryPolicy,
         max_in_flight_chunks: int,
         claim_timeout_s: float,
+        fleet_patience_s: float = FLEET_PATIENCE_S,
         rng: random.Random | None = None,
     ) -> None:
         self._store = store
@@ -102,6 +104,7 @@ class JobRunner:
         self._retry = retry
         self._max_in_flight = max_in_flight_chunks
         self._claim_timeout_ms = int(claim_timeout_s * 1000)
+        self._fleet_patience_s = fleet_patience_s
         self._rng = rng or random.Random()
         self._tasks: set[asyncio.Task[None]] = set()
         #: Entries this runner is running: a reclaim that finds one of them idle past the
@@ -242,7 +245,7 @@ class JobRunner:
         items = [(i, payloads[i - entry.start]) for i in todo]
         self._metrics.items_running.inc(len(items))
         try:
-            fleet_round = FleetRound(self._store, job.job_id, entry.start)
+            fleet_round = FleetRound(self._store, job.job_id, entry.start, self._fleet_patience_s)
             outcomes = await self._run_items(job, items, fleet_round)
         finally:
             self._metrics.items_running.dec(len(items))
@@ -296,11 +299,10 @@ class JobRunner:
             if isinstance(decision, GiveUp) and len(items) > 1 and may_be_one_items(code):
                 # One poison item fails the whole call: find it by running each alone.
                 return await self._run_singles(job, items, fleet_round)
-            if isinstance(decision, GiveUp) and code in FLEET_CODES:
-                rounds = await fleet_round.count()
-                if rounds < FLEET_ROUNDS:
-                    self._metrics.retries.labels(code).inc()
-                    raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")
+            is_fleets = isinstance(decision, GiveUp) and code in FLEET_CODES
+            if is_fleets and not await fleet_round.is_spent():
+                self._metrics.retries.labels(code).inc()
+                raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")
             if isinstance(decision, GiveUp):
                 return [
                     item_result(

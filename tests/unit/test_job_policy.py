@@ -6,6 +6,7 @@ import pytest
 
 from services.common.job_policy import (
     FLEET_CODES,
+    FLEET_ROUNDS,
     GiveUp,
     ItemCounts,
     JobState,
@@ -14,6 +15,7 @@ from services.common.job_policy import (
     chunk_ranges,
     eta_s,
     finished_prefix,
+    fleet_patience_spent,
     job_state,
     progress,
 )
@@ -116,3 +118,18 @@ def test_resuming_from_the_next_index_yields_each_result_once_in_order() -> None
         seen += page
         offset += len(page)
     assert seen == [str(i).encode() for i in range(10)]
+
+
+def test_a_chunk_the_fleet_cannot_serve_waits_rounds_and_time_both() -> None:
+    """Before, 10 rounds (about 5 minutes of claim timeouts) failed a chunk's items: a rollout
+    of any tier longer than that failed every queued job's items (review finding)."""
+    patience_s = 1800.0
+    assert not fleet_patience_spent(FLEET_ROUNDS, patience_s - 1, patience_s)
+    assert not fleet_patience_spent(FLEET_ROUNDS - 1, patience_s * 10, patience_s)
+    assert fleet_patience_spent(FLEET_ROUNDS, patience_s, patience_s)
+    assert fleet_patience_spent(FLEET_ROUNDS, 0.0, 0.0)  # no patience: the rounds alone
+
+
+def test_a_deadline_passed_in_the_fleet_is_no_items_fault() -> None:
+    assert "DEADLINE_EXCEEDED" in FLEET_CODES
+    assert not {"INVALID_ARGUMENT", "INTERNAL", "NOT_FOUND"} & FLEET_CODES

@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
-from services.common.job_policy import FLEET_ROUNDS, ItemCounts, RetryPolicy
+from services.common.job_policy import FLEET_PATIENCE_S, FLEET_ROUNDS, ItemCounts, RetryPolicy
 from services.common.job_store import JobRecord, JobStore
 from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.model_repository import ModelVersion
@@ -186,8 +186,9 @@ class _JobStoreSwallowingTheStop:
         await _written_as_the_stop_arrives()
         return self.job
 
-    async def count_round(self, job_id: str, start: int) -> int:
-        return FLEET_ROUNDS  # the fleet's rounds are spent: the items fail, not the chunk
+    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
+        # The fleet's patience is spent: the items fail, not the chunk.
+        return FLEET_ROUNDS, FLEET_PATIENCE_S
 
 
 async def test_a_job_chunk_retrying_stops_when_the_job_read_swallowed_the_drain() -> None:
@@ -227,7 +228,7 @@ async def test_a_job_chunk_retrying_stops_when_the_job_read_swallowed_the_drain(
         claim_timeout_s=30.0,
     )
     items = [(0, api.PredictInput(text="hello").SerializeToString())]
-    fleet_round = FleetRound(cast(JobStore, store), job.job_id, 0)
+    fleet_round = FleetRound(cast(JobStore, store), job.job_id, 0, FLEET_PATIENCE_S)
     task = asyncio.get_running_loop().create_task(runner._run_items(job, items, fleet_round))
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=5)
