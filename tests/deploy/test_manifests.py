@@ -701,6 +701,31 @@ def test_services_select_one_deployment_on_named_ports(renders: dict[str, Object
                 assert number in {p["containerPort"] for p in container["ports"]}
 
 
+#: The environment variable of each tier's serving certificate (set: its gRPC port is TLS).
+SERVING_CERT = {
+    "gateway": "GATEWAY_TLS_CERT_FILE",
+    "router": "ROUTER_TLS_CERT_FILE",
+    "gpu-worker": "WORKER_TLS_CERT_FILE",
+}
+
+
+def test_a_grpc_port_is_called_cleartext_http2_only_where_it_serves_no_tls(
+    renders: dict[str, Objects],
+) -> None:
+    """`appProtocol: kubernetes.io/h2c` tells ingress controllers, Gateway API routes and
+    meshes to speak cleartext HTTP/2 to the port. Before, every render said so, prod's TLS
+    ports too, where every such handshake fails (review finding)."""
+    for name, objects in renders.items():
+        for service in of_kind(objects, "Service"):
+            tier = component(service)
+            if tier not in SERVING_CERT:
+                continue
+            env = env_entries(main_container(workloads(objects)[tier]))
+            (grpc_port,) = [p for p in service["spec"]["ports"] if p["name"] == "grpc"]
+            expected = None if SERVING_CERT[tier] in env else "kubernetes.io/h2c"
+            assert grpc_port.get("appProtocol") == expected, f"{name}: {tier}"
+
+
 # -- dev vs prod ---------------------------------------------------------------------------------
 
 
