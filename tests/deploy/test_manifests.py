@@ -50,6 +50,7 @@ from services.gpu_worker.fronts import FRONT_LABEL
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
 from services.jobs import config as jobs_config
+from services.jobs.metrics import RunnerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router import config as router_config
@@ -97,7 +98,10 @@ HEALTH_NAMES = {
 }
 #: Custom resources: kubernetes-validate has no schema for them, so `check_service_monitor`
 #: checks their shape. Any other kind without a schema fails the validation test.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
 #: Where Prometheus runs (NetworkPolicies let it reach the metrics ports).
 MONITORING = {"kubernetes.io/metadata.name": "monitoring"}
 #: Who may reach each pod on which port, in prod: "*" anyone, a component name, or MONITORING.
@@ -344,13 +348,36 @@ def check_service_monitor(monitor: dict[str, Any], objects: Objects) -> None:
     assert target == "metrics" or target == container_port(main_container(deployment), "metrics")
 
 
+def check_prometheus_rule(rule: dict[str, Any]) -> None:
+    """A PrometheusRule's shape (no schema for the CRD here): groups of alerting rules, each
+    with the fields Prometheus reads and no others, durations in its syntax."""
+    name = rule["metadata"]["name"]
+    assert set(rule) == {"apiVersion", "kind", "metadata", "spec"}, name
+    assert set(rule["spec"]) == {"groups"}, name
+    for group in rule["spec"]["groups"]:
+        assert set(group) == {"name", "rules"} and group["rules"], name
+        for alert in group["rules"]:
+            assert {"alert", "expr", "labels", "annotations"} <= set(alert), alert
+            assert set(alert) <= {"alert", "expr", "for", "labels", "annotations"}, alert
+            assert re.fullmatch(r"\d+(s|m|h)", alert.get("for", "0s")), alert
+            assert re.fullmatch(r"[A-Z][A-Za-z0-9]*", alert["alert"]), alert
+
+
+def check_custom(obj: dict[str, Any], objects: Objects) -> None:
+    """A custom resource, checked by hand (kubernetes-validate has no schema for CRDs)."""
+    if obj["kind"] == "PrometheusRule":
+        check_prometheus_rule(obj)
+    else:
+        check_service_monitor(obj, objects)
+
+
 def test_every_builtin_object_validates_strictly(renders: dict[str, Objects]) -> None:
     errors, validated, custom = [], set(), 0
     for name, objects in renders.items():
         for obj in objects:
             what = f"{name}: {obj['kind']}/{obj['metadata']['name']}"
             if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
-                check_service_monitor(obj, objects)  # never skipped: checked by hand instead
+                check_custom(obj, objects)  # never skipped: checked by hand instead
                 custom += 1
                 continue
             try:
@@ -369,7 +396,7 @@ def test_every_builtin_object_validates_strictly(renders: dict[str, Objects]) ->
     } <= validated  # fmt: skip
     # Only the prod-like renders carry ServiceMonitors: dev is built-in kinds only, so that it
     # applies on a cluster without the Prometheus Operator's CRDs.
-    assert custom == 4 * len(PROD_LIKE), "one ServiceMonitor per tier and the runner in each"
+    assert custom == 5 * len(PROD_LIKE), "a ServiceMonitor per tier and the runner, the alerts"
     assert not [o for o in renders["dev"] if (o["apiVersion"], o["kind"]) in CRD_KINDS]
 
 
@@ -1114,6 +1141,7 @@ def exported(worker_scrape: str) -> set[str]:
     door_registry = CollectorRegistry()
     Door(DOOR_METHODS, DoorConfig(), door_registry)
     families += [(f.name, f.type) for f in door_registry.collect()]
+    families += [(f.name, f.type) for f in RunnerMetrics(CollectorRegistry()).registry.collect()]
     return sample_names(families)
 
 
@@ -1137,6 +1165,27 @@ def exposed_name(rule: dict[str, Any]) -> str:
     assert re.search(pattern, series), f"{pattern!r} does not match {series}"
     replacement = re.sub(r"\$\{(\d+)\}|\$(\d+)", r"\\\1\2", naming.get("as", "${1}"))
     return re.sub(pattern, replacement, series)
+
+
+def test_the_alerts_read_exported_series_and_are_the_same_in_both_renders(
+    prod_like: dict[str, Objects], exported: set[str]
+) -> None:
+    """Every alert reads series some tier exports (an alert on a name no one exports never
+    fires), says how bad it is and where its runbook is; kustomize's and Helm's are the same
+    rules (before, there were none: a router seeing no worker paged no one)."""
+    groups = {}
+    for name, objects in prod_like.items():
+        (rule,) = of_kind(objects, "PrometheusRule")
+        groups[name] = rule["spec"]["groups"]
+        alerts = [r for g in rule["spec"]["groups"] for r in g["rules"]]
+        assert {r["alert"] for r in alerts} >= {"FabricRouterSeesNoWorker", "FabricWorkerWedged"}
+        for alert in alerts:
+            used = set(re.findall(r"\binference_[a-z0-9_]+", alert["expr"]))
+            assert used and used <= exported, f"{name}: {alert['alert']} reads {used - exported}"
+            assert alert["labels"]["severity"] in {"critical", "warning"}, alert["alert"]
+            assert alert["annotations"]["runbook"] == "deploy/k8s/README.md#alerts"
+    assert groups["prod"] == groups["helm"]
+    assert "## Alerts" in (REPO_ROOT / "deploy" / "k8s" / "README.md").read_text()
 
 
 def test_every_hpa_metric_is_served_by_the_adapter(prod_like: dict[str, Objects]) -> None:

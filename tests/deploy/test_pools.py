@@ -33,6 +33,7 @@ from tests.deploy.test_manifests import (
     _normalize,
     _pod_view,
     adapter_rules,
+    check_prometheus_rule,
     component,
     env_entries,
     exposed_name,
@@ -168,6 +169,9 @@ def test_pool_renders_validate_strictly(pool_renders: dict[str, Objects]) -> Non
     errors = []
     for name, objects in pool_renders.items():
         for obj in objects:
+            if obj["kind"] == "PrometheusRule":
+                check_prometheus_rule(obj)
+                continue
             if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
                 # As test_manifests checks them: exactly one Service, on its metrics port.
                 services = [
