@@ -753,6 +753,23 @@ def test_a_grpc_port_is_called_cleartext_http2_only_where_it_serves_no_tls(
             assert grpc_port.get("appProtocol") == expected, f"{name}: {tier}"
 
 
+def test_each_tiers_replicas_spread_over_nodes(renders: dict[str, Objects]) -> None:
+    """Gateways, routers and workers ask to be on different nodes (softly: a one-node cluster
+    still schedules them). Before, nothing did, and both replicas of a tier could share the
+    node whose loss takes the tier down (review finding)."""
+    for name, objects in renders.items():
+        for tier, deployment in workloads(objects).items():
+            if tier not in SERVING_CERT:
+                continue
+            spreads = pod_spec(deployment).get("topologySpreadConstraints", [])
+            by_host = [c for c in spreads if c["topologyKey"] == "kubernetes.io/hostname"]
+            assert len(by_host) == 1, f"{name}: {tier}"
+            (spread,) = by_host
+            assert spread["whenUnsatisfiable"] == "ScheduleAnyway", f"{name}: {tier}"
+            match = spread["labelSelector"]["matchLabels"]
+            assert selects(match, pod_labels(deployment)), f"{name}: {tier} selects not its pods"
+
+
 # -- dev vs prod ---------------------------------------------------------------------------------
 
 

@@ -373,8 +373,11 @@ def test_no_pool_selector_reaches_another_pools_pods(pool_renders: dict[str, Obj
 
 
 def without_pool_changes(view: dict[str, Any]) -> dict[str, Any]:
-    """A worker's pod view less what a pool changes: WORKER_MODELS and the repository volume."""
+    """A worker's pod view less what a pool changes: WORKER_MODELS, the repository volume, and
+    its pool label in the selectors (its spread over nodes)."""
     view = json.loads(json.dumps(view))
+    for spread in view["pod"].get("topologySpreadConstraints", []):
+        spread["labelSelector"]["matchLabels"].pop(POOL, None)
     volumes = view["pod"]["volumes"]
     view["pod"]["volumes"] = [v for v in volumes if json.loads(v)["name"] != REPOSITORY_VOLUME]
     for container in view["containers"]:
