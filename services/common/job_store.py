@@ -53,6 +53,17 @@ GROUP = "runners"
 ORPHAN_TTL_S = 3600
 #: How long a finished job (its record, items, results and idempotency key) is kept, seconds.
 RETENTION_S = 7 * 24 * 3600
+#: Share of Redis's `maxmemory` past which new jobs are refused (StoreFull). The rest is the
+#: accepted jobs' room to finish: their results (often bigger than their items), the runners'
+#: counters, and the fabric's own keys (heartbeats, quota shares), which Redis refuses to write
+#: once at `maxmemory` with nothing to evict (deploy/k8s/base/redis.yaml).
+SUBMIT_MEMORY_SHARE = 0.5
+
+
+class StoreFull(Exception):
+    """Redis holds too much to take a new job now (see SUBMIT_MEMORY_SHARE)."""
+
+
 #: Most jobs of one tenant sharing one creation time (to the microsecond) that a page of
 #: ListJobs steps over correctly.
 MAX_TIED_JOBS = 64
@@ -214,7 +225,9 @@ class JobStore:
 
     async def submit(self, job: NewJob, *, chunk_size: int) -> tuple[str, bool]:
         """Persists `job` and enqueues its chunks; returns (job id, is_existing): with an
-        idempotency key already used by this tenant, the existing job's id and True."""
+        idempotency key already used by this tenant, the existing job's id and True. Raises
+        StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`."""
+        await self._check_room(sum(map(len, job.items)))
         job_id = uuid.uuid4().hex
         key = self.job_key(job_id)
         created_s = time.time()
@@ -240,6 +253,15 @@ class JobStore:
             await self.client.delete(key, f"{key}:items")
             return winner, True
         return job_id, False
+
+    async def _check_room(self, num_bytes: int) -> None:
+        """Raises StoreFull when Redis, with `num_bytes` more, would hold more than
+        SUBMIT_MEMORY_SHARE of its `maxmemory` (none set: no check)."""
+        memory = await self.client.info("memory")
+        limit = int(memory.get("maxmemory", 0))
+        used = int(memory.get("used_memory", 0))
+        if limit and used + num_bytes > SUBMIT_MEMORY_SHARE * limit:
+            raise StoreFull(f"{used + num_bytes} bytes of the job store's {limit}")
 
     def idempotency_key(self, tenant: str, key: str) -> str:
         """The Redis key of `tenant`'s idempotency key `key`. The tenant percent-encoded:
@@ -294,14 +316,14 @@ class JobStore:
         keys = [self.job_key(job_id)]
         return int(await self._count_round(keys=keys, args=[f"{kind}:{start}"]))
 
-    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
+    async def fleet_round(self, job_id: str, start: int) -> tuple[int, float]:
         """Counts one more round the fleet could not serve the chunk from item `start` in
         (`rounds:<start>`, as `count_round`); returns the rounds so far and how long ago the
-        first was (`fleet_since:<start>`); (-1, 0) if the job is gone."""
+        first was (`fleet_since:<start>`, Redis's clock); (-1, 0) if the job is gone."""
         keys = [self.job_key(job_id)]
-        args = [f"rounds:{start}", f"fleet_since:{start}", repr(now_s)]
-        rounds, since = await self._fleet_round(keys=keys, args=args)
-        return int(rounds), max(0.0, now_s - float(since)) if int(rounds) >= 0 else 0.0
+        args = [f"rounds:{start}", f"fleet_since:{start}"]
+        rounds, waited_s = await self._fleet_round(keys=keys, args=args)
+        return int(rounds), float(waited_s)
 
     async def mark_started(self, job_id: str) -> None:
         await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())

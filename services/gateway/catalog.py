@@ -157,9 +157,11 @@ class ModelCatalog:
         return sorted(served, key=lambda v: int(v.model_version))
 
     def _default_version(self, config: ModelConfig, sticky_key: str | None) -> str:
-        """The weighted label's version, else stable's, else the newest served; a labelled
-        version no ready worker serves (a canary that failed to load everywhere) passes its
-        share on down that list rather than fail it (review finding)."""
+        """The weighted label's version, else stable's, else another weighted label's; a
+        labelled version no ready worker serves (a canary that failed to load everywhere)
+        passes its share on down that list rather than fail it (review finding). Only a model
+        without labels gets the newest version served: a labelled one never gets a version no
+        label with weight routes to (a canary held at weight 0)."""
         routing = self._routing[config.name]
         label = routing.weighted_label(config.name, sticky_key, self._rng)
         # A version workers serve but this gateway has not read yet (loaded a moment ago) is
@@ -169,12 +171,13 @@ class ModelCatalog:
             for v in self.served_versions(config.name)
             if self.has_version(config.name, v.model_version)
         ]
-        for chosen in (label, "stable"):
+        weighted = [name for name, weight in routing.traffic.items() if weight > 0]
+        for chosen in (label, "stable", *weighted):
             if chosen is not None and chosen in routing.labels:
                 version = str(routing.labels[chosen])
                 if version in served:
                     return version
-        if not served:
+        if not served or routing.labels:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
         return served[-1]
 

@@ -29,6 +29,7 @@ from services.common.job_store import (
     JobRecord,
     JobStore,
     NewJob,
+    StoreFull,
     connect_jobs_redis,
     is_job_id,
 )
@@ -264,10 +265,10 @@ async def _stored(awaitable: Awaitable[T]) -> T:
     jobs expire or the store grows."""
     try:
         return await awaitable
-    except OutOfMemoryError:
+    except (OutOfMemoryError, StoreFull):
         raise Overloaded(
-            "the job store is full (Redis at its memory cap): retry once jobs have finished and "
-            "expired, or submit fewer items",
+            "the job store is full (Redis near its memory cap): retry once jobs have finished "
+            "and expired, or submit fewer items",
             retry_after_s=STORE_FULL_RETRY_S,
         ) from None
     except (RedisError, OSError) as error:

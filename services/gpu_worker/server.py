@@ -35,7 +35,7 @@ from services.common.tensors import tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tls import HealthListener, add_port, start_health_listener
 from services.common.tracing import Tracing
-from services.gpu_worker.backends.base import select_device
+from services.gpu_worker.backends.base import check_device, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.bundles import BundleRunner, request_priority
 from services.gpu_worker.config import WorkerConfig
@@ -221,13 +221,18 @@ class Worker:
             )
             models = load_versions(versions, device, self.generation_metrics, options)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
+            num_failed = 0
             for backend, error in batching.warm_up():
                 models.fail_warm_up(backend, error)
+                num_failed += 1
             for generation in models.generation:
                 try:
                     generation.warm_up()
                 except Exception as error:  # left out, as in a hot load (hot_swap)
                     models.fail_warm_up(generation, error)
+                    num_failed += 1
+            if num_failed:  # the device's fault, not the versions'? then the start fails
+                check_device(device)
             models.check_every_model_served()
             return models, batching, options
 

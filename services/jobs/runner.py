@@ -303,6 +303,10 @@ class JobRunner:
             if is_fleets and not await fleet_round.is_spent():
                 self._metrics.retries.labels(code).inc()
                 raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")
+            if is_fleets and code == "DEADLINE_EXCEEDED" and len(items) > 1:
+                # The fleet's patience is spent, and the chunk still runs past its deadline:
+                # perhaps for one item that hangs the model; its others are run alone.
+                return await self._run_singles(job, items, fleet_round)
             if isinstance(decision, GiveUp):
                 return [
                     item_result(
@@ -321,9 +325,10 @@ class JobRunner:
     async def _run_singles(
         self, job: JobRecord, items: Sequence[_Item], fleet_round: FleetRound
     ) -> list[ItemOutcome]:
-        """Runs each of `items` alone, SPLIT_CONCURRENCY at a time. Should one be left for a
-        later round (the fleet, the runner's key), the others' outcomes are recorded first
-        (the entry stays pending: its rerun skips them) and the error raised."""
+        """Runs each of `items` alone, SPLIT_CONCURRENCY at a time. Should one fail the chunk
+        (left for a later round: the fleet, the runner's key; or an answer it cannot read),
+        the others' outcomes are recorded first (the entry stays pending: its rerun skips
+        them) and the error raised."""
         limit = asyncio.Semaphore(SPLIT_CONCURRENCY)
         finished: list[ItemOutcome] = []
 
@@ -333,9 +338,10 @@ class JobRunner:
 
         try:
             await all_or_none(alone(item) for item in items)
-        except (FleetUnavailable, RunnerRefused):
+        except Exception:  # not a cancel (the drain's): its outcomes would be a cancel's
             if finished:
-                await self._record(job, finished, None)
+                with contextlib.suppress(RedisError, OSError):  # the rerun runs them again
+                    await self._record(job, finished, None)
             raise
         return sorted(finished, key=lambda outcome: outcome.index)
 

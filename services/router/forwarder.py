@@ -370,13 +370,13 @@ def _timeout_s(deadline_s: float) -> float | None:
 def _for_caller(failure: UpstreamError) -> Exception:
     """A worker's failure as the caller gets it. A worker's NOT_FOUND for a version this
     router's snapshot says it serves (unloaded there since) is no permanent answer: the version
-    was served, so UNAVAILABLE (as when no worker serves a version served before), marked not
-    started (it ran nothing there)."""
+    was served, so UNAVAILABLE (as when no worker serves a version served before). Not marked
+    not started: a gateway would resend it to routers whose snapshots are as stale, each
+    trying the same workers again (review finding)."""
     if failure.code != grpc.StatusCode.NOT_FOUND:
         return failure
     return Unavailable(
-        f"{failure} on the worker routed to (unloaded there); no other worker serves it now",
-        is_not_started=True,
+        f"{failure} on the worker routed to (unloaded there); no other worker serves it now"
     )
 
 

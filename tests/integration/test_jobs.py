@@ -555,6 +555,7 @@ async def test_a_split_chunk_left_for_the_fleet_keeps_what_its_items_finished(
     texts = texts_of(8)
     texts[2], texts[6] = f"{POISON} 2", f"{UNSERVED} 6"
     fabric.target.poison_crashes = True  # retryable, then split
+    fabric.target.failing_waits_for_runs = 6  # the unserved item fails once the 6 have run
     fabric.start_runner("runner-1")
     job_id = await fabric.submit(texts)
 
@@ -567,6 +568,24 @@ async def test_a_split_chunk_left_for_the_fleet_keeps_what_its_items_finished(
     # The poison item fails once its retries run out, unless the fleet's gave the chunk up
     # first (its call is then stopped, and runs again in the next round).
     assert (job.num_ok, job.state) == (6, jobs.JOB_STATE_RUNNING)
+    ok = [t for i, t in enumerate(texts) if i not in (2, 6)]
+    assert [fabric.target.runs[t] for t in ok] == [1] * 6
+
+
+async def test_a_split_chunk_its_runner_fails_on_keeps_what_its_items_finished(
+    fabric: Fabric,
+) -> None:
+    """As above, but the chunk fails in its runner: one item's answer comes back one output
+    short (an answer it cannot read). Before, only a chunk left for the fleet kept what its
+    items finished; this one dropped it, reran it every round, and after its 3 rounds failed
+    every item without a result INTERNAL, those that had succeeded included (review finding)."""
+    texts = texts_of(8)
+    texts[2], texts[6] = f"{POISON} 2", f"{GARBLED} 6"
+    fabric.target.poison_crashes = True
+    fabric.target.failing_waits_for_runs = 6
+    fabric.start_runner("runner-1")
+    job = await fabric.finished(await fabric.submit(texts), timeout_s=90.0)
+    assert (job.num_ok, job.num_failed) == (6, 2)
     ok = [t for i, t in enumerate(texts) if i not in (2, 6)]
     assert [fabric.target.runs[t] for t in ok] == [1] * 6
 
@@ -655,15 +674,20 @@ async def test_a_streamed_job_is_bounded_by_its_bytes(fabric: Fabric) -> None:
 async def test_a_job_the_full_store_refuses_is_resource_exhausted_with_a_hint(
     fabric: Fabric,
 ) -> None:
-    """Redis at its memory cap refuses writes (`--maxmemory`, noeviction, as deployed). Before,
-    the refusal was UNAVAILABLE, which clients take as safe to resend at once: it is
-    RESOURCE_EXHAUSTED with a retry hint, and nothing of the job is kept."""
+    """Past half of Redis's `maxmemory` (as deployed, with nothing evicted) new jobs are
+    refused, RESOURCE_EXHAUSTED with a retry hint (before, UNAVAILABLE, which clients resend
+    at once), and nothing of them is kept; the jobs accepted before still finish: their
+    results have the other half (before, Redis at its cap refused their results too, and jobs
+    that never finished never expired; review findings)."""
     admin = aioredis.Redis.from_url(fabric.redis.url)
     kept = await fabric.submit(texts_of(3))
     try:
-        await admin.config_set("maxmemory", "1mb")
+        used = int((await admin.info("memory"))["used_memory"])
+        await admin.config_set("maxmemory", str(int(used * 1.6)))  # used: 62% of it
         with pytest.raises(grpc.aio.AioRpcError) as full:
-            await fabric.submit(["y" * 200_000] * 10)
+            await fabric.submit(["y"] * 10)
+        fabric.start_runner("runner-1")
+        finished = await fabric.finished(kept)
     finally:
         await admin.config_set("maxmemory", "0")
         await admin.aclose()
@@ -671,6 +695,7 @@ async def test_a_job_the_full_store_refuses_is_resource_exhausted_with_a_hint(
     assert "job store is full" in (full.value.details() or "")
     hints = dict(full.value.trailing_metadata() or ())
     assert float(hints[RETRY_AFTER_MS_KEY]) > 0
+    assert finished.state == jobs.JOB_STATE_SUCCEEDED
     assert await fabric.job_ids() == [kept]
 
 

@@ -70,6 +70,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     poison_crashes: bool = False
     #: Every call is refused with this status (None: none is), as a model gone would be.
     refuse_all: grpc.StatusCode | None = None
+    #: A call with an UNSERVED or GARBLED text waits until this many texts have run (so that
+    #: the items run beside it alone have finished before it fails the chunk).
+    failing_waits_for_runs: int = 0
     _released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def release(self) -> None:
@@ -97,6 +100,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
             if self.poison_crashes:
                 raise ServingError(f"the model crashed on a {POISON!r} text")
             raise InvalidInput(f"cannot embed {POISON!r} texts")
+        if any(t.startswith((UNSERVED, GARBLED)) for t in texts):
+            while self.runs.total() < self.failing_waits_for_runs:
+                await asyncio.sleep(0.01)
         if any(t.startswith(UNSERVED) for t in texts):
             raise Unavailable("no worker serves it now")
         if self.hold_after_runs is not None and self.runs.total() >= self.hold_after_runs:

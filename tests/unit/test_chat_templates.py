@@ -151,6 +151,11 @@ def test_hugging_face_template_extras() -> None:
     tool = "{% for m in messages %}{{ m.content | tojson }}{% generation %}!{% endgeneration %}{% endfor %}"  # noqa: E501
     prompt = templated_prompt([{"role": "tool", "content": "<é>"}], tool)
     assert prompt.text == '"<é>"!' and prompt.literal_spans == ((1, 4),)
+    # `tools` and `documents` are given, as none: a template that tests them writes nothing
+    # of theirs (before, undefined, which `is not none` took for given: Mistral's wrote an
+    # empty [AVAILABLE_TOOLS] block; review finding).
+    tests_tools = "{% if tools is not none %}[TOOLS]{% endif %}{% if documents is not none %}[DOCS]{% endif %}{{ messages[0].content }}"  # noqa: E501
+    assert templated_prompt([{"role": "user", "content": "u"}], tests_tools).text == "u"
 
 
 def test_a_tokenizer_config_s_template_and_tokens_in_their_other_forms(tmp_path: Path) -> None:

@@ -102,8 +102,16 @@ def test_a_labelled_version_no_worker_serves_passes_its_share_on(catalog: ModelC
     assert {catalog.resolve("affine", "").version for _ in range(20)} == {"1"}
     with pytest.raises(Unavailable, match="affine/2"):
         catalog.resolve("affine", "canary")
-    catalog.set_routing("affine", ModelRouting({"stable": 2, "canary": 2}, {"canary": 1.0}, 3))
-    assert {catalog.resolve("affine", "").version for _ in range(20)} == {"1"}
+    # A version no label with weight routes to is no default, newest or not: version 2,
+    # a canary held at weight 0, while stable's is not served (review finding).
+    catalog.set_routing(
+        "affine", ModelRouting({"stable": 1, "canary": 2}, {"stable": 1.0, "canary": 0.0}, 3)
+    )
+    only_two = [pb.ModelVersionInfo(model_name="affine", model_version="2",
+                                    kind=pb.MODEL_KIND_TORCHSCRIPT, is_ready=True)]  # fmt: skip
+    catalog.update_served(only_two)
+    with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
+        catalog.resolve("affine", "")
     catalog.update_served([])
     with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
         catalog.resolve("affine", "")

@@ -141,6 +141,9 @@ def templated_prompt(
             add_generation_prompt=True,
             bos_token=bos_token,
             eos_token=eos_token,
+            # As Hugging Face renders: templates test these (`tools is not none`).
+            tools=None,
+            documents=None,
         )
 
     try:

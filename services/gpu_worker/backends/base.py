@@ -41,6 +41,17 @@ def select_device() -> torch.device:
     return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
+def check_device(device: torch.device) -> None:
+    """Raises (RuntimeError) if `device` no longer runs work: after a version's warm-up
+    failed, the failure may have been the device's (a CUDA error that poisons the context,
+    every later call failing), not the version's alone. Runs one small op and waits for it."""
+    probe = torch.ones(8, device=device) * 2
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if float(probe.sum()) != 16.0:
+        raise RuntimeError(f"{device} computed a wrong sum: it is not fit to serve")
+
+
 def fingerprint_of(config: ModelConfig, files: Iterable[Path], *extra: str) -> str:
     """A short digest of weights, tokenizer and preprocessing: inputs prepared for one
     fingerprint must never run against another."""
