@@ -24,15 +24,8 @@ from redis.exceptions import OutOfMemoryError, RedisError
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
-from services.common.job_store import (
-    JobCursor,
-    JobRecord,
-    JobStore,
-    NewJob,
-    StoreFull,
-    connect_jobs_redis,
-    is_job_id,
-)
+from services.common.job_records import JobCursor, JobRecord, NewJob, is_job_id
+from services.common.job_store import JobStore, StoreFull, connect_jobs_redis
 from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
 from services.common.redis_acl import GATEWAY, role_credentials

@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
 from services.common.job_policy import RETRYABLE_CODES, ItemStatus, fleet_patience_spent
-from services.common.job_store import ItemOutcome, JobStore
+from services.common.job_records import ItemOutcome
+from services.common.job_store import JobStore
 from services.pb.inference.v1 import jobs_pb2 as jobs
 
 _T = TypeVar("_T")

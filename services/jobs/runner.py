@@ -54,7 +54,8 @@ from services.common.job_policy import (
     ItemStatus,
     RetryPolicy,
 )
-from services.common.job_store import ItemOutcome, JobRecord, JobStore, QueueEntry
+from services.common.job_records import ItemOutcome, JobRecord, QueueEntry
+from services.common.job_store import JobStore
 from services.common.lifecycle import stop_if_cancelled
 from services.common.priority import PriorityClass
 from services.jobs.chunk_calls import (

@@ -19,7 +19,8 @@ from services.common.job_policy import (
     ItemStatus,
     RetryPolicy,
 )
-from services.common.job_store import JobRecord, JobStore
+from services.common.job_records import JobRecord
+from services.common.job_store import JobStore
 from services.jobs.chunk_calls import FleetRound
 from services.jobs.metrics import RunnerMetrics
 from services.jobs.runner import JobRunner

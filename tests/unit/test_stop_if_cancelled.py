@@ -17,7 +17,8 @@ import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from services.common.job_policy import FLEET_PATIENCE_S, FLEET_ROUNDS, ItemCounts, RetryPolicy
-from services.common.job_store import JobRecord, JobStore
+from services.common.job_records import JobRecord
+from services.common.job_store import JobStore
 from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
 from services.common.model_repository import ModelVersion
 from services.gpu_worker.hot_swap import ModelSwapper
