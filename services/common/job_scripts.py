@@ -92,15 +92,13 @@ if tonumber(c[1]) <= done then return 0 end
 redis.call('HSET', KEYS[1], 'cancelled', 1)
 return 1
 """
-# KEYS: job hash; ARGV: the rounds field, the field of the first round's time. Counts one more
-# round the fleet could not serve a chunk in, the time of its first kept, by Redis's clock (one
-# clock, whichever runner counts): returns {rounds, seconds since the first}; {-1, 0} if the
-# job is gone (not brought back).
+# KEYS: job hash; ARGV: the rounds field, the field of the first round's time, now (seconds,
+# the counting runner's clock). Counts one more round the fleet could not serve a chunk in, the
+# time of its first kept: returns {rounds, seconds since the first}; {-1, 0} if the job is gone
+# (not brought back).
 FLEET_ROUND = """
 if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return {-1, '0'} end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
-redis.call('HSETNX', KEYS[1], ARGV[2], tostring(now))
-local since = tonumber(redis.call('HMGET', KEYS[1], ARGV[2])[1]) or now
-return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), tostring(math.max(0, now - since))}
+redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
+local since = tonumber(redis.call('HMGET', KEYS[1], ARGV[2])[1]) or tonumber(ARGV[3])
+return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), tostring(math.max(0, ARGV[3] - since))}
 """

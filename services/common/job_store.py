@@ -34,6 +34,7 @@ gone takes it out of its tenant's list), and the idempotency key may name a new 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 import uuid
@@ -42,6 +43,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
+from redis.exceptions import NoPermissionError
 
 from services.common.job_policy import ItemStatus, chunk_ranges
 from services.common.job_records import (
@@ -52,6 +54,8 @@ from services.common.job_records import (
     QueueEntry,
 )
 from services.common.job_scripts import CANCEL, COUNT_ROUND, ENQUEUE, FLEET_ROUND, RECORD
+
+log = logging.getLogger(__name__)
 
 #: Consumer group of the job runners on the queue stream.
 GROUP = "runners"
@@ -127,6 +131,9 @@ class JobStore:
         """Persists `job` and enqueues its chunks; returns (job id, is_existing): with an
         idempotency key already used by this tenant, the existing job's id and True. Raises
         StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`."""
+        idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
+        if job.idempotency_key and (existing := await self.client.get(idem_key)) is not None:
+            return existing.decode(), True  # a resend: its job exists, however full the store
         await self._check_room(sum(map(len, job.items)))
         job_id = uuid.uuid4().hex
         key = self.job_key(job_id)
@@ -144,7 +151,6 @@ class JobStore:
             pipe.expire(key, ORPHAN_TTL_S)
             pipe.expire(f"{key}:items", ORPHAN_TTL_S)
             await pipe.execute()
-        idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
         keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
         has_key = "1" if job.idempotency_key else "0"
         args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]
@@ -157,7 +163,11 @@ class JobStore:
     async def _check_room(self, num_bytes: int) -> None:
         """Raises StoreFull when Redis, with `num_bytes` more, would hold more than
         SUBMIT_MEMORY_SHARE of its `maxmemory` (none set: no check)."""
-        memory = await self.client.info("memory")
+        try:
+            memory = await self.client.info("memory")
+        except NoPermissionError:  # an ACL of before INFO (README: ACL LOAD on upgrades)
+            log.warning("job store: INFO refused by Redis's ACL; new jobs are not held to room")
+            return
         limit = int(memory.get("maxmemory", 0))
         used = int(memory.get("used_memory", 0))
         if limit and used + num_bytes > SUBMIT_MEMORY_SHARE * limit:
@@ -216,12 +226,13 @@ class JobStore:
         keys = [self.job_key(job_id)]
         return int(await self._count_round(keys=keys, args=[f"{kind}:{start}"]))
 
-    async def fleet_round(self, job_id: str, start: int) -> tuple[int, float]:
+    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
         """Counts one more round the fleet could not serve the chunk from item `start` in
-        (`rounds:<start>`, as `count_round`); returns the rounds so far and how long ago the
-        first was (`fleet_since:<start>`, Redis's clock); (-1, 0) if the job is gone."""
+        (`rounds:<start>`, as `count_round`) at `now_s` (seconds since the epoch); returns the
+        rounds so far and how long ago the first was (`fleet_since:<start>`); (-1, 0) if the
+        job is gone. Runners' clocks differing by minutes shift the patience by as much."""
         keys = [self.job_key(job_id)]
-        args = [f"rounds:{start}", f"fleet_since:{start}"]
+        args = [f"rounds:{start}", f"fleet_since:{start}", repr(now_s)]
         rounds, waited_s = await self._fleet_round(keys=keys, args=args)
         return int(rounds), float(waited_s)
 

@@ -157,11 +157,10 @@ class ModelCatalog:
         return sorted(served, key=lambda v: int(v.model_version))
 
     def _default_version(self, config: ModelConfig, sticky_key: str | None) -> str:
-        """The weighted label's version, else stable's, else another weighted label's; a
-        labelled version no ready worker serves (a canary that failed to load everywhere)
-        passes its share on down that list rather than fail it (review finding). Only a model
-        without labels gets the newest version served: a labelled one never gets a version no
-        label with weight routes to (a canary held at weight 0)."""
+        """The weighted label's version, else stable's, else another weighted label's, else
+        the newest served: a labelled version no ready worker serves (a canary that failed to
+        load everywhere) passes its share on down that list rather than fail it (review
+        finding), but never to a version a label holds at weight 0 (a canary held back)."""
         routing = self._routing[config.name]
         label = routing.weighted_label(config.name, sticky_key, self._rng)
         # A version workers serve but this gateway has not read yet (loaded a moment ago) is
@@ -177,9 +176,11 @@ class ModelCatalog:
                 version = str(routing.labels[chosen])
                 if version in served:
                     return version
-        if not served or routing.labels:
+        held = {str(v) for name, v in routing.labels.items() if routing.traffic.get(name) == 0}
+        others = [v for v in served if v not in held]
+        if not others:
             raise Unavailable(f"no ready worker serves model {config.name!r}")
-        return served[-1]
+        return others[-1]
 
     def version_of(self, name: str, version_spec: str) -> str:
         """The version a number or label names now, whether served or not; NOT_FOUND for one

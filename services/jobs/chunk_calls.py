@@ -5,6 +5,7 @@ alone), how many one-item calls run at once, and the results it records."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
@@ -73,7 +74,7 @@ class FleetRound:
         next run)."""
         if self._counted is None:
             self._counted = asyncio.ensure_future(
-                self._store.fleet_round(self._job_id, self._start)
+                self._store.fleet_round(self._job_id, self._start, time.time())
             )
         rounds, waited_s = await asyncio.shield(self._counted)
         return rounds >= 0 and fleet_patience_spent(rounds, waited_s, self._patience_s)

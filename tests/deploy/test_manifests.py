@@ -1193,6 +1193,9 @@ def born_at_zero(worker_scrape: str) -> set[str]:
     for metrics in (RouterMetrics(CollectorRegistry()), GatewayMetrics(CollectorRegistry())):
         families += list(metrics.registry.collect())
     families += list(RunnerMetrics(CollectorRegistry()).registry.collect())
+    door_registry = CollectorRegistry()
+    Door(DOOR_METHODS, DoorConfig(), door_registry)
+    families += list(door_registry.collect())
     return {sample.name for family in families for sample in family.samples}
 
 

@@ -38,7 +38,7 @@ class _SpentStore:
     async def get(self, job_id: str) -> JobRecord | None:
         return None
 
-    async def fleet_round(self, job_id: str, start: int) -> tuple[int, float]:
+    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
         return FLEET_ROUNDS, FLEET_PATIENCE_S
 
 

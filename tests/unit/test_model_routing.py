@@ -112,6 +112,9 @@ def test_a_labelled_version_no_worker_serves_passes_its_share_on(catalog: ModelC
     catalog.update_served(only_two)
     with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
         catalog.resolve("affine", "")
+    # Labels with no weights at all (a `prod` label only): the newest served is the default.
+    catalog.set_routing("affine", ModelRouting({"prod": 1}, {}, 4))
+    assert catalog.resolve("affine", "").version == "2"
     catalog.update_served([])
     with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
         catalog.resolve("affine", "")

@@ -187,7 +187,7 @@ class _JobStoreSwallowingTheStop:
         await _written_as_the_stop_arrives()
         return self.job
 
-    async def fleet_round(self, job_id: str, start: int) -> tuple[int, float]:
+    async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
         # The fleet's patience is spent: the items fail, not the chunk.
         return FLEET_ROUNDS, FLEET_PATIENCE_S
 
