@@ -9,6 +9,7 @@ Labels and traffic weights are the repository's until Redis says otherwise
 
 from __future__ import annotations
 
+import itertools
 import logging
 import random
 import re
@@ -161,26 +162,30 @@ class ModelCatalog:
         the newest served: a labelled version no ready worker serves (a canary that failed to
         load everywhere) passes its share on down that list rather than fail it (review
         finding), but never to a version a label holds at weight 0 (a canary held back)."""
-        routing = self._routing[config.name]
-        label = routing.weighted_label(config.name, sticky_key, self._rng)
-        # A version workers serve but this gateway has not read yet (loaded a moment ago) is
-        # not a default: resolving it would fail.
-        served = [
-            v.model_version
-            for v in self.served_versions(config.name)
-            if self.has_version(config.name, v.model_version)
-        ]
-        weighted = [name for name, weight in routing.traffic.items() if weight > 0]
-        for chosen in (label, "stable", *weighted):
+        name, routing = config.name, self._routing[config.name]
+        label = routing.weighted_label(name, sticky_key, self._rng)
+        weighted = (label for label, weight in routing.traffic.items() if weight > 0)
+        for chosen in itertools.chain((label, "stable"), weighted):
             if chosen is not None and chosen in routing.labels:
                 version = str(routing.labels[chosen])
-                if version in served:
+                if self._is_default_ready(name, version):  # a dict lookup per call, no list
                     return version
-        held = {str(v) for name, v in routing.labels.items() if routing.traffic.get(name) == 0}
-        others = [v for v in served if v not in held]
-        if not others:
-            raise Unavailable(f"no ready worker serves model {config.name!r}")
-        return others[-1]
+        held = {str(v) for label, v in routing.labels.items() if routing.traffic.get(label) == 0}
+        served = [
+            v.model_version
+            for v in self.served_versions(name)
+            if self._is_default_ready(name, v.model_version) and v.model_version not in held
+        ]
+        if not served:
+            raise Unavailable(f"no ready worker serves model {name!r}")
+        return served[-1]
+
+    def _is_default_ready(self, name: str, version: str) -> bool:
+        """Whether a ready worker serves `version` and this gateway has read it: one workers
+        serve but this gateway has not read yet (loaded a moment ago) is not a default,
+        resolving it would fail."""
+        served = self._served.get((name, version))
+        return served is not None and served.is_ready and self.has_version(name, version)
 
     def version_of(self, name: str, version_spec: str) -> str:
         """The version a number or label names now, whether served or not; NOT_FOUND for one
