@@ -126,7 +126,12 @@ async def start_target(target: PredictTarget) -> tuple[grpc.aio.Server, str]:
 
 
 async def start_job_service(
-    redis: RedisServer, repository: Path, keys: KeyStore | None, *, chunk_size: int = 8
+    redis: RedisServer,
+    repository: Path,
+    keys: KeyStore | None,
+    *,
+    chunk_size: int = 8,
+    max_bytes: int = JobsApiConfig.max_bytes,
 ) -> tuple[grpc.aio.Server, str, JobStore]:
     """The gateway's JobService (as Redis user `gateway`) behind its authentication stage, with
     the gateway's default message limit (4 MiB)."""
@@ -134,7 +139,8 @@ async def start_job_service(
     store = JobStore(client)
     catalog = ModelCatalog(load_repository(repository))
     server = new_server([Authentication(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
-    servicer = JobServicer(store, catalog, JobsApiConfig(chunk_size=chunk_size))
+    config = JobsApiConfig(chunk_size=chunk_size, max_bytes=max_bytes)
+    servicer = JobServicer(store, catalog, config)
     jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
