@@ -30,6 +30,7 @@ from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
+from services.gpu_worker.batching.lane import GAUGE_PERIOD_S
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.metrics import WorkerMetrics
@@ -744,3 +745,35 @@ async def test_rows_bound_by_the_slo_are_admitted_by_the_slo_spreads(tmp_path: P
 
     at_two, at_four = admitted_behind_a_queue(2.0), admitted_behind_a_queue(4.0)
     assert 0 < at_four < at_two
+
+
+def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
+    tmp_path: Path,
+) -> None:
+    """After a batch the lane refreshes its key's linger and batch-size gauges, but at most
+    every GAUGE_PERIOD_S on the driver's clock: a worker running many small batches no longer
+    pays two predictions a batch for figures a scrape reads every few seconds."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=200)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    driver = BatchingDriver([backend], DriverConfig(), metrics, clock=FakeClock())
+    lane = driver.open_lane(backend)
+    key = lane_key(lane, backend.buckets[0])
+
+    def gauge() -> float:
+        return total(generate_latest(registry).decode(), names.WORKER_MAX_BATCH_SIZE)
+
+    most = lane.batcher.shape_limit(key)
+    lane.latency.observe(key, 1, 0.001)
+    lane.latency.observe(key, most, 0.010)  # every batch fits the budget: the shape's limit
+    lane.export_gauges_due(metrics, key, now_s=10.0)
+    assert gauge() == most
+    for _ in range(20):  # much slower now: the budget holds fewer rows
+        lane.latency.observe(key, most, 1.0)
+    assert lane.batcher.max_batch_size_for(key) < most
+    lane.export_gauges_due(metrics, key, now_s=10.0 + GAUGE_PERIOD_S / 2)
+    assert gauge() == most  # not yet due
+    lane.export_gauges_due(metrics, key, now_s=10.0 + GAUGE_PERIOD_S)
+    assert gauge() == lane.batcher.max_batch_size_for(key) < most

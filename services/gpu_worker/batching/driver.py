@@ -9,7 +9,6 @@ holds the executor past the watchdog bound (batching.watchdog) stops the driver 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -20,6 +19,7 @@ import numpy as np
 from services.common.errors import Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import batch_span, current_span_context
+from services.common.wakeup import Wakeup
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching import watchdog
 from services.gpu_worker.batching.driver_config import DriverConfig
@@ -74,7 +74,7 @@ class BatchingDriver:
         # Set once a call ran past the watchdog: the loop stops with it (see `_supervised`).
         self._wedged: Unavailable | None = None
         self._item_ids = itertools.count(1)
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self._running: asyncio.Task[None] | None = None
         self._num_between = 0  # `between_batches` works asked for or running
         self._busy_s_total = 0.0
@@ -308,9 +308,9 @@ class BatchingDriver:
             if self._draining and self._running is None and self.num_in_flight == 0:
                 return
             timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
-            with contextlib.suppress(TimeoutError):  # a wait under 1 ms lasts 1 ms: uvloop would
-                # end it at once (its timers count whole ms), and passes would spin until due
-                await asyncio.wait_for(self._wake.wait(), timeout_s and max(timeout_s, 0.001))
+            # A wait under 1 ms lasts 1 ms: uvloop would end it at once (its timers count
+            # whole ms), and passes would spin until due.
+            await self._wake.wait(timeout_s and max(timeout_s, 0.001))
 
     def _take_turns(self, turn: int, now: float, is_idle: bool) -> float | None:
         """One pass over the lanes; returns when to look again. A frame of its own: no lane
@@ -395,6 +395,6 @@ class BatchingDriver:
             for item in dispatch.items:
                 correction_s = (compute_s - predicted_s) / len(rows)
                 self._ledger.charge(item.tenant, correction_s, item.weight)
-            lane.export_gauges(self._metrics, dispatch.key)
+            lane.export_gauges_due(self._metrics, dispatch.key, finished)
         finally:
             self._wake.set()

@@ -42,6 +42,8 @@ __all__ = [
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 #: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
 WARMUP_RUNS_PER_SHAPE = 2
+#: Most seconds between refreshes of a key's linger and batch-size gauges while it serves.
+GAUGE_PERIOD_S = 0.1
 
 
 @dataclass
@@ -131,6 +133,8 @@ class Lane:
     #: The torch threads of each batch, measured per size (execution.batch_threads); None
     #: where their count is not the lane's to choose (a GPU, a stand-in, one thread).
     threads: ThreadChoice | None = None
+    #: When each key's linger and batch-size gauges are next refreshed (`export_gauges_due`).
+    gauges_due_s: dict[BatchKey, float] = field(default_factory=dict)
 
     @functools.cached_property
     def labels(self) -> tuple[str, str]:
@@ -227,6 +231,14 @@ class Lane:
             totals=self.totals.copy(),
             queued_batch_rows=self.batcher.num_queued - urgent_rows,
         )
+
+    def export_gauges_due(self, metrics: WorkerMetrics, key: BatchKey, now_s: float) -> None:
+        """`export_gauges` after a batch of `key` at `now_s`, at most every GAUGE_PERIOD_S:
+        a scrape every few seconds reads them, and each costs a worker of many small batches
+        two predictions a batch."""
+        if now_s >= self.gauges_due_s.get(key, now_s):
+            self.gauges_due_s[key] = now_s + GAUGE_PERIOD_S
+            self.export_gauges(metrics, key)
 
     def export_gauges(self, metrics: WorkerMetrics, key: BatchKey) -> None:
         """The linger and batch size the batcher allows `key` now."""
