@@ -3,11 +3,12 @@ tier exports, and recording helpers (business code only records values)."""
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import importlib.metadata
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -107,17 +108,25 @@ class Children(dict[tuple[str, ...], M]):
 class Outcome:
     """Counts the enclosed call in `counts` under `labels` plus the gRPC status it ends with
     (OK, or the status its error maps to; CANCELLED when the caller went away), and observes
-    its duration in `seconds` (a histogram's child) when given. A class, not a generator: it is
-    entered per request."""
+    its duration in `seconds` (a histogram's child) when given. A cancelled call is counted as
+    `given_up()` says when given: a call cancelled by its own deadline's timer is
+    DEADLINE_EXCEEDED, not a caller that went away. A class, not a generator: it is entered
+    per request."""
 
-    __slots__ = ("_counts", "_labels", "_seconds", "_started")
+    __slots__ = ("_counts", "_given_up", "_labels", "_seconds", "_started")
 
     def __init__(
-        self, counts: Children[Counter], labels: tuple[str, ...], seconds: Histogram | None = None
+        self,
+        counts: Children[Counter],
+        labels: tuple[str, ...],
+        seconds: Histogram | None = None,
+        *,
+        given_up: Callable[[], BaseException] | None = None,
     ) -> None:
         self._counts = counts
         self._labels = labels
         self._seconds = seconds
+        self._given_up = given_up
         self._started = 0.0
 
     def __enter__(self) -> None:
@@ -129,6 +138,8 @@ class Outcome:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
+        if isinstance(error, asyncio.CancelledError) and self._given_up is not None:
+            error = self._given_up()
         code = "OK" if error is None else status_of(error).code.name
         self._counts[(*self._labels, code)].inc()
         if self._seconds is not None:

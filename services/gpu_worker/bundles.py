@@ -96,7 +96,9 @@ class BundleRunner:
         gone = _NONE_GONE if cancels is None else cancels.cancelled
         # Preparing the rows took some of the time left: deadlines count from the read.
         left_s = None if time_left_s is None else time_left_s - (time.monotonic() - called_s)
-        outcomes = self._admit(backend, request.slices, parts, left_s, gone)
+        outcomes = self._admit(
+            backend, request.slices, parts, left_s, gone, (time_left_s, called_s)
+        )
         admitted = [o for o in outcomes if isinstance(o, Admission)]
 
         def cancel(index: int) -> None:
@@ -106,7 +108,7 @@ class BundleRunner:
             # A slice already answered (served, or failed here) keeps its answer.
             if not outcome.future.done():
                 earlier_us = request.slices[index].earlier_us
-                outcomes[index] = _given_up(time_left_s, called_s, earlier_us)
+                outcomes[index] = given_up(time_left_s, called_s, earlier_us)
             self._batching.withdraw(outcome)  # its queued rows leave unrun
 
         stop = None if cancels is None else cancels.listen(cancel)
@@ -118,7 +120,7 @@ class BundleRunner:
             for admission in admitted:  # its failures are answered to no one: read, not logged
                 if admission.future.done() and not admission.future.cancelled():
                     admission.future.exception()
-            gave_up = _code(_given_up(time_left_s, called_s))
+            gave_up = _code(given_up(time_left_s, called_s))
             self._count(labels, (_code(o) if isinstance(o, BaseException) else gave_up
                                  for o in outcomes))  # fmt: skip
             raise
@@ -189,14 +191,17 @@ class BundleRunner:
         parts: list[list[PreparedRow] | BaseException],
         time_left_s: float | None,
         gone: AbstractSet[int],
+        call_clock: tuple[float | None, float],
     ) -> list[Admission | BaseException]:
         """Queues every slice's rows in one pass (each linked to its caller's trace): each
-        slice's admission, or the error refusing it (CANCELLED for the indices in `gone`)."""
+        slice's admission, or the error refusing it (for the indices in `gone`, what a caller
+        that stopped waiting is told: `given_up` at the call's time left and when it was read,
+        `call_clock`)."""
         asks: list[SliceAsk] = []
         outcomes: list[Admission | BaseException] = []
         for index, (part, piece) in enumerate(zip(parts, slices, strict=True)):
             if index in gone:
-                outcomes.append(asyncio.CancelledError())
+                outcomes.append(given_up(*call_clock, piece.earlier_us))
                 continue
             if isinstance(part, BaseException):
                 outcomes.append(part)
@@ -232,7 +237,7 @@ def _code(error: BaseException) -> str:
     return status_of(error).code.name
 
 
-def _given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) -> BaseException:
+def given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) -> BaseException:
     """What a call (or one of its slices, `earlier_us` before the call's deadline) that its
     caller stopped waiting for is counted and answered: DEADLINE_EXCEEDED when its deadline
     had come (our timer, or the caller's cancel at its own, a hop earlier), else CANCELLED."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +38,7 @@ from services.common.tls import HealthListener, add_port, start_health_listener
 from services.common.tracing import Tracing
 from services.gpu_worker.backends.base import check_device, select_device
 from services.gpu_worker.batching.driver import BatchingDriver
-from services.gpu_worker.bundles import BundleRunner, request_priority
+from services.gpu_worker.bundles import BundleRunner, given_up, request_priority
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.execution import resolve_threads
 from services.gpu_worker.front import engine_grpc_target
@@ -92,7 +93,12 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             cancels = getattr(context, "slice_cancels", None)  # on an InferStream
             return await self._bundles.infer(backend, request, context.time_remaining(), cancels)
         labels = (backend.config.name, backend.version.version)
-        with Outcome(self._metrics.requests_total_of, labels):
+        time_left_s, called_s = context.time_remaining(), time.monotonic()
+        with Outcome(
+            self._metrics.requests_total_of,
+            labels,
+            given_up=lambda: given_up(time_left_s, called_s),
+        ):
             backend.check_fingerprint(request.fingerprint)
             if not request.inputs:
                 raise InvalidInput("request has no inputs")

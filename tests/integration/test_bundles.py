@@ -402,6 +402,66 @@ async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceed
     release_stall(tmp_path / "gate")
 
 
+async def test_a_request_still_running_at_its_deadline_is_counted_deadline_exceeded(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """As the bundle above, a request of its own (no slices): counted DEADLINE_EXCEEDED, not
+    CANCELLED, when its deadline passes while its row is on the executor."""
+    request = pb.InferRequest(
+        model_name="stall",
+        model_version="1",
+        inputs=[pb.ModelInput(tensor=tensor_to_pb(row(STALL, 0, 0, 0)))],
+    )
+    failure = await _failure_of_direct_call(fabric, request, timeout_s=0.5)
+    assert getattr(failure, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def counted(code: str) -> float:
+        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="stall", code=code)
+
+    await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
+    assert counted("CANCELLED") == 0
+    release_stall(tmp_path / "gate")
+
+
+async def test_a_slice_given_up_at_its_deadline_before_its_bundle_arrives_is_late(
+    fabric: Fabric,
+) -> None:
+    """A slice whose caller's deadline had passed when its cancel reached the worker with the
+    bundle (the gateway's deadline timer cancels it, and the cancel may overtake the bundle):
+    answered and counted DEADLINE_EXCEEDED, as it is when the cancel comes after its rows were
+    queued, not CANCELLED; its bundle-mate is served."""
+    request = bundle(
+        "affine",
+        [
+            ([row(1, 2, 3, 4)], pb.Slice(tenant="a", earlier_us=int((PATIENT_S + 5) * 1e6))),
+            ([row(5, 6, 7, 8)], pb.Slice(tenant="b")),
+        ],
+    )
+    cancels = SliceCancels()
+    cancels.cancel(0)
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        try:
+            answer = await router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", 2),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        finally:
+            await router.close()
+    response = pb.InferResponse.FromString(answer)
+    assert [s.code for s in response.slices] == [
+        grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
+        grpc.StatusCode.OK.value[0],
+    ]
+    assert (
+        fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code="DEADLINE_EXCEEDED")
+        == 1
+    )
+    assert fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="affine", code="CANCELLED") == 0
+
+
 async def test_the_time_preparing_a_bundles_rows_counts_against_its_deadlines(
     fabric: Fabric,
 ) -> None:
