@@ -18,6 +18,7 @@ Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 
@@ -74,6 +75,8 @@ class TimeoutEjector:
         #: Whether any worker was ever ejected: until then `may_route` is True for every
         #: worker, and a router need not ask about each one.
         self.has_ejected = False
+        #: The workers of the registry's last snapshot (`retain`; None: every worker).
+        self._known: AbstractSet[str] | None = None
 
     def may_route(self, worker_id: str, now_s: float) -> bool:
         """False while `worker_id` is ejected, or on probation with its probe out."""
@@ -97,6 +100,8 @@ class TimeoutEjector:
         ejection too once the answer is to a call sent while ejected (routed there because no
         other worker was routable: services.router.routing) or on probation. The worker is
         forgotten once it has answered for `max_eject_s` since its last ejection."""
+        if self._known is not None and worker_id not in self._known:
+            return  # a late answer of a worker that left: nothing is kept of it
         self._last_answer_s[worker_id] = now_s
         health = self._workers.get(worker_id)
         if health is None:
@@ -121,6 +126,8 @@ class TimeoutEjector:
         config = self._config
         if config.timeouts_to_eject == 0 or waited_s < config.min_wait_factor * predicted_s:
             return None
+        if self._known is not None and worker_id not in self._known:
+            return None  # a call to a worker that left timed out: nothing is kept of it
         last_answer_s = self._last_answer_s.get(worker_id)
         if last_answer_s is not None and now_s - last_answer_s < config.min_silence_s:
             return None  # it answers others: overloaded or slow, not wedged
@@ -144,13 +151,15 @@ class TimeoutEjector:
         health.probe_until_s = None
         return period_s
 
-    def forget(self, worker_ids: set[str]) -> None:
-        """Drops what is kept of workers that left the registry (a worker id is its host and
-        process, so a restarted pod is a new one: kept, these would grow with every
-        restart)."""
-        for worker_id in worker_ids:
-            self._workers.pop(worker_id, None)
-            self._last_answer_s.pop(worker_id, None)
+    def retain(self, worker_ids: AbstractSet[str]) -> None:
+        """Keeps only what is known of `worker_ids` (the registry's workers now), and from now
+        on records nothing of any other: a worker id is its host and process, so a restarted
+        pod is a new one, and what is kept of the old one would grow with every restart, as it
+        would if a call to a worker that left timed out, or answered, after it left."""
+        self._known = worker_ids
+        for kept in (self._workers, self._last_answer_s):
+            for worker_id in [w for w in kept if w not in worker_ids]:
+                del kept[worker_id]
 
     def is_ejected(self, worker_id: str, now_s: float) -> bool:
         """Inside an ejection period now (probation not included)."""

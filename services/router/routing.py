@@ -119,7 +119,7 @@ class RouteTable:
         if records or not self._workers:
             gone = {w.worker_id for w, _ in self._workers} - {w.worker_id for w, _ in records}
             self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
-            self.timeouts.forget(gone)
+            self.timeouts.retain(frozenset(w.worker_id for w, _ in self._workers))
         self._ever_served.update(m.key for worker, _ in records for m in worker.models)
         self._refreshed_at_s = now_s
         self._ejected_until_s = {w: t for w, t in self._ejected_until_s.items() if t > now_s}

@@ -715,6 +715,27 @@ def test_workers_that_leave_the_snapshot_are_named_and_their_timeouts_forgotten(
     assert table.update([(make_worker(worker_id="w1"), 4.0)], 4.0) == set()
 
 
+def test_a_late_outcome_of_a_worker_that_left_is_not_kept() -> None:
+    """A call to a worker lost without deregistering may time out (or be answered) after the
+    registry's read found it gone: nothing is recorded of it then, or every such worker would
+    be kept for the router's life (and its ejection counted in a series never removed)."""
+    table = loaded(make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2"))
+    assert table.update([(make_worker(worker_id="w1"), 2.0)], 2.0) == {"w2"}
+    ejector = table.timeouts
+    periods = [ejector.record_timeout("w2", 3.0, waited_s=5.0, predicted_s=0.01) for _ in range(5)]
+    assert periods == [None] * 5  # never ejected: its ejection is not counted either
+    ejector.record_success("w2", 3.0)
+    assert "w2" not in ejector._workers and "w2" not in ejector._last_answer_s
+    # The workers still there are recorded as before.
+    for _ in range(5):
+        ejector.record_timeout("w1", 3.0, waited_s=5.0, predicted_s=0.01)
+    assert ejector.is_ejected("w1", 3.0)
+    # A worker that (re)joins is recorded again.
+    table.update([(make_worker(worker_id="w1"), 4.0), (make_worker(worker_id="w2"), 4.0)], 4.0)
+    ejector.record_success("w2", 4.0)
+    assert ejector._last_answer_s["w2"] == 4.0
+
+
 def test_the_series_of_workers_that_left_are_removed() -> None:
     metrics = RouterMetrics(CollectorRegistry())
     for worker in ("w1", "w2"):
