@@ -29,7 +29,7 @@ from functools import partial
 import numpy as np
 
 from services.common.door import Door
-from services.common.errors import InvalidInput, ServingError
+from services.common.errors import RETRY_AFTER_MS_KEY, InvalidInput, ServingError
 from services.common.grpc_errors import status_of
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
@@ -321,9 +321,14 @@ class StreamInfer:
 
 
 def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
-    """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id."""
+    """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id, and
+    its retry hint (`retry-after-ms`, jittered) as a parameter of the response: a unary call
+    carries it as a trailer, and a stream's requests have none of their own."""
     status = status_of(error)
+    response = kserve.ModelInferResponse(id=request_id)
+    for key, value in status.trailers:
+        if key == RETRY_AFTER_MS_KEY:
+            response.parameters[key].int64_param = int(value)
     return kserve.ModelStreamInferResponse(
-        error_message=f"{status.code.name}: {status.message}",
-        infer_response=kserve.ModelInferResponse(id=request_id),
+        error_message=f"{status.code.name}: {status.message}", infer_response=response
     )

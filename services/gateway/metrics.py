@@ -24,7 +24,9 @@ class GatewayMetrics:
             ("api", "model", "code"),
         )
         self.inputs_total = new.counter(
-            names.GATEWAY_INPUTS_TOTAL, "Input rows forwarded to the router.", ("model", "version")
+            names.GATEWAY_INPUTS_TOTAL,
+            "Input rows of requests answered OK (forwarded and served).",
+            ("model", "version"),
         )
         self.validate_seconds = new.histogram(
             names.GATEWAY_VALIDATE_SECONDS,

@@ -186,8 +186,10 @@ class Predictor:
         self, call: PredictCall, model: ResolvedModel, priority: PriorityClass, started: float
     ) -> PredictResult:
         config, policy = model.config, call.principal.policy
-        self.admission.charge_rows(policy, len(call.inputs))
+        # The throttle first: a call it refuses here was never served, and must not spend its
+        # tenant's rows (after a flood the tenant would be refused for rows it never got).
         throttle_key = self._throttle_check(config.name, priority, policy.name)
+        self.admission.charge_rows(policy, len(call.inputs))
         rows = checked_rows(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or self._new_request_id()
         piece = pb.Slice(

@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
+from services.gateway.throttle import Shed
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as wpb
@@ -329,3 +330,33 @@ def _varint(value: int) -> bytes:
         out.append(value & 0x7F | 0x80)
         value >>= 7
     return bytes(out) + bytes([value])
+
+
+async def test_calls_the_throttle_refuses_spend_none_of_their_tenants_rows(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A tenant allowed 2 rows a second (a bucket of 2), while the gateway's throttle refuses
+    every call (downstream was refusing): ten calls refused by the throttle spend none of the
+    tenant's rows, so once the throttle lets calls through again the tenant is served, not
+    refused for rows it never got."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nrows_per_s = 2\nburst_s = 1\n")
+    async with affine_and_stall_fabric(
+        tmp_path, redis_server, gateway_settings={"api_keys_file": keys}
+    ) as fabric:
+        throttle = fabric.gateway.predictor._throttle
+        admit = throttle.admit
+        throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
+        tensor = wpb.Tensor(dtype=wpb.DATA_TYPE_FP32, shape=[4], raw_data=bytes(16))
+        request = api.PredictRequest(model_name="affine", inputs=[api.PredictInput(tensor=tensor)])
+        metadata = (("authorization", f"Bearer {SEARCH_KEY}"),)
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            for _ in range(10):
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.Predict(request, timeout=5, metadata=metadata)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "refused at the gateway" in (refused.value.details() or "")
+            throttle.admit = admit  # type: ignore[method-assign]
+            answer = await stub.Predict(request, timeout=5, metadata=metadata)
+    assert len(answer.outputs) == 1

@@ -224,7 +224,10 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
         refusals = fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="stream")
     assert refused.infer_response.id == "refused"
     assert refused.error_message.startswith("RESOURCE_EXHAUSTED: overloaded: this process has 1")
+    # Its retry hint, as the unary call's trailer has it: a stream's request has no trailers.
+    assert refused.infer_response.parameters["retry-after-ms"].int64_param > 0
     assert unary.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(dict(unary.value.trailing_metadata() or ())["retry-after-ms"]) > 0
     assert held.infer_response.id == "held" and not held.error_message
     assert after.infer_response.id == "after" and not after.error_message
     assert rows == 1  # the request after; neither refused one reached the worker

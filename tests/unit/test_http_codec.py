@@ -206,7 +206,14 @@ def test_errors_map_to_http_statuses_with_retry_after() -> None:
     refused = http_error(Overloaded("slow down", retry_after_s=1.2))
     # 1.2 s jittered by 25% either way (0.9-1.5 s), in HTTP's whole seconds rounded up.
     assert refused.status == 429 and refused.headers["Retry-After"] in {"1", "2"}
-    assert set(refused.headers) == {"Retry-After"}
+    assert set(refused.headers) == {"Retry-After", "retry-after-ms"}
+    assert 900 <= int(refused.headers["retry-after-ms"]) <= 1500
+    # The hint's jitter reaches the caller: whole seconds alone would send every caller
+    # refused in one flood back together.
+    hints = {
+        http_error(Overloaded("x", retry_after_s=0.5)).headers["retry-after-ms"] for _ in range(50)
+    }
+    assert len(hints) > 5
     assert json.loads(refused.kserve_body()) == {"error": "slow down"}
     unauthenticated = http_error(Unauthenticated("no key"))
     assert unauthenticated.status == 401

@@ -91,6 +91,10 @@ def http_error(error: BaseException) -> HttpError:
         if key == RETRY_AFTER_MS_KEY:
             # Retry-After is whole seconds; round up so a client never comes back too early.
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+            # And the hint itself, jittered to the millisecond (whole seconds would send every
+            # caller refused in one flood back together): the header OpenAI's and Azure's
+            # clients read before Retry-After.
+            headers[RETRY_AFTER_MS_KEY] = value
     code = HTTP_STATUSES.get(status.code, 500)
     if code == 401:  # RFC 9110: a 401 names the scheme it wants (an API key as a bearer token)
         headers["WWW-Authenticate"] = "Bearer"
