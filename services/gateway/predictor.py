@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import random
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -295,17 +296,19 @@ class Predictor:
         await self._bundles.close()
         await self._router.close()
 
-    async def generate(self, call: GenerateCall) -> AsyncIterator[pb.GenerateResponse]:
+    async def generate(self, call: GenerateCall) -> AsyncGenerator[pb.GenerateResponse, None]:
         """Checks, tokenizes and forwards a generation; yields the worker's stream messages."""
         policy = call.principal.policy
         priority = self.admission.priority_for(policy, call.priority)
         with self.admission.observe(policy.name, priority):
-            async for message in self._generate_stream(call, priority):
-                yield message
+            # Each stream closed with its caller's: the downstream call is cancelled now.
+            async with contextlib.aclosing(self._generate_stream(call, priority)) as messages:
+                async for message in messages:
+                    yield message
 
     async def _generate_stream(
         self, call: GenerateCall, priority: PriorityClass
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         config = self.catalog.config(call.model_name)
         call.principal.check_model(config.name)
         if config.generation is None:
@@ -319,8 +322,9 @@ class Predictor:
             generated = self._generate_resolved(
                 call, model, priority, max_model_len=config.generation.max_model_len
             )
-            async for message in generated:
-                yield message
+            async with contextlib.aclosing(generated) as messages:
+                async for message in messages:
+                    yield message
             is_ok = True
         finally:
             # One generation is one request of one row, as Triton counts a decoupled model.
@@ -340,7 +344,7 @@ class Predictor:
         priority: PriorityClass,
         *,
         max_model_len: int,
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
         config = model.config
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")

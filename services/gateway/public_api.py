@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -76,8 +77,9 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
                 timeout_s=context.time_remaining(),
                 priority=_priority(request.priority),
             )
-            async for message in self._predictor.generate(call):
-                yield message
+            async with contextlib.aclosing(self._predictor.generate(call)) as messages:
+                async for message in messages:
+                    yield message
 
     def _model_info(self, name: str) -> api.ModelInfo:
         catalog = self._predictor.catalog

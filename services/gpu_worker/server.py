@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -29,7 +30,6 @@ from services.common.lifecycle import (
 from services.common.model_repository import load_repository, select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
-from services.common.pb_conversions import finish_reason_to_pb
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import Outcome, tier_registry
 from services.common.tensors import tensor_to_pb
@@ -43,6 +43,7 @@ from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.execution import resolve_threads
 from services.gpu_worker.front import engine_grpc_target
 from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.request_stream import delta_to_pb
 from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import LoadedModels, load_versions
@@ -166,14 +167,10 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             tenant=request.tenant or "default",
             weight=generation_weight(request.tenant_weight),
         )
-        async for delta in stream:
-            yield pb.GenerateResponse(
-                token_ids=delta.token_ids,
-                text=delta.text,
-                finish_reason=finish_reason_to_pb(delta.finish_reason),
-                prompt_tokens=delta.prompt_tokens,
-                completion_tokens=delta.completion_tokens,
-            )
+        # Closed with this stream (its caller gone): the sequence and its blocks go now.
+        async with contextlib.aclosing(stream) as deltas:
+            async for delta in deltas:
+                yield delta_to_pb(delta)
 
     async def ListModels(
         self, request: pb.ListWorkerModelsRequest, context: grpc.aio.ServicerContext

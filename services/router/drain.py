@@ -8,13 +8,14 @@ with the same mark, by the closing MultiplexServer itself; this gate covers the 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 from services.common.errors import Unavailable
 
 UnaryHandler = Callable[[Any, Any], Awaitable[Any]]
-StreamHandler = Callable[[Any, Any], AsyncIterator[Any]]
+StreamHandler = Callable[[Any, Any], AsyncGenerator[Any, None]]
 
 
 class DrainGate:
@@ -37,9 +38,11 @@ class DrainGate:
         return guarded
 
     def guard_stream(self, handler: StreamHandler) -> StreamHandler:
-        async def guarded(request: Any, context: Any) -> AsyncIterator[Any]:
+        async def guarded(request: Any, context: Any) -> AsyncGenerator[Any, None]:
             self.check()
-            async for message in handler(request, context):
-                yield message
+            # Closed with this stream (its caller gone): the worker's call is cancelled now.
+            async with contextlib.aclosing(handler(request, context)) as messages:
+                async for message in messages:
+                    yield message
 
         return guarded

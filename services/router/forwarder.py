@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 
 import grpc
 
@@ -205,7 +205,7 @@ class Forwarder:
 
     async def generate(
         self, body: bytes, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes, None]:
         """Forwards a generation stream. Retries elsewhere only before the first message:
         a stream that already delivered tokens is never silently replayed."""
         # No deadline from the caller: none here either (a stream may run long; the gateway

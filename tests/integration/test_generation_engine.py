@@ -9,6 +9,7 @@ import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +26,10 @@ from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import load_version
 from services.gpu_worker.metrics import WorkerMetrics
+from services.gpu_worker.server import WorkerServicer
 from services.gpu_worker.thread_choice import ThreadChoice
+from services.pb.inference.v1 import types_pb2 as tpb
+from services.pb.inference.v1 import worker_pb2 as wpb
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT
 from tests.support.waiting import eventually
@@ -538,3 +542,34 @@ async def test_a_dead_loop_fails_its_streams_refuses_new_ones_and_says_so(
     with pytest.raises(Unavailable, match="retry on another worker"):
         await collect(backend, PROMPTS[0], SamplingParams(max_tokens=2))
     await backend.engine.drain()
+
+
+async def test_a_generate_call_closed_mid_stream_frees_its_sequence_at_once(
+    checkpoint: Path,
+) -> None:
+    """The worker's Generate closed by its caller (gRPC closes the handler's stream when the
+    client goes away): its sequence is cancelled before the close returns, not a loop turn or
+    more later when the garbage collector finalizes the engine's stream (meanwhile steps could
+    still run it for nobody)."""
+    backend, registry = make_backend(checkpoint)
+    backend.engine.start()
+    servicer = WorkerServicer("cpu")
+    # The servicer's model lookup only (the subject is its stream's closing).
+    servicer._models = SimpleNamespace(generation_backend=lambda *_: backend)  # type: ignore[assignment]
+    request = wpb.WorkerGenerateRequest(
+        model_name="ref-llama",
+        text=PROMPTS[2],
+        sampling=tpb.SamplingParameters(max_tokens=60, ignore_eos=True),
+    )
+    try:
+        responses = servicer.Generate(request, SimpleNamespace(time_remaining=lambda: 60.0))
+        first = await anext(responses)
+        assert first.token_ids
+        await responses.aclose()
+        # No await since: the close itself cancelled the sequence (a step in flight finishes
+        # first; its blocks are free once that step is accounted).
+        assert total(generate_latest(registry).decode(), names.GENERATION_CANCELLED_TOTAL) == 1
+        await eventually(lambda: backend.scheduler.num_running == 0, interval_s=0.01)
+        assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    finally:
+        await backend.engine.drain()

@@ -14,7 +14,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -160,7 +160,7 @@ class GenerationEngine:
         first_token_limit_s: float | None = None,
         tenant: str = "",
         weight: float = 1.0,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """Streams deltas until the sequence finishes; closing the iterator (cancel) frees its
         KV blocks before the next step. A busy engine predicted to miss `first_token_limit_s`
         (the caller's deadline, or the SLO of a model that sheds) refuses at once."""

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 import torch
 from tokenizers import Tokenizer
 
+from services.common.pb_conversions import finish_reason_to_pb
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
 from services.gpu_worker.generation.metrics import BoundGenerationMetrics
 from services.gpu_worker.generation.sampler import make_generator
+from services.pb.inference.v1 import worker_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,17 @@ class Delta:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+
+
+def delta_to_pb(delta: Delta) -> pb.GenerateResponse:
+    """A delta as the worker's Generate streams it."""
+    return pb.GenerateResponse(
+        token_ids=delta.token_ids,
+        text=delta.text,
+        finish_reason=finish_reason_to_pb(delta.finish_reason),
+        prompt_tokens=delta.prompt_tokens,
+        completion_tokens=delta.completion_tokens,
+    )
 
 
 def merged(deltas: list[Delta]) -> Delta:
