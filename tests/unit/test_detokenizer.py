@@ -69,3 +69,26 @@ def test_pieces_of_random_tokens_add_up_to_decoding_them_all_at_once(seed: int) 
     pieces.append(detokenizer.flush())
     whole = TOKENIZER.decode(tokens, skip_special_tokens=True)
     assert "".join(pieces) == whole.rstrip("\ufffd") or "".join(pieces) == whole
+
+
+def test_a_run_of_special_tokens_keeps_every_window_short() -> None:
+    """EOS generated again and again (`ignore_eos`) decodes to nothing: it never joins a
+    window, so each token still decodes a few ids, not every one since the last text (a reply
+    of n such tokens cost O(n^2)), and the text around it is what decoding it all gives."""
+    windows: list[int] = []
+
+    class Counting:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            windows.append(len(token_ids))
+            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return TOKENIZER.get_added_tokens_decoder()
+
+    eos = TOKENIZER.token_to_id("</s>")
+    detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
+    sequence = [*ids("hello "), *[eos] * 2000, *ids("world")]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush())
+    assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
+    assert max(windows) <= 8, max(windows)

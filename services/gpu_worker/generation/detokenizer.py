@@ -13,6 +13,7 @@ gives the same text as decoding the sequence because both end at the same token 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 from tokenizers import Tokenizer
@@ -32,10 +33,15 @@ class IncrementalDetokenizer:
         self._prefix = 0
         #: `_ids[:_read]` are in `_text`.
         self._read = 0
+        #: Tokens decoding skips (special tokens): never kept in a window, or a run of them
+        #: (EOS generated with `ignore_eos`) would grow every window, O(n^2) again.
+        self._skipped = skipped_ids(tokenizer)
 
     def push(self, token_id: int, stops: Sequence[str]) -> tuple[str, bool]:
         """Adds a token; returns (text now final, whether a stop string was reached). After a
         stop, the text up to (not including) the stop string has been returned."""
+        if token_id in self._skipped:
+            return "", False  # decodes to nothing, wherever it stands
         self._ids.append(token_id)
         context = self._decode(self._ids[self._prefix : self._read])
         window = self._decode(self._ids[self._prefix :])
@@ -62,6 +68,20 @@ class IncrementalDetokenizer:
         new = self._text[self._num_emitted : end]
         self._num_emitted = max(self._num_emitted, end)
         return new
+
+
+#: Each tokenizer's special token ids, read once (a tokenizer may have hundreds; a
+#: detokenizer is made per request).
+_SKIPPED: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def skipped_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    """The ids `decode(..., skip_special_tokens=True)` skips: `tokenizer`'s special tokens."""
+    skipped = _SKIPPED.get(tokenizer)
+    if skipped is None:
+        added = tokenizer.get_added_tokens_decoder()
+        skipped = _SKIPPED[tokenizer] = frozenset(i for i, t in added.items() if t.special)
+    return skipped
 
 
 def _overlap(text: str, stop: str) -> int:
