@@ -138,7 +138,12 @@ class QueueDelayLimit:
         self._queue.observe(now_s, delay_s)
         was_shedding, self.is_shedding = self.is_shedding, False
         if delay_s > config.target_s and busy_share < config.min_busy_share:
-            return  # not this process's queue: it waits for CPU, not for its own calls
+            # Not this process's queue: it waits for CPU, not for its own calls. A limit backed
+            # off before (a flood here) protects nothing now: unused, it returns to `initial`
+            # as below the target, or neighbours draining their backlog would hold it down.
+            if peak_in_flight < config.used_share * self._limit and self._limit < config.initial:
+                self._limit = min(float(config.initial), self._limit * config.recovery)
+            return
         if delay_s > config.target_s:
             # At rest, only a queue that stood for the interval is backed off from: a burst is
             # absorbed. Once limited (a flood began and has not ended), a fifth of it will do:

@@ -269,3 +269,30 @@ def test_the_door_target_derives_from_the_tightest_slo_unless_set() -> None:
     for unusable in unusable_settings:
         with pytest.raises(ValueError):
             DoorConfig(**unusable)  # type: ignore[arg-type]
+
+
+def test_a_backed_off_limit_recovers_while_the_process_waits_for_cpu() -> None:
+    """A flood backed the limit off to its minimum; once it ends, the neighbours on the same
+    cores drain their backlog, and this process's probe waits for a core, not for its calls
+    (a tenth of a core used, nothing in flight): the unused limit returns to `initial`, ready
+    for the next burst, instead of holding it at the minimum while they drain."""
+    limit = QueueDelayLimit(CONFIG)
+    now_s = 0.0
+    for _ in range(40):  # the flood: a standing queue of the process's own calls
+        limit.update(now_s, 0.3, 200, busy_share=0.9)
+        now_s += PROBE_S
+    assert limit.limit == CONFIG.minimum
+    for _ in range(20):
+        limit.update(now_s, 0.3, 0, busy_share=0.1)
+        now_s += PROBE_S
+    assert limit.limit == CONFIG.initial
+    # In use at its limit while starved, it is left where it is (neither backed off nor grown).
+    used = QueueDelayLimit(CONFIG)
+    now_s = 0.0
+    for _ in range(40):
+        used.update(now_s, 0.3, 200, busy_share=0.9)
+        now_s += PROBE_S
+    for _ in range(20):
+        used.update(now_s, 0.3, CONFIG.minimum, busy_share=0.1)
+        now_s += PROBE_S
+    assert used.limit == CONFIG.minimum
