@@ -329,9 +329,7 @@ class SimWorker:
                 self._on_answer(now_s, request, "ok")
         # The batcher charged the tenants the predicted compute; settle on the real, as the
         # driver does.
-        correction_s = (compute_s - self._predicted_s) / num_rows
-        for item in dispatch.items:
-            self._ledger.charge(item.tenant, correction_s, item.weight)
+        self._ledger.charge_rows(dispatch.items, (compute_s - self._predicted_s) / num_rows)
         limit = lane.batcher.max_batch_size_for(dispatch.key)
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), num_rows)
         lane.latency.observe(dispatch.key, num_rows, compute_s)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 
 from services.gpu_worker.batching import fair_share
@@ -73,3 +75,20 @@ def test_idle_tenants_at_the_floor_are_forgotten_past_the_limit(
 def test_rejects_a_weight_that_is_not_positive_and_finite(weight: float) -> None:
     with pytest.raises(ValueError, match="positive and finite"):
         ComputeLedger().charge("a", 1.0, weight=weight)
+
+
+def test_a_batchs_rows_are_charged_once_per_tenant_and_weight() -> None:
+    """charge_rows: what charging each row alone would come to, one charge per tenant and
+    weight of the batch."""
+    Row = collections.namedtuple("Row", "tenant weight")
+    rows = [Row("a", 1.0)] * 3 + [Row("b", 2.0)] * 4 + [Row("a", 4.0)]
+    together, alone = ComputeLedger(), ComputeLedger()
+    together.charge_rows(rows, 0.01)
+    for row in rows:
+        alone.charge(row.tenant, 0.01, row.weight)
+    for tenant in ("a", "b"):
+        assert together.virtual_s(tenant) == pytest.approx(alone.virtual_s(tenant))
+    assert together.virtual_s("a") == pytest.approx(0.03 + 0.0025)
+    assert together.virtual_s("b") == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="weight"):
+        together.charge_rows([Row("c", 0.0)], 0.01)

@@ -167,9 +167,8 @@ class DirectDriver:
         self.running, self.running_lane = None, None
         self.running_until_s, self.finish_s = None, math.inf
         compute_s = now_s - self.running_since_s
-        for item in dispatch.items:
-            correction_s = (compute_s - self.predicted_s) / len(dispatch.items)
-            self.ledger.charge(item.tenant, correction_s, item.weight)
+        correction_s = (compute_s - self.predicted_s) / len(dispatch.items)
+        self.ledger.charge_rows(dispatch.items, correction_s)  # as the driver settles
         lane.latency.observe(dispatch.key, len(dispatch.items), compute_s)
 
 

@@ -392,9 +392,7 @@ class BatchingDriver:
                 threads=threads,
             )  # fmt: skip
             # The batcher charged the rows' tenants the predicted compute; settle on the real.
-            for item in dispatch.items:
-                correction_s = (compute_s - predicted_s) / len(rows)
-                self._ledger.charge(item.tenant, correction_s, item.weight)
+            self._ledger.charge_rows(dispatch.items, (compute_s - predicted_s) / len(rows))
             lane.export_gauges_due(self._metrics, dispatch.key, finished)
         finally:
             self._wake.set()

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterable
+from typing import Protocol
 
 #: Past this many remembered tenants, idle ones at or below the floor are forgotten (rejoining
 #: lifts them to the floor anyway, so forgetting them changes nothing).
@@ -25,6 +27,16 @@ def check_weight(weight: float) -> None:
     """Raise ValueError unless `weight` is positive and finite."""
     if not (math.isfinite(weight) and weight > 0.0):
         raise ValueError(f"tenant weight must be positive and finite, got {weight}")
+
+
+class TenantRow(Protocol):
+    """A queued row, as far as its tenant's charge goes."""
+
+    @property
+    def tenant(self) -> str: ...
+
+    @property
+    def weight(self) -> float: ...
 
 
 class ComputeLedger:
@@ -83,6 +95,16 @@ class ComputeLedger:
         """The tenant was served `compute_s` seconds of compute at `weight`."""
         check_weight(weight)
         self._virtual_s[tenant] = self.virtual_s(tenant) + compute_s / weight
+
+    def charge_rows(self, rows: Iterable[TenantRow], seconds_per_row: float) -> None:
+        """Each of `rows` was served `seconds_per_row` (a batch's cost split over its rows):
+        one charge per tenant and weight of the batch, not one per row."""
+        counts: dict[tuple[str, float], int] = {}
+        for row in rows:
+            key = (row.tenant, row.weight)
+            counts[key] = counts.get(key, 0) + 1
+        for (tenant, weight), count in counts.items():
+            self.charge(tenant, seconds_per_row * count, weight)
 
     def _forget_idle(self) -> None:
         floor_s = self.floor_s()

@@ -327,7 +327,7 @@ class Batcher:
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
         for item in items:
             del self._key_of[item.item_id]
-            self._ledger.charge(item.tenant, row_cost_s, item.weight)
+        self._ledger.charge_rows(items, row_cost_s)
         return Poll(expired, Dispatch(key=key, items=tuple(items), reason=reason))
 
     def _width(self, key: BatchKey, now_s: float) -> int:
