@@ -15,7 +15,7 @@ from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from services.common.door import Door
-from services.common.errors import NotFound
+from services.common.errors import InvalidInput, NotFound
 from services.common.grpc_errors import is_bug
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
@@ -126,6 +126,11 @@ def auth_middleware(
             # (10 s), then closes the connection.
             timed_out.force_close()
             return timed_out
+        except (web.RequestPayloadError, UnicodeEncodeError) as error:
+            # The client's bytes: a body its Content-Encoding does not decode, or a string
+            # with a lone surrogate escape ("\\ud800", valid JSON) that no protobuf message
+            # can carry. A 400 naming it, not a 500 and a logged traceback.
+            return _answer(request, http_error(InvalidInput(_bad_body(error))))
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
@@ -138,6 +143,12 @@ def auth_middleware(
             return _answer(request, http_error(error))
 
     return middleware
+
+
+def _bad_body(error: Exception) -> str:
+    if isinstance(error, UnicodeEncodeError):
+        return "a string of the request is not valid Unicode (a lone surrogate such as \\ud800)"
+    return f"the request body could not be read: {error}"
 
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
