@@ -207,10 +207,13 @@ async def generate_one(
     principal: Principal,
     timeout_s: float | None,
     templated: TemplatedText | None = None,
+    *,
+    fills_context: bool = False,
 ) -> AsyncIterator[kserve.ModelStreamInferResponse]:
     """One generation request (inputs as the module describes), its responses as they come;
     errors raise (ServingError). Shared by ModelStreamInfer and the REST generate endpoints.
-    `templated`: the chat template's rendering `text_input` holds (the OpenAI chat API's)."""
+    `templated`: the chat template's rendering `text_input` holds (the OpenAI chat API's);
+    `fills_context`: without max_tokens the reply may fill the context (GenerateCall's)."""
     check_inputs(request)
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
@@ -232,6 +235,7 @@ async def generate_one(
         timeout_s=options.deadline_s(timeout_s),
         priority=options.priority,
         templated=templated,
+        fills_context=fills_context,
     )
     collected = [prompt] if include_prompt else []
     async for message in predictor.generate(call):

@@ -75,6 +75,9 @@ class GenerateCall:
     #: A chat prompt the model's template rendered (`prompt` is its text), its special tokens
     #: read as tokens; None: the prompt is all the caller's text.
     templated: TemplatedText | None = None
+    #: Without a max_tokens of its own (0), the reply may fill the rest of the model's context
+    #: (OpenAI's chat completions); else it gets the sampling default.
+    fills_context: bool = False
 
 
 @dataclass(frozen=True)
@@ -353,13 +356,18 @@ class Predictor:
             ids = model.encoder.encode_templated(call.templated)
         else:
             (ids,) = model.encoder.encode_many([call.prompt])
-        checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids))
+        sampling = call.sampling
+        if call.fills_context and not sampling.max_tokens:
+            sampling = pb.SamplingParameters()
+            sampling.CopyFrom(call.sampling)
+            sampling.max_tokens = max(1, max_model_len - len(ids))
+        checked_sampling(sampling, max_model_len=max_model_len, prompt_len=len(ids))
         request = pb.WorkerGenerateRequest(
             model_name=config.name,
             model_version=model.version,
             fingerprint=model.fingerprint,
             token_ids=ids.astype("<i4").tobytes(),
-            sampling=call.sampling,
+            sampling=sampling,
             tenant=call.principal.tenant,
             request_id=call.request_id or self._new_request_id(),
             priority=priority.proto,

@@ -124,6 +124,22 @@ def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:
     )
 
 
+def test_a_chat_reply_without_max_tokens_may_fill_the_context(client: openai.OpenAI) -> None:
+    """A chat completion that names no max_tokens is not cut at 16 tokens (the completions
+    API's default): it ends at EOS, or at the model's context (512 tokens for tiny-llama), as
+    OpenAI's and vLLM's chat completions do."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0
+    )
+    (choice,) = reply.choices
+    assert reply.usage is not None
+    if choice.finish_reason == "length":
+        assert reply.usage.prompt_tokens + reply.usage.completion_tokens == 512, reply.usage
+    else:
+        assert choice.finish_reason == "stop"
+    assert reply.usage.completion_tokens > 16 or choice.finish_reason == "stop", reply.usage
+
+
 def test_a_chat_template_s_special_tokens_are_tokens_and_the_contents_text(
     client: openai.OpenAI,
 ) -> None:

@@ -282,3 +282,13 @@ def test_response_shapes_follow_openai() -> None:
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     text = ResponseShape("cmpl-1", "m", 7, is_chat=False)
     assert text.usage_chunk(1, 1)["choices"] == []
+
+
+def test_a_chat_body_without_max_tokens_leaves_it_to_the_context() -> None:
+    messages = [{"role": "user", "content": "q"}]
+    assert "max_tokens" not in chat_request({"model": "m", "messages": messages}, None).sampling
+    limited = chat_request({"model": "m", "messages": messages, "max_completion_tokens": 9}, None)
+    assert limited.sampling["max_tokens"] == 9
+    # A completion keeps OpenAI's default of 16.
+    completion = completion_request({"model": "m", "prompt": "p"})
+    assert completion.sampling["max_tokens"] == DEFAULT_MAX_TOKENS

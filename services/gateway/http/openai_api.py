@@ -133,7 +133,10 @@ class OpenAiApi:
         message = generate_request(parsed.model, version, {"text_input": parsed.prompt,
                                                            "parameters": parameters})  # fmt: skip
         principal = current_principal()
-        responses = generate_one(self._predictor, message, principal, None, parsed.templated)
+        # A chat body without max_tokens has none in its sampling: its reply may fill the
+        # context (a completion's defaults to DEFAULT_MAX_TOKENS, as OpenAI's does).
+        responses = generate_one(self._predictor, message, principal, None, parsed.templated,
+                                 fills_context="max_tokens" not in parsed.sampling)  # fmt: skip
         return _as_json(responses)
 
     async def _answer(

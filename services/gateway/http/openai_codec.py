@@ -60,8 +60,12 @@ class GenerationRequest:
     templated: TemplatedText | None = None
 
 
-def _sampling(body: dict[str, Any], max_tokens_keys: tuple[str, ...]) -> dict[str, Any]:
-    sampling: dict[str, Any] = {"max_tokens": DEFAULT_MAX_TOKENS}
+def _sampling(
+    body: dict[str, Any], max_tokens_keys: tuple[str, ...], default: int | None
+) -> dict[str, Any]:
+    """The sampling of a body; `default` is max_tokens when the body names none (None: the
+    rest of the model's context, as OpenAI's and vLLM's chat completions have it)."""
+    sampling: dict[str, Any] = {} if default is None else {"max_tokens": default}
     for key in max_tokens_keys:
         if body.get(key) is not None:
             sampling["max_tokens"] = body[key]
@@ -104,7 +108,7 @@ def completion_request(body: dict[str, Any]) -> GenerationRequest:
         prompt = prompt[0]
     if not isinstance(prompt, str):
         raise InvalidInput("prompt must be a string (or a list of one string)")
-    sampling = _sampling(body, ("max_tokens",))
+    sampling = _sampling(body, ("max_tokens",), default=DEFAULT_MAX_TOKENS)
     return GenerationRequest(model, prompt, sampling, is_streaming, include_usage)
 
 
@@ -257,7 +261,7 @@ def chat_request(
     else:
         templated = templated_prompt(messages, template, bos_token=bos_token, eos_token=eos_token)
         prompt = templated.text
-    sampling = _sampling(body, ("max_tokens", "max_completion_tokens"))
+    sampling = _sampling(body, ("max_tokens", "max_completion_tokens"), default=None)
     return GenerationRequest(model, prompt, sampling, is_streaming, include_usage, templated)
 
 
