@@ -76,8 +76,9 @@ class WorkerConfig:
     #: Largest request message received, bytes: internal calls carry whole batches and
     #: multiplexed streams, so the cap is far above the gateway's.
     max_message_bytes: int = MAX_MESSAGE_BYTES
-    #: Most calls served at once (streams included); 0 means no limit: callers are our own
-    #: tiers, already capped at the gateway, and admission control bounds the work itself.
+    #: Most calls served at once (streams included), by each front with `front_processes`;
+    #: 0 means no limit: callers are our own tiers, already capped at the gateway, and
+    #: admission control bounds the work itself.
     max_concurrent_rpcs: int = 0
     #: gRPC front processes (services.gpu_worker.front) relaying calls to this process, the
     #: engine, which then serves gRPC only on a Unix socket of its own; 0: it serves the port.

@@ -301,8 +301,11 @@ async def follow_engine_health(
             status = NOT_SERVING
         await set_serving(servicer, names, status)
         if status == SERVING and not saw_serving:
-            saw_serving = True
-            on_first_serving()
+            try:  # its failure (a full disk) must not end the following: tried again next poll
+                on_first_serving()
+                saw_serving = True
+            except OSError as error:
+                log.warning("could not say the engine is serving: %s", error)
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 

@@ -364,7 +364,9 @@ async def create_worker(config: WorkerConfig, engine_dir: Path | None = None) ->
         [Tracing(untraced_methods=(STREAM_METHOD,))],
         is_internal=True,
         max_message_bytes=config.max_message_bytes,
-        max_concurrent_rpcs=config.max_concurrent_rpcs,
+        # Behind fronts, each front holds its callers to the limit: the engine takes all they
+        # pass on, and their health polls, which a full engine would refuse (NOT_SERVING).
+        max_concurrent_rpcs=0 if engine_dir is not None else config.max_concurrent_rpcs,
     )
     servicer = WorkerServicer(device=str(select_device()))
     pb_grpc.add_WorkerServiceServicer_to_server(servicer, server)

@@ -17,7 +17,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from bench.models import affine_reference
 from services.common import metric_names as names
@@ -26,7 +26,7 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
-from services.gpu_worker.front import engine_grpc_target
+from services.gpu_worker.front import HEALTH_PERIOD_S, engine_grpc_target, follow_engine_health
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
@@ -395,3 +395,94 @@ async def test_a_front_stopping_alone_sends_its_callers_new_streams_to_the_other
         await client.close()
         await channel.close()
     assert worker.terminate() == 0, worker.log()
+
+
+async def test_a_full_engine_is_still_seen_serving_by_its_fronts(tmp_path: Path) -> None:
+    """`--max-concurrent-rpcs 2` with a front: two calls held in a stalled batch fill the
+    front's limit, and the engine behind it takes them and the front's health polls anyway
+    (each front holds its callers to the limit). Before, the engine had the same limit: the
+    polls were refused once two calls were passed on, and the worker reported NOT_SERVING
+    while it served."""
+    gate = tmp_path / "gate"
+    write_stalling_model(tmp_path / "repo", gate)
+    worker = start_worker(
+        tmp_path,
+        model_repository=tmp_path / "repo",
+        extra_args=("--front-processes", "1", "--max-concurrent-rpcs", "2", "--health-port", "0"),
+    )
+    channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
+    try:
+        assert worker.health_port is not None
+        health_address = f"127.0.0.1:{worker.health_port}"
+        row = np.array([STALL, 0, 0, 0], dtype=np.float32)  # a row that stalls its batch
+        stall = pb.InferRequest(
+            model_name="stall", inputs=[pb.ModelInput(tensor=tensor_to_pb(row))]
+        )
+        stub = pb_grpc.WorkerServiceStub(channel)
+        calls = [asyncio.ensure_future(stub.Infer(stall, timeout=60)) for _ in range(2)]
+
+        def in_flight() -> float:
+            return total(scrape(worker.metrics_port), names.WORKER_QUEUE_DEPTH, model="stall") + (
+                total(
+                    scrape(worker.metrics_port),
+                    f"{names.WORKER_QUEUE_WAIT_SECONDS}_count",
+                    model="stall",
+                )
+            )
+
+        await eventually(lambda: in_flight() == 2, message="the calls did not reach the engine")
+        await asyncio.sleep(1.5)  # three of the front's health polls
+        assert (
+            await health_status(health_address, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+        )
+        release_stall(gate)
+        for response in await asyncio.gather(*calls):
+            assert len(response.outputs) == 1
+    finally:
+        release_stall(gate)
+        await channel.close()
+        code = worker.terminate() if worker.process.poll() is None else None
+    assert code == 0, worker.log()
+
+
+async def test_a_front_follows_the_engines_health_past_a_failed_ready_file_write() -> None:
+    """The front's first sight of its engine serving writes its ready file; a write that
+    fails (a full disk) is tried again at the next poll, and the front keeps following the
+    engine's health. Before, the failure ended the following: the front's health froze at
+    SERVING, whatever became of its engine."""
+    engine_health, front_health = health.aio.HealthServicer(), health.aio.HealthServicer()
+    engine, front = grpc.aio.server(), grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(engine_health, engine)
+    health_pb2_grpc.add_HealthServicer_to_server(front_health, front)
+    engine_port = engine.add_insecure_port("127.0.0.1:0")
+    front_port = front.add_insecure_port("127.0.0.1:0")
+    await engine.start()
+    await front.start()
+    await engine_health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    writes: list[str] = []
+
+    def write_ready_file() -> None:
+        writes.append("tried")
+        if len(writes) == 1:
+            raise OSError(28, "No space left on device")
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{engine_port}")
+    following = asyncio.ensure_future(follow_engine_health(channel, front_health, write_ready_file))
+    try:
+        front_address = f"127.0.0.1:{front_port}"
+        serving, not_serving = (
+            health_pb2.HealthCheckResponse.SERVING,
+            health_pb2.HealthCheckResponse.NOT_SERVING,
+        )
+        await eventually(lambda: len(writes) == 2, message="the write was not tried again")
+        assert await health_status(front_address, SERVICE) == serving
+        await engine_health.set(SERVICE, not_serving)  # the engine stopped serving
+        await asyncio.sleep(3 * HEALTH_PERIOD_S)
+        assert await health_status(front_address, SERVICE) == not_serving
+        assert not following.done()
+        assert len(writes) == 2  # once written, never again
+    finally:
+        following.cancel()
+        await channel.close()
+        await front.stop(None)
+        await engine.stop(None)
