@@ -193,17 +193,7 @@ async def test_a_slice_whose_deadline_passed_on_the_way_is_deadline_exceeded_alo
             ([row(5, 5, 5, 5)], pb.Slice(tenant="b", earlier_us=int((PATIENT_S + 5) * 1e6))),
         ],
     )
-    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
-        router = MultiplexClient(channel, "router")
-        try:
-            body = await router.call(
-                request.SerializeToString(),
-                metadata=route_metadata("affine", "1", 2),
-                timeout_s=PATIENT_S,
-            )
-        finally:
-            await router.close()
-    response = pb.InferResponse.FromString(body)
+    response = await _through_router(fabric, request, num_rows=2)
     assert [s.code for s in response.slices] == [0, grpc.StatusCode.DEADLINE_EXCEEDED.value[0]]
     assert "retry-after-ms" not in response.slices[1].trailers
     np.testing.assert_allclose(tensor_from_pb(response.packed_outputs), expected(served), rtol=1e-6)
@@ -370,6 +360,24 @@ async def test_a_slice_running_at_its_deadline_is_counted_deadline_exceeded(
     assert (counted("OK"), counted("DEADLINE_EXCEEDED"), counted("CANCELLED")) == (1, 1, 0)
 
 
+async def _through_router(
+    fabric: Fabric, request: pb.InferRequest, *, num_rows: int, cancels: SliceCancels | None = None
+) -> pb.InferResponse:
+    """The answer to an affine bundle sent through the router, as a gateway sends it."""
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        try:
+            body = await router.call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", num_rows),
+                timeout_s=PATIENT_S,
+                slice_cancels=cancels,
+            )
+        finally:
+            await router.close()
+    return pb.InferResponse.FromString(body)
+
+
 async def _failure_of_direct_call(
     fabric: Fabric, request: pb.InferRequest, *, timeout_s: float
 ) -> BaseException:
@@ -384,35 +392,26 @@ async def _failure_of_direct_call(
     return raised.value
 
 
-async def test_a_bundle_still_running_at_its_deadline_is_counted_deadline_exceeded(
-    fabric: Fabric, tmp_path: Path
-) -> None:
-    """A bundle whose row is on the executor when its call's deadline passes: the worker gives
-    up on it at the deadline and counts it DEADLINE_EXCEEDED, not CANCELLED (the caller did
-    not go away; its time ran out)."""
-    request = bundle("stall", [([row(STALL, 0, 0, 0)], pb.Slice(tenant="a"))])
-    failure = await _failure_of_direct_call(fabric, request, timeout_s=0.5)
-    assert getattr(failure, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def counted(code: str) -> float:
-        return fabric.worker_metric(names.WORKER_REQUESTS_TOTAL, model="stall", code=code)
-
-    await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
-    assert counted("CANCELLED") == 0
-    release_stall(tmp_path / "gate")
+def _stalled_bundle() -> pb.InferRequest:
+    return bundle("stall", [([row(STALL, 0, 0, 0)], pb.Slice(tenant="a"))])
 
 
-async def test_a_request_still_running_at_its_deadline_is_counted_deadline_exceeded(
-    fabric: Fabric, tmp_path: Path
-) -> None:
-    """As the bundle above, a request of its own (no slices): counted DEADLINE_EXCEEDED, not
-    CANCELLED, when its deadline passes while its row is on the executor."""
-    request = pb.InferRequest(
+def _stalled_request() -> pb.InferRequest:  # a request of its own: no slices
+    return pb.InferRequest(
         model_name="stall",
         model_version="1",
         inputs=[pb.ModelInput(tensor=tensor_to_pb(row(STALL, 0, 0, 0)))],
     )
-    failure = await _failure_of_direct_call(fabric, request, timeout_s=0.5)
+
+
+@pytest.mark.parametrize("stalled", [_stalled_bundle, _stalled_request], ids=["bundle", "request"])
+async def test_a_call_still_running_at_its_deadline_is_counted_deadline_exceeded(
+    fabric: Fabric, tmp_path: Path, stalled: Any
+) -> None:
+    """A bundle, or a request of its own, whose row is on the executor when its call's
+    deadline passes: the worker gives up on it at the deadline and counts it
+    DEADLINE_EXCEEDED, not CANCELLED (the caller did not go away; its time ran out)."""
+    failure = await _failure_of_direct_call(fabric, stalled(), timeout_s=0.5)
     assert getattr(failure, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
 
     def counted(code: str) -> float:
@@ -439,18 +438,7 @@ async def test_a_slice_given_up_at_its_deadline_before_its_bundle_arrives_is_lat
     )
     cancels = SliceCancels()
     cancels.cancel(0)
-    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
-        router = MultiplexClient(channel, "router")
-        try:
-            answer = await router.call(
-                request.SerializeToString(),
-                metadata=route_metadata("affine", "1", 2),
-                timeout_s=PATIENT_S,
-                slice_cancels=cancels,
-            )
-        finally:
-            await router.close()
-    response = pb.InferResponse.FromString(answer)
+    response = await _through_router(fabric, request, num_rows=2, cancels=cancels)
     assert [s.code for s in response.slices] == [
         grpc.StatusCode.DEADLINE_EXCEEDED.value[0],
         grpc.StatusCode.OK.value[0],
