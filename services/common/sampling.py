@@ -3,6 +3,7 @@ and workers (the sampler), so both apply one set of rules. Plain data, no torch.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from services.common.errors import InvalidInput
@@ -95,10 +96,17 @@ def sampling_from_pb(sampling: pb.SamplingParameters) -> SamplingParams:
 
 
 def checked_sampling(
-    sampling: pb.SamplingParameters, *, max_model_len: int, prompt_len: int
+    sampling: pb.SamplingParameters,
+    *,
+    max_model_len: int,
+    prompt_len: int,
+    fills_context: bool = False,
 ) -> SamplingParams:
-    """Converts and validates; INVALID_ARGUMENT naming the first rule broken."""
+    """Converts and validates; INVALID_ARGUMENT naming the first rule broken. `fills_context`:
+    no max_tokens (0) reads as the rest of the context after the prompt (at least 1)."""
     params = sampling_from_pb(sampling)
+    if fills_context and not sampling.max_tokens:
+        params = dataclasses.replace(params, max_tokens=max(1, max_model_len - prompt_len))
     try:
         params.validate(max_model_len, prompt_len)
     except ValueError as error:

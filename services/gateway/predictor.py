@@ -75,8 +75,7 @@ class GenerateCall:
     #: A chat prompt the model's template rendered (`prompt` is its text), its special tokens
     #: read as tokens; None: the prompt is all the caller's text.
     templated: TemplatedText | None = None
-    #: Without a max_tokens of its own (0), the reply may fill the rest of the model's context
-    #: (OpenAI's chat completions); else it gets the sampling default.
+    #: No max_tokens (0) fills the context left (OpenAI's chat; the worker's limits), not 16.
     fills_context: bool = False
 
 
@@ -356,18 +355,16 @@ class Predictor:
             ids = model.encoder.encode_templated(call.templated)
         else:
             (ids,) = model.encoder.encode_many([call.prompt])
-        sampling = call.sampling
-        if call.fills_context and not sampling.max_tokens:
-            sampling = pb.SamplingParameters()
-            sampling.CopyFrom(call.sampling)
-            sampling.max_tokens = max(1, max_model_len - len(ids))
-        checked_sampling(sampling, max_model_len=max_model_len, prompt_len=len(ids))
+        fills_context = call.fills_context and not call.sampling.max_tokens
+        checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids),
+                         fills_context=fills_context)  # fmt: skip
         request = pb.WorkerGenerateRequest(
             model_name=config.name,
             model_version=model.version,
             fingerprint=model.fingerprint,
             token_ids=ids.astype("<i4").tobytes(),
-            sampling=sampling,
+            sampling=call.sampling,
+            fills_context=fills_context,
             tenant=call.principal.tenant,
             request_id=call.request_id or self._new_request_id(),
             priority=priority.proto,

@@ -157,8 +157,9 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         else:
             raise InvalidInput("request has no prompt (text or token_ids)")
         params = sampling_from_pb(request.sampling)
-        remaining_s = context.time_remaining()
-        limits = (remaining_s, backend.config.shed_budget_s(0.0))
+        if request.fills_context and not request.sampling.max_tokens:  # the context left
+            params = dataclasses.replace(params, max_tokens=backend.scheduler.room_for(len(prompt)))
+        limits = (context.time_remaining(), backend.config.shed_budget_s(0.0))
         stream = backend.engine.generate(
             prompt,
             params,

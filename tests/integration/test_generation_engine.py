@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
@@ -573,3 +574,34 @@ async def test_a_generate_call_closed_mid_stream_frees_its_sequence_at_once(
         assert backend.engine.num_free_blocks == backend.runner.num_blocks
     finally:
         await backend.engine.drain()
+
+
+async def test_a_generate_that_fills_the_context_stops_where_the_kv_cache_does(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A Generate without max_tokens that fills the context (an OpenAI chat completion's) on a
+    worker whose KV cache holds fewer tokens than max_model_len (6 blocks of 8: 49 tokens
+    against 256): it runs to the cache's end, not refused for a max_tokens its caller never
+    sent (the gateway, knowing only max_model_len, cannot size it)."""
+    backend, _ = make_backend(
+        write_repository(tmp_path, num_kv_blocks=6, block_size=8, weights_from=checkpoint)
+    )
+    backend.engine.start()
+    servicer = WorkerServicer("cpu")
+    # The servicer's model lookup only (the subject is how it sizes the reply).
+    servicer._models = SimpleNamespace(generation_backend=lambda *_: backend)  # type: ignore[assignment]
+    prompt = backend.encode(PROMPTS[0])
+    request = wpb.WorkerGenerateRequest(
+        model_name="ref-llama",
+        fingerprint=backend.fingerprint,
+        token_ids=np.array(prompt, dtype="<i4").tobytes(),
+        sampling=tpb.SamplingParameters(ignore_eos=True),
+        fills_context=True,
+    )
+    try:
+        context = SimpleNamespace(time_remaining=lambda: 60.0)
+        messages = [m async for m in servicer.Generate(request, context)]
+    finally:
+        await backend.engine.drain()
+    assert messages[-1].completion_tokens == 6 * 8 + 1 - len(prompt)
+    assert messages[-1].finish_reason == tpb.FINISH_REASON_LENGTH

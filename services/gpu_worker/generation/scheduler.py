@@ -171,6 +171,14 @@ class GenerationScheduler:
         self._ledger.join(seq.tenant)
         return Admitted()
 
+    def room_for(self, num_prompt: int) -> int:
+        """The most tokens a prompt of `num_prompt` may be followed by: up to `max_model_len`,
+        and to what the whole cache holds (a sequence's last token is sampled, never fed
+        back: `refusal`); at least 1 (a prompt with no room left is refused as too long)."""
+        config = self._config
+        longest = min(config.max_model_len, config.num_blocks * config.block_size + 1)
+        return max(1, longest - num_prompt)
+
     def refusal(self, seq: Sequence) -> Rejected | None:
         """Why `seq` can never run with this configuration (`add` refuses it so), or None."""
         num_prompt = len(seq.prompt_token_ids)
