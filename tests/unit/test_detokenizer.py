@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer
+from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer, skipped_ids
 from services.gpu_worker.generation.tiny_llama import build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -92,3 +92,25 @@ def test_a_run_of_special_tokens_keeps_every_window_short() -> None:
     pieces.append(detokenizer.flush())
     assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
     assert max(windows) <= 8, max(windows)
+
+
+def test_a_tokenizer_that_cannot_be_weakly_referenced_still_has_its_specials_skipped() -> None:
+    """tokenizers before 0.23 (the floor is 0.20) cannot be weakly referenced: their special
+    ids are read for each detokenizer instead of cached, and still skipped."""
+
+    class Unreferenceable:
+        __slots__ = ()  # no __weakref__ slot, as Tokenizer before 0.23
+
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return TOKENIZER.get_added_tokens_decoder()
+
+    eos = TOKENIZER.token_to_id("</s>")
+    assert skipped_ids(Unreferenceable()) == {eos, TOKENIZER.token_to_id("<s>")}  # type: ignore[arg-type]
+    detokenizer = IncrementalDetokenizer(Unreferenceable())  # type: ignore[arg-type]
+    sequence = [*ids("hi "), eos, *ids("there")]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush())
+    assert "".join(pieces) == "hi there"

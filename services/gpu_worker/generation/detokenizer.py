@@ -77,11 +77,18 @@ _SKIPPED: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKey
 
 def skipped_ids(tokenizer: Tokenizer) -> frozenset[int]:
     """The ids `decode(..., skip_special_tokens=True)` skips: `tokenizer`'s special tokens."""
-    skipped = _SKIPPED.get(tokenizer)
+    try:
+        skipped = _SKIPPED.get(tokenizer)
+    except TypeError:  # tokenizers before 0.23 cannot be weakly referenced: read each time
+        return _special_ids(tokenizer)
     if skipped is None:
-        added = tokenizer.get_added_tokens_decoder()
-        skipped = _SKIPPED[tokenizer] = frozenset(i for i, t in added.items() if t.special)
+        skipped = _SKIPPED[tokenizer] = _special_ids(tokenizer)
     return skipped
+
+
+def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    added = tokenizer.get_added_tokens_decoder()
+    return frozenset(i for i, token in added.items() if token.special)
 
 
 def _overlap(text: str, stop: str) -> int:
