@@ -9,10 +9,11 @@ served by services.gateway.kserve_infer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 from services.common.errors import InvalidInput
@@ -209,7 +210,7 @@ async def generate_one(
     templated: TemplatedText | None = None,
     *,
     fills_context: bool = False,
-) -> AsyncIterator[kserve.ModelStreamInferResponse]:
+) -> AsyncGenerator[kserve.ModelStreamInferResponse, None]:
     """One generation request (inputs as the module describes), its responses as they come;
     errors raise (ServingError). Shared by ModelStreamInfer and the REST generate endpoints.
     `templated`: the chat template's rendering `text_input` holds (the OpenAI chat API's);
@@ -238,20 +239,21 @@ async def generate_one(
         fills_context=fills_context,
     )
     collected = [prompt] if include_prompt else []
-    async for message in predictor.generate(call):
-        finish_reason = finish_reason_from_pb(message.finish_reason)
-        if finish_reason is None:
-            if is_streaming:
-                yield _response(request, message.text, is_final=False)
-            else:
-                collected.append(message.text)
-            continue
-        text = message.text if is_streaming else "".join([*collected, message.text])
-        yield _response(
-            request,
-            text,
-            is_final=True,
-            finish_reason=finish_reason,
-            prompt_tokens=message.prompt_tokens,
-            completion_tokens=message.completion_tokens,
-        )
+    async with contextlib.aclosing(predictor.generate(call)) as messages:  # closed with ours
+        async for message in messages:
+            finish_reason = finish_reason_from_pb(message.finish_reason)
+            if finish_reason is None:
+                if is_streaming:
+                    yield _response(request, message.text, is_final=False)
+                else:
+                    collected.append(message.text)
+                continue
+            text = message.text if is_streaming else "".join([*collected, message.text])
+            yield _response(
+                request,
+                text,
+                is_final=True,
+                finish_reason=finish_reason,
+                prompt_tokens=message.prompt_tokens,
+                completion_tokens=message.completion_tokens,
+            )

@@ -11,17 +11,21 @@ parameter asks for it.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
 from services.common.errors import InvalidInput
 from services.common.tensors import NUMPY_DTYPES
 from services.pb.inference import grpc_service_pb2 as kserve
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: The header naming the JSON part's length in a binary-extension body.
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -42,6 +46,22 @@ class InferBody:
 
     def is_binary(self, name: str) -> bool:
         return self.binary_by_output.get(name, self.is_binary_default)
+
+
+def client_strings(parse: Callable[P, R]) -> Callable[P, R]:
+    """`parse`, whose body's strings are the client's: one no protobuf string holds (a lone
+    surrogate escape such as "\\ud800", valid JSON) is INVALID_ARGUMENT, not a server error."""
+
+    @functools.wraps(parse)
+    def parsed(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return parse(*args, **kwargs)
+        except UnicodeEncodeError as error:
+            raise InvalidInput(
+                "a string of the request is not valid Unicode (a lone surrogate such as \\ud800)"
+            ) from error
+
+    return parsed
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], bytes]:
@@ -178,6 +198,7 @@ def _input_tensor(
     return message, raw, offset
 
 
+@client_strings
 def infer_body(
     model_name: str, model_version: str, body: dict[str, Any], binary: bytes
 ) -> InferBody:

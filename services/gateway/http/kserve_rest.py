@@ -5,9 +5,10 @@ own methods (services.gateway.kserve_api) or its generation path
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, cast
 
 import grpc
@@ -22,6 +23,7 @@ from services.gateway.auth import current_principal
 from services.gateway.http.codec import (
     HEADER_LENGTH,
     bytes_elements,
+    client_strings,
     decode_bytes_elements,
     infer_body,
     infer_parameters,
@@ -104,6 +106,7 @@ def _field_value(field: FieldDescriptor, item: Any) -> Any:
     return item
 
 
+@client_strings
 def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.ModelInferRequest:
     """A generate-extension body ({"text_input", "parameters": {...}}) as the decoupled model's
     ModelInferRequest: sampling keys go in `sampling_parameters`, `priority`/`timeout` stay
@@ -264,7 +267,7 @@ class KServeRest:
                             headers={HEADER_LENGTH: str(header_length)})  # fmt: skip
 
     def _responses(self, request: web.Request, body: dict[str, Any], *, stream: bool
-                   ) -> AsyncIterator[kserve.ModelStreamInferResponse]:  # fmt: skip
+                   ) -> AsyncGenerator[kserve.ModelStreamInferResponse, None]:  # fmt: skip
         name, version = _model(request)
         if body.get("parameters") is None:  # absent or null: the endpoint's own
             body["parameters"] = {}
@@ -286,22 +289,25 @@ class KServeRest:
         body = parse_json_object(await request.read())
         label = self._predictor.catalog.label_for(request.match_info["name"])
         with self._metrics.observe_request("rest_generate", label):
-            responses = self._responses(request, body, stream=True)
-            # The first event before the headers: a refused request gets its HTTP status.
-            first = await anext(responses)
-            answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
-            await answer.prepare(request)
-            events = EventWriter(request, answer)
-            try:
-                await events.send(sse_event(generate_json(first)))
-                async for response in responses:
-                    await events.send(sse_event(generate_json(response)))
-                await events.end()
-            except Exception as error:  # the status is sent: the error goes in-band
-                if is_bug(error):
-                    log.exception("generate stream of %s failed", request.path)
-                await events.end_in_band((sse_event({"error": http_error(error).message}),), error)
-            return answer
+            # Closed however the stream ends (its client gone): the generation is cancelled now.
+            streamed = self._responses(request, body, stream=True)
+            async with contextlib.aclosing(streamed) as responses:
+                # The first event before the headers: a refused request gets its HTTP status.
+                first = await anext(responses)
+                answer = web.StreamResponse(headers={"Content-Type": SSE_CONTENT_TYPE})
+                await answer.prepare(request)
+                events = EventWriter(request, answer)
+                try:
+                    await events.send(sse_event(generate_json(first)))
+                    async for response in responses:
+                        await events.send(sse_event(generate_json(response)))
+                    await events.end()
+                except Exception as error:  # the status is sent: the error goes in-band
+                    if is_bug(error):
+                        log.exception("generate stream of %s failed", request.path)
+                    error_event = sse_event({"error": http_error(error).message})
+                    await events.end_in_band((error_event,), error)
+                return answer
 
 
 def _model(request: web.Request) -> tuple[str, str]:

@@ -5,11 +5,12 @@ checks, tenant admission, routing and counting as gRPC generation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,9 @@ class OpenAiApi:
         )
         return await self._answer(request, parsed, is_chat=True, version=version)
 
-    def _generate(self, parsed: GenerationRequest, version: str) -> AsyncIterator[dict[str, Any]]:
+    def _generate(
+        self, parsed: GenerationRequest, version: str
+    ) -> AsyncGenerator[dict[str, Any], None]:
         parameters = {**parsed.sampling, "stream": True, "exclude_input_in_output": True}
         message = generate_request(parsed.model, version, {"text_input": parsed.prompt,
                                                            "parameters": parameters})  # fmt: skip
@@ -147,21 +150,23 @@ class OpenAiApi:
                               is_chat)  # fmt: skip
         label = self._predictor.catalog.label_for(parsed.model)
         with self._metrics.observe_request("openai", label):
-            chunks = self._generate(parsed, version)
-            if not parsed.is_streaming:
-                texts, final = [], {}
-                async for final in chunks:
-                    texts.append(final["text_output"])
-                return web.json_response(
-                    shape.whole("".join(texts), final["finish_reason"],
-                                final["prompt_tokens"], final["completion_tokens"])
-                )  # fmt: skip
-            return await _stream(request, shape, chunks, include_usage=parsed.include_usage)
+            # Closed however the answer ends (its client gone): the generation is cancelled now.
+            async with contextlib.aclosing(self._generate(parsed, version)) as chunks:
+                if not parsed.is_streaming:
+                    texts, final = [], {}
+                    async for final in chunks:
+                        texts.append(final["text_output"])
+                    return web.json_response(
+                        shape.whole("".join(texts), final["finish_reason"],
+                                    final["prompt_tokens"], final["completion_tokens"])
+                    )  # fmt: skip
+                return await _stream(request, shape, chunks, include_usage=parsed.include_usage)
 
 
-async def _as_json(responses: AsyncIterator[Any]) -> AsyncIterator[dict[str, Any]]:
-    async for response in responses:
-        yield generate_json(response)
+async def _as_json(responses: AsyncGenerator[Any, None]) -> AsyncGenerator[dict[str, Any], None]:
+    async with contextlib.aclosing(responses) as closing:  # closed with this one
+        async for response in closing:
+            yield generate_json(response)
 
 
 async def _stream(

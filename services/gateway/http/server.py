@@ -126,11 +126,9 @@ def auth_middleware(
             # (10 s), then closes the connection.
             timed_out.force_close()
             return timed_out
-        except (web.RequestPayloadError, UnicodeEncodeError) as error:
-            # The client's bytes: a body its Content-Encoding does not decode, or a string
-            # with a lone surrogate escape ("\\ud800", valid JSON) that no protobuf message
-            # can carry. A 400 naming it, not a 500 and a logged traceback.
-            return _answer(request, http_error(InvalidInput(_bad_body(error))))
+        except web.RequestPayloadError as error:  # a body its Content-Encoding does not decode
+            message = f"the request body could not be read: {error}"
+            return _answer(request, http_error(InvalidInput(message)))
         except web.HTTPException as error:
             if error.status == 404:
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
@@ -143,12 +141,6 @@ def auth_middleware(
             return _answer(request, http_error(error))
 
     return middleware
-
-
-def _bad_body(error: Exception) -> str:
-    if isinstance(error, UnicodeEncodeError):
-        return "a string of the request is not valid Unicode (a lone surrogate such as \\ud800)"
-    return f"the request body could not be read: {error}"
 
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
