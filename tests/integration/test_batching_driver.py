@@ -752,7 +752,8 @@ def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
 ) -> None:
     """After a batch the lane refreshes its key's linger and batch-size gauges, but at most
     every GAUGE_PERIOD_S on the driver's clock: a worker running many small batches no longer
-    pays two predictions a batch for figures a scrape reads every few seconds."""
+    pays two predictions a batch for figures a scrape reads every few seconds. A refresh a
+    batch skipped is made once due even when no batch of the key follows."""
     write_affine_model(tmp_path / "repo", slo_p99_ms=200)
     (version,) = load_repository(tmp_path / "repo")
     backend = load_backend(version, torch.device("cpu"))
@@ -775,5 +776,10 @@ def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
     assert lane.batcher.max_batch_size_for(key) < most
     lane.export_gauges_due(metrics, key, now_s=10.0 + GAUGE_PERIOD_S / 2)
     assert gauge() == most  # not yet due
-    lane.export_gauges_due(metrics, key, now_s=10.0 + GAUGE_PERIOD_S)
+    # No batch of the key follows (a burst's last): the driver's pass refreshes it once due,
+    # and says when that is, to wake then.
+    assert lane.refresh_gauges(metrics, 10.0 + GAUGE_PERIOD_S / 2) == 10.0 + GAUGE_PERIOD_S
+    assert gauge() == most
+    assert lane.refresh_gauges(metrics, 10.0 + GAUGE_PERIOD_S) is None
     assert gauge() == lane.batcher.max_batch_size_for(key) < most
+    assert lane.refresh_gauges(metrics, 20.0) is None  # nothing stale

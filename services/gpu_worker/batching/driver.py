@@ -308,8 +308,7 @@ class BatchingDriver:
             if self._draining and self._running is None and self.num_in_flight == 0:
                 return
             timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
-            # A wait under 1 ms lasts 1 ms: uvloop would end it at once (its timers count
-            # whole ms), and passes would spin until due.
+            # Under 1 ms waits 1 ms: uvloop's timers count whole ms (passes would spin).
             await self._wake.wait(timeout_s and max(timeout_s, 0.001))
 
     def _take_turns(self, turn: int, now: float, is_idle: bool) -> float | None:
@@ -330,6 +329,8 @@ class BatchingDriver:
             elif (until_s := poll.action.until_s) is not None:
                 wake_at = until_s if wake_at is None else min(wake_at, until_s)
             lane.fail_expired(poll.expired, now, self._running_until_s, self._metrics)
+            if (gauges_at := lane.refresh_gauges(self._metrics, now)) is not None:
+                wake_at = gauges_at if wake_at is None else min(wake_at, gauges_at)
         return wake_at
 
     def _dispatch(self, lane: Lane, dispatch: Dispatch, now: float) -> None:

@@ -135,6 +135,8 @@ class Lane:
     threads: ThreadChoice | None = None
     #: When each key's linger and batch-size gauges are next refreshed (`export_gauges_due`).
     gauges_due_s: dict[BatchKey, float] = field(default_factory=dict)
+    #: Keys whose last batch skipped the refresh: refreshed when due (`refresh_gauges`).
+    stale_gauges: set[BatchKey] = field(default_factory=set)
 
     @functools.cached_property
     def labels(self) -> tuple[str, str]:
@@ -238,7 +240,20 @@ class Lane:
         two predictions a batch."""
         if now_s >= self.gauges_due_s.get(key, now_s):
             self.gauges_due_s[key] = now_s + GAUGE_PERIOD_S
+            self.stale_gauges.discard(key)
             self.export_gauges(metrics, key)
+        else:
+            self.stale_gauges.add(key)
+
+    def refresh_gauges(self, metrics: WorkerMetrics, now_s: float) -> float | None:
+        """Refreshes the gauges a batch skipped once they are due (a burst's last batches
+        must not leave them stale until the key's next batch, maybe hours later); returns
+        when the next still stale one is due (None: none is)."""
+        if not self.stale_gauges:
+            return None
+        for key in [k for k in self.stale_gauges if now_s >= self.gauges_due_s[k]]:
+            self.export_gauges_due(metrics, key, now_s)
+        return min((self.gauges_due_s[k] for k in self.stale_gauges), default=None)
 
     def export_gauges(self, metrics: WorkerMetrics, key: BatchKey) -> None:
         """The linger and batch size the batcher allows `key` now."""
