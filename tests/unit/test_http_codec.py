@@ -292,3 +292,17 @@ def test_a_chat_body_without_max_tokens_leaves_it_to_the_context() -> None:
     # A completion keeps OpenAI's default of 16.
     completion = completion_request({"model": "m", "prompt": "p"})
     assert completion.sampling["max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_a_generate_bodys_other_fields_are_its_models_parameters() -> None:
+    """As Triton maps them to the model's inputs (TensorRT-LLM's example sends max_tokens at
+    the top level): never dropped without a word; given twice, or unknown, refused."""
+    request = generate_request("llm", "", {"text_input": "hi", "max_tokens": 20, "seed": 3})
+    sampling = json.loads(request.raw_input_contents[1][4:])
+    assert sampling == {"max_tokens": 20, "seed": 3}
+    twice = {"text_input": "hi", "max_tokens": 2, "parameters": {"max_tokens": 3}}
+    with pytest.raises(InvalidInput, match="max_tokens is given both"):
+        generate_request("llm", "", twice)
+    flags = generate_request("llm", "", {"text_input": "hi", "exclude_input_in_output": True})
+    assert [i.name for i in flags.inputs][-1] == "exclude_input_in_output"
+    assert flags.raw_input_contents[-1] == b"\x01"

@@ -43,6 +43,8 @@ from services.pb.inference import grpc_service_pb2 as kserve
 
 #: Parameters of a generate request that are not sampling parameters.
 _CONTROL_PARAMETERS = ("priority", "timeout")
+#: A generate body's own fields; any other is one of the model's parameters.
+_BODY_FIELDS = frozenset({"text_input", "parameters", "id"})
 #: The field types protobuf's JSON writes as strings.
 _INT64_TYPES = frozenset({
     FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT64,
@@ -115,6 +117,15 @@ def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.Mo
     if not isinstance(text, str):
         raise InvalidInput("text_input (a string) is required")
     options = dict(json_object(body.get("parameters"), "parameters"))
+    # Triton maps a body's other fields to the model's inputs (TensorRT-LLM's example sends
+    # max_tokens so): here, to its parameters. One the model does not take is refused by name
+    # (kserve_generate's sampling keys), never dropped without a word.
+    for key, value in body.items():
+        if key in _BODY_FIELDS:
+            continue
+        if key in options:
+            raise InvalidInput(f"{key} is given both in the body and in its parameters")
+        options[key] = value
     control = {k: options.pop(k) for k in _CONTROL_PARAMETERS if k in options}
     flags = {k: options.pop(k, False) for k in ("stream", "exclude_input_in_output")}
     for flag, value in flags.items():
@@ -272,7 +283,8 @@ class KServeRest:
         if body.get("parameters") is None:  # absent or null: the endpoint's own
             body["parameters"] = {}
         if isinstance(body["parameters"], dict):
-            body["parameters"]["stream"] = stream
+            body["parameters"]["stream"] = stream  # the endpoint's, whatever the body says
+            body.pop("stream", None)
         message = generate_request(name, version, body)
         return generate_one(self._predictor, message, current_principal(), None)
 
