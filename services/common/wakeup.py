@@ -1,5 +1,6 @@
 """A wake-up flag for one waiting loop, waited on with a timeout: what `asyncio.Event` and
-`asyncio.wait_for(event.wait(), timeout)` do, for a fraction of their cost.
+`asyncio.wait_for(event.wait(), timeout)` do, for a fraction of their cost (the batching
+driver's loop and the registry heartbeat sleep on one).
 
 A loop that sleeps until something happens or a time comes (the worker's batching driver, once
 or twice a batch) would otherwise create a task for `Event.wait()` and a timer on every pass

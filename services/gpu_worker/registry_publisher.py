@@ -6,7 +6,6 @@ agree."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -17,6 +16,7 @@ from redis.exceptions import RedisError
 from services.common.lifecycle import cancel_and_wait, stop_if_cancelled
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
+from services.common.wakeup import Wakeup
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.loaded_models import LoadedModels
@@ -54,7 +54,7 @@ class HeartbeatPublisher:
         self._config = config
         self._record = record
         self._script = client.register_script(_PUBLISH)
-        self._wake = asyncio.Event()
+        self._wake = Wakeup()
         self.is_connected = False
 
     async def publish_once(self) -> None:
@@ -104,8 +104,7 @@ class HeartbeatPublisher:
                 continue
             period_s = self._config.period_s
             delay_s = period_s * 2 ** max(0, failures - 2) if failures else period_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), min(self._config.max_backoff_s, delay_s))
+            await self._wake.wait(min(self._config.max_backoff_s, delay_s))
 
     async def deregister(self, worker_id: str) -> None:
         try:
