@@ -26,7 +26,7 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
-from services.gpu_worker.front import HEALTH_PERIOD_S, engine_grpc_target, follow_engine_health
+from services.gpu_worker.front import engine_grpc_target, follow_engine_health
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
@@ -477,8 +477,11 @@ async def test_a_front_follows_the_engines_health_past_a_failed_ready_file_write
         await eventually(lambda: len(writes) == 2, message="the write was not tried again")
         assert await health_status(front_address, SERVICE) == serving
         await engine_health.set(SERVICE, not_serving)  # the engine stopped serving
-        await asyncio.sleep(3 * HEALTH_PERIOD_S)
-        assert await health_status(front_address, SERVICE) == not_serving
+
+        async def front_not_serving() -> bool:
+            return await health_status(front_address, SERVICE) == not_serving
+
+        await eventually(front_not_serving, message="the front did not follow its engine")
         assert not following.done()
         assert len(writes) == 2  # once written, never again
     finally:
