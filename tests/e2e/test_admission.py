@@ -60,6 +60,15 @@ FLOOD_S = 8.0
 #: Normal traffic after the flood is judged from this long after the flood's last send: the
 #: flood's own calls end within FLOOD_TIMEOUT_S, and what follows is the stack's recovery.
 RECOVERY_S = 5.0
+#: The share of normal calls from RECOVERY_S after the flood that must be OK. Not all: beside
+#: another test module the 2 cores can make a batch take past the SLO, and then the worker
+#: refuses the odd online row predicted to finish past its SLO, as issue 33 asks (2 of 126 in
+#: one of seven `make test` runs). A lockout (a throttle or a standing queue that never lets
+#: go) refuses far more than this leaves room for.
+RECOVERED_OK_SHARE = 0.9
+#: How the worker refuses a row predicted to finish past its SLO (batching/lane.py), the one
+#: refusal normal traffic after the flood may still get.
+SLO_REFUSAL = "past its SLO"
 #: minilm's configured queue bound (models/minilm/config.toml).
 MAX_QUEUE_SIZE = next(
     v.config.max_queue_size for v in load_repository(REPO_ROOT / "models") if v.config.name == MODEL
@@ -176,7 +185,10 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     """Scenario 3: FLOOD_S at FLOOD_RATE_PER_S (several times capacity), then normal traffic.
     The flood is served in part (no collapse to zero) and the rest refused with a status (not
     hung, not crashed): every call ends OK, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or CANCELLED. From
-    RECOVERY_S after the flood, every normal call is OK: no lockout. Every tier is still the
+    RECOVERY_S after the flood, no lockout: at least RECOVERED_OK_SHARE of the normal calls are
+    OK, and the rest were refused one by one by the worker as predicted past their SLO (a
+    neighbour on the shared cores can make the model that slow; see SLO_REFUSAL), never by a
+    gateway still throttling or a queue still full. Every tier is still the
     process the stack started, the gateway reports SERVING, and what a flood could grow stayed
     bounded: the worker's queue and every tier's memory."""
     stack = from_ready.stack
@@ -185,6 +197,7 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
 
     peaks: dict[str, float] = {}
     normal_errors: list[str] = []  # what each failed call after the flood was told
+    recovered_errors: list[str] = []  # ...and each from RECOVERY_S after it
     resident_before = resident_bytes(stack)
 
     async def watch() -> None:
@@ -198,12 +211,16 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
         async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
             flooding = sender(channel, TEXTS, FLOOD_TIMEOUT_S)
             normal = noting_errors(sender(channel, TEXTS, NORMAL_TIMEOUT_S), normal_errors)
+            recovered = noting_errors(normal, recovered_errors)
             started_s = time.monotonic()
 
             async def send() -> None:
                 # Sends start in schedule order: the ones due after the flood are normal calls.
-                in_flood = time.monotonic() - started_s < FLOOD_S
-                await (flooding if in_flood else normal)()
+                elapsed_s = time.monotonic() - started_s
+                if elapsed_s < FLOOD_S:
+                    await flooding()
+                else:
+                    await (normal if elapsed_s < FLOOD_S + RECOVERY_S else recovered)()
 
             watching = asyncio.create_task(watch())
             outcomes = await run_open_loop(send, flood + calm)
@@ -225,7 +242,9 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     assert flood_statuses["RESOURCE_EXHAUSTED"] > 0, summary
     assert set(flood_statuses) <= OVERLOAD_STATUSES, summary
     assert recovered, summary
-    assert all(o.status == OK for o in recovered), summary
+    ok_share = sum(o.status == OK for o in recovered) / len(recovered)
+    assert ok_share >= RECOVERED_OK_SHARE, summary
+    assert all(SLO_REFUSAL in e for e in recovered_errors), (recovered_errors, summary)
     assert dead_processes(stack) == [], stack.pids()
     assert health == health_pb2.HealthCheckResponse.SERVING
     # Bounded: the worker's queue within its configured size, and no tier grew by more than
