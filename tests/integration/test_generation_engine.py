@@ -379,7 +379,19 @@ async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path)
 
     backend.runner.execute = observed_execute
     # The backend's own engine, built again with a choice between one and two threads whatever
-    # this host's cores: each is measured twice, then explored every fourth step.
+    # this host's cores, as the backend builds it (a step's cost follows what it holds): one
+    # thread is measured first, twice, then two are tried, whatever the steps cost. What the
+    # choice picks after that follows the steps' costs on this host, so the test compares each
+    # step's count with the choice's own pick, not with a count of picks.
+    choice = ThreadChoice((1, 2), explore_every=4, min_samples=2, detects_busy_host=False)
+    picks: list[int] = []
+    choose = choice.choose
+
+    def observed_choose(size: int, *, may_explore: bool = True) -> int:
+        picks.append(choose(size, may_explore=may_explore))
+        return picks[-1]
+
+    choice.choose = observed_choose  # type: ignore[method-assign]
     engine = GenerationEngine(
         backend.runner,
         backend.text.tokenizer,
@@ -388,7 +400,7 @@ async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path)
         labels=("ref-llama", "1"),
         eos_token_ids=frozenset(),
         max_model_len=backend.max_model_len,
-        thread_choice=ThreadChoice((1, 2), explore_every=4, min_samples=2),
+        thread_choice=choice,
     )
     configured = torch.get_num_threads()
     engine.start()
@@ -398,8 +410,7 @@ async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path)
     ):
         tokens.extend(delta.token_ids)
     await engine.drain()
-    assert set(seen) == {1, 2}
-    assert seen.count(1) >= 2 and seen.count(2) >= 2
+    assert seen == picks and set(seen) == {1, 2}
     assert tokens == reference_greedy(checkpoint, backend.encode(PROMPTS[2]), 24)
     # Each step's count is restored after it: threads started later get the configured one.
     later: list[int] = []
