@@ -13,6 +13,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.fabric.stack import write_identity_model
 from services.gateway.auth import hash_key
 from services.gpu_worker.generation.tiny_llama import BOS_TOKEN, EOS_TOKEN
 from tests.support.stack import REPO_ROOT, Stack, start_stack
@@ -20,6 +21,8 @@ from tests.support.stack import REPO_ROOT, Stack, start_stack
 pytestmark = pytest.mark.e2e
 
 API_KEY = "openai-test-key"
+#: A key that may use minilm only.
+LIMITED_KEY = "openai-minilm-only-key"
 MODEL = "tiny-llama"
 #: tiny-llama's tokenizer is byte-level with <s> prepended: a prompt of N ASCII bytes is N + 1
 #: tokens (models/tiny-llama/1/README.txt).
@@ -33,10 +36,12 @@ CHAT_TEMPLATE = (
 
 
 def _repository(root: Path) -> Path:
-    """The default models, and tiny-llama again as CHAT_MODEL with CHAT_TEMPLATE."""
+    """The default models, the identity model, and tiny-llama again as CHAT_MODEL with
+    CHAT_TEMPLATE."""
     root.mkdir()
     for name in ("minilm", MODEL):
         (root / name).symlink_to(REPO_ROOT / "models" / name, target_is_directory=True)
+    write_identity_model(root)  # a model of a kind /v1 does not serve
     shutil.copytree(REPO_ROOT / "models" / MODEL, root / CHAT_MODEL)
     tokenizer_config = root / CHAT_MODEL / "1" / "tokenizer_config.json"
     config = json.loads(tokenizer_config.read_text())
@@ -48,7 +53,10 @@ def _repository(root: Path) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("openai")
     keys = tmp / "api-keys.toml"
-    keys.write_text(f'[[keys]]\ntenant = "llm"\nsha256 = "{hash_key(API_KEY)}"\n')
+    keys.write_text(
+        f'[[keys]]\ntenant = "llm"\nsha256 = "{hash_key(API_KEY)}"\n'
+        f'[[keys]]\ntenant = "embed"\nsha256 = "{hash_key(LIMITED_KEY)}"\nmodels = ["minilm"]\n'
+    )
     repository = _repository(tmp / "models")
     stack = start_stack(
         tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys}",)
@@ -65,6 +73,22 @@ def client(stack: Stack) -> openai.OpenAI:
 def test_models_lists_the_generation_and_embedding_models(client: openai.OpenAI) -> None:
     ids = [model.id for model in client.models.list()]
     assert MODEL in ids and "minilm" in ids
+
+
+def test_a_model_is_retrieved_by_id(stack: Stack, client: openai.OpenAI) -> None:
+    """The stock client's `models.retrieve`: a model of the list; NOT_FOUND for one the
+    repository lacks or /v1 does not serve; PERMISSION_DENIED for one the key may not use."""
+    model = client.models.retrieve(MODEL)
+    assert (model.id, model.object) == (MODEL, "model")
+    assert client.models.retrieve("minilm").id == "minilm"
+    with pytest.raises(openai.NotFoundError, match="no-such-model"):
+        client.models.retrieve("no-such-model")
+    with pytest.raises(openai.NotFoundError, match="torchscript"):
+        client.models.retrieve("identity")
+    limited = openai.OpenAI(base_url=f"{stack.gateway.http_url}/v1", api_key=LIMITED_KEY)
+    assert limited.models.retrieve("minilm").id == "minilm"
+    with pytest.raises(openai.PermissionDeniedError, match=MODEL):
+        limited.models.retrieve(MODEL)
 
 
 def test_completion_whole_and_streamed_agree_with_usage(client: openai.OpenAI) -> None:

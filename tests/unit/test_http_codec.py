@@ -26,7 +26,7 @@ from services.gateway.http.codec import (
     output_data,
     split_body,
 )
-from services.gateway.http.errors import http_error
+from services.gateway.http.errors import HttpError, http_error
 from services.gateway.http.kserve_rest import generate_request
 from services.gateway.http.openai_codec import (
     DEFAULT_MAX_TOKENS,
@@ -226,6 +226,12 @@ def test_errors_map_to_http_statuses_with_retry_after() -> None:
     assert json.loads(http_error(InvalidInput("bad")).openai_body())["error"]["type"] == (
         "invalid_request_error"
     )
+    # Other 4xx answered by the HTTP layer itself (too large, too slow, wrong method) are the
+    # request's fault too; a 5xx is the server's.
+    for status, kind in ((413, "invalid_request_error"), (408, "invalid_request_error"),
+                         (405, "invalid_request_error"), (503, "server_error")):  # fmt: skip
+        body = json.loads(HttpError(status, "x", {}).openai_body())
+        assert body["error"] == {"message": "x", "type": kind, "code": status}
 
 
 def test_completion_request_defaults_and_refusals() -> None:

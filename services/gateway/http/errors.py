@@ -32,7 +32,9 @@ HTTP_STATUSES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
-#: OpenAI's error `type` for our statuses (its clients read `error.message` and the status).
+#: OpenAI's error `type` for our statuses (its clients read `error.message` and the status);
+#: any other 4xx (405, 408, 409, 413) is the request's: invalid_request_error, as OpenAI types
+#: them; a 5xx is server_error.
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                  404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
 
@@ -76,7 +78,8 @@ class HttpError:
 
     def openai_body(self) -> bytes:
         """OpenAI's error body: {"error": {"message", "type", "code"}}."""
-        kind = _OPENAI_TYPES.get(self.status, "server_error")
+        default = "invalid_request_error" if self.status < 500 else "server_error"
+        kind = _OPENAI_TYPES.get(self.status, default)
         return json.dumps(
             {"error": {"message": self.message, "type": kind, "code": self.status}}
         ).encode()

@@ -1,7 +1,7 @@
-"""The OpenAI-compatible API: /v1/models, /v1/completions and /v1/chat/completions, streamed
-(server-sent events ending `data: [DONE]`) or whole, each with its token `usage`. Generation
-runs the KServe generate path (services.gateway.kserve_generate.generate_one): the same
-checks, tenant admission, routing and counting as gRPC generation."""
+"""The OpenAI-compatible API: /v1/models (the list, and one by id), /v1/completions and
+/v1/chat/completions, streamed (server-sent events ending `data: [DONE]`) or whole, each with
+its token `usage`. Generation runs the KServe generate path (services.gateway.kserve_generate.
+generate_one): the same checks, tenant admission, routing and counting as gRPC generation."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from services.common.errors import NotFound
 from services.common.grpc_errors import is_bug
 from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
@@ -74,6 +75,11 @@ def _token_text(token: Any) -> str:
     return token if isinstance(token, str) else ""
 
 
+def _model_object(name: str) -> dict[str, Any]:
+    """OpenAI's model object for `name`."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "inference-fabric"}
+
+
 class OpenAiApi:
     """The /v1 routes over `predictor`'s generation path."""
 
@@ -86,6 +92,7 @@ class OpenAiApi:
     def routes(self) -> list[web.RouteDef]:
         return [
             web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
             web.post("/v1/completions", self.completions),
             web.post("/v1/chat/completions", self.chat_completions),
         ]
@@ -98,9 +105,17 @@ class OpenAiApi:
             if catalog.config(n).kind in _OPENAI_KINDS
             and (principal.models is None or n in principal.models)
         ]  # fmt: skip
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "inference-fabric"}
-                for n in names]  # fmt: skip
-        return web.json_response({"object": "list", "data": data})
+        return web.json_response({"object": "list", "data": [_model_object(n) for n in names]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One model of the list (the stock client's `models.retrieve`): NOT_FOUND for a model
+        the repository lacks or /v1 does not serve (its kind), PERMISSION_DENIED for one this
+        caller's key may not use, as its calls would be answered."""
+        config = self._predictor.catalog.config(request.match_info["model"])
+        if config.kind not in _OPENAI_KINDS:
+            raise NotFound(f"model {config.name!r} ({config.kind.value}) is not served by /v1")
+        current_principal().check_model(config.name)
+        return web.json_response(_model_object(config.name))
 
     def _template(self, model: str, principal: Principal) -> tuple[str, ChatTemplate]:
         """The version a chat request for `model` runs on, and that version's template: the
