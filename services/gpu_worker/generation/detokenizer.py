@@ -1,7 +1,8 @@
 """Incremental detokenization with stop strings.
 
 Text is only emitted once it is final: never half a UTF-8 character (the decoder shows it as
-U+FFFD until the rest arrives), and never a suffix that could still grow into a stop string
+U+FFFD until the rest arrives; a stream that ends before it does ends with the U+FFFD, as
+decoding the whole sequence shows it), and never a suffix that could still grow into a stop string
 (the client must not see the start of a stop string that is then cut off).
 
 Each token decodes a short window, not the whole sequence (which made a reply of n tokens cost
@@ -43,26 +44,43 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return "", False  # decodes to nothing, wherever it stands
         self._ids.append(token_id)
+        if not self._read_window(is_final=False):
+            return "", False
+        cut = self._stop_cut(stops)
+        if cut is not None:
+            return self._emit_until(cut), True
+        held = max((_overlap(self._text, s) for s in stops if s), default=0)
+        return self._emit_until(len(self._text) - held), False
+
+    def flush(self, stops: Sequence[str] = ()) -> str:
+        """Whatever was held back, once the stream ends without a stop string reached: text
+        held as the possible start of one, and the last tokens' text even if they end in half
+        a character (shown as U+FFFD, as decoding the whole sequence shows it). A stop string
+        those last tokens complete still cuts the text before it."""
+        self._read_window(is_final=True)
+        cut = self._stop_cut(stops)
+        return self._emit_until(len(self._text) if cut is None else cut)
+
+    def _read_window(self, *, is_final: bool) -> bool:
+        """Adds the tokens not yet read to `_text`, unless they end in half a character and
+        more may complete it (not `is_final`); whether text was added."""
         context = self._decode(self._ids[self._prefix : self._read])
         window = self._decode(self._ids[self._prefix :])
-        if window.endswith(_INCOMPLETE) or len(window) <= len(context):
-            return "", False
+        if (window.endswith(_INCOMPLETE) and not is_final) or len(window) <= len(context):
+            return False
         self._text += window[len(context) :]
         self._prefix, self._read = self._read, len(self._ids)
-        text = self._text
+        return True
+
+    def _stop_cut(self, stops: Sequence[str]) -> int | None:
+        """Where the first stop string in the text not yet emitted (or overlapping it) starts;
+        None without one."""
         search_from = max(0, self._num_emitted - max((len(s) for s in stops), default=0))
-        cuts = [i for s in stops if s and (i := text.find(s, search_from)) >= 0]
-        if cuts:
-            return self._emit_until(min(cuts)), True
-        held = max((_overlap(text, s) for s in stops if s), default=0)
-        return self._emit_until(len(text) - held), False
+        cuts = [i for s in stops if s and (i := self._text.find(s, search_from)) >= 0]
+        return min(cuts) if cuts else None
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self._tokenizer.decode(list(ids), skip_special_tokens=True) if ids else ""
-
-    def flush(self) -> str:
-        """Whatever was held back (the stream ended without a stop string)."""
-        return self._emit_until(len(self._text))
 
     def _emit_until(self, end: int) -> str:
         new = self._text[self._num_emitted : end]
