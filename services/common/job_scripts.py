@@ -29,20 +29,21 @@ return ARGV[1]
 # every item has its result once these are written expires, with its items, results and
 # idempotency key (if it still names this job), after the retention; and the oldest 64 jobs
 # of its tenant's list are looked at, those gone taken out (each job's end clears up to 64
-# ended before it, so the list holds about the jobs kept).
+# ended before it, so the list holds about the jobs kept). Returns the positions (from 0) of the
+# results it wrote, among those given: not those already written.
 RECORD = """
 if not redis.call('HMGET', KEYS[1], 'num_items')[1] then
   if ARGV[2] ~= '' then
     redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
     redis.call('XDEL', KEYS[3], ARGV[2])
   end
-  return 0
+  return {}
 end
-local added = 0
+local added = {}
 for i = 7, #ARGV, 5 do
   if redis.call('HSETNX', KEYS[2], ARGV[i], ARGV[i + 1]) == 1 then
     redis.call('HINCRBY', KEYS[1], ARGV[i + 2], 1)
-    added = added + 1
+    added[#added + 1] = (i - 7) / 5
     if ARGV[i + 3] ~= '' then
       redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[4], '*', 'job', ARGV[3],
                  'index', ARGV[i], 'code', ARGV[i + 3], 'message', ARGV[i + 4])
@@ -54,7 +55,7 @@ if ARGV[2] ~= '' then
   redis.call('XDEL', KEYS[3], ARGV[2])
 end
 local ttl = tonumber(ARGV[5])
-if added > 0 and ttl > 0 then
+if #added > 0 and ttl > 0 then
   local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled')
   local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
   if c[1] and tonumber(c[1]) <= done then

@@ -269,10 +269,11 @@ class JobStore:
 
     async def record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
-    ) -> int:
+    ) -> list[ItemOutcome]:
         """Writes the results not already written and counts them, dead-letters the failed ones
         among them ({job, index, code, message} on `<p>:jobs:dead`), and acknowledges `ack`
-        (None: nothing), in one atomic step; returns how many results were new. A result
+        (None: nothing), in one atomic step; returns the outcomes written (of a job gone,
+        none). A result
         already written (a rerun of a reclaimed chunk) changes nothing and is not dead-lettered
         twice. Once every item of the job has its result, the job expires after
         `retention_s`."""
@@ -289,7 +290,8 @@ class JobStore:
                 self._tenant_key(job.tenant)]  # fmt: skip
         if job.idempotency_key:
             keys.append(self.idempotency_key(job.tenant, job.idempotency_key))
-        return int(await self._record(keys=keys, args=args))
+        written = await self._record(keys=keys, args=args)
+        return [outcomes[int(position)] for position in written]
 
     async def forget(self, tenant: str, job_ids: Sequence[str]) -> None:
         """Takes jobs that expired out of `tenant`'s list."""

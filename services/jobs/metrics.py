@@ -21,7 +21,10 @@ class RunnerMetrics(MetricFactory):
     def __init__(self, registry: CollectorRegistry) -> None:
         super().__init__(registry)
         self.items = self.counter(
-            names.JOBS_ITEMS_TOTAL, "Items this runner finished, by status", ["status"]
+            names.JOBS_ITEMS_TOTAL,
+            "Items this runner finished, by status (each item once over all runners: one"
+            " another runner recorded first is not counted)",
+            ["status"],
         )
         self.items_running = self.gauge(
             names.JOBS_ITEMS_RUNNING, "Items this runner is running now (claimed, not recorded)"

@@ -255,10 +255,10 @@ class JobRunner:
     async def _record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], entry: QueueEntry | None
     ) -> None:
-        """Records `outcomes`, acknowledging `entry` (None: it stays pending), and counts them
-        by status."""
-        await self._store.record(job, outcomes, ack=entry)
-        for outcome in outcomes:
+        """Records `outcomes`, acknowledging `entry` (None: it stays pending), and counts by
+        status those not recorded before (by another runner that ran the chunk too, after a
+        reclaim: the items are counted once over all runners)."""
+        for outcome in await self._store.record(job, outcomes, ack=entry):
             self._metrics.items.labels(outcome.status.value).inc()
 
     def _stopped(self, job: JobRecord, items: Sequence[_Item]) -> list[ItemOutcome] | None:

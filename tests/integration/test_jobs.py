@@ -21,11 +21,12 @@ import redis.asyncio as aioredis
 
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
-from services.common.job_policy import CRASH_ROUNDS
+from services.common.job_policy import CRASH_ROUNDS, ItemStatus
 from services.common.job_store import JobStore
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.tenants import TenantPolicy
+from services.jobs.chunk_calls import item_result
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
 from tests.support.jobs import (
@@ -185,6 +186,20 @@ async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fa
     metrics = scrape(runner.metrics_port)
     assert total(metrics, names.JOBS_ITEMS_TOTAL, status="ok") == 200
     assert total(metrics, names.JOBS_ITEMS_RUNNING) == 0
+
+
+async def test_a_result_recorded_twice_is_written_and_counted_once(fabric: Fabric) -> None:
+    """Two runners may both run a chunk (one reclaimed it from the other, which was slow, not
+    dead): the record says which results were its own, so that each item is counted once
+    over all runners (their items_total)."""
+    job_id = await fabric.submit(texts_of(3))
+    job = await fabric.store.get(job_id)
+    assert job is not None
+    outcomes = [item_result(i, ItemStatus.OK, 1) for i in range(3)]
+    assert await fabric.store.record(job, outcomes[:2]) == outcomes[:2]
+    assert await fabric.store.record(job, outcomes[1:]) == outcomes[2:]
+    assert await fabric.store.record(job, outcomes) == []
+    assert (await fabric.job(job_id)).num_ok == 3
 
 
 async def test_runner_killed_mid_job_another_finishes_every_item_exactly_once(
