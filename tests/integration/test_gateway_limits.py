@@ -72,6 +72,27 @@ async def test_s37_oversized_message_is_resource_exhausted_and_next_request_succ
         np.testing.assert_allclose(outputs.reshape(2, 2), expected, rtol=1e-5, atol=1e-5)
 
 
+async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Rows past the model's queue could never be queued: the gateway refuses them at once,
+    INVALID_ARGUMENT naming the model's bound (the worker's own refusal names a bundle, which
+    the caller never made); a call that fits it is served."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository, slo_p99_ms=30_000, max_queue_size=4)
+    async with (
+        running_fabric(repository, redis_server) as fabric,
+        grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+    ):
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ModelInfer(affine_request(np.ones((5, 4), np.float32)), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "affine's queue of 4 rows" in (raised.value.details() or "")
+        response = await stub.ModelInfer(affine_request(np.ones((4, 4), np.float32)))
+        assert response.outputs[0].shape == [4, 2]
+
+
 @pytest.fixture
 async def capped_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     """A gateway serving at most two calls at once (no router: none of these calls needs it)."""
