@@ -149,6 +149,32 @@ class ModelCatalog:
             self._routing[name] = self._seeds[name]
         self._encoders[(name, version.version)] = encoder
 
+    def forget_versions(self, on_disk: set[tuple[str, str]]) -> list[str]:
+        """Forgets the versions (and their tokenizers) gone from the repository (`on_disk`:
+        every `(name, version)` it holds now) that nothing here needs any more: no live worker
+        serves them, ready or not, and no label names them, in force or in the config (an
+        operator removing a version's files rolls it out first). Returns them as
+        `name/version`. Without this, each version a rollout retired stayed here for good."""
+        needed = {(n, v) for n, v in self._served}
+        for name in self._configs:
+            for routing in (self._routing[name], self._seeds[name]):
+                needed.update((name, str(v)) for v in routing.labels.values())
+        gone = [key for key in self._encoders if key not in on_disk and key not in needed]
+        for key in gone:
+            del self._encoders[key]
+        return [f"{name}/{version}" for name, version in gone]
+
+    def is_current(self, name: str, version: str, fingerprint: str) -> bool:
+        """Whether a live worker serves `name`/`version` with `fingerprint`, and this gateway
+        still knows the version: what is kept per version elsewhere (a bundle tokenizer, a
+        bundle key's state) is worth keeping."""
+        served = self._served.get((name, version))
+        return (
+            served is not None
+            and served.fingerprint == fingerprint
+            and (name, version) in self._encoders
+        )
+
     def repository_versions(self, name: str) -> list[str]:
         """The versions of `name` in this gateway's repository, in version order."""
         return sorted((v for n, v in self._encoders if n == name), key=int)

@@ -98,6 +98,10 @@ class _KeyState:
     answered: asyncio.Future[bool] | None = None
 
 
+def _is_idle(state: _KeyState) -> bool:
+    return state.open is None and state.in_flight == 0 and state.out == 0
+
+
 class Coalescer:
     def __init__(
         self,
@@ -106,8 +110,12 @@ class Coalescer:
         pickup_delay_s: Callable[[], float],
         linger: LingerConfig = DEFAULT_LINGER,
         clock: BundleClock = DEFAULT_CLOCK,
+        is_stale: Callable[[BundleKey], bool] = lambda key: False,
     ) -> None:
+        """`is_stale`: whether a key's model version is gone (forgotten, or served with
+        another fingerprint): its state is dropped once idle (`_forget_stale`)."""
         self._send = send
+        self._is_stale = is_stale
         self._metrics = metrics
         self._linger_config = linger
         self._clock = clock
@@ -132,6 +140,7 @@ class Coalescer:
         loop = asyncio.get_running_loop()
         state = self._keys.get(key)
         if state is None:
+            self._forget_stale()
             state = self._keys[key] = _KeyState(WriteLinger(self._linger_config))
         state.linger.arrived(time.monotonic())
         bundle = state.open
@@ -167,6 +176,18 @@ class Coalescer:
         finally:
             timer.cancel()
             state.in_flight -= 1
+
+    @property
+    def num_keys(self) -> int:
+        """Bundle keys whose state is kept."""
+        return len(self._keys)
+
+    def _forget_stale(self) -> None:
+        """Drops the state of stale keys with nothing open, in flight or out (nothing refers
+        to it then). A new key looks, so the keys kept are about those in use: each version a
+        rollout retires leaves a few."""
+        for key in [k for k, state in self._keys.items() if _is_idle(state) and self._is_stale(k)]:
+            del self._keys[key]
 
     def _expire(self, bundle: Bundle, entry: CallerSlice) -> None:
         """The caller's deadline passed before its answer: DEADLINE_EXCEEDED, slice withdrawn."""

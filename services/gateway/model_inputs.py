@@ -8,7 +8,7 @@ tokenizer; a text too many tokens long then refuses its own caller alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from time import perf_counter
 from typing import Protocol
 
@@ -84,3 +84,30 @@ def bundle_tokenizer(model: ResolvedModel, *, truncate: bool, seconds: Observer)
         return made
 
     return tokenize
+
+
+class BundleTokenizers:
+    """The bundle tokenizer of each text model version in use, made once, not per call
+    (`seconds_of` gives the duration observer of a model's). Each one made first drops those
+    no longer `is_current` (model, version, fingerprint: a version the catalog forgot, or one
+    its workers now serve with another fingerprint), so it holds about the versions served."""
+
+    def __init__(
+        self, is_current: Callable[[str, str, str], bool], seconds_of: Callable[[str], Observer]
+    ) -> None:
+        self._is_current = is_current
+        self._seconds_of = seconds_of
+        self._made: dict[tuple[str, str, str, bool], Prepare] = {}
+
+    def __len__(self) -> int:
+        return len(self._made)
+
+    def get(self, model: ResolvedModel, *, truncate: bool) -> Prepare:
+        key = (model.config.name, model.version, model.fingerprint, truncate)
+        prepare = self._made.get(key)
+        if prepare is None:
+            for stale in [k for k in self._made if not self._is_current(*k[:3])]:
+                del self._made[stale]
+            seconds = self._seconds_of(model.config.name)
+            prepare = self._made[key] = bundle_tokenizer(model, truncate=truncate, seconds=seconds)
+        return prepare

@@ -25,11 +25,11 @@ from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
-from services.gateway.bundle_parts import BundleKey, Prepare, deadline_class
+from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.catalog import ModelCatalog, ResolvedModel
 from services.gateway.coalescer import Coalescer, max_bundle_rows
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.model_inputs import PredictValue, bundle_tokenizer, checked_rows
+from services.gateway.model_inputs import BundleTokenizers, PredictValue, checked_rows
 from services.gateway.router_retry import (
     ROUTER_STREAMS,
     GiveUp,
@@ -118,11 +118,12 @@ class Predictor:
         # Every fixed-cost request to the router travels on one multiplexed stream.
         self._router = MultiplexClient(router, "router", streams=ROUTER_STREAMS)
         # ... in bundles: concurrent calls for one model version share one downstream call.
+        # Kept per version, as long as it is current (versions come and go).
         self._bundles = Coalescer(
-            self._call_router, metrics, clock=clock, pickup_delay_s=pickup_delay_s
-        )
-        #: Per (model, version, fingerprint, truncate): versions come and go, a few each.
-        self._tokenizers: dict[tuple[str, str, str, bool], Prepare] = {}
+            self._call_router, metrics, clock=clock, pickup_delay_s=pickup_delay_s,
+            is_stale=lambda key: not catalog.is_current(key.model, key.version, key.fingerprint),
+        )  # fmt: skip
+        self.tokenizers = BundleTokenizers(catalog.is_current, metrics.tokenize_seconds.labels)
         self._generate = router.unary_stream(
             GENERATE_METHOD,
             request_serializer=pb.WorkerGenerateRequest.SerializeToString,
@@ -138,17 +139,6 @@ class Predictor:
     def max_inputs(self) -> int:
         """Most rows one call may carry."""
         return self._max_inputs
-
-    def _tokenizer(self, model: ResolvedModel, truncate: bool) -> Prepare:
-        """The bundle tokenizer of `model`'s version, made once (not per call)."""
-        key = (model.config.name, model.version, model.fingerprint, truncate)
-        prepare = self._tokenizers.get(key)
-        if prepare is None:
-            histogram = self._metrics.tokenize_seconds.labels(model.config.name)
-            prepare = self._tokenizers[key] = bundle_tokenizer(
-                model, truncate=truncate, seconds=histogram
-            )
-        return prepare
 
     async def predict(self, call: PredictCall) -> PredictResult:
         policy = call.principal.policy
@@ -218,7 +208,7 @@ class Predictor:
                 piece,
                 deadline_s=time.monotonic() + timeout_s,
                 max_rows=max_bundle_rows(config),
-                prepare=self._tokenizer(model, call.truncate) if is_text else None,
+                prepare=self.tokenizers.get(model, truncate=call.truncate) if is_text else None,
             )
         except UpstreamError as error:
             self._throttle.record(

@@ -125,8 +125,13 @@ class RepositoryControl:
 
     async def read_repository(self) -> list[str]:
         """Adds the repository's versions this gateway does not know yet to its catalog
-        (tokenizers read off the event loop); returns them as `name/version`."""
+        (tokenizers read off the event loop), and forgets those gone from it that nothing
+        needs any more (ModelCatalog.forget_versions); returns those added as
+        `name/version`."""
         versions = await asyncio.to_thread(load_repository, self._model_repository)
+        forgotten = self._catalog.forget_versions({(v.config.name, v.version) for v in versions})
+        if forgotten:
+            log.info("model repository re-read: %s forgotten", ", ".join(forgotten))
         added = []
         for version in versions:
             name = version.config.name

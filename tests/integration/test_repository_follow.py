@@ -63,3 +63,26 @@ async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
     finally:
         await control.close()
         await admin.aclose()
+
+
+async def test_a_re_read_forgets_versions_removed_from_the_repository_that_nothing_serves(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A rollout retired version 1 and its files were removed: the next re-read forgets it
+    (its tokenizer with it), and keeps version 2."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository, versions=(1, 2))
+    catalog = ModelCatalog(load_repository(repository))
+    control = RepositoryControl(
+        catalog,
+        model_repository=repository,
+        redis_url=redis_server.role_url(GATEWAY),
+        password_file=None,
+        key_prefix="fabric",
+    )
+    try:
+        shutil.rmtree(repository / "affine" / "1")
+        assert await control.read_repository() == []
+        assert catalog.repository_versions("affine") == ["2"]
+    finally:
+        await control.close()

@@ -9,6 +9,7 @@ import pytest
 
 from services.common.errors import NotFound
 from services.common.model_repository import load_repository
+from services.common.model_routing import ModelRouting
 from services.gateway.catalog import ModelCatalog, new_encoder
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.models import write_affine_model, write_versioned_affine_model
@@ -67,3 +68,28 @@ def test_the_tightest_slo_is_of_the_fixed_cost_models_and_follows_new_ones(
     (affine,) = [v for v in load_repository(repository) if v.config.name == "affine"]
     catalog.add_version(affine, new_encoder(affine))
     assert catalog.tightest_slo_s() == pytest.approx(0.4)
+
+
+def test_versions_gone_from_the_repository_are_forgotten_once_nothing_needs_them(
+    tmp_path: Path,
+) -> None:
+    """A version whose files were removed stays while a live worker serves it or a label names
+    it; then it is forgotten, tokenizer and all (a gateway kept every version it ever read)."""
+    write_versioned_affine_model(tmp_path / "repo", versions=(1, 2, 3, 4))
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"))
+    catalog.set_routing("affine", ModelRouting({"canary": 1}, revision=1))
+    catalog.update_served(served(("affine", "2"), ("affine", "4")))
+    on_disk = {("affine", "4")}
+    assert catalog.forget_versions(on_disk) == ["affine/3"]
+    assert catalog.repository_versions("affine") == ["1", "2", "4"]
+    with pytest.raises(NotFound):
+        catalog.resolve("affine", "3")
+    assert catalog.is_current("affine", "2", "") and not catalog.is_current("affine", "3", "")
+    assert not catalog.is_current("affine", "2", "another fingerprint")
+
+    catalog.set_routing("affine", ModelRouting({}, revision=2))
+    catalog.update_served(served(("affine", "4")))
+    assert catalog.forget_versions(on_disk) == ["affine/1", "affine/2"]
+    assert catalog.repository_versions("affine") == ["4"]
+    assert catalog.resolve("affine", "").version == "4"
+    assert catalog.forget_versions(on_disk) == []

@@ -243,6 +243,39 @@ async def test_close_answers_every_waiting_caller_unavailable() -> None:
         assert raised.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_the_idle_state_of_a_stale_version_s_keys_is_dropped_when_a_key_is_new() -> None:
+    """Versions come and go (rollouts): the state of a key whose version went stale is dropped
+    by the next new key once nothing of it is open, in flight or out, not kept for good."""
+    stale_versions: set[str] = set()
+    downstream = Downstream()
+    downstream.gate.clear()
+    bundles = Coalescer(
+        downstream.send,
+        GatewayMetrics(CollectorRegistry()),
+        pickup_delay_s=lambda: 0.0,
+        is_stale=lambda key: key.version in stale_versions,
+    )
+    waiting = asyncio.create_task(call(bundles, rows(1.0)))
+    await sent(downstream, 1)
+    stale_versions.add("1")
+    version_2 = BundleKey("affine", "2", "f", "interactive", is_text=False)
+    deadline_s = time.monotonic() + 5.0
+    answered = [
+        asyncio.create_task(
+            bundles.call(version_2, rows(2.0), pb.Slice(), deadline_s=deadline_s, max_rows=8)
+        )
+    ]
+    await asyncio.sleep(0)
+    assert bundles.num_keys == 2, "version 1's bundle is still out: its state stays"
+    downstream.gate.set()
+    assert [o.tolist() for o in await waiting] == [[2.0, 2.0]]
+    await asyncio.gather(*answered)
+    version_3 = BundleKey("affine", "3", "f", "interactive", is_text=False)
+    await bundles.call(version_3, rows(3.0), pb.Slice(), deadline_s=deadline_s, max_rows=8)
+    assert bundles.num_keys == 2, "version 1's idle state went, 2's and 3's stay"
+    await bundles.close()
+
+
 def test_deadline_classes_keep_far_apart_deadlines_in_different_bundles() -> None:
     assert deadline_class(0.2) != deadline_class(30.0)
     assert deadline_class(0.2) == deadline_class(0.25)  # within 2x: one class
