@@ -27,6 +27,19 @@ pytestmark = pytest.mark.integration
 MINILM = REPO_ROOT / "models" / "minilm"
 
 
+def control_of(
+    catalog: ModelCatalog, repository: Path, redis_server: RedisServer
+) -> RepositoryControl:
+    """The repository control of a gateway with `catalog`, as the gateway's Redis user."""
+    return RepositoryControl(
+        catalog,
+        model_repository=repository,
+        redis_url=redis_server.role_url(GATEWAY),
+        password_file=None,
+        key_prefix="fabric",
+    )
+
+
 async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -37,13 +50,7 @@ async def test_a_read_that_fails_while_a_model_is_copied_is_tried_again(
     repository = tmp_path / "repo"
     write_affine_model(repository)
     catalog = ModelCatalog(load_repository(repository))
-    control = RepositoryControl(
-        catalog,
-        model_repository=repository,
-        redis_url=redis_server.role_url(GATEWAY),
-        password_file=None,
-        key_prefix="fabric",
-    )
+    control = control_of(catalog, repository, redis_server)
     admin = connect(redis_server.url)
     control.start()
     try:
@@ -73,13 +80,7 @@ async def test_a_re_read_forgets_versions_removed_from_the_repository_that_nothi
     repository = tmp_path / "repo"
     write_affine_model(repository, versions=(1, 2))
     catalog = ModelCatalog(load_repository(repository))
-    control = RepositoryControl(
-        catalog,
-        model_repository=repository,
-        redis_url=redis_server.role_url(GATEWAY),
-        password_file=None,
-        key_prefix="fabric",
-    )
+    control = control_of(catalog, repository, redis_server)
     try:
         shutil.rmtree(repository / "affine" / "1")
         assert await control.read_repository() == []
