@@ -34,14 +34,8 @@ def checked_rows(
 ) -> list[str | np.ndarray]:
     """Each input row after the checks made per call: a text model's texts checked (see
     `bundle_tokenizer`) and its token ids as int64; a tensor model's rows checked against its
-    input. More rows than the model's whole queue could never be admitted, so they are
-    refused as the call's fault (INVALID_ARGUMENT), not with a retry hint."""
+    input."""
     config = model.config
-    if len(values) > config.max_queue_size:
-        raise InvalidInput(
-            f"{len(values)} inputs exceed {config.name}'s queue of {config.max_queue_size} rows:"
-            " send at most that many a call"
-        )
     if model.encoder is not None:
         rows: list[str | np.ndarray] = []
         for value in values:

@@ -156,6 +156,11 @@ class Predictor:
         call.principal.check_model(config.name)
         if config.generation is not None:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
+        if len(call.inputs) > config.max_queue_size:  # could never be queued: not a retry
+            raise InvalidInput(
+                f"{len(call.inputs)} inputs exceed {config.name}'s queue of "
+                f"{config.max_queue_size} rows: send at most that many a call"
+            )
         model = self.catalog.resolve(
             call.model_name, call.version_spec, sticky_key=call.request_id or None
         )

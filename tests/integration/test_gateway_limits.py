@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.gateway.auth import hash_key
+from services.common import metric_names as names
+from services.gateway.auth import LOCAL_TENANT, hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -77,7 +78,8 @@ async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
 ) -> None:
     """Rows past the model's queue could never be queued: the gateway refuses them at once,
     INVALID_ARGUMENT naming the model's bound (the worker's own refusal names a bundle, which
-    the caller never made); a call that fits it is served."""
+    the caller never made), before its tenant is charged the rows; a call that fits is
+    served."""
     repository = tmp_path / "repo"
     write_affine_model(repository, slo_p99_ms=30_000, max_queue_size=4)
     async with (
@@ -89,8 +91,12 @@ async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
             await stub.ModelInfer(affine_request(np.ones((5, 4), np.float32)), timeout=10)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "affine's queue of 4 rows" in (raised.value.details() or "")
+        registry, labels = fabric.gateway.metrics.registry, {"tenant": LOCAL_TENANT}
+        charged = registry.get_sample_value(names.GATEWAY_TENANT_ROWS_TOTAL, labels)
+        assert not charged, "refused before its tenant was charged its rows"
         response = await stub.ModelInfer(affine_request(np.ones((4, 4), np.float32)))
         assert response.outputs[0].shape == [4, 2]
+        assert registry.get_sample_value(names.GATEWAY_TENANT_ROWS_TOTAL, labels) == 4
 
 
 @pytest.fixture
