@@ -93,6 +93,9 @@ async def test_http_model_calls_share_the_door_and_its_limit_with_grpc(
 
         async with session.get(f"{base}/v2/models/{MODEL}") as answer:
             assert answer.status == 200  # model metadata: not a model call
+        for path in ("/v1/models/embed", "/v2/models/infer"):  # nor is a GET of a model so named
+            async with session.get(f"{base}{path}") as answer:
+                assert answer.status == 404, (path, await answer.text())
         status, body, _ = await post(f"{base}/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404, body  # generation passes the door and meets its own checks
 

@@ -71,8 +71,12 @@ def _answer(request: web.Request, error: HttpError) -> web.Response:
                         content_type="application/json")  # fmt: skip
 
 
-def _is_tei_root(request: web.Request) -> bool:
-    return request.path == "/" and request.method == "POST"
+def _is_model_call(request: web.Request, suffixes: tuple[str, ...]) -> bool:
+    """Whether `request` runs a model: a POST to a path ending in one of `suffixes`, or to
+    TEI's root (a GET of a model named like an ending, /v1/models/embed, runs nothing)."""
+    if request.method != "POST":
+        return False
+    return request.path.endswith(suffixes) or request.path == "/"
 
 
 def auth_middleware(
@@ -88,7 +92,7 @@ def auth_middleware(
         request: web.Request, handler: Handler, headers: dict[str, str]
     ) -> web.StreamResponse:
         principal = principal_for(keys, headers)
-        if not (request.path.endswith(INFERENCE_SUFFIXES) or _is_tei_root(request)):
+        if not _is_model_call(request, INFERENCE_SUFFIXES):
             async with acting_as(principal):
                 return await handler(request)
         refusal = admission.acquire(principal.policy)
@@ -108,7 +112,7 @@ def auth_middleware(
             if request.path in OPEN_PATHS:
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
-            if door is None or not (request.path.endswith(DOOR_SUFFIXES) or _is_tei_root(request)):
+            if door is None or not _is_model_call(request, DOOR_SUFFIXES):
                 return await authenticated(request, handler, headers)
             refusal = door.enter(tuple(headers.items()), DOOR_LABEL)
             if refusal is not None:
