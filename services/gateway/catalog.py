@@ -152,16 +152,21 @@ class ModelCatalog:
     def forget_versions(self, on_disk: set[tuple[str, str]]) -> list[str]:
         """Forgets the versions (and their tokenizers) gone from the repository (`on_disk`:
         every `(name, version)` it holds now) that nothing here needs any more: no live worker
-        serves them, ready or not, and no label names them, in force or in the config (an
-        operator removing a version's files rolls it out first). Returns them as
-        `name/version`. Without this, each version a rollout retired stayed here for good."""
-        needed = {(n, v) for n, v in self._served}
-        for name in self._configs:
-            for routing in (self._routing[name], self._seeds[name]):
+        serves them, ready or not, and no label names them (the labels in force; the config's
+        only while the model is still in the repository). A model left without versions is
+        forgotten too (NOT_FOUND from then on). Returns the versions as `name/version`.
+        Without this, each version a rollout retired stayed here for good."""
+        needed = set(self._served)
+        present = {name for name, _ in on_disk}
+        for name, routing in self._routing.items():
+            if name in present or routing.revision > 0:
                 needed.update((name, str(v)) for v in routing.labels.values())
         gone = [key for key in self._encoders if key not in on_disk and key not in needed]
         for key in gone:
             del self._encoders[key]
+        kept = {name for name, _ in self._encoders}
+        for name in [n for n in self._configs if n not in kept]:
+            del self._configs[name], self._seeds[name], self._routing[name]
         return [f"{name}/{version}" for name, version in gone]
 
     def is_current(self, name: str, version: str, fingerprint: str) -> bool:

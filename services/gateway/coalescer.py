@@ -112,8 +112,9 @@ class Coalescer:
         clock: BundleClock = DEFAULT_CLOCK,
         is_stale: Callable[[BundleKey], bool] = lambda key: False,
     ) -> None:
-        """`is_stale`: whether a key's model version is gone (forgotten, or served with
-        another fingerprint): its state is dropped once idle (`_forget_stale`)."""
+        """`is_stale`: whether a key's model version is no longer current (forgotten,
+        served by no live worker, or with another fingerprint): its state is dropped once
+        idle (`_forget_stale`), and made again should the version come back."""
         self._send = send
         self._is_stale = is_stale
         self._metrics = metrics

@@ -83,8 +83,9 @@ def bundle_tokenizer(model: ResolvedModel, *, truncate: bool, seconds: Observer)
 class BundleTokenizers:
     """The bundle tokenizer of each text model version in use, made once, not per call
     (`seconds_of` gives the duration observer of a model's). Each one made first drops those
-    no longer `is_current` (model, version, fingerprint: a version the catalog forgot, or one
-    its workers now serve with another fingerprint), so it holds about the versions served."""
+    no longer `is_current` (model, version, fingerprint: a version the catalog forgot, one no
+    live worker serves, or one its workers now serve with another fingerprint), so it holds
+    about the versions served; one dropped is made again when its version comes back."""
 
     def __init__(
         self, is_current: Callable[[str, str, str], bool], seconds_of: Callable[[str], Observer]

@@ -90,6 +90,7 @@ class RepositoryControl:
         credentials = role_credentials(GATEWAY, redis_url, password_file)
         self._client = connect(redis_url, credentials=credentials)
         self._revisions: dict[str, int] | None = None
+        self._reading = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -127,25 +128,28 @@ class RepositoryControl:
         """Adds the repository's versions this gateway does not know yet to its catalog
         (tokenizers read off the event loop), and forgets those gone from it that nothing
         needs any more (ModelCatalog.forget_versions); returns those added as
-        `name/version`."""
-        versions = await asyncio.to_thread(load_repository, self._model_repository)
-        forgotten = self._catalog.forget_versions({(v.config.name, v.version) for v in versions})
-        if forgotten:
-            log.info("model repository re-read: %s forgotten", ", ".join(forgotten))
-        added = []
-        for version in versions:
-            name = version.config.name
-            if self._catalog.has_version(name, version.version):
-                continue
-            try:
-                encoder = await asyncio.to_thread(new_encoder, version)
-            except Exception as error:  # a tokenizer still being copied, or not one at all
-                raise ModelConfigError(f"{name}/{version.version}: {error}") from error
-            self._catalog.add_version(version, encoder)
-            added.append(f"{name}/{version.version}")
-        if added:
-            log.info("model repository re-read: %s added", ", ".join(added))
-        return added
+        `name/version`. One read at a time (the follow's and a load's): a read whose listing
+        is older than another's must not forget what that one added."""
+        async with self._reading:
+            versions = await asyncio.to_thread(load_repository, self._model_repository)
+            on_disk = {(v.config.name, v.version) for v in versions}
+            forgotten = self._catalog.forget_versions(on_disk)
+            if forgotten:
+                log.info("model repository re-read: %s forgotten", ", ".join(forgotten))
+            added = []
+            for version in versions:
+                name = version.config.name
+                if self._catalog.has_version(name, version.version):
+                    continue
+                try:
+                    encoder = await asyncio.to_thread(new_encoder, version)
+                except Exception as error:  # a tokenizer still being copied, or not one at all
+                    raise ModelConfigError(f"{name}/{version.version}: {error}") from error
+                self._catalog.add_version(version, encoder)
+                added.append(f"{name}/{version.version}")
+            if added:
+                log.info("model repository re-read: %s added", ", ".join(added))
+            return added
 
     async def desired(self) -> dict[str, DesiredState]:
         """Every model's desired state; UNAVAILABLE while Redis cannot be read."""

@@ -89,6 +89,8 @@ def test_a_model_is_retrieved_by_id(stack: Stack, client: openai.OpenAI) -> None
     assert limited.models.retrieve("minilm").id == "minilm"
     with pytest.raises(openai.PermissionDeniedError, match=MODEL):
         limited.models.retrieve(MODEL)
+    with pytest.raises(openai.PermissionDeniedError, match="identity"):
+        limited.models.retrieve("identity")  # the key's refusal first, as its calls get it
 
 
 def test_completion_whole_and_streamed_agree_with_usage(client: openai.OpenAI) -> None:

@@ -93,3 +93,25 @@ def test_versions_gone_from_the_repository_are_forgotten_once_nothing_needs_them
     assert catalog.repository_versions("affine") == ["4"]
     assert catalog.resolve("affine", "").version == "4"
     assert catalog.forget_versions(on_disk) == []
+
+
+def test_a_model_removed_from_the_repository_is_forgotten_once_nothing_serves_it(
+    tmp_path: Path,
+) -> None:
+    """Its last version forgotten, the model goes too: NOT_FOUND, not listed (a load of it
+    would otherwise wait for no version and answer OK). A label of its config names nothing
+    once its directory is gone."""
+    write_versioned_affine_model(tmp_path / "repo", versions=(1,))
+    other = write_affine_model(tmp_path / "repo", name="other")
+    with (other / "config.toml").open("a") as config:
+        config.write("\n[labels]\nstable = 1\n")
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"))
+    catalog.update_served(served(("other", "1")))
+    on_disk = {("affine", "1")}
+    assert catalog.forget_versions(on_disk) == []
+    assert catalog.model_names() == ["affine", "other"]
+    catalog.update_served(served(("affine", "1")))
+    assert catalog.forget_versions(on_disk) == ["other/1"]
+    assert catalog.model_names() == ["affine"]
+    with pytest.raises(NotFound):
+        catalog.config("other")

@@ -112,9 +112,9 @@ class OpenAiApi:
         the repository lacks or /v1 does not serve (its kind), PERMISSION_DENIED for one this
         caller's key may not use, as its calls would be answered."""
         config = self._predictor.catalog.config(request.match_info["model"])
+        current_principal().check_model(config.name)
         if config.kind not in _OPENAI_KINDS:
             raise NotFound(f"model {config.name!r} ({config.kind.value}) is not served by /v1")
-        current_principal().check_model(config.name)
         return web.json_response(_model_object(config.name))
 
     def _template(self, model: str, principal: Principal) -> tuple[str, ChatTemplate]:
@@ -126,6 +126,9 @@ class OpenAiApi:
         principal.check_model(name)
         version = catalog.resolve(name, "").version
         if (name, version) not in self._templates:
+            # Versions come and go: those the catalog forgot leave with a new one.
+            for gone in [key for key in self._templates if not catalog.has_version(*key)]:
+                del self._templates[gone]
             self._templates[(name, version)] = read_chat_template(self._repository / name / version)
         return version, self._templates[(name, version)]
 
