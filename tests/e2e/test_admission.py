@@ -13,7 +13,6 @@ rows (bench/fabric/__main__.py).
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -66,9 +65,9 @@ RECOVERY_S = 5.0
 #: one of seven `make test` runs). A lockout (a throttle or a standing queue that never lets
 #: go) refuses far more than this leaves room for.
 RECOVERED_OK_SHARE = 0.9
-#: How the worker refuses a row predicted to finish past its SLO (batching/lane.py), the one
-#: refusal normal traffic after the flood may still get.
-SLO_REFUSAL = "past its SLO"
+#: How the worker refuses a row predicted to finish past its SLO, or past a batch-mate's
+#: limit (batching/lane.py), the one refusal normal traffic after the flood may still get.
+WORKER_PREDICTION = "predicted to finish"
 #: minilm's configured queue bound (models/minilm/config.toml).
 MAX_QUEUE_SIZE = next(
     v.config.max_queue_size for v in load_repository(REPO_ROOT / "models") if v.config.name == MODEL
@@ -187,7 +186,7 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     hung, not crashed): every call ends OK, RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED or CANCELLED. From
     RECOVERY_S after the flood, no lockout: at least RECOVERED_OK_SHARE of the normal calls are
     OK, and the rest were refused one by one by the worker as predicted past their SLO (a
-    neighbour on the shared cores can make the model that slow; see SLO_REFUSAL), never by a
+    neighbour on the shared cores can make the model that slow; see WORKER_PREDICTION), never by a
     gateway still throttling or a queue still full. Every tier is still the
     process the stack started, the gateway reports SERVING, and what a flood could grow stayed
     bounded: the worker's queue and every tier's memory."""
@@ -212,15 +211,16 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
             flooding = sender(channel, TEXTS, FLOOD_TIMEOUT_S)
             normal = noting_errors(sender(channel, TEXTS, NORMAL_TIMEOUT_S), normal_errors)
             recovered = noting_errors(normal, recovered_errors)
-            started_s = time.monotonic()
+            due = iter(flood + calm)
 
             async def send() -> None:
-                # Sends start in schedule order: the ones due after the flood are normal calls.
-                elapsed_s = time.monotonic() - started_s
-                if elapsed_s < FLOOD_S:
+                # Sends start in schedule order, so each knows when it was due: the ones due
+                # after the flood are normal calls (as the outcomes are sorted below).
+                due_s = next(due)
+                if due_s < FLOOD_S:
                     await flooding()
                 else:
-                    await (normal if elapsed_s < FLOOD_S + RECOVERY_S else recovered)()
+                    await (normal if due_s < FLOOD_S + RECOVERY_S else recovered)()
 
             watching = asyncio.create_task(watch())
             outcomes = await run_open_loop(send, flood + calm)
@@ -242,9 +242,12 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     assert flood_statuses["RESOURCE_EXHAUSTED"] > 0, summary
     assert set(flood_statuses) <= OVERLOAD_STATUSES, summary
     assert recovered, summary
-    ok_share = sum(o.status == OK for o in recovered) / len(recovered)
-    assert ok_share >= RECOVERED_OK_SHARE, summary
-    assert all(SLO_REFUSAL in e for e in recovered_errors), (recovered_errors, summary)
+    num_failed = sum(o.status != OK for o in recovered)
+    assert num_failed <= (1 - RECOVERED_OK_SHARE) * len(recovered), summary
+    # Each failure is a gRPC status we read (no client-side timeout), and the worker's
+    # prediction, not a throttle or a full queue.
+    assert len(recovered_errors) == num_failed, (recovered_errors, summary)
+    assert all(WORKER_PREDICTION in e for e in recovered_errors), (recovered_errors, summary)
     assert dead_processes(stack) == [], stack.pids()
     assert health == health_pb2.HealthCheckResponse.SERVING
     # Bounded: the worker's queue within its configured size, and no tier grew by more than

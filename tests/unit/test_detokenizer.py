@@ -27,8 +27,9 @@ def feed(text: str, stops: tuple[str, ...] = ()) -> tuple[list[str], bool]:
         pieces.append(piece)
         if stopped:
             return pieces, True
-    pieces.append(detokenizer.flush())
-    return pieces, False
+    held, stopped = detokenizer.flush(stops)
+    pieces.append(held)
+    return pieces, stopped
 
 
 def test_text_round_trips_piece_by_piece() -> None:
@@ -50,10 +51,12 @@ def test_a_stream_ending_in_half_a_character_shows_it_as_decoding_shows_it() -> 
     detokenizer = IncrementalDetokenizer(TOKENIZER)
     pieces = [detokenizer.push(token, ())[0] for token in tokens]
     assert "".join(pieces) == "ok "
-    assert detokenizer.flush() == "\ufffd" == TOKENIZER.decode(tokens)[-1]
+    assert detokenizer.flush() == ("\ufffd", False)
+    assert TOKENIZER.decode(tokens)[-1] == "\ufffd"
     stopped = IncrementalDetokenizer(TOKENIZER)
     pieces = [stopped.push(token, ("k \ufffd",))[0] for token in tokens]
-    assert "".join(pieces) + stopped.flush(("k \ufffd",)) == "o"
+    assert "".join(pieces) == "o"
+    assert stopped.flush(("k \ufffd",)) == ("", True)
 
 
 def test_stop_string_is_cut_and_never_partly_shown() -> None:
@@ -79,7 +82,7 @@ def test_pieces_of_random_tokens_add_up_to_decoding_them_all_at_once(seed: int) 
     tokens = [rng.randrange(TOKENIZER.get_vocab_size()) for _ in range(300)]
     detokenizer = IncrementalDetokenizer(TOKENIZER)
     pieces = [detokenizer.push(token, ())[0] for token in tokens]
-    pieces.append(detokenizer.flush())
+    pieces.append(detokenizer.flush()[0])
     whole = TOKENIZER.decode(tokens, skip_special_tokens=True)
     assert "".join(pieces) == whole
 
@@ -102,7 +105,7 @@ def test_a_run_of_special_tokens_keeps_every_window_short() -> None:
     detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
     sequence = [*ids("hello "), *[eos] * 2000, *ids("world")]
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
-    pieces.append(detokenizer.flush())
+    pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
     assert max(windows) <= 8, max(windows)
 
@@ -125,5 +128,5 @@ def test_a_tokenizer_that_cannot_be_weakly_referenced_still_has_its_specials_ski
     detokenizer = IncrementalDetokenizer(Unreferenceable())  # type: ignore[arg-type]
     sequence = [*ids("hi "), eos, *ids("there")]
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
-    pieces.append(detokenizer.flush())
+    pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == "hi there"

@@ -53,3 +53,11 @@ async def test_text_held_back_for_a_stop_string_is_sent_when_the_reply_ends_with
 async def test_a_stop_string_is_cut_with_what_follows_it() -> None:
     delta = await reply("Answer: 5### more", None, SamplingParams(max_tokens=32, stop=("###",)))
     assert (delta.text, delta.finish_reason) == ("Answer: 5", "stop")
+
+
+async def test_a_stop_string_the_last_tokens_complete_ends_the_reply_at_it() -> None:
+    """The reply reaches its length in half a character ("é"'s first byte, shown as U+FFFD),
+    which completes a stop string: cut there, and its finish reason is the stop's."""
+    params = SamplingParams(max_tokens=4, stop=("k \ufffd",))
+    delta = await reply("ok é", None, params)
+    assert (delta.text, delta.finish_reason) == ("o", "stop")

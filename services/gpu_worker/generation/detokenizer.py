@@ -52,14 +52,14 @@ class IncrementalDetokenizer:
         held = max((_overlap(self._text, s) for s in stops if s), default=0)
         return self._emit_until(len(self._text) - held), False
 
-    def flush(self, stops: Sequence[str] = ()) -> str:
+    def flush(self, stops: Sequence[str] = ()) -> tuple[str, bool]:
         """Whatever was held back, once the stream ends without a stop string reached: text
         held as the possible start of one, and the last tokens' text even if they end in half
-        a character (shown as U+FFFD, as decoding the whole sequence shows it). A stop string
-        those last tokens complete still cuts the text before it."""
+        a character (shown as U+FFFD, as decoding the whole sequence shows it); and whether a
+        stop string those last tokens complete cut the text before it (as `push` returns)."""
         self._read_window(is_final=True)
         cut = self._stop_cut(stops)
-        return self._emit_until(len(self._text) if cut is None else cut)
+        return self._emit_until(len(self._text) if cut is None else cut), cut is not None
 
     def _read_window(self, *, is_final: bool) -> bool:
         """Adds the tokens not yet read to `_text`, unless they end in half a character and

@@ -164,7 +164,10 @@ class RequestStream:
         if finish_reason is not None and not hit_stop:
             # Text held back as the possible start of a stop string is the reply's own: it
             # ends here without one (at a stop or EOS token, or its length).
-            text += self.detokenizer.flush(params.stop)
+            held, hit_stop = self.detokenizer.flush(params.stop)
+            text += held
+            if hit_stop:  # the last tokens completed a stop string: the reply ends at it
+                finish_reason = "stop"
         if self.first_token_s is None:
             self.first_token_s = now
             bound.ttft_seconds.observe(now - self.arrival_s)
