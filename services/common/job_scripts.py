@@ -103,3 +103,22 @@ redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
 local since = tonumber(redis.call('HMGET', KEYS[1], ARGV[2])[1]) or tonumber(ARGV[3])
 return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), tostring(math.max(0, ARGV[3] - since))}
 """
+# KEYS: the queue; ARGV: group, a consumer to keep (the caller), idle milliseconds. Deletes the
+# group's consumers idle at least that long that hold no pending entry (runners that exited:
+# each process is a consumer of its own name, and the group kept every one for good), in one
+# step, so that none takes an entry between the look and the delete (a consumer deleted with
+# pending entries would leave them unclaimable). A live runner deleted while idle is made
+# again by its next read. Returns how many it deleted.
+FORGET_CONSUMERS = """
+local forgotten = 0
+for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
+  local fields = {}
+  for i = 1, #consumer, 2 do fields[consumer[i]] = consumer[i + 1] end
+  if fields['pending'] == 0 and fields['idle'] >= tonumber(ARGV[3])
+      and fields['name'] ~= ARGV[2] then
+    redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], fields['name'])
+    forgotten = forgotten + 1
+  end
+end
+return forgotten
+"""

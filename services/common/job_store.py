@@ -53,7 +53,14 @@ from services.common.job_records import (
     NewJob,
     QueueEntry,
 )
-from services.common.job_scripts import CANCEL, COUNT_ROUND, ENQUEUE, FLEET_ROUND, RECORD
+from services.common.job_scripts import (
+    CANCEL,
+    COUNT_ROUND,
+    ENQUEUE,
+    FLEET_ROUND,
+    FORGET_CONSUMERS,
+    RECORD,
+)
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +127,7 @@ class JobStore:
         self._count_round = client.register_script(COUNT_ROUND)
         self._cancel = client.register_script(CANCEL)
         self._fleet_round = client.register_script(FLEET_ROUND)
+        self._forget_consumers = client.register_script(FORGET_CONSUMERS)
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
@@ -261,6 +269,12 @@ class JobStore:
             self.queue_key, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
         )
         return [_entry(i, f) for i, f in reply[1] if f]
+
+    async def forget_consumers(self, keep: str, min_idle_ms: int) -> int:
+        """Deletes the runners' consumers (but `keep`) idle `min_idle_ms` or more with no
+        entry pending (FORGET_CONSUMERS); returns how many."""
+        return int(await self._forget_consumers(keys=[self.queue_key],
+                                                args=[GROUP, keep, min_idle_ms]))  # fmt: skip
 
     async def keep(self, consumer: str, entry: QueueEntry) -> None:
         """Restarts the idle time of `consumer`'s `entry`, still running: no other runner's

@@ -52,6 +52,7 @@ JOB_COMMANDS = (
     "zrem", "exists", "info",
     "xadd",
     "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xgroup|create", "xinfo|groups",
+    "xinfo|consumers", "xgroup|delconsumer",
     "xrange",
     "xlen",
     "multi", "exec",

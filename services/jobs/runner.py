@@ -76,7 +76,8 @@ log = logging.getLogger(__name__)
 PredictFn = Callable[[api.PredictRequest], Awaitable[api.PredictResponse]]
 #: How long XREADGROUP waits for new entries before the loop looks around again.
 READ_BLOCK_MS = 1000
-#: How often entries left idle by dead runners are looked for, and the backlog measured.
+#: How often entries left idle by dead runners are looked for (and the consumers of runners
+#: that exited forgotten), and the backlog measured.
 RECLAIM_PERIOD_S = 2.0
 #: Pause after Redis failed, before trying again (Redis restarting).
 REDIS_RETRY_S = 0.5
@@ -132,6 +133,8 @@ class JobRunner:
                     entries = await self._store.reclaim(
                         self._consumer, self._claim_timeout_ms, free
                     )
+                    # Runners that exited, idle past the claim timeout with nothing left.
+                    await self._store.forget_consumers(self._consumer, self._claim_timeout_ms)
                     await self._measure_backlog()
                 if not entries:
                     entries = await self._store.read_new(self._consumer, free, READ_BLOCK_MS)

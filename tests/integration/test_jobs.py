@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
-from services.common.job_store import JobStore
+from services.common.job_store import GROUP, JobStore
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.tenants import TenantPolicy
@@ -200,6 +200,45 @@ async def test_a_result_recorded_twice_is_written_and_counted_once(fabric: Fabri
     assert await fabric.store.record(job, outcomes[1:]) == outcomes[2:]
     assert await fabric.store.record(job, outcomes) == []
     assert (await fabric.job(job_id)).num_ok == 3
+
+
+async def test_consumers_of_runners_that_exited_are_forgotten_but_never_with_entries(
+    fabric: Fabric,
+) -> None:
+    """Each runner process is a consumer of its own name: the group kept every one that ever
+    ran. Those idle past the claim timeout with nothing pending are deleted (by any runner);
+    one holding an entry never is (its entry would become unclaimable)."""
+    store = fabric.store
+
+    async def consumers() -> set[str]:
+        return {c["name"].decode() for c in await store.client.xinfo_consumers(
+            store.queue_key, GROUP)}  # fmt: skip
+
+    async def ran_one(name: str, *, done: bool = True) -> None:
+        """Consumer `name` claims one chunk (a read makes a consumer only when it gets one)
+        and, if `done`, acknowledges it."""
+        (entry,) = await store.read_new(name, 1, 1)
+        if done:
+            await store.client.xack(store.queue_key, GROUP, entry.entry_id)
+
+    await store.ensure_group()
+    for _ in range(4):
+        await fabric.submit(texts_of(1))
+    await ran_one("holding", done=False)  # its entry stays pending
+    await ran_one("exited")
+    await ran_one("me")
+    assert await store.forget_consumers("me", 60_000) == 0  # none idle that long
+    await asyncio.sleep(0.05)
+    assert await store.forget_consumers("me", 10) == 1
+    assert await consumers() == {"holding", "me"}
+    # A runner does so itself, each round, past its claim timeout (3 s here).
+    await ran_one("exited-too")
+    fabric.start_runner("runner-1")
+    await eventually(lambda: _without("exited-too", consumers), timeout_s=30.0)
+
+
+async def _without(name: str, consumers: Callable[[], Awaitable[set[str]]]) -> bool:
+    return name not in await consumers()
 
 
 async def test_runner_killed_mid_job_another_finishes_every_item_exactly_once(
