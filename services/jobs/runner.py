@@ -112,6 +112,8 @@ class JobRunner:
         #: Entries this runner is running: a reclaim that finds one of them idle past the
         #: claim timeout (its call retrying) hands it back to this same runner, not to run.
         self._running: set[str] = set()
+        #: The last failure of `_round_chores`, logged once while it lasts.
+        self._chores_failure = ""
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Claims and runs chunks until `stopping` is set; Redis outages are waited out."""
@@ -125,17 +127,15 @@ class JobRunner:
                 finally:
                     stop.cancel()
                 continue
+            is_round = time.monotonic() >= next_reclaim_s
             try:
                 entries: list[QueueEntry] = []
-                if time.monotonic() >= next_reclaim_s:
+                if is_round:
                     next_reclaim_s = time.monotonic() + RECLAIM_PERIOD_S
                     await self._store.ensure_group()  # Redis may have restarted empty
                     entries = await self._store.reclaim(
                         self._consumer, self._claim_timeout_ms, free
                     )
-                    # Runners that exited, idle past the claim timeout with nothing left.
-                    await self._store.forget_consumers(self._consumer, self._claim_timeout_ms)
-                    await self._measure_backlog()
                 if not entries:
                     entries = await self._store.read_new(self._consumer, free, READ_BLOCK_MS)
             except (RedisError, OSError) as error:
@@ -150,6 +150,29 @@ class JobRunner:
                 task = asyncio.create_task(self._guarded(entry), name=f"chunk-{entry.entry_id}")
                 self._tasks.add(task)
                 task.add_done_callback(self._tasks.discard)
+            if is_round:
+                await self._round_chores()
+
+    async def _round_chores(self) -> None:
+        """A round's look around, once its entries run (what fails here must not leave them,
+        claimed, for another claim timeout): the consumers of runners that exited forgotten
+        (idle past the claim timeout, nothing pending), and the backlog measured. A failure is
+        logged once while it lasts: a Redis whose ACL is older than this runner refuses the
+        first (deploy/k8s/README.md)."""
+        failures = []
+        for chore in (self._forget_exited, self._measure_backlog):
+            try:
+                await chore()
+            except (RedisError, OSError) as error:  # each apart: one refused, the other runs
+                stop_if_cancelled()
+                failures.append(f"{chore.__name__}: {error}")
+        failure = "; ".join(failures)
+        if failure and failure != self._chores_failure:
+            log.warning("job queue not looked around: %s", failure)
+        self._chores_failure = failure
+
+    async def _forget_exited(self) -> None:
+        await self._store.forget_consumers(self._consumer, self._claim_timeout_ms)
 
     async def drain(self, grace_s: float) -> None:
         """Lets running chunks finish for up to `grace_s`, then cancels the rest (their entries

@@ -23,6 +23,7 @@ from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
 from services.common.job_store import GROUP, JobStore
+from services.common.redis_acl import JOBS
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.tenants import TenantPolicy
@@ -235,6 +236,29 @@ async def test_consumers_of_runners_that_exited_are_forgotten_but_never_with_ent
     await ran_one("exited-too")
     fabric.start_runner("runner-1")
     await eventually(lambda: _without("exited-too", consumers), timeout_s=30.0)
+
+
+async def test_a_runner_on_an_older_acl_still_runs_the_chunks_it_takes_over(
+    fabric: Fabric,
+) -> None:
+    """Redis still runs the ACL of the release before (deploy/k8s/README.md: until ACL LOAD):
+    forgetting exited runners' consumers is refused, and a runner still runs the chunks it
+    takes over in that round (they were left claimed for another claim timeout, every time)."""
+    admin = aioredis.Redis.from_url(fabric.redis.url)
+    try:
+        # Redis 6.2 takes a subcommand back only with its whole command.
+        await admin.execute_command("ACL", "SETUSER", JOBS, "-xinfo", "+xinfo|groups")
+    finally:
+        await admin.aclose()
+    await fabric.store.ensure_group()
+    texts = texts_of(3)
+    job_id = await fabric.submit(texts)
+    (entry,) = await fabric.store.read_new("exited", 1, 1)  # its runner died holding it
+    assert entry.job_id == job_id
+    fabric.start_runner("runner-1")
+    job = await fabric.finished(job_id, timeout_s=30.0)
+    assert job.num_ok == 3
+    assert_all_ok_in_order(await fabric.results(job_id), texts)
 
 
 async def _without(name: str, consumers: Callable[[], Awaitable[set[str]]]) -> bool:
