@@ -163,10 +163,17 @@ class RepositoryControl:
         first re-reads the repository, so this gateway knows new versions before any worker
         serves them."""
         if state is ModelState.LOADED:
-            try:
-                await self.read_repository()
-            except (ModelConfigError, OSError) as error:
-                raise InvalidInput(f"the model repository does not load: {error}") from error
+            await self._reread()
+        return await self._write_state(model_name, state)
+
+    async def _reread(self) -> None:
+        """`read_repository`, its failure the caller's (INVALID_ARGUMENT)."""
+        try:
+            await self.read_repository()
+        except (ModelConfigError, OSError) as error:
+            raise InvalidInput(f"the model repository does not load: {error}") from error
+
+    async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
         config = self._catalog.config(model_name)
         entry = DesiredState(state, next_revision(await self.desired()))
         try:
@@ -182,11 +189,13 @@ class RepositoryControl:
         call counts only once `timeout_s` passes: a worker retrying the same files fails the
         same way), and Unavailable when nothing is decided within `timeout_s` (no live worker
         has the model in its pool, or loading takes longer: the fleet keeps converging)."""
+        await self._reread()  # first: a model whose files came back is found again
         name = self._catalog.config(model_name).name
         reported_before = {_failure_key(f) for f in self._failures(name)}
-        await self.set_state(name, ModelState.LOADED)
+        await self._write_state(name, ModelState.LOADED)
         deadline_s = time.monotonic() + timeout_s
         while True:
+            self._catalog.config(name)  # NOT_FOUND once a re-read forgot it (files removed)
             wanted = set(self._catalog.repository_versions(name))
             served = {v.model_version for v in self._catalog.served_versions(name)}
             if wanted <= served:

