@@ -19,6 +19,7 @@ from services.common.tensors import check_row
 from services.common.text import TokenIds
 from services.gateway.bundle_parts import Made, Prepare
 from services.gateway.catalog import ResolvedModel
+from services.gateway.version_memo import VersionMemo
 
 #: One input row as a client sent it: text (or its token ids) for text models, a tensor row
 #: otherwise.
@@ -82,27 +83,26 @@ def bundle_tokenizer(model: ResolvedModel, *, truncate: bool, seconds: Observer)
 
 class BundleTokenizers:
     """The bundle tokenizer of each text model version in use, made once, not per call
-    (`seconds_of` gives the duration observer of a model's). Each one made first drops those
-    no longer `is_current` (model, version, fingerprint: a version the catalog forgot, one no
-    live worker serves, or one its workers now serve with another fingerprint), so it holds
-    about the versions served; one dropped is made again when its version comes back."""
+    (`seconds_of` gives the duration observer of a model's), kept while `is_current` (model,
+    version, fingerprint: not a version the catalog forgot, one no live worker serves, or one
+    its workers now serve with another fingerprint; VersionMemo)."""
 
     def __init__(
         self, is_current: Callable[[str, str, str], bool], seconds_of: Callable[[str], Observer]
     ) -> None:
-        self._is_current = is_current
         self._seconds_of = seconds_of
-        self._made: dict[tuple[str, str, str, bool], Prepare] = {}
+        self._made: VersionMemo[tuple[str, str, str, bool], Prepare] = VersionMemo(
+            lambda key: is_current(*key[:3])
+        )
 
     def __len__(self) -> int:
         return len(self._made)
 
     def get(self, model: ResolvedModel, *, truncate: bool) -> Prepare:
         key = (model.config.name, model.version, model.fingerprint, truncate)
-        prepare = self._made.get(key)
-        if prepare is None:
-            for stale in [k for k in self._made if not self._is_current(*k[:3])]:
-                del self._made[stale]
-            seconds = self._seconds_of(model.config.name)
-            prepare = self._made[key] = bundle_tokenizer(model, truncate=truncate, seconds=seconds)
-        return prepare
+        return self._made.get(
+            key,
+            lambda: bundle_tokenizer(
+                model, truncate=truncate, seconds=self._seconds_of(model.config.name)
+            ),
+        )

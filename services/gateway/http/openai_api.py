@@ -34,6 +34,7 @@ from services.gateway.http.sse import DONE_EVENT, SSE_CONTENT_TYPE, EventWriter,
 from services.gateway.kserve_generate import generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
+from services.gateway.version_memo import VersionMemo
 
 #: The kinds /v1 serves: generation (completions, chat) and text embeddings (/v1/embeddings,
 #: services.gateway.http.embeddings_api).
@@ -87,7 +88,9 @@ class OpenAiApi:
         self._predictor = predictor
         self._metrics = metrics
         self._repository = model_repository
-        self._templates: dict[tuple[str, str], ChatTemplate] = {}
+        self._templates: VersionMemo[tuple[str, str], ChatTemplate] = VersionMemo(
+            lambda key: predictor.catalog.has_version(*key)
+        )
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -125,12 +128,10 @@ class OpenAiApi:
         name = catalog.config(model).name
         principal.check_model(name)
         version = catalog.resolve(name, "").version
-        if (name, version) not in self._templates:
-            # Versions come and go: those the catalog forgot leave with a new one.
-            for gone in [key for key in self._templates if not catalog.has_version(*key)]:
-                del self._templates[gone]
-            self._templates[(name, version)] = read_chat_template(self._repository / name / version)
-        return version, self._templates[(name, version)]
+        template = self._templates.get(
+            (name, version), lambda: read_chat_template(self._repository / name / version)
+        )
+        return version, template
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         parsed = completion_request(parse_json_object(await request.read()))
