@@ -23,6 +23,7 @@ from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.request_stream import RequestStream
 from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import load_version
@@ -527,6 +528,40 @@ async def test_a_row_that_fails_to_sample_fails_its_stream_alone(
         assert len(await greedy) == 40
         sampled = SamplingParams(temperature=1.0, seed=14, max_tokens=3, ignore_eos=True)
         assert len(await collect(backend, PROMPTS[2], sampled)) == 3
+    finally:
+        await backend.engine.drain()
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_a_row_whose_streaming_fails_fails_its_stream_alone(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, one row's failure to stream its token (its detokenizer raising) failed every
+    stream of its step, some of them after this step's token had already been sent. The
+    request of seed 13 fails in its own detokenizer, on its second token."""
+    backend, _ = make_backend(checkpoint)
+    backend.engine.start()
+    real_push_token = RequestStream.push_token
+
+    def failing_for_seed_13(
+        self: RequestStream, token: int, num_generated: int, *rest: object
+    ) -> bool:
+        if self.params.seed == 13 and num_generated == 2:
+            raise UnicodeDecodeError("utf-8", b"\x80", 0, 1, "invalid start byte")
+        return real_push_token(self, token, num_generated, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RequestStream, "push_token", failing_for_seed_13)
+    started = asyncio.Event()
+    try:
+        # The greedy stream is decoding when the failing one is prefilled: they share steps.
+        greedy = asyncio.create_task(
+            collect(backend, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), started)
+        )
+        await started.wait()
+        failing = SamplingParams(temperature=1.0, seed=13, max_tokens=20, ignore_eos=True)
+        with pytest.raises(ExecutionFailed, match="invalid start byte"):
+            await collect(backend, PROMPTS[1], failing)
+        assert len(await greedy) == 40
     finally:
         await backend.engine.drain()
     assert backend.engine.num_free_blocks == backend.runner.num_blocks

@@ -23,7 +23,7 @@ from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Un
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
-from services.gpu_worker.generation.metrics import GenerationMetrics
+from services.gpu_worker.generation.metrics import GenerationMetrics, charge_tenants
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.prefill_hold import PrefillHold
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
@@ -309,7 +309,7 @@ class GenerationEngine:
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
             self._bound.step_seconds.observe(step_s)
             self._bound.step_tokens.observe(output.num_batched_tokens)
-            self._charge_tenants(output.scheduled, step_s)
+            charge_tenants(self._metrics.charge_tenant, output.scheduled, self._requests, step_s)
             try:
                 self._finish_step(output.scheduled, logits)
             except Exception as error:
@@ -329,19 +329,6 @@ class GenerationEngine:
         threads = self._thread_choice.choose(num_tokens)
         self._cycle = (now, num_tokens, threads)
         return threads
-
-    def _charge_tenants(self, scheduled: Sequence[ScheduledSequence], step_s: float) -> None:
-        """Splits a step's time over its sequences' tenants by tokens computed (the fair-share
-        measure of generation), for the per-tenant compute metrics."""
-        charge = self._metrics.charge_tenant
-        num_tokens = sum(len(s.token_ids) for s in scheduled)
-        if charge is None or num_tokens == 0:
-            return
-        for item in scheduled:
-            request = self._requests.get(item.seq_id)
-            if request is not None:
-                share = len(item.token_ids) / num_tokens
-                charge(request.tenant, compute_s=step_s * share, num_tokens=len(item.token_ids))
 
     def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
@@ -363,16 +350,24 @@ class GenerationEngine:
         self._cancelled.clear()
         now = self._clock()
         for seq_id, token in sampled.items():
-            request = self._requests.get(seq_id)
-            if request is not None:
+            if (request := self._requests.get(seq_id)) is not None:
                 self._emit(request, token, now)
 
     def _emit(self, request: RequestStream, token: int, now: float) -> None:
+        """Streams `token`; a failure to (its detokenizer's) ends this sequence alone."""
         sequence = self.scheduler.get(request.seq_id)
         # Cancelling drops the request before it finishes the sequence: a live request has one.
         assert sequence is not None
         num_generated = len(sequence.output_token_ids)
-        if request.push_token(token, num_generated, now, self._eos_token_ids, self._bound):
+        try:
+            is_done = request.push_token(
+                token, num_generated, now, self._eos_token_ids, self._bound
+            )
+        except Exception as error:
+            log.exception("streaming a token failed for one sequence")
+            self._fail_sequence(request.seq_id, error)
+            return
+        if is_done:
             self._requests.pop(request.seq_id, None)
             self.scheduler.finish(request.seq_id)
 

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
 from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory
+
+if TYPE_CHECKING:  # both import this module
+    from services.gpu_worker.generation.request_stream import RequestStream
+    from services.gpu_worker.generation.sequence import ScheduledSequence
 
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _MODEL = ("model", "version")
@@ -15,6 +20,24 @@ _MODEL = ("model", "version")
 
 class TenantCharge(Protocol):
     def __call__(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None: ...
+
+
+def charge_tenants(
+    charge: TenantCharge | None,
+    scheduled: Sequence[ScheduledSequence],
+    requests: Mapping[int, RequestStream],
+    step_s: float,
+) -> None:
+    """Splits a step's time over its sequences' tenants (`requests`, by sequence id) by tokens
+    computed (the fair-share measure of generation), for the per-tenant compute metrics."""
+    num_tokens = sum(len(s.token_ids) for s in scheduled)
+    if charge is None or num_tokens == 0:
+        return
+    for item in scheduled:
+        request = requests.get(item.seq_id)
+        if request is not None:
+            share = len(item.token_ids) / num_tokens
+            charge(request.tenant, compute_s=step_s * share, num_tokens=len(item.token_ids))
 
 
 class GenerationMetrics:
