@@ -130,3 +130,30 @@ def test_a_tokenizer_that_cannot_be_weakly_referenced_still_has_its_specials_ski
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
     pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == "hi there"
+
+
+def test_a_long_run_of_undecodable_bytes_keeps_every_window_short() -> None:
+    """A model that repeats a lone UTF-8 continuation byte (a random-weight one does) made
+    every window end in U+FFFD, so none was taken and each token decoded every token since the
+    last text: O(n^2) for the reply. Text after which the rest only added characters is final
+    and taken, so windows stay short, and the text is still what decoding it all gives."""
+    windows: list[int] = []
+
+    class Counting:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            windows.append(len(token_ids))
+            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return TOKENIZER.get_added_tokens_decoder()
+
+    euro = ids("€")  # three byte tokens: E2 82 AC
+    assert len(euro) == 3
+    lone = euro[1]  # 0x82, a continuation byte with no lead
+    sequence = [*ids("hello "), *[lone] * 1500, *euro, *[lone] * 500, *euro[:2]]
+    detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
+    assert "€" in "".join(pieces)
+    assert max(windows) <= 16, max(windows)

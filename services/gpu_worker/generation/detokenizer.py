@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from tokenizers import Tokenizer
 
 _INCOMPLETE = "\ufffd"
+#: Tokens read while their text ends in half a character before `_settled` looks for text that
+#: is final among them: a UTF-8 character's bytes span at most 4 tokens.
+_MAX_UNREAD = 8
 
 
 class IncrementalDetokenizer:
@@ -63,14 +66,31 @@ class IncrementalDetokenizer:
 
     def _read_window(self, *, is_final: bool) -> bool:
         """Adds the tokens not yet read to `_text`, unless they end in half a character and
-        more may complete it (not `is_final`); whether text was added."""
+        more may complete it (not `is_final`): then those up to where the text is settled,
+        once _MAX_UNREAD wait; whether text was added."""
         context = self._decode(self._ids[self._prefix : self._read])
         window = self._decode(self._ids[self._prefix :])
-        if (window.endswith(_INCOMPLETE) and not is_final) or len(window) <= len(context):
+        end = len(self._ids)
+        if window.endswith(_INCOMPLETE) and not is_final:
+            if end - self._read < _MAX_UNREAD:
+                return False
+            end, window = self._settled(context, window)
+        if len(window) <= len(context):
             return False
         self._text += window[len(context) :]
-        self._prefix, self._read = self._read, len(self._ids)
+        self._prefix, self._read = self._read, end
         return True
+
+    def _settled(self, context: str, window: str) -> tuple[int, str]:
+        """Where a run of tokens whose text keeps ending in U+FFFD (bytes that never make a
+        character: a random model repeating one) has settled text, and that text: the last
+        token after which the rest only added characters (a character ended, or an invalid
+        byte showed as U+FFFD for good, there). Else `_read` (nothing), held as before."""
+        for end in range(len(self._ids) - 1, self._read, -1):
+            text = self._decode(self._ids[self._prefix : end])
+            if len(context) < len(text) < len(window) and window.startswith(text):
+                return end, text
+        return self._read, context
 
     def _stop_cut(self, stops: Sequence[str]) -> int | None:
         """Where the first stop string in the text not yet emitted (or overlapping it) starts;
