@@ -32,6 +32,20 @@ def feed(text: str, stops: tuple[str, ...] = ()) -> tuple[list[str], bool]:
     return pieces, stopped
 
 
+class Counting:
+    """TOKENIZER, recording the number of ids of each decode in `windows`."""
+
+    def __init__(self, windows: list[int]) -> None:
+        self.windows = windows
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.windows.append(len(token_ids))
+        return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def get_added_tokens_decoder(self) -> dict:
+        return TOKENIZER.get_added_tokens_decoder()
+
+
 def test_text_round_trips_piece_by_piece() -> None:
     pieces, stopped = feed("hello world")
     assert "".join(pieces) == "hello world" and not stopped
@@ -91,18 +105,10 @@ def test_a_run_of_special_tokens_keeps_every_window_short() -> None:
     """EOS generated again and again (`ignore_eos`) decodes to nothing: it never joins a
     window, so each token still decodes a few ids, not every one since the last text (a reply
     of n such tokens cost O(n^2)), and the text around it is what decoding it all gives."""
-    windows: list[int] = []
-
-    class Counting:
-        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-            windows.append(len(token_ids))
-            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-        def get_added_tokens_decoder(self) -> dict:
-            return TOKENIZER.get_added_tokens_decoder()
+    windows: list[int] = []  # the length of every window decoded
 
     eos = TOKENIZER.token_to_id("</s>")
-    detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
+    detokenizer = IncrementalDetokenizer(Counting(windows))  # type: ignore[arg-type]
     sequence = [*ids("hello "), *[eos] * 2000, *ids("world")]
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
     pieces.append(detokenizer.flush()[0])
@@ -137,21 +143,13 @@ def test_a_long_run_of_undecodable_bytes_keeps_every_window_short() -> None:
     every window end in U+FFFD, so none was taken and each token decoded every token since the
     last text: O(n^2) for the reply. Text after which the rest only added characters is final
     and taken, so windows stay short, and the text is still what decoding it all gives."""
-    windows: list[int] = []
-
-    class Counting:
-        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
-            windows.append(len(token_ids))
-            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
-
-        def get_added_tokens_decoder(self) -> dict:
-            return TOKENIZER.get_added_tokens_decoder()
+    windows: list[int] = []  # the length of every window decoded
 
     euro = ids("€")  # three byte tokens: E2 82 AC
     assert len(euro) == 3
     lone = euro[1]  # 0x82, a continuation byte with no lead
     sequence = [*ids("hello "), *[lone] * 1500, *euro, *[lone] * 500, *euro[:2]]
-    detokenizer = IncrementalDetokenizer(Counting())  # type: ignore[arg-type]
+    detokenizer = IncrementalDetokenizer(Counting(windows))  # type: ignore[arg-type]
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
     pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
