@@ -42,7 +42,13 @@ log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 #: How often the keys file is checked for changes, seconds.
 KEYS_POLL_PERIOD_S = 1.0
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+#: Open on the HTTP port too (/v2/health/live, /v2/health/ready).
+_OPEN_METHODS = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.",
+    "/inference.GRPCInferenceService/ServerLive",
+    "/inference.GRPCInferenceService/ServerReady",
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +84,13 @@ def current_principal() -> Principal:
 
 
 def hash_key(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
+    """The digest a key is known by. A header's bytes that are not UTF-8 reach us as lone
+    surrogates (aiohttp decodes with surrogateescape): they hash as those bytes."""
+    try:
+        data = key.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate no decoding made: no key's, never an error
+        data = key.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(data).hexdigest()
 
 
 class KeyStore:

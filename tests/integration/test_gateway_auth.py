@@ -25,6 +25,8 @@ from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.gateway.throttle import Shed
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as wpb
@@ -119,6 +121,44 @@ async def test_health_needs_no_key(gateway: Gateway) -> None:
     # NOT_SERVING (no router has answered yet), but answered without a key.
     status = await health_status(f"127.0.0.1:{gateway.port}")
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_the_kserve_liveness_and_readiness_calls_need_no_key(gateway: Gateway) -> None:
+    """As on the HTTP port (/v2/health/live and /ready are open), a stock KServe client asks
+    whether the server is live or ready without a key; its other calls still need one."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        assert (await stub.ServerLive(kserve.ServerLiveRequest(), timeout=5)).live
+        ready = await stub.ServerReady(kserve.ServerReadyRequest(), timeout=5)
+        assert not ready.ready  # no router has answered: answered, not refused
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.ServerMetadata(kserve.ServerMetadataRequest(), timeout=5)
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+@pytest.mark.parametrize("path", ["/v2/models/affine/infer", "/v2/models/affine", "/v1/models"])
+@pytest.mark.parametrize("header", [b"Authorization: Bearer \xff\xfe", b"X-Api-Key: \xc3("])
+async def test_a_key_that_is_not_utf8_over_http_is_an_unknown_key(
+    gateway: Gateway, path: str, header: bytes
+) -> None:
+    """The HTTP server keeps a header's bytes that are not UTF-8 as surrogates; hashing such a
+    key raised, and the caller got 500 with a stack trace logged, not 401."""
+    assert gateway.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", gateway.http.port)
+    body = b'{"inputs": [{"name": "x", "shape": [1, 4], "datatype": "FP32", "data": [1, 2, 3, 4]}]}'
+    method = b"POST" if path.endswith("/infer") else b"GET"
+    writer.write(
+        method + b" " + path.encode() + b" HTTP/1.1\r\nHost: localhost\r\n" + header
+        + b"\r\nContent-Type: application/json\r\nContent-Length: "
+        + str(len(body) if method == b"POST" else 0).encode() + b"\r\nConnection: close\r\n\r\n"
+        + (body if method == b"POST" else b"")
+    )  # fmt: skip
+    await writer.drain()
+    answer = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    status_line = answer.split(b"\r\n", 1)[0]
+    assert status_line.split()[1] == b"401", answer[:300]
+    assert b"www-authenticate: bearer" in answer.lower()
 
 
 def bearer(key: str) -> tuple[tuple[str, str], ...]:
