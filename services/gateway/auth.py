@@ -187,17 +187,29 @@ def _stamp(path: Path) -> tuple[int, int, int]:
     return stat.st_mtime_ns, stat.st_size, stat.st_ino
 
 
+_FILE_TABLES = frozenset({"keys", "tenants"})
+_KEY_FIELDS = frozenset({"tenant", "sha256", "models", "admin"})
+
+
+def _refuse_unknown(table: Mapping[str, Any], known: frozenset[str], where: str) -> None:
+    if unknown := sorted(set(table) - known):
+        raise ValueError(f"{where}: unknown settings {unknown}; known: {sorted(known)}")
+
+
 def _read_keys(path: Path) -> dict[str, Principal]:
     try:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as error:
         raise ValueError(f"{path}: not valid TOML: {error}") from error
     entries = {}
+    _refuse_unknown(raw, _FILE_TABLES, str(path))
     tenants = parse_tenants(raw.get("tenants"), str(path))
     keys = raw.get("keys", [])
     if not isinstance(keys, list) or not all(isinstance(entry, dict) for entry in keys):
         raise ValueError(f"{path}: keys must be [[keys]] tables")
     for entry in keys:
+        # A misspelt setting fails: `model` read as no `models` would grant every model.
+        _refuse_unknown(entry, _KEY_FIELDS, f"{path}: [[keys]] of {entry.get('tenant')!r}")
         digest, tenant = entry.get("sha256", ""), entry.get("tenant", "")
         is_valid = isinstance(digest, str) and len(digest) == 64
         if not (is_valid and isinstance(tenant, str) and tenant):

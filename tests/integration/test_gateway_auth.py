@@ -207,7 +207,15 @@ async def test_s36_a_keys_file_that_does_not_parse_keeps_the_old_keys(
     gateway: Gateway, keys_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.ERROR, logger="services.gateway.auth")
-    for garbage in ("[[keys]\ntenant = ", "", '[[keys]]\ntenant = "x"\nsha256 = "short"\n'):
+    # Besides files that do not parse: a misspelt field of a key (`model`: read as no limit,
+    # every model granted) and a misspelt table (`[tenant.search]`: its limits never applied)
+    # were taken silently.
+    misspelt = keys_toml(SEARCH, ADS)
+    typos = (
+        misspelt.replace("models =", "model ="),
+        f"{misspelt}\n[tenant.search]\nrows_per_s = 1\n",
+    )
+    for garbage in ("[[keys]\ntenant = ", "", '[[keys]]\ntenant = "x"\nsha256 = "short"\n', *typos):
         caplog.clear()
         replace_file(keys_file, garbage)
 
