@@ -133,8 +133,10 @@ class TimeoutEjector:
             return None  # it answers others: overloaded or slow, not wedged
         health = self._workers.setdefault(worker_id, _Health())
         if health.ejected_until_s is not None:
-            if now_s < health.ejected_until_s:
-                return None  # sent before the ejection: already counted
+            if now_s - waited_s < health.ejected_until_s:
+                # Sent before probation (before the ejection, or while no other worker was
+                # routable): already counted, and not the probe, whenever it times out.
+                return None
             return self._eject(health, now_s)  # the probe timed out
         health.num_timeouts += 1
         if health.num_timeouts >= config.timeouts_to_eject:

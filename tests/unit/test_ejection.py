@@ -82,6 +82,8 @@ def test_a_probe_that_times_out_ejects_again_for_twice_as_long_up_to_the_bound()
     now_s = 0.0
     periods = []
     for _ in range(4):
+        # The probe, routed at now_s, times out after its 1 s.
+        now_s += 1.0 if periods else 0.0
         period_s = time_out(ejector, now_s, times=3 if not periods else 1)
         assert period_s is not None
         periods.append(period_s)
@@ -89,6 +91,18 @@ def test_a_probe_that_times_out_ejects_again_for_twice_as_long_up_to_the_bound()
         assert ejector.may_route("w1", now_s)
         ejector.on_routed("w1", now_s)
     assert periods == [10.0, 20.0, 40.0, 40.0]
+
+
+def test_a_late_timeout_of_a_call_sent_before_probation_is_not_the_probes() -> None:
+    """Calls sent before the ejection with long deadlines time out after its period: each was
+    taken for the probe's timeout and ejected the worker again, for twice as long, and the
+    probe's own success, sent before that new ejection, was then ignored."""
+    ejector = make_ejector(timeouts_to_eject=1)
+    assert time_out(ejector, 0.0) == 10.0
+    ejector.on_routed("w1", 10.0)  # the probe
+    assert time_out(ejector, 10.2, waited_s=15.0) is None  # sent at -4.8
+    ejector.record_success("w1", 10.5, sent_s=10.0)
+    assert ejector.may_route("w1", 10.6)
 
 
 def test_a_probe_that_never_answers_frees_its_slot_after_the_first_period() -> None:
