@@ -8,6 +8,7 @@ cancellation, not a type here.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Mapping
 
@@ -24,11 +25,15 @@ NOT_STARTED_TRAILER = ("x-fabric-retry", "not-started")
 RETRY_JITTER = 0.25
 
 
-def retry_after_trailer(retry_after_s: float, rng: random.Random | None = None) -> tuple[str, str]:
-    """The `retry-after-ms` trailer of a refusal: `retry_after_s`, jittered by RETRY_JITTER,
-    at least 1 ms."""
-    spread = (rng or random).uniform(1 - RETRY_JITTER, 1 + RETRY_JITTER)
-    return (RETRY_AFTER_MS_KEY, str(max(1, round(retry_after_s * spread * 1000))))
+def retry_after_trailer(
+    retry_after_s: float, rng: random.Random | None = None, *, is_least: bool = False
+) -> tuple[str, str]:
+    """The `retry-after-ms` trailer of a refusal: `retry_after_s`, jittered by RETRY_JITTER
+    either way, at least 1 ms; upward only where it `is_least` wait that can succeed (a
+    token bucket's refill: a caller that waits exactly the hint must not be refused again)."""
+    low = 1.0 if is_least else 1 - RETRY_JITTER
+    spread_ms = retry_after_s * (rng or random).uniform(low, low + 2 * RETRY_JITTER) * 1000
+    return (RETRY_AFTER_MS_KEY, str(max(1, math.ceil(spread_ms) if is_least else round(spread_ms))))
 
 
 #: What reading a record another process wrote (JSON, then its fields) may raise when the
@@ -86,23 +91,25 @@ class Overloaded(ServingError):
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
-    def __init__(self, message: str, *, retry_after_s: float = 0.0) -> None:
+    def __init__(self, message: str, *, retry_after_s: float = 0.0, is_least: bool = False) -> None:
+        """`is_least`: no retry sooner than `retry_after_s` can succeed (retry_after_trailer)."""
         super().__init__(message)
         #: The hint before jitter, seconds (policies compare it; the trailer spreads it).
         self.retry_after_s = retry_after_s
+        self.is_least = is_least
         self._trailer: tuple[str, str] | None = None
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         if self.retry_after_s <= 0:
             return ()
         if self._trailer is None:  # jittered once per refusal
-            self._trailer = retry_after_trailer(self.retry_after_s)
+            self._trailer = retry_after_trailer(self.retry_after_s, is_least=self.is_least)
         return (self._trailer,)
 
     def for_one_caller(self) -> Overloaded:
         """The same refusal for one of several callers it answers together: its hint is
         jittered on its own (UpstreamError.for_one_caller's reason)."""
-        return Overloaded(str(self), retry_after_s=self.retry_after_s)
+        return Overloaded(str(self), retry_after_s=self.retry_after_s, is_least=self.is_least)
 
 
 class MessageTooLarge(ServingError):

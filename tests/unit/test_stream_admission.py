@@ -57,3 +57,29 @@ def test_the_first_request_rides_on_the_streams_token_and_the_others_take_their_
             pass
     with pytest.raises(Overloaded, match="requests_per_s"), stream.admitted():
         pass
+
+
+def test_a_token_bucket_refusal_never_hints_a_retry_before_the_bucket_has_refilled() -> None:
+    """The hint of a rate quota's refusal is the least wait that can succeed: jittered by
+    +-25% as other hints are, half the callers that waited exactly the hint were refused
+    again, each time spending a request token. It is spread upward only. The hint of a
+    limit on calls in flight (no such least wait) keeps the spread both ways."""
+    policy = TenantPolicy(name="search", rows_per_s=10.0, burst_s=1.0, max_concurrency=1)
+    admission = TenantAdmission(
+        GatewayMetrics(CollectorRegistry()), TenantLabels({policy.name: policy}), clock=lambda: 0.0
+    )
+    admission.charge_rows(policy, 10)  # the whole burst: the next rows wait a second
+    waits_ms = []
+    for _ in range(200):
+        with pytest.raises(Overloaded) as raised:
+            admission.charge_rows(policy, 10)
+        ((key, value),) = raised.value.trailers()
+        assert key == "retry-after-ms"
+        waits_ms.append(int(value))
+    assert min(waits_ms) >= 1000, min(waits_ms)
+    assert max(waits_ms) > min(waits_ms), "still spread"
+    assert admission.acquire(policy) is None
+    admission.quotas.enter(policy.name)
+    in_flight = [admission.acquire(policy) for _ in range(200)]
+    hints = [int(dict(r.trailers())["retry-after-ms"]) for r in in_flight if r is not None]
+    assert len(hints) == 200 and min(hints) < 50 < max(hints)
