@@ -128,6 +128,8 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             requested = PriorityClass.from_proto(header.priority) or PriorityClass.BATCH
         except ValueError as error:
             raise InvalidInput(str(error)) from None
+        if requested is PriorityClass.CRITICAL:  # the runners' key holds no such grant
+            raise InvalidInput("a job runs at interactive or batch priority, not critical")
         priority = principal.policy.priority_for(requested)
         complete_by_s = _complete_by_s(header.complete_by_unix_s)
         items: list[bytes] = []

@@ -23,6 +23,7 @@ from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
 from services.common.job_store import GROUP, JobStore
+from services.common.priority import PriorityClass
 from services.common.redis_acl import JOBS
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
@@ -30,6 +31,7 @@ from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+from services.pb.inference.v1 import types_pb2
 from tests.support.jobs import (
     BATCH,
     GARBLED,
@@ -57,11 +59,15 @@ KEYS = KeyStore(
         hash_key("key-a"): Principal("a", None, TenantPolicy("a")),
         hash_key("key-b"): Principal("b", None, TenantPolicy("b")),
         hash_key("key-ab"): Principal("a:b", None, TenantPolicy("a:b")),
+        hash_key("key-c"): Principal(
+            "c", None, TenantPolicy("c", priorities=frozenset(PriorityClass))
+        ),
     }
 )
 AS_A = (("authorization", "Bearer key-a"),)
 AS_B = (("authorization", "Bearer key-b"),)
 AS_AB = (("authorization", "Bearer key-ab"),)
+AS_CRITICAL = (("authorization", "Bearer key-c"),)
 
 
 @dataclass
@@ -187,6 +193,21 @@ async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fa
     metrics = scrape(runner.metrics_port)
     assert total(metrics, names.JOBS_ITEMS_TOTAL, status="ok") == 200
     assert total(metrics, names.JOBS_ITEMS_RUNNING) == 0
+
+
+async def test_a_job_at_critical_priority_is_refused_at_submission(fabric: Fabric) -> None:
+    """Runners send a job's items under their own key, which holds interactive and batch (the
+    chart's grant): a critical job was accepted, then every item failed PERMISSION_DENIED
+    naming the runners' tenant. Critical is for online calls; jobs are refused it up front,
+    even from a tenant granted it."""
+    header = jobs.SubmitJobRequest(
+        model_name="minilm", items=text_items(["a"]), priority=types_pb2.PRIORITY_CRITICAL
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await fabric.jobs.SubmitJob(header, metadata=AS_CRITICAL)
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "critical" in (raised.value.details() or "")
+    assert await fabric.store.list_ids("c", after=None, limit=10) == []  # nothing submitted
 
 
 async def test_a_result_recorded_twice_is_written_and_counted_once(fabric: Fabric) -> None:
