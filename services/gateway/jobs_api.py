@@ -57,8 +57,11 @@ class JobsApiConfig:
     #: Most bytes its items may take together (serialized): what one job holds of the
     #: gateway's memory while it arrives, and of Redis's until its retention ends.
     max_bytes: int = 64 * 1024 * 1024
-    #: Items per queue entry, and so per Predict call a runner makes.
+    #: Items per queue entry, and so per Predict call a runner makes...
     chunk_size: int = 64
+    #: ... fewer where a job's largest items would make a call of more bytes than this: half
+    #: the gateway's message limit (grpc refuses a call past it before any handler runs).
+    max_chunk_bytes: int = 2 * 1024 * 1024
     #: Largest ListJobs page.
     max_page_size: int = 500
 
@@ -149,9 +152,14 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             complete_by_s=complete_by_s,
         )
         job_id, is_existing = await _stored(
-            self._store.submit(job, chunk_size=self._config.chunk_size)
+            self._store.submit(job, chunk_size=self._chunk_size(items))
         )
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
+
+    def _chunk_size(self, items: list[bytes]) -> int:
+        """Items per chunk of a job of `items`: every chunk within `max_chunk_bytes`."""
+        largest = max(map(len, items))
+        return max(1, min(self._config.chunk_size, self._config.max_chunk_bytes // largest))
 
     def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest, num_bytes: int) -> int:
         """Appends `message`'s items, serialized, to `items` (holding `num_bytes`); returns
@@ -271,14 +279,16 @@ async def _stored(awaitable: Awaitable[T]) -> T:
 
 
 def add_job_service(
-    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig
+    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig, max_message_bytes: int
 ) -> JobStore | None:
     """Serves JobService on `server` when the gateway has a Redis (its quota-sharing one, as
-    Redis user `gateway`); returns the store (None: no Redis, JobService is UNIMPLEMENTED)."""
+    Redis user `gateway`); returns the store (None: no Redis, JobService is UNIMPLEMENTED).
+    `max_message_bytes`: the gateway's, which a runner's call of a chunk must stay within."""
     if not redis.redis_url:
         return None
     credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
     client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
     store = JobStore(client, prefix=redis.key_prefix)
-    jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, JobsApiConfig()), server)
+    config = JobsApiConfig(max_chunk_bytes=max_message_bytes // 2)
+    jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, config), server)
     return store

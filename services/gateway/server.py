@@ -199,7 +199,8 @@ def _add_services(
         ),
         server,
     )
-    add_job_service(server, predictor.catalog, config.quota_sync)  # durable jobs, with Redis
+    # Durable jobs, with Redis.
+    add_job_service(server, predictor.catalog, config.quota_sync, config.max_message_bytes)
     return repository
 
 

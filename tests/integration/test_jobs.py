@@ -210,6 +210,43 @@ async def test_a_job_at_critical_priority_is_refused_at_submission(fabric: Fabri
     assert await fabric.store.list_ids("c", after=None, limit=10) == []  # nothing submitted
 
 
+async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
+    tmp_path: Path,
+) -> None:
+    """Chunks were cut by item count alone: 8 items of 40 KiB made one call of 320 KiB, past a
+    gateway's limit of 256 KiB (grpc refuses it RESOURCE_EXHAUSTED before any handler), which
+    the runner took for an overloaded fleet and retried for 30 minutes before failing every
+    item, though each fits alone. Chunks now hold at most half the limit's bytes."""
+    redis = start_redis(tmp_path)
+    target = PredictTarget()
+    target_server, target_address = await start_target(target, max_message_bytes=256 * 1024)
+    jobs_server, jobs_address, store = await start_job_service(
+        redis, REPO_ROOT / "models", KEYS, chunk_size=8, max_chunk_bytes=128 * 1024
+    )
+    runner = start_runner(tmp_path, redis, target_address, "runner-1")
+    channel = grpc.aio.insecure_channel(jobs_address)
+    try:
+        stub = jobs_grpc.JobServiceStub(channel)
+        texts = [f"{i} " + "x" * (40 * 1024) for i in range(8)]
+        request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts))
+        job_id = (await stub.SubmitJob(request, metadata=AS_A)).job_id
+
+        async def finished() -> jobs.Job | None:
+            job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
+            return job if job.num_ok + job.num_failed == job.num_items else None
+
+        job = await eventually(finished, timeout_s=60.0, interval_s=0.1)
+        assert job.num_ok == 8, job
+        assert 2 <= target.num_calls <= 4  # 3 items a call (120 KiB), never 8
+    finally:
+        runner.terminate()
+        await channel.close()
+        await jobs_server.stop(None)
+        await target_server.stop(None)
+        await store.client.aclose()
+        redis.stop()
+
+
 async def test_a_result_recorded_twice_is_written_and_counted_once(fabric: Fabric) -> None:
     """Two runners may both run a chunk (one reclaimed it from the other, which was slow, not
     dead): the record says which results were its own, so that each item is counted once

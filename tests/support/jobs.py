@@ -117,8 +117,11 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
         )
 
 
-async def start_target(target: PredictTarget) -> tuple[grpc.aio.Server, str]:
-    server = new_server()
+async def start_target(
+    target: PredictTarget, max_message_bytes: int = GatewayConfig.max_message_bytes
+) -> tuple[grpc.aio.Server, str]:
+    """`target` served as a gateway would (`max_message_bytes`: the gateway's default)."""
+    server = new_server(max_message_bytes=max_message_bytes)
     api_grpc.add_InferenceServiceServicer_to_server(target, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
@@ -132,6 +135,7 @@ async def start_job_service(
     *,
     chunk_size: int = 8,
     max_bytes: int = JobsApiConfig.max_bytes,
+    max_chunk_bytes: int = JobsApiConfig.max_chunk_bytes,
 ) -> tuple[grpc.aio.Server, str, JobStore]:
     """The gateway's JobService (as Redis user `gateway`) behind its authentication stage, with
     the gateway's default message limit (4 MiB)."""
@@ -139,7 +143,9 @@ async def start_job_service(
     store = JobStore(client)
     catalog = ModelCatalog(load_repository(repository))
     server = new_server([Authentication(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
-    config = JobsApiConfig(chunk_size=chunk_size, max_bytes=max_bytes)
+    config = JobsApiConfig(
+        chunk_size=chunk_size, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes
+    )
     servicer = JobServicer(store, catalog, config)
     jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
