@@ -59,6 +59,11 @@ class TokenBucket:
             return 0.0
         return (needed - self.level) / self.rate_per_s
 
+    def give_back(self, amount: float, now_s: float) -> None:
+        """Returns `amount` taken for what was never served (at most up to the capacity)."""
+        self.refill(now_s)
+        self.level = min(self.capacity, self.level + amount)
+
     def resize(self, rate_per_s: float, capacity: float, now_s: float) -> None:
         """New limits take effect at once; tokens above the new capacity are dropped."""
         self.refill(now_s)
@@ -151,6 +156,14 @@ class TenantQuotas:
             return None
         state = self._tenants.setdefault(policy.name, _TenantState())
         return self._take(state, policy, "rows_per_s", num_rows, now_s)
+
+    def give_back(self, tenant: str, rows: int, now_s: float) -> None:
+        """A call refused for load, never served: its request token and its `rows` return."""
+        state = self._tenants.get(tenant)
+        for quota, amount in (("requests_per_s", 1), ("rows_per_s", rows)):
+            bucket = None if state is None else state.buckets.get(quota)
+            if bucket is not None and amount:
+                bucket.give_back(amount, now_s)
 
     def _take(
         self, state: _TenantState, policy: TenantPolicy, quota: str, amount: int, now_s: float

@@ -21,6 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.common.errors import UpstreamError
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
@@ -380,21 +381,34 @@ def _varint(value: int) -> bytes:
     return bytes(out) + bytes([value])
 
 
-async def test_calls_the_throttle_refuses_spend_none_of_their_tenants_rows(
-    tmp_path: Path, redis_server: RedisServer
+@pytest.mark.parametrize("refused_by", ["throttle", "downstream"])
+@pytest.mark.parametrize("quota", ["rows_per_s", "requests_per_s"])
+async def test_calls_refused_for_load_spend_none_of_their_tenants_quota(
+    tmp_path: Path, redis_server: RedisServer, quota: str, refused_by: str
 ) -> None:
-    """A tenant allowed 2 rows a second (a bucket of 2), while the gateway's throttle refuses
-    every call (downstream was refusing): ten calls refused by the throttle spend none of the
-    tenant's rows, so once the throttle lets calls through again the tenant is served, not
-    refused for rows it never got."""
+    """A tenant allowed 2 rows (or requests) a second, a bucket of 2, while every call is
+    refused for load: by the gateway's throttle (downstream was refusing), or downstream
+    (RESOURCE_EXHAUSTED: queue full, or predicted past its deadline). Ten such calls spend
+    none of the tenant's quota, so once calls go through again the tenant is served, not
+    refused for rows or requests it never got. Before, only the throttle's refusals gave the
+    rows back, and no refusal gave back its request."""
     keys = tmp_path / "keys.toml"
-    keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nrows_per_s = 2\nburst_s = 1\n")
+    keys.write_text(keys_toml(SEARCH) + f"\n[tenants.search]\n{quota} = 2\nburst_s = 1\n")
     async with affine_and_stall_fabric(
         tmp_path, redis_server, gateway_settings={"api_keys_file": keys}
     ) as fabric:
-        throttle = fabric.gateway.predictor._throttle
-        admit = throttle.admit
-        throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
+        predictor = fabric.gateway.predictor
+        throttle, bundles = predictor._throttle, predictor._bundles
+        admit, bundle_call = throttle.admit, bundles.call
+
+        async def refused_downstream(*_: object, **__: object) -> None:
+            raise UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+
+        if refused_by == "throttle":
+            throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
+        else:  # the throttle, which would learn to refuse them, stays out of it
+            throttle.admit = lambda *_: None  # type: ignore[method-assign]
+            bundles.call = refused_downstream  # type: ignore[method-assign]
         tensor = wpb.Tensor(dtype=wpb.DATA_TYPE_FP32, shape=[4], raw_data=bytes(16))
         request = api.PredictRequest(model_name="affine", inputs=[api.PredictInput(tensor=tensor)])
         metadata = (("authorization", f"Bearer {SEARCH_KEY}"),)
@@ -404,7 +418,9 @@ async def test_calls_the_throttle_refuses_spend_none_of_their_tenants_rows(
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Predict(request, timeout=5, metadata=metadata)
                 assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                assert "refused at the gateway" in (refused.value.details() or "")
-            throttle.admit = admit  # type: ignore[method-assign]
+                assert quota not in (refused.value.details() or "")
+            bundles.call = bundle_call  # type: ignore[method-assign]
+            if refused_by == "throttle":
+                throttle.admit = admit  # type: ignore[method-assign]
             answer = await stub.Predict(request, timeout=5, metadata=metadata)
     assert len(answer.outputs) == 1
