@@ -61,10 +61,10 @@ class TenantAdmission:
         refusal = self.quotas.acquire(policy, self._clock(), has_place=has_place)
         return None if refusal is None else self._refused(policy, refusal)
 
-    def give_back(self, policy: TenantPolicy, num_rows: int) -> None:
-        """A call refused for load (by the throttle, or downstream), never served: its request
-        and the rows charged for it (0 if none were) return to its tenant's buckets."""
-        self.quotas.give_back(policy.name, num_rows, self._clock())
+    def give_back_rows(self, policy: TenantPolicy, num_rows: int) -> None:
+        """The rows charged for a call refused downstream for load, never served, return to
+        its tenant's bucket (TenantQuotas.give_back_rows)."""
+        self.quotas.give_back_rows(policy.name, num_rows, self._clock())
 
     def set_share_gauge(self, tenant: str, share: float) -> None:
         self._metrics.tenant_quota_share.labels(self.labels(tenant)).set(share)

@@ -36,7 +36,6 @@ from services.gateway.router_retry import (
     RouterRetryConfig,
     decide_resend,
 )
-from services.gateway.tenants import TenantPolicy
 from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
 from services.gateway.triton_info import InferenceStatistics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -187,7 +186,7 @@ class Predictor:
         config, policy = model.config, call.principal.policy
         # The throttle first: a call it refuses here was never served, and must not spend its
         # tenant's rows (after a flood the tenant would be refused for rows it never got).
-        throttle_key = self._throttle_check(config.name, priority, policy)
+        throttle_key = self._throttle_check(config.name, priority, policy.name)
         self.admission.charge_rows(policy, len(call.inputs))
         rows = checked_rows(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or self._new_request_id()
@@ -223,8 +222,8 @@ class Predictor:
                 is_accepted=not error.is_overload,
                 retry_after_s=error.retry_after_s,
             )
-            if error.is_overload:  # refused for load: never served, nothing of its quota spent
-                self.admission.give_back(policy, len(call.inputs))
+            if error.is_overload:  # refused for load: never served, no rows spent
+                self.admission.give_back_rows(policy, len(call.inputs))
             raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         self._metrics.inputs_total_of[(config.name, model.version)].inc(len(rows))
@@ -271,12 +270,11 @@ class Predictor:
         await asyncio.sleep(decision.delay_s)
         return True
 
-    def _throttle_check(self, model: str, priority: PriorityClass, policy: TenantPolicy) -> str:
+    def _throttle_check(self, model: str, priority: PriorityClass, tenant: str) -> str:
         """Refuses here (RESOURCE_EXHAUSTED) the share of requests downstream is refusing
         anyway, before any tokenizing or forwarding is spent on them. Kept per model, class
         and tenant: a flood of `batch` work, or one tenant's, is refused downstream, and it
         must not teach the gateway to refuse everyone else's. Returns the throttle's key."""
-        tenant = policy.name
         key = f"{model}/{priority.value}/{tenant}"
         shed = self._throttle.admit(key, time.monotonic(), self._rng.random())
         if priority is not PriorityClass.BATCH:
@@ -286,7 +284,6 @@ class Predictor:
         if shed is not None:
             self._metrics.throttled_total_of[(model,)].inc()
             self.admission.refused(tenant, "throttled")
-            self.admission.give_back(policy, 0)  # its request token: it was never served
             raise Overloaded(
                 f"{model}: overloaded, refused at the gateway (downstream is refusing work; "
                 f"{shed.probability:.0%} of requests are refused here now)",

@@ -157,13 +157,13 @@ class TenantQuotas:
         state = self._tenants.setdefault(policy.name, _TenantState())
         return self._take(state, policy, "rows_per_s", num_rows, now_s)
 
-    def give_back(self, tenant: str, rows: int, now_s: float) -> None:
-        """A call refused for load, never served: its request token and its `rows` return."""
+    def give_back_rows(self, tenant: str, rows: int, now_s: float) -> None:
+        """The `rows` of a call refused for load, never served, return. Its request token does
+        not: every call made counts, so a flood is still refused before its body is read."""
         state = self._tenants.get(tenant)
-        for quota, amount in (("requests_per_s", 1), ("rows_per_s", rows)):
-            bucket = None if state is None else state.buckets.get(quota)
-            if bucket is not None and amount:
-                bucket.give_back(amount, now_s)
+        bucket = None if state is None else state.buckets.get("rows_per_s")
+        if bucket is not None:
+            bucket.give_back(rows, now_s)
 
     def _take(
         self, state: _TenantState, policy: TenantPolicy, quota: str, amount: int, now_s: float
