@@ -783,3 +783,51 @@ def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
     assert lane.refresh_gauges(metrics, 10.0 + GAUGE_PERIOD_S) is None
     assert gauge() == lane.batcher.max_batch_size_for(key) < most
     assert lane.refresh_gauges(metrics, 20.0) is None  # nothing stale
+
+
+async def test_a_stop_during_work_between_batches_waits_for_it_without_blocking_the_loop(
+    tmp_path: Path,
+) -> None:
+    """A hot load's warm-up runs on the executor between batches; a stop cancels the load's
+    task, but not the warm-up. The driver took the executor for idle: its drain joined the
+    executor's thread from the event loop, which then answered nothing (health, fronts,
+    generation) until the warm-up ended, and a row queued meanwhile was dispatched behind it,
+    timed by the watchdog with it. Now the work counts until it ends, the row waits for it,
+    and the drain waits for both without blocking the loop."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    driver.warm_up()
+    driver.start()
+    gate, entered = threading.Event(), threading.Event()
+
+    def warm_up() -> None:  # stands for a new version's warm-up: held until the gate opens
+        entered.set()
+        gate.wait(timeout=30)
+
+    load = asyncio.create_task(driver.between_batches(warm_up))
+    await asyncio.to_thread(entered.wait, 10)
+    load.cancel()  # the stop
+    rows = backend.prepare_many([np.ones(4, dtype=np.float32)])
+    answer = asyncio.create_task(driver.submit(backend, rows, timeout_s=20, tenant="t"))
+    await asyncio.sleep(0.2)
+    assert not driver.is_executing, "the row waits for the work between batches"
+    drain = asyncio.create_task(driver.drain())
+    ticks: list[float] = []
+    opened_at: list[float] = []
+
+    def open_gate() -> None:
+        opened_at.append(time.monotonic())
+        gate.set()
+
+    threading.Timer(1.0, open_gate).start()
+    while not drain.done():
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.05)
+    (opened_s,) = opened_at
+    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+    (output,) = await answer  # served once the work ended: affine, FP32 [4] -> FP32 [2]
+    assert output.shape == (2,) and np.isfinite(output).all()
+    with pytest.raises(asyncio.CancelledError):
+        await load

@@ -22,6 +22,7 @@ from services.common.tracing import batch_span, current_span_context
 from services.common.wakeup import Wakeup
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching import watchdog
+from services.gpu_worker.batching.between_batches import BetweenBatches
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import (
@@ -76,7 +77,7 @@ class BatchingDriver:
         self._item_ids = itertools.count(1)
         self._wake = Wakeup()
         self._running: asyncio.Task[None] | None = None
-        self._num_between = 0  # `between_batches` works asked for or running
+        self._between = BetweenBatches(self._executor, self._wake)
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
@@ -138,16 +139,8 @@ class BatchingDriver:
         self._metrics.forget_queue(*lane.labels)
 
     async def between_batches(self, work: Callable[..., object], *args: object) -> None:
-        """Runs `work` on the executor between batches, dispatching none meanwhile: a batch
-        queued behind it would be timed with it (by the watchdog, the tenants, the model)."""
-        self._num_between += 1
-        try:
-            while self._running is not None:
-                await asyncio.wait({self._running})
-            await asyncio.wrap_future(self._executor.submit(work, *args))
-        finally:
-            self._num_between -= 1
-            self._wake.set()
+        """Runs `work` on the executor between batches (BetweenBatches.run)."""
+        await self._between.run(lambda: self._running, work, *args)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -303,9 +296,10 @@ class BatchingDriver:
                 raise self._wedged
             self._wake.clear()
             now = self._clock()
-            is_idle = self._running is None and not self._num_between
+            is_idle = self._running is None and not self._between.count
             wake_at = self._take_turns(next(turns_taken), now, is_idle)
-            if self._draining and self._running is None and self.num_in_flight == 0:
+            is_idle = self._running is None and not self._between.count  # after a dispatch
+            if self._draining and is_idle and self.num_in_flight == 0:
                 return
             timeout_s = None if wake_at is None else max(0.0, wake_at - self._clock())
             # Under 1 ms waits 1 ms: uvloop's timers count whole ms (passes would spin).

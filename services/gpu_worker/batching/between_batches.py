@@ -1,0 +1,47 @@
+"""Work the batching driver runs on its executor between batches (a hot-loaded version's
+warm-up, an unloaded version's memory release): no batch is dispatched while any is asked for
+or running, so none is timed with it (by the watchdog, the tenants, the latency model)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from services.common.wakeup import Wakeup
+
+
+class BetweenBatches:
+    def __init__(self, executor: Executor, wake: Wakeup) -> None:
+        self._executor = executor
+        self._wake = wake  # the driver's loop, told when a work ends
+        #: Works asked for or running.
+        self.count = 0
+
+    async def run(
+        self,
+        running_batch: Callable[[], asyncio.Task[None] | None],
+        work: Callable[..., object],
+        *args: object,
+    ) -> None:
+        """Runs `work(*args)` on the executor once no batch is running (`running_batch`).
+        Cancelled, it still counts until `work` ends: a call on a thread runs to its end, and
+        a batch, or the executor's shutdown by a drain, must wait for it."""
+        self.count += 1
+        running: asyncio.Future[object] | None = None
+        try:
+            while (batch := running_batch()) is not None:
+                await asyncio.wait({batch})
+            running = asyncio.wrap_future(self._executor.submit(work, *args))
+            await asyncio.shield(running)
+        finally:
+            if running is None:
+                self._end(None)
+            else:
+                running.add_done_callback(self._end)
+
+    def _end(self, work: asyncio.Future[object] | None) -> None:
+        if work is not None and not work.cancelled():
+            work.exception()  # raised to its caller, or to none once the caller was cancelled
+        self.count -= 1
+        self._wake.set()
