@@ -52,8 +52,8 @@ class Refusing(api_grpc.InferenceServiceServicer):
 def serve() -> Iterator[Any]:
     servers: list[grpc.Server] = []
 
-    def start(servicer: Refusing) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    def start(servicer: Refusing, options: tuple[tuple[str, Any], ...] = ()) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
         api_grpc.add_InferenceServiceServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
@@ -236,3 +236,20 @@ def test_a_client_sends_no_retry_while_its_throttle_refuses(
             with pytest.raises(FabricError):
                 client.predict("m", ["hello"], timeout_s=10)
     assert len(unthrottled.calls) > 3 + 29
+
+
+def test_a_message_past_the_size_limit_is_no_refusal_for_load(serve: Any) -> None:
+    """grpc answers a message past the server's size limit RESOURCE_EXHAUSTED, with no hint:
+    nothing to do with load. The throttle counted it as a refusal, so an app that sent one
+    oversized call in two had about a quarter of its small, valid calls refused unsent
+    (ThrottledError) by a gateway that refused nothing for load."""
+    servicer = Refusing(refusals=0)
+    address = serve(servicer, (("grpc.max_receive_message_length", 64 * 1024),))
+    with Client(address) as client:
+        for _ in range(40):
+            with pytest.raises(FabricError) as raised:
+                client.predict("m", ["x" * (100 * 1024)], timeout_s=10)
+            assert raised.value.code == "RESOURCE_EXHAUSTED"
+            assert not isinstance(raised.value, ThrottledError)
+            assert client.predict("m", ["hello"], timeout_s=10).model == "m"
+    assert len(servicer.calls) == 40  # the small ones: every one sent and served

@@ -266,7 +266,7 @@ class Client:
         try:
             return self._attempts(method, request, timeout_s, throttle)
         except FabricError as failure:
-            is_refused = not is_accepted(failure.code)
+            is_refused = not is_accepted(failure.code, failure.message)
             raise
         finally:
             throttle.record(time.monotonic(), accepted=not is_refused)
@@ -290,7 +290,7 @@ class Client:
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
-            if throttle is not None and not is_accepted(failure.code):
+            if throttle is not None and not is_accepted(failure.code, failure.message):
                 throttle.note_refused(time.monotonic())
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
             if (

@@ -124,10 +124,15 @@ class ThrottlePolicy:
 DEFAULT_THROTTLE = ThrottlePolicy()
 
 
-def is_accepted(code: str) -> bool:
-    """Whether a call that ended with status `code` (a name: "OK", "RESOURCE_EXHAUSTED")
-    counts as accepted by the gateway."""
-    return code not in NOT_ACCEPTED
+#: What grpc says of a message past a size limit (RESOURCE_EXHAUSTED, sender's or receiver's):
+#: a call too large, not a gateway short of capacity.
+_TOO_LARGE = "message larger than max"
+
+
+def is_accepted(code: str, message: str = "") -> bool:
+    """Whether a call that ended with status `code` (a name: "OK", "RESOURCE_EXHAUSTED") and
+    `message` counts as accepted by the gateway (not refused for load)."""
+    return code not in NOT_ACCEPTED or _TOO_LARGE in message
 
 
 @dataclass
