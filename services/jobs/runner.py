@@ -195,6 +195,8 @@ class JobRunner:
         keeping = asyncio.create_task(self._keep_claimed(entry), name=f"keep-{entry.entry_id}")
         try:
             await self._run_chunk(entry)
+            # Only a chunk whose results were recorded: one left for a later round has none.
+            self._metrics.chunk_seconds.observe(time.perf_counter() - started)
         except (RedisError, OSError, RunnerRefused, FleetUnavailable) as error:
             log.warning(
                 "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
@@ -206,7 +208,6 @@ class JobRunner:
         finally:
             keeping.cancel()
             self._running.discard(entry.entry_id)
-            self._metrics.chunk_seconds.observe(time.perf_counter() - started)
 
     async def _after_crash(self, entry: QueueEntry, error: Exception) -> None:
         """Counts a round `entry`'s chunk failed with an unexpected error; it is left pending,

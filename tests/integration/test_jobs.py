@@ -748,11 +748,15 @@ async def test_a_fleet_down_longer_than_the_retries_fails_no_item(
     # until this review's finding).
     fabric.target.num_unavailable = 5
     fabric.target.unavailable_code = code
-    fabric.start_runner("runner-1")
+    runner = fabric.start_runner("runner-1")
     texts = texts_of(8)
     job_id = await fabric.submit(texts)
     job = await fabric.finished(job_id)
     assert (job.state, job.num_failed) == (jobs.JOB_STATE_SUCCEEDED, 0)
+    # The round the chunk was left for the fleet recorded nothing: no chunk duration of it
+    # (it was observed, and an outage made chunks look fast when nothing was recorded).
+    metrics = scrape(runner.metrics_port)
+    assert total(metrics, f"{names.JOBS_CHUNK_SECONDS}_count") == 1
     assert fabric.target.num_unavailable == 0 and fabric.target.num_calls >= 6
     assert_all_ok_in_order(await fabric.results(job_id), texts)
     stored = await fabric.store.client.hgetall(fabric.store.job_key(job_id))
