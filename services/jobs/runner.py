@@ -361,8 +361,9 @@ class JobRunner:
         finished: list[ItemOutcome] = []
 
         async def alone(item: _Item) -> None:
-            async with limit:
-                finished.extend(await self._run_items(job, [item], fleet_round))
+            async with limit:  # the job read again: no item starts after a cancel
+                current = await self._store.get(job.job_id) or job
+                finished.extend(await self._run_items(current, [item], fleet_round))
 
         try:
             await all_or_none(alone(item) for item in items)

@@ -689,6 +689,27 @@ async def test_a_chunk_refused_whatever_its_items_is_not_split(fabric: Fabric) -
     assert fabric.target.num_calls == 1
 
 
+async def test_no_item_of_a_split_chunk_starts_after_its_job_is_cancelled(
+    fabric: Fabric,
+) -> None:
+    """The job is cancelled while its chunk's call is out; the call then fails for its poison
+    item (INVALID_ARGUMENT, not retried: split at once). The split ran each item alone with
+    the job as read before the cancel, so the 7 good items started after it, and were
+    recorded OK. The job is read again before the split: they are cancelled, none runs."""
+    texts = texts_of(8)
+    texts[2] = f"{POISON} 2"
+    fabric.target.poison_waits_for_release = True
+    fabric.start_runner("runner-1")
+    job_id = await fabric.submit(texts)
+    await eventually(lambda: fabric.target.num_calls >= 1, timeout_s=30.0)
+    cancelled = await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+    assert cancelled.state == jobs.JOB_STATE_CANCELLED
+    fabric.target.release()
+    job = await fabric.finished(job_id)
+    assert (job.num_ok, job.num_cancelled) == (0, 8), job
+    assert fabric.target.runs.total() == 0 and fabric.target.num_calls == 1
+
+
 async def test_a_split_chunk_left_for_the_fleet_keeps_what_its_items_finished(
     fabric: Fabric,
 ) -> None:

@@ -73,6 +73,8 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     #: A call with an UNSERVED or GARBLED text waits until this many texts have run (so that
     #: the items run beside it alone have finished before it fails the chunk).
     failing_waits_for_runs: int = 0
+    #: A call with a poison text waits for `release` before it fails.
+    poison_waits_for_release: bool = False
     _released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def release(self) -> None:
@@ -97,6 +99,8 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
             await context.abort(self.refuse_all, "refused whatever the items")
         texts = [i.text for i in request.inputs]
         if any(t.startswith(POISON) for t in texts):
+            if self.poison_waits_for_release:
+                await self._released.wait()
             if self.poison_crashes:
                 raise ServingError(f"the model crashed on a {POISON!r} text")
             raise InvalidInput(f"cannot embed {POISON!r} texts")
