@@ -379,6 +379,8 @@ class JobRunner:
             model_name=job.model_name,
             model_version=job.model_version,
             inputs=[api.PredictInput.FromString(payload) for _, payload in items],
-            request_id=f"job-{job.job_id}-{items[0][0]}",
+            # One id for every call of the job: the gateway's sticky key, so that a job naming
+            # no version runs on one label's version, not chunks of stable and of canary mixed.
+            request_id=f"job-{job.job_id}",
             priority=PriorityClass.parse(job.priority).proto,
         )

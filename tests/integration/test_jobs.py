@@ -190,6 +190,10 @@ async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fa
     # Resumable from an offset: exactly the rest, in order.
     assert [r.index for r in await fabric.results(job_id, start_index=150)] == list(range(150, 200))
     assert fabric.target.priorities == {BATCH}
+    # Every call of a job carries one request id, the gateway's sticky key: a job that names
+    # no version runs every chunk on one label's version (while the weights stand), not some
+    # chunks on stable and some on canary, outputs mixed with no trace of which is which.
+    assert fabric.target.request_ids == {f"job-{job_id}"}
     metrics = scrape(runner.metrics_port)
     assert total(metrics, names.JOBS_ITEMS_TOTAL, status="ok") == 200
     assert total(metrics, names.JOBS_ITEMS_RUNNING) == 0

@@ -60,6 +60,8 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     #: How many times each text was run (at-least-once delivery shows here).
     runs: collections.Counter[str] = field(default_factory=collections.Counter)
     priorities: set[int] = field(default_factory=set)
+    #: The request ids the calls carried (a gateway's sticky key for a version label).
+    request_ids: set[str] = field(default_factory=set)
     num_calls: int = 0
     #: Once this many texts have run, calls wait for `release` (None: never held).
     hold_after_runs: int | None = None
@@ -87,6 +89,7 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     ) -> api.PredictResponse:
         self.num_calls += 1
         self.priorities.add(request.priority)
+        self.request_ids.add(request.request_id)
         if self.num_unauthenticated > 0:
             self.num_unauthenticated -= 1
             raise Unauthenticated("unknown API key")
