@@ -57,6 +57,9 @@ class JobsApiConfig:
     #: Most bytes its items may take together (serialized): what one job holds of the
     #: gateway's memory while it arrives, and of Redis's until its retention ends.
     max_bytes: int = 64 * 1024 * 1024
+    #: Most bytes the items of all the jobs being submitted at once may take (each until it
+    #: is stored): the gateway's memory is bounded however many submit together.
+    max_bytes_held: int = 128 * 1024 * 1024
     #: Items per queue entry, and so per Predict call a runner makes...
     chunk_size: int = 64
     #: ... fewer where a job's largest items would make a call of more bytes than this: half
@@ -93,6 +96,8 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         self._store = store
         self._catalog = catalog
         self._config = config
+        #: Bytes of items held by the jobs being submitted now (`max_bytes_held`).
+        self._bytes_held = 0
 
     async def _own_job(self, job_id: str) -> JobRecord:
         """The caller's job `job_id`; NotFound when missing or another tenant's."""
@@ -136,24 +141,28 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         priority = principal.policy.priority_for(requested)
         complete_by_s = _complete_by_s(header.complete_by_unix_s)
         items: list[bytes] = []
-        num_bytes = self._add_items(items, header, 0)
-        async for message in messages:
-            _check_same_header(header, message)
-            num_bytes = self._add_items(items, message, num_bytes)
-        if not items:
-            raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
-        job = NewJob(
-            tenant=principal.tenant,
-            model_name=header.model_name,
-            model_version=header.model_version,
-            priority=priority.value,
-            items=items,
-            idempotency_key=header.idempotency_key,
-            complete_by_s=complete_by_s,
-        )
-        job_id, is_existing = await _stored(
-            self._store.submit(job, chunk_size=self._chunk_size(items))
-        )
+        num_bytes = 0  # of the gateway's memory, held until the job is stored
+        try:
+            num_bytes = self._add_items(items, header, 0)
+            async for message in messages:
+                _check_same_header(header, message)
+                num_bytes = self._add_items(items, message, num_bytes)
+            if not items:
+                raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
+            job = NewJob(
+                tenant=principal.tenant,
+                model_name=header.model_name,
+                model_version=header.model_version,
+                priority=priority.value,
+                items=items,
+                idempotency_key=header.idempotency_key,
+                complete_by_s=complete_by_s,
+            )
+            job_id, is_existing = await _stored(
+                self._store.submit(job, chunk_size=self._chunk_size(items))
+            )
+        finally:
+            self._bytes_held -= num_bytes
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
 
     def _chunk_size(self, items: list[bytes]) -> int:
@@ -168,13 +177,20 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         if len(items) + len(message.items) > self._config.max_items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         added = [item.SerializeToString() for item in message.items]
-        num_bytes += sum(map(len, added))
-        if num_bytes > self._config.max_bytes:
+        num_added = sum(map(len, added))
+        if num_bytes + num_added > self._config.max_bytes:
             raise InvalidInput(
                 f"a job's items may take at most {self._config.max_bytes} bytes: split it"
             )
+        if self._bytes_held + num_added > self._config.max_bytes_held:
+            raise Overloaded(
+                f"jobs being submitted to this gateway hold {self._bytes_held} bytes of its "
+                f"memory, its bound: submit again shortly",
+                retry_after_s=1.0,
+            )
+        self._bytes_held += num_added
         items.extend(added)
-        return num_bytes
+        return num_bytes + num_added
 
     async def GetJob(
         self, request: jobs.GetJobRequest, context: grpc.aio.ServicerContext

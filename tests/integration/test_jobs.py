@@ -133,7 +133,7 @@ async def fabric(tmp_path: Path) -> AsyncIterator[Fabric]:
     target_server, target_address = await start_target(target)
     # A byte limit of 8 MiB (the default is 64): the 100,000 short texts (about 2 MB) fit, and
     # the test of the limit streams 9 MB, not 70, beside the other tests on two cores.
-    jobs_server, jobs_address, store = await start_job_service(
+    jobs_server, jobs_address, store, _ = await start_job_service(
         redis, REPO_ROOT / "models", KEYS, max_bytes=MAX_JOB_BYTES
     )
     channel = grpc.aio.insecure_channel(jobs_address)
@@ -224,7 +224,7 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
     redis = start_redis(tmp_path)
     target = PredictTarget()
     target_server, target_address = await start_target(target, max_message_bytes=256 * 1024)
-    jobs_server, jobs_address, store = await start_job_service(
+    jobs_server, jobs_address, store, _ = await start_job_service(
         redis, REPO_ROOT / "models", KEYS, chunk_size=8, max_chunk_bytes=128 * 1024
     )
     runner = start_runner(tmp_path, redis, target_address, "runner-1")
@@ -247,6 +247,48 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
         await channel.close()
         await jobs_server.stop(None)
         await target_server.stop(None)
+        await store.client.aclose()
+        redis.stop()
+
+
+async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateways_memory(
+    tmp_path: Path,
+) -> None:
+    """Each job may hold 1 MiB here while it arrives, all of them together 1.5 MiB. Before,
+    the bound was per job only: a few streamed submissions of 64 MiB at once held hundreds of
+    MB, and could get the gateway, with all its online traffic, killed for memory. A second
+    1 MiB job streamed while the first still arrives is refused RESOURCE_EXHAUSTED with a
+    hint; once the first is stored, it is taken."""
+    redis = start_redis(tmp_path)
+    jobs_server, jobs_address, store, servicer = await start_job_service(
+        redis, REPO_ROOT / "models", KEYS, max_bytes=1024 * 1024, max_bytes_held=1536 * 1024
+    )
+    texts = [f"{i} " + "x" * (60 * 1024) for i in range(16)]  # 0.94 MiB in all
+    first_may_end = asyncio.Event()
+
+    async def first_job() -> AsyncIterator[jobs.SubmitJobRequest]:
+        async for message in streamed(texts, items_per_message=4):
+            yield message
+        await first_may_end.wait()
+
+    channel = grpc.aio.insecure_channel(jobs_address)
+    try:
+        stub = jobs_grpc.JobServiceStub(channel)
+        first = asyncio.ensure_future(stub.SubmitJobStream(first_job(), metadata=AS_A))
+        await eventually(lambda: servicer._bytes_held > 900 * 1024, timeout_s=30.0)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=AS_A)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert dict(refused.value.trailing_metadata() or ()).get(RETRY_AFTER_MS_KEY)
+        first_may_end.set()
+        assert (await first).job_id
+        assert servicer._bytes_held == 0
+        again = await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=AS_A)
+        job = await stub.GetJob(jobs.GetJobRequest(job_id=again.job_id), metadata=AS_A)
+        assert job.num_items == 16 and servicer._bytes_held == 0
+    finally:
+        await channel.close()
+        await jobs_server.stop(None)
         await store.client.aclose()
         redis.stop()
 

@@ -143,7 +143,8 @@ async def start_job_service(
     chunk_size: int = 8,
     max_bytes: int = JobsApiConfig.max_bytes,
     max_chunk_bytes: int = JobsApiConfig.max_chunk_bytes,
-) -> tuple[grpc.aio.Server, str, JobStore]:
+    max_bytes_held: int = JobsApiConfig.max_bytes_held,
+) -> tuple[grpc.aio.Server, str, JobStore, JobServicer]:
     """The gateway's JobService (as Redis user `gateway`) behind its authentication stage, with
     the gateway's default message limit (4 MiB)."""
     client = connect_jobs_redis(redis.role_url(GATEWAY), timeout_s=5.0)
@@ -151,13 +152,16 @@ async def start_job_service(
     catalog = ModelCatalog(load_repository(repository))
     server = new_server([Authentication(keys)], max_message_bytes=GatewayConfig.max_message_bytes)
     config = JobsApiConfig(
-        chunk_size=chunk_size, max_bytes=max_bytes, max_chunk_bytes=max_chunk_bytes
+        chunk_size=chunk_size,
+        max_bytes=max_bytes,
+        max_chunk_bytes=max_chunk_bytes,
+        max_bytes_held=max_bytes_held,
     )
     servicer = JobServicer(store, catalog, config)
     jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    return server, f"127.0.0.1:{port}", store
+    return server, f"127.0.0.1:{port}", store, servicer
 
 
 def start_runner(
