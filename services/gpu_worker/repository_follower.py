@@ -68,7 +68,10 @@ class RepositoryFollower:
         pool: tuple[str, ...],
         models: LoadedModels,
         swapper: ModelSwapper,
+        start_state: Mapping[str, DesiredState] | None = None,
     ) -> None:
+        """`start_state`: the desired state the start-up load followed (None: the first
+        read's), at whose revisions its failures count as attempts."""
         self._client = client
         self._key = repository_key(registry_prefix)
         self._repository_dir = repository_dir
@@ -79,6 +82,7 @@ class RepositoryFollower:
         #: The desired revisions when the repository was last read whole (None: never).
         self._revisions: dict[str, int] | None = None
         self._is_first = True
+        self._start_state = start_state
         #: Versions that failed to load -> their model's revision then (retried once it grows).
         self._failed: dict[VersionKey, int] = {}
         #: What was last logged of each unreadable model, so a lasting fault is logged once.
@@ -108,10 +112,12 @@ class RepositoryFollower:
         stop_if_cancelled()  # the read may have swallowed a stop: no load or unload after it
         revisions = {name: entry.revision for name, entry in desired.items()}
         if self._is_first:
-            # Failures of the start-up load count as attempts at the revisions seen now.
+            # Failures of the start-up load count as attempts at the revisions it saw: a load
+            # written since (while the worker loaded) retries them.
+            at_start = desired if self._start_state is None else self._start_state
             for failure in self._models.failed:
                 key = (failure.model, failure.version)
-                self._failed[key] = revision_of(failure.model, desired)
+                self._failed[key] = revision_of(failure.model, at_start)
             self._is_first = False
         if self._versions is None or revisions != self._revisions:
             # Read again until a read finds every model readable: a model being staged when a

@@ -7,12 +7,11 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 import torch
 from grpc_health.v1 import health
 
@@ -30,6 +29,7 @@ from services.common.lifecycle import (
 from services.common.model_repository import load_repository, select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
+from services.common.repository_state import DesiredState
 from services.common.sampling import sampling_from_pb
 from services.common.telemetry import Outcome, tier_registry
 from services.common.tensors import tensor_to_pb
@@ -51,7 +51,12 @@ from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.reconcile import is_wanted
 from services.gpu_worker.registry_publisher import RegistryPublisher
 from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
-from services.gpu_worker.wire import generation_weight, raw_input, version_info
+from services.gpu_worker.wire import (
+    generation_prompt,
+    generation_weight,
+    raw_input,
+    version_info,
+)
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
@@ -144,18 +149,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
             raise Unavailable("worker is still loading models")
         backend = self._models.generation_backend(request.model_name, request.model_version)
         backend.check_fingerprint(request.fingerprint)
-        which = request.WhichOneof("prompt")
-        if which == "text":
-            prompt = backend.encode(request.text)
-        elif which == "token_ids":
-            if not request.fingerprint:
-                raise InvalidInput("token_ids prompts require the tokenizer's fingerprint")
-            if len(request.token_ids) % 4:
-                raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
-            ids = backend.text.check_ids(np.frombuffer(request.token_ids, dtype="<i4"))
-            prompt = [int(i) for i in ids]
-        else:
-            raise InvalidInput("request has no prompt (text or token_ids)")
+        prompt = generation_prompt(backend, request)
         params = sampling_from_pb(request.sampling)
         if request.fills_context and not request.sampling.max_tokens:  # the context left
             params = dataclasses.replace(params, max_tokens=backend.scheduler.room_for(len(prompt)))
@@ -262,7 +256,7 @@ class Worker:
             address = self.config.advertise_address or f"{self.config.host}:{self.port}"
             self.registry_publisher = RegistryPublisher(self.config, address, models, batching)
             self.registry_publisher.start()
-            self._follow_desired_state(models, batching, device, options)
+            self._follow_desired_state(models, batching, device, options, desired)
         log.info(
             "worker ready on port %d (%s): %s",
             self.port,
@@ -276,9 +270,10 @@ class Worker:
         batching: BatchingDriver,
         device: torch.device,
         options: LoadOptions,
+        start_state: Mapping[str, DesiredState],
     ) -> None:
         """Starts loading and unloading versions (as `options` say) as the fleet's desired
-        state says."""
+        state says (`start_state`: what the start-up load followed)."""
         assert self.registry_publisher is not None
         publisher = self.registry_publisher
         swapper = ModelSwapper(
@@ -299,6 +294,7 @@ class Worker:
             pool=self.config.models,
             models=models,
             swapper=swapper,
+            start_state=start_state,
         )
         self._follower = asyncio.get_running_loop().create_task(follower.run(), name="follower")
 

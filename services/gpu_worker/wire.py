@@ -13,6 +13,7 @@ from services.common.pb_conversions import model_kind_to_pb
 from services.common.tensors import dtype_pb, tensor_from_pb
 from services.common.text import TokenIds
 from services.gpu_worker.backends.base import RawInput
+from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.served_model import ServedModel
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -28,6 +29,21 @@ def raw_input(model_input: pb.ModelInput) -> RawInput:
     if which == "tensor":
         return tensor_from_pb(model_input.tensor)
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
+
+
+def generation_prompt(backend: GenerationBackend, request: pb.WorkerGenerateRequest) -> list[int]:
+    """A generation request's prompt token ids: its text encoded, or its ids checked."""
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        return backend.encode(request.text)
+    if which == "token_ids":
+        if not request.fingerprint:
+            raise InvalidInput("token_ids prompts require the tokenizer's fingerprint")
+        if len(request.token_ids) % 4:
+            raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
+        ids = backend.text.check_ids(np.frombuffer(request.token_ids, dtype="<i4"))
+        return [int(i) for i in ids]
+    raise InvalidInput("request has no prompt (text or token_ids)")
 
 
 def generation_weight(value: float) -> float:

@@ -231,6 +231,58 @@ async def test_a_served_model_that_does_not_read_at_the_first_follow_stays_serve
         await worker.stop()
 
 
+async def test_a_version_that_failed_at_start_is_retried_by_a_load_written_while_starting(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """affine/2 fails at start (its files half-staged); while the worker still loads, the
+    files are completed and a load of affine written (revision 1). The start-up failure was
+    counted as an attempt at the revision the follower first read, 1, so the worker never
+    loaded the version every other worker loads, until another load. It counts at the
+    revision the start-up load saw (none here: 0), and the load of revision 1 retries it."""
+    write_affine_model(tmp_path / "repo")
+    (tmp_path / "repo" / "affine" / "2").mkdir()
+    (tmp_path / "repo" / "affine" / "2" / "model.pt").write_bytes(b"half a torchscript archive")
+    worker = await create_worker(
+        dataclasses.replace(config(tmp_path, redis_server.worker_url), redis_url=None)
+    )
+    await worker.load()  # without Redis: no follower of its own; the desired state was {}
+    client = connect(redis_server.worker_url)
+    try:
+        assert worker.models is not None and worker.batching is not None
+        assert [(f.model, f.version) for f in worker.models.failed] == [("affine", "2")]
+        write_versioned_affine_model(tmp_path / "fixed", versions=(2,))
+        (tmp_path / "repo" / "affine" / "2" / "model.pt").write_bytes(
+            (tmp_path / "fixed" / "affine" / "2" / "model.pt").read_bytes()
+        )
+        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+        swapper = ModelSwapper(
+            models=worker.models,
+            batching=worker.batching,
+            device=torch.device("cpu"),
+            worker_metrics=worker.metrics,
+            generation_metrics=worker.generation_metrics,
+            on_fatal=lambda error: None,
+            on_change=lambda: None,
+            watchdog_s=30.0,
+        )
+        follower = RepositoryFollower(
+            client=client,
+            registry_prefix="fabric",
+            repository_dir=tmp_path / "repo",
+            pool=(),
+            models=worker.models,
+            swapper=swapper,
+            start_state={},
+        )
+        await follower.follow_once()
+        served = {(m.config.name, m.version.version) for m in worker.models.all}
+        assert served == {("affine", "1"), ("affine", "2")}
+        assert worker.models.failed == ()
+    finally:
+        await client.aclose()
+        await worker.stop()
+
+
 async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
     tmp_path: Path, worker: Worker, redis_server: RedisServer
 ) -> None:
