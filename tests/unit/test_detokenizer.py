@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
 
 from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer, skipped_ids
 from services.gpu_worker.generation.tiny_llama import build_tokenizer
@@ -44,6 +45,9 @@ class Counting:
 
     def get_added_tokens_decoder(self) -> dict:
         return TOKENIZER.get_added_tokens_decoder()
+
+    def to_str(self) -> str:
+        return TOKENIZER.to_str()
 
 
 def test_text_round_trips_piece_by_piece() -> None:
@@ -155,3 +159,64 @@ def test_a_long_run_of_undecodable_bytes_keeps_every_window_short() -> None:
     assert "".join(pieces) == TOKENIZER.decode(sequence, skip_special_tokens=True)
     assert "€" in "".join(pieces)
     assert max(windows) <= 16, max(windows)
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """A SentencePiece-style tokenizer (Llama-2's, Mistral's decoder): byte tokens <0x00> to
+    <0xFF> (ids 3 to 258) and one word piece, "▁ok" (259)."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    vocab["▁ok"] = 259
+    model = models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>")
+    tokenizer = Tokenizer(model)
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    return tokenizer
+
+
+def test_a_byte_fallback_decoder_is_never_settled_inside_a_run_of_bytes() -> None:
+    """SentencePiece's byte fallback shows a whole run of byte tokens as U+FFFD when any of
+    them is invalid: text a character follows is not final there. Taken as final (the rule
+    for byte-level BPE), the run's later windows decoded valid characters shorter than their
+    context, and " ok" was lost."""
+    tokenizer = byte_fallback_tokenizer()
+    euro = [3 + 0xE2, 3 + 0x82, 3 + 0xAC]
+    sequence = [3 + 0x82, *euro * 12, 259]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == tokenizer.decode(sequence, skip_special_tokens=True)
+    assert "".join(pieces).endswith(" ok")
+
+
+def test_tokens_that_never_end_a_character_cost_a_few_decodes_each() -> None:
+    """Byte-level BPE tokens that span characters ("€" is E2 82 AC; tokens E2 82 and AC E2 82
+    repeated): no token ends a character, so no text settles, and looking for it at every end
+    of the window cost O(n) decodes a token. It looks at the last few ends only."""
+    windows: list[int] = []
+    byte_level = TOKENIZER.get_vocab()
+    vocab = {**byte_level, "âĤ": len(byte_level), "¬âĤ": len(byte_level) + 1}
+    spanning = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    spanning.decoder = decoders.ByteLevel()
+    sequence = [vocab["âĤ"], *[vocab["¬âĤ"]] * 300]
+
+    class Recording:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            windows.append(len(token_ids))
+            return spanning.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return spanning.get_added_tokens_decoder()
+
+        def to_str(self) -> str:
+            return spanning.to_str()
+
+    detokenizer = IncrementalDetokenizer(Recording())  # type: ignore[arg-type]
+    pieces = []
+    for token in sequence:
+        before = len(windows)
+        pieces.append(detokenizer.push(token, ())[0])
+        assert len(windows) - before <= 6
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == spanning.decode(sequence)

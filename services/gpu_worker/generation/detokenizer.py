@@ -14,6 +14,8 @@ gives the same text as decoding the sequence because both end at the same token 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import weakref
 from collections.abc import Sequence
 
@@ -23,6 +25,7 @@ _INCOMPLETE = "\ufffd"
 #: Tokens read while their text ends in half a character before `_settled` looks for text that
 #: is final among them: a UTF-8 character's bytes span at most 4 tokens.
 _MAX_UNREAD = 8
+_MAX_UTF8 = 4
 
 
 class IncrementalDetokenizer:
@@ -40,6 +43,9 @@ class IncrementalDetokenizer:
         #: Tokens decoding skips (special tokens): never kept in a window, or a run of them
         #: (EOS generated with `ignore_eos`) would grow every window, O(n^2) again.
         self._skipped = skipped_ids(tokenizer)
+        #: Whether text a character follows is final (`_settled`): not so for a SentencePiece
+        #: byte fallback, which shows a whole run of byte tokens as U+FFFD if any is invalid.
+        self._may_settle = may_settle(tokenizer)
 
     def push(self, token_id: int, stops: Sequence[str]) -> tuple[str, bool]:
         """Adds a token; returns (text now final, whether a stop string was reached). After a
@@ -72,7 +78,7 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix :])
         end = len(self._ids)
         if window.endswith(_INCOMPLETE) and not is_final:
-            if end - self._read < _MAX_UNREAD:
+            if end - self._read < _MAX_UNREAD or not self._may_settle:
                 return False
             end, window = self._settled(context, window)
         if len(window) <= len(context):
@@ -86,7 +92,9 @@ class IncrementalDetokenizer:
         character: a random model repeating one) has settled text, and that text: the last
         token after which the rest only added characters (a character ended, or an invalid
         byte showed as U+FFFD for good, there). Else `_read` (nothing), held as before."""
-        for end in range(len(self._ids) - 1, self._read, -1):
+        # The last few ends only: where no token ends a character (tokens of byte-level BPE
+        # spanning characters), looking further would cost O(n) decodes a token.
+        for end in range(len(self._ids) - 1, max(self._read, len(self._ids) - _MAX_UTF8), -1):
             text = self._decode(self._ids[self._prefix : end])
             if len(context) < len(text) < len(window) and window.startswith(text):
                 return end, text
@@ -122,6 +130,26 @@ def skipped_ids(tokenizer: Tokenizer) -> frozenset[int]:
     if skipped is None:
         skipped = _SKIPPED[tokenizer] = _special_ids(tokenizer)
     return skipped
+
+
+_MAY_SETTLE: weakref.WeakKeyDictionary[Tokenizer, bool] = weakref.WeakKeyDictionary()
+
+
+def may_settle(tokenizer: Tokenizer) -> bool:
+    """Whether `tokenizer` decodes bytes as lossy UTF-8 does (byte-level BPE), where text a
+    character follows never changes; not a SentencePiece `ByteFallback` decoder. Read once
+    per tokenizer (its JSON may be megabytes)."""
+    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
+        if (known := _MAY_SETTLE.get(tokenizer)) is not None:
+            return known
+    try:
+        decoder = json.loads(tokenizer.to_str()).get("decoder")
+    except (AttributeError, ValueError):  # not a `tokenizers` tokenizer: settle nothing
+        return False
+    settles = "ByteFallback" not in json.dumps(decoder)
+    with contextlib.suppress(TypeError):
+        _MAY_SETTLE[tokenizer] = settles
+    return settles
 
 
 def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
