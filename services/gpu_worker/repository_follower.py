@@ -39,10 +39,10 @@ log = logging.getLogger(__name__)
 FOLLOW_PERIOD_S = 1.0
 
 
-async def desired_at_start(config: WorkerConfig) -> dict[str, DesiredState]:
+async def desired_at_start(config: WorkerConfig) -> dict[str, DesiredState] | None:
     """The desired state before the first load, so that a worker started after an unload does
-    not load (and advertise) what the fleet unloaded; {} without Redis, or while it is
-    unreachable (the follower then corrects within a period)."""
+    not load (and advertise) what the fleet unloaded; {} without Redis; None while it is
+    unreachable (the pool is loaded, and the follower corrects within a period)."""
     if not config.redis_url:
         return {}
     credentials = role_credentials(WORKER, config.redis_url, config.redis_password_file)
@@ -51,7 +51,7 @@ async def desired_at_start(config: WorkerConfig) -> dict[str, DesiredState]:
         return parse_desired(await client.hgetall(repository_key(config.registry_prefix)))
     except (RedisError, OSError) as error:
         log.warning("desired model state unreadable at start (%s): loading the pool", error)
-        return {}
+        return None
     finally:
         await client.aclose()
 
@@ -70,8 +70,8 @@ class RepositoryFollower:
         swapper: ModelSwapper,
         start_state: Mapping[str, DesiredState] | None = None,
     ) -> None:
-        """`start_state`: the desired state the start-up load followed (None: the first
-        read's), at whose revisions its failures count as attempts."""
+        """`start_state`: the desired state the start-up load followed (None: it could not
+        be read; the first read's then), at whose revisions its failures count as attempts."""
         self._client = client
         self._key = repository_key(registry_prefix)
         self._repository_dir = repository_dir

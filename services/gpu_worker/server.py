@@ -210,7 +210,7 @@ class Worker:
         def load_and_warm() -> tuple[LoadedModels, BatchingDriver, LoadOptions]:
             repository = load_repository(self.config.model_repository)
             pool = select_models(repository, self.config.models)
-            versions = [v for v in pool if is_wanted(v.config.name, desired, pool=())]
+            versions = [v for v in pool if is_wanted(v.config.name, desired or {}, pool=())]
             driver_config = resolve_threads(self.config.batching, device)
             # Generation engines choose their threads up to the count resolved now, for
             # versions loaded while serving too (not the count torch gives their thread then).
@@ -270,7 +270,7 @@ class Worker:
         batching: BatchingDriver,
         device: torch.device,
         options: LoadOptions,
-        start_state: Mapping[str, DesiredState],
+        start_state: Mapping[str, DesiredState] | None,
     ) -> None:
         """Starts loading and unloading versions (as `options` say) as the fleet's desired
         state says (`start_state`: what the start-up load followed)."""

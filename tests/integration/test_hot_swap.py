@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import gc
 import shutil
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -25,7 +26,7 @@ from services.gpu_worker import hot_swap
 from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.hot_swap import ModelSwapper
-from services.gpu_worker.repository_follower import RepositoryFollower
+from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -281,6 +282,20 @@ async def test_a_version_that_failed_at_start_is_retried_by_a_load_written_while
     finally:
         await client.aclose()
         await worker.stop()
+
+
+async def test_a_desired_state_unreadable_at_start_is_none_not_an_empty_one(
+    tmp_path: Path,
+) -> None:
+    """Redis unreachable at start: the desired state was {}, as with no entries, so each
+    start-up failure counted as tried at revision 0, and the first read (revision N) loaded
+    every failed version again with no load written. None says it was not read."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    unreachable = config(tmp_path, f"redis://127.0.0.1:{port}")  # nothing listens there
+    assert await desired_at_start(unreachable) is None
+    assert await desired_at_start(dataclasses.replace(unreachable, redis_url=None)) == {}
 
 
 async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
