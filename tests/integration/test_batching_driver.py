@@ -831,3 +831,50 @@ async def test_a_stop_during_work_between_batches_waits_for_it_without_blocking_
     assert output.shape == (2,) and np.isfinite(output).all()
     with pytest.raises(asyncio.CancelledError):
         await load
+
+
+async def test_a_drain_after_the_loop_died_waits_for_work_between_batches_without_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The batching loop died of a bug while a hot load's warm-up ran between batches: the
+    drain found the loop done and joined the executor's thread from the event loop."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    driver.warm_up()
+    fatal: list[Exception] = []
+    driver.start(on_fatal=fatal.append)
+    gate, entered = threading.Event(), threading.Event()
+
+    def warm_up() -> None:
+        entered.set()
+        gate.wait(timeout=30)
+
+    load = asyncio.create_task(driver.between_batches(warm_up))
+    await asyncio.to_thread(entered.wait, 10)
+
+    def broken_poll(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("batcher invariant broken")
+
+    monkeypatch.setattr(Batcher, "poll", broken_poll)
+    rows = backend.prepare_many([np.ones(4, dtype=np.float32)])
+    with pytest.raises(Unavailable, match="batching stopped here"):
+        await driver.submit(backend, rows, timeout_s=20, tenant="t")
+    assert [str(e) for e in fatal] == ["batcher invariant broken"]
+    load.cancel()
+    drain = asyncio.create_task(driver.drain())
+    ticks: list[float] = []
+    opened_at: list[float] = []
+
+    def open_gate() -> None:
+        opened_at.append(time.monotonic())
+        gate.set()
+
+    threading.Timer(1.0, open_gate).start()
+    while not drain.done():
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.05)
+    (opened_s,) = opened_at
+    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+    await drain

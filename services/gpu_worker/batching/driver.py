@@ -187,6 +187,11 @@ class BatchingDriver:
                     lane.fail_pending(self._refusal)
                 self._loop_task.cancel()
                 raise
+        # A loop that died leaves work between batches (a cancelled load's warm-up) running:
+        # it ends first, or the shutdown would join its thread from the event loop.
+        while self._between.count and self._wedged is None:
+            self._wake.clear()
+            await self._wake.wait()
         # A wedged call never returns: leave its (daemon) thread behind rather than hang.
         self._executor.shutdown(wait=self._wedged is None)
 
