@@ -184,6 +184,24 @@ def chunk_ranges(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
     ]
 
 
+def chunk_ends(sizes: Sequence[int], max_items: int, max_bytes: int) -> list[int]:
+    """Where each chunk of items of `sizes` (bytes) ends, in order: at most `max_items` items
+    and `max_bytes` bytes a chunk (one Predict call each), an item larger alone in a chunk."""
+    if max_items < 1:
+        raise ValueError("chunk_size must be at least 1")
+    ends: list[int] = []
+    num_items = num_bytes = 0
+    for index, size in enumerate(sizes):
+        if num_items and (num_items == max_items or num_bytes + size > max_bytes):
+            ends.append(index)
+            num_items = num_bytes = 0
+        num_items += 1
+        num_bytes += size
+    if num_items:
+        ends.append(len(sizes))
+    return ends
+
+
 def finished_prefix(found: Sequence[bytes | None]) -> list[bytes]:
     """The results of a page read from the caller's offset on, up to the first item not yet
     finished (None): a resumed call never skips an item, and never returns one out of order."""

@@ -3,23 +3,23 @@ key schema): each runs atomically in Redis, so that a job is enqueued whole or n
 item's result is written and counted once, and a job gone (expired) is never brought back."""
 
 # KEYS: job hash, items list, idempotency key, queue, the tenant's job list; ARGV: job id,
-# number of items, chunk size, created time (the list's score), '1' to claim the idempotency
-# key. Returns the job id the key names (another's, if it named one first).
+# created time (the list's score), '1' to claim the idempotency key, then where each chunk
+# ends (item indices, ascending; job_policy.chunk_ends). Returns the job id the key names
+# (another's, if it named one first).
 ENQUEUE = """
-if ARGV[5] == '1' then
+if ARGV[3] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then return existing end
   redis.call('SET', KEYS[3], ARGV[1])
 end
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
-local n = tonumber(ARGV[2])
-local size = tonumber(ARGV[3])
-for start = 0, n - 1, size do
-  redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start,
-             'end', math.min(start + size, n))
+local start = 0
+for i = 4, #ARGV do
+  redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start, 'end', ARGV[i])
+  start = tonumber(ARGV[i])
 end
-redis.call('ZADD', KEYS[5], ARGV[4], ARGV[1])
+redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 return ARGV[1]
 """
 # KEYS: job hash, results hash, queue, dead letters, items list, the tenant's job list[,

@@ -45,7 +45,7 @@ import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 from redis.exceptions import NoPermissionError
 
-from services.common.job_policy import ItemStatus, chunk_ranges
+from services.common.job_policy import ItemStatus, chunk_ends, chunk_ranges
 from services.common.job_records import (
     ItemOutcome,
     JobCursor,
@@ -135,8 +135,11 @@ class JobStore:
     def _tenant_key(self, tenant: str) -> str:
         return f"{self.prefix}:jobs:tenant:{tenant}"
 
-    async def submit(self, job: NewJob, *, chunk_size: int) -> tuple[str, bool]:
-        """Persists `job` and enqueues its chunks; returns (job id, is_existing): with an
+    async def submit(
+        self, job: NewJob, *, chunk_size: int, max_chunk_bytes: int = 2**62
+    ) -> tuple[str, bool]:
+        """Persists `job` and enqueues its chunks (`chunk_size` items and `max_chunk_bytes`
+        bytes at most each, job_policy.chunk_ends); returns (job id, is_existing): with an
         idempotency key already used by this tenant, the existing job's id and True. Raises
         StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`."""
         idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
@@ -161,7 +164,8 @@ class JobStore:
             await pipe.execute()
         keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
         has_key = "1" if job.idempotency_key else "0"
-        args: list[str | int | float] = [job_id, len(job.items), chunk_size, created_s, has_key]
+        ends = chunk_ends([len(item) for item in job.items], chunk_size, max_chunk_bytes)
+        args: list[str | int | float] = [job_id, created_s, has_key, *ends]
         winner = (await self._enqueue(keys=keys, args=args)).decode()
         if winner != job_id:
             await self.client.delete(key, f"{key}:items")

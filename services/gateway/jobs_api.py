@@ -62,9 +62,12 @@ class JobsApiConfig:
     max_bytes_held: int = 128 * 1024 * 1024
     #: Items per queue entry, and so per Predict call a runner makes...
     chunk_size: int = 64
-    #: ... fewer where a job's largest items would make a call of more bytes than this: half
-    #: the gateway's message limit (grpc refuses a call past it before any handler runs).
+    #: ... fewer where they would make a call of more bytes than this: half the gateway's
+    #: message limit (grpc refuses a call past it before any handler runs)...
     max_chunk_bytes: int = 2 * 1024 * 1024
+    #: ... and an item larger goes alone, up to this: the limit less room for the call's own
+    #: fields (model, request id); a larger item is refused at submission.
+    max_item_bytes: int = 4 * 1024 * 1024 - 64 * 1024
     #: Largest ListJobs page.
     max_page_size: int = 500
 
@@ -158,17 +161,13 @@ class JobServicer(jobs_grpc.JobServiceServicer):
                 idempotency_key=header.idempotency_key,
                 complete_by_s=complete_by_s,
             )
+            chunk_size, max_chunk_bytes = self._config.chunk_size, self._config.max_chunk_bytes
             job_id, is_existing = await _stored(
-                self._store.submit(job, chunk_size=self._chunk_size(items))
+                self._store.submit(job, chunk_size=chunk_size, max_chunk_bytes=max_chunk_bytes)
             )
         finally:
             self._bytes_held -= num_bytes
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
-
-    def _chunk_size(self, items: list[bytes]) -> int:
-        """Items per chunk of a job of `items`: every chunk within `max_chunk_bytes`."""
-        largest = max(map(len, items))
-        return max(1, min(self._config.chunk_size, self._config.max_chunk_bytes // largest))
 
     def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest, num_bytes: int) -> int:
         """Appends `message`'s items, serialized, to `items` (holding `num_bytes`); returns
@@ -177,6 +176,11 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         if len(items) + len(message.items) > self._config.max_items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         added = [item.SerializeToString() for item in message.items]
+        if any(len(item) > self._config.max_item_bytes for item in added):
+            raise InvalidInput(
+                f"an item may take at most {self._config.max_item_bytes} bytes (its runner's "
+                "call must fit the gateway's message limit)"
+            )
         num_added = sum(map(len, added))
         if num_bytes + num_added > self._config.max_bytes:
             raise InvalidInput(
@@ -305,6 +309,8 @@ def add_job_service(
     credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
     client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
     store = JobStore(client, prefix=redis.key_prefix)
-    config = JobsApiConfig(max_chunk_bytes=max_message_bytes // 2)
+    config = JobsApiConfig(
+        max_chunk_bytes=max_message_bytes // 2, max_item_bytes=max_message_bytes - 64 * 1024
+    )
     jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, config), server)
     return store

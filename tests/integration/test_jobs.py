@@ -232,16 +232,23 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
     try:
         stub = jobs_grpc.JobServiceStub(channel)
         texts = [f"{i} " + "x" * (40 * 1024) for i in range(8)]
-        request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts))
-        job_id = (await stub.SubmitJob(request, metadata=AS_A)).job_id
+        # And one large item among short ones: it shrinks its own chunk, not the others.
+        mixed = ["y" * (70 * 1024), *texts_of(63)]
 
-        async def finished() -> jobs.Job | None:
-            job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
-            return job if job.num_ok + job.num_failed == job.num_items else None
+        async def finished(job_id: str) -> jobs.Job:
+            async def is_done() -> jobs.Job | None:
+                job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
+                return job if job.num_ok + job.num_failed == job.num_items else None
 
-        job = await eventually(finished, timeout_s=60.0, interval_s=0.1)
-        assert job.num_ok == 8, job
-        assert 2 <= target.num_calls <= 4  # 3 items a call (120 KiB), never 8
+            return await eventually(is_done, timeout_s=60.0, interval_s=0.1)
+
+        for items, calls in ((texts, (2, 4)), (mixed, (8, 9))):
+            before = target.num_calls
+            request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(items))
+            job = await finished((await stub.SubmitJob(request, metadata=AS_A)).job_id)
+            assert job.num_ok == len(items), job
+            # 3 items of 40 KiB a call (120 KiB), never 8; the 70 KiB item's chunk only short
+            assert calls[0] <= target.num_calls - before <= calls[1]
     finally:
         runner.terminate()
         await channel.close()
@@ -291,6 +298,21 @@ async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateway
         await jobs_server.stop(None)
         await store.client.aclose()
         redis.stop()
+
+
+async def test_an_item_whose_call_would_not_fit_the_message_limit_is_refused_at_submission(
+    fabric: Fabric,
+) -> None:
+    """An item within a few bytes of the gateway's limit (4 MiB) passes in its own message,
+    but the runner's call of it adds the model and request id: grpc would refuse that call
+    RESOURCE_EXHAUSTED every round. Refused INVALID_ARGUMENT at submission instead."""
+    request = jobs.SubmitJobRequest(
+        model_name="minilm", items=text_items(["z" * (4 * 1024 * 1024 - 32 * 1024)])
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.SubmitJob(request, metadata=AS_A)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "an item may take at most" in (refused.value.details() or "")
 
 
 async def test_a_result_recorded_twice_is_written_and_counted_once(fabric: Fabric) -> None:

@@ -12,6 +12,7 @@ from services.common.job_policy import (
     JobState,
     Retry,
     RetryPolicy,
+    chunk_ends,
     chunk_ranges,
     eta_s,
     finished_prefix,
@@ -133,3 +134,14 @@ def test_a_chunk_the_fleet_cannot_serve_waits_rounds_and_time_both() -> None:
 def test_a_deadline_passed_in_the_fleet_is_no_items_fault() -> None:
     assert "DEADLINE_EXCEEDED" in FLEET_CODES
     assert not {"INVALID_ARGUMENT", "INTERNAL", "NOT_FOUND"} & FLEET_CODES
+
+
+def test_chunks_end_at_their_item_count_or_their_bytes_and_a_large_item_goes_alone() -> None:
+    assert chunk_ends([1] * 10, 4, 100) == [4, 8, 10]
+    assert chunk_ends([40] * 8, 8, 128) == [3, 6, 8]
+    # One large item shrinks its own chunk, not every chunk of its job.
+    assert chunk_ends([1, 1, 200, 1, 1, 1], 4, 100) == [2, 3, 6]
+    assert chunk_ends([70] + [1] * 63, 8, 128) == [8, 16, 24, 32, 40, 48, 56, 64]
+    assert chunk_ends([], 4, 100) == []
+    covered = chunk_ends([5] * 1001, 64, 10**9)
+    assert covered[-1] == 1001 and len(covered) == 16
