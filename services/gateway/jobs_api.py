@@ -58,7 +58,8 @@ class JobsApiConfig:
     #: gateway's memory while it arrives, and of Redis's until its retention ends.
     max_bytes: int = 64 * 1024 * 1024
     #: Most bytes the items of all the jobs being submitted at once may take (each until it
-    #: is stored): the gateway's memory is bounded however many submit together.
+    #: is stored): a gateway process's memory is bounded however many submit together (those
+    #: of one tenant: `max_bytes`).
     max_bytes_held: int = 128 * 1024 * 1024
     #: Items per queue entry, and so per Predict call a runner makes...
     chunk_size: int = 64
@@ -70,6 +71,36 @@ class JobsApiConfig:
     max_item_bytes: int = 4 * 1024 * 1024 - 64 * 1024
     #: Largest ListJobs page.
     max_page_size: int = 500
+
+
+class HeldBytes:
+    """The bytes of items that the jobs being submitted to a gateway process hold, in all and
+    by tenant, each within its bound."""
+
+    def __init__(self, max_total: int, max_per_tenant: int) -> None:
+        self._max_total, self._max_per_tenant = max_total, max_per_tenant
+        self.total = 0
+        self._by_tenant: dict[str, int] = {}
+
+    def take(self, tenant: str, num_bytes: int) -> None:
+        """Holds `num_bytes` more for `tenant`; RESOURCE_EXHAUSTED (nothing held) past a bound."""
+        held = self._by_tenant.get(tenant, 0)
+        if held + num_bytes > self._max_per_tenant:
+            whose = f"tenant {tenant!r}'s jobs being submitted hold {held} bytes"
+        elif self.total + num_bytes > self._max_total:
+            whose = f"the jobs being submitted to this gateway hold {self.total} bytes"
+        else:
+            self._by_tenant[tenant] = held + num_bytes
+            self.total += num_bytes
+            return
+        raise Overloaded(f"{whose}, past its bound: submit again shortly", retry_after_s=1.0)
+
+    def give_back(self, tenant: str, num_bytes: int) -> None:
+        if num_bytes:
+            self.total -= num_bytes
+            left = self._by_tenant.pop(tenant) - num_bytes
+            if left:
+                self._by_tenant[tenant] = left
 
 
 def job_to_pb(record: JobRecord, now_s: float) -> jobs.Job:
@@ -99,8 +130,9 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         self._store = store
         self._catalog = catalog
         self._config = config
-        #: Bytes of items held by the jobs being submitted now (`max_bytes_held`).
-        self._bytes_held = 0
+        #: Bytes of items the jobs being submitted now hold: `max_bytes_held` in all, and one
+        #: job's `max_bytes` a tenant (one tenant's slow streams cannot shut out the rest).
+        self._held = HeldBytes(config.max_bytes_held, config.max_bytes)
 
     async def _own_job(self, job_id: str) -> JobRecord:
         """The caller's job `job_id`; NotFound when missing or another tenant's."""
@@ -145,11 +177,12 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         complete_by_s = _complete_by_s(header.complete_by_unix_s)
         items: list[bytes] = []
         num_bytes = 0  # of the gateway's memory, held until the job is stored
+        tenant = principal.tenant
         try:
-            num_bytes = self._add_items(items, header, 0)
+            num_bytes = self._add_items(items, header, 0, tenant)
             async for message in messages:
                 _check_same_header(header, message)
-                num_bytes = self._add_items(items, message, num_bytes)
+                num_bytes = self._add_items(items, message, num_bytes, tenant)
             if not items:
                 raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
             job = NewJob(
@@ -166,13 +199,15 @@ class JobServicer(jobs_grpc.JobServiceServicer):
                 self._store.submit(job, chunk_size=chunk_size, max_chunk_bytes=max_chunk_bytes)
             )
         finally:
-            self._bytes_held -= num_bytes
+            self._held.give_back(tenant, num_bytes)
         return jobs.SubmitJobResponse(job_id=job_id, is_existing=is_existing)
 
-    def _add_items(self, items: list[bytes], message: jobs.SubmitJobRequest, num_bytes: int) -> int:
+    def _add_items(
+        self, items: list[bytes], message: jobs.SubmitJobRequest, num_bytes: int, tenant: str
+    ) -> int:
         """Appends `message`'s items, serialized, to `items` (holding `num_bytes`); returns
         their bytes now. InvalidInput, before appending any, when they would take the job past
-        `max_items` or `max_bytes`."""
+        `max_items` or `max_bytes`; RESOURCE_EXHAUSTED past what the gateway holds at once."""
         if len(items) + len(message.items) > self._config.max_items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
         added = [item.SerializeToString() for item in message.items]
@@ -186,13 +221,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             raise InvalidInput(
                 f"a job's items may take at most {self._config.max_bytes} bytes: split it"
             )
-        if self._bytes_held + num_added > self._config.max_bytes_held:
-            raise Overloaded(
-                f"jobs being submitted to this gateway hold {self._bytes_held} bytes of its "
-                f"memory, its bound: submit again shortly",
-                retry_after_s=1.0,
-            )
-        self._bytes_held += num_added
+        self._held.take(tenant, num_added)
         items.extend(added)
         return num_bytes + num_added
 

@@ -261,11 +261,12 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
 async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateways_memory(
     tmp_path: Path,
 ) -> None:
-    """Each job may hold 1 MiB here while it arrives, all of them together 1.5 MiB. Before,
-    the bound was per job only: a few streamed submissions of 64 MiB at once held hundreds of
-    MB, and could get the gateway, with all its online traffic, killed for memory. A second
-    1 MiB job streamed while the first still arrives is refused RESOURCE_EXHAUSTED with a
-    hint; once the first is stored, it is taken."""
+    """Each job may hold 1 MiB here while it arrives, all of them together 1.5 MiB, those of
+    one tenant 1 MiB. Before, the bound was per job only: a few streamed submissions of 64 MiB
+    at once held hundreds of MB, and could get the gateway, with all its online traffic,
+    killed for memory. A second 0.94 MiB job streamed while the first still arrives is refused
+    RESOURCE_EXHAUSTED with a hint, from its tenant or another; another tenant's small job is
+    taken; once the first is stored, the second is taken too."""
     redis = start_redis(tmp_path)
     jobs_server, jobs_address, store, servicer = await start_job_service(
         redis, REPO_ROOT / "models", KEYS, max_bytes=1024 * 1024, max_bytes_held=1536 * 1024
@@ -282,17 +283,22 @@ async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateway
     try:
         stub = jobs_grpc.JobServiceStub(channel)
         first = asyncio.ensure_future(stub.SubmitJobStream(first_job(), metadata=AS_A))
-        await eventually(lambda: servicer._bytes_held > 900 * 1024, timeout_s=30.0)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=AS_A)
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(refused.value.trailing_metadata() or ()).get(RETRY_AFTER_MS_KEY)
+        await eventually(lambda: servicer._held.total > 900 * 1024, timeout_s=30.0)
+        for metadata, whose in ((AS_A, "tenant 'a'"), (AS_B, "this gateway")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=metadata)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert whose in (refused.value.details() or "")
+            assert dict(refused.value.trailing_metadata() or ()).get(RETRY_AFTER_MS_KEY)
+        # Tenant a holds one job's worth at most: another tenant's small job still goes in.
+        small = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts[:4]))
+        assert (await stub.SubmitJob(small, metadata=AS_B)).job_id
         first_may_end.set()
         assert (await first).job_id
-        assert servicer._bytes_held == 0
+        assert servicer._held.total == 0
         again = await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=AS_A)
         job = await stub.GetJob(jobs.GetJobRequest(job_id=again.job_id), metadata=AS_A)
-        assert job.num_items == 16 and servicer._bytes_held == 0
+        assert job.num_items == 16 and servicer._held.total == 0
     finally:
         await channel.close()
         await jobs_server.stop(None)
