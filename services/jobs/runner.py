@@ -362,8 +362,9 @@ class JobRunner:
 
         async def alone(item: _Item) -> None:
             async with limit:  # the job read again: no item starts after a cancel
-                current = await self._store.get(job.job_id) or job
-                finished.extend(await self._run_items(current, [item], fleet_round))
+                current = await self._store.get(job.job_id)
+                if current is not None:  # else gone (expired, deleted): nothing to record
+                    finished.extend(await self._run_items(current, [item], fleet_round))
 
         try:
             await all_or_none(alone(item) for item in items)
