@@ -785,6 +785,24 @@ def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
     assert lane.refresh_gauges(metrics, 20.0) is None  # nothing stale
 
 
+async def assert_loop_runs_until_done(drain: asyncio.Task[None], gate: threading.Event) -> None:
+    """Opens `gate` (what holds the work between batches) from another thread in 1 s, and
+    checks that the event loop kept running (every 50 ms) until then, while `drain` waits."""
+    ticks: list[float] = []
+    opened_at: list[float] = []
+
+    def open_gate() -> None:
+        opened_at.append(time.monotonic())
+        gate.set()
+
+    threading.Timer(1.0, open_gate).start()
+    while not drain.done():
+        ticks.append(time.monotonic())
+        await asyncio.sleep(0.05)
+    (opened_s,) = opened_at
+    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+
+
 async def test_a_stop_during_work_between_batches_waits_for_it_without_blocking_the_loop(
     tmp_path: Path,
 ) -> None:
@@ -814,19 +832,7 @@ async def test_a_stop_during_work_between_batches_waits_for_it_without_blocking_
     await asyncio.sleep(0.2)
     assert not driver.is_executing, "the row waits for the work between batches"
     drain = asyncio.create_task(driver.drain())
-    ticks: list[float] = []
-    opened_at: list[float] = []
-
-    def open_gate() -> None:
-        opened_at.append(time.monotonic())
-        gate.set()
-
-    threading.Timer(1.0, open_gate).start()
-    while not drain.done():
-        ticks.append(time.monotonic())
-        await asyncio.sleep(0.05)
-    (opened_s,) = opened_at
-    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+    await assert_loop_runs_until_done(drain, gate)
     (output,) = await answer  # served once the work ended: affine, FP32 [4] -> FP32 [2]
     assert output.shape == (2,) and np.isfinite(output).all()
     with pytest.raises(asyncio.CancelledError):
@@ -864,17 +870,5 @@ async def test_a_drain_after_the_loop_died_waits_for_work_between_batches_withou
     assert [str(e) for e in fatal] == ["batcher invariant broken"]
     load.cancel()
     drain = asyncio.create_task(driver.drain())
-    ticks: list[float] = []
-    opened_at: list[float] = []
-
-    def open_gate() -> None:
-        opened_at.append(time.monotonic())
-        gate.set()
-
-    threading.Timer(1.0, open_gate).start()
-    while not drain.done():
-        ticks.append(time.monotonic())
-        await asyncio.sleep(0.05)
-    (opened_s,) = opened_at
-    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+    await assert_loop_runs_until_done(drain, gate)
     await drain

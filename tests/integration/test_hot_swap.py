@@ -9,8 +9,9 @@ import gc
 import shutil
 import socket
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -190,6 +191,37 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
 
 
+async def follow_once(
+    worker: Worker,
+    client: Any,
+    repository: Path,
+    start_state: Mapping[str, DesiredState] | None = None,
+) -> None:
+    """One follow of the desired state by a follower of `worker`'s (one started without Redis,
+    so without a follower of its own), reading it with `client`."""
+    assert worker.models is not None and worker.batching is not None
+    swapper = ModelSwapper(
+        models=worker.models,
+        batching=worker.batching,
+        device=torch.device("cpu"),
+        worker_metrics=worker.metrics,
+        generation_metrics=worker.generation_metrics,
+        on_fatal=lambda error: None,
+        on_change=lambda: None,
+        watchdog_s=30.0,
+    )
+    follower = RepositoryFollower(
+        client=client,
+        registry_prefix="fabric",
+        repository_dir=repository,
+        pool=(),
+        models=worker.models,
+        swapper=swapper,
+        start_state=start_state,
+    )
+    await follower.follow_once()
+
+
 async def test_a_served_model_that_does_not_read_at_the_first_follow_stays_served(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
@@ -206,25 +238,7 @@ async def test_a_served_model_that_does_not_read_at_the_first_follow_stays_serve
     try:
         assert worker.models is not None and worker.batching is not None
         (tmp_path / "repo" / "other" / "config.toml").write_bytes(b'kind = "torchscr')
-        swapper = ModelSwapper(
-            models=worker.models,
-            batching=worker.batching,
-            device=torch.device("cpu"),
-            worker_metrics=worker.metrics,
-            generation_metrics=worker.generation_metrics,
-            on_fatal=lambda error: None,
-            on_change=lambda: None,
-            watchdog_s=30.0,
-        )
-        follower = RepositoryFollower(
-            client=client,
-            registry_prefix="fabric",
-            repository_dir=tmp_path / "repo",
-            pool=(),
-            models=worker.models,
-            swapper=swapper,
-        )
-        await follower.follow_once()
+        await follow_once(worker, client, tmp_path / "repo")
         served = {(m.config.name, m.version.version) for m in worker.models.all}
         assert served == {("affine", "1"), ("other", "1")}
     finally:
@@ -256,26 +270,7 @@ async def test_a_version_that_failed_at_start_is_retried_by_a_load_written_while
             (tmp_path / "fixed" / "affine" / "2" / "model.pt").read_bytes()
         )
         await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
-        swapper = ModelSwapper(
-            models=worker.models,
-            batching=worker.batching,
-            device=torch.device("cpu"),
-            worker_metrics=worker.metrics,
-            generation_metrics=worker.generation_metrics,
-            on_fatal=lambda error: None,
-            on_change=lambda: None,
-            watchdog_s=30.0,
-        )
-        follower = RepositoryFollower(
-            client=client,
-            registry_prefix="fabric",
-            repository_dir=tmp_path / "repo",
-            pool=(),
-            models=worker.models,
-            swapper=swapper,
-            start_state={},
-        )
-        await follower.follow_once()
+        await follow_once(worker, client, tmp_path / "repo", start_state={})
         served = {(m.config.name, m.version.version) for m in worker.models.all}
         assert served == {("affine", "1"), ("affine", "2")}
         assert worker.models.failed == ()

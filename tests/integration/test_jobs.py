@@ -5,6 +5,7 @@ tests SIGKILL."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import signal
@@ -27,6 +28,7 @@ from services.common.priority import PriorityClass
 from services.common.redis_acl import JOBS
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
+from services.gateway.jobs_api import JobServicer
 from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
 from services.pb.inference.v1 import jobs_pb2 as jobs
@@ -214,6 +216,26 @@ async def test_a_job_at_critical_priority_is_refused_at_submission(fabric: Fabri
     assert await fabric.store.list_ids("c", after=None, limit=10) == []  # nothing submitted
 
 
+@contextlib.asynccontextmanager
+async def lone_job_service(
+    tmp_path: Path, **settings: int
+) -> AsyncIterator[tuple[RedisServer, jobs_grpc.JobServiceStub, JobServicer]]:
+    """A Redis and a JobService of its own (`settings`: start_job_service's), with no runner:
+    the Redis, a stub of the service, and its servicer."""
+    redis = start_redis(tmp_path)
+    server, address, store, servicer = await start_job_service(
+        redis, REPO_ROOT / "models", KEYS, **settings
+    )
+    channel = grpc.aio.insecure_channel(address)
+    try:
+        yield redis, jobs_grpc.JobServiceStub(channel), servicer
+    finally:
+        await channel.close()
+        await server.stop(None)
+        await store.client.aclose()
+        redis.stop()
+
+
 async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
     tmp_path: Path,
 ) -> None:
@@ -221,41 +243,33 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
     gateway's limit of 256 KiB (grpc refuses it RESOURCE_EXHAUSTED before any handler), which
     the runner took for an overloaded fleet and retried for 30 minutes before failing every
     item, though each fits alone. Chunks now hold at most half the limit's bytes."""
-    redis = start_redis(tmp_path)
     target = PredictTarget()
     target_server, target_address = await start_target(target, max_message_bytes=256 * 1024)
-    jobs_server, jobs_address, store, _ = await start_job_service(
-        redis, REPO_ROOT / "models", KEYS, chunk_size=8, max_chunk_bytes=128 * 1024
-    )
-    runner = start_runner(tmp_path, redis, target_address, "runner-1")
-    channel = grpc.aio.insecure_channel(jobs_address)
-    try:
-        stub = jobs_grpc.JobServiceStub(channel)
-        texts = [f"{i} " + "x" * (40 * 1024) for i in range(8)]
-        # And one large item among short ones: it shrinks its own chunk, not the others.
-        mixed = ["y" * (70 * 1024), *texts_of(63)]
+    service = lone_job_service(tmp_path, chunk_size=8, max_chunk_bytes=128 * 1024)
+    async with service as (redis, stub, _):
+        runner = start_runner(tmp_path, redis, target_address, "runner-1")
+        try:
+            texts = [f"{i} " + "x" * (40 * 1024) for i in range(8)]
+            # And one large item among short ones: it shrinks its own chunk, not the others.
+            mixed = ["y" * (70 * 1024), *texts_of(63)]
 
-        async def finished(job_id: str) -> jobs.Job:
-            async def is_done() -> jobs.Job | None:
-                job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
-                return job if job.num_ok + job.num_failed == job.num_items else None
+            async def finished(job_id: str) -> jobs.Job:
+                async def is_done() -> jobs.Job | None:
+                    job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
+                    return job if job.num_ok + job.num_failed == job.num_items else None
 
-            return await eventually(is_done, timeout_s=60.0, interval_s=0.1)
+                return await eventually(is_done, timeout_s=60.0, interval_s=0.1)
 
-        for items, calls in ((texts, (2, 4)), (mixed, (8, 9))):
-            before = target.num_calls
-            request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(items))
-            job = await finished((await stub.SubmitJob(request, metadata=AS_A)).job_id)
-            assert job.num_ok == len(items), job
-            # 3 items of 40 KiB a call (120 KiB), never 8; the 70 KiB item's chunk only short
-            assert calls[0] <= target.num_calls - before <= calls[1]
-    finally:
-        runner.terminate()
-        await channel.close()
-        await jobs_server.stop(None)
-        await target_server.stop(None)
-        await store.client.aclose()
-        redis.stop()
+            for items, calls in ((texts, (2, 4)), (mixed, (8, 9))):
+                before = target.num_calls
+                request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(items))
+                job = await finished((await stub.SubmitJob(request, metadata=AS_A)).job_id)
+                assert job.num_ok == len(items), job
+                # 3 items of 40 KiB a call (120 KiB), never 8; the 70 KiB item's chunk only short
+                assert calls[0] <= target.num_calls - before <= calls[1]
+        finally:
+            runner.terminate()
+            await target_server.stop(None)
 
 
 async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateways_memory(
@@ -267,10 +281,7 @@ async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateway
     killed for memory. A second 0.94 MiB job streamed while the first still arrives is refused
     RESOURCE_EXHAUSTED with a hint, from its tenant or another; another tenant's small job is
     taken; once the first is stored, the second is taken too."""
-    redis = start_redis(tmp_path)
-    jobs_server, jobs_address, store, servicer = await start_job_service(
-        redis, REPO_ROOT / "models", KEYS, max_bytes=1024 * 1024, max_bytes_held=1536 * 1024
-    )
+    service = lone_job_service(tmp_path, max_bytes=1024 * 1024, max_bytes_held=1536 * 1024)
     texts = [f"{i} " + "x" * (60 * 1024) for i in range(16)]  # 0.94 MiB in all
     first_may_end = asyncio.Event()
 
@@ -279,9 +290,7 @@ async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateway
             yield message
         await first_may_end.wait()
 
-    channel = grpc.aio.insecure_channel(jobs_address)
-    try:
-        stub = jobs_grpc.JobServiceStub(channel)
+    async with service as (_, stub, servicer):
         first = asyncio.ensure_future(stub.SubmitJobStream(first_job(), metadata=AS_A))
         await eventually(lambda: servicer._held.total > 900 * 1024, timeout_s=30.0)
         for metadata, whose in ((AS_A, "tenant 'a'"), (AS_B, "this gateway")):
@@ -299,11 +308,6 @@ async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateway
         again = await stub.SubmitJobStream(streamed(texts, items_per_message=4), metadata=AS_A)
         job = await stub.GetJob(jobs.GetJobRequest(job_id=again.job_id), metadata=AS_A)
         assert job.num_items == 16 and servicer._held.total == 0
-    finally:
-        await channel.close()
-        await jobs_server.stop(None)
-        await store.client.aclose()
-        redis.stop()
 
 
 async def test_an_item_whose_call_would_not_fit_the_message_limit_is_refused_at_submission(
