@@ -26,6 +26,7 @@ from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailab
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
 from services.common.job_records import JobCursor, JobRecord, NewJob, is_job_id
 from services.common.job_store import JobStore, StoreFull, connect_jobs_redis
+from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
 from services.common.redis_acl import GATEWAY, role_credentials
@@ -71,6 +72,14 @@ class JobsApiConfig:
     max_item_bytes: int = 4 * 1024 * 1024 - 64 * 1024
     #: Largest ListJobs page.
     max_page_size: int = 500
+
+    @classmethod
+    def for_message_limit(cls, max_message_bytes: int) -> JobsApiConfig:
+        """The defaults, with chunks and items bounded for a gateway taking messages of
+        `max_message_bytes` (and runners' channels, 64 MiB): room for a call's own fields
+        (model, request id) is kept however small the limit."""
+        limit = min(max_message_bytes, MAX_MESSAGE_BYTES)
+        return cls(max_chunk_bytes=limit // 2, max_item_bytes=limit - min(64 * 1024, limit // 4))
 
 
 class HeldBytes:
@@ -338,8 +347,6 @@ def add_job_service(
     credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
     client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
     store = JobStore(client, prefix=redis.key_prefix)
-    config = JobsApiConfig(
-        max_chunk_bytes=max_message_bytes // 2, max_item_bytes=max_message_bytes - 64 * 1024
-    )
+    config = JobsApiConfig.for_message_limit(max_message_bytes)
     jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, config), server)
     return store

@@ -220,3 +220,37 @@ def test_tokens_that_never_end_a_character_cost_a_few_decodes_each() -> None:
         assert len(windows) - before <= 6
     pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == spanning.decode(sequence)
+
+
+def test_a_tokenizer_is_read_whole_only_when_a_run_needs_settling() -> None:
+    """Whether text may settle is read from the tokenizer's JSON (megabytes for some): it was
+    read for every request where a tokenizer cannot be weakly referenced (tokenizers before
+    0.23), on the event loop. It is read when a run first needs it, once per detokenizer."""
+
+    class Unreferenced:
+        __slots__ = ("reads",)
+
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return TOKENIZER.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return TOKENIZER.get_added_tokens_decoder()
+
+        def to_str(self) -> str:
+            self.reads += 1
+            return TOKENIZER.to_str()
+
+    tokenizer = Unreferenced()
+    for _ in range(3):  # three requests of plain text
+        detokenizer = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+        for token in ids("hello world"):
+            detokenizer.push(token, ())
+    assert tokenizer.reads == 0
+    lone = ids("€")[1]
+    detokenizer = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
+    for _ in range(40):
+        detokenizer.push(lone, ())
+    assert tokenizer.reads == 1

@@ -36,7 +36,7 @@ class _SpentStore:
     """A store whose chunk has waited out the fleet's rounds and patience."""
 
     async def get(self, job_id: str) -> JobRecord | None:
-        return None
+        return _job()  # not cancelled, not gone: each item split off runs
 
     async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
         return FLEET_ROUNDS, FLEET_PATIENCE_S

@@ -20,6 +20,7 @@ from services.common.job_policy import (
     job_state,
     progress,
 )
+from services.gateway.jobs_api import JobsApiConfig
 
 pytestmark = pytest.mark.unit
 
@@ -145,3 +146,18 @@ def test_chunks_end_at_their_item_count_or_their_bytes_and_a_large_item_goes_alo
     assert chunk_ends([], 4, 100) == []
     covered = chunk_ends([5] * 1001, 64, 10**9)
     assert covered[-1] == 1001 and len(covered) == 16
+
+
+@pytest.mark.parametrize(
+    ("limit", "max_chunk", "max_item"),
+    [
+        (4 * 1024 * 1024, 2 * 1024 * 1024, 4 * 1024 * 1024 - 64 * 1024),  # the default
+        (32 * 1024, 16 * 1024, 24 * 1024),  # a small limit: an item still fits (was -32 KiB)
+        (1024**3, 32 * 1024 * 1024, 64 * 1024 * 1024 - 64 * 1024),  # runners' channel: 64 MiB
+    ],
+)
+def test_job_chunks_and_items_are_bounded_by_the_gateways_message_limit(
+    limit: int, max_chunk: int, max_item: int
+) -> None:
+    config = JobsApiConfig.for_message_limit(limit)
+    assert (config.max_chunk_bytes, config.max_item_bytes) == (max_chunk, max_item)

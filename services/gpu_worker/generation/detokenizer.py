@@ -45,7 +45,8 @@ class IncrementalDetokenizer:
         self._skipped = skipped_ids(tokenizer)
         #: Whether text a character follows is final (`_settled`): not so for a SentencePiece
         #: byte fallback, which shows a whole run of byte tokens as U+FFFD if any is invalid.
-        self._may_settle = may_settle(tokenizer)
+        #: Read when first needed (rarely), not per request: it reads the tokenizer's JSON.
+        self._may_settle: bool | None = None
 
     def push(self, token_id: int, stops: Sequence[str]) -> tuple[str, bool]:
         """Adds a token; returns (text now final, whether a stop string was reached). After a
@@ -78,7 +79,11 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix :])
         end = len(self._ids)
         if window.endswith(_INCOMPLETE) and not is_final:
-            if end - self._read < _MAX_UNREAD or not self._may_settle:
+            if end - self._read < _MAX_UNREAD:
+                return False
+            if self._may_settle is None:
+                self._may_settle = may_settle(self._tokenizer)
+            if not self._may_settle:
                 return False
             end, window = self._settled(context, window)
         if len(window) <= len(context):
@@ -144,7 +149,7 @@ def may_settle(tokenizer: Tokenizer) -> bool:
             return known
     try:
         decoder = json.loads(tokenizer.to_str()).get("decoder")
-    except (AttributeError, ValueError):  # not a `tokenizers` tokenizer: settle nothing
+    except Exception:  # not a `tokenizers` one, or a custom part that does not serialize
         return False
     settles = "ByteFallback" not in json.dumps(decoder)
     with contextlib.suppress(TypeError):
