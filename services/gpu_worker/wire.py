@@ -23,9 +23,7 @@ def raw_input(model_input: pb.ModelInput) -> RawInput:
     if which == "text":
         return model_input.text
     if which == "token_ids":
-        if len(model_input.token_ids) % 4:
-            raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
-        return TokenIds(np.frombuffer(model_input.token_ids, dtype="<i4"))
+        return TokenIds(_token_ids(model_input.token_ids))
     if which == "tensor":
         return tensor_from_pb(model_input.tensor)
     raise InvalidInput("an input has no payload (text, token_ids or tensor)")
@@ -39,11 +37,16 @@ def generation_prompt(backend: GenerationBackend, request: pb.WorkerGenerateRequ
     if which == "token_ids":
         if not request.fingerprint:
             raise InvalidInput("token_ids prompts require the tokenizer's fingerprint")
-        if len(request.token_ids) % 4:
-            raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
-        ids = backend.text.check_ids(np.frombuffer(request.token_ids, dtype="<i4"))
+        ids = backend.text.check_ids(_token_ids(request.token_ids))
         return [int(i) for i in ids]
     raise InvalidInput("request has no prompt (text or token_ids)")
+
+
+def _token_ids(packed: bytes) -> np.ndarray:
+    """Token ids sent packed, little-endian int32; INVALID_ARGUMENT for a partial one."""
+    if len(packed) % 4:
+        raise InvalidInput("token_ids must be little-endian int32 (a multiple of 4 bytes)")
+    return np.frombuffer(packed, dtype="<i4")
 
 
 def generation_weight(value: float) -> float:
