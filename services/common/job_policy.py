@@ -175,13 +175,9 @@ class RetryPolicy:
 
 
 def chunk_ranges(num_items: int, chunk_size: int) -> list[tuple[int, int]]:
-    """[start, end) index ranges of `chunk_size` items (the last may be shorter): one queue
-    entry, and one Predict call, each."""
-    if chunk_size < 1:
-        raise ValueError("chunk_size must be at least 1")
-    return [
-        (start, min(start + chunk_size, num_items)) for start in range(0, num_items, chunk_size)
-    ]
+    """[start, end) index ranges of `chunk_size` items (the last may be shorter)."""
+    ends = chunk_ends([0] * num_items, chunk_size, 0)
+    return list(zip([0, *ends], ends, strict=False))
 
 
 def chunk_ends(sizes: Sequence[int], max_items: int, max_bytes: int) -> list[int]:
