@@ -195,7 +195,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             if not items:
                 raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
             job = NewJob(
-                tenant=principal.tenant,
+                tenant=tenant,
                 model_name=header.model_name,
                 model_version=header.model_version,
                 priority=priority.value,
