@@ -786,21 +786,26 @@ def test_a_keys_linger_and_batch_size_gauges_refresh_at_most_every_period(
 
 
 async def assert_loop_runs_until_done(drain: asyncio.Task[None], gate: threading.Event) -> None:
-    """Opens `gate` (what holds the work between batches) from another thread in 1 s, and
-    checks that the event loop kept running (every 50 ms) until then, while `drain` waits."""
-    ticks: list[float] = []
-    opened_at: list[float] = []
+    """Checks that `drain` waits for the work `gate` holds without blocking the event loop:
+    this test opens the gate itself once the drain waits, which a drain blocking the loop
+    (joining the work's thread) would leave to a safety timer 10 s on. An order, not a time."""
+    opened_by: list[str] = []
 
-    def open_gate() -> None:
-        opened_at.append(time.monotonic())
-        gate.set()
+    def open_gate(by: str) -> None:
+        if not gate.is_set():
+            opened_by.append(by)
+            gate.set()
 
-    threading.Timer(1.0, open_gate).start()
-    while not drain.done():
-        ticks.append(time.monotonic())
-        await asyncio.sleep(0.05)
-    (opened_s,) = opened_at
-    assert len([t for t in ticks if t < opened_s]) >= 5, "the event loop ran while it waited"
+    safety = threading.Timer(10.0, open_gate, ("timer",))
+    safety.start()
+    try:
+        await asyncio.sleep(0.05)  # the drain runs into its wait
+        assert not drain.done(), "the drain waits for the work"
+        open_gate("test")
+        await drain
+    finally:
+        safety.cancel()
+    assert opened_by == ["test"], "the event loop ran while the drain waited"
 
 
 async def test_a_stop_during_work_between_batches_waits_for_it_without_blocking_the_loop(
