@@ -1,6 +1,8 @@
 """Work the batching driver runs on its executor between batches (a hot-loaded version's
 warm-up, an unloaded version's memory release): no batch is dispatched while any is asked for
-or running, so none is timed with it (by the watchdog, the tenants, the latency model)."""
+or running, so none is timed with it (by the watchdog, the tenants, the latency model). A work
+given a watch is itself bounded as batches are (batching.watchdog): one that holds the executor
+past the bound is wedged, and so is every batch behind it."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from services.common.wakeup import Wakeup
+from services.gpu_worker.batching.watchdog import Watch, within_watchdog
 
 
 class BetweenBatches:
@@ -23,17 +26,23 @@ class BetweenBatches:
         running_batch: Callable[[], asyncio.Task[None] | None],
         work: Callable[..., object],
         *args: object,
+        watch: Watch | None = None,
     ) -> None:
         """Runs `work(*args)` on the executor once no batch is running (`running_batch`).
         Cancelled, it still counts until `work` ends: a call on a thread runs to its end, and
-        a batch, or the executor's shutdown by a drain, must wait for it."""
+        a batch, or the executor's shutdown by a drain, must wait for it. With `watch` (a
+        bound in seconds, and the model calls `work` makes), raises WatchdogExpired once one
+        of them has not ended within the bound of the one before; the work still counts."""
         self.count += 1
         running: asyncio.Future[object] | None = None
         try:
             while (batch := running_batch()) is not None:
                 await asyncio.wait({batch})
             running = asyncio.wrap_future(self._executor.submit(work, *args))
-            await asyncio.shield(running)
+            if watch is None:
+                await asyncio.shield(running)
+            else:
+                await within_watchdog(asyncio.shield(running), *watch)
         finally:
             if running is None:
                 self._end(None)

@@ -25,13 +25,7 @@ from services.gpu_worker.batching import watchdog
 from services.gpu_worker.batching.between_batches import BetweenBatches
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.lane import (
-    Admission,
-    Lane,
-    LoadReport,
-    by_urgency,
-    warm_up_lane,
-)
+from services.gpu_worker.batching.lane import Admission, Lane, LoadReport, by_urgency
 from services.gpu_worker.batching.lane_changes import new_lane, settle
 from services.gpu_worker.batching.slice_admission import (
     AdmissionPass,
@@ -42,6 +36,7 @@ from services.gpu_worker.batching.slice_admission import (
     withdraw_rows,
 )
 from services.gpu_worker.batching.types import Dispatch
+from services.gpu_worker.batching.warm_up import warm_up_each, warm_up_lane
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import batch_threads, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
@@ -92,33 +87,33 @@ class BatchingDriver:
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> list[tuple[Backend, Exception]]:
-        """Warms every lane up (lane.warm_up_lane) on the executor thread that runs the batches
+        """Warms every lane up (warm_up.warm_up_lane) on the executor thread that runs the batches
         (warming the math libraries' per-thread caches too), dropping a lane whose warm-up
         fails: its backend is returned with the error. Blocking: from a thread, before serving."""
         return self._executor.submit(self._warm_up).result()
 
     def _warm_up(self) -> list[tuple[Backend, Exception]]:
-        failed: list[tuple[Backend, Exception]] = []
-        for lane in list(self._order):
-            try:
-                self._warm_up_lane(lane)
-            except Exception as error:  # left out, as a version that failed to load is
-                self._forget(lane)
-                failed.append((lane.backend, error))
-        return failed
+        return warm_up_each(list(self._order), self._warm_up_lane, self._forget)
 
-    def _warm_up_lane(self, lane: Lane) -> None:
+    def _warm_up_lane(self, lane: Lane, progress: watchdog.CallProgress | None = None) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
-        warm_up_lane(lane, batch_key, self._metrics)
+        warm_up_lane(lane, batch_key, self._metrics, progress)
         bound_s = watchdog.watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
 
     async def add_backend(self, backend: Backend) -> None:
         """Starts batching a version loaded while serving: warmed up on the executor thread,
-        between batches (warm-up and serving never share the device at once), then admitted."""
+        between batches (warm-up and serving never share the device at once), then admitted.
+        A warm-up call past WARMUP_MULTIPLE x the watchdog (a new version's calls may be slower
+        than any batch served) wedges the worker as a batch's would (Unavailable)."""
         lane = new_lane(backend, self._config, self._metrics, self._ledger)
-        await self.between_batches(self._warm_up_lane, lane)
+        calls = watchdog.CallProgress()
+        bound_s = watchdog.WARMUP_MULTIPLE * self.watchdog_s
+        try:
+            await self.between_batches(self._warm_up_lane, lane, calls, watch=(bound_s, calls))
+        except watchdog.WatchdogExpired:
+            raise self._wedge(lane.labels, bound_s) from None
         self._lanes[id(backend)] = lane
         self._order.append(lane)
         # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
@@ -138,9 +133,11 @@ class BatchingDriver:
         self._order.remove(lane)
         self._metrics.forget_queue(*lane.labels)
 
-    async def between_batches(self, work: Callable[..., object], *args: object) -> None:
+    async def between_batches(
+        self, work: Callable[..., object], *args: object, watch: watchdog.Watch | None = None
+    ) -> None:
         """Runs `work` on the executor between batches (BetweenBatches.run)."""
-        await self._between.run(lambda: self._running, work, *args)
+        await self._between.run(lambda: self._running, work, *args, watch=watch)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -194,6 +191,13 @@ class BatchingDriver:
             await self._wake.wait()
         # A wedged call never returns: leave its (daemon) thread behind rather than hang.
         self._executor.shutdown(wait=self._wedged is None)
+
+    def _wedge(self, labels: tuple[str, str], bound_s: float) -> Unavailable:
+        """A model call of `labels` ran past `bound_s`: the loop stops; returns the refusal."""
+        self._wedged = Unavailable(watchdog.wedged_message(labels, bound_s))
+        self._metrics.watchdog_expired_total.labels(*labels).inc()
+        self._wake.set()
+        return self._wedged
 
     def load_report(self, backend: Backend) -> LoadReport:
         return self._lanes[id(backend)].load_report(batch_key(backend, backend.buckets[0]))
@@ -369,10 +373,8 @@ class BatchingDriver:
                     self._executor, run_on_threads, threads.count, device_busy, rows
                 )
                 results = await watchdog.within_watchdog(running, self.watchdog_s, device_busy)
-        except TimeoutError:
-            self._wedged = Unavailable(watchdog.wedged_message(lane.labels, self.watchdog_s))
-            self._metrics.watchdog_expired_total.labels(*lane.labels).inc()
-            results = [self._wedged] * len(rows)
+        except watchdog.WatchdogExpired:
+            results = [self._wedge(lane.labels, self.watchdog_s)] * len(rows)
         except Exception as error:
             # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
             # bookkeeping below still frees the executor, so the scheduler keeps going.

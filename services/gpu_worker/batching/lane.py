@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -35,13 +34,10 @@ __all__ = [
     "LoadReport",
     "Pending",
     "by_urgency",
-    "warm_up_lane",
 ]
 
 #: Rows at this priority rank or more urgent are online traffic; the rest is `batch` backlog.
 _URGENT_RANK = PriorityClass.INTERACTIVE.rank
-#: Warm-up runs of each (bucket, batch size); the fastest seeds the latency model.
-WARMUP_RUNS_PER_SHAPE = 2
 #: Most seconds between refreshes of a key's linger and batch-size gauges while it serves.
 GAUGE_PERIOD_S = 0.1
 
@@ -370,30 +366,3 @@ class Lane:
         metrics.padding_waste_ratio_of[by_bucket].observe(1.0 - real_tokens / padded_tokens)
         metrics.compute_seconds_of[by_bucket].observe(compute_s)
         metrics.rows_total_of[labels].inc(len(rows))
-
-
-def warm_up_lane(
-    lane: Lane, key_for: Callable[[Backend, int], BatchKey], metrics: WorkerMetrics
-) -> None:
-    """Runs every (bucket, power-of-two batch size) the lane may form, seeding its latency model
-    with the faster of `WARMUP_RUNS_PER_SHAPE` runs per shape, then exports its gauges. Stops a
-    bucket at the first size past the batch compute budget: bigger batches of it are never
-    formed. Blocking."""
-    backend = lane.backend
-    backend.warm_up()
-    for bucket in backend.buckets:
-        key = key_for(backend, bucket)
-        limit = lane.batcher.shape_limit(key)
-        for size in sorted({*(1 << i for i in range(limit.bit_length())), limit}):
-            rows = backend.warmup_rows(bucket, size)
-            runs_s = []
-            for _ in range(WARMUP_RUNS_PER_SHAPE):
-                start = time.perf_counter()
-                backend.run(rows)
-                runs_s.append(time.perf_counter() - start)
-            lane.latency.observe(key, size, min(runs_s))
-            lane.slowest_warmup_s = max(lane.slowest_warmup_s, min(runs_s))
-            if min(runs_s) > lane.batcher.batch_compute_budget_s:
-                break
-    for bucket in backend.buckets:
-        lane.export_gauges(metrics, key_for(backend, bucket))

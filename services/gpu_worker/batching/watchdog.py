@@ -40,10 +40,31 @@ class Calls(Protocol):
     last_end_s: float
 
 
+class CallProgress:
+    """`Calls` of work that makes its model calls itself (a hot load's warm-up): `ended`
+    after each, on the thread that made it."""
+
+    def __init__(self) -> None:
+        self.num_calls = 0
+        self.last_end_s = time.monotonic()
+
+    def ended(self) -> None:
+        self.num_calls += 1
+        self.last_end_s = time.monotonic()
+
+
+#: A bound on a work's model calls, seconds, and the calls it makes.
+Watch = tuple[float, Calls]
+
+
+class WatchdogExpired(TimeoutError):
+    """A model call ran past the watchdog's bound (a TimeoutError the model raised is not)."""
+
+
 async def within_watchdog(batch: Awaitable[R], bound_s: float, calls: Calls) -> R:
     """Awaits `batch` (on the executor: one model call, or 2n - 1 while a failing batch of n
     rows is bisected) while each of its model calls ends within `bound_s` of the one before
-    (the first, of the batch's start); raises TimeoutError (and stops awaiting) once one has
+    (the first, of the batch's start); raises WatchdogExpired (and stops awaiting) once one has
     not: a call that never returns. Bounding the whole batch instead would take a failing
     batch's bisection for a wedged call."""
     running = asyncio.ensure_future(batch)
@@ -52,7 +73,7 @@ async def within_watchdog(batch: Awaitable[R], bound_s: float, calls: Calls) -> 
         while True:
             wait_s = since_s + bound_s - time.monotonic()
             if wait_s <= 0:
-                raise TimeoutError(f"a model call ran past {bound_s:.1f}s")
+                raise WatchdogExpired(f"a model call ran past {bound_s:.1f}s")
             if (await asyncio.wait({running}, timeout=wait_s))[0]:
                 return running.result()
             if calls.num_calls != num_ended:
