@@ -16,7 +16,6 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-import torch
 from prometheus_client import generate_latest
 from redis.exceptions import NoPermissionError
 
@@ -26,11 +25,11 @@ from services.common.repository_state import DesiredState, ModelState, repositor
 from services.gpu_worker import hot_swap
 from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
-from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.in_process import swapper_for
 from tests.support.metrics import total
 from tests.support.models import (
     release_stall,
@@ -199,24 +198,14 @@ async def follow_once(
 ) -> None:
     """One follow of the desired state by a follower of `worker`'s (one started without Redis,
     so without a follower of its own), reading it with `client`."""
-    assert worker.models is not None and worker.batching is not None
-    swapper = ModelSwapper(
-        models=worker.models,
-        batching=worker.batching,
-        device=torch.device("cpu"),
-        worker_metrics=worker.metrics,
-        generation_metrics=worker.generation_metrics,
-        on_fatal=lambda error: None,
-        on_change=lambda: None,
-        watchdog_s=30.0,
-    )
+    assert worker.models is not None
     follower = RepositoryFollower(
         client=client,
         registry_prefix="fabric",
         repository_dir=repository,
         pool=(),
         models=worker.models,
-        swapper=swapper,
+        swapper=swapper_for(worker),
         start_state=start_state,
     )
     await follower.follow_once()

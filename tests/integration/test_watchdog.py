@@ -18,7 +18,6 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
@@ -26,10 +25,10 @@ from services.common import metric_names as names
 from services.common.model_repository import load_repository
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.server import SERVICE_NAME, Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.in_process import swapper_for
 from tests.support.metrics import total
 from tests.support.models import STALL, release_stall, write_stalling_model
 from tests.support.processes import health_status
@@ -84,12 +83,7 @@ async def test_s22_a_wedged_model_call_fails_its_batch_and_turns_the_worker_not_
                 await stub.Infer(request(STALL, 0, 0, 0), timeout=30)
             answered_s = time.monotonic() - started
             # Overall health too: the liveness probe replaces the process (its thread is stuck).
-            await eventually(
-                lambda: _not_serving(address),
-                timeout_s=FLIP_TIMEOUT_S,
-                interval_s=0.02,
-                message="NOT_SERVING (overall and the worker service) after the watchdog",
-            )
+            await _turns_not_serving(address)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Infer(request(1, 2, 3, 4), timeout=10)
         stop_started = time.monotonic()
@@ -123,17 +117,8 @@ async def test_s22_a_hot_loaded_version_whose_warm_up_wedges_stops_the_worker(
     address = f"127.0.0.1:{worker.port}"
     write_stalling_model(tmp_path / "more", gate, name="wedge", stall_every_call=True)
     (version,) = load_repository(tmp_path / "more")
-    assert worker.models is not None and worker.batching is not None
-    swapper = ModelSwapper(
-        models=worker.models,
-        batching=worker.batching,
-        device=torch.device("cpu"),
-        worker_metrics=worker.metrics,
-        generation_metrics=worker.generation_metrics,
-        on_fatal=lambda error: None,
-        on_change=lambda: None,
-        watchdog_s=WATCHDOG_S,
-    )
+    assert worker.models is not None
+    swapper = swapper_for(worker, WATCHDOG_S)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
@@ -141,12 +126,7 @@ async def test_s22_a_hot_loaded_version_whose_warm_up_wedges_stops_the_worker(
             # The gate stays closed: only the watchdog can end the load (the bound is a
             # condition wait's, far past it).
             is_loaded = await asyncio.wait_for(swapper.load(version), timeout=FLIP_TIMEOUT_S)
-            await eventually(
-                lambda: _not_serving(address),
-                timeout_s=FLIP_TIMEOUT_S,
-                interval_s=0.02,
-                message="NOT_SERVING (overall and the worker service) after the watchdog",
-            )
+            await _turns_not_serving(address)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Infer(request(1, 2, 3, 4), timeout=10)
         await worker.stop()
@@ -158,6 +138,15 @@ async def test_s22_a_hot_loaded_version_whose_warm_up_wedges_stops_the_worker(
     assert "exceeded the watchdog" in str(worker.fatal_error)
     exported = generate_latest(worker.metrics.registry).decode()
     assert total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="wedge", version="1") == 1
+
+
+async def _turns_not_serving(address: str) -> None:
+    await eventually(
+        lambda: _not_serving(address),
+        timeout_s=FLIP_TIMEOUT_S,
+        interval_s=0.02,
+        message="NOT_SERVING (overall and the worker service) after the watchdog",
+    )
 
 
 async def _not_serving(address: str) -> bool:

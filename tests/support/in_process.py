@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -21,6 +22,7 @@ from services.common.lifecycle import task_stacks
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway, create_gateway
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.server import Worker, create_worker
 from services.router.config import RouterConfig
 from services.router.server import Router, create_router
@@ -100,6 +102,22 @@ async def start_in_process_worker(
     )
     await worker.load()
     return worker
+
+
+def swapper_for(worker: Worker, watchdog_s: float = 30.0) -> ModelSwapper:
+    """A swapper loading and unloading versions on `worker`'s CPU batching driver (as its own
+    follower's would, for a worker started without Redis); it reports nothing fatal."""
+    assert worker.models is not None and worker.batching is not None
+    return ModelSwapper(
+        models=worker.models,
+        batching=worker.batching,
+        device=torch.device("cpu"),
+        worker_metrics=worker.metrics,
+        generation_metrics=worker.generation_metrics,
+        on_fatal=lambda error: None,
+        on_change=lambda: None,
+        watchdog_s=watchdog_s,
+    )
 
 
 #: A router address nothing listens on, for gateways whose tests end at the gateway.
