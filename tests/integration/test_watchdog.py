@@ -112,12 +112,15 @@ async def test_s22_a_hot_loaded_version_whose_warm_up_wedges_stops_the_worker(
     """A version loaded while serving warms up on the executor that runs every batch: a warm-up
     call that never returns holds them all. It is bounded as a batch is, at WARMUP_MULTIPLE x
     the watchdog: the load fails past it, and the worker stops serving (before, the load and
-    every row waited for the call while the worker said SERVING)."""
+    every row waited for the call while the worker said SERVING). A load after it fails
+    naming the wedged call: its warm-up would only wait behind it, and is not blamed."""
     worker = await start(tmp_path)
     address = f"127.0.0.1:{worker.port}"
     write_stalling_model(tmp_path / "more", gate, name="wedge", stall_every_call=True)
-    (version,) = load_repository(tmp_path / "more")
-    assert worker.models is not None
+    write_stalling_model(tmp_path / "more", gate, name="later")
+    later, wedging = load_repository(tmp_path / "more")  # by model name
+    assert worker.models is not None and worker.batching is not None
+    assert worker.batching.watchdog_s == WATCHDOG_S  # a slow start-up warm-up did not raise it
     swapper = swapper_for(worker, WATCHDOG_S)
     try:
         async with grpc.aio.insecure_channel(address) as channel:
@@ -125,19 +128,23 @@ async def test_s22_a_hot_loaded_version_whose_warm_up_wedges_stops_the_worker(
             await stub.Infer(request(1, 2, 3, 4), timeout=10)  # serving normally first
             # The gate stays closed: only the watchdog can end the load (the bound is a
             # condition wait's, far past it).
-            is_loaded = await asyncio.wait_for(swapper.load(version), timeout=FLIP_TIMEOUT_S)
+            is_loaded = await asyncio.wait_for(swapper.load(wedging), timeout=FLIP_TIMEOUT_S)
             await _turns_not_serving(address)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.Infer(request(1, 2, 3, 4), timeout=10)
-        await worker.stop()
+            is_later_loaded = await asyncio.wait_for(swapper.load(later), FLIP_TIMEOUT_S)
     finally:
+        await worker.stop()
         release_stall(gate)
-    assert is_loaded is False
-    assert [(f.model, f.version) for f in worker.models.failed] == [("wedge", "1")]
+    assert (is_loaded, is_later_loaded) == (False, False)
+    failed = {(f.model, f.version): f.error for f in worker.models.failed}
+    assert sorted(failed) == [("later", "1"), ("wedge", "1")]
+    assert "wedge/1 exceeded the watchdog" in failed[("later", "1")]
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "exceeded the watchdog" in str(worker.fatal_error)
     exported = generate_latest(worker.metrics.registry).decode()
     assert total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="wedge", version="1") == 1
+    assert total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="later", version="1") == 0
 
 
 async def _turns_not_serving(address: str) -> None:

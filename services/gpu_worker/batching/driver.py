@@ -90,10 +90,8 @@ class BatchingDriver:
         """Warms every lane up (warm_up.warm_up_lane) on the executor thread that runs the batches
         (warming the math libraries' per-thread caches too), dropping a lane whose warm-up
         fails: its backend is returned with the error. Blocking: from a thread, before serving."""
-        return self._executor.submit(self._warm_up).result()
-
-    def _warm_up(self) -> list[tuple[Backend, Exception]]:
-        return warm_up_each(list(self._order), self._warm_up_lane, self._forget)
+        lanes = list(self._order)
+        return self._executor.submit(warm_up_each, lanes, self._warm_up_lane, self._forget).result()
 
     def _warm_up_lane(self, lane: Lane, progress: watchdog.CallProgress | None = None) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
@@ -107,6 +105,8 @@ class BatchingDriver:
         between batches (warm-up and serving never share the device at once), then admitted.
         A warm-up call past WARMUP_MULTIPLE x the watchdog (a new version's calls may be slower
         than any batch served) wedges the worker as a batch's would (Unavailable)."""
+        if self._wedged is not None:  # its warm-up would wait behind the wedged call for good
+            raise self._wedged
         lane = new_lane(backend, self._config, self._metrics, self._ledger)
         calls = watchdog.CallProgress()
         bound_s = watchdog.WARMUP_MULTIPLE * self.watchdog_s

@@ -48,9 +48,9 @@ class CallProgress:
         self.num_calls = 0
         self.last_end_s = time.monotonic()
 
-    def ended(self) -> None:
-        self.num_calls += 1
+    def ended(self) -> None:  # the end first: a reader seeing the new count sees its end
         self.last_end_s = time.monotonic()
+        self.num_calls += 1
 
 
 #: A bound on a work's model calls, seconds, and the calls it makes.
