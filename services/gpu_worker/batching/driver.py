@@ -95,7 +95,7 @@ class BatchingDriver:
 
     def _warm_up_lane(self, lane: Lane, progress: watchdog.CallProgress | None = None) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
-        warm_up_lane(lane, batch_key, self._metrics, progress)
+        warm_up_lane(lane, self._metrics, progress)
         bound_s = watchdog.watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
         self.watchdog_s = max(self.watchdog_s, bound_s)
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)

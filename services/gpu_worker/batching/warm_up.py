@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.lane import Lane
-from services.gpu_worker.batching.types import BatchKey
+from services.gpu_worker.batching.slice_admission import batch_key
 from services.gpu_worker.batching.watchdog import CallProgress
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -31,12 +31,7 @@ def warm_up_each(
     return failed
 
 
-def warm_up_lane(
-    lane: Lane,
-    key_for: Callable[[Backend, int], BatchKey],
-    metrics: WorkerMetrics,
-    progress: CallProgress | None = None,
-) -> None:
+def warm_up_lane(lane: Lane, metrics: WorkerMetrics, progress: CallProgress | None = None) -> None:
     """Runs every (bucket, power-of-two batch size) the lane may form, seeding its latency model
     with the faster of `WARMUP_RUNS_PER_SHAPE` runs per shape, then exports its gauges. Stops a
     bucket at the first size past the batch compute budget: bigger batches of it are never
@@ -46,7 +41,7 @@ def warm_up_lane(
     backend.warm_up()
     progress.ended()
     for bucket in backend.buckets:
-        key = key_for(backend, bucket)
+        key = batch_key(backend, bucket)
         limit = lane.batcher.shape_limit(key)
         for size in sorted({*(1 << i for i in range(limit.bit_length())), limit}):
             rows = backend.warmup_rows(bucket, size)
@@ -61,4 +56,4 @@ def warm_up_lane(
             if min(runs_s) > lane.batcher.batch_compute_budget_s:
                 break
     for bucket in backend.buckets:
-        lane.export_gauges(metrics, key_for(backend, bucket))
+        lane.export_gauges(metrics, batch_key(backend, bucket))
