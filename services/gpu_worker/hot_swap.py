@@ -4,11 +4,12 @@ Load: a version whose weights would not fit in the free memory is refused first
 (services.gpu_worker.memory_budget), so a load never takes the serving versions down with it.
 Then weights are read off the event loop (a daemon thread), the version is warmed up where it
 will run (fixed-cost versions on the batching driver's executor thread, between batches;
-generation versions on their engine's step thread before the engine starts), and only then
-does it join `LoadedModels`, which the servicer resolves from and the next registry heartbeat
-advertises. A version that fails to load is logged, counted
-(`inference_worker_model_load_failures_total`) and recorded in `LoadedModels.failed`; the worker
-serves the rest as before.
+generation versions on their engine's step thread before the engine starts), each warm-up call
+bounded at WARMUP_MULTIPLE x the watchdog (past it the worker stops serving, as for a call
+that never returns while serving), and only then does it join `LoadedModels`, which the
+servicer resolves from and the next registry heartbeat advertises. A version that fails to
+load is logged, counted (`inference_worker_model_load_failures_total`) and recorded in
+`LoadedModels.failed`; the worker serves the rest as before.
 
 Unload: the version leaves `LoadedModels` first (new calls get NOT_FOUND, the next heartbeat,
 sent at once, no longer lists it), then its admitted work finishes (a lane-level drain, or its
@@ -87,7 +88,7 @@ class ModelSwapper:
                 lambda: load_version(version, self._device, self._generation_metrics, self._options)
             )
             if isinstance(model, GenerationBackend):
-                await in_daemon_thread(model.warm_up)
+                await self._warm_up_generation(model)
                 model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
             else:
                 await self._batching.add_backend(model)
@@ -100,6 +101,20 @@ class ModelSwapper:
         self._on_change()
         log.info("model %s loaded while serving (fingerprint %s)", label, model.fingerprint)
         return True
+
+    async def _warm_up_generation(self, model: GenerationBackend) -> None:
+        """Warms a generation version up on its engine's step thread, each call bounded at
+        WARMUP_MULTIPLE x the watchdog. Past it, the worker stops serving, as for a serving
+        step past the watchdog (a step that never returns may have hung the device), and the
+        load fails; either way a failed warm-up's thread is let go (left held if wedged)."""
+        steps = model.engine.steps
+        try:
+            await steps.warm_up_within(in_daemon_thread(model.warm_up), self._watchdog_s)
+        except Exception as error:
+            steps.shutdown()
+            if steps.is_wedged:
+                self._on_fatal(error)
+            raise
 
     async def unload(self, model_name: str, model_version: str) -> None:
         """Stops serving a version, finishes its admitted work, then frees it."""

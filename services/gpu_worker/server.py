@@ -194,7 +194,7 @@ class Worker:
     registry_publisher: RegistryPublisher | None = None
     #: Plaintext health-only listener for probes (None unless `tls.health_port` is set).
     health_listener: HealthListener | None = None
-    #: Set once a serving loop died: the worker no longer serves (see `_on_fatal`).
+    #: Set once a serving loop died: the worker no longer serves (see `on_fatal`).
     fatal_error: Exception | None = None
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     #: Follows the desired model state (with `redis_url`); stopped first when draining.
@@ -240,12 +240,10 @@ class Worker:
         freeze_startup_heap()
         self.batching = batching
         self.models = models
-        batching.start(on_fatal=self._on_fatal)
+        batching.start(on_fatal=self.on_fatal)
         for backend in models.generation:
             # The same watchdog as the batching driver's model calls bounds each step.
-            backend.engine.start(
-                on_fatal=self._on_fatal, watchdog_s=self.config.batching.watchdog_s
-            )
+            backend.engine.start(on_fatal=self.on_fatal, watchdog_s=self.config.batching.watchdog_s)
         self.servicer.attach(models, batching, self.metrics)
         if before_serving is not None:
             await before_serving()
@@ -282,7 +280,7 @@ class Worker:
             device=device,
             worker_metrics=self.metrics,
             generation_metrics=self.generation_metrics,
-            on_fatal=self._on_fatal,
+            on_fatal=self.on_fatal,
             on_change=publisher.publish_soon,
             watchdog_s=self.config.batching.watchdog_s,
             options=options,
@@ -298,7 +296,7 @@ class Worker:
         )
         self._follower = asyncio.get_running_loop().create_task(follower.run(), name="follower")
 
-    def _on_fatal(self, error: Exception) -> None:
+    def on_fatal(self, error: Exception) -> None:
         """A serving loop died, or a model call ran past the executor watchdog (its requests
         already failed UNAVAILABLE): stop taking traffic.
         Health turns NOT_SERVING, overall too, so readiness fails at once and the liveness probe

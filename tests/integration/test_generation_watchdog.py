@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
 from services.common import metric_names as names
+from services.common.model_repository import load_repository
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import watchdog_bound_s
 from services.gpu_worker.config import WorkerConfig
@@ -31,6 +32,7 @@ from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBat
 from services.gpu_worker.server import SERVICE_NAME, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from tests.support.in_process import swapper_for
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.waiting import eventually
@@ -153,3 +155,77 @@ async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_sto
     exported = generate_latest(worker.metrics.registry).decode()
     count = total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="tiny-llama", version="1")
     assert count == 1
+
+
+#: The hot-load test's watchdog: each warm-up call of a version loaded while serving is bounded
+#: at WARMUP_MULTIPLE x this (5 s), far past a tiny-llama warm-up step.
+HOT_LOAD_WATCHDOG_S = 0.5
+
+
+async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation version loaded while serving warms up on its own step thread before its
+    engine starts. A warm-up step that never returns (a hung device) is bounded at
+    WARMUP_MULTIPLE x the watchdog: the load fails, counted, and the worker stops serving as for
+    a serving step past the watchdog (before, the load never ended: the repository follower
+    waited for good, applying no later change, while the worker said SERVING)."""
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
+    more = tmp_path / "more" / "tiny-llama"
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
+    (more / "1").rename(more / "2")
+    (version,) = load_repository(tmp_path / "more")
+    config = WorkerConfig(
+        model_repository=tmp_path / "repo",
+        grpc_port=0,
+        metrics_port=0,
+        batching=DriverConfig(watchdog_s=HOT_LOAD_WATCHDOG_S),
+    )
+    worker = await create_worker(config)
+    await worker.load()
+    assert worker.models is not None
+    (serving,) = worker.models.generation
+    released, wedged = threading.Event(), threading.Event()
+    execute = ModelRunner.execute
+
+    def wedging_execute(runner: ModelRunner, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+        if runner is not serving.runner and not released.is_set():  # the new version's steps
+            wedged.set()
+            released.wait()
+        return execute(runner, items)
+
+    monkeypatch.setattr(ModelRunner, "execute", wedging_execute)
+    address = f"127.0.0.1:{worker.port}"
+    swapper = swapper_for(worker, HOT_LOAD_WATCHDOG_S)
+    try:
+        # Only the watchdog can end the load (the bound is a condition wait's, far past it).
+        is_loaded = await asyncio.wait_for(swapper.load(version), timeout=FLIP_TIMEOUT_S)
+        await eventually(
+            lambda: not_serving(address),
+            timeout_s=FLIP_TIMEOUT_S,
+            interval_s=0.02,
+            message="NOT_SERVING (overall and the worker service) after the warm-up's watchdog",
+        )
+        stop_started = time.monotonic()
+        await worker.stop()
+        stop_s = time.monotonic() - stop_started
+        assert wedged.is_set(), "the new version's warm-up never ran a step"
+    finally:
+        released.set()  # the wedged warm-up step returns and its daemon threads end
+    assert is_loaded is False
+    assert [(b.config.name, b.version.version) for b in worker.models.generation] == [
+        ("tiny-llama", "1")
+    ]
+    failed = {(f.model, f.version): f.error for f in worker.models.failed}
+    assert list(failed) == [("tiny-llama", "2")]
+    assert (
+        "a warm-up call of tiny-llama/2 ran past the executor watchdog"
+        in failed[("tiny-llama", "2")]
+    )
+    assert "executor watchdog" in str(worker.fatal_error)
+    # The stop leaves the wedged threads behind (a stop that joined them would wait for good).
+    assert stop_s < worker.config.drain_grace_s / 2, stop_s
+    exported = generate_latest(worker.metrics.registry).decode()
+    expired = names.WORKER_WATCHDOG_EXPIRED_TOTAL
+    assert total(exported, expired, model="tiny-llama", version="2") == 1
+    assert total(exported, expired, model="tiny-llama", version="1") == 0

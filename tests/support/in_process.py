@@ -106,7 +106,8 @@ async def start_in_process_worker(
 
 def swapper_for(worker: Worker, watchdog_s: float = 30.0) -> ModelSwapper:
     """A swapper loading and unloading versions on `worker`'s CPU batching driver (as its own
-    follower's would, for a worker started without Redis); it reports nothing fatal."""
+    follower's would, for a worker started without Redis); what it finds fatal stops the
+    worker serving, as there."""
     assert worker.models is not None and worker.batching is not None
     return ModelSwapper(
         models=worker.models,
@@ -114,7 +115,7 @@ def swapper_for(worker: Worker, watchdog_s: float = 30.0) -> ModelSwapper:
         device=torch.device("cpu"),
         worker_metrics=worker.metrics,
         generation_metrics=worker.generation_metrics,
-        on_fatal=lambda error: None,
+        on_fatal=worker.on_fatal,
         on_change=lambda: None,
         watchdog_s=watchdog_s,
     )

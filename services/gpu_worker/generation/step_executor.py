@@ -7,6 +7,10 @@ alive; the engine awaits each step for at most the watchdog bound, the same one 
 driver applies to fixed-cost model calls (`watchdog_s`, raised for a model whose warm-up steps
 are slow). Past it, the step raises and `is_wedged` is set: the engine stops for good (the
 thread cannot be killed), and drain leaves the thread behind instead of waiting for it.
+
+A version loaded while serving warms up on that thread too, before its engine starts; the hot
+load bounds each warm-up call (`warm_up_within`) as the batching driver bounds a fixed-cost
+version's: at WARMUP_MULTIPLE x the watchdog, and past it the thread counts as wedged.
 """
 
 from __future__ import annotations
@@ -14,14 +18,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import torch
 
 from services.common.errors import Unavailable
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.watchdog import DaemonExecutor, watchdog_bound_s
+from services.gpu_worker.batching.watchdog import (
+    WARMUP_MULTIPLE,
+    CallProgress,
+    DaemonExecutor,
+    WatchdogExpired,
+    watchdog_bound_s,
+    within_watchdog,
+)
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import intra_op_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -53,6 +64,8 @@ class StepExecutor:
         self.watchdog_s = DEFAULT_WATCHDOG_S
         #: Set once a step ran past the bound: its thread may never be free again.
         self.is_wedged = False
+        #: The warm-up calls ended so far (`warm_up`'s steps, `call`s), for `warm_up_within`.
+        self._warm_up_calls = CallProgress()
 
     def set_watchdog(self, watchdog_s: float) -> None:
         """Bounds each step by `watchdog_s`, raised to the warm-up multiple of the costliest
@@ -74,14 +87,33 @@ class StepExecutor:
 
     def call(self, fn: Callable[[], T]) -> T:
         """`fn()` on the executor thread (the thread that runs serving steps: CUDA graphs are
-        captured there). Blocking: call it from a thread before serving."""
-        return self._executor.submit(fn).result()
+        captured there). Blocking: call it from a thread before serving. Counts as one warm-up
+        call, however many steps it runs."""
+        return self._executor.submit(self._counted, fn).result()
+
+    async def warm_up_within(self, warm_up: Awaitable[None], watchdog_s: float) -> None:
+        """Awaits `warm_up` (a hot load's: its `warm_up` and `call`s, from a thread) while each
+        of its calls ends within WARMUP_MULTIPLE x `watchdog_s` of the one before (a new
+        version's first steps may be slower than any served). Past it, as a serving step past
+        the bound: `is_wedged` set, counted, Unavailable raised (the thread is left held)."""
+        bound_s = WARMUP_MULTIPLE * watchdog_s
+        try:
+            await within_watchdog(warm_up, bound_s, self._warm_up_calls)
+        except WatchdogExpired:
+            raise self._wedged("a warm-up call", bound_s) from None
+
+    def _counted(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        finally:
+            self._warm_up_calls.ended()
 
     def _run_timed(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> None:
         for items in steps:
             started = time.monotonic()
             self._runner.execute(items)
             self.slowest_warmup_s = max(self.slowest_warmup_s, time.monotonic() - started)
+            self._warm_up_calls.ended()
 
     async def execute(
         self, items: Sequence[SequenceBatchItem], *, threads: int = 0
@@ -96,12 +128,15 @@ class StepExecutor:
         except TimeoutError:
             if not timeout.expired():
                 raise  # raised by the forward itself: a failed step like any other
-            self.is_wedged = True
-            if (expired_total := self._metrics.watchdog_expired_total) is not None:
-                expired_total.labels(*self._labels).inc()
-            raise Unavailable(
-                f"a model step ran past the executor watchdog ({self.watchdog_s:.1f}s)"
-            ) from None
+            raise self._wedged("a model step", self.watchdog_s) from None
+
+    def _wedged(self, what: str, bound_s: float) -> Unavailable:
+        """Marks the thread wedged (`what` held it past `bound_s`), counted; the error to raise."""
+        self.is_wedged = True
+        if (expired_total := self._metrics.watchdog_expired_total) is not None:
+            expired_total.labels(*self._labels).inc()
+        name = "/".join(self._labels)
+        return Unavailable(f"{what} of {name} ran past the executor watchdog ({bound_s:.1f}s)")
 
     def _run(self, items: Sequence[SequenceBatchItem], threads: int) -> torch.Tensor:
         busy = DeviceBusy(self._runner.execute, self._runner.device)
