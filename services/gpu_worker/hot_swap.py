@@ -19,10 +19,11 @@ engine's drain), then its memory is released.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -103,16 +104,17 @@ class ModelSwapper:
         return True
 
     async def _warm_up_generation(self, model: GenerationBackend) -> None:
-        """Warms a generation version up on its engine's step thread, each call bounded at
+        """Warms a generation version up on its engine's step thread, each forward bounded at
         WARMUP_MULTIPLE x the watchdog. Past it, the worker stops serving, as for a serving
         step past the watchdog (a step that never returns may have hung the device), and the
-        load fails; either way a failed warm-up's thread is let go (left held if wedged)."""
+        load fails. A warm-up that failed or was cancelled (the worker stops) lets its thread
+        go: nothing queued runs, and the call in flight, if any, is not waited for."""
         steps = model.engine.steps
         try:
             await steps.warm_up_within(in_daemon_thread(model.warm_up), self._watchdog_s)
-        except Exception as error:
-            steps.shutdown()
-            if steps.is_wedged:
+        except BaseException as error:
+            steps.abandon()
+            if steps.is_wedged and isinstance(error, Exception):  # the bound's Unavailable
                 self._on_fatal(error)
             raise
 
@@ -155,13 +157,18 @@ async def in_daemon_thread(fn: Callable[[], T]) -> T:
         if not future.done():
             future.set_exception(error)
 
+    def settle(settle_as: Callable[[Any], None], outcome: object) -> None:
+        # The loop may have closed meanwhile (the process stopping): no one awaits then.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle_as, outcome)
+
     def target() -> None:
         try:
             result = fn()
         except BaseException as error:  # delivered to the awaiting coroutine
-            loop.call_soon_threadsafe(settle_error, error)
+            settle(settle_error, error)
         else:
-            loop.call_soon_threadsafe(settle_result, result)
+            settle(settle_result, result)
 
     threading.Thread(target=target, name="model-loader", daemon=True).start()
     return await future

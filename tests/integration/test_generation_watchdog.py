@@ -157,7 +157,7 @@ async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_sto
     assert count == 1
 
 
-#: The hot-load test's watchdog: each warm-up call of a version loaded while serving is bounded
+#: The hot-load test's watchdog: each warm-up step of a version loaded while serving is bounded
 #: at WARMUP_MULTIPLE x this (5 s), far past a tiny-llama warm-up step.
 HOT_LOAD_WATCHDOG_S = 0.5
 
@@ -212,6 +212,14 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
         assert wedged.is_set(), "the new version's warm-up never ran a step"
     finally:
         released.set()  # the wedged warm-up step returns and its daemon threads end
+    # The given-up warm-up let its step thread go: once its held step returns, the thread ends
+    # (it ran nothing queued behind the step, and waits for no more).
+    await eventually(
+        lambda: "generation-tiny-llama/2" not in {t.name for t in threading.enumerate()},
+        timeout_s=FLIP_TIMEOUT_S,
+        interval_s=0.02,
+        message="the abandoned warm-up's step thread ended",
+    )
     assert is_loaded is False
     assert [(b.config.name, b.version.version) for b in worker.models.generation] == [
         ("tiny-llama", "1")
@@ -219,7 +227,7 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
     failed = {(f.model, f.version): f.error for f in worker.models.failed}
     assert list(failed) == [("tiny-llama", "2")]
     assert (
-        "a warm-up call of tiny-llama/2 ran past the executor watchdog"
+        "a warm-up step of tiny-llama/2 ran past the executor watchdog"
         in failed[("tiny-llama", "2")]
     )
     assert "executor watchdog" in str(worker.fatal_error)

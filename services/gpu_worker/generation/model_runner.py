@@ -10,7 +10,7 @@ device in one packed copy (`step_inputs`); its attention runs on a chosen set of
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +88,9 @@ class ModelRunner:
         #: Steps run so far from a graph, and eagerly (for benchmarks and logs).
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
+        #: Called after each forward (eager, timed or captured): how a watch over work that runs
+        #: many (a hot load's warm-up) sees it progress.
+        self.on_forward: Callable[[], None] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -155,7 +158,10 @@ class ModelRunner:
         hidden = self.model(step.token_ids, step.positions, attention)
         if step.sample_rows is not None:
             hidden = hidden[step.sample_rows]
-        return self.model.compute_logits(hidden).float()
+        logits = self.model.compute_logits(hidden).float()
+        if self.on_forward is not None:
+            self.on_forward()
+        return logits
 
     def _attend_decodes(
         self, layer: int, q: torch.Tensor, blocks: torch.Tensor, mask: torch.Tensor

@@ -8,9 +8,11 @@ driver applies to fixed-cost model calls (`watchdog_s`, raised for a model whose
 are slow). Past it, the step raises and `is_wedged` is set: the engine stops for good (the
 thread cannot be killed), and drain leaves the thread behind instead of waiting for it.
 
-A version loaded while serving warms up on that thread too, before its engine starts; the hot
-load bounds each warm-up call (`warm_up_within`) as the batching driver bounds a fixed-cost
-version's: at WARMUP_MULTIPLE x the watchdog, and past it the thread counts as wedged.
+A version loaded while serving warms up on that thread too, before its engine starts: every
+forward of its warm-up (its steps, the attention kernels' timed steps, the decode graphs'
+captures) must end within WARMUP_MULTIPLE x the watchdog of the one before
+(`warm_up_within`), as a fixed-cost version's warm-up calls must; past it the thread counts as
+wedged.
 """
 
 from __future__ import annotations
@@ -64,8 +66,9 @@ class StepExecutor:
         self.watchdog_s = DEFAULT_WATCHDOG_S
         #: Set once a step ran past the bound: its thread may never be free again.
         self.is_wedged = False
-        #: The warm-up calls ended so far (`warm_up`'s steps, `call`s), for `warm_up_within`.
-        self._warm_up_calls = CallProgress()
+        #: The forwards ended so far on the thread, for `warm_up_within`.
+        self._forwards = CallProgress()
+        runner.on_forward = self._forwards.ended
 
     def set_watchdog(self, watchdog_s: float) -> None:
         """Bounds each step by `watchdog_s`, raised to the warm-up multiple of the costliest
@@ -87,33 +90,26 @@ class StepExecutor:
 
     def call(self, fn: Callable[[], T]) -> T:
         """`fn()` on the executor thread (the thread that runs serving steps: CUDA graphs are
-        captured there). Blocking: call it from a thread before serving. Counts as one warm-up
-        call, however many steps it runs."""
-        return self._executor.submit(self._counted, fn).result()
+        captured there). Blocking: call it from a thread before serving."""
+        return self._executor.submit(fn).result()
 
     async def warm_up_within(self, warm_up: Awaitable[None], watchdog_s: float) -> None:
         """Awaits `warm_up` (a hot load's: its `warm_up` and `call`s, from a thread) while each
-        of its calls ends within WARMUP_MULTIPLE x `watchdog_s` of the one before (a new
-        version's first steps may be slower than any served). Past it, as a serving step past
-        the bound: `is_wedged` set, counted, Unavailable raised (the thread is left held)."""
+        of its forwards ends within WARMUP_MULTIPLE x `watchdog_s` of the one before (the
+        first, of the warm-up's start: a new version's first steps may be slower than any
+        served). Past it, as a serving step past the bound: `is_wedged` set, counted,
+        Unavailable raised (the thread is left held)."""
         bound_s = WARMUP_MULTIPLE * watchdog_s
         try:
-            await within_watchdog(warm_up, bound_s, self._warm_up_calls)
+            await within_watchdog(warm_up, bound_s, self._forwards)
         except WatchdogExpired:
-            raise self._wedged("a warm-up call", bound_s) from None
-
-    def _counted(self, fn: Callable[[], T]) -> T:
-        try:
-            return fn()
-        finally:
-            self._warm_up_calls.ended()
+            raise self._wedged("a warm-up step", bound_s) from None
 
     def _run_timed(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> None:
         for items in steps:
             started = time.monotonic()
             self._runner.execute(items)
             self.slowest_warmup_s = max(self.slowest_warmup_s, time.monotonic() - started)
-            self._warm_up_calls.ended()
 
     async def execute(
         self, items: Sequence[SequenceBatchItem], *, threads: int = 0
@@ -146,6 +142,11 @@ class StepExecutor:
         finally:
             if self._device_busy is not None:
                 self._device_busy.inc(busy.seconds)
+
+    def abandon(self) -> None:
+        """Refuses new calls and drops the queued ones, waiting for none (a warm-up given up:
+        its call in flight may never return, and the thread ends after it)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
     def shutdown(self) -> None:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
