@@ -13,9 +13,10 @@ the gRPC status name, the server's message and, for RESOURCE_EXHAUSTED, its retr
 predict refused for load is sent again after the server's hint, and one the gateway's grpc
 dropped unseen (CANCELLED) after a short jittered wait, while its deadline allows, within a
 retry budget (`retry`, inference_fabric_client.retry), and not while the throttle (below)
-refuses; `RetryPolicy(max_retries=0)` turns that off. While the gateway refuses many of a
-model's predicts, the client refuses some of them itself, at no cost to the gateway
-(`throttle`, inference_fabric_client.throttle): they raise `ThrottledError`
+refuses; `RetryPolicy(max_retries=0)` turns that off. Job calls (`jobs()`) are sent again the
+same way, a submit dropped unseen only when it carries an idempotency key. While the gateway
+refuses many of a model's predicts, the client refuses some of them itself, at no cost to the
+gateway (`throttle`, inference_fabric_client.throttle): they raise `ThrottledError`
 (RESOURCE_EXHAUSTED) unsent; `throttle=None` turns that off.
 """
 
@@ -192,7 +193,7 @@ class Client:
         """Durable batch jobs over this client's channel (inference_fabric_client.jobs)."""
         from inference_fabric_client.jobs import Jobs
 
-        return Jobs(self._channel, self._metadata, self._timeout_s)
+        return Jobs(self._channel, self._metadata, self._timeout_s, self._attempts)
 
     def predict(
         self,
@@ -277,10 +278,14 @@ class Client:
         request: object,
         timeout_s: float,
         throttle: AdaptiveThrottle | None = None,
+        *,
+        is_dropped_retried: bool = True,
     ) -> object:
         """The attempts of one call: the first, then retries while allowed, and none while
         `throttle` refuses calls (a retry would be a call it sheds, and one retried until
-        accepted would hide the refusal from it)."""
+        accepted would hide the refusal from it). `is_dropped_retried` False: a call ending
+        CANCELLED is not sent again (one that may have taken effect before it was cut, and is
+        not idempotent)."""
         deadline = time.monotonic() + timeout_s
         self._budget.on_call()
         for attempt in range(self._retry.max_retries + 1):
@@ -295,6 +300,7 @@ class Client:
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
             if (
                 hint is None
+                or (failure.code == "CANCELLED" and not is_dropped_retried)
                 or self._is_closed
                 or attempt == self._retry.max_retries
                 or time.monotonic() + hint + self._retry.min_attempt_s >= deadline

@@ -11,14 +11,22 @@
 message limit bounds a job; only the gateway's max items per job (100,000 by default) does.
 Results come back in input order; a call streams up to the first item not finished yet, so
 `results(..., wait=True)` calls again from the next index until the job is finished.
+
+`submit`, `get` and `cancel` refused for load (RESOURCE_EXHAUSTED with a `retry-after-ms`
+hint: the gateway holds too many items being submitted, or the job store is full) are sent
+again after the hint, within the call's timeout and the client's retry budget, as predicts
+are (inference_fabric_client.retry): a refused submit stored nothing, so the whole stream is
+sent again. A submit the gateway's grpc dropped unseen (CANCELLED) is sent again only with an
+`idempotency_key`: a submit cut short after the gateway stored it would otherwise make a
+second job.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import numpy as np
@@ -70,15 +78,35 @@ class ItemResult:
     num_attempts: int
 
 
+class Attempts(Protocol):
+    """A Client's attempts at one call: `method(request, timeout=, metadata=)`, sent again
+    while its retry policy allows (Client._attempts)."""
+
+    def __call__(
+        self,
+        method: object,
+        request: object,
+        timeout_s: float,
+        throttle: None = None,
+        *,
+        is_dropped_retried: bool = True,
+    ) -> object: ...
+
+
 class Jobs:
     """JobService calls over a Client's channel (Client.jobs())."""
 
     def __init__(
-        self, channel: grpc.Channel, metadata: tuple[tuple[str, str], ...], timeout_s: float
+        self,
+        channel: grpc.Channel,
+        metadata: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        attempts: Attempts,
     ) -> None:
         self._stub = jobs_grpc.JobServiceStub(channel)
         self._metadata = metadata
         self._timeout_s = timeout_s
+        self._attempts = attempts
 
     def submit(
         self,
@@ -105,12 +133,19 @@ class Jobs:
             # The first message names the job and carries the first items; the rest, items
             # only. No texts: the header alone, which the gateway refuses as an empty job.
             for start in range(0, max(len(texts), 1), items_per_message):
-                message = header if start == 0 else jobs.SubmitJobRequest()
+                message = jobs.SubmitJobRequest()
+                if start == 0:
+                    message.CopyFrom(header)  # a copy: every attempt streams from the header
                 chunk = texts[start : start + items_per_message]
                 message.items.extend(api.PredictInput(text=t) for t in chunk)
                 yield message
 
-        return str(self._call(self._stub.SubmitJobStream, messages()).job_id)
+        def send(_: None, *, timeout: float, metadata: Any) -> jobs.SubmitJobResponse:
+            # Each attempt streams every message again (a refused one stored nothing).
+            return self._stub.SubmitJobStream(messages(), timeout=timeout, metadata=metadata)
+
+        response = self._call(send, None, is_dropped_retried=bool(idempotency_key))
+        return str(response.job_id)
 
     def get(self, job_id: str) -> JobInfo:
         return _info(self._call(self._stub.GetJob, jobs.GetJobRequest(job_id=job_id)))
@@ -143,12 +178,11 @@ class Jobs:
             time.sleep(poll_s)
 
     def _call(
-        self, method: grpc.UnaryUnaryMultiCallable | grpc.StreamUnaryMultiCallable, request: Any
+        self, method: Callable[..., Any], request: Any, *, is_dropped_retried: bool = True
     ) -> Any:
-        try:
-            return method(request, timeout=self._timeout_s, metadata=self._metadata)
-        except grpc.RpcError as error:
-            raise FabricError.from_rpc(error) from None
+        return self._attempts(
+            method, request, self._timeout_s, is_dropped_retried=is_dropped_retried
+        )
 
 
 def _info(j: jobs.Job) -> JobInfo:

@@ -1,0 +1,129 @@
+"""The slim client's job calls (inference_fabric_client.jobs) sent again when refused for load,
+against a real gRPC server on port 0 that refuses as the gateway's JobService does (a submit
+past the bytes the gateway holds for jobs being submitted, or a full job store): RESOURCE_
+EXHAUSTED with a `retry-after-ms` hint, nothing stored. A refused submit streams every item
+again; one dropped unseen (CANCELLED) is sent again only when an idempotency key makes a
+second send harmless."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from inference_fabric_client import Client, FabricError
+from inference_fabric_client.retry import RetryPolicy
+
+from services.pb.inference.v1 import jobs_pb2 as jobs
+from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+
+pytestmark = pytest.mark.integration
+
+TEXTS = [f"text {i}" for i in range(25)]
+
+
+@dataclass
+class RefusingJobs(jobs_grpc.JobServiceServicer):
+    """Refuses the first `refusals` calls of each method with `code` (and the hint `hint_ms`,
+    None: no hint), after reading a submit's whole stream; then answers."""
+
+    refusals: int = 0
+    code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
+    hint_ms: int | None = 50
+    #: Per submit call: when it arrived and the texts it streamed.
+    submits: list[tuple[float, list[str]]] = field(default_factory=list)
+    gets: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def SubmitJobStream(
+        self, requests: Iterator[jobs.SubmitJobRequest], context: Any
+    ) -> jobs.SubmitJobResponse:
+        arrived_s = time.monotonic()
+        texts = [item.text for request in requests for item in request.items]
+        with self.lock:
+            self.submits.append((arrived_s, texts))
+            self._maybe_refuse(len(self.submits), context)
+        return jobs.SubmitJobResponse(job_id="job-1")
+
+    def GetJob(self, request: jobs.GetJobRequest, context: Any) -> jobs.Job:
+        with self.lock:
+            self.gets += 1
+            self._maybe_refuse(self.gets, context)
+        return jobs.Job(job_id=request.job_id, state=jobs.JOB_STATE_RUNNING, num_items=25)
+
+    def _maybe_refuse(self, num_calls: int, context: Any) -> None:
+        if num_calls <= self.refusals:
+            if self.hint_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
+            context.abort(self.code, "busy")
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    servers: list[grpc.Server] = []
+
+    def start(servicer: RefusingJobs) -> str:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(grace=None)
+
+
+def test_a_submit_refused_for_load_streams_every_item_again_after_the_hint(serve: Any) -> None:
+    servicer = RefusingJobs(refusals=2, hint_ms=50)
+    with Client(serve(servicer), timeout_s=10) as client:
+        job_id = client.jobs().submit("m", TEXTS, items_per_message=10)
+    assert job_id == "job-1"
+    assert [texts for _, texts in servicer.submits] == [TEXTS] * 3
+    arrivals = [arrived_s for arrived_s, _ in servicer.submits]
+    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+    assert all(gap >= 0.05 for gap in gaps), gaps
+
+
+def test_job_retries_stop_at_max_retries_and_at_the_timeout(serve: Any) -> None:
+    servicer = RefusingJobs(refusals=100, hint_ms=10)
+    policy = RetryPolicy(max_retries=3)
+    client = Client(serve(servicer), retry=policy, timeout_s=10)
+    with client, pytest.raises(FabricError) as raised:
+        client.jobs().get("job-1")
+    assert raised.value.code == "RESOURCE_EXHAUSTED" and servicer.gets == 4
+
+    full = RefusingJobs(refusals=100, hint_ms=60_000)  # the job store's hint: full for now
+    with Client(serve(full), timeout_s=1) as client, pytest.raises(FabricError) as raised:
+        client.jobs().submit("m", TEXTS)
+    assert raised.value.retry_after_s == 60.0 and len(full.submits) == 1
+
+
+def test_a_get_refused_for_load_is_sent_again(serve: Any) -> None:
+    servicer = RefusingJobs(refusals=1, hint_ms=20)
+    with Client(serve(servicer), timeout_s=10) as client:
+        assert client.jobs().get("job-1").state == "running"
+    assert servicer.gets == 2
+
+
+def test_a_dropped_submit_is_sent_again_only_with_an_idempotency_key(serve: Any) -> None:
+    """CANCELLED may be a drop before the gateway saw the submit, or a submit cut short after
+    it stored the job: sent again, a submit without a key could make a second job."""
+    policy = RetryPolicy(dropped_retry_s=0.01)
+    keyless = RefusingJobs(refusals=1, code=grpc.StatusCode.CANCELLED, hint_ms=None)
+    client = Client(serve(keyless), retry=policy, timeout_s=10)
+    with client, pytest.raises(FabricError) as raised:
+        client.jobs().submit("m", TEXTS)
+    assert raised.value.code == "CANCELLED" and len(keyless.submits) == 1
+
+    keyed = RefusingJobs(refusals=1, code=grpc.StatusCode.CANCELLED, hint_ms=None)
+    with Client(serve(keyed), retry=policy, timeout_s=10) as client:
+        assert client.jobs().submit("m", TEXTS, idempotency_key="run-42") == "job-1"
+    assert len(keyed.submits) == 2
