@@ -190,6 +190,86 @@ def test_a_byte_fallback_decoder_is_never_settled_inside_a_run_of_bytes() -> Non
     assert "".join(pieces).endswith(" ok")
 
 
+class CountingOf:
+    """`tokenizer`, recording the number of ids of each decode in `windows`."""
+
+    def __init__(self, tokenizer: Tokenizer, windows: list[int]) -> None:
+        self.tokenizer, self.windows = tokenizer, windows
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        self.windows.append(len(token_ids))
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def get_added_tokens_decoder(self) -> dict:
+        return self.tokenizer.get_added_tokens_decoder()
+
+    def get_vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_vocab()
+
+    def to_str(self) -> str:
+        return self.tokenizer.to_str()
+
+
+def fallback_bytes(data: bytes) -> list[int]:
+    """The byte fallback tokenizer's byte tokens for `data`."""
+    return [3 + b for b in data]
+
+
+def test_a_long_invalid_run_of_byte_fallback_tokens_keeps_every_window_short() -> None:
+    """A run of byte tokens invalid for good (it starts with a lone continuation byte) decodes
+    as one U+FFFD per token whatever follows: it was held until it ended, each token decoding
+    the whole run (O(n^2) on the engine's loop: 1.5 s of CPU for 4,000 tokens). Each token of
+    it is now one U+FFFD as it comes, and the text is still what decoding it all gives."""
+    windows: list[int] = []
+    tokenizer = byte_fallback_tokenizer()
+    sequence = [259, *fallback_bytes(b"\x82" + "€".encode() * 500), 259]
+    detokenizer = IncrementalDetokenizer(CountingOf(tokenizer, windows))  # type: ignore[arg-type]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == tokenizer.decode(sequence, skip_special_tokens=True)
+    assert "".join(pieces) == "ok" + "\ufffd" * 1501 + " ok"
+    assert max(windows) <= 16, max(windows)
+    assert sum(1 for piece in pieces if piece) > 1400, "emitted as it came, not held"
+
+
+def test_a_byte_fallback_run_that_turns_invalid_keeps_the_characters_it_made() -> None:
+    """Characters a run made before a byte made it invalid for good were emitted: the stream
+    keeps them and adds one U+FFFD per later byte token (decoding the whole sequence shows
+    U+FFFD for the first ones too; a stream cannot take text back)."""
+    windows: list[int] = []
+    tokenizer = byte_fallback_tokenizer()
+    sequence = [*fallback_bytes("€".encode() + b"\xff" * 600), 259]
+    detokenizer = IncrementalDetokenizer(CountingOf(tokenizer, windows))  # type: ignore[arg-type]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == "€" + "\ufffd" * 600 + " ok"
+    assert max(windows) <= 16, max(windows)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_byte_fallback_runs_valid_or_invalid_from_their_start_add_up_to_one_decode(
+    seed: int,
+) -> None:
+    """Runs of byte tokens that are UTF-8 (of 1- to 4-byte characters) or invalid from their
+    first byte, separated by a word piece or ending the stream: the pieces equal one decode."""
+    rng = random.Random(seed)
+    tokenizer = byte_fallback_tokenizer()
+    sequence: list[int] = []
+    for _ in range(30):
+        if rng.random() < 0.5:
+            text = "".join(rng.choice("Aé€😀") for _ in range(rng.randrange(1, 8)))
+            sequence += fallback_bytes(text.encode())
+        else:
+            lead = bytes([rng.choice((0x82, 0xFF, 0xC0))])
+            sequence += fallback_bytes(lead + rng.randbytes(rng.randrange(40)))
+        sequence.append(259)
+    sequence.pop()  # the stream ends inside its last run
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == tokenizer.decode(sequence, skip_special_tokens=True)
+
+
 def test_tokens_that_never_end_a_character_cost_a_few_decodes_each() -> None:
     """Byte-level BPE tokens that span characters ("€" is E2 82 AC; tokens E2 82 and AC E2 82
     repeated): no token ends a character, so no text settles, and looking for it at every end

@@ -10,12 +10,22 @@ O(n^2)): the tokens since the last emitted ones plus those emitted last time as 
 that word-boundary rules (a leading space, a merged byte sequence) see what precedes the new
 token. The new text is the window's decode minus the context's; decoding the window alone
 gives the same text as decoding the sequence because both end at the same token boundary.
+
+A SentencePiece byte fallback decodes a run of byte tokens as UTF-8, or, if any byte of the
+run is invalid, as one U+FFFD per byte token. A run invalid for good (its bytes can never
+become UTF-8, however it goes on) is therefore final as it stands: from then on each of its
+tokens adds one U+FFFD, emitted as it comes (`_bad_run`), where holding the run until it ended
+made each token decode the whole run (O(n^2), on the engine's event loop). Characters a run
+made before it turned invalid have been emitted already: the stream keeps them, where decoding
+the whole sequence shows U+FFFD for them too (vLLM's incremental detokenizer does the same).
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import json
+import re
 import weakref
 from collections.abc import Sequence
 
@@ -47,6 +57,11 @@ class IncrementalDetokenizer:
         #: byte fallback, which shows a whole run of byte tokens as U+FFFD if any is invalid.
         #: Read when first needed (rarely), not per request: it reads the tokenizer's JSON.
         self._may_settle: bool | None = None
+        #: A byte fallback's byte tokens and their bytes (read along with `_may_settle`).
+        self._byte_of: dict[int, int] = {}
+        #: Whether the run of byte tokens the ids end in is invalid for good and read as
+        #: U+FFFDs: each further byte token of it is one more (`_read_bad_byte`).
+        self._bad_run = False
 
     def push(self, token_id: int, stops: Sequence[str]) -> tuple[str, bool]:
         """Adds a token; returns (text now final, whether a stop string was reached). After a
@@ -54,7 +69,9 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return "", False  # decodes to nothing, wherever it stands
         self._ids.append(token_id)
-        if not self._read_window(is_final=False):
+        if self._bad_run and token_id in self._byte_of:
+            self._read_bad_byte()
+        elif not self._read_window(is_final=False):
             return "", False
         cut = self._stop_cut(stops)
         if cut is not None:
@@ -75,6 +92,7 @@ class IncrementalDetokenizer:
         """Adds the tokens not yet read to `_text`, unless they end in half a character and
         more may complete it (not `is_final`): then those up to where the text is settled,
         once _MAX_UNREAD wait; whether text was added."""
+        self._bad_run = False  # read past the byte run, if it was one: it has ended
         context = self._decode(self._ids[self._prefix : self._read])
         window = self._decode(self._ids[self._prefix :])
         end = len(self._ids)
@@ -83,8 +101,9 @@ class IncrementalDetokenizer:
                 return False
             if self._may_settle is None:
                 self._may_settle = may_settle(self._tokenizer)
+                self._byte_of = {} if self._may_settle else byte_tokens(self._tokenizer)
             if not self._may_settle:
-                return False
+                return self._read_bad_run(context)
             end, window = self._settled(context, window)
         if len(window) <= len(context):
             return False
@@ -104,6 +123,36 @@ class IncrementalDetokenizer:
             if len(context) < len(text) < len(window) and window.startswith(text):
                 return end, text
         return self._read, context
+
+    def _read_bad_run(self, context: str) -> bool:
+        """For a byte fallback whose unread tokens end in a run of byte tokens invalid for good:
+        reads them, the run's unread tokens one U+FFFD each (`_bad_run`); whether it did. A
+        run still valid so far (a character not yet complete) is held. The run is judged from
+        the window's start, where any earlier part of it ended a character (a run is read
+        only where its text is complete) or was bad already."""
+        ids, byte_of = self._ids, self._byte_of
+        start = len(ids)
+        while start > self._prefix and ids[start - 1] in byte_of:
+            start -= 1
+        if start == len(ids):
+            return False
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(bytes(byte_of[i] for i in ids[start:]))
+        except UnicodeDecodeError:
+            pass  # invalid for good: no later byte makes the run UTF-8
+        else:
+            return False
+        bad_from = max(start, self._read)
+        before = self._decode(ids[self._prefix : bad_from])  # the unread tokens before the run
+        self._text += before[len(context) :] + _INCOMPLETE * (len(ids) - bad_from)
+        self._prefix, self._read = self._read, len(ids)
+        self._bad_run = True
+        return True
+
+    def _read_bad_byte(self) -> None:
+        """Reads one more byte token of a run invalid for good: one more U+FFFD."""
+        self._text += _INCOMPLETE
+        self._prefix, self._read = self._read, len(self._ids)
 
     def _stop_cut(self, stops: Sequence[str]) -> int | None:
         """Where the first stop string in the text not yet emitted (or overlapping it) starts;
@@ -155,6 +204,26 @@ def may_settle(tokenizer: Tokenizer) -> bool:
     with contextlib.suppress(TypeError):
         _MAY_SETTLE[tokenizer] = settles
     return settles
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_BYTE_TOKENS: weakref.WeakKeyDictionary[Tokenizer, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
+    """A byte fallback's byte tokens (`<0xNN>`) by id, and the byte each stands for. Read once
+    per tokenizer (its vocabulary may hold 100,000 tokens)."""
+    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
+        if (known := _BYTE_TOKENS.get(tokenizer)) is not None:
+            return known
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # not a `tokenizers` one: no byte token known, none read early
+        return {}
+    found = {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.fullmatch(t))}
+    with contextlib.suppress(TypeError):
+        _BYTE_TOKENS[tokenizer] = found
+    return found
 
 
 def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
