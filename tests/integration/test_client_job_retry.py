@@ -36,6 +36,8 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
     refusals: int = 0
     code: grpc.StatusCode = grpc.StatusCode.RESOURCE_EXHAUSTED
     hint_ms: int | None = 50
+    #: How long each GetJob takes before it answers or refuses, seconds.
+    delay_s: float = 0.0
     #: Per submit call: when it arrived and the texts it streamed.
     submits: list[tuple[float, list[str]]] = field(default_factory=list)
     gets: int = 0
@@ -52,6 +54,7 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
         return jobs.SubmitJobResponse(job_id="job-1")
 
     def GetJob(self, request: jobs.GetJobRequest, context: Any) -> jobs.Job:
+        time.sleep(self.delay_s)
         with self.lock:
             self.gets += 1
             self._maybe_refuse(self.gets, context)
@@ -127,3 +130,29 @@ def test_a_dropped_submit_is_sent_again_only_with_an_idempotency_key(serve: Any)
     with Client(serve(keyed), retry=policy, timeout_s=10) as client:
         assert client.jobs().submit("m", TEXTS, idempotency_key="run-42") == "job-1"
     assert len(keyed.submits) == 2
+
+
+def test_a_retry_needs_as_long_left_as_the_refused_attempt_took(serve: Any) -> None:
+    """A call refused after 0.3 s (a submit refused once most of its items were streamed) is
+    not sent again with less than that left of its timeout: the retry would only end
+    DEADLINE_EXCEEDED, for a keyless submit leaving the caller unsure whether it was stored."""
+    slow = RefusingJobs(refusals=1, hint_ms=10, delay_s=0.3)
+    client = Client(serve(slow), timeout_s=0.55)
+    with client, pytest.raises(FabricError) as raised:
+        client.jobs().get("job-1")
+    assert raised.value.code == "RESOURCE_EXHAUSTED" and slow.gets == 1
+
+
+def test_a_closed_clients_job_calls_fail_cancelled_unsent(serve: Any) -> None:
+    """A closed client's job calls fail CANCELLED unsent, as its predicts do; asking it for
+    `jobs()` crashed the process (grpc segfaults making a stub on a closed channel)."""
+    servicer = RefusingJobs()
+    client = Client(serve(servicer), timeout_s=10)
+    jobs_before = client.jobs()
+    client.close()
+    with pytest.raises(FabricError) as submitted:
+        jobs_before.submit("m", TEXTS)
+    with pytest.raises(FabricError) as asked:
+        client.jobs()
+    assert (submitted.value.code, asked.value.code) == ("CANCELLED", "CANCELLED")
+    assert servicer.submits == []

@@ -190,8 +190,13 @@ class Client:
         self._channel.close()
 
     def jobs(self) -> Jobs:
-        """Durable batch jobs over this client's channel (inference_fabric_client.jobs)."""
+        """Durable batch jobs over this client's channel (inference_fabric_client.jobs). A
+        closed client has none: CANCELLED (grpc would crash the process making a stub on a
+        closed channel)."""
         from inference_fabric_client.jobs import Jobs
+
+        if self._is_closed:
+            raise FabricError("CANCELLED", "the client is closed")
 
         return Jobs(self._channel, self._metadata, self._timeout_s, self._attempts)
 
@@ -286,15 +291,20 @@ class Client:
         accepted would hide the refusal from it). `is_dropped_retried` False: a call ending
         CANCELLED is not sent again (one that may have taken effect before it was cut, and is
         not idempotent)."""
+        if self._is_closed:
+            raise FabricError("CANCELLED", "the client is closed")
         deadline = time.monotonic() + timeout_s
         self._budget.on_call()
         for attempt in range(self._retry.max_retries + 1):
+            sent_s = time.monotonic()
             try:
                 return method(  # type: ignore[operator]
-                    request, timeout=max(0.0, deadline - time.monotonic()), metadata=self._metadata
+                    request, timeout=max(0.0, deadline - sent_s), metadata=self._metadata
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
+            # A retry needs time for an attempt like this one (a job's items streamed again).
+            min_attempt_s = max(self._retry.min_attempt_s, time.monotonic() - sent_s)
             if throttle is not None and not is_accepted(failure.code, failure.message):
                 throttle.note_refused(time.monotonic())
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)
@@ -303,7 +313,7 @@ class Client:
                 or (failure.code == "CANCELLED" and not is_dropped_retried)
                 or self._is_closed
                 or attempt == self._retry.max_retries
-                or time.monotonic() + hint + self._retry.min_attempt_s >= deadline
+                or time.monotonic() + hint + min_attempt_s >= deadline
                 or (throttle is not None and throttle.refusal_probability(time.monotonic()) > 0)
                 or not self._budget.try_spend()
             ):
