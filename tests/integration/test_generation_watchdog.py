@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -24,12 +25,12 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
 from services.common import metric_names as names
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelVersion, load_repository
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import watchdog_bound_s
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.server import SERVICE_NAME, create_worker
+from services.gpu_worker.server import SERVICE_NAME, Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.in_process import swapper_for
@@ -160,16 +161,24 @@ async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_sto
 #: The hot-load test's watchdog: each warm-up step of a version loaded while serving is bounded
 #: at WARMUP_MULTIPLE x this (5 s), far past a tiny-llama warm-up step.
 HOT_LOAD_WATCHDOG_S = 0.5
+#: The thread a second tiny-llama version's steps run on.
+NEW_VERSION_THREAD = "generation-tiny-llama/2"
 
 
-async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_the_worker(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A generation version loaded while serving warms up on its own step thread before its
-    engine starts. A warm-up step that never returns (a hung device) is bounded at
-    WARMUP_MULTIPLE x the watchdog: the load fails, counted, and the worker stops serving as for
-    a serving step past the watchdog (before, the load never ended: the repository follower
-    waited for good, applying no later change, while the worker said SERVING)."""
+@dataclass
+class WedgingLoad:
+    """A worker serving tiny-llama/1 and a tiny-llama/2 to load while it serves, whose steps
+    block on the thread that runs them until `released` (set at the end)."""
+
+    worker: Worker
+    version: ModelVersion
+    released: threading.Event
+    wedged: threading.Event
+
+
+async def wedging_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watchdog_s: float
+) -> WedgingLoad:
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
     more = tmp_path / "more" / "tiny-llama"
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
@@ -179,7 +188,7 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
         model_repository=tmp_path / "repo",
         grpc_port=0,
         metrics_port=0,
-        batching=DriverConfig(watchdog_s=HOT_LOAD_WATCHDOG_S),
+        batching=DriverConfig(watchdog_s=watchdog_s),
     )
     worker = await create_worker(config)
     await worker.load()
@@ -195,6 +204,29 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
         return execute(runner, items)
 
     monkeypatch.setattr(ModelRunner, "execute", wedging_execute)
+    return WedgingLoad(worker, version, released, wedged)
+
+
+async def thread_ends(name: str) -> None:
+    await eventually(
+        lambda: name not in {t.name for t in threading.enumerate()},
+        timeout_s=FLIP_TIMEOUT_S,
+        interval_s=0.02,
+        message=f"the thread {name} ended",
+    )
+
+
+async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A generation version loaded while serving warms up on its own step thread before its
+    engine starts. A warm-up step that never returns (a hung device) is bounded at
+    WARMUP_MULTIPLE x the watchdog: the load fails, counted, and the worker stops serving as for
+    a serving step past the watchdog (before, the load never ended: the repository follower
+    waited for good, applying no later change, while the worker said SERVING)."""
+    load = await wedging_load(tmp_path, monkeypatch, HOT_LOAD_WATCHDOG_S)
+    worker, version, released, wedged = load.worker, load.version, load.released, load.wedged
+    assert worker.models is not None
     address = f"127.0.0.1:{worker.port}"
     swapper = swapper_for(worker, HOT_LOAD_WATCHDOG_S)
     try:
@@ -212,14 +244,8 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
         assert wedged.is_set(), "the new version's warm-up never ran a step"
     finally:
         released.set()  # the wedged warm-up step returns and its daemon threads end
-    # The given-up warm-up let its step thread go: once its held step returns, the thread ends
-    # (it ran nothing queued behind the step, and waits for no more).
-    await eventually(
-        lambda: "generation-tiny-llama/2" not in {t.name for t in threading.enumerate()},
-        timeout_s=FLIP_TIMEOUT_S,
-        interval_s=0.02,
-        message="the abandoned warm-up's step thread ended",
-    )
+    # The given-up warm-up let its step thread go: once its held step returns, the thread ends.
+    await thread_ends(NEW_VERSION_THREAD)
     assert is_loaded is False
     assert [(b.config.name, b.version.version) for b in worker.models.generation] == [
         ("tiny-llama", "1")
@@ -237,3 +263,31 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
     expired = names.WORKER_WATCHDOG_EXPIRED_TOTAL
     assert total(exported, expired, model="tiny-llama", version="2") == 1
     assert total(exported, expired, model="tiny-llama", version="1") == 0
+
+
+async def test_a_hot_load_cancelled_during_its_warm_up_lets_its_step_thread_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that stops while a generation version warms up cancels its load, well within
+    the bound: the version's step thread is let go (it ends once its held step returns), not
+    left waiting for steps for good, and nothing counts as wedged."""
+    load = await wedging_load(tmp_path, monkeypatch, watchdog_s=30.0)  # bound: 300 s
+    worker = load.worker
+    assert worker.models is not None
+    loading = asyncio.ensure_future(swapper_for(worker, 30.0).load(load.version))
+    try:
+        await eventually(load.wedged.is_set, timeout_s=FLIP_TIMEOUT_S, interval_s=0.02)
+        loading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        load.released.set()
+        await thread_ends(NEW_VERSION_THREAD)
+    finally:
+        load.released.set()
+        await worker.stop()
+    assert worker.fatal_error is None
+    assert [(b.config.name, b.version.version) for b in worker.models.generation] == [
+        ("tiny-llama", "1")
+    ]
+    exported = generate_latest(worker.metrics.registry).decode()
+    assert total(exported, names.WORKER_WATCHDOG_EXPIRED_TOTAL, model="tiny-llama") == 0

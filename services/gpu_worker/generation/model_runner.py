@@ -89,7 +89,9 @@ class ModelRunner:
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
         #: Called after each forward (eager, timed or captured): how a watch over work that runs
-        #: many (a hot load's warm-up) sees it progress.
+        #: many (a hot load's warm-up) sees it progress. Host-side only: it must never touch
+        #: the device (inside a graph's capture, a sync would break it), so it marks a forward
+        #: launched; a hung kernel shows at the next step's copy, one bound later.
         self.on_forward: Callable[[], None] | None = None
 
     @property
