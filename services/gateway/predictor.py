@@ -392,6 +392,8 @@ class Predictor:
                 failure = UpstreamError.from_rpc_error(error)
                 # Resent only before the first message: a stream is never replayed.
                 if has_sent or not await self._may_resend(failure, attempt, deadline_s, "generate"):
+                    if failure.is_overload and not has_sent:  # refused for load: never served
+                        self.admission.give_back_rows(call.principal.policy, 1)
                     raise failure from None
             finally:
                 stream.cancel()  # our caller left mid-stream: stop the worker's generation too

@@ -1,7 +1,8 @@
-"""A tenant's quotas hold for ModelStreamInfer: a stream counts in flight while it lives, idle
-or not, and the generations it carries beyond its first running one are admitted as calls of
-their own (a real in-process fabric serving tiny-llama, a gateway with a keys file, stock-shaped
-KServe streams)."""
+"""A tenant's quotas hold for ModelStreamInfer and Generate: a stream counts in flight while it
+lives, idle or not, the generations it carries beyond its first running one are admitted as
+calls of their own, and a generation refused downstream for load gives its row back (a real
+in-process fabric serving tiny-llama, a gateway with a keys file, stock-shaped KServe
+streams)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ from services.gateway.http.kserve_rest import generate_request
 from services.gateway.server import Gateway, create_gateway
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import types_pb2 as types
 from tests.support.in_process import PERIOD_S, running_fabric
 from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
@@ -34,15 +38,13 @@ METADATA = (("authorization", f"Bearer {KEY}"),)
 
 @asynccontextmanager
 async def _gateway_of_a_tenant_allowed_two(
-    tmp_path: Path, redis_server: RedisServer
+    tmp_path: Path, redis_server: RedisServer, quota: str = "max_concurrency = 2"
 ) -> AsyncIterator[Gateway]:
     repository = tmp_path / "repo"
     repository.mkdir()
     shutil.copytree(REPO_ROOT / "models" / MODEL, repository / MODEL)
     keys = tmp_path / "keys.toml"
-    keys.write_text(
-        f'[[keys]]\ntenant = "t"\nsha256 = "{hash_key(KEY)}"\n\n[tenants.t]\nmax_concurrency = 2\n'
-    )
+    keys.write_text(f'[[keys]]\ntenant = "t"\nsha256 = "{hash_key(KEY)}"\n\n[tenants.t]\n{quota}\n')
     async with running_fabric(repository, redis_server, with_gateway=False) as fabric:
         gateway = await create_gateway(
             GatewayConfig(
@@ -131,3 +133,46 @@ async def test_idle_streams_count_against_the_tenants_max_concurrency(
         assert (response.error_message, response.infer_response.id) == ("", "fourth")
         fourth.cancel()
         idle[1].cancel()
+
+
+class _RefusedForLoad:
+    """A downstream Generate stream refused before its first token (a worker's queue full, a
+    router predicting its deadline past)."""
+
+    async def read(self) -> object:
+        raise grpc.aio.AioRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "full"
+        )
+
+    def cancel(self) -> bool:
+        return False
+
+
+async def test_generations_refused_downstream_for_load_spend_none_of_their_tenants_rows(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A tenant allowed 2 rows a second (a bucket of 2) whose generations downstream refuses
+    for load: ten such spend none of its rows (a generation is one), so once generations go
+    through again it is served, not refused for rows it never got. Before, each kept its row,
+    and the third was refused for the tenant's rows_per_s (predicts gave theirs back)."""
+    async with (
+        _gateway_of_a_tenant_allowed_two(
+            tmp_path, redis_server, "rows_per_s = 2\nburst_s = 1"
+        ) as gateway,
+        grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel,
+    ):
+        predictor = gateway.predictor
+        generate = predictor._generate
+        predictor._generate = lambda *_, **__: _RefusedForLoad()  # type: ignore[assignment]
+        stub = api_grpc.InferenceServiceStub(channel)
+        sampling = types.SamplingParameters(max_tokens=4)
+        request = api.GenerateRequest(model_name=MODEL, prompt="hello", sampling=sampling)
+        for _ in range(10):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Generate(request, metadata=METADATA, timeout=10):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "rows_per_s" not in (refused.value.details() or "")
+        predictor._generate = generate  # type: ignore[method-assign]
+        answered = [m async for m in stub.Generate(request, metadata=METADATA, timeout=30)]
+    assert answered
