@@ -3,6 +3,7 @@ stop string that is later cut)."""
 
 from __future__ import annotations
 
+import codecs
 import random
 
 import pytest
@@ -203,8 +204,8 @@ class CountingOf:
     def get_added_tokens_decoder(self) -> dict:
         return self.tokenizer.get_added_tokens_decoder()
 
-    def get_vocab(self) -> dict[str, int]:
-        return self.tokenizer.get_vocab()
+    def token_to_id(self, token: str) -> int | None:
+        return self.tokenizer.token_to_id(token)
 
     def to_str(self) -> str:
         return self.tokenizer.to_str()
@@ -268,6 +269,71 @@ def test_byte_fallback_runs_valid_or_invalid_from_their_start_add_up_to_one_deco
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
     pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == tokenizer.decode(sequence, skip_special_tokens=True)
+
+
+def streamed_byte_fallback(sequence: list[int]) -> str:
+    """What a stream of `sequence` (byte fallback tokenizer) shows, by its rule: the text of a
+    run of byte tokens as its characters complete while it is UTF-8 so far, and, once it is
+    invalid for good, one U+FFFD per byte token not yet shown (a run cut short by a word piece
+    or the stream's end counts as invalid); "▁ok" is " ok" (no space first)."""
+    out, run, shown, bad = "", b"", 0, False
+
+    def close() -> None:
+        nonlocal out, run, shown, bad
+        if not bad:
+            out += "\ufffd" * (len(run) - shown)
+        run, shown, bad = b"", 0, False
+
+    for token in sequence:
+        if token == 259:
+            close()
+            out += " ok" if out else "ok"
+            continue
+        run += bytes([token - 3])
+        if bad:
+            out += "\ufffd"
+            continue
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            decoder.decode(run)
+        except UnicodeDecodeError:
+            out, bad = out + "\ufffd" * (len(run) - shown), True
+            continue
+        if not decoder.getstate()[0]:
+            out += run.decode()[len(run[:shown].decode()) :]
+            shown = len(run)
+    close()
+    return out
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_byte_fallback_streams_show_what_the_rule_says(seed: int) -> None:
+    """Random byte tokens (valid characters, their pieces, bytes never valid, pairs invalid
+    only together: ED A0, F0 80) and word pieces: a stream shows what
+    `streamed_byte_fallback` says, however short or long each run's invalid tail (the count of
+    U+FFFD depended on whether the tail reached 8 tokens)."""
+    rng = random.Random(seed)
+    tokenizer = byte_fallback_tokenizer()
+    pool = [*fallback_bytes(bytes.fromhex("41e282acc3a9fff09f9880eda0")), 259]
+    sequence = [rng.choice(pool) for _ in range(rng.randrange(1, 80))]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == streamed_byte_fallback(sequence)
+
+
+def test_a_run_of_byte_fallback_tokens_spelling_u_fffd_keeps_every_window_short() -> None:
+    """U+FFFD itself as byte tokens (EF BF BD), again and again: the text ends in U+FFFD, yet
+    the run is complete UTF-8, read as it comes (held, each token decoded the whole run)."""
+    windows: list[int] = []
+    tokenizer = byte_fallback_tokenizer()
+    sequence = [*fallback_bytes("\ufffd".encode() * 300), 259]
+    detokenizer = IncrementalDetokenizer(CountingOf(tokenizer, windows))  # type: ignore[arg-type]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == tokenizer.decode(sequence, skip_special_tokens=True)
+    # Read at a character's end once 8 wait: a context and a window of up to 3 more each.
+    assert max(windows) <= 2 * (8 + 3), max(windows)
 
 
 def test_tokens_that_never_end_a_character_cost_a_few_decodes_each() -> None:

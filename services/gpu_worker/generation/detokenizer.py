@@ -17,7 +17,9 @@ become UTF-8, however it goes on) is therefore final as it stands: from then on 
 tokens adds one U+FFFD, emitted as it comes (`_bad_run`), where holding the run until it ended
 made each token decode the whole run (O(n^2), on the engine's event loop). Characters a run
 made before it turned invalid have been emitted already: the stream keeps them, where decoding
-the whole sequence shows U+FFFD for them too (vLLM's incremental detokenizer does the same).
+the whole sequence shows U+FFFD for them too (vLLM's incremental detokenizer does the same),
+and each of its byte tokens not yet shown is one U+FFFD, however soon the run ends. A run that
+is UTF-8 and complete is read as it stands, though its text ends in a U+FFFD it spells.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import codecs
 import contextlib
 import json
-import re
 import weakref
 from collections.abc import Sequence
 
@@ -99,17 +100,32 @@ class IncrementalDetokenizer:
         if window.endswith(_INCOMPLETE) and not is_final:
             if end - self._read < _MAX_UNREAD:
                 return False
-            if self._may_settle is None:
-                self._may_settle = may_settle(self._tokenizer)
-                self._byte_of = {} if self._may_settle else byte_tokens(self._tokenizer)
+            self._learn_decoder()
             if not self._may_settle:
-                return self._read_bad_run(context)
-            end, window = self._settled(context, window)
+                start, verdict = self._byte_run()
+                if verdict == "bad":
+                    return self._read_bad_run(context, start)
+                if verdict == "pending":
+                    return False
+            else:
+                end, window = self._settled(context, window)
+        if not window.startswith(context):
+            # A byte fallback's run that made characters has turned invalid: they show as
+            # U+FFFD now. What was emitted stays; its unread byte tokens are one U+FFFD each.
+            self._learn_decoder()
+            if self._read_turned_run():
+                return True
         if len(window) <= len(context):
             return False
         self._text += window[len(context) :]
         self._prefix, self._read = self._read, end
         return True
+
+    def _learn_decoder(self) -> None:
+        """Reads, once, whether text may settle and, for a byte fallback, its byte tokens."""
+        if self._may_settle is None:
+            self._may_settle = may_settle(self._tokenizer)
+            self._byte_of = {} if self._may_settle else byte_tokens(self._tokenizer)
 
     def _settled(self, context: str, window: str) -> tuple[int, str]:
         """Where a run of tokens whose text keeps ending in U+FFFD (bytes that never make a
@@ -124,29 +140,50 @@ class IncrementalDetokenizer:
                 return end, text
         return self._read, context
 
-    def _read_bad_run(self, context: str) -> bool:
-        """For a byte fallback whose unread tokens end in a run of byte tokens invalid for good:
-        reads them, the run's unread tokens one U+FFFD each (`_bad_run`); whether it did. A
-        run still valid so far (a character not yet complete) is held. The run is judged from
-        the window's start, where any earlier part of it ended a character (a run is read
-        only where its text is complete) or was bad already."""
+    def _byte_run(self) -> tuple[int, str]:
+        """Where the run of byte tokens the ids end in starts (judged from the window's start,
+        where any earlier part of it ended a character, a run being read only where its text is
+        complete, or was bad already: `_bad_run`), and whether it is "bad" (invalid for good:
+        no later byte makes it UTF-8), "pending" (valid, a character not yet complete) or
+        "complete" (valid, or no run: a U+FFFD the text ends in is a character of its own)."""
         ids, byte_of = self._ids, self._byte_of
         start = len(ids)
         while start > self._prefix and ids[start - 1] in byte_of:
             start -= 1
-        if start == len(ids):
-            return False
+        decoder = codecs.getincrementaldecoder("utf-8")()
         try:
-            codecs.getincrementaldecoder("utf-8")().decode(bytes(byte_of[i] for i in ids[start:]))
+            decoder.decode(bytes(byte_of[i] for i in ids[start:]))
         except UnicodeDecodeError:
-            pass  # invalid for good: no later byte makes the run UTF-8
-        else:
-            return False
+            return start, "bad"
+        return start, "pending" if decoder.getstate()[0] else "complete"
+
+    def _read_bad_run(self, context: str, start: int) -> bool:
+        """Reads the unread tokens, which end in a run of byte tokens from `start` invalid for
+        good: those before the run as decoded, the run's one U+FFFD each (`_bad_run`)."""
+        ids = self._ids
         bad_from = max(start, self._read)
         before = self._decode(ids[self._prefix : bad_from])  # the unread tokens before the run
         self._text += before[len(context) :] + _INCOMPLETE * (len(ids) - bad_from)
         self._prefix, self._read = self._read, len(ids)
         self._bad_run = True
+        return True
+
+    def _read_turned_run(self) -> bool:
+        """Reads the byte tokens from `_read` on of a run that turned invalid, one U+FFFD each,
+        then the tokens after it as usual; False if no byte token is there (another decoder's
+        text changing: the window is read as before)."""
+        ids, byte_of = self._ids, self._byte_of
+        run_end = self._read
+        while run_end < len(ids) and ids[run_end] in byte_of:
+            run_end += 1
+        if run_end == self._read:
+            return False
+        self._text += _INCOMPLETE * (run_end - self._read)
+        self._prefix, self._read = run_end - 1, run_end  # the next context: one byte token
+        if run_end == len(ids):
+            self._bad_run = True
+        else:
+            self._read_window(is_final=True)  # after the run: a token ended it
         return True
 
     def _read_bad_byte(self) -> None:
@@ -206,23 +243,16 @@ def may_settle(tokenizer: Tokenizer) -> bool:
     return settles
 
 
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
-_BYTE_TOKENS: weakref.WeakKeyDictionary[Tokenizer, dict[int, int]] = weakref.WeakKeyDictionary()
-
-
 def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
-    """A byte fallback's byte tokens (`<0xNN>`) by id, and the byte each stands for. Read once
-    per tokenizer (its vocabulary may hold 100,000 tokens)."""
-    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
-        if (known := _BYTE_TOKENS.get(tokenizer)) is not None:
-            return known
-    try:
-        vocab = tokenizer.get_vocab()
-    except Exception:  # not a `tokenizers` one: no byte token known, none read early
+    """A byte fallback's byte tokens (`<0x00>` to `<0xFF>`) by id, and the byte each stands
+    for: 256 lookups (its whole vocabulary may hold 100,000 tokens or more)."""
+    token_to_id = getattr(tokenizer, "token_to_id", None)
+    if token_to_id is None:  # not a `tokenizers` one: no byte token known, none read early
         return {}
-    found = {i: int(m.group(1), 16) for t, i in vocab.items() if (m := _BYTE_TOKEN.fullmatch(t))}
-    with contextlib.suppress(TypeError):
-        _BYTE_TOKENS[tokenizer] = found
+    found = {}
+    for byte in range(256):
+        if (token_id := token_to_id(f"<0x{byte:02X}>")) is not None:
+            found[token_id] = byte
     return found
 
 
