@@ -268,9 +268,10 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
 async def test_a_hot_load_cancelled_during_its_warm_up_lets_its_step_thread_go(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A worker that stops while a generation version warms up cancels its load, well within
-    the bound: the version's step thread is let go (it ends once its held step returns), not
-    left waiting for steps for good, and nothing counts as wedged."""
+    """A load cancelled while a generation version warms up, well within the bound (as a
+    worker's stop cancels its repository follower's): the version's step thread is let go (it
+    ends once its held step returns), not left waiting for steps for good, and nothing counts
+    as wedged."""
     load = await wedging_load(tmp_path, monkeypatch, watchdog_s=30.0)  # bound: 300 s
     worker = load.worker
     assert worker.models is not None
@@ -280,9 +281,11 @@ async def test_a_hot_load_cancelled_during_its_warm_up_lets_its_step_thread_go(
         loading.cancel()
         with pytest.raises(asyncio.CancelledError):
             await loading
+        assert NEW_VERSION_THREAD in {t.name for t in threading.enumerate()}  # still held
         load.released.set()
         await thread_ends(NEW_VERSION_THREAD)
     finally:
+        loading.cancel()
         load.released.set()
         await worker.stop()
     assert worker.fatal_error is None
