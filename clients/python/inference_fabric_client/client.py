@@ -34,6 +34,7 @@ import numpy as np
 
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
+from inference_fabric_client._pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
 from inference_fabric_client.retry import RetryBudget, RetryPolicy, retry_after_s
 from inference_fabric_client.throttle import (
@@ -171,6 +172,8 @@ class Client:
         else:
             self._channel = grpc.insecure_channel(address, options=options)
         self._stub = api_grpc.InferenceServiceStub(self._channel)
+        # Made now: grpc crashes the process making a stub on a channel another thread closed.
+        self._jobs_stub = jobs_grpc.JobServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
@@ -190,15 +193,17 @@ class Client:
         self._channel.close()
 
     def jobs(self) -> Jobs:
-        """Durable batch jobs over this client's channel (inference_fabric_client.jobs). A
-        closed client has none: CANCELLED (grpc would crash the process making a stub on a
-        closed channel)."""
+        """Durable batch jobs over this client's channel (inference_fabric_client.jobs); once
+        the client is closed, their calls fail CANCELLED unsent, as its predicts do."""
         from inference_fabric_client.jobs import Jobs
 
-        if self._is_closed:
-            raise FabricError("CANCELLED", "the client is closed")
-
-        return Jobs(self._channel, self._metadata, self._timeout_s, self._attempts)
+        return Jobs(
+            self._jobs_stub,
+            self._metadata,
+            self._timeout_s,
+            self._attempts,
+            is_closed=lambda: self._is_closed,
+        )
 
     def predict(
         self,
@@ -285,12 +290,14 @@ class Client:
         throttle: AdaptiveThrottle | None = None,
         *,
         is_dropped_retried: bool = True,
+        is_costly: bool = False,
     ) -> object:
         """The attempts of one call: the first, then retries while allowed, and none while
         `throttle` refuses calls (a retry would be a call it sheds, and one retried until
         accepted would hide the refusal from it). `is_dropped_retried` False: a call ending
         CANCELLED is not sent again (one that may have taken effect before it was cut, and is
-        not idempotent)."""
+        not idempotent). `is_costly`: a retry needs as long left as the refused attempt took
+        (a job's items streamed again; a unary call's first attempt may include connecting)."""
         if self._is_closed:
             raise FabricError("CANCELLED", "the client is closed")
         deadline = time.monotonic() + timeout_s
@@ -303,8 +310,9 @@ class Client:
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
-            # A retry needs time for an attempt like this one (a job's items streamed again).
-            min_attempt_s = max(self._retry.min_attempt_s, time.monotonic() - sent_s)
+            min_attempt_s = self._retry.min_attempt_s
+            if is_costly:
+                min_attempt_s = max(min_attempt_s, time.monotonic() - sent_s)
             if throttle is not None and not is_accepted(failure.code, failure.message):
                 throttle.note_refused(time.monotonic())
             hint = retry_after_s(self._retry, failure.code, failure.retry_after_s)

@@ -90,6 +90,7 @@ class Attempts(Protocol):
         throttle: None = None,
         *,
         is_dropped_retried: bool = True,
+        is_costly: bool = False,
     ) -> object: ...
 
 
@@ -98,15 +99,18 @@ class Jobs:
 
     def __init__(
         self,
-        channel: grpc.Channel,
+        stub: jobs_grpc.JobServiceStub,
         metadata: tuple[tuple[str, str], ...],
         timeout_s: float,
         attempts: Attempts,
+        *,
+        is_closed: Callable[[], bool],
     ) -> None:
-        self._stub = jobs_grpc.JobServiceStub(channel)
+        self._stub = stub
         self._metadata = metadata
         self._timeout_s = timeout_s
         self._attempts = attempts
+        self._is_closed = is_closed
 
     def submit(
         self,
@@ -144,7 +148,7 @@ class Jobs:
             # Each attempt streams every message again (a refused one stored nothing).
             return self._stub.SubmitJobStream(messages(), timeout=timeout, metadata=metadata)
 
-        response = self._call(send, None, is_dropped_retried=bool(idempotency_key))
+        response = self._call(send, None, is_dropped_retried=bool(idempotency_key), is_costly=True)
         return str(response.job_id)
 
     def get(self, job_id: str) -> JobInfo:
@@ -159,6 +163,8 @@ class Jobs:
         """Results from `start_index` in input order; with `wait`, until every item is in."""
         index = start_index
         while True:
+            if self._is_closed():
+                raise FabricError("CANCELLED", "the client is closed")
             request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
             stream = self._stub.GetJobResults(
                 request, timeout=self._timeout_s, metadata=self._metadata
@@ -178,10 +184,19 @@ class Jobs:
             time.sleep(poll_s)
 
     def _call(
-        self, method: Callable[..., Any], request: Any, *, is_dropped_retried: bool = True
+        self,
+        method: Callable[..., Any],
+        request: Any,
+        *,
+        is_dropped_retried: bool = True,
+        is_costly: bool = False,
     ) -> Any:
         return self._attempts(
-            method, request, self._timeout_s, is_dropped_retried=is_dropped_retried
+            method,
+            request,
+            self._timeout_s,
+            is_dropped_retried=is_dropped_retried,
+            is_costly=is_costly,
         )
 
 

@@ -33,10 +33,10 @@ class RetryPolicy:
     #: Retries the budget earns back a second, calls or not (a flood that emptied it does not
     #: leave a quiet client without a retry until it has made calls enough to earn one).
     refill_per_s: float = 1.0
-    #: A retry is sent only if at least this long, and as long as the refused attempt took, is
-    #: left of the deadline after the hint: one with less would only turn an informative
-    #: refusal into DEADLINE_EXCEEDED (for a submit without an idempotency key, one that
-    #: leaves the caller unsure whether the job was stored).
+    #: A retry is sent only if at least this long (for a job's submit, and as long as the
+    #: refused attempt took) is left of the deadline after the hint: one with less would only
+    #: turn an informative refusal into DEADLINE_EXCEEDED (for a submit without an
+    #: idempotency key, one that leaves the caller unsure whether the job was stored).
     min_attempt_s: float = 0.05
     #: A call dropped unseen (CANCELLED) is sent again after this long, times 0.5 to 1.5 at
     #: random, so that the callers of one drop do not come back together.
