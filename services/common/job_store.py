@@ -128,6 +128,8 @@ class JobStore:
         self._cancel = client.register_script(CANCEL)
         self._fleet_round = client.register_script(FLEET_ROUND)
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
+        #: Where the next `reclaim` scans the runners' pending entries from (XAUTOCLAIM's cursor).
+        self._reclaim_from: bytes | str = "0-0"
 
     def job_key(self, job_id: str) -> str:
         return f"{self.prefix}:job:{job_id}"
@@ -268,10 +270,15 @@ class JobStore:
 
     async def reclaim(self, consumer: str, min_idle_ms: int, count: int) -> list[QueueEntry]:
         """Up to `count` entries another runner claimed and left idle for `min_idle_ms` (it
-        died, or is stuck): now this consumer's."""
+        died, or is stuck): now this consumer's. Each call scans on from where the last one
+        stopped, back at the start once past the end: Redis 7 scans at most 10 x `count`
+        pending entries a call, and from the start every time it never got past older ones
+        kept running (or left for a later round by a fleet away), however long a dead
+        runner's newer entries had waited."""
         reply = await self.client.xautoclaim(
-            self.queue_key, GROUP, consumer, min_idle_ms, start_id="0-0", count=count
+            self.queue_key, GROUP, consumer, min_idle_ms, start_id=self._reclaim_from, count=count
         )
+        self._reclaim_from = reply[0]
         return [_entry(i, f) for i, f in reply[1] if f]
 
     async def forget_consumers(self, keep: str, min_idle_ms: int) -> int:
@@ -316,9 +323,13 @@ class JobStore:
         await self.client.zrem(self._tenant_key(tenant), *job_ids)
 
     async def drop(self, entry: QueueEntry) -> None:
-        """Acknowledges an entry whose job no longer exists."""
-        await self.client.xack(self.queue_key, GROUP, entry.entry_id)
-        await self.client.xdel(self.queue_key, entry.entry_id)
+        """Acknowledges and deletes an entry whose job no longer exists, in one step: one
+        acknowledged but left in the stream (a connection lost between the two) would never
+        be read or claimed again, yet counted queued, and its age would grow for good."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xack(self.queue_key, GROUP, entry.entry_id)
+            pipe.xdel(self.queue_key, entry.entry_id)
+            await pipe.execute()
 
     async def backlog(self) -> tuple[int, int, float]:
         """(entries never claimed, entries claimed and unacknowledged, age in seconds of the
