@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
-from services.common.errors import UpstreamError
+from services.common.errors import InvalidInput, UpstreamError
 from services.common.model_repository import ModelConfig
 from services.common.moving_average import MovingAverage
 from services.common.multiplex import MAX_CALL_BYTES
@@ -73,8 +73,30 @@ def max_bundle_rows(config: ModelConfig) -> int:
     queue holds (a bundle past it is refused whole there) nor than one answer's bytes carry
     (a model whose rows answer megabytes, served alone at light load, would otherwise fail
     every caller of a full bundle under load)."""
-    by_bytes = MAX_BUNDLE_BYTES // max(1, config.output_row_bytes)
-    return max(1, min(config.max_batch_size, config.max_queue_size, by_bytes))
+    return max(1, min(config.max_batch_size, config.max_queue_size, _rows_by_bytes(config)))
+
+
+def check_call_rows(config: ModelConfig, num_rows: int) -> None:
+    """Refuses (INVALID_ARGUMENT) a call of more rows than `config`'s model could ever serve
+    at once: past its workers' queue (refused whole there, naming a bundle the caller never
+    made), or answering more bytes than one answer carries (a caller past a bundle's rows is
+    sent alone: its rows were computed, then refused RESOURCE_EXHAUSTED as if for load, and
+    retried for good)."""
+    if num_rows > config.max_queue_size:
+        raise InvalidInput(
+            f"{num_rows} inputs exceed {config.name}'s queue of {config.max_queue_size} rows: "
+            "send at most that many a call"
+        )
+    if num_rows > (by_bytes := _rows_by_bytes(config)):
+        raise InvalidInput(
+            f"{num_rows} inputs of {config.name} answer {num_rows * config.output_row_bytes} "
+            f"bytes, past the {MAX_BUNDLE_BYTES} one answer carries: send at most {by_bytes} "
+            "a call"
+        )
+
+
+def _rows_by_bytes(config: ModelConfig) -> int:
+    return MAX_BUNDLE_BYTES // max(1, config.output_row_bytes)
 
 
 #: Weight of a bundle's time downstream in its key's moving average.

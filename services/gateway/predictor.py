@@ -27,7 +27,7 @@ from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import Coalescer, max_bundle_rows
+from services.gateway.coalescer import Coalescer, check_call_rows, max_bundle_rows
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import BundleTokenizers, PredictValue, checked_rows
 from services.gateway.router_retry import (
@@ -156,11 +156,7 @@ class Predictor:
         call.principal.check_model(config.name)
         if config.generation is not None:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
-        if len(call.inputs) > config.max_queue_size:  # could never be queued: not a retry
-            raise InvalidInput(
-                f"{len(call.inputs)} inputs exceed {config.name}'s queue of "
-                f"{config.max_queue_size} rows: send at most that many a call"
-            )
+        check_call_rows(config, len(call.inputs))  # could never be served: not a retry
         model = self.catalog.resolve(
             call.model_name, call.version_spec, sticky_key=call.request_id or None
         )

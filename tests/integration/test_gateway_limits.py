@@ -99,6 +99,26 @@ async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
         assert registry.get_sample_value(names.GATEWAY_TENANT_ROWS_TOTAL, labels) == 4
 
 
+async def test_more_rows_than_one_answer_carries_are_refused_as_invalid(tmp_path: Path) -> None:
+    """Rows whose outputs no answer could carry (a model answering 32 MB a row: 2 fit one) can
+    never be served: INVALID_ARGUMENT at once, naming the bound. Before, such a caller was
+    sent alone, its rows computed, then refused RESOURCE_EXHAUSTED as if for load (its
+    tenant's throttle fed, and its client retrying what could never succeed). No router is
+    needed: nothing is sent."""
+    config = write_affine_model(tmp_path / "repo") / "config.toml"
+    config.write_text(config.read_text().replace("dims = [2]", "dims = [8000000]"))
+    gateway = await start_lone_gateway(tmp_path / "repo", allow_unauthenticated=True)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.ModelInfer(affine_request(np.ones((3, 4), np.float32)), timeout=10)
+    finally:
+        await gateway.stop()
+    assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "send at most 2 a call" in (raised.value.details() or "")
+
+
 @pytest.fixture
 async def capped_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
     """A gateway serving at most two calls at once (no router: none of these calls needs it)."""
