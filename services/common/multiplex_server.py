@@ -194,6 +194,8 @@ class _ServedStream:
                 for call in message.calls:
                     if self._closing.is_set():
                         self._send(_shutting_down(call.call_id))
+                    elif call.call_id in self._running:  # a peer's bug: no answer could tell
+                        raise InvalidInput(f"call id {call.call_id} is already running here")
                     else:
                         context = self._contexts[call.call_id] = _context_of(call)
                         self._running[call.call_id] = loop.create_task(self._run(call, context))

@@ -493,6 +493,44 @@ async def test_a_peer_gone_silent_fails_calls_over_long_before_their_deadline() 
 async def test_s39_a_stream_message_that_does_not_parse_ends_the_stream_invalid_argument() -> None:
     # Behind the tiers' own interceptors: the calls read before the bad message are answered,
     # then the stream ends INVALID_ARGUMENT (it used to end OK, as if the caller had finished).
+    server, port = await _echo_streams_server()
+    good = pb.InferStreamRequest(calls=[pb.MuxCall(call_id=7, request=b"hi")])
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/inference.v1.WorkerService/InferStream")(
+                iter([good.SerializeToString(), b"\x0a\x02\xc3\x28"]), timeout=10
+            )
+            answers = [pb.InferStreamResponse.FromString(m) async for m in _until_error(call)]
+            assert [r.response for a in answers for r in a.results] == [b"echo:hi"]
+            assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "does not parse" in await call.details()
+    finally:
+        await server.stop(None)
+
+
+async def test_a_call_id_already_running_ends_the_stream_invalid_argument() -> None:
+    """A second call with the id of one still running (a peer's bug): the answer could not say
+    which it is, and the first call's task was left untracked (the stream could end while it
+    still ran). The running call is answered, then the stream ends INVALID_ARGUMENT."""
+    server, port = await _echo_streams_server()
+    twice = pb.InferStreamRequest(
+        calls=[pb.MuxCall(call_id=7, request=b"a"), pb.MuxCall(call_id=7, request=b"b")]
+    )
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            call = channel.stream_stream("/inference.v1.WorkerService/InferStream")(
+                iter([twice.SerializeToString()]), timeout=10
+            )
+            answers = [pb.InferStreamResponse.FromString(m) async for m in _until_error(call)]
+            assert [r.response for a in answers for r in a.results] == [b"echo:a"]
+            assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "call id 7 is already running" in await call.details()
+    finally:
+        await server.stop(None)
+
+
+async def _echo_streams_server() -> tuple[grpc.aio.Server, int]:
+    """A started internal server whose InferStream answers `echo`, and its port."""
     streams = MultiplexServer(echo, deserialize=bytes, serialize=bytes)
     server = new_server(is_internal=True)
     method = grpc.stream_stream_rpc_method_handler(
@@ -509,18 +547,7 @@ async def test_s39_a_stream_message_that_does_not_parse_ends_the_stream_invalid_
     )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
-    good = pb.InferStreamRequest(calls=[pb.MuxCall(call_id=7, request=b"hi")])
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.stream_stream("/inference.v1.WorkerService/InferStream")(
-                iter([good.SerializeToString(), b"\x0a\x02\xc3\x28"]), timeout=10
-            )
-            answers = [pb.InferStreamResponse.FromString(m) async for m in _until_error(call)]
-            assert [r.response for a in answers for r in a.results] == [b"echo:hi"]
-            assert await call.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "does not parse" in await call.details()
-    finally:
-        await server.stop(None)
+    return server, port
 
 
 async def _until_error(call: grpc.aio.StreamStreamCall) -> AsyncIterator[bytes]:
