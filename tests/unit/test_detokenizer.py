@@ -308,18 +308,52 @@ def streamed_byte_fallback(sequence: list[int]) -> str:
 
 @pytest.mark.parametrize("seed", range(20))
 def test_random_byte_fallback_streams_show_what_the_rule_says(seed: int) -> None:
-    """Random byte tokens (valid characters, their pieces, bytes never valid, pairs invalid
-    only together: ED A0, F0 80) and word pieces: a stream shows what
+    """Random byte tokens (valid characters, their pieces, U+FFFD spelled, bytes never valid,
+    pairs invalid only together: ED A0, F0 80) and word pieces: a stream shows what
     `streamed_byte_fallback` says, however short or long each run's invalid tail (the count of
     U+FFFD depended on whether the tail reached 8 tokens)."""
     rng = random.Random(seed)
     tokenizer = byte_fallback_tokenizer()
-    pool = [*fallback_bytes(bytes.fromhex("41e282acc3a9fff09f9880eda0")), 259]
+    pool = [*fallback_bytes(bytes.fromhex("41e282acc3a9fff09f9880eda0efbfbd")), 259]
     sequence = [rng.choice(pool) for _ in range(rng.randrange(1, 80))]
     detokenizer = IncrementalDetokenizer(tokenizer)
     pieces = [detokenizer.push(token, ())[0] for token in sequence]
     pieces.append(detokenizer.flush()[0])
     assert "".join(pieces) == streamed_byte_fallback(sequence)
+
+
+def test_a_spelled_u_fffd_is_shown_as_soon_as_complete() -> None:
+    """A run that spells U+FFFD (EF BF BD) and then turns invalid: the spelled character was
+    complete, so it is shown, and the invalid byte after it is one U+FFFD more. It was held
+    while fewer than 8 tokens waited, then shown as one U+FFFD per byte token."""
+    tokenizer = byte_fallback_tokenizer()
+    sequence = [*fallback_bytes(bytes.fromhex("41efbfbd80")), 259]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == streamed_byte_fallback(sequence) == "A\ufffd\ufffd ok"
+
+
+def test_a_byte_fallback_whose_byte_tokens_cannot_be_looked_up_holds_half_characters() -> None:
+    """A byte fallback decoder whose tokenizer cannot look its byte tokens up (no
+    `token_to_id`): no run can be judged, so text ending in half a character is held as before
+    runs were judged, not shown as U+FFFD."""
+    tokenizer = byte_fallback_tokenizer()
+
+    class NoLookup:
+        def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+            return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+        def get_added_tokens_decoder(self) -> dict:
+            return tokenizer.get_added_tokens_decoder()
+
+        def to_str(self) -> str:
+            return tokenizer.to_str()
+
+    sequence = fallback_bytes("中文".encode())
+    detokenizer = IncrementalDetokenizer(NoLookup())  # type: ignore[arg-type]
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    assert "".join(pieces) == "中文" and detokenizer.flush()[0] == ""
 
 
 def test_a_run_of_byte_fallback_tokens_spelling_u_fffd_keeps_every_window_short() -> None:

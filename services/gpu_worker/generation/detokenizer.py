@@ -98,15 +98,15 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix :])
         end = len(self._ids)
         if window.endswith(_INCOMPLETE) and not is_final:
-            if end - self._read < _MAX_UNREAD:
-                return False
             self._learn_decoder()
-            if not self._may_settle:
+            if not self._may_settle:  # a byte fallback: its run of byte tokens says, now
                 start, verdict = self._byte_run()
                 if verdict == "bad":
                     return self._read_bad_run(context, start)
                 if verdict == "pending":
                     return False
+            elif end - self._read < _MAX_UNREAD:
+                return False
             else:
                 end, window = self._settled(context, window)
         if not window.startswith(context):
@@ -147,6 +147,8 @@ class IncrementalDetokenizer:
         no later byte makes it UTF-8), "pending" (valid, a character not yet complete) or
         "complete" (valid, or no run: a U+FFFD the text ends in is a character of its own)."""
         ids, byte_of = self._ids, self._byte_of
+        if not byte_of:  # none known: whatever the text ends in may be half a character
+            return len(ids), "pending"
         start = len(ids)
         while start > self._prefix and ids[start - 1] in byte_of:
             start -= 1
@@ -251,8 +253,9 @@ def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
         return {}
     found = {}
     for byte in range(256):
-        if (token_id := token_to_id(f"<0x{byte:02X}>")) is not None:
-            found[token_id] = byte
+        for token in (f"<0x{byte:02X}>", f"<0x{byte:02x}>"):  # the same twice for 0x00 to 0x09
+            if (token_id := token_to_id(token)) is not None:
+                found[token_id] = byte
     return found
 
 
