@@ -22,6 +22,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.common.errors import MALFORMED_RECORD_ERRORS
+
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
@@ -66,11 +68,11 @@ class ModelRouting:
         """Parses a stored field; ValueError if it is not one."""
         try:
             parsed = json.loads(raw)
-            labels = {str(k): int(v) for k, v in dict(parsed["labels"]).items()}
+            labels = {str(k): _whole(v) for k, v in dict(parsed["labels"]).items()}
             traffic = {str(k): float(v) for k, v in dict(parsed.get("traffic", {})).items()}
-            revision = int(parsed["revision"])
-        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as error:
-            raise ValueError(f"not a model routing record: {error}") from None
+            revision = _whole(parsed["revision"])
+        except MALFORMED_RECORD_ERRORS as error:  # 1e400, JSON nested past the limit, ...
+            raise ValueError(f"not a model routing record: {error!r}") from None
         return cls(labels, traffic, revision)
 
     def check_versions(self, versions: set[int]) -> None:
@@ -96,3 +98,10 @@ class ModelRouting:
             if point < 0:
                 return label
         return weighted[-1][0]
+
+
+def _whole(value: object) -> int:
+    """`value` as a whole number; ValueError for anything else (2.5 is not version 2)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ValueError(f"{value!r} is not a whole number")
+    return int(value)

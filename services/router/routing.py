@@ -185,7 +185,9 @@ class RouteTable:
             other = self._rng.choice([c for c in eligible if c is not best])
             if not is_all_priced:
                 self._price([other], *pricing)
-            if other.is_idle and self._admits(other, remaining_s):
+            # Idle means no prompt waits, not that KV blocks are free for this one.
+            is_roomy = other.has_room or not best.has_room
+            if other.is_idle and is_roomy and self._admits(other, remaining_s):
                 best = other
         self.timeouts.on_routed(best.worker.worker_id, now_s)
         return self._reserve(best, key, num_rows, tenant, weight)

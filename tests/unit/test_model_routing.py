@@ -44,6 +44,24 @@ def test_a_record_survives_a_round_trip_and_garbage_is_refused() -> None:
             ModelRouting.loads(garbage)
 
 
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b'{"revision": 1e400, "labels": {"stable": 1}}',  # OverflowError in int()
+        b'{"revision": 1, "labels": {"stable": Infinity}}',
+        b'{"revision": 1, "labels": {"stable": 2.5}}',  # not version 2
+        b'{"revision": 1, "labels": {"stable": true}}',
+        b'{"revision": 1, "labels": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # nested
+    ],
+)
+def test_a_record_of_numbers_no_version_is_refused_as_malformed(garbage: bytes) -> None:
+    """Readers skip a record that raises ValueError; an OverflowError or a RecursionError
+    escaped them and ended the gateway's routing sync round, so every model after the bad
+    one in the catalog lost its routing changes."""
+    with pytest.raises(ValueError, match="not a model routing record"):
+        ModelRouting.loads(garbage)
+
+
 def test_sticky_choice_is_stable_per_id_and_weighted_across_ids() -> None:
     routing = ModelRouting({"stable": 1, "canary": 2}, {"stable": 3.0, "canary": 1.0}, 1)
     rng = random.Random(0)

@@ -682,6 +682,29 @@ def test_exploration_never_sends_a_request_where_it_would_be_late() -> None:
         assert route_and_release(table, remaining_s=0.2) == "w1"
 
 
+def test_exploration_never_moves_a_prompt_to_a_worker_whose_kv_cache_cannot_hold_it() -> None:
+    """A generation worker idle (no prompt waits) with its cache full of decoding sequences is
+    no place to explore with a prompt a busier worker has room for."""
+
+    def generation_worker(worker_id: str, *, queued_rows: int, kv_blocks_free: int) -> WorkerRecord:
+        base = make_worker(worker_id=worker_id, queued_rows=queued_rows)
+        model = dataclasses.replace(base.models[0], kv_blocks_free=kv_blocks_free, kv_block_size=16)
+        return dataclasses.replace(base, models=(model,))
+
+    table = make_table(seed=1, explore_share=1.0)
+    table.update(
+        [
+            (generation_worker("w1", queued_rows=0, kv_blocks_free=1), 0.0),
+            (generation_worker("w2", queued_rows=5, kv_blocks_free=3), 0.0),
+        ],
+        0.0,
+    )
+    for _ in range(50):
+        decision = table.route(*MODEL, num_rows=40, remaining_s=10.0, now_s=0.0)
+        assert isinstance(decision, Route) and decision.worker_id == "w2"
+        table.release(decision.reservation_id)
+
+
 def test_explore_share_must_be_a_share() -> None:
     with pytest.raises(ValueError, match="explore_share"):
         RoutingConfig(explore_share=1.5)
