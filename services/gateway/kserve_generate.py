@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import struct
+from collections import Counter
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -20,7 +21,11 @@ from services.common.errors import InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
 from services.common.templated_text import TemplatedText
 from services.gateway.auth import Principal
-from services.gateway.http.codec import is_json_int
+from services.gateway.http.codec import (
+    NO_CLASSIFICATION,
+    check_tensor_count,
+    is_json_int,
+)
 from services.gateway.predictor import GenerateCall, Predictor
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -36,10 +41,15 @@ MAX_SAMPLING_JSON_BYTES = 16 * 1024
 
 
 def check_inputs(request: kserve.ModelInferRequest) -> None:
-    """One tensor per name, and its data in exactly one place: `raw_input_contents` (one entry
-    per input) or each tensor's `contents`, never both."""
-    names = [tensor.name for tensor in request.inputs]
-    duplicates = sorted({name for name in names if names.count(name) > 1})
+    """At most MAX_TENSORS inputs and outputs, one tensor per name, and its data in exactly one
+    place: `raw_input_contents` (one entry per input) or each tensor's `contents`, never
+    both; no output asks for classification."""
+    check_tensor_count(len(request.inputs), "inputs")
+    check_tensor_count(len(request.outputs), "outputs")
+    if any("classification" in output.parameters for output in request.outputs):
+        raise InvalidInput(NO_CLASSIFICATION)
+    counts = Counter(tensor.name for tensor in request.inputs)
+    duplicates = sorted(name for name, count in counts.items() if count > 1)
     if duplicates:
         raise InvalidInput(f"input(s) {duplicates} given more than once")
     if not request.raw_input_contents:

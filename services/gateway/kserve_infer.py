@@ -102,8 +102,7 @@ def _values(
     config: ModelConfig, request: kserve.ModelInferRequest, max_rows: int
 ) -> list[PredictValue]:
     """The request's rows, decoded only after every check on the tensor's metadata (name,
-    dtype, shape, row cap) has passed."""
-    check_inputs(request)
+    dtype, shape, row cap) has passed (`check_inputs` first)."""
     spec = config.inputs[0]
     tensors = {t.name: i for i, t in enumerate(request.inputs)}
     if set(tensors) != {spec.name}:
@@ -169,6 +168,7 @@ async def infer_one(
     if config.generation is not None:
         raise InvalidInput(f"{config.name} is a decoupled model: call ModelStreamInfer")
     options = request_parameters(request.parameters)
+    check_inputs(request)  # its tensors counted before any list of them is made
     output = config.outputs[0]
     requested = [o.name for o in request.outputs]
     if requested and requested != [output.name]:

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
@@ -178,17 +179,20 @@ async def test_concurrent_calls_past_the_cap_are_resource_exhausted_streams_incl
 
 SEARCH_KEY = "search-team-secret"
 ADS_KEY = "ads-team-secret"
+DOCS_KEY = "docs-team-secret"
 
 
 @pytest.fixture
 async def keyed_gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    """`search` may use every model, `ads` only `affine`; at most 4 rows per request."""
+    """`search` may use every model, `ads` only `affine`, `docs` only `minilm`; at most 4 rows
+    per request."""
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     write_affine_model(repository)
     keys = tmp_path / "keys.toml"
     keys.write_text(
         f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(SEARCH_KEY)}"\n\n'
-        f'[[keys]]\ntenant = "ads"\nsha256 = "{hash_key(ADS_KEY)}"\nmodels = ["affine"]\n'
+        f'[[keys]]\ntenant = "ads"\nsha256 = "{hash_key(ADS_KEY)}"\nmodels = ["affine"]\n\n'
+        f'[[keys]]\ntenant = "docs"\nsha256 = "{hash_key(DOCS_KEY)}"\nmodels = ["minilm"]\n'
     )
     gateway = await start_lone_gateway(repository, api_keys_file=keys, max_inputs_per_request=4)
     yield gateway
@@ -257,6 +261,62 @@ async def test_s36_model_infer_checks_permission_and_rows_before_decoding(
     too_many = await model_infer(keyed_gateway, undecodable_text(5, 1024), SEARCH_KEY)
     assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5 inputs exceed the limit of 4" in (too_many.details() or "")
+
+
+async def test_a_request_naming_very_many_tensors_is_refused_before_any_is_looked_at(
+    keyed_gateway: Gateway,
+) -> None:
+    """100,000 empty inputs (a few bytes each, under the message limit): refused at once by
+    count, where looking for duplicate names compared every name with every other, for
+    minutes, on the gateway's one event loop; then, unserved, a request with a classification
+    output (Triton's top-k extension), which was ignored: a stock client parsed the full
+    tensor as the top k."""
+    many = kserve.ModelInferRequest(model_name="affine")
+    many.inputs.extend(
+        kserve.ModelInferRequest.InferInputTensor(name=str(i)) for i in range(100_000)
+    )
+    refused = await model_infer(keyed_gateway, many, ADS_KEY)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "100000 inputs: a request names at most 16" in (refused.details() or "")
+    classify = affine_request(np.ones((1, 4), np.float32))
+    asked = classify.outputs.add(name="y")
+    asked.parameters["classification"].int64_param = 3
+    refused = await model_infer(keyed_gateway, classify, ADS_KEY)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "classification extension is not supported" in (refused.details() or "")
+
+
+async def test_rest_infer_refuses_very_many_tensors_and_classification(
+    keyed_gateway: Gateway,
+) -> None:
+    assert keyed_gateway.http is not None
+    url = f"http://127.0.0.1:{keyed_gateway.http.port}/v2/models/affine/infer"
+    headers = {"authorization": f"Bearer {ADS_KEY}"}
+    one = {"name": "x", "datatype": "FP32", "shape": [1, 4], "data": [1, 2, 3, 4]}
+    many = {"inputs": [{**one, "name": str(i)} for i in range(1000)]}
+    classify = {"inputs": [one], "outputs": [{"name": "y", "parameters": {"classification": 3}}]}
+    async with aiohttp.ClientSession(headers=headers) as session:
+        for body, words in ((many, "1000 inputs"), (classify, "classification")):
+            async with session.post(url, json=body) as answer:
+                assert answer.status == 400, await answer.text()
+                assert words in (await answer.json())["error"]
+
+
+async def test_embeddings_check_the_callers_right_to_the_model_before_its_kind(
+    keyed_gateway: Gateway,
+) -> None:
+    """A key limited to minilm asking affine (a tensor model) for embeddings: 403, as for any
+    model it may not use; it was told 400, affine "takes tensor inputs": what kind of model a
+    name it may not use is."""
+    assert keyed_gateway.http is not None
+    url = f"http://127.0.0.1:{keyed_gateway.http.port}/v1/embeddings"
+    headers = {"authorization": f"Bearer {DOCS_KEY}"}
+    async with (
+        aiohttp.ClientSession(headers=headers) as session,
+        session.post(url, json={"model": "affine", "input": "hi"}) as answer,
+    ):
+        assert answer.status == 403, await answer.text()
+        assert "tensor" not in await answer.text()
 
 
 async def test_s38_model_infer_row_cap_comes_before_tensor_decoding(keyed_gateway: Gateway) -> None:

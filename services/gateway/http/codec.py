@@ -198,6 +198,21 @@ def _input_tensor(
     return message, raw, offset
 
 
+#: Most tensors a KServe request may name, inputs or outputs: a model takes one input and
+#: gives one output, a generation a few inputs (a request of a million empty ones is refused
+#: before any is looked at).
+MAX_TENSORS = 16
+#: Triton's classification extension (top-k "score:index" strings for an output), not served:
+#: ignored, a stock client would parse the full tensor as if it were its answer.
+NO_CLASSIFICATION = "the classification extension is not supported: ask for the output itself"
+
+
+def check_tensor_count(count: int, what: str) -> None:
+    """Refuses a request naming more than MAX_TENSORS `what` ("inputs" or "outputs")."""
+    if count > MAX_TENSORS:
+        raise InvalidInput(f"{count} {what}: a request names at most {MAX_TENSORS}")
+
+
 @client_strings
 def infer_body(
     model_name: str, model_version: str, body: dict[str, Any], binary: bytes
@@ -207,6 +222,7 @@ def infer_body(
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("inputs must be a non-empty list")
+    check_tensor_count(len(inputs), "inputs")
     request_id = body.get("id", "")
     if not isinstance(request_id, str):
         raise InvalidInput("id must be a string")
@@ -228,12 +244,16 @@ def infer_body(
     outputs = body.get("outputs") or []
     if not isinstance(outputs, list):
         raise InvalidInput("outputs must be a list")
+    check_tensor_count(len(outputs), "outputs")
     binary_by_output = {}
     for output in outputs:
         if not isinstance(output, dict) or not isinstance(output.get("name"), str):
             raise InvalidInput("each output must be a JSON object with a name")
         request.outputs.add(name=output["name"])
-        choice = json_object(output.get("parameters"), "an output's parameters").get("binary_data")
+        output_parameters = json_object(output.get("parameters"), "an output's parameters")
+        if "classification" in output_parameters:
+            raise InvalidInput(NO_CLASSIFICATION)
+        choice = output_parameters.get("binary_data")
         binary_by_output[output["name"]] = choice is True or (choice is None and is_binary_default)
     return InferBody(request, is_binary_default, binary_by_output)
 

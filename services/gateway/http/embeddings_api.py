@@ -46,8 +46,10 @@ class EmbeddingsApi:
         ]
 
     def _embedding_config(self, model: str) -> ModelConfig:
-        """The config of a text embedding model; 400 naming the model for any other kind."""
+        """The config of a text embedding model; 400 naming the model for any other kind, once
+        the caller may use it (403 tells nothing of a model it may not)."""
         config = self._predictor.catalog.config(model)
+        current_principal().check_model(config.name)
         if config.kind is ModelKind.GENERATION:
             raise InvalidInput(f"{config.name} is a generation model: it has no embeddings")
         if config.kind is not ModelKind.EMBEDDING:
