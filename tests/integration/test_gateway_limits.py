@@ -74,6 +74,22 @@ async def test_s37_oversized_message_is_resource_exhausted_and_next_request_succ
         np.testing.assert_allclose(outputs.reshape(2, 2), expected, rtol=1e-5, atol=1e-5)
 
 
+async def test_rest_statistics_of_a_fresh_model_write_every_count_as_triton_does(
+    fabric: Fabric,
+) -> None:
+    """A model served but not called yet: its REST statistics write each count as 0 (protobuf's
+    JSON left out every field at its zero value: `fail` was {} and a client's
+    `stats["inference_stats"]["fail"]["count"]` raised KeyError)."""
+    assert fabric.gateway.http is not None
+    url = f"http://127.0.0.1:{fabric.gateway.http.port}/v2/models/affine/stats"
+    async with aiohttp.ClientSession() as session, session.get(url) as answer:
+        assert answer.status == 200, await answer.text()
+        (stats,) = (await answer.json())["model_stats"]
+    assert (stats["inference_count"], stats["execution_count"]) == (0, 0)
+    for duration in ("success", "fail", "queue", "compute_infer"):
+        assert stats["inference_stats"][duration] == {"count": 0, "ns": 0}, duration
+
+
 async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:

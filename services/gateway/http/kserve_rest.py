@@ -77,8 +77,12 @@ def _tensor_metadata(tensors: Any) -> list[dict[str, Any]]:
 def _as_json(message: Message) -> dict[str, Any]:
     """`message` as protobuf's JSON writes it, but with its 64-bit integers as numbers, as
     Triton writes them: protobuf writes them as strings, and a client's
-    `np.zeros(config["output"][0]["dims"])` refuses ["384"]."""
-    as_dict = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    `np.zeros(config["output"][0]["dims"])` refuses ["384"]. Fields at their zero value are
+    written too, as Triton writes them: a fresh model's statistics have a `fail` count of 0,
+    not an empty `fail` a client's `stats["fail"]["count"]` raises KeyError on."""
+    as_dict = json_format.MessageToDict(
+        message, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     return _with_numbers(cast(Descriptor, message.DESCRIPTOR), as_dict)
 
 
