@@ -11,7 +11,6 @@ import itertools
 import threading
 import time
 from collections.abc import Iterator
-from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +21,7 @@ from inference_fabric_client.retry import RetryPolicy
 
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
+from tests.support.sync_servers import sync_servers
 
 pytestmark = pytest.mark.integration
 
@@ -70,19 +70,8 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
 
 @pytest.fixture
 def serve() -> Iterator[Any]:
-    servers: list[grpc.Server] = []
-
-    def start(servicer: RefusingJobs) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        jobs_grpc.add_JobServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(grace=None)
+    with sync_servers(jobs_grpc.add_JobServiceServicer_to_server) as start:
+        yield start
 
 
 def test_a_submit_refused_for_load_streams_every_item_again_after_the_hint(serve: Any) -> None:

@@ -19,6 +19,7 @@ from inference_fabric_client.throttle import ThrottlePolicy
 
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from tests.support.sync_servers import sync_servers
 
 pytestmark = pytest.mark.integration
 
@@ -50,19 +51,8 @@ class Refusing(api_grpc.InferenceServiceServicer):
 
 @pytest.fixture
 def serve() -> Iterator[Any]:
-    servers: list[grpc.Server] = []
-
-    def start(servicer: Refusing, options: tuple[tuple[str, Any], ...] = ()) -> str:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
-        api_grpc.add_InferenceServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(grace=None)
+    with sync_servers(api_grpc.add_InferenceServiceServicer_to_server) as start:
+        yield start
 
 
 def test_a_refused_call_is_sent_again_after_the_hint(serve: Any) -> None:

@@ -26,14 +26,12 @@ from prometheus_client import generate_latest
 
 from services.common import metric_names as names
 from services.common.model_repository import ModelVersion, load_repository
-from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import watchdog_bound_s
-from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.server import SERVICE_NAME, Worker, create_worker
+from services.gpu_worker.server import SERVICE_NAME, Worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
-from tests.support.in_process import swapper_for
+from tests.support.in_process import start_lone_worker, swapper_for
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.waiting import eventually
@@ -98,14 +96,7 @@ async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_sto
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
-    config = WorkerConfig(
-        model_repository=tmp_path / "repo",
-        grpc_port=0,
-        metrics_port=0,
-        batching=DriverConfig(watchdog_s=WATCHDOG_S),
-    )
-    worker = await create_worker(config)
-    await worker.load()
+    worker = await start_lone_worker(tmp_path / "repo", WATCHDOG_S)
     assert worker.models is not None
     (backend,) = worker.models.generation
     steps = backend.engine.steps
@@ -184,14 +175,7 @@ async def wedging_load(
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
     (more / "1").rename(more / "2")
     (version,) = load_repository(tmp_path / "more")
-    config = WorkerConfig(
-        model_repository=tmp_path / "repo",
-        grpc_port=0,
-        metrics_port=0,
-        batching=DriverConfig(watchdog_s=watchdog_s),
-    )
-    worker = await create_worker(config)
-    await worker.load()
+    worker = await start_lone_worker(tmp_path / "repo", watchdog_s)
     assert worker.models is not None
     (serving,) = worker.models.generation
     released, wedged = threading.Event(), threading.Event()

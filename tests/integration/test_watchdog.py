@@ -23,12 +23,10 @@ from prometheus_client import generate_latest
 
 from services.common import metric_names as names
 from services.common.model_repository import load_repository
-from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.server import SERVICE_NAME, Worker, create_worker
+from services.gpu_worker.server import SERVICE_NAME, Worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
-from tests.support.in_process import swapper_for
+from tests.support.in_process import start_lone_worker, swapper_for
 from tests.support.metrics import total
 from tests.support.models import STALL, release_stall, write_stalling_model
 from tests.support.processes import health_status
@@ -57,15 +55,7 @@ async def gate(tmp_path: Path) -> AsyncIterator[Path]:
 
 
 async def start(tmp_path: Path, watchdog_s: float = WATCHDOG_S) -> Worker:
-    config = WorkerConfig(
-        model_repository=tmp_path / "repo",
-        grpc_port=0,
-        metrics_port=0,
-        batching=DriverConfig(watchdog_s=watchdog_s),
-    )
-    worker = await create_worker(config)
-    await worker.load()
-    return worker
+    return await start_lone_worker(tmp_path / "repo", watchdog_s)
 
 
 async def test_s22_a_wedged_model_call_fails_its_batch_and_turns_the_worker_not_serving(

@@ -21,6 +21,7 @@ from services.common import metric_names as names
 from services.common.lifecycle import task_stacks
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway, create_gateway
+from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.hot_swap import ModelSwapper
 from services.gpu_worker.server import Worker, create_worker
@@ -98,6 +99,21 @@ async def start_in_process_worker(
             redis_url=redis_server.worker_url,
             worker_id=worker_id,
             heartbeat=HeartbeatConfig(period_s=PERIOD_S),
+        )
+    )
+    await worker.load()
+    return worker
+
+
+async def start_lone_worker(repository: Path, watchdog_s: float) -> Worker:
+    """A loaded worker serving `repository` on port 0, with no Redis, whose executor watchdog
+    is `watchdog_s`."""
+    worker = await create_worker(
+        WorkerConfig(
+            model_repository=repository,
+            grpc_port=0,
+            metrics_port=0,
+            batching=DriverConfig(watchdog_s=watchdog_s),
         )
     )
     await worker.load()
