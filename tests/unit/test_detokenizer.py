@@ -424,9 +424,9 @@ def test_a_tokenizer_is_read_whole_only_when_a_run_needs_settling() -> None:
             return TOKENIZER.to_str()
 
     tokenizer = Unreferenced()
-    for _ in range(3):  # three requests of plain text
+    for text in ("hello world", "héllo wörld", "€ 😀") * 3:  # characters of one to 4 bytes
         detokenizer = IncrementalDetokenizer(tokenizer)  # type: ignore[arg-type]
-        for token in ids("hello world"):
+        for token in ids(text):
             detokenizer.push(token, ())
     assert tokenizer.reads == 0
     lone = ids("€")[1]

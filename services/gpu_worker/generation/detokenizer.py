@@ -58,8 +58,9 @@ class IncrementalDetokenizer:
         #: byte fallback, which shows a whole run of byte tokens as U+FFFD if any is invalid.
         #: Read when first needed (rarely), not per request: it reads the tokenizer's JSON.
         self._may_settle: bool | None = None
-        #: A byte fallback's byte tokens and their bytes (read along with `_may_settle`).
-        self._byte_of: dict[int, int] = {}
+        #: A byte fallback's byte tokens (`<0xNN>`) and their bytes, looked up (256 lookups,
+        #: no JSON) at the first text ending in U+FFFD; None until then.
+        self._byte_of: dict[int, int] | None = None
         #: Whether the run of byte tokens the ids end in is invalid for good and read as
         #: U+FFFDs: each further byte token of it is one more (`_read_bad_byte`).
         self._bad_run = False
@@ -70,7 +71,7 @@ class IncrementalDetokenizer:
         if token_id in self._skipped:
             return "", False  # decodes to nothing, wherever it stands
         self._ids.append(token_id)
-        if self._bad_run and token_id in self._byte_of:
+        if self._bad_run and token_id in (self._byte_of or ()):
             self._read_bad_byte()
         elif not self._read_window(is_final=False):
             return "", False
@@ -98,8 +99,7 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix :])
         end = len(self._ids)
         if window.endswith(_INCOMPLETE) and not is_final:
-            self._learn_decoder()
-            if not self._may_settle:  # a byte fallback: its run of byte tokens says, now
+            if self._byte_tokens():  # a byte fallback: its run of byte tokens says, now
                 start, verdict = self._byte_run()
                 if verdict == "bad":
                     return self._read_bad_run(context, start)
@@ -108,24 +108,26 @@ class IncrementalDetokenizer:
             elif end - self._read < _MAX_UNREAD:
                 return False
             else:
+                if self._may_settle is None:
+                    self._may_settle = may_settle(self._tokenizer)
+                if not self._may_settle:  # a byte fallback whose byte tokens are unknown
+                    return False
                 end, window = self._settled(context, window)
-        if not window.startswith(context):
-            # A byte fallback's run that made characters has turned invalid: they show as
-            # U+FFFD now. What was emitted stays; its unread byte tokens are one U+FFFD each.
-            self._learn_decoder()
-            if self._read_turned_run():
-                return True
+        # A byte fallback's run that made characters has turned invalid: they show as U+FFFD
+        # now. What was emitted stays; its unread byte tokens are one U+FFFD each.
+        if not window.startswith(context) and self._byte_tokens() and self._read_turned_run():
+            return True
         if len(window) <= len(context):
             return False
         self._text += window[len(context) :]
         self._prefix, self._read = self._read, end
         return True
 
-    def _learn_decoder(self) -> None:
-        """Reads, once, whether text may settle and, for a byte fallback, its byte tokens."""
-        if self._may_settle is None:
-            self._may_settle = may_settle(self._tokenizer)
-            self._byte_of = {} if self._may_settle else byte_tokens(self._tokenizer)
+    def _byte_tokens(self) -> dict[int, int]:
+        """The tokenizer's byte tokens (none but a byte fallback's), looked up once."""
+        if self._byte_of is None:
+            self._byte_of = byte_tokens(self._tokenizer)
+        return self._byte_of
 
     def _settled(self, context: str, window: str) -> tuple[int, str]:
         """Where a run of tokens whose text keeps ending in U+FFFD (bytes that never make a
@@ -146,9 +148,7 @@ class IncrementalDetokenizer:
         complete, or was bad already: `_bad_run`), and whether it is "bad" (invalid for good:
         no later byte makes it UTF-8), "pending" (valid, a character not yet complete) or
         "complete" (valid, or no run: a U+FFFD the text ends in is a character of its own)."""
-        ids, byte_of = self._ids, self._byte_of
-        if not byte_of:  # none known: whatever the text ends in may be half a character
-            return len(ids), "pending"
+        ids, byte_of = self._ids, self._byte_tokens()
         start = len(ids)
         while start > self._prefix and ids[start - 1] in byte_of:
             start -= 1
@@ -174,7 +174,7 @@ class IncrementalDetokenizer:
         """Reads the byte tokens from `_read` on of a run that turned invalid, one U+FFFD each,
         then the tokens after it as usual; False if no byte token is there (another decoder's
         text changing: the window is read as before)."""
-        ids, byte_of = self._ids, self._byte_of
+        ids, byte_of = self._ids, self._byte_tokens()
         run_end = self._read
         while run_end < len(ids) and ids[run_end] in byte_of:
             run_end += 1
@@ -245,17 +245,26 @@ def may_settle(tokenizer: Tokenizer) -> bool:
     return settles
 
 
+_BYTE_TOKENS: weakref.WeakKeyDictionary[Tokenizer, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
 def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
-    """A byte fallback's byte tokens (`<0x00>` to `<0xFF>`) by id, and the byte each stands
-    for: 256 lookups (its whole vocabulary may hold 100,000 tokens or more)."""
+    """A byte fallback's byte tokens (`<0x00>` to `<0xFF>`, upper or lower case) by id, and
+    the byte each stands for: lookups, not a copy of the vocabulary (100,000 tokens or more);
+    once per tokenizer where it can be weakly referenced."""
+    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
+        if (known := _BYTE_TOKENS.get(tokenizer)) is not None:
+            return known
     token_to_id = getattr(tokenizer, "token_to_id", None)
-    if token_to_id is None:  # not a `tokenizers` one: no byte token known, none read early
+    if token_to_id is None:  # not a `tokenizers` one: no byte token known
         return {}
     found = {}
     for byte in range(256):
-        for token in (f"<0x{byte:02X}>", f"<0x{byte:02x}>"):  # the same twice for 0x00 to 0x09
+        for token in {f"<0x{byte:02X}>", f"<0x{byte:02x}>"}:
             if (token_id := token_to_id(token)) is not None:
                 found[token_id] = byte
+    with contextlib.suppress(TypeError):
+        _BYTE_TOKENS[tokenizer] = found
     return found
 
 
