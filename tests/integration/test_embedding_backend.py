@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -126,3 +127,17 @@ def test_fingerprint_changes_with_preprocessing(tmp_path: Path) -> None:
         )
     a, b = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path))
     assert a.fingerprint != b.fingerprint
+
+
+def test_a_row_past_the_last_bucket_the_context_holds_has_a_bucket() -> None:
+    """Buckets of 128, 384 and 1,024 for a model of 512 positions: the encoder admits up to 512
+    tokens, and a row of about 450 fell past the buckets kept (128, 384): IndexError, INTERNAL
+    for its bundle. The context is the last bucket now."""
+    version = minilm()
+    config = dataclasses.replace(version.config, length_buckets=(128, 384, 1024))
+    backend = EmbeddingBackend(dataclasses.replace(version, config=config), torch.device("cpu"))
+    assert backend.buckets == (128, 384, 512)
+    (row,) = backend.prepare_many(["word " * 440])
+    assert 384 < row.num_tokens <= 512 and row.bucket == 512
+    (embedding,) = backend.run([row])
+    assert embedding.shape == (384,) and np.isfinite(embedding).all()

@@ -41,7 +41,11 @@ class TextBackend(Backend):
 
     @functools.cached_property
     def buckets(self) -> tuple[int, ...]:  # asked for every row (bucket_for): computed once
-        return tuple(b for b in self.config.length_buckets if b <= self.text.max_tokens)
+        """The config's buckets the model's context holds, and its context last where a
+        bucket past it was dropped: a row the text encoder admits always has one."""
+        longest = self.text.max_tokens
+        kept = tuple(b for b in self.config.length_buckets if b <= longest)
+        return kept if kept and kept[-1] == longest else (*kept, longest)
 
     @property
     def length_buckets(self) -> tuple[int, ...]:
