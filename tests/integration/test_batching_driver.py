@@ -586,6 +586,41 @@ async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) 
         torch.set_num_threads(previous)
 
 
+async def test_a_bisected_batch_whose_rows_all_succeed_teaches_the_thread_choice_nothing(
+    tmp_path: Path,
+) -> None:
+    """A batch failing at its size (out of memory at full width) is bisected and its rows then
+    succeed alone: its time, that of three calls, is no batch's cost. It taught the thread
+    choice and the latency model as one batch of two rows."""
+    backend, threads_seen = thread_recording_backend(tmp_path, FakeClock())
+    run = backend.run
+    is_warm = [False]
+
+    def run_one_row_at_most(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        outputs = run(rows)  # its threads recorded
+        if is_warm[0] and len(rows) > 1:
+            raise RuntimeError("out of memory at this width")
+        return outputs
+
+    backend.run = run_one_row_at_most  # type: ignore[method-assign]
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    try:
+        driver.warm_up()
+        is_warm[0] = True
+        driver.start()
+        threads_seen.clear()
+        rows = backend.prepare_many([np.ones(4, np.float32), np.zeros(4, np.float32)])
+        outputs = await driver.submit(backend, rows, timeout_s=30, tenant="t")
+        assert len(outputs) == 2 and len(threads_seen) == 3  # the batch, then each row
+        choice = driver.open_lane(backend).threads
+        assert choice is not None and choice.samples(2) == {}
+    finally:
+        await driver.drain()
+        torch.set_num_threads(previous)
+
+
 async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_rows_queue(
     tmp_path: Path,
 ) -> None:

@@ -391,7 +391,7 @@ class BatchingDriver:
             self._metrics.device_busy_seconds_total_of[lane.labels].inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
-                threads=threads,
+                threads=threads, num_calls=device_busy.num_calls,
             )  # fmt: skip
             # The batcher charged the rows' tenants the predicted compute; settle on the real.
             self._ledger.charge_rows(dispatch.items, (compute_s - predicted_s) / len(rows))

@@ -319,12 +319,15 @@ class Lane:
         compute_s: float,
         *,
         threads: BatchThreads = MODEL_THREADS,
+        num_calls: int = 1,
     ) -> None:
         """Folds a finished batch into the lane's totals, latency model, thread choice and
         `metrics`. A batch that ran on a count of threads other than the lane's usual one
         (`threads.teaches_latency` False: a backfill held short, a sample or an exploration
         of a count other than the cheapest so far) teaches the latency model nothing: its
-        time says nothing of how the lane's batches run."""
+        time says nothing of how the lane's batches run. Nor does one bisected (`num_calls`
+        model calls, not one), even if every row then succeeded (a failure of its size, out of
+        memory at full width)."""
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
@@ -344,7 +347,7 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
-        if failures == 0:
+        if failures == 0 and num_calls == 1:
             # A bisected batch's time says nothing about the model's normal cost.
             threads.record(compute_s)
             if threads.teaches_latency:
