@@ -174,3 +174,12 @@ def test_a_row_whose_probabilities_are_not_finite_fails_alone() -> None:
     assert first == int(logits[0].argmax()) and isinstance(last, int)
     with pytest.raises(RuntimeError):
         Sampler().sample(logits, params, generators)
+
+
+def test_a_row_with_nothing_cut_draws_each_token_at_its_probability() -> None:
+    """No top-k and no top-p (the defaults): drawn from the whole vocabulary unsorted, each
+    token as often as its softmax says (20,000 seeded draws over three tokens)."""
+    row = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    tokens = sample_many(SamplingParams(temperature=1.0, seed=11), row, num_steps=20_000)
+    shares = [tokens.count(t) / len(tokens) for t in range(3)]
+    assert shares == pytest.approx([0.5, 0.3, 0.2], abs=0.02), shares
