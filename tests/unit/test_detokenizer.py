@@ -9,7 +9,11 @@ import random
 import pytest
 from tokenizers import Tokenizer, decoders, models
 
-from services.gpu_worker.generation.detokenizer import IncrementalDetokenizer, skipped_ids
+from services.gpu_worker.generation.detokenizer import (
+    IncrementalDetokenizer,
+    _overlap,
+    skipped_ids,
+)
 from services.gpu_worker.generation.tiny_llama import build_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -434,3 +438,19 @@ def test_a_tokenizer_is_read_whole_only_when_a_run_needs_settling() -> None:
     for _ in range(40):
         detokenizer.push(lone, ())
     assert tokenizer.reads == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_held_back_overlap_is_the_longest_suffix_that_starts_a_stop_string(seed: int) -> None:
+    """`_overlap`, found from the stop string's occurrences of the text's last character, is
+    the longest suffix of the text that is a proper prefix of the stop string, as trying every
+    size says (random texts and stops over a small alphabet, where overlaps are common)."""
+    rng = random.Random(seed)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab€") for _ in range(rng.randrange(0, 12)))
+        stop = "".join(rng.choice("ab€") for _ in range(rng.randrange(1, 12)))
+        longest = max(
+            (n for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+            default=0,
+        )
+        assert _overlap(text, stop) == longest, (text, stop)
