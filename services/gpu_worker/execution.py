@@ -9,7 +9,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from services.gpu_worker.backends.base import PreparedRow
+from services.common.errors import Unavailable
+from services.gpu_worker.backends.base import PreparedRow, check_device
 from services.gpu_worker.batching.close_rule import URGENT_RECENT_S
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.types import CloseReason, Dispatch
@@ -48,15 +49,31 @@ def intra_op_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+class DeviceLost(Unavailable):
+    """Every row of a batch failed, and its device no longer runs work (a CUDA error that
+    poisons the context fails every later call): no row was at fault, and none can run here."""
+
+
 def run_on_threads(
     threads: int,
     run: Callable[[Sequence[PreparedRow]], list[np.ndarray]],
     rows: Sequence[PreparedRow],
+    device: torch.device | None = None,
 ) -> list[np.ndarray | Exception]:
     """`run_isolated` on `threads` torch intra-op threads (0: as set), restored after. On the
-    executor thread: the only one running the model."""
+    executor thread: the only one running the model. Once every row failed, `device` (if
+    given) is checked: DeviceLost if it no longer runs work."""
     with intra_op_threads(threads):
-        return run_isolated(run, rows)
+        results = run_isolated(run, rows)
+    if device is not None and all(isinstance(result, Exception) for result in results):
+        try:
+            check_device(device)
+        except Exception as error:
+            raise DeviceLost(
+                f"{device} no longer runs work ({error}); this worker stopped serving, retry "
+                "elsewhere"
+            ) from error
+    return results
 
 
 def run_isolated(

@@ -621,6 +621,42 @@ async def test_a_bisected_batch_whose_rows_all_succeed_teaches_the_thread_choice
         torch.set_num_threads(previous)
 
 
+async def test_a_batch_that_fails_whole_on_a_device_that_no_longer_runs_work_stops_batching(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every call fails and the device's check fails too (on a GPU, a CUDA error that poisons
+    the context; here the check is made to fail, a CPU's never does): the rows fail
+    UNAVAILABLE (retry elsewhere), batching stops and the worker is told, as for a call past
+    the watchdog. Before, every row was bisected alone and answered INTERNAL while the worker
+    stayed SERVING, drawing traffic it failed whole."""
+    write_affine_model(tmp_path / "repo")
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    driver.warm_up()
+
+    def poisoned(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def lost(device: torch.device) -> None:
+        raise RuntimeError(f"{device} computed a wrong sum: it is not fit to serve")
+
+    backend.run = poisoned  # type: ignore[method-assign]
+    monkeypatch.setattr("services.gpu_worker.execution.check_device", lost)
+    fatal: list[Exception] = []
+    driver.start(on_fatal=fatal.append)
+    rows = backend.prepare_many([np.ones(4, np.float32), np.zeros(4, np.float32)])
+    try:
+        with pytest.raises(Unavailable, match="no longer runs work"):
+            await driver.submit(backend, rows, timeout_s=30, tenant="t")
+        await eventually(lambda: bool(fatal), message="the worker told")
+        with pytest.raises(Unavailable):
+            await driver.submit(backend, rows[:1], timeout_s=30, tenant="t")
+    finally:
+        await driver.drain()
+    assert "no longer runs work" in str(fatal[0])
+
+
 async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_rows_queue(
     tmp_path: Path,
 ) -> None:

@@ -38,7 +38,7 @@ from services.gpu_worker.batching.slice_admission import (
 from services.gpu_worker.batching.types import Dispatch
 from services.gpu_worker.batching.warm_up import warm_up_each, warm_up_lane
 from services.gpu_worker.device_busy import DeviceBusy
-from services.gpu_worker.execution import batch_threads, run_on_threads
+from services.gpu_worker.execution import DeviceLost, batch_threads, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -192,12 +192,14 @@ class BatchingDriver:
         # A wedged call never returns: leave its (daemon) thread behind rather than hang.
         self._executor.shutdown(wait=self._wedged is None)
 
-    def _wedge(self, labels: tuple[str, str], bound_s: float) -> Unavailable:
-        """A model call of `labels` ran past `bound_s`: the loop stops; returns the refusal."""
-        self._wedged = Unavailable(watchdog.wedged_message(labels, bound_s))
-        self._metrics.watchdog_expired_total.labels(*labels).inc()
+    def _wedge(self, labels: tuple[str, str], bound_s: float, lost: object = None) -> Unavailable:
+        """A model call of `labels` ran past `bound_s`, or its device was `lost`: the loop stops."""
+        if not isinstance(lost, DeviceLost):
+            self._metrics.watchdog_expired_total.labels(*labels).inc()
+            lost = Unavailable(watchdog.wedged_message(labels, bound_s))
+        self._wedged = lost
         self._wake.set()
-        return self._wedged
+        return lost
 
     def load_report(self, backend: Backend) -> LoadReport:
         return self._lanes[id(backend)].load_report(batch_key(backend, backend.buckets[0]))
@@ -363,18 +365,13 @@ class BatchingDriver:
         threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
                                 self._ledger.last_urgent_s, started, may_explore=idle)  # fmt: skip
         try:
-            with batch_span(
-                key=dispatch.key,
-                close_reason=dispatch.reason.value,
-                num_rows=len(rows),
-                requests=contexts,
-            ):
-                running = loop.run_in_executor(
-                    self._executor, run_on_threads, threads.count, device_busy, rows
-                )
+            with batch_span(key=dispatch.key, close_reason=dispatch.reason.value,
+                            num_rows=len(rows), requests=contexts):  # fmt: skip
+                running = loop.run_in_executor(self._executor, run_on_threads, threads.count,
+                                               device_busy, rows, lane.backend.device)  # fmt: skip
                 results = await watchdog.within_watchdog(running, self.watchdog_s, device_busy)
-        except watchdog.WatchdogExpired:
-            results = [self._wedge(lane.labels, self.watchdog_s)] * len(rows)
+        except (watchdog.WatchdogExpired, DeviceLost) as stopped:
+            results = [self._wedge(lane.labels, self.watchdog_s, stopped)] * len(rows)
         except Exception as error:
             # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
             # bookkeeping below still frees the executor, so the scheduler keeps going.
