@@ -360,6 +360,19 @@ def test_a_byte_fallback_whose_byte_tokens_cannot_be_looked_up_holds_half_charac
     assert "".join(pieces) == "中文" and detokenizer.flush()[0] == ""
 
 
+def test_a_byte_level_tokenizer_with_a_token_spelled_like_a_byte_is_no_byte_fallback() -> None:
+    """A byte-level BPE tokenizer with an added token "<0x41>": taken for a byte fallback, its
+    text ending in half a character was judged complete and shown as U+FFFD ("a€b" streamed
+    as "a\ufffdb"). Only a vocabulary with all 256 byte tokens is a byte fallback's."""
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<0x41>"])
+    sequence = ids("a€b")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.push(token, ())[0] for token in sequence]
+    pieces.append(detokenizer.flush()[0])
+    assert "".join(pieces) == "a€b"
+
+
 def test_a_run_of_byte_fallback_tokens_spelling_u_fffd_keeps_every_window_short() -> None:
     """U+FFFD itself as byte tokens (EF BF BD), again and again: the text ends in U+FFFD, yet
     the run is complete UTF-8, read as it comes (held, each token decoded the whole run)."""

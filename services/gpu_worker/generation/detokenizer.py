@@ -28,7 +28,7 @@ import codecs
 import contextlib
 import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from tokenizers import Tokenizer
 
@@ -251,18 +251,23 @@ _BYTE_TOKENS: weakref.WeakKeyDictionary[Tokenizer, dict[int, int]] = weakref.Wea
 def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
     """A byte fallback's byte tokens (`<0x00>` to `<0xFF>`, upper or lower case) by id, and
     the byte each stands for: lookups, not a copy of the vocabulary (100,000 tokens or more);
-    once per tokenizer where it can be weakly referenced."""
+    once per tokenizer where it can be weakly referenced. None unless the model's vocabulary
+    (added tokens aside) has all 256, as every byte fallback's does: a byte-level tokenizer
+    with a token spelled `<0x41>` is no byte fallback."""
     with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
         if (known := _BYTE_TOKENS.get(tokenizer)) is not None:
             return known
     token_to_id = getattr(tokenizer, "token_to_id", None)
     if token_to_id is None:  # not a `tokenizers` one: no byte token known
         return {}
+    added: Mapping[int, object] = getattr(tokenizer, "get_added_tokens_decoder", dict)()
     found = {}
     for byte in range(256):
         for token in {f"<0x{byte:02X}>", f"<0x{byte:02x}>"}:
-            if (token_id := token_to_id(token)) is not None:
+            if (token_id := token_to_id(token)) is not None and token_id not in added:
                 found[token_id] = byte
+    if len(set(found.values())) < 256:
+        found = {}
     with contextlib.suppress(TypeError):
         _BYTE_TOKENS[tokenizer] = found
     return found
