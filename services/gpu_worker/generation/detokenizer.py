@@ -25,10 +25,10 @@ is UTF-8 and complete is read as it stands, though its text ends in a U+FFFD it 
 from __future__ import annotations
 
 import codecs
-import contextlib
 import json
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Generic, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -209,54 +209,53 @@ class IncrementalDetokenizer:
         return new
 
 
-#: Each tokenizer's special token ids, read once (a tokenizer may have hundreds; a
-#: detokenizer is made per request).
-_SKIPPED: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+V = TypeVar("V")
 
 
-def skipped_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    """The ids `decode(..., skip_special_tokens=True)` skips: `tokenizer`'s special tokens."""
-    try:
-        skipped = _SKIPPED.get(tokenizer)
-    except TypeError:  # tokenizers before 0.23 cannot be weakly referenced: read each time
-        return _special_ids(tokenizer)
-    if skipped is None:
-        skipped = _SKIPPED[tokenizer] = _special_ids(tokenizer)
-    return skipped
+class _PerTokenizer(Generic[V]):
+    """What `read(tokenizer)` says, read once per tokenizer (a detokenizer is made per request,
+    and some reads parse the tokenizer's JSON); read each time where a tokenizer cannot be
+    weakly referenced (tokenizers before 0.23; the floor is 0.20)."""
+
+    def __init__(self, read: Callable[[Tokenizer], V]) -> None:
+        self._read = read
+        self._known: weakref.WeakKeyDictionary[Tokenizer, V] = weakref.WeakKeyDictionary()
+
+    def __call__(self, tokenizer: Tokenizer) -> V:
+        try:
+            known = self._known.get(tokenizer)
+        except TypeError:  # not weakly referenced: read each time
+            return self._read(tokenizer)
+        if known is None:
+            known = self._known[tokenizer] = self._read(tokenizer)
+        return known
 
 
-_MAY_SETTLE: weakref.WeakKeyDictionary[Tokenizer, bool] = weakref.WeakKeyDictionary()
+def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
+    added = tokenizer.get_added_tokens_decoder()
+    return frozenset(i for i, token in added.items() if token.special)
 
 
-def may_settle(tokenizer: Tokenizer) -> bool:
-    """Whether `tokenizer` decodes bytes as lossy UTF-8 does (byte-level BPE), where text a
-    character follows never changes; not a SentencePiece `ByteFallback` decoder. Read once
-    per tokenizer (its JSON may be megabytes)."""
-    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
-        if (known := _MAY_SETTLE.get(tokenizer)) is not None:
-            return known
+#: The ids `decode(..., skip_special_tokens=True)` skips: `tokenizer`'s special tokens (a
+#: tokenizer may have hundreds).
+skipped_ids = _PerTokenizer(_special_ids)
+
+
+def _may_settle(tokenizer: Tokenizer) -> bool:
     try:
         decoder = json.loads(tokenizer.to_str()).get("decoder")
     except Exception:  # not a `tokenizers` one, or a custom part that does not serialize
         return False
-    settles = "ByteFallback" not in json.dumps(decoder)
-    with contextlib.suppress(TypeError):
-        _MAY_SETTLE[tokenizer] = settles
-    return settles
+    return "ByteFallback" not in json.dumps(decoder)
 
 
-_BYTE_TOKENS: weakref.WeakKeyDictionary[Tokenizer, dict[int, int]] = weakref.WeakKeyDictionary()
+#: Whether `tokenizer` decodes bytes as lossy UTF-8 does (byte-level BPE), where text a
+#: character follows never changes; not a SentencePiece `ByteFallback` decoder (its JSON, read
+#: once, may be megabytes).
+may_settle = _PerTokenizer(_may_settle)
 
 
-def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
-    """A byte fallback's byte tokens (`<0x00>` to `<0xFF>`, upper or lower case) by id, and
-    the byte each stands for: lookups, not a copy of the vocabulary (100,000 tokens or more);
-    once per tokenizer where it can be weakly referenced. None unless the model's vocabulary
-    (added tokens aside) has all 256, as every byte fallback's does: a byte-level tokenizer
-    with a token spelled `<0x41>` is no byte fallback."""
-    with contextlib.suppress(TypeError):  # tokenizers before 0.23: not weakly referenced
-        if (known := _BYTE_TOKENS.get(tokenizer)) is not None:
-            return known
+def _byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
     token_to_id = getattr(tokenizer, "token_to_id", None)
     if token_to_id is None:  # not a `tokenizers` one: no byte token known
         return {}
@@ -266,16 +265,14 @@ def byte_tokens(tokenizer: Tokenizer) -> dict[int, int]:
         for token in {f"<0x{byte:02X}>", f"<0x{byte:02x}>"}:
             if (token_id := token_to_id(token)) is not None and token_id not in added:
                 found[token_id] = byte
-    if len(set(found.values())) < 256:
-        found = {}
-    with contextlib.suppress(TypeError):
-        _BYTE_TOKENS[tokenizer] = found
-    return found
+    return found if len(set(found.values())) == 256 else {}
 
 
-def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
-    added = tokenizer.get_added_tokens_decoder()
-    return frozenset(i for i, token in added.items() if token.special)
+#: A byte fallback's byte tokens (`<0x00>` to `<0xFF>`, upper or lower case) by id, and the
+#: byte each stands for: 512 lookups, not a copy of the vocabulary (100,000 tokens or more).
+#: Empty unless the model's vocabulary (added tokens aside) has all 256, as every byte
+#: fallback's does: a byte-level tokenizer with a token spelled `<0x41>` is no byte fallback.
+byte_tokens = _PerTokenizer(_byte_tokens)
 
 
 def _overlap(text: str, stop: str) -> int:
