@@ -5,11 +5,12 @@ Load: a version whose weights would not fit in the free memory is refused first
 Then weights are read off the event loop (a daemon thread), the version is warmed up where it
 will run (fixed-cost versions on the batching driver's executor thread, between batches;
 generation versions on their engine's step thread before the engine starts), each warm-up call
-bounded at WARMUP_MULTIPLE x the watchdog (past it the worker stops serving, as for a call
-that never returns while serving), and only then does it join `LoadedModels`, which the
-servicer resolves from and the next registry heartbeat advertises. A version that fails to
-load is logged, counted (`inference_worker_model_load_failures_total`) and recorded in
-`LoadedModels.failed`; the worker serves the rest as before.
+(each forward, for a generation version) bounded at WARMUP_MULTIPLE x the watchdog (past it
+the worker stops serving, as for a call that never returns while serving), and only then
+does it join `LoadedModels`, which the servicer resolves from and the next registry heartbeat
+advertises. A version that fails to load is logged, counted
+(`inference_worker_model_load_failures_total`) and recorded in `LoadedModels.failed`; the
+worker serves the rest as before.
 
 Unload: the version leaves `LoadedModels` first (new calls get NOT_FOUND, the next heartbeat,
 sent at once, no longer lists it), then its admitted work finishes (a lane-level drain, or its
