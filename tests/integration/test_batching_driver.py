@@ -5,6 +5,7 @@ loop dies."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -545,29 +546,43 @@ async def test_batches_run_on_the_thread_count_measured_cheapest(tmp_path: Path)
         torch.set_num_threads(previous)
 
 
-async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) -> None:
-    """A batch that failed (bisected, or failing at once) says nothing of what a count costs:
-    the next batch still samples the count it ran on."""
+@contextlib.asynccontextmanager
+async def failing_driver(
+    tmp_path: Path, fails: Callable[[Sequence[PreparedRow]], bool]
+) -> AsyncIterator[tuple[BatchingDriver, Backend, list[int]]]:
+    """A started driver on 2 torch threads (restored after) over a backend recording the
+    threads of each call, whose calls raise once warmed up wherever `fails(rows)` says; and
+    the threads recorded since the start."""
     backend, threads_seen = thread_recording_backend(tmp_path, FakeClock())
     run = backend.run
-    fail = [True]
+    is_warm = [False]
 
-    def run_failing_first(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+    def run_failing(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
         outputs = run(rows)  # its threads recorded
-        if fail[0]:
+        if is_warm[0] and fails(rows):
             raise RuntimeError("this batch fails")
         return outputs
 
-    backend.run = run_failing_first  # type: ignore[method-assign]
+    backend.run = run_failing  # type: ignore[method-assign]
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
     try:
-        fail[0] = False
         driver.warm_up()
+        is_warm[0] = True
         driver.start()
         threads_seen.clear()
-        fail[0] = True
+        yield driver, backend, threads_seen
+    finally:
+        await driver.drain()
+        torch.set_num_threads(previous)
+
+
+async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) -> None:
+    """A batch that failed (bisected, or failing at once) says nothing of what a count costs:
+    the next batch still samples the count it ran on."""
+    fail = [True]
+    async with failing_driver(tmp_path, lambda _: fail[0]) as (driver, backend, threads_seen):
         with pytest.raises(ExecutionFailed):
             await driver.submit(
                 backend, backend.prepare_many([np.ones(4, np.float32)]), timeout_s=30, tenant="t"
@@ -581,9 +596,6 @@ async def test_a_failed_batch_teaches_the_thread_choice_nothing(tmp_path: Path) 
         # failed batch's would have made it two, and a cost of a whole bisection).
         choice = driver.open_lane(backend).threads
         assert choice is not None and choice.samples(1) == {1: 1}
-    finally:
-        await driver.drain()
-        torch.set_num_threads(previous)
 
 
 async def test_a_bisected_batch_whose_rows_all_succeed_teaches_the_thread_choice_nothing(
@@ -592,33 +604,16 @@ async def test_a_bisected_batch_whose_rows_all_succeed_teaches_the_thread_choice
     """A batch failing at its size (out of memory at full width) is bisected and its rows then
     succeed alone: its time, that of three calls, is no batch's cost. It taught the thread
     choice and the latency model as one batch of two rows."""
-    backend, threads_seen = thread_recording_backend(tmp_path, FakeClock())
-    run = backend.run
-    is_warm = [False]
 
-    def run_one_row_at_most(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        outputs = run(rows)  # its threads recorded
-        if is_warm[0] and len(rows) > 1:
-            raise RuntimeError("out of memory at this width")
-        return outputs
+    def is_wide(rows: Sequence[PreparedRow]) -> bool:  # out of memory past one row
+        return len(rows) > 1
 
-    backend.run = run_one_row_at_most  # type: ignore[method-assign]
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
-    try:
-        driver.warm_up()
-        is_warm[0] = True
-        driver.start()
-        threads_seen.clear()
+    async with failing_driver(tmp_path, is_wide) as (driver, backend, threads_seen):
         rows = backend.prepare_many([np.ones(4, np.float32), np.zeros(4, np.float32)])
         outputs = await driver.submit(backend, rows, timeout_s=30, tenant="t")
         assert len(outputs) == 2 and len(threads_seen) == 3  # the batch, then each row
         choice = driver.open_lane(backend).threads
         assert choice is not None and choice.samples(2) == {}
-    finally:
-        await driver.drain()
-        torch.set_num_threads(previous)
 
 
 async def test_a_batch_that_fails_whole_on_a_device_that_no_longer_runs_work_stops_batching(

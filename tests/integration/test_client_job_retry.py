@@ -136,7 +136,7 @@ def test_a_submit_is_sent_again_only_with_as_long_left_as_its_refused_attempt_to
     assert raised.value.code == "RESOURCE_EXHAUSTED" and len(slow.submits) == 1
 
     slow_get = RefusingJobs(refusals=1, hint_ms=10, delay_s=0.3)
-    with Client(serve(slow_get), timeout_s=2) as client:
+    with Client(serve(slow_get), timeout_s=10) as client:  # room for a busy machine
         assert client.jobs().get("job-1").state == "running"
     assert slow_get.gets == 2
 
