@@ -13,10 +13,13 @@
 `canary` steps the canary's traffic share, judges each step from the workers' metrics
 (services.rollout.policy) and promotes or rolls back by itself; it exits 0 on promotion, 1 on
 rollback, 2 when it could not run (bad arguments, no stable label, the cluster refused or the
-canary pool never became ready). With `--canary-deployment` it first scales that Deployment
-and waits for its pods to be Ready (services.rollout.cluster: the in-cluster service account,
-else the kubeconfig, else `--kube-api-url`), and scrapes the ready pods of both pools, so
-`--metrics-url` is then optional.
+canary pool never became ready; nothing was changed), and 3 when it was aborted while stepping
+(an error, such as a worker's metrics endpoint gone, or SIGTERM / SIGINT): the canary's share
+was then set back to 0 and its pool released, as for a rollback, unless that failed too
+(logged). With `--canary-deployment` it first scales that Deployment and waits for its pods to
+be Ready (services.rollout.cluster: the in-cluster service account, else the kubeconfig, else
+`--kube-api-url`), and scrapes the ready pods of both pools, so `--metrics-url` is then
+optional.
 
 Connects as Redis user `admin` (`--redis-password-file`, or credentials in the URL). Every
 gateway applies a change within about half a second (services.gateway.routing_sync).
@@ -28,7 +31,10 @@ import argparse
 import asyncio
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +44,12 @@ from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting
 from services.common.redis_acl import ADMIN, role_credentials
 from services.common.registry_schema import connect
-from services.rollout.controller import CanaryRollout, RolloutMetrics, describe_plan
+from services.rollout.controller import (
+    CanaryRollout,
+    RolloutAborted,
+    RolloutMetrics,
+    describe_plan,
+)
 from services.rollout.health import scrape
 from services.rollout.policy import Decision, Plan
 from services.rollout.pool import ClusterError, PoolConfig
@@ -46,6 +57,9 @@ from services.rollout.routing_store import Change, RoutingStore
 
 if TYPE_CHECKING:
     from services.rollout.cluster import CanaryPool
+
+#: `canary`'s exit status when aborted while stepping (the canary's share set back to 0).
+ABORTED = 3
 
 
 def _pairs(values: list[str]) -> dict[str, str]:
@@ -186,7 +200,7 @@ async def _run_canary(
     pool: CanaryPool | None,
 ) -> int:
     if args.dry_run:
-        routing = (await store.show())[args.model]
+        routing = await store.routing(args.model)
         print(describe_plan(plan, args.model, args.version, routing))
         if pool is not None:
             print(await pool.describe())
@@ -206,9 +220,26 @@ async def _run_canary(
         pool=pool,
         check_period_s=args.check_period_s,
     )
-    decision = await rollout.run()
+    # A deleted Job's SIGTERM, like ^C (asyncio.run's own), cancels the rollout: it aborts.
+    # (Only the main thread may take signals: `main` run on another takes none.)
+    if threading.current_thread() is threading.main_thread():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _cancel_current_task())
+    try:
+        decision = await rollout.run()
+    except RolloutAborted as error:
+        print(f"{error} (the canary's share set back to 0)", file=sys.stderr)
+        return ABORTED
+    except asyncio.CancelledError:
+        print(f"{args.model}: rollout stopped by a signal", file=sys.stderr)
+        return ABORTED
     print(f"{args.model}: {decision.value}")
     return 0 if decision is Decision.PROMOTE else 1
+
+
+def _cancel_current_task() -> Callable[[], object]:
+    task = asyncio.current_task()
+    assert task is not None
+    return lambda: task.cancel("SIGTERM")
 
 
 def changer(args: argparse.Namespace) -> Change:

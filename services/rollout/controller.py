@@ -6,6 +6,14 @@ Every step and verdict is logged and counted (`inference_rollout_canary_percent{
 `stable` (weight 0 for `canary`, its label kept for inspection); promotion moves `stable` to
 the canary's version and drops the `canary` label.
 
+A rollout that fails while stepping (a worker's metrics endpoint gone, Redis unreachable, the
+task cancelled by a signal) aborts: the canary's share goes back to 0 and its pool is released,
+as for a rollback, before the error goes on. A canary is never left serving a share nobody is
+judging.
+
+The last step sends stable no traffic, so there the canary is judged against stable's health
+over the last step in which stable served enough calls (policy.baseline).
+
 With a `pool` (services.rollout.cluster in a Kubernetes cluster), the canary's worker pool is
 made ready before the first step, its pods' metrics endpoints join the ones given by hand, and
 a rollback releases the pool. Promotion leaves the pools as they are: the canary's pool now
@@ -16,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -26,11 +35,16 @@ from services.common import metric_names as names
 from services.common.model_routing import ModelRouting
 from services.common.telemetry import MetricFactory
 from services.rollout.health import Snapshot, health_between
-from services.rollout.policy import Decision, Plan, Verdict, judge
+from services.rollout.policy import Decision, Health, Plan, Verdict, baseline, judge
 from services.rollout.pool import ClusterError
 from services.rollout.routing_store import RoutingStore
 
 log = logging.getLogger(__name__)
+
+
+class RolloutAborted(Exception):
+    """The rollout failed while stepping; the canary's share was set back to 0 (unless that
+    failed too: logged). Its cause is the error that aborted it."""
 
 
 class RolloutMetrics:
@@ -79,12 +93,21 @@ class CanaryRollout:
     #: How often a step in progress is checked for an early rollback, seconds.
     check_period_s: float = 5.0
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
+    #: How long an abort may try to set the share back and release the pool, seconds.
+    abort_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.check_period_s) and self.check_period_s > 0):
+            # 0 would never end a step's hold: scrapes in a tight loop, for good.
+            raise ValueError(f"the check period must be > 0 seconds, got {self.check_period_s}")
 
     async def run(self) -> Decision:
         """Runs the plan to PROMOTE or ROLLBACK. Raises ValueError if the model has no
         `stable` label, the canary version is unknown or there is no metrics endpoint, and
-        ClusterError if the pool cannot be made ready (the routing is unchanged then)."""
-        routing = (await self.store.show())[self.model]
+        ClusterError if the pool cannot be made ready (the routing is unchanged then). An
+        error while stepping aborts the rollout as a rollback would and raises RolloutAborted
+        from it; cancellation aborts it the same way and stays a cancellation."""
+        routing = await self.store.routing(self.model)
         if "stable" not in routing.labels:
             raise ValueError(f"model {self.model!r} has no stable label to compare with")
         stable = str(routing.labels["stable"])
@@ -100,21 +123,36 @@ class CanaryRollout:
                 await self.pool.release()
                 raise
         if not urls:
+            if self.pool is not None:
+                await self.pool.release()
             raise ValueError("no worker metrics endpoint to judge from")
-        for step, percent in enumerate(self.plan.steps):
-            await self._set_share(percent)
-            verdict = await self._run_step(step, stable, urls)
-            if verdict.decision is Decision.ROLLBACK:
-                await self._set_share(0.0)
-                if self.pool is not None:
-                    await self.pool.release()
-                return verdict.decision
-        await self.store.change(self.model, self._promoted)
+        try:
+            earlier: Health | None = None
+            for step, percent in enumerate(self.plan.steps):
+                await self._set_share(percent)
+                verdict, earlier = await self._run_step(step, stable, urls, earlier)
+                if verdict.decision is Decision.ROLLBACK:
+                    await self._set_share(0.0)
+                    if self.pool is not None:
+                        await self.pool.release()
+                    return verdict.decision
+            await self.store.change(self.model, self._promoted)
+        except Exception as error:
+            await self._abort(error)
+            raise RolloutAborted(f"{self.model}: rollout aborted: {error!r}") from error
+        except BaseException as error:  # cancelled: still cancelled once aborted
+            await self._abort(error)
+            raise
         self.metrics.canary_percent.labels(self.model).set(0)
         log.info("%s: promoted version %d to stable", self.model, self.canary_version)
         return Decision.PROMOTE
 
-    async def _run_step(self, step: int, stable: str, urls: Sequence[str]) -> Verdict:
+    async def _run_step(
+        self, step: int, stable: str, urls: Sequence[str], earlier: Health | None
+    ) -> tuple[Verdict, Health | None]:
+        """The step's verdict, and the stable health later steps may be judged against
+        (policy.baseline): this step's, when stable served enough calls in it, else
+        `earlier`."""
         before = await self.scrape(urls)
         holds, waited_s = 0, 0.0
         while True:
@@ -122,20 +160,39 @@ class CanaryRollout:
             waited_s += self.check_period_s
             after = await self.scrape(urls)
             canary = health_between(before, after, str(self.canary_version))
-            baseline = health_between(before, after, stable)
+            window = health_between(before, after, stable)
+            reference = baseline(self.plan, window, earlier)
             final = waited_s >= self.plan.hold_s * (holds + 1)
-            verdict = judge(self.plan, step, holds, canary, baseline, final=final)
+            verdict = judge(self.plan, step, holds, canary, reference, final=final)
             if verdict.decision is not Decision.HOLD or final:
                 self.metrics.decisions_total.labels(self.model, verdict.decision.value).inc()
                 log.info(
-                    "%s step %d (%g%%): %s: %s; canary %s, stable %s",
+                    "%s step %d (%g%%): %s: %s; canary %s, stable %s%s",
                     self.model, step, self.plan.steps[step], verdict.decision.value,
-                    verdict.reason, canary, baseline,
+                    verdict.reason, canary, reference,
+                    "" if reference is window else f" (an earlier step's; this one's {window})",
                 )  # fmt: skip
             if verdict.decision is Decision.HOLD:
                 holds += int(final)
                 continue
-            return verdict
+            return verdict, reference
+
+    async def _abort(self, error: BaseException) -> None:
+        """After `error` while stepping: the canary's share back to 0 and its pool released,
+        each tried once and bounded by `abort_timeout_s` (Redis may be what failed)."""
+        log.error("%s: rollout aborted (%r); sending the canary's traffic back", self.model, error)
+        try:
+            async with asyncio.timeout(self.abort_timeout_s):
+                await self._set_share(0.0)
+        except Exception as failure:  # reported; the pool is still released
+            log.error("%s: could not set the canary's share back to 0: %r", self.model, failure)
+        if self.pool is None:
+            return
+        try:
+            async with asyncio.timeout(self.abort_timeout_s):
+                await self.pool.release()
+        except Exception as failure:  # reported; the error that aborted goes on
+            log.error("%s: could not release the canary pool: %r", self.model, failure)
 
     async def _set_share(self, percent: float) -> None:
         canary = self.canary_version

@@ -1,9 +1,11 @@
 """Per-version health from the workers' own metrics: calls by status and the row-latency
 histogram, per (model, version), scraped from each worker's `/metrics`.
 
-A snapshot is cumulative; the health over a window is the difference of two. (In a cluster,
-a Prometheus query gives the same figures fleet-wide; this reads the workers directly, which
-is what the local stack and the tests have.)
+A snapshot is cumulative, one set of counters per endpoint; the health over a window is the
+difference of two, taken endpoint by endpoint and then summed, so that one worker restarting
+(its counters back to 0) counts from 0 alone, not for the whole fleet. (In a cluster, a
+Prometheus query gives the same figures fleet-wide; this reads the workers directly, which is
+what the local stack and the tests have.)
 """
 
 from __future__ import annotations
@@ -21,31 +23,42 @@ from services.rollout.policy import Health, difference, p99_from_buckets
 ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
 
 #: version -> flat counters: "code:<CODE>" calls, "le:<bound>" cumulative latency buckets.
-Snapshot = dict[str, dict[str, float]]
+Counters = dict[str, dict[str, float]]
+#: One endpoint's counters per endpoint, in the order of the endpoints scraped.
+Snapshot = list[Counters]
 
 
 def parse_snapshot(texts: Sequence[str], model: str) -> Snapshot:
-    """Sums the model's counters over every worker's exposition text, per version."""
-    snapshot: Snapshot = {}
+    """The model's counters in each worker's exposition text, per version."""
+    return [_counters(text, model) for text in texts]
+
+
+def _counters(text: str, model: str) -> Counters:
+    counters_of: Counters = {}
     wanted = {f"{names.WORKER_REQUESTS_TOTAL}", f"{names.WORKER_ROW_LATENCY_SECONDS}_bucket"}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if sample.name not in wanted or sample.labels.get("model") != model:
-                    continue
-                version = sample.labels.get("version", "")
-                if sample.name == names.WORKER_REQUESTS_TOTAL:
-                    key = f"code:{sample.labels.get('code', '')}"
-                else:
-                    key = f"le:{sample.labels.get('le', '')}"
-                counters = snapshot.setdefault(version, {})
-                counters[key] = counters.get(key, 0.0) + sample.value
-    return snapshot
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name not in wanted or sample.labels.get("model") != model:
+                continue
+            version = sample.labels.get("version", "")
+            if sample.name == names.WORKER_REQUESTS_TOTAL:
+                key = f"code:{sample.labels.get('code', '')}"
+            else:
+                key = f"le:{sample.labels.get('le', '')}"
+            counters = counters_of.setdefault(version, {})
+            counters[key] = counters.get(key, 0.0) + sample.value
+    return counters_of
 
 
 def health_between(before: Snapshot, after: Snapshot, version: str) -> Health:
-    """The version's calls, server errors and p99 between two snapshots."""
-    delta = difference(after.get(version, {}), before.get(version, {}))
+    """The version's calls, server errors and p99 between two snapshots of the same
+    endpoints."""
+    if len(before) != len(after):
+        raise ValueError(f"snapshots of {len(before)} and {len(after)} endpoints do not subtract")
+    delta: dict[str, float] = {}
+    for was, now in zip(before, after, strict=True):
+        for key, value in difference(now.get(version, {}), was.get(version, {})).items():
+            delta[key] = delta.get(key, 0.0) + value
     requests = sum(v for k, v in delta.items() if k.startswith("code:"))
     errors = sum(v for k, v in delta.items() if k.removeprefix("code:") in ERROR_CODES)
     buckets = [(float(k[3:]), v) for k, v in delta.items() if k.startswith("le:")]

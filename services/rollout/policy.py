@@ -10,6 +10,10 @@ the step's hold, its health over the step is compared with stable's over the sam
 - hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
   extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
 - otherwise advance; after the last step, promote (the `stable` label moves to the canary).
+
+Stable's health is its own over the step, except where it served fewer than `min_requests`
+(the last step, at 100%, sends it nothing): there, its health over the last step that had
+enough (`baseline`).
 """
 
 from __future__ import annotations
@@ -58,6 +62,12 @@ class Plan:
     max_holds: int = 3
 
     def __post_init__(self) -> None:
+        numbers = (*self.steps, self.hold_s, self.max_error_rate_increase, self.max_p99_ratio,
+                   self.p99_slack_s)  # fmt: skip
+        if not all(math.isfinite(number) for number in numbers):
+            # A NaN bound never fires (every comparison with it is false); an infinite hold
+            # never ends its step.
+            raise ValueError("steps, hold, error-rate bound, p99 ratio and slack must be finite")
         if not self.steps or list(self.steps) != sorted(self.steps) or self.steps[-1] != 100:
             raise ValueError("steps must ascend and end at 100 (percent)")
         if self.steps[0] <= 0:
@@ -110,6 +120,17 @@ def judge(
     if step == len(plan.steps) - 1:
         return Verdict(Decision.PROMOTE, "every step healthy")
     return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")
+
+
+def baseline(plan: Plan, window: Health, earlier: Health | None) -> Health:
+    """What the canary is judged against: stable's health over the step's window, or, when
+    stable served fewer than `min_requests` in it (the last step sends it none), its health
+    over the last step that had enough (`earlier`; the window's when there is none). A
+    stable with no calls has no errors and no p99, so judged against it a canary's errors
+    count against zero and its latency is never compared."""
+    if window.requests >= plan.min_requests or earlier is None:
+        return window
+    return earlier
 
 
 def _p99_ratio(canary: Health, stable: Health) -> float:

@@ -3,10 +3,16 @@
 A change is a compare-and-set (WATCH/MULTI on `<prefix>:rollout`): the new record's revision
 is the stored one's plus one, so concurrent writers never lose an update and gateways see
 revisions only grow. A model without a record starts from its repository's labels and weights.
+
+A record that cannot be read (edited by hand) fails only what touches its model: listing skips
+it (logged), `reset` rewrites it from the repository with the next revision when its revision
+can still be read.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -14,6 +20,8 @@ from redis.exceptions import WatchError
 
 from services.common.model_repository import ModelVersion
 from services.common.model_routing import ModelRouting, routing_key
+
+log = logging.getLogger(__name__)
 
 Change = Callable[[ModelRouting], ModelRouting]
 
@@ -39,27 +47,50 @@ class RoutingStore:
         return version in self._versions.get(model, set())
 
     async def show(self) -> dict[str, ModelRouting]:
-        """Every repository model's routing in force (stored, else the seed)."""
+        """Every repository model's routing in force (stored, else the seed); a stored record
+        that cannot be read is left out, logged."""
         stored = await self._client.hgetall(self._key)
         routing = dict(self._seeds)
         for field, value in stored.items():
-            routing[field.decode() if isinstance(field, bytes) else field] = ModelRouting.loads(
-                value
-            )
+            model = field.decode() if isinstance(field, bytes) else field
+            try:
+                routing[model] = _parsed(model, value)
+            except ValueError as error:
+                routing.pop(model, None)
+                log.warning("%s", error)
         return routing
 
-    async def change(self, model: str, change: Change) -> ModelRouting:
-        """Applies `change` to the model's routing in force and stores the result with the next
-        revision. Raises ValueError for an unknown model, or a result naming a version the
-        repository lacks; nothing is stored then."""
+    async def routing(self, model: str) -> ModelRouting:
+        """The model's routing in force. Raises ValueError for a model the repository lacks,
+        or a stored record that cannot be read."""
+        self._check_model(model)
+        raw = await self._client.hget(self._key, model)
+        return self._seeds[model] if raw is None else _parsed(model, raw)
+
+    def _check_model(self, model: str) -> None:
         if model not in self._seeds:
             raise ValueError(f"model {model!r} is not in the model repository")
+
+    async def change(
+        self, model: str, change: Change, *, rewrites_unreadable: bool = False
+    ) -> ModelRouting:
+        """Applies `change` to the model's routing in force and stores the result with the next
+        revision. Raises ValueError for an unknown model, a result naming a version the
+        repository lacks, or a stored record that cannot be read (unless
+        `rewrites_unreadable`: `change` then gets the seed, and the record's revision is kept
+        when it can be read); nothing is stored then."""
+        self._check_model(model)
         async with self._client.pipeline(transaction=True) as pipe:
             while True:
                 try:
                     await pipe.watch(self._key)
                     raw = await pipe.hget(self._key, model)
-                    current = self._seeds[model] if raw is None else ModelRouting.loads(raw)
+                    if raw is None:
+                        current = self._seeds[model]
+                    elif rewrites_unreadable:
+                        current = _readable_or_seed(model, raw, self._seeds[model])
+                    else:
+                        current = _parsed(model, raw)
                     changed = change(current)
                     new = ModelRouting(changed.labels, changed.traffic, current.revision + 1)
                     new.check_versions(self._versions[model])
@@ -75,9 +106,42 @@ class RoutingStore:
         routing other than the repository's was in force. Not a deletion: revisions would then
         restart from the seed's, and a gateway that missed the deletion between two polls
         would ignore every later change as older than the one it holds."""
-        if model not in self._seeds:
-            raise ValueError(f"model {model!r} is not in the model repository")
+        self._check_model(model)
         seed = self._seeds[model]
-        before = (await self.show())[model]
-        await self.change(model, lambda current: seed)
-        return (before.labels, before.traffic) != (seed.labels, seed.traffic)
+        before: ModelRouting | None
+        try:
+            before = await self.routing(model)
+        except ValueError:
+            before = None  # unreadable: rewritten
+        await self.change(model, lambda current: seed, rewrites_unreadable=True)
+        return before is None or (before.labels, before.traffic) != (seed.labels, seed.traffic)
+
+
+def _parsed(model: str, raw: str | bytes) -> ModelRouting:
+    try:
+        return ModelRouting.loads(raw)
+    except ValueError as error:
+        raise ValueError(
+            f"model {model!r}: its stored routing cannot be read ({error}); "
+            "`routing reset` rewrites it from the repository"
+        ) from None
+
+
+def _readable_or_seed(model: str, raw: str | bytes, seed: ModelRouting) -> ModelRouting:
+    """The stored record; for one that cannot be read, the seed at the record's revision. Raises
+    ValueError when not even that can be read: a rewrite at a revision gateways hold already
+    would be ignored by them."""
+    try:
+        return ModelRouting.loads(raw)
+    except ValueError:
+        pass
+    try:
+        revision = json.loads(raw)["revision"]
+    except (ValueError, TypeError, KeyError, RecursionError):
+        revision = None
+    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        raise ValueError(
+            f"model {model!r}: its stored routing and its revision cannot be read; delete the "
+            "field and restart the gateways (they ignore revisions not above theirs)"
+        )
+    return ModelRouting(seed.labels, seed.traffic, revision)

@@ -355,7 +355,7 @@ def failing_canary(calls: list[Sequence[str]]) -> Any:
     async def scrape(urls: Sequence[str]) -> Snapshot:
         calls.append(tuple(urls))
         n = 100.0 * len(calls)
-        return {"1": {"code:OK": n}, "2": {"code:OK": n, "code:INTERNAL": n}}
+        return [{"1": {"code:OK": n}, "2": {"code:OK": n, "code:INTERNAL": n}}]
 
     return scrape
 
@@ -382,7 +382,7 @@ async def test_a_rollback_scales_the_canary_pool_back_to_zero(
         scrape=failing_canary(scraped),
         metrics=RolloutMetrics(CollectorRegistry()),
         pool=pool,
-        check_period_s=0.0,
+        check_period_s=1.0,  # not slept: `no_wait`
         sleep=no_wait,
     )
     try:

@@ -11,6 +11,7 @@ from services.rollout.policy import (
     Decision,
     Health,
     Plan,
+    baseline,
     difference,
     judge,
     p99_from_buckets,
@@ -68,7 +69,9 @@ def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
-     {"max_p99_ratio": 0.9}, {"min_requests": 0}, {"p99_slack_s": -0.001}],
+     {"max_p99_ratio": 0.9}, {"min_requests": 0}, {"p99_slack_s": -0.001},
+     {"max_error_rate_increase": math.nan}, {"max_p99_ratio": math.nan}, {"hold_s": math.inf},
+     {"steps": (math.nan, 100.0)}],
 )  # fmt: skip
 def test_an_inconsistent_plan_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -107,3 +110,24 @@ def test_health_between_two_scrapes_of_two_workers() -> None:
     # Per worker: 50 OK and 2 INTERNAL more (the caller's INVALID_ARGUMENT is not an error).
     assert (health.requests, health.errors) == (104, 4)
     assert health.p99_s is not None and 0 < health.p99_s <= 0.1
+
+
+def test_a_worker_restarting_counts_from_zero_alone() -> None:
+    # Worker b restarted within the window: its 5 calls since count, not its 60 before, and
+    # worker a's 50 more are not lost in a fleet-wide sum that went down (110 -> 55).
+    before = parse_snapshot([WORKER_METRICS.format(ok=50, failed=0)] * 2, "m")
+    after = parse_snapshot(
+        [WORKER_METRICS.format(ok=100, failed=0), WORKER_METRICS.format(ok=5, failed=0)], "m"
+    )
+
+    health = health_between(before, after, "1")
+    assert (health.requests, health.errors) == (55, 0)
+
+
+def test_the_baseline_is_an_earlier_steps_stable_when_this_one_served_too_few() -> None:
+    plan = Plan(min_requests=100)
+    earlier = Health(requests=1000, errors=20, p99_s=0.05)
+    idle = Health(requests=3, errors=0, p99_s=0.01)
+    assert baseline(plan, idle, earlier) is earlier
+    assert baseline(plan, STABLE, earlier) is STABLE
+    assert baseline(plan, idle, None) is idle

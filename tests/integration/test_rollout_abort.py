@@ -1,0 +1,266 @@
+"""A canary rollout that fails while stepping sends the canary's traffic back (a real Redis, real
+metrics endpoints over HTTP, the real controller and CLI), the last step's stable baseline, and
+routing records that cannot be read."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.model_repository import load_repository
+from services.common.model_routing import ModelRouting, routing_key
+from services.common.registry_schema import connect
+from services.rollout.__main__ import ABORTED, main
+from services.rollout.controller import CanaryRollout, RolloutMetrics
+from services.rollout.health import Snapshot
+from services.rollout.policy import Decision, Plan
+from services.rollout.routing_store import RoutingStore
+from tests.support.models import write_versioned_affine_model
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STABLE = ModelRouting({"stable": 1}, {"stable": 1.0})
+
+
+class MetricsEndpoint:
+    """A worker's /metrics over HTTP: both versions of `affine` answer 100 more calls, all OK,
+    at each scrape; it stops answering (its socket closed) after `lives_for` scrapes."""
+
+    def __init__(self, lives_for: int | None = None) -> None:
+        self.scrapes = 0
+        self._lives_for = lives_for
+        endpoint = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                endpoint.scrapes += 1
+                n = 100 * endpoint.scrapes
+                body = "".join(
+                    f'inference_worker_requests_total{{model="affine",version="{v}",code="OK"}}'
+                    f" {n}\n"
+                    for v in (1, 2)
+                ).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                if endpoint._lives_for is not None and endpoint.scrapes >= endpoint._lives_for:
+                    threading.Thread(target=endpoint.close, daemon=True).start()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+@pytest.fixture
+def repository(tmp_path: Path) -> Path:
+    repository = tmp_path / "repo"
+    write_versioned_affine_model(repository, "affine", versions=(1, 2))
+    return repository
+
+
+@pytest.fixture
+def endpoint() -> Iterator[MetricsEndpoint]:
+    endpoint = MetricsEndpoint()
+    yield endpoint
+    endpoint.close()
+
+
+async def routing_in_redis(redis_server: RedisServer, repository: Path) -> ModelRouting:
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        return await RoutingStore(client, "fabric", load_repository(repository)).routing("affine")
+    finally:
+        await client.aclose()
+
+
+async def set_stable(redis_server: RedisServer, repository: Path) -> None:
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        await store.change("affine", lambda _: STABLE)
+    finally:
+        await client.aclose()
+
+
+def canary_args(redis_server: RedisServer, repository: Path, *args: str) -> list[str]:
+    return ["--redis-url", redis_server.url, "--model-repository", str(repository),
+            "canary", "affine", "--version", "2", "--steps", "50,100", "--min-requests", "10",
+            *args]  # fmt: skip
+
+
+async def test_a_metrics_endpoint_gone_mid_step_aborts_with_the_canary_share_back_to_zero(
+    redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await set_stable(redis_server, repository)
+    dying = MetricsEndpoint(lives_for=3)  # the step's first scrape and two checks
+    try:
+        status = await asyncio.to_thread(
+            main,
+            canary_args(redis_server, repository, "--metrics-url", dying.url, "--hold-s", "60",
+                        "--check-period-s", "0.1"),
+        )  # fmt: skip
+    finally:
+        dying.close()
+
+    assert status == ABORTED
+    assert dying.scrapes == 3
+    assert "affine: rollout aborted: URLError(" in capsys.readouterr().err
+    routing = await routing_in_redis(redis_server, repository)
+    assert routing.traffic == {"stable": 100.0, "canary": 0.0}
+    assert routing.labels == {"stable": 1, "canary": 2}
+
+
+async def test_sigterm_mid_step_aborts_with_the_canary_share_back_to_zero(
+    redis_server: RedisServer, repository: Path, endpoint: MetricsEndpoint
+) -> None:
+    await set_stable(redis_server, repository)
+    command = [sys.executable, "-m", "services.rollout",
+               *canary_args(redis_server, repository, "--metrics-url", endpoint.url,
+                            "--hold-s", "600", "--check-period-s", "0.1")]  # fmt: skip
+    process = subprocess.Popen(
+        command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+
+        async def stepping() -> bool:
+            routing = await routing_in_redis(redis_server, repository)
+            return routing.traffic.get("canary") == 50.0 and endpoint.scrapes >= 2
+
+        await eventually(stepping, timeout_s=30.0, message="the canary's first step runs")
+        os.kill(process.pid, signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+
+    assert process.returncode == ABORTED, err.decode()
+    routing = await routing_in_redis(redis_server, repository)
+    assert routing.traffic == {"stable": 100.0, "canary": 0.0}
+
+
+def two_steps(stable_calls: Sequence[float], stable_errors: Sequence[float]) -> object:
+    """A scrape of one endpoint over a 50% step then a 100% step (two scrapes each): the canary
+    fails 1.5% of its 1,000 calls a step; stable serves `stable_calls[i]` calls in step i, of
+    which `stable_errors[i]` fail."""
+    scrapes: list[int] = []
+
+    async def scrape(urls: Sequence[str]) -> Snapshot:
+        step, taken = divmod(len(scrapes), 2)
+        scrapes.append(1)
+        done = [float(s < step) + float(s == step) * taken for s in range(2)]
+        canary = {"code:OK": sum(985.0 * d for d in done),
+                  "code:INTERNAL": sum(15.0 * d for d in done)}  # fmt: skip
+        stable_failed = sum(e * d for e, d in zip(stable_errors, done, strict=True))
+        stable_ok = sum(c * d for c, d in zip(stable_calls, done, strict=True)) - stable_failed
+        return [{"1": {"code:OK": stable_ok, "code:INTERNAL": stable_failed}, "2": canary}]
+
+    return scrape
+
+
+async def no_wait(_: float) -> None:
+    pass
+
+
+async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    # At 100% stable serves nothing: judged against that, a canary failing 1.5% of its calls
+    # was rolled back although stable failed 2% of its own a step before.
+    await set_stable(redis_server, repository)
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        rollout = CanaryRollout(
+            store,
+            "affine",
+            2,
+            Plan(steps=(50.0, 100.0), hold_s=1.0, min_requests=100),
+            scrape=two_steps((1000.0, 0.0), (20.0, 0.0)),  # type: ignore[arg-type]
+            metrics=RolloutMetrics(CollectorRegistry()),
+            metrics_urls=("http://unused",),
+            check_period_s=1.0,
+            sleep=no_wait,
+        )
+        assert await rollout.run() is Decision.PROMOTE
+    finally:
+        await client.aclose()
+
+
+def test_a_check_period_of_zero_is_refused(
+    redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status = main(canary_args(redis_server, repository, "--metrics-url", "http://unused",
+                              "--check-period-s", "0"))  # fmt: skip
+
+    assert status == 2
+    assert "the check period must be > 0 seconds" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dry_run", [(), ("--dry-run",)], ids=["run", "dry-run"])
+def test_an_unknown_model_is_refused_with_status_2(
+    redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str],
+    dry_run: tuple[str, ...],
+) -> None:  # fmt: skip
+    status = main(["--redis-url", redis_server.url, "--model-repository", str(repository),
+                   "canary", "nosuch", "--version", "2", "--metrics-url", "http://unused",
+                   *dry_run])  # fmt: skip
+
+    assert status == 2
+    assert "model 'nosuch' is not in the model repository" in capsys.readouterr().err
+
+
+async def test_an_unreadable_record_fails_only_its_model_and_reset_rewrites_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    repository = tmp_path / "repo"
+    write_versioned_affine_model(repository, "affine", versions=(1, 2))
+    write_versioned_affine_model(repository, "other", versions=(1,))
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        for _ in range(7):
+            await store.change("affine", lambda _: STABLE)
+        # Edited by hand: a label naming no whole version, its revision still readable.
+        await client.hset(routing_key("fabric"), "affine",
+                          '{"revision": 7, "labels": {"stable": 1.5}, "traffic": {}}')  # fmt: skip
+
+        shown = await store.show()
+        changed = await store.change("other", lambda _: ModelRouting({"stable": 1}))
+        with pytest.raises(ValueError, match="'affine': its stored routing cannot be read"):
+            await store.change("affine", lambda _: STABLE)
+        assert await store.reset("affine")
+        rewritten = await store.routing("affine")
+        await client.hset(routing_key("fabric"), "affine", "not json")
+        with pytest.raises(ValueError, match="its revision cannot be read"):
+            await store.reset("affine")
+    finally:
+        await client.aclose()
+
+    assert "affine" not in shown and "other" in shown
+    assert changed.labels == {"stable": 1}
+    # Past the revision gateways hold: they apply the rewrite.
+    assert rewritten.revision == 8
+    assert rewritten.labels == {}
