@@ -173,10 +173,20 @@ def _optional(raw: Mapping[str, Any], key: str, kind: type, default: Any, path: 
     return _require(raw, key, kind, path) if key in raw else default
 
 
+#: The largest count or duration in milliseconds a model may set: the internal API carries them
+#: as uint32 (a larger one broke the router's model list for every model).
+MAX_SETTING = 2**31 - 1
+
+
 def _positive(value: int, key: str, path: Path) -> int:
-    if value <= 0:
-        raise ModelConfigError(f"{path}: {key!r} must be > 0, got {value}")
+    if not 0 < value <= MAX_SETTING:
+        raise ModelConfigError(f"{path}: {key!r} must be in [1, {MAX_SETTING}], got {value}")
     return value
+
+
+def _at_least_zero(value: int, key: str, path: Path) -> int:
+    """`value`, a count where 0 means none."""
+    return 0 if value == 0 else _positive(value, key, path)
 
 
 def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
@@ -225,9 +235,14 @@ def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")
     traffic = raw.get("traffic", {})
     if not all(
-        label in labels and isinstance(w, int | float) and w >= 0 for label, w in traffic.items()
+        label in labels
+        and isinstance(w, int | float)
+        and not isinstance(w, bool)
+        and math.isfinite(w)
+        and w >= 0
+        for label, w in traffic.items()
     ):
-        raise ModelConfigError(f"{path}: [traffic] maps existing labels to weights >= 0")
+        raise ModelConfigError(f"{path}: [traffic] maps existing labels to finite weights >= 0")
     return ModelConfig(
         name=name,
         kind=kind,
@@ -235,8 +250,12 @@ def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
         max_batch_size=_positive(
             _require(raw, "max_batch_size", int, path), "max_batch_size", path
         ),
-        max_batch_tokens=int(raw.get("max_batch_tokens", 0)),
-        max_queue_size=_positive(int(raw.get("max_queue_size", 1024)), "max_queue_size", path),
+        max_batch_tokens=_at_least_zero(
+            _optional(raw, "max_batch_tokens", int, 0, path), "max_batch_tokens", path
+        ),
+        max_queue_size=_positive(
+            _optional(raw, "max_queue_size", int, 1024, path), "max_queue_size", path
+        ),
         length_buckets=buckets,
         inputs=_tensor_specs(raw.get("inputs"), "inputs", path),
         outputs=_tensor_specs(raw.get("outputs"), "outputs", path),
@@ -294,8 +313,8 @@ def _weights_dir(version_dir: Path) -> Path:
     if not spec_path.exists():
         return version_dir
     try:
-        weights = tomllib.loads(spec_path.read_text()).get("weights", "")
-    except tomllib.TOMLDecodeError as error:
+        weights = tomllib.loads(spec_path.read_text(encoding="utf-8")).get("weights", "")
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
         raise ModelConfigError(f"{spec_path}: {error}") from error
     if not isinstance(weights, str) or not weights:
         raise ModelConfigError(f"{spec_path}: 'weights' must be a non-empty string")
@@ -307,7 +326,16 @@ def _weights_dir(version_dir: Path) -> Path:
             raise ModelConfigError(
                 f"{spec_path}: weights package {module_name!r} is not installed"
             ) from error
-        return Path(module.get_model_path())
+        except Exception as error:  # its import failed otherwise: this model's error alone
+            raise ModelConfigError(
+                f"{spec_path}: weights package {module_name!r} failed to import: {error!r}"
+            ) from error
+        try:
+            return Path(module.get_model_path())
+        except Exception as error:  # no get_model_path, or it failed
+            raise ModelConfigError(
+                f"{spec_path}: weights package {module_name!r} gave no model path: {error!r}"
+            ) from error
     path = Path(weights)
     return path if path.is_absolute() else (version_dir / path).resolve()
 
@@ -336,17 +364,28 @@ def _model_versions(model_dir: Path) -> list[ModelVersion]:
         raise ModelConfigError(f"{model_dir}: model names are [a-z0-9][a-z0-9_.-]*")
     config = parse_model_config(model_dir.name, model_dir / "config.toml")
     try:
+        # isdecimal and ASCII: "²" is a digit int() does not read.
         numbered = sorted(
-            (p for p in model_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+            (p for p in model_dir.iterdir() if p.name.isascii() and p.name.isdecimal()),
             key=lambda p: int(p.name),
         )
+        numbered = [p for p in numbered if p.is_dir()]
     except OSError as error:
         raise ModelConfigError(f"{model_dir}: {error}") from error
     if not numbered:
         raise ModelConfigError(f"{model_dir}: no version directories (1/, 2/, ...)")
+    by_number: dict[int, Path] = {}
+    for version_dir in numbered:
+        if (same := by_number.setdefault(int(version_dir.name), version_dir)) is not version_dir:
+            # 1/ and 01/ would load as two copies of version 1, workers and gateways each
+            # picking one.
+            raise ModelConfigError(
+                f"{model_dir}: {same.name}/ and {version_dir.name}/ are both version "
+                f"{int(version_dir.name)}"
+            )
     return [
-        ModelVersion(config=config, version=str(int(p.name)), weights_dir=_weights_dir(p))
-        for p in numbered
+        ModelVersion(config=config, version=str(number), weights_dir=_weights_dir(version_dir))
+        for number, version_dir in by_number.items()
     ]
 
 

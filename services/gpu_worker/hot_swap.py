@@ -82,27 +82,38 @@ class ModelSwapper:
         """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
         label = f"{version.config.name}/{version.version}"
         try:
-            weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
-            kv_cache = await asyncio.to_thread(kv_cache_bytes, version, self._device)
-            free = free_memory_bytes(self._device)
-            check_fits(weights=weights, free=free, device=self._device, kv_cache=kv_cache)
-            model = await in_daemon_thread(
-                lambda: load_version(version, self._device, self._generation_metrics, self._options)
-            )
-            if isinstance(model, GenerationBackend):
-                await self._warm_up_generation(model)
-                model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
-            else:
-                await self._batching.add_backend(model)
+            model = await self._load(version)
         except Exception as error:  # any loader or warm-up error: the rest keeps serving
             log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
             self._worker_metrics.model_load_failures_total.labels(*_labels(version)).inc()
             self._models.add_failure(LoadFailure(*_labels(version), one_line(error)))
-            return False
-        self._models.add(model)
-        self._on_change()
-        log.info("model %s loaded while serving (fingerprint %s)", label, model.fingerprint)
-        return True
+        else:
+            self._models.add(model)
+            self._on_change()
+            log.info("model %s loaded while serving (fingerprint %s)", label, model.fingerprint)
+            return True
+        # What the failed version took (its weights, a generation version's whole KV cache)
+        # is unreferenced now: give it back, or the next load is refused for memory it holds.
+        try:
+            await self._batching.between_batches(release_device_memory)
+        except Exception as error:  # the worker is stopping: nothing more to load
+            log.warning("memory of %s not released after its failed load: %r", label, error)
+        return False
+
+    async def _load(self, version: ModelVersion) -> Backend | GenerationBackend:
+        weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
+        kv_cache = await asyncio.to_thread(kv_cache_bytes, version, self._device)
+        free = free_memory_bytes(self._device)
+        check_fits(weights=weights, free=free, device=self._device, kv_cache=kv_cache)
+        model = await in_daemon_thread(
+            lambda: load_version(version, self._device, self._generation_metrics, self._options)
+        )
+        if isinstance(model, GenerationBackend):
+            await self._warm_up_generation(model)
+            model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
+        else:
+            await self._batching.add_backend(model)
+        return model
 
     async def _warm_up_generation(self, model: GenerationBackend) -> None:
         """Warms a generation version up on its engine's step thread, each forward bounded at

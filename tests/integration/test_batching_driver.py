@@ -943,3 +943,15 @@ async def test_a_drain_after_the_loop_died_waits_for_work_between_batches_withou
     drain = asyncio.create_task(driver.drain())
     await assert_loop_runs_until_done(drain, gate)
     await drain
+
+
+def test_a_model_whose_slo_is_within_the_upstream_budget_is_refused(tmp_path: Path) -> None:
+    # Its rows would all be admitted already past their SLO bound: every row refused while
+    # another ran. Refused with both figures named, not served one row at a time.
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"SLO \(30 ms\) must exceed the worker's upstream budget"):
+        BatchingDriver(
+            [backend], DriverConfig(upstream_budget_s=0.04), WorkerMetrics(CollectorRegistry())
+        )

@@ -94,3 +94,56 @@ def test_a_repository_read_can_leave_out_the_models_that_do_not_read(tmp_path: P
     versions = load_repository(tmp_path, on_error=errors.__setitem__)
     assert [(v.config.name, v.version) for v in versions] == [("good", "1")]
     assert sorted(errors) == ["bad", "empty"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("max_batch_tokens = -1\n", "'max_batch_tokens' must be in"),
+        ("max_batch_tokens = 2.5\n", "'max_batch_tokens' must be int"),
+        ("max_queue_size = 1.5\n", "'max_queue_size' must be int"),
+        ("default_timeout_ms = 4294967296\n", "'default_timeout_ms' must be in"),
+        ("[labels]\ncanary = 1\n[traffic]\ncanary = inf\n", "finite weights"),
+        ("[labels]\ncanary = 1\n[traffic]\ncanary = nan\n", "finite weights"),
+    ],
+)
+def test_settings_out_of_range_name_the_file(tmp_path: Path, extra: str, message: str) -> None:
+    # Accepted before: a negative token cap failed the whole worker at start with a message
+    # naming no model, and a count past uint32 broke the router's model list for every model.
+    path = tmp_path / "config.toml"
+    # Top-level keys before the first table, tables after the last.
+    path.write_text(_GENERATION + extra if extra.startswith("[") else extra + _GENERATION)
+    with pytest.raises(ModelConfigError, match=message) as error:
+        parse_model_config("llm", path)
+    assert "config.toml" in str(error.value)
+
+
+def test_two_directories_of_one_version_number_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "llm").mkdir()
+    (tmp_path / "llm" / "config.toml").write_text(_GENERATION)
+    for version in ("1", "01", "\u00b2"):  # "²" is a digit, not a version
+        (tmp_path / "llm" / version).mkdir()
+    with pytest.raises(ModelConfigError, match=r"(1/ and 01/|01/ and 1/) are both version 1"):
+        load_repository(tmp_path)
+    (tmp_path / "llm" / "01").rmdir()
+    assert [v.version for v in load_repository(tmp_path)] == ["1"]
+
+
+@pytest.mark.parametrize(
+    ("version_toml", "message"),
+    [
+        (b'weights = "package:json"\n', "gave no model path"),  # no get_model_path
+        (b'weights = "caf\xe9"\n', "version.toml"),  # not UTF-8
+    ],
+)
+def test_a_version_whose_weights_do_not_resolve_fails_its_model_alone(
+    tmp_path: Path, version_toml: bytes, message: str
+) -> None:
+    for name in ("good", "bad"):
+        (tmp_path / name / "1").mkdir(parents=True)
+        (tmp_path / name / "config.toml").write_text(_GENERATION)
+    (tmp_path / "bad" / "1" / "version.toml").write_bytes(version_toml)
+    errors: dict[str, ModelConfigError] = {}
+    versions = load_repository(tmp_path, on_error=errors.__setitem__)
+    assert [v.config.name for v in versions] == ["good"]
+    assert list(errors) == ["bad"] and message in str(errors["bad"])

@@ -29,8 +29,15 @@ def new_lane(
     backend: Backend, config: DriverConfig, metrics: WorkerMetrics, ledger: ComputeLedger
 ) -> Lane:
     """A lane for `backend`: its batcher (the model's limits, the worker's batching settings,
-    the worker-wide fair-share `ledger`) and an empty latency model."""
+    the worker-wide fair-share `ledger`) and an empty latency model. Raises ValueError for a
+    model whose SLO leaves the worker no time (not above the worker's upstream budget): each
+    of its rows would be admitted already past its SLO bound."""
     model = backend.config
+    if model.slo_s <= config.upstream_budget_s:
+        raise ValueError(
+            f"model {model.name}: its SLO ({model.slo_p99_ms} ms) must exceed the worker's"
+            f" upstream budget ({config.upstream_budget_s * 1000:g} ms, --upstream-budget-ms)"
+        )
     batcher_config = BatcherConfig(
         max_batch_size=model.max_batch_size,
         max_queue_size=model.max_queue_size,
