@@ -139,6 +139,9 @@ def write_acl_files(
     for name, text in contents.items():
         path = directory / name
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # The mode applies only to a file created: one already there (0644) keeps its own,
+        # and the new password must not be written into a file others can read.
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w") as file:
             file.write(text + "\n")
     return directory / ACL_FILE_NAME

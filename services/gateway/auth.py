@@ -140,8 +140,11 @@ class KeyStore:
         `on_reload` runs after new keys and tenants took effect."""
         while True:
             await asyncio.sleep(period_s)
-            if self.reload_if_changed() and on_reload is not None:
-                on_reload(self)
+            try:
+                if self.reload_if_changed() and on_reload is not None:
+                    on_reload(self)
+            except Exception:  # a bug in reading: the keys in force stay, and so does the watch
+                log.exception("API keys file not reloaded, old keys stay in force")
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant of `key` if it is known (looked up by its hash: no answer depends on
@@ -197,10 +200,18 @@ def _refuse_unknown(table: Mapping[str, Any], known: frozenset[str], where: str)
 
 
 def _read_keys(path: Path) -> dict[str, Principal]:
+    """The keys in `path`; ValueError naming it for a file that does not read as keys."""
     try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as error:
-        raise ValueError(f"{path}: not valid TOML: {error}") from error
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, RecursionError) as error:
+        raise ValueError(f"{path}: not valid TOML: {error!r}") from error
+    try:
+        return _keys_of(raw, path)
+    except (TypeError, AttributeError, RecursionError) as error:  # a setting of the wrong shape
+        raise ValueError(f"{path}: {error!r}") from error
+
+
+def _keys_of(raw: dict[str, Any], path: Path) -> dict[str, Principal]:
     entries = {}
     _refuse_unknown(raw, _FILE_TABLES, str(path))
     tenants = parse_tenants(raw.get("tenants"), str(path))

@@ -110,19 +110,21 @@ def _policy(name: str, table: Any, where: str) -> TenantPolicy:
         isinstance(models, list) and all(isinstance(m, str) for m in models)
     ):
         raise ValueError(f"{where}: models must be a list of names")
+    listed = table.get("priorities", [])
+    if not isinstance(listed, list):
+        raise ValueError(f"{where}: priorities must be a list of class names")
     try:
-        priorities = (
-            frozenset(PriorityClass.parse(p) for p in table.get("priorities", []))
-            or DEFAULT_PRIORITIES
-        )
+        priorities = frozenset(PriorityClass.parse(p) for p in listed) or DEFAULT_PRIORITIES
         default = PriorityClass.parse(table.get("default_priority", DEFAULT_PRIORITY.value))
     except (ValueError, AttributeError) as error:
         raise ValueError(f"{where}: {error}") from None
     if default not in priorities:
         priorities = priorities | {default}
     max_concurrency = table.get("max_concurrency")
-    if max_concurrency is not None and not (
-        isinstance(max_concurrency, int) and max_concurrency >= 1
+    if max_concurrency is not None and (
+        isinstance(max_concurrency, bool)
+        or not isinstance(max_concurrency, int)
+        or max_concurrency < 1
     ):
         raise ValueError(f"{where}: max_concurrency must be an integer >= 1")
     return TenantPolicy(

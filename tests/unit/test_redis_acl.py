@@ -110,6 +110,16 @@ def test_written_files_are_private_and_hold_what_they_say(tmp_path: Path) -> Non
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
 
+def test_password_files_already_there_and_readable_become_private(tmp_path: Path) -> None:
+    (tmp_path / "acl").mkdir()
+    for role in ROLES:
+        (tmp_path / "acl" / f"{role}-password").write_text("old")
+        (tmp_path / "acl" / f"{role}-password").chmod(0o644)
+    write_acl_files(tmp_path / "acl", PASSWORDS)
+    for path in (tmp_path / "acl").iterdir():
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
+
+
 def test_role_credentials_from_a_file_reread_on_each_connection(tmp_path: Path) -> None:
     secret = tmp_path / "router-password"
     secret.write_text("first\n")

@@ -1,0 +1,61 @@
+"""The gateway's keys file read again while serving (services.gateway.auth.KeyStore): an edit
+of any wrong shape keeps the keys in force, and the watch goes on."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from services.common.errors import Unauthenticated
+from services.gateway.auth import KeyStore, hash_key
+
+pytestmark = pytest.mark.unit
+
+
+def keys_file(path: Path, tenant_settings: str, key: str = "search-key") -> Path:
+    path.write_text(
+        f"[tenants.search]\n{tenant_settings}\n"
+        f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(key)}"\n'
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    "settings",
+    ["priorities = true", "priorities = 5", "priorities = [1]", "max_concurrency = true"],
+)
+def test_a_setting_of_the_wrong_shape_is_refused_naming_the_file(
+    tmp_path: Path, settings: str
+) -> None:
+    # `priorities = true` raised TypeError, past every handler: a traceback at start.
+    with pytest.raises(ValueError, match=r"api-keys\.toml|max_concurrency"):
+        KeyStore.from_file(keys_file(tmp_path / "api-keys.toml", settings))
+
+
+async def test_a_bad_edit_keeps_the_keys_and_the_watch_reads_the_next_good_one(
+    tmp_path: Path,
+) -> None:
+    path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
+    store = KeyStore.from_file(path)
+    reloads: list[int] = []
+    watch = asyncio.create_task(store.watch(0.01, on_reload=lambda _: reloads.append(1)))
+    try:
+        keys_file(path, "priorities = true", key="new-key")
+        os.utime(path, ns=(1, 1))  # a stamp of its own, however fast the edits come
+        await asyncio.sleep(0.1)
+        assert not watch.done(), "the watch ended on the bad edit"
+        assert store.authenticate("search-key").tenant == "search"
+        keys_file(path, "max_concurrency = 2", key="new-key")
+        os.utime(path, ns=(2, 2))
+        for _ in range(100):
+            if reloads:
+                break
+            await asyncio.sleep(0.01)
+    finally:
+        watch.cancel()
+    assert store.authenticate("new-key").policy.max_concurrency == 2
+    with pytest.raises(Unauthenticated):
+        store.authenticate("search-key")
