@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from redis.exceptions import RedisError
 
@@ -72,6 +73,14 @@ def start_repository_control(
     return control
 
 
+class RepositoryRead(NamedTuple):
+    """What one read of the repository changed: the versions added (`name/version`), and
+    the models that did not read, with why."""
+
+    added: list[str]
+    failed: dict[str, str]
+
+
 class RepositoryControl:
     """Reads and writes the fleet's desired model state; answers the repository RPCs."""
 
@@ -90,6 +99,9 @@ class RepositoryControl:
         credentials = role_credentials(GATEWAY, redis_url, password_file)
         self._client = connect(redis_url, credentials=credentials)
         self._revisions: dict[str, int] | None = None
+        #: Whether the last read read every model: until one does, each period reads again
+        #: (a model whose files were still being copied, here at start-up or since).
+        self._is_whole = False
         self._reading = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
 
@@ -104,16 +116,18 @@ class RepositoryControl:
 
     async def _follow(self) -> None:
         """Re-reads the repository when a revision changes, and again every period until a
-        read succeeds (a version still being copied reads on a later try); logs what fails,
-        once while it lasts, and never stops following."""
+        read reads every model (a version still being copied reads on a later try); logs what
+        fails, once while it lasts, and never stops following."""
         last_failure = ""
         while True:
             try:
                 revisions = {n: d.revision for n, d in (await self.desired()).items()}
-                if self._revisions is not None and revisions != self._revisions:
-                    await self.read_repository()
+                if revisions != self._revisions or not self._is_whole:
+                    failed = (await self.read_repository()).failed
+                    if failed and repr(failed) != last_failure:
+                        log.error("models not read, retried: %s", "; ".join(failed.values()))
+                    last_failure = repr(failed) if failed else ""
                 self._revisions = revisions
-                last_failure = ""
             except Unavailable as error:
                 if str(error) != last_failure:
                     log.warning("desired model state unreadable: %s", error)
@@ -124,32 +138,47 @@ class RepositoryControl:
                 last_failure = repr(error)
             await sleep_unless_stopped(FOLLOW_PERIOD_S)
 
-    async def read_repository(self) -> list[str]:
+    async def read_repository(self) -> RepositoryRead:
         """Adds the repository's versions this gateway does not know yet to its catalog
         (tokenizers read off the event loop), and forgets those gone from it that nothing
-        needs any more (ModelCatalog.forget_versions); returns those added as
-        `name/version`. One read at a time (the follow's and a load's): a read whose listing
-        is older than another's must not forget what that one added."""
+        needs any more (ModelCatalog.forget_versions). A model that does not read (a config
+        or tokenizer still being copied) fails alone: what this gateway knows of it stays.
+        One read at a time (the follow's and a load's): a read whose listing is older than
+        another's must not forget what that one added."""
         async with self._reading:
-            versions = await asyncio.to_thread(load_repository, self._model_repository)
+            failed: dict[str, str] = {}
+
+            def on_error(name: str, error: ModelConfigError) -> None:
+                failed[name] = str(error)
+
+            versions = await asyncio.to_thread(
+                load_repository, self._model_repository, on_error=on_error
+            )
             on_disk = {(v.config.name, v.version) for v in versions}
+            on_disk.update(
+                (name, version)
+                for name in failed
+                for version in self._catalog.repository_versions(name)
+            )
             forgotten = self._catalog.forget_versions(on_disk)
             if forgotten:
                 log.info("model repository re-read: %s forgotten", ", ".join(forgotten))
             added = []
             for version in versions:
                 name = version.config.name
-                if self._catalog.has_version(name, version.version):
+                if name in failed or self._catalog.has_version(name, version.version):
                     continue
                 try:
                     encoder = await asyncio.to_thread(new_encoder, version)
                 except Exception as error:  # a tokenizer still being copied, or not one at all
-                    raise ModelConfigError(f"{name}/{version.version}: {error}") from error
+                    failed[name] = f"{name}/{version.version}: {error}"
+                    continue
                 self._catalog.add_version(version, encoder)
                 added.append(f"{name}/{version.version}")
             if added:
                 log.info("model repository re-read: %s added", ", ".join(added))
-            return added
+            self._is_whole = not failed
+            return RepositoryRead(added, failed)
 
     async def desired(self) -> dict[str, DesiredState]:
         """Every model's desired state; UNAVAILABLE while Redis cannot be read."""
@@ -163,15 +192,18 @@ class RepositoryControl:
         first re-reads the repository, so this gateway knows new versions before any worker
         serves them."""
         if state is ModelState.LOADED:
-            await self._reread()
+            await self._reread(model_name)
         return await self._write_state(model_name, state)
 
-    async def _reread(self) -> None:
-        """`read_repository`, its failure the caller's (INVALID_ARGUMENT)."""
+    async def _reread(self, model_name: str) -> None:
+        """`read_repository`; INVALID_ARGUMENT when the repository, or `model_name` in it,
+        does not read (another model that does not read fails only its own loads)."""
         try:
-            await self.read_repository()
+            failed = (await self.read_repository()).failed
         except (ModelConfigError, OSError) as error:
             raise InvalidInput(f"the model repository does not load: {error}") from error
+        if model_name in failed:
+            raise InvalidInput(f"model {model_name!r} does not load: {failed[model_name]}")
 
     async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
         config = self._catalog.config(model_name)
@@ -189,7 +221,7 @@ class RepositoryControl:
         call counts only once `timeout_s` passes: a worker retrying the same files fails the
         same way), and Unavailable when nothing is decided within `timeout_s` (no live worker
         has the model in its pool, or loading takes longer: the fleet keeps converging)."""
-        await self._reread()  # first: a model whose files came back is found again
+        await self._reread(model_name)  # first: a model whose files came back is found again
         name = self._catalog.config(model_name).name
         reported_before = {_failure_key(f) for f in self._failures(name)}
         await self._write_state(name, ModelState.LOADED)

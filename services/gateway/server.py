@@ -19,7 +19,7 @@ from services.common.lifecycle import (
     set_serving,
     sleep_unless_stopped,
 )
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelConfigError, load_repository
 from services.common.telemetry import tier_registry
 from services.common.tls import HealthListener, add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
@@ -132,6 +132,12 @@ class Gateway:
         await self.router.close()
 
 
+def _not_read(model: str, error: ModelConfigError) -> None:
+    """A model that does not read at start-up (its files still being copied) is left out;
+    the repository control reads it once it does (with Redis)."""
+    log.error("model %s not read; not served until it reads: %s", model, error)
+
+
 def _load_keys(config: GatewayConfig) -> KeyStore | None:
     keys = KeyStore.from_file(config.api_keys_file) if config.api_keys_file else None
     if keys is None:  # GatewayConfig refuses this unless allow_unauthenticated is set
@@ -206,7 +212,7 @@ def _add_services(
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = _load_keys(config)
-    catalog = ModelCatalog(load_repository(config.model_repository))
+    catalog = ModelCatalog(load_repository(config.model_repository, on_error=_not_read))
     metrics = GatewayMetrics(tier_registry("gateway"))
     router = open_channel(
         router_target(config.router_address), config.router_tls, ROUTER_CHANNEL_OPTIONS

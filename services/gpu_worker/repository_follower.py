@@ -39,6 +39,21 @@ log = logging.getLogger(__name__)
 FOLLOW_PERIOD_S = 1.0
 
 
+def read_pool_at_start(repository_dir: Path, pool: tuple[str, ...]) -> list[ModelVersion]:
+    """The repository's versions at start-up. A model that does not read (its files still
+    being copied) is logged and left out, for the follower to load once it reads, unless it is
+    in the worker's named pool (`--models`): the start then fails naming why. A model outside
+    the pool never stops a worker."""
+    errors: dict[str, ModelConfigError] = {}
+    versions = load_repository(repository_dir, on_error=errors.__setitem__)
+    if pool and (wanted := [str(errors[name]) for name in pool if name in errors]):
+        raise ModelConfigError("; ".join(wanted))
+    for name, error in errors.items():
+        if not pool:
+            log.error("model %s not read; not served until it reads: %s", name, error)
+    return versions
+
+
 async def desired_at_start(config: WorkerConfig) -> dict[str, DesiredState] | None:
     """The desired state before the first load, so that a worker started after an unload does
     not load (and advertise) what the fleet unloaded; {} without Redis; None while it is

@@ -26,7 +26,7 @@ from services.common.lifecycle import (
     new_server,
     set_serving,
 )
-from services.common.model_repository import load_repository, select_models
+from services.common.model_repository import select_models
 from services.common.multiplex import STREAM_METHOD
 from services.common.multiplex_server import MultiplexServer
 from services.common.repository_state import DesiredState
@@ -50,7 +50,11 @@ from services.gpu_worker.loaded_models import LoadedModels, load_versions
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.reconcile import is_wanted
 from services.gpu_worker.registry_publisher import RegistryPublisher
-from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
+from services.gpu_worker.repository_follower import (
+    RepositoryFollower,
+    desired_at_start,
+    read_pool_at_start,
+)
 from services.gpu_worker.wire import (
     generation_prompt,
     generation_weight,
@@ -208,7 +212,7 @@ class Worker:
         desired = await desired_at_start(self.config)  # what the fleet unloaded stays unloaded
 
         def load_and_warm() -> tuple[LoadedModels, BatchingDriver, LoadOptions]:
-            repository = load_repository(self.config.model_repository)
+            repository = read_pool_at_start(self.config.model_repository, self.config.models)
             pool = select_models(repository, self.config.models)
             versions = [v for v in pool if is_wanted(v.config.name, desired or {}, pool=())]
             driver_config = resolve_threads(self.config.batching, device)

