@@ -113,11 +113,16 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     loading.cancel()
     if fronts is not None:  # a front that exits now (a signal to the whole group) stays down
         fronts.stop_watching()
-    await worker.stop()
+    status = 0
+    try:
+        await worker.stop()
+    except Exception:  # its drain failed (it deregistered all the same): the fronts still stop
+        log.exception("the worker's stop failed")
+        status = 1
     await _stop_fronts(fronts, link)  # the link's streams were told `closing` by worker.stop
     log.info("worker stopped")
     _remove(engine_dir)
-    exit_stopped(0)
+    exit_stopped(status)
 
 
 async def _stop_fronts(fronts: Fronts | None, link: EngineLink | None) -> None:

@@ -14,7 +14,11 @@ SO_REUSEPORT, so the kernel spreads routers' connections over them. A front pars
   trailers passed back;
 - its health follows the engine's, asked twice a second over the engine's socket:
   NOT_SERVING while the engine loads, drains, has failed, cannot be reached or does not
-  answer (a wedged engine).
+  answer (a wedged engine). An engine that has not answered for ENGINE_LOST_S (stopped, or
+  its event loop stuck) ends the streams relayed to it UNAVAILABLE and has new ones refused
+  until it answers again: the router's keepalive pings reach the front, which answers them,
+  so without this the calls on those streams waited for their deadlines instead of failing
+  over.
 
 A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
 NOT_SERVING, sends its connections GOAWAY (a router's next streams land on another front),
@@ -34,20 +38,17 @@ import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
-from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import event_loop
-from services.common import metric_names as names
 from services.common.channel_options import channel_options
-from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
 from services.common.lifecycle import (
-    MAX_MESSAGE_BYTES,
     NOT_SERVING,
     SERVING,
     add_health_and_reflection,
@@ -63,6 +64,7 @@ from services.common.processes import PR_SET_PDEATHSIG
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, start_health_listener
 from services.gpu_worker.config import WorkerConfig, parse_config
+from services.gpu_worker.stream_relay import ENGINE_LOST_S, FrontMetrics, StreamRelay
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger("services.gpu_worker.front")
@@ -76,8 +78,6 @@ _OWN_METADATA = ("user-agent", "te", "content-type")
 #: How often a front asks its engine's health, and how long it waits for the answer.
 HEALTH_PERIOD_S = 0.5
 HEALTH_TIMEOUT_S = 2.0
-#: Sent to a stream's router when its front stops: the router half-closes once answered.
-CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
 
 
 def engine_grpc_target(engine_dir: Path) -> str:
@@ -90,118 +90,6 @@ def _forwarded(metadata: Any) -> tuple[tuple[str, Any], ...]:
         for key, value in metadata or ()
         if not key.startswith((":", "grpc-")) and key not in _OWN_METADATA
     )
-
-
-class FrontMetrics:
-    """What a front counts, beside its process's CPU and its event loop's lag."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.streams_total = Counter(
-            names.WORKER_FRONT_STREAMS_TOTAL.removesuffix("_total"),
-            "InferStreams this front relayed to the engine (each a router's stream)",
-            registry=registry,
-        )
-        self.open_streams = Gauge(
-            names.WORKER_FRONT_OPEN_STREAMS,
-            "InferStreams this front is relaying now",
-            registry=registry,
-        )
-        self.calls_total = Counter(
-            names.WORKER_FRONT_CALLS_TOTAL.removesuffix("_total"),
-            "Calls other than InferStream this front passed on to the engine",
-            ("method",),
-            registry=registry,
-        )
-
-
-class StreamRelay:
-    """InferStreams relayed to the engine's link, one connection each."""
-
-    def __init__(self, link_path: Path, metrics: FrontMetrics) -> None:
-        self._link_path = link_path
-        self._metrics = metrics
-        #: Each open stream's queue of answers on their way to its router.
-        self._open: set[asyncio.Queue[bytes | None]] = set()
-        self._stopping = False
-
-    async def relay(
-        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes]:
-        if self._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker front is stopping")
-        try:
-            reader, writer = await asyncio.open_unix_connection(str(self._link_path))
-        except OSError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine is not up")
-        self._metrics.streams_total.inc()
-        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
-        status: list[pb.MuxResult] = []
-        loop = asyncio.get_running_loop()
-        helpers = (
-            loop.create_task(self._send(requests, writer)),
-            loop.create_task(self._receive(reader, answers, status)),
-        )
-        self._open.add(answers)
-        if self._stopping:  # stop() ran while this stream was connecting
-            answers.put_nowait(CLOSING)
-        self._metrics.open_streams.inc()
-        try:
-            while (answer := await answers.get()) is not None:
-                yield answer
-        finally:
-            self._open.discard(answers)
-            self._metrics.open_streams.dec()
-            for helper in helpers:
-                helper.cancel()
-            writer.close()
-        if not status:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine went away")
-        if status[0].code:
-            await context.abort(
-                _CODES.get(status[0].code, grpc.StatusCode.UNKNOWN),
-                status[0].message,
-                tuple(status[0].trailers.items()),
-            )
-
-    def stop(self) -> None:
-        """Tells every open stream's router `closing`; new streams are refused."""
-        self._stopping = True
-        for answers in self._open:
-            answers.put_nowait(CLOSING)
-
-    async def _send(self, requests: AsyncIterator[bytes], writer: asyncio.StreamWriter) -> None:
-        try:
-            async for message in requests:
-                write_frame(writer, MESSAGE, message)
-                await writer.drain()
-            write_frame(writer, END)
-            await writer.drain()
-        except ConnectionError:
-            pass  # the engine went away: _receive ends the stream
-
-    async def _receive(
-        self,
-        reader: asyncio.StreamReader,
-        answers: asyncio.Queue[bytes | None],
-        status: list[pb.MuxResult],
-    ) -> None:
-        try:
-            # At most MAX_MESSAGE_BYTES, the engine's bound on what it sends over gRPC:
-            # --max-message-bytes bounds only what callers send.
-            while (frame := await read_frame(reader, MAX_MESSAGE_BYTES)) is not None:
-                kind, payload = frame
-                if kind == END:
-                    status.append(pb.MuxResult.FromString(payload))
-                    break
-                answers.put_nowait(payload)
-        except (FrameError, ConnectionError) as error:
-            log.warning("the engine's link broke: %s", error)
-        finally:
-            answers.put_nowait(None)
-
-
-#: grpc's status codes by number.
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class Passthrough(grpc.GenericRpcHandler):
@@ -281,10 +169,12 @@ async def follow_engine_health(
     channel: grpc.aio.Channel,
     servicer: health.aio.HealthServicer,
     on_first_serving: Callable[[], None],
+    on_engine_lost: Callable[[bool], None] = lambda _: None,
 ) -> None:
     """Mirrors the engine's health for WorkerService until cancelled, asking every
     HEALTH_PERIOD_S: NOT_SERVING while the engine cannot be reached or does not answer
-    within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own)."""
+    within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own).
+    `on_engine_lost(True)` once it has not answered for ENGINE_LOST_S, (False) once it does."""
     check = channel.unary_unary(
         "/grpc.health.v1.Health/Check",
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -293,12 +183,16 @@ async def follow_engine_health(
     request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
     names = (SERVICE.full_name,)
     saw_serving = False
+    answered_s = time.monotonic()
     while True:
+        asked_s = time.monotonic()
         try:
             status = (await check(request, timeout=HEALTH_TIMEOUT_S)).status
+            answered_s = asked_s
         except grpc.aio.AioRpcError as error:
             log.debug("the engine's health is out of reach: %s", error.code())
             status = NOT_SERVING
+        on_engine_lost(time.monotonic() - answered_s >= ENGINE_LOST_S)
         await set_serving(servicer, names, status)
         if status == SERVING and not saw_serving:
             try:  # its failure (a full disk) must not end the following: tried again next poll
@@ -335,11 +229,17 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
             channel,
             servicer,
             lambda: write_ready_file(config.ready_file, port, metrics_port, serving=1),
+            relay.set_engine_lost,
         )
     )
     log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)
     await stopping.wait()
     following.cancel()
+    if health_listener is not None:
+        # First: the health port is shared (SO_REUSEPORT) with the other fronts, which still
+        # serve, and a probe that lands here must not read this front's NOT_SERVING as the
+        # worker's (a front stopped alone; a whole worker's stop has its engine NOT_SERVING).
+        await health_listener.stop(grace=None)
     await servicer.enter_graceful_shutdown()
     # grpc's own stop first: it tells every connection GOAWAY at once, so that the streams a
     # router opens from now on land on another front (over a new connection) instead of this
@@ -352,8 +252,6 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     await asyncio.sleep(0)
     relay.stop()
     await server_stopped
-    if health_listener is not None:
-        await health_listener.stop(grace=None)
     await channel.close()
     log.info("worker front stopped")
     return 0

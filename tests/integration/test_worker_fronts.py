@@ -26,7 +26,8 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
-from services.gpu_worker.front import engine_grpc_target, follow_engine_health
+from services.gpu_worker.front import HEALTH_PERIOD_S, engine_grpc_target, follow_engine_health
+from services.gpu_worker.stream_relay import ENGINE_LOST_S
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
@@ -489,3 +490,45 @@ async def test_a_front_follows_the_engines_health_past_a_failed_ready_file_write
         await channel.close()
         await front.stop(None)
         await engine.stop(None)
+
+
+async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
+    own_worker: ServiceProcess,
+) -> None:
+    """The engine is stopped (SIGSTOP) with a call on a stream relayed to it: the call fails
+    UNAVAILABLE once the engine has not answered its front for ENGINE_LOST_S, not at the call's
+    own 120 s, and new streams are refused; resumed, the engine serves new streams.
+    Before, the call waited for its deadline (the front answers the router's keepalive
+    pings, so the router never failed it over)."""
+    worker = own_worker
+    channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
+    request, expected = affine_request(1)
+    try:
+        client = MultiplexClient(channel, "caller")
+        served = await client.call(request.SerializeToString(), timeout_s=10)
+        np.testing.assert_allclose(answer(served), expected, 1e-5)
+        os.kill(worker.process.pid, signal.SIGSTOP)
+        try:
+            started_s = asyncio.get_running_loop().time()
+            with pytest.raises(UpstreamError) as failed:
+                await asyncio.wait_for(client.call(request.SerializeToString(), timeout_s=120), 60)
+            waited_s = asyncio.get_running_loop().time() - started_s
+            assert failed.value.code == grpc.StatusCode.UNAVAILABLE, failed.value
+            with pytest.raises(UpstreamError) as refused:
+                await client.call(request.SerializeToString(), timeout_s=10)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+        finally:
+            os.kill(worker.process.pid, signal.SIGCONT)
+
+        async def serves_again() -> bool:
+            try:
+                await client.call(request.SerializeToString(), timeout_s=5)
+            except UpstreamError:
+                return False
+            return True
+
+        await eventually(serves_again, timeout_s=30.0, message="the engine serves again")
+    finally:
+        await channel.close()
+    # Not before: the engine's last answer came at most a poll before it stopped.
+    assert waited_s >= ENGINE_LOST_S - 4 * HEALTH_PERIOD_S, waited_s
