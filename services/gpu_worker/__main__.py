@@ -57,6 +57,7 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     served_metrics: CollectorRegistry = worker.metrics.registry
     if engine_dir is not None:
         fronts = Fronts(config, sys.argv[1:], engine_dir, worker.metrics.registry)
+        fronts.on_none_listening = worker.on_fatal
         worker.port = fronts.reserve_ports()
         link = EngineLink(
             worker.servicer.streams, engine_dir / ENGINE_LINK_SOCKET, config.max_message_bytes

@@ -4,9 +4,11 @@ The engine reserves the worker's gRPC port (and its plaintext health port, if an
 sockets bound with SO_REUSEPORT that never listen, so port 0 picks one port for all fronts,
 and starts N fronts bound to it. It restarts a front that exits, after a backoff that doubles
 while fronts keep failing fast, and stops them once its own drain is done (a front then tells
-its routers `closing` and ends its streams). A front dies with the engine (SIGTERM from the
-kernel), so a worker never outlives its engine. The worker's `/metrics` carries each ready
-front's series, labelled `worker_front="<i>"` (services.common.group_metrics).
+its routers `closing` and ends its streams). A worker none of whose fronts has listened for
+NONE_LISTENING_S stops serving, as for a fatal error (its registry entry draining). A front
+dies with the engine (SIGTERM from the kernel), so a worker never outlives its engine. The
+worker's `/metrics` carries each ready front's series, labelled `worker_front="<i>"`
+(services.common.group_metrics).
 """
 
 from __future__ import annotations
@@ -45,6 +47,31 @@ READY_POLL_S = 0.05
 READY_TIMEOUT_S = 60.0
 #: How long they may take to see the engine SERVING: 10 s, 20 of their health polls.
 SERVING_TIMEOUT_S = 10.0
+#: How long the worker may go with no front listening (each failing at start, or killed over
+#: and over) before it stops serving: nothing listens on its port, while its registry entry
+#: still drew routers' calls.
+NONE_LISTENING_S = 30.0
+
+
+@dataclass
+class Silence:
+    """How long none of a supervisor's children has listened (pure: the caller's clock)."""
+
+    lost_after_s: float
+    since_s: float | None = None
+    is_lost: bool = False
+
+    def update(self, is_any_listening: bool, now_s: float) -> bool:
+        """True once: the first time none has listened for `lost_after_s`."""
+        if is_any_listening:
+            self.since_s = None
+            return False
+        if self.since_s is None:
+            self.since_s = now_s
+        if self.is_lost or now_s - self.since_s < self.lost_after_s:
+            return False
+        self.is_lost = True
+        return True
 
 
 @dataclass
@@ -85,6 +112,9 @@ class Fronts:
         #: The worker's gRPC port, and its health port when one is set, once reserved.
         self.port = 0
         self.health_port: int | None = None
+        #: Told once no front has listened for NONE_LISTENING_S (the worker stops serving).
+        self.on_none_listening: Callable[[Exception], None] = lambda _: None
+        self._silence = Silence(NONE_LISTENING_S)
 
     def reserve_ports(self) -> int:
         """Binds the worker's ports for the fronts to share; the gRPC port."""
@@ -202,3 +232,13 @@ class Fronts:
                 front.exited()
                 ran_s = now - front.started_s
                 self._restarts.exited(front.index, front.process.pid, code, ran_s, now)
+            listening = any(
+                f.process.poll() is None and self._is_listening(f) for f in self._fronts.values()
+            )
+            if self._silence.update(listening, now):
+                error = RuntimeError(
+                    f"no worker front has listened for {NONE_LISTENING_S:.0f}s"
+                    f" ({self.num_restarts} restarts; see their log lines)"
+                )
+                log.error("%s: the worker stops serving", error)
+                self.on_none_listening(error)
