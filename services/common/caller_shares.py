@@ -76,10 +76,13 @@ class CallerShares:
         current, previous = self._current, self._previous
         # A caller seen before made its first call as one of NEW's: it counts as its own too.
         first = 1
-        if caller not in current and caller not in previous:
-            if len(current) < self.max_callers:
+        if caller not in current:
+            if len(current) >= self.max_callers:
+                # No room to remember it, seen before or not: counted with the first calls.
+                caller, first = NEW, 0
+            elif caller not in previous:
                 current[caller] = 0  # seen: its later calls count for itself
-            caller, first = NEW, 0
+                caller, first = NEW, 0
         sent = current.get(caller, 0)
         own = sent + previous.get(caller, 0)
         total = self._totals[0] + self._totals[1]

@@ -40,6 +40,7 @@ Time comes in as `now_s`; nothing here reads a clock.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from services.common.standing_queue import StandingQueue
@@ -68,7 +69,8 @@ class LimitConfig:
     backoff: float = 0.75
     #: Share of the limit added at each probe below the target (at least one call).
     growth: float = 0.1
-    #: Factor the limit grows by at each probe below the target while unused, up to `initial`.
+    #: Factor the limit moves by at each probe below the target while unused, back to `initial`
+    #: (up from a back-off, down from growth past it).
     recovery: float = 1.5
     #: A delay counts against the limit only while the process was busy at least this share of
     #: one core. A process starved of CPU by its neighbours (or at its pod's CPU quota) waits
@@ -88,8 +90,10 @@ class LimitConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.minimum <= self.initial <= self.maximum:
             raise ValueError("limits must satisfy 1 <= minimum <= initial <= maximum")
-        if not (self.target_s > 0 and self.interval_s > 0):
-            raise ValueError("target_s and interval_s must be > 0")
+        if not (0 < self.target_s < math.inf and 0 < self.interval_s < math.inf):
+            # An infinite interval made every refusal's retry hint infinite (an internal error
+            # where RESOURCE_EXHAUSTED was meant).
+            raise ValueError("target_s and interval_s must be finite and > 0")
         if not (0 < self.backoff < 1 and self.growth > 0 and self.recovery > 1):
             raise ValueError("backoff must be in (0, 1), growth > 0 and recovery > 1")
         if not (0 < self.used_share <= 1 and self.min_busy_share >= 0):
@@ -141,8 +145,8 @@ class QueueDelayLimit:
             # Not this process's queue: it waits for CPU, not for its own calls. A limit backed
             # off before (a flood here) protects nothing now: unused, it returns to `initial`
             # as below the target, or neighbours draining their backlog would hold it down.
-            if peak_in_flight < config.used_share * self._limit and self._limit < config.initial:
-                self._limit = min(float(config.initial), self._limit * config.recovery)
+            if peak_in_flight < config.used_share * self._limit:
+                self._return_to_initial()
             return
         if delay_s > config.target_s:
             # At rest, only a queue that stood for the interval is backed off from: a burst is
@@ -176,10 +180,19 @@ class QueueDelayLimit:
         if peak_in_flight >= config.used_share * self._limit:
             step = max(1.0, self._limit * config.growth)
             self._limit = min(float(config.maximum), self._limit + step)
-        elif self._limit < config.initial:
+        else:
             # Demand is below the limit and the queue is short: nothing to protect, so the
             # limit returns to `initial` quickly, ready for the next burst.
-            self._limit = min(float(config.initial), self._limit * config.recovery)
+            self._return_to_initial()
+
+    def _return_to_initial(self) -> None:
+        """One step back to `initial`, by `recovery`: up from a back-off, or down from growth
+        past it (a cold burst after a busy spell meets the limit at rest, not the spell's)."""
+        initial, recovery = float(self.config.initial), self.config.recovery
+        if self._limit < initial:
+            self._limit = min(initial, self._limit * recovery)
+        elif self._limit > initial:
+            self._limit = max(initial, self._limit / recovery)
 
     @property
     def shed_delay_s(self) -> float:

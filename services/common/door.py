@@ -65,6 +65,8 @@ log = logging.getLogger(__name__)
 #: Metadata key of the door's own probe calls; the value is a per-process secret, so a caller
 #: cannot pass the door as a probe.
 PROBE_KEY = "x-fabric-door-probe"
+#: The least window the process's CPU share is measured over, seconds.
+_MIN_CPU_WINDOW_S = 0.01
 #: How grpc ends a probe it dropped or refused before any handler ran.
 _GRPC_REFUSALS = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -153,6 +155,7 @@ class Door(grpc.aio.ServerInterceptor):
         self._channel: grpc.aio.Channel | None = None
         #: The process's CPU seconds at the last measurement, and when it was taken.
         self._cpu_s, self._cpu_at_s = time.process_time(), 0.0
+        self._busy_share = 1.0
 
     @property
     def target_s(self) -> float:
@@ -345,9 +348,12 @@ class Door(grpc.aio.ServerInterceptor):
     def _measured(self, now_s: float, delay_s: float) -> None:
         self._metrics.queue_delay.observe(delay_s)
         cpu_s = time.process_time()  # every thread of the process, grpc's included
-        busy_share = (cpu_s - self._cpu_s) / max(now_s - self._cpu_at_s, 1e-3)
-        self._cpu_s, self._cpu_at_s = cpu_s, now_s
-        self.limit.update(now_s, delay_s, self._peak_in_flight, busy_share)
+        if now_s - self._cpu_at_s >= _MIN_CPU_WINDOW_S:
+            # Over a shorter window (a tick's report and the probe's answer in one loop turn)
+            # the share reads near 0 and passes for CPU starvation: the last one stands.
+            self._busy_share = (cpu_s - self._cpu_s) / (now_s - self._cpu_at_s)
+            self._cpu_s, self._cpu_at_s = cpu_s, now_s
+        self.limit.update(now_s, delay_s, self._peak_in_flight, self._busy_share)
         self._peak_in_flight = self.num_in_flight
 
 

@@ -41,8 +41,12 @@ class DoorConfig:
     share_window_s: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.initial_limit < 0 or self.probe_interval_s <= 0 or self.share_window_s <= 0:
-            raise ValueError("door: initial_limit >= 0, probe_interval_s, share_window_s > 0")
+        intervals = (self.probe_interval_s, self.share_window_s)
+        if self.initial_limit < 0 or not all(0 < s < math.inf for s in intervals):
+            # NaN probed on every loop turn; inf never probed, so never limited.
+            raise ValueError(
+                "door: initial_limit >= 0, probe_interval_s and share_window_s finite and > 0"
+            )
         if not (math.isfinite(self.target_s) and self.target_s >= 0) or not (
             0 < self.target_slo_share <= 1
         ):

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -132,6 +133,19 @@ class Gateway:
         await self.router.close()
 
 
+@contextlib.asynccontextmanager
+async def _stopped_on_failure(server: grpc.aio.Server, door: Door | None) -> AsyncIterator[None]:
+    """Stops `server` and `door` (removing its probe's socket directory) when the block
+    fails."""
+    try:
+        yield
+    except BaseException:
+        await server.stop(grace=None)
+        if door is not None:
+            await door.stop()
+        raise
+
+
 def _not_read(model: str, error: ModelConfigError) -> None:
     """A model that does not read at start-up (its files still being copied) is left out;
     the repository control reads it once it does (with Redis)."""
@@ -246,43 +260,45 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     if door is not None:
         door.listen(server)
-    await server.start()
-    if door is not None:
-        door.start()
-    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
-    quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
-    keys_watch = _watch_keys(keys, admission, quota_sync)
-    http = None
-    if config.http_port >= 0:
-        http = await start_http(
-            host=config.host,
-            port=config.http_port,
-            tls=config.tls,
-            keys=keys,
-            predictor=predictor,
-            metrics=metrics,
-            max_inputs=config.max_inputs_per_request,
-            max_body_bytes=config.max_message_bytes,
-            model_repository=config.model_repository,
-            repository=repository,
-            tei_model=config.tei_model,
-            drain_grace_s=config.drain_grace_s,
-            door=door,
+    # A start that fails from here leaves no listener and no probe socket directory behind.
+    async with _stopped_on_failure(server, door):
+        await server.start()
+        if door is not None:
+            door.start()
+        health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+        quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
+        keys_watch = _watch_keys(keys, admission, quota_sync)
+        http = None
+        if config.http_port >= 0:
+            http = await start_http(
+                host=config.host,
+                port=config.http_port,
+                tls=config.tls,
+                keys=keys,
+                predictor=predictor,
+                metrics=metrics,
+                max_inputs=config.max_inputs_per_request,
+                max_body_bytes=config.max_message_bytes,
+                model_repository=config.model_repository,
+                repository=repository,
+                tei_model=config.tei_model,
+                drain_grace_s=config.drain_grace_s,
+                door=door,
+            )
+        return Gateway(
+            config,
+            server,
+            port,
+            health_servicer,
+            metrics,
+            catalog,
+            router,
+            predictor,
+            keys_watch,
+            health_listener,
+            quota_sync,
+            http,
+            routing_sync,
+            repository,
+            door,
         )
-    return Gateway(
-        config,
-        server,
-        port,
-        health_servicer,
-        metrics,
-        catalog,
-        router,
-        predictor,
-        keys_watch,
-        health_listener,
-        quota_sync,
-        http,
-        routing_sync,
-        repository,
-        door,
-    )

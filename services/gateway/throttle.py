@@ -3,11 +3,12 @@
 Past capacity, a request the router or worker refuses has already cost the gateway its
 tokenization and a hop, and the router and worker their share of the two cores they run on:
 refusals themselves starve the model. This is the client-side throttling of Google's SRE book
-("Handling Overload"): per model, over the recent past,
+("Handling Overload"): per key (the gateway keys it by model, priority class and tenant:
+services.gateway.predictor), over the recent past,
 
     p(reject locally) = max(0, (requests - k * accepts) / (requests + 1))
 
-where `requests` counts the requests the gateway finished with for the model (refused here, or
+where `requests` counts the requests the gateway finished with for the key (refused here, or
 answered downstream) and `accepts` those downstream did not refuse for overload. Requests still
 in flight count in neither: a burst on a fresh gateway has no answers yet, which says nothing
 about overload. While downstream accepts everything, p is 0. Under overload, about k x what
@@ -16,7 +17,7 @@ in time, and the rest is refused here for a fraction of the CPU.
 
 "The recent past" is exponential decay with time constant `memory_s` rather than a fixed
 window. One addition to the book: the probability itself fades during a silence (no request and
-no answer for the model), with the same time constant. Callers that back off after a refusal
+no answer for the key), with the same time constant. Callers that back off after a refusal
 (honouring retry-after) send nothing that could be accepted, and the counts' ratio, which a
 silence does not change, would otherwise keep refusing them when they come back, long after
 the flood that set it.

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import tempfile
 import threading
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -25,7 +28,10 @@ from services.common.door_config import DoorConfig
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.lifecycle import new_server
 from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
+from services.gateway.config import GatewayConfig
+from services.gateway.server import create_gateway
 from services.gateway.tenants import TenantPolicy
+from tests.support.models import write_affine_model
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -454,3 +460,29 @@ async def test_a_loop_kept_busy_by_calls_entered_another_way_backs_the_limit_off
         for _ in range(6):
             served.door.leave()
         await eventually(lambda: served.door.limit.limit == config.initial_limit)
+
+
+async def test_a_gateway_whose_start_fails_leaves_no_probe_socket_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The HTTP port is taken: the start fails after the door's probe listener was added.
+    # Before, its 0700 directory (and socket) stayed in the temporary directory, one per
+    # crash-restart.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    write_affine_model(tmp_path / "repo")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(OSError):
+            await create_gateway(
+                GatewayConfig(
+                    model_repository=tmp_path / "repo",
+                    router_address="127.0.0.1:1",
+                    grpc_port=0,
+                    metrics_port=0,
+                    http_port=taken.getsockname()[1],
+                    allow_unauthenticated=True,
+                )
+            )
+    assert list((tmp_path / "tmp").iterdir()) == []

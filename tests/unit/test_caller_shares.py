@@ -64,3 +64,15 @@ def test_the_caller_is_the_credential_as_authentication_reads_it() -> None:
     assert caller_of([("authorization", "Bearer k1"), ("x-api-key", "junk")]) == "k1"
     assert caller_of([("x-api-key", "k2")]) == "k2"
     assert caller_of([("user-agent", "x")]) == ""
+
+
+def test_no_more_callers_are_remembered_per_window_than_its_bound() -> None:
+    # A flood presenting 64 new credentials first in each window, then every earlier one
+    # again: each window held the bound plus the previous window's callers, and grew window
+    # by window.
+    shares = CallerShares(window_s=0.5, max_callers=64)
+    for window in range(6):
+        for i in [*range(64 * window, 64 * (window + 1)), *range(64 * window)]:
+            shares.arrived(f"key-{i}")
+        assert len(shares._current) <= 64
+        shares.roll(0.5 * (window + 1))

@@ -144,6 +144,38 @@ def test_a_used_limit_grows_past_initial_up_to_the_maximum() -> None:
     assert limit.limit == 12
 
 
+def test_a_limit_grown_past_initial_returns_to_it_once_unused() -> None:
+    # A busy spell grew the limit to its maximum; once calls stop using it, a later cold burst
+    # must meet the limit at rest (and back off from it within a fifth of the interval), not
+    # the spell's. Before, nothing brought it down.
+    config = LimitConfig(initial=64, minimum=8, maximum=4096, target_s=0.025, interval_s=0.25)
+    limit = QueueDelayLimit(config)
+    now_s = run(limit, 0.0, [0.001] * 60, in_flight=5000)
+    assert limit.limit == config.maximum
+    run(limit, now_s, [0.001] * 20, in_flight=2)
+    assert limit.limit == config.initial
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"interval_s": math.inf}, {"target_s": math.nan}, {"target_s": math.inf}]
+)
+def test_a_limit_of_infinite_or_nan_times_is_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="finite"):
+        LimitConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"probe_interval_s": math.nan}, {"probe_interval_s": math.inf}, {"share_window_s": math.inf},
+     {"interval_s": math.inf}],
+)  # fmt: skip
+def test_a_door_of_infinite_or_nan_times_is_refused(kwargs: dict[str, float]) -> None:
+    # NaN probed on every loop turn, inf never probed (so never limited), and an infinite
+    # interval made each refusal's retry hint an internal error.
+    with pytest.raises(ValueError, match="finite"):
+        DoorConfig(**kwargs)  # type: ignore[arg-type]
+
+
 def test_the_interval_restarts_when_the_delay_dips_below_the_target() -> None:
     limit = QueueDelayLimit(CONFIG)
     # 0.2 s above, one dip, 0.2 s above again: never 0.25 s above in a row.
