@@ -25,7 +25,6 @@ counted in whole calls, by up to one call per gateway process (each admits at le
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -96,9 +95,13 @@ class QuotaSync:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._task, "the quota sync")  # before its entry goes
-        # Failing that, the entry goes stale and the others ignore it.
-        with contextlib.suppress(RedisError, OSError):
+        # Failing that (Redis, or its credentials), the entry goes stale and the others
+        # ignore it; the gateway's stop goes on.
+        try:
             await self._client.hdel(self.config.demand_key, self.gateway_id)
+        except Exception as error:
+            stop_if_cancelled()
+            log.warning("quota sync entry not removed: %r", error)
         await self._client.aclose()
 
     async def _run(self) -> None:
@@ -107,25 +110,24 @@ class QuotaSync:
             await sleep_unless_stopped(self.config.period_s)
 
     async def run_round(self) -> None:
-        """One round, whose Redis failure is logged and counted (see the module docstring)."""
+        """One round, whose failure (Redis, its credentials, a bug) is logged and counted (see
+        the module docstring)."""
         try:
             await self.sync_once()
-        except (RedisError, OSError) as error:
-            stop_if_cancelled()
+        except Exception as error:  # Redis, its credentials (a password file being rotated
+            stop_if_cancelled()  # raises ValueError), or a bug: every one a failed round
             self._failures += 1
+            if not isinstance(error, (RedisError, OSError)):
+                log.error("quota sync round failed: %r", error, exc_info=True)
             if self._failures < self.config.stale_after_periods:
                 log.warning("quota sync failed, last shares stay in force: %s", error)
             elif self._failures == self.config.stale_after_periods:
                 log.warning(
-                    "quota sync failing (%s): each tenant's share is 1/%d until Redis is back",
+                    "quota sync failing (%s): each tenant's share is 1/%d until it succeeds",
                     error,
                     self._num_gateways,
                 )
                 self._apply(dict.fromkeys(self._limited(), 1.0 / self._num_gateways))
-            return
-        except Exception:  # a bug, or an entry past the parser: the loop must go on, the last
-            stop_if_cancelled()  # shares staying in force meanwhile
-            log.exception("quota sync round failed, last shares stay in force")
             return
         self._failures = 0
 

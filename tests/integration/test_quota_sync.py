@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
@@ -154,3 +156,38 @@ async def test_entries_that_do_not_parse_are_skipped_and_the_sync_goes_on(
     finally:
         await sync.stop()
         await admin.aclose()
+
+
+async def test_a_password_file_emptied_mid_rotation_fails_rounds_like_an_outage(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The gateway's password file is empty for a while (a Secret being rotated): reading it
+    raises ValueError, not a Redis error. Those rounds fail as an outage's do, so past
+    `stale_after_periods` the equal share applies, and the stop still goes through. Before,
+    they were logged as bugs with the floor share kept for good, and the stop raised."""
+    password = tmp_path / "gateway-password"
+    password.write_text(redis_server.passwords[GATEWAY])
+    url = f"redis://127.0.0.1:{redis_server.port}/0"
+    admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels(TENANTS))
+    config = QuotaSyncConfig(redis_url=url, redis_password_file=password, period_s=0.05)
+    busy_sync = QuotaSync(config, admission, TENANTS)
+    quiet, quiet_sync = make_gateway(redis_server)
+    try:
+        for _ in range(10):
+            quiet.acquire(SEARCH)
+        await busy_sync.sync_once()
+        await quiet_sync.sync_once()
+        floor = (await busy_sync.sync_once())["search"]
+        assert floor < 0.1
+        password.write_text("")
+        admin = aioredis.Redis.from_url(redis_server.url)
+        try:  # its next round connects anew, and reads the file
+            await admin.client_kill_filter(user=GATEWAY)
+        finally:
+            await admin.aclose()
+        for _ in range(config.stale_after_periods):
+            await busy_sync.run_round()
+        assert admission.quotas.share("search") == pytest.approx(0.5)
+    finally:
+        await busy_sync.stop()
+        await quiet_sync.stop()
