@@ -109,29 +109,30 @@ class StreamRequests:
     stream's place; every other request takes a token of its own, and a place of its own
     while it runs, or is refused as a call of its own would be."""
 
-    def __init__(self, admission: TenantAdmission, policy: TenantPolicy) -> None:
+    def __init__(self, admission: TenantAdmission) -> None:
         self._admission = admission
-        self._policy = policy
         self._has_admitted = False
         self._is_place_taken = False
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
-        """Admits one request (raises Overloaded) and holds what it took while it runs."""
+    def admitted(self, policy: TenantPolicy) -> Iterator[None]:
+        """Admits one request under its tenant's `policy` as it stands now (keys and limits
+        reload while a stream is open; raises Overloaded) and holds what it took while it
+        runs."""
         rides_on_place = not self._is_place_taken
         if self._has_admitted:
-            refusal = self._admission.acquire(self._policy, has_place=rides_on_place)
+            refusal = self._admission.acquire(policy, has_place=rides_on_place)
             if refusal is not None:
                 raise refusal
         self._has_admitted = True
         if rides_on_place:
             self._is_place_taken = True
         else:
-            self._admission.enter(self._policy)
+            self._admission.enter(policy)
         try:
             yield
         finally:
             if rides_on_place:
                 self._is_place_taken = False
             else:
-                self._admission.release(self._policy)
+                self._admission.release(policy)

@@ -21,7 +21,7 @@ from services.common.errors import (
 )
 from services.common.model_repository import TensorSpec
 from services.common.repository_state import ModelState
-from services.gateway.auth import Principal, current_principal
+from services.gateway.auth import KeyStore, Principal, current_principal
 from services.gateway.kserve_infer import StreamInfer, infer_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
@@ -62,6 +62,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         max_inputs: int,
         repository: RepositoryControl | None = None,
         door: Door | None = None,
+        keys: KeyStore | None = None,
     ) -> None:
         self._predictor = predictor
         self._metrics = metrics
@@ -71,7 +72,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self._repository = repository
         #: ModelStreamInfer's requests pass the process's door one by one (unary calls pass
         #: it as calls, before this servicer).
-        self._streams = StreamInfer(predictor, metrics, max_inputs, door)
+        self._streams = StreamInfer(predictor, metrics, max_inputs, door, keys)
 
     def _repository_control(self, action: str) -> RepositoryControl:
         """The repository control, for an admin caller only."""

@@ -35,7 +35,7 @@ from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
 from services.gateway.admission import StreamRequests
-from services.gateway.auth import Principal
+from services.gateway.auth import KeyStore, Principal, principal_for
 from services.gateway.kserve_generate import check_inputs, generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
@@ -209,6 +209,9 @@ class StreamInfer:
     #: The process's door (services.common.door), which each request of a model that is not
     #: decoupled passes as a call of its own would (None: no door).
     door: Door | None = None
+    #: The gateway's keys: each request's caller is read from them as they stand when it
+    #: arrives (None: no keys, every caller local).
+    keys: KeyStore | None = None
 
     def _is_generation(self, model_name: str) -> bool:
         """Whether `model_name` is a known generation model (any other request is served as
@@ -241,9 +244,16 @@ class StreamInfer:
         answers count once written, not as they come)."""
         predictor, max_rows = self.predictor, self.max_rows
         responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
-        admission = StreamRequests(predictor.admission, principal.policy)
+        admission = StreamRequests(predictor.admission)
+        headers = {key: value for key, value in metadata if isinstance(value, str)}
 
-        async def infer(request: kserve.ModelInferRequest) -> None:
+        def caller() -> Principal:
+            """The stream's caller as the keys stand now: a key revoked while its stream is
+            open is refused (Unauthenticated, in-band) from its next request, and a tenant's
+            changed limits apply to it."""
+            return principal if self.keys is None else principal_for(self.keys, headers)
+
+        async def infer(request: kserve.ModelInferRequest, principal: Principal) -> None:
             label = predictor.catalog.label_for(request.model_name)
             with self.metrics.observe_request(STREAM_API, label):
                 time_left_s = time_remaining()
@@ -252,11 +262,12 @@ class StreamInfer:
 
         async def run(request: kserve.ModelInferRequest, is_generation: bool) -> None:
             try:
-                with admission.admitted():
+                acting = caller()
+                with admission.admitted(acting.policy):
                     if not is_generation:
-                        await infer(request)
+                        await infer(request, acting)
                         return
-                    stream = generate_one(predictor, request, principal, time_remaining())
+                    stream = generate_one(predictor, request, acting, time_remaining())
                     async for response in stream:
                         responses.put_nowait(response)
             except Exception as error:  # every request gets an answer, whatever failed

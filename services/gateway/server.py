@@ -205,6 +205,7 @@ def _add_services(
     predictor: Predictor,
     metrics: GatewayMetrics,
     door: Door | None,
+    keys: KeyStore | None,
 ) -> RepositoryControl | None:
     """The public services on `server`; returns the repository control (None without Redis)."""
     api_grpc.add_InferenceServiceServicer_to_server(InferenceServicer(predictor, metrics), server)
@@ -216,6 +217,7 @@ def _add_services(
             max_inputs=config.max_inputs_per_request,
             repository=repository,
             door=door,
+            keys=keys,
         ),
         server,
     )
@@ -255,7 +257,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         max_pending_calls=config.max_pending_calls,
         door=door,
     )
-    repository = _add_services(server, config, predictor, metrics, door)
+    repository = _add_services(server, config, predictor, metrics, door, keys)
     health_servicer = await add_health_and_reflection(server, SERVICE_NAMES)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     if door is not None:

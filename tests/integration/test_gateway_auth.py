@@ -204,6 +204,46 @@ async def test_s36_added_key_works_and_removed_key_is_refused_without_a_restart(
     assert await call(gateway, bearer(new_key)) == grpc.StatusCode.UNAVAILABLE
 
 
+async def test_s36_a_key_removed_while_its_stream_is_open_is_refused_on_that_stream(
+    gateway: Gateway, keys_file: Path
+) -> None:
+    """A ModelStreamInfer stream opened with a key that is then revoked: its next request is
+    refused UNAUTHENTICATED in-band. Before, the stream kept the principal it started with,
+    and served the revoked key's requests until its connection aged out (minutes)."""
+    requests: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+
+    async def sent() -> AsyncIterator[kserve.ModelInferRequest]:
+        while (request := await requests.get()) is not None:
+            yield request
+
+    text = kserve.InferTensorContents(bytes_contents=[b"hi"])
+    request = kserve.ModelInferRequest(
+        model_name="minilm",
+        inputs=[
+            kserve.ModelInferRequest.InferInputTensor(
+                name="text", datatype="BYTES", shape=[1], contents=text
+            )
+        ],
+    )
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        stream = stub.ModelStreamInfer(sent(), metadata=bearer(SEARCH_KEY), timeout=60)
+        requests.put_nowait(request)
+        first = await stream.read()
+        assert first.error_message.startswith("UNAVAILABLE"), first  # past auth: no fleet
+
+        replace_file(keys_file, keys_toml(ADS))
+
+        async def search_refused() -> bool:
+            return await call(gateway, bearer(SEARCH_KEY)) == grpc.StatusCode.UNAUTHENTICATED
+
+        await eventually(search_refused, timeout_s=RELOAD_TIMEOUT_S, message="not reloaded")
+        requests.put_nowait(request)
+        second = await stream.read()
+        requests.put_nowait(None)
+    assert second.error_message.startswith("UNAUTHENTICATED"), second
+
+
 async def test_s36_a_keys_file_that_does_not_parse_keeps_the_old_keys(
     gateway: Gateway, keys_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

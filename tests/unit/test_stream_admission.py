@@ -25,19 +25,19 @@ def _admitted_stream(policy: TenantPolicy) -> tuple[TenantAdmission, StreamReque
     )
     assert admission.acquire(policy) is None
     admission.enter(policy)
-    return admission, StreamRequests(admission, policy)
+    return admission, StreamRequests(admission)
 
 
 def test_requests_beyond_the_first_running_one_take_places_of_their_own() -> None:
     policy = TenantPolicy(name="t", max_concurrency=3)
     admission, stream = _admitted_stream(policy)
     with contextlib.ExitStack() as running:
-        running.enter_context(stream.admitted())  # rides on the stream's place
+        running.enter_context(stream.admitted(policy))  # rides on the stream's place
         assert admission.quotas.in_flight("t") == 1
-        running.enter_context(stream.admitted())
-        running.enter_context(stream.admitted())
+        running.enter_context(stream.admitted(policy))
+        running.enter_context(stream.admitted(policy))
         assert admission.quotas.in_flight("t") == 3
-        with pytest.raises(Overloaded, match="max_concurrency"), stream.admitted():
+        with pytest.raises(Overloaded, match="max_concurrency"), stream.admitted(policy):
             pass
         # A second stream of the tenant is refused too: its places are all taken.
         assert admission.acquire(policy) is not None
@@ -45,7 +45,7 @@ def test_requests_beyond_the_first_running_one_take_places_of_their_own() -> Non
     # Every request has ended: the next one rides on the stream's place again, at the limit.
     admission.enter(policy)
     admission.enter(policy)
-    with stream.admitted():
+    with stream.admitted(policy):
         assert admission.quotas.in_flight("t") == 3
 
 
@@ -53,9 +53,9 @@ def test_the_first_request_rides_on_the_streams_token_and_the_others_take_their_
     policy = TenantPolicy(name="t", requests_per_s=3.0, burst_s=1.0)  # a bucket of 3 tokens
     _, stream = _admitted_stream(policy)  # the stream took the first token
     for _ in range(3):  # one after the other: each rides on the stream's place
-        with stream.admitted():
+        with stream.admitted(policy):
             pass
-    with pytest.raises(Overloaded, match="requests_per_s"), stream.admitted():
+    with pytest.raises(Overloaded, match="requests_per_s"), stream.admitted(policy):
         pass
 
 
