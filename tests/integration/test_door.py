@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import socket
 import tempfile
 import threading
@@ -468,8 +469,10 @@ async def test_a_gateway_whose_start_fails_leaves_no_probe_socket_directory(
     # The HTTP port is taken: the start fails after the door's probe listener was added.
     # Before, its 0700 directory (and socket) stayed in the temporary directory, one per
     # crash-restart.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
-    (tmp_path / "tmp").mkdir()
+    # A directory of its own, short: a Unix socket's path is at most 107 bytes, which a
+    # pytest worker's tmp_path may pass.
+    temporary = Path(tempfile.mkdtemp(prefix="door-"))
+    monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     write_affine_model(tmp_path / "repo")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -485,4 +488,6 @@ async def test_a_gateway_whose_start_fails_leaves_no_probe_socket_directory(
                     allow_unauthenticated=True,
                 )
             )
-    assert list((tmp_path / "tmp").iterdir()) == []
+    left = list(temporary.iterdir())
+    shutil.rmtree(temporary)
+    assert left == []

@@ -136,7 +136,10 @@ class BatchingDriver:
     async def between_batches(
         self, work: Callable[..., object], *args: object, watch: watchdog.Watch | None = None
     ) -> None:
-        """Runs `work` on the executor between batches (BetweenBatches.run)."""
+        """Runs `work` on the executor between batches (BetweenBatches.run); Unavailable once
+        the executor is wedged (the work would wait behind the wedged call for good)."""
+        if self._wedged is not None:
+            raise self._wedged
         await self._between.run(lambda: self._running, work, *args, watch=watch)
 
     # -- lifecycle -------------------------------------------------------------------------
