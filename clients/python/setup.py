@@ -9,10 +9,12 @@ directory (or a `proto/` copied next to this file, for a source distribution) in
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
 from setuptools import setup
 from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
 PUBLIC_PROTOS = (
@@ -54,4 +56,17 @@ class BuildWithProtos(build_py):
         _generate(Path(self.build_lib))
 
 
-setup(cmdclass={"build_py": BuildWithProtos})
+class SdistWithProtos(sdist):
+    """A source distribution carries the public protos in `proto/`, where `_proto_root` looks
+    first: a wheel is built from it away from the repository."""
+
+    def make_release_tree(self, base_dir: str, files: list[str]) -> None:
+        super().make_release_tree(base_dir, files)
+        root = _proto_root()
+        for proto in PUBLIC_PROTOS:
+            target = Path(base_dir) / "proto" / proto
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / proto, target)
+
+
+setup(cmdclass={"build_py": BuildWithProtos, "sdist": SdistWithProtos})

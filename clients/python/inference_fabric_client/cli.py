@@ -99,28 +99,33 @@ def _generate(client: Client, args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 on success; 1 when the gateway refused or failed a call (or a job did not succeed);
+    2 for bad input (arguments, files that do not read), reported in one line."""
     args = _parser().parse_args(argv)
-    client = Client(
-        args.address,
-        api_key=args.api_key,
-        # Roots to verify with, or a name to check: TLS, surely.
-        tls=args.tls or args.ca_file is not None or args.server_name is not None,
-        root_certificates=args.ca_file,
-        server_name=args.server_name,
-        timeout_s=args.timeout_s,
-    )
-    with client:
-        try:
+    try:
+        client = Client(
+            args.address,
+            api_key=args.api_key,
+            # Roots to verify with, or a name to check: TLS, surely.
+            tls=args.tls or args.ca_file is not None or args.server_name is not None,
+            root_certificates=args.ca_file,
+            server_name=args.server_name,
+            timeout_s=args.timeout_s,
+        )
+        with client:
             if args.command == "models":
                 for model in client.models():
                     print(json.dumps(model))
             elif args.command == "job":
-                run_job_command(client, args)
+                return run_job_command(client, args)
             elif args.command == "generate":
                 _generate(client, args)
             else:
                 _embed(client, args)
-        except FabricError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
+    except FabricError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a file, a line, a setting
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     return 0

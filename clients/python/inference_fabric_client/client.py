@@ -22,6 +22,7 @@ gateway (`throttle`, inference_fabric_client.throttle): they raise `ThrottledErr
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Iterator, Sequence
@@ -157,6 +158,9 @@ class Client:
         (default RetryPolicy()). `throttle`: when this client refuses predicts itself while the
         gateway refuses many (None: never). Certificates or a server name without `tls` are a
         ValueError: the channel would be plaintext, and the API key would go out in clear."""
+        if not (isinstance(timeout_s, int | float) and 0 < timeout_s < math.inf):
+            # Every call would be due at once (0 or less), or never (NaN, inf).
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s}")
         tls_settings = (root_certificates, client_certificate, client_key, server_name)
         if not tls and any(setting is not None for setting in tls_settings):
             raise ValueError(

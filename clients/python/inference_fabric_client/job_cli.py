@@ -19,10 +19,11 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from inference_fabric_client.client import Client
-from inference_fabric_client.jobs import ITEMS_PER_MESSAGE, JobInfo
+from inference_fabric_client.jobs import ITEMS_PER_MESSAGE, ItemResult, JobInfo
 
 BAR_WIDTH = 30
 POLL_S = 0.5
@@ -49,11 +50,21 @@ def add_job_commands(commands: argparse._SubParsersAction) -> None:  # type: ign
 
 
 def _texts(path: Path) -> list[str]:
+    """The file's texts; ValueError naming the line for one that is not a JSON string or an
+    object with "text"."""
     texts = []
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             value = json.loads(line)
-            texts.append(value["text"] if isinstance(value, dict) else str(value))
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: not JSON: {error}") from None
+        if isinstance(value, dict):
+            if not isinstance(value.get("text"), str):
+                raise ValueError(f'{path}:{number}: an object needs "text", a string')
+            value = value["text"]
+        texts.append(str(value))
     return texts
 
 
@@ -69,7 +80,8 @@ def _status_line(info: JobInfo) -> str:
     return json.dumps(info.__dict__)
 
 
-def run_job_command(client: Client, args: argparse.Namespace) -> None:
+def run_job_command(client: Client, args: argparse.Namespace) -> int:
+    """The command's exit status: a submit waited for exits 1 unless its job succeeded."""
     jobs = client.jobs()
     if args.job_command == "submit":
         job_id = jobs.submit(
@@ -78,23 +90,40 @@ def run_job_command(client: Client, args: argparse.Namespace) -> None:
         )  # fmt: skip
         print(job_id, flush=True)
         if args.no_wait:
-            return
+            return 0
         info = jobs.get(job_id)
         while not info.is_finished:
             print(_bar(info), end="", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
             info = jobs.get(job_id)
         print(_bar(info), file=sys.stderr, flush=True)
-    elif args.job_command in ("status", "cancel"):
+        return 0 if info.state == "succeeded" else 1
+    if args.job_command in ("status", "cancel"):
         call = jobs.get if args.job_command == "status" else jobs.cancel
         print(_status_line(call(args.job_id)))
-    else:
-        with args.out.open("a" if args.start_index else "w") as out:
-            for result in jobs.results(args.job_id, start_index=args.start_index,
-                                       wait=not args.no_wait):  # fmt: skip
+        return 0
+    results = jobs.results(args.job_id, start_index=args.start_index, wait=not args.no_wait)
+    _write_results(results, args.out, is_resumed=args.start_index > 0)
+    return 0
+
+
+def _write_results(results: Iterator[ItemResult], path: Path, *, is_resumed: bool) -> None:
+    """Writes `results` as JSONL to `path`, appended when `is_resumed`. A fresh file is written
+    aside and put in place once every result came: a call that fails (a job id mistyped, the
+    job expired) leaves a file written before as it was."""
+    target = path if is_resumed else path.with_name(f".{path.name}.partial")
+    try:
+        with target.open("a" if is_resumed else "w") as out:
+            for result in results:
                 line: dict[str, object] = {"index": result.index, "status": result.status}
                 if result.output is not None:
                     line["embedding"] = [float(x) for x in result.output]
                 else:
                     line.update(code=result.code, message=result.message)
                 out.write(json.dumps(line) + "\n")
+    except BaseException:
+        if not is_resumed:
+            target.unlink(missing_ok=True)
+        raise
+    if not is_resumed:
+        target.replace(path)
