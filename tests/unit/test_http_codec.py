@@ -237,7 +237,9 @@ def test_errors_map_to_http_statuses_with_retry_after() -> None:
 def test_completion_request_defaults_and_refusals() -> None:
     parsed = completion_request({"model": "m", "prompt": ["p"], "stop": ".", "seed": 3})
     assert parsed.prompt == "p" and not parsed.is_streaming
-    assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS, "stop": ".", "seed": 3}
+    assert parsed.sampling == {
+        "max_tokens": DEFAULT_MAX_TOKENS, "stop": ".", "seed": 3, "temperature": 1.0
+    }  # fmt: skip
     with pytest.raises(InvalidInput, match="tools"):
         completion_request({"model": "m", "prompt": "p", "tools": []})
     with pytest.raises(InvalidInput, match="prompt"):
@@ -270,7 +272,7 @@ def test_fields_at_their_defaults_or_null_are_accepted() -> None:
         "response_format": {"type": "text"}, "user": "u-1", "n": None,
     }  # fmt: skip
     parsed = completion_request({"model": "m", "prompt": "p", **defaults})
-    assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS}
+    assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0}
     chat = chat_request(
         {"model": "m", "messages": [{"role": "user", "content": "q"}], "logprobs": False}, None
     )
@@ -288,6 +290,15 @@ def test_response_shapes_follow_openai() -> None:
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
     text = ResponseShape("cmpl-1", "m", 7, is_chat=False)
     assert text.usage_chunk(1, 1)["choices"] == []
+
+
+def test_a_body_without_temperature_samples_at_openais_default() -> None:
+    # Before, greedy (the internal default, 0): every call without one gave the same text.
+    messages = [{"role": "user", "content": "q"}]
+    assert chat_request({"model": "m", "messages": messages}, None).sampling["temperature"] == 1
+    assert completion_request({"model": "m", "prompt": "p"}).sampling["temperature"] == 1
+    greedy = completion_request({"model": "m", "prompt": "p", "temperature": 0})
+    assert greedy.sampling["temperature"] == 0
 
 
 def test_a_chat_body_without_max_tokens_leaves_it_to_the_context() -> None:

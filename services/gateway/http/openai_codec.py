@@ -60,12 +60,20 @@ class GenerationRequest:
     templated: TemplatedText | None = None
 
 
+#: OpenAI's temperature for a body that names none.
+OPENAI_TEMPERATURE = 1.0
+
+
 def _sampling(
     body: dict[str, Any], max_tokens_keys: tuple[str, ...], default: int | None
 ) -> dict[str, Any]:
     """The sampling of a body; `default` is max_tokens when the body names none (None: the
-    rest of the model's context, as OpenAI's and vLLM's chat completions have it)."""
-    sampling: dict[str, Any] = {} if default is None else {"max_tokens": default}
+    rest of the model's context, as OpenAI's and vLLM's chat completions have it). A body
+    naming no temperature samples at OpenAI's default of 1 (the internal default, 0, is
+    greedy: every call gave the same text)."""
+    sampling: dict[str, Any] = {"temperature": OPENAI_TEMPERATURE}
+    if default is not None:
+        sampling["max_tokens"] = default
     for key in max_tokens_keys:
         if body.get(key) is not None:
             sampling["max_tokens"] = body[key]
