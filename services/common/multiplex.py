@@ -72,9 +72,13 @@ def take_message(outbox: list[_T], size_of: Callable[[_T], int]) -> list[_T]:
     return taken
 
 
+_MAX_UINT64 = 2**64 - 1
+
+
 def _timeout_us(timeout_s: float | None) -> int:
     # 0 on the wire means "no deadline"; a deadline already past is sent as 1 us.
-    return 0 if timeout_s is None else max(1, round(timeout_s * 1e6))
+    # At most what the field holds (a caller's timeout of ages: a deadline none the less).
+    return 0 if timeout_s is None else min(_MAX_UINT64, max(1, round(timeout_s * 1e6)))
 
 
 class _Stream:

@@ -144,7 +144,8 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         config = catalog.config(request.name)
         current_principal().check_model(config.name)
         versions = [v.model_version for v in catalog.served_versions(config.name)]
-        if request.version and request.version not in versions:
+        # A number or a label, as every other method takes it ("01", "stable").
+        if request.version and catalog.version_of(config.name, request.version) not in versions:
             raise NotFound(f"model {config.name!r} version {request.version!r} is not served")
 
         def metadata(
@@ -192,9 +193,10 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             statistics = self._predictor.statistics
             versions = sorted({*served, *statistics.versions(name)}, key=_numeric)
             if request.version:
-                if request.version not in versions:
+                version = catalog.version_of(name, request.version)  # "01", "stable": "1"
+                if version not in versions:
                     raise NotFound(f"model {name!r} version {request.version!r} is not served")
-                versions = [request.version]
+                versions = [version]
             stats.extend(
                 statistics.message(name, v, catalog.worker_times(name, v)) for v in versions
             )

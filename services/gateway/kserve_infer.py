@@ -273,7 +273,7 @@ class StreamInfer:
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
-                responses.put_nowait(_error_response(request.id, error))
+                responses.put_nowait(_error_response(request.id, error, is_final=is_generation))
 
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
@@ -331,12 +331,18 @@ class StreamInfer:
                 task.cancel()
 
 
-def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
+def _error_response(
+    request_id: str, error: BaseException, *, is_final: bool = False
+) -> kserve.ModelStreamInferResponse:
     """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id, and
     its retry hint (`retry-after-ms`, jittered) as a parameter of the response: a unary call
-    carries it as a trailer, and a stream's requests have none of their own."""
+    carries it as a trailer, and a stream's requests have none of their own. `is_final`: a
+    decoupled (generation) request's, whose every response says whether it is its last: the
+    error is (a client waiting for `triton_final_response` would wait for good)."""
     status = status_of(error)
     response = kserve.ModelInferResponse(id=request_id)
+    if is_final:
+        response.parameters["triton_final_response"].bool_param = True
     for key, value in status.trailers:
         if key == RETRY_AFTER_MS_KEY:
             response.parameters[key].int64_param = int(value)

@@ -217,6 +217,8 @@ class RequestParameters:
 
 
 _LEVEL_CLASSES = {level: cls for cls, level in PRIORITY_LEVELS.items()}
+#: The longest `timeout` taken, microseconds (a year); a longer one counts as this.
+MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 
 
 def request_parameters(parameters: Mapping[str, kserve.InferParameter]) -> RequestParameters:
@@ -231,7 +233,8 @@ def request_parameters(parameters: Mapping[str, kserve.InferParameter]) -> Reque
         )
     return RequestParameters(
         priority=_LEVEL_CLASSES.get(priority) if priority else None,
-        timeout_s=timeout_us / 1e6 if timeout_us else None,
+        # Past a year it is no bound (and 2**64-1 us overflowed the internal calls' uint64).
+        timeout_s=min(timeout_us, MAX_TIMEOUT_US) / 1e6 if timeout_us else None,
     )
 
 

@@ -220,3 +220,15 @@ def test_tenant_quota_refusal_is_a_429_with_retry_after(stack: Stack) -> None:
     status, headers, answer = call(stack, "/v2/models/minilm/infer", body, key=TIGHT_KEY)
     assert status == 429, answer
     assert int(headers["Retry-After"]) >= 1 and json.loads(answer)["error"]
+
+
+def test_metadata_and_statistics_take_a_version_as_every_route_does(stack: Stack) -> None:
+    # Before, they compared the path's string: "01" was not "1", so 404 where /ready and
+    # /infer with the same version answered.
+    for version in ("1", "01", "stable"):
+        status, _, body = call(stack, f"/v2/models/minilm/versions/{version}")
+        assert status == 200, body
+        status, _, body = call(stack, f"/v2/models/minilm/versions/{version}/stats")
+        assert status == 200, body
+        assert [s["version"] for s in json.loads(body)["model_stats"]] == ["1"]
+    assert call(stack, "/v2/models/minilm/versions/7")[0] == 404

@@ -145,6 +145,24 @@ async def test_a_request_past_its_timeout_parameter_ends_alone(
     np.testing.assert_allclose(_rows(after.infer_response), expected, rtol=1e-5, atol=1e-6)
 
 
+async def test_a_timeout_parameter_of_ages_is_served_as_no_bound(fabric: Fabric) -> None:
+    """Triton's `timeout` is a uint64 of microseconds: its largest value was turned into a
+    deadline the internal calls' uint64 field could not hold, and the request failed
+    INTERNAL."""
+    request = _infer("ages", np.ones((1, 4), dtype="<f4"))
+    request.parameters["timeout"].uint64_param = 2**64 - 1
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        # No gRPC deadline: the parameter alone bounds the request.
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(_sent_from(queue))
+        queue.put_nowait(request)
+        answer = await asyncio.wait_for(call.read(), PATIENT_S)
+        queue.put_nowait(None)
+    assert not answer.error_message, answer.error_message
+    expected = affine_reference(torch.ones((1, 4))).numpy()
+    np.testing.assert_allclose(_rows(answer.infer_response), expected, rtol=1e-5, atol=1e-6)
+
+
 async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_go_out(
     fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

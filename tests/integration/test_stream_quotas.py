@@ -93,6 +93,9 @@ async def test_one_stream_runs_no_more_generations_than_the_tenants_max_concurre
             request_id = response.infer_response.id
             if response.error_message:
                 assert response.error_message.startswith("RESOURCE_EXHAUSTED")
+                # A generation's error is its last response, and says so, as all of its do.
+                final = response.infer_response.parameters["triton_final_response"]
+                assert final.bool_param, response
                 refused.add(request_id)
             else:
                 running.add(request_id)
