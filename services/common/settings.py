@@ -181,7 +181,24 @@ def _from_env(setting: Setting, raw: str) -> Any:
         return None
     if setting.type is bool:
         return parse_bool(raw)
-    return setting.type(raw)
+    return _parse(setting)(raw)
+
+
+def _parse(setting: Setting) -> Callable[[str], Any]:
+    """What reads the setting's text. A plain float is taken finite (NaN passes every `< 0`
+    check and then compares false everywhere; inf never comes), and at least 0 as a duration
+    (unit s or ms)."""
+    if setting.type is not float:
+        return setting.type
+    return parse_seconds if setting.unit in ("s", "ms") else parse_finite
+
+
+def parse_finite(text: str) -> float:
+    """A finite number."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
 
 
 def build_parser(table: SettingsTable, environ: Mapping[str, str]) -> argparse.ArgumentParser:
@@ -197,7 +214,7 @@ def build_parser(table: SettingsTable, environ: Mapping[str, str]) -> argparse.A
         else:
             metavar = _METAVARS.get(setting.unit) or _METAVARS.get(setting.type, "VALUE")
             parser.add_argument(
-                flag, dest=setting.name, type=setting.type, metavar=metavar, help=help_text
+                flag, dest=setting.name, type=_parse(setting), metavar=metavar, help=help_text
             )
         variable = table.env_var(setting)
         raw = environ.get(variable)

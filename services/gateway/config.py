@@ -110,6 +110,9 @@ class GatewayConfig:
             http_port=self.http_port,
             health_port=self.tls.health_port,
         )
+        if not self.catalog_refresh_s > 0:
+            # 0 read the router's model list back to back, for good.
+            raise ValueError(f"catalog_refresh_s must be > 0, got {self.catalog_refresh_s}")
         if self.processes < 0:
             raise ValueError(
                 f"processes must be >= 0 (0: one per CPU it may use), got {self.processes}"

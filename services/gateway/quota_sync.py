@@ -61,6 +61,12 @@ class QuotaSyncConfig:
     #: (killed), and each start is a new id, so such entries would pile up.
     forget_after_periods: int = 40
 
+    def __post_init__(self) -> None:
+        periods = (self.period_s, self.stale_after_periods, self.forget_after_periods)
+        if not all(period > 0 for period in periods):
+            # A period of 0: demand divided by it, every round's error logged in a tight loop.
+            raise ValueError("quota sync: period_s and its counts of periods must be > 0")
+
     @property
     def demand_key(self) -> str:
         return f"{self.key_prefix}:quota:demand"

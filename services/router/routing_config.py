@@ -4,6 +4,7 @@ candidates are sampled. Validated when built."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from services.router.ejection import TimeoutEjectionConfig
@@ -55,8 +56,9 @@ class RoutingConfig:
             self.eject_s,
             self.queue_report_ttl_s,
         )
-        if min(*durations, self.deadline_margin_s) < 0:
-            raise ValueError("routing durations and margin must be >= 0 seconds")
+        if not all(0 <= d < math.inf for d in (*durations, self.deadline_margin_s)):
+            # Not `min(...) < 0`: NaN first in line passes it.
+            raise ValueError("routing durations and margin must be finite and >= 0 seconds")
         if not 0.0 <= self.explore_share <= 1.0:
             raise ValueError("explore_share must be in [0, 1]")
         if self.power_of_two_threshold < 1:

@@ -148,8 +148,10 @@ def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
     [
         ("--max-retries", "-1", "max_retries must be >= 0"),
         ("--refresh-period-s", "0", "refresh_period_s must be"),
-        ("--refresh-period-s", "nan", "refresh_period_s must be"),
-        ("--default-timeout-s", "-5", "default_timeout_s must be"),
+        # Durations that are not finite and >= 0 are refused as the flag is read.
+        ("--refresh-period-s", "nan", "argument --refresh-period-s"),
+        ("--default-timeout-s", "-5", "argument --default-timeout-s"),
+        ("--stale-after-s", "nan", "argument --stale-after-s"),
     ],
 )
 def test_a_router_setting_out_of_its_range_exits_2_naming_it(
@@ -159,6 +161,31 @@ def test_a_router_setting_out_of_its_range_exits_2_naming_it(
     failed UNAVAILABLE with its rows left reserved, until every worker looked busy."""
     with pytest.raises(SystemExit) as exit_info:
         read_config(router_config.SETTINGS, router_config.config_from_settings, [flag, value], {})
+    assert exit_info.value.code == 2
+    assert named in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--catalog-refresh-s", "0", "catalog_refresh_s must be > 0"),
+        ("--quota-sync-period-s", "0", "period_s and its counts of periods must be > 0"),
+        ("--catalog-refresh-s", "inf", "argument --catalog-refresh-s"),
+        ("--throttle-accepts-multiplier", "nan", "argument --throttle-accepts-multiplier"),
+    ],
+)
+def test_a_gateway_setting_out_of_its_range_exits_2_naming_it(
+    flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Before: 0 refreshed the catalog back to back and divided quota demand by zero; NaN and
+    # inf passed, and stopped the refresh or turned the throttle off without a word.
+    with pytest.raises(SystemExit) as exit_info:
+        read_config(
+            gateway_config.SETTINGS,
+            gateway_config.config_from_settings,
+            ["--allow-unauthenticated", flag, value],
+            {},
+        )
     assert exit_info.value.code == 2
     assert named in capsys.readouterr().err
 
