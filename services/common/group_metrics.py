@@ -5,6 +5,7 @@ own; the group's scrape reads every member's and serves them with its own series
 
 from __future__ import annotations
 
+import http.client
 import urllib.request
 from collections.abc import Iterator
 from typing import Protocol
@@ -47,9 +48,12 @@ class GroupMetrics(CollectorRegistry):
             try:
                 with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
                     text = response.read().decode()
-            except OSError:
-                continue  # restarting: its series are missing from this scrape only
-            for family in text_string_to_metric_families(text):
+                parsed = list(text_string_to_metric_families(text))
+            except (OSError, http.client.HTTPException, ValueError):
+                # Restarting, or killed mid-answer (a body cut short, or one that does not
+                # parse): its series are missing from this scrape only, not the group's.
+                continue
+            for family in parsed:
                 merged = families.setdefault(
                     family.name, Metric(family.name, family.documentation, family.type)
                 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 #: Bounds every 50-100 ms from 0.1 to 0.5 s, where SLOs lie, as the other tiers' histograms.
 WORKER_SECONDS_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
-    0.75, 1.0, 2.5, 5.0,
+    0.75, 1.0, 2.0, 2.5, 5.0,
 )  # fmt: skip
 
 # Every tier.

@@ -31,7 +31,7 @@ from services.common.metric_names import BUILD_INFO
 #: from one twice it (a quantile interpolates within its bucket).
 SECONDS_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1.0,
-    2.5, 5.0, 10.0,
+    2.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 #: Sub-millisecond work on the request path (validation, tokenization).
 FAST_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1)
