@@ -90,6 +90,9 @@ WORKER_ROW_LATENCY_SECONDS = "inference_worker_row_latency_seconds"
 WORKER_COMPUTE_SECONDS = "inference_worker_compute_seconds"
 #: The device's own time on batches (CUDA events on a GPU): its rate is the duty cycle.
 WORKER_DEVICE_BUSY_SECONDS_TOTAL = "inference_worker_device_busy_seconds_total"
+#: Its `work` label: batches with online rows (generation steps too), and backfill batches of
+#: batch-class rows only (which fill idle time and must not scale workers up).
+WORK_ONLINE, WORK_BACKFILL = "online", "backfill"
 WORKER_TENANT_COMPUTE_SECONDS_TOTAL = "inference_worker_tenant_compute_seconds_total"
 WORKER_TENANT_TOKENS_TOTAL = "inference_worker_tenant_tokens_total"
 WORKER_REJECTED_TOTAL = "inference_worker_rejected_total"

@@ -14,6 +14,7 @@ from services.common.telemetry import Children, MetricFactory
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 _MODEL = ("model", "version")
+WORK = (names.WORK_ONLINE, names.WORK_BACKFILL)
 _BUCKET = (*_MODEL, "bucket")
 #: Tenants labelled by name, in the order first seen; later ones share `OTHER_TENANT`. The
 #: worker cannot see the gateways' tenant configuration, so this bound is its own: the first
@@ -119,8 +120,9 @@ class WorkerMetrics:
             names.WORKER_DEVICE_BUSY_SECONDS_TOTAL,
             "Seconds the device spent on batches: CUDA events around each model call on a "
             "GPU, the call's wall time on a CPU. Its rate, summed over a pod's models, is the "
-            "device's duty cycle.",
-            _MODEL,
+            "device's duty cycle. work=backfill: batches of batch-class rows only, which fill "
+            "idle time and must not scale workers up; online: the rest (generation steps too).",
+            (*_MODEL, "work"),
         )
 
     def _define_row_stages(self, new: MetricFactory) -> None:
@@ -139,7 +141,8 @@ class WorkerMetrics:
         )
         self.queue_wait_seconds = new.histogram(
             names.WORKER_QUEUE_WAIT_SECONDS,
-            "Linger plus backlog, per row: the autoscaling signal.",
+            "Linger plus backlog, per online row (batch-class rows wait behind them on purpose): "
+            "the autoscaling signal.",
             _MODEL,
             buckets=WORKER_SECONDS_BUCKETS,
         )
@@ -249,7 +252,8 @@ class WorkerMetrics:
         ):
             histogram.labels(model, version)
         self.rows_total.labels(model, version)
-        self.device_busy_seconds_total.labels(model, version)
+        for work in WORK:
+            self.device_busy_seconds_total.labels(model, version, work)
         self.queue_depth.labels(model, version).set(0)
         self.queue_standing.labels(model, version).set(0)
 

@@ -218,6 +218,30 @@ async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(
         assert served_s > 0, tenant
 
 
+async def test_backfill_neither_counts_as_online_device_time_nor_as_queue_wait(
+    harness: Harness,
+) -> None:
+    """The autoscaling signals (the online duty cycle, the queue wait) leave batch-class work
+    out: a job filling idle time must not scale workers up. Before, a backfill's device time and
+    batch rows' waits counted as online traffic's."""
+    driver, backend = harness.driver, harness.backend
+    await harness.settle(
+        driver.submit(
+            backend, harness.rows(3), timeout_s=5, tenant="jobs", priority=PriorityClass.BATCH
+        )
+    )  # alone on an idle worker: a backfill
+    metrics = generate_latest(harness.registry).decode()
+    busy = names.WORKER_DEVICE_BUSY_SECONDS_TOTAL
+    backfill_s = total(metrics, busy, work="backfill")  # the call's wall time, on a CPU
+    assert backfill_s > 0 and total(metrics, busy, work="online") == 0
+    assert total(metrics, f"{names.WORKER_QUEUE_WAIT_SECONDS}_count") == 0
+    await harness.submit(2, timeout_s=5)
+    metrics = generate_latest(harness.registry).decode()
+    assert total(metrics, busy, work="online") > 0
+    assert total(metrics, busy, work="backfill") == backfill_s
+    assert total(metrics, f"{names.WORKER_QUEUE_WAIT_SECONDS}_count") == 2
+
+
 async def test_a_drain_cut_short_answers_every_waiting_row_unavailable(harness: Harness) -> None:
     """A drain that outlasts its grace (cancelled, as the worker's stop does) answers the rows
     still waiting, the running batch's and the queued ones, UNAVAILABLE at once: their callers

@@ -357,7 +357,7 @@ async def test_generation_steps_count_their_device_time(checkpoint: Path) -> Non
     (version,) = load_repository(checkpoint)
     metrics = GenerationMetrics(registry, device_busy_seconds_total=busy)
     backend = GenerationBackend(version, torch.device("cpu"), metrics)
-    labels = {"model": version.config.name, "version": version.version}
+    labels = {"model": version.config.name, "version": version.version, "work": "online"}
     name = names.WORKER_DEVICE_BUSY_SECONDS_TOTAL
     assert registry.get_sample_value(name, labels) == 0.0
     backend.engine.start()

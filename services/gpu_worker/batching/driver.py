@@ -136,9 +136,8 @@ class BatchingDriver:
     async def between_batches(
         self, work: Callable[..., object], *args: object, watch: watchdog.Watch | None = None
     ) -> None:
-        """Runs `work` on the executor between batches (BetweenBatches.run); Unavailable once
-        the executor is wedged (the work would wait behind the wedged call for good)."""
-        if self._wedged is not None:
+        """Runs `work` on the executor between batches (BetweenBatches.run)."""
+        if self._wedged is not None:  # it would wait behind the wedged call for good
             raise self._wedged
         await self._between.run(lambda: self._running, work, *args, watch=watch)
 
@@ -388,7 +387,8 @@ class BatchingDriver:
         self._running = None
         try:
             lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
-            self._metrics.device_busy_seconds_total_of[lane.labels].inc(device_busy.seconds)
+            busy = self._metrics.device_busy_seconds_total_of[(*lane.labels, dispatch.work)]
+            busy.inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
                 threads=threads, num_calls=device_busy.num_calls,

@@ -22,7 +22,7 @@ from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_
 from services.gpu_worker.batching.policy import Batcher, executor_start_s
 from services.gpu_worker.batching.slice_outputs import SliceOutputs
 from services.gpu_worker.batching.slo_shedding import PAST_SLO, SloShedding, expiry_reason
-from services.gpu_worker.batching.types import BatchKey, Dispatch, QueuedItem
+from services.gpu_worker.batching.types import BATCH_RANK, BatchKey, Dispatch, QueuedItem
 from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.thread_choice import ThreadChoice
@@ -263,22 +263,25 @@ class Lane:
         """The rows of a batch being dispatched, each one's wait observed: its backlog (the
         executor's busy time since it arrived) and its linger (the rest). The rows of one
         slice arrived together and share their wait: it is counted once per slice, for each of
-        its rows, and each histogram is written once for the batch."""
+        its rows, and each histogram is written once for the batch. The queue wait, the
+        autoscaling signal, is online rows': `batch` rows wait behind them on purpose, and
+        must not scale workers up (their backlog is `queued_batch_rows`)."""
         rows = []
-        # (arrival, executor busy seconds at arrival) -> rows: one per slice.
-        arrivals: dict[tuple[float, float], int] = {}
+        # (arrival, executor busy seconds at arrival, whether batch-class) -> rows: per slice.
+        arrivals: dict[tuple[float, float, bool], int] = {}
         for item in dispatch.items:
             pending = self.pending[item.item_id]
-            arrival = (item.arrival_s, pending.busy_s_at_arrival)
+            arrival = (item.arrival_s, pending.busy_s_at_arrival, item.priority >= BATCH_RANK)
             arrivals[arrival] = arrivals.get(arrival, 0) + 1
             rows.append(pending.row)
         backlogs, lingers, waits = [], [], []
-        for (arrival_s, busy_s_at_arrival), count in arrivals.items():
+        for (arrival_s, busy_s_at_arrival, is_batch), count in arrivals.items():
             backlog_s = busy_s - busy_s_at_arrival
             wait_s = now_s - arrival_s
             backlogs.append((backlog_s, count))
             lingers.append((max(0.0, wait_s - backlog_s), count))
-            waits.append((wait_s, count))
+            if not is_batch:
+                waits.append((wait_s, count))
             self.totals.queue_s += wait_s * count
         labels = self.labels
         observe_counts(metrics.backlog_seconds_of[labels], backlogs)

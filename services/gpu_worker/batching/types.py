@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from services.common.metric_names import WORK_BACKFILL, WORK_ONLINE
 from services.common.priority import PriorityClass
 
 #: The rank of `batch` rows: a backlog, not traffic (no linger waits for them), held to their
@@ -114,6 +115,11 @@ class Dispatch:
     #: interleaved by weighted compute, earliest deadline first within a tenant).
     items: tuple[QueuedItem, ...]
     reason: CloseReason
+
+    @property
+    def work(self) -> str:
+        """The `work` label of its device time: backfill of batch rows only, or online."""
+        return WORK_BACKFILL if self.reason is CloseReason.BACKFILL else WORK_ONLINE
 
 
 @dataclass(frozen=True)

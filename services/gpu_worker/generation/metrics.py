@@ -166,7 +166,9 @@ class BoundGenerationMetrics:
         self.rejected_total = child(metrics.rejected_total)
         # Created at load (at zero) like the fixed-cost models' series: the duty cycle's.
         busy = metrics.device_busy_seconds_total
-        self.device_busy_seconds_total = None if busy is None else child(busy)
+        self.device_busy_seconds_total = (
+            None if busy is None else busy.labels(*labels, names.WORK_ONLINE)
+        )
         self._finished = Children(metrics.finished_total)
         self._labels = labels
 

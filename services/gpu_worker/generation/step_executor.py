@@ -25,6 +25,7 @@ from typing import TypeVar
 
 import torch
 
+from services.common import metric_names as names
 from services.common.errors import Unavailable
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import (
@@ -58,7 +59,7 @@ class StepExecutor:
         self._metrics = metrics
         self._labels = labels
         busy = metrics.device_busy_seconds_total
-        self._device_busy = None if busy is None else busy.labels(*labels)
+        self._device_busy = None if busy is None else busy.labels(*labels, names.WORK_ONLINE)
         self._executor = DaemonExecutor(f"generation-{'/'.join(labels)}")
         #: The costliest warm-up step (seconds): the bound in force is at least a multiple of it.
         self.slowest_warmup_s = 0.0
