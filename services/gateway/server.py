@@ -262,7 +262,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     if door is not None:
         door.listen(server)
-    # A start that fails from here leaves no listener and no probe socket directory behind.
+    # A start that fails from here stops the gRPC server and removes the probe's socket
+    # directory (the process exits: the rest goes with it).
     async with _stopped_on_failure(server, door):
         await server.start()
         if door is not None:
