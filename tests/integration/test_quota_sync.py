@@ -50,6 +50,19 @@ async def test_each_gateway_enforces_the_share_of_the_demand_it_sees(
         await quiet_sync.stop()
 
 
+async def held_at_the_floor(
+    busy_sync: QuotaSync, quiet: TenantAdmission, quiet_sync: QuotaSync
+) -> float:
+    """The busy gateway's share once the tenant's calls all went to the quiet one: the floor."""
+    for _ in range(10):
+        quiet.acquire(SEARCH)
+    await busy_sync.sync_once()
+    await quiet_sync.sync_once()
+    floor = (await busy_sync.sync_once())["search"]
+    assert floor < 0.1
+    return floor
+
+
 async def test_while_redis_stays_away_each_gateway_falls_back_to_an_equal_share(
     redis_server: RedisServer,
 ) -> None:
@@ -58,12 +71,7 @@ async def test_while_redis_stays_away_each_gateway_falls_back_to_an_equal_share(
     equal one: the demand it followed is stale, and the tenant's calls may have moved to it."""
     (busy, busy_sync), (quiet, quiet_sync) = make_gateway(redis_server), make_gateway(redis_server)
     try:
-        for _ in range(10):
-            quiet.acquire(SEARCH)
-        await busy_sync.sync_once()
-        await quiet_sync.sync_once()
-        floor = (await busy_sync.sync_once())["search"]
-        assert floor < 0.1
+        floor = await held_at_the_floor(busy_sync, quiet, quiet_sync)
         redis_server.kill()
         for _ in range(busy_sync.config.stale_after_periods - 1):
             await busy_sync.run_round()
@@ -173,12 +181,7 @@ async def test_a_password_file_emptied_mid_rotation_fails_rounds_like_an_outage(
     busy_sync = QuotaSync(config, admission, TENANTS)
     quiet, quiet_sync = make_gateway(redis_server)
     try:
-        for _ in range(10):
-            quiet.acquire(SEARCH)
-        await busy_sync.sync_once()
-        await quiet_sync.sync_once()
-        floor = (await busy_sync.sync_once())["search"]
-        assert floor < 0.1
+        await held_at_the_floor(busy_sync, quiet, quiet_sync)
         password.write_text("")
         admin = aioredis.Redis.from_url(redis_server.url)
         try:  # its next round connects anew, and reads the file
