@@ -141,10 +141,15 @@ class KeyStore:
         while True:
             await asyncio.sleep(period_s)
             try:
-                if self.reload_if_changed() and on_reload is not None:
-                    on_reload(self)
+                is_reloaded = self.reload_if_changed()
             except Exception:  # a bug in reading: the keys in force stay, and so does the watch
                 log.exception("API keys file not reloaded, old keys stay in force")
+                continue
+            if is_reloaded and on_reload is not None:
+                try:
+                    on_reload(self)
+                except Exception:  # the watch goes on; the next change tries again
+                    log.exception("API keys reloaded, but tenants' settings not updated")
 
     def tenant_of(self, key: str) -> str | None:
         """The tenant of `key` if it is known (looked up by its hash: no answer depends on

@@ -122,11 +122,12 @@ class RepositoryControl:
         while True:
             try:
                 revisions = {n: d.revision for n, d in (await self.desired()).items()}
+                failed: dict[str, str] = {}
                 if revisions != self._revisions or not self._is_whole:
                     failed = (await self.read_repository()).failed
                     if failed and repr(failed) != last_failure:
                         log.error("models not read, retried: %s", "; ".join(failed.values()))
-                    last_failure = repr(failed) if failed else ""
+                last_failure = repr(failed) if failed else ""
                 self._revisions = revisions
             except Unavailable as error:
                 if str(error) != last_failure:

@@ -114,7 +114,9 @@ class Fronts:
         self.health_port: int | None = None
         #: Told once no front has listened for NONE_LISTENING_S (the worker stops serving).
         self.on_none_listening: Callable[[Exception], None] = lambda _: None
-        self._silence = Silence(NONE_LISTENING_S)
+        #: Counted once the fronts were all ready (`wait_ready`): at start, READY_TIMEOUT_S
+        #: bounds how long they take.
+        self._silence: Silence | None = None
 
     def reserve_ports(self) -> int:
         """Binds the worker's ports for the fronts to share; the gRPC port."""
@@ -151,6 +153,7 @@ class Fronts:
                     f"({self.num_restarts} restarts; see their log lines)"
                 )
             await asyncio.sleep(READY_POLL_S)
+        self._silence = Silence(NONE_LISTENING_S)
 
     def stop_watching(self) -> None:
         """No more restarts: the worker is stopping."""
@@ -224,18 +227,17 @@ class Fronts:
             started = self._restarts.start_due(now, self._start)
             self._restarts_total.inc(started)
             self.num_restarts += started
+            listening = False
             for front in list(self._fronts.values()):
-                self._is_listening(front)
+                is_listening = self._is_listening(front)
                 code = front.process.poll()
+                listening = listening or (code is None and is_listening)
                 if code is None or self._restarts.is_pending(front.index):
                     continue
                 front.exited()
                 ran_s = now - front.started_s
                 self._restarts.exited(front.index, front.process.pid, code, ran_s, now)
-            listening = any(
-                f.process.poll() is None and self._is_listening(f) for f in self._fronts.values()
-            )
-            if self._silence.update(listening, now):
+            if self._silence is not None and self._silence.update(listening, now):
                 error = RuntimeError(
                     f"no worker front has listened for {NONE_LISTENING_S:.0f}s"
                     f" ({self.num_restarts} restarts; see their log lines)"

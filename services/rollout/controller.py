@@ -36,15 +36,14 @@ from services.common.model_routing import ModelRouting
 from services.common.telemetry import MetricFactory
 from services.rollout.health import Snapshot, health_between
 from services.rollout.policy import Decision, Health, Plan, Verdict, baseline, judge
-from services.rollout.pool import ClusterError
 from services.rollout.routing_store import RoutingStore
 
 log = logging.getLogger(__name__)
 
 
 class RolloutAborted(Exception):
-    """The rollout failed while stepping; the canary's share was set back to 0 (unless that
-    failed too: logged). Its cause is the error that aborted it."""
+    """The rollout failed while stepping (its cause, the error), or its traffic could not be
+    sent back; its message says whether the canary's share was set back to 0."""
 
 
 class RolloutMetrics:
@@ -113,13 +112,13 @@ class CanaryRollout:
         stable = str(routing.labels["stable"])
         if not self.store.has_version(self.model, self.canary_version):
             raise ValueError(f"model {self.model!r} has no version {self.canary_version}")
-        # The endpoints are fixed for the whole rollout: a snapshot sums over them, and two
-        # sums over different sets of workers would not subtract.
+        # The endpoints are fixed for the whole rollout: snapshots subtract endpoint by
+        # endpoint.
         urls = self.metrics_urls
         if self.pool is not None:
             try:
                 urls = (*urls, *await self.pool.prepare())
-            except ClusterError:
+            except BaseException:  # ClusterError, or cancelled (SIGTERM) while it scaled
                 await self.pool.release()
                 raise
         if not urls:
@@ -127,25 +126,34 @@ class CanaryRollout:
                 await self.pool.release()
             raise ValueError("no worker metrics endpoint to judge from")
         try:
-            earlier: Health | None = None
-            for step, percent in enumerate(self.plan.steps):
-                await self._set_share(percent)
-                verdict, earlier = await self._run_step(step, stable, urls, earlier)
-                if verdict.decision is Decision.ROLLBACK:
-                    await self._set_share(0.0)
-                    if self.pool is not None:
-                        await self.pool.release()
-                    return verdict.decision
-            await self.store.change(self.model, self._promoted)
-        except Exception as error:
-            await self._abort(error)
-            raise RolloutAborted(f"{self.model}: rollout aborted: {error!r}") from error
-        except BaseException as error:  # cancelled: still cancelled once aborted
-            await self._abort(error)
-            raise
+            decision = await self._steps(stable, urls)
+        except BaseException as error:
+            is_back = await self._send_traffic_back(error)
+            if not isinstance(error, Exception):
+                raise  # cancelled: still cancelled once aborted
+            raise RolloutAborted(self._aborted(repr(error), is_back)) from error
+        if decision is Decision.ROLLBACK:
+            if not await self._send_traffic_back(None):
+                raise RolloutAborted(self._aborted("rolled back", is_back=False))
+            return decision
         self.metrics.canary_percent.labels(self.model).set(0)
         log.info("%s: promoted version %d to stable", self.model, self.canary_version)
         return Decision.PROMOTE
+
+    async def _steps(self, stable: str, urls: Sequence[str]) -> Decision:
+        """Every step, to the first rollback (ROLLBACK) or the promotion written (PROMOTE)."""
+        earlier: Health | None = None
+        for step, percent in enumerate(self.plan.steps):
+            await self._set_share(percent)
+            verdict, earlier = await self._run_step(step, stable, urls, earlier)
+            if verdict.decision is Decision.ROLLBACK:
+                return Decision.ROLLBACK
+        await self.store.change(self.model, self._promoted)
+        return Decision.PROMOTE
+
+    def _aborted(self, why: str, is_back: bool) -> str:
+        back = "set back to 0" if is_back else "NOT set back to 0 (see the log)"
+        return f"{self.model}: rollout aborted: {why} (the canary's share {back})"
 
     async def _run_step(
         self, step: int, stable: str, urls: Sequence[str], earlier: Health | None
@@ -175,24 +183,28 @@ class CanaryRollout:
             if verdict.decision is Decision.HOLD:
                 holds += int(final)
                 continue
-            return verdict, reference
+            return verdict, window if window.requests >= self.plan.min_requests else earlier
 
-    async def _abort(self, error: BaseException) -> None:
-        """After `error` while stepping: the canary's share back to 0 and its pool released,
-        each tried once and bounded by `abort_timeout_s` (Redis may be what failed)."""
-        log.error("%s: rollout aborted (%r); sending the canary's traffic back", self.model, error)
-        try:
-            async with asyncio.timeout(self.abort_timeout_s):
-                await self._set_share(0.0)
-        except Exception as failure:  # reported; the pool is still released
-            log.error("%s: could not set the canary's share back to 0: %r", self.model, failure)
-        if self.pool is None:
-            return
-        try:
-            async with asyncio.timeout(self.abort_timeout_s):
-                await self.pool.release()
-        except Exception as failure:  # reported; the error that aborted goes on
-            log.error("%s: could not release the canary pool: %r", self.model, failure)
+    async def _send_traffic_back(self, error: BaseException | None) -> bool:
+        """The canary's share back to 0 and its pool released, on a rollback (`error` None) or
+        an abort, each tried once within `abort_timeout_s` (Redis may be what failed); False,
+        logged, if either failed."""
+        if error is not None:
+            log.error(
+                "%s: rollout aborted (%r); sending the canary's traffic back", self.model, error
+            )
+        is_back = True
+        steps = [("set the canary's share back to 0", lambda: self._set_share(0.0))]
+        if self.pool is not None:
+            steps.append(("release the canary pool", self.pool.release))
+        for what, step in steps:
+            try:
+                async with asyncio.timeout(self.abort_timeout_s):
+                    await step()
+            except Exception as failure:  # reported; the next step is still tried
+                log.error("%s: could not %s: %r", self.model, what, failure)
+                is_back = False
+        return is_back
 
     async def _set_share(self, percent: float) -> None:
         canary = self.canary_version

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     except FabricError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    except (OSError, ValueError, KeyError, TypeError) as error:  # a file, a line, a setting
+    except (OSError, ValueError) as error:  # a file, a line, a setting
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0

@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from inference_fabric_client.client import Client
 from inference_fabric_client.jobs import ITEMS_PER_MESSAGE, ItemResult, JobInfo
@@ -108,22 +109,21 @@ def run_job_command(client: Client, args: argparse.Namespace) -> int:
 
 
 def _write_results(results: Iterator[ItemResult], path: Path, *, is_resumed: bool) -> None:
-    """Writes `results` as JSONL to `path`, appended when `is_resumed`. A fresh file is written
-    aside and put in place once every result came: a call that fails (a job id mistyped, the
-    job expired) leaves a file written before as it was."""
-    target = path if is_resumed else path.with_name(f".{path.name}.partial")
+    """Writes `results` as JSONL to `path`, appended when `is_resumed`. The file is opened (and
+    a fresh one emptied) only once the first result came: a call that fails at once (a job id
+    mistyped, the job expired) leaves a file written before as it was, and one that fails
+    later keeps the results received, to resume from with --start-index."""
+    out: TextIO | None = None
     try:
-        with target.open("a" if is_resumed else "w") as out:
-            for result in results:
-                line: dict[str, object] = {"index": result.index, "status": result.status}
-                if result.output is not None:
-                    line["embedding"] = [float(x) for x in result.output]
-                else:
-                    line.update(code=result.code, message=result.message)
-                out.write(json.dumps(line) + "\n")
-    except BaseException:
-        if not is_resumed:
-            target.unlink(missing_ok=True)
-        raise
-    if not is_resumed:
-        target.replace(path)
+        for result in results:
+            if out is None:
+                out = path.open("a" if is_resumed else "w")
+            line: dict[str, object] = {"index": result.index, "status": result.status}
+            if result.output is not None:
+                line["embedding"] = [float(x) for x in result.output]
+            else:
+                line.update(code=result.code, message=result.message)
+            out.write(json.dumps(line) + "\n")
+    finally:
+        if out is not None:
+            out.close()
