@@ -18,8 +18,9 @@ whole; once limited, a fifth of the interval above the target backs off again (a
 having dropped recently, drops again sooner), from the calls actually in flight (as TCP
 backs off from the data in flight, not from a window it never filled): a queue that grows
 with 50 calls in flight is not cured by a limit of 128 times anything. Below the target the
-limit grows while calls use it, and returns to `initial` while they do not, so a cold burst
-after a flood finds room again.
+limit grows while calls use it, and returns to `initial` while they do not (up from a
+back-off, down from growth past it), so a cold burst after a flood finds room again and one
+after a busy spell meets the limit at rest.
 
 A limit on calls in flight bounds the queue only while the process holds many: one that picks
 calls up slower than they come (grpc.aio asks for the next call only once its loop has taken
@@ -142,9 +143,10 @@ class QueueDelayLimit:
         self._queue.observe(now_s, delay_s)
         was_shedding, self.is_shedding = self.is_shedding, False
         if delay_s > config.target_s and busy_share < config.min_busy_share:
-            # Not this process's queue: it waits for CPU, not for its own calls. A limit backed
-            # off before (a flood here) protects nothing now: unused, it returns to `initial`
-            # as below the target, or neighbours draining their backlog would hold it down.
+            # Not this process's queue: it waits for CPU, not for its own calls. A limit moved
+            # before (backed off by a flood here, or grown) protects nothing now: unused, it
+            # returns to `initial` as below the target, or neighbours draining their backlog
+            # would hold it down.
             if peak_in_flight < config.used_share * self._limit:
                 self._return_to_initial()
             return

@@ -173,20 +173,16 @@ def _optional(raw: Mapping[str, Any], key: str, kind: type, default: Any, path: 
     return _require(raw, key, kind, path) if key in raw else default
 
 
-#: The largest count or duration in milliseconds a model may set: the internal API carries them
-#: as uint32 (a larger one broke the router's model list for every model).
+#: The largest count or duration in milliseconds a model may set: the APIs carry them as
+#: int32 (Triton's model config) or uint32 (a larger one broke the router's model list for
+#: every model).
 MAX_SETTING = 2**31 - 1
 
 
-def _positive(value: int, key: str, path: Path) -> int:
-    if not 0 < value <= MAX_SETTING:
-        raise ModelConfigError(f"{path}: {key!r} must be in [1, {MAX_SETTING}], got {value}")
+def _positive(value: int, key: str, path: Path, least: int = 1) -> int:
+    if not least <= value <= MAX_SETTING:
+        raise ModelConfigError(f"{path}: {key!r} must be in [{least}, {MAX_SETTING}], got {value}")
     return value
-
-
-def _at_least_zero(value: int, key: str, path: Path) -> int:
-    """`value`, a count where 0 means none."""
-    return 0 if value == 0 else _positive(value, key, path)
 
 
 def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
@@ -250,8 +246,8 @@ def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
         max_batch_size=_positive(
             _require(raw, "max_batch_size", int, path), "max_batch_size", path
         ),
-        max_batch_tokens=_at_least_zero(
-            _optional(raw, "max_batch_tokens", int, 0, path), "max_batch_tokens", path
+        max_batch_tokens=_positive(
+            _optional(raw, "max_batch_tokens", int, 0, path), "max_batch_tokens", path, least=0
         ),
         max_queue_size=_positive(
             _optional(raw, "max_queue_size", int, 1024, path), "max_queue_size", path

@@ -10,8 +10,9 @@ A gateway's entry carries a sequence number; one whose number has not moved for
 stops cleanly deletes its own; one that was killed has its entry deleted by the others after
 `forget_after_periods` rounds), so clock skew between gateways does not matter. An entry a
 gateway sees for the first time counts for two rounds, and from then on only while its number
-moves. While Redis
-is unreachable the last shares stay in force for `stale_after_periods` rounds; then, the
+moves. While rounds
+fail (Redis unreachable, its credentials unreadable, a bug) the last shares stay in force for
+`stale_after_periods` rounds; then, the
 demand they followed being as stale as a gone gateway's, each tenant gets an equal share of
 the gateways last seen (a tenant whose calls moved to a gateway that held it at the floor
 would be refused nearly all of its quota for the whole outage). A gateway that never reached
@@ -123,10 +124,12 @@ class QuotaSync:
         except Exception as error:  # Redis, its credentials (a password file being rotated
             stop_if_cancelled()  # raises ValueError), or a bug: every one a failed round
             self._failures += 1
-            if not isinstance(error, (RedisError, OSError)):
-                log.error("quota sync round failed: %r", error, exc_info=True)
             if self._failures < self.config.stale_after_periods:
-                log.warning("quota sync failed, last shares stay in force: %s", error)
+                # A failure that is not Redis's (its credentials, a bug) with its traceback.
+                is_redis = isinstance(error, (RedisError, OSError))
+                log.warning(
+                    "quota sync failed, last shares stay in force: %r", error, exc_info=not is_redis
+                )
             elif self._failures == self.config.stale_after_periods:
                 log.warning(
                     "quota sync failing (%s): each tenant's share is 1/%d until it succeeds",

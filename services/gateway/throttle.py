@@ -98,14 +98,15 @@ class Shed:
 
 
 class AdaptiveThrottle:
-    """Per-model decaying counts of requests and downstream accepts, and the local decision."""
+    """Per-key (model, class and tenant) decaying counts of requests and downstream accepts,
+    and the local decision."""
 
     def __init__(self, config: ThrottleConfig) -> None:
         self._config = config
         self._counts: dict[str, _Counts] = {}
 
     def reject_probability(self, model: str, now_s: float) -> float:
-        """The probability a request for `model` arriving now is refused locally."""
+        """The probability a request of key `model` arriving now is refused locally."""
         counts = self._counts.get(model)
         if counts is None or not self._config.is_enabled:
             return 0.0
@@ -118,7 +119,7 @@ class AdaptiveThrottle:
         return min(probability, self._config.max_reject_probability)
 
     def admit(self, model: str, now_s: float, draw: float) -> Shed | None:
-        """Returns Shed to refuse a request for `model` here (when `draw`, uniform in [0, 1),
+        """Returns Shed to refuse a request of key `model` here (when `draw`, uniform in [0, 1),
         falls under the refusal probability; it is counted), or None to send it on (`record`
         counts it once downstream answers)."""
         probability = self.reject_probability(model, now_s)

@@ -48,8 +48,8 @@ def read_pool_at_start(repository_dir: Path, pool: tuple[str, ...]) -> list[Mode
     versions = load_repository(repository_dir, on_error=errors.__setitem__)
     if pool and (wanted := [str(errors[name]) for name in pool if name in errors]):
         raise ModelConfigError("; ".join(wanted))
-    for name, error in errors.items():
-        if not pool:
+    if not pool:
+        for name, error in errors.items():
             log.error("model %s not read; not served until it reads: %s", name, error)
     return versions
 

@@ -34,7 +34,6 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -223,23 +222,19 @@ async def _run_canary(
     # A deleted Job's SIGTERM, like ^C (asyncio.run's own), cancels the rollout: it aborts.
     # (Only the main thread may take signals: `main` run on another takes none.)
     if threading.current_thread() is threading.main_thread():
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, _cancel_current_task())
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel, "SIGTERM")
     try:
         decision = await rollout.run()
     except RolloutAborted as error:
-        print(f"{error} (the canary's share set back to 0)", file=sys.stderr)
+        print(error, file=sys.stderr)
         return ABORTED
     except asyncio.CancelledError:
         print(f"{args.model}: rollout stopped by a signal", file=sys.stderr)
         return ABORTED
     print(f"{args.model}: {decision.value}")
     return 0 if decision is Decision.PROMOTE else 1
-
-
-def _cancel_current_task() -> Callable[[], object]:
-    task = asyncio.current_task()
-    assert task is not None
-    return lambda: task.cancel("SIGTERM")
 
 
 def changer(args: argparse.Namespace) -> Change:

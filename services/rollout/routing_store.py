@@ -18,6 +18,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
+from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.model_repository import ModelVersion
 from services.common.model_routing import ModelRouting, routing_key
 
@@ -135,13 +136,12 @@ def _readable_or_seed(model: str, raw: str | bytes, seed: ModelRouting) -> Model
         return ModelRouting.loads(raw)
     except ValueError:
         pass
-    try:
+    try:  # its revision, read as a record's is, with the seed's labels and weights
         revision = json.loads(raw)["revision"]
-    except (ValueError, TypeError, KeyError, RecursionError):
-        revision = None
-    if isinstance(revision, bool) or not isinstance(revision, int) or revision < 0:
+        record = {"revision": revision, "labels": dict(seed.labels), "traffic": dict(seed.traffic)}
+        return ModelRouting.loads(json.dumps(record))
+    except MALFORMED_RECORD_ERRORS:  # ModelRouting.loads raises ValueError
         raise ValueError(
             f"model {model!r}: its stored routing and its revision cannot be read; delete the "
             "field and restart the gateways (they ignore revisions not above theirs)"
-        )
-    return ModelRouting(seed.labels, seed.traffic, revision)
+        ) from None

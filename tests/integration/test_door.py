@@ -474,20 +474,22 @@ async def test_a_gateway_whose_start_fails_leaves_no_probe_socket_directory(
     temporary = Path(tempfile.mkdtemp(prefix="door-"))
     monkeypatch.setattr(tempfile, "tempdir", str(temporary))
     write_affine_model(tmp_path / "repo")
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        with pytest.raises(OSError):
-            await create_gateway(
-                GatewayConfig(
-                    model_repository=tmp_path / "repo",
-                    router_address="127.0.0.1:1",
-                    grpc_port=0,
-                    metrics_port=0,
-                    http_port=taken.getsockname()[1],
-                    allow_unauthenticated=True,
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            with pytest.raises(OSError):
+                await create_gateway(
+                    GatewayConfig(
+                        model_repository=tmp_path / "repo",
+                        router_address="127.0.0.1:1",
+                        grpc_port=0,
+                        metrics_port=0,
+                        http_port=taken.getsockname()[1],
+                        allow_unauthenticated=True,
+                    )
                 )
-            )
-    left = list(temporary.iterdir())
-    shutil.rmtree(temporary)
+        left = list(temporary.iterdir())
+    finally:
+        shutil.rmtree(temporary)
     assert left == []

@@ -124,11 +124,9 @@ async def test_s22_a_wedged_generation_step_ends_its_streams_unavailable_and_sto
             )
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await anext(aiter(stub.Generate(generate_request("three"), timeout=10)))
-        stop_started = time.monotonic()
-        await worker.stop()
-        stop_s = time.monotonic() - stop_started
         assert wedging.wedged.is_set(), "the thread is still held: the step never returned"
     finally:
+        stop_s = await timed_stop(worker)  # while the step is still held
         wedging.release()  # the wedged forward returns and its daemon thread ends
     for error in errors:
         assert error.code() == grpc.StatusCode.UNAVAILABLE
@@ -200,6 +198,13 @@ async def thread_ends(name: str) -> None:
     )
 
 
+async def timed_stop(worker: Worker) -> float:
+    """Stops `worker`; the seconds it took."""
+    started = time.monotonic()
+    await worker.stop()
+    return time.monotonic() - started
+
+
 async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_the_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -222,11 +227,9 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
             interval_s=0.02,
             message="NOT_SERVING (overall and the worker service) after the warm-up's watchdog",
         )
-        stop_started = time.monotonic()
-        await worker.stop()
-        stop_s = time.monotonic() - stop_started
         assert wedged.is_set(), "the new version's warm-up never ran a step"
     finally:
+        stop_s = await timed_stop(worker)  # while the step is still held
         released.set()  # the wedged warm-up step returns and its daemon threads end
     # The given-up warm-up let its step thread go: once its held step returns, the thread ends.
     await thread_ends(NEW_VERSION_THREAD)

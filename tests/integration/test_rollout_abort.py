@@ -25,13 +25,14 @@ from services.rollout.controller import CanaryRollout, RolloutMetrics
 from services.rollout.health import Snapshot
 from services.rollout.policy import Decision, Plan
 from services.rollout.routing_store import RoutingStore
+from tests.integration.test_rollout_kubernetes import no_wait
 from tests.support.models import write_versioned_affine_model
+from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 STABLE = ModelRouting({"stable": 1}, {"stable": 1.0})
 
 
@@ -179,10 +180,6 @@ def two_steps(stable_calls: Sequence[float], stable_errors: Sequence[float]) -> 
         return [{"1": {"code:OK": stable_ok, "code:INTERNAL": stable_failed}, "2": canary}]
 
     return scrape
-
-
-async def no_wait(_: float) -> None:
-    pass
 
 
 async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before(

@@ -26,7 +26,7 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
-from services.gpu_worker.front import HEALTH_PERIOD_S, engine_grpc_target, follow_engine_health
+from services.gpu_worker.front import engine_grpc_target, follow_engine_health
 from services.gpu_worker.stream_relay import ENGINE_LOST_S
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -530,5 +530,6 @@ async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
         await eventually(serves_again, timeout_s=30.0, message="the engine serves again")
     finally:
         await channel.close()
-    # Not before: the engine's last answer came at most a poll before it stopped.
-    assert waited_s >= ENGINE_LOST_S - 4 * HEALTH_PERIOD_S, waited_s
+    # Not at once, as a stream whose link broke would: the engine-lost rule ended it (its last
+    # answer came before it stopped, by a poll on an idle machine, more on a loaded one).
+    assert waited_s >= ENGINE_LOST_S / 2, waited_s

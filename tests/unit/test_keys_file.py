@@ -4,6 +4,7 @@ of any wrong shape keeps the keys in force, and the watch goes on."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ import pytest
 
 from services.common.errors import Unauthenticated
 from services.gateway.auth import KeyStore, hash_key
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -36,8 +38,9 @@ def test_a_setting_of_the_wrong_shape_is_refused_naming_the_file(
 
 
 async def test_a_bad_edit_keeps_the_keys_and_the_watch_reads_the_next_good_one(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.ERROR, logger="services.gateway.auth")
     path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
     store = KeyStore.from_file(path)
     reloads: list[int] = []
@@ -45,15 +48,12 @@ async def test_a_bad_edit_keeps_the_keys_and_the_watch_reads_the_next_good_one(
     try:
         keys_file(path, "priorities = true", key="new-key")
         os.utime(path, ns=(1, 1))  # a stamp of its own, however fast the edits come
-        await asyncio.sleep(0.1)
+        await eventually(lambda: "not reloaded" in caplog.text, message="bad edit not read")
         assert not watch.done(), "the watch ended on the bad edit"
         assert store.authenticate("search-key").tenant == "search"
         keys_file(path, "max_concurrency = 2", key="new-key")
         os.utime(path, ns=(2, 2))
-        for _ in range(100):
-            if reloads:
-                break
-            await asyncio.sleep(0.01)
+        await eventually(lambda: bool(reloads), message="the good edit was not read")
     finally:
         watch.cancel()
     assert store.authenticate("new-key").policy.max_concurrency == 2

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.lane import Lane
-from services.gpu_worker.batching.slice_admission import batch_key
+from services.gpu_worker.batching.slice_admission import lane_key
 from services.gpu_worker.batching.watchdog import CallProgress
 from services.gpu_worker.metrics import WorkerMetrics
 
@@ -41,7 +41,7 @@ def warm_up_lane(lane: Lane, metrics: WorkerMetrics, progress: CallProgress | No
     backend.warm_up()
     progress.ended()
     for bucket in backend.buckets:
-        key = batch_key(backend, bucket)
+        key = lane_key(lane, bucket)
         limit = lane.batcher.shape_limit(key)
         for size in sorted({*(1 << i for i in range(limit.bit_length())), limit}):
             rows = backend.warmup_rows(bucket, size)
@@ -56,4 +56,4 @@ def warm_up_lane(lane: Lane, metrics: WorkerMetrics, progress: CallProgress | No
             if min(runs_s) > lane.batcher.batch_compute_budget_s:
                 break
     for bucket in backend.buckets:
-        lane.export_gauges(metrics, batch_key(backend, bucket))
+        lane.export_gauges(metrics, lane_key(lane, bucket))

@@ -58,7 +58,7 @@ class IncrementalDetokenizer:
         #: byte fallback, which shows a whole run of byte tokens as U+FFFD if any is invalid.
         #: Read when first needed (rarely), not per request: it reads the tokenizer's JSON.
         self._may_settle: bool | None = None
-        #: A byte fallback's byte tokens (`<0xNN>`) and their bytes, looked up (256 lookups,
+        #: A byte fallback's byte tokens (`<0xNN>`) and their bytes (`byte_tokens`: looked up,
         #: no JSON) at the first text ending in U+FFFD; None until then.
         self._byte_of: dict[int, int] | None = None
         #: Whether the run of byte tokens the ids end in is invalid for good and read as
@@ -93,7 +93,8 @@ class IncrementalDetokenizer:
     def _read_window(self, *, is_final: bool) -> bool:
         """Adds the tokens not yet read to `_text`, unless they end in half a character and
         more may complete it (not `is_final`): then those up to where the text is settled,
-        once _MAX_UNREAD wait; whether text was added."""
+        once _MAX_UNREAD wait (a byte fallback's run of byte tokens: as `_byte_run` reads
+        it); whether text was added."""
         self._bad_run = False  # read past the byte run, if it was one: it has ended
         context = self._decode(self._ids[self._prefix : self._read])
         window = self._decode(self._ids[self._prefix :])

@@ -73,8 +73,8 @@ class Sampler:
         scaled = logits.float() / params.temperature
         if params.top_k == 0 and params.top_p >= 1.0:
             # Nothing cut (the defaults): drawn from the whole vocabulary as it stands. Sorting
-            # it first, as below, cost more than the draw (128,000 logits: /tmp measure in the
-            # note), a row at a time on the engine's event loop.
+            # it first, as below, cost more than the draw (a step of 16 rows of 128,000 logits,
+            # stop 80's note: 202.8 -> 35.2 ms), a row at a time on the engine's event loop.
             probs = torch.softmax(scaled, dim=-1)
             return int(torch.multinomial(probs, num_samples=1, generator=generator))
         # Work in descending order: top-k and top-p then cut a prefix. A stable sort keeps tied
