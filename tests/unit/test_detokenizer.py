@@ -467,3 +467,40 @@ def test_the_held_back_overlap_is_the_longest_suffix_that_starts_a_stop_string(s
             default=0,
         )
         assert _overlap(text, stop) == longest, (text, stop)
+
+
+def test_a_reply_keeps_its_first_space_after_a_prompt_under_a_stripping_decoder() -> None:
+    """SentencePiece's decoder (Llama-2's, Mistral's) strips the sequence's first space: a
+    reply decoded alone began "ok", not " ok", after the prompt "ok" (and a joined prompt
+    and reply read "okok"). With the prompt's last tokens as the first window's context, the
+    reply reads as decoding prompt and reply together shows it."""
+    tokenizer = byte_fallback_tokenizer()
+    prompt = [1, 259, *fallback_bytes("é".encode()), 259]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detokenizer.push(token, ())[0] for token in (259, 259)]
+    pieces.append(detokenizer.flush()[0])
+    assert pieces[0] == " ok"
+    whole = tokenizer.decode(prompt + [259, 259], skip_special_tokens=True)
+    assert tokenizer.decode(prompt, skip_special_tokens=True) + "".join(pieces) == whole
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_a_reply_after_any_prompt_adds_up_to_decoding_both(seed: int) -> None:
+    """Prompts ending in or cut through byte runs (valid characters, their pieces, bytes never
+    valid): the context never makes a reply show what decoding it alone does not, but its
+    first space; and after a prompt whose text ends in a whole character, prompt and reply
+    read as decoding them together does."""
+    rng = random.Random(seed)
+    tokenizer = byte_fallback_tokenizer()
+    pool = [*fallback_bytes("é€".encode()), 259]
+    prompt = [rng.choice(pool) for _ in range(rng.randrange(0, 12))]
+    reply = [259, *fallback_bytes("€".encode()), 259]
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detokenizer.push(token, ())[0] for token in reply]
+    pieces.append(detokenizer.flush()[0])
+    alone = tokenizer.decode(reply, skip_special_tokens=True)
+    assert "".join(pieces).lstrip(" ") == alone
+    prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
+    if not prompt_text.endswith("\ufffd"):
+        whole = tokenizer.decode(prompt + reply, skip_special_tokens=True)
+        assert prompt_text + "".join(pieces) == whole

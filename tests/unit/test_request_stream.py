@@ -19,7 +19,7 @@ EOS = 257
 
 async def reply(text: str, last: int | None, params: SamplingParams) -> Delta:
     """The stream's deltas, merged, for `text`'s tokens and then `last` (None: nothing)."""
-    stream = RequestStream.open(1, params, TOKENIZER, 3, arrival_s=0.0, tenant="t")
+    stream = RequestStream.open(1, params, TOKENIZER, [5, 6, 7], arrival_s=0.0, tenant="t")
     bound = GenerationMetrics(CollectorRegistry()).bind(("m", "1"))
     tokens = TOKENIZER.encode(text, add_special_tokens=False).ids
     tokens += [] if last is None else [last]

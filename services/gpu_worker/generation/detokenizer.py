@@ -20,6 +20,11 @@ made before it turned invalid have been emitted already: the stream keeps them, 
 the whole sequence shows U+FFFD for them too (vLLM's incremental detokenizer does the same),
 and each of its byte tokens not yet shown is one U+FFFD, however soon the run ends. A run that
 is UTF-8 and complete is read as it stands, though its text ends in a U+FFFD it spells.
+
+The first window has the prompt's last few tokens as its context (`prompt_context`), as vLLM's
+and TGI's detokenizers do: a decoder that strips the sequence's first space (SentencePiece's
+`Strip` or `Metaspace`, Llama-2's and Mistral's) would otherwise drop the space of the reply's
+first word ("Paris" for " Paris" after "The capital of France is").
 """
 
 from __future__ import annotations
@@ -37,20 +42,24 @@ _INCOMPLETE = "\ufffd"
 #: is final among them: a UTF-8 character's bytes span at most 4 tokens.
 _MAX_UNREAD = 8
 _MAX_UTF8 = 4
+#: Prompt tokens the first window starts with (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
+PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = ()) -> None:
+        """The detokenizer of a reply to `prompt_ids` (whose last tokens are its first
+        window's context, never emitted)."""
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        self._ids: list[int] = prompt_context(tokenizer, prompt_ids)
         #: The decoded text so far (complete characters only).
         self._text = ""
         #: Characters of `_text` handed to the caller.
         self._num_emitted = 0
         #: `_ids[_prefix:_read]` decoded last time as new text: the next window's context.
         self._prefix = 0
-        #: `_ids[:_read]` are in `_text`.
-        self._read = 0
+        #: `_ids[:_read]` are in `_text` (or are the prompt's context).
+        self._read = len(self._ids)
         #: Tokens decoding skips (special tokens): never kept in a window, or a run of them
         #: (EOS generated with `ignore_eos`) would grow every window, O(n^2) again.
         self._skipped = skipped_ids(tokenizer)
@@ -240,6 +249,33 @@ def _special_ids(tokenizer: Tokenizer) -> frozenset[int]:
 #: The ids `decode(..., skip_special_tokens=True)` skips: `tokenizer`'s special tokens (a
 #: tokenizer may have hundreds).
 skipped_ids = _PerTokenizer(_special_ids)
+
+
+def prompt_context(tokenizer: Tokenizer, prompt_ids: Sequence[int]) -> list[int]:
+    """The last PROMPT_CONTEXT_TOKENS of `prompt_ids` that decoding keeps (not special tokens,
+    which a window never keeps), as a first window's context: from its first byte token that
+    can start a character (not the rest of one cut in two), to its last token that ends a
+    whole character."""
+    if not prompt_ids:
+        return []
+    skipped, byte_of = skipped_ids(tokenizer), byte_tokens(tokenizer)
+    context: list[int] = []
+    for token in reversed(prompt_ids):
+        if len(context) == PROMPT_CONTEXT_TOKENS:
+            break
+        if token not in skipped:
+            context.append(token)
+    context.reverse()
+    start = 0
+    while start < len(context) and byte_of.get(context[start], 0) & 0xC0 == 0x80:
+        start += 1  # a UTF-8 continuation byte
+    context = context[start:]
+    while context:  # without tokens that end in half a character (or bytes never valid)
+        text = tokenizer.decode(context, skip_special_tokens=True)
+        if text and not text.endswith(_INCOMPLETE):
+            return context
+        context.pop()
+    return []
 
 
 def _may_settle(tokenizer: Tokenizer) -> bool:

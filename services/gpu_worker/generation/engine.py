@@ -213,6 +213,11 @@ class GenerationEngine:
             weight=weight,
             cache_salt=tenant if self._is_cache_per_tenant else "",
         )
+        # Opened before its sequence is queued: a sequence queued with no request would run
+        # unread, never stopped by its max_tokens.
+        request = RequestStream.open(
+            seq_id, params, self.tokenizer, prompt_ids, arrival_s=now, tenant=tenant
+        )
         decision: Admitted | Rejected | None = self.scheduler.refusal(sequence)
         if decision is None:
             self._check_first_token(len(prompt_ids), first_token_limit_s)
@@ -223,9 +228,6 @@ class GenerationEngine:
             # not an overload (and is refused before the first token's prediction).
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
-        request = RequestStream.open(
-            seq_id, params, self.tokenizer, len(prompt_ids), arrival_s=now, tenant=tenant
-        )
         self._requests[seq_id] = request
         return request
 

@@ -6,6 +6,7 @@ tokens and strings, max_tokens, and the per-token metrics (TTFT, TPOT, tokens)."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -118,19 +119,19 @@ class RequestStream:
         seq_id: int,
         params: SamplingParams,
         tokenizer: Tokenizer,
-        num_prompt_tokens: int,
+        prompt_ids: Sequence[int],
         *,
         arrival_s: float,
         tenant: str,
     ) -> RequestStream:
-        """The stream of a request admitted at `arrival_s`, with its own sampling generator and
-        detokenizer."""
+        """The stream of a request for `prompt_ids` admitted at `arrival_s`, with its own
+        sampling generator and detokenizer (the prompt's last tokens its first context)."""
         return cls(
             seq_id=seq_id,
             params=params,
             generator=make_generator(params),
-            detokenizer=IncrementalDetokenizer(tokenizer),
-            num_prompt_tokens=num_prompt_tokens,
+            detokenizer=IncrementalDetokenizer(tokenizer, prompt_ids),
+            num_prompt_tokens=len(prompt_ids),
             arrival_s=arrival_s,
             tenant=tenant,
         )
