@@ -41,6 +41,8 @@ T = TypeVar("T")
 STORE_TIMEOUT_S = 10.0
 #: Results read from Redis per round trip while streaming.
 RESULTS_PAGE = 256
+#: Most characters of a submission's idempotency key.
+MAX_IDEMPOTENCY_KEY = 256
 _STATES = {
     JobState.QUEUED: jobs.JOB_STATE_QUEUED,
     JobState.RUNNING: jobs.JOB_STATE_RUNNING,
@@ -184,6 +186,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             raise InvalidInput("a job runs at interactive or batch priority, not critical")
         priority = principal.policy.priority_for(requested)
         complete_by_s = _complete_by_s(header.complete_by_unix_s)
+        idempotency_key = _idempotency_key(header.idempotency_key)
         items: list[bytes] = []
         num_bytes = 0  # of the gateway's memory, held until the job is stored
         tenant = principal.tenant
@@ -200,7 +203,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
                 model_version=header.model_version,
                 priority=priority.value,
                 items=items,
-                idempotency_key=header.idempotency_key,
+                idempotency_key=idempotency_key,
                 complete_by_s=complete_by_s,
             )
             chunk_size, max_chunk_bytes = self._config.chunk_size, self._config.max_chunk_bytes
@@ -294,10 +297,23 @@ class JobServicer(jobs_grpc.JobServiceServicer):
 
 
 def _complete_by_s(value: float) -> float:
-    """A submission's completion deadline: 0 (none) or a finite time after the epoch."""
+    """A submission's completion deadline: 0 (none) or a finite time still to come (a past
+    one would only cancel every item)."""
     if not (value == 0.0 or 0.0 < value < math.inf):
         raise InvalidInput(f"complete_by_unix_s must be 0 (none) or a time, got {value}")
+    if value and (past_s := time.time() - value) >= 0.0:
+        raise InvalidInput(f"complete_by_unix_s {value} passed {past_s:.1f} s ago")
     return value
+
+
+def _idempotency_key(key: str) -> str:
+    """A submission's idempotency key, at most MAX_IDEMPOTENCY_KEY characters (it names a
+    Redis key and field)."""
+    if len(key) > MAX_IDEMPOTENCY_KEY:
+        raise InvalidInput(
+            f"idempotency_key has {len(key)} characters; at most {MAX_IDEMPOTENCY_KEY}"
+        )
+    return key
 
 
 async def _one(request: jobs.SubmitJobRequest) -> AsyncIterator[jobs.SubmitJobRequest]:

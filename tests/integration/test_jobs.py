@@ -706,7 +706,7 @@ async def test_a_cancel_that_loses_the_race_to_the_last_result_changes_nothing(
     assert not await fabric.store.client.exists(fabric.store.job_key(gone))
 
 
-async def test_results_past_the_end_and_a_deadline_before_the_epoch_are_refused(
+async def test_results_past_the_end_a_deadline_passed_and_a_long_idempotency_key_are_refused(
     fabric: Fabric,
 ) -> None:
     """Before, a `start_index` past the job's items streamed nothing, as if none had finished,
@@ -718,14 +718,27 @@ async def test_results_past_the_end_and_a_deadline_before_the_epoch_are_refused(
         await fabric.results(job_id, start_index=4)
     assert past.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "[0, 3]" in (past.value.details() or "")
-    for when in (-1.0, math.inf, math.nan):
+    for when in (-1.0, math.inf, math.nan, 1.0, time.time() - 1.0):
         request = jobs.SubmitJobRequest(
             model_name="minilm", items=text_items(["a"]), complete_by_unix_s=when
         )
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await fabric.jobs.SubmitJob(request, metadata=AS_A)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, when
+    # An idempotency key names a Redis key and field: its length is bounded.
+    request = jobs.SubmitJobRequest(
+        model_name="minilm", items=text_items(["a"]), idempotency_key="k" * 257
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.SubmitJob(request, metadata=AS_A)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 256" in (refused.value.details() or "")
     assert await fabric.job_ids() == [job_id]
+    soon = jobs.SubmitJobRequest(
+        model_name="minilm", items=text_items(["a"]), complete_by_unix_s=time.time() + 600,
+        idempotency_key="k" * 256,
+    )  # fmt: skip
+    assert (await fabric.jobs.SubmitJob(soon, metadata=AS_A)).job_id
 
 
 async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
