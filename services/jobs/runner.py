@@ -17,8 +17,9 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    retried with capped
    exponential backoff and full jitter, up to `max_attempts`; an item that still fails is
    recorded failed with its gRPC status
-   (dead-lettered). UNAUTHENTICATED is no item's fault but the runner's own (its key): no
-   item fails for it, the chunk is left pending for a later retry. Nor are UNAVAILABLE,
+   (dead-lettered). UNAUTHENTICATED and PERMISSION_DENIED are no item's fault but the
+   runner's own (its key, its tenant's grants): no item fails for them, the chunk is left
+   pending for a later retry. Nor are UNAVAILABLE,
    RESOURCE_EXHAUSTED, CANCELLED and DEADLINE_EXCEEDED (the fleet down, restarting, full or
    too slow; CANCELLED: a gateway dropped the call unseen): the chunk is left pending for a
    later round, for FLEET_ROUNDS rounds and `--fleet-patience-s` at least, before its items
@@ -81,6 +82,10 @@ READ_BLOCK_MS = 1000
 RECLAIM_PERIOD_S = 2.0
 #: Pause after Redis failed, before trying again (Redis restarting).
 REDIS_RETRY_S = 0.5
+#: What the gateway answers for the runner's own key, never a job's items: unknown
+#: (UNAUTHENTICATED), or its tenant not granted a job's priority class or model
+#: (PERMISSION_DENIED: the submitter's rights were checked at submit).
+_RUNNERS_FAULT = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 _Item = tuple[int, bytes]
 
@@ -316,8 +321,10 @@ class JobRunner:
                 response = await self._predict(self._request(job, items))
             except grpc.aio.AioRpcError as error:
                 code, message = error.code().name, error.details() or ""
-                if error.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    raise RunnerRefused(f"gateway refused the runner's key: {message}") from None
+                if error.code() in _RUNNERS_FAULT:
+                    raise RunnerRefused(
+                        f"gateway refused the runner's key ({code}): {message}"
+                    ) from None
             else:
                 return [
                     item_result(i, ItemStatus.OK, num_attempts, output=output)

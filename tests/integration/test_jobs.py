@@ -760,8 +760,15 @@ async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
     assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-async def test_runner_refused_by_the_gateway_fails_no_item(fabric: Fabric) -> None:
-    fabric.target.num_unauthenticated = 1  # the runner's key, not the items, is at fault
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED])
+async def test_runner_refused_by_the_gateway_fails_no_item(
+    fabric: Fabric, code: grpc.StatusCode
+) -> None:
+    """The runner's key, not the items, is at fault: unknown, or its tenant not granted a
+    job's priority or model (the submitter's rights were checked at submit). Before, a
+    PERMISSION_DENIED failed every item of every such job (review finding)."""
+    fabric.target.num_unauthenticated = 1
+    fabric.target.runner_refused_code = code
     fabric.start_runner("runner-1")
     texts = texts_of(8)
     job_id = await fabric.submit(texts)

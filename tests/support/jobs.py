@@ -55,8 +55,10 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     #: How those first calls fail: UNAVAILABLE (a tier restarting), or CANCELLED (a gateway that
     #: dropped them unseen, past its --max-pending-calls).
     unavailable_code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE
-    #: Calls refused UNAUTHENTICATED first (the runner's key not yet known).
+    #: Calls refused for the runner's key first (not yet known, or its rights short of a job's
+    #: priority), with `runner_refused_code`.
     num_unauthenticated: int = 0
+    runner_refused_code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED
     #: How many times each text was run (at-least-once delivery shows here).
     runs: collections.Counter[str] = field(default_factory=collections.Counter)
     priorities: set[int] = field(default_factory=set)
@@ -92,7 +94,9 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
         self.request_ids.add(request.request_id)
         if self.num_unauthenticated > 0:
             self.num_unauthenticated -= 1
-            raise Unauthenticated("unknown API key")
+            if self.runner_refused_code is grpc.StatusCode.UNAUTHENTICATED:
+                raise Unauthenticated("unknown API key")
+            await context.abort(self.runner_refused_code, "the runner's tenant may not")
         if self.num_unavailable > 0:
             self.num_unavailable -= 1
             if self.unavailable_code is grpc.StatusCode.UNAVAILABLE:
