@@ -127,7 +127,9 @@ class DeadlineExceeded(ServingError):
 
 class Unavailable(ServingError):
     """Not ready, draining or no healthy backend; safe to retry elsewhere.
-    `is_not_started`: the call was refused before any work (sends NOT_STARTED_TRAILER)."""
+    `is_not_started`: the call was refused before any work, or (a worker's rows when its
+    batching stops or its drain runs out) it was never answered and may be sent elsewhere
+    (sends NOT_STARTED_TRAILER; a bundle's slice so refused is sent again by its gateway)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

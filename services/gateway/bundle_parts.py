@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,10 @@ class CallerSlice:
     num_bytes: int
     #: Its index in the bundle once sent (None before).
     index: int | None = None
+    #: The bundle it is in (another, once sent again: `answer`).
+    bundle: Bundle | None = None
+    #: Whether it was sent again already (a slice the worker refused unstarted: once).
+    is_resent: bool = False
 
 
 @dataclass
@@ -113,8 +118,11 @@ def prepared(bundle: Bundle) -> list[CallerSlice]:
     return kept
 
 
-def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> None:
-    """Hands each caller its slice's rows or status."""
+def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> list[CallerSlice]:
+    """Hands each caller its slice's rows or status; returns, unanswered, the slices to send
+    again: those the worker refused UNAVAILABLE without starting them (its batching stopped,
+    or its drain ran out) while their bundle-mates were served, not sent again before and with
+    time left. A call of its own refused so is sent elsewhere (predictor._call_router)."""
     if len(response.slices) != len(slices):
         raise UpstreamError(
             grpc.StatusCode.INTERNAL,
@@ -129,13 +137,16 @@ def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> None:
         raise UpstreamError(
             grpc.StatusCode.INTERNAL, f"bundle answered {len(outputs)} rows for {answered}"
         )
-    start = 0
+    start, again, now_s = 0, [], time.monotonic()
     for entry, status in zip(slices, response.slices, strict=True):
         if status.code == 0:
             result, start = outputs[start : start + len(entry.rows)], start + len(entry.rows)
             if not entry.future.done():
                 entry.future.set_result(result)
         elif not entry.future.done():
-            entry.future.set_exception(
-                UpstreamError.from_status(status.code, status.message, status.trailers)
-            )
+            error = UpstreamError.from_status(status.code, status.message, status.trailers)
+            if error.is_not_started and not entry.is_resent and entry.deadline_s > now_s:
+                again.append(entry)
+            else:
+                entry.future.set_exception(error)
+    return again

@@ -182,19 +182,18 @@ class Coalescer:
             bundle = state.open = Bundle(key, prepare)
             self._spawn(self._leave_when_ready(bundle, state, max_rows))
         bundle.slices.append(entry)
+        entry.bundle = bundle
         bundle.rows += len(rows)
         bundle.num_bytes += entry.num_bytes
         state.in_flight += 1
         # A timer, not asyncio.timeout: the same deadline for a fraction of its cost per call.
-        timer = loop.call_later(
-            max(0.0, deadline_s - time.monotonic()), self._expire, bundle, entry
-        )
+        timer = loop.call_later(max(0.0, deadline_s - time.monotonic()), self._expire, entry)
         try:
             if bundle.rows >= max_rows:
                 self._leave(bundle)
             return Answered(await entry.future, entry.rows)
         except asyncio.CancelledError:
-            self._withdraw(bundle, entry)
+            self._withdraw(entry)
             raise
         finally:
             timer.cancel()
@@ -212,13 +211,13 @@ class Coalescer:
         for key in [k for k, state in self._keys.items() if _is_idle(state) and self._is_stale(k)]:
             del self._keys[key]
 
-    def _expire(self, bundle: Bundle, entry: CallerSlice) -> None:
+    def _expire(self, entry: CallerSlice) -> None:
         """The caller's deadline passed before its answer: DEADLINE_EXCEEDED, slice withdrawn."""
         if not entry.future.done():
             entry.future.set_exception(
                 UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "router: deadline exceeded")
             )
-            self._withdraw(bundle, entry)
+            self._withdraw(entry)
 
     async def close(self) -> None:
         """Stops: every caller still waiting is answered UNAVAILABLE (not run here)."""
@@ -236,9 +235,12 @@ class Coalescer:
         task.add_done_callback(self._tasks.discard)
         return task
 
-    def _withdraw(self, bundle: Bundle, entry: CallerSlice) -> None:
+    def _withdraw(self, entry: CallerSlice) -> None:
         """The caller of `entry` stopped waiting: drop its slice, or have it withdrawn (once:
         its deadline and its cancellation may both come)."""
+        bundle = entry.bundle
+        if bundle is None:
+            return
         if not bundle.is_sent:
             if entry in bundle.slices:
                 bundle.slices.remove(entry)
@@ -339,11 +341,26 @@ class Coalescer:
             # process's loop read the answer (services.gateway.bundle_clock).
             worker_s = response.worker_us / 1e6
             downstream.observe(worker_s if worker_s > 0 else time.monotonic() - sent_s)
-            answer(slices, response)
+            again = answer(slices, response)
             bundle.is_answered = True
         except Exception as error:  # the whole bundle failed: each caller gets the status
             fail(slices, error)
+            return
         # Cancelled (the gateway is closing): `_bundle_done` answers the callers.
+        if again:
+            self._send_again(bundle, again)
+
+    def _send_again(self, bundle: Bundle, entries: list[CallerSlice]) -> None:
+        """Sends `entries` of `bundle` once more, as a bundle of their own (bundle_parts.answer:
+        refused unstarted, their bundle-mates served)."""
+        bundle.slices = [s for s in bundle.slices if s not in entries]  # not failed when done
+        again = Bundle(bundle.key, None, slices=entries)
+        for entry in entries:
+            entry.bundle, entry.index, entry.is_resent = again, None, True
+            again.rows += len(entry.rows)
+            again.num_bytes += entry.num_bytes
+        self._metrics.router_retries_total.labels("predict").inc()
+        self._leave(again)
 
     def _request(self, bundle: Bundle) -> tuple[pb.InferRequest, tuple[tuple[str, str], ...]]:
         """The bundle's request and its routing metadata."""

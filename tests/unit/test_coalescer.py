@@ -20,7 +20,12 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.bundles import SliceCancels
-from services.common.errors import RETRY_AFTER_MS_KEY, UpstreamError, retry_after_trailer
+from services.common.errors import (
+    RETRY_AFTER_MS_KEY,
+    Unavailable,
+    UpstreamError,
+    retry_after_trailer,
+)
 from services.common.model_repository import ModelConfig, parse_model_config
 from services.common.moving_average import MovingAverage
 from services.common.tensors import tensor_from_pb, tensor_to_pb
@@ -51,6 +56,12 @@ class Downstream:
         self.error: Exception | None = None
         #: Sent instead of an answer, once the gate opens (a garbled one, say).
         self.garbled: bytes | None = None
+        #: Per bundle sent (in order), the slices a worker refuses UNAVAILABLE unstarted.
+        self.unstarted: list[set[int]] = []
+        #: The SliceCancels each bundle was sent with.
+        self.cancels: list[SliceCancels] = []
+        #: Bundles sent from this one on (counted from 0) are never answered.
+        self.silent_from: int | None = None
 
     async def send(
         self,
@@ -61,6 +72,11 @@ class Downstream:
     ) -> bytes:
         request = pb.InferRequest.FromString(body)
         self.bundles.append(request)
+        self.cancels.append(cancels)
+        sent = len(self.bundles) - 1
+        unstarted = self.unstarted[sent] if sent < len(self.unstarted) else set()
+        if self.silent_from is not None and sent >= self.silent_from:
+            await asyncio.Event().wait()
         await asyncio.sleep(self.delay_s)
         await self.gate.wait()
         if self.error is not None:
@@ -68,11 +84,21 @@ class Downstream:
         if self.garbled is not None:
             return self.garbled
         rows = tensor_from_pb(request.packed.tensor)
-        response = pb.InferResponse(
-            slices=[pb.SliceStatus() for _ in request.slices],
-            worker_us=round(self.worker_s * 1e6),
-        )
-        response.packed_outputs.CopyFrom(tensor_to_pb(rows * 2))
+        response = pb.InferResponse(worker_us=round(self.worker_s * 1e6))
+        answered, start = [], 0
+        for index, piece in enumerate(request.slices):
+            if index in unstarted:
+                refusal = Unavailable("worker stopping; retry elsewhere", is_not_started=True)
+                response.slices.append(
+                    pb.SliceStatus(code=grpc.StatusCode.UNAVAILABLE.value[0],
+                                   message=str(refusal), trailers=dict(refusal.trailers()))
+                )  # fmt: skip
+            else:
+                response.slices.append(pb.SliceStatus())
+                answered.extend(rows[start : start + piece.rows])
+            start += piece.rows
+        if answered:
+            response.packed_outputs.CopyFrom(tensor_to_pb(np.stack(answered) * 2))
         return response.SerializeToString()
 
 
@@ -605,3 +631,43 @@ def test_a_moving_average_starts_at_its_first_value() -> None:
     assert average.observe(0.060) == pytest.approx(0.010 + 0.2 * 0.050)
     with pytest.raises(ValueError):
         MovingAverage(0.0)
+
+
+async def test_a_slice_refused_unstarted_beside_served_mates_is_sent_again_once() -> None:
+    """A worker whose batching stopped (or whose drain ran out) answers the slices it never
+    ran UNAVAILABLE, not started, while their bundle-mates were served: the bundle was not
+    failed whole, so neither router nor gateway sent them elsewhere, and their callers got
+    UNAVAILABLE (review finding). They are sent again once, as a bundle of their own."""
+    downstream = Downstream()
+    downstream.unstarted = [{1, 2}, set()]
+    bundles = coalescer(downstream)
+    answers = await asyncio.gather(*(call(bundles, rows(i)) for i in range(3)))
+    assert [float(a[0][0]) for a in answers] == [0, 2, 4]
+    assert sizes(downstream) == [3, 2]
+    counted = bundles._metrics.router_retries_total.labels("predict")._value.get()
+    assert counted == 1
+    assert bundles._keys[KEY].in_flight == 0 and bundles._keys[KEY].out == 0
+    # Refused unstarted again: once is all, its caller is told.
+    downstream.unstarted = [set(), set(), {0}, {0}]
+    with pytest.raises(UpstreamError) as raised:
+        await asyncio.gather(call(bundles, rows(5)), call(bundles, rows(6)))
+    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+    assert sizes(downstream) == [3, 2, 2, 1]
+
+
+async def test_a_slice_sent_again_is_withdrawn_from_the_bundle_it_is_in_now() -> None:
+    """Its deadline passes while it is out again: the cancel goes to its new bundle (index 0
+    there), not to the first one, which no longer waits for it."""
+    downstream = Downstream()
+    downstream.unstarted, downstream.silent_from = [{1}], 1
+    bundles = coalescer(downstream)
+    first = asyncio.ensure_future(call(bundles, rows(0)))
+    again = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.2))
+    assert float((await first)[0][0]) == 0
+    with pytest.raises(UpstreamError) as raised:
+        await again
+    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert sizes(downstream) == [2, 1]
+    assert downstream.cancels[1].cancelled == {0}
+    assert downstream.cancels[0].cancelled == set()
+    await bundles.close()

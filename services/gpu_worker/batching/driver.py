@@ -79,7 +79,7 @@ class BatchingDriver:
         self._running_until_s: float | None = None
         self._draining = False
         self._loop_task: asyncio.Task[None] | None = None
-        self._refusal = Unavailable("worker is draining")  # what a row gets once draining
+        self._refusal = Unavailable("worker is draining", is_not_started=True)  # once draining
 
     def now(self) -> float:  # the driver's clock (monotonic seconds)
         return self._clock()
@@ -156,7 +156,7 @@ class BatchingDriver:
             await self._loop()
         except Exception as error:
             log.critical("batching stopped: %s", error, exc_info=self._wedged is None)
-            self._refusal = Unavailable(f"batching stopped here ({error}); retry elsewhere")
+            self._refusal = Unavailable(f"batching stopped here ({error})", is_not_started=True)
             self.begin_drain()
             for lane in self._order:
                 lane.fail_pending(self._refusal)
@@ -181,7 +181,7 @@ class BatchingDriver:
                 task = asyncio.current_task()
                 if task is not None and not task.cancelling():
                     return  # another drain, cut short, stopped the loop: nothing left to wait for
-                self._refusal = Unavailable("this worker is stopping; retry elsewhere")
+                self._refusal = Unavailable("worker stopping; retry elsewhere", is_not_started=True)
                 for lane in self._order:
                     lane.fail_pending(self._refusal)
                 self._loop_task.cancel()
@@ -292,7 +292,7 @@ class BatchingDriver:
         if lane is None:
             raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
         if self._draining:
-            raise Unavailable(str(self._refusal))
+            raise Unavailable(str(self._refusal), is_not_started=self._refusal.is_not_started)
         if lane.batcher.is_draining:
             raise Unavailable(f"{backend.config.name}/{backend.version.version} is unloading")
         return lane
