@@ -26,8 +26,9 @@ class FleetUnavailable(Exception):
 
 class RunnerRefused(Exception):
     """The gateway refused the runner itself (UNAUTHENTICATED: a missing or revoked runner
-    key; PERMISSION_DENIED: its tenant not granted a job's priority class or model). No item is at fault: the chunk stays pending and is retried after the claim timeout,
-    by this runner or another, rather than failing every item of every job."""
+    key; PERMISSION_DENIED: its tenant not granted a job's priority class or model). No item
+    is at fault: the chunk stays pending and is retried after the claim timeout, by this
+    runner or another, rather than failing every item of every job."""
 
 
 #: Retryable codes one item may still cause: a model that crashed on it. A call past its

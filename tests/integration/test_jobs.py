@@ -760,7 +760,9 @@ async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
     assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED])
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED]
+)
 async def test_runner_refused_by_the_gateway_fails_no_item(
     fabric: Fabric, code: grpc.StatusCode
 ) -> None:

@@ -480,7 +480,7 @@ def test_a_reply_keeps_its_first_space_after_a_prompt_under_a_stripping_decoder(
     pieces = [detokenizer.push(token, ())[0] for token in (259, 259)]
     pieces.append(detokenizer.flush()[0])
     assert pieces[0] == " ok"
-    whole = tokenizer.decode(prompt + [259, 259], skip_special_tokens=True)
+    whole = tokenizer.decode([*prompt, 259, 259], skip_special_tokens=True)
     assert tokenizer.decode(prompt, skip_special_tokens=True) + "".join(pieces) == whole
 
 
@@ -502,5 +502,5 @@ def test_a_reply_after_any_prompt_adds_up_to_decoding_both(seed: int) -> None:
     assert "".join(pieces).lstrip(" ") == alone
     prompt_text = tokenizer.decode(prompt, skip_special_tokens=True)
     if not prompt_text.endswith("\ufffd"):
-        whole = tokenizer.decode(prompt + reply, skip_special_tokens=True)
+        whole = tokenizer.decode([*prompt, *reply], skip_special_tokens=True)
         assert prompt_text + "".join(pieces) == whole
