@@ -128,10 +128,13 @@ def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> list[Ca
             grpc.StatusCode.INTERNAL,
             f"bundle of {len(slices)} slices answered with {len(response.slices)} statuses",
         )
-    if response.HasField("packed_outputs"):
-        outputs = list(tensor_from_pb(response.packed_outputs))
-    else:
-        outputs = [tensor_from_pb(t) for t in response.outputs]
+    try:
+        if response.HasField("packed_outputs"):
+            outputs = list(tensor_from_pb(response.packed_outputs))
+        else:
+            outputs = [tensor_from_pb(t) for t in response.outputs]
+    except InvalidInput as error:  # downstream's fault, not the callers'
+        raise UpstreamError(grpc.StatusCode.INTERNAL, f"bundle answered {error}") from None
     answered = sum(len(e.rows) for e, s in zip(slices, response.slices, strict=True) if s.code == 0)
     if answered != len(outputs):
         raise UpstreamError(

@@ -501,6 +501,21 @@ async def test_an_answer_that_does_not_parse_fails_its_callers_and_counts_its_ro
     assert mean is not None and mean >= 0.03  # the round trip: no worker's time to read
 
 
+async def test_outputs_that_do_not_read_fail_their_callers_internal() -> None:
+    """A tensor whose bytes do not make its shape is downstream's fault: INTERNAL, where its
+    callers were told INVALID_ARGUMENT, as if they had sent it (review finding)."""
+    downstream = Downstream()
+    response = pb.InferResponse(slices=[pb.SliceStatus()])
+    response.packed_outputs.CopyFrom(tensor_to_pb(np.zeros((1, 2), dtype=np.float32)))
+    response.packed_outputs.raw_data = b"\x00" * 5
+    downstream.garbled = response.SerializeToString()
+    bundles = coalescer(downstream)
+    with pytest.raises(UpstreamError) as raised:
+        await call(bundles, rows(0))
+    assert raised.value.code == grpc.StatusCode.INTERNAL
+    assert "raw_data" in str(raised.value)
+
+
 async def test_callers_that_stop_waiting_before_their_bundle_leaves_are_left_out_of_it() -> None:
     """One caller cancelled and one past its deadline while their bundle is held: neither is
     sent (their rows, arrays like their bundle-mates', are found by identity), the cancelled
