@@ -91,6 +91,8 @@ class NewJob:
     items: Sequence[bytes]
     idempotency_key: str
     complete_by_s: float
+    #: Bytes its results are expected to take in the store (reserved while it runs).
+    result_bytes: int = 0
 
 
 @dataclass(frozen=True)

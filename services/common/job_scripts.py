@@ -2,10 +2,12 @@
 key schema): each runs atomically in Redis, so that a job is enqueued whole or not at all, each
 item's result is written and counted once, and a job gone (expired) is never brought back."""
 
-# KEYS: job hash, items list, idempotency key, queue, the tenant's job list; ARGV: job id,
-# created time (the list's score), '1' to claim the idempotency key, then where each chunk
-# ends (item indices, ascending; job_policy.chunk_ends). Returns the job id the key names
-# (another's, if it named one first).
+# KEYS: job hash, items list, idempotency key, queue, the tenant's job list, the store's
+# reserved bytes; ARGV: job id, created time (the list's score), '1' to claim the idempotency
+# key, the bytes its results are expected to take (reserved until it ends: the job's
+# `reserved` field, counted in the store's), then where each chunk ends (item indices,
+# ascending; job_policy.chunk_ends). Returns the job id the key names (another's, if it named
+# one first).
 ENQUEUE = """
 if ARGV[3] == '1' then
   local existing = redis.call('GET', KEYS[3])
@@ -14,19 +16,25 @@ if ARGV[3] == '1' then
 end
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
+local reserved = tonumber(ARGV[4])
+if reserved > 0 then
+  redis.call('HSET', KEYS[1], 'reserved', reserved)
+  redis.call('INCRBY', KEYS[6], reserved)
+end
 local start = 0
-for i = 4, #ARGV do
+for i = 5, #ARGV do
   redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start, 'end', ARGV[i])
   start = tonumber(ARGV[i])
 end
 redis.call('ZADD', KEYS[5], ARGV[2], ARGV[1])
 return ARGV[1]
 """
-# KEYS: job hash, results hash, queue, dead letters, items list, the tenant's job list[,
-# idempotency key]; ARGV: group, entry id, job id, dead-letter cap, retention seconds (0:
-# forever), job key prefix, then (index, result, counter, code, message)* (code "": not a dead
-# letter). A job gone (expired) records nothing: its entry is only acknowledged. A job whose
-# every item has its result once these are written expires, with its items, results and
+# KEYS: job hash, results hash, queue, dead letters, items list, the tenant's job list, the
+# store's reserved bytes[, idempotency key]; ARGV: group, entry id, job id, dead-letter cap,
+# retention seconds (0: forever), job key prefix, then (index, result, counter, code,
+# message)* (code "": not a dead letter). A job gone (expired) records nothing: its entry is
+# only acknowledged. A job whose every item has its result once these are written gives its
+# reservation back, and expires, with its items, results and
 # idempotency key (if it still names this job), after the retention; and the oldest 64 jobs
 # of its tenant's list are looked at, those gone taken out (each job's end clears up to 64
 # ended before it, so the list holds about the jobs kept). Returns the positions (from 0) of the
@@ -55,19 +63,27 @@ if ARGV[2] ~= '' then
   redis.call('XDEL', KEYS[3], ARGV[2])
 end
 local ttl = tonumber(ARGV[5])
-if #added > 0 and ttl > 0 then
-  local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled')
+if #added > 0 then
+  local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled',
+                      'reserved')
   local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
   if c[1] and tonumber(c[1]) <= done then
-    redis.call('EXPIRE', KEYS[1], ttl)
-    redis.call('EXPIRE', KEYS[2], ttl)
-    redis.call('EXPIRE', KEYS[5], ttl)
-    if KEYS[7] and redis.call('GET', KEYS[7]) == ARGV[3] then
-      redis.call('EXPIRE', KEYS[7], ttl)
+    local reserved = tonumber(c[5]) or 0
+    if reserved > 0 then
+      redis.call('HSET', KEYS[1], 'reserved', 0)
+      if redis.call('DECRBY', KEYS[7], reserved) < 0 then redis.call('SET', KEYS[7], 0) end
     end
-    for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, 63)) do
-      if redis.call('EXISTS', ARGV[6] .. id) == 0 then
-        redis.call('ZREM', KEYS[6], id)
+    if ttl > 0 then
+      redis.call('EXPIRE', KEYS[1], ttl)
+      redis.call('EXPIRE', KEYS[2], ttl)
+      redis.call('EXPIRE', KEYS[5], ttl)
+      if KEYS[8] and redis.call('GET', KEYS[8]) == ARGV[3] then
+        redis.call('EXPIRE', KEYS[8], ttl)
+      end
+      for _, id in ipairs(redis.call('ZRANGE', KEYS[6], 0, 63)) do
+        if redis.call('EXISTS', ARGV[6] .. id) == 0 then
+          redis.call('ZREM', KEYS[6], id)
+        end
       end
     end
   end

@@ -10,7 +10,9 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   started_s, complete_by_s, idempotency_key, cancelled, the counters num_ok, num_failed,
   num_cancelled, `rounds:<start>`: rounds the chunk from item <start> waited for the fleet,
   `fleet_since:<start>`: when the first of them was (seconds since the epoch), and
-  `crashes:<start>`: rounds it failed in a runner with an unexpected error.
+  `crashes:<start>`: rounds it failed in a runner with an unexpected error, and `reserved`:
+  the bytes its results were expected to take, held until its every item has a result (0
+  after).
 - `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
 - `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
   together with its counter (one script): a result, once written, is never overwritten, and
@@ -19,6 +21,10 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
 - `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first; the
   tenant percent-encoded (`:` as `%3A`, `%` as `%25`), so that no two tenants' keys meet.
 - `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
+- `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended. A new job is
+  taken only while what Redis holds, these and its own items and expected results stay within
+  SUBMIT_MEMORY_SHARE of `maxmemory`: counting items alone, jobs accepted back to back filled
+  Redis with their results, and a job whose results Redis refused never ended (nor expired).
 
 Submission is two steps: the items and the job hash are written (with a one-hour expiry, in
 one MULTI), then one script claims the idempotency key, lifts the expiry and enqueues every
@@ -70,15 +76,24 @@ GROUP = "runners"
 ORPHAN_TTL_S = 3600
 #: How long a finished job (its record, items, results and idempotency key) is kept, seconds.
 RETENTION_S = 7 * 24 * 3600
-#: Share of Redis's `maxmemory` past which new jobs are refused (StoreFull). The rest is the
-#: accepted jobs' room to finish: their results (often bigger than their items), the runners'
-#: counters, and the fabric's own keys (heartbeats, quota shares), which Redis refuses to write
-#: once at `maxmemory` with nothing to evict (deploy/k8s/base/redis.yaml).
-SUBMIT_MEMORY_SHARE = 0.5
+#: Share of Redis's `maxmemory` that what it holds, the results the jobs not ended are
+#: expected to add (reserved at submit) and a new job's items and expected results may fill;
+#: past it the new job is refused (StoreFull; JobTooLarge for one that alone would pass it).
+#: The rest is room for the runners' counters, results larger than expected, results written
+#: while still reserved, and the fabric's own keys (heartbeats, quota shares), which Redis
+#: refuses to write once at `maxmemory` with nothing to evict (deploy/k8s/base/redis.yaml).
+SUBMIT_MEMORY_SHARE = 0.75
+#: Bytes a result takes in the store besides its outputs (its hash field, status, framing).
+RESULT_OVERHEAD_BYTES = 64
 
 
 class StoreFull(Exception):
     """Redis holds too much to take a new job now (see SUBMIT_MEMORY_SHARE)."""
+
+
+class JobTooLarge(Exception):
+    """A job's items and expected results alone are more than the store takes (see
+    SUBMIT_MEMORY_SHARE): it would be refused however empty the store."""
 
 
 #: Most jobs of one tenant sharing one creation time (to the microsecond) that a page of
@@ -121,6 +136,8 @@ class JobStore:
         self.prefix = prefix
         self.queue_key = f"{prefix}:jobs:queue"
         self.dead_key = f"{prefix}:jobs:dead"
+        #: Bytes the results of the jobs not ended are expected to add (their reservations).
+        self.reserved_key = f"{prefix}:jobs:reserved"
         self.retention_s = retention_s
         self._enqueue = client.register_script(ENQUEUE)
         self._record = client.register_script(RECORD)
@@ -147,7 +164,7 @@ class JobStore:
         idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
         if job.idempotency_key and (existing := await self.client.get(idem_key)) is not None:
             return existing.decode(), True  # a resend: its job exists, however full the store
-        await self._check_room(sum(map(len, job.items)))
+        await self._check_room(sum(map(len, job.items)) + job.result_bytes)
         job_id = uuid.uuid4().hex
         key = self.job_key(job_id)
         created_s = time.time()
@@ -164,10 +181,11 @@ class JobStore:
             pipe.expire(key, ORPHAN_TTL_S)
             pipe.expire(f"{key}:items", ORPHAN_TTL_S)
             await pipe.execute()
-        keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant)]
+        keys = [key, f"{key}:items", idem_key, self.queue_key, self._tenant_key(job.tenant),
+                self.reserved_key]  # fmt: skip
         has_key = "1" if job.idempotency_key else "0"
         ends = chunk_ends([len(item) for item in job.items], chunk_size, max_chunk_bytes)
-        args: list[str | int | float] = [job_id, created_s, has_key, *ends]
+        args: list[str | int | float] = [job_id, created_s, has_key, job.result_bytes, *ends]
         winner = (await self._enqueue(keys=keys, args=args)).decode()
         if winner != job_id:
             await self.client.delete(key, f"{key}:items")
@@ -175,17 +193,27 @@ class JobStore:
         return job_id, False
 
     async def _check_room(self, num_bytes: int) -> None:
-        """Raises StoreFull when Redis, with `num_bytes` more, would hold more than
-        SUBMIT_MEMORY_SHARE of its `maxmemory` (none set: no check)."""
+        """Raises StoreFull when Redis, with what it holds, the reservations of the jobs not
+        ended and `num_bytes` more, would pass SUBMIT_MEMORY_SHARE of its `maxmemory` (none
+        set: no check); JobTooLarge when `num_bytes` alone would."""
         try:
             memory = await self.client.info("memory")
         except NoPermissionError:  # an ACL of before INFO (README: ACL LOAD on upgrades)
             log.warning("job store: INFO refused by Redis's ACL; new jobs are not held to room")
             return
         limit = int(memory.get("maxmemory", 0))
+        if not limit:
+            return
+        room = int(SUBMIT_MEMORY_SHARE * limit)
+        if num_bytes > room:
+            raise JobTooLarge(f"{num_bytes} bytes; the job store takes at most {room} a job")
         used = int(memory.get("used_memory", 0))
-        if limit and used + num_bytes > SUBMIT_MEMORY_SHARE * limit:
-            raise StoreFull(f"{used + num_bytes} bytes of the job store's {limit}")
+        reserved = max(0, int(await self.client.get(self.reserved_key) or 0))
+        if used + reserved + num_bytes > room:
+            raise StoreFull(
+                f"{used} bytes held, {reserved} reserved and {num_bytes} asked of the job "
+                f"store's {room}"
+            )
 
     def idempotency_key(self, tenant: str, key: str) -> str:
         """The Redis key of `tenant`'s idempotency key `key`. The tenant percent-encoded:
@@ -312,7 +340,7 @@ class JobStore:
             args += [outcome.index, outcome.payload, f"num_{outcome.status.value}",
                      outcome.code if dead else "", outcome.message if dead else ""]  # fmt: skip
         keys = [key, f"{key}:results", self.queue_key, self.dead_key, f"{key}:items",
-                self._tenant_key(job.tenant)]  # fmt: skip
+                self._tenant_key(job.tenant), self.reserved_key]  # fmt: skip
         if job.idempotency_key:
             keys.append(self.idempotency_key(job.tenant, job.idempotency_key))
         written = await self._record(keys=keys, args=args)

@@ -25,7 +25,13 @@ from redis.exceptions import OutOfMemoryError, RedisError
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
 from services.common.job_records import JobCursor, JobRecord, NewJob, is_job_id
-from services.common.job_store import JobStore, StoreFull, connect_jobs_redis
+from services.common.job_store import (
+    RESULT_OVERHEAD_BYTES,
+    JobStore,
+    JobTooLarge,
+    StoreFull,
+    connect_jobs_redis,
+)
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
@@ -205,6 +211,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
                 items=items,
                 idempotency_key=idempotency_key,
                 complete_by_s=complete_by_s,
+                result_bytes=len(items) * (max(0, config.output_row_bytes) + RESULT_OVERHEAD_BYTES),
             )
             chunk_size, max_chunk_bytes = self._config.chunk_size, self._config.max_chunk_bytes
             job_id, is_existing = await _stored(
@@ -342,10 +349,14 @@ async def _stored(awaitable: Awaitable[T]) -> T:
     jobs expire or the store grows."""
     try:
         return await awaitable
-    except (OutOfMemoryError, StoreFull):
+    except JobTooLarge as error:
+        raise InvalidInput(
+            f"the job's items and expected results take {error}: submit fewer items"
+        ) from None
+    except (OutOfMemoryError, StoreFull) as error:
         raise Overloaded(
-            "the job store is full (Redis near its memory cap): retry once jobs have finished "
-            "and expired, or submit fewer items",
+            f"the job store is full (Redis near its memory cap: {error}): retry once jobs "
+            "have finished and expired, or submit fewer items",
             retry_after_s=STORE_FULL_RETRY_S,
         ) from None
     except (RedisError, OSError) as error:

@@ -23,7 +23,12 @@ import redis.asyncio as aioredis
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
-from services.common.job_store import GROUP, JobStore
+from services.common.job_store import (
+    GROUP,
+    RESULT_OVERHEAD_BYTES,
+    SUBMIT_MEMORY_SHARE,
+    JobStore,
+)
 from services.common.priority import PriorityClass
 from services.common.redis_acl import JOBS
 from services.common.tensors import tensor_from_pb
@@ -942,16 +947,16 @@ async def test_a_streamed_job_is_bounded_by_its_bytes(fabric: Fabric) -> None:
 async def test_a_job_the_full_store_refuses_is_resource_exhausted_with_a_hint(
     fabric: Fabric,
 ) -> None:
-    """Past half of Redis's `maxmemory` (as deployed, with nothing evicted) new jobs are
-    refused, RESOURCE_EXHAUSTED with a retry hint (before, UNAVAILABLE, which clients resend
-    at once), and nothing of them is kept; the jobs accepted before still finish: their
-    results have the other half (before, Redis at its cap refused their results too, and jobs
-    that never finished never expired; review findings)."""
+    """Past three quarters of Redis's `maxmemory` (as deployed, with nothing evicted) new
+    jobs are refused, RESOURCE_EXHAUSTED with a retry hint (before, UNAVAILABLE, which clients
+    resend at once), and nothing of them is kept; the jobs accepted before still finish: their
+    results have the room they reserved (before, Redis at its cap refused their results too,
+    and jobs that never finished never expired; review findings)."""
     admin = aioredis.Redis.from_url(fabric.redis.url)
     kept = await fabric.submit(texts_of(3), key="once")
     try:
         used = int((await admin.info("memory"))["used_memory"])
-        await admin.config_set("maxmemory", str(int(used * 1.6)))  # used: 62% of it
+        await admin.config_set("maxmemory", str(int(used * 1.2)))  # used: 83% of it
         with pytest.raises(grpc.aio.AioRpcError) as full:
             await fabric.submit(["y"] * 10)
         # A resend of the kept job (its answer lost) still gets its id, however full.
@@ -967,6 +972,40 @@ async def test_a_job_the_full_store_refuses_is_resource_exhausted_with_a_hint(
     assert float(hints[RETRY_AFTER_MS_KEY]) > 0
     assert finished.state == jobs.JOB_STATE_SUCCEEDED
     assert await fabric.job_ids() == [kept]
+
+
+async def test_a_job_reserves_its_results_room_until_it_ends(fabric: Fabric) -> None:
+    """Counted by their items alone (a few bytes each), jobs accepted back to back filled
+    Redis with their results (1.5 KB an item for minilm): a result Redis refused at its cap
+    was run again and again, and its job never ended (review finding). A job now reserves
+    what its results are expected to take, until its every item has one: a second job that
+    would pass the room with the first's reservation is refused; once the first ends its
+    reservation is given back."""
+    admin = aioredis.Redis.from_url(fabric.redis.url)
+    per_item = 384 * 4 + RESULT_OVERHEAD_BYTES  # minilm's [384] FP32 a row
+    try:
+        used = int((await admin.info("memory"))["used_memory"])
+        room = used + int(1.5 * 200 * per_item)  # one job of 200 items, not two
+        await admin.config_set("maxmemory", str(int(room / SUBMIT_MEMORY_SHARE) + 1))
+        first = await fabric.submit(texts_of(200))
+        assert int(await admin.get(fabric.store.reserved_key)) == 200 * per_item
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            await fabric.submit(texts_of(200))
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "reserved" in (full.value.details() or "")
+        # A job that alone would pass the room is told so, not to retry.
+        with pytest.raises(grpc.aio.AioRpcError) as too_large:
+            await fabric.submit(texts_of(2_000))
+        assert too_large.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "submit fewer items" in (too_large.value.details() or "")
+    finally:
+        await admin.config_set("maxmemory", "0")
+    fabric.start_runner("runner-1")
+    assert (await fabric.finished(first)).state == jobs.JOB_STATE_SUCCEEDED
+    assert int(await admin.get(fabric.store.reserved_key)) == 0
+    assert await admin.hget(fabric.store.job_key(first), "reserved") == b"0"
+    assert await fabric.job_ids() == [first]
+    await admin.aclose()
 
 
 async def test_a_stream_that_changes_its_header_or_has_no_items_persists_nothing(
