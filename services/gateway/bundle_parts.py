@@ -147,9 +147,9 @@ def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> list[Ca
             if not entry.future.done():
                 entry.future.set_result(result)
         elif not entry.future.done():
-            error = UpstreamError.from_status(status.code, status.message, status.trailers)
-            if error.is_not_started and not entry.is_resent and entry.deadline_s > now_s:
+            refused = UpstreamError.from_status(status.code, status.message, status.trailers)
+            if refused.is_not_started and not entry.is_resent and entry.deadline_s > now_s:
                 again.append(entry)
             else:
-                entry.future.set_exception(error)
+                entry.future.set_exception(refused)
     return again
