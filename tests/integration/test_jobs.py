@@ -36,6 +36,7 @@ from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
 from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
+from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
 from services.pb.inference.v1 import types_pb2
@@ -760,6 +761,14 @@ async def test_another_tenants_job_is_not_found(fabric: Fabric) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as empty:
         await fabric.jobs.SubmitJob(jobs.SubmitJobRequest(model_name="minilm"), metadata=AS_A)
     assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # An item with no payload: refused at submit, where each was run, failed and run alone.
+    hollow = jobs.SubmitJobRequest(
+        model_name="minilm", items=[*text_items(["a"]), api.PredictInput()]
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await fabric.jobs.SubmitJob(hollow, metadata=AS_A)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "item 1 has no payload" in (refused.value.details() or "")
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
         await fabric.submit(texts_of(1), metadata=())
     assert unknown.value.code() == grpc.StatusCode.UNAUTHENTICATED
