@@ -41,6 +41,10 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
     #: Per submit call: when it arrived and the texts it streamed.
     submits: list[tuple[float, list[str]]] = field(default_factory=list)
     gets: int = 0
+    #: Results streams that end `code` after `per_stream` results; the index each began at.
+    broken_streams: int = 0
+    per_stream: int = 10
+    result_streams: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def SubmitJobStream(
@@ -60,6 +64,19 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
             self.gets += 1
             self._maybe_refuse(self.gets, context)
         return jobs.Job(job_id=request.job_id, state=jobs.JOB_STATE_RUNNING, num_items=25)
+
+    def GetJobResults(
+        self, request: jobs.GetJobResultsRequest, context: Any
+    ) -> Iterator[jobs.JobItemResult]:
+        """Every result from the index asked; the first `broken_streams` streams end
+        `code` after `per_stream` results."""
+        with self.lock:
+            self.result_streams.append(request.start_index)
+            breaks = len(self.result_streams) <= self.broken_streams
+        for sent, index in enumerate(range(request.start_index, len(TEXTS))):
+            if breaks and sent == self.per_stream:
+                context.abort(self.code, "gateway restarting")
+            yield jobs.JobItemResult(index=index, status=jobs.ITEM_STATUS_OK)
 
     def _maybe_refuse(self, num_calls: int, context: Any) -> None:
         if num_calls <= self.refusals:
@@ -159,3 +176,27 @@ def test_a_closed_clients_job_calls_fail_cancelled_unsent(serve: Any) -> None:
             call()
         assert raised.value.code == "CANCELLED"
     assert (servicer.submits, servicer.gets) == ([], 0)
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED])
+def test_a_results_stream_broken_after_results_came_is_opened_again_from_the_next(
+    serve: Any, code: grpc.StatusCode
+) -> None:
+    """A gateway restarting, or results slower to read than the client's timeout, ended the
+    call partway with what it had brought; the caller had to find the index to go on from
+    (review finding). The client opens the stream again from the next index."""
+    servicer = RefusingJobs(code=code, broken_streams=2, per_stream=10)
+    with Client(serve(servicer), timeout_s=10) as client:
+        results = list(client.jobs().results("job-1"))
+    assert [r.index for r in results] == list(range(25))
+    assert servicer.result_streams == [0, 10, 20]
+
+
+def test_a_results_stream_broken_before_any_result_fails_the_call(serve: Any) -> None:
+    """Opened again only where the stream brought results: one that brought none is the
+    caller's to hear of, not to be opened for ever."""
+    servicer = RefusingJobs(code=grpc.StatusCode.UNAVAILABLE, broken_streams=5, per_stream=0)
+    with Client(serve(servicer), timeout_s=10) as client, pytest.raises(FabricError) as failed:
+        list(client.jobs().results("job-1"))
+    assert failed.value.code == "UNAVAILABLE"
+    assert servicer.result_streams == [0]

@@ -41,6 +41,8 @@ _STATES = {value: name.removeprefix("JOB_STATE_").lower()
 _ITEM_STATUSES = {value: name.removeprefix("ITEM_STATUS_").lower()
                   for name, value in jobs.ItemStatus.items()}  # fmt: skip
 TERMINAL_STATES = frozenset({"succeeded", "partially_failed", "failed", "cancelled"})
+#: How a results stream that brought results may end and be opened again from the next index.
+_RESUMED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
 #: Texts per SubmitJobStream message: short texts make messages of tens of KB, far below the
 #: 4 MiB default limit, and the gateway counts them against its max items as they arrive.
 ITEMS_PER_MESSAGE = 1_000
@@ -160,7 +162,10 @@ class Jobs:
     def results(
         self, job_id: str, *, start_index: int = 0, wait: bool = False, poll_s: float = 0.5
     ) -> Iterator[ItemResult]:
-        """Results from `start_index` in input order; with `wait`, until every item is in."""
+        """Results from `start_index` in input order; with `wait`, until every item is in. A
+        stream that ends UNAVAILABLE or DEADLINE_EXCEEDED (a gateway restarting, results
+        slower to read than the client's timeout) after results came is opened again from the
+        next index: only a stream that brought none fails the call."""
         index = start_index
         while True:
             if self._is_closed():
@@ -169,6 +174,7 @@ class Jobs:
             stream = self._stub.GetJobResults(
                 request, timeout=self._timeout_s, metadata=self._metadata
             )
+            opened_at = index
             try:
                 for result in stream:
                     index = result.index + 1
@@ -176,6 +182,8 @@ class Jobs:
                     yield ItemResult(result.index, _ITEM_STATUSES[result.status], output,
                                      result.code, result.message, result.num_attempts)  # fmt: skip
             except grpc.RpcError as error:
+                if index > opened_at and error.code() in _RESUMED:  # type: ignore[attr-defined]
+                    continue  # from the next index, at once
                 raise FabricError.from_rpc(error) from None
             finally:  # the caller stopped reading: the server's stream stops now, not at GC
                 stream.cancel()
