@@ -49,7 +49,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.job_policy import ItemStatus, chunk_ends, chunk_ranges
 from services.common.job_records import (
@@ -186,7 +188,14 @@ class JobStore:
         has_key = "1" if job.idempotency_key else "0"
         ends = chunk_ends([len(item) for item in job.items], chunk_size, max_chunk_bytes)
         args: list[str | int | float] = [job_id, created_s, has_key, job.result_bytes, *ends]
-        winner = (await self._enqueue(keys=keys, args=args)).decode()
+        try:
+            winner = (await self._enqueue(keys=keys, args=args)).decode()
+        except (RedisTimeoutError, RedisConnectionError):
+            # Its reply lost, the script may have run: a job it enqueued is answered, not
+            # refused UNAVAILABLE (resent without an idempotency key, it would run twice).
+            if await self.client.zscore(self._tenant_key(job.tenant), job_id) is None:
+                raise
+            return job_id, False
         if winner != job_id:
             await self.client.delete(key, f"{key}:items")
             return winner, True

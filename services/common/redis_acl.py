@@ -49,7 +49,7 @@ ROLES = (ADMIN, ROUTER, WORKER, GATEWAY, JOBS)
 JOB_COMMANDS = (
     "evalsha", "eval", "script|load", "get", "set", "persist", "expire", "del", "rpush",
     "lrange", "hset", "hsetnx", "hincrby", "hgetall", "hmget", "zadd", "zrevrange", "zrange",
-    "zrem", "exists", "info", "incrby", "decrby",
+    "zrem", "zscore", "exists", "info", "incrby", "decrby",
     "xadd",
     "xreadgroup", "xautoclaim", "xclaim", "xack", "xdel", "xgroup|create", "xinfo|groups",
     "xinfo|consumers", "xgroup|delconsumer",

@@ -14,15 +14,18 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
+from services.common.job_records import NewJob
 from services.common.job_store import (
     GROUP,
     RESULT_OVERHEAD_BYTES,
@@ -1107,3 +1110,39 @@ async def test_command_line_submits_a_file_and_writes_its_results_in_order(
     assert all(r["status"] == "ok" for r in results)
     for result, text in zip(results, texts, strict=True):
         np.testing.assert_array_equal(np.array(result["embedding"], "<f4"), expected_output(text))
+
+
+async def test_a_submission_whose_enqueue_reply_is_lost_is_answered_with_its_job(
+    redis_server: RedisServer,
+) -> None:
+    """The enqueue script ran but its reply was lost (a timeout, a dropped connection): the
+    job is enqueued, and the submission answers with it, where it failed UNAVAILABLE, "safe to
+    retry", and a client resending without an idempotency key ran every item twice (review
+    finding). Lost before the script ran, the submission still fails."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    store = JobStore(client)
+    enqueue = store._enqueue
+
+    async def reply_lost(**kwargs: Any) -> Any:
+        await enqueue(**kwargs)
+        raise redis.exceptions.TimeoutError("Timeout reading from socket")
+
+    async def never_ran(**kwargs: Any) -> Any:
+        raise redis.exceptions.ConnectionError("Connection reset by peer")
+
+    def new_job() -> NewJob:
+        return NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
+
+    try:
+        store._enqueue = reply_lost
+        job_id, is_existing = await store.submit(new_job(), chunk_size=1)
+        assert not is_existing
+        record = await store.get(job_id)
+        assert record is not None and record.num_items == 2
+        assert await client.xlen(store.queue_key) == 2  # its chunks, enqueued once
+        store._enqueue = never_ran
+        with pytest.raises(redis.exceptions.ConnectionError):
+            await store.submit(new_job(), chunk_size=1)
+        assert await client.xlen(store.queue_key) == 2
+    finally:
+        await client.aclose()
