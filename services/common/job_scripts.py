@@ -5,7 +5,8 @@ item's result is written and counted once, and a job gone (expired) is never bro
 # KEYS: job hash, items list, idempotency key, queue, the tenant's job list, the store's
 # reserved bytes; ARGV: job id, created time (the list's score), '1' to claim the idempotency
 # key, the bytes its results are expected to take (reserved until it ends: the job's
-# `reserved` field, counted in the store's), then where each chunk ends (item indices,
+# `reserved` field, counted in the store's; none where Redis's ACL, not yet loaded after an
+# upgrade, refuses INCRBY), then where each chunk ends (item indices,
 # ascending; job_policy.chunk_ends). Returns the job id the key names (another's, if it named
 # one first).
 ENQUEUE = """
@@ -17,9 +18,8 @@ end
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
 local reserved = tonumber(ARGV[4])
-if reserved > 0 then
+if reserved > 0 and type(redis.pcall('INCRBY', KEYS[6], reserved)) == 'number' then
   redis.call('HSET', KEYS[1], 'reserved', reserved)
-  redis.call('INCRBY', KEYS[6], reserved)
 end
 local start = 0
 for i = 5, #ARGV do

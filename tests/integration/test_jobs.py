@@ -33,7 +33,7 @@ from services.common.job_store import (
     JobStore,
 )
 from services.common.priority import PriorityClass
-from services.common.redis_acl import JOBS
+from services.common.redis_acl import JOB_COMMANDS, JOBS
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
@@ -1146,3 +1146,28 @@ async def test_a_submission_whose_enqueue_reply_is_lost_is_answered_with_its_job
         assert await client.xlen(store.queue_key) == 2
     finally:
         await client.aclose()
+
+
+async def test_a_store_whose_acl_predates_reservations_still_takes_jobs(
+    redis_server: RedisServer,
+) -> None:
+    """Redis reads its ACL at start: until an upgrade's is loaded, INCRBY is refused. The
+    enqueue then reserves nothing, and the job is taken, where the script failed and every
+    submission was UNAVAILABLE until the ACL was loaded."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    before = [c for c in JOB_COMMANDS if c not in ("incrby", "decrby", "zscore")]
+    allowed = [f"+{command}" for command in ("ping", *before)]
+    await admin.execute_command(
+        "ACL", "SETUSER", "old", "on", ">pw", "resetkeys", "~fabric:*", "-@all", *allowed
+    )
+    client = aioredis.Redis.from_url(f"redis://old:pw@127.0.0.1:{redis_server.port}/0")
+    store = JobStore(client)
+    try:
+        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0, result_bytes=3_200)
+        job_id, _ = await store.submit(job, chunk_size=1)
+        assert await admin.xlen(store.queue_key) == 2
+        assert await admin.hget(store.job_key(job_id), "reserved") is None
+        assert await admin.get(store.reserved_key) is None
+    finally:
+        await client.aclose()
+        await admin.aclose()
