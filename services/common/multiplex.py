@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import grpc
@@ -32,6 +32,11 @@ import grpc
 from services.common.bundles import SliceCancels
 from services.common.errors import UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
+from services.common.multiplex_stream import (
+    MuxStream,
+    take_message,
+    timeout_us_of,
+)
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -46,81 +51,9 @@ UNARY_METHOD = "/inference.v1.WorkerService/Infer"
 #: clients spread over new replicas; a stream retired well within that grace never has a
 #: call cut, and its successor lands on the new connection.
 STREAM_MAX_AGE_S = 20.0
-#: Most calls (or results) one stream message carries; the rest go in the next message.
-MAX_CALLS_PER_MESSAGE = 256
-#: Most bytes of calls (or results) one stream message packs together (a bigger one goes
-#: alone): well under the message limit, MAX_MESSAGE_BYTES, which a message of calls that each
-#: fit would otherwise pass, failing every call on its stream.
-MAX_BYTES_PER_MESSAGE = MAX_MESSAGE_BYTES // 4
 #: Largest request (or response) of one call: the message limit, less room for the call's
 #: envelope (its id, metadata, deadline or status). A call past it fails alone.
 MAX_CALL_BYTES = MAX_MESSAGE_BYTES - 64 * 1024
-
-
-def take_message(outbox: list[_T], size_of: Callable[[_T], int]) -> list[_T]:
-    """Removes and returns the first items of `outbox` that one stream message carries: at
-    most MAX_CALLS_PER_MESSAGE, and no more bytes than MAX_BYTES_PER_MESSAGE unless the first
-    alone is bigger."""
-    count, size = 0, 0
-    for item in itertools.islice(outbox, MAX_CALLS_PER_MESSAGE):
-        size += size_of(item)
-        if count and size > MAX_BYTES_PER_MESSAGE:
-            break
-        count += 1
-    taken = outbox[:count]
-    del outbox[:count]
-    return taken
-
-
-_MAX_UINT64 = 2**64 - 1
-
-
-def _timeout_us(timeout_s: float | None) -> int:
-    # 0 on the wire means "no deadline"; a deadline already past is sent as 1 us.
-    # At most what the field holds (a caller's timeout of ages: a deadline none the less).
-    return 0 if timeout_s is None else min(_MAX_UINT64, max(1, round(timeout_s * 1e6)))
-
-
-class _Stream:
-    """One open InferStream: its writer and reader tasks and the calls waiting on it."""
-
-    def __init__(
-        self,
-        call: grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse],
-        name: str,
-        opened_s: float,
-    ) -> None:
-        self.call = call
-        self.name = name
-        self.opened_s = opened_s
-        #: Takes no new calls; half-closes once every call it carries is answered.
-        self.is_retiring = False
-        self.pending: dict[int, asyncio.Future[pb.MuxResult]] = {}
-        self.outbox: list[pb.MuxCall] = []
-        self.cancelled: list[int] = []
-        #: Slices of bundles in flight whose callers stopped waiting.
-        self.cancelled_slices: list[pb.SliceRef] = []
-        self.wake = asyncio.Event()
-        self.broken: str | None = None
-        self.tasks: list[asyncio.Task[None]] = []
-
-    def fail_all(self, reason: str, *, is_not_started: bool = False) -> None:
-        """Fails every call waiting; `is_not_started`: the peer provably ran none of them (as
-        it did not those still in the outbox, never written: always marked so)."""
-        self.broken = reason
-        unsent = {call.call_id for call in self.outbox}
-        self.outbox.clear()
-        for call_id, future in self.pending.items():
-            if not future.done():
-                future.set_exception(
-                    UpstreamError(
-                        grpc.StatusCode.UNAVAILABLE,
-                        f"{self.name}: {reason}",
-                        is_not_started=is_not_started or call_id in unsent,
-                    )
-                )
-        self.pending.clear()
-        self.wake.set()
 
 
 class MultiplexClient:
@@ -153,10 +86,10 @@ class MultiplexClient:
         self._max_age_s = max_age_s
         self._ids = itertools.count(1)
         #: The streams taking new calls, one per slot (None: the next call opens one).
-        self._slots: list[_Stream | None] = [None] * streams
+        self._slots: list[MuxStream | None] = [None] * streams
         self._turns = itertools.count()
         #: Every stream not yet finished: the current one and those retiring.
-        self._streams: list[_Stream] = []
+        self._streams: list[MuxStream] = []
         #: Stream messages written, for tests and metrics: calls / messages is the fan-in.
         self.messages_sent = 0
         self.calls_sent = 0
@@ -181,17 +114,21 @@ class MultiplexClient:
         stream = self._current_stream()
         call_id = next(self._ids)
         loop = asyncio.get_running_loop()
-        self._linger.arrived(time.monotonic())
+        now_s = time.monotonic()
+        self._linger.arrived(now_s)
+        # Made before the call is registered: a call that cannot be made waits on nothing.
+        mux_call = pb.MuxCall(
+            call_id=call_id,
+            request=request,
+            metadata=dict(metadata),
+            timeout_us=timeout_us_of(timeout_s),
+        )
         future: asyncio.Future[pb.MuxResult] = loop.create_future()
         stream.pending[call_id] = future
-        stream.outbox.append(
-            pb.MuxCall(
-                call_id=call_id,
-                request=request,
-                metadata=dict(metadata),
-                timeout_us=_timeout_us(timeout_s),
-            )
-        )
+        stream.outbox.append(mux_call)
+        stream.unsent.add(call_id)
+        if timeout_s is not None:
+            stream.deadlines[call_id] = now_s + timeout_s
         stream.wake.set()
         stop_listening = (
             None
@@ -234,22 +171,31 @@ class MultiplexClient:
                 task.cancel()
         await asyncio.gather(*(t for s in streams for t in s.tasks), return_exceptions=True)
 
-    def _cancel(self, stream: _Stream, call_id: int) -> None:
-        if stream.pending.pop(call_id, None) is not None and stream.broken is None:
-            stream.cancelled.append(call_id)
-            stream.wake.set()
+    def _cancel(self, stream: MuxStream, call_id: int) -> None:
+        if stream.pending.pop(call_id, None) is None or stream.broken is not None:
+            return
+        stream.deadlines.pop(call_id, None)
+        if call_id in stream.unsent:  # never left: the peer need not hear of it
+            stream.unsent.discard(call_id)
+            stream.num_gone += 1
+            if stream.num_gone * 2 > len(stream.outbox):  # behind a stalled write: freed
+                stream.outbox[:] = [c for c in stream.outbox if c.call_id in stream.unsent]
+                stream.num_gone = 0
+            return
+        stream.cancelled.append(call_id)
+        stream.wake.set()
 
-    def _cancel_slice(self, stream: _Stream, call_id: int, index: int) -> None:
+    def _cancel_slice(self, stream: MuxStream, call_id: int, index: int) -> None:
         if call_id in stream.pending and stream.broken is None:
             stream.cancelled_slices.append(pb.SliceRef(call_id=call_id, slice=index))
             stream.wake.set()
 
-    def _retire(self, stream: _Stream) -> None:
+    def _retire(self, stream: MuxStream) -> None:
         self._slots = [None if s is stream else s for s in self._slots]
         stream.is_retiring = True
         stream.wake.set()
 
-    def _current_stream(self) -> _Stream:
+    def _current_stream(self) -> MuxStream:
         loop = asyncio.get_running_loop()
         slot = next(self._turns) % len(self._slots)
         stream = self._slots[slot]
@@ -258,7 +204,7 @@ class MultiplexClient:
                 return stream
             stream.is_retiring = True
             stream.wake.set()
-        stream = self._slots[slot] = _Stream(self._open_stream(), self._name, time.monotonic())
+        stream = self._slots[slot] = MuxStream(self._open_stream(), self._name, time.monotonic())
         self._streams = [s for s in self._streams if not all(t.done() for t in s.tasks)]
         self._streams.append(stream)
         stream.tasks = [
@@ -267,7 +213,7 @@ class MultiplexClient:
         ]
         return stream
 
-    async def _write(self, stream: _Stream) -> None:
+    async def _write(self, stream: MuxStream) -> None:
         try:
             while stream.broken is None:
                 await stream.wake.wait()
@@ -285,13 +231,18 @@ class MultiplexClient:
                 while stream.outbox or stream.cancelled or stream.cancelled_slices:
                     calls = take_message(stream.outbox, _request_bytes)
                     # Calls cancelled before they left need not leave at all.
-                    calls = [c for c in calls if c.call_id in stream.pending]
+                    calls = [c for c in calls if c.call_id in stream.unsent]
+                    now_s = time.monotonic()
+                    for c in calls:  # its time left as it leaves
+                        stream.unsent.discard(c.call_id)
+                        if (deadline_s := stream.deadlines.pop(c.call_id, None)) is not None:
+                            c.timeout_us = timeout_us_of(deadline_s - now_s)
                     cancelled, stream.cancelled = stream.cancelled, []
                     # A slice's cancel waits for its call to leave (the peer drops the cancels
                     # of calls it has not read).
                     slices, stream.cancelled_slices = stream.cancelled_slices, []
-                    if slices and stream.outbox:
-                        unsent = {c.call_id for c in stream.outbox}
+                    if slices and stream.unsent:
+                        unsent = stream.unsent
                         stream.cancelled_slices = [r for r in slices if r.call_id in unsent]
                         slices = [r for r in slices if r.call_id not in unsent]
                     if not calls and not cancelled and not slices:
@@ -303,6 +254,7 @@ class MultiplexClient:
                         await stream.call.write(message)
                     except Exception:  # refused (finished, or grpc's send op failed): the
                         stream.outbox[:0] = calls  # peer has none of it, as of those queued
+                        stream.unsent.update(c.call_id for c in calls)
                         raise
                     self.messages_sent += 1
                     self.calls_sent += len(calls)
@@ -318,7 +270,7 @@ class MultiplexClient:
             )
             stream.call.cancel()
 
-    async def _read(self, stream: _Stream) -> None:
+    async def _read(self, stream: MuxStream) -> None:
         # A stream that ends cleanly has answered every call the peer read (MultiplexServer's
         # contract), so the calls still waiting were never read there; nor were those of a
         # stream that never found a connection.

@@ -26,7 +26,8 @@ from services.common.errors import (
     MessageTooLarge,
 )
 from services.common.grpc_errors import answerable, is_bug, status_of
-from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD, take_message
+from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD
+from services.common.multiplex_stream import take_message
 from services.common.tracing import (
     context_keys,
     current_while,

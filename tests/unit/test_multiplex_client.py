@@ -9,6 +9,7 @@ controls: what these tests pin down is the client's bookkeeping of what it wrote
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import Any
 
 import grpc
@@ -109,4 +110,62 @@ async def test_a_write_grpc_refused_unsent_leaves_its_calls_not_started(
     client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
     errors = await failures([asyncio.ensure_future(client.call(b"a", timeout_s=5.0))])
     assert [(e.code, e.is_not_started) for e in errors] == [(grpc.StatusCode.UNAVAILABLE, True)]
+    await client.close()
+
+
+async def test_calls_that_time_out_behind_a_stalled_write_are_freed_and_never_cancelled() -> None:
+    """A peer that stops reading holds the writer in a write: the calls made meanwhile time
+    out before they leave. Each stayed in the outbox, its request bytes with it, until the
+    write returned, and its id was then sent as a cancel for a call the peer never had (review
+    finding). They are freed as they time out, and the peer hears nothing of them."""
+    stream = Stream()
+    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
+    first = asyncio.ensure_future(client.call(b"a", timeout_s=5.0))
+    while not stream.messages:  # the writer waits on its write
+        await asyncio.sleep(0)
+    late = [asyncio.ensure_future(client.call(b"b" * 1000, timeout_s=0.01)) for _ in range(100)]
+    errors = await failures(late)
+    assert {e.code for e in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+    (state,) = client._streams
+    assert len(state.outbox) < 10 and not state.unsent and not state.cancelled
+    kept = asyncio.ensure_future(client.call(b"c", timeout_s=5.0))
+    await asyncio.sleep(0)
+    stream.written.set()  # the peer reads again
+    while len(stream.messages) < 2:
+        await asyncio.sleep(0.001)
+    assert [c.request for c in stream.messages[1].calls] == [b"c"]
+    assert list(stream.messages[1].cancelled_call_ids) == []
+    for call in (first, kept):
+        call.cancel()
+    await client.close()
+
+
+async def test_a_call_s_time_left_is_read_as_it_is_written() -> None:
+    """A call waited 0.3 s behind a stalled write: it was sent with the time it had left when
+    it was queued, and the peer worked for a caller about to give up (review finding)."""
+    stream = Stream()
+    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
+    first = asyncio.ensure_future(client.call(b"a", timeout_s=5.0))
+    while not stream.messages:
+        await asyncio.sleep(0)
+    second = asyncio.ensure_future(client.call(b"b", timeout_s=1.0))
+    await asyncio.sleep(0.3)
+    stream.written.set()
+    while len(stream.messages) < 2:
+        await asyncio.sleep(0.001)
+    (sent,) = stream.messages[1].calls
+    assert 0 < sent.timeout_us <= 750_000, sent.timeout_us
+    for call in (first, second):
+        call.cancel()
+    await client.close()
+
+
+async def test_a_call_that_cannot_be_made_leaves_nothing_waiting() -> None:
+    """Its message failed to build after its future was registered: a future nobody awaits
+    kept the stream from ever half-closing and its link from being pruned (review finding)."""
+    stream = Stream()
+    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
+    with pytest.raises(OverflowError):  # a timeout of ages: no deadline the field holds
+        await client.call(b"a", timeout_s=math.inf)
+    assert client.num_pending == 0
     await client.close()
