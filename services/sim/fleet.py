@@ -32,7 +32,7 @@ from services.router.routing import Reject, RejectReason, RetryBudget, RouteTabl
 from services.sim.curve import LatencyCurve
 from services.sim.events import EventLoop
 from services.sim.fleet_config import FleetConfig
-from services.sim.gateway import GatewayAdmission
+from services.sim.gateway import GatewayAdmission, gateway_index
 from services.sim.host import SharedHost
 from services.sim.results import Recorder
 from services.sim.tier_queues import TierQueues
@@ -384,7 +384,7 @@ class Fleet:
     def _gateway_of(self, arrival: Arrival) -> int:
         # The request's gateway, stable for it: its throttle also counts the answer, and its
         # quotas count the call in flight until then.
-        return hash(arrival.at_s) % len(self._throttles)
+        return gateway_index(arrival.at_s, len(self._throttles))
 
     def _gateway(self, arrival: Arrival) -> AdaptiveThrottle:
         return self._throttles[self._gateway_of(arrival)]

@@ -20,6 +20,18 @@ from services.gateway.quotas import TenantQuotas, fleet_shares
 from services.gateway.tenants import TenantPolicy
 from services.sim.traffic import Arrival
 
+#: 2**64 / the golden ratio: multiplying by it spreads every bit of a hash over the high bits.
+_GOLDEN_64 = 0x9E3779B97F4A7C15
+
+
+def gateway_index(at_s: float, num_gateways: int) -> int:
+    """Which of `num_gateways` takes the call arriving at `at_s`: spread evenly as a load
+    balancer would, the same for the same time in every run. `hash(at_s) % n` sent every call
+    of a second to one gateway for any n a power of two (a float's hash is its whole part
+    plus its fraction's bits shifted high)."""
+    mixed = (hash(at_s) * _GOLDEN_64) & 0xFFFF_FFFF_FFFF_FFFF
+    return (mixed * num_gateways) >> 64
+
 
 @dataclass(frozen=True)
 class QuotaRefused:

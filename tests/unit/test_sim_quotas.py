@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from services.gateway.tenants import TenantPolicy
-from services.sim.gateway import GatewayAdmission, QuotaRefused
+from services.sim.gateway import GatewayAdmission, QuotaRefused, gateway_index
 from services.sim.report import format_table
 from services.sim.scenario import parse_scenario
 from services.sim.shards import shard_of
@@ -184,3 +184,29 @@ def test_a_shard_enforces_its_part_of_each_fleet_wide_limit() -> None:
     scenario = make_scenario(fleet={"workers": 2, "cell_size": 1}, tenants=tenants)
     policy = shard_of(scenario, 0, 2).fleet.tenants["b"]
     assert (policy.requests_per_s, policy.rows_per_s, policy.max_concurrency) == (100, 150, 3)
+
+
+def test_calls_spread_evenly_over_the_gateways_within_every_second() -> None:
+    """A float's hash is its whole part plus its fraction's bits shifted high, so `hash(t) %
+    n` sent every call of a second to gateway `floor(t) % n` for any n a power of two (review
+    finding): with tenant quotas split by demand, each second's gateway held only its floor
+    share and refused most of the second's calls."""
+    times = [i / 1000 + 0.0001 * (i % 7) for i in range(5_000)]  # 1,000 calls a second
+    for num_gateways in (2, 3, 4, 8):
+        per_second = [[0] * num_gateways for _ in range(5)]
+        for at_s in times:
+            per_second[int(at_s)][gateway_index(at_s, num_gateways)] += 1
+        for counts in per_second:
+            assert min(counts) > 0.7 * 1_000 / num_gateways, (num_gateways, counts)
+    assert gateway_index(1.5, 4) == gateway_index(1.5, 4)  # the same call, the same gateway
+
+
+def test_a_limited_tenant_keeps_its_rate_through_two_gateways_as_through_one() -> None:
+    """Its calls split over two gateways, each holding about half its fleet-wide limit: it is
+    refused about what one gateway refuses (before, each second's calls met one gateway)."""
+    tenants = {"b": {"requests_per_s": 200, "burst_s": 0.5}}
+    one = run(make_scenario(tenants=tenants)).summary
+    two = run(make_scenario(tenants=tenants, fleet={"workers": 2, "gateways": 2})).summary
+    assert two["goodput_per_s_by_tenant"]["b"] == pytest.approx(
+        one["goodput_per_s_by_tenant"]["b"], rel=0.15
+    )
