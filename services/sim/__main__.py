@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from services.sim.generation_run import GenerationScenario, run_generation
@@ -30,28 +32,56 @@ from services.sim.simulation import Scenario, run
 from services.sim.sweep import format_sweep, sweep
 
 
+def _number(low: float, *, is_open: bool) -> Callable[[str], float]:
+    """An argparse type: a finite number above `low` (`is_open`) or at least it."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < low or (is_open and value == low):
+            raise argparse.ArgumentTypeError(
+                f"{text}: a finite number {'>' if is_open else '>='} {low:g}"
+            )
+        return value
+
+    return parse
+
+
+_POSITIVE = _number(0.0, is_open=True)
+_AT_LEAST_0 = _number(0.0, is_open=False)
+
+
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text}: at least 1")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m services.sim", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     run_cmd = commands.add_parser("run", help="simulate one scenario file")
     run_cmd.add_argument("scenario", type=Path)
     run_cmd.add_argument("--out", type=Path, help="directory for summary.json and CSV series")
-    run_cmd.add_argument("--duration-s", type=float, help="override the scenario's duration")
+    run_cmd.add_argument("--duration-s", type=_POSITIVE, help="override the scenario's duration")
     run_cmd.add_argument(
-        "--shards", type=int, default=1, help="split a fixed fleet over N processes (shards.py)"
+        "--shards", type=_count, default=1, help="split a fixed fleet over N processes (shards.py)"
     )
     plan_cmd = commands.add_parser("plan", help="fewest workers meeting the scenario's SLO")
     plan_cmd.add_argument("scenario", type=Path)
     plan_cmd.add_argument("--percentile", type=float, default=99.0, choices=(50.0, 90.0, 99.0))
-    plan_cmd.add_argument("--headroom", type=float, default=0.2, help="extra load, 0.2 = 20%%")
-    plan_cmd.add_argument("--max-workers", type=int, default=512)
-    plan_cmd.add_argument("--duration-s", type=float, help="override the scenario's duration")
     plan_cmd.add_argument(
-        "--gateway-rps", type=float, help="requests/s one gateway serves (fleet.gateway_rps)"
+        "--headroom", type=_AT_LEAST_0, default=0.2, help="extra load, 0.2 = 20%%"
+    )
+    plan_cmd.add_argument("--max-workers", type=_count, default=512)
+    plan_cmd.add_argument("--duration-s", type=_POSITIVE, help="override the scenario's duration")
+    plan_cmd.add_argument(
+        "--gateway-rps", type=_POSITIVE, help="requests/s one gateway serves (fleet.gateway_rps)"
     )
     sweep_cmd = commands.add_parser("sweep", help="one run per value of --set, the best marked")
     sweep_cmd.add_argument("scenario", type=Path)
-    sweep_cmd.add_argument("--duration-s", type=float, help="override the scenario's duration")
+    sweep_cmd.add_argument("--duration-s", type=_POSITIVE, help="override the scenario's duration")
     for command in (run_cmd, plan_cmd, sweep_cmd):
         command.add_argument(
             "--set",
@@ -90,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args, settings)
         scenario = load_scenario(args.scenario, {k: v[0] for k, v in settings.items()})
+        if args.duration_s is not None:  # checked again against the scenario's warm-up
+            scenario = dataclasses.replace(scenario, duration_s=args.duration_s)
     except (OSError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if args.duration_s is not None:
-        scenario = dataclasses.replace(scenario, duration_s=args.duration_s)
     if isinstance(scenario, GenerationScenario):
         return _run_generation(args, scenario)
     if args.command == "run" and args.shards > 1:
@@ -108,13 +138,17 @@ def main(argv: list[str] | None = None) -> int:
             if not any(p.suffix == ".png" for p in paths):
                 print("no PNG plots: matplotlib is not installed (pip install -e '.[bench]')")
         return 0
-    answer = plan(
-        scenario,
-        percentile=args.percentile,
-        headroom=args.headroom,
-        max_workers=args.max_workers,
-        gateway_rps=args.gateway_rps,
-    )
+    try:
+        answer = plan(
+            scenario,
+            percentile=args.percentile,
+            headroom=args.headroom,
+            max_workers=args.max_workers,
+            gateway_rps=args.gateway_rps,
+        )
+    except ValueError as error:  # what the scenario cannot be planned for, said
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     slo_ms = scenario.model.slo_s * 1e3
     print(format_plan(answer, percentile=args.percentile, headroom=args.headroom, slo_ms=slo_ms))
     return 0 if answer.workers is not None else 1

@@ -36,6 +36,8 @@ class LatencyCurve:
     def __post_init__(self) -> None:
         if not self.points:
             raise ValueError("a latency curve needs at least one point")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"a latency curve's scale must be finite and > 0, got {self.scale}")
         for (bucket, size), seconds in self.points:
             if bucket < 0 or size < 1 or not (math.isfinite(seconds) and seconds > 0):
                 raise ValueError(f"bad curve point: bucket {bucket}, batch {size}, {seconds}s")

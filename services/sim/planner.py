@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ from services.sim.curve import LatencyCurve
 from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
 from services.sim.tier_costs import FleetPlan, fleet_plan
+from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec
 
 
@@ -208,7 +210,7 @@ def _bucket_shares(scenario: Scenario, spec: ModelSpec) -> dict[int, float]:
     shares = defaultdict[int, float](float)
     traffic = scenario.traffic
     if traffic.trace:
-        for arrival in traffic.trace:
+        for arrival in _in_window(scenario):
             if arrival.model == spec.name:
                 shares[spec.bucket_for(arrival.num_tokens)] += 1.0
     for stream in traffic.streams:
@@ -217,8 +219,13 @@ def _bucket_shares(scenario: Scenario, spec: ModelSpec) -> dict[int, float]:
         total = sum(stream.lengths.weights)
         for tokens, weight in zip(stream.lengths.tokens, stream.lengths.weights, strict=True):
             shares[spec.bucket_for(tokens)] += stream.rate_per_s * weight / total
-    grand = sum(shares.values()) or 1.0
-    return {bucket: value / grand for bucket, value in shares.items()}
+    grand = sum(shares.values())
+    return {bucket: value / grand for bucket, value in shares.items() if value > 0}
+
+
+def _in_window(scenario: Scenario) -> Iterator[Arrival]:
+    """The trace's arrivals the scenario replays: those before its end."""
+    return (a for a in scenario.traffic.trace if a.at_s < scenario.duration_s)
 
 
 def _mean_rate(scenario: Scenario, model: str | None = None) -> float:
@@ -226,7 +233,7 @@ def _mean_rate(scenario: Scenario, model: str | None = None) -> float:
     of `model` only if given."""
     traffic = scenario.traffic
     if traffic.trace:
-        count = sum(1 for a in traffic.trace if model is None or a.model == model)
+        count = sum(1 for a in _in_window(scenario) if model is None or a.model == model)
         return count / scenario.duration_s
     streams = [s for s in traffic.streams if model is None or s.model == model]
     steps = 200
@@ -281,6 +288,12 @@ def plan(
     HPA has not yet answered."""
     if percentile not in (50, 90, 99):
         raise ValueError("percentile must be 50, 90 or 99 (the percentiles a run reports)")
+    if not (math.isfinite(headroom) and headroom >= 0):
+        raise ValueError(f"headroom must be finite and >= 0, got {headroom}")
+    if _mean_rate(scenario) <= 0:
+        raise ValueError(
+            f"the scenario offers no requests in its {scenario.duration_s:g} s: nothing to plan"
+        )
     formula = closed_form(scenario, headroom=headroom)
     tiers = tiers_plan(scenario, formula.workers, headroom=headroom)
     if tiers is not None:  # every trial runs the tiers' processes the closed form plans
@@ -295,7 +308,8 @@ def plan(
         )
     rps = scenario.fleet.gateway_rps if gateway_rps is None else gateway_rps
     gateways = gateway_plan(scenario, headroom=headroom, gateway_rps=rps)
-    loaded = dataclasses.replace(scenario, traffic=scenario.traffic.scaled(1.0 + headroom))
+    traffic = scenario.traffic.scaled(1.0 + headroom, seed=scenario.seed)
+    loaded = dataclasses.replace(scenario, traffic=traffic)
     trials: dict[int, tuple[Trial, dict[str, Any]]] = {}
 
     def meets(workers: int) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -54,6 +55,18 @@ class Scenario:
             raise ValueError(f"{len(names)} models and {len(self.curves)} curves: one curve each")
         if len(set(names)) != len(names):
             raise ValueError(f"models {names}: each model once")
+        if not (math.isfinite(self.duration_s) and 0.0 <= self.warmup_s < self.duration_s):
+            raise ValueError(
+                f"warmup_s {self.warmup_s} and duration_s {self.duration_s}: a run records "
+                "what arrives after its warm-up and before its end"
+            )
+        for spec, curve in zip(self.models, self.curves, strict=True):
+            if not set(curve.buckets) & set(spec.length_buckets):
+                raise ValueError(
+                    f"model {spec.name!r}: its curve was measured at buckets "
+                    f"{list(curve.buckets)}, none of its length_buckets "
+                    f"{list(spec.length_buckets)} (every batch would be timed at a default)"
+                )
         offered = {s.model for s in self.traffic.streams} | {a.model for a in self.traffic.trace}
         unknown = sorted(offered - set(names))
         if unknown:

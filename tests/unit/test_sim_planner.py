@@ -3,6 +3,7 @@ taken where the plan holds: the planned count under the scenario's own traffic."
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -109,3 +110,89 @@ def test_the_h200_scenario_plans_from_the_gpu_curve_measured_there() -> None:
     assert curve[(16, 64)] < 4 * curve[(16, 1)]
     answer = plan(scenario, percentile=99, headroom=0.2, max_workers=8)
     assert_fewest_meeting(answer)
+
+
+def steady_trace(rate_per_s: int, seconds: float) -> Traffic:
+    count = int(rate_per_s * seconds)
+    return Traffic(
+        trace=tuple(Arrival(i / rate_per_s, "m", "a", "interactive", 12) for i in range(count))
+    )
+
+
+def test_a_traces_plan_replays_it_with_the_headroom() -> None:
+    """A trace was replayed as recorded whatever the headroom: its trials ran the bare trace
+    while the plan said it held 20% more (review finding). Each arrival is now replayed
+    1 + headroom times on average, drawn from the scenario's seed."""
+    traffic = steady_trace(500, 4.0)
+    scaled = traffic.scaled(1.5, seed=3)
+    assert len(scaled.trace) == pytest.approx(3_000, rel=0.06)
+    assert [a.at_s for a in scaled.trace] == sorted(a.at_s for a in scaled.trace)
+    assert scaled.trace == traffic.scaled(1.5, seed=3).trace != traffic.scaled(1.5, seed=4).trace
+    assert len(traffic.scaled(2.0).trace) == 4_000
+    scenario = dataclasses.replace(make_scenario(), traffic=traffic)
+    answer = plan(scenario, headroom=0.5, max_workers=8)
+    assert answer.offered_per_s == pytest.approx(750, rel=0.06)
+
+
+def test_a_traces_rate_counts_only_what_arrives_before_the_scenarios_end() -> None:
+    """A trace longer than the run was divided by the run's duration whole: a 20 s trace at
+    100/s read as 500/s over a 4 s run (review finding)."""
+    scenario = dataclasses.replace(make_scenario(), traffic=steady_trace(100, 20.0))
+    assert plan(scenario, headroom=0.0, max_workers=8).offered_per_s == pytest.approx(100)
+
+
+def test_a_scenario_offering_nothing_is_refused_with_a_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A stream at rate 0 divided by zero (a traceback); a trace that ends before the run
+    starts planned nothing and said no count met the SLO."""
+    with pytest.raises(ValueError, match="offers no requests"):
+        plan(make_scenario(traffic={"streams": [{"rate_per_s": 0}]}), headroom=0.2)
+    late = Traffic(trace=(Arrival(1e9, "m", "a", "interactive", 12),))
+    with pytest.raises(ValueError, match="offers no requests"):
+        plan(dataclasses.replace(make_scenario(), traffic=late), headroom=0.2)
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
+        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
+        "[[traffic.streams]]\nrate_per_s = 0\n"
+    )
+    assert main(["plan", str(path)]) == 2
+    assert "offers no requests" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("arguments", "said"),
+    [
+        (["--gateway-rps", "0"], "--gateway-rps"),
+        (["--headroom", "nan"], "--headroom"),
+        (["--max-workers", "0"], "--max-workers"),
+        (["--duration-s", "1"], "warmup_s 1"),  # no longer than the warm-up: nothing recorded
+    ],
+)
+def test_bad_plan_arguments_are_refused_in_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], said: str
+) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
+        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
+        "[[traffic.streams]]\nrate_per_s = 100\n"
+    )
+    with contextlib.suppress(SystemExit):
+        assert main(["plan", str(path), *arguments]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err
+
+
+def test_scenarios_that_would_plan_on_nothing_real_are_refused() -> None:
+    """A negative rate subtracted from the others' (under-planning); a curve scale of 0 timed
+    every batch at the floor; a curve measured at buckets none of the model's timed every
+    batch at a 10 ms default (review findings)."""
+    with pytest.raises(ValueError, match="rate_per_s"):
+        make_scenario(traffic={"streams": [{"rate_per_s": -1}]})
+    with pytest.raises(ValueError, match="scale"):
+        make_scenario(curve_scale=0)
+    curve = {"fixed_ms": 5.0, "per_token_us": 20.0, "buckets": [32, 128]}
+    with pytest.raises(ValueError, match="none of its length_buckets"):
+        make_scenario(curve=curve)
