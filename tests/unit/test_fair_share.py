@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import collections
+import itertools
 
 import pytest
 
 from services.gpu_worker.batching import fair_share
 from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.fairness import TenantQueues
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
 
 pytestmark = pytest.mark.unit
+
+KEY = BatchKey(model="m", version="1", fingerprint="f", bucket=16)
 
 
 def test_charges_are_divided_by_weight() -> None:
@@ -92,3 +97,53 @@ def test_a_batchs_rows_are_charged_once_per_tenant_and_weight() -> None:
     assert together.virtual_s("b") == pytest.approx(0.02)
     with pytest.raises(ValueError, match="weight"):
         together.charge_rows([Row("c", 0.0)], 0.01)
+
+
+def test_a_tenant_with_only_batch_rows_queued_holds_no_class_floor_but_its_own() -> None:
+    """J keeps a job's `batch` rows queued (served as backfill, seldom charged) while A and B
+    are served interactive work for a long time. The floor was the least virtual time of any
+    tenant with rows queued: J's. A tenant joining with interactive rows (or J itself) was
+    lifted only to it and took the executor from A and B for as long as that lead lasted
+    (review finding). It joins at the floor of its own class."""
+    interactive, batch = 1, 2
+    ledger = ComputeLedger()
+    ledger.join("j", rank=batch)
+    for tenant in ("a", "b"):
+        ledger.join(tenant, rank=interactive)
+        ledger.charge(tenant, 300.0, weight=1.0)
+    ledger.charge("j", 5.0, weight=1.0)
+    ledger.join("c", rank=interactive)
+    assert ledger.virtual_s("c") == pytest.approx(300.0)
+    ledger.join("j", rank=interactive)  # J's own interactive rows: no lead either
+    assert ledger.virtual_s("j") == pytest.approx(300.0)
+    # A batch newcomer still joins the floor of everything queued at batch or above.
+    ledger.join("k", rank=batch)
+    assert ledger.virtual_s("k") == pytest.approx(300.0)
+
+
+def test_a_newcomer_gets_its_share_of_interactive_batches_beside_a_backfilled_job() -> None:
+    """The same through TenantQueues, as a batcher takes rows: with J's batch rows queued, C
+    joins A and B and gets about a third of the next interactive rows, not all of them."""
+    ledger = ComputeLedger()
+    queues = TenantQueues(ledger)
+    ids = itertools.count()
+
+    def push(tenant: str, priority: int, count: int) -> None:
+        for _ in range(count):
+            queues.push(
+                QueuedItem(next(ids), KEY, tenant, 12, 0.0, 1e9, priority=priority, weight=1.0)
+            )
+
+    push("j", 2, 50)
+    push("a", 1, 400)
+    push("b", 1, 400)
+    for _ in range(20):  # A and B served long: 0.01 s a row
+        ledger.charge_rows(queues.take(16, 0.01), 0.01)
+    push("c", 1, 400)
+    taken = collections.Counter()
+    for _ in range(10):
+        batch = queues.take(12, 0.01)
+        ledger.charge_rows(batch, 0.01)
+        taken.update(item.tenant for item in batch)
+    assert taken["c"] <= 0.5 * sum(taken.values()), taken
+    assert taken["a"] > 0 and taken["b"] > 0, taken

@@ -8,7 +8,12 @@ The scheduler serves the tenant with the least virtual time first.
 
 A tenant with nothing queued must not bank credit: when it queues again, its virtual time is
 lifted to the least virtual time among tenants with queued work (the floor), so idle time is
-never spent later as a burst. Pure: no clock, no I/O.
+never spent later as a burst. The floor is that of the row's priority class: the tenants with
+rows queued at its rank or a more urgent one. A tenant whose only queued rows were `batch`
+work (served as backfill, seldom charged) held the floor of every class down, so a tenant
+joining with interactive rows, or that tenant itself, was lifted only to its virtual time and
+took the executor from steady interactive tenants for as long as that lead lasted. Pure: no
+clock, no I/O.
 """
 
 from __future__ import annotations
@@ -46,7 +51,11 @@ class ComputeLedger:
     def __init__(self) -> None:
         self._virtual_s: dict[str, float] = {}
         self._queued: Counter[str] = Counter()
+        #: Rows queued per priority rank (lower: more urgent) and tenant.
+        self._queued_at: dict[int, Counter[str]] = {}
         self._floor_s = 0.0
+        #: Each rank's floor as it last was (never decreases).
+        self._floors: dict[int, float] = {}
         #: When a row more urgent than `batch` was last queued on the worker, by any of its
         #: batchers: while that is recent, every batcher keeps its backfills short, since the
         #: executor they share cannot be preempted (close_rule.batch_width).
@@ -61,13 +70,20 @@ class ComputeLedger:
         """The tenant's weighted compute so far; a tenant never seen stands at the floor."""
         return self._virtual_s.get(tenant, self._floor_s)
 
-    def floor_s(self) -> float:
-        """The least virtual time among tenants with queued work; with none queued, the floor
-        as it last was. Never decreases."""
+    def floor_s(self, rank: int | None = None) -> float:
+        """The least virtual time among tenants with queued work (at priority `rank` or more
+        urgent, if given); with none queued, the floor as it last was. Never decreases."""
         if self._queued:
             least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued)
             self._floor_s = max(self._floor_s, least)
-        return self._floor_s
+        if rank is None:
+            return self._floor_s
+        competing = [t for r, queued in self._queued_at.items() if r <= rank for t in queued]
+        floor_s = max(self._floors.get(rank, 0.0), self._floor_s)
+        if competing:
+            floor_s = max(floor_s, min(self._virtual_s.get(t, floor_s) for t in competing))
+        self._floors[rank] = floor_s
+        return floor_s
 
     def has_queued_other_than(self, tenant: str) -> bool:
         """Whether a tenant other than `tenant` has rows queued, in any batcher sharing the
@@ -75,14 +91,22 @@ class ComputeLedger:
         queued = self._queued
         return len(queued) > 1 or (len(queued) == 1 and tenant not in queued)
 
-    def join(self, tenant: str, rows: int = 1) -> None:
-        """`rows` of the tenant's were queued; a tenant that had none is lifted to the floor."""
-        if self._queued[tenant] == 0:
-            self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), self.floor_s())
+    def join(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
+        """`rows` of the tenant's were queued at priority `rank`; a tenant that had none
+        queued at that rank or a more urgent one is lifted to that rank's floor."""
+        if not any(tenant in queued for r, queued in self._queued_at.items() if r <= rank):
+            self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), self.floor_s(rank))
         self._queued[tenant] += rows
+        self._queued_at.setdefault(rank, Counter())[tenant] += rows
 
-    def leave(self, tenant: str, rows: int = 1) -> None:
-        """`rows` of the tenant's left the queue (dispatched, expired or cancelled)."""
+    def leave(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
+        """`rows` of the tenant's queued at `rank` left the queue (dispatched, expired or
+        cancelled)."""
+        at_rank = self._queued_at.get(rank)
+        if at_rank is not None:
+            at_rank[tenant] -= rows
+            if at_rank[tenant] <= 0:
+                del at_rank[tenant]
         left = self._queued[tenant] - rows
         if left > 0:
             self._queued[tenant] = left

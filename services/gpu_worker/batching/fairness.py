@@ -133,7 +133,7 @@ class TenantQueues:
         self._by_tenant[item.tenant] += 1
         if item.tenant not in self._joined:
             self._joined[item.tenant] = next(self._join_order)
-        self._ledger.join(item.tenant)
+        self._ledger.join(item.tenant, rank=item.priority)
 
     def remove(self, item_id: int) -> QueuedItem | None:
         """Remove one item (cancelled or expired); returns it, or None if it was not queued."""
@@ -190,7 +190,7 @@ class TenantQueues:
         if not self._by_tenant[item.tenant]:
             del self._by_tenant[item.tenant]
             del self._joined[item.tenant]  # rejoins at the back, as in a DRR rotation
-        self._ledger.leave(item.tenant)
+        self._ledger.leave(item.tenant, rank=item.priority)
 
     def _prune(self, heap: list[_Entry]) -> bool:
         """Drop stale entries from the top; True if a live item remains."""
