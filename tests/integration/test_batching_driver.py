@@ -307,6 +307,42 @@ async def test_a_version_warming_up_holds_batches_back_instead_of_timing_them(
     assert harness.metric(names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
 
 
+async def test_a_row_that_cannot_finish_behind_a_long_warm_up_is_refused_at_once(
+    harness: Harness,
+) -> None:
+    """A hot-loaded version's warm-up holds the executor between batches: admission took the
+    executor for idle (no batch runs), queued every row, and each waited out its deadline
+    (review finding). The warm-up is predicted to run as long again as it has: a row whose
+    deadline that would pass is refused at once, with a retry hint (sent elsewhere); one with
+    time to wait still queues and runs once the warm-up is done."""
+    driver = harness.driver
+    driver.watchdog_s = 5.0
+    second = load_backend(harness.backend.version, torch.device("cpu"))
+    started, gate = threading.Event(), threading.Event()
+    warm_up = second.warm_up
+
+    def slow_warm_up() -> None:
+        started.set()
+        gate.wait(timeout=10.0)
+        warm_up()
+
+    second.warm_up = slow_warm_up  # type: ignore[method-assign]
+    adding = asyncio.ensure_future(driver.add_backend(second))
+    try:
+        await eventually(started.is_set, interval_s=0.001, message="warm-up started")
+        harness.clock.now_s += 0.5  # the warm-up ran 0.5 s: predicted free in 0.5 s more
+        with pytest.raises(Overloaded) as refused:
+            await asyncio.wait_for(harness.submit(1, timeout_s=0.2), 0.1)  # at once
+        assert refused.value.retry_after_s > 0
+        waits = asyncio.ensure_future(harness.submit(1, timeout_s=30))
+        await asyncio.sleep(0.05)
+        assert not waits.done()
+    finally:
+        gate.set()
+    await adding
+    assert len(await waits) == 1
+
+
 async def test_a_row_refused_while_a_batch_overruns_its_prediction_gets_a_retry_hint(
     harness: Harness,
 ) -> None:

@@ -7,6 +7,7 @@ past the bound is wedged, and so is every batch behind it."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 
@@ -15,11 +16,23 @@ from services.gpu_worker.batching.watchdog import Watch, within_watchdog
 
 
 class BetweenBatches:
-    def __init__(self, executor: Executor, wake: Wakeup) -> None:
+    def __init__(
+        self, executor: Executor, wake: Wakeup, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._executor = executor
         self._wake = wake  # the driver's loop, told when a work ends
+        self._clock = clock  # the driver's
         #: Works asked for or running.
         self.count = 0
+        #: When the first of the works on the executor now was handed to it (None: none is).
+        self._since_s: float | None = None
+
+    def free_s(self, now_s: float) -> float | None:
+        """When the executor is predicted free of the works on it: as long again as they have
+        run (nothing tells better how long a hot load's warm-up takes); None without any.
+        Admission reads it as it reads a running batch's predicted end: a row that could not
+        finish in time behind it is refused with a hint, not queued to expire."""
+        return None if self._since_s is None else now_s + (now_s - self._since_s)
 
     async def run(
         self,
@@ -38,6 +51,8 @@ class BetweenBatches:
         try:
             while (batch := running_batch()) is not None:
                 await asyncio.wait({batch})
+            if self._since_s is None:
+                self._since_s = self._clock()
             running = asyncio.wrap_future(self._executor.submit(work, *args))
             if watch is None:
                 await asyncio.shield(running)
@@ -53,4 +68,6 @@ class BetweenBatches:
         if work is not None and not work.cancelled():
             work.exception()  # raised to its caller, or to none once the caller was cancelled
         self.count -= 1
+        if not self.count:
+            self._since_s = None
         self._wake.set()

@@ -72,7 +72,7 @@ class BatchingDriver:
         self._item_ids = itertools.count(1)
         self._wake = Wakeup()
         self._running: asyncio.Task[None] | None = None
-        self._between = BetweenBatches(self._executor, self._wake)
+        self._between = BetweenBatches(self._executor, self._wake, clock)
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
@@ -259,19 +259,19 @@ class BatchingDriver:
     def admit_slices(
         self, backend: Backend, asks: Sequence[SliceAsk], *, arrival_s: float | None = None
     ) -> list[Admission | Exception]:
-        """`admit` for a bundle's slices in one pass, reading once what they share (the lane,
-        the clock, the busy time, the forecast): each queued whole or refused alone (its error
-        in its place); `arrival_s`: `now()` at arrival. Raises what refuses all (`open_lane`)."""
+        """`admit` for a bundle's slices in one pass, what they share read once: each queued
+        whole or refused alone (its error in its place). Raises what refuses all (open_lane)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
+        free_s = self._between.free_s(now) or self._running_until_s  # the executor's
         admission = AdmissionPass(
             now=now,
             busy_s=self._busy_s(now),
             trace_context=current_span_context(),
-            executor_free_s=self._running_until_s,
+            executor_free_s=free_s,
             item_ids=self._item_ids,
             metrics=self._metrics,
-            bound=pass_bound(lane, asks, now, self._running_until_s),
+            bound=pass_bound(lane, asks, now, free_s),
         )
         outcomes: list[Admission | Exception] = []
         for ask in asks:
