@@ -1159,3 +1159,20 @@ def test_max_wait_clamps_at_zero_and_at_the_cap() -> None:
 def test_rejects_invalid_config(overrides: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         make_batcher(**overrides)
+
+
+def test_batch_rows_ride_only_as_far_as_the_urgent_rows_limits_allow() -> None:
+    # GPU-like: 72 ms a batch plus 2 ms a row. Four interactive rows wait behind a batch that
+    # ends at 10 ms, admitted with their deadline just past their own batch (80 ms and the 5 ms
+    # margin). Riders may lengthen a batch by a tenth (4 more rows: 88 ms), which nothing held
+    # to the urgent rows' limits: the batch ended at 98 ms, past their deadline (review
+    # finding). They ride only as far as the limits allow; with room, as before.
+    for deadline_s, size in ((0.096, 4), (1.0, 8)):
+        batcher = make_batcher(latency=linear_latency(0.002, fixed_s=0.072), slo_s=1.0)
+        add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=30.0) for i in range(10)])
+        for i in range(4):
+            row = make_item(item_id=100 + i, priority=INTERACTIVE, deadline_s=deadline_s)
+            assert batcher.add(row, 0.0, executor_free_s=0.01) == Admitted()
+        closing = dispatch_of(batcher.poll(0.01, executor_idle=True))
+        assert ids(closing)[:4] == [100, 101, 102, 103]
+        assert len(closing.items) == size, deadline_s

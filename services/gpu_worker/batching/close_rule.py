@@ -38,13 +38,16 @@ def batch_width(
     limit: int,
     latency: LatencyModel,
     last_urgent_s: float,
+    margin_s: float = 0.0,
 ) -> int:
     """How many rows the next batch of `key` takes (urgent rows first, then `batch` ones), at
     most `limit`: `batch` rows must not cost more urgent rows their latency, and the executor
     cannot be preempted. `last_urgent_s`: when an urgent row last arrived on the worker.
 
     - With urgent rows in the batch, `batch` rows fill it only as far as they lengthen its
-      predicted compute by BATCH_RIDE_SHARE of the urgent rows' alone.
+      predicted compute by BATCH_RIDE_SHARE of the urgent rows' alone, and never past the
+      earliest limit of the rows queued less `margin_s` (admission counted no riders: a
+      row admitted with little room would finish late for them).
     - A batch of `batch` rows only (a backfill), while urgent rows arrived within
       URGENT_RECENT_S, is held to about one urgent row's compute: an urgent row arriving as it
       starts waits for all of it. After a longer silence it is as wide as any batch
@@ -54,6 +57,7 @@ def batch_width(
     urgent = min(queue.items.count_at_most(BATCH_RANK - 1), limit)
     if urgent:
         budget_s = latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
+        budget_s = min(budget_s, queue.earliest_limit_s() - now_s - margin_s)
         return max(urgent, latency.largest_batch_within(key, limit, budget_s))
     if now_s - last_urgent_s >= URGENT_RECENT_S:
         return limit

@@ -339,6 +339,7 @@ class Batcher:
             limit=self.max_batch_size_for(key),
             latency=self._latency,
             last_urgent_s=self._ledger.last_urgent_s,
+            margin_s=self._config.safety_margin_s,
         )
 
     def urgency(self, now_s: float) -> tuple[int, float] | None:
