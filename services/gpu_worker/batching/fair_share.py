@@ -94,19 +94,28 @@ class ComputeLedger:
     def join(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
         """`rows` of the tenant's were queued at priority `rank`; a tenant that had none
         queued at that rank or a more urgent one is lifted to that rank's floor."""
-        if not any(tenant in queued for r, queued in self._queued_at.items() if r <= rank):
+        at_rank = self._queued_at.get(rank)
+        if at_rank is None:
+            at_rank = self._queued_at[rank] = Counter()
+        if not at_rank[tenant] and not self._queued_more_urgent(tenant, rank):
             self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), self.floor_s(rank))
         self._queued[tenant] += rows
-        self._queued_at.setdefault(rank, Counter())[tenant] += rows
+        at_rank[tenant] += rows
+
+    def _queued_more_urgent(self, tenant: str, rank: int) -> bool:
+        if not self._queued[tenant]:
+            return False
+        return any(tenant in queued for r, queued in self._queued_at.items() if r < rank)
 
     def leave(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
         """`rows` of the tenant's queued at `rank` left the queue (dispatched, expired or
         cancelled)."""
         at_rank = self._queued_at.get(rank)
         if at_rank is not None:
-            at_rank[tenant] -= rows
-            if at_rank[tenant] <= 0:
-                del at_rank[tenant]
+            if (left_at_rank := at_rank[tenant] - rows) > 0:
+                at_rank[tenant] = left_at_rank
+            else:
+                at_rank.pop(tenant, None)
         left = self._queued[tenant] - rows
         if left > 0:
             self._queued[tenant] = left
