@@ -272,6 +272,24 @@ async def test_a_drain_cut_short_answers_every_waiting_row_unavailable(harness: 
         gate.set()
 
 
+async def warming_up_behind(harness: Harness, gate: threading.Event) -> asyncio.Future[None]:
+    """A second version of the model added while serving, whose warm-up holds the executor
+    until `gate` is set; returns once the warm-up runs (the future of its `add_backend`)."""
+    second = load_backend(harness.backend.version, torch.device("cpu"))
+    started = threading.Event()
+    warm_up = second.warm_up
+
+    def slow_warm_up() -> None:
+        started.set()
+        gate.wait(timeout=10.0)
+        warm_up()
+
+    second.warm_up = slow_warm_up  # type: ignore[method-assign]
+    adding = asyncio.ensure_future(harness.driver.add_backend(second))
+    await eventually(started.is_set, interval_s=0.001, message="warm-up started")
+    return adding
+
+
 async def test_a_version_warming_up_holds_batches_back_instead_of_timing_them(
     harness: Harness,
 ) -> None:
@@ -284,19 +302,9 @@ async def test_a_version_warming_up_holds_batches_back_instead_of_timing_them(
     # Real seconds, as the watchdog counts them: long enough that the row's own batch, once
     # the warm-up is done, never trips it on a loaded machine.
     driver.watchdog_s = 1.0
-    second = load_backend(harness.backend.version, torch.device("cpu"))
-    started, gate = threading.Event(), threading.Event()
-    warm_up = second.warm_up
-
-    def slow_warm_up() -> None:
-        started.set()
-        gate.wait(timeout=10.0)
-        warm_up()
-
-    second.warm_up = slow_warm_up  # type: ignore[method-assign]
-    adding = asyncio.ensure_future(driver.add_backend(second))
+    gate = threading.Event()
+    adding = await warming_up_behind(harness, gate)
     try:
-        await eventually(started.is_set, interval_s=0.001, message="warm-up started")
         row = asyncio.ensure_future(harness.submit(1, timeout_s=30))
         await asyncio.sleep(2 * driver.watchdog_s)
         assert not row.done()
@@ -317,19 +325,9 @@ async def test_a_row_that_cannot_finish_behind_a_long_warm_up_is_refused_at_once
     time to wait still queues and runs once the warm-up is done."""
     driver = harness.driver
     driver.watchdog_s = 5.0
-    second = load_backend(harness.backend.version, torch.device("cpu"))
-    started, gate = threading.Event(), threading.Event()
-    warm_up = second.warm_up
-
-    def slow_warm_up() -> None:
-        started.set()
-        gate.wait(timeout=10.0)
-        warm_up()
-
-    second.warm_up = slow_warm_up  # type: ignore[method-assign]
-    adding = asyncio.ensure_future(driver.add_backend(second))
+    gate = threading.Event()
+    adding = await warming_up_behind(harness, gate)
     try:
-        await eventually(started.is_set, interval_s=0.001, message="warm-up started")
         harness.clock.now_s += 0.5  # the warm-up ran 0.5 s: predicted free in 0.5 s more
         with pytest.raises(Overloaded) as refused:
             await asyncio.wait_for(harness.submit(1, timeout_s=0.2), 0.1)  # at once
