@@ -99,26 +99,37 @@ def test_a_batchs_rows_are_charged_once_per_tenant_and_weight() -> None:
         together.charge_rows([Row("c", 0.0)], 0.01)
 
 
-def test_a_tenant_with_only_batch_rows_queued_holds_no_class_floor_but_its_own() -> None:
+def test_a_tenant_with_only_batch_rows_queued_holds_no_urgent_floor() -> None:
     """J keeps a job's `batch` rows queued (served as backfill, seldom charged) while A and B
     are served interactive work for a long time. The floor was the least virtual time of any
     tenant with rows queued: J's. A tenant joining with interactive rows (or J itself) was
     lifted only to it and took the executor from A and B for as long as that lead lasted
-    (review finding). It joins at the floor of its own class."""
-    interactive, batch = 1, 2
+    (review finding). Urgent rows join at the floor of the tenants with urgent rows."""
     ledger = ComputeLedger()
-    ledger.join("j", rank=batch)
+    ledger.join("j")
     for tenant in ("a", "b"):
-        ledger.join(tenant, rank=interactive)
+        ledger.join(tenant, is_urgent=True)
         ledger.charge(tenant, 300.0, weight=1.0)
     ledger.charge("j", 5.0, weight=1.0)
-    ledger.join("c", rank=interactive)
+    ledger.join("c", is_urgent=True)
     assert ledger.virtual_s("c") == pytest.approx(300.0)
-    ledger.join("j", rank=interactive)  # J's own interactive rows: no lead either
+    ledger.join("j", is_urgent=True)  # J's own interactive rows: no lead either
     assert ledger.virtual_s("j") == pytest.approx(300.0)
-    # A batch newcomer still joins the floor of everything queued at batch or above.
-    ledger.join("k", rank=batch)
+    # A batch newcomer joins the floor of everything queued, as before.
+    ledger.join("k")
     assert ledger.virtual_s("k") == pytest.approx(300.0)
+
+
+def test_a_tenant_with_urgent_rows_queued_keeps_its_place_when_it_sends_a_critical_one() -> None:
+    """Critical and interactive rows share one floor: T, queued interactive at 50 beside A's
+    critical rows at 80, sending a critical row is not lifted to 80 (a floor per rank lifted
+    it, and its interactive rows fell behind B's)."""
+    ledger = ComputeLedger()
+    for tenant, used_s in (("t", 50.0), ("b", 50.0), ("a", 80.0)):
+        ledger.join(tenant, is_urgent=True)
+        ledger.charge(tenant, used_s, weight=1.0)
+    ledger.join("t", is_urgent=True)
+    assert ledger.virtual_s("t") == pytest.approx(50.0)
 
 
 def test_a_newcomer_gets_its_share_of_interactive_batches_beside_a_backfilled_job() -> None:

@@ -8,12 +8,12 @@ The scheduler serves the tenant with the least virtual time first.
 
 A tenant with nothing queued must not bank credit: when it queues again, its virtual time is
 lifted to the least virtual time among tenants with queued work (the floor), so idle time is
-never spent later as a burst. The floor is that of the row's priority class: the tenants with
-rows queued at its rank or a more urgent one. A tenant whose only queued rows were `batch`
-work (served as backfill, seldom charged) held the floor of every class down, so a tenant
-joining with interactive rows, or that tenant itself, was lifted only to its virtual time and
-took the executor from steady interactive tenants for as long as that lead lasted. Pure: no
-clock, no I/O.
+never spent later as a burst. An urgent row's (critical or interactive) floor is that of the
+tenants with urgent rows queued, and a tenant is lifted when it had none of those. A tenant
+whose only queued rows were `batch` work (served as backfill, seldom charged) held the floor
+down, so a tenant joining with interactive rows, or that tenant itself, was lifted only to its
+virtual time and took the executor from steady interactive tenants for as long as that lead
+lasted. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ class ComputeLedger:
     def __init__(self) -> None:
         self._virtual_s: dict[str, float] = {}
         self._queued: Counter[str] = Counter()
-        #: Rows queued per priority rank (lower: more urgent) and tenant.
-        self._queued_at: dict[int, Counter[str]] = {}
+        #: Rows queued per tenant that are urgent (critical or interactive, not `batch`).
+        self._queued_urgent: Counter[str] = Counter()
         self._floor_s = 0.0
-        #: Each rank's floor as it last was (never decreases).
-        self._floors: dict[int, float] = {}
+        #: The urgent rows' floor as it last was (never decreases).
+        self._urgent_floor_s = 0.0
         #: When a row more urgent than `batch` was last queued on the worker, by any of its
         #: batchers: while that is recent, every batcher keeps its backfills short, since the
         #: executor they share cannot be preempted (close_rule.batch_width).
@@ -70,20 +70,20 @@ class ComputeLedger:
         """The tenant's weighted compute so far; a tenant never seen stands at the floor."""
         return self._virtual_s.get(tenant, self._floor_s)
 
-    def floor_s(self, rank: int | None = None) -> float:
-        """The least virtual time among tenants with queued work (at priority `rank` or more
-        urgent, if given); with none queued, the floor as it last was. Never decreases."""
+    def floor_s(self, *, is_urgent: bool = False) -> float:
+        """The least virtual time among tenants with queued work (with urgent work, if
+        `is_urgent`: critical or interactive rows); with none queued, the floor as it last
+        was. Never decreases."""
         if self._queued:
             least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued)
             self._floor_s = max(self._floor_s, least)
-        if rank is None:
+        if not is_urgent:
             return self._floor_s
-        competing = [t for r, queued in self._queued_at.items() if r <= rank for t in queued]
-        floor_s = max(self._floors.get(rank, 0.0), self._floor_s)
-        if competing:
-            floor_s = max(floor_s, min(self._virtual_s.get(t, floor_s) for t in competing))
-        self._floors[rank] = floor_s
-        return floor_s
+        self._urgent_floor_s = max(self._urgent_floor_s, self._floor_s)
+        if self._queued_urgent:
+            least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued_urgent)
+            self._urgent_floor_s = max(self._urgent_floor_s, least)
+        return self._urgent_floor_s
 
     def has_queued_other_than(self, tenant: str) -> bool:
         """Whether a tenant other than `tenant` has rows queued, in any batcher sharing the
@@ -91,31 +91,25 @@ class ComputeLedger:
         queued = self._queued
         return len(queued) > 1 or (len(queued) == 1 and tenant not in queued)
 
-    def join(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
-        """`rows` of the tenant's were queued at priority `rank`; a tenant that had none
-        queued at that rank or a more urgent one is lifted to that rank's floor."""
-        at_rank = self._queued_at.get(rank)
-        if at_rank is None:
-            at_rank = self._queued_at[rank] = Counter()
-        if not at_rank[tenant] and not self._queued_more_urgent(tenant, rank):
-            self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), self.floor_s(rank))
+    def join(self, tenant: str, rows: int = 1, *, is_urgent: bool = False) -> None:
+        """`rows` of the tenant's were queued (urgent: critical or interactive ones); a
+        tenant that had none queued (none urgent) is lifted to the floor (the urgent one)."""
+        queued = self._queued_urgent if is_urgent else self._queued
+        if not queued[tenant]:
+            floor_s = self.floor_s(is_urgent=is_urgent)
+            self._virtual_s[tenant] = max(self._virtual_s.get(tenant, 0.0), floor_s)
         self._queued[tenant] += rows
-        at_rank[tenant] += rows
+        if is_urgent:
+            self._queued_urgent[tenant] += rows
 
-    def _queued_more_urgent(self, tenant: str, rank: int) -> bool:
-        if not self._queued[tenant]:
-            return False
-        return any(tenant in queued for r, queued in self._queued_at.items() if r < rank)
-
-    def leave(self, tenant: str, rows: int = 1, rank: int = 0) -> None:
-        """`rows` of the tenant's queued at `rank` left the queue (dispatched, expired or
-        cancelled)."""
-        at_rank = self._queued_at.get(rank)
-        if at_rank is not None:
-            if (left_at_rank := at_rank[tenant] - rows) > 0:
-                at_rank[tenant] = left_at_rank
+    def leave(self, tenant: str, rows: int = 1, *, is_urgent: bool = False) -> None:
+        """`rows` of the tenant's (urgent ones, if `is_urgent`) left the queue (dispatched,
+        expired or cancelled)."""
+        if is_urgent:
+            if (left_urgent := self._queued_urgent[tenant] - rows) > 0:
+                self._queued_urgent[tenant] = left_urgent
             else:
-                at_rank.pop(tenant, None)
+                self._queued_urgent.pop(tenant, None)
         left = self._queued[tenant] - rows
         if left > 0:
             self._queued[tenant] = left

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.types import QueuedItem
+from services.gpu_worker.batching.types import BATCH_RANK, QueuedItem
 
 #: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]
@@ -133,7 +133,7 @@ class TenantQueues:
         self._by_tenant[item.tenant] += 1
         if item.tenant not in self._joined:
             self._joined[item.tenant] = next(self._join_order)
-        self._ledger.join(item.tenant, rank=item.priority)
+        self._ledger.join(item.tenant, is_urgent=item.priority < BATCH_RANK)
 
     def remove(self, item_id: int) -> QueuedItem | None:
         """Remove one item (cancelled or expired); returns it, or None if it was not queued."""
@@ -190,7 +190,7 @@ class TenantQueues:
         if not self._by_tenant[item.tenant]:
             del self._by_tenant[item.tenant]
             del self._joined[item.tenant]  # rejoins at the back, as in a DRR rotation
-        self._ledger.leave(item.tenant, rank=item.priority)
+        self._ledger.leave(item.tenant, is_urgent=item.priority < BATCH_RANK)
 
     def _prune(self, heap: list[_Entry]) -> bool:
         """Drop stale entries from the top; True if a live item remains."""
