@@ -19,7 +19,8 @@ redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
 local reserved = tonumber(ARGV[4])
 if reserved > 0 and type(redis.pcall('INCRBY', KEYS[6], reserved)) == 'number' then
-  redis.call('HSET', KEYS[1], 'reserved', reserved)
+  local each = math.floor(reserved / tonumber(redis.call('HMGET', KEYS[1], 'num_items')[1]))
+  redis.call('HSET', KEYS[1], 'reserved', reserved, 'reserve_each', each)
 end
 local start = 0
 for i = 5, #ARGV do
@@ -33,8 +34,9 @@ return ARGV[1]
 # store's reserved bytes[, idempotency key]; ARGV: group, entry id, job id, dead-letter cap,
 # retention seconds (0: forever), job key prefix, then (index, result, counter, code,
 # message)* (code "": not a dead letter). A job gone (expired) records nothing: its entry is
-# only acknowledged. A job whose every item has its result once these are written gives its
-# reservation back, and expires, with its items, results and
+# only acknowledged. Each result written gives its share of the job's reservation back (the
+# rest once every item has its result: results larger than expected are in Redis's memory by
+# then), and a job whose every item has its result expires, with its items, results and
 # idempotency key (if it still names this job), after the retention; and the oldest 64 jobs
 # of its tenant's list are looked at, those gone taken out (each job's end clears up to 64
 # ended before it, so the list holds about the jobs kept). Returns the positions (from 0) of the
@@ -65,14 +67,19 @@ end
 local ttl = tonumber(ARGV[5])
 if #added > 0 then
   local c = redis.call('HMGET', KEYS[1], 'num_items', 'num_ok', 'num_failed', 'num_cancelled',
-                      'reserved')
+                      'reserved', 'reserve_each')
   local done = (tonumber(c[2]) or 0) + (tonumber(c[3]) or 0) + (tonumber(c[4]) or 0)
-  if c[1] and tonumber(c[1]) <= done then
-    local reserved = tonumber(c[5]) or 0
-    if reserved > 0 then
-      redis.call('HSET', KEYS[1], 'reserved', 0)
-      if redis.call('DECRBY', KEYS[7], reserved) < 0 then redis.call('SET', KEYS[7], 0) end
+  local ended = c[1] and tonumber(c[1]) <= done
+  local reserved = tonumber(c[5]) or 0
+  if reserved > 0 then  -- the room of the results written is theirs now; all of it once ended
+    local back = reserved
+    if not ended then back = math.min(reserved, (tonumber(c[6]) or 0) * #added) end
+    if back > 0 then
+      redis.call('HSET', KEYS[1], 'reserved', reserved - back)
+      if redis.call('DECRBY', KEYS[7], back) < 0 then redis.call('SET', KEYS[7], 0) end
     end
+  end
+  if ended then
     if ttl > 0 then
       redis.call('EXPIRE', KEYS[1], ttl)
       redis.call('EXPIRE', KEYS[2], ttl)

@@ -10,9 +10,9 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   started_s, complete_by_s, idempotency_key, cancelled, the counters num_ok, num_failed,
   num_cancelled, `rounds:<start>`: rounds the chunk from item <start> waited for the fleet,
   `fleet_since:<start>`: when the first of them was (seconds since the epoch), and
-  `crashes:<start>`: rounds it failed in a runner with an unexpected error, and `reserved`:
-  the bytes its results were expected to take, held until its every item has a result (0
-  after).
+  `crashes:<start>`: rounds it failed in a runner with an unexpected error, `reserved`: the
+  bytes its results not yet written are expected to take (`reserve_each` a result; 0 once
+  its every item has a result).
 - `<p>:job:<id>:items`: list, item i is the i-th serialized `PredictInput`.
 - `<p>:job:<id>:results`: hash, item index -> serialized `JobItemResult`. Written with HSETNX
   together with its counter (one script): a result, once written, is never overwritten, and
@@ -21,7 +21,9 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
 - `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first; the
   tenant percent-encoded (`:` as `%3A`, `%` as `%25`), so that no two tenants' keys meet.
 - `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
-- `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended. A new job is
+- `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended (a job recorded
+  by a runner of before the reservations never gives its reservation back: roll the runners
+  out before the gateways, or delete this key once they are). A new job is
   taken only while what Redis holds, these and its own items and expected results stay within
   SUBMIT_MEMORY_SHARE of `maxmemory`: counting items alone, jobs accepted back to back filled
   Redis with their results, and a job whose results Redis refused never ended (nor expired).

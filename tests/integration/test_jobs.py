@@ -1012,6 +1012,11 @@ async def test_a_job_reserves_its_results_room_until_it_ends(fabric: Fabric) -> 
         assert "submit fewer items" in (too_large.value.details() or "")
     finally:
         await admin.config_set("maxmemory", "0")
+    # Each result written gives its share back (in Redis's memory then), the rest at the end.
+    record = await fabric.store.get(first)
+    assert record is not None
+    await fabric.store.record(record, [item_result(i, ItemStatus.OK, 1) for i in range(50)])
+    assert int(await admin.get(fabric.store.reserved_key)) == 150 * per_item
     fabric.start_runner("runner-1")
     assert (await fabric.finished(first)).state == jobs.JOB_STATE_SUCCEEDED
     assert int(await admin.get(fabric.store.reserved_key)) == 0
