@@ -1115,6 +1115,11 @@ async def test_command_line_submits_a_file_and_writes_its_results_in_order(
     assert all(r["status"] == "ok" for r in results)
     for result, text in zip(results, texts, strict=True):
         np.testing.assert_array_equal(np.array(result["embedding"], "<f4"), expected_output(text))
+    # A job with nothing finished yet: the file is emptied, not left with the other's results.
+    fabric.target.hold_after_runs = 0  # the runner's calls wait: no result is written
+    waiting = await fabric.submit(texts_of(3))
+    await fabric.cli("job", "results", waiting, "--out", str(out), "--no-wait")
+    assert out.read_text() == ""
 
 
 async def test_a_submission_whose_enqueue_reply_is_lost_is_answered_with_its_job(

@@ -112,7 +112,8 @@ def _write_results(results: Iterator[ItemResult], path: Path, *, is_resumed: boo
     """Writes `results` as JSONL to `path`, appended when `is_resumed`. The file is opened (and
     a fresh one emptied) only once the first result came: a call that fails at once (a job id
     mistyped, the job expired) leaves a file written before as it was, and one that fails
-    later keeps the results received, to resume from with --start-index."""
+    later keeps the results received, to resume from with --start-index. A fresh call that
+    ends without results (none finished yet) leaves an empty file, not an earlier one's."""
     out: TextIO | None = None
     try:
         for result in results:
@@ -127,3 +128,5 @@ def _write_results(results: Iterator[ItemResult], path: Path, *, is_resumed: boo
     finally:
         if out is not None:
             out.close()
+    if out is None and not is_resumed:
+        path.write_text("")
