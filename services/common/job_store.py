@@ -21,9 +21,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
 - `<p>:jobs:idem:<tenant>:<key>`: string, the job id an idempotency key named first; the
   tenant percent-encoded (`:` as `%3A`, `%` as `%25`), so that no two tenants' keys meet.
 - `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
-- `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended (a job recorded
-  by a runner of before the reservations never gives its reservation back: roll the runners
-  out before the gateways, or delete this key once they are). A new job is
+- `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended (a runner older
+  than reservations never gives one back: README, durable jobs). A new job is
   taken only while what Redis holds, these and its own items and expected results stay within
   SUBMIT_MEMORY_SHARE of `maxmemory`: counting items alone, jobs accepted back to back filled
   Redis with their results, and a job whose results Redis refused never ended (nor expired).
@@ -166,8 +165,8 @@ class JobStore:
         idempotency key already used by this tenant, the existing job's id and True. Raises
         StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`."""
         idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
-        if job.idempotency_key and (existing := await self.client.get(idem_key)) is not None:
-            return existing.decode(), True  # a resend: its job exists, however full the store
+        if (existing := await self.job_of_key(job.tenant, job.idempotency_key)) is not None:
+            return existing, True  # a resend: its job exists, however full the store
         await self._check_room(sum(map(len, job.items)) + job.result_bytes)
         job_id = uuid.uuid4().hex
         key = self.job_key(job_id)
@@ -225,6 +224,11 @@ class JobStore:
                 f"{used} bytes held, {reserved} reserved and {num_bytes} asked of the job "
                 f"store's {room}"
             )
+
+    async def job_of_key(self, tenant: str, key: str) -> str | None:
+        """The job `tenant`'s idempotency key `key` names (None: none, or no key)."""
+        existing = await self.client.get(self.idempotency_key(tenant, key)) if key else None
+        return None if existing is None else existing.decode()
 
     def idempotency_key(self, tenant: str, key: str) -> str:
         """The Redis key of `tenant`'s idempotency key `key`. The tenant percent-encoded:

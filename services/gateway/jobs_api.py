@@ -193,6 +193,12 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         priority = principal.policy.priority_for(requested)
         complete_by_s = _complete_by_s(header.complete_by_unix_s)
         idempotency_key = _idempotency_key(header.idempotency_key)
+        if complete_by_s and (past_s := time.time() - complete_by_s) >= 0.0:
+            # A resend of a job whose deadline has since passed still gets its job.
+            job_of_key = self._store.job_of_key(principal.tenant, idempotency_key)
+            if (existing := await _stored(job_of_key)) is None:
+                raise InvalidInput(f"complete_by_unix_s {complete_by_s} passed {past_s:.1f} s ago")
+            return jobs.SubmitJobResponse(job_id=existing, is_existing=True)
         items: list[bytes] = []
         num_bytes = 0  # of the gateway's memory, held until the job is stored
         tenant = principal.tenant
@@ -307,12 +313,11 @@ class JobServicer(jobs_grpc.JobServiceServicer):
 
 
 def _complete_by_s(value: float) -> float:
-    """A submission's completion deadline: 0 (none) or a finite time still to come (a past
-    one would only cancel every item)."""
+    """A submission's completion deadline: 0 (none) or a finite time after the epoch (one
+    already past is refused unless its idempotency key names a job: it would only cancel every
+    item)."""
     if not (value == 0.0 or 0.0 < value < math.inf):
         raise InvalidInput(f"complete_by_unix_s must be 0 (none) or a time, got {value}")
-    if value and (past_s := time.time() - value) >= 0.0:
-        raise InvalidInput(f"complete_by_unix_s {value} passed {past_s:.1f} s ago")
     return value
 
 
