@@ -25,7 +25,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Sequence
-from typing import TypeVar
 
 import grpc
 
@@ -39,8 +38,6 @@ from services.common.multiplex_stream import (
 )
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
 from services.pb.inference.v1 import worker_pb2 as pb
-
-_T = TypeVar("_T")
 
 STREAM_METHOD = "/inference.v1.WorkerService/InferStream"
 #: The unary method each multiplexed call stands for (its server span is named after it).
@@ -177,10 +174,8 @@ class MultiplexClient:
         stream.deadlines.pop(call_id, None)
         if call_id in stream.unsent:  # never left: the peer need not hear of it
             stream.unsent.discard(call_id)
-            stream.num_gone += 1
-            if stream.num_gone * 2 > len(stream.outbox):  # behind a stalled write: freed
+            if 2 * len(stream.unsent) < len(stream.outbox):  # behind a stalled write: freed
                 stream.outbox[:] = [c for c in stream.outbox if c.call_id in stream.unsent]
-                stream.num_gone = 0
             return
         stream.cancelled.append(call_id)
         stream.wake.set()
@@ -241,8 +236,7 @@ class MultiplexClient:
                     # A slice's cancel waits for its call to leave (the peer drops the cancels
                     # of calls it has not read).
                     slices, stream.cancelled_slices = stream.cancelled_slices, []
-                    if slices and stream.unsent:
-                        unsent = stream.unsent
+                    if slices and (unsent := stream.unsent):
                         stream.cancelled_slices = [r for r in slices if r.call_id in unsent]
                         slices = [r for r in slices if r.call_id not in unsent]
                     if not calls and not cancelled and not slices:

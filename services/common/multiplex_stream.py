@@ -65,10 +65,9 @@ class MuxStream:
         self.is_retiring = False
         self.pending: dict[int, asyncio.Future[pb.MuxResult]] = {}
         self.outbox: list[pb.MuxCall] = []
-        #: The ids of the calls in `outbox` still waited for, and how many of its calls are
-        #: not (cancelled before they left: taken out in bulk, `MultiplexClient._cancel`).
+        #: The ids of the calls in `outbox` still waited for (those cancelled before they
+        #: left are taken out in bulk, `MultiplexClient._cancel`).
         self.unsent: set[int] = set()
-        self.num_gone = 0
         #: When each call in `outbox` times out (monotonic seconds): its time left is read
         #: as it is written, not as it was queued.
         self.deadlines: dict[int, float] = {}

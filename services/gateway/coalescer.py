@@ -198,6 +198,7 @@ class Coalescer:
         finally:
             timer.cancel()
             state.in_flight -= 1
+            entry.bundle = None  # no cycle left for the garbage collector: freed as it ends
 
     @property
     def num_keys(self) -> int:

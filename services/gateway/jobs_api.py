@@ -235,10 +235,10 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         `max_items` or `max_bytes`; RESOURCE_EXHAUSTED past what the gateway holds at once."""
         if len(items) + len(message.items) > self._config.max_items:
             raise InvalidInput(f"a job needs 1 to {self._config.max_items} items")
-        for index, item in enumerate(message.items, start=len(items)):
-            if item.WhichOneof("payload") is None:  # each would fail at run time, alone
-                raise InvalidInput(f"item {index} has no payload (text or tensor)")
         added = [item.SerializeToString() for item in message.items]
+        if b"" in added:  # no payload (text or tensor): each would fail at run time, alone
+            index = len(items) + added.index(b"")
+            raise InvalidInput(f"item {index} has no payload (text or tensor)")
         if any(len(item) > self._config.max_item_bytes for item in added):
             raise InvalidInput(
                 f"an item may take at most {self._config.max_item_bytes} bytes (its runner's "

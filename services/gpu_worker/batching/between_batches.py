@@ -27,12 +27,13 @@ class BetweenBatches:
         #: When the first of the works on the executor now was handed to it (None: none is).
         self._since_s: float | None = None
 
-    def free_s(self, now_s: float) -> float | None:
-        """When the executor is predicted free of the works on it: as long again as they have
-        run (nothing tells better how long a hot load's warm-up takes); None without any.
-        Admission reads it as it reads a running batch's predicted end: a row that could not
-        finish in time behind it is refused with a hint, not queued to expire."""
-        return None if self._since_s is None else now_s + (now_s - self._since_s)
+    def free_s(self, now_s: float, batch_end_s: float | None) -> float | None:
+        """When the executor is predicted free: of the works on it, as long again as they have
+        run (nothing tells better how long a hot load's warm-up takes); without any, when the
+        running batch ends (`batch_end_s`; None: nothing runs). Admission reads it as a
+        running batch's predicted end: a row that could not finish in time behind it is
+        refused with a hint, not queued to expire."""
+        return batch_end_s if self._since_s is None else now_s + (now_s - self._since_s)
 
     async def run(
         self,

@@ -263,7 +263,7 @@ class BatchingDriver:
         whole or refused alone (its error in its place). Raises what refuses all (open_lane)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
-        free_s = self._between.free_s(now) or self._running_until_s  # the executor's
+        free_s = self._between.free_s(now, self._running_until_s)  # the executor's
         admission = AdmissionPass(
             now=now,
             busy_s=self._busy_s(now),
@@ -328,14 +328,14 @@ class BatchingDriver:
         for lane, force in turns:
             poll = lane.batcher.poll(now, executor_idle=is_idle, force=force)
             # The batch's rows first: an expired row fails its caller's rows still pending, and
-            # a caller's rows of two buckets may have one in the batch (that row then runs for
-            # no one, as a row whose caller left while it ran).
+            # a caller's rows of two buckets may have one in the batch (it then runs for no one).
             if isinstance(poll.action, Dispatch):
                 self._dispatch(lane, poll.action, now)
                 is_idle = False
             elif (until_s := poll.action.until_s) is not None:
                 wake_at = until_s if wake_at is None else min(wake_at, until_s)
-            lane.fail_expired(poll.expired, now, self._running_until_s, self._metrics)
+            executor_free_s = self._between.free_s(now, self._running_until_s)
+            lane.fail_expired(poll.expired, now, executor_free_s, self._metrics)
             if (gauges_at := lane.refresh_gauges(self._metrics, now)) is not None:
                 wake_at = gauges_at if wake_at is None else min(wake_at, gauges_at)
         return wake_at

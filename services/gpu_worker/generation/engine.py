@@ -213,14 +213,15 @@ class GenerationEngine:
             weight=weight,
             cache_salt=tenant if self._is_cache_per_tenant else "",
         )
-        # Opened before its sequence is queued: a sequence queued with no request would run
-        # unread, never stopped by its max_tokens.
-        request = RequestStream.open(
-            seq_id, params, self.tokenizer, prompt_ids, arrival_s=now, tenant=tenant
-        )
+        request: RequestStream | None = None
         decision: Admitted | Rejected | None = self.scheduler.refusal(sequence)
         if decision is None:
             self._check_first_token(len(prompt_ids), first_token_limit_s)
+            # Opened before its sequence is queued (a sequence queued with no request would run
+            # unread, never stopped by its max_tokens), after what may refuse it.
+            request = RequestStream.open(
+                seq_id, params, self.tokenizer, prompt_ids, arrival_s=now, tenant=tenant
+            )
             decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
             # What can never run with this configuration (empty prompt, past max_model_len,
@@ -228,6 +229,7 @@ class GenerationEngine:
             # not an overload (and is refused before the first token's prediction).
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
+        assert request is not None  # admitted: opened above
         self._requests[seq_id] = request
         return request
 
