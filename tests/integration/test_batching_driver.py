@@ -329,8 +329,8 @@ async def test_a_row_that_cannot_finish_behind_a_long_warm_up_is_refused_at_once
     adding = await warming_up_behind(harness, gate)
     try:
         harness.clock.now_s += 0.5  # the warm-up ran 0.5 s: predicted free in 0.5 s more
-        with pytest.raises(Overloaded) as refused:
-            await asyncio.wait_for(harness.submit(1, timeout_s=0.2), 0.1)  # at once
+        with pytest.raises(Overloaded) as refused:  # at once: nothing queued to wait
+            harness.driver.admit(harness.backend, harness.rows(1), timeout_s=0.2, tenant="t")
         assert refused.value.retry_after_s > 0
         waits = asyncio.ensure_future(harness.submit(1, timeout_s=30))
         await asyncio.sleep(0.05)

@@ -35,6 +35,7 @@ from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.coalescer import Coalescer, max_bundle_rows
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -656,18 +657,21 @@ async def test_a_slice_refused_unstarted_beside_served_mates_is_sent_again_once(
     downstream = Downstream()
     downstream.unstarted = [{1, 2}, set()]
     bundles = coalescer(downstream)
-    answers = await asyncio.gather(*(call(bundles, rows(i)) for i in range(3)))
-    assert [float(a[0][0]) for a in answers] == [0, 2, 4]
-    assert sizes(downstream) == [3, 2]
-    counted = bundles._metrics.router_retries_total.labels("predict")._value.get()
-    assert counted == 1
-    assert bundles._keys[KEY].in_flight == 0 and bundles._keys[KEY].out == 0
-    # Refused unstarted again: once is all, its caller is told.
-    downstream.unstarted = [set(), set(), {0}, {0}]
-    with pytest.raises(UpstreamError) as raised:
-        await asyncio.gather(call(bundles, rows(5)), call(bundles, rows(6)))
-    assert raised.value.code == grpc.StatusCode.UNAVAILABLE
-    assert sizes(downstream) == [3, 2, 2, 1]
+    try:
+        answers = await asyncio.gather(*(call(bundles, rows(i)) for i in range(3)))
+        assert [float(a[0][0]) for a in answers] == [0, 2, 4]
+        assert sizes(downstream) == [3, 2]
+        counted = bundles._metrics.router_retries_total.labels("predict")._value.get()
+        assert counted == 1
+        assert bundles._keys[KEY].in_flight == 0 and bundles._keys[KEY].out == 0
+        # Refused unstarted again: once is all, its caller is told.
+        downstream.unstarted = [set(), set(), {0}, {0}]
+        with pytest.raises(UpstreamError) as raised:
+            await asyncio.gather(call(bundles, rows(5)), call(bundles, rows(6)))
+        assert raised.value.code == grpc.StatusCode.UNAVAILABLE
+        assert sizes(downstream) == [3, 2, 2, 1]
+    finally:
+        await bundles.close()
 
 
 async def test_a_slice_sent_again_is_withdrawn_from_the_bundle_it_is_in_now() -> None:
@@ -676,13 +680,16 @@ async def test_a_slice_sent_again_is_withdrawn_from_the_bundle_it_is_in_now() ->
     downstream = Downstream()
     downstream.unstarted, downstream.silent_from = [{1}], 1
     bundles = coalescer(downstream)
-    first = asyncio.ensure_future(call(bundles, rows(0)))
-    again = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.2))
-    assert float((await first)[0][0]) == 0
-    with pytest.raises(UpstreamError) as raised:
-        await again
-    assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert sizes(downstream) == [2, 1]
-    assert downstream.cancels[1].cancelled == {0}
-    assert downstream.cancels[0].cancelled == set()
-    await bundles.close()
+    try:
+        first = asyncio.ensure_future(call(bundles, rows(0)))
+        again = asyncio.ensure_future(call(bundles, rows(1), timeout_s=1.0))
+        assert float((await first)[0][0]) == 0
+        await eventually(lambda: len(downstream.bundles) == 2, interval_s=0.001)
+        with pytest.raises(UpstreamError) as raised:
+            await again
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert sizes(downstream) == [2, 1]
+        assert downstream.cancels[1].cancelled == {0}
+        assert downstream.cancels[0].cancelled == set()
+    finally:
+        await bundles.close()

@@ -9,15 +9,18 @@ controls: what these tests pin down is the client's bookkeeping of what it wrote
 from __future__ import annotations
 
 import asyncio
-import math
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
 
+from services.common import multiplex
 from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -113,59 +116,68 @@ async def test_a_write_grpc_refused_unsent_leaves_its_calls_not_started(
     await client.close()
 
 
+@contextlib.asynccontextmanager
+async def stalled() -> AsyncIterator[tuple[Stream, MultiplexClient, list[asyncio.Future[bytes]]]]:
+    """A client whose writer waits on its first call's write (the peer reads nothing until
+    `stream.written` is set); the calls the test adds to the list are cancelled at the end."""
+    stream = Stream()
+    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
+    calls = [asyncio.ensure_future(client.call(b"a", timeout_s=30.0))]
+    try:
+        await eventually(lambda: stream.messages, interval_s=0.001)
+        yield stream, client, calls
+    finally:
+        for call in calls:
+            call.cancel()
+        await client.close()
+
+
 async def test_calls_that_time_out_behind_a_stalled_write_are_freed_and_never_cancelled() -> None:
     """A peer that stops reading holds the writer in a write: the calls made meanwhile time
     out before they leave. Each stayed in the outbox, its request bytes with it, until the
     write returned, and its id was then sent as a cancel for a call the peer never had (review
     finding). They are freed as they time out, and the peer hears nothing of them."""
-    stream = Stream()
-    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
-    first = asyncio.ensure_future(client.call(b"a", timeout_s=5.0))
-    while not stream.messages:  # the writer waits on its write
+    async with stalled() as (stream, client, calls):
+        late = [asyncio.ensure_future(client.call(b"b" * 1000, timeout_s=0.01)) for _ in range(100)]
+        errors = await failures(late)
+        assert {e.code for e in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}
+        (state,) = client._streams
+        assert len(state.outbox) < 10 and not state.unsent and not state.cancelled
+        calls.append(asyncio.ensure_future(client.call(b"c", timeout_s=30.0)))
         await asyncio.sleep(0)
-    late = [asyncio.ensure_future(client.call(b"b" * 1000, timeout_s=0.01)) for _ in range(100)]
-    errors = await failures(late)
-    assert {e.code for e in errors} == {grpc.StatusCode.DEADLINE_EXCEEDED}
-    (state,) = client._streams
-    assert len(state.outbox) < 10 and not state.unsent and not state.cancelled
-    kept = asyncio.ensure_future(client.call(b"c", timeout_s=5.0))
-    await asyncio.sleep(0)
-    stream.written.set()  # the peer reads again
-    while len(stream.messages) < 2:
-        await asyncio.sleep(0.001)
-    assert [c.request for c in stream.messages[1].calls] == [b"c"]
-    assert list(stream.messages[1].cancelled_call_ids) == []
-    for call in (first, kept):
-        call.cancel()
-    await client.close()
+        stream.written.set()  # the peer reads again
+        await eventually(lambda: len(stream.messages) >= 2, interval_s=0.001)
+        assert [c.request for c in stream.messages[1].calls] == [b"c"]
+        assert list(stream.messages[1].cancelled_call_ids) == []
 
 
 async def test_a_call_s_time_left_is_read_as_it_is_written() -> None:
     """A call waited 0.3 s behind a stalled write: it was sent with the time it had left when
     it was queued, and the peer worked for a caller about to give up (review finding)."""
-    stream = Stream()
-    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
-    first = asyncio.ensure_future(client.call(b"a", timeout_s=5.0))
-    while not stream.messages:
-        await asyncio.sleep(0)
-    second = asyncio.ensure_future(client.call(b"b", timeout_s=1.0))
-    await asyncio.sleep(0.3)
-    stream.written.set()
-    while len(stream.messages) < 2:
-        await asyncio.sleep(0.001)
-    (sent,) = stream.messages[1].calls
-    assert 0 < sent.timeout_us <= 750_000, sent.timeout_us
-    for call in (first, second):
-        call.cancel()
-    await client.close()
+    async with stalled() as (stream, client, calls):
+        calls.append(asyncio.ensure_future(client.call(b"b", timeout_s=30.0)))
+        await asyncio.sleep(0.3)
+        stream.written.set()
+        await eventually(lambda: len(stream.messages) >= 2, interval_s=0.001)
+        (sent,) = stream.messages[1].calls
+        assert 0 < sent.timeout_us <= 29_700_000, sent.timeout_us
 
 
-async def test_a_call_that_cannot_be_made_leaves_nothing_waiting() -> None:
+async def test_a_call_that_cannot_be_made_leaves_nothing_waiting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Its message failed to build after its future was registered: a future nobody awaits
     kept the stream from ever half-closing and its link from being pruned (review finding)."""
+
+    def unmade(**fields: Any) -> pb.MuxCall:
+        raise ValueError("a field the message does not take")
+
     stream = Stream()
     client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
-    with pytest.raises(OverflowError):  # a timeout of ages: no deadline the field holds
-        await client.call(b"a", timeout_s=math.inf)
-    assert client.num_pending == 0
-    await client.close()
+    monkeypatch.setattr(multiplex.pb, "MuxCall", unmade)
+    try:
+        with pytest.raises(ValueError, match="does not take"):
+            await client.call(b"a", timeout_s=1.0)
+        assert client.num_pending == 0
+    finally:
+        await client.close()

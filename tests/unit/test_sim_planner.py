@@ -3,7 +3,6 @@ taken where the plan holds: the planned count under the scenario's own traffic."
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,17 @@ def make_scenario(**overrides: Any) -> Scenario:
     }
     raw.update(overrides)
     return parse_scenario(raw, base_dir=Path("."), default_name="small")
+
+
+def write_scenario(tmp_path: Path, *, rate_per_s: int) -> Path:
+    """A one-model scenario file of 3 s (1 s warm-up) offering `rate_per_s`."""
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
+        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
+        f"[[traffic.streams]]\nrate_per_s = {rate_per_s}\n"
+    )
+    return path
 
 
 def test_gateways_are_sized_on_the_peak_rate_with_headroom() -> None:
@@ -86,12 +96,7 @@ def test_hpa_targets_are_measured_at_the_plan_under_the_scenarios_own_traffic() 
 def test_the_command_line_plans_workers_and_gateways(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = tmp_path / "s.toml"
-    path.write_text(
-        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
-        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
-        "[[traffic.streams]]\nrate_per_s = 1000\n"
-    )
+    path = write_scenario(tmp_path, rate_per_s=1000)
     status = main(["plan", str(path), "--headroom", "0", "--gateway-rps", "400"])
     assert status == 0
     out = capsys.readouterr().out
@@ -151,12 +156,7 @@ def test_a_scenario_offering_nothing_is_refused_with_a_reason(
     late = Traffic(trace=(Arrival(1e9, "m", "a", "interactive", 12),))
     with pytest.raises(ValueError, match="offers no requests"):
         plan(dataclasses.replace(make_scenario(), traffic=late), headroom=0.2)
-    path = tmp_path / "s.toml"
-    path.write_text(
-        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
-        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
-        "[[traffic.streams]]\nrate_per_s = 0\n"
-    )
+    path = write_scenario(tmp_path, rate_per_s=0)
     assert main(["plan", str(path)]) == 2
     assert "offers no requests" in capsys.readouterr().err
 
@@ -173,14 +173,12 @@ def test_a_scenario_offering_nothing_is_refused_with_a_reason(
 def test_bad_plan_arguments_are_refused_in_a_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], arguments: list[str], said: str
 ) -> None:
-    path = tmp_path / "s.toml"
-    path.write_text(
-        "duration_s = 3\nwarmup_s = 1\n[curve]\nfixed_ms = 5.0\nper_token_us = 20.0\n"
-        '[model]\nname = "m"\nslo_ms = 200\nlength_buckets = [16]\n'
-        "[[traffic.streams]]\nrate_per_s = 100\n"
-    )
-    with contextlib.suppress(SystemExit):
-        assert main(["plan", str(path), *arguments]) == 2
+    path = write_scenario(tmp_path, rate_per_s=100)
+    try:
+        status = main(["plan", str(path), *arguments])
+    except SystemExit as exit_:  # argparse's refusal
+        status = exit_.code
+    assert status == 2
     err = capsys.readouterr().err
     assert said in err and "Traceback" not in err
 

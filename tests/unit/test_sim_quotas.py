@@ -198,7 +198,7 @@ def test_calls_spread_evenly_over_the_gateways_within_every_second() -> None:
             per_second[int(at_s)][gateway_index(at_s, num_gateways)] += 1
         for counts in per_second:
             assert min(counts) > 0.7 * 1_000 / num_gateways, (num_gateways, counts)
-    assert gateway_index(1.5, 4) == gateway_index(1.5, 4)  # the same call, the same gateway
+    assert [gateway_index(t, 4) for t in (1.5, 1.25, 1.75, 2.0)] == [3, 1, 2, 0]  # pinned
 
 
 def test_a_limited_tenant_keeps_its_rate_through_two_gateways_as_through_one() -> None:
