@@ -58,12 +58,25 @@ class DeviceBusy(Generic[P, R]):
     (several times when a failing batch is bisected), then read `seconds`. On the executor
     thread, one per batch or step."""
 
-    __slots__ = ("_run", "last_end_s", "num_calls", "on_cuda", "seconds", "sections")
+    __slots__ = (
+        "_clock", "_run", "last_end_s", "num_calls", "on_cuda", "ran_s", "seconds", "sections",
+    )  # fmt: skip
 
-    def __init__(self, run: Callable[P, R], device: torch.device) -> None:
+    def __init__(
+        self,
+        run: Callable[P, R],
+        device: torch.device,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._run = run
+        self._clock = clock
         self.on_cuda = device.type == "cuda"
         self.seconds = 0.0
+        #: The calls' wall time on the executor thread, read on `clock` (the caller's: a
+        #: batching driver's): the host's work and the device's, not the wait for the caller's
+        #: event loop to see the call end. What a batch's shape costs: a loop busy with other
+        #: work (refusing a flood) delays its reading of a batch's end, not the next batch.
+        self.ran_s = 0.0
         #: Calls that have ended, and when the last one did (time.monotonic): the watchdog's
         #: sign of progress (batching.watchdog).
         self.num_calls = 0
@@ -72,6 +85,13 @@ class DeviceBusy(Generic[P, R]):
         self.sections: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        called_s = self._clock()
+        try:
+            return self._timed(*args, **kwargs)
+        finally:
+            self.ran_s += self._clock() - called_s
+
+    def _timed(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if not self.on_cuda:
             start_s = time.perf_counter()
             try:

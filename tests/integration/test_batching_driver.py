@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -178,6 +179,41 @@ async def test_the_latency_model_learns_from_the_drivers_clock(harness: Harness)
     assert slowdowns == sorted(slowdowns) and slowdowns[0] > 1.0
     # Each batch ran slower than the scale so far: the spread it exports grew from none.
     assert spreads == sorted(spreads) and spreads[0] > 0.0
+
+
+async def test_the_latency_model_learns_the_executors_time_not_the_loops_delay(
+    harness: Harness,
+) -> None:
+    """A loop busy with other work (intake refusing a flood) reads a batch's end late: its
+    rows waited that long, but the model took BATCH_S, and only that teaches the latency
+    model (else a flood's loop lag would be learned as a slow model, and every row refused
+    as predicted late, which keeps the loop busy refusing)."""
+    driver, backend = harness.driver, harness.backend
+    loop = asyncio.get_running_loop()
+    run = backend.run
+
+    def busy_loop() -> None:  # ahead of the batch's end in the loop's queue
+        harness.clock.now_s += 1.0
+
+    def run_then_busy_loop(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        outputs = run(rows)  # the batch moves the clock by BATCH_S
+        loop.call_soon_threadsafe(busy_loop)
+        return outputs
+
+    backend.run = run_then_busy_loop  # type: ignore[method-assign]
+    latency = driver.open_lane(backend).latency
+    observe = latency.observe
+    taught: list[float] = []
+
+    def recording_observe(key: object, batch_size: int, seconds: float) -> None:
+        taught.append(seconds)
+        observe(key, batch_size, seconds)  # type: ignore[arg-type]
+
+    latency.observe = recording_observe  # type: ignore[method-assign]
+    await harness.submit(1)
+    waited_s = harness.metric(f"{names.WORKER_ROW_COMPUTE_SECONDS}_sum")
+    assert waited_s == pytest.approx(1.0 + BATCH_S)  # what the row waited
+    assert taught == [pytest.approx(BATCH_S)]
 
 
 async def test_s29_draining_refuses_new_rows_and_finishes_queued_ones(harness: Harness) -> None:
@@ -490,6 +526,48 @@ async def test_a_bundles_slices_are_admitted_in_one_pass_each_refused_alone(
     assert harness.metric(f"{names.WORKER_ROW_LATENCY_SECONDS}_sum") == pytest.approx(
         3 * (wait_s + BATCH_S), abs=1e-9
     )
+
+
+async def test_a_refused_slices_like_in_one_pass_are_refused_without_a_forecast_each(
+    harness: Harness,
+) -> None:
+    """A flood's bundle of like slices: the first one refused as predicted late refuses those
+    like it with no more time (each its own error and jittered hint, every row counted), at
+    the cost of one forecast; a slice with more time, or of another tenant, is still judged
+    on its own and admitted."""
+    driver, backend = harness.driver, harness.backend
+    gate = harness.hold_executor()
+    running = asyncio.ensure_future(
+        driver.submit(backend, harness.rows(1), timeout_s=30, tenant="t")
+    )
+    await eventually(lambda: driver.is_executing, interval_s=0.001)
+    batcher = driver.open_lane(backend).batcher
+    add = batcher.add
+    added: list[int] = []
+
+    def counting_add(item: Any, *args: Any, **kwargs: Any) -> Any:
+        added.append(item.item_id)
+        return add(item, *args, **kwargs)
+
+    batcher.add = counting_add  # type: ignore[method-assign]
+    late = [SliceAsk(harness.rows(1), 0.001, "t") for _ in range(5)]
+    asks = [*late, SliceAsk(harness.rows(1), 0.0005, "t"), SliceAsk(harness.rows(1), 30.0, "t"),
+            SliceAsk(harness.rows(1), 0.001, "u")]  # fmt: skip
+    outcomes = driver.admit_slices(backend, asks)
+    refused = outcomes[:6]
+    assert all(isinstance(o, Overloaded) for o in refused), outcomes
+    assert len({id(o) for o in refused}) == 6  # one error each: each caller's own hint
+    assert len({str(o) for o in refused}) == 1
+    # The first like slice was forecast; its five like ones (the one with less time too) not.
+    assert len(added) == 1 + 2 and added == sorted(added)
+    admitted = outcomes[6]
+    assert not isinstance(admitted, Exception)
+    assert isinstance(outcomes[7], Overloaded)  # its own forecast, its own refusal
+    assert harness.metric(names.WORKER_REJECTED_TOTAL) == 7
+    gate.set()
+    assert len(await harness.settle(admitted.future)) == 1
+    driver.withdraw(admitted)
+    assert len(await harness.settle(running)) == 1
 
 
 async def test_a_dead_loop_fails_queued_rows_refuses_new_ones_and_says_so(

@@ -29,6 +29,7 @@ from services.gpu_worker.batching.lane import Admission, Lane, LoadReport, by_ur
 from services.gpu_worker.batching.lane_changes import new_lane, settle
 from services.gpu_worker.batching.slice_admission import (
     AdmissionPass,
+    Refusals,
     SliceAsk,
     admit_slice,
     batch_key,
@@ -272,6 +273,7 @@ class BatchingDriver:
             item_ids=self._item_ids,
             metrics=self._metrics,
             bound=pass_bound(lane, asks, now, free_s),
+            refusals=Refusals() if len(asks) > 1 else None,
         )
         outcomes: list[Admission | Exception] = []
         for ask in asks:
@@ -362,7 +364,7 @@ class BatchingDriver:
         compute is its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
-        device_busy = DeviceBusy(lane.backend.run, lane.backend.device)
+        device_busy = DeviceBusy(lane.backend.run, lane.backend.device, self._clock)
         idle = not any(other.batcher.num_queued for other in self._order)  # explore only then
         threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
                                 self._ledger.last_urgent_s, started, may_explore=idle)  # fmt: skip
@@ -391,10 +393,10 @@ class BatchingDriver:
             busy.inc(device_busy.seconds)
             lane.record_batch(
                 self._metrics, dispatch, rows, results, finished, compute_s,
-                threads=threads, num_calls=device_busy.num_calls,
+                threads=threads, num_calls=device_busy.num_calls, ran_s=device_busy.ran_s,
             )  # fmt: skip
-            # The batcher charged the rows' tenants the predicted compute; settle on the real.
-            self._ledger.charge_rows(dispatch.items, (compute_s - predicted_s) / len(rows))
+            # The batcher charged the rows' tenants the predicted compute; settle on what ran.
+            self._ledger.charge_rows(dispatch.items, (device_busy.ran_s - predicted_s) / len(rows))
             lane.export_gauges_due(self._metrics, dispatch.key, finished)
         finally:
             self._wake.set()

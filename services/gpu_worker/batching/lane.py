@@ -323,14 +323,17 @@ class Lane:
         *,
         threads: BatchThreads = MODEL_THREADS,
         num_calls: int = 1,
+        ran_s: float | None = None,
     ) -> None:
         """Folds a finished batch into the lane's totals, latency model, thread choice and
-        `metrics`. A batch that ran on a count of threads other than the lane's usual one
-        (`threads.teaches_latency` False: a backfill held short, a sample or an exploration
-        of a count other than the cheapest so far) teaches the latency model nothing: its
-        time says nothing of how the lane's batches run. Nor does one bisected (`num_calls`
-        model calls, not one), even if every row then succeeded (a failure of its size, out of
-        memory at full width)."""
+        `metrics`: `compute_s` from its dispatch to the loop's reading of its end (what its rows
+        waited), `ran_s` its time on the executor (DeviceBusy.ran_s; None: `compute_s`), what the
+        latency model and the thread choice learn from. A batch that ran on a count of threads other
+        than the lane's usual one (`threads.teaches_latency` False: a backfill held short, a sample
+        or an exploration of a count other than the cheapest so far) teaches the latency model
+        nothing: its time says nothing of how the lane's batches run. Nor does one bisected
+        (`num_calls` model calls, not one), even if every row then succeeded (a failure of its size,
+        out of memory at full width)."""
         labels, lane = self.labels, self
         lane.totals.record_batch(len(rows), compute_s)
         row_share_s = compute_s / len(rows)
@@ -352,9 +355,10 @@ class Lane:
         failures = sum(isinstance(r, Exception) for r in results)
         if failures == 0 and num_calls == 1:
             # A bisected batch's time says nothing about the model's normal cost.
-            threads.record(compute_s)
+            taught_s = compute_s if ran_s is None else ran_s
+            threads.record(taught_s)
             if threads.teaches_latency:
-                lane.latency.observe(dispatch.key, len(rows), compute_s)
+                lane.latency.observe(dispatch.key, len(rows), taught_s)
                 metrics.latency_slowdown_of[labels].set(lane.latency.slowdown(dispatch.key))
                 metrics.latency_spread_of[labels].set(lane.latency.spread(dispatch.key))
         else:

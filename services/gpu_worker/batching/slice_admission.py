@@ -16,10 +16,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from services.common.errors import DeadlineExceeded, InvalidInput
+from services.common.errors import DeadlineExceeded, InvalidInput, Overloaded
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
-from services.gpu_worker.admission import Admitted, Rejected
+from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.lane import Admission, Lane, Pending
@@ -59,6 +59,45 @@ class AdmissionPass(NamedTuple):
     metrics: WorkerMetrics
     #: The pass's bound on its rows' deadline checks (None: each row is checked alone).
     bound: PassBound | None = None
+    #: The pass's refusals a later slice like the refused one meets again (`Refusals`).
+    refusals: Refusals | None = None
+
+
+class _Refused(NamedTuple):
+    timeout_s: float | None
+    error: Exception
+    reason: str
+
+
+class Refusals:
+    """The refusals of one admission pass that a later slice of the same tenant, priority,
+    weight and rows' buckets, with no more time, meets again: the queue only grows within a
+    pass, so room, a tenant's share and a row's own predicted finish only get worse (the
+    batch-mates check, which depends on where in a batch a row lands, is not kept). A flood's
+    bundle of 64 like slices is refused with one forecast and one error, not 64: refusing
+    costs its event loop less, and the batches it feeds get their turns."""
+
+    __slots__ = ("_refused",)
+
+    def __init__(self) -> None:
+        self._refused: dict[tuple[object, ...], _Refused] = {}
+
+    @staticmethod
+    def like(ask: SliceAsk) -> tuple[object, ...]:
+        return (ask.tenant, ask.priority, ask.weight, *(row.bucket for row in ask.rows))
+
+    def met_again(self, like: tuple[object, ...], ask: SliceAsk) -> _Refused | None:
+        refused = self._refused.get(like)
+        if refused is None or refused.timeout_s is None or ask.timeout_s is None:
+            return refused if refused is not None and refused.timeout_s == ask.timeout_s else None
+        return refused if ask.timeout_s <= refused.timeout_s else None
+
+    def keep(
+        self, like: tuple[object, ...], ask: SliceAsk, error: Exception, refusal: Rejected
+    ) -> None:
+        if refusal.reason is RejectReason.DEADLINE and refusal.detail:
+            return
+        self._refused[like] = _Refused(ask.timeout_s, error, refusal.reason.value)
 
 
 def batch_key(backend: Backend, bucket: int) -> BatchKey:
@@ -101,6 +140,14 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         # Late already (its deadline passed on the way): the deadline's answer, not an
         # overload refusal with a retry hint.
         raise DeadlineExceeded("deadline exceeded before its rows were queued")
+    refusals = admission.refusals
+    like = () if refusals is None else Refusals.like(ask)
+    if refusals is not None and (refused := refusals.met_again(like, ask)) is not None:
+        admission.metrics.rejected_total_of[(*lane.labels, refused.reason)].inc(len(ask.rows))
+        error = refused.error  # a hint jittered for each caller; no traceback piled up
+        raise (
+            error.for_one_caller() if isinstance(error, Overloaded) else error.with_traceback(None)
+        )
     now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
     shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
     deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
@@ -134,6 +181,8 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(ask.rows))
             start_s = executor_start_s(now, admission.executor_free_s)
             error = lane.rejection(item, decision, now, start_s)
+            if refusals is not None:
+                refusals.keep(like, ask, error, decision)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
