@@ -9,7 +9,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 
-from services.common.errors import Overloaded, ServingError
+from services.common.errors import InvalidInput, Overloaded, ServingError
 from services.common.priority import PriorityClass
 from services.common.telemetry import Outcome
 from services.gateway.metrics import GatewayMetrics
@@ -81,6 +81,18 @@ class TenantAdmission:
         if refusal is not None:
             raise self._refused(policy, refusal)
         self._metrics.tenant_rows_total_of[(self.labels(policy.name),)].inc(num_rows)
+
+    @contextlib.contextmanager
+    def rows_charged(self, policy: TenantPolicy, num_rows: int) -> Iterator[None]:
+        """`charge_rows` for the checks of a call's inputs in its body: rows they refuse
+        (InvalidInput), never served, return to the tenant's bucket, or a tenant that sent one
+        bad call of many rows would be refused for rows it never got."""
+        self.charge_rows(policy, num_rows)
+        try:
+            yield
+        except InvalidInput:
+            self.give_back_rows(policy, num_rows)
+            raise
 
     def priority_for(self, policy: TenantPolicy, requested: PriorityClass | None) -> PriorityClass:
         """The call's class (see TenantPolicy.priority_for); a refusal is counted."""

@@ -183,8 +183,8 @@ class Predictor:
         # The throttle first: a call it refuses here was never served, and must not spend its
         # tenant's rows (after a flood the tenant would be refused for rows it never got).
         throttle_key = self._throttle_check(config.name, priority, policy.name)
-        self.admission.charge_rows(policy, len(call.inputs))
-        rows = checked_rows(model, call.inputs, truncate=call.truncate)
+        with self.admission.rows_charged(policy, len(call.inputs)):
+            rows = checked_rows(model, call.inputs, truncate=call.truncate)
         request_id = call.request_id or self._new_request_id()
         piece = pb.Slice(
             rows=len(rows),
@@ -343,14 +343,14 @@ class Predictor:
         config = model.config
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
-        self.admission.charge_rows(call.principal.policy, 1)
-        if call.templated is not None:
-            ids = model.encoder.encode_templated(call.templated)
-        else:
-            (ids,) = model.encoder.encode_many([call.prompt])
-        fills_context = call.fills_context and not call.sampling.max_tokens
-        checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids),
-                         fills_context=fills_context)  # fmt: skip
+        with self.admission.rows_charged(call.principal.policy, 1):
+            if call.templated is not None:
+                ids = model.encoder.encode_templated(call.templated)
+            else:
+                (ids,) = model.encoder.encode_many([call.prompt])
+            fills_context = call.fills_context and not call.sampling.max_tokens
+            checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids),
+                             fills_context=fills_context)  # fmt: skip
         request = pb.WorkerGenerateRequest(
             model_name=config.name,
             model_version=model.version,

@@ -421,7 +421,7 @@ def _varint(value: int) -> bytes:
     return bytes(out) + bytes([value])
 
 
-@pytest.mark.parametrize("refused_by", ["throttle", "downstream"])
+@pytest.mark.parametrize("refused_by", ["throttle", "downstream", "invalid"])
 async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     tmp_path: Path, redis_server: RedisServer, refused_by: str
 ) -> None:
@@ -429,8 +429,10 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     by the gateway's throttle (downstream was refusing), or downstream (RESOURCE_EXHAUSTED:
     queue full, or predicted past its deadline). Ten such calls spend none of the tenant's
     rows, so once calls go through again the tenant is served, not refused for rows it never
-    got. Before, only the throttle's refusals kept the rows. (Each call still spends a request
-    of a request rate: every call made counts, so a flood is refused before its body is read.)"""
+    got. Before, only the throttle's refusals kept the rows. So do calls refused as invalid
+    (INVALID_ARGUMENT: a NaN row, found after the rows were charged). (Each call still spends
+    a request of a request rate: every call made counts, so a flood is refused before its body
+    is read.)"""
     keys = tmp_path / "keys.toml"
     keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nrows_per_s = 2\nburst_s = 1\n")
     async with affine_and_stall_fabric(
@@ -443,8 +445,15 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
         async def refused_downstream(*_: object, **__: object) -> None:
             raise UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
 
+        expected = grpc.StatusCode.RESOURCE_EXHAUSTED
+        nan = wpb.Tensor(
+            dtype=wpb.DATA_TYPE_FP32, shape=[4], raw_data=bytes(12) + b"\x00\x00\xc0\x7f"
+        )
+        sent = [api.PredictInput(tensor=nan)]
         if refused_by == "throttle":
             throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
+        elif refused_by == "invalid":
+            expected = grpc.StatusCode.INVALID_ARGUMENT
         else:  # the throttle, which would learn to refuse them, stays out of it
             throttle.admit = lambda *_: None  # type: ignore[method-assign]
             bundles.call = refused_downstream  # type: ignore[method-assign]
@@ -454,9 +463,12 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
         async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
             stub = api_grpc.InferenceServiceStub(channel)
             for _ in range(10):
+                refused_call = request
+                if refused_by == "invalid":
+                    refused_call = api.PredictRequest(model_name="affine", inputs=sent)
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
-                    await stub.Predict(request, timeout=5, metadata=metadata)
-                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    await stub.Predict(refused_call, timeout=5, metadata=metadata)
+                assert refused.value.code() == expected, refused.value.details()
                 assert "rows_per_s" not in (refused.value.details() or "")
             bundles.call = bundle_call  # type: ignore[method-assign]
             if refused_by == "throttle":
