@@ -57,7 +57,8 @@ def tensor_from_pb(tensor: pb.Tensor) -> np.ndarray:
     if any(d < 0 for d in shape):
         raise InvalidInput(f"tensor shape {list(shape)} has a negative dimension")
     count = math.prod(shape)  # Python ints: a numpy product would wrap around to a small one
-    if count > MAX_ELEMENTS:
+    # One dimension past the limit is refused even where another is 0 (numpy cannot make it).
+    if count > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
         raise InvalidInput(f"tensor of {count} elements exceeds the limit of {MAX_ELEMENTS}")
     dtype = NUMPY_DTYPES[name]
     if len(tensor.raw_data) != count * dtype.itemsize:

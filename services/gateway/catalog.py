@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+#: The longest version a call may name (a number or a label).
+MAX_VERSION_SPEC_CHARS = 64
 
 
 def new_encoder(version: ModelVersion) -> TextEncoder | None:
@@ -222,6 +224,8 @@ class ModelCatalog:
         """The version a number or label names now, whether served or not; NOT_FOUND for one
         this gateway's repository lacks or a label not set, INVALID_ARGUMENT for neither."""
         spec = version_spec.strip()
+        if len(spec) > MAX_VERSION_SPEC_CHARS:  # echoed in errors; int() refuses 4,301 digits
+            raise InvalidInput(f"version {spec[:16]!r}... is longer than {MAX_VERSION_SPEC_CHARS}")
         if spec.isascii() and spec.isdecimal():  # not str.isdigit: superscripts are digits
             version = str(int(spec))
         elif _LABEL_RE.match(spec):

@@ -22,6 +22,7 @@ from services.common.pb_conversions import finish_reason_from_pb
 from services.common.templated_text import TemplatedText
 from services.gateway.auth import Principal
 from services.gateway.http.codec import (
+    MAX_REQUEST_ID_CHARS,
     NO_CLASSIFICATION,
     check_tensor_count,
     is_json_int,
@@ -44,6 +45,10 @@ def check_inputs(request: kserve.ModelInferRequest) -> None:
     """At most MAX_TENSORS inputs and outputs, one tensor per name, and its data in exactly one
     place: `raw_input_contents` (one entry per input) or each tensor's `contents`, never
     both; no output asks for classification."""
+    if len(request.id) > MAX_REQUEST_ID_CHARS:  # copied into every response
+        raise InvalidInput(
+            f"request id of {len(request.id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
     check_tensor_count(len(request.inputs), "inputs")
     check_tensor_count(len(request.outputs), "outputs")
     if any("classification" in output.parameters for output in request.outputs):
@@ -150,7 +155,8 @@ def _typed(options: dict[str, Any]) -> dict[str, Any]:
     typed: dict[str, Any] = {}
     for key, value in options.items():
         if key in ("max_tokens", "top_k", "seed"):
-            if isinstance(value, str) and value.isascii() and value.isdigit():
+            # Twenty digits hold any count; int() refuses 4,301 (ValueError).
+            if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
                 value = int(value)
             valid = is_json_int(value)
         elif key in ("temperature", "top_p"):

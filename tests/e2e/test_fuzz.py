@@ -583,6 +583,13 @@ def _kserve_affine(values: list[float], *, datatype: str = "FP32", shape=(1, 4))
     return kserve.ModelInferRequest(model_name="affine", inputs=[tensor])
 
 
+def _naming(request: Message, **fields: str) -> Message:
+    """`request` with `fields` (a version, an id) set."""
+    for name, value in fields.items():
+        setattr(request, name, value)
+    return request
+
+
 def _generate(**sampling: object) -> api.GenerateRequest:
     return api.GenerateRequest(
         model_name="tiny-llama", prompt="hi", sampling=pb.SamplingParameters(**sampling)
@@ -634,6 +641,25 @@ EDGE_CASES = {
     "overflowing shape": (PREDICT, _affine(shape=(2**62, 4)), INVALID),
     "thousands of dimensions": (PREDICT, _affine(shape=(28,) * 3000), INVALID),
     "65 dimensions, one of them 0": (PREDICT, _affine(shape=(28,) * 64 + (0,)), INVALID),
+    # Defects a reading of the code found (INTERNAL before the fix): no elements, but one
+    # dimension numpy cannot make; a version number past int()'s 4,300 digits; a request id
+    # copied into every response of a stream, unbounded.
+    "no elements, one huge dimension": (PREDICT, _affine(shape=(0, 2**62)), INVALID),
+    "4,301-digit version": (
+        PREDICT,
+        _naming(_affine(1, 2, 3, 4), model_version="1" * 4301),
+        INVALID,
+    ),
+    "KServe 4,301-digit version": (
+        MODEL_INFER,
+        _naming(_kserve_affine([0] * 4), model_version="1" * 4301),
+        INVALID,
+    ),
+    "KServe request id of 257 characters": (
+        MODEL_INFER,
+        _naming(_kserve_affine([0] * 4), id="x" * 257),
+        INVALID,
+    ),
 }
 
 
@@ -647,7 +673,14 @@ def test_s38_edge_inputs_get_their_status(channels: dict[str, grpc.Channel], cas
 
 @pytest.mark.parametrize(
     "sampling",
-    [b'{"max_tokens": 4294967296}', b'{"max_tokens": 1e999}', b'{"temperature": NaN}', b"[["],
+    [
+        b'{"max_tokens": 4294967296}',
+        b'{"max_tokens": 1e999}',
+        b'{"temperature": NaN}',
+        b"[[",
+        b'{"max_tokens": "' + b"1" * 4301 + b'"}',
+    ],  # a count as a string past int()'s digits
+    ids=["2**32", "1e999", "NaN", "not JSON", "4,301 digits"],
 )
 def test_s38_kserve_stream_refuses_bad_sampling_in_band(
     channels: dict[str, grpc.Channel], sampling: bytes

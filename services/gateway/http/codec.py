@@ -31,6 +31,9 @@ R = TypeVar("R")
 HEADER_LENGTH = "Inference-Header-Content-Length"
 #: Deepest nesting of a JSON `data` list (a tensor has few dimensions).
 MAX_DATA_DEPTH = 16
+#: Longest request id a call may carry (KServe's `id`, copied into every response) and
+#: `X-Request-Id` echoed on an answer.
+MAX_REQUEST_ID_CHARS = 256
 _NUMBER_TYPES = (int, float)
 
 

@@ -20,6 +20,7 @@ from services.common.grpc_errors import is_bug
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
+from services.gateway.http.codec import MAX_REQUEST_ID_CHARS
 from services.gateway.http.embeddings_api import EmbeddingsApi
 from services.gateway.http.errors import AnsweredInBand, HttpError, http_error
 from services.gateway.http.kserve_rest import KServeRest
@@ -53,10 +54,6 @@ BODY_TIMEOUT_S = 30.0
 
 class _BodyTimedOut(Exception):
     pass
-
-
-#: Longest `X-Request-Id` echoed on an answer.
-MAX_REQUEST_ID_CHARS = 256
 
 
 def _answer(request: web.Request, error: HttpError) -> web.Response:
