@@ -113,6 +113,8 @@ class QueueDelayLimit:
         #: The last delay measured, seconds: how long the queue took to drain recently.
         self.last_delay_s = 0.0
         self._last_backoff_s: float | None = None
+        #: When the last measurement found the process starved of CPU (-inf: never).
+        self._starved_s = -math.inf
         #: Whether every call over its caller's share is refused now, whatever is in flight
         #: (as of the last update): see `update`.
         self.is_shedding = False
@@ -143,6 +145,7 @@ class QueueDelayLimit:
         self._queue.observe(now_s, delay_s)
         was_shedding, self.is_shedding = self.is_shedding, False
         if delay_s > config.target_s and busy_share < config.min_busy_share:
+            self._starved_s = now_s
             # Not this process's queue: it waits for CPU, not for its own calls. A limit moved
             # before (backed off by a flood here, or grown) protects nothing now: unused, it
             # returns to `initial` as below the target, or neighbours draining their backlog
@@ -157,7 +160,8 @@ class QueueDelayLimit:
             # Either way, time above counts from the last back-off, not only from when the
             # delay rose: one back-off per stretch, whatever the rate of measurements.
             is_limited = self._limit < config.initial
-            stood_s = self._queue.above_for_s(now_s)
+            # A starved stretch is not this process's queue standing: counted from after it.
+            stood_s = min(self._queue.above_for_s(now_s), now_s - self._starved_s)
             needed_s = config.interval_s / 5 if is_limited else config.interval_s
             above_s = stood_s
             if self._last_backoff_s is not None:

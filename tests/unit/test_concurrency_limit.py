@@ -259,6 +259,18 @@ def test_a_process_starved_of_cpu_is_not_limited_for_its_wait() -> None:
     assert starved.limit == CONFIG.initial
 
 
+def test_a_stretch_starved_of_cpu_does_not_count_as_the_queue_standing() -> None:
+    """Starved for 0.6 s (its neighbours' doing, above the target all along), then one busy
+    measurement above the target: the queue has stood for this process only since then, not
+    for the interval, so it neither backs off nor sheds."""
+    limit = QueueDelayLimit(CONFIG)
+    for k in range(12):
+        limit.update(k * 0.05, 0.3, 20, busy_share=0.4)
+    limit.update(0.6, 0.3, 20, busy_share=0.55)
+    assert limit.limit == CONFIG.initial
+    assert not limit.is_shedding
+
+
 def test_probes_grpc_drops_unseen_count_as_a_standing_queue() -> None:
     """A probe grpc dropped (the queue past --max-pending-calls) comes back at once; counted
     as its own short wait it would read as no queue, and the limit would never back off."""
