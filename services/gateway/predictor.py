@@ -218,7 +218,7 @@ class Predictor:
                 is_accepted=not error.is_overload,
                 retry_after_s=error.retry_after_s,
             )
-            if error.is_overload:  # refused for load: never served, no rows spent
+            if error.is_overload or error.is_not_started:  # never served: no rows spent
                 self.admission.give_back_rows(policy, len(call.inputs))
             raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)

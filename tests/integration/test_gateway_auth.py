@@ -421,7 +421,7 @@ def _varint(value: int) -> bytes:
     return bytes(out) + bytes([value])
 
 
-@pytest.mark.parametrize("refused_by", ["throttle", "downstream", "invalid"])
+@pytest.mark.parametrize("refused_by", ["throttle", "downstream", "invalid", "not started"])
 async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     tmp_path: Path, redis_server: RedisServer, refused_by: str
 ) -> None:
@@ -430,7 +430,8 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     queue full, or predicted past its deadline). Ten such calls spend none of the tenant's
     rows, so once calls go through again the tenant is served, not refused for rows it never
     got. Before, only the throttle's refusals kept the rows. So do calls refused as invalid
-    (INVALID_ARGUMENT: a NaN row, found after the rows were charged). (Each call still spends
+    (INVALID_ARGUMENT: a NaN row, found after the rows were charged) and calls that provably
+    ran nothing downstream (UNAVAILABLE, not started). (Each call still spends
     a request of a request rate: every call made counts, so a flood is refused before its body
     is read.)"""
     keys = tmp_path / "keys.toml"
@@ -443,6 +444,8 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
         admit, bundle_call = throttle.admit, bundles.call
 
         async def refused_downstream(*_: object, **__: object) -> None:
+            if refused_by == "not started":  # a worker stopping: nothing of the call ran
+                raise UpstreamError(grpc.StatusCode.UNAVAILABLE, "draining", is_not_started=True)
             raise UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
 
         expected = grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -454,6 +457,10 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
             throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
         elif refused_by == "invalid":
             expected = grpc.StatusCode.INVALID_ARGUMENT
+        elif refused_by == "not started":
+            expected = grpc.StatusCode.UNAVAILABLE
+            throttle.admit = lambda *_: None  # type: ignore[method-assign]
+            bundles.call = refused_downstream  # type: ignore[method-assign]
         else:  # the throttle, which would learn to refuse them, stays out of it
             throttle.admit = lambda *_: None  # type: ignore[method-assign]
             bundles.call = refused_downstream  # type: ignore[method-assign]
