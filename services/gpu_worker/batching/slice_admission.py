@@ -83,21 +83,22 @@ class Refusals:
         self._refused: dict[tuple[object, ...], _Refused] = {}
 
     @staticmethod
-    def like(ask: SliceAsk) -> tuple[object, ...]:
+    def _like(ask: SliceAsk) -> tuple[object, ...]:
         return (ask.tenant, ask.priority, ask.weight, *(row.bucket for row in ask.rows))
 
-    def met_again(self, like: tuple[object, ...], ask: SliceAsk) -> _Refused | None:
-        refused = self._refused.get(like)
+    def met_again(self, ask: SliceAsk) -> _Refused | None:
+        """The refusal a slice like `ask`, with no less time, met earlier in the pass."""
+        if not self._refused:  # the pass refused nothing yet: nothing to build
+            return None
+        refused = self._refused.get(self._like(ask))
         if refused is None or refused.timeout_s is None or ask.timeout_s is None:
             return refused if refused is not None and refused.timeout_s == ask.timeout_s else None
         return refused if ask.timeout_s <= refused.timeout_s else None
 
-    def keep(
-        self, like: tuple[object, ...], ask: SliceAsk, error: Exception, refusal: Rejected
-    ) -> None:
+    def keep(self, ask: SliceAsk, error: Exception, refusal: Rejected) -> None:
         if refusal.reason is RejectReason.DEADLINE and refusal.detail:
             return
-        self._refused[like] = _Refused(ask.timeout_s, error, refusal.reason.value)
+        self._refused[self._like(ask)] = _Refused(ask.timeout_s, error, refusal.reason.value)
 
 
 def batch_key(backend: Backend, bucket: int) -> BatchKey:
@@ -141,8 +142,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         # overload refusal with a retry hint.
         raise DeadlineExceeded("deadline exceeded before its rows were queued")
     refusals = admission.refusals
-    like = () if refusals is None else Refusals.like(ask)
-    if refusals is not None and (refused := refusals.met_again(like, ask)) is not None:
+    if refusals is not None and (refused := refusals.met_again(ask)) is not None:
         admission.metrics.rejected_total_of[(*lane.labels, refused.reason)].inc(len(ask.rows))
         error = refused.error  # a hint jittered for each caller; no traceback piled up
         raise (
@@ -182,7 +182,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             start_s = executor_start_s(now, admission.executor_free_s)
             error = lane.rejection(item, decision, now, start_s)
             if refusals is not None:
-                refusals.keep(like, ask, error, decision)
+                refusals.keep(ask, error, decision)
             # Refused, not cancelled: no drop counted.
             withdraw_rows(lane, item_ids, admission.metrics, drop=None)
             raise error
