@@ -156,6 +156,10 @@ async def test_a_call_s_time_left_is_read_as_it_is_written() -> None:
     it was queued, and the peer worked for a caller about to give up (review finding)."""
     async with stalled() as (stream, client, calls):
         calls.append(asyncio.ensure_future(client.call(b"b", timeout_s=30.0)))
+        (state,) = client._streams
+        # Its time is stamped as it is queued: the 0.3 s counts from then, not from a task
+        # that a slow machine starts some milliseconds after the test's sleep began.
+        await eventually(lambda: len(state.unsent) == 1, interval_s=0.001)
         await asyncio.sleep(0.3)
         stream.written.set()
         await eventually(lambda: len(stream.messages) >= 2, interval_s=0.001)

@@ -31,7 +31,7 @@ from services.gpu_worker.batching.slice_admission import (
     AdmissionPass,
     Refusals,
     SliceAsk,
-    admit_slice,
+    admit_slices,
     batch_key,
     pass_bound,
     withdraw_rows,
@@ -275,12 +275,7 @@ class BatchingDriver:
             bound=pass_bound(lane, asks, now, free_s),
             refusals=Refusals() if len(asks) > 1 else None,
         )
-        outcomes: list[Admission | Exception] = []
-        for ask in asks:
-            try:
-                outcomes.append(admit_slice(lane, ask, admission))
-            except Exception as error:
-                outcomes.append(error)
+        outcomes = admit_slices(lane, asks, admission)
         self._wake.set()
         return outcomes
 

@@ -196,6 +196,19 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
     return Admission(lane, item_ids, outputs.future)
 
 
+def admit_slices(
+    lane: Lane, asks: Sequence[SliceAsk], admission: AdmissionPass
+) -> list[Admission | Exception]:
+    """Each slice of a pass admitted whole or refused alone, its error in its place."""
+    outcomes: list[Admission | Exception] = []
+    for ask in asks:
+        try:
+            outcomes.append(admit_slice(lane, ask, admission))
+        except Exception as error:
+            outcomes.append(error)
+    return outcomes
+
+
 def withdraw_rows(
     lane: Lane, item_ids: list[int], metrics: WorkerMetrics, *, drop: str | None = "cancelled"
 ) -> None:
