@@ -11,12 +11,12 @@ import asyncio
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
 
 import numpy as np
 
-from services.common.bundles import SliceCancels, slice_time_left_s, unpack_token_rows
+from services.common.bundles import SliceCancels, slice_time_left_s, split_at, token_row_ends
 from services.common.errors import DeadlineExceeded, InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
@@ -24,7 +24,9 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tracing import span_context_of
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
+from services.gpu_worker.batching import bundle_door
 from services.gpu_worker.batching.driver import Admission, BatchingDriver
+from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -47,22 +49,24 @@ def request_priority(value: int) -> PriorityClass:
         raise InvalidInput(str(error)) from error
 
 
-def bundle_rows(request: pb.InferRequest, num_rows: int) -> list[RawInput]:
-    """Every row of a bundle's packed columns, in slice order; INVALID_ARGUMENT for columns
-    that do not make `num_rows` rows (the whole bundle fails: its caller built it wrong)."""
+def bundle_rows(request: pb.InferRequest, num_rows: int) -> Callable[[], list[RawInput]]:
+    """What makes every row of a bundle's packed columns, in slice order, the columns checked
+    now: INVALID_ARGUMENT for columns that do not make `num_rows` rows (the whole bundle fails:
+    its caller built it wrong). The rows are made once the door let the bundle in."""
     packed = request.packed
     if packed.token_ids or packed.row_lengths:
         if not request.fingerprint:
             raise InvalidInput("token_ids inputs require the tokenizer's fingerprint")
-        ids = unpack_token_rows(packed.token_ids, packed.row_lengths, num_rows)
-        return [TokenIds(i) for i in ids]
+        ends = token_row_ends(packed.token_ids, packed.row_lengths, num_rows).tolist()
+        flat = np.frombuffer(packed.token_ids, dtype="<i4")
+        return lambda: [TokenIds(ids) for ids in split_at(flat, ends)]
     if packed.HasField("tensor"):
         stacked = tensor_from_pb(packed.tensor)
         if stacked.ndim < 1 or stacked.shape[0] != num_rows:
             raise InvalidInput(
                 f"packed tensor of shape {list(stacked.shape)} is not {num_rows} rows"
             )
-        return list(stacked)
+        return lambda: list(stacked)
     raise InvalidInput("a bundle carries no packed rows (token_ids or tensor)")
 
 
@@ -86,7 +90,7 @@ class BundleRunner:
         labels = (backend.config.name, backend.version.version)
         called_s = time.monotonic()  # when `time_left_s` was read
         try:
-            parts = self._rows_per_slice(backend, request)
+            parts = self._rows_per_slice(backend, request, time_left_s)
         except Exception as error:  # refuses every slice alike: counted for each
             code = status_of(error).code.name
             self._metrics.requests_total_of[(*labels, code)].inc(len(request.slices))
@@ -152,37 +156,57 @@ class BundleRunner:
         return counts
 
     def _rows_per_slice(
-        self, backend: Backend, request: pb.InferRequest
+        self, backend: Backend, request: pb.InferRequest, time_left_s: float | None
     ) -> list[list[PreparedRow] | BaseException]:
         """Each slice's prepared rows, or the error that refuses it alone; raises what refuses
-        the whole bundle."""
+        the whole bundle (its callers' time left counted from `time_left_s`), before any row
+        is made where its lane would refuse every slice (bundle_door)."""
         backend.check_fingerprint(request.fingerprint)
-        slices = request.slices
-        if any(s.rows == 0 for s in slices):
+        counts = [s.rows for s in request.slices]
+        if 0 in counts:
             raise InvalidInput("every slice of a bundle needs at least one row")
-        num_rows = sum(s.rows for s in slices)
+        num_rows = sum(counts)
         if num_rows > backend.config.max_queue_size:
             raise InvalidInput(
                 f"{num_rows} inputs exceed the queue capacity of "
                 f"{backend.config.max_queue_size}; split the bundle"
             )
-        raw = bundle_rows(request, num_rows)
+        make_rows = bundle_rows(request, num_rows)
         # What refuses every slice alike refuses the bundle, so the router retries it elsewhere
         # (a bundle its caller built wrong is refused INVALID_ARGUMENT first: not retried).
-        self._batching.open_lane(backend)
-        ends = list(itertools.accumulate(s.rows for s in slices))
+        lane = self._batching.open_lane(backend)
+        if bundle_door.may_refuse_whole(lane):
+            refusal = self._refused_whole(lane, request, num_rows, time_left_s)
+            if refusal is not None:
+                raise refusal
+        raw = make_rows()
+        ends = list(itertools.accumulate(counts))
         try:  # every row at once; only a bundle with a bad row is prepared slice by slice
             prepared = backend.prepare_many(raw)
-            return [prepared[end - s.rows : end] for s, end in zip(slices, ends, strict=True)]
+            return [prepared[end - n : end] for n, end in zip(counts, ends, strict=True)]
         except InvalidInput:
             pass
         parts: list[list[PreparedRow] | BaseException] = []
-        for piece, end in zip(slices, ends, strict=True):
+        for n, end in zip(counts, ends, strict=True):
             try:
-                parts.append(backend.prepare_many(raw[end - piece.rows : end]))
+                parts.append(backend.prepare_many(raw[end - n : end]))
             except InvalidInput as error:
                 parts.append(error)
         return parts
+
+    def _refused_whole(
+        self, lane: Lane, request: pb.InferRequest, num_rows: int, time_left_s: float | None
+    ) -> Exception | None:
+        """What refuses every slice of `request` before its rows are made (bundle_door), or
+        None where a slice might be queued, or needs an answer of its own."""
+        callers = bundle_callers(request.slices, time_left_s)
+        buckets = row_buckets(lane.backend, request.packed)
+        if callers is None or buckets is None:
+            return None
+        now = self._batching.now()
+        free_s = self._batching.executor_free_s(now)
+        return bundle_door.whole_refusal(lane, callers, buckets, num_rows, now, free_s,
+                                         self._metrics)  # fmt: skip
 
     def _admit(
         self,
@@ -231,6 +255,38 @@ class BundleRunner:
             admitted = [error] * len(asks)
         answers = iter(admitted)
         return [next(answers) if o is _ADMITTING else o for o in outcomes]
+
+
+def bundle_callers(
+    slices: Iterable[pb.Slice], time_left_s: float | None
+) -> list[bundle_door.Caller] | None:
+    """A bundle's callers (bundle_door.callers): its slices grouped by tenant, weight and
+    priority, each group's latest time left; None for a priority no class has."""
+    earliest_us: dict[tuple[str, float, int], int] = {}
+    for piece in slices:
+        like = (piece.tenant, piece.tenant_weight, piece.priority)
+        earlier_us = piece.earlier_us
+        if earliest_us.get(like, earlier_us + 1) > earlier_us:
+            earliest_us[like] = earlier_us
+    try:
+        return bundle_door.callers([
+            (tenant or "default", weight, request_priority(priority).rank,
+             slice_time_left_s(time_left_s, earlier_us))
+            for (tenant, weight, priority), earlier_us in earliest_us.items()
+        ])  # fmt: skip
+    except InvalidInput:  # its slice's own answer
+        return None
+
+
+def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None:
+    """The buckets of a bundle's token rows (validated: bundle_rows), every bucket of the
+    model for a tensor; None for a row longer than any (its slice's own answer)."""
+    if not packed.token_ids:
+        return backend.buckets
+    lengths = np.unique(np.frombuffer(packed.row_lengths, dtype="<i4")).tolist()
+    if lengths[-1] > backend.buckets[-1]:
+        return None
+    return sorted({backend.bucket_for(length) for length in lengths})
 
 
 def _code(error: BaseException) -> str:

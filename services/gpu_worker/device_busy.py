@@ -59,7 +59,8 @@ class DeviceBusy(Generic[P, R]):
     thread, one per batch or step."""
 
     __slots__ = (
-        "_clock", "_run", "last_end_s", "num_calls", "on_cuda", "ran_s", "seconds", "sections",
+        "_clock", "_run", "ended_s", "last_end_s", "num_calls", "on_cuda", "ran_s", "seconds",
+        "sections", "started_s",
     )  # fmt: skip
 
     def __init__(
@@ -77,6 +78,10 @@ class DeviceBusy(Generic[P, R]):
         #: event loop to see the call end. What a batch's shape costs: a loop busy with other
         #: work (refusing a flood) delays its reading of a batch's end, not the next batch.
         self.ran_s = 0.0
+        #: When the first call began and the last one ended, on `clock` (None: not called):
+        #: the executor's idle time between batches is read from these (batch_gap.BatchGap).
+        self.started_s: float | None = None
+        self.ended_s: float | None = None
         #: Calls that have ended, and when the last one did (time.monotonic): the watchdog's
         #: sign of progress (batching.watchdog).
         self.num_calls = 0
@@ -86,10 +91,13 @@ class DeviceBusy(Generic[P, R]):
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
         called_s = self._clock()
+        if self.started_s is None:
+            self.started_s = called_s
         try:
             return self._timed(*args, **kwargs)
         finally:
-            self.ran_s += self._clock() - called_s
+            self.ended_s = self._clock()
+            self.ran_s += self.ended_s - called_s
 
     def _timed(self, *args: P.args, **kwargs: P.kwargs) -> R:
         if not self.on_cuda:

@@ -22,6 +22,7 @@ from services.common.tracing import batch_span, current_span_context
 from services.common.wakeup import Wakeup
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching import watchdog
+from services.gpu_worker.batching.batch_gap import BatchGap
 from services.gpu_worker.batching.between_batches import BetweenBatches
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.fair_share import ComputeLedger
@@ -74,6 +75,7 @@ class BatchingDriver:
         self._wake = Wakeup()
         self._running: asyncio.Task[None] | None = None
         self._between = BetweenBatches(self._executor, self._wake, clock)
+        self._gap = BatchGap()
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
@@ -85,12 +87,14 @@ class BatchingDriver:
     def now(self) -> float:  # the driver's clock (monotonic seconds)
         return self._clock()
 
+    def executor_free_s(self, now: float) -> float | None:  # predicted (None: free now)
+        return self._between.free_s(now, self._running_until_s)
+
     # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> list[tuple[Backend, Exception]]:
-        """Warms every lane up (warm_up.warm_up_lane) on the executor thread that runs the batches
-        (warming the math libraries' per-thread caches too), dropping a lane whose warm-up
-        fails: its backend is returned with the error. Blocking: from a thread, before serving."""
+        """Warms every lane up (warm_up_lane) on the batches' executor thread, its libraries'
+        caches too; a lane whose warm-up fails is dropped, returned with its error. Blocking."""
         lanes = list(self._order)
         return self._executor.submit(warm_up_each, lanes, self._warm_up_lane, self._forget).result()
 
@@ -264,7 +268,7 @@ class BatchingDriver:
         whole or refused alone (its error in its place). Raises what refuses all (open_lane)."""
         lane = self.open_lane(backend)
         now = self._clock() if arrival_s is None else arrival_s
-        free_s = self._between.free_s(now, self._running_until_s)  # the executor's
+        free_s = self.executor_free_s(now)
         admission = AdmissionPass(
             now=now,
             busy_s=self._busy_s(now),
@@ -331,7 +335,7 @@ class BatchingDriver:
                 is_idle = False
             elif (until_s := poll.action.until_s) is not None:
                 wake_at = until_s if wake_at is None else min(wake_at, until_s)
-            executor_free_s = self._between.free_s(now, self._running_until_s)
+            executor_free_s = self.executor_free_s(now)
             lane.fail_expired(poll.expired, now, executor_free_s, self._metrics)
             if (gauges_at := lane.refresh_gauges(self._metrics, now)) is not None:
                 wake_at = gauges_at if wake_at is None else min(wake_at, gauges_at)
@@ -379,9 +383,8 @@ class BatchingDriver:
         finished = self._clock()
         compute_s = finished - started
         self._busy_s_total += compute_s
-        self._busy_since = None
-        self._running_until_s = None
-        self._running = None
+        self._busy_since = self._running_until_s = self._running = None
+        self._gap.ran(device_busy, self._order)
         try:
             lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
             busy = self._metrics.device_busy_seconds_total_of[(*lane.labels, dispatch.work)]

@@ -116,9 +116,11 @@ def drain_s(
     rows: Mapping[BatchKey, int],
     predict: Callable[[BatchKey, int], float],
     limit_for: Callable[[BatchKey], int],
+    gap_s: float = 0.0,
 ) -> float:
     """Predicted compute of `rows` per key, every key in batches as full as `limit_for` allows
-    (`predict(key, n)`: one batch of n rows of the key)."""
+    (`predict(key, n)`: one batch of n rows of the key), and `gap_s` before each batch (the
+    executor idle between batches while rows wait: LatencyModel.batch_gap_s)."""
     total_s = 0.0
     for key, count in rows.items():
         if count <= 0:
@@ -126,7 +128,7 @@ def drain_s(
         limit = limit_for(key)
         full, rest = divmod(count, limit)
         if full:
-            total_s += full * predict(key, limit)
+            total_s += full * (predict(key, limit) + gap_s)
         if rest:
-            total_s += predict(key, rest)
+            total_s += predict(key, rest) + gap_s
     return total_s

@@ -187,6 +187,10 @@ class LatencyModel:
         self._family_spread: dict[_Family, float] = {}
         #: Incremented by every observation: callers cache what they derive from predictions.
         self.revision = 0
+        #: Seconds the executor stands idle between batches while rows wait (the event loop's
+        #: turn to see a batch end and dispatch the next; batch_gap.BatchGap sets it): a
+        #: queue's forecast counts it once a batch (key_queue.drain_s), not the curve.
+        self.batch_gap_s = 0.0
         self._points: dict[BatchKey, dict[int, float]] = {}
         self._families: dict[_Family, set[BatchKey]] = {}
         # Rebuilt lazily: observe() runs once per batch, predict() many times per poll.

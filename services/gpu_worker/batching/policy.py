@@ -198,7 +198,7 @@ class Batcher:
             raise ValueError(f"item {item.item_id} is already queued")
         if item.weight <= 0.0:
             item = dataclasses.replace(item, weight=self.weight_of(item.tenant, item.weight))
-        refusal = self._refusal(item, now_s, executor_free_s, bound)
+        refusal = self.refusal(item, now_s, executor_free_s, bound)
         if refusal is not None:
             return refusal
         if executor_free_s is None and not self._key_of:
@@ -227,7 +227,7 @@ class Batcher:
             return weight
         return self._config.tenant_weights.get(tenant, DEFAULT_WEIGHT)
 
-    def _refusal(
+    def refusal(
         self,
         item: QueuedItem,
         now_s: float,

@@ -1,0 +1,108 @@
+"""A bundle refused whole, before its rows are prepared, when none of its slices could be queued.
+
+Under a flood a worker refused a bundle slice by slice: each slice's rows prepared, asked for,
+refused and answered with a status of its own. For 64 one-row slices that took 1.8 ms of the
+event loop, where serving them took 2.9 ms: refusing a 2x flood took the whole core, and the
+batches the loop should have fed waited behind it (of 17,800 rows a second the stand-in's
+worker serves, 112 were answered within the SLO; docs/benchmarks.md). The door asks the question once for each caller of a bundle (a
+tenant, its weight and priority class, the latest time left among its slices), for a row of
+every bucket the model has, and refuses the whole call when every such row is refused: one
+status, its retry hint jittered for each caller by the gateway (UpstreamError.for_one_caller).
+
+It is asked only while the lane's queue is full or stands (slo_shedding): what refuses every
+row of a bundle then, and only then, is worth a look before the rows are made. It refuses
+only what admission would refuse row by row, in the same state (`Batcher.refusal`): a full
+queue, a tenant over its share, or a row predicted late, since a row of the same caller with
+an earlier deadline or a smaller share of its SLO bound is refused too. A refusal for the
+batch-mates a row would make late depends on the row's place in its batch, so it never
+refuses a bundle here: such a bundle takes the row-by-row path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from services.gpu_worker.admission import Rejected, RejectReason
+from services.gpu_worker.batching.lane import Lane
+from services.gpu_worker.batching.policy import executor_start_s
+from services.gpu_worker.batching.slice_admission import lane_key
+from services.gpu_worker.batching.types import QueuedItem
+from services.gpu_worker.metrics import WorkerMetrics
+
+#: A probe row is never queued: its id is none of the ids the driver hands out.
+_PROBE_ID = -1
+
+
+class Caller(NamedTuple):
+    """The slices of one bundle that share a tenant, weight and priority class."""
+
+    tenant: str
+    weight: float
+    rank: int
+    #: The latest time left of its slices, seconds (inf: one has no deadline of its own, and
+    #: may have the model's default timeout, or longer).
+    latest_s: float
+
+
+def callers(
+    slices: Sequence[tuple[str, float, int, float | None]],
+) -> list[Caller] | None:
+    """A bundle's callers from its slices' (tenant, weight, rank, time left); None when a
+    slice needs an answer of its own (a weight that is not finite and >= 0, a deadline
+    already passed), which only the row-by-row path gives."""
+    latest: dict[tuple[str, float, int], float] = {}
+    for tenant, weight, rank, left_s in slices:
+        if not (math.isfinite(weight) and weight >= 0.0):
+            return None
+        if left_s is not None and left_s <= 0.0:
+            return None
+        like = (tenant, weight, rank)
+        latest[like] = max(latest.get(like, 0.0), math.inf if left_s is None else left_s)
+    return [Caller(*like, left_s) for like, left_s in latest.items()]
+
+
+def may_refuse_whole(lane: Lane) -> bool:
+    """Whether the lane's state may refuse every row of a bundle: its queue is full or
+    stands. Cheap: asked for every bundle."""
+    return lane.shedding.queue.is_standing or isinstance(lane.batcher.can_admit(1), Rejected)
+
+
+def whole_refusal(
+    lane: Lane,
+    callers: Sequence[Caller],
+    buckets: Sequence[int],
+    num_rows: int,
+    now_s: float,
+    executor_free_s: float | None,
+    metrics: WorkerMetrics,
+) -> Exception | None:
+    """The error that refuses every slice of a bundle of `num_rows` rows of `buckets` from
+    `callers`, counted as admission counts its refusals; None when a slice might be queued.
+    Asked while `may_refuse_whole`."""
+    batcher = lane.batcher
+    refused = None
+    for caller in callers:
+        budget_s = lane.shedding.budget_s(now_s, caller.rank, batcher.num_queued)
+        for bucket in buckets:
+            probe = QueuedItem(
+                item_id=_PROBE_ID,
+                key=lane_key(lane, bucket),
+                tenant=caller.tenant,
+                num_tokens=bucket,
+                arrival_s=now_s,
+                deadline_s=now_s + caller.latest_s,
+                finish_by_s=None if budget_s is None else now_s + budget_s,
+                priority=caller.rank,
+                weight=batcher.weight_of(caller.tenant, caller.weight),
+            )
+            refusal = batcher.refusal(probe, now_s, executor_free_s)
+            if refusal is None or (refusal.reason is RejectReason.DEADLINE and refusal.detail):
+                return None
+            refused = refused or (probe, refusal)
+    if refused is None:
+        return None
+    probe, refusal = refused
+    metrics.rejected_total_of[(*lane.labels, refusal.reason.value)].inc(num_rows)
+    return lane.rejection(probe, refusal, now_s, executor_start_s(now_s, executor_free_s))
