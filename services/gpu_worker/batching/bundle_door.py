@@ -1,13 +1,14 @@
-"""A bundle refused whole, before its rows are prepared, when none of its slices could be queued.
+"""A bundle refused whole, before its rows are made, when none of its slices could be queued.
 
 Under a flood a worker refused a bundle slice by slice: each slice's rows prepared, asked for,
 refused and answered with a status of its own. For 64 one-row slices that took 1.8 ms of the
 event loop, where serving them took 2.9 ms: refusing a 2x flood took the whole core, and the
 batches the loop should have fed waited behind it (of 17,800 rows a second the stand-in's
-worker serves, 112 were answered within the SLO; docs/benchmarks.md). The door asks the question once for each caller of a bundle (a
-tenant, its weight and priority class, the latest time left among its slices), for a row of
-every bucket the model has, and refuses the whole call when every such row is refused: one
-status, its retry hint jittered for each caller by the gateway (UpstreamError.for_one_caller).
+worker serves, about 110 were answered within the SLO: `python -m bench.worker_flood`). The
+door asks once for each caller of a bundle (a tenant, its weight and priority class, the
+latest time left among its slices), for a row of each bucket the bundle's rows fall in, and
+refuses the whole call when every such row is refused: one status, its retry hint jittered
+for each caller by the gateway (UpstreamError.for_one_caller).
 
 It is asked only while the lane's queue is full or stands (slo_shedding): what refuses every
 row of a bundle then, and only then, is worth a look before the rows are made. It refuses
@@ -15,7 +16,10 @@ only what admission would refuse row by row, in the same state (`Batcher.refusal
 queue, a tenant over its share, or a row predicted late, since a row of the same caller with
 an earlier deadline or a smaller share of its SLO bound is refused too. A refusal for the
 batch-mates a row would make late depends on the row's place in its batch, so it never
-refuses a bundle here: such a bundle takes the row-by-row path.
+refuses a bundle here: such a bundle takes the row-by-row path. A slice whose own deadline
+passed on the way, beside a bundle-mate of its caller group with time left, is refused with
+the rest (RESOURCE_EXHAUSTED, where the row path would say DEADLINE_EXCEEDED: its caller has
+stopped waiting either way).
 """
 
 from __future__ import annotations
