@@ -22,6 +22,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from services.common.errors import DeadlineExceeded
 from services.common.grpc_errors import status_of
 from services.common.metric_names import BUILD_INFO
 
@@ -103,6 +104,20 @@ class Children(dict[tuple[str, ...], M]):
         child: M = self._metric.labels(*values)
         self[values] = child
         return child
+
+
+def given_up_by(deadline_s: float, slack_s: float) -> Callable[[], BaseException]:
+    """`Outcome`'s `given_up` for a call with an absolute `deadline_s` (time.monotonic): one
+    cancelled within `slack_s` of it was cancelled by it (gRPC cancels a handler at its
+    caller's deadline, maybe before the call's own timer fires: the caller was told
+    DEADLINE_EXCEEDED), any other by a caller that went away."""
+
+    def given_up() -> BaseException:
+        if time.monotonic() >= deadline_s - slack_s:
+            return DeadlineExceeded("deadline exceeded")
+        return asyncio.CancelledError()
+
+    return given_up
 
 
 class Outcome:

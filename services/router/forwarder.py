@@ -21,7 +21,7 @@ from services.common.errors import NotFound, Overloaded, Unavailable, UpstreamEr
 from services.common.grpc_errors import is_bug
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
-from services.common.telemetry import Outcome
+from services.common.telemetry import Outcome, given_up_by
 from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
@@ -74,7 +74,8 @@ class Forwarder:
         facts = call_facts(context, self._default_timeout_s)
         labels = (facts.name, facts.version)
         seconds = self._metrics.request_seconds_of[labels]
-        with Outcome(self._metrics.responses_total_of, labels, seconds):
+        given_up = given_up_by(facts.deadline_s, _DEADLINE_SLACK_S)
+        with Outcome(self._metrics.responses_total_of, labels, seconds, given_up=given_up):
             return await self._infer(body, facts, getattr(context, "slice_cancels", None))
 
     def _infer(
@@ -212,7 +213,8 @@ class Forwarder:
         # always sends one, the model's default_timeout_ms when its caller set none).
         facts = call_facts(context, None)
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
-        with Outcome(self._metrics.responses_total_of, (name, version)):
+        given_up = given_up_by(deadline_s, _DEADLINE_SLACK_S)
+        with Outcome(self._metrics.responses_total_of, (name, version), given_up=given_up):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
             failure: UpstreamError | None = None

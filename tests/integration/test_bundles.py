@@ -422,6 +422,33 @@ async def test_a_call_still_running_at_its_deadline_is_counted_deadline_exceeded
     release_stall(tmp_path / "gate")
 
 
+async def test_a_routed_call_still_running_at_its_deadline_is_counted_late_by_the_router(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """Through the router: the router counted its call, cancelled by its caller's deadline,
+    as CANCELLED, a caller that went away (review finding), where its caller was told
+    DEADLINE_EXCEEDED and the worker counted it so."""
+    async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+        router = MultiplexClient(channel, "router")
+        try:
+            with pytest.raises(Exception) as raised:
+                await router.call(
+                    _stalled_bundle().SerializeToString(),
+                    metadata=route_metadata("stall", "1", 1),
+                    timeout_s=0.5,
+                )
+        finally:
+            await router.close()
+    assert getattr(raised.value, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def counted(code: str) -> float:
+        return fabric.router_metric(names.ROUTER_RESPONSES_TOTAL, model="stall", code=code)
+
+    await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, interval_s=0.01)
+    assert counted("CANCELLED") == 0
+    release_stall(tmp_path / "gate")
+
+
 async def test_a_slice_given_up_at_its_deadline_before_its_bundle_arrives_is_late(
     fabric: Fabric,
 ) -> None:
