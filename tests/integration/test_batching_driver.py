@@ -24,6 +24,7 @@ from services.common.errors import (
     DeadlineExceeded,
     ExecutionFailed,
     InvalidInput,
+    NotFound,
     Overloaded,
     Unavailable,
 )
@@ -223,6 +224,26 @@ async def test_s29_draining_refuses_new_rows_and_finishes_queued_ones(harness: H
     with pytest.raises(Unavailable, match="draining"):
         await harness.submit(1, timeout_s=5)
     assert len(await queued) == 2
+
+
+async def test_rows_of_a_version_unloading_or_unloaded_are_refused_not_found(
+    harness: Harness,
+) -> None:
+    """NOT_FOUND, as for a version never loaded here: a router tries another worker and keeps
+    this one for its other models. UNAVAILABLE made it eject the worker for every model it
+    serves (review finding)."""
+    gate = harness.hold_executor()
+    running = asyncio.ensure_future(harness.submit(1, timeout_s=30))
+    await eventually(lambda: harness.driver.is_executing, message="a batch running")
+    removing = asyncio.ensure_future(harness.driver.remove_backend(harness.backend))
+    await asyncio.sleep(0)
+    with pytest.raises(NotFound, match="is unloading"):
+        harness.driver.admit(harness.backend, harness.rows(1), timeout_s=30, tenant="t")
+    gate.set()
+    assert len(await running) == 1  # the rows it had admitted are served
+    await removing
+    with pytest.raises(NotFound, match="was unloaded"):
+        harness.driver.admit(harness.backend, harness.rows(1), timeout_s=30, tenant="t")
 
 
 async def test_batch_rows_are_reported_apart_and_charged_to_their_tenant(

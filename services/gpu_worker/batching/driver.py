@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from services.common.errors import Unavailable
+from services.common.errors import NotFound, Unavailable
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import batch_span, current_span_context
 from services.common.wakeup import Wakeup
@@ -287,15 +287,15 @@ class BatchingDriver:
         withdraw_rows(admission.lane, admission.item_ids, self._metrics)
 
     def open_lane(self, backend: Backend) -> Lane:
-        """`backend`'s lane; UNAVAILABLE (retry elsewhere) once it was unloaded, while it
-        unloads or while the worker drains."""
+        """`backend`'s lane; NOT_FOUND once it was unloaded or while it unloads (a router tries
+        another worker, and keeps this one for its other models), UNAVAILABLE while it drains."""
         lane = self._lanes.get(id(backend))
         if lane is None:
-            raise Unavailable(f"{backend.config.name}/{backend.version.version} was unloaded")
+            raise NotFound(f"{backend.config.name}/{backend.version.version} was unloaded")
         if self._draining:
             raise Unavailable(str(self._refusal), is_not_started=self._refusal.is_not_started)
         if lane.batcher.is_draining:
-            raise Unavailable(f"{backend.config.name}/{backend.version.version} is unloading")
+            raise NotFound(f"{backend.config.name}/{backend.version.version} is unloading")
         return lane
 
     # -- the loop --------------------------------------------------------------------------
