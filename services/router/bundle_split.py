@@ -14,6 +14,7 @@ request, relays cancelled slices to the parts that carry them and merges the ans
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.grpc_errors import status_of
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.routing import Reject, RejectReason, Route
+
+log = logging.getLogger(__name__)
 
 #: Halvings at most: a bundle goes out in 2**MAX_SPLIT_DEPTH parts or fewer, after at most
 #: 2 * (2**MAX_SPLIT_DEPTH - 1) routing decisions. Splitting happens when the fleet is busy,
@@ -207,6 +210,10 @@ def merge(answers: Sequence[tuple[Part, bytes | BaseException]]) -> bytes:
             try:
                 answered = _part_response(answer, part)
             except Exception as error:  # a malformed answer: its part's slices hear of it
+                log.error(
+                    "a part of a split bundle (slices %d-%d) answered what does not read",
+                    part.first, part.stop - 1, exc_info=error,
+                )  # fmt: skip
                 answer = error
             else:
                 if not response.model_name:

@@ -3,6 +3,7 @@ slices, each part's request, the relay of cancelled slices, and the merged answe
 
 from __future__ import annotations
 
+import logging
 import random
 
 import grpc
@@ -299,3 +300,23 @@ def test_a_slice_weight_that_is_no_positive_number_routes_as_the_default(weight:
         piece.tenant_weight = weight
     part = parsed(request).part(0, 2)
     assert (part.tenant, part.weight) == ("a", 1.0)
+
+
+def test_a_part_answered_with_what_does_not_read_fails_its_slices_and_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two statuses for a part of three slices (a worker's bug, a version mismatch): its
+    callers get INTERNAL, and the log says which part, where nothing did (review finding)."""
+    short = answered([1, 1], [OK, OK])
+    with caplog.at_level(logging.ERROR, logger="services.router.bundle_split"):
+        merged = pb.InferResponse.FromString(
+            merge(
+                [
+                    (Part(0, 1, (1,), 0, "", 1.0), answered([1], [OK])),
+                    (Part(1, 4, (1, 1, 1), 0, "", 1.0), short),
+                ]
+            )
+        )
+    assert [s.code for s in merged.slices] == [OK] + [grpc.StatusCode.INTERNAL.value[0]] * 3
+    (record,) = [r for r in caplog.records if "split bundle" in r.getMessage()]
+    assert "slices 1-3" in record.getMessage() and record.exc_info is not None
