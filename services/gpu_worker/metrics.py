@@ -196,6 +196,12 @@ class WorkerMetrics:
             "online rows predicted to miss the SLO are then refused.",
             _MODEL,
         )
+        self.batch_gap_seconds = new.gauge(
+            names.WORKER_BATCH_GAP_SECONDS,
+            "How long the executor stands idle between batches while rows wait, smoothed: the "
+            "event loop's turns to dispatch the next batch. Well above a batch's compute, this "
+            "process's loop, not its device, bounds what it serves.",
+        )
 
     def _index_children(self) -> None:
         """The children each bundle, slice and batch records in, each looked up once."""

@@ -33,6 +33,7 @@ from services.gpu_worker.batching.lane import Admission
 from services.gpu_worker.batching.slice_admission import SliceAsk
 from services.gpu_worker.batching.types import BatchKey
 from services.gpu_worker.bundles import BundleRunner
+from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.metrics import total
@@ -218,3 +219,27 @@ def test_a_queue_drains_in_its_batches_and_a_gap_before_each() -> None:
 
     assert drain_s(rows, predict, lambda _: 8) == pytest.approx(0.023)
     assert drain_s(rows, predict, lambda _: 8, 0.01) == pytest.approx(0.023 + 4 * 0.01)
+
+
+async def test_the_gap_is_told_every_lane_and_exported(door: Door) -> None:
+    """Batches of 2 ms, 2 ms apart, rows queued all along: each lane's forecasts and the
+    worker's gauge read the same estimate."""
+    door.queue(8, tenant="a")
+    lane = door.driver.open_lane(door.backend)
+    clock = FakeClock(0.0)
+    gap = BatchGap(door.metrics.batch_gap_seconds)
+
+    def two_ms() -> None:
+        clock.now_s += 0.002
+
+    for start_s in (0.0, 0.004, 0.008, 0.012):
+        clock.now_s = start_s
+        batch = DeviceBusy(two_ms, torch.device("cpu"), clock)
+        batch()
+        gap.ran(batch, [lane])
+    assert gap.gap_s == pytest.approx(0.002 * (1 - 0.8**3))
+    assert lane.latency.batch_gap_s == gap.gap_s
+    assert door.metric(names.WORKER_BATCH_GAP_SECONDS) == pytest.approx(gap.gap_s)
+    never_ran = DeviceBusy(two_ms, torch.device("cpu"), clock)
+    gap.ran(never_ran, [lane])  # a batch that never reached the executor teaches nothing
+    assert lane.latency.batch_gap_s == gap.gap_s

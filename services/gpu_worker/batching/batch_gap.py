@@ -22,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from prometheus_client import Gauge
+
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.device_busy import DeviceBusy
 
@@ -38,7 +40,9 @@ class BatchGap:
     """The EWMA of the executor's idle time between batches while rows wait. Pure: times
     come in as arguments, on the driver's clock."""
 
-    def __init__(self) -> None:
+    def __init__(self, gauge: Gauge | None = None) -> None:
+        """`gauge`: where `ran` exports the estimate."""
+        self._gauge = gauge
         self.gap_s = 0.0
         # When the last batch ended on the executor with rows still queued (None: none were).
         self._backlog_end_s: float | None = None
@@ -62,3 +66,5 @@ class BatchGap:
         gap_s = self.observe(batch.started_s, batch.ended_s, rows_waiting=waiting)
         for lane in lanes:
             lane.latency.batch_gap_s = gap_s
+        if self._gauge is not None:
+            self._gauge.set(gap_s)

@@ -75,7 +75,7 @@ class BatchingDriver:
         self._wake = Wakeup()
         self._running: asyncio.Task[None] | None = None
         self._between = BetweenBatches(self._executor, self._wake, clock)
-        self._gap = BatchGap()
+        self._gap = BatchGap(metrics.batch_gap_seconds)
         self._busy_s_total = 0.0
         self._busy_since: float | None = None
         # When the running batch is predicted to end (None: the executor is idle).
