@@ -230,10 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(results) >= 2:
         report["fit"] = fit(results)
         print(json.dumps(report["fit"]))
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_report(args.output, report)
     return 0
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import grpc
 from bench import loopback
 from bench.fabric.stack import start_stack, write_minilm_repository
 from bench.fabric.stand_in import worker_args
-from bench.worker_feed import OWN_CONNECTION, bundle_bytes
+from bench.worker_feed import OWN_CONNECTION, bundle_bytes, write_report
 from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.model_repository import load_repository
 from services.common.multiplex import MultiplexClient
@@ -144,10 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stack.stop()
     report = {"slices": args.slices, "timeout_s": args.timeout_s, "slo_s": args.slo_s}
-    report["rates"] = results
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_report(args.output, {**report, "rates": results})
     return 0
 
 

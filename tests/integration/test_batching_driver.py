@@ -37,6 +37,7 @@ from services.gpu_worker.batching.lane import GAUGE_PERIOD_S
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.metrics import WorkerMetrics
+from tests.support.clock import FakeClock
 from tests.support.metrics import total
 from tests.support.models import write_affine_model, write_small_minilm_repository
 from tests.support.waiting import eventually
@@ -45,14 +46,6 @@ pytestmark = pytest.mark.integration
 
 #: Fake seconds one batch takes, whatever its size.
 BATCH_S = 0.040
-
-
-@dataclass
-class FakeClock:
-    now_s: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 @dataclass

@@ -36,20 +36,13 @@ from services.gpu_worker.bundles import BundleRunner
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.clock import FakeClock
 from tests.support.metrics import total
 from tests.support.models import write_affine_model
 
 pytestmark = pytest.mark.integration
 
 INTERACTIVE = PriorityClass.INTERACTIVE.rank
-
-
-@dataclass
-class FakeClock:
-    now_s: float = 1000.0
-
-    def __call__(self) -> float:
-        return self.now_s
 
 
 @dataclass

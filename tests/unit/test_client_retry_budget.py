@@ -5,19 +5,13 @@ from __future__ import annotations
 import pytest
 from inference_fabric_client.retry import RetryBudget, RetryPolicy
 
+from tests.support.clock import FakeClock
+
 pytestmark = pytest.mark.unit
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.now_s = 0.0
-
-    def __call__(self) -> float:
-        return self.now_s
-
-
 def test_a_budget_emptied_by_a_flood_earns_retries_back_while_the_client_is_quiet() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     budget = RetryBudget(RetryPolicy(min_tokens=3, ratio=0.1, refill_per_s=1.0), clock=clock)
     assert [budget.try_spend() for _ in range(4)] == [True, True, True, False]
     clock.now_s = 1.0  # no calls since: a second of quiet earns one retry back
@@ -27,7 +21,7 @@ def test_a_budget_emptied_by_a_flood_earns_retries_back_while_the_client_is_quie
 
 
 def test_without_refill_only_calls_earn_retries() -> None:
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     budget = RetryBudget(RetryPolicy(min_tokens=1, ratio=0.5, refill_per_s=0.0), clock=clock)
     assert budget.try_spend()
     clock.now_s = 100.0
