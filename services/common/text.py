@@ -123,12 +123,23 @@ class TextEncoder:
         bundle's rows are checked at once, not row by row); raises the first bad row's error."""
         if len(rows) > 1:
             lengths = [len(ids) for ids in rows]
-            if min(lengths) >= self._min_tokens and max(lengths) <= self.max_tokens:
-                flat = np.concatenate(rows)
-                if flat.size and flat.min() >= 0 and flat.max() < self.vocab_size:
-                    ends = list(itertools.accumulate(lengths))
-                    return split_at(flat.astype(np.int64, copy=False), ends)
+            flat = np.concatenate(rows)
+            if self.ids_fit(flat, lengths):
+                ends = list(itertools.accumulate(lengths))
+                return split_at(flat.astype(np.int64, copy=False), ends)
         return [self.check_ids(ids) for ids in rows]
+
+    def ids_fit(self, flat: np.ndarray, lengths: Sequence[int] | np.ndarray) -> bool:
+        """Whether rows of `lengths` ids, concatenated in `flat`, all pass `check_ids`."""
+        lengths = np.asarray(lengths)
+        return bool(
+            lengths.size
+            and lengths.min() >= self._min_tokens
+            and lengths.max() <= self.max_tokens
+            and flat.size
+            and flat.min() >= 0
+            and flat.max() < self.vocab_size
+        )
 
     def encode_many(self, texts: Sequence[str], *, truncate: bool = False) -> list[np.ndarray]:
         """Token ids per text (int64), after the cheap checks; raises InvalidInput.

@@ -24,6 +24,7 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tracing import span_context_of
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
+from services.gpu_worker.backends.embedding import TextBackend
 from services.gpu_worker.batching import bundle_door
 from services.gpu_worker.batching.driver import Admission, BatchingDriver
 from services.gpu_worker.batching.lane import Lane
@@ -89,15 +90,15 @@ class BundleRunner:
         time this took (`worker_us`: what the gateway's bundle clock reads)."""
         labels = (backend.config.name, backend.version.version)
         called_s = time.monotonic()  # when `time_left_s` was read
+        # A slice its caller stopped waiting for before the bundle got here is not queued:
+        # its rows would count against its bundle-mates' room and deadlines.
+        gone = _NONE_GONE if cancels is None else cancels.cancelled
         try:
-            parts = self._rows_per_slice(backend, request, time_left_s)
+            parts = self._rows_per_slice(backend, request, time_left_s, gone)
         except Exception as error:  # refuses every slice alike: counted for each
             code = status_of(error).code.name
             self._metrics.requests_total_of[(*labels, code)].inc(len(request.slices))
             raise
-        # A slice its caller stopped waiting for before the bundle got here is not queued:
-        # its rows would count against its bundle-mates' room and deadlines.
-        gone = _NONE_GONE if cancels is None else cancels.cancelled
         # Preparing the rows took some of the time left: deadlines count from the read.
         left_s = None if time_left_s is None else time_left_s - (time.monotonic() - called_s)
         outcomes = self._admit(
@@ -156,11 +157,16 @@ class BundleRunner:
         return counts
 
     def _rows_per_slice(
-        self, backend: Backend, request: pb.InferRequest, time_left_s: float | None
+        self,
+        backend: Backend,
+        request: pb.InferRequest,
+        time_left_s: float | None,
+        gone: AbstractSet[int],
     ) -> list[list[PreparedRow] | BaseException]:
         """Each slice's prepared rows, or the error that refuses it alone; raises what refuses
         the whole bundle (its callers' time left counted from `time_left_s`), before any row
-        is made where its lane would refuse every slice (bundle_door)."""
+        is made where its lane would refuse every slice (bundle_door; not with slices `gone`,
+        whose callers are told they gave up)."""
         backend.check_fingerprint(request.fingerprint)
         counts = [s.rows for s in request.slices]
         if 0 in counts:
@@ -175,8 +181,8 @@ class BundleRunner:
         # What refuses every slice alike refuses the bundle, so the router retries it elsewhere
         # (a bundle its caller built wrong is refused INVALID_ARGUMENT first: not retried).
         lane = self._batching.open_lane(backend)
-        if bundle_door.may_refuse_whole(lane):
-            refusal = self._refused_whole(lane, request, num_rows, time_left_s)
+        if bundle_door.may_refuse_whole(lane) and not gone:  # a gone slice: its own answer
+            refusal = self._refused_whole(lane, request, time_left_s)
             if refusal is not None:
                 raise refusal
         raw = make_rows()
@@ -195,7 +201,7 @@ class BundleRunner:
         return parts
 
     def _refused_whole(
-        self, lane: Lane, request: pb.InferRequest, num_rows: int, time_left_s: float | None
+        self, lane: Lane, request: pb.InferRequest, time_left_s: float | None
     ) -> Exception | None:
         """What refuses every slice of `request` before its rows are made (bundle_door), or
         None where a slice might be queued, or needs an answer of its own."""
@@ -205,8 +211,7 @@ class BundleRunner:
             return None
         now = self._batching.now()
         free_s = self._batching.executor_free_s(now)
-        return bundle_door.whole_refusal(lane, callers, buckets, num_rows, now, free_s,
-                                         self._metrics)  # fmt: skip
+        return bundle_door.whole_refusal(lane, callers, buckets, now, free_s, self._metrics)
 
     def _admit(
         self,
@@ -261,17 +266,19 @@ def bundle_callers(
     slices: Iterable[pb.Slice], time_left_s: float | None
 ) -> list[bundle_door.Caller] | None:
     """A bundle's callers (bundle_door.callers): its slices grouped by tenant, weight and
-    priority, each group's latest time left; None for a priority no class has."""
+    priority, each group's latest time left and rows; None for a priority no class has."""
     earliest_us: dict[tuple[str, float, int], int] = {}
+    rows: dict[tuple[str, float, int], int] = {}
     for piece in slices:
         like = (piece.tenant, piece.tenant_weight, piece.priority)
         earlier_us = piece.earlier_us
         if earliest_us.get(like, earlier_us + 1) > earlier_us:
             earliest_us[like] = earlier_us
+        rows[like] = rows.get(like, 0) + piece.rows
     try:
         return bundle_door.callers([
             (tenant or "default", weight, request_priority(priority).rank,
-             slice_time_left_s(time_left_s, earlier_us))
+             slice_time_left_s(time_left_s, earlier_us), rows[(tenant, weight, priority)])
             for (tenant, weight, priority), earlier_us in earliest_us.items()
         ])  # fmt: skip
     except InvalidInput:  # its slice's own answer
@@ -279,14 +286,15 @@ def bundle_callers(
 
 
 def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None:
-    """The buckets of a bundle's token rows (validated: bundle_rows), every bucket of the
-    model for a tensor; None for a row longer than any (its slice's own answer)."""
-    if not packed.token_ids:
-        return backend.buckets
-    lengths = np.unique(np.frombuffer(packed.row_lengths, dtype="<i4")).tolist()
-    if lengths[-1] > backend.buckets[-1]:
+    """The buckets of a bundle's token rows (their columns checked: bundle_rows) for a text
+    model whose checks every row passes (TextEncoder.ids_fit); None otherwise: a tensor
+    model's rows, or a row with an answer of its own (INVALID_ARGUMENT), take the row path."""
+    if not packed.token_ids or not isinstance(backend, TextBackend):
         return None
-    return sorted({backend.bucket_for(length) for length in lengths})
+    lengths = np.frombuffer(packed.row_lengths, dtype="<i4")
+    if not backend.text.ids_fit(np.frombuffer(packed.token_ids, dtype="<i4"), lengths):
+        return None
+    return sorted({backend.bucket_for(length) for length in np.unique(lengths).tolist()})
 
 
 def _code(error: BaseException) -> str:

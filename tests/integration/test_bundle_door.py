@@ -3,8 +3,9 @@ could be queued is refused whole, one status for the call, before its rows are m
 one slice of which might be queued takes the row-by-row path. And the executor's idle time
 between batches (batch_gap), which the forecasts the door and admission read now count.
 
-A real TorchScript backend (the affine model) behind a batching driver on a fake clock whose
-loop is not started: nothing is dispatched, so the queue holds what each test puts in it.
+minilm (its real weights and tokenizer; batches of 8, buckets of 16 and 32 tokens, an SLO of
+1 s, a queue of 64 rows) behind a batching driver on a fake clock whose loop is not started:
+nothing is dispatched, so the queue holds what each test puts in it.
 """
 
 from __future__ import annotations
@@ -13,16 +14,18 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
+from services.common.bundles import SliceCancels, pack_token_rows
 from services.common.errors import Overloaded
 from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
-from services.common.tensors import tensor_to_pb
+from services.common.text import TokenIds
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
 from services.gpu_worker.batching import bundle_door
@@ -30,19 +33,20 @@ from services.gpu_worker.batching.batch_gap import BatchGap
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
 from services.gpu_worker.batching.key_queue import drain_s
 from services.gpu_worker.batching.lane import Admission
-from services.gpu_worker.batching.slice_admission import SliceAsk
-from services.gpu_worker.batching.types import BatchKey
+from services.gpu_worker.batching.latency_model import LatencyModel
+from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
+from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch, QueuedItem
 from services.gpu_worker.bundles import BundleRunner
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.clock import FakeClock
 from tests.support.metrics import total
-from tests.support.models import write_affine_model
+from tests.support.models import write_small_minilm_repository
 
 pytestmark = pytest.mark.integration
 
-INTERACTIVE = PriorityClass.INTERACTIVE.rank
+INTERACTIVE, BATCH = PriorityClass.INTERACTIVE.rank, PriorityClass.BATCH.rank
 
 
 @dataclass
@@ -59,7 +63,7 @@ class Door:
         return total(generate_latest(self.registry).decode(), name, **labels)
 
     def rows(self, count: int) -> Sequence[PreparedRow]:
-        return self.backend.prepare_many([np.full(4, i, dtype=np.float32) for i in range(count)])
+        return self.backend.prepare_many([TokenIds(ids) for ids in token_rows(count)])
 
     def queue(self, count: int, tenant: str) -> Admission:
         return self.driver.admit(self.backend, self.rows(count), timeout_s=60.0, tenant=tenant)
@@ -68,13 +72,21 @@ class Door:
         lane = self.driver.open_lane(self.backend)
         now = self.clock()
         return bundle_door.whole_refusal(
-            lane, callers, self.backend.buckets, 1, now, None, self.metrics
+            lane, callers, self.backend.buckets, now, None, self.metrics
         )
 
 
 @pytest.fixture
 async def door(tmp_path: Path) -> AsyncIterator[Door]:
-    write_affine_model(tmp_path / "repo", max_queue_size=64, slo_p99_ms=1000)
+    write_small_minilm_repository(tmp_path / "repo")
+    config = tmp_path / "repo" / "minilm" / "config.toml"
+    replaced = {"slo_p99_ms": "slo_p99_ms = 1000", "max_queue_size": "max_queue_size = 64"}
+    config.write_text(
+        "\n".join(
+            next((v for k, v in replaced.items() if line.startswith(k)), line)
+            for line in config.read_text().splitlines()
+        )
+    )
     (version,) = load_repository(tmp_path / "repo")
     backend = load_backend(version, torch.device("cpu"))
     prepare_many = backend.prepare_many
@@ -94,10 +106,20 @@ async def door(tmp_path: Path) -> AsyncIterator[Door]:
     await driver.drain()
 
 
-def affine_bundle(slices: list[pb.Slice]) -> pb.InferRequest:
-    request = pb.InferRequest(model_name="affine", model_version="1", slices=slices)
-    rows = np.ones((sum(s.rows for s in slices), 4), dtype=np.float32)
-    request.packed.tensor.CopyFrom(tensor_to_pb(rows))
+def token_rows(count: int, first_id: int = 2000) -> list[np.ndarray]:
+    """`count` rows of 8 token ids: [CLS], six words, [SEP]."""
+    return [np.array([101, *range(first_id + i, first_id + i + 6), 102]) for i in range(count)]
+
+
+def text_bundle(door: Door, slices: list[pb.Slice], first_id: int = 2000) -> pb.InferRequest:
+    request = pb.InferRequest(
+        model_name="minilm",
+        model_version="1",
+        fingerprint=door.backend.fingerprint,
+        slices=slices,
+    )
+    ids, lengths = pack_token_rows(token_rows(sum(s.rows for s in slices), first_id))
+    request.packed.token_ids, request.packed.row_lengths = ids, lengths
     return request
 
 
@@ -111,12 +133,22 @@ def stand(door: Door) -> None:
     assert shedding.queue.is_standing
 
 
+def set_gap(door: Door, gap_s: float) -> None:
+    """The executor idles `gap_s` between batches while rows wait, as measured just now."""
+    latency = door.driver.open_lane(door.backend).latency
+    latency.batch_gap_s, latency.batch_gap_as_of_s = gap_s, door.clock.now_s
+
+
+def caller(tenant: str, rank: int = INTERACTIVE) -> bundle_door.Caller:
+    return bundle_door.Caller(tenant, 0.0, rank, 10.0, 1)
+
+
 async def test_a_bundle_at_a_full_queue_is_refused_whole_before_its_rows_are_made(
     door: Door,
 ) -> None:
     held = door.queue(64, tenant="a")
     made_before = sum(door.prepared)
-    request = affine_bundle([pb.Slice(rows=1, tenant="a"), pb.Slice(rows=2, tenant="b")])
+    request = text_bundle(door, [pb.Slice(rows=1, tenant="a"), pb.Slice(rows=2, tenant="b")])
     with pytest.raises(Overloaded, match="queue is full") as refused:
         await BundleRunner(door.driver, door.metrics).infer(door.backend, request, 10.0, None)
     assert refused.value.retry_after_s is not None and refused.value.retry_after_s > 0
@@ -125,7 +157,7 @@ async def test_a_bundle_at_a_full_queue_is_refused_whole_before_its_rows_are_mad
     assert door.metric(names.WORKER_REQUESTS_TOTAL, code="RESOURCE_EXHAUSTED") == 2  # slices
     assert door.driver.open_lane(door.backend).batcher.num_queued == 64
     door.driver.withdraw(held)
-    assert door.refusal([bundle_door.Caller("a", 0.0, INTERACTIVE, 10.0)]) is None
+    assert door.refusal([caller("a")]) is None
 
 
 async def test_a_standing_queue_refuses_a_bundle_whole_only_when_no_caller_of_it_fits(
@@ -138,10 +170,8 @@ async def test_a_standing_queue_refuses_a_bundle_whole_only_when_no_caller_of_it
     whole. What the door refuses, admission refuses row by row too."""
     door.queue(30, tenant="flood")
     stand(door)
-    door.driver.open_lane(door.backend).latency.batch_gap_s = 0.3
-    flood = bundle_door.Caller("flood", 0.0, INTERACTIVE, 10.0)
-    light = bundle_door.Caller("light", 0.0, INTERACTIVE, 10.0)
-    backlog = bundle_door.Caller("flood", 0.0, PriorityClass.BATCH.rank, 10.0)
+    set_gap(door, 0.3)
+    flood, light, backlog = caller("flood"), caller("light"), caller("flood", BATCH)
     refused = door.refusal([flood])
     assert isinstance(refused, Overloaded) and "past its SLO" in str(refused)
     assert door.metric(names.WORKER_REJECTED_TOTAL, reason="deadline") == 1
@@ -154,52 +184,81 @@ async def test_a_standing_queue_refuses_a_bundle_whole_only_when_no_caller_of_it
 
 
 async def test_without_the_gap_the_same_queue_is_forecast_in_time(door: Door) -> None:
-    """The 30 rows' four batches take a few ms on the executor: without the time it idles
-    between them, the flood's row fits its SLO budget and nothing is refused."""
+    """The 30 rows' four batches take well under the budget on the executor: without the time
+    it idles between them, or with a gap no batch refreshed for seconds (a worker idle since
+    a flood), the flood's row fits its SLO budget and nothing is refused."""
     door.queue(30, tenant="flood")
     stand(door)
-    assert door.refusal([bundle_door.Caller("flood", 0.0, INTERACTIVE, 10.0)]) is None
+    assert door.refusal([caller("flood")]) is None
+    set_gap(door, 0.3)
+    door.clock.now_s += 3.0
+    stand(door)
+    assert door.refusal([caller("flood")]) is None
 
 
-async def test_a_bundle_with_a_slice_that_needs_its_own_answer_takes_the_row_path(
-    door: Door,
-) -> None:
+async def test_a_bundle_with_a_slice_of_its_own_answer_takes_the_row_path(door: Door) -> None:
+    """At a full queue: a slice with a weight that is not a number, or a row past the
+    vocabulary, is answered INVALID_ARGUMENT on its own, and a slice whose caller went away
+    before the bundle came CANCELLED, beside bundle-mates refused for room: never a
+    RESOURCE_EXHAUSTED for the whole call that a client would resend as it is."""
     door.queue(64, tenant="a")
     runner = BundleRunner(door.driver, door.metrics)
-    nan_weight = affine_bundle([pb.Slice(rows=1, tenant="a", tenant_weight=float("nan"))])
-    answer = await runner.infer(door.backend, nan_weight, 10.0, None)
-    (status,) = answer.slices
-    assert status.code == 3 and "weight" in status.message  # INVALID_ARGUMENT, its own
+    nan_weight = text_bundle(door, [pb.Slice(rows=1, tenant="a", tenant_weight=float("nan"))])
+    (status,) = (await runner.infer(door.backend, nan_weight, 10.0, None)).slices
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "weight" in status.message
+    past_vocabulary = text_bundle(door, [pb.Slice(rows=1, tenant="a")], first_id=10**6)
+    (status,) = (await runner.infer(door.backend, past_vocabulary, 10.0, None)).slices
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    gone = SliceCancels()
+    gone.cancel(0)
+    two = text_bundle(door, [pb.Slice(rows=1, tenant="a"), pb.Slice(rows=1, tenant="b")])
+    answer = await runner.infer(door.backend, two, 10.0, gone)
+    assert [s.code for s in answer.slices] == [
+        grpc.StatusCode.CANCELLED.value[0],
+        grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+    ]
 
 
 def test_callers_group_slices_by_tenant_weight_and_class_with_their_latest_time() -> None:
     callers = bundle_door.callers(
-        [("a", 1.0, 1, 0.5), ("a", 1.0, 1, 2.0), ("b", 1.0, 1, None), ("a", 2.0, 1, 0.1)]
-    )
+        [("a", 1.0, 1, 0.5, 2), ("a", 1.0, 1, 2.0, 1), ("b", 1.0, 1, None, 1),
+         ("a", 2.0, 1, 0.1, 4)]
+    )  # fmt: skip
     assert callers == [
-        bundle_door.Caller("a", 1.0, 1, 2.0),
-        bundle_door.Caller("b", 1.0, 1, float("inf")),
-        bundle_door.Caller("a", 2.0, 1, 0.1),
+        bundle_door.Caller("a", 1.0, 1, 2.0, 3),
+        bundle_door.Caller("b", 1.0, 1, float("inf"), 1),
+        bundle_door.Caller("a", 2.0, 1, 0.1, 4),
     ]
-    assert bundle_door.callers([("a", float("nan"), 1, 1.0)]) is None
-    assert bundle_door.callers([("a", 1.0, 1, 1.0), ("a", 1.0, 1, 0.0)]) is None
+    assert bundle_door.callers([("a", float("nan"), 1, 1.0, 1)]) is None
+    assert bundle_door.callers([("a", 1.0, 1, 1.0, 1), ("a", 1.0, 1, 0.0, 1)]) is None
 
 
-def test_the_gap_counts_only_while_rows_wait_and_one_stall_moves_it_little() -> None:
+def test_the_gap_counts_full_batches_ready_at_the_last_end_and_a_stall_moves_it_little() -> None:
     gap = BatchGap()
-    assert gap.observe(0.0, 0.002, rows_waiting=True) == 0.0  # nothing before it
-    first = gap.observe(0.006, 0.008, rows_waiting=True)  # 4 ms idle with rows waiting
+    assert gap.observe(0.0, 0.002, full_at_s=0.0, rows_waiting=True) == 0.0  # none before it
+    first = gap.observe(0.006, 0.008, full_at_s=0.001, rows_waiting=True)  # 4 ms idle
     assert first == pytest.approx(0.2 * 0.004)
     # A loop busy with a flood: 50 ms between batches, batch after batch.
-    steady = [gap.observe(0.060 + 0.052 * i, 0.062 + 0.052 * i, rows_waiting=True)
-              for i in range(40)]  # fmt: skip
+    steady = [gap.observe(0.060 + 0.052 * i, 0.062 + 0.052 * i, full_at_s=0.0,
+                          rows_waiting=True) for i in range(40)]  # fmt: skip
     assert steady[6] > 0.02 and steady[-1] == pytest.approx(0.050, rel=0.01)
-    # One 3 s stall with rows waiting; the queue was empty as that batch ended, so the next
-    # batch waited for rows, not for the loop.
-    stalled = gap.observe(5.0, 5.002, rows_waiting=False)
+    # A linger the policy chose (not full), or rows that came after the last end: nothing.
+    assert gap.observe(2.2, 2.202, full_at_s=None, rows_waiting=True) == steady[-1]
+    assert gap.observe(2.3, 2.302, full_at_s=2.25, rows_waiting=True) == steady[-1]
+    # One 2.7 s stall with its rows ready; the queue was empty as that batch ended, so the
+    # next batch waited for rows, not for the loop.
+    stalled = gap.observe(5.0, 5.002, full_at_s=0.0, rows_waiting=False)
     assert steady[-1] < stalled <= 1.6 * steady[-1]
-    assert gap.observe(9.0, 9.002, rows_waiting=False) < stalled
-    assert gap.observe(9.1, 9.102, rows_waiting=False) < 0.8 * stalled
+    assert gap.observe(9.0, 9.002, full_at_s=9.0, rows_waiting=False) < stalled
+    assert gap.observe(9.1, 9.102, full_at_s=9.1, rows_waiting=False) < 0.8 * stalled
+
+
+def test_a_gap_no_batch_refreshed_halves_every_half_second() -> None:
+    latency = LatencyModel()
+    latency.batch_gap_s, latency.batch_gap_as_of_s = 0.1, 10.0
+    assert latency.batch_gap_at(10.0) == 0.1
+    assert latency.batch_gap_at(10.5) == pytest.approx(0.05)
+    assert latency.batch_gap_at(12.0) == pytest.approx(0.1 / 16)
 
 
 def test_a_queue_drains_in_its_batches_and_a_gap_before_each() -> None:
@@ -215,10 +274,12 @@ def test_a_queue_drains_in_its_batches_and_a_gap_before_each() -> None:
 
 
 async def test_the_gap_is_told_every_lane_and_exported(door: Door) -> None:
-    """Batches of 2 ms, 2 ms apart, rows queued all along: each lane's forecasts and the
-    worker's gauge read the same estimate."""
+    """Full batches of 2 ms, 2 ms apart, their rows queued all along: each lane's forecasts
+    and the worker's gauge read the same estimate, as of the last batch's end."""
     door.queue(8, tenant="a")
     lane = door.driver.open_lane(door.backend)
+    key = lane_key(lane, door.backend.buckets[0])
+    full = Dispatch(key, (QueuedItem(1, key, "a", 8, 0.0, 60.0),), CloseReason.FULL)
     clock = FakeClock(0.0)
     gap = BatchGap(door.metrics.batch_gap_seconds)
 
@@ -229,10 +290,10 @@ async def test_the_gap_is_told_every_lane_and_exported(door: Door) -> None:
         clock.now_s = start_s
         batch = DeviceBusy(two_ms, torch.device("cpu"), clock)
         batch()
-        gap.ran(batch, [lane])
+        gap.ran(batch, full, [lane])
     assert gap.gap_s == pytest.approx(0.002 * (1 - 0.8**3))
-    assert lane.latency.batch_gap_s == gap.gap_s
+    assert (lane.latency.batch_gap_s, lane.latency.batch_gap_as_of_s) == (gap.gap_s, 0.014)
     assert door.metric(names.WORKER_BATCH_GAP_SECONDS) == pytest.approx(gap.gap_s)
     never_ran = DeviceBusy(two_ms, torch.device("cpu"), clock)
-    gap.ran(never_ran, [lane])  # a batch that never reached the executor teaches nothing
+    gap.ran(never_ran, full, [lane])  # a batch that never reached the executor teaches nothing
     assert lane.latency.batch_gap_s == gap.gap_s

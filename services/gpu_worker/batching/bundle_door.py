@@ -48,23 +48,27 @@ class Caller(NamedTuple):
     #: The latest time left of its slices, seconds (inf: one has no deadline of its own, and
     #: may have the model's default timeout, or longer).
     latest_s: float
+    #: Its slices' rows.
+    rows: int
 
 
 def callers(
-    slices: Sequence[tuple[str, float, int, float | None]],
+    slices: Sequence[tuple[str, float, int, float | None, int]],
 ) -> list[Caller] | None:
-    """A bundle's callers from its slices' (tenant, weight, rank, time left); None when a
-    slice needs an answer of its own (a weight that is not finite and >= 0, a deadline
+    """A bundle's callers from its slices' (tenant, weight, rank, time left, rows); None when
+    a slice needs an answer of its own (a weight that is not finite and >= 0, a deadline
     already passed), which only the row-by-row path gives."""
     latest: dict[tuple[str, float, int], float] = {}
-    for tenant, weight, rank, left_s in slices:
+    rows: dict[tuple[str, float, int], int] = {}
+    for tenant, weight, rank, left_s, count in slices:
         if not (math.isfinite(weight) and weight >= 0.0):
             return None
         if left_s is not None and left_s <= 0.0:
             return None
         like = (tenant, weight, rank)
         latest[like] = max(latest.get(like, 0.0), math.inf if left_s is None else left_s)
-    return [Caller(*like, left_s) for like, left_s in latest.items()]
+        rows[like] = rows.get(like, 0) + count
+    return [Caller(*like, left_s, rows[like]) for like, left_s in latest.items()]
 
 
 def may_refuse_whole(lane: Lane) -> bool:
@@ -77,18 +81,20 @@ def whole_refusal(
     lane: Lane,
     callers: Sequence[Caller],
     buckets: Sequence[int],
-    num_rows: int,
     now_s: float,
     executor_free_s: float | None,
     metrics: WorkerMetrics,
 ) -> Exception | None:
-    """The error that refuses every slice of a bundle of `num_rows` rows of `buckets` from
-    `callers`, counted as admission counts its refusals; None when a slice might be queued.
-    Asked while `may_refuse_whole`."""
+    """The error that refuses every slice of a bundle of `buckets` from `callers`, or None
+    when a slice might be queued. Asked while `may_refuse_whole`. Each caller's rows are
+    counted under its own refusal's reason, and each refusal tells the lane's SLO shedding
+    what it tells it row by row (Lane.rejection: a standing queue is held); the first
+    caller's is the error."""
     batcher = lane.batcher
-    refused = None
+    refused: list[tuple[Caller, QueuedItem, Rejected]] = []
     for caller in callers:
         budget_s = lane.shedding.budget_s(now_s, caller.rank, batcher.num_queued)
+        first: tuple[Caller, QueuedItem, Rejected] | None = None
         for bucket in buckets:
             probe = QueuedItem(
                 item_id=_PROBE_ID,
@@ -104,9 +110,12 @@ def whole_refusal(
             refusal = batcher.refusal(probe, now_s, executor_free_s)
             if refusal is None or (refusal.reason is RejectReason.DEADLINE and refusal.detail):
                 return None
-            refused = refused or (probe, refusal)
-    if refused is None:
-        return None
-    probe, refusal = refused
-    metrics.rejected_total_of[(*lane.labels, refusal.reason.value)].inc(num_rows)
-    return lane.rejection(probe, refusal, now_s, executor_start_s(now_s, executor_free_s))
+            first = first or (caller, probe, refusal)
+        if first is not None:
+            refused.append(first)
+    start_s = executor_start_s(now_s, executor_free_s)
+    errors = []
+    for caller, probe, refusal in refused:
+        metrics.rejected_total_of[(*lane.labels, refusal.reason.value)].inc(caller.rows)
+        errors.append(lane.rejection(probe, refusal, now_s, start_s))
+    return errors[0] if errors else None

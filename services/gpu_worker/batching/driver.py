@@ -384,9 +384,9 @@ class BatchingDriver:
         compute_s = finished - started
         self._busy_s_total += compute_s
         self._busy_since = self._running_until_s = self._running = None
-        self._gap.ran(device_busy, self._order)
         try:
             lane.answer(dispatch, results)  # first: nothing after it may leave a caller waiting
+            self._gap.ran(device_busy, dispatch, self._order)
             busy = self._metrics.device_busy_seconds_total_of[(*lane.labels, dispatch.work)]
             busy.inc(device_busy.seconds)
             lane.record_batch(

@@ -130,7 +130,8 @@ class QueueForecast:
         earliest_s = min(
             (q.earliest_limit_s() for q in self._queues.values() if len(q.items)), default=inf
         )
-        finish_s = start_s + drain_s(queued, predict, self._limit_for, self._latency.batch_gap_s)
+        gap_s = self._latency.batch_gap_at(start_s)
+        finish_s = start_s + drain_s(queued, predict, self._limit_for, gap_s)
         return PassBound(finish_s, earliest_s)
 
     def _queued(self) -> dict[BatchKey, int]:
@@ -148,5 +149,5 @@ class QueueForecast:
     ) -> float:
         """When `rows` (per key), plus `extra_rows` more of `key`, would be done."""
         rows = {**rows, key: rows.get(key, 0) + extra_rows}
-        gap_s = self._latency.batch_gap_s
+        gap_s = self._latency.batch_gap_at(start_s)
         return start_s + drain_s(rows, self._latency.predict, self._limit_for, gap_s)

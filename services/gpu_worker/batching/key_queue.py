@@ -120,7 +120,7 @@ def drain_s(
 ) -> float:
     """Predicted compute of `rows` per key, every key in batches as full as `limit_for` allows
     (`predict(key, n)`: one batch of n rows of the key), and `gap_s` before each batch (the
-    executor idle between batches while rows wait: LatencyModel.batch_gap_s)."""
+    executor idle between batches while rows wait: LatencyModel.batch_gap_at)."""
     total_s = 0.0
     for key, count in rows.items():
         if count <= 0:

@@ -14,6 +14,8 @@ from services.gpu_worker.batching.types import BatchKey
 
 #: Floor on every prediction: a batch never costs nothing, and callers divide by predictions.
 MIN_PREDICTION_S = 1e-6
+#: A batch gap (LatencyModel.batch_gap_s) halves every this many seconds no batch refreshes it.
+GAP_HALF_LIFE_S = 0.5
 
 #: (model, version, fingerprint): keys of one family differ only in bucket and share a curve shape.
 _Family = tuple[str, str, str]
@@ -188,9 +190,11 @@ class LatencyModel:
         #: Incremented by every observation: callers cache what they derive from predictions.
         self.revision = 0
         #: Seconds the executor stands idle between batches while rows wait (the event loop's
-        #: turn to see a batch end and dispatch the next; batch_gap.BatchGap sets it): a
-        #: queue's forecast counts it once a batch (key_queue.drain_s), not the curve.
+        #: turn to see a batch end and dispatch the next), as of `batch_gap_as_of_s`
+        #: (batch_gap.BatchGap sets both): a queue's forecast counts it once a batch
+        #: (`batch_gap_at`, key_queue.drain_s), not the curve.
         self.batch_gap_s = 0.0
+        self.batch_gap_as_of_s = 0.0
         self._points: dict[BatchKey, dict[int, float]] = {}
         self._families: dict[_Family, set[BatchKey]] = {}
         # Rebuilt lazily: observe() runs once per batch, predict() many times per poll.
@@ -198,6 +202,15 @@ class LatencyModel:
         # How each key is predicted, until the next observation (which may move any key's
         # curve or scale): a poll asks for the same few predictions again and again.
         self._predictions: dict[BatchKey, _Prediction] = {}
+
+    def batch_gap_at(self, now_s: float) -> float:
+        """`batch_gap_s` at `now_s`, halved every GAP_HALF_LIFE_S since the batch that set it:
+        batches under a flood refresh it every few ms, and a gap a flood taught does not
+        price the next burst of a worker idle since."""
+        if not self.batch_gap_s:
+            return 0.0
+        since_s = max(0.0, now_s - self.batch_gap_as_of_s)
+        return self.batch_gap_s * math.exp(-math.log(2.0) * since_s / GAP_HALF_LIFE_S)
 
     def observe(self, key: BatchKey, batch_size: int, seconds: float) -> None:
         """Record that a batch of `batch_size` items of `key` took `seconds` to compute."""
