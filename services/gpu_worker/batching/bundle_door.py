@@ -16,7 +16,9 @@ only what admission would refuse row by row, in the same state (`Batcher.refusal
 queue, a tenant over its share, or a row predicted late, since a row of the same caller with
 an earlier deadline or a smaller share of its SLO bound is refused too. A refusal for the
 batch-mates a row would make late depends on the row's place in its batch, so it never
-refuses a bundle here: such a bundle takes the row-by-row path. A slice whose own deadline
+refuses a bundle here: such a bundle takes the row-by-row path, as does one with a slice of
+an answer of its own (BundleRunner asks only for token-id bundles of a text model whose rows
+all pass its checks, with no caller gone before the bundle came). A slice whose own deadline
 passed on the way, beside a bundle-mate of its caller group with time left, is refused with
 the rest (RESOURCE_EXHAUSTED, where the row path would say DEADLINE_EXCEEDED: its caller has
 stopped waiting either way).
