@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
@@ -17,9 +18,10 @@ from collections.abc import Set as AbstractSet
 import numpy as np
 
 from services.common.bundles import SliceCancels, slice_time_left_s, split_at, token_row_ends
-from services.common.errors import DeadlineExceeded, InvalidInput, Unavailable
+from services.common.errors import InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
+from services.common.telemetry import given_up_by
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.common.text import TokenIds
 from services.common.tracing import span_context_of
@@ -265,24 +267,32 @@ class BundleRunner:
 def bundle_callers(
     slices: Iterable[pb.Slice], time_left_s: float | None
 ) -> list[bundle_door.Caller] | None:
-    """A bundle's callers (bundle_door.callers): its slices grouped by tenant, weight and
-    priority, each group's latest time left and rows; None for a priority no class has."""
+    """A bundle's callers for the door (bundle_door.Caller): its slices grouped by tenant,
+    weight and priority, each group's latest time left (the slices' earliest `earlier_us`)
+    and rows; None when a slice needs an answer of its own, which only the row-by-row path
+    gives: a priority no class has, a weight that is not finite and >= 0, a deadline passed."""
     earliest_us: dict[tuple[str, float, int], int] = {}
     rows: dict[tuple[str, float, int], int] = {}
     for piece in slices:
-        like = (piece.tenant, piece.tenant_weight, piece.priority)
+        like = (piece.tenant or "default", piece.tenant_weight, piece.priority)
         earlier_us = piece.earlier_us
         if earliest_us.get(like, earlier_us + 1) > earlier_us:
             earliest_us[like] = earlier_us
         rows[like] = rows.get(like, 0) + piece.rows
-    try:
-        return bundle_door.callers([
-            (tenant or "default", weight, request_priority(priority).rank,
-             slice_time_left_s(time_left_s, earlier_us), rows[(tenant, weight, priority)])
-            for (tenant, weight, priority), earlier_us in earliest_us.items()
-        ])  # fmt: skip
-    except InvalidInput:  # its slice's own answer
-        return None
+    callers = []
+    for (tenant, weight, priority), earlier_us in earliest_us.items():
+        left_s = slice_time_left_s(time_left_s, earlier_us)
+        if not (math.isfinite(weight) and weight >= 0.0) or (left_s is not None and left_s <= 0):
+            return None
+        try:
+            rank = request_priority(priority).rank
+        except InvalidInput:
+            return None
+        latest_s = math.inf if left_s is None else left_s
+        callers.append(
+            bundle_door.Caller(tenant, weight, rank, latest_s, rows[tenant, weight, priority])
+        )
+    return callers
 
 
 def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None:
@@ -306,9 +316,8 @@ def given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) ->
     caller stopped waiting for is counted and answered: DEADLINE_EXCEEDED when its deadline
     had come (our timer, or the caller's cancel at its own, a hop earlier), else CANCELLED."""
     left_s = slice_time_left_s(time_left_s, earlier_us)
-    if left_s is not None and time.monotonic() - called_s >= left_s - DEADLINE_SLACK_S:
-        return DeadlineExceeded("deadline exceeded")
-    return asyncio.CancelledError()
+    deadline_s = math.inf if left_s is None else called_s + left_s
+    return given_up_by(deadline_s, DEADLINE_SLACK_S)()
 
 
 def _result(outcome: Admission | BaseException) -> list[np.ndarray] | BaseException:

@@ -36,7 +36,7 @@ from services.gpu_worker.batching.lane import Admission
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.batching.types import BatchKey, CloseReason, Dispatch, QueuedItem
-from services.gpu_worker.bundles import BundleRunner
+from services.gpu_worker.bundles import BundleRunner, bundle_callers
 from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -220,17 +220,24 @@ async def test_a_bundle_with_a_slice_of_its_own_answer_takes_the_row_path(door: 
 
 
 def test_callers_group_slices_by_tenant_weight_and_class_with_their_latest_time() -> None:
-    callers = bundle_door.callers(
-        [("a", 1.0, 1, 0.5, 2), ("a", 1.0, 1, 2.0, 1), ("b", 1.0, 1, None, 1),
-         ("a", 2.0, 1, 0.1, 4)]
-    )  # fmt: skip
-    assert callers == [
-        bundle_door.Caller("a", 1.0, 1, 2.0, 3),
-        bundle_door.Caller("b", 1.0, 1, float("inf"), 1),
-        bundle_door.Caller("a", 2.0, 1, 0.1, 4),
+    slices = [  # no priority: the default class, interactive
+        pb.Slice(rows=2, tenant="a", tenant_weight=1.0, earlier_us=1_500_000),
+        pb.Slice(rows=1, tenant="a", tenant_weight=1.0),
+        pb.Slice(rows=1, tenant="", tenant_weight=1.0),
+        pb.Slice(rows=4, tenant="a", tenant_weight=2.0, earlier_us=1_900_000),
+        pb.Slice(rows=1, tenant="default", tenant_weight=1.0),
     ]
-    assert bundle_door.callers([("a", float("nan"), 1, 1.0, 1)]) is None
-    assert bundle_door.callers([("a", 1.0, 1, 1.0, 1), ("a", 1.0, 1, 0.0, 1)]) is None
+    assert bundle_callers(slices, 2.0) == [
+        bundle_door.Caller("a", 1.0, INTERACTIVE, 2.0, 3),
+        bundle_door.Caller("default", 1.0, INTERACTIVE, 2.0, 2),
+        bundle_door.Caller("a", 2.0, INTERACTIVE, pytest.approx(0.1), 4),
+    ]
+    assert bundle_callers(slices[:1], None) == [
+        bundle_door.Caller("a", 1.0, INTERACTIVE, float("inf"), 2)
+    ]
+    assert bundle_callers([pb.Slice(rows=1, tenant_weight=float("nan"))], 1.0) is None
+    assert bundle_callers([pb.Slice(rows=1, earlier_us=1_000_000)], 1.0) is None  # late
+    assert bundle_callers([pb.Slice(rows=1, priority=99)], 1.0) is None  # no such class
 
 
 def test_the_gap_counts_full_batches_ready_at_the_last_end_and_a_stall_moves_it_little() -> None:

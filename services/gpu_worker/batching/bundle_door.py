@@ -26,7 +26,6 @@ stopped waiting either way).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -52,25 +51,6 @@ class Caller(NamedTuple):
     latest_s: float
     #: Its slices' rows.
     rows: int
-
-
-def callers(
-    slices: Sequence[tuple[str, float, int, float | None, int]],
-) -> list[Caller] | None:
-    """A bundle's callers from its slices' (tenant, weight, rank, time left, rows); None when
-    a slice needs an answer of its own (a weight that is not finite and >= 0, a deadline
-    already passed), which only the row-by-row path gives."""
-    latest: dict[tuple[str, float, int], float] = {}
-    rows: dict[tuple[str, float, int], int] = {}
-    for tenant, weight, rank, left_s, count in slices:
-        if not (math.isfinite(weight) and weight >= 0.0):
-            return None
-        if left_s is not None and left_s <= 0.0:
-            return None
-        like = (tenant, weight, rank)
-        latest[like] = max(latest.get(like, 0.0), math.inf if left_s is None else left_s)
-        rows[like] = rows.get(like, 0) + count
-    return [Caller(*like, left_s, rows[like]) for like, left_s in latest.items()]
 
 
 def may_refuse_whole(lane: Lane) -> bool:
