@@ -77,25 +77,29 @@ def test_rows_a_pass_bound_covers_get_the_decisions_the_per_row_checks_give() ->
         rows = Counter(item.key for item in arrivals)
         bound = bounded.pass_bound(rows, now_s, executor_free_s)
         for item in arrivals:
-            covered = bound.covers(item.admission_limit_s, 0.005)  # make_batcher's margin
+            covered = bound.covers(item.key, item.admission_limit_s, 0.005)  # make_batcher's margin
+            whole = bound.finish_s + 0.005 <= min(item.admission_limit_s, bound.earliest_limit_s)
             expected = decision(alone.add(item, now_s, executor_free_s=executor_free_s))
             got = bounded.add(item, now_s, executor_free_s=executor_free_s, bound=bound)
             assert decision(got) == expected, (seed, item, bound.finish_s, covered)
             seen["covered" if covered else "checked"] += 1
+            seen["covered by the step"] += covered and not whole
             if expected is RejectReason.DEADLINE:
                 seen["refused for its deadline"] += 1
         assert alone.num_queued == bounded.num_queued
     assert seen["covered"] >= 500, seen
+    assert seen["covered by the step"] >= 500, seen
     assert seen["checked"] >= 500, seen
     assert seen["refused for its deadline"] >= 500, seen
 
 
 def test_a_bound_tightens_with_each_admitted_row_and_covers_only_rows_that_fit() -> None:
+    key = make_key()
     bound = PassBound(finish_s=1.0, earliest_limit_s=2.0)
-    assert bound.covers(1.5, margin_s=0.1)
-    assert not bound.covers(1.05, margin_s=0.1)  # its own limit is too close
-    bound.admitted(1.08)  # a row with an early limit joined: later rows must not make it late
-    assert not bound.covers(1.5, margin_s=0.1)
+    assert bound.covers(key, 1.5, margin_s=0.1)
+    assert not bound.covers(key, 1.05, margin_s=0.1)  # its own limit is too close
+    bound.admitted(key, 1.08)  # a row with an early limit joined: later rows must not make it late
+    assert not bound.covers(key, 1.5, margin_s=0.1)
     assert bound.earliest_limit_s == 1.08
 
 
@@ -113,3 +117,39 @@ def test_a_bound_counts_every_row_queued_and_every_row_the_pass_brings() -> None
     # 13 rows of one key, batches of 8: 8 + 5 rows, 0.08 + 0.05 s after the running batch ends.
     assert abs(bound.finish_s - (0.5 + 0.08 + 0.05)) < 1e-9, bound.finish_s
     assert bound.earliest_limit_s == 5.0
+
+
+def test_a_standing_queue_s_pass_is_bounded_row_by_row_up_to_the_row_that_does_not_fit() -> None:
+    """A queue standing (3 rows, 0.01 s of compute a row, the executor free at 0.5 s) and a
+    pass of 40 rows whose limit is 0.7 s: the whole pass (0.93 s) does not fit, so the step
+    bounds each row by the drain of what is queued when it asks. Rows 1-16 finish by 0.69 s
+    and are covered, each counting the pass's rows admitted before it; the 17th would finish
+    at 0.7 s, past its limit less the 5 ms margin, so it meets its own forecast and is refused,
+    as is every row after it. The step's running sum is the drain computed afresh."""
+    latency = LatencyModel(default_s=0.01)
+    key = make_key()
+    for size in (1, 8):
+        latency.observe(key, size, 0.01 * size)
+    batcher: Batcher = make_batcher(latency=latency)
+    for i in range(3):
+        assert batcher.add(make_item(item_id=i, deadline_s=5.0), 0.0) == Admitted()
+    bound = batcher.pass_bound({key: 40}, now_s=0.0, executor_free_s=0.5)
+    assert bound.step is not None
+    covered, outcomes = [], []
+    for i in range(40):
+        item = make_item(item_id=100 + i, deadline_s=0.7)
+        covered.append(bound.covers(key, item.admission_limit_s, 0.005))
+        outcomes.append(decision(batcher.add(item, 0.0, executor_free_s=0.5, bound=bound)))
+    assert covered == [True] * 16 + [False] * 24
+    assert outcomes == [None] * 16 + [RejectReason.DEADLINE] * 24
+    assert batcher.num_queued == 19
+    assert abs(bound.step.finish_with_s(key) - (0.5 + 0.01 * 20)) < 1e-12
+
+
+def test_a_pass_into_an_empty_queue_has_no_step() -> None:
+    """With nothing queued at the pass's start, the first row's own forecast prices it alone
+    (by its floor), which a drain of the queue would not: the pass bounds its rows whole or
+    not at all."""
+    batcher: Batcher = make_batcher()
+    bound = batcher.pass_bound({make_key(): 40}, now_s=0.0, executor_free_s=0.5)
+    assert bound.step is None

@@ -12,7 +12,7 @@ from math import inf
 
 from services.common.fair_rows import rows_ahead
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.key_queue import KeyQueue, drain_s
+from services.gpu_worker.batching.key_queue import KeyQueue, drain_s, one_more_s
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BatchKey, QueuedItem
 
@@ -29,21 +29,70 @@ class PassBound:
     was queued at the start and of the rows admitted since. While `finish_s` plus the margin
     is at most both that and a row's own limit, the row meets its limit and makes no
     batch-mate late, so its per-row forecasts (`Batcher.add`) are skipped: a pass of 64 rows
-    reads the queues once, not 64 times."""
+    reads the queues once, not 64 times.
 
-    __slots__ = ("earliest_limit_s", "finish_s")
+    A pass that does not fit whole (a standing queue's) is bounded row by row instead, when
+    something was queued at its start (`Step`): the drain of every row queued so far plus
+    the row asking, kept up to date one row at a time, is the same bound for that row. The
+    rows that fit are spared their forecasts, and the first that does not meets them."""
 
-    def __init__(self, finish_s: float, earliest_limit_s: float) -> None:
+    __slots__ = ("earliest_limit_s", "finish_s", "step")
+
+    def __init__(self, finish_s: float, earliest_limit_s: float, step: Step | None = None) -> None:
         self.finish_s = finish_s
         self.earliest_limit_s = earliest_limit_s
+        self.step = step
 
-    def covers(self, limit_s: float, margin_s: float) -> bool:
-        """Whether a row with admission limit `limit_s` surely passes the deadline checks."""
-        return self.finish_s + margin_s <= min(limit_s, self.earliest_limit_s)
+    def covers(self, key: BatchKey, limit_s: float, margin_s: float) -> bool:
+        """Whether a row of `key` with admission limit `limit_s` surely passes the deadline
+        checks."""
+        limit_s = min(limit_s, self.earliest_limit_s) - margin_s
+        if self.finish_s <= limit_s:
+            return True
+        return self.step is not None and self.step.finish_with_s(key) <= limit_s - _ROUNDING_S
 
-    def admitted(self, limit_s: float) -> None:
-        """A row with queue limit `limit_s` joined the queue."""
+    def admitted(self, key: BatchKey, limit_s: float) -> None:
+        """A row of `key` with queue limit `limit_s` joined the queue."""
         self.earliest_limit_s = min(self.earliest_limit_s, limit_s)
+        if self.step is not None:
+            self.step.admitted(key)
+
+
+#: What a step's running sum may differ from the per-row forecast's own sum by (floating
+#: point): a row is covered only with this to spare, so the two never decide apart.
+_ROUNDING_S = 1e-9
+
+
+class Step:
+    """The drain of every row queued now (`counts` per key), the executor free at `start_s`,
+    kept as a running sum one admitted row at a time (key_queue.one_more_s)."""
+
+    __slots__ = ("_counts", "_finish_s", "_gap_s", "_limit_for", "_predict")
+
+    def __init__(
+        self,
+        counts: dict[BatchKey, int],
+        start_s: float,
+        latency: LatencyModel,
+        limit_for: Callable[[BatchKey], int],
+    ) -> None:
+        self._counts = counts
+        self._predict = latency.predict
+        self._limit_for = limit_for
+        self._gap_s = latency.batch_gap_at(start_s)
+        self._finish_s = start_s + drain_s(counts, self._predict, limit_for, self._gap_s)
+
+    def finish_with_s(self, key: BatchKey) -> float:
+        """When everything queued now and one more row of `key` would be done."""
+        return self._finish_s + self._one_more_s(key)
+
+    def admitted(self, key: BatchKey) -> None:
+        self._finish_s += self._one_more_s(key)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def _one_more_s(self, key: BatchKey) -> float:
+        count = self._counts.get(key, 0)
+        return one_more_s(key, count, self._predict, self._limit_for, self._gap_s)
 
 
 class QueueForecast:
@@ -122,17 +171,19 @@ class QueueForecast:
     def pass_bound(self, rows: Mapping[BatchKey, int], start_s: float) -> PassBound:
         """The PassBound of an admission pass bringing `rows` (per key), the executor free at
         `start_s`. With nothing queued at its start, the pass's rows are priced by their floor
-        (LatencyModel.predict_bounded), as a lone row is (`finish_s`)."""
+        (LatencyModel.predict_bounded), as a lone row is (`finish_s`), and have no step: the
+        first row's own forecast prices it alone."""
         queued = self._queued()
-        predict = self._latency.predict if any(queued.values()) else self._latency.predict_bounded
-        for key, count in rows.items():
-            queued[key] = queued.get(key, 0) + count
+        is_queued = any(queued.values())
+        step = Step(queued, start_s, self._latency, self._limit_for) if is_queued else None
+        predict = self._latency.predict if is_queued else self._latency.predict_bounded
+        rows = {key: queued.get(key, 0) + count for key, count in rows.items()}
         earliest_s = min(
             (q.earliest_limit_s() for q in self._queues.values() if len(q.items)), default=inf
         )
         gap_s = self._latency.batch_gap_at(start_s)
-        finish_s = start_s + drain_s(queued, predict, self._limit_for, gap_s)
-        return PassBound(finish_s, earliest_s)
+        finish_s = start_s + drain_s({**queued, **rows}, predict, self._limit_for, gap_s)
+        return PassBound(finish_s, earliest_s, step)
 
     def _queued(self) -> dict[BatchKey, int]:
         """Rows queued per key, at every priority."""

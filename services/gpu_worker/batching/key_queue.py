@@ -132,3 +132,18 @@ def drain_s(
         if rest:
             total_s += predict(key, rest) + gap_s
     return total_s
+
+
+def one_more_s(
+    key: BatchKey,
+    count: int,
+    predict: Callable[[BatchKey, int], float],
+    limit_for: Callable[[BatchKey], int],
+    gap_s: float = 0.0,
+) -> float:
+    """What one more row of `key` adds to `drain_s` of rows holding `count` of it: a batch of
+    its own (and its gap) when the last batch is full, else that batch's growth by one row."""
+    rest = count % limit_for(key)
+    if not rest:
+        return predict(key, 1) + gap_s
+    return predict(key, rest + 1) - predict(key, rest)

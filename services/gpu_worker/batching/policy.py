@@ -205,7 +205,7 @@ class Batcher:
             alone_s = self._latency.predict_alone(item.key) + self._config.safety_margin_s
             item = admitted_alone(item, now_s + alone_s)
         if bound is not None:
-            bound.admitted(item.queue_limit_s)
+            bound.admitted(item.key, item.queue_limit_s)
         self._weights[item.tenant] = item.weight
         queue = self._queues.get(item.key)
         if queue is None:
@@ -252,7 +252,9 @@ class Batcher:
             if now_s + self._latency.predict_alone(item.key) > item.deadline_s:
                 return Rejected(RejectReason.DEADLINE)
             return None
-        if bound is not None and bound.covers(item.admission_limit_s, cfg.safety_margin_s):
+        if bound is not None and bound.covers(
+            item.key, item.admission_limit_s, cfg.safety_margin_s
+        ):
             return None
         start_s = executor_start_s(now_s, executor_free_s)
         finish_s = self.predicted_finish_s(item.key, start_s, rank=item.priority, of=item)
