@@ -13,7 +13,7 @@ from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.batching.types import QueuedItem
+from services.gpu_worker.batching.types import BatchKey, QueuedItem
 from tests.unit.test_batching_policy import make_batcher, make_item, make_key
 
 pytestmark = pytest.mark.unit
@@ -103,9 +103,9 @@ def test_a_bound_tightens_with_each_admitted_row_and_covers_only_rows_that_fit()
     assert bound.earliest_limit_s == 1.08
 
 
-def test_a_bound_counts_every_row_queued_and_every_row_the_pass_brings() -> None:
-    """finish_s: the whole queue plus the pass's rows, each key in its fullest batches, from
-    when the running batch ends."""
+def three_rows_queued() -> tuple[Batcher, BatchKey]:
+    """A batcher with 3 rows of one key queued (each allowing 5 s), batches of 8 rows, each row
+    0.01 s of compute; and the key."""
     latency = LatencyModel(default_s=0.01)
     key = make_key()
     for size in (1, 8):
@@ -113,6 +113,13 @@ def test_a_bound_counts_every_row_queued_and_every_row_the_pass_brings() -> None
     batcher: Batcher = make_batcher(latency=latency)
     for i in range(3):
         assert batcher.add(make_item(item_id=i, deadline_s=5.0), 0.0) == Admitted()
+    return batcher, key
+
+
+def test_a_bound_counts_every_row_queued_and_every_row_the_pass_brings() -> None:
+    """finish_s: the whole queue plus the pass's rows, each key in its fullest batches, from
+    when the running batch ends."""
+    batcher, key = three_rows_queued()
     bound = batcher.pass_bound({key: 10}, now_s=0.0, executor_free_s=0.5)
     # 13 rows of one key, batches of 8: 8 + 5 rows, 0.08 + 0.05 s after the running batch ends.
     assert abs(bound.finish_s - (0.5 + 0.08 + 0.05)) < 1e-9, bound.finish_s
@@ -126,13 +133,7 @@ def test_a_standing_queue_s_pass_is_bounded_row_by_row_up_to_the_row_that_does_n
     and are covered, each counting the pass's rows admitted before it; the 17th would finish
     at 0.7 s, past its limit less the 5 ms margin, so it meets its own forecast and is refused,
     as is every row after it. The step's running sum is the drain computed afresh."""
-    latency = LatencyModel(default_s=0.01)
-    key = make_key()
-    for size in (1, 8):
-        latency.observe(key, size, 0.01 * size)
-    batcher: Batcher = make_batcher(latency=latency)
-    for i in range(3):
-        assert batcher.add(make_item(item_id=i, deadline_s=5.0), 0.0) == Admitted()
+    batcher, key = three_rows_queued()
     bound = batcher.pass_bound({key: 40}, now_s=0.0, executor_free_s=0.5)
     assert bound.step is not None
     covered, outcomes = [], []
