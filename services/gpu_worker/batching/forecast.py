@@ -46,10 +46,11 @@ class PassBound:
     def covers(self, key: BatchKey, limit_s: float, margin_s: float) -> bool:
         """Whether a row of `key` with admission limit `limit_s` surely passes the deadline
         checks."""
-        limit_s = min(limit_s, self.earliest_limit_s) - margin_s
-        if self.finish_s <= limit_s:
+        limit_s = min(limit_s, self.earliest_limit_s)
+        if self.finish_s + margin_s <= limit_s:
             return True
-        return self.step is not None and self.step.finish_with_s(key) <= limit_s - _ROUNDING_S
+        step = self.step
+        return step is not None and step.finish_with_s(key) + margin_s + _ROUNDING_S <= limit_s
 
     def admitted(self, key: BatchKey, limit_s: float) -> None:
         """A row of `key` with queue limit `limit_s` joined the queue."""
