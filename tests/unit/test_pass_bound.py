@@ -144,7 +144,7 @@ def test_a_standing_queue_s_pass_is_bounded_row_by_row_up_to_the_row_that_does_n
     assert covered == [True] * 16 + [False] * 24
     assert outcomes == [None] * 16 + [RejectReason.DEADLINE] * 24
     assert batcher.num_queued == 19
-    assert abs(bound.step.finish_with_s(key) - (0.5 + 0.01 * 20)) < 1e-12
+    assert abs(bound.step.finish_bound_s(key) - (0.5 + 0.01 * 20)) < 2e-9
 
 
 def test_a_pass_into_an_empty_queue_has_no_step() -> None:
@@ -154,3 +154,33 @@ def test_a_pass_into_an_empty_queue_has_no_step() -> None:
     batcher: Batcher = make_batcher()
     bound = batcher.pass_bound({make_key(): 40}, now_s=0.0, executor_free_s=0.5)
     assert bound.step is None
+
+
+@pytest.mark.parametrize("now_s", [3.0e6, 1.0e6 + 0.123, 7.5e5])
+def test_a_long_pass_on_a_clock_days_from_boot_decides_as_the_per_row_checks(now_s: float) -> None:
+    """The worker's clock is seconds since boot, so a bound summed on it rounds each step at
+    the clock's grain (about 5e-10 s days from boot), not the drain's. Rows with a limit a
+    hair (10 ns) before where the 1,500th row of a pass is predicted to finish: the first
+    1,499 are admitted, and the 1,500th is refused, as the per-row checks decide."""
+    latency = LatencyModel(default_s=0.01)
+    key = make_key()
+    for size in (1, 8):
+        latency.observe(key, size, 0.0001 * size + 0.00003)
+    alone, bounded = (make_batcher(latency=latency, max_queue_size=5_000) for _ in range(2))
+    for i in range(3):
+        for batcher in (alone, bounded):
+            assert batcher.add(make_item(item_id=i, deadline_s=now_s + 100.0), now_s) == Admitted()
+    free_s = now_s + 0.01
+    for i in range(1_499):  # the twin, to find where the 1,500th row is predicted to finish
+        assert alone.add(make_item(item_id=10 + i, deadline_s=now_s + 100.0), now_s) == Admitted()
+    row = make_item(item_id=9_999, deadline_s=now_s + 100.0)
+    finish_s = alone.predicted_finish_s(key, free_s, rank=row.priority, of=row)
+    limit_s = finish_s + 0.005 - 1e-8  # make_batcher's margin, less a hair
+    bound = bounded.pass_bound({key: 2_000}, now_s, free_s)
+    outcomes = [
+        decision(bounded.add(make_item(item_id=10 + i, deadline_s=limit_s), now_s,
+                             executor_free_s=free_s, bound=bound))
+        for i in range(2_000)
+    ]  # fmt: skip
+    assert outcomes[:1_499] == [None] * 1_499
+    assert set(outcomes[1_499:]) == {RejectReason.DEADLINE}

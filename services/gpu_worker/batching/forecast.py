@@ -32,9 +32,10 @@ class PassBound:
     reads the queues once, not 64 times.
 
     A pass that does not fit whole (a standing queue's) is bounded row by row instead, when
-    something was queued at its start (`Step`): the drain of every row queued so far plus
-    the row asking, kept up to date one row at a time, is the same bound for that row. The
-    rows that fit are spared their forecasts, and the first that does not meets them."""
+    something was queued at its start (`Step`): the drain of what was queued at the start and
+    every row the pass has admitted (withdrawn ones too: an overcount only tightens it), plus
+    the row asking, kept up to date one row at a time, is the same bound for that row. A row
+    it covers is spared its forecasts; one it does not takes them."""
 
     __slots__ = ("earliest_limit_s", "finish_s", "step")
 
@@ -49,8 +50,7 @@ class PassBound:
         limit_s = min(limit_s, self.earliest_limit_s)
         if self.finish_s + margin_s <= limit_s:
             return True
-        step = self.step
-        return step is not None and step.finish_with_s(key) + margin_s + _ROUNDING_S <= limit_s
+        return self.step is not None and self.step.finish_bound_s(key) + margin_s <= limit_s
 
     def admitted(self, key: BatchKey, limit_s: float) -> None:
         """A row of `key` with queue limit `limit_s` joined the queue."""
@@ -59,16 +59,15 @@ class PassBound:
             self.step.admitted(key)
 
 
-#: What a step's running sum may differ from the per-row forecast's own sum by (floating
-#: point): a row is covered only with this to spare, so the two never decide apart.
-_ROUNDING_S = 1e-9
-
-
 class Step:
-    """The drain of every row queued now (`counts` per key), the executor free at `start_s`,
-    kept as a running sum one admitted row at a time (key_queue.one_more_s)."""
+    """The drain (seconds of compute from `start_s`, when the executor is free) of the rows
+    queued at a pass's start (`counts` per key) and of every row the pass admits, kept as a
+    running sum one admitted row at a time (key_queue.one_more_s). The sum is kept apart from
+    `start_s`, the worker's clock (seconds since boot), and added to it once per check, as
+    the per-row forecast adds its own drain: summed on the clock, each step would round at
+    the clock's grain, days from boot a nanosecond in a few rows."""
 
-    __slots__ = ("_counts", "_finish_s", "_gap_s", "_limit_for", "_predict")
+    __slots__ = ("_counts", "_drain_s", "_gap_s", "_limit_for", "_predict", "_start_s")
 
     def __init__(
         self,
@@ -80,20 +79,30 @@ class Step:
         self._counts = counts
         self._predict = latency.predict
         self._limit_for = limit_for
+        self._start_s = start_s
         self._gap_s = latency.batch_gap_at(start_s)
-        self._finish_s = start_s + drain_s(counts, self._predict, limit_for, self._gap_s)
+        self._drain_s = drain_s(counts, self._predict, limit_for, self._gap_s)
 
-    def finish_with_s(self, key: BatchKey) -> float:
-        """When everything queued now and one more row of `key` would be done."""
-        return self._finish_s + self._one_more_s(key)
+    def finish_bound_s(self, key: BatchKey) -> float:
+        """No earlier than the per-row forecast of one more row of `key` (QueueForecast.
+        finish_s), rounding included: the drain with it, plus `_ROUNDING_S` for what the
+        running sum and the forecast's own sum may round apart (at the drain's grain, far
+        below it), then the clock, as the forecast adds it (rounding is monotone)."""
+        return self._start_s + (self._drain_s + self._one_more_s(key) + _ROUNDING_S)
 
     def admitted(self, key: BatchKey) -> None:
-        self._finish_s += self._one_more_s(key)
+        """A row of `key` joined the queue."""
+        self._drain_s += self._one_more_s(key)
         self._counts[key] = self._counts.get(key, 0) + 1
 
     def _one_more_s(self, key: BatchKey) -> float:
         count = self._counts.get(key, 0)
         return one_more_s(key, count, self._predict, self._limit_for, self._gap_s)
+
+
+#: What a step's running sum and a per-row forecast's own sum of the same drain may round
+#: apart by, with room to spare: a row is covered only with this much left.
+_ROUNDING_S = 1e-9
 
 
 class QueueForecast:
