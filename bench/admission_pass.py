@@ -27,6 +27,7 @@ import statistics
 import time
 
 from services.gpu_worker.admission import Admitted
+from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey, QueuedItem
@@ -74,8 +75,8 @@ def one_pass(batcher: Batcher, deadline_s: float, *, step: bool) -> tuple[float,
     rows = [row(10_000 + i, "t1", deadline_s) for i in range(BUNDLE)]
     started = time.process_time()
     bound = batcher.pass_bound({KEY: BUNDLE}, 0.0, EXECUTOR_FREE_S)
-    if not step:
-        bound.step = None
+    if not step:  # the same bound, with nothing to step by
+        bound = PassBound(bound.finish_s, bound.earliest_limit_s)
     admitted = 0
     for item in rows:
         if not isinstance(batcher.add(item, 0.0, executor_free_s=EXECUTOR_FREE_S, bound=bound),

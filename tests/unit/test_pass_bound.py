@@ -135,7 +135,6 @@ def test_a_standing_queue_s_pass_is_bounded_row_by_row_up_to_the_row_that_does_n
     as is every row after it. The step's running sum is the drain computed afresh."""
     batcher, key = three_rows_queued()
     bound = batcher.pass_bound({key: 40}, now_s=0.0, executor_free_s=0.5)
-    assert bound.step is not None
     covered, outcomes = [], []
     for i in range(40):
         item = make_item(item_id=100 + i, deadline_s=0.7)
@@ -144,16 +143,22 @@ def test_a_standing_queue_s_pass_is_bounded_row_by_row_up_to_the_row_that_does_n
     assert covered == [True] * 16 + [False] * 24
     assert outcomes == [None] * 16 + [RejectReason.DEADLINE] * 24
     assert batcher.num_queued == 19
+    assert bound.step is not None  # built at the first row the whole bound did not cover
     assert abs(bound.step.finish_bound_s(key) - (0.5 + 0.01 * 20)) < 2e-9
 
 
 def test_a_pass_into_an_empty_queue_has_no_step() -> None:
     """With nothing queued at the pass's start, the first row's own forecast prices it alone
     (by its floor), which a drain of the queue would not: the pass bounds its rows whole or
-    not at all."""
+    not at all. A pass that fits whole builds no step either."""
     batcher: Batcher = make_batcher()
     bound = batcher.pass_bound({make_key(): 40}, now_s=0.0, executor_free_s=0.5)
+    assert not bound.covers(make_key(), 0.5, 0.005)  # past what the whole pass needs
     assert bound.step is None
+    queued, key = three_rows_queued()
+    fits = queued.pass_bound({key: 10}, now_s=0.0, executor_free_s=0.5)
+    assert fits.covers(key, 5.0, 0.005)
+    assert fits.step is None
 
 
 @pytest.mark.parametrize("now_s", [3.0e6, 1.0e6 + 0.123, 7.5e5])

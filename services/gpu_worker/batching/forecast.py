@@ -7,6 +7,7 @@ Synchronous and pure: start times come in as arguments."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from math import inf
 
@@ -32,17 +33,25 @@ class PassBound:
     reads the queues once, not 64 times.
 
     A pass that does not fit whole (a standing queue's) is bounded row by row instead, when
-    something was queued at its start (`Step`): the drain of what was queued at the start and
-    every row the pass has admitted (withdrawn ones too: an overcount only tightens it), plus
-    the row asking, kept up to date one row at a time, is the same bound for that row. A row
-    it covers is spared its forecasts; one it does not takes them."""
+    something was queued at its start (`make_step`): from the first row the whole bound does
+    not cover, the drain of every row queued then (`Step`, built once, from the queues), plus
+    the rows admitted since (withdrawn ones too: an overcount only tightens it) and the row
+    asking, kept up to date one row at a time, is the same bound for that row. A row it covers
+    is spared its forecasts; one it does not takes them. A pass that fits whole builds none."""
 
-    __slots__ = ("earliest_limit_s", "finish_s", "step")
+    __slots__ = ("_make_step", "earliest_limit_s", "finish_s", "step")
 
-    def __init__(self, finish_s: float, earliest_limit_s: float, step: Step | None = None) -> None:
+    def __init__(
+        self,
+        finish_s: float,
+        earliest_limit_s: float,
+        make_step: Callable[[], Step] | None = None,
+    ) -> None:
         self.finish_s = finish_s
         self.earliest_limit_s = earliest_limit_s
-        self.step = step
+        self._make_step = make_step
+        #: The pass's Step, once a row needed it (None before, and without `make_step`).
+        self.step: Step | None = None
 
     def covers(self, key: BatchKey, limit_s: float, margin_s: float) -> bool:
         """Whether a row of `key` with admission limit `limit_s` surely passes the deadline
@@ -50,7 +59,11 @@ class PassBound:
         limit_s = min(limit_s, self.earliest_limit_s)
         if self.finish_s + margin_s <= limit_s:
             return True
-        return self.step is not None and self.step.finish_bound_s(key) + margin_s <= limit_s
+        if self.step is None:
+            if self._make_step is None:
+                return False
+            self.step = self._make_step()
+        return self.step.finish_bound_s(key) + margin_s <= limit_s
 
     def admitted(self, key: BatchKey, limit_s: float) -> None:
         """A row of `key` with queue limit `limit_s` joined the queue."""
@@ -185,7 +198,7 @@ class QueueForecast:
         first row's own forecast prices it alone."""
         queued = self._queued()
         is_queued = any(queued.values())
-        step = Step(queued, start_s, self._latency, self._limit_for) if is_queued else None
+        make_step = functools.partial(self._step, start_s) if is_queued else None
         predict = self._latency.predict if is_queued else self._latency.predict_bounded
         rows = {key: queued.get(key, 0) + count for key, count in rows.items()}
         earliest_s = min(
@@ -193,7 +206,11 @@ class QueueForecast:
         )
         gap_s = self._latency.batch_gap_at(start_s)
         finish_s = start_s + drain_s({**queued, **rows}, predict, self._limit_for, gap_s)
-        return PassBound(finish_s, earliest_s, step)
+        return PassBound(finish_s, earliest_s, make_step)
+
+    def _step(self, start_s: float) -> Step:
+        """The Step of what is queued now, the executor free at `start_s`."""
+        return Step(self._queued(), start_s, self._latency, self._limit_for)
 
     def _queued(self) -> dict[BatchKey, int]:
         """Rows queued per key, at every priority."""
