@@ -1,0 +1,117 @@
+"""The default stack (`make run`'s: the `models/` repository, minilm bound by callers'
+deadlines, `shed_past_slo = false`) taken from cold through a burst, normal traffic, a burst
+again and a flood, as traffic arrives at a service just started.
+
+    python -m bench.cold_flood [--flood-per-s 160] [--flood-s 8] [--output PATH]
+
+One fresh stack, one open-loop schedule of one-text Predict calls on the mixed-length texts,
+each call allowing `--timeout-s` (1 s; its gRPC deadline): a burst of 64 at once on a cold
+worker, 40 calls/s for 4 s, a burst of 64 again, 2 s of 40/s, then the flood (default 160/s
+for 8 s, past what one 2-core stack serves) and 3 s of 40/s after it. Per phase it prints the
+calls, the answers within minilm's SLO (250 ms), the accepted calls' p50 and p99 and the
+statuses. With deadlines alone, a flood's queue grows until the deadlines drop what it holds;
+the worker's SLO shedding (services/gpu_worker/batching/slo_shedding.py) is what holds its
+answers to the SLO once the queue stands. Results go to `--output` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bench.fabric.loadgen import OK, Outcome, run_open_loop
+from bench.fabric.stack import REPO_ROOT, start_stack
+from bench.fabric.sweep import percentile
+from bench.fabric.targets import make_mixed_texts, predict_sender
+
+SLO_S, BURST, NORMAL_PER_S = 0.25, 64, 40.0
+
+
+def schedule(flood_per_s: float, flood_s: float, seed: int) -> list[tuple[str, list[float]]]:
+    """The phases as (name, send offsets), Poisson arrivals within each rate's phase."""
+    draws = random.Random(seed)
+    phases: list[tuple[str, list[float]]] = []
+    start_s = 0.0
+
+    def steady(name: str, rate_per_s: float, seconds: float) -> None:
+        nonlocal start_s
+        offsets, at_s = [], start_s + draws.expovariate(rate_per_s)
+        while at_s < start_s + seconds:
+            offsets.append(at_s)
+            at_s += draws.expovariate(rate_per_s)
+        phases.append((name, offsets))
+        start_s += seconds
+
+    def burst(name: str) -> None:
+        phases.append((name, [start_s] * BURST))
+
+    burst("cold_burst")
+    steady("normal", NORMAL_PER_S, 4.0)
+    burst("warm_burst")
+    steady("before_flood", NORMAL_PER_S, 2.0)
+    steady("flood", flood_per_s, flood_s)
+    steady("after_flood", NORMAL_PER_S, 3.0)
+    return phases
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 1)
+
+
+def summary(outcomes: list[Outcome]) -> dict[str, Any]:
+    """Calls, answers within the SLO, the accepted calls' p50/p99 and the statuses."""
+    accepted = [o.latency_s for o in outcomes if o.status == OK]
+    statuses: dict[str, int] = {}
+    for outcome in outcomes:
+        statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
+    return {
+        "calls": len(outcomes),
+        "good": sum(latency <= SLO_S for latency in accepted),
+        **{f"p{q}_ms": _ms(percentile(accepted, q)) for q in (50, 99)},
+        "statuses": statuses,
+    }
+
+
+async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
+    phases = schedule(args.flood_per_s, args.flood_s, args.seed)
+    offsets = [offset for _, phase in phases for offset in phase]
+    async with grpc.aio.insecure_channel(address) as channel:
+        send = predict_sender(channel, "minilm", make_mixed_texts(512, args.seed), args.timeout_s)
+        outcomes = await run_open_loop(send, offsets, timeout_s=args.timeout_s + 1.0)
+    results, first = {}, 0
+    for name, phase in phases:
+        results[name] = summary(outcomes[first : first + len(phase)])
+        first += len(phase)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--flood-per-s", type=float, default=160.0)
+    parser.add_argument("--flood-s", type=float, default=8.0)
+    parser.add_argument("--timeout-s", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--output", type=Path, default=Path("bench/results/cold_flood.json"))
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="cold-flood-") as state_dir:
+        stack = start_stack(REPO_ROOT / "models", Path(state_dir))
+        try:
+            results = asyncio.run(measure(stack.gateway_address, args))
+        finally:
+            stack.stop()
+    for name, figures in results.items():
+        print(f"{name:>13}: {json.dumps(figures)}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"args": vars(args) | {"output": str(args.output)},
+                                       "phases": results}, indent=2))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
