@@ -19,45 +19,45 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from bench.fabric.loadgen import OK, Outcome, run_open_loop
+from bench.fabric.loadgen import OK, Outcome, poisson_schedule, run_open_loop
 from bench.fabric.stack import REPO_ROOT, start_stack
 from bench.fabric.sweep import percentile
 from bench.fabric.targets import make_mixed_texts, predict_sender
+from services.common.model_repository import load_repository
 
-SLO_S, BURST, NORMAL_PER_S = 0.25, 64, 40.0
+BURST, NORMAL_PER_S = 64, 40.0
+#: The phases as (name, calls/s or None for a burst of BURST at once, seconds), the flood's
+#: between them.
+Phase = tuple[str, float | None, float]
+BEFORE_FLOOD: tuple[Phase, ...] = (
+    ("cold_burst", None, 0.0),
+    ("normal", NORMAL_PER_S, 4.0),
+    ("warm_burst", None, 0.0),
+    ("before_flood", NORMAL_PER_S, 2.0),
+)
+AFTER_FLOOD: Phase = ("after_flood", NORMAL_PER_S, 3.0)
 
 
 def schedule(flood_per_s: float, flood_s: float, seed: int) -> list[tuple[str, list[float]]]:
-    """The phases as (name, send offsets), Poisson arrivals within each rate's phase."""
-    draws = random.Random(seed)
+    """The phases as (name, send offsets from the start), Poisson arrivals within each rate's
+    phase (`poisson_schedule`, seeded per phase)."""
     phases: list[tuple[str, list[float]]] = []
     start_s = 0.0
-
-    def steady(name: str, rate_per_s: float, seconds: float) -> None:
-        nonlocal start_s
-        offsets, at_s = [], start_s + draws.expovariate(rate_per_s)
-        while at_s < start_s + seconds:
-            offsets.append(at_s)
-            at_s += draws.expovariate(rate_per_s)
-        phases.append((name, offsets))
+    plan = (*BEFORE_FLOOD, ("flood", flood_per_s, flood_s), AFTER_FLOOD)
+    for index, (name, rate_per_s, seconds) in enumerate(plan):
+        if rate_per_s is None:
+            phases.append((name, [start_s] * BURST))
+        else:
+            offsets = poisson_schedule(rate_per_s, seconds, seed + index)
+            phases.append((name, [start_s + offset for offset in offsets]))
         start_s += seconds
-
-    def burst(name: str) -> None:
-        phases.append((name, [start_s] * BURST))
-
-    burst("cold_burst")
-    steady("normal", NORMAL_PER_S, 4.0)
-    burst("warm_burst")
-    steady("before_flood", NORMAL_PER_S, 2.0)
-    steady("flood", flood_per_s, flood_s)
-    steady("after_flood", NORMAL_PER_S, 3.0)
     return phases
 
 
@@ -65,21 +65,18 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1e3 * seconds, 1)
 
 
-def summary(outcomes: list[Outcome]) -> dict[str, Any]:
-    """Calls, answers within the SLO, the accepted calls' p50/p99 and the statuses."""
+def summary(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
+    """Calls, answers within `slo_s`, the accepted calls' p50/p99 and the statuses."""
     accepted = [o.latency_s for o in outcomes if o.status == OK]
-    statuses: dict[str, int] = {}
-    for outcome in outcomes:
-        statuses[outcome.status] = statuses.get(outcome.status, 0) + 1
     return {
         "calls": len(outcomes),
-        "good": sum(latency <= SLO_S for latency in accepted),
+        "good": sum(latency <= slo_s for latency in accepted),
         **{f"p{q}_ms": _ms(percentile(accepted, q)) for q in (50, 99)},
-        "statuses": statuses,
+        "statuses": dict(Counter(o.status for o in outcomes)),
     }
 
 
-async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
+async def measure(address: str, slo_s: float, args: argparse.Namespace) -> dict[str, Any]:
     phases = schedule(args.flood_per_s, args.flood_s, args.seed)
     offsets = [offset for _, phase in phases for offset in phase]
     async with grpc.aio.insecure_channel(address) as channel:
@@ -87,7 +84,7 @@ async def measure(address: str, args: argparse.Namespace) -> dict[str, Any]:
         outcomes = await run_open_loop(send, offsets, timeout_s=args.timeout_s + 1.0)
     results, first = {}, 0
     for name, phase in phases:
-        results[name] = summary(outcomes[first : first + len(phase)])
+        results[name] = summary(outcomes[first : first + len(phase)], slo_s)
         first += len(phase)
     return results
 
@@ -100,10 +97,13 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--output", type=Path, default=Path("bench/results/cold_flood.json"))
     args = parser.parse_args()
+    repository = REPO_ROOT / "models"
+    version = next(v for v in load_repository(repository) if v.config.name == "minilm")
+    slo_s = version.config.slo_p99_ms / 1000
     with tempfile.TemporaryDirectory(prefix="cold-flood-") as state_dir:
-        stack = start_stack(REPO_ROOT / "models", Path(state_dir))
+        stack = start_stack(repository, Path(state_dir))
         try:
-            results = asyncio.run(measure(stack.gateway_address, args))
+            results = asyncio.run(measure(stack.gateway_address, slo_s, args))
         finally:
             stack.stop()
     for name, figures in results.items():
