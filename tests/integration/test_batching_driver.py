@@ -182,20 +182,24 @@ async def test_the_latency_model_learns_the_executors_time_not_the_loops_delay(
     rows waited that long, but the model took BATCH_S, and only that teaches the latency
     model (else a flood's loop lag would be learned as a slow model, and every row refused
     as predicted late, which keeps the loop busy refusing)."""
-    driver, backend = harness.driver, harness.backend
-    loop = asyncio.get_running_loop()
-    run = backend.run
+    driver, loop = harness.driver, asyncio.get_running_loop()
+    executor = driver._executor
+    submit = executor.submit
 
     def busy_loop() -> None:  # ahead of the batch's end in the loop's queue
         harness.clock.now_s += 1.0
 
-    def run_then_busy_loop(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        outputs = run(rows)  # the batch moves the clock by BATCH_S
-        loop.call_soon_threadsafe(busy_loop)
-        return outputs
+    def submit_then_busy_loop(fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        # Queued on the loop once the executor's call returned (its time read), ahead of the
+        # batch's end: a callback of the call's future added before the loop's own. (Queued
+        # from inside the model's call, the loop could run it before the executor thread read
+        # the call's end, on a loaded machine: the model would then seem to take 1 s more.)
+        future = submit(fn, *args, **kwargs)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(busy_loop))
+        return future
 
-    backend.run = run_then_busy_loop  # type: ignore[method-assign]
-    latency = driver.open_lane(backend).latency
+    executor.submit = submit_then_busy_loop  # type: ignore[method-assign]
+    latency = driver.open_lane(harness.backend).latency
     observe = latency.observe
     taught: list[float] = []
 
