@@ -161,6 +161,22 @@ async def test_a_rows_stages_add_up_to_its_latency_exactly(harness: Harness) -> 
     assert latency_s == pytest.approx(wait_s + compute_s, abs=1e-9)
 
 
+async def test_a_slice_answered_whole_is_forgotten_as_its_rows_are_answered(
+    harness: Harness,
+) -> None:
+    """Each row is forgotten as it is answered, so a slice answered whole has nothing left
+    for its caller's withdraw to walk (a bundle's end withdrew every row of every slice)."""
+    driver, backend = harness.driver, harness.backend
+    lane = driver.open_lane(backend)
+    admission = driver.admit(backend, harness.rows(3), timeout_s=30, tenant="t")
+    assert len(lane.pending) == 3
+
+    assert len(await harness.settle(admission.future)) == 3
+    assert not lane.pending and driver.num_in_flight == 0
+    driver.withdraw(admission)  # nothing to do, and nothing counted as dropped
+    assert harness.metric(names.WORKER_DROPPED_TOTAL) == 0
+
+
 async def test_the_latency_model_learns_from_the_drivers_clock(harness: Harness) -> None:
     # Warm-up timed real runs (microseconds for this model); serving batches on the fake clock
     # take BATCH_S each, and the learned scale follows them up, bounded per batch.

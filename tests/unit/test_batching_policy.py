@@ -8,6 +8,7 @@ is `DEFAULT_COMPUTE_S` for any batch size, and the derived linger is the 0.05 s 
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.fairness import CROWDED_OUT_S
+from services.gpu_worker.batching.fairness import CROWDED_OUT_S, QueueShares, TenantQueues
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import PAST_BATCH_MATES, Batcher
 from services.gpu_worker.batching.slo_shedding import EXPIRED, PAST_SLO, expiry_reason
@@ -1055,6 +1056,34 @@ def test_a_tenant_turned_away_by_a_full_queue_gets_room_as_the_floods_rows_leave
     # Gone from the queue and not turned away for CROWDED_OUT_S, "b" no longer counts.
     batcher.cancel(101)
     assert batcher.add(make_item(item_id=11, tenant="a"), 0.5 + CROWDED_OUT_S) == Admitted()
+
+
+def test_a_tenant_no_other_shares_a_queue_with_is_never_over_its_share() -> None:
+    """The share count is asked only where another tenant shares the queue (QueueShares.
+    is_shared: rows queued on the worker's ledger, or crowded out lately); where none does it
+    would find the tenant within its share, the queue not being full. Checked at every step of
+    random pushes, removals and refusals of two tenants, each weighing 1 or 3."""
+    rng, size = random.Random(5), 10
+    ledger, shares = ComputeLedger(), QueueShares()
+    queue = TenantQueues(ledger)
+    now_s, queued, seen = 0.0, [], Counter[bool]()
+    for item_id in range(3000):
+        now_s += rng.uniform(0.0, 0.6)
+        tenant, action = rng.choice("ab"), rng.random()
+        if action < 0.5 and len(queue) < size:
+            queue.push(make_item(item_id=item_id, tenant=tenant, weight=1.0))
+            queued.append(item_id)
+        elif action < 0.9 and queued:
+            queue.remove(queued.pop(rng.randrange(len(queued))))
+        else:
+            shares.crowded_out(tenant, now_s)
+        for asking in "ab":
+            is_shared = shares.is_shared(asking, now_s, ledger)
+            seen[is_shared] += 1
+            if not is_shared and len(queue) < size:
+                probe = make_item(item_id=-1, tenant=asking, weight=rng.choice((1.0, 3.0)))
+                assert not shares.is_over(probe, [queue], {"a": 1.0, "b": 3.0}, size, now_s)
+    assert seen[True] > 100 and seen[False] > 100, seen
 
 
 def test_an_item_weight_overrides_the_configured_one() -> None:

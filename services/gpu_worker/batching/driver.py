@@ -35,7 +35,7 @@ from services.gpu_worker.batching.slice_admission import (
     admit_slices,
     batch_key,
     pass_bound,
-    withdraw_rows,
+    withdraw_slice,
 )
 from services.gpu_worker.batching.types import Dispatch
 from services.gpu_worker.batching.warm_up import warm_up_each, warm_up_lane
@@ -284,7 +284,7 @@ class BatchingDriver:
         return outcomes
 
     def withdraw(self, admission: Admission) -> None:  # its rows still queued leave unrun
-        withdraw_rows(admission.lane, admission.item_ids, self._metrics)
+        withdraw_slice(admission, self._metrics)
 
     def open_lane(self, backend: Backend) -> Lane:
         """`backend`'s lane; NOT_FOUND once it was unloaded or while it unloads (a router tries

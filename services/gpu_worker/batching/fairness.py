@@ -51,6 +51,17 @@ class QueueShares:
         """`tenant` was refused now: the queue was full."""
         self._crowded_out_s[tenant] = now_s
 
+    def is_shared(self, tenant: str, now_s: float, ledger: ComputeLedger) -> bool:
+        """Whether another tenant shares the queue with `tenant`: one has rows queued on the
+        worker (`ledger`), or was crowded out within CROWDED_OUT_S of `now_s`. When none does
+        and the queue is not full, `is_over` is False for `tenant` (its rows are the queue's,
+        its share the whole queue), so its count of every tenant's rows may be spared: a
+        one-tenant flood would take it for every row."""
+        if ledger.has_queued_other_than(tenant):
+            return True
+        since_s = now_s - CROWDED_OUT_S
+        return any(t != tenant and at_s > since_s for t, at_s in self._crowded_out_s.items())
+
     def is_over(
         self,
         item: QueuedItem,

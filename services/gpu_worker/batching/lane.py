@@ -300,9 +300,10 @@ class Lane:
         return int(self.shedding.queue.is_standing and self.batcher.num_queued > 0)
 
     def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:
-        """Hands each row of a finished batch its output or its failure."""
+        """Hands each row of a finished batch its output or its failure, and forgets the row
+        (a slice all of whose rows are answered so has nothing left to withdraw)."""
         for item, result in zip(dispatch.items, results, strict=True):
-            pending = self.pending.get(item.item_id)
+            pending = self.pending.pop(item.item_id, None)
             if pending is None:
                 continue  # the caller went away while the batch ran
             if isinstance(result, Unavailable):

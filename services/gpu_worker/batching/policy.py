@@ -50,8 +50,7 @@ def executor_start_s(now_s: float, executor_free_s: float | None) -> float:
     return now_s if executor_free_s is None else max(now_s, executor_free_s)
 
 
-# `Admitted` carries no data: one instance answers every call.
-_ADMITTED = Admitted()
+_ADMITTED = Admitted()  # it carries no data: one instance answers every call
 
 
 class Batcher:
@@ -223,9 +222,7 @@ class Batcher:
     def weight_of(self, tenant: str, weight: float) -> float:
         """The fair-share weight a row of `tenant` carrying `weight` gets: its own when
         positive, else the configured one (DEFAULT_WEIGHT for a tenant not configured)."""
-        if weight > 0.0:
-            return weight
-        return self._config.tenant_weights.get(tenant, DEFAULT_WEIGHT)
+        return weight if weight > 0.0 else self._config.tenant_weights.get(tenant, DEFAULT_WEIGHT)
 
     def refusal(
         self,
@@ -244,9 +241,12 @@ class Batcher:
             return Rejected(RejectReason.QUEUE_FULL)
         if item.priority >= BATCH_RANK and num_queued >= cfg.max_queue_size * BATCH_QUEUE_SHARE:
             return Rejected(RejectReason.QUEUE_FULL, "batch priority fills idle capacity only")
-        if num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE:
+        shares = self._shares  # a tenant alone in a queue not full is within its share
+        if num_queued >= cfg.max_queue_size * CONTENDED_QUEUE_SHARE and shares.is_shared(
+            item.tenant, now_s, self._ledger
+        ):
             queues = [queue.items for queue in self._queues.values()]
-            if self._shares.is_over(item, queues, self._weights, cfg.max_queue_size, now_s):
+            if shares.is_over(item, queues, self._weights, cfg.max_queue_size, now_s):
                 return Rejected(RejectReason.TENANT_SHARE)
         if executor_free_s is None and num_queued == 0:
             if now_s + self._latency.predict_alone(item.key) > item.deadline_s:

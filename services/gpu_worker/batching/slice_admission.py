@@ -209,6 +209,15 @@ def admit_slices(
     return outcomes
 
 
+def withdraw_slice(admission: Admission, metrics: WorkerMetrics) -> None:
+    """Forgets an admitted slice's rows; still-queued ones leave unrun, counted cancelled. A
+    slice answered whole has none left: each of its rows ran and was forgotten as answered
+    (Lane.answer)."""
+    future = admission.future
+    if not (future.done() and not future.cancelled() and future.exception() is None):
+        withdraw_rows(admission.lane, admission.item_ids, metrics)
+
+
 def withdraw_rows(
     lane: Lane, item_ids: list[int], metrics: WorkerMetrics, *, drop: str | None = "cancelled"
 ) -> None:
