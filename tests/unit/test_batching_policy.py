@@ -1086,6 +1086,17 @@ def test_a_tenant_no_other_shares_a_queue_with_is_never_over_its_share() -> None
     assert seen[True] > 100 and seen[False] > 100, seen
 
 
+def test_a_tenant_alone_is_never_over_its_share_by_rounding() -> None:
+    """Alone in a queue of 3 holding 2 of its rows, a tenant of weight 0.7 is within its
+    share, the whole queue (3 * 0.7 / 0.7 is 2.9999999999999996 in floating point, which
+    refused its third row)."""
+    queue = TenantQueues(ComputeLedger())
+    for item_id in range(2):
+        queue.push(make_item(item_id=item_id, tenant="a", weight=0.7))
+    probe = make_item(item_id=-1, tenant="a", weight=0.7)
+    assert not QueueShares().is_over(probe, [queue], {"a": 0.7}, 3, 0.0)
+
+
 def test_an_item_weight_overrides_the_configured_one() -> None:
     batcher = make_batcher(tenant_weights={"a": 1.0})
     add_burst(batcher, count=100, tenant="a", weight=3.0)

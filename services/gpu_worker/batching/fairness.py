@@ -83,7 +83,8 @@ class QueueShares:
             self._crowded_out_s = recent
         sharing = {*rows, *self._crowded_out_s} - {item.tenant}
         others = sum(weights.get(t, DEFAULT_WEIGHT) for t in sharing)
-        share = size * item.weight / (others + item.weight)
+        # Alone, its share is the whole queue: size * w / w may round just below it.
+        share = size * item.weight / (others + item.weight) if others else size
         return rows[item.tenant] + 1 > share
 
 
