@@ -93,9 +93,10 @@ async def echo(request: bytes, context: CallContext) -> bytes:
 async def test_concurrent_calls_share_messages_and_each_gets_its_own_answer() -> None:
     async with connected(echo) as (_peer, client):
         answers = await asyncio.gather(*(client.call(str(i).encode()) for i in range(300)))
+        # Sent calls count once grpc reports their message written (maybe after the answers).
+        await eventually(lambda: client.calls_sent == 300, interval_s=0.001)
 
     assert answers == [b"echo:" + str(i).encode() for i in range(300)]
-    assert client.calls_sent == 300
     # Calls made while a message was being written left together.
     assert client.messages_sent < 300
 
@@ -121,6 +122,7 @@ async def test_calls_that_fit_alone_never_share_a_message_past_the_limit() -> No
     async with connected(echo_together, options=CHANNEL_OPTIONS) as (_peer, client):
         answers = await asyncio.gather(*(client.call(b) for b in big))
         assert [a == b"echo:" + b for a, b in zip(answers, big, strict=True)] == [True] * 4
+        await eventually(lambda: client.calls_sent == 4, interval_s=0.001)  # all reported
         assert client.messages_sent == 4
         with pytest.raises(UpstreamError) as raised:
             await client.call(b"x" * MAX_MESSAGE_BYTES)
@@ -156,12 +158,20 @@ async def messages_for_two_calls(linger: LingerConfig) -> int:
     has had its turns of the loop: the stream messages the two took."""
     async with connected(echo, linger=linger) as (_peer, client):
         await asyncio.gather(*(client.call(b"burst") for _ in range(20)))
+        # A message counts once grpc reports its write done, from its poller thread: on a
+        # busy machine after the answers came back (failed once in a parallel `make test`:
+        # 1 message counted where 2 were sent; reproduced by delaying each write's report
+        # 50 ms). So the counts are read once every write is reported, and `first` is made
+        # with the writer idle (made while it waits on the burst's last write, `first` would
+        # leave with `second` whatever the linger).
+        await eventually(lambda: client.calls_sent == 20, interval_s=0.001)
         before = client.messages_sent
         first = asyncio.ensure_future(client.call(b"first"))
         for _ in range(3):
             await asyncio.sleep(0)  # the writer wakes: it sends `first`, or holds it
         second = asyncio.ensure_future(client.call(b"second"))
         assert await asyncio.gather(first, second) == [b"echo:first", b"echo:second"]
+        await eventually(lambda: client.calls_sent == 22, interval_s=0.001)
         return client.messages_sent - before
 
 
@@ -182,6 +192,7 @@ async def test_at_light_load_every_call_leaves_at_once_in_its_own_message() -> N
         for _ in range(10):  # 100 calls/s: nothing would join within the linger
             await client.call(b"alone")
             await asyncio.sleep(0.01)  # the scenario's pace (a slower machine only slows it)
+        await eventually(lambda: client.calls_sent == 10, interval_s=0.001)  # all reported
     assert client.messages_sent == client.calls_sent == 10
 
 
