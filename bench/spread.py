@@ -40,7 +40,7 @@ from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from bench.fabric.stand_in import STAND_IN_CURVE, best_rate, tier_of_processes, worker_args
 from bench.fabric.targets import make_texts
 from services.common import metric_names as names
-from services.common.procfs import descendants, read_stat
+from services.common.procfs import descendants, read_stat, read_threads
 
 #: Tokens per text of the workload (bench.fabric's short texts: 8-16 tokens, one bucket).
 BUCKET = 16
@@ -174,7 +174,8 @@ def _sweep(
         print(
             f"{rate:>8.0f}/s offered: goodput {result['goodput_per_s']:.0f}/s "
             f"({result['fraction_of_raw']:.3f} of raw), p99 {result['p99_ms']} ms, "
-            f"late {result['late_share']:.3f}, CPU ms per request {result['cpu_ms_per_request']}",
+            f"late {result['late_share']:.3f}, CPU ms per request {result['cpu_ms_per_request']}, "
+            f"busiest event loop (cores) {result['busiest_loop_cores']}",
             flush=True,
         )
     return results
@@ -201,6 +202,31 @@ def _cpu_s(tiers: Mapping[str, list[int]]) -> dict[str, float]:
         stats = (read_stat(pid) for pid in every)
         seconds[tier] = sum(stat.cpu_s for stat in stats if stat is not None)
     return seconds
+
+
+def _main_threads_s(tiers: Mapping[str, list[int]]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of the first thread (a tier's event loop) of each tier's processes
+    and their descendants, by pid."""
+    seconds: dict[str, dict[int, float]] = {}
+    for tier, pids in tiers.items():
+        every = {pid for root in pids for pid in (root, *descendants(root))}
+        threads = {pid: read_threads(pid) for pid in every}
+        seconds[tier] = {pid: t.cpu_s for pid, ts in threads.items() for t in ts if t.tid == pid}
+    return seconds
+
+
+def busiest_loops(
+    before: Mapping[str, Mapping[int, float]],
+    after: Mapping[str, Mapping[int, float]],
+    window_s: float,
+) -> dict[str, float]:
+    """Per tier, the share of a core its busiest process's event-loop thread used over
+    `window_s`: near 1, that loop is saturated, whatever the tier's other cores do."""
+    return {
+        tier: round(max((s - before[tier].get(pid, 0.0) for pid, s in loops.items()),
+                        default=0.0) / window_s, 2)
+        for tier, loops in after.items() if tier in before
+    }  # fmt: skip
 
 
 def _measure_rate(
@@ -238,9 +264,9 @@ def _measure_rate(
         _expect(receiver, process, STARTUP_TIMEOUT_S, index, lambda m: m == "ready")
     start.set()
     time.sleep(args.warmup_s)
-    cpu_before, at_before = _cpu_s(tiers), time.monotonic()
+    cpu_before, loops_before, at_before = _cpu_s(tiers), _main_threads_s(tiers), time.monotonic()
     time.sleep(args.window_s)
-    cpu_after, at_after = _cpu_s(tiers), time.monotonic()
+    cpu_after, loops_after, at_after = _cpu_s(tiers), _main_threads_s(tiers), time.monotonic()
     # The schedule ends with the window; the calls still pending then get their timeout.
     summaries = [
         _expect(pipe, process, 2 * plan["timeout_s"] + 30, index, lambda m: isinstance(m, dict))
@@ -248,7 +274,9 @@ def _measure_rate(
     ]
     for process in processes:
         process.join(timeout=30)
-    return _combine(rate, summaries, cpu_before, cpu_after, at_after - at_before, args.window_s)
+    figures = _combine(rate, summaries, cpu_before, cpu_after, at_after - at_before, args.window_s)
+    figures["busiest_loop_cores"] = busiest_loops(loops_before, loops_after, at_after - at_before)
+    return figures
 
 
 def _expect(

@@ -23,7 +23,7 @@ from bench.fabric.loadgen import (
     split_windows,
     throttled,
 )
-from bench.fabric.observe import Observer, Snapshot, breakdown, cpu_delta
+from bench.fabric.observe import Observer, Snapshot, breakdown, cpu_delta, threads_delta
 from bench.fabric.sweep import GoodputSearch, RateResult, percentile, summarize_rate
 
 #: The first guess for the sweep, as a share of closed-loop throughput: an open-loop server
@@ -274,6 +274,7 @@ async def closed_loop(
     if observer is not None and before is not None:
         after = await asyncio.to_thread(observer.snapshot)
         figures["cpu_s"] = cpu_delta(before, after)
+        figures["threads"] = threads_delta(before, after)
         figures["sent_in_windows"] = sum(result.statuses.values())
         if model is not None and observer.metrics_ports:
             figures["breakdown"] = breakdown(before, after, model)

@@ -19,7 +19,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
-from services.common.procfs import descendants, machine_busy_seconds, read_stat
+from services.common.procfs import (
+    ThreadStat,
+    descendants,
+    machine_busy_seconds,
+    read_stat,
+    read_threads,
+)
 
 #: The worker's per-row stage histograms, by the name the breakdown reports them under.
 _WORKER_STAGES = {
@@ -73,6 +79,8 @@ class Snapshot:
     metrics: dict[str, Samples]
     cpu_s: dict[str, float]
     machine_busy_s: float
+    #: The named processes' threads by group (`thread_group`), then thread id.
+    threads: dict[str, dict[str, dict[int, ThreadStat]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -91,12 +99,51 @@ class Observer:
         others = set(descendants(own)) - set(named.values())
         cpu_by_pid = {f"pid:{pid}:{self.children_label}": _cpu_seconds(pid) for pid in others}
         metrics = {name: scrape(port) for name, port in self.metrics_ports.items()}
+        threads: dict[str, dict[str, dict[int, ThreadStat]]] = {}
+        for name, pid in self.pids.items():
+            for thread in read_threads(pid):
+                group = threads.setdefault(name, {}).setdefault(thread_group(pid, thread), {})
+                group[thread.tid] = thread
         return Snapshot(
             at_s=time.monotonic(),
             metrics=metrics,
             cpu_s={k: v for k, v in {**cpu, **cpu_by_pid}.items() if v is not None},
             machine_busy_s=machine_busy_seconds(),
+            threads=threads,
         )
+
+
+def thread_group(pid: int, thread: ThreadStat) -> str:
+    """What a thread of process `pid` is counted under: `main` for its first thread (a tier's
+    event loop), else its name: `python` for its other Python threads (grpc.aio's poller,
+    which wakes the loop for each completed operation, executor threads, the metrics server),
+    `event_engine` for grpc's own I/O threads, and so on."""
+    return "main" if thread.tid == pid else thread.name
+
+
+def threads_delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict[str, float]]]:
+    """Per process and thread group, between two snapshots: threads, CPU seconds and context
+    switches, voluntary (it waited: for I/O, a lock, a wake-up) and involuntary (preempted).
+    A thread started in between counts whole; one that ended in between is lost."""
+    result: dict[str, dict[str, dict[str, float]]] = {}
+    for process, groups in after.threads.items():
+        earlier = before.threads.get(process, {})
+        for group, threads in groups.items():
+            was = earlier.get(group, {})
+            figures = {"threads": len(threads), "cpu_s": 0.0, "voluntary_switches": 0,
+                       "involuntary_switches": 0}  # fmt: skip
+            for tid, thread in threads.items():
+                start = was.get(tid, ThreadStat(tid, thread.name, 0.0, 0, 0))
+                figures["cpu_s"] += thread.cpu_s - start.cpu_s
+                figures["voluntary_switches"] += (
+                    thread.voluntary_switches - start.voluntary_switches
+                )
+                figures["involuntary_switches"] += (
+                    thread.involuntary_switches - start.involuntary_switches
+                )
+            figures["cpu_s"] = round(figures["cpu_s"], 3)
+            result.setdefault(process, {})[group] = figures
+    return result
 
 
 def _cpu_seconds(pid: int) -> float | None:

@@ -19,7 +19,7 @@ phase measures, in this order:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,43 @@ def echo_calls(
             tier = tiers[name]
             seconds_by_tier[tier] = seconds_by_tier.get(tier, 0.0) + seconds
     return {t: round(s / sent / per_echo_call, 2) for t, s in seconds_by_tier.items()}
+
+
+def threads_per_request(
+    run: dict[str, Any], processes: Iterable[str]
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The threads of each of `processes` in a closed-loop `run` (observe.threads_delta), per
+    request: microseconds of CPU, and voluntary and involuntary context switches."""
+    sent = run.get("sent_in_windows", 0)
+    if not sent:
+        return {}
+    wanted = set(processes)
+    return {
+        process: {
+            group: {
+                "cpu_us": round(1e6 * figures["cpu_s"] / sent, 1),
+                "voluntary_switches": round(figures["voluntary_switches"] / sent, 2),
+                "involuntary_switches": round(figures["involuntary_switches"] / sent, 2),
+            }
+            for group, figures in groups.items()
+        }
+        for process, groups in run.get("threads", {}).items()
+        if process in wanted
+    }
+
+
+def threads_line(threads: Mapping[str, Mapping[str, Mapping[str, float]]]) -> str:
+    """`threads_per_request` as one line: each process's thread groups of a microsecond or
+    more a request, their switches (voluntary/involuntary) in brackets."""
+    parts = []
+    for process, groups in threads.items():
+        shown = [
+            f"{group} {f['cpu_us']:.0f} ({f['voluntary_switches']:g}/{f['involuntary_switches']:g})"
+            for group, f in sorted(groups.items(), key=lambda item: -item[1]["cpu_us"])
+            if f["cpu_us"] >= 1
+        ]
+        parts.append(f"{process}: {', '.join(shown)}")
+    return "; ".join(parts)
 
 
 def _rounded(value: float | None) -> float | None:
@@ -132,9 +169,11 @@ async def measure_stand_in(
             run = await closed_loop(
                 sender, CALLERS, settings.overhead_s, observer=observer, model=models[name]
             )
+            tiers = tier_of_processes(stack.pids())
             per_request[name] = {
                 **run,
-                "echo_calls_per_request": echo_calls(run, echo, tier_of_processes(stack.pids())),
+                "echo_calls_per_request": echo_calls(run, echo, tiers),
+                "threads_per_request": threads_per_request(run, tiers),
                 "callers_per_bundle": _rounded(
                     (run.get("breakdown") or {}).get("gateway", {}).get("callers_per_bundle")
                 ),
@@ -178,7 +217,7 @@ async def measure_stand_in(
         "overload": floods,
         "after_overload": after,
         "callers": CALLERS,
-        "echo": echo,
+        "echo": {**echo, "threads_per_call": threads_per_request(echo, ["echo"])},
         "per_request": per_request,
         "identity_overload": {
             "capacity_per_s": identity_capacity,
@@ -223,4 +262,8 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
             f"request {run['echo_calls_per_request']}, callers a bundle "
             f"{run.get('callers_per_bundle')}"
         )
+        if threads := run.get("threads_per_request"):
+            lines.append(f"    us of CPU a request by thread (switches): {threads_line(threads)}")
+    if echo_threads := config.get("echo", {}).get("threads_per_call"):
+        lines.append(f"  the bare echo, by thread, a call: {threads_line(echo_threads)}")
     return lines

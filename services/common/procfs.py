@@ -28,10 +28,29 @@ class ProcStat:
     cpu_s: float
 
 
+@dataclass(frozen=True)
+class ThreadStat:
+    """One thread of a process (/proc/<pid>/task/<tid>), the fields we use."""
+
+    tid: int
+    #: The thread's name: a Python thread's is the interpreter's (`python`), grpc's own
+    #: threads name themselves (`event_engine`, ...).
+    name: str
+    #: User + system CPU seconds of this thread.
+    cpu_s: float
+    #: Times it gave up its core to wait (I/O, a lock, a timer), and times it was preempted.
+    voluntary_switches: int
+    involuntary_switches: int
+
+
 def read_stat(pid: int) -> ProcStat | None:
     """The process's stat; None once it is gone (reaped)."""
+    return _read_stat(f"/proc/{pid}/stat")
+
+
+def _read_stat(path: str) -> ProcStat | None:
     try:
-        with open(f"/proc/{pid}/stat") as stat:
+        with open(path) as stat:
             text = stat.read()
         # The command name may hold spaces and parentheses: the fields start after the last ')'.
         name = text[text.index("(") + 1 : text.rindex(")")]
@@ -40,6 +59,28 @@ def read_stat(pid: int) -> ProcStat | None:
     except (OSError, ValueError, IndexError):  # gone, or gone while being read
         return None
     return ProcStat(name, fields[0], int(fields[1]), ticks / _CLK_TCK)
+
+
+def read_threads(pid: int) -> list[ThreadStat]:
+    """Every thread of `pid` still there (none once the process is gone)."""
+    try:
+        tids = sorted(int(tid) for tid in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+    threads = []
+    for tid in tids:
+        task = f"/proc/{pid}/task/{tid}"
+        stat = _read_stat(f"{task}/stat")
+        try:
+            with open(f"{task}/status") as status:
+                lines = dict(line.split(":", 1) for line in status if ":" in line)
+            switches = (int(lines["voluntary_ctxt_switches"]),
+                        int(lines["nonvoluntary_ctxt_switches"]))  # fmt: skip
+        except (OSError, KeyError, ValueError):  # the thread ended while being read
+            continue
+        if stat is not None:
+            threads.append(ThreadStat(tid, stat.name, stat.cpu_s, *switches))
+    return threads
 
 
 def is_alive(pid: int) -> bool:

@@ -42,4 +42,9 @@ def test_the_spread_stack_serves_from_every_router_and_reports_each_tier(tmp_pat
     assert rate["statuses"].get("OK", 0) > 0
     assert set(rate["cpu_ms_per_request"]) == {"gateway", "router", "worker"}
     assert all(ms > 0 for ms in rate["cpu_ms_per_request"].values())
+    # Each tier's busiest event loop (a process's first thread) used some, and at most all,
+    # of a core (the machine's clock ticks round each thread's CPU to 10 ms).
+    loops = rate["busiest_loop_cores"]
+    assert set(loops) == {"gateway", "router", "worker"}
+    assert all(0 < cores <= 1.05 for cores in loops.values())
     assert report["raw"]["sequences_per_s"] > 0

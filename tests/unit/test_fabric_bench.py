@@ -87,3 +87,51 @@ def test_a_flood_of_throttling_callers_is_summarized_beside_the_goal_not_as_it()
         "overload 2x",
         "overload 2x throttled",
     ]
+
+
+def test_threads_are_counted_per_process_and_group_between_snapshots() -> None:
+    """threads_delta: the first thread counts as `main`, the others under their names (two
+    `event_engine` threads summed); a thread started between the snapshots counts whole."""
+    from bench.fabric.observe import thread_group, threads_delta
+    from services.common.procfs import ThreadStat
+
+    pid = 100
+
+    def snapshot(*threads: ThreadStat) -> Snapshot:
+        groups: dict[str, dict[int, ThreadStat]] = {}
+        for thread in threads:
+            groups.setdefault(thread_group(pid, thread), {})[thread.tid] = thread
+        return Snapshot(at_s=0.0, metrics={}, cpu_s={}, machine_busy_s=0.0,
+                        threads={"gateway": groups})  # fmt: skip
+
+    before = snapshot(
+        ThreadStat(100, "python", 1.0, 10, 5),
+        ThreadStat(101, "python", 0.5, 100, 0),
+        ThreadStat(102, "event_engine", 0.1, 7, 1),
+    )
+    after = snapshot(
+        ThreadStat(100, "python", 3.0, 11, 25),
+        ThreadStat(101, "python", 0.75, 500, 2),
+        ThreadStat(102, "event_engine", 0.2, 9, 1),
+        ThreadStat(103, "event_engine", 0.05, 3, 0),  # started in between
+    )
+    assert threads_delta(before, after) == {
+        "gateway": {
+            "main": {"threads": 1, "cpu_s": 2.0, "voluntary_switches": 1,
+                     "involuntary_switches": 20},
+            "python": {"threads": 1, "cpu_s": 0.25, "voluntary_switches": 400,
+                       "involuntary_switches": 2},
+            "event_engine": {"threads": 2, "cpu_s": 0.15, "voluntary_switches": 5,
+                             "involuntary_switches": 0},
+        }
+    }  # fmt: skip
+
+
+def test_a_tiers_busiest_event_loop_is_its_busiest_processs_first_thread() -> None:
+    from bench.spread import busiest_loops
+
+    before = {"gateway": {1: 1.0, 2: 1.0}, "router": {3: 0.0}}
+    after = {"gateway": {1: 1.5, 2: 2.8}, "router": {3: 0.2}, "worker": {4: 9.0}}
+    # The second gateway process's loop used 1.8 s of 2: 0.9 of a core; a tier missing
+    # before (not measured then) is left out.
+    assert busiest_loops(before, after, 2.0) == {"gateway": 0.9, "router": 0.1}

@@ -24,3 +24,38 @@ def test_a_containers_cpu_limit_bounds_the_cpus_it_may_use(tmp_path: Path) -> No
     assert usable_cpus(tmp_path) == 1
     (tmp_path / "cpu.max").write_text(f"{(affinity + 5) * 100000} 100000\n")
     assert usable_cpus(tmp_path) == affinity  # a limit above the CPUs it may run on
+
+
+def test_a_processs_threads_are_read_with_their_cpu_and_switches() -> None:
+    """read_threads: the main thread (its id the process's), a thread this test starts, each
+    with its CPU seconds and its context switches; a thread that burns CPU is seen doing so,
+    one that waits is seen giving up its core; nothing for a process that is gone."""
+    import threading
+    import time
+
+    from services.common.procfs import read_threads
+
+    spun, done = threading.Event(), threading.Event()
+    started: list[int] = []
+
+    def spin() -> None:
+        started.append(threading.get_native_id())
+        end = time.thread_time() + 0.2
+        while time.thread_time() < end:
+            pass
+        spun.set()
+        done.wait()
+
+    thread = threading.Thread(target=spin)
+    thread.start()
+    try:
+        assert spun.wait(timeout=30)
+        threads = {t.tid: t for t in read_threads(os.getpid())}
+    finally:
+        done.set()
+        thread.join()
+    assert os.getpid() in threads  # the main thread's id is the process's
+    spinner = threads[started[0]]
+    assert spinner.cpu_s >= 0.1  # it spun 0.2 s of its own CPU (ticks of 10 ms)
+    assert threads[os.getpid()].voluntary_switches > 0  # the main thread slept
+    assert read_threads(2**22 + 1) == []  # past pid_max: no such process

@@ -104,3 +104,31 @@ def test_best_rate_reads_the_nearest_measured_bucket() -> None:
         if bucket == 16
     ))  # fmt: skip
     assert best_rate(H100, 20) == best_rate(H100, 16)
+
+
+def test_threads_per_request_and_their_line() -> None:
+    from bench.fabric.stand_in import threads_line, threads_per_request
+
+    run = {
+        "sent_in_windows": 1000,
+        "threads": {
+            "gateway": {
+                "main": {"threads": 1, "cpu_s": 0.2, "voluntary_switches": 100,
+                         "involuntary_switches": 5000},
+                "python": {"threads": 2, "cpu_s": 0.03, "voluntary_switches": 4500,
+                           "involuntary_switches": 0},
+                "lifeguard": {"threads": 1, "cpu_s": 0.0, "voluntary_switches": 1,
+                              "involuntary_switches": 0},
+            },
+            "redis": {"main": {"threads": 1, "cpu_s": 0.01, "voluntary_switches": 0,
+                               "involuntary_switches": 0}},
+        },
+    }  # fmt: skip
+    threads = threads_per_request(run, ["gateway", "router"])
+    assert list(threads) == ["gateway"]  # only the processes asked for
+    assert threads["gateway"]["main"] == {
+        "cpu_us": 200.0, "voluntary_switches": 0.1, "involuntary_switches": 5.0
+    }  # fmt: skip
+    # Busiest first; under a microsecond a request left out.
+    assert threads_line(threads) == "gateway: main 200 (0.1/5), python 30 (4.5/0)"
+    assert threads_per_request({"sent_in_windows": 0}, ["gateway"]) == {}
