@@ -40,7 +40,7 @@ from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from bench.fabric.stand_in import STAND_IN_CURVE, best_rate, tier_of_processes, worker_args
 from bench.fabric.targets import make_texts
 from services.common import metric_names as names
-from services.common.procfs import descendants, read_stat, read_threads
+from services.common.procfs import descendants, read_stat, read_thread_stat
 
 #: Tokens per text of the workload (bench.fabric's short texts: 8-16 tokens, one bucket).
 BUCKET = 16
@@ -194,24 +194,30 @@ def _tier_pids(pids: Mapping[str, int]) -> dict[str, list[int]]:
     return tiers
 
 
-def _cpu_s(tiers: Mapping[str, list[int]]) -> dict[str, float]:
-    """CPU seconds so far of each tier's processes and all their descendants."""
+def _processes(tiers: Mapping[str, list[int]]) -> dict[str, set[int]]:
+    """Each tier's processes and all their descendants."""
+    return {
+        tier: {pid for root in pids for pid in (root, *descendants(root))}
+        for tier, pids in tiers.items()
+    }
+
+
+def _cpu_s(processes: Mapping[str, set[int]]) -> dict[str, float]:
+    """CPU seconds so far of each tier's processes."""
     seconds: dict[str, float] = {}
-    for tier, pids in tiers.items():
-        every = {pid for root in pids for pid in (root, *descendants(root))}
-        stats = (read_stat(pid) for pid in every)
+    for tier, pids in processes.items():
+        stats = (read_stat(pid) for pid in pids)
         seconds[tier] = sum(stat.cpu_s for stat in stats if stat is not None)
     return seconds
 
 
-def _main_threads_s(tiers: Mapping[str, list[int]]) -> dict[str, dict[int, float]]:
-    """CPU seconds so far of the first thread (a tier's event loop) of each tier's processes
-    and their descendants, by pid."""
+def _loops_s(processes: Mapping[str, set[int]]) -> dict[str, dict[int, float]]:
+    """CPU seconds so far of the first thread (its event loop) of each tier's processes, by
+    pid."""
     seconds: dict[str, dict[int, float]] = {}
-    for tier, pids in tiers.items():
-        every = {pid for root in pids for pid in (root, *descendants(root))}
-        threads = {pid: read_threads(pid) for pid in every}
-        seconds[tier] = {pid: t.cpu_s for pid, ts in threads.items() for t in ts if t.tid == pid}
+    for tier, pids in processes.items():
+        stats = {pid: read_thread_stat(pid, pid) for pid in pids}
+        seconds[tier] = {pid: stat.cpu_s for pid, stat in stats.items() if stat is not None}
     return seconds
 
 
@@ -224,7 +230,7 @@ def busiest_loops(
     `window_s`: near 1, that loop is saturated, whatever the tier's other cores do."""
     return {
         tier: round(max((s - before[tier].get(pid, 0.0) for pid, s in loops.items()),
-                        default=0.0) / window_s, 2)
+                        default=0.0) / window_s, 3)
         for tier, loops in after.items() if tier in before
     }  # fmt: skip
 
@@ -264,9 +270,11 @@ def _measure_rate(
         _expect(receiver, process, STARTUP_TIMEOUT_S, index, lambda m: m == "ready")
     start.set()
     time.sleep(args.warmup_s)
-    cpu_before, loops_before, at_before = _cpu_s(tiers), _main_threads_s(tiers), time.monotonic()
+    served_by = _processes(tiers)
+    cpu_before, loops_before, at_before = _cpu_s(served_by), _loops_s(served_by), time.monotonic()
     time.sleep(args.window_s)
-    cpu_after, loops_after, at_after = _cpu_s(tiers), _main_threads_s(tiers), time.monotonic()
+    served_by = _processes(tiers)
+    cpu_after, loops_after, at_after = _cpu_s(served_by), _loops_s(served_by), time.monotonic()
     # The schedule ends with the window; the calls still pending then get their timeout.
     summaries = [
         _expect(pipe, process, 2 * plan["timeout_s"] + 30, index, lambda m: isinstance(m, dict))

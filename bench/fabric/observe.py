@@ -124,7 +124,8 @@ def thread_group(pid: int, thread: ThreadStat) -> str:
 def threads_delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict[str, float]]]:
     """Per process and thread group, between two snapshots: threads, CPU seconds and context
     switches, voluntary (it waited: for I/O, a lock, a wake-up) and involuntary (preempted).
-    A thread started in between counts whole; one that ended in between is lost."""
+    A thread started in between (its id new, or reused) counts whole; one that ended in
+    between is not counted."""
     result: dict[str, dict[str, dict[str, float]]] = {}
     for process, groups in after.threads.items():
         earlier = before.threads.get(process, {})
@@ -133,7 +134,9 @@ def threads_delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict
             figures = {"threads": len(threads), "cpu_s": 0.0, "voluntary_switches": 0,
                        "involuntary_switches": 0}  # fmt: skip
             for tid, thread in threads.items():
-                start = was.get(tid, ThreadStat(tid, thread.name, 0.0, 0, 0))
+                start = was.get(tid)
+                if start is None or start.start_ticks != thread.start_ticks:  # new, or reused
+                    start = ThreadStat(tid, thread.name, 0.0, 0, 0, thread.start_ticks)
                 figures["cpu_s"] += thread.cpu_s - start.cpu_s
                 figures["voluntary_switches"] += (
                     thread.voluntary_switches - start.voluntary_switches

@@ -26,6 +26,9 @@ class ProcStat:
     parent_pid: int
     #: User + system CPU seconds of every thread of the process.
     cpu_s: float
+    #: When it started, in clock ticks since boot: a pid (or thread id) reused by a later
+    #: process (or thread) has another.
+    start_ticks: int = 0
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,8 @@ class ThreadStat:
     #: Times it gave up its core to wait (I/O, a lock, a timer), and times it was preempted.
     voluntary_switches: int
     involuntary_switches: int
+    #: When it started (ProcStat.start_ticks): a thread id reused by a later thread has another.
+    start_ticks: int = 0
 
 
 def read_stat(pid: int) -> ProcStat | None:
@@ -56,9 +61,16 @@ def _read_stat(path: str) -> ProcStat | None:
         name = text[text.index("(") + 1 : text.rindex(")")]
         fields = text.rsplit(")", 1)[1].split()
         ticks = int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of proc(5))
+        start_ticks = int(fields[19])  # starttime (field 22)
     except (OSError, ValueError, IndexError):  # gone, or gone while being read
         return None
-    return ProcStat(name, fields[0], int(fields[1]), ticks / _CLK_TCK)
+    return ProcStat(name, fields[0], int(fields[1]), ticks / _CLK_TCK, start_ticks)
+
+
+def read_thread_stat(pid: int, tid: int) -> ProcStat | None:
+    """One thread's stat (its own CPU seconds; `read_thread_stat(pid, pid)`: the process's
+    first thread); None once it is gone."""
+    return _read_stat(f"/proc/{pid}/task/{tid}/stat")
 
 
 def read_threads(pid: int) -> list[ThreadStat]:
@@ -79,7 +91,7 @@ def read_threads(pid: int) -> list[ThreadStat]:
         except (OSError, KeyError, ValueError):  # the thread ended while being read
             continue
         if stat is not None:
-            threads.append(ThreadStat(tid, stat.name, stat.cpu_s, *switches))
+            threads.append(ThreadStat(tid, stat.name, stat.cpu_s, *switches, stat.start_ticks))
     return threads
 
 

@@ -42,9 +42,10 @@ def test_the_spread_stack_serves_from_every_router_and_reports_each_tier(tmp_pat
     assert rate["statuses"].get("OK", 0) > 0
     assert set(rate["cpu_ms_per_request"]) == {"gateway", "router", "worker"}
     assert all(ms > 0 for ms in rate["cpu_ms_per_request"].values())
-    # Each tier's busiest event loop (a process's first thread) used some, and at most all,
-    # of a core (the machine's clock ticks round each thread's CPU to 10 ms).
+    # Each tier's busiest event loop (a process's first thread) used at most all of a core,
+    # the gateway's some of it (a router's may use under one 10 ms clock tick in the window).
     loops = rate["busiest_loop_cores"]
     assert set(loops) == {"gateway", "router", "worker"}
-    assert all(0 < cores <= 1.05 for cores in loops.values())
+    assert all(0 <= cores <= 1.05 for cores in loops.values())
+    assert loops["gateway"] > 0
     assert report["raw"]["sequences_per_s"] > 0

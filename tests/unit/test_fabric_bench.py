@@ -91,7 +91,8 @@ def test_a_flood_of_throttling_callers_is_summarized_beside_the_goal_not_as_it()
 
 def test_threads_are_counted_per_process_and_group_between_snapshots() -> None:
     """threads_delta: the first thread counts as `main`, the others under their names (two
-    `event_engine` threads summed); a thread started between the snapshots counts whole."""
+    `event_engine` threads summed); a thread started between the snapshots counts whole, and
+    so does one whose id a thread that ended between them had (another start time)."""
     from bench.fabric.observe import thread_group, threads_delta
     from services.common.procfs import ThreadStat
 
@@ -108,12 +109,14 @@ def test_threads_are_counted_per_process_and_group_between_snapshots() -> None:
         ThreadStat(100, "python", 1.0, 10, 5),
         ThreadStat(101, "python", 0.5, 100, 0),
         ThreadStat(102, "event_engine", 0.1, 7, 1),
+        ThreadStat(104, "lifeguard", 5.0, 90, 9, start_ticks=1),  # ends in between
     )
     after = snapshot(
         ThreadStat(100, "python", 3.0, 11, 25),
         ThreadStat(101, "python", 0.75, 500, 2),
         ThreadStat(102, "event_engine", 0.2, 9, 1),
         ThreadStat(103, "event_engine", 0.05, 3, 0),  # started in between
+        ThreadStat(104, "lifeguard", 0.01, 2, 0, start_ticks=9),  # 104 reused
     )
     assert threads_delta(before, after) == {
         "gateway": {
@@ -123,6 +126,8 @@ def test_threads_are_counted_per_process_and_group_between_snapshots() -> None:
                        "involuntary_switches": 2},
             "event_engine": {"threads": 2, "cpu_s": 0.15, "voluntary_switches": 5,
                              "involuntary_switches": 0},
+            "lifeguard": {"threads": 1, "cpu_s": 0.01, "voluntary_switches": 2,
+                          "involuntary_switches": 0},
         }
     }  # fmt: skip
 

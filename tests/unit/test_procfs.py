@@ -51,11 +51,15 @@ def test_a_processs_threads_are_read_with_their_cpu_and_switches() -> None:
     try:
         assert spun.wait(timeout=30)
         threads = {t.tid: t for t in read_threads(os.getpid())}
+        time.sleep(0.05)  # the main thread waits: it gives up its core
+        later = {t.tid: t for t in read_threads(os.getpid())}
     finally:
         done.set()
         thread.join()
-    assert os.getpid() in threads  # the main thread's id is the process's
+    main = threads[os.getpid()]  # the main thread's id is the process's
+    assert later[os.getpid()].voluntary_switches > main.voluntary_switches
+    assert later[os.getpid()].start_ticks == main.start_ticks > 0
     spinner = threads[started[0]]
     assert spinner.cpu_s >= 0.1  # it spun 0.2 s of its own CPU (ticks of 10 ms)
-    assert threads[os.getpid()].voluntary_switches > 0  # the main thread slept
+    assert spinner.start_ticks >= main.start_ticks  # started after it
     assert read_threads(2**22 + 1) == []  # past pid_max: no such process
