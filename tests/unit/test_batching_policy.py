@@ -1216,3 +1216,37 @@ def test_batch_rows_ride_only_as_far_as_the_urgent_rows_limits_allow() -> None:
         closing = dispatch_of(batcher.poll(0.01, executor_idle=True))
         assert ids(closing)[:4] == [100, 101, 102, 103]
         assert len(closing.items) == size, deadline_s
+
+
+def test_a_queue_of_one_class_is_taken_in_the_order_ranking_every_item_gives() -> None:
+    """TenantQueues.take with one class left (one tenant at one priority; others' items all
+    gone, their heaps only stale entries) takes its heap in order without ranking each item
+    (1.8 -> 0.96 us an item, 64 of one tenant): the same items in the same order, and the same
+    queue after, as ranking the classes for every item. Random deadlines, arrivals, removals
+    and limits."""
+    rng = random.Random(11)
+    for trial in range(200):
+        ids = list(range(rng.randint(1, 80)))
+        removed = set(rng.sample(ids, rng.randint(0, len(ids) // 2)))
+        specs = [
+            {"item_id": item_id, "tenant": rng.choice("bc") if item_id in removed else "a",
+             "priority": rng.choice((0, 1)) if item_id in removed else 1,
+             "deadline_s": float(rng.randint(1, 5)), "arrival_s": float(rng.randint(0, 3)),
+             "weight": 1.0}
+            for item_id in ids
+        ]  # fmt: skip
+        queues = [TenantQueues(ComputeLedger()), TenantQueues(ComputeLedger())]
+        for queue in queues:
+            for spec in specs:
+                queue.push(make_item(**spec))
+            for item_id in removed:
+                queue.remove(item_id)
+        limit = rng.randint(1, 90)
+        fast, ranked = queues
+        taken = [item.item_id for item in fast.take(limit, 0.001)]
+        expected = [item.item_id for item in ranked._take_ranked(limit, 0.001)]
+        assert taken == expected, trial
+        assert [i.item_id for i in fast.take(100, 0.001)] == [
+            i.item_id for i in ranked._take_ranked(100, 0.001)
+        ]
+        assert len(fast) == len(ranked) == 0

@@ -169,7 +169,24 @@ class TenantQueues:
         within it, the tenant with the least virtual time counting the rows it already got in
         this batch at `row_cost_s` each (the ledger is charged for them after the batch is
         formed). EDF within a tenant and class."""
-        unit_s = row_cost_s if row_cost_s > 0.0 else 1.0
+        live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
+        if len(live) == 1:
+            batch = self._take_from(self._heaps[live[0]], limit)
+        else:
+            batch = self._take_ranked(limit, row_cost_s if row_cost_s > 0.0 else 1.0)
+        self._heaps = {cls: heap for cls, heap in self._heaps.items() if heap}
+        return batch
+
+    def _take_from(self, heap: list[_Entry], limit: int) -> list[QueuedItem]:
+        """`take` from a queue whose items are all of one class: its heap's order (EDF), as
+        ranking one class against itself at every item would give."""
+        batch: list[QueuedItem] = []
+        while len(batch) < limit and self._prune(heap):
+            batch.append(self._pop(heap))
+        return batch
+
+    def _take_ranked(self, limit: int, unit_s: float) -> list[QueuedItem]:
+        """`take`, ranking the classes again for every item."""
         taken_s: dict[str, float] = {}
         batch: list[QueuedItem] = []
         while len(batch) < limit:
@@ -180,7 +197,6 @@ class TenantQueues:
             item = self._pop(self._heaps[(priority, tenant)])
             batch.append(item)
             taken_s[tenant] = taken_s.get(tenant, 0.0) + unit_s / item.weight
-        self._heaps = {cls: heap for cls, heap in self._heaps.items() if heap}
         return batch
 
     def _rank(self, cls: _Class, extra_s: float = 0.0) -> Rank:
