@@ -10,6 +10,7 @@ what every step computed and what the scheduler held just before it.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import shutil
 import signal
@@ -46,12 +47,24 @@ pytestmark = pytest.mark.integration
 LABELS = {"model": "tiny-llama", "version": "1"}
 
 
-def write_tiny_llama(root: Path, *, max_num_seqs: int = 32) -> Path:
-    """A repository holding only tiny-llama (weights copied), `max_num_seqs` sequences at once."""
+def write_tiny_llama(
+    root: Path, *, max_num_seqs: int = 32, max_model_len: int | None = None
+) -> Path:
+    """A repository holding only tiny-llama (weights copied), `max_num_seqs` sequences at once;
+    with `max_model_len`, sequences that long (positions and KV blocks for 16 of them: its
+    rotary positions are computed, not learnt)."""
     model_dir = root / "tiny-llama"
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", model_dir)
     config = model_dir / "config.toml"
     text = re.sub(r"(?m)^max_num_seqs = \d+$", f"max_num_seqs = {max_num_seqs}", config.read_text())
+    if max_model_len is not None:
+        text = re.sub(r"(?m)^max_model_len = \d+$", f"max_model_len = {max_model_len}", text)
+        # 16 sequences of max_model_len tokens, in blocks of 16 tokens.
+        text = re.sub(r"(?m)^num_kv_blocks = \d+$", f"num_kv_blocks = {max_model_len}", text)
+        weights = model_dir / "1" / "config.json"
+        raw = json.loads(weights.read_text())
+        raw["max_position_embeddings"] = max_model_len
+        weights.write_text(json.dumps(raw))
     config.write_text(text)
     return root
 
@@ -424,8 +437,12 @@ async def is_not_serving(service: ServiceProcess) -> bool:
     return bool(status == health_pb2.HealthCheckResponse.NOT_SERVING)
 
 
-#: Streams running at the SIGTERM of scenario 30 (all at once: 16 x 31 KV blocks fit in 512).
+#: Streams running at the SIGTERM of scenario 30, all at once, and the tokens each asks for:
+#: 16 x 1,920 tokens in sequences of up to 2,048 (write_tiny_llama's KV blocks hold them all).
+#: With 480 each (tiny-llama's own 512), a fast hour finished all 16 within the 1 s grace
+#: (once in a parallel `make test`): four times as many steps outlast it on any machine.
 NUM_DRAIN_STREAMS = 16
+DRAIN_TOKENS = 1920
 
 
 async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_with_a_status(
@@ -434,19 +451,19 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
     """Streams run at the SIGTERM; during the grace they keep streaming and a new one is refused
     "draining"; at its end those not finished are cut UNAVAILABLE "drain grace over", not
     before it. The grace is long enough for the refusal to be checked within it on a busy
-    machine, and short beside the 16 x 480 tokens (about 3 s here, on a machine busy with
-    other tests; about 1.5 s for 8 x 480)."""
+    machine, and short beside the 16 x 1,920 tokens (16 x 480, once about 3 s here on a machine
+    busy with other tests, once all done within the grace)."""
     grace_s = 1.0
     service = start_worker(
         tmp_path,
-        model_repository=write_tiny_llama(tmp_path / "repo"),
+        model_repository=write_tiny_llama(tmp_path / "repo", max_model_len=2048),
         extra_args=("--drain-grace-s", str(grace_s), "--torch-threads", "1"),
     )
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
             calls = [
-                stub.Generate(generate_request(f"s{i}", 480), timeout=60)
+                stub.Generate(generate_request(f"s{i}", DRAIN_TOKENS), timeout=60)
                 for i in range(NUM_DRAIN_STREAMS)
             ]
             arrivals: list[list[float]] = [[] for _ in calls]
@@ -470,12 +487,12 @@ async def test_s30_sigterm_during_streams_keeps_them_streaming_then_ends_them_wi
     for tokens_at, (status, details, ended) in zip(arrivals, ends, strict=True):
         assert any(t > signalled for t in tokens_at), "no tokens during the drain"
         if status == grpc.StatusCode.OK:  # finished within the grace
-            assert len(tokens_at) == 480
+            assert len(tokens_at) == DRAIN_TOKENS
             continue
         # Cut by the grace (its message), at its end: not before it.
         assert status == grpc.StatusCode.UNAVAILABLE and "drain grace over" in details
         assert ended - signalled >= grace_s, "cut before the end of the grace"
-    # 16 x 480 tokens take seconds on a CPU: the grace cuts some.
+    # 16 x 1,920 tokens take seconds on a CPU: the grace cuts some.
     assert any(status != grpc.StatusCode.OK for status, _, _ in ends)
     assert code == 0, service.log()
     assert "draining" in service.log()
