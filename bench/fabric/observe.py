@@ -131,21 +131,20 @@ def threads_delta(before: Snapshot, after: Snapshot) -> dict[str, dict[str, dict
         earlier = before.threads.get(process, {})
         for group, threads in groups.items():
             was = earlier.get(group, {})
-            figures = {"threads": len(threads), "cpu_s": 0.0, "voluntary_switches": 0,
-                       "involuntary_switches": 0}  # fmt: skip
+            cpu_s, voluntary, involuntary = 0.0, 0, 0
             for tid, thread in threads.items():
                 start = was.get(tid)
-                if start is None or start.start_ticks != thread.start_ticks:  # new, or reused
-                    start = ThreadStat(tid, thread.name, 0.0, 0, 0, thread.start_ticks)
-                figures["cpu_s"] += thread.cpu_s - start.cpu_s
-                figures["voluntary_switches"] += (
-                    thread.voluntary_switches - start.voluntary_switches
-                )
-                figures["involuntary_switches"] += (
-                    thread.involuntary_switches - start.involuntary_switches
-                )
-            figures["cpu_s"] = round(figures["cpu_s"], 3)
-            result.setdefault(process, {})[group] = figures
+                if start is not None and start.start_ticks == thread.start_ticks:  # the same
+                    cpu_s -= start.cpu_s
+                    voluntary -= start.voluntary_switches
+                    involuntary -= start.involuntary_switches
+                cpu_s += thread.cpu_s
+                voluntary += thread.voluntary_switches
+                involuntary += thread.involuntary_switches
+            result.setdefault(process, {})[group] = {
+                "threads": len(threads), "cpu_s": round(cpu_s, 3),
+                "voluntary_switches": voluntary, "involuntary_switches": involuntary,
+            }  # fmt: skip
     return result
 
 

@@ -81,10 +81,9 @@ def read_threads(pid: int) -> list[ThreadStat]:
         return []
     threads = []
     for tid in tids:
-        task = f"/proc/{pid}/task/{tid}"
-        stat = _read_stat(f"{task}/stat")
+        stat = read_thread_stat(pid, tid)
         try:
-            with open(f"{task}/status") as status:
+            with open(f"/proc/{pid}/task/{tid}/status") as status:
                 lines = dict(line.split(":", 1) for line in status if ":" in line)
             switches = (int(lines["voluntary_ctxt_switches"]),
                         int(lines["nonvoluntary_ctxt_switches"]))  # fmt: skip
