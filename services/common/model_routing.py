@@ -84,6 +84,8 @@ class ModelRouting:
     def weighted_label(self, model: str, sticky_key: str | None, rng: random.Random) -> str | None:
         """The label a request naming no version goes to; None without positive weights.
         With `sticky_key`, a deterministic choice (see the module docstring)."""
+        if not self.traffic:
+            return None
         weighted = sorted((label, w) for label, w in self.traffic.items() if w > 0)
         if not weighted:
             return None

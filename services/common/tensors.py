@@ -54,19 +54,20 @@ def tensor_from_pb(tensor: pb.Tensor) -> np.ndarray:
     shape = tuple(tensor.shape)
     if len(shape) > MAX_DIMS:
         raise InvalidInput(f"tensor has {len(shape)} dimensions; at most {MAX_DIMS}")
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise InvalidInput(f"tensor shape {list(shape)} has a negative dimension")
     count = math.prod(shape)  # Python ints: a numpy product would wrap around to a small one
     # One dimension past the limit is refused even where another is 0 (numpy cannot make it).
-    if count > MAX_ELEMENTS or any(d > MAX_ELEMENTS for d in shape):
+    if count > MAX_ELEMENTS or (shape and max(shape) > MAX_ELEMENTS):
         raise InvalidInput(f"tensor of {count} elements exceeds the limit of {MAX_ELEMENTS}")
     dtype = NUMPY_DTYPES[name]
-    if len(tensor.raw_data) != count * dtype.itemsize:
+    data = tensor.raw_data  # each read of the field is a copy of its bytes
+    if len(data) != count * dtype.itemsize:
         raise InvalidInput(
-            f"tensor raw_data has {len(tensor.raw_data)} bytes; shape {list(shape)} of {name} "
+            f"tensor raw_data has {len(data)} bytes; shape {list(shape)} of {name} "
             f"needs {count * dtype.itemsize}"
         )
-    return np.frombuffer(tensor.raw_data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape)
 
 
 def tensor_to_pb(array: np.ndarray) -> pb.Tensor:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from types import TracebackType
 
 from services.common.errors import InvalidInput, Overloaded, ServingError
 from services.common.priority import PriorityClass
@@ -82,17 +83,11 @@ class TenantAdmission:
             raise self._refused(policy, refusal)
         self._metrics.tenant_rows_total_of[(self.labels(policy.name),)].inc(num_rows)
 
-    @contextlib.contextmanager
-    def rows_charged(self, policy: TenantPolicy, num_rows: int) -> Iterator[None]:
+    def rows_charged(self, policy: TenantPolicy, num_rows: int) -> RowsCharged:
         """`charge_rows` for the checks of a call's inputs in its body: rows they refuse
         (InvalidInput), never served, return to the tenant's bucket, or a tenant that sent one
         bad call of many rows would be refused for rows it never got."""
-        self.charge_rows(policy, num_rows)
-        try:
-            yield
-        except InvalidInput:
-            self.give_back_rows(policy, num_rows)
-            raise
+        return RowsCharged(self, policy, num_rows)
 
     def priority_for(self, policy: TenantPolicy, requested: PriorityClass | None) -> PriorityClass:
         """The call's class (see TenantPolicy.priority_for); a refusal is counted."""
@@ -111,6 +106,30 @@ class TenantAdmission:
             (label, priority.value),
             self._metrics.tenant_request_seconds_of[(label,)],
         )
+
+
+class RowsCharged:
+    """`TenantAdmission.rows_charged`: a class, not a generator, as it is entered per
+    request."""
+
+    __slots__ = ("_admission", "_num_rows", "_policy")
+
+    def __init__(self, admission: TenantAdmission, policy: TenantPolicy, num_rows: int) -> None:
+        self._admission = admission
+        self._policy = policy
+        self._num_rows = num_rows
+
+    def __enter__(self) -> None:
+        self._admission.charge_rows(self._policy, self._num_rows)
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if isinstance(error, InvalidInput):
+            self._admission.give_back_rows(self._policy, self._num_rows)
 
 
 class StreamRequests:

@@ -63,6 +63,9 @@ class ModelCatalog:
             name: ModelRouting(dict(c.labels), dict(c.traffic)) for name, c in self._configs.items()
         }
         self._routing = dict(self._seeds)
+        #: Per model, `_newest_default`'s answer (None: none), kept until what it reads
+        #: changes: without it every call to a model without labels built and sorted lists.
+        self._newest_defaults: dict[str, str | None] = {}
 
     def routing(self, name: str) -> ModelRouting:
         """The model's labels and traffic weights in force (KeyError for an unknown model)."""
@@ -79,11 +82,13 @@ class ModelCatalog:
             if current.revision == 0:
                 return False
             self._routing[name] = self._seeds[name]
+            self._newest_defaults.clear()
             return True
         if routing.revision <= current.revision:
             return False
         routing.check_versions({int(v) for (n, v) in self._encoders if n == name})
         self._routing[name] = routing
+        self._newest_defaults.clear()
         return True
 
     def update_served(
@@ -94,6 +99,7 @@ class ModelCatalog:
         """Replaces the fleet view (what the router says live workers serve, and which
         versions they failed to load)."""
         self._served = {(v.model_name, v.model_version): v for v in versions}
+        self._newest_defaults.clear()
         failures: dict[tuple[str, str], list[pb.LoadFailure]] = {}
         for failure in load_failures:
             failures.setdefault((failure.model_name, failure.model_version), []).append(failure)
@@ -150,6 +156,7 @@ class ModelCatalog:
             self._seeds[name] = ModelRouting(dict(config.labels), dict(config.traffic))
             self._routing[name] = self._seeds[name]
         self._encoders[(name, version.version)] = encoder
+        self._newest_defaults.clear()
 
     def forget_versions(self, on_disk: set[tuple[str, str]]) -> list[str]:
         """Forgets the versions (and their tokenizers) gone from the repository (`on_disk`:
@@ -169,6 +176,7 @@ class ModelCatalog:
         kept = {name for name, _ in self._encoders}
         for name in [n for n in self._configs if n not in kept]:
             del self._configs[name], self._seeds[name], self._routing[name]
+        self._newest_defaults.clear()
         return [f"{name}/{version}" for name, version in gone]
 
     def is_current(self, name: str, version: str, fingerprint: str) -> bool:
@@ -203,15 +211,24 @@ class ModelCatalog:
                 version = str(routing.labels[chosen])
                 if self._is_default_ready(name, version):  # a dict lookup per call, no list
                     return version
+        if name in self._newest_defaults:
+            newest = self._newest_defaults[name]
+        else:
+            newest = self._newest_defaults[name] = self._newest_default(name, routing)
+        if newest is None:
+            raise Unavailable(f"no ready worker serves model {name!r}")
+        return newest
+
+    def _newest_default(self, name: str, routing: ModelRouting) -> str | None:
+        """The newest version served that may be a default: ready, read here, and not held
+        back by a label at weight 0; None if there is none."""
         held = {str(v) for label, v in routing.labels.items() if routing.traffic.get(label) == 0}
         served = [
             v.model_version
             for v in self.served_versions(name)
             if self._is_default_ready(name, v.model_version) and v.model_version not in held
         ]
-        if not served:
-            raise Unavailable(f"no ready worker serves model {name!r}")
-        return served[-1]
+        return served[-1] if served else None
 
     def _is_default_ready(self, name: str, version: str) -> bool:
         """Whether a ready worker serves `version` and this gateway has read it: one workers

@@ -104,6 +104,30 @@ def test_the_catalog_applies_only_newer_routing_of_known_versions(catalog: Model
     assert catalog.routing("affine") == canary
 
 
+def test_the_newest_default_follows_what_workers_serve(catalog: ModelCatalog) -> None:
+    """Without labels the default is the newest version served, kept between calls: each
+    change of what workers serve moves it (it fails if a stale answer is kept)."""
+
+    def serve(*versions: str) -> None:
+        catalog.update_served([pb.ModelVersionInfo(model_name="affine", model_version=v,
+                               kind=pb.MODEL_KIND_TORCHSCRIPT, is_ready=True)
+                               for v in versions])  # fmt: skip
+
+    assert catalog.resolve("affine", "").version == "2"
+    serve("1")
+    assert catalog.resolve("affine", "").version == "1"
+    serve()
+    with pytest.raises(Unavailable, match="no ready worker serves model 'affine'"):
+        catalog.resolve("affine", "")
+    serve("1", "2")
+    assert catalog.resolve("affine", "").version == "2"
+    # A version this gateway no longer reads is no default, served or not.
+    serve("1")
+    assert catalog.forget_versions({("affine", "1")}) == ["affine/2"]
+    serve("1", "2")
+    assert catalog.resolve("affine", "").version == "1"
+
+
 def test_a_labelled_version_no_worker_serves_passes_its_share_on(catalog: ModelCatalog) -> None:
     """Before, the default traffic a canary's weight drew to a version that failed to load
     everywhere failed UNAVAILABLE (review finding). It goes to stable, else the newest
