@@ -14,6 +14,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from collections.abc import Set as AbstractSet
+from typing import Any
 
 import numpy as np
 
@@ -73,6 +74,27 @@ def bundle_rows(request: pb.InferRequest, num_rows: int) -> Callable[[], list[Ra
     raise InvalidInput("a bundle carries no packed rows (token_ids or tensor)")
 
 
+async def all_done(futures: Sequence[asyncio.Future[Any]]) -> None:
+    """Returns once every one of `futures` is done, whatever its outcome: `asyncio.wait`'s
+    ALL_COMPLETED for less a slice (one callback per future still pending; no set, no
+    per-future checks, no callbacks taken back). Cancelling the caller cancels none of them."""
+    pending = [future for future in futures if not future.done()]
+    if not pending:
+        return
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    remaining = len(pending)
+
+    def one_done(_: asyncio.Future[Any]) -> None:
+        nonlocal remaining
+        remaining -= 1
+        if remaining == 0 and not done.done():
+            done.set_result(None)
+
+    for future in pending:
+        future.add_done_callback(one_done)
+    await done
+
+
 class BundleRunner:
     """Runs bundles on one worker's batching driver: every slice admitted in one pass, one
     wait for all of them, and one future per slice (its rows' outputs), no task."""
@@ -120,9 +142,7 @@ class BundleRunner:
 
         stop = None if cancels is None else cancels.listen(cancel)
         try:
-            futures = [a.future for a in admitted]
-            if futures:
-                await asyncio.wait(futures)
+            await all_done([a.future for a in admitted])
         except asyncio.CancelledError:  # the whole call: its caller went away, or timed out
             for admission in admitted:  # its failures are answered to no one: read, not logged
                 if admission.future.done() and not admission.future.cancelled():
