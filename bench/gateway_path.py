@@ -12,7 +12,8 @@ callers (uvloop, authentication off: the `local` tenant), with the router's side
 two ways:
 
 - `bundled`: the real coalescer; each bundle it sends is decoded and answered at once with its
-  own rows, packed as a worker answers, without a network;
+  own rows, packed as a worker answers, without a network (that faked worker's protobuf and
+  numpy, once a bundle, count in the figure too);
 - `answered`: the coalescer replaced by an answer at once: the path up to it and back.
 
 It prints, per mode, the process's CPU per call in each round and their median.
@@ -150,6 +151,10 @@ def main() -> None:
     unknown = [mode for mode in args.modes if mode not in MODES]
     if unknown:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+    if not 1 <= args.callers <= args.calls:
+        parser.error("--callers must be at least 1 and at most --calls")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     for mode in args.modes or MODES:
         result = event_loop.run(
             measure(mode, args.rounds, args.calls, args.callers, args.profile), "uvloop"

@@ -36,6 +36,8 @@ async def test_nothing_pending_returns_at_once() -> None:
 
 async def test_cancelling_the_wait_cancels_none_of_the_futures() -> None:
     loop = asyncio.get_running_loop()
+    errors: list[dict[str, object]] = []  # what a done callback that raised would report
+    loop.set_exception_handler(lambda _, context: errors.append(context))
     futures = [loop.create_future() for _ in range(3)]
     waiting = asyncio.create_task(all_done(futures))
     await asyncio.sleep(0)
@@ -46,3 +48,6 @@ async def test_cancelling_the_wait_cancels_none_of_the_futures() -> None:
     for future in futures:  # answered later: their callbacks find the wait gone, quietly
         future.set_result(None)
     await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    loop.set_exception_handler(None)
+    assert errors == []
