@@ -17,6 +17,7 @@ from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.generation_cancel import cancel_before_the_end
 from tests.support.kserve import run_kserve_client
 from tests.support.metrics import scrape, total
 from tests.support.stack import Stack, start_stack
@@ -96,30 +97,26 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
 
 async def test_s10_cancel_at_the_gateway_stops_the_worker(stack: Stack) -> None:
     worker = stack.workers[0]
-    before = total(scrape(worker.metrics_port), names.GENERATION_CANCELLED_TOTAL)
-    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
-        stub = api_grpc.InferenceServiceStub(channel)
-        call = stub.Generate(
-            generate_request("cancel me", max_tokens=400, ignore_eos=True), timeout=60
-        )
-        async for _ in call:
-            break
-        call.cancel()
 
-    def settled() -> bool:
-        text = scrape(worker.metrics_port)
-        return (
-            total(text, names.GENERATION_CANCELLED_TOTAL) > before
-            and total(text, names.GENERATION_KV_BLOCKS_USED) == 0
-        )
+    def worker_total(name: str) -> float:
+        return total(scrape(worker.metrics_port), name)
 
-    # The cancel travels gateway -> router -> worker asynchronously; poll, bounded (30 s: three
-    # processes on a loaded machine).
-    await eventually(settled, timeout_s=30.0)
-    assert total(scrape(worker.metrics_port), names.GENERATION_CANCELLED_TOTAL) == before + 1
-    free = total(scrape(worker.metrics_port), names.GENERATION_KV_BLOCKS_FREE)
-    used = total(scrape(worker.metrics_port), names.GENERATION_KV_BLOCKS_USED)
-    assert used == 0 and free > 0
+    async def start_and_cancel() -> None:
+        async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            call = stub.Generate(
+                generate_request("cancel me", max_tokens=400, ignore_eos=True), timeout=60
+            )
+            async for _ in call:
+                break
+            call.cancel()
+
+    # The cancel travels gateway -> router -> worker asynchronously (30 s: three processes on
+    # a loaded machine).
+    await cancel_before_the_end(start_and_cancel, worker_total, timeout_s=30.0)
+    # Its blocks are free once the engine's loop next turns (the cancel is counted at once).
+    await eventually(lambda: worker_total(names.GENERATION_KV_BLOCKS_USED) == 0)
+    assert worker_total(names.GENERATION_KV_BLOCKS_FREE) > 0
 
 
 @pytest.mark.parametrize(
