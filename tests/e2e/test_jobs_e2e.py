@@ -119,14 +119,17 @@ def worker_rows(stack: Stack) -> float:
 
 
 async def predict_all(channel: grpc.aio.Channel, texts: list[str]) -> list[api.Tensor]:
-    """Each text's output through InferenceService.Predict, 64 texts a call."""
+    """Each text's output through InferenceService.Predict, 64 texts a call, all sent at once.
+    Each call allows 180 s: with four test workers and a busy loop on two cores, the router
+    predicted the last of 2,000 rows 61 s out and refused it at 60 s (RESOURCE_EXHAUSTED, as
+    it should); what this compares is the outputs, not the speed."""
     stub = api_grpc.InferenceServiceStub(channel)
     calls = [
         stub.Predict(
             api.PredictRequest(
                 model_name="minilm", inputs=[api.PredictInput(text=t) for t in texts[i : i + 64]]
             ),
-            timeout=60.0,
+            timeout=180.0,
         )
         for i in range(0, len(texts), 64)
     ]
