@@ -120,9 +120,10 @@ def worker_rows(stack: Stack) -> float:
 
 async def predict_all(channel: grpc.aio.Channel, texts: list[str]) -> list[api.Tensor]:
     """Each text's output through InferenceService.Predict, 64 texts a call, all sent at once.
-    Each call allows 180 s: with four test workers and a busy loop on two cores, the router
-    predicted the last of 2,000 rows 61 s out and refused it at 60 s (RESOURCE_EXHAUSTED, as
-    it should); what this compares is the outputs, not the speed."""
+    Each call allows 180 s: with four test workers and busy loops on two cores, the router
+    predicted the last of the test's 32 calls (2,000 texts) done 61 s out, past its 60 s
+    deadline, and refused it at once (RESOURCE_EXHAUSTED, as it should). What the test
+    compares is the outputs, not the speed."""
     stub = api_grpc.InferenceServiceStub(channel)
     calls = [
         stub.Predict(

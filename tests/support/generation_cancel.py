@@ -2,11 +2,12 @@
 
 A test cancels a generation once it runs (its first token arrived, or the worker reports it
 running). On a loaded machine the way there can take longer than the rest of the generation:
-400 tokens of tiny-llama take about half a second, and the first token's trip to the client
-took longer once in CI (and in 2-6 attempts in 200 here, with three busy loops beside the
-stack on two cores: the worker had streamed every token before the client's cancel). A
-cancel that arrives after the last token stops nothing, so that attempt shows nothing either
-way: it is tried again. A cancel that never reaches the worker fails every attempt.
+400 tokens of tiny-llama take about half a second. The first token's trip to the client most
+likely took longer once in CI, as it did in 2-6 attempts in 200 here, with three to six busy
+loops beside the stack on two cores: the worker had generated every token before the
+client's cancel reached it. A cancel that arrives after the last token stops nothing, so
+that attempt shows nothing either way: it is tried again. A cancel that never reaches the
+worker fails every attempt; one lost only now and then would pass on a later attempt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from services.common import metric_names as names
 from tests.support.waiting import eventually
 
-#: Attempts before a cancel that never beat the generation's end fails the test.
+#: Attempts made before the test fails because no cancel beat its generation's end.
 ATTEMPTS = 3
 
 
@@ -51,7 +52,8 @@ async def cancel_before_the_end(
 
 def _outcome(worker_total: Callable[[str], float], cancelled: float, finished: float) -> str | None:
     """How the attempt's sequence ended, from the counters read before it started (None: not
-    yet). Cancelled is read first: a sequence the cancel reached is never counted finished."""
+    yet). The two are exclusive for one sequence; cancelled is checked first so that another
+    sequence finishing meanwhile cannot hide this one's cancel."""
     if worker_total(names.GENERATION_CANCELLED_TOTAL) > cancelled:
         return "cancelled"
     if worker_total(names.GENERATION_FINISHED_TOTAL) > finished:
