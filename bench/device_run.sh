@@ -9,17 +9,20 @@
 # rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
 # Steps of the default set, most important first, each bounded so that one stuck step leaves
-# time for the rest (the set as it was, with generation_before instead of fabric_spread, ran
+# time for the rest (the set of stop 44, with generation_before instead of fabric_spread, ran
 # in 296 s on an H200 with 16 cores; the issue allows 6 minutes):
 #   pytest_cuda: the CUDA tests of the generation step (attention kernels, graph replays);
-#   generation_steps: one decode step's time, eager and from CUDA graphs, tiny-llama and the
-#     ~100M model; generation: bench.generation as it stands, then at a saturating rate;
-#   generation_100m: the ~100M model, graphs on and off;
-#   fabric_spread: the fabric with its tiers spread over the cores (bench.spread);
+#   generation_steps: one step's time, decode-only and with a prompt, eager and from CUDA
+#     graphs, tiny-llama and the ~100M model; generation: bench.generation as it stands;
+#   generation_saturated: at a saturating rate, steps with prompts from graphs or eager
+#     (--decode-only-graphs, the engine before they replayed), 32 and 128 sequences at once;
+#   generation_ratio: continuous against static at the saturating rate, 32 and 128 at once;
+#   generation_100m: the ~100M model, graphs for every step, for decode-only steps, none;
 #   fabric_smoke: the whole fabric on minilm.
-# Not in the default set: generation_before (the engine as it was, torch's kernels with
-# cuDNN attention and no graphs, and graphs off alone; recorded on H200s: 523 tokens/s
-# before), raw_model (the model's curve), sim_validation, and worker_feed (about 90 s: the
+# Not in the default set: fabric_spread (the fabric with its tiers spread over the cores,
+# bench.spread), generation_before (the engine as it was, torch's kernels with cuDNN
+# attention and no graphs, and graphs off alone; recorded on H200s: 523 tokens/s before),
+# raw_model (the model's curve), sim_validation, and worker_feed (about 90 s: the
 # rows/s one worker process takes from bundles on this box's cores, beside a bare echo
 # call's CPU, then the engine's with two fronts (--front-processes 2): whether splitting a
 # worker's gRPC front from its engine pays on a box with cores to spare, issue 32).
@@ -56,7 +59,8 @@ EOF
 python3 -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1 >/dev/null || exit 1
 LLAMA_100M=/tmp/llama-100m
 
-STEPS=${STEPS:-pytest_cuda generation_steps generation generation_100m fabric_spread fabric_smoke}
+default="pytest_cuda generation_steps generation generation_saturated generation_ratio"
+STEPS=${STEPS:-$default generation_100m fabric_smoke}
 # Every step's log and results go to $RES, packed into $OUT/results.tgz after each step (the
 # device tool brings back at most 8 files; a call cut short still brings back what finished).
 RES=/tmp/results
@@ -77,24 +81,38 @@ step() {  # step NAME SECONDS COMMAND...: runs it if STEPS names it
     "$LLAMA_100M" --size 100m >/dev/null
 TAIL=15 step pytest_cuda 100 python3 -m pytest -q -x -p no:cacheprovider -rs \
     tests/integration/test_generation_steps.py
-TAIL=14 step generation_steps 90 sh -c "python3 -m bench.generation_steps \
+TAIL=20 step generation_steps 90 sh -c "python3 -m bench.generation_steps \
     --output $RES/steps_tiny.json && python3 -m bench.generation_steps --model $LLAMA_100M \
     --output $RES/steps_100m.json"
-TAIL=20 step generation 80 sh -c "python3 -m bench.generation --output $RES/generation_gpu.json \
-    && python3 -m bench.generation --quick --rate 4000 --requests 512 \
-    --output $RES/generation_gpu_saturated.json"
+TAIL=20 step generation 80 python3 -m bench.generation --output $RES/generation_gpu.json
+saturated() {  # saturated NAME ARGS...: the continuous engine at a saturating rate
+    local name=$1
+    shift
+    echo "--- $name" && python3 -m bench.generation --quick --rate 4000 --requests 512 "$@" \
+        --output "$RES/generation_gpu_saturated_$name.json"
+}
+export -f saturated
+export RES
+TAIL=40 step generation_saturated 100 bash -c "saturated 32 && saturated 32_decode_only \
+    --decode-only-graphs && saturated 128 --max-num-seqs 128 && saturated 128_decode_only \
+    --max-num-seqs 128 --decode-only-graphs"
+TAIL=30 step generation_ratio 100 sh -c "for seqs in 32 128; do python3 -m bench.generation \
+    --rate 4000 --requests 512 --max-num-seqs \$seqs \
+    --output $RES/generation_gpu_ratio_\$seqs.json | grep -v '^running'; done"
 TAIL=10 step generation_before 90 sh -c "python3 -m bench.generation --quick --no-cuda-graphs \
     --attention torch-default --output $RES/generation_gpu_before.json && python3 -m \
     bench.generation --quick --no-cuda-graphs --output $RES/generation_gpu_no_graphs.json"
-TAIL=10 step generation_100m 90 sh -c "python3 -m bench.generation --quick --model $LLAMA_100M \
-    --output $RES/generation_100m.json && python3 -m bench.generation --quick --no-cuda-graphs \
-    --model $LLAMA_100M --output $RES/generation_100m_no_graphs.json"
+TAIL=15 step generation_100m 100 sh -c "python3 -m bench.generation --quick --model $LLAMA_100M \
+    --output $RES/generation_100m.json && python3 -m bench.generation --quick \
+    --decode-only-graphs --model $LLAMA_100M --output $RES/generation_100m_decode_only.json \
+    && python3 -m bench.generation --quick --no-cuda-graphs --model $LLAMA_100M \
+    --output $RES/generation_100m_no_graphs.json"
 # The fabric with its tiers spread over the box's 16 cores (issue 32's GPU goal): 4 gateway
 # processes, 2 routers and 2 workers on the one GPU, load from 4 generator processes.
 TAIL=12 step fabric_spread 150 python3 -m bench.spread --gateway-processes 4 --routers 2 \
     --workers 2 --generators 4 --rates ${SPREAD_RATES:-1000 2000 4000 6000 8000} \
     --warmup-s 2 --window-s 4 --output "$RES/spread_gpu.json"
-TAIL=25 step fabric_smoke 170 python3 -m bench.fabric --smoke --no-peer \
+TAIL=40 step fabric_smoke 260 python3 -m bench.fabric --smoke --no-peer \
     --output "$RES/fabric_smoke.json"
 TAIL=12 step worker_feed 150 sh -c "python3 -m bench.server_calls bare && python3 -m \
     bench.worker_feed --duration-s 4 --output $RES/worker_feed_gpu.json && python3 -m \

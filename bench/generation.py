@@ -5,10 +5,14 @@ caching on vs off on a shared-prefix workload.
 repository's tiny-llama settings: `python -m services.gpu_worker.generation.tiny_llama DIR
 --size 100m` writes a ~100M-parameter one). `--quick` runs the continuous engine alone.
 `--attention torch-default` (torch's own kernel set, cuDNN attention included) and
-`--no-cuda-graphs` reproduce the engine as it was before either, for side-by-side runs.
+`--no-cuda-graphs` reproduce the engine as it was before either, and `--decode-only-graphs`
+as it was before steps with prompts replayed graphs, for side-by-side runs.
+`--max-num-seqs N` lets N sequences run at once instead of the model's configured count (its
+KV blocks grown to hold as many per sequence).
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
-        [--quick] [--attention measured|torch-default] [--no-cuda-graphs]
+        [--quick] [--attention measured|torch-default] [--no-cuda-graphs | --decode-only-graphs]
+        [--max-num-seqs N]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, goodput (tokens/s of the requests
@@ -104,6 +108,20 @@ def with_prefix_caching(version: ModelVersion, scope: str) -> ModelVersion:
     return dataclasses.replace(version, config=config)
 
 
+def with_max_num_seqs(version: ModelVersion, max_num_seqs: int) -> ModelVersion:
+    """`version` running up to `max_num_seqs` sequences at once, its KV blocks scaled with them
+    (never fewer than configured)."""
+    generation = version.config.generation
+    assert generation is not None
+    blocks = max(
+        generation.num_kv_blocks,
+        generation.num_kv_blocks * max_num_seqs // generation.max_num_seqs,
+    )
+    settings = dataclasses.replace(generation, max_num_seqs=max_num_seqs, num_kv_blocks=blocks)
+    config = dataclasses.replace(version.config, generation=settings, max_batch_size=max_num_seqs)
+    return dataclasses.replace(version, config=config)
+
+
 async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
     engine = backend.engine
     engine.start()
@@ -169,14 +187,19 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the continuous engine alone")
     parser.add_argument("--attention", choices=("measured", "torch-default"), default="measured")
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--decode-only-graphs", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=0, help="0: the model's")
     args = parser.parse_args()
 
     version = resolve_model(args.model_repository, args.model)
+    if args.max_num_seqs:
+        version = with_max_num_seqs(version, args.max_num_seqs)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     arrivals = workload(args.requests, args.rate, args.seed)
     engine = {
         "attention": TORCH_DEFAULT if args.attention == "torch-default" else None,
         "cuda_graphs": not args.no_cuda_graphs,
+        "graph_prompts": not args.decode_only_graphs,
     }
     report: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -185,6 +208,8 @@ def main() -> None:
         "rate_per_s": args.rate,
         "attention": args.attention,
         "cuda_graphs": engine["cuda_graphs"],
+        "graph_prompts": engine["graph_prompts"],
+        "max_num_seqs": getattr(version.config.generation, "max_num_seqs", None),
     }
     if args.quick:
         report["continuous"] = measure("continuous", version, device, arrivals, **engine)

@@ -1,13 +1,15 @@
-"""Time of one decode-only generation step, eager and replayed from a CUDA graph.
+"""Time of one generation step, eager and replayed from a CUDA graph.
 
     python -m bench.generation_steps [--model NAME_OR_DIR] [--batch-sizes 1 8 32]
-        [--context 128] [--steps 50]
+        [--context 128] [--steps 50] [--prompt-tokens 64]
 
 For each batch size: that many sequences with `context` cached positions each, then `steps`
 decode steps through `ModelRunner.execute` (the engine's step, logits copied back included),
 timed on the host, eagerly and (on a GPU) from the captured graphs, on the kernels the warm-up
 chose; beside each, the device's busy time per step (CUDA events, as the worker's duty cycle
-counts it; the wall time on a CPU). Writes bench/results/generation_steps.json.
+counts it; the wall time on a CPU). Then the same number of sequences with a prompt of
+`prompt-tokens` in each step in place of one decode (a mixed step, `+prompt`). Writes
+bench/results/generation_steps.json.
 """
 
 from __future__ import annotations
@@ -30,14 +32,20 @@ from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBat
 
 
 def time_steps(
-    runner: ModelRunner, tables: list[tuple[int, ...]], context: int, steps: int
+    runner: ModelRunner,
+    tables: list[tuple[int, ...]],
+    context: int,
+    steps: int,
+    prompt: SequenceBatchItem | None = None,
 ) -> dict[str, float]:
     """Mean host and device milliseconds of a decode step of every sequence in `tables`
-    (three untimed steps first)."""
+    (three untimed steps first), or with `prompt` in every step in place of the last."""
     wall, device = [], []
     for step in range(-3, steps):
         position = context + max(step, 0)
         items = [SequenceBatchItem((7,), position, table) for table in tables]
+        if prompt is not None:
+            items[-1] = prompt
         busy = DeviceBusy(runner.execute, runner.device)
         started = time.perf_counter()
         busy(items)
@@ -60,6 +68,7 @@ def main() -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--output", type=Path, default=Path("bench/results/generation_steps.json"))
     args = parser.parse_args()
 
@@ -79,23 +88,36 @@ def main() -> None:
         "batches": {},
     }
     print(f"{report['model']} on {report['device']}, attention {runner.attention.name}")
-    print(f"{'batch':>5} {'mode':>6} {'step ms':>8} {'p90 ms':>8} {'device ms':>10}")
+    print(f"{'batch':>5} {'mode':>12} {'step ms':>8} {'p90 ms':>8} {'device ms':>10}")
+    # The mixed steps' prompt: its own blocks, past every batch's sequences.
+    prompt_blocks = num_blocks_for(args.prompt_tokens, runner.block_size)
+    first_free = max(args.batch_sizes) * per_seq
+    mixed = SequenceBatchItem(
+        tuple(1 + j % 200 for j in range(args.prompt_tokens)),
+        0,
+        tuple(range(first_free, first_free + prompt_blocks)),
+    )
     for count in args.batch_sizes:
-        if count * per_seq > settings.num_kv_blocks or count > settings.max_num_seqs:
+        if (count * per_seq + prompt_blocks > settings.num_kv_blocks
+                or count > settings.max_num_seqs):  # fmt: skip
             print(f"{count:>5}: more sequences than the cache or max_num_seqs holds, skipped")
             continue
         tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(count)]
         prompt = tuple(1 + j % 200 for j in range(args.context))
         runner.execute([SequenceBatchItem(prompt, 0, table) for table in tables])
         modes = {"eager": None, "graph": graphs} if graphs is not None else {"eager": None}
-        for mode, replaying in modes.items():
-            runner.graphs = replaying
-            figures = time_steps(runner, tables, args.context, args.steps)
-            report["batches"].setdefault(str(count), {})[mode] = figures
-            print(
-                f"{count:>5} {mode:>6} {figures['step_ms']:>8.3f} {figures['step_p90_ms']:>8.3f}"
-                f" {figures['device_busy_ms']:>10.3f}"
-            )
+        for with_prompt in (None, mixed):
+            for mode, replaying in modes.items():
+                runner.graphs = replaying
+                replays = runner.num_replayed_steps
+                figures = time_steps(runner, tables, args.context, args.steps, with_prompt)
+                figures["replayed"] = runner.num_replayed_steps > replays
+                name = mode if with_prompt is None else f"{mode}+prompt"
+                report["batches"].setdefault(str(count), {})[name] = figures
+                print(
+                    f"{count:>5} {name:>12} {figures['step_ms']:>8.3f}"
+                    f" {figures['step_p90_ms']:>8.3f} {figures['device_busy_ms']:>10.3f}"
+                )
         runner.graphs = graphs
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(report, indent=2))

@@ -22,6 +22,7 @@ from services.gpu_worker.generation.attention_backends import CANDIDATES, enable
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.step_inputs import paged_rows, paged_step
 from services.gpu_worker.generation.tiny_llama import create_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -115,6 +116,43 @@ def test_a_step_returns_logits_only_for_the_items_that_sample(
     )
 
 
+def test_a_step_laid_out_as_paged_rows_gives_the_eager_logits(model_dir: Path) -> None:
+    # What a captured graph computes, run eagerly here: every token a row attending through
+    # its sequence's cached blocks, padded to a bucket of rows and width. The same logits as
+    # the eager layout (prompts attending to their own keys, decodes through the cache), for
+    # a step mixing a whole prompt, a middle chunk that samples nothing, a later chunk with
+    # cached context and decodes; and the padding rows touched no sequence's blocks.
+    eager, paged = make_runner(model_dir), make_runner(model_dir)
+    first, second = Sequences([5, 9, 12, 7, 20]), Sequences([5, 9, 12, 7, 20])
+    for runner, seqs in ((eager, first), (paged, second)):
+        runner.execute([seqs.prefill(0), seqs.prefill(1), seqs.prefill(4, upto=6)])
+
+    def step(seqs: Sequences) -> list[SequenceBatchItem]:
+        return [
+            seqs.prefill(2, upto=6, samples=False),
+            seqs.decode(0, 42),
+            seqs.prefill(3),
+            seqs.prefill(4),  # positions 6-19 after 6 cached
+            seqs.decode(1, 17),
+        ]
+
+    expected = eager.execute(step(first))
+    layout = {"rows": 64, "width": 8, "num_seqs": 6, "block_size": BLOCK_SIZE}
+    values = paged_rows(step(second), **layout, pad_block=paged.pad_block)
+    with torch.inference_mode():
+        logits = paged.forward(paged_step(torch.tensor(values), **layout))
+
+    assert expected.shape[0] == 4
+    torch.testing.assert_close(logits[:4], expected, atol=1e-5, rtol=1e-5)
+    # The next step of every sequence (the chunked prompt finished) agrees too.
+    torch.testing.assert_close(
+        paged.execute([second.prefill(2), *(second.decode(i, 5) for i in (0, 1, 3, 4))]),
+        eager.execute([first.prefill(2), *(first.decode(i, 5) for i in (0, 1, 3, 4))]),
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
 class SdpaKernels(TorchFunctionMode):
     """Records, at each scaled_dot_product_attention call, which kernels torch's flags enable."""
 
@@ -177,18 +215,19 @@ def test_on_cuda_the_kernel_choice_is_measured_and_excludes_cudnn(model_dir: Pat
 @needs_cuda
 def test_on_cuda_graph_replays_give_the_eager_logits(model_dir: Path) -> None:
     eager, graphed = make_runner(model_dir, "cuda"), make_runner(model_dir, "cuda")
-    captured = graphed.capture_graphs(max_num_seqs=8, max_model_len=96)
+    captured = graphed.capture_graphs(max_num_seqs=8, max_model_len=96, max_step_tokens=32)
     graphs = graphed.graphs
-    # Widths up to the engine's 96 positions (24 blocks), not the checkpoint's 512.
-    assert graphs is not None and graphs.batch_sizes == (1, 2, 4, 8)
+    # Rows up to the step's 32 tokens; widths up to the engine's 96 positions (24 blocks),
+    # not the checkpoint's 512.
+    assert graphs is not None and graphs.batch_sizes == (1, 2, 4, 8, 16, 32)
     assert graphs.widths == (1, 2, 4, 8, 16, 24)
     assert captured == graphs.count == len(graphs.batch_sizes) * len(graphs.widths)
     lengths = [3, 17, 30, 9, 50, 5, 22, 8]
     first, second = Sequences(lengths), Sequences(lengths)
     for runner, seqs in ((eager, first), (graphed, second)):
-        runner.execute([seqs.prefill(i) for i in range(7)])
-    # Batches of 1, 3 (padded to 4) and 7 (padded to 8), contexts over several widths.
-    for count in (1, 3, 7, 7, 3, 1):
+        runner.execute([seqs.prefill(i) for i in range(6)])
+    # Batches of 1, 3 (padded to 4) and 6 (padded to 8), contexts over several widths.
+    for count in (1, 3, 6, 6, 3, 1):
         expected = eager.execute([first.decode(i, 11 + i) for i in range(count)])
         replayed = graphs.replay([second.decode(i, 11 + i) for i in range(count)])
         assert replayed is not None
@@ -201,11 +240,34 @@ def test_on_cuda_graph_replays_give_the_eager_logits(model_dir: Path) -> None:
     logits = graphed.execute(step_b)
     assert graphed.num_replayed_steps == replayed + 1
     torch.testing.assert_close(logits, eager.execute(step_a)[[0, 2]], atol=2e-3, rtol=2e-3)
-    # A step with a prompt in it is no graph's: replay declines it (before touching
-    # anything), and execute runs it eagerly, to the same numbers.
-    step_a, step_b = (
-        [first.decode(0, 3), first.prefill(7)],
-        [second.decode(0, 3), second.prefill(7)],
+    # Steps with prompts replay too, their tokens rows like decodes (22 + 2 rows, padded to
+    # 32): a whole prompt, a decode and a chunk that samples nothing, then the rest of that
+    # prompt with a decode.
+    for step_a, step_b in (
+        (
+            [first.prefill(6), first.decode(0, 3), first.prefill(7, upto=4, samples=False)],
+            [second.prefill(6), second.decode(0, 3), second.prefill(7, upto=4, samples=False)],
+        ),
+        ([first.prefill(7), first.decode(6, 9)], [second.prefill(7), second.decode(6, 9)]),
+    ):
+        replayed = graphed.num_replayed_steps
+        logits = graphed.execute(step_b)
+        assert graphed.num_replayed_steps == replayed + 1
+        torch.testing.assert_close(logits, eager.execute(step_a), atol=2e-3, rtol=2e-3)
+    # More tokens than the largest bucket: replay declines it (before touching anything),
+    # and execute runs it eagerly, to the same numbers. The decodes after every step above
+    # agree: no padding row wrote to a sequence's blocks.
+    long_a, long_b = Sequences([40]), Sequences([40])  # blocks 0-23: sequence 0's, now over
+    item_a, item_b = long_a.prefill(0), long_b.prefill(0)
+    assert graphs.replay([item_b]) is None
+    eager_steps = graphed.num_eager_steps
+    torch.testing.assert_close(
+        graphed.execute([item_b]), eager.execute([item_a]), atol=2e-3, rtol=2e-3
     )
-    assert graphs.replay(step_b) is None
-    torch.testing.assert_close(graphed.execute(step_b), eager.execute(step_a), atol=2e-3, rtol=2e-3)
+    assert graphed.num_eager_steps == eager_steps + 1
+    torch.testing.assert_close(
+        graphed.execute([second.decode(i, 4) for i in range(1, 8)]),
+        eager.execute([first.decode(i, 4) for i in range(1, 8)]),
+        atol=2e-3,
+        rtol=2e-3,
+    )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from services.gpu_worker.generation.attention_backends import CANDIDATES, enabled_now, fastest
-from services.gpu_worker.generation.decode_graphs import buckets
+from services.gpu_worker.generation.step_graphs import GATHER_BUDGET, StepGraphs, buckets
 
 pytestmark = pytest.mark.unit
 
@@ -80,3 +82,18 @@ def test_overlapping_steps_leave_the_flags_as_they_were_once_none_runs() -> None
 )
 def test_graph_buckets_are_powers_of_two_up_to_the_limit(limit: int, expected: tuple) -> None:
     assert buckets(limit) == expected
+
+
+def test_graphs_of_many_rows_are_captured_only_within_the_gather_budget() -> None:
+    runner = SimpleNamespace(block_size=16, num_blocks=1024)
+    graphs = StepGraphs(runner, max_num_seqs=32, max_model_len=4096, max_step_tokens=2048)  # type: ignore[arg-type]
+    assert graphs.batch_sizes == tuple(2**i for i in range(12))
+    assert graphs.widths == tuple(2**i for i in range(9))
+    # Decode-only buckets, every width.
+    assert all(graphs.holds(rows, 256) for rows in (1, 8, 32))
+    # Past them, rows x width x block_size within the budget.
+    assert graphs.holds(512, 32) and GATHER_BUDGET == 512 * 32 * 16
+    assert not graphs.holds(512, 64) and not graphs.holds(64, 512)
+    assert graphs.holds(2048, 8) and not graphs.holds(2048, 16)
+    # Without a step's token count, the decode-only buckets alone.
+    assert StepGraphs(runner, 32, 4096).batch_sizes == (1, 2, 4, 8, 16, 32)  # type: ignore[arg-type]

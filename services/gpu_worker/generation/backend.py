@@ -44,13 +44,15 @@ class GenerationBackend(ServedModel):
         is_static: bool = False,
         attention: AttentionBackends | None = None,
         cuda_graphs: bool = True,
+        graph_prompts: bool = True,
         host_threads: int = 0,
     ) -> None:
         """`is_static` selects run-to-completion batching: the baseline benchmarks compare
         continuous batching against; never used for serving. `attention` fixes the SDPA
-        kernels (None: measured at warm-up) and `cuda_graphs` False keeps decode steps eager
-        on a GPU: both for benchmarks' side-by-side runs. On a CPU the engine chooses each
-        step's torch threads up to `host_threads` (0: torch's count on this thread)."""
+        kernels (None: measured at warm-up), `cuda_graphs` False keeps every step eager on a
+        GPU and `graph_prompts` False every step with a prompt: all for benchmarks'
+        side-by-side runs. On a CPU the engine chooses each step's torch threads up to
+        `host_threads` (0: torch's count on this thread)."""
         config = version.config
         settings = config.generation
         if settings is None:
@@ -65,6 +67,7 @@ class GenerationBackend(ServedModel):
         self._metrics = metrics
         self._attention = attention
         self._cuda_graphs = cuda_graphs
+        self._graph_prompts = graph_prompts
         self.settings = settings
         self.text = TextEncoder(weights, config)
         dtype = serving_dtype(device)
@@ -160,7 +163,11 @@ class GenerationBackend(ServedModel):
         )
         self._metrics.attention_backends.labels(*labels, self.runner.attention.name).set(1)
         graphs = (
-            self.runner.capture_graphs(self.settings.max_num_seqs, self._max_model_len)
+            self.runner.capture_graphs(
+                self.settings.max_num_seqs,
+                self._max_model_len,
+                self.settings.max_num_batched_tokens if self._graph_prompts else 0,
+            )
             if self._cuda_graphs
             else 0
         )

@@ -4,7 +4,8 @@ All items' tokens are flattened into one batch so embeddings, projections and ML
 large matmuls. Only attention is per sequence: each item's queries attend to its own keys and
 values, gathered from the paged KV cache through its block table. The step's inputs reach the
 device in one packed copy (`step_inputs`); its attention runs on a chosen set of SDPA kernels
-(`attention_backends`); on a GPU, decode-only steps replay CUDA graphs (`decode_graphs`).
+(`attention_backends`); on a GPU, steps replay CUDA graphs (`step_graphs`), prompts and
+decodes alike, where one holds them.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from services.gpu_worker.generation.attention_backends import (
     fastest,
 )
 from services.gpu_worker.generation.block_allocator import num_blocks_for
-from services.gpu_worker.generation.decode_graphs import DecodeGraphs
 from services.gpu_worker.generation.kv_cache import PagedKVCache
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
+from services.gpu_worker.generation.step_graphs import StepGraphs
 from services.gpu_worker.generation.step_inputs import StepInputBuilder, StepTensors
 
 
@@ -83,8 +84,8 @@ class ModelRunner:
         self.inputs = StepInputBuilder(device, block_size, self.max_blocks_per_seq * block_size)
         #: The SDPA kernels every step may use (`choose_attention` measures them on a GPU).
         self.attention = CANDIDATES[0]
-        #: Decode-only steps replayed from CUDA graphs, once captured (`capture_graphs`).
-        self.graphs: DecodeGraphs | None = None
+        #: Steps replayed from CUDA graphs, once captured (`capture_graphs`).
+        self.graphs: StepGraphs | None = None
         #: Steps run so far from a graph, and eagerly (for benchmarks and logs).
         self.num_replayed_steps = 0
         self.num_eager_steps = 0
@@ -216,14 +217,17 @@ class ModelRunner:
     def _eager(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
         return self.forward(self.inputs.build(items))
 
-    def capture_graphs(self, max_num_seqs: int, max_model_len: int | None = None) -> int:
-        """On a GPU, captures the decode-only steps' CUDA graphs (`decode_graphs`) for up to
-        `max_num_seqs` sequences of up to `max_model_len` positions (default: the model's)
-        under the chosen kernels; returns how many (0 on a CPU, where graphs are off)."""
+    def capture_graphs(
+        self, max_num_seqs: int, max_model_len: int | None = None, max_step_tokens: int = 0
+    ) -> int:
+        """On a GPU, captures the steps' CUDA graphs (`step_graphs`) for up to `max_num_seqs`
+        sequences and `max_step_tokens` tokens a step (0: decode-only steps of `max_num_seqs`)
+        of up to `max_model_len` positions (default: the model's) under the chosen kernels;
+        returns how many (0 on a CPU, where graphs are off)."""
         if self.device.type != "cuda":
             return 0
         longest = self.max_model_len if max_model_len is None else max_model_len
-        graphs = DecodeGraphs(self, max_num_seqs, longest)
+        graphs = StepGraphs(self, max_num_seqs, longest, max_step_tokens)
         with self.attention.enabled():
             graphs.capture()
         self.graphs = graphs
