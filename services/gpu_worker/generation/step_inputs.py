@@ -21,6 +21,7 @@ from typing import Protocol
 
 import torch
 
+from services.gpu_worker.device_busy import current_stream
 from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.kv_cache import slots_for
 
@@ -220,7 +221,7 @@ class HostStaging:
     def _record(self) -> None:
         if self._is_cuda:
             self._copied = torch.cuda.Event()
-            self._copied.record()
+            self._copied.record(current_stream())
 
 
 class StepInputBuilder:
