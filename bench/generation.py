@@ -8,11 +8,13 @@ repository's tiny-llama settings: `python -m services.gpu_worker.generation.tiny
 `--no-cuda-graphs` reproduce the engine as it was before either, and `--decode-only-graphs`
 as it was before steps with prompts replayed graphs, for side-by-side runs.
 `--max-num-seqs N` lets N sequences run at once instead of the model's configured count (its
-KV blocks grown to hold as many per sequence).
+KV blocks grown to hold as many per sequence). `--stand-in-step-ms X` serves every step from
+`bench.generation_stand_in` (a GPU's host path, then X ms asleep for the device; outputs are
+token 0 throughout): what the engine's Python allows on a GPU box, measured on a CPU.
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
         [--quick] [--attention measured|torch-default] [--no-cuda-graphs | --decode-only-graphs]
-        [--max-num-seqs N]
+        [--max-num-seqs N] [--stand-in-step-ms X]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, goodput (tokens/s of the requests
@@ -40,7 +42,9 @@ from typing import Any
 import torch
 from prometheus_client import CollectorRegistry
 
+from bench import generation_stand_in as stand_in
 from bench.fabric.sweep import percentile
+from bench.generation_stand_in import H200_STEP_S
 from services.common import metric_names as names
 from services.common.model_repository import ModelVersion, load_repository
 from services.common.sampling import SamplingParams
@@ -189,6 +193,12 @@ def main() -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--decode-only-graphs", action="store_true")
     parser.add_argument("--max-num-seqs", type=int, default=0, help="0: the model's")
+    parser.add_argument(
+        "--stand-in-step-ms",
+        type=float,
+        default=0.0,
+        help=f"0: the model; else e.g. {1000 * H200_STEP_S}",
+    )
     args = parser.parse_args()
 
     version = resolve_model(args.model_repository, args.model)
@@ -200,6 +210,7 @@ def main() -> None:
         "attention": TORCH_DEFAULT if args.attention == "torch-default" else None,
         "cuda_graphs": not args.no_cuda_graphs,
         "graph_prompts": not args.decode_only_graphs,
+        "stand_in_step_s": args.stand_in_step_ms / 1000,
     }
     report: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -209,6 +220,7 @@ def main() -> None:
         "attention": args.attention,
         "cuda_graphs": engine["cuda_graphs"],
         "graph_prompts": engine["graph_prompts"],
+        "stand_in_step_s": engine["stand_in_step_s"],
         "max_num_seqs": getattr(version.config.generation, "max_num_seqs", None),
     }
     if args.quick:
@@ -242,14 +254,25 @@ def main() -> None:
 def measure(
     name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: Any
 ) -> dict:
-    """One fresh engine (its own metrics; `kw` for GenerationBackend) through `arrivals`; adds
-    the prefix cache's counts and the engine's attention kernels and graphs."""
+    """One fresh engine (its own metrics; `kw` for GenerationBackend, and `stand_in_step_s`)
+    through `arrivals`; adds the prefix cache's counts and the engine's attention kernels and
+    graphs."""
+    stand_in_s = kw.pop("stand_in_step_s", 0.0)
     registry = CollectorRegistry()
     backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
     started = time.perf_counter()
     backend.warm_up()
     warm_up_s = time.perf_counter() - started
     runner = backend.runner
+    if stand_in_s:
+        settings = backend.settings
+        stand_in.install(
+            runner,
+            stand_in_s,
+            max_num_seqs=settings.max_num_seqs,
+            max_model_len=backend.max_model_len,
+            max_step_tokens=settings.max_num_batched_tokens,
+        )
     warm_up_steps = (runner.num_replayed_steps, runner.num_eager_steps)
     print(f"running {name} ...", flush=True)
     result = asyncio.run(run(backend, arrivals))

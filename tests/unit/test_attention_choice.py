@@ -97,3 +97,24 @@ def test_graphs_of_many_rows_are_captured_only_within_the_gather_budget() -> Non
     assert graphs.holds(2048, 8) and not graphs.holds(2048, 16)
     # Without a step's token count, the decode-only buckets alone.
     assert StepGraphs(runner, 32, 4096).batch_sizes == (1, 2, 4, 8, 16, 32)  # type: ignore[arg-type]
+
+
+def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_items_and_context() -> None:
+    runner = SimpleNamespace(block_size=16, num_blocks=1024)
+    graphs = StepGraphs(runner, max_num_seqs=32, max_model_len=1024, max_step_tokens=512)  # type: ignore[arg-type]
+
+    def item(tokens: int, start: int) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=(1,) * tokens, start_position=start, samples=True)
+
+    # 3 decodes, the longest at position 40 (41 positions: 3 blocks): 4 rows, 4 blocks.
+    assert graphs.bucket([item(1, 5), item(1, 40), item(1, 17)]) == (4, 4)
+    # A 100-token prompt beside 31 decodes: 131 rows -> 256; positions up to 100 -> 8 blocks.
+    assert graphs.bucket([item(100, 0)] + [item(1, 20)] * 31) == (256, 8)
+    # Past the largest bucket of rows, of items, of width, or of the gather budget: none.
+    assert graphs.bucket([item(256, 0), item(257, 0)]) is None
+    assert graphs.bucket([item(1, 3)] * 33) is None
+    assert graphs.bucket([item(1, 1100)]) is None
+    assert graphs.bucket([item(300, 500)]) is None  # 512 rows x 64 blocks x 16: past it
+    assert graphs.bucket([item(300, 200)]) == (512, 32)  # 512 x 32 x 16: within it
+    # Decode-only buckets whatever their width.
+    assert graphs.bucket([item(1, 1000)] * 32) == (32, 64)

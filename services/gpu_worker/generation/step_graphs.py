@@ -128,34 +128,40 @@ class StepGraphs:
             logits = forward()
         return _Graph(graph, inputs, layout["num_seqs"], logits)
 
-    @torch.inference_mode()
-    def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
-        """The step's logits (as `ModelRunner.execute` returns them) from its bucket's graph,
-        or None when no graph holds it: more tokens than the largest bucket, more items than
-        `max_num_seqs`, a context wider than the widest, or a bucket past the gather
-        budget."""
+    def bucket(self, items: Sequence[StepItem]) -> tuple[int, int] | None:
+        """The (rows, width) bucket of the graph that holds the step, or None when none does:
+        more tokens than the largest bucket, more items than `max_num_seqs`, a context wider
+        than the widest, or a bucket past the gather budget."""
         rows = sum(len(item.token_ids) for item in items)
         if rows > self.batch_sizes[-1] or len(items) > self._max_num_seqs:
             return None
-        bs = self._runner.block_size
         end = max(item.start_position + len(item.token_ids) for item in items)
-        widest = num_blocks_for(end, bs)
+        widest = num_blocks_for(end, self._runner.block_size)
         if widest > self.widths[-1]:
             return None
         batch = next(size for size in self.batch_sizes if size >= rows)
         width = next(size for size in self.widths if size >= widest)
-        graph = self._graphs.get((batch, width))
-        if graph is None:
-            return None
-        values = paged_rows(
+        return (batch, width) if self.holds(batch, width) else None
+
+    def layout(self, items: Sequence[StepItem], rows: int, width: int) -> list[int]:
+        """The static inputs of the (`rows`, `width`) bucket's graph for `items`."""
+        return paged_rows(
             items,
-            rows=batch,
+            rows=rows,
             width=width,
-            num_seqs=graph.num_seqs,
-            block_size=bs,
+            num_seqs=min(rows, self._max_num_seqs),
+            block_size=self._runner.block_size,
             pad_block=self._runner.pad_block,
         )
-        self._runner.inputs.staging.copy_into(graph.inputs, values)
+
+    @torch.inference_mode()
+    def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
+        """The step's logits (as `ModelRunner.execute` returns them) from its bucket's graph,
+        or None when no graph holds it (`bucket`)."""
+        if (bucket := self.bucket(items)) is None:
+            return None
+        graph = self._graphs[bucket]
+        self._runner.inputs.staging.copy_into(graph.inputs, self.layout(items, *bucket))
         with device_section():
             graph.graph.replay()
         return graph.logits[: sum(1 for item in items if item.samples)].cpu()
