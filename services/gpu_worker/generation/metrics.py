@@ -29,15 +29,18 @@ def charge_tenants(
     step_s: float,
 ) -> None:
     """Splits a step's time over its sequences' tenants (`requests`, by sequence id) by tokens
-    computed (the fair-share measure of generation), for the per-tenant compute metrics."""
+    computed (the fair-share measure of generation), for the per-tenant compute metrics: one
+    charge per tenant a step, not per sequence (a step holds up to max_num_seqs of them)."""
     num_tokens = sum(len(s.token_ids) for s in scheduled)
     if charge is None or num_tokens == 0:
         return
+    tokens_of: dict[str, int] = {}
     for item in scheduled:
         request = requests.get(item.seq_id)
         if request is not None:
-            share = len(item.token_ids) / num_tokens
-            charge(request.tenant, compute_s=step_s * share, num_tokens=len(item.token_ids))
+            tokens_of[request.tenant] = tokens_of.get(request.tenant, 0) + len(item.token_ids)
+    for tenant, tokens in tokens_of.items():
+        charge(tenant, compute_s=step_s * tokens / num_tokens, num_tokens=tokens)
 
 
 class GenerationMetrics:
