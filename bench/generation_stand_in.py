@@ -2,12 +2,15 @@
 
 On a GPU every step of tiny-llama replays a CUDA graph: the host lays the step out and stages
 its inputs (`step_graphs`, the host's real work), then the device computes it in about 0.2 ms
-(an H200, 1 to 128 rows: `bench.generation_steps`' device time). Here each step takes the
-same host path, then `step_s` asleep (without the GIL and without burning a core) in place of
-the device, and returns zero logits of the step's shape. The engine's own Python (scheduling,
-sampling, detokenizing, streaming) then bounds tokens/s on this machine as it does on a GPU
-box, and can be measured and trimmed without one. Greedy sampling of zero logits picks token
-0 every time: a stand-in's outputs measure speed, never text.
+(an H200, graphs of 1 to 128 rows: `bench.generation_steps`' device time, 0.16-0.21 ms).
+Here each step takes the same host path, then `step_s` asleep (without the GIL and without
+burning a core) in place of the device, and returns zero logits of the step's shape. What
+bounds tokens/s is then the engine's own Python (scheduling, sampling, detokenizing,
+streaming) on this machine's cores, as on a GPU box: it can be measured and trimmed without
+one. A GPU box's host may be slower, and it copies and synchronizes where this sleeps: the
+H200's ran the engine at 0.41-0.45x of this 2-core machine's pace with the stand-in
+(docs/benchmarks.md). Greedy sampling of zero logits picks token 0 every time: a stand-in's
+outputs measure speed, never text.
 """
 
 from __future__ import annotations
@@ -55,4 +58,4 @@ class StandInSteps(StepGraphs):
 def install(runner: ModelRunner, step_s: float, **buckets: int) -> None:
     """Serves `runner`'s steps from the stand-in (`buckets`: max_num_seqs, max_model_len,
     max_step_tokens as the backend captures its graphs)."""
-    runner.graphs = StandInSteps(runner, step_s=step_s, **buckets)  # type: ignore[arg-type]
+    runner.graphs = StandInSteps(runner, step_s=step_s, **buckets)

@@ -89,17 +89,16 @@ def main() -> None:
     }
     print(f"{report['model']} on {report['device']}, attention {runner.attention.name}")
     print(f"{'batch':>5} {'mode':>12} {'step ms':>8} {'p90 ms':>8} {'device ms':>10}")
-    # The mixed steps' prompt: its own blocks, past every batch's sequences.
+    # The mixed steps' prompt: the cache's last blocks, past every batch's sequences.
     prompt_blocks = num_blocks_for(args.prompt_tokens, runner.block_size)
-    first_free = max(args.batch_sizes) * per_seq
+    first_free = settings.num_kv_blocks - prompt_blocks
     mixed = SequenceBatchItem(
         tuple(1 + j % 200 for j in range(args.prompt_tokens)),
         0,
         tuple(range(first_free, first_free + prompt_blocks)),
     )
     for count in args.batch_sizes:
-        if (count * per_seq + prompt_blocks > settings.num_kv_blocks
-                or count > settings.max_num_seqs):  # fmt: skip
+        if count * per_seq > first_free or count > settings.max_num_seqs:
             print(f"{count:>5}: more sequences than the cache or max_num_seqs holds, skipped")
             continue
         tables = [tuple(range(i * per_seq, (i + 1) * per_seq)) for i in range(count)]
@@ -111,7 +110,8 @@ def main() -> None:
                 runner.graphs = replaying
                 replays = runner.num_replayed_steps
                 figures = time_steps(runner, tables, args.context, args.steps, with_prompt)
-                figures["replayed"] = runner.num_replayed_steps > replays
+                # Every step, the three untimed ones too, from a graph.
+                figures["replayed"] = runner.num_replayed_steps - replays == args.steps + 3
                 name = mode if with_prompt is None else f"{mode}+prompt"
                 report["batches"].setdefault(str(count), {})[name] = figures
                 print(

@@ -240,8 +240,8 @@ def test_on_cuda_graph_replays_give_the_eager_logits(model_dir: Path) -> None:
     logits = graphed.execute(step_b)
     assert graphed.num_replayed_steps == replayed + 1
     torch.testing.assert_close(logits, eager.execute(step_a)[[0, 2]], atol=2e-3, rtol=2e-3)
-    # Steps with prompts replay too, their tokens rows like decodes (22 + 2 rows, padded to
-    # 32): a whole prompt, a decode and a chunk that samples nothing, then the rest of that
+    # Steps with prompts replay too, their tokens rows like decodes: a whole prompt, a decode
+    # and a chunk that samples nothing (22 + 1 + 4 rows, padded to 32), then the rest of that
     # prompt with a decode.
     for step_a, step_b in (
         (

@@ -118,3 +118,20 @@ def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_items_and_contex
     assert graphs.bucket([item(300, 200)]) == (512, 32)  # 512 x 32 x 16: within it
     # Decode-only buckets whatever their width.
     assert graphs.bucket([item(1, 1000)] * 32) == (32, 64)
+
+
+def test_a_max_num_seqs_off_the_powers_of_two_is_a_bucket_of_its_own() -> None:
+    # Decode steps of 33-48 sequences take the 48-row bucket, held at every width; in the
+    # 64-row bucket, past max_num_seqs, wide contexts would fall to the gather budget.
+    runner = SimpleNamespace(block_size=16, num_blocks=1024)
+    graphs = StepGraphs(runner, max_num_seqs=48, max_model_len=4096, max_step_tokens=512)  # type: ignore[arg-type]
+    assert graphs.batch_sizes == (1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512)
+    decode = SimpleNamespace(token_ids=(1,), start_position=3000, samples=True)
+    assert graphs.bucket([decode] * 40) == (48, 256)
+    # With a 30-token prompt, 70 rows: 128 x 256 blocks x 16 is past the budget.
+    assert (
+        graphs.bucket(
+            [decode] * 40 + [SimpleNamespace(token_ids=(1,) * 30, start_position=0, samples=True)]
+        )
+        is None
+    )

@@ -59,9 +59,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     #: Static int64 inputs laid out by `paged_rows`.
     inputs: torch.Tensor
-    #: Sequences (items) the graph holds, each sampled row one: its output's rows.
-    num_seqs: int
-    #: Static float32 logits [num_seqs, vocab], rewritten by each replay.
+    #: Static float32 logits [min(rows, max_num_seqs), vocab], rewritten by each replay.
     logits: torch.Tensor
 
 
@@ -80,7 +78,10 @@ class StepGraphs:
         engine's, which may be far below the checkpoint's; never wider than the cache)."""
         self._runner = runner
         self._max_num_seqs = max_num_seqs
-        self.batch_sizes = buckets(max(max_num_seqs, max_step_tokens or 0))
+        # max_num_seqs itself is a bucket (a full decode step's), whatever powers of two of
+        # rows follow it: a decode bucket past it would be held only within the gather budget.
+        rows = {*buckets(max_num_seqs), *buckets(max(max_num_seqs, max_step_tokens or 0))}
+        self.batch_sizes = tuple(sorted(rows))
         widest = min(num_blocks_for(max_model_len, runner.block_size), runner.num_blocks)
         self.widths = buckets(widest)
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -126,7 +127,7 @@ class StepGraphs:
         # thread_local: another model's work on another thread does not break this capture.
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             logits = forward()
-        return _Graph(graph, inputs, layout["num_seqs"], logits)
+        return _Graph(graph, inputs, logits)
 
     def bucket(self, items: Sequence[StepItem]) -> tuple[int, int] | None:
         """The (rows, width) bucket of the graph that holds the step, or None when none does:
@@ -160,7 +161,8 @@ class StepGraphs:
         or None when no graph holds it (`bucket`)."""
         if (bucket := self.bucket(items)) is None:
             return None
-        graph = self._graphs[bucket]
+        if (graph := self._graphs.get(bucket)) is None:
+            return None  # not captured (yet)
         self._runner.inputs.staging.copy_into(graph.inputs, self.layout(items, *bucket))
         with device_section():
             graph.graph.replay()
