@@ -95,8 +95,15 @@ def test_graphs_of_many_rows_are_captured_only_within_the_gather_budget() -> Non
     assert graphs.holds(512, 32) and GATHER_BUDGET == 512 * 32 * 16
     assert not graphs.holds(512, 64) and not graphs.holds(64, 512)
     assert graphs.holds(2048, 8) and not graphs.holds(2048, 16)
-    # Without a step's token count, the decode-only buckets alone.
-    assert StepGraphs(runner, 32, 4096).batch_sizes == (1, 2, 4, 8, 16, 32)  # type: ignore[arg-type]
+    # Without a step's token count, the decode-only buckets alone, for decode-only steps:
+    # a step with a prompt, however small, is no graph's.
+    decode_only = StepGraphs(runner, 32, 4096)  # type: ignore[arg-type]
+    assert decode_only.batch_sizes == (1, 2, 4, 8, 16, 32)
+    decodes = [SimpleNamespace(token_ids=(1,), start_position=9, samples=True)] * 3
+    assert decode_only.bucket(decodes) == (4, 1)
+    prompt = SimpleNamespace(token_ids=(1, 2), start_position=0, samples=True)
+    assert decode_only.bucket([*decodes, prompt]) is None
+    assert graphs.bucket([*decodes, prompt]) == (8, 1)
 
 
 def test_a_step_takes_the_smallest_bucket_that_holds_its_tokens_items_and_context() -> None:

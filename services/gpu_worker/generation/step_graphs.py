@@ -32,7 +32,7 @@ import torch
 
 from services.gpu_worker.device_busy import device_section
 from services.gpu_worker.generation.block_allocator import num_blocks_for
-from services.gpu_worker.generation.step_inputs import StepItem, paged_rows, paged_step
+from services.gpu_worker.generation.step_inputs import StepItem, is_decode, paged_rows, paged_step
 
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
@@ -73,11 +73,14 @@ class StepGraphs:
         max_model_len: int,
         max_step_tokens: int | None = None,
     ) -> None:
-        """Buckets up to `max_step_tokens` rows (default `max_num_seqs`: decode-only steps)
-        with at most `max_num_seqs` sampled, of up to `max_model_len` positions (the
-        engine's, which may be far below the checkpoint's; never wider than the cache)."""
+        """Buckets up to `max_step_tokens` rows with at most `max_num_seqs` sampled, of up to
+        `max_model_len` positions (the engine's, which may be far below the checkpoint's;
+        never wider than the cache). Without `max_step_tokens`, decode-only steps alone, of
+        up to `max_num_seqs` (the engine before steps with prompts replayed, which the
+        benchmarks run beside it)."""
         self._runner = runner
         self._max_num_seqs = max_num_seqs
+        self._is_decode_only = not max_step_tokens
         # max_num_seqs itself is a bucket (a full decode step's), whatever powers of two of
         # rows follow it: a decode bucket past it would be held only within the gather budget.
         rows = {*buckets(max_num_seqs), *buckets(max(max_num_seqs, max_step_tokens or 0))}
@@ -132,9 +135,12 @@ class StepGraphs:
     def bucket(self, items: Sequence[StepItem]) -> tuple[int, int] | None:
         """The (rows, width) bucket of the graph that holds the step, or None when none does:
         more tokens than the largest bucket, more items than `max_num_seqs`, a context wider
-        than the widest, or a bucket past the gather budget."""
+        than the widest, a bucket past the gather budget, or a prompt where graphs are for
+        decode-only steps."""
         rows = sum(len(item.token_ids) for item in items)
         if rows > self.batch_sizes[-1] or len(items) > self._max_num_seqs:
+            return None
+        if self._is_decode_only and not all(map(is_decode, items)):
             return None
         end = max(item.start_position + len(item.token_ids) for item in items)
         widest = num_blocks_for(end, self._runner.block_size)
