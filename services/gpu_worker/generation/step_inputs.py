@@ -45,14 +45,12 @@ def is_decode(item: StepItem) -> bool:
     return item.start_position > 0 and len(item.token_ids) == 1
 
 
-def padded_tables(
-    decodes: Sequence[StepItem], block_size: int, width: int, filler: int
-) -> list[int]:
-    """Each decode's blocks covering its context, then `filler` up to `width` blocks, row
-    after row (what attention gathers; the mask hides the filler)."""
+def padded_tables(items: Sequence[StepItem], block_size: int, width: int, filler: int) -> list[int]:
+    """Each item's blocks covering its context up to its last new token, then `filler` up to
+    `width` blocks, row after row (what attention gathers; the mask hides the filler)."""
     values: list[int] = []
-    for item in decodes:
-        needed = num_blocks_for(item.start_position + 1, block_size)
+    for item in items:
+        needed = num_blocks_for(item.start_position + len(item.token_ids), block_size)
         values.extend(item.block_table[:needed])
         values.extend([filler] * (width - needed))
     return values
@@ -123,16 +121,12 @@ def paged_rows(
     positions: list[int] = []
     row_items: list[int] = []
     sampled: list[int] = []
-    tables: list[int] = []
     for index, item in enumerate(items):
         start = item.start_position
         count = len(item.token_ids)
         ids.extend(item.token_ids)
         positions.extend(range(start, start + count))
         row_items.extend([index] * count)
-        needed = num_blocks_for(start + count, block_size)
-        tables.extend(item.block_table[:needed])
-        tables.extend([pad_block] * (width - needed))
         if item.samples:
             sampled.append(len(ids) - 1)
     extra = rows - len(ids)
@@ -141,7 +135,8 @@ def paged_rows(
         *positions, *([0] * extra),
         *row_items, *([num_seqs] * extra),
         *sampled, *([0] * (num_seqs - len(sampled))),
-        *tables, *([pad_block] * ((num_seqs + 1 - len(items)) * width)),
+        *padded_tables(items, block_size, width, pad_block),
+        *([pad_block] * ((num_seqs + 1 - len(items)) * width)),
     ]  # fmt: skip
 
 
