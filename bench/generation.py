@@ -44,7 +44,6 @@ from prometheus_client import CollectorRegistry
 
 from bench import generation_stand_in as stand_in
 from bench.fabric.sweep import percentile
-from bench.generation_stand_in import H200_STEP_S
 from services.common import metric_names as names
 from services.common.model_repository import ModelVersion, load_repository
 from services.common.sampling import SamplingParams
@@ -197,7 +196,7 @@ def main() -> None:
         "--stand-in-step-ms",
         type=float,
         default=0.0,
-        help=f"0: the model; else e.g. {1000 * H200_STEP_S}",
+        help=f"0: the model; else e.g. {1000 * stand_in.H200_STEP_S}",
     )
     args = parser.parse_args()
     if args.stand_in_step_ms and (args.no_cuda_graphs or args.decode_only_graphs):
@@ -269,14 +268,7 @@ def measure(
     warm_up_s = time.perf_counter() - started
     runner = backend.runner
     if stand_in_s:
-        settings = backend.settings
-        stand_in.install(
-            runner,
-            stand_in_s,
-            max_num_seqs=settings.max_num_seqs,
-            max_model_len=backend.max_model_len,
-            max_step_tokens=settings.max_num_batched_tokens,
-        )
+        stand_in.install(backend, stand_in_s)
     warm_up_steps = (runner.num_replayed_steps, runner.num_eager_steps)
     print(f"running {name} ...", flush=True)
     result = asyncio.run(run(backend, arrivals))

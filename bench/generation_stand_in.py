@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.model_runner import ModelRunner
 from services.gpu_worker.generation.step_graphs import StepGraphs
 from services.gpu_worker.generation.step_inputs import StepItem
@@ -55,7 +56,14 @@ class StandInSteps(StepGraphs):
         return self._zeros[: sum(1 for item in items if item.samples)]
 
 
-def install(runner: ModelRunner, step_s: float, **buckets: int) -> None:
-    """Serves `runner`'s steps from the stand-in (`buckets`: max_num_seqs, max_model_len,
-    max_step_tokens as the backend captures its graphs)."""
-    runner.graphs = StandInSteps(runner, step_s=step_s, **buckets)
+def install(backend: GenerationBackend, step_s: float) -> None:
+    """Serves the warmed-up `backend`'s steps from the stand-in, in the buckets its graphs
+    would have."""
+    settings = backend.settings
+    backend.runner.graphs = StandInSteps(
+        backend.runner,
+        step_s=step_s,
+        max_num_seqs=settings.max_num_seqs,
+        max_model_len=backend.max_model_len,
+        max_step_tokens=settings.max_num_batched_tokens,
+    )

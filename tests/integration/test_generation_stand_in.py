@@ -26,14 +26,8 @@ def test_the_stand_in_serves_every_step_and_never_runs_the_model() -> None:
         version, torch.device("cpu"), GenerationMetrics(CollectorRegistry())
     )
     backend.warm_up()
-    runner, settings = backend.runner, backend.settings
-    generation_stand_in.install(
-        runner,
-        0.0001,
-        max_num_seqs=settings.max_num_seqs,
-        max_model_len=backend.max_model_len,
-        max_step_tokens=settings.max_num_batched_tokens,
-    )
+    runner = backend.runner
+    generation_stand_in.install(backend, 0.0001)
     for cache in (*runner.kv_cache.keys, *runner.kv_cache.values):
         cache.zero_()  # the warm-up's steps wrote some
     eager_before = runner.num_eager_steps
