@@ -35,6 +35,7 @@ from services.gpu_worker.generation.sequence import (
     Sequence,
     SequenceStatus,
 )
+from services.gpu_worker.generation.waiting import WaitingSequences
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,9 @@ class GenerationScheduler:
         self._allocator = BlockAllocator(config.num_blocks, config.block_size)
         self._caches = config.enable_prefix_caching
         self._seqs: dict[int, Sequence] = {}
-        # Both sorted by _order. The last running sequence is the first to be preempted; a
-        # preempted one re-enters waiting by its original key, ahead of later arrivals.
-        self._waiting: list[Sequence] = []
+        # Running sequences sorted by _order: the last is the first to be preempted. A
+        # preempted one re-enters waiting by its original arrival, ahead of later ones.
+        self._waiting = WaitingSequences()
         # Tokens computed per tenant, per weight: fair share among waiting sequences.
         self._ledger = ComputeLedger()
         self._running: list[Sequence] = []
@@ -167,7 +168,7 @@ class GenerationScheduler:
             return refusal
         check_weight(seq.weight)
         self._seqs[seq.seq_id] = seq
-        bisect.insort(self._waiting, seq, key=_order)
+        self._waiting.add(seq)
         self._ledger.join(seq.tenant)
         return Admitted()
 
@@ -275,7 +276,10 @@ class GenerationScheduler:
         self._ledger.leave(seq.tenant)
         # Finished mid-step (cancel, error): its in-flight work is dropped, not accounted.
         self._in_flight.pop(seq_id, None)
-        (self._running if seq.status is SequenceStatus.RUNNING else self._waiting).remove(seq)
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
         self._free_blocks(seq)
         seq.status = SequenceStatus.FINISHED
         return True
@@ -302,7 +306,7 @@ class GenerationScheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
-        bisect.insort(self._waiting, seq, key=_order)
+        self._waiting.add(seq)
 
     def _admit_waiting(self, budget: int, scheduled: list[ScheduledSequence]) -> None:
         """Admit waiting sequences in order with a first chunk each, while seats, budget and
@@ -366,10 +370,7 @@ class GenerationScheduler:
         """The waiting sequence to admit next: the most urgent priority class, then the tenant
         with the fewest tokens computed per weight (fair_share.ComputeLedger, counted in
         tokens), then the earliest arrival."""
-        return min(
-            self._waiting,
-            key=lambda s: (s.priority, self._ledger.virtual_s(s.tenant), s.arrival_s, s.seq_id),
-        )
+        return self._waiting.next(self._ledger.virtual_s)
 
     def _plan(self, seq: Sequence, num_new: int) -> ScheduledSequence:
         start = seq.num_computed_tokens

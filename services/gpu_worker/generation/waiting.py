@@ -1,0 +1,83 @@
+"""The sequences waiting for admission, grouped so that choosing the next one does not read
+them all.
+
+The scheduler admits the waiting sequence with the least (priority, its tenant's compute per
+weight, arrival, id) (`GenerationScheduler._next_waiting`). Read as a minimum over every
+waiting sequence, each admission cost a pass over the whole backlog: with 1,500 sequences
+waiting (an open-loop flood past what the engine serves), a tenth of the engine's time went to
+it, and steps slowed just when the backlog asked for more of them. Here the sequences wait in
+one list per priority class and tenant, sorted by (arrival, id): a group's head is the least
+of its sequences by every part of the key (a tenant's compute is the same for all of them),
+so the next sequence is the least of the heads of the most urgent class's groups, and
+choosing it costs one look per tenant waiting in that class.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+
+from services.gpu_worker.generation.sequence import Sequence
+
+
+def _arrival(seq: Sequence) -> tuple[float, int]:
+    return (seq.arrival_s, seq.seq_id)
+
+
+class WaitingSequences:
+    """Waiting sequences by priority class (lower first) and tenant, each group in arrival
+    order."""
+
+    __slots__ = ("_classes", "_count")
+
+    def __init__(self) -> None:
+        #: priority -> tenant -> the tenant's waiting sequences of that priority, by arrival.
+        #: Classes and tenants with none waiting are dropped.
+        self._classes: dict[int, dict[str, list[Sequence]]] = {}
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __bool__(self) -> bool:
+        return self._count > 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queues `seq` by its own arrival (a preempted sequence goes back ahead of later
+        arrivals)."""
+        group = self._classes.setdefault(seq.priority, {}).setdefault(seq.tenant, [])
+        bisect.insort(group, seq, key=_arrival)
+        self._count += 1
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes `seq` out; ValueError if it is not waiting here."""
+        tenants = self._classes.get(seq.priority)
+        group = None if tenants is None else tenants.get(seq.tenant)
+        if group is None:
+            raise ValueError(f"sequence {seq.seq_id} is not waiting")
+        index = bisect.bisect_left(group, _arrival(seq), key=_arrival)
+        if index == len(group) or group[index] is not seq:
+            raise ValueError(f"sequence {seq.seq_id} is not waiting")
+        del group[index]
+        self._count -= 1
+        if not group:
+            del tenants[seq.tenant]  # type: ignore[union-attr]  # found above
+            if not tenants:
+                del self._classes[seq.priority]
+
+    def next(self, compute_s: Callable[[str], float]) -> Sequence:
+        """The sequence to admit next: the most urgent priority class, then the tenant with the
+        least `compute_s(tenant)` (compute per weight), then the earliest arrival and the
+        lowest id. IndexError when none waits."""
+        if not self._classes:
+            raise IndexError("no sequence is waiting")
+        tenants = self._classes[min(self._classes)]
+        best: Sequence | None = None
+        best_key: tuple[float, float, int] | None = None
+        for tenant, group in tenants.items():
+            head = group[0]
+            key = (compute_s(tenant), head.arrival_s, head.seq_id)
+            if best_key is None or key < best_key:
+                best, best_key = head, key
+        assert best is not None  # a class kept has a group, a group kept has a sequence
+        return best

@@ -1,0 +1,76 @@
+"""WaitingSequences: the scheduler's backlog, grouped by priority class and tenant, must choose
+exactly what a minimum over every waiting sequence chooses."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from services.gpu_worker.generation.sequence import Sequence
+from services.gpu_worker.generation.waiting import WaitingSequences
+
+pytestmark = pytest.mark.unit
+
+
+def _seq(seq_id: int, *, priority: int = 0, tenant: str = "", arrival_s: float = 0.0) -> Sequence:
+    return Sequence(
+        seq_id=seq_id,
+        prompt_token_ids=(1,),
+        max_tokens=1,
+        priority=priority,
+        tenant=tenant,
+        arrival_s=arrival_s,
+    )
+
+
+def test_the_next_sequence_is_the_least_over_the_whole_backlog_through_adds_and_removals() -> None:
+    rng = random.Random(7)
+    waiting = WaitingSequences()
+    reference: list[Sequence] = []
+    compute = {tenant: 0.0 for tenant in "abcd"}
+    seq_ids = iter(range(1, 100_000))
+    for _ in range(3_000):
+        action = rng.random()
+        if action < 0.45 or not reference:
+            # Arrivals tie often (same clock reading), and a preempted sequence comes back
+            # with an arrival earlier than the ones waiting.
+            seq = _seq(
+                next(seq_ids),
+                priority=rng.choice((0, 1, 1, 2)),
+                tenant=rng.choice("abcd"),
+                arrival_s=float(rng.randrange(50)),
+            )
+            waiting.add(seq)
+            reference.append(seq)
+        elif action < 0.6:  # finished while waiting (a cancel)
+            seq = rng.choice(reference)
+            waiting.remove(seq)
+            reference.remove(seq)
+        else:  # admitted: the next one leaves; its tenant is charged
+            expected = min(
+                reference, key=lambda s: (s.priority, compute[s.tenant], s.arrival_s, s.seq_id)
+            )
+            chosen = waiting.next(compute.__getitem__)
+            assert chosen is expected
+            waiting.remove(chosen)
+            reference.remove(chosen)
+            compute[chosen.tenant] += rng.choice((0.5, 1.0, 3.0))
+        assert len(waiting) == len(reference)
+        assert bool(waiting) == bool(reference)
+
+
+def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:
+    waiting = WaitingSequences()
+    first, twin = _seq(1, tenant="a", arrival_s=1.0), _seq(1, tenant="a", arrival_s=1.0)
+    waiting.add(first)
+    with pytest.raises(ValueError, match="not waiting"):
+        waiting.remove(twin)  # equal fields, another sequence: compared by identity
+    with pytest.raises(ValueError, match="not waiting"):
+        waiting.remove(_seq(2, tenant="b"))
+    assert len(waiting) == 1
+    assert waiting.next(lambda tenant: 0.0) is first
+    waiting.remove(first)
+    assert not waiting
+    with pytest.raises(IndexError):
+        waiting.next(lambda tenant: 0.0)
