@@ -52,6 +52,7 @@ class StandInSteps(StepGraphs):
         if (bucket := self.bucket(items)) is None:
             return None
         self._runner.inputs.staging.stage(self.layout(items, *bucket))
+        self._runner.launched()
         time.sleep(self._step_s)
         return self._zeros[: sum(1 for item in items if item.samples)]
 

@@ -230,3 +230,34 @@ class ThreadChoice:
         """How many calls of `size`'s bucket each option has been measured on."""
         bucket = self._buckets.get(size_bucket(size))
         return {} if bucket is None else dict(bucket.num_samples)
+
+
+class StepCycles:
+    """Feeds a ThreadChoice (None: threads as set) the cycle of each call run back to back
+    with the next: from its launch to the next one's (its forward, and what the caller did
+    before the next launch), which `launch` closes."""
+
+    __slots__ = ("_choice", "_last")
+
+    def __init__(self, choice: ThreadChoice | None) -> None:
+        self._choice = choice
+        #: (launched_s, size, threads) of the call launched last, while calls run back to
+        #: back. None after an idle wait or a failure (`break_off`).
+        self._last: tuple[float, int, int] | None = None
+
+    def launch(self, size: int, now: float) -> int:
+        """The threads of the call of `size` launched `now` (0: as set); closes the last
+        call's cycle in the choice."""
+        if self._choice is None:
+            return 0
+        if self._last is not None:
+            launched_s, last_size, last_threads = self._last
+            self._choice.record(last_size, last_threads, now - launched_s)
+        threads = self._choice.choose(size)
+        self._last = (now, size, threads)
+        return threads
+
+    def break_off(self) -> None:
+        """The next launch does not follow the last call back to back (an idle wait, a
+        failure): no cycle to close."""
+        self._last = None

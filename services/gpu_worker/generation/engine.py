@@ -4,8 +4,10 @@ Each step reads `schedule -> execute -> update_from_output`: the scheduler picks
 sequences (decodes, prefill chunks, admissions by free KV blocks, preemptions), the model runner
 computes them in one forward on the executor thread, the sampler picks a token for each sequence
 that reached the end of its known tokens, and the engine streams new text to each request's
-collector and finishes sequences that stopped. Consumers never block the loop: what a reader has
-not taken yet waits in its collector, read as one delta (request_stream.DeltaCollector).
+collector and finishes sequences that stopped. Where a device runs the steps, the tokens whose
+end their id and count tell are streamed while the next step runs on it (`_finish_step`).
+Consumers never block the loop: what a reader has not taken yet waits in its collector, read
+as one delta (request_stream.DeltaCollector).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from services.gpu_worker.generation.sequence import ScheduledSequence
 from services.gpu_worker.generation.sequence import Sequence as SchedSequence
 from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
 from services.gpu_worker.generation.step_inputs import is_decode
-from services.gpu_worker.thread_choice import ThreadChoice
+from services.gpu_worker.thread_choice import StepCycles, ThreadChoice
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +57,7 @@ class GenerationEngine:
     ) -> None:
         """`is_cache_per_tenant`: prefix-cached blocks are shared only among one tenant's
         sequences (the scheduler's config says whether there is a prefix cache at all).
-        `thread_choice`: picks each step's torch threads on a CPU (None: as set), fed the
-        cycle of every step run back to back with the next."""
+        `thread_choice`: picks each step's torch threads on a CPU (None: as set; StepCycles)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -67,16 +68,15 @@ class GenerationEngine:
         self._eos_token_ids = eos_token_ids
         self._clock = clock
         self._is_cache_per_tenant = is_cache_per_tenant
-        self._thread_choice = thread_choice
-        #: (launched_s, batched tokens, threads) of the step launched last, while steps run
-        #: back to back: the next launch closes its cycle. None after an idle wait or a failure.
-        self._cycle: tuple[float, int, int] | None = None
+        self._cycles = StepCycles(thread_choice)
         self._sampler = Sampler()
         self.steps = StepExecutor(runner, metrics, labels)
         self._requests: dict[int, RequestStream] = {}
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._cancelled: set[int] = set()
+        #: Tokens sampled, streamed during the next step's device time (`_finish_step`).
+        self._unsent: list[tuple[RequestStream, int, int, float, bool]] = []
         self._is_stepping = False
         self._is_draining = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -117,6 +117,7 @@ class GenerationEngine:
                 on_fatal(error)
 
     def _fail_all(self) -> None:
+        self._send_unsent()  # what was sampled before the failure is its streams' own
         for request in self._requests.values():
             request.output.put_nowait(self._stopped_error())
         self._requests.clear()
@@ -274,29 +275,29 @@ class GenerationEngine:
                 or self.scheduler.is_prefilling  # a scan of the running sequences: last
             )
             output = self.scheduler.schedule(admit=admit)
-            self._export_gauges()
+            self._bound.scheduled(output, self.scheduler, self.runner.num_blocks)
             if not output.scheduled:
+                self._send_unsent()
                 if self._is_draining and not self.scheduler.has_unfinished():
                     return
-                self._cycle = None  # the cycle would include the idle wait
+                self._cycles.break_off()  # the cycle would include the idle wait
                 await self._wake.wait()
                 continue
-            if output.preempted:
-                self._bound.preemptions_total.inc(len(output.preempted))
-            if output.num_prefix_queried_tokens:
-                self._bound.prefix_cache_queried_tokens_total.inc(output.num_prefix_queried_tokens)
-                self._bound.prefix_cache_hit_tokens_total.inc(output.num_prefix_hit_tokens)
             items = [
                 SequenceBatchItem(s.token_ids, s.start_position, s.block_table, s.samples)
                 for s in output.scheduled
             ]
             self._is_stepping = True
             started = self._clock()
-            threads = self._launch_threads(output.num_batched_tokens, started)
+            threads = self._cycles.launch(output.num_batched_tokens, started)
+            # A device's step (a GPU's, the stand-in's) runs while the last one's tokens stream.
+            overlaps = self.runner.device.type == "cuda" or self.runner.graphs is not None
             try:
-                logits = await self.steps.execute(items, threads=threads)
+                sends = self._send_unsent if overlaps else None
+                logits = await self.steps.execute(items, threads=threads, while_running=sends)
             except Exception as error:
-                self._cycle = None
+                self._send_unsent()
+                self._cycles.break_off()
                 if self.steps.is_wedged:
                     raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
@@ -305,7 +306,7 @@ class GenerationEngine:
             finally:
                 self._is_stepping = False
             self.num_steps += 1
-            ended = self._clock()
+            ended = self._clock()  # with the streaming of the last step, if it took longer
             step_s = ended - started
             self._prefill_hold.record(
                 has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
@@ -315,26 +316,18 @@ class GenerationEngine:
             self._bound.step_tokens.observe(output.num_batched_tokens)
             charge_tenants(self._metrics.charge_tenant, output.scheduled, self._requests, step_s)
             try:
-                self._finish_step(output.scheduled, logits)
+                self._finish_step(output.scheduled, logits, defer=overlaps)
             except Exception as error:
-                # Sampling or streaming failed for this step: its sequences end with an error
-                # status, the loop and every other sequence go on.
+                # Sampling or streaming failed: its sequences end with an error, others go on.
                 log.exception("generation step could not be finished")
                 self._fail(output.scheduled, error)
 
-    def _launch_threads(self, num_tokens: int, now: float) -> int:
-        """The torch threads of the step launched now (0: as set); closes the previous step's
-        cycle (its forward, sampling, streaming and this step's scheduling) in the choice."""
-        if self._thread_choice is None:
-            return 0
-        if self._cycle is not None:
-            launched_s, previous_tokens, previous_threads = self._cycle
-            self._thread_choice.record(previous_tokens, previous_threads, now - launched_s)
-        threads = self._thread_choice.choose(num_tokens)
-        self._cycle = (now, num_tokens, threads)
-        return threads
-
-    def _finish_step(self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor) -> None:
+    def _finish_step(
+        self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor, *, defer: bool
+    ) -> None:
+        """Samples the step's tokens and accounts them. Streams them now, or (`defer`) where id
+        and count tell their end (`RequestStream.ends_at`) while the next step runs on the
+        device (`_send_unsent`), timed as sampled now; ends finish now (no step runs past one)."""
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         requests = [self._requests.get(scheduled[i].seq_id) for i in sampling_rows]
         params = [request.params if request else SamplingParams() for request in requests]
@@ -349,51 +342,59 @@ class GenerationEngine:
             else:
                 sampled[scheduled[i].seq_id] = token
         self.scheduler.update_from_output(sampled)
-        for seq_id in self._cancelled:
-            self.scheduler.finish(seq_id)
-        self._cancelled.clear()
+        self._finish_cancelled()
         now = self._clock()
         for seq_id, token in sampled.items():
-            if (request := self._requests.get(seq_id)) is not None:
-                self._emit(request, token, now)
+            if (request := self._requests.get(seq_id)) is None:
+                continue
+            sequence = self.scheduler.get(seq_id)
+            assert sequence is not None  # cancelling drops the request before its sequence
+            num_generated = len(sequence.output_token_ids)
+            ends = request.ends_at(token, num_generated, self._eos_token_ids) if defer else None
+            if ends is None:
+                ends = self._send(request, token, num_generated, now)
+            else:
+                self._unsent.append((request, token, num_generated, now, ends))
+            if ends:
+                self._requests.pop(seq_id, None)
+                self.scheduler.finish(seq_id)
 
-    def _emit(self, request: RequestStream, token: int, now: float) -> None:
-        """Streams `token`; a failure to (its detokenizer's) ends this sequence alone."""
-        sequence = self.scheduler.get(request.seq_id)
-        # Cancelling drops the request before it finishes the sequence: a live request has one.
-        assert sequence is not None
-        num_generated = len(sequence.output_token_ids)
+    def _send_unsent(self) -> None:  # never raises: a failure ends that sequence alone
+        """Streams the tokens `_finish_step` deferred."""
+        unsent, self._unsent = self._unsent, []
+        for request, token, num_generated, now, ends in unsent:
+            # A stream cancelled meanwhile is read by no one (nor counted, as before a step).
+            if ends or self._requests.get(request.seq_id) is request:
+                self._send(request, token, num_generated, now)
+
+    def _send(self, request: RequestStream, token: int, num_generated: int, now: float) -> bool:
+        """Streams `token`; True when it ends the stream. A failure to ends its sequence."""
         try:
-            is_done = request.push_token(
-                token, num_generated, now, self._eos_token_ids, self._bound
-            )
+            return request.push_token(token, num_generated, now, self._eos_token_ids, self._bound)
         except Exception as error:
             log.exception("streaming a token failed for one sequence")
-            self._fail_sequence(request.seq_id, error)
-            return
-        if is_done:
-            self._requests.pop(request.seq_id, None)
-            self.scheduler.finish(request.seq_id)
+            if self._requests.get(request.seq_id) is request:
+                self._fail_sequence(request.seq_id, error)
+            else:  # finished already (its end deferred with it): its stream alone
+                request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
+            return False
 
     def _fail(self, scheduled: Sequence[ScheduledSequence], error: Exception) -> None:
-        """A failed step fails the sequences in it (their streams end with an error status);
-        sequences not in the step keep going."""
+        """A failed step fails its sequences (their streams end with an error); others go on."""
         for item in scheduled:
             self._fail_sequence(item.seq_id, error)
+        self._finish_cancelled()
+
+    def _finish_cancelled(self) -> None:  # those cancelled while a step ran, once it is over
         for seq_id in self._cancelled:
             self.scheduler.finish(seq_id)
         self._cancelled.clear()
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:  # its stream with `error`
-        self.scheduler.finish(seq_id)
+        if self._is_stepping:  # streaming during a step: finished once it is accounted
+            self._cancelled.add(seq_id)
+        else:
+            self.scheduler.finish(seq_id)
         request = self._requests.pop(seq_id, None)
         if request is not None:
             request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
-
-    def _export_gauges(self) -> None:
-        free = self.scheduler.num_free_blocks
-        self._bound.kv_blocks_free.set(free)
-        self._bound.kv_blocks_used.set(self.runner.num_blocks - free)
-        self._bound.running_sequences.set(self.scheduler.num_running)
-        self._bound.waiting_sequences.set(self.scheduler.num_waiting)
-        self._bound.prefix_cache_blocks.set(self.scheduler.num_cached_blocks)

@@ -10,9 +10,10 @@ from prometheus_client import CollectorRegistry, Counter
 from services.common import metric_names as names
 from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory
 
-if TYPE_CHECKING:  # both import this module
+if TYPE_CHECKING:  # they import this module
     from services.gpu_worker.generation.request_stream import RequestStream
-    from services.gpu_worker.generation.sequence import ScheduledSequence
+    from services.gpu_worker.generation.scheduler import GenerationScheduler
+    from services.gpu_worker.generation.sequence import ScheduledSequence, SchedulerOutput
 
 _TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 _MODEL = ("model", "version")
@@ -178,3 +179,20 @@ class BoundGenerationMetrics:
     def finished(self, reason: str) -> Counter:
         """The finished-sequences counter of `reason`."""
         return self._finished[(*self._labels, reason)]
+
+    def scheduled(
+        self, output: SchedulerOutput, scheduler: GenerationScheduler, num_blocks: int
+    ) -> None:
+        """A step planned (`output`): its preemptions and prefix-cache lookups counted, and
+        the gauges of the `scheduler` it leaves (a cache of `num_blocks` KV blocks)."""
+        if output.preempted:
+            self.preemptions_total.inc(len(output.preempted))
+        if output.num_prefix_queried_tokens:
+            self.prefix_cache_queried_tokens_total.inc(output.num_prefix_queried_tokens)
+            self.prefix_cache_hit_tokens_total.inc(output.num_prefix_hit_tokens)
+        free = scheduler.num_free_blocks
+        self.kv_blocks_free.set(free)
+        self.kv_blocks_used.set(num_blocks - free)
+        self.running_sequences.set(scheduler.num_running)
+        self.waiting_sequences.set(scheduler.num_waiting)
+        self.prefix_cache_blocks.set(scheduler.num_cached_blocks)

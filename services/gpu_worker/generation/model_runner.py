@@ -94,6 +94,10 @@ class ModelRunner:
         #: the device (inside a graph's capture, a sync would break it), so it marks a forward
         #: launched; a hung kernel shows at the next step's copy, one bound later.
         self.on_forward: Callable[[], None] | None = None
+        #: Called, on the step's thread, once a step's device work is launched and only the
+        #: wait for its logits is left (a GPU's, or the stand-in's): the engine streams the
+        #: step before's tokens meanwhile (`StepExecutor.execute`'s `while_running`).
+        self.on_launched: Callable[[], None] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -118,7 +122,13 @@ class ModelRunner:
         tensors = self.inputs.build(items)
         with self.attention.enabled(), device_section():
             logits = self.forward(tensors)
+        self.launched()  # on a GPU the forward's kernels are queued, not run: the copy waits
         return logits.cpu()
+
+    def launched(self) -> None:
+        """Tells `on_launched` (if set) that the step's device work is launched."""
+        if self.on_launched is not None:
+            self.on_launched()
 
     def forward(self, step: StepTensors) -> torch.Tensor:
         """The step's float32 logits on the device (eager, or inside a graph's capture)."""

@@ -136,6 +136,19 @@ class RequestStream:
             tenant=tenant,
         )
 
+    def ends_at(self, token: int, num_generated: int, eos_token_ids: frozenset[int]) -> bool | None:
+        """Whether `token`, sampled as the sequence's `num_generated`-th, ends the stream (as
+        `push_token` would return), where the token and the count alone say it: None for a
+        request with stop strings, whose text may end it."""
+        params = self.params
+        if any(params.stop):
+            return None
+        return self._is_stop_token(token, eos_token_ids) or num_generated >= params.max_tokens
+
+    def _is_stop_token(self, token: int, eos_token_ids: frozenset[int]) -> bool:
+        params = self.params
+        return token in params.stop_token_ids or (token in eos_token_ids and not params.ignore_eos)
+
     def push_token(
         self,
         token: int,
@@ -148,9 +161,7 @@ class RequestStream:
         its metrics. True once it finishes the stream: its last delta is queued then, and the
         engine finishes the sequence."""
         params = self.params
-        is_stop_token = token in params.stop_token_ids or (
-            token in eos_token_ids and not params.ignore_eos
-        )
+        is_stop_token = self._is_stop_token(token, eos_token_ids)
         finish_reason = "stop" if is_stop_token else None
         text = ""
         token_ids: tuple[int, ...] = ()

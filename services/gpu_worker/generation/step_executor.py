@@ -18,6 +18,7 @@ wedged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -113,15 +114,36 @@ class StepExecutor:
             self.slowest_warmup_s = max(self.slowest_warmup_s, time.monotonic() - started)
 
     async def execute(
-        self, items: Sequence[SequenceBatchItem], *, threads: int = 0
+        self,
+        items: Sequence[SequenceBatchItem],
+        *,
+        threads: int = 0,
+        while_running: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """The step's logits (`ModelRunner.execute`) computed on `threads` torch intra-op
         threads (0: as set); raises what the forward raised, or Unavailable, with `is_wedged`
-        set, once the step has held the thread past the bound."""
+        set, once the step has held the thread past the bound.
+
+        `while_running` (which must not raise) is called on the event loop once the step's
+        device work is launched (`ModelRunner.on_launched`: its host work done, only the
+        device's left), or once the step ended where it never is (a step run on a CPU): the
+        loop's work then overlaps the device's instead of following it. Within the bound."""
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.watchdog_s) as timeout:
-                return await loop.run_in_executor(self._executor, self._run, items, threads)
+                if while_running is None:
+                    return await loop.run_in_executor(self._executor, self._run, items, threads)
+                launched: asyncio.Future[None] = loop.create_future()
+
+                def on_launched() -> None:  # on the step's thread
+                    with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+                        loop.call_soon_threadsafe(_settle, launched)
+
+                step = loop.run_in_executor(self._executor, self._run, items, threads, on_launched)
+                step.add_done_callback(lambda _: _settle(launched))
+                await launched
+                while_running()
+                return await step
         except TimeoutError:
             if not timeout.expired():
                 raise  # raised by the forward itself: a failed step like any other
@@ -135,12 +157,19 @@ class StepExecutor:
         name = "/".join(self._labels)
         return Unavailable(f"{what} of {name} ran past the executor watchdog ({bound_s:.1f}s)")
 
-    def _run(self, items: Sequence[SequenceBatchItem], threads: int) -> torch.Tensor:
+    def _run(
+        self,
+        items: Sequence[SequenceBatchItem],
+        threads: int,
+        on_launched: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         busy = DeviceBusy(self._runner.execute, self._runner.device)
+        self._runner.on_launched = on_launched
         try:
             with intra_op_threads(threads):
                 return busy(items)
         finally:
+            self._runner.on_launched = None
             if self._device_busy is not None:
                 self._device_busy.inc(busy.seconds)
 
@@ -153,3 +182,8 @@ class StepExecutor:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
         thread is left behind: it may never return)."""
         self._executor.shutdown(wait=not self.is_wedged)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

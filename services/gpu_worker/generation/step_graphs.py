@@ -172,4 +172,5 @@ class StepGraphs:
         self._runner.inputs.staging.copy_into(graph.inputs, self.layout(items, *bucket))
         with device_section():
             graph.graph.replay()
+        self._runner.launched()
         return graph.logits[: sum(1 for item in items if item.samples)].cpu()

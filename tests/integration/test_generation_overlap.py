@@ -1,0 +1,226 @@
+"""Where a device runs the steps, the engine streams a step's tokens while the next step runs
+(`GenerationEngine._finish_step`, `StepExecutor.execute`'s `while_running`). On this CPU a
+test runner signals each step's launch before computing it eagerly, as a GPU's graph replay
+signals before its device computes: the engine then takes the deferred path for real, on a
+real (tiny, random) Llama checked against `transformers`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from services.common import metric_names as names
+from services.common.errors import ExecutionFailed
+from services.common.sampling import SamplingParams
+from services.gpu_worker.generation.backend import GenerationBackend
+from services.gpu_worker.generation.request_stream import Delta, RequestStream
+from services.gpu_worker.generation.step_graphs import StepGraphs
+from services.gpu_worker.generation.step_inputs import StepItem
+from tests.integration.test_generation_engine import (
+    PROMPTS,
+    make_backend,
+    reference_greedy,
+    write_repository,
+)
+from tests.support.metrics import total
+
+pytestmark = pytest.mark.integration
+
+
+class LaunchedFirst(StepGraphs):
+    """No graphs: each step says it is launched, then runs eagerly (the runner's fallback)."""
+
+    def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
+        self._runner.launched()
+        return None
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_repository(tmp_path_factory.mktemp("ref"))
+
+
+def started_backend(checkpoint: Path, *, overlaps: bool) -> GenerationBackend:
+    return started(checkpoint, overlaps=overlaps)[0]
+
+
+def started(checkpoint: Path, *, overlaps: bool) -> tuple[GenerationBackend, CollectorRegistry]:
+    backend, registry = make_backend(checkpoint)
+    if overlaps:
+        runner = backend.runner
+        runner.graphs = LaunchedFirst(runner, 8, runner.max_model_len, 64)
+    backend.engine.start()
+    return backend, registry
+
+
+class Pushes:
+    """Every token pushed to a stream: (token, whether `backend`'s engine ran a step)."""
+
+    def __init__(self) -> None:
+        self.backend: GenerationBackend | None = None
+        self.seen: list[tuple[int, bool]] = []
+
+
+@pytest.fixture
+def pushes(monkeypatch: pytest.MonkeyPatch) -> Pushes:
+    watched = Pushes()
+    real_push_token = RequestStream.push_token
+
+    def recording(self: RequestStream, token: int, *rest: object) -> bool:
+        stepping = watched.backend is not None and watched.backend.engine._is_stepping
+        watched.seen.append((token, stepping))
+        return real_push_token(self, token, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RequestStream, "push_token", recording)
+    return watched
+
+
+async def deltas(
+    backend: GenerationBackend,
+    prompt: str,
+    params: SamplingParams,
+    started: asyncio.Event | None = None,
+) -> list[Delta]:
+    got: list[Delta] = []
+    async for delta in backend.engine.generate(backend.encode(prompt), params):
+        got.append(delta)
+        if started is not None and sum(len(d.token_ids) for d in got) >= 2:
+            started.set()
+    return got
+
+
+def token_ids(got: list[Delta]) -> list[int]:
+    return [token for delta in got for token in delta.token_ids]
+
+
+async def staggered(backend: GenerationBackend, params: list[SamplingParams]) -> list[list[Delta]]:
+    """Each request joins while the ones before it decode: one continuous batch."""
+    tasks = []
+    for prompt, one in zip(PROMPTS, params, strict=True):
+        started = asyncio.Event()
+        tasks.append(asyncio.ensure_future(deltas(backend, prompt, one, started)))
+        if len(tasks) < len(params):
+            await started.wait()
+    return list(await asyncio.gather(*tasks))
+
+
+@pytest.mark.parametrize("overlaps", [True, False])
+async def test_tokens_streamed_while_the_next_step_runs_are_the_reference_tokens(
+    checkpoint: Path, pushes: Pushes, overlaps: bool
+) -> None:
+    lengths = (24, 30, 18)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
+    overlapping = pushes.backend = started_backend(checkpoint, overlaps=overlaps)
+    try:
+        results = await staggered(overlapping, params)
+    finally:
+        await overlapping.engine.drain()
+    for prompt, n, got in zip(PROMPTS, lengths, results, strict=True):
+        assert token_ids(got) == reference_greedy(checkpoint, overlapping.encode(prompt), n)
+        last = got[-1]
+        assert (last.finish_reason, last.completion_tokens) == ("length", n), prompt
+        assert all(delta.finish_reason is None for delta in got[:-1])
+    assert overlapping.engine.num_free_blocks == overlapping.runner.num_blocks
+    # Overlapping, the tokens went out while the next step ran, bar those of a step that
+    # nothing followed; else each after its own step.
+    during = sum(1 for _, stepping in pushes.seen if stepping)
+    assert len(pushes.seen) == sum(lengths)
+    assert during >= sum(lengths) - 6 if overlaps else during == 0, pushes.seen
+
+
+async def test_overlapping_changes_no_token_no_end_and_no_step(checkpoint: Path) -> None:
+    """Same workload on an engine streaming tokens after each step and on one streaming them
+    during the next: the same deltas' tokens, text and ends, and as many tokens computed (a
+    sequence ended by its length or a stop token never runs a step past it; how many steps
+    they take depends on when each request joins). A request with stop strings, whose text
+    may end it, streams at once on either."""
+    plain = started_backend(checkpoint, overlaps=False)
+    try:
+        greedy = token_ids(await deltas(plain, PROMPTS[0], SamplingParams(max_tokens=20)))
+        long = await deltas(plain, PROMPTS[2], SamplingParams(max_tokens=20, ignore_eos=True))
+        text = "".join(d.text for d in long)
+    finally:
+        await plain.engine.drain()
+    stop_token = greedy[6]
+    params = [
+        SamplingParams(max_tokens=20, stop_token_ids=(stop_token,)),
+        SamplingParams(max_tokens=9, ignore_eos=True),
+        SamplingParams(max_tokens=20, ignore_eos=True, stop=(text[8:11],)),
+    ]
+    runs = {}
+    for overlaps in (False, True):
+        backend, registry = started(checkpoint, overlaps=overlaps)
+        try:
+            got = await staggered(backend, params)
+            runs[overlaps] = (
+                [(token_ids(g), "".join(d.text for d in g), g[-1].finish_reason) for g in got],
+                total(generate_latest(registry).decode(), f"{names.GENERATION_STEP_TOKENS}_sum"),
+            )
+        finally:
+            await backend.engine.drain()
+        assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert runs[True] == runs[False]
+    assert runs[True][1] > 0
+    (stopped, _, reason), (capped, _, capped_reason), (_, cut, cut_reason) = runs[True][0]
+    assert (stopped, reason) == (greedy[: greedy.index(stop_token)], "stop")
+    assert (len(capped), capped_reason) == (9, "length")
+    assert (cut, cut_reason) == (text[: text.index(text[8:11])], "stop")
+
+
+async def test_a_stream_failing_while_the_next_step_runs_fails_alone(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request of seed 13 fails in its detokenizer on its second token, streamed while a
+    step it is part of runs: its stream ends with the error once, its blocks come back once
+    that step is accounted, and the stream sharing its steps goes on to its end."""
+    backend = started_backend(checkpoint, overlaps=True)
+    real_push_token = RequestStream.push_token
+    failed_during_a_step: list[bool] = []
+
+    def failing_for_seed_13(
+        self: RequestStream, token: int, num_generated: int, *rest: object
+    ) -> bool:
+        if self.params.seed == 13 and num_generated == 2:
+            failed_during_a_step.append(backend.engine._is_stepping)
+            raise UnicodeDecodeError("utf-8", b"\x80", 0, 1, "invalid start byte")
+        return real_push_token(self, token, num_generated, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(RequestStream, "push_token", failing_for_seed_13)
+    started = asyncio.Event()
+    try:
+        greedy = asyncio.create_task(
+            deltas(backend, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), started)
+        )
+        await started.wait()
+        failing = SamplingParams(temperature=1.0, seed=13, max_tokens=20, ignore_eos=True)
+        with pytest.raises(ExecutionFailed, match="invalid start byte"):
+            await deltas(backend, PROMPTS[1], failing)
+        assert len(token_ids(await greedy)) == 40
+    finally:
+        await backend.engine.drain()
+    assert failed_during_a_step == [True]
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_a_stream_closed_while_its_tokens_wait_frees_its_sequence(checkpoint: Path) -> None:
+    backend = started_backend(checkpoint, overlaps=True)
+    try:
+        others = asyncio.create_task(
+            deltas(backend, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
+        )
+        stream = backend.engine.generate(
+            backend.encode(PROMPTS[2]), SamplingParams(max_tokens=100, ignore_eos=True)
+        )
+        async for _ in stream:
+            break  # its next tokens are sampled, and wait for the next step
+        await stream.aclose()
+        assert len(token_ids(await others)) == 30
+    finally:
+        await backend.engine.drain()
+    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert not backend.engine.scheduler.has_unfinished()
