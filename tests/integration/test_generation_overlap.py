@@ -7,7 +7,7 @@ real (tiny, random) Llama checked against `transformers`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -35,7 +35,13 @@ pytestmark = pytest.mark.integration
 class LaunchedFirst(StepGraphs):
     """No graphs: each step says it is launched, then runs eagerly (the runner's fallback)."""
 
+    #: Called once, on the step's thread, before a step says it is launched.
+    before_launch: Callable[[], None] | None = None
+
     def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
+        if (hook := self.before_launch) is not None:
+            self.before_launch = None
+            hook()
         self._runner.launched()
         return None
 
@@ -59,11 +65,12 @@ def started(checkpoint: Path, *, overlaps: bool) -> tuple[GenerationBackend, Col
 
 
 class Pushes:
-    """Every token pushed to a stream: (token, whether `backend`'s engine ran a step)."""
+    """Every token pushed to a stream: (its request's params, the token, whether `backend`'s
+    engine ran a step)."""
 
     def __init__(self) -> None:
         self.backend: GenerationBackend | None = None
-        self.seen: list[tuple[int, bool]] = []
+        self.seen: list[tuple[SamplingParams, int, bool]] = []
 
 
 @pytest.fixture
@@ -73,7 +80,7 @@ def pushes(monkeypatch: pytest.MonkeyPatch) -> Pushes:
 
     def recording(self: RequestStream, token: int, *rest: object) -> bool:
         stepping = watched.backend is not None and watched.backend.engine._is_stepping
-        watched.seen.append((token, stepping))
+        watched.seen.append((self.params, token, stepping))
         return real_push_token(self, token, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(RequestStream, "push_token", recording)
@@ -128,7 +135,7 @@ async def test_tokens_streamed_while_the_next_step_runs_are_the_reference_tokens
     assert overlapping.engine.num_free_blocks == overlapping.runner.num_blocks
     # Overlapping, the tokens went out while the next step ran, bar those of a step that
     # nothing followed; else each after its own step.
-    during = sum(1 for _, stepping in pushes.seen if stepping)
+    during = sum(1 for _, _, stepping in pushes.seen if stepping)
     assert len(pushes.seen) == sum(lengths)
     assert during >= sum(lengths) - 6 if overlaps else during == 0, pushes.seen
 
@@ -207,20 +214,36 @@ async def test_a_stream_failing_while_the_next_step_runs_fails_alone(
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
 
 
-async def test_a_stream_closed_while_its_tokens_wait_frees_its_sequence(checkpoint: Path) -> None:
-    backend = started_backend(checkpoint, overlaps=True)
+async def test_a_stream_closed_while_its_token_waits_gets_no_more_and_frees_its_sequence(
+    checkpoint: Path, pushes: Pushes
+) -> None:
+    """The stream closes just before a step's launch, when the token its last step sampled
+    waits to be streamed: that token is never pushed (nor counted), its sequence is freed,
+    and the stream sharing its steps goes on to its end."""
+    backend = pushes.backend = started_backend(checkpoint, overlaps=True)
+    graphs = backend.runner.graphs
+    assert isinstance(graphs, LaunchedFirst)
+    loop = asyncio.get_running_loop()
+    closing = SamplingParams(max_tokens=100, ignore_eos=True)
+    closed_at: list[int] = []
     try:
         others = asyncio.create_task(
             deltas(backend, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True))
         )
-        stream = backend.engine.generate(
-            backend.encode(PROMPTS[2]), SamplingParams(max_tokens=100, ignore_eos=True)
-        )
-        async for _ in stream:
-            break  # its next tokens are sampled, and wait for the next step
-        await stream.aclose()
+        stream = backend.engine.generate(backend.encode(PROMPTS[2]), closing)
+        await anext(stream)
+
+        async def close() -> None:
+            await stream.aclose()
+            closed_at.append(len(pushes.seen))
+
+        # Queued on the loop ahead of the launch's wake-up: the stream closes first.
+        graphs.before_launch = lambda: loop.call_soon_threadsafe(asyncio.ensure_future, close())
         assert len(token_ids(await others)) == 30
     finally:
         await backend.engine.drain()
+    (at,) = closed_at
+    assert any(params is closing for params, _, _ in pushes.seen[:at])
+    assert not any(params is closing for params, _, _ in pushes.seen[at:])
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
     assert not backend.engine.scheduler.has_unfinished()

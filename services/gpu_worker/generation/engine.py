@@ -13,6 +13,7 @@ as one delta (request_stream.DeltaCollector).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,7 +26,7 @@ from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Un
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
-from services.gpu_worker.generation.metrics import GenerationMetrics, charge_tenants
+from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.prefill_hold import PrefillHold
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
@@ -62,7 +63,6 @@ class GenerationEngine:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.max_model_len = max_model_len
-        self._metrics = metrics
         self._bound = metrics.bind(labels)
         self._labels = labels
         self._eos_token_ids = eos_token_ids
@@ -117,7 +117,8 @@ class GenerationEngine:
                 on_fatal(error)
 
     def _fail_all(self) -> None:
-        self._send_unsent()  # what was sampled before the failure is its streams' own
+        with contextlib.suppress(Exception):  # a scheduler as broken as the loop: end streams
+            self._send_unsent()  # what was sampled before the failure is its streams' own
         for request in self._requests.values():
             request.output.put_nowait(self._stopped_error())
         self._requests.clear()
@@ -312,14 +313,13 @@ class GenerationEngine:
                 has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
             )
             self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
-            self._bound.step_seconds.observe(step_s)
-            self._bound.step_tokens.observe(output.num_batched_tokens)
-            charge_tenants(self._metrics.charge_tenant, output.scheduled, self._requests, step_s)
+            self._bound.stepped(step_s, output, self._requests)
             try:
                 self._finish_step(output.scheduled, logits, defer=overlaps)
             except Exception as error:
                 # Sampling or streaming failed: its sequences end with an error, others go on.
                 log.exception("generation step could not be finished")
+                self._send_unsent()  # the tokens sampled before it, then the error
                 self._fail(output.scheduled, error)
 
     def _finish_step(

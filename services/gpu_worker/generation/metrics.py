@@ -77,7 +77,8 @@ class GenerationMetrics:
         )
         self.step_seconds = new.histogram(
             names.GENERATION_STEP_SECONDS,
-            "One engine step (one forward).",
+            "One engine step: from its launch until its logits are in hand (with the last"
+            " step's tokens streamed meanwhile on a device, until that is done if it is later).",
             _MODEL,
             buckets=SECONDS_BUCKETS,
         )
@@ -175,10 +176,19 @@ class BoundGenerationMetrics:
         )
         self._finished = Children(metrics.finished_total)
         self._labels = labels
+        self._charge_tenant = metrics.charge_tenant
 
     def finished(self, reason: str) -> Counter:
         """The finished-sequences counter of `reason`."""
         return self._finished[(*self._labels, reason)]
+
+    def stepped(
+        self, step_s: float, output: SchedulerOutput, requests: Mapping[int, RequestStream]
+    ) -> None:
+        """A step of `output`'s plan took `step_s`: observed, and charged to its tenants."""
+        self.step_seconds.observe(step_s)
+        self.step_tokens.observe(output.num_batched_tokens)
+        charge_tenants(self._charge_tenant, output.scheduled, requests, step_s)
 
     def scheduled(
         self, output: SchedulerOutput, scheduler: GenerationScheduler, num_blocks: int

@@ -140,10 +140,13 @@ class StepExecutor:
                         loop.call_soon_threadsafe(_settle, launched)
 
                 step = loop.run_in_executor(self._executor, self._run, items, threads, on_launched)
-                step.add_done_callback(lambda _: _settle(launched))
-                await launched
-                while_running()
-                return await step
+                try:
+                    step.add_done_callback(lambda _: _settle(launched))
+                    await launched
+                    while_running()
+                    return await step
+                finally:  # given up before its launch (the bound, a cancel): as awaiting it
+                    step.cancel()
         except TimeoutError:
             if not timeout.expired():
                 raise  # raised by the forward itself: a failed step like any other
