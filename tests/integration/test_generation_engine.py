@@ -4,6 +4,7 @@ checked token for token against `transformers`' own greedy generate."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import shutil
 import threading
@@ -300,6 +301,43 @@ async def test_first_token_deadline_refuses_only_a_busy_engine(
     finally:
         await backend.engine.drain()
     assert total(generate_latest(registry).decode(), names.GENERATION_REJECTED_TOTAL) == 1
+
+
+async def test_the_prefill_backlog_counts_the_prompts_still_waiting_for_a_first_token(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """`num_waiting_tokens` (the first-token prediction's backlog, and the worker's record)
+    is kept as a count: each prompt counts from its admission until its first token is
+    sampled or it leaves."""
+    backend, _ = make_backend(write_repository(tmp_path, max_num_seqs=1, weights_from=checkpoint))
+    engine = backend.engine
+    engine.start()
+    try:
+        busy = engine.generate(
+            backend.encode(PROMPTS[2]), SamplingParams(max_tokens=180, ignore_eos=True)
+        )
+        await anext(busy)
+        assert engine.num_waiting_tokens == 0  # its first token came
+        short = SamplingParams(max_tokens=2, ignore_eos=True)
+        staying, leaving = (engine.generate(backend.encode(p), short) for p in PROMPTS[:2])
+        first = asyncio.ensure_future(anext(staying))
+        leaving_first = asyncio.ensure_future(anext(leaving))
+        # The only seat is busy for its 180 tokens.
+        await eventually(lambda: engine.scheduler.num_waiting == 2, interval_s=0.001)
+        lengths = [len(backend.encode(p)) for p in PROMPTS[:2]]
+        assert engine.num_waiting_tokens == sum(lengths)
+        leaving_first.cancel()  # its caller goes before its first token
+        with contextlib.suppress(asyncio.CancelledError):
+            await leaving_first
+        await leaving.aclose()
+        assert engine.num_waiting_tokens == lengths[0]
+        await busy.aclose()
+        await first
+        assert engine.num_waiting_tokens == 0
+        await staying.aclose()
+    finally:
+        await engine.drain()
+    assert engine.num_waiting_tokens == 0
 
 
 async def test_a_request_that_can_never_fit_is_invalid(checkpoint: Path, tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Un
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
+from services.gpu_worker.generation.live_requests import LiveRequests
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
 from services.gpu_worker.generation.prefill_hold import PrefillHold
@@ -71,7 +72,7 @@ class GenerationEngine:
         self._cycles = StepCycles(thread_choice)
         self._sampler = Sampler()
         self.steps = StepExecutor(runner, metrics, labels)
-        self._requests: dict[int, RequestStream] = {}
+        self._requests = LiveRequests()
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()
         self._cancelled: set[int] = set()
@@ -144,7 +145,7 @@ class GenerationEngine:
     @property
     def num_waiting_tokens(self) -> int:
         """Prompt tokens of requests not yet admitted (the prefill backlog routers see)."""
-        return sum(r.num_prompt_tokens for r in self._requests.values() if r.first_token_s is None)
+        return self._requests.num_waiting_tokens
 
     @property
     def mean_step_s(self) -> float:
@@ -232,7 +233,7 @@ class GenerationEngine:
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
         assert request is not None  # admitted: opened above
-        self._requests[seq_id] = request
+        self._requests.add(request)
         return request
 
     def _check_first_token(self, num_prompt_tokens: int, limit_s: float | None) -> None:
@@ -254,13 +255,16 @@ class GenerationEngine:
             )
 
     def _cancel(self, seq_id: int) -> None:
-        self._requests.pop(seq_id, None)
+        self._requests.pop(seq_id)
         self._bound.cancelled_total.inc()
+        self._finish_sequence(seq_id)
+        self._wake.set()
+
+    def _finish_sequence(self, seq_id: int) -> None:  # now, or once the step in flight is over
         if self._is_stepping:
-            self._cancelled.add(seq_id)  # applied once the step in flight is accounted
+            self._cancelled.add(seq_id)
         else:
             self.scheduler.finish(seq_id)
-        self._wake.set()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -345,7 +349,7 @@ class GenerationEngine:
         self._finish_cancelled()
         now = self._clock()
         for seq_id, token in sampled.items():
-            if (request := self._requests.get(seq_id)) is None:
+            if (request := self._requests.sampled(seq_id)) is None:
                 continue
             sequence = self.scheduler.get(seq_id)
             assert sequence is not None  # cancelling drops the request before its sequence
@@ -356,7 +360,7 @@ class GenerationEngine:
             else:
                 self._unsent.append((request, token, num_generated, now, ends))
             if ends:
-                self._requests.pop(seq_id, None)
+                self._requests.pop(seq_id)
                 self.scheduler.finish(seq_id)
 
     def _send_unsent(self) -> None:  # never raises: a failure ends that sequence alone
@@ -391,10 +395,6 @@ class GenerationEngine:
         self._cancelled.clear()
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:  # its stream with `error`
-        if self._is_stepping:  # streaming during a step: finished once it is accounted
-            self._cancelled.add(seq_id)
-        else:
-            self.scheduler.finish(seq_id)
-        request = self._requests.pop(seq_id, None)
-        if request is not None:
+        self._finish_sequence(seq_id)
+        if (request := self._requests.pop(seq_id)) is not None:
             request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))

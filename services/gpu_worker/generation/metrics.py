@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
@@ -23,10 +23,14 @@ class TenantCharge(Protocol):
     def __call__(self, tenant: str, *, compute_s: float, num_tokens: int = 0) -> None: ...
 
 
+class RequestsBySeq(Protocol):
+    def get(self, seq_id: int, /) -> RequestStream | None: ...
+
+
 def charge_tenants(
     charge: TenantCharge | None,
     scheduled: Sequence[ScheduledSequence],
-    requests: Mapping[int, RequestStream],
+    requests: RequestsBySeq,
     step_s: float,
 ) -> None:
     """Splits a step's time over its sequences' tenants (`requests`, by sequence id) by tokens
@@ -182,9 +186,7 @@ class BoundGenerationMetrics:
         """The finished-sequences counter of `reason`."""
         return self._finished[(*self._labels, reason)]
 
-    def stepped(
-        self, step_s: float, output: SchedulerOutput, requests: Mapping[int, RequestStream]
-    ) -> None:
+    def stepped(self, step_s: float, output: SchedulerOutput, requests: RequestsBySeq) -> None:
         """A step of `output`'s plan took `step_s`: observed, and charged to its tenants."""
         self.step_seconds.observe(step_s)
         self.step_tokens.observe(output.num_batched_tokens)
