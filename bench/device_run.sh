@@ -9,13 +9,16 @@
 # rounded to fp16 (the fp32 file is over the call's 64 MiB).
 #
 # Steps of the default set, most important first, each bounded so that one stuck step leaves
-# time for the rest. The set ran in 305 s on an H200 with 16 cores (2026-12-04; the issue
-# allows 6 minutes); its bounds add up to 560 s, inside one call's 600:
+# time for the rest. The set ran in 305 s on an H200 with 16 cores (2026-12-04, before the
+# two --stream-between-steps runs; the issue allows 6 minutes); its bounds add up to 590 s,
+# inside one call's 600:
 #   pytest_cuda: the CUDA tests of the generation step (attention kernels, graph replays);
 #   generation_steps: one step's time, decode-only and with a prompt, eager and from CUDA
 #     graphs, tiny-llama and the ~100M model; generation: bench.generation as it stands;
-#   generation_saturated: at a saturating rate, steps with prompts from graphs or eager
-#     (--decode-only-graphs, the engine before they replayed), 32 and 128 sequences at once;
+#   generation_saturated: at a saturating rate, 32 and 128 sequences at once: as it stands,
+#     streaming each step's tokens after it (--stream-between-steps, the engine before it
+#     streamed them during the next step), and steps with prompts eager (--decode-only-graphs,
+#     the engine before they replayed);
 #   generation_ratio: continuous against static at the saturating rate, 32 and 128 at once;
 #   generation_100m: the ~100M model, graphs for every step, for decode-only steps, none;
 #   fabric_smoke: the whole fabric on minilm.
@@ -93,9 +96,10 @@ saturated() {  # saturated NAME ARGS...: the continuous engine at a saturating r
 }
 export -f saturated
 export RES
-TAIL=40 step generation_saturated 60 bash -c "saturated 32 && saturated 32_decode_only \
-    --decode-only-graphs && saturated 128 --max-num-seqs 128 && saturated 128_decode_only \
-    --max-num-seqs 128 --decode-only-graphs"
+TAIL=60 step generation_saturated 90 bash -c "saturated 32 && saturated 32_between \
+    --stream-between-steps && saturated 32_decode_only --decode-only-graphs && saturated 128 \
+    --max-num-seqs 128 && saturated 128_between --max-num-seqs 128 --stream-between-steps \
+    && saturated 128_decode_only --max-num-seqs 128 --decode-only-graphs"
 TAIL=30 step generation_ratio 60 sh -c "for seqs in 32 128; do python3 -m bench.generation \
     --rate 4000 --requests 512 --max-num-seqs \$seqs \
     --output $RES/generation_gpu_ratio_\$seqs.json | grep -v '^running'; done"

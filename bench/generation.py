@@ -11,10 +11,12 @@ as it was before steps with prompts replayed graphs, for side-by-side runs.
 KV blocks grown to hold as many per sequence). `--stand-in-step-ms X` serves every step from
 `bench.generation_stand_in` (a GPU's host path, then X ms asleep for the device; outputs are
 token 0 throughout): what the engine's Python allows on a GPU box, measured on a CPU.
+`--stream-between-steps` streams each step's tokens after it, as the engine did before it
+streamed them while the next step runs on the device (a GPU's, or the stand-in's).
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
         [--quick] [--attention measured|torch-default] [--no-cuda-graphs | --decode-only-graphs]
-        [--max-num-seqs N] [--stand-in-step-ms X]
+        [--max-num-seqs N] [--stand-in-step-ms X] [--stream-between-steps]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, goodput (tokens/s of the requests
@@ -198,6 +200,7 @@ def main() -> None:
         default=0.0,
         help=f"0: the model; else e.g. {1000 * stand_in.H200_STEP_S}",
     )
+    parser.add_argument("--stream-between-steps", action="store_true")
     args = parser.parse_args()
     if args.stand_in_step_ms and (args.no_cuda_graphs or args.decode_only_graphs):
         parser.error(
@@ -214,6 +217,7 @@ def main() -> None:
         "cuda_graphs": not args.no_cuda_graphs,
         "graph_prompts": not args.decode_only_graphs,
         "stand_in_step_s": args.stand_in_step_ms / 1000,
+        "stream_between_steps": args.stream_between_steps,
     }
     report: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -224,6 +228,7 @@ def main() -> None:
         "cuda_graphs": engine["cuda_graphs"],
         "graph_prompts": engine["graph_prompts"],
         "stand_in_step_s": engine["stand_in_step_s"],
+        "stream_between_steps": engine["stream_between_steps"],
         "max_num_seqs": getattr(version.config.generation, "max_num_seqs", None),
     }
     if args.quick:
@@ -257,10 +262,12 @@ def main() -> None:
 def measure(
     name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: Any
 ) -> dict:
-    """One fresh engine (its own metrics; `kw` for GenerationBackend, and `stand_in_step_s`)
+    """One fresh engine (its own metrics; `kw` for GenerationBackend, `stand_in_step_s` and
+    `stream_between_steps`)
     through `arrivals`; adds the prefix cache's counts and the engine's attention kernels and
     graphs."""
     stand_in_s = kw.pop("stand_in_step_s", 0.0)
+    between_steps = kw.pop("stream_between_steps", False)
     registry = CollectorRegistry()
     backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
     started = time.perf_counter()
@@ -269,6 +276,7 @@ def measure(
     runner = backend.runner
     if stand_in_s:
         stand_in.install(backend, stand_in_s)
+    backend.engine.streams_during_steps = not between_steps
     warm_up_steps = (runner.num_replayed_steps, runner.num_eager_steps)
     print(f"running {name} ...", flush=True)
     result = asyncio.run(run(backend, arrivals))

@@ -116,13 +116,19 @@ async def staggered(backend: GenerationBackend, params: list[SamplingParams]) ->
     return list(await asyncio.gather(*tasks))
 
 
-@pytest.mark.parametrize("overlaps", [True, False])
+@pytest.mark.parametrize(
+    ("launched_first", "during_steps"), [(True, True), (False, True), (True, False)]
+)
 async def test_tokens_streamed_while_the_next_step_runs_are_the_reference_tokens(
-    checkpoint: Path, pushes: Pushes, overlaps: bool
+    checkpoint: Path, pushes: Pushes, launched_first: bool, during_steps: bool
 ) -> None:
+    """Overlapping where steps say they are launched before they run, unless the engine is
+    told to stream between steps (`streams_during_steps`, the benchmarks' side by side)."""
     lengths = (24, 30, 18)
     params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in lengths]
-    overlapping = pushes.backend = started_backend(checkpoint, overlaps=overlaps)
+    overlapping = pushes.backend = started_backend(checkpoint, overlaps=launched_first)
+    overlapping.engine.streams_during_steps = during_steps
+    overlaps = launched_first and during_steps
     try:
         results = await staggered(overlapping, params)
     finally:

@@ -28,7 +28,7 @@ from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.live_requests import LiveRequests
 from services.gpu_worker.generation.metrics import GenerationMetrics
-from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.model_runner import ModelRunner
 from services.gpu_worker.generation.prefill_hold import PrefillHold
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
 from services.gpu_worker.generation.sampler import Sampler
@@ -78,6 +78,7 @@ class GenerationEngine:
         self._cancelled: set[int] = set()
         #: Tokens sampled, streamed during the next step's device time (`_finish_step`).
         self._unsent: list[tuple[RequestStream, int, int, float, bool]] = []
+        self.streams_during_steps = True  # False: after each step (benchmarks' side by side)
         self._is_stepping = False
         self._is_draining = False
         self._loop_task: asyncio.Task[None] | None = None
@@ -288,15 +289,14 @@ class GenerationEngine:
                 self._cycles.break_off()  # the cycle would include the idle wait
                 await self._wake.wait()
                 continue
-            items = [
-                SequenceBatchItem(s.token_ids, s.start_position, s.block_table, s.samples)
-                for s in output.scheduled
-            ]
+            items = output.scheduled
             self._is_stepping = True
             started = self._clock()
             threads = self._cycles.launch(output.num_batched_tokens, started)
-            # A device's step (a GPU's, the stand-in's) runs while the last one's tokens stream.
-            overlaps = self.runner.device.type == "cuda" or self.runner.graphs is not None
+            runner = self.runner  # a device's step (a GPU's, the stand-in's) runs while the
+            overlaps = self.streams_during_steps and (  # last step's tokens stream
+                runner.device.type == "cuda" or runner.graphs is not None
+            )
             try:
                 sends = self._send_unsent if overlaps else None
                 logits = await self.steps.execute(items, threads=threads, while_running=sends)

@@ -27,7 +27,7 @@ from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.kv_cache import PagedKVCache
 from services.gpu_worker.generation.llama import LlamaConfig, LlamaForCausalLM
 from services.gpu_worker.generation.step_graphs import StepGraphs
-from services.gpu_worker.generation.step_inputs import StepInputBuilder, StepTensors
+from services.gpu_worker.generation.step_inputs import StepInputBuilder, StepItem, StepTensors
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ class ModelRunner:
         return self.config.max_position_embeddings
 
     @torch.inference_mode()
-    def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+    def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
         """Process every item's new tokens in one forward, writing their keys and values to the
         cache; returns float32 logits of the last token of each item that samples, in the
         items' order, `[number sampling, vocab]`, on CPU.
@@ -197,7 +197,7 @@ class ModelRunner:
         attended = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask)
         return attended.reshape(num_seqs, heads, head_dim)
 
-    def choose_attention(self, steps: Sequence[Sequence[SequenceBatchItem]]) -> dict[str, float]:
+    def choose_attention(self, steps: Sequence[Sequence[StepItem]]) -> dict[str, float]:
         """On a GPU, the fastest kernel set (`attention_backends.CANDIDATES`) over `steps`
         (representative steps, whose keys and values are written to the blocks they name),
         kept in `self.attention`; returns each set's seconds. A CPU keeps the first set
@@ -224,7 +224,7 @@ class ModelRunner:
         return times
 
     @torch.inference_mode()
-    def _eager(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+    def _eager(self, items: Sequence[StepItem]) -> torch.Tensor:
         return self.forward(self.inputs.build(items))
 
     def capture_graphs(
@@ -243,25 +243,26 @@ class ModelRunner:
         self.graphs = graphs
         return graphs.count
 
-    def _check_all(self, items: Sequence[SequenceBatchItem]) -> None:
+    def _check_all(self, items: Sequence[StepItem]) -> None:
         for item in items:
             self._check(item)
 
-    def _check(self, item: SequenceBatchItem) -> None:
+    def _check(self, item: StepItem) -> None:
         # min/max rather than a generator over every id: this runs for every item of every step.
         if not item.token_ids:
             raise ValueError("a batch item needs at least one token")
+        end_position = item.start_position + len(item.token_ids)
         if item.start_position < 0:
             raise ValueError(f"start_position must be >= 0, got {item.start_position}")
-        if item.end_position > self.max_model_len:
+        if end_position > self.max_model_len:
             raise ValueError(
-                f"positions up to {item.end_position} exceed max_model_len {self.max_model_len}"
+                f"positions up to {end_position} exceed max_model_len {self.max_model_len}"
             )
-        needed = num_blocks_for(item.end_position, self.block_size)
+        needed = num_blocks_for(end_position, self.block_size)
         if len(item.block_table) < needed:
             raise ValueError(
                 f"block table has {len(item.block_table)} blocks, "
-                f"{item.end_position} positions need {needed}"
+                f"{end_position} positions need {needed}"
             )
         table = item.block_table[:needed]
         if table and (min(table) < 0 or max(table) >= self.num_blocks):

@@ -41,6 +41,7 @@ from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import intra_op_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.step_inputs import StepItem
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class StepExecutor:
 
     async def execute(
         self,
-        items: Sequence[SequenceBatchItem],
+        items: Sequence[StepItem],
         *,
         threads: int = 0,
         while_running: Callable[[], None] | None = None,
@@ -162,7 +163,7 @@ class StepExecutor:
 
     def _run(
         self,
-        items: Sequence[SequenceBatchItem],
+        items: Sequence[StepItem],
         threads: int,
         on_launched: Callable[[], None] | None = None,
     ) -> torch.Tensor:
