@@ -84,6 +84,8 @@ class IncrementalDetokenizer:
             self._read_bad_byte()
         elif not self._read_window(is_final=False):
             return "", False
+        if not stops:  # nothing to look for, nothing held back (most requests)
+            return self._emit_until(len(self._text)), False
         cut = self._stop_cut(stops)
         if cut is not None:
             return self._emit_until(cut), True
