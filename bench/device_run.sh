@@ -10,8 +10,9 @@
 #
 # Steps of the default set, most important first, each bounded so that one stuck step leaves
 # time for the rest. The set ran in 305 s on an H200 with 16 cores (2026-12-04, before the
-# two --stream-between-steps runs; the issue allows 6 minutes); its bounds add up to 590 s,
-# inside one call's 600:
+# two --stream-between-steps runs; the issue allows 6 minutes). Its bounds add up to 590 s,
+# each with up to 5 s more to stop and the set-up before them: a call whose every step ran
+# to its bound would be cut at 600, the last steps' results lost (each is packed as it ends):
 #   pytest_cuda: the CUDA tests of the generation step (attention kernels, graph replays);
 #   generation_steps: one step's time, decode-only and with a prompt, eager and from CUDA
 #     graphs, tiny-llama and the ~100M model; generation: bench.generation as it stands;

@@ -145,7 +145,7 @@ class GenerationEngine:
 
     @property
     def num_waiting_tokens(self) -> int:
-        """Prompt tokens of requests not yet admitted (the prefill backlog routers see)."""
+        """Prompt tokens whose first token is not sampled yet (the prefill backlog routers see)."""
         return self._requests.num_waiting_tokens
 
     @property

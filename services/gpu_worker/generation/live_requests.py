@@ -19,14 +19,18 @@ class LiveRequests:
     """Requests by sequence id, each counted in `num_waiting_tokens` until its first token is
     sampled (`sampled`) or it leaves (`pop`, `clear`)."""
 
-    __slots__ = ("_awaiting", "_by_seq", "num_waiting_tokens")
+    __slots__ = ("_awaiting", "_by_seq", "_num_waiting_tokens")
 
     def __init__(self) -> None:
         self._by_seq: dict[int, RequestStream] = {}
         #: seq_id -> prompt tokens, of the requests whose first token is not sampled yet.
         self._awaiting: dict[int, int] = {}
-        #: The sum of `_awaiting`: prompt tokens whose first token is still to come.
-        self.num_waiting_tokens = 0
+        self._num_waiting_tokens = 0  # the sum of `_awaiting`
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens whose first token is still to come."""
+        return self._num_waiting_tokens
 
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._by_seq
@@ -44,7 +48,7 @@ class LiveRequests:
         """A new request, its prompt waiting for its first token."""
         self._by_seq[request.seq_id] = request
         self._awaiting[request.seq_id] = request.num_prompt_tokens
-        self.num_waiting_tokens += request.num_prompt_tokens
+        self._num_waiting_tokens += request.num_prompt_tokens
 
     def sampled(self, seq_id: int) -> RequestStream | None:
         """The live request of a sequence that just sampled a token (None: gone), its prompt
@@ -60,8 +64,8 @@ class LiveRequests:
     def clear(self) -> None:
         self._by_seq.clear()
         self._awaiting.clear()
-        self.num_waiting_tokens = 0
+        self._num_waiting_tokens = 0
 
     def _forget_prompt(self, seq_id: int) -> None:
         if (num_tokens := self._awaiting.pop(seq_id, None)) is not None:
-            self.num_waiting_tokens -= num_tokens
+            self._num_waiting_tokens -= num_tokens

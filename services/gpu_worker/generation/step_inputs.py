@@ -27,7 +27,8 @@ from services.gpu_worker.generation.kv_cache import slots_for
 
 
 class StepItem(Protocol):
-    """What a step needs of each sequence (`model_runner.SequenceBatchItem`)."""
+    """What a step needs of each sequence (the scheduler's `ScheduledSequence`, or a
+    `model_runner.SequenceBatchItem` of the warm-up's and the benchmarks' steps)."""
 
     @property
     def token_ids(self) -> tuple[int, ...]: ...
