@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from tokenizers import Tokenizer
@@ -20,9 +21,9 @@ from services.gpu_worker.generation.sampler import make_generator
 from services.pb.inference.v1 import worker_pb2 as pb
 
 
-@dataclass(frozen=True)
-class Delta:
-    """Tokens produced for one request since its previous delta."""
+class Delta(NamedTuple):
+    """Tokens produced for one request since its previous delta (a named tuple: one is made
+    for every token streamed, at a third of a frozen dataclass's cost)."""
 
     token_ids: tuple[int, ...]
     text: str
