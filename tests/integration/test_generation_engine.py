@@ -24,7 +24,7 @@ from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
-from services.gpu_worker.generation.request_stream import RequestStream
+from services.gpu_worker.generation.request_stream import Delta, RequestStream
 from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import load_version
@@ -134,18 +134,32 @@ def reference_greedy(checkpoint: Path, prompt_ids: list[int], num_tokens: int) -
     return out[0, len(prompt_ids) :].tolist()
 
 
+async def deltas(
+    backend: GenerationBackend,
+    prompt: str,
+    params: SamplingParams,
+    started: asyncio.Event | None = None,
+) -> list[Delta]:
+    """Every delta of a request; sets `started` once it has two tokens."""
+    got: list[Delta] = []
+    async for delta in backend.engine.generate(backend.encode(prompt), params):
+        got.append(delta)
+        if started is not None and sum(len(d.token_ids) for d in got) >= 2:
+            started.set()
+    return got
+
+
+def token_ids(got: list[Delta]) -> list[int]:
+    return [token for delta in got for token in delta.token_ids]
+
+
 async def collect(
     backend: GenerationBackend,
     prompt: str,
     params: SamplingParams,
     started: asyncio.Event | None = None,
 ) -> list[int]:
-    tokens: list[int] = []
-    async for delta in backend.engine.generate(backend.encode(prompt), params):
-        tokens.extend(delta.token_ids)
-        if started is not None and len(tokens) >= 2:
-            started.set()
-    return tokens
+    return token_ids(await deltas(backend, prompt, params, started))
 
 
 async def test_s18_greedy_matches_transformers_with_staggered_arrivals(
@@ -575,16 +589,27 @@ async def test_a_row_whose_streaming_fails_fails_its_stream_alone(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Before, one row's failure to stream its token (its detokenizer raising) failed every
-    stream of its step, some of them after this step's token had already been sent. The
-    request of seed 13 fails in its own detokenizer, on its second token."""
+    stream of its step, some of them after this step's token had already been sent."""
     backend, _ = make_backend(checkpoint)
     backend.engine.start()
+    assert await stream_failing_alone(backend, monkeypatch) == [False]  # streamed after a step
+
+
+async def stream_failing_alone(
+    backend: GenerationBackend, monkeypatch: pytest.MonkeyPatch
+) -> list[bool]:
+    """The request of seed 13 fails in its own detokenizer, on its second token, while a greedy
+    stream shares its steps: its stream ends with the error, the greedy one goes on to its
+    end, every block comes back. Returns, for each failure, whether a step was running (the
+    engine then streamed during the next step). Drains the started engine of `backend`."""
     real_push_token = RequestStream.push_token
+    while_stepping: list[bool] = []
 
     def failing_for_seed_13(
         self: RequestStream, token: int, num_generated: int, *rest: object
     ) -> bool:
         if self.params.seed == 13 and num_generated == 2:
+            while_stepping.append(backend.engine._is_stepping)
             raise UnicodeDecodeError("utf-8", b"\x80", 0, 1, "invalid start byte")
         return real_push_token(self, token, num_generated, *rest)  # type: ignore[arg-type]
 
@@ -603,6 +628,8 @@ async def test_a_row_whose_streaming_fails_fails_its_stream_alone(
     finally:
         await backend.engine.drain()
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.num_waiting_tokens == 0
+    return while_stepping
 
 
 async def test_a_dead_loop_fails_its_streams_refuses_new_ones_and_says_so(

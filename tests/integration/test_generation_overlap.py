@@ -15,7 +15,6 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
-from services.common.errors import ExecutionFailed
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
@@ -23,8 +22,11 @@ from services.gpu_worker.generation.step_graphs import StepGraphs
 from services.gpu_worker.generation.step_inputs import StepItem
 from tests.integration.test_generation_engine import (
     PROMPTS,
+    deltas,
     make_backend,
     reference_greedy,
+    stream_failing_alone,
+    token_ids,
     write_repository,
 )
 from tests.support.metrics import total
@@ -85,24 +87,6 @@ def pushes(monkeypatch: pytest.MonkeyPatch) -> Pushes:
 
     monkeypatch.setattr(RequestStream, "push_token", recording)
     return watched
-
-
-async def deltas(
-    backend: GenerationBackend,
-    prompt: str,
-    params: SamplingParams,
-    started: asyncio.Event | None = None,
-) -> list[Delta]:
-    got: list[Delta] = []
-    async for delta in backend.engine.generate(backend.encode(prompt), params):
-        got.append(delta)
-        if started is not None and sum(len(d.token_ids) for d in got) >= 2:
-            started.set()
-    return got
-
-
-def token_ids(got: list[Delta]) -> list[int]:
-    return [token for delta in got for token in delta.token_ids]
 
 
 async def staggered(backend: GenerationBackend, params: list[SamplingParams]) -> list[list[Delta]]:
@@ -191,37 +175,11 @@ async def test_overlapping_changes_no_token_no_end_and_no_step(checkpoint: Path)
 async def test_a_stream_failing_while_the_next_step_runs_fails_alone(
     checkpoint: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The request of seed 13 fails in its detokenizer on its second token, streamed while a
-    step it is part of runs: its stream ends with the error once, its blocks come back once
-    that step is accounted, and the stream sharing its steps goes on to its end."""
+    """Its token is streamed while a step it is part of runs: its stream ends with the error
+    once, its blocks come back once that step is accounted, and the stream sharing its steps
+    goes on to its end."""
     backend = started_backend(checkpoint, overlaps=True)
-    real_push_token = RequestStream.push_token
-    failed_during_a_step: list[bool] = []
-
-    def failing_for_seed_13(
-        self: RequestStream, token: int, num_generated: int, *rest: object
-    ) -> bool:
-        if self.params.seed == 13 and num_generated == 2:
-            failed_during_a_step.append(backend.engine._is_stepping)
-            raise UnicodeDecodeError("utf-8", b"\x80", 0, 1, "invalid start byte")
-        return real_push_token(self, token, num_generated, *rest)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(RequestStream, "push_token", failing_for_seed_13)
-    started = asyncio.Event()
-    try:
-        greedy = asyncio.create_task(
-            deltas(backend, PROMPTS[0], SamplingParams(max_tokens=40, ignore_eos=True), started)
-        )
-        await started.wait()
-        failing = SamplingParams(temperature=1.0, seed=13, max_tokens=20, ignore_eos=True)
-        with pytest.raises(ExecutionFailed, match="invalid start byte"):
-            await deltas(backend, PROMPTS[1], failing)
-        assert len(token_ids(await greedy)) == 40
-    finally:
-        await backend.engine.drain()
-    assert failed_during_a_step == [True]
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
-    assert backend.engine.num_waiting_tokens == 0  # every prompt's count went with it
+    assert await stream_failing_alone(backend, monkeypatch) == [True]
 
 
 async def test_a_stream_closed_while_its_token_waits_gets_no_more_and_frees_its_sequence(
