@@ -39,11 +39,15 @@ class LaunchedFirst(StepGraphs):
 
     #: Called once, on the step's thread, before a step says it is launched.
     before_launch: Callable[[], None] | None = None
+    #: Called on the step's thread before every step says it is launched.
+    at_each_launch: Callable[[], None] | None = None
 
     def replay(self, items: Sequence[StepItem]) -> torch.Tensor | None:
         if (hook := self.before_launch) is not None:
             self.before_launch = None
             hook()
+        if self.at_each_launch is not None:
+            self.at_each_launch()
         self._runner.launched()
         return None
 
@@ -216,3 +220,26 @@ async def test_a_stream_closed_while_its_token_waits_gets_no_more_and_frees_its_
     assert backend.engine.num_free_blocks == backend.runner.num_blocks
     assert backend.engine.num_waiting_tokens == 0  # every prompt's count went with it
     assert not backend.engine.scheduler.has_unfinished()
+
+
+async def test_a_prompt_leaves_the_backlog_when_its_first_token_is_sampled_not_streamed(
+    checkpoint: Path,
+) -> None:
+    """At the second step's launch the first token is sampled and waits to be streamed: the
+    prompt no longer counts in the backlog (the first-token prediction's), as it did not once
+    its first token was streamed between steps."""
+    backend = started_backend(checkpoint, overlaps=True)
+    graphs = backend.runner.graphs
+    assert isinstance(graphs, LaunchedFirst)
+    engine = backend.engine
+    # At each launch, on the step's thread, while the loop waits for it: the backlog and the
+    # tokens waiting to be streamed.
+    seen: list[tuple[int, int]] = []
+    graphs.at_each_launch = lambda: seen.append((engine.num_waiting_tokens, len(engine._unsent)))
+    try:
+        got = await deltas(backend, PROMPTS[2], SamplingParams(max_tokens=4, ignore_eos=True))
+    finally:
+        await engine.drain()
+    assert len(token_ids(got)) == 4
+    prompt = len(backend.encode(PROMPTS[2]))
+    assert seen == [(prompt, 0), (0, 1), (0, 1), (0, 1)]

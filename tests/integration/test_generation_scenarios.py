@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,10 +31,10 @@ from services.common.processes import ChildProcess, launch
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.config import WorkerConfig
 from services.gpu_worker.generation.backend import GenerationBackend
-from services.gpu_worker.generation.model_runner import SequenceBatchItem
 from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.generation.sequence import SchedulerOutput
 from services.gpu_worker.generation.sequence import Sequence as SchedSequence
+from services.gpu_worker.generation.step_inputs import StepItem
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -292,7 +292,7 @@ def fail_runner_at(backend: GenerationBackend, mp: pytest.MonkeyPatch, call: int
     execute = backend.runner.execute
     calls = 0
 
-    def failing_execute(items: list[SequenceBatchItem]) -> torch.Tensor:
+    def failing_execute(items: Sequence[StepItem]) -> torch.Tensor:
         nonlocal calls
         calls += 1
         if calls == call:

@@ -27,7 +27,8 @@ from prometheus_client import generate_latest
 from services.common import metric_names as names
 from services.common.model_repository import ModelVersion, load_repository
 from services.gpu_worker.batching.watchdog import watchdog_bound_s
-from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
+from services.gpu_worker.generation.model_runner import ModelRunner
+from services.gpu_worker.generation.step_inputs import StepItem
 from services.gpu_worker.server import SERVICE_NAME, Worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -65,7 +66,7 @@ class WedgingRunner:
     def release(self) -> None:
         self._released.set()
 
-    def execute(self, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+    def execute(self, items: Sequence[StepItem]) -> torch.Tensor:
         if self._is_armed.is_set() and not self.wedged.is_set():
             self.wedged.set()
             self._released.wait()
@@ -179,7 +180,7 @@ async def wedging_load(
     released, wedged = threading.Event(), threading.Event()
     execute = ModelRunner.execute
 
-    def wedging_execute(runner: ModelRunner, items: Sequence[SequenceBatchItem]) -> torch.Tensor:
+    def wedging_execute(runner: ModelRunner, items: Sequence[StepItem]) -> torch.Tensor:
         if runner is not serving.runner and not released.is_set():  # the new version's steps
             wedged.set()
             released.wait()
