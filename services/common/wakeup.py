@@ -46,7 +46,7 @@ class Wakeup:
             raise RuntimeError("a Wakeup has one waiter at a time")
         loop = asyncio.get_running_loop()
         waiter = self._waiter = loop.create_future()
-        timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
+        timer = None if timeout_s is None else loop.call_later(timeout_s, settle, waiter)
         try:
             await waiter
         finally:
@@ -56,6 +56,8 @@ class Wakeup:
         return self._is_set
 
 
-def _expire(waiter: asyncio.Future[None]) -> None:
+def settle(waiter: asyncio.Future[None]) -> None:
+    """Resolves `waiter` (None) unless it is done already: a timer's or a callback's wake-up
+    that may come after another."""
     if not waiter.done():
         waiter.set_result(None)

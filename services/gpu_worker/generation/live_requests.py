@@ -35,9 +35,6 @@ class LiveRequests:
     def __contains__(self, seq_id: int) -> bool:
         return seq_id in self._by_seq
 
-    def __len__(self) -> int:
-        return len(self._by_seq)
-
     def values(self) -> Iterator[RequestStream]:
         return iter(self._by_seq.values())
 

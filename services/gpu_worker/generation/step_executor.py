@@ -28,6 +28,7 @@ import torch
 
 from services.common import metric_names as names
 from services.common.errors import Unavailable
+from services.common.wakeup import settle
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.watchdog import (
     WARMUP_MULTIPLE,
@@ -138,11 +139,11 @@ class StepExecutor:
 
                 def on_launched() -> None:  # on the step's thread
                     with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
-                        loop.call_soon_threadsafe(_settle, launched)
+                        loop.call_soon_threadsafe(settle, launched)
 
                 step = loop.run_in_executor(self._executor, self._run, items, threads, on_launched)
                 try:
-                    step.add_done_callback(lambda _: _settle(launched))
+                    step.add_done_callback(lambda _: settle(launched))
                     await launched
                     while_running()
                     return await step
@@ -186,8 +187,3 @@ class StepExecutor:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
         thread is left behind: it may never return)."""
         self._executor.shutdown(wait=not self.is_wedged)
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
