@@ -13,10 +13,15 @@ KV blocks grown to hold as many per sequence). `--stand-in-step-ms X` serves eve
 token 0 throughout): what the engine's Python allows on a GPU box, measured on a CPU.
 `--stream-between-steps` streams each step's tokens after it, as the engine did before it
 streamed them while the next step runs on the device (a GPU's, or the stand-in's).
+Requests are `batch` class, queued up to their deadline: what the engine serves at
+saturation. `--priority interactive` sends online requests, which the engine refuses while its
+waiting queue stands (generation.standing_shedding): the refused are counted, and the figures
+are those of the requests served (past capacity, e.g. `--quick --rate 260 --requests 2600`).
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
         [--quick] [--attention measured|torch-default] [--no-cuda-graphs | --decode-only-graphs]
         [--max-num-seqs N] [--stand-in-step-ms X] [--stream-between-steps]
+        [--priority batch|interactive]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, goodput (tokens/s of the requests
@@ -47,7 +52,9 @@ from prometheus_client import CollectorRegistry
 from bench import generation_stand_in as stand_in
 from bench.fabric.sweep import percentile
 from services.common import metric_names as names
+from services.common.errors import Overloaded
 from services.common.model_repository import ModelVersion, load_repository
+from services.common.priority import PriorityClass
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.attention_backends import TORCH_DEFAULT
 from services.gpu_worker.generation.backend import GenerationBackend
@@ -127,7 +134,11 @@ def with_max_num_seqs(version: ModelVersion, max_num_seqs: int) -> ModelVersion:
     return dataclasses.replace(version, config=config)
 
 
-async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
+async def run(
+    backend: GenerationBackend,
+    arrivals: list[Arrival],
+    priority: PriorityClass = PriorityClass.BATCH,
+) -> dict:
     engine = backend.engine
     engine.start()
     results: list[dict] = [{} for _ in arrivals]
@@ -145,9 +156,14 @@ async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
         tokens: list[int] = []
         stamps: list[float] = []
         params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
-        async for delta in engine.generate(backend.encode(arrival.prompt), params):
-            tokens.extend(delta.token_ids)
-            stamps.append(time.perf_counter())
+        stream = engine.generate(backend.encode(arrival.prompt), params, priority=priority.rank)
+        try:
+            async for delta in stream:
+                tokens.extend(delta.token_ids)
+                stamps.append(time.perf_counter())
+        except Overloaded:
+            results[index] = {"tokens": None}  # refused (a standing queue): no tokens
+            return
         ttft = stamps[0] - sent
         tpot = (stamps[-1] - stamps[0]) / max(1, len(tokens) - 1)
         results[index] = {"tokens": tokens, "ttft_s": ttft, "tpot_s": tpot}
@@ -155,23 +171,25 @@ async def run(backend: GenerationBackend, arrivals: list[Arrival]) -> dict:
     await asyncio.gather(*(one(i, a) for i, a in enumerate(arrivals)))
     elapsed = time.perf_counter() - start
     await engine.drain()
-    num_tokens = sum(len(r["tokens"]) for r in results)
-    ttfts = [r["ttft_s"] for r in results]
+    served = [r for r in results if r["tokens"] is not None]
+    num_tokens = sum(len(r["tokens"]) for r in served)
+    ttfts = [r["ttft_s"] for r in served]
     # Goodput: the tokens of the requests whose first token came within the model's TTFT
     # objective (its slo_p99_ms), per second of the run.
     slo_s = backend.config.slo_s
-    good = [r for r in results if r["ttft_s"] <= slo_s]
+    good = [r for r in served if r["ttft_s"] <= slo_s]
     return {
         "tokens_per_s": num_tokens / elapsed,
         "goodput_tokens_per_s": sum(len(r["tokens"]) for r in good) / elapsed,
         "ttft_slo_s": slo_s,
         "ttft_slo_attainment": len(good) / len(results),
+        "refused": len(results) - len(served),
         "elapsed_s": elapsed,
         "num_tokens": num_tokens,
         "steps": engine.num_steps,
         "ttft_p50_s": percentile(ttfts, 50),
         "ttft_p99_s": percentile(ttfts, 99),
-        "tpot_mean_s": statistics.fmean(r["tpot_s"] for r in results),
+        "tpot_mean_s": statistics.fmean(r["tpot_s"] for r in served),
         "late_sends": late,
         "tokens": [r["tokens"] for r in results],
     }
@@ -201,6 +219,7 @@ def main() -> None:
         help=f"0: the model; else e.g. {1000 * stand_in.H200_STEP_S}",
     )
     parser.add_argument("--stream-between-steps", action="store_true")
+    parser.add_argument("--priority", choices=("batch", "interactive"), default="batch")
     args = parser.parse_args()
     if args.stand_in_step_ms and (args.no_cuda_graphs or args.decode_only_graphs):
         parser.error(
@@ -218,6 +237,7 @@ def main() -> None:
         "graph_prompts": not args.decode_only_graphs,
         "stand_in_step_s": args.stand_in_step_ms / 1000,
         "stream_between_steps": args.stream_between_steps,
+        "priority": PriorityClass.parse(args.priority),
     }
     report: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -229,6 +249,7 @@ def main() -> None:
         "graph_prompts": engine["graph_prompts"],
         "stand_in_step_s": engine["stand_in_step_s"],
         "stream_between_steps": engine["stream_between_steps"],
+        "priority": args.priority,
         "max_num_seqs": getattr(version.config.generation, "max_num_seqs", None),
     }
     if args.quick:
@@ -262,12 +283,12 @@ def main() -> None:
 def measure(
     name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: Any
 ) -> dict:
-    """One fresh engine (its own metrics; `kw` for GenerationBackend, `stand_in_step_s` and
-    `stream_between_steps`)
-    through `arrivals`; adds the prefix cache's counts and the engine's attention kernels and
-    graphs."""
+    """One fresh engine (its own metrics; `kw` for GenerationBackend, `stand_in_step_s`,
+    `stream_between_steps` and `priority`) through `arrivals`; adds the prefix cache's counts
+    and the engine's attention kernels and graphs."""
     stand_in_s = kw.pop("stand_in_step_s", 0.0)
     between_steps = kw.pop("stream_between_steps", False)
+    priority = kw.pop("priority", PriorityClass.BATCH)
     registry = CollectorRegistry()
     backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
     started = time.perf_counter()
@@ -279,7 +300,7 @@ def measure(
     backend.engine.streams_during_steps = not between_steps
     warm_up_steps = (runner.num_replayed_steps, runner.num_eager_steps)
     print(f"running {name} ...", flush=True)
-    result = asyncio.run(run(backend, arrivals))
+    result = asyncio.run(run(backend, arrivals, priority))
     labels = {"model": version.config.name, "version": version.version}
     for key, metric in (
         ("prefix_queried_tokens", names.GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL),
@@ -326,9 +347,10 @@ def prefix_cache_report(
 
 
 def identical_outputs(first: dict, second: dict, engine: dict) -> bool | None:
-    """Whether two runs gave every request the same tokens (their token lists taken out of
-    the reports); None under the stand-in, whose tokens are all 0."""
-    same = first.pop("tokens") == second.pop("tokens")
+    """Whether two runs gave every request both served the same tokens (their token lists
+    taken out of the reports); None under the stand-in, whose tokens are all 0."""
+    pairs = zip(first.pop("tokens"), second.pop("tokens"), strict=True)
+    same = all(a == b for a, b in pairs if a is not None and b is not None)
     return None if engine["stand_in_step_s"] else same
 
 
@@ -338,9 +360,10 @@ def said(same: bool | None) -> str:
 
 def print_table(report: dict, names_: tuple[str, ...]) -> None:
     header = (
-        "policy", "tok/s", "good", "steps", "TTFT p50", "TTFT p99", "TPOT", "late", "step", "wall"
+        "policy", "tok/s", "good", "steps", "TTFT p50", "TTFT p99", "TPOT", "late", "step", "wall",
+        "refused",
     )  # fmt: skip
-    print("\n{:<11} {:>8} {:>8} {:>6} {:>9} {:>9} {:>8} {:>5} {:>8} {:>8}".format(*header))
+    print("\n{:<11} {:>8} {:>8} {:>6} {:>9} {:>9} {:>8} {:>5} {:>8} {:>8} {:>7}".format(*header))
     for name in names_:
         r = report[name]
         print(
@@ -348,7 +371,7 @@ def print_table(report: dict, names_: tuple[str, ...]) -> None:
             f"{r['steps']:>6} "
             f"{r['ttft_p50_s'] * 1000:>7.0f}ms {r['ttft_p99_s'] * 1000:>7.0f}ms "
             f"{r['tpot_mean_s'] * 1000:>6.1f}ms {r['late_sends']:>5} "
-            f"{r['step_ms']:>6.2f}ms {r['wall_per_step_ms']:>6.2f}ms"
+            f"{r['step_ms']:>6.2f}ms {r['wall_per_step_ms']:>6.2f}ms {r['refused']:>7}"
         )
         if r["replayed_steps"]:
             replayed, eager = r["replayed_steps"], r["eager_steps"]

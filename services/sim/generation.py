@@ -4,10 +4,12 @@
 The engine's loop, restated: `schedule()`; nothing scheduled, it sleeps until a request comes;
 else the step runs, then `update_from_output(sampled)`, the sequences cancelled during the step
 are finished, and each sampled token is emitted, a sequence finishing once it has `max_tokens`.
-A request is admitted as the engine's `_admit` does: the length rule, the first-token deadline
-rule (`first_token.predicted_first_token_s` on the moving mean step time), then
-`scheduler.add`. A stream whose deadline passes is cancelled (its blocks freed before the next
-step), as the gRPC cancellation does.
+A request is admitted as the engine's `_admit` does: the length rule, the standing-queue and
+first-token deadline rules (`standing_shedding.admission_refusal`, the prediction on the moving
+mean step time), then `scheduler.add`. While the waiting queue stands, online sequences that
+waited past the SLO are dropped before each plan (`StandingShedding.expired`), and each plan is
+observed (`planned`), as the engine's loop does. A stream whose deadline passes is cancelled
+(its blocks freed before the next step), as the gRPC cancellation does.
 
 Not real: a step's duration comes from a cost model of its work (`StepCost`), not a forward
 pass; tokens are one dummy id and every sequence runs to its drawn output length (ignore_eos:
@@ -27,9 +29,9 @@ from typing import Protocol
 from services.common.priority import PriorityClass
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.gpu_worker.admission import Rejected, RejectReason
-from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.scheduler import GenerationScheduler, GenerationSchedulerConfig
 from services.gpu_worker.generation.sequence import ScheduledSequence, SchedulerOutput, Sequence
+from services.gpu_worker.generation.standing_shedding import StandingShedding, admission_refusal
 from services.sim.events import EventLoop
 from services.sim.traffic import Arrival
 
@@ -40,9 +42,6 @@ DUMMY_TOKEN_ID = 1
 #: (engine.py's `_mean_step_s`; the engine imports asyncio and torch, the simulator must not).
 INITIAL_MEAN_STEP_S = 0.01
 MEAN_STEP_ALPHA = 0.1
-
-#: Refusal label of the engine's first-token rule (it raises Overloaded, not a RejectReason).
-FIRST_TOKEN_DEADLINE = "first_token_deadline"
 
 MODES = ("continuous", "static")
 
@@ -162,7 +161,8 @@ class StreamSink(Protocol):
     def tokens(self, now_s: float, num_tokens: int) -> None: ...
 
     def done(self, now_s: float, stream: SimStream, outcome: str) -> None:
-        """`outcome`: "ok" (ran to max_tokens) or "expired" (cancelled at its deadline)."""
+        """`outcome`: "ok" (ran to max_tokens), "expired" (cancelled at its deadline) or
+        first_token.STANDING_QUEUE (dropped unrun behind a standing queue)."""
 
 
 @dataclass(frozen=True)
@@ -192,6 +192,7 @@ class SimGenerationWorker:
         self.worker_id = worker_id
         self.spec = spec
         self.scheduler = GenerationScheduler(spec.scheduler_config())
+        self.shedding = StandingShedding(spec.ttft_slo_s)
         self._cost = cost
         self._loop = loop
         self._sink = sink
@@ -220,7 +221,8 @@ class SimGenerationWorker:
 
     def submit(self, stream: SimStream, now_s: float) -> str | None:
         """Admits the stream as the engine's `_admit` does and wakes an idle loop; returns why
-        it was refused (a RejectReason value or FIRST_TOKEN_DEADLINE), or None."""
+        it was refused (a RejectReason value, or a `FirstTokenRefusal.reason`), or
+        None."""
         spec = self.spec
         arrival = stream.arrival
         num_prompt = arrival.num_tokens
@@ -231,15 +233,18 @@ class SimGenerationWorker:
         limit_s = stream.deadline_s - now_s
         if spec.shed_past_slo:
             limit_s = min(limit_s, spec.ttft_slo_s)
-        predicted_s = predicted_first_token_s(
+        refusal = admission_refusal(
+            self.shedding,
+            self.scheduler,
+            now_s=now_s,
+            rank=_rank_of(arrival.priority),
+            limit_s=limit_s,
             num_waiting_tokens=self.num_waiting_tokens,
-            num_running=self.scheduler.num_running,
             num_prompt_tokens=num_prompt,
-            max_num_batched_tokens=spec.max_num_batched_tokens,
             step_s=self.mean_step_s,
         )
-        if predicted_s > limit_s:
-            return FIRST_TOKEN_DEADLINE
+        if refusal is not None:
+            return refusal.reason
         seq_id = next(self._seq_ids)
         decision = self.scheduler.add(
             Sequence(
@@ -265,7 +270,10 @@ class SimGenerationWorker:
     # -- the engine's loop -----------------------------------------------------------------
 
     def _start_step(self, now_s: float) -> None:
+        for seq_id, late in self.shedding.expired(now_s, self.scheduler):
+            self._end(now_s, self._streams[seq_id], late.reason)
         output = self.scheduler.schedule()
+        self.shedding.planned(now_s, self.scheduler)
         if not output.scheduled:
             return  # idle: the next submit wakes the loop
         self.num_preemptions += len(output.preempted)
@@ -316,6 +324,12 @@ class SimGenerationWorker:
         """The stream's deadline: the call is cancelled, as the engine's `_cancel` handles."""
         if self._streams.get(stream.seq_id) is not stream:
             return  # it ended already
+        self._end(now_s, stream, "expired")
+        if self._step is None:
+            self._start_step(now_s)
+
+    def _end(self, now_s: float, stream: SimStream, outcome: str) -> None:
+        """The live `stream` ends unfinished (`outcome`: StreamSink.done's)."""
         del self._streams[stream.seq_id]
         if stream.first_token_s is None:
             self.num_waiting_tokens -= stream.arrival.num_tokens
@@ -326,9 +340,7 @@ class SimGenerationWorker:
             self._cancelled.add(stream.seq_id)  # finished once the step in flight is done
         else:
             self.scheduler.finish(stream.seq_id)
-        self._sink.done(now_s, stream, "expired")
-        if self._step is None:
-            self._start_step(now_s)
+        self._sink.done(now_s, stream, outcome)
 
     # -- reports ---------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ def write_repository(
     max_num_seqs: int = 8,
     weights_from: Path | None = None,
     prefix_caching: str = "shared",
+    slo_p99_ms: int = 5000,
 ) -> Path:
     """A model repository holding a random transformers Llama and tiny-llama's byte tokenizer
     (copied from `weights_from`, another such repository, when given)."""
@@ -76,7 +77,7 @@ def write_repository(
     (root / "ref-llama" / "config.toml").write_text(
         f"""
 kind = "generation"
-slo_p99_ms = 5000
+slo_p99_ms = {slo_p99_ms}
 max_batch_size = {max_num_seqs}
 
 [generation]
@@ -178,7 +179,7 @@ async def test_s18_greedy_matches_transformers_with_staggered_arrivals(
     results = await asyncio.gather(a, b, c)
     for prompt, n, got in zip(PROMPTS, lengths, results, strict=True):
         assert got == reference_greedy(checkpoint, backend.encode(prompt), n), prompt
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the manual. "
@@ -228,7 +229,7 @@ async def test_prefix_cached_prompts_give_the_reference_tokens(
     expected = [reference_greedy(checkpoint, backend.encode(p), 12) for p in prompts]
     assert first == other_tenant == expected[0]
     assert together == [*expected, *expected]
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 
 async def test_preemption_then_resume_gives_the_uninterrupted_tokens(
@@ -249,7 +250,7 @@ async def test_preemption_then_resume_gives_the_uninterrupted_tokens(
     assert preemptions > 0, "the test must actually preempt"
     for prompt, got in zip(PROMPTS, results, strict=True):
         assert got == reference_greedy(checkpoint, backend.encode(prompt), 30), prompt
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 
 async def test_s10_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
@@ -273,7 +274,7 @@ async def test_s10_cancelled_stream_frees_blocks_and_a_waiting_request_starts(
         assert len(tokens) == 60
     finally:
         await backend.engine.drain()
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
     assert total(generate_latest(registry).decode(), names.GENERATION_CANCELLED_TOTAL) == 1
 
 
@@ -522,7 +523,7 @@ async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> No
         await backend.engine.drain()
     assert 0 < len(received) < 20
     assert len(tokens) == 3
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 
 async def test_a_step_that_fails_to_sample_fails_its_streams_and_the_loop_goes_on(
@@ -582,7 +583,7 @@ async def test_a_row_that_fails_to_sample_fails_its_stream_alone(
         assert len(await collect(backend, PROMPTS[2], sampled)) == 3
     finally:
         await backend.engine.drain()
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 
 async def test_a_row_whose_streaming_fails_fails_its_stream_alone(
@@ -627,7 +628,7 @@ async def stream_failing_alone(
         assert len(await greedy) == 40
     finally:
         await backend.engine.drain()
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
     assert backend.engine.num_waiting_tokens == 0
     return while_stepping
 
@@ -682,7 +683,7 @@ async def test_a_generate_call_closed_mid_stream_frees_its_sequence_at_once(
         # first; its blocks are free once that step is accounted).
         assert total(generate_latest(registry).decode(), names.GENERATION_CANCELLED_TOTAL) == 1
         await eventually(lambda: backend.scheduler.num_running == 0, interval_s=0.01)
-        assert backend.engine.num_free_blocks == backend.runner.num_blocks
+        assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
     finally:
         await backend.engine.drain()
 

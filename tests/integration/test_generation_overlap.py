@@ -126,7 +126,7 @@ async def test_tokens_streamed_while_the_next_step_runs_are_the_reference_tokens
         last = got[-1]
         assert (last.finish_reason, last.completion_tokens) == ("length", n), prompt
         assert all(delta.finish_reason is None for delta in got[:-1])
-    assert overlapping.engine.num_free_blocks == overlapping.runner.num_blocks
+    assert overlapping.engine.scheduler.num_free_blocks == overlapping.runner.num_blocks
     assert overlapping.engine.num_waiting_tokens == 0
     # Overlapping, the tokens went out while the next step ran, bar those of a step that
     # nothing followed; else each after its own step.
@@ -165,7 +165,7 @@ async def test_overlapping_changes_no_token_no_end_and_no_step(checkpoint: Path)
             )
         finally:
             await backend.engine.drain()
-        assert backend.engine.num_free_blocks == backend.runner.num_blocks
+        assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
         assert backend.engine.num_waiting_tokens == 0
     assert backend.engine.num_waiting_tokens == 0  # every prompt's count went with it
     assert runs[True] == runs[False]
@@ -217,7 +217,7 @@ async def test_a_stream_closed_while_its_token_waits_gets_no_more_and_frees_its_
     (at,) = closed_at
     assert any(params is closing for params, _, _ in pushes.seen[:at])
     assert not any(params is closing for params, _, _ in pushes.seen[at:])
-    assert backend.engine.num_free_blocks == backend.runner.num_blocks
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
     assert backend.engine.num_waiting_tokens == 0  # every prompt's count went with it
     assert not backend.engine.scheduler.has_unfinished()
 

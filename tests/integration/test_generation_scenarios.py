@@ -231,7 +231,7 @@ async def test_s10_cancelled_stream_stops_within_one_step_frees_kv_and_admits_th
     assert second in log.steps[after].scheduled, "the waiter is admitted at that very step"
     assert len(log.sampled[first]) < 400
     assert tokens_of(waited) == log.sampled[second] and len(log.sampled[second]) == 8
-    assert served.backend.engine.num_free_blocks == log.num_blocks
+    assert served.backend.engine.scheduler.num_free_blocks == log.num_blocks
 
 
 # -- 18: continuous batching -----------------------------------------------------------------
@@ -284,7 +284,7 @@ async def test_s19_tokens_arrive_once_in_order_and_the_finish_reason_comes_last(
         assert messages[-1].completion_tokens == n
     # Greedy, batched with others: the same prompt's shorter run is a prefix of its longer one.
     assert tokens_of(streams[0]) == tokens_of(streams[2])[:9]
-    assert served.backend.engine.num_free_blocks == log.num_blocks
+    assert served.backend.engine.scheduler.num_free_blocks == log.num_blocks
 
 
 def fail_runner_at(backend: GenerationBackend, mp: pytest.MonkeyPatch, call: int) -> None:
@@ -337,7 +337,7 @@ async def test_s19_a_failure_mid_stream_ends_with_the_tokens_then_an_error_statu
     # The engine goes on: KV returned, the next stream completes.
     after = await collect(served.stub, generate_request("after", 5))
     assert len(tokens_of(after)) == 5 and after[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    assert served.backend.engine.num_free_blocks == served.log.num_blocks
+    assert served.backend.engine.scheduler.num_free_blocks == served.log.num_blocks
 
 
 # -- 20: a reader that stops reading ---------------------------------------------------------
@@ -396,7 +396,7 @@ async def test_s20_a_stalled_reader_does_not_stall_the_other_streams(served: Ser
     assert rest[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert never_code == grpc.StatusCode.DEADLINE_EXCEEDED
     await eventually(lambda: not scheduler.has_unfinished(), timeout_s=30)
-    assert served.backend.engine.num_free_blocks == log.num_blocks
+    assert served.backend.engine.scheduler.num_free_blocks == log.num_blocks
     assert tokens_of(rest) == log.sampled[resumes_id], "nothing lost or repeated while stalled"
     # Each reader got exactly its sequence's tokens (matched by them: they arrived together).
     readers = {tuple(log.sampled[i]): i for i in log.seq_ids()[2:]}

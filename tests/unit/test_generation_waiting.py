@@ -58,6 +58,9 @@ def test_the_next_sequence_is_the_least_over_the_whole_backlog_through_adds_and_
             compute[chosen.tenant] += rng.choice((0.5, 1.0, 3.0))
         assert len(waiting) == len(reference)
         assert bool(waiting) == bool(reference)
+        for rank in (0, 1, 2):
+            oldest = min((s.arrival_s for s in reference if s.priority <= rank), default=None)
+            assert waiting.oldest_arrival_s(rank) == oldest
 
 
 def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:

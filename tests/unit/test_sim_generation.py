@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from services.gpu_worker.generation.first_token import FIRST_TOKEN_DEADLINE, STANDING_QUEUE
 from services.gpu_worker.generation.scheduler import GenerationScheduler
 from services.gpu_worker.generation.sequence import SchedulerOutput, Sequence
 from services.sim.__main__ import main
 from services.sim.events import EventLoop
 from services.sim.fleet_config import FleetConfig
 from services.sim.generation import (
-    FIRST_TOKEN_DEADLINE,
     GenerationSpec,
     SimGenerationWorker,
     SimStream,
@@ -283,7 +283,12 @@ def test_continuous_batching_beats_static_on_mixed_lengths() -> None:
     # Static batches serve less than is offered; continuous ones keep up.
     assert continuous["output_tokens_per_s"] > 1.1 * static["output_tokens_per_s"]
     assert continuous["ttft_ms"]["p99"] < static["ttft_ms"]["p50"]
-    assert continuous["goodput_per_s"] > 2 * static["goodput_per_s"]
+    assert continuous["goodput_per_s"] > 1.5 * static["goodput_per_s"]
+    assert continuous["refusals"] == {}  # its waiting queue never stands
+    # Static batches' queue stands: online streams are refused or dropped unrun, and those
+    # served see their first token within the SLO (p99 3.1 s here before the rule, 1.4 s after).
+    assert set(static["refusals"]) == {f"worker_{STANDING_QUEUE}"}
+    assert static["ttft_ms"]["p99"] <= 1000 * shipped("static").spec.ttft_slo_s
 
 
 def test_a_fleet_spreads_streams_over_its_workers_through_the_router() -> None:

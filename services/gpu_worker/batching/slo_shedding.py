@@ -58,6 +58,15 @@ _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 EXPIRED, PAST_SLO = "expired", "past_slo"
 
 
+def standing_queue_for(slo_s: float, *, min_target_s: float = 0.0) -> StandingQueue:
+    """CoDel's test of a queue serving a model of `slo_s`: a wait above TARGET_SLO_SHARE of the
+    SLO (at least `min_target_s`) for INTERVAL_SLO_SHARE of it, held HOLD_INTERVALS (the
+    worker's lanes here, and its generation engines: generation.standing_shedding)."""
+    target_s = max(TARGET_SLO_SHARE * slo_s, min_target_s)
+    interval_s = INTERVAL_SLO_SHARE * slo_s
+    return StandingQueue(target_s, interval_s, hold_s=HOLD_INTERVALS * interval_s)
+
+
 def admitted_alone(item: QueuedItem, finish_s: float) -> QueuedItem:
     """`item` as an idle lane queues it, its own compute predicted to end at `finish_s` (the
     safety margin included). One that cannot meet its SLO bound so is admitted to its deadline
@@ -93,9 +102,7 @@ class SloShedding:
         self._slo_spreads = slo_spreads
         # A row may wait up to `max_linger_s` on purpose (lingering to fill its batch while
         # another key's batch leaves): only a wait past that, and past the target, is queueing.
-        target_s = max(TARGET_SLO_SHARE * slo_s, max_linger_s)
-        interval_s = INTERVAL_SLO_SHARE * slo_s
-        self.queue = StandingQueue(target_s, interval_s, hold_s=HOLD_INTERVALS * interval_s)
+        self.queue = standing_queue_for(slo_s, min_target_s=max_linger_s)
 
     @classmethod
     def for_model(cls, slo_s: float, shed_past_slo: bool, driver: DriverConfig) -> SloShedding:

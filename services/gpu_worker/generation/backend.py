@@ -19,6 +19,7 @@ from services.gpu_worker.generation.scheduler import (
     GenerationScheduler,
     GenerationSchedulerConfig,
 )
+from services.gpu_worker.generation.standing_shedding import StandingShedding
 from services.gpu_worker.served_model import BatchLoads, ServedModel
 from services.gpu_worker.thread_choice import ThreadChoice, thread_options
 
@@ -111,6 +112,8 @@ class GenerationBackend(ServedModel):
             max_model_len=self._max_model_len,
             is_cache_per_tenant=settings.prefix_caching == "per_tenant",
             thread_choice=self.thread_choice,
+            # Online requests refused while the waiting queue stands, as the lanes' rows are.
+            shedding=StandingShedding(config.slo_s),
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 
@@ -202,7 +205,7 @@ class GenerationBackend(ServedModel):
             per_row_s=step_s / self.settings.max_num_batched_tokens,
             min_batch_s=step_s,
             queued_rows=self.engine.num_waiting_tokens,
-            kv_blocks_free=self.engine.num_free_blocks,
+            kv_blocks_free=self.scheduler.num_free_blocks,
             kv_block_size=self.settings.block_size,
             max_model_len=self.max_model_len,
         )

@@ -25,7 +25,6 @@ from tokenizers import Tokenizer
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
-from services.gpu_worker.generation.first_token import predicted_first_token_s
 from services.gpu_worker.generation.live_requests import LiveRequests
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner
@@ -35,6 +34,7 @@ from services.gpu_worker.generation.sampler import Sampler
 from services.gpu_worker.generation.scheduler import GenerationScheduler
 from services.gpu_worker.generation.sequence import ScheduledSequence
 from services.gpu_worker.generation.sequence import Sequence as SchedSequence
+from services.gpu_worker.generation.standing_shedding import StandingShedding, admission_refusal
 from services.gpu_worker.generation.step_executor import DEFAULT_WATCHDOG_S, StepExecutor
 from services.gpu_worker.generation.step_inputs import is_decode
 from services.gpu_worker.thread_choice import StepCycles, ThreadChoice
@@ -55,11 +55,13 @@ class GenerationEngine:
         max_model_len: int,
         is_cache_per_tenant: bool = False,
         thread_choice: ThreadChoice | None = None,
+        shedding: StandingShedding | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`is_cache_per_tenant`: prefix-cached blocks are shared only among one tenant's
         sequences (the scheduler's config says whether there is a prefix cache at all).
-        `thread_choice`: picks each step's torch threads on a CPU (None: as set; StepCycles)."""
+        `thread_choice`: picks each step's torch threads on a CPU (None: as set; StepCycles).
+        `shedding`: refuses online requests while the waiting queue stands (None: never)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -85,8 +87,9 @@ class GenerationEngine:
         #: Why the loop died, once it has: every later request is refused with it.
         self._fatal: Exception | None = None
         self.num_steps = 0
-        self._mean_step_s = 0.01
+        self.mean_step_s = 0.01  # moving average of one step's duration (read-only outside)
         self._prefill_hold = PrefillHold()
+        self._shedding = shedding
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -140,18 +143,9 @@ class GenerationEngine:
             self.steps.shutdown()
 
     @property
-    def num_free_blocks(self) -> int:
-        return self.scheduler.num_free_blocks
-
-    @property
     def num_waiting_tokens(self) -> int:
         """Prompt tokens whose first token is not sampled yet (the prefill backlog routers see)."""
         return self._requests.num_waiting_tokens
-
-    @property
-    def mean_step_s(self) -> float:
-        """Moving average of one step's duration (seconds)."""
-        return self._mean_step_s
 
     # -- requests --------------------------------------------------------------------------
 
@@ -220,7 +214,19 @@ class GenerationEngine:
         request: RequestStream | None = None
         decision: Admitted | Rejected | None = self.scheduler.refusal(sequence)
         if decision is None:
-            self._check_first_token(len(prompt_ids), first_token_limit_s)
+            refusal = admission_refusal(
+                self._shedding,
+                self.scheduler,
+                now_s=now,
+                rank=priority,
+                limit_s=first_token_limit_s,
+                num_waiting_tokens=self.num_waiting_tokens,
+                num_prompt_tokens=len(prompt_ids),
+                step_s=self.mean_step_s,
+            )
+            if refusal is not None:
+                self._bound.rejected_total.inc()
+                raise Overloaded(refusal.message, retry_after_s=refusal.retry_after_s)
             # Opened before its sequence is queued (a sequence queued with no request would run
             # unread, never stopped by its max_tokens), after what may refuse it.
             request = RequestStream.open(
@@ -236,24 +242,6 @@ class GenerationEngine:
         assert request is not None  # admitted: opened above
         self._requests.add(request)
         return request
-
-    def _check_first_token(self, num_prompt_tokens: int, limit_s: float | None) -> None:
-        if limit_s is None:
-            return
-        predicted_s = predicted_first_token_s(
-            num_waiting_tokens=self.num_waiting_tokens,
-            num_running=self.scheduler.num_running,
-            num_prompt_tokens=num_prompt_tokens,
-            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            step_s=self._mean_step_s,
-        )
-        if predicted_s > limit_s:
-            self._bound.rejected_total.inc()
-            raise Overloaded(
-                f"generation request refused: first token predicted in {predicted_s:.3f}s,"
-                f" past the {limit_s:.3f}s it may take",
-                retry_after_s=predicted_s - limit_s,
-            )
 
     def _cancel(self, seq_id: int) -> None:
         self._requests.pop(seq_id)
@@ -280,7 +268,14 @@ class GenerationEngine:
                 or self._prefill_hold.admits(self._clock(), num_running=self.scheduler.num_running)
                 or self.scheduler.is_prefilling  # a scan of the running sequences: last
             )
+            if shedding := self._shedding:  # online sequences late already go unrun
+                for seq_id, late in shedding.expired(self._clock(), self.scheduler):
+                    self._bound.rejected_total.inc()
+                    error = Overloaded(late.message, retry_after_s=late.retry_after_s)
+                    self._end_sequence(seq_id, error)
             output = self.scheduler.schedule(admit=admit)
+            if shedding:  # what the plan left waiting
+                shedding.planned(self._clock(), self.scheduler)
             self._bound.scheduled(output, self.scheduler, self.runner.num_blocks)
             if not output.scheduled:
                 self._send_unsent()
@@ -316,7 +311,7 @@ class GenerationEngine:
             self._prefill_hold.record(
                 has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
             )
-            self._mean_step_s += 0.1 * (step_s - self._mean_step_s)
+            self.mean_step_s += 0.1 * (step_s - self.mean_step_s)
             self._bound.stepped(step_s, output, self._requests)
             try:
                 self._finish_step(output.scheduled, logits, defer=overlaps)
@@ -395,6 +390,9 @@ class GenerationEngine:
         self._cancelled.clear()
 
     def _fail_sequence(self, seq_id: int, error: Exception) -> None:  # its stream with `error`
+        self._end_sequence(seq_id, ExecutionFailed(f"generation failed: {error}"))
+
+    def _end_sequence(self, seq_id: int, outcome: Exception) -> None:  # its stream raises it
         self._finish_sequence(seq_id)
         if (request := self._requests.pop(seq_id)) is not None:
-            request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
+            request.output.put_nowait(outcome)

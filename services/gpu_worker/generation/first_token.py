@@ -7,6 +7,32 @@ hint) rather than letting the caller time out. Pure.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
+
+#: Why a request was refused before its first token (`FirstTokenRefusal.reason`): predicted to
+#: miss its limit, or behind a standing waiting queue (standing_shedding).
+FIRST_TOKEN_DEADLINE, STANDING_QUEUE = "first_token_deadline", "standing_queue"
+
+
+class FirstTokenRefusal(NamedTuple):
+    """A request refused at admission: what the caller is told (Overloaded), and when to retry."""
+
+    reason: str
+    message: str
+    retry_after_s: float
+
+
+def deadline_refusal(predicted_s: float, limit_s: float) -> FirstTokenRefusal | None:
+    """The refusal of a request whose first token, predicted in `predicted_s`, would come past
+    the `limit_s` it may take (its caller's deadline, or the SLO of a model that sheds)."""
+    if predicted_s <= limit_s:
+        return None
+    return FirstTokenRefusal(
+        FIRST_TOKEN_DEADLINE,
+        f"generation request refused: first token predicted in {predicted_s:.3f}s,"
+        f" past the {limit_s:.3f}s it may take",
+        predicted_s - limit_s,
+    )
 
 
 def predicted_first_token_s(

@@ -15,6 +15,7 @@ choosing it costs one look per tenant waiting in that class.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable
 
 from services.gpu_worker.generation.sequence import Sequence
@@ -64,6 +65,29 @@ class WaitingSequences:
             del tenants[seq.tenant]  # type: ignore[union-attr]  # found above
             if not tenants:
                 del self._classes[seq.priority]
+
+    def oldest_arrival_s(self, max_priority: int) -> float | None:
+        """The earliest arrival among the sequences of priority `max_priority` or more urgent
+        (a preempted one's own arrival: it waits again), or None when none waits."""
+        heads = (
+            group[0].arrival_s
+            for priority, tenants in self._classes.items()
+            if priority <= max_priority
+            for group in tenants.values()
+        )
+        return min(heads, default=None)
+
+    def waited_since(self, arrived_before_s: float, max_priority: int) -> list[Sequence]:
+        """The sequences of priority `max_priority` or more urgent that arrived before
+        `arrived_before_s` and have sampled no token yet (none preempted after its first)."""
+        return [
+            seq
+            for priority, tenants in self._classes.items()
+            if priority <= max_priority
+            for group in tenants.values()
+            for seq in itertools.takewhile(lambda s: s.arrival_s < arrived_before_s, group)
+            if not seq.output_token_ids
+        ]
 
     def next(self, compute_s: Callable[[str], float]) -> Sequence:
         """The sequence to admit next: the most urgent priority class, then the tenant with the

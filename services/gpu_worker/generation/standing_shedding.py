@@ -1,0 +1,123 @@
+"""When a generation engine refuses an online request because its waiting queue stands.
+
+The first-token rule (first_token.py) refuses a request predicted to miss its caller's
+deadline. A caller that allows minutes is admitted behind any backlog, though: an HTTP client
+sends no deadline (its stream gets the model's `default_timeout_ms`, five minutes for
+tiny-llama). Past the engine's capacity, every first token then comes late, and the callers
+that give up first leave their places to others who are just as late (issue 33).
+
+So the engine applies CoDel's test to its waiting queue, derived from the model's
+time-to-first-token SLO as the batcher's lanes derive theirs (batching.slo_shedding.
+standing_queue_for). After each step's plan, it observes how long the oldest online
+(critical or interactive) sequence still waiting has waited, or 0 when none waits. The queue
+stands once that has stayed above a tenth of the SLO for a whole SLO. While it stands, a new
+online request is refused with a retry hint whenever the oldest online sequence waiting has
+waited above the target, even where its caller's deadline would allow more: it would wait
+longer still.
+
+- A burst drains within the interval: it is served whole.
+- Each refusal holds the standing (StandingQueue.hold), since the queue is short only because
+  it refuses.
+- `batch` requests queue up to their deadline and are never counted.
+- The hint is the oldest online wait: how long the queue holds work now.
+- A preempted sequence waits again under its own arrival, so its wait includes its run. One
+  such wait ends at its readmission, well within an interval.
+
+Pure: time comes in as `now_s`. The engine and the simulator's generation worker
+(services.sim.generation) use it alike.
+"""
+
+from __future__ import annotations
+
+from services.common.priority import PriorityClass
+from services.gpu_worker.batching.slo_shedding import standing_queue_for
+from services.gpu_worker.generation.first_token import (
+    STANDING_QUEUE,
+    FirstTokenRefusal,
+    deadline_refusal,
+    predicted_first_token_s,
+)
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+
+#: Requests at this rank or more urgent are online traffic.
+ONLINE_RANK = PriorityClass.INTERACTIVE.rank
+
+
+class StandingShedding:
+    """One engine's rule, for a model whose time-to-first-token SLO is `slo_s`."""
+
+    def __init__(self, slo_s: float) -> None:
+        self.slo_s = slo_s
+        self.queue = standing_queue_for(slo_s)
+
+    def expired(
+        self, now_s: float, scheduler: GenerationScheduler
+    ) -> list[tuple[int, FirstTokenRefusal]]:
+        """While the queue stands: the online sequences of `scheduler` that have waited past
+        the SLO at `now_s` with no token yet, and each one's refusal. Their first tokens are
+        late already, so they go before the next plan, unrun, and leave their places to
+        requests that can still be served in time (CoDel drops at the head)."""
+        if not self.queue.is_standing:
+            return []
+        expired = []
+        for seq in scheduler.waited_since(now_s - self.slo_s, ONLINE_RANK):
+            waited_s = now_s - seq.arrival_s
+            message = (
+                f"generation request dropped unrun: it waited {waited_s:.3f}s for its first"
+                f" token, past the model's {self.slo_s:.3f}s objective, while the waiting queue"
+                " stands"
+            )
+            expired.append((seq.seq_id, FirstTokenRefusal(STANDING_QUEUE, message, waited_s)))
+        return expired
+
+    def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
+        """`scheduler` planned a step at `now_s`: what it left waiting is observed."""
+        oldest_s = scheduler.oldest_waiting_s(ONLINE_RANK)
+        self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
+
+    def refusal(
+        self, now_s: float, rank: int, scheduler: GenerationScheduler
+    ) -> FirstTokenRefusal | None:
+        """The refusal of a new request of priority `rank` arriving at `now_s` at `scheduler`,
+        or None."""
+        if rank > ONLINE_RANK or not self.queue.is_standing:
+            return None
+        if (oldest_s := scheduler.oldest_waiting_s(ONLINE_RANK)) is None:
+            return None
+        waited_s = now_s - oldest_s
+        if waited_s <= self.queue.target_s:
+            return None
+        self.queue.hold(now_s)
+        message = (
+            "generation request refused: the waiting queue stands (the oldest online request"
+            f" has waited {waited_s:.3f}s for its first token)"
+        )
+        return FirstTokenRefusal(STANDING_QUEUE, message, waited_s)
+
+
+def admission_refusal(
+    shedding: StandingShedding | None,
+    scheduler: GenerationScheduler,
+    *,
+    now_s: float,
+    rank: int,
+    limit_s: float | None,
+    num_waiting_tokens: int,
+    num_prompt_tokens: int,
+    step_s: float,
+) -> FirstTokenRefusal | None:
+    """Why a new request of priority `rank` is refused before it is queued, or None: behind a
+    standing queue (`shedding`; None: never), or predicted to see its first token past
+    `limit_s` (None: no limit) with `num_waiting_tokens` of prefill backlog at `step_s` a
+    step (first_token.py). The engine and the simulator's worker admit by it."""
+    refusal = shedding.refusal(now_s, rank, scheduler) if shedding is not None else None
+    if refusal is None and limit_s is not None:
+        predicted_s = predicted_first_token_s(
+            num_waiting_tokens=num_waiting_tokens,
+            num_running=scheduler.num_running,
+            num_prompt_tokens=num_prompt_tokens,
+            max_num_batched_tokens=scheduler.max_num_batched_tokens,
+            step_s=step_s,
+        )
+        refusal = deadline_refusal(predicted_s, limit_s)
+    return refusal

@@ -1,0 +1,80 @@
+"""A generation engine past its capacity, with callers that allow minutes (as HTTP clients do):
+once its waiting queue stands, new online requests are refused at once with a retry hint, and
+queued ones that waited past the SLO are dropped unrun, while `batch` ones queue; everything
+else admitted is served whole, and once the flood is over a new online request is served
+(generation.standing_shedding)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+from services.common import metric_names as names
+from services.common.errors import Overloaded
+from services.common.priority import PriorityClass
+from services.common.sampling import SamplingParams
+from tests.integration.test_generation_engine import PROMPTS, make_backend, write_repository
+from tests.support.metrics import total
+
+pytestmark = pytest.mark.integration
+
+#: The model's SLO: the queue stands once its oldest online sequence has waited above 30 ms
+#: for 300 ms, and stays so 1.2 s past the last such wait or refusal.
+SLO_MS = 300
+NUM_TOKENS = 64
+
+
+async def test_a_standing_queue_refuses_online_requests_and_serves_everything_it_admits(
+    tmp_path: Path,
+) -> None:
+    # Two sequences at once: a request every 5 ms asks for several times what the engine serves.
+    backend, registry = make_backend(write_repository(tmp_path, max_num_seqs=2, slo_p99_ms=SLO_MS))
+    engine = backend.engine
+    prompt = backend.encode(PROMPTS[0])
+    params = SamplingParams(max_tokens=NUM_TOKENS, ignore_eos=True)
+    refusals: list[Overloaded] = []
+
+    async def one(priority: PriorityClass) -> int | None:
+        """The tokens a request got, or None when it was refused."""
+        got = 0
+        try:
+            # No first-token limit: a caller that allows minutes.
+            async for delta in engine.generate(prompt, params, priority=priority.rank):
+                got += len(delta.token_ids)
+        except Overloaded as refused:
+            refusals.append(refused)
+            return None
+        return got
+
+    engine.start()
+    try:
+        flood: list[asyncio.Task[int | None]] = []
+        for i in range(300):
+            priority = PriorityClass.BATCH if i % 10 == 0 else PriorityClass.INTERACTIVE
+            flood.append(asyncio.ensure_future(one(priority)))
+            await asyncio.sleep(0.005)
+        got = await asyncio.wait_for(asyncio.gather(*flood), 300)
+        # The flood is over and served: the next online request is admitted (the queue drained,
+        # whether or not its standing is still held).
+        after = await asyncio.wait_for(one(PriorityClass.INTERACTIVE), 60)
+    finally:
+        await engine.drain()
+
+    batch, interactive = got[::10], [g for i, g in enumerate(got) if i % 10]
+    assert batch == [NUM_TOKENS] * 30  # `batch` requests queue: every one served whole
+    refused = interactive.count(None)
+    assert 0 < refused < len(interactive)
+    # Nothing admitted is lost or cut short.
+    assert {g for g in interactive if g is not None} == {NUM_TOKENS}
+    assert after == NUM_TOKENS
+    for refusal in refusals:
+        assert "waiting queue stands" in str(refusal)
+        assert refusal.retry_after_s > 0.1 * SLO_MS / 1000  # above the target, as it waited
+    # Both kinds: new requests refused at once, and queued ones dropped unrun once they had
+    # waited past the SLO (admitted before the queue stood).
+    assert {"dropped unrun" in str(refusal) for refusal in refusals} == {True, False}
+    metrics = generate_latest(registry).decode()
+    assert total(metrics, names.GENERATION_REJECTED_TOTAL) == refused

@@ -1,0 +1,138 @@
+"""The generation engine's standing-queue rule (services/gpu_worker/generation/
+standing_shedding.py) over a real scheduler's waiting queue: a burst that drains within the
+interval is never refused; a queue whose oldest online sequence stays above the target for a
+whole SLO refuses new online requests while a wait above the target is queued; `batch`
+requests never are; refusals hold the standing."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.priority import PriorityClass
+from services.gpu_worker.generation.first_token import STANDING_QUEUE
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.standing_shedding import StandingShedding
+from tests.support.fake_generation import make_config, make_seq
+
+pytestmark = pytest.mark.unit
+
+SLO_S = 2.0  # tiny-llama's: target 0.2 s, interval 2 s, hold 8 s
+CRITICAL, INTERACTIVE, BATCH = (c.rank for c in PriorityClass)
+
+
+def waiting(arrivals: dict[int, tuple[float, int]]) -> GenerationScheduler:
+    """A scheduler whose sequences (seq_id -> (arrival, priority)) all wait: none scheduled."""
+    scheduler = GenerationScheduler(make_config())
+    for seq_id, (arrival_s, priority) in arrivals.items():
+        scheduler.add(make_seq(seq_id=seq_id, arrival_s=arrival_s, priority=priority))
+    return scheduler
+
+
+def plan_every(shedding: StandingShedding, scheduler: GenerationScheduler, until_s: float) -> None:
+    """Steps planned every 10 ms from 0 until `until_s`, the waiting queue left as it is."""
+    for i in range(round(until_s / 0.01) + 1):
+        shedding.planned(i * 0.01, scheduler)
+
+
+def stood(shedding: StandingShedding) -> GenerationScheduler:
+    """An online sequence waiting since 0, observed until its queue stands (interval 2 s)."""
+    scheduler = waiting({1: (0.0, INTERACTIVE)})
+    plan_every(shedding, scheduler, 1.9)
+    assert not shedding.queue.is_standing
+    plan_every(shedding, scheduler, 2.3)
+    assert shedding.queue.is_standing
+    return scheduler
+
+
+def test_a_burst_that_drains_within_the_interval_is_never_refused() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = waiting({i: (0.0, INTERACTIVE) for i in range(1, 33)})
+
+    plan_every(shedding, scheduler, 1.9)  # waited far above the target, not for an interval
+    assert shedding.refusal(1.9, INTERACTIVE, scheduler) is None
+    for seq_id in range(1, 33):
+        scheduler.finish(seq_id)
+    shedding.planned(1.95, scheduler)  # drained
+    scheduler.add(make_seq(seq_id=40, arrival_s=1.96))
+    for now_s in (2.0, 2.5, 3.0):
+        shedding.planned(now_s, scheduler)
+    assert not shedding.queue.is_standing
+    assert shedding.refusal(3.0, INTERACTIVE, scheduler) is None
+
+
+def test_a_standing_queue_refuses_new_online_requests_with_the_oldest_wait_as_hint() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = stood(shedding)
+
+    for rank in (CRITICAL, INTERACTIVE):
+        refusal = shedding.refusal(2.5, rank, scheduler)
+        assert refusal is not None
+        assert refusal.reason == STANDING_QUEUE
+        assert refusal.retry_after_s == pytest.approx(2.5)
+        assert "stands" in refusal.message
+    # `batch` requests queue up to their deadline.
+    assert shedding.refusal(2.5, BATCH, scheduler) is None
+
+
+def test_only_online_waits_count_and_a_drained_head_admits_while_standing() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = waiting({1: (0.0, BATCH)})
+    plan_every(shedding, scheduler, 5.0)  # a batch backlog of 5 s stands nothing
+    assert not shedding.queue.is_standing
+
+    shedding = StandingShedding(SLO_S)
+    scheduler = stood(shedding)
+    scheduler.finish(1)
+    scheduler.add(make_seq(seq_id=2, arrival_s=2.3, priority=INTERACTIVE))
+    # Still standing (held), but the oldest online wait is within the target: admitted.
+    assert shedding.refusal(2.45, INTERACTIVE, scheduler) is None
+    assert shedding.queue.is_standing
+    # Once it has waited above the target, new ones are refused again, with no new interval.
+    assert shedding.refusal(2.6, INTERACTIVE, scheduler) is not None
+
+
+def test_refusals_hold_the_standing_and_it_ends_a_hold_after_the_last() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = stood(shedding)
+    hold_s = shedding.queue.hold_s
+    assert hold_s == pytest.approx(8.0)
+    # The queue's own waits stay within the target from 2.3 on (refusals keep it short) ...
+    scheduler.finish(1)
+    scheduler.add(make_seq(seq_id=2, arrival_s=9.95, priority=INTERACTIVE))
+    assert shedding.refusal(10.2, INTERACTIVE, scheduler) is not None  # refused at 10.2
+    shedding.planned(10.25, waiting({}))
+    # ... so it stands a hold past the last refusal, not past the last wait above the target.
+    shedding.planned(2.3 + hold_s + 0.1, waiting({}))
+    assert shedding.queue.is_standing
+    shedding.planned(10.2 + hold_s + 0.1, waiting({}))
+    assert not shedding.queue.is_standing
+    # A new backlog then waits a whole interval before it is refused.
+    late = waiting({3: (20.0, INTERACTIVE)})
+    shedding.planned(20.5, late)
+    assert shedding.refusal(20.5, INTERACTIVE, late) is None
+
+
+def test_a_standing_queue_drops_the_online_sequences_that_waited_past_the_slo_unrun() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = waiting(
+        {
+            1: (0.0, INTERACTIVE),  # past the SLO at 2.5: dropped
+            2: (0.4, CRITICAL),  # likewise
+            3: (0.3, BATCH),  # `batch`: queues to its deadline
+            4: (1.0, INTERACTIVE),  # within the SLO at 2.5
+        }
+    )
+    preempted = make_seq(seq_id=5, arrival_s=0.1, priority=INTERACTIVE)
+    preempted.output_token_ids.append(7)  # streamed a token before its preemption
+    scheduler.add(preempted)
+    assert shedding.expired(2.5, scheduler) == []  # not standing (yet): nothing goes
+
+    plan_every(shedding, scheduler, 2.3)
+    assert shedding.queue.is_standing
+    expired = dict(shedding.expired(2.5, scheduler))
+
+    assert sorted(expired) == [1, 2]
+    assert expired[1].reason == STANDING_QUEUE
+    assert expired[1].retry_after_s == pytest.approx(2.5)
+    assert expired[2].retry_after_s == pytest.approx(2.1)
+    assert "dropped unrun" in expired[1].message
