@@ -162,7 +162,7 @@ async def run(
                 tokens.extend(delta.token_ids)
                 stamps.append(time.perf_counter())
         except Overloaded:
-            results[index] = {"tokens": None}  # refused (a standing queue): no tokens
+            results[index] = {"tokens": None}  # refused, or dropped unrun: no tokens
             return
         ttft = stamps[0] - sent
         tpot = (stamps[-1] - stamps[0]) / max(1, len(tokens) - 1)
@@ -172,6 +172,8 @@ async def run(
     elapsed = time.perf_counter() - start
     await engine.drain()
     served = [r for r in results if r["tokens"] is not None]
+    if not served:
+        raise SystemExit("every request was refused: nothing to measure")
     num_tokens = sum(len(r["tokens"]) for r in served)
     ttfts = [r["ttft_s"] for r in served]
     # Goodput: the tokens of the requests whose first token came within the model's TTFT

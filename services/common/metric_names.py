@@ -130,6 +130,8 @@ GENERATION_CUDA_GRAPHS = "inference_generation_cuda_graphs"
 GENERATION_FINISHED_TOTAL = "inference_generation_finished_total"
 GENERATION_CANCELLED_TOTAL = "inference_generation_cancelled_total"
 GENERATION_REJECTED_TOTAL = "inference_generation_rejected_total"
+GENERATION_DROPPED_TOTAL = "inference_generation_dropped_total"
+GENERATION_QUEUE_STANDING = "inference_generation_queue_standing"
 
 # Job runners (durable batch jobs).
 JOBS_ITEMS_TOTAL = "inference_jobs_items_total"

@@ -39,7 +39,7 @@ from services.sim.traffic import Arrival
 DUMMY_TOKEN_ID = 1
 
 #: The engine's moving mean step time before its first step, and the EWMA weight of each step
-#: (engine.py's `_mean_step_s`; the engine imports asyncio and torch, the simulator must not).
+#: (engine.py's `mean_step_s`; the engine imports asyncio and torch, the simulator must not).
 INITIAL_MEAN_STEP_S = 0.01
 MEAN_STEP_ALPHA = 0.1
 
@@ -109,6 +109,8 @@ class GenerationSpec:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if not (math.isfinite(self.ttft_slo_s) and self.ttft_slo_s > 0):
+            raise ValueError("ttft_slo_ms must be > 0: the engine's standing queue reads it")
 
     def scheduler_config(self) -> GenerationSchedulerConfig:
         """As GenerationBackend builds it from the model's [generation] table."""
@@ -238,6 +240,7 @@ class SimGenerationWorker:
             self.scheduler,
             now_s=now_s,
             rank=_rank_of(arrival.priority),
+            tenant=arrival.tenant,
             limit_s=limit_s,
             num_waiting_tokens=self.num_waiting_tokens,
             num_prompt_tokens=num_prompt,
@@ -270,8 +273,10 @@ class SimGenerationWorker:
     # -- the engine's loop -----------------------------------------------------------------
 
     def _start_step(self, now_s: float) -> None:
-        for seq_id, late in self.shedding.expired(now_s, self.scheduler):
-            self._end(now_s, self._streams[seq_id], late.reason)
+        for seq_id, late in self.shedding.expired(now_s, self.scheduler).items():
+            stream = self._streams.get(seq_id)
+            assert stream is not None  # every sequence queued has its stream until it ends
+            self._end(now_s, stream, late.reason)
         output = self.scheduler.schedule()
         self.shedding.planned(now_s, self.scheduler)
         if not output.scheduled:

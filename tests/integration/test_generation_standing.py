@@ -27,7 +27,7 @@ SLO_MS = 300
 NUM_TOKENS = 64
 
 
-async def test_a_standing_queue_refuses_online_requests_and_serves_everything_it_admits(
+async def test_a_standing_queue_refuses_and_drops_online_requests_and_serves_the_rest_whole(
     tmp_path: Path,
 ) -> None:
     # Two sequences at once: a request every 5 ms asks for several times what the engine serves.
@@ -56,6 +56,10 @@ async def test_a_standing_queue_refuses_online_requests_and_serves_everything_it
             priority = PriorityClass.BATCH if i % 10 == 0 else PriorityClass.INTERACTIVE
             flood.append(asyncio.ensure_future(one(priority)))
             await asyncio.sleep(0.005)
+            if i == 200:  # a second into the flood, well past its first interval
+                standing = total(
+                    generate_latest(registry).decode(), names.GENERATION_QUEUE_STANDING
+                )
         got = await asyncio.wait_for(asyncio.gather(*flood), 300)
         # The flood is over and served: the next online request is admitted (the queue drained,
         # whether or not its standing is still held).
@@ -76,5 +80,9 @@ async def test_a_standing_queue_refuses_online_requests_and_serves_everything_it
     # Both kinds: new requests refused at once, and queued ones dropped unrun once they had
     # waited past the SLO (admitted before the queue stood).
     assert {"dropped unrun" in str(refusal) for refusal in refusals} == {True, False}
+    dropped = sum("dropped unrun" in str(refusal) for refusal in refusals)
     metrics = generate_latest(registry).decode()
-    assert total(metrics, names.GENERATION_REJECTED_TOTAL) == refused
+    assert total(metrics, names.GENERATION_REJECTED_TOTAL) == refused - dropped
+    assert total(metrics, names.GENERATION_DROPPED_TOTAL) == dropped
+    assert standing == 1
+    assert total(metrics, names.GENERATION_QUEUE_STANDING) == 0  # nothing waits any more

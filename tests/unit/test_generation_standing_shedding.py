@@ -49,7 +49,7 @@ def test_a_burst_that_drains_within_the_interval_is_never_refused() -> None:
     scheduler = waiting({i: (0.0, INTERACTIVE) for i in range(1, 33)})
 
     plan_every(shedding, scheduler, 1.9)  # waited far above the target, not for an interval
-    assert shedding.refusal(1.9, INTERACTIVE, scheduler) is None
+    assert shedding.refusal(1.9, INTERACTIVE, "", scheduler) is None
     for seq_id in range(1, 33):
         scheduler.finish(seq_id)
     shedding.planned(1.95, scheduler)  # drained
@@ -57,21 +57,55 @@ def test_a_burst_that_drains_within_the_interval_is_never_refused() -> None:
     for now_s in (2.0, 2.5, 3.0):
         shedding.planned(now_s, scheduler)
     assert not shedding.queue.is_standing
-    assert shedding.refusal(3.0, INTERACTIVE, scheduler) is None
+    assert shedding.refusal(3.0, INTERACTIVE, "", scheduler) is None
 
 
 def test_a_standing_queue_refuses_new_online_requests_with_the_oldest_wait_as_hint() -> None:
     shedding = StandingShedding(SLO_S)
-    scheduler = stood(shedding)
+    scheduler = stood(shedding)  # an interactive sequence waiting since 0
 
-    for rank in (CRITICAL, INTERACTIVE):
-        refusal = shedding.refusal(2.5, rank, scheduler)
-        assert refusal is not None
-        assert refusal.reason == STANDING_QUEUE
-        assert refusal.retry_after_s == pytest.approx(2.5)
-        assert "stands" in refusal.message
-    # `batch` requests queue up to their deadline.
-    assert shedding.refusal(2.5, BATCH, scheduler) is None
+    refusal = shedding.refusal(2.5, INTERACTIVE, "", scheduler)
+    assert refusal is not None
+    assert refusal.reason == STANDING_QUEUE
+    assert refusal.retry_after_s == pytest.approx(2.5)
+    assert "stands" in refusal.message
+    # `batch` requests queue up to their deadline; a critical one waits behind no interactive
+    # one (the scheduler admits the more urgent class first).
+    assert shedding.refusal(2.5, BATCH, "", scheduler) is None
+    assert shedding.refusal(2.5, CRITICAL, "", scheduler) is None
+    # Behind a critical wait above the target, both online classes are refused.
+    scheduler.add(make_seq(seq_id=2, arrival_s=2.0, priority=CRITICAL))
+    # Each hint is the oldest wait ahead: the critical one's 0.5 s, the interactive one's 2.5 s.
+    for rank, waited_s in ((CRITICAL, 0.5), (INTERACTIVE, 2.5)):
+        refusal = shedding.refusal(2.5, rank, "", scheduler)
+        assert refusal is not None and refusal.retry_after_s == pytest.approx(waited_s)
+
+
+def test_a_tenant_is_refused_behind_its_own_backlog_not_another_tenants() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = GenerationScheduler(make_config())
+    scheduler.add(make_seq(seq_id=1, arrival_s=0.0, priority=INTERACTIVE, tenant="flood"))
+    plan_every(shedding, scheduler, 2.3)
+    assert shedding.queue.is_standing
+
+    assert shedding.refusal(2.5, INTERACTIVE, "flood", scheduler) is not None
+    # Another tenant has nothing waiting: the scheduler admits it, having less compute, first.
+    assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None
+    scheduler.add(make_seq(seq_id=2, arrival_s=2.45, priority=INTERACTIVE, tenant="quiet"))
+    assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None  # 50 ms: within
+    assert shedding.refusal(2.8, INTERACTIVE, "quiet", scheduler) is not None
+
+
+def test_a_preempted_sequence_that_streamed_tokens_is_not_a_wait() -> None:
+    shedding = StandingShedding(SLO_S)
+    scheduler = GenerationScheduler(make_config())
+    preempted = make_seq(seq_id=1, arrival_s=0.0, priority=INTERACTIVE)
+    preempted.output_token_ids.extend((3, 4))  # ran from 0, then was preempted
+    scheduler.add(preempted)
+
+    plan_every(shedding, scheduler, 5.0)
+    assert not shedding.queue.is_standing
+    assert shedding.expired(5.0, scheduler) == {}
 
 
 def test_only_online_waits_count_and_a_drained_head_admits_while_standing() -> None:
@@ -85,10 +119,10 @@ def test_only_online_waits_count_and_a_drained_head_admits_while_standing() -> N
     scheduler.finish(1)
     scheduler.add(make_seq(seq_id=2, arrival_s=2.3, priority=INTERACTIVE))
     # Still standing (held), but the oldest online wait is within the target: admitted.
-    assert shedding.refusal(2.45, INTERACTIVE, scheduler) is None
+    assert shedding.refusal(2.45, INTERACTIVE, "", scheduler) is None
     assert shedding.queue.is_standing
     # Once it has waited above the target, new ones are refused again, with no new interval.
-    assert shedding.refusal(2.6, INTERACTIVE, scheduler) is not None
+    assert shedding.refusal(2.6, INTERACTIVE, "", scheduler) is not None
 
 
 def test_refusals_hold_the_standing_and_it_ends_a_hold_after_the_last() -> None:
@@ -99,7 +133,7 @@ def test_refusals_hold_the_standing_and_it_ends_a_hold_after_the_last() -> None:
     # The queue's own waits stay within the target from 2.3 on (refusals keep it short) ...
     scheduler.finish(1)
     scheduler.add(make_seq(seq_id=2, arrival_s=9.95, priority=INTERACTIVE))
-    assert shedding.refusal(10.2, INTERACTIVE, scheduler) is not None  # refused at 10.2
+    assert shedding.refusal(10.2, INTERACTIVE, "", scheduler) is not None  # refused at 10.2
     shedding.planned(10.25, waiting({}))
     # ... so it stands a hold past the last refusal, not past the last wait above the target.
     shedding.planned(2.3 + hold_s + 0.1, waiting({}))
@@ -109,7 +143,7 @@ def test_refusals_hold_the_standing_and_it_ends_a_hold_after_the_last() -> None:
     # A new backlog then waits a whole interval before it is refused.
     late = waiting({3: (20.0, INTERACTIVE)})
     shedding.planned(20.5, late)
-    assert shedding.refusal(20.5, INTERACTIVE, late) is None
+    assert shedding.refusal(20.5, INTERACTIVE, "", late) is None
 
 
 def test_a_standing_queue_drops_the_online_sequences_that_waited_past_the_slo_unrun() -> None:
@@ -125,7 +159,7 @@ def test_a_standing_queue_drops_the_online_sequences_that_waited_past_the_slo_un
     preempted = make_seq(seq_id=5, arrival_s=0.1, priority=INTERACTIVE)
     preempted.output_token_ids.append(7)  # streamed a token before its preemption
     scheduler.add(preempted)
-    assert shedding.expired(2.5, scheduler) == []  # not standing (yet): nothing goes
+    assert shedding.expired(2.5, scheduler) == {}  # not standing (yet): nothing goes
 
     plan_every(shedding, scheduler, 2.3)
     assert shedding.queue.is_standing

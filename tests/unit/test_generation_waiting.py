@@ -61,6 +61,13 @@ def test_the_next_sequence_is_the_least_over_the_whole_backlog_through_adds_and_
         for rank in (0, 1, 2):
             oldest = min((s.arrival_s for s in reference if s.priority <= rank), default=None)
             assert waiting.oldest_arrival_s(rank) == oldest
+            for tenant in "ab":
+                ahead = [
+                    s.arrival_s
+                    for s in reference
+                    if s.priority < rank or (s.priority == rank and s.tenant == tenant)
+                ]
+                assert waiting.oldest_ahead_s(rank, tenant) == min(ahead, default=None)
 
 
 def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:

@@ -113,7 +113,12 @@ class GenerationBackend(ServedModel):
             is_cache_per_tenant=settings.prefix_caching == "per_tenant",
             thread_choice=self.thread_choice,
             # Online requests refused while the waiting queue stands, as the lanes' rows are.
-            shedding=StandingShedding(config.slo_s),
+            shedding=(shedding := StandingShedding(config.slo_s)),
+        )
+        # Standing while it holds something: an idle engine observes nothing, and its last
+        # observation may be a hold's (as the lanes' `_is_standing`).
+        metrics.queue_standing.labels(config.name, version.version).set_function(
+            lambda: int(shedding.queue.is_standing and self.scheduler.num_waiting > 0)
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 

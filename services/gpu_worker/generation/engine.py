@@ -219,6 +219,7 @@ class GenerationEngine:
                 self.scheduler,
                 now_s=now,
                 rank=priority,
+                tenant=tenant,
                 limit_s=first_token_limit_s,
                 num_waiting_tokens=self.num_waiting_tokens,
                 num_prompt_tokens=len(prompt_ids),
@@ -269,8 +270,8 @@ class GenerationEngine:
                 or self.scheduler.is_prefilling  # a scan of the running sequences: last
             )
             if shedding := self._shedding:  # online sequences late already go unrun
-                for seq_id, late in shedding.expired(self._clock(), self.scheduler):
-                    self._bound.rejected_total.inc()
+                for seq_id, late in shedding.expired(self._clock(), self.scheduler).items():
+                    self._bound.dropped_total.inc()
                     error = Overloaded(late.message, retry_after_s=late.retry_after_s)
                     self._end_sequence(seq_id, error)
             output = self.scheduler.schedule(admit=admit)

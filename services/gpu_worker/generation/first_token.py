@@ -7,15 +7,17 @@ hint) rather than letting the caller time out. Pure.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from dataclasses import dataclass
 
 #: Why a request was refused before its first token (`FirstTokenRefusal.reason`): predicted to
 #: miss its limit, or behind a standing waiting queue (standing_shedding).
 FIRST_TOKEN_DEADLINE, STANDING_QUEUE = "first_token_deadline", "standing_queue"
 
 
-class FirstTokenRefusal(NamedTuple):
-    """A request refused at admission: what the caller is told (Overloaded), and when to retry."""
+@dataclass(frozen=True)
+class FirstTokenRefusal:
+    """A request refused at admission, or dropped unrun: what the caller is told (Overloaded),
+    and when to retry."""
 
     reason: str
     message: str

@@ -143,6 +143,18 @@ class GenerationMetrics:
         self.rejected_total = new.counter(
             names.GENERATION_REJECTED_TOTAL, "Requests refused at admission.", _MODEL
         )
+        self.dropped_total = new.counter(
+            names.GENERATION_DROPPED_TOTAL,
+            "Online requests dropped unrun while the waiting queue stood: they had waited past"
+            " the time-to-first-token SLO with no token (generation/standing_shedding.py).",
+            _MODEL,
+        )
+        self.queue_standing = new.gauge(
+            names.GENERATION_QUEUE_STANDING,
+            "1 while the waiting queue stands: online requests are refused, and those that"
+            " waited past the time-to-first-token SLO dropped (generation/standing_shedding.py).",
+            _MODEL,
+        )
 
     def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
         """This model version's children of every per-model metric, looked up once:
@@ -173,6 +185,7 @@ class BoundGenerationMetrics:
         self.tokens_total = child(metrics.tokens_total)
         self.cancelled_total = child(metrics.cancelled_total)
         self.rejected_total = child(metrics.rejected_total)
+        self.dropped_total = child(metrics.dropped_total)
         # Created at load (at zero) like the fixed-cost models' series: the duty cycle's.
         busy = metrics.device_busy_seconds_total
         self.device_busy_seconds_total = (

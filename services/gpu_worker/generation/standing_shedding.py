@@ -10,18 +10,24 @@ So the engine applies CoDel's test to its waiting queue, derived from the model'
 time-to-first-token SLO as the batcher's lanes derive theirs (batching.slo_shedding.
 standing_queue_for). After each step's plan, it observes how long the oldest online
 (critical or interactive) sequence still waiting has waited, or 0 when none waits. The queue
-stands once that has stayed above a tenth of the SLO for a whole SLO. While it stands, a new
-online request is refused with a retry hint whenever the oldest online sequence waiting has
-waited above the target, even where its caller's deadline would allow more: it would wait
-longer still.
-
-- A burst drains within the interval: it is served whole.
+stands once that has stayed above a tenth of the SLO for a whole SLO. While it stands:
+- A new online request is refused with a retry hint when what it would wait behind holds a
+  wait above the target, even where its caller's deadline would allow more: it would wait
+  longer still. What it waits behind is every more urgent class, and its own tenant's
+  sequences of its class (the scheduler admits the tenant with the least compute first), so
+  a critical request is not refused behind interactive ones, nor a tenant within its share
+  behind another tenant's flood. The hint is that wait.
+- Before each plan, an online sequence that has waited past the SLO with no token yet is
+  dropped unrun, with the same status: its first token is late already, and its place can
+  serve a request in time (CoDel drops at the head). Without this, what was admitted during
+  the first interval, before the queue stood, waited for the whole flood (16 s at 10x).
 - Each refusal holds the standing (StandingQueue.hold), since the queue is short only because
   it refuses.
-- `batch` requests queue up to their deadline and are never counted.
-- The hint is the oldest online wait: how long the queue holds work now.
-- A preempted sequence waits again under its own arrival, so its wait includes its run. One
-  such wait ends at its readmission, well within an interval.
+
+A burst drains within the interval: it is served whole. `batch` requests queue up to their
+deadline; they are never counted, refused or dropped. Neither is a preempted sequence that
+has streamed tokens: it waits again, but from its own arrival, which is not when it began to
+wait.
 
 Pure: time comes in as `now_s`. The engine and the simulator's generation worker
 (services.sim.generation) use it alike.
@@ -50,16 +56,14 @@ class StandingShedding:
         self.slo_s = slo_s
         self.queue = standing_queue_for(slo_s)
 
-    def expired(
-        self, now_s: float, scheduler: GenerationScheduler
-    ) -> list[tuple[int, FirstTokenRefusal]]:
+    def expired(self, now_s: float, scheduler: GenerationScheduler) -> dict[int, FirstTokenRefusal]:
         """While the queue stands: the online sequences of `scheduler` that have waited past
-        the SLO at `now_s` with no token yet, and each one's refusal. Their first tokens are
-        late already, so they go before the next plan, unrun, and leave their places to
-        requests that can still be served in time (CoDel drops at the head)."""
+        the SLO at `now_s` with no token yet, by seq_id, each with its refusal. Their first
+        tokens are late already, so they go before the next plan, unrun, and leave their
+        places to requests that can still be served in time (CoDel drops at the head)."""
+        expired: dict[int, FirstTokenRefusal] = {}
         if not self.queue.is_standing:
-            return []
-        expired = []
+            return expired
         for seq in scheduler.waited_since(now_s - self.slo_s, ONLINE_RANK):
             waited_s = now_s - seq.arrival_s
             message = (
@@ -67,7 +71,7 @@ class StandingShedding:
                 f" token, past the model's {self.slo_s:.3f}s objective, while the waiting queue"
                 " stands"
             )
-            expired.append((seq.seq_id, FirstTokenRefusal(STANDING_QUEUE, message, waited_s)))
+            expired[seq.seq_id] = FirstTokenRefusal(STANDING_QUEUE, message, waited_s)
         return expired
 
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
@@ -76,20 +80,23 @@ class StandingShedding:
         self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
 
     def refusal(
-        self, now_s: float, rank: int, scheduler: GenerationScheduler
+        self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
     ) -> FirstTokenRefusal | None:
-        """The refusal of a new request of priority `rank` arriving at `now_s` at `scheduler`,
-        or None."""
+        """The refusal of a new request of priority `rank` from `tenant` arriving at `now_s` at
+        `scheduler`, or None: refused when what it would wait behind (its own tenant's
+        sequences of its class, and every more urgent class: `oldest_ahead_s`) holds a wait
+        above the target. A critical request is not refused behind interactive ones, nor a
+        tenant within its fair share behind another's backlog."""
         if rank > ONLINE_RANK or not self.queue.is_standing:
             return None
-        if (oldest_s := scheduler.oldest_waiting_s(ONLINE_RANK)) is None:
+        if (oldest_s := scheduler.oldest_ahead_s(rank, tenant)) is None:
             return None
         waited_s = now_s - oldest_s
         if waited_s <= self.queue.target_s:
             return None
         self.queue.hold(now_s)
         message = (
-            "generation request refused: the waiting queue stands (the oldest online request"
+            "generation request refused: the waiting queue stands (what it would wait behind"
             f" has waited {waited_s:.3f}s for its first token)"
         )
         return FirstTokenRefusal(STANDING_QUEUE, message, waited_s)
@@ -101,16 +108,17 @@ def admission_refusal(
     *,
     now_s: float,
     rank: int,
+    tenant: str,
     limit_s: float | None,
     num_waiting_tokens: int,
     num_prompt_tokens: int,
     step_s: float,
 ) -> FirstTokenRefusal | None:
-    """Why a new request of priority `rank` is refused before it is queued, or None: behind a
-    standing queue (`shedding`; None: never), or predicted to see its first token past
-    `limit_s` (None: no limit) with `num_waiting_tokens` of prefill backlog at `step_s` a
-    step (first_token.py). The engine and the simulator's worker admit by it."""
-    refusal = shedding.refusal(now_s, rank, scheduler) if shedding is not None else None
+    """Why a new request of priority `rank` from `tenant` is refused before it is queued, or
+    None: behind a standing queue (`shedding`; None: never), or predicted to see its first
+    token past `limit_s` (None: no limit) with `num_waiting_tokens` of prefill backlog at
+    `step_s` a step (first_token.py). The engine and the simulator's worker admit by it."""
+    refusal = shedding.refusal(now_s, rank, tenant, scheduler) if shedding is not None else None
     if refusal is None and limit_s is not None:
         predicted_s = predicted_first_token_s(
             num_waiting_tokens=num_waiting_tokens,

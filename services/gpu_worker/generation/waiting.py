@@ -25,6 +25,12 @@ def _arrival(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival_s, seq.seq_id)
 
 
+def _first_unstarted(group: list[Sequence]) -> float | None:
+    """The arrival of a group's first sequence with no token yet (one look, but where a
+    preempted sequence that streamed tokens comes first), or None."""
+    return next((seq.arrival_s for seq in group if not seq.output_token_ids), None)
+
+
 class WaitingSequences:
     """Waiting sequences by priority class (lower first) and tenant, each group in arrival
     order."""
@@ -68,14 +74,26 @@ class WaitingSequences:
 
     def oldest_arrival_s(self, max_priority: int) -> float | None:
         """The earliest arrival among the sequences of priority `max_priority` or more urgent
-        (a preempted one's own arrival: it waits again), or None when none waits."""
+        that have no token yet, or None. (A preempted sequence that streamed tokens waits
+        again, but its arrival is not when it began to wait: it is left out.)"""
         heads = (
-            group[0].arrival_s
+            _first_unstarted(group)
             for priority, tenants in self._classes.items()
             if priority <= max_priority
             for group in tenants.values()
         )
-        return min(heads, default=None)
+        return min((head for head in heads if head is not None), default=None)
+
+    def oldest_ahead_s(self, priority: int, tenant: str) -> float | None:
+        """As `oldest_arrival_s`, among what a new sequence of `priority` from `tenant` waits
+        behind: every more urgent class, and its own tenant's sequences in its class (another
+        tenant's go first only while that tenant has had less compute, `next`)."""
+        own = self._classes.get(priority, {}).get(tenant)
+        ahead = (
+            self.oldest_arrival_s(priority - 1),
+            None if own is None else _first_unstarted(own),
+        )
+        return min((arrival for arrival in ahead if arrival is not None), default=None)
 
     def waited_since(self, arrived_before_s: float, max_priority: int) -> list[Sequence]:
         """The sequences of priority `max_priority` or more urgent that arrived before
