@@ -121,20 +121,10 @@ class GenerationScheduler:
         """Sequences waiting for admission (new or preempted)."""
         return len(self._waiting)
 
-    def oldest_waiting_s(self, max_priority: int) -> float | None:
-        """The earliest arrival of a sequence with no token yet waiting at `max_priority` or a
-        more urgent one (WaitingSequences.oldest_arrival_s), or None."""
-        return self._waiting.oldest_arrival_s(max_priority)
-
-    def oldest_ahead_s(self, priority: int, tenant: str) -> float | None:
-        """As `oldest_waiting_s`, among what a new sequence of `priority` from `tenant` would
-        wait behind (WaitingSequences.oldest_ahead_s)."""
-        return self._waiting.oldest_ahead_s(priority, tenant)
-
-    def waited_since(self, arrived_before_s: float, max_priority: int) -> list[Sequence]:
-        """The waiting sequences of `max_priority` or a more urgent one that arrived before
-        `arrived_before_s` and have no token yet (WaitingSequences.waited_since)."""
-        return self._waiting.waited_since(arrived_before_s, max_priority)
+    @property
+    def waiting(self) -> WaitingSequences:
+        """The sequences waiting for admission, to read (never to change)."""
+        return self._waiting
 
     @property
     def num_running(self) -> int:

@@ -64,7 +64,7 @@ class StandingShedding:
         expired: dict[int, FirstTokenRefusal] = {}
         if not self.queue.is_standing:
             return expired
-        for seq in scheduler.waited_since(now_s - self.slo_s, ONLINE_RANK):
+        for seq in scheduler.waiting.waited_since(now_s - self.slo_s, ONLINE_RANK):
             waited_s = now_s - seq.arrival_s
             message = (
                 f"generation request dropped unrun: it waited {waited_s:.3f}s for its first"
@@ -76,7 +76,7 @@ class StandingShedding:
 
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
         """`scheduler` planned a step at `now_s`: what it left waiting is observed."""
-        oldest_s = scheduler.oldest_waiting_s(ONLINE_RANK)
+        oldest_s = scheduler.waiting.oldest_arrival_s(ONLINE_RANK)
         self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
 
     def refusal(
@@ -89,7 +89,7 @@ class StandingShedding:
         tenant within its fair share behind another's backlog."""
         if rank > ONLINE_RANK or not self.queue.is_standing:
             return None
-        if (oldest_s := scheduler.oldest_ahead_s(rank, tenant)) is None:
+        if (oldest_s := scheduler.waiting.oldest_ahead_s(rank, tenant)) is None:
             return None
         waited_s = now_s - oldest_s
         if waited_s <= self.queue.target_s:
