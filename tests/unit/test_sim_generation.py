@@ -361,3 +361,19 @@ def test_the_command_line_runs_a_generation_scenario(
     assert (tmp_path / "summary.json").exists()
     assert (tmp_path / "streams.csv").read_text().startswith("arrival_s,prompt_tokens")
     assert main(["plan", path]) == 2
+
+
+def test_a_flood_is_refused_and_dropped_as_the_engine_does_and_a_quiet_tenant_served() -> None:
+    """The simulated worker applies the engine's standing-queue rule (standing_shedding): one
+    tenant's flood past two seats stands its queue, is refused at admission and dropped unrun
+    once it waited past the SLO; a tenant sending one stream every 250 ms is served whole."""
+    spec = make_spec(max_num_seqs=2, ttft_slo_s=0.3)
+    flood = [(Arrival(i * 0.005, "llm", "flood", "interactive", 10), 32) for i in range(400)]
+    quiet = [(Arrival(0.05 + i * 0.25, "llm", "quiet", "interactive", 10), 32) for i in range(8)]
+    _, sink, refusals = drive_worker(sorted(flood + quiet, key=lambda a: a[0].at_s), spec)
+
+    assert refusals and set(refusals) == {STANDING_QUEUE}
+    outcomes = {(s.arrival.tenant, outcome) for _, s, outcome in sink.ended}
+    assert outcomes == {("flood", "ok"), ("flood", STANDING_QUEUE), ("quiet", "ok")}
+    served_quietly = [s.num_emitted for _, s, _ in sink.ended if s.arrival.tenant == "quiet"]
+    assert served_quietly == [32] * 8
