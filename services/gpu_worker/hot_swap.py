@@ -142,6 +142,7 @@ class ModelSwapper:
             self._models.unloading.add(model)
             await asyncio.shield(model.engine.drain())
             self._models.unloading.discard(model)
+            self._generation_metrics.forget(model_name, model_version)
         elif isinstance(model, Backend):
             await self._batching.remove_backend(model)
         # Its last reference: the release can free its tensors only once it is gone (on a

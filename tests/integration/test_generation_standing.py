@@ -7,6 +7,8 @@ else admitted is served whole, and once the flood is over a new online request i
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -126,3 +128,16 @@ async def test_a_tenant_within_its_share_is_served_beside_another_tenants_flood(
 
     assert flooded.count(None) > 0  # the flood's queue stood: part of it was turned away
     assert served_quietly == [32] * 8  # the quiet tenant: every request served whole
+
+
+def test_the_standing_gauge_keeps_no_backend_alive(tmp_path: Path) -> None:
+    """The gauge's function must not hold the backend: an unloaded version's tensors are freed
+    only once nothing references it (hot_swap.unload releases device memory then)."""
+    backend, registry = make_backend(write_repository(tmp_path, max_num_seqs=2, slo_p99_ms=SLO_MS))
+    alive = weakref.ref(backend)
+    del backend
+    gc.collect()
+
+    assert alive() is None
+    # The gauge still reads (the scheduler it holds): 0, nothing waits.
+    assert total(generate_latest(registry).decode(), names.GENERATION_QUEUE_STANDING) == 0

@@ -116,9 +116,12 @@ class GenerationBackend(ServedModel):
             shedding=(shedding := StandingShedding(config.slo_s)),
         )
         # Standing while it holds something: an idle engine observes nothing, and its last
-        # observation may be a hold's (as the lanes' `_is_standing`).
+        # observation may be a hold's (as the lanes' `_is_standing`). The function holds the
+        # rule and the scheduler, never the backend: an unloaded version's tensors must be
+        # freed (hot_swap.unload), and then it reads 0 (GenerationMetrics.forget).
+        scheduler = self.scheduler
         metrics.queue_standing.labels(config.name, version.version).set_function(
-            lambda: int(shedding.queue.is_standing and self.scheduler.num_waiting > 0)
+            lambda: int(shedding.queue.is_standing and scheduler.num_waiting > 0)
         )
         self._fingerprint = fingerprint_of(config, files, str(dtype))
 

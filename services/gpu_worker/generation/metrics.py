@@ -156,6 +156,10 @@ class GenerationMetrics:
             _MODEL,
         )
 
+    def forget(self, model: str, version: str) -> None:
+        """An unloaded version's standing gauge reads 0 again (it read its engine until then)."""
+        self.queue_standing.labels(model, version).set_function(lambda: 0)
+
     def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
         """This model version's children of every per-model metric, looked up once:
         `labels()` takes a lock and a dict lookup per call, and the engine records per token."""
