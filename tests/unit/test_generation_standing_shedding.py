@@ -9,10 +9,12 @@ from __future__ import annotations
 import pytest
 
 from services.common.priority import PriorityClass
+from services.gpu_worker.admission import Admitted
 from services.gpu_worker.generation.first_token import STANDING_QUEUE
 from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.sequence import Sequence
 from services.gpu_worker.generation.standing_shedding import StandingShedding
-from tests.support.fake_generation import make_config, make_seq
+from tests.support.fake_generation import FakeEngine, make_config, make_seq
 
 pytestmark = pytest.mark.unit
 
@@ -81,19 +83,89 @@ def test_a_standing_queue_refuses_new_online_requests_with_the_oldest_wait_as_hi
         assert refusal is not None and refusal.retry_after_s == pytest.approx(waited_s)
 
 
+def serve(
+    shedding: StandingShedding, arrivals: list[Sequence], until_s: float, **config: int
+) -> FakeEngine:
+    """A fake engine of two sequence slots (and `config`), stepped every 10 ms from 0 until
+    `until_s`, each of `arrivals` added at its arrival, and each plan observed by `shedding`."""
+    engine = FakeEngine(make_config(max_num_seqs=2, **config))
+    pending = sorted(arrivals, key=lambda seq: seq.arrival_s)
+    for i in range(round(until_s / 0.01) + 1):
+        now_s = i * 0.01
+        while pending and pending[0].arrival_s <= now_s:
+            assert isinstance(engine.add(pending.pop(0)), Admitted)
+        if engine.scheduler.has_unfinished():
+            engine.step()
+        shedding.planned(now_s, engine.scheduler)
+    return engine
+
+
 def test_a_tenant_is_refused_behind_its_own_backlog_not_another_tenants() -> None:
     shedding = StandingShedding(SLO_S)
-    scheduler = GenerationScheduler(make_config())
-    scheduler.add(make_seq(seq_id=1, arrival_s=0.0, priority=INTERACTIVE, tenant="flood"))
-    plan_every(shedding, scheduler, 2.3)
+    flood = [
+        make_seq(seq_id=i, arrival_s=0.0, priority=INTERACTIVE, tenant="flood")
+        for i in range(1, 201)
+    ]
+    early = make_seq(seq_id=0, arrival_s=0.0, priority=INTERACTIVE, tenant="early")
+    scheduler = serve(
+        shedding, [early, *flood], 2.5
+    ).scheduler  # two a step's slots, for 4 s of work
     assert shedding.queue.is_standing
 
     assert shedding.refusal(2.5, INTERACTIVE, "flood", scheduler) is not None
-    # Another tenant has nothing waiting: the scheduler admits it, having less compute, first.
+    # Another tenant joins at the flood's compute, behind the flood's first sequence only:
+    # the flood's next admission charges it past the newcomer, and that first has waited only
+    # since the flood's last admission.
     assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None
-    scheduler.add(make_seq(seq_id=2, arrival_s=2.45, priority=INTERACTIVE, tenant="quiet"))
-    assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None  # 50 ms: within
+    scheduler.add(make_seq(seq_id=300, arrival_s=2.5, priority=INTERACTIVE, tenant="quiet"))
+    assert shedding.refusal(2.55, INTERACTIVE, "quiet", scheduler) is None  # 50 ms: within
     assert shedding.refusal(2.8, INTERACTIVE, "quiet", scheduler) is not None
+    # Nothing is admitted for a second: the flood's first has waited 1 s since its last
+    # admission. A tenant served at the start, far below the flood's compute, rejoins at the
+    # flood's, behind that first: refused.
+    assert scheduler.compute_s("early") < scheduler.compute_s("early", joining=True)
+    assert shedding.refusal(3.5, INTERACTIVE, "early", scheduler) is not None
+
+
+def test_a_new_tenant_waits_behind_no_tenant_with_more_compute_than_where_it_joins() -> None:
+    shedding = StandingShedding(SLO_S)
+    # A light tenant (weight 10) streams for the whole run beside the flood, so the floor a
+    # new tenant joins at is the light one's compute, far below the flood's.
+    light = make_seq(seq_id=0, arrival_s=0.0, max_tokens=600, tenant="light", weight=10.0)
+    flood = [
+        make_seq(seq_id=i, arrival_s=0.0, priority=INTERACTIVE, tenant="flood")
+        for i in range(1, 201)
+    ]
+    scheduler = serve(shedding, [light, *flood], 2.5, num_blocks=512, max_model_len=1024).scheduler
+    assert shedding.queue.is_standing
+    assert scheduler.compute_s("quiet", joining=True) < scheduler.compute_s("flood")
+
+    # Nothing is admitted for a second: the flood's first has waited 1 s since its last
+    # admission, but a new tenant goes ahead of it.
+    assert shedding.refusal(3.5, INTERACTIVE, "flood", scheduler) is not None
+    assert shedding.refusal(3.5, INTERACTIVE, "quiet", scheduler) is None
+
+
+def test_a_new_tenant_is_refused_behind_many_one_stream_tenants_at_the_floor() -> None:
+    shedding = StandingShedding(SLO_S)
+    # 100 one-stream tenants a second; the engine serves about 50 a second.
+    arrivals = [
+        make_seq(seq_id=i, arrival_s=i * 0.01, priority=INTERACTIVE, tenant=f"t{i}")
+        for i in range(1, 400)
+    ]
+    scheduler = serve(shedding, arrivals, 2.5).scheduler
+    assert shedding.queue.is_standing
+    assert scheduler.num_waiting > 100
+
+    # Each waits at the floor a new tenant joins at, ahead of it by arrival: the new one would
+    # wait behind them all, so it is refused, with the oldest one's wait as its hint.
+    oldest_s = scheduler.waiting.oldest_arrival_s(INTERACTIVE)
+    assert oldest_s is not None and 2.5 - oldest_s > 1.0
+    refusal = shedding.refusal(2.5, INTERACTIVE, "fresh", scheduler)
+    assert refusal is not None
+    assert refusal.retry_after_s == pytest.approx(2.5 - oldest_s)
+    # A critical request waits behind none of them.
+    assert shedding.refusal(2.5, CRITICAL, "fresh", scheduler) is None
 
 
 def test_a_preempted_sequence_that_streamed_tokens_is_not_a_wait() -> None:

@@ -126,6 +126,15 @@ class GenerationScheduler:
         """The sequences waiting for admission, to read (never to change)."""
         return self._waiting
 
+    def compute_s(self, tenant: str, *, joining: bool = False) -> float:
+        """The tenant's tokens computed per weight, by which its waiting sequences are ranked;
+        `joining`: as a new sequence of its would be ranked (a tenant with none here joins at
+        the least among those with some: fair_share.ComputeLedger)."""
+        ledger = self._ledger
+        return (
+            max(ledger.virtual_s(tenant), ledger.floor_s()) if joining else ledger.virtual_s(tenant)
+        )
+
     @property
     def num_running(self) -> int:
         """Sequences holding KV blocks."""

@@ -13,10 +13,12 @@ standing_queue_for). After each step's plan, it observes how long the oldest onl
 stands once that has stayed above a tenth of the SLO for a whole SLO. While it stands:
 - A new online request is refused with a retry hint when what it would wait behind holds a
   wait above the target, even where its caller's deadline would allow more: it would wait
-  longer still. What it waits behind is every more urgent class, and its own tenant's
-  sequences of its class (the scheduler admits the tenant with the least compute first), so
-  a critical request is not refused behind interactive ones, nor a tenant within its share
-  behind another tenant's flood. The hint is that wait.
+  longer still. What it waits behind is every more urgent class, its own tenant's sequences
+  of its class, and the first of each other tenant's there with no more compute than its own
+  (`waited_ahead_s`). So a critical request is not refused behind interactive ones, nor a
+  tenant within its share behind another tenant's flood, but a new tenant is, behind many
+  one-stream tenants that all wait at the fair-share floor it joins at. The hint is that
+  wait.
 - Before each plan, an online sequence that has waited past the SLO with no token yet is
   dropped unrun, with the same status: its first token is late already, and its place can
   serve a request in time (CoDel drops at the head). Without this, what was admitted during
@@ -29,11 +31,18 @@ deadline; they are never counted, refused or dropped. Neither is a preempted seq
 has streamed tokens: it waits again, but from its own arrival, which is not when it began to
 wait.
 
+As CoDel's target must exceed one packet's transmission, the target must exceed the gap
+between two admissions (a seat's turnover: a sequence's run over `max_num_seqs`; tiny-llama's
+is a few ms against 200 ms), or a tenant is refused behind the one sequence of another that
+the next admission takes anyway.
+
 Pure: time comes in as `now_s`. The engine and the simulator's generation worker
 (services.sim.generation) use it alike.
 """
 
 from __future__ import annotations
+
+import math
 
 from services.common.priority import PriorityClass
 from services.gpu_worker.batching.slo_shedding import standing_queue_for
@@ -44,6 +53,7 @@ from services.gpu_worker.generation.first_token import (
     predicted_first_token_s,
 )
 from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.sequence import Sequence
 
 #: Requests at this rank or more urgent are online traffic.
 ONLINE_RANK = PriorityClass.INTERACTIVE.rank
@@ -55,6 +65,16 @@ class StandingShedding:
     def __init__(self, slo_s: float) -> None:
         self.slo_s = slo_s
         self.queue = standing_queue_for(slo_s)
+        #: (priority, tenant) -> (the seq_id of the group's first sequence with no token yet,
+        #: when it became the first), for the online groups waiting at the last plan.
+        self._heads: dict[tuple[int, str], tuple[int, float]] = {}
+        self._planned_s = -math.inf
+
+    def _head_since_s(self, priority: int, tenant: str, head: Sequence) -> float:
+        """When `head` became the first of its group (its arrival if it was not so at the last
+        plan: it came since)."""
+        seen = self._heads.get((priority, tenant))
+        return seen[1] if seen is not None and seen[0] == head.seq_id else head.arrival_s
 
     def expired(self, now_s: float, scheduler: GenerationScheduler) -> dict[int, FirstTokenRefusal]:
         """While the queue stands: the online sequences of `scheduler` that have waited past
@@ -75,23 +95,54 @@ class StandingShedding:
         return expired
 
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
-        """`scheduler` planned a step at `now_s`: what it left waiting is observed."""
-        oldest_s = scheduler.waiting.oldest_arrival_s(ONLINE_RANK)
+        """`scheduler` planned a step at `now_s`: what it left waiting is observed, and when
+        each group's first sequence became its first is remembered (`_head_since_s`)."""
+        heads: dict[tuple[int, str], tuple[int, float]] = {}
+        oldest_s: float | None = None
+        for priority, tenant, head in scheduler.waiting.heads(ONLINE_RANK):
+            seen = self._heads.get((priority, tenant))
+            if seen is None or seen[0] != head.seq_id:
+                # First seen now: it led since it arrived, or since its predecessor left, in
+                # this step's plan at the latest and after the last plan at the earliest.
+                seen = (head.seq_id, max(head.arrival_s, self._planned_s))
+            heads[priority, tenant] = seen
+            oldest_s = head.arrival_s if oldest_s is None else min(oldest_s, head.arrival_s)
+        self._heads, self._planned_s = heads, now_s
         self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
+
+    def waited_ahead_s(
+        self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
+    ) -> float:
+        """The longest wait at `now_s` among what a new sequence of priority `rank` from
+        `tenant` would wait behind, or 0. The scheduler admits by class, then the tenant with
+        the least compute, then arrival (`WaitingSequences.next`), and charges a tenant as its
+        sequences run. So the new one waits behind every more urgent sequence and its own
+        tenant's earlier ones, and behind the first sequence of each other tenant of its class
+        with no more compute than its own: once that runs, its tenant has more. Those firsts
+        have waited as such since their predecessors left (`planned`): a flood's first has
+        waited only since the flood's last admission, but each of many one-stream tenants, all
+        at the floor its new peer joins at, since it arrived."""
+        own_s = scheduler.compute_s(tenant, joining=True)
+        longest_s = 0.0
+        for priority, other, head in scheduler.waiting.heads(rank):
+            if priority < rank or other == tenant:
+                since_s = head.arrival_s
+            elif scheduler.compute_s(other) > own_s:
+                continue  # the new sequence goes first
+            else:
+                since_s = self._head_since_s(priority, other, head)
+            longest_s = max(longest_s, now_s - since_s)
+        return longest_s
 
     def refusal(
         self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
     ) -> FirstTokenRefusal | None:
         """The refusal of a new request of priority `rank` from `tenant` arriving at `now_s` at
-        `scheduler`, or None: refused when what it would wait behind (its own tenant's
-        sequences of its class, and every more urgent class: `oldest_ahead_s`) holds a wait
-        above the target. A critical request is not refused behind interactive ones, nor a
-        tenant within its fair share behind another's backlog."""
+        `scheduler`, or None: refused when what it would wait behind (`waited_ahead_s`) holds
+        a wait above the target."""
         if rank > ONLINE_RANK or not self.queue.is_standing:
             return None
-        if (oldest_s := scheduler.waiting.oldest_ahead_s(rank, tenant)) is None:
-            return None
-        waited_s = now_s - oldest_s
+        waited_s = self.waited_ahead_s(now_s, rank, tenant, scheduler)
         if waited_s <= self.queue.target_s:
             return None
         self.queue.hold(now_s)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from services.gpu_worker.generation.sequence import Sequence
 
@@ -25,10 +25,10 @@ def _arrival(seq: Sequence) -> tuple[float, int]:
     return (seq.arrival_s, seq.seq_id)
 
 
-def _first_unstarted(group: list[Sequence]) -> float | None:
-    """The arrival of a group's first sequence with no token yet (one look, but where a
-    preempted sequence that streamed tokens comes first), or None."""
-    return next((seq.arrival_s for seq in group if not seq.output_token_ids), None)
+def _first_unstarted(group: list[Sequence]) -> Sequence | None:
+    """A group's first sequence with no token yet (one look, but where a preempted sequence
+    that streamed tokens comes first), or None."""
+    return next((seq for seq in group if not seq.output_token_ids), None)
 
 
 class WaitingSequences:
@@ -72,28 +72,20 @@ class WaitingSequences:
             if not tenants:
                 del self._classes[seq.priority]
 
+    def heads(self, max_priority: int) -> Iterator[tuple[int, str, Sequence]]:
+        """(priority, tenant, its first sequence with no token yet) for each group of priority
+        `max_priority` or more urgent that has one. (A preempted sequence that streamed tokens
+        waits again, but its arrival is not when it began to wait: it is passed over.)"""
+        for priority, tenants in self._classes.items():
+            if priority <= max_priority:
+                for tenant, group in tenants.items():
+                    if (head := _first_unstarted(group)) is not None:
+                        yield priority, tenant, head
+
     def oldest_arrival_s(self, max_priority: int) -> float | None:
         """The earliest arrival among the sequences of priority `max_priority` or more urgent
-        that have no token yet, or None. (A preempted sequence that streamed tokens waits
-        again, but its arrival is not when it began to wait: it is left out.)"""
-        heads = (
-            _first_unstarted(group)
-            for priority, tenants in self._classes.items()
-            if priority <= max_priority
-            for group in tenants.values()
-        )
-        return min((head for head in heads if head is not None), default=None)
-
-    def oldest_ahead_s(self, priority: int, tenant: str) -> float | None:
-        """As `oldest_arrival_s`, among what a new sequence of `priority` from `tenant` waits
-        behind: every more urgent class, and its own tenant's sequences in its class (another
-        tenant's go first only while that tenant has had less compute, `next`)."""
-        own = self._classes.get(priority, {}).get(tenant)
-        ahead = (
-            self.oldest_arrival_s(priority - 1),
-            None if own is None else _first_unstarted(own),
-        )
-        return min((arrival for arrival in ahead if arrival is not None), default=None)
+        that have no token yet (`heads`), or None."""
+        return min((head.arrival_s for *_, head in self.heads(max_priority)), default=None)
 
     def waited_since(self, arrived_before_s: float, max_priority: int) -> list[Sequence]:
         """The sequences of priority `max_priority` or more urgent that arrived before
