@@ -109,8 +109,12 @@ class ModelSwapper:
             lambda: load_version(version, self._device, self._generation_metrics, self._options)
         )
         if isinstance(model, GenerationBackend):
-            await self._warm_up_generation(model)
-            model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
+            try:
+                await self._warm_up_generation(model)
+                model.engine.start(on_fatal=self._on_fatal, watchdog_s=self._watchdog_s)
+            except BaseException:
+                model.discard()
+                raise
         else:
             await self._batching.add_backend(model)
         return model
@@ -120,12 +124,12 @@ class ModelSwapper:
         WARMUP_MULTIPLE x the watchdog. Past it, the worker stops serving, as for a serving
         step past the watchdog (a step that never returns may have hung the device), and the
         load fails. A warm-up that failed or was cancelled (the worker stops) lets its thread
-        go: nothing queued runs, and the call in flight, if any, is not waited for."""
+        go (`_load` discards the version): nothing queued runs, and the call in flight, if
+        any, is not waited for."""
         steps = model.engine.steps
         try:
             await steps.warm_up_within(in_daemon_thread(model.warm_up), self._watchdog_s)
         except BaseException as error:
-            steps.abandon()
             if steps.is_wedged and isinstance(error, Exception):  # the bound's Unavailable
                 self._on_fatal(error)
             raise

@@ -218,9 +218,8 @@ class Worker:
             driver_config = resolve_threads(self.config.batching, device)
             # Generation engines choose their threads up to the count resolved now, for
             # versions loaded while serving too (not the count torch gives their thread then).
-            options = dataclasses.replace(
-                self.config.load_options, host_threads=driver_config.model_threads
-            )
+            threads = driver_config.model_threads
+            options = dataclasses.replace(self.config.load_options, host_threads=threads)
             models = load_versions(versions, device, self.generation_metrics, options)
             batching = BatchingDriver(models.fixed_cost, driver_config, self.metrics)
             num_failed = 0
@@ -232,6 +231,7 @@ class Worker:
                     generation.warm_up()
                 except Exception as error:  # left out, as in a hot load (hot_swap)
                     models.fail_warm_up(generation, error)
+                    generation.discard()
                     num_failed += 1
             if num_failed:  # the device's fault, not the versions'? then the start fails
                 check_device(device)

@@ -35,7 +35,7 @@ from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.in_process import start_lone_worker, swapper_for
 from tests.support.metrics import total
 from tests.support.processes import REPO_ROOT, health_status
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, thread_ends
 
 pytestmark = pytest.mark.integration
 
@@ -190,15 +190,6 @@ async def wedging_load(
     return WedgingLoad(worker, version, released, wedged)
 
 
-async def thread_ends(name: str) -> None:
-    await eventually(
-        lambda: name not in {t.name for t in threading.enumerate()},
-        timeout_s=FLIP_TIMEOUT_S,
-        interval_s=0.02,
-        message=f"the thread {name} ended",
-    )
-
-
 async def timed_stop(worker: Worker) -> float:
     """Stops `worker`; the seconds it took."""
     started = time.monotonic()
@@ -233,7 +224,7 @@ async def test_s22_a_hot_loaded_generation_version_whose_warm_up_wedges_stops_th
         stop_s = await timed_stop(worker)  # while the step is still held
         released.set()  # the wedged warm-up step returns and its daemon threads end
     # The given-up warm-up let its step thread go: once its held step returns, the thread ends.
-    await thread_ends(NEW_VERSION_THREAD)
+    await thread_ends(NEW_VERSION_THREAD, timeout_s=FLIP_TIMEOUT_S)
     assert is_loaded is False
     assert [(b.config.name, b.version.version) for b in worker.models.generation] == [
         ("tiny-llama", "1")
@@ -271,7 +262,7 @@ async def test_a_hot_load_cancelled_during_its_warm_up_lets_its_step_thread_go(
             await loading
         assert NEW_VERSION_THREAD in {t.name for t in threading.enumerate()}  # still held
         load.released.set()
-        await thread_ends(NEW_VERSION_THREAD)
+        await thread_ends(NEW_VERSION_THREAD, timeout_s=FLIP_TIMEOUT_S)
     finally:
         loading.cancel()
         load.released.set()

@@ -20,17 +20,19 @@ from prometheus_client import generate_latest
 from redis.exceptions import NoPermissionError
 
 from services.common import metric_names as names
+from services.common.model_repository import load_repository
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
 from services.gpu_worker import hot_swap
 from services.gpu_worker.batching.lane_changes import release_device_memory
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.repository_follower import RepositoryFollower, desired_at_start
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
-from tests.support.in_process import swapper_for
-from tests.support.metrics import total
+from tests.support.in_process import start_lone_worker, swapper_for
+from tests.support.metrics import samples, total
 from tests.support.models import (
     release_stall,
     write_affine_model,
@@ -39,7 +41,7 @@ from tests.support.models import (
 )
 from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, thread_ends
 
 pytestmark = pytest.mark.integration
 
@@ -506,3 +508,49 @@ async def _unregistered(redis_server: RedisServer, key: tuple[str, str]) -> bool
 
 async def _registered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
     return key in await registered_models(redis_server)
+
+
+async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_and_exports_no_gauge(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version whose load failed after its engine was made (its warm-up here, at start or
+    while serving) lets its step thread go, and exports no standing gauge (whose function
+    reads its scheduler); neither does one unloaded. Before, a warm-up that failed at start
+    left its step thread running for good, and every failed load left a series reading its
+    dead engine; an unload left one at 0."""
+    repo = tmp_path / "repo" / "tiny-llama"
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", repo)
+    shutil.copytree(repo / "1", repo / "2")
+    more = tmp_path / "more" / "tiny-llama"
+    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
+    (more / "1").rename(more / "3")
+    (third,) = load_repository(tmp_path / "more")
+    warm_up = GenerationBackend.warm_up
+
+    def failing_warm_up(backend: GenerationBackend) -> None:
+        if backend.version.version != "1":
+            raise RuntimeError("the warm-up failed")
+        warm_up(backend)
+
+    monkeypatch.setattr(GenerationBackend, "warm_up", failing_warm_up)
+    worker = await start_lone_worker(tmp_path / "repo", watchdog_s=30.0)
+    swapper = swapper_for(worker)
+
+    def standing(version: str) -> list[float]:
+        exported = generate_latest(worker.metrics.registry).decode()
+        found = samples(exported, names.GENERATION_QUEUE_STANDING, model="tiny-llama")
+        return [value for labels, value in found if labels["version"] == version]
+
+    try:
+        assert worker.models is not None
+        assert {(f.model, f.version) for f in worker.models.failed} == {("tiny-llama", "2")}
+        assert standing("1") == [0.0]  # served, nothing waits
+        assert standing("2") == []  # failed at start
+        await thread_ends("generation-tiny-llama/2", timeout_s=CONVERGE_S)
+        assert await swapper.load(third) is False
+        assert standing("3") == []  # failed while serving
+        await thread_ends("generation-tiny-llama/3", timeout_s=CONVERGE_S)
+        await swapper.unload("tiny-llama", "1")
+        assert standing("1") == []
+    finally:
+        await worker.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -65,3 +66,13 @@ def _fail_if_past(
         return
     what = message or getattr(condition, "__qualname__", repr(condition))
     raise AssertionError(f"not true within {timeout_s} s: {what}")
+
+
+async def thread_ends(name: str, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Waits until no thread called `name` is alive (a daemon thread let go ends on its own)."""
+    await eventually(
+        lambda: name not in {t.name for t in threading.enumerate()},
+        timeout_s=timeout_s,
+        interval_s=0.02,
+        message=f"the thread {name} ended",
+    )

@@ -159,6 +159,13 @@ class GenerationBackend(ServedModel):
         )
         self.engine.steps.call(self._prepare_steps)
 
+    def discard(self) -> None:
+        """Leaves this version out after its engine was made (its warm-up failed, at start or
+        while serving): its step thread is let go, waiting for no call in flight (it ends after
+        it), and it exports no standing gauge (whose function reads its scheduler)."""
+        self.engine.steps.abandon()
+        self._metrics.forget(self.config.name, self.version.version)
+
     def _prepare_steps(self) -> None:
         labels = (self.config.name, self.version.version)
         if self._attention is None:

@@ -157,8 +157,10 @@ class GenerationMetrics:
         )
 
     def forget(self, model: str, version: str) -> None:
-        """An unloaded version's standing gauge reads 0 again (it read its engine until then)."""
-        self.queue_standing.labels(model, version).set_function(lambda: 0)
+        """A version unloaded, or that failed to load after its engine was made, exports no
+        standing gauge: its function read that engine's scheduler (a load made again sets a
+        new one)."""
+        self.queue_standing.remove(model, version)
 
     def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
         """This model version's children of every per-model metric, looked up once:
