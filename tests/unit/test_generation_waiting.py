@@ -69,6 +69,11 @@ def test_the_next_sequence_is_the_least_over_the_whole_backlog_through_adds_and_
                 if s.priority <= rank:
                     heads[s.priority, s.tenant] = s  # the group's earliest, last
             assert {(p, t): h for p, t, h in waiting.heads(rank)} == heads
+            assert dict(waiting.class_heads(rank)) == {
+                t: h for (p, t), h in heads.items() if p == rank
+            }
+            for tenant in "ab":
+                assert waiting.head(rank, tenant) is heads.get((rank, tenant))
 
 
 def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:

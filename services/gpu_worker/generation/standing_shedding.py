@@ -15,7 +15,7 @@ stands once that has stayed above a tenth of the SLO for a whole SLO. While it s
   wait above the target, even where its caller's deadline would allow more: it would wait
   longer still. What it waits behind is every more urgent class, its own tenant's sequences
   of its class, and the first of each other tenant's there with no more compute than its own
-  (`waited_ahead_s`). So a critical request is not refused behind interactive ones, nor a
+  (`wait_ahead_above_target_s`). So a critical request is not refused behind interactive ones, nor a
   tenant within its share behind another tenant's flood, but a new tenant is, behind many
   one-stream tenants that all wait at the fair-share floor it joins at. The hint is that
   wait.
@@ -97,53 +97,66 @@ class StandingShedding:
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
         """`scheduler` planned a step at `now_s`: what it left waiting is observed, and when
         each group's first sequence became its first is remembered (`_head_since_s`)."""
+        seen, planned_s = self._heads, self._planned_s
         heads: dict[tuple[int, str], tuple[int, float]] = {}
-        oldest_s: float | None = None
+        oldest_s = math.inf
         for priority, tenant, head in scheduler.waiting.heads(ONLINE_RANK):
-            seen = self._heads.get((priority, tenant))
-            if seen is None or seen[0] != head.seq_id:
+            key, arrival_s = (priority, tenant), head.arrival_s
+            known = seen.get(key)
+            if known is None or known[0] != head.seq_id:
                 # First seen now: it led since it arrived, or since its predecessor left, in
                 # this step's plan at the latest and after the last plan at the earliest.
-                seen = (head.seq_id, max(head.arrival_s, self._planned_s))
-            heads[priority, tenant] = seen
-            oldest_s = head.arrival_s if oldest_s is None else min(oldest_s, head.arrival_s)
+                known = (head.seq_id, arrival_s if arrival_s > planned_s else planned_s)
+            heads[key] = known
+            if arrival_s < oldest_s:
+                oldest_s = arrival_s
         self._heads, self._planned_s = heads, now_s
-        self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
+        self.queue.observe(now_s, 0.0 if oldest_s == math.inf else now_s - oldest_s)
 
-    def waited_ahead_s(
+    def wait_ahead_above_target_s(
         self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
-    ) -> float:
-        """The longest wait at `now_s` among what a new sequence of priority `rank` from
-        `tenant` would wait behind, or 0. The scheduler admits by class, then the tenant with
-        the least compute, then arrival (`WaitingSequences.next`), and charges a tenant as its
-        sequences run. So the new one waits behind every more urgent sequence and its own
-        tenant's earlier ones, and behind the first sequence of each other tenant of its class
-        with no more compute than its own: once that runs, its tenant has more. Those firsts
-        have waited as such since their predecessors left (`planned`): a flood's first has
-        waited only since the flood's last admission, but each of many one-stream tenants, all
-        at the floor its new peer joins at, since it arrived."""
-        own_s = scheduler.compute_s(tenant, joining=True)
-        longest_s = 0.0
-        for priority, other, head in scheduler.waiting.heads(rank):
-            if priority < rank or other == tenant:
-                since_s = head.arrival_s
-            elif scheduler.compute_s(other) > own_s:
-                continue  # the new sequence goes first
-            else:
-                since_s = self._head_since_s(priority, other, head)
-            longest_s = max(longest_s, now_s - since_s)
-        return longest_s
+    ) -> float | None:
+        """A wait above the target at `now_s` among what a new sequence of priority `rank` from
+        `tenant` would wait behind (the first found), or None. The scheduler admits by class,
+        then the tenant with the least compute, then arrival (`WaitingSequences.next`), and
+        charges a tenant as its sequences run. So the new one waits behind every more urgent
+        sequence and its own tenant's earlier ones, and behind the first sequence of each
+        other tenant of its class with no more compute than its own: once that runs, its
+        tenant has more. Those firsts have waited as such since their predecessors left
+        (`planned`): a flood's first has waited only since the flood's last admission, but
+        each of many one-stream tenants, all at the floor its new peer joins at, since it
+        arrived. The groups are read in the order they were made, so the first found is
+        mostly the oldest."""
+        waiting, target_s = scheduler.waiting, self.queue.target_s
+        own = waiting.head(rank, tenant)
+        arrivals = (waiting.oldest_arrival_s(rank - 1), None if own is None else own.arrival_s)
+        longest_s = max((now_s - s for s in arrivals if s is not None), default=0.0)
+        if longest_s > target_s:
+            return longest_s
+        own_compute_s, is_lifted = scheduler.compute_s(tenant), False
+        for other, head in waiting.class_heads(rank):
+            waited_s = now_s - self._head_since_s(rank, other, head)
+            if waited_s <= target_s or other == tenant:
+                continue
+            other_compute_s = scheduler.compute_s(other)
+            if other_compute_s > own_compute_s and not is_lifted:
+                # Where the tenant would join (the ledger's floor): a look per tenant waiting,
+                # so only when its own compute does not settle it.
+                own_compute_s, is_lifted = scheduler.compute_s(tenant, joining=True), True
+            if other_compute_s <= own_compute_s:
+                return waited_s
+        return None
 
     def refusal(
         self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
     ) -> FirstTokenRefusal | None:
         """The refusal of a new request of priority `rank` from `tenant` arriving at `now_s` at
-        `scheduler`, or None: refused when what it would wait behind (`waited_ahead_s`) holds
-        a wait above the target."""
+        `scheduler`, or None: refused when what it would wait behind holds a wait above the
+        target (`wait_ahead_above_target_s`), which is its retry hint."""
         if rank > ONLINE_RANK or not self.queue.is_standing:
             return None
-        waited_s = self.waited_ahead_s(now_s, rank, tenant, scheduler)
-        if waited_s <= self.queue.target_s:
+        waited_s = self.wait_ahead_above_target_s(now_s, rank, tenant, scheduler)
+        if waited_s is None:
             return None
         self.queue.hold(now_s)
         message = (

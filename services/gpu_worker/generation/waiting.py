@@ -28,7 +28,10 @@ def _arrival(seq: Sequence) -> tuple[float, int]:
 def _first_unstarted(group: list[Sequence]) -> Sequence | None:
     """A group's first sequence with no token yet (one look, but where a preempted sequence
     that streamed tokens comes first), or None."""
-    return next((seq for seq in group if not seq.output_token_ids), None)
+    for seq in group:
+        if not seq.output_token_ids:
+            return seq
+    return None
 
 
 class WaitingSequences:
@@ -78,9 +81,24 @@ class WaitingSequences:
         waits again, but its arrival is not when it began to wait: it is passed over.)"""
         for priority, tenants in self._classes.items():
             if priority <= max_priority:
-                for tenant, group in tenants.items():
-                    if (head := _first_unstarted(group)) is not None:
-                        yield priority, tenant, head
+                for tenant, head in self._class_heads(tenants):
+                    yield priority, tenant, head
+
+    def class_heads(self, priority: int) -> Iterator[tuple[str, Sequence]]:
+        """As `heads`, for the groups of class `priority` alone: (tenant, its first), in the
+        order the groups were made."""
+        return self._class_heads(self._classes.get(priority, {}))
+
+    def head(self, priority: int, tenant: str) -> Sequence | None:
+        """The first sequence with no token yet of `tenant` in class `priority`, or None."""
+        group = self._classes.get(priority, {}).get(tenant)
+        return None if group is None else _first_unstarted(group)
+
+    @staticmethod
+    def _class_heads(tenants: dict[str, list[Sequence]]) -> Iterator[tuple[str, Sequence]]:
+        for tenant, group in tenants.items():
+            if (head := _first_unstarted(group)) is not None:
+                yield tenant, head
 
     def oldest_arrival_s(self, max_priority: int) -> float | None:
         """The earliest arrival among the sequences of priority `max_priority` or more urgent
