@@ -61,6 +61,21 @@ def test_the_floor_never_moves_back() -> None:
     assert ledger.virtual_s("new") == pytest.approx(1.0)
 
 
+def test_reading_the_lowest_keeps_no_floor() -> None:
+    """`lowest_s` is what `floor_s` returns, without keeping it: a reader (the generation
+    engine's standing rule, asking where a tenant would join) lifts no one later."""
+    ledger = ComputeLedger()
+    ledger.join("a")
+    ledger.charge("a", 5.0, 1.0)
+    assert ledger.lowest_s() == 5.0
+    ledger.leave("a")
+    assert ledger.floor_s() == 0.0  # read, not kept
+    ledger.join("a")
+    assert ledger.floor_s() == 5.0
+    ledger.leave("a")
+    assert ledger.floor_s() == ledger.lowest_s() == 5.0  # kept
+
+
 def test_idle_tenants_at_the_floor_are_forgotten_past_the_limit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

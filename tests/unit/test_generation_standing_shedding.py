@@ -106,66 +106,79 @@ def test_a_tenant_is_refused_behind_its_own_backlog_not_another_tenants() -> Non
         make_seq(seq_id=i, arrival_s=0.0, priority=INTERACTIVE, tenant="flood")
         for i in range(1, 201)
     ]
-    early = make_seq(seq_id=0, arrival_s=0.0, priority=INTERACTIVE, tenant="early")
-    scheduler = serve(
-        shedding, [early, *flood], 2.5
-    ).scheduler  # two a step's slots, for 4 s of work
+    scheduler = serve(shedding, flood, 2.5).scheduler  # 4 s of work for two seats
     assert shedding.queue.is_standing
 
     assert shedding.refusal(2.5, INTERACTIVE, "flood", scheduler) is not None
     # Another tenant joins at the flood's compute, behind the flood's first sequence only:
-    # the flood's next admission charges it past the newcomer, and that first has waited only
-    # since the flood's last admission.
+    # the flood's next admission charges it past the newcomer, and that first has waited
+    # behind nothing since the flood's last admission.
     assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None
+    # Steps go on for a second with nothing admitted (every seat busy): the flood's first
+    # waits for a seat, not behind a queue, and so would the newcomer.
+    for i in range(1, 101):
+        shedding.planned(2.5 + i * 0.01, scheduler)
+    assert shedding.refusal(3.5, INTERACTIVE, "quiet", scheduler) is None
     scheduler.add(make_seq(seq_id=300, arrival_s=2.5, priority=INTERACTIVE, tenant="quiet"))
     assert shedding.refusal(2.55, INTERACTIVE, "quiet", scheduler) is None  # 50 ms: within
-    assert shedding.refusal(2.8, INTERACTIVE, "quiet", scheduler) is not None
-    # Nothing is admitted for a second: the flood's first has waited 1 s since its last
-    # admission. A tenant served at the start, far below the flood's compute, rejoins at the
-    # flood's, behind that first: refused.
-    assert scheduler.compute_s("early") < scheduler.compute_s("early", joining=True)
-    assert shedding.refusal(3.5, INTERACTIVE, "early", scheduler) is not None
+    assert shedding.refusal(2.8, INTERACTIVE, "quiet", scheduler) is not None  # its own
 
 
 def test_a_new_tenant_waits_behind_no_tenant_with_more_compute_than_where_it_joins() -> None:
     shedding = StandingShedding(SLO_S)
-    # A light tenant (weight 10) streams for the whole run beside the flood, so the floor a
-    # new tenant joins at is the light one's compute, far below the flood's.
-    light = make_seq(seq_id=0, arrival_s=0.0, max_tokens=600, tenant="light", weight=10.0)
-    flood = [
-        make_seq(seq_id=i, arrival_s=0.0, priority=INTERACTIVE, tenant="flood")
-        for i in range(1, 201)
+    # A heavy tenant (weight 0.001: a token costs it 1,000) ran one sequence at the start; its
+    # second then waits for good behind a light tenant's backlog, which the scheduler admits
+    # one after another (less compute), so it waits behind others leaving: nearly 2.5 s.
+    heavy = [
+        make_seq(seq_id=i, arrival_s=at_s, priority=INTERACTIVE, tenant="heavy", weight=0.001)
+        for i, at_s in ((1, 0.0), (2, 0.05))
     ]
-    scheduler = serve(shedding, [light, *flood], 2.5, num_blocks=512, max_model_len=1024).scheduler
+    light = [
+        make_seq(seq_id=i, arrival_s=0.0, priority=INTERACTIVE, tenant="light")
+        for i in range(3, 203)
+    ]
+    scheduler = serve(shedding, [*heavy, *light], 2.5).scheduler
     assert shedding.queue.is_standing
-    assert scheduler.compute_s("quiet", joining=True) < scheduler.compute_s("flood")
+    assert scheduler.get(2) is not None and scheduler.get(2).num_computed_tokens == 0
+    assert scheduler.compute_s("quiet", joining=True) < scheduler.compute_s("heavy")
 
-    # Nothing is admitted for a second: the flood's first has waited 1 s since its last
-    # admission, but a new tenant goes ahead of it.
-    assert shedding.refusal(3.5, INTERACTIVE, "flood", scheduler) is not None
-    assert shedding.refusal(3.5, INTERACTIVE, "quiet", scheduler) is None
+    # A new tenant joins at the light one's compute: ahead of the heavy one's first, and
+    # behind the light one's, which waited behind nothing since the light one's admission.
+    assert shedding.refusal(2.5, INTERACTIVE, "light", scheduler) is not None
+    assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None
 
 
 def test_a_new_tenant_is_refused_behind_many_one_stream_tenants_at_the_floor() -> None:
     shedding = StandingShedding(SLO_S)
-    # 100 one-stream tenants a second; the engine serves about 50 a second.
+    # From 0.5 s, 100 one-stream tenants a second; beside a tenant streaming all along, the
+    # engine serves about 25 a second. Each joins at the floor: the least compute among the
+    # tenants with sequences here, the streaming one's when the first joins. A tenant served
+    # at the start at weight 10 stays far below it.
+    early = make_seq(seq_id=0, arrival_s=0.0, priority=INTERACTIVE, tenant="early", weight=10.0)
+    along = make_seq(seq_id=1000, arrival_s=0.0, max_tokens=400, tenant="along")
     arrivals = [
-        make_seq(seq_id=i, arrival_s=i * 0.01, priority=INTERACTIVE, tenant=f"t{i}")
-        for i in range(1, 400)
+        make_seq(seq_id=i, arrival_s=0.5 + i * 0.01, priority=INTERACTIVE, tenant=f"t{i}")
+        for i in range(1, 250)
     ]
-    scheduler = serve(shedding, arrivals, 2.5).scheduler
+    config = {"num_blocks": 512, "max_model_len": 1024}
+    scheduler = serve(shedding, [early, along, *arrivals], 3.0, **config).scheduler
     assert shedding.queue.is_standing
     assert scheduler.num_waiting > 100
 
-    # Each waits at the floor a new tenant joins at, ahead of it by arrival: the new one would
-    # wait behind them all, so it is refused, with the oldest one's wait as its hint.
+    # Each waits at the floor a new tenant joins at, ahead of it by arrival, while the others
+    # are admitted: the new one would wait behind them all, so it is refused, with the oldest
+    # one's wait (until the last admission, within a step or two) as its hint.
     oldest_s = scheduler.waiting.oldest_arrival_s(INTERACTIVE)
-    assert oldest_s is not None and 2.5 - oldest_s > 1.0
-    refusal = shedding.refusal(2.5, INTERACTIVE, "fresh", scheduler)
+    assert oldest_s is not None and 3.0 - oldest_s > 1.0
+    refusal = shedding.refusal(3.0, INTERACTIVE, "fresh", scheduler)
     assert refusal is not None
-    assert refusal.retry_after_s == pytest.approx(2.5 - oldest_s)
+    assert 3.0 - oldest_s - 0.03 < refusal.retry_after_s <= 3.0 - oldest_s
+    # So is the early tenant: it rejoins at the floor, not at its own compute.
+    assert scheduler.get(0) is None
+    assert scheduler.compute_s("early") < scheduler.compute_s("early", joining=True)
+    assert shedding.refusal(3.0, INTERACTIVE, "early", scheduler) is not None
     # A critical request waits behind none of them.
-    assert shedding.refusal(2.5, CRITICAL, "fresh", scheduler) is None
+    assert shedding.refusal(3.0, CRITICAL, "fresh", scheduler) is None
 
 
 def test_a_preempted_sequence_that_streamed_tokens_is_not_a_wait() -> None:

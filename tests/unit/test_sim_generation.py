@@ -367,10 +367,7 @@ def test_a_flood_is_refused_and_dropped_as_the_engine_does_and_a_quiet_tenant_se
     """The simulated worker applies the engine's standing-queue rule (standing_shedding): one
     tenant's flood past two seats stands its queue, is refused at admission and dropped unrun
     once it waited past the SLO; a tenant sending one stream every 250 ms is served whole."""
-    # A seat frees about every 34 ms (two seats, 32 tokens at 2.1 ms a step): the target, a
-    # tenth of the SLO, must exceed that, or a quiet tenant is refused behind the one flood
-    # sequence each admission takes anyway.
-    spec = make_spec(max_num_seqs=2, ttft_slo_s=1.0)
+    spec = make_spec(max_num_seqs=2, ttft_slo_s=0.3)
     flood = [(Arrival(i * 0.005, "llm", "flood", "interactive", 10), 32) for i in range(400)]
     quiet = [(Arrival(0.05 + i * 0.25, "llm", "quiet", "interactive", 10), 32) for i in range(8)]
     _, sink, refusals = drive_worker(sorted(flood + quiet, key=lambda a: a[0].at_s), spec)

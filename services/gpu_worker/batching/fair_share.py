@@ -70,13 +70,18 @@ class ComputeLedger:
         """The tenant's weighted compute so far; a tenant never seen stands at the floor."""
         return self._virtual_s.get(tenant, self._floor_s)
 
+    def lowest_s(self) -> float:
+        """What `floor_s()` returns, without keeping it: for a reader that queues nothing."""
+        if not self._queued:
+            return self._floor_s
+        least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued)
+        return max(self._floor_s, least)
+
     def floor_s(self, *, is_urgent: bool = False) -> float:
         """The least virtual time among tenants with queued work (with urgent work, if
         `is_urgent`: critical or interactive rows); with none queued, the floor as it last
         was. Never decreases."""
-        if self._queued:
-            least = min(self._virtual_s.get(t, self._floor_s) for t in self._queued)
-            self._floor_s = max(self._floor_s, least)
+        self._floor_s = self.lowest_s()
         if not is_urgent:
             return self._floor_s
         self._urgent_floor_s = max(self._urgent_floor_s, self._floor_s)

@@ -72,6 +72,8 @@ class GenerationBackend(ServedModel):
         self.settings = settings
         self.text = TextEncoder(weights, config)
         dtype = serving_dtype(device)
+        # Before the engine: nothing may fail once its step thread runs (`discard` after).
+        self._fingerprint = fingerprint_of(config, files, str(dtype))
         self.runner = ModelRunner(
             weights,
             device=device,
@@ -118,12 +120,11 @@ class GenerationBackend(ServedModel):
         # Standing while it holds something: an idle engine observes nothing, and its last
         # observation may be a hold's (as the lanes' `_is_standing`). The function holds the
         # rule and the scheduler, never the backend: an unloaded version's tensors must be
-        # freed (hot_swap.unload), and then it reads 0 (GenerationMetrics.forget).
+        # freed (hot_swap.unload), and its series then goes (GenerationMetrics.forget).
         scheduler = self.scheduler
         metrics.queue_standing.labels(config.name, version.version).set_function(
             lambda: int(shedding.queue.is_standing and scheduler.num_waiting > 0)
         )
-        self._fingerprint = fingerprint_of(config, files, str(dtype))
 
     @property
     def fingerprint(self) -> str:

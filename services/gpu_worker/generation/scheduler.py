@@ -129,11 +129,9 @@ class GenerationScheduler:
     def compute_s(self, tenant: str, *, joining: bool = False) -> float:
         """The tenant's tokens computed per weight, by which its waiting sequences are ranked;
         `joining`: as a new sequence of its would be ranked (a tenant with none here joins at
-        the least among those with some: fair_share.ComputeLedger)."""
-        ledger = self._ledger
-        return (
-            max(ledger.virtual_s(tenant), ledger.floor_s()) if joining else ledger.virtual_s(tenant)
-        )
+        the least among those with some: fair_share.ComputeLedger). Reads, changes nothing."""
+        virtual_s = self._ledger.virtual_s(tenant)
+        return max(virtual_s, self._ledger.lowest_s()) if joining else virtual_s
 
     @property
     def num_running(self) -> int:

@@ -31,10 +31,13 @@ deadline; they are never counted, refused or dropped. Neither is a preempted seq
 has streamed tokens: it waits again, but from its own arrival, which is not when it began to
 wait.
 
-As CoDel's target must exceed one packet's transmission, the target must exceed the gap
-between two admissions (a seat's turnover: a sequence's run over `max_num_seqs`; tiny-llama's
-is a few ms against 200 ms), or a tenant is refused behind the one sequence of another that
-the next admission takes anyway.
+What a tenant's own earlier sequences and more urgent ones have waited counts whole, waits
+for a free seat included: as CoDel's target must exceed one packet's transmission, the target
+should exceed the longest gap between two admissions (about a sequence's run where seats free
+together; tiny-llama's steps are a few ms against a 200 ms target). Another tenant's first
+counts only the time it waited while others left ahead of it, so a tenant within its share
+is not refused behind the one sequence of a flood that the next admission takes, however
+slowly seats free.
 
 Pure: time comes in as `now_s`. The engine and the simulator's generation worker
 (services.sim.generation) use it alike.
@@ -69,12 +72,20 @@ class StandingShedding:
         #: when it became the first), for the online groups waiting at the last plan.
         self._heads: dict[tuple[int, str], tuple[int, float]] = {}
         self._planned_s = -math.inf
+        #: The last plan that found a first sequence gone from its place since the one before
+        #: (admitted, mostly; or dropped, cancelled, or passed by a preempted one).
+        self._left_s = -math.inf
 
-    def _head_since_s(self, priority: int, tenant: str, head: Sequence) -> float:
-        """When `head` became the first of its group (its arrival if it was not so at the last
-        plan: it came since)."""
-        seen = self._heads.get((priority, tenant))
-        return seen[1] if seen is not None and seen[0] == head.seq_id else head.arrival_s
+    def _waited_behind_s(self, priority: int, tenant: str, head: Sequence) -> float:
+        """How long `head`, its group's first, waited while others left the queue ahead of it:
+        from when it became the first until the last plan that found one gone. Waiting for a
+        free seat while nothing leaves is not counted: a newcomer tied with it waits for that
+        seat and the next, not behind a queue. A first sequence not the first at the last plan
+        became so since, when nothing had left yet: 0."""
+        known = self._heads.get((priority, tenant))
+        if known is None or known[0] != head.seq_id:
+            return 0.0
+        return max(0.0, self._left_s - known[1])
 
     def expired(self, now_s: float, scheduler: GenerationScheduler) -> dict[int, FirstTokenRefusal]:
         """While the queue stands: the online sequences of `scheduler` that have waited past
@@ -96,20 +107,24 @@ class StandingShedding:
 
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
         """`scheduler` planned a step at `now_s`: what it left waiting is observed, and when
-        each group's first sequence became its first is remembered (`_head_since_s`)."""
+        each group's first sequence became its first is remembered (`_waited_behind_s`)."""
         seen, planned_s = self._heads, self._planned_s
         heads: dict[tuple[int, str], tuple[int, float]] = {}
-        oldest_s = math.inf
+        oldest_s, num_kept = math.inf, 0
         for priority, tenant, head in scheduler.waiting.heads(ONLINE_RANK):
             key, arrival_s = (priority, tenant), head.arrival_s
             known = seen.get(key)
-            if known is None or known[0] != head.seq_id:
-                # First seen now: it led since it arrived, or since its predecessor left, in
-                # this step's plan at the latest and after the last plan at the earliest.
-                known = (head.seq_id, arrival_s if arrival_s > planned_s else planned_s)
+            if known is not None and known[0] == head.seq_id:
+                num_kept += 1
+            else:
+                # The first since it arrived, or since its predecessor left: in this plan,
+                # mostly (admitted), else since the last one.
+                known = (head.seq_id, arrival_s if arrival_s > planned_s else now_s)
             heads[key] = known
             if arrival_s < oldest_s:
                 oldest_s = arrival_s
+        if num_kept < len(seen):
+            self._left_s = now_s
         self._heads, self._planned_s = heads, now_s
         self.queue.observe(now_s, 0.0 if oldest_s == math.inf else now_s - oldest_s)
 
@@ -122,11 +137,11 @@ class StandingShedding:
         charges a tenant as its sequences run. So the new one waits behind every more urgent
         sequence and its own tenant's earlier ones, and behind the first sequence of each
         other tenant of its class with no more compute than its own: once that runs, its
-        tenant has more. Those firsts have waited as such since their predecessors left
-        (`planned`): a flood's first has waited only since the flood's last admission, but
-        each of many one-stream tenants, all at the floor its new peer joins at, since it
-        arrived. The groups are read in the order they were made, so the first found is
-        mostly the oldest."""
+        tenant has more. Each of those counts the time it waited while others left ahead of
+        it (`_waited_behind_s`): a flood's first, none since the flood's last admission; each
+        of many one-stream tenants, all at the floor its new peer joins at, nearly its whole
+        wait. The groups are read in the order they were made, so the first found is mostly
+        the oldest."""
         waiting, target_s = scheduler.waiting, self.queue.target_s
         own = waiting.head(rank, tenant)
         arrivals = (waiting.oldest_arrival_s(rank - 1), None if own is None else own.arrival_s)
@@ -135,7 +150,7 @@ class StandingShedding:
             return longest_s
         own_compute_s, is_lifted = scheduler.compute_s(tenant), False
         for other, head in waiting.class_heads(rank):
-            waited_s = now_s - self._head_since_s(rank, other, head)
+            waited_s = self._waited_behind_s(rank, other, head)
             if waited_s <= target_s or other == tenant:
                 continue
             other_compute_s = scheduler.compute_s(other)
