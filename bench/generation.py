@@ -17,11 +17,13 @@ Requests are `batch` class, queued up to their deadline: what the engine serves 
 saturation. `--priority interactive` sends online requests, which the engine refuses while its
 waiting queue stands (generation.standing_shedding): the refused are counted, and the figures
 are those of the requests served (past capacity, e.g. `--quick --rate 260 --requests 2600`).
+`--tenant-per-request` sends each request as a tenant of its own (fair share then ranks every
+new one at the floor, as many one-stream callers), instead of all as one.
 
     python -m bench.generation [--requests 192] [--rate 400] [--seed 0] [--model NAME_OR_DIR]
         [--quick] [--attention measured|torch-default] [--no-cuda-graphs | --decode-only-graphs]
         [--max-num-seqs N] [--stand-in-step-ms X] [--stream-between-steps]
-        [--priority batch|interactive]
+        [--priority batch|interactive] [--tenant-per-request]
 
 Same engine, same model (the default repository's tiny-llama), same open-loop arrival schedule
 (Poisson, precomputed), greedy decoding. Reports tokens/s, goodput (tokens/s of the requests
@@ -138,6 +140,7 @@ async def run(
     backend: GenerationBackend,
     arrivals: list[Arrival],
     priority: PriorityClass = PriorityClass.BATCH,
+    tenant_per_request: bool = False,
 ) -> dict:
     engine = backend.engine
     engine.start()
@@ -156,7 +159,9 @@ async def run(
         tokens: list[int] = []
         stamps: list[float] = []
         params = SamplingParams(max_tokens=arrival.max_tokens, ignore_eos=True)
-        stream = engine.generate(backend.encode(arrival.prompt), params, priority=priority.rank)
+        tenant = f"t{index}" if tenant_per_request else ""
+        prompt_ids = backend.encode(arrival.prompt)
+        stream = engine.generate(prompt_ids, params, priority=priority.rank, tenant=tenant)
         try:
             async for delta in stream:
                 tokens.extend(delta.token_ids)
@@ -222,6 +227,7 @@ def main() -> None:
     )
     parser.add_argument("--stream-between-steps", action="store_true")
     parser.add_argument("--priority", choices=("batch", "interactive"), default="batch")
+    parser.add_argument("--tenant-per-request", action="store_true")
     args = parser.parse_args()
     if args.stand_in_step_ms and (args.no_cuda_graphs or args.decode_only_graphs):
         parser.error(
@@ -240,6 +246,7 @@ def main() -> None:
         "stand_in_step_s": args.stand_in_step_ms / 1000,
         "stream_between_steps": args.stream_between_steps,
         "priority": PriorityClass.parse(args.priority),
+        "tenant_per_request": args.tenant_per_request,
     }
     report: dict = {
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
@@ -252,6 +259,7 @@ def main() -> None:
         "stand_in_step_s": engine["stand_in_step_s"],
         "stream_between_steps": engine["stream_between_steps"],
         "priority": args.priority,
+        "tenant_per_request": args.tenant_per_request,
         "max_num_seqs": getattr(version.config.generation, "max_num_seqs", None),
     }
     if args.quick:
@@ -286,11 +294,12 @@ def measure(
     name: str, version: ModelVersion, device: torch.device, arrivals: list[Arrival], **kw: Any
 ) -> dict:
     """One fresh engine (its own metrics; `kw` for GenerationBackend, `stand_in_step_s`,
-    `stream_between_steps` and `priority`) through `arrivals`; adds the prefix cache's counts
-    and the engine's attention kernels and graphs."""
+    `stream_between_steps`, `priority` and `tenant_per_request`) through `arrivals`; adds the
+    prefix cache's counts and the engine's attention kernels and graphs."""
     stand_in_s = kw.pop("stand_in_step_s", 0.0)
     between_steps = kw.pop("stream_between_steps", False)
     priority = kw.pop("priority", PriorityClass.BATCH)
+    tenant_per_request = kw.pop("tenant_per_request", False)
     registry = CollectorRegistry()
     backend = GenerationBackend(version, device, GenerationMetrics(registry), **kw)
     started = time.perf_counter()
@@ -302,7 +311,7 @@ def measure(
     backend.engine.streams_during_steps = not between_steps
     warm_up_steps = (runner.num_replayed_steps, runner.num_eager_steps)
     print(f"running {name} ...", flush=True)
-    result = asyncio.run(run(backend, arrivals, priority))
+    result = asyncio.run(run(backend, arrivals, priority, tenant_per_request))
     labels = {"model": version.config.name, "version": version.version}
     for key, metric in (
         ("prefix_queried_tokens", names.GENERATION_PREFIX_CACHE_QUERIED_TOKENS_TOTAL),
