@@ -90,3 +90,20 @@ def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:
     assert not waiting
     with pytest.raises(IndexError):
         waiting.next(lambda tenant: 0.0)
+
+
+def test_only_admissions_count_as_admitted() -> None:
+    """`num_admitted` counts the sequences taken out to run (the engine's admission rate, by
+    which the standing rule counts the wait behind other tenants), not those that finished
+    while waiting (drops and cancels free no seat)."""
+    waiting = WaitingSequences()
+    seqs = [_seq(i, tenant="a", arrival_s=float(i)) for i in range(1, 4)]
+    for seq in seqs:
+        waiting.add(seq)
+    waiting.remove(seqs[1])  # cancelled, or dropped unrun
+    waiting.admit(waiting.next(lambda tenant: 0.0))
+    assert waiting.num_admitted == 1
+    assert len(waiting) == 1
+    with pytest.raises(ValueError, match="not waiting"):
+        waiting.admit(seqs[1])
+    assert waiting.num_admitted == 1

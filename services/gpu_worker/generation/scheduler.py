@@ -336,7 +336,7 @@ class GenerationScheduler:
             num_taken = num_fresh + self._allocator.num_free_among(cached)
             if not self._allocator.can_allocate(num_taken + headroom):
                 break
-            self._waiting.remove(seq)
+            self._waiting.admit(seq)
             self._start_running(seq, cached, num_fresh)
             scheduled.append(self._plan(seq, num_new))
             budget -= num_new
@@ -354,7 +354,7 @@ class GenerationScheduler:
             num_taken = num_needed + self._allocator.num_free_among(cached)
             if num_reserved + num_taken + headroom > self._allocator.num_free:
                 break
-            self._waiting.remove(seq)
+            self._waiting.admit(seq)
             self._start_running(seq, cached, 0)
             num_reserved += num_needed
 

@@ -11,14 +11,15 @@ time-to-first-token SLO as the batcher's lanes derive theirs (batching.slo_shedd
 standing_queue_for). After each step's plan, it observes how long the oldest online
 (critical or interactive) sequence still waiting has waited, or 0 when none waits. The queue
 stands once that has stayed above a tenth of the SLO for a whole SLO. While it stands:
-- A new online request is refused with a retry hint when what it would wait behind holds a
-  wait above the target, even where its caller's deadline would allow more: it would wait
-  longer still. What it waits behind is every more urgent class, its own tenant's sequences
-  of its class, and the first of each other tenant's there with no more compute than its own
-  (`wait_ahead_above_target_s`). So a critical request is not refused behind interactive ones, nor a
-  tenant within its share behind another tenant's flood, but a new tenant is, behind many
-  one-stream tenants that all wait at the fair-share floor it joins at. The hint is that
-  wait.
+- A new online request is refused with a retry hint when it would wait above the target
+  behind others, even where its caller's deadline would allow more. It waits behind every
+  more urgent class and its own tenant's sequences of its class (as long as the oldest of
+  them has waited), and behind the first of each other tenant's there with no more compute
+  than its own (one admission each, at the rate the engine admits sequences, the next
+  admission's aside: `wait_ahead_above_target_s`). So a critical request is not refused
+  behind interactive ones, nor a tenant within its share behind another tenant's flood, but
+  a new tenant is, behind many one-stream tenants that all wait at the fair-share floor it
+  joins at. The hint is that wait.
 - Before each plan, an online sequence that has waited past the SLO with no token yet is
   dropped unrun, with the same status: its first token is late already, and its place can
   serve a request in time (CoDel drops at the head). Without this, what was admitted during
@@ -34,10 +35,11 @@ wait.
 What a tenant's own earlier sequences and more urgent ones have waited counts whole, waits
 for a free seat included: as CoDel's target must exceed one packet's transmission, the target
 should exceed the longest gap between two admissions (about a sequence's run where seats free
-together; tiny-llama's steps are a few ms against a 200 ms target). Another tenant's first
-counts only the time it waited while others left ahead of it, so a tenant within its share
-is not refused behind the one sequence of a flood that the next admission takes, however
-slowly seats free.
+together; tiny-llama's steps are a few ms against a 200 ms target). Other tenants' firsts are
+counted, not timed: a tenant within its share is not refused behind the one sequence of a
+flood that the next admission takes, however slowly seats free, nor behind floods that take
+turns above its compute. (Timing each first while others left ahead of it did refuse there:
+the others had been ahead of it then, not of the newcomer now.)
 
 Pure: time comes in as `now_s`. The engine and the simulator's generation worker
 (services.sim.generation) use it alike.
@@ -56,7 +58,6 @@ from services.gpu_worker.generation.first_token import (
     predicted_first_token_s,
 )
 from services.gpu_worker.generation.scheduler import GenerationScheduler
-from services.gpu_worker.generation.sequence import Sequence
 
 #: Requests at this rank or more urgent are online traffic.
 ONLINE_RANK = PriorityClass.INTERACTIVE.rank
@@ -68,24 +69,12 @@ class StandingShedding:
     def __init__(self, slo_s: float) -> None:
         self.slo_s = slo_s
         self.queue = standing_queue_for(slo_s)
-        #: (priority, tenant) -> (the seq_id of the group's first sequence with no token yet,
-        #: when it became the first), for the online groups waiting at the last plan.
-        self._heads: dict[tuple[int, str], tuple[int, float]] = {}
         self._planned_s = -math.inf
-        #: The last plan that found a first sequence gone from its place since the one before
-        #: (admitted, mostly; or dropped, cancelled, or passed by a preempted one).
-        self._left_s = -math.inf
-
-    def _waited_behind_s(self, priority: int, tenant: str, head: Sequence) -> float:
-        """How long `head`, its group's first, waited while others left the queue ahead of it:
-        from when it became the first until the last plan that found one gone. Waiting for a
-        free seat while nothing leaves is not counted: a newcomer tied with it waits for that
-        seat and the next, not behind a queue. A first sequence not the first at the last plan
-        became so since, when nothing had left yet: 0."""
-        known = self._heads.get((priority, tenant))
-        if known is None or known[0] != head.seq_id:
-            return 0.0
-        return max(0.0, self._left_s - known[1])
+        #: Sequences admitted from the waiting queue per second, decaying over an SLO, and how
+        #: many had been by the last plan (`WaitingSequences.num_admitted`). Drops and cancels
+        #: do not count: they free no seat, and would make the queue look faster.
+        self._admit_rate_per_s = 0.0
+        self._num_admitted = 0
 
     def expired(self, now_s: float, scheduler: GenerationScheduler) -> dict[int, FirstTokenRefusal]:
         """While the queue stands: the online sequences of `scheduler` that have waited past
@@ -106,52 +95,44 @@ class StandingShedding:
         return expired
 
     def planned(self, now_s: float, scheduler: GenerationScheduler) -> None:
-        """`scheduler` planned a step at `now_s`: what it left waiting is observed, and when
-        each group's first sequence became its first is remembered (`_waited_behind_s`)."""
-        seen, planned_s = self._heads, self._planned_s
-        heads: dict[tuple[int, str], tuple[int, float]] = {}
-        oldest_s, num_kept = math.inf, 0
-        for priority, tenant, head in scheduler.waiting.heads(ONLINE_RANK):
-            key, arrival_s = (priority, tenant), head.arrival_s
-            known = seen.get(key)
-            if known is not None and known[0] == head.seq_id:
-                num_kept += 1
-            else:
-                # The first since it arrived, or since its predecessor left: in this plan,
-                # mostly (admitted), else since the last one.
-                known = (head.seq_id, arrival_s if arrival_s > planned_s else now_s)
-            heads[key] = known
-            if arrival_s < oldest_s:
-                oldest_s = arrival_s
-        if num_kept < len(seen):
-            self._left_s = now_s
-        self._heads, self._planned_s = heads, now_s
-        self.queue.observe(now_s, 0.0 if oldest_s == math.inf else now_s - oldest_s)
+        """`scheduler` planned a step at `now_s`: what it left waiting is observed, and the
+        rate at which it admits sequences (`_admit_rate_per_s`)."""
+        waiting = scheduler.waiting
+        oldest_s = waiting.oldest_arrival_s(ONLINE_RANK)
+        self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
+        if (elapsed_s := now_s - self._planned_s) > 0.0 and math.isfinite(elapsed_s):
+            rate_per_s = (waiting.num_admitted - self._num_admitted) / elapsed_s
+            alpha = -math.expm1(-elapsed_s / self.slo_s)
+            self._admit_rate_per_s += alpha * (rate_per_s - self._admit_rate_per_s)
+        self._planned_s, self._num_admitted = now_s, waiting.num_admitted
 
     def wait_ahead_above_target_s(
         self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
     ) -> float | None:
-        """A wait above the target at `now_s` among what a new sequence of priority `rank` from
-        `tenant` would wait behind (the first found), or None. The scheduler admits by class,
+        """How long a new sequence of priority `rank` from `tenant` would wait behind others,
+        when that is above the target at `now_s`, else None. The scheduler admits by class,
         then the tenant with the least compute, then arrival (`WaitingSequences.next`), and
-        charges a tenant as its sequences run. So the new one waits behind every more urgent
-        sequence and its own tenant's earlier ones, and behind the first sequence of each
-        other tenant of its class with no more compute than its own: once that runs, its
-        tenant has more. Each of those counts the time it waited while others left ahead of
-        it (`_waited_behind_s`): a flood's first, none since the flood's last admission; each
-        of many one-stream tenants, all at the floor its new peer joins at, nearly its whole
-        wait. The groups are read in the order they were made, so the first found is mostly
-        the oldest."""
+        charges a tenant as its sequences run. So the new one waits behind:
+        - every more urgent sequence and its own tenant's earlier ones: as long as the oldest
+          of them has waited (CoDel's sojourn);
+        - the first sequence of each other tenant of its class with no more compute than its
+          own, since once that runs its tenant has more: one admission each, at the rate
+          the engine admits sequences. The first of them goes at the next admission, which the
+          new one waits for anyway (a free seat), so it does not count.
+        Many one-stream tenants, all at the floor a new tenant joins at, count one each; a
+        flood beside a quiet tenant counts its first only, and several floods in turn only
+        those at the floor. The count stops once it is above the target."""
         waiting, target_s = scheduler.waiting, self.queue.target_s
         own = waiting.head(rank, tenant)
         arrivals = (waiting.oldest_arrival_s(rank - 1), None if own is None else own.arrival_s)
-        longest_s = max((now_s - s for s in arrivals if s is not None), default=0.0)
-        if longest_s > target_s:
-            return longest_s
-        own_compute_s, is_lifted = scheduler.compute_s(tenant), False
-        for other, head in waiting.class_heads(rank):
-            waited_s = self._waited_behind_s(rank, other, head)
-            if waited_s <= target_s or other == tenant:
+        waited_s = max((now_s - s for s in arrivals if s is not None), default=0.0)
+        if waited_s > target_s:
+            return waited_s
+        # At least one admission an SLO: a queue that admits none for longer stands still.
+        admit_rate_per_s = max(self._admit_rate_per_s, 1.0 / self.slo_s)
+        own_compute_s, is_lifted, num_ahead = scheduler.compute_s(tenant), False, 0
+        for other, _ in waiting.class_heads(rank):
+            if other == tenant:
                 continue
             other_compute_s = scheduler.compute_s(other)
             if other_compute_s > own_compute_s and not is_lifted:
@@ -159,7 +140,9 @@ class StandingShedding:
                 # so only when its own compute does not settle it.
                 own_compute_s, is_lifted = scheduler.compute_s(tenant, joining=True), True
             if other_compute_s <= own_compute_s:
-                return waited_s
+                num_ahead += 1
+                if (ahead_s := (num_ahead - 1) / admit_rate_per_s) > target_s:
+                    return ahead_s
         return None
 
     def refusal(

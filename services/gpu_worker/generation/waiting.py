@@ -38,13 +38,15 @@ class WaitingSequences:
     """Waiting sequences by priority class (lower first) and tenant, each group in arrival
     order."""
 
-    __slots__ = ("_classes", "_count")
+    __slots__ = ("_classes", "_count", "num_admitted")
 
     def __init__(self) -> None:
         #: priority -> tenant -> the tenant's waiting sequences of that priority, by arrival.
         #: Classes and tenants with none waiting are dropped.
         self._classes: dict[int, dict[str, list[Sequence]]] = {}
         self._count = 0
+        #: Sequences taken out to run so far (`admit`; not those finished while waiting).
+        self.num_admitted = 0
 
     def __len__(self) -> int:
         return self._count
@@ -74,6 +76,11 @@ class WaitingSequences:
             del tenants[seq.tenant]  # type: ignore[union-attr]  # found above
             if not tenants:
                 del self._classes[seq.priority]
+
+    def admit(self, seq: Sequence) -> None:
+        """Takes `seq` out to run (`remove`), counted in `num_admitted`."""
+        self.remove(seq)
+        self.num_admitted += 1
 
     def heads(self, max_priority: int) -> Iterator[tuple[int, str, Sequence]]:
         """(priority, tenant, its first sequence with no token yet) for each group of priority
