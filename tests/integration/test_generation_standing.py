@@ -109,9 +109,9 @@ async def test_a_tenant_within_its_share_is_served_beside_another_tenants_flood(
 ) -> None:
     """The standing queue refuses a tenant by what it would wait behind: its own backlog, and
     the flood's first sequence only (the scheduler admits the tenant with the least compute
-    first, and the flood's runs charge it past the quiet one), which counts only the time it
-    waited while others were admitted ahead of it: none since the flood's last admission. The
-    SLO is 2 s (target 200 ms), so the flood lasts 3 s: its queue stands after 2."""
+    first, and the flood's runs charge it past the quiet one), which the next admission takes
+    anyway: nothing to count. The SLO is 2 s (target 200 ms), so the flood lasts 3 s: its
+    queue stands after 2."""
     backend, _ = make_backend(write_repository(tmp_path, max_num_seqs=2, slo_p99_ms=2000))
     engine = backend.engine
     prompt = backend.encode(PROMPTS[0])

@@ -110,12 +110,12 @@ def test_a_tenant_is_refused_behind_its_own_backlog_not_another_tenants() -> Non
     assert shedding.queue.is_standing
 
     assert shedding.refusal(2.5, INTERACTIVE, "flood", scheduler) is not None
-    # Another tenant joins at the flood's compute, behind the flood's first sequence only:
-    # the flood's next admission charges it past the newcomer, and that first has waited
-    # behind nothing since the flood's last admission.
+    # Another tenant joins at the flood's compute, behind the flood's first sequence only,
+    # which the next admission takes (the newcomer waits for it anyway), and charges the
+    # flood past the newcomer: nothing to count.
     assert shedding.refusal(2.5, INTERACTIVE, "quiet", scheduler) is None
-    # Steps go on for a second with nothing admitted (every seat busy): the flood's first
-    # waits for a seat, not behind a queue, and so would the newcomer.
+    # Steps go on for a second with nothing admitted (every seat busy): the admission rate
+    # falls, but one first ahead still counts nothing.
     for i in range(1, 101):
         shedding.planned(2.5 + i * 0.01, scheduler)
     assert shedding.refusal(3.5, INTERACTIVE, "quiet", scheduler) is None

@@ -94,14 +94,19 @@ def test_removing_what_is_not_waiting_raises_and_changes_nothing() -> None:
 
 def test_only_admissions_count_as_admitted() -> None:
     """`num_admitted` counts the sequences taken out to run (the engine's admission rate, by
-    which the standing rule counts the wait behind other tenants), not those that finished
-    while waiting (drops and cancels free no seat)."""
+    which the standing rule counts the wait behind other tenants), each once: not those that
+    finished while waiting (drops and cancels free no seat), nor a preempted one's return."""
     waiting = WaitingSequences()
     seqs = [_seq(i, tenant="a", arrival_s=float(i)) for i in range(1, 4)]
     for seq in seqs:
         waiting.add(seq)
     waiting.remove(seqs[1])  # cancelled, or dropped unrun
     waiting.admit(waiting.next(lambda tenant: 0.0))
+    assert waiting.num_admitted == 1
+    returned = _seq(9, tenant="b", arrival_s=0.5)
+    returned.num_preemptions = 1  # ran, was preempted, and is admitted again
+    waiting.add(returned)
+    waiting.admit(returned)
     assert waiting.num_admitted == 1
     assert len(waiting) == 1
     with pytest.raises(ValueError, match="not waiting"):

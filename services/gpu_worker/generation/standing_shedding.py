@@ -100,7 +100,10 @@ class StandingShedding:
         waiting = scheduler.waiting
         oldest_s = waiting.oldest_arrival_s(ONLINE_RANK)
         self.queue.observe(now_s, 0.0 if oldest_s is None else now_s - oldest_s)
-        if (elapsed_s := now_s - self._planned_s) > 0.0 and math.isfinite(elapsed_s):
+        elapsed_s = now_s - self._planned_s
+        if elapsed_s <= 0.0:
+            return  # a second plan at the same instant: its admissions count with the next
+        if math.isfinite(elapsed_s):
             rate_per_s = (waiting.num_admitted - self._num_admitted) / elapsed_s
             alpha = -math.expm1(-elapsed_s / self.slo_s)
             self._admit_rate_per_s += alpha * (rate_per_s - self._admit_rate_per_s)

@@ -45,7 +45,8 @@ class WaitingSequences:
         #: Classes and tenants with none waiting are dropped.
         self._classes: dict[int, dict[str, list[Sequence]]] = {}
         self._count = 0
-        #: Sequences taken out to run so far (`admit`; not those finished while waiting).
+        #: Sequences taken out to run so far, each once (`admit`; not those finished while
+        #: waiting).
         self.num_admitted = 0
 
     def __len__(self) -> int:
@@ -78,9 +79,11 @@ class WaitingSequences:
                 del self._classes[seq.priority]
 
     def admit(self, seq: Sequence) -> None:
-        """Takes `seq` out to run (`remove`), counted in `num_admitted`."""
+        """Takes `seq` out to run (`remove`), counted in `num_admitted` unless it ran before
+        (a preempted one admitted again moves no one else's turn)."""
         self.remove(seq)
-        self.num_admitted += 1
+        if not seq.num_preemptions:
+            self.num_admitted += 1
 
     def heads(self, max_priority: int) -> Iterator[tuple[int, str, Sequence]]:
         """(priority, tenant, its first sequence with no token yet) for each group of priority
