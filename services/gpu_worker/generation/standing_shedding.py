@@ -152,8 +152,8 @@ class StandingShedding:
         self, now_s: float, rank: int, tenant: str, scheduler: GenerationScheduler
     ) -> FirstTokenRefusal | None:
         """The refusal of a new request of priority `rank` from `tenant` arriving at `now_s` at
-        `scheduler`, or None: refused when what it would wait behind holds a wait above the
-        target (`wait_ahead_above_target_s`), which is its retry hint."""
+        `scheduler`, or None: refused when it would wait above the target behind others
+        (`wait_ahead_above_target_s`), which is its retry hint."""
         if rank > ONLINE_RANK or not self.queue.is_standing:
             return None
         waited_s = self.wait_ahead_above_target_s(now_s, rank, tenant, scheduler)
@@ -161,8 +161,8 @@ class StandingShedding:
             return None
         self.queue.hold(now_s)
         message = (
-            "generation request refused: the waiting queue stands (what it would wait behind"
-            f" has waited {waited_s:.3f}s for its first token)"
+            "generation request refused: the waiting queue stands (it would wait"
+            f" {waited_s:.3f}s behind others for its first token)"
         )
         return FirstTokenRefusal(STANDING_QUEUE, message, waited_s)
 
