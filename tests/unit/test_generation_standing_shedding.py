@@ -260,3 +260,20 @@ def test_a_standing_queue_drops_the_online_sequences_that_waited_past_the_slo_un
     assert expired[1].retry_after_s == pytest.approx(2.5)
     assert expired[2].retry_after_s == pytest.approx(2.1)
     assert "dropped unrun" in expired[1].message
+
+
+def test_an_engine_that_admits_nothing_counts_an_admission_an_slo() -> None:
+    """Every seat busy for good: the admission rate measured is 0, and is taken as one an SLO
+    (a queue that admits none for longer stands still), so one other tenant's first ahead
+    counts nothing (the next admission takes it) and each further one a whole SLO."""
+    shedding = StandingShedding(SLO_S)
+    scheduler = GenerationScheduler(make_config())
+    for seq_id, tenant in ((1, "a"), (2, "b")):
+        scheduler.add(make_seq(seq_id=seq_id, arrival_s=0.0, priority=INTERACTIVE, tenant=tenant))
+    plan_every(shedding, scheduler, 5.0)  # nothing is admitted
+    assert shedding.queue.is_standing
+
+    refusal = shedding.refusal(5.0, INTERACTIVE, "fresh", scheduler)
+    assert refusal is not None and refusal.retry_after_s == pytest.approx(SLO_S)
+    scheduler.finish(2)  # one first ahead: the next admission takes it
+    assert shedding.refusal(5.0, INTERACTIVE, "fresh", scheduler) is None
