@@ -25,7 +25,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import generate_latest
 
 from services.common import metric_names as names
-from services.common.model_repository import ModelVersion, load_repository
+from services.common.model_repository import ModelVersion
 from services.gpu_worker.batching.watchdog import watchdog_bound_s
 from services.gpu_worker.generation.model_runner import ModelRunner
 from services.gpu_worker.generation.step_inputs import StepItem
@@ -34,6 +34,7 @@ from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.in_process import start_lone_worker, swapper_for
 from tests.support.metrics import total
+from tests.support.models import tiny_llama_version
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.waiting import eventually, thread_ends
 
@@ -170,10 +171,7 @@ async def wedging_load(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, watchdog_s: float
 ) -> WedgingLoad:
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", tmp_path / "repo" / "tiny-llama")
-    more = tmp_path / "more" / "tiny-llama"
-    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
-    (more / "1").rename(more / "2")
-    (version,) = load_repository(tmp_path / "more")
+    version = tiny_llama_version(tmp_path / "more", "2")
     worker = await start_lone_worker(tmp_path / "repo", watchdog_s)
     assert worker.models is not None
     (serving,) = worker.models.generation

@@ -20,7 +20,6 @@ from prometheus_client import generate_latest
 from redis.exceptions import NoPermissionError
 
 from services.common import metric_names as names
-from services.common.model_repository import load_repository
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
 from services.gpu_worker import hot_swap
@@ -35,6 +34,7 @@ from tests.support.in_process import start_lone_worker, swapper_for
 from tests.support.metrics import samples, total
 from tests.support.models import (
     release_stall,
+    tiny_llama_version,
     write_affine_model,
     write_stalling_model,
     write_versioned_affine_model,
@@ -521,10 +521,7 @@ async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_an
     repo = tmp_path / "repo" / "tiny-llama"
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", repo)
     shutil.copytree(repo / "1", repo / "2")
-    more = tmp_path / "more" / "tiny-llama"
-    shutil.copytree(REPO_ROOT / "models" / "tiny-llama", more)
-    (more / "1").rename(more / "3")
-    (third,) = load_repository(tmp_path / "more")
+    third = tiny_llama_version(tmp_path / "more", "3")
     warm_up = GenerationBackend.warm_up
 
     def failing_warm_up(backend: GenerationBackend) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from bench.models import POISON as POISON
 from bench.models import affine_reference as affine_reference
 from bench.models import write_affine_model as write_affine_model
+from services.common.model_repository import ModelVersion, load_repository
 
 
 def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
@@ -166,3 +168,13 @@ class _BrokenRelease(torch.nn.Module):
 def break_version(model_dir: Path, version: int) -> None:
     """Replaces a TorchScript version with `_BrokenRelease` (a bad canary)."""
     torch.jit.script(_BrokenRelease()).save(str(model_dir / str(version) / "model.pt"))
+
+
+def tiny_llama_version(repository: Path, version: str) -> ModelVersion:
+    """The default repository's tiny-llama copied into `repository` as `version` alone (a
+    version to hot-load beside the served one), read back."""
+    model_dir = repository / "tiny-llama"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "models" / "tiny-llama", model_dir)
+    (model_dir / "1").rename(model_dir / version)
+    (read,) = load_repository(repository)
+    return read
