@@ -422,6 +422,38 @@ async def test_generation_steps_count_their_device_time(checkpoint: Path) -> Non
     assert (registry.get_sample_value(name, labels) or 0.0) > 0.0
 
 
+async def test_streamed_tokens_are_counted_once_each_by_the_time_a_reader_has_them(
+    checkpoint: Path,
+) -> None:
+    """The engine records a step's tokens and times per output token in one flush: whenever a
+    reader has a delta, its tokens are in the counter (while other streams still run, and
+    after all end), and every token after a stream's first in the histogram, once."""
+    backend, registry = make_backend(checkpoint)
+    labels = {"model": backend.config.name, "version": backend.version.version}
+    lengths = (1, 3, 8, 40)
+    behind: list[tuple[int, float]] = []  # (tokens read, the counter) where it lagged
+
+    async def read(num_tokens: int) -> int:
+        params = SamplingParams(max_tokens=num_tokens, ignore_eos=True)
+        num_read = 0
+        async for delta in backend.engine.generate(backend.encode(f"tally {num_tokens}"), params):
+            num_read += len(delta.token_ids)
+            counted = registry.get_sample_value(names.GENERATION_TOKENS_TOTAL, labels) or 0.0
+            if counted < num_read:
+                behind.append((num_read, counted))
+        return num_read
+
+    backend.engine.start()
+    try:
+        assert await asyncio.gather(*map(read, lengths)) == list(lengths)
+        assert not behind
+        assert registry.get_sample_value(names.GENERATION_TOKENS_TOTAL, labels) == sum(lengths)
+        count = registry.get_sample_value(f"{names.GENERATION_TPOT_SECONDS}_count", labels)
+        assert count == sum(n - 1 for n in lengths)
+    finally:
+        await backend.engine.drain()
+
+
 async def test_steps_run_on_the_thread_counts_the_choice_picks(checkpoint: Path) -> None:
     backend, _ = make_backend(checkpoint)
     execute = backend.runner.execute

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common import metric_names as names
 from services.common.sampling import SamplingParams
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
@@ -61,3 +62,22 @@ async def test_a_stop_string_the_last_tokens_complete_ends_the_reply_at_it() -> 
     params = SamplingParams(max_tokens=4, stop=("k \ufffd",))
     delta = await reply("ok é", None, params)
     assert (delta.text, delta.finish_reason) == ("o", "stop")
+
+
+def test_streamed_tokens_are_recorded_at_the_flush_as_one_observation_each() -> None:
+    """A step's tokens share their time per output token: counted, then written in one flush
+    as the counter and histogram would have recorded them a token at a time."""
+    registry = CollectorRegistry()
+    bound = GenerationMetrics(registry).bind(("m", "1"))
+    labels = {"model": "m", "version": "1"}
+    tokens, tpot = names.GENERATION_TOKENS_TOTAL, names.GENERATION_TPOT_SECONDS
+    for num_tokens, tpot_s in ((1, None), (1, 0.004), (1, 0.004), (1, 0.03), (0, 0.004)):
+        bound.streamed(num_tokens, tpot_s)  # the last a stop token: timed, no token
+    assert not registry.get_sample_value(tokens, labels)  # not yet
+    assert not registry.get_sample_value(f"{tpot}_count", labels)
+    for _ in range(2):  # a second flush, with nothing counted since, records nothing
+        bound.flush_tokens()
+        assert registry.get_sample_value(tokens, labels) == 4.0
+        assert registry.get_sample_value(f"{tpot}_count", labels) == 4.0
+        assert registry.get_sample_value(f"{tpot}_sum", labels) == pytest.approx(0.042)
+        assert registry.get_sample_value(f"{tpot}_bucket", labels | {"le": "0.005"}) == 3.0

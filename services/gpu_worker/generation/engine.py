@@ -366,6 +366,7 @@ class GenerationEngine:
             # A stream cancelled meanwhile is read by no one (nor counted, as before a step).
             if ends or self._requests.get(request.seq_id) is request:
                 self._send(request, token, num_generated, now)
+        self._bound.flush_tokens()
 
     def _send(self, request: RequestStream, token: int, num_generated: int, now: float) -> bool:
         """Streams `token`; True when it ends the stream. A failure to ends its sequence."""

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
-from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory
+from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory, observe_counts
 
 if TYPE_CHECKING:  # they import this module
     from services.gpu_worker.generation.request_stream import RequestStream
@@ -200,6 +200,27 @@ class BoundGenerationMetrics:
         self._finished = Children(metrics.finished_total)
         self._labels = labels
         self._charge_tenant = metrics.charge_tenant
+        #: Tokens streamed since `flush_tokens`, and their times per output token with how
+        #: many had each: a step's tokens share their sampling time, so most share a value.
+        self._num_tokens = 0
+        self._tpot_counts: dict[float, int] = {}
+
+    def streamed(self, num_tokens: int, tpot_s: float | None) -> None:
+        """A delta of `num_tokens` streamed (0: a stop token's), `tpot_s` after its stream's
+        last (None: its first), recorded at the next `flush_tokens`: a counter's and a
+        histogram's locked writes a token were a tenth of the engine's loop."""
+        self._num_tokens += num_tokens
+        if tpot_s is not None:
+            self._tpot_counts[tpot_s] = self._tpot_counts.get(tpot_s, 0) + 1
+
+    def flush_tokens(self) -> None:
+        """Records what `streamed` has counted since the last flush."""
+        if self._num_tokens:
+            self.tokens_total.inc(self._num_tokens)
+            self._num_tokens = 0
+        if self._tpot_counts:
+            counts, self._tpot_counts = self._tpot_counts, {}
+            observe_counts(self.tpot_seconds, counts.items())
 
     def finished(self, reason: str) -> Counter:
         """The finished-sequences counter of `reason`."""
@@ -214,8 +235,10 @@ class BoundGenerationMetrics:
     def scheduled(
         self, output: SchedulerOutput, scheduler: GenerationScheduler, num_blocks: int
     ) -> None:
-        """A step planned (`output`): its preemptions and prefix-cache lookups counted, and
-        the gauges of the `scheduler` it leaves (a cache of `num_blocks` KV blocks)."""
+        """A step planned (`output`): its preemptions and prefix-cache lookups counted, the
+        gauges of the `scheduler` it leaves (a cache of `num_blocks` KV blocks), and the tokens
+        streamed since the last step (`flush_tokens`; the engine streams between its plans)."""
+        self.flush_tokens()
         if output.preempted:
             self.preemptions_total.inc(len(output.preempted))
         if output.num_prefix_queried_tokens:

@@ -158,9 +158,10 @@ class RequestStream:
         eos_token_ids: frozenset[int],
         bound: BoundGenerationMetrics,
     ) -> bool:
-        """Streams `token`, sampled at `now` as the sequence's `num_generated`-th, and records
-        its metrics. True once it finishes the stream: its last delta is queued then, and the
-        engine finishes the sequence."""
+        """Streams `token`, sampled at `now` as the sequence's `num_generated`-th, and counts
+        its metrics (its time to first token recorded now, the rest at `bound.flush_tokens`).
+        True once it finishes the stream: its last delta is queued then, and the engine
+        finishes the sequence."""
         params = self.params
         is_stop_token = self._is_stop_token(token, eos_token_ids)
         finish_reason = "stop" if is_stop_token else None
@@ -181,14 +182,13 @@ class RequestStream:
             text += held
             if hit_stop:  # the last tokens completed a stop string: the reply ends at it
                 finish_reason = "stop"
+        tpot_s = None if self.last_token_s is None else now - self.last_token_s
         if self.first_token_s is None:
             self.first_token_s = now
             bound.ttft_seconds.observe(now - self.arrival_s)
-        elif self.last_token_s is not None:
-            bound.tpot_seconds.observe(now - self.last_token_s)
+        bound.streamed(len(token_ids), tpot_s)
         self.last_token_s = now
         self.num_emitted += len(token_ids)
-        bound.tokens_total.inc(len(token_ids))
         if finish_reason is None:
             if token_ids:
                 self.output.put_nowait(Delta(token_ids, text))
