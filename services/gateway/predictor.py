@@ -221,6 +221,9 @@ class Predictor:
             if error.is_overload or error.is_not_started:  # never served: no rows spent
                 self.admission.give_back_rows(policy, len(call.inputs))
             raise
+        except InvalidInput:  # a text of more tokens than the model takes (its bundle's check)
+            self.admission.give_back_rows(policy, len(call.inputs))
+            raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         self._metrics.inputs_total_of[(config.name, model.version)].inc(len(rows))
         num_tokens = sum(len(r) for r in answered.rows) if is_text else 0
@@ -388,8 +391,8 @@ class Predictor:
                 failure = UpstreamError.from_rpc_error(error)
                 # Resent only before the first message: a stream is never replayed.
                 if has_sent or not await self._may_resend(failure, attempt, deadline_s, "generate"):
-                    if failure.is_overload and not has_sent:  # refused for load: never served
-                        self.admission.give_back_rows(call.principal.policy, 1)
+                    if (failure.is_overload or failure.is_not_started) and not has_sent:
+                        self.admission.give_back_rows(call.principal.policy, 1)  # never served
                     raise failure from None
             finally:
                 stream.cancel()  # our caller left mid-stream: stop the worker's generation too

@@ -32,7 +32,13 @@ from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as wpb
 from tests.support.in_process import affine_and_stall_fabric, start_lone_gateway
-from tests.support.models import STALL, release_stall, write_affine_model, write_minilm_repository
+from tests.support.models import (
+    STALL,
+    release_stall,
+    write_affine_model,
+    write_minilm_repository,
+    write_small_minilm_repository,
+)
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.redis import RedisServer
 from tests.support.stream_status import PeerStatus
@@ -421,7 +427,9 @@ def _varint(value: int) -> bytes:
     return bytes(out) + bytes([value])
 
 
-@pytest.mark.parametrize("refused_by", ["throttle", "downstream", "invalid", "not started"])
+@pytest.mark.parametrize(
+    "refused_by", ["throttle", "downstream", "invalid", "too many tokens", "not started"]
+)
 async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     tmp_path: Path, redis_server: RedisServer, refused_by: str
 ) -> None:
@@ -430,12 +438,15 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
     queue full, or predicted past its deadline). Ten such calls spend none of the tenant's
     rows, so once calls go through again the tenant is served, not refused for rows it never
     got. Before, only the throttle's refusals kept the rows. So do calls refused as invalid
-    (INVALID_ARGUMENT: a NaN row, found after the rows were charged) and calls that provably
+    (INVALID_ARGUMENT: a NaN row, found after the rows were charged; a text of more tokens than
+    the model takes, found when its bundle is tokenized) and calls that provably
     ran nothing downstream (UNAVAILABLE, not started). (Each call still spends
     a request of a request rate: every call made counts, so a flood is refused before its body
     is read.)"""
     keys = tmp_path / "keys.toml"
     keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nrows_per_s = 2\nburst_s = 1\n")
+    if refused_by == "too many tokens":  # up to 32 tokens, in texts up to 2,048 characters
+        write_small_minilm_repository(tmp_path / "repo")
     async with affine_and_stall_fabric(
         tmp_path, redis_server, gateway_settings={"api_keys_file": keys}
     ) as fabric:
@@ -455,7 +466,7 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
         sent = [api.PredictInput(tensor=nan)]
         if refused_by == "throttle":
             throttle.admit = lambda *_: Shed(retry_after_s=0.1, probability=0.9)  # type: ignore[method-assign]
-        elif refused_by == "invalid":
+        elif refused_by in ("invalid", "too many tokens"):
             expected = grpc.StatusCode.INVALID_ARGUMENT
         elif refused_by == "not started":
             expected = grpc.StatusCode.UNAVAILABLE
@@ -473,6 +484,10 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
                 refused_call = request
                 if refused_by == "invalid":
                     refused_call = api.PredictRequest(model_name="affine", inputs=sent)
+                elif refused_by == "too many tokens":
+                    refused_call = api.PredictRequest(
+                        model_name="minilm", inputs=[api.PredictInput(text="word " * 60)]
+                    )
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await stub.Predict(refused_call, timeout=5, metadata=metadata)
                 assert refused.value.code() == expected, refused.value.details()

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from services.common.errors import NOT_STARTED_TRAILER
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.http.kserve_rest import generate_request
@@ -138,26 +139,34 @@ async def test_idle_streams_count_against_the_tenants_max_concurrency(
         idle[1].cancel()
 
 
-class _RefusedForLoad:
-    """A downstream Generate stream refused before its first token (a worker's queue full, a
-    router predicting its deadline past)."""
+class _Refused:
+    """A downstream Generate stream refused before its first token: for load (a worker's queue
+    full, a router predicting its deadline past), or UNAVAILABLE marked not started (a worker
+    stopping: nothing of it ran), which the gateway sends again until it gives up."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self.code = code
 
     async def read(self) -> object:
-        raise grpc.aio.AioRpcError(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "full"
-        )
+        is_not_started = self.code == grpc.StatusCode.UNAVAILABLE
+        trailers = grpc.aio.Metadata(NOT_STARTED_TRAILER) if is_not_started else grpc.aio.Metadata()
+        raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), trailers, "refused")
 
     def cancel(self) -> bool:
         return False
 
 
-async def test_generations_refused_downstream_for_load_spend_none_of_their_tenants_rows(
-    tmp_path: Path, redis_server: RedisServer
+@pytest.mark.parametrize(
+    "code", [grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE], ids=str
+)
+async def test_generations_refused_downstream_unserved_spend_none_of_their_tenants_rows(
+    tmp_path: Path, redis_server: RedisServer, code: grpc.StatusCode
 ) -> None:
     """A tenant allowed 2 rows a second (a bucket of 2) whose generations downstream refuses
-    for load: ten such spend none of its rows (a generation is one), so once generations go
-    through again it is served, not refused for rows it never got. Before, each kept its row,
-    and the third was refused for the tenant's rows_per_s (predicts gave theirs back)."""
+    unserved (`_Refused`): ten such spend none of its rows (a generation is one), so once
+    generations go through again it is served, not refused for rows it never got. Before,
+    each kept its row, and the third was refused for the tenant's rows_per_s (predicts gave
+    theirs back); those refused not started kept theirs until 2026-12-04."""
     async with (
         _gateway_of_a_tenant_allowed_two(
             tmp_path, redis_server, "rows_per_s = 2\nburst_s = 1"
@@ -166,7 +175,7 @@ async def test_generations_refused_downstream_for_load_spend_none_of_their_tenan
     ):
         predictor = gateway.predictor
         generate = predictor._generate
-        predictor._generate = lambda *_, **__: _RefusedForLoad()  # type: ignore[assignment]
+        predictor._generate = lambda *_, **__: _Refused(code)  # type: ignore[assignment]
         stub = api_grpc.InferenceServiceStub(channel)
         sampling = types.SamplingParameters(max_tokens=4)
         request = api.GenerateRequest(model_name=MODEL, prompt="hello", sampling=sampling)
@@ -174,7 +183,7 @@ async def test_generations_refused_downstream_for_load_spend_none_of_their_tenan
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 async for _ in stub.Generate(request, metadata=METADATA, timeout=10):
                     pass
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert refused.value.code() == code
             assert "rows_per_s" not in (refused.value.details() or "")
         predictor._generate = generate  # type: ignore[method-assign]
         answered = [m async for m in stub.Generate(request, metadata=METADATA, timeout=30)]
