@@ -249,8 +249,12 @@ class _ServedStream:
                 # waits for an answer; its span, if any, still ends CANCELLED.
                 raise
         finally:
-            self._running.pop(call.call_id, None)
-            self._contexts.pop(call.call_id, None)
+            # Only this call's own: a call cancelled while it ran may have its id in use again
+            # by a new call, read before this task ended.
+            if self._running.get(call.call_id) is asyncio.current_task():
+                del self._running[call.call_id]
+            if self._contexts.get(call.call_id) is context:
+                del self._contexts[call.call_id]
             if span is not None:
                 end_server_span(span, code, result.message, failure)
         result.code = code.value[0]

@@ -82,6 +82,8 @@ class StreamRelay:
         self._open.add(answers)
         if self._stopping:  # stop() ran while this stream was connecting
             answers.put_nowait(CLOSING)
+        if self._is_engine_lost:  # so did set_engine_lost, which ends the open streams
+            answers.put_nowait(None)
         self._metrics.open_streams.inc()
         try:
             while (answer := await answers.get()) is not None:
