@@ -12,9 +12,10 @@ Redis layout (all keys under a configurable prefix, default "fabric"):
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     # Imported where used (`connect`): the records are pure data, and the simulator
@@ -109,13 +110,38 @@ class WorkerRecord:
             address=str(raw["address"]),
             is_draining=bool(raw["is_draining"]),
             sent_at_ms=int(raw["sent_at_ms"]),
-            models=tuple(ModelRecord(**m) for m in raw["models"]),
-            failed=tuple(FailedVersion(**f) for f in raw.get("failed", ())),
+            models=tuple(_typed(ModelRecord, m) for m in raw["models"]),
+            failed=tuple(_typed(FailedVersion, f) for f in raw.get("failed", ())),
             internal_api=int(raw.get("internal_api", 1)),
         )
 
     def model(self, name: str, version: str) -> ModelRecord | None:
         return next((m for m in self.models if m.name == name and m.version == version), None)
+
+
+_R = TypeVar("_R", ModelRecord, FailedVersion)
+
+
+def _is_json_type(value: object, kind: str) -> bool:
+    """Whether a JSON value is of a record field's annotated type (a string: annotations are
+    postponed): a bool is no number, a float is finite, an int does for a float."""
+    if kind == "bool" or isinstance(value, bool):
+        return kind == "bool" and isinstance(value, bool)
+    if kind == "int":
+        return isinstance(value, int)
+    if kind == "float":
+        return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
+    return kind != "str" or isinstance(value, str)
+
+
+def _typed(cls: type[_R], raw: Mapping[str, object]) -> _R:
+    """`cls(**raw)`, each field's type checked: a forged or corrupt record (`"queued_rows":
+    "3"`) is refused here, as malformed, and readers skip it; it raised TypeError in routing,
+    every call, on every router."""
+    for field in fields(cls):
+        if field.name in raw and not _is_json_type(raw[field.name], str(field.type)):
+            raise TypeError(f"{cls.__name__}.{field.name} is not {field.type}: {raw[field.name]!r}")
+    return cls(**raw)  # type: ignore[arg-type]  # checked above
 
 
 @dataclass(frozen=True)

@@ -144,7 +144,10 @@ class TimeoutEjector:
         return None
 
     def _eject(self, health: _Health, now_s: float) -> float:
-        period_s = min(self._config.max_eject_s, self._config.eject_s * 2**health.num_ejections)
+        # The doubling stops where it is surely past max_eject_s: 2**1,024 is no float (a
+        # worker that black-holes calls for days got there, and its probe's timeout raised).
+        doubled_s = self._config.eject_s * 2 ** min(health.num_ejections, 64)
+        period_s = min(self._config.max_eject_s, doubled_s)
         health.num_ejections += 1
         self.has_ejected = True
         health.num_timeouts = 0

@@ -69,7 +69,9 @@ class WorkerNetworks:
 def address_host(address: str) -> str | None:
     """The host of `host:port` or `[v6]:port`; None when the form or the port is wrong."""
     host, sep, port = address.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    # At most 5 digits before int(): past 4,300, int() refuses them (CPython's guard).
+    is_port = port.isascii() and port.isdigit() and len(port) <= 5
+    if not sep or not is_port or not 0 < int(port) < 65536:
         return None
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]

@@ -176,3 +176,18 @@ def test_an_answer_to_a_call_sent_while_ejected_restores_the_worker_at_once() ->
     # A repeat within max_eject_s still doubles: the restoration ended the period early.
     ejector.record_success("w1", 3.0)
     assert time_out(ejector, 6.0, times=3) == 20.0
+
+
+def test_a_worker_ejected_again_and_again_keeps_the_longest_period() -> None:
+    """A worker that answers nothing for days, each probe timing out: its period stays at
+    max_eject_s. Before, the 1,025th ejection's doubling (2**1,024) overflowed a float and the
+    probe's timeout raised."""
+    ejector = make_ejector()
+    now_s, periods = 1.0, [time_out(ejector, 1.0, times=3)]
+    for _ in range(1_100):
+        now_s += periods[-1] or 0.0
+        assert ejector.may_route("w1", now_s)
+        ejector.on_routed("w1", now_s)  # the probe, which times out a second later
+        now_s += 1.0
+        periods.append(time_out(ejector, now_s, waited_s=1.0))
+    assert periods[:3] == [10.0, 20.0, 40.0] and set(periods[3:]) == {40.0}

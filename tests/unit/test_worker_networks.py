@@ -108,3 +108,11 @@ def test_a_port_of_non_ascii_digits_is_no_port() -> None:
     router's registry refresh."""
     assert address_host("10.0.0.1:²") is None
     assert address_host("10.0.0.1:٨٠") is None  # Arabic-Indic digits
+
+
+def test_a_port_of_thousands_of_digits_is_no_port() -> None:
+    """int() refuses more than 4,300 digits: such a forged record raised out of the router's
+    registry refresh, which then kept its old snapshot until every call was refused."""
+    assert address_host("10.0.0.1:" + "1" * 5_000) is None
+    assert address_host("10.0.0.1:000080") is None  # six digits: no port either
+    assert address_host("10.0.0.1:08080") == "10.0.0.1"
