@@ -42,7 +42,7 @@ class RoutingSync:
         self._client = connect(redis_url, credentials=credentials)
         self._task: asyncio.Task[None] | None = None
         # Fields already reported as bad, so a bad field is logged once, not every period.
-        self._reported: dict[str, str] = {}
+        self._reported: dict[str, bytes | str] = {}
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="routing-sync")
@@ -66,7 +66,8 @@ class RoutingSync:
     async def sync_once(self) -> list[str]:
         """One round; returns the models whose routing changed."""
         raw = await self._client.hgetall(self._key)
-        stored = {_text(field): _text(value) for field, value in raw.items()}
+        # Values are read (and refused) per model; a field name that is no UTF-8 names none.
+        stored = {_text(field): value for field, value in raw.items()}
         changed = []
         for model in self._catalog.model_names():
             value = stored.get(model)
@@ -84,4 +85,4 @@ class RoutingSync:
 
 
 def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -159,12 +159,8 @@ class BundleRunner:
         results = [_result(o) for o in outcomes]
         codes = self._count(labels, (_code(r) if isinstance(r, BaseException) else "OK"
                                      for r in results))  # fmt: skip
-        if "OK" not in codes:
-            # Nothing ran here and this worker is failing (a watchdog, a stopped loop): the
-            # bundle fails UNAVAILABLE as a whole, so that the router retries it elsewhere.
-            unavailable = next((r for r in results if isinstance(r, Unavailable)), None)
-            if unavailable is not None:
-                raise unavailable
+        if fails_whole(codes):
+            raise next(r for r in results if isinstance(r, Unavailable))
         response = _answer(backend, results)
         response.worker_us = round((time.monotonic() - called_s) * 1e6)
         return response
@@ -325,6 +321,19 @@ def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None
     if not backend.text.ids_fit(np.frombuffer(packed.token_ids, dtype="<i4"), lengths):
         return None
     return sorted({backend.bucket_for(length) for length in np.unique(lengths).tolist()})
+
+
+#: Slice outcomes that ran nothing here (`fails_whole`).
+_NOT_RUN = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"})
+
+
+def fails_whole(codes: Mapping[str, int]) -> bool:
+    """Whether a bundle whose slices ended with `codes` (counts by status name) fails
+    UNAVAILABLE as a whole, for the router to retry elsewhere: none of it ran here, and this
+    worker is failing (a slice UNAVAILABLE: a watchdog, a stopped loop). Not where a slice ran
+    and failed (INTERNAL) or was refused for its input (INVALID_ARGUMENT): each keeps its own
+    status, as it would run again elsewhere and could end UNAVAILABLE for its caller."""
+    return "UNAVAILABLE" in codes and codes.keys() <= _NOT_RUN
 
 
 def _code(error: BaseException) -> str:
