@@ -4,7 +4,8 @@ pipelined Redis read per period.
 When Redis is unreachable the last good snapshot stays in force (the route table bounds how
 long), health reports the registry degraded, and reads retry with capped backoff. Should it come
 back empty (restarted), that snapshot stays frozen until the first worker has re-registered, and
-its workers stay in it for REFILL_S more while the others re-register.
+its workers stay in it for REFILL_S more while the others re-register; or, should none have
+re-registered after REFILL_S of empty reads, the empty registry is taken.
 
 Records whose address is outside the allowed worker networks (services.router.worker_networks)
 never reach the route table: each such read counts them, and each is logged once while it stays.
@@ -70,20 +71,29 @@ class RegistrySync:
         #: The workers held through the last outage, by id, and until when those not back yet
         #: stay (REFILL_S); None when every one is back, or the time is up.
         self._refill: tuple[dict[str, WorkerRecord], float] | None = None
+        #: When the reads after an outage began to find Redis empty; None otherwise.
+        self._empty_since_s: float | None = None
         self.is_degraded = True  # until the first good read
 
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""
         records, redis_now_s = await read_registry(self._client, self._keys)
+        now_s = time.monotonic()
         if not records and self._awaits_refill and self._table.has_snapshot:
             # Redis is back, empty (restarted): workers re-register at their next heartbeat,
             # which their retry backoff may hold back for seconds. An update now would judge
             # every heartbeat of the outage's snapshot stale and refuse every call; so that
             # snapshot stays frozen, as during the outage, until a worker is back. (A router
             # that started during the outage has none to keep: it takes the empty registry,
-            # as its readiness already says it has read it.)
-            return
-        now_s = time.monotonic()
+            # as its readiness already says it has read it.) Not past REFILL_S of empty reads:
+            # none back by then, the fleet is gone (its node lost with Redis), not slow, and
+            # its dead workers were routed to for up to max_snapshot_age_s.
+            if self._empty_since_s is None:
+                self._empty_since_s = now_s
+            if now_s - self._empty_since_s < REFILL_S:
+                return
+            self._awaits_refill = False  # the empty registry is the fleet: none held
+        self._empty_since_s = None
         if self._awaits_refill and self._table.has_snapshot:
             held = self._table.live_workers(now_s)
             self._refill = ({w.worker_id: w for w in held}, now_s + REFILL_S)

@@ -1,0 +1,69 @@
+"""The router's registry sync (services.router.registry_reader.RegistrySync) against a real
+Redis that goes away and comes back empty."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.gpu_worker.config import HeartbeatConfig
+from services.gpu_worker.registry_publisher import HeartbeatPublisher
+from services.router import registry_reader
+from services.router.metrics import RouterMetrics
+from services.router.registry_reader import RegistrySync
+from services.router.routing import RouteTable
+from services.router.routing_config import RoutingConfig
+from services.router.worker_networks import DEFAULT_WORKER_NETWORKS, WorkerNetworks
+from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.integration
+
+KEYS = RegistryKeys()
+RECORD = WorkerRecord(
+    worker_id="w0", address="127.0.0.1:50051", is_draining=False, sent_at_ms=0, models=()
+)
+
+
+async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns_in_time(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis restarts empty and the worker never re-registers (its node was lost with it): the
+    outage's snapshot is held for REFILL_S of empty reads, then the empty registry is taken.
+    Before, it was held until the snapshot's maximum age (120 s), the dead worker routed to."""
+    monkeypatch.setattr(registry_reader, "REFILL_S", 1.0)
+    table = RouteTable(RoutingConfig(), random.Random())
+
+    async def degraded(_: bool) -> None:
+        pass
+
+    worker, router = connect(redis_server.worker_url), connect(redis_server.router_url)
+    sync = RegistrySync(
+        router,
+        KEYS,
+        table,
+        RouterMetrics(CollectorRegistry()),
+        period_s=0.05,
+        on_degraded_change=degraded,
+        worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
+    )
+    task = asyncio.create_task(sync.run())
+    try:
+        await HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda: RECORD).publish_once()
+        await eventually(lambda: table.live_workers(time.monotonic()) == (RECORD,), timeout_s=10)
+        redis_server.kill()
+        await eventually(lambda: sync.is_degraded, timeout_s=10)
+        redis_server.restart()  # empty; no heartbeat comes
+        await eventually(lambda: not sync.is_degraded, timeout_s=10)
+        assert table.live_workers(time.monotonic()) == (RECORD,)  # held for now
+        await eventually(lambda: table.live_workers(time.monotonic()) == (), timeout_s=10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await worker.aclose()
+        await router.aclose()
