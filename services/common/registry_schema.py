@@ -120,18 +120,21 @@ class WorkerRecord:
 
 
 _R = TypeVar("_R", ModelRecord, FailedVersion)
+#: The largest integer a float holds exactly.
+_MAX_EXACT_INT = 2**53
 
 
 def _is_json_type(value: object, kind: str) -> bool:
     """Whether a JSON value is of a record field's annotated type (a string: annotations are
-    postponed): a bool is no number, a float is finite, an int does for a float."""
+    postponed): a bool is no number, a float is finite, an int does for a float, and an int is
+    within a float's exact range (a 400-digit count overflowed routing's float arithmetic)."""
     if kind == "bool" or isinstance(value, bool):
         return kind == "bool" and isinstance(value, bool)
-    if kind == "int":
-        return isinstance(value, int)
+    if kind in ("int", "float") and isinstance(value, int):
+        return abs(value) <= _MAX_EXACT_INT
     if kind == "float":
-        return isinstance(value, int) or (isinstance(value, float) and math.isfinite(value))
-    return kind != "str" or isinstance(value, str)
+        return isinstance(value, float) and math.isfinite(value)
+    return kind == "str" and isinstance(value, str)
 
 
 def _typed(cls: type[_R], raw: Mapping[str, object]) -> _R:

@@ -159,8 +159,9 @@ class BundleRunner:
         results = [_result(o) for o in outcomes]
         codes = self._count(labels, (_code(r) if isinstance(r, BaseException) else "OK"
                                      for r in results))  # fmt: skip
-        if fails_whole(codes):
-            raise next(r for r in results if isinstance(r, Unavailable))
+        unavailable = next((r for r in results if isinstance(r, Unavailable)), None)
+        if unavailable is not None and fails_whole(codes):
+            raise unavailable
         response = _answer(backend, results)
         response.worker_us = round((time.monotonic() - called_s) * 1e6)
         return response
@@ -323,17 +324,15 @@ def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None
     return sorted({backend.bucket_for(length) for length in np.unique(lengths).tolist()})
 
 
-#: Slice outcomes that ran nothing here (`fails_whole`).
-_NOT_RUN = frozenset({"UNAVAILABLE", "RESOURCE_EXHAUSTED", "CANCELLED", "DEADLINE_EXCEEDED"})
-
-
 def fails_whole(codes: Mapping[str, int]) -> bool:
     """Whether a bundle whose slices ended with `codes` (counts by status name) fails
-    UNAVAILABLE as a whole, for the router to retry elsewhere: none of it ran here, and this
-    worker is failing (a slice UNAVAILABLE: a watchdog, a stopped loop). Not where a slice ran
-    and failed (INTERNAL) or was refused for its input (INVALID_ARGUMENT): each keeps its own
-    status, as it would run again elsewhere and could end UNAVAILABLE for its caller."""
-    return "UNAVAILABLE" in codes and codes.keys() <= _NOT_RUN
+    UNAVAILABLE as a whole: none succeeded and this worker is failing (a slice UNAVAILABLE: a
+    watchdog, a lost device, a stopped loop), which the router must see to eject it and retry
+    the bundle elsewhere; answered slice by slice, their UNAVAILABLE (not marked not started)
+    would reach their callers unretried. A slice that failed otherwise (INTERNAL, refused for
+    its input) rides along: run again elsewhere, inference is idempotent, and a caller whose
+    retries run out gets UNAVAILABLE for it."""
+    return "UNAVAILABLE" in codes and "OK" not in codes
 
 
 def _code(error: BaseException) -> str:

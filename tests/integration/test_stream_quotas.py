@@ -166,7 +166,7 @@ async def test_generations_refused_downstream_unserved_spend_none_of_their_tenan
     unserved (`_Refused`): ten such spend none of its rows (a generation is one), so once
     generations go through again it is served, not refused for rows it never got. Before,
     each kept its row, and the third was refused for the tenant's rows_per_s (predicts gave
-    theirs back); those refused not started kept theirs until 2026-12-04."""
+    theirs back); so did those refused not started, until the gateway gave theirs back too."""
     async with (
         _gateway_of_a_tenant_allowed_two(
             tmp_path, redis_server, "rows_per_s = 2\nburst_s = 1"

@@ -1,6 +1,7 @@
 """How a worker answers a bundle none of whose slices succeeded (services.gpu_worker.bundles.
-fails_whole): UNAVAILABLE as a whole, for the router to retry elsewhere, only where none of
-it ran here and the worker is failing; otherwise each slice its own status."""
+fails_whole): UNAVAILABLE as a whole, for the router to eject the worker and retry
+elsewhere, where none succeeded and the worker is failing; otherwise each slice its own
+status."""
 
 from __future__ import annotations
 
@@ -16,17 +17,17 @@ pytestmark = pytest.mark.unit
     [
         ({"UNAVAILABLE": 3}, True),
         ({"UNAVAILABLE": 1, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1}, True),
-        ({"UNAVAILABLE": 1, "RESOURCE_EXHAUSTED": 2}, True),  # refused for load: not run
-        ({"RESOURCE_EXHAUSTED": 2}, False),  # the worker is not failing: its own status
-        ({"OK": 1, "UNAVAILABLE": 1}, False),  # a slice served: the rest sent again alone
-        # A slice that ran and failed, or was refused for its input, keeps its status: sent
-        # elsewhere it would run again, and its caller could end UNAVAILABLE. Before, the
-        # whole bundle failed UNAVAILABLE.
-        ({"UNAVAILABLE": 1, "INTERNAL": 1}, False),
-        ({"UNAVAILABLE": 1, "INVALID_ARGUMENT": 1}, False),
+        ({"UNAVAILABLE": 1, "RESOURCE_EXHAUSTED": 2}, True),
+        # A wedged worker's UNAVAILABLE (not marked not started) beside a slice that failed
+        # otherwise: the router must see the worker fail, eject it and retry elsewhere.
+        ({"UNAVAILABLE": 1, "INTERNAL": 1}, True),
+        ({"UNAVAILABLE": 1, "INVALID_ARGUMENT": 1}, True),
+        ({"RESOURCE_EXHAUSTED": 2}, False),  # the worker is not failing: each its own status
+        ({"INTERNAL": 1, "INVALID_ARGUMENT": 1}, False),
+        ({"OK": 1, "UNAVAILABLE": 1}, False),  # a slice served: the rest answered alone
     ],
 )
-def test_a_bundle_fails_whole_only_where_none_of_it_ran_on_a_failing_worker(
+def test_a_bundle_fails_whole_where_none_succeeded_on_a_failing_worker(
     codes: dict[str, int], is_whole: bool
 ) -> None:
     assert fails_whole(codes) is is_whole

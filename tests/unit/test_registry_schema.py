@@ -27,6 +27,8 @@ def test_a_record_round_trips_through_its_json() -> None:
         ("queued_rows", "3"),  # a number as text: it raised TypeError in routing, every call
         ("queued_rows", True),
         ("queued_rows", 2.5),
+        ("queued_rows", 10**400),  # past a float: routing's arithmetic overflowed, every call
+        ("per_row_s", 10**400),
         ("per_row_s", float("nan")),
         ("per_row_s", float("inf")),
         ("per_row_s", None),
