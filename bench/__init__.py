@@ -9,5 +9,6 @@
   machine's cores and the load from several generator processes (a GPU box's figure).
 - The Makefile's `bench-*` targets and docs/benchmarks.md list the rest (tenants, jobs, the
   simulator's validations, the registry, fair share, the worker's intake, server calls, what
-  registered methods cost a call, the floor of a relayed stream message, generation steps).
+  registered methods cost a call, the floor of a relayed stream message, generation steps, the
+  host time of streaming one generated token).
 """
