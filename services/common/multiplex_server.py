@@ -27,7 +27,7 @@ from services.common.errors import (
 )
 from services.common.grpc_errors import answerable, is_bug, status_of
 from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD
-from services.common.multiplex_stream import take_message
+from services.common.multiplex_stream import MAX_CALLS_PER_MESSAGE, take_message
 from services.common.tracing import (
     context_keys,
     current_while,
@@ -67,6 +67,10 @@ Handler = Callable[[Any, Any], Awaitable[Any]]
 #: How long a closing server waits for a caller it told to half-close. A MultiplexClient
 #: does within a round trip once nothing it sent waits; one older than `closing` ignores it.
 CLOSING_WAIT_S = 1.0
+#: Calls one stream runs at once; past it a new call is refused RESOURCE_EXHAUSTED, not run
+#: (each holds a task and a context: a peer sending without bound would grow them so).
+#: A router's calls to a worker are bundles, each refused or queued within milliseconds.
+MAX_RUNNING_CALLS = 16_384
 
 
 class MultiplexServer:
@@ -192,11 +196,18 @@ class _ServedStream:
                         # first ran never reaches.
                         self._contexts.pop(call_id, None)
                         task.cancel()
+                if len(message.calls) > MAX_CALLS_PER_MESSAGE:  # no caller of ours sends more
+                    raise InvalidInput(
+                        f"a stream message of {len(message.calls)} calls (at most"
+                        f" {MAX_CALLS_PER_MESSAGE})"
+                    )
                 for call in message.calls:
                     if self._closing.is_set():
                         self._send(_shutting_down(call.call_id))
                     elif call.call_id in self._running:  # a peer's bug: no answer could tell
                         raise InvalidInput(f"call id {call.call_id} is already running here")
+                    elif len(self._running) >= MAX_RUNNING_CALLS:
+                        self._send(_too_many_running(call.call_id))
                     else:
                         context = self._contexts[call.call_id] = _context_of(call)
                         self._running[call.call_id] = loop.create_task(self._run(call, context))
@@ -269,6 +280,16 @@ def _context_of(call: pb.MuxCall) -> CallContext:
     timeout_s = call.timeout_us / 1e6 if call.timeout_us else None
     deadline_s = None if timeout_s is None else time.monotonic() + timeout_s
     return CallContext(tuple(call.metadata.items()), deadline_s)
+
+
+def _too_many_running(call_id: int) -> pb.MuxResult:
+    # Never run here: a stream's calls each hold a task and a context while they run.
+    return pb.MuxResult(
+        call_id=call_id,
+        code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        message=f"{MAX_RUNNING_CALLS} calls already running on this stream",
+        trailers=dict((NOT_STARTED_TRAILER,)),
+    )
 
 
 def _shutting_down(call_id: int) -> pb.MuxResult:

@@ -7,9 +7,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
+from services.common import multiplex_server
+from services.common.errors import NOT_STARTED_TRAILER, InvalidInput
 from services.common.multiplex_server import CallContext, _ServedStream
+from services.common.multiplex_stream import MAX_CALLS_PER_MESSAGE
 from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -71,3 +75,61 @@ async def test_a_call_id_used_again_after_its_cancel_is_the_new_call_s() -> None
     assert results == []
     assert cancelled == [b"old", b"new"]
     assert served._contexts == {} and served._running == {}
+
+
+async def test_a_message_of_more_calls_than_any_caller_sends_ends_the_stream_invalid() -> None:
+    """No caller of ours puts more than MAX_CALLS_PER_MESSAGE calls in a message: more is a
+    peer's bug or worse. The calls of earlier messages are answered, none of that one runs,
+    and the stream ends INVALID_ARGUMENT."""
+    ran: list[bytes] = []
+
+    async def answer(request: bytes, context: CallContext, timeout_s: float | None) -> bytes:
+        ran.append(request)
+        return request
+
+    too_many = [pb.MuxCall(call_id=i, request=b"x") for i in range(2, MAX_CALLS_PER_MESSAGE + 3)]
+
+    async def requests() -> AsyncIterator[pb.InferStreamRequest]:
+        yield pb.InferStreamRequest(calls=[pb.MuxCall(call_id=1, request=b"first")])
+        await asyncio.sleep(0.01)
+        yield pb.InferStreamRequest(calls=too_many)
+
+    served = _ServedStream(requests(), answer, asyncio.Event())
+    results: list[pb.MuxResult] = []
+    with pytest.raises(InvalidInput, match="calls"):
+        async for message in served.responses():
+            results.extend(message.results)
+    assert ran == [b"first"] and [r.call_id for r in results] == [1]
+
+
+async def test_calls_past_the_running_limit_are_refused_not_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream already running MAX_RUNNING_CALLS refuses the next call RESOURCE_EXHAUSTED
+    (marked not started) without running it; once one ends, calls run again."""
+    monkeypatch.setattr(multiplex_server, "MAX_RUNNING_CALLS", 2)
+    gate, ran = asyncio.Event(), []
+
+    async def answer(request: bytes, context: CallContext, timeout_s: float | None) -> bytes:
+        ran.append(request)
+        await gate.wait()
+        return request
+
+    async def requests() -> AsyncIterator[pb.InferStreamRequest]:
+        calls = [pb.MuxCall(call_id=i, request=b"%d" % i) for i in (1, 2, 3)]
+        yield pb.InferStreamRequest(calls=calls)
+        await asyncio.sleep(0.01)
+        gate.set()
+        await asyncio.sleep(0.01)
+        yield pb.InferStreamRequest(calls=[pb.MuxCall(call_id=4, request=b"4")])
+
+    served = _ServedStream(requests(), answer, asyncio.Event())
+    results = {r.call_id: r async for message in served.responses() for r in message.results}
+    assert ran == [b"1", b"2", b"4"]
+    assert {i: r.code for i, r in results.items()} == {
+        1: 0,
+        2: 0,
+        3: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+        4: 0,
+    }
+    assert dict(results[3].trailers.items()) == dict((NOT_STARTED_TRAILER,))
