@@ -92,6 +92,7 @@ class RegistrySync:
                 self._empty_since_s = now_s
             if now_s - self._empty_since_s < REFILL_S:
                 return
+            log.warning("registry: no worker re-registered %gs after Redis came back", REFILL_S)
             self._awaits_refill = False  # the empty registry is the fleet: none held
         self._empty_since_s = None
         if self._awaits_refill and self._table.has_snapshot:
@@ -159,6 +160,7 @@ class RegistrySync:
                     )
                 failures += 1
                 self._awaits_refill = True
+                self._empty_since_s = None  # REFILL_S of empty reads counts from Redis's return
                 await self._set_degraded(True)
             except Exception:  # our bug, or a record past the parser: the next round may do
                 stop_if_cancelled()  # better, and a stopped refresh would freeze routing
