@@ -71,6 +71,9 @@ CLOSING_WAIT_S = 1.0
 #: (each holds a task and a context: a peer sending without bound would grow them so).
 #: A router's calls to a worker are bundles, each refused or queued within milliseconds.
 MAX_RUNNING_CALLS = 16_384
+#: Results waiting to go out past which a stream reads no more calls until some have gone (a
+#: peer that sends without reading makes no unbounded pile of refusals).
+MAX_OUTBOX_RESULTS = 4 * MAX_RUNNING_CALLS
 
 
 class MultiplexServer:
@@ -145,6 +148,8 @@ class _ServedStream:
         #: The contexts of the calls running, for slices cancelled while they run.
         self._contexts: dict[int, CallContext] = {}
         self._outbox: list[pb.MuxResult] = []
+        #: Set each time results went out: a reader waiting on a full outbox reads on.
+        self._sent = asyncio.Event()
         self._context_keys = context_keys()
         self._wake = asyncio.Event()
         self._is_reading_done = False
@@ -175,6 +180,7 @@ class _ServedStream:
                 while self._outbox:
                     results = take_message(self._outbox, _response_bytes)
                     yield pb.InferStreamResponse(results=results)
+                    self._sent.set()
                 if (self._is_reading_done or self._is_done_waiting) and not self._running:
                     break
             if self._read_error is not None:
@@ -215,6 +221,9 @@ class _ServedStream:
                 for ref in message.cancelled_slices:
                     if (running := self._contexts.get(ref.call_id)) is not None:
                         running.slice_cancels.cancel(ref.slice)
+                while len(self._outbox) > MAX_OUTBOX_RESULTS:  # a peer that does not read:
+                    self._sent.clear()  # read nothing more of it (refusals pile up otherwise)
+                    await self._sent.wait()
         except InvalidInput as error:
             self._read_error = error
         finally:

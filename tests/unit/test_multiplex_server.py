@@ -133,3 +133,32 @@ async def test_calls_past_the_running_limit_are_refused_not_run(
         4: 0,
     }
     assert dict(results[3].trailers.items()) == dict((NOT_STARTED_TRAILER,))
+
+
+async def test_a_peer_that_sends_without_reading_is_read_no_further(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every call refused at once (the running limit at 0) and the peer not reading: past
+    MAX_OUTBOX_RESULTS results waiting, the stream reads no more of its messages, so refusals
+    do not pile up without bound; once the peer reads, the rest are read and answered."""
+    monkeypatch.setattr(multiplex_server, "MAX_RUNNING_CALLS", 0)
+    monkeypatch.setattr(multiplex_server, "MAX_OUTBOX_RESULTS", 4)
+    num_read = 0
+
+    async def answer(request: bytes, context: CallContext, timeout_s: float | None) -> bytes:
+        raise AssertionError("no call runs")
+
+    async def requests() -> AsyncIterator[pb.InferStreamRequest]:
+        nonlocal num_read
+        for m in range(20):
+            num_read += 1
+            yield pb.InferStreamRequest(
+                calls=[pb.MuxCall(call_id=3 * m + i, request=b"x") for i in range(3)]
+            )
+
+    served = _ServedStream(requests(), answer, asyncio.Event()).responses()
+    first = await anext(served)
+    await asyncio.sleep(0.2)  # the peer reads nothing meanwhile
+    assert num_read <= 4
+    rest = [r for message in [m async for m in served] for r in message.results]
+    assert len(first.results) + len(rest) == 60 and num_read == 20
