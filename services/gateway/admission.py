@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 from types import TracebackType
 
-from services.common.errors import InvalidInput, Overloaded, ServingError
+from services.common.errors import InvalidInput, Overloaded, ServingError, UpstreamError
 from services.common.priority import PriorityClass
 from services.common.telemetry import Outcome
 from services.gateway.metrics import GatewayMetrics
@@ -84,9 +84,10 @@ class TenantAdmission:
         self._metrics.tenant_rows_total_of[(self.labels(policy.name),)].inc(num_rows)
 
     def rows_charged(self, policy: TenantPolicy, num_rows: int) -> RowsCharged:
-        """`charge_rows` for the checks of a call's inputs in its body: rows they refuse
-        (InvalidInput), never served, return to the tenant's bucket, or a tenant that sent one
-        bad call of many rows would be refused for rows it never got."""
+        """`charge_rows` for a call whose body checks and serves its inputs: the rows of a
+        call never served (`never_served`) return to the tenant's bucket, or a tenant that
+        sent one bad call of many rows, or whose calls downstream refused for load, would be
+        refused for rows it never got."""
         return RowsCharged(self, policy, num_rows)
 
     def priority_for(self, policy: TenantPolicy, requested: PriorityClass | None) -> PriorityClass:
@@ -128,8 +129,17 @@ class RowsCharged:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if isinstance(error, InvalidInput):
+        if never_served(error):
             self._admission.give_back_rows(self._policy, self._num_rows)
+
+
+def never_served(error: BaseException | None) -> bool:
+    """Whether a call that ended with `error` was never served: refused for its input
+    (InvalidInput, here or when its bundle was tokenized), or downstream for load or before
+    anything ran (not started)."""
+    if isinstance(error, UpstreamError):
+        return error.is_overload or error.is_not_started
+    return isinstance(error, InvalidInput)
 
 
 class StreamRequests:

@@ -22,7 +22,7 @@ from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.templated_text import TemplatedText
 from services.common.tracing import current_traceparent, outgoing_metadata
-from services.gateway.admission import TenantAdmission
+from services.gateway.admission import TenantAdmission, never_served
 from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
@@ -183,47 +183,44 @@ class Predictor:
         # The throttle first: a call it refuses here was never served, and must not spend its
         # tenant's rows (after a flood the tenant would be refused for rows it never got).
         throttle_key = self._throttle_check(config.name, priority, policy.name)
+        # Its rows return to its tenant if it is never served (admission.never_served): its
+        # input refused, here or when its bundle is tokenized, or refused downstream unrun.
         with self.admission.rows_charged(policy, len(call.inputs)):
             rows = checked_rows(model, call.inputs, truncate=call.truncate)
-        request_id = call.request_id or self._new_request_id()
-        piece = pb.Slice(
-            rows=len(rows),
-            tenant=call.principal.tenant,
-            tenant_weight=policy.weight,
-            priority=priority.proto,
-            request_id=request_id,
-            unnormalized=call.unnormalized,
-            traceparent=current_traceparent(),
-        )
-        # The router and worker see what is left of the deadline as their own gRPC deadline.
-        timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
-        is_text = model.encoder is not None
-        key = BundleKey(
-            config.name, model.version, model.fingerprint, priority.value,
-            is_text=is_text, truncate=call.truncate, deadline_class=deadline_class(timeout_s),
-        )  # fmt: skip
-        try:
-            answered = await self._bundles.call(
-                key,
-                rows,
-                piece,
-                deadline_s=time.monotonic() + timeout_s,
-                max_rows=max_bundle_rows(config),
-                prepare=self.tokenizers.get(model, truncate=call.truncate) if is_text else None,
+            request_id = call.request_id or self._new_request_id()
+            piece = pb.Slice(
+                rows=len(rows),
+                tenant=call.principal.tenant,
+                tenant_weight=policy.weight,
+                priority=priority.proto,
+                request_id=request_id,
+                unnormalized=call.unnormalized,
+                traceparent=current_traceparent(),
             )
-        except UpstreamError as error:
-            self._throttle.record(
-                throttle_key,
-                time.monotonic(),
-                is_accepted=not error.is_overload,
-                retry_after_s=error.retry_after_s,
-            )
-            if error.is_overload or error.is_not_started:  # never served: no rows spent
-                self.admission.give_back_rows(policy, len(call.inputs))
-            raise
-        except InvalidInput:  # a text of more tokens than the model takes (its bundle's check)
-            self.admission.give_back_rows(policy, len(call.inputs))
-            raise
+            # The router and worker see what is left of the deadline as their own gRPC deadline.
+            timeout_s = config.timeout_s_for(call.timeout_s) - (time.perf_counter() - started)
+            is_text = model.encoder is not None
+            key = BundleKey(
+                config.name, model.version, model.fingerprint, priority.value,
+                is_text=is_text, truncate=call.truncate, deadline_class=deadline_class(timeout_s),
+            )  # fmt: skip
+            try:
+                answered = await self._bundles.call(
+                    key,
+                    rows,
+                    piece,
+                    deadline_s=time.monotonic() + timeout_s,
+                    max_rows=max_bundle_rows(config),
+                    prepare=self.tokenizers.get(model, truncate=call.truncate) if is_text else None,
+                )
+            except UpstreamError as error:
+                self._throttle.record(
+                    throttle_key,
+                    time.monotonic(),
+                    is_accepted=not error.is_overload,
+                    retry_after_s=error.retry_after_s,
+                )
+                raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         self._metrics.inputs_total_of[(config.name, model.version)].inc(len(rows))
         num_tokens = sum(len(r) for r in answered.rows) if is_text else 0
@@ -391,8 +388,8 @@ class Predictor:
                 failure = UpstreamError.from_rpc_error(error)
                 # Resent only before the first message: a stream is never replayed.
                 if has_sent or not await self._may_resend(failure, attempt, deadline_s, "generate"):
-                    if (failure.is_overload or failure.is_not_started) and not has_sent:
-                        self.admission.give_back_rows(call.principal.policy, 1)  # never served
+                    if not has_sent and never_served(failure):
+                        self.admission.give_back_rows(call.principal.policy, 1)
                     raise failure from None
             finally:
                 stream.cancel()  # our caller left mid-stream: stop the worker's generation too
