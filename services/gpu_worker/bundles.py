@@ -12,26 +12,25 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 import numpy as np
 
-from services.common.bundles import SliceCancels, slice_time_left_s, split_at, token_row_ends
+from services.common.bundles import SliceCancels, slice_time_left_s
 from services.common.errors import InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.telemetry import given_up_by
-from services.common.tensors import tensor_from_pb, tensor_to_pb
-from services.common.text import TokenIds
+from services.common.tensors import tensor_to_pb
 from services.common.tracing import span_context_of
-from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
-from services.gpu_worker.backends.embedding import TextBackend
+from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching import bundle_door
 from services.gpu_worker.batching.driver import Admission, BatchingDriver
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.slice_admission import SliceAsk
+from services.gpu_worker.bundle_rows import bundle_rows, row_buckets
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -51,27 +50,6 @@ def request_priority(value: int) -> PriorityClass:
         return worker_priority(value)
     except ValueError as error:
         raise InvalidInput(str(error)) from error
-
-
-def bundle_rows(request: pb.InferRequest, num_rows: int) -> Callable[[], list[RawInput]]:
-    """What makes every row of a bundle's packed columns, in slice order, the columns checked
-    now: INVALID_ARGUMENT for columns that do not make `num_rows` rows (the whole bundle fails:
-    its caller built it wrong). The rows are made once the door let the bundle in."""
-    packed = request.packed
-    if packed.token_ids or packed.row_lengths:
-        if not request.fingerprint:
-            raise InvalidInput("token_ids inputs require the tokenizer's fingerprint")
-        ends = token_row_ends(packed.token_ids, packed.row_lengths, num_rows).tolist()
-        flat = np.frombuffer(packed.token_ids, dtype="<i4")
-        return lambda: [TokenIds(ids) for ids in split_at(flat, ends)]
-    if packed.HasField("tensor"):
-        stacked = tensor_from_pb(packed.tensor)
-        if stacked.ndim < 1 or stacked.shape[0] != num_rows:
-            raise InvalidInput(
-                f"packed tensor of shape {list(stacked.shape)} is not {num_rows} rows"
-            )
-        return lambda: list(stacked)
-    raise InvalidInput("a bundle carries no packed rows (token_ids or tensor)")
 
 
 async def all_done(futures: Sequence[asyncio.Future[Any]]) -> None:
@@ -196,7 +174,7 @@ class BundleRunner:
                 f"{num_rows} inputs exceed the queue capacity of "
                 f"{backend.config.max_queue_size}; split the bundle"
             )
-        make_rows = bundle_rows(request, num_rows)
+        rows = bundle_rows(request, num_rows)
         # What refuses every slice alike refuses the bundle, so the router retries it elsewhere
         # (a bundle its caller built wrong is refused INVALID_ARGUMENT first: not retried).
         lane = self._batching.open_lane(backend)
@@ -204,20 +182,21 @@ class BundleRunner:
             refusal = self._refused_whole(lane, request, time_left_s)
             if refusal is not None:
                 raise refusal
-        raw = make_rows()
         ends = list(itertools.accumulate(counts))
-        try:  # every row at once; only a bundle with a bad row is prepared slice by slice
-            prepared = backend.prepare_many(raw)
-            return [prepared[end - n : end] for n, end in zip(counts, ends, strict=True)]
-        except InvalidInput:
-            pass
-        parts: list[list[PreparedRow] | BaseException] = []
-        for n, end in zip(counts, ends, strict=True):
-            try:
-                parts.append(backend.prepare_many(raw[end - n : end]))
-            except InvalidInput as error:
-                parts.append(error)
-        return parts
+        prepared = rows.prepare(backend)
+        if prepared is None:
+            raw = rows.raw()
+            try:  # every row at once; only a bundle with a bad row is prepared slice by slice
+                prepared = backend.prepare_many(raw)
+            except InvalidInput:
+                parts: list[list[PreparedRow] | BaseException] = []
+                for n, end in zip(counts, ends, strict=True):
+                    try:
+                        parts.append(backend.prepare_many(raw[end - n : end]))
+                    except InvalidInput as error:
+                        parts.append(error)
+                return parts
+        return [prepared[end - n : end] for n, end in zip(counts, ends, strict=True)]
 
     def _refused_whole(
         self, lane: Lane, request: pb.InferRequest, time_left_s: float | None
@@ -310,18 +289,6 @@ def bundle_callers(
             bundle_door.Caller(tenant, weight, rank, latest_s, rows[tenant, weight, priority])
         )
     return callers
-
-
-def row_buckets(backend: Backend, packed: pb.PackedRows) -> Sequence[int] | None:
-    """The buckets of a bundle's token rows (their columns checked: bundle_rows) for a text
-    model whose checks every row passes (TextEncoder.ids_fit); None otherwise: a tensor
-    model's rows, or a row with an answer of its own (INVALID_ARGUMENT), take the row path."""
-    if not packed.token_ids or not isinstance(backend, TextBackend):
-        return None
-    lengths = np.frombuffer(packed.row_lengths, dtype="<i4")
-    if not backend.text.ids_fit(np.frombuffer(packed.token_ids, dtype="<i4"), lengths):
-        return None
-    return sorted({backend.bucket_for(length) for length in np.unique(lengths).tolist()})
 
 
 def fails_whole(codes: Mapping[str, int]) -> bool:

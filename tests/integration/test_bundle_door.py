@@ -10,6 +10,8 @@ nothing is dispatched, so the queue holds what each test puts in it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +45,7 @@ from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.clock import FakeClock
 from tests.support.metrics import total
 from tests.support.models import write_small_minilm_repository
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -217,6 +220,25 @@ async def test_a_bundle_with_a_slice_of_its_own_answer_takes_the_row_path(door: 
         grpc.StatusCode.CANCELLED.value[0],
         grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
     ]
+
+
+async def test_a_row_past_the_vocabulary_refuses_its_slice_alone(door: Door) -> None:
+    """A bundle of three one-row slices, the middle row past the vocabulary: that slice is
+    answered INVALID_ARGUMENT, the other two are queued, each with its own row."""
+    runner = BundleRunner(door.driver, door.metrics)
+    request = text_bundle(door, [pb.Slice(rows=1, tenant=t) for t in ("a", "b", "c")])
+    ids = np.frombuffer(request.packed.token_ids, dtype="<i4").copy()
+    ids[9] = 10**6  # the second row's first word (each row: [CLS], six words, [SEP])
+    request.packed.token_ids = ids.tobytes()
+    call = asyncio.ensure_future(runner.infer(door.backend, request, 10.0, None))
+    await eventually(lambda: door.driver.num_in_flight == 2, interval_s=0.01)
+    lane = door.driver.open_lane(door.backend)
+    queued = sorted(p.row.data.tolist() for p in lane.pending.values())
+    assert queued == sorted(r.tolist() for r in (token_rows(3)[0], token_rows(3)[2]))
+    call.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await call
+    assert door.metric(names.WORKER_REQUESTS_TOTAL, code="INVALID_ARGUMENT") == 1
 
 
 def test_callers_group_slices_by_tenant_weight_and_class_with_their_latest_time() -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from services.common.bundles import pack_token_rows
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelVersion, load_repository
 from services.common.text import TokenIds
@@ -95,6 +96,32 @@ def test_token_ids_input_equals_text_input(backend) -> None:
     (from_ids,) = backend.prepare_many([TokenIds(from_text.data.astype(np.int32))])
     assert from_ids.bucket == from_text.bucket
     np.testing.assert_array_equal(backend.run([from_ids])[0], backend.run([from_text])[0])
+
+
+def test_a_bundles_packed_rows_are_prepared_as_each_row_alone(backend) -> None:
+    """A bundle's token columns prepared at once (prepare_packed) give each row what it gets
+    prepared alone: its bucket, length and ids (int64); a bundle with one row that fails its
+    checks (too short, past the vocabulary, too long) is left to the row path (None)."""
+    rng = np.random.default_rng(7)
+    rows = [
+        np.array([101, *rng.integers(1000, 20000, n - 2), 102], dtype=np.int32)
+        for n in (2, 16, 17, 40, 3, 200, 256)
+    ]
+    ids, lengths = pack_token_rows(rows)
+    flat = np.frombuffer(ids, dtype="<i4")
+    packed = backend.prepare_packed(flat, np.frombuffer(lengths, dtype="<i4").tolist())
+    alone = [backend.prepare_many([TokenIds(r)])[0] for r in rows]
+    assert [(p.bucket, p.num_tokens, p.is_normalized) for p in packed] == [
+        (a.bucket, a.num_tokens, True) for a in alone
+    ]
+    for p, a in zip(packed, alone, strict=True):
+        assert p.data.dtype == np.int64
+        np.testing.assert_array_equal(p.data, a.data)
+    for bad in ([101], [101, 999_999, 102], [101, *[2000] * 300, 102], [101, -1, 102]):
+        rows_with_bad = [rows[1], np.array(bad, dtype=np.int32), rows[2]]
+        ids, lengths = pack_token_rows(rows_with_bad)
+        flat = np.frombuffer(ids, dtype="<i4")
+        assert backend.prepare_packed(flat, [len(r) for r in rows_with_bad]) is None
 
 
 @pytest.mark.parametrize(

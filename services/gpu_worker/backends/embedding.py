@@ -55,8 +55,29 @@ class TextBackend(Backend):
     def max_input_tokens(self) -> int:
         return self.text.max_tokens
 
+    @functools.cached_property
+    def _bucket_of_length(self) -> tuple[int, ...]:
+        """The bucket of each length a row may have (index 0 unused): `bucket_for` a lookup."""
+        return (0, *(self.bucket_for(n) for n in range(1, self.text.max_tokens + 1)))
+
     def _row(self, ids: np.ndarray) -> PreparedRow:
-        return PreparedRow(bucket=self.bucket_for(len(ids)), num_tokens=len(ids), data=ids)
+        return PreparedRow(self._bucket_of_length[len(ids)], len(ids), ids)
+
+    def prepare_packed(
+        self, token_ids: np.ndarray, lengths: Sequence[int]
+    ) -> list[PreparedRow] | None:
+        """Every row checked at once (TextEncoder.ids_fit) and converted at once, a view of
+        the one array per row; None when a row fails the checks."""
+        if not self.text.ids_fit(token_ids, lengths):
+            return None
+        flat = token_ids.astype(np.int64)
+        bucket_of = self._bucket_of_length
+        rows, start = [], 0
+        for length in lengths:
+            end = start + length
+            rows.append(PreparedRow(bucket_of[length], length, flat[start:end]))
+            start = end
+        return rows
 
     def prepare(self, value: RawInput) -> PreparedRow:
         return self.prepare_many([value])[0]

@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -42,9 +43,9 @@ _URGENT_RANK = PriorityClass.INTERACTIVE.rank
 GAUGE_PERIOD_S = 0.1
 
 
-@dataclass
+@dataclass(slots=True)
 class Pending:
-    """Driver-side state of one queued row."""
+    """Driver-side state of one queued row (slotted: one is built per queued row)."""
 
     row: PreparedRow
     #: The outputs of the row's caller, and the row's place among them.
@@ -98,9 +99,9 @@ class LoadReport:
     queued_batch_rows: int = 0
 
 
-@dataclass(frozen=True)
-class Admission:
-    """The rows of one request queued on the driver (`BatchingDriver.admit`)."""
+class Admission(NamedTuple):
+    """The rows of one request queued on the driver (`BatchingDriver.admit`). A named tuple:
+    one is built per caller, and a frozen dataclass builds three times as slowly."""
 
     lane: Lane
     item_ids: list[int]
