@@ -8,7 +8,7 @@
 - `python -m bench.spread` (`make bench-spread`): the fabric with every tier spread over the
   machine's cores and the load from several generator processes (a GPU box's figure).
 - The Makefile's `bench-*` targets and docs/benchmarks.md list the rest (tenants, jobs, the
-  simulator's validations, the registry, fair share, the worker's intake, server calls, what
-  registered methods cost a call, the floor of a relayed stream message, generation steps, the
-  host time of streaming one generated token).
+  simulator's validations, the registry, fair share, the worker's intake and its bundle path
+  in one process, server calls, what registered methods cost a call, the floor of a relayed
+  stream message, generation steps, the host time of streaming one generated token).
 """
