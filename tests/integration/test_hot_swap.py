@@ -510,6 +510,18 @@ async def _registered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
     return key in await registered_models(redis_server)
 
 
+#: Gauges of what a generation version's engine holds, gone with the version.
+ENGINE_GAUGES = (
+    names.GENERATION_KV_BLOCKS_FREE,
+    names.GENERATION_KV_BLOCKS_USED,
+    names.GENERATION_RUNNING_SEQUENCES,
+    names.GENERATION_WAITING_SEQUENCES,
+    names.GENERATION_PREFIX_CACHE_BLOCKS,
+    names.GENERATION_CUDA_GRAPHS,
+    names.GENERATION_ATTENTION_BACKENDS,
+)
+
+
 async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_and_exports_no_gauge(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -517,7 +529,8 @@ async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_an
     while serving) lets its step thread go, and exports no standing gauge (whose function
     reads its scheduler); neither does one unloaded. Before, a warm-up that failed at start
     left its step thread running for good, and every failed load left a series reading its
-    dead engine; an unload left one at 0."""
+    dead engine; an unload left one at 0, and its engine's other gauges (free KV blocks, ...)
+    as they were."""
     repo = tmp_path / "repo" / "tiny-llama"
     shutil.copytree(REPO_ROOT / "models" / "tiny-llama", repo)
     shutil.copytree(repo / "1", repo / "2")
@@ -538,6 +551,16 @@ async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_an
         found = samples(exported, names.GENERATION_QUEUE_STANDING, model="tiny-llama")
         return [value for labels, value in found if labels["version"] == version]
 
+    def gauges(version: str) -> set[str]:
+        """The version's engine gauges exported (KV blocks, sequences, kernels, graphs)."""
+        exported = generate_latest(worker.metrics.registry).decode()
+        return {
+            name
+            for name in ENGINE_GAUGES
+            for labels, _ in samples(exported, name, model="tiny-llama")
+            if labels["version"] == version
+        }
+
     try:
         assert worker.models is not None
         assert {(f.model, f.version) for f in worker.models.failed} == {("tiny-llama", "2")}
@@ -547,7 +570,9 @@ async def test_a_generation_version_failed_past_its_engine_lets_its_thread_go_an
         assert await swapper.load(third) is False
         assert standing("3") == []  # failed while serving
         await thread_ends("generation-tiny-llama/3", timeout_s=CONVERGE_S)
+        assert gauges("1") == set(ENGINE_GAUGES)
         await swapper.unload("tiny-llama", "1")
         assert standing("1") == []
+        assert gauges("1") == set()  # a gone engine's free blocks would count in a fleet's sum
     finally:
         await worker.stop()

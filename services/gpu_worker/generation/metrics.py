@@ -157,10 +157,25 @@ class GenerationMetrics:
         )
 
     def forget(self, model: str, version: str) -> None:
-        """A version unloaded, or that failed to load after its engine was made, exports no
-        standing gauge: its function read that engine's scheduler (a load made again sets a
-        new one)."""
-        self.queue_standing.remove(model, version)
+        """A version unloaded, or that failed to load after its engine was made, exports none
+        of its gauges: they said what its engine holds (free KV blocks summed over versions
+        would count a gone one's), and the standing one's function read its scheduler. A load
+        made again sets new ones. Its counters and histograms stay, as counters do."""
+        gauges = (
+            self.queue_standing,
+            self.kv_blocks_free,
+            self.kv_blocks_used,
+            self.running_sequences,
+            self.waiting_sequences,
+            self.prefix_cache_blocks,
+            self.cuda_graphs,
+            self.attention_backends,  # one child per kernel set named: each of the version's
+        )
+        for gauge in gauges:
+            for metric in gauge.collect():
+                for labels in {tuple(sample.labels.values()) for sample in metric.samples}:
+                    if labels[:2] == (model, version):
+                        gauge.remove(*labels)
 
     def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
         """This model version's children of every per-model metric, looked up once:
