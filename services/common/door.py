@@ -67,6 +67,9 @@ log = logging.getLogger(__name__)
 PROBE_KEY = "x-fabric-door-probe"
 #: The least window the process's CPU share is measured over, seconds.
 _MIN_CPU_WINDOW_S = 0.01
+#: Probes in a row that do not reach the door's server (UNAVAILABLE: it stops, or cannot be
+#: connected to) after which the limit returns to rest: nothing measures it meanwhile.
+UNREACHED_PROBES_TO_REST = 10
 #: How grpc ends a probe it dropped or refused before any handler ran.
 _GRPC_REFUSALS = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -152,6 +155,8 @@ class Door(grpc.aio.ServerInterceptor):
         self._probe_task: asyncio.Task[None] | None = None
         self._probe: asyncio.Task[None] | None = None  # the probe call in flight, if any
         self._probe_started_s = 0.0
+        #: Probes in a row that did not reach the server (UNAVAILABLE).
+        self._unreached = 0
         self._channel: grpc.aio.Channel | None = None
         #: The process's CPU seconds at the last measurement, and when it was taken.
         self._cpu_s, self._cpu_at_s = time.process_time(), 0.0
@@ -330,7 +335,17 @@ class Door(grpc.aio.ServerInterceptor):
             await call(b"", metadata=((PROBE_KEY, self._token),))
         except grpc.aio.AioRpcError as error:
             if error.code() is grpc.StatusCode.UNAVAILABLE:
-                self.limit.stop_shedding()  # the server is stopping: nothing measured
+                # The server is stopping, or the probe could not reach it: nothing measured.
+                self.limit.stop_shedding()
+                self._unreached += 1
+                if self._unreached == UNREACHED_PROBES_TO_REST:
+                    # Unmeasured, a flood's limit would hold for as long as the probes fail.
+                    log.warning(
+                        "the door's last %d probes did not reach its server (UNAVAILABLE); "
+                        "its limit returns to rest until one does",
+                        self._unreached,
+                    )
+                    self.limit = QueueDelayLimit(self.config.limit(self.target_s))
                 return
             # Dropped unseen (CANCELLED: past --max-pending-calls; the door stops before its
             # server, so not a stop): a queue over the target, however soon the drop came.
@@ -341,6 +356,7 @@ class Door(grpc.aio.ServerInterceptor):
                 self._metrics.probes_dropped.labels(error.code().name).inc()
             else:
                 log.warning("door probe failed: %s", error.code().name)
+        self._unreached = 0
         now_s = time.monotonic()
         delay_s = now_s - started_s
         self._measured(now_s, self.limit.dropped_probe_delay_s(delay_s) if is_dropped else delay_s)

@@ -414,6 +414,33 @@ async def test_a_probe_grpc_drops_counts_as_a_queue_over_the_target() -> None:
     assert served.delays_over(config.target_s) >= served.probes_dropped()
 
 
+async def test_a_limit_whose_probes_stop_reaching_its_server_returns_to_rest() -> None:
+    """A door backed off to its minimum whose probes then fail UNAVAILABLE (the probe's
+    channel cannot connect: the process out of descriptors, its socket gone), and nothing
+    else measures: its limit returns to rest after UNREACHED_PROBES_TO_REST of them. Before,
+    it held the flood's limit for as long as the probes failed."""
+    config = DoorConfig(initial_limit=64, min_limit=1, probe_interval_s=0.01)
+    async with _serve(config) as served:
+        door = served.door
+        door.limit._limit = 1.0  # as a flood left it
+        unreachable = grpc.aio.insecure_channel("unix:/nonexistent/inference-door-probe.sock")
+        reachable, door._channel = door._channel, unreachable
+
+        async def traffic() -> None:  # calls keep arriving: the door keeps probing
+            while True:
+                await served.call(b"ok")
+
+        sending = asyncio.create_task(traffic())
+        try:
+            await eventually(lambda: door.limit.limit == 64, timeout_s=10.0, interval_s=0.01)
+        finally:
+            sending.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sending
+            door._channel = reachable
+            await unreachable.close()
+
+
 async def test_calls_entered_another_way_share_the_limit(served: Served) -> None:
     """Calls that reach the process another way (the gateway's HTTP front: `enter`, `leave`)
     count against the same limit as the server's: with two entered, a gRPC call is refused at
