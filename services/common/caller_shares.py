@@ -13,7 +13,8 @@ first call in the window pair is counted for all first calls together (`NEW`, on
 only its later calls for itself: callers that rotate credentials share one share between them,
 and do not raise the number of callers the others' shares are measured against (a flood
 presenting each credential twice still does: only known keys stop that). At most `max_callers`
-callers are remembered per window; calls of others count as first calls. Pure: time comes in as
+new callers are remembered per window, and at most as many again of the previous window's;
+calls of others count as first calls. Pure: time comes in as
 `now_s` (the door's probe ticks roll the window)."""
 
 from __future__ import annotations
@@ -77,10 +78,14 @@ class CallerShares:
         # A caller seen before made its first call as one of NEW's: it counts as its own too.
         first = 1
         if caller not in current:
-            if len(current) >= self.max_callers:
-                # No room to remember it, seen before or not: counted with the first calls.
+            known = caller in previous
+            # Room for `max_callers` new callers a window, and for the last window's callers
+            # beside them: a steady caller keeps its own share when a flood of new
+            # credentials fills the window before its first call.
+            if len(current) >= (2 if known else 1) * self.max_callers:
+                # No room to remember it: counted with the first calls.
                 caller, first = NEW, 0
-            elif caller not in previous:
+            elif not known:
                 current[caller] = 0  # seen: its later calls count for itself
                 caller, first = NEW, 0
         sent = current.get(caller, 0)

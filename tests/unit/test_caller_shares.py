@@ -69,10 +69,25 @@ def test_the_caller_is_the_credential_as_authentication_reads_it() -> None:
 def test_no_more_callers_are_remembered_per_window_than_its_bound() -> None:
     # A flood presenting 64 new credentials first in each window, then every earlier one
     # again: each window held the bound plus the previous window's callers, and grew window
-    # by window.
+    # by window. Now at most the bound of new callers and as many of the last window's.
     shares = CallerShares(window_s=0.5, max_callers=64)
     for window in range(6):
         for i in [*range(64 * window, 64 * (window + 1)), *range(64 * window)]:
             shares.arrived(f"key-{i}")
-        assert len(shares._current) <= 64
+        assert len(shares._current) <= 2 * 64
         shares.roll(0.5 * (window + 1))
+
+
+def test_a_steady_caller_keeps_its_share_when_new_credentials_fill_the_window() -> None:
+    """A flood of fresh credentials fills a window's table before a steady caller's first
+    call of it: the caller, known from the last window, is still counted for itself, not
+    with the flood's first calls (which are over their share)."""
+    shares = CallerShares(window_s=0.5, max_callers=4)
+    for _ in range(2):
+        shares.arrived("a")
+    for _ in range(20):
+        shares.arrived("b")
+    shares.roll(0.5)
+    for i in range(100):
+        shares.arrived(f"fresh-{i}")
+    assert shares.arrived("a") is False  # before: counted as a first call, over its share
