@@ -100,6 +100,15 @@ async def door(tmp_path: Path) -> AsyncIterator[Door]:
         return prepare_many(values)
 
     backend.prepare_many = counted  # type: ignore[method-assign]
+    prepare_packed = backend.prepare_packed
+
+    def counted_packed(token_ids: np.ndarray, lengths: Sequence[int]) -> list[PreparedRow] | None:
+        rows = prepare_packed(token_ids, lengths)
+        if rows is not None:  # a bundle's rows made at once (else prepare_many counts them)
+            prepared.append(len(rows))
+        return rows
+
+    backend.prepare_packed = counted_packed  # type: ignore[method-assign]
     clock = FakeClock()
     registry = CollectorRegistry()
     metrics = WorkerMetrics(registry)
