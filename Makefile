@@ -150,10 +150,13 @@ format: install-test
 typecheck: install-test
 	$(VENV)/bin/mypy
 
-# Everything: types, lint, then every test on $(TEST_WORKERS) workers, the 10 slowest named.
+# Everything: types, lint, then every test on $(TEST_WORKERS) workers, the 10 slowest named;
+# then the `solo` tests, one at a time (they judge refusals against the machine's capacity: a
+# neighbour's stack on the same cores makes the worker rightly refuse what they expect served).
 test: install-test typecheck
 	$(VENV)/bin/ruff check services tests bench clients
-	$(PY) -m pytest -q $(PYTEST_PARALLEL) --durations=10
+	$(PY) -m pytest -q $(PYTEST_PARALLEL) -m "not solo" --durations=10
+	$(PY) -m pytest -q -m solo --durations=5
 
 # The inner loop: unit and integration tests (no whole stacks), in parallel.
 test-fast: install-test

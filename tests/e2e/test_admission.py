@@ -3,8 +3,11 @@ past capacity. Each stack runs `python -m services.local_stack` as `make run` do
 default model repository, and is called as a user would (the stock Triton client for the burst).
 
 These tests are about behaviour (no lockout, no collapse, refusals with a status, nothing
-crashed), asserted on statuses and counts, never on latency: they must hold on a slow shared
-machine and beside another test module. The figures (good share within the SLO from ready and
+crashed), asserted on statuses and counts, never on latency: they must hold on a slow machine.
+They need it to themselves (`solo`: `make test` runs them after the parallel tests): beside
+another module's stack on the same two cores, the worker rightly refuses as predicted past the
+SLO calls these tests expect served (a CI run saw 23 of 126 normal calls after the flood). The
+figures (good share within the SLO from ready and
 right after a flood, goodput at 2x and 10x capacity as a share of capacity, p99 of accepted
 calls) are `make bench-fabric`'s: its `from ready`, `overload 2x`/`10x` and `after overload`
 rows (bench/fabric/__main__.py).
@@ -33,7 +36,7 @@ from tests.support.metrics import scrape, total
 from tests.support.processes import REPO_ROOT, health_status
 from tests.support.stack import Stack, start_stack
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.solo]
 
 MODEL = "minilm"
 SLO_S = next(
@@ -59,12 +62,12 @@ FLOOD_S = 8.0
 #: Normal traffic after the flood is judged from this long after the flood's last send: the
 #: flood's own calls end within FLOOD_TIMEOUT_S, and what follows is the stack's recovery.
 RECOVERY_S = 5.0
-#: The share of normal calls from RECOVERY_S after the flood that must be OK. Not all: beside
-#: another test module the 2 cores can make a batch take past the SLO, and then the worker
-#: refuses the odd online row predicted to finish past its SLO, as issue 33 asks (2 of 126 in
-#: one of seven `make test` runs). A lockout (a throttle or a standing queue that never lets
-#: go) refuses far more than this leaves room for. Spread: 0 of 126 refused in each of 10 runs
-#: of this test alone beside a core-bound process (stop 78).
+#: The share of normal calls from RECOVERY_S after the flood that must be OK. Not all: a busy
+#: moment on the 2 cores can make a batch take past the SLO, and then the worker refuses the
+#: odd online row predicted to finish past its SLO, as issue 33 asks (2 of 126 in one of seven
+#: `make test` runs, when this module still ran beside another). A lockout (a throttle or a
+#: standing queue that never lets go) refuses far more than this leaves room for. Spread: 0 of
+#: 126 refused in each of 10 runs of this test alone beside a core-bound process (stop 78).
 RECOVERED_OK_SHARE = 0.9
 #: How the worker refuses a row predicted to finish past its SLO, or past a batch-mate's
 #: limit (batching/lane.py), the one refusal normal traffic after the flood may still get.

@@ -8,9 +8,12 @@ hints ignored, in its own process) is refused by its quota at the gateway, befor
 body is parsed; the victim's open-loop traffic is sent alone, then beside the flood.
 
 Asserted on statuses and counts: the victim's every call is served, the flood is refused with a
-retry hint. The figures (the victim's good share within the SLO and p99 beside the flood against
-alone, the flood's rate as a multiple of capacity) are `make bench-tenants`'
-(bench/fabric/tenants.py).
+retry hint. The pinning presumes the machine: the test is `solo` (`make test` runs it after the
+parallel tests), since beside another module's stack the pinned worker's CPU is shared, its
+queue grows past the flood's admitted calls' 1 s deadline, and it rightly refuses victim rows
+that would make those late (a CI run saw 11 of 189). The figures (the victim's good share
+within the SLO and p99 beside the flood against alone, the flood's rate as a multiple of
+capacity) are `make bench-tenants`' (bench/fabric/tenants.py).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from tests.support.models import write_small_minilm_repository
 from tests.support.stack import Stack, start_stack
 from tests.support.waiting import eventually
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.solo]
 
 MODEL = "minilm"
 TEXTS = make_texts(256, 3)
