@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
+from services.common.bundles import split_at
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfigError, ModelVersion
 from services.common.text import TextEncoder, TokenIds
@@ -70,14 +72,9 @@ class TextBackend(Backend):
         the one array per row; None when a row fails the checks."""
         if not self.text.ids_fit(token_ids, lengths):
             return None
-        flat = token_ids.astype(np.int64)
+        views = split_at(token_ids.astype(np.int64), list(itertools.accumulate(lengths)))
         bucket_of = self._bucket_of_length
-        rows, start = [], 0
-        for length in lengths:
-            end = start + length
-            rows.append(PreparedRow(bucket_of[length], length, flat[start:end]))
-            start = end
-        return rows
+        return [PreparedRow(bucket_of[n], n, ids) for n, ids in zip(lengths, views, strict=True)]
 
     def prepare(self, value: RawInput) -> PreparedRow:
         return self.prepare_many([value])[0]
