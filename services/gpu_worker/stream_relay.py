@@ -13,6 +13,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import metric_names as names
+from services.common.errors import NOT_STARTED_TRAILER
 from services.common.frames import END, MESSAGE, FrameError, read_frame, write_frame
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -25,6 +26,42 @@ ENGINE_LOST_S = 10.0
 
 #: Sent to a stream's router when its front stops: the router half-closes once answered.
 CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
+
+#: A stream's engine messages a front holds for a router that does not read them: past this,
+#: the front reads no more of the link, whose socket fills, so that the engine's writes wait
+#: and its own bound on a stream's unsent results applies (MultiplexServer).
+MAX_HELD_ANSWERS = 64
+
+#: Refusals of a stream the front passes nothing of: its calls ran nowhere, and the router
+#: sends them again without charging their rows (NOT_STARTED_TRAILER).
+_NOT_STARTED = (NOT_STARTED_TRAILER,)
+
+
+class _Answers:
+    """One stream's answers on their way to its router: the engine's messages wait for room
+    past MAX_HELD_ANSWERS, the stream's signals (CLOSING, None: its end) never wait."""
+
+    __slots__ = ("_queue", "_room")
+
+    def __init__(self) -> None:
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._room.set()
+
+    def signal(self, signal: bytes | None) -> None:
+        self._queue.put_nowait(signal)
+
+    async def put(self, message: bytes) -> None:
+        self._queue.put_nowait(message)
+        if self._queue.qsize() >= MAX_HELD_ANSWERS:
+            self._room.clear()
+            await self._room.wait()
+
+    async def get(self) -> bytes | None:
+        answer = await self._queue.get()
+        if self._queue.qsize() < MAX_HELD_ANSWERS:
+            self._room.set()
+        return answer
 
 
 class FrontMetrics:
@@ -56,7 +93,7 @@ class StreamRelay:
         self._link_path = link_path
         self._metrics = metrics
         #: Each open stream's queue of answers on their way to its router.
-        self._open: set[asyncio.Queue[bytes | None]] = set()
+        self._open: set[_Answers] = set()
         self._stopping = False
         self._is_engine_lost = False
 
@@ -64,15 +101,21 @@ class StreamRelay:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
         if self._stopping:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this worker front is stopping")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "this worker front is stopping", _NOT_STARTED
+            )
         if self._is_engine_lost:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine does not answer")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker's engine does not answer", _NOT_STARTED
+            )
         try:
             reader, writer = await asyncio.open_unix_connection(str(self._link_path))
         except OSError:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine is not up")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE, "the worker's engine is not up", _NOT_STARTED
+            )
         self._metrics.streams_total.inc()
-        answers: asyncio.Queue[bytes | None] = asyncio.Queue()
+        answers = _Answers()
         status: list[pb.MuxResult] = []
         loop = asyncio.get_running_loop()
         helpers = (
@@ -81,9 +124,9 @@ class StreamRelay:
         )
         self._open.add(answers)
         if self._stopping:  # stop() ran while this stream was connecting
-            answers.put_nowait(CLOSING)
+            answers.signal(CLOSING)
         if self._is_engine_lost:  # so did set_engine_lost, which ends the open streams
-            answers.put_nowait(None)
+            answers.signal(None)
         self._metrics.open_streams.inc()
         try:
             while (answer := await answers.get()) is not None:
@@ -93,7 +136,7 @@ class StreamRelay:
             self._metrics.open_streams.dec()
             for helper in helpers:
                 helper.cancel()
-            writer.close()
+            writer.transport.abort()  # close() would hold what the engine did not read
         if not status:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine went away")
         if status[0].code:
@@ -107,7 +150,7 @@ class StreamRelay:
         """Tells every open stream's router `closing`; new streams are refused."""
         self._stopping = True
         for answers in self._open:
-            answers.put_nowait(CLOSING)
+            answers.signal(CLOSING)
 
     def set_engine_lost(self, is_lost: bool) -> None:
         """While the engine is lost (ENGINE_LOST_S unanswered), every open stream ends
@@ -117,7 +160,7 @@ class StreamRelay:
                 "the engine has not answered for %gs: ending its relayed streams", ENGINE_LOST_S
             )
             for answers in self._open:
-                answers.put_nowait(None)
+                answers.signal(None)
         elif self._is_engine_lost and not is_lost:
             log.info("the engine answers again")
         self._is_engine_lost = is_lost
@@ -135,7 +178,7 @@ class StreamRelay:
     async def _receive(
         self,
         reader: asyncio.StreamReader,
-        answers: asyncio.Queue[bytes | None],
+        answers: _Answers,
         status: list[pb.MuxResult],
     ) -> None:
         try:
@@ -146,11 +189,11 @@ class StreamRelay:
                 if kind == END:
                     status.append(pb.MuxResult.FromString(payload))
                     break
-                answers.put_nowait(payload)
+                await answers.put(payload)
         except (FrameError, ConnectionError) as error:
             log.warning("the engine's link broke: %s", error)
         finally:
-            answers.put_nowait(None)
+            answers.signal(None)
 
 
 #: grpc's status codes by number.

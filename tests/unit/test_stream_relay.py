@@ -11,8 +11,11 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.frames import END, MESSAGE, write_frame
 from services.gpu_worker import stream_relay
 from services.gpu_worker.stream_relay import FrontMetrics, StreamRelay
+from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
@@ -67,5 +70,60 @@ async def test_a_stream_connecting_as_the_engine_is_declared_lost_ends_unavailab
     finally:
         for writer in held:
             writer.close()
+        server.close()
+        await server.wait_closed()
+
+
+#: The engine's answers in the held-answers test, and each one's size.
+NUM_ANSWERS, ANSWER_BYTES = 1_000, 16 * 1024
+#: What the engine writes before its writes wait for a router that reads nothing: the front's
+#: MAX_HELD_ANSWERS (64) and what the link's socket buffers hold (94 in all here).
+MOST_WRITTEN_UNREAD = 160
+
+
+async def test_a_router_that_does_not_read_holds_the_engines_writes_not_the_fronts_memory(
+    tmp_path: Path,
+) -> None:
+    """The router stops reading its stream while the engine answers: the front holds at most
+    MAX_HELD_ANSWERS of them and reads no more of the link, so that the engine's writes wait
+    (and its own bound on a stream's unsent results applies). Once the router reads again,
+    every answer comes, in order, and the stream ends OK. Before, the front read the link
+    as fast as the engine wrote, holding whatever the router left unread."""
+    link = tmp_path / "link.sock"
+    written = 0
+
+    async def answering_engine(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal written
+        for index in range(NUM_ANSWERS):
+            write_frame(writer, MESSAGE, index.to_bytes(4, "little") * (ANSWER_BYTES // 4))
+            await writer.drain()
+            written += 1
+        write_frame(writer, END, pb.MuxResult(code=0).SerializeToString())
+        await writer.drain()
+
+    server = await asyncio.start_unix_server(answering_engine, path=str(link))
+    relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
+
+    async def no_requests() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""  # never reached
+
+    answers = relay.relay(no_requests(), _Context())  # type: ignore[arg-type]
+    try:
+        received = [await anext(answers)]  # then the router reads nothing for a while
+
+        async def engine_waits() -> bool:
+            before = written
+            await asyncio.sleep(0.5)
+            return written == before
+
+        await eventually(engine_waits, timeout_s=30.0, message="the engine's writes never waited")
+        assert written <= MOST_WRITTEN_UNREAD, written
+        async with asyncio.timeout(30):
+            received += [answer async for answer in answers]
+        assert len(received) == NUM_ANSWERS
+        assert [int.from_bytes(a[:4], "little") for a in received] == list(range(NUM_ANSWERS))
+    finally:
+        await answers.aclose()
         server.close()
         await server.wait_closed()
