@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.bundles import SliceCancels
-from services.common.errors import UpstreamError
+from services.common.errors import NOT_STARTED_TRAILER, UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.multiplex_stream import (
     MuxStream,
@@ -304,12 +304,13 @@ _STATUS_WAIT_S = 1.0
 
 
 def _never_sent(error: BaseException) -> bool:
-    """True when the stream failed before reaching any peer: nothing on it ran anywhere."""
-    return (
-        isinstance(error, grpc.aio.AioRpcError)
-        and error.code() == grpc.StatusCode.UNAVAILABLE
-        and (error.details() or "").startswith(_NO_CONNECTION)
-    )
+    """True when the stream failed before reaching any peer, or its peer refused it whole as
+    not started (a worker front that passed nothing of it on): nothing on it ran anywhere."""
+    if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    if (error.details() or "").startswith(_NO_CONNECTION):
+        return True
+    return NOT_STARTED_TRAILER in tuple(error.trailing_metadata() or ())
 
 
 async def _ended_cleanly(

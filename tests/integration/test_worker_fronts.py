@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from bench.models import affine_reference
 from services.common import metric_names as names
@@ -26,8 +27,8 @@ from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
-from services.gpu_worker.front import engine_grpc_target, follow_engine_health
-from services.gpu_worker.stream_relay import ENGINE_LOST_S
+from services.gpu_worker.front import Passthrough, engine_grpc_target, follow_engine_health
+from services.gpu_worker.stream_relay import ENGINE_LOST_S, FrontMetrics, StreamRelay
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.support.metrics import samples, scrape, total
@@ -533,3 +534,35 @@ async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
     # Not at once, as a stream whose link broke would: the engine-lost rule ended it (its last
     # answer came before it stopped, by a poll on an idle machine, more on a loaded one).
     assert waited_s >= ENGINE_LOST_S / 2, waited_s
+
+
+async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started(
+    tmp_path: Path,
+) -> None:
+    """A front that cannot reach its engine's link refuses a router's stream UNAVAILABLE, and
+    the calls on it fail marked not started (NOT_STARTED_TRAILER): they ran nowhere, so the
+    router's gateway sends them again without charging their rows. Before, a call the router
+    had written when the refusal came was failed as possibly run."""
+    metrics = FrontMetrics(CollectorRegistry())
+    relay = StreamRelay(tmp_path / "no-engine.sock", metrics)
+    engine = grpc.aio.insecure_channel(f"unix:{tmp_path / 'no-engine-grpc.sock'}")
+    front = grpc.aio.server()
+    front.add_generic_rpc_handlers((Passthrough(engine, relay, metrics),))
+    port = front.add_insecure_port("127.0.0.1:0")
+    await front.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION)
+    try:
+        await channel.channel_ready()
+        request, _ = affine_request(2)
+        for _ in range(5):  # each on a stream of its own: the last one broke
+            client = MultiplexClient(channel, "router")
+            with pytest.raises(UpstreamError) as refused:
+                await client.call(request.SerializeToString(), timeout_s=10)
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE, refused.value
+            assert "engine is not up" in str(refused.value), refused.value
+            assert refused.value.is_not_started, refused.value
+            await client.close()
+    finally:
+        await channel.close()
+        await front.stop(None)
+        await engine.close()
