@@ -8,8 +8,9 @@ One fresh stack, one open-loop schedule of one-text Predict calls on the mixed-l
 each call allowing `--timeout-s` (1 s; its gRPC deadline): a burst of 64 at once on a cold
 worker, 40 calls/s for 4 s, a burst of 64 again, 2 s of 40/s, then the flood (default 160/s
 for 8 s, past what one 2-core stack serves) and 3 s of 40/s after it. Per phase it prints the
-calls, the answers within minilm's SLO (250 ms), the accepted calls' p50 and p99 and the
-statuses. With deadlines alone, a flood's queue grows until the deadlines drop what it holds;
+calls, the answers within minilm's SLO (250 ms), the accepted calls' p50 and p99, the
+statuses and the three commonest refusals (who refused: the gateway, or the worker's
+prediction). With deadlines alone, a flood's queue grows until the deadlines drop what it holds;
 the worker's SLO shedding (services/gpu_worker/batching/slo_shedding.py) is what holds its
 answers to the SLO once the queue stands. Results go to `--output` as JSON.
 """
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -65,27 +68,43 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(1e3 * seconds, 1)
 
 
-def summary(outcomes: list[Outcome], slo_s: float) -> dict[str, Any]:
-    """Calls, answers within `slo_s`, the accepted calls' p50/p99 and the statuses."""
+def summary(outcomes: list[Outcome], errors: list[str], slo_s: float) -> dict[str, Any]:
+    """Calls, answers within `slo_s`, the accepted calls' p50/p99, the statuses, and the three
+    commonest refusals (`errors`: each failed call's, its figures blanked): who refused them."""
     accepted = [o.latency_s for o in outcomes if o.status == OK]
+    refusals = Counter(re.sub(r"[0-9][0-9.]*", "N", e) for e in errors)
     return {
         "calls": len(outcomes),
         "good": sum(latency <= slo_s for latency in accepted),
         **{f"p{q}_ms": _ms(percentile(accepted, q)) for q in (50, 99)},
         "statuses": dict(Counter(o.status for o in outcomes)),
+        "refused_by": dict(refusals.most_common(3)),
     }
 
 
 async def measure(address: str, slo_s: float, args: argparse.Namespace) -> dict[str, Any]:
     phases = schedule(args.flood_per_s, args.flood_s, args.seed)
     offsets = [offset for _, phase in phases for offset in phase]
+    errors: dict[int, str] = {}  # each failed call's status and details, by send order
+    order = itertools.count()  # sends start in schedule order (run_open_loop)
     async with grpc.aio.insecure_channel(address) as channel:
         send = predict_sender(channel, "minilm", make_mixed_texts(512, args.seed), args.timeout_s)
-        outcomes = await run_open_loop(send, offsets, timeout_s=args.timeout_s + 1.0)
+
+        async def noted() -> None:
+            index = next(order)
+            try:
+                await send()
+            except grpc.aio.AioRpcError as error:
+                errors[index] = f"{error.code().name}: {error.details()}"
+                raise
+
+        outcomes = await run_open_loop(noted, offsets, timeout_s=args.timeout_s + 1.0)
     results, first = {}, 0
     for name, phase in phases:
-        results[name] = summary(outcomes[first : first + len(phase)], slo_s)
-        first += len(phase)
+        end = first + len(phase)
+        failed = [errors[i] for i in range(first, end) if i in errors]
+        results[name] = summary(outcomes[first:end], failed, slo_s)
+        first = end
     return results
 
 

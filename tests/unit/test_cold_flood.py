@@ -29,9 +29,20 @@ def test_the_phases_follow_one_another_with_the_bursts_at_their_starts() -> None
 def test_a_phase_counts_answers_within_the_slo_and_every_status() -> None:
     outcomes = [Outcome(0.0, 0.0, latency, status) for latency, status in
                 [(0.1, OK), (0.25, OK), (0.4, OK), (0.01, "RESOURCE_EXHAUSTED")]]  # fmt: skip
-    figures = summary(outcomes, slo_s=0.25)
+    errors = ["RESOURCE_EXHAUSTED: minilm/1: predicted to finish 0.31s from now"]
+    figures = summary(outcomes, errors, slo_s=0.25)
     assert (figures["calls"], figures["good"]) == (4, 2)
     assert figures["statuses"] == {OK: 3, "RESOURCE_EXHAUSTED": 1}
     assert figures["p50_ms"] == 250.0
-    assert summary([], slo_s=0.25) == {"calls": 0, "good": 0, "p50_ms": None, "p99_ms": None,
-                                        "statuses": {}}  # fmt: skip
+    predicted = "RESOURCE_EXHAUSTED: minilm/N: predicted to finish Ns from now"
+    assert figures["refused_by"] == {predicted: 1}
+    assert summary([], [], slo_s=0.25) == {"calls": 0, "good": 0, "p50_ms": None, "p99_ms": None,
+                                            "statuses": {}, "refused_by": {}}  # fmt: skip
+
+
+def test_refusals_are_counted_alike_whatever_their_figures() -> None:
+    errors = [f"RESOURCE_EXHAUSTED: minilm/1: predicted to finish {s}s from now" for s in
+              ("0.31", "1.2", "0.044")] + ["DEADLINE_EXCEEDED: Deadline Exceeded"]  # fmt: skip
+    refused = summary([], errors, slo_s=0.25)["refused_by"]
+    assert refused == {"RESOURCE_EXHAUSTED: minilm/N: predicted to finish Ns from now": 3,
+                       "DEADLINE_EXCEEDED: Deadline Exceeded": 1}  # fmt: skip
