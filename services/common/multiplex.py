@@ -258,7 +258,7 @@ class MultiplexClient:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the stream broke under us, or ended (see _read)
-            is_not_started = _never_sent(error) or await _ended_cleanly(stream.call)
+            is_not_started = _never_sent(error) or await _ran_nothing_or_ended_cleanly(stream.call)
             stream.fail_all(
                 f"stream write failed: {_describe(error)}", is_not_started=is_not_started
             )
@@ -299,7 +299,7 @@ def _request_bytes(call: pb.MuxCall) -> int:
 _NO_CONNECTION = ("failed to connect to all addresses", "connections to all backends failing")
 
 
-#: How long a failed write waits for the stream's status (see _ended_cleanly).
+#: How long a failed write waits for the stream's status (see _ran_nothing_or_ended_cleanly).
 _STATUS_WAIT_S = 1.0
 
 
@@ -313,16 +313,23 @@ def _never_sent(error: BaseException) -> bool:
     return NOT_STARTED_TRAILER in tuple(error.trailing_metadata() or ())
 
 
-async def _ended_cleanly(
+async def _ran_nothing_or_ended_cleanly(
     call: grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse],
 ) -> bool:
-    """Whether the peer ended the stream OK (so it answered every call it read). A write fails
-    when the peer has just ended the stream, a moment before its status reaches us: wait for
-    the status briefly rather than take a stream still closing for a broken one."""
+    """Whether the peer ended the stream OK (so it answered every call it read), or refused it
+    whole as not started (so it ran none). A write fails when the peer has just ended the
+    stream, a moment before its status reaches us, and grpc then raises a bare
+    InvalidStateError that carries no status: wait for the status briefly rather than take a
+    stream still closing for a broken one."""
     try:
-        return await asyncio.wait_for(call.code(), timeout=_STATUS_WAIT_S) == grpc.StatusCode.OK
+        code = await asyncio.wait_for(call.code(), timeout=_STATUS_WAIT_S)
     except TimeoutError:
         return False
+    if code == grpc.StatusCode.OK:
+        return True
+    return code == grpc.StatusCode.UNAVAILABLE and NOT_STARTED_TRAILER in tuple(
+        await call.trailing_metadata() or ()
+    )
 
 
 def _describe(error: BaseException) -> str:

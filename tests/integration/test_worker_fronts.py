@@ -7,10 +7,11 @@ with it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 
 from bench.models import affine_reference
 from services.common import metric_names as names
+from services.common import multiplex
 from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.errors import UpstreamError
 from services.common.multiplex import MultiplexClient
@@ -536,13 +538,10 @@ async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
     assert waited_s >= ENGINE_LOST_S / 2, waited_s
 
 
-async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started(
-    tmp_path: Path,
-) -> None:
-    """A front that cannot reach its engine's link refuses a router's stream UNAVAILABLE, and
-    the calls on it fail marked not started (NOT_STARTED_TRAILER): they ran nowhere, so the
-    router's gateway sends them again without charging their rows. Before, a call the router
-    had written when the refusal came was failed as possibly run."""
+@contextlib.asynccontextmanager
+async def front_without_engine(tmp_path: Path) -> AsyncIterator[grpc.aio.Channel]:
+    """A worker front whose engine is not up (nothing listens on its link), and a channel of
+    its own to it."""
     metrics = FrontMetrics(CollectorRegistry())
     relay = StreamRelay(tmp_path / "no-engine.sock", metrics)
     engine = grpc.aio.insecure_channel(f"unix:{tmp_path / 'no-engine-grpc.sock'}")
@@ -552,6 +551,21 @@ async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started
     await front.start()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=OWN_CONNECTION)
     try:
+        yield channel
+    finally:
+        await channel.close()
+        await front.stop(None)
+        await engine.close()
+
+
+async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started(
+    tmp_path: Path,
+) -> None:
+    """A front that cannot reach its engine's link refuses a router's stream UNAVAILABLE, and
+    the calls on it fail marked not started (NOT_STARTED_TRAILER): they ran nowhere, so the
+    router's gateway sends them again without charging their rows. Before, a call the router
+    had written when the refusal came was failed as possibly run."""
+    async with front_without_engine(tmp_path) as channel:
         await channel.channel_ready()
         request, _ = affine_request(2)
         for _ in range(5):  # each on a stream of its own: the last one broke
@@ -562,7 +576,28 @@ async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started
             assert "engine is not up" in str(refused.value), refused.value
             assert refused.value.is_not_started, refused.value
             await client.close()
-    finally:
-        await channel.close()
-        await front.stop(None)
-        await engine.close()
+
+
+async def test_a_write_that_fails_after_a_front_refused_its_stream_counts_as_not_started(
+    tmp_path: Path,
+) -> None:
+    """A router's writer can write on a stream the front has just refused (its engine not up)
+    before the reader sees the refusal: grpc raises a bare InvalidStateError, with no status.
+    MultiplexClient then reads the stream's status, and a refusal marked not started means the
+    calls it wrote ran nowhere (they are sent again without charging their rows). Before, only
+    an OK end counted, and those calls failed as possibly run."""
+    async with front_without_engine(tmp_path) as channel:
+        request, _ = affine_request(2)
+        message = pb.InferStreamRequest(
+            calls=[pb.MuxCall(call_id=1, request=request.SerializeToString())]
+        )
+        stream = channel.stream_stream(
+            multiplex.STREAM_METHOD,
+            request_serializer=pb.InferStreamRequest.SerializeToString,
+            response_deserializer=pb.InferStreamResponse.FromString,
+        )()
+        await stream.write(message)
+        assert await stream.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(asyncio.InvalidStateError):  # what the writer meets
+            await stream.write(message)
+        assert await multiplex._ran_nothing_or_ended_cleanly(stream)
