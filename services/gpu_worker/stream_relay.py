@@ -27,10 +27,12 @@ ENGINE_LOST_S = 10.0
 #: Sent to a stream's router when its front stops: the router half-closes once answered.
 CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
 
-#: A stream's engine messages a front holds for a router that does not read them: past this,
-#: the front reads no more of the link, whose socket fills, so that the engine's writes wait
-#: and its own bound on a stream's unsent results applies (MultiplexServer).
+#: A stream's engine messages a front holds for a router that does not read them, and their
+#: bytes: past either, the front reads no more of the link, whose socket fills, so that the
+#: engine's writes wait and its own bound on a stream's unsent results applies
+#: (MultiplexServer). A message past the bytes alone is still held, alone.
 MAX_HELD_ANSWERS = 64
+MAX_HELD_BYTES = 8 * 1024 * 1024
 
 #: Refusals of a stream the front passes nothing of: its calls ran nowhere, and the router
 #: sends them again without charging their rows (NOT_STARTED_TRAILER).
@@ -39,29 +41,37 @@ _NOT_STARTED = (NOT_STARTED_TRAILER,)
 
 class _Answers:
     """One stream's answers on their way to its router: the engine's messages wait for room
-    past MAX_HELD_ANSWERS, the stream's signals (CLOSING, None: its end) never wait."""
+    past MAX_HELD_ANSWERS or MAX_HELD_BYTES, the stream's signals (CLOSING, None: its end)
+    never wait."""
 
-    __slots__ = ("_queue", "_room")
+    __slots__ = ("_held_bytes", "_queue", "_room")
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._room = asyncio.Event()
         self._room.set()
+        self._held_bytes = 0
 
     def signal(self, signal: bytes | None) -> None:
         self._queue.put_nowait(signal)
 
     async def put(self, message: bytes) -> None:
         self._queue.put_nowait(message)
-        if self._queue.qsize() >= MAX_HELD_ANSWERS:
+        self._held_bytes += len(message)
+        if not self._has_room():
             self._room.clear()
             await self._room.wait()
 
     async def get(self) -> bytes | None:
         answer = await self._queue.get()
-        if self._queue.qsize() < MAX_HELD_ANSWERS:
+        if answer is not None:
+            self._held_bytes -= len(answer)
+        if self._has_room():
             self._room.set()
         return answer
+
+    def _has_room(self) -> bool:
+        return self._queue.qsize() < MAX_HELD_ANSWERS and self._held_bytes < MAX_HELD_BYTES
 
 
 class FrontMetrics:
@@ -100,20 +110,17 @@ class StreamRelay:
     async def relay(
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes]:
-        if self._stopping:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "this worker front is stopping", _NOT_STARTED
-            )
-        if self._is_engine_lost:
-            await context.abort(
-                grpc.StatusCode.UNAVAILABLE, "the worker's engine does not answer", _NOT_STARTED
-            )
+        if refusal := self._refusal():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, _NOT_STARTED)
         try:
             reader, writer = await asyncio.open_unix_connection(str(self._link_path))
         except OSError:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE, "the worker's engine is not up", _NOT_STARTED
             )
+        if refusal := self._refusal():  # stop() or set_engine_lost ran while it connected
+            writer.transport.abort()  # nothing of the stream was sent
+            await context.abort(grpc.StatusCode.UNAVAILABLE, refusal, _NOT_STARTED)
         self._metrics.streams_total.inc()
         answers = _Answers()
         status: list[pb.MuxResult] = []
@@ -123,10 +130,6 @@ class StreamRelay:
             loop.create_task(self._receive(reader, answers, status)),
         )
         self._open.add(answers)
-        if self._stopping:  # stop() ran while this stream was connecting
-            answers.signal(CLOSING)
-        if self._is_engine_lost:  # so did set_engine_lost, which ends the open streams
-            answers.signal(None)
         self._metrics.open_streams.inc()
         try:
             while (answer := await answers.get()) is not None:
@@ -145,6 +148,15 @@ class StreamRelay:
                 status[0].message,
                 tuple(status[0].trailers.items()),
             )
+
+    def _refusal(self) -> str:
+        """Why a new stream is refused before anything of it reaches the engine ('': it is
+        not)."""
+        if self._stopping:
+            return "this worker front is stopping"
+        if self._is_engine_lost:
+            return "the worker's engine does not answer"
+        return ""
 
     def stop(self) -> None:
         """Tells every open stream's router `closing`; new streams are refused."""

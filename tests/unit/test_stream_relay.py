@@ -11,6 +11,7 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
+from services.common.errors import NOT_STARTED_TRAILER
 from services.common.frames import END, MESSAGE, write_frame
 from services.gpu_worker import stream_relay
 from services.gpu_worker.stream_relay import FrontMetrics, StreamRelay
@@ -21,25 +22,31 @@ pytestmark = pytest.mark.unit
 
 
 class Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+    def __init__(self, code: grpc.StatusCode, details: str, trailers: tuple[object, ...]) -> None:
         super().__init__(details)
         self.code = code
+        self.trailers = trailers
 
 
 class _Context:
     """What `relay` reads of a grpc.aio servicer context: its abort."""
 
-    async def abort(self, code: grpc.StatusCode, details: str, trailers: object = ()) -> None:
-        raise Aborted(code, details)
+    async def abort(
+        self, code: grpc.StatusCode, details: str, trailers: tuple[object, ...] = ()
+    ) -> None:
+        raise Aborted(code, details, trailers)
 
 
-async def test_a_stream_connecting_as_the_engine_is_declared_lost_ends_unavailable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("event", ["engine lost", "front stopping"])
+async def test_a_stream_connecting_as_the_engine_is_lost_or_the_front_stops_is_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, event: str
 ) -> None:
-    """The engine is declared lost (ENGINE_LOST_S unanswered) while a stream connects to its
-    link, whose listen backlog still takes connections: the stream ends UNAVAILABLE as the
-    open ones do, so its calls fail over. Before, it was in no set the declaration ended, and
-    waited for answers that never came."""
+    """The engine is declared lost (ENGINE_LOST_S unanswered), or the front stops, while a
+    stream connects to the engine's link (whose listen backlog still takes connections): the
+    stream is refused UNAVAILABLE marked not started, nothing of it sent to the engine, so its
+    calls are sent elsewhere without charging their rows. Before, the stream was in no set the
+    declaration ended, and waited for answers that never came; then it ended unmarked, or (the
+    front stopping) was told to close after its first calls had gone to the engine."""
     link = tmp_path / "link.sock"
     held: list[asyncio.StreamWriter] = []
 
@@ -52,7 +59,7 @@ async def test_a_stream_connecting_as_the_engine_is_declared_lost_ends_unavailab
 
     async def connect_as_it_is_lost(path: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         connection = await connect(path)
-        relay.set_engine_lost(True)
+        relay.set_engine_lost(True) if event == "engine lost" else relay.stop()
         return connection
 
     monkeypatch.setattr(stream_relay.asyncio, "open_unix_connection", connect_as_it_is_lost)
@@ -67,6 +74,7 @@ async def test_a_stream_connecting_as_the_engine_is_declared_lost_ends_unavailab
                 async for _ in relay.relay(no_requests(), _Context()):  # type: ignore[arg-type]
                     pass
         assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
+        assert NOT_STARTED_TRAILER in aborted.value.trailers
     finally:
         for writer in held:
             writer.close()
@@ -74,28 +82,32 @@ async def test_a_stream_connecting_as_the_engine_is_declared_lost_ends_unavailab
         await server.wait_closed()
 
 
-#: The engine's answers in the held-answers test, and each one's size.
-NUM_ANSWERS, ANSWER_BYTES = 1_000, 16 * 1024
-#: What the engine writes before its writes wait for a router that reads nothing: the front's
-#: MAX_HELD_ANSWERS (64) and what the link's socket buffers hold (94 in all here).
-MOST_WRITTEN_UNREAD = 160
-
-
+@pytest.mark.parametrize(
+    ("num_answers", "answer_bytes", "most_written_unread"),
+    [
+        # Small answers: the front's MAX_HELD_ANSWERS (64), and what the link's socket
+        # buffers hold (94 written in all when measured).
+        (1_000, 16 * 1024, 160),
+        # Answers of 1 MiB: MAX_HELD_BYTES (8 MiB) binds first (9 written when measured;
+        # 65 under the count alone).
+        (100, 1024 * 1024, 24),
+    ],
+)
 async def test_a_router_that_does_not_read_holds_the_engines_writes_not_the_fronts_memory(
-    tmp_path: Path,
+    tmp_path: Path, num_answers: int, answer_bytes: int, most_written_unread: int
 ) -> None:
     """The router stops reading its stream while the engine answers: the front holds at most
-    MAX_HELD_ANSWERS of them and reads no more of the link, so that the engine's writes wait
-    (and its own bound on a stream's unsent results applies). Once the router reads again,
-    every answer comes, in order, and the stream ends OK. Before, the front read the link
-    as fast as the engine wrote, holding whatever the router left unread."""
+    MAX_HELD_ANSWERS of them, or MAX_HELD_BYTES, and reads no more of the link, so that the
+    engine's writes wait (and its own bound on a stream's unsent results applies). Once the
+    router reads again, every answer comes, in order, and the stream ends OK. Before, the front
+    read the link as fast as the engine wrote, holding whatever the router left unread."""
     link = tmp_path / "link.sock"
     written = 0
 
     async def answering_engine(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         nonlocal written
-        for index in range(NUM_ANSWERS):
-            write_frame(writer, MESSAGE, index.to_bytes(4, "little") * (ANSWER_BYTES // 4))
+        for index in range(num_answers):
+            write_frame(writer, MESSAGE, index.to_bytes(4, "little") * (answer_bytes // 4))
             await writer.drain()
             written += 1
         write_frame(writer, END, pb.MuxResult(code=0).SerializeToString())
@@ -118,11 +130,11 @@ async def test_a_router_that_does_not_read_holds_the_engines_writes_not_the_fron
             return written == before
 
         await eventually(engine_waits, timeout_s=30.0, message="the engine's writes never waited")
-        assert written <= MOST_WRITTEN_UNREAD, written
+        assert written <= most_written_unread, written
         async with asyncio.timeout(30):
             received += [answer async for answer in answers]
-        assert len(received) == NUM_ANSWERS
-        assert [int.from_bytes(a[:4], "little") for a in received] == list(range(NUM_ANSWERS))
+        assert len(received) == num_answers
+        assert [int.from_bytes(a[:4], "little") for a in received] == list(range(num_answers))
     finally:
         await answers.aclose()
         server.close()
