@@ -80,8 +80,11 @@ class EngineLink:
             while True:
                 try:
                     frame = await read_frame(reader, self._max_bytes)
-                except (FrameError, ConnectionError) as error:
+                except FrameError as error:
                     log.warning("a front's stream broke: %s", error)
+                    frame = None
+                except ConnectionError as error:  # a front ends a stream cut short so
+                    log.debug("a front's stream was cut: %s", error)  # (its router's cancel)
                     frame = None
                 if frame is None:  # gone without ending the stream: so are its callers
                     front_gone = True
