@@ -54,6 +54,8 @@ class _Answers:
 
     def signal(self, signal: bytes | None) -> None:
         self._queue.put_nowait(signal)
+        if signal is not None:  # counted as get() will count it out
+            self._held_bytes += len(signal)
 
     async def put(self, message: bytes) -> None:
         self._queue.put_nowait(message)
