@@ -15,10 +15,10 @@ SO_REUSEPORT, so the kernel spreads routers' connections over them. A front pars
 - its health follows the engine's, asked twice a second over the engine's socket:
   NOT_SERVING while the engine loads, drains, has failed, cannot be reached or does not
   answer (a wedged engine). An engine that has not answered for ENGINE_LOST_S (stopped, or
-  its event loop stuck) ends the streams relayed to it UNAVAILABLE and has new ones refused
-  until it answers again: the router's keepalive pings reach the front, which answers them,
-  so without this the calls on those streams waited for their deadlines instead of failing
-  over.
+  its event loop stuck) ends the streams relayed to it and the calls passed on to it
+  UNAVAILABLE, and has new ones refused (marked not started) until it answers again: the
+  router's keepalive pings reach the front, which answers them, so without this the calls on
+  those streams waited for their deadlines instead of failing over.
 
 A front dies with its engine (SIGTERM on the engine's exit). On SIGTERM a front turns
 NOT_SERVING, sends its connections GOAWAY (a router's next streams land on another front),
@@ -48,6 +48,7 @@ from grpc_health.v1 import health, health_pb2
 
 from services.common import event_loop
 from services.common.channel_options import channel_options
+from services.common.errors import NOT_STARTED_TRAILER
 from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
@@ -64,7 +65,12 @@ from services.common.processes import PR_SET_PDEATHSIG
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, start_health_listener
 from services.gpu_worker.config import WorkerConfig, parse_config
-from services.gpu_worker.stream_relay import ENGINE_LOST_S, FrontMetrics, StreamRelay
+from services.gpu_worker.stream_relay import (
+    ENGINE_LOST_DETAILS,
+    ENGINE_LOST_S,
+    FrontMetrics,
+    StreamRelay,
+)
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger("services.gpu_worker.front")
@@ -100,7 +106,11 @@ class Passthrough(grpc.GenericRpcHandler):
         self, channel: grpc.aio.Channel, relay: StreamRelay, metrics: FrontMetrics
     ) -> None:
         self._channel = channel
+        self._relay = relay
         self._calls_total = metrics.calls_total
+        #: The calls passed on to the engine and not yet ended.
+        self._passed: set[grpc.aio.Call] = set()
+        self._is_engine_lost = False
         self._handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
         for method in SERVICE.methods:
             name = f"/{SERVICE.full_name}/{method.name}"
@@ -116,6 +126,30 @@ class Passthrough(grpc.GenericRpcHandler):
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         return self._handlers.get(handler_call_details.method)
 
+    def set_engine_lost(self, is_lost: bool) -> None:
+        """While the engine is lost (ENGINE_LOST_S unanswered), the calls passed on to it end
+        UNAVAILABLE (their routers fail them over) and new ones are refused, marked not
+        started, as the relay's streams are. Before, they waited for the front's keepalive to
+        fail the engine's connection, and a new one for its deadline."""
+        self._relay.set_engine_lost(is_lost)
+        if is_lost and not self._is_engine_lost:
+            for call in self._passed:
+                call.cancel()
+        self._is_engine_lost = is_lost
+
+    async def _pass_on(self, context: grpc.aio.ServicerContext) -> None:
+        """Refuses the call, marked not started, while the engine is lost."""
+        if self._is_engine_lost:
+            not_started = (NOT_STARTED_TRAILER,)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_LOST_DETAILS, not_started)
+
+    async def _cut(self, call: grpc.aio.Call, context: grpc.aio.ServicerContext) -> None:
+        """Ends the caller's call UNAVAILABLE if `call` was cancelled because the engine was
+        lost (not because the caller went away: then the handler's task is being cancelled)."""
+        task = asyncio.current_task()
+        if call.cancelled() and self._is_engine_lost and not (task and task.cancelling()):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, ENGINE_LOST_DETAILS)
+
     def _unary(self, name: str) -> Callable[[bytes, grpc.aio.ServicerContext], Any]:
         call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(name)
 
@@ -123,17 +157,23 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             counted.inc()
+            await self._pass_on(context)
+            passed = call(
+                request,
+                timeout=context.time_remaining(),
+                metadata=_forwarded(context.invocation_metadata()),
+            )
+            self._passed.add(passed)
             try:
-                return bytes(
-                    await call(
-                        request,
-                        timeout=context.time_remaining(),
-                        metadata=_forwarded(context.invocation_metadata()),
-                    )
-                )
+                return bytes(await passed)
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
                 raise  # not reached: abort raises
+            except asyncio.CancelledError:
+                await self._cut(passed, context)
+                raise
+            finally:
+                self._passed.discard(passed)
 
         return handle
 
@@ -144,17 +184,23 @@ class Passthrough(grpc.GenericRpcHandler):
 
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             counted.inc()
+            await self._pass_on(context)
             responses = call(
                 request,
                 timeout=context.time_remaining(),
                 metadata=_forwarded(context.invocation_metadata()),
             )
+            self._passed.add(responses)
             try:
                 async for response in responses:
                     yield bytes(response)
             except grpc.aio.AioRpcError as error:
                 await _pass_back(error, context)
+            except asyncio.CancelledError:
+                await self._cut(responses, context)
+                raise
             finally:  # the caller went away: so does the engine's call
+                self._passed.discard(responses)
                 responses.cancel()
 
         return handle
@@ -214,7 +260,8 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     registry = tier_registry("worker_front")
     metrics = FrontMetrics(registry)
     relay = StreamRelay(engine_dir / ENGINE_LINK_SOCKET, metrics)
-    server.add_generic_rpc_handlers((Passthrough(channel, relay, metrics),))
+    passthrough = Passthrough(channel, relay, metrics)
+    server.add_generic_rpc_handlers((passthrough,))
     servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
@@ -229,7 +276,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
             channel,
             servicer,
             lambda: write_ready_file(config.ready_file, port, metrics_port, serving=1),
-            relay.set_engine_lost,
+            passthrough.set_engine_lost,
         )
     )
     log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)

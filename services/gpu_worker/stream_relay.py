@@ -23,6 +23,8 @@ log = logging.getLogger("services.gpu_worker.front")
 #: How long the engine may go unanswering before its relayed streams are ended UNAVAILABLE
 #: (within what a router's keepalive takes to fail a dead connection's calls over).
 ENGINE_LOST_S = 10.0
+#: What a call on a lost engine is told.
+ENGINE_LOST_DETAILS = "the worker's engine does not answer"
 
 #: Sent to a stream's router when its front stops: the router half-closes once answered.
 CLOSING = pb.InferStreamResponse(closing=True).SerializeToString()
@@ -157,7 +159,7 @@ class StreamRelay:
         if self._stopping:
             return "this worker front is stopping"
         if self._is_engine_lost:
-            return "the worker's engine does not answer"
+            return ENGINE_LOST_DETAILS
         return ""
 
     def stop(self) -> None:

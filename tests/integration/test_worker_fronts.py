@@ -25,7 +25,7 @@ from bench.models import affine_reference
 from services.common import metric_names as names
 from services.common import multiplex
 from services.common.channel_options import CHANNEL_OPTIONS
-from services.common.errors import UpstreamError
+from services.common.errors import NOT_STARTED_TRAILER, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
@@ -495,17 +495,20 @@ async def test_a_front_follows_the_engines_health_past_a_failed_ready_file_write
         await engine.stop(None)
 
 
-async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
+async def test_a_stopped_engine_ends_the_streams_and_calls_passed_to_it_unavailable(
     own_worker: ServiceProcess,
 ) -> None:
-    """The engine is stopped (SIGSTOP) with a call on a stream relayed to it: the call fails
-    UNAVAILABLE once the engine has not answered its front for ENGINE_LOST_S, not at the call's
-    own 120 s, and new streams are refused; resumed, the engine serves new streams.
-    Before, the call waited for its deadline (the front answers the router's keepalive
-    pings, so the router never failed it over)."""
+    """The engine is stopped (SIGSTOP) with a call on a stream relayed to it and an Infer passed
+    on: the stream's call fails UNAVAILABLE once the engine has not answered its front for
+    ENGINE_LOST_S, not at the call's own 120 s, as does the Infer, and new streams and calls
+    are refused, the calls marked not started; resumed, the engine serves new streams.
+    Before, the stream's call waited for its deadline (the front answers the router's
+    keepalive pings, so the router never failed it over), and a new Infer was passed on to the
+    stopped engine, to wait out its own."""
     worker = own_worker
     channel = grpc.aio.insecure_channel(worker.address, options=OWN_CONNECTION)
     request, expected = affine_request(1)
+    stub = pb_grpc.WorkerServiceStub(channel)
     try:
         client = MultiplexClient(channel, "caller")
         served = await client.call(request.SerializeToString(), timeout_s=10)
@@ -513,6 +516,7 @@ async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
         os.kill(worker.process.pid, signal.SIGSTOP)
         try:
             started_s = asyncio.get_running_loop().time()
+            passed_on = asyncio.ensure_future(stub.Infer(request, timeout=120))
             with pytest.raises(UpstreamError) as failed:
                 await asyncio.wait_for(client.call(request.SerializeToString(), timeout_s=120), 60)
             waited_s = asyncio.get_running_loop().time() - started_s
@@ -520,6 +524,15 @@ async def test_a_stopped_engine_ends_the_streams_relayed_to_it_unavailable(
             with pytest.raises(UpstreamError) as refused:
                 await client.call(request.SerializeToString(), timeout_s=10)
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as infer_failed:
+                await asyncio.wait_for(passed_on, 60)
+            assert infer_failed.value.code() == grpc.StatusCode.UNAVAILABLE, infer_failed.value
+            # On this connection's front, which declared the engine lost: refused at once.
+            with pytest.raises(grpc.aio.AioRpcError) as infer_refused:
+                await stub.Infer(request, timeout=10)
+            assert infer_refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            trailers = tuple(infer_refused.value.trailing_metadata() or ())
+            assert NOT_STARTED_TRAILER in trailers, infer_refused.value
         finally:
             os.kill(worker.process.pid, signal.SIGCONT)
 
