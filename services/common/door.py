@@ -43,7 +43,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -53,8 +52,8 @@ from services.common import metric_names as names
 from services.common.caller_shares import CallerShares, caller_of
 from services.common.concurrency_limit import QueueDelayLimit
 from services.common.door_config import DoorConfig
+from services.common.door_handlers import MethodShape, answer_probe, handler
 from services.common.errors import Overloaded, retry_after_trailer
-from services.common.grpc_errors import HANDLER_FACTORIES
 from services.common.interceptors import Metadata
 from services.common.lifecycle import cancel_and_wait
 from services.common.loop_lag import LAG_BUCKETS
@@ -72,13 +71,6 @@ _MIN_CPU_WINDOW_S = 0.01
 UNREACHED_PROBES_TO_REST = 10
 #: How grpc ends a probe it dropped or refused before any handler ran.
 _GRPC_REFUSALS = (grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-@dataclass(frozen=True)
-class MethodShape:
-    """Whether a method streams its responses (its requests, the door never reads)."""
-
-    response_streaming: bool = False
 
 
 class _DoorMetrics:
@@ -142,11 +134,14 @@ class Door(grpc.aio.ServerInterceptor):
         self.num_in_flight = 0
         self._shares = CallerShares(config.share_window_s)
         self._peak_in_flight = 0
-        self._refusers = {m: _handler(shape, self._refuse) for m, shape in methods.items()}
-        self._probe_answers = {m: _handler(shape, _answer_probe) for m, shape in methods.items()}
-        self._calls_by_method = dict.fromkeys(methods, 0)
-        #: The method whose probe measures calls that `enter` (they come in another way).
-        self._outside_method = next(iter(methods))
+        guarded = {m: shape for m, shape in methods.items() if not shape.shed_only}
+        self._refusers = {m: handler(shape, self._refuse) for m, shape in methods.items()}
+        self._probe_answers = {m: handler(shape, answer_probe) for m, shape in guarded.items()}
+        self._calls_by_method = dict.fromkeys(guarded, 0)
+        self._shed_only = frozenset(methods.keys() - guarded.keys())
+        #: The method whose probe measures calls that `enter` (they come in another way) and
+        #: those of shed-only methods.
+        self._outside_method = next(iter(guarded))
         self._token = secrets.token_hex(16)
         self._rng = rng or random.Random()
         self._metrics = _DoorMetrics(registry, self)
@@ -220,6 +215,13 @@ class Door(grpc.aio.ServerInterceptor):
         if refuser is None:
             return await continuation(handler_call_details)
         metadata = handler_call_details.invocation_metadata or ()
+        if method in self._shed_only:
+            self._calls_by_method[self._outside_method] += 1
+            is_over_share = self._shares.arrived(self._caller_of(metadata))
+            if self.limit.is_shedding and is_over_share:
+                self._metrics.refused_of[(method,)].inc()
+                return refuser
+            return await continuation(handler_call_details)
         for key, value in metadata:
             if key == PROBE_KEY and value == self._token:
                 return self._probe_answers[method]
@@ -371,29 +373,3 @@ class Door(grpc.aio.ServerInterceptor):
             self._cpu_s, self._cpu_at_s = cpu_s, now_s
         self.limit.update(now_s, delay_s, self._peak_in_flight, self._busy_share)
         self._peak_in_flight = self.num_in_flight
-
-
-def _handler(
-    shape: MethodShape, answer: Callable[[grpc.aio.ServicerContext[Any, Any]], None]
-) -> grpc.RpcMethodHandler[Any, Any]:
-    """A handler answering as `shape` says that only calls `answer(context)`: no deserializer
-    and no serializer (a unary answer is an empty message). It takes the request as a stream
-    it never reads (a unary request crosses the wire as a stream of one message), so grpc.aio
-    runs it without first waiting for the message: a door refusal cost 14% less of the
-    server's CPU (`python -m bench.server_calls door-refusing`, side by side)."""
-
-    async def stream(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        answer(context)
-        return
-        yield  # an async generator that sends no message
-
-    async def unary(_: Any, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
-        answer(context)
-        return b""
-
-    factory = HANDLER_FACTORIES[(True, shape.response_streaming)]
-    return factory(stream if shape.response_streaming else unary)
-
-
-def _answer_probe(_: grpc.aio.ServicerContext[Any, Any]) -> None:
-    """A probe's answer is OK and empty: what it measures is the wait before it."""

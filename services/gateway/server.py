@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health
 
-from services.common.door import Door, MethodShape
+from services.common.door import Door
+from services.common.door_handlers import MethodShape
 from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
@@ -59,6 +60,10 @@ SERVICE_NAMES = (
 DOOR_METHODS = {
     "/inference.v1.InferenceService/Predict": MethodShape(),
     "/inference.GRPCInferenceService/ModelInfer": MethodShape(),
+    "/inference.v1.InferenceService/Generate": MethodShape(response_streaming=True, shed_only=True),
+    "/inference.GRPCInferenceService/ModelStreamInfer": MethodShape(
+        response_streaming=True, shed_only=True
+    ),
 }
 
 

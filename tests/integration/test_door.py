@@ -24,8 +24,9 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.caller_shares import caller_of
-from services.common.door import Door, MethodShape
+from services.common.door import Door
 from services.common.door_config import DoorConfig
+from services.common.door_handlers import MethodShape
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.lifecycle import new_server
 from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
@@ -39,6 +40,8 @@ pytestmark = pytest.mark.integration
 
 GUARDED = "/test.Door/Guarded"
 OPEN = "/test.Door/Open"
+#: A method whose calls the door only sheds (MethodShape.shed_only), streaming its answer.
+SHED_ONLY = "/test.Door/ShedOnly"
 
 
 def _strict_parse(data: bytes) -> bytes:
@@ -66,6 +69,12 @@ class Served:
         result: bytes = await call(body, timeout=timeout_s, metadata=metadata)
         return result
 
+    async def stream(self, body: bytes, caller: str = "") -> list[bytes]:
+        """A call of the shed-only method: its answers."""
+        metadata = (("authorization", f"Bearer {caller}"),) if caller else None
+        call = self.channel.unary_stream(SHED_ONLY)
+        return [answer async for answer in call(body, timeout=10.0, metadata=metadata)]
+
     def delays_over(self, bound_s: float) -> float:
         """How many measured queue delays exceeded `bound_s` (a histogram bucket bound)."""
         name = names.DOOR_QUEUE_DELAY_SECONDS
@@ -77,8 +86,8 @@ class Served:
         labels = {"code": "CANCELLED"}
         return self.registry.get_sample_value(names.DOOR_PROBES_DROPPED_TOTAL, labels) or 0.0
 
-    def refused(self) -> float:
-        value = self.registry.get_sample_value(names.DOOR_REFUSED_TOTAL, {"method": GUARDED})
+    def refused(self, method: str = GUARDED) -> float:
+        value = self.registry.get_sample_value(names.DOOR_REFUSED_TOTAL, {"method": method})
         return value or 0.0
 
 
@@ -89,7 +98,11 @@ async def _serve(
     max_pending_calls: int = 0,
 ) -> AsyncIterator[Served]:
     registry = CollectorRegistry()
-    door = Door({GUARDED: MethodShape()}, config, registry, caller=caller)
+    methods = {
+        GUARDED: MethodShape(),
+        SHED_ONLY: MethodShape(response_streaming=True, shed_only=True),
+    }
+    door = Door(methods, config, registry, caller=caller)
     release = asyncio.Event()
     entered: list[bytes] = []
 
@@ -101,10 +114,15 @@ async def _serve(
             time.sleep(0.4)  # the loop itself stalls: every waiting call waits with it
         return b"served " + request
 
+    async def streamed(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        entered.append(request)
+        yield b"streamed " + request
+
     server = new_server(door=door, max_pending_calls=max_pending_calls)
     handlers = {
         "Guarded": grpc.unary_unary_rpc_method_handler(guarded, _strict_parse),
         "Open": grpc.unary_unary_rpc_method_handler(guarded),
+        "ShedOnly": grpc.unary_stream_rpc_method_handler(streamed),
     }
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("test.Door", handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
@@ -149,8 +167,12 @@ async def test_a_call_past_the_limit_is_refused_unparsed_with_a_retry_hint(
     assert served.refused() == 1
     assert b"not a parseable body" not in served.entered
 
-    # Methods the door does not guard are never refused.
+    # Methods the door does not guard are never refused; nor, at the limit, those it only
+    # sheds, which it does not count in flight.
     assert await served.call(b"free", method=OPEN) == b"served free"
+    assert await served.stream(b"ok-long") == [b"streamed ok-long"]
+    assert served.door.num_in_flight == 2
+    assert served.refused(SHED_ONLY) == 0
 
     served.release.set()
     assert await asyncio.gather(*waiting) == [b"served ok-wait"] * 2
@@ -310,8 +332,9 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
     """A process that picks calls up slower than they come holds few in flight: with none in
     flight, far under a limit of at least 32, a loop kept busy past the interval makes the
     queue stand, and the door sheds: calls over their caller's share are refused unparsed,
-    saying how long calls wait here. Once the loop is free, a probe finds the queue drained
-    and the same caller is served again."""
+    saying how long calls wait here, those of a method it only sheds (long-lived streams)
+    as well. Once the loop is free, a probe finds the queue drained and the same caller is
+    served again."""
     config = DoorConfig(
         initial_limit=64, min_limit=32, target_s=0.01, interval_s=0.05, probe_interval_s=0.01,
         share_window_s=60.0,
@@ -322,7 +345,10 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
 
         async def call(body: bytes) -> None:
             try:
-                await served.call(body)
+                if body.endswith(b"-stream"):  # a long-lived call: shed as well
+                    await served.stream(body)
+                else:
+                    await served.call(body)
             except grpc.aio.AioRpcError as error:
                 refusals.append(error)
 
@@ -333,7 +359,8 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
             deadline = time.monotonic() + 10.0
             while time.monotonic() < deadline and keep_on():
                 if send:
-                    calls.append(asyncio.create_task(call(b"ok-shed-%d" % len(calls))))
+                    body = b"ok-shed-%d" % len(calls) + (b"-stream" if len(calls) % 2 else b"")
+                    calls.append(asyncio.create_task(call(body)))
                 turn_end = time.monotonic() + 0.03
                 while time.monotonic() < turn_end:
                     pass
@@ -348,12 +375,15 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
         # Shedding measured calls waiting past twice the target to be picked up: the delay
         # the gateway's coalescer counts waiting calls by (services.gateway.coalescer).
         assert served.door.pickup_delay_s() > 2 * config.target_s
-        num_sent = await busy_while(lambda: not refusals, send=True)
-        assert refusals, "no call was refused while the queue stood"
+        num_sent = await busy_while(
+            lambda: not (served.refused() and served.refused(SHED_ONLY)), send=True
+        )
+        assert served.refused(), "no guarded call was refused while the queue stood"
+        assert served.refused(SHED_ONLY), "no shed-only call was refused while it stood"
         for error in refusals:
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
             assert "ms to be picked up" in (error.details() or ""), error
-        assert served.refused() == len(refusals)
+        assert served.refused() + served.refused(SHED_ONLY) == len(refusals)
         # Every call sent was refused unparsed or served, none lost (the refused never entered).
         served_bodies = [body for body in served.entered if body.startswith(b"ok-shed")]
         assert len(served_bodies) + len(refusals) == num_sent
