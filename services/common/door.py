@@ -216,10 +216,7 @@ class Door(grpc.aio.ServerInterceptor):
             return await continuation(handler_call_details)
         metadata = handler_call_details.invocation_metadata or ()
         if method in self._shed_only:
-            self._calls_by_method[self._outside_method] += 1
-            is_over_share = self._shares.arrived(self._caller_of(metadata))
-            if self.limit.is_shedding and is_over_share:
-                self._metrics.refused_of[(method,)].inc()
+            if self._sheds(metadata, method):
                 return refuser
             return await continuation(handler_call_details)
         for key, value in metadata:
@@ -241,8 +238,25 @@ class Door(grpc.aio.ServerInterceptor):
         that comes only this way is probed too: the probe then measures how long the loop
         they share takes to pick up a call."""
         self._calls_by_method[self._outside_method] += 1
-        if self._admits(metadata, label):
-            return None
+        return None if self._admits(metadata, label) else self._overloaded()
+
+    def shed(self, metadata: Metadata, label: str) -> Overloaded | None:
+        """A long-lived call (MethodShape.shed_only: a generation) that reached the process
+        another way than this server, as `enter`'s: None if it passes (not counted in
+        flight: no `leave`), else the refusal to answer it with, counted under `label`."""
+        return self._overloaded() if self._sheds(metadata, label) else None
+
+    def _sheds(self, metadata: Metadata, label: str) -> bool:
+        """Whether the door sheds a shed-only call now (counted under `label` if so): an
+        arrival, counted for the probe and in its caller's share."""
+        self._calls_by_method[self._outside_method] += 1
+        is_over_share = self._shares.arrived(self._caller_of(metadata))
+        if self.limit.is_shedding and is_over_share:
+            self._metrics.refused_of[(label,)].inc()
+            return True
+        return False
+
+    def _overloaded(self) -> Overloaded:
         retry_after_s = self.limit.retry_after_s()
         return Overloaded(self._refusal_words(f"about {retry_after_s * 1000:.0f}"),
                           retry_after_s=retry_after_s)  # fmt: skip

@@ -370,6 +370,11 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
 
         await busy_while(lambda: not served.door.limit.is_shedding)
         assert served.door.limit.is_shedding
+        # A long-lived call come another way (the HTTP port's generation) is shed too.
+        shed = served.door.shed((), "http")
+        assert shed is not None and shed.code == grpc.StatusCode.RESOURCE_EXHAUSTED, shed
+        assert "ms to be picked up" in str(shed) and shed.retry_after_s > 0, shed
+        assert served.refused("http") == 1
         assert served.registry.get_sample_value(names.DOOR_SHEDDING) == 1
         assert served.door.num_in_flight < served.door.limit.limit
         # Shedding measured calls waiting past twice the target to be picked up: the delay
@@ -390,6 +395,7 @@ async def test_a_queue_that_stands_before_few_calls_in_flight_is_shed() -> None:
 
         await eventually(lambda: not served.door.limit.is_shedding)
         assert served.registry.get_sample_value(names.DOOR_SHEDDING) == 0
+        assert served.door.shed((), "http") is None
         assert await served.call(b"ok-again") == b"served ok-again"
         door = served.door
         assert door.pickup_delay_s() > 0  # a probe's round trip, or a timer's lateness

@@ -37,9 +37,10 @@ OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
 #: Path endings of the calls that run models, which tenant quotas count.
 INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions", "/embeddings",
                       "/embed")  # fmt: skip
-#: Path endings of the model calls under the door's limit (services.common.door): as on the
-#: gRPC port, not generation, which has its own first-token admission.
+#: Path endings of the model calls under the door's limit (services.common.door), and of those
+#: it only sheds (generation, whose streams are too long-lived for a limit): as on the gRPC port.
 DOOR_SUFFIXES = ("/infer", "/embeddings", "/embed")
+DOOR_SHED_ONLY_SUFFIXES = ("/generate", "/generate_stream", "/completions")
 #: The door's `method` label for the calls it refuses here.
 DOOR_LABEL = "http"
 #: text-embeddings-inference's routes, whose errors are TEI's bodies ("/" embeds, as TEI's
@@ -109,6 +110,11 @@ def auth_middleware(
             if request.path in OPEN_PATHS:
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
+            is_generation = request.path.endswith(DOOR_SHED_ONLY_SUFFIXES)  # not TEI's "/"
+            if door is not None and is_generation and request.method == "POST":
+                if (refusal := door.shed(tuple(headers.items()), DOOR_LABEL)) is not None:
+                    raise refusal
+                return await authenticated(request, handler, headers)
             if door is None or not _is_model_call(request, DOOR_SUFFIXES):
                 return await authenticated(request, handler, headers)
             refusal = door.enter(tuple(headers.items()), DOOR_LABEL)
