@@ -242,7 +242,6 @@ class SimGenerationWorker:
             rank=_rank_of(arrival.priority),
             tenant=arrival.tenant,
             limit_s=limit_s,
-            num_waiting_tokens=self.num_waiting_tokens,
             num_prompt_tokens=num_prompt,
             step_s=self.mean_step_s,
         )

@@ -10,10 +10,14 @@ import pytest
 
 from services.common.priority import PriorityClass
 from services.gpu_worker.admission import Admitted
-from services.gpu_worker.generation.first_token import STANDING_QUEUE
+from services.gpu_worker.generation.first_token import (
+    FIRST_TOKEN_DEADLINE,
+    STANDING_QUEUE,
+    FirstTokenRefusal,
+)
 from services.gpu_worker.generation.scheduler import GenerationScheduler
 from services.gpu_worker.generation.sequence import Sequence
-from services.gpu_worker.generation.standing_shedding import StandingShedding
+from services.gpu_worker.generation.standing_shedding import StandingShedding, admission_refusal
 from tests.support.fake_generation import FakeEngine, make_config, make_seq
 
 pytestmark = pytest.mark.unit
@@ -277,3 +281,35 @@ def test_an_engine_that_admits_nothing_counts_an_admission_an_slo() -> None:
     assert refusal is not None and refusal.retry_after_s == pytest.approx(SLO_S)
     scheduler.finish(2)  # one first ahead: the next admission takes it
     assert shedding.refusal(5.0, INTERACTIVE, "fresh", scheduler) is None
+
+
+def test_a_batch_backlog_is_not_ahead_of_an_urgent_requests_first_token() -> None:
+    """The first-token prediction counts the prefill the scheduler runs before the new prompt:
+    the rest of each running prompt (nothing preempts a running sequence to seat it), and the
+    waiting sequences of its class or more urgent. A `batch` backlog waiting is not ahead of a
+    critical or interactive request (the scheduler admits by class), so one whose deadline
+    allows a few steps is admitted; a `batch` request behind it is refused. Before, every
+    prompt without a first token counted, whatever its class, and refused the critical one."""
+    scheduler = GenerationScheduler(make_config(max_num_seqs=1, max_num_batched_tokens=16))
+    scheduler.add(make_seq(seq_id=1, arrival_s=0.0, num_prompt_tokens=40, priority=BATCH))
+    scheduler.schedule()  # seq 1 runs: 16 of its 40 prompt tokens computed in this step
+    scheduler.update_from_output({})
+    for seq_id in range(2, 12):  # ten batch prompts of 20 waiting: 200 tokens
+        scheduler.add(make_seq(seq_id=seq_id, arrival_s=0.1, num_prompt_tokens=20, priority=BATCH))
+    scheduler.add(make_seq(seq_id=12, arrival_s=0.2, num_prompt_tokens=8, priority=INTERACTIVE))
+
+    assert scheduler.prefill_tokens_ahead_of(CRITICAL) == 40 - 16
+    assert scheduler.prefill_tokens_ahead_of(INTERACTIVE) == 40 - 16 + 8
+    assert scheduler.prefill_tokens_ahead_of(BATCH) == 40 - 16 + 8 + 200
+
+    def refusal(rank: int) -> object:
+        # 16 tokens a step, 1 running: 15 a step for prefill; 10 ms a step; 100 ms allowed.
+        return admission_refusal(
+            None, scheduler, now_s=0.3, rank=rank, tenant="", limit_s=0.1,
+            num_prompt_tokens=8, step_s=0.01,
+        )  # fmt: skip
+
+    assert refusal(CRITICAL) is None  # (24 + 8) / 15: 3 steps, 30 ms
+    assert refusal(INTERACTIVE) is None  # (32 + 8) / 15: 3 steps
+    batch = refusal(BATCH)  # (232 + 8) / 15: 16 steps, 160 ms
+    assert isinstance(batch, FirstTokenRefusal) and batch.reason == FIRST_TOKEN_DEADLINE, batch

@@ -112,3 +112,34 @@ def test_only_admissions_count_as_admitted() -> None:
     with pytest.raises(ValueError, match="not waiting"):
         waiting.admit(seqs[1])
     assert waiting.num_admitted == 1
+
+
+def test_tokens_by_class_follow_adds_admissions_and_removals() -> None:
+    """`num_tokens_at_most`: the tokens of the sequences waiting at a priority or more urgent,
+    a preempted one's outputs included (computed again once it runs), through random adds,
+    admissions and removals, equal to a sum over the whole backlog."""
+    rng = random.Random(11)
+    waiting = WaitingSequences()
+    queued: list[Sequence] = []
+    for seq_id in range(400):
+        if queued and rng.random() < 0.45:
+            seq = queued.pop(rng.randrange(len(queued)))
+            (waiting.admit if rng.random() < 0.5 else waiting.remove)(seq)
+        else:
+            seq = Sequence(
+                seq_id=seq_id,
+                prompt_token_ids=(1,) * rng.randint(1, 50),
+                max_tokens=8,
+                priority=rng.randrange(3),
+                tenant=rng.choice("ab"),
+                arrival_s=float(seq_id),
+            )
+            seq.output_token_ids.extend([2] * rng.choice((0, 0, 3)))  # some were preempted
+            waiting.add(seq)
+            queued.append(seq)
+        for priority in range(3):
+            expected = sum(s.num_tokens for s in queued if s.priority <= priority)
+            assert waiting.num_tokens_at_most(priority) == expected
+    for seq in queued:
+        waiting.remove(seq)
+    assert [waiting.num_tokens_at_most(p) for p in range(3)] == [0, 0, 0]

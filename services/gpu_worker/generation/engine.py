@@ -221,7 +221,6 @@ class GenerationEngine:
                 rank=priority,
                 tenant=tenant,
                 limit_s=first_token_limit_s,
-                num_waiting_tokens=self.num_waiting_tokens,
                 num_prompt_tokens=len(prompt_ids),
                 step_s=self.mean_step_s,
             )

@@ -10,10 +10,10 @@ free blocks; when a running sequence cannot grow, the lowest-priority running se
 preempted: its blocks are freed and, later, it is recomputed from its prompt plus the tokens it
 already produced, so its output continues where it left off.
 
-With prefix caching on, every full block a sequence computes is remembered under the digest of
-its tokens and all before them (`prefix_cache`), and an admitted sequence shares the remembered
-blocks of its leading full blocks instead of computing them: its prefill starts past them. A
-sequence recomputed after a preemption finds its own blocks again while nobody reused them.
+With prefix caching on, every full block a sequence computes is remembered under the digest of its
+tokens and all before them (`prefix_cache`), and an admitted sequence shares the remembered blocks
+of its leading full blocks instead of computing them: its prefill starts past them (a sequence
+recomputed after a preemption finds its own blocks again while nobody reused them).
 
 Synchronous and pure. The engine loop reads schedule() -> run the model -> update_from_output(),
 and calls finish() whenever it decides a sequence stops (length, eos, stop string, cancel, error).
@@ -68,13 +68,6 @@ def _order(seq: Sequence) -> tuple[int, float, int]:
 
 def _num_uncomputed(seq: Sequence) -> int:
     return seq.num_tokens - seq.num_computed_tokens
-
-
-def _token_slice(seq: Sequence, start: int, stop: int) -> tuple[int, ...]:
-    num_prompt = len(seq.prompt_token_ids)
-    if start >= num_prompt:  # decode: avoid copying the whole sequence every step
-        return tuple(seq.output_token_ids[start - num_prompt : stop - num_prompt])
-    return seq.all_token_ids[start:stop]
 
 
 def _check_config(config: GenerationSchedulerConfig) -> None:
@@ -143,6 +136,12 @@ class GenerationScheduler:
         """Whether a running sequence has prompt tokens left to compute (chunked prefill): the
         next step carries a prompt chunk whatever is admitted."""
         return any(_num_uncomputed(seq) > 1 for seq in self._running)
+
+    def prefill_tokens_ahead_of(self, priority: int) -> int:
+        """Tokens computed before a new prompt of `priority` starts: the rest of each running
+        prompt (nothing preempts one to seat it), then waiting sequences as urgent or more."""
+        started = sum(_num_uncomputed(s) for s in self._running if not s.output_token_ids)
+        return started + self._waiting.num_tokens_at_most(priority)
 
     @property
     def max_num_batched_tokens(self) -> int:
@@ -388,7 +387,7 @@ class GenerationScheduler:
         start = seq.num_computed_tokens
         step = ScheduledSequence(
             seq_id=seq.seq_id,
-            token_ids=_token_slice(seq, start, start + num_new),
+            token_ids=seq.token_slice(start, start + num_new),
             start_position=start,
             block_table=tuple(seq.block_table),
             samples=start + num_new == seq.num_tokens,

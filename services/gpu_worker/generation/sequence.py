@@ -57,6 +57,13 @@ class Sequence:
         """len(all_token_ids), without building it."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    def token_slice(self, start: int, stop: int) -> tuple[int, ...]:
+        """all_token_ids[start:stop], without building the whole of it for a decode."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return tuple(self.output_token_ids[start - num_prompt : stop - num_prompt])
+        return self.all_token_ids[start:stop]
+
 
 class ScheduledSequence(NamedTuple):
     """The work of one sequence in one step (a named tuple: made for every sequence of every

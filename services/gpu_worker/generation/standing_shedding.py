@@ -175,18 +175,19 @@ def admission_refusal(
     rank: int,
     tenant: str,
     limit_s: float | None,
-    num_waiting_tokens: int,
     num_prompt_tokens: int,
     step_s: float,
 ) -> FirstTokenRefusal | None:
     """Why a new request of priority `rank` from `tenant` is refused before it is queued, or
     None: behind a standing queue (`shedding`; None: never), or predicted to see its first
-    token past `limit_s` (None: no limit) with `num_waiting_tokens` of prefill backlog at
-    `step_s` a step (first_token.py). The engine and the simulator's worker admit by it."""
+    token past `limit_s` (None: no limit) at `step_s` a step (first_token.py), behind the
+    prefill the scheduler runs before it (`prefill_tokens_ahead_of`: running prompts, and
+    waiting ones as urgent or more; a `batch` backlog is not ahead of an interactive request).
+    The engine and the simulator's worker admit by it."""
     refusal = shedding.refusal(now_s, rank, tenant, scheduler) if shedding is not None else None
     if refusal is None and limit_s is not None:
         predicted_s = predicted_first_token_s(
-            num_waiting_tokens=num_waiting_tokens,
+            num_waiting_tokens=scheduler.prefill_tokens_ahead_of(rank),
             num_running=scheduler.num_running,
             num_prompt_tokens=num_prompt_tokens,
             max_num_batched_tokens=scheduler.max_num_batched_tokens,

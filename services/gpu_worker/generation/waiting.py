@@ -38,13 +38,16 @@ class WaitingSequences:
     """Waiting sequences by priority class (lower first) and tenant, each group in arrival
     order."""
 
-    __slots__ = ("_classes", "_count", "num_admitted")
+    __slots__ = ("_classes", "_count", "_tokens", "num_admitted")
 
     def __init__(self) -> None:
         #: priority -> tenant -> the tenant's waiting sequences of that priority, by arrival.
         #: Classes and tenants with none waiting are dropped.
         self._classes: dict[int, dict[str, list[Sequence]]] = {}
         self._count = 0
+        #: priority -> the tokens of its waiting sequences (prompts, and what a preempted one
+        #: produced: all of it computed again once it runs).
+        self._tokens: dict[int, int] = {}
         #: Sequences taken out to run so far, each once (`admit`; not those finished while
         #: waiting).
         self.num_admitted = 0
@@ -61,6 +64,7 @@ class WaitingSequences:
         group = self._classes.setdefault(seq.priority, {}).setdefault(seq.tenant, [])
         bisect.insort(group, seq, key=_arrival)
         self._count += 1
+        self._tokens[seq.priority] = self._tokens.get(seq.priority, 0) + seq.num_tokens
 
     def remove(self, seq: Sequence) -> None:
         """Takes `seq` out; ValueError if it is not waiting here."""
@@ -73,10 +77,16 @@ class WaitingSequences:
             raise ValueError(f"sequence {seq.seq_id} is not waiting")
         del group[index]
         self._count -= 1
+        self._tokens[seq.priority] -= seq.num_tokens
         if not group:
             del tenants[seq.tenant]  # type: ignore[union-attr]  # found above
             if not tenants:
                 del self._classes[seq.priority]
+                del self._tokens[seq.priority]
+
+    def num_tokens_at_most(self, priority: int) -> int:
+        """Tokens of the waiting sequences of priority `priority` or more urgent."""
+        return sum(n for p, n in self._tokens.items() if p <= priority)
 
     def admit(self, seq: Sequence) -> None:
         """Takes `seq` out to run (`remove`), counted in `num_admitted` unless it ran before
