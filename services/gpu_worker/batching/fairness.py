@@ -180,9 +180,11 @@ class TenantQueues:
     def _take_from(self, heap: list[_Entry], limit: int) -> list[QueuedItem]:
         """`take` from a queue whose items are all of one class: its heap's order (EDF), as
         ranking one class against itself at every item would give."""
-        batch: list[QueuedItem] = []
+        items, batch = self._items, list[QueuedItem]()
         while len(batch) < limit and self._prune(heap):
-            batch.append(self._pop(heap))
+            batch.append(items.pop(heapq.heappop(heap)[2]))
+        if batch:  # one class: its counts and its tenant's ledger move once
+            self._forget(batch[0], len(batch))
         return batch
 
     def _take_ranked(self, limit: int, unit_s: float) -> list[QueuedItem]:
@@ -208,17 +210,18 @@ class TenantQueues:
         self._forget(item)
         return item
 
-    def _forget(self, item: QueuedItem) -> None:
-        """Counts of an item that left the queue (taken, expired or cancelled)."""
-        self._by_rank[item.priority] -= 1
-        self._by_class[(item.priority, item.tenant)] -= 1
+    def _forget(self, item: QueuedItem, count: int = 1) -> None:
+        """Counts of `count` items of `item`'s class that left the queue (taken, expired or
+        cancelled)."""
+        self._by_rank[item.priority] -= count
+        self._by_class[(item.priority, item.tenant)] -= count
         if not self._by_class[(item.priority, item.tenant)]:
             del self._by_class[(item.priority, item.tenant)]
-        self._by_tenant[item.tenant] -= 1
+        self._by_tenant[item.tenant] -= count
         if not self._by_tenant[item.tenant]:
             del self._by_tenant[item.tenant]
             del self._joined[item.tenant]  # rejoins at the back, as in a DRR rotation
-        self._ledger.leave(item.tenant, is_urgent=item.priority < BATCH_RANK)
+        self._ledger.leave(item.tenant, count, is_urgent=item.priority < BATCH_RANK)
 
     def _prune(self, heap: list[_Entry]) -> bool:
         """Drop stale entries from the top; True if a live item remains."""
