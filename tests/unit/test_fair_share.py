@@ -173,3 +173,29 @@ def test_a_newcomer_gets_its_share_of_interactive_batches_beside_a_backfilled_jo
         taken.update(item.tenant for item in batch)
     assert taken["c"] <= 0.5 * sum(taken.values()), taken
     assert taken["a"] > 0 and taken["b"] > 0, taken
+
+
+def test_taking_from_one_class_keeps_the_counts_a_row_by_row_pop_keeps() -> None:
+    """A batch taken from a queue holding one class (one priority, one tenant) forgets its rows'
+    counts at once: the queue's counts by rank, class and tenant, and the ledger's queued rows,
+    are those of the rows left, through takes of every size; the tenant's last row leaving
+    takes it out of the rotation and the ledger (it rejoins behind tenants already queued)."""
+    ledger = ComputeLedger()
+    queues = TenantQueues(ledger)
+    ids = itertools.count()
+    for _ in range(37):
+        queues.push(QueuedItem(next(ids), KEY, "a", 12, 0.0, 1e9, priority=1, weight=1.0))
+    left = 37
+    for size in (1, 16, 7, 16):
+        taken = queues.take(size, 0.01)
+        left -= len(taken)
+        assert len(taken) == min(size, len(taken) + left)
+        assert (len(queues), queues.tenant_rows("a"), queues.count_at_most(1)) == (left,) * 3
+        assert queues.rows_by_tenant(2) == (collections.Counter({"a": left}) if left else {})
+        assert ledger.has_queued_other_than("b") is (left > 0)
+    assert left == 0 and list(queues.tenants()) == []
+    # Gone from the rotation: queued again after another tenant (no compute charged to
+    # either), it is taken after it.
+    queues.push(QueuedItem(next(ids), KEY, "b", 12, 0.0, 1e9, priority=1, weight=1.0))
+    queues.push(QueuedItem(next(ids), KEY, "a", 12, 0.0, 1e9, priority=1, weight=1.0))
+    assert [item.tenant for item in queues.take(2, 0.01)] == ["b", "a"]
