@@ -147,10 +147,11 @@ class StreamRelay:
         if not status:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine went away")
         if status[0].code:
+            # Never the not-started mark: the stream reached the engine, so its calls may have
+            # run, and a router told otherwise would run them again elsewhere.
+            trailers = tuple(t for t in status[0].trailers.items() if t != NOT_STARTED_TRAILER)
             await context.abort(
-                _CODES.get(status[0].code, grpc.StatusCode.UNKNOWN),
-                status[0].message,
-                tuple(status[0].trailers.items()),
+                _CODES.get(status[0].code, grpc.StatusCode.UNKNOWN), status[0].message, trailers
             )
 
     def _refusal(self) -> str:

@@ -139,3 +139,40 @@ async def test_a_router_that_does_not_read_holds_the_engines_writes_not_the_fron
         await answers.aclose()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_stream_the_engine_ended_never_passes_on_the_not_started_mark(
+    tmp_path: Path,
+) -> None:
+    """The engine ends a stream UNAVAILABLE with the not-started mark among its trailers: the
+    front passes on the code, the message and the other trailers, not the mark. The stream
+    reached the engine, so its calls may have run; a router told they had not would run them
+    again elsewhere."""
+    link = tmp_path / "link.sock"
+    trailers = {NOT_STARTED_TRAILER[0]: NOT_STARTED_TRAILER[1], "x-other": "kept"}
+    ended = pb.MuxResult(
+        code=grpc.StatusCode.UNAVAILABLE.value[0], message="engine stopping", trailers=trailers
+    )
+
+    async def ending_engine(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        write_frame(writer, END, ended.SerializeToString())
+        await writer.drain()
+
+    server = await asyncio.start_unix_server(ending_engine, path=str(link))
+    relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
+
+    async def no_requests() -> AsyncIterator[bytes]:
+        await asyncio.Event().wait()
+        yield b""  # never reached
+
+    try:
+        with pytest.raises(Aborted) as aborted:
+            async with asyncio.timeout(5):
+                async for _ in relay.relay(no_requests(), _Context()):  # type: ignore[arg-type]
+                    pass
+        assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
+        assert str(aborted.value) == "engine stopping"
+        assert aborted.value.trailers == (("x-other", "kept"),)
+    finally:
+        server.close()
+        await server.wait_closed()
