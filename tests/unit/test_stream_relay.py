@@ -28,6 +28,12 @@ class Aborted(Exception):
         self.trailers = trailers
 
 
+async def no_requests() -> AsyncIterator[bytes]:
+    """A router's stream that sends nothing."""
+    await asyncio.Event().wait()
+    yield b""  # never reached
+
+
 class _Context:
     """What `relay` reads of a grpc.aio servicer context: its abort."""
 
@@ -35,6 +41,15 @@ class _Context:
         self, code: grpc.StatusCode, details: str, trailers: tuple[object, ...] = ()
     ) -> None:
         raise Aborted(code, details, trailers)
+
+
+async def relayed_until_aborted(relay: StreamRelay) -> Aborted:
+    """How the relay ends a stream that sends nothing (within 5 s)."""
+    with pytest.raises(Aborted) as aborted:
+        async with asyncio.timeout(5):
+            async for _ in relay.relay(no_requests(), _Context()):  # type: ignore[arg-type]
+                pass
+    return aborted.value
 
 
 @pytest.mark.parametrize("event", ["engine lost", "front stopping"])
@@ -64,17 +79,10 @@ async def test_a_stream_connecting_as_the_engine_is_lost_or_the_front_stops_is_n
 
     monkeypatch.setattr(stream_relay.asyncio, "open_unix_connection", connect_as_it_is_lost)
 
-    async def no_requests() -> AsyncIterator[bytes]:
-        await asyncio.Event().wait()
-        yield b""  # never reached
-
     try:
-        with pytest.raises(Aborted) as aborted:
-            async with asyncio.timeout(5):
-                async for _ in relay.relay(no_requests(), _Context()):  # type: ignore[arg-type]
-                    pass
-        assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
-        assert NOT_STARTED_TRAILER in aborted.value.trailers
+        aborted = await relayed_until_aborted(relay)
+        assert aborted.code == grpc.StatusCode.UNAVAILABLE
+        assert NOT_STARTED_TRAILER in aborted.trailers
     finally:
         for writer in held:
             writer.close()
@@ -115,10 +123,6 @@ async def test_a_router_that_does_not_read_holds_the_engines_writes_not_the_fron
 
     server = await asyncio.start_unix_server(answering_engine, path=str(link))
     relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
-
-    async def no_requests() -> AsyncIterator[bytes]:
-        await asyncio.Event().wait()
-        yield b""  # never reached
 
     answers = relay.relay(no_requests(), _Context())  # type: ignore[arg-type]
     try:
@@ -161,18 +165,11 @@ async def test_a_stream_the_engine_ended_never_passes_on_the_not_started_mark(
     server = await asyncio.start_unix_server(ending_engine, path=str(link))
     relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
 
-    async def no_requests() -> AsyncIterator[bytes]:
-        await asyncio.Event().wait()
-        yield b""  # never reached
-
     try:
-        with pytest.raises(Aborted) as aborted:
-            async with asyncio.timeout(5):
-                async for _ in relay.relay(no_requests(), _Context()):  # type: ignore[arg-type]
-                    pass
-        assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
-        assert str(aborted.value) == "engine stopping"
-        assert aborted.value.trailers == (("x-other", "kept"),)
+        aborted = await relayed_until_aborted(relay)
+        assert aborted.code == grpc.StatusCode.UNAVAILABLE
+        assert str(aborted) == "engine stopping"
+        assert aborted.trailers == (("x-other", "kept"),)
     finally:
         server.close()
         await server.wait_closed()
