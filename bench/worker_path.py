@@ -13,6 +13,12 @@ with the median and the least of the rounds: the least is the one fewest other p
 disturbed, and the figure to set beside another commit's in the same hour.
 
     python -m bench.worker_path [--rows 16] [--callers 16] [--bundles 1000] [--rounds 7]
+
+`--admission` times admission alone, the driver's loop not started: passes of `--rows`
+one-row slices (16 token ids, times left spread over 10 s) through `admit_slices` into a lane
+already holding `--queued` rows, each pass's slices withdrawn after it, us a slice of
+admission (the withdrawal not counted). A queue past half its size (the stand-in's holds
+2,048) takes the row-by-row path, where `slice_admission.CoveredRows` cannot.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from services.common.model_repository import load_repository
 from services.gpu_worker.backends import LoadOptions, load_backend
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
+from services.gpu_worker.batching.slice_admission import SliceAsk
+from services.gpu_worker.bundle_rows import bundle_rows
 from services.gpu_worker.bundles import BundleRunner
 from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -111,6 +119,41 @@ async def measure(
     }
 
 
+async def measure_admission(rows: int, queued: int, rounds: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="worker-path-") as state:
+        write_minilm_repository(Path(state))
+        (version,) = load_repository(Path(state))
+        backend = load_backend(
+            version, torch.device("cpu"), LoadOptions(stand_in_curve=STAND_IN_CURVE)
+        )
+        driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+        driver.warm_up()
+        request = pb.InferRequest.FromString(bundle_bytes(backend.fingerprint, rows, seed=0))
+        prepared = bundle_rows(request, rows).prepare(backend) or []
+        held = [SliceAsk([prepared[i % rows]], 600.0, "held") for i in range(queued)]
+        driver.admit_slices(backend, held)  # stays queued: nothing is dispatched
+        us_per_slice = []
+        for _ in range(rounds):
+            spent_s = 0.0
+            for _ in range(2_000):
+                asks = [SliceAsk([row], 10.0 - 1e-3 * i, "bench") for i, row in enumerate(prepared)]
+                started = time.process_time()
+                admitted = driver.admit_slices(backend, asks)
+                spent_s += time.process_time() - started
+                for admission in admitted:
+                    if isinstance(admission, Exception):
+                        raise admission
+                    driver.withdraw(admission)
+            us_per_slice.append(1e6 * spent_s / (2_000 * rows))
+    return {
+        "rows_per_pass": rows,
+        "queued": queued,
+        "us_per_slice": [round(us, 2) for us in us_per_slice],
+        "median_us_per_slice": round(statistics.median(us_per_slice), 2),
+        "least_us_per_slice": round(min(us_per_slice), 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=16, help="one-text slices a bundle")
@@ -118,14 +161,18 @@ def main() -> None:
     parser.add_argument("--bundles", type=int, default=1_000, help="bundles a round")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--profile", action="store_true", help="print cProfile's top 30 first")
+    parser.add_argument("--admission", action="store_true", help="time admission alone")
+    parser.add_argument("--queued", type=int, default=8, help="rows held queued (--admission)")
     args = parser.parse_args()
     if not 1 <= args.callers <= args.bundles:
         parser.error("--callers must be at least 1 and at most --bundles")
     if args.rows < 1 or args.rounds < 1:
         parser.error("--rows and --rounds must be at least 1")
-    result = event_loop.run(
-        measure(args.rows, args.callers, args.bundles, args.rounds, args.profile), "uvloop"
-    )
+    if args.admission:
+        run = measure_admission(args.rows, args.queued, args.rounds)
+    else:
+        run = measure(args.rows, args.callers, args.bundles, args.rounds, args.profile)
+    result = event_loop.run(run, "uvloop")
     print(json.dumps(result), flush=True)
 
 

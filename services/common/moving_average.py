@@ -22,3 +22,10 @@ class MovingAverage:
         mean = self.mean
         self.mean = value if mean is None else mean + self.weight * (value - mean)
         return self.mean
+
+    def observe_repeated(self, value: float, times: int) -> None:
+        """Folds `value` in `times` times, as as many `observe` calls would."""
+        weight, mean = self.weight, self.mean
+        for _ in range(times):
+            mean = value if mean is None else mean + weight * (value - mean)
+        self.mean = mean

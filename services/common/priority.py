@@ -26,7 +26,7 @@ class PriorityClass(enum.Enum):
     @property
     def rank(self) -> int:
         """0 for the most urgent class; schedulers order by it, ascending."""
-        return _RANKS[self]
+        return _RANKS[self._value_]  # by value: a member's own hash is a Python call
 
     @property
     def proto(self) -> types_pb2.Priority:
@@ -58,7 +58,11 @@ class PriorityClass(enum.Enum):
 
 DEFAULT_PRIORITY = PriorityClass.INTERACTIVE
 
-_RANKS = {PriorityClass.CRITICAL: 0, PriorityClass.INTERACTIVE: 1, PriorityClass.BATCH: 2}
+_RANKS = {  # by value (PriorityClass.rank)
+    PriorityClass.CRITICAL.value: 0,
+    PriorityClass.INTERACTIVE.value: 1,
+    PriorityClass.BATCH.value: 2,
+}
 _TO_PROTO: dict[PriorityClass, types_pb2.Priority] = {
     PriorityClass.CRITICAL: worker_pb2.PRIORITY_CRITICAL,
     PriorityClass.INTERACTIVE: worker_pb2.PRIORITY_INTERACTIVE,

@@ -44,7 +44,7 @@ from services.gpu_worker.metrics import WorkerMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.clock import FakeClock
 from tests.support.metrics import total
-from tests.support.models import write_small_minilm_repository
+from tests.support.models import replace_config_lines, write_small_minilm_repository
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -82,14 +82,8 @@ class Door:
 @pytest.fixture
 async def door(tmp_path: Path) -> AsyncIterator[Door]:
     write_small_minilm_repository(tmp_path / "repo")
-    config = tmp_path / "repo" / "minilm" / "config.toml"
     replaced = {"slo_p99_ms": "slo_p99_ms = 1000", "max_queue_size": "max_queue_size = 64"}
-    config.write_text(
-        "\n".join(
-            next((v for k, v in replaced.items() if line.startswith(k)), line)
-            for line in config.read_text().splitlines()
-        )
-    )
+    replace_config_lines(tmp_path / "repo" / "minilm" / "config.toml", replaced)
     (version,) = load_repository(tmp_path / "repo")
     backend = load_backend(version, torch.device("cpu"))
     prepare_many = backend.prepare_many

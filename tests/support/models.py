@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -36,18 +37,22 @@ def write_small_minilm_repository(repository: Path) -> Path:
     cannot serve steady load within the default 250 ms). A worker warms up every shape of its
     config: the default one takes about a minute on two busy cores, this one seconds."""
     write_minilm_repository(repository, slo_p99_ms=30_000)
-    config = repository / "minilm" / "config.toml"
     replaced = {
         "max_batch_size": "max_batch_size = 8",
         "length_buckets": "length_buckets = [16, 32]",
     }
+    replace_config_lines(repository / "minilm" / "config.toml", replaced)
+    return repository
+
+
+def replace_config_lines(config: Path, replaced: Mapping[str, str]) -> None:
+    """Rewrites the lines of `config` that start with a key of `replaced` as its value."""
     config.write_text(
         "\n".join(
             next((v for k, v in replaced.items() if line.startswith(k)), line)
             for line in config.read_text().splitlines()
         )
     )
-    return repository
 
 
 #: A row whose first value is this makes the stalling test model block (see `_Stall`).

@@ -13,7 +13,7 @@ import heapq
 import itertools
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.batching.fair_share import ComputeLedger
@@ -138,14 +138,39 @@ class TenantQueues:
         if item.item_id in self._items:
             raise ValueError(f"item {item.item_id} is already queued")
         self._items[item.item_id] = item
-        heap = self._heaps.setdefault((item.priority, item.tenant), [])
-        heapq.heappush(heap, (item.deadline_s, item.arrival_s, item.item_id))
-        self._by_rank[item.priority] += 1
-        self._by_class[(item.priority, item.tenant)] += 1
-        self._by_tenant[item.tenant] += 1
-        if item.tenant not in self._joined:
-            self._joined[item.tenant] = next(self._join_order)
-        self._ledger.join(item.tenant, is_urgent=item.priority < BATCH_RANK)
+        cls = (item.priority, item.tenant)
+        heapq.heappush(
+            self._heaps.setdefault(cls, []), (item.deadline_s, item.arrival_s, item.item_id)
+        )
+        self._count(cls, 1)
+
+    def push_many(self, items: Sequence[QueuedItem]) -> None:
+        """Queue `items`, in order, as `push` each would: the counts and the ledger move once
+        per class of them, not once per item (an admission pass queues a bundle's rows at
+        once)."""
+        own, heaps = self._items, self._heaps
+        counts: dict[_Class, int] = {}
+        for item in items:
+            if item.item_id in own:
+                raise ValueError(f"item {item.item_id} is already queued")
+            own[item.item_id] = item
+            cls = (item.priority, item.tenant)
+            heapq.heappush(
+                heaps.setdefault(cls, []), (item.deadline_s, item.arrival_s, item.item_id)
+            )
+            counts[cls] = counts.get(cls, 0) + 1
+        for cls, count in counts.items():  # in order of first arrival: the tenants' join order
+            self._count(cls, count)
+
+    def _count(self, cls: _Class, count: int) -> None:
+        """`count` items of class `cls` joined the queue."""
+        priority, tenant = cls
+        self._by_rank[priority] += count
+        self._by_class[cls] += count
+        self._by_tenant[tenant] += count
+        if tenant not in self._joined:
+            self._joined[tenant] = next(self._join_order)
+        self._ledger.join(tenant, count, is_urgent=priority < BATCH_RANK)
 
     def remove(self, item_id: int) -> QueuedItem | None:
         """Remove one item (cancelled or expired); returns it, or None if it was not queued."""
@@ -180,7 +205,8 @@ class TenantQueues:
     def _take_from(self, heap: list[_Entry], limit: int) -> list[QueuedItem]:
         """`take` from a queue whose items are all of one class: its heap's order (EDF), as
         ranking one class against itself at every item would give."""
-        items, batch = self._items, list[QueuedItem]()
+        items = self._items
+        batch: list[QueuedItem] = []
         while len(batch) < limit and self._prune(heap):
             batch.append(items.pop(heapq.heappop(heap)[2]))
         if batch:  # one class: its counts and its tenant's ledger move once

@@ -53,12 +53,17 @@ class PassBound:
         #: The pass's Step, once a row needed it (None before, and without `make_step`).
         self.step: Step | None = None
 
+    def fits_whole(self, limit_s: float, margin_s: float) -> bool:
+        """Whether a row with admission limit `limit_s` passes the deadline checks by the whole
+        pass's bound alone (the queues not read)."""
+        return self.finish_s + margin_s <= min(limit_s, self.earliest_limit_s)
+
     def covers(self, key: BatchKey, limit_s: float, margin_s: float) -> bool:
         """Whether a row of `key` with admission limit `limit_s` surely passes the deadline
         checks."""
-        limit_s = min(limit_s, self.earliest_limit_s)
-        if self.finish_s + margin_s <= limit_s:
+        if self.fits_whole(limit_s, margin_s):
             return True
+        limit_s = min(limit_s, self.earliest_limit_s)
         if self.step is None:
             if self._make_step is None:
                 return False

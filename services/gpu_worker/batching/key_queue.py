@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
@@ -72,20 +72,42 @@ class KeyQueue:
         if item.priority < BATCH_RANK:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
-        # Entries of dispatched and expired items leave the heaps only from their tops (expiry
-        # empties the top of `limits`, not of `arrivals`, so either may grow).
         if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
-            self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
-                             if i.priority < BATCH_RANK]  # fmt: skip
-            heapq.heapify(self.arrivals)
-            self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
-            heapq.heapify(self.limits)
+            self._rebuild_heaps()
 
-    def record_arrival(self, now_s: float) -> None:
-        """Folds an admission at `now_s` into the arrival-gap estimate."""
+    def push_many(self, items: Sequence[QueuedItem], now_s: float) -> None:
+        """Queues `items`, admitted at `now_s`, as `push` each would: the counts once a class,
+        the arrivals once."""
+        self.items.push_many(items)
+        limits, arrivals, urgent = self.limits, self.arrivals, 0
+        for item in items:
+            heapq.heappush(limits, (item.queue_limit_s, item.item_id))
+            if item.priority < BATCH_RANK:
+                heapq.heappush(arrivals, (item.arrival_s, item.item_id))
+                urgent += 1
+        if urgent:
+            self.record_arrival(now_s, urgent)
+        if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
+            self._rebuild_heaps()
+
+    def _rebuild_heaps(self) -> None:
+        """Entries of dispatched and expired items leave the heaps only from their tops (expiry
+        empties the top of `limits`, not of `arrivals`, so either may grow): rebuilt from the
+        items once they outnumber them twice over."""
+        self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
+                         if i.priority < BATCH_RANK]  # fmt: skip
+        heapq.heapify(self.arrivals)
+        self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
+        heapq.heapify(self.limits)
+
+    def record_arrival(self, now_s: float, count: int = 1) -> None:
+        """Folds `count` admissions at `now_s` into the arrival-gap estimate (after the first,
+        each a gap of 0)."""
         if self.last_add_s is not None:
             self.gaps.observe(max(now_s - self.last_add_s, 0.0))
         self.last_add_s = now_s
+        if count > 1:
+            self.gaps.observe_repeated(0.0, count - 1)
 
     def arrival_gap_s(self, now_s: float) -> float | None:
         """Expected seconds between arrivals, or None with fewer than two arrivals so far."""

@@ -179,6 +179,10 @@ class Lane:
         """Folds a dispatched batch into `row_cost_s` (a batch of n rows weighs n rows)."""
         self.row_cost_s = folded_row_cost(self.row_cost_s, per_row_s, num_rows)
 
+    def slo_share(self, key: BatchKey) -> float:
+        """The share of its SLO a new row of `key` may fill (SloShedding.slo_share)."""
+        return self.shedding.slo_share(self.latency, key)
+
     def rejection(
         self, item: QueuedItem, refusal: Rejected, now_s: float, start_s: float
     ) -> Exception:

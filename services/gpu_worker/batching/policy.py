@@ -10,10 +10,14 @@ as `now_s`, compute cost from the `LatencyModel`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import itertools
+import math
+import operator
+from collections.abc import Mapping, Sequence
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
+from services.gpu_worker.batching.batch_sizes import BatchSizes
 from services.gpu_worker.batching.choice import Choice, choose
 from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
@@ -51,9 +55,10 @@ def executor_start_s(now_s: float, executor_free_s: float | None) -> float:
 
 
 _ADMITTED = Admitted()  # it carries no data: one instance answers every call
+_key_of_item = operator.attrgetter("key")
 
 
-class Batcher:
+class Batcher(BatchSizes):
     """Per-key queues of one worker's model, and the decision of which batch to run next."""
 
     def __init__(
@@ -69,8 +74,7 @@ class Batcher:
         if min(*durations, config.max_wait_cap_s) < 0:
             raise ValueError("SLO, budgets, margin and max_wait cap must be >= 0 seconds")
         check_tenant_weights(config.tenant_weights)
-        self._config = config
-        self._latency = latency
+        super().__init__(config, latency)
         self._ledger = ComputeLedger() if ledger is None else ledger
         self._queues: dict[BatchKey, KeyQueue] = {}
         # The weight each tenant's latest row carried, for the queue-share check.
@@ -78,8 +82,6 @@ class Batcher:
         self._shares = QueueShares()
         # item_id -> key of every queued item: num_queued and cancel() without a scan.
         self._key_of: dict[int, BatchKey] = {}
-        # key -> (latency model revision, max_batch_size_for): recomputed after observations.
-        self._limits: dict[BatchKey, tuple[int, int]] = {}
         self._forecast = QueueForecast(
             self._queues, self._weights, self._ledger, latency, self.max_batch_size_for
         )
@@ -110,35 +112,6 @@ class Batcher:
         if queue is None:
             return 0
         return queue.items.count_at_most(BATCH_RANK - 1) or len(queue.items)
-
-    def shape_limit(self, key: BatchKey) -> int:
-        """Most items one batch of `key` may ever hold: max_batch_size, and the padded-token
-        cap. The shapes warm-up measures."""
-        limit = self._config.max_batch_size
-        if self._config.max_batch_tokens > 0 and key.bucket > 0:
-            limit = min(limit, max(1, self._config.max_batch_tokens // key.bucket))
-        return limit
-
-    @property
-    def batch_compute_budget_s(self) -> float:
-        """The longest one batch may be predicted to run: half of what the SLO leaves the
-        worker. A row that arrives as a batch starts waits for it, then runs in the next: two
-        batches must fit the SLO, whatever else is queued (a long bucket's batch must not hold
-        short rows past it)."""
-        cfg = self._config
-        return (cfg.slo_s - cfg.upstream_budget_s - cfg.safety_margin_s) / 2
-
-    def max_batch_size_for(self, key: BatchKey) -> int:
-        """Most items one batch of `key` holds now: the shape limit, and the largest batch
-        predicted to run within `batch_compute_budget_s` (at least 1). It shrinks when the
-        machine slows down and grows back with it."""
-        cached = self._limits.get(key)
-        if cached is not None and cached[0] == self._latency.revision:
-            return cached[1]
-        budget_s = self.batch_compute_budget_s
-        limit = self._latency.largest_batch_within(key, self.shape_limit(key), budget_s)
-        self._limits[key] = (self._latency.revision, limit)
-        return limit
 
     def max_wait_s(self, key: BatchKey) -> float:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
@@ -206,14 +179,42 @@ class Batcher:
         if bound is not None:
             bound.admitted(item.key, item.queue_limit_s)
         self._weights[item.tenant] = item.weight
-        queue = self._queues.get(item.key)
-        if queue is None:
-            queue = self._queues[item.key] = KeyQueue(TenantQueues(self._ledger))
-        queue.push(item, now_s)
+        self._queue_of(item.key).push(item, now_s)
         if item.priority < BATCH_RANK:
             self._ledger.last_urgent_s = now_s
         self._key_of[item.item_id] = item.key
         return _ADMITTED
+
+    @property
+    def unchecked_room(self) -> int:
+        """Rows that may be queued now that no check of room, priority or tenant share would
+        refuse, each checked after those before it (`refusal`): the queue stays under the
+        shares at which those checks begin. 0 while draining."""
+        if self._is_draining:
+            return 0
+        share = min(BATCH_QUEUE_SHARE, CONTENDED_QUEUE_SHARE)
+        return max(0, math.ceil(self._config.max_queue_size * share) - self.num_queued)
+
+    def push_admitted(self, items: Sequence[QueuedItem], now_s: float) -> None:
+        """Queues `items`, admitted at `now_s` without `add`: within `unchecked_room`, covered
+        by their pass's bound (forecast.PassBound.fits_whole), their weights resolved
+        (`weight_of`). A run of one key at a time, in order: tenants join the shared ledger
+        in the order of their rows, as one by one."""
+        key_of, weights, is_urgent = self._key_of, self._weights, False
+        for item in items:
+            weights[item.tenant] = item.weight
+            key_of[item.item_id] = item.key
+            is_urgent = is_urgent or item.priority < BATCH_RANK
+        for key, run in itertools.groupby(items, key=_key_of_item):
+            self._queue_of(key).push_many(list(run), now_s)
+        if is_urgent:
+            self._ledger.last_urgent_s = now_s
+
+    def _queue_of(self, key: BatchKey) -> KeyQueue:
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = KeyQueue(TenantQueues(self._ledger))
+        return queue
 
     def _crowded_out(self, tenant: str, weight: float, now_s: float) -> None:
         self._weights[tenant] = self.weight_of(tenant, weight)  # its share counts its weight

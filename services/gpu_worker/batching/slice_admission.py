@@ -13,7 +13,7 @@ import functools
 import itertools
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from services.common.errors import DeadlineExceeded, InvalidInput, Overloaded
@@ -82,6 +82,10 @@ class Refusals:
     def __init__(self) -> None:
         self._refused: dict[tuple[object, ...], _Refused] = {}
 
+    def __bool__(self) -> bool:
+        """Whether the pass refused a slice yet."""
+        return bool(self._refused)
+
     @staticmethod
     def _like(ask: SliceAsk) -> tuple[object, ...]:
         return (ask.tenant, ask.priority, ask.weight, *(row.bucket for row in ask.rows))
@@ -148,41 +152,65 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         raise (
             error.for_one_caller() if isinstance(error, Overloaded) else error.with_traceback(None)
         )
-    now, batcher, rank = admission.now, lane.batcher, ask.priority.rank
-    shed_budget_s = lane.shedding.budget_s(now, rank, batcher.num_queued)
-    deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
-    finish_by_s = None if shed_budget_s is None else now + shed_budget_s
+    now, batcher = admission.now, lane.batcher
+    budget_s = lane.shedding.budget_s(now, ask.priority.rank, batcher.num_queued)
     weight = batcher.weight_of(ask.tenant, ask.weight)
-    trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
-    rows, tenant = ask.rows, ask.tenant
-    decision = batcher.can_admit(len(rows), tenant=tenant, weight=weight, now_s=now)
-    item_ids: list[int] = []
-    outputs = SliceOutputs(asyncio.get_running_loop().create_future(), len(rows))
-    # One pass per row, each row a queued item and a pending entry: what the pass and the
-    # slice share is read once, out of the loop (a one-row slice is the common caller).
-    keys, pending, next_id, busy_s = lane.keys, lane.pending, admission.item_ids, admission.busy_s
+    decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)
+    items = slice_items(lane, ask, admission, budget_s, weight, lane.slo_share)
     free_s, bound = admission.executor_free_s, admission.bound
-    for index, row in enumerate(rows):
-        key = keys.get(row.bucket) or lane_key(lane, row.bucket)
-        slo_share = 1.0 if finish_by_s is None else lane.shedding.slo_share(lane.latency, key)
-        item = QueuedItem(  # positional: a row's item builds in half the time
-            next(next_id), key, tenant, row.num_tokens, now, deadline_s, finish_by_s, rank,
-            weight, slo_share,
-        )  # fmt: skip
+    for count, item in enumerate(items):
         if isinstance(decision, Admitted):
             decision = batcher.add(item, now, executor_free_s=free_s, bound=bound)
         if isinstance(decision, Rejected):
             reason = decision.reason
-            admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(rows))
-            start_s = executor_start_s(now, free_s)
-            error = lane.rejection(item, decision, now, start_s)
+            admission.metrics.rejected_total_of[(*lane.labels, reason.value)].inc(len(items))
+            error = lane.rejection(item, decision, now, executor_start_s(now, free_s))
             if refusals is not None:
                 refusals.keep(ask, error, decision)
-            # Refused, not cancelled: no drop counted.
-            withdraw_rows(lane, item_ids, admission.metrics, drop=None)
+            for queued in items[:count]:  # refused, not cancelled: no drop counted
+                batcher.cancel(queued.item_id)
             raise error
-        pending[item.item_id] = Pending(row, outputs, index, busy_s, trace_context)
-        item_ids.append(item.item_id)
+    return pend(lane, ask, items, admission)
+
+
+def slice_items(
+    lane: Lane,
+    ask: SliceAsk,
+    admission: AdmissionPass,
+    budget_s: float | None,
+    weight: float,
+    slo_share: Callable[[BatchKey], float],
+) -> list[QueuedItem]:
+    """The queued items of a slice's rows, not queued yet: `budget_s` its shed budget
+    (SloShedding.budget_s), `weight` its resolved one (Batcher.weight_of), `slo_share` by
+    key (SloShedding.slo_share). What the rows share is read once, out of their loop (a
+    one-row slice is the common caller)."""
+    now = admission.now
+    deadline_s = now + lane.backend.config.timeout_s_for(ask.timeout_s)
+    finish_by_s = None if budget_s is None else now + budget_s
+    keys, next_id, rank, tenant = lane.keys, admission.item_ids, ask.priority.rank, ask.tenant
+    items: list[QueuedItem] = []
+    for row in ask.rows:
+        key = keys.get(row.bucket) or lane_key(lane, row.bucket)
+        share = 1.0 if finish_by_s is None else slo_share(key)
+        items.append(QueuedItem(  # positional: a row's item builds in half the time
+            next(next_id), key, tenant, row.num_tokens, now, deadline_s, finish_by_s, rank,
+            weight, share,
+        ))  # fmt: skip
+    return items
+
+
+def pend(
+    lane: Lane, ask: SliceAsk, items: Sequence[QueuedItem], admission: AdmissionPass
+) -> Admission:
+    """The slice's rows pending on the lane (their `items` queued, or about to be in the same
+    pass), one future for all of them."""
+    outputs = SliceOutputs(asyncio.get_running_loop().create_future(), len(items))
+    trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
+    pending, busy_s, rows = lane.pending, admission.busy_s, ask.rows
+    item_ids = [item.item_id for item in items]
+    for index, item_id in enumerate(item_ids):
+        pending[item_id] = Pending(rows[index], outputs, index, busy_s, trace_context)
     # A failed row fails its caller: the caller's rows still queued leave unrun, not counted
     # as drops (the caller is answered the failure).
     outputs.on_failed = functools.partial(
@@ -194,14 +222,104 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
 def admit_slices(
     lane: Lane, asks: Sequence[SliceAsk], admission: AdmissionPass
 ) -> list[Admission | Exception]:
-    """Each slice of a pass admitted whole or refused alone, its error in its place."""
+    """Each slice of a pass admitted whole or refused alone, its error in its place: those
+    `CoveredRows` takes queued together, the others row by row (`admit_slice`)."""
     outcomes: list[Admission | Exception] = []
-    for ask in asks:
-        try:
-            outcomes.append(admit_slice(lane, ask, admission))
-        except Exception as error:
-            outcomes.append(error)
+    covered = None if admission.bound is None else CoveredRows(lane, admission, admission.bound)
+    try:
+        for ask in asks:
+            try:
+                if covered is not None:
+                    if (taken := covered.admit(ask)) is not None:
+                        outcomes.append(taken)
+                        continue
+                    is_full = covered.is_full  # the row path only fills the queue further
+                    covered.flush()  # the row path reads the queues
+                    if is_full:
+                        covered = None
+                outcomes.append(admit_slice(lane, ask, admission))
+            except Exception as error:
+                outcomes.append(error)
+            if covered is not None and admission.refusals:  # like slices meet it on the row path
+                covered = None
+    finally:
+        if covered is not None:
+            covered.flush()
     return outcomes
+
+
+class CoveredRows:
+    """The slices of one admission pass that no check of `Batcher.add` could refuse, queued
+    together at the pass's end (`flush`), before any slice of it takes the row path: every
+    row covered by the pass's bound alone (PassBound.fits_whole), the queue within the room
+    no check of room or share reads (Batcher.unchecked_room), the lane not idle, nothing
+    refused earlier in the pass. Their checks read nothing of what the pass queued before
+    them but its count and the bound, which move as each row is taken, so a bundle of 16
+    one-row callers moves the queue's counts, the fair-share ledger and the arrival
+    estimate once, not 16 times, and what the pass shares (the shed budget by class, the
+    weight by tenant, the SLO share by key) is read once. Same decisions as the row path's,
+    the same state once flushed (`integration/test_covered_rows.py`)."""
+
+    __slots__ = ("_admission", "_bound", "_budgets", "_items", "_lane", "_margin_s", "_room",
+                 "_shares", "_weights")  # fmt: skip
+
+    def __init__(self, lane: Lane, admission: AdmissionPass, bound: PassBound) -> None:
+        self._lane, self._admission, self._bound = lane, admission, bound
+        self._margin_s = lane.batcher.safety_margin_s
+        self._items: list[QueuedItem] = []
+        self._budgets: dict[int, float | None] = {}
+        self._weights: dict[tuple[str, float], float] = {}
+        self._shares: dict[BatchKey, float] = {}
+        #: Batcher.unchecked_room at the last flush (None: not read since).
+        self._room: int | None = None
+
+    def admit(self, ask: SliceAsk) -> Admission | None:
+        """The slice taken, its rows queued at the flush; None where it takes the row path
+        (which refuses it, or checks it against the queues)."""
+        admission, lane, queued = self._admission, self._lane, self._items
+        batcher = lane.batcher
+        if self._room is None:  # the row path may have queued rows since the last flush
+            self._room = batcher.unchecked_room
+        if (not (math.isfinite(ask.weight) and ask.weight >= 0.0)
+                or (ask.timeout_s is not None and ask.timeout_s <= 0.0)
+                or len(ask.rows) > self._room - len(queued)):  # fmt: skip
+            return None
+        num_queued = batcher.num_queued + len(queued)
+        if admission.executor_free_s is None and num_queued == 0:
+            return None  # an idle lane's first row is priced alone (Batcher.add)
+        rank = ask.priority.rank
+        if rank not in self._budgets:  # the queue's state moves at dispatches, not in a pass
+            self._budgets[rank] = lane.shedding.budget_s(admission.now, rank, num_queued)
+        weight = self._weights.get((ask.tenant, ask.weight))
+        if weight is None:
+            weight = batcher.weight_of(ask.tenant, ask.weight)
+            self._weights[(ask.tenant, ask.weight)] = weight
+        items = slice_items(lane, ask, admission, self._budgets[rank], weight, self._share)
+        bound, margin_s = self._bound, self._margin_s
+        for item in items:
+            if not bound.fits_whole(item.admission_limit_s, margin_s):
+                return None  # the rows before it tightened the bound: as the row path would
+            bound.admitted(item.key, item.queue_limit_s)
+        queued.extend(items)
+        return pend(lane, ask, items, admission)
+
+    def _share(self, key: BatchKey) -> float:
+        share = self._shares.get(key)
+        if share is None:
+            share = self._shares[key] = self._lane.slo_share(key)
+        return share
+
+    @property
+    def is_full(self) -> bool:
+        """Whether the room no check reads is taken (Batcher.unchecked_room)."""
+        return self._room is not None and self._room <= len(self._items)
+
+    def flush(self) -> None:
+        """Queues the slices taken so far."""
+        if self._items:
+            self._lane.batcher.push_admitted(self._items, self._admission.now)
+            self._items = []
+        self._room = None
 
 
 def withdraw_slice(admission: Admission, metrics: WorkerMetrics) -> None:
