@@ -68,9 +68,9 @@ class RegistrySync:
         self._rejected: set[tuple[str, str]] = set()
         #: A read failed and no read has found a worker since (see `refresh_once`).
         self._awaits_refill = False
-        #: The workers held through the last outage, by id, and until when those not back yet
-        #: stay (REFILL_S); None when every one is back, or the time is up.
-        self._refill: tuple[dict[str, WorkerRecord], float] | None = None
+        #: The workers held through an outage that have not re-registered since, by id, each
+        #: with when its hold ends (REFILL_S after the read that began it).
+        self._held: dict[str, tuple[WorkerRecord, float]] = {}
         #: When the reads after an outage began to find Redis empty; None otherwise.
         self._empty_since_s: float | None = None
         self.is_degraded = True  # until the first good read
@@ -96,8 +96,14 @@ class RegistrySync:
             self._awaits_refill = False  # the empty registry is the fleet: none held
         self._empty_since_s = None
         if self._awaits_refill and self._table.has_snapshot:
-            held = self._table.live_workers(now_s)
-            self._refill = ({w.worker_id: w for w in held}, now_s + REFILL_S)
+            # A worker still held through an earlier outage keeps that hold's end: restarted at
+            # every outage, a Redis failing every few seconds would hold a worker gone before
+            # the first one for good.
+            until_s, held = now_s + REFILL_S, self._held
+            self._held = {
+                w.worker_id: (w, held[w.worker_id][1] if w.worker_id in held else until_s)
+                for w in self._table.live_workers(now_s)
+            }
         self._awaits_refill = False
         split = admit_records(records, self._worker_networks)
         self._note_rejected(split.rejected)
@@ -120,18 +126,18 @@ class RegistrySync:
     def _not_back_yet(
         self, admitted: list[tuple[WorkerRecord, float]], now_s: float
     ) -> list[tuple[WorkerRecord, float]]:
-        """The workers held through the last outage that have not re-registered since, alive
-        as of now, for REFILL_S after Redis came back (a restarted Redis is refilled by each
-        worker's next heartbeat): until each is back, its models stay served."""
-        if self._refill is None:
+        """The workers held through an outage that have not re-registered since, alive as of
+        now, for REFILL_S after Redis came back (a restarted Redis is refilled by each worker's
+        next heartbeat): until each is back, its models stay served."""
+        if not self._held:
             return []
-        held, until_s = self._refill
         back = {record.worker_id for record, _ in admitted}
-        missing = [(record, now_s) for worker_id, record in held.items() if worker_id not in back]
-        if not missing or now_s >= until_s:
-            self._refill = None
-            return []
-        return missing
+        self._held = {
+            worker_id: (record, until_s)
+            for worker_id, (record, until_s) in self._held.items()
+            if worker_id not in back and now_s < until_s
+        }
+        return [(record, now_s) for record, _ in self._held.values()]
 
     def _note_rejected(self, rejected: list[WorkerRecord]) -> None:
         self._metrics.rejected_worker_records_total.inc(len(rejected))

@@ -74,3 +74,78 @@ async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns
         await asyncio.gather(task, return_exceptions=True)
         await worker.aclose()
         await router.aclose()
+
+
+async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_fails_again(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Worker w1 deregisters while the router cannot read Redis (its user refused ZRANGE,
+    NOPERM: the data stays), so the first read after it holds w1 for REFILL_S, as a worker that
+    has not re-registered yet. Redis then keeps failing every 1.5 s: w1 leaves when that first
+    hold ends, not later. Before, each failure restarted the hold for every worker live at the
+    next good read, w1 included, so w1 stayed routable for as long as the failures went on,
+    while w0, which heartbeats, was served throughout."""
+    monkeypatch.setattr(registry_reader, "REFILL_S", 3.0)
+    table = RouteTable(RoutingConfig(), random.Random())
+
+    async def degraded(_: bool) -> None:
+        pass
+
+    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
+    router = connect(redis_server.router_url)
+    sync = RegistrySync(
+        router,
+        KEYS,
+        table,
+        RouterMetrics(CollectorRegistry()),
+        period_s=0.05,
+        on_degraded_change=degraded,
+        worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
+    )
+    records = [
+        WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
+        for n in (0, 1)
+    ]
+    publishers = [
+        HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
+    ]
+
+    async def heartbeats() -> None:  # w0's, every 0.2 s
+        while True:
+            await publishers[0].publish_once()
+            await asyncio.sleep(0.2)
+
+    def live() -> set[str]:
+        return {w.worker_id for w in table.live_workers(time.monotonic())}
+
+    async def refused(seconds: float) -> None:  # reads fail for `seconds`, the data kept
+        await admin.execute_command("ACL", "SETUSER", "router", "-zrange")
+        await eventually(lambda: sync.is_degraded, timeout_s=10)
+        await asyncio.sleep(seconds)
+        await admin.execute_command("ACL", "SETUSER", "router", "+zrange")
+        await eventually(lambda: not sync.is_degraded, timeout_s=10)
+
+    task = asyncio.create_task(sync.run())
+    beating = asyncio.create_task(heartbeats())
+    try:
+        await publishers[1].publish_once()
+        await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
+        await admin.execute_command("ACL", "SETUSER", "router", "-zrange")
+        await eventually(lambda: sync.is_degraded, timeout_s=10)
+        await publishers[1].deregister("w1")  # gone while the router cannot see it go
+        await admin.execute_command("ACL", "SETUSER", "router", "+zrange")
+        await eventually(lambda: not sync.is_degraded, timeout_s=10)
+        held_since_s = time.monotonic()
+        assert live() == {"w0", "w1"}  # held: it may only not have re-registered yet
+        while time.monotonic() - held_since_s < 3 * registry_reader.REFILL_S:
+            await refused(0.3)
+            assert "w0" in live()
+            await asyncio.sleep(1.2)
+            if time.monotonic() - held_since_s > registry_reader.REFILL_S + 1.0:
+                assert live() == {"w0"}, "w1 held past its first hold"
+    finally:
+        for running in (task, beating):
+            running.cancel()
+        await asyncio.gather(task, beating, return_exceptions=True)
+        for client in (admin, worker, router):
+            await client.aclose()
