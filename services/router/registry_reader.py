@@ -74,6 +74,7 @@ class RegistrySync:
         #: When the reads after an outage began to find Redis empty; None otherwise.
         self._empty_since_s: float | None = None
         self.is_degraded = True  # until the first good read
+        metrics.registry_degraded.set(1)
 
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""

@@ -174,9 +174,11 @@ async def ready_after_first_read(
     sync's `on_degraded_change`.
 
     Not ready before the first read: an empty route table would refuse every call. Overall
-    ("", liveness) stays SERVING; after the first read, Redis outages flip only the registry
-    name, as routing goes on from the last snapshot."""
+    ("", liveness) stays SERVING; the registry's own name is NOT_SERVING until that read too
+    (a router started while Redis is down has no registry), and after it, Redis outages flip
+    only the registry name, as routing goes on from the last snapshot."""
     await health_servicer.set(SERVICE_NAME, NOT_SERVING)
+    await health_servicer.set(REGISTRY_HEALTH_NAME, NOT_SERVING)
     has_read = False
 
     async def on_degraded_change(is_degraded: bool) -> None:

@@ -73,18 +73,24 @@ async def test_a_router_started_while_redis_was_down_takes_the_registry_it_finds
             redis_url=redis_server.router_url, grpc_port=0, metrics_port=0, refresh_period_s=0.05
         )
     )
+    address = f"127.0.0.1:{router.port}"
+    degraded = router.metrics.registry_degraded
     try:
         sync = asyncio.create_task(router.sync.run())
         try:
             # Its reads fail for a while (every 0.05 s, backing off): the outage it starts in.
             await asyncio.sleep(0.5)
+            # It has no registry, and says so (it said SERVING and 0 before its first read).
+            assert await health_status(address, "fabric.registry") == NOT_SERVING
+            assert degraded._value.get() == 1  # type: ignore[attr-defined]
             redis_server.restart()
-            address = f"127.0.0.1:{router.port}"
 
             async def ready() -> bool:
                 return await health_status(address, SERVICE_NAME) == SERVING
 
             await eventually(ready, timeout_s=30.0, message="ready once Redis is back")
+            assert await health_status(address, "fabric.registry") == SERVING
+            assert degraded._value.get() == 0  # type: ignore[attr-defined]
             async with grpc.aio.insecure_channel(address) as channel:
                 list_models = pb_grpc.WorkerServiceStub(channel).ListModels
                 # Answered (refused UNAVAILABLE while no snapshot is held): the empty fleet.
