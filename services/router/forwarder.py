@@ -17,7 +17,13 @@ from collections.abc import AsyncGenerator, Awaitable
 import grpc
 
 from services.common.bundles import SliceCancels
-from services.common.errors import NotFound, Overloaded, Unavailable, UpstreamError
+from services.common.errors import (
+    DeadlineExceeded,
+    NotFound,
+    Overloaded,
+    Unavailable,
+    UpstreamError,
+)
 from services.common.grpc_errors import is_bug
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
@@ -187,6 +193,8 @@ class Forwarder:
         async def answer(part: Part, decision: Route | Reject, part_cancels: SliceCancels) -> bytes:
             facts_of_part = part_facts(facts, part)
             if isinstance(decision, Reject):
+                if facts_of_part.deadline_s <= time.monotonic():  # not an overload to retry
+                    raise DeadlineExceeded("deadline exceeded before its part was routed")
                 raise self._refused(facts_of_part, decision, retried=False)
             return await self._attempts(bundle.body(part), facts_of_part, part_cancels, decision)
 

@@ -213,6 +213,26 @@ async def test_a_slice_no_worker_can_take_is_refused_alone_while_its_mates_are_s
     assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
 
 
+async def test_a_slice_whose_deadline_passed_on_the_way_is_answered_deadline_exceeded(
+    fabric: Fabric, router: SplittingRouter
+) -> None:
+    """The bundle of the test above, its last slice's caller's deadline past before the bundle
+    left the gateway (`earlier_us` beyond the call's time left): that slice is answered
+    DEADLINE_EXCEEDED, as a worker sent it would answer it, not refused as overload with a
+    retry hint (as it was), and counted as no refusal of the router's."""
+    request, rows = bundle_of([5, 5, 5, 35])
+    request.slices[3].earlier_us = round((TIMEOUT_S + 5.0) * 1e6)
+    response = await call(router, request)
+    codes = [s.code for s in response.slices]
+    assert codes == [OK, OK, OK, grpc.StatusCode.DEADLINE_EXCEEDED.value[0]]
+    assert "retry-after-ms" not in response.slices[3].trailers
+    np.testing.assert_allclose(
+        tensor_from_pb(response.packed_outputs), expected(rows[:15]), rtol=1e-5, atol=1e-6
+    )
+    assert router.metric(names.ROUTER_REJECTED_TOTAL, reason="deadline") == 0
+    assert router.reserved_rows() == [2 * RESERVED_ROWS] * 2
+
+
 async def test_a_bundle_nothing_of_which_fits_is_refused_whole_as_before(
     router: SplittingRouter,
 ) -> None:
