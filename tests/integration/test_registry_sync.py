@@ -8,6 +8,7 @@ import random
 import time
 
 import pytest
+import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
@@ -30,6 +31,23 @@ RECORD = WorkerRecord(
 )
 
 
+def new_sync(router: aioredis.Redis, table: RouteTable) -> RegistrySync:
+    """A router's registry sync reading every 0.05 s through `router` into `table`."""
+
+    async def degraded(_: bool) -> None:
+        pass
+
+    return RegistrySync(
+        router,
+        KEYS,
+        table,
+        RouterMetrics(CollectorRegistry()),
+        period_s=0.05,
+        on_degraded_change=degraded,
+        worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
+    )
+
+
 async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns_in_time(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -40,20 +58,8 @@ async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns
     not make the next return take the empty registry at once."""
     monkeypatch.setattr(registry_reader, "REFILL_S", 5.0)
     table = RouteTable(RoutingConfig(), random.Random())
-
-    async def degraded(_: bool) -> None:
-        pass
-
     worker, router = connect(redis_server.worker_url), connect(redis_server.router_url)
-    sync = RegistrySync(
-        router,
-        KEYS,
-        table,
-        RouterMetrics(CollectorRegistry()),
-        period_s=0.05,
-        on_degraded_change=degraded,
-        worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
-    )
+    sync = new_sync(router, table)
     task = asyncio.create_task(sync.run())
     try:
         await HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda: RECORD).publish_once()
@@ -87,21 +93,9 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
     while w0, which heartbeats, was served throughout."""
     monkeypatch.setattr(registry_reader, "REFILL_S", 3.0)
     table = RouteTable(RoutingConfig(), random.Random())
-
-    async def degraded(_: bool) -> None:
-        pass
-
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
-    sync = RegistrySync(
-        router,
-        KEYS,
-        table,
-        RouterMetrics(CollectorRegistry()),
-        period_s=0.05,
-        on_degraded_change=degraded,
-        worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
-    )
+    sync = new_sync(router, table)
     records = [
         WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
         for n in (0, 1)
