@@ -25,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import cProfile
 import json
 import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +80,9 @@ async def _bundles(
     return failed
 
 
-async def measure(
-    rows: int, callers: int, bundles: int, rounds: int, profile: bool
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def stand_in_driver() -> Iterator[tuple[Backend, BatchingDriver, WorkerMetrics]]:
+    """The GPU-speed stand-in's backend behind a warmed-up batching driver (not started)."""
     with tempfile.TemporaryDirectory(prefix="worker-path-") as state:
         write_minilm_repository(Path(state))
         (version,) = load_repository(Path(state))
@@ -89,6 +91,13 @@ async def measure(
         metrics = WorkerMetrics(CollectorRegistry())
         driver = BatchingDriver([backend], DriverConfig(), metrics)
         driver.warm_up()
+        yield backend, driver, metrics
+
+
+async def measure(
+    rows: int, callers: int, bundles: int, rounds: int, profile: bool
+) -> dict[str, Any]:
+    with stand_in_driver() as (backend, driver, metrics):
         driver.start()
         runner = BundleRunner(driver, metrics)
         body = bundle_bytes(backend.fingerprint, rows, seed=0)
@@ -120,14 +129,7 @@ async def measure(
 
 
 async def measure_admission(rows: int, queued: int, rounds: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="worker-path-") as state:
-        write_minilm_repository(Path(state))
-        (version,) = load_repository(Path(state))
-        backend = load_backend(
-            version, torch.device("cpu"), LoadOptions(stand_in_curve=STAND_IN_CURVE)
-        )
-        driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
-        driver.warm_up()
+    with stand_in_driver() as (backend, driver, _):
         request = pb.InferRequest.FromString(bundle_bytes(backend.fingerprint, rows, seed=0))
         prepared = bundle_rows(request, rows).prepare(backend) or []
         held = [SliceAsk([prepared[i % rows]], 600.0, "held") for i in range(queued)]

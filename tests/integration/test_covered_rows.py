@@ -37,7 +37,7 @@ from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
 from services.gpu_worker.batching.forecast import PassBound
 from services.gpu_worker.batching.lane import Admission, Lane
 from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
-from services.gpu_worker.batching.types import Dispatch
+from services.gpu_worker.batching.types import Dispatch, QueuedItem
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.clock import FakeClock
 from tests.support.metrics import total
@@ -248,3 +248,22 @@ async def test_covered_slices_are_decided_and_queued_as_the_row_path_would(
     assert {"admitted", "Overloaded", "DeadlineExceeded"} <= kinds
     batches = [seen[1] for seen in covered.seen if isinstance(seen, tuple) and seen[0] == "batch"]
     assert sum(map(len, batches)) > 100
+
+
+def test_a_slice_admitted_without_a_running_loop_fails_with_nothing_queued(
+    backend: Backend,
+) -> None:
+    """Its future is made before any row is queued: called outside an event loop, each slice
+    fails RuntimeError, on the covered path and the row path alike, and the lane holds neither
+    a queued row nor a pending one (the driver would meet a queued row with no pending entry
+    at its next dispatch, KeyError). One row queued first, so the pass is not an idle lane's."""
+    run = new_run(backend)
+    batcher, now = run.lane.batcher, run.clock()
+    (row,) = rows_of(backend, random.Random(0), 1)
+    key = lane_key(run.lane, row.bucket)
+    batcher.add(QueuedItem(10**9, key, "held", row.num_tokens, now, now + 60.0), now)
+    asks = [SliceAsk(rows_of(backend, random.Random(n), 1), 10.0, "a") for n in range(3)]
+    asks.append(SliceAsk(rows_of(backend, random.Random(3), 2), 0.001, "a"))  # the row path
+    results = run.driver.admit_slices(backend, asks)
+    assert [type(r) for r in results] == [RuntimeError] * 4
+    assert batcher.num_queued == 1 and not run.lane.pending

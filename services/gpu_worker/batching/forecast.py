@@ -53,10 +53,14 @@ class PassBound:
         #: The pass's Step, once a row needed it (None before, and without `make_step`).
         self.step: Step | None = None
 
-    def fits_whole(self, limit_s: float, margin_s: float) -> bool:
+    def fits_whole(
+        self, limit_s: float, margin_s: float, earliest_limit_s: float | None = None
+    ) -> bool:
         """Whether a row with admission limit `limit_s` passes the deadline checks by the whole
-        pass's bound alone (the queues not read)."""
-        return self.finish_s + margin_s <= min(limit_s, self.earliest_limit_s)
+        pass's bound alone (the queues not read); `earliest_limit_s` in place of the bound's
+        own (a slice's rows checked before the bound is told of any)."""
+        earliest_s = self.earliest_limit_s if earliest_limit_s is None else earliest_limit_s
+        return self.finish_s + margin_s <= min(limit_s, earliest_s)
 
     def covers(self, key: BatchKey, limit_s: float, margin_s: float) -> bool:
         """Whether a row of `key` with admission limit `limit_s` surely passes the deadline

@@ -76,8 +76,9 @@ class KeyQueue:
             self._rebuild_heaps()
 
     def push_many(self, items: Sequence[QueuedItem], now_s: float) -> None:
-        """Queues `items`, admitted at `now_s`, as `push` each would: the counts once a class,
-        the arrivals once."""
+        """Queues `items`, admitted at `now_s`, as `push` each would (the same items, counts and
+        estimate; stale heap entries pruned once, not per item): the counts once a class, the
+        arrivals once."""
         self.items.push_many(items)
         limits, arrivals, urgent = self.limits, self.arrivals, 0
         for item in items:

@@ -16,6 +16,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from services.common.errors import DeadlineExceeded, InvalidInput, Overloaded
 from services.common.priority import DEFAULT_PRIORITY, PriorityClass
 from services.common.tracing import TraceContext
@@ -153,6 +155,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             error.for_one_caller() if isinstance(error, Overloaded) else error.with_traceback(None)
         )
     now, batcher = admission.now, lane.batcher
+    future = asyncio.get_running_loop().create_future()  # before a row is queued
     budget_s = lane.shedding.budget_s(now, ask.priority.rank, batcher.num_queued)
     weight = batcher.weight_of(ask.tenant, ask.weight)
     decision = batcher.can_admit(len(ask.rows), tenant=ask.tenant, weight=weight, now_s=now)
@@ -170,7 +173,7 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
             for queued in items[:count]:  # refused, not cancelled: no drop counted
                 batcher.cancel(queued.item_id)
             raise error
-    return pend(lane, ask, items, admission)
+    return pend(lane, ask, items, admission, future)
 
 
 def slice_items(
@@ -201,11 +204,16 @@ def slice_items(
 
 
 def pend(
-    lane: Lane, ask: SliceAsk, items: Sequence[QueuedItem], admission: AdmissionPass
+    lane: Lane,
+    ask: SliceAsk,
+    items: Sequence[QueuedItem],
+    admission: AdmissionPass,
+    future: asyncio.Future[list[np.ndarray]],
 ) -> Admission:
     """The slice's rows pending on the lane (their `items` queued, or about to be in the same
-    pass), one future for all of them."""
-    outputs = SliceOutputs(asyncio.get_running_loop().create_future(), len(items))
+    pass), `future` their outputs' (made before any row is queued: without a running loop the
+    slice fails with nothing queued)."""
+    outputs = SliceOutputs(future, len(items))
     trace_context = admission.trace_context if ask.trace_context is None else ask.trace_context
     pending, busy_s, rows = lane.pending, admission.busy_s, ask.rows
     item_ids = [item.item_id for item in items]
@@ -296,12 +304,16 @@ class CoveredRows:
             self._weights[(ask.tenant, ask.weight)] = weight
         items = slice_items(lane, ask, admission, self._budgets[rank], weight, self._share)
         bound, margin_s = self._bound, self._margin_s
+        earliest_s = bound.earliest_limit_s
+        for item in items:  # each row after those before it, as the row path checks them
+            if not bound.fits_whole(item.admission_limit_s, margin_s, earliest_s):
+                return None  # the bound not told of any row: the row path tells it of its own
+            earliest_s = min(earliest_s, item.queue_limit_s)
+        taken = pend(lane, ask, items, admission, asyncio.get_running_loop().create_future())
         for item in items:
-            if not bound.fits_whole(item.admission_limit_s, margin_s):
-                return None  # the rows before it tightened the bound: as the row path would
             bound.admitted(item.key, item.queue_limit_s)
         queued.extend(items)
-        return pend(lane, ask, items, admission)
+        return taken
 
     def _share(self, key: BatchKey) -> float:
         share = self._shares.get(key)
