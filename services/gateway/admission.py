@@ -113,15 +113,24 @@ class RowsCharged:
     """`TenantAdmission.rows_charged`: a class, not a generator, as it is entered per
     request."""
 
-    __slots__ = ("_admission", "_num_rows", "_policy")
+    __slots__ = ("_admission", "_is_given_back", "_num_rows", "_policy")
 
     def __init__(self, admission: TenantAdmission, policy: TenantPolicy, num_rows: int) -> None:
         self._admission = admission
         self._policy = policy
         self._num_rows = num_rows
+        self._is_given_back = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> RowsCharged:
         self._admission.charge_rows(self._policy, self._num_rows)
+        return self
+
+    def give_back(self) -> None:
+        """The call's rows return to its tenant now, once (its slice was dropped before it left
+        this process: it ran nowhere, whatever status the call then ends with)."""
+        if not self._is_given_back:
+            self._is_given_back = True
+            self._admission.give_back_rows(self._policy, self._num_rows)
 
     def __exit__(
         self,
@@ -130,7 +139,7 @@ class RowsCharged:
         traceback: TracebackType | None,
     ) -> None:
         if never_served(error):
-            self._admission.give_back_rows(self._policy, self._num_rows)
+            self.give_back()
 
 
 def never_served(error: BaseException | None) -> bool:

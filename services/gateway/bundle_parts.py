@@ -71,6 +71,8 @@ class CallerSlice:
     bundle: Bundle | None = None
     #: Whether it was sent again already (a slice the worker refused unstarted: once).
     is_resent: bool = False
+    #: Called once if its caller stops waiting (deadline, cancellation) before it is sent.
+    on_unsent: Callable[[], None] | None = None
 
 
 @dataclass

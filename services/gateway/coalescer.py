@@ -155,11 +155,13 @@ class Coalescer:
         deadline_s: float,
         max_rows: int,
         prepare: Prepare | None = None,
+        on_unsent: Callable[[], None] | None = None,
     ) -> Answered:
         """The outputs of `rows`, sent in a bundle with whatever calls of `key` are ready;
         raises UpstreamError with the slice's own status, DEADLINE_EXCEEDED at `deadline_s`.
         `prepare`: what makes rows of the values in `rows`, once per bundle (the same for
-        every call of `key`); None: `rows` are rows."""
+        every call of `key`); None: `rows` are rows. `on_unsent`: called once if the call
+        stops waiting (its deadline, or cancelled) before its slice left this process."""
         loop = asyncio.get_running_loop()
         state = self._keys.get(key)
         if state is None:
@@ -171,7 +173,9 @@ class Coalescer:
         # whose request id is the caller's: one caller's long id must not take its
         # bundle-mates past the call's limit.
         num_bytes = sum(getattr(row, "nbytes", 0) for row in rows) + piece.ByteSize()
-        entry = CallerSlice(rows, piece, deadline_s, loop.create_future(), num_bytes)
+        entry = CallerSlice(
+            rows, piece, deadline_s, loop.create_future(), num_bytes, on_unsent=on_unsent
+        )
         if bundle is not None and (
             bundle.rows + len(rows) > max_rows
             or bundle.num_bytes + entry.num_bytes > MAX_BUNDLE_BYTES
@@ -215,9 +219,11 @@ class Coalescer:
     def _expire(self, entry: CallerSlice) -> None:
         """The caller's deadline passed before its answer: DEADLINE_EXCEEDED, slice withdrawn."""
         if not entry.future.done():
-            entry.future.set_exception(
-                UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "router: deadline exceeded")
-            )
+            is_sent = entry.bundle is not None and entry.bundle.is_sent
+            why = "router: deadline exceeded" if is_sent else (
+                "gateway: deadline exceeded before the call was sent"
+            )  # fmt: skip
+            entry.future.set_exception(UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, why))
             self._withdraw(entry)
 
     async def close(self) -> None:
@@ -247,6 +253,8 @@ class Coalescer:
                 bundle.slices.remove(entry)
                 bundle.rows -= len(entry.rows)
                 bundle.num_bytes -= entry.num_bytes
+                if entry.on_unsent is not None:
+                    entry.on_unsent()
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
 

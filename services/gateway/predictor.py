@@ -185,7 +185,7 @@ class Predictor:
         throttle_key = self._throttle_check(config.name, priority, policy.name)
         # Its rows return to its tenant if it is never served (admission.never_served): its
         # input refused, here or when its bundle is tokenized, or refused downstream unrun.
-        with self.admission.rows_charged(policy, len(call.inputs)):
+        with self.admission.rows_charged(policy, len(call.inputs)) as charged:
             rows = checked_rows(model, call.inputs, truncate=call.truncate)
             request_id = call.request_id or self._new_request_id()
             piece = pb.Slice(
@@ -212,6 +212,7 @@ class Predictor:
                     deadline_s=time.monotonic() + timeout_s,
                     max_rows=max_bundle_rows(config),
                     prepare=self.tokenizers.get(model, truncate=call.truncate) if is_text else None,
+                    on_unsent=charged.give_back,  # dropped here: ran nowhere
                 )
             except UpstreamError as error:
                 self._throttle.record(

@@ -23,6 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from services.common.errors import UpstreamError
 from services.gateway.auth import hash_key
+from services.gateway.bundle_clock import BundleClock
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.gateway.throttle import Shed
@@ -497,3 +498,42 @@ async def test_calls_refused_for_load_spend_none_of_their_tenants_rows(
                 throttle.admit = admit  # type: ignore[method-assign]
             answer = await stub.Predict(request, timeout=5, metadata=metadata)
     assert len(answer.outputs) == 1
+
+
+async def test_calls_whose_deadline_passes_before_they_leave_the_gateway_spend_no_rows(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A tenant allowed 2 rows a second (a bucket of 2) whose calls each expire at the gateway
+    before their bundle leaves it (every bundle held for an answer that never comes, the
+    callers allowing 0.1 s): each call ran nowhere, so its row returns to the tenant, and ten
+    such calls in a row each end DEADLINE_EXCEEDED, not refused for rows it never got; then a
+    call that is sent is served. Before, each expired call kept its row, so the bucket emptied
+    after a few (it refills 0.2 rows a call) and the rest were refused RESOURCE_EXHAUSTED."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(keys_toml(SEARCH) + "\n[tenants.search]\nrows_per_s = 2\nburst_s = 1\n")
+    async with affine_and_stall_fabric(
+        tmp_path, redis_server, gateway_settings={"api_keys_file": keys}
+    ) as fabric:
+        bundles = fabric.gateway.predictor._bundles
+        clock, bundles._clock = bundles._clock, _HoldsEveryBundle()
+        tensor = wpb.Tensor(dtype=wpb.DATA_TYPE_FP32, shape=[4], raw_data=bytes(16))
+        request = api.PredictRequest(model_name="affine", inputs=[api.PredictInput(tensor=tensor)])
+        metadata = (("authorization", f"Bearer {SEARCH_KEY}"),)
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            codes = []
+            for _ in range(10):
+                with pytest.raises(grpc.aio.AioRpcError) as expired:
+                    await stub.Predict(request, timeout=0.1, metadata=metadata)
+                codes.append(expired.value.code())
+            assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * 10
+            bundles._clock = clock
+            answer = await stub.Predict(request, timeout=5, metadata=metadata)
+    assert len(answer.outputs) == 1
+
+
+class _HoldsEveryBundle(BundleClock):
+    """Holds every ready bundle for 30 s, whatever is out (none is: nothing answers it)."""
+
+    def hold_s(self, *_: object) -> float:
+        return 30.0

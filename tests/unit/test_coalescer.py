@@ -8,8 +8,9 @@ bookkeeping, which the integration and e2e tests exercise through real tiers.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,12 @@ def rows(*values: float) -> list[np.ndarray]:
 
 
 async def call(
-    bundles: Coalescer, values: list[np.ndarray], *, timeout_s: float = 5.0, max_rows: int = 8
+    bundles: Coalescer,
+    values: list[np.ndarray],
+    *,
+    timeout_s: float = 5.0,
+    max_rows: int = 8,
+    on_unsent: Callable[[], None] | None = None,
 ) -> list[np.ndarray]:
     answered = await bundles.call(
         KEY,
@@ -127,6 +133,7 @@ async def call(
         pb.Slice(tenant="t"),
         deadline_s=time.monotonic() + timeout_s,
         max_rows=max_rows,
+        on_unsent=on_unsent,
     )
     return answered.outputs
 
@@ -248,10 +255,15 @@ async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> No
 async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_flight() -> None:
     downstream = Downstream(delay_s=10.0)
     bundles = coalescer(downstream)
-    task = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.05))
+    unsent: list[str] = []
+    task = asyncio.ensure_future(
+        call(bundles, rows(1), timeout_s=0.05, on_unsent=lambda: unsent.append("sent"))
+    )
     with pytest.raises(UpstreamError) as raised:
         await task
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert str(raised.value) == "router: deadline exceeded"
+    assert unsent == []  # it left: it may have run
     # Its slice was withdrawn from the bundle in flight (the cancel travels downstream).
     (bundle,) = downstream.bundles
     assert len(bundle.slices) == 1
@@ -519,22 +531,30 @@ async def test_outputs_that_do_not_read_fail_their_callers_internal() -> None:
 
 async def test_callers_that_stop_waiting_before_their_bundle_leaves_are_left_out_of_it() -> None:
     """One caller cancelled and one past its deadline while their bundle is held: neither is
-    sent (their rows, arrays like their bundle-mates', are found by identity), the cancelled
-    one ends cancelled, and nothing fails on the loop."""
+    sent (their rows, arrays like their bundle-mates', are found by identity), each is told
+    once that it was not (`on_unsent`: its tenant's rows go back), the cancelled one ends
+    cancelled, and nothing fails on the loop."""
     loop_errors: list[dict[str, object]] = []
     asyncio.get_running_loop().set_exception_handler(lambda _, context: loop_errors.append(context))
     clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
     downstream, bundles, first = await one_out(clock)
-    kept = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
-    cancelled = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    unsent: list[str] = []
+
+    def held(name: str, timeout_s: float) -> asyncio.Future[list[np.ndarray]]:
+        told = functools.partial(unsent.append, name)
+        return asyncio.ensure_future(call(bundles, rows(1), timeout_s=timeout_s, on_unsent=told))
+
+    kept, cancelled = held("kept", LONG_S), held("cancelled", LONG_S)
     await asyncio.sleep(0.005)  # held, for up to 30 s: the first is out
-    expired = asyncio.ensure_future(call(bundles, rows(1), timeout_s=0.05))
+    expired = held("expired", 0.05)
     with pytest.raises(UpstreamError) as raised:
         await expired
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert str(raised.value) == "gateway: deadline exceeded before the call was sent"
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
+    assert unsent == ["expired", "cancelled"]
     assert len(downstream.bundles) == 1  # the three were held behind the first
     downstream.gate.set()
     assert [float(a[0][0]) for a in await asyncio.gather(first, kept)] == [0, 2]
