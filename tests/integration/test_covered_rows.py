@@ -178,6 +178,10 @@ def play(
     admitted: list[Admission] = []
     for number in range(passes):
         run.clock.now_s += rng.choice((0.0, 0.0, 0.001, 0.01, 0.05))
+        # A batch running (the executor busy, its predicted end ahead), or none: a pass into
+        # an empty queue then takes the covered path only while one runs.
+        busy_for_s = rng.choice((None, None, 0.002, 0.02))
+        run.driver._running_until_s = None if busy_for_s is None else run.clock() + busy_for_s
         asks = asks_of(backend, rng)
         results = run.driver.admit_slices(backend, asks)
         run.seen.append([outcome(r) for r in results])
