@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -25,9 +25,9 @@ Made = list[np.ndarray] | InvalidInput
 Prepare = Callable[[Sequence[Sequence[Any]]], list[Made]]
 
 
-@dataclass(frozen=True)
-class BundleKey:
-    """What the calls of one bundle share: the model version, its inputs' kind, the class."""
+class BundleKey(NamedTuple):
+    """What the calls of one bundle share: the model version, its inputs' kind, the class. A
+    tuple: made, hashed and compared per call, in C (a frozen dataclass's are Python calls)."""
 
     model: str
     version: str
@@ -48,7 +48,7 @@ def deadline_class(timeout_s: float) -> int:
     return math.ceil(math.log2(max(1.0, timeout_s * 1000.0)))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per call: not frozen, whose fields are set at a call each
 class Answered:
     """A caller's outputs, and the rows that were sent for it (token ids for text models)."""
 

@@ -43,7 +43,7 @@ from services.pb.inference.v1 import worker_pb2 as pb
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per call: not frozen, whose fields are set at a call each
 class PredictCall:
     model_name: str
     version_spec: str
@@ -79,7 +79,7 @@ class GenerateCall:
     fills_context: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # made per call, as PredictCall
 class PredictResult:
     model_name: str
     model_version: str
