@@ -20,7 +20,7 @@ from typing import Any, ParamSpec, TypeVar
 
 import numpy as np
 
-from services.common.errors import InvalidInput
+from services.common.errors import ExecutionFailed, InvalidInput
 from services.common.tensors import NUMPY_DTYPES
 from services.pb.inference import grpc_service_pb2 as kserve
 
@@ -80,6 +80,18 @@ def split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], 
             raise InvalidInput(f"{HEADER_LENGTH} {length} is outside the {len(body)}-byte body")
         json_part, binary = body[:length], body[length:]
     return parse_json_object(json_part), binary
+
+
+def finite_json(value: Any, advice: str = "") -> str:
+    """`value` as JSON; ExecutionFailed (500) where a model's output holds NaN or infinity,
+    which JSON has no number for (Python would write bare `NaN`, which parsers refuse: a 200
+    whose body does not parse). `advice`: how the caller could get such outputs."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise ExecutionFailed(
+            f"the model's outputs hold NaN or infinity, which JSON cannot carry{advice}"
+        ) from None
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -297,13 +309,14 @@ def infer_response_body(
         else:
             output["data"] = output_data(tensor.datatype, raw)
         outputs.append(output)
-    header = json.dumps(
+    header = finite_json(
         {
             "model_name": response.model_name,
             "model_version": response.model_version,
             "id": response.id,
             "outputs": outputs,
-        }
+        },
+        advice="; ask for them as binary data (the output's `binary_data` parameter)",
     ).encode()
     if not binary:
         return header, None

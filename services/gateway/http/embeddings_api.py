@@ -12,7 +12,7 @@ from aiohttp import web
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfig, ModelKind
 from services.gateway.auth import current_principal
-from services.gateway.http.codec import parse_json_object
+from services.gateway.http.codec import finite_json, parse_json_object
 from services.gateway.http.embeddings_codec import (
     EmbeddingRequest,
     openai_embedding_request,
@@ -114,7 +114,8 @@ class EmbeddingsApi:
                 openai_embedding_response(
                     vectors, model=result.model_name, num_tokens=result.num_tokens,
                     encoding=parsed.encoding,
-                )
+                ),
+                dumps=_openai_json,
             )  # fmt: skip
 
     async def tei_embed(self, request: web.Request) -> web.Response:
@@ -122,7 +123,7 @@ class EmbeddingsApi:
         config = self._tei_config()
         with self._metrics.observe_request("tei_embed", config.name):
             vectors, _ = await self._embed(parsed, config)
-            return web.json_response(vectors.tolist())
+            return web.json_response(vectors.tolist(), dumps=finite_json)
 
     async def tei_info(self, request: web.Request) -> web.Response:
         """TEI's model information, and the embedding's dims."""
@@ -145,3 +146,7 @@ class EmbeddingsApi:
             "auto_truncate": config.embedding.truncate,
             "version": SERVER_VERSION,
         })  # fmt: skip
+
+
+def _openai_json(value: object) -> str:
+    return finite_json(value, advice='; ask for them as "encoding_format": "base64"')
