@@ -279,6 +279,37 @@ async def test_s36_model_infer_checks_permission_and_rows_before_decoding(
     assert "5 inputs exceed the limit of 4" in (too_many.details() or "")
 
 
+async def test_rest_infer_checks_permission_and_rows_before_decoding(
+    keyed_gateway: Gateway,
+) -> None:
+    """The same order on the REST port: texts that are numbers fail to decode (400), but a key
+    without the model is refused first (403), and so is a request over the row cap (400 for
+    its rows). Before, the REST port decoded every element first: the caller without the model
+    heard what was wrong with its data."""
+    assert keyed_gateway.http is not None
+    url = f"http://127.0.0.1:{keyed_gateway.http.port}/v2/models/minilm/infer"
+
+    def body(num_rows: int) -> dict[str, object]:
+        data = list(range(num_rows))  # not strings: no BYTES tensor's elements
+        return {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [num_rows],
+                            "data": data}]}  # fmt: skip
+
+    async def infer(num_rows: int, key: str) -> tuple[int, str]:
+        headers = {"authorization": f"Bearer {key}"}
+        async with (
+            aiohttp.ClientSession(headers=headers) as session,
+            session.post(url, json=body(num_rows)) as answer,
+        ):
+            return answer.status, (await answer.json())["error"]
+
+    status, error = await infer(2, SEARCH_KEY)
+    assert status == 400 and "inputs exceed" not in error, error  # the data's own fault
+    status, error = await infer(2, ADS_KEY)
+    assert status == 403, error
+    status, error = await infer(5, SEARCH_KEY)
+    assert (status, error) == (400, "5 inputs exceed the limit of 4")
+
+
 async def test_a_request_naming_very_many_tensors_is_refused_before_any_is_looked_at(
     keyed_gateway: Gateway,
 ) -> None:

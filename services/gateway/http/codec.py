@@ -228,6 +228,17 @@ def check_tensor_count(count: int, what: str) -> None:
         raise InvalidInput(f"{count} {what}: a request names at most {MAX_TENSORS}")
 
 
+def check_rows_named(body: dict[str, Any], max_rows: int) -> None:
+    """Refuses a REST infer body an input of which names more rows (its shape's first
+    dimension) than `max_rows`, before any element is decoded; what else is wrong with the
+    body `infer_body` says."""
+    inputs = body.get("inputs")
+    for tensor in inputs if isinstance(inputs, list) else ():
+        shape = tensor.get("shape") if isinstance(tensor, dict) else None
+        if isinstance(shape, list) and shape and is_json_int(shape[0]) and shape[0] > max_rows:
+            raise InvalidInput(f"{shape[0]} inputs exceed the limit of {max_rows}")
+
+
 @client_strings
 def infer_body(
     model_name: str, model_version: str, body: dict[str, Any], binary: bytes

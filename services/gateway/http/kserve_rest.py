@@ -23,6 +23,7 @@ from services.gateway.auth import current_principal
 from services.gateway.http.codec import (
     HEADER_LENGTH,
     bytes_elements,
+    check_rows_named,
     client_strings,
     decode_bytes_elements,
     infer_body,
@@ -272,7 +273,11 @@ class KServeRest:
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
+        # As ModelInfer on gRPC (kserve_infer.infer_one): the caller's right to the model and
+        # the row cap before any element is decoded.
+        current_principal().check_model(self._predictor.catalog.config(name).name)
         body, binary = split_body(await request.read(), request.headers.get(HEADER_LENGTH))
+        check_rows_named(body, self._predictor.max_inputs)
         parsed = infer_body(name, version, body, binary)
         answer = await self._servicer.ModelInfer(parsed.request, _CONTEXT)
         payload, header_length = infer_response_body(answer, parsed)
