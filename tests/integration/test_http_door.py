@@ -97,6 +97,10 @@ async def test_http_model_calls_share_the_door_and_its_limit_with_grpc(
         for path in ("/v1/models/embed", "/v2/models/infer"):  # nor is a GET of a model so named
             async with session.get(f"{base}{path}") as answer:
                 assert answer.status == 404, (path, await answer.text())
+        # nor a POST no route runs a model for: a GET-only route's path, or none's
+        for path, expected in (("/v1/models/embed", 405), ("/anything/infer", 404)):
+            async with session.post(f"{base}{path}", json={}) as answer:
+                assert answer.status == expected, (path, await answer.text())
         status, body, _ = await post(f"{base}/v1/completions", {"model": "nope", "prompt": "x"})
         assert status == 404, body  # generation passes a full door and meets its own checks
 

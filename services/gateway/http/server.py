@@ -71,8 +71,9 @@ def _answer(request: web.Request, error: HttpError) -> web.Response:
 
 def _is_model_call(request: web.Request, suffixes: tuple[str, ...]) -> bool:
     """Whether `request` runs a model: a POST to a path ending in one of `suffixes`, or to
-    TEI's root (a GET of a model named like an ending, /v1/models/embed, runs nothing)."""
-    if request.method != "POST":
+    TEI's root, that a route serves (a GET of a model named like an ending, /v1/models/embed,
+    runs nothing, nor does a POST there, answered 405, or to /anything/infer, 404)."""
+    if request.method != "POST" or request.match_info.http_exception is not None:
         return False
     return request.path.endswith(suffixes) or request.path == "/"
 
@@ -110,8 +111,10 @@ def auth_middleware(
             if request.path in OPEN_PATHS:
                 return await handler(request)
             headers = {k.lower(): v for k, v in request.headers.items()}
-            is_generation = request.path.endswith(DOOR_SHED_ONLY_SUFFIXES)  # not TEI's "/"
-            if door is not None and is_generation and request.method == "POST":
+            is_generation = (  # not TEI's "/"
+                _is_model_call(request, DOOR_SHED_ONLY_SUFFIXES) and request.path != "/"
+            )
+            if door is not None and is_generation:
                 if (refusal := door.shed(tuple(headers.items()), DOOR_LABEL)) is not None:
                     raise refusal
                 return await authenticated(request, handler, headers)
