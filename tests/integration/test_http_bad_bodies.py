@@ -68,3 +68,30 @@ async def test_a_body_its_content_encoding_does_not_decode_is_a_bad_request() ->
     ):
         assert answer.status == 400, await answer.text()
         assert "could not be read" in (await answer.json())["error"]
+
+
+@pytest.mark.parametrize("request_id", ["null", "7", '{"a": 1}'])
+@pytest.mark.parametrize("path", [INFER, GENERATE])
+async def test_an_id_that_is_no_string_is_a_bad_request_on_both_paths(
+    path: str, request_id: str
+) -> None:
+    """`/infer` refused it; `/generate` wrote it as Python does (`null` answered as id
+    "None")."""
+    handler = infer if path == INFER else generate
+    body = (
+        f'{{"id": {request_id}, "inputs": [{{"name": "text", "datatype": "BYTES", '
+        f'"shape": [1], "data": ["hi"]}}]}}'
+        if path == INFER
+        else f'{{"text_input": "hi", "id": {request_id}}}'
+    )
+    async with (
+        serving_route(path, handler) as port,
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://127.0.0.1:{port}{path}",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        ) as answer,
+    ):
+        assert answer.status == 400, await answer.text()
+        assert (await answer.json())["error"] == "id must be a string"

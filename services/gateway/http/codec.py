@@ -228,6 +228,14 @@ def check_tensor_count(count: int, what: str) -> None:
         raise InvalidInput(f"{count} {what}: a request names at most {MAX_TENSORS}")
 
 
+def request_id_of(body: dict[str, Any]) -> str:
+    """A REST body's `id` ("" without one); InvalidInput unless a string."""
+    request_id = body.get("id", "")
+    if not isinstance(request_id, str):
+        raise InvalidInput("id must be a string")
+    return request_id
+
+
 def check_rows_named(body: dict[str, Any], max_rows: int) -> None:
     """Refuses a REST infer body an input of which names more rows (its shape's first
     dimension) than `max_rows`, before any element is decoded; what else is wrong with the
@@ -249,9 +257,7 @@ def infer_body(
     if not isinstance(inputs, list) or not inputs:
         raise InvalidInput("inputs must be a non-empty list")
     check_tensor_count(len(inputs), "inputs")
-    request_id = body.get("id", "")
-    if not isinstance(request_id, str):
-        raise InvalidInput("id must be a string")
+    request_id = request_id_of(body)
     parameters = dict(json_object(body.get("parameters"), "parameters"))
     is_binary_default = parameters.pop("binary_data_output", False) is True
     request = kserve.ModelInferRequest(

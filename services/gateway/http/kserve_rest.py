@@ -31,6 +31,7 @@ from services.gateway.http.codec import (
     infer_response_body,
     json_object,
     parse_json_object,
+    request_id_of,
     split_body,
     utf8,
 )
@@ -137,7 +138,7 @@ def generate_request(name: str, version: str, body: dict[str, Any]) -> kserve.Mo
         if not isinstance(value, bool):  # bool("false") is True
             raise InvalidInput(f"parameters.{flag} must be true or false, got {value!r}")
     request = kserve.ModelInferRequest(
-        model_name=name, model_version=version, id=str(body.get("id", "")),
+        model_name=name, model_version=version, id=request_id_of(body),
         parameters=infer_parameters(control),
     )  # fmt: skip
     request.inputs.add(name="text_input", datatype="BYTES", shape=[1])
