@@ -44,7 +44,9 @@ def checked_rows(
                 (text,) = model.encoder.check_texts([value], truncate=truncate)
                 rows.append(text)
             elif isinstance(value, TokenIds):
-                rows.append(model.encoder.check_ids(value.ids))
+                # Cut as a text is (TEI re-encodes ids with its truncation): their first ids.
+                ids = value.ids[: model.encoder.max_tokens] if truncate else value.ids
+                rows.append(model.encoder.check_ids(ids))
             else:
                 raise InvalidInput(f"{config.name} takes text inputs")
         return rows

@@ -235,6 +235,15 @@ def test_tei_limits_truncation_and_info(stack: Stack) -> None:
     assert refused["error_type"] == "Validation"
     status, _, (cut,) = post(stack, "/embed", {"inputs": [long_text], "truncate": True})
     assert status == 200 and len(cut) == 384
+    # Token ids past the model's 256 likewise: refused, or cut to their first 256 (as TEI
+    # cuts them), which embed as those 256 sent alone (they were refused either way).
+    long_ids = [101, *range(2000, 2298), 102]
+    status, _, refused = post(stack, "/embed", {"inputs": [long_ids]})
+    assert status == 400 and "at most 256" in refused["error"]
+    status, _, (cut_ids,) = post(stack, "/embed", {"inputs": [long_ids], "truncate": True})
+    assert status == 200, cut_ids
+    status, _, (first_ids,) = post(stack, "/embed", {"inputs": [long_ids[:256]]})
+    assert status == 200 and cut_ids == pytest.approx(first_ids, abs=1e-5)
     status, _, empty = post(stack, "/embed", {"inputs": []})
     assert status == 400 and empty["error_type"] == "Validation"
     request = urllib.request.Request(stack.gateway.http_url + "/info",

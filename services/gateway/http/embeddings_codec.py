@@ -7,7 +7,8 @@ lists), `encoding_format` ("float" or "base64": little-endian float32, as OpenAI
 lists too), `normalize` (default true), `truncate` (default false), `truncation_direction`
 ("right" only), `prompt_name` (null only), and `dimensions` and `encoding_format` ("float")
 as Hugging Face's InferenceClient sends them. Token ids are the model's own, special tokens
-included, used as given. Unknown fields are refused rather than silently ignored.
+included, used as given (with `truncate`, a list longer than the model takes is cut to its
+first ids, as TEI cuts it). Unknown fields are refused rather than silently ignored.
 """
 
 from __future__ import annotations
