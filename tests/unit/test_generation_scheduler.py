@@ -253,6 +253,28 @@ def test_preemption_frees_the_latest_sequence_which_resumes_with_identical_outpu
     assert_outputs_match_reference(engine, [first, second])
 
 
+def test_a_preempted_sequences_recompute_counts_ahead_of_a_new_prompts_first_token() -> None:
+    """Preempted after its first outputs, the second sequence recomputes its prompt and outputs in
+    chunks of a 3-token budget: while it does, that recompute is prefill a new prompt waits
+    behind (admission's first-token prediction reads it). Before, a running sequence with
+    outputs counted nothing, as if it only decoded."""
+    engine = FakeEngine(make_config(block_size=2, num_blocks=6, max_num_batched_tokens=3))
+    first, second = make_seq(seq_id=1, max_tokens=6), make_seq(seq_id=2, max_tokens=6)
+    engine.add(first)
+    engine.add(second)
+    seen = []
+    while engine.live:
+        engine.step()
+        uncomputed = second.num_tokens - second.num_computed_tokens
+        if second.status is SequenceStatus.RUNNING and second.output_token_ids:
+            seen.append((uncomputed, engine.scheduler.prefill_tokens_ahead_of(0)))
+    assert second.num_preemptions >= 1
+    recomputing = [(left, ahead) for left, ahead in seen if left > 1]
+    assert recomputing and all(ahead == left for left, ahead in recomputing), seen
+    assert all(ahead == 0 for left, ahead in seen if left == 1)  # decoding: no prefill
+    assert_outputs_match_reference(engine, [first, second])
+
+
 def test_preempted_sequence_keeps_its_place_ahead_of_later_arrivals() -> None:
     engine, _, second = preemption_engine()
     queued_before = make_seq(seq_id=3, num_prompt_tokens=2, max_tokens=1, arrival_s=10.0)

@@ -139,8 +139,13 @@ class GenerationScheduler:
 
     def prefill_tokens_ahead_of(self, priority: int) -> int:
         """Tokens computed before a new prompt of `priority` starts: the rest of each running
-        prompt (nothing preempts one to seat it), then waiting sequences as urgent or more."""
-        started = sum(_num_uncomputed(s) for s in self._running if not s.output_token_ids)
+        prompt (nothing preempts one to seat it), a preempted sequence's recompute of its
+        prompt and outputs among them, then waiting sequences as urgent or more."""
+        started = sum(
+            uncomputed
+            for s in self._running
+            if (uncomputed := _num_uncomputed(s)) > 1 or not s.output_token_ids
+        )
         return started + self._waiting.num_tokens_at_most(priority)
 
     @property
