@@ -28,6 +28,20 @@ async def generate(request: web.Request) -> web.Response:
     return web.json_response({})
 
 
+async def posted(path: str, handler: web.Handler, body: str) -> tuple[int, str]:
+    """The status and error of `body` posted as JSON to `path` served by `handler` alone."""
+    async with (
+        serving_route(path, handler) as port,
+        aiohttp.ClientSession() as session,
+        session.post(
+            f"http://127.0.0.1:{port}{path}",
+            data=body.encode(),
+            headers={"Content-Type": "application/json"},
+        ) as answer,
+    ):
+        return answer.status, (await answer.json()).get("error", "")
+
+
 @pytest.mark.parametrize(
     ("path", "handler", "body"),
     [
@@ -43,17 +57,8 @@ async def generate(request: web.Request) -> web.Response:
 async def test_a_lone_surrogate_in_any_string_is_a_bad_request(
     path: str, handler: web.Handler, body: str
 ) -> None:
-    async with (
-        serving_route(path, handler) as port,
-        aiohttp.ClientSession() as session,
-        session.post(
-            f"http://127.0.0.1:{port}{path}",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
-        ) as answer,
-    ):
-        assert answer.status == 400, await answer.text()
-        assert "surrogate" in (await answer.json())["error"]
+    status, error = await posted(path, handler, body)
+    assert status == 400 and "surrogate" in error, error
 
 
 async def test_a_body_its_content_encoding_does_not_decode_is_a_bad_request() -> None:
@@ -84,14 +89,4 @@ async def test_an_id_that_is_no_string_is_a_bad_request_on_both_paths(
         if path == INFER
         else f'{{"text_input": "hi", "id": {request_id}}}'
     )
-    async with (
-        serving_route(path, handler) as port,
-        aiohttp.ClientSession() as session,
-        session.post(
-            f"http://127.0.0.1:{port}{path}",
-            data=body.encode(),
-            headers={"Content-Type": "application/json"},
-        ) as answer,
-    ):
-        assert answer.status == 400, await answer.text()
-        assert (await answer.json())["error"] == "id must be a string"
+    assert await posted(path, handler, body) == (400, "id must be a string")
