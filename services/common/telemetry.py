@@ -106,6 +106,19 @@ class Children(dict[tuple[str, ...], M]):
         return child
 
 
+#: A call cancelled this close to its deadline (seconds) was cancelled by it (gRPC's deadline
+#: timer and ours are read apart).
+DEADLINE_SLACK_S = 0.005
+
+
+def given_up_in(time_left_s: float | None) -> Callable[[], BaseException] | None:
+    """`Outcome`'s `given_up` for a call with `time_left_s` from now (None: no deadline, so a
+    cancelled call's caller went away)."""
+    if time_left_s is None:
+        return None
+    return given_up_by(time.monotonic() + time_left_s, DEADLINE_SLACK_S)
+
+
 def given_up_by(deadline_s: float, slack_s: float) -> Callable[[], BaseException]:
     """`Outcome`'s `given_up` for a call with an absolute `deadline_s` (time.monotonic): one
     cancelled within `slack_s` of it was cancelled by it (gRPC cancels a handler at its

@@ -12,7 +12,7 @@ from types import TracebackType
 
 from services.common.errors import InvalidInput, Overloaded, ServingError, UpstreamError
 from services.common.priority import PriorityClass
-from services.common.telemetry import Outcome
+from services.common.telemetry import Outcome, given_up_in
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.quotas import QuotaRefusal, TenantQuotas
 from services.gateway.tenants import TenantLabels, TenantPolicy
@@ -98,14 +98,17 @@ class TenantAdmission:
             self.refused(policy.name, "priority")
             raise
 
-    def observe(self, tenant: str, priority: PriorityClass) -> Outcome:
+    def observe(
+        self, tenant: str, priority: PriorityClass, time_left_s: float | None = None
+    ) -> Outcome:
         """Counts and times one inference call of `tenant` by its final status: enter it
-        around the call."""
+        around the call (`time_left_s` as GatewayMetrics.observe_request's)."""
         label = self.labels(tenant)
         return Outcome(
             self._metrics.tenant_requests_total_of,
             (label, priority.value),
             self._metrics.tenant_request_seconds_of[(label,)],
+            given_up=given_up_in(time_left_s),
         )
 
 

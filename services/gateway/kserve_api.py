@@ -223,13 +223,10 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         self, request: kserve.ModelInferRequest, context: grpc.aio.ServicerContext
     ) -> kserve.ModelInferResponse:
         label = self._predictor.catalog.label_for(request.model_name)
-        with self._metrics.observe_request("kserve_v2", label):
+        time_left_s = context.time_remaining()
+        with self._metrics.observe_request("kserve_v2", label, time_left_s):
             return await infer_one(
-                self._predictor,
-                request,
-                current_principal(),
-                context.time_remaining(),
-                self._max_inputs,
+                self._predictor, request, current_principal(), time_left_s, self._max_inputs
             )
 
 

@@ -11,6 +11,7 @@ from services.common.telemetry import (
     Children,
     MetricFactory,
     Outcome,
+    given_up_in,
 )
 
 
@@ -121,8 +122,11 @@ class GatewayMetrics:
             ("tenant",),
         )
 
-    def observe_request(self, api: str, model: str) -> Outcome:
+    def observe_request(self, api: str, model: str, time_left_s: float | None = None) -> Outcome:
         """Counts the request by its final status and times it (the whole stream, for
-        streaming calls): enter it around the call. `model` must be a bounded label value."""
+        streaming calls): enter it around the call. `model` must be a bounded label value;
+        `time_left_s`, the caller's (None: no deadline): a call cancelled at its deadline
+        counts DEADLINE_EXCEEDED, as its caller was told, not CANCELLED."""
         labels = (api, model)
-        return Outcome(self.requests_total_of, labels, self.request_seconds_of[labels])
+        return Outcome(self.requests_total_of, labels, self.request_seconds_of[labels],
+                       given_up=given_up_in(time_left_s))  # fmt: skip

@@ -143,7 +143,7 @@ class Predictor:
     async def predict(self, call: PredictCall) -> PredictResult:
         policy = call.principal.policy
         priority = self.admission.priority_for(policy, call.priority)
-        with self.admission.observe(policy.name, priority):
+        with self.admission.observe(policy.name, priority, call.timeout_s):
             return await self._predict(call, priority)
 
     async def _predict(self, call: PredictCall, priority: PriorityClass) -> PredictResult:
@@ -296,7 +296,7 @@ class Predictor:
         """Checks, tokenizes and forwards a generation; yields the worker's stream messages."""
         policy = call.principal.policy
         priority = self.admission.priority_for(policy, call.priority)
-        with self.admission.observe(policy.name, priority):
+        with self.admission.observe(policy.name, priority, call.timeout_s):
             # Each stream closed with its caller's: the downstream call is cancelled now.
             async with contextlib.aclosing(self._generate_stream(call, priority)) as messages:
                 async for message in messages:

@@ -43,7 +43,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
         self, request: api.PredictRequest, context: grpc.aio.ServicerContext
     ) -> api.PredictResponse:
         label = self._predictor.catalog.label_for(request.model_name)
-        with self._metrics.observe_request("v1", label):
+        with self._metrics.observe_request("v1", label, context.time_remaining()):
             result = await self._predictor.predict(
                 PredictCall(
                     model_name=request.model_name,
@@ -66,7 +66,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
         self, request: api.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         label = self._predictor.catalog.label_for(request.model_name)
-        with self._metrics.observe_request("v1_generate", label):
+        with self._metrics.observe_request("v1_generate", label, context.time_remaining()):
             call = GenerateCall(
                 model_name=request.model_name,
                 version_spec=request.model_version,

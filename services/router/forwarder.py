@@ -27,7 +27,7 @@ from services.common.errors import (
 from services.common.grpc_errors import is_bug
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
-from services.common.telemetry import Outcome, given_up_by
+from services.common.telemetry import DEADLINE_SLACK_S, Outcome, given_up_by
 from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
@@ -42,9 +42,6 @@ log = logging.getLogger(__name__)
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 #: Statuses that do not show a worker answering calls (see `Forwarder._note_outcome`).
 _NO_ANSWER = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE})
-#: A call cancelled this close to its deadline (seconds) was cancelled by it (clock skew
-#: between gRPC's deadline timer and ours).
-_DEADLINE_SLACK_S = 0.005
 
 
 def _passthrough(payload: bytes) -> bytes:
@@ -80,7 +77,7 @@ class Forwarder:
         facts = call_facts(context, self._default_timeout_s)
         labels = (facts.name, facts.version)
         seconds = self._metrics.request_seconds_of[labels]
-        given_up = given_up_by(facts.deadline_s, _DEADLINE_SLACK_S)
+        given_up = given_up_by(facts.deadline_s, DEADLINE_SLACK_S)
         with Outcome(self._metrics.responses_total_of, labels, seconds, given_up=given_up):
             return await self._infer(body, facts, getattr(context, "slice_cancels", None))
 
@@ -221,7 +218,7 @@ class Forwarder:
         # always sends one, the model's default_timeout_ms when its caller set none).
         facts = call_facts(context, None)
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
-        given_up = given_up_by(deadline_s, _DEADLINE_SLACK_S)
+        given_up = given_up_by(deadline_s, DEADLINE_SLACK_S)
         with Outcome(self._metrics.responses_total_of, (name, version), given_up=given_up):
             self._budget.record_request(time.monotonic())
             tried: set[str] = set()
@@ -334,7 +331,7 @@ class Forwarder:
     def _note_cancelled(self, route: Route, sent_s: float, deadline_s: float) -> None:
         """Our caller's deadline is the call's, and gRPC may cancel us on it before the call's
         own timer fires: a call cancelled at its deadline timed out there too."""
-        if time.monotonic() >= deadline_s - _DEADLINE_SLACK_S:
+        if time.monotonic() >= deadline_s - DEADLINE_SLACK_S:
             timed_out = UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             self._note_outcome(route, sent_s, timed_out)
 

@@ -437,6 +437,42 @@ def write_soak_repository(repository: Path) -> Path:
     return repository
 
 
+async def test_calls_their_deadline_ends_are_counted_deadline_exceeded_at_the_gateway(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A generation whose caller's deadline ends mid-stream, ten times: grpc cancels the
+    gateway's handler at that deadline, before any downstream status comes back (the stream
+    downstream was given the same deadline, read later). The caller is told
+    DEADLINE_EXCEEDED, and so the gateway counts it, by API and by tenant; it counted each
+    CANCELLED, as a caller that went away."""
+    repository = write_soak_repository(tmp_path / "repo")
+    sampling = pb.SamplingParameters(max_tokens=480, ignore_eos=True)  # seconds of decoding
+    async with (
+        running_fabric(repository, redis_server) as fabric,
+        grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+    ):
+        stub = api_grpc.InferenceServiceStub(channel)
+        for i in range(10):
+            request = api.GenerateRequest(model_name=GENERATION, prompt=f"long {i}",
+                                          sampling=sampling)  # fmt: skip
+            code = await status_of_call(read_all(stub.Generate(request, timeout=0.5)))
+            assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def counted(code: str) -> tuple[float, float]:
+            by_api = fabric.gateway_metric(
+                names.GATEWAY_REQUESTS_TOTAL, api="v1_generate", model=GENERATION, code=code
+            )
+            return by_api, fabric.gateway_metric(names.GATEWAY_TENANT_REQUESTS_TOTAL, code=code)
+
+        counts = {code: counted(code) for code in ("DEADLINE_EXCEEDED", "CANCELLED")}
+    assert counts == {"DEADLINE_EXCEEDED": (10, 10), "CANCELLED": (0, 0)}
+
+
+async def read_all(stream: Any) -> None:
+    async for _ in stream:
+        pass
+
+
 def route_tables() -> list[RouteTable]:
     """The live router's route table. The router exports no gauge of its reservations and
     keeps the table private, so it is found among live objects and read through its public
