@@ -306,6 +306,8 @@ class Predictor:
         self, call: GenerateCall, priority: PriorityClass
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         config = self.catalog.config(call.model_name)
+        # The caller's deadline as it stands now: resolving and tokenizing come out of it.
+        deadline_s = time.monotonic() + config.timeout_s_for(call.timeout_s)
         call.principal.check_model(config.name)
         if config.generation is None:
             raise InvalidInput(f"{config.name} is not a generation model: call Predict")
@@ -316,8 +318,9 @@ class Predictor:
         is_ok = False
         try:
             generated = self._generate_resolved(
-                call, model, priority, max_model_len=config.generation.max_model_len
-            )
+                call, model, priority, max_model_len=config.generation.max_model_len,
+                deadline_s=deadline_s,
+            )  # fmt: skip
             async with contextlib.aclosing(generated) as messages:
                 async for message in messages:
                     yield message
@@ -340,7 +343,9 @@ class Predictor:
         priority: PriorityClass,
         *,
         max_model_len: int,
+        deadline_s: float,
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """`deadline_s`: the caller's, on time.monotonic()."""
         config = model.config
         if model.encoder is None:
             raise InvalidInput(f"{config.name} has no tokenizer")
@@ -369,7 +374,6 @@ class Predictor:
             tenant=call.principal.tenant, weight=call.principal.policy.weight,
         )  # fmt: skip
         metadata = outgoing_metadata(route)
-        deadline_s = time.monotonic() + config.timeout_s_for(call.timeout_s)
         for attempt in itertools.count():
             # wait_for_ready: while no router can be reached the call waits (within its
             # deadline) for one, instead of failing; it was sent nowhere meanwhile.

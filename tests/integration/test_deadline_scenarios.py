@@ -468,6 +468,45 @@ async def test_calls_their_deadline_ends_are_counted_deadline_exceeded_at_the_ga
     assert counts == {"DEADLINE_EXCEEDED": (10, 10), "CANCELLED": (0, 0)}
 
 
+async def test_a_generations_time_at_the_gateway_comes_out_of_its_deadline_downstream(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt whose tokenizing takes 0.3 s of a 2 s deadline: the stream downstream is sent
+    with what is left (at most 1.7 s), as Predict's bundles are, so the router and the worker
+    admit it against the caller's own deadline. It was given the whole 2 s again, counted from
+    after the tokenizing."""
+    repository = write_soak_repository(tmp_path / "repo")
+    async with (
+        running_fabric(repository, redis_server) as fabric,
+        grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+    ):
+        predictor = fabric.gateway.predictor
+        encoder = predictor.catalog.resolve(GENERATION, "").encoder
+        assert encoder is not None
+        encode_many = encoder.encode_many
+
+        def slow_encode(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.3)
+            return encode_many(*args, **kwargs)
+
+        monkeypatch.setattr(encoder, "encode_many", slow_encode)
+        generate, timeouts = predictor._generate, []
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            timeouts.append(kwargs["timeout"])
+            return generate(*args, **kwargs)
+
+        monkeypatch.setattr(predictor, "_generate", recorded)
+        sampling = pb.SamplingParameters(max_tokens=4)
+        request = api.GenerateRequest(model_name=GENERATION, prompt="hi", sampling=sampling)
+        stub = api_grpc.InferenceServiceStub(channel)
+        assert await status_of_call(read_all(stub.Generate(request, timeout=2.0))) == (
+            grpc.StatusCode.OK
+        )
+    (timeout_s,) = timeouts
+    assert timeout_s <= 1.7, timeout_s
+
+
 async def read_all(stream: Any) -> None:
     async for _ in stream:
         pass
