@@ -166,7 +166,9 @@ class Outcome:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if isinstance(error, asyncio.CancelledError) and self._given_up is not None:
+        # A stream's handler stopped at a `yield` ends with GeneratorExit, at an await with
+        # CancelledError: either way its call was cancelled.
+        if isinstance(error, asyncio.CancelledError | GeneratorExit) and self._given_up is not None:
             error = self._given_up()
         code = "OK" if error is None else status_of(error).code.name
         self._counts[(*self._labels, code)].inc()

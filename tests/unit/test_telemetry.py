@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from services.common.errors import InvalidInput
-from services.common.telemetry import Children, Outcome, observe_counts
+from services.common.telemetry import Children, Outcome, given_up_in, observe_counts
 
 pytestmark = pytest.mark.unit
 
@@ -139,3 +139,19 @@ def test_an_outcome_counts_each_call_by_the_status_it_ends_with_and_times_it() -
     }
     # Only the calls given `seconds` are timed.
     assert _samples(histogram)[("call_seconds_count", "")] == 2.0
+
+
+@pytest.mark.parametrize("stopped_by", [asyncio.CancelledError, GeneratorExit])
+def test_a_call_cancelled_at_its_deadline_counts_as_its_given_up_says(
+    stopped_by: type[BaseException],
+) -> None:
+    """Cancelled at an await (CancelledError) or, a stream's handler, at a `yield`
+    (GeneratorExit): past its deadline it counts DEADLINE_EXCEEDED, before it CANCELLED
+    (`given_up_in`). A stream stopped at a `yield` counted CANCELLED whatever the time."""
+    registry = CollectorRegistry()
+    counter = Counter("calls", "", ("model", "code"), registry=registry)
+    counts = Children(counter)
+    for time_left_s in (-1.0, 60.0):
+        with pytest.raises(stopped_by), Outcome(counts, ("m",), given_up=given_up_in(time_left_s)):
+            raise stopped_by
+    assert _counts(counter) == {("m", "DEADLINE_EXCEEDED"): 1.0, ("m", "CANCELLED"): 1.0}
