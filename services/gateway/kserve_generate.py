@@ -41,14 +41,20 @@ _SAMPLING_KEYS = {
 MAX_SAMPLING_JSON_BYTES = 16 * 1024
 
 
+def check_request_id(request_id: str) -> None:
+    """Refuses a caller's request id past MAX_REQUEST_ID_CHARS (it is copied into every
+    response, the slice sent downstream and the logs)."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidInput(
+            f"request id of {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS}"
+        )
+
+
 def check_inputs(request: kserve.ModelInferRequest) -> None:
     """At most MAX_TENSORS inputs and outputs, one tensor per name, and its data in exactly one
     place: `raw_input_contents` (one entry per input) or each tensor's `contents`, never
     both; no output asks for classification."""
-    if len(request.id) > MAX_REQUEST_ID_CHARS:  # copied into every response
-        raise InvalidInput(
-            f"request id of {len(request.id)} characters; at most {MAX_REQUEST_ID_CHARS}"
-        )
+    check_request_id(request.id)
     check_tensor_count(len(request.inputs), "inputs")
     check_tensor_count(len(request.outputs), "outputs")
     if any("classification" in output.parameters for output in request.outputs):

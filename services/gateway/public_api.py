@@ -10,7 +10,8 @@ import grpc
 from services.common.errors import InvalidInput, NotFound, PermissionDenied
 from services.common.priority import PriorityClass
 from services.common.tensors import tensor_from_pb, tensor_to_pb
-from services.gateway.auth import current_principal
+from services.gateway.auth import Principal, current_principal
+from services.gateway.kserve_generate import check_request_id
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import GenerateCall, PredictCall, Predictor, PredictValue
 from services.pb.inference.v1 import inference_pb2 as api
@@ -34,6 +35,21 @@ def _priority(value: int) -> PriorityClass | None:
         raise InvalidInput(str(error)) from None
 
 
+def _check_before_decoding(
+    predictor: Predictor, request: api.PredictRequest, principal: Principal
+) -> None:
+    """What KServe's ModelInfer checks before any input is decoded (kserve_infer.infer_one):
+    the model (NOT_FOUND), the caller's right to it (PERMISSION_DENIED), the row cap and the
+    request id; a caller may not spend the gateway's loop decoding what it would refuse."""
+    config = predictor.catalog.config(request.model_name)
+    principal.check_model(config.name)
+    if len(request.inputs) > predictor.max_inputs:
+        raise InvalidInput(
+            f"{len(request.inputs)} inputs exceed the limit of {predictor.max_inputs}"
+        )
+    check_request_id(request.request_id)
+
+
 class InferenceServicer(api_grpc.InferenceServiceServicer):
     def __init__(self, predictor: Predictor, metrics: GatewayMetrics) -> None:
         self._predictor = predictor
@@ -44,12 +60,14 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
     ) -> api.PredictResponse:
         label = self._predictor.catalog.label_for(request.model_name)
         with self._metrics.observe_request("v1", label, context.time_remaining()):
+            principal = current_principal()
+            _check_before_decoding(self._predictor, request, principal)
             result = await self._predictor.predict(
                 PredictCall(
                     model_name=request.model_name,
                     version_spec=request.model_version,
                     inputs=[_value(i) for i in request.inputs],
-                    principal=current_principal(),
+                    principal=principal,
                     request_id=request.request_id,
                     timeout_s=context.time_remaining(),
                     priority=_priority(request.priority),
@@ -67,6 +85,7 @@ class InferenceServicer(api_grpc.InferenceServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         label = self._predictor.catalog.label_for(request.model_name)
         with self._metrics.observe_request("v1_generate", label, context.time_remaining()):
+            check_request_id(request.request_id)
             call = GenerateCall(
                 model_name=request.model_name,
                 version_spec=request.model_version,

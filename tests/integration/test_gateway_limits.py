@@ -25,6 +25,8 @@ from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.in_process import Fabric, running_fabric, start_lone_gateway
 from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
 from tests.support.redis import RedisServer
@@ -277,6 +279,36 @@ async def test_s36_model_infer_checks_permission_and_rows_before_decoding(
     too_many = await model_infer(keyed_gateway, undecodable_text(5, 1024), SEARCH_KEY)
     assert too_many.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "5 inputs exceed the limit of 4" in (too_many.details() or "")
+
+
+async def test_v1_predict_checks_model_permission_rows_and_id_before_decoding(
+    keyed_gateway: Gateway,
+) -> None:
+    """inference.v1 Predict in ModelInfer's order: inputs with no payload fail to decode
+    (INVALID_ARGUMENT), but an unknown model is NOT_FOUND, a key without the model
+    PERMISSION_DENIED, more inputs than the cap and a request id past 256 characters are
+    refused for those, all before any input is decoded. Before, Predict decoded every input
+    first, so each of these heard about the payloads."""
+    empty = [api.PredictInput() for _ in range(2)]
+
+    async def predict(key: str, **fields: object) -> tuple[grpc.StatusCode, str]:
+        request = api.PredictRequest(**{"model_name": "minilm", "inputs": empty, **fields})
+        metadata = (("authorization", f"Bearer {key}"),)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{keyed_gateway.port}") as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await api_grpc.InferenceServiceStub(channel).Predict(
+                    request, timeout=10, metadata=metadata
+                )
+        return raised.value.code(), raised.value.details() or ""
+
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    assert await predict(SEARCH_KEY) == (invalid, "an input has no payload (text or tensor)")
+    assert (await predict(SEARCH_KEY, model_name="nope"))[0] == grpc.StatusCode.NOT_FOUND
+    assert (await predict(ADS_KEY))[0] == grpc.StatusCode.PERMISSION_DENIED
+    too_many = await predict(SEARCH_KEY, inputs=[api.PredictInput()] * 5)
+    assert too_many == (invalid, "5 inputs exceed the limit of 4")
+    long_id = await predict(SEARCH_KEY, request_id="x" * 300)
+    assert long_id == (invalid, "request id of 300 characters; at most 256")
 
 
 async def test_rest_infer_checks_permission_and_rows_before_decoding(
