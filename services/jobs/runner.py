@@ -274,6 +274,12 @@ class JobRunner:
         if not todo:
             await self._store.record(job, [], ack=entry)
             return
+        # A stopped job's items are recorded cancelled unread (a chunk of 64 MiB is not read
+        # only to be cancelled).
+        stopped = self._stopped(job, [(i, b"") for i in todo])
+        if stopped is not None:
+            await self._record(job, stopped, entry)
+            return
         payloads = await self._store.items(job.job_id, entry.start, entry.end)
         items = [(i, payloads[i - entry.start]) for i in todo]
         self._metrics.items_running.inc(len(items))

@@ -698,6 +698,29 @@ async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric)
     assert all(r.code == "CANCELLED" for r in cancelled_items)
 
 
+async def test_a_job_cancelled_before_it_ran_has_its_items_cancelled_unread(
+    fabric: Fabric,
+) -> None:
+    """A job cancelled while queued: the runner that then takes its chunks records every item
+    cancelled without reading one (no LRANGE of its items reaches Redis), where it read each
+    chunk's items (64 MiB for the largest job) only to record them cancelled."""
+    texts = texts_of(200)
+    job_id = await fabric.submit(texts)
+    cancelled = await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+    assert cancelled.state == jobs.JOB_STATE_CANCELLED
+    admin = aioredis.from_url(fabric.redis.url)
+    try:
+        await admin.config_resetstat()
+        fabric.start_runner("runner-1")
+        job = await fabric.finished(job_id)
+        stats = await admin.info("commandstats")
+    finally:
+        await admin.aclose()
+    assert (job.num_cancelled, job.num_ok) == (200, 0)
+    assert "cmdstat_lrange" not in stats, stats.get("cmdstat_lrange")
+    assert fabric.target.num_calls == 0
+
+
 async def test_a_cancel_that_loses_the_race_to_the_last_result_changes_nothing(
     fabric: Fabric,
 ) -> None:
