@@ -311,6 +311,12 @@ class StreamInfer:
                     while num_held() >= MAX_STREAM_HELD:  # read on once answers are written
                         room.clear()
                         await room.wait()
+            except Exception:
+                # A message that does not parse ends the stream with its status, once the
+                # requests read before it are answered (they were admitted and are running).
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+            else:
                 await asyncio.gather(*tasks)
             finally:
                 responses.put_nowait(None)  # also when reading failed: the stream must not hang

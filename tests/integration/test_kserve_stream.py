@@ -116,6 +116,34 @@ async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
     assert fabric.worker_metric(names.WORKER_ROWS_TOTAL) == 34
 
 
+async def test_a_message_that_does_not_parse_ends_the_stream_after_the_requests_before_it(
+    fabric: Fabric,
+) -> None:
+    """A request, then bytes that are no ModelInferRequest: the request is answered, then the
+    stream ends INVALID_ARGUMENT. Before, the stream ended at once and cancelled the request
+    read before the bad message, which got no answer."""
+    rows = np.ones((1, 4), np.float32)
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            request_serializer=lambda body: body,
+            response_deserializer=kserve.ModelStreamInferResponse.FromString,
+        )(timeout=PATIENT_S)
+        await stream.write(_infer("first", rows).SerializeToString())
+        await stream.write(b"\xff\xff\xff")  # no protobuf message
+        await stream.done_writing()
+        answers = []
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            async for response in stream:
+                answers.append(response)
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ended.value
+    (answer,) = answers
+    assert answer.error_message == "" and answer.infer_response.id == "first"
+    np.testing.assert_allclose(
+        _rows(answer.infer_response), affine_reference(torch.from_numpy(rows)).numpy(), rtol=1e-5
+    )
+
+
 async def test_a_request_past_its_timeout_parameter_ends_alone(
     fabric: Fabric, tmp_path: Path
 ) -> None:
