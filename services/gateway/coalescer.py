@@ -76,6 +76,11 @@ def max_bundle_rows(config: ModelConfig) -> int:
     return max(1, min(config.max_batch_size, config.max_queue_size, _rows_by_bytes(config)))
 
 
+def max_call_rows(config: ModelConfig) -> int:
+    """Most rows one call of `config`'s model may carry (`check_call_rows`)."""
+    return max(1, min(config.max_queue_size, _rows_by_bytes(config)))
+
+
 def check_call_rows(config: ModelConfig, num_rows: int) -> None:
     """Refuses (INVALID_ARGUMENT) a call of more rows than `config`'s model could ever serve
     at once: past its workers' queue (refused whole there, naming a bundle the caller never

@@ -56,6 +56,7 @@ from tests.support.jobs import (
     text_items,
 )
 from tests.support.metrics import scrape, total
+from tests.support.models import replace_config_lines, write_minilm_repository
 from tests.support.processes import REPO_ROOT, ServiceProcess
 from tests.support.redis import RedisServer, start_redis
 from tests.support.waiting import eventually
@@ -227,14 +228,12 @@ async def test_a_job_at_critical_priority_is_refused_at_submission(fabric: Fabri
 
 @contextlib.asynccontextmanager
 async def lone_job_service(
-    tmp_path: Path, **settings: int
+    tmp_path: Path, repository: Path = REPO_ROOT / "models", **settings: int
 ) -> AsyncIterator[tuple[RedisServer, jobs_grpc.JobServiceStub, JobServicer]]:
-    """A Redis and a JobService of its own (`settings`: start_job_service's), with no runner:
-    the Redis, a stub of the service, and its servicer."""
+    """A Redis and a JobService of its own over `repository` (`settings`: start_job_service's),
+    with no runner: the Redis, a stub of the service, and its servicer."""
     redis = start_redis(tmp_path)
-    server, address, store, servicer = await start_job_service(
-        redis, REPO_ROOT / "models", KEYS, **settings
-    )
+    server, address, store, servicer = await start_job_service(redis, repository, KEYS, **settings)
     channel = grpc.aio.insecure_channel(address)
     try:
         yield redis, jobs_grpc.JobServiceStub(channel), servicer
@@ -279,6 +278,27 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
         finally:
             runner.terminate()
             await target_server.stop(None)
+
+
+async def test_a_jobs_chunks_hold_no_more_rows_than_its_model_takes_in_one_call(
+    tmp_path: Path,
+) -> None:
+    """minilm whose workers queue 16 rows: a job of 40 items, chunks of up to 64, is cut into
+    chunks of 16, 16 and 8. Chunks of 64 were each refused INVALID_ARGUMENT (past the queue),
+    and the runner then split each into 64 one-item calls."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    replace_config_lines(repository / "minilm" / "config.toml",
+                         {"max_queue_size": "max_queue_size = 16"})  # fmt: skip
+    async with lone_job_service(tmp_path, repository, chunk_size=64) as (redis, stub, _):
+        request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts_of(40)))
+        await stub.SubmitJob(request, metadata=AS_A)
+        store = JobStore(aioredis.Redis.from_url(redis.url))
+        try:
+            await store.ensure_group()
+            entries = await store.read_new("a-runner", 10, 1)
+        finally:
+            await store.client.aclose()
+    assert [(e.start, e.end) for e in entries] == [(0, 16), (16, 32), (32, 40)]
 
 
 async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateways_memory(
