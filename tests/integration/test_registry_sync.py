@@ -11,6 +11,7 @@ import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
 
+from services.common.lifecycle import sleep_unless_stopped
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
@@ -107,7 +108,10 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
     async def heartbeats() -> None:  # w0's, every 0.2 s
         while True:
             await publishers[0].publish_once()
-            await asyncio.sleep(0.2)
+            # Stops though redis-py swallowed the cancel (Python 3.11's wait_for): with a
+            # plain sleep the loop could go on, and the test's end wait on it for good (a run
+            # on a loaded machine hung until pytest's 300 s timeout, most likely there).
+            await sleep_unless_stopped(0.2)
 
     def live() -> set[str]:
         return {w.worker_id for w in table.live_workers(time.monotonic())}
