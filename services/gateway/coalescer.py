@@ -232,11 +232,16 @@ class Coalescer:
             self._withdraw(entry)
 
     async def close(self) -> None:
-        """Stops: every caller still waiting is answered UNAVAILABLE (not run here)."""
+        """Stops: every caller still waiting is answered UNAVAILABLE (not run here); those of
+        bundles not sent yet are told (`on_unsent`: their rows go back to their tenants)."""
         for state in self._keys.values():
             if state.open is not None:
-                fail(state.open.slices, closing())
+                unsent = state.open.slices
+                fail(unsent, closing())
                 state.open = None
+                for entry in unsent:
+                    if entry.on_unsent is not None:
+                        entry.on_unsent()
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

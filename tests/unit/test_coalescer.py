@@ -580,9 +580,13 @@ async def test_the_callers_of_a_refused_bundle_get_errors_and_retry_hints_of_the
 
 
 async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
+    """The held bundle's caller, never sent, is told so once (its rows go back); the first,
+    out when the gateway closes, is not."""
     clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
     _, bundles, first = await one_out(clock)
-    held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S))
+    unsent: list[str] = []
+    told = functools.partial(unsent.append, "held")
+    held = asyncio.ensure_future(call(bundles, rows(1), timeout_s=LONG_S, on_unsent=told))
     await asyncio.sleep(0.005)
     await bundles.close()
     for caller in (first, held):
@@ -590,6 +594,7 @@ async def test_close_answers_the_callers_of_a_held_bundle_unavailable() -> None:
             await caller
         assert raised.value.code == grpc.StatusCode.UNAVAILABLE
     assert bundles._keys[KEY].out == 0
+    assert unsent == ["held"]
 
 
 async def test_a_bundle_sent_as_the_gateway_closes_is_answered_unavailable() -> None:
