@@ -38,6 +38,7 @@ from services.gateway.admission import StreamRequests
 from services.gateway.auth import KeyStore, Principal, principal_for
 from services.gateway.kserve_generate import check_inputs, generate_one
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_inputs import check_num_inputs
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -117,8 +118,7 @@ def _values(
         )
     shape = list(tensor.shape)
     count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
-    if count > max_rows:
-        raise InvalidInput(f"{count} inputs exceed the limit of {max_rows}")
+    check_num_inputs(count, max_rows)
     if spec.dtype == "BYTES":
         if request.raw_input_contents:
             return list(_decode_bytes(request.raw_input_contents[index], count))

@@ -30,6 +30,12 @@ class Observer(Protocol):
     def observe(self, amount: float) -> None: ...
 
 
+def check_num_inputs(count: int, max_inputs: int) -> None:
+    """Refuses a call of more inputs (rows) than `max_inputs` (--max-inputs-per-request)."""
+    if count > max_inputs:
+        raise InvalidInput(f"{count} inputs exceed the limit of {max_inputs}")
+
+
 def checked_rows(
     model: ResolvedModel, values: Sequence[PredictValue], *, truncate: bool
 ) -> list[str | np.ndarray]:

@@ -22,6 +22,7 @@ from services.common.registry_schema import route_metadata
 from services.common.sampling import checked_sampling
 from services.common.templated_text import TemplatedText
 from services.common.tracing import current_traceparent, outgoing_metadata
+from services.gateway import model_inputs
 from services.gateway.admission import TenantAdmission, never_served
 from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
@@ -150,8 +151,7 @@ class Predictor:
         started = time.perf_counter()
         if not call.inputs:
             raise InvalidInput("request has no inputs")
-        if len(call.inputs) > self._max_inputs:
-            raise InvalidInput(f"{len(call.inputs)} inputs exceed the limit of {self._max_inputs}")
+        model_inputs.check_num_inputs(len(call.inputs), self._max_inputs)
         config = self.catalog.config(call.model_name)
         call.principal.check_model(config.name)
         if config.generation is not None:
@@ -317,10 +317,10 @@ class Predictor:
         started = time.perf_counter()
         is_ok = False
         try:
+            max_model_len = config.generation.max_model_len
             generated = self._generate_resolved(
-                call, model, priority, max_model_len=config.generation.max_model_len,
-                deadline_s=deadline_s,
-            )  # fmt: skip
+                call, model, priority, max_model_len=max_model_len, deadline_s=deadline_s
+            )
             async with contextlib.aclosing(generated) as messages:
                 async for message in messages:
                     yield message

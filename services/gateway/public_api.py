@@ -13,6 +13,7 @@ from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway.auth import Principal, current_principal
 from services.gateway.kserve_generate import check_request_id
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_inputs import check_num_inputs
 from services.gateway.predictor import GenerateCall, PredictCall, Predictor, PredictValue
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
@@ -43,10 +44,7 @@ def _check_before_decoding(
     request id; a caller may not spend the gateway's loop decoding what it would refuse."""
     config = predictor.catalog.config(request.model_name)
     principal.check_model(config.name)
-    if len(request.inputs) > predictor.max_inputs:
-        raise InvalidInput(
-            f"{len(request.inputs)} inputs exceed the limit of {predictor.max_inputs}"
-        )
+    check_num_inputs(len(request.inputs), predictor.max_inputs)
     check_request_id(request.request_id)
 
 

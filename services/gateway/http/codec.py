@@ -22,6 +22,7 @@ import numpy as np
 
 from services.common.errors import ExecutionFailed, InvalidInput
 from services.common.tensors import NUMPY_DTYPES
+from services.gateway.model_inputs import check_num_inputs
 from services.pb.inference import grpc_service_pb2 as kserve
 
 P = ParamSpec("P")
@@ -243,8 +244,8 @@ def check_rows_named(body: dict[str, Any], max_rows: int) -> None:
     inputs = body.get("inputs")
     for tensor in inputs if isinstance(inputs, list) else ():
         shape = tensor.get("shape") if isinstance(tensor, dict) else None
-        if isinstance(shape, list) and shape and is_json_int(shape[0]) and shape[0] > max_rows:
-            raise InvalidInput(f"{shape[0]} inputs exceed the limit of {max_rows}")
+        if isinstance(shape, list) and shape and is_json_int(shape[0]):
+            check_num_inputs(shape[0], max_rows)
 
 
 @client_strings
