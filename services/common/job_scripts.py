@@ -6,24 +6,39 @@ item's result is written and counted once, and a job gone (expired) is never bro
 # reserved bytes; ARGV: job id, created time (the list's score), '1' to claim the idempotency
 # key, the bytes its results are expected to take (reserved until it ends: the job's
 # `reserved` field, counted in the store's; none where Redis's ACL, not yet loaded after an
-# upgrade, refuses INCRBY), then where each chunk ends (item indices,
-# ascending; job_policy.chunk_ends). Returns the job id the key names (another's, if it named
-# one first).
+# upgrade, refuses INCRBY), the share of `maxmemory` the store's jobs may fill (0: no limit),
+# then where each chunk ends (item indices, ascending; job_policy.chunk_ends). Admits and
+# reserves in one step: what Redis holds (the job's items, written before, among it), the
+# reservations of the jobs not ended and the job's own must stay within the share, or the
+# job is refused (its items are the caller's to delete), so that jobs submitted together on
+# several gateways cannot pass it together (each had looked at the room before any
+# reserved). Returns the job id the key names (another's, if it named one first), or, when
+# refused, {bytes held, bytes reserved, the room}.
 ENQUEUE = """
 if ARGV[3] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then return existing end
-  redis.call('SET', KEYS[3], ARGV[1])
 end
+local reserved = tonumber(ARGV[4])
+local share = tonumber(ARGV[5])
+local memory = share > 0 and redis.pcall('INFO', 'memory')
+if type(memory) == 'string' then  -- else no limit, or an ACL of before INFO
+  local limit = tonumber(string.match(memory, 'maxmemory:(%d+)')) or 0
+  local used = tonumber(string.match(memory, 'used_memory:(%d+)')) or 0
+  local held = math.max(0, tonumber(redis.call('GET', KEYS[6]) or '0') or 0)
+  if limit > 0 and used + held + reserved > math.floor(share * limit) then
+    return {used, held, math.floor(share * limit)}
+  end
+end
+if ARGV[3] == '1' then redis.call('SET', KEYS[3], ARGV[1]) end
 redis.call('PERSIST', KEYS[1])
 redis.call('PERSIST', KEYS[2])
-local reserved = tonumber(ARGV[4])
 if reserved > 0 and type(redis.pcall('INCRBY', KEYS[6], reserved)) == 'number' then
   local each = math.floor(reserved / tonumber(redis.call('HMGET', KEYS[1], 'num_items')[1]))
   redis.call('HSET', KEYS[1], 'reserved', reserved, 'reserve_each', each)
 end
 local start = 0
-for i = 5, #ARGV do
+for i = 6, #ARGV do
   redis.call('XADD', KEYS[4], '*', 'job', ARGV[1], 'start', start, 'end', ARGV[i])
   start = tonumber(ARGV[i])
 end

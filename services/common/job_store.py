@@ -27,12 +27,12 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   SUBMIT_MEMORY_SHARE of `maxmemory`: counting items alone, jobs accepted back to back filled
   Redis with their results, and a job whose results Redis refused never ended (nor expired).
 
-Submission is two steps: the items and the job hash are written (with a one-hour expiry, in
-one MULTI), then one script claims the idempotency key, lifts the expiry and enqueues every
-chunk. A crash between them leaves only expiring garbage; the script is atomic, so a job is
-either enqueued whole under its key or not at all; the loser of a race on a key deletes its
-own copy and answers with the winner's id. Durability across a Redis crash is the AOF's
-(README "Durable batch jobs").
+Submission is two steps: the items and the job hash are written (with a one-hour expiry, in one
+MULTI), then one script checks the room, claims the idempotency key, reserves, lifts the expiry
+and enqueues every chunk. A crash between them leaves only expiring garbage; the script is
+atomic, so a job is either enqueued whole under its key or not at all; the loser of a race on a
+key deletes its own copy and answers with the winner's id. Durability across a Redis crash is
+the AOF's (README "Durable batch jobs").
 
 A job is kept `retention_s` (7 days by default) from the moment its every item has a result:
 then its hash, items, results and idempotency key expire together (a ListJobs that finds one
@@ -51,7 +51,6 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.job_policy import ItemStatus, chunk_ends, chunk_ranges
@@ -62,6 +61,7 @@ from services.common.job_records import (
     NewJob,
     QueueEntry,
 )
+from services.common.job_room import SUBMIT_MEMORY_SHARE, StoreFull, check_room
 from services.common.job_scripts import (
     CANCEL,
     COUNT_ROUND,
@@ -79,26 +79,6 @@ GROUP = "runners"
 ORPHAN_TTL_S = 3600
 #: How long a finished job (its record, items, results and idempotency key) is kept, seconds.
 RETENTION_S = 7 * 24 * 3600
-#: Share of Redis's `maxmemory` that what it holds, the results the jobs not ended are
-#: expected to add (reserved at submit) and a new job's items and expected results may fill;
-#: past it the new job is refused (StoreFull; JobTooLarge for one that alone would pass it).
-#: The rest is room for the runners' counters, results larger than expected, results written
-#: while still reserved, and the fabric's own keys (heartbeats, quota shares), which Redis
-#: refuses to write once at `maxmemory` with nothing to evict (deploy/k8s/base/redis.yaml).
-SUBMIT_MEMORY_SHARE = 0.75
-#: Bytes a result takes in the store besides its outputs (its hash field, status, framing).
-RESULT_OVERHEAD_BYTES = 64
-
-
-class StoreFull(Exception):
-    """Redis holds too much to take a new job now (see SUBMIT_MEMORY_SHARE)."""
-
-
-class JobTooLarge(Exception):
-    """A job's items and expected results alone are more than the store takes (see
-    SUBMIT_MEMORY_SHARE): it would be refused however empty the store."""
-
-
 #: Most jobs of one tenant sharing one creation time (to the microsecond) that a page of
 #: ListJobs steps over correctly.
 MAX_TIED_JOBS = 64
@@ -163,11 +143,14 @@ class JobStore:
         """Persists `job` and enqueues its chunks (`chunk_size` items and `max_chunk_bytes`
         bytes at most each, job_policy.chunk_ends); returns (job id, is_existing): with an
         idempotency key already used by this tenant, the existing job's id and True. Raises
-        StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`."""
+        StoreFull while Redis holds more than SUBMIT_MEMORY_SHARE of its `maxmemory`: looked
+        at before the items are written, and decided with the reservation in the enqueue
+        script, so that jobs submitted at once on several gateways cannot pass it together."""
         idem_key = self.idempotency_key(job.tenant, job.idempotency_key)
         if (existing := await self.job_of_key(job.tenant, job.idempotency_key)) is not None:
             return existing, True  # a resend: its job exists, however full the store
-        await self._check_room(sum(map(len, job.items)) + job.result_bytes)
+        num_bytes = sum(map(len, job.items)) + job.result_bytes
+        await check_room(self.client, self.reserved_key, num_bytes)  # a first look
         job_id = uuid.uuid4().hex
         key = self.job_key(job_id)
         created_s = time.time()
@@ -188,42 +171,25 @@ class JobStore:
                 self.reserved_key]  # fmt: skip
         has_key = "1" if job.idempotency_key else "0"
         ends = chunk_ends([len(item) for item in job.items], chunk_size, max_chunk_bytes)
-        args: list[str | int | float] = [job_id, created_s, has_key, job.result_bytes, *ends]
+        args: list[str | int | float] = [
+            job_id, created_s, has_key, job.result_bytes, SUBMIT_MEMORY_SHARE, *ends
+        ]  # fmt: skip
         try:
-            winner = (await self._enqueue(keys=keys, args=args)).decode()
+            reply = await self._enqueue(keys=keys, args=args)
         except (RedisTimeoutError, RedisConnectionError):
             # Its reply lost, the script may have run: a job it enqueued is answered, not
             # refused UNAVAILABLE (resent without an idempotency key, it would run twice).
             if await self.client.zscore(self._tenant_key(job.tenant), job_id) is None:
                 raise
             return job_id, False
-        if winner != job_id:
+        if isinstance(reply, list):  # no room: refused by the script, which reserved nothing
+            await self.client.delete(key, f"{key}:items")
+            used, reserved, room = map(int, reply)
+            raise StoreFull(used, reserved, job.result_bytes, room)
+        if (winner := reply.decode()) != job_id:
             await self.client.delete(key, f"{key}:items")
             return winner, True
         return job_id, False
-
-    async def _check_room(self, num_bytes: int) -> None:
-        """Raises StoreFull when Redis, with what it holds, the reservations of the jobs not
-        ended and `num_bytes` more, would pass SUBMIT_MEMORY_SHARE of its `maxmemory` (none
-        set: no check); JobTooLarge when `num_bytes` alone would."""
-        try:
-            memory = await self.client.info("memory")
-        except NoPermissionError:  # an ACL of before INFO (README: ACL LOAD on upgrades)
-            log.warning("job store: INFO refused by Redis's ACL; new jobs are not held to room")
-            return
-        limit = int(memory.get("maxmemory", 0))
-        if not limit:
-            return
-        room = int(SUBMIT_MEMORY_SHARE * limit)
-        if num_bytes > room:
-            raise JobTooLarge(f"{num_bytes} bytes; the job store takes at most {room} a job")
-        used = int(memory.get("used_memory", 0))
-        reserved = max(0, int(await self.client.get(self.reserved_key) or 0))
-        if used + reserved + num_bytes > room:
-            raise StoreFull(
-                f"{used} bytes held, {reserved} reserved and {num_bytes} asked of the job "
-                f"store's {room}"
-            )
 
     async def job_of_key(self, tenant: str, key: str) -> str | None:
         """The job `tenant`'s idempotency key `key` names (None: none, or no key)."""

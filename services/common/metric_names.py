@@ -140,6 +140,7 @@ JOBS_QUEUE_ENTRIES = "inference_jobs_queue_entries"
 JOBS_OLDEST_ENTRY_AGE_SECONDS = "inference_jobs_oldest_entry_age_seconds"
 JOBS_CHUNK_SECONDS = "inference_jobs_chunk_seconds"
 JOBS_RETRIES_TOTAL = "inference_jobs_retries_total"
+JOBS_CHUNKS_HELD_FOR_ROOM = "inference_jobs_chunks_held_for_room"
 
 # Rollout controller (services.rollout)
 ROLLOUT_CANARY_PERCENT = "inference_rollout_canary_percent"

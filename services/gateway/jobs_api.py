@@ -20,18 +20,18 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from redis.exceptions import OutOfMemoryError, RedisError
+from redis.exceptions import RedisError
 
 from services.common.errors import InvalidInput, NotFound, Overloaded, Unavailable
 from services.common.job_policy import JobState, eta_s, finished_prefix, job_state, progress
 from services.common.job_records import JobCursor, JobRecord, NewJob, is_job_id
-from services.common.job_store import (
+from services.common.job_room import (
     RESULT_OVERHEAD_BYTES,
-    JobStore,
     JobTooLarge,
     StoreFull,
-    connect_jobs_redis,
+    is_out_of_memory,
 )
+from services.common.job_store import JobStore, connect_jobs_redis
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
@@ -365,13 +365,21 @@ async def _stored(awaitable: Awaitable[T]) -> T:
         raise InvalidInput(
             f"the job's items and expected results take {error}: submit fewer items"
         ) from None
-    except (OutOfMemoryError, StoreFull) as error:
+    except StoreFull as error:
         raise Overloaded(
             f"the job store is full (Redis near its memory cap: {error}): retry once jobs "
             "have finished and expired, or submit fewer items",
             retry_after_s=STORE_FULL_RETRY_S,
         ) from None
-    except (RedisError, OSError) as error:
+    except RedisError as error:
+        if not is_out_of_memory(error):
+            raise Unavailable(f"job store unavailable: {type(error).__name__}") from None
+        raise Overloaded(
+            f"the job store is full (Redis at its memory cap: {error}): retry once jobs have "
+            "finished and expired",
+            retry_after_s=STORE_FULL_RETRY_S,
+        ) from None
+    except OSError as error:
         raise Unavailable(f"job store unavailable: {type(error).__name__}") from None
 
 

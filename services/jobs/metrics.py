@@ -45,3 +45,8 @@ class RunnerMetrics(MetricFactory):
         self.retries = self.counter(
             names.JOBS_RETRIES_TOTAL, "Predict calls retried, by code", ["code"]
         )
+        self.chunks_held_for_room = self.gauge(
+            names.JOBS_CHUNKS_HELD_FOR_ROOM,
+            "Chunks whose results this runner holds, their calls run, while Redis at its memory"
+            " cap refuses to record them",
+        )

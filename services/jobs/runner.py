@@ -25,7 +25,8 @@ with XREADGROUP and, every few seconds, entries another runner left idle past
    later round, for FLEET_ROUNDS rounds and `--fleet-patience-s` at least, before its items
    fail;
 5. records every result with HSETNX, dead-letters the failed ones and acknowledges the entry,
-   in one atomic script.
+   in one atomic script; while Redis at its memory cap refuses them, holds them and tries
+   again, the entry kept claimed (services/jobs/holding.py).
 
 A chunk whose run fails with an unexpected error (a bug, an answer the runner cannot read) is
 left pending for a later round, CRASH_ROUNDS in all; then its items without a result fail
@@ -68,6 +69,7 @@ from services.jobs.chunk_calls import (
     item_result,
     may_be_one_items,
 )
+from services.jobs.holding import keep_claimed, record_when_room
 from services.jobs.metrics import RunnerMetrics
 from services.pb.inference.v1 import inference_pb2 as api
 
@@ -197,7 +199,8 @@ class JobRunner:
     async def _guarded(self, entry: QueueEntry) -> None:
         """Runs one chunk; a failure leaves its entry pending, to be reclaimed and rerun."""
         started = time.perf_counter()
-        keeping = asyncio.create_task(self._keep_claimed(entry), name=f"keep-{entry.entry_id}")
+        keep = keep_claimed(self._store, self._consumer, entry, self._claim_timeout_ms / 1000)
+        keeping = asyncio.create_task(keep, name=f"keep-{entry.entry_id}")
         try:
             await self._run_chunk(entry)
             # Only a chunk whose results were recorded: one left for a later round has none.
@@ -242,26 +245,6 @@ class JobRunner:
             with contextlib.suppress(RedisError, OSError):
                 await self._store.drop(entry)
 
-    async def _keep_claimed(self, entry: QueueEntry) -> None:
-        """Keeps `entry` this runner's while its chunk runs, however long its calls and their
-        retries take: its idle time restarts every third of the claim timeout, so another
-        runner's reclaim (of entries idle past it: their runner died) leaves it alone. Once it
-        could not keep it for a whole claim timeout (Redis away, this process paused), another
-        runner may have taken it over: it stops, rather than take it back."""
-        timeout_s = self._claim_timeout_ms / 1000
-        kept_s = time.monotonic()
-        while True:
-            await asyncio.sleep(timeout_s / 3)
-            if time.monotonic() - kept_s > timeout_s:
-                log.warning("chunk %s not kept claimed for %.0fs", entry.entry_id, timeout_s)
-                return
-            try:
-                await self._store.keep(self._consumer, entry)
-                kept_s = time.monotonic()
-            except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
-                stop_if_cancelled()
-                log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)
-
     async def _run_chunk(self, entry: QueueEntry) -> None:
         job = await self._store.get(entry.job_id)
         if job is None:
@@ -288,7 +271,8 @@ class JobRunner:
             outcomes = await self._run_items(job, items, fleet_round)
         finally:
             self._metrics.items_running.dec(len(items))
-        await self._record(job, outcomes, entry)
+        held = self._metrics.chunks_held_for_room
+        await record_when_room(lambda: self._record(job, outcomes, entry), entry, held, self._rng)
 
     async def _record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], entry: QueueEntry | None

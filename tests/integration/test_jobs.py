@@ -26,12 +26,8 @@ from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
 from services.common.job_records import NewJob
-from services.common.job_store import (
-    GROUP,
-    RESULT_OVERHEAD_BYTES,
-    SUBMIT_MEMORY_SHARE,
-    JobStore,
-)
+from services.common.job_room import RESULT_OVERHEAD_BYTES, SUBMIT_MEMORY_SHARE, StoreFull
+from services.common.job_store import GROUP, JobStore
 from services.common.priority import PriorityClass
 from services.common.redis_acl import JOB_COMMANDS, JOBS
 from services.common.tensors import tensor_from_pb
@@ -1072,6 +1068,86 @@ async def test_a_job_reserves_its_results_room_until_it_ends(fabric: Fabric) -> 
         assert await admin.hget(fabric.store.job_key(first), "reserved") == b"0"
         assert await fabric.job_ids() == [first]
     finally:
+        await admin.aclose()
+
+
+async def test_a_runner_holds_the_results_redis_refuses_at_its_cap_and_runs_nothing_twice(
+    fabric: Fabric,
+) -> None:
+    """At Redis's memory cap every write of results is refused. The runner left such a chunk
+    for a later round: taken again after the claim timeout (3 s here), its calls ran again,
+    every round, for results refused alike (review finding). It now holds the results, the
+    entry kept claimed, and records them once Redis has room: each text runs once. A cancel at
+    the cap is RESOURCE_EXHAUSTED with a retry hint (Redis 6 wraps the OOM of a script's
+    write in its own error: UNAVAILABLE before)."""
+    fabric.target.hold_after_runs = 0
+    runner = fabric.start_runner("runner-1")
+    texts = texts_of(4)
+    job_id = await fabric.submit(texts)
+    await eventually(lambda: fabric.target.num_held >= 1, timeout_s=30.0)
+    admin = aioredis.Redis.from_url(fabric.redis.url)
+
+    def held() -> float:
+        return total(scrape(runner.metrics_port), names.JOBS_CHUNKS_HELD_FOR_ROOM)
+
+    try:
+        await admin.config_set("maxmemory", "1")  # past it: every write refused
+        try:
+            fabric.target.release()
+            await eventually(lambda: held() == 1, timeout_s=30.0)
+            with pytest.raises(grpc.aio.AioRpcError) as full:
+                await fabric.jobs.CancelJob(jobs.CancelJobRequest(job_id=job_id), metadata=AS_A)
+            await asyncio.sleep(5.0)  # past the claim timeout and the runner's reclaims
+        finally:
+            await admin.config_set("maxmemory", "0")
+        job = await fabric.finished(job_id)
+    finally:
+        await admin.aclose()
+    assert job.num_ok == 4
+    assert [fabric.target.runs[t] for t in texts] == [1] * 4
+    assert held() == 0
+    assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "job store is full" in (full.value.details() or "")
+    assert float(dict(full.value.trailing_metadata() or ())[RETRY_AFTER_MS_KEY]) > 0
+
+
+async def test_jobs_submitted_at_once_on_several_gateways_cannot_pass_the_room_together(
+    redis_server: RedisServer,
+) -> None:
+    """Each gateway looked at the room before its job's items were written and reserved its
+    results later: jobs submitted at the same moment on several gateways, with room for the
+    results of one, were all taken, and together passed the room (review finding). The
+    enqueue script now decides and reserves in one step: one of four is taken, the other
+    three are refused StoreFull and leave nothing behind."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    stores = [JobStore(aioredis.Redis.from_url(redis_server.url)) for _ in range(4)]
+    result_bytes = 2_000_000
+    job = NewJob("a", "minilm", "", "batch", [b"x" * 10] * 10, "", 0.0, result_bytes=result_bytes)
+    try:
+        for store in stores:  # connected first: a connection's buffers count in used_memory
+            await store.client.ping()
+        used = int((await admin.info("memory"))["used_memory"])
+        room = used + 3_000_000  # one job's expected results, not two
+        await admin.config_set("maxmemory", str(int(room / SUBMIT_MEMORY_SHARE) + 1))
+        try:
+            outcomes = await asyncio.gather(
+                *(store.submit(job, chunk_size=5) for store in stores), return_exceptions=True
+            )
+        finally:
+            await admin.config_set("maxmemory", "0")
+        taken = [o for o in outcomes if isinstance(o, tuple)]
+        assert len(taken) == 1, outcomes
+        assert [type(o) for o in outcomes if o not in taken] == [StoreFull] * 3
+        assert "reserved" in str(next(o for o in outcomes if o not in taken))
+        job_id, _ = taken[0]
+        assert int(await admin.get(stores[0].reserved_key)) == result_bytes
+        assert await admin.xlen(stores[0].queue_key) == 2  # the taken job's two chunks
+        key = stores[0].job_key(job_id)
+        kept = sorted([k async for k in admin.scan_iter(match=stores[0].job_key("*"))])
+        assert kept == sorted([key.encode(), f"{key}:items".encode()])
+    finally:
+        for store in stores:
+            await store.client.aclose()
         await admin.aclose()
 
 
