@@ -296,10 +296,16 @@ class JobStore:
         return int(await self._forget_consumers(keys=[self.queue_key],
                                                 args=[GROUP, keep, min_idle_ms]))  # fmt: skip
 
-    async def keep(self, consumer: str, entry: QueueEntry) -> None:
-        """Restarts the idle time of `consumer`'s `entry`, still running: no other runner's
-        `reclaim` takes it while it is kept."""
-        await self.client.xclaim(self.queue_key, GROUP, consumer, 0, [entry.entry_id], justid=True)
+    async def keep(self, consumer: str, entry: QueueEntry, min_idle_ms: int) -> bool:
+        """Restarts the idle time of `consumer`'s `entry`, still running, so that no other
+        runner's `reclaim` takes it, if it has been idle `min_idle_ms` at least: the time since
+        this consumer last claimed or kept it, unless another runner took it over since (which
+        restarted it), whose it then stays. Returns whether it was kept (False: taken over, or
+        no longer pending)."""
+        kept = await self.client.xclaim(
+            self.queue_key, GROUP, consumer, max(0, min_idle_ms), [entry.entry_id], justid=True
+        )
+        return bool(kept)
 
     async def record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None

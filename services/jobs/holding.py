@@ -20,6 +20,9 @@ from services.common.lifecycle import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
+#: What a keep allows Redis's clock to have run slower than this process's since the last
+#: (NTP slews a clock by 0.05% at most; a takeover needs a whole claim timeout of idleness).
+KEEP_SLACK_MS = 50
 #: Mean pause before a chunk's results, refused by Redis at its memory cap, are tried again.
 STORE_FULL_RETRY_S = 2.0
 
@@ -31,15 +34,21 @@ async def keep_claimed(
     the claim timeout, so another runner's reclaim (of entries idle past it: their runner
     died) leaves it alone. Once it could not keep it for a whole claim timeout (Redis away,
     this process paused), another runner may have taken it over: it stops, rather than take
-    it back."""
-    kept_s = time.monotonic()
+    it back. Each keep claims the entry only if it has been idle since the last (Redis's
+    clock runs on between the two as this one does, less KEEP_SLACK_MS): a keep that reached
+    Redis just after another runner took the entry over took it back, and both ran the
+    chunk (review finding); such a keep now finds it taken, and stops."""
+    kept_s = time.monotonic()  # after the entry was claimed or kept: its idle time is longer
     while True:
         await asyncio.sleep(claim_timeout_s / 3)
-        if time.monotonic() - kept_s > claim_timeout_s:
+        idle_s = time.monotonic() - kept_s
+        if idle_s > claim_timeout_s:
             log.warning("chunk %s not kept claimed for %.0fs", entry.entry_id, claim_timeout_s)
             return
         try:
-            await store.keep(consumer, entry)
+            if not await store.keep(consumer, entry, int(idle_s * 1000) - KEEP_SLACK_MS):
+                log.warning("chunk %s no longer this runner's (taken over)", entry.entry_id)
+                return
             kept_s = time.monotonic()
         except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
             stop_if_cancelled()

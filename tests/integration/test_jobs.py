@@ -35,6 +35,7 @@ from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
 from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
+from services.jobs.holding import KEEP_SLACK_MS
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
@@ -646,6 +647,32 @@ async def test_another_runner_does_not_take_a_chunk_still_running_past_the_claim
     job = await fabric.finished(job_id)
     assert job.num_ok == 4
     assert [fabric.target.runs[t] for t in texts] == [1] * 4
+
+
+async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
+    redis_server: RedisServer,
+) -> None:
+    """A runner keeps the entry of a chunk it runs by claiming it again. With no idle time
+    asked, a keep that reached Redis just after another runner had taken the entry over took
+    it back, and both ran the chunk (review finding). A keep now claims the entry only if it
+    has been idle since the keep before: one of an entry taken over meanwhile is refused, and
+    the entry stays the other runner's."""
+    store = JobStore(aioredis.Redis.from_url(redis_server.url))
+    try:
+        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
+        await store.submit(job, chunk_size=2)
+        await store.ensure_group()
+        [entry] = await store.read_new("runner-1", 1, 100)
+        await asyncio.sleep(0.3)
+        assert await store.keep("runner-1", entry, 300 - KEEP_SLACK_MS)  # idle since delivered
+        await asyncio.sleep(0.3)
+        taken = await store.reclaim("runner-2", 0, 1)  # a takeover, its reclaim just in
+        assert [e.entry_id for e in taken] == [entry.entry_id]
+        assert not await store.keep("runner-1", entry, 300 - KEEP_SLACK_MS)
+        pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
+        assert [p["consumer"] for p in pending] == [b"runner-2"]
+    finally:
+        await store.client.aclose()
 
 
 async def test_a_runner_whose_chunks_all_wait_stops_at_sigterm_within_its_grace(
