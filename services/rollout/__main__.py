@@ -14,8 +14,8 @@
 (services.rollout.policy) and promotes or rolls back by itself; it exits 0 on promotion, 1 on
 rollback, 2 when it could not run (bad arguments, no stable label, the cluster refused or the
 canary pool never became ready; nothing was changed), and 3 when it was aborted while stepping
-(an error, such as a worker's metrics endpoint gone, or SIGTERM / SIGINT): the canary's share
-was then set back to 0 and its pool released, as for a rollback, unless that failed too
+(an error, such as a worker's metrics endpoint gone, or SIGTERM / SIGINT / SIGHUP): the canary's
+share was then set back to 0 and its pool released, as for a rollback, unless that failed too
 (logged). With `--canary-deployment` it first scales that Deployment and waits for its pods to
 be Ready (services.rollout.cluster: the in-cluster service account, else the kubeconfig, else
 `--kube-api-url`), and scrapes the ready pods of both pools, so `--metrics-url` is then
@@ -219,12 +219,15 @@ async def _run_canary(
         pool=pool,
         check_period_s=args.check_period_s,
     )
-    # A deleted Job's SIGTERM, like ^C (asyncio.run's own), cancels the rollout: it aborts.
-    # (Only the main thread may take signals: `main` run on another takes none.)
+    # A deleted Job's SIGTERM, like ^C (asyncio.run's own), cancels the rollout: it aborts; so
+    # does SIGHUP, the terminal it runs in closed (an SSH session lost), which killed it
+    # before, the canary left at its share (review finding). (Only the main thread may take
+    # signals: `main` run on another takes none.)
     if threading.current_thread() is threading.main_thread():
         task = asyncio.current_task()
         assert task is not None
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel, "SIGTERM")
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            asyncio.get_running_loop().add_signal_handler(signum, task.cancel, signum.name)
     try:
         decision = await rollout.run()
     except RolloutAborted as error:

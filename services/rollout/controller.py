@@ -8,8 +8,11 @@ the canary's version and drops the `canary` label.
 
 A rollout that fails while stepping (a worker's metrics endpoint gone, Redis unreachable, the
 task cancelled by a signal) aborts: the canary's share goes back to 0 and its pool is released,
-as for a rollback, before the error goes on. A canary is never left serving a share nobody is
-judging.
+as for a rollback, before the error goes on, each tried again through a Redis outage (for up to
+`abort_timeout_s`). A canary is never left serving a share nobody is judging, but for two
+cases the abort reports (exit 3, logged): Redis away for longer than that, and a routing record
+another writer (an operator's `routing set` or `reset`, a second controller) changed while the
+rollout ran, which the rollout then stops at and leaves as it finds it, pool included.
 
 The last step sends stable no traffic, so there the canary is judged against stable's health
 over the last step in which stable served enough calls (policy.baseline).
@@ -26,7 +29,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry
@@ -44,6 +47,11 @@ log = logging.getLogger(__name__)
 class RolloutAborted(Exception):
     """The rollout failed while stepping (its cause, the error), or its traffic could not be
     sent back; its message says whether the canary's share was set back to 0."""
+
+
+class RoutingChanged(Exception):
+    """The model's routing record is no longer the one the rollout wrote last: another writer
+    (an operator's `routing set` or `reset`, another controller) changed it meanwhile."""
 
 
 class RolloutMetrics:
@@ -92,8 +100,11 @@ class CanaryRollout:
     #: How often a step in progress is checked for an early rollback, seconds.
     check_period_s: float = 5.0
     sleep: Callable[[float], Awaitable[None]] = asyncio.sleep
-    #: How long an abort may try to set the share back and release the pool, seconds.
-    abort_timeout_s: float = 30.0
+    #: How long an abort tries to set the share back, and then to release the pool, seconds
+    #: each: longer than the Redis outages the fabric rides out (RELIABILITY.md: 30 s).
+    abort_timeout_s: float = 120.0
+    #: The revision of the routing record this rollout wrote last (None: none yet).
+    _written: int | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.check_period_s) and self.check_period_s > 0):
@@ -148,7 +159,7 @@ class CanaryRollout:
             verdict, earlier = await self._run_step(step, stable, urls, earlier)
             if verdict.decision is Decision.ROLLBACK:
                 return Decision.ROLLBACK
-        await self.store.change(self.model, self._promoted)
+        await self._change(self._promoted)
         return Decision.PROMOTE
 
     def _aborted(self, why: str, is_back: bool) -> str:
@@ -186,25 +197,50 @@ class CanaryRollout:
             return verdict, window if window.requests >= self.plan.min_requests else earlier
 
     async def _send_traffic_back(self, error: BaseException | None) -> bool:
-        """The canary's share back to 0 and its pool released, on a rollback (`error` None) or
-        an abort, each tried once within `abort_timeout_s` (Redis may be what failed); False,
-        logged, if either failed."""
+        """The canary's share back to 0, then its pool released, on a rollback (`error` None)
+        or an abort; each tried again for up to `abort_timeout_s` (Redis may be what failed,
+        for as long as an outage lasts: tried once, an abort left the canary serving its
+        share, judged by nobody, once Redis was back). False, logged, if the share could not
+        be set back: the pool then stays (released, the traffic still sent to it would fail),
+        as does a routing another writer changed meanwhile (theirs now). False too if the
+        pool could not be released."""
         if error is not None:
             log.error(
                 "%s: rollout aborted (%r); sending the canary's traffic back", self.model, error
             )
-        is_back = True
-        steps = [("set the canary's share back to 0", lambda: self._set_share(0.0))]
+        try:
+            await self._retried("set the canary's share back to 0", lambda: self._set_share(0))
+        except RoutingChanged as changed:
+            log.error("%s; left as it is, and the canary pool too", changed)
+            return False
+        except Exception as failure:
+            log.error("%s: could not set the canary's share back to 0, nor release its pool "
+                      "(traffic may still reach it): %r", self.model, failure)  # fmt: skip
+            return False
         if self.pool is not None:
-            steps.append(("release the canary pool", self.pool.release))
-        for what, step in steps:
             try:
-                async with asyncio.timeout(self.abort_timeout_s):
-                    await step()
-            except Exception as failure:  # reported; the next step is still tried
-                log.error("%s: could not %s: %r", self.model, what, failure)
-                is_back = False
-        return is_back
+                await self._retried("release the canary pool", self.pool.release)
+            except Exception as failure:
+                log.error("%s: could not release the canary pool: %r", self.model, failure)
+                return False
+        return True
+
+    async def _retried(self, what: str, step: Callable[[], Awaitable[None]]) -> None:
+        """Runs `step` until it succeeds, within `abort_timeout_s`, a pause growing from
+        0.5 s to 5 s after each failure (logged); raises its last failure (TimeoutError when
+        time ran out first), or at once RoutingChanged and ValueError (a record that cannot
+        be read, or no longer has a stable label)."""
+        pause_s = 0.5
+        async with asyncio.timeout(self.abort_timeout_s):
+            while True:
+                try:
+                    return await step()
+                except (RoutingChanged, ValueError):  # no retry changes these
+                    raise
+                except Exception as failure:
+                    log.warning("%s: could not %s, trying again: %r", self.model, what, failure)
+                await asyncio.sleep(pause_s)
+                pause_s = min(5.0, 2 * pause_s)
 
     async def _set_share(self, percent: float) -> None:
         canary = self.canary_version
@@ -213,9 +249,24 @@ class CanaryRollout:
             labels = {**current.labels, "canary": canary}
             return ModelRouting(labels, {"stable": 100.0 - percent, "canary": percent})
 
-        await self.store.change(self.model, change)
+        await self._change(change)
         self.metrics.canary_percent.labels(self.model).set(percent)
         log.info("%s: canary version %d at %g%% of traffic", self.model, canary, percent)
+
+    async def _change(self, change: Callable[[ModelRouting], ModelRouting]) -> None:
+        """Stores `change` of the model's routing, raising RoutingChanged (nothing stored)
+        once the record is not the one this rollout wrote last: an operator's reset, or a
+        second controller, was overwritten at the next step (review finding)."""
+
+        def own_change(current: ModelRouting) -> ModelRouting:
+            if self._written is not None and current.revision != self._written:
+                raise RoutingChanged(
+                    f"{self.model}: its routing was changed by another writer while the "
+                    f"rollout ran (now {current.dumps()})"
+                )
+            return change(current)
+
+        self._written = (await self.store.change(self.model, own_change)).revision
 
     def _promoted(self, current: ModelRouting) -> ModelRouting:
         labels = {k: v for k, v in current.labels.items() if k != "canary"}

@@ -72,6 +72,10 @@ class Plan:
             raise ValueError("steps must ascend and end at 100 (percent)")
         if self.steps[0] <= 0:
             raise ValueError("steps must be > 0 percent")
+        if len(self.steps) < 2:
+            # At 100% stable serves nothing: a lone step would judge the canary against no
+            # calls at all (its latency never compared) and promote it.
+            raise ValueError("steps need one below 100 (percent), to judge the canary against")
         if min(self.hold_s, self.max_error_rate_increase, self.p99_slack_s) < 0:
             raise ValueError("hold, error-rate bound and p99 slack must be >= 0")
         if self.max_p99_ratio < 1:

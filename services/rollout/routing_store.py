@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable
 
 import redis.asyncio as aioredis
@@ -75,11 +76,14 @@ class RoutingStore:
     async def change(
         self, model: str, change: Change, *, rewrites_unreadable: bool = False
     ) -> ModelRouting:
-        """Applies `change` to the model's routing in force and stores the result with the next
-        revision. Raises ValueError for an unknown model, a result naming a version the
-        repository lacks, or a stored record that cannot be read (unless
-        `rewrites_unreadable`: `change` then gets the seed, and the record's revision is kept
-        when it can be read); nothing is stored then."""
+        """Applies `change` to the model's routing in force and stores the result with the
+        next revision: the time in milliseconds, or one more than the record's if that is
+        not less, so that a Redis restarted empty starts no record over at a revision the
+        gateways hold already (they would ignore every change up to it). Raises ValueError
+        for an unknown model, a result naming a version the repository lacks, or a stored
+        record that cannot be read (unless `rewrites_unreadable`: `change` then gets the
+        seed, and the record's revision is kept when it can be read); nothing is stored
+        then."""
         self._check_model(model)
         async with self._client.pipeline(transaction=True) as pipe:
             while True:
@@ -93,7 +97,8 @@ class RoutingStore:
                     else:
                         current = _parsed(model, raw)
                     changed = change(current)
-                    new = ModelRouting(changed.labels, changed.traffic, current.revision + 1)
+                    revision = max(current.revision + 1, time.time_ns() // 1_000_000)
+                    new = ModelRouting(changed.labels, changed.traffic, revision)
                     new.check_versions(self._versions[model])
                     pipe.multi()
                     pipe.hset(self._key, model, new.dumps())

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -21,14 +21,19 @@ from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting, routing_key
 from services.common.registry_schema import connect
 from services.rollout.__main__ import ABORTED, main
-from services.rollout.controller import CanaryRollout, RolloutMetrics
+from services.rollout.controller import (
+    CanaryRollout,
+    RolloutAborted,
+    RolloutMetrics,
+    RoutingChanged,
+)
 from services.rollout.health import Snapshot
 from services.rollout.policy import Decision, Plan
 from services.rollout.routing_store import RoutingStore
 from tests.integration.test_rollout_kubernetes import no_wait
 from tests.support.models import write_versioned_affine_model
 from tests.support.processes import REPO_ROOT
-from tests.support.redis import RedisServer
+from tests.support.redis import RedisServer, start_redis
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -134,9 +139,12 @@ async def test_a_metrics_endpoint_gone_mid_step_aborts_with_the_canary_share_bac
     assert routing.labels == {"stable": 1, "canary": 2}
 
 
-async def test_sigterm_mid_step_aborts_with_the_canary_share_back_to_zero(
-    redis_server: RedisServer, repository: Path, endpoint: MetricsEndpoint
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+async def test_a_signal_mid_step_aborts_with_the_canary_share_back_to_zero(
+    redis_server: RedisServer, repository: Path, endpoint: MetricsEndpoint, signum: int
 ) -> None:
+    """SIGTERM (a deleted Job) and SIGHUP (the terminal closed: an SSH session lost, which
+    killed the controller before, the canary left serving its share) abort the rollout."""
     await set_stable(redis_server, repository)
     command = [sys.executable, "-m", "services.rollout",
                *canary_args(redis_server, repository, "--metrics-url", endpoint.url,
@@ -151,7 +159,7 @@ async def test_sigterm_mid_step_aborts_with_the_canary_share_back_to_zero(
             return routing.traffic.get("canary") == 50.0 and endpoint.scrapes >= 2
 
         await eventually(stepping, timeout_s=30.0, message="the canary's first step runs")
-        os.kill(process.pid, signal.SIGTERM)
+        os.kill(process.pid, signum)
         _, err = process.communicate(timeout=30)
     finally:
         if process.poll() is None:
@@ -260,5 +268,118 @@ async def test_an_unreadable_record_fails_only_its_model_and_reset_rewrites_it(
     assert "affine" not in shown and "other" in shown
     assert changed.labels == {"stable": 1}
     # Past the revision gateways hold: they apply the rewrite.
-    assert rewritten.revision == 8
+    assert rewritten.revision > 7
     assert rewritten.labels == {}
+
+
+def healthy_scrape(then: Callable[[int], Awaitable[None]]) -> Callable[..., Awaitable[Snapshot]]:
+    """Snapshots of both versions serving 1,000 more calls each, all OK, at every scrape; after
+    the n-th scrape (from 1), `then(n)` runs."""
+    scrapes = [0]
+
+    async def scrape(urls: Sequence[str]) -> Snapshot:
+        scrapes[0] += 1
+        calls = {"code:OK": 1000.0 * scrapes[0]}
+        await then(scrapes[0])
+        return [{"1": dict(calls), "2": dict(calls)}]
+
+    return scrape
+
+
+def rollout_of(store: RoutingStore, scrape: Callable[..., Awaitable[Snapshot]]) -> CanaryRollout:
+    return CanaryRollout(
+        store,
+        "affine",
+        2,
+        Plan(steps=(50.0, 100.0), hold_s=1.0, min_requests=100),
+        scrape=scrape,
+        metrics=RolloutMetrics(CollectorRegistry()),
+        metrics_urls=("http://unused",),
+        check_period_s=1.0,
+        sleep=no_wait,
+    )
+
+
+async def test_an_abort_sets_the_share_back_once_redis_is_back_from_an_outage(
+    tmp_path: Path, repository: Path
+) -> None:
+    """A rollout failing while Redis is away (RELIABILITY.md: stopped for 30 s) tried once to
+    set the canary's share back, and gave up at once: once Redis was back, every gateway sent
+    the canary its share, judged by nobody (review finding). It now tries again until Redis
+    answers (here, stopped 3 s), and the share is back to 0."""
+    redis = start_redis(tmp_path, appendonly=True)  # an outage, not an empty restart
+    restarting: list[threading.Thread] = []
+
+    async def outage_then_fail(n: int) -> None:
+        if n == 2:  # the first step's check: Redis stops, the endpoint fails
+            await asyncio.to_thread(redis.stop)
+            back = threading.Timer(3.0, redis.restart)
+            back.start()
+            restarting.append(back)
+            raise ConnectionError("worker metrics endpoint gone")
+
+    client = connect(redis.url, timeout_s=1.0)
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        await store.change("affine", lambda _: STABLE)
+        with pytest.raises(RolloutAborted) as aborted:
+            await rollout_of(store, healthy_scrape(outage_then_fail)).run()
+        routing = await store.routing("affine")
+    finally:
+        for thread in restarting:
+            thread.join()
+        await client.aclose()
+        redis.stop()
+    assert "share set back to 0" in str(aborted.value), aborted.value
+    assert routing.traffic == {"stable": 100.0, "canary": 0.0}
+
+
+async def test_a_routing_changed_by_another_writer_stops_the_rollout_and_is_left_as_it_is(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """An operator's `routing set` mid-rollout (every call back to stable, the canary label
+    gone) was overwritten at the next step, and the rollout went on to promote (review
+    finding). The rollout now stops at its next write, aborted, and leaves the operator's
+    routing as it is."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    operator = connect(redis_server.url, timeout_s=5.0)
+    set_by_hand: list[ModelRouting] = []
+
+    async def operator_sets(n: int) -> None:
+        if n == 2:  # during the first step
+            other = RoutingStore(operator, "fabric", load_repository(repository))
+            await other.change("affine", lambda _: STABLE)
+            set_by_hand.append(await other.routing("affine"))
+
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        await store.change("affine", lambda _: STABLE)
+        with pytest.raises(RolloutAborted) as aborted:
+            await rollout_of(store, healthy_scrape(operator_sets)).run()
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+        await operator.aclose()
+    assert isinstance(aborted.value.__cause__, RoutingChanged)
+    assert "NOT set back to 0" in str(aborted.value)
+    assert routing == set_by_hand[0]
+
+
+async def test_revisions_grow_past_those_gateways_hold_after_redis_restarts_empty(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """Revisions counted from the record's: after Redis restarted empty the next record was
+    revision 1, which a gateway holding 7 ignored, and every record after it up to 7 (review
+    finding). A revision is now the time in milliseconds, or one more than the record's."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        for _ in range(3):
+            held = await store.change("affine", lambda _: STABLE)
+        await asyncio.to_thread(redis_server.restart)
+        after = await store.change("affine", lambda _: STABLE)
+        again = await store.change("affine", lambda _: STABLE)
+    finally:
+        await client.aclose()
+    assert after.revision > held.revision
+    assert again.revision > after.revision

@@ -71,7 +71,7 @@ def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
     [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
      {"max_p99_ratio": 0.9}, {"min_requests": 0}, {"p99_slack_s": -0.001},
      {"max_error_rate_increase": math.nan}, {"max_p99_ratio": math.nan}, {"hold_s": math.inf},
-     {"steps": (math.nan, 100.0)}],
+     {"steps": (math.nan, 100.0)}, {"steps": (100.0,)}],
 )  # fmt: skip
 def test_an_inconsistent_plan_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
