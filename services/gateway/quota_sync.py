@@ -1,9 +1,17 @@
 """Fleet-wide tenant quotas: every gateway's recent demand, shared through Redis.
 
-Every `period_s` each gateway writes, in one pipelined round trip, its calls per second per
-tenant since the last write into one Redis hash (field: its id), and reads the whole hash
-back. From it, `quotas.fleet_shares` gives the fraction of each tenant's limits this gateway
-enforces until the next round. Nothing on the request path touches Redis.
+Every `period_s` each gateway writes, in one pipelined round trip, its calls and rows per
+second per tenant since the last write (over the time the round really took: a gateway whose
+loop lags under load reported its calls of 1.5 s as half a second's, and took three times its
+share from the others), and the calls it has in flight, into one Redis hash (field: its id),
+and reads the whole hash back. From it, `quotas.fleet_shares` gives the fraction of each
+tenant's limits this gateway enforces until the next round: by calls for the request rate and
+calls in flight, by rows for the row rate (split by calls, a tenant sending big batches to
+one gateway and single rows to another was refused most of its rows there, well under its
+limit); and calls in flight are held to what the other gateways left of the limit (a share
+follows new calls, so a tenant could hold its whole limit of long calls on one gateway, move
+its new calls to another, and hold the limit again there). Nothing on the request path
+touches Redis.
 
 A gateway's entry carries a sequence number; one whose number has not moved for
 `stale_after_periods` rounds belongs to a gateway that is gone and is ignored (a gateway that
@@ -28,10 +36,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from redis.exceptions import RedisError
 
@@ -44,6 +55,8 @@ from services.gateway.quotas import fleet_shares
 from services.gateway.tenants import TenantPolicy
 
 log = logging.getLogger(__name__)
+
+N = TypeVar("N", int, float)
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,8 @@ class QuotaSync:
         #: Rounds failed in a row, and the gateways the last good round saw (itself included).
         self._failures = 0
         self._num_gateways = 1
+        #: When demand was last taken (time.monotonic), for the rates of the next round.
+        self._taken_s = time.monotonic()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="quota-sync")
@@ -142,36 +157,60 @@ class QuotaSync:
 
     async def sync_once(self) -> dict[str, float]:
         """One round: publish local demand, read everyone's, apply the new shares."""
-        offered = self._admission.quotas.take_offered()
+        quotas = self._admission.quotas
+        now_s = time.monotonic()
+        # Rates over the time since the last take, a round's period at least (back to back,
+        # as in tests, a round of a few milliseconds would make a burst's calls a huge rate).
+        elapsed_s = max(self.config.period_s, now_s - self._taken_s)
+        self._taken_s = now_s
         limited = self._limited()
-        # Calls per round, as a rate of the nominal period: every gateway's figure has the
-        # same scale, whatever its round took.
-        demand = {t: n / self.config.period_s for t, n in offered.items() if t in limited}
+
+        def rates(offered: Mapping[str, int]) -> dict[str, float]:
+            return {t: n / elapsed_s for t, n in offered.items() if t in limited}
+
+        calls, rows = rates(quotas.take_offered()), rates(quotas.take_offered_rows())
+        running = {t: n for t in limited if (n := quotas.in_flight(t))}
         self._sequence += 1
-        entry = json.dumps({"seq": self._sequence, "demand": demand})
+        entry = json.dumps(
+            {"seq": self._sequence, "demand": calls, "rows": rows, "in_flight": running}
+        )
         async with self._client.pipeline(transaction=False) as pipe:
             if self._forgotten:
                 pipe.hdel(self.config.demand_key, *self._forgotten)
             pipe.hset(self.config.demand_key, self.gateway_id, entry)
             pipe.hgetall(self.config.demand_key)
             *_, raw = await pipe.execute()
-        demands = self._live_demands(raw)
-        self._num_gateways = max(1, len(demands))
-        shares = fleet_shares(self.gateway_id, demands, limited, self._admission.quotas.shares)
-        self._apply(shares)
+        reports = self._live_reports(raw)
+        self._num_gateways = max(1, len(reports))
+        local = self.gateway_id
+        calls_of = {g: r.calls for g, r in reports.items()}
+        shares = fleet_shares(local, calls_of, limited, quotas.shares)
+        row_shares = fleet_shares(
+            local, {g: r.rows for g, r in reports.items()}, limited, quotas.row_shares
+        )
+        others: Counter[str] = Counter()
+        for gateway_id, report in reports.items():
+            if gateway_id != local:
+                others.update(report.in_flight)
+        self._apply(shares, row_shares, others)
         return shares
 
     def _limited(self) -> frozenset[str]:
         """The tenants with a limit: the ones shares are computed for."""
         return frozenset(name for name, policy in self.tenants.items() if policy.is_limited)
 
-    def _apply(self, shares: dict[str, float]) -> None:
-        self._admission.quotas.set_shares(shares)
+    def _apply(
+        self,
+        shares: dict[str, float],
+        row_shares: Mapping[str, float] | None = None,
+        others_in_flight: Mapping[str, int] | None = None,
+    ) -> None:
+        self._admission.quotas.set_shares(shares, row_shares, others_in_flight)
         for tenant, share in shares.items():
             self._admission.set_share_gauge(tenant, share)
 
-    def _live_demands(self, raw: Mapping[bytes, bytes]) -> dict[str, dict[str, float]]:
-        demands: dict[str, dict[str, float]] = {}
+    def _live_reports(self, raw: Mapping[bytes, bytes]) -> dict[str, _Report]:
+        demands: dict[str, _Report] = {}
         seen: dict[str, tuple[int, int]] = {}
         forgotten: list[str] = []
         stale, forget = self.config.stale_after_periods, self.config.forget_after_periods
@@ -180,7 +219,12 @@ class QuotaSync:
                 gateway_id = field.decode()
                 parsed = json.loads(value)
                 sequence = int(parsed["seq"])
-                demand = {str(t): float(d) for t, d in dict(parsed["demand"]).items()}
+                demand = _Report(
+                    _numbers(parsed["demand"], float),
+                    # Absent from the entries of gateways older than row shares: no rows.
+                    _numbers(parsed.get("rows", {}), float),
+                    _numbers(parsed.get("in_flight", {}), int),
+                )
             except MALFORMED_RECORD_ERRORS:
                 continue  # not ours to interpret (another version's, say); never fatal
             previous = self._seen.get(gateway_id)
@@ -198,3 +242,17 @@ class QuotaSync:
                 forgotten.append(gateway_id)
         self._seen, self._forgotten = seen, forgotten
         return demands
+
+
+@dataclass(frozen=True)
+class _Report:
+    """A gateway's entry: per tenant, calls/s and rows/s offered, and calls in flight."""
+
+    calls: dict[str, float]
+    rows: dict[str, float]
+    in_flight: dict[str, int]
+
+
+def _numbers(raw: Any, kind: Callable[[Any], N]) -> dict[str, N]:
+    """tenant -> number of an entry's field (raises what MALFORMED_RECORD_ERRORS holds)."""
+    return {str(tenant): kind(value) for tenant, value in dict(raw).items()}

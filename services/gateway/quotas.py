@@ -2,8 +2,11 @@
 
 Limits in the tenant configuration are fleet-wide. Each gateway enforces its `share` of them:
 the fraction of the tenant's recent demand that reached this gateway, computed in the
-background from what every gateway reports (services.gateway.quota_sync, `fleet_shares`). A
-gateway alone, or one that has not heard from the others, enforces the whole limit.
+background from what every gateway reports (services.gateway.quota_sync, `fleet_shares`):
+calls for the request rate and calls in flight, rows for the row rate. Calls in flight are
+also held to what the other gateways left of the limit at their last report: a share follows
+new calls, not the calls still running where the demand was. A gateway alone, or one that has
+not heard from the others, enforces the whole limit.
 
 Pure: time comes in as `now_s`; nothing here reads a clock or does I/O.
 """
@@ -95,23 +98,50 @@ class TenantQuotas:
         self._tenants: dict[str, _TenantState] = {}
         #: tenant -> fraction of its fleet-wide limits this gateway enforces (default 1).
         self._shares: dict[str, float] = {}
-        #: Calls offered per tenant (granted or refused) since `take_offered` last ran.
+        #: tenant -> fraction of its fleet-wide row rate (default: its share).
+        self._row_shares: dict[str, float] = {}
+        #: tenant -> calls the other gateways had in flight at their last report.
+        self._others_in_flight: dict[str, int] = {}
+        #: Calls and rows offered per tenant (granted or refused) since the last take.
         self._offered: Counter[str] = Counter()
+        self._offered_rows: Counter[str] = Counter()
 
-    def set_shares(self, shares: Mapping[str, float]) -> None:
+    def set_shares(
+        self,
+        shares: Mapping[str, float],
+        row_shares: Mapping[str, float] | None = None,
+        others_in_flight: Mapping[str, int] | None = None,
+    ) -> None:
+        """The fleet's view, every round: each tenant's share of its limits, of its row rate
+        (None: the same shares) and the calls the other gateways have in flight (None: none
+        known)."""
         self._shares = dict(shares)
+        self._row_shares = dict(shares if row_shares is None else row_shares)
+        self._others_in_flight = dict(others_in_flight or {})
 
     @property
     def shares(self) -> Mapping[str, float]:
         """The shares set last (`set_shares`; empty before the first)."""
         return self._shares
 
+    @property
+    def row_shares(self) -> Mapping[str, float]:
+        return self._row_shares
+
     def share(self, tenant: str) -> float:
         return self._shares.get(tenant, 1.0)
+
+    def row_share(self, tenant: str) -> float:
+        return self._row_shares.get(tenant, self.share(tenant))
 
     def take_offered(self) -> Counter[str]:
         """Calls offered per tenant since the last take (the demand this gateway reports)."""
         offered, self._offered = self._offered, Counter()
+        return offered
+
+    def take_offered_rows(self) -> Counter[str]:
+        """Rows offered per tenant with a row rate since the last take."""
+        offered, self._offered_rows = self._offered_rows, Counter()
         return offered
 
     def in_flight(self, tenant: str) -> int:
@@ -132,7 +162,8 @@ class TenantQuotas:
         state = self._tenants.setdefault(policy.name, _TenantState())
         share = self.share(policy.name)
         if policy.max_concurrency is not None and not has_place:
-            limit = max(1, math.ceil(policy.max_concurrency * share))
+            left = policy.max_concurrency - self._others_in_flight.get(policy.name, 0)
+            limit = max(1, min(math.ceil(policy.max_concurrency * share), left))
             if state.in_flight >= limit:
                 return QuotaRefusal(
                     "max_concurrency",
@@ -154,6 +185,7 @@ class TenantQuotas:
         """Charges a call's input rows to the tenant's row rate."""
         if policy.rows_per_s is None:
             return None
+        self._offered_rows[policy.name] += num_rows
         state = self._tenants.setdefault(policy.name, _TenantState())
         return self._take(state, policy, "rows_per_s", num_rows, now_s)
 
@@ -171,7 +203,8 @@ class TenantQuotas:
         fleet_rate = getattr(policy, quota)
         if fleet_rate is None:
             return None
-        rate = fleet_rate * self.share(policy.name)
+        share = self.row_share(policy.name) if quota == "rows_per_s" else self.share(policy.name)
+        rate = fleet_rate * share
         bucket = _bucket_for(state.buckets, quota, rate, rate * policy.burst_s, now_s)
         wait_s = bucket.take(amount, now_s)
         if wait_s == 0.0:
@@ -191,7 +224,8 @@ def fleet_shares(
     previous: Mapping[str, float] | None = None,
 ) -> dict[str, float]:
     """Each tenant's share for gateway `local_id`, from every live gateway's recent demand
-    (gateway id -> tenant -> calls/s; the local gateway's own entry included). A tenant's
+    (gateway id -> tenant -> calls/s, or rows/s for the row rate's shares; the local
+    gateway's own entry included). A tenant's
     share is its local demand over its fleet demand, at least MIN_SHARE_OF_EQUAL / N. With no
     demand anywhere, it keeps its `previous` share (this gateway's last), else 1 / N: a round
     without new calls (a tenant between bursts, or holding long calls) says nothing about

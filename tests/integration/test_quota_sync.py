@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ from tests.support.redis import RedisServer
 pytestmark = pytest.mark.integration
 
 SEARCH = TenantPolicy("search", requests_per_s=100.0)
-TENANTS = {"search": SEARCH}
+BATCH = TenantPolicy("batch", requests_per_s=1000.0, rows_per_s=1000.0, max_concurrency=10)
+TENANTS = {"search": SEARCH, "batch": BATCH}
 
 
 def make_gateway(redis_server: RedisServer) -> tuple[TenantAdmission, QuotaSync]:
@@ -194,3 +197,62 @@ async def test_a_password_file_emptied_mid_rotation_fails_rounds_like_an_outage(
     finally:
         await busy_sync.stop()
         await quiet_sync.stop()
+
+
+async def test_rows_and_calls_in_flight_are_shared_by_what_each_gateway_reports(
+    redis_server: RedisServer,
+) -> None:
+    """Rows are split by rows (a gateway of 5 calls of 150 rows beside one of 95 single rows
+    takes nearly 0.9 of the row rate, where split by calls it took 0.05), and calls in flight
+    are held to what the other gateways left of the limit."""
+    (big, big_sync), (small, small_sync) = make_gateway(redis_server), make_gateway(redis_server)
+
+    def big_calls() -> None:
+        for _ in range(5):
+            big.acquire(BATCH)
+            big.quotas.take_rows(BATCH, 150, now_s=0.0)
+
+    try:
+        big_calls()
+        for _ in range(5):
+            big.enter(BATCH)  # five long calls in flight here
+        await big_sync.sync_once()
+        for _ in range(95):
+            small.acquire(BATCH)
+            small.quotas.take_rows(BATCH, 1, now_s=0.0)
+        await small_sync.sync_once()
+        assert small.quotas.row_share("batch") == pytest.approx(95 / 845, abs=0.01)
+        big_calls()  # a round of the same demand again, to read the small one's entry
+        shares = await big_sync.sync_once()
+        assert shares["batch"] == pytest.approx(5 / 100, abs=0.01)  # of calls
+        assert big.quotas.row_share("batch") == pytest.approx(750 / 845, abs=0.01)
+        # The small gateway, 0.95 of the calls, may start 5 calls: the big one holds 5.
+        admitted = 0
+        while small.acquire(BATCH) is None and admitted < 20:
+            small.enter(BATCH)
+            admitted += 1
+        assert admitted == 5
+    finally:
+        await big_sync.stop()
+        await small_sync.stop()
+
+
+async def test_demand_is_a_rate_over_the_time_a_round_really_took(
+    redis_server: RedisServer,
+) -> None:
+    """A gateway whose rounds lag (its loop busy) reported a round's calls as the nominal
+    period's (0.05 s here): 30 calls over 0.3 s as 600 a second, six times its real rate, and
+    took that share of the limits from the other gateways (review finding)."""
+    admission, sync = make_gateway(redis_server)
+    client = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await sync.sync_once()
+        for _ in range(30):
+            admission.acquire(SEARCH)
+        await asyncio.sleep(0.3)
+        await sync.sync_once()
+        entry = json.loads(await client.hget(sync.config.demand_key, sync.gateway_id))
+    finally:
+        await sync.stop()
+        await client.aclose()
+    assert 30 / 0.6 < entry["demand"]["search"] <= 30 / 0.3

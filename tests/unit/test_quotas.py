@@ -92,6 +92,38 @@ def test_a_gateway_enforces_its_share_of_fleet_wide_limits() -> None:
     assert granted == 2  # 25 requests/s x 0.1 s of burst, rounded down to whole calls
 
 
+def test_calls_in_flight_are_held_to_what_the_other_gateways_left_of_the_limit() -> None:
+    """A share follows new calls: a tenant whose long calls hold its whole limit on one
+    gateway, sending its new calls to another, got the whole limit again there (review
+    finding). The other gateways' calls in flight now count: one call (each gateway's floor),
+    then refusals."""
+    quotas, policy = TenantQuotas(), make_policy(max_concurrency=10)
+    quotas.set_shares({"search": 1.0}, others_in_flight={"search": 10})
+    admitted = 0
+    for _ in range(10):
+        if quotas.acquire(policy, now_s=0.0) is None:
+            quotas.enter("search")
+            admitted += 1
+    assert admitted == 1
+    quotas.set_shares({"search": 1.0}, others_in_flight={"search": 4})
+    assert sum(quotas.acquire(policy, now_s=0.0) is None for _ in range(10)) == 10
+    for _ in range(5):
+        quotas.enter("search")
+    assert quotas.acquire(policy, now_s=0.0) is not None  # 6 here and 4 there
+
+
+def test_the_row_rate_is_enforced_by_the_share_of_rows() -> None:
+    """A gateway taking few calls of many rows (a batch client) has a small share of the
+    tenant's calls and most of its rows: split by calls, it was refused most of its rows well
+    under the limit (review finding). Rows offered are counted, refused ones too."""
+    quotas, policy = TenantQuotas(), make_policy(rows_per_s=1000.0, burst_s=1.0)
+    quotas.set_shares({"search": 0.05}, row_shares={"search": 0.9})
+    granted = sum(quotas.take_rows(policy, 150, now_s=0.0) is None for _ in range(7))
+    assert granted == 6  # 900 rows of burst
+    assert quotas.take_offered_rows() == {"search": 1050}
+    assert quotas.take_offered_rows() == {}
+
+
 def test_fleet_shares_follow_each_gateways_demand() -> None:
     demands = {"a": {"search": 30.0, "ads": 0.0}, "b": {"search": 10.0}}
     shares = fleet_shares("a", demands, frozenset({"search", "ads", "quiet"}))
