@@ -13,6 +13,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -300,6 +301,18 @@ def rollout_of(store: RoutingStore, scrape: Callable[..., Awaitable[Snapshot]]) 
     )
 
 
+async def aborted_rollout(
+    client: Any, repository: Path, then: Callable[[int], Awaitable[None]]
+) -> tuple[RolloutAborted, ModelRouting]:
+    """A rollout from stable whose scrapes run `then` (healthy_scrape), which must abort it:
+    its error, and the routing in force after it."""
+    store = RoutingStore(client, "fabric", load_repository(repository))
+    await store.change("affine", lambda _: STABLE)
+    with pytest.raises(RolloutAborted) as aborted:
+        await rollout_of(store, healthy_scrape(then)).run()
+    return aborted.value, await store.routing("affine")
+
+
 async def test_an_abort_sets_the_share_back_once_redis_is_back_from_an_outage(
     tmp_path: Path, repository: Path
 ) -> None:
@@ -320,17 +333,13 @@ async def test_an_abort_sets_the_share_back_once_redis_is_back_from_an_outage(
 
     client = connect(redis.url, timeout_s=1.0)
     try:
-        store = RoutingStore(client, "fabric", load_repository(repository))
-        await store.change("affine", lambda _: STABLE)
-        with pytest.raises(RolloutAborted) as aborted:
-            await rollout_of(store, healthy_scrape(outage_then_fail)).run()
-        routing = await store.routing("affine")
+        aborted, routing = await aborted_rollout(client, repository, outage_then_fail)
     finally:
         for thread in restarting:
             thread.join()
         await client.aclose()
         redis.stop()
-    assert "share set back to 0" in str(aborted.value), aborted.value
+    assert "share set back to 0" in str(aborted), aborted
     assert routing.traffic == {"stable": 100.0, "canary": 0.0}
 
 
@@ -352,16 +361,12 @@ async def test_a_routing_changed_by_another_writer_stops_the_rollout_and_is_left
             set_by_hand.append(await other.routing("affine"))
 
     try:
-        store = RoutingStore(client, "fabric", load_repository(repository))
-        await store.change("affine", lambda _: STABLE)
-        with pytest.raises(RolloutAborted) as aborted:
-            await rollout_of(store, healthy_scrape(operator_sets)).run()
-        routing = await store.routing("affine")
+        aborted, routing = await aborted_rollout(client, repository, operator_sets)
     finally:
         await client.aclose()
         await operator.aclose()
-    assert isinstance(aborted.value.__cause__, RoutingChanged)
-    assert "NOT set back to 0" in str(aborted.value)
+    assert isinstance(aborted.__cause__, RoutingChanged)
+    assert "NOT set back to 0" in str(aborted)
     assert routing == set_by_hand[0]
 
 
