@@ -200,3 +200,15 @@ def test_a_results_stream_broken_before_any_result_fails_the_call(serve: Any) ->
         list(client.jobs().results("job-1"))
     assert failed.value.code == "UNAVAILABLE"
     assert servicer.result_streams == [0]
+
+
+def test_a_results_poll_dropped_before_any_result_is_opened_again(serve: Any) -> None:
+    """A results stream dropped unseen (CANCELLED before any result) ended the whole wait for
+    the job's results, where a get beside it was sent again (review finding). It is opened
+    again after the drop's wait, from the same index."""
+    servicer = RefusingJobs(code=grpc.StatusCode.CANCELLED, broken_streams=2, per_stream=0)
+    policy = RetryPolicy(dropped_retry_s=0.05)
+    with Client(serve(servicer), timeout_s=10, retry=policy) as client:
+        results = list(client.jobs().results("job-1"))
+    assert [r.index for r in results] == list(range(25))
+    assert servicer.result_streams == [0, 0, 0]

@@ -19,6 +19,7 @@ from inference_fabric_client.throttle import ThrottlePolicy
 
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import types_pb2
 from tests.support.sync_servers import sync_servers
 
 pytestmark = pytest.mark.integration
@@ -36,6 +37,7 @@ class Refusing(api_grpc.InferenceServiceServicer):
     delay_s: float = 0.0
     calls: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    breaks_after_first: bool = False
 
     def Predict(self, request: api.PredictRequest, context: Any) -> api.PredictResponse:
         with self.lock:
@@ -47,6 +49,21 @@ class Refusing(api_grpc.InferenceServiceServicer):
                 context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
             context.abort(self.code, "busy")
         return api.PredictResponse(model_name=request.model_name, model_version="1")
+
+    def Generate(self, request: api.GenerateRequest, context: Any) -> Iterator[Any]:
+        """Refused as Predict is (the same count), else "a", "b", then `code` if
+        `breaks_after_first` (a stream cut after its first message)."""
+        with self.lock:
+            self.calls.append(time.monotonic())
+            refuse = len(self.calls) <= self.refusals
+        if refuse:
+            if self.hint_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(self.hint_ms)),))
+            context.abort(self.code, "busy")
+        yield types_pb2.GenerateResponse(text="a", token_ids=[1])
+        if self.breaks_after_first:
+            context.abort(self.code, "cut")
+        yield types_pb2.GenerateResponse(text="b", token_ids=[2])
 
 
 @pytest.fixture
@@ -108,6 +125,27 @@ def test_a_call_dropped_unseen_is_sent_again_after_a_jittered_wait(serve: Any) -
     with Client(serve(dropped), retry=policy) as client, pytest.raises(FabricError) as raised:
         client.predict("m", ["hello"], timeout_s=10)
     assert raised.value.code == "CANCELLED" and len(dropped.calls) == 3
+
+
+def test_a_generation_dropped_before_its_first_message_is_sent_again_never_after(
+    serve: Any,
+) -> None:
+    """A generation dropped unseen (or refused with a hint) failed the call: the client sent
+    only its predicts again (review finding). Until its first message came it is sent again
+    as a predict is; a stream cut after one is not (its text reached the caller)."""
+    servicer = Refusing(refusals=2, hint_ms=None, code=grpc.StatusCode.CANCELLED)
+    policy = RetryPolicy(dropped_retry_s=0.05)
+    with Client(serve(servicer), retry=policy) as client:
+        texts = [chunk.text for chunk in client.generate("m", "hi", timeout_s=10)]
+    assert texts == ["a", "b"] and len(servicer.calls) == 3
+
+    cut = Refusing(code=grpc.StatusCode.CANCELLED, breaks_after_first=True)
+    received = []
+    with Client(serve(cut), retry=policy) as client, pytest.raises(FabricError) as raised:
+        for chunk in client.generate("m", "hi", timeout_s=10):
+            received.append(chunk.text)
+    assert raised.value.code == "CANCELLED"
+    assert received == ["a"] and len(cut.calls) == 1
 
 
 def _close_once_called(servicer: Refusing, client: Client, after_s: float) -> FabricError:

@@ -22,13 +22,14 @@ gateway (`throttle`, inference_fabric_client.throttle): they raise `ThrottledErr
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
@@ -133,6 +134,23 @@ def _tensor(array: np.ndarray) -> types.Tensor:
 
 def _array(tensor: types.Tensor) -> np.ndarray:
     return np.frombuffer(tensor.raw_data, dtype=_DTYPES[tensor.dtype]).reshape(tuple(tensor.shape))
+
+
+def opening(open_stream: Callable[..., Any]) -> Callable[..., tuple[Any, list[Any]]]:
+    """A server-streaming method as a call for `Client._attempts`: opens the stream and reads
+    its first message, returning the stream and that message (none: a stream that ended
+    without one), so that the opening is sent again as a unary call is, a dropped one or one
+    refused for load, until a message came; never once it came (it reaches the caller)."""
+
+    def opened(request: Any, *, timeout: float, metadata: Any) -> tuple[Any, list[Any]]:
+        stream = open_stream(request, timeout=timeout, metadata=metadata)
+        try:
+            return stream, list(itertools.islice(stream, 1))
+        except BaseException:
+            stream.cancel()
+            raise
+
+    return opened
 
 
 class Client:
@@ -378,11 +396,13 @@ class Client:
             sampling=sampling,
             priority=_priority(priority),
         )
-        stream = self._stub.Generate(
-            request, timeout=self._timeout(timeout_s), metadata=self._metadata
+        # Sent again as a predict is (a drop, a refusal with a hint) until its first message
+        # came, never after: a dropped generation failed the call (review finding).
+        stream, first = self._attempts(
+            opening(self._stub.Generate), request, self._timeout(timeout_s)
         )
         try:
-            for reply in stream:
+            for reply in itertools.chain(first, stream):
                 yield GenerationChunk(
                     text=reply.text,
                     token_ids=list(reply.token_ids),

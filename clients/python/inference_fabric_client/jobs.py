@@ -23,6 +23,7 @@ second job.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ import numpy as np
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import jobs_pb2 as jobs
 from inference_fabric_client._pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
-from inference_fabric_client.client import FabricError, _array
+from inference_fabric_client.client import FabricError, _array, opening
 
 _STATES = {value: name.removeprefix("JOB_STATE_").lower()
            for name, value in jobs.JobState.items()}  # fmt: skip
@@ -165,18 +166,19 @@ class Jobs:
         """Results from `start_index` in input order; with `wait`, until every item is in. A
         stream that ends UNAVAILABLE or DEADLINE_EXCEEDED (a gateway restarting, results
         slower to read than the client's timeout) after results came is opened again from the
-        next index: only a stream that brought none fails the call."""
+        next index: only a stream that brought none fails the call, once the retries a get
+        would have (a dropped or refused opening) are spent."""
         index = start_index
         while True:
             if self._is_closed():
                 raise FabricError("CANCELLED", "the client is closed")
             request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
-            stream = self._stub.GetJobResults(
-                request, timeout=self._timeout_s, metadata=self._metadata
-            )
+            # Opened again as a get is (a drop, a refusal with a hint) until a result came: a
+            # dropped poll ended a wait of an hour (review finding).
+            stream, first = self._call(opening(self._stub.GetJobResults), request)
             opened_at = index
             try:
-                for result in stream:
+                for result in itertools.chain(first, stream):
                     index = result.index + 1
                     output = _array(result.output) if result.HasField("output") else None
                     yield ItemResult(result.index, _ITEM_STATUSES[result.status], output,
