@@ -8,9 +8,17 @@ Rules:
 - Every version of a wanted model found in the repository is loaded; a version that failed
   to load is retried only once its model's revision has grown (a new RepositoryModelLoad),
   never every period.
-- Every loaded version of an unwanted model, or of a wanted one no longer in the repository,
-  is unloaded.
-Unloads come first (they free memory a load may need), each list in name, version order.
+- Every loaded version of an unwanted model is unloaded, first (freeing memory a load may
+  need).
+- A loaded version of a wanted model no longer in the repository is retired (`Retire`): after
+  the loads, so that a version replaced on disk (v1 deleted, v2 added) serves until its
+  replacement does, and not at all while its model serves no other version and a load of it
+  failed at its revision (`keeps_serving`: RELIABILITY.md, a new version that fails to load
+  leaves the old one serving). Unloaded first, a swap left the model served by no worker of
+  the fleet for the new version's load and warm-up, and for good when it failed (review
+  finding). A model whose every version left the repository, with nothing failed, retires
+  them all.
+Each list in name, version order.
 """
 
 from __future__ import annotations
@@ -40,7 +48,16 @@ class Unload:
     version: str
 
 
-Action = Load | Unload
+@dataclass(frozen=True)
+class Retire:
+    """Unload this version, gone from the repository, unless `keeps_serving` says it must
+    stay (checked when it is applied, after the plan's loads)."""
+
+    model: str
+    version: str
+
+
+Action = Load | Unload | Retire
 
 
 def is_wanted(model: str, desired: Mapping[str, DesiredState], pool: tuple[str, ...]) -> bool:
@@ -69,19 +86,34 @@ def plan(
     `failed` maps each version that failed to load to its model's revision at the attempt;
     `repository` is every version on disk, `loaded` every version served now."""
     on_disk = set(repository)
-    serving = set(loaded)
-    unloads = [
-        Unload(name, version)
-        for name, version in sorted(serving, key=_order)
-        if not is_wanted(name, desired, pool) or (name, version) not in on_disk
-    ]
+    serving = sorted(set(loaded), key=_order)
+    unloads = [Unload(*key) for key in serving if not is_wanted(key[0], desired, pool)]
     loads = [
         Load(name, version)
-        for name, version in sorted(on_disk - serving, key=_order)
+        for name, version in sorted(on_disk - set(serving), key=_order)
         if is_wanted(name, desired, pool)
         and failed.get((name, version), -1) != revision_of(name, desired)
     ]
-    return (*unloads, *loads)
+    retires = [
+        Retire(*key) for key in serving if is_wanted(key[0], desired, pool) and key not in on_disk
+    ]
+    return (*unloads, *loads, *retires)
+
+
+def keeps_serving(
+    retire: Retire,
+    *,
+    desired: Mapping[str, DesiredState],
+    loaded: Iterable[VersionKey],
+    failed: Mapping[VersionKey, int],
+) -> bool:
+    """Whether a version gone from the repository stays loaded: its model serves no other
+    version, and a load of one failed at the model's revision (its replacement)."""
+    model = retire.model
+    if any(name == model and version != retire.version for name, version in loaded):
+        return False
+    revision = revision_of(model, desired)
+    return any(name == model and at == revision for (name, _), at in failed.items())
 
 
 def _order(key: VersionKey) -> tuple[str, int]:

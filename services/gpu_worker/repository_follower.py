@@ -25,9 +25,11 @@ from services.gpu_worker.hot_swap import ModelSwapper, in_daemon_thread
 from services.gpu_worker.loaded_models import LoadedModels
 from services.gpu_worker.reconcile import (
     Action,
+    Retire,
     Unload,
     VersionKey,
     is_wanted,
+    keeps_serving,
     plan,
     revision_of,
 )
@@ -165,7 +167,11 @@ class RepositoryFollower:
         desired: Mapping[str, DesiredState],
         versions: Mapping[VersionKey, ModelVersion],
     ) -> None:
-        if isinstance(action, Unload):
+        if isinstance(action, Retire):
+            loaded = [(m.config.name, m.version.version) for m in self._models.all]
+            if keeps_serving(action, desired=desired, loaded=loaded, failed=self._failed):
+                return  # its replacement failed to load: it serves on (logged at the failure)
+        if isinstance(action, Unload | Retire):
             await self._swapper.unload(action.model, action.version)
             return
         key = (action.model, action.version)

@@ -192,6 +192,39 @@ async def test_a_corrupt_new_version_fails_to_load_and_the_rest_keeps_serving(
     assert await eventually(lambda: _no_failures(redis_server), message="failure cleared")
 
 
+async def test_a_version_replaced_on_disk_serves_until_its_replacement_loads(
+    tmp_path: Path, worker: Worker, redis_server: RedisServer
+) -> None:
+    """A swap as the repository API has it (no per-version control): v1 deleted, v2 added,
+    a load written. The worker unloaded v1 first, then loaded v2: the model was served by no
+    worker of the fleet meanwhile, and, v2 corrupt, for good (review finding; RELIABILITY.md:
+    a new version that fails to load leaves the old one serving). v1 now serves until a v2
+    does: through v2's failure, and until a fixed v2 loads, then it is retired."""
+    model_dir = tmp_path / "repo" / "affine"
+    (model_dir / "2").mkdir()
+    (model_dir / "2" / "model.pt").write_bytes(b"not a torchscript archive")
+    shutil.rmtree(model_dir / "1")
+    await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        await eventually(lambda: registered_failures(redis_server), timeout_s=CONVERGE_S)
+        served = await listed(stub)
+        during = await stub.Infer(request(), timeout=10)
+
+        write_versioned_affine_model(tmp_path / "fixed", versions=(2,))
+        (model_dir / "2" / "model.pt").write_bytes(
+            (tmp_path / "fixed" / "affine" / "2" / "model.pt").read_bytes()
+        )
+        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 2))
+        await eventually(lambda: _lacks(stub, ("affine", "1")), timeout_s=CONVERGE_S)
+        swapped = await listed(stub)
+        after = await stub.Infer(request(), timeout=10)
+    assert ("affine", "1") in served
+    assert during.model_version == "1"
+    assert ("affine", "2") in swapped
+    assert after.model_version == "2"
+
+
 async def follow_once(
     worker: Worker,
     client: Any,

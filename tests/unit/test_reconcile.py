@@ -11,7 +11,7 @@ from services.common.repository_state import (
     next_revision,
     parse_desired,
 )
-from services.gpu_worker.reconcile import Load, Unload, VersionKey, plan
+from services.gpu_worker.reconcile import Load, Retire, Unload, VersionKey, keeps_serving, plan
 
 pytestmark = pytest.mark.unit
 
@@ -33,7 +33,7 @@ def make_plan(
     failed: dict[VersionKey, int] | None = None,
     pool: tuple[str, ...] = (),
     repository: list[VersionKey] | None = None,
-) -> tuple[Load | Unload, ...]:
+) -> tuple[Load | Unload | Retire, ...]:
     return plan(
         desired=desired or {},
         loaded=REPOSITORY if serving is None else serving,
@@ -91,9 +91,33 @@ def test_a_failed_version_without_entry_is_not_retried() -> None:
     assert make_plan(serving=[("echo", "1"), ("sentiment", "1")], failed={("echo", "2"): 0}) == ()
 
 
-def test_a_version_gone_from_the_repository_is_unloaded() -> None:
+def test_a_version_gone_from_the_repository_is_retired() -> None:
     actions = make_plan(repository=[("echo", "2"), ("sentiment", "1")])
-    assert actions == (Unload("echo", "1"),)
+    assert actions == (Retire("echo", "1"),)
+
+
+def test_a_version_replaced_on_disk_is_retired_after_its_replacement_loads() -> None:
+    """v1 deleted and v2 added: v2 loads first, then v1 is retired; unloaded first, the model
+    was served by no worker for v2's load, and for good if it failed (review finding)."""
+    actions = make_plan(
+        serving=[("echo", "1"), ("sentiment", "1")],
+        repository=[("echo", "2"), ("sentiment", "1")],
+    )
+    assert actions == (Load("echo", "2"), Retire("echo", "1"))
+
+
+def test_a_retired_version_serves_on_while_its_replacement_failed() -> None:
+    retire, desired = Retire("echo", "1"), {"echo": loaded(3)}
+    # v2 failed at the model's revision, and nothing else of echo serves: v1 stays.
+    assert keeps_serving(retire, desired=desired, loaded=[("echo", "1")], failed={("echo", "2"): 3})
+    # Failed at an older revision (a load since retries it), v2 serving, or nothing failed.
+    assert not keeps_serving(
+        retire, desired=desired, loaded=[("echo", "1")], failed={("echo", "2"): 2}
+    )
+    assert not keeps_serving(
+        retire, desired=desired, loaded=[("echo", "1"), ("echo", "2")], failed={}
+    )
+    assert not keeps_serving(retire, desired=desired, loaded=[("echo", "1")], failed={})
 
 
 def test_unloads_come_before_loads_in_version_order() -> None:
