@@ -179,6 +179,11 @@ class ModelCatalog:
         self._newest_defaults.clear()
         return [f"{name}/{version}" for name, version in gone]
 
+    def serves_gone(self, on_disk: set[tuple[str, str]]) -> bool:
+        """Whether a live worker serves a version this gateway holds that is gone from the
+        repository (`on_disk`): kept by `forget_versions` until no worker does."""
+        return any(key in self._encoders and key not in on_disk for key in self._served)
+
     def is_current(self, name: str, version: str, fingerprint: str) -> bool:
         """Whether a live worker serves `name`/`version` with `fingerprint`, and this gateway
         still knows the version: what is kept per version elsewhere (a bundle tokenizer, a

@@ -75,10 +75,12 @@ def start_repository_control(
 
 class RepositoryRead(NamedTuple):
     """What one read of the repository changed: the versions added (`name/version`), and
-    the models that did not read, with why."""
+    the models that did not read, with why; and every version it found (those of a model
+    that did not read: what was known of it)."""
 
     added: list[str]
     failed: dict[str, str]
+    on_disk: frozenset[tuple[str, str]]
 
 
 class RepositoryControl:
@@ -178,8 +180,11 @@ class RepositoryControl:
                 added.append(f"{name}/{version.version}")
             if added:
                 log.info("model repository re-read: %s added", ", ".join(added))
-            self._is_whole = not failed
-            return RepositoryRead(added, failed)
+            # A version gone from the disk that a worker still serves (a swap's, until its
+            # successor serves) is kept; read again until it is forgotten (it would be listed,
+            # its tokenizer held, until a later load).
+            self._is_whole = not failed and not self._catalog.serves_gone(on_disk)
+            return RepositoryRead(added, failed, frozenset(on_disk))
 
     async def desired(self) -> dict[str, DesiredState]:
         """Every model's desired state; UNAVAILABLE while Redis cannot be read."""
@@ -196,15 +201,16 @@ class RepositoryControl:
             await self._reread(model_name)
         return await self._write_state(model_name, state)
 
-    async def _reread(self, model_name: str) -> None:
+    async def _reread(self, model_name: str) -> RepositoryRead:
         """`read_repository`; INVALID_ARGUMENT when the repository, or `model_name` in it,
         does not read (another model that does not read fails only its own loads)."""
         try:
-            failed = (await self.read_repository()).failed
+            read = await self.read_repository()
         except (ModelConfigError, OSError) as error:
             raise InvalidInput(f"the model repository does not load: {error}") from error
-        if model_name in failed:
-            raise InvalidInput(f"model {model_name!r} does not load: {failed[model_name]}")
+        if model_name in read.failed:
+            raise InvalidInput(f"model {model_name!r} does not load: {read.failed[model_name]}")
+        return read
 
     async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
         config = self._catalog.config(model_name)
@@ -217,19 +223,22 @@ class RepositoryControl:
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:
         """Writes the model's LOADED state and waits, as Triton's load does, until live
-        workers serve every version of it in the repository. Raises ModelLoadFailed as soon as
+        workers serve every version of it on disk. Raises ModelLoadFailed as soon as
         a worker reports a version it failed to load (a failure already reported before this
         call counts only once `timeout_s` passes: a worker retrying the same files fails the
         same way), and Unavailable when nothing is decided within `timeout_s` (no live worker
         has the model in its pool, or loading takes longer: the fleet keeps converging)."""
-        await self._reread(model_name)  # first: a model whose files came back is found again
+        read = await self._reread(model_name)  # first: a model whose files came back is found
         name = self._catalog.config(model_name).name
+        # The versions on disk: one deleted that a worker still serves is kept in the catalog
+        # until its successor serves (a swap), and waited for, it never would be (review
+        # finding: the load answered UNAVAILABLE after its whole timeout).
+        wanted = {version for model, version in read.on_disk if model == name}
         reported_before = {_failure_key(f) for f in self._failures(name)}
         await self._write_state(name, ModelState.LOADED)
         deadline_s = time.monotonic() + timeout_s
         while True:
             self._catalog.config(name)  # NOT_FOUND once a re-read forgot it (files removed)
-            wanted = set(self._catalog.repository_versions(name))
             served = {v.model_version for v in self._catalog.served_versions(name)}
             if wanted <= served:
                 return

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -216,3 +217,32 @@ async def test_a_corrupt_version_fails_its_load_clearly_and_the_served_ones_keep
 
 async def _not(ready: object) -> bool:
     return not await ready  # type: ignore[misc]
+
+
+async def test_a_version_replaced_on_the_volume_serves_until_its_successor_does(
+    stack: Stack, repo: Path
+) -> None:
+    """A swap as the repository extension has it: a served version deleted from the volume, a
+    new one written, a load (stock client) while traffic runs. The workers unloaded the old
+    version before the new one served, and the load waited for the deleted version (kept by
+    the gateway while a worker served it) until its timeout: UNAVAILABLE (review findings).
+    The load answers OK once the new version serves, no call fails, and the deleted version
+    leaves the index."""
+    write_versioned_affine_model(repo, versions=(1, 2))
+    assert repository(stack, "load", ADMIN_KEY)["status"] == "OK"
+    traffic = Traffic(stack)
+    try:
+        shutil.rmtree(repo / "affine" / "1")
+        write_versioned_affine_model(repo, versions=(2, 3))
+        loaded = await asyncio.to_thread(repository, stack, "load", ADMIN_KEY)
+
+        async def v1_gone() -> bool:
+            index = await asyncio.to_thread(repository, stack, "index", ADMIN_KEY)
+            return ("affine", "1") not in {(m["name"], m["version"]) for m in index["index"]}
+
+        await eventually(v1_gone, timeout_s=CONVERGE_S, message="v1 left the index")
+    finally:
+        await traffic.stop()
+    assert loaded["status"] == "OK", loaded
+    assert not traffic.failures, traffic.failures[:3]
+    assert "3" in traffic.versions
