@@ -40,10 +40,15 @@ def weights_bytes(weights_dir: Path) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory where the version will live: the GPU's, else the machine's."""
+    """Free memory where the version will live: the GPU's, else the machine's. On a GPU, the
+    driver's free memory and what PyTorch's caching allocator holds unused (reserved, not
+    allocated: the new version's tensors take it, and the allocator empties its cache before
+    it fails an allocation); the driver counts that as used, so a worker that had served big
+    batches refused loads that fit (review finding)."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free) + max(0, int(cached))
     return available_memory_bytes()
 
 

@@ -16,6 +16,7 @@ from services.gpu_worker.memory_budget import (
     LOAD_MEMORY_FACTOR,
     InsufficientMemory,
     check_fits,
+    free_memory_bytes,
     kv_cache_bytes,
     weights_bytes,
 )
@@ -79,3 +80,19 @@ def test_a_containers_memory_limit_bounds_what_a_load_may_take(tmp_path: Path) -
     assert available_memory_bytes(tmp_path) == 324 * MIB
     (tmp_path / "memory.max").write_text("max\n")
     assert available_memory_bytes(tmp_path) > 324 * MIB
+
+
+def test_a_gpus_free_memory_counts_what_pytorchs_cache_holds_unused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The driver counts the caching allocator's reserved, unallocated blocks as used: a
+    worker that had served big batches holding GiBs there refused loads that fit (review
+    finding). Free is the driver's free plus that cache (torch.cuda's readings stood in for:
+    no GPU here)."""
+    gib = 1024 * MIB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (6 * gib, 80 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 26 * gib)
+    free = free_memory_bytes(torch.device("cuda", 0))
+    assert free == 10 * gib
+    check_fits(weights=4 * gib, free=free, device=torch.device("cuda", 0))  # 8 GiB needed
