@@ -66,6 +66,10 @@ def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
     return desired
 
 
-def next_revision(desired: Mapping[str, DesiredState]) -> int:
-    """The revision the next write carries: one above every entry's."""
-    return 1 + max((d.revision for d in desired.values()), default=0)
+def next_revision(desired: Mapping[str, DesiredState], now_s: float) -> int:
+    """The revision the next write carries: the time in milliseconds (`now_s`, seconds since
+    the epoch), or one above every entry's if that is not less. Counted from the entries
+    alone, revisions started again at 1 after Redis restarted empty: a worker that had failed
+    a version at revision 1 took the new load's 1 for the one it had tried, and retried
+    nothing (review finding)."""
+    return max(int(now_s * 1000), 1 + max((d.revision for d in desired.values()), default=0))

@@ -214,7 +214,7 @@ class RepositoryControl:
 
     async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
         config = self._catalog.config(model_name)
-        entry = DesiredState(state, next_revision(await self.desired()))
+        entry = DesiredState(state, next_revision(await self.desired(), time.time()))
         try:
             await self._client.hset(self._key, config.name, entry.to_json())
         except (RedisError, OSError) as error:

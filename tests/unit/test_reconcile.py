@@ -145,6 +145,10 @@ def test_malformed_entries_are_left_out() -> None:
     assert parse_desired(fields) == {"d": unloaded(2)}
 
 
-def test_next_revision_grows_past_every_entry() -> None:
-    assert next_revision({}) == 1
-    assert next_revision({"a": loaded(3), "b": unloaded(9)}) == 10
+def test_next_revision_is_the_time_in_ms_or_past_every_entry() -> None:
+    """After Redis restarted empty, a revision counted from the entries started again at 1,
+    which a worker that had failed a version at 1 took for the attempt it had made."""
+    assert next_revision({}, now_s=1_700_000_000.5) == 1_700_000_000_500
+    assert next_revision({"a": loaded(3), "b": unloaded(9)}, now_s=0.001) == 10
+    entries = {"a": loaded(1_700_000_000_900)}
+    assert next_revision(entries, now_s=1_700_000_000.5) == 1_700_000_000_901
