@@ -148,11 +148,14 @@ def test_a_generation_dropped_before_its_first_message_is_sent_again_never_after
     assert received == ["a"] and len(cut.calls) == 1
 
 
-def _close_once_called(servicer: Refusing, client: Client, after_s: float) -> FabricError:
-    """Closes `client` from this thread `after_s` after its predict (in another thread) reached
-    `servicer`; returns the predict's failure."""
+def _close_once_called(
+    servicer: Refusing, client: Client, after_s: float, timeout_s: float = 10
+) -> FabricError:
+    """Closes `client` from this thread `after_s` after its predict (in another thread, of
+    `timeout_s`) reached `servicer`; returns the predict's failure, which must come within
+    10 s."""
     with futures.ThreadPoolExecutor(1) as pool:
-        call = pool.submit(client.predict, "m", ["hello"], timeout_s=10)
+        call = pool.submit(client.predict, "m", ["hello"], timeout_s=timeout_s)
         deadline = time.monotonic() + 10
         while not servicer.calls and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -173,10 +176,13 @@ def test_a_call_cut_short_by_closing_the_client_is_not_retried(serve: Any) -> No
 
 
 def test_a_client_closed_while_it_waits_to_retry_sends_nothing_again(serve: Any) -> None:
-    servicer = Refusing(refusals=1, hint_ms=2000)
-    # 0.3 s after the call arrived, its refusal is back: the client waits its 2 s hint (wide
+    """Closed during the wait for a retry (a 20 s hint here, within the call's 60 s), the
+    call fails at once: the wait slept its whole hint before it looked (review finding: a
+    60 s store-full hint held a closing program's thread a minute)."""
+    servicer = Refusing(refusals=1, hint_ms=20_000)
+    # 0.3 s after the call arrived, its refusal is back: the client waits its hint (wide
     # margins both ways: a loaded machine may be slow to hand the refusal back, or to close).
-    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.3)
+    failure = _close_once_called(servicer, Client(serve(servicer)), after_s=0.3, timeout_s=60)
     assert failure.code == "RESOURCE_EXHAUSTED"
     assert len(servicer.calls) == 1
 

@@ -36,3 +36,10 @@ def test_a_budget_that_could_never_hold_a_retry_is_refused(min_tokens: float) ->
     with pytest.raises(ValueError, match="min_tokens"):
         RetryPolicy(min_tokens=min_tokens)
     RetryPolicy(min_tokens=min_tokens, max_retries=0)  # retries off: fine
+
+
+@pytest.mark.parametrize("setting", ["ratio", "refill_per_s", "min_tokens", "dropped_retry_s"])
+def test_a_retry_policy_setting_that_is_no_number_is_refused(setting: str) -> None:
+    """min() skips NaN: a NaN ratio or refill was taken, and pinned the budget full."""
+    with pytest.raises(ValueError, match="finite"):
+        RetryPolicy(**{setting: float("nan")})

@@ -55,3 +55,17 @@ def test_a_closed_client_refuses_calls_as_cancelled() -> None:
         with pytest.raises(FabricError) as refused:
             call()
         assert refused.value.code == "CANCELLED"
+
+
+@pytest.mark.parametrize("timeout_s", [float("nan"), float("inf")])
+def test_a_call_timeout_that_is_no_number_of_seconds_is_refused(timeout_s: float) -> None:
+    """The client's own timeout was checked, a call's was not: NaN went out as no time at
+    all (DEADLINE_EXCEEDED, or grpc's error on a stream), infinity as no deadline, retries
+    then bounded by their count alone (review finding)."""
+    with Client("127.0.0.1:1", throttle=None) as client:
+        for call in (
+            lambda: client.predict("m", ["x"], timeout_s=timeout_s),
+            lambda: list(client.generate("m", "x", timeout_s=timeout_s)),
+        ):
+            with pytest.raises(ValueError, match="finite number of seconds"):
+                call()

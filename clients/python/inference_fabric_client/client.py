@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -201,8 +202,9 @@ class Client:
         self._retry = retry or RetryPolicy()
         self._budget = RetryBudget(self._retry)
         self._throttles = ModelThrottles(throttle) if throttle is not None else None
-        #: Closed (from any thread): a call then cut short ends CANCELLED and is not retried.
-        self._is_closed = False
+        #: Set once closed (from any thread): a call then cut short ends CANCELLED and is not
+        #: retried, and a retry's wait ends at once.
+        self._closed = threading.Event()
 
     def __enter__(self) -> Client:
         return self
@@ -210,8 +212,12 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def _is_closed(self) -> bool:
+        return self._closed.is_set()
+
     def close(self) -> None:
-        self._is_closed = True
+        self._closed.set()
         self._channel.close()
 
     def jobs(self) -> Jobs:
@@ -268,6 +274,8 @@ class Client:
             return self._timeout_s
         if timeout_s <= 0:
             raise FabricError("DEADLINE_EXCEEDED", f"timeout of {timeout_s} s: no time left")
+        if not timeout_s < math.inf:  # NaN was sent as no time, inf as no deadline
+            raise ValueError(f"timeout_s must be a finite number of seconds, got {timeout_s}")
         return timeout_s
 
     def _call_with_retries(
@@ -348,8 +356,7 @@ class Client:
                 or not self._budget.try_spend()
             ):
                 raise failure from None
-            time.sleep(hint)
-            if self._is_closed:  # closed during the wait: nothing is sent again
+            if self._closed.wait(hint):  # closed during the wait: nothing is sent again
                 raise failure from None
         raise AssertionError("unreachable")  # the last attempt returns or raises
 

@@ -13,6 +13,7 @@ bounded to a share of the calls this client made recently (`ratio`), plus a few 
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -44,6 +45,9 @@ class RetryPolicy:
 
     def __post_init__(self) -> None:
         settings = (self.max_retries, self.ratio, self.min_tokens, self.refill_per_s)
+        if not all(math.isfinite(x) for x in (*settings, self.min_attempt_s, self.dropped_retry_s)):
+            # min() skips NaN, and a NaN ratio or refill pinned the budget full: no bound.
+            raise ValueError("a retry policy's settings must be finite numbers")
         if min(*settings, self.min_attempt_s, self.dropped_retry_s) < 0:
             raise ValueError(
                 "max_retries, ratio, min_tokens, refill_per_s, min_attempt_s and "
