@@ -691,7 +691,8 @@ def test_prod_serves_tls_everywhere_and_mtls_between_tiers(
         configs = {tier: parsed_configs[f"{name}/{tier}"] for tier in TIERS}
         if name == "dev":
             for tier, config in configs.items():
-                assert config["tls"] == {k: None for k in config["tls"]}, f"dev/{tier}"
+                files = {k: v for k, v in config["tls"].items() if k != "health_port"}
+                assert files == {k: None for k in files}, f"dev/{tier}"
             assert configs["gateway"]["router_tls"]["ca_file"] is None
             assert configs["router"]["worker_tls"]["ca_file"] is None
             continue
@@ -714,6 +715,21 @@ def test_prod_serves_tls_everywhere_and_mtls_between_tiers(
                 assert in_secret_mount(path, tls_root, mounts), f"{name}/{caller}.{field}.{key}"
         # Workers are dialled by pod IP: their certificate's name must be named instead.
         assert configs["router"]["worker_tls"]["server_name"], name
+
+
+def test_the_gateways_probes_ask_its_health_only_port_in_every_render(
+    renders: dict[str, Objects], parsed_configs: dict[str, dict[str, Any]]
+) -> None:
+    """The gateway's gRPC port refuses calls past its cap (--max-concurrent-rpcs), probes
+    included: probed there (dev, and the chart without TLS), a gateway busy with long streams
+    turned unready and was restarted (review finding). Its probes ask its plaintext
+    health-only port, TLS or not."""
+    for name, objects in renders.items():
+        gateway = main_container(workloads(objects)["gateway"])
+        health_port = container_port(gateway, "health")
+        assert parsed_configs[f"{name}/gateway"]["tls"]["health_port"] == health_port, name
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert gateway[probe]["grpc"]["port"] == health_port, f"{name}: {probe}"
 
 
 def test_services_select_one_deployment_on_named_ports(renders: dict[str, Objects]) -> None:
