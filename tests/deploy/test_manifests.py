@@ -732,6 +732,19 @@ def test_the_gateways_probes_ask_its_health_only_port_in_every_render(
             assert gateway[probe]["grpc"]["port"] == health_port, f"{name}: {probe}"
 
 
+def test_a_workers_rollout_deadline_outlasts_its_startup_probe(
+    renders: dict[str, Objects],
+) -> None:
+    """A new worker may take the startup probe's whole allowance (10 minutes of loading and
+    warming up, after its image pull): at the Deployment's default progress deadline (also
+    600 s) a slow, healthy rollout was reported failed (review finding)."""
+    for name, objects in renders.items():
+        worker = workloads(objects)["gpu-worker"]
+        startup = main_container(worker)["startupProbe"]
+        allowance_s = startup["periodSeconds"] * startup["failureThreshold"]
+        assert worker["spec"].get("progressDeadlineSeconds", 600) > allowance_s, name
+
+
 def test_services_select_one_deployment_on_named_ports(renders: dict[str, Objects]) -> None:
     for name, objects in renders.items():
         for service in of_kind(objects, "Service"):
