@@ -35,6 +35,7 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.common.model_repository import ModelKind
 from services.common.model_routing import ModelRouting
 from services.common.telemetry import MetricFactory
 from services.rollout.health import Snapshot, health_between
@@ -112,11 +113,19 @@ class CanaryRollout:
             raise ValueError(f"the check period must be > 0 seconds, got {self.check_period_s}")
 
     async def run(self) -> Decision:
-        """Runs the plan to PROMOTE or ROLLBACK. Raises ValueError if the model has no
-        `stable` label, the canary version is unknown or there is no metrics endpoint, and
-        ClusterError if the pool cannot be made ready (the routing is unchanged then). An
-        error while stepping aborts the rollout as a rollback would and raises RolloutAborted
-        from it; cancellation aborts it the same way and stays a cancellation."""
+        """Runs the plan to PROMOTE or ROLLBACK. Raises ValueError if the model generates
+        text (nothing judges its canary), has no `stable` label, the canary version is
+        unknown or there is no metrics endpoint, and ClusterError if the pool cannot be made
+        ready (the routing is unchanged then). An error while stepping aborts the rollout as
+        a rollback would and raises RolloutAborted from it; cancellation aborts it the same
+        way and stays a cancellation."""
+        if self.store.kind(self.model) is ModelKind.GENERATION:
+            # Judged blind, it served its share unjudged for every hold, then rolled back.
+            raise ValueError(
+                f"model {self.model!r} generates text: a canary is judged from the workers' "
+                "per-version request counts and row latencies, which generation streams do "
+                "not report; roll it out by labels and weights (`routing set`)"
+            )
         routing = await self.store.routing(self.model)
         if "stable" not in routing.labels:
             raise ValueError(f"model {self.model!r} has no stable label to compare with")

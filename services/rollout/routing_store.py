@@ -20,7 +20,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import WatchError
 
 from services.common.errors import MALFORMED_RECORD_ERRORS
-from services.common.model_repository import ModelVersion
+from services.common.model_repository import ModelKind, ModelVersion
 from services.common.model_routing import ModelRouting, routing_key
 
 log = logging.getLogger(__name__)
@@ -36,12 +36,19 @@ class RoutingStore:
         self._key = routing_key(key_prefix)
         self._versions: dict[str, set[int]] = {}
         self._seeds: dict[str, ModelRouting] = {}
+        self._kinds: dict[str, ModelKind] = {}
         for version in repository:
             name = version.config.name
+            self._kinds[name] = version.config.kind
             self._versions.setdefault(name, set()).add(int(version.version))
             self._seeds[name] = ModelRouting(
                 dict(version.config.labels), dict(version.config.traffic)
             )
+
+    def kind(self, model: str) -> ModelKind:
+        """The model's kind (ValueError for a model the repository lacks)."""
+        self._check_model(model)
+        return self._kinds[model]
 
     def has_version(self, model: str, version: int) -> bool:
         """Whether the repository has this version of the model: a rollout checks before it

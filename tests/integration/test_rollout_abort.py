@@ -32,7 +32,7 @@ from services.rollout.health import Snapshot
 from services.rollout.policy import Decision, Plan
 from services.rollout.routing_store import RoutingStore
 from tests.integration.test_rollout_kubernetes import no_wait
-from tests.support.models import write_versioned_affine_model
+from tests.support.models import tiny_llama_version, write_versioned_affine_model
 from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer, start_redis
 from tests.support.waiting import eventually
@@ -388,3 +388,18 @@ async def test_revisions_grow_past_those_gateways_hold_after_redis_restarts_empt
         await client.aclose()
     assert after.revision > held.revision
     assert again.revision > after.revision
+
+
+def test_a_generation_model_is_refused_a_canary_with_status_2(
+    tmp_path: Path, redis_server: RedisServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing judges a generation model's canary (its streams report no per-version request
+    counts or row latencies): it served its share unjudged for every hold, then was rolled
+    back (review finding). It is refused before anything changes."""
+    repository = tmp_path / "repo"
+    tiny_llama_version(repository, "2")
+    status = main(["--redis-url", redis_server.url, "--model-repository", str(repository),
+                   "canary", "tiny-llama", "--version", "2",
+                   "--metrics-url", "http://unused"])  # fmt: skip
+    assert status == 2
+    assert "generates text" in capsys.readouterr().err
