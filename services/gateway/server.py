@@ -119,8 +119,6 @@ class Gateway:
             await self.door.stop()
         if self.keys_watch is not None:
             self.keys_watch.cancel()
-        if self.quota_sync is not None:
-            await self.quota_sync.stop()
         if self.routing_sync is not None:
             await self.routing_sync.stop()
         if self.repository is not None:
@@ -132,6 +130,11 @@ class Gateway:
         if self.http is not None:
             stopping.append(self.http.stop())
         await asyncio.gather(*stopping)
+        # Only now: its entry tells the other gateways of the calls it still drains (the
+        # tenants' calls in flight); gone before the drain, they took its share back while
+        # those calls ran on (review finding).
+        if self.quota_sync is not None:
+            await self.quota_sync.stop()
         if self.health_listener is not None:
             await self.health_listener.stop(grace=None)
         await self.predictor.close()

@@ -7,6 +7,7 @@ streams)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -14,11 +15,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+import redis.asyncio as aioredis
 
 from services.common.errors import NOT_STARTED_TRAILER
+from services.common.redis_acl import GATEWAY
 from services.gateway.auth import hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.http.kserve_rest import generate_request
+from services.gateway.quota_sync import QuotaSyncConfig
 from services.gateway.server import Gateway, create_gateway
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
@@ -188,3 +192,46 @@ async def test_generations_refused_downstream_unserved_spend_none_of_their_tenan
         predictor._generate = generate  # type: ignore[method-assign]
         answered = [m async for m in stub.Generate(request, metadata=METADATA, timeout=30)]
     assert answered
+
+
+async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A gateway deleted its entry of the fleet's quota demand as its stop began: the other
+    gateways took its tenants' shares back while the calls it drained ran on, up to its drain
+    grace (review finding). The entry, with its calls in flight, stays until the drain ends
+    (here an idle stream, cut at the grace's end)."""
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    shutil.copytree(REPO_ROOT / "models" / MODEL, repository / MODEL)
+    keys = tmp_path / "keys.toml"
+    keys.write_text(f'[[keys]]\ntenant = "t"\nsha256 = "{hash_key(KEY)}"\n\n[tenants.t]\n'
+                    "max_concurrency = 4\n")  # fmt: skip
+    sync = QuotaSyncConfig(redis_url=redis_server.role_url(GATEWAY), period_s=PERIOD_S)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    async with running_fabric(repository, redis_server, with_gateway=False) as fabric:
+        gateway = await create_gateway(
+            GatewayConfig(
+                model_repository=repository, router_address=fabric.router_address,
+                grpc_port=0, metrics_port=0, http_port=-1, catalog_refresh_s=PERIOD_S,
+                api_keys_file=keys, quota_sync=sync, drain_grace_s=2.0,
+            )
+        )  # fmt: skip
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+                stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+                idle = stub.ModelStreamInfer(metadata=METADATA, timeout=60)
+                quotas = gateway.predictor.admission.quotas
+                await eventually(lambda: quotas.in_flight("t") == 1, message="stream admitted")
+                stopping = asyncio.create_task(gateway.stop())
+                await asyncio.sleep(0.5)  # rounds of the sync, were it still running
+                during = await admin.hgetall(sync.demand_key)
+                is_draining = not stopping.done()
+                await stopping
+                idle.cancel()
+            after = await admin.hgetall(sync.demand_key)
+        finally:
+            await admin.aclose()
+    assert is_draining
+    assert [json.loads(value)["in_flight"] for value in during.values()] == [{"t": 1}]
+    assert after == {}
