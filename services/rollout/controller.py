@@ -104,8 +104,10 @@ class CanaryRollout:
     #: How long an abort tries to set the share back, and then to release the pool, seconds
     #: each: longer than the Redis outages the fabric rides out (RELIABILITY.md: 30 s).
     abort_timeout_s: float = 120.0
-    #: The revision of the routing record this rollout wrote last (None: none yet).
+    #: The revision of the routing record this rollout wrote last (None: none yet), and the
+    #: labels and weights of the last it tried to write.
     _written: int | None = field(default=None, init=False)
+    _attempted: tuple[dict[str, int], dict[str, float]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.check_period_s) and self.check_period_s > 0):
@@ -268,12 +270,16 @@ class CanaryRollout:
         second controller, was overwritten at the next step (review finding)."""
 
         def own_change(current: ModelRouting) -> ModelRouting:
-            if self._written is not None and current.revision != self._written:
+            # Its last write, or the one before whose reply was lost (Redis failing): ours.
+            is_ours = self._written is None or current.revision == self._written
+            if not (is_ours or _weights(current) == self._attempted):
                 raise RoutingChanged(
                     f"{self.model}: its routing was changed by another writer while the "
                     f"rollout ran (now {current.dumps()})"
                 )
-            return change(current)
+            changed = change(current)
+            self._attempted = _weights(changed)
+            return changed
 
         self._written = (await self.store.change(self.model, own_change)).revision
 
@@ -281,6 +287,10 @@ class CanaryRollout:
         labels = {k: v for k, v in current.labels.items() if k != "canary"}
         labels["stable"] = self.canary_version
         return ModelRouting(labels, {"stable": 1.0})
+
+
+def _weights(routing: ModelRouting) -> tuple[dict[str, int], dict[str, float]]:
+    return dict(routing.labels), dict(routing.traffic)
 
 
 def describe_plan(plan: Plan, model: str, canary_version: int, routing: ModelRouting) -> str:

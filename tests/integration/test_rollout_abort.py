@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.exceptions
 from prometheus_client import CollectorRegistry
 
 from services.common.model_repository import load_repository
@@ -403,3 +404,42 @@ def test_a_generation_model_is_refused_a_canary_with_status_2(
                    "--metrics-url", "http://unused"])  # fmt: skip
     assert status == 2
     assert "generates text" in capsys.readouterr().err
+
+
+class ReplyLost(RoutingStore):
+    """A real store whose `lose_at`-th change (from 1) is written, and its reply lost (Redis
+    failing right after): ConnectionError."""
+
+    def __init__(self, *args: Any, lose_at: int) -> None:
+        super().__init__(*args)
+        self._changes, self._lose_at = 0, lose_at
+
+    async def change(self, *args: Any, **kwargs: Any) -> ModelRouting:
+        written = await super().change(*args, **kwargs)
+        self._changes += 1
+        if self._changes == self._lose_at:
+            raise redis.exceptions.ConnectionError("reply lost")
+        return written
+
+
+async def test_an_abort_after_a_write_whose_reply_was_lost_still_sets_the_share_back(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """The step to 100% written but its reply lost: the record's revision is not the one the
+    rollout knows, yet it is the rollout's own write (its labels and weights), not another
+    writer's: the abort sets the share back to 0 rather than leave the canary at 100%."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = ReplyLost(client, "fabric", load_repository(repository), lose_at=3)
+        await store.change("affine", lambda _: STABLE)  # change 1; the steps: 2 and 3
+        with pytest.raises(RolloutAborted) as aborted:
+            await rollout_of(store, healthy_scrape(no_wait_then)).run()
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert "share set back to 0" in str(aborted.value), aborted.value
+    assert routing.traffic == {"stable": 100.0, "canary": 0.0}
+
+
+async def no_wait_then(_: int) -> None:
+    pass
