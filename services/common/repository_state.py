@@ -67,9 +67,16 @@ def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
 
 
 def next_revision(desired: Mapping[str, DesiredState], now_s: float) -> int:
-    """The revision the next write carries: the time in milliseconds (`now_s`, seconds since
-    the epoch), or one above every entry's if that is not less. Counted from the entries
-    alone, revisions started again at 1 after Redis restarted empty: a worker that had failed
-    a version at revision 1 took the new load's 1 for the one it had tried, and retried
+    """The revision the next write carries (`revision_after` every entry's). Counted from the
+    entries alone, revisions started again at 1 after Redis restarted empty: a worker that had
+    failed a version at revision 1 took the new load's 1 for the one it had tried, and retried
     nothing (review finding)."""
-    return max(int(now_s * 1000), 1 + max((d.revision for d in desired.values()), default=0))
+    return revision_after(max((d.revision for d in desired.values()), default=0), now_s)
+
+
+def revision_after(highest: int, now_s: float) -> int:
+    """The revision of a record written after one at `highest` (desired states here, routing
+    records in services.rollout.routing_store): the time in milliseconds (`now_s`, seconds
+    since the epoch), or `highest` + 1 if that is not less, so that revisions keep growing
+    across a Redis restarted empty, where the readers still hold the old ones."""
+    return max(int(now_s * 1000), highest + 1)

@@ -22,6 +22,7 @@ from redis.exceptions import WatchError
 from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.model_repository import ModelKind, ModelVersion
 from services.common.model_routing import ModelRouting, routing_key
+from services.common.repository_state import revision_after
 
 log = logging.getLogger(__name__)
 
@@ -84,9 +85,9 @@ class RoutingStore:
         self, model: str, change: Change, *, rewrites_unreadable: bool = False
     ) -> ModelRouting:
         """Applies `change` to the model's routing in force and stores the result with the
-        next revision: the time in milliseconds, or one more than the record's if that is
-        not less, so that a Redis restarted empty starts no record over at a revision the
-        gateways hold already (they would ignore every change up to it). Raises ValueError
+        next revision (`revision_after` the record's: a Redis restarted empty starts no
+        record over at a revision the gateways hold already, which would ignore every change
+        up to it). Raises ValueError
         for an unknown model, a result naming a version the repository lacks, or a stored
         record that cannot be read (unless `rewrites_unreadable`: `change` then gets the
         seed, and the record's revision is kept when it can be read); nothing is stored
@@ -104,7 +105,7 @@ class RoutingStore:
                     else:
                         current = _parsed(model, raw)
                     changed = change(current)
-                    revision = max(current.revision + 1, time.time_ns() // 1_000_000)
+                    revision = revision_after(current.revision, time.time())
                     new = ModelRouting(changed.labels, changed.traffic, revision)
                     new.check_versions(self._versions[model])
                     pipe.multi()
