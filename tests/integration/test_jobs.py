@@ -662,13 +662,15 @@ async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
         job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
         await store.submit(job, chunk_size=2)
         await store.ensure_group()
+        # Idle a second between keeps: a keep right after the takeover finds it idle far less
+        # (a machine would have to stall a second between the two calls to blur them).
         [entry] = await store.read_new("runner-1", 1, 100)
-        await asyncio.sleep(0.3)
-        assert await store.keep("runner-1", entry, 300 - KEEP_SLACK_MS)  # idle since delivered
-        await asyncio.sleep(0.3)
+        await asyncio.sleep(1.0)
+        assert await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)  # idle since delivered
+        await asyncio.sleep(1.0)
         taken = await store.reclaim("runner-2", 0, 1)  # a takeover, its reclaim just in
         assert [e.entry_id for e in taken] == [entry.entry_id]
-        assert not await store.keep("runner-1", entry, 300 - KEEP_SLACK_MS)
+        assert not await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)
         pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pending] == [b"runner-2"]
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -246,13 +247,15 @@ async def test_demand_is_a_rate_over_the_time_a_round_really_took(
     admission, sync = make_gateway(redis_server)
     client = aioredis.Redis.from_url(redis_server.url)
     try:
+        started_s = time.monotonic()
         await sync.sync_once()
         for _ in range(30):
             admission.acquire(SEARCH)
         await asyncio.sleep(0.3)
         await sync.sync_once()
+        taken_s = time.monotonic() - started_s  # at least the round's (however slow a machine)
         entry = json.loads(await client.hget(sync.config.demand_key, sync.gateway_id))
     finally:
         await sync.stop()
         await client.aclose()
-    assert 30 / 0.6 < entry["demand"]["search"] <= 30 / 0.3
+    assert 30 / taken_s <= entry["demand"]["search"] <= 30 / 0.3
