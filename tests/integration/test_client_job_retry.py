@@ -16,7 +16,8 @@ from typing import Any
 
 import grpc
 import pytest
-from inference_fabric_client import Client, FabricError
+from inference_fabric_client import Client, FabricError, cli
+from inference_fabric_client.jobs import RESUME_FIRST_S
 from inference_fabric_client.retry import RetryPolicy
 
 from services.pb.inference.v1 import jobs_pb2 as jobs
@@ -45,6 +46,12 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
     broken_streams: int = 0
     per_stream: int = 10
     result_streams: list[int] = field(default_factory=list)
+    #: When each results stream was opened (monotonic seconds).
+    result_opened_s: list[float] = field(default_factory=list)
+    #: Results finished so far (a stream ends after the first `available`).
+    available: int = len(TEXTS)
+    #: The state a get answers.
+    state: int = jobs.JOB_STATE_RUNNING
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def SubmitJobStream(
@@ -63,7 +70,7 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
         with self.lock:
             self.gets += 1
             self._maybe_refuse(self.gets, context)
-        return jobs.Job(job_id=request.job_id, state=jobs.JOB_STATE_RUNNING, num_items=25)
+        return jobs.Job(job_id=request.job_id, state=self.state, num_items=25)
 
     def GetJobResults(
         self, request: jobs.GetJobResultsRequest, context: Any
@@ -72,8 +79,9 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
         `code` after `per_stream` results."""
         with self.lock:
             self.result_streams.append(request.start_index)
+            self.result_opened_s.append(time.monotonic())
             breaks = len(self.result_streams) <= self.broken_streams
-        for sent, index in enumerate(range(request.start_index, len(TEXTS))):
+        for sent, index in enumerate(range(request.start_index, self.available)):
             if breaks and sent == self.per_stream:
                 context.abort(self.code, "gateway restarting")
             yield jobs.JobItemResult(index=index, status=jobs.ITEM_STATUS_OK)
@@ -190,6 +198,67 @@ def test_a_results_stream_broken_after_results_came_is_opened_again_from_the_nex
         results = list(client.jobs().results("job-1"))
     assert [r.index for r in results] == list(range(25))
     assert servicer.result_streams == [0, 10, 20]
+
+
+def test_a_results_stream_broken_again_and_again_is_opened_again_after_growing_pauses(
+    serve: Any,
+) -> None:
+    """Each stream broke after a few results and was opened again at once, however often: a
+    gateway failing every stream was asked again in a tight loop (review finding). The first
+    resume is at once; each further one waits twice the last (jittered 0.5 to 1.5)."""
+    servicer = RefusingJobs(code=grpc.StatusCode.UNAVAILABLE, broken_streams=4, per_stream=5)
+    with Client(serve(servicer), timeout_s=10) as client:
+        results = list(client.jobs().results("job-1"))
+    assert [r.index for r in results] == list(range(25))
+    assert servicer.result_streams == [0, 5, 10, 15, 20]
+    gaps = [b - a for a, b in itertools.pairwise(servicer.result_opened_s)]
+    least = [0.5 * RESUME_FIRST_S * 2**n for n in range(3)]  # the 2nd, 3rd and 4th resumes'
+    assert all(gap >= bound for gap, bound in zip(gaps[1:], least, strict=True)), gaps
+
+
+def test_a_submit_of_anything_but_strings_is_a_type_error_unsent(serve: Any) -> None:
+    """A non-string item failed the call UNKNOWN, found only as the stream was read, and a
+    lone string was sent as a job of its characters (review finding)."""
+    servicer = RefusingJobs()
+    with Client(serve(servicer), timeout_s=10) as client:
+        for texts in ("abc", ["a", 1], [b"bytes"]):
+            with pytest.raises(TypeError, match="sequence of str"):
+                client.jobs().submit("m", texts)  # type: ignore[arg-type]
+    assert servicer.submits == []
+
+
+@pytest.mark.parametrize(
+    ("state", "status"),
+    [(jobs.JOB_STATE_SUCCEEDED, 0), (jobs.JOB_STATE_PARTIALLY_FAILED, 1),
+     (jobs.JOB_STATE_CANCELLED, 1)],
+)  # fmt: skip
+def test_job_results_waited_for_exits_1_unless_the_job_succeeded(
+    serve: Any, tmp_path: Any, capsys: pytest.CaptureFixture[str], state: int, status: int
+) -> None:
+    """`job results` exited 0 whatever the job's end, where the README (and a waited submit)
+    says 1 for a job that did not succeed (review finding). Without waiting it exits 0."""
+    address = serve(RefusingJobs(state=state))
+    out = tmp_path / "results.jsonl"
+    args = ["--address", address, "job", "results", "job-1", "--out", str(out)]
+    assert cli.main(args) == status
+    assert len(out.read_text().splitlines()) == 25
+    err = capsys.readouterr().err
+    assert ('"state": "' in err) == (status == 1)
+    assert cli.main([*args, "--no-wait"]) == 0
+
+
+def test_a_close_ends_a_results_wait_between_polls(serve: Any) -> None:
+    """The wait between polls for results not finished yet was a sleep no close could end."""
+    servicer = RefusingJobs(available=0)
+    client = Client(serve(servicer), timeout_s=10)
+    closer = threading.Timer(0.3, client.close)
+    closer.start()
+    began_s = time.monotonic()
+    with pytest.raises(FabricError) as raised:
+        list(client.jobs().results("job-1", wait=True, poll_s=60.0))
+    assert raised.value.code == "CANCELLED"
+    assert time.monotonic() - began_s < 30.0  # the poll's wait of 60 s was cut short
+    closer.join()
 
 
 def test_a_results_stream_broken_before_any_result_fails_the_call(serve: Any) -> None:

@@ -230,7 +230,7 @@ class Client:
             self._metadata,
             self._timeout_s,
             self._attempts,
-            is_closed=lambda: self._is_closed,
+            closed=self._closed,
         )
 
     def predict(

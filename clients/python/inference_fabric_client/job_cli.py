@@ -11,6 +11,9 @@ gateway (SubmitJobStream, 1,000 to a message: no gRPC message limit bounds the f
 gateway's max items per job), prints the job id, then (unless --no-wait) draws a progress bar
 on stderr until the job is finished. A result line is {"index", "status", "embedding"} for ok
 items and {"index", "status", "code", "message"} for the others, in input order.
+
+A `submit` waited for, and a `results` waited for (without --no-wait), exit 1 unless the job
+succeeded (its state is then printed on stderr), as a call the gateway failed does.
 """
 
 from __future__ import annotations
@@ -82,7 +85,8 @@ def _status_line(info: JobInfo) -> str:
 
 
 def run_job_command(client: Client, args: argparse.Namespace) -> int:
-    """The command's exit status: a submit waited for exits 1 unless its job succeeded."""
+    """The command's exit status: a submit or results waited for exits 1 unless its job
+    succeeded."""
     jobs = client.jobs()
     if args.job_command == "submit":
         job_id = jobs.submit(
@@ -105,7 +109,15 @@ def run_job_command(client: Client, args: argparse.Namespace) -> int:
         return 0
     results = jobs.results(args.job_id, start_index=args.start_index, wait=not args.no_wait)
     _write_results(results, args.out, is_resumed=args.start_index > 0)
-    return 0
+    if args.no_wait:
+        return 0
+    # Every item is in: a job that did not succeed exits 1, as a waited submit's does (it
+    # exited 0 whatever the job's end: review finding).
+    info = jobs.get(args.job_id)
+    if info.state == "succeeded":
+        return 0
+    print(_status_line(info), file=sys.stderr)
+    return 1
 
 
 def _write_results(results: Iterator[ItemResult], path: Path, *, is_resumed: bool) -> None:

@@ -24,7 +24,8 @@ second job.
 from __future__ import annotations
 
 import itertools
-import time
+import random
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,6 +45,12 @@ _ITEM_STATUSES = {value: name.removeprefix("ITEM_STATUS_").lower()
 TERMINAL_STATES = frozenset({"succeeded", "partially_failed", "failed", "cancelled"})
 #: How a results stream that brought results may end and be opened again from the next index.
 _RESUMED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+#: A results stream resumed again without ending normally waits this long before it is opened
+#: again, doubling with each such resume up to `RESUME_MAX_S` (times 0.5 to 1.5 at random); the
+#: first resume is at once. A gateway that breaks every stream after a result is not reopened
+#: in a tight loop.
+RESUME_FIRST_S = 0.1
+RESUME_MAX_S = 2.0
 #: Texts per SubmitJobStream message: short texts make messages of tens of KB, far below the
 #: 4 MiB default limit, and the gateway counts them against its max items as they arrive.
 ITEMS_PER_MESSAGE = 1_000
@@ -107,13 +114,15 @@ class Jobs:
         timeout_s: float,
         attempts: Attempts,
         *,
-        is_closed: Callable[[], bool],
+        closed: threading.Event,
     ) -> None:
+        """`closed`: set once the client is closed; its calls then fail CANCELLED unsent, and
+        a wait between polls or resumes ends at once."""
         self._stub = stub
         self._metadata = metadata
         self._timeout_s = timeout_s
         self._attempts = attempts
-        self._is_closed = is_closed
+        self._closed = closed
 
     def submit(
         self,
@@ -126,9 +135,13 @@ class Jobs:
         items_per_message: int = ITEMS_PER_MESSAGE,
     ) -> str:
         """Submits a job of texts, streamed `items_per_message` to a message; returns its id
-        (the existing job's, for a known key)."""
+        (the existing job's, for a known key). TypeError, nothing sent, unless `texts` is a
+        sequence of strings (a lone string would be a job of its characters)."""
         if items_per_message < 1:
             raise ValueError("items_per_message must be positive")
+        if isinstance(texts, str | bytes) or not all(isinstance(t, str) for t in texts):
+            # Found only while streaming, a bad item failed the call UNKNOWN (review finding).
+            raise TypeError("a job's texts must be a sequence of str")
         header = jobs.SubmitJobRequest(
             model_name=model,
             model_version=version,
@@ -167,10 +180,16 @@ class Jobs:
         stream that ends UNAVAILABLE or DEADLINE_EXCEEDED (a gateway restarting, results
         slower to read than the client's timeout) after results came is opened again from the
         next index: only a stream that brought none fails the call, once the retries a get
-        would have (a dropped or refused opening) are spent."""
+        would have (a dropped or refused opening) are spent. The first resume is at once;
+        each further one before a stream ends normally waits twice as long as the last
+        (`RESUME_FIRST_S` up to `RESUME_MAX_S`, jittered)."""
         index = start_index
+        resumes = 0  # since a stream last ended normally
         while True:
-            if self._is_closed():
+            if resumes > 1:
+                pause_s = min(RESUME_FIRST_S * 2 ** (resumes - 2), RESUME_MAX_S)
+                self._closed.wait(pause_s * random.uniform(0.5, 1.5))
+            if self._closed.is_set():
                 raise FabricError("CANCELLED", "the client is closed")
             request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
             # Opened again as a get is (a drop, a refusal with a hint) until a result came: a
@@ -185,13 +204,15 @@ class Jobs:
                                      result.code, result.message, result.num_attempts)  # fmt: skip
             except grpc.RpcError as error:
                 if index > opened_at and error.code() in _RESUMED:  # type: ignore[attr-defined]
-                    continue  # from the next index, at once
+                    resumes += 1
+                    continue  # from the next index
                 raise FabricError.from_rpc(error) from None
             finally:  # the caller stopped reading: the server's stream stops now, not at GC
                 stream.cancel()
+            resumes = 0
             if not wait or index >= self.get(job_id).num_items:
                 return
-            time.sleep(poll_s)
+            self._closed.wait(poll_s)  # a close ends the wait; the next round fails CANCELLED
 
     def _call(
         self,
