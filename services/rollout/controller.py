@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -132,6 +132,11 @@ class CanaryRollout:
         if "stable" not in routing.labels:
             raise ValueError(f"model {self.model!r} has no stable label to compare with")
         stable = str(routing.labels["stable"])
+        if _others_weighted(routing.traffic) and not _pair_weight(routing.traffic):
+            raise ValueError(
+                f"model {self.model!r}: stable takes no traffic beside other labels' "
+                f"({routing.dumps()}): there is no share of stable's to give the canary"
+            )
         if not self.store.has_version(self.model, self.canary_version):
             raise ValueError(f"model {self.model!r} has no version {self.canary_version}")
         # The endpoints are fixed for the whole rollout: snapshots subtract endpoint by
@@ -258,7 +263,7 @@ class CanaryRollout:
 
         def change(current: ModelRouting) -> ModelRouting:
             labels = {**current.labels, "canary": canary}
-            return ModelRouting(labels, {"stable": 100.0 - percent, "canary": percent})
+            return ModelRouting(labels, canary_share(current.traffic, percent))
 
         await self._change(change)
         self.metrics.canary_percent.labels(self.model).set(percent)
@@ -286,7 +291,34 @@ class CanaryRollout:
     def _promoted(self, current: ModelRouting) -> ModelRouting:
         labels = {k: v for k, v in current.labels.items() if k != "canary"}
         labels["stable"] = self.canary_version
-        return ModelRouting(labels, {"stable": 1.0})
+        traffic = current.traffic
+        if not _others_weighted(traffic):
+            return ModelRouting(labels, {"stable": 1.0})
+        others = {k: w for k, w in traffic.items() if k not in _PAIR}
+        return ModelRouting(labels, {**others, "stable": _pair_weight(traffic)})
+
+
+#: The labels a rollout moves traffic between; any other label's weight it keeps.
+_PAIR = ("stable", "canary")
+
+
+def _others_weighted(traffic: Mapping[str, float]) -> bool:
+    return any(w > 0 for label, w in traffic.items() if label not in _PAIR)
+
+
+def _pair_weight(traffic: Mapping[str, float]) -> float:
+    return traffic.get("stable", 0.0) + traffic.get("canary", 0.0)
+
+
+def canary_share(traffic: Mapping[str, float], percent: float) -> dict[str, float]:
+    """The weights with the canary at `percent` of what stable and canary take together, the
+    rest stable's; other labels keep their weights (`{stable: 90, beta: 10}` at 50%: stable
+    45, canary 45, beta 10), where a rollout dropped them, beta's callers then all sent to
+    stable and the canary (review finding). Without another label weighted, the pair's
+    weights are 100 - percent and percent."""
+    others = {k: w for k, w in traffic.items() if k not in _PAIR}
+    pair = _pair_weight(traffic) if _others_weighted(traffic) else 100.0
+    return {**others, "stable": pair * (100.0 - percent) / 100.0, "canary": pair * percent / 100.0}
 
 
 def _weights(routing: ModelRouting) -> tuple[dict[str, int], dict[str, float]]:
@@ -308,5 +340,8 @@ def describe_plan(plan: Plan, model: str, canary_version: int, routing: ModelRou
             f" (judged from {plan.min_requests} requests;"
             f" up to {plan.max_holds} extra holds)"
         )
+    if _others_weighted(routing.traffic):
+        kept = ", ".join(sorted(k for k in routing.traffic if k not in _PAIR))
+        lines.append(f"  (each share is of what stable takes; {kept} keep their weights)")
     lines.append("  then: stable -> canary's version, canary label dropped")
     return "\n".join(lines)

@@ -371,6 +371,61 @@ async def test_a_routing_changed_by_another_writer_stops_the_rollout_and_is_left
     assert routing == set_by_hand[0]
 
 
+async def test_other_labels_keep_their_weights_through_steps_promotion_and_abort(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """A rollout wrote `{stable: 100 - p, canary: p}` at each step and `{stable: 1}` at the
+    promotion: `{stable: 90, beta: 10}` lost beta, whose callers all went to stable and the
+    canary (review finding). The canary now takes its share of what stable takes; beta keeps
+    10 through the steps, the promotion and an abort."""
+    split = ModelRouting({"stable": 1, "beta": 1}, {"stable": 90.0, "beta": 10.0})
+    client = connect(redis_server.url, timeout_s=5.0)
+    store = RoutingStore(client, "fabric", load_repository(repository))
+    seen: list[dict[str, float]] = []
+
+    async def record(n: int) -> None:
+        seen.append(dict((await store.routing("affine")).traffic))
+
+    async def fail_in_second_step(n: int) -> None:
+        if n == 3:
+            raise ConnectionError("worker metrics endpoint gone")
+
+    try:
+        await store.change("affine", lambda _: split)
+        assert await rollout_of(store, healthy_scrape(record)).run() is Decision.PROMOTE
+        promoted = await store.routing("affine")
+        await store.change("affine", lambda _: split)
+        with pytest.raises(RolloutAborted):
+            await rollout_of(store, healthy_scrape(fail_in_second_step)).run()
+        aborted = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert seen[0] == {"stable": 45.0, "canary": 45.0, "beta": 10.0}  # the 50% step
+    assert seen[-1] == {"stable": 0.0, "canary": 90.0, "beta": 10.0}  # the 100% step
+    assert (promoted.labels, promoted.traffic) == (
+        {"stable": 2, "beta": 1},
+        {"stable": 90.0, "beta": 10.0},
+    )
+    assert aborted.traffic == {"stable": 90.0, "canary": 0.0, "beta": 10.0}
+
+
+async def test_a_rollout_from_a_stable_that_takes_no_traffic_beside_others_is_refused(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """Its share of stable's nothing would judge the canary on no calls."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    store = RoutingStore(client, "fabric", load_repository(repository))
+    idle = ModelRouting({"stable": 1, "beta": 1}, {"stable": 0.0, "beta": 10.0})
+    try:
+        await store.change("affine", lambda _: idle)
+        with pytest.raises(ValueError, match="stable takes no traffic"):
+            await rollout_of(store, healthy_scrape(no_wait)).run()
+        after = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert (after.labels, after.traffic) == (idle.labels, idle.traffic)
+
+
 async def test_revisions_grow_past_those_gateways_hold_after_redis_restarts_empty(
     redis_server: RedisServer, repository: Path
 ) -> None:
