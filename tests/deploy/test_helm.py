@@ -405,6 +405,31 @@ def test_worker_pools_on_a_vanilla_cluster_keep_replicas_and_models() -> None:
     validate_strictly(objects)
 
 
+def test_a_fixed_gpu_pool_can_drain_before_it_surges() -> None:
+    """The workers' rollout pace was fixed at a surge of one: on a GPU pool with no GPU free
+    the new pod stayed Pending and the rollout hung (review finding). It is a value, a pool's
+    own overriding it; both at 0 (which the API refuses) fails the render."""
+    default = workers(render())[""]["spec"]["strategy"]["rollingUpdate"]
+    assert default == {"maxSurge": 1, "maxUnavailable": 0}
+    fixed = ("--set", "worker.rollingUpdate.maxSurge=0",
+             "--set", "worker.rollingUpdate.maxUnavailable=1")  # fmt: skip
+    assert workers(render(*fixed))[""]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": 1,
+    }
+    pools = workers(render(*POOLS, "--set", "workerPools[1].rollingUpdate.maxSurge=0",
+                           "--set", "workerPools[1].rollingUpdate.maxUnavailable=25%"))  # fmt: skip
+    assert pools["embed"]["spec"]["strategy"]["rollingUpdate"] == default
+    assert pools["generate"]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0,
+        "maxUnavailable": "25%",
+    }
+    validate_strictly(render(*fixed))
+    both = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
+                "--set", "worker.rollingUpdate.maxSurge=0")  # fmt: skip
+    assert both.returncode != 0 and "cannot both be 0" in both.stderr
+
+
 def test_duplicate_pool_names_are_refused() -> None:
     result = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
                   *POOLS, "--set", "workerPools[1].name=embed")  # fmt: skip
