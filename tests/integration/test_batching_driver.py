@@ -39,7 +39,11 @@ from services.gpu_worker.batching.slice_admission import SliceAsk, lane_key
 from services.gpu_worker.metrics import WorkerMetrics
 from tests.support.clock import FakeClock
 from tests.support.metrics import total
-from tests.support.models import write_affine_model, write_small_minilm_repository
+from tests.support.models import (
+    write_affine_model,
+    write_small_minilm_repository,
+    write_versioned_affine_model,
+)
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -1129,3 +1133,32 @@ def test_a_model_whose_slo_is_within_the_upstream_budget_is_refused(tmp_path: Pa
         BatchingDriver(
             [backend], DriverConfig(upstream_budget_s=0.04), WorkerMetrics(CollectorRegistry())
         )
+
+
+async def test_the_watchdog_bound_is_lowered_again_once_a_slow_version_is_unloaded(
+    tmp_path: Path,
+) -> None:
+    """The bound on one model call is raised to 10x the slowest warm-up batch; it only grew,
+    so a slow version unloaded left every later call of a fast one watched as loosely, a
+    wedged call noticed that much later (review finding)."""
+    write_versioned_affine_model(tmp_path / "repo", "affine", versions=(1, 2))
+    fast, slow = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path / "repo"))
+    run = slow.run
+
+    def slow_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        time.sleep(0.02)
+        return run(rows)
+
+    slow.run = slow_run  # type: ignore[method-assign]
+    config = DriverConfig(watchdog_s=0.05)
+    driver = BatchingDriver([fast, slow], config, WorkerMetrics(CollectorRegistry()))
+    assert driver.warm_up() == []
+    driver.start()
+    try:
+        raised_s = driver.watchdog_s
+        await driver.remove_backend(slow)
+        lowered_s = driver.watchdog_s
+    finally:
+        await driver.drain()
+    assert raised_s >= 10 * 0.02  # WARMUP_MULTIPLE x the slow version's batches
+    assert config.watchdog_s <= lowered_s < 10 * 0.02

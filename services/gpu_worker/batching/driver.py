@@ -101,8 +101,7 @@ class BatchingDriver:
     def _warm_up_lane(self, lane: Lane, progress: watchdog.CallProgress | None = None) -> None:
         """Warms one lane up (on the executor thread) and raises the watchdog bound to suit it."""
         warm_up_lane(lane, self._metrics, progress)
-        bound_s = watchdog.watchdog_bound_s(self._config.watchdog_s, lane.slowest_warmup_s)
-        self.watchdog_s = max(self.watchdog_s, bound_s)
+        self.watchdog_s = watchdog.bound_for_lanes(self._config.watchdog_s, (*self._order, lane))
         log.info("warmed up %s/%s; executor watchdog %.1fs", *lane.labels, self.watchdog_s)
 
     async def add_backend(self, backend: Backend) -> None:
@@ -137,6 +136,7 @@ class BatchingDriver:
         del self._lanes[id(lane.backend)]
         self._order.remove(lane)
         self._metrics.forget_queue(*lane.labels)
+        self.watchdog_s = watchdog.bound_for_lanes(self._config.watchdog_s, self._order)
 
     async def between_batches(
         self, work: Callable[..., object], *args: object, watch: watchdog.Watch | None = None

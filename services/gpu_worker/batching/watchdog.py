@@ -16,7 +16,7 @@ import asyncio
 import queue
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Executor, Future
 from typing import Any, Protocol, TypeVar
 
@@ -32,6 +32,18 @@ def watchdog_bound_s(watchdog_s: float, slowest_warmup_s: float) -> float:
     """The bound on one model call, seconds: the configured `watchdog_s`, raised to
     `WARMUP_MULTIPLE` x the costliest warm-up batch when that is larger."""
     return max(watchdog_s, WARMUP_MULTIPLE * slowest_warmup_s)
+
+
+class Warmed(Protocol):
+    #: The costliest warm-up batch's seconds (batching.lane.Lane's).
+    slowest_warmup_s: float
+
+
+def bound_for_lanes(watchdog_s: float, lanes: Iterable[Warmed]) -> float:
+    """The bound on one model call while `lanes` batch: `watchdog_bound_s` for the slowest
+    warm-up among them, so that it is lowered again once a slow version's lane is gone (it
+    only grew: review finding)."""
+    return watchdog_bound_s(watchdog_s, max((lane.slowest_warmup_s for lane in lanes), default=0))
 
 
 class Calls(Protocol):
