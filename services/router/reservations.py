@@ -14,8 +14,9 @@ from collections import Counter
 
 from services.common.fair_rows import rows_ahead
 
-#: (worker_id, "name@version"): where rows are reserved.
-Slot = tuple[str, str]
+#: (worker_id, "name@version", is_batch): where rows are reserved; a worker runs batch-class
+#: rows after every other class, so they are kept apart.
+Slot = tuple[str, str, bool]
 
 
 class Reservations:
@@ -38,7 +39,7 @@ class Reservations:
 
     def worker_rows(self, worker_id: str) -> int:
         """Rows reserved on `worker_id`, all models."""
-        return sum(rows for (w, _), rows in self._rows.items() if w == worker_id)
+        return sum(rows for (w, _, _), rows in self._rows.items() if w == worker_id)
 
     def reserve(self, slot: Slot, num_rows: int, tenant: str, weight: float) -> int:
         """Reserves `num_rows` rows of `tenant` (at fair-share `weight`); returns the id."""
@@ -73,6 +74,29 @@ class Reservations:
         self._tenant_rows[tenant] -= num_rows
         if self._tenant_rows[tenant] <= 0:
             del self._tenant_rows[tenant], self._weights[tenant]
+
+    def queue_ahead(
+        self,
+        place: tuple[str, str],
+        reported: tuple[int, int] | None,
+        is_batch: bool,
+        tenant: str,
+        weight: float,
+    ) -> tuple[int, int]:
+        """The rows queued at `place` (worker_id, "name@version") that one more row of
+        `tenant`'s class waits behind, and those of them its batcher serves before it (fair
+        share): this router's reservations, or the worker's `reported` (online, batch) counts
+        where larger (the max is a conservative blend of the two; None: the report is too old
+        to count). Batch-class rows run after every other class, so they are ahead of batch
+        rows only: counted ahead of online ones too, a batch job's rows held through this
+        router priced every online call as waiting behind them (review finding)."""
+        online, batch = (*place, False), (*place, True)
+        queued = self.rows(online) if reported is None else max(reported[0], self.rows(online))
+        if not is_batch:
+            return queued, self.fair_share_of(queued, online, tenant, weight)
+        batch_rows = self.rows(batch) if reported is None else max(reported[1], self.rows(batch))
+        ahead = queued + self.fair_share_of(batch_rows, batch, tenant, weight)
+        return queued + batch_rows, ahead
 
     def fair_share_of(self, queued_rows: int, slot: Slot, tenant: str, weight: float) -> int:
         """Of `queued_rows` on a worker, those its batcher serves before one more row of

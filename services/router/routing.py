@@ -190,7 +190,7 @@ class RouteTable:
             if other.is_idle and is_roomy and self._admits(other, remaining_s):
                 best = other
         self.timeouts.on_routed(best.worker.worker_id, now_s)
-        return self._reserve(best, key, num_rows, tenant, weight)
+        return self._reserve(best, key, num_rows, tenant, weight, is_batch)
 
     def can_take(
         self,
@@ -290,14 +290,13 @@ class RouteTable:
         for candidate in candidates:
             model = candidate.model
             # The heartbeat is up to a period stale but counts every router's traffic; the
-            # local count is fresh but only ours. The max is a conservative blend of the two,
-            # while reads keep coming (see RoutingConfig.queue_report_ttl_s).
-            slot = (candidate.worker_id, key)
-            local_rows = self._reservations.rows(slot)
-            reported_rows = model.queued_rows + (model.queued_batch_rows if is_batch else 0)
-            queued_rows = local_rows if is_frozen else max(reported_rows, local_rows)
+            # local count is fresh but only ours: both count, while reads keep coming (see
+            # RoutingConfig.queue_report_ttl_s).
+            reported = None if is_frozen else (model.queued_rows, model.queued_batch_rows)
+            queued_rows, ahead_rows = self._reservations.queue_ahead(
+                (candidate.worker_id, key), reported, is_batch, tenant, weight
+            )
             candidate.is_idle = queued_rows == 0
-            ahead_rows = self._reservations.fair_share_of(queued_rows, slot, tenant, weight)
             candidate.predicted_s = max(
                 model.min_batch_s, (ahead_rows + num_rows) * model.per_row_s
             )
@@ -327,13 +326,14 @@ class RouteTable:
         return Reject(RejectReason.DEADLINE, max(wait_s, best.model.min_batch_s), message)
 
     def _reserve(
-        self, best: _Candidate, key: str, num_rows: int, tenant: str, weight: float
+        self, best: _Candidate, key: str, num_rows: int, tenant: str, weight: float, is_batch: bool
     ) -> Route:
         # Check and reserve happen in one synchronous route() call, with no await between
         # them: that is the atomicity guarantee. Two routes in the same tick see each other's
         # rows.
         worker_id = best.worker.worker_id
-        reservation_id = self._reservations.reserve((worker_id, key), num_rows, tenant, weight)
+        slot = (worker_id, key, is_batch)
+        reservation_id = self._reservations.reserve(slot, num_rows, tenant, weight)
         return Route(worker_id, best.worker.address, reservation_id, best.predicted_s)
 
     def _budget_s(self, model: ModelRecord, remaining_s: float) -> float:

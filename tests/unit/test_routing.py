@@ -191,6 +191,23 @@ def test_s12_release_is_idempotent_and_ignores_unknown_ids() -> None:
     assert table.inflight_rows("w1") == 2
 
 
+def test_batch_rows_reserved_here_are_not_ahead_of_an_online_row() -> None:
+    """Reservations were kept by worker and model alone, so a batch job's rows held through
+    this router counted ahead of every online call, which the worker runs first: its calls
+    were priced as waiting behind the job, and refused (review finding). Batch rows still
+    wait behind both."""
+    table = loaded(make_table(), make_worker(worker_id="w1"))
+    job = table.route("minilm", "1", 50, 10.0, 0.0, is_batch=True, tenant="t")
+    assert isinstance(job, Route) and table.inflight_rows("w1") == 50
+    online = table.route("minilm", "1", 1, 0.2, 0.0, tenant="t")  # 0.2 s: not 51 rows' 0.51
+    assert isinstance(online, Route) and online.predicted_s == pytest.approx(0.01)
+    more = table.route("minilm", "1", 1, 10.0, 0.0, is_batch=True, tenant="t")
+    assert isinstance(more, Route) and more.predicted_s == pytest.approx((1 + 50 + 1) * 0.01)
+    for reservation in (job, online, more):
+        table.release(reservation.reservation_id)
+    assert table.inflight_rows("w1") == 0
+
+
 def test_heartbeat_queue_counts_when_above_local_reservations() -> None:
     # The heartbeat counts other routers' rows too; our own 5 must not hide its 20.
     table = loaded(make_table(), make_worker(worker_id="w1", queued_rows=20))
