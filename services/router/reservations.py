@@ -37,6 +37,10 @@ class Reservations:
         """Rows reserved in `slot`."""
         return self._rows.get(slot, 0)
 
+    def place_rows(self, place: tuple[str, str]) -> int:
+        """Rows reserved at `place` (worker_id, "name@version"), every class."""
+        return self.rows((*place, False)) + self.rows((*place, True))
+
     def worker_rows(self, worker_id: str) -> int:
         """Rows reserved on `worker_id`, all models."""
         return sum(rows for (w, _, _), rows in self._rows.items() if w == worker_id)

@@ -284,8 +284,7 @@ class RouteTable:
         tenant: str,
         weight: float,
     ) -> list[_Candidate]:
-        """Sets each candidate's predicted wait for `num_rows` rows of `key` of `tenant`;
-        returns them."""
+        """Sets each candidate's predicted wait for `num_rows` rows of `key`; returns them."""
         is_frozen = now_s - refreshed_at_s > self._config.queue_report_ttl_s
         for candidate in candidates:
             model = candidate.model
@@ -297,12 +296,13 @@ class RouteTable:
                 (candidate.worker_id, key), reported, is_batch, tenant, weight
             )
             candidate.is_idle = queued_rows == 0
-            candidate.predicted_s = max(
-                model.min_batch_s, (ahead_rows + num_rows) * model.per_row_s
-            )
-            # For generation, num_rows is the prompt's token count.
+            wait_s = (ahead_rows + num_rows) * model.per_row_s
+            candidate.predicted_s = max(model.min_batch_s, wait_s)
+            # For generation, num_rows is the prompt's token count; the prompts sent there and
+            # not started yet (reserved here) hold room its report does not show yet.
             candidate.has_room = model.kv_block_size == 0 or (
-                model.kv_blocks_free * model.kv_block_size >= num_rows
+                model.kv_blocks_free * model.kv_block_size
+                >= num_rows + self._reservations.place_rows((candidate.worker_id, key))
             )
         return candidates
 

@@ -560,6 +560,25 @@ def test_generation_prefers_a_worker_whose_free_kv_blocks_hold_the_prompt() -> N
     assert isinstance(route, Route) and route.worker_id == "w1"
 
 
+def test_generation_counts_the_prompts_it_sent_since_the_report_against_free_kv_room() -> None:
+    """Room was the heartbeat's free blocks alone: every prompt routed before the next report
+    went to the worker that looked roomy, though only the first few fit (review finding)."""
+
+    def generation_worker(worker_id: str, *, kv_blocks_free: int) -> WorkerRecord:
+        base = make_worker(worker_id=worker_id)
+        model = dataclasses.replace(base.models[0], kv_blocks_free=kv_blocks_free, kv_block_size=16)
+        return dataclasses.replace(base, models=(model,))
+
+    table = loaded(
+        make_table(), generation_worker("w1", kv_blocks_free=10),
+        generation_worker("w2", kv_blocks_free=2),
+    )  # fmt: skip
+    # 160 tokens free on w1, 32 on idle w2: w1 holds three prompts of 50 tokens, not four
+    # (none started yet); the fourth fits neither, and goes to the one with no queue.
+    routes = [table.route(*MODEL, num_rows=50, remaining_s=10.0, now_s=0.0) for _ in range(4)]
+    assert [routed_to(r) for r in routes] == ["w1", "w1", "w1", "w2"]
+
+
 def test_s27_an_empty_read_keeps_the_last_workers_until_their_heartbeats_would_be_stale() -> None:
     # Issue 16: a restarted, empty Redis wiped routing at once and clients got NOT_FOUND.
     table = loaded(make_table(stale_after_s=3.0), make_worker(), now_s=10.0)
