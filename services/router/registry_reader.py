@@ -13,6 +13,7 @@ never reach the route table: each such read counts them, and each is logged once
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -216,25 +217,35 @@ async def read_registry(
 def _current_api_first(
     records: list[tuple[WorkerRecord, float]],
 ) -> list[tuple[WorkerRecord, float]]:
-    """The workers of this build's internal API, once any is registered: a worker of an older
-    one refuses every bundle (INVALID_ARGUMENT), so while both serve, the older is left out
-    (warned about once per worker) and sits idle instead of failing calls. While none is
-    current (routers upgraded before every worker), all are kept: older gateways' calls, which
-    older workers serve, keep being served."""
-    current = [(r, at_s) for r, at_s in records if r.internal_api >= INTERNAL_API]
+    """The records with each model version served by workers of this build's internal API
+    once any of them serves it: a worker of an older API refuses every bundle (INVALID_
+    ARGUMENT), so while both serve a version, the older one is left out of it (warned about
+    once per worker) and sits idle instead of failing calls. A version no current worker
+    serves (routers and some workers upgraded before the rest) keeps its older workers:
+    older gateways' calls, which they serve, keep being served (the cut was fleet-wide, and
+    a model only older workers served got no worker at all: review finding)."""
+    current = {(m.name, m.version) for r, _ in records if r.internal_api >= INTERNAL_API
+               for m in r.models}  # fmt: skip
     if not current:
         return records
-    for record, _ in records:
-        if record.internal_api < INTERNAL_API and record.worker_id not in _warned_older:
+    kept = []
+    for record, at_s in records:
+        if record.internal_api >= INTERNAL_API:
+            kept.append((record, at_s))
+            continue
+        models = tuple(m for m in record.models if (m.name, m.version) not in current)
+        if len(models) < len(record.models) and record.worker_id not in _warned_older:
             _warned_older.add(record.worker_id)
             log.warning(
-                "worker %s serves internal API %d, this router %d: not routed to while "
-                "upgraded workers serve",
+                "worker %s serves internal API %d, this router %d: not routed to for the "
+                "model versions upgraded workers serve",
                 record.worker_id,
                 record.internal_api,
                 INTERNAL_API,
             )
-    return current
+        if models:
+            kept.append((dataclasses.replace(record, models=models), at_s))
+    return kept
 
 
 #: Workers of an older internal API already warned about (once each per process).

@@ -23,6 +23,7 @@ from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRe
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
 from services.router.registry_reader import read_registry
+from tests.support.records import model_record
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
@@ -98,28 +99,40 @@ async def test_router_reads_the_registry_but_cannot_change_it(
     assert await clients["admin"].zrange(KEYS.workers, 0, -1) == [b"w0"]
 
 
-async def test_a_worker_of_an_older_internal_api_is_not_routed_to(
+async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_current_ones_serve(
     clients: dict[str, aioredis.Redis],
 ) -> None:
-    # A heartbeat from before bundles carries no internal_api: such a worker refuses every
-    # bundle, so while a current one serves, routers leave it out rather than send it calls
-    # that fail.
-    await publisher(clients["worker"]).publish_once()
-    older = json.loads(RECORD.to_json())
-    del older["internal_api"]
-    older.update(worker_id="w-old", address="127.0.0.1:1")
+    """A heartbeat from before bundles carries no internal_api: such a worker refuses every
+    bundle, so for a model version a current one serves, routers leave it out rather than
+    send it calls that fail. A version only older workers serve keeps them (the cut was
+    fleet-wide: once one current worker registered, a model only older workers served got
+    no worker at all, mid-upgrade; review finding)."""
     admin = clients["admin"]
-    await admin.set(KEYS.worker("w-old"), json.dumps(older))
-    await admin.zadd(KEYS.workers, {"w-old": time.time() * 1000})
+
+    async def register(worker_id: str, *models: tuple[str, str], is_current: bool) -> None:
+        record = json.loads(
+            WorkerRecord(worker_id=worker_id, address="127.0.0.1:1", is_draining=False,
+                         sent_at_ms=0, models=tuple(model_record(name=n, version=v)
+                                                    for n, v in models)).to_json()
+        )  # fmt: skip
+        if not is_current:
+            del record["internal_api"]
+        await admin.set(KEYS.worker(worker_id), json.dumps(record))
+        await admin.zadd(KEYS.workers, {worker_id: time.time() * 1000})
+
+    await register("w0", ("minilm", "1"), is_current=True)
+    await register("w-old", ("minilm", "1"), ("other", "1"), is_current=False)
+    await register("w-older", ("minilm", "1"), is_current=False)
     records, _ = await read_registry(clients["router"], KEYS)
-    assert [r.worker_id for r, _ in records] == ["w0"]
-    assert WorkerRecord.from_json(json.dumps(older)).internal_api == 1
-    assert records[0][0].internal_api == INTERNAL_API
-    # With no current worker left (routers upgraded before every worker), the older one is
-    # routed to again: older gateways' calls, which it serves, keep being served.
+    served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
+    assert served == {"w0": [("minilm", "1")], "w-old": [("other", "1")]}
+    assert {r.worker_id: r.internal_api for r, _ in records} == {"w0": INTERNAL_API, "w-old": 1}
+    # With no current worker left (routers upgraded before every worker), the older ones are
+    # routed to for everything again: older gateways' calls, which they serve, keep being served.
     await admin.zrem(KEYS.workers, "w0")
     records, _ = await read_registry(clients["router"], KEYS)
-    assert [r.worker_id for r, _ in records] == ["w-old"]
+    served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
+    assert served == {"w-old": [("minilm", "1"), ("other", "1")], "w-older": [("minilm", "1")]}
 
 
 async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(
