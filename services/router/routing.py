@@ -240,16 +240,15 @@ class RouteTable:
         workers, is_known = routable
         ejected_until_s = self._ejected_until_s
         if exclude or ejected_until_s:
-            workers = [
-                c
-                for c in workers
-                if c.worker_id not in exclude
-                and now_s >= ejected_until_s.get(c.worker_id, -math.inf)
-            ]
+            untried = [c for c in workers if c.worker_id not in exclude]
+            ejected = ejected_until_s.get
+            workers = [c for c in untried if now_s >= ejected(c.worker_id, -math.inf)] or untried
         elif not self.timeouts.has_ejected:
             return workers, is_known  # the usual case; callers do not change the list
-        # Timeouts eject a worker only while another is routable (Envoy's panic mode, here only
-        # when none is left): where all time out, ejecting the last turns late answers to none.
+        # Ejections, for UNAVAILABLE (above) or timeouts, skip a worker only while another is
+        # routable (Envoy's panic mode, here only when none is left): where all time out,
+        # ejecting the last turns late answers to none; a last worker's stream reset once
+        # (its calls UNAVAILABLE) left its model with no worker for `eject_s`.
         may_route = self.timeouts.may_route
         return [c for c in workers if may_route(c.worker_id, now_s)] or workers, is_known
 

@@ -348,10 +348,15 @@ def test_ejected_worker_is_skipped_until_eject_s_passes() -> None:
     assert routed_to(route(table, now_s=6.0)) == "w1"
 
 
-def test_only_ejected_workers_means_no_worker() -> None:
+def test_a_models_last_worker_ejected_for_unavailable_is_still_routed_to() -> None:
+    """Ejected for one UNAVAILABLE (its stream reset once, say), a model's only worker was
+    skipped for `eject_s`: every call of the model failed NO_WORKER meanwhile, though the
+    worker served (review finding). As for timeouts, an ejection skips a worker only while
+    another is routable; a request that tried it already still never goes back."""
     table = loaded(make_table(), make_worker())
     table.eject("w1", now_s=0.0)
-    assert rejected(route(table)) is RejectReason.NO_WORKER
+    assert routed_to(route(table)) == "w1"
+    assert rejected(route(table, exclude=frozenset({"w1"}))) is RejectReason.NO_WORKER
 
 
 def test_unknown_model_differs_from_no_ready_worker() -> None:
@@ -635,10 +640,10 @@ def test_the_last_worker_a_model_has_is_still_routed_when_its_calls_time_out() -
     assert {routed_to(route(table, now_s=2.0)) for _ in range(5)} == {"w2"}
     # ... but a retry that already tried it has only the ejected one left: it goes there.
     assert routed_to(route(table, now_s=2.0, exclude=frozenset({"w2"}))) == "w1"
-    # A worker that refused a call UNAVAILABLE is out however few are left: it is unreachable.
+    # So does one that refused a call UNAVAILABLE: skipped only while another is routable.
     table.eject("w1", 2.0)
-    retry = route(table, now_s=2.0, exclude=frozenset({"w2"}))
-    assert rejected(retry) is RejectReason.NO_WORKER
+    assert {routed_to(route(table, now_s=2.0)) for _ in range(5)} == {"w2"}
+    assert routed_to(route(table, now_s=2.0, exclude=frozenset({"w2"}))) == "w1"
 
 
 def test_bad_timeout_ejection_settings_are_refused() -> None:
