@@ -26,6 +26,7 @@ from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.request_stream import Delta, RequestStream
 from services.gpu_worker.generation.sampler import Sampler
+from services.gpu_worker.generation.step_inputs import is_decode
 from services.gpu_worker.load_options import LoadOptions
 from services.gpu_worker.loaded_models import load_version
 from services.gpu_worker.metrics import WorkerMetrics
@@ -555,6 +556,44 @@ async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> No
         await backend.engine.drain()
     assert 0 < len(received) < 20
     assert len(tokens) == 3
+    assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_a_step_failing_beside_a_new_prompt_fails_the_prompt_alone(checkpoint: Path) -> None:
+    """A failed step failed every sequence in it: a new prompt's chunk whose forward failed
+    (its attention out of memory, say) ended every stream decoding beside it, though they had
+    sent tokens and could not be retried (review finding). The decodes run again alone, once,
+    and only the prompt's stream fails; the decoding stream's tokens are those it gets alone."""
+    backend, _ = make_backend(checkpoint)
+    execute = backend.runner.execute
+    armed, failed_beside_decodes, reruns = False, 0, 0
+
+    def failing_with_prompts(items):  # fault injection into the real runner
+        nonlocal failed_beside_decodes, reruns
+        if armed and not all(is_decode(item) for item in items):
+            failed_beside_decodes += any(is_decode(item) for item in items)
+            raise RuntimeError("out of memory in a prompt's attention")
+        reruns += armed
+        return execute(items)
+
+    backend.runner.execute = failing_with_prompts
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    backend.engine.start()
+    try:
+        started = asyncio.Event()
+        decoding = asyncio.ensure_future(collect(backend, PROMPTS[0], params, started))
+        await started.wait()
+        armed = True
+        with pytest.raises(ExecutionFailed, match="out of memory"):
+            await collect(backend, PROMPTS[2], SamplingParams(max_tokens=5, ignore_eos=True))
+        armed = False
+        tokens = await decoding
+        after = await collect(backend, "after", SamplingParams(max_tokens=3, ignore_eos=True))
+    finally:
+        await backend.engine.drain()
+    assert failed_beside_decodes >= 1 and reruns >= 1  # the case in point did arise
+    assert tokens == reference_greedy(checkpoint, backend.encode(PROMPTS[0]), 40)
+    assert len(after) == 3
     assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
 
 

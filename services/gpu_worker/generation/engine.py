@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -202,28 +203,18 @@ class GenerationEngine:
         seq_id = next(self._seq_ids)
         now = self._clock()
         sequence = SchedSequence(
-            seq_id=seq_id,
-            prompt_token_ids=tuple(prompt_ids),
-            max_tokens=params.max_tokens,
-            priority=priority,
-            arrival_s=now,
-            tenant=tenant,
-            weight=weight,
+            seq_id=seq_id, prompt_token_ids=tuple(prompt_ids), max_tokens=params.max_tokens,
+            priority=priority, arrival_s=now, tenant=tenant, weight=weight,
             cache_salt=tenant if self._is_cache_per_tenant else "",
-        )
+        )  # fmt: skip
         request: RequestStream | None = None
         decision: Admitted | Rejected | None = self.scheduler.refusal(sequence)
         if decision is None:
             refusal = admission_refusal(
-                self._shedding,
-                self.scheduler,
-                now_s=now,
-                rank=priority,
-                tenant=tenant,
-                limit_s=first_token_limit_s,
-                num_prompt_tokens=len(prompt_ids),
+                self._shedding, self.scheduler, now_s=now, rank=priority, tenant=tenant,
+                limit_s=first_token_limit_s, num_prompt_tokens=len(prompt_ids),
                 step_s=self.mean_step_s,
-            )
+            )  # fmt: skip
             if refusal is not None:
                 self._bound.rejected_total.inc()
                 raise Overloaded(refusal.message, retry_after_s=refusal.retry_after_s)
@@ -284,7 +275,7 @@ class GenerationEngine:
                 self._cycles.break_off()  # the cycle would include the idle wait
                 await self._wake.wait()
                 continue
-            items = output.scheduled
+            items: Sequence[ScheduledSequence] = output.scheduled
             self._is_stepping = True
             started = self._clock()
             threads = self._cycles.launch(output.num_batched_tokens, started)
@@ -301,8 +292,12 @@ class GenerationEngine:
                 if self.steps.is_wedged:
                     raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
-                self._fail(output.scheduled, error)
-                continue
+                fail_now = functools.partial(self._fail, error=error, now=True)
+                rerun = await self.steps.decodes_again(items, threads, fail_now)
+                if rerun is None:
+                    self._fail(items, error)
+                    continue
+                items, logits = rerun
             finally:
                 self._is_stepping = False
             self.num_steps += 1
@@ -314,12 +309,12 @@ class GenerationEngine:
             self.mean_step_s += 0.1 * (step_s - self.mean_step_s)
             self._bound.stepped(step_s, output, self._requests)
             try:
-                self._finish_step(output.scheduled, logits, defer=overlaps)
+                self._finish_step(items, logits, defer=overlaps)
             except Exception as error:
                 # Sampling or streaming failed: its sequences end with an error, others go on.
                 log.exception("generation step could not be finished")
                 self._send_unsent()  # the tokens sampled before it, then the error
-                self._fail(output.scheduled, error)
+                self._fail(items, error)
 
     def _finish_step(
         self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor, *, defer: bool
@@ -379,11 +374,17 @@ class GenerationEngine:
                 request.output.put_nowait(ExecutionFailed(f"generation failed: {error}"))
             return False
 
-    def _fail(self, scheduled: Sequence[ScheduledSequence], error: Exception) -> None:
-        """A failed step fails its sequences (their streams end with an error); others go on."""
+    def _fail(
+        self, scheduled: Sequence[ScheduledSequence], error: Exception, *, now: bool = False
+    ) -> None:
+        """A failed step fails its sequences (their streams end with an error); others go on.
+        `now`: mid-step, finished at once (a rerun of the others leaves their blocks alone)."""
         for item in scheduled:
             self._fail_sequence(item.seq_id, error)
-        self._finish_cancelled()
+            if now:
+                self.scheduler.finish(item.seq_id)
+        if not now:
+            self._finish_cancelled()
 
     def _finish_cancelled(self) -> None:  # those cancelled while a step ran, once it is over
         for seq_id in self._cancelled:

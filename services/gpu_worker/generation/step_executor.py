@@ -42,11 +42,13 @@ from services.gpu_worker.device_busy import DeviceBusy
 from services.gpu_worker.execution import intra_op_threads
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.generation.step_inputs import StepItem
+from services.gpu_worker.generation.step_inputs import StepItem, is_decode
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+#: A step's items, of whatever type the caller schedules (the engine's ScheduledSequence).
+T_Item = TypeVar("T_Item", bound=StepItem)
 
 #: The bound on one step where the worker's `watchdog_s` is not given (an engine on its own).
 DEFAULT_WATCHDOG_S = DriverConfig.watchdog_s
@@ -153,6 +155,27 @@ class StepExecutor:
             if not timeout.expired():
                 raise  # raised by the forward itself: a failed step like any other
             raise self._wedged("a model step", self.watchdog_s) from None
+
+    async def decodes_again(
+        self, items: Sequence[T_Item], threads: int, fail: Callable[[Sequence[T_Item]], None]
+    ) -> tuple[list[T_Item], torch.Tensor] | None:
+        """After a step of `items` failed: where it computed prompts beside decodes, `fail`s
+        the prompts (a prompt's chunk is the likelier cause: its attention out of memory, say)
+        and runs the decodes again alone, once; returns them and their logits (a failure
+        failed streams that had sent tokens, whatever its cause: review finding). None where
+        every sequence of the step is to fail: all of one kind, or the rerun failed too
+        (raised, where that wedged the thread)."""
+        decodes = [item for item in items if is_decode(item)]
+        if not 0 < len(decodes) < len(items):
+            return None
+        fail([item for item in items if not is_decode(item)])
+        try:
+            return decodes, await self.execute(decodes, threads=threads)
+        except Exception:
+            if self.is_wedged:
+                raise
+            log.exception("generation step failed again without its prompts")
+            return None
 
     def _wedged(self, what: str, bound_s: float) -> Unavailable:
         """Marks the thread wedged (`what` held it past `bound_s`), counted; the error to raise."""
