@@ -437,6 +437,47 @@ async def test_a_row_refused_while_a_batch_overruns_its_prediction_gets_a_retry_
     await harness.settle(running)
 
 
+async def test_a_refused_online_rows_hint_counts_only_the_rows_that_run_before_it(
+    harness: Harness,
+) -> None:
+    """A refusal's retry hint priced the whole queue, batch-class rows included, which run
+    after an online row: behind a job's backlog, an online caller was told to come back as
+    late as the backlog's end, and the lane's SLO shedding was told that finish too (review
+    finding). The hint is the refused row's own predicted finish, as its refusal priced it."""
+    driver, backend = harness.driver, harness.backend
+    gate = harness.hold_executor()
+    running = asyncio.ensure_future(
+        driver.submit(backend, harness.rows(1), timeout_s=30, tenant="t")
+    )
+    backlog: list[asyncio.Future[list[np.ndarray]]] = []
+
+    async def refused_hint_s() -> float:
+        with pytest.raises(Overloaded, match="past the request's deadline") as refused:
+            await driver.submit(backend, harness.rows(1), timeout_s=0.0001, tenant="t")
+        return refused.value.retry_after_s
+
+    try:
+        await eventually(lambda: driver.is_executing, interval_s=0.001)
+        alone_s = await refused_hint_s()
+        # 32 batch rows: as many as batch rows may fill of the model's queue.
+        backlog = [
+            asyncio.ensure_future(
+                driver.submit(backend, harness.rows(8), timeout_s=300, tenant="job",
+                              priority=PriorityClass.BATCH)
+            )
+            for _ in range(4)
+        ]  # fmt: skip
+        await eventually(lambda: driver.num_in_flight >= 33, interval_s=0.001)
+        behind_job_s = await refused_hint_s()
+    finally:
+        gate.set()
+    await harness.settle(running)
+    for waiting in backlog:
+        await harness.settle(waiting)
+    assert alone_s > 0
+    assert behind_job_s == pytest.approx(alone_s)  # not 32 batch rows later
+
+
 async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
     harness: Harness,
 ) -> None:

@@ -163,7 +163,9 @@ class Lane:
             if pending is not None and not pending.is_answered:
                 if reason == PAST_SLO:
                     start_s = executor_start_s(now_s, executor_free_s)
-                    finish_s = self.batcher.predicted_finish_s(item.key, start_s)
+                    finish_s = self.batcher.predicted_finish_s(
+                        item.key, start_s, rank=item.priority, of=item
+                    )
                     error: Exception = Overloaded(
                         f"{item.key.model}/{item.key.version}: could no longer finish within"
                         f" its SLO (run alone, {alone_s * 1000:.0f} ms from now at the"
@@ -202,7 +204,9 @@ class Lane:
                 retry_after_s=backlog_s,
             )
         if reason is RejectReason.DEADLINE:
-            finish_s = self.batcher.predicted_finish_s(key, start_s)
+            # As its refusal priced it: the rows that run before it (batch-class rows run
+            # after an online one), its fair share of other tenants'.
+            finish_s = self.batcher.predicted_finish_s(key, start_s, rank=item.priority, of=item)
             self.shedding.refused(now_s, item, finish_s, self.latency)
             if refusal.detail:  # a limit not the row's own (policy.PAST_BATCH_MATES)
                 past = refusal.detail
