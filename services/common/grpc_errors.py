@@ -33,12 +33,29 @@ _INTERNAL = Status(grpc.StatusCode.INTERNAL, "internal error")
 _CANCELLED = Status(grpc.StatusCode.CANCELLED, "cancelled by the caller")
 
 
+#: Most UTF-8 bytes of a status message: grpc's clients refuse trailers past 8 KiB by default,
+#: so a message echoing a caller's input whole (a name of 50,000 characters) turned its status
+#: into their RESOURCE_EXHAUSTED (review finding); percent-encoded, this many stay under.
+MAX_STATUS_MESSAGE_BYTES = 2_000
+
+
+def bounded_message(message: str) -> str:
+    """`message`, cut to MAX_STATUS_MESSAGE_BYTES (at a character's end) with a note."""
+    if len(message) <= MAX_STATUS_MESSAGE_BYTES // 4:  # a character is 4 bytes at most
+        return message
+    encoded = message.encode()
+    if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
+        return message
+    kept = encoded[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")
+    return f"{kept}... ({len(encoded) - len(kept.encode())} bytes cut)"
+
+
 def status_of(error: BaseException) -> Status:
     """The status a call that raised `error` is answered with: a `ServingError`'s own code,
-    message and trailers; CANCELLED when the caller went away (the task was cancelled, or the
-    response stream closed under the handler); INTERNAL for anything else."""
+    message (bounded_message) and trailers; CANCELLED when the caller went away (the task was
+    cancelled, or the response stream closed under the handler); INTERNAL for anything else."""
     if isinstance(error, ServingError):
-        return Status(error.code, str(error), error.trailers())
+        return Status(error.code, bounded_message(str(error)), error.trailers())
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return _CANCELLED
     return _INTERNAL

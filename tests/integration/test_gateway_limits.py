@@ -309,6 +309,13 @@ async def test_v1_predict_checks_model_permission_rows_and_id_before_decoding(
     assert too_many == (invalid, "5 inputs exceed the limit of 4")
     long_id = await predict(SEARCH_KEY, request_id="x" * 300)
     assert long_id == (invalid, "request id of 300 characters; at most 256")
+    # A name of 50,000 characters was echoed whole into the status message, past what grpc's
+    # clients take as trailers: the caller got another status than INVALID_ARGUMENT (review
+    # finding). Messages are cut to MAX_STATUS_MESSAGE_BYTES.
+    for name in ("m" * 50_000, "\u00e9" * 25_000):
+        code, details = await predict(SEARCH_KEY, model_name=name)
+        assert code == invalid and "is not a valid model name" not in details
+        assert details.startswith("model name '") and len(details.encode()) <= 2_100
 
 
 async def test_rest_infer_checks_permission_and_rows_before_decoding(
