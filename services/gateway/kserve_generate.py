@@ -74,6 +74,34 @@ def check_inputs(request: kserve.ModelInferRequest) -> None:
         raise InvalidInput("raw_input_contents and contents are exclusive; use one")
 
 
+#: What a generation request may carry: its inputs (the module's), its one output and the
+#: request parameters read; anything else is refused by name, not dropped without a word (a
+#: `max_tokens` tensor, a misspelt input or a `temperature` parameter ran with the defaults:
+#: review finding). tritonclient's streams send `triton_enable_empty_final_response` when
+#: asked: taken, the last response always says it is the last (`triton_final_response`).
+GENERATE_INPUTS = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters")
+GENERATE_OUTPUT = "text_output"
+GENERATE_PARAMETERS = ("priority", "timeout", "triton_enable_empty_final_response")
+
+
+def check_generate_fields(request: kserve.ModelInferRequest) -> None:
+    """INVALID_ARGUMENT naming an input, output or request parameter a generation model does
+    not take (GENERATE_INPUTS, GENERATE_OUTPUT, GENERATE_PARAMETERS)."""
+    taking = (
+        ("input", [t.name for t in request.inputs], GENERATE_INPUTS),
+        ("output", [o.name for o in request.outputs], (GENERATE_OUTPUT,)),
+        ("parameter", list(request.parameters), GENERATE_PARAMETERS),
+    )
+    for kind, names, known in taking:
+        unknown = sorted(name[:64] for name in names if name not in known)
+        if unknown:
+            raise InvalidInput(
+                f"{kind}(s) {unknown[:8]} not taken by a generation model: its {kind}s are "
+                f"{list(known)}; sampling settings (max_tokens, temperature, ...) go in "
+                "sampling_parameters, a JSON object"
+            )
+
+
 def _input(
     request: kserve.ModelInferRequest, name: str
 ) -> tuple[int, kserve.ModelInferRequest.InferInputTensor] | None:
@@ -238,6 +266,7 @@ async def generate_one(
     `templated`: the chat template's rendering `text_input` holds (the OpenAI chat API's);
     `fills_context`: without max_tokens the reply may fill the context (GenerateCall's)."""
     check_inputs(request)
+    check_generate_fields(request)
     prompt_bytes = _scalar_bytes(request, "text_input")
     if prompt_bytes is None:
         raise InvalidInput("input text_input (BYTES) is required")

@@ -183,7 +183,17 @@ async def test_s39_malformed_stream_requests_each_get_an_error_and_the_stream_en
         "1e999": _kserve_generate(prompt, ("sampling_parameters", b'{"max_tokens": 1e999}')),
         "nested": _kserve_generate(prompt, ("sampling_parameters", b"[" * 5000 + b"]" * 5000)),
         "duplicate": _kserve_generate(prompt, prompt),
+        # Each ran with the defaults (16 tokens, greedy), the field dropped without a word.
+        "max_tokens tensor": _kserve_generate(prompt),
+        "temperature parameter": _kserve_generate(prompt),
+        "unknown output": _kserve_generate(prompt),
     }
+    tensor = cases["max_tokens tensor"].inputs.add(name="max_tokens", datatype="INT32", shape=[1])
+    tensor.contents.int_contents.append(64)
+    del cases["max_tokens tensor"].raw_input_contents[:]
+    cases["max_tokens tensor"].inputs[0].contents.bytes_contents.append(b"hello")
+    cases["temperature parameter"].parameters["temperature"].double_param = 0.7
+    cases["unknown output"].outputs.add(name="text")
     for name, request in cases.items():
         request.id = name
     both = _kserve_generate(prompt)
@@ -204,6 +214,28 @@ async def test_s39_malformed_stream_requests_each_get_an_error_and_the_stream_en
     assert "raw_input_contents" in errors["short raw"]
     assert "given more than once" in errors["duplicate"]
     assert "exclusive" in errors["raw and contents"]
+    assert "input(s) ['max_tokens'] not taken" in errors["max_tokens tensor"]
+    assert "parameter(s) ['temperature'] not taken" in errors["temperature parameter"]
+    assert "output(s) ['text'] not taken" in errors["unknown output"]
+
+
+async def test_a_stream_asking_for_an_empty_final_response_is_served(stack: Stack) -> None:
+    """tritonclient's `async_stream_infer(enable_empty_final_response=True)` sends the request
+    parameter `triton_enable_empty_final_response`: taken (the last response always says it
+    is the last), not refused as a parameter a generation model does not read."""
+    request = _kserve_generate(
+        ("text_input", b"hello"), ("sampling_parameters", b'{"max_tokens": 3}')
+    )
+    request.parameters["triton_enable_empty_final_response"].bool_param = True
+
+    async def send() -> AsyncIterator[kserve.ModelInferRequest]:
+        yield request
+
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        responses = [r async for r in stub.ModelStreamInfer(send(), timeout=60)]
+    assert [r.error_message for r in responses] == [""] * len(responses)
+    assert responses[-1].infer_response.parameters["triton_final_response"].bool_param
 
 
 async def test_the_command_line_client_streams_a_generation(stack: Stack) -> None:
