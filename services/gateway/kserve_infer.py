@@ -66,8 +66,11 @@ _TYPED_FIELDS = {
 
 def _decode_bytes(raw: bytes, count: int) -> list[str]:
     """Length-prefixed BYTES elements; INVALID_ARGUMENT if the framing or UTF-8 is wrong."""
-    texts, offset = [], 0
+    texts: list[str] = []
+    offset = 0
     while offset < len(raw):
+        if len(texts) == count:  # more than its shape says: refused before it is all read
+            raise InvalidInput(f"BYTES tensor holds more elements than its shape's {count}")
         if offset + 4 > len(raw):
             raise InvalidInput("BYTES tensor: truncated length prefix")
         (length,) = struct.unpack_from("<I", raw, offset)

@@ -271,6 +271,16 @@ async def test_s36_model_infer_checks_permission_and_rows_before_decoding(
     assert decoded.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "BYTES tensor" in (decoded.details() or "")
 
+    # A shape of one text whose data holds 750,000 empty elements is refused at the second,
+    # not after all of them were made into strings (review finding).
+    tensor = kserve.ModelInferRequest.InferInputTensor(name="text", datatype="BYTES", shape=[1])
+    empties = kserve.ModelInferRequest(
+        model_name="minilm", inputs=[tensor], raw_input_contents=[b"\0\0\0\0" * 750_000]
+    )
+    refused = await model_infer(keyed_gateway, empties, SEARCH_KEY)
+    assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "more elements than its shape's 1" in (refused.details() or "")
+
     # ...but a caller without the model never gets that far, however large the tensor,
     denied = await model_infer(keyed_gateway, undecodable_text(2, 3 * MIB), ADS_KEY)
     assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
