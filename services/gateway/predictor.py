@@ -55,8 +55,9 @@ class PredictCall:
     timeout_s: float | None
     #: The class the caller asked for; None: its tenant's default.
     priority: PriorityClass | None = None
-    #: Text models: a text longer than the model takes is cut to its first tokens, not refused.
-    truncate: bool = False
+    #: Text models: a text longer than the model takes is cut to its first tokens, not refused
+    #: (None: as its config's `[embedding] truncate` says).
+    truncate: bool | None = None
     #: Embedding models that L2-normalize: the outputs before normalization.
     unnormalized: bool = False
 
@@ -180,13 +181,14 @@ class Predictor:
         self, call: PredictCall, model: ResolvedModel, priority: PriorityClass, started: float
     ) -> PredictResult:
         config, policy = model.config, call.principal.policy
+        truncate = config.embedding.truncate if call.truncate is None else call.truncate
         # The throttle first: a call it refuses here was never served, and must not spend its
         # tenant's rows (after a flood the tenant would be refused for rows it never got).
         throttle_key = self._throttle_check(config.name, priority, policy.name)
         # Its rows return to its tenant if it is never served (admission.never_served): its
         # input refused, here or when its bundle is tokenized, or refused downstream unrun.
         with self.admission.rows_charged(policy, len(call.inputs)) as charged:
-            rows = checked_rows(model, call.inputs, truncate=call.truncate)
+            rows = checked_rows(model, call.inputs, truncate=truncate)
             request_id = call.request_id or self._new_request_id()
             piece = pb.Slice(
                 rows=len(rows),
@@ -202,7 +204,7 @@ class Predictor:
             is_text = model.encoder is not None
             key = BundleKey(
                 config.name, model.version, model.fingerprint, priority.value,
-                is_text=is_text, truncate=call.truncate, deadline_class=deadline_class(timeout_s),
+                is_text=is_text, truncate=truncate, deadline_class=deadline_class(timeout_s),
             )  # fmt: skip
             try:
                 answered = await self._bundles.call(
@@ -211,7 +213,7 @@ class Predictor:
                     piece,
                     deadline_s=time.monotonic() + timeout_s,
                     max_rows=max_bundle_rows(config),
-                    prepare=self.tokenizers.get(model, truncate=call.truncate) if is_text else None,
+                    prepare=self.tokenizers.get(model, truncate=truncate) if is_text else None,
                     on_unsent=charged.give_back,  # dropped here: ran nowhere
                 )
             except UpstreamError as error:
@@ -255,12 +257,10 @@ class Predictor:
         """False when the call must fail with `error`; otherwise counts the resend, backs off
         and returns True."""
         decision = decide_resend(
-            is_not_started=error.is_not_started,
-            attempt=attempt,
-            time_left_s=deadline_s - time.monotonic(),
-            random_value=self._rng.random(),
+            is_not_started=error.is_not_started, attempt=attempt,
+            time_left_s=deadline_s - time.monotonic(), random_value=self._rng.random(),
             config=self._retry,
-        )
+        )  # fmt: skip
         if isinstance(decision, GiveUp):
             return False
         self._metrics.router_retries_total.labels(rpc).inc()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import openai
 import pytest
@@ -22,6 +23,11 @@ from huggingface_hub import InferenceClient
 from huggingface_hub.errors import HfHubHTTPError
 from tokenizers import Tokenizer
 
+from services.common.tensors import tensor_from_pb
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from services.pb.inference.v1 import inference_pb2 as api
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.conftest import cosine
 from tests.support.keys import write_keys_with_tight_tenant
 from tests.support.processes import REPO_ROOT
@@ -178,6 +184,32 @@ def test_openai_dimensions_and_truncation_where_the_model_allows(
     assert len(ids) > 32
     (expected_cut,) = client.embeddings.create(model=MATRYOSHKA, input=ids[:31] + ids[-1:]).data
     assert cosine(np.asarray(cut.embedding), np.asarray(expected_cut.embedding)) >= 0.999
+
+
+def test_a_config_that_truncates_truncates_on_the_grpc_apis_too(
+    stack: Stack, client: openai.OpenAI, tokenizer: Tokenizer
+) -> None:
+    """`[embedding] truncate = true` cut long texts on the HTTP APIs only: v1 Predict and
+    KServe ModelInfer refused them, whatever the config said (review finding)."""
+    long_text = " ".join(sentences(1, min_words=60, max_words=60, seed=5))
+    assert len(tokenizer.encode(long_text).ids) > 32
+    (cut,) = client.embeddings.create(model=MATRYOSHKA, input=long_text).data
+    metadata = (("authorization", f"Bearer {API_KEY}"),)
+    with grpc.insecure_channel(stack.gateway.address) as channel:
+        predicted = api_grpc.InferenceServiceStub(channel).Predict(
+            api.PredictRequest(model_name=MATRYOSHKA, inputs=[api.PredictInput(text=long_text)]),
+            timeout=60, metadata=metadata,
+        )  # fmt: skip
+        tensor = kserve.ModelInferRequest.InferInputTensor(name="text", datatype="BYTES", shape=[1])
+        tensor.contents.bytes_contents.append(long_text.encode())
+        inferred = kserve_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
+            kserve.ModelInferRequest(model_name=MATRYOSHKA, inputs=[tensor]),
+            timeout=60, metadata=metadata,
+        )  # fmt: skip
+    from_predict = tensor_from_pb(predicted.outputs[0])
+    from_infer = np.frombuffer(inferred.raw_output_contents[0], dtype="<f4")
+    for embedding in (from_predict, from_infer):
+        assert cosine(embedding.ravel(), np.asarray(cut.embedding)) >= 0.999
 
 
 @pytest.mark.parametrize(
