@@ -298,16 +298,21 @@ class Door(grpc.aio.ServerInterceptor):
         context.set_trailing_metadata((trailer,))
 
     async def _probe_loop(self) -> None:
-        try:
-            await self._probe_every_interval()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            # A door that stopped measuring must not keep a flood's limit forever.
-            log.exception("the door's probe loop failed; its limit returns to rest")
-            self.limit = QueueDelayLimit(self.config.limit(self.target_s))
-            self._shares = CallerShares(self.config.share_window_s)
-            raise
+        pause_s = 1.0
+        while True:
+            try:
+                await self._probe_every_interval()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # A door that stopped measuring must not keep a flood's limit, nor stay inert
+                # for the process's life (it ended for good: review finding).
+                log.exception("the door's probe loop failed; its limit returns to rest, and "
+                              "it probes again in %.0f s", pause_s)  # fmt: skip
+                self.limit = QueueDelayLimit(self.config.limit(self.target_s))
+                self._shares = CallerShares(self.config.share_window_s)
+                await asyncio.sleep(pause_s)
+                pause_s = min(2 * pause_s, 30.0)
 
     async def _probe_every_interval(self) -> None:
         # time.monotonic(), not the loop's clock: uvloop's counts whole milliseconds.

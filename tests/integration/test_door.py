@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
 from services.common.caller_shares import caller_of
@@ -33,6 +33,7 @@ from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_gateway
 from services.gateway.tenants import TenantPolicy
+from tests.support.metrics import total
 from tests.support.models import write_affine_model
 from tests.support.waiting import eventually
 
@@ -475,6 +476,29 @@ async def test_a_limit_whose_probes_stop_reaching_its_server_returns_to_rest() -
                 await sending
             door._channel = reachable
             await unreachable.close()
+
+
+async def test_a_probe_loop_that_fails_probes_again_after_a_pause(served: Served) -> None:
+    """A failure of the probe loop (a bug) ended it for good: the door never measured, limited
+    or shed again for the process's life (review finding). Its limit returns to rest, and the
+    loop probes again after a pause."""
+    door = served.door
+
+    def measured() -> float:
+        return total(
+            generate_latest(served.registry).decode(), f"{names.DOOR_QUEUE_DELAY_SECONDS}_count"
+        )
+
+    class Broken:
+        def roll(self, now_s: float) -> None:
+            raise RuntimeError("a bug in the probe loop")
+
+    door._shares = Broken()  # type: ignore[assignment]
+    await eventually(lambda: not isinstance(door._shares, Broken), interval_s=0.01)
+    before = measured()
+    await served.call(b"ok")  # an arrival: the door probes its queue again
+    await eventually(lambda: measured() > before, timeout_s=10.0, interval_s=0.05)
+    assert door._probe_task is not None and not door._probe_task.done()
 
 
 async def test_calls_entered_another_way_share_the_limit(served: Served) -> None:
