@@ -56,8 +56,9 @@ class ThrottleConfig:
             raise ValueError("accepts_multiplier must be >= 0 (0 disables the throttle)")
         if not 0 <= self.max_reject_probability < 1:
             raise ValueError("max_reject_probability must be in [0, 1)")
-        if not (self.memory_s > 0 and self.default_retry_after_s >= 0):
-            raise ValueError("memory_s must be > 0 and default_retry_after_s >= 0")
+        if not (self.memory_s > 0 and 0 < self.default_retry_after_s < math.inf):
+            # 0 refused with no retry-after-ms at all; inf failed INTERNAL (round(inf)).
+            raise ValueError("memory_s must be > 0 and default_retry_after_s a finite > 0")
 
     @property
     def is_enabled(self) -> bool:

@@ -122,6 +122,9 @@ def test_multiplier_zero_disables_the_throttle() -> None:
         {"accepts_multiplier": -1.0},
         {"memory_s": 0.0},
         {"default_retry_after_s": -1.0},
+        {"default_retry_after_s": 0.0},  # a refusal with no retry-after-ms
+        {"default_retry_after_s": float("inf")},  # INTERNAL: round(inf) raised
+        {"default_retry_after_s": float("nan")},
         {"max_reject_probability": 1.0},
     ],
 )
