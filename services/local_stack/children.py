@@ -90,12 +90,18 @@ def is_ready(child: Child) -> bool:
     return True
 
 
+#: Opens loopback URLs directly: urllib sends them through `http_proxy` unless `no_proxy` lists
+#: them, and behind a proxy `make run` waited out its ready timeout for a healthy router
+#: (review finding).
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
 def sees_workers(router: Child, num_workers: int) -> bool:
     """True once the router's registry snapshot holds `num_workers` live workers. The router
     re-reads Redis periodically; before that, a first request would find no worker."""
     url = f"http://{HOST}:{router.ports['metrics_port']}/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as response:
+        with _DIRECT.open(url, timeout=1.0) as response:
             lines = response.read().decode().splitlines()
     except OSError:
         return False
