@@ -41,6 +41,14 @@ class HeartbeatConfig:
     def __post_init__(self) -> None:
         if min(self.period_s, self.ttl_s, self.max_backoff_s) <= 0:
             raise ValueError("heartbeat period, TTL and max backoff must be > 0 seconds")
+        # A record that expires between two heartbeats leaves routing for part of each period
+        # (routers skip a member whose record is gone); under 1 ms it is `PX 0`, which Redis
+        # refuses, and every heartbeat would fail.
+        if self.ttl_s <= self.period_s or self.ttl_s < 0.001:
+            raise ValueError(
+                f"heartbeat TTL ({self.ttl_s} s) must exceed its period ({self.period_s} s) "
+                "and be at least 0.001 s"
+            )
 
 
 #: Most front processes one worker starts.

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.backoff import doubled_s
 from services.common.lifecycle import cancel_and_wait, stop_if_cancelled
 from services.common.redis_acl import WORKER, role_credentials
 from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
@@ -102,9 +103,8 @@ class HeartbeatPublisher:
                 # first command on each fails; waiting a period would leave the registry empty
                 # for two.
                 continue
-            period_s = self._config.period_s
-            delay_s = period_s * 2 ** max(0, failures - 2) if failures else period_s
-            await self._wake.wait(min(self._config.max_backoff_s, delay_s))
+            config = self._config
+            await self._wake.wait(doubled_s(config.period_s, failures - 2, config.max_backoff_s))
 
     async def deregister(self, worker_id: str) -> None:
         try:

@@ -22,6 +22,7 @@ from collections.abc import Set as AbstractSet
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from services.common.backoff import doubled_s
 from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
@@ -175,8 +176,7 @@ class RegistrySync:
                 log.exception("registry: refresh failed; routing from last snapshot")
             age_s = self._table.snapshot_age_s(time.monotonic())
             self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)
-            delay_s = min(_MAX_BACKOFF_S, self._period_s * 2 ** max(0, failures - 1))
-            await sleep_unless_stopped(delay_s)
+            await sleep_unless_stopped(doubled_s(self._period_s, failures - 1, _MAX_BACKOFF_S))
 
     async def _set_degraded(self, is_degraded: bool) -> None:
         if is_degraded != self.is_degraded:

@@ -39,9 +39,8 @@ async def test_a_change_told_while_a_heartbeat_is_in_flight_is_published_at_once
             publisher.publish_soon()  # the change, just after this record was built
         return RECORD
 
-    publisher = HeartbeatPublisher(
-        client, RegistryKeys(), HeartbeatConfig(period_s=PERIOD_S, max_backoff_s=PERIOD_S), record
-    )
+    config = HeartbeatConfig(period_s=PERIOD_S, ttl_s=2 * PERIOD_S, max_backoff_s=PERIOD_S)
+    publisher = HeartbeatPublisher(client, RegistryKeys(), config, record)
     task = asyncio.create_task(publisher.run())
     try:
         await eventually(lambda: num_built >= 2, timeout_s=PERIOD_S / 4, message="published again")
