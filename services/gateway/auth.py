@@ -22,6 +22,7 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import re
 import sys
 import tomllib
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -197,6 +198,8 @@ def _stamp(path: Path) -> tuple[int, int, int]:
 
 _FILE_TABLES = frozenset({"keys", "tenants"})
 _KEY_FIELDS = frozenset({"tenant", "sha256", "models", "admin"})
+#: A key's SHA-256 in hex (either case): anything else (a placeholder) would be a dead key.
+_HEX_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def _refuse_unknown(table: Mapping[str, Any], known: frozenset[str], where: str) -> None:
@@ -227,9 +230,15 @@ def _keys_of(raw: dict[str, Any], path: Path) -> dict[str, Principal]:
         # A misspelt setting fails: `model` read as no `models` would grant every model.
         _refuse_unknown(entry, _KEY_FIELDS, f"{path}: [[keys]] of {entry.get('tenant')!r}")
         digest, tenant = entry.get("sha256", ""), entry.get("tenant", "")
-        is_valid = isinstance(digest, str) and len(digest) == 64
+        is_valid = isinstance(digest, str) and _HEX_DIGEST.fullmatch(digest) is not None
         if not (is_valid and isinstance(tenant, str) and tenant):
             raise ValueError(f"{path}: every [[keys]] needs tenant and a sha256 hex digest")
+        if (earlier := entries.get(digest.lower())) is not None:
+            # Kept silently, the later entry would make the earlier tenant's key another's.
+            raise ValueError(
+                f"{path}: one sha256 digest is given to tenant {earlier.tenant!r} and again to "
+                f"{tenant!r}: every key must be listed once"
+            )
         models = entry.get("models")
         if models is not None and not (
             isinstance(models, list) and all(isinstance(m, str) for m in models)

@@ -53,3 +53,21 @@ def test_a_tenant_table_no_key_belongs_to_is_said(
     assert store.authenticate("search-key").policy.requests_per_s is None  # not limited
     (record,) = [r for r in caplog.records if "serach" in r.getMessage()]
     assert "no key's tenant" in record.getMessage() and "ops, search" in record.getMessage()
+
+
+def test_a_digest_listed_twice_is_refused(tmp_path: Path) -> None:
+    """A copy-paste giving ops's digest to a later tenant made ops's key act as that tenant
+    (its models, quotas and jobs); the later entry won silently. Case does not make it
+    another digest."""
+    path = keys_file(tmp_path, "")
+    again = hash_key("ops-key").upper()
+    path.write_text(path.read_text() + f'[[keys]]\ntenant = "billing"\nsha256 = "{again}"\n')
+    with pytest.raises(ValueError, match="given to tenant 'ops' and again to 'billing'"):
+        KeyStore.from_file(path)
+
+
+def test_a_digest_that_is_not_hex_is_refused(tmp_path: Path) -> None:
+    path = keys_file(tmp_path, "")
+    path.write_text(path.read_text() + f'[[keys]]\ntenant = "billing"\nsha256 = "{"x" * 64}"\n')
+    with pytest.raises(ValueError, match="needs tenant and a sha256 hex digest"):
+        KeyStore.from_file(path)
