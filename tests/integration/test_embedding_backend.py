@@ -11,7 +11,12 @@ import torch
 
 from services.common.bundles import pack_token_rows
 from services.common.errors import InvalidInput
-from services.common.model_repository import ModelVersion, load_repository
+from services.common.model_repository import (
+    ModelConfigError,
+    ModelVersion,
+    TensorSpec,
+    load_repository,
+)
 from services.common.text import TokenIds
 from services.gpu_worker.backends import LoadOptions, load_backend
 from services.gpu_worker.backends.embedding import EmbeddingBackend
@@ -36,6 +41,30 @@ def backend(request: pytest.FixtureRequest):
     loaded.warm_up()
     assert loaded.is_compiled == is_compiled  # compiled for real: not the eager fallback
     return loaded
+
+
+def test_a_declared_output_other_than_the_encoders_is_refused_at_load() -> None:
+    """The gateway sizes bundles, `dimensions` and model info by the declared output; a
+    declaration of [768] for MiniLM's 384-wide vectors loaded, and answered vectors of
+    another width than the model said."""
+    version = minilm()
+    for output in (
+        TensorSpec("embedding", "FP32", (768,)),
+        TensorSpec("embedding", "FP16", (384,)),
+    ):
+        config = dataclasses.replace(version.config, outputs=(output,))
+        with pytest.raises(ModelConfigError, match=r"one FP32 output of dims \[384\]"):
+            EmbeddingBackend(dataclasses.replace(version, config=config), torch.device("cpu"))
+
+
+def test_warm_up_rows_hold_ids_of_the_models_own_vocabulary() -> None:
+    """Ids from the model's tokenizer, within its vocabulary however small (a fixed 2088
+    failed the load of a model of fewer ids, and on CUDA would have poisoned the device)."""
+    backend = EmbeddingBackend(minilm(), torch.device("cpu"))
+    backend.text.vocab_size = 1000  # as a model of a 1,000-id vocabulary reads it
+    (row,) = backend.warmup_rows(16, 1)
+    assert int(row.data.max()) < 1000 and len(row.data) == 16
+    assert (int(row.data[0]), int(row.data[-1])) == (101, 102)  # [CLS] ... [SEP]
 
 
 def test_a_forward_that_fails_to_compile_is_served_uncompiled(

@@ -88,10 +88,19 @@ class TextBackend(Backend):
         checked = iter(self.text.check_ids_many(token_rows) if token_rows else ())
         return [self._row(next(encoded if isinstance(v, str) else checked)) for v in values]
 
+    @functools.cached_property
+    def _warmup_ids(self) -> tuple[int, int, int]:
+        """The first, an inner and the last id of a one-word text, as this model's tokenizer
+        makes it ([CLS] the [SEP] for BERT's): ids its vocabulary holds, whatever its size (a
+        fixed id past a small vocabulary failed the load, and on CUDA poisoned the device)."""
+        ids = [min(int(i), self.text.vocab_size - 1) for i in self.text.tokenize(["the"])[0]]
+        return ids[0], ids[len(ids) // 2], ids[-1]
+
     def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
         # [CLS] word... [SEP] with an ordinary word id: costs what a real row of that length does.
-        ids = np.full(bucket, 2088, dtype=np.int64)
-        ids[0], ids[-1] = 101, 102
+        first, inner, last = self._warmup_ids
+        ids = np.full(bucket, inner, dtype=np.int64)
+        ids[0], ids[-1] = first, last
         return [PreparedRow(bucket=bucket, num_tokens=bucket, data=ids)] * batch_size
 
 
@@ -114,6 +123,7 @@ class EmbeddingBackend(TextBackend):
         if precision not in _PRECISIONS:
             raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
         self._model = BertEncoder.from_pretrained(weights).to(device, _PRECISIONS[precision])
+        _check_output(version, self._model.config.hidden_size)
         # Dynamic shapes: one graph serves every batch size and padded length. Same weights,
         # same numerics (inductor's kernels, checked at cosine 0.999 by the tests).
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
@@ -165,3 +175,17 @@ class EmbeddingBackend(TextBackend):
                 self._forward = self._model
                 self.is_compiled = False
         super().warm_up()
+
+
+def _check_output(version: ModelVersion, hidden_size: int) -> None:
+    """Refuses a config whose declared output is not what the encoder gives (one FP32 vector
+    of `hidden_size` a row): the gateway sizes bundles, `dimensions` and the APIs' model info
+    by the declaration, so a wrong one would answer vectors of another width than it says."""
+    outputs = version.config.outputs
+    if [(o.dtype, o.dims) for o in outputs] != [("FP32", (hidden_size,))]:
+        declared = [(o.name, o.dtype, list(o.dims)) for o in outputs]
+        raise ModelConfigError(
+            f"{version.config.name}: an embedding model has one FP32 output of dims "
+            f"[{hidden_size}] (its encoder's hidden size); the config declares {declared}"
+        )
+
