@@ -171,7 +171,11 @@ class LoadedModels:
         InvalidInput for a malformed name or version, NotFound for one not loaded."""
         if not _NAME_RE.match(model_name):
             raise InvalidInput(f"model name {model_name!r} is not a valid model name")
-        if model_version and not model_version.isdigit():
+        # ASCII decimal, as the repository's version directories (not str.isdigit: "²" is a
+        # digit int() does not read), and short (int() refuses over 4,300 digits).
+        if model_version and not (
+            model_version.isascii() and model_version.isdecimal() and len(model_version) <= 20
+        ):
             raise InvalidInput(f"model version {model_version!r} must be a version number")
         if model_version:
             model = self._by_key.get((model_name, str(int(model_version))))

@@ -124,6 +124,13 @@ async def test_s16_concurrent_mixed_lengths_batch_correctly(worker, reference_em
             grpc.StatusCode.INVALID_ARGUMENT,
             "version number",
         ),
+        # Digits int() does not read (a superscript; past its 4,300 digits): INTERNAL before.
+        (text_request("hi", model_version="²"), grpc.StatusCode.INVALID_ARGUMENT, "version number"),
+        (
+            text_request("hi", model_version="1" * 5000),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "model version '111",  # the rest of the message cut (grpc_errors.bounded_message)
+        ),
         (
             text_request("hi", fingerprint="0123456789abcdef"),
             grpc.StatusCode.FAILED_PRECONDITION,
