@@ -188,4 +188,3 @@ def _check_output(version: ModelVersion, hidden_size: int) -> None:
             f"{version.config.name}: an embedding model has one FP32 output of dims "
             f"[{hidden_size}] (its encoder's hidden size); the config declares {declared}"
         )
-
