@@ -162,3 +162,32 @@ async def test_a_peer_that_sends_without_reading_is_read_no_further(
     assert num_read <= 4
     rest = [r for message in [m async for m in served] for r in message.results]
     assert len(first.results) + len(rest) == 60 and num_read == 20
+
+
+async def test_a_reader_that_fails_ends_the_stream_with_its_error_not_ok() -> None:
+    """A failure in reading that is no peer's bad message (here a slice's cancel listener
+    raising: our bug) ends the stream with it, after the calls running are answered. Before,
+    it ended OK, unlogged, and its peer took every later call as never started and sent it
+    elsewhere."""
+
+    async def answer(request: bytes, context: CallContext, timeout_s: float | None) -> bytes:
+        def listener(index: int) -> None:
+            raise RuntimeError(f"listener of slice {index} failed")
+
+        context.slice_cancels.listen(listener)
+        await asyncio.sleep(0.05)
+        return request
+
+    async def requests() -> AsyncIterator[pb.InferStreamRequest]:
+        yield pb.InferStreamRequest(calls=[pb.MuxCall(call_id=1, request=b"first")])
+        await asyncio.sleep(0.01)
+        yield pb.InferStreamRequest(cancelled_slices=[pb.SliceRef(call_id=1, slice=0)])
+        await asyncio.sleep(30)  # a peer that keeps its stream open
+
+    served = _ServedStream(requests(), answer, asyncio.Event())
+    results: list[pb.MuxResult] = []
+    async with asyncio.timeout(10):
+        with pytest.raises(RuntimeError, match="listener of slice 0 failed"):
+            async for message in served.responses():
+                results.extend(message.results)
+    assert [r.call_id for r in results] == [1]
