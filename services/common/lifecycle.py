@@ -112,6 +112,18 @@ def check_limits(
         )
 
 
+def check_internal_limits(max_message_bytes: int, max_concurrent_rpcs: int) -> None:
+    """`check_limits` for a tier its peers send whole multiplexed streams (routers, workers):
+    their messages carry up to MAX_MESSAGE_BYTES, and one past a lower limit ends the whole
+    stream, failing every call it carries, small ones too."""
+    check_limits(max_message_bytes, max_concurrent_rpcs)
+    if max_message_bytes < MAX_MESSAGE_BYTES:
+        raise ValueError(
+            f"max_message_bytes must be at least {MAX_MESSAGE_BYTES} on an internal tier "
+            f"(its peers' stream messages carry up to that), got {max_message_bytes}"
+        )
+
+
 def new_server(
     stages: Iterable[Stage] = (),
     *,

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.event_loop import EVENT_LOOPS
-from services.common.lifecycle import MAX_MESSAGE_BYTES, check_limits, limit_settings
+from services.common.lifecycle import MAX_MESSAGE_BYTES, check_internal_limits, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
@@ -121,7 +121,7 @@ class WorkerConfig:
             raise ValueError(
                 f"torch_threads must be >= 0 (0: torch's default), got {self.torch_threads}"
             )
-        check_limits(self.max_message_bytes, self.max_concurrent_rpcs)
+        check_internal_limits(self.max_message_bytes, self.max_concurrent_rpcs)
         check_distinct_ports(
             grpc_port=self.grpc_port,
             metrics_port=self.metrics_port,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.event_loop import EVENT_LOOPS
-from services.common.lifecycle import MAX_MESSAGE_BYTES, limit_settings
+from services.common.lifecycle import MAX_MESSAGE_BYTES, check_internal_limits, limit_settings
 from services.common.logs import LogConfig
 from services.common.settings import (
     ConfigParser,
@@ -76,6 +76,7 @@ class RouterConfig:
     worker_tls: ClientTls = field(default_factory=ClientTls)
 
     def __post_init__(self) -> None:
+        check_internal_limits(self.max_message_bytes, self.max_concurrent_rpcs)
         check_distinct_ports(
             grpc_port=self.grpc_port,
             metrics_port=self.metrics_port,

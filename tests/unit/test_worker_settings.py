@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from services.gpu_worker.config import parse_config
+from services.router.config import parse_config as router_config
 
 pytestmark = pytest.mark.unit
 
@@ -18,6 +19,8 @@ pytestmark = pytest.mark.unit
         # Both failed only when the server was built.
         (["--max-concurrent-rpcs", "-1"], "max_concurrent_rpcs must be >= 0"),
         (["--max-message-bytes", "10"], "max_message_bytes must be at least 1024"),
+        # A router's stream message past it ended the whole stream, every call on it failed.
+        (["--max-message-bytes", str(8 << 20)], "must be at least 67108864 on an internal tier"),
         (["--heartbeat-period-s", "5"], "must exceed its period"),
     ],
 )
@@ -28,3 +31,12 @@ def test_a_setting_that_cannot_work_exits_at_parsing(
         parse_config(["--model-repository", "models", *args])
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_a_router_refuses_a_message_limit_its_workers_streams_would_pass(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        router_config(["--max-message-bytes", str(8 << 20)])
+    assert exited.value.code == 2
+    assert "must be at least 67108864 on an internal tier" in capsys.readouterr().err
