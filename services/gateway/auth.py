@@ -220,7 +220,7 @@ def _read_keys(path: Path) -> dict[str, Principal]:
 
 
 def _keys_of(raw: dict[str, Any], path: Path) -> dict[str, Principal]:
-    entries = {}
+    entries: dict[str, Principal] = {}
     _refuse_unknown(raw, _FILE_TABLES, str(path))
     tenants = parse_tenants(raw.get("tenants"), str(path))
     keys = raw.get("keys", [])
