@@ -12,6 +12,7 @@ UNSPECIFIED from a gateway. Lower rank runs first and is shed last:
 from __future__ import annotations
 
 import enum
+import math
 
 from services.pb.inference.v1 import types_pb2, worker_pb2
 
@@ -57,6 +58,20 @@ class PriorityClass(enum.Enum):
 
 
 DEFAULT_PRIORITY = PriorityClass.INTERACTIVE
+
+#: `batch` rows are admitted only while a worker's queue is less full than this share of its
+#: size: they fill idle capacity and are the first to be refused when it runs out.
+BATCH_QUEUE_SHARE = 0.5
+
+
+def max_queued_rows(priority: PriorityClass, max_queue_size: int) -> int:
+    """Most rows one call of `priority` can have queued at once on a worker whose queue holds
+    `max_queue_size` (a call's rows are queued together or not at all): a `batch` call past
+    it would be refused on an idle worker too, for good, with a retry hint."""
+    if priority is PriorityClass.BATCH:
+        return math.ceil(max_queue_size * BATCH_QUEUE_SHARE)
+    return max_queue_size
+
 
 _RANKS = {  # by value (PriorityClass.rank)
     PriorityClass.CRITICAL.value: 0,

@@ -34,10 +34,8 @@ import grpc
 import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
-from services.common.errors import InvalidInput, UpstreamError
-from services.common.model_repository import ModelConfig
+from services.common.errors import UpstreamError
 from services.common.moving_average import MovingAverage
-from services.common.multiplex import MAX_CALL_BYTES
 from services.common.registry_schema import route_metadata
 from services.common.tensors import tensor_to_pb
 from services.common.tracing import outgoing_metadata
@@ -54,54 +52,13 @@ from services.gateway.bundle_parts import (
     fail,
     prepared,
 )
+from services.gateway.call_rows import MAX_BUNDLE_BYTES
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 
 #: Sends one bundle (its bytes, metadata, absolute deadline on time.monotonic(), and the
 #: slices whose callers stop waiting) and returns the answer's bytes, or raises UpstreamError.
 Send = Callable[[bytes, Sequence[tuple[str, str]], float, SliceCancels], Awaitable[bytes]]
-
-
-#: Most bytes of rows and slices one bundle carries, and of outputs its answer carries: a
-#: call or an answer past the stream's limit would fail every caller in it
-#: (multiplex.MAX_CALL_BYTES); the rest is room for the bundle's own fields.
-MAX_BUNDLE_BYTES = MAX_CALL_BYTES - (1 << 20)
-
-
-def max_bundle_rows(config: ModelConfig) -> int:
-    """Most rows a bundle of `config`'s model takes: a batch, but no more than its workers'
-    queue holds (a bundle past it is refused whole there) nor than one answer's bytes carry
-    (a model whose rows answer megabytes, served alone at light load, would otherwise fail
-    every caller of a full bundle under load)."""
-    return max(1, min(config.max_batch_size, config.max_queue_size, _rows_by_bytes(config)))
-
-
-def max_call_rows(config: ModelConfig) -> int:
-    """Most rows one call of `config`'s model may carry (`check_call_rows`)."""
-    return max(1, min(config.max_queue_size, _rows_by_bytes(config)))
-
-
-def check_call_rows(config: ModelConfig, num_rows: int) -> None:
-    """Refuses (INVALID_ARGUMENT) a call of more rows than `config`'s model could ever serve
-    at once: past its workers' queue (refused whole there, naming a bundle the caller never
-    made), or answering more bytes than one answer carries (a caller past a bundle's rows is
-    sent alone: its rows were computed, then refused RESOURCE_EXHAUSTED as if for load, and
-    retried for good)."""
-    if num_rows > config.max_queue_size:
-        raise InvalidInput(
-            f"{num_rows} inputs exceed {config.name}'s queue of {config.max_queue_size} rows: "
-            "send at most that many a call"
-        )
-    if num_rows > (by_bytes := _rows_by_bytes(config)):
-        raise InvalidInput(
-            f"{num_rows} inputs of {config.name} answer {num_rows * config.output_row_bytes} "
-            f"bytes, past the {MAX_BUNDLE_BYTES} one answer carries: send at most {by_bytes} "
-            "a call"
-        )
-
-
-def _rows_by_bytes(config: ModelConfig) -> int:
-    return MAX_BUNDLE_BYTES // max(1, config.output_row_bytes)
 
 
 #: Weight of a bundle's time downstream in its key's moving average.

@@ -37,8 +37,8 @@ from services.common.model_repository import ModelKind
 from services.common.priority import PriorityClass
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.gateway.auth import current_principal
+from services.gateway.call_rows import max_call_rows
 from services.gateway.catalog import ModelCatalog
-from services.gateway.coalescer import max_call_rows
 from services.gateway.quota_sync import QuotaSyncConfig
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
@@ -222,7 +222,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
             )
             # A chunk is one call: no more rows than the model takes in one (check_call_rows
             # refuses more, and the runner would split each such chunk into one-item calls).
-            chunk_size = min(self._config.chunk_size, max_call_rows(config))
+            chunk_size = min(self._config.chunk_size, max_call_rows(config, priority))
             max_chunk_bytes = self._config.max_chunk_bytes
             job_id, is_existing = await _stored(
                 self._store.submit(job, chunk_size=chunk_size, max_chunk_bytes=max_chunk_bytes)

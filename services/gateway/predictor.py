@@ -27,8 +27,9 @@ from services.gateway.admission import TenantAdmission, never_served
 from services.gateway.auth import Principal
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
+from services.gateway.call_rows import check_call_rows, max_bundle_rows
 from services.gateway.catalog import ModelCatalog, ResolvedModel
-from services.gateway.coalescer import Coalescer, check_call_rows, max_bundle_rows
+from services.gateway.coalescer import Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import BundleTokenizers, PredictValue, checked_rows
 from services.gateway.router_retry import (
@@ -157,7 +158,7 @@ class Predictor:
         call.principal.check_model(config.name)
         if config.generation is not None:
             raise InvalidInput(f"{config.name} is a generation model: call Generate")
-        check_call_rows(config, len(call.inputs))  # could never be served: not a retry
+        check_call_rows(config, len(call.inputs), priority)  # never served: not a retry
         model = self.catalog.resolve(
             call.model_name, call.version_spec, sticky_key=call.request_id or None
         )

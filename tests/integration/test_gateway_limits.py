@@ -20,6 +20,9 @@ import pytest
 import torch
 
 from services.common import metric_names as names
+from services.common.multiplex import MultiplexClient
+from services.common.registry_schema import route_metadata
+from services.common.tensors import tensor_to_pb
 from services.gateway.auth import LOCAL_TENANT, hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import Gateway
@@ -27,6 +30,7 @@ from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import worker_pb2 as wpb
 from tests.support.in_process import Fabric, running_fabric, start_lone_gateway
 from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
 from tests.support.redis import RedisServer
@@ -116,6 +120,50 @@ async def test_more_rows_than_the_model_s_whole_queue_are_refused_as_invalid(
         response = await stub.ModelInfer(affine_request(np.ones((4, 4), np.float32)))
         assert response.outputs[0].shape == [4, 2]
         assert registry.get_sample_value(names.GATEWAY_TENANT_ROWS_TOTAL, labels) == 4
+
+
+async def test_a_batch_class_call_past_what_the_queue_takes_of_one_is_refused_as_invalid(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """`batch` rows are queued only while the queue is under half full, a call's rows all or
+    none: 3 batch rows on a queue of 4 were refused on an idle worker too, RESOURCE_EXHAUSTED
+    with a retry hint, for good. The gateway refuses them INVALID_ARGUMENT naming the bound,
+    and so does the worker for a caller that bypasses the gateway (its slice alone); 2 rows
+    are served."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository, slo_p99_ms=30_000, max_queue_size=4)
+
+    def predict(num_rows: int) -> api.PredictRequest:
+        tensor = tensor_to_pb(np.ones(4, np.float32))
+        inputs = [api.PredictInput(tensor=tensor)] * num_rows
+        return api.PredictRequest(model_name="affine", inputs=inputs, priority=wpb.PRIORITY_BATCH)
+
+    async with (
+        running_fabric(repository, redis_server) as fabric,
+        grpc.aio.insecure_channel(fabric.gateway_address) as channel,
+        grpc.aio.insecure_channel(fabric.router_address) as router_channel,
+    ):
+        stub = api_grpc.InferenceServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Predict(predict(3), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "batch-class calls' share of affine's queue of 4 rows (2)" in (
+            raised.value.details() or ""
+        )
+        assert len((await stub.Predict(predict(2), timeout=10)).outputs) == 2
+        request = wpb.InferRequest(model_name="affine", model_version="1")
+        request.slices.append(wpb.Slice(rows=3, priority=wpb.PRIORITY_BATCH))
+        request.packed.tensor.CopyFrom(tensor_to_pb(np.ones((3, 4), np.float32)))
+        answer = wpb.InferResponse.FromString(
+            await MultiplexClient(router_channel, "router").call(
+                request.SerializeToString(),
+                metadata=route_metadata("affine", "1", 3, "batch"),
+                timeout_s=10,
+            )
+        )
+        (status,) = answer.slices
+        assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], status
+        assert "exceed the 2 the queue takes of one" in status.message
 
 
 async def test_more_rows_than_one_answer_carries_are_refused_as_invalid(tmp_path: Path) -> None:

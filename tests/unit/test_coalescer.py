@@ -29,11 +29,13 @@ from services.common.errors import (
 )
 from services.common.model_repository import ModelConfig, parse_model_config
 from services.common.moving_average import MovingAverage
+from services.common.priority import PriorityClass
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway import coalescer as coalescer_module
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
-from services.gateway.coalescer import Coalescer, max_bundle_rows
+from services.gateway.call_rows import max_bundle_rows, max_call_rows
+from services.gateway.coalescer import Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.waiting import eventually
@@ -231,6 +233,11 @@ def test_a_bundle_takes_no_more_rows_than_a_workers_queue_holds_or_an_answer_car
     assert max_bundle_rows(big) < 64
     huge = config('dtype = "INT64"\ndims = [4096, 4096]')  # one row alone is past it
     assert max_bundle_rows(huge) == 1
+    # One call's rows (a job's chunk): a batch-class call takes at most half the queue, which
+    # is all a worker admits of batch rows (past it, refused on an idle worker too, for good).
+    assert max_call_rows(config(small, max_queue_size=9), PriorityClass.INTERACTIVE) == 9
+    assert max_call_rows(config(small, max_queue_size=9), PriorityClass.BATCH) == 5
+    assert max_call_rows(big, PriorityClass.BATCH) == max_bundle_rows(big)
 
 
 async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:

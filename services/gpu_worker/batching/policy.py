@@ -16,6 +16,7 @@ import operator
 from collections.abc import Mapping, Sequence
 
 from services.common.fair_rows import DEFAULT_WEIGHT
+from services.common.priority import BATCH_QUEUE_SHARE
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.batch_sizes import BatchSizes
 from services.gpu_worker.batching.choice import Choice, choose
@@ -37,9 +38,6 @@ from services.gpu_worker.batching.types import (
     Wait,
 )
 
-#: `batch` rows are admitted only while the queue is less full than this share of its size:
-#: they fill idle capacity and are the first to be refused when it runs out.
-BATCH_QUEUE_SHARE = 0.5
 #: Past this share of the queue, a tenant holding more than its weighted share of the queued
 #: rows is refused before tenants under theirs are.
 CONTENDED_QUEUE_SHARE = 0.5

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from services.common.errors import DeadlineExceeded, InvalidInput, Overloaded
-from services.common.priority import DEFAULT_PRIORITY, PriorityClass
+from services.common.priority import DEFAULT_PRIORITY, PriorityClass, max_queued_rows
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
@@ -147,6 +147,12 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         # Late already (its deadline passed on the way): the deadline's answer, not an
         # overload refusal with a retry hint.
         raise DeadlineExceeded("deadline exceeded before its rows were queued")
+    if len(ask.rows) > (most := max_queued_rows(ask.priority, lane.backend.config.max_queue_size)):
+        # Refused on an idle worker too: a hint to retry would be retried for good.
+        raise InvalidInput(
+            f"{len(ask.rows)} rows of a {ask.priority.value}-class call exceed the {most} the "
+            "queue takes of one; split it"
+        )
     refusals = admission.refusals
     if refusals is not None and (refused := refusals.met_again(ask)) is not None:
         admission.metrics.rejected_total_of[(*lane.labels, refused.reason)].inc(len(ask.rows))
