@@ -43,10 +43,11 @@ log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 #: How often the keys file is checked for changes, seconds.
 KEYS_POLL_PERIOD_S = 1.0
-#: Open on the HTTP port too (/v2/health/live, /v2/health/ready).
+#: Open on the HTTP port too (/v2/health/live, /v2/health/ready). Not reflection: its calls
+#: are long-lived streams, and a caller without a key could hold every place of the server's
+#: --max-concurrent-rpcs with idle ones (a key's holder sees the services listed).
 _OPEN_METHODS = (
     "/grpc.health.v1.Health/",
-    "/grpc.reflection.",
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
 )

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.errors import UpstreamError
@@ -129,6 +130,25 @@ async def test_health_needs_no_key(gateway: Gateway) -> None:
     # NOT_SERVING (no router has answered yet), but answered without a key.
     status = await health_status(f"127.0.0.1:{gateway.port}")
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_reflection_needs_a_key(gateway: Gateway) -> None:
+    """Reflection's calls are streams a caller keeps open: without a key, idle ones could hold
+    every place of the gateway's --max-concurrent-rpcs. A key's holder lists the services."""
+
+    async def services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+            stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+            asked = reflection_pb2.ServerReflectionRequest(list_services="")
+            stream = stub.ServerReflectionInfo(iter([asked]), timeout=5, metadata=metadata)
+            (answer,) = [message async for message in stream]
+            return [s.name for s in answer.list_services_response.service]
+
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        await services(())
+    assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    listed = await services((("authorization", f"Bearer {SEARCH_KEY}"),))
+    assert "inference.v1.InferenceService" in listed
 
 
 async def test_the_kserve_liveness_and_readiness_calls_need_no_key(gateway: Gateway) -> None:
