@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import grpc
 import numpy as np
 import pytest
@@ -149,6 +151,30 @@ async def test_reflection_needs_a_key(gateway: Gateway) -> None:
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
     listed = await services((("authorization", f"Bearer {SEARCH_KEY}"),))
     assert "inference.v1.InferenceService" in listed
+
+
+async def test_tei_s_refusal_names_no_model_to_a_caller(tmp_path: Path, keys_file: Path) -> None:
+    """With two embedding models and no --tei-model, TEI's routes are refused: the message
+    named every embedding model, to any caller, models its key may not use included
+    (ListModels hides them)."""
+    repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
+    shutil.copytree(repository / "minilm", repository / "secret-embedder")
+    write_affine_model(repository)
+    gateway = await start_lone_gateway(repository, api_keys_file=keys_file)
+    try:
+        assert gateway.http is not None
+        url = f"http://127.0.0.1:{gateway.http.port}/embed"
+        headers = {"Authorization": f"Bearer {ADS_KEY}"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url, json={"inputs": "hi"}, headers=headers) as answer,
+        ):
+            status, body = answer.status, await answer.text()
+    finally:
+        await gateway.stop()
+    assert status == 400, body
+    assert "2 embedding models" in body
+    assert "secret-embedder" not in body and "minilm" not in body
 
 
 async def test_the_kserve_liveness_and_readiness_calls_need_no_key(gateway: Gateway) -> None:

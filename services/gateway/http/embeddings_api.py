@@ -61,12 +61,12 @@ class EmbeddingsApi:
             return self._embedding_config(self._tei_model)
         catalog = self._predictor.catalog
         names = [n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING]
-        if len(names) != 1:
+        if len(names) != 1:  # not named: a caller may not know of models it may not use
             raise InvalidInput(
                 f"TEI's routes serve one model and this gateway has {len(names)} embedding "
-                f"models ({', '.join(names)}): start it with --tei-model"
+                "models: start it with --tei-model"
             )
-        return catalog.config(names[0])
+        return self._embedding_config(names[0])
 
     async def _embed(
         self, parsed: EmbeddingRequest, config: ModelConfig
