@@ -259,6 +259,8 @@ def check_distinct_ports(**ports: int | None) -> None:
     free one), negative (off) and None (not set) are never alike."""
     taken: dict[int, str] = {}
     for name, port in ports.items():
+        if port is not None and not -1 <= port <= 65535:  # -1: off (where it may be)
+            raise ValueError(f"{name} must be a port in [-1, 65535], got {port}")
         if port is None or port <= 0:
             continue
         if port in taken:

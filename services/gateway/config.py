@@ -110,6 +110,10 @@ class GatewayConfig:
             http_port=self.http_port,
             health_port=self.tls.health_port,
         )
+        if self.max_inputs_per_request < 1:  # every call would be refused, blaming its caller
+            raise ValueError(
+                f"max_inputs_per_request must be >= 1, got {self.max_inputs_per_request}"
+            )
         if not self.catalog_refresh_s > 0:
             # 0 read the router's model list back to back, for good.
             raise ValueError(f"catalog_refresh_s must be > 0, got {self.catalog_refresh_s}")
