@@ -46,6 +46,7 @@ GATEWAY_BUNDLE_HOLD_SECONDS = "inference_gateway_bundle_hold_seconds"
 GATEWAY_TENANT_REQUESTS_TOTAL = "inference_gateway_tenant_requests_total"
 GATEWAY_TENANT_ROWS_TOTAL = "inference_gateway_tenant_rows_total"
 GATEWAY_TENANT_REFUSED_TOTAL = "inference_gateway_tenant_refused_total"
+GATEWAY_UNAUTHENTICATED_TOTAL = "inference_gateway_unauthenticated_total"
 GATEWAY_TENANT_REQUEST_SECONDS = "inference_gateway_tenant_request_seconds"
 GATEWAY_TENANT_QUOTA_SHARE = "inference_gateway_tenant_quota_share"
 #: Served by the supervisor of a gateway process group (--processes > 1).

@@ -104,6 +104,9 @@ class KeyStore:
         self._entries = dict(entries)
         self._path = path
         self._stamp = _stamp(path) if path is not None else None
+        #: Told each refusal's reason ("missing_key", "unknown_key"): the gateway counts them
+        #: (a flood of made-up keys is seen, though refused before any call is counted).
+        self.on_refused: Callable[[str], None] = lambda reason: None
 
     @classmethod
     def from_file(cls, path: Path) -> KeyStore:
@@ -161,6 +164,7 @@ class KeyStore:
 
     def authenticate(self, key: str | None) -> Principal:
         if not key:
+            self.on_refused("missing_key")
             raise Unauthenticated("missing API key: send 'authorization: Bearer <key>'")
         presented = hash_key(key).encode()
         found: Principal | None = None
@@ -169,6 +173,7 @@ class KeyStore:
             if hmac.compare_digest(presented, digest.encode()):
                 found = principal
         if found is None:
+            self.on_refused("unknown_key")
             raise Unauthenticated("invalid API key")
         return found
 

@@ -110,6 +110,11 @@ class GatewayMetrics:
             "max_concurrency, throttled, priority).",
             ("tenant", "reason"),
         )
+        self.unauthenticated_total = new.counter(
+            names.GATEWAY_UNAUTHENTICATED_TOTAL,
+            "Calls refused UNAUTHENTICATED (HTTP 401), by reason (missing_key, unknown_key).",
+            ("reason",),
+        )
         self.tenant_request_seconds = new.histogram(
             names.GATEWAY_TENANT_REQUEST_SECONDS,
             "Time from receiving an inference call to answering it, per tenant.",

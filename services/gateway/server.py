@@ -238,6 +238,8 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = _load_keys(config)
     catalog = ModelCatalog(load_repository(config.model_repository, on_error=_not_read))
     metrics = GatewayMetrics(tier_registry("gateway"))
+    if keys is not None:
+        keys.on_refused = lambda reason: metrics.unauthenticated_total.labels(reason).inc()
     router = open_channel(
         router_target(config.router_address), config.router_tls, ROUTER_CHANNEL_OPTIONS
     )

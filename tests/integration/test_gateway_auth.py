@@ -24,6 +24,7 @@ from grpc_health.v1 import health_pb2
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from services.common import metric_names as names
 from services.common.errors import UpstreamError
 from services.gateway.auth import hash_key
 from services.gateway.bundle_clock import BundleClock
@@ -108,6 +109,20 @@ async def call(
 )
 async def test_s36_missing_or_wrong_key_is_unauthenticated(gateway: Gateway, metadata) -> None:
     assert await call(gateway, metadata) == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_calls_without_a_known_key_are_counted(gateway: Gateway) -> None:
+    """Refused before any call is counted (the authentication stage runs before the handler),
+    a flood of missing or made-up keys showed in no metric. Both ports count, by reason."""
+    for metadata in ((), (("authorization", "Bearer wrong"),), (("x-api-key", "wrong"),)):
+        assert await call(gateway, metadata) == grpc.StatusCode.UNAUTHENTICATED
+    assert gateway.http is not None
+    url = f"http://127.0.0.1:{gateway.http.port}/v2/models/affine"
+    async with aiohttp.ClientSession() as session, session.get(url) as answer:
+        assert answer.status == 401
+    registry, name = gateway.metrics.registry, names.GATEWAY_UNAUTHENTICATED_TOTAL
+    assert registry.get_sample_value(name, {"reason": "missing_key"}) == 2
+    assert registry.get_sample_value(name, {"reason": "unknown_key"}) == 2
 
 
 async def test_valid_key_passes_authentication(gateway: Gateway) -> None:
