@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.common.model_repository import ModelVersion
+from services.common.procfs import available_memory_bytes
 from services.gpu_worker.backends import DEFAULT_LOAD, LoadOptions
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver import BatchingDriver
@@ -103,8 +104,10 @@ class ModelSwapper:
     async def _load(self, version: ModelVersion) -> Backend | GenerationBackend:
         weights = await asyncio.to_thread(weights_bytes, version.weights_dir)
         kv_cache = await asyncio.to_thread(kv_cache_bytes, version, self._device)
-        free = free_memory_bytes(self._device)
-        check_fits(weights=weights, free=free, device=self._device, kv_cache=kv_cache)
+        free, host_free = free_memory_bytes(self._device), available_memory_bytes()
+        check_fits(
+            weights=weights, free=free, device=self._device, kv_cache=kv_cache, host_free=host_free
+        )
         model = await in_daemon_thread(
             lambda: load_version(version, self._device, self._generation_metrics, self._options)
         )

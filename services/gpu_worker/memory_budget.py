@@ -6,7 +6,8 @@ failing the one load. The estimate is deliberately simple: the version's weight 
 factor for what loading and warm-up add beside them (a second copy while tensors move to the
 device, activations), plus a generation model's KV cache, whose size its settings fix. Too
 small a factor risks the worker; too large refuses loads that fit. Free memory is the GPU's, or
-on a CPU the machine's within the container's memory limit (cgroup v2).
+on a CPU the machine's within the container's memory limit (cgroup v2); a GPU load must fit
+the machine's too, where the loaders build the model and read its checkpoint first.
 """
 
 from __future__ import annotations
@@ -65,9 +66,22 @@ def kv_cache_bytes(version: ModelVersion, device: torch.device) -> int:
     return 2 * llama.num_hidden_layers * num_tokens * per_token
 
 
-def check_fits(*, weights: int, free: int, device: torch.device, kv_cache: int = 0) -> None:
+def check_fits(
+    *,
+    weights: int,
+    free: int,
+    device: torch.device,
+    kv_cache: int = 0,
+    host_free: int | None = None,
+) -> None:
     """Raises InsufficientMemory, with the figures, when `weights` bytes of weight files
-    (LOAD_MEMORY_FACTOR) and a KV cache of `kv_cache` bytes need more than `free`; pure."""
+    (LOAD_MEMORY_FACTOR) and a KV cache of `kv_cache` bytes need more than `free`, or, on a
+    GPU, when the weights need more than `host_free` of the machine's: the loaders build the
+    model on the host and read its checkpoint beside it before moving it to the device, so a
+    load that fits the GPU could still have the whole worker killed for its host memory;
+    pure."""
+    if device.type != "cpu" and host_free is not None:
+        check_fits(weights=weights, free=host_free, device=torch.device("cpu"))
     needed = round(weights * LOAD_MEMORY_FACTOR) + kv_cache
     if needed > free:
         cache = f" + {kv_cache // _MIB} MiB of KV cache" if kv_cache else ""

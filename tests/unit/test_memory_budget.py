@@ -40,6 +40,18 @@ def test_a_version_past_free_memory_is_refused_with_its_figures() -> None:
     assert "100 MiB of weights" in message and "150 MiB free" in message
 
 
+def test_a_gpu_load_must_fit_the_hosts_memory_too() -> None:
+    """The loaders build a model on the host, its checkpoint read beside it, before moving it
+    to the GPU: a load the GPU had room for, checked against the GPU alone, could have the
+    whole worker killed for host memory (its pod's limit). Pure: no GPU is needed to check."""
+    gpu = torch.device("cuda", 0)
+    with pytest.raises(InsufficientMemory, match="not enough memory on cpu"):
+        check_fits(weights=100 * MIB, free=1000 * MIB, device=gpu, host_free=150 * MIB)
+    check_fits(weights=100 * MIB, free=1000 * MIB, device=gpu, host_free=250 * MIB)
+    with pytest.raises(InsufficientMemory, match="not enough memory on cuda:0"):
+        check_fits(weights=100 * MIB, free=150 * MIB, device=gpu, host_free=1000 * MIB)
+
+
 def test_weights_bytes_adds_every_file_under_the_directory(tmp_path: Path) -> None:
     (tmp_path / "nested").mkdir()
     (tmp_path / "model.pt").write_bytes(b"x" * 1000)
