@@ -68,7 +68,10 @@ class TenantAdmission:
         self.quotas.give_back_rows(policy.name, num_rows, self._clock())
 
     def set_share_gauge(self, tenant: str, share: float) -> None:
-        self._metrics.tenant_quota_share.labels(self.labels(tenant)).set(share)
+        """Sets `tenant`'s share, unless it has no label of its own: the tenants past the
+        labelled ones share `other`, whose one share would read as whichever was set last."""
+        if (label := self.labels(tenant)) == tenant:
+            self._metrics.tenant_quota_share.labels(label).set(share)
 
     def enter(self, policy: TenantPolicy) -> None:
         self.quotas.enter(policy.name)

@@ -83,3 +83,16 @@ def test_a_token_bucket_refusal_never_hints_a_retry_before_the_bucket_has_refill
     in_flight = [admission.acquire(policy) for _ in range(200)]
     hints = [int(dict(r.trailers())["retry-after-ms"]) for r in in_flight if r is not None]
     assert len(hints) == 200 and min(hints) < 50 < max(hints)
+
+
+def test_a_tenant_without_a_label_of_its_own_sets_no_share() -> None:
+    """Past the labelled tenants, everyone is `other`: a share gauge set for each of them read
+    as whichever tenant was set last, meaning nothing. Labelled tenants keep theirs."""
+    registry = CollectorRegistry()
+    labelled = TenantPolicy(name="t")
+    admission = TenantAdmission(GatewayMetrics(registry), TenantLabels({"t": labelled}))
+    admission.set_share_gauge("t", 0.25)
+    admission.set_share_gauge("unlabelled", 0.75)
+    share = "inference_gateway_tenant_quota_share"
+    assert registry.get_sample_value(share, {"tenant": "t"}) == 0.25
+    assert registry.get_sample_value(share, {"tenant": "other"}) is None
