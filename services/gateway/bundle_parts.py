@@ -90,6 +90,8 @@ class Bundle:
     #: While the clock holds it: when the hold began, and a future done once it leaves.
     held_from: float | None = None
     left: asyncio.Future[None] | None = None
+    #: The task sending it, once it left: cancelled when every caller in it stopped waiting.
+    task: asyncio.Task[None] | None = None
 
 
 def closing() -> UpstreamError:

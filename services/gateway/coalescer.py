@@ -224,6 +224,10 @@ class Coalescer:
                     entry.on_unsent()
         elif entry.index is not None:
             bundle.cancels.cancel(entry.index)
+            if len(bundle.cancels.cancelled) >= len(bundle.slices) and bundle.task is not None:
+                # No caller waits for it: its call is cancelled downstream whole (its rows
+                # withdrawn), and a resend it waits to make is not made.
+                bundle.task.cancel()
 
     async def _leave_when_ready(self, bundle: Bundle, state: _KeyState, max_rows: int) -> None:
         # Calls made in this turn of the event loop leave together; under load, also those of
@@ -293,7 +297,7 @@ class Coalescer:
             entry.index = index
         if bundle.slices:
             state.out += 1
-            task = self._spawn(self._send_bundle(bundle))
+            task = bundle.task = self._spawn(self._send_bundle(bundle))
             task.add_done_callback(lambda _: self._bundle_done(bundle))
 
     async def _send_bundle(self, bundle: Bundle) -> None:

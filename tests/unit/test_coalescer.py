@@ -725,3 +725,34 @@ async def test_a_slice_sent_again_is_withdrawn_from_the_bundle_it_is_in_now() ->
         assert downstream.cancels[0].cancelled == set()
     finally:
         await bundles.close()
+
+
+async def test_a_bundle_none_of_whose_callers_waits_is_cancelled_downstream() -> None:
+    """Both callers of a bundle in flight give up (their deadlines pass): its call is
+    cancelled downstream whole, rows withdrawn, and not sent again. Before, it ran on, and
+    a bundle waiting out a resend's backoff was still resent with no caller left."""
+    cancelled = asyncio.Event()
+    sent: list[bytes] = []
+
+    async def send(body: bytes, metadata: Any, deadline_s: float, cancels: SliceCancels) -> bytes:
+        sent.append(body)
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        raise AssertionError("never answered")
+
+    bundles = Coalescer(
+        send, GatewayMetrics(CollectorRegistry()), clock=DEFAULT_CLOCK, pickup_delay_s=lambda: 0.0
+    )
+    try:
+        callers = [asyncio.ensure_future(call(bundles, rows(v), timeout_s=0.05)) for v in (1, 2)]
+        for caller in callers:
+            with pytest.raises(UpstreamError) as raised:
+                await caller
+            assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await asyncio.wait_for(cancelled.wait(), timeout=5)
+        assert len(sent) == 1
+    finally:
+        await bundles.close()
