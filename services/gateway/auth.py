@@ -43,11 +43,11 @@ log = logging.getLogger(__name__)
 LOCAL_TENANT = "local"
 #: How often the keys file is checked for changes, seconds.
 KEYS_POLL_PERIOD_S = 1.0
-#: Open on the HTTP port too (/v2/health/live, /v2/health/ready). Not reflection: its calls
-#: are long-lived streams, and a caller without a key could hold every place of the server's
-#: --max-concurrent-rpcs with idle ones (a key's holder sees the services listed).
+#: Open on the HTTP port too (/v2/health/live, /v2/health/ready). Not health's Watch nor
+#: reflection: their calls are long-lived streams, and a caller without a key could hold every
+#: place of the server's --max-concurrent-rpcs with idle ones (probes call Check).
 _OPEN_METHODS = (
-    "/grpc.health.v1.Health/",
+    "/grpc.health.v1.Health/Check",
     "/inference.GRPCInferenceService/ServerLive",
     "/inference.GRPCInferenceService/ServerReady",
 )

@@ -20,7 +20,7 @@ import aiohttp
 import grpc
 import numpy as np
 import pytest
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -149,9 +149,10 @@ async def test_health_needs_no_key(gateway: Gateway) -> None:
     assert status == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-async def test_reflection_needs_a_key(gateway: Gateway) -> None:
-    """Reflection's calls are streams a caller keeps open: without a key, idle ones could hold
-    every place of the gateway's --max-concurrent-rpcs. A key's holder lists the services."""
+async def test_reflection_and_health_watch_need_a_key(gateway: Gateway) -> None:
+    """Reflection's and health Watch's calls are streams a caller keeps open: without a key,
+    idle ones could hold every place of the gateway's --max-concurrent-rpcs. A key's holder
+    lists the services; health Check needs none (test_health_needs_no_key)."""
 
     async def services(metadata: tuple[tuple[str, str], ...]) -> list[str]:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
@@ -166,6 +167,11 @@ async def test_reflection_needs_a_key(gateway: Gateway) -> None:
     assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
     listed = await services((("authorization", f"Bearer {SEARCH_KEY}"),))
     assert "inference.v1.InferenceService" in listed
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await watch.read()
+        assert raised.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_tei_s_refusal_names_no_model_to_a_caller(tmp_path: Path, keys_file: Path) -> None:
