@@ -155,7 +155,7 @@ class _ServedStream:
         self._is_reading_done = False
         #: Why reading stopped early (a request that did not parse): the stream's status once
         #: every call already received is answered.
-        self._read_error: Exception | None = None
+        self._read_error: InvalidInput | None = None
         #: Told `closing` CLOSING_WAIT_S ago: ends without the caller's half-close.
         self._is_done_waiting = False
 
@@ -226,10 +226,10 @@ class _ServedStream:
                     await self._sent.wait()
         except InvalidInput as error:
             self._read_error = error
-        except Exception as error:  # our bug (a slice's cancel listener, say): the stream
-            # ends with it (logged where it is answered), not OK, which its peer reads as every
-            # later call never started, sent elsewhere with the bug unseen.
-            self._read_error = error
+        except Exception:  # our bug (a slice's cancel listener, say): logged, not unseen. The
+            # stream still ends OK once its calls are answered: its peer sends the calls this
+            # reader never read elsewhere, as never started, which they were.
+            log.exception("stream reader failed; its calls not read go elsewhere")
         finally:
             self._is_reading_done = True
             self._wake.set()
