@@ -14,12 +14,14 @@ from services.common.priority import PriorityClass, max_queued_rows
 MAX_BUNDLE_BYTES = MAX_CALL_BYTES - (1 << 20)
 
 
-def max_bundle_rows(config: ModelConfig) -> int:
-    """Most rows a bundle of `config`'s model takes: a batch, but no more than its workers'
-    queue holds (a bundle past it is refused whole there) nor than one answer's bytes carry
-    (a model whose rows answer megabytes, served alone at light load, would otherwise fail
-    every caller of a full bundle under load)."""
-    return max(1, min(config.max_batch_size, config.max_queue_size, _rows_by_bytes(config)))
+def max_bundle_rows(config: ModelConfig, priority: PriorityClass) -> int:
+    """Most rows a bundle of `config`'s model in class `priority` takes: a batch, but no more
+    than its workers' queue takes of that class (a bundle past it is refused whole there, or,
+    of `batch` rows, its later slices on an idle worker too) nor than one answer's bytes
+    carry (a model whose rows answer megabytes, served alone at light load, would otherwise
+    fail every caller of a full bundle under load)."""
+    queued = max_queued_rows(priority, config.max_queue_size)
+    return max(1, min(config.max_batch_size, queued, _rows_by_bytes(config)))
 
 
 def max_call_rows(config: ModelConfig, priority: PriorityClass) -> int:

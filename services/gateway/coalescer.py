@@ -269,6 +269,7 @@ class Coalescer:
         """Its send task ended (answered, failed, or cancelled, even before it started): a
         caller not answered yet hears UNAVAILABLE, and a bundle held for it may leave."""
         fail(bundle.slices, closing())
+        bundle.task = None  # a cancelled task's error holds its frame, and so the bundle
         state = self._keys[bundle.key]
         state.out -= 1
         answered, state.answered = state.answered, None

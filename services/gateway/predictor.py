@@ -213,7 +213,7 @@ class Predictor:
                     rows,
                     piece,
                     deadline_s=time.monotonic() + timeout_s,
-                    max_rows=max_bundle_rows(config),
+                    max_rows=max_bundle_rows(config, priority),
                     prepare=self.tokenizers.get(model, truncate=truncate) if is_text else None,
                     on_unsent=charged.give_back,  # dropped here: ran nowhere
                 )

@@ -42,6 +42,8 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
 
+INTERACTIVE = PriorityClass.INTERACTIVE
+
 KEY = BundleKey("affine", "1", "f", "interactive", is_text=False)
 
 
@@ -225,19 +227,23 @@ def test_a_bundle_takes_no_more_rows_than_a_workers_queue_holds_or_an_answer_car
         return parse_model_config("m", path)
 
     small = 'dtype = "FP32"\ndims = [384]'
-    assert max_bundle_rows(config(small)) == 64
-    assert max_bundle_rows(config(small, max_queue_size=8)) == 8
+    assert max_bundle_rows(config(small), INTERACTIVE) == 64
+    assert max_bundle_rows(config(small, max_queue_size=8), INTERACTIVE) == 8
     big = config('dtype = "FP32"\ndims = [512, 768]')
     assert big.output_row_bytes == 512 * 768 * 4
-    assert max_bundle_rows(big) == coalescer_module.MAX_BUNDLE_BYTES // (512 * 768 * 4)
-    assert max_bundle_rows(big) < 64
+    assert max_bundle_rows(big, INTERACTIVE) == coalescer_module.MAX_BUNDLE_BYTES // (512 * 768 * 4)
+    assert max_bundle_rows(big, INTERACTIVE) < 64
     huge = config('dtype = "INT64"\ndims = [4096, 4096]')  # one row alone is past it
-    assert max_bundle_rows(huge) == 1
+    assert max_bundle_rows(huge, INTERACTIVE) == 1
     # One call's rows (a job's chunk): a batch-class call takes at most half the queue, which
     # is all a worker admits of batch rows (past it, refused on an idle worker too, for good).
     assert max_call_rows(config(small, max_queue_size=9), PriorityClass.INTERACTIVE) == 9
     assert max_call_rows(config(small, max_queue_size=9), PriorityClass.BATCH) == 5
-    assert max_call_rows(big, PriorityClass.BATCH) == max_bundle_rows(big)
+    assert max_call_rows(big, PriorityClass.BATCH) == max_bundle_rows(big, INTERACTIVE)
+    # A bundle of batch-class callers too: its slices past half the queue were refused (each
+    # whole) on an idle worker, with a retry hint.
+    assert max_bundle_rows(config(small, max_queue_size=64), PriorityClass.BATCH) == 32
+    assert max_bundle_rows(config(small, max_queue_size=64), INTERACTIVE) == 64
 
 
 async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:
