@@ -73,20 +73,21 @@ def check_fits(
     device: torch.device,
     kv_cache: int = 0,
     host_free: int | None = None,
+    where: str = "",
 ) -> None:
     """Raises InsufficientMemory, with the figures, when `weights` bytes of weight files
     (LOAD_MEMORY_FACTOR) and a KV cache of `kv_cache` bytes need more than `free`, or, on a
     GPU, when the weights need more than `host_free` of the machine's: the loaders build the
     model on the host and read its checkpoint beside it before moving it to the device, so a
-    load that fits the GPU could still have the whole worker killed for its host memory;
-    pure."""
+    load that fits the GPU could still have the whole worker killed for its host memory
+    (`where`: what the refusal names, the device by default); pure."""
     if device.type != "cpu" and host_free is not None:
-        check_fits(weights=weights, free=host_free, device=torch.device("cpu"))
+        check_fits(weights=weights, free=host_free, device=torch.device("cpu"), where="host")
     needed = round(weights * LOAD_MEMORY_FACTOR) + kv_cache
     if needed > free:
         cache = f" + {kv_cache // _MIB} MiB of KV cache" if kv_cache else ""
         raise InsufficientMemory(
-            f"not enough memory on {device}: the load needs about {needed // _MIB} MiB "
+            f"not enough memory on {where or device}: the load needs about {needed // _MIB} MiB "
             f"({weights // _MIB} MiB of weights x {LOAD_MEMORY_FACTOR:g}{cache}), "
             f"{free // _MIB} MiB free; unload a version or add memory"
         )

@@ -16,7 +16,7 @@ from services.common.settings import (
     config_builder,
     parse_seconds,
 )
-from services.common.tls import ClientTls, client_tls_settings
+from services.common.tls import ClientTls, check_distinct_ports, client_tls_settings
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class RunnerConfig:
             raise ValueError("retention_s must be finite and >= 0 (0: keep jobs for good)")
         if not 0 <= self.fleet_patience_s < float("inf"):
             raise ValueError("fleet_patience_s must be finite and >= 0")
+        check_distinct_ports(metrics_port=self.metrics_port)  # its range, as every tier's
         if self.claim_timeout_s <= self.call_timeout_s:
             # Otherwise a live runner's entry is taken over while its call is still running.
             raise ValueError("claim_timeout_s must exceed call_timeout_s")

@@ -194,7 +194,7 @@ async def test_tei_s_refusal_names_no_model_to_a_caller(tmp_path: Path, keys_fil
     finally:
         await gateway.stop()
     assert status == 400, body
-    assert "2 embedding models" in body
+    assert "several embedding models" in body and "2" not in body
     assert "secret-embedder" not in body and "minilm" not in body
 
 

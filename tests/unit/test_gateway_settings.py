@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.config import parse_config
+from services.jobs.config import parse_config as jobs_config
 
 pytestmark = pytest.mark.unit
 
@@ -26,3 +27,10 @@ def test_a_setting_that_cannot_work_exits_at_parsing(
         parse_config(["--allow-unauthenticated", *args])
     assert exited.value.code == 2
     assert named in capsys.readouterr().err
+
+
+def test_the_job_runner_refuses_a_port_out_of_range(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        jobs_config(["--metrics-port", "70000"])
+    assert exited.value.code == 2
+    assert "metrics_port must be a port in [-1, 65535]" in capsys.readouterr().err

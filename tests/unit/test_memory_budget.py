@@ -45,7 +45,7 @@ def test_a_gpu_load_must_fit_the_hosts_memory_too() -> None:
     to the GPU: a load the GPU had room for, checked against the GPU alone, could have the
     whole worker killed for host memory (its pod's limit). Pure: no GPU is needed to check."""
     gpu = torch.device("cuda", 0)
-    with pytest.raises(InsufficientMemory, match="not enough memory on cpu"):
+    with pytest.raises(InsufficientMemory, match="not enough memory on host"):
         check_fits(weights=100 * MIB, free=1000 * MIB, device=gpu, host_free=150 * MIB)
     check_fits(weights=100 * MIB, free=1000 * MIB, device=gpu, host_free=250 * MIB)
     with pytest.raises(InsufficientMemory, match="not enough memory on cuda:0"):

@@ -61,10 +61,10 @@ class EmbeddingsApi:
             return self._embedding_config(self._tei_model)
         catalog = self._predictor.catalog
         names = [n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING]
-        if len(names) != 1:  # not named: a caller may not know of models it may not use
-            raise InvalidInput(
-                f"TEI's routes serve one model and this gateway has {len(names)} embedding "
-                "models: start it with --tei-model"
+        if len(names) != 1:  # neither named nor counted: a caller may not know of models
+            raise InvalidInput(  # it may not use
+                "TEI's routes serve one model and this gateway has several embedding models, or "
+                "none: start it with --tei-model"
             )
         return self._embedding_config(names[0])
 

@@ -122,8 +122,9 @@ class EmbeddingBackend(TextBackend):
         precision = str(preprocessing.get("precision", "fp32"))
         if precision not in _PRECISIONS:
             raise ModelConfigError(f"{version.config.name}: precision must be in {_PRECISIONS}")
-        self._model = BertEncoder.from_pretrained(weights).to(device, _PRECISIONS[precision])
-        _check_output(version, self._model.config.hidden_size)
+        model = BertEncoder.from_pretrained(weights)
+        _check_output(version, model.config.hidden_size)  # before the weights go to the device
+        self._model = model.to(device, _PRECISIONS[precision])
         # Dynamic shapes: one graph serves every batch size and padded length. Same weights,
         # same numerics (inductor's kernels, checked at cosine 0.999 by the tests).
         self._forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = (
