@@ -280,9 +280,11 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
 async def test_a_jobs_chunks_hold_no_more_rows_than_its_model_takes_in_one_call(
     tmp_path: Path,
 ) -> None:
-    """minilm whose workers queue 16 rows: a job of 40 items, chunks of up to 64, is cut into
-    chunks of 16, 16 and 8. Chunks of 64 were each refused INVALID_ARGUMENT (past the queue),
-    and the runner then split each into 64 one-item calls."""
+    """minilm whose workers queue 16 rows: a job of 40 items (batch class, as jobs are by
+    default), chunks of up to 64, is cut into chunks of 8, half the queue, what a worker takes
+    of one batch-class call. Chunks of 64 were each refused INVALID_ARGUMENT (past the queue),
+    and the runner then split each into 64 one-item calls; chunks of 16 were refused on an
+    idle worker too, RESOURCE_EXHAUSTED with a retry hint, for good."""
     repository = write_minilm_repository(tmp_path / "repo", slo_p99_ms=1000)
     replace_config_lines(repository / "minilm" / "config.toml",
                          {"max_queue_size": "max_queue_size = 16"})  # fmt: skip
@@ -295,7 +297,7 @@ async def test_a_jobs_chunks_hold_no_more_rows_than_its_model_takes_in_one_call(
             entries = await store.read_new("a-runner", 10, 1)
         finally:
             await store.client.aclose()
-    assert [(e.start, e.end) for e in entries] == [(0, 16), (16, 32), (32, 40)]
+    assert [(e.start, e.end) for e in entries] == [(i, i + 8) for i in range(0, 40, 8)]
 
 
 async def test_jobs_being_submitted_together_hold_a_bounded_share_of_the_gateways_memory(
