@@ -402,6 +402,29 @@ async def test_consumers_of_runners_that_exited_are_forgotten_but_never_with_ent
     await eventually(lambda: _without("exited-too", consumers), timeout_s=30.0)
 
 
+async def test_at_redis_s_memory_cap_a_runner_still_takes_over_abandoned_chunks(
+    fabric: Fabric,
+) -> None:
+    """Each round a runner makes sure the group exists, then reclaims chunks left by runners
+    that died. At Redis's memory cap the create is refused OOM before Redis would say the
+    group exists, and the runner took that for Redis unreachable: it reclaimed nothing until
+    there was room, though reclaiming writes nothing (review finding)."""
+    store = fabric.store
+    await store.ensure_group()
+    await fabric.submit(texts_of(1))
+    (abandoned,) = await store.read_new("died", 1, 1)
+    admin = aioredis.Redis.from_url(fabric.redis.url)
+    try:
+        await admin.config_set("maxmemory", "1")  # at the cap: every write refused
+        await store.ensure_group()
+        await asyncio.sleep(0.02)
+        (taken,) = await store.reclaim("me", 10, 10)
+    finally:
+        await admin.config_set("maxmemory", "0")
+        await admin.aclose()
+    assert taken.entry_id == abandoned.entry_id
+
+
 async def test_a_runner_on_an_older_acl_still_runs_the_chunks_it_takes_over(
     fabric: Fabric,
 ) -> None:
