@@ -147,8 +147,10 @@ def admit_slice(lane: Lane, ask: SliceAsk, admission: AdmissionPass) -> Admissio
         # Late already (its deadline passed on the way): the deadline's answer, not an
         # overload refusal with a retry hint.
         raise DeadlineExceeded("deadline exceeded before its rows were queued")
-    if len(ask.rows) > (most := max_queued_rows(ask.priority, lane.backend.config.max_queue_size)):
-        # Refused on an idle worker too: a hint to retry would be retried for good.
+    if ask.priority is PriorityClass.BATCH and len(ask.rows) > (
+        most := max_queued_rows(ask.priority, lane.backend.config.max_queue_size)
+    ):  # refused on an idle worker too: a hint to retry would be retried for good (past the
+        # whole queue, a call of any class is refused before it gets here)
         raise InvalidInput(
             f"{len(ask.rows)} rows of a {ask.priority.value}-class call exceed the {most} the "
             "queue takes of one; split it"
