@@ -43,7 +43,9 @@ def bounded_message(message: str) -> str:
     """`message`, cut to MAX_STATUS_MESSAGE_BYTES (at a character's end) with a note."""
     if len(message) <= MAX_STATUS_MESSAGE_BYTES // 4:  # a character is 4 bytes at most
         return message
-    encoded = message.encode()
+    # A lone surrogate (JSON may escape one into a caller's text the message echoes) has no
+    # UTF-8: escaped, not raised, or the error's own answer failed (HTTP 500).
+    encoded = message.encode(errors="backslashreplace")
     if len(encoded) <= MAX_STATUS_MESSAGE_BYTES:
         return message
     kept = encoded[:MAX_STATUS_MESSAGE_BYTES].decode(errors="ignore")

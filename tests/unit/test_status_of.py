@@ -20,7 +20,13 @@ from services.common.errors import (
     Unavailable,
     UpstreamError,
 )
-from services.common.grpc_errors import Status, is_bug, status_of
+from services.common.grpc_errors import (
+    MAX_STATUS_MESSAGE_BYTES,
+    Status,
+    bounded_message,
+    is_bug,
+    status_of,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -87,3 +93,12 @@ def test_a_timeout_that_is_no_domain_error_is_a_bug_not_a_deadline() -> None:
     # Only the code that owns a deadline knows a timeout was the caller's: it raises
     # DeadlineExceeded. A bare TimeoutError (a redis call, a lock) is ours.
     assert status_of(TimeoutError()).code is grpc.StatusCode.INTERNAL
+
+
+def test_a_long_message_echoing_a_lone_surrogate_is_cut_not_raised() -> None:
+    """JSON may escape a lone surrogate into a caller's text, which a message echoes; past
+    the bound, cutting it encoded it to UTF-8 and raised, so the error's own answer failed
+    (an HTTP 500 in place of the 400)."""
+    message = bounded_message("bad key " + "\ud800" * 600)
+    assert message.endswith("bytes cut)")
+    assert len(message.encode()) <= MAX_STATUS_MESSAGE_BYTES + 30
