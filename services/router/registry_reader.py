@@ -223,9 +223,12 @@ def _current_api_first(
     once per worker) and sits idle instead of failing calls. A version no current worker
     serves (routers and some workers upgraded before the rest) keeps its older workers:
     older gateways' calls, which they serve, keep being served (the cut was fleet-wide, and
-    a model only older workers served got no worker at all: review finding)."""
-    current = {(m.name, m.version) for r, _ in records if r.internal_api >= INTERNAL_API
-               for m in r.models}  # fmt: skip
+    a model only older workers served got no worker at all: review finding). Only a current
+    worker that serves the version now counts: not one draining, nor a version it is still
+    loading (older workers were cut for the length of an upgraded worker's drain)."""
+    current = {(m.name, m.version) for r, _ in records
+               if r.internal_api >= INTERNAL_API and not r.is_draining
+               for m in r.models if m.is_ready}  # fmt: skip
     if not current:
         return records
     kept = []

@@ -109,9 +109,11 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     no worker at all, mid-upgrade; review finding)."""
     admin = clients["admin"]
 
-    async def register(worker_id: str, *models: tuple[str, str], is_current: bool) -> None:
+    async def register(
+        worker_id: str, *models: tuple[str, str], is_current: bool, is_draining: bool = False
+    ) -> None:
         record = json.loads(
-            WorkerRecord(worker_id=worker_id, address="127.0.0.1:1", is_draining=False,
+            WorkerRecord(worker_id=worker_id, address="127.0.0.1:1", is_draining=is_draining,
                          sent_at_ms=0, models=tuple(model_record(name=n, version=v)
                                                     for n, v in models)).to_json()
         )  # fmt: skip
@@ -133,6 +135,13 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     records, _ = await read_registry(clients["router"], KEYS)
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served == {"w-old": [("minilm", "1"), ("other", "1")], "w-older": [("minilm", "1")]}
+    # Nor while the only current worker drains: it serves nothing new, and the older ones
+    # were cut for the length of its drain (review finding).
+    await register("w-draining", ("minilm", "1"), is_current=True, is_draining=True)
+    records, _ = await read_registry(clients["router"], KEYS)
+    served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
+    assert served["w-older"] == [("minilm", "1")]
+    assert served["w-old"] == [("minilm", "1"), ("other", "1")]
 
 
 async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(
