@@ -74,7 +74,7 @@ class GenerationEngine:
         self._is_cache_per_tenant = is_cache_per_tenant
         self._cycles = StepCycles(thread_choice)
         self._sampler = Sampler()
-        self.steps = StepExecutor(runner, metrics, labels)
+        self.steps = StepExecutor(runner, metrics, labels, has_sent=scheduler.has_sent)
         self._requests = LiveRequests()
         self._seq_ids = itertools.count(1)
         self._wake = asyncio.Event()

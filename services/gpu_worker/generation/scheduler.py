@@ -110,8 +110,7 @@ class GenerationScheduler:
         self._num_hit_tokens = 0
 
     @property
-    def num_waiting(self) -> int:
-        """Sequences waiting for admission (new or preempted)."""
+    def num_waiting(self) -> int:  # sequences waiting for admission (new or preempted)
         return len(self._waiting)
 
     @property
@@ -127,8 +126,7 @@ class GenerationScheduler:
         return max(virtual_s, self._ledger.lowest_s()) if joining else virtual_s
 
     @property
-    def num_running(self) -> int:
-        """Sequences holding KV blocks."""
+    def num_running(self) -> int:  # sequences holding KV blocks
         return len(self._running)
 
     @property
@@ -141,11 +139,8 @@ class GenerationScheduler:
         """Tokens computed before a new prompt of `priority` starts: the rest of each running
         prompt (nothing preempts one to seat it), a preempted sequence's recompute of its
         prompt and outputs among them, then waiting sequences as urgent or more."""
-        started = sum(
-            uncomputed
-            for s in self._running
-            if (uncomputed := _num_uncomputed(s)) > 1 or not s.output_token_ids
-        )
+        started = sum(n for s in self._running
+                      if (n := _num_uncomputed(s)) > 1 or not s.output_token_ids)  # fmt: skip
         return started + self._waiting.num_tokens_at_most(priority)
 
     @property
@@ -166,6 +161,10 @@ class GenerationScheduler:
     def get(self, seq_id: int) -> Sequence | None:
         """The unfinished sequence `seq_id`, or None."""
         return self._seqs.get(seq_id)
+
+    def has_sent(self, item: ScheduledSequence) -> bool:
+        """Whether the sequence of `item` has produced tokens (its stream sent them)."""
+        return bool((seq := self._seqs.get(item.seq_id)) and seq.output_token_ids)
 
     def has_unfinished(self) -> bool:
         """True while any sequence is waiting or running."""

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -58,9 +58,16 @@ class StepExecutor:
     """Runs one model version's steps on its own daemon thread, each bounded by the watchdog."""
 
     def __init__(
-        self, runner: ModelRunner, metrics: GenerationMetrics, labels: tuple[str, str]
+        self,
+        runner: ModelRunner,
+        metrics: GenerationMetrics,
+        labels: tuple[str, str],
+        has_sent: Callable[[Any], bool] = lambda item: False,
     ) -> None:
+        """`has_sent(item)`: whether the sequence of a step's item has sent tokens (a failed
+        step runs those again: `decodes_again`)."""
         self._runner = runner
+        self._has_sent = has_sent
         self._metrics = metrics
         self._labels = labels
         busy = metrics.device_busy_seconds_total
@@ -159,16 +166,16 @@ class StepExecutor:
     async def decodes_again(
         self, items: Sequence[T_Item], threads: int, fail: Callable[[Sequence[T_Item]], None]
     ) -> tuple[list[T_Item], torch.Tensor] | None:
-        """After a step of `items` failed: where it computed prompts beside decodes, `fail`s
-        the prompts (a prompt's chunk is the likelier cause: its attention out of memory, say)
-        and runs the decodes again alone, once; returns them and their logits (a failure
-        failed streams that had sent tokens, whatever its cause: review finding). None where
-        every sequence of the step is to fail: all of one kind, or the rerun failed too
-        (raised, where that wedged the thread)."""
-        decodes = [item for item in items if is_decode(item)]
-        if not 0 < len(decodes) < len(items):
+        """After a step of `items` failed: where it computed new prompts beside sequences that
+        have sent tokens (`rerun_split`), `fail`s the prompts (a prompt's chunk is the likelier
+        cause: its attention out of memory, say) and runs the others again alone, once;
+        returns them and their logits (a failure failed streams that had sent tokens, whatever
+        its cause: review finding). None where every sequence of the step is to fail: all of
+        one kind, or the rerun failed too (raised, where that wedged the thread)."""
+        decodes, prompts = rerun_split(items, self._has_sent)
+        if not decodes or not prompts:
             return None
-        fail([item for item in items if not is_decode(item)])
+        fail(prompts)
         try:
             return decodes, await self.execute(decodes, threads=threads)
         except Exception:
@@ -210,3 +217,16 @@ class StepExecutor:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
         thread is left behind: it may never return)."""
         self._executor.shutdown(wait=not self.is_wedged)
+
+
+def rerun_split(
+    items: Sequence[T_Item], has_sent: Callable[[T_Item], bool]
+) -> tuple[list[T_Item], list[T_Item]]:
+    """A failed step's items as (run again, fail): decodes, and the chunks of sequences that
+    have sent tokens (a preempted one recomputing its prompt and tokens: its stream cannot be
+    replayed), run again; new prompts' chunks fail."""
+    again: list[T_Item] = []
+    failed: list[T_Item] = []
+    for item in items:
+        (again if is_decode(item) or has_sent(item) else failed).append(item)
+    return again, failed

@@ -1,0 +1,27 @@
+"""Which items of a failed generation step run again (step_executor.rerun_split)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.gpu_worker.generation.sequence import ScheduledSequence
+from services.gpu_worker.generation.step_executor import rerun_split
+
+pytestmark = pytest.mark.unit
+
+
+def item(seq_id: int, start: int, num_tokens: int) -> ScheduledSequence:
+    return ScheduledSequence(seq_id, tuple(range(num_tokens)), start, (0, 1), samples=True)
+
+
+def test_a_preempted_sequence_recomputing_runs_again_and_a_new_prompt_fails() -> None:
+    """A failed step of a decode (1), a new prompt's chunk (2) and the recompute of a
+    preempted sequence (3: its prompt and tokens again, from position 0, as a prompt's chunk
+    reads). 3 has sent tokens, which no tier may replay: it runs again with the decode; only
+    the new prompt fails. Before, 3 was failed as a prompt."""
+    decode, prompt, recompute = item(1, 20, 1), item(2, 0, 12), item(3, 0, 30)
+    sent = {1, 3}
+    again, failed = rerun_split([decode, prompt, recompute], lambda i: i.seq_id in sent)
+    assert (again, failed) == ([decode, recompute], [prompt])
+    # Nothing sent anywhere: decodes still run again, prompts fail (the step's likelier cause).
+    assert rerun_split([decode, prompt], lambda i: False) == ([decode], [prompt])
