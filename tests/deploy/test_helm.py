@@ -428,6 +428,11 @@ def test_a_fixed_gpu_pool_can_drain_before_it_surges() -> None:
     both = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
                 "--set", "worker.rollingUpdate.maxSurge=0")  # fmt: skip
     assert both.returncode != 0 and "cannot both be 0" in both.stderr
+    # As percentages too, which the API refuses alike (the render passed, the apply failed).
+    percent = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
+                   "--set-string", "worker.rollingUpdate.maxSurge=0%",
+                   "--set", "worker.rollingUpdate.maxUnavailable=0")  # fmt: skip
+    assert percent.returncode != 0 and "cannot both be 0" in percent.stderr
 
 
 def test_duplicate_pool_names_are_refused() -> None:
