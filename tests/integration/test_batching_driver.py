@@ -1206,3 +1206,39 @@ async def test_the_watchdog_bound_is_lowered_again_once_a_slow_version_is_unload
     # The fast version's own bound, whatever its warm-up measured on this machine.
     assert lowered_s == pytest.approx(max(config.watchdog_s, 10 * fast_warmup_s))
     assert lowered_s < raised_s
+
+
+async def test_a_version_unloaded_while_a_slow_one_is_added_leaves_the_slow_ones_bound(
+    tmp_path: Path,
+) -> None:
+    """A slow version's warm-up raises the bound, on the executor; its lane joins the lanes
+    batching once the loop resumes the load. An unload finishing on the loop in between
+    computed the bound from the lanes without it: the slow version's calls then ran past the
+    bound, and the worker took itself for wedged (review finding). The interleaving is made
+    here by ending the fast version's unload right after the slow one's warm-up."""
+    write_versioned_affine_model(tmp_path / "repo", "affine", versions=(1, 2))
+    fast, slow = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path / "repo"))
+    run = slow.run
+
+    def slow_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
+        time.sleep(0.05)
+        return run(rows)
+
+    slow.run = slow_run  # type: ignore[method-assign]
+    config = DriverConfig(watchdog_s=0.05)
+    driver = BatchingDriver([fast], config, WorkerMetrics(CollectorRegistry()))
+    assert driver.warm_up() == []
+    driver.start()
+    between = driver.between_batches
+
+    async def warm_up_then_unload(*args: Any, **kwargs: Any) -> None:
+        await between(*args, **kwargs)
+        driver._forget(driver._lanes[id(fast)])  # the unload, ending in between
+
+    try:
+        driver.between_batches = warm_up_then_unload  # type: ignore[method-assign]
+        await driver.add_backend(slow)
+        bound_s = driver.watchdog_s
+    finally:
+        await driver.drain()
+    assert bound_s >= 10 * 0.05  # the slow version's own: WARMUP_MULTIPLE x its batches

@@ -90,7 +90,6 @@ class BatchingDriver:
     def executor_free_s(self, now: float) -> float | None:  # predicted (None: free now)
         return self._between.free_s(now, self._running_until_s)
 
-    # -- warm-up ---------------------------------------------------------------------------
 
     def warm_up(self) -> list[tuple[Backend, Exception]]:
         """Warms every lane up (warm_up_lane) on the batches' executor thread, its libraries'
@@ -119,7 +118,8 @@ class BatchingDriver:
         except watchdog.WatchdogExpired:
             raise self._wedge(lane.labels, bound_s) from None
         self._lanes[id(backend)] = lane
-        self._order.append(lane)
+        self._order.append(lane)  # and the bound again: a lane forgotten meanwhile left it out
+        self.watchdog_s = watchdog.bound_for_lanes(self._config.watchdog_s, self._order)
         # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
         lane.bind_queue_gauges(self._metrics)
 
