@@ -90,7 +90,6 @@ class BatchingDriver:
     def executor_free_s(self, now: float) -> float | None:  # predicted (None: free now)
         return self._between.free_s(now, self._running_until_s)
 
-
     def warm_up(self) -> list[tuple[Backend, Exception]]:
         """Warms every lane up (warm_up_lane) on the batches' executor thread, its libraries'
         caches too; a lane whose warm-up fails is dropped, returned with its error. Blocking."""
