@@ -356,6 +356,22 @@ async def test_the_prefill_backlog_counts_the_prompts_still_waiting_for_a_first_
     assert engine.num_waiting_tokens == 0
 
 
+async def test_a_request_past_the_context_is_counted_refused(checkpoint: Path) -> None:
+    """Refused before the scheduler's checks (prompt and max_tokens past max_model_len, the
+    commonest refusal), it was counted nowhere: the refused counter saw only the scheduler's
+    own refusals (review finding)."""
+    backend, registry = make_backend(checkpoint)
+    backend.engine.start()
+    try:
+        with pytest.raises(InvalidInput, match="maximum length of 256"):
+            await anext(
+                backend.engine.generate(backend.encode(PROMPTS[0]), SamplingParams(max_tokens=256))
+            )
+    finally:
+        await backend.engine.drain()
+    assert total(generate_latest(registry).decode(), names.GENERATION_REJECTED_TOTAL) == 1
+
+
 async def test_a_request_that_can_never_fit_is_invalid(checkpoint: Path, tmp_path: Path) -> None:
     backend, _ = make_backend(write_repository(tmp_path, num_kv_blocks=4, weights_from=checkpoint))
     backend.engine.start()

@@ -103,9 +103,8 @@ class GenerationEngine:
         """Runs the step loop, each forward bounded by `watchdog_s`. If the loop dies (a bug, a
         step past the watchdog), streams end UNAVAILABLE, new ones are refused, `on_fatal` told."""
         self.steps.set_watchdog(watchdog_s)
-        self._loop_task = asyncio.get_running_loop().create_task(
-            self._supervised(on_fatal), name="generation"
-        )
+        loop = asyncio.get_running_loop()
+        self._loop_task = loop.create_task(self._supervised(on_fatal), name="generation")
 
     async def _supervised(self, on_fatal: Callable[[Exception], None] | None) -> None:
         try:
@@ -198,7 +197,8 @@ class GenerationEngine:
             raise self._stopped_error()
         try:
             params.validate(self.max_model_len, len(prompt_ids))
-        except ValueError as error:
+        except ValueError as error:  # never runs here (too long, no tokens): counted refused
+            self._bound.rejected_total.inc()
             raise InvalidInput(str(error)) from error
         seq_id = next(self._seq_ids)
         now = self._clock()
