@@ -286,6 +286,8 @@ def _generation_settings(raw: dict[str, Any], path: Path) -> GenerationSettings:
         )
     if generation.watermark_blocks < 0:
         raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
+    if min(generation.num_kv_blocks * generation.block_size, generation.max_model_len) < 2:
+        raise ModelConfigError(f"{path}: [generation] KV cache and context hold 2 tokens or more")
     return generation
 
 

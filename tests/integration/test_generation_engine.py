@@ -372,6 +372,27 @@ async def test_a_request_past_the_context_is_counted_refused(checkpoint: Path) -
     assert total(generate_latest(registry).decode(), names.GENERATION_REJECTED_TOTAL) == 1
 
 
+@pytest.mark.parametrize(("num_kv_blocks", "block_size"), [(64, 1), (2, 1), (1, 4)])
+async def test_a_cache_of_small_blocks_or_one_block_warms_up_and_serves(
+    checkpoint: Path, tmp_path: Path, num_kv_blocks: int, block_size: int
+) -> None:
+    """Warm-up ran a fixed table of two blocks past a block's length: a cache of one-token
+    blocks (its decode needed three) or of one block failed the load with the runner's
+    ValueError (review finding). Each such cache warms up and serves a request that fits."""
+    repository = write_repository(
+        tmp_path, num_kv_blocks=num_kv_blocks, block_size=block_size, weights_from=checkpoint
+    )
+    backend, _ = make_backend(repository)
+    backend.warm_up()
+    backend.engine.start()
+    try:  # one prompt token and one generated: what the smallest of these caches holds
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        deltas = [d async for d in backend.engine.generate(backend.encode("hi")[:1], params)]
+    finally:
+        await backend.engine.drain()
+    assert len(token_ids(deltas)) == 1
+
+
 async def test_a_request_that_can_never_fit_is_invalid(checkpoint: Path, tmp_path: Path) -> None:
     backend, _ = make_backend(write_repository(tmp_path, num_kv_blocks=4, weights_from=checkpoint))
     backend.engine.start()

@@ -55,6 +55,8 @@ def test_prefix_caching_is_shared_unless_scoped_per_tenant_or_off(tmp_path: Path
     [
         ("watermark_blocks = -1\n", "watermark_blocks must be >= 0"),
         ("block_size = 0\n", "sizes must be positive"),
+        # A cache of one token serves no request (a prompt's token and one generated).
+        ("num_kv_blocks = 1\nblock_size = 1\n", "hold 2 tokens or more"),
         ("num_kv_blocks = 1.5\n", "must be integers"),
         ("unknown_knob = 1\n", "unknown_knob"),
         ('prefix_caching = "on"\n', "prefix_caching must be one of"),

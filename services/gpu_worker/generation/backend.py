@@ -149,9 +149,12 @@ class GenerationBackend(ServedModel):
         """On the thread that runs the engine's steps: one prefill and one decode through the
         runner (lazy init, allocator; the slower sets the floor of the step watchdog), then the
         attention kernels' choice and, on a GPU, the decode steps' CUDA graphs."""
-        block_size = self.runner.block_size
-        prompt = tuple(range(1, block_size + 2))
-        blocks = (0, 1)
+        block_size, num_blocks = self.runner.block_size, self.runner.num_blocks
+        # Past a block where the cache holds two, and never past the cache or the context (a
+        # cache of one-token blocks: a fixed two-block table failed the load).
+        longest = min(block_size + 1, num_blocks * block_size - 1, self._max_model_len - 1)
+        prompt = tuple(range(1, max(1, longest) + 1))
+        blocks = tuple(range(-(-(len(prompt) + 1) // block_size)))
         self.engine.steps.warm_up(
             [
                 [SequenceBatchItem(prompt, 0, blocks)],
