@@ -1176,12 +1176,8 @@ def test_a_model_whose_slo_is_within_the_upstream_budget_is_refused(tmp_path: Pa
         )
 
 
-async def test_the_watchdog_bound_is_lowered_again_once_a_slow_version_is_unloaded(
-    tmp_path: Path,
-) -> None:
-    """The bound on one model call is raised to 10x the slowest warm-up batch; it only grew,
-    so a slow version unloaded left every later call of a fast one watched as loosely, a
-    wedged call noticed that much later (review finding)."""
+def fast_and_slow_versions(tmp_path: Path) -> tuple[Backend, Backend]:
+    """Two versions of the affine model, the second's every call 50 ms longer."""
     write_versioned_affine_model(tmp_path / "repo", "affine", versions=(1, 2))
     fast, slow = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path / "repo"))
     run = slow.run
@@ -1191,6 +1187,16 @@ async def test_the_watchdog_bound_is_lowered_again_once_a_slow_version_is_unload
         return run(rows)
 
     slow.run = slow_run  # type: ignore[method-assign]
+    return fast, slow
+
+
+async def test_the_watchdog_bound_is_lowered_again_once_a_slow_version_is_unloaded(
+    tmp_path: Path,
+) -> None:
+    """The bound on one model call is raised to 10x the slowest warm-up batch; it only grew,
+    so a slow version unloaded left every later call of a fast one watched as loosely, a
+    wedged call noticed that much later (review finding)."""
+    fast, slow = fast_and_slow_versions(tmp_path)
     config = DriverConfig(watchdog_s=0.05)
     driver = BatchingDriver([fast, slow], config, WorkerMetrics(CollectorRegistry()))
     assert driver.warm_up() == []
@@ -1216,15 +1222,7 @@ async def test_a_version_unloaded_while_a_slow_one_is_added_leaves_the_slow_ones
     computed the bound from the lanes without it: the slow version's calls then ran past the
     bound, and the worker took itself for wedged (review finding). The interleaving is made
     here by ending the fast version's unload right after the slow one's warm-up."""
-    write_versioned_affine_model(tmp_path / "repo", "affine", versions=(1, 2))
-    fast, slow = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path / "repo"))
-    run = slow.run
-
-    def slow_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
-        time.sleep(0.05)
-        return run(rows)
-
-    slow.run = slow_run  # type: ignore[method-assign]
+    fast, slow = fast_and_slow_versions(tmp_path)
     config = DriverConfig(watchdog_s=0.05)
     driver = BatchingDriver([fast], config, WorkerMetrics(CollectorRegistry()))
     assert driver.warm_up() == []
