@@ -80,7 +80,7 @@ class RegistrySync:
 
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""
-        records, redis_now_s = await read_registry(self._client, self._keys)
+        records, redis_now_s = await read_registry(self._client, self._keys, self._worker_networks)
         now_s = time.monotonic()
         if not records and self._awaits_refill and self._table.has_snapshot:
             # Redis is back, empty (restarted): workers re-register at their next heartbeat,
@@ -188,9 +188,11 @@ class RegistrySync:
 
 
 async def read_registry(
-    client: aioredis.Redis, keys: RegistryKeys
+    client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
 ) -> tuple[list[tuple[WorkerRecord, float]], float]:
-    """Every registered worker with its heartbeat time, and Redis's `now`, both in seconds.
+    """Every registered worker with its heartbeat time, and Redis's `now`, both in seconds;
+    those of an older internal API cut from what current ones serve (`_current_api_first`,
+    counting only current workers whose address `networks` admits, when given).
 
     Two round trips (ids+scores+time, then records), once per refresh period: never per request.
     """
@@ -211,11 +213,11 @@ async def read_registry(
             records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
         except MALFORMED_RECORD_ERRORS as error:
             log.warning("skipping malformed registry record: %s", error)
-    return _current_api_first(records), now_s
+    return _current_api_first(records, networks), now_s
 
 
 def _current_api_first(
-    records: list[tuple[WorkerRecord, float]],
+    records: list[tuple[WorkerRecord, float]], networks: WorkerNetworks | None = None
 ) -> list[tuple[WorkerRecord, float]]:
     """The records with each model version served by workers of this build's internal API
     once any of them serves it: a worker of an older API refuses every bundle (INVALID_
@@ -225,9 +227,11 @@ def _current_api_first(
     older gateways' calls, which they serve, keep being served (the cut was fleet-wide, and
     a model only older workers served got no worker at all: review finding). Only a current
     worker that serves the version now counts: not one draining, nor a version it is still
-    loading (older workers were cut for the length of an upgraded worker's drain)."""
+    loading (older workers were cut for the length of an upgraded worker's drain), nor one
+    whose address the router will not route to (a forged record cut every older worker)."""
     current = {(m.name, m.version) for r, _ in records
                if r.internal_api >= INTERNAL_API and not r.is_draining
+               and (networks is None or networks.admits(r.address))
                for m in r.models if m.is_ready}  # fmt: skip
     if not current:
         return records

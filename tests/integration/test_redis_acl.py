@@ -23,6 +23,7 @@ from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRe
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
 from services.router.registry_reader import read_registry
+from services.router.worker_networks import WorkerNetworks
 from tests.support.records import model_record
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -110,10 +111,14 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     admin = clients["admin"]
 
     async def register(
-        worker_id: str, *models: tuple[str, str], is_current: bool, is_draining: bool = False
+        worker_id: str,
+        *models: tuple[str, str],
+        is_current: bool,
+        is_draining: bool = False,
+        address: str = "127.0.0.1:1",
     ) -> None:
         record = json.loads(
-            WorkerRecord(worker_id=worker_id, address="127.0.0.1:1", is_draining=is_draining,
+            WorkerRecord(worker_id=worker_id, address=address, is_draining=is_draining,
                          sent_at_ms=0, models=tuple(model_record(name=n, version=v)
                                                     for n, v in models)).to_json()
         )  # fmt: skip
@@ -142,6 +147,14 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served["w-older"] == [("minilm", "1")]
     assert served["w-old"] == [("minilm", "1"), ("other", "1")]
+    # Nor one at an address the router will not route to (a forged record, a pod network
+    # misconfigured): it cut every older worker, then was itself refused (review finding).
+    await admin.zrem(KEYS.workers, "w-draining")
+    await register("w-elsewhere", ("minilm", "1"), is_current=True, address="10.9.9.9:1")
+    networks = WorkerNetworks.parse("127.0.0.0/8")
+    records, _ = await read_registry(clients["router"], KEYS, networks)
+    served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
+    assert served["w-older"] == [("minilm", "1")]
 
 
 async def test_worker_publishes_and_deregisters_but_reads_and_administers_nothing(
