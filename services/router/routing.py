@@ -239,18 +239,20 @@ class RouteTable:
             routable = self._routable[(name, version)] = self._routable_for(name, version)
         workers, is_known = routable
         ejected_until_s = self._ejected_until_s
+        untried = workers
         if exclude or ejected_until_s:
             untried = [c for c in workers if c.worker_id not in exclude]
             ejected = ejected_until_s.get
             workers = [c for c in untried if now_s >= ejected(c.worker_id, -math.inf)] or untried
         elif not self.timeouts.has_ejected:
             return workers, is_known  # the usual case; callers do not change the list
-        # Ejections, for UNAVAILABLE (above) or timeouts, skip a worker only while another is
-        # routable (Envoy's panic mode, here only when none is left): where all time out,
-        # ejecting the last turns late answers to none; a last worker's stream reset once
-        # (its calls UNAVAILABLE) left its model with no worker for `eject_s`.
+        # Ejections (for UNAVAILABLE above, or timeouts) skip a worker only while another is
+        # routable (Envoy's panic mode): ejecting the last turns late answers to none, and a last
+        # worker's stream reset once left its model with no worker for `eject_s`; one ejected
+        # for a reset comes before those that time out (all went to a wedged one: review finding).
         may_route = self.timeouts.may_route
-        return [c for c in workers if may_route(c.worker_id, now_s)] or workers, is_known
+        kept = [c for c in workers if may_route(c.worker_id, now_s)]
+        return kept or [c for c in untried if may_route(c.worker_id, now_s)] or workers, is_known
 
     def _routable_for(self, name: str, version: str) -> tuple[list[_Candidate], bool]:
         """The snapshot's workers alive at the last refresh, not draining and ready for
@@ -358,8 +360,7 @@ class RouteTable:
         """Skip `worker_id` until now_s + eject_s: a call to it failed with UNAVAILABLE."""
         self._ejected_until_s[worker_id] = now_s + self._config.eject_s
 
-    def inflight_rows(self, worker_id: str) -> int:
-        """Rows this router has reserved on `worker_id` and not released, all models."""
+    def inflight_rows(self, worker_id: str) -> int:  # reserved there by us, not released
         return self._reservations.worker_rows(worker_id)
 
     def live_workers(self, now_s: float) -> tuple[WorkerRecord, ...]:

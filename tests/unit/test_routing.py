@@ -812,3 +812,19 @@ def test_the_series_of_workers_that_left_are_removed() -> None:
     assert 'worker="w2"' not in text
     assert list(metrics.routed_total_of) == [("minilm", "1", "w1")]
     metrics.forget_workers({"w3"})  # never seen: nothing to remove, no error
+
+
+def test_with_one_worker_timing_out_and_one_reset_the_reset_one_is_routed_to() -> None:
+    """w2 is ejected for timeouts (wedged, say), then w1's stream resets once (ejected for
+    UNAVAILABLE). The UNAVAILABLE ejection left only w2, and panic mode then routed every
+    call to it, the worker known to answer nothing, for w1's `eject_s` (review finding):
+    w1, which may only have lost a stream, is tried first."""
+    table = loaded(
+        make_table(timeouts_to_eject=2, timeout_eject_s=10.0),
+        make_worker(worker_id="w1"),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    for _ in range(2):
+        table.timeouts.record_timeout("w2", 1.0, waited_s=1.0, predicted_s=0.01)
+    table.eject("w1", 1.0)
+    assert {routed_to(route(table, now_s=1.0)) for _ in range(5)} == {"w1"}
