@@ -299,12 +299,11 @@ class RouteTable:
             candidate.is_idle = queued_rows == 0
             wait_s = (ahead_rows + num_rows) * model.per_row_s
             candidate.predicted_s = max(model.min_batch_s, wait_s)
-            # For generation, num_rows is the prompt's token count; the prompts sent there and
-            # not started yet (reserved here) hold room its report does not show yet.
-            candidate.has_room = model.kv_block_size == 0 or (
-                model.kv_blocks_free * model.kv_block_size
-                >= num_rows + self._reservations.place_rows((candidate.worker_id, key))
-            )
+            # For generation, num_rows is a prompt's tokens; prompts sent there, not started
+            # (reserved here), hold room its report does not show. A frozen report's is unknown.
+            needed = num_rows + self._reservations.place_rows((candidate.worker_id, key))
+            room = model.kv_blocks_free * model.kv_block_size
+            candidate.has_room = is_frozen or model.kv_block_size == 0 or room >= needed
         return candidates
 
     def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:

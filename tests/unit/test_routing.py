@@ -828,3 +828,28 @@ def test_with_one_worker_timing_out_and_one_reset_the_reset_one_is_routed_to() -
         table.timeouts.record_timeout("w2", 1.0, waited_s=1.0, predicted_s=0.01)
     table.eject("w1", 1.0)
     assert {routed_to(route(table, now_s=1.0)) for _ in range(5)} == {"w1"}
+
+
+def test_a_frozen_report_s_kv_room_is_not_held_against_its_worker() -> None:
+    """Redis away, routing runs on the last snapshot: its queue counts were set aside after
+    queue_report_ttl_s, but its free KV blocks were still read, so a worker whose cache was
+    full at the last read got no prompt for as long as the outage lasted (up to the snapshot's
+    2 minutes) while the other took them all (review finding)."""
+
+    def generation_worker(worker_id: str, *, kv_blocks_free: int) -> WorkerRecord:
+        base = make_worker(worker_id=worker_id)
+        model = dataclasses.replace(base.models[0], kv_blocks_free=kv_blocks_free, kv_block_size=16)
+        return dataclasses.replace(base, models=(model,))
+
+    table = loaded(
+        make_table(queue_report_ttl_s=1.0, max_snapshot_age_s=120.0),
+        generation_worker("w1", kv_blocks_free=0), generation_worker("w2", kv_blocks_free=100),
+    )  # fmt: skip
+    fresh = [table.route(*MODEL, num_rows=10, remaining_s=60.0, now_s=0.5) for _ in range(4)]
+    assert [routed_to(r) for r in fresh] == ["w2"] * 4  # the report is fresh: w1 has no room
+    for sent in fresh:
+        assert isinstance(sent, Route)
+        table.release(sent.reservation_id)
+    frozen = {routed_to(table.route(*MODEL, num_rows=10, remaining_s=60.0, now_s=30.0))
+              for _ in range(8)}  # fmt: skip
+    assert frozen == {"w1", "w2"}
