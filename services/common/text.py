@@ -41,6 +41,8 @@ class TextEncoder:
         for path in (tokenizer_path, model_config_path):
             if not path.exists():
                 raise ModelConfigError(f"{config.name}: missing {path}")
+        #: Where the version's files are (its own folder, or where its version.toml points).
+        self.weights_dir = weights_dir
         self.tokenizer = Tokenizer.from_file(str(tokenizer_path))
         # Shipped tokenizer.json files often truncate and pad (MiniLM's to 128). Over-long
         # inputs are refused instead of silently truncated, and batches are padded by the model.

@@ -292,7 +292,6 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                 metrics=metrics,
                 max_inputs=config.max_inputs_per_request,
                 max_body_bytes=config.max_message_bytes,
-                model_repository=config.model_repository,
                 repository=repository,
                 tei_model=config.tei_model,
                 drain_grace_s=config.drain_grace_s,

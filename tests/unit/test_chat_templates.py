@@ -185,3 +185,26 @@ def test_generation_config_adds_end_of_sequence_tokens(tmp_path: Path) -> None:
     (tmp_path / "generation_config.json").write_text(json.dumps(generation))
     config = LlamaConfig.from_json(tmp_path / "config.json")
     assert config.eos_token_ids == (EOS_TOKEN_ID, 7)
+
+
+def test_a_version_whose_weights_are_elsewhere_reads_its_template_there(tmp_path: Path) -> None:
+    """A version.toml may point a version's weights elsewhere (as minilm's does): its template
+    is in the tokenizer_config.json beside them. The chat API looked in the version's own
+    folder, found none, and ran every chat prompt untemplated, silently (review finding); it
+    now reads where the version's tokenizer was read (TextEncoder.weights_dir)."""
+    weights = tmp_path / "weights"
+    shutil.copytree(REPOSITORY / "tiny-llama" / "1", weights)
+    config = json.loads((weights / "tokenizer_config.json").read_text())
+    (weights / "tokenizer_config.json").write_text(
+        json.dumps({**config, "chat_template": TEMPLATE})
+    )
+    (tmp_path / "repo" / "llm" / "1").mkdir(parents=True)
+    shutil.copy(
+        REPOSITORY / "tiny-llama" / "config.toml", tmp_path / "repo" / "llm" / "config.toml"
+    )
+    (tmp_path / "repo" / "llm" / "1" / "version.toml").write_text(f'weights = "{weights}"\n')
+    (version,) = load_repository(tmp_path / "repo")
+    encoder = TextEncoder(version.weights_dir, version.config)
+    assert encoder.weights_dir == weights
+    assert read_chat_template(encoder.weights_dir).template is not None
+    assert read_chat_template(tmp_path / "repo" / "llm" / "1").template is None  # where it looked

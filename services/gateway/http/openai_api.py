@@ -17,7 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.common.errors import NotFound
+from services.common.errors import InvalidInput, NotFound
 from services.common.grpc_errors import is_bug
 from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
@@ -84,10 +84,9 @@ def _model_object(name: str) -> dict[str, Any]:
 class OpenAiApi:
     """The /v1 routes over `predictor`'s generation path."""
 
-    def __init__(self, predictor: Predictor, metrics: GatewayMetrics, model_repository: Path):
+    def __init__(self, predictor: Predictor, metrics: GatewayMetrics):
         self._predictor = predictor
         self._metrics = metrics
-        self._repository = model_repository
         self._templates: VersionMemo[tuple[str, str], ChatTemplate] = VersionMemo(
             lambda key: predictor.catalog.has_version(*key)
         )
@@ -127,9 +126,14 @@ class OpenAiApi:
         catalog = self._predictor.catalog
         name = catalog.config(model).name
         principal.check_model(name)
-        version = catalog.resolve(name, "").version
+        resolved = catalog.resolve(name, "")
+        version, encoder = resolved.version, resolved.encoder
+        if encoder is None:
+            raise InvalidInput(f"{name} has no tokenizer")
+        # Beside its tokenizer, where its weights are: a version.toml may point elsewhere (the
+        # version's own folder, read before, held no template, and prompts went untemplated).
         template = self._templates.get(
-            (name, version), lambda: read_chat_template(self._repository / name / version)
+            (name, version), lambda: read_chat_template(encoder.weights_dir)
         )
         return version, template
 

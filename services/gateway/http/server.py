@@ -9,7 +9,6 @@ import logging
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -217,7 +216,6 @@ async def start_http(
     metrics: GatewayMetrics,
     max_inputs: int,
     max_body_bytes: int,
-    model_repository: Path,
     repository: RepositoryControl | None = None,
     tei_model: str = "",
     drain_grace_s: float = 60.0,
@@ -235,7 +233,7 @@ async def start_http(
     app.on_response_prepare.append(echo_request_id)
     servicer = KServeServicer(predictor, metrics, max_inputs=max_inputs, repository=repository)
     app.add_routes(KServeRest(servicer, predictor, metrics).routes())
-    app.add_routes(OpenAiApi(predictor, metrics, model_repository).routes())
+    app.add_routes(OpenAiApi(predictor, metrics).routes())
     app.add_routes(EmbeddingsApi(predictor, metrics, tei_model).routes())
     # A client that hangs up cancels its handler, and so the work it asked for (aiohttp's
     # default since 3.8 lets the handler run on, generating for nobody).
