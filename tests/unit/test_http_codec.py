@@ -254,6 +254,9 @@ def test_completion_request_defaults_and_refusals() -> None:
     "field",
     [
         {"logprobs": 1}, {"logprobs": True}, {"top_logprobs": 3}, {"echo": True},
+        # 0 == False: accepted as the default and answered without the sampled token's log
+        # probability, which completions' `logprobs: 0` asks for (review finding).
+        {"logprobs": 0}, {"echo": 0},
         {"logit_bias": {"50256": -100}}, {"suffix": "end"}, {"frequency_penalty": 0.5},
         {"presence_penalty": -1}, {"best_of": 3}, {"response_format": {"type": "json_object"}},
     ],

@@ -85,13 +85,21 @@ def _sampling(
     return sampling
 
 
+def _is(value: Any, default: Any) -> bool:
+    """Whether `value` is `default`: a bool only a bool (`"logprobs": 0` asks completions for
+    the sampled token's log probability, though 0 == False), numbers at any type (0.0, 0)."""
+    if isinstance(value, bool) or isinstance(default, bool):
+        return type(value) is type(default) and value == default
+    return bool(value == default)
+
+
 def _common(body: dict[str, Any], known: frozenset[str]) -> tuple[str, bool, bool]:
     unknown = sorted(set(body) - known - _IGNORED - set(_AT_DEFAULT))
     if unknown:
         raise InvalidInput(f"unsupported fields {unknown}")
     asked = sorted(
         key for key, defaults in _AT_DEFAULT.items()
-        if body.get(key) is not None and body[key] not in defaults
+        if body.get(key) is not None and not any(_is(body[key], d) for d in defaults)
     )  # fmt: skip
     if asked:
         raise InvalidInput(f"unsupported {asked}: accepted only null or at their defaults")
