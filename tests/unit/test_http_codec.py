@@ -304,6 +304,17 @@ def test_a_body_without_temperature_samples_at_openais_default() -> None:
     assert greedy.sampling["temperature"] == 0
 
 
+def test_a_temperature_too_small_to_sample_at_is_greedy_not_refused() -> None:
+    """OpenAI takes any temperature in [0, 2]; one under the sampler's least (0.01), which
+    divides logits past floats, was refused INVALID_ARGUMENT to a stock client (review
+    finding). It means greedy, as vLLM reads it; the least itself still samples."""
+    for tiny in (0.001, 1e-9):
+        body = {"model": "m", "prompt": "p", "temperature": tiny}
+        assert completion_request(body).sampling["temperature"] == 0.0
+    body = {"model": "m", "prompt": "p", "temperature": 0.01}
+    assert completion_request(body).sampling["temperature"] == 0.01
+
+
 def test_a_chat_body_without_max_tokens_leaves_it_to_the_context() -> None:
     messages = [{"role": "user", "content": "q"}]
     assert "max_tokens" not in chat_request({"model": "m", "messages": messages}, None).sampling

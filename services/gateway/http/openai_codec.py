@@ -28,6 +28,7 @@ from jinja2.parser import Parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from services.common.errors import InvalidInput
+from services.common.sampling import MIN_TEMPERATURE
 from services.common.templated_text import TemplatedText
 
 #: OpenAI's default completion length (tokens) when a request gives none.
@@ -80,6 +81,11 @@ def _sampling(
     for key in ("temperature", "top_p", "seed", "stop"):
         if body.get(key) is not None:
             sampling[key] = body[key]
+    temperature = sampling["temperature"]
+    if isinstance(temperature, int | float) and 0 < temperature < MIN_TEMPERATURE:
+        # OpenAI takes any temperature in [0, 2]; one this small means greedy (vLLM's reading
+        # too), which the sampler is for it, rather than refused.
+        sampling["temperature"] = 0.0
     if body.get("n") not in (None, 1):
         raise InvalidInput("n must be 1: one choice per request")
     return sampling
