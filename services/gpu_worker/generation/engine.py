@@ -225,9 +225,8 @@ class GenerationEngine:
             )
             decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
-            # What can never run with this configuration (empty prompt, past max_model_len,
-            # more KV blocks than the cache has), busy or not: no retry can succeed, so it is
-            # not an overload (and is refused before the first token's prediction).
+            # Never runs with this configuration (empty, past max_model_len or the KV cache),
+            # busy or not: no retry can succeed, no overload (refused before the first token's).
             self._bound.rejected_total.inc()
             raise InvalidInput(f"generation request refused: {decision.detail}")
         assert request is not None  # admitted: opened above
@@ -292,8 +291,9 @@ class GenerationEngine:
                 if self.steps.is_wedged:
                     raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
-                fail_now = functools.partial(self._fail, error=error, now=True)
-                rerun = await self.steps.decodes_again(items, threads, fail_now)
+                # A rerun's own time is the step's (the failed one's would count as decodes').
+                started, fail = self._clock(), functools.partial(self._fail, error=error, now=True)
+                rerun = await self.steps.decodes_again(items, threads, fail)
                 if rerun is None:
                     self._fail(items, error)
                     continue
