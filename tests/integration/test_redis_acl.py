@@ -116,10 +116,12 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
         is_current: bool,
         is_draining: bool = False,
         address: str = "127.0.0.1:1",
+        is_ready: bool = True,
     ) -> None:
         record = json.loads(
             WorkerRecord(worker_id=worker_id, address=address, is_draining=is_draining,
-                         sent_at_ms=0, models=tuple(model_record(name=n, version=v)
+                         sent_at_ms=0, models=tuple(model_record(name=n, version=v,
+                                                                 is_ready=is_ready)
                                                     for n, v in models)).to_json()
         )  # fmt: skip
         if not is_current:
@@ -147,9 +149,15 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served["w-older"] == [("minilm", "1")]
     assert served["w-old"] == [("minilm", "1"), ("other", "1")]
+    # Nor one still loading the version (not ready: it serves nothing of it yet).
+    await admin.zrem(KEYS.workers, "w-draining")
+    await register("w-loading", ("minilm", "1"), is_current=True, is_ready=False)
+    records, _ = await read_registry(clients["router"], KEYS)
+    served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
+    assert served["w-older"] == [("minilm", "1")]
+    await admin.zrem(KEYS.workers, "w-loading")
     # Nor one at an address the router will not route to (a forged record, a pod network
     # misconfigured): it cut every older worker, then was itself refused (review finding).
-    await admin.zrem(KEYS.workers, "w-draining")
     await register("w-elsewhere", ("minilm", "1"), is_current=True, address="10.9.9.9:1")
     networks = WorkerNetworks.parse("127.0.0.0/8")
     records, _ = await read_registry(clients["router"], KEYS, networks)

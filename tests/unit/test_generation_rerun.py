@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.gpu_worker.generation.sequence import ScheduledSequence
-from services.gpu_worker.generation.step_executor import rerun_split
+from services.gpu_worker.generation.step_executor import rerun_plan, rerun_split
 
 pytestmark = pytest.mark.unit
 
@@ -25,3 +25,23 @@ def test_a_preempted_sequence_recomputing_runs_again_and_a_new_prompt_fails() ->
     assert (again, failed) == ([decode, recompute], [prompt])
     # Nothing sent anywhere: decodes still run again, prompts fail (the step's likelier cause).
     assert rerun_split([decode, prompt], lambda i: False) == ([decode], [prompt])
+
+
+def test_the_rerun_plan_blames_new_prompts_then_recomputes_and_keeps_decodes_last() -> None:
+    """A review of the first form: with decodes and a recompute and no new prompt, nothing
+    was failed, so nothing was rerun and every stream failed (before, the decodes ran again).
+    Now, with new prompts they fail and the rest runs again, then the decodes alone; with
+    none, the recomputes fail and the decodes run again; one kind alone fails whole."""
+    decode, prompt, recompute = item(1, 20, 1), item(2, 0, 12), item(3, 0, 30)
+    sent = {1, 3}.__contains__
+
+    def plan(*items: ScheduledSequence) -> object:
+        return rerun_plan(list(items), lambda i: sent(i.seq_id))
+
+    assert plan(decode, prompt, recompute) == ([prompt], [[decode, recompute], [decode]])
+    assert plan(decode, recompute) == ([recompute], [[decode]])
+    assert plan(decode, prompt) == ([prompt], [[decode]])
+    assert plan(recompute, prompt) == ([prompt], [[recompute]])
+    assert plan(decode, item(4, 9, 1)) is None  # decodes only
+    assert plan(prompt, item(5, 0, 3)) is None  # new prompts only
+    assert plan(recompute) is None

@@ -197,7 +197,7 @@ class GenerationEngine:
             raise self._stopped_error()
         try:
             params.validate(self.max_model_len, len(prompt_ids))
-        except ValueError as error:  # never runs here (too long, no tokens): counted refused
+        except ValueError as error:  # never runs as asked (past the context, bad sampling)
             self._bound.rejected_total.inc()
             raise InvalidInput(str(error)) from error
         seq_id = next(self._seq_ids)

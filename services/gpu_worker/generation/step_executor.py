@@ -166,23 +166,29 @@ class StepExecutor:
     async def decodes_again(
         self, items: Sequence[T_Item], threads: int, fail: Callable[[Sequence[T_Item]], None]
     ) -> tuple[list[T_Item], torch.Tensor] | None:
-        """After a step of `items` failed: where it computed new prompts beside sequences that
-        have sent tokens (`rerun_split`), `fail`s the prompts (a prompt's chunk is the likelier
-        cause: its attention out of memory, say) and runs the others again alone, once;
-        returns them and their logits (a failure failed streams that had sent tokens, whatever
-        its cause: review finding). None where every sequence of the step is to fail: all of
-        one kind, or the rerun failed too (raised, where that wedged the thread)."""
-        decodes, prompts = rerun_split(items, self._has_sent)
-        if not decodes or not prompts:
+        """After a step of `items` failed: `fail`s its new prompts (a prompt's chunk is the
+        likelier cause: its attention out of memory, say) and runs the sequences that have sent
+        tokens again (`rerun_split`: decodes, and preempted sequences' recomputes); if that
+        fails too, or nothing new was there to blame, the recomputes fail and the decodes run
+        again alone. Returns what ran and its logits (a failure failed streams that had sent
+        tokens, whatever its cause: review finding); None where every sequence of the step is
+        to fail: no decode, or the decodes' own rerun failed too (raised, where that wedged the
+        thread)."""
+        plan = rerun_plan(items, self._has_sent)
+        if plan is None:
             return None
-        fail(prompts)
-        try:
-            return decodes, await self.execute(decodes, threads=threads)
-        except Exception:
-            if self.is_wedged:
-                raise
-            log.exception("generation step failed again without its prompts")
-            return None
+        failed, attempts = plan
+        fail(failed)
+        for number, attempt in enumerate(attempts, 1):
+            try:
+                return attempt, await self.execute(attempt, threads=threads)
+            except Exception:
+                if self.is_wedged:
+                    raise
+                log.exception("generation step failed again, %d sequences rerun", len(attempt))
+                if number < len(attempts):  # its recomputes fail; the decodes run alone
+                    fail([item for item in attempt if not is_decode(item)])
+        return None
 
     def _wedged(self, what: str, bound_s: float) -> Unavailable:
         """Marks the thread wedged (`what` held it past `bound_s`), counted; the error to raise."""
@@ -217,6 +223,23 @@ class StepExecutor:
         """Refuses new steps; waits for the one in flight unless it is wedged (its daemon
         thread is left behind: it may never return)."""
         self._executor.shutdown(wait=not self.is_wedged)
+
+
+def rerun_plan(
+    items: Sequence[T_Item], has_sent: Callable[[T_Item], bool]
+) -> tuple[list[T_Item], list[list[T_Item]]] | None:
+    """After a step of `items` failed: the items to fail at once, and the reruns to try in
+    turn (each one's recomputes failing before the next, the decodes alone); None where
+    every item is to fail (one kind only: nothing to blame). New prompts are blamed first
+    (`rerun_split`); with none, preempted sequences' recomputes are."""
+    again, failed = rerun_split(items, has_sent)
+    decodes = [item for item in again if is_decode(item)]
+    has_recomputes = len(decodes) < len(again)
+    if failed and again:
+        return failed, [again, decodes] if has_recomputes and decodes else [again]
+    if not failed and has_recomputes and decodes:
+        return [item for item in again if not is_decode(item)], [decodes]
+    return None
 
 
 def rerun_split(
