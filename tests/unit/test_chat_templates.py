@@ -8,18 +8,24 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from prometheus_client import CollectorRegistry
 from tokenizers import AddedToken
 
 from services.common.errors import InvalidInput
 from services.common.model_repository import load_repository
 from services.common.templated_text import TemplatedText, TemplateTokens
 from services.common.text import TextEncoder
-from services.gateway.http.openai_api import ChatTemplate, read_chat_template
+from services.gateway.auth import LOCAL_PRINCIPAL
+from services.gateway.catalog import ModelCatalog
+from services.gateway.http.openai_api import ChatTemplate, OpenAiApi, read_chat_template
 from services.gateway.http.openai_codec import chat_request, plain_prompt, templated_prompt
+from services.gateway.metrics import GatewayMetrics
 from services.gpu_worker.generation.llama import LlamaConfig
 from services.gpu_worker.generation.tiny_llama import BOS_TOKEN_ID, EOS_TOKEN_ID, build_tokenizer
+from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.unit
 
@@ -204,7 +210,14 @@ def test_a_version_whose_weights_are_elsewhere_reads_its_template_there(tmp_path
     )
     (tmp_path / "repo" / "llm" / "1" / "version.toml").write_text(f'weights = "{weights}"\n')
     (version,) = load_repository(tmp_path / "repo")
+    catalog = ModelCatalog([version])
     encoder = TextEncoder(version.weights_dir, version.config)
-    assert encoder.weights_dir == weights
-    assert read_chat_template(encoder.weights_dir).template is not None
+    catalog.update_served([pb.ModelVersionInfo(
+        model_name="llm", model_version="1", is_ready=True,
+        tokenizer_fingerprint=encoder.fingerprint,
+    )])  # fmt: skip
+    # The API's own lookup, as a chat request makes it (its predictor: only the catalog read).
+    api = OpenAiApi(SimpleNamespace(catalog=catalog), GatewayMetrics(CollectorRegistry()))
+    served, template = api._template("llm", LOCAL_PRINCIPAL)
+    assert served == "1" and template.template == TEMPLATE
     assert read_chat_template(tmp_path / "repo" / "llm" / "1").template is None  # where it looked
