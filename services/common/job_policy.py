@@ -19,6 +19,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.common.backoff import doubled_s
+
 #: gRPC status names a retry can fix: capacity, deadlines, a tier restarting, a model error
 #: that may be transient, a call the gateway's grpc dropped unseen (CANCELLED: its queue of
 #: calls not yet picked up was past --max-pending-calls; a runner never cancels a call itself:
@@ -163,7 +165,7 @@ class RetryPolicy:
 
     def ceiling_s(self, num_attempts: int) -> float:
         """The largest delay after attempt number `num_attempts` (1-based)."""
-        return float(min(self.max_delay_s, self.base_delay_s * 2 ** max(0, num_attempts - 1)))
+        return doubled_s(self.base_delay_s, num_attempts - 1, self.max_delay_s)
 
     def decide(self, num_attempts: int, code: str, message: str, jitter: float) -> Retry | GiveUp:
         """What to do after attempt `num_attempts` failed with status `code`."""

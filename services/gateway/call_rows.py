@@ -20,8 +20,7 @@ def max_bundle_rows(config: ModelConfig, priority: PriorityClass) -> int:
     of `batch` rows, its later slices on an idle worker too) nor than one answer's bytes
     carry (a model whose rows answer megabytes, served alone at light load, would otherwise
     fail every caller of a full bundle under load)."""
-    queued = max_queued_rows(priority, config.max_queue_size)
-    return max(1, min(config.max_batch_size, queued, _rows_by_bytes(config)))
+    return min(config.max_batch_size, max_call_rows(config, priority))
 
 
 def max_call_rows(config: ModelConfig, priority: PriorityClass) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from services.common.backoff import doubled_s
 from services.common.channel_options import CHANNEL_OPTIONS
 
 #: Spread streams and calls over every router of `router_address` (a list of addresses, or
@@ -85,7 +86,7 @@ def decide_resend(
         return GiveUp("may have run")
     if attempt + 1 >= config.max_attempts:
         return GiveUp("no attempts left")
-    delay_s = random_value * min(config.max_backoff_s, config.base_backoff_s * 2**attempt)
+    delay_s = random_value * doubled_s(config.base_backoff_s, attempt, config.max_backoff_s)
     if time_left_s is not None and delay_s >= time_left_s:
         return GiveUp("deadline")
     return Resend(delay_s)

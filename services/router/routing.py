@@ -299,11 +299,12 @@ class RouteTable:
             candidate.is_idle = queued_rows == 0
             wait_s = (ahead_rows + num_rows) * model.per_row_s
             candidate.predicted_s = max(model.min_batch_s, wait_s)
-            # For generation, num_rows is a prompt's tokens; prompts sent there, not started
-            # (reserved here), hold room its report does not show. A frozen report's is unknown.
-            needed = num_rows + self._reservations.place_rows((candidate.worker_id, key))
-            room = model.kv_blocks_free * model.kv_block_size
-            candidate.has_room = is_frozen or model.kv_block_size == 0 or room >= needed
+            # Generation: num_rows is a prompt's tokens; a frozen report's room is not known.
+            candidate.has_room = is_frozen or model.kv_block_size == 0
+            if not candidate.has_room:  # its free blocks, less the prompts reserved, not started
+                reserved = self._reservations.place_rows((candidate.worker_id, key))
+                room = model.kv_blocks_free * model.kv_block_size
+                candidate.has_room = room >= num_rows + reserved
         return candidates
 
     def _too_late(self, best: _Candidate, key: str, remaining_s: float) -> Reject:
