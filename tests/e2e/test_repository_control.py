@@ -233,7 +233,11 @@ async def test_a_version_replaced_on_the_volume_serves_until_its_successor_does(
     traffic = Traffic(stack)
     try:
         shutil.rmtree(repo / "affine" / "1")
-        write_versioned_affine_model(repo, versions=(2, 3))
+        # The new version moved in whole: written in place, its file could be read half
+        # written by a re-read of the repository (one follows the deleted version's removal),
+        # its load then failing and not tried again by the load that followed.
+        staged = write_versioned_affine_model(repo.parent / "staged", versions=(3,))
+        (staged / "3").rename(repo / "affine" / "3")
         loaded = await asyncio.to_thread(repository, stack, "load", ADMIN_KEY)
 
         async def v1_gone() -> bool:
