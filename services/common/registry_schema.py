@@ -75,6 +75,9 @@ class FailedVersion:
     version: str
     #: The loader's error, one line.
     error: str
+    #: The model's desired-state revision the attempt followed (0: none written yet; a
+    #: record from before the field).
+    revision: int = 0
 
 
 #: The revision of the internal API (proto/inference/v1/worker.proto) a worker serves, in its

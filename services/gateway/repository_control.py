@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence, Set
 from pathlib import Path
 from typing import NamedTuple
 
@@ -223,36 +224,37 @@ class RepositoryControl:
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:
         """Writes the model's LOADED state and waits, as Triton's load does, until live
-        workers serve every version of it on disk. Raises ModelLoadFailed as soon as
-        a worker reports a version it failed to load (a failure already reported before this
-        call counts only once `timeout_s` passes: a worker retrying the same files fails the
-        same way), and Unavailable when nothing is decided within `timeout_s` (no live worker
-        has the model in its pool, or loading takes longer: the fleet keeps converging)."""
+        workers serve every version of it on disk. Raises ModelLoadFailed as soon as a worker
+        reports a version it failed to load at this load's revision or a later one
+        (`load_failures_to_answer`), and Unavailable when nothing is decided within
+        `timeout_s` (no live worker has the model in its pool, or loading takes longer: the
+        fleet keeps converging)."""
         read = await self._reread(model_name)  # first: a model whose files came back is found
         name = self._catalog.config(model_name).name
         # The versions on disk: one deleted that a worker still serves is kept in the catalog
         # until its successor serves (a swap), and waited for, it never would be (review
         # finding: the load answered UNAVAILABLE after its whole timeout).
         wanted = {version for model, version in read.on_disk if model == name}
-        reported_before = {_failure_key(f) for f in self._failures(name)}
-        await self._write_state(name, ModelState.LOADED)
+        written = await self._write_state(name, ModelState.LOADED)
         deadline_s = time.monotonic() + timeout_s
         while True:
             self._catalog.config(name)  # NOT_FOUND once a re-read forgot it (files removed)
             served = {v.model_version for v in self._catalog.served_versions(name)}
             if wanted <= served:
                 return
-            failures = [f for f in self._failures(name) if f.model_version not in served]
-            fresh = [f for f in failures if _failure_key(f) not in reported_before]
-            if fresh or (failures and time.monotonic() >= deadline_s):
+            is_past = time.monotonic() >= deadline_s
+            failures = load_failures_to_answer(
+                self._failures(name), served, revision=written.revision, is_past=is_past
+            )
+            if failures:
                 raise ModelLoadFailed(
                     f"{name}: "
                     + "; ".join(
                         f"version {f.model_version} failed to load on {f.worker_id}: {f.error}"
-                        for f in fresh or failures
+                        for f in failures
                     )
                 )
-            if time.monotonic() >= deadline_s:
+            if is_past:
                 missing = ", ".join(sorted(wanted - served, key=int))
                 raise Unavailable(
                     f"{name}: version(s) {missing} not served by any live worker within "
@@ -293,8 +295,17 @@ class RepositoryControl:
         return kserve.RepositoryIndexResponse(models=models)
 
 
-def _failure_key(failure: pb.LoadFailure) -> tuple[str, str, str]:
-    return (failure.worker_id, failure.model_version, failure.error)
+def load_failures_to_answer(
+    failures: Sequence[pb.LoadFailure], served: Set[str], *, revision: int, is_past: bool
+) -> list[pb.LoadFailure]:
+    """The failures a load written at `revision` answers, of its model's versions not served
+    yet: those of an attempt at its revision or a later one, at once; before `is_past` (its
+    timeout), none of an earlier attempt. A worker reports an earlier failure until it has
+    tried again, up to a heartbeat and a listing later (files read half written, then moved
+    in whole: the retry serves), and one from before this field reports revision 0. Past the
+    timeout, every failure: a worker retrying the same files fails the same way."""
+    unserved = [f for f in failures if f.model_version not in served]
+    return unserved if is_past else [f for f in unserved if f.revision >= revision]
 
 
 def _reason(entry: DesiredState | None) -> str:

@@ -79,15 +79,16 @@ class ModelSwapper:
         #: How versions load (WorkerConfig.load_options).
         self._options = options
 
-    async def load(self, version: ModelVersion) -> bool:
-        """Loads, warms up and serves `version`; False (reported, not raised) if it failed."""
+    async def load(self, version: ModelVersion, *, revision: int = 0) -> bool:
+        """Loads, warms up and serves `version`; False (reported, not raised) if it failed,
+        the failure marked with `revision`, the model's desired-state revision it followed."""
         label = f"{version.config.name}/{version.version}"
         try:
             model = await self._load(version)
         except Exception as error:  # any loader or warm-up error: the rest keeps serving
             log.error("model %s failed to load; not served: %s", label, error, exc_info=True)
             self._worker_metrics.model_load_failures_total.labels(*_labels(version)).inc()
-            self._models.add_failure(LoadFailure(*_labels(version), one_line(error)))
+            self._models.add_failure(LoadFailure(*_labels(version), one_line(error), revision))
         else:
             self._models.add(model)
             self._on_change()

@@ -30,6 +30,8 @@ class LoadFailure:
     version: str
     #: The error, one line, as logged.
     error: str
+    #: The model's desired-state revision the attempt followed (0: none written yet).
+    revision: int = 0
 
 
 def load_versions(

@@ -146,7 +146,9 @@ class RegistryPublisher:
             is_draining=self._is_draining,
             sent_at_ms=int(time.time() * 1000),
             models=models,
-            failed=tuple(FailedVersion(f.model, f.version, f.error) for f in self._models.failed),
+            failed=tuple(
+                FailedVersion(f.model, f.version, f.error, f.revision) for f in self._models.failed
+            ),
         )
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import redis.asyncio as aioredis
@@ -135,6 +136,7 @@ class RepositoryFollower:
             for failure in self._models.failed:
                 key = (failure.model, failure.version)
                 self._failed[key] = revision_of(failure.model, at_start)
+                self._models.add_failure(replace(failure, revision=self._failed[key]))
             self._is_first = False
         if self._versions is None or revisions != self._revisions:
             # Read again until a read finds every model readable: a model being staged when a
@@ -174,11 +176,11 @@ class RepositoryFollower:
         if isinstance(action, Unload | Retire):
             await self._swapper.unload(action.model, action.version)
             return
-        key = (action.model, action.version)
-        if await self._swapper.load(versions[key]):
+        key, revision = (action.model, action.version), revision_of(action.model, desired)
+        if await self._swapper.load(versions[key], revision=revision):
             self._failed.pop(key, None)
         else:
-            self._failed[key] = revision_of(action.model, desired)
+            self._failed[key] = revision
 
     async def _read_repository(self) -> tuple[dict[VersionKey, ModelVersion] | None, bool]:
         """The repository's versions in this worker's pool (None, logged, if the repository is

@@ -50,7 +50,11 @@ class Catalog:
             )
         failures = [
             pb.LoadFailure(
-                model_name=f.name, model_version=f.version, worker_id=w.worker_id, error=f.error
+                model_name=f.name,
+                model_version=f.version,
+                worker_id=w.worker_id,
+                error=f.error,
+                revision=f.revision,
             )
             for w in self._table.live_workers(time.monotonic())
             for f in w.failed

@@ -17,8 +17,15 @@ pytestmark = pytest.mark.unit
 
 def test_a_record_round_trips_through_its_json() -> None:
     record = make_worker(queued_rows=3, per_row_s=0.002)
-    record = WorkerRecord(**{**record.__dict__, "failed": (FailedVersion("m", "2", "boom"),)})
+    record = WorkerRecord(**{**record.__dict__, "failed": (FailedVersion("m", "2", "boom", 7),)})
     assert WorkerRecord.from_json(record.to_json()) == record
+
+
+def test_a_failure_from_a_record_before_revisions_reads_as_revision_0() -> None:
+    raw = json.loads(make_worker().to_json())
+    raw["failed"] = [{"name": "m", "version": "2", "error": "boom"}]
+    (failure,) = WorkerRecord.from_json(json.dumps(raw)).failed
+    assert failure == FailedVersion("m", "2", "boom", 0)
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ several workers serve, from the registry snapshot."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from typing import Any, cast
@@ -10,7 +11,7 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from services.common.registry_schema import WorkerRecord
+from services.common.registry_schema import FailedVersion, WorkerRecord
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.router.catalog import Catalog
 from services.router.routing import RouteTable
@@ -30,13 +31,25 @@ def worker(worker_id: str, *, draining: bool = False, **model: Any) -> WorkerRec
     )
 
 
-async def listed(*workers: WorkerRecord) -> list[pb.ModelVersionInfo]:
+async def listing(*workers: WorkerRecord) -> pb.ListWorkerModelsResponse:
     table = RouteTable(RoutingConfig(), random.Random(0))
     now_s = time.monotonic()
     table.update([(w, now_s) for w in workers], now_s)
     context = cast(grpc.aio.ServicerContext[Any, Any], None)
-    answer = await Catalog(table).list_models(pb.ListWorkerModelsRequest(), context)
-    return list(answer.versions)
+    return await Catalog(table).list_models(pb.ListWorkerModelsRequest(), context)
+
+
+async def listed(*workers: WorkerRecord) -> list[pb.ModelVersionInfo]:
+    return list((await listing(*workers)).versions)
+
+
+async def test_a_load_failure_is_told_with_the_revision_it_followed() -> None:
+    """A gateway's load answers only failures at its own revision at once
+    (repository_control.load_failures_to_answer): the revision must reach it."""
+    failed = dataclasses.replace(worker("w0"), failed=(FailedVersion("m", "2", "boom", 41),))
+    (failure,) = (await listing(failed)).load_failures
+    assert (failure.model_name, failure.model_version, failure.worker_id) == ("m", "2", "w0")
+    assert (failure.error, failure.revision) == ("boom", 41)
 
 
 async def test_a_versions_fingerprints_are_a_serving_workers() -> None:
