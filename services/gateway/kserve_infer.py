@@ -29,7 +29,7 @@ from functools import partial
 import numpy as np
 
 from services.common.door import Door
-from services.common.errors import RETRY_AFTER_MS_KEY, InvalidInput, ServingError
+from services.common.errors import RETRY_AFTER_MS_KEY, InvalidInput, ServingError, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
@@ -40,6 +40,7 @@ from services.gateway.kserve_generate import check_inputs, generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import check_num_inputs
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
+from services.gateway.stream_answers import Answer, StreamAnswers
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
 
@@ -231,8 +232,10 @@ class StreamInfer:
         metadata: Metadata,
         time_remaining: Callable[[], float | None],
     ) -> AsyncGenerator[kserve.ModelStreamInferResponse, None]:
-        """Runs every request of the stream concurrently and yields their responses as they
-        come: one for a model that is not decoupled, a generation's as it streams them. A
+        """Runs every request of the stream concurrently and yields their responses: one for a
+        model that is not decoupled, in the order the requests came (as Triton writes them:
+        a stock client with no request ids pairs answers with requests by their order), and
+        a generation's as it streams them. A
         request's error is reported in-band (`error_message`), as Triton does; the stream and
         the other requests go on. Each request's deadline is its `timeout` parameter, else what
         is left of the stream's when it arrives (`time_remaining`: None without one, then the
@@ -246,7 +249,7 @@ class StreamInfer:
         requests in flight and answers not written, no more of it is read (a generation's
         answers count once written, not as they come)."""
         predictor, max_rows = self.predictor, self.max_rows
-        responses: asyncio.Queue[kserve.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers = StreamAnswers()
         admission = StreamRequests(predictor.admission)
         headers = {key: value for key, value in metadata if isinstance(value, str)}
 
@@ -256,39 +259,54 @@ class StreamInfer:
             changed limits apply to it."""
             return principal if self.keys is None else principal_for(self.keys, headers)
 
-        async def infer(request: kserve.ModelInferRequest, principal: Principal) -> None:
+        async def infer(request: kserve.ModelInferRequest, principal: Principal) -> Answer:
             label = predictor.catalog.label_for(request.model_name)
             with self.metrics.observe_request(STREAM_API, label):
                 time_left_s = time_remaining()
                 response = await infer_one(predictor, request, principal, time_left_s, max_rows)
-            responses.put_nowait(kserve.ModelStreamInferResponse(infer_response=response))
+            return kserve.ModelStreamInferResponse(infer_response=response)
 
-        async def run(request: kserve.ModelInferRequest, is_generation: bool) -> None:
+        async def run(
+            request: kserve.ModelInferRequest, place: asyncio.Future[Answer] | None
+        ) -> None:
+            """Answers `request` in its `place` (None: a generation, answered as it streams)."""
             try:
                 acting = caller()
                 with admission.admitted(acting.policy):
-                    if not is_generation:
-                        await infer(request, acting)
+                    if place is not None:
+                        answers.answer(place, await infer(request, acting))
                         return
                     stream = generate_one(predictor, request, acting, time_remaining())
                     async for response in stream:
-                        responses.put_nowait(response)
+                        answers.put(response)
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
-                responses.put_nowait(_error_response(request.id, error, is_final=is_generation))
+                answer = _error_response(request.id, error, is_final=place is None)
+                if place is None:
+                    answers.put(answer)
+                else:
+                    answers.answer(place, answer)
 
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
 
         def num_held() -> int:
-            return len(tasks) + responses.qsize()
+            return len(tasks) + answers.unwritten
 
-        def finished(task: asyncio.Task[None], *, has_entered: bool) -> None:
+        def finished(
+            task: asyncio.Task[None],
+            *,
+            has_entered: bool,
+            place: asyncio.Future[Answer] | None,
+            request_id: str,
+        ) -> None:
             # A done callback, not `run`'s own `finally`: a task cancelled before it ever ran
             # (the stream ending in the loop turn that made it) runs no `finally`, and its
             # place at the door would never be given back.
             tasks.discard(task)
+            if place is not None:  # cancelled before its answer (the stream ends): not unfilled
+                answers.answer(place, _error_response(request_id, Unavailable("cancelled")))
             if has_entered:
                 assert self.door is not None  # entered only where there is one
                 self.door.leave()
@@ -306,11 +324,19 @@ class StreamInfer:
                         refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
                         has_entered = refusal is None
                     if refusal is not None:
-                        responses.put_nowait(_error_response(request.id, refusal))
+                        answers.put(_error_response(request.id, refusal))
                     else:
-                        task = asyncio.create_task(run(request, is_generation))
+                        place = None if is_generation else answers.place()
+                        task = asyncio.create_task(run(request, place))
                         tasks.add(task)
-                        task.add_done_callback(partial(finished, has_entered=has_entered))
+                        task.add_done_callback(
+                            partial(
+                                finished,
+                                has_entered=has_entered,
+                                place=place,
+                                request_id=request.id,
+                            )
+                        )
                     while num_held() >= MAX_STREAM_HELD:  # read on once answers are written
                         room.clear()
                         await room.wait()
@@ -322,11 +348,11 @@ class StreamInfer:
             else:
                 await asyncio.gather(*tasks)
             finally:
-                responses.put_nowait(None)  # also when reading failed: the stream must not hang
+                answers.end()  # also when reading failed: the stream must not hang
 
         reader = asyncio.create_task(read_all())
         try:
-            while (response := await responses.get()) is not None:
+            while (response := await answers.next()) is not None:
                 if num_held() < MAX_STREAM_HELD:
                     room.set()
                 yield response

@@ -234,7 +234,11 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
 ) -> None:
     """A gateway door of one place: a stream's request held at the worker takes it, so the
     stream's next request is refused in-band with the door's words before any work, and so is a
-    unary ModelInfer beside it; once the held request is answered its place is free again."""
+    unary ModelInfer beside it; once the held request is answered its place is free again.
+    The refusal, made at once, is written after the held request's answer, as Triton orders
+    the answers of models that are not decoupled: tritonclient's stream callback gets no
+    request id where none was sent, so callers pair answers with requests by their order
+    (before, the refusal was written first)."""
     # One caller, over its share however long the test takes (a caller unseen for two share
     # windows would count as new, and a new caller is let in); and a door that never sheds, so
     # that only its one place decides, however slow the machine.
@@ -256,11 +260,14 @@ async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
         queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
         await eventually(lambda: door.num_in_flight == 1, message="the held request entered")
         queue.put_nowait(_infer("refused", np.ones((1, 4), dtype="<f4")))
-        refused = await call.read()
+        await eventually(
+            lambda: fabric.gateway_metric(names.DOOR_REFUSED_TOTAL, method="stream") == 1,
+            message="the second request refused",
+        )
         with pytest.raises(grpc.aio.AioRpcError) as unary:
             await stub.ModelInfer(_infer("unary", np.ones((1, 4), dtype="<f4")), timeout=5)
         release_stall(tmp_path / "gate")
-        held = await call.read()
+        held, refused = await call.read(), await call.read()
         await eventually(lambda: door.num_in_flight == 0, message="the place is free")
         queue.put_nowait(_infer("after", np.ones((1, 4), dtype="<f4")))
         after = await call.read()
