@@ -120,6 +120,12 @@ def test_binary_extension_splits_inputs_by_their_sizes() -> None:
          b"", "must be integers"),
         ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1],
                       "parameters": {"binary_data_size": True}}]}, b"x", "runs past"),
+        # Out of the type's range: numpy 1.x wrapped it (3e9 ran as -1294967296); numpy 2,
+        # which pyproject now requires, raises, and the codec refuses it.
+        ({"inputs": [{"name": "a", "datatype": "INT32", "shape": [1], "data": [3_000_000_000]}]},
+         b"", "does not fit INT32"),
+        ({"inputs": [{"name": "a", "datatype": "INT64", "shape": [1], "data": [2**63]}]},
+         b"", "does not fit INT64"),
     ],
 )  # fmt: skip
 def test_malformed_infer_bodies_are_invalid_input(body: dict, binary: bytes, message: str) -> None:
