@@ -258,6 +258,7 @@ class MultiplexClient:
         except asyncio.CancelledError:
             raise
         except Exception as error:  # the stream broke under us, or ended (see _read)
+            self._retire(stream)  # no new call waits on it for its status (up to a second)
             is_not_started = _never_sent(error) or await _ran_nothing_or_ended_cleanly(stream.call)
             stream.fail_all(
                 f"stream write failed: {_describe(error)}", is_not_started=is_not_started

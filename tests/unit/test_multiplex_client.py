@@ -116,6 +116,48 @@ async def test_a_write_grpc_refused_unsent_leaves_its_calls_not_started(
     await client.close()
 
 
+class LateStatusStream(Stream):
+    """A stream whose write fails and whose status comes only once `status` is set."""
+
+    def __init__(self) -> None:
+        super().__init__(write_error=asyncio.InvalidStateError("RPC already finished."))
+        self.status, self.status_asked = asyncio.Event(), asyncio.Event()
+
+    async def code(self) -> grpc.StatusCode:
+        self.status_asked.set()
+        await self.status.wait()
+        return grpc.StatusCode.INTERNAL
+
+
+class Streams:
+    """Opens each stream of `streams` in turn for the client's InferStream."""
+
+    def __init__(self, *streams: Stream) -> None:
+        self.streams = list(streams)
+
+    def stream_stream(self, method: str, **_: Any) -> Any:
+        return lambda: self.streams.pop(0)
+
+
+async def test_a_call_made_while_a_failed_write_waits_for_the_status_opens_a_new_stream() -> None:
+    """A write failed and the writer waits (up to a second) for the stream's status. A call
+    made meanwhile was queued on that stream, to fail with it at the end of the wait (review
+    finding); it goes out on a new stream at once."""
+    broken, fresh = LateStatusStream(), Stream()
+    client = MultiplexClient(Streams(broken, fresh), "peer")  # type: ignore[arg-type]
+    first = asyncio.ensure_future(client.call(b"a", timeout_s=5.0))
+    await asyncio.wait_for(broken.status_asked.wait(), timeout=5.0)
+    second = asyncio.ensure_future(client.call(b"b", timeout_s=5.0))
+    try:
+        await eventually(lambda: fresh.messages, timeout_s=5.0, interval_s=0.001)
+        assert [c.request for c in fresh.messages[0].calls] == [b"b"]
+    finally:
+        broken.status.set()
+        await failures([first])
+        second.cancel()
+        await client.close()
+
+
 @contextlib.asynccontextmanager
 async def stalled() -> AsyncIterator[tuple[Stream, MultiplexClient, list[asyncio.Future[bytes]]]]:
     """A client whose writer waits on its first call's write (the peer reads nothing until
