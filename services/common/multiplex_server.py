@@ -202,6 +202,7 @@ class _ServedStream:
                         # first ran never reaches.
                         self._contexts.pop(call_id, None)
                         task.cancel()
+                        self._wake.set()  # a cancelled call sends nothing: its last may end it
                 if len(message.calls) > MAX_CALLS_PER_MESSAGE:  # no caller of ours sends more
                     raise InvalidInput(
                         f"a stream message of {len(message.calls)} calls (at most"

@@ -366,6 +366,42 @@ async def test_a_caller_that_ignores_closing_has_its_stream_ended_after_the_wait
         await peer.server.stop(None)
 
 
+async def test_a_closing_stream_ends_when_its_last_running_call_is_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the closing wait, a stream that never half-closes ends once its calls are done. Its
+    last running call cancelled (which sends no result) left it open: nothing woke the writer
+    to see that nothing ran any more (a review finding)."""
+    monkeypatch.setattr(multiplex_server, "CLOSING_WAIT_S", 0.2)
+    started = asyncio.Event()
+
+    async def hold(request: bytes, context: CallContext) -> bytes:
+        started.set()
+        await asyncio.Event().wait()
+        return request
+
+    peer = Peer(hold)
+    port = await peer.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = channel.stream_stream(
+                STREAM_METHOD,
+                request_serializer=pb.InferStreamRequest.SerializeToString,
+                response_deserializer=pb.InferStreamResponse.FromString,
+            )()
+            await stream.write(pb.InferStreamRequest(calls=[pb.MuxCall(call_id=1)]))
+            await asyncio.wait_for(started.wait(), timeout=5.0)
+            peer.streams.close()
+            assert (await stream.read()).closing
+            await asyncio.sleep(0.5)  # past the closing wait: the stream waits on its call
+            await stream.write(pb.InferStreamRequest(cancelled_call_ids=[1]))
+            ended = await asyncio.wait_for(stream.read(), timeout=5.0)
+            assert ended == grpc.aio.EOF
+            assert await stream.code() is grpc.StatusCode.OK
+    finally:
+        await peer.server.stop(None)
+
+
 async def test_s29_every_call_on_streams_a_closing_peer_ends_is_marked_not_started() -> None:
     # A closing peer tells each stream's caller, answers what it reads from then on UNAVAILABLE
     # marked not started, and ends the stream only once the caller half-closes: had it ended
