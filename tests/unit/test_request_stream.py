@@ -44,11 +44,12 @@ async def test_text_held_back_for_a_stop_string_is_sent_when_the_reply_ends_with
     last: int | None, params: SamplingParams
 ) -> None:
     """ "Answer: 5#" could be the start of "###" until the reply ends: then its "#" is the
-    reply's own text (it was dropped when a stop or EOS token ended the reply)."""
+    reply's own text (it was dropped when a stop or EOS token ended the reply). The usage
+    counts the stop or EOS token, as OpenAI and vLLM do (it counted only those streamed)."""
     delta = await reply("Answer: 5#", last, params)
     assert delta.text == "Answer: 5#"
     assert delta.finish_reason in ("stop", "length")
-    assert delta.completion_tokens == len("Answer: 5#")
+    assert delta.completion_tokens == len("Answer: 5#") + (last is not None)
 
 
 async def test_a_stop_string_is_cut_with_what_follows_it() -> None:

@@ -112,7 +112,6 @@ class RequestStream:
     output: DeltaCollector = field(default_factory=DeltaCollector)
     first_token_s: float | None = None
     last_token_s: float | None = None
-    num_emitted: int = 0
 
     @classmethod
     def open(
@@ -188,7 +187,6 @@ class RequestStream:
             bound.ttft_seconds.observe(now - self.arrival_s)
         bound.streamed(len(token_ids), tpot_s)
         self.last_token_s = now
-        self.num_emitted += len(token_ids)
         if finish_reason is None:
             if token_ids:
                 self.output.put_nowait(Delta(token_ids, text))
@@ -200,7 +198,9 @@ class RequestStream:
                 text,
                 finish_reason=finish_reason,
                 prompt_tokens=self.num_prompt_tokens,
-                completion_tokens=self.num_emitted,
+                # Every token sampled, a stop or EOS token too (not streamed: it has no text),
+                # as OpenAI and vLLM count usage, and as `max_tokens` counts them.
+                completion_tokens=num_generated,
             )
         )
         return True
