@@ -13,6 +13,7 @@ from services.common.redis_acl import (
     password_file_name,
 )
 from services.common.redis_server import find_free_port
+from services.common.settings import parse_seconds
 
 HOST = "127.0.0.1"
 # For the banner's grpcurl example: the gateway's own Predict on the default model.
@@ -102,10 +103,13 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
             help=f"extra {tier} argument, repeatable; write --{tier}-arg=--flag=value",
         )
     parser.add_argument(
-        "--ready-timeout-s", type=float, default=180.0, help="per tier; workers load models"
+        "--ready-timeout-s", type=parse_seconds, default=180.0, help="per tier; workers load models"
     )
     parser.add_argument(
-        "--stop-timeout-s", type=float, default=60.0, help="per tier, after SIGTERM, then SIGKILL"
+        "--stop-timeout-s",
+        type=parse_seconds,
+        default=60.0,
+        help="per tier, after SIGTERM, then SIGKILL",
     )
     parser.add_argument(
         "--tolerate-exits", action="store_true", help="keep running if a tier exits once up"

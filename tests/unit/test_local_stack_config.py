@@ -50,3 +50,16 @@ def test_routers_are_counted_and_bounded(tmp_path: Path) -> None:
     for count in ("0", "10"):
         with pytest.raises(SystemExit):
             parse_config(["--num-routers", count, "--state-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+@pytest.mark.parametrize("flag", ["--ready-timeout-s", "--stop-timeout-s"])
+def test_a_timeout_that_is_no_duration_is_refused(
+    flag: str, value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each was taken, and is no wait a tier's start or stop can be given (the last note's
+    open item, `--ready-timeout-s nan`)."""
+    with pytest.raises(SystemExit) as exited:
+        parse_config([flag, value, "--state-dir", str(tmp_path)])
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
