@@ -40,7 +40,7 @@ from typing import Any
 from services.sim.curve import LatencyCurve
 from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
-from services.sim.tier_costs import FleetPlan, fleet_plan
+from services.sim.tier_costs import WORKER_CPU, FleetPlan, fleet_plan
 from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec
 
@@ -336,6 +336,15 @@ def plan(
         else:
             low = middle
     chosen = trials[high][1] if headroom == 0 else _trial(scenario, high, percentile)[1]
+    fleet = tiers_plan(scenario, high, headroom=headroom)
+    if fleet is not None and fleet.worker_processes_per_device < scenario.fleet.worker_processes:
+        # The fleet the trials simulated: the mean's processes spread over the devices the
+        # search added are fewer a device, a fleet no trial ran (review finding: it missed
+        # the SLO where its trial had met it).
+        per_device = scenario.fleet.worker_processes
+        fleet = dataclasses.replace(
+            fleet, worker_processes_per_device=per_device, worker_binds=WORKER_CPU
+        )
     return Plan(
         high,
         formula,
@@ -345,7 +354,7 @@ def plan(
         chosen["mean_backlog_ms"],
         _mean_rate(loaded),
         chosen["p90_queue_wait_ms"],
-        tiers_plan(scenario, high, headroom=headroom),
+        fleet,
         None if tiers is None else tiers.devices,
     )
 
