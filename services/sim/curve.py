@@ -94,6 +94,17 @@ class LatencyCurve:
     def buckets(self) -> tuple[int, ...]:
         return tuple(sorted({bucket for (bucket, _), _ in self.points}))
 
+    def beyond(self, bucket: int, rows: int) -> str | None:
+        """What batches of up to `rows` of `bucket` take that was never measured (None: all
+        measured): another bucket's times, or sizes past the largest measured, extrapolated
+        (flat where the measured curve ends flat)."""
+        sizes = [size for (b, size), _ in self.points if b == bucket]
+        if not sizes:
+            return f"bucket {bucket} not measured: timed from another bucket"
+        if rows > max(sizes):
+            return f"bucket {bucket}: batches of up to {rows} rows, measured up to {max(sizes)}"
+        return None
+
 
 class ServiceTime:
     """Compute seconds of a dispatched batch: the curve, times lognormal noise (median 1)

@@ -16,6 +16,11 @@ def format_plan(result: Plan, *, percentile: float, headroom: float, slo_ms: flo
         f"offered with {headroom:.0%} headroom: {result.offered_per_s:.1f} req/s; "
         f"{slo} at p{percentile:g}",
     ]
+    lines += [  # what the plan rests on that no measurement does
+        f"warning: {m.model} {gap} (extrapolated: measure them for a plan to act on)"
+        for m in cf.models
+        for gap in m.unmeasured
+    ]
     if len(cf.models) > 1:
         lines.append(
             "closed form: c >= sum_m lambda_m (1 + h) t_m(b*_m) / b*_m, b*_m as b* with m's SLO"

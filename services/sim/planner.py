@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from services.gpu_worker.batching.batch_sizes import shape_limit
 from services.sim.curve import LatencyCurve
 from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
@@ -59,6 +60,8 @@ class ModelLoad:
     per_row_s: float
     #: Mean offered requests/s of the model, with headroom.
     offered_per_s: float
+    #: The batches of its offered buckets its curve never measured (LatencyCurve.beyond).
+    unmeasured: tuple[str, ...] = ()
 
     @property
     def workers(self) -> float:
@@ -153,18 +156,19 @@ def _model_load(
     budget_s = (spec.slo_s - driver.upstream_budget_s - driver.safety_margin_s) / 2
     truth = curve.truth({b: spec.key(b) for b in spec.length_buckets})
     shares = _bucket_shares(scenario, spec) or {spec.length_buckets[0]: 1.0}
-    per_row_s, batch_of = 0.0, dict[int, tuple[int, float]]()
+    per_row_s, batch_of, beyond = 0.0, dict[int, tuple[int, float]](), list[str]()
     for bucket, share in shares.items():
-        key = spec.key(bucket)
-        size = max(
-            [n for n in range(1, spec.max_batch_size + 1) if truth.predict(key, n) <= budget_s],
-            default=1,
-        )
+        # As the batcher caps it (max_batch_tokens too: the plan counted 64-row batches of a
+        # bucket the batcher ran 8 at a time, and too few workers; a review finding).
+        key, limit = spec.key(bucket), shape_limit(spec.max_batch_size, spec.max_batch_tokens,
+                                                   bucket)  # fmt: skip
+        size = max([n for n in range(1, limit + 1) if truth.predict(key, n) <= budget_s], default=1)
         batch_of[bucket] = (size, truth.predict(key, size))
+        beyond += filter(None, [curve.beyond(bucket, limit)])
         per_row_s += share * batch_of[bucket][1] / size
     size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
     rate = _mean_rate(scenario, spec.name) * (1.0 + headroom)
-    return ModelLoad(spec.name, spec.slo_s, size, batch_s, per_row_s, rate)
+    return ModelLoad(spec.name, spec.slo_s, size, batch_s, per_row_s, rate, tuple(beyond))
 
 
 def tiers_plan(scenario: Scenario, devices: int, *, headroom: float) -> FleetPlan | None:

@@ -11,13 +11,16 @@ import pytest
 
 from services.sim.__main__ import main
 from services.sim.plan_text import format_plan
-from services.sim.planner import gateway_plan, plan
+from services.sim.planner import Plan, closed_form, gateway_plan, plan
 from services.sim.scenario import load_scenario, parse_scenario
 from services.sim.simulation import Scenario, run
 from services.sim.traffic import Arrival, Traffic
 from tests.support.plans import assert_fewest_meeting
+from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.unit
+
+SCENARIOS = REPO_ROOT / "services" / "sim" / "scenarios"
 
 
 def make_scenario(**overrides: Any) -> Scenario:
@@ -194,3 +197,48 @@ def test_scenarios_that_would_plan_on_nothing_real_are_refused() -> None:
     curve = {"fixed_ms": 5.0, "per_token_us": 20.0, "buckets": [32, 128]}
     with pytest.raises(ValueError, match="none of its length_buckets"):
         make_scenario(curve=curve)
+
+
+def test_the_closed_form_caps_a_buckets_batch_by_max_batch_tokens_as_the_batcher_does() -> None:
+    """1,024 padded tokens a batch: 64-token rows run 16 at a time, not max_batch_size's 32.
+    The closed form counted full 32-row batches, so a cheaper row and too few workers."""
+    capped = make_scenario(
+        model={"name": "m", "slo_ms": 200, "max_batch_size": 32, "max_batch_tokens": 1024,
+               "length_buckets": [64]},
+        traffic={"streams": [{"rate_per_s": 2000, "lengths": [[50, 1.0]]}]},
+    )  # fmt: skip
+    uncapped = make_scenario(
+        model={"name": "m", "slo_ms": 200, "max_batch_size": 32, "length_buckets": [64]},
+        traffic={"streams": [{"rate_per_s": 2000, "lengths": [[50, 1.0]]}]},
+    )
+    (load,) = closed_form(capped, headroom=0.0).models
+    (free,) = closed_form(uncapped, headroom=0.0).models
+    assert free.batch_size == 32 and load.batch_size == 16
+    assert load.per_row_s > free.per_row_s
+
+
+def test_a_plan_warns_of_batches_its_curve_never_measured() -> None:
+    """The H100 curve measures up to 64 rows a batch. Allowed 256, the plan ran larger batches
+    on extrapolated times (flat, where the measured curve ends flat: a worker took 47,864 rows/s
+    against 22,369 at 64) and said nothing (a review finding); it warns now. A bucket the
+    curve lacks is timed from another, and warned of too."""
+    scenario = load_scenario(SCENARIOS / "plan_h100.toml")
+    (spec,) = scenario.models
+    wide = dataclasses.replace(
+        scenario,
+        models=(dataclasses.replace(spec, max_batch_size=256, max_batch_tokens=65536),),
+    )
+    assert [m.unmeasured for m in closed_form(scenario, headroom=0.2).models] == [()]
+    (load,) = closed_form(wide, headroom=0.2).models
+    assert load.unmeasured == (
+        "bucket 16: batches of up to 256 rows, measured up to 64",
+        "bucket 128: batches of up to 256 rows, measured up to 64",
+    )
+    curve = scenario.curves[0]
+    assert curve.beyond(512, 1) == "bucket 512 not measured: timed from another bucket"
+    unplanned = Plan(
+        None, closed_form(wide, headroom=0.2), gateway_plan(wide, headroom=0.2, gateway_rps=1e4),
+        (), None, None, 1.0,
+    )  # fmt: skip
+    text = format_plan(unplanned, percentile=99, headroom=0.2, slo_ms=250)
+    assert "warning: minilm bucket 16: batches of up to 256 rows, measured up to 64" in text

@@ -8,6 +8,14 @@ from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BatcherConfig, BatchKey
 
 
+def shape_limit(max_batch_size: int, max_batch_tokens: int, bucket: int) -> int:
+    """Most rows one batch of a `bucket`-token key may ever hold: `max_batch_size`, and the
+    padded-token cap `max_batch_tokens` (0: none) over the bucket, at least one row."""
+    if max_batch_tokens > 0 and bucket > 0:
+        return min(max_batch_size, max(1, max_batch_tokens // bucket))
+    return max_batch_size
+
+
 class BatchSizes:
     """The batch-size limits of one batcher's keys, from its `config` and `latency` model."""
 
@@ -25,10 +33,8 @@ class BatchSizes:
     def shape_limit(self, key: BatchKey) -> int:
         """Most items one batch of `key` may ever hold: max_batch_size, and the padded-token
         cap. The shapes warm-up measures."""
-        limit = self._config.max_batch_size
-        if self._config.max_batch_tokens > 0 and key.bucket > 0:
-            limit = min(limit, max(1, self._config.max_batch_tokens // key.bucket))
-        return limit
+        config = self._config
+        return shape_limit(config.max_batch_size, config.max_batch_tokens, key.bucket)
 
     @property
     def batch_compute_budget_s(self) -> float:
