@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import asdict, dataclass, fields, replace
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     # Imported where used (`connect`): the records are pure data, and the simulator
@@ -76,7 +76,9 @@ class FailedVersion:
     #: The loader's error, one line.
     error: str
     #: The model's desired-state revision the attempt followed (0: none written yet; a
-    #: record from before the field).
+    #: record from before the field). In JSON, the record's `failed_revisions`, one each, in
+    #: order: a router of an earlier build refuses a failure with a field it does not know,
+    #: and with it the whole record (it skipped every upgraded worker that failed a load).
     revision: int = 0
 
 
@@ -103,7 +105,9 @@ class WorkerRecord:
     internal_api: int = INTERNAL_API
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        raw = asdict(self)
+        raw["failed_revisions"] = [failure.pop("revision") for failure in raw["failed"]]
+        return json.dumps(raw, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerRecord:
@@ -114,12 +118,25 @@ class WorkerRecord:
             is_draining=bool(raw["is_draining"]),
             sent_at_ms=int(raw["sent_at_ms"]),
             models=tuple(_typed(ModelRecord, m) for m in raw["models"]),
-            failed=tuple(_typed(FailedVersion, f) for f in raw.get("failed", ())),
+            failed=_failed(raw.get("failed", ()), raw.get("failed_revisions")),
             internal_api=int(raw.get("internal_api", 1)),
         )
 
     def model(self, name: str, version: str) -> ModelRecord | None:
         return next((m for m in self.models if m.name == name and m.version == version), None)
+
+
+def _failed(failures: list[Any], revisions: Any) -> tuple[FailedVersion, ...]:
+    """A record's failed versions, each with its revision (`failed_revisions`; none: all 0)."""
+    if revisions is None:
+        revisions = [0] * len(failures)
+    if not (isinstance(revisions, list) and len(revisions) == len(failures)
+            and all(_is_json_type(r, "int") for r in revisions)):  # fmt: skip
+        raise TypeError(f"failed_revisions is not one int per failure: {revisions!r}")
+    return tuple(
+        replace(_typed(FailedVersion, failure), revision=revision)
+        for failure, revision in zip(failures, revisions, strict=True)
+    )
 
 
 _R = TypeVar("_R", ModelRecord, FailedVersion)
@@ -144,10 +161,17 @@ def _typed(cls: type[_R], raw: Mapping[str, object]) -> _R:
     """`cls(**raw)`, each field's type checked: a forged or corrupt record (`"queued_rows":
     "3"`) is refused here, as malformed, and readers skip it; it raised TypeError in routing,
     every call, on every router."""
+    known = {}
     for field in fields(cls):
-        if field.name in raw and not _is_json_type(raw[field.name], str(field.type)):
-            raise TypeError(f"{cls.__name__}.{field.name} is not {field.type}: {raw[field.name]!r}")
-    return cls(**raw)  # type: ignore[arg-type]  # checked above
+        if field.name in raw:
+            if not _is_json_type(raw[field.name], str(field.type)):
+                raise TypeError(
+                    f"{cls.__name__}.{field.name} is not {field.type}: {raw[field.name]!r}"
+                )
+            known[field.name] = raw[field.name]
+    # A field of a later build is left out: a reader reads the records of writers upgraded
+    # before it (workers are upgraded first), as protobuf readers skip unknown fields.
+    return cls(**known)  # type: ignore[arg-type]  # checked above
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ JSON, and what it refuses as malformed (and skips, logged: registry_reader)."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -24,8 +25,54 @@ def test_a_record_round_trips_through_its_json() -> None:
 def test_a_failure_from_a_record_before_revisions_reads_as_revision_0() -> None:
     raw = json.loads(make_worker().to_json())
     raw["failed"] = [{"name": "m", "version": "2", "error": "boom"}]
+    del raw["failed_revisions"]
     (failure,) = WorkerRecord.from_json(json.dumps(raw)).failed
     assert failure == FailedVersion("m", "2", "boom", 0)
+
+
+@dataclass(frozen=True)
+class FailedVersionBefore:
+    """FailedVersion as routers of the build before revisions read it (c667514)."""
+
+    name: str
+    version: str
+    error: str
+
+
+def test_a_record_with_revisions_reads_in_a_router_of_the_build_before() -> None:
+    """Workers are upgraded first: an earlier router built each failure as
+    `FailedVersion(**entry)`, so a field it does not know (the revision, had it been written
+    there) made it skip the whole record, the worker's healthy versions too (a review
+    finding). The revisions travel beside the failures, which keep their fields."""
+    record = make_worker()
+    record = WorkerRecord(**{**record.__dict__, "failed": (FailedVersion("m", "2", "boom", 7),)})
+    raw = json.loads(record.to_json())
+    assert [FailedVersionBefore(**entry) for entry in raw["failed"]] == [
+        FailedVersionBefore("m", "2", "boom")
+    ]
+    assert raw["failed_revisions"] == [7]
+
+
+def test_a_field_a_later_build_adds_is_left_out_not_refused() -> None:
+    """A router reads the records of workers upgraded before it."""
+    raw = json.loads(make_worker().to_json())
+    raw["models"][0]["a_later_field"] = 1
+    raw["failed"] = [{"name": "m", "version": "2", "error": "boom", "a_later_field": "x"}]
+    raw["failed_revisions"] = [3]
+    record = WorkerRecord.from_json(json.dumps(raw))
+    assert record.models == make_worker().models
+    assert record.failed == (FailedVersion("m", "2", "boom", 3),)
+
+
+@pytest.mark.parametrize("revisions", [[1, 2], ["3"], [True], 5])
+def test_failure_revisions_that_do_not_match_the_failures_make_the_record_malformed(
+    revisions: Any,
+) -> None:
+    raw = json.loads(make_worker().to_json())
+    raw["failed"] = [{"name": "m", "version": "2", "error": "boom"}]
+    raw["failed_revisions"] = revisions
+    with pytest.raises(MALFORMED_RECORD_ERRORS):
+        WorkerRecord.from_json(json.dumps(raw))
 
 
 @pytest.mark.parametrize(
