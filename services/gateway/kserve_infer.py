@@ -233,9 +233,8 @@ class StreamInfer:
         time_remaining: Callable[[], float | None],
     ) -> AsyncGenerator[kserve.ModelStreamInferResponse, None]:
         """Runs every request of the stream concurrently and yields their responses: one for a
-        model that is not decoupled, in the order the requests came (as Triton writes them:
-        a stock client with no request ids pairs answers with requests by their order), and
-        a generation's as it streams them. A
+        model that is not decoupled, in the order the requests came, and a generation's as it
+        streams them, never held behind those (services.gateway.stream_answers). A
         request's error is reported in-band (`error_message`), as Triton does; the stream and
         the other requests go on. Each request's deadline is its `timeout` parameter, else what
         is left of the stream's when it arrives (`time_remaining`: None without one, then the
@@ -278,13 +277,13 @@ class StreamInfer:
                         return
                     stream = generate_one(predictor, request, acting, time_remaining())
                     async for response in stream:
-                        answers.put(response)
+                        answers.put_decoupled(response)
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
                 answer = _error_response(request.id, error, is_final=place is None)
                 if place is None:
-                    answers.put(answer)
+                    answers.put_decoupled(answer)
                 else:
                     answers.answer(place, answer)
 
@@ -305,7 +304,7 @@ class StreamInfer:
             # (the stream ending in the loop turn that made it) runs no `finally`, and its
             # place at the door would never be given back.
             tasks.discard(task)
-            if place is not None:  # cancelled before its answer (the stream ends): not unfilled
+            if place is not None and not place.done():  # cancelled (the stream ends): filled
                 answers.answer(place, _error_response(request_id, Unavailable("cancelled")))
             if has_entered:
                 assert self.door is not None  # entered only where there is one

@@ -5,13 +5,15 @@ Triton writes the responses of a model that is not decoupled in the order its re
 clients rely on it: tritonclient's `start_stream` callback gets a response with no request id
 when none was sent, so a caller pairs answers with requests by their order. A request that is
 not decoupled therefore takes its place when it is read (`place`), answered there however long
-it runs (`answer`); a generation's answers, as they stream, and the door's refusals are
-written where they are made (`put`).
+it runs (`answer`), and the door's refusals take theirs when made (`put`). A decoupled
+model's answers (a generation's tokens) are written as they come (`put_decoupled`), as Triton
+writes them, never held behind a request that is not decoupled.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from services.pb.inference import grpc_service_pb2 as kserve
 
@@ -23,36 +25,58 @@ class StreamAnswers:
     """A stream's answers in writing order, and how many are made and not written yet."""
 
     def __init__(self) -> None:
-        self._queue: asyncio.Queue[Answer | asyncio.Future[Answer] | None] = asyncio.Queue()
+        #: Answers of requests that are not decoupled and refusals, in request order (a
+        #: place: a future, filled once answered); None after the last.
+        self._ordered: deque[Answer | asyncio.Future[Answer] | None] = deque()
+        self._decoupled: deque[Answer] = deque()
+        self._changed = asyncio.Event()
         #: Answers made and not taken for writing yet.
         self.unwritten = 0
 
     def put(self, answer: Answer) -> None:
         """Writes `answer` after those before it."""
-        self._queue.put_nowait(answer)
-        self.unwritten += 1
+        self._ordered.append(answer)
+        self._made()
+
+    def put_decoupled(self, answer: Answer) -> None:
+        """Writes `answer` (a decoupled model's) as soon as the writer is free."""
+        self._decoupled.append(answer)
+        self._made()
 
     def place(self) -> asyncio.Future[Answer]:
         """A place for a request's one answer, after those before it (`answer` fills it)."""
         place: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(place)
+        self._ordered.append(place)
         return place
 
     def answer(self, place: asyncio.Future[Answer], answer: Answer) -> None:
         """Fills `place` (once: a place filled already keeps its answer)."""
         if not place.done():
             place.set_result(answer)
-            self.unwritten += 1
+            self._made()
 
     def end(self) -> None:
         """No answer follows those put or placed so far (each place must be filled)."""
-        self._queue.put_nowait(None)
+        self._ordered.append(None)
+        self._changed.set()
 
     async def next(self) -> Answer | None:
-        """The next answer to write, once it is made; None after `end`."""
-        item = await self._queue.get()
-        if item is None:
-            return None
-        answer = await item if isinstance(item, asyncio.Future) else item
-        self.unwritten -= 1
-        return answer
+        """The next answer to write, once it is made; None after `end` and every answer."""
+        ordered = self._ordered
+        while True:
+            if self._decoupled:
+                self.unwritten -= 1
+                return self._decoupled.popleft()
+            head = ordered[0] if ordered else False
+            if head is None:
+                return None
+            if isinstance(head, Answer) or (isinstance(head, asyncio.Future) and head.done()):
+                ordered.popleft()
+                self.unwritten -= 1
+                return head if isinstance(head, Answer) else head.result()
+            self._changed.clear()
+            await self._changed.wait()
+
+    def _made(self) -> None:
+        self.unwritten += 1
+        self._changed.set()

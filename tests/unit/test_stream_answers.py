@@ -1,0 +1,64 @@
+"""The order a ModelStreamInfer stream writes its answers in (services.gateway.stream_answers):
+requests that are not decoupled answered in the order they came, as Triton writes them; a
+decoupled model's answers as they come, never behind those."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.gateway.stream_answers import Answer, StreamAnswers
+from services.pb.inference import grpc_service_pb2 as kserve
+
+pytestmark = pytest.mark.unit
+
+
+def named(request_id: str) -> Answer:
+    return kserve.ModelStreamInferResponse(infer_response=kserve.ModelInferResponse(id=request_id))
+
+
+async def written(answers: StreamAnswers) -> str | None:
+    """The id of the next answer written, once one is ready within a second."""
+    answer = await asyncio.wait_for(answers.next(), timeout=1.0)
+    return None if answer is None else answer.infer_response.id
+
+
+async def test_a_request_answered_first_is_written_after_the_one_read_before_it() -> None:
+    """A slow request, then a quick one: the quick one's answer waits for the slow one's (a
+    caller without request ids pairs them by order; before, the quick one's came first)."""
+    answers = StreamAnswers()
+    slow, quick = answers.place(), answers.place()
+    answers.answer(quick, named("quick"))
+    waiting = asyncio.ensure_future(written(answers))
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and answers.unwritten == 1
+    answers.answer(slow, named("slow"))
+    assert await waiting == "slow"
+    assert await written(answers) == "quick"
+    assert answers.unwritten == 0
+
+
+async def test_a_decoupled_models_answers_pass_a_request_still_running() -> None:
+    """A generation's tokens are written as they come, as Triton writes a decoupled model's,
+    while a request read before them is still running (a review finding: they waited for it)."""
+    answers = StreamAnswers()
+    slow = answers.place()
+    answers.put_decoupled(named("token-1"))
+    answers.put(named("refused"))  # a door refusal takes its place in order
+    answers.put_decoupled(named("token-2"))
+    assert [await written(answers), await written(answers)] == ["token-1", "token-2"]
+    answers.answer(slow, named("slow"))
+    answers.end()
+    assert [await written(answers), await written(answers)] == ["slow", "refused"]
+    assert await written(answers) is None
+
+
+async def test_a_place_filled_twice_keeps_its_first_answer() -> None:
+    answers = StreamAnswers()
+    place = answers.place()
+    answers.answer(place, named("answered"))
+    answers.answer(place, named("cancelled"))
+    answers.end()
+    assert await written(answers) == "answered"
+    assert await written(answers) is None and answers.unwritten == 0
