@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -434,8 +435,14 @@ def test_slim_client_package_installs_without_torch_and_embeds(
     venv = tmp_path / "client-venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
+    # Built from a copy: pip builds a local directory in place, and left build/ and egg-info in
+    # the checkout (a stale build/lib would carry deleted modules into the next install).
+    checkout = tmp_path / "checkout"
+    shutil.copytree(CLIENT_PACKAGE, checkout / "clients" / "python",
+                    ignore=shutil.ignore_patterns("build", "*.egg-info", "dist"))  # fmt: skip
+    shutil.copytree(CLIENT_PACKAGE.parent.parent / "proto", checkout / "proto")
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", str(CLIENT_PACKAGE)],
+        [str(python), "-m", "pip", "install", "--quiet", str(checkout / "clients" / "python")],
         capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     assert install.returncode == 0, install.stderr
