@@ -319,6 +319,9 @@ def test_each_pool_scales_on_its_own_models_waiting(pool_renders: dict[str, Obje
             assert "selector" not in duty_cycle["pods"]["metric"], where
             duty_rule = rules[duty_cycle["pods"]["metric"]["name"]]
             assert series_metric(duty_rule) == names.WORKER_DEVICE_BUSY_SECONDS_TOTAL
+            # A share of time, at most 1, however many models time overlapping spans.
+            duty_query = duty_rule["metricsQuery"].strip()
+            assert duty_query.startswith("clamp_max(") and duty_query.endswith(", 1)"), where
             # The metric selector narrows the series to the pool's models: prometheus-adapter
             # adds it to <<.LabelMatchers>>, which every series the query reads must carry, and
             # its label must be one the worker puts on the series.
