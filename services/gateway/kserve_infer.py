@@ -243,10 +243,9 @@ class StreamInfer:
         limit or while it sheds (not counted as a request: the door counts it). Each request
         is then admitted against its tenant's quotas beside the stream
         (admission.StreamRequests), so one stream runs no more requests at once than its
-        tenant's `max_concurrency`. Requests to models that are not decoupled (or unknown) are
-        counted one by one (api `kserve_v2_stream`). While the stream holds MAX_STREAM_HELD
-        requests in flight and answers not written, no more of it is read (a generation's
-        answers count once written, not as they come)."""
+        tenant's `max_concurrency`. Each request is counted (api `kserve_v2_stream`), a
+        generation by how its stream ends (it was not counted at all). While the stream holds
+        MAX_STREAM_HELD requests in flight and answers not written, no more of it is read."""
         predictor, max_rows = self.predictor, self.max_rows
         answers = StreamAnswers()
         admission = StreamRequests(predictor.admission)
@@ -275,9 +274,11 @@ class StreamInfer:
                     if place is not None:
                         answers.answer(place, await infer(request, acting))
                         return
-                    stream = generate_one(predictor, request, acting, time_remaining())
-                    async for response in stream:
-                        answers.put_decoupled(response)
+                    label = predictor.catalog.label_for(request.model_name)
+                    with self.metrics.observe_request(STREAM_API, label):  # once it ends
+                        stream = generate_one(predictor, request, acting, time_remaining())
+                        async for response in stream:
+                            answers.put_decoupled(response)
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)

@@ -66,6 +66,13 @@ async def test_s19_generate_streams_tokens_with_a_final_summary(stack: Stack) ->
 
 
 async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None:
+    def streamed() -> float:  # the gateway's count of the stream's generation requests
+        return total(
+            scrape(stack.gateway.metrics_port), names.GATEWAY_REQUESTS_TOTAL,
+            api="kserve_v2_stream", model="tiny-llama", code="OK",
+        )  # fmt: skip
+
+    before = streamed()
     sampling = json.dumps({"max_tokens": 10, "temperature": 0, "ignore_eos": True})
     result = await asyncio.to_thread(
         run_kserve_client,
@@ -81,6 +88,7 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
     assert result["final"]["finish_reason"] == "length"
     assert result["final"]["completion_tokens"] == 10
     assert result["final"]["id"] == "gen-1"
+    assert streamed() == before + 1  # counted once, as its stream ended (it was not counted)
     # stream=false: one final response with the whole text, prompt included.
     whole = await asyncio.to_thread(
         run_kserve_client,
