@@ -136,10 +136,7 @@ class RepositoryFollower:
             for failure in self._models.failed:
                 key = (failure.model, failure.version)
                 self._failed[key] = revision_of(failure.model, at_start)
-                # Reported at the revision the start-up load followed; none read (Redis was
-                # unreachable), at none: a load written meanwhile is not this attempt's.
-                followed = 0 if self._start_state is None else self._failed[key]
-                self._models.add_failure(replace(failure, revision=followed))
+                self._models.add_failure(replace(failure, revision=self._failed[key]))
             self._is_first = False
         if self._versions is None or revisions != self._revisions:
             # Read again until a read finds every model readable: a model being staged when a

@@ -322,33 +322,6 @@ async def test_a_desired_state_unreadable_at_start_is_none_not_an_empty_one(
     assert await desired_at_start(dataclasses.replace(unreachable, redis_url=None)) == {}
 
 
-async def test_a_start_up_failure_with_no_desired_state_read_is_reported_at_no_revision(
-    tmp_path: Path, redis_server: RedisServer
-) -> None:
-    """Redis unreachable at start: a start-up failure counts as tried at the first read's
-    revision (1 here: not loaded again until a later load), but is reported at none, 0. It
-    was reported at 1, so a load written while the worker started answered it at once as
-    that load's own failure (a review finding)."""
-    write_affine_model(tmp_path / "repo")
-    (tmp_path / "repo" / "affine" / "2").mkdir()
-    (tmp_path / "repo" / "affine" / "2" / "model.pt").write_bytes(b"half a torchscript archive")
-    worker = await create_worker(
-        dataclasses.replace(config(tmp_path, redis_server.worker_url), redis_url=None)
-    )
-    await worker.load()
-    client = connect(redis_server.worker_url)
-    try:
-        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
-        await follow_once(worker, client, tmp_path / "repo", start_state=None)
-        assert worker.models is not None
-        assert [(f.model, f.version, f.revision) for f in worker.models.failed] == [
-            ("affine", "2", 0)
-        ]
-    finally:
-        await client.aclose()
-        await worker.stop()
-
-
 async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
     tmp_path: Path, worker: Worker, redis_server: RedisServer
 ) -> None:
