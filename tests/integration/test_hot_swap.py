@@ -331,7 +331,8 @@ async def test_a_failed_version_deleted_from_the_volume_is_no_longer_reported(
     version_dir.mkdir()
     (version_dir / "model.pt").write_bytes(b"not a torchscript archive")
     await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
-    assert await eventually(lambda: registered_failures(redis_server), timeout_s=CONVERGE_S) == [
+    # At the load's revision (the follower may have failed it at 0 first: _failed_at).
+    assert await eventually(lambda: _failed_at(redis_server, 1), timeout_s=CONVERGE_S) == [
         ("affine", "2", 1)
     ]
     shutil.rmtree(version_dir)
@@ -401,8 +402,8 @@ async def test_a_version_larger_than_free_memory_is_refused_before_it_loads(
     with open(version_dir / "padding.bin", "wb") as padding:
         padding.truncate(1 << 40)
     await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
-    reported = await eventually(
-        lambda: registered_failures(redis_server), timeout_s=CONVERGE_S, message="reported"
+    reported = await eventually(  # at the load's revision (see _failed_at)
+        lambda: _failed_at(redis_server, 1), timeout_s=CONVERGE_S, message="reported"
     )
     assert worker.models is not None
     (failure,) = worker.models.failed
@@ -417,7 +418,9 @@ async def test_a_version_larger_than_free_memory_is_refused_before_it_loads(
 
 
 async def _failed_at(redis_server: RedisServer, revision: int) -> list[tuple[str, str, int]]:
-    """The failures reported, once one is at `revision` (empty before)."""
+    """The failures reported, once one is at `revision` (empty before). A test writes a new
+    version, then a load: the follower may read the volume between the two and fail it at the
+    revision before the load's, then again at the load's."""
     failures = await registered_failures(redis_server)
     return failures if any(at == revision for _, _, at in failures) else []
 

@@ -123,7 +123,7 @@ class _RecordingSwapper:
     def __init__(self) -> None:
         self.loads: list[str] = []
 
-    async def load(self, version: ModelVersion) -> bool:
+    async def load(self, version: ModelVersion, *, revision: int = 0) -> bool:
         self.loads.append(version.config.name)
         return True
 
