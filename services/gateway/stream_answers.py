@@ -64,16 +64,18 @@ class StreamAnswers:
         """The next answer to write, once it is made; None after `end` and every answer."""
         ordered = self._ordered
         while True:
-            if self._decoupled:
-                self.unwritten -= 1
-                return self._decoupled.popleft()
+            # A request's answer made goes first (one a request: tokens cannot starve), so a
+            # generation's backlog of tokens never holds it back.
             head = ordered[0] if ordered else False
-            if head is None:
-                return None
             if isinstance(head, Answer) or (isinstance(head, asyncio.Future) and head.done()):
                 ordered.popleft()
                 self.unwritten -= 1
                 return head if isinstance(head, Answer) else head.result()
+            if self._decoupled:
+                self.unwritten -= 1
+                return self._decoupled.popleft()
+            if head is None:
+                return None
             self._changed.clear()
             await self._changed.wait()
 
