@@ -128,8 +128,8 @@ class WorkerRecord:
 
 def _failed(failures: list[Any], revisions: Any) -> tuple[FailedVersion, ...]:
     """A record's failed versions, each with its revision (`failed_revisions`; none: all 0)."""
-    if revisions is None:
-        revisions = [0] * len(failures)
+    if revisions is None:  # a record from before `failed_revisions`
+        return tuple(_typed(FailedVersion, failure) for failure in failures)
     if not (isinstance(revisions, list) and len(revisions) == len(failures)
             and all(_is_json_type(r, "int") for r in revisions)):  # fmt: skip
         raise TypeError(f"failed_revisions is not one int per failure: {revisions!r}")
