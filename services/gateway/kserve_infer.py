@@ -258,9 +258,9 @@ class StreamInfer:
             return principal if self.keys is None else principal_for(self.keys, headers)
 
         async def infer(request: kserve.ModelInferRequest, principal: Principal) -> Answer:
-            label = predictor.catalog.label_for(request.model_name)
-            with self.metrics.observe_request(STREAM_API, label):
-                time_left_s = time_remaining()
+            label, time_left_s = predictor.catalog.label_for(request.model_name), time_remaining()
+            # The stream's time left: a request cancelled by its deadline counts DEADLINE_EXCEEDED.
+            with self.metrics.observe_request(STREAM_API, label, time_left_s):
                 response = await infer_one(predictor, request, principal, time_left_s, max_rows)
             return kserve.ModelStreamInferResponse(infer_response=response)
 
@@ -274,9 +274,12 @@ class StreamInfer:
                     if place is not None:
                         answers.answer(place, await infer(request, acting))
                         return
-                    label = predictor.catalog.label_for(request.model_name)
-                    with self.metrics.observe_request(STREAM_API, label):  # once it ends
-                        stream = generate_one(predictor, request, acting, time_remaining())
+                    label, time_left_s = (
+                        predictor.catalog.label_for(request.model_name),
+                        time_remaining(),
+                    )
+                    with self.metrics.observe_request(STREAM_API, label, time_left_s):  # as it ends
+                        stream = generate_one(predictor, request, acting, time_left_s)
                         async for response in stream:
                             answers.put_decoupled(response)
             except Exception as error:  # every request gets an answer, whatever failed

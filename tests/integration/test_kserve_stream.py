@@ -229,6 +229,33 @@ async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_g
     assert stream_requests("affine") == 1 and stream_requests("stall") == 2
 
 
+async def test_a_request_cut_off_by_the_streams_deadline_counts_deadline_exceeded(
+    fabric: Fabric, tmp_path: Path
+) -> None:
+    """The stream's deadline passes while its request is held: the caller is told
+    DEADLINE_EXCEEDED, and the request counts so (it counted CANCELLED)."""
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+    queue.put_nowait(_infer("held", np.full((1, 4), STALL, dtype="<f4"), model="stall"))
+
+    def counted(code: str) -> float:
+        return fabric.gateway_metric(
+            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model="stall", code=code
+        )
+
+    try:
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+                _sent_from(queue), timeout=1.0
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                await call.read()
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await eventually(lambda: counted("DEADLINE_EXCEEDED") == 1, message="counted")
+        assert counted("CANCELLED") == 0
+    finally:
+        release_stall(tmp_path / "gate")
+
+
 async def test_a_streams_requests_pass_the_door_as_calls_of_their_own(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
