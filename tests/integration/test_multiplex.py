@@ -85,6 +85,17 @@ async def connected(
         await peer.server.stop(None)
 
 
+def _raw_stream(
+    channel: grpc.aio.Channel,
+) -> grpc.aio.StreamStreamCall[pb.InferStreamRequest, pb.InferStreamResponse]:
+    """An InferStream opened by hand: a caller older than `closing`, which never half-closes."""
+    return channel.stream_stream(
+        STREAM_METHOD,
+        request_serializer=pb.InferStreamRequest.SerializeToString,
+        response_deserializer=pb.InferStreamResponse.FromString,
+    )()
+
+
 async def echo(request: bytes, context: CallContext) -> bytes:
     await asyncio.sleep(0)  # answer later than asked, as a real handler would
     return b"echo:" + request
@@ -351,11 +362,7 @@ async def test_a_caller_that_ignores_closing_has_its_stream_ended_after_the_wait
     port = await peer.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stream = channel.stream_stream(
-                STREAM_METHOD,
-                request_serializer=pb.InferStreamRequest.SerializeToString,
-                response_deserializer=pb.InferStreamResponse.FromString,
-            )()
+            stream = _raw_stream(channel)
             await stream.write(pb.InferStreamRequest())
             await eventually(lambda: peer.num_open == 1, timeout_s=5.0)
             peer.streams.close()
@@ -384,11 +391,7 @@ async def test_a_closing_stream_ends_when_its_last_running_call_is_cancelled(
     port = await peer.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stream = channel.stream_stream(
-                STREAM_METHOD,
-                request_serializer=pb.InferStreamRequest.SerializeToString,
-                response_deserializer=pb.InferStreamResponse.FromString,
-            )()
+            stream = _raw_stream(channel)
             await stream.write(pb.InferStreamRequest(calls=[pb.MuxCall(call_id=1)]))
             await asyncio.wait_for(started.wait(), timeout=5.0)
             peer.streams.close()
