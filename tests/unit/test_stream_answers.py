@@ -19,8 +19,8 @@ def named(request_id: str) -> Answer:
 
 
 async def written(answers: StreamAnswers) -> str | None:
-    """The id of the next answer written, once one is ready within a second."""
-    answer = await asyncio.wait_for(answers.next(), timeout=1.0)
+    """The id of the next answer written, once one is ready (within 5 s: it is at once)."""
+    answer = await asyncio.wait_for(answers.next(), timeout=5.0)
     return None if answer is None else answer.infer_response.id
 
 
