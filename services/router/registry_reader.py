@@ -205,14 +205,18 @@ async def read_registry(
         return [], now_s
     ids = [m.decode() if isinstance(m, bytes) else m for m, _ in members]
     raw_records = await client.mget([keys.worker(i) for i in ids])
-    records = []
-    for (_, score_ms), raw in zip(members, raw_records, strict=True):
+    records, malformed = [], {}
+    for worker_id, (_, score_ms), raw in zip(ids, members, raw_records, strict=True):
         if raw is None:
             continue  # record key expired: the worker stopped long ago
         try:
             records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
         except MALFORMED_RECORD_ERRORS as error:
-            log.warning("skipping malformed registry record: %s", error)
+            malformed[worker_id] = str(error)
+            if _warned_malformed.get(worker_id) != malformed[worker_id]:  # once while it lasts
+                log.warning("skipping malformed registry record of %s: %s", worker_id, error)
+    _warned_malformed.clear()  # a record that reads again, or whose worker left, is forgotten
+    _warned_malformed.update(malformed)
     return _current_api_first(records, networks), now_s
 
 
@@ -257,3 +261,6 @@ def _current_api_first(
 
 #: Workers of an older internal API already warned about (once each per process).
 _warned_older: set[str] = set()
+#: Workers whose record does not read -> the error last warned of (it was warned at every
+#: refresh, twice a second per router, for as long as it lasted).
+_warned_malformed: dict[str, str] = {}

@@ -295,3 +295,24 @@ async def test_a_heartbeat_forgets_members_silent_for_ten_minutes(
     await admin.execute_command("ACL", "SETUSER", "worker", "-zremrangebyscore")
     await publisher(clients["worker"]).publish_once()  # no error
     assert set(await admin.zrange(KEYS.workers, 0, -1)) == {b"w0", b"quiet", b"killed"}
+
+
+async def test_a_malformed_record_is_warned_of_once_while_it_lasts(
+    clients: dict[str, aioredis.Redis], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A record that does not read was warned of at every refresh (twice a second, per
+    router, for as long as it lasted); now once, and again once it breaks anew."""
+    admin = clients["admin"]
+    await admin.zadd(KEYS.workers, {"bad": time.time() * 1000})
+
+    async def reads(record: str, times: int) -> list[str]:
+        await admin.set(KEYS.worker("bad"), record)
+        caplog.clear()
+        for _ in range(times):
+            await read_registry(clients["router"], KEYS)
+        return [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
+
+    assert len(await reads('{"worker_id": "bad"}', 3)) == 1
+    assert await reads(RECORD.to_json(), 2) == []
+    warned = await reads('{"worker_id": "bad", "address": 7}', 2)
+    assert len(warned) == 1 and "of bad" in warned[0]
