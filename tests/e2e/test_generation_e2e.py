@@ -88,7 +88,8 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
     assert result["final"]["finish_reason"] == "length"
     assert result["final"]["completion_tokens"] == 10
     assert result["final"]["id"] == "gen-1"
-    assert streamed() == before + 1  # counted once, as its stream ended (it was not counted)
+    # Counted once, as its stream ended (it was not counted).
+    await eventually(lambda: streamed() == before + 1, message="the stream's request counted")
     # stream=false: one final response with the whole text, prompt included.
     whole = await asyncio.to_thread(
         run_kserve_client,

@@ -622,7 +622,7 @@ async def test_a_step_failing_beside_a_new_prompt_fails_the_prompt_alone(checkpo
             if any(is_decode(item) for item in items):
                 failed_beside_decodes += 1
                 calls_since_failure, mean_at_failure = 0, backend.engine.mean_step_s
-            time.sleep(1.0)  # a failed step that took long: its time is not the rerun's
+            time.sleep(2.0)  # a failed step that took long: its time is not the rerun's
             raise RuntimeError("out of memory in a prompt's attention")
         return execute(items)
 
@@ -643,9 +643,10 @@ async def test_a_step_failing_beside_a_new_prompt_fails_the_prompt_alone(checkpo
         await backend.engine.drain()
     assert failed_beside_decodes >= 1 and reruns >= 1  # the case in point did arise
     # The rerun's step counted its own time (decodes of milliseconds), not the failed step's
-    # second besides, which moved the steps' mean by a tenth of it (review finding).
+    # two seconds besides, which moved the steps' mean by a tenth of them, 0.2 s (review
+    # finding). The bound leaves a rerun step up to a second on a stalled machine.
     assert mean_after_rerun is not None
-    assert mean_after_rerun - mean_at_failure < 0.05, (mean_at_failure, mean_after_rerun)
+    assert mean_after_rerun - mean_at_failure < 0.1, (mean_at_failure, mean_after_rerun)
     assert tokens == reference_greedy(checkpoint, backend.encode(PROMPTS[0]), 40)
     assert len(after) == 3
     assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks

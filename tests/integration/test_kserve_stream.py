@@ -245,7 +245,7 @@ async def test_a_request_cut_off_by_the_streams_deadline_counts_deadline_exceede
     try:
         async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
             call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-                _sent_from(queue), timeout=1.0
+                _sent_from(queue), timeout=3.0
             )
             with pytest.raises(grpc.aio.AioRpcError) as ended:
                 await call.read()
