@@ -154,7 +154,7 @@ class GenerationBackend(ServedModel):
         # cache of one-token blocks: a fixed two-block table failed the load).
         longest = min(block_size + 1, num_blocks * block_size - 1, self._max_model_len - 1)
         prompt = tuple(range(1, max(1, longest) + 1))
-        blocks = tuple(range(-(-(len(prompt) + 1) // block_size)))
+        blocks = tuple(range(num_blocks_for(len(prompt) + 1, block_size)))
         self.engine.steps.warm_up(
             [
                 [SequenceBatchItem(prompt, 0, blocks)],
