@@ -41,7 +41,7 @@ from services.gpu_worker.batching.batch_sizes import shape_limit
 from services.sim.curve import LatencyCurve
 from services.sim.results import Recorder, percentiles
 from services.sim.simulation import Scenario, run
-from services.sim.tier_costs import WORKER_CPU, FleetPlan, fleet_plan
+from services.sim.tier_costs import FleetPlan, fleet_plan
 from services.sim.traffic import Arrival
 from services.sim.worker import ModelSpec
 
@@ -158,22 +158,25 @@ def _model_load(
     shares = _bucket_shares(scenario, spec) or {spec.length_buckets[0]: 1.0}
     per_row_s, batch_of, beyond = 0.0, dict[int, tuple[int, float]](), list[str]()
     for bucket, share in shares.items():
+        key = spec.key(bucket)
         # As the batcher caps it (max_batch_tokens too: the plan counted 64-row batches of a
         # bucket the batcher ran 8 at a time, and too few workers; a review finding).
-        key, limit = spec.key(bucket), shape_limit(spec.max_batch_size, spec.max_batch_tokens,
-                                                   bucket)  # fmt: skip
+        limit = shape_limit(spec.max_batch_size, spec.max_batch_tokens, bucket)
         size = max([n for n in range(1, limit + 1) if truth.predict(key, n) <= budget_s], default=1)
         batch_of[bucket] = (size, truth.predict(key, size))
-        beyond += filter(None, [curve.beyond(bucket, limit)])
+        if gap := curve.beyond(bucket, limit):
+            beyond.append(gap)
         per_row_s += share * batch_of[bucket][1] / size
     size, batch_s = batch_of[max(shares, key=shares.__getitem__)]
     rate = _mean_rate(scenario, spec.name) * (1.0 + headroom)
     return ModelLoad(spec.name, spec.slo_s, size, batch_s, per_row_s, rate, tuple(beyond))
 
 
-def tiers_plan(scenario: Scenario, devices: int, *, headroom: float) -> FleetPlan | None:
-    """Every tier's processes for `devices` devices (tier_costs.fleet_plan), or None where the
-    scenario gives no tier CPU."""
+def tiers_plan(
+    scenario: Scenario, devices: int, *, headroom: float, least_per_device: int = 1
+) -> FleetPlan | None:
+    """Every tier's processes for `devices` devices, at least `least_per_device` worker
+    processes each (tier_costs.fleet_plan), or None where the scenario gives no tier CPU."""
     cpu = scenario.fleet.tier_cpu
     if not cpu.is_set:
         return None
@@ -183,6 +186,7 @@ def tiers_plan(scenario: Scenario, devices: int, *, headroom: float) -> FleetPla
         device_workers=devices,
         mean_per_s=_mean_rate(scenario) * scale,
         peak_per_s=_peak_rate(scenario) * scale,
+        least_per_device=least_per_device,
     )
 
 
@@ -340,15 +344,11 @@ def plan(
         else:
             low = middle
     chosen = trials[high][1] if headroom == 0 else _trial(scenario, high, percentile)[1]
-    fleet = tiers_plan(scenario, high, headroom=headroom)
-    if fleet is not None and fleet.worker_processes_per_device < scenario.fleet.worker_processes:
-        # The fleet the trials simulated: the mean's processes spread over the devices the
-        # search added are fewer a device, a fleet no trial ran (review finding: it missed
-        # the SLO where its trial had met it).
-        per_device = scenario.fleet.worker_processes
-        fleet = dataclasses.replace(
-            fleet, worker_processes_per_device=per_device, worker_binds=WORKER_CPU
-        )
+    # At least the processes a device the trials simulated: the mean's spread over the devices
+    # the search added are fewer a device, a fleet no trial ran (review finding: it missed the
+    # SLO where its trial had met it).
+    per_device = scenario.fleet.worker_processes
+    fleet = tiers_plan(scenario, high, headroom=headroom, least_per_device=per_device)
     return Plan(
         high,
         formula,

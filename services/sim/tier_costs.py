@@ -180,13 +180,15 @@ def fleet_plan(
     mean_per_s: float,
     peak_per_s: float,
     rows_per_request: float = 1.0,
+    least_per_device: int = 1,
 ) -> FleetPlan:
     """The fleet for `mean_per_s` requests/s on average and `peak_per_s` at the busiest (both
     with headroom already), given `device_workers` devices the device curve needs. Worker
     processes follow the mean, as devices do (the worker HPA answers surges); gateways and
     routers the peak (they hold no queue). Bundles are as large as the planned gateway
     processes' load makes them (`TierCpu.slices_per_bundle`): the routers' at the peak, the
-    workers' at the mean."""
+    workers' at the mean. `least_per_device`: the fewest worker processes a device (a plan
+    states what its trials ran)."""
     gateways = _gateway_tier(cpu, peak_per_s)
     slices_at_peak = cpu.slices_per_bundle(peak_per_s / gateways.processes)
     slices_at_mean = cpu.slices_per_bundle(mean_per_s / gateways.processes)
@@ -194,7 +196,7 @@ def fleet_plan(
     worker_processes = cpu.processes_for(mean_per_s, worker_cost_s)
     by_cpu = math.ceil(worker_processes / cpu.max_worker_processes_per_device)
     devices = max(1, device_workers, by_cpu)
-    per_device = max(1, math.ceil(worker_processes / devices))
+    per_device = max(1, least_per_device, math.ceil(worker_processes / devices))
     routers = _tier("router", cpu, peak_per_s, cpu.router_s(slices_at_peak), ROUTER_CPU)
     return FleetPlan(
         devices=devices,
