@@ -257,13 +257,6 @@ class StreamInfer:
             changed limits apply to it."""
             return principal if self.keys is None else principal_for(self.keys, headers)
 
-        async def infer(request: kserve.ModelInferRequest, principal: Principal) -> Answer:
-            label, time_left_s = predictor.catalog.label_for(request.model_name), time_remaining()
-            # The stream's time left: a request cancelled by its deadline counts DEADLINE_EXCEEDED.
-            with self.metrics.observe_request(STREAM_API, label, time_left_s):
-                response = await infer_one(predictor, request, principal, time_left_s, max_rows)
-            return kserve.ModelStreamInferResponse(infer_response=response)
-
         async def run(
             request: kserve.ModelInferRequest, place: asyncio.Future[Answer] | None
         ) -> None:
@@ -271,17 +264,20 @@ class StreamInfer:
             try:
                 acting = caller()
                 with admission.admitted(acting.policy):
-                    if place is not None:
-                        answers.answer(place, await infer(request, acting))
-                        return
-                    label, time_left_s = (
-                        predictor.catalog.label_for(request.model_name),
-                        time_remaining(),
-                    )
-                    with self.metrics.observe_request(STREAM_API, label, time_left_s):  # as it ends
-                        stream = generate_one(predictor, request, acting, time_left_s)
-                        async for response in stream:
-                            answers.put_decoupled(response)
+                    label = predictor.catalog.label_for(request.model_name)
+                    time_left_s = time_remaining()
+                    # Counted as it ends (a generation, with its stream); with the stream's time
+                    # left, so that a request its deadline cuts off counts DEADLINE_EXCEEDED.
+                    with self.metrics.observe_request(STREAM_API, label, time_left_s):
+                        if place is None:
+                            stream = generate_one(predictor, request, acting, time_left_s)
+                            async for streamed in stream:
+                                answers.put_decoupled(streamed)
+                            return
+                        response = await infer_one(
+                            predictor, request, acting, time_left_s, max_rows
+                        )
+                    answers.answer(place, kserve.ModelStreamInferResponse(infer_response=response))
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
