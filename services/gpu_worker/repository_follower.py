@@ -134,9 +134,12 @@ class RepositoryFollower:
             # written since (while the worker loaded) retries them.
             at_start = desired if self._start_state is None else self._start_state
             for failure in self._models.failed:
-                key = (failure.model, failure.version)
-                self._failed[key] = revision_of(failure.model, at_start)
-                self._models.add_failure(replace(failure, revision=self._failed[key]))
+                self._failed[(failure.model, failure.version)] = revision_of(
+                    failure.model, at_start
+                )
+            self._models.failed = tuple(  # reported at the revision each counts as tried at
+                replace(f, revision=self._failed[(f.model, f.version)]) for f in self._models.failed
+            )
             self._is_first = False
         if self._versions is None or revisions != self._revisions:
             # Read again until a read finds every model readable: a model being staged when a

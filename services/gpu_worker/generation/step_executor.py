@@ -62,7 +62,7 @@ class StepExecutor:
         runner: ModelRunner,
         metrics: GenerationMetrics,
         labels: tuple[str, str],
-        has_sent: Callable[[Any], bool] = lambda item: False,
+        has_sent: Callable[[Any], bool],
     ) -> None:
         """`has_sent(item)`: whether the sequence of a step's item has sent tokens (a failed
         step runs those again: `decodes_again`)."""
