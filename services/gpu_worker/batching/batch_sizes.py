@@ -16,6 +16,11 @@ def shape_limit(max_batch_size: int, max_batch_tokens: int, bucket: int) -> int:
     return max_batch_size
 
 
+def batch_compute_budget_s(config: BatcherConfig) -> float:
+    """The longest one batch may be predicted to run (BatchSizes.batch_compute_budget_s)."""
+    return (config.slo_s - config.upstream_budget_s - config.safety_margin_s) / 2
+
+
 class BatchSizes:
     """The batch-size limits of one batcher's keys, from its `config` and `latency` model."""
 
@@ -42,8 +47,7 @@ class BatchSizes:
         worker. A row that arrives as a batch starts waits for it, then runs in the next: two
         batches must fit the SLO, whatever else is queued (a long bucket's batch must not hold
         short rows past it)."""
-        cfg = self._config
-        return (cfg.slo_s - cfg.upstream_budget_s - cfg.safety_margin_s) / 2
+        return batch_compute_budget_s(self._config)
 
     def max_batch_size_for(self, key: BatchKey) -> int:
         """Most items one batch of `key` holds now: the shape limit, and the largest batch

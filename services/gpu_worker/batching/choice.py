@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from services.gpu_worker.batching.key_queue import KeyQueue
-from services.gpu_worker.batching.types import BatchKey, CloseReason, Wait
+from services.gpu_worker.batching.types import DUE_RANK, BatchKey, CloseReason, Wait
 
 #: What a key's batch is ranked by: (priority rank, tenant virtual seconds, earliest deadline).
 _Rank = tuple[int, float, float]
@@ -43,6 +43,7 @@ def choose(
     end before the urgent rows lingering in other keys are due: it cannot be preempted. If it
     is not, those rows close now instead (FULL): lingering pays only while the executor would
     otherwise idle, and with a backfill waiting it would not; the backfill runs after them.
+    A key whose `batch` rows are due (BACKFILL_DUE) ranks ahead of every class (DUE_RANK).
     `assess` is the close rule of one key."""
     chosen: _Candidate | None = None
     backfill: _Candidate | None = None
@@ -56,6 +57,8 @@ def choose(
         if assessment[0] is None and force:
             assessment = (CloseReason.FAIR_SHARE, None)
         rank = (head[0], head[1], queue.earliest_limit_s())
+        if assessment[0] is CloseReason.BACKFILL_DUE:  # its `batch` rows go before all else
+            rank = (DUE_RANK, head[1], rank[2])
         if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
             key_wake_s = assessment[1]
             wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)

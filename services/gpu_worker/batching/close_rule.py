@@ -8,6 +8,7 @@ Synchronous and pure: time comes in as `now_s`, compute cost from the `LatencyMo
 
 from __future__ import annotations
 
+from services.gpu_worker.batching.batch_sizes import batch_compute_budget_s
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BATCH_RANK, BatcherConfig, BatchKey, CloseReason
@@ -65,6 +66,30 @@ def batch_width(
     return latency.largest_batch_within(key, limit, one_row_s)
 
 
+def batch_rows_due(
+    key: BatchKey,
+    queue: KeyQueue,
+    now_s: float,
+    *,
+    config: BatcherConfig,
+    latency: LatencyModel,
+    limit: int,
+) -> bool:
+    """Whether the key's `batch` rows must run now, ahead of every other batch: the earliest of
+    them would otherwise miss its deadline. `batch` rows wait for urgent ones (`batch_width`,
+    choice.choose), but not until they are lost: beside online traffic that kept the executor
+    busy they never ran, and a job's calls timed out. Due when the key's whole `batch` backlog,
+    run in batches of `limit` rows after one batch already running (at most the batch compute
+    budget) and the margin, would only just finish by that earliest deadline: what a backlog
+    costs the urgent rows is then paid as late as it can be, and no `batch` row is lost."""
+    limit_s = queue.earliest_batch_limit_s()
+    if limit_s is None:
+        return False
+    backlog = len(queue.items) - queue.items.count_at_most(BATCH_RANK - 1)
+    run_s = -(-backlog // limit) * latency.predict(key, limit)
+    return now_s >= limit_s - run_s - config.safety_margin_s - batch_compute_budget_s(config)
+
+
 def assess(
     key: BatchKey,
     queue: KeyQueue,
@@ -79,6 +104,8 @@ def assess(
     the most rows one batch of `key` holds now."""
     if is_draining:
         return CloseReason.DRAIN, None
+    if batch_rows_due(key, queue, now_s, config=config, latency=latency, limit=limit):
+        return CloseReason.BACKFILL_DUE, None
     # The urgent rows decide; `batch` rows alone are a backlog, run whenever the executor
     # has nothing more urgent (and ride along with urgent rows, `batch_width`).
     urgent = queue.items.count_at_most(BATCH_RANK - 1)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 from services.common.fair_rows import DEFAULT_WEIGHT
 from services.gpu_worker.batching.fair_share import ComputeLedger
-from services.gpu_worker.batching.types import BATCH_RANK, QueuedItem
+from services.gpu_worker.batching.types import BATCH_RANK, DUE_RANK, QueuedItem
 
 #: Heap entry: (deadline_s, arrival_s, item_id) gives EDF, then arrival, then id.
 _Entry = tuple[float, float, int]
@@ -189,16 +189,18 @@ class TenantQueues:
         ranks = [self._rank(cls) for cls, heap in self._heaps.items() if self._prune(heap)]
         return min(ranks, default=None)
 
-    def take(self, limit: int, row_cost_s: float) -> list[QueuedItem]:
+    def take(self, limit: int, row_cost_s: float, *, batch_first: bool = False) -> list[QueuedItem]:
         """Remove and return up to `limit` items, each time from the most urgent class and,
         within it, the tenant with the least virtual time counting the rows it already got in
         this batch at `row_cost_s` each (the ledger is charged for them after the batch is
-        formed). EDF within a tenant and class."""
+        formed). EDF within a tenant and class. `batch_first`: `batch` rows before the others
+        (they are due, close_rule.batch_rows_due)."""
         live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
         if len(live) == 1:
             batch = self._take_from(self._heaps[live[0]], limit)
         else:
-            batch = self._take_ranked(limit, row_cost_s if row_cost_s > 0.0 else 1.0)
+            unit_s = row_cost_s if row_cost_s > 0.0 else 1.0
+            batch = self._take_ranked(limit, unit_s, batch_first)
         self._heaps = {cls: heap for cls, heap in self._heaps.items() if heap}
         return batch
 
@@ -213,7 +215,9 @@ class TenantQueues:
             self._forget(batch[0], len(batch))
         return batch
 
-    def _take_ranked(self, limit: int, unit_s: float) -> list[QueuedItem]:
+    def _take_ranked(
+        self, limit: int, unit_s: float, batch_first: bool = False
+    ) -> list[QueuedItem]:
         """`take`, ranking the classes again for every item."""
         taken_s: dict[str, float] = {}
         batch: list[QueuedItem] = []
@@ -221,14 +225,18 @@ class TenantQueues:
             live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
             if not live:
                 break
-            priority, tenant = min(live, key=lambda c: self._rank(c, taken_s.get(c[1], 0.0)))
+            priority, tenant = min(
+                live, key=lambda c: self._rank(c, taken_s.get(c[1], 0.0), batch_first)
+            )
             item = self._pop(self._heaps[(priority, tenant)])
             batch.append(item)
             taken_s[tenant] = taken_s.get(tenant, 0.0) + unit_s / item.weight
         return batch
 
-    def _rank(self, cls: _Class, extra_s: float = 0.0) -> Rank:
+    def _rank(self, cls: _Class, extra_s: float = 0.0, batch_first: bool = False) -> Rank:
         priority, tenant = cls
+        if batch_first and priority >= BATCH_RANK:
+            priority = DUE_RANK  # ahead of every class
         return (priority, self._ledger.virtual_s(tenant) + extra_s, self._joined[tenant])
 
     def _pop(self, heap: list[_Entry]) -> QueuedItem:

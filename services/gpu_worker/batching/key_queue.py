@@ -31,6 +31,8 @@ class KeyQueue:
     #: (queue limit, item_id) min-heap for the tightest queued item (QueuedItem.queue_limit_s);
     #: stale likewise.
     limits: list[tuple[float, int]] = field(default_factory=list)
+    #: The same, of `batch` rows only (a backlog held back on purpose, until it is due).
+    batch_limits: list[tuple[float, int]] = field(default_factory=list)
     last_add_s: float | None = None
     #: Gaps between admissions; its mean is None until the second admission.
     gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
@@ -54,6 +56,13 @@ class KeyQueue:
             heapq.heappop(self.limits)
         return self.limits[0][0]
 
+    def earliest_batch_limit_s(self) -> float | None:
+        """The earliest queue limit of the queued `batch` rows, or None when there is none."""
+        limits = self.batch_limits
+        while limits and limits[0][1] not in self.items:
+            heapq.heappop(limits)
+        return limits[0][0] if limits else None
+
     def pop_limit_before(self, cutoff_s: float) -> list[QueuedItem]:
         """Removes and returns every item whose queue limit is strictly before `cutoff_s`."""
         due: list[QueuedItem] = []
@@ -72,7 +81,10 @@ class KeyQueue:
         if item.priority < BATCH_RANK:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
-        if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
+        else:
+            heapq.heappush(self.batch_limits, (item.queue_limit_s, item.item_id))
+        entries = max(len(self.limits), len(self.arrivals), len(self.batch_limits))
+        if entries > 2 * len(self.items) + 64:
             self._rebuild_heaps()
 
     def push_many(self, items: Sequence[QueuedItem], now_s: float) -> None:
@@ -86,20 +98,26 @@ class KeyQueue:
             if item.priority < BATCH_RANK:
                 heapq.heappush(arrivals, (item.arrival_s, item.item_id))
                 urgent += 1
+            else:
+                heapq.heappush(self.batch_limits, (item.queue_limit_s, item.item_id))
         if urgent:
             self.record_arrival(now_s, urgent)
-        if max(len(self.limits), len(self.arrivals)) > 2 * len(self.items) + 64:
+        entries = max(len(self.limits), len(self.arrivals), len(self.batch_limits))
+        if entries > 2 * len(self.items) + 64:
             self._rebuild_heaps()
 
     def _rebuild_heaps(self) -> None:
         """Entries of dispatched and expired items leave the heaps only from their tops (expiry
-        empties the top of `limits`, not of `arrivals`, so either may grow): rebuilt from the
+        empties the top of `limits`, not of the others, so any may grow): rebuilt from the
         items once they outnumber them twice over."""
         self.arrivals = [(i.arrival_s, i.item_id) for i in self.items
                          if i.priority < BATCH_RANK]  # fmt: skip
         heapq.heapify(self.arrivals)
         self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
         heapq.heapify(self.limits)
+        self.batch_limits = [(i.queue_limit_s, i.item_id) for i in self.items
+                             if i.priority >= BATCH_RANK]  # fmt: skip
+        heapq.heapify(self.batch_limits)
 
     def record_arrival(self, now_s: float, count: int = 1) -> None:
         """Folds `count` admissions at `now_s` into the arrival-gap estimate (after the first,

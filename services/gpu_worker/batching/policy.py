@@ -101,8 +101,7 @@ class Batcher(BatchSizes):
 
     def queue_length(self, key: BatchKey) -> int:
         """Items queued for `key`."""
-        queue = self._queues.get(key)
-        return len(queue.items) if queue is not None else 0
+        return len(queue.items) if (queue := self._queues.get(key)) is not None else 0
 
     def _urgent_or_all(self, key: BatchKey) -> int:
         """Rows of `key` more urgent than `batch`, or, when there are none, all its rows."""
@@ -321,9 +320,12 @@ class Batcher(BatchSizes):
         choice = self._choose(now_s, force=force)
         if isinstance(choice, Wait):
             return Poll(expired, choice)
-        key, reason = choice.key, choice.reason
-        limit = self._width(key, now_s) if choice.width is None else choice.width
-        items = self._queues[key].items.take(limit, self._latency.per_item_s(key, limit))
+        key, reason, limit = choice.key, choice.reason, choice.width
+        due = reason is CloseReason.BACKFILL_DUE  # its `batch` rows first, at full width
+        if limit is None:
+            limit = self.max_batch_size_for(key) if due else self._width(key, now_s)
+        cost_s = self._latency.per_item_s(key, limit)
+        items = self._queues[key].items.take(limit, cost_s, batch_first=due)
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
         for item in items:

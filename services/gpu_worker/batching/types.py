@@ -17,6 +17,9 @@ from services.common.priority import PriorityClass
 #: The rank of `batch` rows: a backlog, not traffic (no linger waits for them), held to their
 #: deadline, never to an SLO (`queue_limit_s`).
 BATCH_RANK = PriorityClass.BATCH.rank
+#: The rank of a batch whose `batch` rows are due (CloseReason.BACKFILL_DUE): ahead of every
+#: priority class, as those rows would otherwise be lost unrun.
+DUE_RANK = -1
 
 
 class BatchKey(NamedTuple):
@@ -104,6 +107,9 @@ class CloseReason(enum.Enum):
     FAIR_SHARE = "fair_share"
     #: Only `batch` rows, run on an executor no more urgent batch was ready for.
     BACKFILL = "backfill"
+    #: `batch` rows first, run ahead of every other batch: the earliest of them would
+    #: otherwise miss its deadline (close_rule.batch_rows_due).
+    BACKFILL_DUE = "backfill_due"
 
 
 @dataclass(frozen=True)
