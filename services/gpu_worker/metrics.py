@@ -83,7 +83,8 @@ class WorkerMetrics:
         """Per-batch metrics: how batches close, how full and padded they are, their compute."""
         self.batches_total = new.counter(
             names.WORKER_BATCHES_TOTAL,
-            "Batches executed, by bucket and close reason (full, linger, deadline, idle, drain).",
+            "Batches executed, by bucket and close reason (full, linger, deadline, idle, drain,"
+            " fair_share, backfill, backfill_due).",
             (*_BUCKET, "reason"),
         )
         self.batch_size = new.histogram(

@@ -100,20 +100,76 @@ def test_batch_rows_run_before_their_deadline_beside_steady_online_traffic(bucke
 
 
 def test_a_due_backlog_takes_its_batch_rows_first_then_fills_with_online_rows() -> None:
-    """Five `batch` rows due (0.2 s less their one batch of 32 ms, the margin and the budget)
-    in the key three online rows wait in, beside a full online batch of another key: their
-    batch goes first, and holds all five, then the online rows in the width left (8 rows).
-    Before, the online rows went alone, no `batch` row riding (each would add 4 ms)."""
+    """Five `batch` rows due (1 s less their one batch of 32 ms, the margin and the budget) in
+    the key three online rows wait in, beside a full online batch of another key: their batch
+    goes first, and holds all five, then the online rows in the width left (8 rows), its
+    device time counted online. Before, the online rows went alone, no `batch` row riding
+    (each would add 4 ms)."""
     batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
-    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=0.2) for i in range(5)])
-    add_all(batcher, _online_rows(100, 0.0, count=3, time_left_s=1.0))
-    add_all(batcher, [make_item(item_id=200 + i, bucket=64, arrival_s=0.0, deadline_s=1.0)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(5)])
+    add_all(batcher, _online_rows(100, 0.0, count=3, time_left_s=2.0))
+    add_all(batcher, [make_item(item_id=200 + i, bucket=64, arrival_s=0.0, deadline_s=2.0)
                       for i in range(8)])  # fmt: skip
 
-    dispatch = dispatch_of(batcher.poll(0.13, executor_idle=True))  # due from 0.1255 s
+    dispatch = dispatch_of(batcher.poll(0.93, executor_idle=True))  # due from 0.9255 s
 
     assert dispatch.reason is CloseReason.BACKFILL_DUE
     assert ids(dispatch) == [0, 1, 2, 3, 4, 100, 101, 102]
+    assert dispatch.work == "online"
+
+
+def test_only_the_group_with_little_slack_goes_first_not_the_whole_backlog() -> None:
+    """Four `batch` rows due at 1 s and 200 due at 100 s, in one key: once the four are due
+    they run in one batch (filled with the earliest of the others, `batch` work only), and
+    then the online rows beside them go first again: a backlog with far deadlines waits on
+    (the first version ran all 204 ahead of online traffic, the backlog's whole run counted
+    against the earliest deadline; a review finding)."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
+    add_all(batcher, [make_item(item_id=10 + i, priority=BATCH, deadline_s=100.0)
+                      for i in range(200)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=1000 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+    assert dispatch_of(batcher.poll(0.9, executor_idle=True)).key.bucket == 64, "not due yet"
+    add_all(batcher, [make_item(item_id=2000 + i, bucket=64, arrival_s=0.9, deadline_s=5.0)
+                      for i in range(8)])  # fmt: skip
+
+    due = dispatch_of(batcher.poll(0.93, executor_idle=True))
+    after = dispatch_of(batcher.poll(0.962, executor_idle=True))
+
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, [0, 1, 2, 3, 10, 11, 12, 13])
+    assert due.work == "backfill"
+    assert (after.reason, after.key.bucket) == (CloseReason.FULL, 64)
+
+
+def test_a_batch_row_with_little_patience_is_never_due() -> None:
+    """A `batch` row whose deadline leaves it less than DUE_PATIENCE_SLOS of its SLO (0.3 s
+    where 4 SLOs are 0.4 s) asks for online latency at `batch` priority: it is a backfill
+    only, never run ahead of online rows, so the class cannot jump the queue."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=0.3) for i in range(4)])
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+
+    dispatch = dispatch_of(batcher.poll(0.25, executor_idle=True))
+
+    assert (dispatch.reason, dispatch.key.bucket) == (CloseReason.FULL, 64)
+
+
+def test_a_due_batch_takes_the_earliest_deadlines_whatever_the_tenant() -> None:
+    """Two tenants' `batch` rows in one key: the one far below its share has the later
+    deadlines. The due batch takes the earliest deadlines (the rows that made it due), not the
+    favoured tenant's: by share, those rows would have expired behind them."""
+    ledger = ComputeLedger()
+    ledger.charge("heavy", 10.0, weight=1.0)
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), ledger=ledger, max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, tenant="heavy", priority=BATCH, deadline_s=1.0)
+                      for i in range(8)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=100 + i, tenant="light", priority=BATCH, deadline_s=9.0)
+                      for i in range(8)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=200 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+
+    due = dispatch_of(batcher.poll(0.93, executor_idle=True))
+
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(8)))
 
 
 def test_a_lane_whose_batch_rows_are_due_goes_before_a_lane_with_urgent_rows() -> None:
@@ -137,3 +193,21 @@ def test_a_lane_whose_batch_rows_are_due_goes_before_a_lane_with_urgent_rows() -
     assert job_urgency is not None and job_urgency[0] == DUE_RANK
     assert order(0.95) == [("job", False), ("online", False)]
     assert dispatch_of(job.poll(0.95, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
+
+
+def test_batch_rows_queued_by_an_admission_pass_come_due_alike() -> None:
+    """A job's chunk queued at once by the bundle path (Batcher.push_admitted, KeyQueue.
+    push_many), in two runs out of deadline order: due as rows queued one by one are, the
+    earliest deadlines first."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    late = [make_item(item_id=i, priority=BATCH, deadline_s=3.0, weight=1.0) for i in range(4)]
+    early = [make_item(item_id=10 + i, priority=BATCH, deadline_s=1.0, weight=1.0)
+             for i in range(4)]  # fmt: skip
+    batcher.push_admitted(late, 0.0)
+    batcher.push_admitted(early, 0.0)
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+
+    assert dispatch_of(batcher.poll(0.9, executor_idle=True)).key.bucket == 64, "not due yet"
+    due = dispatch_of(batcher.poll(0.93, executor_idle=True))
+
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, [10, 11, 12, 13, 0, 1, 2, 3])

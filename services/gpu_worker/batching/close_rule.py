@@ -22,6 +22,10 @@ BATCH_RIDE_SHARE = 0.1
 #: row arriving as it starts waits for it, and the executor cannot be preempted. After a
 #: longer silence it is full width.
 URGENT_RECENT_S = 1.0
+#: A `batch` row is kept from starving (`batch_rows_due`) when its deadline leaves it at least
+#: this many of its model's SLOs on arrival (a job's call: 20 s); one asking for less asks for
+#: online latency at `batch` priority and is a backfill only.
+DUE_PATIENCE_SLOS = 4.0
 
 
 def linger_s(config: BatcherConfig, compute_s: float) -> float:
@@ -75,19 +79,30 @@ def batch_rows_due(
     latency: LatencyModel,
     limit: int,
 ) -> bool:
-    """Whether the key's `batch` rows must run now, ahead of every other batch: the earliest of
-    them would otherwise miss its deadline. `batch` rows wait for urgent ones (`batch_width`,
-    choice.choose), but not until they are lost: beside online traffic that kept the executor
-    busy they never ran, and a job's calls timed out. Due when the key's whole `batch` backlog,
-    run in batches of `limit` rows after one batch already running (at most the batch compute
-    budget) and the margin, would only just finish by that earliest deadline: what a backlog
-    costs the urgent rows is then paid as late as it can be, and no `batch` row is lost."""
-    limit_s = queue.earliest_batch_limit_s()
-    if limit_s is None:
+    """Whether the key's `batch` rows must run now, ahead of every other batch, or a protected
+    one (KeyQueue.batch_limits: its deadline left it some patience) would miss its deadline.
+    `batch` rows wait for urgent ones (`batch_width`, choice.choose), but not until they are
+    lost: beside online traffic that kept the executor busy they never ran, and a job's calls
+    timed out.
+
+    Earliest deadline first: a protected row is due when the `batch` rows up to it, run in
+    batches of `limit` rows (each with the executor's gap between batches), after one batch
+    already running (at most the batch compute budget) and the margin, would only just finish
+    by its deadline. What the backlog costs the urgent rows is paid as late as it can be, a
+    group at a time: rows with later deadlines wait on. A `batch` row whose deadline leaves
+    little patience is never due (a backfill only), so the class is no way to jump the queue."""
+    if queue.earliest_batch_limit_s() is None:
         return False
+    batch_s = latency.predict(key, limit) + latency.batch_gap_at(now_s)
+    lead_s = config.safety_margin_s + max(0.0, batch_compute_budget_s(config))
     backlog = len(queue.items) - queue.items.count_at_most(BATCH_RANK - 1)
-    run_s = -(-backlog // limit) * latency.predict(key, limit)
-    return now_s >= limit_s - run_s - config.safety_margin_s - batch_compute_budget_s(config)
+    all_run_s = -(-backlog // limit) * batch_s
+    for index, (limit_s, protected) in enumerate(queue.batch_limits_in_order()):
+        if now_s < limit_s - all_run_s - lead_s:
+            return False  # no row from here on is due: even the whole backlog fits before it
+        if protected and now_s >= limit_s - (index // limit + 1) * batch_s - lead_s:
+            return True
+    return False
 
 
 def assess(

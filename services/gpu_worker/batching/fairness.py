@@ -193,8 +193,9 @@ class TenantQueues:
         """Remove and return up to `limit` items, each time from the most urgent class and,
         within it, the tenant with the least virtual time counting the rows it already got in
         this batch at `row_cost_s` each (the ledger is charged for them after the batch is
-        formed). EDF within a tenant and class. `batch_first`: `batch` rows before the others
-        (they are due, close_rule.batch_rows_due)."""
+        formed). EDF within a tenant and class. `batch_first`: `batch` rows before the others,
+        earliest deadline first whatever their tenant (they are due, close_rule.batch_rows_due:
+        by deadline, not share)."""
         live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
         if len(live) == 1:
             batch = self._take_from(self._heaps[live[0]], limit)
@@ -235,8 +236,8 @@ class TenantQueues:
 
     def _rank(self, cls: _Class, extra_s: float = 0.0, batch_first: bool = False) -> Rank:
         priority, tenant = cls
-        if batch_first and priority >= BATCH_RANK:
-            priority = DUE_RANK  # ahead of every class
+        if batch_first and priority >= BATCH_RANK:  # ahead of every class, EDF across tenants
+            return (DUE_RANK, self._heaps[cls][0][0], self._joined[tenant])
         return (priority, self._ledger.virtual_s(tenant) + extra_s, self._joined[tenant])
 
     def _pop(self, heap: list[_Entry]) -> QueuedItem:

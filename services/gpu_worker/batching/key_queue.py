@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import bisect
 import heapq
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
@@ -31,8 +32,12 @@ class KeyQueue:
     #: (queue limit, item_id) min-heap for the tightest queued item (QueuedItem.queue_limit_s);
     #: stale likewise.
     limits: list[tuple[float, int]] = field(default_factory=list)
-    #: The same, of `batch` rows only (a backlog held back on purpose, until it is due).
-    batch_limits: list[tuple[float, int]] = field(default_factory=list)
+    #: (queue limit, item_id, protected) of the `batch` rows, sorted (earliest first), stale
+    #: likewise: a backlog held back on purpose, until it is due (close_rule.batch_rows_due).
+    #: A row is protected, its due time kept, when its deadline left it at least
+    #: `min_patience_s` on arrival; one asking for less is a backfill only.
+    batch_limits: list[tuple[float, int, bool]] = field(default_factory=list)
+    min_patience_s: float = 0.0
     last_add_s: float | None = None
     #: Gaps between admissions; its mean is None until the second admission.
     gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
@@ -58,10 +63,23 @@ class KeyQueue:
 
     def earliest_batch_limit_s(self) -> float | None:
         """The earliest queue limit of the queued `batch` rows, or None when there is none."""
-        limits = self.batch_limits
-        while limits and limits[0][1] not in self.items:
-            heapq.heappop(limits)
+        limits, items = self.batch_limits, self.items
+        stale = 0
+        while stale < len(limits) and limits[stale][1] not in items:
+            stale += 1
+        if stale:  # taken earliest first, or expired: a prefix, dropped at once
+            del limits[:stale]
         return limits[0][0] if limits else None
+
+    def batch_limits_in_order(self) -> Iterator[tuple[float, bool]]:
+        """(queue limit, protected) of the queued `batch` rows, earliest first."""
+        items = self.items
+        return ((limit_s, protected) for limit_s, item_id, protected in self.batch_limits
+                if item_id in items)  # fmt: skip
+
+    def _batch_entry(self, item: QueuedItem) -> tuple[float, int, bool]:
+        limit_s = item.queue_limit_s
+        return (limit_s, item.item_id, limit_s - item.arrival_s >= self.min_patience_s)
 
     def pop_limit_before(self, cutoff_s: float) -> list[QueuedItem]:
         """Removes and returns every item whose queue limit is strictly before `cutoff_s`."""
@@ -82,7 +100,7 @@ class KeyQueue:
             heapq.heappush(self.arrivals, (item.arrival_s, item.item_id))
             self.record_arrival(now_s)
         else:
-            heapq.heappush(self.batch_limits, (item.queue_limit_s, item.item_id))
+            bisect.insort(self.batch_limits, self._batch_entry(item))
         entries = max(len(self.limits), len(self.arrivals), len(self.batch_limits))
         if entries > 2 * len(self.items) + 64:
             self._rebuild_heaps()
@@ -98,8 +116,11 @@ class KeyQueue:
             if item.priority < BATCH_RANK:
                 heapq.heappush(arrivals, (item.arrival_s, item.item_id))
                 urgent += 1
-            else:
-                heapq.heappush(self.batch_limits, (item.queue_limit_s, item.item_id))
+        if urgent < len(items):  # a job's chunk: sorted in once
+            self.batch_limits.extend(
+                self._batch_entry(i) for i in items if i.priority >= BATCH_RANK
+            )
+            self.batch_limits.sort()
         if urgent:
             self.record_arrival(now_s, urgent)
         entries = max(len(self.limits), len(self.arrivals), len(self.batch_limits))
@@ -115,9 +136,8 @@ class KeyQueue:
         heapq.heapify(self.arrivals)
         self.limits = [(i.queue_limit_s, i.item_id) for i in self.items]
         heapq.heapify(self.limits)
-        self.batch_limits = [(i.queue_limit_s, i.item_id) for i in self.items
-                             if i.priority >= BATCH_RANK]  # fmt: skip
-        heapq.heapify(self.batch_limits)
+        self.batch_limits = sorted(self._batch_entry(i) for i in self.items
+                                   if i.priority >= BATCH_RANK)  # fmt: skip
 
     def record_arrival(self, now_s: float, count: int = 1) -> None:
         """Folds `count` admissions at `now_s` into the arrival-gap estimate (after the first,

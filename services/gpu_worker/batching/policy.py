@@ -20,7 +20,7 @@ from services.common.priority import BATCH_QUEUE_SHARE
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.batch_sizes import BatchSizes
 from services.gpu_worker.batching.choice import Choice, choose
-from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
+from services.gpu_worker.batching.close_rule import DUE_PATIENCE_SLOS, assess, batch_width, linger_s
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
 from services.gpu_worker.batching.forecast import PassBound, QueueForecast
@@ -105,8 +105,7 @@ class Batcher(BatchSizes):
 
     def _urgent_or_all(self, key: BatchKey) -> int:
         """Rows of `key` more urgent than `batch`, or, when there are none, all its rows."""
-        queue = self._queues.get(key)
-        if queue is None:
+        if (queue := self._queues.get(key)) is None:
             return 0
         return queue.items.count_at_most(BATCH_RANK - 1) or len(queue.items)
 
@@ -208,9 +207,9 @@ class Batcher(BatchSizes):
             self._ledger.last_urgent_s = now_s
 
     def _queue_of(self, key: BatchKey) -> KeyQueue:
-        queue = self._queues.get(key)
-        if queue is None:
-            queue = self._queues[key] = KeyQueue(TenantQueues(self._ledger))
+        if (queue := self._queues.get(key)) is None:
+            wait_s = DUE_PATIENCE_SLOS * self._config.slo_s  # a `batch` row's, to be kept
+            queue = self._queues[key] = KeyQueue(TenantQueues(self._ledger), min_patience_s=wait_s)
         return queue
 
     def _crowded_out(self, tenant: str, weight: float, now_s: float) -> None:

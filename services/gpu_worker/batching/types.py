@@ -124,8 +124,15 @@ class Dispatch:
 
     @property
     def work(self) -> str:
-        """The `work` label of its device time: backfill of batch rows only, or online."""
-        return WORK_BACKFILL if self.reason is CloseReason.BACKFILL else WORK_ONLINE
+        """The `work` label of its device time: backfill of batch rows only (come due or
+        not), or online."""
+        if self.reason is CloseReason.BACKFILL:
+            return WORK_BACKFILL
+        if self.reason is CloseReason.BACKFILL_DUE:
+            return (
+                WORK_ONLINE if any(i.priority < BATCH_RANK for i in self.items) else WORK_BACKFILL
+            )
+        return WORK_ONLINE
 
 
 @dataclass(frozen=True)
