@@ -11,6 +11,14 @@ One local stack (redis with AOF, router, one minilm worker, gateway, one job run
    pooled per side: batch items must not cost online traffic its latency (issue 13: p99
    within 10%).
 The ratio job / online is issue 13's goal (>= 0.9). Prints two lines; writes JSON.
+
+    python -m bench.jobs --beside-overload 1.5 [--online-s 10] [--items 1000]
+
+measures instead, after the closed-loop goodput, a job of `--items` short texts beside online
+calls offered open loop at that multiple of it for six `--online-s` windows (past capacity,
+the worker is never idle for a backfill): the job's items done and failed, and the online
+calls OK and within the SLO per second. Before `batch` rows came due (close_rule.
+batch_rows_due), such a job did not progress: its calls timed out.
 """
 
 from __future__ import annotations
@@ -142,14 +150,56 @@ async def online_beside_job(
     return BesideJob(rate_per_s, alone, beside, job_items / (pairs * window_s))
 
 
+#: Windows of online overload a job runs beside (`--beside-overload`): a job's call allows
+#: 20 s, so its rows come due about then.
+OVERLOAD_WINDOWS = 6
+#: minilm's SLO (models/minilm), what an online call within it counts as good.
+ONLINE_SLO_S = 0.25
+
+
+async def job_beside_overload(
+    channel: grpc.aio.Channel, rate_per_s: float, *, window_s: float, items: int
+) -> dict[str, Any]:
+    """A job of `items` texts submitted as online calls start open loop at `rate_per_s`
+    (Poisson, each allowing 1 s) for OVERLOAD_WINDOWS windows of `window_s`: the job's
+    progress by the end (then cancelled) and the online calls' outcomes."""
+    send = predict_sender(channel, "minilm", short_texts(1000), timeout_s=1.0)
+    stub = jobs_grpc.JobServiceStub(channel)
+    request = jobs.SubmitJobRequest(
+        model_name="minilm", items=[api.PredictInput(text=t) for t in short_texts(items)]
+    )
+    job_id = (await stub.SubmitJob(request, timeout=300.0)).job_id
+    duration_s = OVERLOAD_WINDOWS * window_s
+    online = await run_open_loop(send, poisson_schedule(rate_per_s, duration_s, seed=7))
+    job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id))
+    await stub.CancelJob(jobs.CancelJobRequest(job_id=job_id))
+    good = [o for o in online if o.ok and o.latency_s <= ONLINE_SLO_S]
+    return {
+        "rate_per_s": round(rate_per_s, 1),
+        "seconds": duration_s,
+        "job": {"items": items, "num_ok": job.num_ok, "num_failed": job.num_failed},
+        "online": {
+            "sent": len(online),
+            "ok_per_s": round(sum(o.ok for o in online) / duration_s, 1),
+            "good_per_s": round(len(good) / duration_s, 1),
+        },
+    }
+
+
 def _finished(job: jobs.Job) -> bool:
     return job.num_ok + job.num_failed + job.num_cancelled == job.num_items
 
 
-async def measure(address: str, items: int, online_s: float) -> dict[str, Any]:
+async def measure(
+    address: str, items: int, online_s: float, beside_overload: float | None = None
+) -> dict[str, Any]:
     async with grpc.aio.insecure_channel(address) as channel:
         send = predict_sender(channel, "minilm", short_texts(1000), timeout_s=30.0)
         online = await closed_loop(send, ONLINE_CONCURRENCY, online_s)
+        if beside_overload is not None:
+            rate_per_s = online["ok_per_s"] * beside_overload
+            beside = await job_beside_overload(channel, rate_per_s, window_s=online_s, items=items)
+            return {"online": online, "job_beside_overload": beside}
     job = await run_job(address, short_texts(items))
     async with grpc.aio.insecure_channel(address) as channel:
         rate_per_s = online["ok_per_s"] / 2
@@ -167,6 +217,11 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=100_000)
     parser.add_argument("--online-s", type=float, default=10.0)
     parser.add_argument("--output", type=Path, default=REPO_ROOT / "bench/results/jobs.json")
+    parser.add_argument(
+        "--beside-overload",
+        type=float,
+        help="only a job beside online calls at this multiple of the online goodput",
+    )
     args = parser.parse_args()
     state_dir = Path(tempfile.mkdtemp(prefix="bench-jobs-"))
     stack = start_stack(
@@ -174,11 +229,18 @@ def main() -> None:
         extra_gateway_args=(f"--max-message-bytes={MAX_MESSAGE_BYTES}",),
     )  # fmt: skip
     try:
-        figures = asyncio.run(measure(stack.gateway_address, args.items, args.online_s))
+        figures = asyncio.run(
+            measure(stack.gateway_address, args.items, args.online_s, args.beside_overload)
+        )
     finally:
         stack.stop()
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(figures, indent=2))
+    if args.beside_overload is not None:
+        beside = figures["job_beside_overload"]
+        print(f"online closed loop {figures['online']['ok_per_s']:.0f}/s; beside online at "
+              f"{beside['rate_per_s']:.0f}/s for {beside['seconds']:.0f} s: {beside}")  # fmt: skip
+        return
     online, job = figures["online"]["ok_per_s"], figures["job"]["items_per_s"]
     print(
         f"online {online:.0f} items/s, job {job:.0f} items/s over {args.items} items, ratio"
