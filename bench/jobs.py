@@ -160,23 +160,30 @@ ONLINE_SLO_S = 0.25
 async def job_beside_overload(
     channel: grpc.aio.Channel, rate_per_s: float, *, window_s: float, items: int
 ) -> dict[str, Any]:
-    """A job of `items` texts submitted as online calls start open loop at `rate_per_s`
-    (Poisson, each allowing 1 s) for OVERLOAD_WINDOWS windows of `window_s`: the job's
-    progress by the end (then cancelled) and the online calls' outcomes."""
+    """Online calls open loop at `rate_per_s` (Poisson, each allowing 1 s) for
+    OVERLOAD_WINDOWS windows of `window_s`, and a job of `items` texts submitted a second
+    into them (the worker already past capacity, no idle time to start it as a backfill):
+    the job's progress by the end (then cancelled) and the online calls' outcomes, per second
+    of the whole run (calls end up to 1 s after the last is sent). A job's runner has 4 calls
+    of 64 items in flight, each allowing 20 s: past capacity, at most 768 items a minute."""
     send = predict_sender(channel, "minilm", short_texts(1000), timeout_s=1.0)
     stub = jobs_grpc.JobServiceStub(channel)
     request = jobs.SubmitJobRequest(
         model_name="minilm", items=[api.PredictInput(text=t) for t in short_texts(items)]
     )
+    started_s = time.monotonic()
+    schedule = poisson_schedule(rate_per_s, OVERLOAD_WINDOWS * window_s, seed=7)
+    load = asyncio.ensure_future(run_open_loop(send, schedule))
+    await asyncio.sleep(1.0)
     job_id = (await stub.SubmitJob(request, timeout=300.0)).job_id
-    duration_s = OVERLOAD_WINDOWS * window_s
-    online = await run_open_loop(send, poisson_schedule(rate_per_s, duration_s, seed=7))
+    online = await load
+    duration_s = time.monotonic() - started_s
     job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id))
     await stub.CancelJob(jobs.CancelJobRequest(job_id=job_id))
     good = [o for o in online if o.ok and o.latency_s <= ONLINE_SLO_S]
     return {
         "rate_per_s": round(rate_per_s, 1),
-        "seconds": duration_s,
+        "seconds": round(duration_s, 1),
         "job": {"items": items, "num_ok": job.num_ok, "num_failed": job.num_failed},
         "online": {
             "sent": len(online),

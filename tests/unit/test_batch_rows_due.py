@@ -11,7 +11,12 @@ from typing import cast
 
 import pytest
 
-from services.gpu_worker.batching.fair_share import ComputeLedger
+from services.gpu_worker.batching.fair_share import (
+    DUE_BURST_S,
+    DUE_SHARE,
+    ComputeLedger,
+    DueAllowance,
+)
 from services.gpu_worker.batching.lane import Lane, by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.policy import Batcher
@@ -141,17 +146,23 @@ def test_only_the_group_with_little_slack_goes_first_not_the_whole_backlog() -> 
     assert (after.reason, after.key.bucket) == (CloseReason.FULL, 64)
 
 
-def test_a_batch_row_with_little_patience_is_never_due() -> None:
-    """A `batch` row whose deadline leaves it less than DUE_PATIENCE_SLOS of its SLO (0.3 s
+@pytest.mark.parametrize(("deadline_s", "reason"), [(0.39, CloseReason.FULL),
+                                                     (0.4, CloseReason.BACKFILL_DUE)])  # fmt: skip
+def test_a_batch_row_with_little_patience_is_never_due(
+    deadline_s: float, reason: CloseReason
+) -> None:
+    """A `batch` row whose deadline leaves it less than DUE_PATIENCE_SLOS of its SLO (0.39 s
     where 4 SLOs are 0.4 s) asks for online latency at `batch` priority: it is a backfill
-    only, never run ahead of online rows, so the class cannot jump the queue."""
+    only, never run ahead of online rows, so the class cannot jump the queue. At 4 SLOs it is
+    kept: due 74.5 ms before its deadline, it runs ahead of the full online batch."""
     batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
-    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=0.3) for i in range(4)])
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=deadline_s)
+                      for i in range(4)])  # fmt: skip
     add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
 
-    dispatch = dispatch_of(batcher.poll(0.25, executor_idle=True))
+    dispatch = dispatch_of(batcher.poll(deadline_s - 0.07, executor_idle=True))
 
-    assert (dispatch.reason, dispatch.key.bucket) == (CloseReason.FULL, 64)
+    assert dispatch.reason is reason
 
 
 def test_a_due_batch_takes_the_earliest_deadlines_whatever_the_tenant() -> None:
@@ -211,3 +222,71 @@ def test_batch_rows_queued_by_an_admission_pass_come_due_alike() -> None:
     due = dispatch_of(batcher.poll(0.93, executor_idle=True))
 
     assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, [10, 11, 12, 13, 0, 1, 2, 3])
+
+
+def test_due_batches_take_no_more_than_their_share_of_the_executor() -> None:
+    """The worker's due allowance (fair_share.DueAllowance): DUE_BURST_S of predicted compute
+    at once, refilled at DUE_SHARE of the time passing. Spent, a key whose rows are due waits
+    as a backfill again (the full online batch goes first); refilled, it runs ahead again.
+    Online traffic keeps its share whatever `batch` callers send."""
+    allowance = DueAllowance()
+    assert allowance.has_credit(0.0)
+    allowance.spend(0.0, DUE_BURST_S + 0.1)
+    repaid_s = 0.1 / DUE_SHARE  # the debt, repaid at DUE_SHARE of the time passing
+    assert not allowance.has_credit(repaid_s - 0.05) and allowance.has_credit(repaid_s + 0.05)
+    allowance.spend(100.0, DUE_BURST_S + 0.01)  # 100 s idle banks no more than the burst
+    assert not allowance.has_credit(100.04)
+
+    ledger = ComputeLedger()
+    ledger.due.spend(0.9, DUE_BURST_S + 0.007)  # in debt until 0.935 s
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), ledger=ledger, max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+    add_all(batcher, [make_item(item_id=200 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+
+    spent = dispatch_of(batcher.poll(0.93, executor_idle=True))
+    refilled = dispatch_of(batcher.poll(0.945, executor_idle=True))
+
+    assert (spent.reason, spent.key.bucket) == (CloseReason.FULL, 64)
+    assert (refilled.reason, ids(refilled)) == (CloseReason.BACKFILL_DUE, [0, 1, 2, 3])
+
+
+def test_the_key_with_the_earliest_due_row_goes_first() -> None:
+    """Two keys whose `batch` rows are due: the one whose due row's deadline is earlier runs
+    first, whatever its other rows (the first version ranked by the key's earliest limit of
+    any row, here an online row's; a review finding)."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
+    add_all(batcher, [make_item(item_id=50, arrival_s=0.9, deadline_s=0.97)])
+    add_all(batcher, [make_item(item_id=10 + i, bucket=16, priority=BATCH, deadline_s=0.98)
+                      for i in range(4)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+
+    first = dispatch_of(batcher.poll(0.95, executor_idle=True))
+    second = dispatch_of(batcher.poll(0.951, executor_idle=True))
+
+    assert [(d.reason, d.key.bucket) for d in (first, second)] == [
+        (CloseReason.BACKFILL_DUE, 16),
+        (CloseReason.BACKFILL_DUE, 32),
+    ]
+
+
+def test_stale_entries_of_batch_rows_gone_are_dropped_when_the_due_time_is_computed() -> None:
+    """`batch` rows cancelled from the middle of the deadline order leave entries behind; the
+    next due computation keeps only the live ones, and the rows left come due as if the
+    others had never been queued."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0 + i / 100)
+                      for i in range(40)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
+    for item_id in range(0, 40, 2):
+        assert batcher.cancel(item_id)
+    queue = batcher._queues[make_key()]  # white box: the list's length
+
+    assert dispatch_of(batcher.poll(0.5, executor_idle=True)).key.bucket == 64
+    assert len(queue.batch_limits) == 20
+
+    # 20 rows left, 3 batches of 8: the first odd row (1.01 s) is due 0.0425 s + one batch
+    # before its deadline, but the row at index 16 (1.33 s) three batches before: 1.1915 s.
+    due = dispatch_of(batcher.poll(0.936, executor_idle=True))
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(1, 17, 2)))

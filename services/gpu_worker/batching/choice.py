@@ -58,9 +58,7 @@ def choose(
             assessment = (CloseReason.FAIR_SHARE, None)
         rank = (head[0], head[1], queue.earliest_limit_s())
         if assessment[0] is CloseReason.BACKFILL_DUE:  # before all else, the earliest due first
-            due_s = queue.earliest_batch_limit_s()
-            assert due_s is not None  # due: it holds `batch` rows
-            rank = (DUE_RANK, due_s, due_s)
+            rank = (DUE_RANK, queue.due_limit_s, queue.due_limit_s)
         if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
             key_wake_s = assessment[1]
             wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)

@@ -8,7 +8,8 @@ Synchronous and pure: time comes in as `now_s`, compute cost from the `LatencyMo
 
 from __future__ import annotations
 
-from services.gpu_worker.batching.batch_sizes import batch_compute_budget_s
+from services.gpu_worker.batching.due_rows import due_limit_s
+from services.gpu_worker.batching.fair_share import DueAllowance
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BATCH_RANK, BatcherConfig, BatchKey, CloseReason
@@ -22,10 +23,6 @@ BATCH_RIDE_SHARE = 0.1
 #: row arriving as it starts waits for it, and the executor cannot be preempted. After a
 #: longer silence it is full width.
 URGENT_RECENT_S = 1.0
-#: A `batch` row is kept from starving (`batch_rows_due`) when its deadline leaves it at least
-#: this many of its model's SLOs on arrival (a job's call: 20 s); one asking for less asks for
-#: online latency at `batch` priority and is a backfill only.
-DUE_PATIENCE_SLOS = 4.0
 
 
 def linger_s(config: BatcherConfig, compute_s: float) -> float:
@@ -70,41 +67,6 @@ def batch_width(
     return latency.largest_batch_within(key, limit, one_row_s)
 
 
-def batch_rows_due(
-    key: BatchKey,
-    queue: KeyQueue,
-    now_s: float,
-    *,
-    config: BatcherConfig,
-    latency: LatencyModel,
-    limit: int,
-) -> bool:
-    """Whether the key's `batch` rows must run now, ahead of every other batch, or a protected
-    one (KeyQueue.batch_limits: its deadline left it some patience) would miss its deadline.
-    `batch` rows wait for urgent ones (`batch_width`, choice.choose), but not until they are
-    lost: beside online traffic that kept the executor busy they never ran, and a job's calls
-    timed out.
-
-    Earliest deadline first: a protected row is due when the `batch` rows up to it, run in
-    batches of `limit` rows (each with the executor's gap between batches), after one batch
-    already running (at most the batch compute budget) and the margin, would only just finish
-    by its deadline. What the backlog costs the urgent rows is paid as late as it can be, a
-    group at a time: rows with later deadlines wait on. A `batch` row whose deadline leaves
-    little patience is never due (a backfill only), so the class is no way to jump the queue."""
-    if queue.earliest_batch_limit_s() is None:
-        return False
-    batch_s = latency.predict(key, limit) + latency.batch_gap_at(now_s)
-    lead_s = config.safety_margin_s + max(0.0, batch_compute_budget_s(config))
-    backlog = len(queue.items) - queue.items.count_at_most(BATCH_RANK - 1)
-    all_run_s = -(-backlog // limit) * batch_s
-    for index, (limit_s, protected) in enumerate(queue.batch_limits_in_order()):
-        if now_s < limit_s - all_run_s - lead_s:
-            return False  # no row from here on is due: even the whole backlog fits before it
-        if protected and now_s >= limit_s - (index // limit + 1) * batch_s - lead_s:
-            return True
-    return False
-
-
 def assess(
     key: BatchKey,
     queue: KeyQueue,
@@ -114,12 +76,14 @@ def assess(
     latency: LatencyModel,
     limit: int,
     is_draining: bool,
+    due: DueAllowance,
 ) -> tuple[CloseReason, None] | tuple[None, float]:
     """Why the key's batch should close now, or else when that could next change. `limit`:
-    the most rows one batch of `key` holds now."""
+    the most rows one batch of `key` holds now; `due`: what due batches may still take."""
     if is_draining:
         return CloseReason.DRAIN, None
-    if batch_rows_due(key, queue, now_s, config=config, latency=latency, limit=limit):
+    is_due = due_limit_s(key, queue, now_s, config=config, latency=latency, limit=limit)
+    if is_due is not None and due.has_credit(now_s):
         return CloseReason.BACKFILL_DUE, None
     # The urgent rows decide; `batch` rows alone are a backlog, run whenever the executor
     # has nothing more urgent (and ride along with urgent rows, `batch_width`).

@@ -44,6 +44,41 @@ class TenantRow(Protocol):
     def weight(self) -> float: ...
 
 
+#: The share of the executor's time due batches may take, worker-wide, and the most they may
+#: take at once (seconds of predicted compute): past it, `batch` rows that come due wait as a
+#: backfill again, and may expire. Online traffic keeps the rest whatever `batch` callers send.
+DUE_SHARE = 0.2
+DUE_BURST_S = 2.0
+
+
+class DueAllowance:
+    """A token bucket of executor seconds for due batches, refilled at DUE_SHARE of the time
+    that passes, up to DUE_BURST_S; shared by every batcher of a worker (on its
+    fair_share.ComputeLedger)."""
+
+    def __init__(self, share: float = DUE_SHARE, burst_s: float = DUE_BURST_S) -> None:
+        self._share, self._burst_s = share, burst_s
+        self._credit_s = burst_s
+        self._as_of_s: float | None = None
+
+    def has_credit(self, now_s: float) -> bool:
+        """Whether a due batch may run now."""
+        return self._refill(now_s) > 0.0
+
+    def spend(self, now_s: float, seconds: float) -> None:
+        """A due batch predicted to run `seconds` was dispatched at `now_s` (the credit may go
+        below zero: it is repaid before the next)."""
+        self._credit_s = self._refill(now_s) - seconds
+
+    def _refill(self, now_s: float) -> float:
+        if self._as_of_s is not None and now_s > self._as_of_s:
+            gained_s = (now_s - self._as_of_s) * self._share
+            self._credit_s = min(self._burst_s, self._credit_s + gained_s)
+        if self._as_of_s is None or now_s > self._as_of_s:
+            self._as_of_s = now_s
+        return self._credit_s
+
+
 class ComputeLedger:
     """Per-tenant virtual time (compute seconds served / weight) and which tenants have work
     queued. Shared by every batcher of one worker."""
@@ -60,6 +95,8 @@ class ComputeLedger:
         #: batchers: while that is recent, every batcher keeps its backfills short, since the
         #: executor they share cannot be preempted (close_rule.batch_width).
         self.last_urgent_s = -math.inf
+        #: What the executor's time due batches of `batch` rows may take (due_rows).
+        self.due = DueAllowance()
 
     @property
     def num_tenants(self) -> int:

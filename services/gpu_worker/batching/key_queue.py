@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
@@ -33,11 +34,17 @@ class KeyQueue:
     #: stale likewise.
     limits: list[tuple[float, int]] = field(default_factory=list)
     #: (queue limit, item_id, protected) of the `batch` rows, sorted (earliest first), stale
-    #: likewise: a backlog held back on purpose, until it is due (close_rule.batch_rows_due).
+    #: likewise: a backlog held back on purpose, until it is due (due_rows.due_limit_s).
     #: A row is protected, its due time kept, when its deadline left it at least
     #: `min_patience_s` on arrival; one asking for less is a backfill only.
     batch_limits: list[tuple[float, int, bool]] = field(default_factory=list)
     min_patience_s: float = 0.0
+    #: `batch` rows pushed so far, and what due_rows.due_limit_s last computed (its stamp,
+    #: when the rows come due, the deadline of the row that makes them).
+    batch_pushes: int = 0
+    due_stamp: tuple[int, int, int, int] | None = None
+    due_at_s: float = math.inf
+    due_limit_s: float = math.inf
     last_add_s: float | None = None
     #: Gaps between admissions; its mean is None until the second admission.
     gaps: MovingAverage = field(default_factory=lambda: MovingAverage(ARRIVAL_GAP_ALPHA))
@@ -60,22 +67,6 @@ class KeyQueue:
         while self.limits[0][1] not in self.items:
             heapq.heappop(self.limits)
         return self.limits[0][0]
-
-    def earliest_batch_limit_s(self) -> float | None:
-        """The earliest queue limit of the queued `batch` rows, or None when there is none."""
-        limits, items = self.batch_limits, self.items
-        stale = 0
-        while stale < len(limits) and limits[stale][1] not in items:
-            stale += 1
-        if stale:  # taken earliest first, or expired: a prefix, dropped at once
-            del limits[:stale]
-        return limits[0][0] if limits else None
-
-    def batch_limits_in_order(self) -> Iterator[tuple[float, bool]]:
-        """(queue limit, protected) of the queued `batch` rows, earliest first."""
-        items = self.items
-        return ((limit_s, protected) for limit_s, item_id, protected in self.batch_limits
-                if item_id in items)  # fmt: skip
 
     def _batch_entry(self, item: QueuedItem) -> tuple[float, int, bool]:
         limit_s = item.queue_limit_s
@@ -101,6 +92,7 @@ class KeyQueue:
             self.record_arrival(now_s)
         else:
             bisect.insort(self.batch_limits, self._batch_entry(item))
+            self.batch_pushes += 1
         entries = max(len(self.limits), len(self.arrivals), len(self.batch_limits))
         if entries > 2 * len(self.items) + 64:
             self._rebuild_heaps()
@@ -117,6 +109,7 @@ class KeyQueue:
                 heapq.heappush(arrivals, (item.arrival_s, item.item_id))
                 urgent += 1
         if urgent < len(items):  # a job's chunk: sorted in once
+            self.batch_pushes += len(items) - urgent
             self.batch_limits.extend(
                 self._batch_entry(i) for i in items if i.priority >= BATCH_RANK
             )

@@ -20,7 +20,8 @@ from services.common.priority import BATCH_QUEUE_SHARE
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.batch_sizes import BatchSizes
 from services.gpu_worker.batching.choice import Choice, choose
-from services.gpu_worker.batching.close_rule import DUE_PATIENCE_SLOS, assess, batch_width, linger_s
+from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
+from services.gpu_worker.batching.due_rows import DUE_PATIENCE_SLOS
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
 from services.gpu_worker.batching.forecast import PassBound, QueueForecast
@@ -103,17 +104,13 @@ class Batcher(BatchSizes):
         """Items queued for `key`."""
         return len(queue.items) if (queue := self._queues.get(key)) is not None else 0
 
-    def _urgent_or_all(self, key: BatchKey) -> int:
-        """Rows of `key` more urgent than `batch`, or, when there are none, all its rows."""
-        if (queue := self._queues.get(key)) is None:
-            return 0
-        return queue.items.count_at_most(BATCH_RANK - 1) or len(queue.items)
-
     def max_wait_s(self, key: BatchKey) -> float:
         """The derived linger for `key`: what the SLO leaves after the upstream stages, the
         predicted compute of the next batch and the safety margin, clamped to [0, cap]. The
         next batch is sized by the rows more urgent than `batch` when there are any."""
-        n_next = min(max(self._urgent_or_all(key), 1), self.max_batch_size_for(key))
+        queue = self._queues.get(key)
+        rows = 0 if queue is None else queue.items.count_at_most(BATCH_RANK - 1) or len(queue.items)
+        n_next = min(max(rows, 1), self.max_batch_size_for(key))
         return linger_s(self._config, self._latency.predict(key, n_next))
 
     def can_admit(
@@ -327,6 +324,8 @@ class Batcher(BatchSizes):
         items = self._queues[key].items.take(limit, cost_s, batch_first=due)
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
+        if due:  # what online traffic lends it (fair_share.DueAllowance)
+            self._ledger.due.spend(now_s, row_cost_s * len(items))
         for item in items:
             del self._key_of[item.item_id]
         self._ledger.charge_rows(items, row_cost_s)
@@ -396,4 +395,5 @@ class Batcher(BatchSizes):
             latency=self._latency,
             limit=self.max_batch_size_for(key),
             is_draining=self._is_draining,
+            due=self._ledger.due,
         )
