@@ -271,22 +271,75 @@ def test_the_key_with_the_earliest_due_row_goes_first() -> None:
     ]
 
 
-def test_stale_entries_of_batch_rows_gone_are_dropped_when_the_due_time_is_computed() -> None:
-    """`batch` rows cancelled from the middle of the deadline order leave entries behind; the
-    next due computation keeps only the live ones, and the rows left come due as if the
-    others had never been queued."""
+def test_rows_gone_count_neither_in_the_due_time_nor_in_the_list() -> None:
+    """16 `batch` rows due at 1.0 s are cancelled, 8 due at 1.1 s stay, interleaved with 16
+    more cancelled ones: the 8 come due one batch (32 ms), the margin and the budget before
+    their deadline (1.0255 s), as if the others had never been queued (counted, they would
+    have been three batches before it: 0.9615 s), and the list keeps only them."""
     batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
-    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0 + i / 100)
-                      for i in range(40)])  # fmt: skip
-    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(8)])
-    for item_id in range(0, 40, 2):
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(16)])
+    add_all(batcher, [make_item(item_id=16 + i, priority=BATCH, deadline_s=1.1)
+                      for i in range(24)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=5.0) for i in range(16)])
+    for item_id in [*range(16), *range(17, 40, 3), *range(18, 40, 3)]:
         assert batcher.cancel(item_id)
     queue = batcher._queues[make_key()]  # white box: the list's length
 
-    assert dispatch_of(batcher.poll(0.5, executor_idle=True)).key.bucket == 64
-    assert len(queue.batch_limits) == 20
+    assert dispatch_of(batcher.poll(1.0, executor_idle=True)).key.bucket == 64, "not due yet"
+    assert len(queue.batch_limits) == 8
+    due = dispatch_of(batcher.poll(1.026, executor_idle=True))
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(16, 40, 3)))
 
-    # 20 rows left, 3 batches of 8: the first odd row (1.01 s) is due 0.0425 s + one batch
-    # before its deadline, but the row at index 16 (1.33 s) three batches before: 1.1915 s.
-    due = dispatch_of(batcher.poll(0.936, executor_idle=True))
-    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(1, 17, 2)))
+
+def test_a_due_batch_spends_the_allowance_only_beside_online_traffic() -> None:
+    """A due batch beside online rows spends its predicted compute from the worker's allowance
+    (left with less than that, the allowance is spent after it); on a worker with no online
+    rows for a second it spends nothing (it displaced nobody)."""
+    ledger = ComputeLedger()
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), ledger=ledger, max_queue_size=1000)
+    ledger.due.spend(0.93, DUE_BURST_S - 0.02)  # 20 ms left
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(8)])
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, arrival_s=0.9, deadline_s=5.0)
+                      for i in range(8)])  # fmt: skip
+
+    assert dispatch_of(batcher.poll(0.93, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
+    assert not ledger.due.has_credit(0.93), "a batch of 32 ms spent the 20 ms left"
+
+    quiet = ComputeLedger()
+    alone = make_batcher(latency=linear_latency(PER_ROW_S), ledger=quiet, max_queue_size=1000)
+    quiet.due.spend(0.93, DUE_BURST_S - 0.02)
+    add_all(alone, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(8)])
+    assert dispatch_of(alone.poll(0.93, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
+    assert quiet.due.has_credit(0.93)
+
+
+def test_a_group_past_the_allowances_burst_comes_due_early_enough_to_run_within_its_share() -> None:
+    """32 `batch` rows, 4 batches of 0.8 s (3.2 s, past the 2 s burst): beyond the burst due
+    batches get DUE_SHARE of the time, so the group comes due at its deadline less (3.2 - 2) /
+    0.2 = 6 s, the margin and the budget (5 s): 89 s for a deadline at 100 s. Due only 3.2 s
+    before (the first version), it ran out of allowance with rows left, which then expired."""
+    latency = linear_latency(0.1)
+    batcher = make_batcher(latency=latency, slo_s=10.0, upstream_budget_s=0.0, max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=100.0) for i in range(32)])
+    add_all(batcher, [make_item(item_id=100 + i, bucket=64, deadline_s=200.0) for i in range(16)])
+    assert batcher.max_batch_size_for(make_key()) == 8
+
+    early = dispatch_of(batcher.poll(88.9, executor_idle=True))
+    due = dispatch_of(batcher.poll(89.0, executor_idle=True))
+
+    assert (early.reason, early.key.bucket) == (CloseReason.FULL, 64)
+    assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(8)))
+
+
+def test_a_backfill_ends_by_the_earliest_deadline_of_its_rows() -> None:
+    """After a quiet second a backfill runs full width, but no wider than ends by the earliest
+    limit of the key's rows less the margin: 8 `batch` rows due 20 ms from now (asking for
+    too little patience to be kept: a backfill only) take a batch of 3 (12 ms; 8 rows take
+    32 ms, and answered late). A review finding."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, arrival_s=4.9, deadline_s=5.02)
+                      for i in range(8)])  # fmt: skip
+
+    backfill = dispatch_of(batcher.poll(5.0, executor_idle=True))
+
+    assert (backfill.reason, ids(backfill)) == (CloseReason.BACKFILL, [0, 1, 2])

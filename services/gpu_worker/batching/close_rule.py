@@ -54,17 +54,19 @@ def batch_width(
       URGENT_RECENT_S, is held to about one urgent row's compute: an urgent row arriving as it
       starts waits for all of it. After a longer silence it is as wide as any batch
       (throughput: a job on an otherwise idle worker); the first urgent row after the silence
-      may wait for one, as the batch compute budget allows.
+      may wait for one, as the batch compute budget allows. Either way it is predicted to end
+      by the earliest limit of the rows queued less `margin_s` (at least one row): a row
+      whose deadline fell inside a wider batch ran and answered late.
     """
     urgent = min(queue.items.count_at_most(BATCH_RANK - 1), limit)
     if urgent:
         budget_s = latency.predict(key, urgent) * (1.0 + BATCH_RIDE_SHARE)
         budget_s = min(budget_s, queue.earliest_limit_s() - now_s - margin_s)
         return max(urgent, latency.largest_batch_within(key, limit, budget_s))
-    if now_s - last_urgent_s >= URGENT_RECENT_S:
-        return limit
-    one_row_s = latency.predict(key, 1) * (1.0 + BATCH_RIDE_SHARE)
-    return latency.largest_batch_within(key, limit, one_row_s)
+    budget_s = queue.earliest_limit_s() - now_s - margin_s
+    if now_s - last_urgent_s < URGENT_RECENT_S:
+        budget_s = min(budget_s, latency.predict(key, 1) * (1.0 + BATCH_RIDE_SHARE))
+    return latency.largest_batch_within(key, limit, budget_s)
 
 
 def assess(

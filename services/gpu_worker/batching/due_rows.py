@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from services.gpu_worker.batching.batch_sizes import batch_compute_budget_s
+from services.gpu_worker.batching.fair_share import DUE_BURST_S, DUE_SHARE
 from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.latency_model import LatencyModel
 from services.gpu_worker.batching.types import BATCH_RANK, BatcherConfig, BatchKey
@@ -34,11 +35,13 @@ def due_limit_s(
     `batch` rows due now, or None when none does.
 
     Earliest deadline first: a protected row is due when the `batch` rows up to it, run in
-    batches of `limit` rows (each with the executor's gap between batches), after one batch
+    batches of `limit` rows (each with the executor's gap between batches) within the due
+    allowance (fair_share.DueAllowance: a burst, then DUE_SHARE of the time), after one batch
     already running (at most the batch compute budget) and the margin, would only just finish
     by its deadline. What the backlog costs the urgent rows is paid as late as it can be, a
     group at a time: rows with later deadlines wait on. When that moment is computed
-    (`_due_at`) is cached on the queue until its `batch` rows or the cost model change."""
+    (`_due_at`) is cached on the queue until its `batch` rows or the cost model change (about
+    once a batch under load: each batch teaches the cost model)."""
     backlog = len(queue.items) - queue.items.count_at_most(BATCH_RANK - 1)
     if not backlog:
         return None
@@ -66,6 +69,9 @@ def _due_at(
     lead_s = config.safety_margin_s + max(0.0, batch_compute_budget_s(config))
     due_at_s = due_row_s = math.inf
     for index, (limit_s, _, protected) in enumerate(live):
-        if protected and (at_s := limit_s - (index // limit + 1) * batch_s - lead_s) < due_at_s:
+        if not protected:
+            continue
+        run_s = (index // limit + 1) * batch_s  # beyond the burst, at DUE_SHARE of the time
+        if (at_s := limit_s - max(run_s, (run_s - DUE_BURST_S) / DUE_SHARE) - lead_s) < due_at_s:
             due_at_s, due_row_s = at_s, limit_s
     return due_at_s, due_row_s

@@ -20,7 +20,7 @@ from services.common.priority import BATCH_QUEUE_SHARE
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.batch_sizes import BatchSizes
 from services.gpu_worker.batching.choice import Choice, choose
-from services.gpu_worker.batching.close_rule import assess, batch_width, linger_s
+from services.gpu_worker.batching.close_rule import URGENT_RECENT_S, assess, batch_width, linger_s
 from services.gpu_worker.batching.due_rows import DUE_PATIENCE_SLOS
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.fairness import QueueShares, TenantQueues, check_tenant_weights
@@ -324,8 +324,8 @@ class Batcher(BatchSizes):
         items = self._queues[key].items.take(limit, cost_s, batch_first=due)
         # Fair share is charged in predicted compute: the batch's cost, split over its rows.
         row_cost_s = self._latency.predict(key, len(items)) / max(1, len(items))
-        if due:  # what online traffic lends it (fair_share.DueAllowance)
-            self._ledger.due.spend(now_s, row_cost_s * len(items))
+        if due and now_s - self._ledger.last_urgent_s < URGENT_RECENT_S:  # lent by online rows
+            self._ledger.due.spend(now_s, row_cost_s * len(items))  # (fair_share.DueAllowance)
         for item in items:
             del self._key_of[item.item_id]
         self._ledger.charge_rows(items, row_cost_s)
