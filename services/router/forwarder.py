@@ -267,7 +267,11 @@ class Forwarder:
         but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed (`_after_failure` saw one left), or, without one
-        left by now, gives the failure to the caller."""
+        left by now, gives the failure to the caller before routing: a route refused so took a
+        probation's one probe and counted as routed (a review finding)."""
+        now_s = time.monotonic()
+        if failure is not None and not self._budget.has_token(now_s):
+            raise _for_caller(failure)
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
             if (
@@ -278,9 +282,8 @@ class Forwarder:
                 raise _for_caller(failure)
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:
-            if not self._budget.try_spend(time.monotonic()):
-                self._table.release(decision.reservation_id)
-                raise _for_caller(failure)
+            spent = self._budget.try_spend(now_s)  # a token at now_s, none spent since
+            assert spent, "the retry budget changed within one synchronous call"
             self._metrics.retries_total.labels(facts.name, facts.version).inc()
         tried.add(decision.worker_id)
         return decision

@@ -1,0 +1,65 @@
+"""A retry the router's retry budget refuses is refused before it is routed: routing it took
+the worker's place (a probation's one probe, a reservation) and counted it as routed, then
+gave the failure to the caller anyway (a review finding). The forwarder's own routing over a
+route table the test loads, no call sent."""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from services.common import metric_names as names
+from services.common.errors import UpstreamError
+from services.common.priority import PriorityClass
+from services.common.registry_schema import WorkerRecord
+from services.router.call_facts import CallFacts
+from services.router.forwarder import Forwarder
+from services.router.metrics import RouterMetrics
+from services.router.routing import RetryBudget, Route, RouteTable
+from services.router.routing_config import RoutingConfig
+from tests.support.in_process import metric
+from tests.support.records import model_record
+
+pytestmark = pytest.mark.unit
+
+FACTS = CallFacts("minilm", "1", 1, math.inf, PriorityClass.INTERACTIVE)
+FAILED = UpstreamError(grpc.StatusCode.UNAVAILABLE, "worker w0 went away")
+
+
+def _forwarder(budget: RetryBudget) -> tuple[Forwarder, RouteTable, RouterMetrics]:
+    table = RouteTable(RoutingConfig(explore_share=0.0), random.Random(0))
+    now_s = time.monotonic()
+    records = [WorkerRecord(w, f"127.0.0.1:{port}", False, 0, (model_record(),))
+               for w, port in (("w0", 1), ("w1", 2))]  # fmt: skip
+    table.update([(record, now_s) for record in records], now_s)
+    metrics = RouterMetrics(CollectorRegistry())
+    return Forwarder(table, budget, metrics, default_timeout_s=5.0, max_retries=2), table, metrics
+
+
+def test_a_retry_the_budget_refuses_is_not_routed() -> None:
+    forwarder, table, metrics = _forwarder(RetryBudget(ratio=0.0, min_per_s=0.0))
+
+    with pytest.raises(UpstreamError) as refused:
+        forwarder._route(FACTS, {"w0"}, FAILED)
+
+    assert refused.value is FAILED, "the worker's failure, given to the caller"
+    assert metric(metrics.registry, names.ROUTER_ROUTED_TOTAL) == 0
+    assert table.inflight_rows("w1") == 0, "nothing reserved on the worker not tried"
+    assert metric(metrics.registry, names.ROUTER_RETRIES_TOTAL) == 0
+
+
+def test_a_retry_with_a_token_is_routed_and_spends_it() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_s=0.1, window_s=10.0)  # a reserve of one token
+    forwarder, table, metrics = _forwarder(budget)
+
+    route = forwarder._route(FACTS, {"w0"}, FAILED)
+
+    assert isinstance(route, Route) and route.worker_id == "w1"
+    assert table.inflight_rows("w1") == 1
+    assert metric(metrics.registry, names.ROUTER_RETRIES_TOTAL) == 1
+    assert not budget.has_token(time.monotonic()), "its one token spent"
