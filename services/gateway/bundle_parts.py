@@ -107,19 +107,36 @@ def fail(slices: Sequence[CallerSlice], error: BaseException) -> None:
 
 
 def prepared(bundle: Bundle) -> list[CallerSlice]:
-    """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out."""
+    """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out.
+    Where making them fails other than by refusing a caller (a tokenizer's own error on some
+    text), each caller's rows are made again alone, and only a caller whose rows fail so gets
+    that error (its bundle-mates all got it before); raises it for a bundle of one."""
     if bundle.prepare is None:
         return bundle.slices
     kept = []
-    made = bundle.prepare([s.rows for s in bundle.slices])
+    try:
+        made: list[Made | Exception] = list(bundle.prepare([s.rows for s in bundle.slices]))
+    except Exception:
+        if len(bundle.slices) < 2:
+            raise
+        made = [_made_alone(bundle.prepare, entry) for entry in bundle.slices]
     for entry, rows in zip(bundle.slices, made, strict=True):
-        if isinstance(rows, InvalidInput):
+        if isinstance(rows, Exception):
             if not entry.future.done():
                 entry.future.set_exception(rows)
         else:
             entry.rows = rows
             kept.append(entry)
     return kept
+
+
+def _made_alone(prepare: Prepare, entry: CallerSlice) -> Made | Exception:
+    """One caller's rows made alone, or the error making them raised."""
+    try:
+        (rows,) = prepare([entry.rows])
+    except Exception as error:
+        return error
+    return rows
 
 
 def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> list[CallerSlice]:

@@ -265,6 +265,36 @@ async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> No
     assert bundles._keys[KEY].in_flight == 0
 
 
+async def test_a_failure_preparing_one_callers_rows_reaches_that_caller_alone() -> None:
+    """A tokenizer's own error on one caller's text (not a refusal of bad input): each
+    caller's rows are made again alone, so only that caller gets the error and its
+    bundle-mates are served in one bundle (before, every caller of the bundle got it)."""
+    clock = BundleClock(max_out=1, min_in_flight=0, max_hold_s=30.0)
+    downstream, bundles, first = await one_out(clock)
+
+    def fussy(calls: Sequence[Sequence[object]]) -> list:
+        if any(value == "boom" for values in calls for value in values):
+            raise RuntimeError("tokenizer crashed on boom")
+        return [[np.full(2, len(str(v)), dtype=np.float32) for v in values] for values in calls]
+
+    async def one(text: str) -> list[np.ndarray]:
+        deadline_s = time.monotonic() + LONG_S
+        answered = await bundles.call(
+            KEY, [text], pb.Slice(), deadline_s=deadline_s, max_rows=8, prepare=fussy
+        )
+        return answered.outputs
+
+    calls = [asyncio.ensure_future(one(text)) for text in ("ab", "boom", "abcd")]
+    await asyncio.sleep(0.01)
+    downstream.gate.set()
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    await first
+
+    assert isinstance(results[1], RuntimeError), results[1]
+    assert [r[0].tolist() for r in (results[0], results[2])] == [[4.0, 4.0], [8.0, 8.0]]
+    assert sizes(downstream) == [1, 2], "the two served in one bundle"
+
+
 async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_flight() -> None:
     downstream = Downstream(delay_s=10.0)
     bundles = coalescer(downstream)
