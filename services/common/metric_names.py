@@ -142,6 +142,11 @@ JOBS_OLDEST_ENTRY_AGE_SECONDS = "inference_jobs_oldest_entry_age_seconds"
 JOBS_CHUNK_SECONDS = "inference_jobs_chunk_seconds"
 JOBS_RETRIES_TOTAL = "inference_jobs_retries_total"
 JOBS_CHUNKS_HELD_FOR_ROOM = "inference_jobs_chunks_held_for_room"
+JOBS_CHUNKS_LEFT_TOTAL = "inference_jobs_chunks_left_total"
+#: `reason` values of JOBS_CHUNKS_LEFT_TOTAL: why a chunk was left pending for a later round.
+CHUNK_LEFT_RUNNER_REFUSED = "runner_refused"
+CHUNK_LEFT_FLEET_UNAVAILABLE = "fleet_unavailable"
+CHUNK_LEFT_STORE_UNREACHABLE = "store_unreachable"
 
 # Rollout controller (services.rollout)
 ROLLOUT_CANARY_PERCENT = "inference_rollout_canary_percent"

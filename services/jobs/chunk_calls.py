@@ -9,6 +9,7 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
+from services.common import metric_names as names
 from services.common.job_policy import RETRYABLE_CODES, ItemStatus, fleet_patience_spent
 from services.common.job_records import ItemOutcome
 from services.common.job_store import JobStore
@@ -29,6 +30,16 @@ class RunnerRefused(Exception):
     key; PERMISSION_DENIED: its tenant not granted a job's priority class or model). No item
     is at fault: the chunk stays pending and is retried after the claim timeout, by this
     runner or another, rather than failing every item of every job."""
+
+
+def left_reason(error: Exception) -> str:
+    """The `reason` label a chunk left pending for a later round after `error` counts under
+    (inference_jobs_chunks_left_total): the runner refused, the fleet, or Redis."""
+    if isinstance(error, RunnerRefused):
+        return names.CHUNK_LEFT_RUNNER_REFUSED
+    if isinstance(error, FleetUnavailable):
+        return names.CHUNK_LEFT_FLEET_UNAVAILABLE
+    return names.CHUNK_LEFT_STORE_UNREACHABLE
 
 
 #: Retryable codes one item may still cause: a model that crashed on it. A call past its

@@ -45,6 +45,19 @@ class RunnerMetrics(MetricFactory):
         self.retries = self.counter(
             names.JOBS_RETRIES_TOTAL, "Predict calls retried, by code", ["code"]
         )
+        self.chunks_left = self.counter(
+            names.JOBS_CHUNKS_LEFT_TOTAL,
+            "Chunks left pending for a later round, by reason: runner_refused (the gateway"
+            " refused the runner's key: every job waits until it is mended), fleet_unavailable,"
+            " store_unreachable (Redis)",
+            ["reason"],
+        )
+        for reason in (
+            names.CHUNK_LEFT_RUNNER_REFUSED,
+            names.CHUNK_LEFT_FLEET_UNAVAILABLE,
+            names.CHUNK_LEFT_STORE_UNREACHABLE,
+        ):  # each series from 0, so that increase() sees its first chunk
+            self.chunks_left.labels(reason)
         self.chunks_held_for_room = self.gauge(
             names.JOBS_CHUNKS_HELD_FOR_ROOM,
             "Chunks whose results this runner holds, their calls run, while Redis at its memory"

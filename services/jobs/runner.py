@@ -67,6 +67,7 @@ from services.jobs.chunk_calls import (
     RunnerRefused,
     all_or_none,
     item_result,
+    left_reason,
     may_be_one_items,
 )
 from services.jobs.holding import keep_claimed, record_when_room
@@ -209,6 +210,7 @@ class JobRunner:
             log.warning(
                 "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
             )
+            self._metrics.chunks_left.labels(left_reason(error)).inc()
         except Exception as error:
             stop_if_cancelled()  # a drain's cancel a library turned into an error: no crash
             log.exception("chunk %s of job %s failed", entry.entry_id, entry.job_id)

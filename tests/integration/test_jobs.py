@@ -886,12 +886,17 @@ async def test_runner_refused_by_the_gateway_fails_no_item(
     PERMISSION_DENIED failed every item of every such job (review finding)."""
     fabric.target.num_unauthenticated = 1
     fabric.target.runner_refused_code = code
-    fabric.start_runner("runner-1")
+    runner = fabric.start_runner("runner-1")
     texts = texts_of(8)
     job_id = await fabric.submit(texts)
     job = await fabric.finished(job_id)  # after the claim timeout, the chunk runs again
     assert job.state == jobs.JOB_STATE_SUCCEEDED
     assert_all_ok_in_order(await fabric.results(job_id), texts)
+    # Counted (an alert reads it: every job waits while the key is refused), from 0.
+    metrics = scrape(runner.metrics_port)
+    left = {reason: total(metrics, names.JOBS_CHUNKS_LEFT_TOTAL, reason=reason)
+            for reason in ("runner_refused", "fleet_unavailable", "store_unreachable")}  # fmt: skip
+    assert left == {"runner_refused": 1, "fleet_unavailable": 0, "store_unreachable": 0}
 
 
 async def test_a_chunk_refused_whatever_its_items_is_not_split(fabric: Fabric) -> None:
@@ -993,6 +998,7 @@ async def test_a_fleet_down_longer_than_the_retries_fails_no_item(
     # (it was observed, and an outage made chunks look fast when nothing was recorded).
     metrics = scrape(runner.metrics_port)
     assert total(metrics, f"{names.JOBS_CHUNK_SECONDS}_count") == 1
+    assert total(metrics, names.JOBS_CHUNKS_LEFT_TOTAL, reason="fleet_unavailable") >= 1
     assert fabric.target.num_unavailable == 0 and fabric.target.num_calls >= 6
     assert_all_ok_in_order(await fabric.results(job_id), texts)
     stored = await fabric.store.client.hgetall(fabric.store.job_key(job_id))
