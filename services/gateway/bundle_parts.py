@@ -119,7 +119,10 @@ def prepared(bundle: Bundle) -> list[CallerSlice]:
     except Exception:
         if len(bundle.slices) < 2:
             raise
-        made = [_made_alone(bundle.prepare, entry) for entry in bundle.slices]
+        made = [
+            _GONE if entry.future.done() else _made_alone(bundle.prepare, entry)
+            for entry in bundle.slices
+        ]  # a caller gone already is not prepared again, and left out
     for entry, rows in zip(bundle.slices, made, strict=True):
         if isinstance(rows, Exception):
             if not entry.future.done():
@@ -130,10 +133,17 @@ def prepared(bundle: Bundle) -> list[CallerSlice]:
     return kept
 
 
+#: What a caller answered already (gone: its deadline, a cancel) gets instead of rows made
+#: alone (`prepared`): it is left out of its bundle, and nobody hears of it.
+_GONE = RuntimeError("the caller was answered before its rows were made")
+
+
 def _made_alone(prepare: Prepare, entry: CallerSlice) -> Made | Exception:
     """One caller's rows made alone, or the error making them raised."""
     try:
         (rows,) = prepare([entry.rows])
+    except StopIteration as error:  # not an exception a future may hold
+        return RuntimeError(f"preparing a caller's rows: {error!r}")
     except Exception as error:
         return error
     return rows

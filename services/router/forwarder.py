@@ -267,8 +267,9 @@ class Forwarder:
         but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed (`_after_failure` saw one left), or, without one
-        left by now, gives the failure to the caller before routing: a route refused so took a
-        probation's one probe and counted as routed (a review finding)."""
+        left by now, gives the failure to the caller before routing (the worker's failure, not
+        a refusal of its own: with no token, even a retry no worker could take in time is not
+        priced): a route refused so took a probation's one probe and counted as routed."""
         now_s = time.monotonic()
         if failure is not None and not self._budget.has_token(now_s):
             raise _for_caller(failure)
