@@ -18,7 +18,7 @@ measures instead, after the closed-loop goodput, a job of `--items` short texts 
 calls offered open loop at that multiple of it for six `--online-s` windows (past capacity,
 the worker is never idle for a backfill): the job's items done and failed, and the online
 calls OK and within the SLO per second. Before `batch` rows came due (close_rule.
-batch_rows_due), such a job did not progress: its calls timed out.
+due_limit_s), such a job did not progress: its calls timed out.
 """
 
 from __future__ import annotations

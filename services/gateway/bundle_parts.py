@@ -100,6 +100,8 @@ def closing() -> UpstreamError:
 
 def fail(slices: Sequence[CallerSlice], error: BaseException) -> None:
     """Every caller not answered yet gets `error` (a downstream status: its own copy)."""
+    if isinstance(error, StopIteration):  # a future cannot hold one (a tokenizer's)
+        error = RuntimeError(f"preparing the bundle's rows: {error!r}")
     for entry in slices:
         if not entry.future.done():
             own = error.for_one_caller() if isinstance(error, UpstreamError) else error

@@ -266,10 +266,8 @@ class Forwarder:
         `_for_caller`) when no other worker is left to try. Another worker that serves the version
         but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
-        spends its budget token once routed (`_after_failure` saw one left), or, without one
-        left by now, gives the failure to the caller before routing (the worker's failure, not
-        a refusal of its own: with no token, even a retry no worker could take in time is not
-        priced): a route refused so took a probation's one probe and counted as routed."""
+        spends its budget token once routed, or, without one left, gives the worker's failure
+        to the caller before routing (a route the budget refused took a probation's probe)."""
         now_s = time.monotonic()
         if failure is not None and not self._budget.has_token(now_s):
             raise _for_caller(failure)

@@ -1,6 +1,6 @@
 """`batch` rows wait for urgent ones, but not until they are lost: beside online traffic that
 keeps the executor busy, a key's `batch` backlog runs ahead of every other batch once it would
-otherwise miss its earliest deadline (close_rule.batch_rows_due, CloseReason.BACKFILL_DUE).
+otherwise miss its earliest deadline (due_rows.due_limit_s, CloseReason.BACKFILL_DUE).
 Before, it ran only when nothing more urgent was ready, so under steady online load a job's
 rows expired unrun and its calls timed out (a review finding)."""
 
@@ -147,14 +147,14 @@ def test_only_the_group_with_little_slack_goes_first_not_the_whole_backlog() -> 
 
 
 @pytest.mark.parametrize(("deadline_s", "reason"), [(0.39, CloseReason.FULL),
-                                                     (0.4, CloseReason.BACKFILL_DUE)])  # fmt: skip
+                                                     (0.41, CloseReason.BACKFILL_DUE)])  # fmt: skip
 def test_a_batch_row_with_little_patience_is_never_due(
     deadline_s: float, reason: CloseReason
 ) -> None:
     """A `batch` row whose deadline leaves it less than DUE_PATIENCE_SLOS of its SLO (0.39 s
     where 4 SLOs are 0.4 s) asks for online latency at `batch` priority: it is a backfill
-    only, never run ahead of online rows, so the class cannot jump the queue. At 4 SLOs it is
-    kept: due 74.5 ms before its deadline, it runs ahead of the full online batch."""
+    only, never run ahead of online rows, so the class cannot jump the queue. Just over 4 SLOs
+    it is kept: due 74.5 ms before its deadline, it runs ahead of the full online batch."""
     batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
     add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=deadline_s)
                       for i in range(4)])  # fmt: skip

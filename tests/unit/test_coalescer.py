@@ -246,7 +246,7 @@ def test_a_bundle_takes_no_more_rows_than_a_workers_queue_holds_or_an_answer_car
     assert max_bundle_rows(config(small, max_queue_size=64), INTERACTIVE) == 64
 
 
-async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> None:
+async def test_a_failure_preparing_every_callers_rows_reaches_every_caller() -> None:
     downstream = Downstream()
     bundles = coalescer(downstream)
 
@@ -263,6 +263,23 @@ async def test_a_failure_preparing_a_bundle_reaches_every_caller_at_once() -> No
     assert [type(r) for r in results] == [RuntimeError, RuntimeError]
     assert downstream.bundles == []
     assert bundles._keys[KEY].in_flight == 0
+
+
+async def test_a_stop_iteration_out_of_a_tokenizer_reaches_its_caller_as_an_error() -> None:
+    """A future cannot hold a StopIteration (a tokenizer that returned too few rows raises one
+    out of `next`): before, setting it raised TypeError and the caller waited for its
+    deadline. It gets a RuntimeError at once."""
+    downstream = Downstream()
+    bundles = coalescer(downstream)
+
+    def short(calls: Sequence[Sequence[object]]) -> list:
+        return [next(iter(()))]
+
+    with pytest.raises(RuntimeError, match="StopIteration"):
+        await bundles.call(
+            KEY, ["text"], pb.Slice(), deadline_s=time.monotonic() + 5, max_rows=8, prepare=short
+        )
+    assert downstream.bundles == []
 
 
 async def test_a_failure_preparing_one_callers_rows_reaches_that_caller_alone() -> None:

@@ -194,7 +194,7 @@ class TenantQueues:
         within it, the tenant with the least virtual time counting the rows it already got in
         this batch at `row_cost_s` each (the ledger is charged for them after the batch is
         formed). EDF within a tenant and class. `batch_first`: `batch` rows before the others,
-        earliest deadline first whatever their tenant (they are due, close_rule.batch_rows_due:
+        earliest deadline first whatever their tenant (they are due, due_rows.due_limit_s:
         by deadline, not share)."""
         live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
         if len(live) == 1:

@@ -108,7 +108,7 @@ class CloseReason(enum.Enum):
     #: Only `batch` rows, run on an executor no more urgent batch was ready for.
     BACKFILL = "backfill"
     #: `batch` rows first, run ahead of every other batch: the earliest of them would
-    #: otherwise miss its deadline (close_rule.batch_rows_due).
+    #: otherwise miss its deadline (due_rows.due_limit_s).
     BACKFILL_DUE = "backfill_due"
 
 
