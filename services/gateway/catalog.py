@@ -105,6 +105,15 @@ class ModelCatalog:
             failures.setdefault((failure.model_name, failure.model_version), []).append(failure)
         self._load_failures = failures
 
+    def ready_versions(self) -> dict[str, int]:
+        """Per model of this gateway's repository, how many of its versions a ready live
+        worker serves (by the fleet view)."""
+        counts = dict.fromkeys(self._configs, 0)
+        for (name, _), served in self._served.items():
+            if name in counts and served.is_ready:
+                counts[name] += 1
+        return counts
+
     def load_failures(self, name: str, version: str) -> list[pb.LoadFailure]:
         """The live workers' failures to load one version (empty if none failed)."""
         return self._load_failures.get((name, version), [])

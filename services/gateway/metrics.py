@@ -66,6 +66,12 @@ class GatewayMetrics:
             "Requests refused here by adaptive throttling (downstream was refusing work).",
             ("model",),
         )
+        self.model_ready_versions = new.gauge(
+            names.GATEWAY_MODEL_READY_VERSIONS,
+            "Versions of each model of this gateway's repository that a ready live worker"
+            " serves, as the router last listed them (0: its calls fail, no worker serves it).",
+            ("model",),
+        )
         self.throttle_probability = new.gauge(
             names.GATEWAY_THROTTLE_PROBABILITY,
             "Share of a model's requests adaptive throttling refuses now.",

@@ -104,6 +104,8 @@ class Gateway:
             try:
                 listing = await list_models(pb.ListWorkerModelsRequest(), timeout=2.0)
                 self.catalog.update_served(listing.versions, listing.load_failures)
+                for model, count in self.catalog.ready_versions().items():
+                    self.metrics.model_ready_versions.labels(model).set(count)
                 if self.door is not None:  # models added since: the tightest SLO may change
                     self.door.follow_slo(self.catalog.tightest_slo_s())
                 if not is_serving:
