@@ -107,11 +107,12 @@ class ModelCatalog:
 
     def ready_versions(self) -> dict[str, int]:
         """Per model of this gateway's repository, how many of its versions a ready live
-        worker serves (by the fleet view)."""
+        worker serves (by the fleet view) that this gateway has read too: calls to a version
+        it has not read fail here."""
         counts = dict.fromkeys(self._configs, 0)
-        for (name, _), served in self._served.items():
-            if name in counts and served.is_ready:
-                counts[name] += 1
+        for key, served in self._served.items():
+            if key[0] in counts and served.is_ready and key in self._encoders:
+                counts[key[0]] += 1
         return counts
 
     def load_failures(self, name: str, version: str) -> list[pb.LoadFailure]:

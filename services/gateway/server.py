@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health
@@ -91,6 +91,8 @@ class Gateway:
     repository: RepositoryControl | None = None
     #: The concurrency limit on model calls (None when disabled).
     door: Door | None = None
+    #: Models `inference_gateway_model_ready_versions` was last exported for.
+    _exported_models: set[str] = field(default_factory=set)
 
     async def refresh_catalog(self) -> None:
         """Keeps the fleet view fresh; SERVING once the router has answered at least once."""
@@ -104,8 +106,7 @@ class Gateway:
             try:
                 listing = await list_models(pb.ListWorkerModelsRequest(), timeout=2.0)
                 self.catalog.update_served(listing.versions, listing.load_failures)
-                for model, count in self.catalog.ready_versions().items():
-                    self.metrics.model_ready_versions.labels(model).set(count)
+                self._export_ready_versions()
                 if self.door is not None:  # models added since: the tightest SLO may change
                     self.door.follow_slo(self.catalog.tightest_slo_s())
                 if not is_serving:
@@ -115,6 +116,16 @@ class Gateway:
                 # Keep the last view: the router may be restarting; calls to it will tell.
                 log.warning("catalog refresh failed: %s", error.code().name)
             await sleep_unless_stopped(self.config.catalog_refresh_s)
+
+    def _export_ready_versions(self) -> None:
+        """`inference_gateway_model_ready_versions` per model of the repository; a model gone
+        from it is no longer exported (its last 0 would fire FabricModelUnserved for good)."""
+        counts, gauge = self.catalog.ready_versions(), self.metrics.model_ready_versions
+        for model in self._exported_models - counts.keys():
+            gauge.remove(model)
+        for model, count in counts.items():
+            gauge.labels(model).set(count)
+        self._exported_models = set(counts)
 
     async def stop(self) -> None:
         if self.door is not None:

@@ -177,7 +177,8 @@ def test_ready_versions_count_what_ready_workers_serve_for_every_repository_mode
 ) -> None:
     """The gauge an alert reads (FabricModelUnserved): per model of the repository, the
     versions a ready live worker serves; 0 for one served by no ready worker (a pool down);
-    models of the fleet view this gateway does not know are left out."""
+    models and versions of the fleet view this gateway has not read are left out (its calls
+    to them fail here)."""
     write_versioned_affine_model(tmp_path / "repo", versions=(1, 2))
     catalog = ModelCatalog(load_repository(tmp_path / "repo"), rng=random.Random(0))
     assert catalog.ready_versions() == {"affine": 0}, "before any listing"
@@ -186,6 +187,7 @@ def test_ready_versions_count_what_ready_workers_serve_for_every_repository_mode
         return pb.ModelVersionInfo(model_name=name, model_version=version, is_ready=is_ready)
 
     catalog.update_served([listed("1", is_ready=True), listed("2", is_ready=False),
+                           listed("3", is_ready=True),
                            listed("1", is_ready=True, name="elsewhere")])  # fmt: skip
     assert catalog.ready_versions() == {"affine": 1}
     catalog.update_served([listed("2", is_ready=False)])
