@@ -42,6 +42,8 @@ def due_limit_s(
     group at a time: rows with later deadlines wait on. When that moment is computed
     (`_due_at`) is cached on the queue until its `batch` rows or the cost model change (about
     once a batch under load: each batch teaches the cost model)."""
+    if not queue.batch_limits:  # every queued `batch` row has an entry: none, the usual case
+        return None
     backlog = len(queue.items) - queue.items.count_at_most(BATCH_RANK - 1)
     if not backlog:
         return None
