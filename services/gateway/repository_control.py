@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from pathlib import Path
 from typing import NamedTuple
 
@@ -102,6 +102,8 @@ class RepositoryControl:
         credentials = role_credentials(GATEWAY, redis_url, password_file)
         self._client = connect(redis_url, credentials=credentials)
         self._revisions: dict[str, int] | None = None
+        #: Models whose desired state was last read (or written here) as unloaded.
+        self._unloaded: frozenset[str] = frozenset()
         #: Whether the last read read every model: until one does, each period reads again
         #: (a model whose files were still being copied, here at start-up or since).
         self._is_whole = False
@@ -124,7 +126,9 @@ class RepositoryControl:
         last_failure = ""
         while True:
             try:
-                revisions = {n: d.revision for n, d in (await self.desired()).items()}
+                desired = await self.desired()
+                self._unloaded = unloaded_models(desired)
+                revisions = {n: d.revision for n, d in desired.items()}
                 failed: dict[str, str] = {}
                 if revisions != self._revisions or not self._is_whole:
                     failed = (await self.read_repository()).failed
@@ -187,6 +191,11 @@ class RepositoryControl:
             self._is_whole = not failed and not self._catalog.serves_gone(on_disk)
             return RepositoryRead(added, failed, frozenset(on_disk))
 
+    def unloaded(self) -> frozenset[str]:
+        """The models unloaded on purpose (RepositoryModelUnload), by the desired state last
+        read (about once a second) or written by this gateway."""
+        return self._unloaded
+
     async def desired(self) -> dict[str, DesiredState]:
         """Every model's desired state; UNAVAILABLE while Redis cannot be read."""
         try:
@@ -215,11 +224,13 @@ class RepositoryControl:
 
     async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
         config = self._catalog.config(model_name)
-        entry = DesiredState(state, next_revision(await self.desired(), time.time()))
+        desired = await self.desired()
+        entry = DesiredState(state, next_revision(desired, time.time()))
         try:
             await self._client.hset(self._key, config.name, entry.to_json())
         except (RedisError, OSError) as error:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
+        self._unloaded = unloaded_models({**desired, config.name: entry})
         return entry
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:
@@ -306,6 +317,11 @@ def load_failures_to_answer(
     timeout, every failure: a worker retrying the same files fails the same way."""
     unserved = [f for f in failures if f.model_version not in served]
     return unserved if is_past else [f for f in unserved if f.revision >= revision]
+
+
+def unloaded_models(desired: Mapping[str, DesiredState]) -> frozenset[str]:
+    """The models whose desired state is unloaded."""
+    return frozenset(n for n, d in desired.items() if d.state is ModelState.UNLOADED)
 
 
 def _reason(entry: DesiredState | None) -> str:

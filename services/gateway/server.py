@@ -119,8 +119,12 @@ class Gateway:
 
     def _export_ready_versions(self) -> None:
         """`inference_gateway_model_ready_versions` per model of the repository; a model gone
-        from it is no longer exported (its last 0 would fire FabricModelUnserved for good)."""
+        from it is no longer exported (its last 0 would fire FabricModelUnserved for good), nor
+        one unloaded on purpose (RepositoryModelUnload: no worker is meant to serve it)."""
         counts, gauge = self.catalog.ready_versions(), self.metrics.model_ready_versions
+        if self.repository is not None:
+            for model in self.repository.unloaded():
+                counts.pop(model, None)
         for model in self._exported_models - counts.keys():
             gauge.remove(model)
         for model, count in counts.items():

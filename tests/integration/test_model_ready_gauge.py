@@ -6,15 +6,21 @@ serves (0) is `unit/test_model_routing.py`'s."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
 from prometheus_client import generate_latest
 
 from services.common import metric_names as names
-from tests.support.in_process import affine_and_stall_fabric
+from services.common.redis_acl import GATEWAY
+from services.common.registry_schema import connect
+from services.common.repository_state import DesiredState, ModelState, repository_key
+from services.gateway.quota_sync import QuotaSyncConfig
+from tests.support.in_process import PERIOD_S, affine_and_stall_fabric
 from tests.support.metrics import samples
 from tests.support.redis import RedisServer
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -44,3 +50,34 @@ async def test_a_model_gone_from_the_repository_is_no_longer_exported(
         gateway._export_ready_versions()
         text = generate_latest(gateway.metrics.registry).decode()
     assert samples(text, names.GATEWAY_MODEL_READY_VERSIONS) == [({"model": "affine"}, 1.0)]
+
+
+async def test_a_model_unloaded_through_the_repository_api_is_not_exported(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A model an operator unloaded (RepositoryModelUnload) is served by no worker on purpose:
+    its 0 would fire FabricModelUnserved (a review finding), so it is not exported, whether
+    this gateway wrote the unload or another one did (read from the desired state); loaded
+    again, it counts its ready versions again."""
+    sync = QuotaSyncConfig(redis_url=redis_server.role_url(GATEWAY), period_s=PERIOD_S)
+    settings = {"gateway_settings": {"quota_sync": sync}}
+    async with affine_and_stall_fabric(tmp_path, redis_server, **settings) as fabric:
+        gateway = fabric.gateway
+        assert gateway.repository is not None
+        await gateway.repository.set_state("stall", ModelState.UNLOADED)
+        gateway._export_ready_versions()  # at once, before any worker unloaded it
+        exported = samples(
+            generate_latest(gateway.metrics.registry).decode(), names.GATEWAY_MODEL_READY_VERSIONS
+        )
+        assert exported == [({"model": "affine"}, 1.0)]
+        admin = connect(redis_server.url)
+        try:  # another gateway's load
+            entry = DesiredState(ModelState.LOADED, int(time.time() * 1000) + 1)
+            await admin.hset(repository_key("fabric"), "stall", entry.to_json())
+        finally:
+            await admin.aclose()
+        await eventually(
+            lambda: fabric.gateway_metric(names.GATEWAY_MODEL_READY_VERSIONS, model="stall") == 1,
+            timeout_s=30.0,
+            message="stall was not exported again once loaded",
+        )
