@@ -1,6 +1,7 @@
 """`batch` rows wait for urgent ones, but not until they are lost: beside online traffic that
-keeps the executor busy, a key's `batch` backlog runs ahead of every other batch once it would
-otherwise miss its earliest deadline (due_rows.due_limit_s, CloseReason.BACKFILL_DUE).
+keeps the executor busy, a key's `batch` backlog runs ahead of every batch but critical rows'
+once it would otherwise miss its earliest deadline (due_rows.due_limit_s,
+CloseReason.BACKFILL_DUE).
 Before, it ran only when nothing more urgent was ready, so under steady online load a job's
 rows expired unrun and its calls timed out (a review finding)."""
 
@@ -23,6 +24,7 @@ from services.gpu_worker.batching.policy import Batcher
 from services.gpu_worker.batching.types import DUE_RANK, CloseReason, Dispatch, QueuedItem
 from tests.unit.test_batching_policy import (
     BATCH,
+    CRITICAL,
     INTERACTIVE,
     add_all,
     dispatch_of,
@@ -183,14 +185,23 @@ def test_a_due_batch_takes_the_earliest_deadlines_whatever_the_tenant() -> None:
     assert (due.reason, ids(due)) == (CloseReason.BACKFILL_DUE, list(range(8)))
 
 
-def test_a_lane_whose_batch_rows_are_due_goes_before_a_lane_with_urgent_rows() -> None:
-    """Across models: the lane whose `batch` rows are due ranks ahead of every class (DUE_RANK),
-    so the driver serves it before a lane holding a full batch of critical rows, and forces no
-    other lane to close."""
+@pytest.mark.parametrize(
+    ("online_class", "first_when_due"),
+    [(INTERACTIVE, "job"), (CRITICAL, "online")],
+    ids=["beside-interactive", "beside-critical"],
+)
+def test_a_lane_whose_batch_rows_are_due_goes_before_interactive_rows_not_critical_ones(
+    online_class: int, first_when_due: str
+) -> None:
+    """Across models: the lane whose `batch` rows are due ranks after critical rows and ahead
+    of every other class (DUE_RANK), so the driver serves it before a lane holding a full batch
+    of interactive rows, and after one of critical rows (a review finding: it went before
+    those too), and forces no other lane to close."""
     ledger = ComputeLedger()
     online = make_batcher(latency=linear_latency(PER_ROW_S), ledger=ledger)
     job = make_batcher(latency=linear_latency(PER_ROW_S), ledger=ledger)
-    add_all(online, [make_item(item_id=100 + i, priority=0, deadline_s=5.0) for i in range(8)])
+    add_all(online, [make_item(item_id=100 + i, priority=online_class, deadline_s=5.0)
+                     for i in range(8)])  # fmt: skip
     add_all(job, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
     lanes = [cast(Lane, SimpleNamespace(name=name, batcher=batcher))
              for name, batcher in (("online", online), ("job", job))]  # fmt: skip
@@ -202,8 +213,30 @@ def test_a_lane_whose_batch_rows_are_due_goes_before_a_lane_with_urgent_rows() -
     assert order(0.5) == [("online", False), ("job", False)], "not due yet: the backlog waits"
     job_urgency = job.urgency(0.95)
     assert job_urgency is not None and job_urgency[0] == DUE_RANK
-    assert order(0.95) == [("job", False), ("online", False)]
+    second = "online" if first_when_due == "job" else "job"
+    assert order(0.95) == [(first_when_due, False), (second, False)]
     assert dispatch_of(job.poll(0.95, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
+
+
+def test_a_due_batch_in_a_key_with_critical_rows_takes_them_first() -> None:
+    """In one key: critical rows, then the due `batch` rows, then interactive rows in the
+    width left; and a key of ready critical rows goes before another key's due batch."""
+    batcher = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(5)])
+    add_all(batcher, [make_item(item_id=10 + i, priority=CRITICAL, deadline_s=5.0)
+                      for i in range(2)])  # fmt: skip
+    add_all(batcher, [make_item(item_id=20 + i, deadline_s=5.0) for i in range(3)])
+    dispatch = dispatch_of(batcher.poll(0.95, executor_idle=True))
+    assert dispatch.reason is CloseReason.BACKFILL_DUE
+    assert ids(dispatch) == [10, 11, 0, 1, 2, 3, 4, 20]
+
+    other = make_batcher(latency=linear_latency(PER_ROW_S), max_queue_size=1000)
+    add_all(other, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
+    add_all(other, [make_item(item_id=10 + i, bucket=64, priority=CRITICAL, deadline_s=5.0)
+                    for i in range(4)])  # fmt: skip
+    first = dispatch_of(other.poll(0.95, executor_idle=True))
+    assert ids(first) == [10, 11, 12, 13], "the critical key's full batch first"
+    assert dispatch_of(other.poll(0.95, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
 
 
 def test_batch_rows_queued_by_an_admission_pass_come_due_alike() -> None:

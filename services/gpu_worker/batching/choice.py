@@ -12,7 +12,7 @@ from services.gpu_worker.batching.key_queue import KeyQueue
 from services.gpu_worker.batching.types import DUE_RANK, BatchKey, CloseReason, Wait
 
 #: What a key's batch is ranked by: (priority rank, tenant virtual seconds, earliest deadline).
-_Rank = tuple[int, float, float]
+_Rank = tuple[float, float, float]
 _Candidate = tuple[_Rank, BatchKey, CloseReason]
 
 
@@ -21,7 +21,7 @@ class Choice:
     """The key `choose` picked and why, with its urgency (priority rank, tenant virtual
     seconds); `width` is the batch's row count when the choice already had to compute it."""
 
-    rank: tuple[int, float]
+    rank: tuple[float, float]
     key: BatchKey
     reason: CloseReason
     width: int | None = None
@@ -43,7 +43,8 @@ def choose(
     end before the urgent rows lingering in other keys are due: it cannot be preempted. If it
     is not, those rows close now instead (FULL): lingering pays only while the executor would
     otherwise idle, and with a backfill waiting it would not; the backfill runs after them.
-    A key whose `batch` rows are due (BACKFILL_DUE) ranks ahead of every class (DUE_RANK).
+    A key whose `batch` rows are due (BACKFILL_DUE) ranks after critical rows and ahead of
+    every other class (DUE_RANK).
     `assess` is the close rule of one key."""
     chosen: _Candidate | None = None
     backfill: _Candidate | None = None
@@ -57,8 +58,8 @@ def choose(
         if assessment[0] is None and force:
             assessment = (CloseReason.FAIR_SHARE, None)
         rank = (head[0], head[1], queue.earliest_limit_s())
-        if assessment[0] is CloseReason.BACKFILL_DUE:  # before all else, the earliest due first
-            rank = (DUE_RANK, queue.due_limit_s, queue.due_limit_s)
+        if assessment[0] is CloseReason.BACKFILL_DUE:  # after critical rows, the earliest due first
+            rank = min(rank, (DUE_RANK, queue.due_limit_s, queue.due_limit_s))
         if assessment[0] is None:  # urgent rows linger: [1] is when that could next change
             key_wake_s = assessment[1]
             wake_s = key_wake_s if wake_s is None else min(wake_s, key_wake_s)

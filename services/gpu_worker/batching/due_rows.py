@@ -1,6 +1,6 @@
-"""When a key's `batch` rows must run ahead of every other batch or be lost (close reason
-`backfill_due`, close_rule.assess; how much of the executor such batches may take:
-fair_share.DueAllowance).
+"""When a key's `batch` rows must run ahead of every batch but critical rows' or be lost
+(close reason `backfill_due`, close_rule.assess; how much of the executor such batches may
+take: fair_share.DueAllowance).
 
 `batch` rows wait for urgent ones (close_rule.batch_width, choice.choose), but not until they
 are lost: beside online traffic that kept the executor busy they never ran, and a job's calls

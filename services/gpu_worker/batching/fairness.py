@@ -24,7 +24,7 @@ _Entry = tuple[float, float, int]
 #: A heap per (priority rank, tenant).
 _Class = tuple[int, str]
 #: What orders the heads of the heaps: (priority rank, virtual seconds, tenant's join order).
-Rank = tuple[int, float, int]
+Rank = tuple[float, float, int]
 
 
 def check_tenant_weights(tenant_weights: Mapping[str, float]) -> None:
@@ -236,7 +236,7 @@ class TenantQueues:
 
     def _rank(self, cls: _Class, extra_s: float = 0.0, batch_first: bool = False) -> Rank:
         priority, tenant = cls
-        if batch_first and priority >= BATCH_RANK:  # ahead of every class, EDF across tenants
+        if batch_first and priority >= BATCH_RANK:  # after critical rows, EDF across tenants
             return (DUE_RANK, self._heaps[cls][0][0], self._joined[tenant])
         return (priority, self._ledger.virtual_s(tenant) + extra_s, self._joined[tenant])
 

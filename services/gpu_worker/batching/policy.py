@@ -343,14 +343,14 @@ class Batcher(BatchSizes):
             margin_s=self._config.safety_margin_s,
         )
 
-    def urgency(self, now_s: float) -> tuple[int, float] | None:
+    def urgency(self, now_s: float) -> tuple[float, float] | None:
         """(priority rank, tenant virtual seconds) of the batch an idle executor would get from
         this batcher now, or None if it would wait: the driver serves the most urgent of its
         batchers first. Changes nothing (items that expired stay until the next poll)."""
         choice = self._choose(now_s)
         return None if isinstance(choice, Wait) else choice.rank
 
-    def head_rank(self) -> tuple[int, float] | None:
+    def head_rank(self) -> tuple[float, float] | None:
         """(priority rank, tenant virtual seconds) of the most urgent queued item, ready to
         dispatch or not; None if nothing is queued."""
         heads = [head[:2] for q in self._queues.values() if (head := q.items.head_rank())]

@@ -17,9 +17,11 @@ from services.common.priority import PriorityClass
 #: The rank of `batch` rows: a backlog, not traffic (no linger waits for them), held to their
 #: deadline, never to an SLO (`queue_limit_s`).
 BATCH_RANK = PriorityClass.BATCH.rank
-#: The rank of a batch whose `batch` rows are due (CloseReason.BACKFILL_DUE): ahead of every
-#: priority class, as those rows would otherwise be lost unrun.
-DUE_RANK = -1
+#: The rank of a batch whose `batch` rows are due (CloseReason.BACKFILL_DUE): after critical
+#: rows, ahead of interactive ones, as those rows would otherwise be lost unrun. Critical rows
+#: never wait for a job's (a review finding: ahead of every class, due batches took up to the
+#: allowance's share from critical traffic).
+DUE_RANK = (PriorityClass.CRITICAL.rank + PriorityClass.INTERACTIVE.rank) / 2
 
 
 class BatchKey(NamedTuple):
@@ -107,8 +109,8 @@ class CloseReason(enum.Enum):
     FAIR_SHARE = "fair_share"
     #: Only `batch` rows, run on an executor no more urgent batch was ready for.
     BACKFILL = "backfill"
-    #: `batch` rows first, run ahead of every other batch: the earliest of them would
-    #: otherwise miss its deadline (due_rows.due_limit_s).
+    #: `batch` rows first (after critical rows), run ahead of every batch but critical rows':
+    #: the earliest of them would otherwise miss its deadline (due_rows.due_limit_s).
     BACKFILL_DUE = "backfill_due"
 
 
