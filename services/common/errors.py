@@ -182,6 +182,15 @@ class UpstreamError(ServingError):
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return self._trailers
 
+    def as_not_served_now(self) -> UpstreamError:
+        """This status for a version the caller's tier knows exists (a gateway's, from its
+        repository): downstream's NOT_FOUND then means no worker serves it now (a router
+        started since, that has not seen its workers yet, or a worker that unloaded it), and
+        is UNAVAILABLE, which clients retry, not NOT_FOUND, which they take as permanent."""
+        if self.code != grpc.StatusCode.NOT_FOUND:
+            return self
+        return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"not served now: {self}", self._trailers)
+
     @property
     def retry_after_s(self) -> float | None:
         """The downstream retry hint, seconds, or None without one."""

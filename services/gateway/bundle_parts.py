@@ -99,9 +99,12 @@ def closing() -> UpstreamError:
 
 
 def fail(slices: Sequence[CallerSlice], error: BaseException) -> None:
-    """Every caller not answered yet gets `error` (a downstream status: its own copy)."""
+    """Every caller not answered yet gets `error` (a downstream status: its own copy; a
+    NOT_FOUND is UNAVAILABLE, as_not_served_now: each caller's version is in the repository)."""
     if isinstance(error, StopIteration):  # a future cannot hold one (a tokenizer's)
         error = RuntimeError(f"preparing the bundle's rows: {error!r}")
+    if isinstance(error, UpstreamError):
+        error = error.as_not_served_now()
     for entry in slices:
         if not entry.future.done():
             own = error.for_one_caller() if isinstance(error, UpstreamError) else error
@@ -181,6 +184,7 @@ def answer(slices: Sequence[CallerSlice], response: pb.InferResponse) -> list[Ca
                 entry.future.set_result(result)
         elif not entry.future.done():
             refused = UpstreamError.from_status(status.code, status.message, status.trailers)
+            refused = refused.as_not_served_now()
             if refused.is_not_started and not entry.is_resent and entry.deadline_s > now_s:
                 again.append(entry)
             else:

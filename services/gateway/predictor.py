@@ -391,7 +391,7 @@ class Predictor:
                     yield message
                 return
             except grpc.aio.AioRpcError as error:
-                failure = UpstreamError.from_rpc_error(error)
+                failure = UpstreamError.from_rpc_error(error).as_not_served_now()
                 # Resent only before the first message: a stream is never replayed.
                 if has_sent or not await self._may_resend(failure, attempt, deadline_s, "generate"):
                     if not has_sent and never_served(failure):

@@ -64,6 +64,8 @@ class Downstream:
         self.garbled: bytes | None = None
         #: Per bundle sent (in order), the slices a worker refuses UNAVAILABLE unstarted.
         self.unstarted: list[set[int]] = []
+        #: Per bundle sent (in order), the slices refused NOT_FOUND (no worker serves them).
+        self.not_found: list[set[int]] = []
         #: The SliceCancels each bundle was sent with.
         self.cancels: list[SliceCancels] = []
         #: Bundles sent from this one on (counted from 0) are never answered.
@@ -81,6 +83,7 @@ class Downstream:
         self.cancels.append(cancels)
         sent = len(self.bundles) - 1
         unstarted = self.unstarted[sent] if sent < len(self.unstarted) else set()
+        not_found = self.not_found[sent] if sent < len(self.not_found) else set()
         if self.silent_from is not None and sent >= self.silent_from:
             await asyncio.Event().wait()
         await asyncio.sleep(self.delay_s)
@@ -98,6 +101,11 @@ class Downstream:
                 response.slices.append(
                     pb.SliceStatus(code=grpc.StatusCode.UNAVAILABLE.value[0],
                                    message=str(refusal), trailers=dict(refusal.trailers()))
+                )  # fmt: skip
+            elif index in not_found:
+                response.slices.append(
+                    pb.SliceStatus(code=grpc.StatusCode.NOT_FOUND.value[0],
+                                   message="no worker serves m@1")
                 )  # fmt: skip
             else:
                 response.slices.append(pb.SliceStatus())
@@ -755,6 +763,33 @@ async def test_a_slice_refused_unstarted_beside_served_mates_is_sent_again_once(
             await asyncio.gather(call(bundles, rows(5)), call(bundles, rows(6)))
         assert raised.value.code == grpc.StatusCode.UNAVAILABLE
         assert sizes(downstream) == [3, 2, 2, 1]
+    finally:
+        await bundles.close()
+
+
+async def test_a_version_downstream_does_not_know_is_unavailable_to_callers_not_not_found() -> None:
+    """A gateway sends only versions its repository has and its fleet view serves: a router's
+    NOT_FOUND (started since, it has not seen their workers yet) or a worker's means not served
+    now, UNAVAILABLE, which clients retry; NOT_FOUND they take as permanent. For one slice of a
+    bundle, its mates served, and for a whole bundle."""
+    downstream = Downstream()
+    downstream.not_found = [{1}]
+    bundles = coalescer(downstream)
+    try:
+        answers = await asyncio.gather(
+            *(call(bundles, rows(i)) for i in range(3)), return_exceptions=True
+        )
+        assert sizes(downstream) == [3]
+        assert [float(a[0][0]) for a in (answers[0], answers[2])] == [0, 4]
+        refused = answers[1]
+        assert isinstance(refused, UpstreamError), refused
+        assert refused.code == grpc.StatusCode.UNAVAILABLE
+        assert "no worker serves m@1" in str(refused)
+        downstream.error = UpstreamError(grpc.StatusCode.NOT_FOUND, "no worker serves m@1")
+        errors = await asyncio.gather(
+            *(call(bundles, rows(i)) for i in range(3)), return_exceptions=True
+        )
+        assert [getattr(e, "code", e) for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 3
     finally:
         await bundles.close()
 
