@@ -109,6 +109,7 @@ WORKER_QUEUE_STANDING = "inference_worker_queue_standing"
 #: The executor's idle time between batches while rows wait (batching.batch_gap).
 WORKER_BATCH_GAP_SECONDS = "inference_worker_batch_gap_seconds"
 WORKER_WATCHDOG_EXPIRED_TOTAL = "inference_worker_watchdog_expired_total"
+WORKER_DEVICE_LOST_TOTAL = "inference_worker_device_lost_total"
 WORKER_MODEL_LOAD_FAILURES_TOTAL = "inference_worker_model_load_failures_total"
 
 # GPU worker: generation (continuous batching).

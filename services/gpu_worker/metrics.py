@@ -71,6 +71,12 @@ class WorkerMetrics:
             "Model calls that ran past the executor watchdog (the worker then stops serving).",
             _MODEL,
         )
+        self.device_lost_total = new.counter(
+            names.WORKER_DEVICE_LOST_TOTAL,
+            "Batches that failed whole on a device that no longer ran work (a CUDA error that "
+            "poisons the context; the worker then stops serving).",
+            _MODEL,
+        )
         self.model_load_failures_total = new.counter(
             names.WORKER_MODEL_LOAD_FAILURES_TOTAL,
             "Model versions that failed to load at start-up (left out; the rest are served).",

@@ -859,6 +859,7 @@ async def test_a_batch_that_fails_whole_on_a_device_that_no_longer_runs_work_sto
     monkeypatch.setattr("services.gpu_worker.execution.check_device", lost)
     fatal: list[Exception] = []
     driver.start(on_fatal=fatal.append)
+    registry = driver._metrics.registry
     rows = backend.prepare_many([np.ones(4, np.float32), np.zeros(4, np.float32)])
     try:
         with pytest.raises(Unavailable, match="no longer runs work"):
@@ -869,6 +870,10 @@ async def test_a_batch_that_fails_whole_on_a_device_that_no_longer_runs_work_sto
     finally:
         await driver.drain()
     assert "no longer runs work" in str(fatal[0])
+    labels = {"model": "affine", "version": "1"}
+    text = generate_latest(registry).decode()
+    assert total(text, names.WORKER_DEVICE_LOST_TOTAL, **labels) == 1  # FabricWorkerWedged
+    assert total(text, names.WORKER_WATCHDOG_EXPIRED_TOTAL, **labels) == 0
 
 
 async def test_a_standing_queue_refuses_online_rows_past_the_slo_while_batch_rows_queue(

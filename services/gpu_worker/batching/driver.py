@@ -199,8 +199,11 @@ class BatchingDriver:
         self._executor.shutdown(wait=self._wedged is None)
 
     def _wedge(self, labels: tuple[str, str], bound_s: float, lost: object = None) -> Unavailable:
-        """A model call of `labels` ran past `bound_s`, or its device was `lost`: the loop stops."""
-        if not isinstance(lost, DeviceLost):
+        """A model call of `labels` ran past `bound_s`, or its device was `lost`: the loop stops
+        (counted either way: FabricWorkerWedged reads both counters)."""
+        if isinstance(lost, DeviceLost):
+            self._metrics.device_lost_total.labels(*labels).inc()
+        else:
             self._metrics.watchdog_expired_total.labels(*labels).inc()
             lost = Unavailable(watchdog.wedged_message(labels, bound_s))
         self._wedged = lost
