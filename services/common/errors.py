@@ -112,11 +112,21 @@ class Overloaded(ServingError):
         return Overloaded(str(self), retry_after_s=self.retry_after_s, is_least=self.is_least)
 
 
+#: What grpc says of a message past a size limit (RESOURCE_EXHAUSTED, sender's or receiver's),
+#: and so what ours say: a call or answer too large, not a tier short of capacity (a client
+#: that throttles itself on refusals for load, and `UpstreamError.is_overload`, tell them
+#: apart by it).
+TOO_LARGE = "message larger than max"
+
+
 class MessageTooLarge(ServingError):
     """A message past the limit of the stream or call that would carry it (as grpc answers a
-    unary call's)."""
+    unary call's, in its words: TOO_LARGE)."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"{TOO_LARGE}: {message}")
 
 
 class DeadlineExceeded(ServingError):
@@ -212,8 +222,10 @@ class UpstreamError(ServingError):
     def is_overload(self) -> bool:
         """Downstream refused for load. DEADLINE_EXCEEDED is not counted: a request that
         waited too long in this tier's own queue runs out of time too, and taking that for a
-        downstream refusal would throttle harder exactly when this tier is the bottleneck."""
-        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        downstream refusal would throttle harder exactly when this tier is the bottleneck. Nor
+        is a message past a size limit (TOO_LARGE: an answer too large, its model having run;
+        a review finding: counted, it throttled the caller's tenant and gave its rows back)."""
+        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE not in str(self)
 
     @classmethod
     def from_status(cls, code: int, message: str, trailers: Mapping[str, str]) -> UpstreamError:

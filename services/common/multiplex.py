@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import grpc
 
 from services.common.bundles import SliceCancels
-from services.common.errors import NOT_STARTED_TRAILER, UpstreamError
+from services.common.errors import NOT_STARTED_TRAILER, TOO_LARGE, UpstreamError
 from services.common.lifecycle import MAX_MESSAGE_BYTES
 from services.common.multiplex_stream import (
     MuxStream,
@@ -105,7 +105,8 @@ class MultiplexClient:
         if len(request) > MAX_CALL_BYTES:  # as a unary call's send fails
             raise UpstreamError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self._name}: a call of {len(request)} bytes is past the message limit of "
+                f"{TOO_LARGE}: {self._name}: a call of {len(request)} bytes is past the message "
+                f"limit of "
                 f"{MAX_MESSAGE_BYTES} bytes",
             )
         stream = self._current_stream()

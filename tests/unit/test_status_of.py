@@ -6,12 +6,14 @@ import asyncio
 
 import grpc
 import pytest
+from inference_fabric_client.throttle import is_accepted
 
 from services.common.errors import (
     DeadlineExceeded,
     ExecutionFailed,
     FingerprintMismatch,
     InvalidInput,
+    MessageTooLarge,
     NotFound,
     Overloaded,
     PermissionDenied,
@@ -102,3 +104,21 @@ def test_a_long_message_echoing_a_lone_surrogate_is_cut_not_raised() -> None:
     message = bounded_message("bad key " + "\ud800" * 600)
     assert message.endswith("bytes cut)")
     assert len(message.encode()) <= MAX_STATUS_MESSAGE_BYTES + 30
+
+
+def test_a_message_past_a_size_limit_is_no_refusal_for_load() -> None:
+    """An answer too large for its stream (the model ran) is RESOURCE_EXHAUSTED, as grpc
+    answers a message past its limit, and in grpc's words: the gateway's throttle and the
+    tenant's rows do not take it for a refusal for load, nor does the slim client (a review
+    finding: it throttled the caller and gave its rows back). A refusal for load still is."""
+    answer = MessageTooLarge("an answer of 70000000 bytes is past the message limit")
+    status = status_of(answer)
+    assert status.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    passed_on = UpstreamError.from_status(status.code.value[0], status.message, {})
+    assert not passed_on.is_overload
+    assert is_accepted(status.code.name, status.message)
+    received = "Received message larger than max (70000000 vs. 67108864)"  # grpc's own
+    assert not UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, received).is_overload
+    busy = status_of(Overloaded("predicted to finish past its SLO", retry_after_s=0.1))
+    assert UpstreamError.from_status(busy.code.value[0], busy.message, {}).is_overload
+    assert not is_accepted(busy.code.name, busy.message)
