@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -111,6 +112,7 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         await stopping.wait()
     log.info("SIGTERM: draining")
     bound_stop(config.drain_grace_s)
+    stop_started_s = time.monotonic()
     loading.cancel()
     if fronts is not None:  # a front that exits now (a signal to the whole group) stays down
         fronts.stop_watching()
@@ -120,18 +122,23 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     except Exception:  # its drain failed (it deregistered all the same): the fronts still stop
         log.exception("the worker's stop failed")
         status = 1
-    await _stop_fronts(fronts, link)  # the link's streams were told `closing` by worker.stop
+    # The link's streams were told `closing` by worker.stop.
+    await _stop_fronts(fronts, link, stop_started_s)
     log.info("worker stopped")
     _remove(engine_dir)
     exit_stopped(status)
 
 
-async def _stop_fronts(fronts: Fronts | None, link: EngineLink | None) -> None:
-    """Ends the link's streams, then stops the fronts."""
+async def _stop_fronts(
+    fronts: Fronts | None, link: EngineLink | None, stop_started_s: float | None = None
+) -> None:
+    """Ends the link's streams, then stops the fronts (within the engine's stop bound, from
+    `stop_started_s` on the monotonic clock: None, not bounded by one)."""
     if link is not None:
         await link.close()
     if fronts is not None:
-        await fronts.stop()
+        elapsed_s = 0.0 if stop_started_s is None else time.monotonic() - stop_started_s
+        await fronts.stop(elapsed_s)
 
 
 def _remove(engine_dir: Path | None) -> None:

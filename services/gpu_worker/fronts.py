@@ -27,6 +27,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
+from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.processes import (
     Restarts,
     Supervised,
@@ -51,6 +52,23 @@ SERVING_TIMEOUT_S = 10.0
 #: and over) before it stops serving: nothing listens on its port, while its registry entry
 #: still drew routers' calls.
 NONE_LISTENING_S = 30.0
+#: What the engine keeps of its own stop bound (lifecycle.bound_stop) once it stops waiting for
+#: its fronts: to SIGKILL and reap the last of them, and remove its directory.
+STOP_MARGIN_S = 3.0
+#: The least wait for fronts stopping, however late in the engine's stop.
+MIN_FRONT_WAIT_S = 1.0
+
+
+def front_wait_s(drain_grace_s: float, elapsed_s: float) -> float:
+    """How long the engine waits for its fronts to stop, `elapsed_s` into its own stop, before
+    it SIGKILLs them: their drain grace and 5 s, but no later than its own stop bound
+    (`drain_grace_s` + STOP_OVERRUN_S) less STOP_MARGIN_S. The fronts are stopped after the
+    engine's drain, its link closed: nothing is left for them to drain, and a front slow to stop
+    (a router that no longer reads its answers) had the engine's bound end the engine first,
+    exit 1 with its stacks on an ordinary stop, its directory left behind and the fronts alive
+    for up to 20 s after it, holding the port (review finding)."""
+    left_s = drain_grace_s + STOP_OVERRUN_S - STOP_MARGIN_S - elapsed_s
+    return max(MIN_FRONT_WAIT_S, min(drain_grace_s + 5.0, left_s))
 
 
 @dataclass
@@ -160,13 +178,14 @@ class Fronts:
         if self._watching is not None:
             self._watching.cancel()
 
-    async def stop(self) -> None:
-        """SIGTERMs every front and waits for each (SIGKILL past the drain grace)."""
+    async def stop(self, elapsed_s: float = 0.0) -> None:
+        """SIGTERMs every front and waits for each, `elapsed_s` into the engine's own stop
+        (SIGKILL past `front_wait_s`)."""
         self.stop_watching()
         running = [f for f in self._fronts.values() if f.process.poll() is None]
         for front in running:
             request_stop(front.process)
-        grace_s = self._config.drain_grace_s + 5.0
+        grace_s = front_wait_s(self._config.drain_grace_s, elapsed_s)
         codes = await asyncio.gather(
             *(asyncio.to_thread(wait_or_kill, f.process, grace_s) for f in running)
         )

@@ -1,11 +1,13 @@
 """When a worker's fronts have all stopped listening for long enough that it must stop serving
-(services.gpu_worker.fronts.Silence, on the caller's clock)."""
+(services.gpu_worker.fronts.Silence, on the caller's clock), and how long its stop waits for
+them (fronts.front_wait_s)."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.gpu_worker.fronts import Silence
+from services.common.lifecycle import STOP_OVERRUN_S
+from services.gpu_worker.fronts import MIN_FRONT_WAIT_S, STOP_MARGIN_S, Silence, front_wait_s
 
 pytestmark = pytest.mark.unit
 
@@ -25,3 +27,21 @@ def test_a_front_listening_between_restarts_starts_the_count_again() -> None:
     assert not silence.update(False, now_s=25.0)
     assert not silence.update(False, now_s=54.9)
     assert silence.update(False, now_s=55.0)
+
+
+@pytest.mark.parametrize("drain_grace_s", [0.0, 5.0, 30.0])
+def test_the_engine_stops_waiting_for_its_fronts_before_its_own_stop_bound(
+    drain_grace_s: float,
+) -> None:
+    """Stopped after the engine's drain, the fronts are waited for no later than the engine's
+    own bound (drain grace + STOP_OVERRUN_S) less the margin to kill and reap them: a front slow
+    to stop had the bound end the engine first (exit 1, its fronts left alive), a review
+    finding. Early in the stop the fronts get their drain grace and 5 s; never less than 1 s."""
+    bound_s = drain_grace_s + STOP_OVERRUN_S
+    for elapsed_s in (0.0, drain_grace_s + 2.0, bound_s - 4.0, bound_s - 1.0, bound_s + 5.0):
+        wait_s = front_wait_s(drain_grace_s, elapsed_s)
+        assert wait_s >= MIN_FRONT_WAIT_S
+        if elapsed_s + MIN_FRONT_WAIT_S <= bound_s - STOP_MARGIN_S:
+            assert elapsed_s + wait_s <= bound_s - STOP_MARGIN_S, (elapsed_s, wait_s)
+    assert front_wait_s(drain_grace_s, 0.0) == drain_grace_s + 5.0
+    assert front_wait_s(30.0, 32.0) == 30.0 + STOP_OVERRUN_S - STOP_MARGIN_S - 32.0
