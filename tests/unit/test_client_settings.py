@@ -69,3 +69,19 @@ def test_a_call_timeout_that_is_no_number_of_seconds_is_refused(timeout_s: float
         ):
             with pytest.raises(ValueError, match="finite number of seconds"):
                 call()
+
+
+def test_a_client_closed_by_another_thread_as_a_call_starts_refuses_it_as_cancelled() -> None:
+    """Closed between the call's check and its send (another thread's `close`), grpc raises
+    ValueError ("Cannot invoke RPC on closed channel!"): the caller gets CANCELLED, as for a
+    call made after the close (review finding)."""
+    client = Client("127.0.0.1:1", throttle=None)
+    send = client._channel.unary_unary("/inference.v1.InferenceService/Predict")
+
+    def closed_as_sent(request: bytes, **settings: object) -> object:
+        client.close()  # as another thread would, just after the check
+        return send(request, **settings)
+
+    with pytest.raises(FabricError) as refused:
+        client._attempts(closed_as_sent, b"", 1.0)
+    assert refused.value.code == "CANCELLED"

@@ -340,6 +340,10 @@ class Client:
                 )
             except grpc.RpcError as error:
                 failure = FabricError.from_rpc(error)
+            except ValueError:  # grpc's "Cannot invoke RPC on closed channel!"
+                if not self._is_closed:
+                    raise
+                raise FabricError("CANCELLED", "the client is closed") from None
             min_attempt_s = self._retry.min_attempt_s
             if is_costly:
                 min_attempt_s = max(min_attempt_s, time.monotonic() - sent_s)
