@@ -28,6 +28,7 @@ from tests.unit.test_batching_policy import (
     INTERACTIVE,
     add_all,
     dispatch_of,
+    flat_latency,
     ids,
     linear_latency,
     make_batcher,
@@ -237,6 +238,22 @@ def test_a_due_batch_in_a_key_with_critical_rows_takes_them_first() -> None:
     first = dispatch_of(other.poll(0.95, executor_idle=True))
     assert ids(first) == [10, 11, 12, 13], "the critical key's full batch first"
     assert dispatch_of(other.poll(0.95, executor_idle=True)).reason is CloseReason.BACKFILL_DUE
+
+
+def test_critical_rows_lingering_in_another_key_close_before_a_due_batch() -> None:
+    """Critical rows still lingering (their key not full, a batch costing its fixed part
+    whatever its width, and more rows expected 1 ms apart) do not wait for a due batch of
+    another key in their lane: they close now (FULL), the due batch right after (a review
+    finding: across lanes the driver forced them, within a lane the due batch ran first)."""
+    batcher = make_batcher(latency=flat_latency(0.01), max_queue_size=1000)
+    add_all(batcher, [make_item(item_id=i, priority=BATCH, deadline_s=1.0) for i in range(4)])
+    add_all(batcher, [make_item(item_id=10 + i, bucket=64, priority=CRITICAL,
+                                arrival_s=0.947 + i * 0.001, deadline_s=5.0)
+                      for i in range(3)])  # fmt: skip
+    first = dispatch_of(batcher.poll(0.95, executor_idle=True))
+    assert (ids(first), first.reason) == ([10, 11, 12], CloseReason.FULL)
+    due = dispatch_of(batcher.poll(0.95, executor_idle=True))
+    assert (ids(due), due.reason) == ([0, 1, 2, 3], CloseReason.BACKFILL_DUE)
 
 
 def test_batch_rows_queued_by_an_admission_pass_come_due_alike() -> None:

@@ -44,7 +44,8 @@ def choose(
     is not, those rows close now instead (FULL): lingering pays only while the executor would
     otherwise idle, and with a backfill waiting it would not; the backfill runs after them.
     A key whose `batch` rows are due (BACKFILL_DUE) ranks after critical rows and ahead of
-    every other class (DUE_RANK).
+    every other class (DUE_RANK); critical rows lingering in another key close now rather
+    than wait for its run (FULL).
     `assess` is the close rule of one key."""
     chosen: _Candidate | None = None
     backfill: _Candidate | None = None
@@ -78,6 +79,9 @@ def choose(
         if wake_s is None or now_s + predict(key, width) <= wake_s:
             return Choice((priority, virtual_s), key, reason, width)
         chosen = lingering
+    is_due_first = chosen is not None and chosen[0][0] == DUE_RANK
+    if is_due_first and lingering is not None and lingering[0][0] < DUE_RANK:
+        chosen = lingering  # critical rows lingering close now: never wait for a due batch
     if chosen is None:
         return Wait(wake_s)
     (priority, virtual_s, _), key, reason = chosen

@@ -193,9 +193,9 @@ class TenantQueues:
         """Remove and return up to `limit` items, each time from the most urgent class and,
         within it, the tenant with the least virtual time counting the rows it already got in
         this batch at `row_cost_s` each (the ledger is charged for them after the batch is
-        formed). EDF within a tenant and class. `batch_first`: `batch` rows before the others,
-        earliest deadline first whatever their tenant (they are due, due_rows.due_limit_s:
-        by deadline, not share)."""
+        formed). EDF within a tenant and class. `batch_first`: `batch` rows after critical rows
+        and before the others, earliest deadline first whatever their tenant (they are due,
+        due_rows.due_limit_s: by deadline, not share)."""
         live = [cls for cls, heap in self._heaps.items() if self._prune(heap)]
         if len(live) == 1:
             batch = self._take_from(self._heaps[live[0]], limit)
