@@ -55,8 +55,6 @@ NONE_LISTENING_S = 30.0
 #: What the engine keeps of its own stop bound (lifecycle.bound_stop) once it stops waiting for
 #: its fronts: to SIGKILL and reap the last of them, and remove its directory.
 STOP_MARGIN_S = 3.0
-#: The least wait for fronts stopping, however late in the engine's stop.
-MIN_FRONT_WAIT_S = 1.0
 
 
 def front_wait_s(drain_grace_s: float, elapsed_s: float) -> float:
@@ -66,9 +64,10 @@ def front_wait_s(drain_grace_s: float, elapsed_s: float) -> float:
     engine's drain, its link closed: nothing is left for them to drain, and a front slow to stop
     (a router that no longer reads its answers) had the engine's bound end the engine first,
     exit 1 with its stacks on an ordinary stop, its directory left behind and the fronts alive
-    for up to 20 s after it, holding the port (review finding)."""
+    for up to 20 s after it, holding the port (review finding). None once the bound is that
+    near: they are SIGKILLed at once."""
     left_s = drain_grace_s + STOP_OVERRUN_S - STOP_MARGIN_S - elapsed_s
-    return max(MIN_FRONT_WAIT_S, min(drain_grace_s + 5.0, left_s))
+    return max(0.0, min(drain_grace_s + 5.0, left_s))
 
 
 @dataclass
