@@ -428,13 +428,10 @@ class Client:
 
     def models(self, *, timeout_s: float | None = None) -> list[dict[str, object]]:
         """The models this key may use: name, served versions and labels."""
-        try:
-            reply = self._stub.ListModels(
-                api.ListModelsRequest(), timeout=self._timeout(timeout_s),
-                metadata=self._metadata,
-            )  # fmt: skip
-        except grpc.RpcError as error:
-            raise FabricError.from_rpc(error) from None
+        # Through the attempts a predict takes: a client closed meanwhile is CANCELLED there.
+        reply: Any = self._attempts(
+            self._stub.ListModels, api.ListModelsRequest(), self._timeout(timeout_s)
+        )
         return [
             {
                 "name": m.name,
