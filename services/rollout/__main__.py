@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, start_http_server
+from redis.exceptions import RedisError
 
 from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting
@@ -283,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return asyncio.run(run(args))
-    except (ValueError, ClusterError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, ClusterError, RedisError, OSError) as error:
+        # Redis unreachable before stepping, a metrics port taken, a password file missing:
+        # it could not run (1 says the canary was rolled back; review finding).
+        print(f"error: {error!r}", file=sys.stderr)
         return 2
 
 

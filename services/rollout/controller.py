@@ -132,6 +132,8 @@ class CanaryRollout:
         if "stable" not in routing.labels:
             raise ValueError(f"model {self.model!r} has no stable label to compare with")
         stable = str(routing.labels["stable"])
+        if stable == str(self.canary_version):  # judged against itself, it would be promoted
+            raise ValueError(f"model {self.model!r}: version {stable} is already stable")
         if _others_weighted(routing.traffic) and not _pair_weight(routing.traffic):
             raise ValueError(
                 f"model {self.model!r}: stable takes no traffic beside other labels' "
@@ -175,7 +177,11 @@ class CanaryRollout:
             verdict, earlier = await self._run_step(step, stable, urls, earlier)
             if verdict.decision is Decision.ROLLBACK:
                 return Decision.ROLLBACK
-        await self._change(self._promoted)
+        # Tried again (the same record again: idempotent) while Redis fails: a promotion
+        # written whose reply was lost, aborted, had the abort set the canary's share to 0 on
+        # the promoted record, stable then naming the canary's version, its pool released
+        # (review finding).
+        await self._retried("promote the canary", lambda: self._change(self._promoted))
         return Decision.PROMOTE
 
     def _aborted(self, why: str, is_back: bool) -> str:

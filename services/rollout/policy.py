@@ -9,6 +9,9 @@ the step's hold, its health over the step is compared with stable's over the sam
   regression), judged once the canary has served `min_requests` in the step;
 - hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
   extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
+  the same while stable's health (`baseline`) counts fewer: judged against no calls, the
+  canary's latency was never compared and it was promoted (stable's workers not scraped:
+  a review finding);
 - otherwise advance; after the last step, promote (the `stable` label moves to the canary).
 
 Stable's health is its own over the step, except where it served fewer than `min_requests`
@@ -121,6 +124,14 @@ def judge(
                 f" (need {plan.min_requests})",
             )
         return Verdict(Decision.HOLD, f"{canary.requests} canary requests so far")
+    if stable.requests < plan.min_requests:  # nothing to judge its latency against
+        if holds >= plan.max_holds:
+            return Verdict(
+                Decision.ROLLBACK,
+                f"only {stable.requests} stable requests to judge the canary against after"
+                f" {holds + 1} holds (need {plan.min_requests}; are stable's workers scraped?)",
+            )
+        return Verdict(Decision.HOLD, f"{stable.requests} stable requests so far")
     if step == len(plan.steps) - 1:
         return Verdict(Decision.PROMOTE, "every step healthy")
     return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")

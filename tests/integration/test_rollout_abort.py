@@ -498,3 +498,37 @@ async def test_an_abort_after_a_write_whose_reply_was_lost_still_sets_the_share_
 
 async def no_wait_then(_: int) -> None:
     pass
+
+
+async def test_a_promotion_whose_reply_was_lost_is_written_again_not_aborted(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """The promotion written but its reply lost: it is tried again (the same record: the
+    rollout's own write), and the rollout promotes. Before, the abort that followed set the
+    canary's share to 0 on the promoted record: `stable` named the canary's version, with a
+    `canary` label at 0, its pool released (review finding)."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = ReplyLost(client, "fabric", load_repository(repository), lose_at=4)
+        await store.change("affine", lambda _: STABLE)  # change 1; steps 2 and 3; promotion 4
+        decision = await rollout_of(store, healthy_scrape(no_wait_then)).run()
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert decision is Decision.PROMOTE
+    assert (routing.labels, routing.traffic) == ({"stable": 2}, {"stable": 1.0})
+
+
+def test_redis_unreachable_or_a_canary_already_stable_is_refused_with_status_2(
+    redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing ran: status 2, not 1 (rolled back), and no traceback (review finding)."""
+    unreachable = canary_args(redis_server, repository, "--metrics-url", "http://unused")
+    unreachable[1] = "redis://127.0.0.1:1"
+    assert main(unreachable) == 2
+    assert "ConnectionError" in capsys.readouterr().err
+    asyncio.run(set_stable(redis_server, repository))
+    itself = canary_args(redis_server, repository, "--metrics-url", "http://unused")
+    itself[itself.index("--version") + 1] = "1"
+    assert main(itself) == 2
+    assert "version 1 is already stable" in capsys.readouterr().err

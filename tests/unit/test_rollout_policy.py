@@ -66,6 +66,20 @@ def test_too_little_canary_traffic_holds_then_rolls_back() -> None:
     assert verdict.decision is Decision.ROLLBACK and "only 10 canary requests" in verdict.reason
 
 
+def test_too_little_stable_traffic_to_judge_against_holds_then_rolls_back() -> None:
+    """Stable's health counting too few calls (its workers not scraped: every window empty,
+    no earlier step's either) judges nothing: the canary's latency was never compared and it
+    was promoted (a review finding). It holds as for too little canary traffic, then rolls
+    back; an early rollback for the canary's own errors still comes."""
+    canary = Health(requests=200, errors=0, p99_s=0.500)
+    unscraped = Health(requests=0, errors=0, p99_s=None)
+    assert judge(PLAN, 0, 0, canary, unscraped, final=True).decision is Decision.HOLD
+    verdict = judge(PLAN, 2, 2, canary, unscraped, final=True)
+    assert verdict.decision is Decision.ROLLBACK and "only 0 stable requests" in verdict.reason
+    failing = Health(requests=200, errors=50, p99_s=0.05)
+    assert judge(PLAN, 0, 0, failing, unscraped, final=False).decision is Decision.ROLLBACK
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
