@@ -12,8 +12,9 @@
 
 `canary` steps the canary's traffic share, judges each step from the workers' metrics
 (services.rollout.policy) and promotes or rolls back by itself; it exits 0 on promotion, 1 on
-rollback, 2 when it could not run (bad arguments, no stable label, the cluster refused or the
-canary pool never became ready; nothing was changed), and 3 when it was aborted while stepping
+rollback, 2 when it could not run (bad arguments, no stable label, a canary version already
+stable, Redis unreachable, the cluster refused or the canary pool never became ready; nothing
+was changed), and 3 when it was aborted while stepping
 (an error, such as a worker's metrics endpoint gone, or SIGTERM / SIGINT / SIGHUP): the canary's
 share was then set back to 0 and its pool released, as for a rollback, unless that failed too
 (logged). With `--canary-deployment` it first scales that Deployment and waits for its pods to
