@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,8 @@ from services.rollout.health import scrape
 from services.rollout.policy import Decision, Plan
 from services.rollout.pool import ClusterError, PoolConfig
 from services.rollout.routing_store import Change, RoutingStore
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from services.rollout.cluster import CanaryPool
@@ -221,15 +224,16 @@ async def _run_canary(
         pool=pool,
         check_period_s=args.check_period_s,
     )
-    # A deleted Job's SIGTERM, like ^C (asyncio.run's own), cancels the rollout: it aborts; so
-    # does SIGHUP, the terminal it runs in closed (an SSH session lost), which killed it
-    # before, the canary left at its share (review finding). (Only the main thread may take
-    # signals: `main` run on another takes none.)
+    # A deleted Job's SIGTERM, like ^C, cancels the rollout: it aborts; so does SIGHUP, the
+    # terminal it runs in closed (an SSH session lost), which killed it before, the canary
+    # left at its share (review finding). Once: see `cancel_once`. (Only the main thread may
+    # take signals: `main` run on another takes none.)
     if threading.current_thread() is threading.main_thread():
         task = asyncio.current_task()
         assert task is not None
-        for signum in (signal.SIGTERM, signal.SIGHUP):
-            asyncio.get_running_loop().add_signal_handler(signum, task.cancel, signum.name)
+        handle = cancel_once(task)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(signum, handle, signum.name)
     try:
         decision = await rollout.run()
     except RolloutAborted as error:
@@ -240,6 +244,24 @@ async def _run_canary(
         return ABORTED
     print(f"{args.model}: {decision.value}")
     return 0 if decision is Decision.PROMOTE else 1
+
+
+def cancel_once(task: asyncio.Task[Any]) -> Callable[[str], None]:
+    """The rollout's signal handler: the first signal cancels `task` (the rollout aborts, the
+    canary's share set back to 0 and its pool released, for up to 120 s through a Redis
+    outage); later ones are logged only. A second signal (or ^C: asyncio.run's own handler)
+    cancelled that abort half done, the canary left at its share, judged by nobody (review
+    finding)."""
+    signalled: list[str] = []
+
+    def handle(name: str) -> None:
+        if signalled:
+            log.warning("%s: the rollout is aborting (sending its canary's traffic back)", name)
+            return
+        signalled.append(name)
+        task.cancel(name)
+
+    return handle
 
 
 def changer(args: argparse.Namespace) -> Change:

@@ -298,10 +298,11 @@ class CanaryRollout:
         labels = {k: v for k, v in current.labels.items() if k != "canary"}
         labels["stable"] = self.canary_version
         traffic = current.traffic
-        if not _others_weighted(traffic):
-            return ModelRouting(labels, {"stable": 1.0})
+        # Other labels' weights kept, those at 0 too: dropped, a version held at 0 could
+        # become a default again (catalog: its newest unweighted version; review finding).
         others = {k: w for k, w in traffic.items() if k not in _PAIR}
-        return ModelRouting(labels, {**others, "stable": _pair_weight(traffic)})
+        pair = _pair_weight(traffic) if _others_weighted(traffic) else 1.0
+        return ModelRouting(labels, {**others, "stable": pair})
 
 
 #: The labels a rollout moves traffic between; any other label's weight it keeps.

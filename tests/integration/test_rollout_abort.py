@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from services.common.model_repository import load_repository
 from services.common.model_routing import ModelRouting, routing_key
 from services.common.registry_schema import connect
-from services.rollout.__main__ import ABORTED, main
+from services.rollout.__main__ import ABORTED, cancel_once, main
 from services.rollout.controller import (
     CanaryRollout,
     RolloutAborted,
@@ -141,7 +141,9 @@ async def test_a_metrics_endpoint_gone_mid_step_aborts_with_the_canary_share_bac
     assert routing.labels == {"stable": 1, "canary": 2}
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP], ids=["TERM", "HUP"])
+@pytest.mark.parametrize(
+    "signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT], ids=["TERM", "HUP", "INT"]
+)
 async def test_a_signal_mid_step_aborts_with_the_canary_share_back_to_zero(
     redis_server: RedisServer, repository: Path, endpoint: MetricsEndpoint, signum: int
 ) -> None:
@@ -532,3 +534,48 @@ def test_redis_unreachable_or_a_canary_already_stable_is_refused_with_status_2(
     itself[itself.index("--version") + 1] = "1"
     assert main(itself) == 2
     assert "version 1 is already stable" in capsys.readouterr().err
+
+
+async def test_a_label_held_at_weight_zero_keeps_its_entry_through_the_promotion(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """`{stable: 1, beta: 0}`: beta's version held out of the default traffic. The promotion
+    wrote `{stable: 1}`, dropping beta's entry, so its version could become a default again
+    (review finding); it keeps it at 0."""
+    held = ModelRouting({"stable": 1, "beta": 1}, {"stable": 1.0, "beta": 0.0})
+    client = connect(redis_server.url, timeout_s=5.0)
+    store = RoutingStore(client, "fabric", load_repository(repository))
+    try:
+        await store.change("affine", lambda _: held)
+        assert await rollout_of(store, healthy_scrape(no_wait_then)).run() is Decision.PROMOTE
+        promoted = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert (promoted.labels, promoted.traffic) == (
+        {"stable": 2, "beta": 1},
+        {"stable": 1.0, "beta": 0.0},
+    )
+
+
+async def test_only_the_first_signal_cancels_the_rollout_so_its_abort_runs_whole() -> None:
+    """The first signal cancels the rollout, which aborts (its canary's share set back); a
+    second one (SIGTERM again, ^C) used to cancel that abort half done, the canary left at its
+    share (review finding). The signal handler cancels once."""
+    aborting = asyncio.Event()
+
+    async def rollout() -> str:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            aborting.set()
+            await asyncio.sleep(0.2)  # the abort's writes, which a second cancel cut short
+            return "aborted whole"
+        return "not cancelled"
+
+    task = asyncio.create_task(rollout())
+    await asyncio.sleep(0)
+    handle = cancel_once(task)
+    handle("SIGTERM")
+    await aborting.wait()
+    handle("SIGINT")
+    assert await task == "aborted whole"
