@@ -19,9 +19,13 @@ from services.common.processes import (
 from services.common.redis_server import ping
 from services.local_stack.config import HOST, StackConfig
 
-# SIGINT/SIGTERM ask the launcher to stop; SIGCHLD says a child exited. All three stay blocked and
-# are taken with sigtimedwait, so none can arrive between a check and the wait that follows it.
-WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD}
+# SIGINT/SIGTERM ask the launcher to stop, and SIGHUP (the terminal closed: it used to kill the
+# launcher at once, its tiers then stopped by their parent-death signal, out of order), unless
+# it was started ignoring SIGHUP (nohup); SIGCHLD says a child exited. All stay blocked and are
+# taken with sigtimedwait, so none can arrive between a check and the wait that follows it.
+WAKE_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGCHLD} | (
+    set() if signal.getsignal(signal.SIGHUP) is signal.SIG_IGN else {signal.SIGHUP}
+)
 # Shutdown order: a tier stops only after every tier that sends it requests has stopped.
 STOP_ORDER = ("jobs", "gateway", "worker", "router", "redis")
 

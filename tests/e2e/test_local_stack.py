@@ -186,3 +186,24 @@ async def test_tolerate_exits_keeps_the_other_tiers_running(tmp_path: Path) -> N
         assert await health_status(tier.address) == SERVING
     assert stack.stop() == 0, stack.stop_report()
     assert alive(pids.values()) == []
+
+
+def test_a_closed_terminal_stops_the_stack_in_order(tmp_path: Path) -> None:
+    """SIGHUP (the terminal `make run` ran in closed) stops every tier in order, as ^C does:
+    it used to kill the launcher at once, its tiers then stopped by their parent-death signal
+    all together, out of order. (Started under nohup, which ignores SIGHUP, it keeps running.)"""
+    # The launcher inherits SIGHUP's disposition: default here, whatever ran this suite.
+    previous = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        stack = start_stack(tmp_path)
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    stack.process.send_signal(signal.SIGHUP)
+    try:
+        exit_code = stack.process.wait(timeout=60)
+    finally:
+        if stack.process.poll() is None:
+            stack.stop()
+    assert exit_code == 0, stack.log("launcher")
+    assert alive(stack.pids().values()) == [], stack.pids()
+    assert "SIGHUP: stopping" in stack.log("launcher")
