@@ -163,10 +163,14 @@ class StreamRequests:
     idle streams count against their tenant too. Its first request rides on the stream's
     token, and a request that starts while none of the stream's others runs rides on the
     stream's place; every other request takes a token of its own, and a place of its own
-    while it runs, or is refused as a call of its own would be."""
+    while it runs, or is refused as a call of its own would be. So does every request of a
+    tenant other than `tenant`, the stream's (its key moved to another tenant by a keys file
+    reloaded while the stream is open): the stream's token and place are its first tenant's
+    (a review finding: the other tenant's requests rode on them, past its own limits)."""
 
-    def __init__(self, admission: TenantAdmission) -> None:
+    def __init__(self, admission: TenantAdmission, tenant: str) -> None:
         self._admission = admission
+        self._tenant = tenant
         self._has_admitted = False
         self._is_place_taken = False
 
@@ -175,12 +179,13 @@ class StreamRequests:
         """Admits one request under its tenant's `policy` as it stands now (keys and limits
         reload while a stream is open; raises Overloaded) and holds what it took while it
         runs."""
-        rides_on_place = not self._is_place_taken
-        if self._has_admitted:
+        is_streams = policy.name == self._tenant
+        rides_on_place = is_streams and not self._is_place_taken
+        if self._has_admitted or not is_streams:
             refusal = self._admission.acquire(policy, has_place=rides_on_place)
             if refusal is not None:
                 raise refusal
-        self._has_admitted = True
+        self._has_admitted = self._has_admitted or is_streams
         if rides_on_place:
             self._is_place_taken = True
         else:

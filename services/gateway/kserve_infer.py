@@ -248,7 +248,7 @@ class StreamInfer:
         MAX_STREAM_HELD requests in flight and answers not written, no more of it is read."""
         predictor, max_rows = self.predictor, self.max_rows
         answers = StreamAnswers()
-        admission = StreamRequests(predictor.admission)
+        admission = StreamRequests(predictor.admission, principal.policy.name)
         headers = {key: value for key, value in metadata if isinstance(value, str)}
 
         def caller() -> Principal:

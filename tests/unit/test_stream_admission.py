@@ -25,7 +25,7 @@ def _admitted_stream(policy: TenantPolicy) -> tuple[TenantAdmission, StreamReque
     )
     assert admission.acquire(policy) is None
     admission.enter(policy)
-    return admission, StreamRequests(admission)
+    return admission, StreamRequests(admission, policy.name)
 
 
 def test_requests_beyond_the_first_running_one_take_places_of_their_own() -> None:
@@ -96,3 +96,26 @@ def test_a_tenant_without_a_label_of_its_own_sets_no_share() -> None:
     share = "inference_gateway_tenant_quota_share"
     assert registry.get_sample_value(share, {"tenant": "t"}) == 0.25
     assert registry.get_sample_value(share, {"tenant": "other"}) is None
+
+
+def test_a_request_of_another_tenant_rides_on_nothing_of_the_streams() -> None:
+    """The stream's key moved to tenant `u` by a keys file reloaded while it is open: `u`'s
+    requests take tokens and places of `u`'s own, never the stream's (tenant `t`'s), and `t`
+    is not charged for them (a review finding: `u` ran past its own limits on `t`'s)."""
+    streams = TenantPolicy(name="t", max_concurrency=2)
+    other = TenantPolicy(name="u", max_concurrency=1)
+    admission = TenantAdmission(
+        GatewayMetrics(CollectorRegistry()),
+        TenantLabels({"t": streams, "u": other}),
+        clock=lambda: 0.0,
+    )
+    assert admission.acquire(streams) is None
+    admission.enter(streams)
+    stream = StreamRequests(admission, "t")
+    with stream.admitted(other):
+        assert (admission.quotas.in_flight("t"), admission.quotas.in_flight("u")) == (1, 1)
+        with pytest.raises(Overloaded, match="max_concurrency"), stream.admitted(other):
+            pass
+        with stream.admitted(streams):  # the stream's own tenant still rides on its place
+            assert admission.quotas.in_flight("t") == 1
+    assert (admission.quotas.in_flight("t"), admission.quotas.in_flight("u")) == (1, 0)
