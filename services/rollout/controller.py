@@ -141,6 +141,17 @@ class CanaryRollout:
             )
         if not self.store.has_version(self.model, self.canary_version):
             raise ValueError(f"model {self.model!r} has no version {self.canary_version}")
+        if routing.traffic.get("canary", 0.0) > 0:
+            # Another rollout's, running or killed: taken over silently, its controller then
+            # stopped at its next write, its pool left up (review finding).
+            raise ValueError(
+                f"model {self.model!r}: a canary already takes traffic ({routing.dumps()}): "
+                "another rollout runs, or one was stopped uncleanly; set it back first "
+                "(`routing reset` or `routing set`)"
+            )
+        # The record read here is the one the first write changes: another writer's change
+        # meanwhile (the pool's preparation may take minutes) stops the rollout at that write.
+        self._written = routing.revision
         # The endpoints are fixed for the whole rollout: snapshots subtract endpoint by
         # endpoint.
         urls = self.metrics_urls
@@ -281,8 +292,9 @@ class CanaryRollout:
         second controller, was overwritten at the next step (review finding)."""
 
         def own_change(current: ModelRouting) -> ModelRouting:
-            # Its last write, or the one before whose reply was lost (Redis failing): ours.
-            is_ours = self._written is None or current.revision == self._written
+            # Its last write (or the record read at its start), or the one before whose reply
+            # was lost (Redis failing): ours.
+            is_ours = current.revision == self._written
             if not (is_ours or _weights(current) == self._attempted):
                 raise RoutingChanged(
                     f"{self.model}: its routing was changed by another writer while the "

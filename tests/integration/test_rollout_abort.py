@@ -579,3 +579,42 @@ async def test_only_the_first_signal_cancels_the_rollout_so_its_abort_runs_whole
     await aborting.wait()
     handle("SIGINT")
     assert await task == "aborted whole"
+
+
+class ChangedFirst(RoutingStore):
+    """A real store on which another writer changes the routing just before the rollout's
+    first write (while its pool was prepared, say)."""
+
+    def __init__(self, *args: Any, other: ModelRouting) -> None:
+        super().__init__(*args)
+        self._other: ModelRouting | None = other
+
+    async def change(self, *args: Any, **kwargs: Any) -> ModelRouting:
+        if self._other is not None:
+            other, self._other = self._other, None
+            await super().change(args[0], lambda _: other)
+        return await super().change(*args, **kwargs)
+
+
+async def test_a_rollout_takes_over_no_canary_and_no_change_made_since_it_read(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """A canary already taking traffic (another rollout's, running or killed) is refused, and
+    a routing another writer changed between the rollout's read and its first write stops
+    it, that routing left as it is: both were taken over silently (review finding)."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        running = ModelRouting({"stable": 1, "canary": 2}, {"stable": 90.0, "canary": 10.0})
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        await store.change("affine", lambda _: running)
+        with pytest.raises(ValueError, match="a canary already takes traffic"):
+            await rollout_of(store, healthy_scrape(no_wait_then)).run()
+        await store.change("affine", lambda _: STABLE)
+        operators = ModelRouting({"stable": 1}, {"stable": 1.0})
+        changed = ChangedFirst(client, "fabric", load_repository(repository), other=operators)
+        with pytest.raises(RolloutAborted, match="changed by another writer"):
+            await rollout_of(changed, healthy_scrape(no_wait_then)).run()
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert (routing.labels, routing.traffic) == (operators.labels, operators.traffic)
