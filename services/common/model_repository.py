@@ -23,16 +23,19 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from services.common.model_config_fields import MAX_SETTING as MAX_SETTING
+from services.common.model_config_fields import ModelConfigError as ModelConfigError
+from services.common.model_config_fields import optional as _optional
+from services.common.model_config_fields import positive as _positive
+from services.common.model_config_fields import require as _require
+from services.common.model_routing import is_label_name
+
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 #: Bytes of one value of each dtype (BYTES: at least one).
 _DTYPE_BYTES = {"FP32": 4, "FP16": 2, "INT32": 4, "INT64": 8, "BYTES": 1}
 _DTYPES = frozenset(_DTYPE_BYTES)
 #: A request's deadline when neither its caller nor its model's config sets one, ms.
 DEFAULT_TIMEOUT_MS = 30_000
-
-
-class ModelConfigError(ValueError):
-    """A model directory or config file is invalid. The message names the file."""
 
 
 class ModelKind(enum.Enum):
@@ -160,31 +163,6 @@ class ModelVersion:
     weights_dir: Path
 
 
-def _require(raw: Mapping[str, Any], key: str, kind: type, path: Path) -> Any:
-    if key not in raw:
-        raise ModelConfigError(f"{path}: missing required field {key!r}")
-    value = raw[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-        raise ModelConfigError(f"{path}: {key!r} must be {kind.__name__}, got {value!r}")
-    return value
-
-
-def _optional(raw: Mapping[str, Any], key: str, kind: type, default: Any, path: Path) -> Any:
-    return _require(raw, key, kind, path) if key in raw else default
-
-
-#: The largest count or duration in milliseconds a model may set: the APIs carry them as
-#: int32 (Triton's model config) or uint32 (a larger one broke the router's model list for
-#: every model).
-MAX_SETTING = 2**31 - 1
-
-
-def _positive(value: int, key: str, path: Path, least: int = 1) -> int:
-    if not least <= value <= MAX_SETTING:
-        raise ModelConfigError(f"{path}: {key!r} must be in [{least}, {MAX_SETTING}], got {value}")
-    return value
-
-
 def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
     if not isinstance(raw, Mapping) or not raw:
         raise ModelConfigError(f"{path}: [{key}.<name>] tables are required")
@@ -208,11 +186,23 @@ def parse_model_config(name: str, path: Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: {error}") from error
     try:
         return _model_config(name, raw, path)
-    except (TypeError, ValueError, AttributeError) as error:  # a field of the wrong shape
+    except (TypeError, ValueError, AttributeError, ArithmeticError) as error:  # a wrong shape
+        # ArithmeticError: TOML's reader takes integers past 64 bits (a weight of 400 digits
+        # overflowed isfinite), which escaped the per-model errors and stopped the whole read.
         raise ModelConfigError(f"{path}: {error!r}") from error
 
 
+#: The settings a model's config.toml may hold: another (a typo) kept its default silently.
+_SETTINGS = frozenset({
+    "kind", "slo_p99_ms", "max_batch_size", "max_batch_tokens", "max_queue_size",
+    "length_buckets", "inputs", "outputs", "preprocessing", "labels", "traffic", "generation",
+    "embedding", "default_timeout_ms", "shed_past_slo",
+})  # fmt: skip
+
+
 def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
+    if unknown := sorted(set(raw) - _SETTINGS):
+        raise ModelConfigError(f"{path}: unknown setting(s) {unknown}; known: {sorted(_SETTINGS)}")
     try:
         kind = ModelKind(_require(raw, "kind", str, path))
     except ValueError as error:
@@ -227,8 +217,15 @@ def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
         raise ModelConfigError(f"{path}: length_buckets must be ascending positive ints")
     generation = _generation_settings(raw, path) if kind is ModelKind.GENERATION else None
     labels = raw.get("labels", {})
-    if not all(isinstance(v, int) and v > 0 for v in labels.values()):
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in labels.values()):
         raise ModelConfigError(f"{path}: [labels] values must be version numbers")
+    if not isinstance(raw.get("preprocessing", {}).get("normalize", True), bool):
+        raise ModelConfigError(f"{path}: preprocessing.normalize must be true or false")
+    if bad := [label for label in labels if not is_label_name(label)]:
+        # The gateway's routing refuses them: it did not start, or stopped re-reading.
+        raise ModelConfigError(
+            f"{path}: [labels] {bad[0]!r} is not a label (lower case, digits, _ and -, 32 at most)"
+        )
     traffic = raw.get("traffic", {})
     if not all(
         label in labels

@@ -27,6 +27,11 @@ from services.common.errors import MALFORMED_RECORD_ERRORS
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
+def is_label_name(label: object) -> bool:
+    """Whether `label` may name a version (lower case, digits, `_`, `-`; 32 at most)."""
+    return isinstance(label, str) and _LABEL_RE.match(label) is not None
+
+
 def routing_key(prefix: str) -> str:
     """The Redis hash holding every model's routing (field: model name)."""
     return f"{prefix}:rollout"

@@ -85,18 +85,20 @@ def test_a_config_that_does_not_read_is_a_model_config_error(tmp_path: Path, con
 
 
 def test_a_repository_read_can_leave_out_the_models_that_do_not_read(tmp_path: Path) -> None:
-    for name in ("good", "bad", "empty"):
+    for name in ("good", "bad", "empty", "huge"):
         (tmp_path / name).mkdir()
     (tmp_path / "good" / "config.toml").write_text(_GENERATION)
     (tmp_path / "good" / "1").mkdir()
     (tmp_path / "bad" / "config.toml").write_bytes(b'kind = "\xe9"\n')
+    huge = "[labels]\nstable = 1\n[traffic]\nstable = 1" + "0" * 400 + "\n"
+    (tmp_path / "huge" / "config.toml").write_text(_GENERATION + huge)
     (tmp_path / "empty" / "config.toml").write_text(_GENERATION)
     with pytest.raises(ModelConfigError, match="bad"):
         load_repository(tmp_path)
     errors: dict[str, ModelConfigError] = {}
     versions = load_repository(tmp_path, on_error=errors.__setitem__)
     assert [(v.config.name, v.version) for v in versions] == [("good", "1")]
-    assert sorted(errors) == ["bad", "empty"]
+    assert sorted(errors) == ["bad", "empty", "huge"]
 
 
 @pytest.mark.parametrize(
@@ -108,6 +110,16 @@ def test_a_repository_read_can_leave_out_the_models_that_do_not_read(tmp_path: P
         ("default_timeout_ms = 4294967296\n", "'default_timeout_ms' must be in"),
         ("[labels]\ncanary = 1\n[traffic]\ncanary = inf\n", "finite weights"),
         ("[labels]\ncanary = 1\n[traffic]\ncanary = nan\n", "finite weights"),
+        # Found by a review, each accepted before. A weight past 64 bits (TOML's reader takes
+        # it) overflowed, which escaped the per-model errors and stopped the whole read:
+        ("[labels]\ncanary = 1\n[traffic]\ncanary = 1" + "0" * 400 + "\n", "OverflowError"),
+        # a label the gateway's routing refuses, which stopped the gateway:
+        ("[labels]\nStable = 1\n", "'Stable' is not a label"),
+        ('[labels]\n"canary.v2" = 1\n', "'canary.v2' is not a label"),
+        ("[labels]\nstable = true\n", "values must be version numbers"),
+        # a typo, which kept the setting's default silently:
+        ("max_batch_token = 4096\n", r"unknown setting\(s\) \['max_batch_token'\]"),
+        ('[preprocessing]\nnormalize = "false"\n', "normalize must be true or false"),
     ],
 )
 def test_settings_out_of_range_name_the_file(tmp_path: Path, extra: str, message: str) -> None:
