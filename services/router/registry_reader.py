@@ -203,20 +203,27 @@ async def read_registry(
     now_s = seconds + micros / 1e6
     if not members:
         return [], now_s
-    ids = [m.decode() if isinstance(m, bytes) else m for m, _ in members]
+    # A member that is not UTF-8 (anyone holding the worker credential can write one) reads
+    # as its replacement, whose record key holds nothing: decoded strictly, it failed every
+    # router's refresh, for good (review finding).
+    ids = [m.decode(errors="replace") if isinstance(m, bytes) else m for m, _ in members]
     raw_records = await client.mget([keys.worker(i) for i in ids])
     records, malformed = [], {}
     for worker_id, (_, score_ms), raw in zip(ids, members, raw_records, strict=True):
         if raw is None:
             continue  # record key expired: the worker stopped long ago
         try:
-            records.append((WorkerRecord.from_json(raw), score_ms / 1000.0))
+            record = WorkerRecord.from_json(raw)
+            if record.worker_id != worker_id:  # forged, or copied: one id twice in the table
+                raise ValueError(f"its worker_id is {record.worker_id!r}")
+            records.append((record, score_ms / 1000.0))
         except MALFORMED_RECORD_ERRORS as error:
             malformed[worker_id] = str(error)
             if _warned_malformed.get(worker_id) != malformed[worker_id]:  # once while it lasts
                 log.warning("skipping malformed registry record of %s: %s", worker_id, error)
     _warned_malformed.clear()  # a record that reads again, or whose worker left, is forgotten
     _warned_malformed.update(malformed)
+    _warned_older.intersection_update(ids)  # older workers gone (never in the table: kept)
     return _current_api_first(records, networks), now_s
 
 

@@ -5,6 +5,7 @@ through the tiers' own registry code."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -242,6 +243,22 @@ async def test_records_that_do_not_parse_are_skipped(clients: dict[str, aioredis
     assert [r.worker_id for r, _ in records] == ["w0"]
 
 
+async def test_a_member_that_is_not_utf8_or_a_record_of_another_id_is_skipped(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    """A workers member that is not UTF-8 (anyone holding the worker credential can write
+    one) failed every router's refresh, for good; a record under one id claiming another's
+    (forged, or copied) put that id twice in the table. Both are skipped beside a good one
+    (review findings)."""
+    await publisher(clients["worker"]).publish_once()
+    admin = clients["admin"]
+    await admin.zadd(KEYS.workers, {b"\xff\xfe": time.time() * 1000})
+    await admin.set(KEYS.worker("w-copy"), RECORD.to_json())  # claims to be w0
+    await admin.zadd(KEYS.workers, {"w-copy": time.time() * 1000})
+    records, _ = await read_registry(clients["router"], KEYS)
+    assert [r.worker_id for r, _ in records] == ["w0"]
+
+
 async def test_a_heartbeat_outlives_an_empty_password_file(
     redis_server: RedisServer, tmp_path: Path
 ) -> None:
@@ -313,6 +330,6 @@ async def test_a_malformed_record_is_warned_of_once_while_it_lasts(
         return [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
 
     assert len(await reads('{"worker_id": "bad"}', 3)) == 1
-    assert await reads(RECORD.to_json(), 2) == []
+    assert await reads(dataclasses.replace(RECORD, worker_id="bad").to_json(), 2) == []
     warned = await reads('{"worker_id": "bad", "address": 7}', 2)
     assert len(warned) == 1 and "of bad" in warned[0]
