@@ -13,7 +13,7 @@ import itertools
 import logging
 import random
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from services.common.errors import InvalidInput, NotFound, Unavailable
@@ -50,12 +50,29 @@ class ResolvedModel:
 
 
 class ModelCatalog:
-    def __init__(self, versions: Sequence[ModelVersion], rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        versions: Sequence[ModelVersion],
+        rng: random.Random | None = None,
+        *,
+        on_error: Callable[[str, Exception], None] | None = None,
+    ) -> None:
+        """`on_error`: given, a version whose tokenizer does not read (its files still being
+        copied) is left out and passed to it, the model too if none of its versions read;
+        else that raises (a review finding: at a gateway's start it stopped the gateway,
+        where the repository's re-reads leave such a version out and read it once it does)."""
         self._configs: dict[str, ModelConfig] = {}
         self._encoders: dict[tuple[str, str], TextEncoder | None] = {}
         for version in versions:
+            try:
+                encoder = new_encoder(version)
+            except Exception as error:
+                if on_error is None:
+                    raise
+                on_error(version.config.name, error)
+                continue
             self._configs[version.config.name] = version.config
-            self._encoders[(version.config.name, version.version)] = new_encoder(version)
+            self._encoders[(version.config.name, version.version)] = encoder
         self._served: dict[tuple[str, str], pb.ModelVersionInfo] = {}
         self._load_failures: dict[tuple[str, str], list[pb.LoadFailure]] = {}
         self._rng = rng or random.Random()

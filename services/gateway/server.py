@@ -21,7 +21,7 @@ from services.common.lifecycle import (
     set_serving,
     sleep_unless_stopped,
 )
-from services.common.model_repository import ModelConfigError, load_repository
+from services.common.model_repository import load_repository
 from services.common.telemetry import tier_registry
 from services.common.tls import HealthListener, add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
@@ -171,9 +171,9 @@ async def _stopped_on_failure(server: grpc.aio.Server, door: Door | None) -> Asy
         raise
 
 
-def _not_read(model: str, error: ModelConfigError) -> None:
-    """A model that does not read at start-up (its files still being copied) is left out;
-    the repository control reads it once it does (with Redis)."""
+def _not_read(model: str, error: Exception) -> None:
+    """A model (or a version's tokenizer) that does not read at start-up (its files still
+    being copied) is left out; the repository control reads it once it does (with Redis)."""
     log.error("model %s not read; not served until it reads: %s", model, error)
 
 
@@ -253,7 +253,9 @@ def _add_services(
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = _load_keys(config)
-    catalog = ModelCatalog(load_repository(config.model_repository, on_error=_not_read))
+    catalog = ModelCatalog(
+        load_repository(config.model_repository, on_error=_not_read), on_error=_not_read
+    )
     metrics = GatewayMetrics(tier_registry("gateway"))
     if keys is not None:
         keys.on_refused = lambda reason: metrics.unauthenticated_total.labels(reason).inc()

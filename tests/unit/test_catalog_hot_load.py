@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import NotFound
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelConfigError, load_repository
 from services.common.model_routing import ModelRouting
 from services.gateway.catalog import ModelCatalog, new_encoder
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -115,3 +115,21 @@ def test_a_model_removed_from_the_repository_is_forgotten_once_nothing_serves_it
     assert catalog.model_names() == ["affine"]
     with pytest.raises(NotFound):
         catalog.config("other")
+
+
+def test_a_version_whose_tokenizer_does_not_read_at_start_is_left_out(tmp_path: Path) -> None:
+    """A text model's version whose tokenizer files are still being copied at the gateway's
+    start is left out (and told of), its model too when it has no other; the other models
+    are served. It stopped the gateway (review finding); the repository's re-reads already
+    left such a version out and read it once it does."""
+    write_versioned_affine_model(tmp_path / "repo", versions=(1,))
+    text = tmp_path / "repo" / "text"
+    (text / "1").mkdir(parents=True)  # no tokenizer yet
+    shutil.copy(REPO_ROOT / "models" / "minilm" / "config.toml", text / "config.toml")
+    versions = load_repository(tmp_path / "repo")
+    with pytest.raises(ModelConfigError):  # without on_error: the tokenizer's error
+        ModelCatalog(versions)
+    left_out: list[str] = []
+    catalog = ModelCatalog(versions, on_error=lambda model, _: left_out.append(model))
+    assert left_out == ["text"]
+    assert catalog.model_names() == ["affine"]
