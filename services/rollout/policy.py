@@ -117,24 +117,24 @@ def judge(
     if not final:
         return Verdict(Decision.HOLD, "step in progress")
     if canary.requests < plan.min_requests:
-        if holds >= plan.max_holds:
-            return Verdict(
-                Decision.ROLLBACK,
-                f"only {canary.requests} canary requests after {holds + 1} holds"
-                f" (need {plan.min_requests})",
-            )
-        return Verdict(Decision.HOLD, f"{canary.requests} canary requests so far")
+        return _too_few(plan, holds, f"{canary.requests} canary requests")
     if stable.requests < plan.min_requests:  # nothing to judge its latency against
-        if holds >= plan.max_holds:
-            return Verdict(
-                Decision.ROLLBACK,
-                f"only {stable.requests} stable requests to judge the canary against after"
-                f" {holds + 1} holds (need {plan.min_requests}; are stable's workers scraped?)",
-            )
-        return Verdict(Decision.HOLD, f"{stable.requests} stable requests so far")
+        return _too_few(
+            plan, holds, f"{stable.requests} stable requests", " (are stable's workers scraped?)"
+        )
     if step == len(plan.steps) - 1:
         return Verdict(Decision.PROMOTE, "every step healthy")
     return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")
+
+
+def _too_few(plan: Plan, holds: int, counted: str, hint: str = "") -> Verdict:
+    """Hold for more calls, or roll back once `max_holds` extra holds did not bring them."""
+    if holds >= plan.max_holds:
+        return Verdict(
+            Decision.ROLLBACK,
+            f"only {counted} after {holds + 1} holds (need {plan.min_requests}){hint}",
+        )
+    return Verdict(Decision.HOLD, f"{counted} so far")
 
 
 def baseline(plan: Plan, window: Health, earlier: Health | None) -> Health:

@@ -75,7 +75,10 @@ def test_too_little_stable_traffic_to_judge_against_holds_then_rolls_back() -> N
     unscraped = Health(requests=0, errors=0, p99_s=None)
     assert judge(PLAN, 0, 0, canary, unscraped, final=True).decision is Decision.HOLD
     verdict = judge(PLAN, 2, 2, canary, unscraped, final=True)
-    assert verdict.decision is Decision.ROLLBACK and "only 0 stable requests" in verdict.reason
+    assert (
+        verdict.decision is Decision.ROLLBACK
+        and "only 0 stable requests after 3 holds" in verdict.reason
+    )
     failing = Health(requests=200, errors=50, p99_s=0.05)
     assert judge(PLAN, 0, 0, failing, unscraped, final=False).decision is Decision.ROLLBACK
 
