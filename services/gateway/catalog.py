@@ -58,7 +58,8 @@ class ModelCatalog:
         on_error: Callable[[str, Exception], None] | None = None,
     ) -> None:
         """`on_error`: given, a version whose tokenizer does not read (its files still being
-        copied) is left out and passed to it, the model too if none of its versions read;
+        copied) is left out and passed to it (as `name/version`), the model too if none of its
+        versions read;
         else that raises (a review finding: at a gateway's start it stopped the gateway,
         where the repository's re-reads leave such a version out and read it once it does)."""
         self._configs: dict[str, ModelConfig] = {}
@@ -69,7 +70,7 @@ class ModelCatalog:
             except Exception as error:
                 if on_error is None:
                     raise
-                on_error(version.config.name, error)
+                on_error(f"{version.config.name}/{version.version}", error)
                 continue
             self._configs[version.config.name] = version.config
             self._encoders[(version.config.name, version.version)] = encoder

@@ -64,7 +64,7 @@ def front_wait_s(drain_grace_s: float, elapsed_s: float) -> float:
     engine's drain, its link closed: nothing is left for them to drain, and a front slow to stop
     (a router that no longer reads its answers) had the engine's bound end the engine first,
     exit 1 with its stacks on an ordinary stop, its directory left behind and the fronts alive
-    for up to 20 s after it, holding the port (review finding). None once the bound is that
+    for up to 20 s after it, holding the port (review finding). 0 once the bound is that
     near: they are SIGKILLed at once."""
     left_s = drain_grace_s + STOP_OVERRUN_S - STOP_MARGIN_S - elapsed_s
     return max(0.0, min(drain_grace_s + 5.0, left_s))

@@ -235,7 +235,12 @@ async def _run_canary(
         for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(signum, handle, signum.name)
     try:
-        decision = await rollout.run()
+        try:
+            decision = await rollout.run()
+        finally:  # a signal once it has decided must not cancel what follows (its exit)
+            if threading.current_thread() is threading.main_thread():
+                for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+                    asyncio.get_running_loop().remove_signal_handler(signum)
     except RolloutAborted as error:
         print(error, file=sys.stderr)
         return ABORTED

@@ -244,8 +244,13 @@ class CanaryRollout:
         try:
             await self._retried("set the canary's share back to 0", lambda: self._set_share(0))
         except RoutingChanged as changed:
-            log.error("%s; left as it is, and the canary pool too", changed)
-            return False
+            if self._attempted is not None:  # the canary had a share of ours: it may still
+                log.error("%s; left as it is, and the canary pool too", changed)
+                return False
+            # Changed before this rollout wrote anything (while its pool was prepared): no
+            # share of ours to take back, and its pool serves nothing (review finding: it
+            # was left up).
+            log.error("%s before the rollout's first write; left as it is", changed)
         except Exception as failure:
             log.error("%s: could not set the canary's share back to 0, nor release its pool "
                       "(traffic may still reach it): %r", self.model, failure)  # fmt: skip

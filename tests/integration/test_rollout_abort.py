@@ -5,6 +5,7 @@ routing records that cannot be read."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import subprocess
@@ -612,9 +613,24 @@ async def test_a_rollout_takes_over_no_canary_and_no_change_made_since_it_read(
         await store.change("affine", lambda _: STABLE)
         operators = ModelRouting({"stable": 1}, {"stable": 1.0})
         changed = ChangedFirst(client, "fabric", load_repository(repository), other=operators)
+        pool = ReleasedPool()
+        rollout = dataclasses.replace(rollout_of(changed, healthy_scrape(no_wait_then)), pool=pool)
         with pytest.raises(RolloutAborted, match="changed by another writer"):
-            await rollout_of(changed, healthy_scrape(no_wait_then)).run()
+            await rollout.run()
         routing = await store.routing("affine")
     finally:
         await client.aclose()
     assert (routing.labels, routing.traffic) == (operators.labels, operators.traffic)
+    assert pool.released, "nothing of the rollout's was written: its pool serves nothing"
+
+
+class ReleasedPool:
+    """A canary pool that is ready at once (no endpoint of its own) and says if released."""
+
+    released = False
+
+    async def prepare(self) -> tuple[str, ...]:
+        return ()
+
+    async def release(self) -> None:
+        self.released = True
