@@ -106,8 +106,7 @@ class MultiplexClient:
             raise UpstreamError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{TOO_LARGE}: {self._name}: a call of {len(request)} bytes is past the message "
-                f"limit of "
-                f"{MAX_MESSAGE_BYTES} bytes",
+                f"limit of {MAX_MESSAGE_BYTES} bytes",
             )
         stream = self._current_stream()
         call_id = next(self._ids)

@@ -59,9 +59,9 @@ class ModelCatalog:
     ) -> None:
         """`on_error`: given, a version whose tokenizer does not read (its files still being
         copied) is left out and passed to it (as `name/version`), the model too if none of its
-        versions read;
-        else that raises (a review finding: at a gateway's start it stopped the gateway,
-        where the repository's re-reads leave such a version out and read it once it does)."""
+        versions read; else that raises (a review finding: at a gateway's start it stopped the
+        gateway, where the repository's re-reads leave such a version out and read it once it
+        does)."""
         self._configs: dict[str, ModelConfig] = {}
         self._encoders: dict[tuple[str, str], TextEncoder | None] = {}
         for version in versions:

@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -224,23 +225,9 @@ async def _run_canary(
         pool=pool,
         check_period_s=args.check_period_s,
     )
-    # A deleted Job's SIGTERM, like ^C, cancels the rollout: it aborts; so does SIGHUP, the
-    # terminal it runs in closed (an SSH session lost), which killed it before, the canary
-    # left at its share (review finding). Once: see `cancel_once`. (Only the main thread may
-    # take signals: `main` run on another takes none.)
-    if threading.current_thread() is threading.main_thread():
-        task = asyncio.current_task()
-        assert task is not None
-        handle = cancel_once(task)
-        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(signum, handle, signum.name)
     try:
-        try:
+        with aborted_by_signals():
             decision = await rollout.run()
-        finally:  # a signal once it has decided must not cancel what follows (its exit)
-            if threading.current_thread() is threading.main_thread():
-                for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-                    asyncio.get_running_loop().remove_signal_handler(signum)
     except RolloutAborted as error:
         print(error, file=sys.stderr)
         return ABORTED
@@ -249,6 +236,31 @@ async def _run_canary(
         return ABORTED
     print(f"{args.model}: {decision.value}")
     return 0 if decision is Decision.PROMOTE else 1
+
+
+#: A deleted Job's SIGTERM, ^C, and SIGHUP (the terminal it runs in closed: an SSH session
+#: lost, which killed it before, the canary left at its share; review finding).
+ABORT_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def aborted_by_signals() -> Iterator[None]:
+    """While in it, ABORT_SIGNALS cancel the running task once (`cancel_once`): the rollout
+    aborts. Not after it: a signal once it has decided must not cancel what follows (its
+    exit). Only the main thread may take signals: `main` run on another takes none."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    task, loop = asyncio.current_task(), asyncio.get_running_loop()
+    assert task is not None
+    handle = cancel_once(task)
+    for signum in ABORT_SIGNALS:
+        loop.add_signal_handler(signum, handle, signum.name)
+    try:
+        yield
+    finally:
+        for signum in ABORT_SIGNALS:
+            loop.remove_signal_handler(signum)
 
 
 def cancel_once(task: asyncio.Task[Any]) -> Callable[[str], None]:
