@@ -75,6 +75,7 @@ class RegistrySync:
         self._held: dict[str, tuple[WorkerRecord, float]] = {}
         #: When the reads after an outage began to find Redis empty; None otherwise.
         self._empty_since_s: float | None = None
+        self._heartbeats = HeartbeatClock()
         self.is_degraded = True  # until the first good read
         metrics.registry_degraded.set(1)
 
@@ -110,9 +111,7 @@ class RegistrySync:
         self._awaits_refill = False
         split = admit_records(records, self._worker_networks)
         self._note_rejected(split.rejected)
-        # Heartbeats carry Redis's clock; the table works on ours. Convert via the age each
-        # heartbeat had at the read, so clocks never have to agree.
-        admitted = [(r, now_s - (redis_now_s - hb_s)) for r, hb_s in split.admitted]
+        admitted = self._heartbeats.on_our_clock(split.admitted, redis_now_s, now_s)
         gone = self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
         if gone:
             self._metrics.forget_workers(gone)
@@ -185,6 +184,38 @@ class RegistrySync:
             if not is_degraded:
                 log.info("registry: Redis reachable again")
             await self._on_degraded_change(is_degraded)
+
+
+class HeartbeatClock:
+    """Each heartbeat's time on the router's clock (time.monotonic). A heartbeat is scored by
+    Redis's clock when it was written; the age it has at the first read that sees it converts
+    it, so clocks never have to agree, clamped at 0 (a score ahead of Redis's `now` was written
+    before Redis's clock stepped back). A score read again keeps the time of its first read, so
+    it ages on the router's clock whatever Redis's clock does since: a dead worker's last
+    heartbeat goes stale `stale_after_s` after the router first read it. Converted afresh at
+    every read, a clock stepped back by D kept a dead worker routable D longer (registry
+    review), and one stepped forward aged every heartbeat by D until its worker's next."""
+
+    def __init__(self) -> None:
+        #: By worker id: its last heartbeat's score (Redis's seconds) and our time for it.
+        self._seen: dict[str, tuple[float, float]] = {}
+
+    def on_our_clock(
+        self, records: list[tuple[WorkerRecord, float]], redis_now_s: float, now_s: float
+    ) -> list[tuple[WorkerRecord, float]]:
+        """`records` with their heartbeat scores, read at Redis's `redis_now_s` and our
+        `now_s`: each with its heartbeat's time on our clock. Forgets workers not in them."""
+        seen, timed = self._seen, []
+        self._seen = {}
+        for record, score_s in records:
+            known = seen.get(record.worker_id)
+            if known is not None and known[0] == score_s:
+                at_s = known[1]
+            else:
+                at_s = now_s - max(0.0, redis_now_s - score_s)
+            self._seen[record.worker_id] = (score_s, at_s)
+            timed.append((record, at_s))
+        return timed
 
 
 async def read_registry(

@@ -147,3 +147,52 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
         await asyncio.gather(task, beating, return_exceptions=True)
         for client in (admin, worker, router):
             await client.aclose()
+
+
+async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
+    redis_server: RedisServer,
+) -> None:
+    """w1's last heartbeat was scored 60 s ahead of Redis's clock now (the clock stepped back
+    60 s after it; its record's expiry moved with it) and w1 beats no more: it leaves the
+    table `stale_after_s` after the router first read it, not 60 s later. w0 beats every
+    0.2 s in the stepped-back clock and stays live throughout (registry review)."""
+    config = RoutingConfig()
+    table = RouteTable(config, random.Random())
+    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
+    router = connect(redis_server.router_url)
+    sync = new_sync(router, table)
+    records = [
+        WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
+        for n in (0, 1)
+    ]
+    publishers = [
+        HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
+    ]
+    await publishers[1].publish_once()
+    seconds, micros = await admin.time()
+    await admin.zadd(KEYS.workers, {"w1": seconds * 1000 + micros // 1000 + 60_000})
+    await admin.pexpire(KEYS.worker("w1"), 120_000)
+
+    async def heartbeats() -> None:  # w0's, every 0.2 s
+        while True:
+            await publishers[0].publish_once()
+            await sleep_unless_stopped(0.2)
+
+    def live() -> set[str]:
+        return {w.worker_id for w in table.live_workers(time.monotonic())}
+
+    beating = asyncio.create_task(heartbeats())
+    task = asyncio.create_task(sync.run())
+    try:
+        await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
+        # Not 60 s: eventually's bound (13 s) is far past stale_after_s (3 s), far short of 60.
+        await eventually(lambda: live() == {"w0"}, timeout_s=config.stale_after_s + 10)
+        for _ in range(5):  # w0 stays
+            await asyncio.sleep(0.3)
+            assert live() == {"w0"}
+    finally:
+        for running in (task, beating):
+            running.cancel()
+        await asyncio.gather(task, beating, return_exceptions=True)
+        for client in (admin, worker, router):
+            await client.aclose()
