@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.backoff import doubled_s
+from services.common.errors import TOO_LARGE
 
 #: gRPC status names a retry can fix: capacity, deadlines, a tier restarting, a model error
 #: that may be transient, a call the gateway's grpc dropped unseen (CANCELLED: its queue of
@@ -50,6 +51,14 @@ FLEET_ROUNDS = 10
 #: online peak): an item that crashes the worker it runs on cannot take the fleet down forever,
 #: and a rollout of any tier fails no item.
 FLEET_PATIENCE_S = 1800.0
+
+
+def is_too_large(code: str, message: str) -> bool:
+    """Whether a call failed for a message past a size limit (RESOURCE_EXHAUSTED in grpc's
+    words, errors.TOO_LARGE): the call, or its answer, too large for the gateway's or the
+    runner's limit. Not the fleet's doing: retried, it fails the same way, where its items run
+    alone may pass."""
+    return code == "RESOURCE_EXHAUSTED" and TOO_LARGE in message.lower()
 
 
 def fleet_patience_spent(rounds: int, waited_s: float, patience_s: float) -> bool:
@@ -169,7 +178,7 @@ class RetryPolicy:
 
     def decide(self, num_attempts: int, code: str, message: str, jitter: float) -> Retry | GiveUp:
         """What to do after attempt `num_attempts` failed with status `code`."""
-        if code not in RETRYABLE_CODES:
+        if code not in RETRYABLE_CODES or is_too_large(code, message):
             return GiveUp(code, message)
         if num_attempts >= self.max_attempts:
             return GiveUp(code, f"{message} (after {num_attempts} attempts)")

@@ -10,7 +10,12 @@ from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
 
 from services.common import metric_names as names
-from services.common.job_policy import RETRYABLE_CODES, ItemStatus, fleet_patience_spent
+from services.common.job_policy import (
+    RETRYABLE_CODES,
+    ItemStatus,
+    fleet_patience_spent,
+    is_too_large,
+)
 from services.common.job_records import ItemOutcome
 from services.common.job_store import JobStore
 from services.pb.inference.v1 import jobs_pb2 as jobs
@@ -53,8 +58,11 @@ _CALL_CODES = frozenset({"NOT_FOUND", "PERMISSION_DENIED", "UNIMPLEMENTED", "FAI
 SPLIT_CONCURRENCY = 8
 
 
-def may_be_one_items(code: str) -> bool:
-    """Whether a chunk's call that failed with `code` for good may have failed for one item."""
+def may_be_one_items(code: str, message: str) -> bool:
+    """Whether a chunk's call that failed with `code` and `message` for good may have failed
+    for one item (or for its items together: an answer past the message limit)."""
+    if is_too_large(code, message):
+        return True
     return code not in _CALL_CODES and (code not in RETRYABLE_CODES or code in _ITEM_CRASH_CODES)
 
 

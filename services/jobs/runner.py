@@ -55,6 +55,7 @@ from services.common.job_policy import (
     GiveUp,
     ItemStatus,
     RetryPolicy,
+    is_too_large,
 )
 from services.common.job_records import ItemOutcome, JobRecord, QueueEntry
 from services.common.job_store import JobStore
@@ -323,10 +324,17 @@ class JobRunner:
                     for (i, _), output in zip(items, response.outputs, strict=True)
                 ]
             decision = self._retry.decide(num_attempts, code, message, self._rng.random())
-            if isinstance(decision, GiveUp) and len(items) > 1 and may_be_one_items(code):
-                # One poison item fails the whole call: find it by running each alone.
+            if isinstance(decision, GiveUp) and len(items) > 1 and may_be_one_items(code, message):
+                # One poison item fails the whole call: find it by running each alone. (Or
+                # their answer together is past the message limit: alone, each may pass.)
                 return await self._run_singles(job, items, fleet_round)
-            is_fleets = isinstance(decision, GiveUp) and code in FLEET_CODES
+            # An answer past the message limit is no item's fault nor the fleet's, but it fails
+            # alike however often it is retried: a lone item's fails now.
+            is_fleets = (
+                isinstance(decision, GiveUp)
+                and code in FLEET_CODES
+                and not is_too_large(code, message)
+            )
             if is_fleets and not await fleet_round.is_spent():
                 self._metrics.retries.labels(code).inc()
                 raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")

@@ -43,8 +43,10 @@ from services.pb.inference.v1 import types_pb2
 from tests.support.jobs import (
     BATCH,
     GARBLED,
+    HUGE,
     POISON,
     UNSERVED,
+    WIDE,
     PredictTarget,
     expected_output,
     start_job_service,
@@ -739,6 +741,37 @@ async def test_an_item_that_crashes_the_model_fails_alone(fabric: Fabric) -> Non
     assert (job.num_ok, job.num_failed) == (15, 1)
     failed = [r for r in await fabric.results(job.job_id) if r.status == jobs.ITEM_STATUS_FAILED]
     assert [(r.index, r.code) for r in failed] == [(5, "INTERNAL")]
+
+
+async def test_a_chunk_whose_answer_is_past_the_message_limit_is_run_item_by_item(
+    fabric: Fabric,
+) -> None:
+    """64 items whose answers together are past a 4 MiB answer limit (grpc fails the call
+    RESOURCE_EXHAUSTED, "message larger than max", as it does an answer past the runner's
+    receive limit), each alone within it, and one whose answer alone is past it: the chunk is
+    run item by item at once, every other item served, the huge one failed with grpc's words.
+    Before, a too-large answer was taken for the fleet's pressure: the chunk was retried and
+    left for later rounds (30 minutes of the fleet's patience), then every item failed."""
+    texts = [f"{WIDE} {i}" for i in range(64)]
+    texts[9] = f"{HUGE} 9"
+    target = PredictTarget()
+    server, address = await start_target(target, max_answer_bytes=4 * 1024 * 1024)
+    try:
+        fabric.runners.append(start_runner(fabric.tmp_path, fabric.redis, address, "runner-1"))
+        job = await fabric.finished(await fabric.submit(texts))
+    finally:
+        await server.stop(None)
+    assert (job.num_ok, job.num_failed) == (63, 1)
+    results = await fabric.results(job.job_id)
+    failed = [r for r in results if r.status == jobs.ITEM_STATUS_FAILED]
+    assert [(r.index, r.code) for r in failed] == [(9, "RESOURCE_EXHAUSTED")]
+    assert "larger than max" in failed[0].message
+    assert target.runs[texts[0]] == 1  # run alone once, not retried
+    ok = [r for r in results if r.index != 9]
+    for result in ok:
+        np.testing.assert_array_equal(
+            tensor_from_pb(result.output), expected_output(texts[result.index])
+        )
 
 
 async def test_cancel_stops_new_items_and_keeps_finished_results(fabric: Fabric) -> None:

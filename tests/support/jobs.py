@@ -38,11 +38,18 @@ GARBLED = "garbled"
 #: A call with a text starting with this is refused UNAVAILABLE, every time (the fleet cannot
 #: serve it: no item's fault).
 UNSERVED = "unserved"
+#: Texts whose output has WIDE_FLOATS floats (80 KB): 64 of them answered together are past an
+#: answer limit of 4 MiB (`start_target`), each alone is not; a HUGE text's is past it alone.
+WIDE, HUGE = "wide", "huge"
+WIDE_FLOATS, HUGE_FLOATS = 20_000, 1_100_000
 
 
 def expected_output(text: str) -> np.ndarray:
     """What the stub target answers for `text`."""
-    return np.array([len(text), sum(text.encode()) % 9973], dtype="<f4")
+    output = np.array([len(text), sum(text.encode()) % 9973], dtype="<f4")
+    if text.startswith((WIDE, HUGE)):
+        return np.resize(output, WIDE_FLOATS if text.startswith(WIDE) else HUGE_FLOATS)
+    return output
 
 
 @dataclass
@@ -129,10 +136,18 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
 
 
 async def start_target(
-    target: PredictTarget, max_message_bytes: int = GatewayConfig.max_message_bytes
+    target: PredictTarget,
+    max_message_bytes: int = GatewayConfig.max_message_bytes,
+    *,
+    max_answer_bytes: int | None = None,
 ) -> tuple[grpc.aio.Server, str]:
-    """`target` served as a gateway would (`max_message_bytes`: the gateway's default)."""
-    server = new_server(max_message_bytes=max_message_bytes)
+    """`target` served as a gateway would (`max_message_bytes`: the gateway's default), its
+    answers past `max_answer_bytes` (when given) failed by grpc as past the runner's receive
+    limit (MAX_MESSAGE_BYTES) would be, without carrying 64 MiB answers."""
+    if max_answer_bytes is None:
+        server = new_server(max_message_bytes=max_message_bytes)
+    else:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", max_answer_bytes)])
     api_grpc.add_InferenceServiceServicer_to_server(target, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

@@ -161,3 +161,17 @@ def test_job_chunks_and_items_are_bounded_by_the_gateways_message_limit(
 ) -> None:
     config = JobsApiConfig.for_message_limit(limit)
     assert (config.max_chunk_bytes, config.max_item_bytes) == (max_chunk, max_item)
+
+
+@pytest.mark.parametrize(
+    "message",
+    ["Received message larger than max (5000000 vs. 4194304)", "message larger than max: x"],
+)
+def test_a_message_past_its_size_limit_is_not_retried(message: str) -> None:
+    """It fails alike however often it is retried (a chunk's answer too large: its items run
+    alone may pass); a RESOURCE_EXHAUSTED for load is retried."""
+    policy = RetryPolicy(max_attempts=5)
+    assert policy.decide(1, "RESOURCE_EXHAUSTED", message, 0.5) == GiveUp(
+        "RESOURCE_EXHAUSTED", message
+    )
+    assert isinstance(policy.decide(1, "RESOURCE_EXHAUSTED", "queue full", 0.5), Retry)
