@@ -3,8 +3,9 @@
 The engine reserves the worker's gRPC port (and its plaintext health port, if any) with
 sockets bound with SO_REUSEPORT that never listen, so port 0 picks one port for all fronts,
 and starts N fronts bound to it. It restarts a front that exits, after a backoff that doubles
-while fronts keep failing fast, and stops them once its own drain is done (a front then tells
-its routers `closing` and ends its streams). A worker none of whose fronts has listened for
+while fronts keep failing fast, kills (to restart) a front whose beats stop for HUNG_S (hung),
+and stops them once its own drain is done (a front then tells its routers `closing` and ends
+its streams). A worker none of whose fronts has listened for
 NONE_LISTENING_S stops serving, as for a fatal error (its registry entry draining). A front
 dies with the engine (SIGTERM from the kernel), so a worker never outlives its engine. The
 worker's `/metrics` carries each ready front's series, labelled `worker_front="<i>"`
@@ -36,6 +37,7 @@ from services.common.processes import (
     wait_or_kill,
 )
 from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.front import beat_file
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +54,11 @@ SERVING_TIMEOUT_S = 10.0
 #: and over) before it stops serving: nothing listens on its port, while its registry entry
 #: still drew routers' calls.
 NONE_LISTENING_S = 30.0
+#: How long a listening front may go without a beat (front.beat_file: touched at each of its
+#: polls of the engine's health, every 0.5 s, whatever the engine answers) before the engine
+#: kills it, to restart it: its event loop is hung (or stopped), and the calls and streams its
+#: share of the port draws would hang with it; nothing else would end it while it lives.
+HUNG_S = 15.0
 #: What the engine keeps of its own stop bound (lifecycle.bound_stop) once it stops waiting for
 #: its fronts: to SIGKILL and reap the last of them, and remove its directory.
 STOP_MARGIN_S = 3.0
@@ -95,6 +102,21 @@ class Silence:
 class _Front(Supervised):
     #: Whether it has seen the engine SERVING (it says so in its ready file).
     saw_engine_serving: bool = False
+    #: Its beat file's last modification time seen (ns; 0: none), and when it was first seen.
+    beat_ns: int = 0
+    beat_seen_s: float | None = None
+
+    def is_hung(self, now_s: float) -> bool:
+        """Whether its beat file has not changed for HUNG_S (counted from the first look:
+        call it only once the front listens)."""
+        try:
+            beat_ns = beat_file(self.ready_file).stat().st_mtime_ns
+        except FileNotFoundError:
+            beat_ns = 0
+        if self.beat_seen_s is None or beat_ns != self.beat_ns:
+            self.beat_ns, self.beat_seen_s = beat_ns, now_s
+            return False
+        return now_s - self.beat_seen_s > HUNG_S
 
     def exited(self) -> None:
         super().exited()
@@ -197,6 +219,7 @@ class Fronts:
     def _start(self, index: int) -> None:
         ready_file = self._engine_dir / f"front-{index}.ready.json"
         ready_file.unlink(missing_ok=True)
+        beat_file(ready_file).unlink(missing_ok=True)
         overrides = [
             "--engine-dir", str(self._engine_dir),
             "--engine-pid", str(os.getpid()),
@@ -250,6 +273,13 @@ class Fronts:
                 is_listening = self._is_listening(front)
                 code = front.process.poll()
                 listening = listening or (code is None and is_listening)
+                if code is None and is_listening and front.is_hung(now):
+                    log.error(
+                        "worker front %d (pid %d) has not polled the engine for %.0fs: "
+                        "killed, to be restarted",
+                        front.index, front.process.pid, HUNG_S,
+                    )  # fmt: skip
+                    front.process.kill()  # its exit is read at the next look
                 if code is None or self._restarts.is_pending(front.index):
                     continue
                 front.exited()

@@ -88,3 +88,37 @@ async def test_a_front_killed_under_load_loses_no_request(stack: Stack) -> None:
     failures = [r for r in results if r is not None]
     assert not failures, failures[:3]
     assert all(w.pid and is_alive(w.pid) for w in stack.workers)  # no engine went down
+
+
+async def test_a_hung_front_is_killed_and_restarted(stack: Stack) -> None:
+    """A front stopped (SIGSTOP: alive, its event loop hung, its share of the port still
+    drawing connections) no longer beats (front.beat_file): the engine kills it past
+    fronts.HUNG_S (15 s) and restarts it, and the worker serves through its fronts again.
+    Before, a hung front lived on, orphaned: nothing but a kill by hand ended it."""
+    victim = stack.workers[0]
+    before = fronts_of(victim)
+    assert len(before) == 2
+    hung = min(before)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+
+        def restarted() -> bool:
+            fronts = fronts_of(victim)
+            restarts = total(scrape(victim.metrics_port), names.WORKER_FRONT_RESTARTS_TOTAL)
+            return restarts == 1 and len(fronts) == 2 and hung not in fronts
+
+        await eventually(restarted, timeout_s=60.0, message="the engine restarted the hung front")
+    finally:
+        if is_alive(hung):
+            os.kill(hung, signal.SIGCONT)
+    load = Load(stack.gateway.address, concurrency=8)
+    routed_before = routed_to(stack, victim.worker_id)
+    await load.answered(30, "after the restart")
+    await eventually(
+        lambda: routed_to(stack, victim.worker_id) > routed_before,
+        timeout_s=ANSWERS_TIMEOUT_S,
+        message="the router routed to the worker of the hung front",
+    )
+    results = await load.stop()
+    failures = [r for r in results if r is not None]
+    assert not failures, failures[:3]
