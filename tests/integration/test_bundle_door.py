@@ -216,10 +216,11 @@ async def test_without_the_gap_the_same_queue_is_forecast_in_time(door: Door) ->
 
 
 async def test_a_bundle_with_a_slice_of_its_own_answer_takes_the_row_path(door: Door) -> None:
-    """At a full queue: a slice with a weight that is not a number, or a row past the
-    vocabulary, is answered INVALID_ARGUMENT on its own, and a slice whose caller went away
-    before the bundle came CANCELLED, beside bundle-mates refused for room: never a
-    RESOURCE_EXHAUSTED for the whole call that a client would resend as it is."""
+    """At a full queue: a slice with a weight that is not a number, a row past the
+    vocabulary, or a `batch` slice past what the queue takes of one, is answered
+    INVALID_ARGUMENT on its own, and a slice whose caller went away before the bundle came
+    CANCELLED, beside bundle-mates refused for room: never a RESOURCE_EXHAUSTED for the whole
+    call that a client would resend as it is (the last from a review)."""
     door.queue(64, tenant="a")
     runner = BundleRunner(door.driver, door.metrics)
     nan_weight = text_bundle(door, [pb.Slice(rows=1, tenant="a", tenant_weight=float("nan"))])
@@ -236,6 +237,12 @@ async def test_a_bundle_with_a_slice_of_its_own_answer_takes_the_row_path(door: 
         grpc.StatusCode.CANCELLED.value[0],
         grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
     ]
+    # A `batch` slice of 33 rows, more than the queue (64) takes of one such call: refused for
+    # good on an idle worker too, so INVALID_ARGUMENT ("split it") here as well, not a hint.
+    too_many = text_bundle(door, [pb.Slice(rows=33, tenant="a", priority=pb.PRIORITY_BATCH)])
+    (status,) = (await runner.infer(door.backend, too_many, 10.0, None)).slices
+    assert status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], status
+    assert "split it" in status.message
 
 
 async def test_a_row_past_the_vocabulary_refuses_its_slice_alone(door: Door) -> None:

@@ -18,10 +18,11 @@ an earlier deadline or a smaller share of its SLO bound is refused too. A refusa
 batch-mates a row would make late depends on the row's place in its batch, so it never
 refuses a bundle here: such a bundle takes the row-by-row path, as does one with a slice of
 an answer of its own (BundleRunner asks only for token-id bundles of a text model whose rows
-all pass its checks, with no caller gone before the bundle came). A slice whose own deadline
-passed on the way, beside a bundle-mate of its caller group with time left, is refused with
-the rest (RESOURCE_EXHAUSTED, where the row path would say DEADLINE_EXCEEDED: its caller has
-stopped waiting either way).
+all pass its checks, with no caller gone before the bundle came), and one with a `batch`
+caller of more rows than the queue takes of one such call (its slice may be refused
+INVALID_ARGUMENT). A slice whose own deadline passed on the way, beside a bundle-mate of its
+caller group with time left, is refused with the rest (RESOURCE_EXHAUSTED, where the row
+path would say DEADLINE_EXCEEDED: its caller has stopped waiting either way).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from services.common.priority import PriorityClass, max_queued_rows
 from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.policy import executor_start_s
@@ -73,8 +75,13 @@ def whole_refusal(
     what it tells it row by row (Lane.rejection: a standing queue is held); the first
     caller's is the error."""
     batcher = lane.batcher
+    most_batch_rows = max_queued_rows(PriorityClass.BATCH, lane.backend.config.max_queue_size)
     refused: list[tuple[Caller, QueuedItem, Rejected]] = []
     for caller in callers:
+        if caller.rank == PriorityClass.BATCH.rank and caller.rows > most_batch_rows:
+            # A slice of it may be past what the queue takes of one `batch` call: refused
+            # INVALID_ARGUMENT on the row path, where a hint here would have it resent as it is.
+            return None
         budget_s = lane.shedding.budget_s(now_s, caller.rank, batcher.num_queued)
         first: tuple[Caller, QueuedItem, Rejected] | None = None
         for bucket in buckets:
