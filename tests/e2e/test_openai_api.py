@@ -14,8 +14,10 @@ import openai
 import pytest
 
 from bench.fabric.stack import write_identity_model
+from services.common import metric_names as names
 from services.gateway.auth import hash_key
 from services.gpu_worker.generation.tiny_llama import BOS_TOKEN, EOS_TOKEN
+from tests.support.metrics import scrape, total
 from tests.support.stack import REPO_ROOT, Stack, start_stack
 
 pytestmark = pytest.mark.e2e
@@ -123,6 +125,28 @@ def test_completion_whole_and_streamed_agree_with_usage(client: openai.OpenAI) -
     assert long[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].usage.prompt_tokens == len(PROMPT) + 1
+
+
+def test_a_streamed_completion_is_counted_served(stack: Stack, client: openai.OpenAI) -> None:
+    """A stream read to its last chunk is an OK call of its tenant, in the gateway's tenant
+    counts and its Triton statistics. Before, the stream was closed as soon as its finishing
+    chunk was sent, before the worker's end, and every streamed completion counted as
+    CANCELLED (a failure in the statistics) (generation review)."""
+
+    def counts() -> tuple[float, float]:
+        text = scrape(stack.gateway.metrics_port)
+        name = names.GATEWAY_TENANT_REQUESTS_TOTAL
+        return total(text, name, tenant="llm", code="OK"), total(text, name, tenant="llm")
+
+    ok_before, all_before = counts()
+    messages = [{"role": "user", "content": "Hi"}]
+    for stream in (
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True),
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, stream=True),
+    ):
+        assert list(stream)[-1].choices[0].finish_reason in ("length", "stop")
+    ok_after, all_after = counts()
+    assert (ok_after - ok_before, all_after - all_before) == (2, 2)
 
 
 def test_chat_completion_whole_and_streamed(client: openai.OpenAI) -> None:

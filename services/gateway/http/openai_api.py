@@ -218,6 +218,10 @@ async def _stream(
             if reason is not None:
                 break
             chunk = await anext(chunks)
+        # The stream read to its end (its status follows the last chunk at once): closed
+        # before it, the generation was counted as given up by its caller, not served.
+        async for _ in chunks:
+            pass
         if include_usage:
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
             await events.send(sse_event(usage))
