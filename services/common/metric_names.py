@@ -48,6 +48,7 @@ GATEWAY_TENANT_REQUESTS_TOTAL = "inference_gateway_tenant_requests_total"
 GATEWAY_TENANT_ROWS_TOTAL = "inference_gateway_tenant_rows_total"
 GATEWAY_TENANT_REFUSED_TOTAL = "inference_gateway_tenant_refused_total"
 GATEWAY_UNAUTHENTICATED_TOTAL = "inference_gateway_unauthenticated_total"
+GATEWAY_KEYS_FILE_REFUSED = "inference_gateway_keys_file_refused"
 GATEWAY_TENANT_REQUEST_SECONDS = "inference_gateway_tenant_request_seconds"
 GATEWAY_TENANT_QUOTA_SHARE = "inference_gateway_tenant_quota_share"
 #: Served by the supervisor of a gateway process group (--processes > 1).

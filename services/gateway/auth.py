@@ -11,7 +11,9 @@ Keys file (TOML)::
 
 and, optionally, `[tenants.NAME]` tables: each tenant's weight, quotas, models and priority
 classes (services.gateway.tenants). The file is re-read when it changes (checked every
-KEYS_POLL_PERIOD_S); a version that does not parse keeps the keys and tenants in force.
+KEYS_POLL_PERIOD_S), once it has held still for one check (a version caught half-written may
+parse, and give a key every model); a version that does not parse keeps the keys and tenants
+in force, and says so (`KeyStore.is_refused`: a gauge and an alert) until a good one is read.
 """
 
 from __future__ import annotations
@@ -104,6 +106,13 @@ class KeyStore:
         self._entries = dict(entries)
         self._path = path
         self._stamp = _stamp(path) if path is not None else None
+        #: The stamp a check saw that differs from the keys' in force: read at the next check
+        #: that sees it again (None: none seen since the last read).
+        self._settling: tuple[int, int, int] | None = None
+        #: The stamp of the last version refused (not read again; None: none refused).
+        self._refused: tuple[int, int, int] | None = None
+        #: Whether the keys file now is missing or refused: the keys in force are older.
+        self.is_refused = False
         #: Told each refusal's reason ("missing_key", "unknown_key"): the gateway counts them
         #: (a flood of made-up keys is seen, though refused before any call is counted).
         self.on_refused: Callable[[str], None] = lambda reason: None
@@ -118,23 +127,42 @@ class KeyStore:
         return {p.tenant: p.policy for p in self._entries.values()}
 
     def reload_if_changed(self) -> bool:
-        """Re-reads the keys file if its mtime, size or inode changed; True when new keys took
-        effect. A file that is missing or does not parse keeps the old keys (logged): a bad
-        edit must not lock every tenant out, nor let anyone in."""
+        """Re-reads the keys file once its mtime, size or inode changed and then held still
+        from one check to the next (a file written in place may be caught half-written, and
+        parse: a key cut off before its `models` would use every model); True when new keys
+        took effect. A file that is missing or does not parse keeps the old keys, logged once
+        and `is_refused` until a good version is read: a bad edit must not lock every tenant
+        out, nor let anyone in, nor go unseen (a key revoked in it stays valid)."""
         if self._path is None:
             return False
         try:
             stamp = _stamp(self._path)
-            if stamp == self._stamp:
-                return False
+        except OSError as error:
+            self._refuse(None, error)
+            return False
+        if stamp == self._stamp:
+            self._settling, self.is_refused = None, False
+            return False
+        if stamp == self._refused:
+            return False
+        if stamp != self._settling:
+            self._settling = stamp  # read at the next check, if it holds still until then
+            return False
+        try:
             entries = _read_keys(self._path)
         except (OSError, ValueError) as error:
-            log.error("API keys file not reloaded, old keys stay in force: %s", error)
+            self._refuse(stamp, error)
             return False
-        # Only after a good read: a half-written file changes again when the writer finishes.
-        self._stamp, self._entries = stamp, entries
+        self._stamp, self._entries, self._settling = stamp, entries, None
+        self._refused, self.is_refused = None, False
         log.info("API keys reloaded from %s: %d keys", self._path, len(entries))
         return True
+
+    def _refuse(self, stamp: tuple[int, int, int] | None, error: Exception) -> None:
+        """The keys file is missing (`stamp` None) or its version `stamp` does not read."""
+        if not self.is_refused or stamp != self._refused:
+            log.error("API keys file not reloaded, old keys stay in force: %s", error)
+        self._refused, self._settling, self.is_refused = stamp, None, True
 
     async def watch(
         self,

@@ -121,6 +121,11 @@ class GatewayMetrics:
             "Calls refused UNAUTHENTICATED (HTTP 401), by reason (missing_key, unknown_key).",
             ("reason",),
         )
+        self.keys_file_refused = new.gauge(
+            names.GATEWAY_KEYS_FILE_REFUSED,
+            "1 while the keys file is missing or its version does not read: the keys in force "
+            "are an older version's (a key revoked since is still valid); 0 otherwise.",
+        )
         self.tenant_request_seconds = new.histogram(
             names.GATEWAY_TENANT_REQUEST_SECONDS,
             "Time from receiving an inference call to answering it, per tenant.",

@@ -259,6 +259,7 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
     metrics = GatewayMetrics(tier_registry("gateway"))
     if keys is not None:
         keys.on_refused = lambda reason: metrics.unauthenticated_total.labels(reason).inc()
+        metrics.keys_file_refused.set_function(lambda: int(keys.is_refused))
     router = open_channel(
         router_target(config.router_address), config.router_tls, ROUTER_CHANNEL_OPTIONS
     )

@@ -59,3 +59,53 @@ async def test_a_bad_edit_keeps_the_keys_and_the_watch_reads_the_next_good_one(
     assert store.authenticate("new-key").policy.max_concurrency == 2
     with pytest.raises(Unauthenticated):
         store.authenticate("search-key")
+
+
+def limited_keys(path: Path, *, cut: bool = False) -> None:
+    """Key `new-key` of tenant "search", limited to minilm; `cut`: the file as a writer in
+    place leaves it half-way, the key's `models` not written yet (it parses: every model)."""
+    text = f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key("new-key")}"\nmodels = ["minilm"]\n'
+    path.write_text(text.split("models")[0] if cut else text)
+
+
+def test_a_version_is_read_only_once_it_held_still_from_one_check_to_the_next(
+    tmp_path: Path,
+) -> None:
+    """A file caught half-written, a key's `models` cut off, parses and would give that key
+    every model until the next check: it is never read, as it changed again by then."""
+    path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
+    store = KeyStore.from_file(path)
+    limited_keys(path, cut=True)
+    os.utime(path, ns=(1, 1))
+    assert not store.reload_if_changed()  # seen, not read
+    limited_keys(path)  # the writer finishes
+    os.utime(path, ns=(2, 2))
+    assert not store.reload_if_changed()
+    with pytest.raises(Unauthenticated):
+        store.authenticate("new-key")  # the cut version was never in force
+    assert store.reload_if_changed()  # held still: read
+    assert store.authenticate("new-key").models == frozenset({"minilm"})
+    assert not store.is_refused
+
+
+def test_a_refused_or_missing_file_is_said_until_a_good_version_is_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key revoked in an edit refused for another mistake stays valid: the gateway says so
+    (`is_refused`, its gauge and alert), and logs it once, not at every check."""
+    caplog.set_level(logging.ERROR, logger="services.gateway.auth")
+    path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
+    store = KeyStore.from_file(path)
+    keys_file(path, "priorities = true", key="new-key")
+    os.utime(path, ns=(1, 1))
+    for _ in range(5):
+        assert not store.reload_if_changed()
+    assert store.is_refused
+    assert caplog.text.count("not reloaded") == 1
+    assert store.authenticate("search-key").tenant == "search"
+    path.unlink()
+    assert not store.reload_if_changed() and store.is_refused
+    limited_keys(path)
+    assert not store.reload_if_changed() and store.is_refused  # settling: still the old keys
+    assert store.reload_if_changed()
+    assert not store.is_refused
