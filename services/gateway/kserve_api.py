@@ -14,6 +14,7 @@ import grpc
 
 from services.common.door import Door
 from services.common.errors import (
+    InvalidInput,
     NotFound,
     PermissionDenied,
     ServingError,
@@ -94,6 +95,13 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         """Asks every worker whose pool has the model to load all its versions (admin only);
         answers once the fleet serves them, or FAILED_PRECONDITION with the load errors."""
         control = self._repository_control("RepositoryModelLoad")
+        if request.parameters:  # Triton's config override and model files: a load would
+            # answer OK with the repository's own config in force, its caller none the wiser
+            raise InvalidInput(
+                f"RepositoryModelLoad parameters ({', '.join(sorted(request.parameters))}) are "
+                "not supported: a model's config and files are read from the model repository; "
+                "change them there, then load"
+            )
         remaining_s = context.time_remaining()
         timeout_s = LOAD_WAIT_S if remaining_s is None else min(LOAD_WAIT_S, remaining_s - 0.5)
         await control.load(request.model_name, timeout_s=max(0.0, timeout_s))

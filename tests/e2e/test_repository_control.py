@@ -115,9 +115,9 @@ async def test_unload_then_load_through_the_stock_client(stack: Stack) -> None:
     assert reply.model_name == "affine" and reply.model_version == "1"
 
 
-def post(stack: Stack, path: str, key: str) -> tuple[int, object]:
+def post(stack: Stack, path: str, key: str, body: bytes = b"") -> tuple[int, object]:
     """(status, JSON body) of one REST call."""
-    request = urllib.request.Request(stack.gateway.http_url + path, data=b"", method="POST")
+    request = urllib.request.Request(stack.gateway.http_url + path, data=body, method="POST")
     request.add_header("Authorization", f"Bearer {key}")
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -134,6 +134,31 @@ def test_rest_repository_routes_answer_admins_only(stack: Stack) -> None:
     assert post(stack, "/v2/repository/models/affine/unload", USER_KEY)[0] == 403
     assert post(stack, "/v2/repository/models/affine/load", ADMIN_KEY) == (200, {})
     assert post(stack, "/v2/repository/models/nope/load", ADMIN_KEY)[0] == 404
+
+
+async def test_a_load_with_a_config_override_or_files_is_refused_not_ignored(
+    stack: Stack,
+) -> None:
+    """Triton's load parameters (a config override, model files), which the fabric does not
+    take: refused INVALID_ARGUMENT (HTTP 400) on both ports. Before, the load answered OK with
+    the repository's config in force, its caller believing its override was (HTTP review)."""
+    override = json.dumps({"parameters": {"config": json.dumps({"max_batch_size": 4})}})
+    status, body = post(stack, "/v2/repository/models/affine/load", ADMIN_KEY, override.encode())
+    assert status == 400 and "config" in str(body), body
+    empty = json.dumps({"parameters": {}}).encode()
+    assert post(stack, "/v2/repository/models/affine/load", ADMIN_KEY, empty) == (200, {})
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        files = kserve.RepositoryModelLoadRequest(
+            model_name="affine",
+            parameters={"file:1/model.pt": kserve.ModelRepositoryParameter(bytes_param=b"x")},
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.RepositoryModelLoad(
+                files, metadata=(("authorization", f"Bearer {ADMIN_KEY}"),)
+            )
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "file:1/model.pt" in (refused.value.details() or "")
 
 
 class Traffic:

@@ -259,10 +259,17 @@ class KServeRest:
         )
 
     async def repository_load(self, request: web.Request) -> web.Response:
-        """Triton's `POST /v2/repository/models/{name}/load` (a body's parameters are ignored)."""
-        await self._servicer.RepositoryModelLoad(
-            kserve.RepositoryModelLoadRequest(model_name=request.match_info["name"]), _CONTEXT
+        """Triton's `POST /v2/repository/models/{name}/load`; a body's `parameters` (a config
+        override, model files) are refused, as over gRPC."""
+        raw = await request.read()
+        body = parse_json_object(raw) if raw.strip() else {}
+        parameters = body.get("parameters") or {}
+        named = parameters if isinstance(parameters, dict) else {"parameters": None}
+        load = kserve.RepositoryModelLoadRequest(
+            model_name=request.match_info["name"],
+            parameters={str(name): kserve.ModelRepositoryParameter() for name in named},
         )
+        await self._servicer.RepositoryModelLoad(load, _CONTEXT)
         return _json({})
 
     async def repository_unload(self, request: web.Request) -> web.Response:
