@@ -89,7 +89,6 @@ class Forwarder:
         can take all of it in time: then in parts (services.router.bundle_split). Not itself a
         coroutine: the call awaits the one that sends it (no extra frame per request), and a
         refusal raises at once."""
-        self._budget.record_request(time.monotonic())
         decision = self._decide(facts, frozenset())
         if isinstance(decision, Reject):
             bundle = None
@@ -98,6 +97,9 @@ class Forwarder:
             if bundle is None:
                 raise self._refused(facts, decision, retried=False)
             return self._split(bundle, facts, slice_cancels, decision)
+        # Only a call sent on earns retries: under a flood most calls are refused here, and
+        # counted they made the budget a fifth of the calls offered, not of those sent.
+        self._budget.record_request(time.monotonic())
         return self._attempts(body, facts, slice_cancels, decision)
 
     def _may_split(self, facts: CallFacts, refusal: Reject) -> bool:
@@ -182,7 +184,7 @@ class Forwarder:
             raise self._refused(facts, whole, retried=False)
         self._metrics.split_bundles_total.labels(facts.name, facts.version).inc()
         now_s = time.monotonic()
-        for _ in routes[1:]:  # each part may retry: each counts toward the retry budget
+        for _ in routes:  # each part sent may retry: each counts toward the retry budget
             self._budget.record_request(now_s)
         parts = [part for part, _ in decided]
         cancels, stop_relay = relay_cancels(slice_cancels or SliceCancels(), parts)
@@ -220,11 +222,12 @@ class Forwarder:
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         given_up = given_up_by(deadline_s, DEADLINE_SLACK_S)
         with Outcome(self._metrics.responses_total_of, (name, version), given_up=given_up):
-            self._budget.record_request(time.monotonic())
             tried: set[str] = set()
             failure: UpstreamError | None = None
             for attempt in range(self._max_retries + 1):
                 route = self._route(facts, tried, failure)
+                if attempt == 0:  # sent on (a refusal earns no retries: `_infer`)
+                    self._budget.record_request(time.monotonic())
                 sent_s = time.monotonic()
                 call: grpc.aio.UnaryStreamCall[bytes, bytes] | None = None
                 has_sent = False

@@ -79,9 +79,9 @@ def predict_request(model: str, values: np.ndarray) -> api.PredictRequest:
     return api.PredictRequest(model_name=model, inputs=[api.PredictInput(tensor=tensor(values))])
 
 
-def infer_request(model: str, values: np.ndarray) -> pb.InferRequest:
+def infer_request(model: str, values: np.ndarray, version: str = "1") -> pb.InferRequest:
     return pb.InferRequest(
-        model_name=model, model_version="1", inputs=[pb.ModelInput(tensor=tensor(values))]
+        model_name=model, model_version=version, inputs=[pb.ModelInput(tensor=tensor(values))]
     )
 
 
@@ -150,7 +150,8 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
     says ready (the window before its next heartbeat): every call reaching it is answered
     UNAVAILABLE. Ejection is off (`eject_s=0`) so that only the retry budget limits retries;
     otherwise the first failures would take every worker out of routing and nothing would be
-    retried at all. Attempts are counted where they land, at the workers.
+    retried at all. Attempts are counted where they land, at the workers. 1,000 calls the
+    router refused before earn no retries (before, they raised the budget by 200).
 
     The budget's withdrawals expire after its window, so a load that a busy machine stretches
     past a window could spend the reserve again: the bound on retries counts the windows the
@@ -171,6 +172,19 @@ async def test_s05_retries_against_always_unavailable_workers_stop_within_the_re
         assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL) == num_invalid
         assert fabric.router_metric(names.ROUTER_RETRIES_TOTAL) == 0
 
+        # Calls the router refuses (a version no worker serves) earn no retries: counted, a
+        # flood refused at the router made the budget a fifth of the calls offered (review).
+        num_refused = 1000
+        async with grpc.aio.insecure_channel(fabric.router_address) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            unserved = route_metadata("affine", "9", 1)
+            refused = await asyncio.gather(*(
+                status_of_call(stub.Infer(infer_request("affine", row(i, 1, 2, 3), version="9"),
+                                          timeout=PATIENT_S, metadata=unserved))
+                for i in range(num_refused)
+            ))  # fmt: skip
+        assert grpc.StatusCode.OK not in refused
+        assert fabric.router_metric(names.ROUTER_ROUTED_TOTAL) == num_invalid
         for worker in fabric.workers:
             assert worker.batching is not None
             worker.batching.begin_drain()
