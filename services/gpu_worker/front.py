@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import functools
 import logging
 import os
 import signal
@@ -213,17 +212,20 @@ async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerCont
 
 
 def beat_file(ready_file: Path) -> Path:
-    """The file a front touches at each of its polls of the engine's health, beside its ready
-    file: the engine kills a front whose beats stop (fronts.HUNG_S), its event loop hung."""
+    """The file a front touches every HEALTH_PERIOD_S from its event loop (`beat`), beside its
+    ready file: the engine kills a front whose beats stop (fronts.HUNG_S), its loop hung."""
     return ready_file.with_suffix(".beat")
 
 
-def touch(path: Path) -> None:
-    """Sets `path`'s modification time to now (created if missing); a failure is logged."""
-    try:
-        path.touch()
-    except OSError as error:
-        log.warning("could not touch %s: %s", path, error)
+async def beat(path: Path) -> None:
+    """Touches `path` every HEALTH_PERIOD_S until cancelled (at the very end of the front's
+    stop: a front draining its calls is not hung), a failure logged."""
+    while True:
+        try:
+            path.touch()
+        except OSError as error:
+            log.warning("could not touch %s: %s", path, error)
+        await asyncio.sleep(HEALTH_PERIOD_S)
 
 
 async def follow_engine_health(
@@ -231,13 +233,11 @@ async def follow_engine_health(
     servicer: health.aio.HealthServicer,
     on_first_serving: Callable[[], None],
     on_engine_lost: Callable[[bool], None] = lambda _: None,
-    on_poll: Callable[[], None] = lambda: None,
 ) -> None:
     """Mirrors the engine's health for WorkerService until cancelled, asking every
     HEALTH_PERIOD_S: NOT_SERVING while the engine cannot be reached or does not answer
     within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own).
-    `on_engine_lost(True)` once it has not answered for ENGINE_LOST_S, (False) once it does;
-    `on_poll()` after each poll, whatever its answer."""
+    `on_engine_lost(True)` once it has not answered for ENGINE_LOST_S, (False) once it does."""
     check = channel.unary_unary(
         "/grpc.health.v1.Health/Check",
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
@@ -263,7 +263,6 @@ async def follow_engine_health(
                 saw_serving = True
             except OSError as error:
                 log.warning("could not say the engine is serving: %s", error)
-        on_poll()
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
@@ -289,17 +288,17 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     # Ready once listening, and said again once serving: the engine waits for the first before
     # it turns SERVING, and for the second before it reports the worker ready.
     write_ready_file(config.ready_file, port, metrics_port)
-    beat = (  # the engine always names a ready file; a front started by hand may not
-        (lambda: None) if config.ready_file is None
-        else functools.partial(touch, beat_file(config.ready_file))
+    loop = asyncio.get_running_loop()
+    # The engine always names a ready file; a front started by hand may not (no engine beats).
+    beating = None if config.ready_file is None else loop.create_task(
+        beat(beat_file(config.ready_file))
     )  # fmt: skip
-    following = asyncio.get_running_loop().create_task(
+    following = loop.create_task(
         follow_engine_health(
             channel,
             servicer,
             lambda: write_ready_file(config.ready_file, port, metrics_port, serving=1),
             passthrough.set_engine_lost,
-            beat,
         )
     )
     log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)
@@ -323,6 +322,8 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     relay.stop()
     await server_stopped
     await channel.close()
+    if beating is not None:
+        beating.cancel()
     log.info("worker front stopped")
     return 0
 

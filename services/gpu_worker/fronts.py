@@ -54,10 +54,11 @@ SERVING_TIMEOUT_S = 10.0
 #: and over) before it stops serving: nothing listens on its port, while its registry entry
 #: still drew routers' calls.
 NONE_LISTENING_S = 30.0
-#: How long a listening front may go without a beat (front.beat_file: touched at each of its
-#: polls of the engine's health, every 0.5 s, whatever the engine answers) before the engine
-#: kills it, to restart it: its event loop is hung (or stopped), and the calls and streams its
-#: share of the port draws would hang with it; nothing else would end it while it lives.
+#: How long a listening front may go without a beat (front.beat_file: touched from its event
+#: loop every 0.5 s, whatever the engine answers, until its own stop is done: a front draining
+#: beats) before the engine kills it, to restart it: its event loop is hung (or stopped), and
+#: the calls and streams its share of the port draws would hang with it; nothing else would
+#: end it while it lives.
 HUNG_S = 15.0
 #: What the engine keeps of its own stop bound (lifecycle.bound_stop) once it stops waiting for
 #: its fronts: to SIGKILL and reap the last of them, and remove its directory.

@@ -30,6 +30,7 @@ from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
 from services.gpu_worker.front import Passthrough, engine_grpc_target, follow_engine_health
+from services.gpu_worker.fronts import HUNG_S
 from services.gpu_worker.stream_relay import ENGINE_LOST_S, FrontMetrics, StreamRelay
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -328,8 +329,9 @@ async def test_an_engine_killed_takes_its_fronts_and_the_port_with_it(
 async def test_a_stopping_front_waits_for_the_calls_it_passed_on(tmp_path: Path) -> None:
     """A unary Infer passed on by the only front, held in a stalled batch; the front is told
     to stop (SIGTERM, as when a whole process group is signalled). It turns NOT_SERVING and
-    stays until the call ends: released 2 s later, the call is answered OK. Before, the front
-    waited only for its relayed streams and cut the call after a 1 s grace."""
+    stays until the call ends: released HUNG_S + 2 s later, the call is answered OK. Before,
+    the front waited only for its relayed streams and cut the call after a 1 s grace. A front
+    draining keeps beating (front.beat): the engine does not take it for hung past HUNG_S."""
     gate = tmp_path / "gate"
     write_stalling_model(tmp_path / "repo", gate)
     worker = start_worker(
@@ -351,7 +353,8 @@ async def test_a_stopping_front_waits_for_the_calls_it_passed_on(tmp_path: Path)
 
         await eventually(lambda: dispatched() == 1, message="the call did not run")
         os.kill(front, signal.SIGTERM)
-        await asyncio.sleep(2.0)  # past the 1 s grace the front's server stop would give
+        # Past the 1 s grace the front's server stop would give, and past HUNG_S.
+        await asyncio.sleep(HUNG_S + 2.0)
         assert not call.done()
         assert is_alive(front)
         release_stall(gate)
