@@ -109,11 +109,12 @@ class _Front(Supervised):
 
     def is_hung(self, now_s: float) -> bool:
         """Whether its beat file has not changed for HUNG_S (counted from the first look:
-        call it only once the front listens)."""
+        call it only once the front listens). A front with no beat file yet is not judged
+        (it could not write one: a fault of its disk, not of its loop, logged by it)."""
         try:
             beat_ns = beat_file(self.ready_file).stat().st_mtime_ns
         except FileNotFoundError:
-            beat_ns = 0
+            return False
         if self.beat_seen_s is None or beat_ns != self.beat_ns:
             self.beat_ns, self.beat_seen_s = beat_ns, now_s
             return False

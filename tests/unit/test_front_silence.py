@@ -59,13 +59,18 @@ def test_a_front_is_hung_once_its_beat_file_has_not_changed_for_hung_s(tmp_path:
     for change (a wall clock that steps makes no front hung)."""
     unused = cast("subprocess.Popen[bytes]", None)  # its process is not looked at
     front = _Front(0, unused, tmp_path / "front-0.ready.json", started_s=0.0)
-    assert not front.is_hung(100.0)  # no beat yet: counted from here
-    assert not front.is_hung(100.0 + HUNG_S)
-    assert front.is_hung(100.1 + HUNG_S)
+    assert not front.is_hung(100.0)
+    assert not front.is_hung(200.0 + HUNG_S)  # no beat file: not judged (a disk's fault)
     beat = beat_file(front.ready_file)
     beat.touch()
-    assert not front.is_hung(200.0)  # it beat
-    assert not front.is_hung(200.0 + HUNG_S)
+    assert not front.is_hung(300.0)  # counted from here
+    assert not front.is_hung(300.0 + HUNG_S)
+    assert front.is_hung(300.1 + HUNG_S)
+    # Each beat below at a time of its own: a file's clock is coarse, and two touches within
+    # one of its ticks read alike.
+    os.utime(beat, ns=(5, 5))
+    assert not front.is_hung(400.0)  # it beat
+    assert not front.is_hung(400.0 + HUNG_S)
     os.utime(beat, ns=(1, 1))  # changed, even to a time long past: a beat
-    assert not front.is_hung(200.1 + HUNG_S)
-    assert front.is_hung(200.2 + 2 * HUNG_S)
+    assert not front.is_hung(400.1 + HUNG_S)
+    assert front.is_hung(400.2 + 2 * HUNG_S)
