@@ -150,6 +150,9 @@ class KeyStore:
             return False
         try:
             entries = _read_keys(self._path)
+            if _stamp(self._path) != stamp:  # written again while it was read: read it later
+                self._settling = None
+                return False
         except (OSError, ValueError) as error:
             self._refuse(stamp, error)
             return False

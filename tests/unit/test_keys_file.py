@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.common.errors import Unauthenticated
-from services.gateway.auth import KeyStore, hash_key
+from services.gateway import auth
+from services.gateway.auth import KeyStore, Principal, hash_key
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.unit
@@ -109,3 +110,31 @@ def test_a_refused_or_missing_file_is_said_until_a_good_version_is_read(
     assert not store.reload_if_changed() and store.is_refused  # settling: still the old keys
     assert store.reload_if_changed()
     assert not store.is_refused
+
+
+def test_a_version_written_again_while_it_was_read_is_not_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer starts again between the check and the read: what was read may be half of
+    the next version, so it is not taken; the next version is read once it holds still."""
+    path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
+    store = KeyStore.from_file(path)
+    limited_keys(path, cut=True)
+    os.utime(path, ns=(1, 1))
+    assert not store.reload_if_changed()  # seen
+    read_keys = auth._read_keys
+
+    def read_then_rewritten(file: Path) -> dict[str, Principal]:
+        entries = read_keys(file)
+        limited_keys(file)  # the writer, again, as the read ends
+        os.utime(file, ns=(2, 2))
+        return entries
+
+    monkeypatch.setattr(auth, "_read_keys", read_then_rewritten)
+    assert not store.reload_if_changed()  # read, but it changed meanwhile: not taken
+    monkeypatch.setattr(auth, "_read_keys", read_keys)
+    with pytest.raises(Unauthenticated):
+        store.authenticate("new-key")
+    assert not store.reload_if_changed()  # the new version seen
+    assert store.reload_if_changed()
+    assert store.authenticate("new-key").models == frozenset({"minilm"})
