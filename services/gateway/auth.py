@@ -153,8 +153,11 @@ class KeyStore:
             if _stamp(self._path) != stamp:  # written again while it was read: read it later
                 self._settling = None
                 return False
-        except (OSError, ValueError) as error:
+        except ValueError as error:
             self._refuse(stamp, error)
+            return False
+        except OSError as error:  # not the version's fault (its mode, the process's files):
+            self._refuse(None, error)  # read again, however its stamp stays
             return False
         self._stamp, self._entries, self._settling = stamp, entries, None
         self._refused, self.is_refused = None, False
@@ -162,7 +165,9 @@ class KeyStore:
         return True
 
     def _refuse(self, stamp: tuple[int, int, int] | None, error: Exception) -> None:
-        """The keys file is missing (`stamp` None) or its version `stamp` does not read."""
+        """The keys file's version `stamp` does not parse, or (`stamp` None) the file cannot
+        be read now (missing, its mode): a version refused is not read again, a file that
+        could not be read is."""
         if not self.is_refused or stamp != self._refused:
             log.error("API keys file not reloaded, old keys stay in force: %s", error)
         self._refused, self._settling, self.is_refused = stamp, None, True

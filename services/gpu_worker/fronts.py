@@ -110,10 +110,13 @@ class _Front(Supervised):
     def is_hung(self, now_s: float) -> bool:
         """Whether its beat file has not changed for HUNG_S (counted from the first look:
         call it only once the front listens). A front with no beat file yet is not judged
-        (it could not write one: a fault of its disk, not of its loop, logged by it)."""
+        (it could not write one: a fault of its disk, not of its loop, logged by it), nor one
+        whose file cannot be looked at now. One that can no longer touch its file (its
+        directory remounted read-only) is taken for hung: the worker then stops serving once
+        none listens (NONE_LISTENING_S), and its pod is replaced."""
         try:
             beat_ns = beat_file(self.ready_file).stat().st_mtime_ns
-        except FileNotFoundError:
+        except OSError:  # missing, or unreadable now: the watch must go on
             return False
         if self.beat_seen_s is None or beat_ns != self.beat_ns:
             self.beat_ns, self.beat_seen_s = beat_ns, now_s

@@ -154,9 +154,10 @@ async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our
 ) -> None:
     """w1's last heartbeat was scored 60 s ahead of Redis's clock now (the clock stepped back
     60 s after it; its record's expiry moved with it) and w1 beats no more: it leaves the
-    table `stale_after_s` after the router first read it, not 60 s later. w0 beats every
+    table `stale_after_s` (6 s here) after the router first read it, not 60 s later. w0 beats every
     0.2 s in the stepped-back clock and stays live throughout (registry review)."""
-    config = RoutingConfig()
+    # Stale after 6 s: a loaded machine's stall before the first look cannot pass it.
+    config = RoutingConfig(stale_after_s=6.0)
     table = RouteTable(config, random.Random())
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
@@ -185,7 +186,7 @@ async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our
     task = asyncio.create_task(sync.run())
     try:
         await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
-        # Not 60 s: eventually's bound (13 s) is far past stale_after_s (3 s), far short of 60.
+        # Not 60 s: eventually's bound (16 s) is far past stale_after_s (6 s), far short of 60.
         await eventually(lambda: live() == {"w0"}, timeout_s=config.stale_after_s + 10)
         for _ in range(5):  # w0 stays
             await asyncio.sleep(0.3)

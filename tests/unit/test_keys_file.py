@@ -138,3 +138,28 @@ def test_a_version_written_again_while_it_was_read_is_not_taken(
     assert not store.reload_if_changed()  # the new version seen
     assert store.reload_if_changed()
     assert store.authenticate("new-key").models == frozenset({"minilm"})
+
+
+def test_a_version_that_could_not_be_read_is_read_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error reading the file (its mode, the process out of files) is not the version's:
+    once mended, the same version is read (mended by chmod, its stamp is unchanged)."""
+    path = keys_file(tmp_path / "api-keys.toml", "max_concurrency = 4")
+    store = KeyStore.from_file(path)
+    limited_keys(path)
+    os.utime(path, ns=(1, 1))
+    read_keys = auth._read_keys
+
+    def unreadable(file: Path) -> dict[str, Principal]:
+        raise PermissionError(13, "Permission denied", str(file))
+
+    monkeypatch.setattr(auth, "_read_keys", unreadable)
+    assert not store.reload_if_changed()
+    assert not store.reload_if_changed()
+    assert store.is_refused
+    monkeypatch.setattr(auth, "_read_keys", read_keys)  # mended
+    assert not store.reload_if_changed()
+    assert store.reload_if_changed()
+    assert store.authenticate("new-key").models == frozenset({"minilm"})
+    assert not store.is_refused

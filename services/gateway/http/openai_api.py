@@ -219,9 +219,14 @@ async def _stream(
                 break
             chunk = await anext(chunks)
         # The stream read to its end (its status follows the last chunk at once): closed
-        # before it, the generation was counted as given up by its caller, not served.
-        async for _ in chunks:
-            pass
+        # before it, the generation was counted as given up by its caller, not served. Its
+        # answer is whole: a failure after its last chunk is counted, and logged, not sent.
+        try:
+            async for _ in chunks:
+                pass
+        except Exception as error:
+            if is_bug(error):
+                log.exception("OpenAI stream of %s failed after its last chunk", request.path)
         if include_usage:
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
             await events.send(sse_event(usage))
