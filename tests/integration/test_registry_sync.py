@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aioredis
@@ -47,6 +48,37 @@ def new_sync(router: aioredis.Redis, table: RouteTable) -> RegistrySync:
         on_degraded_change=degraded,
         worker_networks=WorkerNetworks.parse(DEFAULT_WORKER_NETWORKS),
     )
+
+
+def two_workers(worker: aioredis.Redis) -> tuple[list[WorkerRecord], list[HeartbeatPublisher]]:
+    """Workers w0 and w1, and a heartbeat publisher of each writing through `worker`."""
+    records = [
+        WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
+        for n in (0, 1)
+    ]
+    publishers = [
+        HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
+    ]
+    return records, publishers
+
+
+async def heartbeats(publisher: HeartbeatPublisher) -> None:
+    """`publisher`'s heartbeat every 0.2 s until cancelled."""
+    while True:
+        await publisher.publish_once()
+        # Stops though redis-py swallowed the cancel (Python 3.11's wait_for): with a plain
+        # sleep the loop could go on, and the test's end wait on it for good (a run on a
+        # loaded machine hung until pytest's 300 s timeout, most likely there).
+        await sleep_unless_stopped(0.2)
+
+
+async def ended(tasks: Sequence[asyncio.Task[None]], clients: Sequence[aioredis.Redis]) -> None:
+    """`tasks` cancelled and waited for, then `clients` closed."""
+    for running in tasks:
+        running.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for client in clients:
+        await client.aclose()
 
 
 async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns_in_time(
@@ -97,21 +129,7 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
     sync = new_sync(router, table)
-    records = [
-        WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
-        for n in (0, 1)
-    ]
-    publishers = [
-        HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
-    ]
-
-    async def heartbeats() -> None:  # w0's, every 0.2 s
-        while True:
-            await publishers[0].publish_once()
-            # Stops though redis-py swallowed the cancel (Python 3.11's wait_for): with a
-            # plain sleep the loop could go on, and the test's end wait on it for good (a run
-            # on a loaded machine hung until pytest's 300 s timeout, most likely there).
-            await sleep_unless_stopped(0.2)
+    _, publishers = two_workers(worker)
 
     def live() -> set[str]:
         return {w.worker_id for w in table.live_workers(time.monotonic())}
@@ -124,7 +142,7 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
         await eventually(lambda: not sync.is_degraded, timeout_s=10)
 
     task = asyncio.create_task(sync.run())
-    beating = asyncio.create_task(heartbeats())
+    beating = asyncio.create_task(heartbeats(publishers[0]))
     try:
         await publishers[1].publish_once()
         await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
@@ -142,11 +160,7 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
             if time.monotonic() - held_since_s > registry_reader.REFILL_S + 1.0:
                 assert live() == {"w0"}, "w1 held past its first hold"
     finally:
-        for running in (task, beating):
-            running.cancel()
-        await asyncio.gather(task, beating, return_exceptions=True)
-        for client in (admin, worker, router):
-            await client.aclose()
+        await ended((task, beating), (admin, worker, router))
 
 
 async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
@@ -154,35 +168,24 @@ async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our
 ) -> None:
     """w1's last heartbeat was scored 60 s ahead of Redis's clock now (the clock stepped back
     60 s after it; its record's expiry moved with it) and w1 beats no more: it leaves the
-    table `stale_after_s` (6 s here) after the router first read it, not 60 s later. w0 beats every
-    0.2 s in the stepped-back clock and stays live throughout (registry review)."""
+    table `stale_after_s` (6 s here) after the router first read it, not 60 s later. w0
+    beats every 0.2 s in the stepped-back clock and stays live throughout (registry review)."""
     # Stale after 6 s: a loaded machine's stall before the first look cannot pass it.
     config = RoutingConfig(stale_after_s=6.0)
     table = RouteTable(config, random.Random())
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
     sync = new_sync(router, table)
-    records = [
-        WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
-        for n in (0, 1)
-    ]
-    publishers = [
-        HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
-    ]
+    _, publishers = two_workers(worker)
     await publishers[1].publish_once()
     seconds, micros = await admin.time()
     await admin.zadd(KEYS.workers, {"w1": seconds * 1000 + micros // 1000 + 60_000})
     await admin.pexpire(KEYS.worker("w1"), 120_000)
 
-    async def heartbeats() -> None:  # w0's, every 0.2 s
-        while True:
-            await publishers[0].publish_once()
-            await sleep_unless_stopped(0.2)
-
     def live() -> set[str]:
         return {w.worker_id for w in table.live_workers(time.monotonic())}
 
-    beating = asyncio.create_task(heartbeats())
+    beating = asyncio.create_task(heartbeats(publishers[0]))
     task = asyncio.create_task(sync.run())
     try:
         await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
@@ -192,8 +195,4 @@ async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our
             await asyncio.sleep(0.3)
             assert live() == {"w0"}
     finally:
-        for running in (task, beating):
-            running.cancel()
-        await asyncio.gather(task, beating, return_exceptions=True)
-        for client in (admin, worker, router):
-            await client.aclose()
+        await ended((task, beating), (admin, worker, router))
