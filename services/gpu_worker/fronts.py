@@ -5,11 +5,10 @@ sockets bound with SO_REUSEPORT that never listen, so port 0 picks one port for 
 and starts N fronts bound to it. It restarts a front that exits, after a backoff that doubles
 while fronts keep failing fast, kills (to restart) a front whose beats stop for HUNG_S (hung),
 and stops them once its own drain is done (a front then tells its routers `closing` and ends
-its streams). A worker none of whose fronts has listened for
-NONE_LISTENING_S stops serving, as for a fatal error (its registry entry draining). A front
-dies with the engine (SIGTERM from the kernel), so a worker never outlives its engine. The
-worker's `/metrics` carries each ready front's series, labelled `worker_front="<i>"`
-(services.common.group_metrics).
+its streams). A worker none of whose fronts has listened for NONE_LISTENING_S stops serving,
+as for a fatal error (its registry entry draining). A front dies with the engine (SIGTERM
+from the kernel), so a worker never outlives its engine. The worker's `/metrics` carries each
+ready front's series, labelled `worker_front="<i>"` (services.common.group_metrics).
 """
 
 from __future__ import annotations
@@ -280,11 +279,12 @@ class Fronts:
                 listening = listening or (code is None and is_listening)
                 if code is None and is_listening and front.is_hung(now):
                     log.error(
-                        "worker front %d (pid %d) has not polled the engine for %.0fs: "
-                        "killed, to be restarted",
+                        "worker front %d (pid %d) has not beaten for %.0fs (its event loop "
+                        "hung, or stopped): killed, to be restarted",
                         front.index, front.process.pid, HUNG_S,
                     )  # fmt: skip
                     front.process.kill()  # its exit is read at the next look
+                    front.beat_seen_s = now  # not killed (nor logged) again at every look
                 if code is None or self._restarts.is_pending(front.index):
                     continue
                 front.exited()
