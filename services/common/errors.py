@@ -119,6 +119,12 @@ class Overloaded(ServingError):
 TOO_LARGE = "message larger than max"
 
 
+def is_too_large(code: grpc.StatusCode, message: str) -> bool:
+    """Whether a call failed for a message past a size limit (RESOURCE_EXHAUSTED in grpc's
+    words, TOO_LARGE), not for load: retried as it is, it fails the same way."""
+    return code == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE in message
+
+
 class MessageTooLarge(ServingError):
     """A message past the limit of the stream or call that would carry it (as grpc answers a
     unary call's, in its words: TOO_LARGE)."""
@@ -225,7 +231,8 @@ class UpstreamError(ServingError):
         downstream refusal would throttle harder exactly when this tier is the bottleneck. Nor
         is a message past a size limit (TOO_LARGE: an answer too large, its model having run;
         a review finding: counted, it throttled the caller's tenant and gave its rows back)."""
-        return self.code == grpc.StatusCode.RESOURCE_EXHAUSTED and TOO_LARGE not in str(self)
+        code = self.code
+        return code == grpc.StatusCode.RESOURCE_EXHAUSTED and not is_too_large(code, str(self))
 
     @classmethod
     def from_status(cls, code: int, message: str, trailers: Mapping[str, str]) -> UpstreamError:

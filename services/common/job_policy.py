@@ -19,8 +19,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import grpc
+
+from services.common import errors
 from services.common.backoff import doubled_s
-from services.common.errors import TOO_LARGE
 
 #: gRPC status names a retry can fix: capacity, deadlines, a tier restarting, a model error
 #: that may be transient, a call the gateway's grpc dropped unseen (CANCELLED: its queue of
@@ -54,11 +56,10 @@ FLEET_PATIENCE_S = 1800.0
 
 
 def is_too_large(code: str, message: str) -> bool:
-    """Whether a call failed for a message past a size limit (RESOURCE_EXHAUSTED in grpc's
-    words, errors.TOO_LARGE): the call, or its answer, too large for the gateway's or the
-    runner's limit. Not the fleet's doing: retried, it fails the same way, where its items run
-    alone may pass."""
-    return code == "RESOURCE_EXHAUSTED" and TOO_LARGE in message.lower()
+    """errors.is_too_large for a status by name: the call, or its answer, too large for the
+    gateway's or the runner's limit. Not the fleet's doing: retried, it fails the same way,
+    where its items run alone may pass."""
+    return errors.is_too_large(getattr(grpc.StatusCode, code, grpc.StatusCode.UNKNOWN), message)
 
 
 def fleet_patience_spent(rounds: int, waited_s: float, patience_s: float) -> bool:
