@@ -107,6 +107,8 @@ WORKER_LATENCY_SLOWDOWN = "inference_worker_latency_slowdown"
 WORKER_LATENCY_SPREAD = "inference_worker_latency_spread"
 WORKER_QUEUE_DEPTH = "inference_worker_queue_depth"
 WORKER_QUEUE_STANDING = "inference_worker_queue_standing"
+#: 1 while a version's batches all fail on the worker (batching.failure_streak).
+WORKER_MODEL_FAILING = "inference_worker_model_failing"
 #: The executor's idle time between batches while rows wait (batching.batch_gap).
 WORKER_BATCH_GAP_SECONDS = "inference_worker_batch_gap_seconds"
 WORKER_WATCHDOG_EXPIRED_TOTAL = "inference_worker_watchdog_expired_total"

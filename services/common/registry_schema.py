@@ -61,6 +61,9 @@ class ModelRecord:
     executed_rows: int = 0
     queue_s_total: float = 0.0
     compute_s_total: float = 0.0
+    #: Its batches all fail on this worker lately (services.gpu_worker.batching.failure_streak):
+    #: routers send its calls to other workers while any serves it.
+    is_failing: bool = False
 
     @property
     def key(self) -> str:

@@ -196,6 +196,12 @@ class WorkerMetrics:
         self.queue_depth = new.gauge(
             names.WORKER_QUEUE_DEPTH, "Rows queued and not yet dispatched.", _MODEL
         )
+        self.model_failing = new.gauge(
+            names.WORKER_MODEL_FAILING,
+            "1 while the version's batches all fail on this worker (every row of each failed): "
+            "its heartbeat says so, and routers send its calls to other workers.",
+            _MODEL,
+        )
         self.queue_standing = new.gauge(
             names.WORKER_QUEUE_STANDING,
             "1 while the model's queue stands (dispatch after dispatch for a whole SLO, rows "
@@ -269,8 +275,10 @@ class WorkerMetrics:
             self.device_busy_seconds_total.labels(model, version, work)
         self.queue_depth.labels(model, version).set(0)
         self.queue_standing.labels(model, version).set(0)
+        self.model_failing.labels(model, version).set(0)
 
     def forget_queue(self, model: str, version: str) -> None:
         """An unloaded version's queue gauges read 0 again (they read its lane until then)."""
         self.queue_depth.labels(model, version).set_function(lambda: 0)
         self.queue_standing.labels(model, version).set_function(lambda: 0)
+        self.model_failing.labels(model, version).set_function(lambda: 0)

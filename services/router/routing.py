@@ -255,10 +255,11 @@ class RouteTable:
         return kept or [c for c in untried if may_route(c.worker_id, now_s)] or workers, is_known
 
     def _routable_for(self, name: str, version: str) -> tuple[list[_Candidate], bool]:
-        """The snapshot's workers alive at the last refresh, not draining and ready for
-        name@version; and whether any of its workers serves it at all."""
+        """The snapshot's workers alive, not draining and ready for name@version, those failing
+        it only if no other is (panic mode); and whether any worker serves it at all."""
         refreshed_at_s = self._refreshed_at_s
         workers: list[_Candidate] = []
+        failing: list[_Candidate] = []  # its batches all fail there (ModelRecord.is_failing)
         is_known = False
         for worker, heartbeat_s in self._workers:
             model = worker.model(name, version)
@@ -271,8 +272,8 @@ class RouteTable:
                 and not worker.is_draining
                 and model.is_ready
             ):
-                workers.append(_Candidate(worker, model))
-        return workers, is_known
+                (failing if model.is_failing else workers).append(_Candidate(worker, model))
+        return workers or failing, is_known
 
     def _price(
         self,

@@ -8,6 +8,9 @@ refusal *predicted* from a batch's cost runs a costly model."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -16,14 +19,23 @@ import numpy as np
 import pytest
 import torch
 from grpc_health.v1 import health_pb2
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
+from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.failure_streak import FailingConfig
 from services.gpu_worker.batching.policy import Batcher
-from services.gpu_worker.config import WorkerConfig
+from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
+from services.gpu_worker.registry_publisher import HeartbeatPublisher
 from services.gpu_worker.server import Worker, create_worker
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
+from services.router.metrics import RouterMetrics
+from services.router.registry_reader import RegistrySync
+from services.router.routing import Route, RouteTable
+from services.router.routing_config import RoutingConfig
+from services.router.worker_networks import WorkerNetworks
 from tests.support.metrics import samples, total
 from tests.support.models import (
     POISON,
@@ -34,6 +46,7 @@ from tests.support.models import (
     write_stalling_model,
 )
 from tests.support.processes import health_status
+from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
@@ -55,17 +68,20 @@ def row(*values: float) -> np.ndarray:
     return np.array(values, dtype=np.float32)
 
 
-async def start(tmp_path: Path, *, with_stall: bool = False, **model: int) -> Worker:
+async def start(
+    tmp_path: Path, *, with_stall: bool = False, batching: DriverConfig | None = None, **model: int
+) -> Worker:
     """A worker serving `affine` (`model`: its settings) and, `with_stall`, the `stall` model
-    gated by `tmp_path / "gate"`."""
+    gated by `tmp_path / "gate"`; `batching`: the worker's batching settings (else defaults)."""
     # A generous SLO: these tests pin down ordering and statuses, not speed, and CI machines
     # are shared. Tests about deadlines set their own with the client's timeout.
     write_affine_model(tmp_path / "repo", **{"slo_p99_ms": 30_000, **model})
     if with_stall:
         write_stalling_model(tmp_path / "repo", tmp_path / "gate")
-    worker = await create_worker(
-        WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
-    )
+    config = WorkerConfig(model_repository=tmp_path / "repo", grpc_port=0, metrics_port=0)
+    if batching is not None:
+        config = dataclasses.replace(config, batching=batching)
+    worker = await create_worker(config)
     await worker.load()
     return worker
 
@@ -158,6 +174,73 @@ async def test_s17_one_bad_row_fails_only_its_own_request(tmp_path: Path) -> Non
     assert metric(worker, f"{names.WORKER_BATCH_SIZE}_count", model="affine") < 6, (
         "the good rows shared a batch"
     )
+
+
+def heartbeat(worker: Worker) -> WorkerRecord:
+    """The worker's registry record now (as its RegistryPublisher writes it), as `w0`."""
+    assert worker.models is not None and worker.batching is not None
+    models = tuple(
+        m.model_record(is_ready=True, batching=worker.batching) for m in worker.models.all
+    )
+    return WorkerRecord("w0", f"127.0.0.1:{worker.port}", False, 0, models)
+
+
+async def test_a_version_whose_batches_all_fail_is_routed_around_until_one_succeeds(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A worker whose every row fails in the model (here each call a poison row: a worker
+    whose weights went bad answers so) answers at once, so it won the least predicted wait and
+    drew more than its share (routing review: a worker that fails fast was never ejected).
+    Its heartbeat now marks the version failing, and a router reading the registry routes to
+    a busier peer instead; a batch that succeeds clears the mark. A real worker and model, a
+    real Redis, the router's own registry sync and route table."""
+    failing = FailingConfig(batches_to_mark=3, min_span_s=0.0)
+    worker = await start(tmp_path, batching=DriverConfig(failing=failing))
+    table = RouteTable(RoutingConfig(), random.Random(0))
+    writer, reader = connect(redis_server.worker_url), connect(redis_server.router_url)
+    sync = RegistrySync(
+        reader, RegistryKeys(), table, RouterMetrics(CollectorRegistry()), period_s=0.05,
+        on_degraded_change=nothing, worker_networks=WorkerNetworks.parse("127.0.0.0/8"),
+    )  # fmt: skip
+    try:
+        version = heartbeat(worker).models[0].version
+        busy_peer = dataclasses.replace(
+            heartbeat(worker), worker_id="w1", address="127.0.0.1:1",
+            models=(dataclasses.replace(heartbeat(worker).models[0], queued_rows=50),),
+        )  # fmt: skip
+        publishers = [HeartbeatPublisher(writer, RegistryKeys(), HeartbeatConfig(), record)
+                      for record in (lambda: heartbeat(worker), lambda: busy_peer)]  # fmt: skip
+
+        async def routed_to() -> str:
+            for publisher in publishers:
+                await publisher.publish_once()
+            await sync.refresh_once()  # what the router's sync does every period
+            decision = table.route("affine", version, 1, 10.0, time.monotonic())
+            assert isinstance(decision, Route), decision
+            table.release(decision.reservation_id)
+            return decision.worker_id
+
+        assert await routed_to() == "w0"  # idle: the least predicted wait
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            for num_failed in range(1, 4):
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await stub.Infer(row_request(row(POISON, 1, 1, 1)), timeout=10)
+                assert raised.value.code() == grpc.StatusCode.INTERNAL
+                assert metric(worker, names.WORKER_ROW_FAILURES_TOTAL) == num_failed
+            assert metric(worker, names.WORKER_MODEL_FAILING, model="affine") == 1
+            assert await routed_to() == "w1"
+            await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=10)
+            assert metric(worker, names.WORKER_MODEL_FAILING, model="affine") == 0
+            assert await routed_to() == "w0"
+    finally:
+        await writer.aclose()
+        await reader.aclose()
+        await worker.stop()
+
+
+async def nothing(_: bool) -> None:
+    """The registry sync's degraded-change callback, where nothing is to be done."""
 
 
 async def test_s07_row_that_cannot_meet_its_deadline_is_refused_at_once_and_never_runs(

@@ -45,6 +45,7 @@ def make_worker(
     min_batch_s: float = 0.01,
     draining: bool = False,
     is_ready: bool = True,
+    is_failing: bool = False,
     shed_past_slo: bool = False,
     models: Sequence[tuple[str, str]] = (MODEL,),
 ) -> WorkerRecord:
@@ -61,6 +62,7 @@ def make_worker(
                 per_row_s=per_row_s,
                 min_batch_s=min_batch_s,
                 is_ready=is_ready,
+                is_failing=is_failing,
                 shed_past_slo=shed_past_slo,
             )
             for name, version in models
@@ -324,6 +326,24 @@ def test_not_ready_model_is_excluded() -> None:
         make_worker(worker_id="w2", queued_rows=50),
     )
     assert routed_to(route(table)) == "w2"
+
+
+def test_a_worker_failing_a_model_is_routed_to_only_while_no_other_serves_it() -> None:
+    """A worker whose batches of a version all fail answers at once: idle by its queue, it
+    won the least predicted wait and drew more than its share, all failed (routing review).
+    Its heartbeat now says so (`is_failing`, batching.failure_streak), and routing prefers any
+    other worker; with none left, it is routed to (panic mode: failures are no worse than an
+    outage, and a poison input that marks every worker must not take the model down)."""
+    idle_failing = make_worker(worker_id="w1", is_failing=True)
+    busy = make_worker(worker_id="w2", queued_rows=50)
+    table = loaded(make_table(), idle_failing, busy)
+    assert {route_and_release(table) for _ in range(5)} == {"w2"}
+    # The only one left (w2 draining): routed to rather than refused.
+    loaded(table, idle_failing, make_worker(worker_id="w2", draining=True))
+    assert routed_to(route(table)) == "w1"
+    # Its next heartbeat says it serves again: the least predicted wait wins again.
+    loaded(table, make_worker(worker_id="w1"), busy)
+    assert routed_to(route(table)) == "w1"
 
 
 def test_exclude_set_sends_a_retry_elsewhere() -> None:

@@ -107,6 +107,7 @@ class Backend(ServedModel):
             executed_rows=load.totals.rows,
             queue_s_total=load.totals.queue_s,
             compute_s_total=load.totals.compute_s,
+            is_failing=load.is_failing,
         )
 
     @abc.abstractmethod

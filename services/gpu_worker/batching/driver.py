@@ -65,7 +65,7 @@ class BatchingDriver:
         self._lanes = {id(b): new_lane(b, config, metrics, self._ledger) for b in backends}
         self._order = list(self._lanes.values())
         for lane in self._order:
-            lane.bind_queue_gauges(metrics)
+            lane.bind_queue_gauges(metrics, clock)
         self._executor = watchdog.DaemonExecutor("executor")
         #: The bound on one model call in force (seconds); raised after warm-up for slow models.
         self.watchdog_s = config.watchdog_s
@@ -120,7 +120,7 @@ class BatchingDriver:
         self._order.append(lane)  # and the bound again: a lane forgotten meanwhile left it out
         self.watchdog_s = watchdog.bound_for_lanes(self._config.watchdog_s, self._order)
         # Only now: a gauge bound to a lane whose warm-up failed would keep its model alive.
-        lane.bind_queue_gauges(self._metrics)
+        lane.bind_queue_gauges(self._metrics, self._clock)
 
     async def remove_backend(self, backend: Backend) -> None:
         """Unloads a version's lane: refuses its new rows, returns once every row it admitted
@@ -211,7 +211,8 @@ class BatchingDriver:
         return lost
 
     def load_report(self, backend: Backend) -> LoadReport:
-        return self._lanes[id(backend)].load_report(batch_key(backend, backend.buckets[0]))
+        smallest = batch_key(backend, backend.buckets[0])
+        return self._lanes[id(backend)].load_report(smallest, self._clock())
 
     @property
     def is_executing(self) -> bool:  # a batch is on the executor now

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from services.gpu_worker.batching.failure_streak import FailingConfig
+
 
 @dataclass(frozen=True)
 class DriverConfig:
@@ -54,6 +56,9 @@ class DriverConfig:
     #: each lane. The worker's generation engines choose their steps' threads up to the
     #: same resolved count (LoadOptions.host_threads).
     model_threads: int = 0
+    #: When a version whose batches all fail on this worker is marked failing in its
+    #: heartbeat, and routers send its calls to other workers (batching.failure_streak).
+    failing: FailingConfig = field(default_factory=FailingConfig)
 
     def __post_init__(self) -> None:
         if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -18,6 +18,7 @@ from services.common.telemetry import observe_counts
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher, executor_start_s
@@ -97,6 +98,8 @@ class LoadReport:
     totals: BatchTotals = field(default_factory=BatchTotals)
     #: Rows of priority `batch` queued (only `batch` arrivals wait behind them).
     queued_batch_rows: int = 0
+    #: Its batches all fail here lately (failure_streak.py): routers prefer other workers.
+    is_failing: bool = False
 
 
 class Admission(NamedTuple):
@@ -134,6 +137,8 @@ class Lane:
     gauges_due_s: dict[BatchKey, float] = field(default_factory=dict)
     #: Keys whose last batch skipped the refresh: refreshed when due (`refresh_gauges`).
     stale_gauges: set[BatchKey] = field(default_factory=set)
+    #: Whether its batches all fail lately (told routers in `load_report`).
+    failures: FailureStreak = field(default_factory=lambda: FailureStreak(FailingConfig()))
 
     @functools.cached_property
     def labels(self) -> tuple[str, str]:
@@ -225,8 +230,8 @@ class Lane:
             retry_after_s=backlog_s,
         )
 
-    def load_report(self, smallest: BatchKey) -> LoadReport:
-        """What routers read of this lane; `smallest` is its smallest bucket's key."""
+    def load_report(self, smallest: BatchKey, now_s: float) -> LoadReport:
+        """What routers read of this lane at `now_s`; `smallest` is its smallest bucket's key."""
         per_row_s = self.row_cost_s
         if per_row_s is None:
             per_row_s = self.latency.per_item_s(smallest, self.batcher.max_batch_size_for(smallest))
@@ -237,6 +242,7 @@ class Lane:
             min_batch_s=self.latency.predict_alone(smallest),
             totals=self.totals.copy(),
             queued_batch_rows=self.batcher.num_queued - urgent_rows,
+            is_failing=self.failures.is_failing(now_s),
         )
 
     def export_gauges_due(self, metrics: WorkerMetrics, key: BatchKey, now_s: float) -> None:
@@ -299,11 +305,14 @@ class Lane:
         self.shedding.after_dispatch(now_s, self.batcher.oldest_urgent_wait_s(now_s))
         return rows
 
-    def bind_queue_gauges(self, metrics: WorkerMetrics) -> None:
-        """Rows queued, and whether the queue stands (only while rows are queued), read when
-        metrics are scraped: nothing on the per-row path keeps them up to date."""
+    def bind_queue_gauges(self, metrics: WorkerMetrics, clock: Callable[[], float]) -> None:
+        """Rows queued, whether the queue stands (only while rows are queued) and whether the
+        version is failing (by `clock`), read when metrics are scraped: nothing on the per-row
+        path keeps them up to date."""
         metrics.queue_depth.labels(*self.labels).set_function(lambda: self.batcher.num_queued)
         metrics.queue_standing.labels(*self.labels).set_function(self._is_standing)
+        failing = metrics.model_failing.labels(*self.labels)
+        failing.set_function(lambda: int(self.failures.is_failing(clock())))
 
     def _is_standing(self) -> int:
         return int(self.shedding.queue.is_standing and self.batcher.num_queued > 0)
@@ -363,6 +372,7 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
+        lane.failures.note_batch(labels, results, finished)
         if failures == 0 and num_calls == 1:
             # A bisected batch's time says nothing about the model's normal cost.
             taught_s = compute_s if ran_s is None else ran_s

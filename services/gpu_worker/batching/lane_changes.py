@@ -15,6 +15,7 @@ import torch
 
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.failure_streak import FailureStreak
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.latency_model import LatencyModel
@@ -56,7 +57,12 @@ def new_lane(
     options = thread_options(config.model_threads or torch.get_num_threads())
     threads = ThreadChoice(options) if backend.computes_on_host and len(options) > 1 else None
     return Lane(
-        backend=backend, batcher=batcher, latency=latency, shedding=shedding, threads=threads
+        backend=backend,
+        batcher=batcher,
+        latency=latency,
+        shedding=shedding,
+        threads=threads,
+        failures=FailureStreak(config.failing),
     )
 
 

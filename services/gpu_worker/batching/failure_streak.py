@@ -1,0 +1,109 @@
+"""Whether a model fails every batch on this worker: the worker's side of outlier ejection.
+
+A worker whose model fails every row (weights corrupted in memory, a kernel that fails on this
+device while the device still runs work, a bug that every input of a version hits) answers at
+once. Routers' timeout ejection (services.router.ejection) never sees it, and its short queue
+wins the least predicted wait: it drew more than its share of the version's traffic, and failed
+all of it.
+
+A batch counts as failed when every row of it failed after bisection
+(execution.run_isolated): a poison row fails alone while its batch mates succeed, and a worker
+that serves others' rows is not failing. `FailureStreak` marks the version failing once
+`batches_to_mark` batches in a row have failed, over at least `min_span_s` (one large request of
+poison rows is over within its own moment), with no batch of the version succeeding in between.
+The mark goes in the heartbeat (`ModelRecord.is_failing`); routers then route the version
+elsewhere while another worker serves it, and to this one only when none is left (Envoy's panic
+mode, as for ejection: services.router.routing). A marked version that gets no traffic has no
+new failures: the mark lapses `hold_s` after its last failed batch, routers send to it again, and
+its next failed batch marks it again at once, for twice as long (at most `max_hold_s`). A batch
+that succeeds ends the streak, the mark and the doubling.
+
+Pure but for `note_batch`'s log line: time comes in as `now_s` (the batching driver's clock).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class FailingConfig:
+    """When a version whose batches all fail is marked failing, and for how long."""
+
+    #: Failed batches in a row, with no success between, that mark a version (0: never).
+    batches_to_mark: int = 5
+    #: The failed batches must span at least this long, seconds.
+    min_span_s: float = 1.0
+    #: How long a mark outlives its last failed batch, seconds; each mark again (no success
+    #: since) doubles it.
+    hold_s: float = 5.0
+    #: The longest a mark outlives its last failed batch, seconds.
+    max_hold_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.batches_to_mark < 0 or self.min_span_s < 0:
+            raise ValueError("batches_to_mark and min_span_s must be >= 0")
+        if not 0 < self.hold_s <= self.max_hold_s < math.inf:
+            raise ValueError("failing holds must satisfy 0 < hold_s <= max_hold_s < inf")
+
+
+class FailureStreak:
+    """One version's run of failed batches on this worker, and whether it is marked failing."""
+
+    def __init__(self, config: FailingConfig) -> None:
+        self._config = config
+        self._failed_batches = 0
+        self._first_failure_s = 0.0
+        #: Marks since the last success (each doubles the hold).
+        self._marks = 0
+        self._failing_until_s = -math.inf
+
+    def record(self, now_s: float, *, all_failed: bool) -> float | None:
+        """A batch of the version finished at `now_s`, every row of it failed or not. Returns
+        how long the version is marked failing when this batch marks it (it was not), else
+        None."""
+        if not all_failed:
+            self._failed_batches = self._marks = 0
+            self._failing_until_s = -math.inf
+            return None
+        config = self._config
+        if self._failed_batches == 0:
+            self._first_failure_s = now_s
+        self._failed_batches += 1
+        if (
+            config.batches_to_mark == 0
+            or self._failed_batches < config.batches_to_mark
+            or now_s - self._first_failure_s < config.min_span_s
+        ):
+            return None
+        was_failing = self.is_failing(now_s)
+        if not was_failing:
+            self._marks += 1
+        hold_s = min(config.max_hold_s, config.hold_s * 2 ** min(self._marks - 1, 64))
+        self._failing_until_s = now_s + hold_s
+        return None if was_failing else hold_s
+
+    def is_failing(self, now_s: float) -> bool:
+        return now_s < self._failing_until_s
+
+    def note_batch(self, labels: tuple[str, str], results: Sequence[object], now_s: float) -> None:
+        """`record`s a finished batch of (model, version) `labels` by its rows' `results` (an
+        output or an Exception each), and logs a mark. A row refused unrun (Unavailable: the
+        worker wedged, its device lost) does not count as failed: it says nothing of the model,
+        and the worker stops serving anyway."""
+        failed = sum(isinstance(r, Exception) and not isinstance(r, Unavailable) for r in results)
+        hold_s = self.record(now_s, all_failed=failed == len(results))
+        if hold_s is not None:
+            log.warning(
+                "%s/%s: its last batches all failed here; marked failing for %.0fs (routers "
+                "send its calls elsewhere while another worker serves it)",
+                *labels,
+                hold_s,
+            )
