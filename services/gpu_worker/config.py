@@ -212,6 +212,16 @@ _BATCHING = (
         field="batching.backfill_threads",
     ),
     Setting(
+        "failing_batches_to_mark",
+        int,
+        DriverConfig.failing_batches_to_mark,
+        "batches of a version in a row, over a second or more, each failed in every row, that "
+        "mark it failing in the heartbeat (routers then send its calls to other workers while "
+        "any serves it); 0 never marks one",
+        "batches",
+        field="batching.failing_batches_to_mark",
+    ),
+    Setting(
         "watchdog_s",
         float,
         DriverConfig.watchdog_s,

@@ -18,8 +18,10 @@ Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
 
 @dataclass(frozen=True)
@@ -171,3 +173,40 @@ class TimeoutEjector:
         health = self._workers.get(worker_id)
         until_s = None if health is None else health.ejected_until_s
         return until_s is not None and now_s < until_s
+
+
+class _Worker(Protocol):
+    @property
+    def worker_id(self) -> str: ...
+
+
+W = TypeVar("W", bound=_Worker)
+
+
+def routable_now(
+    workers: list[W],
+    now_s: float,
+    exclude: AbstractSet[str],
+    ejected_until_s: Mapping[str, float],
+    timeouts: TimeoutEjector,
+) -> tuple[list[W], bool]:
+    """The `workers` a request may go to now, and whether they are first choices: not tried by
+    the request (`exclude`), not ejected for UNAVAILABLE (`ejected_until_s`), not ejected for
+    timeouts. Where none is, ejections skip a worker only while another is routable (Envoy's
+    panic mode): ejecting the last turns late answers to none, and a last worker's stream reset
+    once left its model with no worker for `eject_s`; one ejected for a reset comes before those
+    that time out (all went to a wedged one: review finding). A request never goes back to a
+    worker it tried."""
+    untried = workers
+    if exclude or ejected_until_s:
+        untried = [c for c in workers if c.worker_id not in exclude]
+        live = [c for c in untried if now_s >= ejected_until_s.get(c.worker_id, -math.inf)]
+    elif not timeouts.has_ejected:
+        return workers, bool(workers)  # the usual case; callers do not change the list
+    else:
+        live = untried
+    may_route = timeouts.may_route
+    kept = [c for c in live if may_route(c.worker_id, now_s)]
+    if kept:
+        return kept, True
+    return [c for c in untried if may_route(c.worker_id, now_s)] or live or untried, False

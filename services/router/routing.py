@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.registry_schema import ModelRecord, WorkerRecord
-from services.router.ejection import TimeoutEjector
+from services.router.ejection import TimeoutEjector, routable_now
 from services.router.reservations import Reservations
 from services.router.retry_budget import RetryBudget
 from services.router.routing_config import RoutingConfig
@@ -107,7 +107,7 @@ class RouteTable:
         self._ever_served: set[str] = set()
         # (name, version) -> the snapshot's routable workers for it (alive, not draining,
         # ready) and whether any serves it: built once per snapshot and model, not per route.
-        self._routable: dict[tuple[str, str], tuple[list[_Candidate], bool]] = {}
+        self._routable: dict[tuple[str, str], tuple[list[_Candidate], list[_Candidate], bool]] = {}
 
     def update(self, records: Sequence[tuple[WorkerRecord, float]], now_s: float) -> set[str]:
         """Replace the snapshot with `records`, each paired with its heartbeat time (seconds);
@@ -233,33 +233,29 @@ class RouteTable:
         self, name: str, version: str, now_s: float, exclude: frozenset[str]
     ) -> tuple[list[_Candidate], bool]:
         """Workers that may take name@version now, in worker_id order, not priced yet; and
-        whether any worker of the snapshot serves it at all."""
+        whether any worker of the snapshot serves it at all. Workers failing it (their batches
+        of it all fail: `ModelRecord.is_failing`) come after every first choice of the others,
+        and before the others' panic-mode fallback (services.router.ejection.routable_now)."""
         routable = self._routable.get((name, version))
         if routable is None:
             routable = self._routable[(name, version)] = self._routable_for(name, version)
-        workers, is_known = routable
-        ejected_until_s = self._ejected_until_s
-        untried = workers
-        if exclude or ejected_until_s:
-            untried = [c for c in workers if c.worker_id not in exclude]
-            ejected = ejected_until_s.get
-            workers = [c for c in untried if now_s >= ejected(c.worker_id, -math.inf)] or untried
-        elif not self.timeouts.has_ejected:
-            return workers, is_known  # the usual case; callers do not change the list
-        # Ejections (for UNAVAILABLE above, or timeouts) skip a worker only while another is
-        # routable (Envoy's panic mode): ejecting the last turns late answers to none, and a last
-        # worker's stream reset once left its model with no worker for `eject_s`; one ejected
-        # for a reset comes before those that time out (all went to a wedged one: review finding).
-        may_route = self.timeouts.may_route
-        kept = [c for c in workers if may_route(c.worker_id, now_s)]
-        return kept or [c for c in untried if may_route(c.worker_id, now_s)] or workers, is_known
+        healthy, failing, is_known = routable
+        ejected = self._ejected_until_s
+        workers, is_first = routable_now(healthy, now_s, exclude, ejected, self.timeouts)
+        if failing and not is_first:
+            others, others_first = routable_now(failing, now_s, exclude, ejected, self.timeouts)
+            if others_first or not workers:
+                workers = others
+        return workers, is_known
 
-    def _routable_for(self, name: str, version: str) -> tuple[list[_Candidate], bool]:
-        """The snapshot's workers alive, not draining and ready for name@version, those failing
-        it only if no other is (panic mode); and whether any worker serves it at all."""
+    def _routable_for(
+        self, name: str, version: str
+    ) -> tuple[list[_Candidate], list[_Candidate], bool]:
+        """The snapshot's workers alive, not draining and ready for name@version: those not
+        failing it, those failing it; and whether any worker serves it at all."""
         refreshed_at_s = self._refreshed_at_s
         workers: list[_Candidate] = []
-        failing: list[_Candidate] = []  # its batches all fail there (ModelRecord.is_failing)
+        failing: list[_Candidate] = []
         is_known = False
         for worker, heartbeat_s in self._workers:
             model = worker.model(name, version)
@@ -273,7 +269,7 @@ class RouteTable:
                 and model.is_ready
             ):
                 (failing if model.is_failing else workers).append(_Candidate(worker, model))
-        return workers or failing, is_known
+        return workers, failing, is_known
 
     def _price(
         self,

@@ -193,9 +193,9 @@ async def test_a_version_whose_batches_all_fail_is_routed_around_until_one_succe
     drew more than its share (routing review: a worker that fails fast was never ejected).
     Its heartbeat now marks the version failing, and a router reading the registry routes to
     a busier peer instead; a batch that succeeds clears the mark. A real worker and model, a
-    real Redis, the router's own registry sync and route table."""
-    failing = FailingConfig(batches_to_mark=3, min_span_s=0.0)
-    worker = await start(tmp_path, batching=DriverConfig(failing=failing))
+    real Redis, the router's own registry sync and route table; three failed batches mark it
+    here (`--failing-batches-to-mark`), over the second they must span."""
+    worker = await start(tmp_path, batching=DriverConfig(failing_batches_to_mark=3))
     table = RouteTable(RoutingConfig(), random.Random(0))
     writer, reader = connect(redis_server.worker_url), connect(redis_server.router_url)
     sync = RegistrySync(
@@ -224,12 +224,15 @@ async def test_a_version_whose_batches_all_fail_is_routed_around_until_one_succe
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
             for num_failed in range(1, 4):
+                if num_failed > 1:
+                    await asyncio.sleep(0.6 * FailingConfig.min_span_s)
                 with pytest.raises(grpc.aio.AioRpcError) as raised:
                     await stub.Infer(row_request(row(POISON, 1, 1, 1)), timeout=10)
                 assert raised.value.code() == grpc.StatusCode.INTERNAL
                 assert metric(worker, names.WORKER_ROW_FAILURES_TOTAL) == num_failed
+                # Marked at the third only: routed to it until then.
+                assert await routed_to() == ("w0" if num_failed < 3 else "w1")
             assert metric(worker, names.WORKER_MODEL_FAILING, model="affine") == 1
-            assert await routed_to() == "w1"
             await stub.Infer(row_request(row(1, 2, 3, 4)), timeout=10)
             assert metric(worker, names.WORKER_MODEL_FAILING, model="affine") == 0
             assert await routed_to() == "w0"

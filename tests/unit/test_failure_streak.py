@@ -18,15 +18,26 @@ def failed_batches(streak: FailureStreak, times_s: list[float]) -> list[float | 
     return [streak.record(t, all_failed=True) for t in times_s]
 
 
-def test_a_version_is_marked_after_enough_failed_batches_over_the_span() -> None:
+def test_a_version_is_marked_once_its_last_batches_all_failed_over_the_span() -> None:
     streak = FailureStreak(CONFIG)
-    # Three failed batches within 0.5 s (one large request of poison rows): not yet.
+    # Three failed batches within 0.5 s: not yet.
     assert failed_batches(streak, [0.0, 0.2, 0.5]) == [None, None, None]
     assert not streak.is_failing(0.5)
-    # The streak goes on past min_span_s: marked, for hold_s after that batch.
-    assert streak.record(1.0, all_failed=True) == 5.0
-    assert streak.is_failing(5.9)
-    assert not streak.is_failing(6.0)
+    # The last three span 0.8 s: still not; 1.1 s: marked, for hold_s after that batch.
+    assert failed_batches(streak, [1.0, 1.6]) == [None, 5.0]
+    assert streak.is_failing(6.5)
+    assert not streak.is_failing(6.6)
+
+
+def test_a_failed_batch_long_ago_does_not_stretch_a_quick_run_over_the_span() -> None:
+    """On a quiet version, one failed batch an hour ago and a quick run of failures now are
+    not a second of failures (review finding): a failure more than twice `max_hold_s` after
+    the last starts the streak again. Within it, a lapsed mark comes back at once."""
+    streak = FailureStreak(CONFIG)
+    assert failed_batches(streak, [0.0, 3600.0, 3600.1, 3600.2]) == [None] * 4
+    assert not streak.is_failing(3600.2)
+    assert failed_batches(streak, [3601.0, 3601.5]) == [None, 5.0]
+    assert streak.record(3601.5 + 2 * CONFIG.max_hold_s, all_failed=True) == 10.0
 
 
 def test_a_batch_that_succeeds_ends_the_streak_and_the_mark() -> None:
@@ -60,26 +71,38 @@ def test_zero_batches_to_mark_never_marks() -> None:
     assert not streak.is_failing(99.0)
 
 
-def test_rows_refused_unrun_do_not_count_as_the_model_failing() -> None:
-    """`note_batch` counts a batch failed only when every row failed in the model: rows
-    answered UNAVAILABLE (the worker wedged, its device lost) say nothing of the model."""
+def test_rows_refused_unrun_neither_fail_nor_clear_a_version() -> None:
+    """`note_batch`: a batch whose rows were all refused unrun (UNAVAILABLE: the worker
+    wedged, its device lost) says nothing of the model either way; a batch with one row
+    served is a success; rows refused unrun beside rows failed in the model do not make it
+    one."""
     streak = FailureStreak(FailingConfig(batches_to_mark=2, min_span_s=0.0))
     labels = ("affine", "1")
     wedged = Unavailable("ran past the executor watchdog")
+    failed = ExecutionFailed("model failed on this input: boom")
     streak.note_batch(labels, [wedged, wedged], 0.0)
     streak.note_batch(labels, [wedged], 1.0)
     assert not streak.is_failing(1.0)
-    failed = ExecutionFailed("model failed on this input: boom")
     streak.note_batch(labels, [failed, np.zeros(2)], 2.0)  # one row served: not failing
-    streak.note_batch(labels, [failed, failed], 3.0)
+    streak.note_batch(labels, [failed, wedged], 3.0)
     assert not streak.is_failing(3.0)
     streak.note_batch(labels, [failed], 4.0)
     assert streak.is_failing(4.0)
+    streak.note_batch(labels, [wedged], 5.0)  # not a success: the mark stands
+    assert streak.is_failing(5.0)
+    streak.note_batch(labels, [], 5.0)  # nothing asked: nothing told
+    assert streak.is_failing(5.0)
 
 
 @pytest.mark.parametrize(
     "settings",
-    [{"batches_to_mark": -1}, {"min_span_s": -1.0}, {"hold_s": 0.0}, {"max_hold_s": 1.0}],
+    [
+        {"batches_to_mark": -1},
+        {"min_span_s": -1.0},
+        {"min_span_s": float("nan")},
+        {"hold_s": 0.0},
+        {"max_hold_s": 1.0},
+    ],
 )
 def test_settings_out_of_range_are_refused(settings: dict[str, float]) -> None:
     with pytest.raises(ValueError):

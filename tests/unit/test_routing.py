@@ -346,6 +346,25 @@ def test_a_worker_failing_a_model_is_routed_to_only_while_no_other_serves_it() -
     assert routed_to(route(table)) == "w1"
 
 
+def test_a_worker_failing_a_model_takes_a_retry_or_an_ejected_peers_calls() -> None:
+    """A failing worker comes after the others' first choices, not after their panic-mode
+    fallback: a retry whose healthy worker failed UNAVAILABLE, and the calls of the time that
+    worker is ejected for it, go to the failing one rather than nowhere, or back to the one
+    just ejected (review finding: filtered out before the retry's exclude set and the
+    ejections, they were NO_WORKER)."""
+    table = loaded(
+        make_table(eject_s=5.0),
+        make_worker(worker_id="w1", is_failing=True),
+        make_worker(worker_id="w2", queued_rows=50),
+    )
+    assert routed_to(route(table, exclude=frozenset({"w2"}))) == "w1"
+    table.eject("w2", now_s=0.0)
+    assert routed_to(route(table, now_s=1.0)) == "w1"
+    assert routed_to(route(table, now_s=5.0)) == "w2"  # back once its ejection ends
+    # Every worker tried: none, failing or not.
+    assert rejected(route(table, exclude=frozenset({"w1", "w2"}))) is RejectReason.NO_WORKER
+
+
 def test_exclude_set_sends_a_retry_elsewhere() -> None:
     table = loaded(
         make_table(), make_worker(worker_id="w1"), make_worker(worker_id="w2", queued_rows=50)

@@ -56,9 +56,10 @@ class DriverConfig:
     #: each lane. The worker's generation engines choose their steps' threads up to the
     #: same resolved count (LoadOptions.host_threads).
     model_threads: int = 0
-    #: When a version whose batches all fail on this worker is marked failing in its
-    #: heartbeat, and routers send its calls to other workers (batching.failure_streak).
-    failing: FailingConfig = field(default_factory=FailingConfig)
+    #: Batches of a version in a row, over a second or more, each failed in every row, that
+    #: mark it failing in the heartbeat, so that routers send its calls to other workers
+    #: (batching.failure_streak); 0 never marks one.
+    failing_batches_to_mark: int = FailingConfig.batches_to_mark
 
     def __post_init__(self) -> None:
         if min(self.upstream_budget_s, self.safety_margin_s, self.max_wait_cap_s) < 0:
@@ -75,3 +76,5 @@ class DriverConfig:
             raise ValueError("backfill_threads must be >= -1")
         if self.model_threads < 0:
             raise ValueError("model_threads must be >= 0")
+        if self.failing_batches_to_mark < 0:
+            raise ValueError("failing_batches_to_mark must be >= 0")

@@ -8,21 +8,25 @@ all of it.
 
 A batch counts as failed when every row of it failed after bisection
 (execution.run_isolated): a poison row fails alone while its batch mates succeed, and a worker
-that serves others' rows is not failing. `FailureStreak` marks the version failing once
-`batches_to_mark` batches in a row have failed, over at least `min_span_s` (one large request of
-poison rows is over within its own moment), with no batch of the version succeeding in between.
-The mark goes in the heartbeat (`ModelRecord.is_failing`); routers then route the version
-elsewhere while another worker serves it, and to this one only when none is left (Envoy's panic
-mode, as for ejection: services.router.routing). A marked version that gets no traffic has no
-new failures: the mark lapses `hold_s` after its last failed batch, routers send to it again, and
-its next failed batch marks it again at once, for twice as long (at most `max_hold_s`). A batch
-that succeeds ends the streak, the mark and the doubling.
+that serves others' rows is not failing. Nor can one request of poison rows make a streak: its
+first failed row fails the request, and its rows still queued are withdrawn unrun. The version
+is marked failing once its last `batches_to_mark` batches have all failed, spanning at least
+`min_span_s`, with no batch of it succeeding in between (and none more than twice `max_hold_s`
+after the one before: on a quiet version, a failure long ago is no part of a run now). The
+mark goes in the heartbeat (`ModelRecord.is_failing`); routers then route the version
+elsewhere while another worker serves it, and to this one only when none is left (Envoy's
+panic mode, as for ejection: services.router.ejection.routable_now). A marked version that
+gets no traffic has no new failures: the mark lapses `hold_s` after its last failed batch,
+routers send to it again, and its next failed batch marks it again at once, for twice as long
+(at most `max_hold_s`). A batch that succeeds ends the streak, the mark and the doubling; one
+refused unrun (the worker wedged) changes nothing.
 
 Pure but for `note_batch`'s log line: time comes in as `now_s` (the batching driver's clock).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 from collections.abc import Sequence
@@ -32,6 +36,11 @@ from services.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
+#: A failed batch more than this many `max_hold_s` after the one before it starts a new streak
+#: (a mark lapsed with no traffic ends at most `max_hold_s` after its last failure, and its next
+#: failed batch must still mark it again at once).
+STALE_HOLDS = 2.0
+
 
 @dataclass(frozen=True)
 class FailingConfig:
@@ -39,7 +48,7 @@ class FailingConfig:
 
     #: Failed batches in a row, with no success between, that mark a version (0: never).
     batches_to_mark: int = 5
-    #: The failed batches must span at least this long, seconds.
+    #: The last `batches_to_mark` failed batches must span at least this long, seconds.
     min_span_s: float = 1.0
     #: How long a mark outlives its last failed batch, seconds; each mark again (no success
     #: since) doubles it.
@@ -48,8 +57,8 @@ class FailingConfig:
     max_hold_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.batches_to_mark < 0 or self.min_span_s < 0:
-            raise ValueError("batches_to_mark and min_span_s must be >= 0")
+        if self.batches_to_mark < 0 or not 0 <= self.min_span_s < math.inf:
+            raise ValueError("batches_to_mark and min_span_s must be finite and >= 0")
         if not 0 < self.hold_s <= self.max_hold_s < math.inf:
             raise ValueError("failing holds must satisfy 0 < hold_s <= max_hold_s < inf")
 
@@ -59,8 +68,10 @@ class FailureStreak:
 
     def __init__(self, config: FailingConfig) -> None:
         self._config = config
-        self._failed_batches = 0
-        self._first_failure_s = 0.0
+        #: When each of the streak's last `batches_to_mark` failed batches finished.
+        self._failed_s: collections.deque[float] = collections.deque(
+            maxlen=max(1, config.batches_to_mark)
+        )
         #: Marks since the last success (each doubles the hold).
         self._marks = 0
         self._failing_until_s = -math.inf
@@ -70,17 +81,20 @@ class FailureStreak:
         how long the version is marked failing when this batch marks it (it was not), else
         None."""
         if not all_failed:
-            self._failed_batches = self._marks = 0
+            self._failed_s.clear()
+            self._marks = 0
             self._failing_until_s = -math.inf
             return None
         config = self._config
-        if self._failed_batches == 0:
-            self._first_failure_s = now_s
-        self._failed_batches += 1
+        if self._failed_s and now_s - self._failed_s[-1] > STALE_HOLDS * config.max_hold_s:
+            # A quiet version: a failure that long ago is no part of a run of failures now.
+            self._failed_s.clear()
+            self._marks = 0
+        self._failed_s.append(now_s)
         if (
             config.batches_to_mark == 0
-            or self._failed_batches < config.batches_to_mark
-            or now_s - self._first_failure_s < config.min_span_s
+            or len(self._failed_s) < config.batches_to_mark
+            or now_s - self._failed_s[0] < config.min_span_s
         ):
             return None
         was_failing = self.is_failing(now_s)
@@ -95,11 +109,15 @@ class FailureStreak:
 
     def note_batch(self, labels: tuple[str, str], results: Sequence[object], now_s: float) -> None:
         """`record`s a finished batch of (model, version) `labels` by its rows' `results` (an
-        output or an Exception each), and logs a mark. A row refused unrun (Unavailable: the
-        worker wedged, its device lost) does not count as failed: it says nothing of the model,
-        and the worker stops serving anyway."""
-        failed = sum(isinstance(r, Exception) and not isinstance(r, Unavailable) for r in results)
-        hold_s = self.record(now_s, all_failed=failed == len(results))
+        output or an Exception each), and logs a mark. Rows refused unrun (Unavailable: the
+        worker wedged, its device lost) say nothing of the model: a batch of only those is not
+        recorded (the worker stops serving anyway), and beside rows that failed in the model
+        they do not make the batch a success."""
+        unrun = sum(isinstance(r, Unavailable) for r in results)
+        if unrun == len(results):
+            return  # nothing ran (or nothing was asked): it says nothing either way
+        failed = sum(isinstance(r, Exception) for r in results) - unrun
+        hold_s = self.record(now_s, all_failed=failed + unrun == len(results))
         if hold_s is not None:
             log.warning(
                 "%s/%s: its last batches all failed here; marked failing for %.0fs (routers "

@@ -15,7 +15,7 @@ import torch
 
 from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver_config import DriverConfig
-from services.gpu_worker.batching.failure_streak import FailureStreak
+from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
 from services.gpu_worker.batching.fair_share import ComputeLedger
 from services.gpu_worker.batching.lane import Lane
 from services.gpu_worker.batching.latency_model import LatencyModel
@@ -62,7 +62,7 @@ def new_lane(
         latency=latency,
         shedding=shedding,
         threads=threads,
-        failures=FailureStreak(config.failing),
+        failures=FailureStreak(FailingConfig(batches_to_mark=config.failing_batches_to_mark)),
     )
 
 
