@@ -112,6 +112,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+#: The canary plan's flags: Plan's field, its type, what it sets (policy.Plan says more).
+_PLAN_FLAGS = (
+    ("hold_s", float, "how long each step runs before it is judged, seconds"),
+    ("max_error_rate_increase", float,
+     "how far the canary's error rate may exceed stable's, a fraction: 0.01 is 1 point"),
+    ("max_refusal_rate_increase", float,
+     "how far the canary's refusal rate (calls answered unserved) may exceed stable's, a "
+     "fraction"),
+    ("max_p99_ratio", float, "canary p99 over stable's past which it is slower (and the slack)"),
+    ("p99_slack_s", float, "how far past stable's p99 the canary's must also be, seconds"),
+    ("min_requests", int, "calls the canary must serve in a step before it is judged"),
+    ("max_holds", int, "extra holds a step may take for lack of traffic, then a rollback"),
+)  # fmt: skip
+
+
 def add_canary_parser(commands: Any) -> None:
     canary = commands.add_parser("canary", help="step a canary version's traffic, judge, decide")
     canary.add_argument("model")
@@ -119,13 +134,10 @@ def add_canary_parser(commands: Any) -> None:
     canary.add_argument("--metrics-url", action="append", default=[], help="a worker's /metrics")
     defaults = Plan()
     canary.add_argument("--steps", default=",".join(f"{s:g}" for s in defaults.steps))
-    for name in ("hold_s", "max_error_rate_increase", "max_p99_ratio", "p99_slack_s"):
+    for name, kind, doc in _PLAN_FLAGS:
+        default = getattr(defaults, name)
         canary.add_argument(
-            f"--{name.replace('_', '-')}", type=float, default=getattr(defaults, name)
-        )
-    for name in ("min_requests", "max_holds"):
-        canary.add_argument(
-            f"--{name.replace('_', '-')}", type=int, default=getattr(defaults, name)
+            f"--{name.replace('_', '-')}", type=kind, default=default, help=f"{doc} ({default:g})"
         )
     canary.add_argument("--check-period-s", type=float, default=5.0)
     canary.add_argument("--metrics-port", type=int, default=-1, help="serve /metrics (-1: off)")
@@ -152,6 +164,7 @@ def plan_from(args: argparse.Namespace) -> Plan:
         steps=tuple(float(s) for s in args.steps.split(",")),
         hold_s=args.hold_s,
         max_error_rate_increase=args.max_error_rate_increase,
+        max_refusal_rate_increase=args.max_refusal_rate_increase,
         max_p99_ratio=args.max_p99_ratio,
         p99_slack_s=args.p99_slack_s,
         min_requests=args.min_requests,

@@ -359,7 +359,8 @@ def describe_plan(plan: Plan, model: str, canary_version: int, routing: ModelRou
     for step, percent in enumerate(plan.steps):
         lines.append(
             f"  step {step}: canary at {percent:g}% for {plan.hold_s:g}s; roll back if its error"
-            f" rate exceeds stable's by {plan.max_error_rate_increase:.2%} or its p99 is over"
+            f" rate exceeds stable's by {plan.max_error_rate_increase:.2%}, its refusal rate by"
+            f" {plan.max_refusal_rate_increase:.2%}, or its p99 is over"
             f" {plan.max_p99_ratio:g}x stable's and {plan.p99_slack_s * 1000:g} ms past it"
             f" (judged from {plan.min_requests} requests;"
             f" up to {plan.max_holds} extra holds)"

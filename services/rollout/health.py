@@ -21,6 +21,9 @@ from services.rollout.policy import Health, difference, p99_from_buckets
 
 #: Statuses that count against a version: the server failed, not the caller or the load.
 ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
+#: Statuses that are not refusals (every other one is: RESOURCE_EXHAUSTED, INVALID_ARGUMENT,
+#: FAILED_PRECONDITION, ...): served, failed, or given up by the caller.
+_NOT_REFUSED = ERROR_CODES | {"OK", "CANCELLED"}
 
 #: version -> flat counters: "code:<CODE>" calls, "le:<bound>" cumulative latency buckets.
 Counters = dict[str, dict[str, float]]
@@ -51,16 +54,18 @@ def _counters(text: str, model: str) -> Counters:
 
 
 def health_between(before: Snapshot, after: Snapshot, version: str) -> Health:
-    """The version's calls, server errors and p99 between two snapshots of the same
-    endpoints (ValueError for snapshots of different counts)."""
+    """The version's calls served and refused, server errors and p99 between two snapshots of
+    the same endpoints (ValueError for snapshots of different counts)."""
     delta: dict[str, float] = {}
     for was, now in zip(before, after, strict=True):
         for key, value in difference(now.get(version, {}), was.get(version, {})).items():
             delta[key] = delta.get(key, 0.0) + value
-    requests = sum(v for k, v in delta.items() if k.startswith("code:"))
-    errors = sum(v for k, v in delta.items() if k.removeprefix("code:") in ERROR_CODES)
+    calls = {k.removeprefix("code:"): v for k, v in delta.items() if k.startswith("code:")}
+    errors = sum(v for code, v in calls.items() if code in ERROR_CODES)
+    served = calls.get("OK", 0.0) + errors
+    refused = sum(v for code, v in calls.items() if code not in _NOT_REFUSED)
     buckets = [(float(k[3:]), v) for k, v in delta.items() if k.startswith("le:")]
-    return Health(int(requests), int(errors), p99_from_buckets(buckets))
+    return Health(int(served), int(errors), p99_from_buckets(buckets), refused=int(refused))
 
 
 def _fetch(url: str) -> str:

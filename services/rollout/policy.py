@@ -2,11 +2,16 @@
 
 At each step the canary gets a share of the model's traffic (`Plan.steps`, percent). After
 the step's hold, its health over the step is compared with stable's over the same window:
-- roll back as soon as the canary's error rate exceeds stable's by more than
-  `max_error_rate_increase` (absolute), or its p99 exceeds stable's by more than
-  `max_p99_ratio` and by more than `p99_slack_s` too (a p99 of a few milliseconds read from
-  histogram buckets moves by a bucket's width: 2.5 ms against 4 ms is noise, not a 1.6x
-  regression), judged once the canary has served `min_requests` in the step;
+- roll back as soon as the canary's error rate (server failures among the calls it served)
+  exceeds stable's by more than `max_error_rate_increase` (a fraction: 0.01 is 1 point), with
+  at least `MIN_COUNTED` errors; or its refusal rate (calls it answered without serving: out of
+  room, inputs it refuses) exceeds stable's by more than `max_refusal_rate_increase`, with at
+  least `MIN_COUNTED` refusals (a canary that refuses every call served none, and was
+  promoted: review finding); or its p99 exceeds stable's by more than `max_p99_ratio` and by
+  more than `p99_slack_s` too (a p99 of a few milliseconds read from histogram buckets moves by
+  a bucket's width: 2.5 ms against 4 ms is noise, not a 1.6x regression), judged once the
+  canary has served `min_requests` in the step, and before the step's hold is over only from
+  `EARLY_P99_FACTOR` times as many (a p99 of 50 rows is their slowest one);
 - hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
   extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
   the same while stable's health (`baseline`) counts fewer: judged against no calls, the
@@ -26,6 +31,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+#: Errors (or refusals) a rate must count before it rolls a canary back: one transient failure
+#: among a step's first 50 calls is 2%, over a 1-point bound, and says nothing of the version.
+MIN_COUNTED = 3
+#: Before a step's hold is over, a p99 rolls a canary back only from this many times
+#: `min_requests` served calls.
+EARLY_P99_FACTOR = 4
+
 
 class Decision(enum.Enum):
     """Values are the metric label and the log word."""
@@ -38,16 +50,24 @@ class Decision(enum.Enum):
 
 @dataclass(frozen=True)
 class Health:
-    """One version's traffic over a window: calls, failed calls, and p99 latency (seconds;
-    None without calls)."""
+    """One version's traffic over a window: calls served (answered, or failed by the server),
+    of them failed, p99 latency (seconds; None without rows run), and calls refused unserved
+    (out of room, inputs refused: neither served nor failed)."""
 
     requests: int
     errors: int
     p99_s: float | None
+    refused: int = 0
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 0.0
+
+    @property
+    def refusal_rate(self) -> float:
+        """Refused calls among the calls served or refused."""
+        answered = self.requests + self.refused
+        return self.refused / answered if answered else 0.0
 
 
 @dataclass(frozen=True)
@@ -56,7 +76,11 @@ class Plan:
     steps: tuple[float, ...] = (1.0, 5.0, 25.0, 50.0, 100.0)
     #: How long each step runs before it is judged, seconds.
     hold_s: float = 60.0
+    #: How far the canary's error rate may exceed stable's, a fraction (0.01: 1 point).
     max_error_rate_increase: float = 0.01
+    #: How far the canary's refusal rate may exceed stable's, a fraction (0.05: 5 points):
+    #: looser, as the canary's share of a pool of its own may be near the pool's capacity.
+    max_refusal_rate_increase: float = 0.05
     max_p99_ratio: float = 1.2
     #: How far past stable's the canary's p99 must also be, seconds, to count as slower.
     p99_slack_s: float = 0.01
@@ -66,7 +90,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         numbers = (*self.steps, self.hold_s, self.max_error_rate_increase, self.max_p99_ratio,
-                   self.p99_slack_s)  # fmt: skip
+                   self.p99_slack_s, self.max_refusal_rate_increase)  # fmt: skip
         if not all(math.isfinite(number) for number in numbers):
             # A NaN bound never fires (every comparison with it is false); an infinite hold
             # never ends its step.
@@ -79,8 +103,13 @@ class Plan:
             # At 100% stable serves nothing: a lone step would judge the canary against no
             # calls at all (its latency never compared) and promote it.
             raise ValueError("steps need one below 100 (percent), to judge the canary against")
-        if min(self.hold_s, self.max_error_rate_increase, self.p99_slack_s) < 0:
-            raise ValueError("hold, error-rate bound and p99 slack must be >= 0")
+        if min(self.hold_s, self.p99_slack_s) < 0:
+            raise ValueError("hold and p99 slack must be >= 0")
+        for bound in (self.max_error_rate_increase, self.max_refusal_rate_increase):
+            if not 0 <= bound < 1:
+                # A fraction: 1 (meant as 1 point) is a bound no rate exceeds, and a canary
+                # failing every call was promoted (review finding).
+                raise ValueError("error- and refusal-rate bounds are fractions in [0, 1)")
         if self.max_p99_ratio < 1:
             raise ValueError("the p99 ratio must be >= 1")
         if self.min_requests < 1 or self.max_holds < 0:
@@ -99,16 +128,30 @@ def judge(
     """The verdict on step `step` (index into plan.steps) after `holds` extra holds, from the
     versions' health over the step so far. `final`: the step's hold is over (otherwise only a
     rollback is decided early, never an advance)."""
+    answered = canary.requests + canary.refused
+    if answered >= plan.min_requests and canary.refused >= MIN_COUNTED:
+        increase = canary.refusal_rate - stable.refusal_rate
+        if increase > plan.max_refusal_rate_increase:
+            return Verdict(
+                Decision.ROLLBACK,
+                f"canary refusal rate {canary.refusal_rate:.2%} vs stable"
+                f" {stable.refusal_rate:.2%} (bound +{plan.max_refusal_rate_increase:.2%})",
+            )
     if canary.requests >= plan.min_requests:
         increase = canary.error_rate - stable.error_rate
-        if increase > plan.max_error_rate_increase:
+        if increase > plan.max_error_rate_increase and canary.errors >= MIN_COUNTED:
             return Verdict(
                 Decision.ROLLBACK,
                 f"canary error rate {canary.error_rate:.2%} vs stable {stable.error_rate:.2%}"
                 f" (bound +{plan.max_error_rate_increase:.2%})",
             )
         ratio = _p99_ratio(canary, stable)
-        if ratio > plan.max_p99_ratio and _p99_excess_s(canary, stable) > plan.p99_slack_s:
+        p99_judged = final or canary.requests >= EARLY_P99_FACTOR * plan.min_requests
+        if (
+            p99_judged
+            and ratio > plan.max_p99_ratio
+            and _p99_excess_s(canary, stable) > plan.p99_slack_s
+        ):
             return Verdict(
                 Decision.ROLLBACK,
                 f"canary p99 {ratio:.2f}x stable's (bound {plan.max_p99_ratio:.2f}x and"
@@ -117,11 +160,13 @@ def judge(
     if not final:
         return Verdict(Decision.HOLD, "step in progress")
     if canary.requests < plan.min_requests:
-        return _too_few(plan, holds, f"{canary.requests} canary requests")
+        return _too_few(plan, holds, f"{canary.requests} canary requests served")
     if stable.requests < plan.min_requests:  # nothing to judge its latency against
         return _too_few(
             plan, holds, f"{stable.requests} stable requests", " (are stable's workers scraped?)"
         )
+    if canary.p99_s is None and stable.p99_s is not None:  # no row of its calls ran
+        return _too_few(plan, holds, "no canary latency")
     if step == len(plan.steps) - 1:
         return Verdict(Decision.PROMOTE, "every step healthy")
     return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")
@@ -181,8 +226,10 @@ def p99_from_buckets(buckets: Sequence[tuple[float, float]]) -> float | None:
 
 
 def difference(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
-    """Counter deltas between two scrapes (a counter that went back, a restart, counts from 0)."""
-    return {
-        key: value - before.get(key, 0.0) if value >= before.get(key, 0.0) else value
-        for key, value in after.items()
-    }
+    """Counter deltas between two scrapes of one worker's counters. Where any counter went
+    back, or is gone, the worker restarted between them, and `after` counts from 0 whole: a
+    counter that happens to have come back past its old value is all new too (its difference
+    undercounted a crashing canary's errors: review finding)."""
+    if any(after.get(key, 0.0) < value for key, value in before.items()):
+        return dict(after)
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}

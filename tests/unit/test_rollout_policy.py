@@ -38,13 +38,50 @@ def test_no_advance_before_the_hold_is_over() -> None:
     ("canary", "reason"),
     [
         (Health(requests=200, errors=10, p99_s=0.05), "error rate"),
-        (Health(requests=200, errors=0, p99_s=0.090), "p99"),
+        (Health(requests=400, errors=0, p99_s=0.090), "p99"),
+        (Health(requests=0, errors=0, p99_s=None, refused=200), "refusal rate"),
+        (Health(requests=100, errors=0, p99_s=0.05, refused=20), "refusal rate"),
     ],
 )
 def test_a_worse_canary_is_rolled_back_even_mid_step(canary: Health, reason: str) -> None:
     verdict = judge(PLAN, 1, 0, canary, STABLE, final=False)
     assert verdict.decision is Decision.ROLLBACK
     assert reason in verdict.reason
+
+
+def test_a_canary_that_refuses_what_it_is_sent_is_rolled_back_not_promoted() -> None:
+    """A canary too slow for any caller's deadline refuses every row (RESOURCE_EXHAUSTED), and
+    one whose inputs changed refuses most of them (INVALID_ARGUMENT): counted as requests
+    with no error and no p99, it advanced every step and was promoted (review finding). Its
+    refusals are compared with stable's now, and only calls it served count toward
+    `min_requests`."""
+    shedding = Health(requests=0, errors=0, p99_s=None, refused=500)
+    verdict = judge(PLAN, 2, 0, shedding, STABLE, final=True)
+    assert verdict.decision is Decision.ROLLBACK and "refusal rate 100.00%" in verdict.reason
+    # Stable refusing as much (the same overload): not the version's fault, and what it
+    # served is judged as usual.
+    loaded_stable = Health(requests=1000, errors=0, p99_s=0.05, refused=500)
+    alike = Health(requests=200, errors=0, p99_s=0.05, refused=100)
+    assert judge(PLAN, 0, 0, alike, loaded_stable, final=True).decision is Decision.ADVANCE
+
+
+def test_a_few_failures_or_an_early_slow_row_are_not_a_worse_canary() -> None:
+    """One transient failure among a step's first 100 calls is 1%, a p99 of 100 rows their
+    slowest: neither rolls a canary back on its own (review finding). Past MIN_COUNTED errors,
+    and at the step's end for latency, they do."""
+    two_errors = Health(requests=100, errors=2, p99_s=0.05)
+    assert judge(PLAN, 0, 0, two_errors, STABLE, final=True).decision is Decision.ADVANCE
+    three_errors = Health(requests=100, errors=3, p99_s=0.05)
+    assert judge(PLAN, 0, 0, three_errors, STABLE, final=False).decision is Decision.ROLLBACK
+    early_slow = Health(requests=100, errors=0, p99_s=0.090)
+    assert judge(PLAN, 0, 0, early_slow, STABLE, final=False).decision is Decision.HOLD
+    assert judge(PLAN, 0, 0, early_slow, STABLE, final=True).decision is Decision.ROLLBACK
+
+
+def test_a_canary_none_of_whose_rows_ran_is_not_promoted() -> None:
+    no_latency = Health(requests=200, errors=0, p99_s=None)
+    verdict = judge(PLAN, 2, 2, no_latency, STABLE, final=True)
+    assert verdict.decision is Decision.ROLLBACK and "no canary latency" in verdict.reason
 
 
 def test_a_few_milliseconds_past_a_millisecond_p99_is_not_a_regression() -> None:
@@ -88,7 +125,8 @@ def test_too_little_stable_traffic_to_judge_against_holds_then_rolls_back() -> N
     [{"steps": (5.0, 50.0)}, {"steps": (50.0, 5.0, 100.0)}, {"steps": (0.0, 100.0)},
      {"max_p99_ratio": 0.9}, {"min_requests": 0}, {"p99_slack_s": -0.001},
      {"max_error_rate_increase": math.nan}, {"max_p99_ratio": math.nan}, {"hold_s": math.inf},
-     {"steps": (math.nan, 100.0)}, {"steps": (100.0,)}],
+     {"steps": (math.nan, 100.0)}, {"steps": (100.0,)}, {"max_error_rate_increase": 1.0},
+     {"max_refusal_rate_increase": -0.1}, {"max_refusal_rate_increase": 2.0}],
 )  # fmt: skip
 def test_an_inconsistent_plan_is_refused(kwargs: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -102,8 +140,18 @@ def test_p99_interpolates_within_its_bucket_like_promql() -> None:
     assert p99_from_buckets([(0.1, 0.0), (math.inf, 0.0)]) is None
 
 
-def test_counters_that_went_back_count_from_zero() -> None:
-    assert difference({"a": 5.0, "b": 2.0}, {"a": 3.0, "b": 7.0}) == {"a": 2.0, "b": 2.0}
+def test_counters_of_a_worker_that_restarted_count_from_zero_whole() -> None:
+    """One counter gone back (or gone) shows the worker restarted: every counter of it counts
+    from 0, those that came back past their old value too. Differenced key by key, a
+    canary that crashed undercounted its errors: 40 INTERNAL before, 45 after the restart
+    read as 5 (review finding)."""
+    assert difference({"a": 5.0, "b": 2.0}, {"a": 3.0, "b": 1.0}) == {"a": 2.0, "b": 1.0}
+    before = {"code:OK": 20000.0, "code:INTERNAL": 40.0}
+    assert difference({"code:OK": 3000.0, "code:INTERNAL": 45.0}, before) == {
+        "code:OK": 3000.0,
+        "code:INTERNAL": 45.0,
+    }
+    assert difference({"code:INTERNAL": 41.0}, before) == {"code:INTERNAL": 41.0}
 
 
 WORKER_METRICS = """# TYPE inference_worker_requests_total counter
@@ -124,21 +172,23 @@ def test_health_between_two_scrapes_of_two_workers() -> None:
     after = parse_snapshot([WORKER_METRICS.format(ok=60, failed=3)] * 2, "m")
 
     health = health_between(before, after, "1")
-    # Per worker: 50 OK and 2 INTERNAL more (the caller's INVALID_ARGUMENT is not an error).
-    assert (health.requests, health.errors) == (104, 4)
+    # Per worker: 50 OK and 2 INTERNAL more (the caller's INVALID_ARGUMENT is not an error,
+    # nor a call served: a refusal, none in the window).
+    assert (health.requests, health.errors, health.refused) == (104, 4, 0)
     assert health.p99_s is not None and 0 < health.p99_s <= 0.1
 
 
 def test_a_worker_restarting_counts_from_zero_alone() -> None:
     # Worker b restarted within the window: its 5 calls since count, not its 60 before, and
-    # worker a's 50 more are not lost in a fleet-wide sum that went down (110 -> 55).
+    # worker a's 50 more are not lost in a fleet-wide sum that went down (110 -> 55). Its 7
+    # INVALID_ARGUMENT since the restart count too.
     before = parse_snapshot([WORKER_METRICS.format(ok=50, failed=0)] * 2, "m")
     after = parse_snapshot(
         [WORKER_METRICS.format(ok=100, failed=0), WORKER_METRICS.format(ok=5, failed=0)], "m"
     )
 
     health = health_between(before, after, "1")
-    assert (health.requests, health.errors) == (55, 0)
+    assert (health.requests, health.errors, health.refused) == (55, 0, 7)
 
 
 def test_the_baseline_is_an_earlier_steps_stable_when_this_one_served_too_few() -> None:
