@@ -43,3 +43,10 @@ def test_a_retry_policy_setting_that_is_no_number_is_refused(setting: str) -> No
     """min() skips NaN: a NaN ratio or refill was taken, and pinned the budget full."""
     with pytest.raises(ValueError, match="finite"):
         RetryPolicy(**{setting: float("nan")})
+
+
+@pytest.mark.parametrize("max_retries", [2.0, True])
+def test_a_max_retries_that_is_no_int_is_refused(max_retries: object) -> None:
+    """2.0 passed every check, then every call raised TypeError in range() (review)."""
+    with pytest.raises(ValueError, match="max_retries must be an int"):
+        RetryPolicy(max_retries=max_retries)  # type: ignore[arg-type]

@@ -210,6 +210,9 @@ def test_only_refusals_and_drops_count_as_not_accepted() -> None:
         ({"window_s": 0.0}, "window_s"),
         ({"min_requests": -1}, "min_requests"),
         ({"quiet_s": 0.0}, "quiet_s"),
+        # Infinite, no count leaves the window (or the quiet never comes): refused for good.
+        ({"window_s": float("inf")}, "window_s"),
+        ({"quiet_s": float("inf")}, "quiet_s"),
     ],
 )
 def test_a_bad_policy_is_refused(settings: dict[str, float], message: str) -> None:

@@ -44,6 +44,9 @@ class RetryPolicy:
     dropped_retry_s: float = 0.1
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            # 2.0 passed every check below, then every call raised TypeError in range().
+            raise ValueError(f"max_retries must be an int, got {self.max_retries!r}")
         settings = (self.max_retries, self.ratio, self.min_tokens, self.refill_per_s)
         if not all(math.isfinite(x) for x in (*settings, self.min_attempt_s, self.dropped_retry_s)):
             # min() skips NaN, and a NaN ratio or refill pinned the budget full: no bound.

@@ -77,6 +77,7 @@ come in as arguments. It is thread-safe (the client is).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from dataclasses import dataclass
@@ -112,12 +113,15 @@ class ThrottlePolicy:
     def __post_init__(self) -> None:
         if not self.accept_ratio > 1:
             raise ValueError(f"accept_ratio must be > 1, got {self.accept_ratio}")
-        if not self.window_s > 0:
-            raise ValueError(f"window_s must be > 0, got {self.window_s}")
+        if not 0 < self.window_s < math.inf:
+            # Infinite, no count would ever leave the window: one refusal refused for good.
+            raise ValueError(f"window_s must be finite and > 0, got {self.window_s}")
         if self.min_requests < 0:
             raise ValueError(f"min_requests must be >= 0, got {self.min_requests}")
-        if not self.quiet_s > 0:
-            raise ValueError(f"quiet_s must be > 0 (0 would never refuse), got {self.quiet_s}")
+        if not 0 < self.quiet_s < math.inf:
+            raise ValueError(
+                f"quiet_s must be finite and > 0 (0 would never refuse), got {self.quiet_s}"
+            )
 
 
 #: What a client throttles with unless told otherwise.
