@@ -161,6 +161,8 @@ class CanaryRollout:
             except BaseException:  # ClusterError, or cancelled (SIGTERM) while it scaled
                 await self.pool.release()
                 raise
+        # Each endpoint once: one given by hand and listed in a pool too counted twice.
+        urls = tuple(dict.fromkeys(urls))
         if not urls:
             if self.pool is not None:
                 await self.pool.release()

@@ -220,6 +220,39 @@ async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before
         await client.aclose()
 
 
+async def test_an_endpoint_given_twice_is_scraped_once(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """A `--metrics-url` given twice (or also one of a pool's pods) counted its worker's calls
+    twice, halving the `--min-requests` it takes to judge (review finding)."""
+    await set_stable(redis_server, repository)
+    client = connect(redis_server.url, timeout_s=5.0)
+    scraped: list[tuple[str, ...]] = []
+    steps = two_steps((1000.0, 0.0), (20.0, 0.0))
+
+    async def recorded(urls: Sequence[str]) -> Snapshot:
+        scraped.append(tuple(urls))
+        return await steps(urls)  # type: ignore[operator]
+
+    try:
+        store = RoutingStore(client, "fabric", load_repository(repository))
+        rollout = CanaryRollout(
+            store,
+            "affine",
+            2,
+            Plan(steps=(50.0, 100.0), hold_s=1.0, min_requests=100),
+            scrape=recorded,
+            metrics=RolloutMetrics(CollectorRegistry()),
+            metrics_urls=("http://a", "http://a"),
+            check_period_s=1.0,
+            sleep=no_wait,
+        )
+        assert await rollout.run() is Decision.PROMOTE
+    finally:
+        await client.aclose()
+    assert scraped and set(scraped) == {("http://a",)}
+
+
 def test_a_check_period_of_zero_is_refused(
     redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
