@@ -13,6 +13,7 @@ number of pods count, and a wait that outlasts its timeout is a failure, never a
 from __future__ import annotations
 
 import ipaddress
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,8 +49,9 @@ class PoolConfig:
     def __post_init__(self) -> None:
         if self.num_canary_replicas is not None and self.num_canary_replicas < 1:
             raise ValueError("--canary-replicas must be >= 1")
-        if self.ready_timeout_s < 0 or self.poll_period_s <= 0:
-            raise ValueError("--ready-timeout-s must be >= 0 and --pool-poll-s > 0")
+        # NaN passed the comparisons (every one is false): an endless wait, a sleep(nan).
+        if not (0 <= self.ready_timeout_s < math.inf and 0 < self.poll_period_s < math.inf):
+            raise ValueError("--ready-timeout-s must be finite and >= 0, --pool-poll-s > 0")
 
 
 @dataclass(frozen=True)

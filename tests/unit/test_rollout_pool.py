@@ -112,3 +112,12 @@ def test_pool_flags_without_a_canary_deployment_are_refused() -> None:
     with pytest.raises(ValueError, match="--stable-deployment: needs --canary-deployment"):
         pool_config_from(args)
     assert pool_config_from(parse_args(["canary", "m", "--version", "2"])) is None
+
+
+@pytest.mark.parametrize("flag", ["--ready-timeout-s", "--pool-poll-s"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_pool_wait_that_is_no_finite_number_is_refused(flag: str, value: str) -> None:
+    """NaN passed every comparison: an endless wait for the pool, or sleep(nan) (review)."""
+    args = parse_args(["canary", "m", "--version", "2", "--canary-deployment", "w", flag, value])
+    with pytest.raises(ValueError, match="finite"):
+        pool_config_from(args)
