@@ -138,6 +138,8 @@ GENERATION_CANCELLED_TOTAL = "inference_generation_cancelled_total"
 GENERATION_REJECTED_TOTAL = "inference_generation_rejected_total"
 GENERATION_DROPPED_TOTAL = "inference_generation_dropped_total"
 GENERATION_QUEUE_STANDING = "inference_generation_queue_standing"
+#: 1 while a generation version's steps all fail on the worker (batching.failure_streak).
+GENERATION_MODEL_FAILING = "inference_generation_model_failing"
 
 # Job runners (durable batch jobs).
 JOBS_ITEMS_TOTAL = "inference_jobs_items_total"

@@ -132,7 +132,11 @@ class WorkerConfig:
     def load_options(self) -> LoadOptions:
         """How this worker loads its versions (the thread count generation engines choose
         up to is resolved at start: server.serve)."""
-        return LoadOptions(self.compile_models, self.stand_in_curve)
+        return LoadOptions(
+            self.compile_models,
+            self.stand_in_curve,
+            failing_steps_to_mark=self.batching.failing_batches_to_mark,
+        )
 
 
 def _ms(seconds: float) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.gpu_worker.batching.failure_streak import FailingConfig
+
 
 @dataclass(frozen=True)
 class LoadOptions:
@@ -20,6 +22,9 @@ class LoadOptions:
     #: thread its count when it first asks, from the last count set on any thread, so a version
     #: loaded while serving could read a batch's momentary one.
     host_threads: int = 0
+    #: Failed steps in a row that mark a generation version failing (0: never;
+    #: batching.failure_streak): the worker's --failing-batches-to-mark.
+    failing_steps_to_mark: int = FailingConfig.batches_to_mark
 
 
 #: The real models, uncompiled.

@@ -76,7 +76,13 @@ def load_version(
     """Loads one version's weights onto `device` (blocking; not warmed up). Raises whatever
     its loader raises (torch, tokenizers, our own checks)."""
     if version.config.kind is ModelKind.GENERATION:
-        return GenerationBackend(version, device, metrics, host_threads=options.host_threads)
+        return GenerationBackend(
+            version,
+            device,
+            metrics,
+            host_threads=options.host_threads,
+            failing_steps_to_mark=options.failing_steps_to_mark,
+        )
     return load_backend(version, device, options)
 
 

@@ -22,6 +22,7 @@ from services.common import metric_names as names
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.model_repository import load_repository
 from services.common.sampling import SamplingParams
+from services.gpu_worker.batching.failure_streak import FailingConfig
 from services.gpu_worker.generation.backend import GenerationBackend
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
@@ -595,6 +596,50 @@ async def test_s19_failure_mid_stream_ends_with_an_error(checkpoint: Path) -> No
     assert 0 < len(received) < 20
     assert len(tokens) == 3
     assert backend.engine.scheduler.num_free_blocks == backend.runner.num_blocks
+
+
+async def test_a_version_whose_steps_all_fail_is_marked_failing_until_one_succeeds(
+    checkpoint: Path,
+) -> None:
+    """A generation version whose every step fails (fault injected into the real runner: a
+    model whose weights went bad) is marked failing in the worker's heartbeat once three steps
+    in a row failed over the second they must span (`--failing-batches-to-mark 3`), as a
+    fixed-cost version's batches are: routers then send its streams to other workers. A step
+    that succeeds clears it."""
+    registry = CollectorRegistry()
+    (version,) = load_repository(checkpoint)
+    backend = GenerationBackend(
+        version, torch.device("cpu"), GenerationMetrics(registry), failing_steps_to_mark=3
+    )
+    execute = backend.runner.execute
+    broken = True
+
+    def broken_execute(items):  # fault injection into the real runner
+        if broken:
+            raise RuntimeError("weights went bad")
+        return execute(items)
+
+    def is_failing() -> bool:
+        record = backend.model_record(is_ready=True, batching=None)  # type: ignore[arg-type]
+        gauge = total(generate_latest(registry).decode(), names.GENERATION_MODEL_FAILING)
+        assert gauge == int(record.is_failing)
+        return record.is_failing
+
+    backend.runner.execute = broken_execute
+    backend.engine.start()
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    try:
+        for num_failed in range(1, 4):
+            if num_failed > 1:
+                await asyncio.sleep(0.6 * FailingConfig.min_span_s)
+            with pytest.raises(ExecutionFailed, match="weights went bad"):
+                await collect(backend, f"call {num_failed}", params)
+            assert is_failing() is (num_failed == 3)
+        broken = False
+        assert len(await collect(backend, "after", params)) == 3
+        assert not is_failing()
+    finally:
+        await backend.engine.drain()
 
 
 async def test_a_step_failing_beside_a_new_prompt_fails_the_prompt_alone(checkpoint: Path) -> None:

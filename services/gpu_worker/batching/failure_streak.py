@@ -1,4 +1,5 @@
 """Whether a model fails every batch on this worker: the worker's side of outlier ejection.
+(A generation engine's steps count as its batches: generation.engine.)
 
 A worker whose model fails every row (weights corrupted in memory, a kernel that fails on this
 device while the device still runs work, a bug that every input of a version hits) answers at
@@ -117,7 +118,11 @@ class FailureStreak:
         if unrun == len(results):
             return  # nothing ran (or nothing was asked): it says nothing either way
         failed = sum(isinstance(r, Exception) for r in results) - unrun
-        hold_s = self.record(now_s, all_failed=failed + unrun == len(results))
+        self.note(labels, now_s, all_failed=failed + unrun == len(results))
+
+    def note(self, labels: tuple[str, str], now_s: float, *, all_failed: bool) -> None:
+        """`record`, and a log line when it marks (model, version) `labels` failing."""
+        hold_s = self.record(now_s, all_failed=all_failed)
         if hold_s is not None:
             log.warning(
                 "%s/%s: its last batches all failed here; marked failing for %.0fs (routers "

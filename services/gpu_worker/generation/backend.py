@@ -10,6 +10,7 @@ from services.common.model_repository import ModelConfigError, ModelVersion
 from services.common.registry_schema import ModelRecord
 from services.common.text import TextEncoder
 from services.gpu_worker.backends.base import fingerprint_of
+from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
 from services.gpu_worker.generation.attention_backends import AttentionBackends
 from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.engine import GenerationEngine
@@ -47,13 +48,15 @@ class GenerationBackend(ServedModel):
         cuda_graphs: bool = True,
         graph_prompts: bool = True,
         host_threads: int = 0,
+        failing_steps_to_mark: int = FailingConfig.batches_to_mark,
     ) -> None:
         """`is_static` selects run-to-completion batching: the baseline benchmarks compare
         continuous batching against; never used for serving. `attention` fixes the SDPA
         kernels (None: measured at warm-up), `cuda_graphs` False keeps every step eager on a
         GPU and `graph_prompts` False every step with a prompt: all for benchmarks'
         side-by-side runs. On a CPU the engine chooses each step's torch threads up to
-        `host_threads` (0: torch's count on this thread)."""
+        `host_threads` (0: torch's count on this thread). `failing_steps_to_mark`: failed
+        steps in a row that mark the version failing in the heartbeat (0: never)."""
         config = version.config
         settings = config.generation
         if settings is None:
@@ -116,14 +119,18 @@ class GenerationBackend(ServedModel):
             thread_choice=self.thread_choice,
             # Online requests refused while the waiting queue stands, as the lanes' rows are.
             shedding=(shedding := StandingShedding(config.slo_s)),
+            failures=(failures := FailureStreak(FailingConfig(failing_steps_to_mark))),
         )
         # Standing while it holds something: an idle engine observes nothing, and its last
         # observation may be a hold's (as the lanes' `_is_standing`). The function holds the
         # rule and the scheduler, never the backend: an unloaded version's tensors must be
         # freed (hot_swap.unload), and its series then goes (GenerationMetrics.forget).
-        scheduler = self.scheduler
+        scheduler, clock = self.scheduler, self.engine.clock
         metrics.queue_standing.labels(config.name, version.version).set_function(
             lambda: int(shedding.queue.is_standing and scheduler.num_waiting > 0)
+        )
+        metrics.model_failing.labels(config.name, version.version).set_function(
+            lambda: int(failures.is_failing(clock()))
         )
 
     @property
@@ -227,4 +234,5 @@ class GenerationBackend(ServedModel):
             kv_blocks_free=self.scheduler.num_free_blocks,
             kv_block_size=self.settings.block_size,
             max_model_len=self.max_model_len,
+            is_failing=self.engine.failures.is_failing(self.engine.clock()),
         )

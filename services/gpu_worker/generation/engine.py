@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
+from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
 from services.gpu_worker.generation.live_requests import LiveRequests
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner
@@ -57,12 +58,14 @@ class GenerationEngine:
         is_cache_per_tenant: bool = False,
         thread_choice: ThreadChoice | None = None,
         shedding: StandingShedding | None = None,
+        failures: FailureStreak | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`is_cache_per_tenant`: prefix-cached blocks are shared only among one tenant's
         sequences (the scheduler's config says whether there is a prefix cache at all).
         `thread_choice`: picks each step's torch threads on a CPU (None: as set; StepCycles).
-        `shedding`: refuses online requests while the waiting queue stands (None: never)."""
+        `shedding`: refuses online requests while the waiting queue stands (None: never).
+        `failures`: marks the version failing once its steps all fail (None: the defaults)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = scheduler
@@ -70,7 +73,8 @@ class GenerationEngine:
         self._bound = metrics.bind(labels)
         self._labels = labels
         self._eos_token_ids = eos_token_ids
-        self._clock = clock
+        self.clock = clock
+        self.failures = failures or FailureStreak(FailingConfig())  # in the heartbeat
         self._is_cache_per_tenant = is_cache_per_tenant
         self._cycles = StepCycles(thread_choice)
         self._sampler = Sampler()
@@ -201,7 +205,7 @@ class GenerationEngine:
             self._bound.rejected_total.inc()
             raise InvalidInput(str(error)) from error
         seq_id = next(self._seq_ids)
-        now = self._clock()
+        now = self.clock()
         sequence = SchedSequence(
             seq_id=seq_id, prompt_token_ids=tuple(prompt_ids), max_tokens=params.max_tokens,
             priority=priority, arrival_s=now, tenant=tenant, weight=weight,
@@ -255,17 +259,17 @@ class GenerationEngine:
             # unless the step carries a prompt chunk anyway.
             admit = (
                 self.runner.graphs is None
-                or self._prefill_hold.admits(self._clock(), num_running=self.scheduler.num_running)
+                or self._prefill_hold.admits(self.clock(), num_running=self.scheduler.num_running)
                 or self.scheduler.is_prefilling  # a scan of the running sequences: last
             )
             if shedding := self._shedding:  # online sequences late already go unrun
-                for seq_id, late in shedding.expired(self._clock(), self.scheduler).items():
+                for seq_id, late in shedding.expired(self.clock(), self.scheduler).items():
                     self._bound.dropped_total.inc()
                     error = Overloaded(late.message, retry_after_s=late.retry_after_s)
                     self._end_sequence(seq_id, error)
             output = self.scheduler.schedule(admit=admit)
             if shedding:  # what the plan left waiting
-                shedding.planned(self._clock(), self.scheduler)
+                shedding.planned(self.clock(), self.scheduler)
             self._bound.scheduled(output, self.scheduler, self.runner.num_blocks)
             if not output.scheduled:
                 self._send_unsent()
@@ -276,7 +280,7 @@ class GenerationEngine:
                 continue
             items: Sequence[ScheduledSequence] = output.scheduled
             self._is_stepping = True
-            started = self._clock()
+            started = self.clock()
             threads = self._cycles.launch(output.num_batched_tokens, started)
             runner = self.runner  # a device's step (a GPU's, the stand-in's) runs while the
             overlaps = self.streams_during_steps and (  # last step's tokens stream
@@ -292,16 +296,18 @@ class GenerationEngine:
                     raise  # its thread is held for good: the supervisor stops the engine
                 log.exception("generation step failed")
                 # A rerun's own time is the step's (the failed one's would count as decodes').
-                started, fail = self._clock(), functools.partial(self._fail, error=error, now=True)
+                started, fail = self.clock(), functools.partial(self._fail, error=error, now=True)
                 rerun = await self.steps.decodes_again(items, threads, fail)
-                if rerun is None:
+                if rerun is None:  # every sequence of the step failed
+                    self.failures.note(self._labels, self.clock(), all_failed=True)
                     self._fail(items, error)
                     continue
                 items, logits = rerun
             finally:
                 self._is_stepping = False
             self.num_steps += 1
-            ended = self._clock()  # with the streaming of the last step, if it took longer
+            ended = self.clock()  # with the streaming of the last step, if it took longer
+            self.failures.note(self._labels, ended, all_failed=False)
             step_s = ended - started
             self._prefill_hold.record(
                 has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
@@ -337,7 +343,7 @@ class GenerationEngine:
                 sampled[scheduled[i].seq_id] = token
         self.scheduler.update_from_output(sampled)
         self._finish_cancelled()
-        now = self._clock()
+        now = self.clock()
         for seq_id, token in sampled.items():
             if (request := self._requests.sampled(seq_id)) is None:
                 continue

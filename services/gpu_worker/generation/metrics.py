@@ -156,6 +156,14 @@ class GenerationMetrics:
             _MODEL,
         )
 
+        self.model_failing = new.gauge(
+            names.GENERATION_MODEL_FAILING,
+            "1 while the version's steps all fail on this worker (each failed for every"
+            " sequence in it): its heartbeat says so, and routers send its streams to other"
+            " workers.",
+            _MODEL,
+        )
+
     def forget(self, model: str, version: str) -> None:
         """A version unloaded, or that failed to load after its engine was made, exports none
         of its gauges: they said what its engine holds (free KV blocks summed over versions
@@ -163,6 +171,7 @@ class GenerationMetrics:
         made again sets new ones. Its counters and histograms stay, as counters do."""
         gauges = (
             self.queue_standing,
+            self.model_failing,
             self.kv_blocks_free,
             self.kv_blocks_used,
             self.running_sequences,
