@@ -85,3 +85,17 @@ def test_a_client_closed_by_another_thread_as_a_call_starts_refuses_it_as_cancel
     with pytest.raises(FabricError) as refused:
         client._attempts(closed_as_sent, b"", 1.0)
     assert refused.value.code == "CANCELLED"
+
+
+def test_generate_checks_its_arguments_at_the_call_not_at_the_first_next() -> None:
+    """A generator function checked nothing until its first `next`: a bad priority, a closed
+    client or no time left surfaced wherever the stream was first read (review finding)."""
+    with Client("127.0.0.1:1", throttle=None) as client:
+        with pytest.raises(ValueError, match="priority must be one of"):
+            client.generate("m", "x", priority="urgent")
+        with pytest.raises(FabricError) as late:
+            client.generate("m", "x", timeout_s=0.0)
+        assert late.value.code == "DEADLINE_EXCEEDED"
+    with pytest.raises(FabricError) as closed:
+        client.generate("m", "x")
+    assert closed.value.code == "CANCELLED"

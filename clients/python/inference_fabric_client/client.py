@@ -394,7 +394,9 @@ class Client:
         priority: str | None = None,
         timeout_s: float | None = None,
     ) -> Iterator[GenerationChunk]:
-        """Streams the generation as it is produced; closing the iterator cancels it."""
+        """Streams the generation as it is produced; closing the iterator cancels it. Its
+        arguments are checked here, at the call (a bad priority, a closed client, no time
+        left), and the stream is opened at the first `next`."""
         sampling = types.SamplingParameters(
             max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop
         )
@@ -407,11 +409,15 @@ class Client:
             sampling=sampling,
             priority=_priority(priority),
         )
+        return self._generated(request, self._timeout(timeout_s))
+
+    def _generated(
+        self, request: api.GenerateRequest, timeout_s: float
+    ) -> Iterator[GenerationChunk]:
+        """`generate`'s stream, opened at the first `next`."""
         # Sent again as a predict is (a drop, a refusal with a hint) until its first message
         # came, never after: a dropped generation failed the call (review finding).
-        stream, first = self._attempts(
-            opening(self._stub.Generate), request, self._timeout(timeout_s)
-        )
+        stream, first = self._attempts(opening(self._stub.Generate), request, timeout_s)
         try:
             for reply in itertools.chain(first, stream):
                 yield GenerationChunk(
