@@ -13,6 +13,7 @@ from services.common.errors import Unavailable
 from services.gpu_worker.backends.base import PreparedRow, check_device
 from services.gpu_worker.batching.close_rule import URGENT_RECENT_S
 from services.gpu_worker.batching.driver_config import DriverConfig
+from services.gpu_worker.batching.failure_streak import FailureStreak
 from services.gpu_worker.batching.types import CloseReason, Dispatch
 from services.gpu_worker.thread_choice import ThreadChoice
 
@@ -159,3 +160,18 @@ def describe_failure(error: Exception) -> str:
     """One line for the client; TorchScript errors carry a multi-line traceback."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return f"model failed on this input: {lines[-1] if lines else type(error).__name__}"
+
+
+def note_batch(
+    failures: FailureStreak, labels: tuple[str, str], results: Sequence[object], now_s: float
+) -> None:
+    """Tells `failures` (batching.failure_streak) of a finished batch of (model, version)
+    `labels` by its rows' `results` (an output or an Exception each). Rows refused unrun
+    (Unavailable: the worker wedged, its device lost) say nothing of the model: a batch of only
+    those is not told (the worker stops serving anyway), and beside rows that failed in the
+    model they do not make the batch a success."""
+    unrun = sum(isinstance(r, Unavailable) for r in results)
+    if unrun == len(results):
+        return  # nothing ran (or nothing was asked): it says nothing either way
+    failed = sum(isinstance(r, Exception) for r in results) - unrun
+    failures.note(labels, now_s, all_failed=failed + unrun == len(results))

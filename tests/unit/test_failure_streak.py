@@ -8,6 +8,7 @@ import pytest
 
 from services.common.errors import ExecutionFailed, Unavailable
 from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
+from services.gpu_worker.execution import note_batch
 
 pytestmark = pytest.mark.unit
 
@@ -80,17 +81,17 @@ def test_rows_refused_unrun_neither_fail_nor_clear_a_version() -> None:
     labels = ("affine", "1")
     wedged = Unavailable("ran past the executor watchdog")
     failed = ExecutionFailed("model failed on this input: boom")
-    streak.note_batch(labels, [wedged, wedged], 0.0)
-    streak.note_batch(labels, [wedged], 1.0)
+    note_batch(streak, labels, [wedged, wedged], 0.0)
+    note_batch(streak, labels, [wedged], 1.0)
     assert not streak.is_failing(1.0)
-    streak.note_batch(labels, [failed, np.zeros(2)], 2.0)  # one row served: not failing
-    streak.note_batch(labels, [failed, wedged], 3.0)
+    note_batch(streak, labels, [failed, np.zeros(2)], 2.0)  # one row served: not failing
+    note_batch(streak, labels, [failed, wedged], 3.0)
     assert not streak.is_failing(3.0)
-    streak.note_batch(labels, [failed], 4.0)
+    note_batch(streak, labels, [failed], 4.0)
     assert streak.is_failing(4.0)
-    streak.note_batch(labels, [wedged], 5.0)  # not a success: the mark stands
+    note_batch(streak, labels, [wedged], 5.0)  # not a success: the mark stands
     assert streak.is_failing(5.0)
-    streak.note_batch(labels, [], 5.0)  # nothing asked: nothing told
+    note_batch(streak, labels, [], 5.0)  # nothing asked: nothing told
     assert streak.is_failing(5.0)
 
 

@@ -22,7 +22,8 @@ routers send to it again, and its next failed batch marks it again at once, for 
 (at most `max_hold_s`). A batch that succeeds ends the streak, the mark and the doubling; one
 refused unrun (the worker wedged) changes nothing.
 
-Pure but for `note_batch`'s log line: time comes in as `now_s` (the batching driver's clock).
+Pure but for `note`'s log line: time comes in as `now_s` (the batching driver's clock); it
+imports neither asyncio nor grpc (the simulator runs the batching policies).
 """
 
 from __future__ import annotations
@@ -30,10 +31,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-
-from services.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -107,18 +105,6 @@ class FailureStreak:
 
     def is_failing(self, now_s: float) -> bool:
         return now_s < self._failing_until_s
-
-    def note_batch(self, labels: tuple[str, str], results: Sequence[object], now_s: float) -> None:
-        """`record`s a finished batch of (model, version) `labels` by its rows' `results` (an
-        output or an Exception each), and logs a mark. Rows refused unrun (Unavailable: the
-        worker wedged, its device lost) say nothing of the model: a batch of only those is not
-        recorded (the worker stops serving anyway), and beside rows that failed in the model
-        they do not make the batch a success."""
-        unrun = sum(isinstance(r, Unavailable) for r in results)
-        if unrun == len(results):
-            return  # nothing ran (or nothing was asked): it says nothing either way
-        failed = sum(isinstance(r, Exception) for r in results) - unrun
-        self.note(labels, now_s, all_failed=failed + unrun == len(results))
 
     def note(self, labels: tuple[str, str], now_s: float, *, all_failed: bool) -> None:
         """`record`, and a log line when it marks (model, version) `labels` failing."""

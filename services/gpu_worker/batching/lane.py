@@ -25,7 +25,7 @@ from services.gpu_worker.batching.policy import Batcher, executor_start_s
 from services.gpu_worker.batching.slice_outputs import SliceOutputs
 from services.gpu_worker.batching.slo_shedding import PAST_SLO, SloShedding, expiry_reason
 from services.gpu_worker.batching.types import BATCH_RANK, BatchKey, Dispatch, QueuedItem
-from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure
+from services.gpu_worker.execution import MODEL_THREADS, BatchThreads, describe_failure, note_batch
 from services.gpu_worker.metrics import WorkerMetrics
 from services.gpu_worker.thread_choice import ThreadChoice
 
@@ -372,7 +372,7 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
-        lane.failures.note_batch(labels, results, finished)
+        note_batch(lane.failures, labels, results, finished)
         if failures == 0 and num_calls == 1:
             # A bisected batch's time says nothing about the model's normal cost.
             taught_s = compute_s if ran_s is None else ran_s
