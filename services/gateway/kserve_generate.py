@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from services.common.errors import InvalidInput
+from services.common.errors import ExecutionFailed, InvalidInput
 from services.common.pb_conversions import finish_reason_from_pb
 from services.common.templated_text import TemplatedText
 from services.gateway.auth import Principal
@@ -290,6 +290,7 @@ async def generate_one(
         fills_context=fills_context,
     )
     collected = [prompt] if include_prompt else []
+    is_finished = False
     async with contextlib.aclosing(predictor.generate(call)) as messages:  # closed with ours
         async for message in messages:
             finish_reason = finish_reason_from_pb(message.finish_reason)
@@ -300,6 +301,7 @@ async def generate_one(
                     collected.append(message.text)
                 continue
             text = message.text if is_streaming else "".join([*collected, message.text])
+            is_finished = True
             yield _response(
                 request,
                 text,
@@ -308,3 +310,7 @@ async def generate_one(
                 prompt_tokens=message.prompt_tokens,
                 completion_tokens=message.completion_tokens,
             )
+    if not is_finished:
+        # A worker's stream that ended OK with no final message: a 200 of nothing (`{}` on
+        # KServe's /generate), or a bug's 500 on OpenAI's routes (review finding).
+        raise ExecutionFailed("the generation ended without its final response")

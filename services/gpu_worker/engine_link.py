@@ -73,10 +73,27 @@ class EngineLink:
         writer: asyncio.StreamWriter,
         task: asyncio.Task[None],
     ) -> None:
-        front_gone = False
+        front_gone = is_answered = False
+        watch: asyncio.Task[None] | None = None
+
+        def gone() -> None:  # the front went without ending the stream: so did its callers
+            nonlocal front_gone
+            if not is_answered:
+                front_gone = True
+                task.cancel()
+
+        async def watch_after_end() -> None:
+            """After END the front writes nothing until it has read ours: its connection
+            ending first (or bytes coming) is the stream cut short. grpc.aio ends a handler's
+            request iterator alike for a half-close and for the router's cancel or a dropped
+            connection, so a front may relay a cancel as END, then close (review finding: the
+            stream's queued rows stayed admitted until their deadlines)."""
+            with contextlib.suppress(ConnectionError):
+                await reader.read(1)
+            gone()
 
         async def requests() -> AsyncIterator[pb.InferStreamRequest]:
-            nonlocal front_gone
+            nonlocal watch
             while True:
                 try:
                     frame = await read_frame(reader, self._max_bytes)
@@ -87,11 +104,11 @@ class EngineLink:
                     log.debug("a front's stream was cut: %s", error)  # (its router's cancel)
                     frame = None
                 if frame is None:  # gone without ending the stream: so are its callers
-                    front_gone = True
-                    task.cancel()
+                    gone()
                     return
                 kind, payload = frame
-                if kind == END:  # the router half-closed
+                if kind == END:  # the router half-closed (or, alike to grpc, went away)
+                    watch = asyncio.create_task(watch_after_end(), name="front-after-end")
                     return
                 try:
                     yield pb.InferStreamRequest.FromString(payload)
@@ -119,6 +136,10 @@ class EngineLink:
             status = pb.MuxResult(
                 code=answer.code.value[0], message=answer.message, trailers=dict(answer.trailers)
             )
+        finally:
+            is_answered = True  # every call answered (or the relay cut): nothing to cancel
+            if watch is not None:
+                watch.cancel()
         try:
             write_frame(writer, END, status.SerializeToString())
             await writer.drain()

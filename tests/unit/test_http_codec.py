@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 
 from services.common.errors import (
+    ExecutionFailed,
     InvalidInput,
+    MessageTooLarge,
     NotFound,
     Overloaded,
     Unauthenticated,
@@ -202,6 +204,23 @@ def test_generate_body_becomes_the_decoupled_models_inputs() -> None:
 def test_malformed_generate_bodies_are_invalid_input(body: dict, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         generate_request("m", "", body)
+
+
+def test_a_size_limit_or_a_model_failure_is_answered_as_one_not_to_send_again() -> None:
+    """A message past a size limit is RESOURCE_EXHAUSTED in grpc's words, and went out as a
+    429 rate_limit_error: OpenAI's client sent it twice more (after the model had run), and
+    throttling clients took it for load (review finding). It is a 413 now, without a retry
+    hint; it and a model raising on its input (INTERNAL, the same on every try) tell OpenAI's
+    clients, which retry every 5xx, not to."""
+    too_large = http_error(MessageTooLarge("message larger than max (5000000 vs. 4194304)"))
+    assert too_large.status == 413 and too_large.headers == {"x-should-retry": "false"}
+    upstream = UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "message larger than max (9)")
+    assert http_error(upstream).status == 413
+    failed = http_error(ExecutionFailed("model failed on this input: boom"))
+    assert failed.status == 500 and failed.headers == {"x-should-retry": "false"}
+    # Load is still a 429 to send again after its hint, and UNAVAILABLE a 503 to send again.
+    assert "x-should-retry" not in http_error(Overloaded("busy", retry_after_s=0.1)).headers
+    assert http_error(UpstreamError(grpc.StatusCode.UNAVAILABLE, "gone")).headers == {}
 
 
 def test_sse_events_are_one_data_line_each() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
-from services.common.errors import RETRY_AFTER_MS_KEY, ServingError
+from services.common.errors import RETRY_AFTER_MS_KEY, ServingError, is_too_large
 from services.common.grpc_errors import status_of
 
 #: gRPC codes to HTTP statuses (as KServe and grpc-gateway map them); others are 500. Not
@@ -32,6 +32,8 @@ HTTP_STATUSES: dict[grpc.StatusCode, int] = {
     grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
+#: The header OpenAI's clients read before retrying (they retry 408, 409, 429 and every 5xx).
+NO_RETRY_HEADER = "x-should-retry"
 #: OpenAI's error `type` for our statuses (its clients read `error.message` and the status);
 #: any other 4xx (405, 408, 409, 413) is the request's: invalid_request_error, as OpenAI types
 #: them; a 5xx is server_error.
@@ -98,7 +100,17 @@ def http_error(error: BaseException) -> HttpError:
             # caller refused in one flood back together): the header OpenAI's and Azure's
             # clients read before Retry-After.
             headers[RETRY_AFTER_MS_KEY] = value
-    code = HTTP_STATUSES.get(status.code, 500)
+    if is_too_large(status.code, status.message):
+        # A message past a size limit, not load: sent again as it is, it fails alike, and as a
+        # 429 stock clients sent it twice more (OpenAI's), or throttled themselves on it.
+        code = 413
+        headers.clear()
+    else:
+        code = HTTP_STATUSES.get(status.code, 500)
     if code == 401:  # RFC 9110: a 401 names the scheme it wants (an API key as a bearer token)
         headers["WWW-Authenticate"] = "Bearer"
+    if code == 413 or status.code == grpc.StatusCode.INTERNAL:
+        # OpenAI's clients send every 5xx again unless told not to: the model raising on an
+        # input, or a size limit, fails the same way each time (its call ran twice more).
+        headers[NO_RETRY_HEADER] = "false"
     return HttpError(code, status.message, headers)

@@ -143,7 +143,10 @@ def auth_middleware(
                 return _answer(request, http_error(NotFound(f"no route {request.path}")))
             # 405 names the methods the path takes (RFC 9110: Allow is required on it).
             allow = {"Allow": error.headers["Allow"]} if "Allow" in error.headers else {}
-            return _answer(request, HttpError(error.status, error.reason, allow))
+            # A 413's text names the limit ("Maximum request body size N exceeded."); the
+            # others' say no more than their reason.
+            message = error.text if error.status == 413 and error.text else error.reason
+            return _answer(request, HttpError(error.status, message, allow))
         except Exception as error:
             if is_bug(error):
                 log.exception("HTTP %s %s failed", request.method, request.path)
