@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from services.common import metric_names as names
@@ -207,8 +208,8 @@ class StreamRelay:
                     status.append(pb.MuxResult.FromString(payload))
                     break
                 await answers.put(payload)
-        except (FrameError, ConnectionError) as error:
-            log.warning("the engine's link broke: %s", error)
+        except (FrameError, ConnectionError, DecodeError) as error:  # an END that does not
+            log.warning("the engine's link broke: %s", error)  # parse: the stream ends alike
         finally:
             answers.signal(None)
 

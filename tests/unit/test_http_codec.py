@@ -298,6 +298,9 @@ def test_fields_at_their_defaults_or_null_are_accepted() -> None:
         "logprobs": None, "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": None,
         "frequency_penalty": 0, "presence_penalty": 0.0, "best_of": 1,
         "response_format": {"type": "text"}, "user": "u-1", "n": None,
+        # What newer OpenAI SDKs send in place of `user`, and a billing tier: refused 400
+        # before (review finding).
+        "safety_identifier": "u-1", "prompt_cache_key": "k", "service_tier": "auto",
     }  # fmt: skip
     parsed = completion_request({"model": "m", "prompt": "p", **defaults})
     assert parsed.sampling == {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": 1.0}

@@ -173,3 +173,27 @@ async def test_a_stream_the_engine_ended_never_passes_on_the_not_started_mark(
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_end_that_does_not_parse_ends_the_stream_as_a_broken_link(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An END whose status does not parse raised DecodeError out of the relay's receiving task,
+    an exception no one retrieved (review finding); it is a broken link, said as one, and the
+    stream ends UNAVAILABLE."""
+    link = tmp_path / "link.sock"
+
+    async def garbled_engine(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        write_frame(writer, END, b"\xff\xff\xff")
+        await writer.drain()
+
+    server = await asyncio.start_unix_server(garbled_engine, path=str(link))
+    relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
+    try:
+        with caplog.at_level("WARNING", logger=stream_relay.__name__):
+            aborted = await relayed_until_aborted(relay)
+        assert aborted.code == grpc.StatusCode.UNAVAILABLE
+        assert any("the engine's link broke" in r.getMessage() for r in caplog.records)
+    finally:
+        server.close()
+        await server.wait_closed()

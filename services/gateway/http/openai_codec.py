@@ -34,8 +34,11 @@ from services.common.templated_text import TemplatedText
 #: OpenAI's default completion length (tokens) when a request gives none.
 DEFAULT_MAX_TOKENS = 16
 _ROLES = ("system", "user", "assistant", "tool", "developer")
-#: Fields accepted whatever their value: they ask nothing of the generation.
-_IGNORED = frozenset({"user", "parallel_tool_calls", "store", "metadata"})
+#: Fields accepted whatever their value: they ask nothing of the generation (newer SDKs send
+#: `safety_identifier` and `prompt_cache_key` where `user` was; `service_tier` is a billing
+#: tier's).
+_IGNORED = frozenset({"user", "parallel_tool_calls", "store", "metadata", "safety_identifier",
+                      "prompt_cache_key", "service_tier"})  # fmt: skip
 #: Fields accepted null or at their defaults only: any other value asks for what is not
 #: generated (log probabilities, an echoed prompt, penalties, JSON output), and answering
 #: without it would hand a client that reads it an answer it did not ask for.
