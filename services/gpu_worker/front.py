@@ -228,6 +228,22 @@ async def beat(path: Path) -> None:
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
+async def engine_health(channel: grpc.aio.Channel) -> int | None:
+    """The engine's health for WorkerService, asked once (None: out of reach, or no answer
+    within HEALTH_TIMEOUT_S)."""
+    check = channel.unary_unary(
+        "/grpc.health.v1.Health/Check",
+        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString,
+    )
+    request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
+    try:
+        return int((await check(request, timeout=HEALTH_TIMEOUT_S)).status)
+    except grpc.aio.AioRpcError as error:
+        log.debug("the engine's health is out of reach: %s", error.code())
+        return None
+
+
 async def follow_engine_health(
     channel: grpc.aio.Channel,
     servicer: health.aio.HealthServicer,
@@ -238,23 +254,16 @@ async def follow_engine_health(
     HEALTH_PERIOD_S: NOT_SERVING while the engine cannot be reached or does not answer
     within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own).
     `on_engine_lost(True)` once it has not answered for ENGINE_LOST_S, (False) once it does."""
-    check = channel.unary_unary(
-        "/grpc.health.v1.Health/Check",
-        request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
-        response_deserializer=health_pb2.HealthCheckResponse.FromString,
-    )
-    request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
     names = (SERVICE.full_name,)
     saw_serving = False
     answered_s = time.monotonic()
     while True:
         asked_s = time.monotonic()
-        try:
-            status = (await check(request, timeout=HEALTH_TIMEOUT_S)).status
-            answered_s = asked_s
-        except grpc.aio.AioRpcError as error:
-            log.debug("the engine's health is out of reach: %s", error.code())
+        status = await engine_health(channel)
+        if status is None:
             status = NOT_SERVING
+        else:
+            answered_s = asked_s
         on_engine_lost(time.monotonic() - answered_s >= ENGINE_LOST_S)
         await set_serving(servicer, names, status)
         if status == SERVING and not saw_serving:
@@ -280,6 +289,12 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     passthrough = Passthrough(channel, relay, metrics)
     server.add_generic_rpc_handlers((passthrough,))
     servicer = await add_health_and_reflection(server, (SERVICE.full_name,))
+    # The engine's health before the port takes probes: a front restarted beside serving ones
+    # said NOT_SERVING until its first poll, and a readiness probe it drew took the worker's
+    # pod out of its Service (one failure does). At the first start the engine says
+    # NOT_SERVING anyway: it waits for its fronts to listen.
+    if await engine_health(channel) == SERVING:
+        await set_serving(servicer, (SERVICE.full_name,), SERVING)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
     health_listener = await start_health_listener(servicer, config.host, config.tls)
