@@ -27,6 +27,15 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+#: A name past the repository's pattern is a model not found up to this length (and printable,
+#: with no space); longer, blank, or with control characters, it is malformed input.
+_MAX_UNKNOWN_NAME_CHARS = 256
+
+
+def _is_name_shaped(name: str) -> bool:
+    return name.isprintable() and not any(c.isspace() for c in name)
+
+
 #: The longest version a call may name (a number or a label).
 MAX_VERSION_SPEC_CHARS = 64
 
@@ -163,6 +172,12 @@ class ModelCatalog:
 
     def config(self, name: str) -> ModelConfig:
         if not _NAME_RE.match(name):
+            if 0 < len(name) <= _MAX_UNKNOWN_NAME_CHARS and _is_name_shaped(name):
+                # A name no repository holds (`BAAI/bge-small`, `Qwen2.5-7B`) is a model not
+                # found: OpenAI's clients fall back on a 404, not on a 400 (review finding).
+                raise NotFound(
+                    f"model {name!r} not found (model names are lowercase letters, digits and _.-)"
+                )
             raise InvalidInput(f"model name {name!r} is not a valid model name")
         config = self._configs.get(name)
         if config is None:

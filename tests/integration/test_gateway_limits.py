@@ -374,6 +374,13 @@ async def test_v1_predict_checks_model_permission_rows_and_id_before_decoding(
         code, details = await predict(SEARCH_KEY, model_name=name)
         assert code == invalid and "is not a valid model name" not in details
         assert details.startswith("model name '") and len(details.encode()) <= 2_100
+    # A name no repository holds, in the shape other servers' names take, is a model not
+    # found (OpenAI's clients fall back on a 404; a 400 they do not): review finding.
+    for name in ("BAAI/bge-small-en-v1.5", "Qwen2.5-7B-Instruct"):
+        code, details = await predict(SEARCH_KEY, model_name=name)
+        assert code == grpc.StatusCode.NOT_FOUND and name in details
+    for malformed in ("m\x00", " ", "a b"):
+        assert (await predict(SEARCH_KEY, model_name=malformed))[0] == invalid
 
 
 async def test_rest_infer_checks_permission_and_rows_before_decoding(
