@@ -47,13 +47,15 @@ class _Answers:
     past MAX_HELD_ANSWERS or MAX_HELD_BYTES, the stream's signals (CLOSING, None: its end)
     never wait."""
 
-    __slots__ = ("_held_bytes", "_queue", "_room")
+    __slots__ = ("_held_bytes", "_queue", "_room", "is_engine_lost")
 
     def __init__(self) -> None:
         self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
         self._room = asyncio.Event()
         self._room.set()
         self._held_bytes = 0
+        #: Ended for the engine lost (StreamRelay.set_engine_lost), whatever came after.
+        self.is_engine_lost = False
 
     def signal(self, signal: bytes | None) -> None:
         self._queue.put_nowait(signal)
@@ -145,7 +147,10 @@ class StreamRelay:
             for helper in helpers:
                 helper.cancel()
             writer.transport.abort()  # close() would hold what the engine did not read
-        if not status:
+        if not status or answers.is_engine_lost:
+            # Not OK, even if the engine's END came after the loss was said: answers queued
+            # behind the signal were not sent, and a stream ended OK would tell the router
+            # its calls still waiting never ran (review finding).
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker's engine went away")
         if status[0].code:
             # Never the not-started mark: the stream reached the engine, so its calls may have
@@ -178,6 +183,7 @@ class StreamRelay:
                 "the engine has not answered for %gs: ending its relayed streams", ENGINE_LOST_S
             )
             for answers in self._open:
+                answers.is_engine_lost = True
                 answers.signal(None)
         elif self._is_engine_lost and not is_lost:
             log.info("the engine answers again")

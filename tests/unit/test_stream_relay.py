@@ -197,3 +197,43 @@ async def test_an_end_that_does_not_parse_ends_the_stream_as_a_broken_link(
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_a_stream_ended_for_the_engine_lost_is_not_ended_ok_by_a_late_end(
+    tmp_path: Path,
+) -> None:
+    """The engine is declared lost, then its loop turns again and sends an answer and an OK
+    END: the answer is queued behind the loss's signal and never sent. Ended OK, the stream
+    told the router its calls still waiting had never run, and they ran again elsewhere
+    (review finding); it ends UNAVAILABLE, unmarked, as for an engine gone."""
+    link = tmp_path / "link.sock"
+    go = asyncio.Event()
+    first = pb.InferStreamResponse(results=[pb.MuxResult(call_id=1)]).SerializeToString()
+    late = pb.InferStreamResponse(results=[pb.MuxResult(call_id=2)]).SerializeToString()
+
+    async def slow_engine(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        write_frame(writer, MESSAGE, first)
+        await writer.drain()
+        await go.wait()  # stalled past ENGINE_LOST_S, as the front sees it
+        write_frame(writer, MESSAGE, late)
+        write_frame(writer, END, pb.MuxResult(code=0).SerializeToString())
+        await writer.drain()
+
+    server = await asyncio.start_unix_server(slow_engine, path=str(link))
+    relay = StreamRelay(link, FrontMetrics(CollectorRegistry()))
+    answers = relay.relay(no_requests(), _Context())  # type: ignore[arg-type]
+    try:
+        assert await answers.__anext__() == first
+        relay.set_engine_lost(True)
+        go.set()
+        # The late answer and the engine's END are read in behind the loss's signal.
+        (queued,) = relay._open
+        await eventually(lambda: queued._queue.qsize() >= 3, interval_s=0.01)
+        with pytest.raises(Aborted) as aborted:
+            await answers.__anext__()
+        assert aborted.value.code == grpc.StatusCode.UNAVAILABLE
+        assert NOT_STARTED_TRAILER not in aborted.value.trailers
+    finally:
+        await answers.aclose()
+        server.close()
+        await server.wait_closed()
