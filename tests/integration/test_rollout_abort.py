@@ -195,11 +195,10 @@ def two_steps(stable_calls: Sequence[float], stable_errors: Sequence[float]) -> 
     return scrape
 
 
-async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before(
-    redis_server: RedisServer, repository: Path
-) -> None:
-    # At 100% stable serves nothing: judged against that, a canary failing 1.5% of its calls
-    # was rolled back although stable failed 2% of its own a step before.
+async def two_step_rollout(
+    redis_server: RedisServer, repository: Path, scrape: object, urls: tuple[str, ...]
+) -> Decision:
+    """A rollout of affine's version 2 at 50% then 100%, judged from `scrape`, to its end."""
     await set_stable(redis_server, repository)
     client = connect(redis_server.url, timeout_s=5.0)
     try:
@@ -209,15 +208,25 @@ async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before
             "affine",
             2,
             Plan(steps=(50.0, 100.0), hold_s=1.0, min_requests=100),
-            scrape=two_steps((1000.0, 0.0), (20.0, 0.0)),  # type: ignore[arg-type]
+            scrape=scrape,  # type: ignore[arg-type]
             metrics=RolloutMetrics(CollectorRegistry()),
-            metrics_urls=("http://unused",),
+            metrics_urls=urls,
             check_period_s=1.0,
             sleep=no_wait,
         )
-        assert await rollout.run() is Decision.PROMOTE
+        return await rollout.run()
     finally:
         await client.aclose()
+
+
+async def test_the_last_step_judges_the_canary_against_stable_in_the_step_before(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    # At 100% stable serves nothing: judged against that, a canary failing 1.5% of its calls
+    # was rolled back although stable failed 2% of its own a step before.
+    scrape = two_steps((1000.0, 0.0), (20.0, 0.0))
+    decision = await two_step_rollout(redis_server, repository, scrape, ("http://unused",))
+    assert decision is Decision.PROMOTE
 
 
 async def test_an_endpoint_given_twice_is_scraped_once(
@@ -225,8 +234,6 @@ async def test_an_endpoint_given_twice_is_scraped_once(
 ) -> None:
     """A `--metrics-url` given twice (or also one of a pool's pods) counted its worker's calls
     twice, halving the `--min-requests` it takes to judge (review finding)."""
-    await set_stable(redis_server, repository)
-    client = connect(redis_server.url, timeout_s=5.0)
     scraped: list[tuple[str, ...]] = []
     steps = two_steps((1000.0, 0.0), (20.0, 0.0))
 
@@ -234,22 +241,8 @@ async def test_an_endpoint_given_twice_is_scraped_once(
         scraped.append(tuple(urls))
         return await steps(urls)  # type: ignore[operator]
 
-    try:
-        store = RoutingStore(client, "fabric", load_repository(repository))
-        rollout = CanaryRollout(
-            store,
-            "affine",
-            2,
-            Plan(steps=(50.0, 100.0), hold_s=1.0, min_requests=100),
-            scrape=recorded,
-            metrics=RolloutMetrics(CollectorRegistry()),
-            metrics_urls=("http://a", "http://a"),
-            check_period_s=1.0,
-            sleep=no_wait,
-        )
-        assert await rollout.run() is Decision.PROMOTE
-    finally:
-        await client.aclose()
+    urls = ("http://a", "http://a")
+    assert await two_step_rollout(redis_server, repository, recorded, urls) is Decision.PROMOTE
     assert scraped and set(scraped) == {("http://a",)}
 
 
