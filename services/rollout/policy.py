@@ -4,14 +4,16 @@ At each step the canary gets a share of the model's traffic (`Plan.steps`, perce
 the step's hold, its health over the step is compared with stable's over the same window:
 - roll back as soon as the canary's error rate (server failures among the calls it served)
   exceeds stable's by more than `max_error_rate_increase` (a fraction: 0.01 is 1 point), with
-  at least `MIN_COUNTED` errors; or its refusal rate (calls it answered without serving: out of
-  room, inputs it refuses) exceeds stable's by more than `max_refusal_rate_increase`, with at
-  least `MIN_COUNTED` refusals (a canary that refuses every call served none, and was
-  promoted: review finding); or its p99 exceeds stable's by more than `max_p99_ratio` and by
-  more than `p99_slack_s` too (a p99 of a few milliseconds read from histogram buckets moves by
-  a bucket's width: 2.5 ms against 4 ms is noise, not a 1.6x regression), judged once the
-  canary has served `min_requests` in the step, and before the step's hold is over only from
-  `EARLY_P99_FACTOR` times as many (a p99 of 50 rows is their slowest one);
+  at least `MIN_COUNTED` errors (fewer, over the bound, hold the step for more calls); or its
+  refusal rate (calls it answered without serving: out of room, inputs it refuses) exceeds
+  stable's by more than `max_refusal_rate_increase`, with at least `MIN_COUNTED` refusals, and
+  before the step's hold is over from `EARLY_P99_FACTOR` times `min_requests` answered (a
+  canary that refuses every call served none, and was promoted: review finding); or its p99
+  exceeds stable's by more than `max_p99_ratio` and by more than `p99_slack_s` too (a p99 of a
+  few milliseconds read from histogram buckets moves by a bucket's width: 2.5 ms against 4 ms
+  is noise, not a 1.6x regression), judged once the canary has served `min_requests` in the
+  step, and before the step's hold is over only from `EARLY_P99_FACTOR` times as many (a p99
+  of 50 rows is their slowest one);
 - hold (wait longer) while the canary has served fewer requests than that; after `max_holds`
   extra holds without enough traffic, roll back (a canary nobody can judge is not promoted);
   the same while stable's health (`baseline`) counts fewer: judged against no calls, the
@@ -129,17 +131,19 @@ def judge(
     versions' health over the step so far. `final`: the step's hold is over (otherwise only a
     rollback is decided early, never an advance)."""
     answered = canary.requests + canary.refused
-    if answered >= plan.min_requests and canary.refused >= MIN_COUNTED:
-        increase = canary.refusal_rate - stable.refusal_rate
-        if increase > plan.max_refusal_rate_increase:
-            return Verdict(
-                Decision.ROLLBACK,
-                f"canary refusal rate {canary.refusal_rate:.2%} vs stable"
-                f" {stable.refusal_rate:.2%} (bound +{plan.max_refusal_rate_increase:.2%})",
-            )
+    # Refusals follow load as much as the version: before the hold is over, judged only from
+    # as many calls as an early p99 (a freshly started canary pod's first refusals).
+    refusals_judged = answered >= plan.min_requests * (1 if final else EARLY_P99_FACTOR)
+    refused_more = canary.refusal_rate - stable.refusal_rate > plan.max_refusal_rate_increase
+    failed_more = canary.error_rate - stable.error_rate > plan.max_error_rate_increase
+    if refusals_judged and refused_more and canary.refused >= MIN_COUNTED:
+        return Verdict(
+            Decision.ROLLBACK,
+            f"canary refusal rate {canary.refusal_rate:.2%} vs stable"
+            f" {stable.refusal_rate:.2%} (bound +{plan.max_refusal_rate_increase:.2%})",
+        )
     if canary.requests >= plan.min_requests:
-        increase = canary.error_rate - stable.error_rate
-        if increase > plan.max_error_rate_increase and canary.errors >= MIN_COUNTED:
+        if failed_more and canary.errors >= MIN_COUNTED:
             return Verdict(
                 Decision.ROLLBACK,
                 f"canary error rate {canary.error_rate:.2%} vs stable {stable.error_rate:.2%}"
@@ -167,6 +171,10 @@ def judge(
         )
     if canary.p99_s is None and stable.p99_s is not None:  # no row of its calls ran
         return _too_few(plan, holds, "no canary latency")
+    if (failed_more and canary.errors) or (refused_more and canary.refused):
+        # Over a bound by fewer than MIN_COUNTED: not enough to roll back on, too much to
+        # advance on (1 failed of 1 served was promoted): more calls decide, up to max_holds.
+        return _too_few(plan, holds, f"{canary.errors} errors, {canary.refused} refusals")
     if step == len(plan.steps) - 1:
         return Verdict(Decision.PROMOTE, "every step healthy")
     return Verdict(Decision.ADVANCE, f"healthy at {plan.steps[step]:g}%")

@@ -380,9 +380,11 @@ class BatchingDriver:
             results = [self._wedge(lane.labels, self.watchdog_s, stopped)] * len(rows)
         except Exception as error:
             # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
-            # bookkeeping below still frees the executor, so the scheduler keeps going.
+            # bookkeeping below still frees the executor, so the scheduler keeps going. Not the
+            # model's failure: UNAVAILABLE, which marks no version failing (failure_streak).
             log.exception("batch of %d rows could not run", len(rows))
-            results = [error] * len(rows)
+            refused = Unavailable(f"the batch could not run here ({type(error).__name__})")
+            results = [refused] * len(rows)
         finished = self._clock()
         compute_s = finished - started
         self._busy_s_total += compute_s

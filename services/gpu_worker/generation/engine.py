@@ -307,7 +307,6 @@ class GenerationEngine:
                 self._is_stepping = False
             self.num_steps += 1
             ended = self.clock()  # with the streaming of the last step, if it took longer
-            self.failures.note(self._labels, ended, all_failed=False)
             step_s = ended - started
             self._prefill_hold.record(
                 has_prompt=not all(map(is_decode, items)), seconds=step_s, end_s=ended
@@ -315,19 +314,24 @@ class GenerationEngine:
             self.mean_step_s += 0.1 * (step_s - self.mean_step_s)
             self._bound.stepped(step_s, output, self._requests)
             try:
-                self._finish_step(items, logits, defer=overlaps)
+                none_sampled = self._finish_step(items, logits, defer=overlaps)
             except Exception as error:
                 # Sampling or streaming failed: its sequences end with an error, others go on.
                 log.exception("generation step could not be finished")
                 self._send_unsent()  # the tokens sampled before it, then the error
                 self._fail(items, error)
+                # Bad weights show as NaN logits that no sampling takes, as often as a raise.
+                self.failures.note(self._labels, ended, all_failed=True)
+            else:
+                self.failures.note(self._labels, ended, all_failed=none_sampled)
 
     def _finish_step(
         self, scheduled: Sequence[ScheduledSequence], logits: torch.Tensor, *, defer: bool
-    ) -> None:
+    ) -> bool:
         """Samples the step's tokens and accounts them. Streams them now, or (`defer`) where id
         and count tell their end (`RequestStream.ends_at`) while the next step runs on the
-        device (`_send_unsent`), timed as sampled now; ends finish now (no step runs past one)."""
+        device (`_send_unsent`), timed as sampled now; ends finish now (no step runs past one).
+        Returns whether rows were to sample and none could (the logits NaN: bad weights)."""
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
         requests = [self._requests.get(scheduled[i].seq_id) for i in sampling_rows]
         params = [request.params if request else SamplingParams() for request in requests]
@@ -343,6 +347,7 @@ class GenerationEngine:
                 sampled[scheduled[i].seq_id] = token
         self.scheduler.update_from_output(sampled)
         self._finish_cancelled()
+        none_sampled = bool(sampling_rows) and not sampled
         now = self.clock()
         for seq_id, token in sampled.items():
             if (request := self._requests.sampled(seq_id)) is None:
@@ -358,6 +363,7 @@ class GenerationEngine:
             if ends:
                 self._requests.pop(seq_id)
                 self.scheduler.finish(seq_id)
+        return none_sampled
 
     def _send_unsent(self) -> None:  # never raises: a failure ends that sequence alone
         """Streams the tokens `_finish_step` deferred."""
