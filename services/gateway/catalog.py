@@ -27,13 +27,21 @@ log = logging.getLogger(__name__)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-#: A name past the repository's pattern is a model not found up to this length (and printable,
-#: with no space); longer, blank, or with control characters, it is malformed input.
+#: A name past the repository's pattern is a model not found up to this length (and shaped
+#: as a name: `_is_name_shaped`); longer, blank, a path or with control characters, malformed.
 _MAX_UNKNOWN_NAME_CHARS = 256
 
 
 def _is_name_shaped(name: str) -> bool:
-    return name.isprintable() and not any(c.isspace() for c in name)
+    """Whether a name past the repository's pattern may still be a model's name elsewhere
+    (`BAAI/bge-small`): printable, no space, and no path (`../x`, `/etc`, `a\\b`)."""
+    return (
+        name.isprintable()
+        and not any(c.isspace() for c in name)
+        and ".." not in name
+        and not name.startswith(("/", "."))
+        and "\\" not in name
+    )
 
 
 #: The longest version a call may name (a number or a label).

@@ -379,7 +379,7 @@ async def test_v1_predict_checks_model_permission_rows_and_id_before_decoding(
     for name in ("BAAI/bge-small-en-v1.5", "Qwen2.5-7B-Instruct"):
         code, details = await predict(SEARCH_KEY, model_name=name)
         assert code == grpc.StatusCode.NOT_FOUND and name in details
-    for malformed in ("m\x00", " ", "a b"):
+    for malformed in ("m\x00", " ", "a b", "../x", "/etc/passwd", "a\\b"):
         assert (await predict(SEARCH_KEY, model_name=malformed))[0] == invalid
 
 
