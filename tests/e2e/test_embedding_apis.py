@@ -284,6 +284,9 @@ def test_tei_limits_truncation_and_info(stack: Stack) -> None:
         info = json.loads(response.read())
     assert (info["model_id"], info["dims"], info["max_input_length"]) == ("minilm", 384, 256)
     assert info["model_type"] == {"embedding": {"pooling": "mean"}}
+    # TEI's /health, which its deployments' probes read: 200 with a ready worker, no key.
+    with urllib.request.urlopen(stack.gateway.http_url + "/health", timeout=60) as response:
+        assert response.status == 200
 
 
 def test_api_keys_and_tenant_quotas_apply(stack: Stack) -> None:

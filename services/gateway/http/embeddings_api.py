@@ -43,6 +43,7 @@ class EmbeddingsApi:
             web.post("/embed", self.tei_embed),
             web.post("/", self.tei_embed),
             web.get("/info", self.tei_info),
+            web.get("/health", self.tei_health),
         ]
 
     def _embedding_config(self, model: str) -> ModelConfig:
@@ -146,6 +147,20 @@ class EmbeddingsApi:
             "auto_truncate": config.embedding.truncate,
             "version": SERVER_VERSION,
         })  # fmt: skip
+
+    async def tei_health(self, request: web.Request) -> web.Response:
+        """TEI's health, which its deployments' probes read: 200 while a ready worker serves
+        the model TEI's routes serve, else 503 (TEI's `Unhealthy`). Open, as the gateway's own
+        probes are: it names no model and tells nothing a caller could not learn by failing."""
+        del request
+        catalog = self._predictor.catalog
+        names = [self._tei_model] if self._tei_model else [
+            n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING
+        ]  # fmt: skip
+        if len(names) == 1 and catalog.ready_versions().get(names[0], 0) > 0:
+            return web.Response(status=200)
+        body = {"error": "no ready worker serves the model", "error_type": "Unhealthy"}
+        return web.json_response(body, status=503)
 
 
 def _openai_json(value: object) -> str:

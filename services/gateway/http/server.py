@@ -31,8 +31,8 @@ from services.gateway.repository_control import RepositoryControl
 
 log = logging.getLogger(__name__)
 
-#: Paths anyone may call: liveness and readiness probes.
-OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})
+#: Paths anyone may call: liveness and readiness probes (KServe's, and TEI's `/health`).
+OPEN_PATHS = frozenset({"/v2/health/live", "/v2/health/ready", "/health"})
 #: Path endings of the calls that run models, which tenant quotas count.
 INFERENCE_SUFFIXES = ("/infer", "/generate", "/generate_stream", "/completions", "/embeddings",
                       "/embed")  # fmt: skip
@@ -44,7 +44,7 @@ DOOR_SHED_ONLY_SUFFIXES = ("/generate", "/generate_stream", "/completions")
 DOOR_LABEL = "http"
 #: text-embeddings-inference's routes, whose errors are TEI's bodies ("/" embeds, as TEI's
 #: does: Hugging Face's InferenceClient posts to the server's URL itself).
-TEI_PATHS = frozenset({"/", "/embed", "/info"})
+TEI_PATHS = frozenset({"/", "/embed", "/info", "/health"})
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Longest a model call's body may take to arrive once the call holds its place at the door
 #: and in its tenant's quota (a caller that sends its headers and then a trickle, or nothing,
