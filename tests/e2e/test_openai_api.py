@@ -125,6 +125,10 @@ def test_completion_whole_and_streamed_agree_with_usage(client: openai.OpenAI) -
     assert long[-1].choices[0].finish_reason == "length"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     assert chunks[-1].usage.prompt_tokens == len(PROMPT) + 1
+    # top_p 0 keeps only the likeliest token (greedy: the same text), and a negative seed is
+    # OpenAI's int64: both were refused 400 (review finding).
+    edge = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, top_p=0, seed=-5)
+    assert edge.choices[0].text == choice.text
 
 
 def test_a_streamed_completion_is_counted_served(stack: Stack, client: openai.OpenAI) -> None:

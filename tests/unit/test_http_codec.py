@@ -365,3 +365,18 @@ def test_a_generate_bodys_other_fields_are_its_models_parameters() -> None:
     flags = generate_request("llm", "", {"text_input": "hi", "exclude_input_in_output": True})
     assert [i.name for i in flags.inputs][-1] == "exclude_input_in_output"
     assert flags.raw_input_contents[-1] == b"\x01"
+
+
+def test_openai_sampling_edges_are_read_as_openai_means_them() -> None:
+    """`top_p: 0` (OpenAI: keep only the likeliest token) and a negative `seed` (OpenAI's is
+    any int64) were refused 400, naming sampling_parameters, which the caller never sent
+    (review finding). They are greedy, and the seed folded into the wire's unsigned 64 bits:
+    the same seed gives the same folded seed, so the same tokens."""
+    sampling = completion_request({"model": "m", "prompt": "p", "top_p": 0}).sampling
+    assert sampling["temperature"] == 0.0 and "top_p" not in sampling
+    sampling = completion_request({"model": "m", "prompt": "p", "top_p": 0.5}).sampling
+    assert sampling["top_p"] == 0.5 and sampling["temperature"] == 1
+    assert completion_request({"model": "m", "prompt": "p", "seed": -1}).sampling["seed"] == (
+        2**64 - 1
+    )
+    assert completion_request({"model": "m", "prompt": "p", "seed": 7}).sampling["seed"] == 7

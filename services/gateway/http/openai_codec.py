@@ -89,6 +89,15 @@ def _sampling(
         # OpenAI takes any temperature in [0, 2]; one this small means greedy (vLLM's reading
         # too), which the sampler is for it, rather than refused.
         sampling["temperature"] = 0.0
+    if sampling.get("top_p") == 0 and not isinstance(sampling["top_p"], bool):
+        # OpenAI takes top_p in [0, 1]; 0 keeps only the likeliest token: greedy, as the
+        # sampler is at temperature 0 (the internal wire reads a top_p of 0 as unset, and
+        # refused it).
+        del sampling["top_p"]
+        sampling["temperature"] = 0.0
+    seed = sampling.get("seed")
+    if isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 0:
+        sampling["seed"] = seed % 2**64  # OpenAI's seed is any int64; the wire's unsigned
     if body.get("n") not in (None, 1):
         raise InvalidInput("n must be 1: one choice per request")
     return sampling
