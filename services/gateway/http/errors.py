@@ -41,6 +41,10 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403:
                  404: "not_found_error", 429: "rate_limit_error"}  # fmt: skip
 
 
+#: OpenAI's error `code` for our statuses; null for the others, as OpenAI leaves it.
+_OPENAI_CODES = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limit_exceeded"}
+
+
 class AnsweredInBand(ServingError):
     """A stream's failure after its headers went out, answered inside the stream (which has
     ended). Raised past the stream's metrics, which count it with the failure's status; the
@@ -79,11 +83,13 @@ class HttpError:
         return json.dumps({"error": self.message, "error_type": kind}).encode()
 
     def openai_body(self) -> bytes:
-        """OpenAI's error body: {"error": {"message", "type", "code"}}."""
+        """OpenAI's error body: {"error": {"message", "type", "param", "code"}}, `code` a
+        string or null, as OpenAI's is (an integer there failed typed clients' decoding)."""
         default = "invalid_request_error" if self.status < 500 else "server_error"
         kind = _OPENAI_TYPES.get(self.status, default)
+        code = _OPENAI_CODES.get(self.status)
         return json.dumps(
-            {"error": {"message": self.message, "type": kind, "code": self.status}}
+            {"error": {"message": self.message, "type": kind, "param": None, "code": code}}
         ).encode()
 
 
