@@ -73,14 +73,13 @@ class EngineLink:
         writer: asyncio.StreamWriter,
         task: asyncio.Task[None],
     ) -> None:
-        front_gone = is_answered = False
+        front_gone = False
         watch: asyncio.Task[None] | None = None
 
         def gone() -> None:  # the front went without ending the stream: so did its callers
             nonlocal front_gone
-            if not is_answered:
-                front_gone = True
-                task.cancel()
+            front_gone = True
+            task.cancel()
 
         async def watch_after_end() -> None:
             """After END the front writes nothing until it has read ours: its connection
@@ -136,8 +135,7 @@ class EngineLink:
             status = pb.MuxResult(
                 code=answer.code.value[0], message=answer.message, trailers=dict(answer.trailers)
             )
-        finally:
-            is_answered = True  # every call answered (or the relay cut): nothing to cancel
+        finally:  # every call answered (or the relay cut): nothing left for the watch to cancel
             if watch is not None:
                 watch.cancel()
         try:

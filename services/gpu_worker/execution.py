@@ -163,15 +163,19 @@ def describe_failure(error: Exception) -> str:
 
 
 def note_batch(
-    failures: FailureStreak, labels: tuple[str, str], results: Sequence[object], now_s: float
+    failures: FailureStreak,
+    labels: tuple[str, str],
+    results: Sequence[object],
+    num_failed: int,
+    now_s: float,
 ) -> None:
     """Tells `failures` (batching.failure_streak) of a finished batch of (model, version)
-    `labels` by its rows' `results` (an output or an Exception each). Rows refused unrun
-    (Unavailable: the worker wedged, its device lost) say nothing of the model: a batch of only
-    those is not told (the worker stops serving anyway), and beside rows that failed in the
-    model they do not make the batch a success."""
-    unrun = sum(isinstance(r, Unavailable) for r in results)
-    if unrun == len(results):
-        return  # nothing ran (or nothing was asked): it says nothing either way
-    failed = sum(isinstance(r, Exception) for r in results) - unrun
-    failures.note(labels, now_s, all_failed=failed + unrun == len(results))
+    `labels` by its rows' `results` (an output or an Exception each), `num_failed` of them
+    Exceptions. Rows refused unrun (Unavailable: the worker wedged, its device lost) say
+    nothing of the model: a batch of only those is not told (the worker stops serving anyway),
+    and beside rows that failed in the model they do not make the batch a success. A batch
+    with a row served is not looked at again."""
+    if num_failed < len(results):
+        failures.note(labels, now_s, all_failed=False)
+    elif results and not all(isinstance(r, Unavailable) for r in results):
+        failures.note(labels, now_s, all_failed=True)

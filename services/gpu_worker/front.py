@@ -39,7 +39,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,20 +228,26 @@ async def beat(path: Path) -> None:
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def engine_health(channel: grpc.aio.Channel) -> int | None:
-    """The engine's health for WorkerService, asked once (None: out of reach, or no answer
-    within HEALTH_TIMEOUT_S)."""
+_HEALTH_REQUEST = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
+
+
+def engine_health(channel: grpc.aio.Channel) -> Callable[[], Awaitable[int | None]]:
+    """Asks the engine its health for WorkerService, once a call (None: out of reach, or no
+    answer within HEALTH_TIMEOUT_S); the method is made once, not per poll."""
     check = channel.unary_unary(
         "/grpc.health.v1.Health/Check",
         request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
         response_deserializer=health_pb2.HealthCheckResponse.FromString,
     )
-    request = health_pb2.HealthCheckRequest(service=SERVICE.full_name)
-    try:
-        return int((await check(request, timeout=HEALTH_TIMEOUT_S)).status)
-    except grpc.aio.AioRpcError as error:
-        log.debug("the engine's health is out of reach: %s", error.code())
-        return None
+
+    async def ask() -> int | None:
+        try:
+            return int((await check(_HEALTH_REQUEST, timeout=HEALTH_TIMEOUT_S)).status)
+        except grpc.aio.AioRpcError as error:
+            log.debug("the engine's health is out of reach: %s", error.code())
+            return None
+
+    return ask
 
 
 async def follow_engine_health(
@@ -255,11 +261,12 @@ async def follow_engine_health(
     within HEALTH_TIMEOUT_S (a wedged engine fails its fronts' probes, as it would its own).
     `on_engine_lost(True)` once it has not answered for ENGINE_LOST_S, (False) once it does."""
     names = (SERVICE.full_name,)
+    ask_health = engine_health(channel)
     saw_serving = False
     answered_s = time.monotonic()
     while True:
         asked_s = time.monotonic()
-        status = await engine_health(channel)
+        status = await ask_health()
         if status is None:
             status = NOT_SERVING
         else:
@@ -293,7 +300,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     # said NOT_SERVING until its first poll, and a readiness probe it drew took the worker's
     # pod out of its Service (one failure does). At the first start the engine says
     # NOT_SERVING anyway: it waits for its fronts to listen.
-    if await engine_health(channel) == SERVING:
+    if await engine_health(channel)() == SERVING:
         await set_serving(servicer, (SERVICE.full_name,), SERVING)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()

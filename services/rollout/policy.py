@@ -66,10 +66,14 @@ class Health:
         return self.errors / self.requests if self.requests else 0.0
 
     @property
+    def answered(self) -> int:
+        """Calls served or refused."""
+        return self.requests + self.refused
+
+    @property
     def refusal_rate(self) -> float:
         """Refused calls among the calls served or refused."""
-        answered = self.requests + self.refused
-        return self.refused / answered if answered else 0.0
+        return self.refused / self.answered if self.answered else 0.0
 
 
 @dataclass(frozen=True)
@@ -130,10 +134,10 @@ def judge(
     """The verdict on step `step` (index into plan.steps) after `holds` extra holds, from the
     versions' health over the step so far. `final`: the step's hold is over (otherwise only a
     rollback is decided early, never an advance)."""
-    answered = canary.requests + canary.refused
-    # Refusals follow load as much as the version: before the hold is over, judged only from
-    # as many calls as an early p99 (a freshly started canary pod's first refusals).
-    refusals_judged = answered >= plan.min_requests * (1 if final else EARLY_P99_FACTOR)
+    # Before the hold is over a p99, and refusals (which follow load as much as the version:
+    # a freshly started canary pod's first ones), are judged only from this many calls.
+    needed = plan.min_requests * (1 if final else EARLY_P99_FACTOR)
+    refusals_judged = canary.answered >= needed
     refused_more = canary.refusal_rate - stable.refusal_rate > plan.max_refusal_rate_increase
     failed_more = canary.error_rate - stable.error_rate > plan.max_error_rate_increase
     if refusals_judged and refused_more and canary.refused >= MIN_COUNTED:
@@ -150,7 +154,7 @@ def judge(
                 f" (bound +{plan.max_error_rate_increase:.2%})",
             )
         ratio = _p99_ratio(canary, stable)
-        p99_judged = final or canary.requests >= EARLY_P99_FACTOR * plan.min_requests
+        p99_judged = canary.requests >= needed
         if (
             p99_judged
             and ratio > plan.max_p99_ratio

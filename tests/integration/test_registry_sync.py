@@ -50,8 +50,8 @@ def new_sync(router: aioredis.Redis, table: RouteTable) -> RegistrySync:
     )
 
 
-def two_workers(worker: aioredis.Redis) -> tuple[list[WorkerRecord], list[HeartbeatPublisher]]:
-    """Workers w0 and w1, and a heartbeat publisher of each writing through `worker`."""
+def two_workers(worker: aioredis.Redis) -> list[HeartbeatPublisher]:
+    """A heartbeat publisher of workers w0 and w1 each, writing through `worker`."""
     records = [
         WorkerRecord(f"w{n}", f"127.0.0.1:5005{n}", is_draining=False, sent_at_ms=0, models=())
         for n in (0, 1)
@@ -59,7 +59,7 @@ def two_workers(worker: aioredis.Redis) -> tuple[list[WorkerRecord], list[Heartb
     publishers = [
         HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), lambda r=r: r) for r in records
     ]
-    return records, publishers
+    return publishers
 
 
 async def heartbeats(publisher: HeartbeatPublisher) -> None:
@@ -129,7 +129,7 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
     sync = new_sync(router, table)
-    _, publishers = two_workers(worker)
+    publishers = two_workers(worker)
 
     def live() -> set[str]:
         return {w.worker_id for w in table.live_workers(time.monotonic())}
@@ -176,7 +176,7 @@ async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
     sync = new_sync(router, table)
-    _, publishers = two_workers(worker)
+    publishers = two_workers(worker)
     await publishers[1].publish_once()
     seconds, micros = await admin.time()
     await admin.zadd(KEYS.workers, {"w1": seconds * 1000 + micros // 1000 + 60_000})

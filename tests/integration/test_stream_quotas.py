@@ -125,12 +125,14 @@ async def test_idle_streams_count_against_the_tenants_max_concurrency(
         quotas = gateway.predictor.admission.quotas
         await eventually(lambda: quotas.in_flight("t") == 2, message="both streams admitted")
         third = stub.ModelStreamInfer(metadata=METADATA, timeout=60)
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
+        with pytest.raises(grpc.aio.AioRpcError):
             # Refused as the stream opens: its write may already meet the refusal, or its read.
+            # A write that meets it may fail in grpc's core instead ("Internal error from
+            # Core", seen once in a loaded `make test`): the call's own status is what is read.
             await third.write(_long_generation("third"))
             await third.read()
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "max_concurrency" in (refused.value.details() or "")
+        assert await third.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_concurrency" in (await third.details() or "")
         await idle[0].done_writing()
         assert await idle[0].code() == grpc.StatusCode.OK
         await eventually(lambda: quotas.in_flight("t") == 1, message="the ended stream released")

@@ -72,26 +72,31 @@ def test_zero_batches_to_mark_never_marks() -> None:
     assert not streak.is_failing(99.0)
 
 
+def told(streak: FailureStreak, results: list[object], now_s: float) -> None:
+    """`note_batch` of a batch of ("affine", "1") whose rows came out as `results`."""
+    failed = sum(isinstance(r, Exception) for r in results)
+    note_batch(streak, ("affine", "1"), results, failed, now_s)
+
+
 def test_rows_refused_unrun_neither_fail_nor_clear_a_version() -> None:
     """`note_batch`: a batch whose rows were all refused unrun (UNAVAILABLE: the worker
     wedged, its device lost) says nothing of the model either way; a batch with one row
     served is a success; rows refused unrun beside rows failed in the model do not make it
     one."""
     streak = FailureStreak(FailingConfig(batches_to_mark=2, min_span_s=0.0))
-    labels = ("affine", "1")
     wedged = Unavailable("ran past the executor watchdog")
     failed = ExecutionFailed("model failed on this input: boom")
-    note_batch(streak, labels, [wedged, wedged], 0.0)
-    note_batch(streak, labels, [wedged], 1.0)
+    told(streak, [wedged, wedged], 0.0)
+    told(streak, [wedged], 1.0)
     assert not streak.is_failing(1.0)
-    note_batch(streak, labels, [failed, np.zeros(2)], 2.0)  # one row served: not failing
-    note_batch(streak, labels, [failed, wedged], 3.0)
+    told(streak, [failed, np.zeros(2)], 2.0)  # one row served: not failing
+    told(streak, [failed, wedged], 3.0)
     assert not streak.is_failing(3.0)
-    note_batch(streak, labels, [failed], 4.0)
+    told(streak, [failed], 4.0)
     assert streak.is_failing(4.0)
-    note_batch(streak, labels, [wedged], 5.0)  # not a success: the mark stands
+    told(streak, [wedged], 5.0)  # not a success: the mark stands
     assert streak.is_failing(5.0)
-    note_batch(streak, labels, [], 5.0)  # nothing asked: nothing told
+    told(streak, [], 5.0)  # nothing asked: nothing told
     assert streak.is_failing(5.0)
 
 

@@ -57,17 +57,23 @@ class EmbeddingsApi:
             raise InvalidInput(f"{config.name} takes tensor inputs, not text: call /v2 infer")
         return config
 
-    def _tei_config(self) -> ModelConfig:
+    def _tei_model_name(self) -> str | None:
+        """The model TEI's routes serve: `--tei-model`, else the repository's only text
+        embedding model; None where there are several or none."""
         if self._tei_model:
-            return self._embedding_config(self._tei_model)
+            return self._tei_model
         catalog = self._predictor.catalog
         names = [n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING]
-        if len(names) != 1:  # neither named nor counted: a caller may not know of models
+        return names[0] if len(names) == 1 else None
+
+    def _tei_config(self) -> ModelConfig:
+        name = self._tei_model_name()
+        if name is None:  # neither named nor counted: a caller may not know of models
             raise InvalidInput(  # it may not use
                 "TEI's routes serve one model and this gateway has several embedding models, or "
                 "none: start it with --tei-model"
             )
-        return self._embedding_config(names[0])
+        return self._embedding_config(name)
 
     async def _embed(
         self, parsed: EmbeddingRequest, config: ModelConfig
@@ -153,11 +159,8 @@ class EmbeddingsApi:
         the model TEI's routes serve, else 503 (TEI's `Unhealthy`). Open, as the gateway's own
         probes are: it names no model and tells nothing a caller could not learn by failing."""
         del request
-        catalog = self._predictor.catalog
-        names = [self._tei_model] if self._tei_model else [
-            n for n in catalog.model_names() if catalog.config(n).kind is ModelKind.EMBEDDING
-        ]  # fmt: skip
-        if len(names) == 1 and catalog.ready_versions().get(names[0], 0) > 0:
+        name = self._tei_model_name()
+        if name is not None and self._predictor.catalog.ready_versions().get(name, 0) > 0:
             return web.Response(status=200)
         body = {"error": "no ready worker serves the model", "error_type": "Unhealthy"}
         return web.json_response(body, status=503)

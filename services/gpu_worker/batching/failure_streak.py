@@ -33,6 +33,8 @@ import logging
 import math
 from dataclasses import dataclass
 
+from services.common.backoff import doubled_s
+
 log = logging.getLogger(__name__)
 
 #: A failed batch more than this many `max_hold_s` after the one before it starts a new streak
@@ -99,7 +101,7 @@ class FailureStreak:
         was_failing = self.is_failing(now_s)
         if not was_failing:
             self._marks += 1
-        hold_s = min(config.max_hold_s, config.hold_s * 2 ** min(self._marks - 1, 64))
+        hold_s = doubled_s(config.hold_s, self._marks - 1, config.max_hold_s)
         self._failing_until_s = now_s + hold_s
         return None if was_failing else hold_s
 

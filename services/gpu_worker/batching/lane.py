@@ -18,7 +18,7 @@ from services.common.telemetry import observe_counts
 from services.common.tracing import TraceContext
 from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.backends.base import Backend, PreparedRow
-from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
+from services.gpu_worker.batching.failure_streak import FailureStreak
 from services.gpu_worker.batching.lane_order import by_urgency
 from services.gpu_worker.batching.latency_model import LatencyModel, folded_row_cost
 from services.gpu_worker.batching.policy import Batcher, executor_start_s
@@ -119,6 +119,8 @@ class Lane:
     latency: LatencyModel
     #: When new rows must finish within the SLO, not just their deadline (slo_shedding.py).
     shedding: SloShedding
+    #: Whether its batches all fail lately (told routers in `load_report`).
+    failures: FailureStreak
     pending: dict[int, Pending] = field(default_factory=dict)
     #: The batch key of each bucket (its backend's), built at the bucket's first row.
     keys: dict[int, BatchKey] = field(default_factory=dict)
@@ -137,8 +139,6 @@ class Lane:
     gauges_due_s: dict[BatchKey, float] = field(default_factory=dict)
     #: Keys whose last batch skipped the refresh: refreshed when due (`refresh_gauges`).
     stale_gauges: set[BatchKey] = field(default_factory=set)
-    #: Whether its batches all fail lately (told routers in `load_report`).
-    failures: FailureStreak = field(default_factory=lambda: FailureStreak(FailingConfig()))
 
     @functools.cached_property
     def labels(self) -> tuple[str, str]:
@@ -372,7 +372,7 @@ class Lane:
         lane.record_row_cost(lane.latency.per_item_s(dispatch.key, limit), len(rows))
         bucket = str(dispatch.key.bucket)
         failures = sum(isinstance(r, Exception) for r in results)
-        note_batch(lane.failures, labels, results, finished)
+        note_batch(lane.failures, labels, results, failures, finished)
         if failures == 0 and num_calls == 1:
             # A bisected batch's time says nothing about the model's normal cost.
             taught_s = compute_s if ran_s is None else ran_s
