@@ -227,11 +227,18 @@ def test_one_throttle_a_model_and_idle_ones_dropped_past_max_kept() -> None:
     refused = throttles.of("refused", now_s=0.0)
     assert refused.admits(0.0, draw=0.5)
     refused.record(0.0, accepted=False)
-    for index in range(ModelThrottles.MAX_KEPT - 2):
+    in_flight = throttles.of("in flight", now_s=0.0)
+    assert in_flight.admits(0.0, draw=0.5)  # sent, its answer not yet recorded
+    for index in range(ModelThrottles.MAX_KEPT - 3):
         throttles.of(f"m{index}", now_s=0.0)
     assert len(throttles) == ModelThrottles.MAX_KEPT
-    # 3 s on, every window is empty; "refused" is still in its quiet period and is kept.
+    # 3 s on, every window is empty; "refused" is still in its quiet period and is kept, and
+    # "in flight" has a call out, whose end it must count.
     throttles.of("new", now_s=3.0)
-    assert len(throttles) == 2
+    assert len(throttles) == 3
     assert throttles.of("refused", now_s=3.0) is refused
+    assert throttles.of("in flight", now_s=3.0) is in_flight
     assert throttles.of("a", now_s=3.0) is not first
+    in_flight.record(3.0, accepted=True)
+    assert not in_flight.is_idle(3.0)  # its answer is in the window
+    assert in_flight.is_idle(6.5)

@@ -163,6 +163,9 @@ class AdaptiveThrottle:
         self._slices: deque[_Slice] = deque()  # oldest first
         self._num_requests = 0
         self._num_accepts = 0
+        #: Calls `admits` let through and not yet `record`ed: a throttle with calls in flight
+        #: is never dropped (`ModelThrottles`), or their ends would be counted by none.
+        self._num_in_flight = 0
         #: When the gateway last refused a call, seconds (None: not yet).
         self._last_refused_s: float | None = None
         self._lock = threading.Lock()
@@ -173,6 +176,7 @@ class AdaptiveThrottle:
         with self._lock:
             current = self._current(now_s)
             if not draw < self._probability(now_s):
+                self._num_in_flight += 1
                 return True
             current.num_requests += 1
             self._num_requests += 1
@@ -182,6 +186,7 @@ class AdaptiveThrottle:
         """How a call `admits` let through ended, now: accepted by the gateway or not
         (`is_accepted` of its status)."""
         with self._lock:
+            self._num_in_flight = max(0, self._num_in_flight - 1)
             current = self._current(now_s)
             current.num_requests += 1
             self._num_requests += 1
@@ -220,6 +225,14 @@ class AdaptiveThrottle:
             self._current(now_s)
             return ThrottleCounts(self._num_requests, self._num_accepts, self._is_refusing(now_s))
 
+    def is_idle(self, now_s: float) -> bool:
+        """Whether this throttle is as a new one would be: no call in its window or in flight,
+        and no refusal in its quiet period."""
+        with self._lock:
+            self._current(now_s)
+            is_counting = self._num_requests > 0 or self._num_in_flight > 0
+            return not is_counting and not self._is_refusing(now_s)
+
     def _is_refusing(self, now_s: float) -> bool:
         last_s = self._last_refused_s
         return last_s is not None and now_s - last_s < self.policy.quiet_s
@@ -246,8 +259,8 @@ class ModelThrottles:
     """One `AdaptiveThrottle` per model, so that one model's refusals do not refuse another's
     calls. Thread-safe."""
 
-    #: Past this many throttles, those with no call in their window and no refusal in their
-    #: quiet period (which refuse nothing, as a new one does) are dropped.
+    #: Past this many throttles, the idle ones (no call in their window or in flight, no
+    #: refusal in their quiet period: they refuse nothing, as a new one does) are dropped.
     MAX_KEPT = 64
 
     def __init__(self, policy: ThrottlePolicy) -> None:
@@ -261,8 +274,7 @@ class ModelThrottles:
             if throttle is None:
                 if len(self._throttles) >= self.MAX_KEPT:
                     for name, kept in list(self._throttles.items()):
-                        counts = kept.counts(now_s)
-                        if counts.num_requests == 0 and not counts.is_refusing:
+                        if kept.is_idle(now_s):
                             del self._throttles[name]
                 throttle = self._throttles[model] = AdaptiveThrottle(self.policy)
             return throttle
