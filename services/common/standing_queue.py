@@ -49,6 +49,14 @@ class StandingQueue:
         """When the queue, standing, last saw a delay above the target or held for one."""
         return self._last_above_s
 
+    def stands_at(self, now_s: float) -> bool:
+        """Whether the queue stands at `now_s`, nothing having left it since the last delay
+        observed: it stood, and that delay was above the target (what it left behind still
+        waits) or its hold has not run out. A queue whose last departure left it drained
+        stands no longer once its hold runs out, though nothing leaves to say so (a lane left
+        with only rows it keeps back on purpose)."""
+        return self.is_standing and (self._above_since_s is not None or self._is_held(now_s))
+
     def _is_held(self, now_s: float) -> bool:
         """Whether a queue that stood is still within its hold at `now_s` (never without one)."""
         return self.is_standing and now_s - self._last_above_s < self.hold_s

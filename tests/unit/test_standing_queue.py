@@ -137,6 +137,20 @@ def test_slo_shedding_keeps_bounding_rows_by_the_slo_while_its_refusals_keep_the
     assert shedding.budget_s(now_s, PriorityClass.BATCH.rank, num_queued=0) is None
 
 
+def test_a_drained_lane_stops_bounding_by_the_slo_after_its_hold_though_rows_stay_queued() -> None:
+    """The last dispatch left no online row, but `batch` rows stay queued (held back as a
+    backfill): with no dispatch to see it, the standing ends once its hold runs out."""
+    shedding, now_s = standing_shedding()
+    shedding.after_dispatch(now_s, 0.0)
+    assert shedding.budget_s(now_s + 0.1, INTERACTIVE, num_queued=3) == pytest.approx(0.23)
+    now_s += HOLD_INTERVALS * 0.25 + 0.01
+    assert shedding.budget_s(now_s, INTERACTIVE, num_queued=3) is None
+    # Online rows still waiting above the target after the last dispatch: it stands on.
+    shedding, now_s = standing_shedding()
+    now_s += HOLD_INTERVALS * 0.25 + 0.01
+    assert shedding.budget_s(now_s, INTERACTIVE, num_queued=3) == pytest.approx(0.23)
+
+
 @pytest.mark.parametrize(
     ("why", "refused", "queued"),
     [

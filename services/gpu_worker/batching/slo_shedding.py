@@ -158,6 +158,6 @@ class SloShedding:
             self.queue.observe(now_s, 0.0)
         if self._always:
             return self._budget_s
-        if rank <= _URGENT_RANK and self.queue.is_standing:
+        if rank <= _URGENT_RANK and self.queue.stands_at(now_s):
             return self._budget_s
         return None
