@@ -46,6 +46,9 @@ from dataclasses import dataclass
 
 from services.common.standing_queue import StandingQueue
 
+#: A refusal's retry hint is at most this many of the limit's intervals (`retry_after_s`).
+MAX_HINT_INTERVALS = 10.0
+
 
 @dataclass(frozen=True)
 class LimitConfig:
@@ -219,5 +222,8 @@ class QueueDelayLimit:
 
     def retry_after_s(self) -> float:
         """How long a refused caller should wait: the time the queue recently took to drain,
-        and at least the interval over which it is judged."""
-        return max(self.last_delay_s, self.config.interval_s)
+        at least the interval over which it is judged and at most MAX_HINT_INTERVALS of it (a
+        delay measured across one long stall, a paused process's, would send callers away
+        for as long after the queue drained)."""
+        interval_s = self.config.interval_s
+        return min(max(self.last_delay_s, interval_s), MAX_HINT_INTERVALS * interval_s)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from services.common.concurrency_limit import LimitConfig, QueueDelayLimit
+from services.common.concurrency_limit import MAX_HINT_INTERVALS, LimitConfig, QueueDelayLimit
 from services.common.door_config import MIN_DERIVED_TARGET_S, DoorConfig
 from services.common.errors import retry_after_trailer
 
@@ -189,6 +189,8 @@ def test_the_retry_hint_is_the_recent_drain_time_at_least_the_interval() -> None
     assert limit.retry_after_s() == CONFIG.interval_s
     limit.update(0.0, 0.8, 10)
     assert limit.retry_after_s() == 0.8
+    limit.update(0.1, 30.0, 10)  # measured across a 30 s stall of the process
+    assert limit.retry_after_s() == MAX_HINT_INTERVALS * CONFIG.interval_s
 
 
 @pytest.mark.parametrize(
