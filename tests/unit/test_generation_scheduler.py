@@ -253,6 +253,21 @@ def test_preemption_frees_the_latest_sequence_which_resumes_with_identical_outpu
     assert_outputs_match_reference(engine, [first, second])
 
 
+def test_a_preempted_sequences_tenant_is_not_charged_again_for_its_recompute() -> None:
+    """Two tenants' sequences of the same length, one preempted and recomputed: each tenant
+    is charged its prompt and the outputs fed back once (4 + 5 tokens), as if nobody were
+    preempted."""
+    engine = FakeEngine(make_config(block_size=2, num_blocks=6))
+    first = make_seq(seq_id=1, max_tokens=6, tenant="a")
+    second = make_seq(seq_id=2, max_tokens=6, tenant="b")
+    engine.add(first)
+    engine.add(second)
+    engine.run()
+    assert second.num_preemptions == 1
+    scheduler = engine.scheduler
+    assert scheduler.compute_s("a") == scheduler.compute_s("b") == 4 + 5
+
+
 def test_a_preempted_sequences_recompute_counts_ahead_of_a_new_prompts_first_token() -> None:
     """Preempted after its first outputs, the second sequence recomputes its prompt and outputs in
     chunks of a 3-token budget: while it does, that recompute is prefill a new prompt waits

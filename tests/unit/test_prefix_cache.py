@@ -112,8 +112,9 @@ def test_a_later_sequence_starts_past_the_cached_blocks_it_shares() -> None:
     first = make_seq(seq_id=1, prompt=[*SHARED, 7, 7], max_tokens=3)
     engine.add(first)
     engine.step()  # first's prompt computed: its three full blocks are remembered
-    second = make_seq(seq_id=2, prompt=[*SHARED, 9], max_tokens=5)
+    second = make_seq(seq_id=2, prompt=[*SHARED, 9], max_tokens=5, tenant="b")
     engine.add(second)
+    joined_at = engine.scheduler.compute_s("b")  # lifted to the floor: first's prompt
     output = engine.step()
     item = item_of(output, 2)
     assert item.start_position == 12 and item.token_ids == (9,)
@@ -122,6 +123,8 @@ def test_a_later_sequence_starts_past_the_cached_blocks_it_shares() -> None:
     assert second.num_cached_tokens == 12
     engine.run()
     assert_outputs_match_reference(engine, [first, second])
+    # Its tenant is charged what it computed: its last prompt token and 4 outputs fed back.
+    assert engine.scheduler.compute_s("b") - joined_at == 1 + 4
 
 
 def test_the_last_prompt_token_is_always_computed() -> None:

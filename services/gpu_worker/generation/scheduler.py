@@ -276,8 +276,14 @@ class GenerationScheduler:
         in_flight, self._in_flight = self._in_flight, {}
         for seq_id, step in in_flight.items():
             seq = self._seqs[seq_id]
+            start = seq.num_computed_tokens
             seq.num_computed_tokens += len(step.token_ids)
-            self._ledger.charge(seq.tenant, len(step.token_ids), seq.weight)
+            # Only tokens computed for the first time are charged: a preempted sequence's
+            # recompute was charged once already (its tenant did not choose the preemption),
+            # and prefix-cache hits are computed by no step.
+            if (num_new := seq.num_computed_tokens - max(start, seq.num_charged_tokens)) > 0:
+                self._ledger.charge(seq.tenant, num_new, seq.weight)
+                seq.num_charged_tokens = seq.num_computed_tokens
             if step.samples:
                 seq.output_token_ids.append(sampled[seq_id])
             if self._caches:

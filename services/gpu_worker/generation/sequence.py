@@ -46,6 +46,9 @@ class Sequence:
     block_digests: list[bytes] = field(default_factory=list)
     #: Leading tokens whose KV its last admission found in the prefix cache.
     num_cached_tokens: int = 0
+    #: Leading tokens of all_token_ids its tenant has been charged for computing (the fair
+    #: share's ledger): a recompute after a preemption is not charged again.
+    num_charged_tokens: int = 0
 
     @property
     def all_token_ids(self) -> tuple[int, ...]:
