@@ -278,9 +278,7 @@ class GenerationScheduler:
             seq = self._seqs[seq_id]
             start = seq.num_computed_tokens
             seq.num_computed_tokens += len(step.token_ids)
-            # Only tokens computed for the first time are charged: a preempted sequence's
-            # recompute was charged once already (its tenant did not choose the preemption),
-            # and prefix-cache hits are computed by no step.
+            # Charged once: not a recompute after a preemption (Sequence.num_charged_tokens).
             if (num_new := seq.num_computed_tokens - max(start, seq.num_charged_tokens)) > 0:
                 self._ledger.charge(seq.tenant, num_new, seq.weight)
                 seq.num_charged_tokens = seq.num_computed_tokens
