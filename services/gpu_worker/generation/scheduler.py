@@ -71,14 +71,9 @@ def _num_uncomputed(seq: Sequence) -> int:
 
 
 def _check_config(config: GenerationSchedulerConfig) -> None:
-    positive = (
-        config.max_num_seqs,
-        config.max_num_batched_tokens,
-        config.num_blocks,
-        config.block_size,
-        config.max_model_len,
-    )
-    if min(positive) < 1:
+    c = config
+    if min(c.max_num_seqs, c.max_num_batched_tokens, c.num_blocks, c.block_size,
+           c.max_model_len) < 1:  # fmt: skip
         raise ValueError(
             "max_num_seqs, max_num_batched_tokens, num_blocks, block_size and max_model_len"
             " must be >= 1"
