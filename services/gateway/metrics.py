@@ -79,8 +79,9 @@ class GatewayMetrics:
         )
         self.router_retries_total = new.counter(
             names.GATEWAY_ROUTER_RETRIES_TOTAL,
-            "Calls resent to another router after one refused them unstarted (draining) or "
-            "none could be reached, by RPC (predict or generate).",
+            "Calls resent after a router refused them unstarted (draining) or none could be "
+            "reached, and a bundle's slices resent after a worker refused them unstarted "
+            "while serving the rest, by RPC (predict or generate).",
             ("rpc",),
         )
         self._define_tenants(new)
