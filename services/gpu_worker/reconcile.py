@@ -23,7 +23,7 @@ Each list in name, version order.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 
 from services.common.repository_state import DesiredState, ModelState
@@ -106,14 +106,19 @@ def keeps_serving(
     desired: Mapping[str, DesiredState],
     loaded: Iterable[VersionKey],
     failed: Mapping[VersionKey, int],
+    repository: Container[VersionKey],
 ) -> bool:
     """Whether a version gone from the repository stays loaded: its model serves no other
-    version, and a load of one failed at the model's revision (its replacement)."""
+    version, and a load of one still in the `repository` failed at the model's revision (its
+    replacement). A model whose every version left the repository is retired whatever
+    failed before."""
     model = retire.model
     if any(name == model and version != retire.version for name, version in loaded):
         return False
     revision = revision_of(model, desired)
-    return any(name == model and at == revision for (name, _), at in failed.items())
+    return any(
+        key[0] == model and at == revision and key in repository for key, at in failed.items()
+    )
 
 
 def _order(key: VersionKey) -> tuple[str, int]:

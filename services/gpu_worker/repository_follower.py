@@ -174,7 +174,9 @@ class RepositoryFollower:
     ) -> None:
         if isinstance(action, Retire):
             loaded = [(m.config.name, m.version.version) for m in self._models.all]
-            if keeps_serving(action, desired=desired, loaded=loaded, failed=self._failed):
+            if keeps_serving(
+                action, desired=desired, loaded=loaded, failed=self._failed, repository=versions
+            ):
                 return  # its replacement failed to load: it serves on (logged at the failure)
         if isinstance(action, Unload | Retire):
             await self._swapper.unload(action.model, action.version)

@@ -107,17 +107,21 @@ def test_a_version_replaced_on_disk_is_retired_after_its_replacement_loads() -> 
 
 
 def test_a_retired_version_serves_on_while_its_replacement_failed() -> None:
-    retire, desired = Retire("echo", "1"), {"echo": loaded(3)}
+    retire, desired, on_disk = Retire("echo", "1"), {"echo": loaded(3)}, {("echo", "2")}
+
+    def keeps(
+        loaded: list[VersionKey], failed: dict[VersionKey, int], disk: set[VersionKey] = on_disk
+    ) -> bool:
+        return keeps_serving(retire, desired=desired, loaded=loaded, failed=failed, repository=disk)
+
     # v2 failed at the model's revision, and nothing else of echo serves: v1 stays.
-    assert keeps_serving(retire, desired=desired, loaded=[("echo", "1")], failed={("echo", "2"): 3})
+    assert keeps([("echo", "1")], {("echo", "2"): 3})
     # Failed at an older revision (a load since retries it), v2 serving, or nothing failed.
-    assert not keeps_serving(
-        retire, desired=desired, loaded=[("echo", "1")], failed={("echo", "2"): 2}
-    )
-    assert not keeps_serving(
-        retire, desired=desired, loaded=[("echo", "1"), ("echo", "2")], failed={}
-    )
-    assert not keeps_serving(retire, desired=desired, loaded=[("echo", "1")], failed={})
+    assert not keeps([("echo", "1")], {("echo", "2"): 2})
+    assert not keeps([("echo", "1"), ("echo", "2")], {})
+    assert not keeps([("echo", "1")], {})
+    # The whole model left the repository, its failed v2 too: v1 is retired.
+    assert not keeps([("echo", "1")], {("echo", "2"): 3}, disk=set())
 
 
 def test_unloads_come_before_loads_in_version_order() -> None:
