@@ -47,9 +47,9 @@ class TenantAdmission:
 
     def _refused(self, policy: TenantPolicy, refusal: QuotaRefusal) -> Overloaded:
         self.refused(policy.name, refusal.quota)
-        # A rate's refusal hints when its bucket will have refilled: no sooner can succeed.
-        is_least = refusal.quota != "max_concurrency"
-        return Overloaded(refusal.message, retry_after_s=refusal.retry_after_s, is_least=is_least)
+        return Overloaded(
+            refusal.message, retry_after_s=refusal.retry_after_s, is_least=refusal.is_least
+        )
 
     def refused(self, tenant: str, reason: str) -> None:
         self._metrics.tenant_refused_total_of[(self.labels(tenant), reason)].inc()

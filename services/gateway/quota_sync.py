@@ -29,6 +29,8 @@ Redis enforces whole limits, as if alone.
 Tolerance: a tenant may exceed a fleet-wide limit by about MIN_SHARE_OF_EQUAL (10%), plus
 what a shift of its demand between gateways admits during one period; `max_concurrency`,
 counted in whole calls, by up to one call per gateway process (each admits at least one).
+While k of N gateways cannot reach Redis, by up to k/N more: the others count them gone, and
+each of them enforces its equal share (fail open: an outage refuses no tenant within quota).
 """
 
 from __future__ import annotations

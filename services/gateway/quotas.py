@@ -25,6 +25,9 @@ from services.gateway.tenants import TenantPolicy
 #: tolerance this allows: limits may be exceeded by up to this fraction, plus one refresh
 #: period of a demand shift.
 MIN_SHARE_OF_EQUAL = 0.1
+#: The longest retry hint a rate refusal gives while this gateway enforces a share of the
+#: tenant's limit below the whole (the shares are set again every sync round, 0.5 s).
+MAX_SHARED_WAIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class QuotaRefusal:
     quota: str
     message: str
     retry_after_s: float
+    #: No retry sooner than `retry_after_s` can succeed (a rate's bucket refills no sooner).
+    is_least: bool = False
 
 
 @dataclass
@@ -209,11 +214,15 @@ class TenantQuotas:
         wait_s = bucket.take(amount, now_s)
         if wait_s == 0.0:
             return None
+        # A share below the whole is set again at the next sync round: a wait counted at a
+        # floor share (the tenant's calls newly moved here) may be seconds, over in one round.
+        is_least = share >= 1.0 or wait_s <= MAX_SHARED_WAIT_S
         unit = "requests" if quota == "requests_per_s" else "rows"
         return QuotaRefusal(
             quota,
             f"tenant {policy.name!r} is over its quota of {fleet_rate:g} {unit}/s ({quota})",
-            retry_after_s=wait_s,
+            retry_after_s=wait_s if is_least else MAX_SHARED_WAIT_S,
+            is_least=is_least,
         )
 
 

@@ -7,6 +7,7 @@ import pytest
 from services.common.errors import PermissionDenied
 from services.common.priority import PriorityClass
 from services.gateway.quotas import (
+    MAX_SHARED_WAIT_S,
     MIN_SHARE_OF_EQUAL,
     TenantQuotas,
     TokenBucket,
@@ -90,6 +91,23 @@ def test_a_gateway_enforces_its_share_of_fleet_wide_limits() -> None:
     quotas.set_shares({"search": 0.25})
     granted = sum(quotas.acquire(policy, now_s=0.0) is None for _ in range(100))
     assert granted == 2  # 25 requests/s x 0.1 s of burst, rounded down to whole calls
+
+
+def test_a_rate_refusal_at_a_share_below_the_whole_hints_no_more_than_a_second() -> None:
+    """At the floor share (the tenant's calls newly moved here), the bucket's wait is seconds,
+    where the next sync round, 0.5 s on, sets the share again: the hint is capped, and not
+    the least wait (jittered either way). A whole share's hint is its bucket's wait."""
+    quotas, policy = TenantQuotas(), make_policy(requests_per_s=10.0, burst_s=0.1)
+    quotas.set_shares({"search": 0.025})  # 0.25 requests/s here
+    assert quotas.acquire(policy, now_s=0.0) is None  # granted into debt
+    refusal = quotas.acquire(policy, now_s=0.0)
+    assert refusal is not None and refusal.quota == "requests_per_s"
+    assert (refusal.retry_after_s, refusal.is_least) == (MAX_SHARED_WAIT_S, False)
+    whole, slow = TenantQuotas(), make_policy(requests_per_s=0.25, burst_s=4.0)
+    assert whole.acquire(slow, now_s=0.0) is None
+    refusal = whole.acquire(slow, now_s=0.0)
+    assert refusal is not None
+    assert (refusal.retry_after_s, refusal.is_least) == (pytest.approx(4.0), True)
 
 
 def test_calls_in_flight_are_held_to_what_the_other_gateways_left_of_the_limit() -> None:
