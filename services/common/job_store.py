@@ -68,6 +68,7 @@ from services.common.job_scripts import (
     ENQUEUE,
     FLEET_ROUND,
     FORGET_CONSUMERS,
+    KEEP,
     RECORD,
 )
 
@@ -128,6 +129,7 @@ class JobStore:
         self._cancel = client.register_script(CANCEL)
         self._fleet_round = client.register_script(FLEET_ROUND)
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
+        self._keep = client.register_script(KEEP)
         #: Where the next `reclaim` scans the runners' pending entries from (XAUTOCLAIM's cursor).
         self._reclaim_from: bytes | str = "0-0"
 
@@ -299,16 +301,13 @@ class JobStore:
         return int(await self._forget_consumers(keys=[self.queue_key],
                                                 args=[GROUP, keep, min_idle_ms]))  # fmt: skip
 
-    async def keep(self, consumer: str, entry: QueueEntry, min_idle_ms: int) -> bool:
+    async def keep(self, consumer: str, entry: QueueEntry) -> bool:
         """Restarts the idle time of `consumer`'s `entry`, still running, so that no other
-        runner's `reclaim` takes it, if it has been idle `min_idle_ms` at least: the time since
-        this consumer last claimed or kept it, unless another runner took it over since (which
-        restarted it), whose it then stays. Returns whether it was kept (False: taken over, or
-        no longer pending)."""
-        kept = await self.client.xclaim(
-            self.queue_key, GROUP, consumer, max(0, min_idle_ms), [entry.entry_id], justid=True
-        )
-        return bool(kept)
+        runner's `reclaim` takes it, while it is still `consumer`'s (KEEP): one another runner
+        took over stays theirs. Returns whether it was kept (False: taken over, or no longer
+        pending)."""
+        args = [GROUP, consumer, entry.entry_id]
+        return bool(await self._keep(keys=[self.queue_key], args=args))
 
     async def record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None

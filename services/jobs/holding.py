@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import Gauge
@@ -20,9 +19,6 @@ from services.common.lifecycle import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
-#: What a keep allows Redis's clock to have run slower than this process's since the last
-#: (NTP slews a clock by 0.05% at most; a takeover needs a whole claim timeout of idleness).
-KEEP_SLACK_MS = 50
 #: Mean pause before a chunk's results, refused by Redis at its memory cap, are tried again.
 STORE_FULL_RETRY_S = 2.0
 
@@ -32,27 +28,25 @@ async def keep_claimed(
 ) -> None:
     """Keeps `entry` `consumer`'s while its chunk runs: its idle time restarts every third of
     the claim timeout, so another runner's reclaim (of entries idle past it: their runner
-    died) leaves it alone. Once it could not keep it for a whole claim timeout (Redis away,
-    this process paused), another runner may have taken it over: it stops, rather than take
-    it back. Each keep claims the entry only if it has been idle since the last (Redis's
-    clock runs on between the two as this one does, less KEEP_SLACK_MS): a keep that reached
-    Redis just after another runner took the entry over took it back, and both ran the
-    chunk (review finding); such a keep now finds it taken, and stops."""
-    kept_s = time.monotonic()  # after the entry was claimed or kept: its idle time is longer
+    died) leaves it alone. A keep restarts it only while the entry is still this runner's
+    (JobStore.keep): once another runner took it over (this one away from Redis, or paused,
+    for a claim timeout), it stops, rather than take it back; a keep that failed (Redis away,
+    a reply lost) is tried again at the next third. Before, a keep claimed the entry only if
+    it had been idle since the last keep this runner saw succeed: a keep whose reply was lost
+    had restarted it, the next found it idle too short and stopped, and another runner ran
+    the chunk beside this one (review finding)."""
     while True:
         await asyncio.sleep(claim_timeout_s / 3)
-        idle_s = time.monotonic() - kept_s
-        if idle_s > claim_timeout_s:
-            log.warning("chunk %s not kept claimed for %.0fs", entry.entry_id, claim_timeout_s)
-            return
         try:
-            if not await store.keep(consumer, entry, int(idle_s * 1000) - KEEP_SLACK_MS):
-                log.warning("chunk %s no longer this runner's (taken over)", entry.entry_id)
-                return
-            kept_s = time.monotonic()
+            is_kept = await store.keep(consumer, entry)
         except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
-            stop_if_cancelled()
             log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)
+            is_kept = True
+        # The chunk ended as a keep ran, and redis-py swallowed the cancel: stop all the same.
+        stop_if_cancelled()
+        if not is_kept:
+            log.warning("chunk %s no longer this runner's (taken over)", entry.entry_id)
+            return
 
 
 async def record_when_room(

@@ -25,7 +25,7 @@ import redis.exceptions
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.job_policy import CRASH_ROUNDS, ItemStatus
-from services.common.job_records import NewJob
+from services.common.job_records import NewJob, QueueEntry
 from services.common.job_room import RESULT_OVERHEAD_BYTES, SUBMIT_MEMORY_SHARE, StoreFull
 from services.common.job_store import GROUP, JobStore
 from services.common.priority import PriorityClass
@@ -35,7 +35,7 @@ from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
 from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
-from services.jobs.holding import KEEP_SLACK_MS
+from services.jobs.holding import keep_claimed
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
@@ -681,25 +681,65 @@ async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
 ) -> None:
     """A runner keeps the entry of a chunk it runs by claiming it again. With no idle time
     asked, a keep that reached Redis just after another runner had taken the entry over took
-    it back, and both ran the chunk (review finding). A keep now claims the entry only if it
-    has been idle since the keep before: one of an entry taken over meanwhile is refused, and
-    the entry stays the other runner's."""
+    it back, and both ran the chunk (review finding). A keep now claims the entry only while
+    it is still the runner's: one of an entry taken over meanwhile is refused, and the entry
+    stays the other runner's."""
     store = JobStore(aioredis.Redis.from_url(redis_server.url))
     try:
         job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
         await store.submit(job, chunk_size=2)
         await store.ensure_group()
-        # Idle a second between keeps: a keep right after the takeover finds it idle far less
-        # (a machine would have to stall a second between the two calls to blur them).
         [entry] = await store.read_new("runner-1", 1, 100)
-        await asyncio.sleep(1.0)
-        assert await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)  # idle since delivered
-        await asyncio.sleep(1.0)
+        assert await store.keep("runner-1", entry)
+        assert await store.keep("runner-1", entry)  # at once: no idle time is asked
         taken = await store.reclaim("runner-2", 0, 1)  # a takeover, its reclaim just in
         assert [e.entry_id for e in taken] == [entry.entry_id]
-        assert not await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)
+        assert not await store.keep("runner-1", entry)
         pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pending] == [b"runner-2"]
+        assert [p["times_delivered"] for p in pending] == [2]  # keeps count no delivery
+    finally:
+        await store.client.aclose()
+
+
+class _LostReply:
+    """A store whose first keep reaches Redis but whose reply is lost (a socket timeout while
+    Redis is busy): the entry's idle time restarted, the runner told it failed."""
+
+    def __init__(self, store: JobStore) -> None:
+        self._store, self.num_keeps = store, 0
+
+    async def keep(self, consumer: str, entry: QueueEntry) -> bool:
+        self.num_keeps += 1
+        kept = await self._store.keep(consumer, entry)
+        if self.num_keeps == 1:
+            raise TimeoutError("reply lost")
+        return kept
+
+
+async def test_a_keep_whose_reply_was_lost_goes_on_keeping_the_chunk(
+    redis_server: RedisServer,
+) -> None:
+    """Before, a keep claimed the entry only if it had been idle since the last keep the
+    runner saw succeed: after a keep whose reply was lost, the next found it idle too short,
+    stopped keeping a chunk still running, and another runner took it over and ran it beside
+    this one (review finding)."""
+    store = JobStore(aioredis.Redis.from_url(redis_server.url))
+    try:
+        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
+        await store.submit(job, chunk_size=2)
+        await store.ensure_group()
+        [entry] = await store.read_new("runner-1", 1, 100)
+        lossy = _LostReply(store)
+        keeping = asyncio.create_task(keep_claimed(lossy, "runner-1", entry, 0.3))  # type: ignore[arg-type]
+        while lossy.num_keeps < 4:
+            await asyncio.sleep(0.05)
+            assert not keeping.done()
+        keeping.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await keeping
+        pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
+        assert [p["consumer"] for p in pending] == [b"runner-1"]
     finally:
         await store.client.aclose()
 
