@@ -684,7 +684,7 @@ async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
     it back, and both ran the chunk (review finding). A keep now claims the entry only while
     it is still the runner's: one of an entry taken over meanwhile is refused, and the entry
     stays the other runner's."""
-    store = JobStore(aioredis.Redis.from_url(redis_server.url))
+    store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))  # its ACL
     try:
         job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
         await store.submit(job, chunk_size=2)
@@ -724,7 +724,7 @@ async def test_a_keep_whose_reply_was_lost_goes_on_keeping_the_chunk(
     runner saw succeed: after a keep whose reply was lost, the next found it idle too short,
     stopped keeping a chunk still running, and another runner took it over and ran it beside
     this one (review finding)."""
-    store = JobStore(aioredis.Redis.from_url(redis_server.url))
+    store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))  # its ACL
     try:
         job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
         await store.submit(job, chunk_size=2)
