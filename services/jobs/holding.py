@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 
 from prometheus_client import Gauge
@@ -19,6 +20,9 @@ from services.common.lifecycle import stop_if_cancelled
 
 log = logging.getLogger(__name__)
 
+#: Under an ACL of before the keep's script (JobStore.keep): what a keep allows Redis's clock
+#: to have run slower than this process's since the last (NTP slews a clock by 0.05% at most).
+KEEP_SLACK_MS = 50
 #: Mean pause before a chunk's results, refused by Redis at its memory cap, are tried again.
 STORE_FULL_RETRY_S = 2.0
 
@@ -35,10 +39,14 @@ async def keep_claimed(
     it had been idle since the last keep this runner saw succeed: a keep whose reply was lost
     had restarted it, the next found it idle too short and stopped, and another runner ran
     the chunk beside this one (review finding)."""
+    kept_s = time.monotonic()  # after the entry was claimed or kept: its idle time is longer
     while True:
         await asyncio.sleep(claim_timeout_s / 3)
+        # What an ACL of before the keep's script is kept by (JobStore.keep).
+        min_idle_ms = int((time.monotonic() - kept_s) * 1000) - KEEP_SLACK_MS
         try:
-            is_kept = await store.keep(consumer, entry)
+            if is_kept := await store.keep(consumer, entry, min_idle_ms):
+                kept_s = time.monotonic()
         except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
             log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)
             is_kept = True

@@ -35,7 +35,7 @@ from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
 from services.gateway.tenants import TenantPolicy
 from services.jobs.chunk_calls import item_result
-from services.jobs.holding import keep_claimed
+from services.jobs.holding import KEEP_SLACK_MS, keep_claimed
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import jobs_pb2 as jobs
 from services.pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
@@ -690,14 +690,45 @@ async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
         await store.submit(job, chunk_size=2)
         await store.ensure_group()
         [entry] = await store.read_new("runner-1", 1, 100)
-        assert await store.keep("runner-1", entry)
-        assert await store.keep("runner-1", entry)  # at once: no idle time is asked
+        assert await store.keep("runner-1", entry, 1000)
+        assert await store.keep("runner-1", entry, 1000)  # at once: the idle time is not read
         taken = await store.reclaim("runner-2", 0, 1)  # a takeover, its reclaim just in
         assert [e.entry_id for e in taken] == [entry.entry_id]
-        assert not await store.keep("runner-1", entry)
+        assert not await store.keep("runner-1", entry, 0)
         pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
         assert [p["consumer"] for p in pending] == [b"runner-2"]
         assert [p["times_delivered"] for p in pending] == [2]  # keeps count no delivery
+    finally:
+        await store.client.aclose()
+
+
+async def test_a_keep_under_an_acl_of_before_its_script_claims_an_entry_idle_since_the_last(
+    redis_server: RedisServer,
+) -> None:
+    """Redis still runs the ACL of the release before (until ACL LOAD), which refuses the keep
+    script's XPENDING: a keep claims the entry if it has been idle the time asked (since the
+    runner's last keep), as that release did, so a chunk is still kept, and one taken over
+    since (idle less) is left to the other runner."""
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        await admin.execute_command("ACL", "SETUSER", JOBS, "-xpending")
+    finally:
+        await admin.aclose()
+    store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))
+    try:
+        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
+        await store.submit(job, chunk_size=2)
+        await store.ensure_group()
+        [entry] = await store.read_new("runner-1", 1, 100)
+        await asyncio.sleep(0.5)
+        assert await store.keep("runner-1", entry, 500 - KEEP_SLACK_MS)  # idle since delivered
+        await asyncio.sleep(0.5)
+        assert [e.entry_id for e in await store.reclaim("runner-2", 0, 1)] == [entry.entry_id]
+        assert not await store.keep("runner-1", entry, 500 - KEEP_SLACK_MS)
+        admin = aioredis.Redis.from_url(redis_server.url)  # the jobs user may not look
+        pending = await admin.xpending_range(store.queue_key, GROUP, "-", "+", 10)
+        await admin.aclose()
+        assert [p["consumer"] for p in pending] == [b"runner-2"]
     finally:
         await store.client.aclose()
 
@@ -709,9 +740,9 @@ class _LostReply:
     def __init__(self, store: JobStore) -> None:
         self._store, self.num_keeps = store, 0
 
-    async def keep(self, consumer: str, entry: QueueEntry) -> bool:
+    async def keep(self, consumer: str, entry: QueueEntry, min_idle_ms: int) -> bool:
         self.num_keeps += 1
-        kept = await self._store.keep(consumer, entry)
+        kept = await self._store.keep(consumer, entry, min_idle_ms)
         if self.num_keeps == 1:
             raise TimeoutError("reply lost")
         return kept
