@@ -676,6 +676,14 @@ async def test_another_runner_does_not_take_a_chunk_still_running_past_the_claim
     assert [fabric.target.runs[t] for t in texts] == [1] * 4
 
 
+async def _read_by_runner_1(store: JobStore) -> QueueEntry:
+    """The entry of a new job's one chunk, read by "runner-1"."""
+    await store.submit(NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0), chunk_size=2)
+    await store.ensure_group()
+    [entry] = await store.read_new("runner-1", 1, 100)
+    return entry
+
+
 async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
     redis_server: RedisServer,
 ) -> None:
@@ -686,10 +694,7 @@ async def test_a_keep_leaves_a_chunk_another_runner_took_over_with_it(
     stays the other runner's."""
     store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))  # its ACL
     try:
-        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
-        await store.submit(job, chunk_size=2)
-        await store.ensure_group()
-        [entry] = await store.read_new("runner-1", 1, 100)
+        entry = await _read_by_runner_1(store)
         assert await store.keep("runner-1", entry, 1000)
         assert await store.keep("runner-1", entry, 1000)  # at once: the idle time is not read
         taken = await store.reclaim("runner-2", 0, 1)  # a takeover, its reclaim just in
@@ -716,10 +721,7 @@ async def test_a_keep_under_an_acl_of_before_its_script_claims_an_entry_idle_sin
         await admin.aclose()
     store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))
     try:
-        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
-        await store.submit(job, chunk_size=2)
-        await store.ensure_group()
-        [entry] = await store.read_new("runner-1", 1, 100)
+        entry = await _read_by_runner_1(store)
         await asyncio.sleep(0.5)
         assert await store.keep("runner-1", entry, 500 - KEEP_SLACK_MS)  # idle since delivered
         await asyncio.sleep(0.5)
@@ -757,10 +759,7 @@ async def test_a_keep_whose_reply_was_lost_goes_on_keeping_the_chunk(
     this one (review finding)."""
     store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))  # its ACL
     try:
-        job = NewJob("a", "minilm", "", "batch", [b"x", b"y"], "", 0.0)
-        await store.submit(job, chunk_size=2)
-        await store.ensure_group()
-        [entry] = await store.read_new("runner-1", 1, 100)
+        entry = await _read_by_runner_1(store)
         lossy = _LostReply(store)
         keeping = asyncio.create_task(keep_claimed(lossy, "runner-1", entry, 0.3))  # type: ignore[arg-type]
         while lossy.num_keeps < 4:
