@@ -160,11 +160,17 @@ for _, consumer in ipairs(redis.call('XINFO', 'CONSUMERS', KEYS[1], ARGV[1])) do
 end
 return forgotten
 """
-# KEYS: the queue; ARGV: group, consumer, entry id. Restarts the entry's idle time (an XCLAIM
-# that does not count a delivery) only while it is pending with this consumer, in one step:
-# an entry another runner took over stays theirs. Returns 1 if kept, else 0.
+# KEYS: the queue; ARGV: group, consumer, entry id, idle milliseconds. Restarts the entry's idle
+# time (an XCLAIM that does not count a delivery) only while it is pending with this consumer,
+# in one step: an entry another runner took over stays theirs. A pcall: where Redis still runs
+# an ACL of before this script (until ACL LOAD), which refuses XPENDING, it claims the entry if
+# it has been idle the milliseconds given (since this consumer last kept it: one taken over
+# since is idle less), as the release before did. Returns 1 if kept, else 0.
 KEEP = """
-local pending = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1], ARGV[3], ARGV[3], 1)
+if pending['err'] then
+  return #redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], ARGV[4], ARGV[3], 'JUSTID')
+end
 if #pending == 0 or pending[1][2] ~= ARGV[2] then return 0 end
 redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'JUSTID')
 return 1

@@ -51,7 +51,6 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoPermissionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.job_policy import ItemStatus, chunk_ends, chunk_ranges
@@ -307,19 +306,10 @@ class JobStore:
         runner's `reclaim` takes it, while it is still `consumer`'s (KEEP): one another runner
         took over stays theirs. Returns whether it was kept (False: taken over, or no longer
         pending). Where Redis still runs an ACL of before KEEP (README: ACL LOAD on upgrades),
-        which refuses its XPENDING, the entry is claimed only if it has been idle `min_idle_ms`
-        (the time since this consumer last kept it: one taken over since is idle less), as
-        before."""
-        try:
-            args = [GROUP, consumer, entry.entry_id]
-            return bool(await self._keep(keys=[self.queue_key], args=args))
-        except aioredis.ResponseError as error:
-            if not _is_refused_by_acl(error):
-                raise
-        kept = await self.client.xclaim(
-            self.queue_key, GROUP, consumer, max(0, min_idle_ms), [entry.entry_id], justid=True
-        )
-        return bool(kept)
+        the entry is kept if it has been idle `min_idle_ms` (the time since this consumer last
+        kept it), as before."""
+        args: list[str | int] = [GROUP, consumer, entry.entry_id, max(0, min_idle_ms)]
+        return bool(await self._keep(keys=[self.queue_key], args=args))
 
     async def record(
         self, job: JobRecord, outcomes: Sequence[ItemOutcome], *, ack: QueueEntry | None = None
@@ -384,9 +374,3 @@ def _entry(entry_id: bytes, fields: dict[bytes, bytes]) -> QueueEntry:
         start=int(fields[b"start"]),
         end=int(fields[b"end"]),
     )
-
-
-def _is_refused_by_acl(error: aioredis.ResponseError) -> bool:
-    """Whether the ACL refused a command: NOPERM, or, from inside a script, its own words."""
-    text = str(error)
-    return isinstance(error, NoPermissionError) or "NOPERM" in text or "can't run this" in text

@@ -26,7 +26,8 @@ from services.gateway.tenants import TenantPolicy
 #: period of a demand shift.
 MIN_SHARE_OF_EQUAL = 0.1
 #: The longest retry hint a rate refusal gives while this gateway enforces a share of the
-#: tenant's limit below the whole (the shares are set again every sync round, 0.5 s).
+#: tenant's limit below the whole: the shares are set again every sync round (0.5 s). While
+#: Redis is lost, an equal share stands, and callers refused are told a second all the same.
 MAX_SHARED_WAIT_S = 1.0
 
 

@@ -38,7 +38,8 @@ async def keep_claimed(
     a reply lost) is tried again at the next third. Before, a keep claimed the entry only if
     it had been idle since the last keep this runner saw succeed: a keep whose reply was lost
     had restarted it, the next found it idle too short and stopped, and another runner ran
-    the chunk beside this one (review finding)."""
+    the chunk beside this one (review finding). That is still how a keep works, and fails,
+    while Redis runs an ACL of before the keep's script (until ACL LOAD)."""
     kept_s = time.monotonic()  # after the entry was claimed or kept: its idle time is longer
     while True:
         await asyncio.sleep(claim_timeout_s / 3)

@@ -762,14 +762,18 @@ async def test_a_keep_whose_reply_was_lost_goes_on_keeping_the_chunk(
         entry = await _read_by_runner_1(store)
         lossy = _LostReply(store)
         keeping = asyncio.create_task(keep_claimed(lossy, "runner-1", entry, 0.3))  # type: ignore[arg-type]
-        while lossy.num_keeps < 4:
-            await asyncio.sleep(0.05)
-            assert not keeping.done()
+        # Kept every 0.1 s for 2.5 s: never idle 2 s, so another runner's reclaim takes
+        # nothing (the old keep stopped at the second keep, and the entry was idle from then).
+        async with asyncio.timeout(10.0):
+            until_s = time.monotonic() + 2.5
+            while time.monotonic() < until_s:
+                await asyncio.sleep(0.05)
+                assert not keeping.done()
+                assert await store.reclaim("runner-2", 2_000, 1) == []
+        assert lossy.num_keeps >= 4
         keeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeping
-        pending = await store.client.xpending_range(store.queue_key, GROUP, "-", "+", 10)
-        assert [p["consumer"] for p in pending] == [b"runner-1"]
     finally:
         await store.client.aclose()
 

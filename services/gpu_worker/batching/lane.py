@@ -310,12 +310,13 @@ class Lane:
         version is failing (by `clock`), read when metrics are scraped: nothing on the per-row
         path keeps them up to date."""
         metrics.queue_depth.labels(*self.labels).set_function(lambda: self.batcher.num_queued)
-        metrics.queue_standing.labels(*self.labels).set_function(self._is_standing)
+        metrics.queue_standing.labels(*self.labels).set_function(lambda: self._stands(clock()))
         failing = metrics.model_failing.labels(*self.labels)
         failing.set_function(lambda: int(self.failures.is_failing(clock())))
 
-    def _is_standing(self) -> int:
-        return int(self.shedding.queue.is_standing and self.batcher.num_queued > 0)
+    def _stands(self, now_s: float) -> int:
+        """Whether the queue stands as shedding reads it (StandingQueue.stands_at), with rows."""
+        return int(self.shedding.queue.stands_at(now_s) and self.batcher.num_queued > 0)
 
     def answer(self, dispatch: Dispatch, results: Sequence[np.ndarray | Exception]) -> None:
         """Hands each row of a finished batch its output or its failure, and forgets the row

@@ -122,7 +122,7 @@ class GenerationBackend(ServedModel):
             failures=(failures := FailureStreak(FailingConfig(failing_steps_to_mark))),
         )
         # Standing while it holds something: an idle engine observes nothing, and its last
-        # observation may be a hold's (as the lanes' `_is_standing`). The function holds the
+        # observation may be a hold's (as the lanes' `_stands`). The function holds the
         # rule and the scheduler, never the backend: an unloaded version's tensors must be
         # freed (hot_swap.unload), and its series then goes (GenerationMetrics.forget).
         scheduler, clock = self.scheduler, self.engine.clock
