@@ -722,11 +722,11 @@ async def test_a_keep_under_an_acl_of_before_its_script_claims_an_entry_idle_sin
     store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))
     try:
         entry = await _read_by_runner_1(store)
-        await asyncio.sleep(0.5)
-        assert await store.keep("runner-1", entry, 500 - KEEP_SLACK_MS)  # idle since delivered
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(1.0)
+        assert await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)  # idle since delivered
+        await asyncio.sleep(1.0)
         assert [e.entry_id for e in await store.reclaim("runner-2", 0, 1)] == [entry.entry_id]
-        assert not await store.keep("runner-1", entry, 500 - KEEP_SLACK_MS)
+        assert not await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)
         admin = aioredis.Redis.from_url(redis_server.url)  # the jobs user may not look
         pending = await admin.xpending_range(store.queue_key, GROUP, "-", "+", 10)
         await admin.aclose()
