@@ -103,7 +103,7 @@ async def create_router(config: RouterConfig) -> Router:
     health_servicer = await add_health_and_reflection(
         server, (SERVICE_NAME, REGISTRY_HEALTH_NAME), status=SERVING
     )
-    on_degraded_change = await ready_after_first_read(health_servicer)
+    on_degraded_change = await ready_after_first_read(health_servicer, drain)
     credentials = role_credentials(ROUTER, config.redis_url, config.redis_password_file)
     sync = RegistrySync(
         connect(config.redis_url, credentials=credentials),
@@ -168,7 +168,7 @@ def add_worker_service(
 
 
 async def ready_after_first_read(
-    health_servicer: health.aio.HealthServicer,
+    health_servicer: health.aio.HealthServicer, drain: DrainGate
 ) -> Callable[[bool], Awaitable[None]]:
     """Turns the router NOT_SERVING until its first registry read; returns the registry
     sync's `on_degraded_change`.
@@ -176,7 +176,9 @@ async def ready_after_first_read(
     Not ready before the first read: an empty route table would refuse every call. Overall
     ("", liveness) stays SERVING; the registry's own name is NOT_SERVING until that read too
     (a router started while Redis is down has no registry), and after it, Redis outages flip
-    only the registry name, as routing goes on from the last snapshot."""
+    only the registry name, as routing goes on from the last snapshot. A router draining
+    (`drain`) before its first read stays NOT_SERVING: its health listener still answers
+    probes through the drain, and a first read then turned it ready (router review)."""
     await health_servicer.set(SERVICE_NAME, NOT_SERVING)
     await health_servicer.set(REGISTRY_HEALTH_NAME, NOT_SERVING)
     has_read = False
@@ -186,6 +188,7 @@ async def ready_after_first_read(
         await health_servicer.set(REGISTRY_HEALTH_NAME, NOT_SERVING if is_degraded else SERVING)
         if not is_degraded and not has_read:
             has_read = True
-            await health_servicer.set(SERVICE_NAME, SERVING)
+            if not drain.is_draining:
+                await health_servicer.set(SERVICE_NAME, SERVING)
 
     return on_degraded_change

@@ -9,13 +9,14 @@ from collections.abc import Awaitable, Callable
 import grpc
 import pytest
 import redis.asyncio as aioredis
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health, health_pb2
 
 from services.common.registry_schema import RegistryKeys, WorkerRecord
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from services.router.config import RouterConfig
-from services.router.server import SERVICE_NAME, create_router
+from services.router.drain import DrainGate
+from services.router.server import SERVICE_NAME, create_router, ready_after_first_read
 from tests.support.processes import health_status
 from tests.support.records import model_record
 from tests.support.redis import RedisServer
@@ -58,6 +59,24 @@ async def test_s33_ready_only_after_the_first_registry_read(redis_server: RedisS
             sync.cancel()
     finally:
         await router.stop()
+
+
+async def test_a_router_draining_before_its_first_read_stays_not_ready_after_it() -> None:
+    """SIGTERM before the first registry read (Redis down at the start), then Redis back
+    within the drain: the first read turned the draining router SERVING, on the health
+    listener that answers probes through the drain (router review)."""
+    servicer = health.aio.HealthServicer()
+    drain = DrainGate()
+    on_degraded_change = await ready_after_first_read(servicer, drain)
+    drain.start()
+    await on_degraded_change(False)
+
+    async def status(name: str) -> int:
+        check = health_pb2.HealthCheckRequest(service=name)
+        return (await servicer.Check(check, None)).status  # type: ignore[arg-type]
+
+    assert await status("fabric.registry") == SERVING  # read: the registry's own name says so
+    assert await status(SERVICE_NAME) == NOT_SERVING
 
 
 async def test_a_router_started_while_redis_was_down_takes_the_registry_it_finds_empty(
