@@ -237,8 +237,29 @@ class CanaryRollout:
         for as long as an outage lasts: tried once, an abort left the canary serving its
         share, judged by nobody, once Redis was back). False, logged, if the share could not
         be set back: the pool then stays (released, the traffic still sent to it would fail),
-        as does a routing another writer changed meanwhile (theirs now). False too if the
-        pool could not be released."""
+        as does a routing another writer changed meanwhile (theirs now), or one the
+        promotion was written to (its reply lost, then the abort). False too if the pool
+        could not be released.
+
+        Run whole: the rollout cancelled meanwhile (a signal, `cancel_once`) is cancelled
+        once its traffic is back. A signal during a rollback, or during an abort for another
+        cause, cancelled it half done, the canary left at its share (rollout review)."""
+        sending = asyncio.ensure_future(self._traffic_back(error))
+        cancelled: asyncio.CancelledError | None = None
+        while True:
+            try:
+                is_back = await asyncio.shield(sending)
+                break
+            except asyncio.CancelledError as cancel:
+                if sending.cancelled():
+                    raise
+                cancelled = cancel
+                log.warning("%s: stopping once the canary's traffic is back", self.model)
+        if cancelled is not None:
+            raise cancelled
+        return is_back
+
+    async def _traffic_back(self, error: BaseException | None) -> bool:
         if error is not None:
             log.error(
                 "%s: rollout aborted (%r); sending the canary's traffic back", self.model, error
@@ -286,6 +307,8 @@ class CanaryRollout:
         canary = self.canary_version
 
         def change(current: ModelRouting) -> ModelRouting:
+            if current.labels.get("stable") == canary:  # its promotion written, reply lost
+                raise RoutingChanged(f"{self.model}: version {canary} is stable already")
             labels = {**current.labels, "canary": canary}
             return ModelRouting(labels, canary_share(current.traffic, percent))
 

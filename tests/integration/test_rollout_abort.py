@@ -660,3 +660,94 @@ class ReleasedPool:
 
     async def release(self) -> None:
         self.released = True
+
+
+class Unwritable(RoutingStore):
+    """A real store whose changes fail (ConnectionError: Redis away) while `is_away`; the
+    first such failure sets `failed`."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.is_away = False
+        self.failed = asyncio.Event()
+
+    async def change(self, *args: Any, **kwargs: Any) -> ModelRouting:
+        if self.is_away:
+            self.failed.set()
+            raise redis.exceptions.ConnectionError("Redis away")
+        return await super().change(*args, **kwargs)
+
+
+async def test_a_signal_during_an_abort_already_under_way_lets_it_send_the_traffic_back(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """A step fails while Redis is away, and the abort tries again to set the canary's share
+    back; the first signal (SIGTERM, ^C) then cancelled that abort half done, the canary left
+    at its 50%, judged by nobody: `cancel_once` guards only an abort the signal itself began
+    (rollout review). The abort runs whole, and the rollout then stops cancelled."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = Unwritable(client, "fabric", load_repository(repository))
+        await store.change("affine", lambda _: STABLE)
+
+        async def away_then_fail(n: int) -> None:
+            if n == 2:  # the first step's check
+                store.is_away = True
+                raise ConnectionError("worker metrics endpoint gone")
+
+        pool = ReleasedPool()
+        rollout = dataclasses.replace(rollout_of(store, healthy_scrape(away_then_fail)), pool=pool)
+        running = asyncio.create_task(rollout.run())
+        await asyncio.wait_for(store.failed.wait(), timeout=10.0)
+        assert (await store.routing("affine")).traffic == {"stable": 50.0, "canary": 50.0}
+        cancel_once(running)("SIGTERM")
+        await asyncio.sleep(0.1)
+        store.is_away = False  # Redis back while the abort tries again
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(running, timeout=30.0)
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert routing.traffic == {"stable": 100.0, "canary": 0.0}
+    assert pool.released
+
+
+class PromotionReplyLost(ReplyLost):
+    """ReplyLost whose lost reply sets `lost`."""
+
+    def __init__(self, *args: Any, lose_at: int) -> None:
+        super().__init__(*args, lose_at=lose_at)
+        self.lost = asyncio.Event()
+
+    async def change(self, *args: Any, **kwargs: Any) -> ModelRouting:
+        try:
+            return await super().change(*args, **kwargs)
+        except redis.exceptions.ConnectionError:
+            self.lost.set()
+            raise
+
+
+async def test_a_signal_after_the_promotion_was_written_leaves_it_promoted_and_its_pool_up(
+    redis_server: RedisServer, repository: Path
+) -> None:
+    """The promotion written, its reply lost, and a signal while it is tried again: the abort
+    took the promoted record for its own last write (the same weights), wrote the canary's
+    share to 0 on it (`stable` and `canary` both the new version) and released the canary's
+    pool, the only one serving the new stable version (rollout review). The promoted record
+    and the pool are left as they are."""
+    client = connect(redis_server.url, timeout_s=5.0)
+    try:
+        store = PromotionReplyLost(client, "fabric", load_repository(repository), lose_at=4)
+        await store.change("affine", lambda _: STABLE)  # change 1; steps 2 and 3; promotion 4
+        pool = ReleasedPool()
+        rollout = dataclasses.replace(rollout_of(store, healthy_scrape(no_wait_then)), pool=pool)
+        running = asyncio.create_task(rollout.run())
+        await asyncio.wait_for(store.lost.wait(), timeout=10.0)
+        cancel_once(running)("SIGTERM")  # during the 0.5 s before it is tried again
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(running, timeout=30.0)
+        routing = await store.routing("affine")
+    finally:
+        await client.aclose()
+    assert (routing.labels, routing.traffic) == ({"stable": 2}, {"stable": 1.0})
+    assert not pool.released
