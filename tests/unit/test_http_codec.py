@@ -280,6 +280,30 @@ def test_completion_request_defaults_and_refusals() -> None:
 
 
 @pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ({"stream": "true"}, "stream must be a boolean"),
+        ({"stream": 1}, "stream must be a boolean"),
+        ({"stream": True, "stream_options": {"include_usage": 1}}, "include_usage must be"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]},
+         "text, a string"),
+        ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text, a string"),
+    ],
+)  # fmt: skip
+def test_a_field_of_the_wrong_type_is_refused_not_read_as_something_else(
+    field: dict[str, Any], message: str
+) -> None:
+    """`"stream": "true"` was read as false and answered whole; a text part's object was
+    sent to the model as its `str()` (HTTP surface review). Null stays the default."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}], **field}
+    with pytest.raises(InvalidInput, match=message):
+        chat_request(body, None)
+    parts = [{"role": "user", "content": [{"type": "text", "text": "q"}]}]
+    accepted = chat_request({"model": "m", "messages": parts, "stream": None}, None)
+    assert not accepted.is_streaming
+
+
+@pytest.mark.parametrize(
     "field",
     [
         {"logprobs": 1}, {"logprobs": True}, {"top_logprobs": 3}, {"echo": True},

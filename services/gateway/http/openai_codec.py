@@ -127,6 +127,13 @@ def _common(body: dict[str, Any], known: frozenset[str]) -> tuple[str, bool, boo
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise InvalidInput("stream_options must be an object")
+    # Read as false, "stream": "true" was answered whole, to a caller waiting for events.
+    for name, value in (
+        ("stream", body.get("stream")),
+        ("stream_options.include_usage", options.get("include_usage")),
+    ):
+        if value is not None and not isinstance(value, bool):
+            raise InvalidInput(f"{name} must be a boolean, got {value!r}")
     return model, body.get("stream") is True, options.get("include_usage") is True
 
 
@@ -153,7 +160,9 @@ def _content(message: Any) -> tuple[str, str]:
     if isinstance(content, list):  # content parts: only text ones are served
         if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             raise InvalidInput("only text content parts are supported")
-        content = "".join(str(p.get("text", "")) for p in content)
+        if not all(isinstance(p.get("text"), str) for p in content):  # not str() of an object
+            raise InvalidInput("each text content part needs its text, a string")
+        content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise InvalidInput("message content must be a string")
     return message["role"], content
