@@ -23,8 +23,11 @@ def test_a_preempted_sequence_recomputing_runs_again_and_a_new_prompt_fails() ->
     sent = {1, 3}
     again, failed = rerun_split([decode, prompt, recompute], lambda i: i.seq_id in sent)
     assert (again, failed) == ([decode, recompute], [prompt])
-    # Nothing sent anywhere: decodes still run again, prompts fail (the step's likelier cause).
-    assert rerun_split([decode, prompt], lambda i: False) == ([decode], [prompt])
+    # A new prompt's one token left after a prefix-cache hit reads as a decode (a position
+    # past 0, one token), but its sequence has sent nothing: it fails with the new prompts.
+    hit = item(4, 16, 1)
+    assert rerun_split([decode, hit], lambda i: i.seq_id in sent) == ([decode], [hit])
+    assert rerun_plan([decode, hit], lambda i: i.seq_id in sent) == ([hit], [[decode]])
 
 
 def test_the_rerun_plan_blames_new_prompts_then_recomputes_and_keeps_decodes_last() -> None:
@@ -42,6 +45,6 @@ def test_the_rerun_plan_blames_new_prompts_then_recomputes_and_keeps_decodes_las
     assert plan(decode, recompute) == ([recompute], [[decode]])
     assert plan(decode, prompt) == ([prompt], [[decode]])
     assert plan(recompute, prompt) == ([prompt], [[recompute]])
-    assert plan(decode, item(4, 9, 1)) is None  # decodes only
+    assert plan(decode, item(3, 9, 1)) is None  # decodes only
     assert plan(prompt, item(5, 0, 3)) is None  # new prompts only
     assert plan(recompute) is None

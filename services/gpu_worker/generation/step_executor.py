@@ -245,11 +245,13 @@ def rerun_plan(
 def rerun_split(
     items: Sequence[T_Item], has_sent: Callable[[T_Item], bool]
 ) -> tuple[list[T_Item], list[T_Item]]:
-    """A failed step's items as (run again, fail): decodes, and the chunks of sequences that
-    have sent tokens (a preempted one recomputing its prompt and tokens: its stream cannot be
-    replayed), run again; new prompts' chunks fail."""
+    """A failed step's items as (run again, fail): those of sequences that have sent tokens
+    run again (decodes, and a preempted sequence recomputing its prompt and tokens: its
+    stream cannot be replayed); new prompts' chunks fail, a chunk of one token after a
+    prefix-cache hit too, though it reads as a decode (taken for one, the step's new prompt
+    went unblamed and every sequence of it failed: review finding)."""
     again: list[T_Item] = []
     failed: list[T_Item] = []
     for item in items:
-        (again if is_decode(item) or has_sent(item) else failed).append(item)
+        (again if has_sent(item) else failed).append(item)
     return again, failed
