@@ -5,6 +5,7 @@ prepared, answered or failed."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -92,6 +93,8 @@ class Bundle:
     left: asyncio.Future[None] | None = None
     #: The task sending it, once it left: cancelled when every caller in it stopped waiting.
     task: asyncio.Task[None] | None = None
+    #: The context of the caller that opened it (its trace): the one its call is sent in.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 def closing() -> UpstreamError:

@@ -25,6 +25,7 @@ withdrawn downstream after (SliceCancels, relayed by the router to the worker).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -203,8 +204,10 @@ class Coalescer:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
-    def _spawn(self, coroutine: Coroutine[None, None, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(coroutine)
+    def _spawn(
+        self, coroutine: Coroutine[None, None, None], context: contextvars.Context | None = None
+    ) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(coroutine, context=context)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
@@ -298,7 +301,9 @@ class Coalescer:
             entry.index = index
         if bundle.slices:
             state.out += 1
-            task = bundle.task = self._spawn(self._send_bundle(bundle))
+            # In its opener's context, whoever made it leave: a caller whose rows overfilled
+            # it sent it under their own trace, which it does not carry (telemetry review).
+            task = bundle.task = self._spawn(self._send_bundle(bundle), bundle.context)
             task.add_done_callback(lambda _: self._bundle_done(bundle))
 
     async def _send_bundle(self, bundle: Bundle) -> None:

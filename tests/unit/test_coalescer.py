@@ -8,6 +8,7 @@ bookkeeping, which the integration and e2e tests exercise through real tiers.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -844,3 +845,27 @@ async def test_a_bundle_none_of_whose_callers_waits_is_cancelled_downstream() ->
         assert len(sent) == 1
     finally:
         await bundles.close()
+
+
+async def test_a_bundle_is_sent_in_its_openers_context_whoever_makes_it_leave() -> None:
+    """A opens a bundle, X joins it, and Z's rows overfill it: it leaves from Z's call.
+    Its call was sent in Z's context, so under Z's trace (`outgoing_metadata` reads the
+    current span), though it carries only A's and X's rows (telemetry review). It goes in
+    A's; Z's own bundle in Z's."""
+    caller: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="none")
+    downstream = Downstream()
+    sent_in: list[str] = []
+
+    async def recording(*args: Any) -> bytes:
+        sent_in.append(caller.get())
+        return await downstream.send(*args)
+
+    bundles = Coalescer(recording, GatewayMetrics(CollectorRegistry()), lambda: 0.0)
+
+    async def as_caller(name: str, values: list[np.ndarray]) -> list[np.ndarray]:
+        caller.set(name)
+        return await call(bundles, values, max_rows=8)
+
+    await asyncio.gather(*(as_caller(name, rows(1, 2, 3)) for name in ("A", "X", "Z")))
+    assert [[s.rows for s in b.slices] for b in downstream.bundles] == [[3, 3], [3]]
+    assert sent_in == ["A", "Z"]
