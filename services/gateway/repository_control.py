@@ -209,7 +209,7 @@ class RepositoryControl:
         serves them."""
         if state is ModelState.LOADED:
             await self._reread(model_name)
-        return await self._write_state(model_name, state)
+        return (await self._write_state(model_name, state))[0]
 
     async def _reread(self, model_name: str) -> RepositoryRead:
         """`read_repository`; INVALID_ARGUMENT when the repository, or `model_name` in it,
@@ -222,7 +222,10 @@ class RepositoryControl:
             raise InvalidInput(f"model {model_name!r} does not load: {read.failed[model_name]}")
         return read
 
-    async def _write_state(self, model_name: str, state: ModelState) -> DesiredState:
+    async def _write_state(
+        self, model_name: str, state: ModelState
+    ) -> tuple[DesiredState, DesiredState | None]:
+        """The model's desired state written, and the one it replaced (None: none)."""
         config = self._catalog.config(model_name)
         desired = await self.desired()
         entry = DesiredState(state, next_revision(desired, time.time()))
@@ -231,7 +234,7 @@ class RepositoryControl:
         except (RedisError, OSError) as error:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
         self._unloaded = unloaded_models({**desired, config.name: entry})
-        return entry
+        return entry, desired.get(config.name)
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:
         """Writes the model's LOADED state and waits, as Triton's load does, until live
@@ -246,11 +249,19 @@ class RepositoryControl:
         # until its successor serves (a swap), and waited for, it never would be (review
         # finding: the load answered UNAVAILABLE after its whole timeout).
         wanted = {version for model, version in read.on_disk if model == name}
-        written = await self._write_state(name, ModelState.LOADED)
+        written, before = await self._write_state(name, ModelState.LOADED)
+        # Unloaded before: a worker still draining that unload advertises the version until
+        # it is gone, and then loads it again. Counted served, it answered the load at once,
+        # and calls failed meanwhile (KServe review). Only versions served by a worker that
+        # applied this load count (or by workers that tell no revision: a build before).
+        revision = written.revision if before and before.state is ModelState.UNLOADED else 0
         deadline_s = time.monotonic() + timeout_s
         while True:
             self._catalog.config(name)  # NOT_FOUND once a re-read forgot it (files removed)
-            served = {v.model_version for v in self._catalog.served_versions(name)}
+            served = {
+                v.model_version for v in self._catalog.served_versions(name)
+                if not v.HasField("revision") or v.revision >= revision
+            }  # fmt: skip
             if wanted <= served:
                 return
             is_past = time.monotonic() >= deadline_s

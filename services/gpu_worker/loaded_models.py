@@ -112,6 +112,9 @@ class LoadedModels:
         #: Generation versions unloaded but still finishing their streams: a worker's stop
         #: drains them with the served ones, within its grace.
         self.unloading: set[GenerationBackend] = set()
+        #: Each model's desired-state revision whose loads and unloads are done (the
+        #: repository follower's); published per version (ModelRecord.revision).
+        self.applied_revisions: dict[str, int] = {}
         self._index(tuple(fixed_cost), tuple(generation))
 
     def _index(

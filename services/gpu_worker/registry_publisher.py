@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -137,8 +138,13 @@ class RegistryPublisher:
 
     def record(self) -> WorkerRecord:
         is_ready = not self._is_draining
+        applied = self._models.applied_revisions
         models = tuple(
-            m.model_record(is_ready=is_ready, batching=self._batching) for m in self._models.all
+            replace(
+                m.model_record(is_ready=is_ready, batching=self._batching),
+                revision=applied.get(m.config.name, 0),
+            )
+            for m in self._models.all
         )
         return WorkerRecord(
             worker_id=self._worker_id,

@@ -9,7 +9,7 @@ Triton, without scanning the disk every period."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
 
@@ -87,9 +87,12 @@ class RepositoryFollower:
         models: LoadedModels,
         swapper: ModelSwapper,
         start_state: Mapping[str, DesiredState] | None = None,
+        on_applied: Callable[[], None] = lambda: None,
     ) -> None:
         """`start_state`: the desired state the start-up load followed (None: it could not
-        be read; the first read's then), at whose revisions its failures count as attempts."""
+        be read; the first read's then), at whose revisions its failures count as attempts.
+        `on_applied`: called when the revisions applied whole change (the heartbeat tells
+        them, `LoadedModels.applied_revisions`)."""
         self._client = client
         self._key = repository_key(registry_prefix)
         self._repository_dir = repository_dir
@@ -101,6 +104,7 @@ class RepositoryFollower:
         self._revisions: dict[str, int] | None = None
         self._is_first = True
         self._start_state = start_state
+        self._on_applied = on_applied
         #: Versions that failed to load -> their model's revision then (retried once it grows).
         self._failed: dict[VersionKey, int] = {}
         #: What was last logged of each unreadable model, so a lasting fault is logged once.
@@ -165,6 +169,12 @@ class RepositoryFollower:
         for action in actions:
             stop_if_cancelled()
             await self._apply(action, desired, self._versions)
+        # Applied whole (the repository read whole at these revisions): a load of a model
+        # unloaded before waits for its revision here, not for a version still advertised
+        # while its unload drains.
+        if self._revisions == revisions and self._models.applied_revisions != revisions:
+            self._models.applied_revisions = revisions
+            self._on_applied()
 
     async def _apply(
         self,

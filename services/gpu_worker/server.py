@@ -297,6 +297,7 @@ class Worker:
             models=models,
             swapper=swapper,
             start_state=start_state,
+            on_applied=publisher.publish_soon,
         )
         self._follower = asyncio.get_running_loop().create_task(follower.run(), name="follower")
 

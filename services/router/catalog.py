@@ -35,6 +35,9 @@ class Catalog:
             ready = [m for w, m in served if m.is_ready and not w.is_draining]
             model = ready[0] if ready else served[0][1]
             is_ready = bool(ready)
+            # The highest a ready worker applied: one that did serves the version on (a
+            # worker of a build before reports none, -1).
+            revision = max((m.revision for m in ready if m.revision >= 0), default=None)
             versions.append(
                 pb.ModelVersionInfo(
                     model_name=model.name,
@@ -46,6 +49,7 @@ class Catalog:
                     slo_p99_ms=model.slo_p99_ms,
                     is_ready=is_ready,
                     totals=_totals(m for _, m in served),
+                    revision=revision,
                 )
             )
         failures = [

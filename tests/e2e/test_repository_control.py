@@ -19,6 +19,8 @@ import pytest
 from services.gateway.auth import hash_key
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import grpc_service_pb2_grpc as kserve_grpc
+from services.pb.inference.v1 import worker_pb2 as pb
+from services.pb.inference.v1 import worker_pb2_grpc as worker_grpc
 from tests.support.kserve import run_kserve_client
 from tests.support.models import write_affine_model, write_versioned_affine_model
 from tests.support.stack import Stack, start_stack
@@ -73,16 +75,19 @@ async def is_ready(stack: Stack, model: str = "affine") -> bool:
     return reply.ready
 
 
-async def infer(stack: Stack) -> kserve.ModelInferResponse:
+def infer_request() -> kserve.ModelInferRequest:
     tensor = kserve.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
-    request = kserve.ModelInferRequest(
+    return kserve.ModelInferRequest(
         model_name="affine",
         inputs=[tensor],
         raw_input_contents=[np.array([[1, 2, 3, 4]], dtype=np.float32).tobytes()],
     )
+
+
+async def infer(stack: Stack) -> kserve.ModelInferResponse:
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-        return await stub.ModelInfer(request, metadata=auth(USER_KEY), timeout=30)
+        return await stub.ModelInfer(infer_request(), metadata=auth(USER_KEY), timeout=30)
 
 
 def test_a_key_that_is_not_admin_is_refused(stack: Stack) -> None:
@@ -113,6 +118,38 @@ async def test_unload_then_load_through_the_stock_client(stack: Stack) -> None:
     await eventually(lambda: is_ready(stack), timeout_s=CONVERGE_S, message="affine not ready")
     reply = await infer(stack)
     assert reply.model_name == "affine" and reply.model_version == "1"
+
+
+async def worker_serves(stack: Stack, model: str = "affine") -> bool:
+    """Whether the worker itself lists `model` (the fleet view follows a while later)."""
+    async with grpc.aio.insecure_channel(stack.workers[0].address) as channel:
+        listing = await worker_grpc.WorkerServiceStub(channel).ListModels(
+            pb.ListWorkerModelsRequest(), timeout=10
+        )
+    return any(v.model_name == model for v in listing.versions)
+
+
+async def test_a_reload_answers_once_the_model_serves_again(stack: Stack) -> None:
+    """Unload, then load as soon as the worker has dropped the model: the fleet view still
+    listed it, a heartbeat and two refreshes behind, so the load answered OK at once, and the
+    calls that followed failed until the worker loaded it again (KServe review). The load now
+    answers once a worker applied it, and a call right after it is served."""
+    assert await is_ready(stack)
+    async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
+        stub = kserve_grpc.GRPCInferenceServiceStub(channel)
+        await stub.RepositoryModelUnload(
+            kserve.RepositoryModelUnloadRequest(model_name="affine"),
+            metadata=auth(ADMIN_KEY), timeout=30,
+        )  # fmt: skip
+        await eventually(
+            lambda: _not(worker_serves(stack)), timeout_s=CONVERGE_S, message="still served"
+        )
+        await stub.RepositoryModelLoad(
+            kserve.RepositoryModelLoadRequest(model_name="affine"),
+            metadata=auth(ADMIN_KEY), timeout=30,
+        )  # fmt: skip
+        reply = await stub.ModelInfer(infer_request(), metadata=auth(USER_KEY), timeout=10)
+    assert reply.model_name == "affine"
 
 
 def post(stack: Stack, path: str, key: str, body: bytes = b"") -> tuple[int, object]:

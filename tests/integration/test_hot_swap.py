@@ -146,6 +146,14 @@ async def test_unload_drains_in_flight_calls_then_load_serves_again(
         again = await stub.Infer(request("stall"), timeout=10)
         # Listed first, then published (the heartbeat's next turn, woken by the load).
         await eventually(lambda: _registered(redis_server, key), message="registered again")
+        # With the revision it applied: a gateway's load waits for it (repository_control).
+        await eventually(
+            lambda: _applied(redis_server, "stall", 2), message="the load's revision told"
+        )
+        record = await registered(redis_server)
+        assert record is not None and {m.name: m.revision for m in record.models} == {
+            "affine": 0, "other": 0, "stall": 2  # no desired state: none to apply
+        }  # fmt: skip
     assert is_still_running, "the calls were in flight when the version was unloaded"
     assert refused.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE)
     assert [a.model_name for a in answers] == ["stall"] * 4
@@ -555,6 +563,14 @@ async def _unregistered(redis_server: RedisServer, key: tuple[str, str]) -> bool
 
 async def _registered(redis_server: RedisServer, key: tuple[str, str]) -> bool:
     return key in await registered_models(redis_server)
+
+
+async def _applied(redis_server: RedisServer, model: str, revision: int) -> bool:
+    """Whether the worker's record tells `model` served at `revision` applied."""
+    record = await registered(redis_server)
+    return record is not None and any(
+        m.name == model and m.revision == revision for m in record.models
+    )
 
 
 #: Gauges of what a generation version's engine holds, gone with the version.

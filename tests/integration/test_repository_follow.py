@@ -18,6 +18,7 @@ from services.common.registry_schema import connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
 from services.gateway.catalog import ModelCatalog
 from services.gateway.repository_control import FOLLOW_PERIOD_S, RepositoryControl
+from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.models import write_affine_model
 from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
@@ -158,5 +159,47 @@ async def test_a_model_unread_at_start_is_read_by_the_follow_once_its_copy_compl
         assert not catalog.has_version("staged", "1")
         write_affine_model(repository, "staged")
         await eventually(lambda: catalog.has_version("staged", "1"), timeout_s=30.0)
+    finally:
+        await control.close()
+
+
+def served(*revisions: int | None) -> list[pb.ModelVersionInfo]:
+    """The fleet view of `affine` version 1 served, with the revision its workers applied
+    (None: a router or workers of a build before tell none)."""
+    return [
+        pb.ModelVersionInfo(model_name="affine", model_version="1", is_ready=True, revision=r)
+        for r in revisions
+    ]
+
+
+async def test_a_load_after_an_unload_waits_for_a_worker_that_applied_it(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """An unload, then a load at once (a reload): the fleet view still showed the version
+    served by a worker that was unloading it (it takes a follow, a heartbeat and two refreshes
+    to leave the view), so the load answered OK at once, and calls failed while the worker
+    then unloaded the version and loaded it again (KServe review). The load now waits for a
+    worker that applied its revision; one of a build before, which tells none, still counts."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    catalog = ModelCatalog(load_repository(repository))
+    control = control_of(catalog, repository, redis_server)
+    try:
+        unloaded = await control.set_state("affine", ModelState.UNLOADED)
+        catalog.update_served(served(unloaded.revision))  # still advertised, being unloaded
+        loading = asyncio.create_task(control.load("affine", timeout_s=30.0))
+        await asyncio.sleep(0.5)  # a few of the load's looks at the fleet view
+        assert not loading.done()
+        (entry,) = (await control.desired()).values()
+        assert entry.state is ModelState.LOADED and entry.revision > unloaded.revision
+        catalog.update_served(served(entry.revision))  # a worker applied the load
+        await asyncio.wait_for(loading, timeout=5.0)
+
+        await control.set_state("affine", ModelState.UNLOADED)
+        catalog.update_served(served(None))  # a worker of a build before: as before
+        await asyncio.wait_for(control.load("affine", timeout_s=30.0), timeout=5.0)
+        # Loaded before, not unloaded: served versions count whatever revision they tell.
+        catalog.update_served(served(0))
+        await asyncio.wait_for(control.load("affine", timeout_s=30.0), timeout=5.0)
     finally:
         await control.close()

@@ -4,7 +4,7 @@ JSON, and what it refuses as malformed (and skips, logged: registry_reader)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -20,6 +20,22 @@ def test_a_record_round_trips_through_its_json() -> None:
     record = make_worker(queued_rows=3, per_row_s=0.002)
     record = WorkerRecord(**{**record.__dict__, "failed": (FailedVersion("m", "2", "boom", 7),)})
     assert WorkerRecord.from_json(record.to_json()) == record
+
+
+def test_a_models_applied_revision_round_trips_and_reads_as_minus_1_from_a_build_before() -> None:
+    """`revision`: the model's desired-state revision the worker applied whole (0: none yet);
+    a record written by a worker of a build before has none, read as -1, which routers tell no
+    gateway (router catalog)."""
+    record = make_worker()
+    applied = WorkerRecord(
+        **{**record.__dict__, "models": tuple(replace(m, revision=7) for m in record.models)}
+    )
+    (model,) = WorkerRecord.from_json(applied.to_json()).models
+    assert model.revision == 7
+    raw = json.loads(applied.to_json())
+    del raw["models"][0]["revision"]
+    (model,) = WorkerRecord.from_json(json.dumps(raw)).models
+    assert model.revision == -1
 
 
 def test_a_failure_from_a_record_before_revisions_reads_as_revision_0() -> None:

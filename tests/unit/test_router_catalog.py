@@ -66,3 +66,18 @@ async def test_a_versions_fingerprints_are_a_serving_workers() -> None:
     # None serving: the version is told, not ready, with the first's facts.
     (version,) = await listed(worker("w0", draining=True, **old))
     assert (version.fingerprint, version.is_ready) == ("old", False)
+
+
+async def test_a_versions_revision_is_the_highest_a_ready_worker_applied_or_none() -> None:
+    """A load of a model unloaded before waits for a worker that applied it
+    (repository_control.load): the router tells the highest revision a ready worker serving
+    the version applied; none where only workers of a build before (-1) serve it."""
+    (info,) = await listed(
+        worker("w0", revision=41), worker("w1", revision=45),
+        worker("w2", revision=99, is_ready=False), worker("w3", revision=98, draining=True),
+    )  # fmt: skip
+    assert info.HasField("revision") and info.revision == 45
+    (info,) = await listed(worker("w0"), worker("w1", revision=-1))  # records without one
+    assert not info.HasField("revision")
+    (info,) = await listed(worker("w0", revision=0), worker("w1"))
+    assert info.HasField("revision") and info.revision == 0
