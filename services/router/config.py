@@ -10,6 +10,7 @@ from pathlib import Path
 from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import MAX_MESSAGE_BYTES, check_internal_limits, limit_settings
 from services.common.logs import LogConfig
+from services.common.redis_acl import check_password_file
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -76,6 +77,7 @@ class RouterConfig:
     worker_tls: ClientTls = field(default_factory=ClientTls)
 
     def __post_init__(self) -> None:
+        check_password_file(self.redis_password_file)
         check_internal_limits(self.max_message_bytes, self.max_concurrent_rpcs)
         check_distinct_ports(
             grpc_port=self.grpc_port,
@@ -91,6 +93,13 @@ class RouterConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
+        # A snapshot ages up to a period (and a read) before the next: a bound within two
+        # refused every call for part of each period (settings review).
+        if self.routing.max_snapshot_age_s < 2 * self.refresh_period_s:
+            raise ValueError(
+                f"max_snapshot_age_s ({self.routing.max_snapshot_age_s} s) must be at least two "
+                f"registry refresh periods ({self.refresh_period_s} s)"
+            )
 
 
 SETTINGS = SettingsTable(

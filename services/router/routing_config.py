@@ -59,6 +59,10 @@ class RoutingConfig:
         if not all(0 <= d < math.inf for d in (*durations, self.deadline_margin_s)):
             # Not `min(...) < 0`: NaN first in line passes it.
             raise ValueError("routing durations and margin must be finite and >= 0 seconds")
+        # At 0 every worker is dead, and every snapshot too old: every call refused NO_WORKER
+        # by a router that starts and looks well (settings review).
+        if not (self.stale_after_s > 0 and self.max_snapshot_age_s > 0):
+            raise ValueError("stale_after_s and max_snapshot_age_s must be > 0 seconds")
         if not 0.0 <= self.explore_share <= 1.0:
             raise ValueError("explore_share must be in [0, 1]")
         if self.power_of_two_threshold < 1:

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common.registry_schema import WorkerRecord
+from services.router.config import RouterConfig
 from services.router.metrics import RouterMetrics
 from services.router.routing import (
     Reject,
@@ -530,6 +531,14 @@ def test_config_rejects_nonsense() -> None:
         RoutingConfig(eject_s=-1.0)
     with pytest.raises(ValueError):
         RoutingConfig(power_of_two_threshold=0)
+    # Accepted, each refused every call: every worker dead, every snapshot too old.
+    with pytest.raises(ValueError, match="stale_after_s"):
+        RoutingConfig(stale_after_s=0.0)
+    with pytest.raises(ValueError, match="max_snapshot_age_s"):
+        RoutingConfig(max_snapshot_age_s=0.0)
+    with pytest.raises(ValueError, match="two registry refresh periods"):
+        RouterConfig(redis_url="redis://x", routing=RoutingConfig(max_snapshot_age_s=0.3))
+    RouterConfig(redis_url="redis://x", routing=RoutingConfig(max_snapshot_age_s=1.0))
 
 
 # Retry budget
