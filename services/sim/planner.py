@@ -244,12 +244,7 @@ def _mean_rate(scenario: Scenario, model: str | None = None) -> float:
         count = sum(1 for a in _in_window(scenario) if model is None or a.model == model)
         return count / scenario.duration_s
     streams = [s for s in traffic.streams if model is None or s.model == model]
-    steps = 200
-    width_s = scenario.duration_s / steps
-    return (
-        sum(sum(traffic.rate_per_s((i + 0.5) * width_s, s) for s in streams) for i in range(steps))
-        / steps
-    )
+    return sum(traffic.mean_rate_per_s(s, scenario.duration_s) for s in streams)
 
 
 def _trial(scenario: Scenario, workers: int, percentile: float) -> tuple[Trial, dict[str, Any]]:

@@ -242,3 +242,15 @@ def test_a_plan_warns_of_batches_its_curve_never_measured() -> None:
     )  # fmt: skip
     text = format_plan(unplanned, percentile=99, headroom=0.2, slo_ms=250)
     assert "warning: minilm bucket 16: batches of up to 256 rows, measured up to 64" in text
+
+
+def test_the_closed_form_counts_a_burst_for_its_length_wherever_it_falls() -> None:
+    """The mean rate sampled 200 midpoints, 3 s apart over 600 s: a burst from 5 s to 6 s fell
+    between two and was left out; one from 4 s to 5 s counted as 3 s (simulator review)."""
+    for start_s in (4.0, 5.0):
+        burst = {"start_s": start_s, "duration_s": 1.0, "multiplier": 10.0}
+        scenario = make_scenario(
+            duration_s=600, traffic={"streams": [{"rate_per_s": 2000}], "bursts": [burst]}
+        )
+        (load,) = closed_form(scenario, headroom=0.0).models
+        assert load.offered_per_s == pytest.approx(2000 * (599 + 10) / 600)

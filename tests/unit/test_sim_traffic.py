@@ -103,3 +103,21 @@ def test_a_written_trace_reads_back_and_replays_as_recorded(tmp_path: Path) -> N
     ]
     replayed = list(Traffic(trace=trace).arrivals(seed=99, until_s=1.0))
     assert replayed == [a for a in trace if a.at_s < 1.0]
+
+
+def test_the_mean_rate_counts_each_burst_for_exactly_its_length() -> None:
+    """The planner's mean rate sampled 200 midpoints: over 600 s, a burst from 5 s to 6 s at
+    10x fell between two of them and was left out, and one from 4 s to 5 s counted as 3 s
+    (simulator review). Bursts count for their length, and the diurnal curve, clipped at 0,
+    integrates to its mean."""
+    stream = Stream("m", 10.0)
+    exact = 10.0 * (599.0 + 10.0) / 600.0
+    for start_s in (4.0, 5.0, 5.3):
+        traffic = Traffic(streams=(stream,), bursts=(Burst(start_s, 1.0, 10.0),))
+        assert traffic.mean_rate_per_s(stream, 600.0) == pytest.approx(exact, rel=1e-9)
+    # A burst past the end counts for the part within it; another tenant's not at all.
+    traffic = Traffic(streams=(stream,), bursts=(Burst(590.0, 20.0, 3.0), Burst(0, 600, 9, "b")))
+    assert traffic.mean_rate_per_s(stream, 600.0) == pytest.approx(10.0 * (590 + 30) / 600)
+    clipped = Traffic(streams=(stream,), diurnal=Diurnal(amplitude=2.0, period_s=600.0))
+    mean_factor = (4 * math.pi / 3 + 2 * math.sqrt(3)) / (2 * math.pi)  # 1 + 2 cos, above 0
+    assert clipped.mean_rate_per_s(stream, 600.0) == pytest.approx(10.0 * mean_factor, rel=1e-3)
