@@ -161,7 +161,8 @@ SETTINGS = SettingsTable(
             "max_snapshot_age_s",
             float,
             RoutingConfig.max_snapshot_age_s,
-            "past this without a registry refresh (Redis unreachable), every request is refused",
+            "past this without a registry refresh (Redis unreachable), every request is "
+            "refused; at least two --refresh-period-s",
             "s",
             field="routing.max_snapshot_age_s",
         ),
