@@ -149,22 +149,11 @@ def write_acl_files(
 
 
 def read_password(path: Path) -> str:
-    """The password in `path`, without surrounding whitespace. Raises ValueError when empty
-    (OSError when unreadable: on a new connection, as Redis's own errors are handled)."""
+    """The password in `path`, without surrounding whitespace. Raises ValueError when empty."""
     password = path.read_text().strip()
     if not password:
         raise ValueError(f"{path}: empty Redis password file")
     return password
-
-
-def check_password_file(path: Path | None) -> None:
-    """A tier's setting checked at start, with the others (exit 2, its message, where a file
-    missing raised a traceback once the tier began to connect: settings review)."""
-    if path is not None:
-        try:
-            read_password(path)
-        except OSError as error:
-            raise ValueError(f"{path}: Redis password file not readable: {error}") from None
 
 
 @dataclass

@@ -50,7 +50,7 @@ from redis.exceptions import RedisError
 
 from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import cancel_and_wait, sleep_unless_stopped, stop_if_cancelled
-from services.common.redis_acl import GATEWAY, check_password_file, role_credentials
+from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
 from services.gateway.admission import TenantAdmission
 from services.gateway.quotas import fleet_shares
@@ -78,7 +78,6 @@ class QuotaSyncConfig:
     forget_after_periods: int = 40
 
     def __post_init__(self) -> None:
-        check_password_file(self.redis_password_file)
         periods = (self.period_s, self.stale_after_periods, self.forget_after_periods)
         if not all(period > 0 for period in periods):
             # A period of 0: demand divided by it, every round's error logged in a tight loop.

@@ -14,7 +14,6 @@ from typing import Any
 from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import MAX_MESSAGE_BYTES, check_internal_limits, limit_settings
 from services.common.logs import LogConfig
-from services.common.redis_acl import check_password_file
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -114,7 +113,6 @@ class WorkerConfig:
     tls: ServerTls = field(default_factory=ServerTls)
 
     def __post_init__(self) -> None:
-        check_password_file(self.redis_password_file)
         if not 0 <= self.front_processes <= MAX_FRONT_PROCESSES:
             raise ValueError(
                 f"front_processes must be in [0, {MAX_FRONT_PROCESSES}], got {self.front_processes}"

@@ -9,7 +9,6 @@ from pathlib import Path
 from services.common.job_policy import FLEET_PATIENCE_S, RetryPolicy
 from services.common.job_store import RETENTION_S
 from services.common.logs import LogConfig
-from services.common.redis_acl import check_password_file
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -63,7 +62,6 @@ class RunnerConfig:
     logging: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        check_password_file(self.redis_password_file)
         if self.max_in_flight_chunks < 1 or self.claim_timeout_s <= 0 or self.call_timeout_s <= 0:
             raise ValueError("max_in_flight_chunks, claim_timeout_s and call_timeout_s must be > 0")
         if not 0 <= self.retention_s < float("inf"):

@@ -10,7 +10,6 @@ from pathlib import Path
 from services.common.event_loop import EVENT_LOOPS
 from services.common.lifecycle import MAX_MESSAGE_BYTES, check_internal_limits, limit_settings
 from services.common.logs import LogConfig
-from services.common.redis_acl import check_password_file
 from services.common.settings import (
     ConfigParser,
     Setting,
@@ -77,7 +76,6 @@ class RouterConfig:
     worker_tls: ClientTls = field(default_factory=ClientTls)
 
     def __post_init__(self) -> None:
-        check_password_file(self.redis_password_file)
         check_internal_limits(self.max_message_bytes, self.max_concurrent_rpcs)
         check_distinct_ports(
             grpc_port=self.grpc_port,

@@ -143,25 +143,6 @@ def test_a_drain_grace_that_is_no_duration_exits_2_before_anything_starts(
     assert "--drain-grace-s" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", [*TIER_TABLES, jobs_config], ids=lambda m: m.SETTINGS.env_prefix)
-@pytest.mark.parametrize("contents", [None, "  \n"], ids=["missing", "empty"])
-def test_a_redis_password_file_missing_or_empty_exits_2_naming_it(
-    module: Any, contents: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """Before, the setting parsed, and the tier died with a traceback once it began to connect
-    (settings review)."""
-    password_file = tmp_path / "redis-password"
-    if contents is not None:
-        password_file.write_text(contents)
-    table: SettingsTable = module.SETTINGS
-    argv = ["--allow-unauthenticated"] if table.env_prefix == "GATEWAY" else []
-    argv += ["--redis-url", "redis://127.0.0.1:1", "--redis-password-file", str(password_file)]
-    with pytest.raises(SystemExit) as exit_info:
-        read_config(table, module.config_from_settings, argv, {})
-    assert exit_info.value.code == 2
-    assert str(password_file) in capsys.readouterr().err
-
-
 @pytest.mark.parametrize(
     ("flag", "value", "named"),
     [
