@@ -169,11 +169,15 @@ class RepositoryFollower:
         for action in actions:
             stop_if_cancelled()
             await self._apply(action, desired, self._versions)
-        # Applied whole (the repository read whole at these revisions): a load of a model
-        # unloaded before waits for its revision here, not for a version still advertised
-        # while its unload drains.
-        if self._revisions == revisions and self._models.applied_revisions != revisions:
-            self._models.applied_revisions = revisions
+        # Applied: a load of a model unloaded before waits for its revision here, not for a
+        # version still advertised while its unload drains. A model that did not read keeps
+        # what it applied last; the others' go on (one model half copied froze them all, and
+        # their reloads waited out their timeouts: diff review).
+        before, unread = self._models.applied_revisions, self._unreadable
+        applied = {m: r for m, r in revisions.items() if m not in unread}
+        applied.update((m, r) for m, r in before.items() if m in unread)
+        if applied != before:
+            self._models.applied_revisions = applied
             self._on_applied()
 
     async def _apply(

@@ -366,6 +366,9 @@ async def test_a_model_being_staged_neither_stops_the_follower_nor_hides_the_res
     async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
         stub = pb_grpc.WorkerServiceStub(channel)
         await eventually(lambda: _has(stub, ("affine", "2")), timeout_s=CONVERGE_S)
+        # Its load applied and told, though another model does not read: a gateway's reload
+        # of it waited out its timeout while any model was half copied (diff review).
+        await eventually(lambda: _applied(redis_server, "affine", 1), timeout_s=CONVERGE_S)
         complete = write_affine_model(tmp_path / "staging", name="staged")
         config_text = (complete / "config.toml").read_text()
         (staged / "config.toml").write_text(config_text + "length_buckets = 5\n")
