@@ -74,6 +74,8 @@ class CallerSlice:
     is_resent: bool = False
     #: Called once if its caller stops waiting (deadline, cancellation) before it is sent.
     on_unsent: Callable[[], None] | None = None
+    #: The caller's context (its trace): a bundle is sent in its first slice's.
+    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 @dataclass
@@ -93,8 +95,6 @@ class Bundle:
     left: asyncio.Future[None] | None = None
     #: The task sending it, once it left: cancelled when every caller in it stopped waiting.
     task: asyncio.Task[None] | None = None
-    #: The context of the caller that opened it (its trace): the one its call is sent in.
-    context: contextvars.Context = field(default_factory=contextvars.copy_context)
 
 
 def closing() -> UpstreamError:

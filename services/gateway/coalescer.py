@@ -301,9 +301,12 @@ class Coalescer:
             entry.index = index
         if bundle.slices:
             state.out += 1
-            # In its opener's context, whoever made it leave: a caller whose rows overfilled
-            # it sent it under their own trace, which it does not carry (telemetry review).
-            task = bundle.task = self._spawn(self._send_bundle(bundle), bundle.context)
+            # In its first caller's context, whoever made it leave: a caller whose rows
+            # overfilled it sent it under their own trace, which it did not carry (telemetry
+            # review). A copy: a slice sent again is sent in the same caller's context, which
+            # the task that sent it first may still have entered.
+            context = bundle.slices[0].context.copy()
+            task = bundle.task = self._spawn(self._send_bundle(bundle), context)
             task.add_done_callback(lambda _: self._bundle_done(bundle))
 
     async def _send_bundle(self, bundle: Bundle) -> None:

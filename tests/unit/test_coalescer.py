@@ -847,7 +847,7 @@ async def test_a_bundle_none_of_whose_callers_waits_is_cancelled_downstream() ->
         await bundles.close()
 
 
-async def test_a_bundle_is_sent_in_its_openers_context_whoever_makes_it_leave() -> None:
+async def test_a_bundle_is_sent_in_its_first_callers_context_whoever_makes_it_leave() -> None:
     """A opens a bundle, X joins it, and Z's rows overfill it: it leaves from Z's call.
     Its call was sent in Z's context, so under Z's trace (`outgoing_metadata` reads the
     current span), though it carries only A's and X's rows (telemetry review). It goes in
@@ -869,3 +869,11 @@ async def test_a_bundle_is_sent_in_its_openers_context_whoever_makes_it_leave() 
     await asyncio.gather(*(as_caller(name, rows(1, 2, 3)) for name in ("A", "X", "Z")))
     assert [[s.rows for s in b.slices] for b in downstream.bundles] == [[3, 3], [3]]
     assert sent_in == ["A", "Z"]
+    # X's slice refused unstarted beside A's served: sent again alone, in X's context, not
+    # in A's, whose task sends it (diff review).
+    downstream.bundles.clear()
+    sent_in.clear()
+    downstream.unstarted = [{1}]
+    await asyncio.gather(*(as_caller(name, rows(1, 2)) for name in ("A", "X")))
+    assert [[s.rows for s in b.slices] for b in downstream.bundles] == [[2, 2], [2]]
+    assert sent_in == ["A", "X"]
