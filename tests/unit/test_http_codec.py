@@ -23,6 +23,7 @@ from services.common.errors import (
 from services.gateway.http.codec import (
     HEADER_LENGTH,
     bytes_elements,
+    header_request_id,
     infer_body,
     infer_response_body,
     output_data,
@@ -408,3 +409,14 @@ def test_openai_sampling_edges_are_read_as_openai_means_them() -> None:
         2**64 - 1
     )
     assert completion_request({"model": "m", "prompt": "p", "seed": 7}).sampling["seed"] == 7
+
+
+def test_a_callers_request_id_header_is_taken_only_when_short_printable_ascii() -> None:
+    """The OpenAI and embeddings routes call with the caller's X-Request-Id (before, none:
+    the id the answer echoed never reached the call, its logs or its sticky version)."""
+    assert header_request_id({"X-Request-Id": "req-42"}) == "req-42"
+    assert header_request_id({}) == ""
+    assert header_request_id({"X-Request-Id": "x" * 257}) == ""
+    assert header_request_id({"X-Request-Id": "x" * 256}) == "x" * 256
+    assert header_request_id({"X-Request-Id": "caf\u00e9"}) == ""
+    assert header_request_id({"X-Request-Id": "a\nb"}) == ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ParamSpec, TypeVar
 
@@ -227,6 +227,20 @@ def check_tensor_count(count: int, what: str) -> None:
     """Refuses a request naming more than MAX_TENSORS `what` ("inputs" or "outputs")."""
     if count > MAX_TENSORS:
         raise InvalidInput(f"{count} {what}: a request names at most {MAX_TENSORS}")
+
+
+def header_request_id(headers: Mapping[str, str]) -> str:
+    """The caller's `X-Request-Id` ("" without one, or with one past MAX_REQUEST_ID_CHARS or
+    not printable ASCII): echoed on the answer, and the call's request id where its body has
+    none (the OpenAI and embeddings routes), which logs, traces and sticky routing follow."""
+    request_id = headers.get("X-Request-Id", "")
+    if (
+        len(request_id) <= MAX_REQUEST_ID_CHARS
+        and request_id.isascii()
+        and (request_id.isprintable())
+    ):
+        return request_id
+    return ""
 
 
 def request_id_of(body: dict[str, Any]) -> str:

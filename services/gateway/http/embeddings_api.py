@@ -12,7 +12,7 @@ from aiohttp import web
 from services.common.errors import InvalidInput
 from services.common.model_repository import ModelConfig, ModelKind
 from services.gateway.auth import current_principal
-from services.gateway.http.codec import finite_json, parse_json_object
+from services.gateway.http.codec import finite_json, header_request_id, parse_json_object
 from services.gateway.http.embeddings_codec import (
     EmbeddingRequest,
     openai_embedding_request,
@@ -76,9 +76,10 @@ class EmbeddingsApi:
         return self._embedding_config(name)
 
     async def _embed(
-        self, parsed: EmbeddingRequest, config: ModelConfig
+        self, parsed: EmbeddingRequest, config: ModelConfig, request_id: str
     ) -> tuple[np.ndarray, PredictResult]:
-        """Runs `parsed` as one Predict call; the vectors shaped as it asked."""
+        """Runs `parsed` as one Predict call (`request_id`: the caller's X-Request-Id, or "");
+        the vectors shaped as it asked."""
         output_dims = config.outputs[0].dims[-1]
         # The model's own size shortens nothing: asked of any model (clients set up with a
         # fixed `dimensions` send it on every call), it is the model's answer as it is.
@@ -100,7 +101,7 @@ class EmbeddingsApi:
                 version_spec="",
                 inputs=parsed.inputs,
                 principal=current_principal(),
-                request_id="",
+                request_id=request_id,
                 timeout_s=None,
                 truncate=truncate,
                 unnormalized=model_normalizes and not normalize,
@@ -116,7 +117,8 @@ class EmbeddingsApi:
         parsed = openai_embedding_request(parse_json_object(await request.read()))
         label = self._predictor.catalog.label_for(parsed.model)
         with self._metrics.observe_request("openai_embeddings", label):
-            vectors, result = await self._embed(parsed, self._embedding_config(parsed.model))
+            config = self._embedding_config(parsed.model)
+            vectors, result = await self._embed(parsed, config, header_request_id(request.headers))
             return web.json_response(
                 openai_embedding_response(
                     vectors, model=result.model_name, num_tokens=result.num_tokens,
@@ -129,7 +131,7 @@ class EmbeddingsApi:
         parsed = tei_embed_request(parse_json_object(await request.read()))
         config = self._tei_config()
         with self._metrics.observe_request("tei_embed", config.name):
-            vectors, _ = await self._embed(parsed, config)
+            vectors, _ = await self._embed(parsed, config, header_request_id(request.headers))
             return web.json_response(vectors.tolist(), dumps=finite_json)
 
     async def tei_info(self, request: web.Request) -> web.Response:

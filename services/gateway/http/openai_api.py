@@ -21,7 +21,7 @@ from services.common.errors import InvalidInput, NotFound
 from services.common.grpc_errors import is_bug
 from services.common.model_repository import ModelKind
 from services.gateway.auth import Principal, current_principal
-from services.gateway.http.codec import parse_json_object
+from services.gateway.http.codec import header_request_id, parse_json_object
 from services.gateway.http.errors import http_error
 from services.gateway.http.kserve_rest import generate_json, generate_request
 from services.gateway.http.openai_codec import (
@@ -153,11 +153,12 @@ class OpenAiApi:
         return await self._answer(request, parsed, is_chat=True, version=version)
 
     def _generate(
-        self, parsed: GenerationRequest, version: str
+        self, parsed: GenerationRequest, version: str, request_id: str
     ) -> AsyncGenerator[dict[str, Any], None]:
         parameters = {**parsed.sampling, "stream": True, "exclude_input_in_output": True}
         message = generate_request(parsed.model, version, {"text_input": parsed.prompt,
                                                            "parameters": parameters})  # fmt: skip
+        message.id = request_id  # the caller's X-Request-Id: logs, traces, sticky routing
         principal = current_principal()
         # A chat body without max_tokens has none in its sampling: its reply may fill the
         # context (a completion's defaults to DEFAULT_MAX_TOKENS, as OpenAI's does).
@@ -174,7 +175,8 @@ class OpenAiApi:
         label = self._predictor.catalog.label_for(parsed.model)
         with self._metrics.observe_request("openai", label):
             # Closed however the answer ends (its client gone): the generation is cancelled now.
-            async with contextlib.aclosing(self._generate(parsed, version)) as chunks:
+            generated = self._generate(parsed, version, header_request_id(request.headers))
+            async with contextlib.aclosing(generated) as chunks:
                 if not parsed.is_streaming:
                     texts, final = [], {}
                     async for final in chunks:

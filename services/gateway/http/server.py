@@ -19,7 +19,7 @@ from services.common.grpc_errors import is_bug
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
-from services.gateway.http.codec import MAX_REQUEST_ID_CHARS
+from services.gateway.http.codec import header_request_id
 from services.gateway.http.embeddings_api import EmbeddingsApi
 from services.gateway.http.errors import AnsweredInBand, HttpError, http_error
 from services.gateway.http.kserve_rest import KServeRest
@@ -157,15 +157,9 @@ def auth_middleware(
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """Answers carry the caller's `X-Request-Id` back (errors and streams too), as proxies
-    do, so that a client's logs and the fabric's meet; one past MAX_REQUEST_ID_CHARS, or not
-    printable ASCII, is not echoed."""
-    request_id = request.headers.get("X-Request-Id")
-    if (
-        request_id
-        and len(request_id) <= MAX_REQUEST_ID_CHARS
-        and request_id.isascii()
-        and request_id.isprintable()
-    ):
+    do, so that a client's logs and the fabric's meet (`header_request_id`: one too long, or
+    not printable ASCII, is not)."""
+    if request_id := header_request_id(request.headers):
         response.headers.setdefault("X-Request-Id", request_id)
 
 
