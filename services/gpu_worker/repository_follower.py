@@ -145,10 +145,12 @@ class RepositoryFollower:
                 replace(f, revision=self._failed[(f.model, f.version)]) for f in self._models.failed
             )
             self._is_first = False
+        has_read = True  # the repository as it is at these revisions
         if self._versions is None or revisions != self._revisions:
             # Read again until a read finds every model readable: a model being staged when a
             # load was written is picked up once its files are complete.
             versions, is_whole = await self._read_repository()
+            has_read = versions is not None
             if versions is not None:
                 self._versions = versions
                 if is_whole:
@@ -176,7 +178,7 @@ class RepositoryFollower:
         before, unread = self._models.applied_revisions, self._unreadable
         applied = {m: r for m, r in revisions.items() if m not in unread}
         applied.update((m, r) for m, r in before.items() if m in unread)
-        if applied != before:
+        if has_read and applied != before:  # an unreadable repository: as last read, no more
             self._models.applied_revisions = applied
             self._on_applied()
 

@@ -283,6 +283,39 @@ async def test_a_served_model_that_does_not_read_at_the_first_follow_stays_serve
         await worker.stop()
 
 
+async def test_a_follow_that_cannot_read_the_repository_tells_no_new_revision_applied(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """The revision a worker tells applied (a gateway's reload waits for it) is one it acted
+    on with the repository as it then was: a follow whose read of the whole repository fails
+    (its volume away) plans from the last read and tells nothing new (diff review)."""
+    write_affine_model(tmp_path / "repo")
+    worker = await create_worker(
+        dataclasses.replace(config(tmp_path, redis_server.worker_url), redis_url=None)
+    )
+    await worker.load()  # without Redis: no follower of its own
+    client = connect(redis_server.worker_url)
+    try:
+        assert worker.models is not None
+        follower = RepositoryFollower(
+            client=client, registry_prefix="fabric", repository_dir=tmp_path / "repo", pool=(),
+            models=worker.models, swapper=swapper_for(worker),
+        )  # fmt: skip
+        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 1))
+        await follower.follow_once()
+        assert worker.models.applied_revisions == {"affine": 1}
+        (tmp_path / "repo").rename(tmp_path / "away")
+        await set_desired(redis_server, "affine", DesiredState(ModelState.LOADED, 2))
+        await follower.follow_once()
+        assert worker.models.applied_revisions == {"affine": 1}
+        (tmp_path / "away").rename(tmp_path / "repo")
+        await follower.follow_once()
+        assert worker.models.applied_revisions == {"affine": 2}
+    finally:
+        await client.aclose()
+        await worker.stop()
+
+
 async def test_a_version_that_failed_at_start_is_retried_by_a_load_written_while_starting(
     tmp_path: Path, redis_server: RedisServer
 ) -> None:
