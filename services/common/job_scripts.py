@@ -119,6 +119,14 @@ COUNT_ROUND = """
 if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return -1 end
 return redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
 """
+# KEYS: job hash; ARGV: now (seconds). Sets the job's `started_s` once, while it exists: a
+# job ended and expired before its first runner marked it is not brought back as a hash of
+# that field alone, which would never expire (jobs review). Returns 1 if set, 0 if it was
+# set already, -1 if gone.
+MARK_STARTED = """
+if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return -1 end
+return redis.call('HSETNX', KEYS[1], 'started_s', ARGV[1])
+"""
 # KEYS: job hash. Marks a job cancelled only while it exists and has items not finished: a
 # job whose last result was recorded meanwhile keeps its final state, and one gone (expired)
 # is not brought back as a hash of that field alone, which would never expire. Returns 1 if

@@ -69,6 +69,7 @@ from services.common.job_scripts import (
     FLEET_ROUND,
     FORGET_CONSUMERS,
     KEEP,
+    MARK_STARTED,
     RECORD,
 )
 
@@ -130,6 +131,7 @@ class JobStore:
         self._fleet_round = client.register_script(FLEET_ROUND)
         self._forget_consumers = client.register_script(FORGET_CONSUMERS)
         self._keep = client.register_script(KEEP)
+        self._mark_started = client.register_script(MARK_STARTED)
         #: Where the next `reclaim` scans the runners' pending entries from (XAUTOCLAIM's cursor).
         self._reclaim_from: bytes | str = "0-0"
 
@@ -262,7 +264,8 @@ class JobStore:
         return int(rounds), float(waited_s)
 
     async def mark_started(self, job_id: str) -> None:
-        await self.client.hsetnx(self.job_key(job_id), "started_s", time.time())
+        """The job's start time, once, unless it is gone (job_scripts.MARK_STARTED)."""
+        await self._mark_started(keys=[self.job_key(job_id)], args=[repr(time.time())])
 
     async def ensure_group(self) -> None:
         """Creates the runners' group (and the stream) unless they exist."""
