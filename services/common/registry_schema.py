@@ -64,8 +64,9 @@ class ModelRecord:
     #: Its batches all fail on this worker lately (services.gpu_worker.batching.failure_streak):
     #: routers send its calls to other workers while any serves it.
     is_failing: bool = False
-    #: The model's desired-state revision the worker has applied whole, its loads and unloads
-    #: done (0: none yet, or the model has no desired state); -1: a worker of a build before.
+    #: The model's desired-state revision the worker has applied, its loads and unloads done
+    #: with its files read (0: none yet, or the model has no desired state); -1: a worker of a
+    #: build before.
     revision: int = -1
 
     @property

@@ -91,7 +91,7 @@ class RepositoryFollower:
     ) -> None:
         """`start_state`: the desired state the start-up load followed (None: it could not
         be read; the first read's then), at whose revisions its failures count as attempts.
-        `on_applied`: called when the revisions applied whole change (the heartbeat tells
+        `on_applied`: called when the revisions applied change (the heartbeat tells
         them, `LoadedModels.applied_revisions`)."""
         self._client = client
         self._key = repository_key(registry_prefix)

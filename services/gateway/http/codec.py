@@ -234,13 +234,8 @@ def header_request_id(headers: Mapping[str, str]) -> str:
     not printable ASCII): echoed on the answer, and the call's request id where its body has
     none (the OpenAI and embeddings routes), which logs, traces and sticky routing follow."""
     request_id = headers.get("X-Request-Id", "")
-    if (
-        len(request_id) <= MAX_REQUEST_ID_CHARS
-        and request_id.isascii()
-        and (request_id.isprintable())
-    ):
-        return request_id
-    return ""
+    is_taken = len(request_id) <= MAX_REQUEST_ID_CHARS and request_id.isascii()
+    return request_id if is_taken and request_id.isprintable() else ""
 
 
 def request_id_of(body: dict[str, Any]) -> str:
