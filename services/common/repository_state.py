@@ -66,12 +66,28 @@ def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
     return desired
 
 
-def next_revision(desired: Mapping[str, DesiredState], now_s: float) -> int:
-    """The revision the next write carries (`revision_after` every entry's). Counted from the
-    entries alone, revisions started again at 1 after Redis restarted empty: a worker that had
-    failed a version at revision 1 took the new load's 1 for the one it had tried, and retried
-    nothing (review finding)."""
-    return revision_after(max((d.revision for d in desired.values()), default=0), now_s)
+#: KEYS: the desired-state hash; ARGV: model, state value, now (ms). Writes the model's
+#: desired state at the next revision (`revision_after` every entry's: the time in ms, or
+#: past every entry's, so that revisions keep growing across a Redis restarted empty; an
+#: entry that does not read counts none, as `parse_desired` reads it) and returns {the entry
+#: written, the one it replaced or false}, in one step. Read, then written by a gateway, two
+#: gateways writing at once could give two writes one revision (a worker that applied an
+#: unload at it then seemed to have applied the load too), and a load could take the state
+#: before it for one it had replaced (review finding).
+WRITE_STATE = """
+local highest, before = 0, false
+local entries = redis.call('HGETALL', KEYS[1])
+for i = 1, #entries, 2 do
+  local ok, entry = pcall(cjson.decode, entries[i + 1])
+  local r = ok and type(entry) == 'table' and tonumber(entry['revision'])
+  if r and r >= 0 and r < 2^53 then highest = math.max(highest, math.floor(r)) end
+  if entries[i] == ARGV[1] then before = entries[i + 1] end
+end
+local revision = math.max(tonumber(ARGV[3]), highest + 1)
+local written = string.format('{"state": "%s", "revision": %d}', ARGV[2], revision)
+redis.call('HSET', KEYS[1], ARGV[1], written)
+return {written, before}
+"""
 
 
 def revision_after(highest: int, now_s: float) -> int:

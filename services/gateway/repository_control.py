@@ -2,14 +2,15 @@
 RepositoryModelUnload, for admin keys only.
 
 Load and unload write the model's desired state into `<prefix>:repository`
-(services.common.repository_state) with a revision one above the hash's highest. Every worker
+(services.common.repository_state) at a revision past the hash's highest, in one step
+(WRITE_STATE: each write its own revision, however many gateways write at once). Every worker
 reads that hash about once a second and converges (services.gpu_worker.repository_follower), so
 a change is served (or no longer served) within about 1-2 s plus one load or drain; the
 gateway's catalog, refreshed from the router, follows on its next refresh. A load then waits,
 as Triton's does, until the fleet serves the model's versions, or answers FAILED_PRECONDITION
 with the workers' load errors (a corrupt version), while the versions already served keep
-serving; an unload answers once written. Two gateways writing at once may give two writes
-the same revision; the one written last wins.
+serving; an unload answers once written. Of two writes at once, the one written last wins;
+a load waits for the state it wrote, after the one it replaced.
 
 Versions added to the volume after start: the gateway handling a load re-reads its repository
 before writing; every gateway does when it sees a new revision (within FOLLOW_PERIOD_S). The
@@ -35,9 +36,9 @@ from services.common.model_repository import ModelConfigError, load_repository
 from services.common.redis_acl import GATEWAY, role_credentials
 from services.common.registry_schema import connect
 from services.common.repository_state import (
+    WRITE_STATE,
     DesiredState,
     ModelState,
-    next_revision,
     parse_desired,
     repository_key,
 )
@@ -101,6 +102,7 @@ class RepositoryControl:
         self._key = repository_key(key_prefix)
         credentials = role_credentials(GATEWAY, redis_url, password_file)
         self._client = connect(redis_url, credentials=credentials)
+        self._write = self._client.register_script(WRITE_STATE)
         self._revisions: dict[str, int] | None = None
         #: Models whose desired state was last read (or written here) as unloaded.
         self._unloaded: frozenset[str] = frozenset()
@@ -225,16 +227,18 @@ class RepositoryControl:
     async def _write_state(
         self, model_name: str, state: ModelState
     ) -> tuple[DesiredState, DesiredState | None]:
-        """The model's desired state written, and the one it replaced (None: none)."""
-        config = self._catalog.config(model_name)
-        desired = await self.desired()
-        entry = DesiredState(state, next_revision(desired, time.time()))
+        """The model's desired state written, and the one it replaced (None: none), in one
+        step (repository_state.WRITE_STATE)."""
+        name = self._catalog.config(model_name).name
+        args = [name, state.value, int(time.time() * 1000)]
         try:
-            await self._client.hset(self._key, config.name, entry.to_json())
+            written, before = await self._write(keys=[self._key], args=args)
         except (RedisError, OSError) as error:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
-        self._unloaded = unloaded_models({**desired, config.name: entry})
-        return entry, desired.get(config.name)
+        entry = parse_desired({name: written})[name]
+        unloaded = self._unloaded | {name}
+        self._unloaded = unloaded if state is ModelState.UNLOADED else unloaded - {name}
+        return entry, parse_desired({name: before}).get(name) if before else None
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:
         """Writes the model's LOADED state and waits, as Triton's load does, until live

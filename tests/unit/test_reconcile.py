@@ -8,7 +8,6 @@ import pytest
 from services.common.repository_state import (
     DesiredState,
     ModelState,
-    next_revision,
     parse_desired,
 )
 from services.gpu_worker.reconcile import Load, Retire, Unload, VersionKey, keeps_serving, plan
@@ -147,12 +146,3 @@ def test_malformed_entries_are_left_out() -> None:
         b"\xe9": '{"state": "loaded", "revision": 1}',  # a name that is not UTF-8
     }
     assert parse_desired(fields) == {"d": unloaded(2)}
-
-
-def test_next_revision_is_the_time_in_ms_or_past_every_entry() -> None:
-    """After Redis restarted empty, a revision counted from the entries started again at 1,
-    which a worker that had failed a version at 1 took for the attempt it had made."""
-    assert next_revision({}, now_s=1_700_000_000.5) == 1_700_000_000_500
-    assert next_revision({"a": loaded(3), "b": unloaded(9)}, now_s=0.001) == 10
-    entries = {"a": loaded(1_700_000_000_900)}
-    assert next_revision(entries, now_s=1_700_000_000.5) == 1_700_000_000_901
