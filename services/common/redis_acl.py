@@ -10,8 +10,9 @@ services.common.registry_schema):
 - `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys and reads
   the runtime model routing (HGETALL of `<prefix>:rollout`; Redis 6 ACLs cannot make one key
   read-only, so it could also write it) (services.gateway.quota_sync, routing_sync), and writes
-  the desired model state (HSET, HGETALL of `<prefix>:repository`); it cannot
-  read or touch the registry.
+  the desired model state (EVALSHA of repository_state's WRITE_STATE, which runs HGETALL and
+  HSET on `<prefix>:repository`; EVALSHA and SCRIPT LOAD come with the job commands); it
+  cannot read or touch the registry.
 - `jobs`: durable batch jobs (services.common.job_store): streams, hashes, lists and the
   job scripts, on the job keys only; the gateway has the same rights there (it submits).
 - `admin`: everything, for operators and tests.

@@ -5,10 +5,11 @@ Redis layout (under the registry prefix, default "fabric"):
   "revision": <int>}`
 
 The gateway writes it (Triton's repository extension: RepositoryModelLoad / Unload, each write
-with a revision one above the hash's highest); every worker reads the whole hash (one HGETALL)
+at a revision past the hash's highest, in one step: WRITE_STATE, the one Redis script here);
+every worker reads the whole hash (one HGETALL)
 about once a second and converges (services.gpu_worker.repository_follower). A model with no
 field is loaded wherever the repository and the worker's `--models` pool have it, as at start.
-Pure data: no Redis here.
+No Redis client here.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def parse_desired(fields: Mapping[Any, Any]) -> dict[str, DesiredState]:
 #: KEYS: the desired-state hash; ARGV: model, state value, now (ms). Writes the model's
 #: desired state at the next revision (`revision_after` every entry's: the time in ms, or
 #: past every entry's, so that revisions keep growing across a Redis restarted empty; an
-#: entry that does not read counts none, as `parse_desired` reads it) and returns {the entry
+#: entry whose revision is no number in [0, 2^53) counts none) and returns {the entry
 #: written, the one it replaced or false}, in one step. Read, then written by a gateway, two
 #: gateways writing at once could give two writes one revision (a worker that applied an
 #: unload at it then seemed to have applied the load too), and a load could take the state
