@@ -236,8 +236,8 @@ class RepositoryControl:
         except (RedisError, OSError) as error:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
         entry = parse_desired({name: written})[name]
-        unloaded = self._unloaded | {name}
-        self._unloaded = unloaded if state is ModelState.UNLOADED else unloaded - {name}
+        is_unloaded = state is ModelState.UNLOADED
+        self._unloaded = self._unloaded | {name} if is_unloaded else self._unloaded - {name}
         return entry, parse_desired({name: before}).get(name) if before else None
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:

@@ -45,15 +45,17 @@ async def keep_claimed(
         await asyncio.sleep(claim_timeout_s / 3)
         # What an ACL of before the keep's script is kept by (JobStore.keep).
         min_idle_ms = int((time.monotonic() - kept_s) * 1000) - KEEP_SLACK_MS
+        is_taken_over = False
         try:
-            if is_kept := await store.keep(consumer, entry, min_idle_ms):
+            if await store.keep(consumer, entry, min_idle_ms):
                 kept_s = time.monotonic()
+            else:
+                is_taken_over = True
         except (RedisError, OSError) as error:  # the next try, or the reclaim, decides
             log.warning("could not keep chunk %s claimed: %s", entry.entry_id, error)
-            is_kept = True
         # The chunk ended as a keep ran, and redis-py swallowed the cancel: stop all the same.
         stop_if_cancelled()
-        if not is_kept:
+        if is_taken_over:
             log.warning("chunk %s no longer this runner's (taken over)", entry.entry_id)
             return
 
