@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import redis
 import yaml
@@ -36,12 +37,19 @@ from services.common.redis_acl import ACL_FILE_NAME, ADMIN, WORKER, password_fil
 from services.common.redis_server import ping, redis_command
 from services.common.registry_schema import RegistryKeys
 from services.gateway.config import GatewayConfig
+from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from services.pb.inference.v1 import types_pb2
 from services.router.routing_config import RoutingConfig
 from services.router.server import REGISTRY_HEALTH_NAME
 from tests.support.fabric_load import predict_request, routed_to
 from tests.support.metrics import scrape, total
-from tests.support.models import write_small_minilm_repository
+from tests.support.models import (
+    STALL,
+    release_stall,
+    write_small_minilm_repository,
+    write_stalling_model,
+)
 from tests.support.processes import REPO_ROOT, ServiceProcess, start_worker
 from tests.support.stack import Stack, Tier, start_stack
 from tests.support.waiting import eventually, eventually_sync
@@ -141,6 +149,9 @@ class Fabric:
     stack: Stack
     redis: FabricRedis
     model_repository: Path
+    #: The stalling model's gate (tests.support.models.write_stalling_model), closed until
+    #: released.
+    stall_gate: Path
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +159,8 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
     """The two-worker stack every test here shares."""
     tmp_path = tmp_path_factory.mktemp("registry")
     repository = write_small_minilm_repository(tmp_path / "repo")
+    stall_gate = tmp_path / "stall-gate"
+    write_stalling_model(repository, stall_gate)
     stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
     fabric_redis = FabricRedis(
         port=stack.redis_port,
@@ -157,8 +170,9 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fabric]:
         pid=stack.redis_pid,
     )
     try:
-        yield Fabric(stack, fabric_redis, repository)
+        yield Fabric(stack, fabric_redis, repository, stall_gate)
     finally:
+        release_stall(stall_gate)  # a test that failed while a call stalled
         if is_alive(fabric_redis.pid):
             fabric_redis.resume()
         code = stack.stop()
@@ -248,6 +262,20 @@ async def hold(until_s: float) -> None:
     """Keeps a fault in place until time.monotonic() reaches `until_s`: a scenario's duration,
     not a wait for a condition."""
     await asyncio.sleep(max(0.0, until_s - time.monotonic()))
+
+
+async def predict_stalled(address: str) -> api.PredictResponse:
+    """One call of the stalling model with a row that stalls until its gate opens."""
+    row = np.array([STALL, 0.0, 0.0, 0.0], dtype=np.float32)
+    tensor = types_pb2.Tensor(dtype=types_pb2.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
+    request = api.PredictRequest(model_name="stall", inputs=[api.PredictInput(tensor=tensor)])
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await api_grpc.InferenceServiceStub(channel).Predict(request, timeout=TIMEOUT_S)
+
+
+def stalled_queued(worker: Tier) -> float:
+    """Rows of the stalling model queued (admitted, not yet running) on `worker`."""
+    return total(scrape(worker.metrics_port), names.WORKER_QUEUE_DEPTH, model="stall")
 
 
 def router_metric(stack: Stack, name: str) -> float:
@@ -599,38 +627,33 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
         message="both workers live once Redis is back",
     )
 
-    # A worker drains: its readiness turns NOT_SERVING while it still runs (rows queued there
-    # keep it draining for a while); its peers stay up and serve everything.
-    drained = stack.workers[1]
-    load = Load(stack.gateway.address, concurrency=24).start()
-    await eventually(
-        lambda: total(scrape(drained.metrics_port), names.WORKER_QUEUE_DEPTH) >= 2,
+    # A worker drains: its readiness turns NOT_SERVING while it still runs, its admitted rows
+    # keeping it draining; its peers stay up and serve everything. The rows that keep it are
+    # stalled ones (the stalling model's gate closed): a drain of ordinary queued rows may end
+    # within milliseconds, before any probe asks. Four stalled calls over two workers, each
+    # running one at a time: at least one waits in some worker's queue, admitted there.
+    stalled = [asyncio.ensure_future(predict_stalled(stack.gateway.address)) for _ in range(4)]
+    drained = await eventually(
+        lambda: next((w for w in stack.workers if stalled_queued(w) >= 1), None),
         timeout_s=ANSWERS_TIMEOUT_S,
-        message="rows queued on the worker about to drain",
+        message="a stalled row queued on a worker",
     )
+    peer = next(w for w in stack.workers if w is not drained)
+    load = Load(stack.gateway.address, concurrency=24).start()
     readiness = health_pb2.HealthCheckRequest(service=probes[drained.address]["readinessProbe"])
     async with grpc.aio.insecure_channel(drained.address) as channel:
         check = health_pb2_grpc.HealthStub(channel).Check
-
-        # Polled: the standard Watch fails INTERNAL on every tier (the error-mapping interceptor
-        # cannot wrap grpcio's coroutine-style Watch handler). Four pollers back to back, from
-        # before the signal: the drain may end within milliseconds (its queued rows answered,
-        # the port then closed), and one poller at a 5 ms pace once missed all of it.
-        async def readiness_left_serving() -> int:
-            while (status := (await check(readiness, timeout=5)).status) == SERVING:
-                pass
-            return int(status)
-
         assert (await check(readiness, timeout=5)).status == SERVING
-        pollers = [asyncio.ensure_future(readiness_left_serving()) for _ in range(4)]
-        await asyncio.sleep(0.01)  # each has a check in flight
         os.kill(drained.pid, signal.SIGTERM)
-        # A poller answered NOT_SERVING, so the worker was still running then, draining: that
-        # is the promise. (Whether it is still running a moment later depends on how soon its
-        # queued rows finish, which is why the process itself is not checked here; pollers
-        # that asked once the port closed fail UNAVAILABLE.)
-        done = await asyncio.gather(*pollers, return_exceptions=True)
-        assert NOT_SERVING in done, done
+        # Polled: the standard Watch fails INTERNAL on every tier (the error-mapping interceptor
+        # cannot wrap grpcio's coroutine-style Watch handler).
+        while (status := (await check(readiness, timeout=5)).status) == SERVING:
+            await asyncio.sleep(0.005)
+        assert status == NOT_SERVING
+        assert is_alive(drained.pid)  # still draining: its stalled row holds it
+    release_stall(fabric.stall_gate)
+    # Admitted work finishes in the drain: every stalled call is answered, on either worker.
+    assert all(len(reply.outputs) == 1 for reply in await asyncio.gather(*stalled))
     await eventually(
         lambda: not is_alive(drained.pid), timeout_s=60, message="the drained worker exited"
     )
@@ -649,7 +672,7 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
     # window of several of the gateway's catalog refreshes (the scenario).
     os.kill(stack.router.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    alive = [stack.gateway.address, stack.workers[0].address]
+    alive = [stack.gateway.address, peer.address]
     while time.monotonic() < killed_at + 3 * GatewayConfig.catalog_refresh_s + 1:
         assert await statuses("livenessProbe", alive) == {SERVING}
         await asyncio.sleep(0.2)  # the probes' pace
