@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
@@ -18,9 +19,17 @@ from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 from tests.conftest import cosine
 from tests.support.metrics import samples, scrape, total
-from tests.support.models import write_affine_model, write_minilm_repository
+from tests.support.models import (
+    STALL,
+    affine_reference,
+    release_stall,
+    write_affine_model,
+    write_minilm_repository,
+    write_stalling_model,
+)
 from tests.support.processes import ServiceProcess, health_status, runs_uvloop, start_worker
 from tests.support.texts import sentences
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -175,63 +184,69 @@ def test_the_worker_runs_on_uvloop_by_default(worker: ServiceProcess) -> None:
     assert "running on uvloop's event loop" in worker.log()
 
 
+def tensor_request(model: str, row: np.ndarray) -> pb.InferRequest:
+    tensor = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
+    return pb.InferRequest(model_name=model, inputs=[pb.ModelInput(tensor=tensor)])
+
+
 async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
+    """Rows queued when the SIGTERM lands are answered before the worker exits 0. They queue
+    behind a stalled batch (the stalling model's, gate closed), so the drain has work left
+    however fast or busy the machine: queued behind ordinary batches (0.1 s each), a test
+    process paused for longer found none left, and a fast machine may too."""
     repository = tmp_path / "repo"
-    # Batches with a small real cost (about 0.1 s): rows are still queued when the SIGTERM
-    # lands, and the drain's work is far inside its 30 s grace, however busy the machine
-    # (one torch thread: two would contend with the other test module for the cores). On
-    # asyncio's own event loop: the setting's other value serves and drains as well.
-    write_affine_model(repository, work_iters=100, max_batch_size=4)
+    gate = tmp_path / "gate"
+    write_affine_model(repository, max_batch_size=4, slo_p99_ms=30_000)
+    write_stalling_model(repository, gate)
+    # On asyncio's own event loop: the setting's other value serves and drains as well.
     service = start_worker(
         tmp_path,
         model_repository=repository,
         extra_args=("--torch-threads", "1", "--event-loop", "asyncio"),
     )
     assert not runs_uvloop(service.process.pid)
+
+    def metric(name: str, model: str) -> float:
+        return total(scrape(service.metrics_port), name, model=model)
+
+    dispatched = names.WORKER_QUEUE_WAIT_SECONDS + "_count"
     try:
         async with grpc.aio.insecure_channel(service.address) as channel:
             stub = pb_grpc.WorkerServiceStub(channel)
+            stalled_before = metric(dispatched, "stall")
+            stalled = asyncio.ensure_future(
+                stub.Infer(tensor_request("stall", np.array([STALL, 0, 0, 0], "f4")), timeout=60)
+            )
+            await eventually(
+                lambda: metric(dispatched, "stall") > stalled_before,
+                message="the stalled row holds the executor",
+            )
             rows = [np.full(4, 100.0 + i, dtype=np.float32) for i in range(16)]
-            calls = [
-                stub.Infer(
-                    pb.InferRequest(
-                        model_name="affine",
-                        inputs=[
-                            pb.ModelInput(
-                                tensor=pb.Tensor(
-                                    dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=r.tobytes()
-                                )
-                            )
-                        ],
-                    ),
-                    timeout=60,
-                )
+            in_flight = [
+                asyncio.ensure_future(stub.Infer(tensor_request("affine", r), timeout=60))
                 for r in rows
             ]
-            in_flight = [asyncio.ensure_future(c) for c in calls]
-            # Wait until the first batch has run: the rest were sent with it, so most are
-            # queued or running by now. Not all need be: on busy cores a call can still be on
-            # its way in when the signal lands, and the worker then refuses it at the door.
-            await asyncio.wait(in_flight, return_when=asyncio.FIRST_COMPLETED)
-            num_done_at_signal = sum(call.done() for call in in_flight)
+            await eventually(
+                lambda: metric(names.WORKER_QUEUE_DEPTH, "affine") == len(rows),
+                message="every row queued behind the stalled one",
+            )
             service.process.send_signal(signal.SIGTERM)
-            results = await asyncio.gather(*in_flight, return_exceptions=True)
+
+            async def is_not_serving() -> bool:  # the port stays open: the stall holds the drain
+                status = await health_status(service.address)
+                return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            await eventually(is_not_serving, message="draining: NOT_SERVING")
+            assert not any(call.done() for call in in_flight)
+            release_stall(gate)
+            answers = await asyncio.gather(stalled, *in_flight)
     finally:
+        release_stall(gate)
         code = await asyncio.to_thread(service.terminate)
-    # Every call the worker admitted was answered: the only failures are the door's refusal of
-    # calls that arrived once it was draining (never queued, never run).
-    failures = [r for r in results if isinstance(r, Exception)]
-    refused_at_the_door = [
-        f
-        for f in failures
-        if isinstance(f, grpc.aio.AioRpcError)
-        and f.code() == grpc.StatusCode.UNAVAILABLE
-        and f.details() == "worker is draining"
-    ]
-    assert len(refused_at_the_door) == len(failures), failures
-    # And work queued at the signal was drained: calls answered OK after it.
-    num_ok = len(results) - len(failures)
-    assert num_ok > num_done_at_signal, (num_ok, num_done_at_signal, failures)
+    # Every row admitted before the signal was answered, each with its own output.
+    expected = affine_reference(torch.from_numpy(np.stack(rows))).numpy()
+    outputs = [np.frombuffer(a.outputs[0].raw_data, "<f4") for a in answers[1:]]
+    np.testing.assert_allclose(np.stack(outputs), expected, rtol=1e-5)
     assert code == 0, service.log()
     assert "draining" in service.log()
 
