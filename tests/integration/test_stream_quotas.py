@@ -225,6 +225,12 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
                 idle = stub.ModelStreamInfer(metadata=METADATA, timeout=60)
                 quotas = gateway.predictor.admission.quotas
                 await eventually(lambda: quotas.in_flight("t") == 1, message="stream admitted")
+
+                async def demand_published() -> bool:
+                    entries = (await admin.hgetall(sync.demand_key)).values()
+                    return [json.loads(value)["in_flight"] for value in entries] == [{"t": 1}]
+
+                await eventually(demand_published, message="the stream counted in Redis")
                 stopping = asyncio.create_task(gateway.stop())
                 await asyncio.sleep(0.5)  # rounds of the sync, were it still running
                 during = await admin.hgetall(sync.demand_key)
