@@ -54,10 +54,6 @@ FAULT_ITEMS = 2000
 #: Distinct texts of the big job (item i is text i % DISTINCT_TEXTS): each is also sent through
 #: Predict once, and every item's output is compared with its text's.
 DISTINCT_TEXTS = 2000
-#: Items the runner may finish between a poll that saw a job under way and the fault the test
-#: then acts with (its in-flight chunks: 4 of at most 64 items), and as many again: a job seen
-#: with fewer done than FAULT_ITEMS less this is still mid-way when the fault lands.
-IN_FLIGHT_SLACK = 2 * 4 * 64
 #: A tensor row sent to a text model: INVALID_ARGUMENT at the gateway, whatever the batch.
 POISON = api.PredictInput(tensor=tensor_to_pb(np.zeros(4, dtype="<f4")))
 
@@ -213,12 +209,13 @@ async def test_job_survives_sigkill_of_runner_and_redis(own_stack: Stack, tmp_pa
 
         async def under_way() -> bool:
             job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id))
-            # A window of a few seconds at this stack's pace, polled ten times a second: the
-            # wider it is, the less a paused test process can step over it.
-            return FAULT_ITEMS // 10 <= job.num_ok < FAULT_ITEMS - IN_FLIGHT_SLACK
+            return FAULT_ITEMS // 10 <= job.num_ok < FAULT_ITEMS // 2
 
         await eventually(under_way, timeout_s=120.0, interval_s=0.1)
         kill_and_wait(stack.jobs.pid)
+        # Killed mid-way, as the test means: the recovery below has a job to finish.
+        killed = await stub.GetJob(jobs.GetJobRequest(job_id=job_id))
+        assert killed.num_ok < FAULT_ITEMS, killed
         redis = restart_redis(stack)
         try:
             password_file = stack.state_dir / "redis-acl" / password_file_name(JOBS)
@@ -253,7 +250,7 @@ async def test_cancel_mid_job_starts_no_new_item_and_keeps_results(stack: Stack)
 
         async def under_way() -> bool:
             job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id))
-            return 0 < job.num_ok < FAULT_ITEMS - IN_FLIGHT_SLACK
+            return 0 < job.num_ok < FAULT_ITEMS // 2
 
         await eventually(under_way, timeout_s=120.0, interval_s=0.05)
         cancelled = await stub.CancelJob(jobs.CancelJobRequest(job_id=job_id))

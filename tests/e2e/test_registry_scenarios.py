@@ -278,6 +278,15 @@ def stalled_queued(worker: Tier) -> float:
     return total(scrape(worker.metrics_port), names.WORKER_QUEUE_DEPTH, model="stall")
 
 
+def stalled_admitted(worker: Tier) -> float:
+    """Rows of the stalling model admitted on `worker`: queued, or dispatched (their queue
+    wait observed; this module's only stalling rows are one test's, none answered before its
+    gate opens)."""
+    text = scrape(worker.metrics_port)
+    dispatched = total(text, names.WORKER_QUEUE_WAIT_SECONDS + "_count", model="stall")
+    return total(text, names.WORKER_QUEUE_DEPTH, model="stall") + dispatched
+
+
 def router_metric(stack: Stack, name: str) -> float:
     return total(scrape(stack.router.metrics_port), name)
 
@@ -631,13 +640,15 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
     # keeping it draining; its peers stay up and serve everything. The rows that keep it are
     # stalled ones (the stalling model's gate closed): a drain of ordinary queued rows may end
     # within milliseconds, before any probe asks. Four stalled calls over two workers, each
-    # running one at a time: at least one waits in some worker's queue, admitted there.
+    # running one at a time: once all four are admitted, at least one waits in some worker's
+    # queue (none may still be on its way when the drain begins: it would be refused there).
     stalled = [asyncio.ensure_future(predict_stalled(stack.gateway.address)) for _ in range(4)]
-    drained = await eventually(
-        lambda: next((w for w in stack.workers if stalled_queued(w) >= 1), None),
+    await eventually(
+        lambda: sum(stalled_admitted(w) for w in stack.workers) == len(stalled),
         timeout_s=ANSWERS_TIMEOUT_S,
-        message="a stalled row queued on a worker",
+        message="every stalled call admitted",
     )
+    drained = next(w for w in stack.workers if stalled_queued(w) >= 1)
     peer = next(w for w in stack.workers if w is not drained)
     load = Load(stack.gateway.address, concurrency=24).start()
     readiness = health_pb2.HealthCheckRequest(service=probes[drained.address]["readinessProbe"])
@@ -646,11 +657,14 @@ async def test_s33_liveness_holds_when_redis_or_a_peer_is_down_and_readiness_dro
         assert (await check(readiness, timeout=5)).status == SERVING
         os.kill(drained.pid, signal.SIGTERM)
         # Polled: the standard Watch fails INTERNAL on every tier (the error-mapping interceptor
-        # cannot wrap grpcio's coroutine-style Watch handler).
-        while (status := (await check(readiness, timeout=5)).status) == SERVING:
-            await asyncio.sleep(0.005)
+        # cannot wrap grpcio's coroutine-style Watch handler). Bounded well within the
+        # executor's watchdog (30 s), which would also turn the worker NOT_SERVING.
+        async with asyncio.timeout(10.0):
+            while (status := (await check(readiness, timeout=5)).status) == SERVING:
+                await asyncio.sleep(0.005)
         assert status == NOT_SERVING
         assert is_alive(drained.pid)  # still draining: its stalled row holds it
+        assert total(scrape(drained.metrics_port), names.WORKER_WATCHDOG_EXPIRED_TOTAL) == 0
     release_stall(fabric.stall_gate)
     # Admitted work finishes in the drain: every stalled call is answered, on either worker.
     assert all(len(reply.outputs) == 1 for reply in await asyncio.gather(*stalled))

@@ -97,14 +97,14 @@ async def test_a_router_started_while_redis_was_down_takes_the_registry_it_finds
     try:
         sync = asyncio.create_task(router.sync.run())
         try:
-            # Its reads fail for a while (every 0.05 s, backing off): the outage it starts in.
-            # It has no registry, and says so (it said SERVING and 0 before its first read).
+            # Its reads fail for a while (every 0.05 s, backing off): the outage it starts in
+            # (a read failed: what the return below must tell from a first read).
             await eventually(
-                lambda: degraded._value.get() == 1,  # type: ignore[attr-defined]
-                timeout_s=30.0,
-                message="a failed read marked the registry degraded",
+                lambda: router.sync._awaits_refill, timeout_s=30.0, message="a read failed"
             )
+            # It has no registry, and says so.
             assert await health_status(address, "fabric.registry") == NOT_SERVING
+            assert degraded._value.get() == 1  # type: ignore[attr-defined]
             redis_server.restart()
 
             async def ready() -> bool:

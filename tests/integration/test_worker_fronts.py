@@ -554,6 +554,13 @@ async def test_a_stopped_engine_ends_the_streams_and_calls_passed_to_it_unavaila
     assert waited_s >= ENGINE_LOST_S / 2, waited_s
 
 
+#: What grpc's client reports when the stream's write raced the front's refusal and grpc lost
+#: the refusal's status (no trailers: nothing tells whether anything ran): about one stream in
+#: 500 on two cores kept busy, never on an idle machine. Such a stream is tried again.
+GRPC_LOST_STATUS = "Internal error from Core"
+LOST_STATUS_TRIES = 10
+
+
 @contextlib.asynccontextmanager
 async def front_without_engine(tmp_path: Path) -> AsyncIterator[grpc.aio.Channel]:
     """A worker front whose engine is not up (nothing listens on its link), and a channel of
@@ -585,13 +592,16 @@ async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started
         await channel.channel_ready()
         request, _ = affine_request(2)
         for _ in range(5):  # each on a stream of its own: the last one broke
-            client = MultiplexClient(channel, "router")
-            with pytest.raises(UpstreamError) as refused:
-                await client.call(request.SerializeToString(), timeout_s=10)
+            for _ in range(LOST_STATUS_TRIES):
+                client = MultiplexClient(channel, "router")
+                with pytest.raises(UpstreamError) as refused:
+                    await client.call(request.SerializeToString(), timeout_s=10)
+                await client.close()
+                if GRPC_LOST_STATUS not in str(refused.value):
+                    break
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE, refused.value
             assert "engine is not up" in str(refused.value), refused.value
             assert refused.value.is_not_started, refused.value
-            await client.close()
 
 
 async def test_a_write_that_fails_after_a_front_refused_its_stream_counts_as_not_started(
@@ -607,13 +617,17 @@ async def test_a_write_that_fails_after_a_front_refused_its_stream_counts_as_not
         message = pb.InferStreamRequest(
             calls=[pb.MuxCall(call_id=1, request=request.SerializeToString())]
         )
-        stream = channel.stream_stream(
+        open_stream = channel.stream_stream(
             multiplex.STREAM_METHOD,
             request_serializer=pb.InferStreamRequest.SerializeToString,
             response_deserializer=pb.InferStreamResponse.FromString,
-        )()
-        with contextlib.suppress(grpc.aio.AioRpcError):  # the refusal may come first
-            await stream.write(message)
+        )
+        for _ in range(LOST_STATUS_TRIES):
+            stream = open_stream()
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the refusal may come first
+                await stream.write(message)
+            if await stream.details() != GRPC_LOST_STATUS:
+                break
         assert await stream.code() == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(asyncio.InvalidStateError):  # what the writer meets
             await stream.write(message)
