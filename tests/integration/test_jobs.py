@@ -205,9 +205,13 @@ async def test_job_runs_at_batch_priority_with_results_in_input_order(fabric: Fa
     # no version runs every chunk on one label's version (while the weights stand), not some
     # chunks on stable and some on canary, outputs mixed with no trace of which is which.
     assert fabric.target.request_ids == {f"job-{job_id}"}
-    metrics = scrape(runner.metrics_port)
-    assert total(metrics, names.JOBS_ITEMS_TOTAL, status="ok") == 200
-    assert total(metrics, names.JOBS_ITEMS_RUNNING) == 0
+    # The runner counts a chunk's items once its record's reply is back, which may be a moment
+    # after the job's counts (written by that record) read finished.
+    await eventually(
+        lambda: total(scrape(runner.metrics_port), names.JOBS_ITEMS_TOTAL, status="ok") == 200,
+        message="every item counted ok",
+    )
+    assert total(scrape(runner.metrics_port), names.JOBS_ITEMS_RUNNING) == 0
 
 
 async def test_a_job_at_critical_priority_is_refused_at_submission(fabric: Fabric) -> None:
@@ -1106,9 +1110,16 @@ async def test_a_fleet_down_longer_than_the_retries_fails_no_item(
     job = await fabric.finished(job_id)
     assert (job.state, job.num_failed) == (jobs.JOB_STATE_SUCCEEDED, 0)
     # The round the chunk was left for the fleet recorded nothing: no chunk duration of it
-    # (it was observed, and an outage made chunks look fast when nothing was recorded).
+    # (it was observed, and an outage made chunks look fast when nothing was recorded). The
+    # recorded round's is observed once its record's reply is back, which may be a moment
+    # after the job read finished.
+    chunk_count = f"{names.JOBS_CHUNK_SECONDS}_count"
+    await eventually(
+        lambda: total(scrape(runner.metrics_port), chunk_count) >= 1,
+        message="the recorded chunk's duration observed",
+    )
     metrics = scrape(runner.metrics_port)
-    assert total(metrics, f"{names.JOBS_CHUNK_SECONDS}_count") == 1
+    assert total(metrics, chunk_count) == 1
     assert total(metrics, names.JOBS_CHUNKS_LEFT_TOTAL, reason="fleet_unavailable") >= 1
     assert fabric.target.num_unavailable == 0 and fabric.target.num_calls >= 6
     assert_all_ok_in_order(await fabric.results(job_id), texts)
