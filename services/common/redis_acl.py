@@ -41,6 +41,8 @@ from urllib.parse import unquote, urlsplit
 
 from redis.credentials import CredentialProvider
 
+from services.common.settings import StartupError, unusable_file
+
 ADMIN, ROUTER, WORKER, GATEWAY = "admin", "router", "worker", "gateway"
 #: The job runners (services.jobs): the job keys only (services.common.job_store).
 JOBS = "jobs"
@@ -175,14 +177,17 @@ class FileCredentials(CredentialProvider):
 def role_credentials(role: str, url: str, password_file: Path | None) -> FileCredentials | None:
     """How a tier of `role` authenticates to `url`: None when the URL carries the credentials
     (or there are none); otherwise as the URL's user, or else `role`, with the password in
-    `password_file`. Reads the file once now, so that a missing or empty one fails at start-up;
-    raises ValueError when the URL has a password too (two sources, one would be ignored)."""
+    `password_file`. Reads the file once now, so that a missing or empty one fails at start-up
+    (StartupError); so does a URL with a password too (two sources, one would be ignored)."""
     if password_file is None:
         return None
     parts = urlsplit(url)
     if parts.password:
-        raise ValueError("give the Redis password in the URL or in a password file, not both")
-    read_password(password_file)
+        raise StartupError("give the Redis password in the URL or in a password file, not both")
+    try:
+        read_password(password_file)
+    except (OSError, ValueError) as error:
+        raise unusable_file("the Redis password file", password_file, error) from error
     return FileCredentials(unquote(parts.username or "") or role, password_file)
 
 

@@ -10,10 +10,12 @@ message naming it; so does a value the config dataclasses reject.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -278,12 +280,35 @@ def read_config(
         parser.error(str(error))
 
 
+class StartupError(ValueError):
+    """A setting that parsed but cannot be used once the process starts: a file it names is
+    missing, unreadable or malformed where the tier first reads it (a pod's paths are not
+    read when its config is parsed). Under `ConfigParser.startup_errors` the process exits
+    with status 2 and the message, as for a malformed flag, not with a traceback."""
+
+
+def unusable_file(what: str, path: Path, error: Exception) -> StartupError:
+    """The StartupError for the file `path` (`what` it holds) that failed with `error`."""
+    reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    return StartupError(f"{what} {path} cannot be used: {reason}")
+
+
 @dataclass(frozen=True)
 class ConfigParser(Generic[C]):
     """A tier's `parse_config`: its table and how its config is built from the values."""
 
     table: SettingsTable
     build: Callable[[Mapping[str, Any]], C]
+
+    @contextlib.contextmanager
+    def startup_errors(self) -> Iterator[None]:
+        """Around a tier's run: a StartupError exits with status 2 and its message on
+        stderr, named as the parser names the program."""
+        try:
+            yield
+        except StartupError as error:
+            sys.stderr.write(f"{self.table.prog}: error: {error}\n")
+            raise SystemExit(2) from None
 
     def __call__(
         self, argv: list[str] | None = None, environ: Mapping[str, str] | None = None

@@ -74,7 +74,8 @@ def main() -> None:
         # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
         raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())
     configure_tracing("gateway")
-    raise SystemExit(event_loop.run(serve(config), config.event_loop))
+    with parse_config.startup_errors():  # a file a setting names, unusable: status 2
+        raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

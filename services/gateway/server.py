@@ -22,6 +22,7 @@ from services.common.lifecycle import (
     sleep_unless_stopped,
 )
 from services.common.model_repository import load_repository
+from services.common.settings import unusable_file
 from services.common.telemetry import tier_registry
 from services.common.tls import HealthListener, add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
@@ -178,7 +179,12 @@ def _not_read(model: str, error: Exception) -> None:
 
 
 def _load_keys(config: GatewayConfig) -> KeyStore | None:
-    keys = KeyStore.from_file(config.api_keys_file) if config.api_keys_file else None
+    keys = None
+    if config.api_keys_file:
+        try:
+            keys = KeyStore.from_file(config.api_keys_file)
+        except (OSError, ValueError) as error:  # a reload keeps the old keys; none at start
+            raise unusable_file("the API keys file", config.api_keys_file, error) from error
     if keys is None:  # GatewayConfig refuses this unless allow_unauthenticated is set
         log.warning(
             "AUTHENTICATION IS OFF (--allow-unauthenticated): every caller is tenant 'local' "

@@ -31,6 +31,7 @@ from services.common.lifecycle import (
 )
 from services.common.logs import configure_logging
 from services.common.redis_acl import JOBS, redacted_url, role_credentials
+from services.common.settings import unusable_file
 from services.common.telemetry import tier_registry
 from services.common.tls import open_channel
 from services.jobs.config import RunnerConfig, parse_config
@@ -47,7 +48,11 @@ REDIS_TIMEOUT_S = 5.0
 def _predict_fn(stub: api_grpc.InferenceServiceStub, config: RunnerConfig) -> PredictFn:
     metadata: tuple[tuple[str, str], ...] = ()
     if config.api_key_file is not None:
-        metadata = (("authorization", f"Bearer {config.api_key_file.read_text().strip()}"),)
+        try:
+            key = config.api_key_file.read_text().strip()
+        except OSError as error:
+            raise unusable_file("the API key file", config.api_key_file, error) from error
+        metadata = (("authorization", f"Bearer {key}"),)
 
     async def predict(request: api.PredictRequest) -> api.PredictResponse:
         return await stub.Predict(request, timeout=config.call_timeout_s, metadata=metadata)
@@ -97,7 +102,8 @@ async def serve(config: RunnerConfig) -> int:
 def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
     configure_logging("jobs", config.logging)
-    raise SystemExit(asyncio.run(serve(config)))
+    with parse_config.startup_errors():  # a file a setting names, unusable: status 2
+        raise SystemExit(asyncio.run(serve(config)))
 
 
 if __name__ == "__main__":

@@ -63,7 +63,8 @@ def main() -> None:
     config = parse_config()  # a bad setting exits here (status 2), before anything starts
     configure_logging("router", config.logging)
     configure_tracing("router")
-    raise SystemExit(event_loop.run(serve(config), config.event_loop))
+    with parse_config.startup_errors():  # a file a setting names, unusable: status 2
+        raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,3 +89,47 @@ def test_where_uvloop_cannot_be_imported_the_process_runs_asyncios_loop_and_says
     (loop,) = done.stdout.splitlines()
     assert loop.split()[0].startswith("asyncio.") and loop.endswith(" True")
     assert "uvloop cannot be imported" in done.stderr
+
+
+#: A Redis no test runs (nothing is connected to: the file is read first).
+_NO_REDIS = ("--redis-url", "redis://127.0.0.1:1/0")
+
+
+@pytest.mark.parametrize(
+    ("tier", "args", "named"),
+    [
+        ("router", (*_NO_REDIS, "--redis-password-file", "{missing}"), "Redis password file"),
+        (
+            "jobs",
+            (*_NO_REDIS, "--redis-password-file", "{missing}", "--gateway-address", "127.0.0.1:1"),
+            "Redis password file",
+        ),
+        ("gateway", ("--api-keys-file", "{missing}", "--http-port", "-1"), "API keys file"),
+        ("gateway", ("--api-keys-file", "{malformed}", "--http-port", "-1"), "API keys file"),
+        (
+            "router",
+            ("--redis-url", "redis://u:p@127.0.0.1:1/0", "--redis-password-file", "{malformed}"),
+            "not both",
+        ),
+    ],
+)
+def test_a_file_a_setting_names_that_cannot_be_used_exits_2_with_a_message(
+    tmp_path: Path, tier: str, args: tuple[str, ...], named: str
+) -> None:
+    """A missing or malformed file that a setting names exits at start-up with status 2 and
+    one line naming it, as a malformed flag does: before, a traceback and status 1."""
+    malformed = tmp_path / "malformed"
+    malformed.write_text("[[keys]\n")
+    paths = {"missing": tmp_path / "missing", "malformed": malformed}
+    argv = [a.format(**paths) for a in args]
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{tier}", "--metrics-port", "0", *argv],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert line.startswith(f"python -m services.{tier}: error: ") and named in line, line

@@ -18,6 +18,7 @@ from services.common.redis_acl import (
     role_credentials,
     write_acl_files,
 )
+from services.common.settings import StartupError
 
 pytestmark = pytest.mark.unit
 
@@ -146,11 +147,11 @@ def test_redacted_url_hides_only_the_password() -> None:
 
 
 def test_role_credentials_fail_at_start_up_on_a_bad_file_or_two_passwords(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(StartupError, match="missing cannot be used: No such file"):
         role_credentials("worker", "redis://redis:6379/0", tmp_path / "missing")
     (tmp_path / "empty").write_text("\n")
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(StartupError, match="empty"):
         role_credentials("worker", "redis://redis:6379/0", tmp_path / "empty")
     (tmp_path / "password").write_text("p")
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(StartupError, match="not both"):
         role_credentials("worker", "redis://worker:q@redis:6379/0", tmp_path / "password")
