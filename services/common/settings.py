@@ -290,6 +290,7 @@ class StartupError(ValueError):
 def unusable_file(what: str, path: Path, error: Exception) -> StartupError:
     """The StartupError for the file `path` (`what` it holds) that failed with `error`."""
     reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+    reason = reason.removeprefix(f"{path}: ")  # the file's own errors may name it first
     return StartupError(f"{what} {path} cannot be used: {reason}")
 
 

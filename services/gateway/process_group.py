@@ -99,8 +99,8 @@ class ProcessGroup:
             for index in range(self._num_processes):
                 self._start(index)
             try:
-                if not self._wait_first_ready():
-                    return self._stop_all(status=1)
+                if (failed := self._wait_first_ready()) is not None:
+                    return self._stop_all(status=failed)
             except _StopRequested:
                 return self._stop_all(status=0)
             metrics_port = start_metrics(self.config.metrics_port, self.config.host, self._registry)
@@ -160,26 +160,28 @@ class ProcessGroup:
         """True once `member` has written its ready file (its metrics port recorded)."""
         return member.metrics_port is not None or member.read_ready() is not None
 
-    def _wait_first_ready(self) -> bool:
-        """Waits for every process's ready file; False if one exits first or time runs out.
+    def _wait_first_ready(self) -> int | None:
+        """Waits for every process's ready file; None once all wrote theirs, else the group's
+        exit status: 2 if a process exited 2 first (a setting it could not use, which it
+        named: settings.StartupError), else 1 (one exited otherwise, or time ran out).
         Raises _StopRequested on SIGTERM/SIGINT."""
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not all(self._read_ready(m) for m in self._members.values()):
             for member in self._members.values():
-                if member.process.poll() is not None:
+                if (code := member.process.poll()) is not None:
                     log.error(
                         "gateway process %d exited with code %d before the group was ready",
                         member.index,
-                        member.process.returncode,
+                        code,
                     )
-                    return False
+                    return 2 if code == 2 else 1
             if time.monotonic() > deadline:
                 log.error("the gateway group was not ready within %.0f s", READY_TIMEOUT_S)
-                return False
+                return 1
             info = signal.sigtimedwait(WAKE_SIGNALS, 0.05)
             if info is not None and info.si_signo != signal.SIGCHLD:
                 raise _StopRequested
-        return True
+        return None
 
     def _supervise(self) -> int:
         """Restarts processes that exit until a stop is asked for, then stops the group."""

@@ -153,8 +153,7 @@ def main() -> None:
     configure_tracing("gpu_worker")
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    with parse_config.startup_errors():  # a file a setting names, unusable: status 2
-        raise SystemExit(event_loop.run(serve(config), config.event_loop))
+    raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

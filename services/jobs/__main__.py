@@ -50,7 +50,9 @@ def _predict_fn(stub: api_grpc.InferenceServiceStub, config: RunnerConfig) -> Pr
     if config.api_key_file is not None:
         try:
             key = config.api_key_file.read_text().strip()
-        except OSError as error:
+            if not key:
+                raise ValueError("empty")
+        except (OSError, ValueError) as error:  # ValueError: empty, or not UTF-8
             raise unusable_file("the API key file", config.api_key_file, error) from error
         metadata = (("authorization", f"Bearer {key}"),)
 

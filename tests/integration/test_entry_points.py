@@ -106,6 +106,16 @@ _NO_REDIS = ("--redis-url", "redis://127.0.0.1:1/0")
         ),
         ("gateway", ("--api-keys-file", "{missing}", "--http-port", "-1"), "API keys file"),
         ("gateway", ("--api-keys-file", "{malformed}", "--http-port", "-1"), "API keys file"),
+        (  # a group: its supervisor exits as its processes did
+            "gateway",
+            (*_NO_REDIS, "--api-keys-file", "{missing}", "--http-port", "-1", "--processes", "2"),
+            "API keys file",
+        ),
+        (
+            "jobs",
+            (*_NO_REDIS, "--api-key-file", "{empty}", "--gateway-address", "127.0.0.1:1"),
+            "API key file",
+        ),
         (
             "router",
             ("--redis-url", "redis://u:p@127.0.0.1:1/0", "--redis-password-file", "{malformed}"),
@@ -118,9 +128,10 @@ def test_a_file_a_setting_names_that_cannot_be_used_exits_2_with_a_message(
 ) -> None:
     """A missing or malformed file that a setting names exits at start-up with status 2 and
     one line naming it, as a malformed flag does: before, a traceback and status 1."""
-    malformed = tmp_path / "malformed"
+    malformed, empty = tmp_path / "malformed", tmp_path / "empty"
     malformed.write_text("[[keys]\n")
-    paths = {"missing": tmp_path / "missing", "malformed": malformed}
+    empty.write_text("\n")
+    paths = {"missing": tmp_path / "missing", "malformed": malformed, "empty": empty}
     argv = [a.format(**paths) for a in args]
     done = subprocess.run(
         [sys.executable, "-m", f"services.{tier}", "--metrics-port", "0", *argv],
@@ -131,5 +142,7 @@ def test_a_file_a_setting_names_that_cannot_be_used_exits_2_with_a_message(
     )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    (line,) = [line for line in done.stderr.splitlines() if ": error: " in line]
-    assert line.startswith(f"python -m services.{tier}: error: ") and named in line, line
+    lines = [line for line in done.stderr.splitlines() if ": error: " in line]
+    assert lines, done.stderr  # one line, one for each process of a group
+    for line in lines:
+        assert line.startswith(f"python -m services.{tier}: error: ") and named in line, line
