@@ -17,7 +17,7 @@ import pytest
 from services.common.model_routing import ModelRouting
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from services.pb.inference.v1 import types_pb2
+from tests.support.fabric_load import predict_row_request
 from tests.support.models import break_version, write_versioned_affine_model
 from tests.support.stack import Stack, start_stack
 from tests.support.waiting import eventually
@@ -59,9 +59,7 @@ def rollout(stack: Stack, repository: Path, *args: str) -> subprocess.CompletedP
 
 def unversioned_request(model: str) -> api.PredictRequest:
     """A request naming no version: the gateway's routing picks one."""
-    row = np.array([0.5, 1.0, 2.0, 3.0], dtype=np.float32)
-    tensor = types_pb2.Tensor(dtype=types_pb2.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
-    return api.PredictRequest(model_name=model, inputs=[api.PredictInput(tensor=tensor)])
+    return predict_row_request(np.array([0.5, 1.0, 2.0, 3.0], dtype=np.float32), model=model)
 
 
 async def traffic(address: str, model: str, stop: asyncio.Event) -> list[str]:

@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 import redis
 import yaml
@@ -39,14 +38,14 @@ from services.common.registry_schema import RegistryKeys
 from services.gateway.config import GatewayConfig
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from services.pb.inference.v1 import types_pb2
 from services.router.routing_config import RoutingConfig
 from services.router.server import REGISTRY_HEALTH_NAME
-from tests.support.fabric_load import predict_request, routed_to
+from tests.support.fabric_load import predict_request, predict_row_request, routed_to
 from tests.support.metrics import scrape, total
 from tests.support.models import (
     STALL,
     release_stall,
+    row,
     write_small_minilm_repository,
     write_stalling_model,
 )
@@ -266,9 +265,7 @@ async def hold(until_s: float) -> None:
 
 async def predict_stalled(address: str) -> api.PredictResponse:
     """One call of the stalling model with a row that stalls until its gate opens."""
-    row = np.array([STALL, 0.0, 0.0, 0.0], dtype=np.float32)
-    tensor = types_pb2.Tensor(dtype=types_pb2.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
-    request = api.PredictRequest(model_name="stall", inputs=[api.PredictInput(tensor=tensor)])
+    request = predict_row_request(row(STALL, 0.0, 0.0, 0.0), model="stall")
     async with grpc.aio.insecure_channel(address) as channel:
         return await api_grpc.InferenceServiceStub(channel).Predict(request, timeout=TIMEOUT_S)
 

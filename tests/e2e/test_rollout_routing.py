@@ -19,9 +19,8 @@ import numpy as np
 import pytest
 
 from bench.fabric.loadgen import retry_after_of
-from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
-from services.pb.inference.v1 import types_pb2
+from tests.support.fabric_load import predict_row_request
 from tests.support.models import write_versioned_affine_model
 from tests.support.stack import Stack, start_stack
 from tests.support.waiting import eventually
@@ -65,10 +64,7 @@ REFUSALS_RETRIED = 5
 
 async def version_served(stub: api_grpc.InferenceServiceStub, request_id: str = "") -> str:
     row = np.array([0.5, 1.0, 2.0, 3.0], dtype=np.float32)
-    tensor = types_pb2.Tensor(dtype=types_pb2.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
-    request = api.PredictRequest(
-        model_name="affine", inputs=[api.PredictInput(tensor=tensor)], request_id=request_id
-    )
+    request = predict_row_request(row, request_id=request_id)
     # A caller as the fabric's contract asks: a refusal with a retry hint (the gateway's door
     # on a machine the parallel suite loads) is retried after the hint. The version a call is
     # served by is drawn when it is served, so retries leave the split unbiased.

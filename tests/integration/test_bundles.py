@@ -42,6 +42,7 @@ from tests.support.models import (
     STALL,
     affine_reference,
     release_stall,
+    row,
     write_affine_model,
     write_minilm_repository,
 )
@@ -53,10 +54,6 @@ pytestmark = pytest.mark.integration
 PATIENT_S = 30.0
 #: What a call's transit may add to its deadline at the worker, past the sender's clock.
 DEADLINE_TRANSIT_S = 0.3
-
-
-def row(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
 
 
 def expected(*rows: np.ndarray) -> np.ndarray:

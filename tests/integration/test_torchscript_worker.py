@@ -42,6 +42,7 @@ from tests.support.models import (
     STALL,
     affine_reference,
     release_stall,
+    row,
     write_affine_model,
     write_stalling_model,
 )
@@ -62,10 +63,6 @@ def row_request(
             for r in rows
         ],
     )
-
-
-def row(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
 
 
 async def start(

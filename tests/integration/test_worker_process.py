@@ -22,7 +22,10 @@ from tests.support.metrics import samples, scrape, total
 from tests.support.models import (
     STALL,
     affine_reference,
+    infer_request,
+    outputs,
     release_stall,
+    row,
     write_affine_model,
     write_minilm_repository,
     write_stalling_model,
@@ -184,11 +187,6 @@ def test_the_worker_runs_on_uvloop_by_default(worker: ServiceProcess) -> None:
     assert "running on uvloop's event loop" in worker.log()
 
 
-def tensor_request(model: str, row: np.ndarray) -> pb.InferRequest:
-    tensor = pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=row.tobytes())
-    return pb.InferRequest(model_name=model, inputs=[pb.ModelInput(tensor=tensor)])
-
-
 async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) -> None:
     """Rows queued when the SIGTERM lands are answered before the worker exits 0. They queue
     behind a stalled batch (the stalling model's, gate closed), so the drain has work left
@@ -215,7 +213,7 @@ async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) 
             stub = pb_grpc.WorkerServiceStub(channel)
             stalled_before = metric(dispatched, "stall")
             stalled = asyncio.ensure_future(
-                stub.Infer(tensor_request("stall", np.array([STALL, 0, 0, 0], "f4")), timeout=60)
+                stub.Infer(infer_request("stall", row(STALL, 0, 0, 0)), timeout=60)
             )
             await eventually(
                 lambda: metric(dispatched, "stall") > stalled_before,
@@ -223,7 +221,7 @@ async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) 
             )
             rows = [np.full(4, 100.0 + i, dtype=np.float32) for i in range(16)]
             in_flight = [
-                asyncio.ensure_future(stub.Infer(tensor_request("affine", r), timeout=60))
+                asyncio.ensure_future(stub.Infer(infer_request("affine", r), timeout=60))
                 for r in rows
             ]
             await eventually(
@@ -245,8 +243,8 @@ async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) 
         code = await asyncio.to_thread(service.terminate)
     # Every row admitted before the signal was answered, each with its own output.
     expected = affine_reference(torch.from_numpy(np.stack(rows))).numpy()
-    outputs = [np.frombuffer(a.outputs[0].raw_data, "<f4") for a in answers[1:]]
-    np.testing.assert_allclose(np.stack(outputs), expected, rtol=1e-5)
+    answered = np.concatenate([outputs(a) for a in answers[1:]])
+    np.testing.assert_allclose(answered, expected, rtol=1e-5)
     assert code == 0, service.log()
     assert "draining" in service.log()
 

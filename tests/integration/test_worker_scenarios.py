@@ -31,7 +31,10 @@ from tests.support.metrics import total
 from tests.support.models import (
     STALL,
     affine_reference,
+    infer_request,
+    outputs,
     release_stall,
+    row,
     versioned_affine_reference,
     write_affine_model,
     write_stalling_model,
@@ -45,22 +48,6 @@ pytestmark = pytest.mark.integration
 PATIENT_S = 30.0
 #: A generous SLO: these tests pin down counts and statuses, not speed.
 SLO_MS = 30_000
-
-
-def row(*values: float) -> np.ndarray:
-    return np.array(values, dtype=np.float32)
-
-
-def infer_request(model: str, *rows: np.ndarray, **fields: str) -> pb.InferRequest:
-    inputs = [
-        pb.ModelInput(tensor=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=r.tobytes()))
-        for r in rows
-    ]
-    return pb.InferRequest(model_name=model, inputs=inputs, **fields)
-
-
-def outputs(response: pb.InferResponse) -> np.ndarray:
-    return np.stack([np.frombuffer(t.raw_data, dtype="<f4") for t in response.outputs])
 
 
 def expected(*rows: np.ndarray) -> np.ndarray:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import numpy as np
 
 from services.common import metric_names as names
+from services.common.tensors import tensor_to_pb
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.metrics import scrape, total
@@ -23,6 +25,15 @@ ANSWERS_TIMEOUT_S = 120.0
 def predict_request(*texts: str, model: str = "minilm", version: str = "") -> api.PredictRequest:
     return api.PredictRequest(
         model_name=model, model_version=version, inputs=[api.PredictInput(text=t) for t in texts]
+    )
+
+
+def predict_row_request(
+    row: np.ndarray, *, model: str = "affine", request_id: str = ""
+) -> api.PredictRequest:
+    """A Predict of one tensor row (an affine-shaped test model's: FP32 [4])."""
+    return api.PredictRequest(
+        model_name=model, inputs=[api.PredictInput(tensor=tensor_to_pb(row))], request_id=request_id
     )
 
 

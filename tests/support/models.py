@@ -6,6 +6,7 @@ import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import torch
 
 # The affine test model is the benchmarks' model of known cost (bench/models.py); re-exported.
@@ -13,6 +14,7 @@ from bench.models import POISON as POISON
 from bench.models import affine_reference as affine_reference
 from bench.models import write_affine_model as write_affine_model
 from services.common.model_repository import ModelVersion, load_repository
+from services.pb.inference.v1 import worker_pb2 as pb
 
 
 def write_minilm_repository(repository: Path, *, slo_p99_ms: int) -> Path:
@@ -57,6 +59,25 @@ def replace_config_lines(config: Path, replaced: Mapping[str, str]) -> None:
 
 #: A row whose first value is this makes the stalling test model block (see `_Stall`).
 STALL = 77.0
+
+
+def row(*values: float) -> np.ndarray:
+    """One FP32 input row of the affine-shaped test models (FP32 [4] -> FP32 [2])."""
+    return np.array(values, dtype=np.float32)
+
+
+def infer_request(model: str, *rows: np.ndarray, **fields: str) -> pb.InferRequest:
+    """A worker InferRequest of `rows` (FP32 [4] each), one input a row."""
+    inputs = [
+        pb.ModelInput(tensor=pb.Tensor(dtype=pb.DATA_TYPE_FP32, shape=[4], raw_data=r.tobytes()))
+        for r in rows
+    ]
+    return pb.InferRequest(model_name=model, inputs=inputs, **fields)
+
+
+def outputs(response: pb.InferResponse) -> np.ndarray:
+    """A worker answer's FP32 outputs, a row each."""
+    return np.stack([np.frombuffer(t.raw_data, dtype="<f4") for t in response.outputs])
 
 
 class _Stall(torch.nn.Module):
