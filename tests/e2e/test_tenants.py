@@ -59,8 +59,14 @@ def keys_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def stack(tmp_path_factory: pytest.TempPathFactory, keys_path: Path) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("tenants")
     repository = write_small_minilm_repository(tmp / "repo")
+    # No door (services.common.door): on a busy machine it may shed the whole flood before the
+    # quota sees enough of it to refuse any, and shed the victim's calls as over their share once
+    # the flood has passed; the module would then test the door, not quotas. The door against a
+    # flood is e2e/test_tenant_flood.py's and integration/test_door.py's.
     stack = start_stack(
-        tmp, model_repository=repository, extra_gateway_args=(f"--api-keys-file={keys_path}",)
+        tmp,
+        model_repository=repository,
+        extra_gateway_args=(f"--api-keys-file={keys_path}", "--no-door"),
     )
     yield stack
     assert stack.stop() == 0, stack.stop_report()
@@ -91,10 +97,8 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     gateway bound the calls waiting to be picked up below 400 (--max-pending-calls, off by
     default; GATEWAY_MAX_PENDING_CALLS), grpc drops some unseen (CANCELLED) before the quota
     sees them, and may drop another tenant's call meanwhile: the victim, paced at half its own
-    quota, sends a dropped call again (as the slim client does), and is never refused. On a busy
-    machine the door's limit (services.common.door) may fall while the flood waits; it then
-    refuses the caller over its share, the flood."""
-    doors_refused = total(scrape(stack.gateway.metrics_port), names.DOOR_REFUSED_TOTAL)
+    quota, sends a dropped call again (as the slim client does), and is never refused. The gateway
+    runs without its door here (the fixture): every refusal is the quota's."""
     async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
         stub = api_grpc.InferenceServiceStub(channel)
         resent = 0
@@ -130,9 +134,8 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
     admitted = len(flood_outcomes) - len(failed)
     assert admitted <= 20 * 0.5 + 20 * flood_s + 1, (admitted, flood_s, len(dropped))
     over_quota = [e for e in refused if "tenant 'flood' is over its quota" in e.details()]
-    over_share = [e for e in refused if "this caller sent at least its share" in e.details()]
     assert len(over_quota) >= 1, [e.details() for e in refused]
-    assert len(over_quota) + len(over_share) == len(refused), [e.details() for e in refused]
+    assert len(over_quota) == len(refused), [e.details() for e in refused]
     for error in refused:
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         trailers = dict(error.trailing_metadata() or ())
@@ -144,8 +147,7 @@ async def test_a_flooding_tenant_is_refused_by_its_quota_while_the_other_is_serv
         metrics, names.GATEWAY_TENANT_REFUSED_TOTAL, tenant="flood", reason="requests_per_s"
     )
     assert refusals == len(over_quota)
-    door_refusals = total(metrics, names.DOOR_REFUSED_TOTAL) - doors_refused
-    assert door_refusals == len(over_share), (door_refusals, len(over_share))
+    assert names.DOOR_REFUSED_TOTAL not in metrics  # no door: nothing else refused
     victim_ok = total(metrics, names.GATEWAY_TENANT_REQUESTS_TOTAL, tenant="victim", code="OK")
     assert victim_ok == 20
 

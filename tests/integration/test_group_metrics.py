@@ -4,7 +4,9 @@ does not answer is left out."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pytest
@@ -40,15 +42,22 @@ def process_registry(num_requests: int) -> CollectorRegistry:
     return registry
 
 
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+@contextlib.contextmanager
+def closed_port() -> Iterator[int]:
+    """A loopback port that refuses connections while the block lasts: bound, never listening,
+    so no other process (another xdist worker) can take it meanwhile."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
 
 
 def test_processes_series_are_labelled_and_merged_into_one_family_each() -> None:
-    with serving(process_registry(3)) as first, serving(process_registry(5)) as second:
-        group = Ports({0: first, 1: second, 2: closed_port()})
+    with (
+        serving(process_registry(3)) as first,
+        serving(process_registry(5)) as second,
+        closed_port() as closed,
+    ):
+        group = Ports({0: first, 1: second, 2: closed})
         text = generate_latest(GroupMetrics(group, PROCESS_LABEL)).decode()
     by_process = {
         labels[PROCESS_LABEL]: value for labels, value in samples(text, "demo_requests_total")

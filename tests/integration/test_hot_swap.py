@@ -355,11 +355,13 @@ async def test_a_desired_state_unreadable_at_start_is_none_not_an_empty_one(
     """Redis unreachable at start: the desired state was {}, as with no entries, so each
     start-up failure counted as tried at revision 0, and the first read (revision N) loaded
     every failed version again with no load written. None says it was not read."""
+    # Bound, never listening, and held through the read: connections are refused, and no
+    # other process (another xdist worker's Redis) can take the port meanwhile.
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    unreachable = config(tmp_path, f"redis://127.0.0.1:{port}")  # nothing listens there
-    assert await desired_at_start(unreachable) is None
+        unreachable = config(tmp_path, f"redis://127.0.0.1:{port}")  # nothing listens there
+        assert await desired_at_start(unreachable) is None
     assert await desired_at_start(dataclasses.replace(unreachable, redis_url=None)) == {}
 
 
