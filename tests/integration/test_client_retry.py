@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import types
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -14,12 +15,14 @@ from typing import Any
 import grpc
 import pytest
 from inference_fabric_client import Client, FabricError, ThrottledError
+from inference_fabric_client import client as client_module
 from inference_fabric_client.retry import RetryPolicy
 from inference_fabric_client.throttle import ThrottlePolicy
 
 from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import types_pb2
+from tests.support.clock import FakeClock
 from tests.support.sync_servers import sync_servers
 
 pytestmark = pytest.mark.integration
@@ -202,12 +205,18 @@ def test_a_timeout_of_zero_is_due_at_once_not_the_clients_default(serve: Any) ->
     assert raised.value.code == "DEADLINE_EXCEEDED"
 
 
-def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -> None:
+def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(
+    serve: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Adaptive throttling (inference_fabric_client.throttle), on by default, against a real
     server that refuses every predict without a hint: past `min_requests`, the client refuses
     calls itself, unsent, as ThrottledError (RESOURCE_EXHAUSTED with a hint), for that model
     only; once the server accepts again and the window has passed, every call is sent again.
-    Unthrottled, every call reaches the server."""
+    Unthrottled, every call reaches the server. The client's clock (it reads time.monotonic
+    alone) moves when the test moves it: every call falls in the throttle's window however
+    slowly the machine answers, and a window passes at once."""
+    clock = FakeClock()
+    monkeypatch.setattr(client_module, "time", types.SimpleNamespace(monotonic=clock))
     servicer = Refusing(refusals=1000, hint_ms=None)
     with Client(serve(servicer)) as client:
         failures = []
@@ -232,7 +241,7 @@ def test_a_client_refused_by_most_calls_refuses_some_itself_unsent(serve: Any) -
         sent = len(recovering.calls)
         assert sent < 30
         recovering.refusals = 0
-        time.sleep(1.1)  # a window: the refusals are forgotten (nothing to await for that)
+        clock.now_s += policy.window_s  # a window: the refusals are forgotten
         for _ in range(20):
             assert client.predict("m", ["hello"], timeout_s=10).model == "m"
         assert len(recovering.calls) == sent + 20
