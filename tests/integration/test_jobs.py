@@ -724,19 +724,28 @@ async def test_a_keep_under_an_acl_of_before_its_script_claims_an_entry_idle_sin
     finally:
         await admin.aclose()
     store = JobStore(aioredis.Redis.from_url(redis_server.role_url(JOBS)))
+    admin = aioredis.Redis.from_url(redis_server.url)  # the jobs user may not look
+
+    async def idle_a_minute(entry: QueueEntry) -> None:
+        """Made so in Redis, not waited for: the entry as if runner-1's last keep (or its
+        delivery) was a minute ago, however slowly the machine runs the test."""
+        await admin.xclaim(
+            store.queue_key, GROUP, "runner-1", 0, [entry.entry_id], idle=60_000, justid=True
+        )
+
     try:
         entry = await _read_by_runner_1(store)
-        await asyncio.sleep(1.0)
-        assert await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)  # idle since delivered
-        await asyncio.sleep(1.0)
+        await idle_a_minute(entry)
+        assert await store.keep("runner-1", entry, 60_000 - KEEP_SLACK_MS)  # since delivered
+        await idle_a_minute(entry)
         assert [e.entry_id for e in await store.reclaim("runner-2", 0, 1)] == [entry.entry_id]
-        assert not await store.keep("runner-1", entry, 1000 - KEEP_SLACK_MS)
-        admin = aioredis.Redis.from_url(redis_server.url)  # the jobs user may not look
+        # Idle a minute since runner-1's keep, but taken over just now: left to runner-2.
+        assert not await store.keep("runner-1", entry, 60_000 - KEEP_SLACK_MS)
         pending = await admin.xpending_range(store.queue_key, GROUP, "-", "+", 10)
-        await admin.aclose()
         assert [p["consumer"] for p in pending] == [b"runner-2"]
     finally:
         await store.client.aclose()
+        await admin.aclose()
 
 
 class _LostReply:
@@ -766,15 +775,20 @@ async def test_a_keep_whose_reply_was_lost_goes_on_keeping_the_chunk(
         entry = await _read_by_runner_1(store)
         lossy = _LostReply(store)
         keeping = asyncio.create_task(keep_claimed(lossy, "runner-1", entry, 0.3))  # type: ignore[arg-type]
-        # Kept every 0.1 s for 2.5 s: never idle 2 s, so another runner's reclaim takes
-        # nothing (the old keep stopped at the second keep, and the entry was idle from then).
-        async with asyncio.timeout(10.0):
-            until_s = time.monotonic() + 2.5
-            while time.monotonic() < until_s:
-                await asyncio.sleep(0.05)
-                assert not keeping.done()
-                assert await store.reclaim("runner-2", 2_000, 1) == []
-        assert lossy.num_keeps >= 4
+        # Keeps go on past the lost reply (the old keep stopped at the second, and the entry
+        # was idle from then) ...
+        await eventually(lambda: keeping.done() or lossy.num_keeps >= 4, message="4 keeps")
+        assert not keeping.done(), "stopped keeping after a lost reply"
+        # ... and each restarts the entry's idle time: made to look a minute idle (a dead
+        # runner's; set in Redis, not waited for), it is kept again by the next keep begun
+        # after that, so another runner's reclaim of entries idle 30 s takes nothing.
+        await store.client.xclaim(
+            store.queue_key, GROUP, "runner-1", 0, [entry.entry_id], idle=60_000, justid=True
+        )
+        kept_from = lossy.num_keeps
+        await eventually(lambda: keeping.done() or lossy.num_keeps >= kept_from + 2)
+        assert not keeping.done()
+        assert await store.reclaim("runner-2", 30_000, 1) == []
         keeping.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await keeping
