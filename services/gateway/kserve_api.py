@@ -31,6 +31,7 @@ from services.gateway.triton_info import (
     PLATFORMS,
     UNIMPLEMENTED_RPCS,
     model_config_message,
+    request_inputs,
     unimplemented,
 )
 from services.pb.inference import grpc_service_pb2 as kserve
@@ -172,7 +173,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
             name=config.name,
             versions=versions,
             platform=PLATFORMS[config.kind],
-            inputs=metadata(config.inputs),
+            inputs=metadata(spec for spec, _ in request_inputs(config)),
             outputs=metadata(config.outputs),
         )
 

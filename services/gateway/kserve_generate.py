@@ -28,7 +28,7 @@ from services.gateway.http.codec import (
     is_json_int,
 )
 from services.gateway.predictor import GenerateCall, Predictor
-from services.gateway.triton_info import request_parameters
+from services.gateway.triton_info import GENERATION_OPTIONAL_INPUTS, request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -79,7 +79,7 @@ def check_inputs(request: kserve.ModelInferRequest) -> None:
 #: `max_tokens` tensor, a misspelt input or a `temperature` parameter ran with the defaults:
 #: review finding). tritonclient's streams send `triton_enable_empty_final_response` when
 #: asked: taken, the last response always says it is the last (`triton_final_response`).
-GENERATE_INPUTS = ("text_input", "stream", "exclude_input_in_output", "sampling_parameters")
+GENERATE_INPUTS = ("text_input", *(spec.name for spec in GENERATION_OPTIONAL_INPUTS))
 GENERATE_OUTPUT = "text_output"
 GENERATE_PARAMETERS = ("priority", "timeout", "triton_enable_empty_final_response")
 

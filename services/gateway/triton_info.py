@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from services.common.errors import InvalidInput, Unimplemented
-from services.common.model_repository import ModelConfig, ModelKind
+from services.common.model_repository import ModelConfig, ModelKind, TensorSpec
 from services.common.priority import PriorityClass
 from services.pb.inference import grpc_service_pb2 as kserve
 from services.pb.inference import model_config_pb2 as triton
@@ -46,6 +46,13 @@ _DATA_TYPES = {
     "BF16": triton.TYPE_BF16,
     "BYTES": triton.TYPE_STRING,
 }
+#: The inputs a generation model's request may add to its own (`text_input`), as Triton's LLM
+#: backends declare them (services.gateway.kserve_generate reads them).
+GENERATION_OPTIONAL_INPUTS = (
+    TensorSpec("stream", "BOOL", (1,)),
+    TensorSpec("exclude_input_in_output", "BOOL", (1,)),
+    TensorSpec("sampling_parameters", "BYTES", (1,)),
+)
 #: Triton's RPCs that this server declares and answers UNIMPLEMENTED, with the reason.
 UNIMPLEMENTED_RPCS: Mapping[str, str] = {
     "SystemSharedMemoryStatus": "shared memory is not supported: send tensors in the request",
@@ -79,8 +86,10 @@ def model_config_message(config: ModelConfig) -> triton.ModelConfig:
         backend="inference-fabric",
         max_batch_size=config.max_batch_size,
         input=[
-            triton.ModelInput(name=s.name, data_type=_DATA_TYPES[s.dtype], dims=s.dims)
-            for s in config.inputs
+            triton.ModelInput(
+                name=s.name, data_type=_DATA_TYPES[s.dtype], dims=s.dims, optional=is_optional
+            )
+            for s, is_optional in request_inputs(config)
         ],
         output=[
             triton.ModelOutput(name=s.name, data_type=_DATA_TYPES[s.dtype], dims=s.dims)
@@ -99,6 +108,14 @@ def model_config_message(config: ModelConfig) -> triton.ModelConfig:
         # As Triton writes it: the policy appears only for decoupled models.
         message.model_transaction_policy.decoupled = True
     return message
+
+
+def request_inputs(config: ModelConfig) -> list[tuple[TensorSpec, bool]]:
+    """The inputs a request of `config`'s model takes, each with whether it may be left out:
+    the model's own, then a generation model's optional ones (GENERATION_OPTIONAL_INPUTS), as
+    Triton lists a vLLM model's in its configuration and metadata."""
+    optional = GENERATION_OPTIONAL_INPUTS if config.generation is not None else ()
+    return [(s, False) for s in config.inputs] + [(s, True) for s in optional]
 
 
 def _parameters(config: ModelConfig) -> Iterable[tuple[str, str]]:

@@ -88,6 +88,17 @@ async def test_stock_triton_client_streams_from_tiny_llama(stack: Stack) -> None
     assert result["final"]["finish_reason"] == "length"
     assert result["final"]["completion_tokens"] == 10
     assert result["final"]["id"] == "gen-1"
+    # The inputs it took are the ones the model declares, three of them optional, as Triton
+    # declares a vLLM model's (a client that builds requests from metadata finds them).
+    assert result["declared"] == {
+        "inputs": [
+            ["text_input", "BYTES"],
+            ["stream", "BOOL"],
+            ["exclude_input_in_output", "BOOL"],
+            ["sampling_parameters", "BYTES"],
+        ],
+        "optional": ["stream", "exclude_input_in_output", "sampling_parameters"],
+    }
     # Counted once, as its stream ended (it was not counted).
     await eventually(lambda: streamed() == before + 1, message="the stream's request counted")
     # stream=false: one final response with the whole text, prompt included.

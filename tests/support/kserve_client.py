@@ -209,7 +209,16 @@ def scalar(name: str, value, datatype: str) -> grpcclient.InferInput:
 
 def run_generate(client, args: argparse.Namespace, headers: dict | None) -> int:
     """ModelStreamInfer with text_input / stream / sampling_parameters; collects responses
-    until the one flagged triton_final_response."""
+    until the one flagged triton_final_response. Reports too the inputs the model's metadata
+    lists and those its configuration marks optional, as a client reads them before it
+    builds a request."""
+    call = {"headers": headers, "client_timeout": args.timeout_s}
+    metadata = client.get_model_metadata(args.model, **call)
+    config = client.get_model_config(args.model, **call).config
+    declared = {
+        "inputs": [[t.name, t.datatype] for t in metadata.inputs],
+        "optional": [i.name for i in config.input if i.optional],
+    }
     responses: queue.Queue = queue.Queue()
     client.start_stream(
         callback=lambda result, error: responses.put((result, error)), headers=headers
@@ -239,7 +248,7 @@ def run_generate(client, args: argparse.Namespace, headers: dict | None) -> int:
             }
             break
     client.stop_stream()
-    print(json.dumps({"chunks": chunks, "final": final}))
+    print(json.dumps({"chunks": chunks, "final": final, "declared": declared}))
     return 0
 
 

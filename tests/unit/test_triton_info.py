@@ -26,8 +26,8 @@ MODELS = Path(__file__).resolve().parents[2] / "models"
 def test_embedding_config_in_tritons_terms() -> None:
     config = model_config_message(parse_model_config("minilm", MODELS / "minilm" / "config.toml"))
     assert (config.name, config.platform, config.max_batch_size) == ("minilm", "pytorch", 64)
-    assert [(i.name, i.data_type, list(i.dims)) for i in config.input] == [
-        ("text", triton.TYPE_STRING, [1])
+    assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+        ("text", triton.TYPE_STRING, [1], False)
     ]
     assert [(o.name, o.data_type, list(o.dims)) for o in config.output] == [
         ("embedding", triton.TYPE_FP32, [384])
@@ -52,6 +52,13 @@ def test_generation_config_is_decoupled_and_names_its_kv_cache(tmp_path: Path) -
         triton.ModelQueuePolicy.REJECT
     )
     assert config.parameters["num_kv_blocks"].string_value == "512"
+    # Its own input, then the optional ones of Triton's LLM backends, which the gateway reads.
+    assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
+        ("text_input", triton.TYPE_STRING, [1], False),
+        ("stream", triton.TYPE_BOOL, [1], True),
+        ("exclude_input_in_output", triton.TYPE_BOOL, [1], True),
+        ("sampling_parameters", triton.TYPE_STRING, [1], True),
+    ]
     assert "length_buckets" not in config.parameters
 
 
