@@ -26,16 +26,33 @@ BATCH = TenantPolicy("batch", requests_per_s=1000.0, rows_per_s=1000.0, max_conc
 TENANTS = {"search": SEARCH, "batch": BATCH}
 
 
-def make_gateway(redis_server: RedisServer) -> tuple[TenantAdmission, QuotaSync]:
+#: A round's period far longer than any round of these tests takes: each rate is then over
+#: exactly it (QuotaSync.sync_once takes the period as a round's least time), so shares are
+#: exact ratios of the calls. Over 0.05 s, a quiet gateway's first round counted its calls
+#: from its construction, past the other's first connect to Redis: a busy machine's 20 ms
+#: more moved the shares past the tests' bounds.
+CLAMPED_PERIOD_S = 10.0
+
+
+def make_gateway(
+    redis_server: RedisServer, period_s: float = 0.05
+) -> tuple[TenantAdmission, QuotaSync]:
     admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels(TENANTS))
-    config = QuotaSyncConfig(redis_url=redis_server.role_url(GATEWAY), period_s=0.05)
+    config = QuotaSyncConfig(redis_url=redis_server.role_url(GATEWAY), period_s=period_s)
     return admission, QuotaSync(config, admission, TENANTS)
+
+
+def two_clamped_gateways(
+    redis_server: RedisServer,
+) -> tuple[tuple[TenantAdmission, QuotaSync], tuple[TenantAdmission, QuotaSync]]:
+    first = make_gateway(redis_server, CLAMPED_PERIOD_S)
+    return first, make_gateway(redis_server, CLAMPED_PERIOD_S)
 
 
 async def test_each_gateway_enforces_the_share_of_the_demand_it_sees(
     redis_server: RedisServer,
 ) -> None:
-    (busy, busy_sync), (quiet, quiet_sync) = make_gateway(redis_server), make_gateway(redis_server)
+    (busy, busy_sync), (quiet, quiet_sync) = two_clamped_gateways(redis_server)
     try:
         for _ in range(30):
             busy.acquire(SEARCH)
@@ -206,7 +223,7 @@ async def test_rows_and_calls_in_flight_are_shared_by_what_each_gateway_reports(
     """Rows are split by rows (a gateway of 5 calls of 150 rows beside one of 95 single rows
     takes nearly 0.9 of the row rate, where split by calls it took 0.05), and calls in flight
     are held to what the other gateways left of the limit."""
-    (big, big_sync), (small, small_sync) = make_gateway(redis_server), make_gateway(redis_server)
+    (big, big_sync), (small, small_sync) = two_clamped_gateways(redis_server)
 
     def big_calls() -> None:
         for _ in range(5):
