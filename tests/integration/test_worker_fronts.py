@@ -141,8 +141,15 @@ async def test_callers_see_one_worker_whose_calls_both_fronts_carry(worker) -> N
         await asyncio.gather(*(c.close() for c in channels))
     for got, (_, expected) in zip(answers, calls, strict=True):
         np.testing.assert_allclose(answer(got), expected, 1e-5)
-    relayed = samples(scrape(worker.metrics_port), names.WORKER_FRONT_STREAMS_TOTAL)
-    by_front = {labels["worker_front"]: value for labels, value in relayed}
+
+    def streams_by_front() -> dict[str, float] | None:
+        """Each front's relayed streams; None while a front's series is missing (the worker's
+        scrape leaves out a front whose own scrape timed out)."""
+        relayed = samples(scrape(worker.metrics_port), names.WORKER_FRONT_STREAMS_TOTAL)
+        found = {labels["worker_front"]: value for labels, value in relayed}
+        return found if set(found) == {"0", "1"} else None
+
+    by_front = await eventually(streams_by_front, message="both fronts' series")
     assert set(by_front) == {"0", "1"} and all(value >= 1 for value in by_front.values()), by_front
     assert sum(by_front.values()) >= CHANNELS
 
@@ -270,7 +277,7 @@ async def test_a_front_killed_mid_call_has_its_queued_rows_withdrawn_by_the_engi
         assert queued() == 0 and not blocker.done()  # its batch holds the executor
         waiting = asyncio.ensure_future(client.call(stall, timeout_s=60))
         await eventually(lambda: queued() == 1, message="the second call was not queued")
-        (carrier,) = [i for i, n in _open_streams_by_front(worker).items() if n > 0]
+        (carrier,) = await _carrying_front(worker)
         os.kill(_front_pid(worker, carrier), signal.SIGKILL)
         for call in (blocker, waiting):
             with pytest.raises(UpstreamError) as failed:
@@ -288,6 +295,15 @@ async def test_a_front_killed_mid_call_has_its_queued_rows_withdrawn_by_the_engi
 def _open_streams_by_front(worker: ServiceProcess) -> dict[str, float]:
     relaying = samples(scrape(worker.metrics_port), names.WORKER_FRONT_OPEN_STREAMS)
     return {labels["worker_front"]: value for labels, value in relaying}
+
+
+async def _carrying_front(worker: ServiceProcess) -> list[str]:
+    """The fronts with an open stream, once one shows (the worker's scrape leaves out a front
+    whose own scrape timed out)."""
+    return await eventually(
+        lambda: [i for i, n in _open_streams_by_front(worker).items() if n > 0],
+        message="the carrying front's open stream",
+    )
 
 
 def _front_pid(worker: ServiceProcess, index: str) -> int:
@@ -382,7 +398,7 @@ async def test_a_front_stopping_alone_sends_its_callers_new_streams_to_the_other
     payload = request.SerializeToString()
     try:
         np.testing.assert_allclose(answer(await client.call(payload, timeout_s=10)), expected, 1e-5)
-        (carrier,) = [i for i, n in _open_streams_by_front(worker).items() if n > 0]
+        (carrier,) = await _carrying_front(worker)
         stopping = _front_pid(worker, carrier)
         os.kill(stopping, signal.SIGTERM)
         outcomes: list[bytes | BaseException] = []
