@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -356,7 +357,18 @@ async def test_an_abort_sets_the_share_back_once_redis_is_back_from_an_outage(
     async def outage_then_fail(n: int) -> None:
         if n == 2:  # the first step's check: Redis stops, the endpoint fails
             await asyncio.to_thread(redis.stop)
-            back = threading.Timer(3.0, redis.restart)
+            # Bound, never listening, until the restart: connections are refused as in an
+            # outage, and no other process (another xdist worker's server on port 0) can take
+            # the port meanwhile (Redis comes back on the same one).
+            held = socket.socket()
+            held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            held.bind(("127.0.0.1", redis.port))
+
+            def restart() -> None:
+                held.close()
+                redis.restart()
+
+            back = threading.Timer(3.0, restart)
             back.start()
             restarting.append(back)
             raise ConnectionError("worker metrics endpoint gone")
