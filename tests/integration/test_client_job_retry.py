@@ -150,12 +150,14 @@ def test_a_dropped_submit_is_sent_again_only_with_an_idempotency_key(serve: Any)
 def test_a_submit_is_sent_again_only_with_as_long_left_as_its_refused_attempt_took(
     serve: Any,
 ) -> None:
-    """A submit refused after 2 s (once most of its items were streamed) is not sent again
+    """A submit refused after 4 s (once most of its items were streamed) is not sent again
     with less than that left of its timeout: the retry would only end DEADLINE_EXCEEDED,
     leaving a caller without an idempotency key unsure whether the job was stored. A get
     refused as slowly is sent again (a unary call's time may have gone to connecting)."""
-    slow = RefusingJobs(refusals=1, hint_ms=10, delay_s=2.0)
-    client = Client(serve(slow), timeout_s=3.5)  # room for a busy machine, not for a second
+    slow = RefusingJobs(refusals=1, hint_ms=10, delay_s=4.0)
+    # Refused after at least 4 s, at most 3 s left: never room for a second attempt however
+    # slow the machine, and 3 s of room for the first one's set-up and its refusal's way back.
+    client = Client(serve(slow), timeout_s=7.0)
     with client, pytest.raises(FabricError) as raised:
         client.jobs().submit("m", TEXTS)
     assert raised.value.code == "RESOURCE_EXHAUSTED" and len(slow.submits) == 1

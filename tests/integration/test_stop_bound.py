@@ -44,11 +44,11 @@ def test_a_stop_awaiting_forever_names_the_task_before_exiting() -> None:
         import asyncio
         from services.common import lifecycle
         lifecycle.STOP_OVERRUN_S = 0.0
-        lifecycle.TASK_DUMP_LEAD_S = 0.25
+        lifecycle.TASK_DUMP_LEAD_S = 2.75  # the tasks written at 0.25 s, the process ended at 3 s
         async def close_that_never_returns():
             await asyncio.Event().wait()
         async def main():
-            lifecycle.bound_stop(0.5)
+            lifecycle.bound_stop(3.0)
             await asyncio.create_task(close_that_never_returns(), name="closing-streams")
         asyncio.run(main())
         """
