@@ -486,7 +486,7 @@ async def test_a_failing_batch_bisected_past_the_watchdog_is_no_wedged_call(
     worker serves on (before, the bound covered the whole batch: the worker took itself for
     wedged and stopped serving)."""
     driver, backend = harness.driver, harness.backend
-    driver.watchdog_s = 1.5  # real seconds: 6x each call, far less than the 15 calls' 3.75 s
+    driver.watchdog_s = 3.0  # real seconds: 12x each call, less than the 15 calls' 3.75 s
     run = backend.run
 
     def failing_run(rows: Sequence[PreparedRow]) -> list[np.ndarray]:
