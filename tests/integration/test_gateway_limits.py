@@ -35,7 +35,7 @@ from tests.support.in_process import Fabric, running_fabric, start_lone_gateway
 from tests.support.models import affine_reference, write_affine_model, write_minilm_repository
 from tests.support.redis import RedisServer
 from tests.support.stream_status import PeerStatus
-from tests.support.waiting import eventually
+from tests.support.waiting import eventually, eventually_sync
 
 pytestmark = pytest.mark.integration
 
@@ -484,18 +484,34 @@ async def test_s38_model_infer_row_cap_comes_before_tensor_decoding(keyed_gatewa
 
 
 def _burst_while_blocked(
-    port: int, num_calls: int, blocked: threading.Event, arrived: threading.Event
+    port: int,
+    num_calls: int,
+    max_pending_calls: int,
+    blocked: threading.Event,
+    arrived: threading.Event,
 ) -> list[str]:
     """Once the loop is `blocked`, sends `num_calls` ServerLive calls at once from this thread
     (a blocking channel, so not on the blocked loop), lets them reach the server (`arrived`
-    set after a wait long enough for loopback), and returns their status names once
-    answered."""
+    set once grpc has dropped every call past the hard bound, or, where it drops none, after
+    a wait long enough for loopback), and returns their status names once answered."""
     assert blocked.wait(timeout=30), "the loop never blocked"
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = kserve_grpc.GRPCInferenceServiceStub(channel)
         futures = [stub.ServerLive.future(kserve.ServerLiveRequest(), timeout=30) for _ in
                    range(num_calls)]  # fmt: skip
-        time.sleep(1.5)
+        # Past the hard bound (twice the soft one), and the server's one outstanding pick-up.
+        must_drop = num_calls - (2 * max_pending_calls + 1)
+        if max_pending_calls and must_drop > 0:
+            # The drops themselves, seen while the loop is blocked: every call that could be
+            # kept has arrived (a late one would be picked up and answered OK).
+            eventually_sync(
+                lambda: sum(f.done() and f.code() == grpc.StatusCode.CANCELLED
+                            for f in futures) >= must_drop,
+                timeout_s=25.0,
+                message="the calls past the hard bound dropped while the loop is blocked",
+            )  # fmt: skip
+        else:
+            time.sleep(1.5)  # nothing is dropped: a late call is answered OK all the same
         arrived.set()
         codes = []
         for future in futures:
@@ -525,7 +541,9 @@ async def test_calls_waiting_past_the_pending_bound_are_dropped_before_python_se
     try:
         blocked, arrived = threading.Event(), threading.Event()
         burst = asyncio.create_task(
-            asyncio.to_thread(_burst_while_blocked, gateway.port, num_calls, blocked, arrived)
+            asyncio.to_thread(
+                _burst_while_blocked, gateway.port, num_calls, max_pending_calls, blocked, arrived
+            )
         )
         await asyncio.sleep(0.1)  # the thread is waiting for the loop to block
         blocked.set()  # and from here to the end of the wait, no turn of the loop runs
