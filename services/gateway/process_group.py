@@ -212,8 +212,11 @@ class ProcessGroup:
             request_stop(member.process)
         for member in running:
             code = wait_or_kill(member.process, self.config.drain_grace_s + 15.0)
-            # A process still starting has no handler yet: SIGTERM itself ends it, cleanly.
-            if code not in (0, -signal.SIGTERM):
-                log.error("gateway process %d stopped with %s", member.index, code)
-                status = 1
+            # A process still starting has no handler yet: SIGTERM itself ends it, cleanly. In
+            # a group failing at start-up (2: a setting it could not use), one that exited 2
+            # before its stop was read met the same setting, and named it itself.
+            if code in (0, -signal.SIGTERM) or (code == 2 and status == 2):
+                continue
+            log.error("gateway process %d stopped with %s", member.index, code)
+            status = 1
         return status
