@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
+from services.common.processes import reserve_port
 from services.common.procfs import is_alive
 from tests.support.fabric_load import ClosedLoopLoad
 from tests.support.metrics import scrape, total
@@ -120,19 +122,23 @@ async def test_s32_router_rolling_restart_under_load_no_client_errors(fleet: Fle
     load = ClosedLoopLoad(gateway.address)
     try:
         await load.answered(30, "before router B's restart")
-        # Router B (our child): drain, exit 0 (scenario 29), back on the same port.
-        assert router_b.terminate(timeout_s=30.0) == 0, router_b.log()
-        assert "drained" in router_b.log()
-        argv_b = with_flags(router_argv, grpc_port=str(ports[1]), metrics_port="0")
-        router_b2 = start_tier(tmp_path, "router-b2", argv_b)
+        # Router B (our child): drain, exit 0 (scenario 29), back on the same port. Each
+        # port is held meanwhile (bound with SO_REUSEPORT, never listening, as a gateway group
+        # holds its own), so that no other test's process is given it while it is free.
+        with closing(reserve_port("127.0.0.1", ports[1])):
+            assert router_b.terminate(timeout_s=30.0) == 0, router_b.log()
+            assert "drained" in router_b.log()
+            argv_b = with_flags(router_argv, grpc_port=str(ports[1]), metrics_port="0")
+            router_b2 = start_tier(tmp_path, "router-b2", argv_b)
         fleet.started.append(router_b2)
         await eventually(lambda: is_connected_to(ports[1]), timeout_s=30.0)
         await load.answered(30, "after router B's restart")
         # Router A (the launcher's child), the same way.
-        os.kill(router_a.pid, signal.SIGTERM)
-        await eventually(lambda: not is_alive(router_a.pid), timeout_s=30.0)
-        argv_a = with_flags(router_argv, grpc_port=str(ports[0]), metrics_port="0")
-        fleet.started.append(start_tier(tmp_path, "router-a2", argv_a))
+        with closing(reserve_port("127.0.0.1", ports[0])):
+            os.kill(router_a.pid, signal.SIGTERM)
+            await eventually(lambda: not is_alive(router_a.pid), timeout_s=30.0)
+            argv_a = with_flags(router_argv, grpc_port=str(ports[0]), metrics_port="0")
+            fleet.started.append(start_tier(tmp_path, "router-a2", argv_a))
         await eventually(lambda: is_connected_to(ports[0]), timeout_s=30.0)
         await load.answered(30, "after router A's restart")
     finally:
