@@ -118,13 +118,15 @@ class Downstream:
 
 
 def coalescer(
-    downstream: Downstream, clock: BundleClock = DEFAULT_CLOCK, pickup_delay_s: float = 0.0
+    downstream: Downstream,
+    clock: BundleClock = DEFAULT_CLOCK,
+    pickup_delay_s: float | Callable[[], float] = 0.0,
 ) -> Coalescer:
+    """A coalescer sending to `downstream`; `pickup_delay_s` the door's pickup delay, or what
+    reads it (a test that changes it as it goes)."""
+    delay = pickup_delay_s if callable(pickup_delay_s) else lambda: pickup_delay_s
     return Coalescer(
-        downstream.send,
-        GatewayMetrics(CollectorRegistry()),
-        clock=clock,
-        pickup_delay_s=lambda: pickup_delay_s,
+        downstream.send, GatewayMetrics(CollectorRegistry()), clock=clock, pickup_delay_s=delay
     )
 
 
@@ -325,8 +327,10 @@ async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_fli
     downstream = Downstream(delay_s=10.0)
     bundles = coalescer(downstream)
     unsent: list[str] = []
+    # The bundle leaves within a few turns of the loop: its deadline must outlast a busy
+    # machine's stall in those turns (50 ms did not, and the call then never left).
     task = asyncio.ensure_future(
-        call(bundles, rows(1), timeout_s=0.05, on_unsent=lambda: unsent.append("sent"))
+        call(bundles, rows(1), timeout_s=1.0, on_unsent=lambda: unsent.append("sent"))
     )
     with pytest.raises(UpstreamError) as raised:
         await task
@@ -414,7 +418,7 @@ LONG_S = 300.0
 
 
 async def one_out(
-    clock: BundleClock, max_rows: int = 8, pickup_delay_s: float = 0.0
+    clock: BundleClock, max_rows: int = 8, pickup_delay_s: float | Callable[[], float] = 0.0
 ) -> tuple[Downstream, Coalescer, asyncio.Future[list[np.ndarray]]]:
     """A coalescer with `clock` whose first bundle, one call (its answer the future returned),
     is downstream and not answered until the test opens the downstream's gate."""
@@ -460,17 +464,21 @@ async def test_with_few_calls_in_flight_a_ready_bundle_leaves_without_waiting() 
 async def test_calls_waiting_to_be_picked_up_count_as_in_flight(pickup_delay_s: float) -> None:
     # Three calls in flight, under 8; at the key's rate (a call every 2 ms or so) a process
     # that picks calls up 5 ms late has about 2.5 more waiting (still under 8), one that picks
-    # them up 1 s late about 500: a busy gateway, which holds.
+    # them up 1 s late about 500: a busy gateway, which holds. The busy case's delay is made
+    # 1,000 s while the hold is decided (held whatever the calls' gaps on a busy machine: a
+    # gap of 0.17 s would have let 1 s's pass), then none, so the answered hold leaves at once.
     clock = BundleClock(max_out=1, min_in_flight=8, max_hold_s=30.0)
-    downstream, bundles, first = await one_out(clock, pickup_delay_s=pickup_delay_s)
+    is_busy = pickup_delay_s == 1.0
+    delay = [1000.0 if is_busy else pickup_delay_s]
+    downstream, bundles, first = await one_out(clock, pickup_delay_s=lambda: delay[0])
     calls = [first]
     for i in (1, 2):
         await asyncio.sleep(0.002)
         calls.append(asyncio.ensure_future(call(bundles, rows(i), timeout_s=LONG_S)))
-    is_busy = pickup_delay_s == 1.0
     if is_busy:
         await asyncio.sleep(0.005)
         assert len(downstream.bundles) == 1  # held: only the first is out
+        delay[0] = 0.0
     else:
         await sent(downstream, 3)  # each left at once
     downstream.gate.set()
@@ -836,7 +844,8 @@ async def test_a_bundle_none_of_whose_callers_waits_is_cancelled_downstream() ->
         send, GatewayMetrics(CollectorRegistry()), clock=DEFAULT_CLOCK, pickup_delay_s=lambda: 0.0
     )
     try:
-        callers = [asyncio.ensure_future(call(bundles, rows(v), timeout_s=0.05)) for v in (1, 2)]
+        # Past the few turns of the loop the bundle takes to leave, on a busy machine too.
+        callers = [asyncio.ensure_future(call(bundles, rows(v), timeout_s=1.0)) for v in (1, 2)]
         for caller in callers:
             with pytest.raises(UpstreamError) as raised:
                 await caller
