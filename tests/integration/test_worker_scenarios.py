@@ -95,6 +95,14 @@ async def hold_executor(worker: Worker, stub: pb_grpc.WorkerServiceStub) -> asyn
     return blocker
 
 
+def waker(stub: pb_grpc.WorkerServiceStub) -> asyncio.Future:
+    """A call of the `stall` model (not stalling) whose admission wakes the batching loop; it
+    runs once the executor is free."""
+    return asyncio.ensure_future(
+        stub.Infer(infer_request("stall", row(0, 0, 0, 0)), timeout=PATIENT_S)
+    )
+
+
 def in_flight(worker: Worker) -> int:
     assert worker.batching is not None
     return worker.batching.num_in_flight
@@ -201,6 +209,9 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
         tmp_path / "repo", "slow", work_iters=400, max_batch_size=1, slo_p99_ms=SLO_MS
     )
     worker = await start(tmp_path)
+    assert worker.models is not None and worker.batching is not None
+    (slow,) = (b for b in worker.models.fixed_cost if b.config.name == "slow")
+    compute_s = worker.batching.load_report(slow).min_batch_s  # as warm-up measured it
     time_left_s = 20.0  # the row's, within its SLO (30 s): bound by its deadline alone
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{worker.port}") as channel:
@@ -217,20 +228,28 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
                 interval_s=0.01,
                 message="the row queued",
             )
-            assert not call.done(), "answered before its deadline, not refused early"
-            # Its deadline (its time left after admission, read in real time) passes while it
-            # is queued; a row of another model wakes the batching loop (admission does), which
-            # expires it.
-            clock.now_s = admitted_s + time_left_s
-            waker = asyncio.ensure_future(
-                stub.Infer(infer_request("stall", row(0, 0, 0, 0)), timeout=PATIENT_S)
+            # Its deadline is its time left after admission (read in real time: at most
+            # time_left_s on the driver's clock); a row of another model wakes the batching
+            # loop (admission does). Seconds before its deadline, it is still queued ...
+            clock.now_s = admitted_s + time_left_s - compute_s - 5.0
+            wakers = [waker(stub)]
+            await eventually(
+                lambda: metric(worker, names.WORKER_QUEUE_DEPTH, model="stall") == 1,
+                interval_s=0.01,
+                message="the waker queued",
             )
+            await asyncio.sleep(0.2)  # a turn of the batching loop: an early expiry would show
+            assert not call.done(), "expired seconds before its deadline"
+            assert metric(worker, names.WORKER_QUEUE_DEPTH, model="slow") == 1
+            # ... and once it could no longer run in time, it is answered unrun.
+            clock.now_s = admitted_s + time_left_s - compute_s / 2
+            wakers.append(waker(stub))
             with pytest.raises(grpc.aio.AioRpcError) as raised:
                 await call
             assert not blocker.done(), "answered while the blocking batch still ran"
             release_stall(gate)
             await blocker
-            await waker
+            await asyncio.gather(*wakers)
     finally:
         release_stall(gate)
         await worker.stop()  # drains: anything still queued would run now
