@@ -210,12 +210,15 @@ class ProcessGroup:
         running = [m for m in self._members.values() if m.process.poll() is None]
         for member in running:
             request_stop(member.process)
+        is_failing_start = status == 2
         for member in running:
             code = wait_or_kill(member.process, self.config.drain_grace_s + 15.0)
             # A process still starting has no handler yet: SIGTERM itself ends it, cleanly. In
-            # a group failing at start-up (2: a setting it could not use), one that exited 2
-            # before its stop was read met the same setting, and named it itself.
-            if code in (0, -signal.SIGTERM) or (code == 2 and status == 2):
+            # a group failing at start-up (2: a setting it could not use), one not yet ready
+            # that exited 2 before its stop was read met the same setting, and named it itself.
+            if code in (0, -signal.SIGTERM) or (
+                is_failing_start and code == 2 and member.metrics_port is None
+            ):
                 continue
             log.error("gateway process %d stopped with %s", member.index, code)
             status = 1
