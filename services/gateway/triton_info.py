@@ -46,8 +46,8 @@ _DATA_TYPES = {
     "BF16": triton.TYPE_BF16,
     "BYTES": triton.TYPE_STRING,
 }
-#: The inputs a generation model's request may add to its own (`text_input`), as Triton's LLM
-#: backends declare them (services.gateway.kserve_generate reads them).
+#: The inputs a generation model's request may add to its own (`text_input`): the optional
+#: inputs of Triton's vLLM backend that services.gateway.kserve_generate reads.
 GENERATION_OPTIONAL_INPUTS = (
     TensorSpec("stream", "BOOL", (1,)),
     TensorSpec("exclude_input_in_output", "BOOL", (1,)),
@@ -112,10 +112,12 @@ def model_config_message(config: ModelConfig) -> triton.ModelConfig:
 
 def request_inputs(config: ModelConfig) -> list[tuple[TensorSpec, bool]]:
     """The inputs a request of `config`'s model takes, each with whether it may be left out:
-    the model's own, then a generation model's optional ones (GENERATION_OPTIONAL_INPUTS), as
-    Triton lists a vLLM model's in its configuration and metadata."""
+    the model's own, then a generation model's optional ones (GENERATION_OPTIONAL_INPUTS) that
+    it does not declare itself, as Triton lists a vLLM model's in its configuration and
+    metadata."""
     optional = GENERATION_OPTIONAL_INPUTS if config.generation is not None else ()
-    return [(s, False) for s in config.inputs] + [(s, True) for s in optional]
+    own = {s.name for s in config.inputs}  # a model that declares one lists it once, its own
+    return [(s, False) for s in config.inputs] + [(s, True) for s in optional if s.name not in own]
 
 
 def _parameters(config: ModelConfig) -> Iterable[tuple[str, str]]:

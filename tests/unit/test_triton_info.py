@@ -59,6 +59,15 @@ def test_generation_config_is_decoupled_and_names_its_kv_cache(tmp_path: Path) -
         ("exclude_input_in_output", triton.TYPE_BOOL, [1], True),
         ("sampling_parameters", triton.TYPE_STRING, [1], True),
     ]
+    # One that the model declares itself is listed once, as its own.
+    path.write_text(text + '\n[inputs.sampling_parameters]\ndtype = "BYTES"\ndims = [1]\n')
+    config = model_config_message(parse_model_config("tiny-llama", path))
+    assert [(i.name, i.optional) for i in config.input] == [
+        ("text_input", False),
+        ("sampling_parameters", False),
+        ("stream", True),
+        ("exclude_input_in_output", True),
+    ]
     assert "length_buckets" not in config.parameters
 
 
