@@ -142,17 +142,19 @@ async def test_a_tenant_within_its_share_is_served_beside_another_tenants_flood(
     try:
         flood: list[asyncio.Task[int | None]] = []
         quiet = asyncio.ensure_future(quietly())
-        for _ in range(600):  # a request every 5 ms for 3 s
-            flood.append(asyncio.ensure_future(one("flood")))
-            await asyncio.sleep(0.005)
-        flooding = False
+        try:
+            for _ in range(600):  # a request every 5 ms for 3 s
+                flood.append(asyncio.ensure_future(one("flood")))
+                await asyncio.sleep(0.005)
+        finally:
+            flooding = False
         flooded = await asyncio.wait_for(asyncio.gather(*flood), 300)
         served_quietly = await asyncio.wait_for(quiet, 300)
     finally:
         await engine.drain()
 
     # The quiet tenant: every request served whole, some sent while the flood's queue stood.
-    assert served_quietly == [32] * len(served_quietly)
+    assert len(served_quietly) >= 3 and served_quietly == [32] * len(served_quietly)
     assert any(stood), stood
     assert flooded.count(None) > 0  # the flood's queue stood: part of it was turned away
     assert len(refusals) == flooded.count(None)
