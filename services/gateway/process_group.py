@@ -209,6 +209,7 @@ class ProcessGroup:
         or 1 if one did not stop cleanly."""
         running = [m for m in self._members.values() if m.process.poll() is None]
         for member in running:
+            self._read_ready(member)  # whether it was ready (a failing start reads in order)
             request_stop(member.process)
         is_failing_start = status == 2
         for member in running:

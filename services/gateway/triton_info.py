@@ -113,11 +113,14 @@ def model_config_message(config: ModelConfig) -> triton.ModelConfig:
 def request_inputs(config: ModelConfig) -> list[tuple[TensorSpec, bool]]:
     """The inputs a request of `config`'s model takes, each with whether it may be left out:
     the model's own, then a generation model's optional ones (GENERATION_OPTIONAL_INPUTS) that
-    it does not declare itself, as Triton lists a vLLM model's in its configuration and
-    metadata."""
+    it does not declare itself (one it does stays optional: the gateway requires `text_input`
+    alone), as Triton lists a vLLM model's in its configuration and metadata."""
     optional = GENERATION_OPTIONAL_INPUTS if config.generation is not None else ()
-    own = {s.name for s in config.inputs}  # a model that declares one lists it once, its own
-    return [(s, False) for s in config.inputs] + [(s, True) for s in optional if s.name not in own]
+    optional_names = {s.name for s in optional}
+    declared = {s.name for s in config.inputs}  # one declared too is listed once, optional
+    return [(s, s.name in optional_names) for s in config.inputs] + [
+        (s, True) for s in optional if s.name not in declared
+    ]
 
 
 def _parameters(config: ModelConfig) -> Iterable[tuple[str, str]]:

@@ -8,6 +8,7 @@ dies of the signal (the local stack counts that a failure)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -153,14 +154,13 @@ def test_a_file_a_setting_names_that_cannot_be_used_exits_2_with_a_message(
         assert line.startswith(f"python -m services.{tier}: error: ") and named in line, line
 
 
-#: A gateway process that has read a setting it cannot use: its SIGTERM comes too late (here,
-#: ignored), and it exits 2 on its own.
-_EXITS_2_ON_ITS_OWN = (
-    "import signal, sys, time\n"
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+#: A gateway process that has read a setting it cannot use and exits 2 as its SIGTERM comes (its
+#: own exit and the stop at once, as the supervisor sees it).
+_EXITS_2_AT_ITS_STOP = (
+    "import os, signal, time\n"
+    "signal.signal(signal.SIGTERM, lambda *_: os._exit(2))\n"
     "print('handler set', flush=True)\n"
-    "time.sleep(0.3)\n"
-    "sys.exit(2)\n"
+    "time.sleep(60)\n"
 )
 
 
@@ -173,21 +173,24 @@ def test_a_group_stopping_takes_a_process_exiting_2_for_its_start_up_failure_onl
     tmp_path: Path, status: int, is_ready: bool, expected: int
 ) -> None:
     """A gateway group stopping because a process exited 2 at start-up (`status` 2) also
-    stops the others: one not yet ready that exits 2 itself before its stop is read met the
-    same setting, and the group exits 2 (it exited 1: seen once in a `make test`, both
-    processes naming the missing keys file within 3 ms). In a normal stop (0), or from a
-    process already ready, an exit 2 is a stop that was not clean: 1."""
+    stops the others: one not yet ready that exits 2 itself as its stop comes met the same
+    setting, and the group exits 2 (it exited 1: seen once in a `make test`, both processes
+    naming the missing keys file within 3 ms). In a normal stop (0), or from a process that
+    was ready (its ready file written, though the supervisor had not read it yet), an exit 2
+    is a stop that was not clean: 1."""
     config = GatewayConfig(model_repository=tmp_path, allow_unauthenticated=True)
     group = ProcessGroup(config, [], 1)
-    child = subprocess.Popen([sys.executable, "-c", _EXITS_2_ON_ITS_OWN], stdout=subprocess.PIPE)
-    try:
-        assert child.stdout is not None and child.stdout.readline() == b"handler set\n"
-        group._members[0] = Supervised(
-            0, child, tmp_path / "ready.json", time.monotonic(), 1234 if is_ready else None
-        )
-        assert group._stop_all(status=status) == expected
-        assert child.returncode == 2
-    finally:
-        child.kill()
-        child.wait()
-        shutil.rmtree(group._state_dir, ignore_errors=True)
+    ready_file = tmp_path / "ready.json"
+    if is_ready:
+        ready_file.write_text(json.dumps({"grpc_port": 1, "metrics_port": 1234}))
+    with subprocess.Popen(
+        [sys.executable, "-c", _EXITS_2_AT_ITS_STOP], stdout=subprocess.PIPE
+    ) as child:
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"handler set\n"
+            group._members[0] = Supervised(0, child, ready_file, time.monotonic())
+            assert group._stop_all(status=status) == expected
+            assert child.returncode == 2
+        finally:
+            child.kill()
+            shutil.rmtree(group._state_dir, ignore_errors=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -219,7 +220,7 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
             blocker = await hold_executor(worker, stub)
             # Admitted (the stall is predicted to be short and nothing else is queued), then
             # held in the queue past its deadline by a batch that runs far longer than predicted.
-            admitted_s = clock.now_s
+            admitted_s, sent_s = clock.now_s, time.monotonic()
             call = asyncio.ensure_future(
                 stub.Infer(infer_request("slow", row(3, 3, 3, 3)), timeout=time_left_s)
             )
@@ -228,10 +229,12 @@ async def test_s06_s07_a_row_whose_deadline_passes_in_the_queue_is_answered_at_o
                 interval_s=0.01,
                 message="the row queued",
             )
-            # Its deadline is its time left after admission (read in real time: at most
-            # time_left_s on the driver's clock); a row of another model wakes the batching
-            # loop (admission does). Seconds before its deadline, it is still queued ...
-            clock.now_s = admitted_s + time_left_s - compute_s - 5.0
+            # Its deadline is its time left as the worker read it (real time: between
+            # time_left_s less the call's transit, at most `in_transit_s`, and time_left_s) on
+            # the driver's clock; a row of another model wakes the batching loop (admission
+            # does). Seconds before its deadline, it is still queued ...
+            in_transit_s = time.monotonic() - sent_s
+            clock.now_s = admitted_s + time_left_s - in_transit_s - compute_s - 5.0
             wakers = [waker(stub)]
             await eventually(
                 lambda: metric(worker, names.WORKER_QUEUE_DEPTH, model="stall") == 1,

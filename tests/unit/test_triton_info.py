@@ -52,23 +52,24 @@ def test_generation_config_is_decoupled_and_names_its_kv_cache(tmp_path: Path) -
         triton.ModelQueuePolicy.REJECT
     )
     assert config.parameters["num_kv_blocks"].string_value == "512"
-    # Its own input, then the optional ones of Triton's LLM backends, which the gateway reads.
+    assert "length_buckets" not in config.parameters
+    # Its own input, then the optional ones of Triton's vLLM backend, which the gateway reads.
     assert [(i.name, i.data_type, list(i.dims), i.optional) for i in config.input] == [
         ("text_input", triton.TYPE_STRING, [1], False),
         ("stream", triton.TYPE_BOOL, [1], True),
         ("exclude_input_in_output", triton.TYPE_BOOL, [1], True),
         ("sampling_parameters", triton.TYPE_STRING, [1], True),
     ]
-    # One that the model declares itself is listed once, as its own.
+    # One that the model declares itself is listed once, where it declares it, and optional
+    # all the same (the gateway requires text_input alone).
     path.write_text(text + '\n[inputs.sampling_parameters]\ndtype = "BYTES"\ndims = [1]\n')
     config = model_config_message(parse_model_config("tiny-llama", path))
     assert [(i.name, i.optional) for i in config.input] == [
         ("text_input", False),
-        ("sampling_parameters", False),
+        ("sampling_parameters", True),
         ("stream", True),
         ("exclude_input_in_output", True),
     ]
-    assert "length_buckets" not in config.parameters
 
 
 def test_statistics_tally_successes_failures_and_rows() -> None:
