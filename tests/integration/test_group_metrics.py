@@ -4,15 +4,14 @@ does not answer is left out."""
 
 from __future__ import annotations
 
-import contextlib
-import socket
-from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from services.common.group_metrics import GroupMetrics
+from services.common.processes import reserve_port
 from services.gateway.process_group import PROCESS_LABEL
 from tests.support.metrics import samples, serving
 
@@ -42,22 +41,15 @@ def process_registry(num_requests: int) -> CollectorRegistry:
     return registry
 
 
-@contextlib.contextmanager
-def closed_port() -> Iterator[int]:
-    """A loopback port that refuses connections while the block lasts: bound, never listening,
-    so no other process (another xdist worker) can take it meanwhile."""
-    with socket.socket() as held:
-        held.bind(("127.0.0.1", 0))
-        yield int(held.getsockname()[1])
-
-
 def test_processes_series_are_labelled_and_merged_into_one_family_each() -> None:
     with (
         serving(process_registry(3)) as first,
         serving(process_registry(5)) as second,
-        closed_port() as closed,
+        # Bound, never listening, held through the scrape: refused, and no other process
+        # (another xdist worker) can take the port meanwhile.
+        closing(reserve_port("127.0.0.1", 0)) as closed,
     ):
-        group = Ports({0: first, 1: second, 2: closed})
+        group = Ports({0: first, 1: second, 2: closed.getsockname()[1]})
         text = generate_latest(GroupMetrics(group, PROCESS_LABEL)).decode()
     by_process = {
         labels[PROCESS_LABEL]: value for labels, value in samples(text, "demo_requests_total")

@@ -7,9 +7,9 @@ import asyncio
 import dataclasses
 import gc
 import shutil
-import socket
 import weakref
 from collections.abc import AsyncIterator, Mapping
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from redis.exceptions import NoPermissionError
 
 from services.common import metric_names as names
+from services.common.processes import reserve_port
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
 from services.gpu_worker import hot_swap
@@ -357,8 +358,7 @@ async def test_a_desired_state_unreadable_at_start_is_none_not_an_empty_one(
     every failed version again with no load written. None says it was not read."""
     # Bound, never listening, and held through the read: connections are refused, and no
     # other process (another xdist worker's Redis) can take the port meanwhile.
-    with socket.socket() as closed:
-        closed.bind(("127.0.0.1", 0))
+    with closing(reserve_port("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
         unreachable = config(tmp_path, f"redis://127.0.0.1:{port}")  # nothing listens there
         assert await desired_at_start(unreachable) is None

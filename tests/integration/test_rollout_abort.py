@@ -359,7 +359,9 @@ async def test_an_abort_sets_the_share_back_once_redis_is_back_from_an_outage(
             await asyncio.to_thread(redis.stop)
             # Bound, never listening, until the restart: connections are refused as in an
             # outage, and no other process (another xdist worker's server on port 0) can take
-            # the port meanwhile (Redis comes back on the same one).
+            # the port meanwhile (Redis comes back on the same one). SO_REUSEADDR, not
+            # processes.reserve_port's SO_REUSEPORT: the stopped Redis's connections linger in
+            # TIME_WAIT on the port, which only SO_REUSEADDR binds past.
             held = socket.socket()
             held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
