@@ -8,13 +8,16 @@ and the door is most of it, and the Predict path's own Python the rest, dearer i
 process than timed alone. This times that Python alone, as the gateway runs it, so that a
 change to it can be measured to a few percent where the whole stack's spread is 10-30%:
 `InferenceServicer.Predict` for the identity model's one-row calls by `--callers` concurrent
-callers (uvloop, authentication off: the `local` tenant), with the router's side faked one of
-two ways:
+callers (uvloop, authentication off: the `local` tenant), the router's side faked, in one of
+three modes:
 
 - `bundled`: the real coalescer; each bundle it sends is decoded and answered at once with its
   own rows, packed as a worker answers, without a network (that faked worker's protobuf and
   numpy, once a bundle, count in the figure too);
-- `answered`: the coalescer replaced by an answer at once: the path up to it and back.
+- `answered`: the coalescer replaced by an answer at once: the path up to it and back;
+- `kserve`: as `bundled`, through KServe's `ModelInfer` (a stock Triton client's unary call:
+  the request a `ModelInferRequest` of one `[1, 4]` FP32 row in `raw_input_contents`, the
+  answer a `ModelInferResponse`) instead of `Predict`.
 
 It prints, per mode, the process's CPU per call in each round and their median.
 
@@ -31,7 +34,7 @@ import pstats
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +42,7 @@ import grpc
 from prometheus_client import CollectorRegistry
 
 from bench.fabric.stack import write_identity_model
+from bench.fabric.stream_target import identity_infer
 from bench.fabric.targets import identity_request
 from services.common import event_loop
 from services.common.bundles import SliceCancels
@@ -48,6 +52,7 @@ from services.gateway.admission import TenantAdmission
 from services.gateway.auth import LOCAL_PRINCIPAL
 from services.gateway.bundle_parts import Answered, BundleKey
 from services.gateway.catalog import ModelCatalog
+from services.gateway.kserve_api import KServeServicer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
 from services.gateway.public_api import InferenceServicer
@@ -55,7 +60,7 @@ from services.gateway.tenants import TenantLabels
 from services.gateway.throttle import ThrottleConfig
 from services.pb.inference.v1 import worker_pb2 as pb
 
-MODES = ("bundled", "answered")
+MODES = ("bundled", "answered", "kserve")
 
 
 class _Context:
@@ -79,7 +84,12 @@ async def _answer_call(key: BundleKey, rows: Sequence[Any], piece: pb.Slice, **_
     return Answered(list(rows), rows)
 
 
-async def _servicer(mode: str, root: Path) -> InferenceServicer:
+#: A served method as the benchmark calls it: the request, the grpc context.
+Method = Callable[[Any, _Context], Awaitable[Any]]
+
+
+async def _method(mode: str, root: Path) -> tuple[Method, Callable[[bytes], Any], bytes]:
+    """The method a mode times, how its requests are parsed, and one request's bytes."""
     write_identity_model(root)
     catalog = ModelCatalog(load_repository(root))
     catalog.update_served([pb.ModelVersionInfo(model_name="identity", model_version="1",
@@ -96,20 +106,29 @@ async def _servicer(mode: str, root: Path) -> InferenceServicer:
         throttle=ThrottleConfig(),
         pickup_delay_s=lambda: 0.0,
     )
-    if mode == "bundled":
-        predictor._bundles._send = _answer_bundle  # the downstream, faked
-    else:
+    if mode == "answered":
         predictor._bundles.call = _answer_call  # type: ignore[method-assign]
-    return InferenceServicer(predictor, metrics)
+    else:
+        predictor._bundles._send = _answer_bundle  # the downstream, faked
+    if mode == "kserve":
+        kserve_servicer = KServeServicer(predictor, metrics, max_inputs=64)
+        request = identity_infer("", "identity", timeout_s=5.0)
+        request.ClearField("parameters")  # the deadline is the context's, as Predict's
+        return kserve_servicer.ModelInfer, type(request).FromString, request.SerializeToString()
+    servicer = InferenceServicer(predictor, metrics)
+    predict = identity_request()
+    return servicer.Predict, type(predict).FromString, predict.SerializeToString()
 
 
-async def _calls(servicer: InferenceServicer, calls: int, callers: int) -> None:
-    body = identity_request().SerializeToString()
-    parse, context = type(identity_request()).FromString, _Context()
+async def _calls(
+    method: tuple[Method, Callable[[bytes], Any], bytes], calls: int, callers: int
+) -> None:
+    serve, parse, body = method
+    context = _Context()
 
     async def caller(count: int) -> None:
         for _ in range(count):
-            answer = await servicer.Predict(parse(body), context)  # type: ignore[arg-type]
+            answer = await serve(parse(body), context)
             answer.SerializeToString()
 
     await asyncio.gather(*(caller(calls // callers) for _ in range(callers)))
@@ -119,18 +138,18 @@ async def measure(
     mode: str, rounds: int, calls: int, callers: int, profile: bool
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gateway-path-") as state:
-        servicer = await _servicer(mode, Path(state))
-        await _calls(servicer, min(calls, 2_000), callers)  # warm: first bundles, caches
+        method = await _method(mode, Path(state))
+        await _calls(method, min(calls, 2_000), callers)  # warm: first bundles, caches
         if profile:
             profiler = cProfile.Profile()
             profiler.enable()
-            await _calls(servicer, calls, callers)
+            await _calls(method, calls, callers)
             profiler.disable()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
         us_per_call = []
         for _ in range(rounds):
             started = time.process_time()
-            await _calls(servicer, calls, callers)
+            await _calls(method, calls, callers)
             us_per_call.append(1e6 * (time.process_time() - started) / (calls // callers * callers))
     return {
         "mode": mode,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -90,3 +91,15 @@ def check_row(name: str, dtype: str, dims: tuple[int, ...], row: np.ndarray) -> 
     if row.dtype.kind == "f" and not np.isfinite(row).all():
         raise InvalidInput(f"input {name} contains NaN or Inf")
     return row
+
+
+def stack_rows(rows: Sequence[np.ndarray]) -> np.ndarray:
+    """`np.stack(rows)`, rows of one shape, without its Python per call (here 1.7 us for one
+    row, 10 for 27): one row is viewed with a new first axis (never written through: every
+    caller reads or copies it), more are copied by np.array's C loop. Rows of objects go
+    through np.stack: np.array could read their elements as sequences."""
+    if len(rows) == 1:
+        return rows[0][np.newaxis]
+    if rows and rows[0].dtype != object:
+        return np.array(rows)
+    return np.stack(rows)

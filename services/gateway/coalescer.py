@@ -32,13 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-import numpy as np
 
 from services.common.bundles import SliceCancels, pack_token_rows
 from services.common.errors import UpstreamError
 from services.common.moving_average import MovingAverage
 from services.common.registry_schema import route_metadata
-from services.common.tensors import tensor_to_pb
+from services.common.tensors import stack_rows, tensor_to_pb
 from services.common.tracing import outgoing_metadata
 from services.common.write_linger import DEFAULT_LINGER, LingerConfig, WriteLinger
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
@@ -368,7 +367,7 @@ class Coalescer:
         if key.is_text:
             request.packed.token_ids, request.packed.row_lengths = pack_token_rows(rows)
         else:
-            request.packed.tensor.CopyFrom(tensor_to_pb(np.stack(rows)))
+            request.packed.tensor.CopyFrom(tensor_to_pb(stack_rows(rows)))
         # One tenant: routing prices its fair share as for a lone call; several: as shared.
         tenant, weight = next(iter(tenants)) if len(tenants) == 1 else ("", 1.0)
         route = route_metadata(

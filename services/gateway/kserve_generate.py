@@ -13,7 +13,6 @@ import contextlib
 import json
 import math
 import struct
-from collections import Counter
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -55,22 +54,24 @@ def check_inputs(request: kserve.ModelInferRequest) -> None:
     place: `raw_input_contents` (one entry per input) or each tensor's `contents`, never
     both; no output asks for classification."""
     check_request_id(request.id)
-    check_tensor_count(len(request.inputs), "inputs")
-    check_tensor_count(len(request.outputs), "outputs")
-    if any("classification" in output.parameters for output in request.outputs):
+    inputs, outputs = request.inputs, request.outputs  # each read of a field builds a wrapper
+    check_tensor_count(len(inputs), "inputs")
+    check_tensor_count(len(outputs), "outputs")
+    if outputs and any("classification" in o.parameters for o in outputs):
         raise InvalidInput(NO_CLASSIFICATION)
-    counts = Counter(tensor.name for tensor in request.inputs)
-    duplicates = sorted(name for name, count in counts.items() if count > 1)
-    if duplicates:
-        raise InvalidInput(f"input(s) {duplicates} given more than once")
-    if not request.raw_input_contents:
+    if len(inputs) > 1:  # a set, not a Counter: this runs for every request
+        names = [tensor.name for tensor in inputs]
+        if len(set(names)) != len(names):
+            duplicates = sorted({name for name in names if names.count(name) > 1})
+            raise InvalidInput(f"input(s) {duplicates} given more than once")
+    raw = request.raw_input_contents
+    if not raw:
         return
-    if len(request.raw_input_contents) != len(request.inputs):
+    if len(raw) != len(inputs):
         raise InvalidInput(
-            f"{len(request.raw_input_contents)} raw_input_contents for {len(request.inputs)}"
-            " inputs; give one per input"
+            f"{len(raw)} raw_input_contents for {len(inputs)} inputs; give one per input"
         )
-    if any(tensor.HasField("contents") for tensor in request.inputs):
+    if any(tensor.HasField("contents") for tensor in inputs):
         raise InvalidInput("raw_input_contents and contents are exclusive; use one")
 
 

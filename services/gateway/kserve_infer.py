@@ -33,7 +33,7 @@ from services.common.errors import RETRY_AFTER_MS_KEY, InvalidInput, ServingErro
 from services.common.grpc_errors import status_of
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
-from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES
+from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES, stack_rows
 from services.gateway.admission import StreamRequests
 from services.gateway.auth import KeyStore, Principal, principal_for
 from services.gateway.kserve_generate import check_inputs, generate_one
@@ -109,23 +109,22 @@ def _values(
     """The request's rows, decoded only after every check on the tensor's metadata (name,
     dtype, shape, row cap) has passed (`check_inputs` first)."""
     spec = config.inputs[0]
-    tensors = {t.name: i for i, t in enumerate(request.inputs)}
-    if set(tensors) != {spec.name}:
+    inputs, raw_contents = request.inputs, request.raw_input_contents  # each read builds one
+    # Names are unique (check_inputs), so this is the input of that name and no other.
+    if len(inputs) != 1 or (tensor := inputs[0]).name != spec.name:
+        names = sorted({t.name for t in inputs})
         raise InvalidInput(
-            f"{config.name} takes exactly one input named {spec.name!r}, got {sorted(tensors)}"
+            f"{config.name} takes exactly one input named {spec.name!r}, got {names}"
         )
-    index = tensors[spec.name]
-    tensor = request.inputs[index]
-    if tensor.datatype != spec.dtype:
-        raise InvalidInput(
-            f"input {spec.name} must be {spec.dtype}, got {tensor.datatype or 'none'}"
-        )
+    if (datatype := tensor.datatype) != spec.dtype:
+        raise InvalidInput(f"input {spec.name} must be {spec.dtype}, got {datatype or 'none'}")
     shape = list(tensor.shape)
-    count = _num_rows(shape, spec.dims, spec.name, is_bytes=spec.dtype == "BYTES")
+    is_bytes = datatype == "BYTES"
+    count = _num_rows(shape, spec.dims, spec.name, is_bytes=is_bytes)
     check_num_inputs(count, max_rows)
-    if spec.dtype == "BYTES":
-        if request.raw_input_contents:
-            return list(_decode_bytes(request.raw_input_contents[index], count))
+    if is_bytes:
+        if raw_contents:
+            return list(_decode_bytes(raw_contents[0], count))
         elements = list(tensor.contents.bytes_contents)
         if len(elements) != count:
             raise InvalidInput(
@@ -135,17 +134,17 @@ def _values(
             return [e.decode("utf-8") for e in elements]
         except UnicodeDecodeError as error:
             raise InvalidInput("BYTES tensor elements must be UTF-8 text") from error
-    dtype = NUMPY_DTYPES[spec.dtype]
+    dtype = NUMPY_DTYPES[datatype]
     num_elements = math.prod(shape)  # Python ints: a numpy product would wrap around
     if num_elements > MAX_ELEMENTS:
         raise InvalidInput(f"input {spec.name} of {num_elements} elements exceeds the limit")
-    if request.raw_input_contents:
-        raw = request.raw_input_contents[index]
+    if raw_contents:
+        raw = raw_contents[0]
         if len(raw) != num_elements * dtype.itemsize:
             raise InvalidInput(f"input {spec.name}: {len(raw)} bytes do not match shape {shape}")
         array = np.frombuffer(raw, dtype=dtype)
     else:
-        field = _TYPED_FIELDS.get(spec.dtype)
+        field = _TYPED_FIELDS.get(datatype)
         values = getattr(tensor.contents, field) if field else []
         if len(values) != num_elements:
             raise InvalidInput(
@@ -188,18 +187,16 @@ async def infer_one(
             priority=options.priority,
         )
     )
-    batch = np.stack(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
-    return kserve.ModelInferResponse(
+    batch = stack_rows(result.outputs).astype(NUMPY_DTYPES[output.dtype], copy=False)
+    response = kserve.ModelInferResponse(
         model_name=result.model_name,
         model_version=result.model_version,
         id=request.id,
-        outputs=[
-            kserve.ModelInferResponse.InferOutputTensor(
-                name=output.name, datatype=output.dtype, shape=list(batch.shape)
-            )
-        ],
         raw_output_contents=[batch.tobytes()],
     )
+    # Added in place: a nested message passed to the constructor is built, then copied.
+    response.outputs.add(name=output.name, datatype=output.dtype, shape=batch.shape)
+    return response
 
 
 @dataclass(frozen=True)

@@ -239,6 +239,7 @@ class RequestParameters:
 
 
 _LEVEL_CLASSES = {level: cls for cls, level in PRIORITY_LEVELS.items()}
+_NO_PARAMETERS = RequestParameters()
 #: The longest `timeout` taken, microseconds (a year); a longer one counts as this.
 MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 
@@ -246,6 +247,8 @@ MAX_TIMEOUT_US = 365 * 24 * 3600 * 10**6
 def request_parameters(parameters: Mapping[str, kserve.InferParameter]) -> RequestParameters:
     """Reads `priority` and `timeout`; other parameters are left to their readers. Raises
     InvalidInput for a value that is not a non-negative integer or a level out of range."""
+    if not parameters:  # what stock clients send: no map lookups
+        return _NO_PARAMETERS
     priority = _integer(parameters, "priority")
     timeout_us = _integer(parameters, "timeout")
     if priority is not None and priority != 0 and priority not in _LEVEL_CLASSES:

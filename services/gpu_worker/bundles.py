@@ -23,7 +23,7 @@ from services.common.errors import InvalidInput, Unavailable
 from services.common.grpc_errors import status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.telemetry import given_up_by
-from services.common.tensors import tensor_to_pb
+from services.common.tensors import stack_rows, tensor_to_pb
 from services.common.tracing import span_context_of
 from services.gpu_worker.backends.base import Backend, PreparedRow
 from services.gpu_worker.batching import bundle_door
@@ -352,7 +352,7 @@ def _answer(
     if outputs:
         first = outputs[0]
         if all(o.shape == first.shape and o.dtype == first.dtype for o in outputs):
-            response.packed_outputs.CopyFrom(tensor_to_pb(np.stack(outputs)))
+            response.packed_outputs.CopyFrom(tensor_to_pb(stack_rows(outputs)))
         else:  # rows of different shapes do not stack: one tensor each
             response.outputs.extend(tensor_to_pb(o) for o in outputs)
     return response

@@ -11,6 +11,7 @@ from services.common.tensors import (
     MAX_DIMS,
     MAX_ELEMENTS,
     NUMPY_DTYPES,
+    stack_rows,
     tensor_from_pb,
     tensor_to_pb,
 )
@@ -66,3 +67,17 @@ def test_a_scalar_and_an_empty_tensor_are_read(shape: list[int], count: int) -> 
     read = tensor_from_pb(tensor)
     assert read.shape == tuple(shape)
     assert read.ravel().tolist() == data.tolist()
+
+
+@pytest.mark.parametrize("count", [1, 2, 27])
+@pytest.mark.parametrize("dtype", ["<f4", "<i8", object])
+def test_stack_rows_is_np_stack(count: int, dtype: str | type) -> None:
+    rows = [np.arange(3 * n, 3 * n + 3).astype(dtype) for n in range(count)]
+    stacked = stack_rows(rows)
+    assert stacked.dtype == np.stack(rows).dtype and stacked.shape == (count, 3)
+    assert np.array_equal(stacked, np.stack(rows))
+
+
+def test_stack_rows_of_unlike_shapes_is_refused_as_np_stack_refuses_it() -> None:
+    with pytest.raises(ValueError):
+        stack_rows([np.zeros(3), np.zeros(4)])

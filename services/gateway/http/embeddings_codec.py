@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from services.common.errors import InvalidInput
+from services.common.tensors import stack_rows
 from services.common.text import TokenIds
 from services.gateway.http.codec import is_json_int
 
@@ -136,7 +137,7 @@ def shaped_vectors(
 ) -> np.ndarray:
     """The answer's [rows, dims] float32 vectors: cut to `dimensions` (which must not exceed
     the model's), then L2-normalized when `normalize` asks for it and they are not already."""
-    vectors = np.stack(outputs).astype(np.float32, copy=False)
+    vectors = stack_rows(outputs).astype(np.float32, copy=False)
     if dimensions is not None and dimensions < vectors.shape[1]:
         vectors = vectors[:, :dimensions]
         is_normalized = False
