@@ -346,7 +346,10 @@ class Authentication:
         """Raises Unauthenticated, or the quota's refusal, to refuse the call."""
         if method.startswith(_OPEN_METHODS):
             return None
-        principal = principal_for(self._keys, {k: v for k, v in metadata if isinstance(v, str)})
+        if self._keys is None:  # no key to read: the metadata need not be read either
+            principal = LOCAL_PRINCIPAL
+        else:
+            principal = principal_for(self._keys, {k: v for k, v in metadata if isinstance(v, str)})
         admission = self._admission
         if admission is None or method not in INFERENCE_METHODS:
             return _Acting(principal)

@@ -66,6 +66,22 @@ def test_a_call_without_trace_context_gets_no_span_and_keeps_its_request_id(
     assert _logged_request_id() is None
 
 
+def test_a_call_with_nothing_to_bind_or_log_runs_no_scope(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """No span, no request id, no access line at the logger's level: the stage has nothing to
+    do around the call, so it gives it no scope (whose every step would cost the call)."""
+    assert Tracing().scope(METHOD, (("user-agent", "grpc-python"),)) is None
+    with caplog.at_level(logging.DEBUG, logger=tracing.log.name):
+        scope = Tracing().scope(METHOD, (("user-agent", "grpc-python"),))
+        assert scope is not None  # at debug level each call writes its access line
+        scope.enter()
+        scope.exit(grpc.StatusCode.NOT_FOUND, None)
+    assert [r.getMessage().split()[:2] for r in caplog.records] == [
+        ["inference.v1.InferenceService/Predict", "NOT_FOUND"]
+    ]
+
+
 def test_a_callers_trace_context_is_still_passed_on() -> None:
     scope = Tracing().scope(METHOD, (("traceparent", CALLER),))
     assert scope is not None
