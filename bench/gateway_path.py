@@ -84,8 +84,9 @@ async def _answer_call(key: BundleKey, rows: Sequence[Any], piece: pb.Slice, **_
     return Answered(list(rows), rows)
 
 
-#: A served method as the benchmark calls it: the request, the grpc context.
-Method = Callable[[Any, _Context], Awaitable[Any]]
+#: A served method as the benchmark calls it: the request, and a grpc context (`_Context`,
+#: which has what Predict and ModelInfer read of one).
+Method = Callable[[Any, Any], Awaitable[Any]]
 
 
 async def _method(mode: str, root: Path) -> tuple[Method, Callable[[bytes], Any], bytes]:
