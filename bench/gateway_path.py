@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import functools
 import json
 import pstats
 import statistics
@@ -71,9 +72,17 @@ class _Context:
 
 
 async def _answer_bundle(
-    request: bytes, metadata: Sequence[tuple[str, str]], deadline_s: float, cancels: SliceCancels
+    request: bytes,
+    metadata: Sequence[tuple[str, str]],
+    deadline_s: float,
+    cancels: SliceCancels,
+    *,
+    after_s: float = 0.0,
 ) -> bytes:
-    """A worker's answer to a bundle of tensor rows: each row back, every slice OK."""
+    """A worker's answer to a bundle of tensor rows, `after_s` later: each row back, every
+    slice OK."""
+    if after_s > 0:
+        await asyncio.sleep(after_s)
     bundle = pb.InferRequest.FromString(request)
     response = pb.InferResponse(slices=[pb.SliceStatus() for _ in bundle.slices])
     response.packed_outputs.CopyFrom(tensor_to_pb(tensor_from_pb(bundle.packed.tensor)))
@@ -89,8 +98,12 @@ async def _answer_call(key: BundleKey, rows: Sequence[Any], piece: pb.Slice, **_
 Method = Callable[[Any, Any], Awaitable[Any]]
 
 
-async def _method(mode: str, root: Path) -> tuple[Method, Callable[[bytes], Any], bytes]:
-    """The method a mode times, how its requests are parsed, and one request's bytes."""
+async def gateway_method(
+    mode: str, root: Path, *, hop_s: float = 0.0
+) -> tuple[Method, Callable[[bytes], Any], bytes]:
+    """The method a mode times, how its requests are parsed, and one request's bytes; each
+    bundle answered `hop_s` after it is sent (the router's and worker's time, during which the
+    next bundle forms as in the stack; 0: at once, as the callers of one process need)."""
     write_identity_model(root)
     catalog = ModelCatalog(load_repository(root))
     catalog.update_served([pb.ModelVersionInfo(model_name="identity", model_version="1",
@@ -110,7 +123,7 @@ async def _method(mode: str, root: Path) -> tuple[Method, Callable[[bytes], Any]
     if mode == "answered":
         predictor._bundles.call = _answer_call  # type: ignore[method-assign]
     else:
-        predictor._bundles._send = _answer_bundle  # the downstream, faked
+        predictor._bundles._send = functools.partial(_answer_bundle, after_s=hop_s)  # faked
     if mode == "kserve":
         kserve_servicer = KServeServicer(predictor, metrics, max_inputs=64)
         request = identity_infer("", "identity", timeout_s=5.0)
@@ -139,7 +152,7 @@ async def measure(
     mode: str, rounds: int, calls: int, callers: int, profile: bool
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gateway-path-") as state:
-        method = await _method(mode, Path(state))
+        method = await gateway_method(mode, Path(state))
         await _calls(method, min(calls, 2_000), callers)  # warm: first bundles, caches
         if profile:
             profiler = cProfile.Profile()

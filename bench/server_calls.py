@@ -18,8 +18,16 @@ measured in the same run, each refused call's own CPU is printed too (the mixed 
 served calls' share at the `stages` cost). `http` serves the same echo as an HTTP POST to a
 KServe infer path through the gateway's HTTP middleware (aiohttp, the door, authentication
 without keys, tenant admission), and `http-door-refusing` has that door refuse as
-`door-refusing` does (429), priced against `http`. On a machine with two CPUs or more the server
-runs on CPU 1 and the client on CPU 0, so that neither disturbs the other's figure.
+`door-refusing` does (429), priced against `http`. `predict` and `kserve` serve a real call in
+`stages`' server: the gateway's v1 `Predict`, or KServe's `ModelInfer` (a stock Triton
+client's call), of one identity-model row, through its real coalescer, the router's side
+faked as `python -m bench.gateway_path` fakes it (each bundle answered in the process, here
+after 2 ms, about the router's and worker's time, so that bundles form as in the stack). Set
+beside `stages`, they give what the gateway's own serving path costs in its server, where
+`bench.gateway_path` times it alone. They have no door: on one pinned CPU a real call's load
+holds the door near its limit, and the share of calls it then refuses blurs their cost. On a
+machine with two CPUs or more the server runs on CPU 1 and the client on CPU 0, so that
+neither disturbs the other's figure.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ import asyncio
 import json
 import multiprocessing
 import os
+import tempfile
 import time
 from multiprocessing.synchronize import Event
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -38,6 +48,9 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from bench.fabric.stream_target import identity_infer
+from bench.fabric.targets import identity_request
+from bench.gateway_path import gateway_method
 from bench.loopback import cpu_s
 from services.common import event_loop
 from services.common.door import Door
@@ -55,7 +68,13 @@ from services.gateway.tenants import TenantLabels
 SERVICE = "inference.v1.InferenceService"
 METHOD = f"/{SERVICE}/Predict"
 MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing", "grpc-dropping",
-         "http", "http-door-refusing")  # fmt: skip
+         "http", "http-door-refusing", "predict", "kserve")  # fmt: skip
+#: The modes serving a real gateway call: the method each calls (bench.gateway_path's modes).
+GATEWAY_MODES = {"predict": "bundled", "kserve": "kserve"}
+KSERVE_SERVICE = "inference.GRPCInferenceService"
+#: The faked router's and worker's time a bundle, seconds (their bundles' round trip in the
+#: stand-in stack is a few ms).
+GATEWAY_HOP_S = 0.002
 #: How each refusing mode's refusals end at the caller.
 REFUSALS = {
     "door-refusing": grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -86,7 +105,7 @@ def _server(mode: str) -> tuple[grpc.aio.Server, Door | None]:
     if mode == "errors":
         return new_server(), None
     stages: list[Stage] = [Tracing(), Authentication(None)]
-    if mode == "stages":
+    if mode == "stages" or mode in GATEWAY_MODES:
         return new_server(stages), None
     if mode == "grpc-refusing":
         return new_server(stages, max_concurrent_rpcs=1), None
@@ -116,6 +135,34 @@ async def _start_http(door: Door | None, refusing: bool) -> tuple[web.AppRunner,
     return runner, int(runner.addresses[0][1])
 
 
+async def _gateway_handlers(mode: str, root: Path) -> grpc.GenericRpcHandler:
+    """The gateway's Predict (or ModelInfer, `mode` "kserve") over the identity model written
+    in `root`, as bench.gateway_path serves it (`gateway_method`)."""
+    serve, parse, _ = await gateway_method(mode, root, hop_s=GATEWAY_HOP_S)
+    handler = grpc.unary_unary_rpc_method_handler(
+        serve, request_deserializer=parse, response_serializer=_serialized
+    )
+    if mode == "kserve":
+        return grpc.method_handlers_generic_handler(KSERVE_SERVICE, {"ModelInfer": handler})
+    return grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})
+
+
+def _serialized(answer: Any) -> bytes:
+    """A gateway answer's bytes (the handler's response serializer)."""
+    return bytes(answer.SerializeToString())
+
+
+def _request(mode: str) -> tuple[str, bytes]:
+    """The method a mode's client calls and the bytes it sends."""
+    if mode == "kserve":
+        request = identity_infer("", "identity", timeout_s=5.0)
+        request.ClearField("parameters")  # the deadline is the call's, as Predict's
+        return f"/{KSERVE_SERVICE}/ModelInfer", request.SerializeToString()
+    if mode == "predict":
+        return METHOD, identity_request().SerializeToString()
+    return METHOD, b"x" * 40
+
+
 def _pin(cpu: int) -> None:
     if (os.cpu_count() or 1) >= 2:
         os.sched_setaffinity(0, {cpu})
@@ -126,9 +173,13 @@ def _serve(mode: str, loop: str, ports: multiprocessing.Queue[int], stop: Event)
 
     async def run() -> None:
         server, door = _server(mode)  # `http` gets the stages and a door at rest
-        echo = _slow_echo if mode == "door-refusing" else _echo
-        handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(echo)
-        generic = grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})
+        repository = tempfile.TemporaryDirectory(prefix="server-calls-")  # the gateway modes'
+        if mode in GATEWAY_MODES:
+            generic = await _gateway_handlers(GATEWAY_MODES[mode], Path(repository.name))
+        else:
+            echo = _slow_echo if mode == "door-refusing" else _echo
+            handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_unary_rpc_method_handler(echo)
+            generic = grpc.method_handlers_generic_handler(SERVICE, {"Predict": handler})
         server.add_generic_rpc_handlers((generic,))
         port = server.add_insecure_port("127.0.0.1:0")
         if door is not None:
@@ -147,22 +198,26 @@ def _serve(mode: str, loop: str, ports: multiprocessing.Queue[int], stop: Event)
         if door is not None:
             await door.stop()
         await server.stop(0)
+        repository.cleanup()
 
     event_loop.run(run(), loop)
 
 
-async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
+async def _calls(
+    port: int, seconds: float, concurrency: int, mode: str = "bare"
+) -> tuple[int, int]:
     """Calls answered, and of them refused (RESOURCE_EXHAUSTED, or CANCELLED when grpc dropped
-    them unseen), in `seconds` by `concurrency` closed-loop callers."""
+    them unseen), in `seconds` by `concurrency` closed-loop callers of `mode`'s `_request`."""
+    method, body = _request(mode)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(METHOD)
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(method)
         answered, refused, end = 0, 0, time.monotonic() + seconds
 
         async def caller() -> None:
             nonlocal answered, refused
             while time.monotonic() < end:
                 try:
-                    await call(b"x" * 40, metadata=(("authorization", "Bearer bench"),))
+                    await call(body, metadata=(("authorization", "Bearer bench"),))
                 except grpc.aio.AioRpcError as error:
                     if error.code() not in REFUSALS.values():
                         raise
@@ -173,7 +228,9 @@ async def _calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]
         return answered, refused
 
 
-async def _http_calls(port: int, seconds: float, concurrency: int) -> tuple[int, int]:
+async def _http_calls(
+    port: int, seconds: float, concurrency: int, mode: str = "http"
+) -> tuple[int, int]:
     """`_calls` over HTTP/1.1 (one keep-alive connection per caller): refused is 429."""
     url, body = f"http://127.0.0.1:{port}{HTTP_PATH}", b'{"inputs": []}' + b" " * 26
     headers = {"Authorization": "Bearer bench", "Content-Type": "application/json"}
@@ -205,9 +262,9 @@ def measure(mode: str, seconds: float, concurrency: int, loop: str) -> dict[str,
         port = ports.get(timeout=60)
         _pin(0)
         calls_of = _http_calls if mode.startswith("http") else _calls
-        asyncio.run(calls_of(port, seconds / 4, concurrency))  # warm-up
+        asyncio.run(calls_of(port, seconds / 4, concurrency, mode))  # warm-up
         before = cpu_s(server.pid)
-        calls, refused = asyncio.run(calls_of(port, seconds, concurrency))
+        calls, refused = asyncio.run(calls_of(port, seconds, concurrency, mode))
         used_s = cpu_s(server.pid) - before
     finally:
         stop.set()
