@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -93,17 +93,31 @@ async def _answer_call(key: BundleKey, rows: Sequence[Any], piece: pb.Slice, **_
     return Answered(list(rows), rows)
 
 
-#: A served method as the benchmark calls it: the request, and a grpc context (`_Context`,
-#: which has what Predict and ModelInfer read of one).
-Method = Callable[[Any, Any], Awaitable[Any]]
+class ServedMethod(NamedTuple):
+    """A gateway method as the benchmark calls it."""
+
+    #: The method: a request and a grpc context (`_Context` has what Predict and ModelInfer
+    #: read of one).
+    serve: Callable[[Any, Any], Awaitable[Any]]
+    parse: Callable[[bytes], Any]
+    #: One request's bytes (`request_of`).
+    body: bytes
 
 
-async def gateway_method(
-    mode: str, root: Path, *, hop_s: float = 0.0
-) -> tuple[Method, Callable[[bytes], Any], bytes]:
-    """The method a mode times, how its requests are parsed, and one request's bytes; each
-    bundle answered `hop_s` after it is sent (the router's and worker's time, during which the
-    next bundle forms as in the stack; 0: at once, as the callers of one process need)."""
+def request_of(mode: str) -> Any:
+    """One request of `mode`'s method, of one identity row: KServe's ModelInferRequest for
+    `kserve`, else a v1 PredictRequest; its deadline the call's."""
+    if mode == "kserve":
+        request = identity_infer("", "identity", timeout_s=5.0)
+        request.ClearField("parameters")  # the deadline is the call's, as Predict's
+        return request
+    return identity_request()
+
+
+async def gateway_method(mode: str, root: Path, *, hop_s: float = 0.0) -> ServedMethod:
+    """The method a mode times over the identity model written in `root`, each bundle
+    answered `hop_s` after it is sent (the router's and worker's time, during which the next
+    bundle forms as in the stack; 0: at once, as the callers of one process need)."""
     write_identity_model(root)
     catalog = ModelCatalog(load_repository(root))
     catalog.update_served([pb.ModelVersionInfo(model_name="identity", model_version="1",
@@ -124,19 +138,15 @@ async def gateway_method(
         predictor._bundles.call = _answer_call  # type: ignore[method-assign]
     else:
         predictor._bundles._send = functools.partial(_answer_bundle, after_s=hop_s)  # faked
+    request = request_of(mode)
     if mode == "kserve":
-        kserve_servicer = KServeServicer(predictor, metrics, max_inputs=64)
-        request = identity_infer("", "identity", timeout_s=5.0)
-        request.ClearField("parameters")  # the deadline is the context's, as Predict's
-        return kserve_servicer.ModelInfer, type(request).FromString, request.SerializeToString()
-    servicer = InferenceServicer(predictor, metrics)
-    predict = identity_request()
-    return servicer.Predict, type(predict).FromString, predict.SerializeToString()
+        serve = KServeServicer(predictor, metrics, max_inputs=64).ModelInfer
+    else:
+        serve = InferenceServicer(predictor, metrics).Predict
+    return ServedMethod(serve, type(request).FromString, request.SerializeToString())
 
 
-async def _calls(
-    method: tuple[Method, Callable[[bytes], Any], bytes], calls: int, callers: int
-) -> None:
+async def _calls(method: ServedMethod, calls: int, callers: int) -> None:
     serve, parse, body = method
     context = _Context()
 

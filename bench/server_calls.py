@@ -48,9 +48,7 @@ import grpc
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from bench.fabric.stream_target import identity_infer
-from bench.fabric.targets import identity_request
-from bench.gateway_path import gateway_method
+from bench.gateway_path import gateway_method, request_of
 from bench.loopback import cpu_s
 from services.common import event_loop
 from services.common.door import Door
@@ -138,9 +136,9 @@ async def _start_http(door: Door | None, refusing: bool) -> tuple[web.AppRunner,
 async def _gateway_handlers(mode: str, root: Path) -> grpc.GenericRpcHandler:
     """The gateway's Predict (or ModelInfer, `mode` "kserve") over the identity model written
     in `root`, as bench.gateway_path serves it (`gateway_method`)."""
-    serve, parse, _ = await gateway_method(mode, root, hop_s=GATEWAY_HOP_S)
+    method = await gateway_method(mode, root, hop_s=GATEWAY_HOP_S)
     handler = grpc.unary_unary_rpc_method_handler(
-        serve, request_deserializer=parse, response_serializer=_serialized
+        method.serve, request_deserializer=method.parse, response_serializer=_serialized
     )
     if mode == "kserve":
         return grpc.method_handlers_generic_handler(KSERVE_SERVICE, {"ModelInfer": handler})
@@ -149,18 +147,15 @@ async def _gateway_handlers(mode: str, root: Path) -> grpc.GenericRpcHandler:
 
 def _serialized(answer: Any) -> bytes:
     """A gateway answer's bytes (the handler's response serializer)."""
-    return bytes(answer.SerializeToString())
+    return answer.SerializeToString()
 
 
 def _request(mode: str) -> tuple[str, bytes]:
     """The method a mode's client calls and the bytes it sends."""
-    if mode == "kserve":
-        request = identity_infer("", "identity", timeout_s=5.0)
-        request.ClearField("parameters")  # the deadline is the call's, as Predict's
-        return f"/{KSERVE_SERVICE}/ModelInfer", request.SerializeToString()
-    if mode == "predict":
-        return METHOD, identity_request().SerializeToString()
-    return METHOD, b"x" * 40
+    if mode not in GATEWAY_MODES:
+        return METHOD, b"x" * 40
+    method = f"/{KSERVE_SERVICE}/ModelInfer" if mode == "kserve" else METHOD
+    return method, request_of(GATEWAY_MODES[mode]).SerializeToString()
 
 
 def _pin(cpu: int) -> None:

@@ -109,7 +109,8 @@ def _values(
     """The request's rows, decoded only after every check on the tensor's metadata (name,
     dtype, shape, row cap) has passed (`check_inputs` first)."""
     spec = config.inputs[0]
-    inputs, raw_contents = request.inputs, request.raw_input_contents  # each read builds one
+    # Each read of a field builds a wrapper: read once.
+    inputs, raw_contents = request.inputs, request.raw_input_contents
     # Names are unique (check_inputs), so this is the input of that name and no other.
     if len(inputs) != 1 or (tensor := inputs[0]).name != spec.name:
         names = sorted({t.name for t in inputs})
