@@ -1,12 +1,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from services.common.sampling import SamplingParams, sampling_from_pb
 from services.gpu_worker.generation.sampler import Sampler, make_generator
+from services.gpu_worker.generation.sequence import ScheduledSequence
 from services.pb.inference.v1 import worker_pb2 as pb
 
 pytestmark = pytest.mark.unit
@@ -174,6 +176,33 @@ def test_a_row_whose_probabilities_are_not_finite_fails_alone() -> None:
     assert first == int(logits[0].argmax()) and isinstance(last, int)
     with pytest.raises(RuntimeError):
         Sampler().sample(logits, params, generators)
+
+
+@dataclass
+class _Request:  # what sample_step reads of a live request
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+def test_a_step_samples_its_sampling_sequences_rows_in_order() -> None:
+    """The step's logits hold a row for each sequence that samples, in order: a prefill chunk
+    that does not sample has none. A request gone samples greedily; a row that fails fails
+    its sequence alone."""
+    logits = make_logits(num_rows=3)
+    logits[2] = math.nan
+    seeded = SamplingParams(temperature=1.0, seed=5)
+    requests = {3: _Request(seeded, make_generator(seeded)), 4: _Request(seeded, None)}
+    scheduled = [
+        ScheduledSequence(1, (7,), 9, (0,), samples=True),  # its request gone
+        ScheduledSequence(2, (1, 2), 0, (1,), samples=False),
+        ScheduledSequence(3, (8,), 4, (2,), samples=True),
+        ScheduledSequence(4, (9,), 4, (3,), samples=True),
+    ]
+    sampled, failed = Sampler().sample_step(scheduled, logits, requests.get)  # type: ignore[arg-type]
+    alone = Sampler().sample(logits[1:2], [seeded], [make_generator(seeded)])
+    assert sampled == {1: int(logits[0].argmax()), 3: alone[0]}
+    assert [(seq_id, type(error)) for seq_id, error in failed] == [(4, RuntimeError)]
+    assert Sampler().sample_step(scheduled[1:2], logits[:0], requests.get) == ({}, [])  # type: ignore[arg-type]
 
 
 def test_a_row_with_nothing_cut_draws_each_token_at_its_probability() -> None:

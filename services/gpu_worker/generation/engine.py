@@ -97,7 +97,6 @@ class GenerationEngine:
         self._shedding = shedding
 
     # -- lifecycle -------------------------------------------------------------------------
-
     def start(
         self,
         on_fatal: Callable[[Exception], None] | None = None,
@@ -152,7 +151,6 @@ class GenerationEngine:
         return self._requests.num_waiting_tokens
 
     # -- requests --------------------------------------------------------------------------
-
     async def generate(
         self,
         prompt_ids: Sequence[int],
@@ -250,7 +248,6 @@ class GenerationEngine:
             self.scheduler.finish(seq_id)
 
     # -- the loop --------------------------------------------------------------------------
-
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
@@ -332,22 +329,13 @@ class GenerationEngine:
         and count tell their end (`RequestStream.ends_at`) while the next step runs on the
         device (`_send_unsent`), timed as sampled now; ends finish now (no step runs past one).
         Returns whether rows were to sample and none could (the logits NaN: bad weights)."""
-        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples]
-        requests = [self._requests.get(scheduled[i].seq_id) for i in sampling_rows]
-        params = [request.params if request else SamplingParams() for request in requests]
-        generators = [request.generator if request else None for request in requests]
-        # The step computed logits for the sampling rows only, in order.
-        tokens = self._sampler.sample_rows(logits, params, generators) if sampling_rows else []
-        sampled: dict[int, int] = {}
-        for i, token in zip(sampling_rows, tokens, strict=True):
-            if isinstance(token, Exception):  # this sequence alone ends with the error
-                log.warning("sampling failed for one sequence: %s", token)
-                self._fail_sequence(scheduled[i].seq_id, token)
-            else:
-                sampled[scheduled[i].seq_id] = token
+        sampled, failed = self._sampler.sample_step(scheduled, logits, self._requests.get)
+        for seq_id, error in failed:  # this sequence alone ends with the error
+            log.warning("sampling failed for one sequence: %s", error)
+            self._fail_sequence(seq_id, error)
         self.scheduler.update_from_output(sampled)
         self._finish_cancelled()
-        none_sampled = bool(sampling_rows) and not sampled
+        none_sampled = bool(failed) and not sampled
         now = self.clock()
         for seq_id, token in sampled.items():
             if (request := self._requests.sampled(seq_id)) is None:

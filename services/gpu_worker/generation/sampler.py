@@ -7,11 +7,16 @@ same tokens whatever else shares its batch.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.common.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from services.gpu_worker.generation.request_stream import RequestStream
+    from services.gpu_worker.generation.sequence import ScheduledSequence
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -37,6 +42,32 @@ class Sampler:
         if failed := [t for t in tokens if isinstance(t, Exception)]:
             raise failed[0]
         return [t for t in tokens if isinstance(t, int)]
+
+    def sample_step(
+        self,
+        scheduled: Sequence[ScheduledSequence],
+        logits: torch.Tensor,
+        request_of: Callable[[int], RequestStream | None],
+    ) -> tuple[dict[int, int], list[tuple[int, RuntimeError]]]:
+        """A step's tokens, seq_id -> token, for its sequences that sample (the step computed
+        logits for those rows only, in order), each with its request's params and generator
+        (the defaults for a request gone); and (seq_id, error) for each whose sampling failed,
+        that sequence alone."""
+        sampling = [s.seq_id for s in scheduled if s.samples]
+        if not sampling:
+            return {}, []
+        requests = [request_of(seq_id) for seq_id in sampling]
+        params = [request.params if request else SamplingParams() for request in requests]
+        generators = [request.generator if request else None for request in requests]
+        sampled: dict[int, int] = {}
+        failed: list[tuple[int, RuntimeError]] = []
+        tokens = self.sample_rows(logits, params, generators)
+        for seq_id, token in zip(sampling, tokens, strict=True):
+            if isinstance(token, RuntimeError):
+                failed.append((seq_id, token))
+            else:
+                sampled[seq_id] = token
+        return sampled, failed
 
     def sample_rows(
         self,
