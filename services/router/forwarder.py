@@ -19,8 +19,6 @@ import grpc
 from services.common.bundles import SliceCancels
 from services.common.errors import (
     DeadlineExceeded,
-    NotFound,
-    Overloaded,
     Unavailable,
     UpstreamError,
 )
@@ -33,7 +31,7 @@ from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
 from services.router.call_facts import CallFacts, call_facts, part_facts
 from services.router.metrics import RouterMetrics
-from services.router.retry import GiveUp, decide_retry
+from services.router.retry import GiveUp, decide_retry, for_caller, rejection
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 from services.router.worker_links import WorkerLinks
 
@@ -266,14 +264,14 @@ class Forwarder:
     ) -> Route:
         """A route, avoiding `tried` (the workers tried already, to which it adds its own);
         raises the refusal, or the last worker's NOT_FOUND (`failure`, as UNAVAILABLE:
-        `_for_caller`) when no other worker is left to try. Another worker that serves the version
+        `for_caller`) when no other worker is left to try. Another worker that serves the version
         but is predicted past the deadline refuses it as overload (RESOURCE_EXHAUSTED with a
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed, or, without one left, gives the worker's failure
         to the caller before routing (a route the budget refused took a probation's probe)."""
         now_s = time.monotonic()
         if failure is not None and not self._budget.has_token(now_s):
-            raise _for_caller(failure)
+            raise for_caller(failure)
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
             if (
@@ -281,7 +279,7 @@ class Forwarder:
                 and failure.code == grpc.StatusCode.NOT_FOUND
                 and decision.reason is not RejectReason.DEADLINE
             ):
-                raise _for_caller(failure)
+                raise for_caller(failure)
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:
             spent = self._budget.try_spend(now_s)  # a token at now_s, none spent since
@@ -310,7 +308,7 @@ class Forwarder:
 
     def _refused(self, facts: CallFacts, decision: Reject, *, retried: bool) -> Exception:
         self._metrics.rejected_total_of[(facts.name, facts.version, decision.reason.value)].inc()
-        return _rejection(decision, retried=retried)
+        return rejection(decision, retried=retried)
 
     def _note_outcome(self, route: Route, sent_s: float, error: UpstreamError | None) -> None:
         """Tells the timeout ejector (services.router.ejection) how a worker answered: any
@@ -370,33 +368,10 @@ class Forwarder:
                     error,
                     decision.reason.value,
                 )
-            raise _for_caller(error)
+            raise for_caller(error)
         log.warning("worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error)
 
 
 def _timeout_s(deadline_s: float) -> float | None:
     """A downstream call's gRPC timeout for an absolute deadline (None for none)."""
     return None if math.isinf(deadline_s) else max(0.0, deadline_s - time.monotonic())
-
-
-def _for_caller(failure: UpstreamError) -> Exception:
-    """A worker's failure as the caller gets it. A worker's NOT_FOUND for a version this
-    router's snapshot says it serves (unloaded there since) is no permanent answer: the version
-    was served, so UNAVAILABLE (as when no worker serves a version served before). Not marked
-    not started: a gateway would resend it to routers whose snapshots are as stale, each
-    trying the same workers again (review finding)."""
-    if failure.code != grpc.StatusCode.NOT_FOUND:
-        return failure
-    return Unavailable(
-        f"{failure} on the worker routed to (unloaded there); no other worker serves it now"
-    )
-
-
-def _rejection(decision: Reject, *, retried: bool) -> Exception:
-    if decision.reason is RejectReason.DEADLINE:
-        return Overloaded(decision.message, retry_after_s=decision.retry_after_s)
-    if decision.reason is RejectReason.UNKNOWN_MODEL and not retried:
-        return NotFound(decision.message)
-    # Without a registry snapshot this router ran nothing: the gateway resends elsewhere.
-    is_not_started = decision.reason is RejectReason.NO_REGISTRY and not retried
-    return Unavailable(decision.message, is_not_started=is_not_started)

@@ -146,7 +146,6 @@ class BatchingDriver:
         await self._between.run(lambda: self._running, work, *args, watch=watch)
 
     # -- lifecycle -------------------------------------------------------------------------
-
     def start(self, on_fatal: Callable[[Exception], None] | None = None) -> None:
         """Runs the batching loop. Should it die (a bug, or a model call past the watchdog; a
         failed batch fails its rows only), queued rows fail UNAVAILABLE, new ones are refused,
@@ -223,7 +222,6 @@ class BatchingDriver:
         return sum(not p.is_answered for lane in self._order for p in lane.pending.values())
 
     # -- requests --------------------------------------------------------------------------
-
     async def submit(
         self,
         backend: Backend,
@@ -302,7 +300,6 @@ class BatchingDriver:
         return lane
 
     # -- the loop --------------------------------------------------------------------------
-
     def _busy_s(self, now: float) -> float:
         return self._busy_s_total + (0.0 if self._busy_since is None else now - self._busy_since)
 
@@ -338,8 +335,7 @@ class BatchingDriver:
                 is_idle = False
             elif (until_s := poll.action.until_s) is not None:
                 wake_at = until_s if wake_at is None else min(wake_at, until_s)
-            executor_free_s = self.executor_free_s(now)
-            lane.fail_expired(poll.expired, now, executor_free_s, self._metrics)
+            lane.fail_expired(poll.expired, now, self.executor_free_s(now), self._metrics)
             if (gauges_at := lane.refresh_gauges(self._metrics, now)) is not None:
                 wake_at = gauges_at if wake_at is None else min(wake_at, gauges_at)
         return wake_at
@@ -380,8 +376,7 @@ class BatchingDriver:
             results = [self._wedge(lane.labels, self.watchdog_s, stopped)] * len(rows)
         except Exception as error:
             # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
-            # bookkeeping below still frees the executor, so the scheduler keeps going. Not the
-            # model's failure: UNAVAILABLE, which marks no version failing (failure_streak).
+            # bookkeeping below frees the executor. UNAVAILABLE: no version marked failing.
             log.exception("batch of %d rows could not run", len(rows))
             refused = Unavailable(f"the batch could not run here ({type(error).__name__})")
             results = [refused] * len(rows)
