@@ -17,8 +17,9 @@ import json
 import os
 import sys
 
-from inference_fabric_client.client import Client, FabricError
+from inference_fabric_client.client import Client
 from inference_fabric_client.job_cli import add_job_commands, run_job_command
+from inference_fabric_client.results import FabricError
 
 
 def _parser() -> argparse.ArgumentParser:

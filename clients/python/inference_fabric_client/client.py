@@ -28,7 +28,6 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +38,14 @@ from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import inference_pb2_grpc as api_grpc
 from inference_fabric_client._pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
 from inference_fabric_client._pb.inference.v1 import types_pb2 as types
+from inference_fabric_client.results import (
+    FabricError,
+    GenerationChunk,
+    PredictResult,
+    ThrottledError,
+)
 from inference_fabric_client.retry import RetryBudget, RetryPolicy, retry_after_s
+from inference_fabric_client.tensors import to_array, to_tensor
 from inference_fabric_client.throttle import (
     DEFAULT_THROTTLE,
     AdaptiveThrottle,
@@ -51,13 +57,6 @@ from inference_fabric_client.throttle import (
 if TYPE_CHECKING:
     from inference_fabric_client.jobs import Jobs
 
-_DTYPES = {
-    types.DATA_TYPE_FP32: np.dtype("<f4"),
-    types.DATA_TYPE_FP16: np.dtype("<f2"),
-    types.DATA_TYPE_INT32: np.dtype("<i4"),
-    types.DATA_TYPE_INT64: np.dtype("<i8"),
-}
-_TO_PB = {dtype: value for value, dtype in _DTYPES.items()}
 _PRIORITIES = {
     None: types.PRIORITY_UNSPECIFIED,
     "critical": types.PRIORITY_CRITICAL,
@@ -67,74 +66,10 @@ _PRIORITIES = {
 _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
 
 
-class FabricError(Exception):
-    """A call the server (or, as `ThrottledError`, this client) refused, or that failed:
-    `code` is the gRPC status name (for example "RESOURCE_EXHAUSTED"); `retry_after_s` is the
-    retry hint, when there is one (the server's, or the throttle's)."""
-
-    def __init__(self, code: str, message: str, retry_after_s: float | None = None) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-    @classmethod
-    def from_rpc(cls, error: grpc.RpcError) -> FabricError:
-        call = error if isinstance(error, grpc.Call) else None
-        code = call.code().name if call else "UNKNOWN"
-        hint = None
-        for key, value in (call.trailing_metadata() or ()) if call else ():
-            if key == "retry-after-ms" and str(value).isascii() and str(value).isdigit():
-                hint = int(value) / 1000.0
-        return cls(code, (call.details() if call else str(error)) or "", hint)
-
-
-class ThrottledError(FabricError):
-    """A predict this client refused itself, unsent, because the gateway refused many of the
-    model's predicts lately (inference_fabric_client.throttle): RESOURCE_EXHAUSTED, with a
-    hint (`retry_after_s`) of one slice of the throttle's window."""
-
-
-@dataclass(frozen=True)
-class PredictResult:
-    """The outputs of one predict call, one array per input, in input order."""
-
-    model: str
-    version: str
-    outputs: list[np.ndarray]
-    request_id: str
-
-
-@dataclass(frozen=True)
-class GenerationChunk:
-    """Text and token ids produced since the previous chunk. The last chunk has
-    `finish_reason` ("length" or "stop") and the token counts."""
-
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
 def _read(path_or_bytes: str | Path | bytes | None) -> bytes | None:
     if path_or_bytes is None or isinstance(path_or_bytes, bytes):
         return path_or_bytes
     return Path(path_or_bytes).read_bytes()
-
-
-def _tensor(array: np.ndarray) -> types.Tensor:
-    array = np.asarray(array)
-    little = array.dtype.newbyteorder("<")
-    value = _TO_PB.get(little)
-    if value is None:
-        raise ValueError(f"dtype {array.dtype} is not supported; use float32/16, int32/64")
-    raw = np.ascontiguousarray(array, dtype=little).tobytes()
-    return types.Tensor(dtype=value, shape=list(array.shape), raw_data=raw)
-
-
-def _array(tensor: types.Tensor) -> np.ndarray:
-    return np.frombuffer(tensor.raw_data, dtype=_DTYPES[tensor.dtype]).reshape(tuple(tensor.shape))
 
 
 def opening(open_stream: Callable[..., Any]) -> Callable[..., tuple[Any, list[Any]]]:
@@ -245,7 +180,9 @@ class Client:
     ) -> PredictResult:
         """Runs a fixed-cost model on texts (text models) or arrays (one row each)."""
         rows = [
-            api.PredictInput(text=x) if isinstance(x, str) else api.PredictInput(tensor=_tensor(x))
+            api.PredictInput(text=x)
+            if isinstance(x, str)
+            else api.PredictInput(tensor=to_tensor(x))
             for x in inputs
         ]
         request = api.PredictRequest(
@@ -260,7 +197,7 @@ class Client:
         reply = self._call_with_retries(
             self._stub.Predict, request, self._timeout(timeout_s), throttle
         )
-        outputs = [_array(t) for t in reply.outputs]
+        outputs = [to_array(t) for t in reply.outputs]
         return PredictResult(reply.model_name, reply.model_version, outputs, reply.request_id)
 
     def _timeout(self, timeout_s: float | None) -> float:

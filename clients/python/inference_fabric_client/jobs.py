@@ -36,7 +36,9 @@ import numpy as np
 from inference_fabric_client._pb.inference.v1 import inference_pb2 as api
 from inference_fabric_client._pb.inference.v1 import jobs_pb2 as jobs
 from inference_fabric_client._pb.inference.v1 import jobs_pb2_grpc as jobs_grpc
-from inference_fabric_client.client import FabricError, _array, opening
+from inference_fabric_client.client import opening
+from inference_fabric_client.results import FabricError
+from inference_fabric_client.tensors import to_array
 
 _STATES = {value: name.removeprefix("JOB_STATE_").lower()
            for name, value in jobs.JobState.items()}  # fmt: skip
@@ -199,7 +201,7 @@ class Jobs:
             try:
                 for result in itertools.chain(first, stream):
                     index = result.index + 1
-                    output = _array(result.output) if result.HasField("output") else None
+                    output = to_array(result.output) if result.HasField("output") else None
                     yield ItemResult(result.index, _ITEM_STATUSES[result.status], output,
                                      result.code, result.message, result.num_attempts)  # fmt: skip
             except grpc.RpcError as error:
