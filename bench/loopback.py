@@ -1,12 +1,14 @@
 """Servers of the per-call CPU benchmarks (`bench.stream_floor`, `bench.registered_methods`):
 each in a fresh interpreter (grpc does not survive a fork of a process using it), on a
-loopback port it reports, until told to stop; and the CPU a process has used."""
+loopback port it reports, until told to stop; and the CPU a process has used, and its threads'
+context switches."""
 
 from __future__ import annotations
 
 import asyncio
 import multiprocessing
 from multiprocessing.synchronize import Event
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -57,3 +59,26 @@ def cpu_s(pid: int | None) -> float:
     if stat is None:
         raise RuntimeError(f"process {pid} is gone")
     return stat.cpu_s
+
+
+def thread_switches(pid: int) -> tuple[int, int]:
+    """Context switches of process `pid` so far: its main thread's (where a grpc.aio server's
+    event loop runs), voluntary and involuntary together, and its other threads' (grpc's
+    completion-queue poller and its engine's threads: each of theirs counts a wake-up);
+    threads gone meanwhile are not counted."""
+    main, others = 0, 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except FileNotFoundError:
+            continue
+        switches = 0
+        for line in status.splitlines():
+            name, _, value = line.partition(":")
+            if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
+                switches += int(value)
+        if task.name == str(pid):
+            main += switches
+        else:
+            others += switches
+    return main, others

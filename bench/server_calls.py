@@ -27,7 +27,10 @@ beside `stages`, they give what the gateway's own serving path costs in its serv
 `bench.gateway_path` times it alone. They have no door: on one pinned CPU a real call's load
 holds the door near its limit, and the share of calls it then refuses blurs their cost. On a
 machine with two CPUs or more the server runs on CPU 1 and the client on CPU 0, so that
-neither disturbs the other's figure.
+neither disturbs the other's figure. Beside its CPU, each mode reports the server's context
+switches a call: its event loop's thread's (`loop_switches_per_call`: preempted, or gone to
+sleep), and its other threads' (`other_threads_switches_per_call`: grpc's completion-queue
+poller and its engine's threads, each switch a wake-up that hands the loop an event).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from bench.gateway_path import gateway_method, request_of
-from bench.loopback import cpu_s
+from bench.loopback import cpu_s, thread_switches
 from services.common import event_loop
 from services.common.door import Door
 from services.common.door_config import DoorConfig
@@ -258,9 +261,12 @@ def measure(mode: str, seconds: float, concurrency: int, loop: str) -> dict[str,
         _pin(0)
         calls_of = _http_calls if mode.startswith("http") else _calls
         asyncio.run(calls_of(port, seconds / 4, concurrency, mode))  # warm-up
-        before = cpu_s(server.pid)
+        before, switched = cpu_s(server.pid), thread_switches(server.pid)
         calls, refused = asyncio.run(calls_of(port, seconds, concurrency, mode))
         used_s = cpu_s(server.pid) - before
+        loop_switches, other_switches = (
+            now - then for now, then in zip(thread_switches(server.pid), switched, strict=True)
+        )
     finally:
         stop.set()
         server.join(timeout=10)
@@ -270,6 +276,8 @@ def measure(mode: str, seconds: float, concurrency: int, loop: str) -> dict[str,
         "calls": calls,
         "refused_share": round(refused / calls, 3),
         "server_cpu_us_per_call": round(used_s / calls * 1e6, 1),
+        "loop_switches_per_call": round(loop_switches / calls, 2),
+        "other_threads_switches_per_call": round(other_switches / calls, 2),
     }
 
 
