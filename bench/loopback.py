@@ -61,24 +61,31 @@ def cpu_s(pid: int | None) -> float:
     return stat.cpu_s
 
 
-def thread_switches(pid: int) -> tuple[int, int]:
-    """Context switches of process `pid` so far: its main thread's (where a grpc.aio server's
-    event loop runs), voluntary and involuntary together, and its other threads' (grpc's
-    completion-queue poller and its engine's threads: each of theirs counts a wake-up);
-    threads gone meanwhile are not counted."""
-    main, others = 0, 0
+def thread_switches(pid: int) -> dict[int, int]:
+    """Context switches of each thread of process `pid` so far, voluntary and involuntary
+    together, by thread id (`switches_between` reads two of these); a thread gone while it is
+    read is left out."""
+    switches: dict[int, int] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             status = (task / "status").read_text()
-        except FileNotFoundError:
+        except (FileNotFoundError, ProcessLookupError):
             continue
-        switches = 0
+        count = 0
         for line in status.splitlines():
             name, _, value = line.partition(":")
             if name in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches"):
-                switches += int(value)
-        if task.name == str(pid):
-            main += switches
-        else:
-            others += switches
+                count += int(value)
+        switches[int(task.name)] = count
+    return switches
+
+
+def switches_between(pid: int, before: dict[int, int], after: dict[int, int]) -> tuple[int, int]:
+    """The switches from `before` to `after` (`thread_switches` of `pid`): its main thread's
+    (where a grpc.aio server's event loop runs), and its other threads' (grpc's
+    completion-queue poller and its engine's threads: each of theirs counts a wake-up),
+    thread by thread: a thread that began meanwhile counts from 0, one that ended is left out
+    (its last count is unknown)."""
+    main = after.get(pid, 0) - before.get(pid, 0)
+    others = sum(count - before.get(tid, 0) for tid, count in after.items() if tid != pid)
     return main, others

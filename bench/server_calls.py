@@ -52,7 +52,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from bench.gateway_path import gateway_method, request_of
-from bench.loopback import cpu_s, thread_switches
+from bench.loopback import cpu_s, switches_between, thread_switches
 from services.common import event_loop
 from services.common.door import Door
 from services.common.door_config import DoorConfig
@@ -264,8 +264,8 @@ def measure(mode: str, seconds: float, concurrency: int, loop: str) -> dict[str,
         before, switched = cpu_s(server.pid), thread_switches(server.pid)
         calls, refused = asyncio.run(calls_of(port, seconds, concurrency, mode))
         used_s = cpu_s(server.pid) - before
-        loop_switches, other_switches = (
-            now - then for now, then in zip(thread_switches(server.pid), switched, strict=True)
+        loop_switches, other_switches = switches_between(
+            server.pid, switched, thread_switches(server.pid)
         )
     finally:
         stop.set()

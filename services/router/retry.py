@@ -4,7 +4,8 @@ Pure: the forwarder passes what happened and the time (`now_s`, monotonic); the 
 type. Only a worker that was unavailable (gone, draining, not ready), or no longer serves the
 version (NOT_FOUND: unloaded since the router's snapshot, which still lists it), is worth
 leaving: the request produced no result there and inference has no side effects, so another
-worker may run it. Any other failure is the request's own answer.
+worker may run it. Any other failure is the request's own answer. How a failure given up on
+reads to the caller (`for_caller`), and a routing refusal (`rejection`), are here too.
 """
 
 from __future__ import annotations

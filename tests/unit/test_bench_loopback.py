@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.loopback import thread_switches
+from bench.loopback import switches_between, thread_switches
 
 pytestmark = pytest.mark.unit
 
@@ -24,16 +24,23 @@ def test_switches_are_counted_by_thread_the_main_ones_apart() -> None:
         slept.set()
         stop.wait()
 
-    main_before, others_before = thread_switches(os.getpid())
+    before = thread_switches(os.getpid())
     helper = threading.Thread(target=sleeper)
     helper.start()
     try:
         assert slept.wait(10)
         for _ in range(10):
             time.sleep(0.001)
-        main_after, others_after = thread_switches(os.getpid())
+        after = thread_switches(os.getpid())
     finally:
         stop.set()
         helper.join()
-    assert others_after - others_before >= 20
-    assert main_after - main_before >= 10
+    main, others = switches_between(os.getpid(), before, after)
+    assert others >= 20
+    assert main >= 10
+
+
+def test_a_thread_gone_between_two_readings_is_left_out_and_a_new_one_counts_from_zero() -> None:
+    before = {100: 50, 101: 1_000, 102: 7}  # 101 ends; 103 begins
+    after = {100: 60, 102: 9, 103: 4}
+    assert switches_between(100, before, after) == (10, 2 + 4)
