@@ -30,8 +30,9 @@ from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
 from services.router.call_facts import CallFacts, call_facts, part_facts
+from services.router.caller_errors import for_caller, rejection
 from services.router.metrics import RouterMetrics
-from services.router.retry import GiveUp, decide_retry, for_caller, rejection
+from services.router.retry import GiveUp, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 from services.router.worker_links import WorkerLinks
 

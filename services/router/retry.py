@@ -4,8 +4,7 @@ Pure: the forwarder passes what happened and the time (`now_s`, monotonic); the 
 type. Only a worker that was unavailable (gone, draining, not ready), or no longer serves the
 version (NOT_FOUND: unloaded since the router's snapshot, which still lists it), is worth
 leaving: the request produced no result there and inference has no side effects, so another
-worker may run it. Any other failure is the request's own answer. How a failure given up on
-reads to the caller (`for_caller`), and a routing refusal (`rejection`), are here too.
+worker may run it. Any other failure is the request's own answer.
 """
 
 from __future__ import annotations
@@ -13,10 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-import grpc
-
-from services.common.errors import NotFound, Overloaded, Unavailable, UpstreamError
-from services.router.routing import Reject, RejectReason, RetryBudget
+from services.router.routing import RetryBudget
 
 
 class GiveUpReason(enum.Enum):
@@ -70,27 +66,3 @@ def decide_retry(
     if not budget.has_token(now_s):
         return GiveUp(GiveUpReason.BUDGET_SPENT)
     return RetryElsewhere()
-
-
-def for_caller(failure: UpstreamError) -> Exception:
-    """A worker's failure as the caller gets it. A worker's NOT_FOUND for a version this
-    router's snapshot says it serves (unloaded there since) is no permanent answer: the version
-    was served, so UNAVAILABLE (as when no worker serves a version served before). Not marked
-    not started: a gateway would resend it to routers whose snapshots are as stale, each
-    trying the same workers again (review finding)."""
-    if failure.code != grpc.StatusCode.NOT_FOUND:
-        return failure
-    return Unavailable(
-        f"{failure} on the worker routed to (unloaded there); no other worker serves it now"
-    )
-
-
-def rejection(decision: Reject, *, retried: bool) -> Exception:
-    """What the caller gets when routing found no worker to try (`retried`: after a failure)."""
-    if decision.reason is RejectReason.DEADLINE:
-        return Overloaded(decision.message, retry_after_s=decision.retry_after_s)
-    if decision.reason is RejectReason.UNKNOWN_MODEL and not retried:
-        return NotFound(decision.message)
-    # Without a registry snapshot this router ran nothing: the gateway resends elsewhere.
-    is_not_started = decision.reason is RejectReason.NO_REGISTRY and not retried
-    return Unavailable(decision.message, is_not_started=is_not_started)
