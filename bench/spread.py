@@ -383,8 +383,7 @@ async def _generate_async(plan: dict[str, Any], start: Any, results: Connection)
     results.send("ready")
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     outcomes = await run_open_loop(send, schedule, timeout_s=plan["timeout_s"])
-    for channel in channels:
-        await channel.close()
+    await asyncio.gather(*(channel.close() for channel in channels))
     first_s, stop_s = plan["window"]
     window = [o for o in outcomes if first_s <= o.scheduled_s < stop_s]
     ok = [o.latency_s for o in window if o.ok]

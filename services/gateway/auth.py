@@ -282,9 +282,8 @@ def _keys_of(raw: dict[str, Any], path: Path) -> dict[str, Principal]:
                 f"{tenant!r}: every key must be listed once"
             )
         models = entry.get("models")
-        if models is not None and not (
-            isinstance(models, list) and all(isinstance(m, str) for m in models)
-        ):
+        is_names = isinstance(models, list) and all(isinstance(m, str) for m in models)
+        if models is not None and not is_names:
             raise ValueError(f"{path}: models of tenant {tenant!r} must be a list of names")
         is_admin = entry.get("admin", False)
         if not isinstance(is_admin, bool):

@@ -170,13 +170,9 @@ class Predictor:
             return result
         finally:
             self.statistics.record(
-                config.name,
-                model.version,
-                rows=len(call.inputs),
-                is_ok=is_ok,
-                duration_s=time.perf_counter() - started,
-                finished_unix_s=time.time(),
-            )
+                config.name, model.version, rows=len(call.inputs), is_ok=is_ok,
+                duration_s=time.perf_counter() - started, finished_unix_s=time.time(),
+            )  # fmt: skip
 
     async def _predict_resolved(
         self, call: PredictCall, model: ResolvedModel, priority: PriorityClass, started: float
@@ -329,13 +325,9 @@ class Predictor:
         finally:
             # One generation is one request of one row, as Triton counts a decoupled model.
             self.statistics.record(
-                config.name,
-                model.version,
-                rows=1,
-                is_ok=is_ok,
-                duration_s=time.perf_counter() - started,
-                finished_unix_s=time.time(),
-            )
+                config.name, model.version, rows=1, is_ok=is_ok,
+                duration_s=time.perf_counter() - started, finished_unix_s=time.time(),
+            )  # fmt: skip
 
     async def _generate_resolved(
         self,

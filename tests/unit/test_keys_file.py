@@ -163,3 +163,21 @@ def test_a_version_that_could_not_be_read_is_read_again(
     assert store.reload_if_changed()
     assert store.authenticate("new-key").models == frozenset({"minilm"})
     assert not store.is_refused
+
+
+def key_with_models(path: Path, models: str) -> Path:
+    path.write_text(f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key("k")}"\nmodels = {models}\n')
+    return path
+
+
+@pytest.mark.parametrize("models", ['"minilm"', "[1]", '["minilm", 2]', "{ minilm = 1 }"])
+def test_a_keys_models_not_a_list_of_names_are_refused(tmp_path: Path, models: str) -> None:
+    with pytest.raises(ValueError, match="models of tenant 'search' must be a list of names"):
+        KeyStore.from_file(key_with_models(tmp_path / "api-keys.toml", models))
+
+
+def test_a_key_whose_models_are_an_empty_list_may_call_none(tmp_path: Path) -> None:
+    store = KeyStore.from_file(key_with_models(tmp_path / "api-keys.toml", "[]"))
+    assert store.authenticate("k").models == frozenset()
+    listed = KeyStore.from_file(key_with_models(tmp_path / "listed.toml", '["minilm"]'))
+    assert listed.authenticate("k").models == frozenset({"minilm"})
