@@ -65,14 +65,16 @@ from services.gateway.http.server import auth_middleware
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import DOOR_METHODS
 from services.gateway.tenants import TenantLabels
+from services.pb.inference import grpc_service_pb2 as kserve
+from services.pb.inference.v1 import inference_pb2 as api
 
-SERVICE = "inference.v1.InferenceService"
+SERVICE = api.DESCRIPTOR.services_by_name["InferenceService"].full_name
 METHOD = f"/{SERVICE}/Predict"
 MODES = ("bare", "errors", "stages", "door", "door-refusing", "grpc-refusing", "grpc-dropping",
          "http", "http-door-refusing", "predict", "kserve")  # fmt: skip
 #: The modes serving a real gateway call: the method each calls (bench.gateway_path's modes).
 GATEWAY_MODES = {"predict": "bundled", "kserve": "kserve"}
-KSERVE_SERVICE = "inference.GRPCInferenceService"
+KSERVE_SERVICE = kserve.DESCRIPTOR.services_by_name["GRPCInferenceService"].full_name
 #: The faked router's and worker's time a bundle, seconds (their bundles' round trip in the
 #: stand-in stack is a few ms).
 GATEWAY_HOP_S = 0.002

@@ -34,8 +34,11 @@ class StreamRefusal(Exception):
         return self._code or grpc.StatusCode.UNKNOWN
 
 
-def identity_infer(request_id: str, model: str, timeout_s: float) -> kserve.ModelInferRequest:
-    """One row of the identity model, with Triton's `timeout` parameter (microseconds)."""
+def identity_infer(
+    request_id: str, model: str, timeout_s: float | None
+) -> kserve.ModelInferRequest:
+    """One row of the identity model, with Triton's `timeout` parameter (microseconds); None:
+    no parameter, the deadline the call's (as a stock client's unary call sends it)."""
     row = np.arange(IDENTITY_DIMS, dtype="<f4")
     tensor = kserve.ModelInferRequest.InferInputTensor(
         name="x", datatype="FP32", shape=[1, IDENTITY_DIMS]
@@ -43,7 +46,8 @@ def identity_infer(request_id: str, model: str, timeout_s: float) -> kserve.Mode
     request = kserve.ModelInferRequest(
         model_name=model, id=request_id, inputs=[tensor], raw_input_contents=[row.tobytes()]
     )
-    request.parameters["timeout"].int64_param = int(timeout_s * 1e6)
+    if timeout_s is not None:
+        request.parameters["timeout"].int64_param = int(timeout_s * 1e6)
     return request
 
 
