@@ -29,7 +29,7 @@ from typing import Any
 
 import grpc
 
-from bench.fabric.loadgen import OK, Outcome, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import OK, Outcome, arrival_schedule, run_open_loop
 from bench.fabric.stack import REPO_ROOT, start_stack
 from bench.fabric.sweep import percentile
 from bench.fabric.targets import make_mixed_texts, predict_sender
@@ -50,7 +50,7 @@ AFTER_FLOOD: Phase = ("after_flood", NORMAL_PER_S, 3.0)
 
 def schedule(flood_per_s: float, flood_s: float, seed: int) -> list[tuple[str, list[float]]]:
     """The phases as (name, send offsets from the start), Poisson arrivals within each rate's
-    phase (`poisson_schedule`, seeded per phase)."""
+    phase (`arrival_schedule`, seeded per phase)."""
     phases: list[tuple[str, list[float]]] = []
     start_s = 0.0
     plan = (*BEFORE_FLOOD, ("flood", flood_per_s, flood_s), AFTER_FLOOD)
@@ -58,7 +58,7 @@ def schedule(flood_per_s: float, flood_s: float, seed: int) -> list[tuple[str, l
         if rate_per_s is None:
             phases.append((name, [start_s] * BURST))
         else:
-            offsets = poisson_schedule(rate_per_s, seconds, seed + index)
+            offsets = arrival_schedule(rate_per_s, seconds, seed + index)
             phases.append((name, [start_s + offset for offset in offsets]))
         start_s += seconds
     return phases

@@ -34,7 +34,7 @@ from typing import Any
 
 import grpc
 
-from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import Outcome, arrival_schedule, run_open_loop
 from bench.fabric.measure import closed_loop
 from bench.fabric.stack import REPO_ROOT, start_stack
 from bench.fabric.sweep import percentile
@@ -130,7 +130,7 @@ async def online_beside_job(
     beside: list[Outcome] = []
     job_items = 0
     for pair in range(pairs):
-        schedule = poisson_schedule(rate_per_s, window_s, seed=pair)
+        schedule = arrival_schedule(rate_per_s, window_s, seed=pair)
         alone += await run_open_loop(send, schedule)
         texts = short_texts(max(int(rate_per_s * window_s * 4) + 1000, MIN_JOB_ITEMS))
         request = jobs.SubmitJobRequest(
@@ -172,7 +172,7 @@ async def job_beside_overload(
         model_name="minilm", items=[api.PredictInput(text=t) for t in short_texts(items)]
     )
     started_s = time.monotonic()
-    schedule = poisson_schedule(rate_per_s, OVERLOAD_WINDOWS * window_s, seed=7)
+    schedule = arrival_schedule(rate_per_s, OVERLOAD_WINDOWS * window_s, seed=7)
     load = asyncio.ensure_future(run_open_loop(send, schedule))
     await asyncio.sleep(1.0)
     job_id = (await stub.SubmitJob(request, timeout=300.0)).job_id

@@ -49,7 +49,7 @@ from typing import Any
 import grpc
 import torch
 
-from bench.fabric.loadgen import Outcome, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import Outcome, arrival_schedule, run_open_loop
 from bench.fabric.measure import wait_quiet
 from bench.fabric.observe import Observer, cpu_delta, delta, scrape
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
@@ -107,7 +107,7 @@ async def real_run(
     stub: api_grpc.InferenceServiceStub, rate: float, duration_s: float, seed: int
 ) -> list[Outcome]:
     """A seeded Poisson stream of one-row requests with the length mix, open loop."""
-    schedule = poisson_schedule(rate, duration_s, seed)
+    schedule = arrival_schedule(rate, duration_s, seed)
     rng = random.Random(seed)
     tokens, weights = zip(*LENGTH_MIX, strict=True)
     kinds = rng.choices(tokens, weights, k=len(schedule))

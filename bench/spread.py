@@ -34,7 +34,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from bench.fabric.loadgen import poisson_schedule, run_open_loop
+from bench.fabric.loadgen import arrival_schedule, run_open_loop
 from bench.fabric.observe import scrape, total
 from bench.fabric.stack import BenchStack, start_stack, write_minilm_repository
 from bench.fabric.stand_in import STAND_IN_CURVE, best_rate, tier_of_processes, worker_args
@@ -379,7 +379,7 @@ async def _generate_async(plan: dict[str, Any], start: Any, results: Connection)
         turn += 1
         await senders[turn % len(senders)]()
 
-    schedule = poisson_schedule(plan["rate_per_s"], plan["duration_s"], plan["seed"])
+    schedule = arrival_schedule(plan["rate_per_s"], plan["duration_s"], plan["seed"])
     results.send("ready")
     await asyncio.get_running_loop().run_in_executor(None, start.wait)
     outcomes = await run_open_loop(send, schedule, timeout_s=plan["timeout_s"])

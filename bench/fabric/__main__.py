@@ -6,14 +6,16 @@ In one run, on one machine: (1) the raw in-process model throughput at batch siz
 (2) a bare grpc.aio echo server and (3) the identity model through gateway, router and
 worker, closed loop, same client, same payload size (the serving overhead); (4) the stack with
 batching off (max_batch_size 1) and (5) on (the model's own config), each swept for goodput
-with Poisson arrivals; (6) overload at multiples of the batching-on goodput, then normal
-traffic right after it, then the same floods from callers that throttle themselves as the
-slim client does; (7) a fresh batching-on stack under open-loop traffic from the moment it
-reports ready (mixed texts, half their goodput, no warm-up); (8) optionally the same model
-served by Ray Serve (bench/fabric/peer_client.py); (9) the GPU-speed stand-in: minilm timed
-by the H100's curve, so the tiers are the bottleneck as on a GPU box (bench/fabric/stand_in.py;
-`--stand-in-only` runs the echo baseline and this phase alone; `--flood-rate R` floods it at R
-calls/s rather than at 2x each run's own capacity). Every stack serves minilm with
+with Poisson arrivals, then (batching on) offered at shares of its goodput with Poisson and
+with bursty arrivals side by side (`--bursty-shares`, `--burstiness`); (6) overload at
+multiples of the batching-on goodput, then normal traffic right after it, then the same floods
+from callers that throttle themselves as the slim client does; (7) a fresh batching-on stack
+under open-loop traffic from the moment it reports ready (mixed texts, half their goodput, no
+warm-up); (8) optionally the same model served by Ray Serve (bench/fabric/peer_client.py);
+(9) the GPU-speed stand-in: minilm timed by the H100's curve, so the tiers are the bottleneck
+as on a GPU box (bench/fabric/stand_in.py; its goodput, bursty arrivals beside Poisson ones,
+floods; `--stand-in-only` runs the echo baseline and this phase alone; `--flood-rate R` floods
+it at R calls/s rather than at 2x each run's own capacity). Every stack serves minilm with
 its default SLO (slo_p99_ms from models/minilm/config.toml, 250 ms) on short texts (8-16
 tokens).
 
@@ -126,7 +128,20 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         help="with --stand-in-only: flood the stand-in and the identity model at this many "
         "calls/s, not at 2x each run's own capacity, so that two trees meet the same flood",
     )
-    parser.add_argument("--seed", type=int, help="Poisson schedule and text seed")
+    parser.add_argument(
+        "--bursty-shares",
+        type=float,
+        nargs="*",
+        help="shares of the goodput offered with Poisson and then bursty arrivals (default "
+        "0.5 0.8; none to skip)",
+    )
+    parser.add_argument(
+        "--burstiness",
+        type=float,
+        help="the bursty arrivals' gamma shape (default 0.1: gaps with a coefficient of "
+        "variation of 3.2; 1 is Poisson)",
+    )
+    parser.add_argument("--seed", type=int, help="arrival schedule and text seed")
     parser.add_argument(
         "--loadgen-priority",
         choices=("rr", "nice", "none"),
@@ -164,12 +179,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         "max_probes": args.max_probes, "raw_seconds": args.raw_seconds, "seed": args.seed,
         "loadgen_priority": args.loadgen_priority, "wait_quiet_s": args.wait_quiet_s,
         "overload_factors": None if args.overload is None else tuple(args.overload),
-        "throttled_floods": args.throttled_floods,
+        "throttled_floods": args.throttled_floods, "burstiness": args.burstiness,
+        "bursty_shares": None if args.bursty_shares is None else tuple(args.bursty_shares),
     }  # fmt: skip
     given = {key: value for key, value in overrides.items() if value is not None}
     settings = dataclasses.replace(settings, **given)
     if settings.windows < 1:
         parser.error("--windows must be at least 1 (the method asks for 3)")
+    if not 0 < settings.burstiness < math.inf:
+        parser.error("--burstiness must be a positive number (1 is Poisson)")
+    if not all(0 < share < math.inf for share in settings.bursty_shares):
+        parser.error("--bursty-shares must be positive shares of the goodput")
     if args.flood_rate is not None and not 0 < args.flood_rate < math.inf:
         parser.error("--flood-rate must be a positive number of calls/s")
     name = "stand_in" if args.stand_in_only else "smoke" if args.smoke else "fabric"

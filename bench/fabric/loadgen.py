@@ -1,4 +1,5 @@
-"""Open-loop load generation: Poisson arrivals from a precomputed schedule, sent on time.
+"""Open-loop load generation: Poisson (or bursty) arrivals from a precomputed schedule, sent
+on time.
 
 A target is `async def send() -> None` that raises on failure; the generator times each call,
 records its outcome (a gRPC status code name, or the exception's class name) and how late it
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import math
 import os
 import random
 import time
@@ -63,21 +65,34 @@ class Outcome:
         return self.lateness_s > LATE_THRESHOLD_S
 
 
-def poisson_schedule(
-    rate_per_s: float, duration_s: float, seed: int, max_count: int | None = None
+def arrival_schedule(
+    rate_per_s: float,
+    duration_s: float,
+    seed: int,
+    max_count: int | None = None,
+    burstiness: float = 1.0,
 ) -> list[float]:
-    """Send times (seconds from start, ascending) of a Poisson process with `rate_per_s`,
-    bounded by `duration_s` and `max_count`. Deterministic for a seed: every configuration
-    of one run sees the same arrival pattern at the same rate."""
+    """Send times (seconds from start, ascending) of arrivals at `rate_per_s` on average,
+    bounded by `duration_s` and `max_count`: a Poisson process at `burstiness` 1, otherwise
+    gaps drawn from a gamma distribution of that shape and the same mean (vLLM's
+    `benchmark_serving --burstiness`): below 1 arrivals come in clumps separated by longer
+    lulls (the gaps' coefficient of variation is 1 / sqrt(burstiness): about 3.2 at 0.1),
+    above 1 more evenly. Deterministic for a seed: every configuration of one run sees the same
+    arrival pattern at the same rate."""
     if rate_per_s <= 0 or duration_s <= 0:
         raise ValueError("rate and duration must be positive")
+    if not 0 < burstiness < math.inf:
+        raise ValueError(f"burstiness must be a positive number, got {burstiness}")
     rng = random.Random(seed)
+    # At 1, the draws of the Poisson process from before gamma gaps: seeded runs still compare.
+    exponential, scale = burstiness == 1.0, 1.0 / (rate_per_s * burstiness)
     times: list[float] = []
-    at_s = rng.expovariate(rate_per_s)
-    while at_s < duration_s and (max_count is None or len(times) < max_count):
+    at_s = 0.0
+    while True:
+        at_s += rng.expovariate(rate_per_s) if exponential else rng.gammavariate(burstiness, scale)
+        if at_s >= duration_s or (max_count is not None and len(times) >= max_count):
+            return times
         times.append(at_s)
-        at_s += rng.expovariate(rate_per_s)
-    return times
 
 
 class Throttled(Exception):

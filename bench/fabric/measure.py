@@ -16,8 +16,8 @@ from inference_fabric_client.throttle import AdaptiveThrottle
 
 from bench.fabric.loadgen import (
     Send,
+    arrival_schedule,
     generator_priority,
-    poisson_schedule,
     run_closed_loop,
     run_open_loop,
     split_windows,
@@ -70,6 +70,10 @@ class Settings:
     #: does (loadgen.throttled), after the floods of callers that send every call and the
     #: traffic after them.
     throttled_floods: bool = True
+    #: Shares of a configuration's goodput offered with Poisson arrivals and then with bursty
+    #: ones of this `burstiness` (loadgen.arrival_schedule), side by side (`bursty_phases`).
+    bursty_shares: tuple[float, ...] = (0.5, 0.8)
+    burstiness: float = 0.1
 
 
 class Progress:
@@ -125,12 +129,19 @@ async def wait_quiet(log: Progress, max_wait_s: float, sample_s: float = 1.0) ->
 
 
 async def measure_rate(
-    target: Target, rate: float, settings: Settings, slo_s: float, log: Progress
+    target: Target,
+    rate: float,
+    settings: Settings,
+    slo_s: float,
+    log: Progress,
+    burstiness: float = 1.0,
 ) -> RateResult:
-    """Warm-up plus `settings.windows` windows of Poisson arrivals at `rate`, in one schedule
-    (no gap between windows); metrics and CPU are snapshotted around the measured windows."""
+    """Warm-up plus `settings.windows` windows of Poisson arrivals at `rate` (gamma gaps at
+    another `burstiness`: loadgen.arrival_schedule), in one schedule (no gap between windows);
+    metrics and CPU are snapshotted around the measured windows."""
     measured_s = settings.windows * settings.window_s
-    schedule = poisson_schedule(rate, settings.warmup_s + measured_s, settings.seed)
+    seconds = settings.warmup_s + measured_s
+    schedule = arrival_schedule(rate, seconds, settings.seed, burstiness=burstiness)
     snapshots: dict[str, Snapshot] = {}
 
     def snap(key: str) -> Callable[[], Any]:
@@ -183,13 +194,18 @@ async def measure_rate(
 
 
 async def measure_rate_clean(
-    target: Target, rate: float, settings: Settings, slo_s: float, log: Progress
+    target: Target,
+    rate: float,
+    settings: Settings,
+    slo_s: float,
+    log: Progress,
+    burstiness: float = 1.0,
 ) -> RateResult:
     """measure_rate, measured again (after waiting for quiet) when other processes took a
     large share of the CPU or the windows were void (late sends): a neighbour's burst should
     not decide a rate's verdict. A rate still void after the retries counts as not served."""
     for attempt in range(settings.contention_retries + 1):
-        result = await measure_rate(target, rate, settings, slo_s, log)
+        result = await measure_rate(target, rate, settings, slo_s, log, burstiness)
         outside = result.extra["outside_cpu_share"]
         is_clean = outside <= OUTSIDE_RETRY_SHARE and result.is_valid
         if is_clean or attempt == settings.contention_retries:
@@ -246,6 +262,31 @@ async def overload_phases(
     finally:
         target.name, target.send = name, send
     return floods, after
+
+
+async def bursty_phases(
+    target: Target, goodput: float, settings: Settings, slo_s: float, log: Progress
+) -> list[dict[str, Any]]:
+    """At each of `settings.bursty_shares` of `goodput`, Poisson arrivals and then bursty
+    ones at the same mean rate (`settings.burstiness`: gamma gaps, clumps and lulls), side by
+    side. Below capacity a burst is to be absorbed, not refused as a standing queue would be
+    (issue 33), so the bursty good share should stay near the Poisson one. Each point: its
+    share, burstiness and the rate's figures (RateResult.to_dict)."""
+    if not goodput or not settings.bursty_shares:
+        return []
+    name, points = target.name, []
+    try:
+        for share in settings.bursty_shares:
+            for burstiness in (1.0, settings.burstiness):
+                kind = "poisson" if burstiness == 1.0 else f"bursty_{burstiness:g}"
+                target.name = f"{name}_{share:g}x_{kind}"
+                result = await measure_rate_clean(
+                    target, share * goodput, settings, slo_s, log, burstiness
+                )
+                points.append({"share": share, "burstiness": burstiness, **result.to_dict()})
+    finally:
+        target.name = name
+    return points
 
 
 async def closed_loop(

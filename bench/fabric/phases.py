@@ -19,6 +19,7 @@ from bench.fabric.measure import (
     Progress,
     Settings,
     Target,
+    bursty_phases,
     closed_loop,
     measure_rate,
     overload_phases,
@@ -196,7 +197,8 @@ class Run:
     async def batching_on(
         self, stack: Any, channel: grpc.aio.Channel, echo_result: dict[str, Any], payload: bytes
     ) -> dict[str, Any]:
-        """Uniform sweep, mixed-length sweep, overload and after it, then the overhead probe."""
+        """Uniform sweep, mixed-length sweep, bursty arrivals beside Poisson ones below the
+        goodput, overload and after it, then the overhead probe."""
         settings, slo_s, log, report = self.settings, self.slo_s, self.log, self.report
         observer = Observer(stack.pids(), stack.metrics_ports())
         send = predict_sender(channel, MODEL, self.texts, self.timeout_s)
@@ -209,7 +211,9 @@ class Run:
         report["configs"]["batching_on_mixed"] = await sweep(
             mixed, settings, slo_s, log, fallback_rate=0.3 * mixed_best
         )
-        await self.overload(target, config["goodput_per_s"])
+        goodput = config["goodput_per_s"]
+        report["bursty"] = await bursty_phases(target, goodput, settings, slo_s, log)
+        await self.overload(target, goodput)
         log("[overhead] identity model through gateway, router and worker")
         stack_result = await closed_loop(
             identity_sender(channel, self.timeout_s),

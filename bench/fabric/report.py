@@ -65,6 +65,8 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     from_ready = report.get("from_ready", {})
     if "good_fraction" in from_ready:
         summary["from_ready_good_fraction"] = from_ready["good_fraction"]
+    for point in report.get("bursty", []):
+        summary[f"arrivals_{bursty_name(point, '_')}_good_fraction"] = point["good_fraction"]
     for point in report.get("overload", []):
         flood = flood_name(point, "_")
         summary[f"{flood}_goodput_fraction"] = _ratio(point["goodput_per_s"]["median"], on)
@@ -79,6 +81,22 @@ def flood_name(point: dict[str, Any], separator: str = " ") -> str:
     themselves (the goals are the floods of callers that send every call)."""
     words = ["overload", f"{point['factor']:.3g}x"]
     return separator.join([*words, "throttled"] if point.get("throttled") else words)
+
+
+def bursty_name(point: dict[str, Any], separator: str = " ") -> str:
+    """A point of the bursty phases (measure.bursty_phases) by its share of the goodput and
+    its arrivals: "0.8x poisson", "0.8x bursty 0.1"."""
+    burstiness = point["burstiness"]
+    kind = ["poisson"] if burstiness == 1.0 else ["bursty", f"{burstiness:g}"]
+    return separator.join([f"{point['share']:g}x", *kind])
+
+
+def bursty_line(point: dict[str, Any]) -> str:
+    """What a bursty phase's point got: its good share and its accepted p99."""
+    p99 = point["p99_s"]["median"]
+    return f"good {point['good_fraction']:.1%}, accepted p99 {_ms(p99)} ms" + (
+        "" if point.get("valid") else " (INVALID: late sends)"
+    )
 
 
 def goals(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -122,7 +140,8 @@ def max_outside_share(report: dict[str, Any]) -> float:
     ]
     for config in report.get("configs", {}).values():
         shares += [r.get("outside_cpu_share", 0.0) for r in config.get("rates", [])]
-    shares += [p.get("outside_cpu_share", 0.0) for p in report.get("overload", [])]
+    for phase in ("bursty", "overload"):
+        shares += [p.get("outside_cpu_share", 0.0) for p in report.get(phase, [])]
     return max(shares, default=0.0)
 
 
@@ -179,6 +198,8 @@ def _config_lines(report: dict[str, Any]) -> list[str]:
             f"{_num(None if late is None else late * 100, '.1f'):>5}  "
             f"{not_ok or '-'!s:<28} {_cpu_per_1k(at)}"
         )
+    for point in report.get("bursty", []):
+        lines.append(f"{bursty_name(point):<18} {_rate_columns(point)}{bursty_line(point)}")
     for point in report.get("overload", []):
         not_ok = {k: v for k, v in point.get("statuses", {}).items() if k != "OK"}
         lines.append(

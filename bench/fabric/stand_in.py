@@ -26,9 +26,17 @@ from typing import Any
 import grpc
 
 from bench.fabric.loadgen import Send
-from bench.fabric.measure import Progress, Settings, Target, closed_loop, overload_phases, sweep
+from bench.fabric.measure import (
+    Progress,
+    Settings,
+    Target,
+    bursty_phases,
+    closed_loop,
+    overload_phases,
+    sweep,
+)
 from bench.fabric.observe import Observer
-from bench.fabric.report import flood_name
+from bench.fabric.report import bursty_line, bursty_name, flood_name
 from bench.fabric.stack import REPO_ROOT
 from bench.fabric.stream_target import StreamSender
 from bench.fabric.targets import identity_sender, predict_sender
@@ -198,22 +206,25 @@ async def measure_stand_in(
         Target("stand_in", send, observer, model), settings, slo_s, log,
         fallback_rate=0.01 * raw_best,
     )  # fmt: skip
+    goodput = swept.get("goodput_per_s") or 0.0
+    stand_in = Target("stand_in", send, observer, model)
+    bursty = await bursty_phases(stand_in, goodput, settings, slo_s, log)
     # 2x only: 10x the stand-in's goodput is past what the load generator can send on time
     # from this machine (its windows would be void, not a measure of the fabric).
     floods, after = await overload_phases(
-        Target("stand_in", send, observer, model),
-        swept.get("goodput_per_s") or 0.0,
+        stand_in,
+        goodput,
         dataclasses.replace(settings, overload_factors=STAND_IN_OVERLOAD),
         slo_s,
         log,
         flood_rate_per_s,
     )
-    goodput = swept.get("goodput_per_s") or 0.0
     return {
         "curve": str(STAND_IN_CURVE.relative_to(REPO_ROOT)),
         "raw_best_sequences_per_s": round(raw_best, 1),
         "efficiency": round(goodput / raw_best, 4) if raw_best else None,
         **swept,
+        "bursty": bursty,
         "overload": floods,
         "after_overload": after,
         "callers": CALLERS,
@@ -236,6 +247,8 @@ def stand_in_lines(config: dict[str, Any]) -> list[str]:
         f" = {config.get('efficiency') or 0:.3f} of the curve's best"
         f" {config['raw_best_sequences_per_s']:.0f}/s",
     ]
+    for point in config.get("bursty", []):
+        lines.append(f"  {bursty_name(point)} of the goodput: {bursty_line(point)}")
     for flood in config.get("overload", []):
         p99 = flood["p99_s"]["median"]
         lines.append(

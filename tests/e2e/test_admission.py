@@ -25,7 +25,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from bench.fabric.loadgen import OK, Outcome, noting_errors, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import OK, Outcome, arrival_schedule, noting_errors, run_open_loop
 from bench.fabric.targets import make_mixed_texts
 from services.common import metric_names as names
 from services.common.model_repository import load_repository
@@ -145,7 +145,7 @@ def from_ready(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FromReady]:
 
     async def run() -> list[Outcome]:
         async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
-            schedule = poisson_schedule(NORMAL_RATE_PER_S, NORMAL_S, seed=1)
+            schedule = arrival_schedule(NORMAL_RATE_PER_S, NORMAL_S, seed=1)
             return await run_open_loop(sender(channel, TEXTS, NORMAL_TIMEOUT_S), schedule)
 
     try:
@@ -195,8 +195,8 @@ def test_s03_after_a_flood_normal_traffic_is_served_and_nothing_died(
     process the stack started, the gateway reports SERVING, and what a flood could grow stayed
     bounded: the worker's queue and every tier's memory."""
     stack = from_ready.stack
-    flood = poisson_schedule(FLOOD_RATE_PER_S, FLOOD_S, seed=2)
-    calm = [FLOOD_S + t for t in poisson_schedule(NORMAL_RATE_PER_S, RECOVERY_S + NORMAL_S, 3)]
+    flood = arrival_schedule(FLOOD_RATE_PER_S, FLOOD_S, seed=2)
+    calm = [FLOOD_S + t for t in arrival_schedule(NORMAL_RATE_PER_S, RECOVERY_S + NORMAL_S, 3)]
 
     peaks: dict[str, float] = {}
     normal_errors: list[str] = []  # what each failed call after the flood was told

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from bench.fabric.loadgen import OK, Outcome, noting_errors, poisson_schedule, run_open_loop
+from bench.fabric.loadgen import OK, Outcome, arrival_schedule, noting_errors, run_open_loop
 from bench.fabric.targets import make_texts
 from bench.fabric.tenants import FloodProcess, keys_toml, sender
 from services.common import metric_names as names
@@ -124,7 +124,7 @@ async def _measure(stack: Stack, keys: Path) -> FloodRun:
         )  # fmt: skip
         victim_errors: list[str] = []
         victim = noting_errors(sender(channel, "victim", TEXTS, VICTIM_TIMEOUT_S), victim_errors)
-        alone = await run_open_loop(victim, poisson_schedule(VICTIM_RATE_PER_S, WINDOW_S, 5))
+        alone = await run_open_loop(victim, arrival_schedule(VICTIM_RATE_PER_S, WINDOW_S, 5))
         refused_at_start = _refused_at_gateway(stack)
         flood = FloodProcess(address, TEXTS, 1.0)
         try:
@@ -134,7 +134,7 @@ async def _measure(stack: Stack, keys: Path) -> FloodRun:
                 message=f"the flood was not refused {FLOOD_RUNNING_REFUSALS} times at the gateway",
             )
             refused_before = _refused_at_gateway(stack)
-            beside = await run_open_loop(victim, poisson_schedule(VICTIM_RATE_PER_S, WINDOW_S, 6))
+            beside = await run_open_loop(victim, arrival_schedule(VICTIM_RATE_PER_S, WINDOW_S, 6))
             refused = _refused_at_gateway(stack) - refused_before
         finally:
             statuses = await flood.stop()

@@ -1,13 +1,19 @@
-"""bench.fabric's command line (the stand-in's fixed flood rate, the throttled floods), its
-metrics breakdown and its summary of floods."""
+"""bench.fabric's command line (the stand-in's fixed flood rate, the throttled floods, bursty
+arrivals), its metrics breakdown, its summary of floods and bursty arrivals, and its bursty
+phases through the open-loop generator."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
+import numpy as np
 import pytest
 
-from bench.fabric.__main__ import parse_args
-from bench.fabric.observe import Snapshot, breakdown
-from bench.fabric.report import flood_name, goals, summarize
+from bench.fabric.__main__ import FULL, parse_args
+from bench.fabric.measure import Progress, Target, bursty_phases
+from bench.fabric.observe import Observer, Snapshot, breakdown
+from bench.fabric.report import bursty_line, bursty_name, flood_name, goals, summarize
 from services.common import metric_names as names
 
 pytestmark = pytest.mark.unit
@@ -140,3 +146,77 @@ def test_a_tiers_busiest_event_loop_is_its_busiest_processs_first_thread() -> No
     # The second gateway process's loop used 1.8 s of 2: 0.9 of a core; a tier missing
     # before (not measured then) is left out.
     assert busiest_loops(before, after, 2.0) == {"gateway": 0.9, "router": 0.1}
+
+
+def test_bursty_arrivals_are_offered_at_half_and_most_of_the_goodput_by_default() -> None:
+    _, settings = parse_args(["--no-peer"])
+    assert (settings.bursty_shares, settings.burstiness) == ((0.5, 0.8), 0.1)
+    _, settings = parse_args(["--no-peer", "--bursty-shares", "--burstiness", "0.25"])
+    assert (settings.bursty_shares, settings.burstiness) == ((), 0.25)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--burstiness", "0"], "--burstiness must be a positive number"),
+        (["--burstiness", "nan"], "--burstiness must be a positive number"),
+        (["--burstiness", "inf"], "--burstiness must be a positive number"),
+        (["--bursty-shares", "0.5", "-1"], "--bursty-shares must be positive"),
+    ],
+)
+def test_a_burstiness_or_share_that_is_not_positive_is_refused(
+    argv: list[str], words: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--no-peer", *argv])
+    assert words in capsys.readouterr().err
+
+
+def test_bursty_points_are_summarized_and_shown_by_share_and_arrivals() -> None:
+    def point(burstiness: float, good: float, valid: bool = True) -> dict[str, object]:
+        return {"share": 0.8, "burstiness": burstiness, "good_fraction": good, "valid": valid,
+                "p99_s": {"median": 0.12}}  # fmt: skip
+
+    report = {
+        "configs": {"batching_on": {"goodput_per_s": 100.0}},
+        "model": {"slo_p99_ms": 250},
+        "bursty": [point(1.0, 0.995), point(0.1, 0.97, valid=False)],
+    }
+    summary = summarize(report)
+    assert summary["arrivals_0.8x_poisson_good_fraction"] == 0.995
+    assert summary["arrivals_0.8x_bursty_0.1_good_fraction"] == 0.97
+    assert [bursty_name(p) for p in report["bursty"]] == ["0.8x poisson", "0.8x bursty 0.1"]
+    assert bursty_line(report["bursty"][0]) == "good 99.5%, accepted p99 120 ms"
+    assert bursty_line(report["bursty"][1]).endswith("(INVALID: late sends)")
+
+
+async def test_bursty_phases_offer_poisson_then_bursty_arrivals_at_each_share() -> None:
+    """Through the real open-loop generator, against a send that answers at once: each share
+    of the goodput is offered twice, Poisson first, at the same mean rate, and the bursty
+    arrivals come in clumps (their sends' gaps spread far more than Poisson ones')."""
+    loop = asyncio.get_running_loop()
+    sent: dict[str, list[float]] = {}
+    target = Target("quick", lambda: noted(), Observer({}), None)
+
+    async def noted() -> None:
+        sent.setdefault(target.name, []).append(loop.time())
+
+    settings = dataclasses.replace(
+        FULL, warmup_s=0.05, window_s=0.3, windows=3, bursty_shares=(0.5, 1.0), burstiness=0.1,
+        contention_retries=0,  # one schedule a point, whatever else the machine runs
+    )  # fmt: skip
+    points = await bursty_phases(target, 400.0, settings, 0.25, Progress())
+    assert [(p["share"], p["burstiness"]) for p in points] == [
+        (0.5, 1.0), (0.5, 0.1), (1.0, 1.0), (1.0, 0.1)
+    ]  # fmt: skip
+    assert [p["offered_rate_per_s"] for p in points] == [200.0, 200.0, 400.0, 400.0]
+    assert all(set(p["statuses"]) == {"OK"} for p in points)
+    assert target.name == "quick"
+
+    def spread(name: str) -> float:
+        gaps = np.diff(sent[name])
+        return float(gaps.std() / gaps.mean())
+
+    for share in ("0.5x", "1x"):
+        assert spread(f"quick_{share}_bursty_0.1") > 2 * spread(f"quick_{share}_poisson")
+    assert await bursty_phases(target, 0.0, settings, 0.25, Progress()) == []

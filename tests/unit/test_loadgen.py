@@ -21,7 +21,7 @@ from bench.fabric.loadgen import (
     THROTTLED,
     Outcome,
     Send,
-    poisson_schedule,
+    arrival_schedule,
     retry_after_of,
     run_closed_loop,
     split_windows,
@@ -47,13 +47,13 @@ def outcome(
 @pytest.mark.parametrize("rate", [5.0, 200.0, 3000.0])
 def test_schedule_has_the_requested_mean_rate(rate: float) -> None:
     duration = 20_000 / rate  # ~20k arrivals: the mean is within ~0.7% at 1 sigma
-    times = poisson_schedule(rate, duration, seed=1)
+    times = arrival_schedule(rate, duration, seed=1)
     assert len(times) / duration == pytest.approx(rate, rel=0.03)
     assert times == sorted(times) and times[0] > 0 and times[-1] < duration
 
 
 def test_schedule_gaps_are_exponential() -> None:
-    times = poisson_schedule(100.0, 200.0, seed=2)
+    times = arrival_schedule(100.0, 200.0, seed=2)
     gaps = np.diff([0.0, *times])
     # Exponential: standard deviation equals the mean (coefficient of variation 1), and the
     # share of gaps shorter than the mean is 1 - 1/e.
@@ -61,16 +61,53 @@ def test_schedule_gaps_are_exponential() -> None:
     assert np.mean(gaps < 0.01) == pytest.approx(1 - math.exp(-1), abs=0.02)
 
 
+@pytest.mark.parametrize("burstiness", [0.1, 0.5, 4.0])
+def test_bursty_schedule_keeps_the_mean_rate_with_gamma_gaps(burstiness: float) -> None:
+    rate, duration = 500.0, 80.0  # ~40k arrivals
+    times = arrival_schedule(rate, duration, seed=3, burstiness=burstiness)
+    assert len(times) / duration == pytest.approx(rate, rel=0.05)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < duration
+    gaps = np.diff([0.0, *times])
+    # Gamma gaps of shape k: coefficient of variation 1 / sqrt(k) (3.16 at 0.1, 0.5 at 4).
+    cv = statistics.stdev(gaps) / statistics.fmean(gaps)
+    assert cv == pytest.approx(1 / math.sqrt(burstiness), rel=0.06)
+
+
+def test_bursty_arrivals_clump_where_poisson_ones_spread() -> None:
+    # The same mean rate; counted in 10 ms bins, bursty arrivals leave most bins empty and pack
+    # the rest (the counts' variance about 10x their mean at burstiness 0.1, 1x for Poisson).
+    def bins(burstiness: float) -> np.ndarray:
+        times = arrival_schedule(1000.0, 60.0, seed=4, burstiness=burstiness)
+        return np.bincount((np.asarray(times) / 0.01).astype(int), minlength=6000)
+
+    poisson, bursty = bins(1.0), bins(0.1)
+    assert poisson.var() / poisson.mean() == pytest.approx(1.0, abs=0.1)
+    assert bursty.var() / bursty.mean() > 5
+    assert np.mean(bursty == 0) > 10 * np.mean(poisson == 0)
+
+
+def test_a_burstiness_of_one_draws_the_poisson_schedule() -> None:
+    assert arrival_schedule(80.0, 30.0, seed=5, burstiness=1.0) == arrival_schedule(
+        80.0, 30.0, seed=5
+    )
+    assert arrival_schedule(80.0, 30.0, seed=5, burstiness=0.9) != arrival_schedule(
+        80.0, 30.0, seed=5
+    )
+
+
 def test_schedule_is_deterministic_for_a_seed() -> None:
-    assert poisson_schedule(50.0, 10.0, seed=7) == poisson_schedule(50.0, 10.0, seed=7)
-    assert poisson_schedule(50.0, 10.0, seed=7) != poisson_schedule(50.0, 10.0, seed=8)
+    assert arrival_schedule(50.0, 10.0, seed=7) == arrival_schedule(50.0, 10.0, seed=7)
+    assert arrival_schedule(50.0, 10.0, seed=7) != arrival_schedule(50.0, 10.0, seed=8)
 
 
 def test_schedule_is_bounded_by_count_and_time() -> None:
-    assert len(poisson_schedule(1000.0, 10.0, seed=0, max_count=25)) == 25
-    assert all(t < 0.5 for t in poisson_schedule(1000.0, 0.5, seed=0))
+    assert len(arrival_schedule(1000.0, 10.0, seed=0, max_count=25)) == 25
+    assert all(t < 0.5 for t in arrival_schedule(1000.0, 0.5, seed=0))
     with pytest.raises(ValueError):
-        poisson_schedule(0.0, 1.0, seed=0)
+        arrival_schedule(0.0, 1.0, seed=0)
+    for burstiness in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="burstiness"):
+            arrival_schedule(10.0, 1.0, seed=0, burstiness=burstiness)
 
 
 # -- outcomes, windows, late sends ----------------------------------------------------------
