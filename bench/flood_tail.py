@@ -155,7 +155,9 @@ async def flood(args: argparse.Namespace) -> list[dict[str, Any]]:
             print(f"16 closed-loop callers: {capacity['ok_per_s']:.1f} answers/s", flush=True)
             for rate in args.rates:
                 target = Target(f"minilm {rate:g}/s", send, observer, "minilm")
-                run = await measure_rate_clean(target, rate, settings, slo_s, Progress())
+                run = await measure_rate_clean(
+                    target, rate, settings, slo_s, Progress(), is_flood=True
+                )
                 before, after = observer.taken[-2:]  # around the last attempt's windows
                 found = run.to_dict()
                 tails = {

@@ -145,10 +145,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     parser.add_argument(
         "--loadgen-priority",
         choices=("rr", "nice", "none"),
-        help="run the generator ahead of the stack in open-loop runs: SCHED_RR on a quarter "
-        "of the CPUs, at least one "
-        "(default), "
-        "nice -5, or not at all (both need root; without it: not at all)",
+        help="run the generator ahead of the stack in floods (and in a rate measured again for "
+        "its late sends): SCHED_RR on a quarter of the CPUs, at least one (default), nice -5, "
+        "or not at all (both need root; without it: not at all)",
+    )
+    parser.add_argument(
+        "--loadgen-priority-below-capacity",
+        choices=("rr", "nice", "none"),
+        help="how the generator runs at first below capacity (sweeps, bursty arrivals, the "
+        "traffic after floods, from ready; default none: an ordinary process, raised to "
+        "--loadgen-priority for a rate it sent late)",
     )
     parser.add_argument("--output", type=Path, help="JSON path (default bench/results/...)")
     parser.add_argument("--plot", type=Path, help="PNG path (default beside the JSON)")
@@ -180,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         "loadgen_priority": args.loadgen_priority, "wait_quiet_s": args.wait_quiet_s,
         "overload_factors": None if args.overload is None else tuple(args.overload),
         "throttled_floods": args.throttled_floods, "burstiness": args.burstiness,
+        "loadgen_priority_below_capacity": args.loadgen_priority_below_capacity,
         "bursty_shares": None if args.bursty_shares is None else tuple(args.bursty_shares),
     }  # fmt: skip
     given = {key: value for key, value in overrides.items() if value is not None}

@@ -351,8 +351,12 @@ def generator_priority(mode: str) -> Iterator[str]:
 
     Why: a client on the server's own cores competes with it; a saturated server would delay
     the sends (at nice 0 a few % leave > 5 ms late, which voids the window), and the run would
-    measure the generator. Real clients sit on other machines. The generator needs little CPU
-    (its share is reported), so letting it go first costs the stack only what it uses.
+    measure the generator. Real clients sit on other machines. Going first costs the stack
+    more than the generator's CPU, though: each send preempts whatever stack thread shares its
+    CPU. Below capacity, where an ordinary generator keeps its schedule, bench.fabric runs it
+    as one (`Settings.loadgen_priority_below_capacity`): at 2,800 calls/s on the stand-in
+    stack, SCHED_RR left 85-87% of calls good (the door refused the rest), normal priority
+    100%, alternating twice (docs/benchmarks.md).
 
     Why not every CPU: a real-time generator may take any core at any moment, and past capacity
     (a flood at 2x needs most of a core here) it preempts the stack's threads wherever they

@@ -58,9 +58,14 @@ class Settings:
     #: None: the model's own length buckets; smoke runs trim them to cut worker warm-up.
     length_buckets: tuple[int, ...] | None
     seed: int
-    #: How the generator runs ahead of the stack in open-loop runs: "rr", "nice" or "none"
-    #: (see bench.fabric.loadgen.generator_priority).
+    #: How the generator runs ahead of the stack in floods, and in a rate measured again for
+    #: its late sends: "rr", "nice" or "none" (see bench.fabric.loadgen.generator_priority).
     loadgen_priority: str = "rr"
+    #: How it runs at first below capacity (sweeps, bursty arrivals, the traffic after floods,
+    #: from ready): as an ordinary process, competing with the stack as the scheduler shares
+    #: the cores. Run ahead of the stack there, its every send preempts the stack's threads,
+    #: and the door refused 13-15% of a rate served whole without it (docs/benchmarks.md).
+    loadgen_priority_below_capacity: str = "none"
     #: Before each phase (and before re-measuring), wait up to this long for other processes
     #: to leave the CPU.
     wait_quiet_s: float = 0.0
@@ -135,10 +140,12 @@ async def measure_rate(
     slo_s: float,
     log: Progress,
     burstiness: float = 1.0,
+    priority: str | None = None,
 ) -> RateResult:
     """Warm-up plus `settings.windows` windows of Poisson arrivals at `rate` (gamma gaps at
-    another `burstiness`: loadgen.arrival_schedule), in one schedule (no gap between windows);
-    metrics and CPU are snapshotted around the measured windows."""
+    another `burstiness`: loadgen.arrival_schedule), in one schedule (no gap between windows),
+    the generator run at `priority` (None: `settings.loadgen_priority`); metrics and CPU are
+    snapshotted around the measured windows."""
     measured_s = settings.windows * settings.window_s
     seconds = settings.warmup_s + measured_s
     schedule = arrival_schedule(rate, seconds, settings.seed, burstiness=burstiness)
@@ -151,7 +158,7 @@ async def measure_rate(
         return take
 
     begin_s = max(0.0, settings.warmup_s - SNAPSHOT_LEAD_S)
-    with generator_priority(settings.loadgen_priority) as priority:
+    with generator_priority(priority or settings.loadgen_priority) as applied:
         outcomes = await run_open_loop(
             target.send,
             schedule,
@@ -168,7 +175,7 @@ async def measure_rate(
         "cpu_s": cpu_delta(begin, end),
         "cpu_interval_s": round(end.at_s - begin.at_s, 3),
         "outside_cpu_share": round(outside_share(begin, end), 3),
-        "loadgen_priority": priority,
+        "loadgen_priority": applied,
     }
     if target.model is not None and target.observer.metrics_ports:
         result.extra["breakdown"] = breakdown(begin, end, target.model)
@@ -200,17 +207,24 @@ async def measure_rate_clean(
     slo_s: float,
     log: Progress,
     burstiness: float = 1.0,
+    is_flood: bool = False,
 ) -> RateResult:
     """measure_rate, measured again (after waiting for quiet) when other processes took a
     large share of the CPU or the windows were void (late sends): a neighbour's burst should
-    not decide a rate's verdict. A rate still void after the retries counts as not served."""
+    not decide a rate's verdict. A rate still void after the retries counts as not served.
+    The generator runs at `settings.loadgen_priority_below_capacity` unless `is_flood`, and at
+    `settings.loadgen_priority` once its sends were late."""
+    below = settings.loadgen_priority_below_capacity
+    priority = settings.loadgen_priority if is_flood else below
     for attempt in range(settings.contention_retries + 1):
-        result = await measure_rate(target, rate, settings, slo_s, log, burstiness)
+        result = await measure_rate(target, rate, settings, slo_s, log, burstiness, priority)
         outside = result.extra["outside_cpu_share"]
         is_clean = outside <= OUTSIDE_RETRY_SHARE and result.is_valid
         if is_clean or attempt == settings.contention_retries:
             break
         why = "late sends" if not result.is_valid else f"others used {outside:.0%} of the CPU"
+        if not result.is_valid:
+            priority = settings.loadgen_priority  # the generator ahead, to keep its schedule
         log(f"[{target.name}] measuring {rate:.1f}/s again: {why}")
         await wait_quiet(log, settings.wait_quiet_s)
     result.extra["attempts"] = attempt + 1
@@ -245,7 +259,7 @@ async def overload_phases(
         draws = random.Random(settings.seed)  # the throttle's draws repeat for a --seed
         target.send = throttled(send, AdaptiveThrottle(), draws) if is_throttled else send
         result = (
-            await measure_rate_clean(target, factor * goodput, settings, slo_s, log)
+            await measure_rate_clean(target, factor * goodput, settings, slo_s, log, is_flood=True)
         ).to_dict()
         median = result["goodput_per_s"]["median"]
         fraction = None if median is None else round(median / goodput, 3)

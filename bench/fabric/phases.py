@@ -254,7 +254,10 @@ class Run:
             observer = Observer(stack.pids(), stack.metrics_ports())
             send = predict_sender(channel, MODEL, self.mixed_texts, self.timeout_s)
             target = Target("from_ready", send, observer, MODEL)
-            result = await measure_rate(target, 0.5 * goodput, settings, self.slo_s, self.log)
+            below = settings.loadgen_priority_below_capacity
+            result = await measure_rate(
+                target, 0.5 * goodput, settings, self.slo_s, self.log, priority=below
+            )
             return result.to_dict()
 
         self.report["from_ready"] = await self.stack_phase(

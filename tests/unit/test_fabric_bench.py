@@ -5,11 +5,15 @@ phases through the open-loop generator."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from bench.fabric import measure
 from bench.fabric.__main__ import FULL, parse_args
 from bench.fabric.measure import Progress, Target, bursty_phases
 from bench.fabric.observe import Observer, Snapshot, breakdown
@@ -220,3 +224,40 @@ async def test_bursty_phases_offer_poisson_then_bursty_arrivals_at_each_share() 
     for share in ("0.5x", "1x"):
         assert spread(f"quick_{share}_bursty_0.1") > 2 * spread(f"quick_{share}_poisson")
     assert await bursty_phases(target, 0.0, settings, 0.25, Progress()) == []
+
+
+async def test_rates_below_capacity_start_with_the_generator_as_an_ordinary_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sweeps and the like run the generator at normal priority, raised ahead of the stack
+    only for a rate it sent late; floods run it ahead from the start. The priority actually
+    applied is recorded in place of `loadgen.generator_priority` (it would change this test
+    process's scheduling)."""
+    used: list[str] = []
+
+    @contextlib.contextmanager
+    def recorded(mode: str) -> Iterator[str]:
+        used.append(mode)
+        yield mode
+
+    monkeypatch.setattr(measure, "generator_priority", recorded)
+    settings = dataclasses.replace(FULL, warmup_s=0.05, window_s=0.2, windows=3)
+
+    async def at_once() -> None:
+        pass
+
+    async def blocking_at_normal_priority() -> None:
+        if used[-1] == "none":
+            time.sleep(0.008)  # holds the loop past the next send: every later one leaves late
+
+    target = Target("quick", at_once, Observer({}), None)
+    result = await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress())
+    assert set(used) == {"none"} and result.extra["loadgen_priority"] == "none"
+    used.clear()
+    await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress(), is_flood=True)
+    assert set(used) == {"rr"}
+    used.clear()
+    target.send = blocking_at_normal_priority
+    result = await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress())
+    assert (used[0], used[-1]) == ("none", "rr") and result.extra["loadgen_priority"] == "rr"
+    assert result.is_valid
