@@ -206,8 +206,9 @@ async def measure_rate_clean(
     settings: Settings,
     slo_s: float,
     log: Progress,
-    burstiness: float = 1.0,
+    *,
     is_flood: bool = False,
+    burstiness: float = 1.0,
 ) -> RateResult:
     """measure_rate, measured again (after waiting for quiet) when other processes took a
     large share of the CPU or the windows were void (late sends): a neighbour's burst should
@@ -295,7 +296,7 @@ async def bursty_phases(
                 kind = "poisson" if burstiness == 1.0 else f"bursty_{burstiness:g}"
                 target.name = f"{name}_{share:g}x_{kind}"
                 result = await measure_rate_clean(
-                    target, share * goodput, settings, slo_s, log, burstiness
+                    target, share * goodput, settings, slo_s, log, burstiness=burstiness
                 )
                 points.append({"share": share, "burstiness": burstiness, **result.to_dict()})
     finally:
