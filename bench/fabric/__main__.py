@@ -152,9 +152,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
     parser.add_argument(
         "--loadgen-priority-below-capacity",
         choices=("rr", "nice", "none"),
-        help="how the generator runs at first below capacity (sweeps, bursty arrivals, the "
-        "traffic after floods, from ready; default none: an ordinary process, raised to "
-        "--loadgen-priority for a rate it sent late)",
+        help="how the generator runs below capacity (sweeps, bursty arrivals, the traffic after "
+        "floods, from ready; default none: an ordinary process), raised to --loadgen-priority "
+        "for a rate it sent late (from ready is measured once: not raised)",
     )
     parser.add_argument("--output", type=Path, help="JSON path (default bench/results/...)")
     parser.add_argument("--plot", type=Path, help="PNG path (default beside the JSON)")
@@ -195,6 +195,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Setti
         parser.error("--windows must be at least 1 (the method asks for 3)")
     if not 0 < settings.burstiness < math.inf:
         parser.error("--burstiness must be a positive number (1 is Poisson)")
+    if settings.burstiness == 1.0:
+        parser.error("--burstiness 1 is the Poisson arrivals the bursty ones are set beside")
     if not all(0 < share < math.inf for share in settings.bursty_shares):
         parser.error("--bursty-shares must be positive shares of the goodput")
     if args.flood_rate is not None and not 0 < args.flood_rate < math.inf:

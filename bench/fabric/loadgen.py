@@ -353,8 +353,9 @@ def generator_priority(mode: str) -> Iterator[str]:
     the sends (at nice 0 a few % leave > 5 ms late, which voids the window), and the run would
     measure the generator. Real clients sit on other machines. Going first costs the stack
     more than the generator's CPU, though: each send preempts whatever stack thread shares its
-    CPU. Below capacity, where an ordinary generator keeps its schedule, bench.fabric runs it
-    as one (`Settings.loadgen_priority_below_capacity`): at 2,800 calls/s on the stand-in
+    CPU. Below capacity, where an ordinary generator keeps its schedule, bench.fabric's sweeps
+    run it as one (`Settings.loadgen_priority_below_capacity`; bench.fabric.tenants, whose
+    flood shares the run, keeps it ahead): at 2,800 calls/s on the stand-in
     stack, SCHED_RR left 85-87% of calls good (the door refused the rest), normal priority
     100%, alternating twice (docs/benchmarks.md).
 

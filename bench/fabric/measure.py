@@ -61,10 +61,11 @@ class Settings:
     #: How the generator runs ahead of the stack in floods, and in a rate measured again for
     #: its late sends: "rr", "nice" or "none" (see bench.fabric.loadgen.generator_priority).
     loadgen_priority: str = "rr"
-    #: How it runs at first below capacity (sweeps, bursty arrivals, the traffic after floods,
-    #: from ready): as an ordinary process, competing with the stack as the scheduler shares
-    #: the cores. Run ahead of the stack there, its every send preempts the stack's threads,
-    #: and the door refused 13-15% of a rate served whole without it (docs/benchmarks.md).
+    #: How it runs below capacity (sweeps, bursty arrivals, the traffic after floods; and from
+    #: ready, measured once, so never raised): as an ordinary process, competing with the stack
+    #: as the scheduler shares the cores. Run ahead of the stack there, its every send preempts
+    #: the stack's threads, and the door refused 13-15% of a rate served whole without it
+    #: (docs/benchmarks.md).
     loadgen_priority_below_capacity: str = "none"
     #: Before each phase (and before re-measuring), wait up to this long for other processes
     #: to leave the CPU.

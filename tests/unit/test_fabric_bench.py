@@ -1,23 +1,30 @@
 """bench.fabric's command line (the stand-in's fixed flood rate, the throttled floods, bursty
-arrivals), its metrics breakdown, its summary of floods and bursty arrivals, and its bursty
-phases through the open-loop generator."""
+arrivals), its metrics breakdown, its summary of floods and bursty arrivals, its bursty phases,
+and the load generator's priority below capacity and in floods."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
-import time
 from collections.abc import Iterator
+from typing import Any
 
-import numpy as np
 import pytest
 
 from bench.fabric import measure
 from bench.fabric.__main__ import FULL, parse_args
+from bench.fabric.loadgen import arrival_schedule
 from bench.fabric.measure import Progress, Target, bursty_phases
 from bench.fabric.observe import Observer, Snapshot, breakdown
-from bench.fabric.report import bursty_line, bursty_name, flood_name, goals, summarize
+from bench.fabric.report import (
+    bursty_line,
+    bursty_name,
+    flood_name,
+    goals,
+    max_outside_share,
+    summarize,
+)
+from bench.fabric.sweep import RateResult, WindowStats
 from services.common import metric_names as names
 
 pytestmark = pytest.mark.unit
@@ -165,6 +172,7 @@ def test_bursty_arrivals_are_offered_at_half_and_most_of_the_goodput_by_default(
         (["--burstiness", "0"], "--burstiness must be a positive number"),
         (["--burstiness", "nan"], "--burstiness must be a positive number"),
         (["--burstiness", "inf"], "--burstiness must be a positive number"),
+        (["--burstiness", "1"], "--burstiness 1 is the Poisson arrivals"),
         (["--bursty-shares", "0.5", "-1"], "--bursty-shares must be positive"),
     ],
 )
@@ -194,70 +202,130 @@ def test_bursty_points_are_summarized_and_shown_by_share_and_arrivals() -> None:
     assert bursty_line(report["bursty"][1]).endswith("(INVALID: late sends)")
 
 
-async def test_bursty_phases_offer_poisson_then_bursty_arrivals_at_each_share() -> None:
-    """Through the real open-loop generator, against a send that answers at once: each share
-    of the goodput is offered twice, Poisson first, at the same mean rate, and the bursty
-    arrivals come in clumps (their sends' gaps spread far more than Poisson ones')."""
-    loop = asyncio.get_running_loop()
-    sent: dict[str, list[float]] = {}
-    target = Target("quick", lambda: noted(), Observer({}), None)
+def test_the_most_cpu_others_took_counts_every_phase_of_every_configuration() -> None:
+    report = {
+        "configs": {"stand_in": {"rates": [{"outside_cpu_share": 0.01}],
+                                 "bursty": [{"outside_cpu_share": 0.2}],
+                                 "overload": [{"outside_cpu_share": 0.05}]}},
+        "bursty": [{"outside_cpu_share": 0.1}],
+    }  # fmt: skip
+    assert max_outside_share(report) == 0.2
+    report["configs"]["stand_in"]["bursty"] = []
+    assert max_outside_share(report) == 0.1
 
-    async def noted() -> None:
-        sent.setdefault(target.name, []).append(loop.time())
 
-    settings = dataclasses.replace(
-        FULL, warmup_s=0.05, window_s=0.3, windows=3, bursty_shares=(0.5, 1.0), burstiness=0.1,
-        contention_retries=0,  # one schedule a point, whatever else the machine runs
-    )  # fmt: skip
+class RatesMeasured:
+    """Stands in for `measure.measure_rate` in tests of the policies around it: records each
+    call's (target name, rate, burstiness, priority) and answers three windows, void (late
+    sends) at the priorities in `void_at`, with no clock and no sends."""
+
+    def __init__(self, void_at: frozenset[str | None] = frozenset()) -> None:
+        self.calls: list[tuple[str, float, float, str | None]] = []
+        self.void_at = void_at
+
+    async def __call__(
+        self, target: Target, rate: float, settings: object, slo_s: float, log: object,
+        burstiness: float = 1.0, priority: str | None = None,
+    ) -> RateResult:  # fmt: skip
+        self.calls.append((target.name, rate, burstiness, priority))
+        late = 10 if priority in self.void_at else 0
+        window = WindowStats(1.0, 100, 100, 100, late, {"OK": 100}, 0.01, 0.02, 0.03)
+        extra = {"outside_cpu_share": 0.0, "loadgen_priority": priority}
+        return RateResult(rate, [window] * 3, extra=extra)
+
+    @property
+    def priorities(self) -> list[str | None]:
+        return [priority for *_, priority in self.calls]
+
+
+def quick_target() -> Target:
+    async def at_once() -> None:
+        pass
+
+    return Target("quick", at_once, Observer({}), None)
+
+
+async def test_bursty_phases_offer_poisson_then_bursty_arrivals_at_each_share(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each share of the goodput offered twice at the same mean rate, Poisson first, then at
+    the settings' burstiness, each under a name of its own, at the below-capacity priority."""
+    measured = RatesMeasured()
+    monkeypatch.setattr(measure, "measure_rate", measured)
+    settings = dataclasses.replace(FULL, bursty_shares=(0.5, 1.0), burstiness=0.1)
+    target = quick_target()
     points = await bursty_phases(target, 400.0, settings, 0.25, Progress())
+    assert [(rate, burstiness) for _, rate, burstiness, _ in measured.calls] == [
+        (200.0, 1.0), (200.0, 0.1), (400.0, 1.0), (400.0, 0.1)
+    ]  # fmt: skip
+    assert [name for name, *_ in measured.calls] == [
+        "quick_0.5x_poisson", "quick_0.5x_bursty_0.1", "quick_1x_poisson", "quick_1x_bursty_0.1"
+    ]  # fmt: skip
+    assert set(measured.priorities) == {"none"}
     assert [(p["share"], p["burstiness"]) for p in points] == [
         (0.5, 1.0), (0.5, 0.1), (1.0, 1.0), (1.0, 0.1)
     ]  # fmt: skip
     assert [p["offered_rate_per_s"] for p in points] == [200.0, 200.0, 400.0, 400.0]
-    assert all(set(p["statuses"]) == {"OK"} for p in points)
     assert target.name == "quick"
-
-    def spread(name: str) -> float:
-        gaps = np.diff(sent[name])
-        return float(gaps.std() / gaps.mean())
-
-    for share in ("0.5x", "1x"):
-        assert spread(f"quick_{share}_bursty_0.1") > 2 * spread(f"quick_{share}_poisson")
     assert await bursty_phases(target, 0.0, settings, 0.25, Progress()) == []
 
 
-async def test_rates_below_capacity_start_with_the_generator_as_an_ordinary_process(
+async def test_a_rate_is_sent_on_its_burstinesss_schedule_at_the_priority_asked(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Sweeps and the like run the generator at normal priority, raised ahead of the stack
-    only for a rate it sent late; floods run it ahead from the start. The priority actually
-    applied is recorded in place of `loadgen.generator_priority` (it would change this test
-    process's scheduling)."""
+    """measure_rate through the real open-loop generator: the schedule drawn at the burstiness
+    given, the generator at the priority given (recorded in place of
+    `loadgen.generator_priority`, which would change this test process's scheduling)."""
+    drawn: list[float] = []
     used: list[str] = []
+
+    def schedule(*args: Any, **kwargs: Any) -> list[float]:
+        drawn.append(kwargs["burstiness"])
+        return arrival_schedule(*args, **kwargs)
 
     @contextlib.contextmanager
     def recorded(mode: str) -> Iterator[str]:
         used.append(mode)
         yield mode
 
+    monkeypatch.setattr(measure, "arrival_schedule", schedule)
     monkeypatch.setattr(measure, "generator_priority", recorded)
-    settings = dataclasses.replace(FULL, warmup_s=0.05, window_s=0.2, windows=3)
+    settings = dataclasses.replace(FULL, warmup_s=0.05, window_s=0.1, windows=3)
+    result = await measure.measure_rate(
+        quick_target(), 200.0, settings, 0.25, Progress(), burstiness=0.1, priority="nice"
+    )
+    assert (drawn, used) == ([0.1], ["nice"])
+    assert result.extra["loadgen_priority"] == "nice" and set(result.statuses()) <= {"OK"}
+    await measure.measure_rate(quick_target(), 200.0, settings, 0.25, Progress())
+    assert (drawn, used) == ([0.1, 1.0], ["nice", "rr"])  # the settings' priority by default
 
-    async def at_once() -> None:
-        pass
 
-    async def blocking_at_normal_priority() -> None:
-        if used[-1] == "none":
-            time.sleep(0.008)  # holds the loop past the next send: every later one leaves late
+async def test_rates_below_capacity_start_with_the_generator_as_an_ordinary_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Sweeps and the like run the generator at normal priority, raised ahead of the stack
+    only for a rate whose windows it sent late; floods run it ahead from the start, and the
+    traffic after them does not."""
+    settings = dataclasses.replace(FULL, overload_factors=(2.0,), throttled_floods=False)
 
-    target = Target("quick", at_once, Observer({}), None)
-    result = await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress())
-    assert set(used) == {"none"} and result.extra["loadgen_priority"] == "none"
-    used.clear()
-    await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress(), is_flood=True)
-    assert set(used) == {"rr"}
-    used.clear()
-    target.send = blocking_at_normal_priority
-    result = await measure.measure_rate_clean(target, 200.0, settings, 0.25, Progress())
-    assert (used[0], used[-1]) == ("none", "rr") and result.extra["loadgen_priority"] == "rr"
-    assert result.is_valid
+    async def clean(measured: RatesMeasured, is_flood: bool = False) -> RateResult:
+        monkeypatch.setattr(measure, "measure_rate", measured)
+        return await measure.measure_rate_clean(
+            quick_target(), 100.0, settings, 0.25, Progress(), is_flood=is_flood
+        )
+
+    served = RatesMeasured()
+    assert (await clean(served)).is_valid and served.priorities == ["none"]
+    flood = RatesMeasured()
+    assert (await clean(flood, is_flood=True)).is_valid and flood.priorities == ["rr"]
+    late = RatesMeasured(void_at=frozenset({"none"}))
+    assert (await clean(late)).is_valid and late.priorities == ["none", "rr"]
+    hopeless = RatesMeasured(void_at=frozenset({"none", "rr"}))
+    assert not (await clean(hopeless)).is_valid and hopeless.priorities == ["none", "rr"]
+    phases = RatesMeasured()
+    monkeypatch.setattr(measure, "measure_rate", phases)
+    floods, after = await measure.overload_phases(quick_target(), 100.0, settings, 0.25, Progress())
+    assert [(rate, priority) for _, rate, _, priority in phases.calls] == [
+        (200.0, "rr"), (50.0, "none")
+    ]  # fmt: skip
+    assert len(floods) == 1 and after is not None
