@@ -24,6 +24,7 @@ from bench.fabric.loadgen import (
     throttled,
 )
 from bench.fabric.observe import Observer, Snapshot, breakdown, cpu_delta, threads_delta
+from bench.fabric.report import bursty_name
 from bench.fabric.sweep import GoodputSearch, RateResult, percentile, summarize_rate
 
 #: The first guess for the sweep, as a share of closed-loop throughput: an open-loop server
@@ -294,12 +295,12 @@ async def bursty_phases(
     try:
         for share in settings.bursty_shares:
             for burstiness in (1.0, settings.burstiness):
-                kind = "poisson" if burstiness == 1.0 else f"bursty_{burstiness:g}"
-                target.name = f"{name}_{share:g}x_{kind}"
+                point = {"share": share, "burstiness": burstiness}
+                target.name = f"{name}_{bursty_name(point, '_')}"
                 result = await measure_rate_clean(
                     target, share * goodput, settings, slo_s, log, burstiness=burstiness
                 )
-                points.append({"share": share, "burstiness": burstiness, **result.to_dict()})
+                points.append({**point, **result.to_dict()})
     finally:
         target.name = name
     return points

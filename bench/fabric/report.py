@@ -138,11 +138,9 @@ def max_outside_share(report: dict[str, Any]) -> float:
     shares = [
         p.get("outside_cpu_share", 0.0) for p in report.get("raw_model", {}).get("points", [])
     ]
-    for config in report.get("configs", {}).values():
-        for phase in ("rates", "bursty", "overload"):  # the stand-in's own phases too
-            shares += [r.get("outside_cpu_share", 0.0) for r in config.get(phase, [])]
-    for phase in ("bursty", "overload"):
-        shares += [p.get("outside_cpu_share", 0.0) for p in report.get(phase, [])]
+    for part in (*report.get("configs", {}).values(), report):  # the stand-in's phases too
+        for phase in ("rates", "bursty", "overload"):
+            shares += [p.get("outside_cpu_share", 0.0) for p in part.get(phase, [])]
     return max(shares, default=0.0)
 
 

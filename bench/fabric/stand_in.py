@@ -202,12 +202,9 @@ async def measure_stand_in(
         log,
         flood_rate_per_s,
     )
-    swept = await sweep(
-        Target("stand_in", send, observer, model), settings, slo_s, log,
-        fallback_rate=0.01 * raw_best,
-    )  # fmt: skip
-    goodput = swept.get("goodput_per_s") or 0.0
     stand_in = Target("stand_in", send, observer, model)
+    swept = await sweep(stand_in, settings, slo_s, log, fallback_rate=0.01 * raw_best)
+    goodput = swept.get("goodput_per_s") or 0.0
     bursty = await bursty_phases(stand_in, goodput, settings, slo_s, log)
     # 2x only: 10x the stand-in's goodput is past what the load generator can send on time
     # from this machine (its windows would be void, not a measure of the fabric).
