@@ -32,6 +32,7 @@ from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow
+from services.gpu_worker.batching import driver as driver_module
 from services.gpu_worker.batching.driver import BatchingDriver, DriverConfig
 from services.gpu_worker.batching.lane import GAUGE_PERIOD_S
 from services.gpu_worker.batching.policy import Batcher
@@ -1245,3 +1246,38 @@ async def test_a_version_unloaded_while_a_slow_one_is_added_leaves_the_slow_ones
     finally:
         await driver.drain()
     assert bound_s >= 10 * 0.05  # the slow version's own: WARMUP_MULTIPLE x its batches
+
+
+async def test_a_thread_choice_that_fails_fails_its_batch_and_the_next_one_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch's threads are chosen after its rows left the queue, with the executor marked
+    busy: a choice that raised (a bug in it) left it marked so for good, the worker SERVING
+    while no batch ever ran again and every caller waited out its deadline. Now that batch's
+    rows fail UNAVAILABLE, the executor is freed and the next batch runs."""
+    write_affine_model(tmp_path / "repo", slo_p99_ms=30_000)
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    driver = BatchingDriver([backend], DriverConfig(), WorkerMetrics(CollectorRegistry()))
+    driver.warm_up()
+    choose = driver_module.batch_threads
+    choices: list[int] = []
+
+    def failing_first(*args: Any, **kwargs: Any) -> Any:
+        choices.append(len(choices))
+        if len(choices) == 1:
+            raise RuntimeError("thread choice invariant broken")
+        return choose(*args, **kwargs)
+
+    monkeypatch.setattr(driver_module, "batch_threads", failing_first)
+    fatal: list[Exception] = []
+    driver.start(on_fatal=fatal.append)
+    rows = backend.prepare_many([np.ones(4, dtype=np.float32)])
+    try:
+        with pytest.raises(Unavailable, match="could not run here"):
+            await asyncio.wait_for(driver.submit(backend, rows, timeout_s=5, tenant="t"), 10)
+        outputs = await asyncio.wait_for(driver.submit(backend, rows, timeout_s=5, tenant="t"), 10)
+        assert len(outputs) == 1 and len(choices) == 2
+        assert fatal == [] and not driver.is_executing
+    finally:
+        await asyncio.wait_for(driver.drain(), 10)  # a driver stuck on the batch never drains

@@ -40,7 +40,7 @@ from services.gpu_worker.batching.slice_admission import (
 from services.gpu_worker.batching.types import Dispatch
 from services.gpu_worker.batching.warm_up import warm_up_each, warm_up_lane
 from services.gpu_worker.device_busy import DeviceBusy
-from services.gpu_worker.execution import DeviceLost, batch_threads, run_on_threads
+from services.gpu_worker.execution import MODEL_THREADS, DeviceLost, batch_threads, run_on_threads
 from services.gpu_worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -150,9 +150,7 @@ class BatchingDriver:
         """Runs the batching loop. Should it die (a bug, or a model call past the watchdog; a
         failed batch fails its rows only), queued rows fail UNAVAILABLE, new ones are refused,
         and `on_fatal` is told."""
-        self._loop_task = asyncio.get_running_loop().create_task(
-            self._supervised(on_fatal), name="batcher"
-        )
+        self._loop_task = asyncio.create_task(self._supervised(on_fatal), name="batcher")
 
     async def _supervised(self, on_fatal: Callable[[Exception], None] | None) -> None:
         try:
@@ -358,15 +356,17 @@ class BatchingDriver:
         started: float,
         predicted_s: float,
     ) -> None:
-        """Runs one batch, timed from its dispatch (`started`): a row's linger + backlog +
-        compute is its latency exactly."""
+        """Runs one batch, timed from its dispatch (`started`): a row's linger + backlog + compute
+        is its latency exactly."""
         loop = asyncio.get_running_loop()
         contexts = [p.trace_context for i in dispatch.items if (p := lane.pending.get(i.item_id))]
         device_busy = DeviceBusy(lane.backend.run, lane.backend.device, self._clock)
         idle = not any(other.batcher.num_queued for other in self._order)  # explore only then
-        threads = batch_threads(lane.threads, dispatch, len(rows), self._config.backfill_threads,
-                                self._ledger.last_urgent_s, started, may_explore=idle)  # fmt: skip
+        threads = MODEL_THREADS  # till chosen: a choice that fails fails its rows, not the loop
         try:
+            threads = batch_threads(
+                lane.threads, dispatch, len(rows), self._config.backfill_threads,
+                self._ledger.last_urgent_s, started, may_explore=idle)  # fmt: skip
             with batch_span(key=dispatch.key, close_reason=dispatch.reason.value,
                             num_rows=len(rows), requests=contexts):  # fmt: skip
                 running = loop.run_in_executor(self._executor, run_on_threads, threads.count,
@@ -375,8 +375,8 @@ class BatchingDriver:
         except (watchdog.WatchdogExpired, DeviceLost) as stopped:
             results = [self._wedge(lane.labels, self.watchdog_s, stopped)] * len(rows)
         except Exception as error:
-            # The executor is gone (shutdown) or telemetry failed: every row fails alone, and the
-            # bookkeeping below frees the executor. UNAVAILABLE: no version marked failing.
+            # The executor gone (shutdown), or a failed choice of threads or telemetry: each row
+            # fails alone, the bookkeeping below frees the executor (UNAVAILABLE: not the model's).
             log.exception("batch of %d rows could not run", len(rows))
             refused = Unavailable(f"the batch could not run here ({type(error).__name__})")
             results = [refused] * len(rows)
