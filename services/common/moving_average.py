@@ -23,6 +23,14 @@ class MovingAverage:
         self.mean = value if mean is None else mean + self.weight * (value - mean)
         return self.mean
 
+    def observe_at_least(self, bound: float) -> float | None:
+        """Folds in a value known only to be at least `bound` (a wait cut short before it
+        ended): one above the average moves it up, as `observe` would; one below it says
+        nothing, and leaves it. Returns the average."""
+        if self.mean is None or bound > self.mean:
+            return self.observe(bound)
+        return self.mean
+
     def observe_repeated(self, value: float, times: int) -> None:
         """Folds `value` in `times` times, as as many `observe` calls would."""
         weight, mean = self.weight, self.mean

@@ -38,11 +38,12 @@ anyway. Clocked there, a flood of mixed lengths at 400/s on a fresh `make run` g
 as many answers within the SLO (200-326 of 3,200 against 529-562, /tmp trial, two runs each).
 So a bundle waits only while its key's time downstream (a moving average of the worker's own
 time on each bundle, as it reports it, or of the round trip where it does not and for failed
-ones; a key with none yet holds) is at most `max_hold_s`, and then at most `max_hold_s` and
-`hold_share` of its earliest caller's time left when the hold begins (callers that join later
-have deadlines within 2x of it: the coalescer's deadline classes), which also bounds what a
-slow or stalled downstream costs the calls behind it. Throughput is never capped by the clock:
-a bundle that fills to the model's max batch rows leaves at once.
+ones; of a bundle all its callers left, the time it was out, only if above the average: the
+time downstream was at least that; a key with none yet holds) is at most `max_hold_s`, and then
+at most `max_hold_s` and `hold_share` of its earliest caller's time left when the hold begins
+(callers that join later have deadlines within 2x of it: the coalescer's deadline classes),
+which also bounds what a slow or stalled downstream costs the calls behind it. Throughput is
+never capped by the clock: a bundle that fills to the model's max batch rows leaves at once.
 
 An answered hold gathers the calls already waiting at the door. A process that picks calls up
 later than they come (its door's pickup delay) has more of the key's calls in grpc's queue when

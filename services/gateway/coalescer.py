@@ -322,6 +322,9 @@ class Coalescer:
                     bundle.cancels,
                 )
                 response = pb.InferResponse.FromString(payload)
+            except asyncio.CancelledError:  # its callers left, or the gateway closes: the
+                downstream.observe_at_least(time.monotonic() - sent_s)  # time so far is a floor
+                raise
             except BaseException:  # a failure's round trip counts: a stalled downstream
                 downstream.observe(time.monotonic() - sent_s)  # stops the holds
                 raise

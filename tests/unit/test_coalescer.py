@@ -36,7 +36,7 @@ from services.gateway import coalescer as coalescer_module
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.call_rows import max_bundle_rows, max_call_rows
-from services.gateway.coalescer import Coalescer
+from services.gateway.coalescer import DOWNSTREAM_WEIGHT, Coalescer
 from services.gateway.metrics import GatewayMetrics
 from services.pb.inference.v1 import worker_pb2 as pb
 from tests.support.waiting import eventually
@@ -886,3 +886,33 @@ async def test_a_bundle_is_sent_in_its_first_callers_context_whoever_makes_it_le
     await asyncio.gather(*(as_caller(name, rows(1, 2)) for name in ("A", "X")))
     assert [[s.rows for s in b.slices] for b in downstream.bundles] == [[2, 2], [2]]
     assert sent_in == ["A", "X"]
+
+
+@pytest.mark.parametrize(("worker_s", "moves"), [(0.15, False), (0.001, True)])
+async def test_a_bundle_its_callers_left_counts_downstream_only_as_a_floor(
+    worker_s: float, moves: bool
+) -> None:
+    """A bundle whose callers all left (short deadlines) is cancelled before its answer: the
+    time it was out says downstream took at least that. Counted as its time downstream, it
+    lowered a slow key's average (150 ms, its callers leaving at 30 ms) below the bundle
+    clock's 20 ms, and the key's bundles were held where holding only adds latency. It now
+    raises an average below it (the first bundle answered in 1 ms) and leaves one above it."""
+    downstream = Downstream(worker_s=worker_s)
+    bundles = coalescer(downstream)
+    try:
+        await call(bundles, rows(1))
+        state = bundles._keys[KEY]
+        assert state.downstream.mean == pytest.approx(worker_s)
+        downstream.silent_from = 1
+        with pytest.raises(UpstreamError) as raised:
+            await call(bundles, rows(2), timeout_s=0.03)
+        assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        await eventually(lambda: state.out == 0, message="the bundle cancelled downstream")
+        mean = state.downstream.mean
+        assert mean is not None
+        if moves:  # toward its 30 ms out (less the few loop turns before it left)
+            assert mean > worker_s + DOWNSTREAM_WEIGHT * 0.02
+        else:
+            assert mean == pytest.approx(worker_s)
+    finally:
+        await bundles.close()

@@ -27,3 +27,10 @@ def test_a_value_folded_in_times_over_equals_as_many_observations(
         once.observe(value)
     repeated.observe_repeated(value, times)
     assert repeated.mean == once.mean  # exactly: the same arithmetic in the same order
+
+
+def test_a_value_known_only_as_a_floor_raises_the_average_but_never_lowers_it() -> None:
+    average = MovingAverage(0.2)
+    assert average.observe_at_least(0.1) == 0.1  # the first value starts it, as observe's
+    assert average.observe_at_least(0.05) == 0.1  # below: it was at least that, no news
+    assert average.observe_at_least(0.6) == pytest.approx(0.2)  # above: as observe(0.6)
