@@ -137,9 +137,16 @@ def _scalar_bool(request: kserve.ModelInferRequest, name: str) -> bool:
     index, tensor = found
     if tensor.datatype != "BOOL" or any(d != 1 for d in tensor.shape):
         raise InvalidInput(f"input {name} must be BOOL with one element")
+    # One element: one byte raw, one value in contents (an empty one read as false and two
+    # bytes as true, a malformed flag chose streaming or not without a word).
     if request.raw_input_contents:
-        return request.raw_input_contents[index] not in (b"", b"\x00")
-    return bool(tensor.contents.bool_contents and tensor.contents.bool_contents[0])
+        raw = request.raw_input_contents[index]
+        if len(raw) != 1:
+            raise InvalidInput(f"input {name}: a BOOL element is one byte, got {len(raw)}")
+        return raw != b"\x00"
+    if len(tensor.contents.bool_contents) != 1:
+        raise InvalidInput(f"input {name} must hold one element")
+    return tensor.contents.bool_contents[0]
 
 
 def _sampling(raw: bytes | None) -> pb.SamplingParameters:
@@ -165,6 +172,14 @@ def _sampling(raw: bytes | None) -> pb.SamplingParameters:
     for key in ("max_tokens", "top_p"):
         if key in options and options[key] <= 0:
             raise InvalidInput(f"sampling_parameters: {key} must be > 0, got {options[key]}")
+    # vLLM's -1 (its clients', and Triton's vLLM backend's) for every token is the wire's 0.
+    if options.get("top_k") == -1:
+        options["top_k"] = 0
+    elif options.get("top_k", 0) < 0:
+        raise InvalidInput(
+            f"sampling_parameters: top_k must be >= 1, or -1 or 0 for every token, got "
+            f"{options['top_k']}"
+        )
     stop = options.get("stop", [])
     try:
         return pb.SamplingParameters(
@@ -191,7 +206,8 @@ def _typed(options: dict[str, Any]) -> dict[str, Any]:
     for key, value in options.items():
         if key in ("max_tokens", "top_k", "seed"):
             # Twenty digits hold any count; int() refuses 4,301 (ValueError).
-            if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+            digits = value.removeprefix("-") if isinstance(value, str) else ""
+            if digits.isascii() and digits.isdigit() and len(digits) <= 20:
                 value = int(value)
             valid = is_json_int(value)
         elif key in ("temperature", "top_p"):
