@@ -129,11 +129,25 @@ def test_binary_extension_splits_inputs_by_their_sizes() -> None:
          b"", "does not fit INT32"),
         ({"inputs": [{"name": "a", "datatype": "INT64", "shape": [1], "data": [2**63]}]},
          b"", "does not fit INT64"),
+        # A float past the type's range became infinity without a word (review finding).
+        ({"inputs": [{"name": "a", "datatype": "FP16", "shape": [2], "data": [1, 70000]}]},
+         b"", "does not fit FP16"),
+        ({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "data": [-1e300]}]},
+         b"", "does not fit FP32"),
     ],
 )  # fmt: skip
 def test_malformed_infer_bodies_are_invalid_input(body: dict, binary: bytes, message: str) -> None:
     with pytest.raises(InvalidInput, match=message):
         infer_body("m", "", body, binary)
+
+
+def test_floats_within_range_and_infinities_sent_are_kept() -> None:
+    """Only a finite value that overflows its type is refused: JSON as Python reads it may
+    carry `Infinity`, which the model gets as it was sent."""
+    body = {"inputs": [{"name": "a", "datatype": "FP16", "shape": [3],
+                        "data": [65504, float("-inf"), 1e-9]}]}  # fmt: skip
+    raw = infer_body("m", "", body, b"").request.raw_input_contents[0]
+    assert np.frombuffer(raw, "<f2").tolist() == [65504.0, float("-inf"), 0.0]
 
 
 def test_split_body_checks_the_header_length() -> None:

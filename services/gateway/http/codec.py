@@ -184,9 +184,19 @@ def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
         # numpy would cut 1.9 to 1 without a word; Triton refuses it too.
         raise InvalidInput(f"input {name}: {datatype} data must be integers")
     try:
-        return np.asarray(flat, dtype=dtype).tobytes()
+        with np.errstate(over="ignore"):  # a float past its type's range: refused below
+            values = np.asarray(flat, dtype=dtype)
     except (OverflowError, ValueError):  # too big, or NaN/infinity for an integer type
         raise InvalidInput(f"input {name}: a value does not fit {datatype}") from None
+    # A float past the type's range (70000 in FP16, 1e300 in FP32) became infinity without a
+    # word, where an integer past it is refused: refused alike (an infinity sent is kept).
+    if (
+        dtype.kind == "f"
+        and np.isinf(values).any()
+        and np.isfinite(np.asarray(flat, dtype=np.float64)[np.isinf(values)]).any()
+    ):
+        raise InvalidInput(f"input {name}: a value does not fit {datatype}")
+    return values.tobytes()
 
 
 def _input_tensor(
