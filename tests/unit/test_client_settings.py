@@ -99,3 +99,44 @@ def test_generate_checks_its_arguments_at_the_call_not_at_the_first_next() -> No
     with pytest.raises(FabricError) as closed:
         client.generate("m", "x")
     assert closed.value.code == "CANCELLED"
+
+
+@pytest.mark.parametrize(
+    ("value", "tls"), [("true", True), ("YES", True), ("1", True), ("off", False), ("", False)]
+)
+def test_fabric_tls_reads_the_usual_spellings_of_yes_and_no(
+    monkeypatch: pytest.MonkeyPatch, value: str, tls: bool
+) -> None:
+    """FABRIC_TLS=true, read as not "1", made the channel plaintext and sent the API key in
+    clear (review finding)."""
+    made: list[dict] = []
+
+    class Recorded(Exception):
+        pass
+
+    def record(address: str, **settings: object) -> None:
+        made.append(settings)
+        raise Recorded
+
+    monkeypatch.setattr(cli, "Client", record)
+    monkeypatch.setenv("FABRIC_TLS", value)
+    with pytest.raises(Recorded):
+        cli.main(["--address", "127.0.0.1:1", "models"])
+    assert made[0]["tls"] is tls
+
+
+def test_fabric_tls_of_another_value_exits_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FABRIC_TLS", "maybe")
+    with pytest.raises(SystemExit, match="FABRIC_TLS must be one of"):
+        cli.main(["--address", "127.0.0.1:1", "models"])
+
+
+@pytest.mark.parametrize("one_text", ["hello world", b"hello world"])
+def test_a_lone_string_is_refused_not_sent_as_one_input_a_character(one_text: str) -> None:
+    """Iterated, "hello world" was 11 one-character inputs, answered 11 x 384 (review
+    finding): a TypeError now, nothing sent (the client's address has no server)."""
+    with Client("127.0.0.1:1", throttle=None) as client:
+        with pytest.raises(TypeError, match="wrap one text"):
+            client.embed(one_text)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="wrap one text"):
+            client.predict("minilm", one_text)  # type: ignore[arg-type]

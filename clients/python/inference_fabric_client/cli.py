@@ -21,6 +21,18 @@ from inference_fabric_client.client import Client
 from inference_fabric_client.job_cli import add_job_commands, run_job_command
 from inference_fabric_client.results import FabricError
 
+#: How an environment variable says yes or no (any other value is refused).
+_YES, _NO = {"1", "true", "yes", "on"}, {"", "0", "false", "no", "off"}
+
+
+def _env_flag(name: str) -> bool:
+    """A yes/no setting from the environment: FABRIC_TLS=true read as not "1" was plaintext,
+    the API key sent in clear (review finding); a value it cannot read exits with the reason."""
+    value = os.environ.get(name, "").strip().lower()
+    if value not in _YES | _NO:
+        sys.exit(f"fabric-client: {name} must be one of 1, true, yes, on, 0, false, no, off")
+    return value in _YES
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -33,8 +45,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="gateway host:port (env FABRIC_ADDRESS)")  # fmt: skip
     parser.add_argument("--api-key", default=env("FABRIC_API_KEY"),
                         help="API key (env FABRIC_API_KEY); not needed in local mode")  # fmt: skip
-    parser.add_argument("--tls", action="store_true", default=env("FABRIC_TLS") == "1",
-                        help="use TLS (env FABRIC_TLS=1)")  # fmt: skip
+    parser.add_argument("--tls", action="store_true", default=_env_flag("FABRIC_TLS"),
+                        help="use TLS (env FABRIC_TLS=1, true, yes or on)")  # fmt: skip
     parser.add_argument("--ca-file", default=env("FABRIC_CA_FILE"),
                         help="PEM roots to verify the gateway (default: the system's); "
                              "implies --tls")  # fmt: skip

@@ -64,6 +64,8 @@ _PRIORITIES = {
     "batch": types.PRIORITY_BATCH,
 }
 _FINISH_REASONS = {types.FINISH_REASON_LENGTH: "length", types.FINISH_REASON_STOP: "stop"}
+#: The largest reply taken, the servers' bound (grpc's 4 MiB failed a bigger one, done work).
+MAX_REPLY_BYTES = 64 * 1024 * 1024
 
 
 def _read(path_or_bytes: str | Path | bytes | None) -> bytes | None:
@@ -121,7 +123,9 @@ class Client:
                 "root_certificates, client_certificate, client_key and server_name need "
                 "tls=True (without it the channel is plaintext)"
             )
-        options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        options: list[tuple[str, Any]] = [("grpc.max_receive_message_length", MAX_REPLY_BYTES)]
+        if server_name:
+            options.append(("grpc.ssl_target_name_override", server_name))
         if tls:
             credentials = grpc.ssl_channel_credentials(
                 _read(root_certificates), _read(client_key), _read(client_certificate)
@@ -179,6 +183,8 @@ class Client:
         timeout_s: float | None = None,
     ) -> PredictResult:
         """Runs a fixed-cost model on texts (text models) or arrays (one row each)."""
+        if isinstance(inputs, str | bytes):  # iterated: an input a character (review finding)
+            raise TypeError("inputs must be a sequence of texts or arrays: wrap one text as [text]")
         rows = [
             api.PredictInput(text=x)
             if isinstance(x, str)
@@ -311,9 +317,7 @@ class Client:
         timeout_s: float | None = None,
     ) -> np.ndarray:
         """Embeddings of `texts`, one row each: float32 [len(texts), dims]."""
-        result = self.predict(
-            model, list(texts), version=version, priority=priority, timeout_s=timeout_s
-        )
+        result = self.predict(model, texts, version=version, priority=priority, timeout_s=timeout_s)
         return np.stack(result.outputs)
 
     def generate(

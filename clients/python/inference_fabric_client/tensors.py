@@ -26,4 +26,6 @@ def to_tensor(array: np.ndarray) -> types.Tensor:
 
 
 def to_array(tensor: types.Tensor) -> np.ndarray:
-    return np.frombuffer(tensor.raw_data, dtype=DTYPES[tensor.dtype]).reshape(tuple(tensor.shape))
+    """The tensor as an array of its own, writable (a view of the message's bytes is not)."""
+    array = np.frombuffer(tensor.raw_data, dtype=DTYPES[tensor.dtype]).reshape(tuple(tensor.shape))
+    return array.copy()
