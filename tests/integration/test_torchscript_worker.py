@@ -22,7 +22,10 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common import metric_names as names
+from services.common.model_repository import load_repository
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
+from services.common.tensors import NUMPY_DTYPES
+from services.gpu_worker.backends import load_backend
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.failure_streak import FailingConfig
 from services.gpu_worker.batching.policy import Batcher
@@ -386,3 +389,32 @@ async def test_a_dead_batching_loop_turns_the_worker_not_serving(
 
 async def _not_serving(address: str, service: str) -> bool:
     return await health_status(address, service) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@pytest.mark.parametrize(
+    ("declared", "is_taken"), [("FP32", True), ("FP16", True), ("INT64", False)]
+)
+def test_a_module_whose_outputs_are_not_of_its_configs_kind_fails_its_rows(
+    tmp_path: Path, declared: str, is_taken: bool
+) -> None:
+    """The affine module returns float32 rows. Declared FP16 they are narrowed, as a float
+    model's may be; declared INT64 they were cut to integers without a word (review finding),
+    where they now fail (at warm-up too: the version does not load)."""
+    model_dir = write_affine_model(tmp_path / "repo")
+    config = model_dir / "config.toml"
+    config.write_text(
+        config.read_text().replace(
+            '[outputs.y]\ndtype = "FP32"', f'[outputs.y]\ndtype = "{declared}"'
+        )
+    )
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    rows = backend.prepare_many([row(1.5, 0, 0, 2)])
+    if is_taken:
+        (output,) = backend.run(rows)
+        assert output.dtype == NUMPY_DTYPES[declared]
+    else:
+        with pytest.raises(
+            RuntimeError, match=f"returned float32 rows, config declares {declared}"
+        ):
+            backend.run(rows)

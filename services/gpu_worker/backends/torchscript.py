@@ -64,7 +64,14 @@ class TorchScriptBackend(Backend):
                 f"{self.config.name} returned rows of shape {list(result.shape[1:])}, "
                 f"config declares {list(self._output.dims)}"
             )
-        return list(result.cpu().numpy().astype(self._out_dtype, copy=False))
+        values = result.cpu().numpy()
+        if not np.can_cast(values.dtype, self._out_dtype, casting="same_kind"):
+            # Floats into an integer type were cut without a word (review finding).
+            raise RuntimeError(
+                f"{self.config.name} returned {values.dtype} rows, config declares "
+                f"{self._output.dtype}"
+            )
+        return list(values.astype(self._out_dtype, copy=False))
 
     def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
         row = np.zeros(self._input.dims, dtype=self._in_dtype)
