@@ -149,6 +149,10 @@ def _failed(failures: list[Any], revisions: Any) -> tuple[FailedVersion, ...]:
 _R = TypeVar("_R", ModelRecord, FailedVersion)
 #: The largest integer a float holds exactly.
 _MAX_EXACT_INT = 2**53
+#: The numeric fields that may be negative (-1: a writer of a build before them); any other
+#: is a count, a time or a size, and a negative one (a forged or buggy record's) priced its
+#: worker below every other, and routers sent it every call (review finding).
+_SIGNED_FIELDS = frozenset({"revision"})
 
 
 def _is_json_type(value: object, kind: str) -> bool:
@@ -171,11 +175,12 @@ def _typed(cls: type[_R], raw: Mapping[str, object]) -> _R:
     known = {}
     for field in fields(cls):
         if field.name in raw:
-            if not _is_json_type(raw[field.name], str(field.type)):
-                raise TypeError(
-                    f"{cls.__name__}.{field.name} is not {field.type}: {raw[field.name]!r}"
-                )
-            known[field.name] = raw[field.name]
+            value = raw[field.name]
+            if not _is_json_type(value, str(field.type)):
+                raise TypeError(f"{cls.__name__}.{field.name} is not {field.type}: {value!r}")
+            if isinstance(value, int | float) and value < 0 and field.name not in _SIGNED_FIELDS:
+                raise TypeError(f"{cls.__name__}.{field.name} is negative: {value!r}")
+            known[field.name] = value
     # A field of a later build is left out: a reader reads the records of writers upgraded
     # before it (workers are upgraded first), as protobuf readers skip unknown fields.
     return cls(**known)  # type: ignore[arg-type]  # checked above

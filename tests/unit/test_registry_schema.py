@@ -104,6 +104,11 @@ def test_failure_revisions_that_do_not_match_the_failures_make_the_record_malfor
         ("per_row_s", None),
         ("is_ready", 1),
         ("fingerprint", 7),
+        # Negative: priced below every other worker, it drew every call (review finding).
+        ("per_row_s", -1.0),
+        ("min_batch_s", -0.5),
+        ("queued_rows", -3),
+        ("kv_blocks_free", -1),
     ],
 )
 def test_a_model_field_of_the_wrong_json_type_makes_the_record_malformed(
@@ -113,6 +118,13 @@ def test_a_model_field_of_the_wrong_json_type_makes_the_record_malformed(
     raw["models"][0][field] = value
     with pytest.raises(MALFORMED_RECORD_ERRORS):
         WorkerRecord.from_json(json.dumps(raw))
+
+
+def test_a_revision_of_minus_one_is_a_record_of_an_earlier_build_not_a_malformed_one() -> None:
+    raw = json.loads(make_worker().to_json())
+    raw["models"][0]["revision"] = -1
+    (model,) = WorkerRecord.from_json(json.dumps(raw)).models
+    assert model.revision == -1
 
 
 def test_an_integer_does_for_a_float() -> None:
