@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -218,7 +219,8 @@ def run_until_stopped(config: StackConfig, children: list[Child]) -> None:
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     config.state_dir.mkdir(parents=True, exist_ok=True)
-    print(f"state (logs, ready files, redis files): {config.state_dir}", flush=True)
+    removed = " (removed at a clean stop)" if config.is_state_temporary else ""
+    print(f"state (logs, ready files, redis files){removed}: {config.state_dir}", flush=True)
     signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
     children: list[Child] = []
     exit_code = 1
@@ -235,7 +237,20 @@ def main(argv: list[str] | None = None) -> None:
         problems = stop_all(config, children)
     for problem in problems:
         print(f"error: {problem}", file=sys.stderr, flush=True)
-    raise SystemExit(1 if problems else exit_code)
+    code = 1 if problems else exit_code
+    keep_or_remove_state(config, is_clean=code == 0)
+    raise SystemExit(code)
+
+
+def keep_or_remove_state(config: StackConfig, *, is_clean: bool) -> None:
+    """A tmp state dir made for the run is removed after a clean stop (each run made one, and
+    they piled up in /tmp: review finding); after a failure its logs are kept, and said so."""
+    if not config.is_state_temporary:
+        return
+    if is_clean:
+        shutil.rmtree(config.state_dir, ignore_errors=True)
+    else:
+        print(f"logs kept in {config.state_dir}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,9 @@ class StackConfig:
     #: Routers (router-0, router-1, ... when more than one); the gateway spreads its calls
     #: over all of them.
     num_routers: int = 1
+    #: The state dir is a new tmp dir made for this run (no --state-dir): removed once the
+    #: stack stopped cleanly, so runs do not pile their logs and Redis files up in /tmp.
+    is_state_temporary: bool = False
 
     @property
     def redis_url(self) -> str:
@@ -86,7 +89,10 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
     )
     parser.add_argument("--model-repository", type=Path, default=Path("models"))
     parser.add_argument(
-        "--state-dir", type=Path, default=None, help="logs and ready files (default: a new tmp dir)"
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="logs and ready files (default: a new tmp dir, removed at a clean stop)",
     )
     parser.add_argument("--ready-file", type=Path, default=None, help="JSON of every tier's ports")
     parser.add_argument(
@@ -147,6 +153,7 @@ def parse_config(argv: list[str] | None = None) -> StackConfig:
         extra_jobs_args=tuple(args.jobs_arg),
         cpus=cpus,
         num_routers=args.num_routers,
+        is_state_temporary=args.state_dir is None,
     )
 
 

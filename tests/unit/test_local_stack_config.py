@@ -4,10 +4,12 @@ message naming the entry at fault."""
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from services.local_stack.__main__ import keep_or_remove_state
 from services.local_stack.config import parse_config, parse_cpus
 
 pytestmark = pytest.mark.unit
@@ -63,3 +65,21 @@ def test_a_timeout_that_is_no_duration_is_refused(
         parse_config([flag, value, "--state-dir", str(tmp_path)])
     assert exited.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("is_clean", [True, False])
+def test_a_tmp_state_dir_made_for_the_run_goes_at_a_clean_stop_and_is_kept_after_a_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, is_clean: bool
+) -> None:
+    """Each `make run` made a tmp dir of logs and Redis files that nothing removed (review
+    finding). One named with --state-dir is the caller's, kept either way."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    made = parse_config([])
+    assert made.is_state_temporary and made.state_dir.parent == tmp_path.resolve()
+    (made.state_dir / "gateway.log").write_text("served")
+    keep_or_remove_state(made, is_clean=is_clean)
+    assert made.state_dir.exists() is not is_clean
+    named = parse_config(["--state-dir", str(tmp_path / "mine")])
+    named.state_dir.mkdir()
+    keep_or_remove_state(named, is_clean=is_clean)
+    assert not named.is_state_temporary and named.state_dir.exists()
