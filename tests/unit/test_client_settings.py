@@ -24,17 +24,24 @@ def test_tls_settings_without_tls_are_refused(setting: dict) -> None:
     Client("127.0.0.1:1", api_key="secret", tls=True, **setting).close()  # with TLS: taken
 
 
-def test_the_command_lines_ca_file_turns_tls_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[dict] = []
+class Recorded(Exception):
+    """Raised by `recorded_clients`' stand-in for the Client, once it noted its settings."""
 
-    class Recorded(Exception):
-        pass
+
+def recorded_clients(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """The settings the command line makes each Client with (none is made: Recorded)."""
+    made: list[dict] = []
 
     def record(address: str, **settings: object) -> None:
         made.append(settings)
         raise Recorded
 
     monkeypatch.setattr(cli, "Client", record)
+    return made
+
+
+def test_the_command_lines_ca_file_turns_tls_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = recorded_clients(monkeypatch)
     with pytest.raises(Recorded):
         cli.main(["--address", "127.0.0.1:1", "--ca-file", "ca.pem", "models"])
     assert made[0]["tls"] is True and made[0]["root_certificates"] == "ca.pem"
@@ -109,16 +116,7 @@ def test_fabric_tls_reads_the_usual_spellings_of_yes_and_no(
 ) -> None:
     """FABRIC_TLS=true, read as not "1", made the channel plaintext and sent the API key in
     clear (review finding)."""
-    made: list[dict] = []
-
-    class Recorded(Exception):
-        pass
-
-    def record(address: str, **settings: object) -> None:
-        made.append(settings)
-        raise Recorded
-
-    monkeypatch.setattr(cli, "Client", record)
+    made = recorded_clients(monkeypatch)
     monkeypatch.setenv("FABRIC_TLS", value)
     with pytest.raises(Recorded):
         cli.main(["--address", "127.0.0.1:1", "models"])
