@@ -206,7 +206,10 @@ def _typed(options: dict[str, Any]) -> dict[str, Any]:
     for key, value in options.items():
         if key in ("max_tokens", "top_k", "seed"):
             # Twenty digits hold any count; int() refuses 4,301 (ValueError).
-            digits = value.removeprefix("-") if isinstance(value, str) else ""
+            # And top_k's "-1" (vLLM's every token); a negative seed or max_tokens as text is
+            # refused as not a count, by name.
+            sign = "-" if key == "top_k" else ""
+            digits = value.removeprefix(sign) if isinstance(value, str) else ""
             if digits.isascii() and digits.isdigit() and len(digits) <= 20:
                 value = int(value)
             valid = is_json_int(value)

@@ -96,3 +96,11 @@ async def test_another_negative_top_k_is_refused_by_name(top_k: int | str) -> No
     request = generate_request("llm", "", {"text_input": "hi", "parameters": {"top_k": top_k}})
     with pytest.raises(InvalidInput, match="top_k"):
         await texts(request)
+
+
+@pytest.mark.parametrize("key", ["seed", "max_tokens"])
+async def test_a_negative_count_as_text_is_refused_by_name(key: str) -> None:
+    """Only top_k's "-1" is read as a negative number: "-5" for a seed is no count."""
+    request = generate_request("llm", "", {"text_input": "hi", "parameters": {key: "-5"}})
+    with pytest.raises(InvalidInput, match=key):
+        await texts(request)

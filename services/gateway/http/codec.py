@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -98,7 +99,7 @@ def finite_json(value: Any, advice: str = "") -> str:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """A request body that must be one JSON object; InvalidInput otherwise."""
     try:
-        parsed = json.loads(raw)
+        parsed = json.loads(raw, parse_float=_finite_float)
     except (ValueError, RecursionError) as error:
         raise InvalidInput(f"request body is not JSON: {error}") from None
     if not isinstance(parsed, dict):
@@ -164,6 +165,15 @@ def bytes_elements(elements: list[bytes]) -> bytes:
 def is_json_int(value: Any) -> bool:
     """A JSON integer (not `true` or `false`, which Python counts as ints)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite_float(text: str) -> float:
+    """A JSON number as a float; ValueError (the body is refused) past a float's range: Python
+    read `1e400` as infinity, taken as sent. A literal `Infinity` stays what it says."""
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"the number {text[:32]} is past a float's range")
+    return value
 
 
 def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
