@@ -34,7 +34,7 @@ from bench.fabric.stack import (
     write_identity_model,
     write_minilm_repository,
 )
-from bench.fabric.stand_in import measure_stand_in, worker_args
+from bench.fabric.stand_in import CALLERS, measure_stand_in, worker_args
 from bench.fabric.targets import (
     MAX_TOKENS,
     MIN_TOKENS,
@@ -124,9 +124,11 @@ class Run:
             self.on_repo, MODEL, self.mixed_texts, settings, log
         )
 
-    async def echo(self, payload: bytes, phase: str = "echo") -> dict[str, Any]:
+    async def echo(
+        self, payload: bytes, phase: str = "echo", concurrency: int | None = None
+    ) -> dict[str, Any]:
         """The bare grpc.aio echo server, closed loop: the overhead baseline (`phase`: its
-        name among the phases' quiet checks)."""
+        name among the phases' quiet checks), at `concurrency` callers (None: the overhead's)."""
         self.quiet[phase] = await wait_quiet(self.log, self.settings.wait_quiet_s)
         echo = await asyncio.to_thread(start_echo, self.state_dir / "echo")
         try:
@@ -134,7 +136,7 @@ class Run:
             async with grpc.aio.insecure_channel(address) as channel:
                 result: dict[str, Any] = await closed_loop(
                     echo_sender(channel, payload, self.timeout_s),
-                    self.settings.overhead_concurrency,
+                    concurrency or self.settings.overhead_concurrency,
                     self.settings.overhead_s,
                     observer=Observer({"echo": echo.ready["pid"]}),
                 )
@@ -168,8 +170,10 @@ class Run:
         """The GPU-speed stand-in stack (bench/fabric/stand_in.py); returns the bare echo
         measured just before it, the yardstick of its echo-calls: one measured minutes
         earlier, before other phases, drifts with the machine (runs 4 min apart measured it
-        at 5,102 and 6,042 calls/s)."""
-        echo_result = await self.echo(payload, "stand_in_echo")
+        at 5,102 and 6,042 calls/s), at the tiers' CALLERS: a bare call costs its server less
+        the more are in flight, so an echo at the overhead's 32 callers made the tiers' units
+        too large (review finding)."""
+        echo_result = await self.echo(payload, "stand_in_echo", concurrency=CALLERS)
 
         async def measure(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:
             return await measure_stand_in(

@@ -7,7 +7,8 @@ phase measures, in this order:
 - CPU per request per tier at `CALLERS` closed-loop callers of one row each, for minilm's
   stand-in and for the identity model in the same stack (as unary calls, then as requests of
   one open ModelStreamInfer stream), in units of one bare grpc.aio echo call's CPU measured in
-  the same run, just before the stack starts ("echo-calls", docs/benchmarks.md);
+  the same run, just before the stack starts, at as many callers ("echo-calls",
+  docs/benchmarks.md);
 - a flood at `STAND_IN_OVERLOAD` multiples of the identity model's closed-loop throughput at
   `CALLERS` (its capacity here: the tiers bind it as they bind the stand-in), followed by
   normal traffic at half of it (issue 33);

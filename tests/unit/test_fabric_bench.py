@@ -4,14 +4,16 @@ and the load generator's priority below capacity and in floods."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from bench.fabric import measure
+from bench.fabric import measure, phases, stand_in
 from bench.fabric.__main__ import FULL, parse_args
 from bench.fabric.loadgen import arrival_schedule
 from bench.fabric.measure import Progress, Target, bursty_phases
@@ -329,3 +331,46 @@ async def test_rates_below_capacity_start_with_the_generator_as_an_ordinary_proc
         (200.0, "rr"), (50.0, "none")
     ]  # fmt: skip
     assert len(floods) == 1 and after is not None
+
+
+class _EchoServer:
+    """What `start_echo` returns, for a Run whose echo is measured by a recording closed loop."""
+
+    ready = {"grpc_port": 1, "pid": 1}
+
+    def stop(self) -> None:
+        pass
+
+
+async def test_the_stand_ins_echo_is_measured_at_as_many_callers_as_its_tiers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The stand-in's echo-calls divide each tier's CPU at CALLERS (64) callers by an echo
+    call's: the echo ran at the overhead phase's 32 (review finding). The overhead phase's own
+    echo keeps its concurrency."""
+    loops: list[int] = []
+
+    async def closed_loop(send: Any, concurrency: int, *args: Any, **kwargs: Any) -> dict:
+        loops.append(concurrency)
+        return {"ok_per_s": 1.0}
+
+    async def quiet(*args: Any) -> float:
+        return 0.0
+
+    async def no_stack(*args: Any, **kwargs: Any) -> dict:
+        return {}
+
+    monkeypatch.setattr(phases, "closed_loop", closed_loop)
+    monkeypatch.setattr(phases, "wait_quiet", quiet)
+    monkeypatch.setattr(phases, "start_echo", lambda state_dir: _EchoServer())
+    monkeypatch.setattr(phases.Run, "stack_phase", no_stack)
+    run = phases.Run(
+        args=argparse.Namespace(flood_rate=None), settings=FULL, log=Progress(),
+        state_dir=tmp_path, on_repo=tmp_path, off_repo=tmp_path, slo_s=0.25, max_batch_size=64,
+        texts=[], mixed_texts=[], timeout_s=1.0, report={"configs": {}},
+    )  # fmt: skip
+    await run.echo(b"x")
+    await run.stand_in(b"x", 16)
+    assert (
+        loops == [FULL.overhead_concurrency, stand_in.CALLERS] and FULL.overhead_concurrency != 64
+    )
