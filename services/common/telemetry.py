@@ -105,6 +105,13 @@ class Children(dict[tuple[str, ...], M]):
         self[values] = child
         return child
 
+    def remove_from(self, *prefix: str) -> None:
+        """Removes every child whose label values begin with `prefix`, here and from the
+        metric (its series no longer exported)."""
+        for values in [values for values in self if values[: len(prefix)] == prefix]:
+            self._metric.remove(*values)
+            del self[values]
+
 
 #: A call cancelled this close to its deadline (seconds) was cancelled by it: gRPC's deadline
 #: timer and ours are read apart, and a caller's cancel at its own deadline comes a transit

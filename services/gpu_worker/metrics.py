@@ -278,7 +278,17 @@ class WorkerMetrics:
         self.model_failing.labels(model, version).set(0)
 
     def forget_queue(self, model: str, version: str) -> None:
-        """An unloaded version's queue gauges read 0 again (they read its lane until then)."""
+        """An unloaded version's queue gauges read 0 again (they read its lane until then), and
+        its batcher's gauges (slowdown, spread, linger and batch size by bucket) are removed:
+        they said how its lane batched, and stayed at their last values for good (review
+        finding). A load made again sets new ones. Its counters and histograms stay."""
         self.queue_depth.labels(model, version).set_function(lambda: 0)
         self.queue_standing.labels(model, version).set_function(lambda: 0)
         self.model_failing.labels(model, version).set_function(lambda: 0)
+        for children in (
+            self.latency_slowdown_of,
+            self.latency_spread_of,
+            self.max_wait_seconds_of,
+            self.max_batch_size_of,
+        ):
+            children.remove_from(model, version)

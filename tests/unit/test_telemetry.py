@@ -7,10 +7,12 @@ import math
 from collections.abc import Iterator
 
 import pytest
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
+from services.common import metric_names as names
 from services.common.errors import InvalidInput
 from services.common.telemetry import Children, Outcome, given_up_in, observe_counts
+from services.gpu_worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.unit
 
@@ -155,3 +157,33 @@ def test_a_call_cancelled_at_its_deadline_counts_as_its_given_up_says(
         with pytest.raises(stopped_by), Outcome(counts, ("m",), given_up=given_up_in(time_left_s)):
             raise stopped_by
     assert _counts(counter) == {("m", "DEADLINE_EXCEEDED"): 1.0, ("m", "CANCELLED"): 1.0}
+
+
+def test_an_unloaded_versions_batcher_gauges_leave_the_scrape_and_come_back_on_a_load() -> None:
+    """Its slowdown, spread, linger and batch size by bucket stayed at their last values for
+    good once the version was unloaded (review finding); another version's stay."""
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry)
+    for version in ("1", "2"):
+        metrics.latency_slowdown_of[("m", version)].set(3.0)
+        metrics.latency_spread_of[("m", version)].set(0.5)
+        for bucket in ("16", "32"):
+            metrics.max_wait_seconds_of[("m", version, bucket)].set(0.02)
+            metrics.max_batch_size_of[("m", version, bucket)].set(64)
+    families = (
+        names.WORKER_LATENCY_SLOWDOWN,
+        names.WORKER_LATENCY_SPREAD,
+        names.WORKER_MAX_WAIT_SECONDS,
+        names.WORKER_MAX_BATCH_SIZE,
+    )
+
+    def series(version: str) -> int:
+        lines = generate_latest(registry).decode().splitlines()
+        tag = f'version="{version}"'
+        return sum(line.startswith(families) and tag in line for line in lines)
+
+    assert series("1") == series("2") == 6
+    metrics.forget_queue("m", "1")
+    assert series("1") == 0 and series("2") == 6
+    metrics.latency_slowdown_of[("m", "1")].set(1.0)  # loaded again: its series anew
+    assert series("1") == 1
