@@ -170,9 +170,9 @@ class Run:
         """The GPU-speed stand-in stack (bench/fabric/stand_in.py); returns the bare echo
         measured just before it, the yardstick of its echo-calls: one measured minutes
         earlier, before other phases, drifts with the machine (runs 4 min apart measured it
-        at 5,102 and 6,042 calls/s), at the tiers' CALLERS: a bare call costs its server less
-        the more are in flight, so an echo at the overhead's 32 callers made the tiers' units
-        too large (review finding)."""
+        at 5,102 and 6,042 calls/s), at the tiers' CALLERS, so the unit and what it measures
+        share their concurrency (it ran at the overhead's 32: review finding; side by side an
+        echo call cost its server the same at 32 and 64, docs/benchmarks.md)."""
         echo_result = await self.echo(payload, "stand_in_echo", concurrency=CALLERS)
 
         async def measure(stack: Any, channel: grpc.aio.Channel) -> dict[str, Any]:

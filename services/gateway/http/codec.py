@@ -200,10 +200,11 @@ def json_tensor_bytes(name: str, datatype: str, data: Any) -> bytes:
         raise InvalidInput(f"input {name}: a value does not fit {datatype}") from None
     # A float past the type's range (70000 in FP16, 1e300 in FP32) became infinity without a
     # word, where an integer past it is refused: refused alike (an infinity sent is kept).
+    infinite = np.isinf(values) if dtype.kind == "f" else None
     if (
-        dtype.kind == "f"
-        and np.isinf(values).any()
-        and np.isfinite(np.asarray(flat, dtype=np.float64)[np.isinf(values)]).any()
+        infinite is not None
+        and infinite.any()  # only then is `flat` read again, as float64
+        and np.isfinite(np.asarray(flat, dtype=np.float64)[infinite]).any()
     ):
         raise InvalidInput(f"input {name}: a value does not fit {datatype}")
     return values.tobytes()
