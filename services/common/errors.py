@@ -169,6 +169,11 @@ class ExecutionFailed(ServingError):
     code = grpc.StatusCode.INTERNAL
 
 
+def _is_retry_hint(value: str) -> bool:
+    """Whether `value` is a `retry-after-ms` hint: whole milliseconds, under twelve days."""
+    return value.isascii() and value.isdigit() and len(value) <= 9
+
+
 #: gRPC status codes by their number.
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -190,7 +195,11 @@ class UpstreamError(ServingError):
     ) -> None:
         super().__init__(message)
         self.code = code
-        self._trailers = tuple((k, v) for k, v in trailers if k == RETRY_AFTER_MS_KEY)
+        # Only a hint that reads as one: a malformed one passed on failed the HTTP answer that
+        # turns it into Retry-After (a bare 500) and misled clients' backoff (review finding).
+        self._trailers = tuple(
+            (k, v) for k, v in trailers if k == RETRY_AFTER_MS_KEY and _is_retry_hint(v)
+        )
         self.is_not_started = code == grpc.StatusCode.UNAVAILABLE and (
             is_not_started or NOT_STARTED_TRAILER in trailers
         )
@@ -211,7 +220,7 @@ class UpstreamError(ServingError):
     def retry_after_s(self) -> float | None:
         """The downstream retry hint, seconds, or None without one."""
         for key, value in self._trailers:
-            if key == RETRY_AFTER_MS_KEY and value.isascii() and value.isdigit():
+            if key == RETRY_AFTER_MS_KEY:
                 return int(value) / 1000.0
         return None
 

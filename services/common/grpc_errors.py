@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +53,34 @@ def bounded_message(message: str) -> str:
     return f"{kept}... ({len(encoded) - len(kept.encode())} bytes cut)"
 
 
+#: A network address, as grpc's own errors name a peer ("ipv4:10.0.3.4:7001",
+#: "ipv6:%5Bfd00::1%5D:7001", "unix:/run/w.sock", "DNS resolution failed for w.svc:7001") and
+#: as ours name a worker's link ("10.0.3.4:7001"); not a version's "@1.2.3.4".
+_ADDRESS = re.compile(
+    r"\b(?:ipv4|ipv6|unix|unix-abstract|dns):[^\s,;]*[^\s,;:]"
+    r"|(?<=resolution failed for )[^\s,;]*[^\s,;:]"
+    r"|(?<![@\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\])(?::\d+)?(?!\w|\.\d|:\d)"
+)
+
+
+def without_addresses(message: str) -> str:
+    """`message` with every network address in it replaced by "<address>". A status reaches
+    callers outside the fabric (a downstream failure passes through every tier, in grpc's
+    words: "failed to connect to all addresses; last error: UNKNOWN: ipv4:10.0.3.4:7001: ..."),
+    and where the tiers live inside the cluster is none of theirs (review finding); the tier
+    that met the failure logs it whole."""
+    if ":" not in message and "." not in message:
+        return message
+    return _ADDRESS.sub("<address>", message)
+
+
 def status_of(error: BaseException) -> Status:
     """The status a call that raised `error` is answered with: a `ServingError`'s own code,
     message (bounded_message) and trailers; CANCELLED when the caller went away (the task was
-    cancelled, or the response stream closed under the handler); INTERNAL for anything else."""
+    cancelled, or the response stream closed under the handler); INTERNAL for anything else. No
+    message names a network address (`without_addresses`)."""
     if isinstance(error, ServingError):
-        return Status(error.code, bounded_message(str(error)), error.trailers())
+        return Status(error.code, bounded_message(without_addresses(str(error))), error.trailers())
     if isinstance(error, asyncio.CancelledError | GeneratorExit):
         return _CANCELLED
     return _INTERNAL

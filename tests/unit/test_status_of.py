@@ -28,7 +28,9 @@ from services.common.grpc_errors import (
     bounded_message,
     is_bug,
     status_of,
+    without_addresses,
 )
+from services.gateway.http.errors import http_error
 
 pytestmark = pytest.mark.unit
 
@@ -74,6 +76,50 @@ def test_a_downstream_status_passes_through_with_only_its_retry_hint() -> None:
     assert status_of(error) == Status(
         grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-ms", "40"),)
     )
+
+
+@pytest.mark.parametrize(
+    "value", ["soon", "-40", "4e3", "\uff14\uff10", "1" * 10, ""], ids=repr
+)
+def test_a_downstream_retry_hint_that_is_no_number_of_milliseconds_is_dropped(value: str) -> None:
+    """Passed on, it failed the HTTP answer built from it (a bare 500 in place of the 429), and
+    misled clients' backoff ("\uff14\uff10", full-width digits, passed isdigit())."""
+    error = UpstreamError(grpc.StatusCode.RESOURCE_EXHAUSTED, "busy", (("retry-after-ms", value),))
+
+    assert status_of(error).trailers == ()
+    assert error.retry_after_s is None
+    answer = http_error(error)
+    assert (answer.status, answer.message) == (429, "busy")
+    assert "Retry-After" not in answer.headers
+
+
+@pytest.mark.parametrize(
+    ("message", "expected"),
+    [
+        (
+            "10.0.3.4:7001: stream failed: UNAVAILABLE failed to connect to all addresses; last "
+            "error: UNKNOWN: ipv4:10.0.3.4:7001: Failed to connect to remote host: Connection "
+            "refused",
+            "<address>: stream failed: UNAVAILABLE failed to connect to all addresses; last "
+            "error: UNKNOWN: <address>: Failed to connect to remote host: Connection refused",
+        ),
+        ("ipv6:%5Bfd00::1%5D:7001: Socket closed", "<address>: Socket closed"),
+        ("peer [fd00::1]:7001 went away", "peer <address> went away"),
+        ("unix:/run/fabric/w.sock: No such file", "<address>: No such file"),
+        (
+            "DNS resolution failed for worker-0.workers.svc:7001: C-ares status is not ARES",
+            "DNS resolution failed for <address>: C-ares status is not ARES",
+        ),
+        ("last seen at 10.0.3.4.", "last seen at <address>."),
+        # A version's dotted number, and a predicted time, are no addresses.
+        ("no ready worker for m@1.2.3.4", "no ready worker for m@1.2.3.4"),
+        ("m@1: predicted 0.120s on w-1", "m@1: predicted 0.120s on w-1"),
+    ],
+)
+def test_a_status_names_no_network_address(message: str, expected: str) -> None:
+    assert without_addresses(message) == expected
+    assert status_of(Unavailable(message)).message == expected
+    assert status_of(UpstreamError(grpc.StatusCode.UNAVAILABLE, message)).message == expected
 
 
 @pytest.mark.parametrize("error", [RuntimeError("db password is hunter2"), KeyError("secret")])
