@@ -13,12 +13,16 @@ item's result is written and counted once, and a job gone (expired) is never bro
 # job is refused (its items are the caller's to delete), so that jobs submitted together on
 # several gateways cannot pass it together (each had looked at the room before any
 # reserved). Returns the job id the key names (another's, if it named one first), or, when
-# refused, {bytes held, bytes reserved, the room}.
+# refused, {bytes held, bytes reserved, the room}; or 0, writing nothing, when the job's hash
+# written a moment before is gone (evicted, or lost with a restart): Redis undoes no write of a
+# script that fails, and one failing half-way had claimed the idempotency key for a job that
+# never was, and reserved its bytes for good (review finding).
 ENQUEUE = """
 if ARGV[3] == '1' then
   local existing = redis.call('GET', KEYS[3])
   if existing then return existing end
 end
+if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return 0 end
 local reserved = tonumber(ARGV[4])
 local share = tonumber(ARGV[5])
 local memory = share > 0 and redis.pcall('INFO', 'memory')

@@ -51,6 +51,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.credentials import CredentialProvider
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.job_policy import ItemStatus, chunk_ends, chunk_ranges
@@ -88,6 +89,12 @@ MAX_TIED_JOBS = 64
 
 #: Dead-letter stream length kept (approximately).
 MAX_DEAD_LETTERS = 100_000
+
+
+class JobLost(RedisError):
+    """A job's record, written a moment before, was gone from Redis when its chunks were to
+    be enqueued (evicted, or lost with a restart): nothing of it was enqueued or reserved, and
+    its idempotency key names nothing; submitted again, it is a new job (UNAVAILABLE)."""
 
 
 def connect_jobs_redis(
@@ -186,6 +193,9 @@ class JobStore:
             if await self.client.zscore(self._tenant_key(job.tenant), job_id) is None:
                 raise
             return job_id, False
+        if reply == 0:  # its hash gone before it was enqueued: the script wrote nothing
+            await self.client.delete(key, f"{key}:items")
+            raise JobLost(job_id)
         if isinstance(reply, list):  # no room: refused by the script, which reserved nothing
             await self.client.delete(key, f"{key}:items")
             used, reserved, room = map(int, reply)
