@@ -6,8 +6,8 @@ parse into InvalidInput."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 import re
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 

@@ -304,12 +304,20 @@ _NO_CONNECTION = ("failed to connect to all addresses", "connections to all back
 _STATUS_WAIT_S = 1.0
 
 
+def found_no_connection(error: grpc.aio.AioRpcError) -> bool:
+    """True when the call failed before reaching any peer (grpc found no connection to send
+    it on): nothing of it ran anywhere."""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and (error.details() or "").startswith(
+        _NO_CONNECTION
+    )
+
+
 def _never_sent(error: BaseException) -> bool:
     """True when the stream failed before reaching any peer, or its peer refused it whole as
     not started (a worker front that passed nothing of it on): nothing on it ran anywhere."""
     if not isinstance(error, grpc.aio.AioRpcError) or error.code() != grpc.StatusCode.UNAVAILABLE:
         return False
-    if (error.details() or "").startswith(_NO_CONNECTION):
+    if found_no_connection(error):
         return True
     return NOT_STARTED_TRAILER in tuple(error.trailing_metadata() or ())
 

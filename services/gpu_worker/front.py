@@ -60,7 +60,7 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
-from services.common.multiplex import STREAM_METHOD
+from services.common.multiplex import STREAM_METHOD, found_no_connection
 from services.common.processes import PR_SET_PDEATHSIG
 from services.common.telemetry import tier_registry
 from services.common.tls import add_port, start_health_listener
@@ -207,8 +207,13 @@ class Passthrough(grpc.GenericRpcHandler):
 
 
 async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext) -> None:
-    """Ends the call as the engine ended it: its code, message and trailers."""
-    await context.abort(error.code(), error.details() or "", _forwarded(error.trailing_metadata()))
+    """Ends the call as the engine ended it: its code, message and trailers; marked not
+    started where it never reached the engine (its socket refused: not up yet, or just gone),
+    as a stream is (stream_relay), so that the router sends it to another worker at once."""
+    trailers = _forwarded(error.trailing_metadata())
+    if found_no_connection(error) and NOT_STARTED_TRAILER not in trailers:
+        trailers += (NOT_STARTED_TRAILER,)
+    await context.abort(error.code(), error.details() or "", trailers)
 
 
 def beat_file(ready_file: Path) -> Path:

@@ -620,6 +620,28 @@ async def test_a_front_whose_engine_is_not_up_refuses_its_streams_as_not_started
             assert refused.value.is_not_started, refused.value
 
 
+async def test_a_front_whose_engine_is_not_up_refuses_its_unary_calls_as_not_started(
+    tmp_path: Path,
+) -> None:
+    """Infer and Generate passed on to an engine whose socket refuses (not up yet, or just
+    gone) fail UNAVAILABLE marked not started, as a stream's calls do: they reached no engine,
+    so the router sends them to another worker at once. Before, grpc's own failure was passed
+    back unmarked (review finding)."""
+    async with front_without_engine(tmp_path) as channel:
+        stub = pb_grpc.WorkerServiceStub(channel)
+        request, _ = affine_request(3)
+        calls = (
+            stub.Infer(request, timeout=10),
+            stub.Generate(pb.WorkerGenerateRequest(), timeout=10).read(),
+        )
+        for call in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+            trailers = tuple(refused.value.trailing_metadata() or ())
+            assert NOT_STARTED_TRAILER in trailers, refused.value
+
+
 async def test_a_write_that_fails_after_a_front_refused_its_stream_counts_as_not_started(
     tmp_path: Path,
 ) -> None:
