@@ -56,9 +56,7 @@ async def test_a_worker_out_of_reach_fails_its_call_without_naming_where_it_live
 
             await eventually(is_served, message="the registry read")
             with pytest.raises(grpc.aio.AioRpcError) as raised:
-                await stub.Infer(
-                    request, timeout=30.0, metadata=route_metadata("m", "1", 1)
-                )
+                await stub.Infer(request, timeout=30.0, metadata=route_metadata("m", "1", 1))
         error = raised.value
         assert error.code() == grpc.StatusCode.UNAVAILABLE, error.details()
         details = error.details() or ""

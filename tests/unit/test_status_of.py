@@ -78,9 +78,7 @@ def test_a_downstream_status_passes_through_with_only_its_retry_hint() -> None:
     )
 
 
-@pytest.mark.parametrize(
-    "value", ["soon", "-40", "4e3", "\uff14\uff10", "1" * 10, ""], ids=repr
-)
+@pytest.mark.parametrize("value", ["soon", "-40", "4e3", "\uff14\uff10", "1" * 10, ""], ids=repr)
 def test_a_downstream_retry_hint_that_is_no_number_of_milliseconds_is_dropped(value: str) -> None:
     """Passed on, it failed the HTTP answer built from it (a bare 500 in place of the 429), and
     misled clients' backoff ("\uff14\uff10", full-width digits, passed isdigit())."""
