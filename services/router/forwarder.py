@@ -17,11 +17,7 @@ from collections.abc import AsyncGenerator, Awaitable
 import grpc
 
 from services.common.bundles import SliceCancels
-from services.common.errors import (
-    DeadlineExceeded,
-    Unavailable,
-    UpstreamError,
-)
+from services.common.errors import DeadlineExceeded, Unavailable, UpstreamError, is_too_large
 from services.common.grpc_errors import is_bug
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
@@ -313,9 +309,13 @@ class Forwarder:
 
     def _note_outcome(self, route: Route, sent_s: float, error: UpstreamError | None) -> None:
         """Tells the timeout ejector (services.router.ejection) how a worker answered: any
-        status but DEADLINE_EXCEEDED and UNAVAILABLE (ejected on its own) shows it answers."""
+        status but DEADLINE_EXCEEDED and UNAVAILABLE (ejected on its own) shows it answers,
+        except a message past a size limit, which the link refuses before sending it: counted,
+        a call too large lifted a wedged worker's ejection (review finding)."""
         now_s = time.monotonic()
         timeouts = self._table.timeouts
+        if error is not None and is_too_large(error.code, str(error)):
+            return
         if error is None or error.code not in _NO_ANSWER:
             timeouts.record_success(route.worker_id, now_s, sent_s)
         elif error.code == grpc.StatusCode.DEADLINE_EXCEEDED:

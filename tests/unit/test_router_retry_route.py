@@ -15,9 +15,11 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.errors import UpstreamError
+from services.common.multiplex import MAX_CALL_BYTES
 from services.common.priority import PriorityClass
 from services.common.registry_schema import WorkerRecord
 from services.router.call_facts import CallFacts
+from services.router.ejection import TimeoutEjectionConfig
 from services.router.forwarder import Forwarder
 from services.router.metrics import RouterMetrics
 from services.router.routing import RetryBudget, Route, RouteTable
@@ -63,3 +65,24 @@ def test_a_retry_with_a_token_is_routed_and_spends_it() -> None:
     assert table.inflight_rows("w1") == 1
     assert metric(metrics.registry, names.ROUTER_RETRIES_TOTAL) == 1
     assert not budget.has_token(time.monotonic()), "its one token spent"
+
+
+async def test_a_call_too_large_to_send_says_nothing_of_the_worker_it_was_routed_to() -> None:
+    """The link refuses a call past its message limit before sending it: counted as the
+    worker's answer, it lifted the ejection of a worker whose calls only time out (review
+    finding). The caller gets RESOURCE_EXHAUSTED; the worker stays ejected."""
+    forwarder, table, _ = _forwarder(RetryBudget(ratio=0.0, min_per_s=0.0))
+    timeouts = table.timeouts
+    now_s = time.monotonic()
+    for _ in range(TimeoutEjectionConfig.timeouts_to_eject):
+        timeouts.record_timeout("w0", now_s, waited_s=60.0, predicted_s=0.01)
+    assert timeouts.is_ejected("w0", now_s)
+    # Routed there all the same (no other worker routable); nothing reserved (id 0).
+    route = Route("w0", "127.0.0.1:1", reservation_id=0, predicted_s=0.01)
+
+    with pytest.raises(UpstreamError) as refused:
+        await forwarder._attempts(bytes(MAX_CALL_BYTES + 1), FACTS, None, route)
+
+    assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+    assert timeouts.is_ejected("w0", time.monotonic())
+    await forwarder.close()
