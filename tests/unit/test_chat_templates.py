@@ -218,6 +218,6 @@ def test_a_version_whose_weights_are_elsewhere_reads_its_template_there(tmp_path
     )])  # fmt: skip
     # The API's own lookup, as a chat request makes it (its predictor: only the catalog read).
     api = OpenAiApi(SimpleNamespace(catalog=catalog), GatewayMetrics(CollectorRegistry()))
-    served, template = api._template("llm", LOCAL_PRINCIPAL)
+    served, template = api._template("llm", LOCAL_PRINCIPAL, "")
     assert served == "1" and template.template == TEMPLATE
     assert read_chat_template(tmp_path / "repo" / "llm" / "1").template is None  # where it looked

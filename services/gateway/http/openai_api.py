@@ -119,14 +119,18 @@ class OpenAiApi:
             raise NotFound(f"model {config.name!r} ({config.kind.value}) is not served by /v1")
         return web.json_response(_model_object(config.name))
 
-    def _template(self, model: str, principal: Principal) -> tuple[str, ChatTemplate]:
+    def _template(
+        self, model: str, principal: Principal, request_id: str
+    ) -> tuple[str, ChatTemplate]:
         """The version a chat request for `model` runs on, and that version's template: the
         generation is sent to the same version, so a canary's prompts are built by its own
-        template."""
+        template. Chosen as a completion's is: one X-Request-Id, one version while weights
+        stand (chosen here without it, a conversation's turns were spread over a canary's
+        versions; review finding)."""
         catalog = self._predictor.catalog
         name = catalog.config(model).name
         principal.check_model(name)
-        resolved = catalog.resolve(name, "")
+        resolved = catalog.resolve(name, "", sticky_key=request_id or None)
         version, encoder = resolved.version, resolved.encoder
         if encoder is None:
             raise InvalidInput(f"{name} has no tokenizer")
@@ -146,7 +150,8 @@ class OpenAiApi:
         model = body.get("model")
         version, template = "", ChatTemplate()
         if isinstance(model, str):
-            version, template = self._template(model, current_principal())
+            request_id = header_request_id(request.headers)
+            version, template = self._template(model, current_principal(), request_id)
         parsed = chat_request(
             body, template.template, bos_token=template.bos_token, eos_token=template.eos_token
         )
