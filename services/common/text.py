@@ -91,8 +91,10 @@ class TextEncoder:
         return self.check_ids(np.asarray(self._templates.ids(prompt), dtype=np.int64))
 
     def _check_text(self, text: str, *, truncate: bool) -> str:
-        """`text` after the cheap checks; truncating, cut to the characters that can fit."""
-        if not text.strip():
+        """`text` after the cheap checks; truncating, cut to the characters that can fit.
+        Whitespace alone is text, as OpenAI's and TEI's APIs take it: refused, one "\n" chunk
+        of a document splitter's failed its whole batch (review finding)."""
+        if not text:
             raise InvalidInput("text input is empty")
         if not text.isascii():
             try:

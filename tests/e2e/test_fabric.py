@@ -249,7 +249,7 @@ def test_s38_stock_kserve_v2_client_wrong_dtype_is_invalid_argument(stack: Stack
     ("request_", "code"),
     [
         (predict_request(""), grpc.StatusCode.INVALID_ARGUMENT),
-        (predict_request("fine", "  "), grpc.StatusCode.INVALID_ARGUMENT),
+        (predict_request("fine", ""), grpc.StatusCode.INVALID_ARGUMENT),
         (predict_request("word " * 400), grpc.StatusCode.INVALID_ARGUMENT),
         (api.PredictRequest(model_name="minilm"), grpc.StatusCode.INVALID_ARGUMENT),
         (

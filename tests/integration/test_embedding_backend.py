@@ -157,7 +157,6 @@ def test_a_bundles_packed_rows_are_prepared_as_each_row_alone(backend) -> None:
     ("value", "message"),
     [
         ("", "empty"),
-        ("   \n\t", "empty"),
         ("word " * 300, "at most 256"),
         ("x" * 100_000, "cannot fit"),
         (TokenIds(np.array([101], dtype=np.int32)), "at least"),

@@ -75,6 +75,20 @@ def test_openai_refusals_name_the_reason(body: dict, reason: str) -> None:
         openai_embedding_request(body)
 
 
+def test_whitespace_alone_is_text_to_embed() -> None:
+    """As OpenAI's and TEI's APIs take it: refused, a document splitter's "\n" chunk failed its
+    whole batch (review finding). Embedded as the model's special tokens around nothing."""
+    texts = ["a", " ", "\n", "\t "]
+    assert openai_embedding_request({"model": "m", "input": texts}).inputs == texts
+    assert tei_embed_request({"inputs": " "}).inputs == [" "]
+    version = next(v for v in load_repository(REPOSITORY) if v.config.name == "minilm")
+    encoder = TextEncoder(version.weights_dir, version.config)
+    rows = encoder.encode_many(texts[1:])
+    assert [r.tolist() for r in rows] == [[101, 102]] * 3  # [CLS] [SEP]
+    with pytest.raises(InvalidInput, match="empty"):
+        encoder.encode_many([""])
+
+
 def test_tei_bodies() -> None:
     plain = tei_embed_request({"inputs": "hi"})
     assert plain.inputs == ["hi"] and plain.normalize is True and plain.truncate is None

@@ -68,7 +68,7 @@ def _inputs(value: Any, field: str) -> list[str | TokenIds]:
     if not items:
         raise InvalidInput(f"{field} is empty")
     if all(isinstance(v, str) for v in items):
-        if not all(v.strip() for v in items):
+        if not all(items):  # whitespace alone is text, as OpenAI's and TEI's APIs take it
             raise InvalidInput(f"{field}: an input is an empty string")
         return list(items)
     if all(isinstance(v, list) for v in items):
