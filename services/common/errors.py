@@ -183,7 +183,8 @@ class UpstreamError(ServingError):
 
     `is_not_started`: the downstream call provably ran nothing (refused with
     NOT_STARTED_TRAILER, or never sent), so sending it elsewhere cannot run it twice. The mark
-    is not passed on: our own caller cannot know what else this tier tried."""
+    is not passed on: our own caller cannot know what else this tier tried. `ran_nothing`:
+    nothing ran either, though it is not sent elsewhere (`as_not_served_now`)."""
 
     def __init__(
         self,
@@ -192,6 +193,7 @@ class UpstreamError(ServingError):
         trailers: tuple[tuple[str, str], ...] = (),
         *,
         is_not_started: bool = False,
+        ran_nothing: bool = False,
     ) -> None:
         super().__init__(message)
         self.code = code
@@ -203,6 +205,7 @@ class UpstreamError(ServingError):
         self.is_not_started = code == grpc.StatusCode.UNAVAILABLE and (
             is_not_started or NOT_STARTED_TRAILER in trailers
         )
+        self.ran_nothing = ran_nothing or self.is_not_started
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return self._trailers
@@ -214,7 +217,10 @@ class UpstreamError(ServingError):
         is UNAVAILABLE, which clients retry, not NOT_FOUND, which they take as permanent."""
         if self.code != grpc.StatusCode.NOT_FOUND:
             return self
-        return UpstreamError(grpc.StatusCode.UNAVAILABLE, f"not served now: {self}", self._trailers)
+        # Nothing ran (a router's NOT_FOUND is its refusal before routing: a worker's it turns
+        # into UNAVAILABLE): the caller's rows go back to its tenant (review finding).
+        message = f"not served now: {self}"
+        return UpstreamError(grpc.StatusCode.UNAVAILABLE, message, self._trailers, ran_nothing=True)
 
     @property
     def retry_after_s(self) -> float | None:
@@ -231,7 +237,13 @@ class UpstreamError(ServingError):
         so callers' hints range from about 0.56x to 1.56x of the drain time it followed."""
         hint_s = self.retry_after_s
         trailers = () if hint_s is None else (retry_after_trailer(hint_s, rng),)
-        return UpstreamError(self.code, str(self), trailers, is_not_started=self.is_not_started)
+        return UpstreamError(
+            self.code,
+            str(self),
+            trailers,
+            is_not_started=self.is_not_started,
+            ran_nothing=self.ran_nothing,
+        )
 
     @property
     def is_overload(self) -> bool:

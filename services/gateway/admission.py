@@ -151,9 +151,9 @@ class RowsCharged:
 def never_served(error: BaseException | None) -> bool:
     """Whether a call that ended with `error` was never served: refused for its input
     (InvalidInput, here or when its bundle was tokenized), or downstream for load or before
-    anything ran (not started)."""
+    anything ran (not started, or a version it did not know: `UpstreamError.ran_nothing`)."""
     if isinstance(error, UpstreamError):
-        return error.is_overload or error.is_not_started
+        return error.is_overload or error.ran_nothing
     return isinstance(error, InvalidInput)
 
 

@@ -114,6 +114,14 @@ def fail(slices: Sequence[CallerSlice], error: BaseException) -> None:
             entry.future.set_exception(own)
 
 
+def unsent(entry: CallerSlice) -> None:
+    """Tells `entry`'s caller its rows ran nowhere (`on_unsent`: back to its tenant): refused
+    or failed here before its bundle left, whatever error it gets (a tokenizer's own, our
+    bug, kept them charged: review finding)."""
+    if entry.on_unsent is not None:
+        entry.on_unsent()
+
+
 def prepared(bundle: Bundle) -> list[CallerSlice]:
     """The bundle's slices with their rows made (`Prepare`); refused callers answered, left out.
     Where making them fails other than by refusing a caller (a tokenizer's own error on some
@@ -134,6 +142,7 @@ def prepared(bundle: Bundle) -> list[CallerSlice]:
     for entry, rows in zip(bundle.slices, made, strict=True):
         if isinstance(rows, Exception):
             if not entry.future.done():
+                unsent(entry)
                 entry.future.set_exception(rows)
         else:
             entry.rows = rows

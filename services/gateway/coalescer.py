@@ -51,6 +51,7 @@ from services.gateway.bundle_parts import (
     closing,
     fail,
     prepared,
+    unsent,
 )
 from services.gateway.call_rows import MAX_BUNDLE_BYTES
 from services.gateway.metrics import GatewayMetrics
@@ -185,7 +186,8 @@ class Coalescer:
             why = "router: deadline exceeded" if is_sent else (
                 "gateway: deadline exceeded before the call was sent"
             )  # fmt: skip
-            entry.future.set_exception(UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, why))
+            expired = UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, why, ran_nothing=not is_sent)
+            entry.future.set_exception(expired)
             self._withdraw(entry)
 
     async def close(self) -> None:
@@ -294,6 +296,9 @@ class Coalescer:
         try:
             bundle.slices = prepared(bundle)
         except Exception as error:  # a bug in preparing: every caller hears of it now
+            for entry in bundle.slices:
+                if not entry.future.done():
+                    unsent(entry)
             fail(bundle.slices, error)
             return
         for index, entry in enumerate(bundle.slices):

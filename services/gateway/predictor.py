@@ -214,12 +214,14 @@ class Predictor:
                     on_unsent=charged.give_back,  # dropped here: ran nowhere
                 )
             except UpstreamError as error:
-                self._throttle.record(
-                    throttle_key,
-                    time.monotonic(),
-                    is_accepted=not error.is_overload,
-                    retry_after_s=error.retry_after_s,
-                )
+                # Expired here unsent, downstream never saw it: no accept of theirs to count.
+                if not (error.code == grpc.StatusCode.DEADLINE_EXCEEDED and error.ran_nothing):
+                    self._throttle.record(
+                        throttle_key,
+                        time.monotonic(),
+                        is_accepted=not error.is_overload,
+                        retry_after_s=error.retry_after_s,
+                    )
                 raise
         self._throttle.record(throttle_key, time.monotonic(), is_accepted=True)
         self._metrics.inputs_total_of[(config.name, model.version)].inc(len(rows))

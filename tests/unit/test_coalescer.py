@@ -33,6 +33,7 @@ from services.common.moving_average import MovingAverage
 from services.common.priority import PriorityClass
 from services.common.tensors import tensor_from_pb, tensor_to_pb
 from services.gateway import coalescer as coalescer_module
+from services.gateway.admission import never_served
 from services.gateway.bundle_clock import DEFAULT_CLOCK, BundleClock
 from services.gateway.bundle_parts import BundleKey, deadline_class
 from services.gateway.call_rows import max_bundle_rows, max_call_rows
@@ -286,11 +287,19 @@ async def test_a_stop_iteration_out_of_a_tokenizer_reaches_its_caller_as_an_erro
     def short(calls: Sequence[Sequence[object]]) -> list:
         return [next(iter(()))]
 
+    unsent: list[str] = []
     with pytest.raises(RuntimeError, match="StopIteration"):
         await bundles.call(
-            KEY, ["text"], pb.Slice(), deadline_s=time.monotonic() + 5, max_rows=8, prepare=short
+            KEY,
+            ["text"],
+            pb.Slice(),
+            deadline_s=time.monotonic() + 5,
+            max_rows=8,
+            prepare=short,
+            on_unsent=lambda: unsent.append("text"),
         )
     assert downstream.bundles == []
+    assert unsent == ["text"], "its rows ran nowhere: back to its tenant (review finding)"
 
 
 async def test_a_failure_preparing_one_callers_rows_reaches_that_caller_alone() -> None:
@@ -305,10 +314,18 @@ async def test_a_failure_preparing_one_callers_rows_reaches_that_caller_alone() 
             raise RuntimeError("tokenizer crashed on boom")
         return [[np.full(2, len(str(v)), dtype=np.float32) for v in values] for values in calls]
 
+    unsent: list[str] = []
+
     async def one(text: str) -> list[np.ndarray]:
         deadline_s = time.monotonic() + LONG_S
         answered = await bundles.call(
-            KEY, [text], pb.Slice(), deadline_s=deadline_s, max_rows=8, prepare=fussy
+            KEY,
+            [text],
+            pb.Slice(),
+            deadline_s=deadline_s,
+            max_rows=8,
+            prepare=fussy,
+            on_unsent=lambda: unsent.append(text),
         )
         return answered.outputs
 
@@ -321,6 +338,7 @@ async def test_a_failure_preparing_one_callers_rows_reaches_that_caller_alone() 
     assert isinstance(results[1], RuntimeError), results[1]
     assert [r[0].tolist() for r in (results[0], results[2])] == [[4.0, 4.0], [8.0, 8.0]]
     assert sizes(downstream) == [1, 2], "the two served in one bundle"
+    assert unsent == ["boom"], "only the failed caller's rows ran nowhere"
 
 
 async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_flight() -> None:
@@ -337,6 +355,7 @@ async def test_a_caller_past_its_deadline_is_answered_while_its_bundle_is_in_fli
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert str(raised.value) == "router: deadline exceeded"
     assert unsent == []  # it left: it may have run
+    assert not raised.value.ran_nothing and not never_served(raised.value)
     # Its slice was withdrawn from the bundle in flight (the cancel travels downstream).
     (bundle,) = downstream.bundles
     assert len(bundle.slices) == 1
@@ -628,6 +647,8 @@ async def test_callers_that_stop_waiting_before_their_bundle_leaves_are_left_out
         await expired
     assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert str(raised.value) == "gateway: deadline exceeded before the call was sent"
+    # Nothing downstream saw: not counted there (the throttle's accepts), rows given back.
+    assert raised.value.ran_nothing and never_served(raised.value)
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
@@ -794,11 +815,15 @@ async def test_a_version_downstream_does_not_know_is_unavailable_to_callers_not_
         assert isinstance(refused, UpstreamError), refused
         assert refused.code == grpc.StatusCode.UNAVAILABLE
         assert "no worker serves m@1" in str(refused)
+        # Nothing ran: its rows go back to its tenant (they stayed charged: review finding),
+        # though it is not sent again (to routers as blind as this one).
+        assert never_served(refused) and not refused.is_not_started
         downstream.error = UpstreamError(grpc.StatusCode.NOT_FOUND, "no worker serves m@1")
         errors = await asyncio.gather(
             *(call(bundles, rows(i)) for i in range(3)), return_exceptions=True
         )
         assert [getattr(e, "code", e) for e in errors] == [grpc.StatusCode.UNAVAILABLE] * 3
+        assert all(never_served(e) for e in errors if isinstance(e, BaseException))
     finally:
         await bundles.close()
 
