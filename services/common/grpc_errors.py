@@ -59,7 +59,7 @@ def bounded_message(message: str) -> str:
 _ADDRESS = re.compile(
     r"\b(?:ipv4|ipv6|unix|unix-abstract|dns):[^\s,;]*[^\s,;:]"
     r"|(?<=resolution failed for )[^\s,;]*[^\s,;:]"
-    r"|(?<![@\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|\[[0-9A-Fa-f:.%]+\])(?::\d+)?(?!\w|\.\d|:\d)"
+    r"|(?<![@\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|\[(?:[0-9A-Fa-f]{0,4}:){2,}[0-9A-Fa-f.%]*\])(?::\d+)?(?!\w|\.\d|:\d)"
 )
 
 

@@ -109,8 +109,11 @@ def test_a_downstream_retry_hint_that_is_no_number_of_milliseconds_is_dropped(va
             "DNS resolution failed for <address>: C-ares status is not ARES",
         ),
         ("last seen at 10.0.3.4.", "last seen at <address>."),
-        # A version's dotted number, and a predicted time, are no addresses.
+        ("peer [::1]:7001 went away", "peer <address> went away"),
+        # A version's dotted number, a shape, a range and a predicted time are no addresses.
         ("no ready worker for m@1.2.3.4", "no ready worker for m@1.2.3.4"),
+        ("expected shape [4], got [2] and [fade]", "expected shape [4], got [2] and [fade]"),
+        ("rows [0:4] of 2", "rows [0:4] of 2"),
         ("m@1: predicted 0.120s on w-1", "m@1: predicted 0.120s on w-1"),
     ],
 )
