@@ -65,6 +65,17 @@ def _check_pair(cert_file: Path | None, key_file: Path | None, whose: str) -> No
         raise ValueError(f"{whose} TLS certificate {cert_file} is given without its key file")
 
 
+def _check_fits(cert_file: Path | None, key_file: Path | None) -> None:
+    """ValueError unless the key is the certificate's: a pair that does not fit fails every
+    handshake."""
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
+            str(cert_file), str(key_file)
+        )
+    except (OSError, ssl.SSLError) as error:
+        raise ValueError(f"TLS key {key_file} does not fit {cert_file}: {error}") from None
+
+
 @dataclass(frozen=True)
 class ServerTls:
     """How a tier's gRPC port is secured. All None: plaintext. Files are checked when the
@@ -88,7 +99,9 @@ class ServerTls:
         if self.health_port is not None and not 0 <= self.health_port <= 65535:
             raise ValueError(f"health port {self.health_port} is not a port number")
         if self.cert_file is not None and self.key_file is not None:
-            self._read()
+            # The pair checked too: one that does not fit passed here, the port served, its
+            # health said SERVING, and every handshake failed (review finding).
+            self.read_checked()
 
     @property
     def is_enabled(self) -> bool:
@@ -116,13 +129,7 @@ class ServerTls:
         """(certificate, key, client CA) as the files hold them now; ValueError where one is
         unreadable or not PEM, or the key is not the certificate's."""
         cert, key, ca = self._read()
-        try:  # the pair must match, or every handshake would fail
-            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(
-                str(self.cert_file), str(self.key_file)
-            )
-        except (OSError, ssl.SSLError) as error:
-            message = f"TLS key {self.key_file} does not fit {self.cert_file}: {error}"
-            raise ValueError(message) from None
+        _check_fits(self.cert_file, self.key_file)
         return cert, key, ca
 
     def credentials(self) -> grpc.ServerCredentials:
@@ -211,6 +218,8 @@ class ClientTls:
             raise ValueError(f"TLS server name {self.server_name!r} is given without a CA file")
         if self.ca_file is not None:
             self._read()
+            if self.cert_file is not None:  # else every call to the peer failed its handshake
+                _check_fits(self.cert_file, self.key_file)
 
     @property
     def is_enabled(self) -> bool:

@@ -59,6 +59,7 @@ from services.router.metrics import RouterMetrics
 from services.router.worker_networks import WorkerNetworks
 from tests.support.metrics import scrape
 from tests.support.models import write_affine_model
+from tests.support.pki import Authority, Issued
 from tests.support.processes import ServiceProcess, start_worker
 from tests.support.tools import venv_tool
 
@@ -561,14 +562,18 @@ def tls_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def staged_tls_files(env: dict[str, str], root: Path) -> dict[str, str]:
-    """`env` with every path under the TLS mounts moved under `root`, where a placeholder PEM
-    file now stands (a tier refuses to start on a missing one)."""
+    """`env` with every path under the TLS mounts moved under `root`, where a PEM file now
+    stands (a tier refuses to start on a missing one): one certificate and its key (`*.key`),
+    so every pair fits (a tier refuses a key that does not fit its certificate)."""
+    issued = Issued(root / "pki" / "tier.crt", root / "pki" / "tier.key")  # one pair per root
+    if not issued.key.exists():
+        Authority(root / "pki", "deploy").issue("tier")
     staged = {}
     for variable, value in env.items():
         if value.startswith(TLS_MOUNT):
             path = root / value.lstrip("/")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("-----BEGIN CERTIFICATE-----\nplaceholder\n-----END CERTIFICATE-----\n")
+            path.write_bytes((issued.key if path.suffix == ".key" else issued.cert).read_bytes())
             value = str(path)
         staged[variable] = value
     return staged

@@ -11,22 +11,15 @@ Kubernetes: `--worker-tls-server-name` is what makes that verify.
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import grpc
 import numpy as np
 import pytest
 import torch
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.metric_names import ROUTER_LIVE_WORKERS
@@ -42,6 +35,7 @@ from services.router.server import SERVICE_NAME as WORKER_SERVICE
 from tests.support.in_process import start_lone_gateway
 from tests.support.metrics import samples, scrape
 from tests.support.models import affine_reference, write_affine_model
+from tests.support.pki import Authority, Issued
 from tests.support.processes import REPO_ROOT, ServiceProcess
 from tests.support.redis import RedisServer, start_redis
 from tests.support.waiting import eventually
@@ -51,69 +45,6 @@ pytestmark = pytest.mark.integration
 SERVING = health_pb2.HealthCheckResponse.SERVING
 #: The only name in the workers' certificate; routers dial workers by IP and expect this.
 WORKER_NAME = "gpu-worker.fabric.test"
-
-
-@dataclass(frozen=True)
-class Issued:
-    cert: Path
-    key: Path
-
-
-class Authority:
-    """A throwaway CA that writes `<name>.crt` / `<name>.key` PEM files into `directory`."""
-
-    def __init__(self, directory: Path, name: str) -> None:
-        self.directory = directory
-        self.name = name
-        directory.mkdir(parents=True, exist_ok=True)
-        self._key = ec.generate_private_key(ec.SECP256R1())
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        self._subject = subject
-        cert = (
-            self._builder(subject, self._key.public_key())
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(self._key, hashes.SHA256())
-        )
-        self.ca_file = directory / f"{name}-ca.crt"
-        self.ca_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-
-    def _builder(self, subject: x509.Name, public_key: ec.EllipticCurvePublicKey) -> Any:
-        now = datetime.datetime.now(datetime.UTC)
-        return (
-            x509.CertificateBuilder()
-            .subject_name(subject)
-            .issuer_name(self._subject)
-            .public_key(public_key)
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-        )
-
-    def issue(self, name: str, *, dns: tuple[str, ...] = (), ips: tuple[str, ...] = ()) -> Issued:
-        """A certificate for `name`, valid for TLS servers and clients, with these SANs."""
-        key = ec.generate_private_key(ec.SECP256R1())
-        sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns]
-        sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
-        builder = self._builder(subject, key.public_key()).add_extension(
-            x509.ExtendedKeyUsage(
-                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-            ),
-            critical=False,
-        )
-        if sans:
-            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        cert = builder.sign(self._key, hashes.SHA256())
-        issued = Issued(self.directory / f"{name}.crt", self.directory / f"{name}.key")
-        issued.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        issued.key.write_bytes(
-            key.private_bytes(
-                serialization.Encoding.PEM,
-                serialization.PrivateFormat.PKCS8,
-                serialization.NoEncryption(),
-            )
-        )
-        return issued
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +135,7 @@ def test_bad_tls_settings_exit_with_status_2(
     tmp_path: Path, fabric_ca: Authority, capsys: pytest.CaptureFixture[str]
 ) -> None:
     issued = fabric_ca.issue("settings-check")
+    other = fabric_ca.issue("another")  # its key fits no certificate but its own
     not_pem = tmp_path / "not-pem.crt"
     not_pem.write_text("hello")
     base = ["--allow-unauthenticated"]
@@ -213,6 +145,11 @@ def test_bad_tls_settings_exit_with_status_2(
             "--tls-cert-file", str(tmp_path / "missing.crt"), "--tls-key-file", str(issued.key),
         ],
         "is not PEM": ["--tls-cert-file", str(not_pem), "--tls-key-file", str(issued.key)],
+        "does not fit": ["--tls-cert-file", str(issued.cert), "--tls-key-file", str(other.key)],
+        "does not fit ": [
+            "--router-tls-ca-file", str(fabric_ca.ca_file), "--router-tls-cert-file",
+            str(issued.cert), "--router-tls-key-file", str(other.key),
+        ],
         "without a CA file": ["--router-tls-server-name", "router.fabric.test"],
         "needs the server's own": ["--tls-client-ca-file", str(fabric_ca.ca_file)],
     }  # fmt: skip

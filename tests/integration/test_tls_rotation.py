@@ -16,7 +16,8 @@ import grpc
 import pytest
 
 from services.common.tls import ClientTls, ServerTls
-from tests.integration.test_tls import Authority, Issued, health_code, start_gateway
+from tests.integration.test_tls import health_code, start_gateway
+from tests.support.pki import Authority, Issued
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.integration
