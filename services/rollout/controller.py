@@ -146,8 +146,10 @@ class CanaryRollout:
             # stopped at its next write, its pool left up (review finding).
             raise ValueError(
                 f"model {self.model!r}: a canary already takes traffic ({routing.dumps()}): "
-                "another rollout runs, or one was stopped uncleanly; set it back first "
-                "(`routing reset` or `routing set`)"
+                "another rollout runs, or one was stopped uncleanly; give its share back to "
+                "stable first (`routing set` with --traffic stable=100, any other label's weight "
+                "as it was; not `routing reset`, which also undoes the promotions since, back "
+                "to the repository's labels)"
             )
         # The record read here is the one the first write changes: another writer's change
         # meanwhile (the pool's preparation may take minutes) stops the rollout at that write.

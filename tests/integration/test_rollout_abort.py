@@ -651,8 +651,12 @@ async def test_a_rollout_takes_over_no_canary_and_no_change_made_since_it_read(
         running = ModelRouting({"stable": 1, "canary": 2}, {"stable": 90.0, "canary": 10.0})
         store = RoutingStore(client, "fabric", load_repository(repository))
         await store.change("affine", lambda _: running)
-        with pytest.raises(ValueError, match="a canary already takes traffic"):
+        with pytest.raises(ValueError, match="a canary already takes traffic") as refused:
             await rollout_of(store, healthy_scrape(no_wait_then)).run()
+        # The recovery it names gives the share back; `routing reset` would also undo the
+        # promotions since (back to the repository's labels: review finding).
+        assert "--traffic stable=100" in str(refused.value), refused.value
+        assert "not `routing reset`" in str(refused.value), refused.value
         await store.change("affine", lambda _: STABLE)
         operators = ModelRouting({"stable": 1}, {"stable": 1.0})
         changed = ChangedFirst(client, "fabric", load_repository(repository), other=operators)
