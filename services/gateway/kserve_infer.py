@@ -275,11 +275,13 @@ class StreamInfer:
                         response = await infer_one(
                             predictor, request, acting, time_left_s, max_rows
                         )
+                    # Its one answer, and its last, as Triton flags every streamed answer.
+                    response.parameters["triton_final_response"].bool_param = True
                     answers.answer(place, kserve.ModelStreamInferResponse(infer_response=response))
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
-                answer = _error_response(request.id, error, is_final=place is None)
+                answer = _error_response(request.id, error)
                 if place is None:
                     answers.put_decoupled(answer)
                 else:
@@ -363,18 +365,17 @@ class StreamInfer:
                 task.cancel()
 
 
-def _error_response(
-    request_id: str, error: BaseException, *, is_final: bool = False
-) -> kserve.ModelStreamInferResponse:
+def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
     """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id, and
     its retry hint (`retry-after-ms`, jittered) as a parameter of the response: a unary call
-    carries it as a trailer, and a stream's requests have none of their own. `is_final`: a
-    decoupled (generation) request's, whose every response says whether it is its last: the
-    error is (a client waiting for `triton_final_response` would wait for good)."""
+    carries it as a trailer, and a stream's requests have none of their own. Flagged its
+    request's last answer (`triton_final_response`), as Triton flags every streamed answer,
+    a decoupled (generation) request's or not: a client waiting for the flag, as stock
+    streaming clients do, waited for good on every answer but a generation's (review
+    finding)."""
     status = status_of(error)
     response = kserve.ModelInferResponse(id=request_id)
-    if is_final:
-        response.parameters["triton_final_response"].bool_param = True
+    response.parameters["triton_final_response"].bool_param = True
     for key, value in status.trailers:
         if key == RETRY_AFTER_MS_KEY:
             response.parameters[key].int64_param = int(value)

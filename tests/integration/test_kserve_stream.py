@@ -88,6 +88,10 @@ async def test_a_stream_answers_each_request_of_a_model_that_is_not_decoupled(
         async for response in call:
             request_id = response.infer_response.id
             assert request_id not in answers and request_id not in errors, request_id
+            # Each answer its request's last, as Triton flags every streamed answer: a stock
+            # client waiting for the flag waited for good (review finding).
+            final = response.infer_response.parameters["triton_final_response"]
+            assert final.bool_param, request_id
             if response.error_message:
                 errors[request_id] = response.error_message
             else:
