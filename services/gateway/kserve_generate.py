@@ -246,7 +246,12 @@ def _float_text(text: str) -> float | str:
 
 
 def _response(
-    request: kserve.ModelInferRequest, text: str, *, is_final: bool, **extra: str | int
+    request: kserve.ModelInferRequest,
+    version: str,
+    text: str,
+    *,
+    is_final: bool,
+    **extra: str | int,
 ) -> kserve.ModelStreamInferResponse:
     encoded = text.encode()
     parameters = {"triton_final_response": kserve.InferParameter(bool_param=is_final)}
@@ -259,7 +264,7 @@ def _response(
     return kserve.ModelStreamInferResponse(
         infer_response=kserve.ModelInferResponse(
             model_name=request.model_name,
-            model_version=request.model_version,
+            model_version=version,
             id=request.id,
             parameters=parameters,
             outputs=[
@@ -297,6 +302,7 @@ async def generate_one(
     is_streaming = _scalar_bool(request, "stream")
     include_prompt = not is_streaming and not _scalar_bool(request, "exclude_input_in_output")
     options = request_parameters(request.parameters)
+    served: list[str] = []
     call = GenerateCall(
         model_name=request.model_name,
         version_spec=request.model_version,
@@ -308,6 +314,9 @@ async def generate_one(
         priority=options.priority,
         templated=templated,
         fills_context=fills_context,
+        # Its answers name the version that serves it, as ModelInfer's do, not the label or
+        # "" asked for (a canary's callers could not tell which answered: review finding).
+        on_version=served.append,
     )
     collected = [prompt] if include_prompt else []
     is_finished = False
@@ -316,7 +325,7 @@ async def generate_one(
             finish_reason = finish_reason_from_pb(message.finish_reason)
             if finish_reason is None:
                 if is_streaming:
-                    yield _response(request, message.text, is_final=False)
+                    yield _response(request, served[-1], message.text, is_final=False)
                 else:
                     collected.append(message.text)
                 continue
@@ -324,6 +333,7 @@ async def generate_one(
             is_finished = True
             yield _response(
                 request,
+                served[-1],
                 text,
                 is_final=True,
                 finish_reason=finish_reason,

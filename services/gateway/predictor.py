@@ -80,6 +80,8 @@ class GenerateCall:
     templated: TemplatedText | None = None
     #: No max_tokens (0) fills the context left (OpenAI's chat; the worker's limits), not 16.
     fills_context: bool = False
+    #: Told the version number that serves it, once resolved (what its answers name).
+    on_version: Callable[[str], None] | None = None
 
 
 @dataclass(slots=True)  # made per call, as PredictCall
@@ -313,6 +315,8 @@ class Predictor:
         model = self.catalog.resolve(
             call.model_name, call.version_spec, sticky_key=call.request_id or None
         )
+        if call.on_version is not None:
+            call.on_version(model.version)
         started = time.perf_counter()
         is_ok = False
         try:

@@ -256,6 +256,8 @@ async def test_a_stream_asking_for_an_empty_final_response_is_served(stack: Stac
         responses = [r async for r in stub.ModelStreamInfer(send(), timeout=60)]
     assert [r.error_message for r in responses] == [""] * len(responses)
     assert responses[-1].infer_response.parameters["triton_final_response"].bool_param
+    # Each names the version that served it, not the "" asked for.
+    assert {r.infer_response.model_version for r in responses} == {"1"}
 
 
 async def test_the_command_line_client_streams_a_generation(stack: Stack) -> None:

@@ -14,6 +14,7 @@ from services.common.errors import ExecutionFailed
 from services.gateway.auth import LOCAL_PRINCIPAL
 from services.gateway.http.kserve_rest import generate_request
 from services.gateway.kserve_generate import generate_one
+from services.gateway.predictor import GenerateCall
 from services.pb.inference.v1 import types_pb2 as api
 
 pytestmark = pytest.mark.unit
@@ -25,8 +26,9 @@ class _Stream:
     def __init__(self, *messages: api.GenerateResponse) -> None:
         self._messages = messages
 
-    async def generate(self, call: object) -> AsyncIterator[api.GenerateResponse]:
-        del call
+    async def generate(self, call: GenerateCall) -> AsyncIterator[api.GenerateResponse]:
+        assert call.on_version is not None
+        call.on_version("1")  # as the predictor tells the version it resolved
         for message in self._messages:
             yield message
 

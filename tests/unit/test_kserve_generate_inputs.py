@@ -31,6 +31,8 @@ class _Recording:
 
     async def generate(self, call: GenerateCall) -> AsyncIterator[api.GenerateResponse]:
         self.calls.append(call)
+        assert call.on_version is not None
+        call.on_version("3")  # as the predictor tells the version it resolved
         yield api.GenerateResponse(
             text="!", finish_reason=api.FINISH_REASON_LENGTH, prompt_tokens=1, completion_tokens=1
         )
@@ -104,3 +106,14 @@ async def test_a_negative_count_as_text_is_refused_by_name(key: str) -> None:
     request = generate_request("llm", "", {"text_input": "hi", "parameters": {key: "-5"}})
     with pytest.raises(InvalidInput, match=key):
         await texts(request)
+
+
+@pytest.mark.parametrize("asked", ["", "stable", "3"])
+async def test_answers_name_the_version_that_served_not_the_one_asked(asked: str) -> None:
+    """As ModelInfer's answers do: a canary's callers asking for no version, or a label, could
+    not tell which version answered (review finding)."""
+    request = with_flag(contents=[True])
+    request.model_version = asked
+    got = generate_one(_Recording(), request, LOCAL_PRINCIPAL, 10.0)  # type: ignore[arg-type]
+    versions = [response.infer_response.model_version async for response in got]
+    assert versions == ["3"]
