@@ -68,12 +68,28 @@ def health_between(before: Snapshot, after: Snapshot, version: str) -> Health:
     return Health(int(served), int(errors), p99_from_buckets(buckets), refused=int(refused))
 
 
+#: Tries of one endpoint's scrape, RETRY_S apart, before the rollout gives up on it: one
+#: failure (a timeout through a GC pause, a reset connection) aborted the whole rollout, near
+#: its end too (review finding). An endpoint gone for good still aborts it, seconds later.
+SCRAPE_TRIES = 3
+RETRY_S = 1.0
+
+
 def _fetch(url: str) -> str:
     with urllib.request.urlopen(url, timeout=5) as response:
         return str(response.read().decode())
 
 
+async def _fetch_patiently(url: str) -> str:
+    for _ in range(SCRAPE_TRIES - 1):
+        try:
+            return await asyncio.to_thread(_fetch, url)
+        except OSError:  # urllib's URLError and HTTPError too
+            await asyncio.sleep(RETRY_S)
+    return await asyncio.to_thread(_fetch, url)
+
+
 async def scrape(urls: Sequence[str], model: str) -> Snapshot:
     """One snapshot of `model` across the workers at `urls` (their /metrics)."""
-    texts = await asyncio.gather(*(asyncio.to_thread(_fetch, url) for url in urls))
+    texts = await asyncio.gather(*(_fetch_patiently(url) for url in urls))
     return parse_snapshot(texts, model)
