@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metric_names as names
-from services.rollout.policy import Health, difference, p99_from_buckets
+from services.rollout.policy import STARTED, Health, difference, p99_from_buckets
 
 #: Statuses that count against a version: the server failed, not the caller or the load.
 ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDED", "DATA_LOSS"})
@@ -25,7 +25,10 @@ ERROR_CODES = frozenset({"INTERNAL", "UNKNOWN", "UNAVAILABLE", "DEADLINE_EXCEEDE
 #: FAILED_PRECONDITION, ...): served, failed, or given up by the caller.
 _NOT_REFUSED = ERROR_CODES | {"OK", "CANCELLED"}
 
-#: version -> flat counters: "code:<CODE>" calls, "le:<bound>" cumulative latency buckets.
+#: prometheus_client's process collector's start time, which every tier exports.
+_PROCESS_STARTED = "process_start_time_seconds"
+#: version -> flat counters: "code:<CODE>" calls, "le:<bound>" cumulative latency buckets,
+#: and the worker process's start time (STARTED).
 Counters = dict[str, dict[str, float]]
 #: One endpoint's counters per endpoint, in the order of the endpoints scraped.
 Snapshot = list[Counters]
@@ -39,8 +42,11 @@ def parse_snapshot(texts: Sequence[str], model: str) -> Snapshot:
 def _counters(text: str, model: str) -> Counters:
     counters_of: Counters = {}
     wanted = {f"{names.WORKER_REQUESTS_TOTAL}", f"{names.WORKER_ROW_LATENCY_SECONDS}_bucket"}
+    started = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name == _PROCESS_STARTED:
+                started = sample.value
             if sample.name not in wanted or sample.labels.get("model") != model:
                 continue
             version = sample.labels.get("version", "")
@@ -50,6 +56,9 @@ def _counters(text: str, model: str) -> Counters:
                 key = f"le:{sample.labels.get('le', '')}"
             counters = counters_of.setdefault(version, {})
             counters[key] = counters.get(key, 0.0) + sample.value
+    if started is not None:  # each version's counters tell the process they count in
+        for counters in counters_of.values():
+            counters[STARTED] = started
     return counters_of
 
 

@@ -237,11 +237,19 @@ def p99_from_buckets(buckets: Sequence[tuple[float, float]]) -> float | None:
     return lower
 
 
+#: The key of a worker process's start time among its counters (`process_start_time_seconds`),
+#: which tells a restart where no counter went back.
+STARTED = "started"
+
+
 def difference(after: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
-    """Counter deltas between two scrapes of one worker's counters. Where any counter went
-    back, or is gone, the worker restarted between them, and `after` counts from 0 whole: a
-    counter that happens to have come back past its old value is all new too (its difference
-    undercounted a crashing canary's errors: review finding)."""
-    if any(after.get(key, 0.0) < value for key, value in before.items()):
+    """Counter deltas between two scrapes of one worker's counters. Where the process's start
+    time (STARTED) changed, or any counter went back or is gone, the worker restarted between
+    them, and `after` counts from 0 whole: a counter that happens to have come back past its
+    old value is all new too (its difference undercounted a crashing canary's errors), and so
+    are all of them where every counter did (review findings)."""
+    if after.get(STARTED) != before.get(STARTED) or any(
+        after.get(key, 0.0) < value for key, value in before.items()
+    ):
         return dict(after)
     return {key: value - before.get(key, 0.0) for key, value in after.items()}

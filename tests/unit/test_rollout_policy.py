@@ -177,6 +177,21 @@ inference_worker_row_latency_seconds_sum{{model="m",version="1"}} 1
 """
 
 
+def test_a_worker_restarted_with_every_counter_past_its_old_value_counts_from_zero() -> None:
+    """No counter went back: only its process's start time tells the restart. Differenced,
+    the crashed canary's 2 errors before the crash went uncounted (review finding)."""
+    started = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds {}\n"
+    before = parse_snapshot([WORKER_METRICS.format(ok=60, failed=2) + started.format(100)], "m")
+    after = parse_snapshot([WORKER_METRICS.format(ok=300, failed=5) + started.format(200)], "m")
+
+    health = health_between(before, after, "1")
+    assert (health.requests, health.errors, health.refused) == (305, 5, 7)
+    # The same process all along: differenced.
+    same = parse_snapshot([WORKER_METRICS.format(ok=300, failed=5) + started.format(100)], "m")
+    health = health_between(before, same, "1")
+    assert (health.requests, health.errors, health.refused) == (243, 3, 0)
+
+
 def test_health_between_two_scrapes_of_two_workers() -> None:
     before = parse_snapshot([WORKER_METRICS.format(ok=10, failed=1)] * 2, "m")
     after = parse_snapshot([WORKER_METRICS.format(ok=60, failed=3)] * 2, "m")
