@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -182,6 +183,24 @@ def test_fingerprint_changes_with_preprocessing(tmp_path: Path) -> None:
         )
     a, b = (load_backend(v, torch.device("cpu")) for v in load_repository(tmp_path))
     assert a.fingerprint != b.fingerprint
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta"])
+def test_an_encoder_other_than_bert_does_not_load(tmp_path: Path, model_type: str) -> None:
+    """A RoBERTa or XLM-R checkpoint holds BERT's config fields and weight names: it loaded,
+    and every embedding came out wrong (its positions start after its padding index: review
+    finding). minilm's own files, its config saying another model type."""
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for source in minilm().weights_dir.iterdir():
+        if source.is_file():
+            (weights / source.name).symlink_to(source)
+    config = json.loads((minilm().weights_dir / "config.json").read_text())
+    (weights / "config.json").unlink()
+    (weights / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+    version = dataclasses.replace(minilm(), weights_dir=weights)
+    with pytest.raises(ValueError, match="only BERT encoders"):
+        load_backend(version, torch.device("cpu"))
 
 
 def test_a_row_past_the_last_bucket_the_context_holds_has_a_bucket() -> None:

@@ -33,6 +33,11 @@ class BertConfig:
     @classmethod
     def from_json(cls, path: Path) -> BertConfig:
         raw = json.loads(path.read_text())
+        # RoBERTa and XLM-R checkpoints hold BERT's fields and weight names, and loaded as
+        # BERT: their positions start after the padding index, so every embedding came out
+        # wrong without a word (review finding).
+        if (model_type := raw.get("model_type", "bert")) != "bert":
+            raise ValueError(f"{path}: only BERT encoders are supported, got {model_type!r}")
         if raw.get("hidden_act", "gelu") != "gelu":
             raise ValueError(f"{path}: only hidden_act=gelu is supported, got {raw['hidden_act']}")
         return cls(**{name: raw[name] for name in cls.__dataclass_fields__})
