@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import random
 import time
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -417,4 +418,48 @@ def test_a_module_whose_outputs_are_not_of_its_configs_kind_fails_its_rows(
         with pytest.raises(
             RuntimeError, match=f"returned float32 rows, config declares {declared}"
         ):
+            backend.run(rows)
+
+
+class _Scaled(torch.nn.Module):
+    """The first two inputs times 2**33, as integers or as floats."""
+
+    def __init__(self, as_integers: bool) -> None:
+        super().__init__()
+        self.as_integers = as_integers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.as_integers:
+            return x[:, :2].long() * 8589934592
+        return x[:, :2] * 8589934592.0
+
+
+@pytest.mark.parametrize(
+    ("as_integers", "declared", "is_taken"),
+    [(True, "INT64", True), (True, "INT32", False), (False, "FP32", True), (False, "FP16", False)],
+)
+def test_outputs_past_the_range_of_the_declared_type_fail_their_rows(
+    tmp_path: Path, as_integers: bool, declared: str, is_taken: bool
+) -> None:
+    """int64 values narrowed into a declared INT32 wrapped, and float32 ones past FP16's range
+    became inf, without a word (review finding): those rows fail now. Values that fit a
+    narrower type are still taken (the affine test above)."""
+    model_dir = write_affine_model(tmp_path / "repo")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript
+        torch.jit.script(_Scaled(as_integers)).save(str(model_dir / "1" / "model.pt"))
+    config = model_dir / "config.toml"
+    config.write_text(
+        config.read_text().replace(
+            '[outputs.y]\ndtype = "FP32"', f'[outputs.y]\ndtype = "{declared}"'
+        )
+    )
+    (version,) = load_repository(tmp_path / "repo")
+    backend = load_backend(version, torch.device("cpu"))
+    rows = backend.prepare_many([row(3, 1, 0, 0)])
+    if is_taken:
+        (output,) = backend.run(rows)
+        assert output.tolist() == [3 * 2**33, 2**33]
+    else:
+        with pytest.raises(RuntimeError, match=f"past the range of {declared}"):
             backend.run(rows)

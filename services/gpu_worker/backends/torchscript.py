@@ -71,8 +71,24 @@ class TorchScriptBackend(Backend):
                 f"{self.config.name} returned {values.dtype} rows, config declares "
                 f"{self._output.dtype}"
             )
-        return list(values.astype(self._out_dtype, copy=False))
+        cast = values.astype(self._out_dtype, copy=False)
+        if not np.can_cast(values.dtype, self._out_dtype, casting="safe") and _past_range(
+            values, cast
+        ):  # int64 into INT32 wrapped, float32 past FP16's range became inf (review finding)
+            raise RuntimeError(
+                f"{self.config.name} returned values past the range of {self._output.dtype}, "
+                "the type its config declares"
+            )
+        return list(cast)
 
     def warmup_rows(self, bucket: int, batch_size: int) -> list[PreparedRow]:
         row = np.zeros(self._input.dims, dtype=self._in_dtype)
         return [PreparedRow(bucket=1, num_tokens=1, data=row)] * batch_size
+
+
+def _past_range(values: np.ndarray, cast: np.ndarray) -> bool:
+    """Whether narrowing `values` into `cast` changed an integer or made a finite float
+    infinite (a float's lost digits are what narrowing is)."""
+    if cast.dtype.kind == "f":
+        return bool(np.any(np.isinf(cast) & np.isfinite(values)))
+    return not np.array_equal(cast, values)
