@@ -138,3 +138,22 @@ async def test_a_body_that_does_not_arrive_is_a_408_and_gives_its_place_back(
         url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
         async with session.post(url, json=infer_body(1.0)) as answer:
             assert answer.status == 200, await answer.text()
+
+
+async def test_a_repository_call_whose_body_does_not_arrive_is_a_408(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not a model call, so past the door and quotas, but read within the same bound: a body
+    that never came held the handler and its connection for as long as the client kept it
+    open, any key's, before the admin check (review finding)."""
+    monkeypatch.setattr(http_server, "BODY_TIMEOUT_S", 0.5)
+    assert fabric.gateway.http is not None
+    reader, writer = await asyncio.open_connection("127.0.0.1", fabric.gateway.http.port)
+    writer.write(
+        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 10\r\n\r\n{"
+    )
+    await writer.drain()
+    status_line = await asyncio.wait_for(reader.readline(), timeout=10)
+    assert status_line.startswith(b"HTTP/1.1 408"), status_line
+    writer.close()

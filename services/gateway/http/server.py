@@ -77,6 +77,17 @@ def _is_model_call(request: web.Request, suffixes: tuple[str, ...]) -> bool:
     return request.path.endswith(suffixes) or request.path == "/"
 
 
+async def _read_body(request: web.Request) -> None:
+    """Reads the body whole now (aiohttp keeps it for the handler), within BODY_TIMEOUT_S."""
+    if not request.body_exists:
+        return
+    try:
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            await request.read()
+    except TimeoutError:
+        raise _BodyTimedOut from None
+
+
 def auth_middleware(
     keys: KeyStore | None, admission: TenantAdmission, door: Door | None = None
 ) -> Middleware:
@@ -92,16 +103,15 @@ def auth_middleware(
         principal = principal_for(keys, headers)
         if not _is_model_call(request, INFERENCE_SUFFIXES):
             async with acting_as(principal):
+                # Within the bound too: a repository load's body that never came held its
+                # handler and connection for good, any key's (review finding).
+                await _read_body(request)
                 return await handler(request)
         refusal = admission.acquire(principal.policy)
         if refusal is not None:
             raise refusal
         async with acting_as(principal, admission):
-            try:  # read whole now (aiohttp keeps it for the handler), within a bound
-                async with asyncio.timeout(BODY_TIMEOUT_S):
-                    await request.read()
-            except TimeoutError:
-                raise _BodyTimedOut from None
+            await _read_body(request)
             return await handler(request)
 
     @web.middleware
