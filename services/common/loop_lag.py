@@ -81,16 +81,20 @@ class LoopLag:
         self._schedule()
 
     def stop(self) -> None:
+        """Stops sampling; the recent lag stays the last window's (its last timer's due time
+        stays too, and a stopped sampler's lag grew with every second since: review
+        finding)."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
+        self._loop = None
 
     def recent_s(self) -> float:
         """The largest lag of the last window, seconds (0 before the first sample), and a
         stall in progress: a loop blocked now is as late as its overdue timer. Read from any
         thread (the metrics server's): the window itself is only touched on the loop's."""
-        if self._loop is None:
-            return 0.0
+        if self._loop is None:  # not started, or stopped: no timer is due
+            return self._recent_s
         return max(self._recent_s, time.monotonic() - self._due_s)
 
     def _schedule(self) -> None:

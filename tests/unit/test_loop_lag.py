@@ -65,3 +65,15 @@ async def test_a_stall_in_progress_is_visible_to_a_scrape() -> None:
     finally:
         lag.stop()
     assert seen and seen[0] >= 0.2, seen
+
+
+async def test_a_stopped_sampler_reads_its_last_window_not_a_growing_stall() -> None:
+    """Its last timer's due time stayed, and the lag read grew with every second since the
+    stop, as a stall would (review finding)."""
+    lag = LoopLag(CollectorRegistry(), interval_s=0.05)
+    lag.start()
+    await asyncio.sleep(0.12)
+    lag.stop()
+    at_stop = lag.recent_s()
+    await asyncio.sleep(0.3)
+    assert lag.recent_s() == at_stop
