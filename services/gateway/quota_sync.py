@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import uuid
 from collections import Counter
@@ -256,5 +257,11 @@ class _Report:
 
 
 def _numbers(raw: Any, kind: Callable[[Any], N]) -> dict[str, N]:
-    """tenant -> number of an entry's field (raises what MALFORMED_RECORD_ERRORS holds)."""
-    return {str(tenant): kind(value) for tenant, value in dict(raw).items()}
+    """tenant -> number of an entry's field (raises what MALFORMED_RECORD_ERRORS holds): a
+    count or rate, so finite and not negative. A peer's -5 against a local 10 made this
+    gateway's share 2.0, twice the whole limit, and a NaN sent every gateway to the floor
+    (review finding)."""
+    numbers = {str(tenant): kind(value) for tenant, value in dict(raw).items()}
+    if not all(0 <= number < math.inf for number in numbers.values()):  # NaN fails too
+        raise ValueError("a count or rate that is negative or not finite")
+    return numbers

@@ -180,6 +180,11 @@ async def test_entries_that_do_not_parse_are_skipped_and_the_sync_goes_on(
         await admin.hset(key, "list", '{"seq": 1, "demand": ["search"]}')
         await admin.hset(key, "huge", '{"seq": 1e400, "demand": {}}')
         await admin.hset(key, "deep", "[" * 100_000 + "]" * 100_000)
+        # Numbers no count or rate is: a -5 against the local demand made this gateway's share
+        # twice the whole limit, and a NaN sent every gateway to the floor (review finding).
+        await admin.hset(key, "negative", '{"seq": 1, "demand": {"search": -5.0}}')
+        await admin.hset(key, "nan", '{"seq": 1, "demand": {"search": NaN}}')
+        await admin.hset(key, "in-flight", '{"seq": 1, "demand": {}, "in_flight": {"search": -3}}')
         admission.acquire(SEARCH)
         assert (await sync.sync_once())["search"] == pytest.approx(1.0)
     finally:
