@@ -208,7 +208,8 @@ class QuotaSync:
         row_shares: Mapping[str, float] | None = None,
         others_in_flight: Mapping[str, int] | None = None,
     ) -> None:
-        self._admission.quotas.set_shares(shares, row_shares, others_in_flight)
+        quotas = self._admission.quotas
+        quotas.set_shares(shares, row_shares, others_in_flight, num_gateways=self._num_gateways)
         for tenant, share in shares.items():
             self._admission.set_share_gauge(tenant, share)
 

@@ -102,8 +102,10 @@ class TenantQuotas:
 
     def __init__(self) -> None:
         self._tenants: dict[str, _TenantState] = {}
-        #: tenant -> fraction of its fleet-wide limits this gateway enforces (default 1).
+        #: tenant -> fraction of its fleet-wide limits this gateway enforces (default below).
         self._shares: dict[str, float] = {}
+        #: The share of a tenant the last round did not know (1 alone, else 1 / gateways).
+        self._default_share = 1.0
         #: tenant -> fraction of its fleet-wide row rate (default: its share).
         self._row_shares: dict[str, float] = {}
         #: tenant -> calls the other gateways had in flight at their last report.
@@ -117,10 +119,15 @@ class TenantQuotas:
         shares: Mapping[str, float],
         row_shares: Mapping[str, float] | None = None,
         others_in_flight: Mapping[str, int] | None = None,
+        *,
+        num_gateways: int = 1,
     ) -> None:
         """The fleet's view, every round: each tenant's share of its limits, of its row rate
         (None: the same shares) and the calls the other gateways have in flight (None: none
-        known)."""
+        known). A tenant none of them names (newly limited by a keys reload) gets an equal
+        share of `num_gateways` until a round names it: with 1, every gateway admitted its
+        whole fleet-wide limit meanwhile, each bucket new and full (review finding)."""
+        self._default_share = 1.0 / max(1, num_gateways)
         self._shares = dict(shares)
         self._row_shares = dict(shares if row_shares is None else row_shares)
         self._others_in_flight = dict(others_in_flight or {})
@@ -135,7 +142,7 @@ class TenantQuotas:
         return self._row_shares
 
     def share(self, tenant: str) -> float:
-        return self._shares.get(tenant, 1.0)
+        return self._shares.get(tenant, self._default_share)
 
     def row_share(self, tenant: str) -> float:
         return self._row_shares.get(tenant, self.share(tenant))

@@ -66,6 +66,9 @@ async def test_each_gateway_enforces_the_share_of_the_demand_it_sees(
         # so it keeps only the floor while the quiet one's entry still shows demand.
         assert busy_shares["search"] < 0.1
         assert busy.quotas.share("search") == busy_shares["search"]
+        # A tenant no round has named yet (limited by a keys reload since): an equal share of
+        # the two gateways, not the whole limit at each.
+        assert busy.quotas.share("newly-limited") == pytest.approx(0.5)
     finally:
         await busy_sync.stop()
         await quiet_sync.stop()

@@ -93,6 +93,17 @@ def test_a_gateway_enforces_its_share_of_fleet_wide_limits() -> None:
     assert granted == 2  # 25 requests/s x 0.1 s of burst, rounded down to whole calls
 
 
+def test_a_tenant_the_last_round_did_not_know_gets_an_equal_share_of_the_fleet() -> None:
+    """Limited by a keys reload after the round: with a share of 1, every one of 4 gateways
+    admitted its whole fleet-wide limit until the next round (review finding)."""
+    quotas, policy = TenantQuotas(), make_policy(requests_per_s=100.0, burst_s=1.0)
+    quotas.set_shares({"other": 0.25}, num_gateways=4)
+    granted = sum(quotas.acquire(policy, now_s=0.0) is None for _ in range(200))
+    assert granted == 25
+    alone = TenantQuotas()  # a gateway with no fleet view enforces the whole limit
+    assert sum(alone.acquire(policy, now_s=0.0) is None for _ in range(200)) == 100
+
+
 def test_a_rate_refusal_at_a_share_below_the_whole_hints_no_more_than_a_second() -> None:
     """At the floor share (the tenant's calls newly moved here), the bucket's wait is seconds,
     where the next sync round, 0.5 s on, sets the share again: the hint is capped, and not
