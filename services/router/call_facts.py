@@ -38,6 +38,14 @@ class CallFacts:
     weight: float = 1.0
 
 
+class LateCall(DeadlineExceeded):
+    """A call whose deadline passed before it was routed; `labels`: its (model, version)."""
+
+    def __init__(self, labels: tuple[str, str]) -> None:
+        super().__init__("deadline exceeded before the call was routed")
+        self.labels = labels
+
+
 def call_facts(
     context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float | None
 ) -> CallFacts:
@@ -61,7 +69,7 @@ def call_facts(
     remaining_s = context.time_remaining()
     if remaining_s is not None and remaining_s <= 0:
         # Late already: its caller's answer is the deadline's, not an overload to retry.
-        raise DeadlineExceeded("deadline exceeded before the call was routed")
+        raise LateCall(route_info[:2])
     timeout_s = default_timeout_s if remaining_s is None else remaining_s
     deadline_s = math.inf if timeout_s is None else time.monotonic() + timeout_s
     return CallFacts(*route_info, deadline_s, priority, tenant, weight)

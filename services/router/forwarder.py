@@ -25,7 +25,7 @@ from services.common.telemetry import DEADLINE_SLACK_S, Outcome, given_up_by
 from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
 from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancels
-from services.router.call_facts import CallFacts, call_facts, part_facts
+from services.router.call_facts import CallFacts, LateCall, call_facts, part_facts
 from services.router.caller_errors import for_caller, rejection
 from services.router.metrics import RouterMetrics
 from services.router.retry import GiveUp, decide_retry
@@ -69,12 +69,24 @@ class Forwarder:
         await self.links.close()
 
     async def infer(self, body: bytes, context: grpc.aio.ServicerContext | CallContext) -> bytes:
-        facts = call_facts(context, self._default_timeout_s)
+        facts = self._facts(context, self._default_timeout_s)
         labels = (facts.name, facts.version)
         seconds = self._metrics.request_seconds_of[labels]
         given_up = given_up_by(facts.deadline_s, DEADLINE_SLACK_S)
         with Outcome(self._metrics.responses_total_of, labels, seconds, given_up=given_up):
             return await self._infer(body, facts, getattr(context, "slice_cancels", None))
+
+    def _facts(
+        self, context: grpc.aio.ServicerContext | CallContext, default_timeout_s: float | None
+    ) -> CallFacts:
+        """`call_facts`; a call late already is counted (DEADLINE_EXCEEDED) as every call
+        answered is: refused before its outcome was entered, it was not, under overload
+        above all (review finding)."""
+        try:
+            return call_facts(context, default_timeout_s)
+        except LateCall as late:
+            with Outcome(self._metrics.responses_total_of, late.labels):
+                raise
 
     def _infer(
         self, body: bytes, facts: CallFacts, slice_cancels: SliceCancels | None
@@ -213,7 +225,7 @@ class Forwarder:
         a stream that already delivered tokens is never silently replayed."""
         # No deadline from the caller: none here either (a stream may run long; the gateway
         # always sends one, the model's default_timeout_ms when its caller set none).
-        facts = call_facts(context, None)
+        facts = self._facts(context, None)
         name, version, deadline_s = facts.name, facts.version, facts.deadline_s
         given_up = given_up_by(deadline_s, DEADLINE_SLACK_S)
         with Outcome(self._metrics.responses_total_of, (name, version), given_up=given_up):

@@ -14,10 +14,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.common.errors import UpstreamError
+from services.common.errors import DeadlineExceeded, UpstreamError
 from services.common.multiplex import MAX_CALL_BYTES
+from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
-from services.common.registry_schema import WorkerRecord
+from services.common.registry_schema import WorkerRecord, route_metadata
 from services.router.call_facts import CallFacts
 from services.router.ejection import TimeoutEjectionConfig
 from services.router.forwarder import Forwarder
@@ -85,4 +86,18 @@ async def test_a_call_too_large_to_send_says_nothing_of_the_worker_it_was_routed
 
     assert refused.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
     assert timeouts.is_ejected("w0", time.monotonic())
+    await forwarder.close()
+
+
+async def test_a_call_late_before_it_is_routed_is_counted_deadline_exceeded() -> None:
+    """Refused before its outcome was entered, a call whose deadline had passed was answered
+    DEADLINE_EXCEEDED and counted nowhere, under overload above all (review finding)."""
+    forwarder, _, metrics = _forwarder(RetryBudget(ratio=0.0, min_per_s=0.0))
+    late = CallContext(route_metadata("minilm", "1", 1), deadline_s=time.monotonic() - 1.0)
+
+    with pytest.raises(DeadlineExceeded):
+        await forwarder.infer(b"", late)
+
+    labels = {"model": "minilm", "version": "1", "code": "DEADLINE_EXCEEDED"}
+    assert metric(metrics.registry, names.ROUTER_RESPONSES_TOTAL, **labels) == 1
     await forwarder.close()
