@@ -251,6 +251,15 @@ class ModelCatalog:
         return sorted((v for n, v in self._encoders if n == name), key=int)
 
     def served_versions(self, name: str) -> list[pb.ModelVersionInfo]:
+        """The versions of `name` a ready live worker serves that this gateway has read too:
+        those its calls can run on. One only the fleet serves (loaded a moment ago, its
+        tokenizer not read here) was listed and called ready, and a call naming it was
+        NOT_FOUND (review finding)."""
+        return [v for v in self.fleet_versions(name) if (name, v.model_version) in self._encoders]
+
+    def fleet_versions(self, name: str) -> list[pb.ModelVersionInfo]:
+        """The versions of `name` a ready live worker serves, read here or not (the fleet's
+        state: the repository's index and loads)."""
         served = [v for (n, _), v in self._served.items() if n == name and v.is_ready]
         return sorted(served, key=lambda v: int(v.model_version))
 

@@ -263,7 +263,7 @@ class RepositoryControl:
         while True:
             self._catalog.config(name)  # NOT_FOUND once a re-read forgot it (files removed)
             served = {
-                v.model_version for v in self._catalog.served_versions(name)
+                v.model_version for v in self._catalog.fleet_versions(name)
                 if not v.HasField("revision") or v.revision >= revision
             }  # fmt: skip
             if wanted <= served:
@@ -301,7 +301,7 @@ class RepositoryControl:
         desired = await self.desired()
         models = []
         for name in self._catalog.model_names():
-            served = {v.model_version for v in self._catalog.served_versions(name)}
+            served = {v.model_version for v in self._catalog.fleet_versions(name)}
             versions = sorted({*self._catalog.repository_versions(name), *served}, key=int)
             for version in versions:
                 state = READY if version in served else UNAVAILABLE

@@ -35,11 +35,16 @@ def test_a_served_version_the_gateway_has_not_read_is_not_the_default(tmp_path: 
     assert catalog.resolve("affine", "").version == "1"
     with pytest.raises(NotFound):
         catalog.resolve("affine", "2")
+    # Nor is it listed as served here (GetModel, ModelMetadata, ServerReady): listed, a call
+    # naming it was NOT_FOUND (review finding). The fleet's view still has it.
+    assert [v.model_version for v in catalog.served_versions("affine")] == ["1"]
+    assert [v.model_version for v in catalog.fleet_versions("affine")] == ["1", "2"]
 
     (new,) = [v for v in load_repository(tmp_path / "repo") if v.version == "2"]
     catalog.add_version(new, new_encoder(new))
     assert catalog.has_version("affine", "2")
     assert catalog.resolve("affine", "").version == "2"
+    assert [v.model_version for v in catalog.served_versions("affine")] == ["1", "2"]
     assert catalog.repository_versions("affine") == ["1", "2"]
 
 
