@@ -8,8 +8,9 @@ file only seeds. Each field carries a revision that only grows, so a gateway app
 once and never goes back to an older one.
 
 Sticky choice: a request that carries a request id gets the label that hashing (model, id,
-revision) picks, so retries and related calls with the same id see the same version until the
-weights change; without an id the choice is random. Pure: no I/O.
+the weighted labels with their versions and weights) picks, so retries and related calls with
+the same id see the same version until the weights change; without an id the choice is
+random. Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ class ModelRouting:
             return None
         total = sum(w for _, w in weighted)
         if sticky_key:
-            digest = hashlib.sha256(f"{model}\0{sticky_key}\0{self.revision}".encode()).digest()
+            # Hashed with what the split is, not the record's revision: every write bumps that
+            # (a label added, a promotion written again), and half of a 50:50 split's ids
+            # moved to the other version at each (review finding).
+            split = ",".join(f"{label}={self.labels.get(label)}:{w!r}" for label, w in weighted)
+            digest = hashlib.sha256(f"{model}\0{sticky_key}\0{split}".encode()).digest()
             point = int.from_bytes(digest[:8], "big") / 2**64 * total
         else:
             point = rng.random() * total

@@ -62,6 +62,23 @@ def test_a_record_of_numbers_no_version_is_refused_as_malformed(garbage: bytes) 
         ModelRouting.loads(garbage)
 
 
+def test_a_sticky_choice_moves_only_when_the_split_changes() -> None:
+    """Hashed with the record's revision, half of a 50:50 split's ids moved to the other
+    version at every write that left the weights as they were: a label added, a promotion
+    written again (review finding)."""
+    rng = random.Random(0)
+    before = ModelRouting({"stable": 1, "canary": 2}, {"stable": 1.0, "canary": 1.0}, 1)
+    relabelled = ModelRouting(
+        {"stable": 1, "canary": 2, "prod": 2}, {"stable": 1.0, "canary": 1.0}, 2
+    )
+    ids = [f"r{i}" for i in range(1000)]
+    picks = [before.weighted_label("m", i, rng) for i in ids]
+    assert [relabelled.weighted_label("m", i, rng) for i in ids] == picks
+    # A new split (the canary's version, or its weight) draws again.
+    moved = ModelRouting({"stable": 1, "canary": 3}, {"stable": 1.0, "canary": 1.0}, 3)
+    assert [moved.weighted_label("m", i, rng) for i in ids] != picks
+
+
 def test_sticky_choice_is_stable_per_id_and_weighted_across_ids() -> None:
     routing = ModelRouting({"stable": 1, "canary": 2}, {"stable": 3.0, "canary": 1.0}, 1)
     rng = random.Random(0)
