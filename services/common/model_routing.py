@@ -60,6 +60,8 @@ class ModelRouting:
                 raise ValueError(f"traffic weight for {label!r}, which is not a label")
             if not (math.isfinite(weight) and weight >= 0):
                 raise ValueError(f"traffic weight of {label!r} must be finite and >= 0")
+        if not math.isfinite(sum(self.traffic.values())):  # 1e308 twice: every call to one
+            raise ValueError("traffic weights must add up to a finite number")
         if self.revision < 0:
             raise ValueError("revision must be >= 0")
 

@@ -62,6 +62,18 @@ def test_a_record_of_numbers_no_version_is_refused_as_malformed(garbage: bytes) 
         ModelRouting.loads(garbage)
 
 
+def test_weights_that_add_up_past_a_float_are_refused() -> None:
+    """Each finite, their sum infinite: every call went to the last label, the canary's
+    share 0 of a 50:50 split (review finding)."""
+    with pytest.raises(ValueError, match="finite number"):
+        ModelRouting({"stable": 1, "canary": 2}, {"stable": 1e308, "canary": 1e308}, 1)
+    with pytest.raises(ValueError):
+        ModelRouting.loads(
+            '{"revision": 1, "labels": {"stable": 1, "canary": 2},'
+            ' "traffic": {"stable": 1e308, "canary": 1e308}}'
+        )
+
+
 def test_a_sticky_choice_moves_only_when_the_split_changes() -> None:
     """Hashed with the record's revision, half of a 50:50 split's ids moved to the other
     version at every write that left the weights as they were: a label added, a promotion
