@@ -296,11 +296,15 @@ class ModelCatalog:
         return served[-1] if served else None
 
     def _is_default_ready(self, name: str, version: str) -> bool:
-        """Whether a ready worker serves `version` and this gateway has read it: one workers
-        serve but this gateway has not read yet (loaded a moment ago) is not a default,
-        resolving it would fail."""
+        """Whether a ready worker serves `version`, this gateway has read it, and with the
+        workers' tokenizer: one not read here yet (loaded a moment ago), or whose tokenizer
+        here differs (a re-staged version, a stale volume), is not a default, resolving it
+        would fail (its share of calls was refused while stable served: review finding)."""
         served = self._served.get((name, version))
-        return served is not None and served.is_ready and self.has_version(name, version)
+        if served is None or not served.is_ready or (name, version) not in self._encoders:
+            return False
+        encoder = self._encoders[(name, version)]
+        return encoder is None or encoder.fingerprint == served.tokenizer_fingerprint
 
     def version_of(self, name: str, version_spec: str) -> str:
         """The version a number or label names now, whether served or not; NOT_FOUND for one

