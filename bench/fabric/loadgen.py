@@ -1,5 +1,4 @@
-"""Open-loop load generation: Poisson (or bursty) arrivals from a precomputed schedule, sent
-on time.
+"""Open-loop load generation: Poisson (or bursty) arrivals, precomputed, each sent on time.
 
 A target is `async def send() -> None` that raises on failure; the generator times each call,
 records its outcome (a gRPC status code name, or the exception's class name) and how late it

@@ -59,7 +59,11 @@ def bounded_message(message: str) -> str:
 _ADDRESS = re.compile(
     r"\b(?:ipv4|ipv6|unix|unix-abstract|dns):[^\s,;]*[^\s,;:]"
     r"|(?<=resolution failed for )[^\s,;]*[^\s,;:]"
-    r"|(?<![@\w.])(?:\d{1,3}(?:\.\d{1,3}){3}|\[(?:[0-9A-Fa-f]{0,4}:){2,}[0-9A-Fa-f.%]*\])(?::\d+)?(?!\w|\.\d|:\d)"
+    r"|(?<![@\w.])\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?(?!\w|\.\d|:\d)"
+    # Bracketed IPv6: not after a name or a bracket (a slice, `x[::2]`), and with "::", a hex
+    # letter or a zone, or a port after it (not a time, `[12:30:45]`, or a range `[0:10:2]`).
+    r"|(?<![\w\])])\[(?=[^\]]*(?:::|[A-Fa-f%]))(?:[0-9A-Fa-f]{0,4}:){2,}[0-9A-Fa-f.%]*\]"
+    r"(?::\d+)?(?!\w)"
 )
 
 
@@ -72,6 +76,16 @@ def without_addresses(message: str) -> str:
     if ":" not in message and "." not in message:
         return message
     return _ADDRESS.sub("<address>", message)
+
+
+def code_of(error: BaseException) -> grpc.StatusCode:
+    """The code `status_of(error)` has, without building its message (counting a call's
+    outcome needs only the code)."""
+    if isinstance(error, ServingError):
+        return error.code
+    if isinstance(error, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.INTERNAL
 
 
 def status_of(error: BaseException) -> Status:

@@ -23,7 +23,7 @@ from prometheus_client import (
 )
 
 from services.common.errors import DeadlineExceeded
-from services.common.grpc_errors import status_of
+from services.common.grpc_errors import code_of
 from services.common.metric_names import BUILD_INFO
 
 #: Durations from a millisecond to ten seconds: requests, model steps, predicted waits. The
@@ -180,7 +180,7 @@ class Outcome:
         # CancelledError: either way its call was cancelled.
         if isinstance(error, asyncio.CancelledError | GeneratorExit) and self._given_up is not None:
             error = self._given_up()
-        code = "OK" if error is None else status_of(error).code.name
+        code = "OK" if error is None else code_of(error).name
         self._counts[(*self._labels, code)].inc()
         if self._seconds is not None:
             self._seconds.observe(time.perf_counter() - self._started)

@@ -251,11 +251,13 @@ class ModelCatalog:
         return sorted((v for n, v in self._encoders if n == name), key=int)
 
     def served_versions(self, name: str) -> list[pb.ModelVersionInfo]:
-        """The versions of `name` a ready live worker serves that this gateway has read too:
-        those its calls can run on. One only the fleet serves (loaded a moment ago, its
-        tokenizer not read here) was listed and called ready, and a call naming it was
-        NOT_FOUND (review finding)."""
-        return [v for v in self.fleet_versions(name) if (name, v.model_version) in self._encoders]
+        """The versions of `name` a ready live worker serves that this gateway has read too,
+        with the workers' tokenizer: those its calls can run on (`_is_default_ready`). One
+        only the fleet serves (loaded a moment ago, its tokenizer not read here, or not the
+        workers') was listed and called ready, and a call naming it failed (review finding)."""
+        return [
+            v for v in self.fleet_versions(name) if self._is_default_ready(name, v.model_version)
+        ]
 
     def fleet_versions(self, name: str) -> list[pb.ModelVersionInfo]:
         """The versions of `name` a ready live worker serves, read here or not (the fleet's

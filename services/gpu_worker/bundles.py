@@ -20,7 +20,7 @@ import numpy as np
 
 from services.common.bundles import SliceCancels, slice_time_left_s
 from services.common.errors import InvalidInput, Unavailable
-from services.common.grpc_errors import status_of
+from services.common.grpc_errors import code_of, status_of
 from services.common.priority import PriorityClass, worker_priority
 from services.common.telemetry import given_up_by
 from services.common.tensors import stack_rows, tensor_to_pb
@@ -98,7 +98,7 @@ class BundleRunner:
         try:
             parts = self._rows_per_slice(backend, request, time_left_s, gone)
         except Exception as error:  # refuses every slice alike: counted for each
-            code = status_of(error).code.name
+            code = code_of(error).name
             self._metrics.requests_total_of[(*labels, code)].inc(len(request.slices))
             raise
         # Preparing the rows took some of the time left: deadlines count from the read.
@@ -303,7 +303,7 @@ def fails_whole(codes: Mapping[str, int]) -> bool:
 
 
 def _code(error: BaseException) -> str:
-    return status_of(error).code.name
+    return code_of(error).name
 
 
 def given_up(time_left_s: float | None, called_s: float, earlier_us: int = 0) -> BaseException:

@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from redis.exceptions import RedisError
 
+from services.common.grpc_errors import without_addresses
 from services.common.job_policy import (
     CRASH_ROUNDS,
     FLEET_CODES,
@@ -313,7 +314,9 @@ class JobRunner:
             try:
                 response = await self._predict(self._request(job, items))
             except grpc.aio.AioRpcError as error:
-                code, message = error.code().name, error.details() or ""
+                # grpc's own words name the gateway's address where it is out of reach,
+                # and item results and dead letters reach the job's owner.
+                code, message = error.code().name, without_addresses(error.details() or "")
                 if error.code() in _RUNNERS_FAULT:
                     raise RunnerRefused(
                         f"gateway refused the runner's key ({code}): {message}"

@@ -11,6 +11,7 @@ what the local stack and the tests have.)
 from __future__ import annotations
 
 import asyncio
+import http.client
 import urllib.request
 from collections.abc import Sequence
 
@@ -93,7 +94,7 @@ async def _fetch_patiently(url: str) -> str:
     for _ in range(SCRAPE_TRIES - 1):
         try:
             return await asyncio.to_thread(_fetch, url)
-        except OSError:  # urllib's URLError and HTTPError too
+        except (OSError, http.client.HTTPException):  # URLError, HTTPError; IncompleteRead
             await asyncio.sleep(RETRY_S)
     return await asyncio.to_thread(_fetch, url)
 

@@ -6,6 +6,7 @@ after SCRAPE_TRIES tries. A real HTTP server on loopback."""
 from __future__ import annotations
 
 import contextlib
+import http.client
 from collections.abc import AsyncIterator
 from urllib.error import HTTPError
 
@@ -62,3 +63,21 @@ async def test_an_endpoint_that_keeps_failing_fails_the_scrape(
         with pytest.raises(HTTPError):
             await health.scrape([url], "m")
     assert answered == [503] * health.SCRAPE_TRIES
+
+
+async def test_a_response_cut_mid_body_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection dropped mid-response raises http.client's IncompleteRead, no OSError:
+    it ended the rollout on its first try (review finding)."""
+    monkeypatch.setattr(health, "RETRY_S", 0.01)
+    fetch, tries = health._fetch, []
+
+    def cut_once(url: str) -> str:
+        tries.append(url)
+        if len(tries) == 1:
+            raise http.client.IncompleteRead(b"# TYPE")
+        return fetch(url)
+
+    monkeypatch.setattr(health, "_fetch", cut_once)
+    async with metrics_failing_first(0) as (url, _):
+        snapshot = await health.scrape([url], "m")
+    assert len(tries) == 2 and snapshot == [{"2": {"code:OK": 7.0}}]

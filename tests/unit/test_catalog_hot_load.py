@@ -165,5 +165,7 @@ def test_a_version_whose_tokenizer_here_differs_is_no_default(tmp_path: Path) ->
         "text", ModelRouting({"stable": 1, "canary": 2}, {"stable": 0.0, "canary": 1.0}, 1)
     )
     assert {catalog.resolve("text", "").version for _ in range(20)} == {"1"}
+    # Nor is it listed as served here (GetModel, ModelReady...), where calls naming it fail.
+    assert [v.model_version for v in catalog.served_versions("text")] == ["1"]
     with pytest.raises(Unavailable, match="differs"):
         catalog.resolve("text", "2")

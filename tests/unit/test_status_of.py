@@ -26,6 +26,7 @@ from services.common.grpc_errors import (
     MAX_STATUS_MESSAGE_BYTES,
     Status,
     bounded_message,
+    code_of,
     is_bug,
     status_of,
     without_addresses,
@@ -114,6 +115,9 @@ def test_a_downstream_retry_hint_that_is_no_number_of_milliseconds_is_dropped(va
         ("no ready worker for m@1.2.3.4", "no ready worker for m@1.2.3.4"),
         ("expected shape [4], got [2] and [fade]", "expected shape [4], got [2] and [fade]"),
         ("rows [0:4] of 2", "rows [0:4] of 2"),
+        # Nor are a slice, a stepped range or a time in brackets (a model's own error line).
+        ("x[::2] failed", "x[::2] failed"),
+        ("slice [0:10:2] and at [12:30:45]", "slice [0:10:2] and at [12:30:45]"),
         ("m@1: predicted 0.120s on w-1", "m@1: predicted 0.120s on w-1"),
     ],
 )
@@ -169,3 +173,18 @@ def test_a_message_past_a_size_limit_is_no_refusal_for_load() -> None:
     busy = status_of(Overloaded("predicted to finish past its SLO", retry_after_s=0.1))
     assert UpstreamError.from_status(busy.code.value[0], busy.message, {}).is_overload
     assert not is_accepted(busy.code.name, busy.message)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        Overloaded("busy", retry_after_s=0.1),
+        UpstreamError(grpc.StatusCode.UNAVAILABLE, "ipv4:10.0.0.1:1: gone"),
+        RuntimeError("a bug"),
+        asyncio.CancelledError(),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_code_of_is_the_code_status_of_answers_with(error: BaseException) -> None:
+    """Counting an outcome reads only the code: no message built, no address scrubbed."""
+    assert code_of(error) == status_of(error).code
