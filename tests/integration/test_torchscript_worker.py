@@ -27,6 +27,7 @@ from services.common.model_repository import load_repository
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
 from services.common.tensors import NUMPY_DTYPES
 from services.gpu_worker.backends import load_backend
+from services.gpu_worker.backends.base import Backend
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.failure_streak import FailingConfig
 from services.gpu_worker.batching.policy import Batcher
@@ -392,6 +393,26 @@ async def _not_serving(address: str, service: str) -> bool:
     return await health_status(address, service) == health_pb2.HealthCheckResponse.NOT_SERVING
 
 
+def backend_declaring(
+    tmp_path: Path, declared: str, module: torch.nn.Module | None = None
+) -> Backend:
+    """The affine model's backend (or `module`'s, in its place), its config declaring its
+    output `declared`."""
+    model_dir = write_affine_model(tmp_path / "repo")
+    if module is not None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript
+            torch.jit.script(module).save(str(model_dir / "1" / "model.pt"))
+    config = model_dir / "config.toml"
+    config.write_text(
+        config.read_text().replace(
+            '[outputs.y]\ndtype = "FP32"', f'[outputs.y]\ndtype = "{declared}"'
+        )
+    )
+    (version,) = load_repository(tmp_path / "repo")
+    return load_backend(version, torch.device("cpu"))
+
+
 @pytest.mark.parametrize(
     ("declared", "is_taken"), [("FP32", True), ("FP16", True), ("INT64", False)]
 )
@@ -401,15 +422,7 @@ def test_a_module_whose_outputs_are_not_of_its_configs_kind_fails_its_rows(
     """The affine module returns float32 rows. Declared FP16 they are narrowed, as a float
     model's may be; declared INT64 they were cut to integers without a word (review finding),
     where they now fail (at warm-up too: the version does not load)."""
-    model_dir = write_affine_model(tmp_path / "repo")
-    config = model_dir / "config.toml"
-    config.write_text(
-        config.read_text().replace(
-            '[outputs.y]\ndtype = "FP32"', f'[outputs.y]\ndtype = "{declared}"'
-        )
-    )
-    (version,) = load_repository(tmp_path / "repo")
-    backend = load_backend(version, torch.device("cpu"))
+    backend = backend_declaring(tmp_path, declared)
     rows = backend.prepare_many([row(1.5, 0, 0, 2)])
     if is_taken:
         (output,) = backend.run(rows)
@@ -444,18 +457,7 @@ def test_outputs_past_the_range_of_the_declared_type_fail_their_rows(
     """int64 values narrowed into a declared INT32 wrapped, and float32 ones past FP16's range
     became inf, without a word (review finding): those rows fail now. Values that fit a
     narrower type are still taken (the affine test above)."""
-    model_dir = write_affine_model(tmp_path / "repo")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # TorchScript
-        torch.jit.script(_Scaled(as_integers)).save(str(model_dir / "1" / "model.pt"))
-    config = model_dir / "config.toml"
-    config.write_text(
-        config.read_text().replace(
-            '[outputs.y]\ndtype = "FP32"', f'[outputs.y]\ndtype = "{declared}"'
-        )
-    )
-    (version,) = load_repository(tmp_path / "repo")
-    backend = load_backend(version, torch.device("cpu"))
+    backend = backend_declaring(tmp_path, declared, _Scaled(as_integers))
     rows = backend.prepare_many([row(3, 1, 0, 0)])
     if is_taken:
         (output,) = backend.run(rows)
