@@ -31,12 +31,14 @@ from services.common.errors import ServingError
 from services.common.grpc_errors import (
     HANDLER_FACTORIES,
     answerable,
+    code_of,
     is_bug,
     lenient,
     parsed,
     parsed_each,
     status_of,
 )
+from services.common.telemetry import DEADLINE_SLACK_S
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +156,7 @@ def _whole(
             code, error = context.code() or grpc.StatusCode.UNKNOWN, aborted
             raise
         except BaseException as raised:
-            code, error, answer = _failed(name, raised)
+            code, error, answer = _failed(name, raised, context)
             raise
         finally:
             _detach(scopes, tokens)
@@ -209,7 +211,7 @@ def _streaming(
             # Attached again, so that a bug's log line carries the call's trace and request id.
             tokens = _attach(scopes)
             try:
-                code, error, answer = _failed(name, raised, is_abandoned=is_abandoned)
+                code, error, answer = _failed(name, raised, context, is_abandoned=is_abandoned)
             finally:
                 _detach(scopes, tokens)
             raise
@@ -231,21 +233,37 @@ def _detach(scopes: tuple[Scope, ...], tokens: list[object]) -> None:
 
 
 def _failed(
-    name: str, raised: BaseException, *, is_abandoned: bool = False
+    name: str,
+    raised: BaseException,
+    context: grpc.aio.ServicerContext[Any, Any],
+    *,
+    is_abandoned: bool = False,
 ) -> tuple[grpc.StatusCode, BaseException, Exception | None]:
     """The status code of a call whose handler raised `raised`, and the error to answer it
     with: `raised` itself when it is an error (logged with its stack when it is our bug); a
     cancellation the call did not ask for as our bug (`answerable`); none when the call itself
     was cancelled (its caller went away, or the server stopped), which grpc answers, nor for a
     stream its caller abandoned (closed at a `yield`, maybe later from another task: whatever
-    its cleanup raises, the call is over)."""
+    its cleanup raises, the call is over). A call cancelled at its deadline is
+    DEADLINE_EXCEEDED, as its caller was told and its counters count it: its span and access
+    line said CANCELLED (review finding)."""
     if is_abandoned:
-        return grpc.StatusCode.CANCELLED, raised, None
+        return _cancelled_code(context), raised, None
     error = answerable(raised)
     if is_bug(error):
         log.error("unhandled error in %s", name, exc_info=raised)
     answer = error if isinstance(error, Exception) else None
-    return status_of(error).code, raised, answer
+    code = code_of(error)
+    return _cancelled_code(context) if code == grpc.StatusCode.CANCELLED else code, raised, answer
+
+
+def _cancelled_code(context: grpc.aio.ServicerContext[Any, Any]) -> grpc.StatusCode:
+    """CANCELLED, or DEADLINE_EXCEEDED for a call cancelled at its deadline (grpc cancels a
+    handler then too; within DEADLINE_SLACK_S of it, as `given_up_by` judges it)."""
+    left_s = context.time_remaining()
+    if left_s is not None and left_s <= DEADLINE_SLACK_S:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+    return grpc.StatusCode.CANCELLED
 
 
 def _exit(scopes: tuple[Scope, ...], code: grpc.StatusCode, error: BaseException | None) -> None:

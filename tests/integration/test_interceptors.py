@@ -237,6 +237,23 @@ async def test_a_stream_the_caller_abandons_is_closed_and_its_span_ends_cancelle
     assert codes == [grpc.StatusCode.CANCELLED.value[0]]
 
 
+async def test_a_call_cut_off_by_its_deadline_ends_its_span_deadline_exceeded(
+    served: tuple[Shapes, grpc.aio.Channel], spans: InMemorySpanExporter
+) -> None:
+    """As its caller was told, and as the counters count it: its span said CANCELLED, a
+    caller gone away (review finding)."""
+    _, channel = served
+    call = channel.unary_stream(f"/{SERVICE}/UnaryStream")(b"hang", metadata=KEY, timeout=0.3)
+    with pytest.raises(grpc.aio.AioRpcError) as raised:
+        async for _ in call:
+            pass
+    assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    codes = await eventually(
+        lambda: span_codes(spans, "UnaryStream"), message="the span did not end"
+    )
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED.value[0]]
+
+
 async def test_s33_health_watch_streams_through_the_interceptors() -> None:
     # grpcio's Watch is a coroutine writing with context.write, not an async generator; wrapped
     # as a generator it answered INTERNAL on every tier.

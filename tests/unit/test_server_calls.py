@@ -33,6 +33,9 @@ class Context:
     def code(self) -> grpc.StatusCode | None:
         return None
 
+    def time_remaining(self) -> float | None:
+        return None  # no deadline
+
     async def abort(self, code: grpc.StatusCode, message: str, trailing_metadata: Any = ()) -> None:
         self.answered.append(code)
         raise grpc.aio.AbortError()
