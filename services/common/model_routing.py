@@ -15,6 +15,7 @@ random. Pure: no I/O.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -92,17 +93,10 @@ class ModelRouting:
     def weighted_label(self, model: str, sticky_key: str | None, rng: random.Random) -> str | None:
         """The label a request naming no version goes to; None without positive weights.
         With `sticky_key`, a deterministic choice (see the module docstring)."""
-        if not self.traffic:
-            return None
-        weighted = sorted((label, w) for label, w in self.traffic.items() if w > 0)
+        weighted, total, split = self._split
         if not weighted:
             return None
-        total = sum(w for _, w in weighted)
         if sticky_key:
-            # Hashed with what the split is, not the record's revision: every write bumps that
-            # (a label added, a promotion written again), and half of a 50:50 split's ids
-            # moved to the other version at each (review finding).
-            split = ",".join(f"{label}={self.labels.get(label)}:{w!r}" for label, w in weighted)
             digest = hashlib.sha256(f"{model}\0{sticky_key}\0{split}".encode()).digest()
             point = int.from_bytes(digest[:8], "big") / 2**64 * total
         else:
@@ -112,6 +106,17 @@ class ModelRouting:
             if point < 0:
                 return label
         return weighted[-1][0]
+
+    @functools.cached_property
+    def _split(self) -> tuple[list[tuple[str, float]], float, str]:
+        """The labels with positive weights, sorted, their total, and the split as text: what
+        a sticky choice is hashed with, not the record's revision, which every write bumps (a
+        label added, a promotion written again), and half of a 50:50 split's ids moved
+        version at each (review finding). Computed once per record, not per call."""
+        weighted = sorted((label, w) for label, w in self.traffic.items() if w > 0)
+        total = sum(w for _, w in weighted)
+        split = ",".join(f"{label}={self.labels.get(label)}:{w!r}" for label, w in weighted)
+        return weighted, total, split
 
 
 def _whole(value: object) -> int:

@@ -15,6 +15,7 @@ import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
@@ -54,6 +55,11 @@ def new_encoder(version: ModelVersion) -> TextEncoder | None:
     if version.config.kind in (ModelKind.EMBEDDING, ModelKind.GENERATION):
         return TextEncoder(version.weights_dir, version.config)
     return None
+
+
+#: What `_encoders.get` answers for a version this gateway has not read (None is a tensor
+#: model's encoder).
+_UNREAD: Any = object()
 
 
 @dataclass(frozen=True)
@@ -303,9 +309,9 @@ class ModelCatalog:
         here differs (a re-staged version, a stale volume), is not a default, resolving it
         would fail (its share of calls was refused while stable served: review finding)."""
         served = self._served.get((name, version))
-        if served is None or not served.is_ready or (name, version) not in self._encoders:
+        encoder = self._encoders.get((name, version), _UNREAD)
+        if served is None or not served.is_ready or encoder is _UNREAD:
             return False
-        encoder = self._encoders[(name, version)]
         return encoder is None or encoder.fingerprint == served.tokenizer_fingerprint
 
     def version_of(self, name: str, version_spec: str) -> str:
