@@ -116,7 +116,10 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
     loading.cancel()
     if fronts is not None:  # a front that exits now (a signal to the whole group) stays down
         fronts.stop_watching()
-    status = 0
+    # A worker that stopped serving on a fault (a serving loop died, a model call past the
+    # watchdog: on_fatal) exits 1 however cleanly it drains, so that its pod's or stack's
+    # record shows the failure (its liveness probe had it stopped); 0 is an ordinary stop.
+    status = 0 if worker.fatal_error is None else 1
     try:
         await worker.stop()
     except Exception:  # its drain failed (it deregistered all the same): the fronts still stop

@@ -249,6 +249,31 @@ async def test_s29_sigterm_drains_in_flight_work_and_exits_zero(tmp_path: Path) 
     assert "draining" in service.log()
 
 
+async def test_a_worker_stopped_after_its_watchdog_fired_exits_one(tmp_path: Path) -> None:
+    """A model call runs past the watchdog: the worker turns NOT_SERVING (its liveness probe
+    then has it stopped) and, stopped, exits 1, not 0 as after an ordinary stop: its pod's or
+    the stack's record shows the fault (review finding)."""
+    repository, gate = tmp_path / "repo", tmp_path / "gate"
+    write_stalling_model(repository, gate)
+    service = start_worker(tmp_path, model_repository=repository, extra_args=("--watchdog-s", "1"))
+    try:
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            stub = pb_grpc.WorkerServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await stub.Infer(infer_request("stall", row(STALL, 0, 0, 0)), timeout=60)
+            assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
+
+            async def is_not_serving() -> bool:
+                status = await health_status(service.address)
+                return status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+            await eventually(is_not_serving, message="wedged: NOT_SERVING")
+    finally:
+        release_stall(gate)  # the wedged call returns, so the drain ends
+        code = await asyncio.to_thread(service.terminate)
+    assert code == 1, service.log()
+
+
 def test_s23_model_that_fails_to_load_keeps_worker_from_becoming_ready(tmp_path: Path) -> None:
     model_dir = write_affine_model(tmp_path / "repo")
     (model_dir / "1" / "model.pt").write_bytes(b"not a torchscript archive")
