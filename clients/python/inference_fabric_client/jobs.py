@@ -47,12 +47,17 @@ _ITEM_STATUSES = {value: name.removeprefix("ITEM_STATUS_").lower()
 TERMINAL_STATES = frozenset({"succeeded", "partially_failed", "failed", "cancelled"})
 #: How a results stream that brought results may end and be opened again from the next index.
 _RESUMED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_RESUMED_NAMES = frozenset(code.name for code in _RESUMED)
 #: A results stream resumed again without ending normally waits this long before it is opened
 #: again, doubling with each such resume up to `RESUME_MAX_S` (times 0.5 to 1.5 at random); the
 #: first resume is at once. A gateway that breaks every stream after a result is not reopened
 #: in a tight loop.
 RESUME_FIRST_S = 0.1
 RESUME_MAX_S = 2.0
+#: Openings in a row, after a stream broke, that may fail as a broken stream may end (the
+#: gateway still restarting) and be tried again, each after the next resume's pause (about
+#: 10 s in all); the last one's error fails the call.
+RESUME_OPENINGS = 8
 #: Texts per SubmitJobStream message: short texts make messages of tens of KB, far below the
 #: 4 MiB default limit, and the gateway counts them against its max items as they arrive.
 ITEMS_PER_MESSAGE = 1_000
@@ -184,9 +189,12 @@ class Jobs:
         next index: only a stream that brought none fails the call, once the retries a get
         would have (a dropped or refused opening) are spent. The first resume is at once;
         each further one before a stream ends normally waits twice as long as the last
-        (`RESUME_FIRST_S` up to `RESUME_MAX_S`, jittered)."""
+        (`RESUME_FIRST_S` up to `RESUME_MAX_S`, jittered). An opening after a break that
+        fails UNAVAILABLE or DEADLINE_EXCEEDED is such a resume too, `RESUME_OPENINGS` in a
+        row at most."""
         index = start_index
         resumes = 0  # since a stream last ended normally
+        failed_openings = 0  # in a row, since a stream broke
         while True:
             if resumes > 1:
                 pause_s = min(RESUME_FIRST_S * 2 ** (resumes - 2), RESUME_MAX_S)
@@ -196,7 +204,17 @@ class Jobs:
             request = jobs.GetJobResultsRequest(job_id=job_id, start_index=index)
             # Opened again as a get is (a drop, a refusal with a hint) until a result came: a
             # dropped poll ended a wait of an hour (review finding).
-            stream, first = self._call(opening(self._stub.GetJobResults), request)
+            try:
+                stream, first = self._call(opening(self._stub.GetJobResults), request)
+            except FabricError as error:
+                # A stream broke (a gateway restarting) and the next does not open yet: it is
+                # opened again after the next pause, not given up at once (review finding).
+                failed_openings += 1
+                if resumes and error.code in _RESUMED_NAMES and failed_openings < RESUME_OPENINGS:
+                    resumes += 1
+                    continue
+                raise
+            failed_openings = 0
             opened_at = index
             try:
                 for result in itertools.chain(first, stream):
