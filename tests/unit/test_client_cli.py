@@ -23,13 +23,16 @@ NOWHERE = ("--address", "127.0.0.1:1", "--timeout-s", "2")
         (("job", "submit", "--items-per-message", "0", "{texts}"), "items_per_message"),
         (("job", "submit", "{bad_json}"), "bad_json.jsonl:2: not JSON"),
         (("job", "submit", "{no_text}"), 'no_text.jsonl:1: an object needs "text"'),
+        (("job", "submit", "{not_text}"), "not_text.jsonl:2: not a JSON string or an object"),
+        (("job", "submit", "{number}"), "number.jsonl:1: not a JSON string or an object"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], args: tuple[str, ...], message: str
 ) -> None:
     # Before, each raised past main: a traceback, and exit status 1 as for a refused call.
-    files = {"texts": '"a"\n"b"\n', "bad_json": '"a"\n{"text": \n', "no_text": '{"txt": "a"}\n'}
+    files = {"texts": '"a"\n"b"\n', "bad_json": '"a"\n{"text": \n', "no_text": '{"txt": "a"}\n',
+             "not_text": '"a"\nnull\n', "number": '123\n"b"\n'}  # fmt: skip
     paths = {}
     for name, text in files.items():
         path = tmp_path / f"{name}.jsonl"
@@ -59,3 +62,16 @@ def test_a_results_file_written_before_is_kept_when_the_fetch_fails(
 def test_a_client_refuses_a_default_timeout_that_is_never_or_always_due(timeout_s: float) -> None:
     with pytest.raises(ValueError, match="timeout_s"):
         Client("127.0.0.1:1", timeout_s=timeout_s)
+
+
+@pytest.mark.parametrize("value", ["maybe", "2"])
+def test_a_yes_no_setting_it_cannot_read_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], value: str
+) -> None:
+    """FABRIC_TLS=maybe exited 1, the status of a call the gateway refused, where a setting
+    that does not read is 2 (review finding)."""
+    monkeypatch.setenv("FABRIC_TLS", value)
+    with pytest.raises(SystemExit) as raised:
+        cli.main([*NOWHERE, "models"])
+    assert raised.value.code == 2
+    assert "FABRIC_TLS must be one of" in capsys.readouterr().err

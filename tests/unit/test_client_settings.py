@@ -123,12 +123,6 @@ def test_fabric_tls_reads_the_usual_spellings_of_yes_and_no(
     assert made[0]["tls"] is tls
 
 
-def test_fabric_tls_of_another_value_exits_saying_so(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FABRIC_TLS", "maybe")
-    with pytest.raises(SystemExit, match="FABRIC_TLS must be one of"):
-        cli.main(["--address", "127.0.0.1:1", "models"])
-
-
 @pytest.mark.parametrize("one_text", ["hello world", b"hello world"])
 def test_a_lone_string_is_refused_not_sent_as_one_input_a_character(one_text: str) -> None:
     """Iterated, "hello world" was 11 one-character inputs, answered 11 x 384 (review

@@ -30,7 +30,11 @@ def _env_flag(name: str) -> bool:
     the API key sent in clear (review finding); a value it cannot read exits with the reason."""
     value = os.environ.get(name, "").strip().lower()
     if value not in _YES | _NO:
-        sys.exit(f"fabric-client: {name} must be one of 1, true, yes, on, 0, false, no, off")
+        # Status 2, a setting's (main's docstring); sys.exit with the text was status 1, as
+        # for a call the gateway refused (review finding).
+        print(f"fabric-client: error: {name} must be one of 1, true, yes, on, 0, false, no, off",
+              file=sys.stderr)  # fmt: skip
+        sys.exit(2)
     return value in _YES
 
 

@@ -68,7 +68,9 @@ def _texts(path: Path) -> list[str]:
             if not isinstance(value.get("text"), str):
                 raise ValueError(f'{path}:{number}: an object needs "text", a string')
             value = value["text"]
-        texts.append(str(value))
+        elif not isinstance(value, str):  # 123, null, [..]: sent as "123", "None" (review)
+            raise ValueError(f'{path}:{number}: not a JSON string or an object with "text"')
+        texts.append(value)
     return texts
 
 
