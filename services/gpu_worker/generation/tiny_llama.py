@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -140,8 +141,12 @@ def create_tiny_llama(out_dir: Path, *, seed: int = 0, size: str = "tiny") -> Pa
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig.from_json(config_path))
     state = {name: tensor.contiguous() for name, tensor in model.state_dict().items()}
-    # The weights go last: their presence marks the checkpoint complete.
-    save_file(state, str(out_dir / _WEIGHTS), metadata={"format": "pt"})
+    # The weights go last, whole (written aside, then renamed): their presence marks the
+    # checkpoint complete, and a write cut short (a process killed) left a truncated file
+    # that passed for complete.
+    partial = out_dir / f"{_WEIGHTS}.partial"
+    save_file(state, str(partial), metadata={"format": "pt"})
+    os.replace(partial, out_dir / _WEIGHTS)
     return out_dir
 
 
