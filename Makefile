@@ -10,6 +10,8 @@ TRITON_VENV := .venv-triton
 # The Ray Serve peer (bench/fabric/peer_ray_server.py) runs in its own venv, built only by benchmark targets.
 RAY_VENV := .venv-ray
 PROTOS  := $(shell find proto -name '*.proto')
+# Their folders too: a proto deleted changes its folder alone, and its generated module stayed.
+PROTO_DIRS := $(addsuffix /.,$(shell find proto -type d))
 PB_OUT  := services/pb/.generated
 # The slim client package, installed into the venv (see its rule).
 CLIENT_STAMP := $(VENV)/.client-installed
@@ -94,7 +96,7 @@ $(RAY_VENV)/.installed:
 # proto/ compiles with plain `protoc -I proto` (as other teams compile it); the generated
 # imports (`from inference.v1 import ...`) are then re-rooted under our package,
 # `services.pb.inference.v1`. Built aside and swapped in, so a running process never sees half.
-$(PB_OUT): $(PROTOS) $(STAMP)
+$(PB_OUT): $(PROTOS) $(PROTO_DIRS) $(STAMP)
 	rm -rf services/pb.new
 	mkdir -p services/pb.new
 	$(PY) -m grpc_tools.protoc -I proto \
