@@ -46,7 +46,10 @@ def _counters(text: str, model: str) -> Counters:
     started = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == _PROCESS_STARTED:
+            # The engine's own, unlabelled: a worker with fronts serves each front's start
+            # too (labelled worker_front), and one restarted, or missing from a scrape,
+            # read as the worker's restart (review finding).
+            if sample.name == _PROCESS_STARTED and not sample.labels:
                 started = sample.value
             if sample.name not in wanted or sample.labels.get("model") != model:
                 continue

@@ -192,6 +192,21 @@ def test_a_worker_restarted_with_every_counter_past_its_old_value_counts_from_ze
     assert (health.requests, health.errors, health.refused) == (243, 3, 0)
 
 
+def test_a_worker_front_restarted_is_no_restart_of_the_worker() -> None:
+    """A worker with fronts serves each front's start time (labelled worker_front) after its
+    engine's; the last one read stood for the worker's, so a front restarted, or missing from
+    a scrape, took every count since the engine started as the step's (review finding)."""
+    engine = "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 100\n"
+    front = 'process_start_time_seconds{{worker_front="{}"}} {}\n'.format
+    before = WORKER_METRICS.format(ok=60, failed=2) + engine + front(0, 200) + front(1, 300)
+    restarted = engine + front(0, 200) + front(1, 400)
+    missing = engine + front(0, 200)  # front 1 not ready at this scrape
+    for fronts in (restarted, missing):
+        after = WORKER_METRICS.format(ok=70, failed=2) + fronts
+        health = health_between(parse_snapshot([before], "m"), parse_snapshot([after], "m"), "1")
+        assert (health.requests, health.errors, health.refused) == (10, 0, 0), fronts
+
+
 def test_health_between_two_scrapes_of_two_workers() -> None:
     before = parse_snapshot([WORKER_METRICS.format(ok=10, failed=1)] * 2, "m")
     after = parse_snapshot([WORKER_METRICS.format(ok=60, failed=3)] * 2, "m")
