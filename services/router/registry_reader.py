@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from collections.abc import Set as AbstractSet
+from typing import NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -37,9 +38,10 @@ _MAX_BACKOFF_S = 5.0
 #: Once Redis is back after an outage, how long the workers of the snapshot held through it
 #: stay routable without having re-registered: their heartbeats' retry backoff (5 s at most)
 #: spreads their return over seconds, and the first to return must not stand for the fleet.
-#: The reads cannot tell a restarted Redis from one only this router could not reach, so a
-#: worker that left meanwhile (deregistered, or its record expired) stays too: its calls fail
-#: UNAVAILABLE, which ejects it and sends them to another worker.
+#: A worker still registered whose record expired meanwhile is dead (Redis kept its data), and
+#: is not held; the reads cannot tell one that deregistered meanwhile from one not back in a
+#: restarted Redis, so it stays: its calls fail UNAVAILABLE, which ejects it and sends them to
+#: another worker.
 REFILL_S = 10.0
 
 
@@ -81,7 +83,8 @@ class RegistrySync:
 
     async def refresh_once(self) -> None:
         """Reads the registry and replaces the snapshot. Raises on Redis errors."""
-        records, redis_now_s = await read_registry(self._client, self._keys, self._worker_networks)
+        read = await read_fleet(self._client, self._keys, self._worker_networks)
+        records, redis_now_s = read.records, read.now_s
         now_s = time.monotonic()
         if not records and self._awaits_refill and self._table.has_snapshot:
             # Redis is back, empty (restarted): workers re-register at their next heartbeat,
@@ -112,7 +115,8 @@ class RegistrySync:
         split = admit_records(records, self._worker_networks)
         self._note_rejected(split.rejected)
         admitted = self._heartbeats.on_our_clock(split.admitted, redis_now_s, now_s)
-        gone = self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
+        not_back = self._not_back_yet(admitted, read.expired, now_s)
+        gone = self._table.update([*admitted, *not_back], now_s)
         if gone:
             self._metrics.forget_workers(gone)
             _warned_older.difference_update(gone)
@@ -126,14 +130,16 @@ class RegistrySync:
                 log.exception("registry: after-refresh hook failed")
 
     def _not_back_yet(
-        self, admitted: list[tuple[WorkerRecord, float]], now_s: float
+        self, admitted: list[tuple[WorkerRecord, float]], expired: AbstractSet[str], now_s: float
     ) -> list[tuple[WorkerRecord, float]]:
         """The workers held through an outage that have not re-registered since, alive as of
         now, for REFILL_S after Redis came back (a restarted Redis is refilled by each worker's
-        next heartbeat): until each is back, its models stay served."""
+        next heartbeat): until each is back, its models stay served. One still registered
+        whose record `expired` is not held: it stopped beating (held, a worker that died
+        during a read's hiccup was routed to for REFILL_S: review finding)."""
         if not self._held:
             return []
-        back = {record.worker_id for record, _ in admitted}
+        back = {record.worker_id for record, _ in admitted} | expired
         self._held = {
             worker_id: (record, until_s)
             for worker_id, (record, until_s) in self._held.items()
@@ -218,12 +224,31 @@ class HeartbeatClock:
         return timed
 
 
+class RegistryRead(NamedTuple):
+    """One read of the registry."""
+
+    #: Every registered worker's record with its heartbeat time (as `read_registry`'s).
+    records: list[tuple[WorkerRecord, float]]
+    #: Redis's `now`, seconds.
+    now_s: float
+    #: The ids still registered whose record has expired: workers that stopped beating.
+    expired: frozenset[str]
+
+
 async def read_registry(
     client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
 ) -> tuple[list[tuple[WorkerRecord, float]], float]:
     """Every registered worker with its heartbeat time, and Redis's `now`, both in seconds;
     those of an older internal API cut from what current ones serve (`_current_api_first`,
-    counting only current workers whose address `networks` admits, when given).
+    counting only current workers whose address `networks` admits, when given)."""
+    read = await read_fleet(client, keys, networks)
+    return read.records, read.now_s
+
+
+async def read_fleet(
+    client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
+) -> RegistryRead:
+    """`read_registry`'s records and time, and the registered ids whose record expired.
 
     Two round trips (ids+scores+time, then records), once per refresh period: never per request.
     """
@@ -233,16 +258,17 @@ async def read_registry(
         members, (seconds, micros) = await pipe.execute()
     now_s = seconds + micros / 1e6
     if not members:
-        return [], now_s
+        return RegistryRead([], now_s, frozenset())
     # A member that is not UTF-8 (anyone holding the worker credential can write one) reads
     # as its replacement, whose record key holds nothing: decoded strictly, it failed every
     # router's refresh, for good (review finding).
     ids = [m.decode(errors="replace") if isinstance(m, bytes) else m for m, _ in members]
     raw_records = await client.mget([keys.worker(i) for i in ids])
-    records, malformed = [], {}
+    records, malformed, expired = [], {}, set()
     for worker_id, (_, score_ms), raw in zip(ids, members, raw_records, strict=True):
         if raw is None:
-            continue  # record key expired: the worker stopped long ago
+            expired.add(worker_id)  # record key expired: the worker stopped long ago
+            continue
         try:
             record = WorkerRecord.from_json(raw)
             if record.worker_id != worker_id:  # forged, or copied: one id twice in the table
@@ -255,7 +281,7 @@ async def read_registry(
     _warned_malformed.clear()  # a record that reads again, or whose worker left, is forgotten
     _warned_malformed.update(malformed)
     _warned_older.intersection_update(ids)  # older workers gone (never in the table: kept)
-    return _current_api_first(records, networks), now_s
+    return RegistryRead(_current_api_first(records, networks), now_s, frozenset(expired))
 
 
 def _current_api_first(

@@ -163,6 +163,41 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
         await ended((task, beating), (admin, worker, router))
 
 
+async def test_a_worker_whose_record_expired_while_reads_failed_is_not_held(
+    redis_server: RedisServer,
+) -> None:
+    """w1 stops beating and its record expires while the router's reads fail (its user
+    refused ZRANGE, NOPERM: Redis keeps its data): still registered, its record gone, it is
+    dead, not a worker yet to re-register in a restarted Redis. It was held for REFILL_S all
+    the same, routed to as if alive (review finding). Heartbeats stay fresh for 30 s here, so
+    only the hold could keep it."""
+    table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
+    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
+    router = connect(redis_server.router_url)
+    sync = new_sync(router, table)
+    w0 = two_workers(worker)[0]
+    record = WorkerRecord("w1", "127.0.0.1:50051", is_draining=False, sent_at_ms=0, models=())
+    w1 = HeartbeatPublisher(worker, KEYS, HeartbeatConfig(ttl_s=60.0), lambda: record)
+
+    def live() -> set[str]:
+        return {w.worker_id for w in table.live_workers(time.monotonic())}
+
+    task = asyncio.create_task(sync.run())
+    beating = asyncio.create_task(heartbeats(w0))
+    try:
+        await w1.publish_once()
+        await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
+        await admin.execute_command("ACL", "SETUSER", "router", "-zrange")
+        await eventually(lambda: sync.is_degraded, timeout_s=10)
+        assert await admin.delete(KEYS.worker("w1")) == 1  # expired, as its TTL would have it
+        assert await admin.zscore(KEYS.workers, "w1") is not None  # still registered
+        await admin.execute_command("ACL", "SETUSER", "router", "+zrange")
+        await eventually(lambda: not sync.is_degraded, timeout_s=10)
+        assert live() == {"w0"}
+    finally:
+        await ended((task, beating), (admin, worker, router))
+
+
 async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
     redis_server: RedisServer,
 ) -> None:
