@@ -61,7 +61,21 @@ async def test_a_loop_whose_cancellation_a_library_swallowed_still_stops() -> No
 
 
 async def test_an_error_in_a_task_not_cancelled_is_left_to_the_loop() -> None:
-    stop_if_cancelled()  # nothing asked this task to stop: returns
+    """The library's TimeoutError of a task nobody cancelled is the loop's to handle: it goes
+    on to its next round."""
+    rounds = 0
+
+    async def loop() -> None:
+        nonlocal rounds
+        while rounds < 3:
+            rounds += 1
+            try:
+                raise TimeoutError("timed out")
+            except TimeoutError:
+                stop_if_cancelled()  # nothing asked this task to stop: returns
+
+    await asyncio.wait_for(loop(), timeout=5)
+    assert rounds == 3
 
 
 async def _written_as_the_stop_arrives() -> str:
