@@ -71,11 +71,13 @@ def _ms(seconds: float | None) -> float | None:
 def summary(outcomes: list[Outcome], errors: list[str], slo_s: float) -> dict[str, Any]:
     """Calls, answers within `slo_s`, the accepted calls' p50/p99, the statuses, and the three
     commonest refusals (`errors`: each failed call's, its figures blanked): who refused them."""
-    accepted = [o.latency_s for o in outcomes if o.status == OK]
+    accepted = [o.response_s for o in outcomes if o.status == OK]
     refusals = Counter(re.sub(r"[0-9][0-9.]*", "N", e) for e in errors)
     return {
         "calls": len(outcomes),
         "good": sum(latency <= slo_s for latency in accepted),
+        # Sends the generator held back (their wait counts in the latencies above).
+        "late": sum(o.late for o in outcomes),
         **{f"p{q}_ms": _ms(percentile(accepted, q)) for q in (50, 99)},
         "statuses": dict(Counter(o.status for o in outcomes)),
         "refused_by": dict(refusals.most_common(3)),

@@ -63,6 +63,13 @@ class Outcome:
     def late(self) -> bool:
         return self.lateness_s > LATE_THRESHOLD_S
 
+    @property
+    def response_s(self) -> float:
+        """Its latency as its caller saw it: from when it was due, not when it left (a send
+        the generator held back waited as long; counted from the send, the few late sends a
+        valid window allows counted as good however late: coordinated omission, bench review)."""
+        return self.latency_s + max(0.0, self.lateness_s)
+
 
 def arrival_schedule(
     rate_per_s: float,

@@ -73,7 +73,7 @@ class WindowStats:
 
 
 def window_stats(outcomes: Sequence[Outcome], slo_s: float, duration_s: float) -> WindowStats:
-    accepted = [o.latency_s for o in outcomes if o.ok]
+    accepted = [o.response_s for o in outcomes if o.ok]
     return WindowStats(
         duration_s=duration_s,
         sent=len(outcomes),

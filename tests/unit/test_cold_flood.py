@@ -36,8 +36,17 @@ def test_a_phase_counts_answers_within_the_slo_and_every_status() -> None:
     assert figures["p50_ms"] == 250.0
     predicted = "RESOURCE_EXHAUSTED: minilm/N: predicted to finish Ns from now"
     assert figures["refused_by"] == {predicted: 1}
-    assert summary([], [], slo_s=0.25) == {"calls": 0, "good": 0, "p50_ms": None, "p99_ms": None,
-                                            "statuses": {}, "refused_by": {}}  # fmt: skip
+    assert summary([], [], slo_s=0.25) == {"calls": 0, "good": 0, "late": 0, "p50_ms": None,
+                                            "p99_ms": None, "statuses": {},
+                                            "refused_by": {}}  # fmt: skip
+
+
+def test_a_late_send_is_counted_and_waits_in_its_latency() -> None:
+    """A send the generator held back 0.5 s is counted late and waited as long as its caller
+    would have: it was good from when it left (bench review)."""
+    figures = summary([Outcome(0.0, 0.5, 0.01, OK), Outcome(0.1, 0.0, 0.01, OK)], [], 0.25)
+    assert (figures["good"], figures["late"]) == (1, 1)
+    assert summary([Outcome(0.0, 0.5, 0.01, OK)], [], 0.25)["p99_ms"] == 510.0
 
 
 def test_refusals_are_counted_alike_whatever_their_figures() -> None:

@@ -133,6 +133,16 @@ def test_window_with_more_than_one_percent_late_sends_is_invalid() -> None:
     assert not window_stats([], SLO_S, 2.0).is_valid
 
 
+def test_a_late_send_counts_its_wait_in_its_latency() -> None:
+    """A call the generator sent 0.5 s late waited 0.5 s more, as its caller would have: it
+    counted as good, and in the p99, from when it left (coordinated omission, bench review)."""
+    stats = window_stats([outcome(late_s=0.5, latency_s=0.01)], SLO_S, 1.0)
+    assert (stats.ok, stats.good) == (1, 0)
+    assert stats.p99_s == pytest.approx(0.51)
+    on_time = window_stats([outcome(late_s=-0.001, latency_s=0.01)], SLO_S, 1.0)
+    assert on_time.good == 1 and on_time.p99_s == pytest.approx(0.01)  # early: not less
+
+
 def test_window_counts_good_ok_and_statuses() -> None:
     window = [
         *(outcome(latency_s=0.1) for _ in range(6)),
