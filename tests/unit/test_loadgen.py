@@ -169,7 +169,20 @@ def test_split_windows_drops_warm_up_and_tail() -> None:
     assert [[o.scheduled_s for o in w] for w in windows] == [[1.0, 1.5], [2.2], [3.9]]
 
 
-def test_rate_passes_on_pooled_valid_windows() -> None:
+def test_a_rate_with_more_than_one_percent_of_its_sends_late_is_void() -> None:
+    """Late sends and good answers are pooled over every window: a run whose one window fell
+    behind (5% late, half good) passed on the other two, that window left out (bench review)."""
+    good = [outcome() for _ in range(300)]
+    behind = [*(outcome(late_s=0.05, latency_s=0.5) for _ in range(15)),
+              *(outcome(latency_s=0.5) for _ in range(135)), *good[:150]]  # fmt: skip
+    void = summarize_rate(100.0, [good, good, behind], SLO_S, 3.0)
+    assert not void.is_valid and not void.passed
+    assert void.good_fraction == pytest.approx(750 / 900)
+    few_late = [*(outcome(late_s=0.05) for _ in range(6)), *good[:294]]  # 2% late, all good
+    assert summarize_rate(100.0, [good, good, few_late], SLO_S, 3.0).passed  # 0.67% pooled
+
+
+def test_rate_passes_on_pooled_windows() -> None:
     good = [outcome() for _ in range(300)]
     one_bad = [*good[:-1], outcome(status="UNAVAILABLE")]
     late = [outcome(late_s=0.05) for _ in range(300)]
