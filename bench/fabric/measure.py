@@ -334,6 +334,7 @@ async def closed_loop(
         figures["cpu_s"] = cpu_delta(before, after)
         figures["threads"] = threads_delta(before, after)
         figures["sent_in_windows"] = sum(result.statuses.values())
+        figures["ok_in_windows"] = result.statuses.get("OK", 0)
         if model is not None and observer.metrics_ports:
             figures["breakdown"] = breakdown(before, after, model)
     return figures

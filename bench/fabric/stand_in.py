@@ -68,12 +68,13 @@ def best_rate(curve: Path, bucket: int) -> float:
 def echo_calls(
     run: dict[str, Any], echo: dict[str, Any], tiers: Mapping[str, str]
 ) -> dict[str, float]:
-    """Each tier's CPU per request of a closed-loop `run`, in echo-calls (CPU of one bare echo
-    call measured in the same benchmark run). `tiers` maps the stack's process names to their
-    tier (workers summed as "worker"); every other process (the load generator, Redis, the
-    launcher) is left out."""
+    """Each tier's CPU per request served (OK) of a closed-loop `run`, in echo-calls (CPU of
+    one bare echo call measured in the same benchmark run). `tiers` maps the stack's process
+    names to their tier (workers summed as "worker"); every other process (the load generator,
+    Redis, the launcher) is left out. Per call sent, refusals (answered at once, at little
+    CPU) made a run with refusals look cheaper per request (bench review)."""
     echo_cpu, echo_sent = echo.get("cpu_s", {}).get("echo"), echo.get("sent_in_windows", 0)
-    sent = run.get("sent_in_windows", 0)
+    sent = run.get("ok_in_windows", 0)
     if not echo_cpu or not echo_sent or not sent:
         return {}
     per_echo_call = echo_cpu / echo_sent

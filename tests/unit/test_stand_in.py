@@ -90,7 +90,8 @@ def test_the_benchmarks_cpu_per_tier_counts_only_the_stacks_tiers() -> None:
                      "worker-1": "worker"}  # fmt: skip
     echo = {"cpu_s": {"echo": 1.0}, "sent_in_windows": 1000}  # 1 ms of CPU per echo call
     run = {
-        "sent_in_windows": 100,
+        "sent_in_windows": 200,  # half refused: the CPU is per call served
+        "ok_in_windows": 100,
         "cpu_s": {"gateway": 0.3, "router": 0.1, "worker-0": 0.05, "worker-1": 0.05,
                   "bench": 5.0, "other_children": 1.0, "redis": 0.2, "outside_bench": 9.0},
     }  # fmt: skip
