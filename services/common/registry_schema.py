@@ -110,6 +110,9 @@ class WorkerRecord:
     failed: tuple[FailedVersion, ...] = ()
     #: The internal API it serves (INTERNAL_API when it is this build).
     internal_api: int = INTERNAL_API
+    #: When its process started, unix ms (0: not said): a new process under a known id (a
+    #: container restarted in its pod keeps its hostname, and may its pid) is a new worker.
+    started_at_ms: int = 0
 
     def to_json(self) -> str:
         raw = asdict(self)
@@ -127,6 +130,7 @@ class WorkerRecord:
             models=tuple(_typed(ModelRecord, m) for m in raw["models"]),
             failed=_failed(raw.get("failed", ()), raw.get("failed_revisions")),
             internal_api=int(raw.get("internal_api", 1)),
+            started_at_ms=int(raw.get("started_at_ms", 0)),
         )
 
     def model(self, name: str, version: str) -> ModelRecord | None:

@@ -129,6 +129,7 @@ class RegistryPublisher:
         self._models = models
         self._batching = batching
         self._is_draining = False
+        self._started_at_ms = int(time.time() * 1000)
         credentials = role_credentials(WORKER, config.redis_url, config.redis_password_file)
         self._client = connect(config.redis_url, credentials=credentials)
         self._publisher = HeartbeatPublisher(
@@ -155,6 +156,7 @@ class RegistryPublisher:
             failed=tuple(
                 FailedVersion(f.model, f.version, f.error, f.revision) for f in self._models.failed
             ),
+            started_at_ms=self._started_at_ms,
         )
 
     @property

@@ -18,10 +18,12 @@ Synchronous and pure: time comes in as `now_s` (the router's monotonic clock).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
+
+from services.common.registry_schema import WorkerRecord
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,11 @@ class TimeoutEjector:
         health.probe_until_s = None
         return period_s
 
+    def forget(self, worker_id: str) -> None:
+        """Drops what is known of `worker_id` (a new process under its id)."""
+        self._workers.pop(worker_id, None)
+        self._last_answer_s.pop(worker_id, None)
+
     def retain(self, worker_ids: AbstractSet[str]) -> None:
         """Keeps only what is known of `worker_ids` (the registry's workers now), and from now
         on records nothing of any other: a worker id is its host and process, so a restarted
@@ -210,3 +217,18 @@ def routable_now(
     if kept:
         return kept, True
     return [c for c in untried if may_route(c.worker_id, now_s)] or live or untried, False
+
+
+def replaced(
+    before: Iterable[tuple[WorkerRecord, float]], after: Iterable[tuple[WorkerRecord, float]]
+) -> set[str]:
+    """The worker ids of `before`'s snapshot that are another process's in `after`'s (another
+    address or start): what was learnt of them is not the new process's. A worker restarted
+    under its id (a container restarted in its pod) began ejected for what its wedged
+    predecessor did, for up to max_timeout_eject_s (review finding)."""
+    was = {w.worker_id: (w.address, w.started_at_ms) for w, _ in before}
+    return {
+        w.worker_id
+        for w, _ in after
+        if was.get(w.worker_id, (w.address, w.started_at_ms)) != (w.address, w.started_at_ms)
+    }

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.registry_schema import ModelRecord, WorkerRecord
-from services.router.ejection import TimeoutEjector, routable_now
+from services.router.ejection import TimeoutEjector, replaced, routable_now
 from services.router.reservations import Reservations
 from services.router.retry_budget import RetryBudget
 from services.router.routing_config import RoutingConfig
@@ -118,6 +118,9 @@ class RouteTable:
         gone: set[str] = set()
         if records or not self._workers:
             gone = {w.worker_id for w, _ in self._workers} - {w.worker_id for w, _ in records}
+            for worker_id in replaced(self._workers, records):  # its ejections were another's
+                self._ejected_until_s.pop(worker_id, None)
+                self.timeouts.forget(worker_id)
             self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
             self.timeouts.retain(frozenset(w.worker_id for w, _ in self._workers))
         self._ever_served.update(m.key for worker, _ in records for m in worker.models)

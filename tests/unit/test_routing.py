@@ -670,6 +670,32 @@ def test_a_worker_whose_calls_only_time_out_is_skipped_then_probed_by_one_reques
     assert routed_to(route(table, now_s=11.1)) == "w1"
 
 
+def test_a_worker_restarted_under_its_id_is_no_longer_ejected() -> None:
+    """w1, ejected for timeouts and for an UNAVAILABLE, is restarted under its id (a container
+    restarted in its pod: its hostname kept, its pid may be): a new process, at a new start or
+    address, began ejected for what its predecessor did, for up to max_timeout_eject_s
+    (review finding). The same process beating again stays ejected."""
+    busy = make_worker(worker_id="w2", queued_rows=50)
+    table = loaded(
+        make_table(timeouts_to_eject=2, timeout_eject_s=10.0, eject_s=5.0), make_worker(), busy
+    )
+    for _ in range(2):
+        table.timeouts.record_timeout("w1", 1.0, waited_s=1.0, predicted_s=0.01)
+    table.eject("w1", 1.0)
+    loaded(table, make_worker(), busy, now_s=2.0)  # the same process: still ejected
+    assert routed_to(route(table, now_s=2.0)) == "w2"
+    restarted = dataclasses.replace(make_worker(), started_at_ms=1_000)
+    assert WorkerRecord.from_json(restarted.to_json()) == restarted
+    loaded(table, restarted, busy, now_s=2.5)
+    assert routed_to(route(table, now_s=2.5)) == "w1"
+    for _ in range(2):
+        table.timeouts.record_timeout("w1", 3.0, waited_s=1.0, predicted_s=0.01)
+    assert routed_to(route(table, now_s=3.0)) == "w2"
+    moved = dataclasses.replace(restarted, address="10.0.0.9:50051")  # a new pod, the same id
+    loaded(table, moved, busy, now_s=3.5)
+    assert routed_to(route(table, now_s=3.5)) == "w1"
+
+
 def test_the_last_worker_a_model_has_is_still_routed_when_its_calls_time_out() -> None:
     """Envoy's panic mode, entered only when no other worker is left: every worker timing out
     is an overloaded machine more likely than wedged workers, and ejecting the last would turn
