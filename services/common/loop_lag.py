@@ -76,8 +76,12 @@ class LoopLag:
         self._due_s = 0.0
 
     def start(self) -> None:
-        """Starts sampling on the running loop."""
-        self._loop = asyncio.get_running_loop()
+        """Starts sampling on the running loop. The first timer's due time is set before the
+        loop: a scrape in between read a started sampler with the due time of none (0, or a
+        stopped one's), a lag of the host's uptime (review finding)."""
+        loop = asyncio.get_running_loop()
+        self._due_s = time.monotonic() + self._interval_s
+        self._loop = loop
         self._schedule()
 
     def stop(self) -> None:

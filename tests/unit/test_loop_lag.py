@@ -77,3 +77,22 @@ async def test_a_stopped_sampler_reads_its_last_window_not_a_growing_stall() -> 
     at_stop = lag.recent_s()
     await asyncio.sleep(0.3)
     assert lag.recent_s() == at_stop
+
+
+async def test_a_scrape_as_the_sampler_starts_reads_no_stall(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A scrape (the metrics server's thread) between the start's two steps read a started
+    sampler with no timer due yet: a lag as large as the host's uptime (review finding)."""
+    lag = LoopLag(CollectorRegistry(), interval_s=0.05)
+    seen: list[float] = []
+    schedule = lag._schedule
+
+    def scraped_first() -> None:
+        seen.append(lag.recent_s())
+        schedule()
+
+    monkeypatch.setattr(lag, "_schedule", scraped_first)
+    lag.start()
+    lag.stop()
+    assert seen and seen[0] < 1.0, seen
