@@ -30,6 +30,7 @@ from __future__ import annotations
 import logging
 import os
 import ssl
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -160,6 +161,9 @@ class CertificateFiles:
 
     def __init__(self, tls: ServerTls) -> None:
         self._tls = tls
+        #: grpc's C-core threads handshake concurrently, each asking: one read at a time, so
+        #: a rotation is read and logged once, and no thread sets back what another served.
+        self._lock = threading.Lock()
         #: The stamp of the files last served.
         self._served = self._stamp()
         #: When files that changed last failed to read (they are tried again after RETRY_S,
@@ -176,6 +180,10 @@ class CertificateFiles:
     def read_if_changed(self) -> tuple[bytes, bytes, bytes | None] | None:
         """The files' contents if they changed since the ones served, and hold a matching
         pair; else None (unchanged, or not usable yet: the certificate served stays)."""
+        with self._lock:
+            return self._read_if_changed()
+
+    def _read_if_changed(self) -> tuple[bytes, bytes, bytes | None] | None:
         stamp = self._stamp()
         if stamp == self._served or not stamp:
             return None

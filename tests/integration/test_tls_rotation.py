@@ -6,8 +6,11 @@ by two throwaway CAs: the port starts with one's certificate and is rotated to t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import shutil
 import ssl
+import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -15,7 +18,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.tls import ClientTls, ServerTls
+from services.common.tls import CertificateFiles, ClientTls, ServerTls
 from tests.integration.test_tls import health_code, start_gateway
 from tests.support.pki import Authority, Issued
 from tests.support.waiting import eventually
@@ -85,3 +88,36 @@ async def test_a_certificate_rotated_in_place_is_served_to_new_connections(
         )
     finally:
         await gateway.stop()
+
+
+def test_handshakes_at_once_after_a_rotation_read_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """grpc's C-core threads ask for the port's certificate at each new connection, several at
+    once: each that saw the files changed read them again (a read taking a while here, as a
+    slow volume's), logging the rotation as often, and could set back what another served.
+    One reads it; the others find it served."""
+    ca = Authority(tmp_path / "ca", "ca")
+    old, new = ca.issue("old", ips=("127.0.0.1",)), ca.issue("new", ips=("127.0.0.1",))
+    served = Issued(tmp_path / "served.crt", tmp_path / "served.key")
+    serve(old, served)
+    tls = ServerTls(cert_file=served.cert, key_file=served.key)
+    files = CertificateFiles(tls)
+    read_checked = ServerTls.read_checked
+
+    def slow_read(self: ServerTls) -> tuple[bytes, bytes, bytes | None]:
+        time.sleep(0.05)
+        return read_checked(self)
+
+    monkeypatch.setattr(ServerTls, "read_checked", slow_read)
+    serve(new, served)
+    barrier = threading.Barrier(8)
+
+    def handshake() -> bool:
+        barrier.wait()
+        return files.read_if_changed() is not None
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reads = list(pool.map(lambda _: handshake(), range(8)))
+    assert sum(reads) == 1, reads
+    assert files.read_if_changed() is None  # served: nothing changed since
