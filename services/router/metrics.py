@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
 
@@ -102,3 +103,16 @@ class RouterMetrics:
         for worker_id in worker_ids:
             with contextlib.suppress(KeyError):  # never ejected: no series
                 self.ejections_total.remove(worker_id)
+
+    def forget_versions(self, versions: Iterable[tuple[str, str]]) -> None:
+        """Removes the series of model versions (name, version) no worker serves any more:
+        every rollout adds a version's ~50 series (two histograms, codes, reasons, workers),
+        which piled up in every scrape for as long as the router ran (review finding)."""
+        children = (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
+                    self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
+        for name, version in versions:
+            for of in children:
+                of.remove_from(name, version)
+            for metric in (self.split_bundles_total, self.retries_total):
+                with contextlib.suppress(KeyError):  # never split, never retried: no series
+                    metric.remove(name, version)

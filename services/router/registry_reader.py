@@ -43,6 +43,9 @@ _MAX_BACKOFF_S = 5.0
 #: restarted Redis, so it stays: its calls fail UNAVAILABLE, which ejects it and sends them to
 #: another worker.
 REFILL_S = 10.0
+#: How long a model version no live worker serves keeps its series (a rollout's old version,
+#: or one every worker of dropped for a while), seconds.
+FORGET_VERSION_S = 600.0
 
 
 class RegistrySync:
@@ -78,6 +81,9 @@ class RegistrySync:
         #: When the reads after an outage began to find Redis empty; None otherwise.
         self._empty_since_s: float | None = None
         self._heartbeats = HeartbeatClock()
+        #: When each (model, version) was last served by a live worker (forgotten past
+        #: FORGET_VERSION_S, its metrics with it).
+        self._served_at_s: dict[tuple[str, str], float] = {}
         self.is_degraded = True  # until the first good read
         metrics.registry_degraded.set(1)
 
@@ -122,6 +128,7 @@ class RegistrySync:
             _warned_older.difference_update(gone)
         live = self._table.live_workers(now_s)
         self._metrics.live_workers.set(len(live))
+        self._forget_unserved(live, now_s)
         if self._on_refresh is not None:
             try:  # its failure is not the registry's: it must not read as an outage
                 await self._on_refresh({worker.address for worker in live}, now_s)
@@ -146,6 +153,14 @@ class RegistrySync:
             if worker_id not in back and now_s < until_s
         }
         return [(record, now_s) for record, _ in self._held.values()]
+
+    def _forget_unserved(self, live: tuple[WorkerRecord, ...], now_s: float) -> None:
+        served = self._served_at_s
+        served.update(((m.name, m.version), now_s) for worker in live for m in worker.models)
+        gone = [key for key, at_s in served.items() if now_s - at_s > FORGET_VERSION_S]
+        for key in gone:
+            del served[key]
+        self._metrics.forget_versions(gone)
 
     def _note_rejected(self, rejected: list[WorkerRecord]) -> None:
         self._metrics.rejected_worker_records_total.inc(len(rejected))

@@ -4,13 +4,14 @@ Redis that goes away and comes back empty."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 from collections.abc import Sequence
 
 import pytest
 import redis.asyncio as aioredis
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from services.common.lifecycle import sleep_unless_stopped
 from services.common.registry_schema import RegistryKeys, WorkerRecord, connect
@@ -22,6 +23,7 @@ from services.router.registry_reader import RegistrySync
 from services.router.routing import RouteTable
 from services.router.routing_config import RoutingConfig
 from services.router.worker_networks import DEFAULT_WORKER_NETWORKS, WorkerNetworks
+from tests.support.records import model_record
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
 
@@ -196,6 +198,45 @@ async def test_a_worker_whose_record_expired_while_reads_failed_is_not_held(
         assert live() == {"w0"}
     finally:
         await ended((task, beating), (admin, worker, router))
+
+
+async def test_a_version_no_worker_serves_any_more_has_its_series_removed(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """w0 serves m@1, then m@2 only (a rollout): m@1's series (its calls' histograms, codes,
+    reasons, workers) are removed FORGET_VERSION_S later; they piled up, every rollout's, for
+    as long as the router ran (review finding). m@2's stay."""
+    monkeypatch.setattr(registry_reader, "FORGET_VERSION_S", 0.5)
+    table = RouteTable(RoutingConfig(), random.Random())
+    worker, router = connect(redis_server.worker_url), connect(redis_server.router_url)
+    sync = new_sync(router, table)
+    metrics = sync._metrics
+    serving = [model_record(name="m", version="1")]
+
+    def record() -> WorkerRecord:
+        return dataclasses.replace(RECORD, models=tuple(serving))
+
+    def exported(version: str) -> bool:
+        text = generate_latest(metrics.registry).decode()
+        return f'version="{version}"' in text
+
+    task = asyncio.create_task(sync.run())
+    beating = asyncio.create_task(
+        heartbeats(HeartbeatPublisher(worker, KEYS, HeartbeatConfig(), record))
+    )
+    try:
+        await eventually(lambda: table.live_workers(time.monotonic()) != (), timeout_s=10)
+        for version in ("1", "2"):
+            metrics.request_seconds_of["m", version].observe(0.01)
+            metrics.responses_total_of["m", version, "OK"].inc()
+            metrics.routed_total_of["m", version, "w0"].inc()
+            metrics.retries_total.labels("m", version).inc()
+        serving[:] = [model_record(name="m", version="2")]
+        await eventually(lambda: not exported("1"), timeout_s=10)
+        assert exported("2")
+        assert ("m", "1", "OK") not in metrics.responses_total_of
+    finally:
+        await ended((task, beating), (worker, router))
 
 
 async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
