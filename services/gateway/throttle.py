@@ -67,6 +67,12 @@ class ThrottleConfig:
 
 #: Weight of a new downstream retry hint in their moving average.
 _HINT_WEIGHT = 0.2
+#: A key silent this many memories has no say (its refusal probability is scaled by
+#: e^-silence/memory: here below 1e-4) and is forgotten, so that keys (model, class and tenant)
+#: seen once do not pile up for the gateway's life (review finding).
+FORGET_MEMORIES = 10.0
+#: Keys kept before the first sweep for silent ones (each sweep then waits for twice as many).
+_SWEEP_AT = 64
 
 
 @dataclass
@@ -105,6 +111,12 @@ class AdaptiveThrottle:
     def __init__(self, config: ThrottleConfig) -> None:
         self._config = config
         self._counts: dict[str, _Counts] = {}
+        self._sweep_at = _SWEEP_AT
+
+    @property
+    def num_keys(self) -> int:
+        """Keys with counts kept."""
+        return len(self._counts)
 
     def reject_probability(self, model: str, now_s: float) -> float:
         """The probability a request of key `model` arriving now is refused locally."""
@@ -142,6 +154,8 @@ class AdaptiveThrottle:
         an overload refusal) or refused, with the retry hint it carried if any."""
         counts = self._counts.get(model)
         if counts is None:  # not setdefault: that would build a _Counts on every call
+            if len(self._counts) >= self._sweep_at:
+                self._forget_silent(now_s)
             counts = self._counts[model] = _Counts(at_s=now_s)
         counts.decay_to(now_s, self._config.memory_s)
         counts.requests += 1.0
@@ -150,3 +164,12 @@ class AdaptiveThrottle:
             counts.accepts += 1.0
         if retry_after_s is not None:
             counts.retry_after_s.observe(retry_after_s)
+
+    def _forget_silent(self, now_s: float) -> None:
+        """Drops the keys silent for FORGET_MEMORIES; the next sweep waits for twice as many
+        keys as are left (each costs a constant per key added)."""
+        longest_s = FORGET_MEMORIES * self._config.memory_s
+        silent = [k for k, c in self._counts.items() if now_s - c.counted_at_s > longest_s]
+        for key in silent:
+            del self._counts[key]
+        self._sweep_at = max(_SWEEP_AT, 2 * len(self._counts))

@@ -160,3 +160,15 @@ def test_a_silence_after_a_flood_forgets_it() -> None:
 
     assert throttle.reject_probability("m", 10.0) > 0.8
     assert throttle.reject_probability("m", 11.5) < 0.01
+
+
+def test_keys_silent_for_many_memories_are_forgotten() -> None:
+    """Each model, class and tenant seen kept its counts for the gateway's life (review
+    finding): keys silent FORGET_MEMORIES (10 s here) are dropped as new ones come, while a
+    key in use stays, its counts whole."""
+    throttle = make_throttle(memory_s=1.0)
+    for i in range(1_000):  # a new tenant every 0.1 s: about 100 within the last 10 s
+        throttle.record(f"m/interactive/t{i}", i * 0.1, is_accepted=True)
+        throttle.record("busy", i * 0.1, is_accepted=False)
+    assert throttle.num_keys <= 2 * 101 + 2
+    assert throttle.reject_probability("busy", 100.0) > 0.5
