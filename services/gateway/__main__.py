@@ -15,6 +15,7 @@ import logging
 import os
 
 from services.common import event_loop
+from services.common.beats import beat, beat_file
 from services.common.lifecycle import (
     bound_stop,
     exit_stopped,
@@ -53,12 +54,18 @@ async def serve(config: GatewayConfig) -> int:
         config.ready_file, gateway.port, metrics_port, http_port=http_port,
         **health_port_field(gateway.health_listener),
     )  # fmt: skip
+    # Beats to whoever supervises it: a gateway group kills one whose loop hangs.
+    beating = None if config.ready_file is None else asyncio.create_task(
+        beat(beat_file(config.ready_file)), name="beat"
+    )  # fmt: skip
     await stopping.wait()
     log.info("SIGTERM: stopping")
     bound_stop(config.drain_grace_s)
     refresh.cancel()
     await gateway.stop()
     log.info("gateway stopped")
+    if beating is not None:  # beat through the stop: a gateway draining is not hung
+        beating.cancel()
     exit_stopped(0)
 
 

@@ -14,6 +14,8 @@ them (grpc sets the option on every listener; the HTTP listener asks for it). Th
 - restarts a process that exits, after a backoff that doubles while processes keep failing
   fast; a process that fails before the group is first ready fails the group (a bad setting
   would fail every restart the same way);
+- kills, to restart it, a ready process that has not beaten for HUNG_S (services.common.beats:
+  its event loop hung or stopped, while its share of the ports' connections hung with it);
 - passes SIGTERM on and waits for every process to drain. Each process dies with the
   supervisor, even if it is killed.
 
@@ -39,6 +41,7 @@ from pathlib import Path
 from prometheus_client import Counter
 
 from services.common import metric_names as names
+from services.common.beats import beat_file
 from services.common.group_metrics import GroupMetrics
 from services.common.lifecycle import start_metrics, write_ready_file
 from services.common.processes import (
@@ -138,6 +141,7 @@ class ProcessGroup:
     def _start(self, index: int) -> None:
         ready_file = self._state_dir / f"gateway-{index}.ready.json"
         ready_file.unlink(missing_ok=True)
+        beat_file(ready_file).unlink(missing_ok=True)
         overrides = [
             "--processes", "1",
             "--grpc-port", str(self.ports["grpc_port"]),
@@ -190,8 +194,10 @@ class ProcessGroup:
             now = time.monotonic()
             self._restarts_total.inc(restarts.start_due(now, self._start))
             for member in list(self._members.values()):
-                self._read_ready(member)
+                is_ready = self._read_ready(member)
                 code = member.process.poll()
+                if code is None and is_ready:  # one hung is killed: its exit read next
+                    member.killed_if_hung("gateway process", now)
                 if code is None or restarts.is_pending(member.index):
                     continue
                 member.exited()

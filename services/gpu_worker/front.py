@@ -47,6 +47,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2
 
 from services.common import event_loop
+from services.common.beats import beat, beat_file
 from services.common.channel_options import channel_options
 from services.common.errors import NOT_STARTED_TRAILER
 from services.common.lifecycle import (
@@ -214,23 +215,6 @@ async def _pass_back(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerCont
     if found_no_connection(error) and NOT_STARTED_TRAILER not in trailers:
         trailers += (NOT_STARTED_TRAILER,)
     await context.abort(error.code(), error.details() or "", trailers)
-
-
-def beat_file(ready_file: Path) -> Path:
-    """The file a front touches every HEALTH_PERIOD_S from its event loop (`beat`), beside its
-    ready file: the engine kills a front whose beats stop (fronts.HUNG_S), its loop hung."""
-    return ready_file.with_suffix(".beat")
-
-
-async def beat(path: Path) -> None:
-    """Touches `path` every HEALTH_PERIOD_S until cancelled (at the very end of the front's
-    stop: a front draining its calls is not hung), a failure logged."""
-    while True:
-        try:
-            path.touch()
-        except OSError as error:
-            log.warning("could not touch %s: %s", path, error)
-        await asyncio.sleep(HEALTH_PERIOD_S)
 
 
 _HEALTH_REQUEST = health_pb2.HealthCheckRequest(service=SERVICE.full_name)

@@ -27,6 +27,7 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
+from services.common.beats import beat_file
 from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.processes import (
     Restarts,
@@ -36,7 +37,6 @@ from services.common.processes import (
     wait_or_kill,
 )
 from services.gpu_worker.config import WorkerConfig
-from services.gpu_worker.front import beat_file
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +53,6 @@ SERVING_TIMEOUT_S = 10.0
 #: and over) before it stops serving: nothing listens on its port, while its registry entry
 #: still drew routers' calls.
 NONE_LISTENING_S = 30.0
-#: How long a listening front may go without a beat (front.beat_file: touched from its event
-#: loop every 0.5 s, whatever the engine answers, until its own stop is done: a front draining
-#: beats) before the engine kills it, to restart it: its event loop is hung (or stopped), and
-#: the calls and streams its share of the port draws would hang with it; nothing else would
-#: end it while it lives.
-HUNG_S = 15.0
 #: What the engine keeps of its own stop bound (lifecycle.bound_stop) once it stops waiting for
 #: its fronts: to SIGKILL and reap the last of them, and remove its directory.
 STOP_MARGIN_S = 3.0
@@ -102,25 +96,6 @@ class Silence:
 class _Front(Supervised):
     #: Whether it has seen the engine SERVING (it says so in its ready file).
     saw_engine_serving: bool = False
-    #: Its beat file's last modification time seen (ns; 0: none), and when it was first seen.
-    beat_ns: int = 0
-    beat_seen_s: float | None = None
-
-    def is_hung(self, now_s: float) -> bool:
-        """Whether its beat file has not changed for HUNG_S (counted from the first look:
-        call it only once the front listens). A front with no beat file yet is not judged
-        (it could not write one: a fault of its disk, not of its loop, logged by it), nor one
-        whose file cannot be looked at now. One that can no longer touch its file (its
-        directory remounted read-only) is taken for hung: the worker then stops serving once
-        none listens (NONE_LISTENING_S), and its pod is replaced."""
-        try:
-            beat_ns = beat_file(self.ready_file).stat().st_mtime_ns
-        except OSError:  # missing, or unreadable now: the watch must go on
-            return False
-        if self.beat_seen_s is None or beat_ns != self.beat_ns:
-            self.beat_ns, self.beat_seen_s = beat_ns, now_s
-            return False
-        return now_s - self.beat_seen_s > HUNG_S
 
     def exited(self) -> None:
         super().exited()
@@ -277,14 +252,8 @@ class Fronts:
                 is_listening = self._is_listening(front)
                 code = front.process.poll()
                 listening = listening or (code is None and is_listening)
-                if code is None and is_listening and front.is_hung(now):
-                    log.error(
-                        "worker front %d (pid %d) has not beaten for %.0fs (its event loop "
-                        "hung, or stopped): killed, to be restarted",
-                        front.index, front.process.pid, HUNG_S,
-                    )  # fmt: skip
-                    front.process.kill()  # its exit is read at the next look
-                    front.beat_seen_s = now  # not killed (nor logged) again at every look
+                if code is None and is_listening:  # one hung is killed: its exit read next
+                    front.killed_if_hung("worker front", now)
                 if code is None or self._restarts.is_pending(front.index):
                     continue
                 front.exited()

@@ -117,17 +117,48 @@ async def test_connections_spread_over_both_processes_and_metrics_tell_them_apar
     assert sorted(labels["gateway_process"] for labels, _ in cpu) == ["0", "1"]
 
 
+async def test_a_hung_process_is_killed_and_replaced(group_stack: Stack) -> None:
+    """A process stopped (SIGSTOP: alive, its event loop hung, its share of the ports still
+    drawing connections, whose calls hang) no longer beats (beats.beat_file): the supervisor
+    kills it past beats.HUNG_S (15 s) and restarts it. Before, it lived on: the group watched
+    only for exits (review finding)."""
+    gateway = group_stack.gateway
+    restarts = total(scrape(gateway.metrics_port), names.GATEWAY_PROCESS_RESTARTS_TOTAL)
+    hung, other = children_of(gateway.pid)
+    os.kill(hung, signal.SIGSTOP)
+    try:
+
+        def replaced() -> bool:
+            text = scrape(gateway.metrics_port)
+            restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == restarts + 1
+            pids = children_of(gateway.pid)
+            return restarted and len(pids) == 2 and hung not in pids and other in pids
+
+        await eventually(replaced, timeout_s=60, message="the hung process was replaced")
+    finally:
+        if read_stat(hung) is not None:
+            os.kill(hung, signal.SIGCONT)
+    await eventually(
+        lambda: len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2,
+        timeout_s=60,
+        message="the replacement serves its metrics",
+    )
+    codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
+    assert codes == ["OK"] * 32
+
+
 async def test_a_killed_process_is_replaced_and_calls_keep_succeeding(
     group_stack: Stack,
 ) -> None:
     """Kills the group's supervisor at the end: last of the module's tests on the stack."""
     gateway = group_stack.gateway
+    restarts = total(scrape(gateway.metrics_port), names.GATEWAY_PROCESS_RESTARTS_TOTAL)
     first, second = children_of(gateway.pid)
     os.kill(first, signal.SIGKILL)
 
     def replaced() -> bool:
         text = scrape(gateway.metrics_port)
-        restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == 1
+        restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == restarts + 1
         pids = children_of(gateway.pid)
         return restarted and len(pids) == 2 and first not in pids and second in pids
 

@@ -96,8 +96,8 @@ async def test_a_front_killed_under_load_loses_no_request(stack: Stack) -> None:
 
 async def test_a_hung_front_is_killed_and_restarted(stack: Stack) -> None:
     """A front stopped (SIGSTOP: alive, its event loop hung, its share of the port still
-    drawing connections) no longer beats (front.beat_file): the engine kills it past
-    fronts.HUNG_S (15 s) and restarts it, and the worker serves through its fronts again.
+    drawing connections) no longer beats (beats.beat_file): the engine kills it past
+    beats.HUNG_S (15 s) and restarts it, and the worker serves through its fronts again.
     Before, a hung front lived on, orphaned: nothing but a kill by hand ended it."""
     victim = stack.workers[0]
     before = fronts_of(victim)

@@ -24,13 +24,13 @@ from prometheus_client import CollectorRegistry
 from bench.models import affine_reference
 from services.common import metric_names as names
 from services.common import multiplex
+from services.common.beats import HUNG_S
 from services.common.channel_options import CHANNEL_OPTIONS
 from services.common.errors import NOT_STARTED_TRAILER, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.procfs import descendants, is_alive
 from services.common.tensors import tensor_to_pb
 from services.gpu_worker.front import Passthrough, engine_grpc_target, follow_engine_health
-from services.gpu_worker.fronts import HUNG_S
 from services.gpu_worker.stream_relay import ENGINE_LOST_S, FrontMetrics, StreamRelay
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
@@ -347,7 +347,7 @@ async def test_a_stopping_front_waits_for_the_calls_it_passed_on(tmp_path: Path)
     to stop (SIGTERM, as when a whole process group is signalled). It turns NOT_SERVING and
     stays until the call ends: released HUNG_S + 2 s later, the call is answered OK. Before,
     the front waited only for its relayed streams and cut the call after a 1 s grace. A front
-    draining keeps beating (front.beat): the engine does not take it for hung past HUNG_S."""
+    draining keeps beating (beats.beat): the engine does not take it for hung past HUNG_S."""
     gate = tmp_path / "gate"
     write_stalling_model(tmp_path / "repo", gate)
     worker = start_worker(

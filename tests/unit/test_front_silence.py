@@ -1,19 +1,18 @@
 """When a worker's fronts have all stopped listening for long enough that it must stop serving
 (services.gpu_worker.fronts.Silence, on the caller's clock), how long its stop waits for them
-(fronts.front_wait_s), and when one front's stopped beats say it is hung (_Front.is_hung)."""
+(fronts.front_wait_s), and when one front's stopped beats say it is hung
+(beats.BeatWatch.is_hung)."""
 
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
-from typing import cast
 
 import pytest
 
+from services.common.beats import HUNG_S, BeatWatch, beat_file
 from services.common.lifecycle import STOP_OVERRUN_S
-from services.gpu_worker.front import beat_file
-from services.gpu_worker.fronts import HUNG_S, STOP_MARGIN_S, Silence, _Front, front_wait_s
+from services.gpu_worker.fronts import STOP_MARGIN_S, Silence, front_wait_s
 
 pytestmark = pytest.mark.unit
 
@@ -57,20 +56,21 @@ def test_the_engine_stops_waiting_for_its_fronts_before_its_own_stop_bound(
 def test_a_front_is_hung_once_its_beat_file_has_not_changed_for_hung_s(tmp_path: Path) -> None:
     """Counted from the first look, on the engine's clock: the file's time is only compared
     for change (a wall clock that steps makes no front hung)."""
-    unused = cast("subprocess.Popen[bytes]", None)  # its process is not looked at
-    front = _Front(0, unused, tmp_path / "front-0.ready.json", started_s=0.0)
-    assert not front.is_hung(100.0)
-    assert not front.is_hung(200.0 + HUNG_S)  # no beat file: not judged (a disk's fault)
-    beat = beat_file(front.ready_file)
+    ready_file, watch = tmp_path / "front-0.ready.json", BeatWatch()
+    assert not watch.is_hung(ready_file, 100.0)
+    assert not watch.is_hung(
+        ready_file, 200.0 + HUNG_S
+    )  # no beat file: not judged (a disk's fault)
+    beat = beat_file(ready_file)
     beat.touch()
-    assert not front.is_hung(300.0)  # counted from here
-    assert not front.is_hung(300.0 + HUNG_S)
-    assert front.is_hung(300.1 + HUNG_S)
+    assert not watch.is_hung(ready_file, 300.0)  # counted from here
+    assert not watch.is_hung(ready_file, 300.0 + HUNG_S)
+    assert watch.is_hung(ready_file, 300.1 + HUNG_S)
     # Each beat below at a time of its own: a file's clock is coarse, and two touches within
     # one of its ticks read alike.
     os.utime(beat, ns=(5, 5))
-    assert not front.is_hung(400.0)  # it beat
-    assert not front.is_hung(400.0 + HUNG_S)
+    assert not watch.is_hung(ready_file, 400.0)  # it beat
+    assert not watch.is_hung(ready_file, 400.0 + HUNG_S)
     os.utime(beat, ns=(1, 1))  # changed, even to a time long past: a beat
-    assert not front.is_hung(400.1 + HUNG_S)
-    assert front.is_hung(400.2 + 2 * HUNG_S)
+    assert not watch.is_hung(ready_file, 400.1 + HUNG_S)
+    assert watch.is_hung(ready_file, 400.2 + 2 * HUNG_S)
