@@ -462,6 +462,25 @@ async def test_generation_steps_count_their_device_time(checkpoint: Path) -> Non
     assert (registry.get_sample_value(name, labels) or 0.0) > 0.0
 
 
+async def test_only_online_streams_count_in_the_time_to_first_token(checkpoint: Path) -> None:
+    """A generation pool scales on this histogram's p90 (deploy/k8s/prometheus-adapter), and
+    batch-class streams wait behind online ones on purpose: counted, a backlog of batch
+    generations scaled GPU pools up, as queue wait and the duty cycle leave batch work out
+    not to (review finding)."""
+    backend, registry = make_backend(checkpoint)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    count = f"{names.GENERATION_TTFT_SECONDS}_count"
+    labels = {"model": backend.config.name, "version": backend.version.version}
+    backend.engine.start()
+    try:
+        for rank in (0, 1, 2, 2):  # critical, interactive, batch, batch
+            stream = backend.engine.generate(backend.encode("hello"), params, priority=rank)
+            assert len([token async for delta in stream for token in delta.token_ids]) == 2
+    finally:
+        await backend.engine.drain()
+    assert registry.get_sample_value(count, labels) == 2
+
+
 async def test_streamed_tokens_are_counted_once_each_by_the_time_a_reader_has_them(
     checkpoint: Path,
 ) -> None:

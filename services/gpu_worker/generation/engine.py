@@ -24,6 +24,7 @@ import torch
 from tokenizers import Tokenizer
 
 from services.common.errors import ExecutionFailed, InvalidInput, Overloaded, Unavailable
+from services.common.priority import PriorityClass
 from services.common.sampling import SamplingParams
 from services.gpu_worker.admission import Admitted, Rejected
 from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
@@ -222,9 +223,8 @@ class GenerationEngine:
                 raise Overloaded(refusal.message, retry_after_s=refusal.retry_after_s)
             # Opened before its sequence is queued (a sequence queued with no request would run
             # unread, never stopped by its max_tokens), after what may refuse it.
-            request = RequestStream.open(
-                seq_id, params, self.tokenizer, prompt_ids, arrival_s=now, tenant=tenant
-            )
+            request = RequestStream.open(seq_id, params, self.tokenizer, prompt_ids, arrival_s=now,
+                tenant=tenant, is_online=priority < PriorityClass.BATCH.rank)  # fmt: skip
             decision = self.scheduler.add(sequence)
         if isinstance(decision, Rejected):
             # Never runs with this configuration (empty, past max_model_len or the KV cache),

@@ -69,7 +69,8 @@ class GenerationMetrics:
         self.charge_tenant = charge_tenant
         self.ttft_seconds = new.histogram(
             names.GENERATION_TTFT_SECONDS,
-            "From admission to the first generated token.",
+            "From admission to the first generated token, of online (critical and interactive) "
+            "streams: batch-class ones wait on purpose.",
             _MODEL,
             buckets=SECONDS_BUCKETS,
         )

@@ -109,6 +109,9 @@ class RequestStream:
     num_prompt_tokens: int
     arrival_s: float
     tenant: str
+    #: Not of the batch class: its time to first token is observed (batch-class streams wait
+    #: on purpose, and the histogram scales GPU pools up: deploy/k8s/prometheus-adapter).
+    is_online: bool = True
     output: DeltaCollector = field(default_factory=DeltaCollector)
     first_token_s: float | None = None
     last_token_s: float | None = None
@@ -123,6 +126,7 @@ class RequestStream:
         *,
         arrival_s: float,
         tenant: str,
+        is_online: bool = True,
     ) -> RequestStream:
         """The stream of a request for `prompt_ids` admitted at `arrival_s`, with its own
         sampling generator and detokenizer (the prompt's last tokens its first context)."""
@@ -134,6 +138,7 @@ class RequestStream:
             num_prompt_tokens=len(prompt_ids),
             arrival_s=arrival_s,
             tenant=tenant,
+            is_online=is_online,
         )
 
     def ends_at(self, token: int, num_generated: int, eos_token_ids: frozenset[int]) -> bool | None:
@@ -184,7 +189,8 @@ class RequestStream:
         tpot_s = None if self.last_token_s is None else now - self.last_token_s
         if self.first_token_s is None:
             self.first_token_s = now
-            bound.ttft_seconds.observe(now - self.arrival_s)
+            if self.is_online:
+                bound.ttft_seconds.observe(now - self.arrival_s)
         bound.streamed(len(token_ids), tpot_s)
         self.last_token_s = now
         if finish_reason is None:
