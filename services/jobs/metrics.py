@@ -11,6 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.common.job_policy import ItemStatus
 from services.common.telemetry import SECONDS_BUCKETS, MetricFactory
 
 #: Chunk durations reach tens of seconds when an item retries.
@@ -26,6 +27,8 @@ class RunnerMetrics(MetricFactory):
             " another runner recorded first is not counted)",
             ["status"],
         )
+        for status in ItemStatus:  # each from 0: FabricJobsStalled reads its increase()
+            self.items.labels(status.value)
         self.items_running = self.gauge(
             names.JOBS_ITEMS_RUNNING, "Items this runner is running now (claimed, not recorded)"
         )
