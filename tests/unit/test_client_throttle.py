@@ -242,3 +242,17 @@ def test_one_throttle_a_model_and_idle_ones_dropped_past_max_kept() -> None:
     in_flight.record(3.0, accepted=True)
     assert not in_flight.is_idle(3.0)  # its answer is in the window
     assert in_flight.is_idle(6.5)
+
+
+def test_a_throttle_taken_for_a_call_is_not_dropped_before_the_call_counts() -> None:
+    """Thread A takes model m's throttle (`of`); before A asks `admits`, thread B's `of` for
+    a new model, past MAX_KEPT, found m's idle and dropped it: A's call, a refusal too, then
+    counted in a throttle no one used, and m's next calls started from nothing (review
+    finding). A throttle taken is kept for its window."""
+    throttles = ModelThrottles(ThrottlePolicy())
+    for index in range(ModelThrottles.MAX_KEPT - 1):
+        throttles.of(f"m{index}", now_s=0.0)
+    taken = throttles.of("m", now_s=10.0)  # thread A, between `of` and `admits`
+    throttles.of("new", now_s=10.0)  # thread B
+    assert throttles.of("m", now_s=10.0) is taken
+    assert len(throttles) == 2  # the others, idle since 0, were dropped

@@ -168,7 +168,14 @@ class AdaptiveThrottle:
         self._num_in_flight = 0
         #: When the gateway last refused a call, seconds (None: not yet).
         self._last_refused_s: float | None = None
+        #: When a caller last took this throttle (`ModelThrottles.of`), seconds.
+        self._taken_s: float | None = None
         self._lock = threading.Lock()
+
+    def taken(self, now_s: float) -> None:
+        """A caller took this throttle now, to ask `admits` next: not idle for a window."""
+        with self._lock:
+            self._taken_s = now_s if self._taken_s is None else max(self._taken_s, now_s)
 
     def admits(self, now_s: float, draw: float) -> bool:
         """Whether to send a call asked for now; `draw` is uniform in [0, 1). A call refused
@@ -227,11 +234,16 @@ class AdaptiveThrottle:
 
     def is_idle(self, now_s: float) -> bool:
         """Whether this throttle is as a new one would be: no call in its window or in flight,
-        and no refusal in its quiet period."""
+        none taking it (`taken`) within its window, and no refusal in its quiet period. A call
+        between its `of` and its `admits` was not counted: another thread dropped the throttle
+        under it, and the call's end, a refusal too, counted in a throttle no one used
+        (review finding)."""
         with self._lock:
             self._current(now_s)
             is_counting = self._num_requests > 0 or self._num_in_flight > 0
-            return not is_counting and not self._is_refusing(now_s)
+            taken_s = self._taken_s
+            is_taken = taken_s is not None and now_s - taken_s < self.policy.window_s
+            return not is_counting and not is_taken and not self._is_refusing(now_s)
 
     def _is_refusing(self, now_s: float) -> bool:
         last_s = self._last_refused_s
@@ -277,6 +289,7 @@ class ModelThrottles:
                         if kept.is_idle(now_s):
                             del self._throttles[name]
                 throttle = self._throttles[model] = AdaptiveThrottle(self.policy)
+            throttle.taken(now_s)  # under the lock that drops idle ones: not dropped under it
             return throttle
 
     def __len__(self) -> int:
