@@ -1,7 +1,7 @@
 """The simulated fleet: gateways, routers and workers, and a request's path through them.
 
 A request takes the real path: its tenant's quotas at the gateway may refuse it (gateway.py),
-then the gateway's `AdaptiveThrottle` (per model, class and tenant) may shed it; a router's
+then the gateway's `AdaptiveThrottle` (per model, class and tenant), then its row rate; a router's
 `RouteTable` picks a worker from its last registry snapshot (heartbeats every
 `heartbeat_period_s`, read every `refresh_period_s`, stale after `stale_after_s`) or refuses it;
 `upstream_s` later the worker's batcher admits or refuses it; its answer returns `downstream_s`
@@ -225,17 +225,17 @@ class Fleet:
 
     def arrive(self, now_s: float, arrival: Arrival) -> None:
         self._recorder.arrived(now_s, arrival.tenant, arrival.model)
-        refusal = self._admission.admit(self._gateway_of(arrival), arrival, now_s)
+        gateway = self._gateway_of(arrival)
+        refusal = self._admission.admit(gateway, arrival, now_s)
         if refusal is not None:
-            self._gateway_refused(now_s)
-            self._recorder.refused(now_s, f"gateway_quota_{refusal.reason}")
-            return
+            return self._gateway_refused(now_s, f"gateway_quota_{refusal.reason}")
         throttle = self._gateway(arrival)
         if throttle.admit(_throttle_key(arrival), now_s, self._rng.random()) is not None:
-            self._gateway_refused(now_s)
             self._done(arrival)
-            self._recorder.refused(now_s, "gateway_throttled")
-            return
+            return self._gateway_refused(now_s, "gateway_throttled")
+        # After the throttle, as in the predictor: a call it sheds spends none of its rows.
+        if (refusal := self._admission.take_rows(gateway, arrival, now_s)) is not None:
+            return self._gateway_refused(now_s, f"gateway_quota_{refusal.reason}")  # released
         spec = self._spec_of[arrival.model]  # scenarios refuse streams of other models
         timeout_s = spec.default_timeout_s if arrival.timeout_s is None else arrival.timeout_s
         request = SimRequest(arrival, now_s + timeout_s)
@@ -243,9 +243,10 @@ class Fleet:
         self._budgets[request.cell].record_request(now_s)
         self._route(now_s, request)
 
-    def _gateway_refused(self, now_s: float) -> None:
+    def _gateway_refused(self, now_s: float, reason: str) -> None:
         if self._tiers.is_set:
             self._tiers.refused_at_gateway(now_s)
+        self._recorder.refused(now_s, reason)
 
     def _route(self, now_s: float, request: SimRequest) -> None:
         """An attempt of `request` leaves the gateway's door at `now_s`. With tier costs, the
@@ -280,13 +281,9 @@ class Fleet:
             return
         if isinstance(decision, Reject):
             is_overload = decision.reason is RejectReason.DEADLINE
-            self._throttle_of(request).record(
-                _throttle_key(request.arrival),
-                now_s,
-                is_accepted=not is_overload,
-                retry_after_s=decision.retry_after_s,
-            )
-            self._done(request.arrival)
+            self._answered(request.arrival, now_s, is_accepted=not is_overload,
+                           retry_after_s=decision.retry_after_s)  # fmt: skip
+            self._done(request.arrival, unserved_s=now_s if is_overload else None)
             self._recorder.refused(request.arrival.at_s, f"router_{decision.reason.value}")
             return
         request.worker_id = decision.worker_id
@@ -321,8 +318,8 @@ class Fleet:
             self._unavailable(now_s, request)
             return
         self._release(request)
-        self._done(request.arrival)
-        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=False)
+        self._done(request.arrival, unserved_s=now_s)
+        self._answered(request.arrival, now_s, is_accepted=False)
         self._recorder.refused(request.arrival.at_s, f"worker_{reason.value}")
 
     def _answer(self, now_s: float, request: SimRequest, outcome: str) -> None:
@@ -330,9 +327,9 @@ class Fleet:
         "past_slo" (refused unrun: past the SLO bound admission set)."""
         arrival = request.arrival
         self._release(request)
-        self._done(arrival)
         is_accepted = outcome != PAST_SLO  # refused, as admission refuses
-        self._throttle_of(request).record(_throttle_key(arrival), now_s, is_accepted=is_accepted)
+        self._done(arrival, unserved_s=None if is_accepted else now_s)
+        self._answered(arrival, now_s, is_accepted=is_accepted)
         arrival_s = arrival.at_s
         if outcome == "ok":
             downstream_s = self.config.downstream_s
@@ -371,14 +368,17 @@ class Fleet:
     def _gave_up(self, request: SimRequest, now_s: float) -> None:
         """No retry after UNAVAILABLE: the caller gets it."""
         self._done(request.arrival)
-        self._throttle_of(request).record(_throttle_key(request.arrival), now_s, is_accepted=True)
+        self._answered(request.arrival, now_s, is_accepted=True)
         self._recorder.refused(request.arrival.at_s, "unavailable")
 
     def _release(self, request: SimRequest) -> None:
         self._cells[request.cell].table.release(request.reservation_id)
 
-    def _done(self, arrival: Arrival) -> None:
-        """The call's answer or refusal left its gateway: it is no longer in flight there."""
+    def _done(self, arrival: Arrival, unserved_s: float | None = None) -> None:
+        """The call's answer or refusal left its gateway: it is no longer in flight there;
+        refused unrun for load at `unserved_s`, its row returns then (admission.never_served)."""
+        if unserved_s is not None:
+            self._admission.give_back_rows(self._gateway_of(arrival), arrival, unserved_s)
         self._admission.release(self._gateway_of(arrival), arrival.tenant)
 
     def _gateway_of(self, arrival: Arrival) -> int:
@@ -389,8 +389,9 @@ class Fleet:
     def _gateway(self, arrival: Arrival) -> AdaptiveThrottle:
         return self._throttles[self._gateway_of(arrival)]
 
-    def _throttle_of(self, request: SimRequest) -> AdaptiveThrottle:
-        return self._gateway(request.arrival)
+    def _answered(self, arrival: Arrival, now_s: float, **answer: Any) -> None:
+        """Its gateway's throttle counts how downstream answered the call (`record`)."""
+        self._gateway(arrival).record(_throttle_key(arrival), now_s, **answer)
 
 
 def _throttle_key(arrival: Arrival) -> str:

@@ -29,7 +29,8 @@ class FleetConfig:
     downstream_s: float = 0.001
     #: Workers per router cell; 0: one router table over the whole fleet.
     cell_size: int = 0
-    max_retries: int = 1
+    #: Retries after UNAVAILABLE, as the router's default (RouterConfig.max_retries).
+    max_retries: int = 2
     #: Lognormal sigma of batch compute around the curve (0: exactly the curve).
     noise_sigma: float = 0.0
     #: CPU seconds the worker process spends per row outside the model (decode, copies).

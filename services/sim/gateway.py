@@ -1,10 +1,12 @@
 """The simulated gateways' tenant admission: the real quota code, in the real order.
 
-A gateway checks a call against its tenant's table (services.gateway.tenants) before the
-adaptive throttle sees it, as the real one does: the request rate and calls in flight in the
-authentication stage (`TenantQuotas.acquire`), then the priority class and the model, then the
-row rate (`take_rows`, one row per simulated request). A granted call counts in flight until
-its answer or refusal (`release`). Each gateway has its own `TenantQuotas` and enforces its
+A gateway checks a call against its tenant's table (services.gateway.tenants) as the real one
+does: the request rate and calls in flight in the authentication stage (`TenantQuotas.acquire`),
+then the priority class and the model (`admit`), then the adaptive throttle (the simulation's),
+and only then the row rate (`take_rows`, one row per simulated request: a call the throttle
+refuses spends none, predictor.py). A call refused downstream for load, unrun, gives its row
+back (`give_back_rows`, admission.never_served). A granted call counts in flight until its
+answer or refusal (`release`). Each gateway has its own `TenantQuotas` and enforces its
 share of every fleet-wide limit; every `sync_period_s` the shares are recomputed from each
 gateway's demand with `quotas.fleet_shares`, as `quota_sync.QuotaSync.sync_once` does through
 Redis (no gateway is ever gone here, so no entry goes stale).
@@ -74,12 +76,29 @@ class GatewayAdmission:
         elif policy.models is not None and arrival.model not in policy.models:
             reason = "models"
         else:
-            refusal = quotas.take_rows(policy, 1, now_s)
-            if refusal is None:
-                return None
-            reason = refusal.quota
+            return None
         quotas.release(policy.name)
         return QuotaRefused(reason)
+
+    def take_rows(self, gateway: int, arrival: Arrival, now_s: float) -> QuotaRefused | None:
+        """Charges an admitted call's row to its tenant's row rate, after the gateway's
+        throttle (a call it refuses spends none, as in the predictor); a refused call is no
+        longer in flight."""
+        policy = self._tenants.get(arrival.tenant)
+        if policy is None:
+            return None
+        quotas = self._quotas[gateway]
+        refusal = quotas.take_rows(policy, 1, now_s)
+        if refusal is None:
+            return None
+        quotas.release(policy.name)
+        return QuotaRefused(refusal.quota)
+
+    def give_back_rows(self, gateway: int, arrival: Arrival, now_s: float) -> None:
+        """The row of a call never served (refused downstream for load, unrun) returns to its
+        tenant's row rate (admission.never_served)."""
+        if arrival.tenant in self._tenants:
+            self._quotas[gateway].give_back_rows(arrival.tenant, 1, now_s)
 
     def release(self, gateway: int, tenant: str) -> None:
         """The call admitted at `gateway` was answered or refused downstream."""

@@ -60,12 +60,46 @@ def test_a_class_or_model_not_granted_is_refused_and_holds_no_slot() -> None:
 
 def test_the_row_rate_refuses_after_the_request_token_and_frees_the_slot() -> None:
     admission = make_admission(rows_per_s=2.0, burst_s=1.0, max_concurrency=5)
-    assert [admission.admit(0, make_arrival(), now_s=0.0) for _ in range(3)] == [
+    arrival = make_arrival()
+    admitted = [admission.admit(0, arrival, now_s=0.0) for _ in range(3)]
+    assert admitted == [None] * 3  # the row rate is charged apart, after the throttle
+    assert [admission.take_rows(0, arrival, now_s=0.0) for _ in range(3)] == [
         None,
         None,
         QuotaRefused("rows_per_s"),
     ]
     assert admission.in_flight(0, "t") == 2
+    admission.give_back_rows(0, arrival, now_s=0.0)  # one refused downstream for load, unrun
+    assert admission.take_rows(0, arrival, now_s=0.0) is None
+
+
+def test_calls_the_throttle_or_downstream_refuses_spend_none_of_their_tenants_rows() -> None:
+    """The real gateway charges a call's rows after its throttle and gives them back when the
+    call is refused downstream for load (predictor.py, admission.never_served); the simulated
+    one charged every call before its throttle and kept them all: after a flood its tenant was
+    refused for rows it never got (review finding). One worker, a tenant offering 6,000 calls/s
+    against ~2,000 served with a row rate of 3,000/s: the rows refused stay few."""
+    summary = run(
+        make_scenario(
+            fleet={"workers": 1},
+            tenants={"b": {"rows_per_s": 3000, "burst_s": 0.5}},
+            traffic={"streams": [{"tenant": "b", "rate_per_s": 6000, "timeout_ms": 200}]},
+            duration_s=4,
+        )
+    ).summary
+    refusals = summary["refusals"]
+    throttled_or_downstream = sum(
+        v for k, v in refusals.items() if not k.startswith("gateway_quota")
+    )
+    assert throttled_or_downstream > 5000
+    assert refusals.get("gateway_quota_rows_per_s", 0) < 0.2 * throttled_or_downstream, refusals
+
+
+def test_the_simulated_router_retries_as_often_as_the_real_one() -> None:
+    from services.router.config import RouterConfig
+    from services.sim.fleet_config import FleetConfig
+
+    assert FleetConfig().max_retries == RouterConfig.max_retries
 
 
 def test_a_tenant_without_a_table_is_unlimited() -> None:
