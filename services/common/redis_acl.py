@@ -6,7 +6,7 @@ services.common.registry_schema):
   SET) and deregisters (ZREM, DEL), on the registry keys, and reads the desired model state
   (HGETALL of `<prefix>:repository`, services.common.repository_state; Redis 6 ACLs cannot
   make that key read-only).
-- `router`: reads the registry (ZRANGE, MGET, TIME) and writes nothing.
+- `router`: reads the registry (ZRANGE, MGET, TIME, and GET of its epoch) and writes nothing.
 - `gateway`: shares tenants' quota demand (HSET, HGETALL, HDEL) on the quota keys and reads
   the runtime model routing (HGETALL of `<prefix>:rollout`; Redis 6 ACLs cannot make one key
   read-only, so it could also write it) (services.gateway.quota_sync, routing_sync), and writes
@@ -64,7 +64,7 @@ JOB_COMMANDS = (
 #: Commands each role needs beyond `ping`, and nothing else. The worker's publish script runs
 #: inside EVALSHA under the worker's own rights, hence TIME, ZADD and SET.
 ROLE_COMMANDS: Mapping[str, tuple[str, ...]] = {
-    ROUTER: ("zrange", "mget", "time"),
+    ROUTER: ("zrange", "mget", "time", "get"),
     WORKER: (
         "evalsha",
         "script|load",
@@ -103,7 +103,9 @@ def acl_lines(passwords: Mapping[str, str], *, registry_prefix: str = "fabric") 
         raise ValueError(f"no password for Redis role(s) {', '.join(missing)}")
     if not registry_prefix or not all(c.isalnum() or c in "-_." for c in registry_prefix):
         raise ValueError(f"registry prefix {registry_prefix!r}: letters, digits, - _ . only")
-    registry_keys = f"~{registry_prefix}:workers ~{registry_prefix}:worker:*"
+    registry_keys = (
+        f"~{registry_prefix}:workers ~{registry_prefix}:worker:* ~{registry_prefix}:epoch"
+    )
     job_keys = f"~{registry_prefix}:job:* ~{registry_prefix}:jobs:*"
     repository_keys = f"~{registry_prefix}:repository"  # desired model state (repository_state)
     role_keys = {

@@ -201,6 +201,13 @@ class RegistryKeys:
     def worker(self, worker_id: str) -> str:
         return f"{self.prefix}:worker:{worker_id}"
 
+    @property
+    def epoch(self) -> str:
+        """A token the first heartbeat into an empty Redis writes (SET NX): it changes when
+        Redis loses the registry (restarted empty, flushed, failed over to an empty replica),
+        which a router's reads may not see fail (a client retrying the connection)."""
+        return f"{self.prefix}:epoch"
+
 
 #: Routing metadata the gateway attaches to a router call, so the router forwards the body as
 #: opaque bytes without parsing it.

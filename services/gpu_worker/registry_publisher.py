@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -35,6 +36,7 @@ local ms = tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)
 redis.call('ZADD', KEYS[1], ms, ARGV[1])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
 redis.pcall('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (ms - tonumber(ARGV[4])))
+redis.call('SET', KEYS[3], ARGV[5], 'NX')
 return ms
 """
 #: How long a worker that stopped beating stays a member of the registry's sorted set.
@@ -56,18 +58,21 @@ class HeartbeatPublisher:
         self._config = config
         self._record = record
         self._script = client.register_script(_PUBLISH)
+        #: What this publisher writes as the registry's epoch when it finds none (RegistryKeys).
+        self._epoch = secrets.token_hex(8)
         self._wake = Wakeup()
         self.is_connected = False
 
     async def publish_once(self) -> None:
         record = self._record()
         await self._script(
-            keys=[self._keys.workers, self._keys.worker(record.worker_id)],
+            keys=[self._keys.workers, self._keys.worker(record.worker_id), self._keys.epoch],
             args=[
                 record.worker_id,
                 record.to_json(),
                 int(self._config.ttl_s * 1000),
                 int(FORGET_AFTER_S * 1000),
+                self._epoch,
             ],
         )
 

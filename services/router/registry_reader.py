@@ -5,7 +5,9 @@ When Redis is unreachable the last good snapshot stays in force (the route table
 long), health reports the registry degraded, and reads retry with capped backoff. Should it come
 back empty (restarted), that snapshot stays frozen until the first worker has re-registered, and
 its workers stay in it for REFILL_S more while the others re-register; or, should none have
-re-registered after REFILL_S of empty reads, the empty registry is taken.
+re-registered after REFILL_S of empty reads, the empty registry is taken. A Redis that lost the
+registry with no read failing (restarted between two reads, flushed, failed over to an empty
+replica) is told by the registry's epoch changing (RegistryKeys.epoch), and refilled alike.
 
 Records whose address is outside the allowed worker networks (services.router.worker_networks)
 never reach the route table: each such read counts them, and each is logged once while it stays.
@@ -80,6 +82,8 @@ class RegistrySync:
         self._held: dict[str, tuple[WorkerRecord, float]] = {}
         #: When the reads after an outage began to find Redis empty; None otherwise.
         self._empty_since_s: float | None = None
+        #: The registry's epoch at the last read (RegistryKeys.epoch).
+        self._epoch: str | None = None
         self._heartbeats = HeartbeatClock()
         #: When each (model, version) was last served by a live worker (forgotten past
         #: FORGET_VERSION_S, its metrics with it).
@@ -92,6 +96,15 @@ class RegistrySync:
         read = await read_fleet(self._client, self._keys, self._worker_networks)
         records, redis_now_s = read.records, read.now_s
         now_s = time.monotonic()
+        if read.epoch != self._epoch:
+            if self._epoch is not None and self._table.has_snapshot and not self._awaits_refill:
+                # Redis lost the registry though no read failed (restarted between two reads,
+                # their client reconnecting; flushed; failed over to an empty replica): as
+                # after an outage, the snapshot's workers stay while they re-register. Taken
+                # as it came, the first worker back stood for the fleet (review finding).
+                log.warning("registry: Redis lost the registry (its epoch changed); refilling")
+                self._awaits_refill, self._empty_since_s = True, None
+            self._epoch = read.epoch
         if not records and self._awaits_refill and self._table.has_snapshot:
             # Redis is back, empty (restarted): workers re-register at their next heartbeat,
             # which their retry backoff may hold back for seconds. An update now would judge
@@ -248,6 +261,8 @@ class RegistryRead(NamedTuple):
     now_s: float
     #: The ids still registered whose record has expired: workers that stopped beating.
     expired: frozenset[str]
+    #: The registry's epoch (RegistryKeys.epoch); None: none written (empty, or older workers).
+    epoch: str | None = None
 
 
 async def read_registry(
@@ -270,10 +285,12 @@ async def read_fleet(
     async with client.pipeline(transaction=False) as pipe:
         pipe.zrange(keys.workers, 0, -1, withscores=True)
         pipe.time()
-        members, (seconds, micros) = await pipe.execute()
+        pipe.get(keys.epoch)
+        members, (seconds, micros), raw_epoch = await pipe.execute()
     now_s = seconds + micros / 1e6
+    epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else raw_epoch
     if not members:
-        return RegistryRead([], now_s, frozenset())
+        return RegistryRead([], now_s, frozenset(), epoch)
     # A member that is not UTF-8 (anyone holding the worker credential can write one) reads
     # as its replacement, whose record key holds nothing: decoded strictly, it failed every
     # router's refresh, for good (review finding).
@@ -296,7 +313,7 @@ async def read_fleet(
     _warned_malformed.clear()  # a record that reads again, or whose worker left, is forgotten
     _warned_malformed.update(malformed)
     _warned_older.intersection_update(ids)  # older workers gone (never in the table: kept)
-    return RegistryRead(_current_api_first(records, networks), now_s, frozenset(expired))
+    return RegistryRead(_current_api_first(records, networks), now_s, frozenset(expired), epoch)
 
 
 def _current_api_first(

@@ -239,6 +239,45 @@ async def test_a_version_no_worker_serves_any_more_has_its_series_removed(
         await ended((task, beating), (worker, router))
 
 
+async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis loses the registry between two reads, none failing (FLUSHALL here; as well a
+    restart the router's client reconnects through, or a failover to an empty replica): w0
+    re-registers at its next beat, w1 not yet. The first read after took w0 for the fleet and
+    dropped w1 (review finding); the registry's epoch changed, so w1 is held for REFILL_S,
+    as after an outage, then dropped. Heartbeats stay fresh 30 s: only the hold keeps it."""
+    monkeypatch.setattr(registry_reader, "REFILL_S", 3.0)
+    table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
+    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
+    router = connect(redis_server.router_url)
+    sync = new_sync(router, table)
+    w0, w1 = two_workers(worker)
+
+    def live() -> set[str]:
+        return {w.worker_id for w in table.live_workers(time.monotonic())}
+
+    task = asyncio.create_task(sync.run())
+    beating = asyncio.create_task(heartbeats(w0))
+    try:
+        await w1.publish_once()
+        await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
+        await admin.flushall()
+        lost_s = time.monotonic()
+
+        async def w0_back() -> bool:
+            return await admin.zscore(KEYS.workers, "w0") is not None
+
+        await eventually(w0_back, timeout_s=10)
+        await asyncio.sleep(0.3)  # several reads (every 0.05 s) with w0 alone registered
+        assert not sync.is_degraded  # no read failed
+        assert live() == {"w0", "w1"}
+        assert time.monotonic() - lost_s < registry_reader.REFILL_S  # still within the hold
+        await eventually(lambda: live() == {"w0"}, timeout_s=10)
+    finally:
+        await ended((task, beating), (admin, worker, router))
+
+
 async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
     redis_server: RedisServer,
 ) -> None:

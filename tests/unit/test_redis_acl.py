@@ -46,12 +46,19 @@ def test_default_user_is_off_and_can_do_nothing() -> None:
 def test_each_role_gets_only_its_commands_on_the_registry_keys() -> None:
     rules = user_rules(acl_lines(PASSWORDS, registry_prefix="blue"))
     router, worker = rules["router"], rules["worker"]
-    assert {r for r in router if r.startswith("+")} == {"+ping", "+zrange", "+mget", "+time"}
+    # The router reads the registry's epoch too (GET): it tells a Redis that lost the registry.
+    assert {r for r in router if r.startswith("+")} == {
+        "+ping",
+        "+zrange",
+        "+mget",
+        "+time",
+        "+get",
+    }
     assert {r for r in worker if r.startswith("+")} == {
         "+ping", "+evalsha", "+script|load", "+time", "+zadd", "+zremrangebyscore", "+set",
         "+zrem", "+del", "+hgetall",
     }  # fmt: skip
-    registry_keys = {"~blue:workers", "~blue:worker:*"}
+    registry_keys = {"~blue:workers", "~blue:worker:*", "~blue:epoch"}
     assert {r for r in router if r.startswith("~")} == registry_keys
     # Workers also read the fleet's desired model state (services.common.repository_state).
     assert {r for r in worker if r.startswith("~")} == {*registry_keys, "~blue:repository"}
