@@ -40,10 +40,11 @@ _MAX_BACKOFF_S = 5.0
 #: Once Redis is back after an outage, how long the workers of the snapshot held through it
 #: stay routable without having re-registered: their heartbeats' retry backoff (5 s at most)
 #: spreads their return over seconds, and the first to return must not stand for the fleet.
-#: A worker still registered whose record expired meanwhile is dead (Redis kept its data), and
-#: is not held; the reads cannot tell one that deregistered meanwhile from one not back in a
-#: restarted Redis, so it stays: its calls fail UNAVAILABLE, which ejects it and sends them to
-#: another worker.
+#: The reads cannot tell a worker that left meanwhile (deregistered, or its record expired)
+#: from one not back yet: after an outage that cut the workers off too, every record has
+#: expired while every worker is still registered, and holding only those with a record let
+#: the first worker back stand for the fleet (diff review). So it stays: its calls fail
+#: UNAVAILABLE, which ejects it and sends them to another worker.
 REFILL_S = 10.0
 #: How long a model version no live worker serves keeps its series (a rollout's old version,
 #: or one every worker of dropped for a while), seconds.
@@ -134,8 +135,7 @@ class RegistrySync:
         split = admit_records(records, self._worker_networks)
         self._note_rejected(split.rejected)
         admitted = self._heartbeats.on_our_clock(split.admitted, redis_now_s, now_s)
-        not_back = self._not_back_yet(admitted, read.expired, now_s)
-        gone = self._table.update([*admitted, *not_back], now_s)
+        gone = self._table.update([*admitted, *self._not_back_yet(admitted, now_s)], now_s)
         if gone:
             self._metrics.forget_workers(gone)
             _warned_older.difference_update(gone)
@@ -150,16 +150,14 @@ class RegistrySync:
                 log.exception("registry: after-refresh hook failed")
 
     def _not_back_yet(
-        self, admitted: list[tuple[WorkerRecord, float]], expired: AbstractSet[str], now_s: float
+        self, admitted: list[tuple[WorkerRecord, float]], now_s: float
     ) -> list[tuple[WorkerRecord, float]]:
         """The workers held through an outage that have not re-registered since, alive as of
         now, for REFILL_S after Redis came back (a restarted Redis is refilled by each worker's
-        next heartbeat): until each is back, its models stay served. One still registered
-        whose record `expired` is not held: it stopped beating (held, a worker that died
-        during a read's hiccup was routed to for REFILL_S: review finding)."""
+        next heartbeat): until each is back, its models stay served."""
         if not self._held:
             return []
-        back = {record.worker_id for record, _ in admitted} | expired
+        back = {record.worker_id for record, _ in admitted}
         self._held = {
             worker_id: (record, until_s)
             for worker_id, (record, until_s) in self._held.items()
@@ -259,8 +257,6 @@ class RegistryRead(NamedTuple):
     records: list[tuple[WorkerRecord, float]]
     #: Redis's `now`, seconds.
     now_s: float
-    #: The ids still registered whose record has expired: workers that stopped beating.
-    expired: frozenset[str]
     #: The registry's epoch (RegistryKeys.epoch); None: none written (empty, or older workers).
     epoch: str | None = None
 
@@ -278,7 +274,7 @@ async def read_registry(
 async def read_fleet(
     client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
 ) -> RegistryRead:
-    """`read_registry`'s records and time, and the registered ids whose record expired.
+    """`read_registry`'s records and time, and the registry's epoch.
 
     Two round trips (ids+scores+time, then records), once per refresh period: never per request.
     """
@@ -290,17 +286,16 @@ async def read_fleet(
     now_s = seconds + micros / 1e6
     epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else raw_epoch
     if not members:
-        return RegistryRead([], now_s, frozenset(), epoch)
+        return RegistryRead([], now_s, epoch)
     # A member that is not UTF-8 (anyone holding the worker credential can write one) reads
     # as its replacement, whose record key holds nothing: decoded strictly, it failed every
     # router's refresh, for good (review finding).
     ids = [m.decode(errors="replace") if isinstance(m, bytes) else m for m, _ in members]
     raw_records = await client.mget([keys.worker(i) for i in ids])
-    records, malformed, expired = [], {}, set()
+    records, malformed = [], {}
     for worker_id, (_, score_ms), raw in zip(ids, members, raw_records, strict=True):
         if raw is None:
-            expired.add(worker_id)  # record key expired: the worker stopped long ago
-            continue
+            continue  # record key expired: the worker stopped long ago
         try:
             record = WorkerRecord.from_json(raw)
             if record.worker_id != worker_id:  # forged, or copied: one id twice in the table
@@ -313,7 +308,7 @@ async def read_fleet(
     _warned_malformed.clear()  # a record that reads again, or whose worker left, is forgotten
     _warned_malformed.update(malformed)
     _warned_older.intersection_update(ids)  # older workers gone (never in the table: kept)
-    return RegistryRead(_current_api_first(records, networks), now_s, frozenset(expired), epoch)
+    return RegistryRead(_current_api_first(records, networks), now_s, epoch)
 
 
 def _current_api_first(

@@ -165,39 +165,45 @@ async def test_a_worker_gone_during_an_outage_is_held_once_however_often_redis_f
         await ended((task, beating), (admin, worker, router))
 
 
-async def test_a_worker_whose_record_expired_while_reads_failed_is_not_held(
+async def test_workers_cut_off_with_the_router_are_held_until_they_return(
     redis_server: RedisServer,
 ) -> None:
-    """w1 stops beating and its record expires while the router's reads fail (its user
-    refused ZRANGE, NOPERM: Redis keeps its data): still registered, its record gone, it is
-    dead, not a worker yet to re-register in a restarted Redis. It was held for REFILL_S all
-    the same, routed to as if alive (review finding). Heartbeats stay fresh for 30 s here, so
-    only the hold could keep it."""
+    """Redis kept its data but no one could reach it for longer than the records' TTL (a
+    partition): when it is back every worker is still registered, every record expired, and
+    the workers return one by one over their backoff. The first back must not stand for the
+    fleet: w1, not back yet, stays held. (A change that dropped registered workers whose
+    record had expired, meant for workers that died while only the router was cut off, did
+    exactly that: diff review.) Heartbeats stay fresh 30 s here: only the hold keeps it."""
     table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
     admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
     router = connect(redis_server.router_url)
     sync = new_sync(router, table)
-    w0 = two_workers(worker)[0]
-    record = WorkerRecord("w1", "127.0.0.1:50051", is_draining=False, sent_at_ms=0, models=())
-    w1 = HeartbeatPublisher(worker, KEYS, HeartbeatConfig(ttl_s=60.0), lambda: record)
+    w0, w1 = two_workers(worker)
 
     def live() -> set[str]:
         return {w.worker_id for w in table.live_workers(time.monotonic())}
 
     task = asyncio.create_task(sync.run())
-    beating = asyncio.create_task(heartbeats(w0))
     try:
-        await w1.publish_once()
+        for publisher in (w0, w1):
+            await publisher.publish_once()
         await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
         await admin.execute_command("ACL", "SETUSER", "router", "-zrange")
         await eventually(lambda: sync.is_degraded, timeout_s=10)
-        assert await admin.delete(KEYS.worker("w1")) == 1  # expired, as its TTL would have it
-        assert await admin.zscore(KEYS.workers, "w1") is not None  # still registered
+        # The records expire as their TTL has it (the members stay for FORGET_AFTER_S).
+        assert await admin.delete(KEYS.worker("w0"), KEYS.worker("w1")) == 2
         await admin.execute_command("ACL", "SETUSER", "router", "+zrange")
         await eventually(lambda: not sync.is_degraded, timeout_s=10)
-        assert live() == {"w0"}
+        await w0.publish_once()  # the first back
+
+        async def read_w0_back() -> bool:
+            return await admin.exists(KEYS.worker("w0")) == 1
+
+        await eventually(read_w0_back, timeout_s=10)
+        await asyncio.sleep(0.3)  # several reads (every 0.05 s) with w0 back alone
+        assert live() == {"w0", "w1"}
     finally:
-        await ended((task, beating), (admin, worker, router))
+        await ended((task,), (admin, worker, router))
 
 
 async def test_a_version_no_worker_serves_any_more_has_its_series_removed(
