@@ -17,7 +17,6 @@ from inference_fabric_client.throttle import AdaptiveThrottle
 from bench.fabric.loadgen import (
     Send,
     arrival_schedule,
-    generator_priority,
     run_closed_loop,
     run_open_loop,
     split_windows,
@@ -25,6 +24,7 @@ from bench.fabric.loadgen import (
 )
 from bench.fabric.observe import Observer, Snapshot, breakdown, cpu_delta, threads_delta
 from bench.fabric.report import bursty_name
+from bench.fabric.scheduling import generator_priority
 from bench.fabric.sweep import GoodputSearch, RateResult, percentile, summarize_rate
 
 #: The first guess for the sweep, as a share of closed-loop throughput: an open-loop server
@@ -60,7 +60,7 @@ class Settings:
     length_buckets: tuple[int, ...] | None
     seed: int
     #: How the generator runs ahead of the stack in floods, and in a rate measured again for
-    #: its late sends: "rr", "nice" or "none" (see bench.fabric.loadgen.generator_priority).
+    #: its late sends: "rr", "nice" or "none" (see bench.fabric.scheduling.generator_priority).
     loadgen_priority: str = "rr"
     #: How it runs below capacity (sweeps, bursty arrivals, the traffic after floods; and from
     #: ready, measured once, so never raised): as an ordinary process, competing with the stack

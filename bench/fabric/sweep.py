@@ -3,8 +3,9 @@ goodput search. No I/O and no clock, so every rule here is unit-tested on made-u
 
 Goodput is the highest offered rate at which at least 99% of requests succeed within the SLO
 (bench method, docs/benchmarks.md). A rate is measured in several windows; figures are
-reported as the median and min-max over windows, and the pass rule pools the valid windows
-(a 1% threshold needs every request it can get).
+reported as the median and min-max over windows, and the pass rule pools every window (a 1%
+threshold needs every request it can get), the rate void when more than 1% of its sends left
+late.
 """
 
 from __future__ import annotations

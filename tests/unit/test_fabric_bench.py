@@ -292,7 +292,7 @@ async def test_a_rate_is_sent_on_its_burstinesss_schedule_at_the_priority_asked(
 ) -> None:
     """measure_rate through the real open-loop generator: the schedule drawn at the burstiness
     given, the generator at the priority given (recorded in place of
-    `loadgen.generator_priority`, which would change this test process's scheduling)."""
+    `scheduling.generator_priority`, which would change this test process's scheduling)."""
     drawn: list[float] = []
     used: list[str] = []
 
