@@ -104,6 +104,12 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):  # never ejected: no series
                 self.ejections_total.remove(worker_id)
 
+    def versions(self) -> set[tuple[str, str]]:
+        """The (model, version) of every per-version series kept."""
+        children = (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
+                    self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
+        return {(values[0], values[1]) for of in children for values in list(of)}
+
     def forget_versions(self, versions: Iterable[tuple[str, str]]) -> None:
         """Removes the series of model versions (name, version) no worker serves any more:
         every rollout adds a version's ~50 series (two histograms, codes, reasons, workers),

@@ -168,6 +168,10 @@ class RegistrySync:
     def _forget_unserved(self, live: tuple[WorkerRecord, ...], now_s: float) -> None:
         served = self._served_at_s
         served.update(((m.name, m.version), now_s) for worker in live for m in worker.models)
+        # A version no worker serves whose series came back (calls still asking for it,
+        # refused) is forgotten FORGET_VERSION_S after they did, again (diff review).
+        for key in self._metrics.versions() - served.keys():
+            served[key] = now_s
         gone = [key for key, at_s in served.items() if now_s - at_s > FORGET_VERSION_S]
         for key in gone:
             del served[key]

@@ -241,6 +241,10 @@ async def test_a_version_no_worker_serves_any_more_has_its_series_removed(
         await eventually(lambda: not exported("1"), timeout_s=10)
         assert exported("2")
         assert ("m", "1", "OK") not in metrics.responses_total_of
+        # Calls still asking for m@1 are refused: its series come back, and go again.
+        metrics.rejected_total_of["m", "1", "no_worker"].inc()
+        assert exported("1")
+        await eventually(lambda: not exported("1"), timeout_s=10)
     finally:
         await ended((task, beating), (worker, router))
 
