@@ -21,7 +21,7 @@ from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from tests.support.metrics import samples, scrape, total
 from tests.support.models import write_small_minilm_repository
-from tests.support.stack import Stack, start_stack
+from tests.support.stack import Stack, Tier, start_stack
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
@@ -117,6 +117,27 @@ async def test_connections_spread_over_both_processes_and_metrics_tell_them_apar
     assert sorted(labels["gateway_process"] for labels, _ in cpu) == ["0", "1"]
 
 
+async def replaced_and_serving(gateway: Tier, restarts: float, gone: int, kept: int) -> None:
+    """Waits until the group restarted process `gone` (one restart more than `restarts`) beside
+    `kept`, and the replacement serves: its series back in the group's metrics, then 32 calls
+    over 16 new connections all OK."""
+
+    def replaced() -> bool:
+        text = scrape(gateway.metrics_port)
+        restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == restarts + 1
+        pids = children_of(gateway.pid)
+        return restarted and len(pids) == 2 and gone not in pids and kept in pids
+
+    await eventually(replaced, timeout_s=60, message=f"process {gone} was replaced")
+    await eventually(
+        lambda: len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2,
+        timeout_s=60,
+        message="the replacement serves its metrics",
+    )
+    codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
+    assert codes == ["OK"] * 32
+
+
 async def test_a_hung_process_is_killed_and_replaced(group_stack: Stack) -> None:
     """A process stopped (SIGSTOP: alive, its event loop hung, its share of the ports still
     drawing connections, whose calls hang) no longer beats (beats.beat_file): the supervisor
@@ -127,24 +148,10 @@ async def test_a_hung_process_is_killed_and_replaced(group_stack: Stack) -> None
     hung, other = children_of(gateway.pid)
     os.kill(hung, signal.SIGSTOP)
     try:
-
-        def replaced() -> bool:
-            text = scrape(gateway.metrics_port)
-            restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == restarts + 1
-            pids = children_of(gateway.pid)
-            return restarted and len(pids) == 2 and hung not in pids and other in pids
-
-        await eventually(replaced, timeout_s=60, message="the hung process was replaced")
+        await replaced_and_serving(gateway, restarts, hung, other)
     finally:
         if read_stat(hung) is not None:
             os.kill(hung, signal.SIGCONT)
-    await eventually(
-        lambda: len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2,
-        timeout_s=60,
-        message="the replacement serves its metrics",
-    )
-    codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
-    assert codes == ["OK"] * 32
 
 
 async def test_a_killed_process_is_replaced_and_calls_keep_succeeding(
@@ -155,22 +162,7 @@ async def test_a_killed_process_is_replaced_and_calls_keep_succeeding(
     restarts = total(scrape(gateway.metrics_port), names.GATEWAY_PROCESS_RESTARTS_TOTAL)
     first, second = children_of(gateway.pid)
     os.kill(first, signal.SIGKILL)
-
-    def replaced() -> bool:
-        text = scrape(gateway.metrics_port)
-        restarted = total(text, names.GATEWAY_PROCESS_RESTARTS_TOTAL) == restarts + 1
-        pids = children_of(gateway.pid)
-        return restarted and len(pids) == 2 and first not in pids and second in pids
-
-    await eventually(replaced, timeout_s=60, message="the killed process was replaced")
-    # The replacement is ready once its series are back in the group's metrics.
-    await eventually(
-        lambda: len(samples(scrape(gateway.metrics_port), names.PROCESS_CPU_SECONDS_TOTAL)) == 2,
-        timeout_s=60,
-        message="the replacement serves its metrics",
-    )
-    codes = await predict_over_new_connections(f"127.0.0.1:{gateway.grpc_port}", 16)
-    assert codes == ["OK"] * 32
+    await replaced_and_serving(gateway, restarts, first, second)
     # Killing the supervisor takes its processes with it: nothing is left serving.
     survivors = children_of(gateway.pid)
     os.kill(gateway.pid, signal.SIGKILL)

@@ -8,6 +8,7 @@ import dataclasses
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import pytest
 import redis.asyncio as aioredis
@@ -81,6 +82,34 @@ async def ended(tasks: Sequence[asyncio.Task[None]], clients: Sequence[aioredis.
     await asyncio.gather(*tasks, return_exceptions=True)
     for client in clients:
         await client.aclose()
+
+
+@dataclass
+class FreshFleet:
+    """Workers w0 and w1 (their publishers, not beating) and a router's sync reading every
+    0.05 s into a table whose heartbeats stay fresh 30 s: only a hold keeps a worker that no
+    longer beats."""
+
+    table: RouteTable
+    admin: aioredis.Redis
+    worker: aioredis.Redis
+    router: aioredis.Redis
+    sync: RegistrySync
+    w0: HeartbeatPublisher
+    w1: HeartbeatPublisher
+
+    @classmethod
+    def start(cls, redis_server: RedisServer) -> FreshFleet:
+        table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
+        admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
+        router = connect(redis_server.router_url)
+        return cls(table, admin, worker, router, new_sync(router, table), *two_workers(worker))
+
+    def live(self) -> set[str]:
+        return {w.worker_id for w in self.table.live_workers(time.monotonic())}
+
+    async def end(self, *tasks: asyncio.Task[None]) -> None:
+        await ended(tasks, (self.admin, self.worker, self.router))
 
 
 async def test_an_empty_registry_after_an_outage_is_taken_once_no_worker_returns_in_time(
@@ -174,15 +203,8 @@ async def test_workers_cut_off_with_the_router_are_held_until_they_return(
     fleet: w1, not back yet, stays held. (A change that dropped registered workers whose
     record had expired, meant for workers that died while only the router was cut off, did
     exactly that: diff review.) Heartbeats stay fresh 30 s here: only the hold keeps it."""
-    table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
-    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
-    router = connect(redis_server.router_url)
-    sync = new_sync(router, table)
-    w0, w1 = two_workers(worker)
-
-    def live() -> set[str]:
-        return {w.worker_id for w in table.live_workers(time.monotonic())}
-
+    fleet = FreshFleet.start(redis_server)
+    admin, sync, w0, w1, live = fleet.admin, fleet.sync, fleet.w0, fleet.w1, fleet.live
     task = asyncio.create_task(sync.run())
     try:
         for publisher in (w0, w1):
@@ -203,7 +225,7 @@ async def test_workers_cut_off_with_the_router_are_held_until_they_return(
         await asyncio.sleep(0.3)  # several reads (every 0.05 s) with w0 back alone
         assert live() == {"w0", "w1"}
     finally:
-        await ended((task,), (admin, worker, router))
+        await fleet.end(task)
 
 
 async def test_a_version_no_worker_serves_any_more_has_its_series_removed(
@@ -258,15 +280,8 @@ async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
     dropped w1 (review finding); the registry's epoch changed, so w1 is held for REFILL_S,
     as after an outage, then dropped. Heartbeats stay fresh 30 s: only the hold keeps it."""
     monkeypatch.setattr(registry_reader, "REFILL_S", 3.0)
-    table = RouteTable(RoutingConfig(stale_after_s=30.0), random.Random())
-    admin, worker = connect(redis_server.url), connect(redis_server.worker_url)
-    router = connect(redis_server.router_url)
-    sync = new_sync(router, table)
-    w0, w1 = two_workers(worker)
-
-    def live() -> set[str]:
-        return {w.worker_id for w in table.live_workers(time.monotonic())}
-
+    fleet = FreshFleet.start(redis_server)
+    admin, sync, w0, w1, live = fleet.admin, fleet.sync, fleet.w0, fleet.w1, fleet.live
     task = asyncio.create_task(sync.run())
     beating = asyncio.create_task(heartbeats(w0))
     try:
@@ -285,7 +300,7 @@ async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
         assert time.monotonic() - lost_s < registry_reader.REFILL_S  # still within the hold
         await eventually(lambda: live() == {"w0"}, timeout_s=10)
     finally:
-        await ended((task, beating), (admin, worker, router))
+        await fleet.end(task, beating)
 
 
 async def test_a_dead_worker_stamped_before_redis_stepped_back_goes_stale_on_our_clock(
