@@ -41,7 +41,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -54,6 +54,8 @@ from services.common.lifecycle import (
     NOT_SERVING,
     SERVING,
     add_health_and_reflection,
+    bound_stop,
+    exit_stopped,
     new_server,
     set_serving,
     start_metrics,
@@ -271,7 +273,7 @@ async def follow_engine_health(
         await asyncio.sleep(HEALTH_PERIOD_S)
 
 
-async def serve(config: WorkerConfig, engine_dir: Path) -> int:
+async def serve(config: WorkerConfig, engine_dir: Path) -> NoReturn:
     options = (*channel_options(), ("grpc.max_send_message_length", config.max_message_bytes))
     channel = grpc.aio.insecure_channel(engine_grpc_target(engine_dir), options=options)
     server = new_server(
@@ -314,6 +316,9 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     )
     log.info("worker front on %s:%d, metrics on %d", config.host, port, metrics_port)
     await stopping.wait()
+    # Bounded, as every tier's stop: a front whose engine died (SIGTERM from the kernel) has
+    # no engine to SIGKILL it past its wait, and an orphan outlived it (review finding).
+    bound_stop(config.drain_grace_s + 1.0)
     following.cancel()
     if health_listener is not None:
         # First: the health port is shared (SO_REUSEPORT) with the other fronts, which still
@@ -336,7 +341,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> int:
     if beating is not None:
         beating.cancel()
     log.info("worker front stopped")
-    return 0
+    exit_stopped(0)  # no interpreter teardown, which can block on grpc's threads
 
 
 def die_with(engine_pid: int) -> None:
@@ -357,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     die_with(own.engine_pid)
     config = parse_config(rest)
     configure_logging("gpu_worker_front", config.logging)
-    raise SystemExit(event_loop.run(serve(config, own.engine_dir), config.event_loop))
+    event_loop.run(serve(config, own.engine_dir), config.event_loop)
 
 
 if __name__ == "__main__":
