@@ -99,8 +99,8 @@ def check_limits(
     max_message_bytes: int, max_concurrent_rpcs: int, max_pending_calls: int = 0
 ) -> None:
     """ValueError unless the limits are usable (a config's validation calls this)."""
-    if max_message_bytes < 1024:
-        raise ValueError(f"max_message_bytes must be at least 1024, got {max_message_bytes}")
+    if not 1024 <= max_message_bytes < 2**31:  # grpc takes it as a C int
+        raise ValueError(f"max_message_bytes must be in [1024, 2**31), got {max_message_bytes}")
     if max_concurrent_rpcs < 0:
         raise ValueError(
             f"max_concurrent_rpcs must be >= 0 (0: no limit), got {max_concurrent_rpcs}"

@@ -172,7 +172,8 @@ def _tensor_specs(raw: Any, key: str, path: Path) -> tuple[TensorSpec, ...]:
         dims = spec.get("dims")
         if dtype not in _DTYPES:
             raise ModelConfigError(f"{path}: {key}.{name}.dtype must be one of {sorted(_DTYPES)}")
-        if not isinstance(dims, list) or not all(isinstance(d, int) and d > 0 for d in dims):
+        # type(d) is int: a TOML bool is an int too (dims = [true] read as 1: review finding).
+        if not isinstance(dims, list) or not all(type(d) is int and d > 0 for d in dims):
             raise ModelConfigError(f"{path}: {key}.{name}.dims must be a list of positive ints")
         specs.append(TensorSpec(name=name, dtype=dtype, dims=tuple(dims)))
     return tuple(specs)
@@ -281,8 +282,12 @@ def _generation_settings(raw: dict[str, Any], path: Path) -> GenerationSettings:
             f"{path}: [generation] prefix_caching must be one of {PREFIX_CACHING_SCOPES},"
             f" got {generation.prefix_caching!r}"
         )
-    if generation.watermark_blocks < 0:
-        raise ModelConfigError(f"{path}: [generation] watermark_blocks must be >= 0")
+    if not 0 <= generation.watermark_blocks < generation.num_kv_blocks:
+        # At num_kv_blocks or more no sequence is admitted beside a running one (review).
+        raise ModelConfigError(
+            f"{path}: [generation] watermark_blocks must be >= 0 and below num_kv_blocks "
+            f"({generation.num_kv_blocks}), got {generation.watermark_blocks}"
+        )
     if min(generation.num_kv_blocks * generation.block_size, generation.max_model_len) < 2:
         raise ModelConfigError(f"{path}: [generation] KV cache and context hold 2 tokens or more")
     return generation

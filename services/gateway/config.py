@@ -188,7 +188,7 @@ SETTINGS = SettingsTable(
             float,
             ThrottleConfig.accepts_multiplier,
             "adaptive throttling: requests sent per request downstream accepted before the "
-            "gateway refuses locally (the SRE book's K; 0 disables the throttle)",
+            "gateway refuses locally (the SRE book's K, at least 1; 0 disables the throttle)",
             field="throttle.accepts_multiplier",
         ),
         Setting(

@@ -52,8 +52,13 @@ class ThrottleConfig:
     default_retry_after_s: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.accepts_multiplier < 0:
-            raise ValueError("accepts_multiplier must be >= 0 (0 disables the throttle)")
+        if not (self.accepts_multiplier == 0 or 1 <= self.accepts_multiplier < math.inf):
+            # Below 1 every call counts as excess even when downstream accepts them all: its
+            # refusals climb to max_reject_probability against a healthy fleet (review).
+            raise ValueError(
+                "accepts_multiplier must be 0 (the throttle off) or a finite number >= 1, got "
+                f"{self.accepts_multiplier}"
+            )
         if not 0 <= self.max_reject_probability < 1:
             raise ValueError("max_reject_probability must be in [0, 1)")
         if not (self.memory_s > 0 and 0 < self.default_retry_after_s < math.inf):

@@ -54,6 +54,8 @@ def test_prefix_caching_is_shared_unless_scoped_per_tenant_or_off(tmp_path: Path
     ("extra", "message"),
     [
         ("watermark_blocks = -1\n", "watermark_blocks must be >= 0"),
+        # As many as the cache: no sequence admitted beside a running one (review finding).
+        ("num_kv_blocks = 16\nwatermark_blocks = 16\n", "below num_kv_blocks"),
         ("block_size = 0\n", "sizes must be positive"),
         # A cache of one token serves no request (a prompt's token and one generated).
         ("num_kv_blocks = 1\nblock_size = 1\n", "hold 2 tokens or more"),
@@ -177,3 +179,16 @@ def test_a_worker_starts_without_a_model_still_being_copied_unless_its_pool_name
     assert [v.config.name for v in read_pool_at_start(tmp_path, ("good",))] == ["good"]
     with pytest.raises(ModelConfigError, match=r"staged.*no version directories"):
         read_pool_at_start(tmp_path, ("good", "staged"))
+
+
+@pytest.mark.parametrize("dims", ["[true]", "[2, false]", "[0]", "[1.5]"])
+def test_a_dimension_that_is_not_a_positive_whole_number_is_refused(
+    tmp_path: Path, dims: str
+) -> None:
+    """A TOML bool is a Python int: dims = [true] was read as a dimension of 1 (review
+    finding)."""
+    assert parse(tmp_path).max_model_len == 256  # as written, it reads
+    path = tmp_path / "config.toml"
+    path.write_text(_GENERATION.replace("dims = [1]", f"dims = {dims}", 1))
+    with pytest.raises(ModelConfigError, match="dims must be a list of positive ints"):
+        parse_model_config("llm", path)

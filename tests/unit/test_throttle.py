@@ -120,6 +120,10 @@ def test_multiplier_zero_disables_the_throttle() -> None:
     "overrides",
     [
         {"accepts_multiplier": -1.0},
+        # Below 1, calls all accepted count as excess: refusals climbed to the cap (review).
+        {"accepts_multiplier": 0.5},
+        {"accepts_multiplier": float("inf")},
+        {"accepts_multiplier": float("nan")},
         {"memory_s": 0.0},
         {"default_retry_after_s": -1.0},
         {"default_retry_after_s": 0.0},  # a refusal with no retry-after-ms
