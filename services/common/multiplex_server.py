@@ -24,6 +24,7 @@ from services.common.errors import (
     DeadlineExceeded,
     InvalidInput,
     MessageTooLarge,
+    retry_after_trailer,
 )
 from services.common.grpc_errors import answerable, is_bug, status_of
 from services.common.multiplex import MAX_CALL_BYTES, UNARY_METHOD
@@ -71,6 +72,8 @@ CLOSING_WAIT_S = 1.0
 #: (each holds a task and a context: a peer sending without bound would grow them so).
 #: A router's calls to a worker are bundles, each refused or queued within milliseconds.
 MAX_RUNNING_CALLS = 16_384
+#: The retry hint of a call refused so, seconds (jittered).
+RUNNING_FULL_RETRY_S = 0.1
 #: Results waiting to go out past which a stream reads no more calls until some have gone (a
 #: peer that sends without reading makes no unbounded pile of refusals).
 MAX_OUTBOX_RESULTS = 4 * MAX_RUNNING_CALLS
@@ -297,12 +300,14 @@ def _context_of(call: pb.MuxCall) -> CallContext:
 
 
 def _too_many_running(call_id: int) -> pb.MuxResult:
-    # Never run here: a stream's calls each hold a task and a context while they run.
+    # Never run here: a stream's calls each hold a task and a context while they run. With a
+    # retry hint, as every refusal for load has: without one no caller retried it, and the
+    # not-started mark of a RESOURCE_EXHAUSTED sends it nowhere else (review finding).
     return pb.MuxResult(
         call_id=call_id,
         code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
         message=f"{MAX_RUNNING_CALLS} calls already running on this stream",
-        trailers=dict((NOT_STARTED_TRAILER,)),
+        trailers=dict((NOT_STARTED_TRAILER, retry_after_trailer(RUNNING_FULL_RETRY_S))),
     )
 
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from services.common import multiplex_server
-from services.common.errors import NOT_STARTED_TRAILER, InvalidInput
+from services.common.errors import NOT_STARTED_TRAILER, RETRY_AFTER_MS_KEY, InvalidInput
 from services.common.multiplex_server import CallContext, _ServedStream
 from services.common.multiplex_stream import MAX_CALLS_PER_MESSAGE
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -106,7 +106,8 @@ async def test_calls_past_the_running_limit_are_refused_not_run(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A stream already running MAX_RUNNING_CALLS refuses the next call RESOURCE_EXHAUSTED
-    (marked not started) without running it; once one ends, calls run again."""
+    (marked not started, with a retry hint) without running it; once one ends, calls run
+    again."""
     monkeypatch.setattr(multiplex_server, "MAX_RUNNING_CALLS", 2)
     gate, ran = asyncio.Event(), []
 
@@ -132,7 +133,10 @@ async def test_calls_past_the_running_limit_are_refused_not_run(
         3: grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
         4: 0,
     }
-    assert dict(results[3].trailers.items()) == dict((NOT_STARTED_TRAILER,))
+    trailers = dict(results[3].trailers.items())
+    assert trailers[NOT_STARTED_TRAILER[0]] == NOT_STARTED_TRAILER[1]
+    # With a hint, as every refusal for load: without one, no caller retried it (review).
+    assert 75 <= int(trailers[RETRY_AFTER_MS_KEY]) <= 125
 
 
 async def test_a_peer_that_sends_without_reading_is_read_no_further(
