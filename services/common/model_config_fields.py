@@ -4,7 +4,7 @@ must be."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,4 +35,16 @@ MAX_SETTING = 2**31 - 1
 def positive(value: int, key: str, path: Path, least: int = 1) -> int:
     if not least <= value <= MAX_SETTING:
         raise ModelConfigError(f"{path}: {key!r} must be in [{least}, {MAX_SETTING}], got {value}")
+    return value
+
+
+def batch_tokens(raw: Mapping[str, Any], buckets: Sequence[int], path: Path) -> int:
+    """`max_batch_tokens` (0: no cap), at least the longest length bucket: below it a row of
+    that bucket ran alone, past the cap it set, and silently (review finding)."""
+    value = positive(optional(raw, "max_batch_tokens", int, 0, path), "max_batch_tokens", path, 0)
+    if 0 < value < max(buckets, default=0):
+        raise ModelConfigError(
+            f"{path}: max_batch_tokens ({value}) must be 0 or at least the longest length bucket"
+            f" ({max(buckets)}): one row of it would pass it alone"
+        )
     return value

@@ -25,6 +25,7 @@ from typing import Any
 
 from services.common.model_config_fields import MAX_SETTING as MAX_SETTING
 from services.common.model_config_fields import ModelConfigError as ModelConfigError
+from services.common.model_config_fields import batch_tokens
 from services.common.model_config_fields import optional as _optional
 from services.common.model_config_fields import positive as _positive
 from services.common.model_config_fields import require as _require
@@ -244,9 +245,7 @@ def _model_config(name: str, raw: dict[str, Any], path: Path) -> ModelConfig:
         max_batch_size=_positive(
             _require(raw, "max_batch_size", int, path), "max_batch_size", path
         ),
-        max_batch_tokens=_positive(
-            _optional(raw, "max_batch_tokens", int, 0, path), "max_batch_tokens", path, least=0
-        ),
+        max_batch_tokens=batch_tokens(raw, buckets, path),
         max_queue_size=_positive(
             _optional(raw, "max_queue_size", int, 1024, path), "max_queue_size", path
         ),

@@ -14,6 +14,7 @@ from services.common.model_repository import (
     parse_model_config,
 )
 from services.gpu_worker.repository_follower import read_pool_at_start
+from tests.support.processes import REPO_ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -192,3 +193,18 @@ def test_a_dimension_that_is_not_a_positive_whole_number_is_refused(
     path.write_text(_GENERATION.replace("dims = [1]", f"dims = {dims}", 1))
     with pytest.raises(ModelConfigError, match="dims must be a list of positive ints"):
         parse_model_config("llm", path)
+
+
+def test_max_batch_tokens_below_the_longest_bucket_is_refused(tmp_path: Path) -> None:
+    """A row of the longest bucket ran alone past the cap (batch_sizes: at least one row a
+    batch), silently (review finding); 0 (no cap) and the bucket itself are fine."""
+    text = (REPO_ROOT / "models" / "minilm" / "config.toml").read_text()
+    assert "length_buckets" in text and "max_batch_tokens = 8192" in text
+    path = tmp_path / "config.toml"
+    for tokens, refused in ((0, False), (8192, False), (100, True)):
+        path.write_text(text.replace("max_batch_tokens = 8192", f"max_batch_tokens = {tokens}"))
+        if refused:
+            with pytest.raises(ModelConfigError, match="longest length bucket"):
+                parse_model_config("minilm", path)
+        else:
+            assert parse_model_config("minilm", path).max_batch_tokens == tokens
