@@ -20,11 +20,13 @@ from typing import Any
 from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
 from services.common.model_routing import ModelRouting
+from services.common.sparse_log import SparseLog
 from services.common.text import TextEncoder
 from services.gateway.triton_info import WorkerTimes
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
+_sparse = SparseLog(log)
 
 _NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
 _LABEL_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
@@ -352,13 +354,10 @@ class ModelCatalog:
             raise Unavailable(f"no ready worker serves {name}/{version}")
         encoder = self._encoders[(name, version)]
         if encoder is not None and encoder.fingerprint != served.tokenizer_fingerprint:
-            log.error(
-                "tokenizer mismatch for %s/%s: gateway %s, workers %s",
-                name,
-                version,
-                encoder.fingerprint,
-                served.tokenizer_fingerprint,
-            )
+            _sparse.error(  # every call of the version meets it, as long as the rollout lasts
+                (name, version), "tokenizer mismatch for %s/%s: gateway %s, workers %s",
+                name, version, encoder.fingerprint, served.tokenizer_fingerprint,
+            )  # fmt: skip
             raise Unavailable(
                 f"this gateway's tokenizer for {name}/{version} differs from the workers'"
             )

@@ -23,6 +23,7 @@ from services.common.lifecycle import (
 )
 from services.common.model_repository import load_repository
 from services.common.settings import unusable_file
+from services.common.sparse_log import SparseLog
 from services.common.telemetry import tier_registry
 from services.common.tls import HealthListener, add_port, open_channel, start_health_listener
 from services.common.tracing import Tracing
@@ -48,6 +49,7 @@ from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import worker_pb2 as pb
 
 log = logging.getLogger(__name__)
+_sparse = SparseLog(log)
 
 SERVICE_NAMES = (
     api.DESCRIPTOR.services_by_name["InferenceService"].full_name,
@@ -115,7 +117,7 @@ class Gateway:
                     await set_serving(self.health, SERVICE_NAMES, SERVING)
             except grpc.aio.AioRpcError as error:
                 # Keep the last view: the router may be restarting; calls to it will tell.
-                log.warning("catalog refresh failed: %s", error.code().name)
+                _sparse.warning("refresh", "catalog refresh failed: %s", error.code().name)
             await sleep_unless_stopped(self.config.catalog_refresh_s)
 
     def _export_ready_versions(self) -> None:

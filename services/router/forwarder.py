@@ -21,6 +21,7 @@ from services.common.errors import DeadlineExceeded, Unavailable, UpstreamError,
 from services.common.grpc_errors import is_bug
 from services.common.multiplex_server import CallContext
 from services.common.priority import PriorityClass
+from services.common.sparse_log import SparseLog
 from services.common.telemetry import DEADLINE_SLACK_S, Outcome, given_up_by
 from services.common.tls import ClientTls
 from services.common.tracing import outgoing_metadata
@@ -33,6 +34,8 @@ from services.router.routing import Reject, RejectReason, RetryBudget, Route, Ro
 from services.router.worker_links import WorkerLinks
 
 log = logging.getLogger(__name__)
+#: Retries and give-ups, at most once a period per worker (and reason).
+_sparse = SparseLog(log)
 
 GENERATE_METHOD = "/inference.v1.WorkerService/Generate"
 #: Statuses that do not show a worker answering calls (see `Forwarder._note_outcome`).
@@ -374,15 +377,17 @@ class Forwarder:
         if is_unavailable:
             self._table.eject(route.worker_id, now_s)
         if isinstance(decision, GiveUp):
-            if is_unavailable:
-                log.warning(
-                    "worker %s unavailable (%s); not retried: %s",
-                    route.worker_id,
-                    error,
-                    decision.reason.value,
-                )
+            if is_unavailable:  # once a period per worker and reason: a fault fails every call
+                reason = decision.reason.value
+                _sparse.warning(
+                    (route.worker_id, reason),
+                    "worker %s unavailable (%s); not retried: %s", route.worker_id, error, reason,
+                )  # fmt: skip
             raise for_caller(error)
-        log.warning("worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error)
+        _sparse.warning(
+            route.worker_id,
+            "worker %s could not serve it (%s); retrying elsewhere", route.worker_id, error,
+        )  # fmt: skip
 
 
 def _timeout_s(deadline_s: float) -> float | None:

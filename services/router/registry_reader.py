@@ -29,11 +29,14 @@ from services.common.backoff import doubled_s
 from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
+from services.common.sparse_log import SparseLog
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
 from services.router.worker_networks import WorkerNetworks, admit_records
 
 log = logging.getLogger(__name__)
+#: A lasting fault of a refresh (every period): at most once a period per error.
+_sparse = SparseLog(log)
 
 #: Longest pause between reads while Redis is unreachable.
 _MAX_BACKOFF_S = 5.0
@@ -145,9 +148,9 @@ class RegistrySync:
         if self._on_refresh is not None:
             try:  # its failure is not the registry's: it must not read as an outage
                 await self._on_refresh({worker.address for worker in live}, now_s)
-            except Exception:
+            except Exception as error:
                 stop_if_cancelled()
-                log.exception("registry: after-refresh hook failed")
+                _sparse.exception(repr(error), "registry: after-refresh hook failed")
 
     def _not_back_yet(
         self, admitted: list[tuple[WorkerRecord, float]], now_s: float
@@ -206,9 +209,11 @@ class RegistrySync:
                 self._awaits_refill = True
                 self._empty_since_s = None  # REFILL_S of empty reads counts from Redis's return
                 await self._set_degraded(True)
-            except Exception:  # our bug, or a record past the parser: the next round may do
-                stop_if_cancelled()  # better, and a stopped refresh would freeze routing
-                log.exception("registry: refresh failed; routing from last snapshot")
+            except Exception as error:  # our bug, or a record past the parser: the next round
+                stop_if_cancelled()  # may do better, and a stopped refresh would freeze routing
+                _sparse.exception(
+                    repr(error), "registry: refresh failed; routing from last snapshot"
+                )
             age_s = self._table.snapshot_age_s(time.monotonic())
             self._metrics.registry_snapshot_age_seconds.set(age_s or 0.0)
             await sleep_unless_stopped(doubled_s(self._period_s, failures - 1, _MAX_BACKOFF_S))
