@@ -62,6 +62,7 @@ from services.common.job_records import ItemOutcome, JobRecord, QueueEntry
 from services.common.job_store import JobStore
 from services.common.lifecycle import stop_if_cancelled
 from services.common.priority import PriorityClass
+from services.common.sparse_log import SparseLog
 from services.jobs.chunk_calls import (
     SPLIT_CONCURRENCY,
     FleetRound,
@@ -77,6 +78,7 @@ from services.jobs.metrics import RunnerMetrics
 from services.pb.inference.v1 import inference_pb2 as api
 
 log = logging.getLogger(__name__)
+_sparse = SparseLog(log)
 
 #: Sends one PredictRequest and returns its response (raises grpc.aio.AioRpcError).
 PredictFn = Callable[[api.PredictRequest], Awaitable[api.PredictResponse]]
@@ -150,7 +152,7 @@ class JobRunner:
                     entries = await self._store.read_new(self._consumer, free, READ_BLOCK_MS)
             except (RedisError, OSError) as error:
                 stop_if_cancelled()
-                log.warning("job queue unreachable, retrying: %s", error)
+                _sparse.warning("queue", "job queue unreachable, retrying: %s", error)
                 await asyncio.sleep(REDIS_RETRY_S)
                 continue
             for entry in entries:
@@ -209,9 +211,10 @@ class JobRunner:
             # Only a chunk whose results were recorded: one left for a later round has none.
             self._metrics.chunk_seconds.observe(time.perf_counter() - started)
         except (RedisError, OSError, RunnerRefused, FleetUnavailable) as error:
-            log.warning(
-                "chunk %s of job %s left for a retry: %s", entry.entry_id, entry.job_id, error
-            )
+            _sparse.warning(  # the fleet busy or away leaves every chunk: once a period each
+                left_reason(error), "chunk %s of job %s left for a retry: %s",
+                entry.entry_id, entry.job_id, error,
+            )  # fmt: skip
             self._metrics.chunks_left.labels(left_reason(error)).inc()
         except Exception as error:
             stop_if_cancelled()  # a drain's cancel a library turned into an error: no crash
