@@ -211,8 +211,8 @@ class JobRunner:
             # Only a chunk whose results were recorded: one left for a later round has none.
             self._metrics.chunk_seconds.observe(time.perf_counter() - started)
         except (RedisError, OSError, RunnerRefused, FleetUnavailable) as error:
-            _sparse.warning(  # the fleet busy or away leaves every chunk: once a period each
-                left_reason(error), "chunk %s of job %s left for a retry: %s",
+            _sparse.warning(  # the fleet busy or away leaves every chunk: once a period a job
+                (left_reason(error), entry.job_id), "chunk %s of job %s left for a retry: %s",
                 entry.entry_id, entry.job_id, error,
             )  # fmt: skip
             self._metrics.chunks_left.labels(left_reason(error)).inc()

@@ -291,9 +291,14 @@ async def read_fleet(
         pipe.zrange(keys.workers, 0, -1, withscores=True)
         pipe.time()
         pipe.get(keys.epoch)
-        members, (seconds, micros), raw_epoch = await pipe.execute()
-    now_s = seconds + micros / 1e6
-    epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else raw_epoch
+        members, clock, raw_epoch = await pipe.execute(raise_on_error=False)
+    for result in (members, clock):
+        if isinstance(result, Exception):
+            raise result
+    # A Redis on an older ACL (not reloaded since an upgrade) refuses the epoch (NOPERM): read
+    # as none; raised, it failed every read, the registry taken for unreachable (diff review).
+    epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else None
+    now_s = clock[0] + clock[1] / 1e6
     if not members:
         return RegistryRead([], now_s, epoch)
     # A member that is not UTF-8 (anyone holding the worker credential can write one) reads

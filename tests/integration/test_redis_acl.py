@@ -23,7 +23,7 @@ from services.common.redis_server import ping
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
-from services.router.registry_reader import read_registry
+from services.router.registry_reader import read_fleet, read_registry
 from services.router.worker_networks import WorkerNetworks
 from tests.support.records import model_record
 from tests.support.redis import RedisServer
@@ -333,3 +333,28 @@ async def test_a_malformed_record_is_warned_of_once_while_it_lasts(
     assert await reads(dataclasses.replace(RECORD, worker_id="bad").to_json(), 2) == []
     warned = await reads('{"worker_id": "bad", "address": 7}', 2)
     assert len(warned) == 1 and "of bad" in warned[0]
+
+
+async def test_a_worker_and_a_router_under_the_previous_acl_still_beat_and_read(
+    clients: dict[str, aioredis.Redis],
+) -> None:
+    """Redis reads its ACL file only at start: after an upgrade it runs the previous one, with
+    no right to the registry's epoch key (nor GET for the router) until it is reloaded. The
+    epoch written inside the heartbeat's script failed the whole beat (NOPERM before the
+    script ran), and the router's GET of it failed its every read (diff review): a fleet
+    upgraded before Redis's ACL was reloaded would have vanished from routing. Both go on
+    without the epoch."""
+    admin, worker, router = clients["admin"], clients["worker"], clients["router"]
+    for role, keys in (
+        ("worker", "~fabric:workers ~fabric:worker:* ~fabric:repository"),
+        ("router", "~fabric:workers ~fabric:worker:*"),
+    ):
+        await admin.execute_command("ACL", "SETUSER", role, "resetkeys", *keys.split())
+    await admin.execute_command("ACL", "SETUSER", "router", "-get")
+    await publisher(worker).publish_once()
+    assert await admin.get(KEYS.worker("w0")) == RECORD.to_json().encode()
+    assert await admin.get(KEYS.epoch) is None
+    read = await read_fleet(router, KEYS)
+    assert [r.worker_id for r, _ in read.records] == ["w0"] and read.epoch is None
+    await admin.set(KEYS.epoch, "e1")  # there, but refused to this router: read as none
+    assert (await read_fleet(router, KEYS)).epoch is None
