@@ -8,8 +8,9 @@ import statistics
 
 import pytest
 
-from bench.fabric.loadgen import OK, Outcome
+from bench.fabric.loadgen import OK, Outcome, arrival_schedule
 from bench.sim_calibration import mean_hops_ms, robust_sigma
+from bench.sim_validation import length_draws, real_side
 from bench.stand_in_fit import CostPoint, fit_bundle_costs
 
 pytestmark = pytest.mark.unit
@@ -71,3 +72,30 @@ def test_a_fit_never_gives_a_negative_cost_and_always_matches_the_busy_point() -
     assert costs.gateway_s_per_request == 0 and costs.gateway_s(4.73) == pytest.approx(524e-6)
     with pytest.raises(ValueError, match="bundled alike"):
         fit_bundle_costs(busy, busy, max_slices=64)
+
+
+def test_the_real_runs_lengths_are_drawn_apart_from_its_gaps() -> None:
+    """Drawn from a generator seeded as the schedule's, each length came from the number that
+    drew the gap before it: every long request (the top 15% of draws) followed a gap of at
+    least ln(1/0.15) mean gaps, and none came in a clump (review finding). Apart, long
+    requests follow short gaps as often as the others do."""
+    rate = 100.0
+    schedule = arrival_schedule(rate, 200.0, seed=1)
+    gaps = [b - a for a, b in zip([0.0, *schedule], schedule, strict=False)]
+    kinds = length_draws(len(schedule), seed=1)
+    assert len(kinds) == len(schedule) and set(kinds) == {12, 100}
+    lull_s = math.log(1 / 0.15) / rate
+    after_short_gaps = [kind for kind, gap in zip(kinds, gaps, strict=True) if gap < lull_s]
+    share = after_short_gaps.count(100) / len(after_short_gaps)
+    assert 0.10 < share < 0.20, share  # the mix's 15%, not 0
+    assert length_draws(len(schedule), seed=1) == kinds != length_draws(len(schedule), seed=2)
+
+
+def test_the_real_side_counts_latency_from_the_scheduled_time() -> None:
+    """The simulator's latency runs from its arrival; the real side's ran from the send, so a
+    call the generator held back 0.3 s counted as good (review finding)."""
+    held = Outcome(scheduled_s=10.0, lateness_s=0.3, latency_s=0.1, status=OK)
+    side = real_side([held], warmup_s=5.0, window_s=30.0, slo_s=0.25)
+    assert side.goodput_per_s == 0.0
+    on_time = Outcome(scheduled_s=10.0, lateness_s=0.0, latency_s=0.1, status=OK)
+    assert real_side([on_time], warmup_s=5.0, window_s=30.0, slo_s=0.25).goodput_per_s == 1 / 30
