@@ -10,6 +10,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import TextIO
 
 from services.common.metric_names import ROUTER_LIVE_WORKERS
 from services.common.redis_acl import (
@@ -216,11 +217,26 @@ def run_until_stopped(config: StackConfig, children: list[Child]) -> None:
             watched = [c for c in watched if c.process.poll() is None]
 
 
+#: What the tiers read from the environment (services.common.settings: `<TIER>_<NAME>`).
+TIER_VARIABLE_PREFIXES = ("GATEWAY_", "ROUTER_", "WORKER_", "JOBS_")
+
+
+def say(text: str, file: TextIO | None = None) -> None:
+    """Prints `text`, unless the terminal is gone (a hang-up: SIGHUP stops the stack, and a
+    print then raised EIO past the stop's clean-up, leaving its state dir: review finding)."""
+    with contextlib.suppress(OSError):
+        print(text, file=file or sys.stdout, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     config = parse_config(argv)
     config.state_dir.mkdir(parents=True, exist_ok=True)
     removed = " (removed at a clean stop)" if config.is_state_temporary else ""
-    print(f"state (logs, ready files, redis files){removed}: {config.state_dir}", flush=True)
+    say(f"state (logs, ready files, redis files){removed}: {config.state_dir}")
+    # The tiers read these too: one left in the shell (GATEWAY_API_KEYS_FILE turned the
+    # gateway's keys on, every call of the banner's then UNAUTHENTICATED) is said (review).
+    if inherited := sorted(v for v in os.environ if v.startswith(TIER_VARIABLE_PREFIXES)):
+        say(f"note: the tiers also read from your environment: {', '.join(inherited)}")
     signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
     children: list[Child] = []
     exit_code = 1
@@ -229,14 +245,16 @@ def main(argv: list[str] | None = None) -> None:
         announce(config, children)
         run_until_stopped(config, children)
     except Interrupted as interrupt:
-        print(f"{interrupt}: stopping job runner, gateway, workers, router, redis", flush=True)
+        say(f"{interrupt}: stopping job runner, gateway, workers, router, redis")
         exit_code = 0
     except StackError as error:
-        print(f"error: {error}\nstopping every tier", file=sys.stderr, flush=True)
+        say(f"error: {error}\nstopping every tier", sys.stderr)
+    except Exception as error:  # a bug, or a file it cannot write (--ready-file): the stop runs
+        say(f"error: {type(error).__name__}: {error}\nstopping every tier", sys.stderr)
     finally:
         problems = stop_all(config, children)
     for problem in problems:
-        print(f"error: {problem}", file=sys.stderr, flush=True)
+        say(f"error: {problem}", sys.stderr)
     code = 1 if problems else exit_code
     keep_or_remove_state(config, is_clean=code == 0)
     raise SystemExit(code)
@@ -250,7 +268,7 @@ def keep_or_remove_state(config: StackConfig, *, is_clean: bool) -> None:
     if is_clean:
         shutil.rmtree(config.state_dir, ignore_errors=True)
     else:
-        print(f"logs kept in {config.state_dir}", file=sys.stderr, flush=True)
+        say(f"logs kept in {config.state_dir}", sys.stderr)
 
 
 if __name__ == "__main__":
