@@ -297,7 +297,8 @@ async def read_fleet(
             raise result
     # A Redis on an older ACL (not reloaded since an upgrade) refuses the epoch (NOPERM): read
     # as none; raised, it failed every read, the registry taken for unreachable (diff review).
-    epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else None
+    epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else raw_epoch
+    epoch = epoch if isinstance(epoch, str) else None
     now_s = clock[0] + clock[1] / 1e6
     if not members:
         return RegistryRead([], now_s, epoch)
