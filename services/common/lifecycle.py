@@ -82,17 +82,20 @@ def pending_call_options(max_pending_calls: int) -> tuple[tuple[str, int], ...]:
     server takes through generic handlers, `serve_registered_as_generic`; one of its own for
     each method still registered, health's): up to the soft limit every call is kept, then an
     arrival is dropped with the chance (size - soft) / (hard - soft), and always at the hard
-    limit, here twice the soft one. A dropped call ends CANCELLED at its caller (measured with
-    grpc 1.85; tests/integration/test_gateway_limits.py would see a change) without costing the
-    server's Python anything, whatever its caller: it is dropped before any quota or share
-    applies. The calls kept wait at most about `2 * max_pending_calls` pickups. The soft limit
-    takes a burst of that many calls whole."""
+    limit, here twice the soft one (a burst that many is kept whole). A dropped call ends
+    CANCELLED at its caller (grpc 1.85; tests/integration/test_gateway_limits.py would see a
+    change), costing the server's Python nothing, whoever its caller: dropped before any quota
+    or share applies. The calls kept wait at most about `2 * max_pending_calls` pickups."""
     if max_pending_calls == 0:
         return ()
     return (
         ("grpc.server.max_pending_requests", max_pending_calls),
         ("grpc.server.max_pending_requests_hard_limit", 2 * max_pending_calls),
     )
+
+
+#: Connections' age (clients re-resolve) and the grace after it, past any call's deadline.
+CONNECTION_AGE_MS, CONNECTION_AGE_GRACE_MS = 300_000, 600_000  # 30 s cut longer generations
 
 
 def check_limits(
@@ -158,9 +161,8 @@ def new_server(
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-            # Bounded connection age so clients re-resolve and new replicas get traffic.
-            ("grpc.max_connection_age_ms", 300_000),
-            ("grpc.max_connection_age_grace_ms", 30_000),
+            ("grpc.max_connection_age_ms", CONNECTION_AGE_MS),
+            ("grpc.max_connection_age_grace_ms", CONNECTION_AGE_GRACE_MS),
             *(PING_TOLERANCE if is_internal else ()),
             *pending_call_options(max_pending_calls),
         ],

@@ -44,7 +44,7 @@ STREAM_METHOD = "/inference.v1.WorkerService/InferStream"
 UNARY_METHOD = "/inference.v1.WorkerService/Infer"
 #: A stream takes new calls for this long, then the next call opens a new one and the old
 #: stream closes once its calls are answered. Servers end connections after a maximum age
-#: (services.common.lifecycle.new_server: GOAWAY at 300 s, streams cut 30 s later) so that
+#: (services.common.lifecycle.new_server: GOAWAY at 300 s, streams cut 600 s later) so that
 #: clients spread over new replicas; a stream retired well within that grace never has a
 #: call cut, and its successor lands on the new connection.
 STREAM_MAX_AGE_S = 20.0
