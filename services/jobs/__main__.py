@@ -20,7 +20,7 @@ import logging
 import os
 import socket
 
-from services.common.channel_options import CHANNEL_OPTIONS
+from services.common.channel_options import channel_options
 from services.common.job_store import JobStore, connect_jobs_redis
 from services.common.lifecycle import (
     bound_stop,
@@ -62,13 +62,22 @@ def _predict_fn(stub: api_grpc.InferenceServiceStub, config: RunnerConfig) -> Pr
     return predict
 
 
+#: The runner's keepalive towards the gateway, seconds: the public gateway keeps grpc's own ping
+#: policy (one a 5 min without data, GOAWAY "too_many_pings" past two strikes), and the 10 s of
+#: the tiers' internal channels got every call on the connection failed whenever the gateway
+#: answered nothing for 40 s (review finding).
+PUBLIC_KEEPALIVE_S = 300.0
+
+
 async def serve(config: RunnerConfig) -> int:
     credentials = role_credentials(JOBS, config.redis_url, config.redis_password_file)
     client = connect_jobs_redis(
         config.redis_url, timeout_s=REDIS_TIMEOUT_S, credentials=credentials
     )
     store = JobStore(client, prefix=config.key_prefix, retention_s=config.retention_s)
-    channel = open_channel(config.gateway_address, config.gateway_tls, CHANNEL_OPTIONS)
+    channel = open_channel(
+        config.gateway_address, config.gateway_tls, channel_options(PUBLIC_KEEPALIVE_S)
+    )
     metrics = RunnerMetrics(tier_registry("jobs"))
     consumer = config.consumer or f"{socket.gethostname()}-{os.getpid()}"
     runner = JobRunner(
