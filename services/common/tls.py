@@ -169,6 +169,9 @@ class CertificateFiles:
         #: When files that changed last failed to read (they are tried again after RETRY_S,
         #: even if they look unchanged since: a write may keep the stamp the failed read saw).
         self._failed_at_s: float | None = None
+        #: The stamp of the files that last failed: logged once each (a second, different
+        #: broken rotation after the first went unsaid until one worked: review finding).
+        self._failed_stamp: tuple[tuple[int, ...], ...] | None = None
 
     def _stamp(self) -> tuple[tuple[int, ...], ...]:
         try:
@@ -193,11 +196,11 @@ class CertificateFiles:
         try:
             read = self._tls.read_checked()
         except ValueError as error:
-            if self._failed_at_s is None:
+            if stamp != self._failed_stamp:
                 log.warning("TLS: the rotated files are not usable yet, serving the old: %s", error)
-            self._failed_at_s = now_s
+            self._failed_at_s, self._failed_stamp = now_s, stamp
             return None
-        self._served, self._failed_at_s = stamp, None
+        self._served, self._failed_at_s, self._failed_stamp = stamp, None, None
         log.info("TLS: serving the certificate rotated in %s", self._tls.cert_file)
         return read
 

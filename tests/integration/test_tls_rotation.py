@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import shutil
 import ssl
 import threading
@@ -121,3 +122,27 @@ def test_handshakes_at_once_after_a_rotation_read_it_once(
         reads = list(pool.map(lambda _: handshake(), range(8)))
     assert sum(reads) == 1, reads
     assert files.read_if_changed() is None  # served: nothing changed since
+
+
+def test_each_broken_rotation_is_logged_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rotation to a pair that does not fit is logged once while it lasts; a second, other
+    broken one after it was never logged until one worked (review finding). A good rotation
+    then serves."""
+    monkeypatch.setattr(CertificateFiles, "RETRY_S", 0.0)
+    ca = Authority(tmp_path / "ca", "ca")
+    first, second, good = (ca.issue(n, ips=("127.0.0.1",)) for n in ("a", "b", "c"))
+    served = Issued(tmp_path / "served.crt", tmp_path / "served.key")
+    serve(first, served)
+    files = CertificateFiles(ServerTls(cert_file=served.cert, key_file=served.key))
+    with caplog.at_level(logging.WARNING, logger="services.common.tls"):
+        for broken_key in (second.key, good.key):  # each a key of another certificate
+            shutil.copyfile(broken_key, tmp_path / "served.key.new")
+            (tmp_path / "served.key.new").replace(served.key)
+            for _ in range(3):
+                assert files.read_if_changed() is None
+    warnings = [r for r in caplog.records if "not usable yet" in r.getMessage()]
+    assert len(warnings) == 2, [r.getMessage() for r in warnings]
+    serve(good, served)
+    assert files.read_if_changed() is not None
