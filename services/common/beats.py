@@ -25,14 +25,14 @@ def beat_file(ready_file: Path) -> Path:
     return ready_file.with_suffix(".beat")
 
 
-async def beat(path: Path, period_s: float = BEAT_PERIOD_S) -> None:
-    """Touches `path` every `period_s` until cancelled, a failure logged."""
+async def beat(path: Path) -> None:
+    """Touches `path` every BEAT_PERIOD_S until cancelled, a failure logged."""
     while True:
         try:
             path.touch()
         except OSError as error:
             log.warning("could not touch %s: %s", path, error)
-        await asyncio.sleep(period_s)
+        await asyncio.sleep(BEAT_PERIOD_S)
 
 
 @dataclass

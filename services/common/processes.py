@@ -232,18 +232,17 @@ class Supervised:
     #: What its supervisor has seen of its beats (services.common.beats).
     beats: BeatWatch = field(default_factory=BeatWatch)
 
-    def killed_if_hung(self, what: str, now_s: float) -> bool:
+    def kill_if_hung(self, what: str, now_s: float) -> None:
         """Kills it (to be restarted once its exit is read) if it has not beaten for HUNG_S;
         ask only once it listens. `what` names it in the log ("gateway process")."""
         if not self.beats.is_hung(self.ready_file, now_s):
-            return False
+            return
         log.error(
             "%s %d (pid %d) has not beaten for %.0fs (its event loop hung, or stopped): "
             "killed, to be restarted", what, self.index, self.process.pid, HUNG_S,
         )  # fmt: skip
         self.process.kill()
         self.beats.killed(now_s)
-        return True
 
     def read_ready(self) -> dict[str, Any] | None:
         """Its ready file, recording its metrics port; None until it is written (whole, by

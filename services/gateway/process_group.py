@@ -197,7 +197,7 @@ class ProcessGroup:
                 is_ready = self._read_ready(member)
                 code = member.process.poll()
                 if code is None and is_ready:  # one hung is killed: its exit read next
-                    member.killed_if_hung("gateway process", now)
+                    member.kill_if_hung("gateway process", now)
                 if code is None or restarts.is_pending(member.index):
                     continue
                 member.exited()

@@ -253,7 +253,7 @@ class Fronts:
                 code = front.process.poll()
                 listening = listening or (code is None and is_listening)
                 if code is None and is_listening:  # one hung is killed: its exit read next
-                    front.killed_if_hung("worker front", now)
+                    front.kill_if_hung("worker front", now)
                 if code is None or self._restarts.is_pending(front.index):
                     continue
                 front.exited()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -104,20 +105,22 @@ class RouterMetrics:
             with contextlib.suppress(KeyError):  # never ejected: no series
                 self.ejections_total.remove(worker_id)
 
+    @property
+    def _per_version(self) -> tuple[Children[Any], ...]:
+        """The children labelled by model and version first."""
+        return (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
+                self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
+
     def versions(self) -> set[tuple[str, str]]:
         """The (model, version) of every per-version series kept."""
-        children = (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
-                    self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
-        return {(values[0], values[1]) for of in children for values in list(of)}
+        return {(values[0], values[1]) for of in self._per_version for values in list(of)}
 
     def forget_versions(self, versions: Iterable[tuple[str, str]]) -> None:
         """Removes the series of model versions (name, version) no worker serves any more:
         every rollout adds a version's ~50 series (two histograms, codes, reasons, workers),
         which piled up in every scrape for as long as the router ran (review finding)."""
-        children = (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
-                    self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
         for name, version in versions:
-            for of in children:
+            for of in self._per_version:
                 of.remove_from(name, version)
             for metric in (self.split_bundles_total, self.retries_total):
                 with contextlib.suppress(KeyError):  # never split, never retried: no series

@@ -262,28 +262,21 @@ class HeartbeatClock:
 class RegistryRead(NamedTuple):
     """One read of the registry."""
 
-    #: Every registered worker's record with its heartbeat time (as `read_registry`'s).
+    #: Every registered worker with its heartbeat time, seconds; those of an older internal API
+    #: cut from what current ones serve (`_current_api_first`, counting only current workers
+    #: whose address the read's networks admit, when given).
     records: list[tuple[WorkerRecord, float]]
     #: Redis's `now`, seconds.
     now_s: float
     #: The registry's epoch (RegistryKeys.epoch); None: none written (empty, or older workers).
-    epoch: str | None = None
-
-
-async def read_registry(
-    client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
-) -> tuple[list[tuple[WorkerRecord, float]], float]:
-    """Every registered worker with its heartbeat time, and Redis's `now`, both in seconds;
-    those of an older internal API cut from what current ones serve (`_current_api_first`,
-    counting only current workers whose address `networks` admits, when given)."""
-    read = await read_fleet(client, keys, networks)
-    return read.records, read.now_s
+    epoch: str | None
 
 
 async def read_fleet(
     client: aioredis.Redis, keys: RegistryKeys, networks: WorkerNetworks | None = None
 ) -> RegistryRead:
-    """`read_registry`'s records and time, and the registry's epoch.
+    """Every registered worker's record with its heartbeat time, Redis's `now`, and the
+    registry's epoch.
 
     Two round trips (ids+scores+time, then records), once per refresh period: never per request.
     """

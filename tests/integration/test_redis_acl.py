@@ -23,7 +23,7 @@ from services.common.redis_server import ping
 from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord, connect
 from services.gpu_worker.config import HeartbeatConfig
 from services.gpu_worker.registry_publisher import HeartbeatPublisher
-from services.router.registry_reader import read_fleet, read_registry
+from services.router.registry_reader import read_fleet
 from services.router.worker_networks import WorkerNetworks
 from tests.support.records import model_record
 from tests.support.redis import RedisServer
@@ -79,7 +79,7 @@ async def test_router_reads_the_registry_but_cannot_change_it(
     clients: dict[str, aioredis.Redis],
 ) -> None:
     await publisher(clients["worker"]).publish_once()
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     assert [r.worker_id for r, _ in records] == ["w0"]
 
     router = clients["router"]
@@ -133,27 +133,27 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     await register("w0", ("minilm", "1"), is_current=True)
     await register("w-old", ("minilm", "1"), ("other", "1"), is_current=False)
     await register("w-older", ("minilm", "1"), is_current=False)
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served == {"w0": [("minilm", "1")], "w-old": [("other", "1")]}
     assert {r.worker_id: r.internal_api for r, _ in records} == {"w0": INTERNAL_API, "w-old": 1}
     # With no current worker left (routers upgraded before every worker), the older ones are
     # routed to for everything again: older gateways' calls, which they serve, keep being served.
     await admin.zrem(KEYS.workers, "w0")
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served == {"w-old": [("minilm", "1"), ("other", "1")], "w-older": [("minilm", "1")]}
     # Nor while the only current worker drains: it serves nothing new, and the older ones
     # were cut for the length of its drain (review finding).
     await register("w-draining", ("minilm", "1"), is_current=True, is_draining=True)
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served["w-older"] == [("minilm", "1")]
     assert served["w-old"] == [("minilm", "1"), ("other", "1")]
     # Nor one still loading the version (not ready: it serves nothing of it yet).
     await admin.zrem(KEYS.workers, "w-draining")
     await register("w-loading", ("minilm", "1"), is_current=True, is_ready=False)
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served["w-older"] == [("minilm", "1")]
     await admin.zrem(KEYS.workers, "w-loading")
@@ -161,7 +161,7 @@ async def test_a_worker_of_an_older_internal_api_is_not_routed_to_for_what_curre
     # misconfigured): it cut every older worker, then was itself refused (review finding).
     await register("w-elsewhere", ("minilm", "1"), is_current=True, address="10.9.9.9:1")
     networks = WorkerNetworks.parse("127.0.0.0/8")
-    records, _ = await read_registry(clients["router"], KEYS, networks)
+    records = (await read_fleet(clients["router"], KEYS, networks)).records
     served = {r.worker_id: [(m.name, m.version) for m in r.models] for r, _ in records}
     assert served["w-older"] == [("minilm", "1")]
 
@@ -219,7 +219,7 @@ async def test_a_tier_authenticates_from_its_password_file(
     finally:
         await client.aclose()
     router = connect(redis_server.router_url)
-    records, _ = await read_registry(router, KEYS)
+    records = (await read_fleet(router, KEYS)).records
     await router.aclose()
     assert [r.worker_id for r, _ in records] == ["w0"]
 
@@ -239,7 +239,7 @@ async def test_records_that_do_not_parse_are_skipped(clients: dict[str, aioredis
     for worker_id, raw in bad.items():
         await admin.set(KEYS.worker(worker_id), raw)
         await admin.zadd(KEYS.workers, {worker_id: time.time() * 1000})
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     assert [r.worker_id for r, _ in records] == ["w0"]
 
 
@@ -255,7 +255,7 @@ async def test_a_member_that_is_not_utf8_or_a_record_of_another_id_is_skipped(
     await admin.zadd(KEYS.workers, {b"\xff\xfe": time.time() * 1000})
     await admin.set(KEYS.worker("w-copy"), RECORD.to_json())  # claims to be w0
     await admin.zadd(KEYS.workers, {"w-copy": time.time() * 1000})
-    records, _ = await read_registry(clients["router"], KEYS)
+    records = (await read_fleet(clients["router"], KEYS)).records
     assert [r.worker_id for r, _ in records] == ["w0"]
 
 
@@ -326,7 +326,7 @@ async def test_a_malformed_record_is_warned_of_once_while_it_lasts(
         await admin.set(KEYS.worker("bad"), record)
         caplog.clear()
         for _ in range(times):
-            await read_registry(clients["router"], KEYS)
+            await read_fleet(clients["router"], KEYS)
         return [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
 
     assert len(await reads('{"worker_id": "bad"}', 3)) == 1

@@ -279,7 +279,8 @@ async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
     re-registers at its next beat, w1 not yet. The first read after took w0 for the fleet and
     dropped w1 (review finding); the registry's epoch changed, so w1 is held for REFILL_S,
     as after an outage, then dropped. Heartbeats stay fresh 30 s: only the hold keeps it."""
-    monkeypatch.setattr(registry_reader, "REFILL_S", 3.0)
+    # Long enough that a loaded machine's stall before the look cannot outlast the hold.
+    monkeypatch.setattr(registry_reader, "REFILL_S", 8.0)
     fleet = FreshFleet.start(redis_server)
     admin, sync, w0, w1, live = fleet.admin, fleet.sync, fleet.w0, fleet.w1, fleet.live
     task = asyncio.create_task(sync.run())
@@ -288,7 +289,6 @@ async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
         await w1.publish_once()
         await eventually(lambda: live() == {"w0", "w1"}, timeout_s=10)
         await admin.flushall()
-        lost_s = time.monotonic()
 
         async def w0_back() -> bool:
             return await admin.zscore(KEYS.workers, "w0") is not None
@@ -297,8 +297,7 @@ async def test_a_redis_that_lost_the_registry_with_no_read_failing_is_refilled(
         await asyncio.sleep(0.3)  # several reads (every 0.05 s) with w0 alone registered
         assert not sync.is_degraded  # no read failed
         assert live() == {"w0", "w1"}
-        assert time.monotonic() - lost_s < registry_reader.REFILL_S  # still within the hold
-        await eventually(lambda: live() == {"w0"}, timeout_s=10)
+        await eventually(lambda: live() == {"w0"}, timeout_s=20)  # the hold ends
     finally:
         await fleet.end(task, beating)
 

@@ -95,4 +95,4 @@ async def test_a_scrape_as_the_sampler_starts_reads_no_stall(
     monkeypatch.setattr(lag, "_schedule", scraped_first)
     lag.start()
     lag.stop()
-    assert seen and seen[0] < 1.0, seen
+    assert seen == [0.0]  # no timer due yet: no lag (it read the host's uptime)
