@@ -25,6 +25,11 @@ def channel_options(keepalive_s: float = KEEPALIVE_S) -> tuple[tuple[str, int], 
         # Keep pinging a connection that sends nothing back: that silence is what we look for.
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.http2.min_time_between_pings_ms", round(keepalive_s * 1000)),
+        # A peer back from a restart (a router, a worker restarted at its address, an engine
+        # behind its fronts) is reached again within about 2 s: gRPC's defaults back off up to
+        # 120 s, and a channel waiting out its backoff fails every call at once meanwhile.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     )
 
 

@@ -22,10 +22,6 @@ ROUTER_SERVICE_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}]
 ROUTER_CHANNEL_OPTIONS = (
     *CHANNEL_OPTIONS,
     ("grpc.service_config", ROUTER_SERVICE_CONFIG),
-    # A router back from a restart is in rotation again within about 2 s (gRPC's defaults
-    # back off up to 120 s), so a rolling restart need not wait long between routers.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 2000),
 )
 
 
