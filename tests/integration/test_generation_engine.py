@@ -912,3 +912,16 @@ async def test_a_generate_that_fills_the_context_stops_where_the_kv_cache_does(
         await backend.engine.drain()
     assert messages[-1].completion_tokens == 6 * 8 + 1 - len(prompt)
     assert messages[-1].finish_reason == tpb.FINISH_REASON_LENGTH
+
+
+async def test_a_request_refused_while_draining_is_marked_not_started(checkpoint: Path) -> None:
+    """A generation refused by a draining engine ran nothing: it carries the not-started mark,
+    as the batcher's draining refusal does, so the router (and the gateway) may send it to
+    another worker; unmarked, it reached the caller UNAVAILABLE once the router's retries were
+    spent (review finding)."""
+    backend, _ = make_backend(checkpoint)
+    backend.engine.start()
+    await backend.engine.drain()
+    with pytest.raises(Unavailable, match="draining") as refused:
+        await anext(backend.engine.generate(backend.encode(PROMPTS[0]), SamplingParams()))
+    assert refused.value.is_not_started

@@ -194,8 +194,8 @@ class GenerationEngine:
         weight: float,
     ) -> RequestStream:
         """Checks a new request and queues its sequence; raises what the caller gets."""
-        if self._is_draining:
-            raise Unavailable("worker is draining")
+        if self._is_draining:  # nothing ran: the router may send it to another worker
+            raise Unavailable("worker is draining", is_not_started=True)
         if self._fatal is not None:
             raise self._stopped_error()
         try:
