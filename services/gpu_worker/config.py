@@ -37,10 +37,16 @@ class HeartbeatConfig:
     ttl_s: float = 3.0
     #: Longest pause between attempts while Redis is unreachable, seconds.
     max_backoff_s: float = 5.0
+    #: After SIGTERM, seconds the worker keeps taking calls once it has published its draining
+    #: mark, before it refuses new work: routers read the registry every 0.5 s, so they stop
+    #: choosing it first. Spent out of the drain grace (at most half of it).
+    drain_announce_s: float = 1.0
 
     def __post_init__(self) -> None:
         if min(self.period_s, self.ttl_s, self.max_backoff_s) <= 0:
             raise ValueError("heartbeat period, TTL and max backoff must be > 0 seconds")
+        if self.drain_announce_s < 0:
+            raise ValueError(f"drain_announce_s must be >= 0, got {self.drain_announce_s}")
         # A record that expires between two heartbeats leaves routing for part of each period
         # (routers skip a member whose record is gone); under 1 ms it is `PX 0`, which Redis
         # refuses, and every heartbeat would fail.
@@ -283,6 +289,15 @@ _REGISTRY = (
         "longest pause between heartbeat attempts while Redis is unreachable",
         "s",
         field="heartbeat.max_backoff_s",
+    ),
+    Setting(
+        "drain_announce_s",
+        float,
+        HeartbeatConfig.drain_announce_s,
+        "after SIGTERM, time the worker keeps taking calls once its draining mark is published, "
+        "so routers stop choosing it before it refuses any (out of --drain-grace-s, at most half)",
+        "s",
+        field="heartbeat.drain_announce_s",
     ),
 )
 

@@ -55,12 +55,7 @@ from services.gpu_worker.repository_follower import (
     desired_at_start,
     read_pool_at_start,
 )
-from services.gpu_worker.wire import (
-    generation_prompt,
-    generation_weight,
-    raw_input,
-    version_info,
-)
+from services.gpu_worker.wire import generation_prompt, generation_weight, raw_input, version_info
 from services.pb.inference.v1 import worker_pb2 as pb
 from services.pb.inference.v1 import worker_pb2_grpc as pb_grpc
 
@@ -317,12 +312,18 @@ class Worker:
         task.add_done_callback(self._tasks.discard)
 
     async def stop(self) -> None:
-        """Drain: NOT_SERVING at once, refuse new work, finish admitted work, then close."""
+        """Drain: NOT_SERVING at once and the registry entry marked draining; new work still
+        taken for `drain_announce_s` while routers read the mark, then refused; admitted work
+        finished; then close."""
         await self.health.enter_graceful_shutdown()
         # Died on a bug, it is logged: the drain below must still run.
         await cancel_and_wait(self._follower, "the model repository follower")
+        grace_s = self.config.drain_grace_s
         if self.registry_publisher is not None:
             self.registry_publisher.mark_draining()
+            announce_s = min(self.config.heartbeat.drain_announce_s, grace_s / 2)
+            await asyncio.sleep(announce_s)  # refused now, calls routed meanwhile were retried
+            grace_s -= announce_s
         generation = (*self.models.generation, *self.models.unloading) if self.models else ()
         loop = asyncio.get_running_loop()
         drains = [
@@ -332,7 +333,7 @@ class Worker:
         if self.batching is not None:
             drains.append(loop.create_task(self.batching.drain(), name=BATCHING_DRAIN))
         try:
-            await drain_within(drains, self.config.drain_grace_s, self._drain_state)
+            await drain_within(drains, grace_s, self._drain_state)
         finally:
             # Whatever the drain did, leave the registry and close: a stale entry would draw
             # routers' calls to a process that is going away.

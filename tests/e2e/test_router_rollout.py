@@ -32,6 +32,9 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.e2e
 
+#: How long a stopping worker keeps taking calls after publishing its draining mark.
+DRAIN_ANNOUNCE_S = 2.0
+
 
 @dataclass
 class Fleet:
@@ -48,7 +51,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two workers; `tolerate_exits`: the tests stop the stack's own router and workers."""
     tmp_path = tmp_path_factory.mktemp("rollout")
     repository = write_small_minilm_repository(tmp_path / "repo")
-    stack = start_stack(tmp_path, num_workers=2, model_repository=repository, tolerate_exits=True)
+    stack = start_stack(
+        tmp_path,
+        num_workers=2,
+        model_repository=repository,
+        tolerate_exits=True,
+        # Routers read the registry every 0.5 s: 2 s of announce is plenty on a loaded machine.
+        extra_worker_args=(f"--drain-announce-s={DRAIN_ANNOUNCE_S}",),
+    )
     fleet = Fleet(stack, tmp_path)
     try:
         yield fleet
@@ -77,6 +87,10 @@ def rows_served(port: int) -> float:
     return total(scrape(port), names.WORKER_ROWS_TOTAL)
 
 
+def router_retries(port: int) -> float:
+    return total(scrape(port), names.ROUTER_RETRIES_TOTAL)
+
+
 @pytest.mark.timeout(600)  # the stack's two model loads, then two more, one after the other
 async def test_s32_worker_rolling_restart_under_load_no_client_errors(fleet: Fleet) -> None:
     stack, tmp_path = fleet.stack, fleet.tmp_path
@@ -84,8 +98,13 @@ async def test_s32_worker_rolling_restart_under_load_no_client_errors(fleet: Fle
     await load.answered(30, "before the first restart")
     for worker in stack.workers:
         pid, argv = worker.pid, command_line(worker.pid)  # the same worker id, new ports
+        retries = router_retries(stack.router.metrics_port)
         os.kill(pid, signal.SIGTERM)
         await eventually(lambda pid=pid: not is_alive(pid), timeout_s=60.0)
+        # The worker published its draining mark and kept serving until routers had read it:
+        # none of the calls routed to it meanwhile was refused and retried elsewhere (it
+        # refused them at once, and the router's retries hid it while its budget lasted).
+        assert router_retries(stack.router.metrics_port) == retries
         new_ports = with_flags(argv, grpc_port="0", metrics_port="0")
         replacement = start_tier(tmp_path, worker.worker_id, new_ports)
         fleet.started.append(replacement)
