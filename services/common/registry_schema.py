@@ -209,6 +209,14 @@ class RegistryKeys:
         return f"{self.prefix}:epoch"
 
 
+#: What a tier says when Redis refuses it the registry's epoch (NOPERM).
+ACL_BEHIND = (
+    "Redis refuses the registry's epoch key: its ACL predates this release (ACL LOAD the "
+    "updated users.acl, or restart Redis); until then a Redis that loses the registry unseen "
+    "is not told"
+)
+
+
 #: Routing metadata the gateway attaches to a router call, so the router forwards the body as
 #: opaque bytes without parsing it.
 ROUTE_MODEL_KEY = "x-route-model"

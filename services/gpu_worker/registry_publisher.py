@@ -6,7 +6,6 @@ agree."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import time
@@ -19,13 +18,22 @@ from redis.exceptions import NoPermissionError, RedisError
 from services.common.backoff import doubled_s
 from services.common.lifecycle import cancel_and_wait, stop_if_cancelled
 from services.common.redis_acl import WORKER, role_credentials
-from services.common.registry_schema import FailedVersion, RegistryKeys, WorkerRecord, connect
+from services.common.registry_schema import (
+    ACL_BEHIND,
+    FailedVersion,
+    RegistryKeys,
+    WorkerRecord,
+    connect,
+)
+from services.common.sparse_log import SparseLog
 from services.common.wakeup import Wakeup
 from services.gpu_worker.batching.driver import BatchingDriver
 from services.gpu_worker.config import HeartbeatConfig, WorkerConfig
 from services.gpu_worker.loaded_models import LoadedModels
 
 log = logging.getLogger(__name__)
+#: A Redis ACL older than this release: said hourly while it lasts.
+_hourly = SparseLog(log, period_s=3600.0)
 
 # Score = Redis server time in ms, taken inside the script so the write is one atomic step.
 # Members that have not beaten for ARGV[4] ms go: workers that died without deregistering
@@ -77,8 +85,10 @@ class HeartbeatPublisher:
         # Apart, after the beat: under a Redis still on an older ACL (not reloaded since an
         # upgrade) the epoch's key is refused, and in the script it failed the whole beat
         # (diff review). Without it, a Redis that loses the registry unseen is not told.
-        with contextlib.suppress(NoPermissionError):
+        try:
             await self._client.set(self._keys.epoch, self._epoch, nx=True)
+        except NoPermissionError as error:
+            _hourly.warning(ACL_BEHIND, f"heartbeat: {ACL_BEHIND}: {error}")
 
     def publish_soon(self) -> None:
         """Publish now rather than at the next period (e.g. when draining starts)."""

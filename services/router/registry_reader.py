@@ -28,7 +28,12 @@ from redis.exceptions import RedisError
 from services.common.backoff import doubled_s
 from services.common.errors import MALFORMED_RECORD_ERRORS
 from services.common.lifecycle import sleep_unless_stopped, stop_if_cancelled
-from services.common.registry_schema import INTERNAL_API, RegistryKeys, WorkerRecord
+from services.common.registry_schema import (
+    ACL_BEHIND,
+    INTERNAL_API,
+    RegistryKeys,
+    WorkerRecord,
+)
 from services.common.sparse_log import SparseLog
 from services.router.metrics import RouterMetrics
 from services.router.routing import RouteTable
@@ -37,6 +42,8 @@ from services.router.worker_networks import WorkerNetworks, admit_records
 log = logging.getLogger(__name__)
 #: A lasting fault of a refresh (every period): at most once a period per error.
 _sparse = SparseLog(log)
+#: A Redis ACL older than this release: said hourly while it lasts.
+_hourly = SparseLog(log, period_s=3600.0)
 
 #: Longest pause between reads while Redis is unreachable.
 _MAX_BACKOFF_S = 5.0
@@ -290,6 +297,8 @@ async def read_fleet(
             raise result
     # A Redis on an older ACL (not reloaded since an upgrade) refuses the epoch (NOPERM): read
     # as none; raised, it failed every read, the registry taken for unreachable (diff review).
+    if isinstance(raw_epoch, Exception):
+        _hourly.warning(ACL_BEHIND, f"registry: {ACL_BEHIND}: {raw_epoch}")
     epoch = raw_epoch.decode(errors="replace") if isinstance(raw_epoch, bytes) else raw_epoch
     epoch = epoch if isinstance(epoch, str) else None
     now_s = clock[0] + clock[1] / 1e6
