@@ -83,12 +83,13 @@ class JobsApiConfig:
     max_page_size: int = 500
 
     @classmethod
-    def for_message_limit(cls, max_message_bytes: int) -> JobsApiConfig:
+    def for_limits(cls, max_message_bytes: int, max_inputs: int) -> JobsApiConfig:
         """The defaults, with chunks and items bounded for a gateway taking messages of
-        `max_message_bytes` (and runners' channels, 64 MiB): room for a call's own fields
-        (model, request id) is kept however small the limit."""
+        `max_message_bytes` (and runners' channels, 64 MiB; room for a call's own fields is
+        kept however small the limit) and calls of `max_inputs` inputs at most."""
         limit = min(max_message_bytes, MAX_MESSAGE_BYTES)
-        return cls(max_chunk_bytes=limit // 2, max_item_bytes=limit - min(64 * 1024, limit // 4))
+        return cls(chunk_size=min(cls.chunk_size, max_inputs), max_chunk_bytes=limit // 2,
+                   max_item_bytes=limit - min(64 * 1024, limit // 4))  # fmt: skip
 
 
 class HeldBytes:
@@ -384,16 +385,16 @@ async def _stored(awaitable: Awaitable[T]) -> T:
 
 
 def add_job_service(
-    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig, max_message_bytes: int
+    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig, limits: tuple[int, int]
 ) -> JobStore | None:
     """Serves JobService on `server` when the gateway has a Redis (its quota-sharing one, as
     Redis user `gateway`); returns the store (None: no Redis, JobService is UNIMPLEMENTED).
-    `max_message_bytes`: the gateway's, which a runner's call of a chunk must stay within."""
+    `limits`: the gateway's message bytes and inputs a call, for a runner's calls of chunks."""
     if not redis.redis_url:
         return None
     credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
     client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
     store = JobStore(client, prefix=redis.key_prefix)
-    config = JobsApiConfig.for_message_limit(max_message_bytes)
+    config = JobsApiConfig.for_limits(*limits)
     jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, config), server)
     return store

@@ -159,8 +159,18 @@ def test_chunks_end_at_their_item_count_or_their_bytes_and_a_large_item_goes_alo
 def test_job_chunks_and_items_are_bounded_by_the_gateways_message_limit(
     limit: int, max_chunk: int, max_item: int
 ) -> None:
-    config = JobsApiConfig.for_message_limit(limit)
+    config = JobsApiConfig.for_limits(limit, 256)
     assert (config.max_chunk_bytes, config.max_item_bytes) == (max_chunk, max_item)
+
+
+@pytest.mark.parametrize(("max_inputs", "chunk_size"), [(256, 64), (64, 64), (16, 16), (1, 1)])
+def test_job_chunks_hold_no_more_items_than_the_gateway_takes_in_one_call(
+    max_inputs: int, chunk_size: int
+) -> None:
+    """A runner's call of a chunk is a Predict like any other: past the gateway's
+    --max-inputs-per-request every chunk was refused, and its items run one a call (review
+    finding)."""
+    assert JobsApiConfig.for_limits(4 * 1024 * 1024, max_inputs).chunk_size == chunk_size
 
 
 @pytest.mark.parametrize(
