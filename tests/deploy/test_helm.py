@@ -25,9 +25,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from services.common.lifecycle import STOP_OVERRUN_S
 from services.common.priority import PriorityClass
 from services.common.redis_acl import ACL_FILE_NAME, ROLES, acl_lines, password_file_name
 from services.gateway.auth import KeyStore
+from services.gateway.config import GatewayConfig
+from services.router.config import RouterConfig
 
 pytestmark = pytest.mark.integration
 
@@ -355,6 +358,20 @@ def test_job_runner_replicas_follow_the_values_and_its_grace_covers_the_drain() 
                   "--set", "jobs.terminationGracePeriodSeconds=20")  # fmt: skip
     assert result.returncode != 0
     assert "jobs.terminationGracePeriodSeconds" in result.stderr
+
+
+@pytest.mark.parametrize("tier", ["gateway", "router"])
+def test_a_grace_period_shorter_than_a_cpu_tiers_stop_is_refused(tier: str) -> None:
+    """The preStop sleep, the tier's drain and a hung stop's 15 s: a shorter grace had the
+    kubelet SIGKILL it mid-drain, rendered without a word (the worker and job runner were
+    checked; review finding)."""
+    drain_s = {"gateway": GatewayConfig, "router": RouterConfig}[tier].drain_grace_s
+    at_least = 5 + int(drain_s) + int(STOP_OVERRUN_S)
+    for grace, refused in ((at_least, True), (at_least + 1, False)):
+        result = helm("template", RELEASE, str(CHART_DIR), "--kube-version", KUBE_VERSION,
+                      "--set", f"{tier}.terminationGracePeriodSeconds={grace}")  # fmt: skip
+        assert (result.returncode != 0) == refused, (grace, result.stderr)
+        assert (f"{tier}.terminationGracePeriodSeconds" in result.stderr) == refused
 
 
 def test_job_runner_checks_the_gateways_certificate_name_when_told() -> None:
