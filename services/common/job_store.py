@@ -218,8 +218,18 @@ class JobStore:
         return f"{self.prefix}:jobs:idem:{encoded}:{key}"
 
     async def get(self, job_id: str) -> JobRecord | None:
-        raw = await self.client.hgetall(self.job_key(job_id))
-        return JobRecord.from_hash(job_id, raw) if raw and b"num_items" in raw else None
+        return (await self.get_many([job_id]))[0]
+
+    async def get_many(self, job_ids: Sequence[str]) -> list[JobRecord | None]:
+        """The records of `job_ids` (None: gone), in one round trip (a page of ListJobs)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.hgetall(self.job_key(job_id))
+            raws = await pipe.execute()
+        return [
+            JobRecord.from_hash(job_id, raw) if raw and b"num_items" in raw else None
+            for job_id, raw in zip(job_ids, raws, strict=True)
+        ]
 
     async def list_ids(
         self, tenant: str, *, after: JobCursor | None, limit: int

@@ -276,7 +276,7 @@ class JobServicer(jobs_grpc.JobServiceServicer):
         tenant = current_principal().tenant
         found = await _stored(self._store.list_ids(tenant, after=after, limit=size + 1))
         now_s = time.time()
-        records = [await _stored(self._store.get(i)) for i, _ in found[:size]]
+        records = await _stored(self._store.get_many([i for i, _ in found[:size]]))
         expired = [i for (i, _), record in zip(found[:size], records, strict=True) if not record]
         if expired:  # kept past their retention: gone for good (a later list tries again)
             with contextlib.suppress(RedisError, OSError):

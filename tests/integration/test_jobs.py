@@ -510,6 +510,25 @@ async def test_same_idempotency_key_returns_the_same_job_and_runs_nothing_twice(
     await eventually(both_ran, timeout_s=30.0)
 
 
+async def test_a_page_of_jobs_is_read_in_one_round_trip(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ListJobs read each job of its page alone, one round trip after another (a page of 500
+    against a Redis answering in 300 ms: 150 s); its records are read in one pipeline (review
+    finding). Commands sent alone go through `execute_command`, a pipeline's do not."""
+    job_ids = [await fabric.submit(texts_of(2)) for _ in range(5)]
+    sent_alone: list[str] = []
+    send = fabric.store.client.execute_command
+
+    async def counted(*args: Any, **options: Any) -> Any:
+        sent_alone.append(str(args[0]))
+        return await send(*args, **options)
+
+    monkeypatch.setattr(fabric.store.client, "execute_command", counted)
+    assert await fabric.job_ids() == job_ids[::-1]
+    assert sent_alone == ["ZRANGE"], "the page's ids, then its records in one pipeline"
+
+
 async def test_idempotency_keys_of_tenants_whose_names_share_a_prefix_never_meet(
     fabric: Fabric,
 ) -> None:
