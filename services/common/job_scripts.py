@@ -146,12 +146,17 @@ return 1
 # KEYS: job hash; ARGV: the rounds field, the field of the first round's time, now (seconds,
 # the counting runner's clock). Counts one more round the fleet could not serve a chunk in, the
 # time of its first kept: returns {rounds, seconds since the first}; {-1, 0} if the job is gone
-# (not brought back).
+# (not brought back). Times are Redis's own (TIME): runners' clocks differing by minutes
+# shifted the chunk's patience by as much. Under an ACL without TIME (not reloaded since an
+# upgrade), the runner's clock, as before.
 FLEET_ROUND = """
 if not redis.call('HMGET', KEYS[1], 'num_items')[1] then return {-1, '0'} end
-redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[3])
-local since = tonumber(redis.call('HMGET', KEYS[1], ARGV[2])[1]) or tonumber(ARGV[3])
-return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), tostring(math.max(0, ARGV[3] - since))}
+local now = tonumber(ARGV[3])
+local ok, t = pcall(redis.call, 'TIME')
+if ok then now = tonumber(t[1]) + tonumber(t[2]) / 1e6 end
+redis.call('HSETNX', KEYS[1], ARGV[2], tostring(now))
+local since = tonumber(redis.call('HMGET', KEYS[1], ARGV[2])[1]) or now
+return {redis.call('HINCRBY', KEYS[1], ARGV[1], 1), tostring(math.max(0, now - since))}
 """
 # KEYS: the queue; ARGV: group, a consumer to keep (the caller), idle milliseconds. Deletes the
 # group's consumers idle at least that long that hold no pending entry (runners that exited:

@@ -275,9 +275,9 @@ class JobStore:
 
     async def fleet_round(self, job_id: str, start: int, now_s: float) -> tuple[int, float]:
         """Counts one more round the fleet could not serve the chunk from item `start` in
-        (`rounds:<start>`, as `count_round`) at `now_s` (seconds since the epoch); returns the
-        rounds so far and how long ago the first was (`fleet_since:<start>`); (-1, 0) if the
-        job is gone. Runners' clocks differing by minutes shift the patience by as much."""
+        (`rounds:<start>`, as `count_round`); returns the rounds so far and how long ago the
+        first was (`fleet_since:<start>`); (-1, 0) if the job is gone. Timed by Redis's clock;
+        by `now_s` (seconds since the epoch) only under an ACL without TIME."""
         keys = [self.job_key(job_id)]
         args = [f"rounds:{start}", f"fleet_since:{start}", repr(now_s)]
         rounds, waited_s = await self._fleet_round(keys=keys, args=args)

@@ -60,6 +60,7 @@ JOB_COMMANDS = (
     "xrange",
     "xlen",
     "multi", "exec",
+    "time",
 )  # fmt: skip
 #: Commands each role needs beyond `ping`, and nothing else. The worker's publish script runs
 #: inside EVALSHA under the worker's own rights, hence TIME, ZADD and SET.

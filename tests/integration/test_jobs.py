@@ -24,12 +24,12 @@ import redis.exceptions
 
 from services.common import metric_names as names
 from services.common.errors import RETRY_AFTER_MS_KEY
-from services.common.job_policy import CRASH_ROUNDS, ItemStatus
+from services.common.job_policy import CRASH_ROUNDS, FLEET_PATIENCE_S, ItemStatus
 from services.common.job_records import NewJob, QueueEntry
 from services.common.job_room import RESULT_OVERHEAD_BYTES, SUBMIT_MEMORY_SHARE, StoreFull
 from services.common.job_store import GROUP, JobStore
 from services.common.priority import PriorityClass
-from services.common.redis_acl import JOB_COMMANDS, JOBS
+from services.common.redis_acl import GATEWAY, JOB_COMMANDS, JOBS
 from services.common.tensors import tensor_from_pb
 from services.gateway.auth import KeyStore, Principal, hash_key
 from services.gateway.jobs_api import JobServicer
@@ -452,6 +452,31 @@ async def test_a_runner_on_an_older_acl_still_runs_the_chunks_it_takes_over(
     job = await fabric.finished(job_id, timeout_s=30.0)
     assert job.num_ok == 3
     assert_all_ok_in_order(await fabric.results(job_id), texts)
+
+
+@pytest.mark.parametrize("acl", ["this release's", "one without TIME"])
+async def test_a_chunks_patience_with_the_fleet_is_timed_by_redis_not_by_runners_clocks(
+    fabric: Fabric, acl: str
+) -> None:
+    """The first round a chunk waited for the fleet, and each later one, were timed by the
+    counting runner's wall clock: a runner 30 minutes ahead of the first found the chunk's
+    patience spent at once, and failed its items (review finding). Redis's clock times them
+    now; under an ACL from before TIME, the runners' clocks, as before."""
+    if acl != "this release's":
+        admin = aioredis.Redis.from_url(fabric.redis.url)
+        try:
+            await admin.execute_command("ACL", "SETUSER", GATEWAY, "-time")  # the store's user
+        finally:
+            await admin.aclose()
+    job_id = await fabric.submit(texts_of(2))
+    now_s = time.time()
+    assert (await fabric.store.fleet_round(job_id, 0, now_s))[0] == 1
+    rounds, waited_s = await fabric.store.fleet_round(job_id, 0, now_s + FLEET_PATIENCE_S)
+    assert rounds == 2
+    if acl == "this release's":
+        assert waited_s < FLEET_PATIENCE_S / 2  # seconds at most by Redis's clock
+    else:
+        assert waited_s == pytest.approx(FLEET_PATIENCE_S)
 
 
 async def _without(name: str, consumers: Callable[[], Awaitable[set[str]]]) -> bool:
