@@ -22,8 +22,8 @@ gateway's may touch `<p>:job:*` and `<p>:jobs:*` only):
   tenant percent-encoded (`:` as `%3A`, `%` as `%25`), so that no two tenants' keys meet.
 - `<p>:jobs:dead`: stream of dead letters {job, index, code, message}, capped, for operators.
 - `<p>:jobs:reserved`: integer, the `reserved` bytes of every job not ended (a runner older
-  than reservations never gives one back: README, durable jobs). A new job is
-  taken only while what Redis holds, these and its own items and expected results stay within
+  than reservations never gives one back: README, durable jobs). A new job is taken only while
+  what Redis holds, these and its own items and expected results stay within
   SUBMIT_MEMORY_SHARE of `maxmemory`: counting items alone, jobs accepted back to back filled
   Redis with their results, and a job whose results Redis refused never ended (nor expired).
 
@@ -382,11 +382,15 @@ class JobStore:
         group = next((g for g in groups if g["name"] in (GROUP, GROUP.encode())), None)
         pending = int(group["pending"]) if group else 0
         queued = max(0, int(await self.client.xlen(self.queue_key)) - pending)
-        oldest = await self.client.xrange(self.queue_key, count=1)
+        async with self.client.pipeline(transaction=False) as pipe:  # ids hold Redis's clock
+            oldest, now = await pipe.xrange(self.queue_key, count=1).time().execute(False)
+        if isinstance(oldest, Exception):
+            raise oldest
+        now_s = time.time() if isinstance(now, Exception) else now[0] + now[1] / 1e6
         age_s = 0.0
         if oldest:
             created_ms = int(oldest[0][0].decode().split("-")[0])
-            age_s = max(0.0, time.time() - created_ms / 1000)
+            age_s = max(0.0, now_s - created_ms / 1000)
         return queued, pending, age_s
 
 
