@@ -270,7 +270,7 @@ class StreamInfer:
                         if place is None:
                             stream = generate_one(predictor, request, acting, time_left_s)
                             async for streamed in stream:
-                                answers.put_decoupled(streamed)
+                                await answers.put_streamed(streamed)
                             return
                         response = await infer_one(
                             predictor, request, acting, time_left_s, max_rows

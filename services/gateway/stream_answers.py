@@ -20,6 +20,10 @@ from services.pb.inference import grpc_service_pb2 as kserve
 #: One answer on a ModelStreamInfer stream.
 Answer = kserve.ModelStreamInferResponse
 
+#: Decoupled answers (a generation's token messages) a stream holds unwritten before its
+#: generations wait for its writer: a caller that stops reading holds them, not memory.
+MAX_STREAMED_HELD = 256
+
 
 class StreamAnswers:
     """A stream's answers in writing order, and how many are made and not written yet."""
@@ -30,6 +34,7 @@ class StreamAnswers:
         self._ordered: deque[Answer | asyncio.Future[Answer] | None] = deque()
         self._decoupled: deque[Answer] = deque()
         self._changed = asyncio.Event()
+        self._taken = asyncio.Event()  # set when a decoupled answer is taken for writing
         #: Answers made and not taken for writing yet.
         self.unwritten = 0
 
@@ -42,6 +47,16 @@ class StreamAnswers:
         """Writes `answer` (a decoupled model's) as soon as the writer is free."""
         self._decoupled.append(answer)
         self._made()
+
+    async def put_streamed(self, answer: Answer) -> None:
+        """`put_decoupled`, once fewer than MAX_STREAMED_HELD such answers wait: a generation
+        whose caller stopped reading waits here, and its stream from the router with it (gRPC's
+        flow control), where its tokens piled up in the gateway without bound (review
+        finding)."""
+        while len(self._decoupled) >= MAX_STREAMED_HELD:
+            self._taken.clear()
+            await self._taken.wait()
+        self.put_decoupled(answer)
 
     def place(self) -> asyncio.Future[Answer]:
         """A place for a request's one answer, after those before it (`answer` fills it)."""
@@ -73,6 +88,7 @@ class StreamAnswers:
                 return head if isinstance(head, Answer) else head.result()
             if self._decoupled:
                 self.unwritten -= 1
+                self._taken.set()
                 return self._decoupled.popleft()
             if head is None:
                 return None

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.gateway.stream_answers import Answer, StreamAnswers
+from services.gateway.stream_answers import MAX_STREAMED_HELD, Answer, StreamAnswers
 from services.pb.inference import grpc_service_pb2 as kserve
 
 pytestmark = pytest.mark.unit
@@ -64,3 +64,27 @@ async def test_a_place_filled_twice_keeps_its_first_answer() -> None:
     answers.end()
     assert await written(answers) == "answered"
     assert await written(answers) is None and answers.unwritten == 0
+
+
+async def test_a_generation_whose_caller_stops_reading_waits_for_the_writer() -> None:
+    """A caller that stops reading its stream: the tokens of its generations piled up in the
+    gateway without bound (up to 1024 generations, each to its max_tokens); now a generation
+    waits once MAX_STREAMED_HELD of them are unwritten, and goes on as one is written."""
+    answers = StreamAnswers()
+    put = 0
+
+    async def generate() -> None:
+        nonlocal put
+        for i in range(MAX_STREAMED_HELD + 10):
+            await answers.put_streamed(named(f"token {i}"))
+            put += 1
+
+    generation = asyncio.ensure_future(generate())
+    await asyncio.sleep(0.05)
+    assert not generation.done() and put == MAX_STREAMED_HELD == answers.unwritten
+    assert await written(answers) == "token 0"
+    await asyncio.sleep(0.05)
+    assert put == MAX_STREAMED_HELD + 1, "one written, one more in"
+    for i in range(1, MAX_STREAMED_HELD + 10):
+        assert await written(answers) == f"token {i}"
+    await asyncio.wait_for(generation, timeout=5.0)
