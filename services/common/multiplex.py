@@ -136,10 +136,13 @@ class MultiplexClient:
             async with asyncio.timeout(timeout_s):
                 result = await future
         except TimeoutError:
-            self._cancel(stream, call_id)
-            raise UpstreamError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, f"{self._name}: deadline exceeded"
-            ) from None
+            # Not cancelled with the task, but answered in the deadline's own loop turn: kept.
+            if future.cancelled() or not future.done():
+                self._cancel(stream, call_id)
+                raise UpstreamError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"{self._name}: deadline exceeded"
+                ) from None
+            result = future.result()
         except asyncio.CancelledError:
             self._cancel(stream, call_id)
             raise

@@ -227,3 +227,26 @@ async def test_a_call_that_cannot_be_made_leaves_nothing_waiting(
         assert client.num_pending == 0
     finally:
         await client.close()
+
+
+async def test_an_answer_that_comes_as_the_deadline_fires_is_kept() -> None:
+    """The answer is read (its future set) in the very loop turn the call's deadline fires in:
+    the timeout's cancel reached the caller's task before its wake-up, and an answer that had
+    come was thrown away as DEADLINE_EXCEEDED, a timeout charged to a worker that answered
+    (review finding). A deadline already passed (0 s) fires in the turn after the call is
+    made; the answer set in that turn, before it, is the race."""
+    stream = Stream()
+    client = MultiplexClient(Channel(stream), "peer")  # type: ignore[arg-type]
+    answer = pb.MuxResult(call_id=1, code=0, response=b"answered")
+
+    def answered() -> None:
+        (state,) = client._streams
+        state.pending.pop(1).set_result(answer)
+
+    call = asyncio.ensure_future(client.call(b"a", timeout_s=0.0))
+    asyncio.get_running_loop().call_soon(answered)
+    try:
+        assert await call == b"answered"
+    finally:
+        stream.read_fails.set()
+        await client.close()
