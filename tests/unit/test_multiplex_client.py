@@ -250,3 +250,67 @@ async def test_an_answer_that_comes_as_the_deadline_fires_is_kept() -> None:
     finally:
         stream.read_fails.set()
         await client.close()
+
+
+class Peer:
+    """One stream to a peer that answers every call it is written at once (`answers`), or
+    never."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+        self.calls: list[int] = []
+        self._read: asyncio.Queue[pb.InferStreamResponse] = asyncio.Queue()
+
+    async def write(self, message: pb.InferStreamRequest) -> None:
+        self.calls += [c.call_id for c in message.calls]
+        if self.answers:
+            results = [pb.MuxResult(call_id=c.call_id, response=b"ok") for c in message.calls]
+            self._read.put_nowait(pb.InferStreamResponse(results=results))
+
+    async def read(self) -> pb.InferStreamResponse:
+        return await self._read.get()
+
+    async def done_writing(self) -> None:
+        pass
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.CANCELLED
+
+    def cancel(self) -> bool:
+        return True
+
+
+async def test_new_calls_go_to_the_stream_with_the_fewest_waiting() -> None:
+    """Four streams over two peers (a round-robin channel opens them on each in turn), one of
+    which has stopped answering (a router far busier than the others): taken in turn, half the
+    calls went to it whatever it held; each new call now goes to the least loaded stream, so
+    it gets a first call per stream and no more while the others answer (review finding)."""
+    peers = [Peer(answers=i % 2 == 0) for i in range(4)]
+    opened = iter(peers)
+
+    class Channel:
+        def stream_stream(self, method: str, **_: Any) -> Any:
+            return lambda: next(opened)
+
+    client = MultiplexClient(Channel(), "routers", streams=4)  # type: ignore[arg-type]
+
+    def sent_to_stuck() -> int:
+        return sum(len(p.calls) for p in peers if not p.answers)
+
+    stuck = []
+    try:
+        for _ in range(40):  # one after another: each answered, or written where it sticks
+            before = sent_to_stuck()
+            call = asyncio.ensure_future(client.call(b"x", timeout_s=30.0))
+            await eventually(
+                lambda call=call, before=before: call.done() or sent_to_stuck() > before,
+                interval_s=0.001,
+            )
+            if not call.done():
+                stuck.append(call)
+        assert sent_to_stuck() == len(stuck) == 2, "one call for each stream of the stuck peer"
+        assert sum(len(p.calls) for p in peers if p.answers) == 38
+    finally:
+        for call in stuck:
+            call.cancel()
+        await client.close()
