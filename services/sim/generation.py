@@ -29,7 +29,8 @@ from typing import Protocol
 from services.common.priority import PriorityClass
 from services.common.registry_schema import ModelRecord, WorkerRecord
 from services.gpu_worker.admission import Rejected, RejectReason
-from services.gpu_worker.generation.scheduler import GenerationScheduler, GenerationSchedulerConfig
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.scheduler_config import GenerationSchedulerConfig
 from services.gpu_worker.generation.sequence import ScheduledSequence, SchedulerOutput, Sequence
 from services.gpu_worker.generation.standing_shedding import StandingShedding, admission_refusal
 from services.sim.events import EventLoop

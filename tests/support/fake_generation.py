@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.gpu_worker.admission import Admitted, Rejected
-from services.gpu_worker.generation.scheduler import GenerationScheduler, GenerationSchedulerConfig
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.scheduler_config import GenerationSchedulerConfig
 from services.gpu_worker.generation.sequence import (
     ScheduledSequence,
     SchedulerOutput,

@@ -354,7 +354,9 @@ def test_the_lowest_running_sequence_preempts_itself() -> None:
 
 def test_no_admission_in_a_step_that_preempted() -> None:
     engine, _, _ = preemption_engine()
-    engine.add(make_seq(seq_id=3, num_prompt_tokens=1, max_tokens=1, priority=-1))
+    # Of 2's class, first in line (a more urgent one takes its place in the same step:
+    # test_a_waiting_sequence_takes_the_blocks_of_less_urgent_running_ones).
+    engine.add(make_seq(seq_id=3, num_prompt_tokens=1, max_tokens=1, arrival_s=-1.0))
     output = engine.step()
     assert output.preempted == (2,)
     assert 3 not in scheduled_ids(output)  # 3 free blocks after the preemption, but not now
@@ -587,3 +589,41 @@ def test_s12_randomized_soak_keeps_block_accounting_and_outputs_exact(
     done = soak(engine, rng, lambda r: {"num_prompt_tokens": r.randint(1, 30)})
     assert done.cancelled
     assert any(s.preempted for s in engine.steps), "the soak should exercise preemption"
+
+
+def test_a_waiting_sequence_of_a_more_urgent_class_takes_the_place_of_less_urgent_ones() -> None:
+    """Batch generations (class 2) hold both seats when an interactive one (1) arrives: it
+    waited for one to finish, past its SLO, as nothing preempted to seat a sequence (review
+    finding). Now it runs at the next step, the latest batch one preempted for it; a batch
+    one waiting takes no seat from another of its class."""
+    engine = FakeEngine(make_config(max_num_seqs=2))
+    batch = [make_seq(seq_id=i, max_tokens=20, priority=2) for i in (1, 2)]
+    for seq in batch:
+        engine.add(seq)
+    engine.step()
+    interactive = make_seq(seq_id=3, max_tokens=2, priority=1)
+    later_batch = make_seq(seq_id=4, max_tokens=2, priority=2)
+    engine.add(later_batch)
+    engine.add(interactive)
+    output = engine.step()
+    assert output.preempted == (2,)
+    assert scheduled_ids(output) == [1, 3]
+    engine.run()
+    assert interactive.num_preemptions == 0 and batch[0].num_preemptions == 0
+    assert_outputs_match_reference(engine, [*batch, interactive, later_batch])
+
+
+def test_a_waiting_sequence_takes_the_blocks_of_less_urgent_running_ones() -> None:
+    """Seats are free, blocks are not: the batch sequence holding them is preempted, the
+    interactive one admitted in its place at once."""
+    engine = FakeEngine(make_config(num_blocks=8))
+    batch = make_seq(seq_id=1, num_prompt_tokens=28, max_tokens=4, priority=2)
+    engine.add(batch)
+    engine.step()
+    interactive = make_seq(seq_id=2, num_prompt_tokens=8, max_tokens=2, priority=1)
+    engine.add(interactive)
+    output = engine.step()
+    assert output.preempted == (1,)
+    assert scheduled_ids(output) == [2]
+    engine.run()
+    assert_outputs_match_reference(engine, [batch, interactive])

@@ -16,10 +16,8 @@ from services.gpu_worker.generation.block_allocator import num_blocks_for
 from services.gpu_worker.generation.engine import GenerationEngine
 from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.generation.model_runner import ModelRunner, SequenceBatchItem
-from services.gpu_worker.generation.scheduler import (
-    GenerationScheduler,
-    GenerationSchedulerConfig,
-)
+from services.gpu_worker.generation.scheduler import GenerationScheduler
+from services.gpu_worker.generation.scheduler_config import GenerationSchedulerConfig
 from services.gpu_worker.generation.standing_shedding import StandingShedding
 from services.gpu_worker.served_model import BatchLoads, ServedModel
 from services.gpu_worker.thread_choice import ThreadChoice, thread_options

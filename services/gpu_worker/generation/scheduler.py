@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from services.gpu_worker.admission import Admitted, Rejected, RejectReason
 from services.gpu_worker.batching.fair_share import ComputeLedger, check_weight
 from services.gpu_worker.generation.block_allocator import BlockAllocator
 from services.gpu_worker.generation.prefix_cache import cached_prefix_of, remember_filled_blocks
+from services.gpu_worker.generation.scheduler_config import (
+    GenerationSchedulerConfig,
+    check_config,
+)
 from services.gpu_worker.generation.sequence import (
     ScheduledSequence,
     SchedulerOutput,
@@ -36,30 +39,6 @@ from services.gpu_worker.generation.sequence import (
     SequenceStatus,
 )
 from services.gpu_worker.generation.waiting import WaitingSequences
-
-
-@dataclass(frozen=True)
-class GenerationSchedulerConfig:
-    """The slice of a generation model's configuration that the scheduler needs."""
-
-    #: Most sequences running (holding KV blocks) at once.
-    max_num_seqs: int
-    #: Token budget of one step: decode tokens plus prefill-chunk tokens.
-    max_num_batched_tokens: int
-    #: KV-cache blocks in the whole cache.
-    num_blocks: int
-    #: Token slots per KV block.
-    block_size: int
-    #: Longest sequence (prompt + generated tokens) the model accepts.
-    max_model_len: int
-    #: Free blocks kept back when admitting while others run, so running sequences can grow a
-    #: few steps before anyone is preempted.
-    watermark_blocks: int = 0
-    #: Benchmark baseline: admit a batch only when nothing runs, prefill all of it, then decode
-    #: it to completion.
-    is_static: bool = False
-    #: Share the KV of leading full blocks that sequences of one cache salt have in common.
-    enable_prefix_caching: bool = False
 
 
 def _order(seq: Sequence) -> tuple[int, float, int]:
@@ -70,24 +49,12 @@ def _num_uncomputed(seq: Sequence) -> int:
     return seq.num_tokens - seq.num_computed_tokens
 
 
-def _check_config(config: GenerationSchedulerConfig) -> None:
-    c = config
-    if min(c.max_num_seqs, c.max_num_batched_tokens, c.num_blocks, c.block_size,
-           c.max_model_len) < 1:  # fmt: skip
-        raise ValueError(
-            "max_num_seqs, max_num_batched_tokens, num_blocks, block_size and max_model_len"
-            " must be >= 1"
-        )
-    if config.watermark_blocks < 0:
-        raise ValueError("watermark_blocks must be >= 0")
-
-
 class GenerationScheduler:
     """Waiting and running sequences of one model, their KV blocks, and each step's plan."""
 
     def __init__(self, config: GenerationSchedulerConfig) -> None:
         """Raises ValueError if `config` is inconsistent."""
-        _check_config(config)
+        check_config(config)
         self._config = config
         self._allocator = BlockAllocator(config.num_blocks, config.block_size)
         self._caches = config.enable_prefix_caching
@@ -132,8 +99,9 @@ class GenerationScheduler:
 
     def prefill_tokens_ahead_of(self, priority: int) -> int:
         """Tokens computed before a new prompt of `priority` starts: the rest of each running
-        prompt (nothing preempts one to seat it), a preempted sequence's recompute of its
-        prompt and outputs among them, then waiting sequences as urgent or more."""
+        prompt (one of a less urgent class preempted to seat it counted too), a preempted
+        sequence's recompute of its prompt and outputs among them, then waiting sequences as
+        urgent or more."""
         started = sum(n for s in self._running
                       if (n := _num_uncomputed(s)) > 1 or not s.output_token_ids)  # fmt: skip
         return started + self._waiting.num_tokens_at_most(priority)
@@ -232,6 +200,9 @@ class GenerationScheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[int] = []
+        if admit and not cfg.is_static and self._waiting:
+            self._seat_urgent(preempted)
+        num_seated = len(preempted)  # made room for an admission: it is admitted below
         # Static batches decode only once every admitted prefill is done. (A prefill with one
         # token left looks like a decode; running it with the decodes costs the same.)
         is_prefill_only = cfg.is_static and any(_num_uncomputed(s) > 1 for s in self._running)
@@ -250,7 +221,7 @@ class GenerationScheduler:
             budget -= num_new
         # Blocks freed by a preemption are for the running sequences' next steps; admitting
         # into them now would only cause the next preemption (vLLM v1 does the same).
-        if admit and not cfg.is_static and not preempted:
+        if admit and not cfg.is_static and len(preempted) == num_seated:
             self._admit_waiting(budget, scheduled)
         return SchedulerOutput(
             scheduled=tuple(scheduled),
@@ -312,6 +283,25 @@ class GenerationScheduler:
                 return False
         seq.block_table.extend(self._allocator.allocate(num_needed))
         return True
+
+    def _seat_urgent(self, preempted: list[int]) -> None:
+        """The next waiting sequence takes the seat and blocks of running sequences of a less
+        urgent class when it finds none free: they are preempted from the back (the least
+        urgent, latest first) until its first chunk fits. Nothing preempted to seat one, and
+        batch generations holding the cache kept an interactive one waiting past its SLO
+        (review finding)."""
+        seq, cfg = self._next_waiting(), self._config
+        while self._running and self._running[-1].priority > seq.priority:
+            cached = cached_prefix_of(seq, self._allocator) if self._caches else []
+            num_cached = len(cached) * cfg.block_size
+            num_new = min(seq.num_tokens - num_cached, cfg.max_num_batched_tokens)
+            num_fresh = self._allocator.blocks_for(num_cached + num_new) - len(cached)
+            num_taken = num_fresh + self._allocator.num_free_among(cached) + cfg.watermark_blocks
+            if len(self._running) < cfg.max_num_seqs and self._allocator.can_allocate(num_taken):
+                return
+            victim = self._running[-1]
+            self._preempt(victim)
+            preempted.append(victim.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks; it is recomputed from all_token_ids once readmitted."""
