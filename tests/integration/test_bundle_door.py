@@ -28,6 +28,7 @@ from services.common.errors import Overloaded
 from services.common.model_repository import load_repository
 from services.common.priority import PriorityClass
 from services.common.text import TokenIds
+from services.gpu_worker.admission import Rejected, RejectReason
 from services.gpu_worker.backends import load_backend
 from services.gpu_worker.backends.base import Backend, PreparedRow, RawInput
 from services.gpu_worker.batching import bundle_door
@@ -350,3 +351,19 @@ async def test_the_gap_is_told_every_lane_and_exported(door: Door) -> None:
     never_ran = DeviceBusy(two_ms, torch.device("cpu"), clock)
     gap.ran(never_ran, full, [lane])  # a batch that never reached the executor teaches nothing
     assert lane.latency.batch_gap_s == gap.gap_s
+
+
+async def test_a_refusal_for_a_tenants_share_names_no_tenant(door: Door) -> None:
+    """A bundle refused whole gives each of its callers, whatever their tenant, its first
+    caller's refusal: one past its tenant's share named that tenant to the others, and that
+    it was loading the model (review finding)."""
+    lane = door.driver.open_lane(door.backend)
+    now = door.clock()
+    item = QueuedItem(
+        item_id=1, key=lane_key(lane, door.backend.buckets[0]), tenant="acme-secret",
+        num_tokens=8, arrival_s=now, deadline_s=now + 10.0, finish_by_s=None,
+        priority=INTERACTIVE, weight=1.0,
+    )  # fmt: skip
+    refusal = lane.rejection(item, Rejected(RejectReason.TENANT_SHARE), now, now)
+    assert isinstance(refusal, Overloaded) and "fair share" in str(refusal)
+    assert "acme-secret" not in str(refusal)

@@ -203,9 +203,10 @@ class Lane:
         max_batch_size = self.batcher.max_batch_size_for(key)
         backlog_s = self.latency.per_item_s(key, max_batch_size) * self.batcher.num_queued
         if reason is RejectReason.TENANT_SHARE:
+            # Unnamed: a bundle refused whole gives its first caller's refusal to every caller.
             return Overloaded(
-                f"{key.model}/{key.version}: the queue is contended and tenant {item.tenant!r}"
-                " already holds its fair share of it",
+                f"{key.model}/{key.version}: the queue is contended and this call's tenant, or"
+                " that of a call bundled with it, already holds its fair share of it",
                 retry_after_s=backlog_s,
             )
         if reason is RejectReason.DEADLINE:
