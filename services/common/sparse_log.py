@@ -39,8 +39,17 @@ class SparseLog:
     def exception(self, key: Hashable, message: str, *args: Any) -> None:
         self._log(logging.ERROR, key, message, args, exc_info=True)
 
+    def failure(self, key: Hashable, error: BaseException, message: str, *args: Any) -> None:
+        """`error` logged with its traceback (one caught earlier, not the one being handled)."""
+        self._log(logging.ERROR, key, message, args, exc_info=error)
+
     def _log(
-        self, level: int, key: Hashable, message: str, args: tuple[Any, ...], exc_info: bool = False
+        self,
+        level: int,
+        key: Hashable,
+        message: str,
+        args: tuple[Any, ...],
+        exc_info: bool | BaseException = False,
     ) -> None:
         now_s, last = self._clock(), self._last.get(key)
         if last is not None and now_s - last[0] < self._period_s:

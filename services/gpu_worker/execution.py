@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
@@ -10,12 +11,17 @@ import numpy as np
 import torch
 
 from services.common.errors import Unavailable
+from services.common.sparse_log import SparseLog
 from services.gpu_worker.backends.base import PreparedRow, check_device
 from services.gpu_worker.batching.close_rule import URGENT_RECENT_S
 from services.gpu_worker.batching.driver_config import DriverConfig
 from services.gpu_worker.batching.failure_streak import FailureStreak
 from services.gpu_worker.batching.types import CloseReason, Dispatch
 from services.gpu_worker.thread_choice import ThreadChoice
+
+log = logging.getLogger(__name__)
+#: A model failing on rows: its traceback, at most every 10 s a version.
+_model_failures = SparseLog(log)
 
 
 def resolve_threads(config: DriverConfig, device: torch.device) -> DriverConfig:
@@ -174,7 +180,13 @@ def note_batch(
     Exceptions. Rows refused unrun (Unavailable: the worker wedged, its device lost) say
     nothing of the model: a batch of only those is not told (the worker stops serving anyway),
     and beside rows that failed in the model they do not make the batch a success. A batch
-    with a row served is not looked at again."""
+    with a row served is not looked at again. A row failed in the model is logged with its
+    traceback, at most every 10 s a version: its caller is told one line of it (`describe_
+    failure`), and nothing else said which worker failed or where."""
+    in_model = (r for r in results if isinstance(r, Exception) and not isinstance(r, Unavailable))
+    if (failed := next(in_model, None)) is not None:
+        message = "model %s version %s failed on %d of %d rows of a batch; the first:"
+        _model_failures.failure(labels, failed, message, *labels, num_failed, len(results))
     if num_failed < len(results):
         failures.note(labels, now_s, all_failed=False)
     elif results and not all(isinstance(r, Unavailable) for r in results):

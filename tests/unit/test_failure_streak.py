@@ -3,10 +3,14 @@ long, and what clears it (services.gpu_worker.batching.failure_streak)."""
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 import pytest
 
 from services.common.errors import ExecutionFailed, Unavailable
+from services.common.sparse_log import SparseLog
+from services.gpu_worker import execution
 from services.gpu_worker.batching.failure_streak import FailingConfig, FailureStreak
 from services.gpu_worker.execution import note_batch
 
@@ -113,3 +117,31 @@ def test_rows_refused_unrun_neither_fail_nor_clear_a_version() -> None:
 def test_settings_out_of_range_are_refused(settings: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FailingConfig(**settings)  # type: ignore[arg-type]
+
+
+def test_a_model_failing_on_rows_is_logged_with_its_traceback_at_most_every_10_s(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A row failed in the model reached its caller as one line (describe_failure) and was
+    counted, nothing more: no log named the worker's model or held the traceback until whole
+    batches kept failing (review finding). Rows refused unrun are the worker's, not the
+    model's: not logged here."""
+    monkeypatch.setattr(execution, "_model_failures", SparseLog(execution.log))
+
+    def boom() -> Exception:
+        try:
+            raise ValueError("index 9 is out of bounds")
+        except ValueError as error:
+            return error
+
+    streak = FailureStreak(CONFIG)
+    told(streak, [Unavailable("ran past the executor watchdog")], 0.0)
+    assert not caplog.records
+    told(streak, [np.zeros(2), boom(), boom()], 1.0)
+    told(streak, [boom()], 2.0)  # within 10 s of the last: left out
+    (record,) = caplog.records
+    assert record.getMessage() == (
+        "model affine version 1 failed on 2 of 3 rows of a batch; the first:"
+    )
+    assert record.exc_info is not None and "out of bounds" in str(record.exc_info[1])
+    assert traceback.extract_tb(record.exc_info[2])[-1].name == "boom"  # where it was raised
