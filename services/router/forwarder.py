@@ -155,7 +155,7 @@ class Forwarder:
             except UpstreamError as error:
                 failure = error
                 self._note_outcome(route, sent_s, error)
-                self._after_failure(error, route, attempt, deadline_s)
+                self._after_failure(error, route, attempt, facts)
             except asyncio.CancelledError:
                 self._note_cancelled(route, sent_s, deadline_s)
                 raise
@@ -260,7 +260,7 @@ class Forwarder:
                         raise UpstreamError.from_rpc_error(error) from None
                     failure = UpstreamError.from_rpc_error(error)
                     self._note_outcome(route, sent_s, failure)
-                    self._after_failure(failure, route, attempt, deadline_s)
+                    self._after_failure(failure, route, attempt, facts)
                 except asyncio.CancelledError:
                     if not has_sent:
                         self._note_cancelled(route, sent_s, deadline_s)
@@ -281,8 +281,8 @@ class Forwarder:
         hint), not NOT_FOUND: the version is served. With a `failure` it routes a retry, which
         spends its budget token once routed, or, without one left, gives the worker's failure
         to the caller before routing (a route the budget refused took a probation's probe)."""
-        now_s = time.monotonic()
-        if failure is not None and not self._budget.has_token(now_s):
+        now_s, keep = time.monotonic(), self._keep(facts)
+        if failure is not None and not self._budget.has_token(now_s, keep=keep):
             raise for_caller(failure)
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
@@ -294,7 +294,7 @@ class Forwarder:
                 raise for_caller(failure)
             raise self._refused(facts, decision, retried=bool(tried))
         if failure is not None:
-            spent = self._budget.try_spend(now_s)  # a token at now_s, none spent since
+            spent = self._budget.try_spend(now_s, keep=keep)  # at now_s, none spent since
             assert spent, "the retry budget changed within one synchronous call"
             self._metrics.retries_total.labels(facts.name, facts.version).inc()
         tried.add(decision.worker_id)
@@ -354,12 +354,16 @@ class Forwarder:
             timed_out = UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             self._note_outcome(route, sent_s, timed_out)
 
+    def _keep(self, facts: CallFacts) -> float:
+        """Retry tokens a retry of this call must leave (RetryBudget.batch_keep)."""
+        return self._budget.batch_keep if facts.priority is PriorityClass.BATCH else 0.0
+
     def _after_failure(
         self,
         error: UpstreamError,
         route: Route,
         attempt: int,
-        deadline_s: float,
+        facts: CallFacts,
     ) -> None:
         """Returns to retry on another worker, or raises the error for our caller
         (services.router.retry says which). An UNAVAILABLE worker is ejected either way; one
@@ -370,9 +374,10 @@ class Forwarder:
             is_worker_unavailable=is_unavailable or error.code == grpc.StatusCode.NOT_FOUND,
             attempt=attempt,
             max_retries=self._max_retries,
-            deadline_s=deadline_s,
+            deadline_s=facts.deadline_s,
             now_s=now_s,
             budget=self._budget,
+            keep=self._keep(facts),
         )
         if is_unavailable:
             self._table.eject(route.worker_id, now_s)

@@ -50,12 +50,14 @@ def decide_retry(
     deadline_s: float,
     now_s: float,
     budget: RetryBudget,
+    keep: float = 0.0,
 ) -> RetryDecision:
     """What to do after attempt number `attempt` (0 for the first) failed.
 
     `deadline_s` is absolute on the same clock as `now_s` (math.inf for none). The budget is
     asked last, and only asked: the caller spends the token once the retry is routed, so that
-    a token is spent only on a retry that happens.
+    a token is spent only on a retry that happens; `keep`: tokens it must leave (a batch
+    call's, RetryBudget.batch_keep).
     """
     if not is_worker_unavailable:
         return GiveUp(GiveUpReason.ANSWERED)
@@ -63,6 +65,6 @@ def decide_retry(
         return GiveUp(GiveUpReason.NO_ATTEMPTS_LEFT)
     if deadline_s <= now_s:
         return GiveUp(GiveUpReason.DEADLINE_PASSED)
-    if not budget.has_token(now_s):
+    if not budget.has_token(now_s, keep=keep):
         return GiveUp(GiveUpReason.BUDGET_SPENT)
     return RetryElsewhere()

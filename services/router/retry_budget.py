@@ -37,13 +37,22 @@ class RetryBudget:
         """Count one request (first attempts only, not retries)."""
         self._net[self._slot(now_s)] += self._ratio
 
-    def try_spend(self, now_s: float) -> bool:
-        """Withdraw one token for a retry; False (and nothing withdrawn) if none is left.
+    @property
+    def batch_keep(self) -> float:
+        """Tokens a `batch` call's retry leaves to the other classes: half the floor's. A
+        worker lost with many batch calls on it spent the budget on them, and the critical
+        or interactive call failing next found none (review finding); batch callers (the job
+        runner) retry on their own."""
+        return self._reserve / 2
+
+    def try_spend(self, now_s: float, *, keep: float = 0.0) -> bool:
+        """Withdraw one token for a retry, leaving at least `keep`; False (and nothing
+        withdrawn) if none is left.
         Deposits pay first, the oldest first, and the reserve only for what they cannot: a
         retry paid by deposits expires with them, instead of outliving them as a debt on the
         reserve (then the balance would stay below zero for up to a window after traffic
         stops, and not even the reserve's retries would get through)."""
-        if not self.has_token(now_s):
+        if not self.has_token(now_s, keep=keep):
             return False
         current = math.floor(now_s / self._slice_s)
         owed = 1.0
@@ -59,10 +68,10 @@ class RetryBudget:
         self._net[self._slot(now_s)] -= owed  # from the reserve, for a window
         return True
 
-    def has_token(self, now_s: float) -> bool:
+    def has_token(self, now_s: float, *, keep: float = 0.0) -> bool:
         """Whether `try_spend` would grant a retry now (nothing withdrawn)."""
         # The epsilon absorbs float error from summing fractional deposits (5 x 0.2 < 1.0).
-        return self.balance(now_s) >= 1.0 - 1e-9
+        return self.balance(now_s) >= 1.0 + keep - 1e-9
 
     def balance(self, now_s: float) -> float:
         """Tokens available for retries now."""

@@ -88,3 +88,15 @@ def test_giving_up_for_another_reason_spends_no_token(refused: dict) -> None:
     before = budget.balance(NOW_S)
     assert isinstance(decide(budget=budget, **refused), GiveUp)
     assert budget.balance(NOW_S) == before
+
+
+def test_a_batch_calls_retry_is_given_up_while_the_other_classes_may_still_retry() -> None:
+    budget = RetryBudget(ratio=0.0, min_per_s=0.4, window_s=10.0)  # 4 tokens, 2 kept
+    assert budget.batch_keep == 2.0
+    assert budget.try_spend(NOW_S, keep=budget.batch_keep)
+    assert budget.try_spend(NOW_S, keep=budget.batch_keep)
+    assert not budget.try_spend(NOW_S, keep=budget.batch_keep)
+    refused = decide_retry(is_worker_unavailable=True, attempt=0, max_retries=2,
+                           deadline_s=math.inf, now_s=NOW_S, budget=budget, keep=2.0)  # fmt: skip
+    assert refused == GiveUp(GiveUpReason.BUDGET_SPENT)
+    assert decide(budget=budget) == RetryElsewhere()

@@ -5,6 +5,7 @@ route table the test loads, no call sent."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -101,3 +102,23 @@ async def test_a_call_late_before_it_is_routed_is_counted_deadline_exceeded() ->
     labels = {"model": "minilm", "version": "1", "code": "DEADLINE_EXCEEDED"}
     assert metric(metrics.registry, names.ROUTER_RESPONSES_TOTAL, **labels) == 1
     await forwarder.close()
+
+
+def test_a_batch_calls_retry_leaves_half_the_floor_to_the_other_classes() -> None:
+    """A worker lost with many `batch` calls on it (a job runner's) spent the budget on their
+    retries, and the critical or interactive call that failed next found none (review
+    finding). A batch retry leaves half the floor: a reserve of 4 takes two batch retries,
+    then the other classes' two."""
+    budget = RetryBudget(ratio=0.0, min_per_s=0.4, window_s=10.0)  # a reserve of 4 tokens
+    forwarder, _, metrics = _forwarder(budget)
+    batch = dataclasses.replace(FACTS, priority=PriorityClass.BATCH)
+    for _ in range(2):
+        forwarder._route(batch, {"w0"}, FAILED)
+    with pytest.raises(UpstreamError) as refused:
+        forwarder._route(batch, {"w0"}, FAILED)
+    assert refused.value is FAILED
+    for facts in (FACTS, dataclasses.replace(FACTS, priority=PriorityClass.CRITICAL)):
+        assert forwarder._route(facts, {"w0"}, FAILED).worker_id == "w1"
+    with pytest.raises(UpstreamError):
+        forwarder._route(FACTS, {"w0"}, FAILED)  # the floor is spent
+    assert metric(metrics.registry, names.ROUTER_RETRIES_TOTAL) == 4
