@@ -112,19 +112,3 @@ def checked_sampling(
     except ValueError as error:
         raise InvalidInput(str(error)) from error
     return params
-
-
-def sampling_sent(
-    sampling: pb.SamplingParameters, *, max_model_len: int, prompt_len: int, fills_context: bool
-) -> pb.SamplingParameters:
-    """`sampling` checked (checked_sampling) as a worker gets it: max_tokens always set, to the
-    rest of the context when the reply fills it. A worker reads `fills_context` and sizes the
-    reply by its own cache; one older than that field (mid-rollout) read the unset max_tokens as
-    16 and cut every chat reply there."""
-    params = checked_sampling(
-        sampling, max_model_len=max_model_len, prompt_len=prompt_len, fills_context=fills_context
-    )
-    sent = pb.SamplingParameters()
-    sent.CopyFrom(sampling)
-    sent.max_tokens = params.max_tokens
-    return sent

@@ -19,7 +19,7 @@ from services.common.errors import InvalidInput, Overloaded, UpstreamError
 from services.common.multiplex import MultiplexClient
 from services.common.priority import PriorityClass
 from services.common.registry_schema import route_metadata
-from services.common.sampling import sampling_sent
+from services.common.sampling import checked_sampling
 from services.common.templated_text import TemplatedText
 from services.common.tracing import current_traceparent, outgoing_metadata
 from services.gateway import model_inputs
@@ -354,14 +354,14 @@ class Predictor:
             else:
                 (ids,) = model.encoder.encode_many([call.prompt])
             fills_context = call.fills_context and not call.sampling.max_tokens
-            sampling = sampling_sent(call.sampling, max_model_len=max_model_len,
-                                     prompt_len=len(ids), fills_context=fills_context)  # fmt: skip
+            checked_sampling(call.sampling, max_model_len=max_model_len, prompt_len=len(ids),
+                             fills_context=fills_context)  # fmt: skip
         request = pb.WorkerGenerateRequest(
             model_name=config.name,
             model_version=model.version,
             fingerprint=model.fingerprint,
             token_ids=ids.astype("<i4").tobytes(),
-            sampling=sampling,
+            sampling=call.sampling,
             fills_context=fills_context,
             tenant=call.principal.tenant,
             request_id=call.request_id or self._new_request_id(),

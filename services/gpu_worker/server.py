@@ -150,7 +150,7 @@ class WorkerServicer(pb_grpc.WorkerServiceServicer):
         backend.check_fingerprint(request.fingerprint)
         prompt = generation_prompt(backend, request)
         params = sampling_from_pb(request.sampling)
-        if request.fills_context:  # the context left here (max_tokens: for older workers)
+        if request.fills_context and not request.sampling.max_tokens:  # the context left
             params = dataclasses.replace(params, max_tokens=backend.scheduler.room_for(len(prompt)))
         limits = (context.time_remaining(), backend.config.shed_budget_s(0.0))
         stream = backend.engine.generate(

@@ -883,16 +883,13 @@ async def test_a_generate_call_closed_mid_stream_frees_its_sequence_at_once(
         await backend.engine.drain()
 
 
-@pytest.mark.parametrize("sent_max_tokens", [0, "context"])
 async def test_a_generate_that_fills_the_context_stops_where_the_kv_cache_does(
-    checkpoint: Path, tmp_path: Path, sent_max_tokens: int | str
+    checkpoint: Path, tmp_path: Path
 ) -> None:
     """A Generate without max_tokens that fills the context (an OpenAI chat completion's) on a
     worker whose KV cache holds fewer tokens than max_model_len (6 blocks of 8: 49 tokens
     against 256): it runs to the cache's end, not refused for a max_tokens its caller never
-    sent (the gateway, knowing only max_model_len, cannot size it). The gateway also sends
-    max_tokens as max_model_len less the prompt, for workers older than `fills_context`
-    ("context"): ignored here."""
+    sent (the gateway, knowing only max_model_len, cannot size it)."""
     backend, _ = make_backend(
         write_repository(tmp_path, num_kv_blocks=6, block_size=8, weights_from=checkpoint)
     )
@@ -905,9 +902,7 @@ async def test_a_generate_that_fills_the_context_stops_where_the_kv_cache_does(
         model_name="ref-llama",
         fingerprint=backend.fingerprint,
         token_ids=np.array(prompt, dtype="<i4").tobytes(),
-        sampling=tpb.SamplingParameters(
-            ignore_eos=True, max_tokens=256 - len(prompt) if sent_max_tokens == "context" else 0
-        ),
+        sampling=tpb.SamplingParameters(ignore_eos=True),
         fills_context=True,
     )
     try:
