@@ -67,9 +67,9 @@ class MultiplexClient:
         streams: int = 1,
     ) -> None:
         """`linger`: how a message is held back to gather calls under load (write_linger).
-        `streams`: how many streams take calls at once, each new call the least loaded. On a
-        channel that balances over several servers (round_robin), each stream goes to the
-        next one, so calls spread over them all instead of one for a stream's whole life."""
+        `streams`: how many streams take calls at once, in turn. On a channel that balances
+        over several servers (round_robin), each stream goes to the next one, so calls
+        spread over them all instead of one for a stream's whole life."""
         if streams < 1:
             raise ValueError("streams must be at least 1")
         self._open_stream: grpc.aio.StreamStreamMultiCallable[
@@ -195,7 +195,7 @@ class MultiplexClient:
 
     def _current_stream(self) -> MuxStream:
         loop = asyncio.get_running_loop()
-        slot = self._next_slot()
+        slot = next(self._turns) % len(self._slots)
         stream = self._slots[slot]
         if stream is not None and stream.broken is None:
             if time.monotonic() - stream.opened_s < self._max_age_s:
@@ -210,19 +210,6 @@ class MultiplexClient:
             loop.create_task(self._read(stream), name=f"mux-read-{self._name}"),
         ]
         return stream
-
-    def _next_slot(self) -> int:
-        """The slot of the stream with the fewest calls waiting, in turn among equals: a peer
-        that answers slower (a busier router) holds more and gets fewer new calls. Taken in
-        turn whatever their load, the peers' loads followed how many streams each happened to
-        hold (review finding: at 42 gateway processes and 17 routers, the busiest 1.5x the
-        mean)."""
-        slots = self._slots
-        start = next(self._turns) % len(slots)
-        if len(slots) == 1:
-            return start
-        order = [(start + i) % len(slots) for i in range(len(slots))]
-        return min(order, key=lambda i: 0 if (s := slots[i]) is None else len(s.pending))
 
     async def _write(self, stream: MuxStream) -> None:
         try:

@@ -25,10 +25,9 @@ ROUTER_CHANNEL_OPTIONS = (
 )
 
 
-#: Streams a gateway process keeps to the routers, each new call on the one with the fewest
-#: waiting: each opens on the next router of the channel's round robin, so a process spreads
-#: its calls over up to this many routers, fewer to a busier one (beyond that, a fleet's
-#: gateway processes spread over the rest).
+#: Streams a gateway process keeps to the routers, taking its calls in turn: each opens on
+#: the next router of the channel's round robin, so a process spreads its calls over up to
+#: this many routers (beyond that, a fleet's gateway processes spread over the rest).
 ROUTER_STREAMS = 4
 
 
