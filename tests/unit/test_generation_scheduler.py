@@ -627,3 +627,22 @@ def test_a_waiting_sequence_takes_the_blocks_of_less_urgent_running_ones() -> No
     assert scheduled_ids(output) == [2]
     engine.run()
     assert_outputs_match_reference(engine, [batch, interactive])
+
+
+def test_no_sequence_is_preempted_in_vain_for_an_urgent_one() -> None:
+    """A critical sequence holds most of the cache, a batch one a little: an interactive one
+    waiting needs more than the batch one's blocks would free. It waits, and the batch one
+    keeps decoding (preempted, it lost its KV and still seated nobody: diff review)."""
+    engine = FakeEngine(make_config(num_blocks=10))
+    critical = make_seq(seq_id=1, num_prompt_tokens=30, max_tokens=4, priority=0)
+    batch = make_seq(seq_id=2, num_prompt_tokens=2, max_tokens=8, priority=2)
+    engine.add(critical)
+    engine.add(batch)
+    engine.step()  # 8 blocks and 1, each with room for its next token: 1 block free
+    interactive = make_seq(seq_id=3, num_prompt_tokens=16, max_tokens=2, priority=1)
+    engine.add(interactive)
+    output = engine.step()
+    assert output.preempted == ()
+    assert scheduled_ids(output) == [1, 2]
+    engine.run()
+    assert_outputs_match_reference(engine, [critical, batch, interactive])

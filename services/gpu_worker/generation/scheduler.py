@@ -287,21 +287,32 @@ class GenerationScheduler:
     def _seat_urgent(self, preempted: list[int]) -> None:
         """The next waiting sequence takes the seat and blocks of running sequences of a less
         urgent class when it finds none free: they are preempted from the back (the least
-        urgent, latest first) until its first chunk fits. Nothing preempted to seat one, and
-        batch generations holding the cache kept an interactive one waiting past its SLO
-        (review finding)."""
-        seq, cfg = self._next_waiting(), self._config
-        while self._running and self._running[-1].priority > seq.priority:
+        urgent, latest first) until its first chunk fits, and none if giving up all of them
+        would not seat it. Nothing preempted to seat one, and batch generations holding the
+        cache kept an interactive one waiting past its SLO (review finding)."""
+        seq, cfg, running = self._next_waiting(), self._config, self._running
+        if not running or running[-1].priority <= seq.priority:
+            return
+
+        def num_short() -> tuple[int, int]:  # seats and blocks it lacks (headroom included)
             cached = cached_prefix_of(seq, self._allocator) if self._caches else []
-            num_cached = len(cached) * cfg.block_size
-            num_new = min(seq.num_tokens - num_cached, cfg.max_num_batched_tokens)
-            num_fresh = self._allocator.blocks_for(num_cached + num_new) - len(cached)
-            num_taken = num_fresh + self._allocator.num_free_among(cached) + cfg.watermark_blocks
-            if len(self._running) < cfg.max_num_seqs and self._allocator.can_allocate(num_taken):
-                return
-            victim = self._running[-1]
+            num_new = min(seq.num_tokens - len(cached) * cfg.block_size, cfg.max_num_batched_tokens)
+            num_fresh = self._allocator.blocks_for(len(cached) * cfg.block_size + num_new)
+            num_taken = num_fresh - len(cached) + self._allocator.num_free_among(cached)
+            num_blocks = num_taken + cfg.watermark_blocks - self._allocator.num_free
+            return len(running) + 1 - cfg.max_num_seqs, num_blocks
+
+        seats, blocks = num_short()
+        less_urgent = [s for s in running if s.priority > seq.priority]
+        # Their blocks at most (a prefix shared with others stays): all of them short of it,
+        # none is preempted in vain.
+        if len(less_urgent) < seats or sum(len(s.block_table) for s in less_urgent) < blocks:
+            return
+        while (seats > 0 or blocks > 0) and running and running[-1].priority > seq.priority:
+            victim = running[-1]
             self._preempt(victim)
             preempted.append(victim.seq_id)
+            seats, blocks = num_short()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks; it is recomputed from all_token_ids once readmitted."""
