@@ -105,13 +105,9 @@ def connect_jobs_redis(
     pinged before use, so the first call after a Redis restart reconnects instead of failing;
     commands are never retried (a retried submission could run twice)."""
     return aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout_s,
-        socket_connect_timeout=timeout_s,
-        retry_on_timeout=False,
-        health_check_interval=1,
-        credential_provider=credentials,
-    )
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False,
+        health_check_interval=1, credential_provider=credentials,
+    )  # fmt: skip
 
 
 class JobStore:

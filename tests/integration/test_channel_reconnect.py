@@ -52,5 +52,6 @@ async def test_a_channel_tries_a_missing_peer_again_every_two_seconds_at_most(
     options: tuple[tuple[str, object], ...],
 ) -> None:
     # Backing off 0.2 s x1.6 up to 2 s (jitter 20%): at least 8 tries within 10 s. gRPC's
-    # defaults (1 s x1.6 up to 120 s) make at most 5 (0, 1, 2.6, 5.2, 9.3 s, less with jitter).
-    assert await attempts_within(options, WATCH_S) >= 7
+    # defaults (1 s x1.6 up to 120 s) make at most 5 (0, 1, 2.6, 5.2, 9.3 s, less with jitter);
+    # 6 leaves room for timers late on a loaded machine.
+    assert await attempts_within(options, WATCH_S) >= 6
