@@ -89,6 +89,28 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, ensure_ascii=False)
 
 
+class TextFormatter(logging.Formatter):
+    """`time level logger message`, then the current trace and request ids when there are
+    any: without them a text line could not be joined to the call it was about (review
+    finding; JsonFormatter carries them as fields)."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        ids = []
+        context = trace.get_current_span().get_span_context()
+        if context.is_valid:
+            ids.append(f"trace_id={context.trace_id:032x}")
+        if request_id := _request_id.get():
+            ids.append(f"request_id={request_id}")
+        if not ids:
+            return text
+        first, newline, rest = text.partition("\n")  # ids on the message's line, not a traceback's
+        return f"{first} [{' '.join(ids)}]{newline}{rest}"
+
+
 def configure_logging(tier: str, config: LogConfig | None = None) -> None:
     """Installs the process's one stderr handler (replacing any), at `config.level`."""
     config = config or LogConfig()
@@ -96,7 +118,7 @@ def configure_logging(tier: str, config: LogConfig | None = None) -> None:
     if config.format == "json":
         handler.setFormatter(JsonFormatter(tier))
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(message)s"))
+        handler.setFormatter(TextFormatter())
     root = logging.getLogger()
     for existing in list(root.handlers):
         root.removeHandler(existing)

@@ -10,7 +10,7 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from services.common.logs import JsonFormatter, LogConfig, bound_request_id
+from services.common.logs import JsonFormatter, LogConfig, TextFormatter, bound_request_id
 
 pytestmark = pytest.mark.unit
 
@@ -49,6 +49,30 @@ def test_a_line_inside_a_call_carries_its_trace_and_request_ids() -> None:
     assert line["request_id"] == "req-42"
     assert "RuntimeError: boom" in line["exc"]
     assert "request_id" not in _line(JsonFormatter("gateway"), "after")
+
+
+def test_a_text_line_inside_a_call_carries_its_ids_on_its_first_line() -> None:
+    """The text format had no ids at all: a line could not be joined to its call."""
+    context = SpanContext(
+        trace_id=0x0AF7651916CD43DD8448EB211C80319C,
+        span_id=0x00F067AA0BA902B7,
+        is_remote=True,
+        trace_flags=TraceFlags(1),
+    )
+    record = logging.LogRecord("svc.part", logging.WARNING, __file__, 1, "inside", (), None)
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError:
+        record.exc_info = sys.exc_info()
+    with trace.use_span(NonRecordingSpan(context)), bound_request_id("req-42"):
+        text = TextFormatter().format(record)
+    first = text.splitlines()[0]
+    assert first.endswith(
+        "WARNING svc.part inside [trace_id=0af7651916cd43dd8448eb211c80319c request_id=req-42]"
+    )
+    assert "RuntimeError: boom" in text
+    plain = logging.LogRecord("svc.part", logging.INFO, __file__, 1, "outside", (), None)
+    assert TextFormatter().format(plain).endswith("INFO svc.part outside")
 
 
 @pytest.mark.parametrize("kwargs", [{"level": "loud"}, {"format": "xml"}])
