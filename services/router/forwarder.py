@@ -29,7 +29,7 @@ from services.router.bundle_split import Bundle, Part, merge, plan, relay_cancel
 from services.router.call_facts import CallFacts, LateCall, call_facts, part_facts
 from services.router.caller_errors import for_caller, rejection
 from services.router.metrics import RouterMetrics
-from services.router.retry import GiveUp, decide_retry
+from services.router.retry import GiveUp, GiveUpReason, decide_retry
 from services.router.routing import Reject, RejectReason, RetryBudget, Route, RouteTable
 from services.router.worker_links import WorkerLinks
 
@@ -120,15 +120,10 @@ class Forwarder:
             return False
         now_s = time.monotonic()
         return self._table.can_take(
-            facts.name,
-            facts.version,
-            1,
-            facts.deadline_s - now_s,
-            now_s,
-            is_batch=facts.priority is PriorityClass.BATCH,
-            tenant=facts.tenant,
+            facts.name, facts.version, 1, facts.deadline_s - now_s, now_s,
+            is_batch=facts.priority is PriorityClass.BATCH, tenant=facts.tenant,
             weight=facts.weight,
-        )
+        )  # fmt: skip
 
     async def _attempts(
         self,
@@ -283,6 +278,7 @@ class Forwarder:
         to the caller before routing (a route the budget refused took a probation's probe)."""
         now_s, keep = time.monotonic(), self._keep(facts)
         if failure is not None and not self._budget.has_token(now_s, keep=keep):
+            self._gave_up(facts, GiveUpReason.BUDGET_SPENT)
             raise for_caller(failure)
         decision = self._decide(facts, frozenset(tried))
         if isinstance(decision, Reject):
@@ -354,6 +350,9 @@ class Forwarder:
             timed_out = UpstreamError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
             self._note_outcome(route, sent_s, timed_out)
 
+    def _gave_up(self, facts: CallFacts, reason: GiveUpReason) -> None:
+        self._metrics.retries_given_up_total_of[(facts.name, facts.version, reason.value)].inc()
+
     def _keep(self, facts: CallFacts) -> float:
         """Retry tokens a retry of this call must leave (RetryBudget.batch_keep)."""
         return self._budget.batch_keep if facts.priority is PriorityClass.BATCH else 0.0
@@ -382,12 +381,12 @@ class Forwarder:
         if is_unavailable:
             self._table.eject(route.worker_id, now_s)
         if isinstance(decision, GiveUp):
+            if decision.reason is not GiveUpReason.ANSWERED:
+                self._gave_up(facts, decision.reason)
             if is_unavailable:  # once a period per worker and reason: a fault fails every call
                 reason = decision.reason.value
-                _sparse.warning(
-                    (route.worker_id, reason),
-                    "worker %s unavailable (%s); not retried: %s", route.worker_id, error, reason,
-                )  # fmt: skip
+                _sparse.warning((route.worker_id, reason), "worker %s unavailable (%s); not "
+                                "retried: %s", route.worker_id, error, reason)  # fmt: skip
             raise for_caller(error)
         _sparse.warning(
             route.worker_id,

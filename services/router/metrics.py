@@ -40,6 +40,13 @@ class RouterMetrics:
             "unloaded the version).",
             _MODEL,
         )
+        self.retries_given_up_total = new.counter(
+            names.ROUTER_RETRIES_GIVEN_UP_TOTAL,
+            "Calls a worker could not serve (UNAVAILABLE, or NOT_FOUND after unloading) given "
+            "to their callers unretried, by reason: budget_spent, no_attempts_left or "
+            "deadline_passed.",
+            (*_MODEL, "reason"),
+        )
         self.retry_budget_tokens = new.gauge(
             names.ROUTER_RETRY_BUDGET_TOKENS,
             "Retries the router-wide retry budget allows now (below 1: none until calls earn "
@@ -93,6 +100,7 @@ class RouterMetrics:
         self.predicted_wait_seconds_of = Children(self.predicted_wait_seconds)
         self.request_seconds_of = Children(self.request_seconds)
         self.rejected_total_of = Children(self.rejected_total)
+        self.retries_given_up_total_of = Children(self.retries_given_up_total)
 
     def forget_workers(self, worker_ids: set[str]) -> None:
         """Removes the series of workers that left the registry: a worker id is its host and
@@ -109,7 +117,8 @@ class RouterMetrics:
     def _per_version(self) -> tuple[Children[Any], ...]:
         """The children labelled by model and version first."""
         return (self.routed_total_of, self.responses_total_of, self.rejected_total_of,
-                self.predicted_wait_seconds_of, self.request_seconds_of)  # fmt: skip
+                self.predicted_wait_seconds_of, self.request_seconds_of,
+                self.retries_given_up_total_of)  # fmt: skip
 
     def versions(self) -> set[tuple[str, str]]:
         """The (model, version) of every per-version series kept."""

@@ -122,3 +122,22 @@ def test_a_batch_calls_retry_leaves_half_the_floor_to_the_other_classes() -> Non
     with pytest.raises(UpstreamError):
         forwarder._route(FACTS, {"w0"}, FAILED)  # the floor is spent
     assert metric(metrics.registry, names.ROUTER_RETRIES_TOTAL) == 4
+
+
+def test_a_retry_not_made_is_counted_by_its_reason() -> None:
+    """Why a worker's failure went to its caller unretried was told nowhere but a log line
+    sparse per worker (and none when the budget refused it at routing): "retry budget spent"
+    looked like the worker's own failure (review finding)."""
+    forwarder, _, metrics = _forwarder(RetryBudget(ratio=0.0, min_per_s=0.0))
+    with pytest.raises(UpstreamError):
+        forwarder._route(FACTS, {"w0"}, FAILED)
+    route = forwarder._route(FACTS, set(), None)  # a first attempt spends no token
+    with pytest.raises(UpstreamError):
+        forwarder._after_failure(FAILED, route, 2, FACTS)  # its retries all made
+    answered = UpstreamError(grpc.StatusCode.INVALID_ARGUMENT, "not a row of this model")
+    with pytest.raises(UpstreamError):
+        forwarder._after_failure(answered, route, 0, FACTS)  # an answer: no retry to give up
+    given_up = names.ROUTER_RETRIES_GIVEN_UP_TOTAL
+    assert metric(metrics.registry, given_up, reason="budget_spent") == 1
+    assert metric(metrics.registry, given_up, reason="no_attempts_left") == 1
+    assert metric(metrics.registry, given_up) == 2
