@@ -527,12 +527,15 @@ def test_grace_periods_cover_prestop_drain_and_a_hung_stops_own_exit(
                 f"{name}/{tier}: terminationGracePeriodSeconds {grace} <= preStop {pre_stop} + "
                 f"drain {drain} + {STOP_OVERRUN_S}: a hung stop would be SIGKILLed unreported"
             )
+            # "" is NOT_SERVING from SIGTERM on (every tier's stop): liveness must not restart
+            # a tier before its stop ends by itself, or a drain made longer is cut unreported.
+            liveness = container["livenessProbe"]
+            patience = liveness["failureThreshold"] * liveness["periodSeconds"]
+            assert patience >= drain + STOP_OVERRUN_S, f"{name}/{tier}: liveness {patience} s"
             if tier != "gpu-worker":
                 continue
             assert "WORKER_DRAIN_GRACE_S" in env, f"{name}: set the drain grace explicitly"
-            # "" is NOT_SERVING from SIGTERM on: liveness must not restart a draining worker.
-            liveness = container["livenessProbe"]
-            assert liveness["failureThreshold"] * liveness["periodSeconds"] >= grace, name
+            assert patience >= grace, name  # and through its whole grace
 
 
 # -- configuration: the env the tiers really read ----------------------------------------------
