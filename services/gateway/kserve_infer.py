@@ -57,6 +57,9 @@ STREAM_DOOR_LABEL = "stream"
 #: up answers (and refusals, each one more message) without end. A generation in flight may
 #: add tokens beyond it, as many as it generates before they are written.
 MAX_STREAM_HELD = 1024
+#: ... and the bytes of the requests it holds: 1024 of 4 MiB were 4 GiB, past a gateway pod's
+#: memory limit, from one call (review finding).
+MAX_STREAM_BYTES = 32 * 1024 * 1024
 
 _TYPED_FIELDS = {
     "FP32": "fp32_contents",
@@ -288,10 +291,12 @@ class StreamInfer:
                     answers.answer(place, answer)
 
         tasks: set[asyncio.Task[None]] = set()
-        room = asyncio.Event()  # set while the stream holds less than MAX_STREAM_HELD
+        room = asyncio.Event()  # set while the stream holds less than it may (`has_room`)
+        held_bytes = 0  # of the requests its tasks hold
 
-        def num_held() -> int:
-            return len(tasks) + answers.unwritten
+        def has_room() -> bool:
+            held = len(tasks) + answers.unwritten
+            return held < MAX_STREAM_HELD and held_bytes < MAX_STREAM_BYTES
 
         def finished(
             task: asyncio.Task[None],
@@ -299,20 +304,24 @@ class StreamInfer:
             has_entered: bool,
             place: asyncio.Future[Answer] | None,
             request_id: str,
+            num_bytes: int,
         ) -> None:
             # A done callback, not `run`'s own `finally`: a task cancelled before it ever ran
             # (the stream ending in the loop turn that made it) runs no `finally`, and its
             # place at the door would never be given back.
+            nonlocal held_bytes
             tasks.discard(task)
+            held_bytes -= num_bytes
             if place is not None and not place.done():  # cancelled (the stream ends): filled
                 answers.answer(place, _error_response(request_id, Unavailable("cancelled")))
             if has_entered:
                 assert self.door is not None  # entered only where there is one
                 self.door.leave()
-            if num_held() < MAX_STREAM_HELD:
+            if has_room():
                 room.set()
 
         async def read_all() -> None:
+            nonlocal held_bytes
             try:
                 async for request in requests:
                     is_generation = self._is_generation(request.model_name)
@@ -328,15 +337,18 @@ class StreamInfer:
                         place = None if is_generation else answers.place()
                         task = asyncio.create_task(run(request, place))
                         tasks.add(task)
+                        num_bytes = request.ByteSize()
+                        held_bytes += num_bytes
                         task.add_done_callback(
                             partial(
                                 finished,
                                 has_entered=has_entered,
                                 place=place,
                                 request_id=request.id,
+                                num_bytes=num_bytes,
                             )
                         )
-                    while num_held() >= MAX_STREAM_HELD:  # read on once answers are written
+                    while not has_room():  # read on once answers are written
                         room.clear()
                         await room.wait()
             except Exception:
@@ -352,7 +364,7 @@ class StreamInfer:
         reader = asyncio.create_task(read_all())
         try:
             while (response := await answers.next()) is not None:
-                if num_held() < MAX_STREAM_HELD:
+                if has_room():
                     room.set()
                 yield response
             await reader  # raises what ended the reading (a message that does not parse)

@@ -233,6 +233,36 @@ async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_g
     assert stream_requests("affine") == 1 and stream_requests("stall") == 2
 
 
+async def test_a_stream_past_the_bytes_it_may_hold_is_read_no_further_until_answers_go_out(
+    fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The requests a stream holds are bounded in bytes too: 1024 of 4 MiB were 4 GiB from
+    one call (review finding). With a bound the two held requests reach, no third is read
+    until an answer is written; then every request is answered."""
+    held = [_infer(f"held{i}", np.full((1, 4), STALL, dtype="<f4"), model="stall") for i in (0, 1)]
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_BYTES", sum(r.ByteSize() for r in held))
+    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
+    for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
+        queue.put_nowait(request)
+    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
+            _sent_from(queue), timeout=PATIENT_S
+        )
+        door = fabric.gateway.door
+        assert door is not None
+        await eventually(lambda: door.num_in_flight == 2, message="both held requests read")
+        await eventually(lambda: queue.empty(), message="the client sent all three")
+        await asyncio.sleep(0.5)  # time for a third request to be read, were it to be
+        unread = (door.num_in_flight, fabric.worker_metric(names.WORKER_ROWS_TOTAL))
+        release_stall(tmp_path / "gate")
+        answers = [await call.read() for _ in range(3)]
+        queue.put_nowait(None)
+        assert await call.read() == grpc.aio.EOF
+    assert unread == (2, 0)
+    assert sorted(a.infer_response.id for a in answers) == ["held0", "held1", "third"]
+    assert not any(a.error_message for a in answers), answers
+
+
 async def test_a_request_cut_off_by_the_streams_deadline_counts_deadline_exceeded(
     fabric: Fabric, tmp_path: Path
 ) -> None:
