@@ -6,6 +6,7 @@ as the test wants, and a door whose limit is one."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -157,3 +158,40 @@ async def test_a_repository_call_whose_body_does_not_arrive_is_a_408(
     status_line = await asyncio.wait_for(reader.readline(), timeout=10)
     assert status_line.startswith(b"HTTP/1.1 408"), status_line
     writer.close()
+
+
+async def test_bodies_held_past_the_processes_bound_are_refused_before_they_are_read(
+    fabric: Fabric, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process holds a bounded total of request bodies: 4 MiB a body times connections
+    without bound passed a gateway pod's memory, bodies sent to their last byte and then held
+    (review finding). With a bound of 1,500 bytes, a body of 1,000 being sent leaves no room
+    for one of 600: it is refused 429 before it is read, and served once the first is gone."""
+    monkeypatch.setattr(http_server, "MAX_BODIES_HELD_BYTES", 1500)
+    assert fabric.gateway.http is not None
+    port = fabric.gateway.http.port
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
+    )
+    await writer.drain()
+    url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
+    body = json.dumps(infer_body(1.0)).encode().ljust(600)
+    headers = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+
+        async def status() -> tuple[int, str]:
+            async with session.post(url, data=body, headers=headers) as answer:
+                return answer.status, await answer.text()
+
+        async def refused() -> bool:
+            code, text = await status()
+            return code == 429 and "request bodies" in text
+
+        async def served() -> bool:
+            return (await status())[0] == 200
+
+        await eventually(refused, message="the held body left no room")
+        writer.close()
+        await eventually(served, message="served once the held body was gone")

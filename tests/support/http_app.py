@@ -10,7 +10,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from services.gateway.admission import TenantAdmission
-from services.gateway.http.server import Handler, auth_middleware
+from services.gateway.http.server import Handler, HeldBodies, auth_middleware
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tenants import TenantLabels
 
@@ -20,7 +20,8 @@ async def serving_route(path: str, handler: Handler) -> AsyncIterator[int]:
     """`handler` at POST `path` behind the gateway's middleware (no door, no keys); yields
     the port."""
     admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels({}))
-    app = web.Application(middlewares=[auth_middleware(None, admission)])
+    middleware = auth_middleware(None, admission, None, HeldBodies(4 * 1024 * 1024))
+    app = web.Application(middlewares=[middleware])
     app.add_routes([web.post(path, handler)])
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()

@@ -5,16 +5,17 @@ routes on one aiohttp app, behind the same authentication and tenant admission a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from services.common.door import Door
-from services.common.errors import InvalidInput, NotFound
+from services.common.errors import InvalidInput, NotFound, Overloaded
 from services.common.grpc_errors import is_bug
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
@@ -52,8 +53,34 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 BODY_TIMEOUT_S = 30.0
 
 
+#: Bytes of request bodies a gateway process holds at once, each from before it is read until
+#: its call ends (a body of unknown length counted at the size limit): past it, 429. The
+#: 4 MiB a body may take times connections without bound passed a gateway pod's memory, one
+#: tenant's bodies sent to their last byte and then held (review finding).
+MAX_BODIES_HELD_BYTES = 256 * 1024 * 1024
+
+
 class _BodyTimedOut(Exception):
     pass
+
+
+class HeldBodies:
+    """The bytes of the request bodies held, within MAX_BODIES_HELD_BYTES."""
+
+    def __init__(self, max_body_bytes: int) -> None:
+        self.max_body_bytes, self.num_bytes = max_body_bytes, 0
+
+    @contextlib.contextmanager
+    def held(self, request: web.Request) -> Iterator[None]:
+        size = 0 if not request.body_exists else request.content_length or self.max_body_bytes
+        if size and self.num_bytes + size > MAX_BODIES_HELD_BYTES:
+            raise Overloaded("the gateway holds as many request bodies as it may; retry soon",
+                             retry_after_s=1.0)  # fmt: skip
+        self.num_bytes += size
+        try:
+            yield
+        finally:
+            self.num_bytes -= size
 
 
 def _answer(request: web.Request, error: HttpError) -> web.Response:
@@ -89,13 +116,13 @@ async def _read_body(request: web.Request) -> None:
 
 
 def auth_middleware(
-    keys: KeyStore | None, admission: TenantAdmission, door: Door | None = None
+    keys: KeyStore | None, admission: TenantAdmission, door: Door | None, bodies: HeldBodies
 ) -> Middleware:
     """Passes model calls through the process's door (as the gRPC port's, before anything
     else), authenticates every call but the health probes, admits inference calls against the
     tenant's quotas before the body is read, then reads it within BODY_TIMEOUT_S (408 past
     it), and answers errors as KServe (or, under /v1, OpenAI) error bodies with the mapped
-    HTTP status."""
+    HTTP status. `bodies`: the process's bound on the bodies it holds."""
 
     async def authenticated(
         request: web.Request, handler: Handler, headers: dict[str, str]
@@ -105,14 +132,16 @@ def auth_middleware(
             async with acting_as(principal):
                 # Within the bound too: a repository load's body that never came held its
                 # handler and connection for good, any key's (review finding).
-                await _read_body(request)
-                return await handler(request)
+                with bodies.held(request):
+                    await _read_body(request)
+                    return await handler(request)
         refusal = admission.acquire(principal.policy)
         if refusal is not None:
             raise refusal
         async with acting_as(principal, admission):
-            await _read_body(request)
-            return await handler(request)
+            with bodies.held(request):
+                await _read_body(request)
+                return await handler(request)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -234,7 +263,7 @@ async def start_http(
     the gRPC port's, also limits this port's model calls. Its `stop` waits at most
     `drain_grace_s` for requests in progress, then closes them."""
     app = web.Application(
-        middlewares=[auth_middleware(keys, predictor.admission, door)],
+        middlewares=[auth_middleware(keys, predictor.admission, door, HeldBodies(max_body_bytes))],
         client_max_size=max_body_bytes,
     )
     app.on_response_prepare.append(echo_request_id)
