@@ -61,7 +61,7 @@ from services.common.lifecycle import new_server
 from services.common.tracing import Tracing
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import Authentication
-from services.gateway.http.server import auth_middleware
+from services.gateway.http.server import HeldBodies, auth_middleware
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.server import DOOR_METHODS
 from services.gateway.tenants import TenantLabels
@@ -130,7 +130,8 @@ async def _start_http(door: Door | None, refusing: bool) -> tuple[web.AppRunner,
         return web.Response(body=body, content_type="application/json")
 
     admission = TenantAdmission(GatewayMetrics(CollectorRegistry()), TenantLabels())
-    app = web.Application(middlewares=[auth_middleware(None, admission, door)])
+    bodies = HeldBodies(4 * 1024 * 1024)
+    app = web.Application(middlewares=[auth_middleware(None, admission, door, bodies)])
     app.router.add_post(HTTP_PATH, echo)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()

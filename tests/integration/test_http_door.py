@@ -195,3 +195,52 @@ async def test_bodies_held_past_the_processes_bound_are_refused_before_they_are_
         await eventually(refused, message="the held body left no room")
         writer.close()
         await eventually(served, message="served once the held body was gone")
+
+
+async def test_a_body_is_counted_at_most_at_the_size_limit_and_then_at_its_own_length(
+    fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body declaring more than the 4 MiB limit is counted at the limit (aiohttp answers it
+    413 past it): counted as declared, one connection reserved the process's whole bound
+    (diff review). A body of undeclared length (chunked) is counted at the limit while it
+    arrives, then at its own length for the rest of its call, a stalled one here."""
+    limit = 4 * 1024 * 1024
+    monkeypatch.setattr(http_server, "MAX_BODIES_HELD_BYTES", limit + 3000)
+    assert fabric.gateway.http is not None and fabric.gateway.door is not None
+    door, port = fabric.gateway.door, fabric.gateway.http.port
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Content-Length: {limit + 2950}\r\n\r\n{{".encode()
+    )
+    await writer.drain()
+    base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+
+        async def infer_status(first: float, *, chunked: bool = False) -> int:
+            body = json.dumps(infer_body(first)).encode()
+
+            async def chunks() -> AsyncIterator[bytes]:
+                yield body
+
+            url = f"{base}/v2/models/{MODEL}/infer"
+            data = chunks() if chunked else body
+            async with session.post(url, data=data, headers=headers) as answer:
+                return answer.status
+
+        async def fits_beside(num_bytes: int) -> bool:
+            url = f"{base}/v2/repository/index"
+            async with session.post(url, data=b"{}".ljust(num_bytes), headers=headers) as answer:
+                return answer.status != 429
+
+        # The oversized body being sent counts the limit: a small call fits beside it.
+        assert await infer_status(1.0) == 200
+        writer.close()
+        stalled = asyncio.create_task(infer_status(STALL, chunked=True))
+        try:
+            await eventually(lambda: door.num_in_flight == 1, message="the chunked call held")
+            # Counted at its own length now: 3,500 bytes more fit (not at the limit's 4 MiB).
+            await eventually(lambda: fits_beside(3500), message="room beside the chunked body")
+        finally:
+            release_stall(tmp_path / "gate")
+        assert await stalled == 200

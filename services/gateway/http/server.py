@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -70,14 +70,24 @@ class HeldBodies:
     def __init__(self, max_body_bytes: int) -> None:
         self.max_body_bytes, self.num_bytes = max_body_bytes, 0
 
-    @contextlib.contextmanager
-    def held(self, request: web.Request) -> Iterator[None]:
-        size = 0 if not request.body_exists else request.content_length or self.max_body_bytes
+    @contextlib.asynccontextmanager
+    async def read(self, request: web.Request) -> AsyncIterator[None]:
+        """Reads `request`'s body now (`_read_body`), counted from before it is read until the
+        call ends: at its declared length while it arrives (at most the size limit, past
+        which aiohttp answers 413; the limit when it is not declared), then at its own."""
+        size = 0
+        if request.body_exists:
+            size = min(request.content_length or self.max_body_bytes, self.max_body_bytes)
         if size and self.num_bytes + size > MAX_BODIES_HELD_BYTES:
             raise Overloaded("the gateway holds as many request bodies as it may; retry soon",
                              retry_after_s=1.0)  # fmt: skip
         self.num_bytes += size
         try:
+            await _read_body(request)
+            if size:
+                read = len(await request.read())  # kept by aiohttp: no second read
+                self.num_bytes += read - size
+                size = read
             yield
         finally:
             self.num_bytes -= size
@@ -129,19 +139,15 @@ def auth_middleware(
     ) -> web.StreamResponse:
         principal = principal_for(keys, headers)
         if not _is_model_call(request, INFERENCE_SUFFIXES):
-            async with acting_as(principal):
-                # Within the bound too: a repository load's body that never came held its
-                # handler and connection for good, any key's (review finding).
-                with bodies.held(request):
-                    await _read_body(request)
-                    return await handler(request)
+            # Within the bound too: a repository load's body that never came held its
+            # handler and connection for good, any key's (review finding).
+            async with acting_as(principal), bodies.read(request):
+                return await handler(request)
         refusal = admission.acquire(principal.policy)
         if refusal is not None:
             raise refusal
-        async with acting_as(principal, admission):
-            with bodies.held(request):
-                await _read_body(request)
-                return await handler(request)
+        async with acting_as(principal, admission), bodies.read(request):
+            return await handler(request)
 
     @web.middleware
     async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
