@@ -57,8 +57,8 @@ STREAM_DOOR_LABEL = "stream"
 #: up answers (and refusals, each one more message) without end. A generation in flight may
 #: add tokens beyond it, as many as it generates before they are written.
 MAX_STREAM_HELD = 1024
-#: ... and the bytes of the requests it holds: 1024 of 4 MiB were 4 GiB, past a gateway pod's
-#: memory limit, from one call (review finding).
+#: ... and the bytes of the requests and answers it holds: 1024 of 4 MiB were 4 GiB, past a
+#: gateway pod's memory limit, from one call (review finding).
 MAX_STREAM_BYTES = 32 * 1024 * 1024
 
 _TYPED_FIELDS = {
@@ -296,7 +296,9 @@ class StreamInfer:
 
         def has_room() -> bool:
             held = len(tasks) + answers.unwritten
-            return held < MAX_STREAM_HELD and held_bytes < MAX_STREAM_BYTES
+            return (
+                held < MAX_STREAM_HELD and held_bytes + answers.unwritten_bytes < MAX_STREAM_BYTES
+            )
 
         def finished(
             task: asyncio.Task[None],

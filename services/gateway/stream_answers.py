@@ -35,18 +35,19 @@ class StreamAnswers:
         self._decoupled: deque[Answer] = deque()
         self._changed = asyncio.Event()
         self._taken = asyncio.Event()  # set when a decoupled answer is taken for writing
-        #: Answers made and not taken for writing yet.
+        #: Answers made and not taken for writing yet, and their bytes.
         self.unwritten = 0
+        self.unwritten_bytes = 0
 
     def put(self, answer: Answer) -> None:
         """Writes `answer` after those before it."""
         self._ordered.append(answer)
-        self._made()
+        self._made(answer)
 
     def put_decoupled(self, answer: Answer) -> None:
         """Writes `answer` (a decoupled model's) as soon as the writer is free."""
         self._decoupled.append(answer)
-        self._made()
+        self._made(answer)
 
     async def put_streamed(self, answer: Answer) -> None:
         """`put_decoupled`, once fewer than MAX_STREAMED_HELD such answers wait: a generation
@@ -68,7 +69,7 @@ class StreamAnswers:
         """Fills `place` (once: a place filled already keeps its answer)."""
         if not place.done():
             place.set_result(answer)
-            self._made()
+            self._made(answer)
 
     def end(self) -> None:
         """No answer follows those put or placed so far (each place must be filled)."""
@@ -84,17 +85,21 @@ class StreamAnswers:
             head = ordered[0] if ordered else False
             if isinstance(head, Answer) or (isinstance(head, asyncio.Future) and head.done()):
                 ordered.popleft()
-                self.unwritten -= 1
-                return head if isinstance(head, Answer) else head.result()
+                return self._taken_out(head if isinstance(head, Answer) else head.result())
             if self._decoupled:
-                self.unwritten -= 1
                 self._taken.set()
-                return self._decoupled.popleft()
+                return self._taken_out(self._decoupled.popleft())
             if head is None:
                 return None
             self._changed.clear()
             await self._changed.wait()
 
-    def _made(self) -> None:
+    def _made(self, answer: Answer) -> None:
         self.unwritten += 1
+        self.unwritten_bytes += answer.ByteSize()
         self._changed.set()
+
+    def _taken_out(self, answer: Answer) -> Answer:
+        self.unwritten -= 1
+        self.unwritten_bytes -= answer.ByteSize()
+        return answer

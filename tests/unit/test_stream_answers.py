@@ -88,3 +88,22 @@ async def test_a_generation_whose_caller_stops_reading_waits_for_the_writer() ->
     for i in range(1, MAX_STREAMED_HELD + 10):
         assert await written(answers) == f"token {i}"
     await asyncio.wait_for(generation, timeout=5.0)
+
+
+async def test_the_bytes_of_answers_not_written_yet_are_counted() -> None:
+    """A stream's bound on what it holds counts its answers not written yet as well as its
+    requests in flight: answers as large as their requests, unread, were bounded only by
+    their count, 1,024 (diff review)."""
+    answers = StreamAnswers()
+    first, second = named("a" * 100), named("b" * 1000)
+    place = answers.place()
+    answers.put(first)
+    answers.answer(place, second)
+    answers.put_decoupled(named("token"))
+    sizes = [a.ByteSize() for a in (first, second, named("token"))]
+    assert answers.unwritten_bytes == sum(sizes) and answers.unwritten == 3
+    assert await written(answers) == "b" * 1000  # its place came first
+    assert answers.unwritten_bytes == sizes[0] + sizes[2]
+    assert await written(answers) == "a" * 100
+    assert await written(answers) == "token"
+    assert answers.unwritten_bytes == 0 and answers.unwritten == 0
