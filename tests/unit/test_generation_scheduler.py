@@ -646,3 +646,24 @@ def test_no_sequence_is_preempted_in_vain_for_an_urgent_one() -> None:
     assert scheduled_ids(output) == [1, 2]
     engine.run()
     assert_outputs_match_reference(engine, [critical, batch, interactive])
+
+
+def test_blocks_a_more_urgent_sequence_shares_are_not_counted_as_freed() -> None:
+    """With prefix caching a batch sequence shares the prompt blocks of a critical one: giving
+    it up frees only its own block, too few to seat the interactive one waiting, so it keeps
+    running (its whole block table was counted, and it was preempted in vain: diff review)."""
+    engine = FakeEngine(make_config(num_blocks=10, enable_prefix_caching=True))
+    prefix = list(range(100, 112))  # three full blocks
+    critical = make_seq(seq_id=1, prompt=[*prefix, 200, 201], max_tokens=8, priority=0)
+    batch = make_seq(seq_id=2, prompt=[*prefix, 300, 301], max_tokens=8, priority=2)
+    engine.add(critical)
+    engine.step()
+    engine.add(batch)
+    engine.step()  # the batch one shares the critical one's three prompt blocks: 5 in use
+    interactive = make_seq(seq_id=3, prompt=list(range(500, 528)), max_tokens=2, priority=1)
+    engine.add(interactive)
+    output = engine.step()  # it needs 7 blocks: 5 are free, and the batch one frees 1
+    assert output.preempted == ()
+    assert scheduled_ids(output) == [1, 2]
+    engine.run()
+    assert_outputs_match_reference(engine, [critical, batch, interactive])

@@ -285,11 +285,9 @@ class GenerationScheduler:
         return True
 
     def _seat_urgent(self, preempted: list[int]) -> None:
-        """The next waiting sequence takes the seat and blocks of running sequences of a less
-        urgent class when it finds none free: they are preempted from the back (the least
-        urgent, latest first) until its first chunk fits, and none if giving up all of them
-        would not seat it. Nothing preempted to seat one, and batch generations holding the
-        cache kept an interactive one waiting past its SLO (review finding)."""
+        """The next waiting sequence takes the seats and blocks of running ones of a less urgent
+        class (batch generations kept an interactive one waiting past its SLO: review finding),
+        preempted from the least urgent and latest until its first chunk fits; none in vain."""
         seq, cfg, running = self._next_waiting(), self._config, self._running
         if not running or running[-1].priority <= seq.priority:
             return
@@ -304,9 +302,11 @@ class GenerationScheduler:
 
         seats, blocks = num_short()
         less_urgent = [s for s in running if s.priority > seq.priority]
-        # Their blocks at most (a prefix shared with others stays): all of them short of it,
-        # none is preempted in vain.
-        if len(less_urgent) < seats or sum(len(s.block_table) for s in less_urgent) < blocks:
+        # What giving them all up frees at most: no block a more urgent one or its prefix shares.
+        kept = {b for s in running if s.priority <= seq.priority for b in s.block_table}
+        kept.update(cached_prefix_of(seq, self._allocator) if self._caches else ())
+        freed = {b for s in less_urgent for b in s.block_table} - kept
+        if len(less_urgent) < seats or len(freed) < blocks:
             return
         while (seats > 0 or blocks > 0) and running and running[-1].priority > seq.priority:
             victim = running[-1]
