@@ -195,23 +195,14 @@ async def test_a_timeout_parameter_of_ages_is_served_as_no_bound(fabric: Fabric)
     np.testing.assert_allclose(_rows(answer.infer_response), expected, rtol=1e-5, atol=1e-6)
 
 
-async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_go_out(
-    fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With two requests of a stream held at the worker and a stream that may hold two, the
-    gateway reads no third request (none refused, none passing the door, none run) until an
-    answer is written; then every request is answered."""
-    monkeypatch.setattr(kserve_infer, "MAX_STREAM_HELD", 2)
+async def _held_two_then_answered(fabric: Fabric, gate: Path) -> None:
+    """Two requests held at the worker, then a third: the gateway reads no third request
+    (none refused, none passing the door, none run) until an answer is written; then every
+    request is answered."""
     held = [_infer(f"held{i}", np.full((1, 4), STALL, dtype="<f4"), model="stall") for i in (0, 1)]
     queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
     for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
         queue.put_nowait(request)
-
-    def stream_requests(model: str) -> float:
-        return fabric.gateway_metric(
-            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model=model
-        )
-
     async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
         call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
             _sent_from(queue), timeout=PATIENT_S
@@ -223,44 +214,36 @@ async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_g
         await asyncio.sleep(0.5)  # time for a third request to be read, were it to be
         # Every request read passes the door: it holds the two, not the third.
         unread = (door.num_in_flight, fabric.worker_metric(names.WORKER_ROWS_TOTAL))
-        release_stall(tmp_path / "gate")
+        release_stall(gate)
         answers = [await call.read() for _ in range(3)]
         queue.put_nowait(None)
         assert await call.read() == grpc.aio.EOF
     assert unread == (2, 0)
     assert sorted(a.infer_response.id for a in answers) == ["held0", "held1", "third"]
     assert not any(a.error_message for a in answers), answers
-    assert stream_requests("affine") == 1 and stream_requests("stall") == 2
+
+
+def _stream_requests(fabric: Fabric, model: str) -> float:
+    return fabric.gateway_metric(names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2_stream", model=model)
+
+
+async def test_a_stream_past_what_it_may_hold_is_read_no_further_until_answers_go_out(
+    fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stream that may hold two requests (MAX_STREAM_HELD)."""
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_HELD", 2)
+    await _held_two_then_answered(fabric, tmp_path / "gate")
+    assert _stream_requests(fabric, "affine") == 1 and _stream_requests(fabric, "stall") == 2
 
 
 async def test_a_stream_past_the_bytes_it_may_hold_is_read_no_further_until_answers_go_out(
     fabric: Fabric, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The requests a stream holds are bounded in bytes too: 1024 of 4 MiB were 4 GiB from
-    one call (review finding). With a bound the two held requests reach, no third is read
-    until an answer is written; then every request is answered."""
-    held = [_infer(f"held{i}", np.full((1, 4), STALL, dtype="<f4"), model="stall") for i in (0, 1)]
-    monkeypatch.setattr(kserve_infer, "MAX_STREAM_BYTES", sum(r.ByteSize() for r in held))
-    queue: asyncio.Queue[kserve.ModelInferRequest | None] = asyncio.Queue()
-    for request in (*held, _infer("third", np.ones((1, 4), dtype="<f4"))):
-        queue.put_nowait(request)
-    async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
-        call = kserve_grpc.GRPCInferenceServiceStub(channel).ModelStreamInfer(
-            _sent_from(queue), timeout=PATIENT_S
-        )
-        door = fabric.gateway.door
-        assert door is not None
-        await eventually(lambda: door.num_in_flight == 2, message="both held requests read")
-        await eventually(lambda: queue.empty(), message="the client sent all three")
-        await asyncio.sleep(0.5)  # time for a third request to be read, were it to be
-        unread = (door.num_in_flight, fabric.worker_metric(names.WORKER_ROWS_TOTAL))
-        release_stall(tmp_path / "gate")
-        answers = [await call.read() for _ in range(3)]
-        queue.put_nowait(None)
-        assert await call.read() == grpc.aio.EOF
-    assert unread == (2, 0)
-    assert sorted(a.infer_response.id for a in answers) == ["held0", "held1", "third"]
-    assert not any(a.error_message for a in answers), answers
+    """The requests a stream holds are bounded in bytes too (MAX_STREAM_BYTES): 1024 of 4 MiB
+    were 4 GiB from one call (review finding). A bound the two held requests reach."""
+    held_bytes = _infer("held0", np.full((1, 4), STALL, dtype="<f4"), model="stall").ByteSize()
+    monkeypatch.setattr(kserve_infer, "MAX_STREAM_BYTES", 2 * held_bytes)
+    await _held_two_then_answered(fabric, tmp_path / "gate")
 
 
 async def test_a_request_cut_off_by_the_streams_deadline_counts_deadline_exceeded(

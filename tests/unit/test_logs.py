@@ -32,15 +32,20 @@ def test_a_line_outside_any_call_has_no_ids() -> None:
     assert line["ts"].endswith("+00:00") and "trace_id" not in line and "request_id" not in line
 
 
-def test_a_line_inside_a_call_carries_its_trace_and_request_ids() -> None:
-    context = SpanContext(
+#: The span a call is handled in.
+CALL_SPAN = NonRecordingSpan(
+    SpanContext(
         trace_id=0x0AF7651916CD43DD8448EB211C80319C,
         span_id=0x00F067AA0BA902B7,
         is_remote=True,
         trace_flags=TraceFlags(1),
     )
+)
+
+
+def test_a_line_inside_a_call_carries_its_trace_and_request_ids() -> None:
     with (
-        trace.use_span(NonRecordingSpan(context)),
+        trace.use_span(CALL_SPAN),
         bound_request_id("req-42"),
     ):
         line = _line(JsonFormatter("gateway"), "inside", exc=True)
@@ -53,18 +58,12 @@ def test_a_line_inside_a_call_carries_its_trace_and_request_ids() -> None:
 
 def test_a_text_line_inside_a_call_carries_its_ids_on_its_first_line() -> None:
     """The text format had no ids at all: a line could not be joined to its call."""
-    context = SpanContext(
-        trace_id=0x0AF7651916CD43DD8448EB211C80319C,
-        span_id=0x00F067AA0BA902B7,
-        is_remote=True,
-        trace_flags=TraceFlags(1),
-    )
     record = logging.LogRecord("svc.part", logging.WARNING, __file__, 1, "inside", (), None)
     try:
         raise RuntimeError("boom")
     except RuntimeError:
         record.exc_info = sys.exc_info()
-    with trace.use_span(NonRecordingSpan(context)), bound_request_id("req-42"):
+    with trace.use_span(CALL_SPAN), bound_request_id("req-42"):
         text = TextFormatter().format(record)
     first = text.splitlines()[0]
     assert first.endswith(
