@@ -62,6 +62,18 @@ def unbind_request_id(token: contextvars.Token[str]) -> None:
     _request_id.reset(token)
 
 
+def _call_ids() -> dict[str, str]:
+    """The trace, span and request ids of the call being handled (none outside a call)."""
+    ids = {}
+    context = trace.get_current_span().get_span_context()
+    if context.is_valid:
+        ids["trace_id"] = format(context.trace_id, "032x")
+        ids["span_id"] = format(context.span_id, "016x")
+    if request_id := _request_id.get():
+        ids["request_id"] = request_id
+    return ids
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record, with the current trace and request ids."""
 
@@ -77,13 +89,7 @@ class JsonFormatter(logging.Formatter):
             "message": record.getMessage(),
             "tier": self._tier,
         }
-        context = trace.get_current_span().get_span_context()
-        if context.is_valid:
-            line["trace_id"] = format(context.trace_id, "032x")
-            line["span_id"] = format(context.span_id, "016x")
-        request_id = _request_id.get()
-        if request_id:
-            line["request_id"] = request_id
+        line.update(_call_ids())
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line, ensure_ascii=False)
@@ -99,12 +105,7 @@ class TextFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
-        ids = []
-        context = trace.get_current_span().get_span_context()
-        if context.is_valid:
-            ids.append(f"trace_id={context.trace_id:032x}")
-        if request_id := _request_id.get():
-            ids.append(f"request_id={request_id}")
+        ids = [f"{k}={v}" for k, v in _call_ids().items() if k != "span_id"]
         if not ids:
             return text
         first, newline, rest = text.partition("\n")  # ids on the message's line, not a traceback's

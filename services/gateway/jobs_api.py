@@ -385,16 +385,16 @@ async def _stored(awaitable: Awaitable[T]) -> T:
 
 
 def add_job_service(
-    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig, limits: tuple[int, int]
-) -> JobStore | None:
+    server: grpc.aio.Server, catalog: ModelCatalog, redis: QuotaSyncConfig,
+    max_message_bytes: int, max_inputs: int,
+) -> JobStore | None:  # fmt: skip
     """Serves JobService on `server` when the gateway has a Redis (its quota-sharing one, as
-    Redis user `gateway`); returns the store (None: no Redis, JobService is UNIMPLEMENTED).
-    `limits`: the gateway's message bytes and inputs a call, for a runner's calls of chunks."""
+    Redis user `gateway`); the store (None: no Redis, UNIMPLEMENTED). Chunks fit the limits."""
     if not redis.redis_url:
         return None
     credentials = role_credentials(GATEWAY, redis.redis_url, redis.redis_password_file)
     client = connect_jobs_redis(redis.redis_url, timeout_s=STORE_TIMEOUT_S, credentials=credentials)
     store = JobStore(client, prefix=redis.key_prefix)
-    config = JobsApiConfig.for_limits(*limits)
+    config = JobsApiConfig.for_limits(max_message_bytes, max_inputs)
     jobs_grpc.add_JobServiceServicer_to_server(JobServicer(store, catalog, config), server)
     return store

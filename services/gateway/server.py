@@ -255,8 +255,8 @@ def _add_services(
         server,
     )
     # Durable jobs, with Redis.
-    limits = (config.max_message_bytes, config.max_inputs_per_request)
-    add_job_service(server, predictor.catalog, config.quota_sync, limits)
+    add_job_service(server, predictor.catalog, config.quota_sync, config.max_message_bytes,
+                    config.max_inputs_per_request)  # fmt: skip
     return repository
 
 

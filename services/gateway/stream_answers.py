@@ -38,6 +38,7 @@ class StreamAnswers:
         #: Answers made and not taken for writing yet, and their bytes.
         self.unwritten = 0
         self.unwritten_bytes = 0
+        self._sizes: dict[int, int] = {}  # by id: the bytes of each answer not taken yet
 
     def put(self, answer: Answer) -> None:
         """Writes `answer` after those before it."""
@@ -96,10 +97,12 @@ class StreamAnswers:
 
     def _made(self, answer: Answer) -> None:
         self.unwritten += 1
-        self.unwritten_bytes += answer.ByteSize()
+        self._sizes[id(answer)] = size = answer.ByteSize()  # once: it serializes the answer
+        self.unwritten_bytes += size
         self._changed.set()
 
     def _taken_out(self, answer: Answer) -> Answer:
         self.unwritten -= 1
-        self.unwritten_bytes -= answer.ByteSize()
+        size = self._sizes.pop(id(answer), None)  # None: one object put twice, taken again
+        self.unwritten_bytes -= answer.ByteSize() if size is None else size
         return answer

@@ -184,7 +184,7 @@ def note_batch(
     traceback, at most every 10 s a version: its caller is told one line of it (`describe_
     failure`), and nothing else said which worker failed or where."""
     in_model = (r for r in results if isinstance(r, Exception) and not isinstance(r, Unavailable))
-    if (failed := next(in_model, None)) is not None:
+    if num_failed and (failed := next(in_model, None)) is not None:
         message = "model %s version %s failed on %d of %d rows of a batch; the first:"
         _model_failures.failure(labels, failed, message, *labels, num_failed, len(results))
     if num_failed < len(results):

@@ -292,19 +292,19 @@ class GenerationScheduler:
         if not running or running[-1].priority <= seq.priority:
             return
 
-        def num_short() -> tuple[int, int]:  # seats and blocks it lacks (headroom included)
+        def num_short() -> tuple[int, int, list[int]]:  # seats, blocks it lacks; its prefix
             cached = cached_prefix_of(seq, self._allocator) if self._caches else []
             num_new = min(seq.num_tokens - len(cached) * cfg.block_size, cfg.max_num_batched_tokens)
             num_fresh = self._allocator.blocks_for(len(cached) * cfg.block_size + num_new)
             num_taken = num_fresh - len(cached) + self._allocator.num_free_among(cached)
             num_blocks = num_taken + cfg.watermark_blocks - self._allocator.num_free
-            return len(running) + 1 - cfg.max_num_seqs, num_blocks
+            return len(running) + 1 - cfg.max_num_seqs, num_blocks, cached
 
-        seats, blocks = num_short()
-        less_urgent = [s for s in running if s.priority > seq.priority]
-        # What giving them all up frees at most: no block a more urgent one or its prefix shares.
-        kept = {b for s in running if s.priority <= seq.priority for b in s.block_table}
-        kept.update(cached_prefix_of(seq, self._allocator) if self._caches else ())
+        seats, blocks, cached = num_short()
+        if seats <= 0 and blocks <= 0:  # it fits as it is
+            return
+        less_urgent = [s for s in running if s.priority > seq.priority]  # freed: none shared
+        kept = {b for s in running if s.priority <= seq.priority for b in s.block_table} | {*cached}
         freed = {b for s in less_urgent for b in s.block_table} - kept
         if len(less_urgent) < seats or len(freed) < blocks:
             return
@@ -312,7 +312,7 @@ class GenerationScheduler:
             victim = running[-1]
             self._preempt(victim)
             preempted.append(victim.seq_id)
-            seats, blocks = num_short()
+            seats, blocks, cached = num_short()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free all of `seq`'s blocks; it is recomputed from all_token_ids once readmitted."""
