@@ -113,6 +113,66 @@ class Children(dict[tuple[str, ...], M]):
             del self[values]
 
 
+#: Seconds a retired model version's series stay exported after no one serves it: a rate()
+#: or increase() window of a few minutes still closes over its last counts.
+RETIRED_SERIES_S = 600.0
+
+
+def remove_series(metric: Counter | Gauge | Histogram, prefix: tuple[str, ...]) -> None:
+    """Removes every series of `metric` whose label values begin with `prefix` (a histogram's
+    bucket bound is not one of them). Not for a metric a `Children` indexes: use its
+    `remove_from`, which forgets the children too."""
+    found = set()
+    for family in metric.collect():
+        for sample in family.samples:
+            values = tuple(v for k, v in sample.labels.items() if k not in ("le", "quantile"))
+            if values[: len(prefix)] == prefix:
+                found.add(values)
+    for values in found:
+        metric.remove(*values)
+
+
+def remove_version_series(holder: object, model: str, version: str) -> None:
+    """Removes every series of `model`/`version` from the metrics `holder` keeps as its
+    attributes: from its children indexes first (what records is looked up there), then what
+    was made without them (`labels()` at a load, gauges bound to a function)."""
+    kept = list(vars(holder).values())
+    for index in kept:
+        if isinstance(index, Children):
+            index.remove_from(model, version)
+    for metric in kept:
+        if isinstance(metric, (Counter, Gauge, Histogram)):
+            remove_series(metric, (model, version))
+
+
+class Retirement:
+    """Model versions retired (unloaded, forgotten), whose series are removed once
+    `keep_s` has passed, at a later retirement: each rollout left a version's counters and
+    histograms in every scrape for as long as the process ran (a review finding). What a
+    version has is removed by `remove`; a version served again is `revive`d."""
+
+    def __init__(
+        self,
+        remove: Callable[[str, str], None],
+        clock: Callable[[], float] = time.monotonic,
+        keep_s: float = RETIRED_SERIES_S,
+    ) -> None:
+        self._remove = remove
+        self._clock = clock
+        self._keep_s = keep_s
+        self._at_s: dict[tuple[str, str], float] = {}
+
+    def retire(self, model: str, version: str) -> None:
+        now_s = self._clock()
+        self._at_s[(model, version)] = now_s
+        for key in [k for k, at_s in self._at_s.items() if now_s - at_s > self._keep_s]:
+            del self._at_s[key]
+            self._remove(*key)
+
+    def revive(self, model: str, version: str) -> None:
+        self._at_s.pop((model, version), None)
+
+
 #: A call cancelled this close to its deadline (seconds) was cancelled by it: gRPC's deadline
 #: timer and ours are read apart, and a caller's cancel at its own deadline comes a transit
 #: earlier or later than the deadline its call's headers set here. At 5 ms, one stream request

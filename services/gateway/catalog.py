@@ -13,6 +13,7 @@ import itertools
 import logging
 import random
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from services.common.errors import InvalidInput, NotFound, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
 from services.common.model_routing import ModelRouting
 from services.common.sparse_log import SparseLog
+from services.common.telemetry import Retirement
 from services.common.text import TextEncoder
 from services.gateway.triton_info import WorkerTimes
 from services.pb.inference.v1 import worker_pb2 as pb
@@ -81,6 +83,7 @@ class ModelCatalog:
         rng: random.Random | None = None,
         *,
         on_error: Callable[[str, Exception], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`on_error`: given, a version whose tokenizer does not read (its files still being
         copied) is left out and passed to it (as `name/version`), the model too if none of its
@@ -109,6 +112,14 @@ class ModelCatalog:
         #: Per model, `_newest_default`'s answer (None: none), kept until what it reads
         #: changes: without it every call to a model without labels built and sorted lists.
         self._newest_defaults: dict[str, str | None] = {}
+        #: What is kept elsewhere per version (metric series, Triton's statistics) is dropped
+        #: by these, RETIRED_SERIES_S after this catalog forgot the version.
+        self.on_removed: list[Callable[[str, str], None]] = []
+        self._retirement = Retirement(self._removed, clock)
+
+    def _removed(self, model: str, version: str) -> None:
+        for remove in self.on_removed:
+            remove(model, version)
 
     def routing(self, name: str) -> ModelRouting:
         """The model's labels and traffic weights in force (KeyError for an unknown model)."""
@@ -216,6 +227,7 @@ class ModelCatalog:
             self._routing[name] = self._seeds[name]
         self._encoders[(name, version.version)] = encoder
         self._newest_defaults.clear()
+        self._retirement.revive(name, version.version)
 
     def forget_versions(self, on_disk: set[tuple[str, str]]) -> list[str]:
         """Forgets the versions (and their tokenizers) gone from the repository (`on_disk`:
@@ -232,6 +244,7 @@ class ModelCatalog:
         gone = [key for key in self._encoders if key not in on_disk and key not in needed]
         for key in gone:
             del self._encoders[key]
+            self._retirement.retire(*key)
         kept = {name for name, _ in self._encoders}
         for name in [n for n in self._configs if n not in kept]:
             del self._configs[name], self._seeds[name], self._routing[name]

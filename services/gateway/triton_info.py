@@ -216,6 +216,11 @@ class InferenceStatistics:
             ),
         )
 
+    def forget(self, model: str, version: str) -> None:
+        """Drops a version's tally (retired: no worker serves it, the repository holds it no
+        more); Triton lists only the versions it has."""
+        self._tallies.pop((model, version), None)
+
     def versions(self, model: str) -> list[str]:
         """Versions of `model` with a tally, in numeric order."""
         found = {v for (m, v) in self._tallies if m == model}

@@ -5,11 +5,20 @@ Each worker instance owns a registry, so several workers can live in one test pr
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from functools import partial
+
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.common.metric_names import WORKER_SECONDS_BUCKETS
-from services.common.telemetry import Children, MetricFactory
+from services.common.telemetry import (
+    Children,
+    MetricFactory,
+    Retirement,
+    remove_version_series,
+)
 
 _BATCH_SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
@@ -24,8 +33,11 @@ OTHER_TENANT = "other"
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, registry: CollectorRegistry, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.registry = registry
+        self._retirement = Retirement(partial(remove_version_series, self), clock)
         new = MetricFactory(registry)
         self.requests_total = new.counter(
             names.WORKER_REQUESTS_TOTAL,
@@ -262,6 +274,7 @@ class WorkerMetrics:
         """Creates a model's per-row series at load, so they exist (at zero) before its first
         request: a rate over a window, and the autoscaling signal built on it, is then defined
         at zero load instead of missing."""
+        self._retirement.revive(model, version)
         for histogram in (
             self.queue_wait_seconds,
             self.linger_seconds,
@@ -281,7 +294,8 @@ class WorkerMetrics:
         """An unloaded version's queue gauges read 0 again (they read its lane until then), and
         its batcher's gauges (slowdown, spread, linger and batch size by bucket) are removed:
         they said how its lane batched, and stayed at their last values for good (review
-        finding). A load made again sets new ones. Its counters and histograms stay."""
+        finding). A load made again sets new ones. Its counters and histograms stay
+        RETIRED_SERIES_S, then go at a later unload (Retirement)."""
         self.queue_depth.labels(model, version).set_function(lambda: 0)
         self.queue_standing.labels(model, version).set_function(lambda: 0)
         self.model_failing.labels(model, version).set_function(lambda: 0)
@@ -292,3 +306,4 @@ class WorkerMetrics:
             self.max_batch_size_of,
         ):
             children.remove_from(model, version)
+        self._retirement.retire(model, version)

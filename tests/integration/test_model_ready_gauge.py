@@ -9,6 +9,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
@@ -17,6 +19,8 @@ from services.common.redis_acl import GATEWAY
 from services.common.registry_schema import connect
 from services.common.repository_state import DesiredState, ModelState, repository_key
 from services.gateway.quota_sync import QuotaSyncConfig
+from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
+from tests.support.fabric_load import predict_row_request
 from tests.support.in_process import PERIOD_S, affine_and_stall_fabric
 from tests.support.metrics import samples
 from tests.support.redis import RedisServer
@@ -50,6 +54,26 @@ async def test_a_model_gone_from_the_repository_is_no_longer_exported(
         gateway._export_ready_versions()
         text = generate_latest(gateway.metrics.registry).decode()
     assert samples(text, names.GATEWAY_MODEL_READY_VERSIONS) == [({"model": "affine"}, 1.0)]
+
+
+async def test_a_removed_versions_rows_series_and_statistics_leave_the_gateway(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """What the catalog's retirement removes (the version forgotten RETIRED_SERIES_S ago,
+    `unit/test_catalog_hot_load.py`): its rows counter and Triton's statistics of it, which
+    every rollout left behind for good (review finding)."""
+    async with affine_and_stall_fabric(tmp_path, redis_server) as fabric:
+        async with grpc.aio.insecure_channel(fabric.gateway_address) as channel:
+            stub = api_grpc.InferenceServiceStub(channel)
+            await stub.Predict(predict_row_request(np.ones(4, np.float32)), timeout=10)
+        gateway = fabric.gateway
+        assert fabric.gateway_metric(names.GATEWAY_INPUTS_TOTAL, model="affine", version="1") == 1
+        assert gateway.predictor.statistics.versions("affine") == ["1"]
+        for remove in gateway.catalog.on_removed:
+            remove("affine", "1")
+        text = generate_latest(gateway.metrics.registry).decode()
+        assert samples(text, names.GATEWAY_INPUTS_TOTAL) == []
+        assert gateway.predictor.statistics.versions("affine") == []
 
 
 async def test_a_model_unloaded_through_the_repository_api_is_not_exported(

@@ -10,8 +10,10 @@ import pytest
 from services.common.errors import NotFound, Unavailable
 from services.common.model_repository import ModelConfigError, load_repository
 from services.common.model_routing import ModelRouting
+from services.common.telemetry import RETIRED_SERIES_S
 from services.gateway.catalog import ModelCatalog, new_encoder
 from services.pb.inference.v1 import worker_pb2 as pb
+from tests.support.clock import FakeClock
 from tests.support.models import write_affine_model, write_versioned_affine_model
 from tests.support.processes import REPO_ROOT
 
@@ -169,3 +171,30 @@ def test_a_version_whose_tokenizer_here_differs_is_no_default(tmp_path: Path) ->
     assert [v.model_version for v in catalog.served_versions("text")] == ["1"]
     with pytest.raises(Unavailable, match="differs"):
         catalog.resolve("text", "2")
+
+
+def test_a_forgotten_versions_series_and_statistics_go_after_their_grace(
+    tmp_path: Path,
+) -> None:
+    """What the gateway keeps per version elsewhere (its rows counter, Triton's statistics)
+    stayed for good once the catalog forgot the version (review finding); it goes
+    RETIRED_SERIES_S later, at a later forget, unless the version came back meanwhile."""
+    write_versioned_affine_model(tmp_path / "repo", versions=(1, 2, 3))
+    clock = FakeClock()
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"), clock=clock)
+    removed: list[tuple[str, str]] = []
+    catalog.on_removed.append(lambda name, version: removed.append((name, version)))
+    assert catalog.forget_versions({("affine", "2"), ("affine", "3")}) == ["affine/1"]
+    clock.now_s += RETIRED_SERIES_S
+    assert catalog.forget_versions({("affine", "3")}) == ["affine/2"]
+    assert removed == []  # the first's grace is not over
+    (two,) = [v for v in load_repository(tmp_path / "repo") if v.version == "2"]
+    catalog.add_version(two, new_encoder(two))  # back: never removed
+    clock.now_s += 1.0
+    catalog.update_served(served(("affine", "3")))
+    assert catalog.forget_versions({("affine", "3")}) == ["affine/2"]
+    assert removed == [("affine", "1")]
+    clock.now_s += RETIRED_SERIES_S + 1.0
+    catalog.update_served([])
+    assert catalog.forget_versions(set()) == ["affine/3"]
+    assert removed == [("affine", "1"), ("affine", "2")]

@@ -11,8 +11,16 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from services.common import metric_names as names
 from services.common.errors import InvalidInput
-from services.common.telemetry import Children, Outcome, given_up_in, observe_counts
+from services.common.telemetry import (
+    RETIRED_SERIES_S,
+    Children,
+    Outcome,
+    given_up_in,
+    observe_counts,
+)
+from services.gpu_worker.generation.metrics import GenerationMetrics
 from services.gpu_worker.metrics import WorkerMetrics
+from tests.support.clock import FakeClock
 
 pytestmark = pytest.mark.unit
 
@@ -187,3 +195,67 @@ def test_an_unloaded_versions_batcher_gauges_leave_the_scrape_and_come_back_on_a
     assert series("1") == 0 and series("2") == 6
     metrics.latency_slowdown_of[("m", "1")].set(1.0)  # loaded again: its series anew
     assert series("1") == 1
+
+
+def test_a_retired_versions_series_leave_the_scrape_after_their_grace_and_not_before() -> None:
+    """Each rollout left a version's counters and histograms in every scrape for as long as
+    the worker ran (review finding): they stay RETIRED_SERIES_S after its unload (a last
+    rate window closes over them), then go at a later unload; a version loaded again keeps
+    its series, and the tenants' are not a version's."""
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    metrics = WorkerMetrics(registry, clock=clock)
+
+    def series(version: str) -> int:
+        lines = generate_latest(registry).decode().splitlines()
+        tags = ('model="m"', f'version="{version}"')
+        return sum(not line.startswith("#") and all(t in line for t in tags) for line in lines)
+
+    for version in ("1", "2", "3"):
+        metrics.declare_model("m", version)
+        metrics.rows_total_of[("m", version)].inc(4)
+        metrics.batches_total_of[("m", version, "16", "full")].inc()
+        metrics.compute_seconds_of[("m", version, "16")].observe(0.01)
+    metrics.charge_tenant("acme", compute_s=0.5)
+    before = series("1")
+    assert before > 20 and series("2") == series("3") == before
+
+    metrics.forget_queue("m", "1")
+    clock.now_s += RETIRED_SERIES_S
+    metrics.forget_queue("m", "2")  # not yet past the first's grace
+    assert series("1") == series("2") == before
+    metrics.declare_model("m", "2")  # loaded again: never removed
+    clock.now_s += 1.0
+    metrics.forget_queue("m", "3")
+    assert series("1") == 0
+    assert series("2") == series("3") == before
+    assert registry.get_sample_value(
+        names.WORKER_TENANT_COMPUTE_SECONDS_TOTAL, {"tenant": "acme"}
+    ) == pytest.approx(0.5)
+
+    clock.now_s += RETIRED_SERIES_S + 1.0
+    metrics.forget_queue("m", "4")
+    assert series("3") == 0 and series("2") == before
+    metrics.rows_total_of[("m", "1")].inc()  # served again: its series anew, recorded
+    assert registry.get_sample_value(
+        names.WORKER_ROWS_TOTAL, {"model": "m", "version": "1"}
+    ) == pytest.approx(1.0)
+
+
+def test_a_retired_generation_versions_series_leave_the_scrape_after_their_grace() -> None:
+    registry = CollectorRegistry()
+    clock = FakeClock()
+    metrics = GenerationMetrics(registry, clock=clock)
+    for version in ("1", "2"):
+        metrics.bind(("g", version))
+        metrics.ttft_seconds.labels("g", version).observe(0.1)
+
+    def has(version: str) -> bool:
+        labels = {"model": "g", "version": version}
+        return registry.get_sample_value(names.GENERATION_TTFT_SECONDS + "_count", labels) == 1
+
+    metrics.forget("g", "1")
+    assert has("1")
+    clock.now_s += RETIRED_SERIES_S + 1.0
+    metrics.forget("g", "2")
+    assert not has("1") and has("2")

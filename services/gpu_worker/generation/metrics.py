@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
 from services.common import metric_names as names
-from services.common.telemetry import SECONDS_BUCKETS, Children, MetricFactory, observe_counts
+from services.common.telemetry import (
+    SECONDS_BUCKETS,
+    Children,
+    MetricFactory,
+    Retirement,
+    observe_counts,
+    remove_series,
+    remove_version_series,
+)
 
 if TYPE_CHECKING:  # they import this module
     from services.gpu_worker.generation.request_stream import RequestStream
@@ -56,6 +66,7 @@ class GenerationMetrics:
         watchdog_expired_total: Counter | None = None,
         charge_tenant: TenantCharge | None = None,
         device_busy_seconds_total: Counter | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`watchdog_expired_total`: the worker's count of model calls past the executor
         watchdog (`WorkerMetrics`, whose registry this shares), which wedged generation steps
@@ -63,6 +74,7 @@ class GenerationMetrics:
         (`WorkerMetrics.charge_tenant`); `device_busy_seconds_total`: the worker's count of
         device seconds (`WorkerMetrics`), which steps add to. None (an engine on its own)
         leaves them uncounted."""
+        self._retirement = Retirement(partial(remove_version_series, self), clock)
         new = MetricFactory(registry)
         self.watchdog_expired_total = watchdog_expired_total
         self.device_busy_seconds_total = device_busy_seconds_total
@@ -169,7 +181,8 @@ class GenerationMetrics:
         """A version unloaded, or that failed to load after its engine was made, exports none
         of its gauges: they said what its engine holds (free KV blocks summed over versions
         would count a gone one's), and the standing one's function read its scheduler. A load
-        made again sets new ones. Its counters and histograms stay, as counters do."""
+        made again sets new ones. Its counters and histograms stay RETIRED_SERIES_S, then go
+        at a later unload (Retirement)."""
         gauges = (
             self.queue_standing,
             self.model_failing,
@@ -182,14 +195,13 @@ class GenerationMetrics:
             self.attention_backends,  # one child per kernel set named: each of the version's
         )
         for gauge in gauges:
-            for metric in gauge.collect():
-                for labels in {tuple(sample.labels.values()) for sample in metric.samples}:
-                    if labels[:2] == (model, version):
-                        gauge.remove(*labels)
+            remove_series(gauge, (model, version))
+        self._retirement.retire(model, version)
 
     def bind(self, labels: tuple[str, str]) -> BoundGenerationMetrics:
         """This model version's children of every per-model metric, looked up once:
         `labels()` takes a lock and a dict lookup per call, and the engine records per token."""
+        self._retirement.revive(*labels)
         return BoundGenerationMetrics(self, labels)
 
 
