@@ -177,13 +177,18 @@ class RetryPolicy:
         """The largest delay after attempt number `num_attempts` (1-based)."""
         return doubled_s(self.base_delay_s, num_attempts - 1, self.max_delay_s)
 
-    def decide(self, num_attempts: int, code: str, message: str, jitter: float) -> Retry | GiveUp:
-        """What to do after attempt `num_attempts` failed with status `code`."""
+    def decide(
+        self, num_attempts: int, code: str, message: str, jitter: float, hint_s: float = 0.0
+    ) -> Retry | GiveUp:
+        """What to do after attempt `num_attempts` failed with status `code`; `hint_s`, the
+        refusal's retry hint (`retry-after-ms`; 0: none): a retry waits at least that long.
+        Without it, a refusal for a tenant's rate that said "3 s" was met with four more
+        calls in about 1.5 s, each refused and counted against the tenant (review finding)."""
         if code not in RETRYABLE_CODES or is_too_large(code, message):
             return GiveUp(code, message)
         if num_attempts >= self.max_attempts:
             return GiveUp(code, f"{message} (after {num_attempts} attempts)")
-        return Retry(after_s=jitter * self.ceiling_s(num_attempts))
+        return Retry(after_s=max(hint_s, jitter * self.ceiling_s(num_attempts)))
 
 
 def chunk_ranges(num_items: int, chunk_size: int) -> list[tuple[int, int]]:

@@ -48,6 +48,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import grpc
 from redis.exceptions import RedisError
 
+from services.common.errors import UpstreamError
 from services.common.grpc_errors import without_addresses
 from services.common.job_policy import (
     CRASH_ROUNDS,
@@ -317,9 +318,9 @@ class JobRunner:
             try:
                 response = await self._predict(self._request(job, items))
             except grpc.aio.AioRpcError as error:
-                # grpc's own words name the gateway's address where it is out of reach,
-                # and item results and dead letters reach the job's owner.
+                # Without grpc's naming of the gateway's address: results reach the job's owner.
                 code, message = error.code().name, without_addresses(error.details() or "")
+                hint_s = UpstreamError.from_rpc_error(error).retry_after_s or 0.0
                 if error.code() in _RUNNERS_FAULT:
                     raise RunnerRefused(
                         f"gateway refused the runner's key ({code}): {message}"
@@ -329,18 +330,15 @@ class JobRunner:
                     item_result(i, ItemStatus.OK, num_attempts, output=output)
                     for (i, _), output in zip(items, response.outputs, strict=True)
                 ]
-            decision = self._retry.decide(num_attempts, code, message, self._rng.random())
+            decision = self._retry.decide(num_attempts, code, message, self._rng.random(), hint_s)
             if isinstance(decision, GiveUp) and len(items) > 1 and may_be_one_items(code, message):
                 # One poison item fails the whole call: find it by running each alone. (Or
                 # their answer together is past the message limit: alone, each may pass.)
                 return await self._run_singles(job, items, fleet_round)
             # An answer past the message limit is no item's fault nor the fleet's, but it fails
             # alike however often it is retried: a lone item's fails now.
-            is_fleets = (
-                isinstance(decision, GiveUp)
-                and code in FLEET_CODES
-                and not is_too_large(code, message)
-            )
+            gives_up = isinstance(decision, GiveUp)
+            is_fleets = gives_up and code in FLEET_CODES and not is_too_large(code, message)
             if is_fleets and not await fleet_round.is_spent():
                 self._metrics.retries.labels(code).inc()
                 raise FleetUnavailable(f"{code} after {num_attempts} attempts: {message}")

@@ -283,6 +283,34 @@ async def test_a_job_of_large_items_is_cut_into_calls_within_the_message_limit(
             await target_server.stop(None)
 
 
+async def test_a_refusal_for_load_is_retried_no_sooner_than_its_hint(tmp_path: Path) -> None:
+    """A chunk refused RESOURCE_EXHAUSTED with `retry-after-ms` (a tenant over its rate: no
+    retry sooner can succeed) is retried after the hint. The runner kept only the status and
+    retried with its own backoff (a draw under 0.2 s, 0.4 s...): four more refused calls in
+    about 1.5 s, each counted against the tenant (review finding)."""
+    target = PredictTarget(num_overloaded=2, overload_hint_ms=800)
+    target_server, target_address = await start_target(target)
+    async with lone_job_service(tmp_path, chunk_size=8) as (redis, stub, _):
+        runner = start_runner(tmp_path, redis, target_address, "runner-1")
+        try:
+            request = jobs.SubmitJobRequest(model_name="minilm", items=text_items(texts_of(4)))
+            job_id = (await stub.SubmitJob(request, metadata=AS_A)).job_id
+
+            async def is_done() -> jobs.Job | None:
+                job = await stub.GetJob(jobs.GetJobRequest(job_id=job_id), metadata=AS_A)
+                return job if job.num_ok + job.num_failed == job.num_items else None
+
+            job = await eventually(is_done, timeout_s=60.0, interval_s=0.1)
+        finally:
+            runner.terminate()
+            await target_server.stop(None)
+    assert job.num_ok == 4, job
+    first, second, third = target.call_times
+    # The hint is jittered where it is made (at least 0.75 of it): 0.6 s, where the runner's
+    # own draws were under 0.2 s and 0.4 s.
+    assert second - first >= 0.6 and third - second >= 0.6
+
+
 async def test_a_jobs_chunks_hold_no_more_rows_than_its_model_takes_in_one_call(
     tmp_path: Path,
 ) -> None:

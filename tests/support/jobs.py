@@ -6,13 +6,20 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from services.common.errors import InvalidInput, ServingError, Unauthenticated, Unavailable
+from services.common.errors import (
+    InvalidInput,
+    Overloaded,
+    ServingError,
+    Unauthenticated,
+    Unavailable,
+)
 from services.common.job_store import JobStore, connect_jobs_redis
 from services.common.lifecycle import new_server
 from services.common.model_repository import load_repository
@@ -79,6 +86,11 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
     #: Poison texts crash the call (INTERNAL, as a model that raises does) instead of being
     #: refused INVALID_ARGUMENT.
     poison_crashes: bool = False
+    #: Calls refused first for load (RESOURCE_EXHAUSTED) with a retry hint of this many ms.
+    num_overloaded: int = 0
+    overload_hint_ms: int = 0
+    #: When each call arrived (time.monotonic).
+    call_times: list[float] = field(default_factory=list)
     #: Every call is refused with this status (None: none is), as a model gone would be.
     refuse_all: grpc.StatusCode | None = None
     #: A call with an UNSERVED or GARBLED text waits until this many texts have run (so that
@@ -97,6 +109,10 @@ class PredictTarget(api_grpc.InferenceServiceServicer):
         self, request: api.PredictRequest, context: grpc.aio.ServicerContext
     ) -> api.PredictResponse:
         self.num_calls += 1
+        self.call_times.append(time.monotonic())
+        if self.num_overloaded > 0:
+            self.num_overloaded -= 1
+            raise Overloaded("over the tenant's rate", retry_after_s=self.overload_hint_ms / 1000)
         self.priorities.add(request.priority)
         self.request_ids.add(request.request_id)
         if self.num_unauthenticated > 0:

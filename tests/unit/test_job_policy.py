@@ -69,6 +69,14 @@ def test_backoff_doubles_up_to_the_cap_with_full_jitter() -> None:
     assert policy.decide(3, "UNAVAILABLE", "down", jitter=0.0) == Retry(after_s=0.0)
 
 
+def test_a_retry_waits_at_least_the_refusals_hint() -> None:
+    policy = RetryPolicy(base_delay_s=0.1, max_delay_s=1.0)
+    assert policy.decide(1, "RESOURCE_EXHAUSTED", "busy", 0.5, hint_s=3.0) == Retry(after_s=3.0)
+    # A hint shorter than the backoff's draw leaves the draw.
+    decision = policy.decide(4, "RESOURCE_EXHAUSTED", "busy", 0.5, hint_s=0.01)
+    assert decision == Retry(after_s=pytest.approx(0.4))
+
+
 def test_retries_stop_at_max_attempts_with_the_last_status() -> None:
     policy = RetryPolicy(max_attempts=3)
     assert isinstance(policy.decide(2, "RESOURCE_EXHAUSTED", "busy", jitter=0.3), Retry)
