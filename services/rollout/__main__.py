@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, start_http_server
 from redis.exceptions import RedisError
 
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelConfigError, ModelVersion, load_repository
 from services.common.model_routing import ModelRouting
 from services.common.redis_acl import ADMIN, role_credentials
 from services.common.registry_schema import connect
@@ -310,12 +310,24 @@ def changer(args: argparse.Namespace) -> Change:
     return change
 
 
+def read_repository(args: argparse.Namespace) -> list[ModelVersion]:
+    """The repository's models that read. One that does not (a typo, its files still being
+    copied) fails only a command naming it: before, every command failed, and an unrelated
+    model being copied blocked moving traffic off a bad canary (review finding)."""
+    unread: dict[str, ModelConfigError] = {}
+    versions = load_repository(Path(args.model_repository), on_error=unread.__setitem__)
+    if getattr(args, "model", None) in unread:
+        raise unread[args.model]
+    for name, error in sorted(unread.items()):
+        log.warning("model %s left out (it does not read): %s", name, error)
+    return versions
+
+
 async def run(args: argparse.Namespace) -> int:
     password_file = Path(args.redis_password_file) if args.redis_password_file else None
     credentials = role_credentials(ADMIN, args.redis_url, password_file)
     client = connect(args.redis_url, timeout_s=5.0, credentials=credentials)
-    repository = load_repository(Path(args.model_repository))
-    store = RoutingStore(client, args.registry_prefix, repository)
+    store = RoutingStore(client, args.registry_prefix, read_repository(args))
     try:
         if args.command == "canary":
             return await run_canary(args, store)

@@ -257,6 +257,20 @@ def test_a_check_period_of_zero_is_refused(
     assert "the check period must be > 0 seconds" in capsys.readouterr().err
 
 
+def test_a_model_that_does_not_read_fails_only_a_command_naming_it(
+    redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A model being copied in (or with a typo) failed every command: moving traffic off a
+    bad canary of another model was refused (review finding)."""
+    (repository / "broken").mkdir()
+    (repository / "broken" / "config.toml").write_text("kind = 3\n")
+    common = ["--redis-url", redis_server.url, "--model-repository", str(repository), "routing"]
+    assert main([*common, "set", "affine", "--label", "stable=1"]) == 0
+    assert 'affine: {"labels": {"stable": 1}' in capsys.readouterr().out
+    assert main([*common, "set", "broken", "--label", "stable=1"]) == 2
+    assert "broken/config.toml" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dry_run", [(), ("--dry-run",)], ids=["run", "dry-run"])
 def test_an_unknown_model_is_refused_with_status_2(
     redis_server: RedisServer, repository: Path, capsys: pytest.CaptureFixture[str],
