@@ -347,8 +347,12 @@ def load_repository(
     (with its directory's name) and left out."""
     if not root.is_dir():
         raise ModelConfigError(f"{root}: model repository directory does not exist")
+    try:
+        model_dirs = sorted(p for p in root.iterdir() if p.is_dir())
+    except OSError as error:  # unreadable: a directory of another user's, a volume gone
+        raise ModelConfigError(f"{root}: {error.strerror or error}") from error
     versions: list[ModelVersion] = []
-    for model_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+    for model_dir in model_dirs:
         try:
             versions.extend(_model_versions(model_dir))
         except ModelConfigError as error:
@@ -364,11 +368,8 @@ def _model_versions(model_dir: Path) -> list[ModelVersion]:
     config = parse_model_config(model_dir.name, model_dir / "config.toml")
     try:
         # isdecimal and ASCII: "²" is a digit int() does not read.
-        numbered = sorted(
-            (p for p in model_dir.iterdir() if p.name.isascii() and p.name.isdecimal()),
-            key=lambda p: int(p.name),
-        )
-        numbered = [p for p in numbered if p.is_dir()]
+        found = [p for p in model_dir.iterdir() if p.name.isascii() and p.name.isdecimal()]
+        numbered = sorted((p for p in found if p.is_dir()), key=lambda p: int(p.name))
     except OSError as error:
         raise ModelConfigError(f"{model_dir}: {error}") from error
     if not numbered:
@@ -376,8 +377,7 @@ def _model_versions(model_dir: Path) -> list[ModelVersion]:
     by_number: dict[int, Path] = {}
     for version_dir in numbered:
         if (same := by_number.setdefault(int(version_dir.name), version_dir)) is not version_dir:
-            # 1/ and 01/ would load as two copies of version 1, workers and gateways each
-            # picking one.
+            # 1/ and 01/ would load as two copies of version 1, workers and gateways each one.
             raise ModelConfigError(
                 f"{model_dir}: {same.name}/ and {version_dir.name}/ are both version "
                 f"{int(version_dir.name)}"

@@ -21,7 +21,7 @@ from services.common.lifecycle import (
     set_serving,
     sleep_unless_stopped,
 )
-from services.common.model_repository import load_repository
+from services.common.model_repository import ModelConfigError, load_repository
 from services.common.settings import unusable_file
 from services.common.sparse_log import SparseLog
 from services.common.telemetry import tier_registry
@@ -262,9 +262,11 @@ def _add_services(
 
 async def create_gateway(config: GatewayConfig) -> Gateway:
     keys = _load_keys(config)
-    catalog = ModelCatalog(
-        load_repository(config.model_repository, on_error=_not_read), on_error=_not_read
-    )
+    try:
+        versions = load_repository(config.model_repository, on_error=_not_read)
+    except ModelConfigError as error:  # the repository itself (a model's goes to _not_read)
+        raise unusable_file("the model repository", config.model_repository, error) from None
+    catalog = ModelCatalog(versions, on_error=_not_read)
     metrics = GatewayMetrics(tier_registry("gateway"))
     if keys is not None:
         keys.on_refused = lambda reason: metrics.unauthenticated_total.labels(reason).inc()

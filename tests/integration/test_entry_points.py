@@ -112,6 +112,16 @@ _NO_REDIS = ("--redis-url", "redis://127.0.0.1:1/0")
         ),
         ("gateway", ("--api-keys-file", "{missing}", "--http-port", "-1"), "API keys file"),
         ("gateway", ("--api-keys-file", "{malformed}", "--http-port", "-1"), "API keys file"),
+        (
+            "gateway",
+            ("--allow-unauthenticated", "--model-repository", "{missing}", "--http-port", "-1"),
+            "model repository",
+        ),
+        (  # a file where the directory should be
+            "gateway",
+            ("--allow-unauthenticated", "--model-repository", "{empty}", "--http-port", "-1"),
+            "model repository",
+        ),
         (  # a group: its supervisor exits as its processes did
             "gateway",
             (*_NO_REDIS, "--api-keys-file", "{missing}", "--http-port", "-1", "--processes", "2"),
