@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.interceptors import ServerCalls, Stage
 from services.common.loop_lag import LoopLag
-from services.common.settings import Setting
+from services.common.settings import Setting, unusable_port
 
 log = logging.getLogger(__name__)
 
@@ -345,7 +345,10 @@ def start_metrics(port: int, host: str, registry: CollectorRegistry) -> int:
         pass  # no loop here: nothing to sample
     else:
         LoopLag(registry).start()
-    http_server, _ = start_http_server(port, host, registry)
+    try:
+        http_server, _ = start_http_server(port, host, registry)
+    except OSError as error:  # taken: one line and status 2 (startup_errors), not a traceback
+        raise unusable_port("the metrics port", port, error) from None
     return int(http_server.server_port)
 
 

@@ -294,6 +294,11 @@ def unusable_file(what: str, path: Path, error: Exception) -> StartupError:
     return StartupError(f"{what} {path} cannot be used: {reason}")
 
 
+def unusable_port(what: str, port: int, error: OSError) -> StartupError:
+    """The StartupError for `port` (`what` it serves) that could not be bound."""
+    return StartupError(f"{what} {port} cannot be used: {error.strerror or error}")
+
+
 @dataclass(frozen=True)
 class ConfigParser(Generic[C]):
     """A tier's `parse_config`: its table and how its config is built from the values."""

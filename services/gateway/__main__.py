@@ -77,11 +77,11 @@ def main() -> None:
     # tiers need (with it, 64 callers of the stand-in stack ran 20% slower on 2 cores).
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     num_processes = config.processes or usable_cpus()
-    if num_processes > 1:
-        # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
-        raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())
-    configure_tracing("gateway")
-    with parse_config.startup_errors():  # a file a setting names, unusable: status 2
+    with parse_config.startup_errors():  # a file or port a setting names, unusable: status 2
+        if num_processes > 1:
+            # A supervisor of `num_processes` gateways on the same ports; it serves no calls.
+            raise SystemExit(ProcessGroup(config, sys.argv[1:], num_processes).run())
+        configure_tracing("gateway")
         raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 

@@ -98,6 +98,8 @@ class ProcessGroup:
         """Serves until SIGTERM/SIGINT; the exit status (0: every process stopped cleanly)."""
         signal.pthread_sigmask(signal.SIG_BLOCK, WAKE_SIGNALS)
         try:
+            # First: a port taken fails the start before any process serves (StartupError).
+            metrics_port = start_metrics(self.config.metrics_port, self.config.host, self._registry)
             self._reserve_ports()
             for index in range(self._num_processes):
                 self._start(index)
@@ -106,7 +108,6 @@ class ProcessGroup:
                     return self._stop_all(status=failed)
             except _StopRequested:
                 return self._stop_all(status=0)
-            metrics_port = start_metrics(self.config.metrics_port, self.config.host, self._registry)
             log.info(
                 "gateway group of %d processes on %s:%d, HTTP on %d, metrics on %d",
                 self._num_processes,

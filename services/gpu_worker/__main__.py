@@ -30,6 +30,7 @@ from services.common.lifecycle import (
     write_ready_file,
 )
 from services.common.logs import configure_logging
+from services.common.settings import StartupError
 from services.common.tls import health_port_field
 from services.common.tracing import configure_tracing
 from services.gpu_worker.config import WorkerConfig, parse_config
@@ -68,7 +69,12 @@ async def _serve(config: WorkerConfig, engine_dir: Path | None) -> int:
         served_metrics = GroupMetrics(fronts, FRONT_LABEL)
         served_metrics.register(RegistryCollector(worker.metrics.registry))
     stopping = stop_event()
-    metrics_port = start_metrics(config.metrics_port, config.host, served_metrics)
+    try:
+        metrics_port = start_metrics(config.metrics_port, config.host, served_metrics)
+    except StartupError:  # its port taken: exits 2 (startup_errors), its listeners stopped
+        await worker.server.stop(grace=None)
+        await _stop_fronts(fronts, link)
+        raise
     log.info(
         "worker listening on %s:%d, metrics on %d; loading models from %s",
         config.host,
@@ -156,7 +162,8 @@ def main() -> None:
     configure_tracing("gpu_worker")
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    raise SystemExit(event_loop.run(serve(config), config.event_loop))
+    with parse_config.startup_errors():  # a port a setting names, unusable: status 2
+        raise SystemExit(event_loop.run(serve(config), config.event_loop))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -162,6 +163,35 @@ def test_a_file_a_setting_names_that_cannot_be_used_exits_2_with_a_message(
     assert lines, done.stderr  # one line, one for each process of a group
     for line in lines:
         assert line.startswith(f"python -m services.{tier}: error: ") and named in line, line
+
+
+@pytest.mark.parametrize(
+    ("tier", "args"),
+    [
+        ("router", ()),
+        ("gateway", ("--allow-unauthenticated", "--http-port", "-1", "--processes", "1")),
+        (  # a group: before any of its processes starts
+            "gateway",
+            (*_NO_REDIS, "--allow-unauthenticated", "--http-port", "-1", "--processes", "2"),
+        ),
+        ("gpu_worker", ("--models", "minilm")),
+    ],
+)
+def test_a_metrics_port_taken_exits_2_with_a_message(tier: str, args: tuple[str, ...]) -> None:
+    """A metrics port another process holds: one line naming it and status 2. Before, a
+    traceback and status 1, a gateway group's only once all its processes served."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1",
+             "--grpc-port", "0", "--metrics-port", str(port), *args],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"the metrics port {port} cannot be used" in done.stderr, done.stderr
 
 
 #: A gateway process that has read a setting it cannot use and exits 2 as its SIGTERM comes (its
