@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import InvalidInput, NotFound, Unavailable
+from services.common.errors import InvalidInput, NotFound, ServingError, Unavailable
 from services.common.model_repository import ModelConfig, ModelKind, ModelVersion
 from services.common.model_routing import ModelRouting
 from services.common.sparse_log import SparseLog
@@ -115,6 +115,9 @@ class ModelCatalog:
         #: What is kept elsewhere per version (metric series, Triton's statistics) is dropped
         #: by these, RETIRED_SERIES_S after this catalog forgot the version.
         self.on_removed: list[Callable[[str, str], None]] = []
+        #: Models whose desired state was last read (or written here) as unloaded
+        #: (RepositoryControl; none without Redis).
+        self.unloaded: frozenset[str] = frozenset()
         self._retirement = Retirement(self._removed, clock)
 
     def _removed(self, model: str, version: str) -> None:
@@ -304,8 +307,16 @@ class ModelCatalog:
         else:
             newest = self._newest_defaults[name] = self._newest_default(name, routing)
         if newest is None:
-            raise Unavailable(f"no ready worker serves model {name!r}")
+            raise self._not_served(name, f"model {name!r}")
         return newest
+
+    def _not_served(self, name: str, what: str) -> ServingError:
+        """Why no ready worker serves `what` (of model `name`): unloaded on purpose, NOT_FOUND
+        (it was UNAVAILABLE, which clients retry and jobs wait 30 minutes on); else
+        UNAVAILABLE."""
+        if name in self.unloaded:
+            return NotFound(f"model {name!r} is unloaded (RepositoryModelUnload)")
+        return Unavailable(f"no ready worker serves {what}")
 
     def _newest_default(self, name: str, routing: ModelRouting) -> str | None:
         """The newest version served that may be a default: ready, read here, and not held
@@ -364,7 +375,7 @@ class ModelCatalog:
             version = self._known(name, self._default_version(config, sticky_key))
         served = self._served.get((name, version))
         if served is None or not served.is_ready:
-            raise Unavailable(f"no ready worker serves {name}/{version}")
+            raise self._not_served(name, f"{name}/{version}")
         encoder = self._encoders[(name, version)]
         if encoder is not None and encoder.fingerprint != served.tokenizer_fingerprint:
             _sparse.error(  # every call of the version meets it, as long as the rollout lasts

@@ -104,8 +104,6 @@ class RepositoryControl:
         self._client = connect(redis_url, credentials=credentials)
         self._write = self._client.register_script(WRITE_STATE)
         self._revisions: dict[str, int] | None = None
-        #: Models whose desired state was last read (or written here) as unloaded.
-        self._unloaded: frozenset[str] = frozenset()
         #: Whether the last read read every model: until one does, each period reads again
         #: (a model whose files were still being copied, here at start-up or since).
         self._is_whole = False
@@ -129,7 +127,7 @@ class RepositoryControl:
         while True:
             try:
                 desired = await self.desired()
-                self._unloaded = unloaded_models(desired)
+                self._catalog.unloaded = unloaded_models(desired)
                 revisions = {n: d.revision for n, d in desired.items()}
                 failed: dict[str, str] = {}
                 if revisions != self._revisions or not self._is_whole:
@@ -196,7 +194,7 @@ class RepositoryControl:
     def unloaded(self) -> frozenset[str]:
         """The models unloaded on purpose (RepositoryModelUnload), by the desired state last
         read (about once a second) or written by this gateway."""
-        return self._unloaded
+        return self._catalog.unloaded
 
     async def desired(self) -> dict[str, DesiredState]:
         """Every model's desired state; UNAVAILABLE while Redis cannot be read."""
@@ -236,8 +234,9 @@ class RepositoryControl:
         except (RedisError, OSError) as error:
             raise Unavailable(f"the model repository state is unreachable: {error}") from error
         entry = parse_desired({name: written})[name]
+        unloaded = self._catalog.unloaded
         is_unloaded = state is ModelState.UNLOADED
-        self._unloaded = self._unloaded | {name} if is_unloaded else self._unloaded - {name}
+        self._catalog.unloaded = unloaded | {name} if is_unloaded else unloaded - {name}
         return entry, parse_desired({name: before}).get(name) if before else None
 
     async def load(self, model_name: str, *, timeout_s: float) -> None:

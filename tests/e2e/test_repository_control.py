@@ -114,6 +114,12 @@ async def test_unload_then_load_through_the_stock_client(stack: Stack) -> None:
     index = repository(stack, "index", ADMIN_KEY)["index"]
     states = {m["name"]: (m["state"], m["reason"]) for m in index}
     assert states["affine"][0] == "UNAVAILABLE" and "unloaded" in states["affine"][1]
+    # Unloaded on purpose: NOT_FOUND, as Triton answers; UNAVAILABLE was retried by clients,
+    # and waited on by job runners for 30 minutes (review finding).
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await infer(stack)
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "unloaded" in (refused.value.details() or "")
 
     assert repository(stack, "load", ADMIN_KEY)["status"] == "OK"
     await eventually(lambda: is_ready(stack), timeout_s=CONVERGE_S, message="affine not ready")

@@ -198,3 +198,21 @@ def test_a_forgotten_versions_series_and_statistics_go_after_their_grace(
     catalog.update_served([])
     assert catalog.forget_versions(set()) == ["affine/3"]
     assert removed == [("affine", "1"), ("affine", "2")]
+
+
+def test_a_model_unloaded_on_purpose_is_not_found_where_one_unserved_is_unavailable(
+    tmp_path: Path,
+) -> None:
+    """No worker serves it either way; unloaded (RepositoryModelUnload), no retry outlasts
+    it: UNAVAILABLE was retried by clients and waited on by job runners (review finding)."""
+    write_versioned_affine_model(tmp_path / "repo", versions=(1,))
+    catalog = ModelCatalog(load_repository(tmp_path / "repo"))
+    for spec in ("", "1"):
+        with pytest.raises(Unavailable):
+            catalog.resolve("affine", spec)
+    catalog.unloaded = frozenset({"affine"})
+    for spec in ("", "1"):
+        with pytest.raises(NotFound, match="unloaded"):
+            catalog.resolve("affine", spec)
+    catalog.update_served(served(("affine", "1")))  # still draining, or loaded again
+    assert catalog.resolve("affine", "").version == "1"
