@@ -72,6 +72,13 @@ class NotFound(ServingError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FingerprintMismatch(ServingError):
+    """The inputs were prepared for other weights or another tokenizer. Re-resolve the model
+    and prepare again; never run them here, the answer would be wrong."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ModelLoadFailed(ServingError):
     """A model version in the repository does not load (corrupt or incompatible files). Fix
     the repository, then load again; the versions already served keep serving."""
@@ -148,18 +155,6 @@ class Unavailable(ServingError):
 
     def trailers(self) -> tuple[tuple[str, str], ...]:
         return (NOT_STARTED_TRAILER,) if self.is_not_started else ()
-
-
-class FingerprintMismatch(Unavailable):
-    """The inputs were prepared for other weights or another tokenizer: never run here, the
-    answer would be wrong. A worker whose version's files changed since its caller's view
-    (a re-staged version, workers of one version mid-rollout): not the caller's fault, and
-    nothing ran, so another worker or a later try (its caller's view refreshed) may serve
-    it. It was FAILED_PRECONDITION, HTTP 400, which clients and job runners never retry
-    (review finding)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, is_not_started=True)
 
 
 class Unimplemented(ServingError):

@@ -143,9 +143,9 @@ async def test_s16_concurrent_mixed_lengths_batch_correctly(worker, reference_em
             grpc.StatusCode.INVALID_ARGUMENT,
             "model version '111",  # the rest of the message cut (grpc_errors.bounded_message)
         ),
-        (  # nothing ran and another worker may serve it (not the caller's fault)
+        (
             text_request("hi", fingerprint="0123456789abcdef"),
-            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.FAILED_PRECONDITION,
             "fingerprint",
         ),
     ],
