@@ -214,12 +214,19 @@ class UpstreamError(ServingError):
         """This status for a version the caller's tier knows exists (a gateway's, from its
         repository): downstream's NOT_FOUND then means no worker serves it now (a router
         started since, that has not seen its workers yet, or a worker that unloaded it), and
-        is UNAVAILABLE, which clients retry, not NOT_FOUND, which they take as permanent."""
-        if self.code != grpc.StatusCode.NOT_FOUND:
+        is UNAVAILABLE, which clients retry, not NOT_FOUND, which they take as permanent.
+        So is FAILED_PRECONDITION, a worker's refusal of inputs prepared for another
+        fingerprint (its version's files changed since the fleet's view this tier acted on,
+        which a refresh corrects): nothing ran, and it is no fault of the caller's (HTTP 400,
+        never retried, before: review finding). Neither is sent elsewhere from here."""
+        if self.code == grpc.StatusCode.NOT_FOUND:
+            message = f"not served now: {self}"
+        elif self.code == grpc.StatusCode.FAILED_PRECONDITION:
+            message = f"the version's files changed; retry: {self}"
+        else:
             return self
         # Nothing ran (a router's NOT_FOUND is its refusal before routing: a worker's it turns
         # into UNAVAILABLE): the caller's rows go back to its tenant (review finding).
-        message = f"not served now: {self}"
         return UpstreamError(grpc.StatusCode.UNAVAILABLE, message, self._trailers, ran_nothing=True)
 
     @property

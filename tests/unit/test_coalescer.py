@@ -828,6 +828,29 @@ async def test_a_version_downstream_does_not_know_is_unavailable_to_callers_not_
         await bundles.close()
 
 
+async def test_inputs_a_worker_refuses_for_their_fingerprint_are_unavailable_to_callers() -> None:
+    """A worker's FAILED_PRECONDITION: the version's files changed since the fleet view this
+    gateway stamped from (a re-staged version mid-rollout), which its refresh corrects. It was
+    given to callers as is, HTTP 400, which clients and job runners never retry (review
+    finding). Nothing ran; not sent again from here (the router tried it already)."""
+    downstream = Downstream()
+    downstream.error = UpstreamError(
+        grpc.StatusCode.FAILED_PRECONDITION, "inputs were prepared for fingerprint aa"
+    )
+    bundles = coalescer(downstream)
+    try:
+        errors = await asyncio.gather(
+            *(call(bundles, rows(i)) for i in range(2)), return_exceptions=True
+        )
+        for error in errors:
+            assert isinstance(error, UpstreamError), error
+            assert error.code == grpc.StatusCode.UNAVAILABLE
+            assert "prepared for fingerprint aa" in str(error)
+            assert never_served(error) and not error.is_not_started
+    finally:
+        await bundles.close()
+
+
 async def test_a_slice_sent_again_is_withdrawn_from_the_bundle_it_is_in_now() -> None:
     """Its deadline passes while it is out again: the cancel goes to its new bundle (index 0
     there), not to the first one, which no longer waits for it."""
