@@ -7,11 +7,15 @@ second send harmless."""
 
 from __future__ import annotations
 
+import io
 import itertools
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -52,6 +56,11 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
     available: int = len(TEXTS)
     #: The state a get answers.
     state: int = jobs.JOB_STATE_RUNNING
+    #: Results that become finished after each stream that ended normally.
+    grows_by: int = 0
+    #: The results streams (numbered from 1) refused `code` at once, and the gets.
+    refused_streams: frozenset[int] = frozenset()
+    refused_gets: frozenset[int] = frozenset()
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def SubmitJobStream(
@@ -70,6 +79,8 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
         with self.lock:
             self.gets += 1
             self._maybe_refuse(self.gets, context)
+            if self.gets in self.refused_gets:
+                context.abort(self.code, "gateway restarting")
         return jobs.Job(job_id=request.job_id, state=self.state, num_items=25)
 
     def GetJobResults(
@@ -81,10 +92,13 @@ class RefusingJobs(jobs_grpc.JobServiceServicer):
             self.result_streams.append(request.start_index)
             self.result_opened_s.append(time.monotonic())
             breaks = len(self.result_streams) <= self.broken_streams
+            if len(self.result_streams) in self.refused_streams:
+                context.abort(self.code, "gateway restarting")
         for sent, index in enumerate(range(request.start_index, self.available)):
             if breaks and sent == self.per_stream:
                 context.abort(self.code, "gateway restarting")
             yield jobs.JobItemResult(index=index, status=jobs.ITEM_STATUS_OK)
+        self.available = min(self.available + self.grows_by, len(TEXTS))
 
     def _maybe_refuse(self, num_calls: int, context: Any) -> None:
         if num_calls <= self.refusals:
@@ -263,6 +277,20 @@ def test_a_close_ends_a_results_wait_between_polls(serve: Any) -> None:
     closer.join()
 
 
+def test_a_wait_for_results_outlasts_a_gateway_restarting_between_its_polls(
+    serve: Any,
+) -> None:
+    """Most of a long wait is between polls: a get, or the next opening, failing UNAVAILABLE
+    there (a gateway restarting, a Redis blip) ended the wait, and the CLI's, an hour into a
+    job (review finding). They are tried again after a pause."""
+    refused = {"refused_gets": frozenset({1}), "refused_streams": frozenset({2})}
+    servicer = RefusingJobs(code=grpc.StatusCode.UNAVAILABLE, available=10, grows_by=15, **refused)
+    with Client(serve(servicer), timeout_s=10) as client:
+        results = list(client.jobs().results("job-1", wait=True, poll_s=0.01))
+    assert [r.index for r in results] == list(range(25))
+    assert servicer.result_streams == [0, 10, 10] and servicer.gets == 3
+
+
 def test_a_results_stream_broken_before_any_result_fails_the_call(serve: Any) -> None:
     """Opened again only where the stream brought results: one that brought none is the
     caller's to hear of, not to be opened for ever."""
@@ -283,3 +311,25 @@ def test_a_results_poll_dropped_before_any_result_is_opened_again(serve: Any) ->
         results = list(client.jobs().results("job-1"))
     assert [r.index for r in results] == list(range(25))
     assert servicer.result_streams == [0, 0, 0]
+
+
+def test_a_reader_that_closed_its_pipe_is_no_bad_input(
+    serve: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`fabric-client ... | head -1`: the pipe's reader gone, the print raised BrokenPipeError,
+    an OSError, reported as bad input with status 2 (review finding). It ends quietly."""
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text: str) -> int:
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def fileno(self) -> int:
+            return sink
+
+    sink = os.open(tmp_path / "sink", os.O_WRONLY | os.O_CREAT)
+    try:
+        monkeypatch.setattr(sys, "stdout", ClosedPipe())
+        status = cli.main(["--address", serve(RefusingJobs()), "job", "status", "job-1"])
+    finally:
+        os.close(sink)
+    assert status == 0

@@ -142,6 +142,9 @@ def main(argv: list[str] | None = None) -> int:
     except FabricError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
+    except BrokenPipeError:  # `| head`: the reader has what it wanted; not bad input (2)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 0
     except (OSError, ValueError) as error:  # a file, a line, a setting
         print(f"error: {error}", file=sys.stderr)
         return 2

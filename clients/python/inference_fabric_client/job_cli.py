@@ -98,11 +98,11 @@ def run_job_command(client: Client, args: argparse.Namespace) -> int:
         print(job_id, flush=True)
         if args.no_wait:
             return 0
-        info = jobs.get(job_id)
+        info = jobs.poll(job_id)
         while not info.is_finished:
             print(_bar(info), end="", file=sys.stderr, flush=True)
             time.sleep(POLL_S)
-            info = jobs.get(job_id)
+            info = jobs.poll(job_id)
         print(_bar(info), file=sys.stderr, flush=True)
         return 0 if info.state == "succeeded" else 1
     if args.job_command in ("status", "cancel"):

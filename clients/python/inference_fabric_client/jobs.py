@@ -191,10 +191,12 @@ class Jobs:
         each further one before a stream ends normally waits twice as long as the last
         (`RESUME_FIRST_S` up to `RESUME_MAX_S`, jittered). An opening after a break that
         fails UNAVAILABLE or DEADLINE_EXCEEDED is such a resume too, `RESUME_OPENINGS` in a
-        row at most."""
+        row at most; so is one between a wait's polls, and a poll's get that fails so (a
+        gateway restarting while the job runs ended an hour's wait: review finding)."""
         index = start_index
         resumes = 0  # since a stream last ended normally
         failed_openings = 0  # in a row, since a stream broke
+        is_waiting = False  # a stream ended normally and the job was not done: polls since
         while True:
             if resumes > 1:
                 pause_s = min(RESUME_FIRST_S * 2 ** (resumes - 2), RESUME_MAX_S)
@@ -210,7 +212,11 @@ class Jobs:
                 # A stream broke (a gateway restarting) and the next does not open yet: it is
                 # opened again after the next pause, not given up at once (review finding).
                 failed_openings += 1
-                if resumes and error.code in _RESUMED_NAMES and failed_openings < RESUME_OPENINGS:
+                if (
+                    (resumes or is_waiting)
+                    and error.code in _RESUMED_NAMES
+                    and failed_openings < RESUME_OPENINGS
+                ):
                     resumes += 1
                     continue
                 raise
@@ -230,9 +236,23 @@ class Jobs:
             finally:  # the caller stopped reading: the server's stream stops now, not at GC
                 stream.cancel()
             resumes = 0
-            if not wait or index >= self.get(job_id).num_items:
+            if not wait or index >= self.poll(job_id).num_items:
                 return
+            is_waiting = True
             self._closed.wait(poll_s)  # a close ends the wait; the next round fails CANCELLED
+
+    def poll(self, job_id: str) -> JobInfo:
+        """`get`, for a wait's poll: one that fails UNAVAILABLE or DEADLINE_EXCEEDED (a gateway
+        restarting, a Redis blip) is sent again after a pause, `RESUME_OPENINGS` times in all,
+        where a get fails at once."""
+        for attempt in range(1, RESUME_OPENINGS + 1):
+            try:
+                return self.get(job_id)
+            except FabricError as error:
+                if error.code not in _RESUMED_NAMES or attempt == RESUME_OPENINGS:
+                    raise
+                self._closed.wait(RESUME_FIRST_S * random.uniform(0.5, 1.5))
+        raise AssertionError("unreachable")
 
     def _call(
         self,
