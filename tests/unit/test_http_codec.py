@@ -225,6 +225,16 @@ def test_malformed_generate_bodies_are_invalid_input(body: dict, message: str) -
         generate_request("m", "", body)
 
 
+def test_a_body_nested_too_deep_to_write_again_is_invalid_input() -> None:
+    """It parsed a few frames above the recursion limit, and its options, written again as
+    JSON a few frames deeper, passed it: a 500 (review finding)."""
+    stop: Any = "end"
+    for _ in range(5000):
+        stop = [stop]
+    with pytest.raises(InvalidInput, match="nests too deeply"):
+        generate_request("m", "", {"text_input": "hi", "stop": stop})
+
+
 def test_a_size_limit_or_a_model_failure_is_answered_as_one_not_to_send_again() -> None:
     """A message past a size limit is RESOURCE_EXHAUSTED in grpc's words, and went out as a
     429 rate_limit_error: OpenAI's client sent it twice more (after the model had run), and

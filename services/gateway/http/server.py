@@ -74,10 +74,14 @@ class HeldBodies:
     async def read(self, request: web.Request) -> AsyncIterator[None]:
         """Reads `request`'s body now (`_read_body`), counted from before it is read until the
         call ends: at its declared length while it arrives (at most the size limit, past
-        which aiohttp answers 413; the limit when it is not declared), then at its own."""
+        which aiohttp answers 413; the limit when it is not declared, or compressed: aiohttp
+        holds it decompressed, up to the limit), then at its own."""
         size = 0
         if request.body_exists:
-            size = min(request.content_length or self.max_body_bytes, self.max_body_bytes)
+            declared = request.content_length or self.max_body_bytes
+            if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+                declared = self.max_body_bytes  # 4 KB of gzip held 4 MiB (review finding)
+            size = min(declared, self.max_body_bytes)
         if size and self.num_bytes + size > MAX_BODIES_HELD_BYTES:
             raise Overloaded("the gateway holds as many request bodies as it may; retry soon",
                              retry_after_s=1.0)  # fmt: skip
