@@ -350,6 +350,14 @@ def test_a_field_asking_for_what_is_not_generated_is_refused(field: dict[str, An
         completion_request({"model": "m", "prompt": "p", **field})
 
 
+@pytest.mark.parametrize("n", [2, 0, True, "1"])
+def test_more_than_one_choice_is_refused_and_true_is_not_one(n: Any) -> None:
+    """`true == 1` in Python: `"n": true` was taken as one choice (review finding)."""
+    with pytest.raises(InvalidInput, match="n must be 1"):
+        completion_request({"model": "m", "prompt": "p", "n": n})
+    assert completion_request({"model": "m", "prompt": "p", "n": 1}).sampling
+
+
 def test_fields_at_their_defaults_or_null_are_accepted() -> None:
     defaults = {
         "logprobs": None, "top_logprobs": 0, "echo": False, "logit_bias": {}, "suffix": None,

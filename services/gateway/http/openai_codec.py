@@ -98,7 +98,7 @@ def _sampling(
     seed = sampling.get("seed")
     if isinstance(seed, int) and not isinstance(seed, bool) and -(2**63) <= seed < 0:
         sampling["seed"] = seed % 2**64  # OpenAI's seed is any int64; the wire's unsigned
-    if body.get("n") not in (None, 1):
+    if body.get("n") is not None and not _is(body["n"], 1):  # true is not 1
         raise InvalidInput("n must be 1: one choice per request")
     return sampling
 
