@@ -168,6 +168,9 @@ class RetryPolicy:
     max_attempts: int = 5
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
+    #: The longest a refusal's retry hint makes a retry wait (a runner's chunk is not held
+    #: for a hint of minutes; past its attempts the fleet's patience takes over).
+    max_hint_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.max_attempts < 1 or self.base_delay_s < 0 or self.max_delay_s < 0:
@@ -188,6 +191,7 @@ class RetryPolicy:
             return GiveUp(code, message)
         if num_attempts >= self.max_attempts:
             return GiveUp(code, f"{message} (after {num_attempts} attempts)")
+        hint_s = min(hint_s, self.max_hint_s)
         return Retry(after_s=max(hint_s, jitter * self.ceiling_s(num_attempts)))
 
 

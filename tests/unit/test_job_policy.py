@@ -72,6 +72,7 @@ def test_backoff_doubles_up_to_the_cap_with_full_jitter() -> None:
 def test_a_retry_waits_at_least_the_refusals_hint() -> None:
     policy = RetryPolicy(base_delay_s=0.1, max_delay_s=1.0)
     assert policy.decide(1, "RESOURCE_EXHAUSTED", "busy", 0.5, hint_s=3.0) == Retry(after_s=3.0)
+    assert policy.decide(1, "RESOURCE_EXHAUSTED", "busy", 0.5, hint_s=900.0) == Retry(after_s=60.0)
     # A hint shorter than the backoff's draw leaves the draw.
     decision = policy.decide(4, "RESOURCE_EXHAUSTED", "busy", 0.5, hint_s=0.01)
     assert decision == Retry(after_s=pytest.approx(0.4))
