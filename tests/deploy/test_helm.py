@@ -351,6 +351,13 @@ def test_redis_persistence_follows_the_values(tmp_path: Path) -> None:
     )
 
 
+def test_a_worker_may_keep_torchs_own_thread_count() -> None:
+    """WORKER_TORCH_THREADS=0 keeps torch's default, which the worker and the kustomize
+    overlays accept; the chart's schema refused it (review finding)."""
+    worker = main_container(deployments(render("--set", "worker.torchThreads=0"))["gpu-worker"])
+    assert env_values(worker)["WORKER_TORCH_THREADS"] == "0"
+
+
 def test_job_runner_replicas_follow_the_values_and_its_grace_covers_the_drain() -> None:
     assert deployments(render())["jobs"]["spec"]["replicas"] == 1
     assert deployments(render("--set", "jobs.replicas=3"))["jobs"]["spec"]["replicas"] == 3
