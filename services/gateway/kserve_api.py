@@ -76,9 +76,14 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         #: it as calls, before this servicer).
         self._streams = StreamInfer(predictor, metrics, max_inputs, door, keys)
 
-    def _repository_control(self, action: str) -> RepositoryControl:
-        """The repository control, for an admin caller only."""
-        current_principal().check_admin(action)
+    def _repository_control(self, action: str, model_name: str = "") -> RepositoryControl:
+        """The repository control, for an admin caller only, of a model its key may use
+        (`model_name`: the one the action changes): an admin key limited to some models
+        loaded and unloaded every other one (review finding)."""
+        principal = current_principal()
+        principal.check_admin(action)
+        if model_name:
+            principal.check_model(self._predictor.catalog.config(model_name).name)
         if self._repository is None:
             raise Unavailable(f"{action} needs the gateway's Redis (--redis-url)")
         return self._repository
@@ -88,14 +93,17 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
     ) -> kserve.RepositoryIndexResponse:
         """Every version of the repository, READY or UNAVAILABLE in the fleet (admin only)."""
         control = self._repository_control("RepositoryIndex")
-        return await control.index(is_ready_only=request.ready)
+        index = await control.index(is_ready_only=request.ready)
+        principal = current_principal()  # the models its key may use (load failures name workers)
+        allowed = [m for m in index.models if _may_use(principal, m.name)]
+        return kserve.RepositoryIndexResponse(models=allowed)
 
     async def RepositoryModelLoad(
         self, request: kserve.RepositoryModelLoadRequest, context: grpc.aio.ServicerContext
     ) -> kserve.RepositoryModelLoadResponse:
         """Asks every worker whose pool has the model to load all its versions (admin only);
         answers once the fleet serves them, or FAILED_PRECONDITION with the load errors."""
-        control = self._repository_control("RepositoryModelLoad")
+        control = self._repository_control("RepositoryModelLoad", request.model_name)
         if request.parameters:  # Triton's config override and model files: a load would
             # answer OK with the repository's own config in force, its caller none the wiser
             raise InvalidInput(
@@ -113,7 +121,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
     ) -> kserve.RepositoryModelUnloadResponse:
         """Asks every worker to unload the model (admin only): its calls in flight finish;
         answers once the desired state is written: workers converge within about 1-2 s."""
-        control = self._repository_control("RepositoryModelUnload")
+        control = self._repository_control("RepositoryModelUnload", request.model_name)
         await control.set_state(request.model_name, ModelState.UNLOADED)
         return kserve.RepositoryModelUnloadResponse()
 

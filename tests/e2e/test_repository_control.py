@@ -30,6 +30,8 @@ pytestmark = pytest.mark.e2e
 
 ADMIN_KEY = "repository-admin-key"
 USER_KEY = "repository-user-key"
+#: An admin key limited to the `other` model.
+OTHER_ADMIN_KEY = "repository-other-admin-key"
 #: Workers read the desired state every second; the gateway's catalog follows the router's: a
 #: few seconds; the bound only turns "never" into a failure on a loaded machine.
 CONVERGE_S = 30.0
@@ -50,6 +52,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, repo: Path) -> Iterator[Stac
     keys.write_text(
         f'[[keys]]\ntenant = "ops"\nsha256 = "{hash_key(ADMIN_KEY)}"\nadmin = true\n'
         f'[[keys]]\ntenant = "search"\nsha256 = "{hash_key(USER_KEY)}"\n'
+        f'[[keys]]\ntenant = "other-ops"\nsha256 = "{hash_key(OTHER_ADMIN_KEY)}"\n'
+        'admin = true\nmodels = ["other"]\n'
     )
     stack = start_stack(tmp, model_repository=repo, extra_gateway_args=(f"--api-keys-file={keys}",))
     yield stack
@@ -96,6 +100,16 @@ def test_a_key_that_is_not_admin_is_refused(stack: Stack) -> None:
         report = repository(stack, action, USER_KEY)
         assert report["status"] == "StatusCode.PERMISSION_DENIED", report
         assert "admin" in report["message"]
+
+
+def test_an_admin_key_limited_to_some_models_changes_and_lists_only_those(stack: Stack) -> None:
+    """It loaded and unloaded every model, and the index listed them all with their load
+    failures (review finding): the models it may not use are refused PERMISSION_DENIED."""
+    for action in ("unload", "load"):
+        report = repository(stack, action, OTHER_ADMIN_KEY)
+        assert report["status"] == "StatusCode.PERMISSION_DENIED", report
+    index = repository(stack, "index", OTHER_ADMIN_KEY)["index"]
+    assert {m["name"] for m in index} == {"other"}
 
 
 async def test_unload_then_load_through_the_stock_client(stack: Stack) -> None:
