@@ -1476,12 +1476,15 @@ def test_the_dashboards_joins_match_on_labels_every_tier_has() -> None:
     fronts."""
     group_labels = {PROCESS_LABEL, FRONT_LABEL}
     common = {"pod", "namespace", "instance", "job", *group_labels}
+    joins = 0
     for query in dashboard_queries(json.loads(DASHBOARD.read_text())):
         for group in re.findall(r"\bon\s*\(([^)]*)\)", query):
+            joins += 1
             labels = {g.strip() for g in group.split(",") if g.strip()}
             assert labels <= common, f"{query}: joins on {sorted(labels - common)}"
             if labels & group_labels:
                 assert group_labels <= labels, f"{query}: joins on {sorted(labels)}"
+    assert joins > 0  # the checks above ran
 
 
 def slo_histogram_bounds() -> dict[str, set[str]]:

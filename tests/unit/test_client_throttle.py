@@ -99,6 +99,7 @@ def test_a_flooding_client_sends_about_accept_ratio_times_what_the_gateway_takes
     takes what it can."""
     gateway = Gateway(capacity_per_s=1000, taken_after_s=0.02)
     seconds = flood(AdaptiveThrottle(), gateway, [(8, 1000 * factor)], seed)
+    assert len(seconds) == 8
     for second in seconds[3:]:
         assert 950 <= second.num_taken <= 1050
         assert second.num_sent / second.num_taken <= 1.25
