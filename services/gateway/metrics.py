@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
+from services.common.priority import PriorityClass
 from services.common.telemetry import (
     FAST_SECONDS_BUCKETS,
     SECONDS_BUCKETS,
@@ -138,6 +142,14 @@ class GatewayMetrics:
             "Fraction of the tenant's fleet-wide quotas this gateway enforces.",
             ("tenant",),
         )
+
+    def follow_throttle(self, model: str, highest: Callable[[str, str, float], float]) -> None:
+        """Makes `model`'s throttle gauge read, at each scrape, the highest refusal probability
+        of its online keys (`highest`: AdaptiveThrottle.highest_probability); once per model."""
+        if (model,) not in self.throttle_probability_of:
+            online, batch = f"{model}/", f"{model}/{PriorityClass.BATCH.value}/"
+            child = self.throttle_probability_of[(model,)]
+            child.set_function(lambda: highest(online, batch, time.monotonic()))
 
     def observe_request(self, api: str, model: str, time_left_s: float | None = None) -> Outcome:
         """Counts the request by its final status and times it (the whole stream, for

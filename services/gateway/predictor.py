@@ -276,10 +276,8 @@ class Predictor:
         must not teach the gateway to refuse everyone else's. Returns the throttle's key."""
         key = f"{model}/{priority.value}/{tenant}"
         shed = self._throttle.admit(key, time.monotonic(), self._rng.random())
-        if priority is not PriorityClass.BATCH:
-            self._metrics.throttle_probability_of[(model,)].set(
-                0.0 if shed is None else shed.probability
-            )
+        if priority is not PriorityClass.BATCH:  # its gauge: the highest of its online keys'
+            self._metrics.follow_throttle(model, self._throttle.highest_probability)
         if shed is not None:
             self._metrics.throttled_total_of[(model,)].inc()
             self.admission.refused(tenant, "throttled")

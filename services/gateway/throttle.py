@@ -128,12 +128,31 @@ class AdaptiveThrottle:
         counts = self._counts.get(model)
         if counts is None or not self._config.is_enabled:
             return 0.0
+        counts.decay_to(now_s, self._config.memory_s)
+        return self._probability(counts, now_s)
+
+    def highest_probability(self, prefix: str, skip_prefix: str, now_s: float) -> float:
+        """The highest refusal probability now of the keys that begin with `prefix` and not
+        `skip_prefix` (a model's, but its batch class's): what its gauge shows. It changes
+        nothing: read from the metrics thread (a gauge set by the last call showed that call's
+        draw, 0 for each request sent on while 60% were refused: review finding)."""
+        if not self._config.is_enabled:
+            return 0.0
+        keys = list(self._counts.items())  # one C-level copy: the loop may add keys meanwhile
+        return max(
+            (self._probability(counts, now_s) for key, counts in keys
+             if key.startswith(prefix) and not key.startswith(skip_prefix)),
+            default=0.0,
+        )  # fmt: skip
+
+    def _probability(self, counts: _Counts, now_s: float) -> float:
+        """The refusal probability of `counts` at `now_s`, their decay to it applied here."""
         memory_s = self._config.memory_s
-        silence_s = max(0.0, now_s - counts.counted_at_s)
-        counts.decay_to(now_s, memory_s)
-        excess = counts.requests - self._config.accepts_multiplier * counts.accepts
-        probability = max(0.0, excess / (counts.requests + 1.0))
-        probability *= math.exp(-silence_s / memory_s)
+        factor = math.exp(-max(0.0, now_s - counts.at_s) / memory_s)
+        requests = counts.requests * factor
+        excess = requests - self._config.accepts_multiplier * counts.accepts * factor
+        probability = max(0.0, excess / (requests + 1.0))
+        probability *= math.exp(-max(0.0, now_s - counts.counted_at_s) / memory_s)
         return min(probability, self._config.max_reject_probability)
 
     def admit(self, model: str, now_s: float, draw: float) -> Shed | None:

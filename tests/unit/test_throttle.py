@@ -4,9 +4,13 @@ recovery after a flood, retry hints, per-model isolation."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from services.common import metric_names as names
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.throttle import AdaptiveThrottle, Shed, ThrottleConfig
 
 pytestmark = pytest.mark.unit
@@ -176,3 +180,34 @@ def test_keys_silent_for_many_memories_are_forgotten() -> None:
         throttle.record("busy", i * 0.1, is_accepted=False)
     assert throttle.num_keys <= 2 * 101 + 2
     assert throttle.reject_probability("busy", 100.0) > 0.5
+
+
+def test_a_models_gauge_reads_its_online_keys_highest_probability_and_changes_nothing() -> None:
+    """The gauge showed the last call's outcome (0 for each call sent on while 60% were
+    refused) and the last tenant's key; it reads the highest of the model's online keys,
+    decayed to the scrape, without touching the counts (a scrape runs on another thread)."""
+    throttle = make_throttle(memory_s=0.5)
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=5, model="m/interactive/a")
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=5, model="m/batch/b")
+    offer(throttle, rate_per_s=10, capacity_per_s=100, seconds=5, model="m/interactive/c")
+    flooded = throttle.reject_probability("m/interactive/a", 5.0)
+    assert flooded > 0.5 and throttle.reject_probability("m/interactive/c", 5.0) == 0.0
+    assert throttle.highest_probability("m/", "m/batch/", 5.0) == pytest.approx(flooded)
+    assert throttle.highest_probability("other/", "other/batch/", 5.0) == 0.0
+    # Decayed to the time asked, as a request arriving then would find it; nothing changed.
+    later = throttle.highest_probability("m/", "m/batch/", 6.0)
+    assert later < 0.2 * flooded
+    assert throttle.highest_probability("m/", "m/batch/", 5.0) == pytest.approx(flooded)
+    assert throttle.reject_probability("m/interactive/a", 6.0) == pytest.approx(later)
+
+
+def test_the_gateways_gauge_follows_the_throttle_at_each_scrape() -> None:
+    registry = CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    throttle = make_throttle(memory_s=60.0)
+    start_s = time.monotonic() - 5.0
+    offer(throttle, rate_per_s=1000, capacity_per_s=100, seconds=5, start_s=start_s,
+          model="m/interactive/a")  # fmt: skip
+    metrics.follow_throttle("m", throttle.highest_probability)
+    shown = registry.get_sample_value(names.GATEWAY_THROTTLE_PROBABILITY, {"model": "m"})
+    assert shown is not None and shown > 0.5
