@@ -53,6 +53,8 @@ EXTENSIONS = (
 #: Longest a RepositoryModelLoad waits for the fleet to serve the model (less with a tighter
 #: caller deadline): warm-up of a large model takes tens of seconds.
 LOAD_WAIT_S = 120.0
+#: The `api` label of the KServe calls this servicer (and the REST door before it) counts.
+KSERVE_API = "kserve_v2"
 
 
 class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
@@ -241,7 +243,7 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
     ) -> kserve.ModelInferResponse:
         label = self._predictor.catalog.label_for(request.model_name)
         time_left_s = context.time_remaining()
-        with self._metrics.observe_request("kserve_v2", label, time_left_s):
+        with self._metrics.observe_request(KSERVE_API, label, time_left_s):
             return await infer_one(
                 self._predictor, request, current_principal(), time_left_s, self._max_inputs
             )

@@ -278,3 +278,27 @@ async def test_a_compressed_body_is_counted_at_the_size_limit_while_it_arrives(
 
 async def _not(fits: Awaitable[bool]) -> bool:
     return not await fits
+
+
+async def test_a_rest_infer_refused_before_it_reaches_model_infer_is_counted(
+    fabric: Fabric,
+) -> None:
+    """A REST body refused for its rows, or a model not found, was answered 400 or 404 and
+    counted nowhere (gRPC's ModelInfer counts its own), so a client sending bad bodies was
+    invisible (review finding). Counted once, as ModelInfer counts a call."""
+    assert fabric.gateway.http is not None
+    base = f"http://127.0.0.1:{fabric.gateway.http.port}"
+    too_many = {"inputs": [{"name": "x", "shape": [100_000, 4], "datatype": "FP32",
+                            "data": [0.0] * 4}]}  # fmt: skip
+    async with aiohttp.ClientSession() as session:
+        for path, body, status in ((f"/v2/models/{MODEL}/infer", too_many, 400),
+                                   ("/v2/models/nope/infer", infer_body(1.0), 404)):  # fmt: skip
+            async with session.post(base + path, json=body) as answer:
+                assert answer.status == status, await answer.text()
+    counted = {
+        (model, code): fabric.gateway_metric(
+            names.GATEWAY_REQUESTS_TOTAL, api="kserve_v2", model=model, code=code
+        )
+        for model, code in ((MODEL, "INVALID_ARGUMENT"), ("other", "NOT_FOUND"))
+    }
+    assert counted == {(MODEL, "INVALID_ARGUMENT"): 1, ("other", "NOT_FOUND"): 1}

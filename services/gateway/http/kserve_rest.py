@@ -17,7 +17,7 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
-from services.common.errors import InvalidInput
+from services.common.errors import InvalidInput, ServingError
 from services.common.grpc_errors import is_bug
 from services.gateway.auth import current_principal
 from services.gateway.http.codec import (
@@ -37,7 +37,7 @@ from services.gateway.http.codec import (
 )
 from services.gateway.http.errors import http_error
 from services.gateway.http.sse import SSE_CONTENT_TYPE, EventWriter, sse_event
-from services.gateway.kserve_api import KServeServicer
+from services.gateway.kserve_api import KSERVE_API, KServeServicer
 from services.gateway.kserve_generate import generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.predictor import Predictor
@@ -281,12 +281,17 @@ class KServeRest:
 
     async def infer(self, request: web.Request) -> web.Response:
         name, version = _model(request)
-        # As ModelInfer on gRPC (kserve_infer.infer_one): the caller's right to the model and
-        # the row cap before any element is decoded.
-        current_principal().check_model(self._predictor.catalog.config(name).name)
-        body, binary = split_body(await request.read(), request.headers.get(HEADER_LENGTH))
-        check_rows_named(body, self._predictor.max_inputs)
-        parsed = infer_body(name, version, body, binary)
+        try:  # counted as ModelInfer counts a call (kserve_v2), which counts from here on
+            # As ModelInfer on gRPC (kserve_infer.infer_one): the caller's right to the model
+            # and the row cap before any element is decoded.
+            current_principal().check_model(self._predictor.catalog.config(name).name)
+            body, binary = split_body(await request.read(), request.headers.get(HEADER_LENGTH))
+            check_rows_named(body, self._predictor.max_inputs)
+            parsed = infer_body(name, version, body, binary)
+        except ServingError as error:  # a 400, 403 or 404 the gRPC door counts was not
+            label = (KSERVE_API, self._predictor.catalog.label_for(name), error.code.name)
+            self._metrics.requests_total_of[label].inc()
+            raise
         answer = await self._servicer.ModelInfer(parsed.request, _CONTEXT)
         payload, header_length = infer_response_body(answer, parsed)
         if header_length is None:
