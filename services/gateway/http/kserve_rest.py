@@ -338,7 +338,7 @@ class KServeRest:
                     await events.end()
                 except Exception as error:  # the status is sent: the error goes in-band
                     if is_bug(error):
-                        log.exception("generate stream of %s failed", request.path)
+                        log.exception("generate stream of %r failed", request.path)
                     error_event = sse_event({"error": http_error(error).message})
                     await events.end_in_band((error_event,), error)
                 return answer

@@ -233,7 +233,7 @@ async def _stream(
                 pass
         except Exception as error:
             if is_bug(error):
-                log.exception("OpenAI stream of %s failed after its last chunk", request.path)
+                log.exception("OpenAI stream of %r failed after its last chunk", request.path)
         if include_usage:
             usage = shape.usage_chunk(chunk["prompt_tokens"], chunk["completion_tokens"])
             await events.send(sse_event(usage))
@@ -241,7 +241,7 @@ async def _stream(
         await events.end()
     except Exception as error:  # headers are sent: the error goes in-band, as OpenAI does
         if is_bug(error):
-            log.exception("OpenAI stream of %s failed", request.path)
+            log.exception("OpenAI stream of %r failed", request.path)
         error_event = sse_event(json.loads(http_error(error).openai_body()))
         await events.end_in_band((error_event, DONE_EVENT), error)
     return answer

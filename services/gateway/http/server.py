@@ -198,7 +198,7 @@ def auth_middleware(
             return _answer(request, HttpError(error.status, message, allow))
         except Exception as error:
             if is_bug(error):
-                log.exception("HTTP %s %s failed", request.method, request.path)
+                log.exception("HTTP %s %r failed", request.method, request.path)
             return _answer(request, http_error(error))
 
     return middleware
