@@ -328,6 +328,24 @@ class Restarts:
         return min((at_s - now_s for at_s in self._at_s.values()), default=None)
 
 
+#: Set by a supervisor in the environment of the processes it starts on one set of ports (a
+#: gateway group's, a worker's fronts): only they bind a port another process holds.
+SHARED_PORTS_ENV = "FABRIC_SHARED_PORTS"
+
+
+def shares_ports() -> bool:
+    """Whether this process binds its ports beside others (SO_REUSEPORT): a member of a
+    supervisor's group. A process on its own does not: with grpc's default (on), a second
+    router or worker started on a port another one holds bound it too, silently, and the
+    kernel split connections between them (review finding)."""
+    return os.environ.get(SHARED_PORTS_ENV) == "1"
+
+
+def shared_ports_env() -> dict[str, str]:
+    """The environment of a process a supervisor starts on its ports (`shares_ports`)."""
+    return {**os.environ, SHARED_PORTS_ENV: "1"}
+
+
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to `port` (0: a free one) with SO_REUSEPORT that never listens: the
     kernel hands connections only to listeners, so processes started later bind the same

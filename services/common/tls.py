@@ -41,7 +41,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from services.common.channel_options import CHANNEL_OPTIONS
-from services.common.settings import Setting
+from services.common.processes import shares_ports
+from services.common.settings import Setting, StartupError
 
 log = logging.getLogger(__name__)
 
@@ -254,10 +255,13 @@ class ClientTls:
 
 def add_port(server: grpc.aio.Server, address: str, tls: ServerTls) -> int:
     """Binds `address` (host:port) with TLS when configured, plaintext otherwise; the bound
-    port."""
-    if not tls.is_enabled:
-        return server.add_insecure_port(address)
-    return server.add_secure_port(address, tls.credentials())
+    port. One another process holds is a StartupError (status 2, one line)."""
+    try:
+        if not tls.is_enabled:
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, tls.credentials())
+    except RuntimeError as error:  # grpc's "Failed to bind": taken, or not an address here
+        raise StartupError(f"the gRPC address {address} cannot be used: {error}") from None
 
 
 def open_channel(
@@ -307,7 +311,7 @@ async def start_health_listener(
     `servicer` (the tier's own health statuses); None otherwise."""
     if tls.health_port is None:
         return None
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", int(shares_ports()))])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"{host}:{tls.health_port}")
     await server.start()

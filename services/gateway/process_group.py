@@ -50,6 +50,7 @@ from services.common.processes import (
     before_exec,
     request_stop,
     reserve_port,
+    shared_ports_env,
     wait_or_kill,
 )
 from services.gateway.config import GatewayConfig
@@ -154,6 +155,7 @@ class ProcessGroup:
             overrides += ["--health-port", str(self.ports["health_port"])]
         process = subprocess.Popen(
             [sys.executable, "-m", "services.gateway", *self._argv, *overrides],
+            env=shared_ports_env(),
             stdin=subprocess.DEVNULL,
             # Output goes where the supervisor's goes: one log stream for the container.
             preexec_fn=before_exec(os.getpid(), None),

@@ -34,6 +34,7 @@ from services.common.processes import (
     Supervised,
     request_stop,
     reserve_port,
+    shared_ports_env,
     wait_or_kill,
 )
 from services.gpu_worker.config import WorkerConfig
@@ -211,6 +212,7 @@ class Fronts:
             overrides += ["--health-port", str(self.health_port)]
         process = subprocess.Popen(
             [sys.executable, "-m", "services.gpu_worker.front", *self._argv, *overrides],
+            env=shared_ports_env(),
             stdin=subprocess.DEVNULL,  # its output goes where the engine's goes
         )
         self._fronts[index] = _Front(index, process, ready_file, time.monotonic())

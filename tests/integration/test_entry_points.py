@@ -194,6 +194,27 @@ def test_a_metrics_port_taken_exits_2_with_a_message(tier: str, args: tuple[str,
     assert f"the metrics port {port} cannot be used" in done.stderr, done.stderr
 
 
+@pytest.mark.parametrize("tier", ["router", "gateway"])
+def test_a_grpc_port_another_process_holds_exits_2_with_a_message(tier: str) -> None:
+    """grpc binds with SO_REUSEPORT by default: a second router (or gateway, worker) started
+    on a port another process held bound it too, silently, and the kernel split connections
+    between the two (review finding). Only a supervisor's group shares its ports."""
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)  # as grpc's listener does
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        extra = ("--allow-unauthenticated", "--http-port", "-1", "--processes", "1")
+        done = subprocess.run(
+            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1", "--grpc-port",
+             str(port), "--metrics-port", "0", *(extra if tier == "gateway" else ())],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert f"the gRPC address 127.0.0.1:{port} cannot be used" in done.stderr, done.stderr
+
+
 #: A gateway process that has read a setting it cannot use and exits 2 as its SIGTERM comes (its
 #: own exit and the stop at once, as the supervisor sees it).
 _EXITS_2_AT_ITS_STOP = (

@@ -17,6 +17,7 @@ from aiohttp.typedefs import Middleware
 from services.common.door import Door
 from services.common.errors import InvalidInput, NotFound, Overloaded
 from services.common.grpc_errors import is_bug
+from services.common.processes import shares_ports
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
@@ -292,6 +293,6 @@ async def start_http(
     )
     await runner.setup()
     # reuse_port: the processes of a gateway group (process_group.py) share the port.
-    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=True)
+    site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=shares_ports())
     await site.start()
     return HttpListener(runner, int(runner.addresses[0][1]))
