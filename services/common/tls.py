@@ -277,10 +277,11 @@ def open_channel(
 
 
 def check_distinct_ports(**ports: int | None) -> None:
-    """Raises ValueError when two of a tier's listeners are given one fixed port: every listener
-    sets SO_REUSEPORT, so both would bind, and the kernel would split connections between
-    them at random (a health-only listener answering real calls UNIMPLEMENTED). Ports 0 (a
-    free one), negative (off) and None (not set) are never alike."""
+    """Raises ValueError when two of a tier's listeners are given one fixed port: in a group's
+    process every listener sets SO_REUSEPORT, so both would bind, and the kernel would split
+    connections between them at random (a health-only listener answering real calls
+    UNIMPLEMENTED); elsewhere the second would fail to bind. Ports 0 (a free one), negative
+    (off) and None (not set) are never alike."""
     taken: dict[int, str] = {}
     for name, port in ports.items():
         if port is not None and not -1 <= port <= 65535:  # -1: off (where it may be)
