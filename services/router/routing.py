@@ -95,7 +95,8 @@ class RouteTable:
         # Sorted by worker_id, so exact-minimum ties and seeded sampling are reproducible.
         self._workers: tuple[tuple[WorkerRecord, float], ...] = ()
         self._refreshed_at_s: float | None = None
-        # worker_id -> when it is routed to again. Kept by `update`: a heartbeat is no answer.
+        # worker_id -> monotonic time until which it is skipped. Survives `update`: a fresh
+        # heartbeat does not prove the worker answers calls.
         self._ejected_until_s: dict[str, float] = {}
         #: Ejects workers whose calls only time out; the forwarder reports call outcomes here.
         self.timeouts = TimeoutEjector(config.timeout_ejection)
@@ -117,8 +118,7 @@ class RouteTable:
         gone: set[str] = set()
         if records or not self._workers:
             gone = {w.worker_id for w, _ in self._workers} - {w.worker_id for w, _ in records}
-            # Its ejections were another process's: replaced, or gone (back within eject_s).
-            for worker_id in {*replaced(self._workers, records), *gone}:
+            for worker_id in replaced(self._workers, records):  # its ejections were another's
                 self._ejected_until_s.pop(worker_id, None)
                 self.timeouts.forget(worker_id)
             self._workers = tuple(sorted(records, key=lambda pair: pair[0].worker_id))
