@@ -705,7 +705,7 @@ def test_duplicate_item_id_is_a_caller_bug() -> None:
     batcher = make_batcher()
     batcher.add(make_item(item_id=1), 0.0)
 
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="item 1 is already queued"):
         batcher.add(make_item(item_id=1, bucket=64), 0.0)
 
 
@@ -1187,17 +1187,17 @@ def test_max_wait_clamps_at_zero_and_at_the_cap() -> None:
 
 
 @pytest.mark.parametrize(
-    "overrides",
+    ("overrides", "named"),
     [
-        {"max_batch_size": 0},
-        {"max_queue_size": 0},
-        {"max_batch_tokens": -1},
-        {"safety_margin_s": -0.1},
-        {"tenant_weights": {"a": 0.0}},
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"max_queue_size": 0}, "max_queue_size"),
+        ({"max_batch_tokens": -1}, "max_batch_tokens"),
+        ({"safety_margin_s": -0.1}, "margin"),
+        ({"tenant_weights": {"a": 0.0}}, "tenant weights"),
     ],
 )
-def test_rejects_invalid_config(overrides: dict[str, Any]) -> None:
-    with pytest.raises(ValueError):
+def test_rejects_invalid_config(overrides: dict[str, Any], named: str) -> None:
+    with pytest.raises(ValueError, match=named):
         make_batcher(**overrides)
 
 

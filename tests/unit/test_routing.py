@@ -527,9 +527,9 @@ def test_served_models_groups_live_workers_by_model_version() -> None:
 
 
 def test_config_rejects_nonsense() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="routing durations and margin"):
         RoutingConfig(eject_s=-1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="power_of_two_threshold"):
         RoutingConfig(power_of_two_threshold=0)
     # Accepted, each refused every call: every worker dead, every snapshot too old.
     with pytest.raises(ValueError, match="stale_after_s"):
@@ -585,9 +585,9 @@ def test_retries_paid_by_deposits_expire_with_them_and_leave_the_reserve() -> No
 
 
 def test_retry_budget_rejects_nonsense() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="ratio and min_per_s must be >= 0"):
         RetryBudget(ratio=-0.1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="window_s > 0"):
         RetryBudget(window_s=0.0)
 
 
@@ -721,7 +721,7 @@ def test_the_last_worker_a_model_has_is_still_routed_when_its_calls_time_out() -
 
 
 def test_bad_timeout_ejection_settings_are_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="eject_s <= max_eject_s"):
         RoutingConfig(timeout_eject_s=60.0, max_timeout_eject_s=30.0)
 
 
