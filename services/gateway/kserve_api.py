@@ -84,8 +84,8 @@ class KServeServicer(kserve_grpc.GRPCInferenceServiceServicer):
         loaded and unloaded every other one (review finding)."""
         principal = current_principal()
         principal.check_admin(action)
-        if model_name:
-            principal.check_model(self._predictor.catalog.config(model_name).name)
+        if model_name and principal.models is not None:  # a load may find it on disk first
+            principal.check_model(model_name)
         if self._repository is None:
             raise Unavailable(f"{action} needs the gateway's Redis (--redis-url)")
         return self._repository

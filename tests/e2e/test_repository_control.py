@@ -334,3 +334,16 @@ async def test_a_version_replaced_on_the_volume_serves_until_its_successor_does(
     assert loaded["status"] == "OK", loaded
     assert not traffic.failures, traffic.failures[:3]
     assert "3" in traffic.versions
+
+
+def test_a_model_copied_into_the_repository_is_loaded_by_an_admin_key(
+    stack: Stack, repo: Path
+) -> None:
+    """A load reads the repository first, finding a model new to the gateway; checking the
+    key's models against the catalog before it refused every such load NOT_FOUND (diff
+    review). A key limited to other models is refused it."""
+    write_affine_model(repo, name="third")
+    refused = repository(stack, "load", OTHER_ADMIN_KEY, model="third")
+    assert refused["status"] == "StatusCode.PERMISSION_DENIED", refused
+    loaded = repository(stack, "load", ADMIN_KEY, model="third")
+    assert loaded["status"] == "OK", loaded
