@@ -20,7 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.common import metric_names as names
-from services.common.processes import reserve_port
+from services.common.processes import SHARED_PORTS_ENV, reserve_port
 from services.common.procfs import is_alive
 from tests.support.fabric_load import ClosedLoopLoad
 from tests.support.metrics import scrape, total
@@ -52,19 +52,23 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     """Two workers; `tolerate_exits`: the tests stop the stack's own router and workers."""
     tmp_path = tmp_path_factory.mktemp("rollout")
     repository = write_small_minilm_repository(tmp_path / "repo")
-    stack = start_stack(
-        tmp_path,
-        num_workers=2,
-        model_repository=repository,
-        tolerate_exits=True,
-        extra_worker_args=(f"--drain-announce-s={DRAIN_ANNOUNCE_S}",),
-    )
-    fleet = Fleet(stack, tmp_path)
-    try:
-        yield fleet
-    finally:
-        for tier in reversed(fleet.started):
-            tier.terminate(timeout_s=60.0)
+    with pytest.MonkeyPatch.context() as env:
+        # The tests hold a router's port while it restarts, as a supervisor holds its group's:
+        # the processes started here share their ports (only a supervisor's processes do).
+        env.setenv(SHARED_PORTS_ENV, "1")
+        stack = start_stack(
+            tmp_path,
+            num_workers=2,
+            model_repository=repository,
+            tolerate_exits=True,
+            extra_worker_args=(f"--drain-announce-s={DRAIN_ANNOUNCE_S}",),
+        )
+        fleet = Fleet(stack, tmp_path)
+        try:
+            yield fleet
+        finally:
+            for tier in reversed(fleet.started):
+                tier.terminate(timeout_s=60.0)
     assert stack.stop() == 0, stack.stop_report()
 
 
