@@ -243,15 +243,18 @@ class Jobs:
 
     def poll(self, job_id: str) -> JobInfo:
         """`get`, for a wait's poll: one that fails UNAVAILABLE or DEADLINE_EXCEEDED (a gateway
-        restarting, a Redis blip) is sent again after a pause, `RESUME_OPENINGS` times in all,
-        where a get fails at once."""
+        restarting, a Redis blip) is sent again after a pause (RESUME_FIRST_S, doubling up to
+        RESUME_MAX_S), `RESUME_OPENINGS` times in all, where a get fails at once."""
         for attempt in range(1, RESUME_OPENINGS + 1):
             try:
                 return self.get(job_id)
             except FabricError as error:
                 if error.code not in _RESUMED_NAMES or attempt == RESUME_OPENINGS:
                     raise
-                self._closed.wait(RESUME_FIRST_S * random.uniform(0.5, 1.5))
+                # As a resume's pauses, doubling: about 10 s in all (a fixed 0.1 s gave up
+                # within a second, before a restarting gateway listens: diff review).
+                pause_s = min(RESUME_FIRST_S * 2 ** (attempt - 1), RESUME_MAX_S)
+                self._closed.wait(pause_s * random.uniform(0.5, 1.5))
         raise AssertionError("unreachable")
 
     def _call(
