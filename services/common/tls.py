@@ -306,15 +306,20 @@ class HealthListener:
 
 
 async def start_health_listener(
-    servicer: health.aio.HealthServicer, host: str, tls: ServerTls
+    servicer: health.aio.HealthServicer, host: str, tls: ServerTls, beside: grpc.aio.Server
 ) -> HealthListener | None:
     """With `tls.health_port` set, a started plaintext server on it that serves only
-    `servicer` (the tier's own health statuses); None otherwise."""
+    `servicer` (the tier's own health statuses); None otherwise. Its port taken, `beside`
+    (the tier's started server) is stopped before the StartupError is raised."""
     if tls.health_port is None:
         return None
     server = grpc.aio.server(options=[("grpc.so_reuseport", int(shares_ports()))])
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
-    port = server.add_insecure_port(f"{host}:{tls.health_port}")
+    try:
+        port = add_port(server, f"{host}:{tls.health_port}", ServerTls())  # plaintext
+    except StartupError:
+        await beside.stop(None)
+        raise
     await server.start()
     return HealthListener(server, port)
 

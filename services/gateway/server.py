@@ -309,7 +309,9 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         await server.start()
         if door is not None:
             door.start()
-        health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+        health_listener = await start_health_listener(
+            health_servicer, config.host, config.tls, server
+        )
         quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
         keys_watch = _watch_keys(keys, admission, quota_sync)
         http = None

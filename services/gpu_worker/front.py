@@ -295,7 +295,7 @@ async def serve(config: WorkerConfig, engine_dir: Path) -> NoReturn:
         await set_serving(servicer, (SERVICE.full_name,), SERVING)
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
-    health_listener = await start_health_listener(servicer, config.host, config.tls)
+    health_listener = await start_health_listener(servicer, config.host, config.tls, server)
     metrics_port = start_metrics(config.metrics_port, config.host, registry)
     stopping = stop_event()
     # Ready once listening, and said again once serving: the engine waits for the first before

@@ -380,7 +380,9 @@ async def create_worker(config: WorkerConfig, engine_dir: Path | None = None) ->
     await server.start()
     health_listener = None
     if engine_dir is None:  # else the fronts serve the health port
-        health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+        health_listener = await start_health_listener(
+            health_servicer, config.host, config.tls, server
+        )
     registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(

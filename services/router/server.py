@@ -117,7 +117,7 @@ async def create_router(config: RouterConfig) -> Router:
     )
     port = add_port(server, f"{config.host}:{config.grpc_port}", config.tls)
     await server.start()
-    health_listener = await start_health_listener(health_servicer, config.host, config.tls)
+    health_listener = await start_health_listener(health_servicer, config.host, config.tls, server)
     return Router(
         config,
         server,

@@ -8,6 +8,7 @@ dies of the signal (the local stack counts that a failure)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import socket
@@ -194,8 +195,18 @@ def test_a_metrics_port_taken_exits_2_with_a_message(tier: str, args: tuple[str,
     assert f"the metrics port {port} cannot be used" in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("tier", ["router", "gateway"])
-def test_a_grpc_port_another_process_holds_exits_2_with_a_message(tier: str) -> None:
+@pytest.mark.parametrize(
+    ("tier", "flag", "named"),
+    [
+        ("router", "--grpc-port", "the gRPC address 127.0.0.1:{port}"),
+        ("gateway", "--grpc-port", "the gRPC address 127.0.0.1:{port}"),
+        ("gateway", "--http-port", "the HTTP port {port}"),
+        ("router", "--health-port", "the gRPC address 127.0.0.1:{port}"),
+    ],
+)
+def test_a_port_another_process_holds_exits_2_with_a_message(
+    tier: str, flag: str, named: str
+) -> None:
     """grpc binds with SO_REUSEPORT by default: a second router (or gateway, worker) started
     on a port another process held bound it too, silently, and the kernel split connections
     between the two (review finding). Only a supervisor's group shares its ports."""
@@ -204,15 +215,18 @@ def test_a_grpc_port_another_process_holds_exits_2_with_a_message(tier: str) -> 
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        extra = ("--allow-unauthenticated", "--http-port", "-1", "--processes", "1")
+        ports = {"--grpc-port": "0", "--http-port": "0", flag: str(port)}
+        if tier != "gateway":
+            del ports["--http-port"]
+        extra = ("--allow-unauthenticated", "--processes", "1") if tier == "gateway" else ()
         done = subprocess.run(
-            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1", "--grpc-port",
-             str(port), "--metrics-port", "0", *(extra if tier == "gateway" else ())],
+            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1",
+             "--metrics-port", "0", *itertools.chain(*ports.items()), *extra],
             cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert f"the gRPC address 127.0.0.1:{port} cannot be used" in done.stderr, done.stderr
+    assert named.format(port=port) + " cannot be used" in done.stderr, done.stderr
 
 
 #: A gateway process that has read a setting it cannot use and exits 2 as its SIGTERM comes (its

@@ -18,6 +18,7 @@ from services.common.door import Door
 from services.common.errors import InvalidInput, NotFound, Overloaded
 from services.common.grpc_errors import is_bug
 from services.common.processes import shares_ports
+from services.common.settings import unusable_port
 from services.common.tls import CertificateFiles, ServerTls
 from services.gateway.admission import TenantAdmission
 from services.gateway.auth import KeyStore, acting_as, principal_for
@@ -294,5 +295,9 @@ async def start_http(
     await runner.setup()
     # reuse_port: the processes of a gateway group (process_group.py) share the port.
     site = web.TCPSite(runner, host, port, ssl_context=ssl_context(tls), reuse_port=shares_ports())
-    await site.start()
+    try:
+        await site.start()
+    except OSError as error:  # taken by another process: status 2, one line (startup_errors)
+        await runner.cleanup()
+        raise unusable_port("the HTTP port", port, error) from None
     return HttpListener(runner, int(runner.addresses[0][1]))
