@@ -8,7 +8,6 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
-from services.common.priority import PriorityClass
 from services.common.telemetry import (
     FAST_SECONDS_BUCKETS,
     SECONDS_BUCKETS,
@@ -143,13 +142,12 @@ class GatewayMetrics:
             ("tenant",),
         )
 
-    def follow_throttle(self, model: str, highest: Callable[[str, str, float], float]) -> None:
+    def follow_throttle(self, model: str, highest: Callable[[str, float], float]) -> None:
         """Makes `model`'s throttle gauge read, at each scrape, the highest refusal probability
         of its online keys (`highest`: AdaptiveThrottle.highest_probability); once per model."""
         if (model,) not in self.throttle_probability_of:
-            online, batch = f"{model}/", f"{model}/{PriorityClass.BATCH.value}/"
             child = self.throttle_probability_of[(model,)]
-            child.set_function(lambda: highest(online, batch, time.monotonic()))
+            child.set_function(lambda: highest(model, time.monotonic()))
 
     def observe_request(self, api: str, model: str, time_left_s: float | None = None) -> Outcome:
         """Counts the request by its final status and times it (the whole stream, for

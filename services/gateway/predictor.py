@@ -38,7 +38,7 @@ from services.gateway.router_retry import (
     RouterRetryConfig,
     decide_resend,
 )
-from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig
+from services.gateway.throttle import AdaptiveThrottle, ThrottleConfig, throttle_key
 from services.gateway.triton_info import InferenceStatistics
 from services.pb.inference.v1 import worker_pb2 as pb
 
@@ -274,7 +274,7 @@ class Predictor:
         anyway, before any tokenizing or forwarding is spent on them. Kept per model, class
         and tenant: a flood of `batch` work, or one tenant's, is refused downstream, and it
         must not teach the gateway to refuse everyone else's. Returns the throttle's key."""
-        key = f"{model}/{priority.value}/{tenant}"
+        key = throttle_key(model, priority, tenant)
         shed = self._throttle.admit(key, time.monotonic(), self._rng.random())
         if priority is not PriorityClass.BATCH:  # its gauge: the highest of its online keys'
             self._metrics.follow_throttle(model, self._throttle.highest_probability)

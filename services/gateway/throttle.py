@@ -31,6 +31,7 @@ import math
 from dataclasses import dataclass, field
 
 from services.common.moving_average import MovingAverage
+from services.common.priority import PriorityClass
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,13 @@ _HINT_WEIGHT = 0.2
 FORGET_MEMORIES = 10.0
 #: Keys kept before the first sweep for silent ones (each sweep then waits for twice as many).
 _SWEEP_AT = 64
+#: Seconds one pass of highest_probability over the keys serves the gauges' reads.
+HIGHEST_FRESH_S = 1.0
+
+
+def throttle_key(model: str, priority: PriorityClass, tenant: str) -> str:
+    """The key a call is throttled by: its model, class and tenant."""
+    return f"{model}/{priority.value}/{tenant}"
 
 
 @dataclass
@@ -117,6 +125,8 @@ class AdaptiveThrottle:
         self._config = config
         self._counts: dict[str, _Counts] = {}
         self._sweep_at = _SWEEP_AT
+        #: highest_probability's last pass: when, and each model's highest.
+        self._highest: tuple[float, dict[str, float]] = (-math.inf, {})
 
     @property
     def num_keys(self) -> int:
@@ -131,19 +141,24 @@ class AdaptiveThrottle:
         counts.decay_to(now_s, self._config.memory_s)
         return self._probability(counts, now_s)
 
-    def highest_probability(self, prefix: str, skip_prefix: str, now_s: float) -> float:
-        """The highest refusal probability now of the keys that begin with `prefix` and not
-        `skip_prefix` (a model's, but its batch class's): what its gauge shows. It changes
-        nothing: read from the metrics thread (a gauge set by the last call showed that call's
-        draw, 0 for each request sent on while 60% were refused: review finding)."""
-        if not self._config.is_enabled:
-            return 0.0
-        keys = list(self._counts.items())  # one C-level copy: the loop may add keys meanwhile
-        return max(
-            (self._probability(counts, now_s) for key, counts in keys
-             if key.startswith(prefix) and not key.startswith(skip_prefix)),
-            default=0.0,
-        )  # fmt: skip
+    def highest_probability(self, model: str, now_s: float) -> float:
+        """The highest refusal probability now of `model`'s online keys (its batch class's
+        left out): what its gauge shows. It changes nothing, as it is read from the metrics
+        thread (a gauge set by the last call showed that call's draw, 0 for each request
+        sent on while 60% were refused: review finding). One pass over the keys serves every
+        model's gauge for HIGHEST_FRESH_S."""
+        at_s, highest = self._highest
+        if not 0.0 <= now_s - at_s <= HIGHEST_FRESH_S:
+            highest = {}
+            if self._config.is_enabled:
+                for key, counts in list(self._counts.items()):  # the loop may add keys
+                    name, _, rest = key.partition("/")
+                    if rest.partition("/")[0] == PriorityClass.BATCH.value:
+                        continue
+                    probability = self._probability(counts, now_s)
+                    highest[name] = max(probability, highest.get(name, 0.0))
+            self._highest = (now_s, highest)
+        return highest.get(model, 0.0)
 
     def _probability(self, counts: _Counts, now_s: float) -> float:
         """The refusal probability of `counts` at `now_s`, their decay to it applied here."""

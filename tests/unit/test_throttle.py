@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 
 from services.common import metric_names as names
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.throttle import AdaptiveThrottle, Shed, ThrottleConfig
+from services.gateway.throttle import HIGHEST_FRESH_S, AdaptiveThrottle, Shed, ThrottleConfig
 
 pytestmark = pytest.mark.unit
 
@@ -192,13 +192,15 @@ def test_a_models_gauge_reads_its_online_keys_highest_probability_and_changes_no
     offer(throttle, rate_per_s=10, capacity_per_s=100, seconds=5, model="m/interactive/c")
     flooded = throttle.reject_probability("m/interactive/a", 5.0)
     assert flooded > 0.5 and throttle.reject_probability("m/interactive/c", 5.0) == 0.0
-    assert throttle.highest_probability("m/", "m/batch/", 5.0) == pytest.approx(flooded)
-    assert throttle.highest_probability("other/", "other/batch/", 5.0) == 0.0
-    # Decayed to the time asked, as a request arriving then would find it; nothing changed.
-    later = throttle.highest_probability("m/", "m/batch/", 6.0)
+    assert throttle.highest_probability("m", 5.0) == pytest.approx(flooded)
+    assert throttle.highest_probability("other", 5.0) == 0.0
+    # Decayed to the time asked (one pass serves HIGHEST_FRESH_S), as a request arriving then
+    # would find it; nothing changed.
+    assert throttle.highest_probability("m", 5.0 + HIGHEST_FRESH_S / 2) == pytest.approx(flooded)
+    later = throttle.highest_probability("m", 5.0 + 2 * HIGHEST_FRESH_S)
     assert later < 0.2 * flooded
-    assert throttle.highest_probability("m/", "m/batch/", 5.0) == pytest.approx(flooded)
-    assert throttle.reject_probability("m/interactive/a", 6.0) == pytest.approx(later)
+    assert throttle.reject_probability("m/interactive/a", 5.0) == pytest.approx(flooded)
+    assert throttle.highest_probability("m", 5.0) == pytest.approx(flooded)  # passed again
 
 
 def test_the_gateways_gauge_follows_the_throttle_at_each_scrape() -> None:
