@@ -19,6 +19,7 @@ the order of `outputs`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import struct
@@ -270,10 +271,11 @@ class StreamInfer:
                     # Counted as it ends (a generation, with its stream); with the stream's time
                     # left, so that a request its deadline cuts off counts DEADLINE_EXCEEDED.
                     with self.metrics.observe_request(STREAM_API, label, time_left_s):
-                        if place is None:
-                            stream = generate_one(predictor, request, acting, time_left_s)
-                            async for streamed in stream:
-                                await answers.put_streamed(streamed)
+                        if place is None:  # closed as it is cancelled, not when collected
+                            generation = generate_one(predictor, request, acting, time_left_s)
+                            async with contextlib.aclosing(generation) as stream:
+                                async for streamed in stream:
+                                    await answers.put_streamed(streamed)
                             return
                         response = await infer_one(
                             predictor, request, acting, time_left_s, max_rows
