@@ -30,8 +30,7 @@ from functools import partial
 import numpy as np
 
 from services.common.door import Door
-from services.common.errors import RETRY_AFTER_MS_KEY, InvalidInput, ServingError, Unavailable
-from services.common.grpc_errors import status_of
+from services.common.errors import InvalidInput, ServingError, Unavailable
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES, stack_rows
@@ -41,7 +40,7 @@ from services.gateway.kserve_generate import check_inputs, generate_one
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_inputs import check_num_inputs
 from services.gateway.predictor import PredictCall, Predictor, PredictValue
-from services.gateway.stream_answers import Answer, StreamAnswers
+from services.gateway.stream_answers import Answer, StreamAnswers, error_response
 from services.gateway.triton_info import request_parameters
 from services.pb.inference import grpc_service_pb2 as kserve
 
@@ -49,6 +48,8 @@ log = logging.getLogger(__name__)
 
 #: The `api` label of requests served on a ModelStreamInfer stream (one count per request).
 STREAM_API = "kserve_v2_stream"
+#: What a request read on a stream while the gateway drains is answered (nothing ran).
+DRAINING = Unavailable("the gateway is stopping: send it again (another gateway serves it)")
 #: The door's `method` label for the requests of streams it refuses.
 STREAM_DOOR_LABEL = "stream"
 #: What one stream may hold at once: requests in flight and answers not written yet. At it,
@@ -286,7 +287,7 @@ class StreamInfer:
             except Exception as error:  # every request gets an answer, whatever failed
                 if not isinstance(error, ServingError):
                     log.exception("stream request %r failed", request.id)
-                answer = _error_response(request.id, error)
+                answer = error_response(request.id, error)
                 if place is None:
                     answers.put_decoupled(answer)
                 else:
@@ -317,7 +318,7 @@ class StreamInfer:
             tasks.discard(task)
             held_bytes -= num_bytes
             if place is not None and not place.done():  # cancelled (the stream ends): filled
-                answers.answer(place, _error_response(request_id, Unavailable("cancelled")))
+                answers.answer(place, error_response(request_id, Unavailable("cancelled")))
             if has_entered:
                 assert self.door is not None  # entered only where there is one
                 self.door.leave()
@@ -328,6 +329,9 @@ class StreamInfer:
             nonlocal held_bytes
             try:
                 async for request in requests:
+                    if draining.is_set():  # not run: the stream ends once those running are
+                        answers.put(error_response(request.id, DRAINING))
+                        continue
                     is_generation = self._is_generation(request.model_name)
                     # Generation requests do not pass the door: they have their own admission,
                     # and would hold a place for a whole generation.
@@ -336,7 +340,7 @@ class StreamInfer:
                         refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
                         has_entered = refusal is None
                     if refusal is not None:
-                        answers.put(_error_response(request.id, refusal))
+                        answers.put(error_response(request.id, refusal))
                     else:
                         place = None if is_generation else answers.place()
                         task = asyncio.create_task(run(request, place))
@@ -365,36 +369,30 @@ class StreamInfer:
             finally:
                 answers.end()  # also when reading failed: the stream must not hang
 
+        async def end_once_drained() -> None:
+            """The gateway stopping: the stream ends OK once the requests it runs are
+            answered, within the drain's grace (cut at it, they went unanswered: review
+            finding); those read meanwhile are refused in-band, not run."""
+            await draining.wait()
+            while tasks:  # (a wait yields: the tasks' done callbacks run, `tasks` shrinks)
+                await asyncio.wait(list(tasks))
+            answers.end()
+
+        draining = self.predictor.draining
         reader = asyncio.create_task(read_all())
+        ender = asyncio.create_task(end_once_drained())
         try:
             while (response := await answers.next()) is not None:
                 if has_room():
                     room.set()
                 yield response
-            await reader  # raises what ended the reading (a message that does not parse)
+            if reader.done() or not draining.is_set():  # a drained stream's reader may wait
+                await reader  # raises what ended the reading (a message that does not parse)
         finally:
             # The client went away (or the stream failed): its requests stop too (a
             # generation frees its KV blocks, a bundled call its slice), instead of running on
             # for nobody.
             reader.cancel()
+            ender.cancel()
             for task in list(tasks):
                 task.cancel()
-
-
-def _error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
-    """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id, and
-    its retry hint (`retry-after-ms`, jittered) as a parameter of the response: a unary call
-    carries it as a trailer, and a stream's requests have none of their own. Flagged its
-    request's last answer (`triton_final_response`), as Triton flags every streamed answer,
-    a decoupled (generation) request's or not: a client waiting for the flag, as stock
-    streaming clients do, waited for good on every answer but a generation's (review
-    finding)."""
-    status = status_of(error)
-    response = kserve.ModelInferResponse(id=request_id)
-    response.parameters["triton_final_response"].bool_param = True
-    for key, value in status.trailers:
-        if key == RETRY_AFTER_MS_KEY:
-            response.parameters[key].int64_param = int(value)
-    return kserve.ModelStreamInferResponse(
-        error_message=f"{status.code.name}: {status.message}", infer_response=response
-    )

@@ -118,6 +118,8 @@ class Predictor:
         self._retry = retry or RouterRetryConfig()
         #: Triton-style per-version tally of the Predict calls this gateway answered.
         self.statistics = InferenceStatistics()
+        #: Set as the gateway stops: its open streams take no new requests (kserve_infer).
+        self.draining = asyncio.Event()
         catalog.on_removed += (self.statistics.forget, metrics.inputs_total_of.remove_from)
         self._id_prefix = os.urandom(8).hex()
         self._ids = itertools.count()

@@ -144,6 +144,7 @@ class Gateway:
         if self.repository is not None:
             await self.repository.close()
         await set_serving(self.health, SERVICE_NAMES, NOT_SERVING)
+        self.predictor.draining.set()  # open streams end once their requests are answered
         # Both listeners stop taking calls at once and drain within the one grace (before,
         # gRPC took new calls until the HTTP drain, unbounded by the grace, had ended).
         stopping = [self.server.stop(grace=self.config.drain_grace_s)]

@@ -15,6 +15,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
+from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.grpc_errors import status_of
 from services.pb.inference import grpc_service_pb2 as kserve
 
 #: One answer on a ModelStreamInfer stream.
@@ -106,3 +108,22 @@ class StreamAnswers:
         size = self._sizes.pop(id(answer), None)  # None: one object put twice, taken again
         self.unwritten_bytes -= answer.ByteSize() if size is None else size
         return answer
+
+
+def error_response(request_id: str, error: BaseException) -> kserve.ModelStreamInferResponse:
+    """A request's error, in-band as Triton reports it: "<CODE>: <message>", with its id, and
+    its retry hint (`retry-after-ms`, jittered) as a parameter of the response: a unary call
+    carries it as a trailer, and a stream's requests have none of their own. Flagged its
+    request's last answer (`triton_final_response`), as Triton flags every streamed answer,
+    a decoupled (generation) request's or not: a client waiting for the flag, as stock
+    streaming clients do, waited for good on every answer but a generation's (review
+    finding)."""
+    status = status_of(error)
+    response = kserve.ModelInferResponse(id=request_id)
+    response.parameters["triton_final_response"].bool_param = True
+    for key, value in status.trailers:
+        if key == RETRY_AFTER_MS_KEY:
+            response.parameters[key].int64_param = int(value)
+    return kserve.ModelStreamInferResponse(
+        error_message=f"{status.code.name}: {status.message}", infer_response=response
+    )

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import redis.asyncio as aioredis
 
@@ -30,6 +31,7 @@ from services.pb.inference.v1 import inference_pb2 as api
 from services.pb.inference.v1 import inference_pb2_grpc as api_grpc
 from services.pb.inference.v1 import types_pb2 as types
 from tests.support.in_process import PERIOD_S, running_fabric
+from tests.support.models import STALL, release_stall, write_stalling_model
 from tests.support.processes import REPO_ROOT
 from tests.support.redis import RedisServer
 from tests.support.waiting import eventually
@@ -201,11 +203,16 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
 ) -> None:
     """A gateway deleted its entry of the fleet's quota demand as its stop began: the other
     gateways took its tenants' shares back while the calls it drained ran on, up to its drain
-    grace (review finding). The entry, with its calls in flight, stays until the drain ends
-    (here an idle stream's, ended once the entry is read)."""
+    grace (review finding). The entry, with its calls in flight, stays until the drain ends:
+    here a stream's request held by a stalled model. The stream itself drains: a request it
+    sends meanwhile is refused in-band, not run, and once its request in flight is answered
+    it ends OK (it took requests until the grace cut it, those in flight unanswered: review
+    finding)."""
     repository = tmp_path / "repo"
     repository.mkdir()
     shutil.copytree(REPO_ROOT / "models" / MODEL, repository / MODEL)
+    gate = tmp_path / "gate"
+    write_stalling_model(repository, gate)
     keys = tmp_path / "keys.toml"
     keys.write_text(f'[[keys]]\ntenant = "t"\nsha256 = "{hash_key(KEY)}"\n\n[tenants.t]\n'
                     "max_concurrency = 4\n")  # fmt: skip
@@ -219,10 +226,13 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
                 api_keys_file=keys, quota_sync=sync, drain_grace_s=60.0,
             )
         )  # fmt: skip
+        refresh = asyncio.create_task(gateway.refresh_catalog())
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.port}") as channel:
                 stub = kserve_grpc.GRPCInferenceServiceStub(channel)
-                idle = stub.ModelStreamInfer(metadata=METADATA, timeout=60)
+                await eventually(lambda: bool(gateway.catalog.served_versions("stall")))
+                stream = stub.ModelStreamInfer(metadata=METADATA, timeout=60)
+                await stream.write(_stall_request("held", STALL))
                 quotas = gateway.predictor.admission.quotas
                 await eventually(lambda: quotas.in_flight("t") == 1, message="stream admitted")
 
@@ -235,11 +245,27 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
                 await asyncio.sleep(0.5)  # rounds of the sync, were it still running
                 during = await admin.hgetall(sync.demand_key)
                 is_draining = not stopping.done()
-                idle.cancel()  # the drain ends with its last call
+                await stream.write(_stall_request("late", 1.0))
+                release_stall(gate)  # the drain ends with its last call
+                answers = [await stream.read() for _ in range(2)]
+                assert await stream.code() == grpc.StatusCode.OK
                 await stopping
             after = await admin.hgetall(sync.demand_key)
         finally:
+            refresh.cancel()
+            release_stall(gate)
             await admin.aclose()
     assert is_draining
     assert [json.loads(value)["in_flight"] for value in during.values()] == [{"t": 1}]
     assert after == {}
+    assert [(a.infer_response.id, a.error_message[:11]) for a in answers] == [
+        ("held", ""), ("late", "UNAVAILABLE")]  # fmt: skip
+
+
+def _stall_request(request_id: str, first: float) -> kserve.ModelInferRequest:
+    """A KServe request of the stalling model: held until its gate opens if `first` is STALL."""
+    tensor = kserve.ModelInferRequest.InferInputTensor(name="x", datatype="FP32", shape=[1, 4])
+    data = np.array([[first, 0.0, 0.0, 0.0]], dtype=np.float32).tobytes()
+    return kserve.ModelInferRequest(
+        model_name="stall", id=request_id, inputs=[tensor], raw_input_contents=[data]
+    )
