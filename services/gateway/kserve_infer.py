@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 STREAM_API = "kserve_v2_stream"
 #: What a request read on a stream while the gateway drains is answered (nothing ran).
 DRAINING = Unavailable("the gateway is stopping: send it again (another gateway serves it)")
+#: How a stream the gateway's stop ended ends: its requests without an answer did not run.
+DRAINED = "the gateway is stopping: requests of this stream not answered did not run"
 #: The door's `method` label for the requests of streams it refuses.
 STREAM_DOOR_LABEL = "stream"
 #: What one stream may hold at once: requests in flight and answers not written yet. At it,
@@ -329,17 +331,16 @@ class StreamInfer:
             nonlocal held_bytes
             try:
                 async for request in requests:
-                    if draining.is_set():  # not run: the stream ends once those running are
-                        answers.put(error_response(request.id, DRAINING))
-                        continue
                     is_generation = self._is_generation(request.model_name)
                     # Generation requests do not pass the door: they have their own admission,
                     # and would hold a place for a whole generation.
                     has_entered, refusal = False, None
-                    if self.door is not None and not is_generation:
+                    if self.door is not None and not is_generation and not draining.is_set():
                         refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
                         has_entered = refusal is None
-                    if refusal is not None:
+                    if draining.is_set():  # not run: the stream ends once those running are
+                        answers.put(error_response(request.id, DRAINING))
+                    elif refusal is not None:
                         answers.put(error_response(request.id, refusal))
                     else:
                         place = None if is_generation else answers.place()
@@ -376,6 +377,7 @@ class StreamInfer:
             await draining.wait()
             while tasks:  # (a wait yields: the tasks' done callbacks run, `tasks` shrinks)
                 await asyncio.wait(list(tasks))
+            reader.cancel()  # what it would read later would be answered after the end
             answers.end()
 
         draining = self.predictor.draining
@@ -386,8 +388,10 @@ class StreamInfer:
                 if has_room():
                     room.set()
                 yield response
-            if reader.done() or not draining.is_set():  # a drained stream's reader may wait
-                await reader  # raises what ended the reading (a message that does not parse)
+            read_all_of_it = reader.done() and not reader.cancelled()
+            if ender.done() and not read_all_of_it:  # drained: what it sends now is not run
+                raise Unavailable(DRAINED, is_not_started=True)
+            await reader  # raises what ended the reading (a message that does not parse)
         finally:
             # The client went away (or the stream failed): its requests stop too (a
             # generation frees its KV blocks, a bundled call its slice), instead of running on

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 from grpc_health.v1 import health
@@ -163,12 +164,17 @@ class Gateway:
 
 
 @contextlib.asynccontextmanager
-async def _stopped_on_failure(server: grpc.aio.Server, door: Door | None) -> AsyncIterator[None]:
-    """Stops `server` and `door` (removing its probe's socket directory) when the block
-    fails."""
+async def _stopped_on_failure(
+    server: grpc.aio.Server, door: Door | None
+) -> AsyncIterator[list[Callable[[], Awaitable[object]]]]:
+    """Stops `server`, `door` (removing its probe's socket directory) and what the block
+    started (the stops it adds to the list it is given) when the block fails."""
+    started: list[Callable[[], Awaitable[object]]] = []
     try:
-        yield
+        yield started
     except BaseException:
+        for stop in reversed(started):
+            await stop()
         await server.stop(grace=None)
         if door is not None:
             await door.stop()
@@ -306,15 +312,15 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
         door.listen(server)
     # A start that fails from here stops the gRPC server and removes the probe's socket
     # directory (the process exits: the rest goes with it).
-    async with _stopped_on_failure(server, door):
+    async with _stopped_on_failure(server, door) as started:
         await server.start()
         if door is not None:
             door.start()
         health_listener = await start_health_listener(
             health_servicer, config.host, config.tls, server
         )
-        quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
-        keys_watch = _watch_keys(keys, admission, quota_sync)
+        if health_listener is not None:  # a port taken below leaves nothing behind
+            started.append(partial(health_listener.stop, grace=None))
         http = None
         if config.http_port >= 0:
             http = await start_http(
@@ -331,6 +337,10 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                 drain_grace_s=config.drain_grace_s,
                 door=door,
             )
+        # Last: nothing fails after them (a quota entry written, then left, would count a
+        # gateway that never served in every other gateway's shares).
+        quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
+        keys_watch = _watch_keys(keys, admission, quota_sync)
         return Gateway(
             config,
             server,

@@ -29,6 +29,7 @@ from services.common.door_config import DoorConfig
 from services.common.door_handlers import MethodShape
 from services.common.errors import RETRY_AFTER_MS_KEY
 from services.common.lifecycle import new_server
+from services.common.settings import StartupError
 from services.gateway.auth import KeyStore, Principal, door_caller, hash_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_gateway
@@ -569,7 +570,7 @@ async def test_a_gateway_whose_start_fails_leaves_no_probe_socket_directory(
         with socket.socket() as taken:
             taken.bind(("127.0.0.1", 0))
             taken.listen()
-            with pytest.raises(OSError):
+            with pytest.raises(StartupError, match="the HTTP port"):
                 await create_gateway(
                     GatewayConfig(
                         model_repository=tmp_path / "repo",

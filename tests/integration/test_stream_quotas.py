@@ -206,8 +206,8 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
     grace (review finding). The entry, with its calls in flight, stays until the drain ends:
     here a stream's request held by a stalled model. The stream itself drains: a request it
     sends meanwhile is refused in-band, not run, and once its request in flight is answered
-    it ends OK (it took requests until the grace cut it, those in flight unanswered: review
-    finding)."""
+    it ends UNAVAILABLE marked not started (it took requests until the grace cut it, those in
+    flight unanswered: review finding)."""
     repository = tmp_path / "repo"
     repository.mkdir()
     shutil.copytree(REPO_ROOT / "models" / MODEL, repository / MODEL)
@@ -248,7 +248,9 @@ async def test_a_stopping_gateway_keeps_its_quota_entry_until_its_calls_drain(
                 await stream.write(_stall_request("late", 1.0))
                 release_stall(gate)  # the drain ends with its last call
                 answers = [await stream.read() for _ in range(2)]
-                assert await stream.code() == grpc.StatusCode.OK
+                # Then the stream ends: requests it sends from now on are not read, nor run.
+                assert await stream.code() == grpc.StatusCode.UNAVAILABLE
+                assert NOT_STARTED_TRAILER in tuple(await stream.trailing_metadata() or ())
                 await stopping
             after = await admin.hgetall(sync.demand_key)
         finally:

@@ -254,7 +254,8 @@ class Jobs:
                 # As a resume's pauses, doubling: about 10 s in all (a fixed 0.1 s gave up
                 # within a second, before a restarting gateway listens: diff review).
                 pause_s = min(RESUME_FIRST_S * 2 ** (attempt - 1), RESUME_MAX_S)
-                self._closed.wait(pause_s * random.uniform(0.5, 1.5))
+                if self._closed.wait(pause_s * random.uniform(0.5, 1.5)):
+                    raise FabricError("CANCELLED", "the client is closed") from None
         raise AssertionError("unreachable")
 
     def _call(
