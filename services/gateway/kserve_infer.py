@@ -48,9 +48,9 @@ log = logging.getLogger(__name__)
 
 #: The `api` label of requests served on a ModelStreamInfer stream (one count per request).
 STREAM_API = "kserve_v2_stream"
-#: What a request read on a stream while the gateway drains is answered (nothing ran).
+#: A request read on a stream while the gateway drains is answered DRAINING, and the stream
+#: then ends UNAVAILABLE, DRAINED, marked not started (its requests unanswered did not run).
 DRAINING = Unavailable("the gateway is stopping: send it again (another gateway serves it)")
-#: How a stream the gateway's stop ended ends: its requests without an answer did not run.
 DRAINED = "the gateway is stopping: requests of this stream not answered did not run"
 #: The door's `method` label for the requests of streams it refuses.
 STREAM_DOOR_LABEL = "stream"
@@ -371,9 +371,8 @@ class StreamInfer:
                 answers.end()  # also when reading failed: the stream must not hang
 
         async def end_once_drained() -> None:
-            """The gateway stopping: the stream ends OK once the requests it runs are
-            answered, within the drain's grace (cut at it, they went unanswered: review
-            finding); those read meanwhile are refused in-band, not run."""
+            """The gateway stopping: the stream ends once the requests it runs are answered
+            (the grace cut them unanswered: review finding); those read meanwhile, refused."""
             await draining.wait()
             while tasks:  # (a wait yields: the tasks' done callbacks run, `tasks` shrinks)
                 await asyncio.wait(list(tasks))
@@ -393,9 +392,8 @@ class StreamInfer:
                 raise Unavailable(DRAINED, is_not_started=True)
             await reader  # raises what ended the reading (a message that does not parse)
         finally:
-            # The client went away (or the stream failed): its requests stop too (a
-            # generation frees its KV blocks, a bundled call its slice), instead of running on
-            # for nobody.
+            # The client went away (or the stream failed): its requests stop too (a generation
+            # frees its KV blocks, a bundled call its slice), not running on for nobody.
             reader.cancel()
             ender.cancel()
             for task in list(tasks):
