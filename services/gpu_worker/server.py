@@ -378,11 +378,9 @@ async def create_worker(config: WorkerConfig, engine_dir: Path | None = None) ->
         server.add_insecure_port(engine_grpc_target(engine_dir))
         port = 0
     await server.start()
-    health_listener = None
-    if engine_dir is None:  # else the fronts serve the health port
-        health_listener = await start_health_listener(
-            health_servicer, config.host, config.tls, server
-        )
+    # With fronts, they serve the health port (the engine has no listener of its own).
+    tls = config.tls if engine_dir is None else dataclasses.replace(config.tls, health_port=None)
+    health_listener = await start_health_listener(health_servicer, config.host, tls, server)
     registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(
