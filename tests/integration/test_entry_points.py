@@ -185,14 +185,8 @@ def test_a_metrics_port_taken_exits_2_with_a_message(tier: str, args: tuple[str,
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run(
-            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1",
-             "--grpc-port", "0", "--metrics-port", str(port), *args],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-    assert done.returncode == 2, done.stderr
-    assert "Traceback" not in done.stderr, done.stderr
-    assert f"the metrics port {port} cannot be used" in done.stderr, done.stderr
+        argv = ["--grpc-port", "0", "--metrics-port", str(port), *args]
+        exits_2_naming(tier, argv, f"the metrics port {port}")
 
 
 @pytest.mark.parametrize(
@@ -219,14 +213,20 @@ def test_a_port_another_process_holds_exits_2_with_a_message(
         if tier != "gateway":
             del ports["--http-port"]
         extra = ("--allow-unauthenticated", "--processes", "1") if tier == "gateway" else ()
-        done = subprocess.run(
-            [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1",
-             "--metrics-port", "0", *itertools.chain(*ports.items()), *extra],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        argv = ["--metrics-port", "0", *itertools.chain(*ports.items()), *extra]
+        exits_2_naming(tier, argv, named.format(port=port))
+
+
+def exits_2_naming(tier: str, argv: list[str], named: str) -> None:
+    """`python -m services.<tier> --host 127.0.0.1 <argv>` exits 2 with one line saying that
+    `named` cannot be used, and no traceback."""
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{tier}", "--host", "127.0.0.1", *argv],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
-    assert named.format(port=port) + " cannot be used" in done.stderr, done.stderr
+    assert f"{named} cannot be used" in done.stderr, done.stderr
 
 
 #: A gateway process that has read a setting it cannot use and exits 2 as its SIGTERM comes (its

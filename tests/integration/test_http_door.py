@@ -170,12 +170,7 @@ async def test_bodies_held_past_the_processes_bound_are_refused_before_they_are_
     monkeypatch.setattr(http_server, "MAX_BODIES_HELD_BYTES", 1500)
     assert fabric.gateway.http is not None
     port = fabric.gateway.http.port
-    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n"
-        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"
-    )
-    await writer.drain()
+    writer = await a_body_arriving(port, b"Content-Length: 1000\r\n", b"{")
     url = f"http://127.0.0.1:{port}/v2/models/{MODEL}/infer"
     body = json.dumps(infer_body(1.0)).encode().ljust(600)
     headers = {"Content-Type": "application/json"}
@@ -208,12 +203,7 @@ async def test_a_body_is_counted_at_most_at_the_size_limit_and_then_at_its_own_l
     monkeypatch.setattr(http_server, "MAX_BODIES_HELD_BYTES", limit + 3000)
     assert fabric.gateway.http is not None and fabric.gateway.door is not None
     door, port = fabric.gateway.door, fabric.gateway.http.port
-    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        + f"Content-Length: {limit + 2950}\r\n\r\n{{".encode()
-    )
-    await writer.drain()
+    writer = await a_body_arriving(port, f"Content-Length: {limit + 2950}\r\n".encode(), b"{")
     base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as session:
 
@@ -257,12 +247,8 @@ async def test_a_compressed_body_is_counted_at_the_size_limit_while_it_arrives(
     monkeypatch.setattr(http_server, "MAX_BODIES_HELD_BYTES", limit + 3000)
     assert fabric.gateway.http is not None
     port = fabric.gateway.http.port
-    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(
-        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Encoding: gzip\r\nContent-Length: 100\r\n\r\n\x1f\x8b"
-    )
-    await writer.drain()
+    gzip = b"Content-Encoding: gzip\r\nContent-Length: 100\r\n"
+    writer = await a_body_arriving(port, gzip, b"\x1f\x8b")
     base, headers = f"http://127.0.0.1:{port}", {"Content-Type": "application/json"}
     async with aiohttp.ClientSession() as session:
 
@@ -302,3 +288,14 @@ async def test_a_rest_infer_refused_before_it_reaches_model_infer_is_counted(
         for model, code in ((MODEL, "INVALID_ARGUMENT"), ("other", "NOT_FOUND"))
     }
     assert counted == {(MODEL, "INVALID_ARGUMENT"): 1, ("other", "NOT_FOUND"): 1}
+
+
+async def a_body_arriving(port: int, headers: bytes, start: bytes) -> asyncio.StreamWriter:
+    """A connection sending a repository call: its headers, then its body's first bytes."""
+    _reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + headers + b"\r\n" + start
+    )  # fmt: skip
+    await writer.drain()
+    return writer
