@@ -12,8 +12,7 @@ generation models as services.gateway.kserve_generate streams them.
 
 Wire conventions (as tritonclient sends and reads them): BYTES inputs arrive in
 `raw_input_contents` as 4-byte little-endian lengths each followed by the bytes (or typed in
-`contents.bytes_contents`); outputs go back in `raw_output_contents`, one entry per output, in
-the order of `outputs`.
+`contents.bytes_contents`); outputs go back in `raw_output_contents`, one entry per output.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from services.common.errors import InvalidInput, ServingError, Unavailable
 from services.common.interceptors import Metadata
 from services.common.model_repository import ModelConfig
 from services.common.tensors import MAX_ELEMENTS, NUMPY_DTYPES, stack_rows
+from services.gateway import stream_answers
 from services.gateway.admission import StreamRequests
 from services.gateway.auth import KeyStore, Principal, principal_for
 from services.gateway.kserve_generate import check_inputs, generate_one
@@ -48,10 +48,6 @@ log = logging.getLogger(__name__)
 
 #: The `api` label of requests served on a ModelStreamInfer stream (one count per request).
 STREAM_API = "kserve_v2_stream"
-#: A request read on a stream while the gateway drains is answered DRAINING, and the stream
-#: then ends UNAVAILABLE, DRAINED, marked not started (its requests unanswered did not run).
-DRAINING = Unavailable("the gateway is stopping: send it again (another gateway serves it)")
-DRAINED = "the gateway is stopping: requests of this stream not answered did not run"
 #: The door's `method` label for the requests of streams it refuses.
 STREAM_DOOR_LABEL = "stream"
 #: What one stream may hold at once: requests in flight and answers not written yet. At it,
@@ -298,6 +294,7 @@ class StreamInfer:
         tasks: set[asyncio.Task[None]] = set()
         room = asyncio.Event()  # set while the stream holds less than it may (`has_room`)
         held_bytes = 0  # of the requests its tasks hold
+        is_reading, is_stopped, draining = True, False, self.predictor.draining  # see ender
 
         def has_room() -> bool:
             held = len(tasks) + answers.unwritten
@@ -328,7 +325,7 @@ class StreamInfer:
                 room.set()
 
         async def read_all() -> None:
-            nonlocal held_bytes
+            nonlocal held_bytes, is_reading
             try:
                 async for request in requests:
                     is_generation = self._is_generation(request.model_name)
@@ -339,7 +336,7 @@ class StreamInfer:
                         refusal = self.door.enter(metadata, STREAM_DOOR_LABEL)
                         has_entered = refusal is None
                     if draining.is_set():  # not run: the stream ends once those running are
-                        answers.put(error_response(request.id, DRAINING))
+                        answers.put(error_response(request.id, stream_answers.DRAINING))
                     elif refusal is not None:
                         answers.put(error_response(request.id, refusal))
                     else:
@@ -363,9 +360,11 @@ class StreamInfer:
             except Exception:
                 # A message that does not parse ends the stream with its status, once the
                 # requests read before it are answered (they were admitted and are running).
+                is_reading = False
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
             else:
+                is_reading = False
                 await asyncio.gather(*tasks)
             finally:
                 answers.end()  # also when reading failed: the stream must not hang
@@ -373,13 +372,15 @@ class StreamInfer:
         async def end_once_drained() -> None:
             """The gateway stopping: the stream ends once the requests it runs are answered
             (the grace cut them unanswered: review finding); those read meanwhile, refused."""
+            nonlocal is_stopped
             await draining.wait()
             while tasks:  # (a wait yields: the tasks' done callbacks run, `tasks` shrinks)
                 await asyncio.wait(list(tasks))
-            reader.cancel()  # what it would read later would be answered after the end
+            if is_reading:  # what it would read later would be answered after the end
+                is_stopped = True
+                reader.cancel()
             answers.end()
 
-        draining = self.predictor.draining
         reader = asyncio.create_task(read_all())
         ender = asyncio.create_task(end_once_drained())
         try:
@@ -387,9 +388,8 @@ class StreamInfer:
                 if has_room():
                     room.set()
                 yield response
-            read_all_of_it = reader.done() and not reader.cancelled()
-            if ender.done() and not read_all_of_it:  # drained: what it sends now is not run
-                raise Unavailable(DRAINED, is_not_started=True)
+            if is_stopped:  # drained while reading: what it sends now is not read, nor run
+                raise Unavailable(stream_answers.DRAINED, is_not_started=True)
             await reader  # raises what ended the reading (a message that does not parse)
         finally:
             # The client went away (or the stream failed): its requests stop too (a generation

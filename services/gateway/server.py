@@ -213,13 +213,13 @@ def _start_redis_loops(
     if not config.quota_sync.redis_url:
         return None, None
     quota_sync = QuotaSync(config.quota_sync, admission, tenants)
-    quota_sync.start()
     routing_sync = RoutingSync(
         catalog,
         redis_url=config.quota_sync.redis_url,
         password_file=config.quota_sync.redis_password_file,
         key_prefix=config.quota_sync.key_prefix,
     )
+    quota_sync.start()  # both made first: a failure to make one starts neither
     routing_sync.start()
     return quota_sync, routing_sync
 
@@ -337,8 +337,9 @@ async def create_gateway(config: GatewayConfig) -> Gateway:
                 drain_grace_s=config.drain_grace_s,
                 door=door,
             )
-        # Last: nothing fails after them (a quota entry written, then left, would count a
-        # gateway that never served in every other gateway's shares).
+            started.append(http.stop)
+        # Last: a quota entry written, then left by a start failing, would count a gateway
+        # that never served in every other gateway's shares.
         quota_sync, routing_sync = _start_redis_loops(config, catalog, admission, tenants)
         keys_watch = _watch_keys(keys, admission, quota_sync)
         return Gateway(

@@ -15,12 +15,17 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-from services.common.errors import RETRY_AFTER_MS_KEY
+from services.common.errors import RETRY_AFTER_MS_KEY, Unavailable
 from services.common.grpc_errors import status_of
 from services.pb.inference import grpc_service_pb2 as kserve
 
 #: One answer on a ModelStreamInfer stream.
 Answer = kserve.ModelStreamInferResponse
+
+#: A request read on a stream while the gateway drains is answered DRAINING, and the stream
+#: then ends UNAVAILABLE, DRAINED, marked not started (its requests unanswered did not run).
+DRAINING = Unavailable("the gateway is stopping: send it again (another gateway serves it)")
+DRAINED = "the gateway is stopping: requests of this stream not answered did not run"
 
 #: Decoupled answers (a generation's token messages) a stream holds unwritten before its
 #: generations wait for its writer: a caller that stops reading holds them, not memory.

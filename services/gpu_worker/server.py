@@ -335,8 +335,7 @@ class Worker:
         try:
             await drain_within(drains, grace_s, self._drain_state)
         finally:
-            # Whatever the drain did, leave the registry and close: a stale entry would draw
-            # routers' calls to a process that is going away.
+            # Whatever the drain did, leave the registry and close (a stale entry draws calls)
             await self._close()
 
     def _drain_state(self, drain: str) -> str:
@@ -378,9 +377,10 @@ async def create_worker(config: WorkerConfig, engine_dir: Path | None = None) ->
         server.add_insecure_port(engine_grpc_target(engine_dir))
         port = 0
     await server.start()
-    # With fronts, they serve the health port (the engine has no listener of its own).
-    tls = config.tls if engine_dir is None else dataclasses.replace(config.tls, health_port=None)
-    health_listener = await start_health_listener(health_servicer, config.host, tls, server)
+    health_listener = None
+    if engine_dir is None:  # else the fronts serve the health port
+        listening = start_health_listener(health_servicer, config.host, config.tls, server)
+        health_listener = await listening
     registry = tier_registry("worker")
     metrics = WorkerMetrics(registry)
     return Worker(
